@@ -1,0 +1,110 @@
+"""transformers ExpertsInterface entry point built on ragged_dot.
+
+`experts_forward(self, hidden_states, top_k_index, top_k_weights)` is what
+transformers calls on a module made by `use_experts_implementation`. The
+common gated layouts run as one fused JAX op; every other layout (biases,
+interleaved or custom gates, no gate, post-expert norms) composes torch ops
+around the ragged_dot op, so any valid model gets the right answer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+
+# Activation modules of torch and transformers mapped to the fused path's names.
+_FUSED_ACTIVATIONS = {
+    "SiLU": "silu",
+    "SiLUActivation": "silu",
+    "GELUTanh": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh",
+    "NewGELUActivation": "gelu_tanh",
+    "GELUActivation": "gelu",
+}
+
+
+def _fused_activation(experts: torch.nn.Module) -> str | None:
+    act = getattr(experts, "act_fn", None)
+    if isinstance(act, torch.nn.GELU):
+        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    return _FUSED_ACTIVATIONS.get(type(act).__name__)
+
+
+def _uses_default_gate(experts: torch.nn.Module) -> bool:
+    gate = getattr(type(experts), "_apply_gate", None)
+    return getattr(gate, "__module__", None) == "transformers.integrations.moe" and gate.__name__ == "_default_apply_gate"
+
+
+def fused_path_activation(experts: torch.nn.Module) -> str | None:
+    """The activation name if the fused JAX path computes this module exactly, else None."""
+    if not (getattr(experts, "has_gate", True) and getattr(experts, "is_concatenated", True)):
+        return None
+    if getattr(experts, "has_bias", False) or getattr(experts, "has_post_expert_norm", False):
+        return None
+    if not _uses_default_gate(experts):
+        return None
+    if experts.gate_up_proj.dtype != experts.down_proj.dtype:
+        return None
+    return _fused_activation(experts)
+
+
+def composed_experts_forward(
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """Any experts layout: torch ops for gating, biases and routing around two ragged_dot calls."""
+    num_tokens, hidden = hidden_states.shape
+    top_k = top_k_index.shape[1]
+    num_experts = self.num_experts
+    transpose_rhs = not self.is_transposed
+
+    expert_ids = top_k_index.reshape(-1)
+    sorted_ids, order = torch.sort(expert_ids, stable=True)
+    # Sentinels land in the extra last bin; a scatter keeps the shape static for torch.compile.
+    picks = torch.ones_like(expert_ids, dtype=torch.int32)
+    group_sizes = torch.zeros(num_experts + 1, dtype=torch.int32, device=expert_ids.device)
+    group_sizes = group_sizes.scatter_add(0, expert_ids, picks)[:num_experts]
+    is_sentinel = (sorted_ids >= num_experts).unsqueeze(-1)
+    bias_rows = sorted_ids.clamp(max=num_experts - 1)
+
+    up_weight = self.gate_up_proj if self.has_gate else self.up_proj
+    rows = hidden_states[order // top_k].to(up_weight.dtype)
+    proj = ops._ragged_dot(rows, up_weight, group_sizes, transpose_rhs)
+    if self.has_bias:
+        up_bias = self.gate_up_proj_bias if self.has_gate else self.up_proj_bias
+        proj = proj + up_bias[bias_rows]
+    proj = self._apply_gate(proj) if self.has_gate else self.act_fn(proj)
+    out = ops._ragged_dot(proj.to(self.down_proj.dtype), self.down_proj, group_sizes, transpose_rhs)
+    if self.has_bias:
+        out = out + self.down_proj_bias[bias_rows]
+    if getattr(self, "has_post_expert_norm", False):
+        out = self.post_expert_norm(out)
+    # Sentinel rows carry biases and gate offsets of a clamped expert: drop them.
+    out = out.masked_fill(is_sentinel, 0.0)
+
+    weighted = out.float() * top_k_weights.reshape(-1)[order].float().unsqueeze(-1)
+    unsorted = torch.empty_like(weighted)
+    unsorted[order] = weighted
+    return unsorted.view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+
+
+def experts_forward(
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers ExpertsInterface signature: `[T,H], [T,K], [T,K] -> [T,H]`.
+
+    Picks with id == num_experts are expert-parallel sentinels: never computed,
+    contributing zero.
+    """
+    activation = fused_path_activation(self)
+    if activation is None:
+        return composed_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    return ops.gated_experts(
+        hidden_states.to(self.gate_up_proj.dtype),
+        top_k_index,
+        top_k_weights,
+        self.gate_up_proj,
+        self.down_proj,
+        activation=activation,
+        weights_transposed=self.is_transposed,
+    ).to(hidden_states.dtype)

@@ -1,0 +1,55 @@
+"""pytest plugin (entry point `tpu_kernels`): a `kernel` fixture for kernel repo tests.
+
+A kernel repo's tests run against its *built* torch-cpu variant, loaded with
+the unmodified `kernels.get_local_kernel`, as a user would load it. The
+variant is built once per session into a temp dir, or taken from
+TPU_KERNELS_BUILT (set by `tpu-kernels check`). Race detection of the TPU
+interpreter is on for the whole session.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from .binding import RACE_DETECTION_ENV
+
+BUILT_ENV = "TPU_KERNELS_BUILT"
+
+
+def pytest_configure(config):
+    os.environ[RACE_DETECTION_ENV] = "1"
+
+
+def kernel_repo_of(path: Path) -> Path | None:
+    """The kernel repo (folder with build.toml) a test file belongs to."""
+    for parent in Path(path).resolve().parents:
+        if (parent / "build.toml").is_file():
+            return parent
+    return None
+
+
+@pytest.fixture(scope="session")
+def _built_kernels(tmp_path_factory) -> dict[Path, Path]:
+    return {}
+
+
+@pytest.fixture
+def kernel(request, _built_kernels, tmp_path_factory):
+    """The built torch-cpu variant of the kernel repo this test lives in."""
+    import kernels
+
+    from .builder import KernelSource, build_kernel_repo
+
+    repo = kernel_repo_of(request.path)
+    if repo is None:
+        raise pytest.UsageError(f"{request.path} is not inside a kernel repo (no build.toml above it)")
+    if repo not in _built_kernels:
+        prebuilt = os.environ.get(BUILT_ENV)
+        if prebuilt and Path(prebuilt).name == KernelSource.open(repo).name:
+            _built_kernels[repo] = Path(prebuilt)
+        else:
+            _built_kernels[repo] = build_kernel_repo(repo, tmp_path_factory.mktemp("build"))
+    return kernels.get_local_kernel(_built_kernels[repo], backend="cpu")
