@@ -40,6 +40,7 @@ def gated_experts(
     *,
     activation: str,
     weights_transposed: bool,
+    generation: str | None = None,
 ) -> jax.Array:
     """`act(x W_gate) * (x W_up) W_down` per pick, weighted and summed per token.
 
@@ -51,10 +52,10 @@ def gated_experts(
     top_k = top_k_index.shape[1]
     order, group_sizes = sort_by_expert(top_k_index, gate_up_proj.shape[0])
     rows = hidden_states[order // top_k]
-    gate_up = ragged_dot(rows, gate_up_proj, group_sizes, transpose_rhs=not weights_transposed)
+    gate_up = ragged_dot(rows, gate_up_proj, group_sizes, transpose_rhs=not weights_transposed, generation=generation)
     gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
     intermediate = (ACTIVATIONS[activation](gate) * up).astype(hidden_states.dtype)
-    out = ragged_dot(intermediate, down_proj, group_sizes, transpose_rhs=not weights_transposed)
+    out = ragged_dot(intermediate, down_proj, group_sizes, transpose_rhs=not weights_transposed, generation=generation)
     weighted = out.astype(jnp.float32) * top_k_weights.reshape(-1)[order].astype(jnp.float32)[:, None]
     unsorted = jnp.zeros_like(weighted).at[order].set(weighted)
     return unsorted.reshape(num_tokens, top_k, hidden).sum(axis=1).astype(hidden_states.dtype)

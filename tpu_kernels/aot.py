@@ -1,0 +1,98 @@
+"""Ahead-of-time compiles of a kernel repo's declared shapes for real TPU generations.
+
+No TPU is needed: libtpu (from torch-tpu) provides compile-only topologies,
+and Mosaic compiles the Pallas kernels for them exactly as it would on a TPU
+VM, including VMEM limits (an oversized tile fails here as it would there).
+
+A kernel repo declares its shapes in `compile_targets.py`:
+
+    def compile_targets(kernel, generation) -> list[(label, fn, avals)]
+
+where `kernel` is the loaded built module and `avals` are
+`jax.ShapeDtypeStruct`s of `fn`'s array arguments.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import jax
+
+# Compile-only topology names; libtpu knows "tpu7x:..." but not "v7x:...".
+TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:1x1", "v5p": "v5p:2x2x1", "v6e": "v6e:1x1", "v7x": "tpu7x:2x2x1"}
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    kernel: str
+    label: str
+    generation: str
+    compiled: bool
+    seconds: float
+    flops: float | None
+    error: str | None
+
+
+def topology_device(generation: str):
+    from jax.experimental import topologies
+
+    if generation not in TOPOLOGIES:
+        raise ValueError(f"unknown TPU generation {generation!r}; known: {', '.join(TOPOLOGIES)}")
+    return topologies.get_topology_desc(platform="tpu", topology_name=TOPOLOGIES[generation]).devices[0]
+
+
+def load_compile_targets(repo: Path) -> ModuleType:
+    path = Path(repo) / "compile_targets.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"{repo}: compile_targets.py is missing (it declares the shapes to compile)")
+    spec = importlib.util.spec_from_file_location(f"_compile_targets_{Path(repo).name.replace('-', '_')}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compile_for(fn, avals, generation: str):
+    """Lower and compile `fn` at `avals` for one TPU generation; returns the compiled executable."""
+    sharding = jax.sharding.SingleDeviceSharding(topology_device(generation))
+    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in avals]
+    return jax.jit(fn).lower(*placed).compile()
+
+
+def compile_repo(repo: Path, kernel: ModuleType, kernel_name: str, generations: list[str]) -> list[CompileResult]:
+    targets = load_compile_targets(repo)
+    results = []
+    for generation in generations:
+        for label, fn, avals in targets.compile_targets(kernel, generation):
+            start = time.perf_counter()
+            try:
+                compiled = compile_for(fn, avals, generation)
+            except Exception as error:  # noqa: BLE001 - every failure is a reported result
+                message = str(error).strip().splitlines()
+                results.append(
+                    CompileResult(kernel_name, label, generation, False, time.perf_counter() - start, None,
+                                  message[0] if message else type(error).__name__)
+                )
+                continue
+            cost = compiled.cost_analysis() or {}
+            results.append(
+                CompileResult(kernel_name, label, generation, True, time.perf_counter() - start, cost.get("flops"), None)
+            )
+    return results
+
+
+def format_table(results: list[CompileResult]) -> str:
+    rows = [("kernel", "shape", "gen", "compiled", "seconds", "flops")]
+    for r in results:
+        rows.append(
+            (r.kernel, r.label, r.generation, "yes" if r.compiled else f"NO: {r.error}", f"{r.seconds:.1f}",
+             f"{r.flops:.3g}" if r.flops else "-")
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    lines = []
+    for row in rows:
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row[:-1], widths)) + "  " + row[-1])
+    return "\n".join(lines)

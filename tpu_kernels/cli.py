@@ -1,0 +1,104 @@
+"""`tpu-kernels`: build | check | serve | upload | demo."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+DEFAULT_GENERATIONS = "v5e,v6e"
+
+
+def _build(args) -> int:
+    from .builder import build_kernel_repo
+
+    for repo in args.repos:
+        print(build_kernel_repo(Path(repo), Path(args.out)))
+    return 0
+
+
+def _run_repo_tests(repo: Path, built: Path) -> int:
+    tests = repo / "tests"
+    if not tests.is_dir():
+        print(f"{repo}: no tests/ folder", file=sys.stderr)
+        return 1
+    env = dict(os.environ, TPU_KERNELS_BUILT=str(built), JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    return subprocess.call([sys.executable, "-m", "pytest", str(tests), "-q"], env=env)
+
+
+def _check(args) -> int:
+    import kernels
+
+    from .aot import compile_repo, format_table
+    from .builder import build_kernel_repo
+
+    repo = Path(args.repo)
+    built = build_kernel_repo(repo, Path(args.out))
+    print(f"built {built}")
+    tests_status = 0 if args.skip_tests else _run_repo_tests(repo, built)
+    generations = [g for g in args.tpu.split(",") if g]
+    module = kernels.get_local_kernel(built, backend="cpu")
+    results = compile_repo(repo, module, built.name, generations)
+    print(format_table(results))
+    compiled_all = all(r.compiled for r in results) and bool(results)
+    print(f"tests: {'passed' if tests_status == 0 else 'FAILED'}; "
+          f"ahead-of-time compiles: {sum(r.compiled for r in results)}/{len(results)}")
+    return 0 if tests_status == 0 and compiled_all else 1
+
+
+def _serve(argv: list[str]) -> int:
+    from .hub import serve_main
+
+    return serve_main(argv)
+
+
+def _upload(argv: list[str]) -> int:
+    from .publish import upload_main
+
+    return upload_main(argv)
+
+
+def _demo(argv: list[str]) -> int:
+    from .demo import demo_main
+
+    return demo_main(argv)
+
+
+# Subcommands that own their argument parsing.
+DELEGATED = {"serve": _serve, "upload": _upload, "demo": _demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in DELEGATED:
+        return DELEGATED[argv[0]](argv[1:])
+
+    parser = argparse.ArgumentParser(prog="tpu-kernels", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    build = commands.add_parser("build", help="build kernel repos into Hub kernel repos")
+    build.add_argument("repos", nargs="+", help="kernel_repos/<name> folders")
+    build.add_argument("--out", default="build", help="output folder (default: build/)")
+    build.set_defaults(run=_build)
+
+    check = commands.add_parser(
+        "check", help="build, run the repo's tests on the torch-cpu variant, compile ahead of time for TPUs"
+    )
+    check.add_argument("repo", help="kernel_repos/<name>")
+    check.add_argument("--tpu", default=DEFAULT_GENERATIONS, help=f"TPU generations (default: {DEFAULT_GENERATIONS})")
+    check.add_argument("--out", default="build", help="output folder (default: build/)")
+    check.add_argument("--skip-tests", action="store_true", help="only build and compile")
+    check.set_defaults(run=_check)
+
+    for name, help_ in (("serve", "run a local Hub-compatible server"), ("upload", "publish a build to a Hub"),
+                        ("demo", "kernelize a tiny MoE model end to end")):
+        commands.add_parser(name, help=help_, add_help=False)
+
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
