@@ -1,0 +1,117 @@
+"""transformers entry points: an AttentionInterface function and its mask function.
+
+Register both under one name (a name without "flash" in it: transformers
+treats any implementation whose name contains "flash" as a FlashAttention
+variant and hands it 2-D padding masks):
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionInterface.register("tpu_attention", attention_tpu.attention_forward)
+    AttentionMaskInterface.register("tpu_attention", attention_tpu.attention_mask)
+    model.set_attn_implementation("tpu_attention")
+
+Without the mask registration transformers builds no mask at all for an
+unknown implementation name, and padded batches would silently attend to
+their padding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ops import flash_attention
+
+
+def attention_mask(*args, **kwargs):
+    """Mask function for AttentionMaskInterface: transformers' own sdpa masks.
+
+    They are boolean [B, 1, Sq, Skv] (True = attend), or None when the mask is
+    plain causal (or full, for a single query) without padding; in that case
+    `attention_forward` applies causality itself with sdpa's conventions.
+    """
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
+
+
+_UNSUPPORTED_KWARGS = {
+    "position_bias": "additive position biases",
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+}
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers AttentionInterface function running the Pallas TPU kernel.
+
+    query [B, Hq, Sq, D], key/value [B, Hkv, Skv, D] (no repeat of K/V for
+    GQA); returns ([B, Sq, Hq, D], None). `sliding_window` and `softcap` are
+    read from kwargs, else from the module (`sliding_window`,
+    `attn_logit_softcapping`). The mask is what `attention_mask` (above)
+    produced: a boolean or additive 4-D mask carries padding, sliding windows
+    and cache offsets itself; None means causal (upper-left aligned, as sdpa's
+    `is_causal`) for more than one query, and every key for a single query.
+    """
+    if dropout:
+        raise ValueError(
+            f"attention dropout ({dropout}) is not supported by the TPU attention kernel; it is forward-only "
+            "(inference). Set the model's attention_dropout to 0 or call model.eval()."
+        )
+    for name, what in _UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"the TPU attention kernel does not support {what} (got `{name}`)")
+    if kwargs.get("output_attentions"):
+        raise ValueError("the TPU attention kernel cannot return attention weights (output_attentions=True)")
+    cache = kwargs.get("cache")
+    if cache is not None:
+        raise ValueError(f"the TPU attention kernel does not support paged caches (got {type(cache).__name__})")
+    sliding_window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    softcap = kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None))
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    q_len, kv_len = query.shape[2], key.shape[2]
+
+    if attention_mask is None:
+        # sdpa's conventions for a skipped mask: `is_causal` only with more
+        # than one query, aligned top-left (query i sees keys 0..i), which
+        # transformers only skips to when that equals the bottom-right
+        # alignment or the cache was empty.
+        causal = bool(is_causal) and q_len > 1
+        out = flash_attention(
+            query,
+            key,
+            value,
+            scale=scaling,
+            causal=causal,
+            q_offset=0 if causal else kv_len - q_len,
+            sliding_window=sliding_window if causal else None,
+            softcap=softcap,
+        )
+    else:
+        if attention_mask.dim() != 4:
+            raise ValueError(
+                f"attention_mask must be a 4-D mask [B, 1, Sq, Skv] (register `attention_mask` from this kernel in "
+                f"transformers' AttentionMaskInterface), got shape {tuple(attention_mask.shape)}"
+            )
+        # As eager attention does: masks built for a longer static cache are cut to the keys present.
+        attention_mask = attention_mask[:, :, :, :kv_len]
+        out = flash_attention(
+            query,
+            key,
+            value,
+            scale=scaling,
+            causal=False,
+            attention_mask=attention_mask,
+            softcap=softcap,
+        )
+    return out.transpose(1, 2).contiguous(), None

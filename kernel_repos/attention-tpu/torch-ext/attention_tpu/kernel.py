@@ -1,0 +1,598 @@
+"""Flash attention for TPU, written in Pallas (pure JAX, no torch).
+
+One kernel serves prefill, chunked prefill and decode:
+
+* The grid is (batch, kv_head, q_block, kv_block). One grid step handles the
+  whole query-head group of one KV head, so every K/V block is fetched once per
+  query block and never once per query head (GQA by head mapping in the index
+  maps, no copies of K/V).
+* Softmax is computed online in float32 (running max, running sum, float32
+  accumulator in VMEM scratch).
+* For every (batch, q_block) the range of KV blocks that hold at least one
+  visible key is computed up front and handed to the kernel by scalar prefetch.
+  KV blocks outside that range are neither computed (``pl.when``) nor fetched:
+  the K/V index maps clamp the block index into the range, so the pipeline sees
+  an unchanged block index and issues no DMA.
+* Decode (one query position) packs the group's query heads into the rows of a
+  single block, so a decode step is one (group, D) x (D, block_kv) matmul per
+  KV block and reads each KV block exactly once per KV head.
+* No padding copies: ragged edge blocks are masked with ``jnp.where`` before the
+  exponential and the V rows past the valid length are zeroed before the PV
+  matmul, so whatever lies past the arrays' ends (NaN in interpret mode) never
+  reaches the result.
+
+Semantics (positions are KV-cache positions):
+  query i of batch b sits at position ``q_offset[b] + i``; key j is visible to
+  it when ``j < kv_lengths[b]``, ``j <= position`` (causal), ``j > position -
+  sliding_window`` (sliding window) and ``attention_mask[b, 0, i, j]`` allows it.
+  Rows that see no key come out as zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+SUPPORTED_GENERATIONS = ("v5e", "v6e")
+
+# The kernel raises the scoped VMEM limit to what a configuration needs; these
+# are the working sets select_config stays within (physical VMEM is 128 MiB on
+# both generations, the compiler's default scoped limit is 16 MiB on v5e and
+# 32 MiB on v6e).
+_VMEM_BUDGET_BYTES = {"v5e": 24 * 2**20, "v6e": 32 * 2**20}
+# Preferred tiles: (query positions per block, keys per prefill block, keys per
+# decode block). v6e's 256-wide MXU and doubled HBM bandwidth favour larger
+# tiles; decode streams K/V, so its blocks are long to amortise the per-step
+# overhead (~0.35 us) against the DMA time.
+_PREFERRED_TILES = {"v5e": (256, 512, 2048), "v6e": (256, 512, 4096)}
+_LANES = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Tile sizes of one attention call.
+
+    block_q: query positions per grid step (1 in decode, where the rows of a
+      step are the group's query heads instead).
+    block_kv: keys per grid step.
+    vmem_limit_bytes: scoped VMEM limit requested from Mosaic.
+    """
+
+    block_q: int
+    block_kv: int
+    vmem_limit_bytes: int
+
+
+def default_generation() -> str:
+    """TPU generation of the first device; "v6e" when not running on a TPU."""
+    device = jax.devices()[0]
+    if device.platform != "tpu":
+        return "v6e"
+    kind = device.device_kind.lower().replace(" ", "")
+    if "v5lite" in kind or "v5e" in kind:
+        return "v5e"
+    return "v6e"
+
+
+def _is_decode(q_len: int) -> bool:
+    return q_len == 1
+
+
+def _vmem_bytes(*, decode, group, block_q, block_kv, head_dim, itemsize, mask_itemsize):
+    rows = group if decode else group * block_q
+    q_and_out = 2 * 2 * rows * head_dim * itemsize  # double-buffered q and out blocks
+    scratch = rows * head_dim * 4 + 2 * rows * _LANES * 4  # acc, running max and sum (lane padded)
+    kv = 2 * 2 * block_kv * head_dim * itemsize  # double-buffered k and v blocks
+    step_rows = rows if decode else block_q
+    temporaries = 4 * step_rows * block_kv * 4  # logits, probabilities, masks of one head
+    mask = 2 * (1 if decode else block_q) * block_kv * mask_itemsize
+    return q_and_out + scratch + kv + temporaries + mask
+
+
+def select_config(
+    *,
+    q_heads: int,
+    kv_heads: int,
+    q_len: int,
+    kv_len: int,
+    head_dim: int,
+    dtype,
+    mask_dtype=None,
+    generation: str | None = None,
+) -> AttentionConfig:
+    """Tile sizes for one shape on one TPU generation.
+
+    Block sizes are either the full extent of their axis (always legal) or a
+    multiple of 128 (query blocks: of 32, so int8 mask tiles line up), shrunk
+    until the working set fits the generation's VMEM budget.
+    """
+    generation = generation or default_generation()
+    if generation not in SUPPORTED_GENERATIONS:
+        raise ValueError(f"generation must be one of {SUPPORTED_GENERATIONS}, got {generation!r}")
+    group = q_heads // kv_heads
+    decode = _is_decode(q_len)
+    preferred_q, preferred_kv_prefill, preferred_kv_decode = _PREFERRED_TILES[generation]
+    block_q = 1 if decode else min(q_len, preferred_q)
+    block_kv = min(kv_len, preferred_kv_decode if decode else preferred_kv_prefill)
+    itemsize = jnp.dtype(dtype).itemsize
+    mask_itemsize = 0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize
+    budget = _VMEM_BUDGET_BYTES[generation]
+
+    def working_set(bq, bkv):
+        return _vmem_bytes(
+            decode=decode,
+            group=group,
+            block_q=bq,
+            block_kv=bkv,
+            head_dim=head_dim,
+            itemsize=itemsize,
+            mask_itemsize=mask_itemsize,
+        )
+
+    while working_set(block_q, block_kv) > budget:
+        if block_kv > 512 or (block_kv > 128 and (decode or block_q <= 64)):
+            block_kv = _shrink(block_kv, multiple=128)
+        elif not decode and block_q > 32:
+            block_q = _shrink(block_q, multiple=32)
+        else:
+            break
+    needed = working_set(block_q, block_kv)
+    # Headroom for Mosaic's internal scratch and relayout temporaries.
+    vmem_limit = min(max(int(needed * 1.5) + 4 * 2**20, 16 * 2**20), 100 * 2**20)
+    return AttentionConfig(block_q=block_q, block_kv=block_kv, vmem_limit_bytes=vmem_limit)
+
+
+def _shrink(block: int, *, multiple: int) -> int:
+    """Halve a block size, rounding down to a multiple of ``multiple``."""
+    return max(multiple, block // 2 // multiple * multiple)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything the kernel body needs to know at trace time."""
+
+    batch: int
+    q_len: int
+    kv_len: int
+    group: int
+    head_dim: int
+    block_q: int
+    block_kv: int
+    num_q_blocks: int
+    num_kv_blocks: int
+    decode: bool
+    scale: float
+    causal: bool
+    sliding_window: int | None
+    softcap: float | None
+    mask_kind: str | None  # None, "bool" (int8, nonzero = visible) or "bias" (float32 additive)
+    mask_floor: float  # bias values at or below this are masked-out keys
+    mask_batch: int
+    precision: jax.lax.Precision | None
+
+
+def _attention_kernel(
+    q_offset_ref,
+    kv_valid_ref,
+    block_lo_ref,
+    block_hi_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    *rest,
+    st: _Static,
+):
+    if st.mask_kind is None:
+        mask_ref = None
+        o_ref, max_ref, sum_ref, acc_ref = rest
+    else:
+        mask_ref, o_ref, max_ref, sum_ref, acc_ref = rest
+    b, qi, kj = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    slot = b * st.num_q_blocks + qi
+    first_block, last_block = block_lo_ref[slot], block_hi_ref[slot]
+    q_offset = q_offset_ref[b]
+    kv_valid = kv_valid_ref[b]
+    num_slices = max_ref.shape[0]
+
+    @pl.when(kj == 0)
+    def _init():
+        max_ref[...] = jnp.full(max_ref.shape, -jnp.inf, jnp.float32)
+        sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    key_start = kj * st.block_kv
+    if st.decode:
+        q_first = q_last = q_offset
+    else:
+        q_first = q_offset + qi * st.block_q
+        q_last = q_offset + jnp.minimum((qi + 1) * st.block_q, st.q_len) - 1
+
+    # A block needs element masks when any of its keys is invisible to any of
+    # its queries; interior blocks of a causal prefill skip that VPU work.
+    needs_mask = key_start + st.block_kv > kv_valid
+    if st.causal:
+        needs_mask = needs_mask | (key_start + st.block_kv - 1 > q_first)
+    if st.sliding_window is not None:
+        needs_mask = needs_mask | (key_start <= q_last - st.sliding_window)
+    if st.mask_kind is not None:
+        needs_mask = True
+
+    def step(apply_mask: bool):
+        k = k_ref[...]
+        v = v_ref[...]
+        rows = st.group if st.decode else st.block_q
+        visible = bias = None
+        if apply_mask:
+            key_pos = key_start + jax.lax.broadcasted_iota(jnp.int32, (rows, st.block_kv), 1)
+            visible = key_pos < kv_valid
+            if st.causal or st.sliding_window is not None:
+                if st.decode:
+                    query_pos = q_offset
+                else:
+                    query_pos = q_first + jax.lax.broadcasted_iota(jnp.int32, (rows, st.block_kv), 0)
+                if st.causal:
+                    visible = visible & (key_pos <= query_pos)
+                if st.sliding_window is not None:
+                    visible = visible & (key_pos > query_pos - st.sliding_window)
+            if st.mask_kind is not None:
+                mask = mask_ref[...]
+                if st.mask_kind == "bool":
+                    allowed = mask.astype(jnp.int32) != 0
+                else:
+                    bias = mask.astype(jnp.float32)
+                    allowed = bias > st.mask_floor
+                visible = visible & jnp.broadcast_to(allowed, (rows, st.block_kv))
+                if bias is not None:
+                    bias = jnp.broadcast_to(bias, (rows, st.block_kv))
+            # Zero V rows past the valid length: p is 0 there, but 0 * NaN is NaN.
+            value_pos = key_start + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
+            v = jnp.where(value_pos < kv_valid, v, jnp.zeros_like(v))
+
+        def attend(s):
+            q = q_ref[s]
+            logits = jax.lax.dot_general(
+                q,
+                k,
+                (((1,), (1,)), ((), ())),
+                preferred_element_type=jnp.float32,
+                precision=st.precision,
+            )
+            logits = logits * st.scale
+            if st.softcap is not None:
+                logits = st.softcap * jnp.tanh(logits / st.softcap)
+            if bias is not None:
+                logits = logits + bias
+            if visible is not None:
+                logits = jnp.where(visible, logits, -jnp.inf)
+            max_prev = max_ref[s]
+            max_next = jnp.maximum(max_prev, jnp.max(logits, axis=1, keepdims=True))
+            # A row that has seen no visible key yet keeps max -inf; shift by 0
+            # instead so exp() gives 0 rather than exp(-inf + inf) = NaN.
+            shift = jnp.where(max_next == -jnp.inf, 0.0, max_next)
+            probs = jnp.exp(logits - shift)
+            rescale = jnp.exp(max_prev - shift)
+            sum_ref[s] = rescale * sum_ref[s] + jnp.sum(probs, axis=1, keepdims=True)
+            acc_ref[s] = rescale * acc_ref[s] + jax.lax.dot_general(
+                probs.astype(v.dtype),
+                v,
+                (((1,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32,
+                precision=st.precision,
+            )
+            max_ref[s] = max_next
+
+        if num_slices == 1:
+            attend(0)
+        else:
+
+            def body(s, carry):
+                attend(s)
+                return carry
+
+            jax.lax.fori_loop(0, num_slices, body, None)
+
+    in_range = (kj >= first_block) & (kj <= last_block)
+    if st.mask_kind is not None:
+        pl.when(in_range)(lambda: step(apply_mask=True))
+    else:
+        pl.when(in_range & needs_mask)(lambda: step(apply_mask=True))
+        pl.when(in_range & jnp.logical_not(needs_mask))(lambda: step(apply_mask=False))
+
+    @pl.when(kj == st.num_kv_blocks - 1)
+    def _finalize():
+        total = sum_ref[...]
+        safe_total = jnp.where(total == 0.0, 1.0, total)
+        out = jnp.where(total == 0.0, 0.0, acc_ref[...] / safe_total)
+        o_ref[...] = out.astype(o_ref.dtype)
+
+
+def _kv_block_ranges(q_offset, kv_valid, mask_first, mask_last, st: _Static):
+    """First and last KV block with a visible key, per (batch, q_block), flattened.
+
+    An empty range comes out as last = first - 1 (nothing computed, and the
+    clamped index maps keep pointing at one block, so nothing more is fetched).
+    """
+    q_block_index = jnp.arange(st.num_q_blocks, dtype=jnp.int32)
+    q_first = q_offset[:, None] + q_block_index * st.block_q
+    q_last = q_offset[:, None] + jnp.minimum((q_block_index + 1) * st.block_q, st.q_len) - 1
+    key_first = jnp.zeros_like(q_first)
+    key_last = jnp.broadcast_to(kv_valid[:, None] - 1, q_first.shape)
+    if st.causal:
+        key_last = jnp.minimum(key_last, q_last)
+    if st.sliding_window is not None:
+        key_first = jnp.maximum(key_first, q_first - st.sliding_window + 1)
+    if mask_first is not None:
+        key_first = jnp.maximum(key_first, mask_first)
+        key_last = jnp.minimum(key_last, mask_last)
+    first_block = jnp.clip(key_first // st.block_kv, 0, st.num_kv_blocks - 1)
+    last_block = jnp.where(key_last >= key_first, key_last // st.block_kv, first_block - 1)
+    return first_block.reshape(-1).astype(jnp.int32), last_block.reshape(-1).astype(jnp.int32)
+
+
+def _mask_key_ranges(visible, st: _Static):
+    """First and last visible key per (batch, q_block) of an explicit mask [Bm, 1, Sq, Skv]."""
+    any_visible = jnp.any(visible, axis=-1)[:, 0]
+    first = jnp.argmax(visible, axis=-1)[:, 0].astype(jnp.int32)
+    last = (st.kv_len - 1 - jnp.argmax(visible[..., ::-1], axis=-1)[:, 0]).astype(jnp.int32)
+    first = jnp.where(any_visible, first, st.kv_len)
+    last = jnp.where(any_visible, last, -1)
+    padded = st.num_q_blocks * st.block_q - st.q_len
+    first = jnp.pad(first, ((0, 0), (0, padded)), constant_values=st.kv_len)
+    last = jnp.pad(last, ((0, 0), (0, padded)), constant_values=-1)
+    first = first.reshape(first.shape[0], st.num_q_blocks, st.block_q).min(axis=-1)
+    last = last.reshape(last.shape[0], st.num_q_blocks, st.block_q).max(axis=-1)
+    return (jnp.broadcast_to(first, (st.batch, st.num_q_blocks)), jnp.broadcast_to(last, (st.batch, st.num_q_blocks)))
+
+
+def _check_inputs(q, k, v, q_offset, kv_lengths, attention_mask, sliding_window, softcap, scale):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            "q, k and v must be 4-D [batch, heads, seq, head_dim], got "
+            f"q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k{tuple(k.shape)} and v{tuple(v.shape)}")
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_batch, kv_heads, kv_len, kv_head_dim = k.shape
+    if kv_batch != batch:
+        raise ValueError(f"q and k must have the same batch size, got {batch} and {kv_batch}")
+    if kv_head_dim != head_dim:
+        raise ValueError(f"q and k must have the same head_dim, got {head_dim} and {kv_head_dim}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if kv_heads == 0 or q_heads % kv_heads:
+        raise ValueError(
+            f"the number of query heads ({q_heads}) must be a multiple of the number of key/value heads ({kv_heads})"
+        )
+    if q_len == 0 or kv_len == 0 or batch == 0:
+        raise ValueError(f"batch, query length and key length must be positive, got q{tuple(q.shape)}, k{tuple(k.shape)}")
+    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+    if len(dtypes) != 1:
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype must be bfloat16 or float32, got {q.dtype}")
+    if q_offset is not None and not isinstance(q_offset, int):
+        if tuple(q_offset.shape) != (batch,) or not jnp.issubdtype(q_offset.dtype, jnp.integer):
+            raise ValueError(f"q_offset must be an int or an integer array of shape ({batch},), got {q_offset.dtype}{tuple(q_offset.shape)}")
+    if kv_lengths is not None:
+        if tuple(kv_lengths.shape) != (batch,) or not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
+            raise ValueError(f"kv_lengths must be an integer array of shape ({batch},), got {kv_lengths.dtype}{tuple(kv_lengths.shape)}")
+    if attention_mask is not None:
+        shape = tuple(attention_mask.shape)
+        if len(shape) != 4 or shape[0] not in (1, batch) or shape[1] != 1 or shape[2:] != (q_len, kv_len):
+            raise ValueError(
+                f"attention_mask must have shape ({batch} or 1, 1, {q_len}, {kv_len}), got {shape}"
+            )
+        mask_dtype = jnp.dtype(attention_mask.dtype)
+        if mask_dtype != jnp.bool_ and not jnp.issubdtype(mask_dtype, jnp.floating):
+            raise TypeError(f"attention_mask must be bool (True = attend) or floating (additive), got {mask_dtype}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    q_offset: int | jax.Array | None = None,
+    kv_lengths: jax.Array | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    attention_mask: jax.Array | None = None,
+    config: AttentionConfig | None = None,
+    generation: str | None = None,
+) -> jax.Array:
+    """Attention of q[B, Hq, Sq, D] over k, v[B, Hkv, Skv, D] -> [B, Hq, Sq, D].
+
+    q_offset: KV position of the first query (int or integer [B]); default
+      Skv - Sq, i.e. the queries are the last Sq positions (decode and chunked
+      prefill against a cache).
+    kv_lengths: integer [B]; keys at and past kv_lengths[b] are masked.
+    sliding_window: w lets the query at position p see keys in (p - w, p].
+    softcap: logits become softcap * tanh(logits / softcap).
+    attention_mask: optional [B or 1, 1, Sq, Skv], bool (True = attend) or
+      floating (added to the logits; values at the dtype's minimum mask the
+      key out), combined with all of the above.
+    """
+    _check_inputs(q, k, v, q_offset, kv_lengths, attention_mask, sliding_window, softcap, scale)
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    dtype = jnp.dtype(q.dtype)
+
+    mask_kind, mask_floor, mask = None, 0.0, None
+    if attention_mask is not None:
+        if jnp.dtype(attention_mask.dtype) == jnp.bool_:
+            mask_kind, mask = "bool", attention_mask.astype(jnp.int8)
+        else:
+            mask_kind = "bias"
+            mask_floor = float(jnp.finfo(attention_mask.dtype).min)
+            mask = attention_mask.astype(jnp.float32)
+    if config is None:
+        config = select_config(
+            q_heads=q_heads,
+            kv_heads=kv_heads,
+            q_len=q_len,
+            kv_len=kv_len,
+            head_dim=head_dim,
+            dtype=dtype,
+            mask_dtype=None if mask is None else mask.dtype,
+            generation=generation,
+        )
+    decode = _is_decode(q_len)
+    block_q = 1 if decode else config.block_q
+    st = _Static(
+        batch=batch,
+        q_len=q_len,
+        kv_len=kv_len,
+        group=group,
+        head_dim=head_dim,
+        block_q=block_q,
+        block_kv=config.block_kv,
+        num_q_blocks=pl.cdiv(q_len, block_q),
+        num_kv_blocks=pl.cdiv(kv_len, config.block_kv),
+        decode=decode,
+        scale=float(head_dim**-0.5 if scale is None else scale),
+        causal=bool(causal),
+        sliding_window=sliding_window,
+        softcap=None if softcap is None else float(softcap),
+        mask_kind=mask_kind,
+        mask_floor=mask_floor,
+        mask_batch=1 if mask is None else mask.shape[0],
+        precision=jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None,
+    )
+
+    if q_offset is None:
+        q_offset = kv_len - q_len
+    q_offset = jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32), (batch,))
+    kv_valid = jnp.full((batch,), kv_len, jnp.int32)
+    if kv_lengths is not None:
+        kv_valid = jnp.clip(kv_lengths.astype(jnp.int32), 0, kv_len)
+    mask_first = mask_last = None
+    if mask is not None:
+        visible = mask != 0 if mask_kind == "bool" else mask > mask_floor
+        mask_first, mask_last = _mask_key_ranges(visible, st)
+    block_lo, block_hi = _kv_block_ranges(q_offset, kv_valid, mask_first, mask_last, st)
+    return _flash_attention_call(q, k, v, mask, q_offset, kv_valid, block_lo, block_hi, st, config)
+
+
+def _clamped_kv_block(b, qi, kj, block_lo_ref, block_hi_ref, num_q_blocks):
+    slot = b * num_q_blocks + qi
+    return jnp.maximum(jnp.minimum(kj, block_hi_ref[slot]), block_lo_ref[slot])
+
+
+def _flash_attention_call(q, k, v, mask, q_offset, kv_valid, block_lo, block_hi, st: _Static, config):
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads = k.shape[1]
+    group, block_q, block_kv = st.group, st.block_q, st.block_kv
+    nq = st.num_q_blocks
+    grid = (batch, kv_heads, nq, st.num_kv_blocks)
+
+    def kv_index_map(b, h, qi, kj, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
+        return (b, h, _clamped_kv_block(b, qi, kj, lo_ref, hi_ref, nq), 0)
+
+    if st.decode:
+        # [B, Hq, 1, D] -> [B, Hkv, 1, G, D] is free: the group's heads become
+        # the rows of one block.
+        q_in = q.reshape(batch, kv_heads, 1, group, head_dim)
+        q_block = (None, None, 1, group, head_dim)
+
+        def q_index_map(b, h, qi, kj, *_):
+            return (b, h, 0, 0, 0)
+
+        slices, rows = 1, group
+    else:
+        q_in = q
+        q_block = (None, group, block_q, head_dim)
+
+        def q_index_map(b, h, qi, kj, *_):
+            return (b, h, qi, 0)
+
+        slices, rows = group, block_q
+
+    in_specs = [
+        pl.BlockSpec(q_block, q_index_map),
+        pl.BlockSpec((None, None, block_kv, head_dim), kv_index_map),
+        pl.BlockSpec((None, None, block_kv, head_dim), kv_index_map),
+    ]
+    operands = [q_in, k, v]
+    if mask is not None:
+        broadcast_batch = st.mask_batch == 1
+
+        def mask_index_map(b, h, qi, kj, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
+            kv_block = _clamped_kv_block(b, qi, kj, lo_ref, hi_ref, nq)
+            return (0 if broadcast_batch else b, 0, qi, kv_block)
+
+        in_specs.append(pl.BlockSpec((None, None, block_q, block_kv), mask_index_map))
+        operands.append(mask)
+
+    itemsize = jnp.dtype(q.dtype).itemsize
+    visible_pairs = _static_visible_pairs(st)
+    cost = pl.CostEstimate(
+        flops=int(4 * batch * q_heads * visible_pairs * head_dim),
+        transcendentals=int(batch * q_heads * visible_pairs),
+        bytes_accessed=int(2 * q.size * itemsize + 2 * k.size * itemsize * _static_kv_passes(st)),
+    )
+    out = pl.pallas_call(
+        functools.partial(_attention_kernel, st=st),
+        out_shape=jax.ShapeDtypeStruct(q_in.shape, q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec(q_block, q_index_map),
+            scratch_shapes=[
+                pltpu.VMEM((slices, rows, 1), jnp.float32),
+                pltpu.VMEM((slices, rows, 1), jnp.float32),
+                pltpu.VMEM((slices, rows, head_dim), jnp.float32),
+            ],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=config.vmem_limit_bytes,
+        ),
+        cost_estimate=cost,
+        name="attention_tpu_flash",
+    )(q_offset, kv_valid, block_lo, block_hi, *operands)
+    return out.reshape(q.shape)
+
+
+def _static_visible_pairs(st: _Static) -> int:
+    """(query, key) pairs visible with the default q_offset and full lengths (for cost estimates)."""
+    offset = st.kv_len - st.q_len
+    total = 0
+    for i in range(st.q_len):
+        pos = offset + i
+        hi = min(st.kv_len - 1, pos) if st.causal else st.kv_len - 1
+        lo = max(0, pos - st.sliding_window + 1) if st.sliding_window is not None else 0
+        total += max(0, hi - lo + 1)
+    return total
+
+
+def _static_kv_passes(st: _Static) -> float:
+    """Average number of times the K/V arrays are streamed, with the default q_offset."""
+    offset = st.kv_len - st.q_len
+    blocks = 0
+    for qi in range(st.num_q_blocks):
+        q_first = offset + qi * st.block_q
+        q_last = offset + min((qi + 1) * st.block_q, st.q_len) - 1
+        hi = min(st.kv_len - 1, q_last) if st.causal else st.kv_len - 1
+        lo = max(0, q_first - st.sliding_window + 1) if st.sliding_window is not None else 0
+        if hi >= lo:
+            blocks += hi // st.block_kv - lo // st.block_kv + 1
+    return blocks / st.num_kv_blocks

@@ -1,0 +1,200 @@
+"""Torch ops of the attention kernel and their input checks."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from . import kernel
+from ._ops import add_op_namespace_prefix, jax_torch_op
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@jax_torch_op(add_op_namespace_prefix("flash_attention"))
+def _flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_offset: jax.Array,
+    kv_lengths: jax.Array,
+    scale: float,
+    causal: bool,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> jax.Array:
+    return kernel.flash_attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        causal=causal,
+        q_offset=q_offset,
+        kv_lengths=kv_lengths,
+        sliding_window=sliding_window,
+        softcap=softcap,
+    )
+
+
+@jax_torch_op(add_op_namespace_prefix("flash_attention_masked"))
+def _flash_attention_masked(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_offset: jax.Array,
+    kv_lengths: jax.Array,
+    attention_mask: jax.Array,
+    scale: float,
+    causal: bool,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> jax.Array:
+    # Boolean masks cross the torch/JAX boundary as int8 (nonzero = attend).
+    if attention_mask.dtype == jnp.int8:
+        attention_mask = attention_mask != 0
+    return kernel.flash_attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        causal=causal,
+        q_offset=q_offset,
+        kv_lengths=kv_lengths,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        attention_mask=attention_mask,
+    )
+
+
+def _check_tensor(name: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def check_attention_args(query, key, value, *, scale, q_offset, kv_lengths, sliding_window, softcap, attention_mask):
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        _check_tensor(name, tensor)
+        if tensor.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim], got shape {tuple(tensor.shape)}")
+    if key.shape != value.shape:
+        raise ValueError(f"key and value must have the same shape, got {tuple(key.shape)} and {tuple(value.shape)}")
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_batch, kv_heads, kv_len, kv_head_dim = key.shape
+    if kv_batch != batch:
+        raise ValueError(f"query and key must have the same batch size, got {batch} and {kv_batch}")
+    if kv_head_dim != head_dim:
+        raise ValueError(f"query and key must have the same head_dim, got {head_dim} and {kv_head_dim}")
+    if head_dim not in kernel.SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {kernel.SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if kv_heads == 0 or q_heads % kv_heads:
+        raise ValueError(
+            f"the number of query heads ({q_heads}) must be a multiple of the number of key/value heads ({kv_heads})"
+        )
+    if batch == 0 or q_len == 0 or kv_len == 0:
+        raise ValueError(
+            f"batch, query length and key length must be positive, got query {tuple(query.shape)}, key {tuple(key.shape)}"
+        )
+    if query.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"query must be float32 or bfloat16, got {query.dtype}")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+    devices = {query.device, key.device, value.device}
+    if isinstance(q_offset, torch.Tensor):
+        if tuple(q_offset.shape) != (batch,) or q_offset.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"q_offset must be an int or an int32/int64 tensor of shape ({batch},), "
+                f"got {q_offset.dtype} {tuple(q_offset.shape)}"
+            )
+        devices.add(q_offset.device)
+    elif q_offset is not None and (isinstance(q_offset, bool) or not isinstance(q_offset, int)):
+        raise TypeError(f"q_offset must be an int, an integer tensor [batch] or None, got {type(q_offset).__name__}")
+    if kv_lengths is not None:
+        _check_tensor("kv_lengths", kv_lengths)
+        if tuple(kv_lengths.shape) != (batch,) or kv_lengths.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"kv_lengths must be an int32/int64 tensor of shape ({batch},), "
+                f"got {kv_lengths.dtype} {tuple(kv_lengths.shape)}"
+            )
+        devices.add(kv_lengths.device)
+    if attention_mask is not None:
+        _check_tensor("attention_mask", attention_mask)
+        shape = tuple(attention_mask.shape)
+        if len(shape) != 4 or shape[0] not in (1, batch) or shape[1] != 1 or shape[2:] != (q_len, kv_len):
+            raise ValueError(f"attention_mask must have shape ({batch} or 1, 1, {q_len}, {kv_len}), got {shape}")
+        if attention_mask.dtype != torch.bool and not attention_mask.dtype.is_floating_point:
+            raise TypeError(f"attention_mask must be bool (True = attend) or floating (additive), got {attention_mask.dtype}")
+        devices.add(attention_mask.device)
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+
+
+def flash_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    q_offset: int | torch.Tensor | None = None,
+    kv_lengths: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of query[B, Hq, Sq, D] over key, value[B, Hkv, Skv, D] -> [B, Hq, Sq, D].
+
+    Hq must be a multiple of Hkv (query head h uses KV head h // (Hq // Hkv));
+    D is 64, 128 or 256; dtypes float32 or bfloat16 (one for all three).
+
+    q_offset: KV position of the first query, an int or an integer tensor [B];
+      default Skv - Sq (the queries are the newest positions of a cache).
+    kv_lengths: integer tensor [B]; keys at and past kv_lengths[b] are masked
+      (values are clipped to [0, Skv]).
+    sliding_window: w lets the query at position p see keys in (p - w, p].
+    softcap: logits become softcap * tanh(logits / softcap).
+    attention_mask: optional [B or 1, 1, Sq, Skv]; bool (True = attend) or
+      floating (added to the logits; entries at the dtype's minimum mask the
+      key out, as transformers' eager masks do). Combined with all of the above.
+
+    Rows that see no key at all come out as zeros.
+    """
+    check_attention_args(
+        query,
+        key,
+        value,
+        scale=scale,
+        q_offset=q_offset,
+        kv_lengths=kv_lengths,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        attention_mask=attention_mask,
+    )
+    batch, _, q_len, head_dim = query.shape
+    kv_len = key.shape[2]
+    device = query.device
+    if q_offset is None:
+        q_offset = kv_len - q_len
+    if isinstance(q_offset, int):
+        q_offset = torch.full((batch,), q_offset, dtype=torch.int32, device=device)
+    q_offset = q_offset.to(torch.int32)
+    if kv_lengths is None:
+        kv_lengths = torch.full((batch,), kv_len, dtype=torch.int32, device=device)
+    kv_lengths = kv_lengths.clamp(0, kv_len).to(torch.int32)
+    scale = float(head_dim**-0.5 if scale is None else scale)
+    softcap = None if softcap is None else float(softcap)
+    if attention_mask is None:
+        return _flash_attention(query, key, value, q_offset, kv_lengths, scale, bool(causal), sliding_window, softcap)
+    if attention_mask.dtype == torch.bool:
+        attention_mask = attention_mask.to(torch.int8)
+    return _flash_attention_masked(
+        query, key, value, q_offset, kv_lengths, attention_mask, scale, bool(causal), sliding_window, softcap
+    )

@@ -1,0 +1,90 @@
+"""Plain attention in float64 with a materialised mask: the tests' oracle.
+
+Same semantics as ``kernel.flash_attention`` (see its docstring), computed
+the obvious way so that it can be trusted by reading it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def visibility_mask(
+    batch: int,
+    q_len: int,
+    kv_len: int,
+    *,
+    causal: bool = True,
+    q_offset: int | torch.Tensor | None = None,
+    kv_lengths: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Boolean [B, 1, Sq, Skv]: True where query i may attend to key j."""
+    if q_offset is None:
+        q_offset = kv_len - q_len
+    offsets = torch.as_tensor(q_offset, dtype=torch.int64).reshape(-1).expand(batch)
+    query_pos = offsets[:, None] + torch.arange(q_len)[None, :]  # [B, Sq]
+    key_pos = torch.arange(kv_len)
+    visible = torch.ones(batch, q_len, kv_len, dtype=torch.bool)
+    if causal:
+        visible &= key_pos[None, None, :] <= query_pos[:, :, None]
+    if sliding_window is not None:
+        visible &= key_pos[None, None, :] > query_pos[:, :, None] - sliding_window
+    if kv_lengths is not None:
+        visible &= key_pos[None, None, :] < kv_lengths.to(torch.int64)[:, None, None]
+    visible = visible[:, None]
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            visible = visible & attention_mask
+        else:
+            visible = visible & (attention_mask > torch.finfo(attention_mask.dtype).min)
+    return visible
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    q_offset: int | torch.Tensor | None = None,
+    kv_lengths: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q[B, Hq, Sq, D], k/v[B, Hkv, Skv, D] -> float64 [B, Hq, Sq, D]; rows with no visible key are 0."""
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    q64, k64, v64 = (x.detach().to(torch.float64) for x in (q, k, v))
+    k64 = k64.repeat_interleave(group, dim=1)
+    v64 = v64.repeat_interleave(group, dim=1)
+    if kv_lengths is not None:
+        # Keys past a length may hold anything; they must not reach the output.
+        valid = torch.arange(kv_len)[None, :] < kv_lengths.to(torch.int64)[:, None]
+        k64 = torch.where(valid[:, None, :, None], k64, 0.0)
+        v64 = torch.where(valid[:, None, :, None], v64, 0.0)
+    logits = q64 @ k64.transpose(-1, -2) * (head_dim**-0.5 if scale is None else scale)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        bias = attention_mask.to(torch.float64)
+        logits = logits + torch.where(bias > torch.finfo(attention_mask.dtype).min, bias, 0.0)
+    visible = visibility_mask(
+        batch,
+        q_len,
+        kv_len,
+        causal=causal,
+        q_offset=q_offset,
+        kv_lengths=kv_lengths,
+        sliding_window=sliding_window,
+        attention_mask=attention_mask,
+    )
+    logits = logits.masked_fill(~visible, float("-inf"))
+    any_visible = visible.any(dim=-1, keepdim=True)
+    weights = torch.softmax(torch.where(any_visible, logits, 0.0), dim=-1)
+    weights = torch.where(visible, weights, 0.0)
+    return weights @ v64
