@@ -1,0 +1,350 @@
+"""The traffic and roofline model against hand counts and the compiler's own cost analysis."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from tpu_kernels import perf
+from tpu_kernels.aot import compile_for
+
+BF16 = 2  # bytes
+
+
+def _tiled_matmul_kernel(x_ref, y_ref, o_ref, acc_ref):
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+
+    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+    def _():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+def tiled_matmul(x, y, *, bm, bk, bn):
+    m, k = x.shape
+    _, n = y.shape
+    return pl.pallas_call(
+        _tiled_matmul_kernel,
+        grid=(m // bm, n // bn, k // bk),
+        in_specs=[
+            pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
+            pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j)),
+        ],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
+        scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        cost_estimate=pl.CostEstimate(flops=2 * m * n * k, transcendentals=0, bytes_accessed=0),
+    )(x, y)
+
+
+M, K, N = 512, 1024, 768
+BM, BK, BN = 256, 256, 256
+X = jax.ShapeDtypeStruct((M, K), jnp.bfloat16)
+Y = jax.ShapeDtypeStruct((K, N), jnp.bfloat16)
+MATMUL = functools.partial(tiled_matmul, bm=BM, bk=BK, bn=BN)
+
+
+@pytest.fixture(scope="module")
+def matmul_traffic():
+    [call] = perf.model_pallas_traffic(MATMUL, X, Y)
+    return call
+
+
+def test_tiled_matmul_bytes_equal_the_hand_count(matmul_traffic):
+    gm, gn, gk = M // BM, N // BN, K // BK
+    x, y, out = matmul_traffic.operands
+    assert matmul_traffic.grid == (gm, gn, gk)
+    assert matmul_traffic.steps == gm * gn * gk
+    # k is the fastest axis, so x's block (i, k) and y's (k, j) change at every step.
+    assert (x.transfers, x.distinct_blocks) == (gm * gn * gk, gm * gk)
+    assert x.hbm_bytes == gm * gn * gk * BM * BK * BF16 == N // BN * M * K * BF16
+    assert y.hbm_bytes == gm * gn * gk * BK * BN * BF16 == M // BM * K * N * BF16
+    # The output block (i, j) stays put over k and is written once.
+    assert (out.transfers, out.hbm_bytes, out.revisits) == (gm * gn, M * N * BF16, 0)
+    assert matmul_traffic.hbm_bytes == (N // BN * M * K + M // BM * K * N + M * N) * BF16
+    # Double-buffered bf16 blocks plus the f32 accumulator.
+    assert matmul_traffic.vmem_bytes == 2 * (BM * BK + BK * BN + BM * BN) * BF16 + BM * BN * 4
+    assert matmul_traffic.dimension_semantics == ("parallel", "parallel", "arbitrary")
+
+
+def test_tiled_matmul_flops_agree_with_compile_only_cost_analysis(matmul_traffic):
+    assert matmul_traffic.dots_exact
+    assert matmul_traffic.flops == 2 * M * N * K
+    assert matmul_traffic.cost_estimate.flops == matmul_traffic.flops
+    pallas_cost = compile_for(MATMUL, [X, Y], "v6e").cost_analysis()
+    xla_dot_cost = compile_for(jnp.dot, [X, Y], "v6e").cost_analysis()
+    assert pallas_cost["flops"] == matmul_traffic.flops
+    assert xla_dot_cost["flops"] == matmul_traffic.flops
+    # The shapes are multiples of v6e's 256-wide MXU: no padding to add.
+    assert matmul_traffic.mxu_flops("v6e") == matmul_traffic.flops
+
+
+def test_roofline_is_max_of_hbm_and_mxu_time_plus_step_overhead(matmul_traffic):
+    v6e = perf.tpu_generation("v6e")
+    assert (v6e.hbm_bytes_per_s, v6e.bf16_flops_per_s, v6e.mxu_size) == (1.64e12, 9.2e14, 256)
+    min_bytes = (M * K + K * N + M * N) * BF16
+    modelled = perf.roofline(matmul_traffic, "v6e", min_bytes=min_bytes)
+    hbm_s = matmul_traffic.hbm_bytes / 1.64e12
+    mxu_s = 2 * M * N * K / 9.2e14
+    assert modelled.hbm_bound_s == pytest.approx(hbm_s)
+    assert modelled.compute_bound_s == pytest.approx(mxu_s)
+    assert modelled.overhead_s == pytest.approx(matmul_traffic.steps * 0.35e-6)
+    assert modelled.time_s == pytest.approx(max(hbm_s, mxu_s) + matmul_traffic.steps * 0.35e-6)
+    assert modelled.pct_of_roofline == pytest.approx(100 * (min_bytes / 1.64e12) / modelled.time_s)
+    assert modelled.fits_vmem
+    # v5e: a 128-wide MXU, so the same 256-blocks need no padding there either.
+    v5e = perf.roofline(matmul_traffic, "v5e")
+    assert v5e.compute_bound_s == pytest.approx(2 * M * N * K / 1.97e14)
+    assert v5e.hbm_bound_s == pytest.approx(matmul_traffic.hbm_bytes / 8.2e11)
+
+
+def test_mxu_padding_rounds_k_and_n_to_the_mxu_and_m_to_sublanes():
+    x = jax.ShapeDtypeStruct((8, 384), jnp.bfloat16)
+    y = jax.ShapeDtypeStruct((384, 128), jnp.bfloat16)
+    [call] = perf.model_pallas_traffic(functools.partial(tiled_matmul, bm=8, bk=128, bn=128), x, y)
+    assert call.flops == 2 * 8 * 384 * 128
+    assert call.mxu_flops("v5e") == 2 * 8 * 384 * 128
+    assert call.mxu_flops("v6e") == 3 * (2 * 8 * 256 * 256)
+
+
+def _row_copy(x, *, block_rows, revisit_every):
+    """Copies x's rows block by block; the grid revisits each block `revisit_every` times in a row."""
+    rows, cols = x.shape
+    blocks = rows // block_rows
+    spec = pl.BlockSpec((block_rows, cols), lambda i, r: (i, 0))
+    return pl.pallas_call(
+        lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...]),
+        grid=(blocks, revisit_every),
+        in_specs=[spec],
+        out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    )(x)
+
+
+def test_a_block_index_unchanged_across_steps_is_not_fetched_again():
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    [call] = perf.model_pallas_traffic(functools.partial(_row_copy, block_rows=16, revisit_every=5), x)
+    source, destination = call.operands
+    assert call.steps == 4 * 5
+    assert (source.transfers, source.hbm_bytes) == (4, 64 * 256 * 4)
+    assert (destination.transfers, destination.hbm_bytes) == (4, 64 * 256 * 4)
+
+
+def _gather_rows(block_ids, x, *, block_rows):
+    """out block s = x block block_ids[s] (scalar prefetch drives the input's index map)."""
+    steps = block_ids.shape[0]
+    cols = x.shape[1]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(steps,),
+        in_specs=[pl.BlockSpec((block_rows, cols), lambda s, ids: (ids[s], 0))],
+        out_specs=pl.BlockSpec((block_rows, cols), lambda s, ids: (s, 0)),
+    )
+    return pl.pallas_call(
+        lambda ids_ref, x_ref, o_ref: o_ref.__setitem__(..., x_ref[...]),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((steps * block_rows, cols), x.dtype),
+    )(block_ids, x)
+
+
+def test_scalar_prefetch_values_drive_the_index_maps():
+    rng = np.random.default_rng(7)
+    block_ids = np.repeat(rng.permutation(6), rng.integers(1, 4, size=6)).astype(np.int32)
+    block_ids = np.concatenate([block_ids, block_ids[:2]])  # come back to blocks seen before
+    x = jax.ShapeDtypeStruct((6 * 8, 512), jnp.bfloat16)
+    [call] = perf.model_pallas_traffic(functools.partial(_gather_rows, block_rows=8), block_ids, x)
+    prefetch, source, destination = call.operands
+    changes = 1 + int(np.count_nonzero(block_ids[1:] != block_ids[:-1]))
+    assert (prefetch.role, prefetch.hbm_bytes) == ("scalar_prefetch", block_ids.size * 4)
+    assert source.transfers == changes
+    assert source.distinct_blocks == 6
+    assert source.hbm_bytes == changes * 8 * 512 * BF16
+    assert destination.hbm_bytes == block_ids.size * 8 * 512 * BF16
+
+
+def test_scalar_prefetch_given_abstractly_is_refused_with_a_clear_error():
+    ids = jax.ShapeDtypeStruct((5,), jnp.int32)
+    x = jax.ShapeDtypeStruct((40, 128), jnp.float32)
+    with pytest.raises(ValueError, match="scalar-prefetch operand 0.*pass that argument concretely"):
+        perf.model_pallas_traffic(functools.partial(_gather_rows, block_rows=8), ids, x)
+
+
+def _scatter_rows(block_ids, x, *, block_rows, revisit_mode=None):
+    """out block block_ids[s] = x block s (scalar prefetch drives the output's index map)."""
+    steps = block_ids.shape[0]
+    cols = x.shape[1]
+    pipeline_mode = None if revisit_mode is None else pl.Buffered(1, revisit=revisit_mode)
+
+    def kernel(ids_ref, x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(steps,),
+        in_specs=[pl.BlockSpec((block_rows, cols), lambda s, ids: (s, 0))],
+        out_specs=pl.BlockSpec((block_rows, cols), lambda s, ids: (ids[s], 0), pipeline_mode=pipeline_mode),
+    )
+    return pl.pallas_call(
+        kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((8 * block_rows, cols), x.dtype)
+    )(block_ids, x)
+
+
+def test_output_is_written_back_when_its_index_changes_and_at_the_end():
+    block_ids = np.array([3, 3, 1, 1, 1, 6, 2], np.int32)
+    x = jax.ShapeDtypeStruct((7 * 8, 256), jnp.float32)
+    [call] = perf.model_pallas_traffic(functools.partial(_scatter_rows, block_rows=8), block_ids, x)
+    destination = call.outputs[0]
+    assert destination.transfers == 4  # 3, 1, 6 on leaving them; 2 at the last step
+    assert destination.hbm_bytes == 4 * 8 * 256 * 4
+    assert destination.revisits == 0
+
+
+def test_output_revisits_are_reported_and_read_back_under_revisit_mode_any():
+    block_ids = np.array([0, 5, 0, 5, 5, 1], np.int32)
+    x = jax.ShapeDtypeStruct((6 * 8, 128), jnp.float32)
+    block_bytes = 8 * 128 * 4
+    [plain] = perf.model_pallas_traffic(functools.partial(_scatter_rows, block_rows=8), block_ids, x)
+    assert (plain.outputs[0].transfers, plain.outputs[0].revisits) == (5, 2)
+    assert plain.outputs[0].hbm_bytes == 5 * block_bytes
+    revisit_any = functools.partial(_scatter_rows, block_rows=8, revisit_mode=pl.RevisitMode.ANY)
+    [reread] = perf.model_pallas_traffic(revisit_any, block_ids, x)
+    assert reread.outputs[0].buffer_count == 1
+    assert reread.outputs[0].hbm_bytes == (5 + 2) * block_bytes
+
+
+def test_whole_array_blocks_are_fetched_once_and_any_space_operands_are_flagged():
+    def kernel(w_ref, table_ref, x_ref, o_ref):
+        o_ref[...] = x_ref[...] * w_ref[...]
+
+    def scale(w, table, x):
+        rows, cols = x.shape
+        return pl.pallas_call(
+            kernel,
+            grid=(rows // 8,),
+            in_specs=[
+                pl.BlockSpec(memory_space=pltpu.VMEM),  # whole array, fetched once
+                pl.BlockSpec(memory_space=pl.ANY),  # left in HBM for manual DMAs
+                pl.BlockSpec((8, cols), lambda i: (i, 0)),
+            ],
+            out_specs=pl.BlockSpec((8, cols), lambda i: (i, 0)),
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        )(w, table, x)
+
+    w = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    table = jax.ShapeDtypeStruct((1024, 128), jnp.float32)
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    [call] = perf.model_pallas_traffic(scale, w, table, x)
+    weights, hbm_table, rows, _ = call.operands
+    assert (weights.transfers, weights.hbm_bytes, weights.buffer_count) == (1, 8 * 128 * 4, 1)
+    assert (hbm_table.pipelined, hbm_table.hbm_bytes) == (False, 0)
+    assert any("memory space any" in note for note in call.notes)
+    assert rows.hbm_bytes == 64 * 128 * 4
+
+
+def test_calls_inside_jit_and_scan_are_each_replayed():
+    def layers(x, ws):
+        def layer(h, w):
+            return MATMUL(h, w), None
+
+        return jax.lax.scan(layer, x, ws)[0]
+
+    x = jax.ShapeDtypeStruct((M, K), jnp.bfloat16)
+    ws = jax.ShapeDtypeStruct((3, K, K), jnp.bfloat16)
+    calls = perf.model_pallas_traffic(jax.jit(layers), x, ws)
+    assert len(calls) == 3
+    assert all(call.flops == 2 * M * K * K for call in calls)
+    assert perf.roofline(calls, "v6e").time_s == pytest.approx(3 * perf.roofline(calls[0], "v6e").time_s)
+
+
+def _masked_matmul(block_on, x, y):
+    """x @ y computing only the k-blocks that `block_on` switches on (pl.when around the dot)."""
+    m, k = x.shape
+    n = y.shape[1]
+    bk = 128
+
+    def kernel(on_ref, x_ref, y_ref, o_ref):
+        @pl.when(pl.program_id(0) == 0)
+        def _():
+            o_ref[...] = jnp.zeros_like(o_ref)
+
+        @pl.when(on_ref[pl.program_id(0)] == 1)
+        def _():
+            o_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(k // bk,),
+        in_specs=[pl.BlockSpec((m, bk), lambda s, on: (0, s)), pl.BlockSpec((bk, n), lambda s, on: (s, 0))],
+        out_specs=pl.BlockSpec((m, n), lambda s, on: (0, 0)),
+    )
+    return pl.pallas_call(kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32))(
+        block_on, x, y
+    )
+
+
+def test_active_steps_callback_removes_skipped_compute_but_not_the_dmas():
+    block_on = np.array([1, 0, 0, 1], np.int32)
+    x = jax.ShapeDtypeStruct((128, 512), jnp.bfloat16)
+    y = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+    [every_step] = perf.model_pallas_traffic(_masked_matmul, block_on, x, y)
+    assert not every_step.dots_exact  # the dot sits under a pl.when
+    assert every_step.flops == 4 * 2 * 128 * 128 * 256
+
+    def when_on(name, grid_indices, prefetch):
+        (on,) = prefetch
+        return on[grid_indices[:, 0]] == 1
+
+    [masked] = perf.model_pallas_traffic(_masked_matmul, block_on, x, y, active_steps=when_on)
+    assert masked.active_steps == 2
+    assert masked.flops == 2 * 2 * 128 * 128 * 256
+    assert masked.hbm_bytes == every_step.hbm_bytes
+
+
+def test_megablox_gmm_dynamic_grid_is_resolved_from_the_group_sizes():
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    rows, k, n, groups = 64, 256, 256, 4
+    group_sizes = np.array([20, 0, 30, 14], np.int32)
+    lhs = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16)
+    [call] = perf.model_pallas_traffic(
+        functools.partial(gmm, preferred_element_type=jnp.bfloat16, tiling=(64, 128, 128)), lhs, rhs, group_sizes
+    )
+    # One m-tile holds all rows; megablox visits it once per non-empty group.
+    assert call.grid == (n // 128, 3, k // 128)
+    weights = call.inputs[1]
+    assert weights.distinct_blocks == 3 * (k // 128) * (n // 128)
+    assert weights.hbm_bytes == 3 * k * n * BF16
+
+
+def test_unknown_generation_and_empty_traffic_are_refused():
+    with pytest.raises(ValueError, match="generation"):
+        perf.tpu_generation("v99")
+    with pytest.raises(ValueError, match="traffic"):
+        perf.roofline([], "v6e")
+    with pytest.raises(TypeError, match="fn"):
+        perf.model_pallas_traffic(None)
+
+
+def test_block_bytes_are_clipped_to_the_array_at_a_partial_edge_block():
+    x = jax.ShapeDtypeStruct((40, 128), jnp.float32)
+    spec = pl.BlockSpec((16, 128), lambda i: (i, 0))
+    copy = pl.pallas_call(
+        lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...]),
+        grid=(math.ceil(40 / 16),),
+        in_specs=[spec],
+        out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    )
+    [call] = perf.model_pallas_traffic(copy, x)
+    assert call.inputs[0].hbm_bytes == 40 * 128 * 4
+    assert call.outputs[0].hbm_bytes == 40 * 128 * 4

@@ -1,0 +1,844 @@
+"""HBM traffic and roofline model of Pallas TPU kernels, for benchmarks without a TPU.
+
+We have no TPU, so the speed of a kernel is argued from what a TPU does with
+it. `model_pallas_traffic` traces a JAX function, finds every `pallas_call`
+in it (also inside jit, custom_vjp/custom_jvp, cond, scan and while) and
+replays each call's grid the way the Mosaic TPU pipeline runs it:
+
+- Grid order: row-major over the grid, the last axis fastest, one step after
+  the other on one TensorCore (v5e and v6e have one; "parallel" dimension
+  semantics change nothing there).
+- An input block is copied HBM -> VMEM (or SMEM) at the first step and at
+  every step whose block index differs from the previous step's. Revisiting a
+  block that was fetched earlier but not at the previous step fetches it again.
+- An output block is copied VMEM -> HBM when the next step's block index
+  differs, and at the last step. An output block visited again after the
+  pipeline left it is counted in `OperandTraffic.revisits`: under the default
+  revisit mode its contents are then undefined (a kernel bug worth seeing);
+  with `pl.Buffered(1, revisit=pl.RevisitMode.ANY)` Mosaic reads it back, and
+  that read-back is counted as HBM traffic.
+- Bytes of a block are those of its window clipped to the array (a partial
+  edge block moves only its in-bounds part). HBM tiling granularity is
+  ignored: a (1, 2048) bf16 row counts 4 KiB although the (8|16, 128)-tiled
+  HBM layout makes the DMA touch more.
+- Index maps are evaluated for all grid steps at once (vmapped) with the
+  concrete values of the scalar-prefetch operands and dynamic grid sizes.
+  Those values are computed by running the traced function's own jaxpr on the
+  CPU up to each `pallas_call`, from the arguments passed concretely; the
+  arguments given as `jax.ShapeDtypeStruct` (weights, activations) stay
+  abstract and cost nothing. If a scalar-prefetch operand or a grid size
+  depends on an abstract argument (or on a Pallas kernel's output), the model
+  raises a ValueError naming it: pass that argument concretely.
+- Operands in memory space ANY/HBM are not windowed: the kernel copies them
+  itself with DMAs that the model does not see. Their traffic is not counted
+  and the call's `notes` say so. Scalar-prefetch operands are copied to SMEM
+  once before the grid starts and count as HBM reads. Scratch buffers move no
+  HBM bytes.
+
+MXU work is derived from the kernel body: every `dot_general` on the block
+shapes, times the loop trip counts around it, is the work of one grid step
+(so padding rows inside a block are counted: the MXU computes them). For a
+`cond` (e.g. `pl.when`) the most expensive branch is taken, and a `while`
+loop body counts once; `PallasCallTraffic.dots_exact` is False then. Which
+steps run their compute can be told with the `active_steps` callback (the
+pipeline's DMAs run on every step regardless). `mxu_flops(generation)` also
+pads each matmul to the MXU granularity: rows to 8 sublanes, contraction and
+output columns to the MXU size (128 on v5e, 256 on v6e, jax's TpuInfo).
+
+Modelled time of one call on one generation =
+    max(HBM bytes / HBM bandwidth, MXU FLOPs / peak) + grid steps * 0.35 us.
+Vector-unit work, DMA issue latency, the non-overlapped first fetch and last
+write-back, and megacore splitting are not modelled.
+
+Constants and their sources:
+- HBM bandwidth, bf16/int8/fp8 MXU peaks, VMEM capacity, MXU size: jax's own
+  table, `jax._src.pallas.mosaic.tpu_info.get_tpu_info_for_chip` (jax 0.10.2),
+  per TensorCore. v5e: 8.20e11 B/s, 1.97e14 bf16 FLOP/s, 128 MiB VMEM, MXU
+  128; v6e: 1.64e12 B/s, 9.20e14 bf16 FLOP/s, 128 MiB VMEM, MXU 256. These
+  match Google's public specs (v5e 197 TFLOP/s, 819 GB/s; v6e 918 TFLOP/s,
+  1640 GB/s).
+- Default scoped VMEM limit (what a kernel may use unless it sets
+  `vmem_limit_bytes`): 16 MiB on v5e, 32 MiB on v6e, measured here with
+  libtpu's compile-only topologies (a pipelined kernel whose double-buffered
+  blocks total 16 MiB / 32 MiB compiles, the next MiB up fails with
+  CompileTimeScopedVmemOom). Not in jax's table.
+- f32 matmuls: counted at the bf16 peak at DEFAULT precision (jax's Pallas TPU
+  matmul guide states v5e has "197 TFLOP/s of bf16/f32 compute") and at 1/6
+  of it at HIGHEST precision (six bf16 passes, as XLA emulates f32). This is
+  an assumption; our kernels multiply bf16.
+- Per-grid-step overhead 0.35 us: the figure this project's issue #7 gives,
+  a rule of thumb for the fixed cost of one Pallas TPU pipeline step; not
+  measured here (no TPU). Override with `step_overhead_s`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import core as jax_core
+from jax._src.pallas import core as pallas_core
+from jax._src.pallas.mosaic import tpu_info
+from jax._src.state import discharge as state_discharge
+
+STEP_OVERHEAD_S = 0.35e-6
+
+# Measured with libtpu compile-only topologies (see the module docstring).
+DEFAULT_SCOPED_VMEM_BYTES = {"v5e": 16 * 2**20, "v6e": 32 * 2**20}
+
+# Six bf16 passes emulate an f32 matmul at HIGHEST precision.
+_F32_HIGHEST_PASSES = 6
+
+_UNPIPELINED_MEMORY_SPACES = ("any", "hbm", "host")
+_SEMAPHORE_MEMORY_SPACES = ("semaphore", "semaphore_mem", "sem")
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuGeneration:
+    """Per-TensorCore peak numbers of one TPU generation (see module docstring)."""
+
+    name: str
+    hbm_bytes_per_s: float
+    bf16_flops_per_s: float
+    int8_ops_per_s: float
+    fp8_flops_per_s: float
+    int4_ops_per_s: float
+    vmem_bytes: int
+    default_scoped_vmem_bytes: int | None
+    mxu_size: int
+    sublanes: int
+    lanes: int
+
+
+def tpu_generation(name: str) -> TpuGeneration:
+    """Peaks of TPU generation `name` ("v5e", "v6e", ...) from jax's TpuInfo table."""
+    try:
+        chip = tpu_info.ChipVersion(name)
+    except ValueError:
+        known = ", ".join(c.value for c in tpu_info.ChipVersion)
+        raise ValueError(f"generation: unknown TPU generation {name!r}; jax knows {known}") from None
+    info = tpu_info.get_tpu_info_for_chip(chip, 1)
+    return TpuGeneration(
+        name=name,
+        hbm_bytes_per_s=float(info.mem_bw_bytes_per_second),
+        bf16_flops_per_s=float(info.bf16_ops_per_second),
+        int8_ops_per_s=float(info.int8_ops_per_second),
+        fp8_flops_per_s=float(info.fp8_ops_per_second),
+        int4_ops_per_s=float(info.int4_ops_per_second),
+        vmem_bytes=int(info.vmem_capacity_bytes),
+        default_scoped_vmem_bytes=DEFAULT_SCOPED_VMEM_BYTES.get(name),
+        mxu_size=int(info.mxu_column_size),
+        sublanes=int(info.num_sublanes),
+        lanes=int(info.num_lanes),
+    )
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class DotShape:
+    """One matmul of a grid step: `count` times [batch] x (m, k) @ (k, n)."""
+
+    batch: int
+    m: int
+    k: int
+    n: int
+    lhs_dtype: str
+    rhs_dtype: str
+    precision: str
+    count: int
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.batch * self.m * self.k * self.n * self.count
+
+    def mxu_flops(self, generation: TpuGeneration) -> int:
+        """FLOPs the MXU spends, with m padded to sublanes and k, n to the MXU size."""
+        m = _round_up(self.m, generation.sublanes)
+        k = _round_up(self.k, generation.mxu_size)
+        n = _round_up(self.n, generation.mxu_size)
+        return 2 * self.batch * m * k * n * self.count
+
+    def peak_flops_per_s(self, generation: TpuGeneration) -> float:
+        dtypes = {self.lhs_dtype, self.rhs_dtype}
+        if dtypes <= {"int8", "uint8"} and generation.int8_ops_per_s:
+            return generation.int8_ops_per_s
+        if dtypes <= {"int4", "uint4"} and generation.int4_ops_per_s:
+            return generation.int4_ops_per_s
+        if all(d.startswith("float8") for d in dtypes) and generation.fp8_flops_per_s:
+            return generation.fp8_flops_per_s
+        if "float32" in dtypes and self.precision == "HIGHEST":
+            return generation.bf16_flops_per_s / _F32_HIGHEST_PASSES
+        return generation.bf16_flops_per_s
+
+
+@dataclasses.dataclass(frozen=True)
+class OperandTraffic:
+    """What the pipeline moves for one operand of a pallas_call.
+
+    `hbm_bytes` is HBM -> on-chip for inputs and scalar-prefetch operands,
+    on-chip -> HBM for outputs (plus read-backs of revisited output blocks
+    under RevisitMode.ANY). `buffer_bytes` is the on-chip footprint of its
+    buffers (`buffer_count` blocks, padded to the (sublane, 128) tile) in
+    `memory_space`.
+    """
+
+    origin: str
+    role: str  # "input" | "output" | "scalar_prefetch"
+    memory_space: str  # "vmem" | "smem" | "any" | "hbm"
+    array_shape: tuple[int, ...]
+    dtype: str
+    block_shape: tuple[int, ...]
+    buffer_count: int
+    transfers: int
+    distinct_blocks: int
+    hbm_bytes: int
+    buffer_bytes: int
+    revisits: int
+    pipelined: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasCallTraffic:
+    """The replayed grid of one pallas_call."""
+
+    name: str
+    grid: tuple[int, ...]
+    dimension_semantics: tuple[str, ...] | None
+    steps: int
+    active_steps: int
+    operands: tuple[OperandTraffic, ...]
+    dots: tuple[DotShape, ...]
+    dots_exact: bool
+    scratch_vmem_bytes: int
+    vmem_limit_bytes: int | None
+    cost_estimate: pallas_core.CostEstimate | None
+    notes: tuple[str, ...]
+
+    @property
+    def inputs(self) -> tuple[OperandTraffic, ...]:
+        return tuple(op for op in self.operands if op.role == "input")
+
+    @property
+    def outputs(self) -> tuple[OperandTraffic, ...]:
+        return tuple(op for op in self.operands if op.role == "output")
+
+    @property
+    def hbm_read_bytes(self) -> int:
+        return sum(op.hbm_bytes for op in self.operands if op.role != "output")
+
+    @property
+    def hbm_write_bytes(self) -> int:
+        return sum(op.hbm_bytes for op in self.operands if op.role == "output")
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self.hbm_read_bytes + self.hbm_write_bytes
+
+    @property
+    def flops_per_step(self) -> int:
+        return sum(dot.flops for dot in self.dots)
+
+    @property
+    def flops(self) -> int:
+        """MXU FLOPs on the block shapes over the active steps (no MXU padding)."""
+        return self.active_steps * self.flops_per_step
+
+    def mxu_flops(self, generation: str | TpuGeneration) -> int:
+        gen = _as_generation(generation)
+        return self.active_steps * sum(dot.mxu_flops(gen) for dot in self.dots)
+
+    def compute_seconds(self, generation: str | TpuGeneration) -> float:
+        gen = _as_generation(generation)
+        return self.active_steps * sum(dot.mxu_flops(gen) / dot.peak_flops_per_s(gen) for dot in self.dots)
+
+    @property
+    def vmem_bytes(self) -> int:
+        """VMEM held by the pipeline's buffers and the scratch operands."""
+        blocks = sum(op.buffer_bytes for op in self.operands if op.memory_space == "vmem")
+        return blocks + self.scratch_vmem_bytes
+
+    @property
+    def smem_bytes(self) -> int:
+        return sum(op.buffer_bytes for op in self.operands if op.memory_space == "smem")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelledTime:
+    """Modelled run time of one or more pallas_calls on one TPU generation.
+
+    `time_s` = sum over calls of max(hbm_bound, compute_bound) + overhead.
+    `roofline_s` is the caller's lower bound, max(min_bytes / HBM bandwidth,
+    min_flops / bf16 peak), and `pct_of_roofline` = 100 * roofline_s / time_s.
+    `fits_vmem` compares each call's VMEM use with its `vmem_limit_bytes`, or
+    the generation's default scoped limit, or its VMEM capacity.
+    """
+
+    generation: str
+    time_s: float
+    hbm_bound_s: float
+    compute_bound_s: float
+    overhead_s: float
+    hbm_bytes: int
+    mxu_flops: int
+    steps: int
+    roofline_s: float | None
+    pct_of_roofline: float | None
+    vmem_bytes: int
+    fits_vmem: bool
+    per_call: tuple[tuple[str, float], ...]
+
+    @property
+    def bound(self) -> str:
+        return "hbm" if self.hbm_bound_s >= self.compute_bound_s else "compute"
+
+
+def _as_generation(generation: str | TpuGeneration) -> TpuGeneration:
+    return generation if isinstance(generation, TpuGeneration) else tpu_generation(generation)
+
+
+def roofline(
+    traffic: PallasCallTraffic | Sequence[PallasCallTraffic],
+    generation: str | TpuGeneration = "v6e",
+    *,
+    min_bytes: int | None = None,
+    min_flops: int | None = None,
+    step_overhead_s: float = STEP_OVERHEAD_S,
+) -> ModelledTime:
+    """Modelled time of `traffic` (one call or several run one after another)."""
+    calls = [traffic] if isinstance(traffic, PallasCallTraffic) else list(traffic)
+    if not calls:
+        raise ValueError("traffic: no pallas_call to model")
+    if step_overhead_s < 0:
+        raise ValueError(f"step_overhead_s must be >= 0, got {step_overhead_s}")
+    gen = _as_generation(generation)
+    time_s = hbm_s = compute_s = overhead_s = 0.0
+    per_call = []
+    fits = True
+    for call in calls:
+        call_hbm = call.hbm_bytes / gen.hbm_bytes_per_s
+        call_compute = call.compute_seconds(gen)
+        call_overhead = call.steps * step_overhead_s
+        call_time = max(call_hbm, call_compute) + call_overhead
+        hbm_s += call_hbm
+        compute_s += call_compute
+        overhead_s += call_overhead
+        time_s += call_time
+        per_call.append((call.name, call_time))
+        limit = call.vmem_limit_bytes or gen.default_scoped_vmem_bytes or gen.vmem_bytes
+        fits = fits and call.vmem_bytes <= limit
+    roofline_s = None
+    if min_bytes is not None or min_flops is not None:
+        roofline_s = max((min_bytes or 0) / gen.hbm_bytes_per_s, (min_flops or 0) / gen.bf16_flops_per_s)
+    return ModelledTime(
+        generation=gen.name,
+        time_s=time_s,
+        hbm_bound_s=hbm_s,
+        compute_bound_s=compute_s,
+        overhead_s=overhead_s,
+        hbm_bytes=sum(c.hbm_bytes for c in calls),
+        mxu_flops=sum(c.mxu_flops(gen) for c in calls),
+        steps=sum(c.steps for c in calls),
+        roofline_s=roofline_s,
+        pct_of_roofline=None if roofline_s is None else 100.0 * roofline_s / time_s,
+        vmem_bytes=max(c.vmem_bytes for c in calls),
+        fits_vmem=fits,
+        per_call=tuple(per_call),
+    )
+
+
+# A callback telling which grid steps run their compute:
+#   active_steps(call_name, grid_indices[steps, ndim], scalar_prefetch_values) -> bool[steps] | None
+ActiveStepsFn = Callable[[str, np.ndarray, tuple[np.ndarray, ...]], Any]
+
+
+def model_pallas_traffic(fn: Callable, *args, active_steps: ActiveStepsFn | None = None) -> list[PallasCallTraffic]:
+    """Replays every pallas_call of `fn(*args)` and counts its HBM traffic and MXU work.
+
+    `args` are pytrees of concrete arrays (numpy or jax) and
+    `jax.ShapeDtypeStruct`s; pass concretely every argument that a
+    scalar-prefetch operand or a dynamic grid size is computed from (e.g.
+    group sizes), the rest abstractly. Bind static arguments with
+    functools.partial. Returns one `PallasCallTraffic` per pallas_call
+    executed, in execution order (a call inside a scan appears once per
+    iteration). A pallas_call inside `lax.cond` or `lax.while_loop` is not
+    supported.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    flat_args = jax.tree_util.tree_leaves(args)
+    closed = jax.make_jaxpr(fn)(*args)
+    is_known = [not isinstance(a, jax.ShapeDtypeStruct) for a in flat_args]
+    calls: list[jax_core.JaxprEqn] = []
+
+    # One jitted run of the function's jaxpr computes every known
+    # scalar-prefetch operand and dynamic grid size: one XLA compile instead of
+    # one per primitive, which dominates the cost otherwise.
+    def known_call_operands(known_args, consts):
+        known = iter(known_args)
+        values = [next(known) if k else _UNKNOWN for k in is_known]
+        calls.clear()
+        operands: list[list[Any]] = []
+        _Collector(calls, operands).run(closed.jaxpr, consts, values)
+        return operands
+
+    known_args = [a for a, k in zip(flat_args, is_known) if k]
+    with jax.default_device(jax.devices("cpu")[0]):
+        operand_values = jax.jit(known_call_operands)(known_args, list(closed.consts))
+    return [
+        _replay_pallas_call(eqn, [_UNKNOWN if v is None else np.asarray(v) for v in values], active_steps)
+        for eqn, values in zip(calls, operand_values)
+    ]
+
+
+class _Unknown:
+    def __repr__(self):
+        return "<unknown>"
+
+
+_UNKNOWN = _Unknown()
+
+
+def _is_unknown(value) -> bool:
+    return value is _UNKNOWN
+
+
+def _num_grid_operands(eqn: jax_core.JaxprEqn) -> tuple[int, int]:
+    """(leading captured constants, dynamic grid sizes + scalar-prefetch operands) of a pallas_call."""
+    gm = eqn.params["grid_mapping"]
+    small = gm.num_dynamic_grid_bounds + gm.num_index_operands
+    return len(eqn.invars) - small - gm.num_inputs, small
+
+
+class _Collector:
+    """Traces a jaxpr on the values known so far, collecting each pallas_call and its small operands.
+
+    Runs under jax.jit: known values are tracers, the others `_UNKNOWN`.
+    Everything that depends on an unknown value (or on a pallas_call output,
+    which the model does not compute) stays unknown.
+    """
+
+    def __init__(self, calls: list[jax_core.JaxprEqn], operands: list[list[Any]]):
+        self.calls = calls
+        self.operands = operands
+        self._has_pallas: dict[int, bool] = {}
+
+    def contains_pallas(self, jaxpr: jax_core.Jaxpr) -> bool:
+        key = id(jaxpr)
+        if key not in self._has_pallas:
+            self._has_pallas[key] = any(
+                eqn.primitive.name == "pallas_call"
+                or any(self.contains_pallas(sub) for sub in jax_core.jaxprs_in_params(eqn.params))
+                for eqn in jaxpr.eqns
+            )
+        return self._has_pallas[key]
+
+    def run(self, jaxpr: jax_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        env: dict[jax_core.Var, Any] = {}
+
+        def read(atom):
+            return atom.val if isinstance(atom, jax_core.Literal) else env[atom]
+
+        for var, val in zip(jaxpr.constvars, consts):
+            env[var] = val
+        for var, val in zip(jaxpr.invars, args):
+            env[var] = val
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            if eqn.primitive.name == "pallas_call":
+                leading, small = _num_grid_operands(eqn)
+                self.calls.append(eqn)
+                self.operands.append([None if _is_unknown(v) else v for v in invals[leading : leading + small]])
+                outvals = [_UNKNOWN] * len(eqn.outvars)
+            elif any(self.contains_pallas(sub) for sub in jax_core.jaxprs_in_params(eqn.params)):
+                outvals = self.descend(eqn, invals)
+            elif any(_is_unknown(v) for v in invals):
+                outvals = [_UNKNOWN] * len(eqn.outvars)
+            else:
+                with eqn.ctx.manager:
+                    out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+                outvals = list(out) if eqn.primitive.multiple_results else [out]
+            for var, val in zip(eqn.outvars, outvals):
+                env[var] = val
+        return [read(v) for v in jaxpr.outvars]
+
+    def descend(self, eqn: jax_core.JaxprEqn, invals: list[Any]) -> list[Any]:
+        """Runs a higher-order primitive whose body holds a pallas_call."""
+        name = eqn.primitive.name
+        params = eqn.params
+        if name == "scan":
+            return self._scan(params, invals)
+        subs = [v for v in params.values() if isinstance(v, (jax_core.ClosedJaxpr, jax_core.Jaxpr))]
+        if name not in ("cond", "while") and len(subs) == 1:
+            sub = subs[0]
+            body, consts = (sub.jaxpr, sub.consts) if isinstance(sub, jax_core.ClosedJaxpr) else (sub, ())
+            if len(body.invars) == len(invals) and len(body.outvars) == len(eqn.outvars):
+                return self.run(body, consts, invals)
+        raise NotImplementedError(f"model_pallas_traffic cannot model a pallas_call inside `{name}`")
+
+    def _scan(self, params, invals):
+        body = params["jaxpr"]
+        num_consts, num_carry, length = params["num_consts"], params["num_carry"], params["length"]
+        consts = invals[:num_consts]
+        carry = invals[num_consts : num_consts + num_carry]
+        xs = invals[num_consts + num_carry :]
+        ys_steps = []
+        order = range(length - 1, -1, -1) if params["reverse"] else range(length)
+        for i in order:
+            x_i = [_UNKNOWN if _is_unknown(x) else x[i] for x in xs]
+            out = self.run(body.jaxpr, body.consts, [*consts, *carry, *x_i])
+            carry = out[:num_carry]
+            ys_steps.append(out[num_carry:])
+        if params["reverse"]:
+            ys_steps.reverse()
+        ys = []
+        for j in range(len(body.jaxpr.outvars) - num_carry):
+            column = [step[j] for step in ys_steps]
+            ys.append(_UNKNOWN if not column or any(_is_unknown(c) for c in column) else jax.numpy.stack(column))
+        return [*carry, *ys]
+
+
+def _call_name(eqn: jax_core.JaxprEqn) -> str:
+    name = eqn.params.get("name")
+    if name:
+        return str(name)
+    debug_info = getattr(eqn.params["jaxpr"], "debug_info", None)
+    return getattr(debug_info, "func_name", None) or "pallas_call"
+
+
+def _memory_space_name(block_mapping: pallas_core.BlockMapping) -> str:
+    space = block_mapping.block_aval.memory_space
+    name = "default" if space is None else str(space).lower()
+    return "vmem" if name == "default" else name
+
+
+def _onchip_bytes(shape: Sequence[int], dtype: np.dtype) -> int:
+    """Bytes of a buffer of `shape` in VMEM/SMEM, padded to Mosaic's native tile."""
+    itemsize = np.dtype(dtype).itemsize
+    packing = max(1, 4 // itemsize)
+    if not shape:
+        return itemsize
+    if len(shape) == 1:
+        return _round_up(shape[0], 128 * packing) * itemsize
+    *leading, rows, cols = shape
+    return math.prod(leading) * _round_up(rows, 8 * packing) * _round_up(cols, 128) * itemsize
+
+
+def _dtype_name(dtype) -> str:
+    return np.dtype(dtype).name
+
+
+def _replay_pallas_call(eqn, small_operands: list[Any], active_steps_fn) -> PallasCallTraffic:
+    """Replays one pallas_call given its dynamic grid sizes and scalar-prefetch operands."""
+    params = eqn.params
+    gm: pallas_core.GridMapping = params["grid_mapping"]
+    name = _call_name(eqn)
+    dynamic_values = small_operands[: gm.num_dynamic_grid_bounds]
+    prefetch = small_operands[gm.num_dynamic_grid_bounds :]
+
+    grid = []
+    dynamic_sizes = iter(dynamic_values)
+    for axis, size in enumerate(gm.grid):
+        if pallas_core.is_dynamic_dim(size):
+            value = next(dynamic_sizes)
+            if _is_unknown(value):
+                raise ValueError(
+                    f"pallas_call {name}: grid axis {axis} has a dynamic size computed from an argument "
+                    "given as ShapeDtypeStruct (or from a kernel output); pass that argument concretely"
+                )
+            grid.append(int(value.reshape(-1)[0]))
+        else:
+            grid.append(int(size))
+    grid = tuple(grid)
+    steps = math.prod(grid)
+    grid_indices = np.stack(np.unravel_index(np.arange(steps), grid), axis=-1).reshape(steps, len(grid))
+    grid_indices = grid_indices.astype(np.int32)
+
+    operands = [_prefetch_traffic(position, aval) for position, aval in enumerate(gm.index_map_avals[len(grid) :])]
+    notes: list[str] = []
+    kept = []
+    for number, block_mapping in enumerate(gm.block_mappings):
+        space = _memory_space_name(block_mapping)
+        if space not in _SEMAPHORE_MEMORY_SPACES:
+            kept.append((block_mapping, "input" if number < gm.num_inputs else "output", space))
+    windowed = [bm for bm, _, space in kept if space not in _UNPIPELINED_MEMORY_SPACES]
+    indices = dict(zip(map(id, windowed), _block_indices(windowed, grid_indices, prefetch, name)))
+    for block_mapping, role, space in kept:
+        if space in _UNPIPELINED_MEMORY_SPACES:
+            notes.append(f"{block_mapping.origin} is in memory space {space}: the kernel's own DMAs of it are not counted")
+            operands.append(_unpipelined_traffic(block_mapping, role, space))
+        else:
+            operands.append(_operand_traffic(block_mapping, role, space, indices[id(block_mapping)]))
+
+    compiler_params = params.get("compiler_params")
+    dimension_semantics = getattr(compiler_params, "dimension_semantics", None)
+    if dimension_semantics is not None:
+        dimension_semantics = tuple(str(s).lower().split(".")[-1] for s in dimension_semantics)
+
+    dots, dots_exact = _kernel_dots(params["jaxpr"])
+    active = steps
+    if active_steps_fn is not None:
+        mask = active_steps_fn(name, grid_indices, tuple(prefetch))
+        if mask is not None:
+            mask = np.asarray(mask, dtype=bool)
+            if mask.shape != (steps,):
+                raise ValueError(f"active_steps must return a bool array of shape ({steps},), got {mask.shape}")
+            active = int(mask.sum())
+
+    return PallasCallTraffic(
+        name=name,
+        grid=grid,
+        dimension_semantics=dimension_semantics,
+        steps=steps,
+        active_steps=active,
+        operands=tuple(operands),
+        dots=dots,
+        dots_exact=dots_exact,
+        scratch_vmem_bytes=sum(_scratch_vmem_bytes(aval) for aval in gm.scratch_avals),
+        vmem_limit_bytes=getattr(compiler_params, "vmem_limit_bytes", None),
+        cost_estimate=params.get("cost_estimate"),
+        notes=tuple(notes),
+    )
+
+
+def _prefetch_traffic(position: int, aval) -> OperandTraffic:
+    """A scalar-prefetch operand: copied whole into SMEM once, before the first step."""
+    shape = tuple(int(d) for d in aval.shape)
+    return OperandTraffic(
+        origin=f"scalar_prefetch[{position}]",
+        role="scalar_prefetch",
+        memory_space="smem",
+        array_shape=shape,
+        dtype=_dtype_name(aval.dtype),
+        block_shape=shape,
+        buffer_count=1,
+        transfers=1,
+        distinct_blocks=1,
+        hbm_bytes=math.prod(shape) * np.dtype(aval.dtype).itemsize,
+        buffer_bytes=_onchip_bytes(shape, aval.dtype),
+        revisits=0,
+        pipelined=True,
+    )
+
+
+def _unpipelined_traffic(block_mapping, role: str, space: str) -> OperandTraffic:
+    return OperandTraffic(
+        origin=block_mapping.origin,
+        role=role,
+        memory_space=space,
+        array_shape=tuple(int(d) for d in block_mapping.array_aval.shape),
+        dtype=_dtype_name(block_mapping.array_aval.dtype),
+        block_shape=tuple(pallas_core.get_block_size(d) for d in block_mapping.block_shape),
+        buffer_count=0,
+        transfers=0,
+        distinct_blocks=0,
+        hbm_bytes=0,
+        buffer_bytes=0,
+        revisits=0,
+        pipelined=False,
+    )
+
+
+def _scratch_vmem_bytes(aval) -> int:
+    inner = getattr(aval, "inner_aval", aval)
+    space = str(getattr(aval, "memory_space", "vmem")).lower()
+    if space not in ("vmem", "default") or jax.dtypes.issubdtype(inner.dtype, jax.dtypes.extended):
+        return 0
+    return _onchip_bytes(tuple(inner.shape), inner.dtype)
+
+
+def _block_indices(block_mappings, grid_indices: np.ndarray, prefetch: list[Any], call_name: str) -> list[np.ndarray]:
+    """The block index tuple of each block mapping at every grid step, each (steps, rank).
+
+    All index maps are vmapped over the steps and evaluated in one jitted call.
+    """
+    steps, num_grid = grid_indices.shape
+    prefetch_args = []
+    for position, value in enumerate(prefetch):
+        if _is_unknown(value):
+            for block_mapping in block_mappings:
+                if block_mapping.index_map_jaxpr.jaxpr.invars[num_grid + position] in _used_vars(
+                    block_mapping.index_map_jaxpr.jaxpr
+                ):
+                    raise ValueError(
+                        f"pallas_call {call_name}: the index map of {block_mapping.origin} reads scalar-prefetch "
+                        f"operand {position}, which is computed from an argument given as ShapeDtypeStruct "
+                        "(or from a kernel output); pass that argument concretely"
+                    )
+            aval = block_mappings[0].index_map_jaxpr.in_avals[num_grid + position] if block_mappings else None
+            inner = getattr(aval, "inner_aval", aval)
+            value = np.zeros(inner.shape, inner.dtype) if inner is not None else np.zeros(())
+        prefetch_args.append(value)
+
+    index_fns = []
+    for block_mapping in block_mappings:
+        rank = len(block_mapping.block_shape)
+        pure = jax_core.jaxpr_as_fun(state_discharge.discharge_state(block_mapping.index_map_jaxpr))
+        index_fns.append((pure, rank))
+
+    def all_block_indices(grid_columns, prefetch_values):
+        def one_step(*step):
+            return [tuple(pure(*step, *prefetch_values)[:rank]) for pure, rank in index_fns]
+
+        return jax.vmap(one_step)(*grid_columns)
+
+    if steps == 0:
+        return [np.zeros((0, len(bm.block_shape)), np.int64) for bm in block_mappings]
+    columns = [grid_indices[:, axis] for axis in range(num_grid)]
+    if num_grid == 0:  # a grid-less call runs once; vmap needs a mapped axis
+        columns = [np.zeros((1,), np.int32)]
+        index_fns = [((lambda pure: lambda _, *rest: pure(*rest))(pure), rank) for pure, rank in index_fns]
+    with jax.default_device(jax.devices("cpu")[0]):
+        results = jax.jit(all_block_indices)(columns, prefetch_args)
+    return [np.stack([np.asarray(c, dtype=np.int64) for c in result], axis=1).reshape(steps, -1) for result in results]
+
+
+def _used_vars(jaxpr: jax_core.Jaxpr) -> set:
+    used = set()
+    for eqn in jaxpr.eqns:
+        used.update(v for v in eqn.invars if isinstance(v, jax_core.Var))
+    used.update(v for v in jaxpr.outvars if isinstance(v, jax_core.Var))
+    return used
+
+
+def _operand_traffic(block_mapping, role, space, block_indices) -> OperandTraffic:
+    array_shape = tuple(int(d) for d in block_mapping.array_aval.shape)
+    dtype = block_mapping.array_aval.dtype
+    steps = block_indices.shape[0]
+    itemsize = np.dtype(dtype).itemsize
+    starts, sizes = [], []
+    for axis, block_dim in enumerate(block_mapping.block_shape):
+        column = block_indices[:, axis]
+        match block_dim:
+            case pallas_core.Blocked(block_size=size):
+                starts.append(column * size)
+                sizes.append(size)
+            case pallas_core.Squeezed():
+                starts.append(column)
+                sizes.append(1)
+            case pallas_core.Element(block_size=size, padding=(pad_low, _)):
+                starts.append(column - pad_low)
+                sizes.append(size)
+            case _:
+                raise NotImplementedError(
+                    f"{block_mapping.origin}: block dimension {block_dim} is not supported by the traffic model"
+                )
+    clipped = np.ones(steps, dtype=np.int64)
+    for start, size, dim in zip(starts, sizes, array_shape):
+        clipped *= np.clip(np.minimum(start + size, dim) - np.maximum(start, 0), 0, None)
+    step_bytes = clipped * itemsize
+
+    changed_from_previous = np.ones(steps, dtype=bool)
+    if steps > 1:
+        changed_from_previous[1:] = np.any(block_indices[1:] != block_indices[:-1], axis=1)
+    run_starts = np.flatnonzero(changed_from_previous)
+    run_blocks = block_indices[run_starts]
+    distinct, first_run = np.unique(run_blocks, axis=0, return_index=True)
+    revisits = len(run_starts) - len(distinct)
+
+    buffer_count = 2
+    pipeline_mode = block_mapping.pipeline_mode
+    if pipeline_mode is not None:
+        buffer_count = pipeline_mode.buffer_count
+    elif space == "vmem" and block_mapping.has_trivial_window():
+        buffer_count = 1  # Mosaic single-buffers blocks that never move.
+
+    if role == "input":
+        transfer_steps = run_starts
+        hbm_bytes = int(step_bytes[transfer_steps].sum())
+        revisits = 0
+    else:
+        last_of_run = np.append(run_starts[1:] - 1, steps - 1) if steps else run_starts
+        transfer_steps = last_of_run
+        hbm_bytes = int(step_bytes[transfer_steps].sum())
+        revisit_any = pipeline_mode is not None and pipeline_mode.revisit == pallas_core.RevisitMode.ANY
+        if revisit_any and revisits:
+            is_first_visit = np.zeros(len(run_starts), dtype=bool)
+            is_first_visit[first_run] = True
+            hbm_bytes += int(step_bytes[run_starts[~is_first_visit]].sum())
+
+    ref_shape = tuple(
+        pallas_core.get_block_size(d)
+        for d in block_mapping.block_shape
+        if not isinstance(d, pallas_core.Squeezed)
+    )
+    return OperandTraffic(
+        origin=block_mapping.origin,
+        role=role,
+        memory_space=space,
+        array_shape=array_shape,
+        dtype=_dtype_name(dtype),
+        block_shape=tuple(pallas_core.get_block_size(d) for d in block_mapping.block_shape),
+        buffer_count=buffer_count,
+        transfers=int(len(transfer_steps)),
+        distinct_blocks=int(len(distinct)),
+        hbm_bytes=hbm_bytes,
+        buffer_bytes=buffer_count * _onchip_bytes(ref_shape, dtype),
+        revisits=int(revisits),
+        pipelined=True,
+    )
+
+
+def _kernel_dots(jaxpr: jax_core.Jaxpr) -> tuple[tuple[DotShape, ...], bool]:
+    """The matmuls of one grid step, merged by shape, and whether the count is exact."""
+    collected: dict[tuple, int] = {}
+    exact = _collect_dots(jaxpr, 1, collected)
+    dots = tuple(DotShape(*key, count=count) for key, count in collected.items())
+    return dots, exact
+
+
+def _dot_key(eqn) -> tuple:
+    lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
+    batch = math.prod(lhs.shape[d] for d in lhs_batch)
+    k = math.prod(lhs.shape[d] for d in lhs_contract)
+    m = math.prod(s for d, s in enumerate(lhs.shape) if d not in (*lhs_contract, *lhs_batch))
+    n = math.prod(s for d, s in enumerate(rhs.shape) if d not in (*rhs_contract, *rhs_batch))
+    precision = eqn.params.get("precision")
+    if isinstance(precision, tuple):
+        precision = precision[0]
+    precision_name = "DEFAULT" if precision is None else getattr(precision, "name", str(precision))
+    return (batch, m, k, n, _dtype_name(lhs.dtype), _dtype_name(rhs.dtype), precision_name)
+
+
+def _flops_of(collected: dict[tuple, int]) -> int:
+    return sum(2 * key[0] * key[1] * key[2] * key[3] * count for key, count in collected.items())
+
+
+def _collect_dots(jaxpr: jax_core.Jaxpr, multiplicity: int, collected: dict[tuple, int]) -> bool:
+    exact = True
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            key = _dot_key(eqn)
+            collected[key] = collected.get(key, 0) + multiplicity
+        elif name == "cond":
+            branch_dots = []
+            for branch in eqn.params["branches"]:
+                found: dict[tuple, int] = {}
+                exact &= _collect_dots(branch.jaxpr, multiplicity, found)
+                branch_dots.append(found)
+            costs = [_flops_of(found) for found in branch_dots]
+            if len(set(costs)) > 1:
+                exact = False
+            for key, count in branch_dots[int(np.argmax(costs))].items():
+                collected[key] = collected.get(key, 0) + count
+        elif name == "scan":
+            exact &= _collect_dots(eqn.params["jaxpr"].jaxpr, multiplicity * eqn.params["length"], collected)
+        elif name == "while":
+            found = {}
+            _collect_dots(eqn.params["body_jaxpr"].jaxpr, multiplicity, found)
+            if found:
+                exact = False
+            for key, count in found.items():
+                collected[key] = collected.get(key, 0) + count
+        else:
+            for sub in jax_core.jaxprs_in_params(eqn.params):
+                exact &= _collect_dots(sub, multiplicity, collected)
+    return exact
