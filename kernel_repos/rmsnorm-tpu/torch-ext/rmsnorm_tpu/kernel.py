@@ -1,0 +1,417 @@
+"""Pallas TPU kernels for RMSNorm, fused residual-add + RMSNorm, and their backward.
+
+All kernels view the input as a matrix [rows, hidden] and stream it through
+VMEM in row blocks of shape (block_rows, hidden): the whole hidden dimension
+sits in one block (allowed for any hidden size, because a block dimension equal
+to the array dimension is exempt from the (8, 128) tiling rule), so each row is
+read from HBM once and written once; the reduction over hidden never leaves
+VMEM. The grid runs over row blocks; the last block may be ragged, and Pallas
+masks its out-of-bounds rows on store. Rows never mix in the forward kernels,
+so garbage in the padding rows of a ragged block cannot reach a valid output;
+the backward kernels reduce over rows for the weight gradient and mask those
+rows explicitly.
+
+Math is in float32 whatever the input dtype; outputs take the input dtype.
+
+The block size comes from `select_config(rows, hidden, dtype, generation)`,
+which fits the pipelined buffers into the generation's scoped VMEM and picks
+the number of grid steps that balances per-step overhead against the
+unoverlapped first load and last store of the pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+MIB = 1024 * 1024
+LANES = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuGeneration:
+    """What the tiling needs to know about one TPU generation (per TensorCore)."""
+
+    name: str
+    hbm_bytes_per_second: float
+    # The VMEM limit Mosaic compiles a kernel against unless told otherwise.
+    scoped_vmem_bytes: int
+    vmem_capacity_bytes: int
+
+
+GENERATIONS = {
+    "v5e": TpuGeneration("v5e", hbm_bytes_per_second=8.2e11, scoped_vmem_bytes=16 * MIB, vmem_capacity_bytes=128 * MIB),
+    "v6e": TpuGeneration("v6e", hbm_bytes_per_second=1.64e12, scoped_vmem_bytes=32 * MIB, vmem_capacity_bytes=128 * MIB),
+}
+DEFAULT_GENERATION = "v6e"
+# Chips outside the table get the v5e budget: 16 MiB of scoped VMEM is the
+# smallest default of any TPU generation, so its tiles compile everywhere.
+FALLBACK_GENERATION = "v5e"
+
+# Fixed cost of one grid step of a Pallas TPU pipeline (DMA issue, semaphore
+# waits, loop bookkeeping), from the Pallas TPU pipelining documentation.
+GRID_STEP_OVERHEAD_SECONDS = 0.35e-6
+# Share of the scoped VMEM limit the pipelined blocks may take; the rest is
+# left to Mosaic's internal scratch.
+VMEM_BUDGET_FRACTION = 0.8
+# Beyond this share of physical VMEM we refuse rather than raise the limit.
+VMEM_CAPACITY_FRACTION = 0.75
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTraffic:
+    """The per-row footprint of one kernel: what select_config sizes blocks by.
+
+    row_arrays: [rows, hidden] arrays streamed through VMEM (inputs + outputs),
+    each double-buffered by the pipeline. f32_row_temporaries: float32
+    [block_rows, hidden] scratch Mosaic allocates for the body, rounded up from
+    the scoped VMEM totals that CompileTimeScopedVmemOom reports for oversized
+    blocks on v5e and v6e (bfloat16 inputs need the most: their upcasts).
+    """
+
+    row_arrays: int
+    f32_row_temporaries: int
+
+
+KERNELS = {
+    "rms_norm": KernelTraffic(row_arrays=2, f32_row_temporaries=1),
+    "fused_add_rms_norm": KernelTraffic(row_arrays=4, f32_row_temporaries=2),
+    "rms_norm_backward": KernelTraffic(row_arrays=3, f32_row_temporaries=4),
+    "fused_add_rms_norm_backward": KernelTraffic(row_arrays=4, f32_row_temporaries=4),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RowBlockConfig:
+    """Tiling of one kernel call: rows per block, and a VMEM limit when the default is too small."""
+
+    block_rows: int
+    vmem_limit_bytes: int | None = None
+
+
+def current_generation() -> str:
+    """The TPU generation JAX runs on, DEFAULT_GENERATION off-TPU."""
+    device = jax.devices()[0]
+    if device.platform != "tpu":
+        return DEFAULT_GENERATION
+    kind = device.device_kind.lower()
+    if "v6" in kind:
+        return "v6e"
+    if "v5 lite" in kind or "v5e" in kind:
+        return "v5e"
+    return FALLBACK_GENERATION
+
+
+def sublane_multiple(dtype) -> int:
+    """Row-block alignment: 8 sublanes of 32-bit words, packed 2 per word for 16-bit types."""
+    return 8 * (4 // jnp.dtype(dtype).itemsize)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _vmem_bytes(block_rows: int, hidden: int, dtype, traffic: KernelTraffic) -> int:
+    padded_hidden = _round_up(hidden, LANES)
+    itemsize = jnp.dtype(dtype).itemsize
+    per_row = padded_hidden * (2 * itemsize * traffic.row_arrays + 4 * traffic.f32_row_temporaries)
+    # The weight block and the weight-gradient partials: a few sublanes of f32 each, double-buffered.
+    vectors = 2 * 2 * 8 * padded_hidden * 4
+    return _round_up(block_rows, sublane_multiple(dtype)) * per_row + vectors
+
+
+def select_config(rows: int, hidden: int, dtype, generation: str, *, kernel: str = "rms_norm") -> RowBlockConfig:
+    """Rows per block for `kernel` on [rows, hidden] arrays of `dtype` on a TPU `generation`.
+
+    The pipeline overlaps the DMA of block i+1 with the compute of block i, but
+    not the first load and the last store: with n steps, about 1/n of the
+    traffic time is exposed, while each step costs a fixed overhead. n* =
+    sqrt(traffic time / step overhead) minimises the sum; blocks are then made
+    equal (so a ragged last block wastes little), aligned to the sublane
+    multiple, and capped by what fits the scoped VMEM.
+    """
+    if generation not in GENERATIONS:
+        raise ValueError(f"generation must be one of {sorted(GENERATIONS)}, got {generation!r}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
+    if rows < 1 or hidden < 1:
+        raise ValueError(f"rows and hidden must be >= 1, got rows={rows}, hidden={hidden}")
+    dtype = jnp.dtype(dtype)
+    chip = GENERATIONS[generation]
+    traffic = KERNELS[kernel]
+    align = sublane_multiple(dtype)
+
+    traffic_seconds = rows * hidden * dtype.itemsize * traffic.row_arrays / chip.hbm_bytes_per_second
+    steps = max(1, round(math.sqrt(traffic_seconds / GRID_STEP_OVERHEAD_SECONDS)))
+    block_rows = _round_up(-(-rows // steps), align)
+
+    budget = int(chip.scoped_vmem_bytes * VMEM_BUDGET_FRACTION)
+    bytes_per_aligned_rows = _vmem_bytes(align, hidden, dtype, traffic) - _vmem_bytes(0, hidden, dtype, traffic)
+    fitting_rows = (budget - _vmem_bytes(0, hidden, dtype, traffic)) // bytes_per_aligned_rows * align
+    vmem_limit_bytes = None
+    if fitting_rows < align:
+        # Even the smallest aligned block overflows the default: ask for more VMEM.
+        needed = _vmem_bytes(align, hidden, dtype, traffic)
+        vmem_limit_bytes = _round_up(int(needed / VMEM_BUDGET_FRACTION), MIB)
+        if vmem_limit_bytes > chip.vmem_capacity_bytes * VMEM_CAPACITY_FRACTION:
+            raise ValueError(
+                f"hidden={hidden} is too large for {kernel} on {generation}: one block of {align} rows "
+                f"needs {needed / MIB:.1f} MiB of VMEM"
+            )
+        fitting_rows = align
+    block_rows = min(block_rows, fitting_rows)
+    if block_rows >= rows:
+        # One block covering every row: a block dim equal to the array dim needs no alignment.
+        block_rows = rows
+    return RowBlockConfig(block_rows=block_rows, vmem_limit_bytes=vmem_limit_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowKernelLayout:
+    """Grid and BlockSpecs of one kernel call: what the kernel DMAs, for pallas_call and traffic counting."""
+
+    grid: tuple[int]
+    in_specs: tuple[pl.BlockSpec, ...]
+    out_specs: tuple[pl.BlockSpec, ...]
+    in_shapes: tuple[jax.ShapeDtypeStruct, ...]
+    out_shapes: tuple[jax.ShapeDtypeStruct, ...]
+    config: RowBlockConfig
+
+
+def row_kernel_layout(
+    kernel: str, rows: int, hidden: int, dtype, weight_dtype, generation: str, block_rows: int | None = None
+) -> RowKernelLayout:
+    """The grid and blocks `kernel` uses for [rows, hidden] inputs; `block_rows` overrides select_config."""
+    config = select_config(rows, hidden, dtype, generation, kernel=kernel)
+    if block_rows is not None:
+        align = sublane_multiple(dtype)
+        if not (block_rows == rows or (block_rows >= align and block_rows % align == 0)):
+            raise ValueError(f"block_rows must be a multiple of {align} for {jnp.dtype(dtype)} or equal rows={rows}, got {block_rows}")
+        config = dataclasses.replace(config, block_rows=min(block_rows, rows))
+    block_rows = config.block_rows
+    num_blocks = pl.cdiv(rows, block_rows)
+    row_spec = pl.BlockSpec((block_rows, hidden), lambda i: (i, 0))
+    # Same block index on every step: the pipeline fetches the weight once.
+    weight_spec = pl.BlockSpec((1, hidden), lambda i: (0, 0))
+    # One float32 partial weight gradient per row block, summed outside the kernel.
+    weight_grad_spec = pl.BlockSpec((None, 1, hidden), lambda i: (i, 0, 0))
+
+    row = jax.ShapeDtypeStruct((rows, hidden), dtype)
+    weight = jax.ShapeDtypeStruct((1, hidden), weight_dtype)
+    weight_grad_partials = jax.ShapeDtypeStruct((num_blocks, 1, hidden), jnp.float32)
+    row_inputs, row_outputs, with_weight_grad = {
+        "rms_norm": (1, 1, False),
+        "fused_add_rms_norm": (2, 2, False),
+        "rms_norm_backward": (2, 1, True),
+        "fused_add_rms_norm_backward": (3, 1, True),
+    }[kernel]
+    return RowKernelLayout(
+        grid=(num_blocks,),
+        in_specs=(row_spec,) * row_inputs + (weight_spec,),
+        out_specs=(row_spec,) * row_outputs + ((weight_grad_spec,) if with_weight_grad else ()),
+        in_shapes=(row,) * row_inputs + (weight,),
+        out_shapes=(row,) * row_outputs + ((weight_grad_partials,) if with_weight_grad else ()),
+        config=config,
+    )
+
+
+def _pallas_call(body, layout: RowKernelLayout, *, name: str, flops_per_element: int, transcendentals: int):
+    bytes_accessed = sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in layout.in_shapes + layout.out_shapes)
+    rows, hidden = layout.in_shapes[0].shape
+    return pl.pallas_call(
+        body,
+        grid=layout.grid,
+        in_specs=list(layout.in_specs),
+        out_specs=list(layout.out_specs) if len(layout.out_specs) > 1 else layout.out_specs[0],
+        out_shape=list(layout.out_shapes) if len(layout.out_shapes) > 1 else layout.out_shapes[0],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",), vmem_limit_bytes=layout.config.vmem_limit_bytes
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=flops_per_element * rows * hidden, transcendentals=transcendentals, bytes_accessed=bytes_accessed
+        ),
+        name=name,
+    )
+
+
+def _inverse_rms(x, eps: float):
+    return jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _scale(weight_ref, offset: float):
+    return offset + weight_ref[...].astype(jnp.float32)
+
+
+def _rms_norm_body(x_ref, weight_ref, y_ref, *, eps: float, offset: float):
+    x = x_ref[...].astype(jnp.float32)
+    y_ref[...] = (x * _inverse_rms(x, eps) * _scale(weight_ref, offset)).astype(y_ref.dtype)
+
+
+def _fused_add_rms_norm_body(x_ref, residual_ref, weight_ref, y_ref, new_residual_ref, *, eps: float, offset: float):
+    # Normalise the sum as rounded to the residual dtype, exactly what the unfused
+    # `norm(x + residual)` of a transformers decoder layer sees.
+    total = (x_ref[...].astype(jnp.float32) + residual_ref[...].astype(jnp.float32)).astype(new_residual_ref.dtype)
+    new_residual_ref[...] = total
+    total = total.astype(jnp.float32)
+    y_ref[...] = (total * _inverse_rms(total, eps) * _scale(weight_ref, offset)).astype(y_ref.dtype)
+
+
+def _backward_body(*refs, eps: float, offset: float, rows: int, block_rows: int, with_residual_grad: bool):
+    if with_residual_grad:
+        grad_ref, residual_grad_ref, x_ref, weight_ref, dx_ref, weight_grad_ref = refs
+    else:
+        grad_ref, x_ref, weight_ref, dx_ref, weight_grad_ref = refs
+    x = x_ref[...].astype(jnp.float32)
+    grad = grad_ref[...].astype(jnp.float32)
+    inverse_rms = _inverse_rms(x, eps)
+    normed = x * inverse_rms
+    scaled_grad = grad * _scale(weight_ref, offset)
+    # d/dx of x * r(x) * s, with r = (mean(x^2) + eps)^-1/2: r * (g*s - n * mean(g*s*n)).
+    dx = inverse_rms * (scaled_grad - normed * jnp.mean(scaled_grad * normed, axis=-1, keepdims=True))
+    if with_residual_grad:
+        dx = dx + residual_grad_ref[...].astype(jnp.float32)
+    dx_ref[...] = dx.astype(dx_ref.dtype)
+
+    weight_grad_terms = grad * normed
+    if rows % block_rows:
+        # The ragged last block holds uninitialised rows; this sum over rows must not see them.
+        row_ids = pl.program_id(0) * block_rows + jax.lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
+        weight_grad_terms = jnp.where(row_ids < rows, weight_grad_terms, 0.0)
+    weight_grad_ref[...] = jnp.sum(weight_grad_terms, axis=0, keepdims=True)
+
+
+def _check_inputs(name: str, rows_arrays: dict[str, jax.Array], weight: jax.Array, eps: float) -> None:
+    first_name, first = next(iter(rows_arrays.items()))
+    if first.ndim < 1:
+        raise ValueError(f"{name}: {first_name} must have at least one dimension (the hidden size)")
+    for array_name, array in rows_arrays.items():
+        if array.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: {array_name} must be float32 or bfloat16, got {array.dtype}")
+        if array.shape != first.shape or array.dtype != first.dtype:
+            raise ValueError(
+                f"{name}: {array_name} {array.dtype}{list(array.shape)} must match "
+                f"{first_name} {first.dtype}{list(first.shape)}"
+            )
+    if weight.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name}: weight must be float32 or bfloat16, got {weight.dtype}")
+    if weight.shape != (first.shape[-1],):
+        raise ValueError(f"{name}: weight shape {list(weight.shape)} must be [{first.shape[-1]}], the hidden size of {first_name}")
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+        raise ValueError(f"{name}: eps must be a finite number > 0, got {eps!r}")
+
+
+def _as_rows(array: jax.Array) -> jax.Array:
+    return array.reshape(-1, array.shape[-1])
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "offset", "generation", "block_rows"))
+def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, offset: float = 0.0, generation: str | None = None, block_rows: int | None = None) -> jax.Array:
+    """y = x / sqrt(mean(x^2, -1) + eps) * (offset + weight), over the last axis of x."""
+    _check_inputs("rms_norm", {"x": x}, weight, eps)
+    if x.size == 0:
+        return jnp.zeros(x.shape, x.dtype)
+    rows = _as_rows(x)
+    layout = row_kernel_layout("rms_norm", *rows.shape, x.dtype, weight.dtype, generation or current_generation(), block_rows)
+    call = _pallas_call(
+        functools.partial(_rms_norm_body, eps=float(eps), offset=float(offset)),
+        layout,
+        name="rms_norm",
+        flops_per_element=4,
+        transcendentals=rows.shape[0],
+    )
+    return call(rows, weight.reshape(1, -1)).reshape(x.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "offset", "generation", "block_rows"))
+def fused_add_rms_norm(
+    x: jax.Array,
+    residual: jax.Array,
+    weight: jax.Array,
+    *,
+    eps: float,
+    offset: float = 0.0,
+    generation: str | None = None,
+    block_rows: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """(rms_norm(x + residual), x + residual) in one pass over memory; the sum is rounded to x's dtype."""
+    _check_inputs("fused_add_rms_norm", {"x": x, "residual": residual}, weight, eps)
+    if x.size == 0:
+        return jnp.zeros(x.shape, x.dtype), jnp.zeros(x.shape, x.dtype)
+    layout = row_kernel_layout(
+        "fused_add_rms_norm", *_as_rows(x).shape, x.dtype, weight.dtype, generation or current_generation(), block_rows
+    )
+    call = _pallas_call(
+        functools.partial(_fused_add_rms_norm_body, eps=float(eps), offset=float(offset)),
+        layout,
+        name="fused_add_rms_norm",
+        flops_per_element=5,
+        transcendentals=layout.in_shapes[0].shape[0],
+    )
+    y, new_residual = call(_as_rows(x), _as_rows(residual), weight.reshape(1, -1))
+    return y.reshape(x.shape), new_residual.reshape(x.shape)
+
+
+def _backward(kernel, grads, x, weight, eps, offset, generation, block_rows):
+    rows = _as_rows(x)
+    layout = row_kernel_layout(kernel, *rows.shape, x.dtype, weight.dtype, generation or current_generation(), block_rows)
+    call = _pallas_call(
+        functools.partial(
+            _backward_body,
+            eps=float(eps),
+            offset=float(offset),
+            rows=rows.shape[0],
+            block_rows=layout.config.block_rows,
+            with_residual_grad=len(grads) == 2,
+        ),
+        layout,
+        name=kernel,
+        flops_per_element=10,
+        transcendentals=rows.shape[0],
+    )
+    dx, weight_grad_partials = call(*(_as_rows(g) for g in grads), rows, weight.reshape(1, -1))
+    return dx.reshape(x.shape), jnp.sum(weight_grad_partials, axis=(0, 1)).astype(weight.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "offset", "generation", "block_rows"))
+def rms_norm_backward(
+    grad: jax.Array, x: jax.Array, weight: jax.Array, *, eps: float, offset: float = 0.0, generation: str | None = None,
+    block_rows: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """(dL/dx, dL/dweight) of rms_norm given dL/dy = grad."""
+    _check_inputs("rms_norm_backward", {"x": x, "grad": grad}, weight, eps)
+    if x.size == 0:
+        return jnp.zeros(x.shape, x.dtype), jnp.zeros(weight.shape, weight.dtype)
+    return _backward("rms_norm_backward", (grad,), x, weight, eps, offset, generation, block_rows)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "offset", "generation", "block_rows"))
+def fused_add_rms_norm_backward(
+    grad_y: jax.Array,
+    grad_new_residual: jax.Array,
+    new_residual: jax.Array,
+    weight: jax.Array,
+    *,
+    eps: float,
+    offset: float = 0.0,
+    generation: str | None = None,
+    block_rows: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """(dL/d(x + residual), dL/dweight) of fused_add_rms_norm; dL/dx and dL/dresidual both equal the first."""
+    _check_inputs(
+        "fused_add_rms_norm_backward",
+        {"new_residual": new_residual, "grad_y": grad_y, "grad_new_residual": grad_new_residual},
+        weight,
+        eps,
+    )
+    if new_residual.size == 0:
+        return jnp.zeros(new_residual.shape, new_residual.dtype), jnp.zeros(weight.shape, weight.dtype)
+    return _backward(
+        "fused_add_rms_norm_backward", (grad_y, grad_new_residual), new_residual, weight, eps, offset, generation, block_rows
+    )

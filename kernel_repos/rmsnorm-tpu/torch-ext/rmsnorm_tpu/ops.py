@@ -1,0 +1,126 @@
+"""Torch ops over the Pallas kernels, with autograd, and the public functions that validate input."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import torch
+
+from . import kernel
+from ._ops import add_op_namespace_prefix, jax_torch_op
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@jax_torch_op(add_op_namespace_prefix("rms_norm"))
+def _rms_norm_op(x: jax.Array, weight: jax.Array, eps: float, offset: float) -> jax.Array:
+    return kernel.rms_norm(x, weight, eps=eps, offset=offset)
+
+
+@jax_torch_op(add_op_namespace_prefix("rms_norm_backward"))
+def _rms_norm_backward_op(
+    grad: jax.Array, x: jax.Array, weight: jax.Array, eps: float, offset: float
+) -> tuple[jax.Array, jax.Array]:
+    return kernel.rms_norm_backward(grad, x, weight, eps=eps, offset=offset)
+
+
+@jax_torch_op(add_op_namespace_prefix("fused_add_rms_norm"))
+def _fused_add_rms_norm_op(
+    x: jax.Array, residual: jax.Array, weight: jax.Array, eps: float, offset: float
+) -> tuple[jax.Array, jax.Array]:
+    return kernel.fused_add_rms_norm(x, residual, weight, eps=eps, offset=offset)
+
+
+@jax_torch_op(add_op_namespace_prefix("fused_add_rms_norm_backward"))
+def _fused_add_rms_norm_backward_op(
+    grad_y: jax.Array, grad_new_residual: jax.Array, new_residual: jax.Array, weight: jax.Array, eps: float, offset: float
+) -> tuple[jax.Array, jax.Array]:
+    return kernel.fused_add_rms_norm_backward(grad_y, grad_new_residual, new_residual, weight, eps=eps, offset=offset)
+
+
+def _save_rms_norm_inputs(ctx, inputs, output):
+    x, weight, eps, offset = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps, ctx.offset = eps, offset
+
+
+def _rms_norm_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    dx, weight_grad = _rms_norm_backward_op(grad.contiguous(), x, weight, ctx.eps, ctx.offset)
+    return dx, weight_grad, None, None
+
+
+_rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_save_rms_norm_inputs)
+
+
+def _save_fused_outputs(ctx, inputs, output):
+    _, _, weight, eps, offset = inputs
+    # The norm's input is the new residual: saving the output avoids keeping x and residual.
+    ctx.save_for_backward(output[1], weight)
+    ctx.eps, ctx.offset = eps, offset
+
+
+def _fused_add_rms_norm_backward(ctx, grad_y, grad_new_residual):
+    new_residual, weight = ctx.saved_tensors
+    grad_sum, weight_grad = _fused_add_rms_norm_backward_op(
+        grad_y.contiguous(), grad_new_residual.contiguous(), new_residual, weight, ctx.eps, ctx.offset
+    )
+    return grad_sum, grad_sum, weight_grad, None, None
+
+
+_fused_add_rms_norm_op.register_autograd(_fused_add_rms_norm_backward, setup_context=_save_fused_outputs)
+
+
+def _check_tensor(name: str, value, like: torch.Tensor | None = None) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be torch.float32 or torch.bfloat16, got {value.dtype}")
+    if like is not None and value.device != like.device:
+        raise ValueError(f"{name} is on {value.device} but x is on {like.device}")
+
+
+def _check_number(name: str, value, *, positive: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{name} must be a finite number{' > 0' if positive else ''}, got {value}")
+    return float(value)
+
+
+def _check_norm_inputs(x, weight, eps, offset) -> tuple[float, float]:
+    _check_tensor("x", x)
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"x must have a non-empty last dimension (the hidden size), got shape {list(x.shape)}")
+    _check_tensor("weight", weight, like=x)
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight must have shape [{x.shape[-1]}] (the hidden size of x), got {list(weight.shape)}")
+    return _check_number("eps", eps, positive=True), _check_number("offset", offset, positive=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0) -> torch.Tensor:
+    """x / sqrt(mean(x**2, -1) + eps) * (offset + weight), in float32, returned in x's dtype.
+
+    `offset=1.0` is the zero-centred form (Gemma, Qwen3-Next, Qwen3.5) whose
+    stored weight is the deviation from 1.
+    """
+    eps, offset = _check_norm_inputs(x, weight, eps, offset)
+    return _rms_norm_op(x, weight, eps, offset)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), reading x and residual once and writing both results once.
+
+    The sum is rounded to x's dtype before it is normalised, as in the unfused
+    `hidden = residual + hidden; norm(hidden)` of a decoder layer.
+    """
+    eps, offset = _check_norm_inputs(x, weight, eps, offset)
+    _check_tensor("residual", residual, like=x)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"residual must match x: x is {x.dtype} {list(x.shape)}, residual is {residual.dtype} {list(residual.shape)}"
+        )
+    return _fused_add_rms_norm_op(x, residual, weight, eps, offset)
