@@ -1,0 +1,5 @@
+import sys
+
+from .server import serve_main
+
+sys.exit(serve_main())

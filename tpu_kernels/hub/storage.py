@@ -1,0 +1,513 @@
+"""Durable storage of the local Hub.
+
+Layout under the root folder:
+
+    blobs/<sha256[:2]>/<sha256>           file contents, content-addressed, shared by all repos
+    repos/<type>/<namespace>/<name>/
+        repo.json                           type and creation date
+        commits/<commit id>.json            immutable commit objects (full file manifest)
+        refs.json                           branches and tags -> commit ids
+    tmp/                                    staging area, emptied when the server starts
+    server.lock                             one server process per root
+
+A commit id is the sha1 of the commit object's canonical JSON, which is also
+the file's exact content: commits are content-addressed and self-verifying.
+
+Crash safety: every file is written to tmp/, fsynced and renamed into place
+(then its folder is fsynced), in the order blobs -> commit object -> refs.json.
+A branch moves only when refs.json is replaced, so a crash at any point leaves
+every ref at a complete commit; what a crashed commit wrote before that is
+unreferenced and invisible. Commits to one repo are serialised by a lock.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path, PurePosixPath
+from types import MappingProxyType
+
+REPO_TYPES = ("model", "kernel")
+MAIN_BRANCH = "main"
+# URL prefixes and API words that would make a namespace ambiguous in routes.
+RESERVED_NAMESPACES = frozenset({"api", "models", "kernels", "datasets", "spaces", "buckets", "resolve", "tmp"})
+MAX_PATH_CHARS = 1024
+MAX_REF_CHARS = 255
+
+_REPO_NAME_PART = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")
+_REF_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]*")
+_COMMIT_ID = re.compile(r"[0-9a-f]{40}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class HubError(Exception):
+    """An error with the HTTP status and the `X-Error-Code` huggingface_hub maps to its exceptions."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, commit: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.commit = commit
+
+
+def now_iso() -> str:
+    """The Hub's timestamp format: milliseconds, UTC, trailing Z."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+def validate_repo_type(repo_type: str) -> str:
+    if repo_type not in REPO_TYPES:
+        raise HubError(400, f"Unsupported repo type {repo_type!r}: this server serves {', '.join(REPO_TYPES)} repos")
+    return repo_type
+
+
+def validate_repo_id(repo_id: str) -> tuple[str, str]:
+    """`namespace/name` with the Hub's character rules; returns both parts."""
+    parts = repo_id.split("/")
+    if len(parts) != 2 or not all(_REPO_NAME_PART.fullmatch(part) for part in parts):
+        raise HubError(
+            400,
+            f"Invalid repo id {repo_id!r}: expected 'namespace/name' made of letters, digits, '-', '_' and '.', "
+            "each part starting and ending with a letter or digit, at most 96 characters",
+        )
+    if any("--" in part or ".." in part for part in parts):
+        raise HubError(400, f"Invalid repo id {repo_id!r}: '--' and '..' are not allowed")
+    if parts[0].lower() in RESERVED_NAMESPACES:
+        raise HubError(400, f"Invalid repo id {repo_id!r}: namespace {parts[0]!r} is reserved")
+    return parts[0], parts[1]
+
+
+def validate_path(path: str) -> str:
+    """A file path inside a repo: relative, normalised, never escaping the repo root."""
+    if not isinstance(path, str) or not path:
+        raise HubError(400, "Invalid path: empty")
+    if len(path) > MAX_PATH_CHARS:
+        raise HubError(400, f"Invalid path {path[:80]!r}...: longer than {MAX_PATH_CHARS} characters")
+    if "\0" in path or any(ord(char) < 0x20 for char in path):
+        raise HubError(400, f"Invalid path {path!r}: control characters are not allowed")
+    if "\\" in path:
+        raise HubError(400, f"Invalid path {path!r}: use '/' as the separator")
+    if path.startswith("/"):
+        raise HubError(400, f"Invalid path {path!r}: absolute paths are not allowed")
+    parts = path.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        raise HubError(400, f"Invalid path {path!r}: empty, '.' and '..' segments are not allowed")
+    if ".git" in parts:
+        raise HubError(400, f"Invalid path {path!r}: '.git' folders are not allowed")
+    return path
+
+
+def validate_ref_name(name: str) -> str:
+    """Branch and tag names: a conservative subset of git's rules."""
+    if (
+        not _REF_NAME.fullmatch(name)
+        or len(name) > MAX_REF_CHARS
+        or ".." in name
+        or "//" in name
+        or name.endswith(("/", ".", ".lock"))
+        or _COMMIT_ID.fullmatch(name)
+        or name.startswith("refs/")
+    ):
+        raise HubError(400, f"Invalid branch or tag name {name!r}")
+    return name
+
+
+def git_blob_oid(content: bytes) -> str:
+    """The git object id of a file, which the Hub uses as ETag and `oid` of regular files."""
+    return hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest()
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    sha256: str
+    git_oid: str
+    size: int
+
+    def to_json(self) -> dict:
+        return {"sha256": self.sha256, "oid": self.git_oid, "size": self.size}
+
+    @staticmethod
+    def from_json(data: dict) -> FileEntry:
+        return FileEntry(sha256=data["sha256"], git_oid=data["oid"], size=data["size"])
+
+
+@dataclass(frozen=True)
+class Commit:
+    id: str
+    parent: str | None
+    files: Mapping[str, FileEntry]
+    title: str
+    message: str
+    author: str
+    date: str
+
+
+@dataclass(frozen=True)
+class Refs:
+    branches: Mapping[str, str]
+    tags: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class StagedFile:
+    """A file of a commit being received: its content is in tmp/ until the commit lands."""
+
+    path: str
+    entry: FileEntry
+    staged_at: Path
+
+
+@dataclass(frozen=True)
+class Deletion:
+    path: str
+    is_folder: bool
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _canonical_json(data) -> bytes:
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+class Storage:
+    """Repos, commits, refs and blobs under one root folder, owned by one server process."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._server_lock = open(self.root / "server.lock", "a+")
+        try:
+            fcntl.flock(self._server_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._server_lock.close()
+            raise RuntimeError(f"another tpu-kernels hub server is already using {self.root}") from None
+        self.blobs = self.root / "blobs"
+        self.repos = self.root / "repos"
+        self.tmp = self.root / "tmp"
+        # Leftovers of a crashed commit: never referenced, safe to drop now that we own the root.
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        for folder in (self.blobs, self.repos, self.tmp):
+            folder.mkdir(exist_ok=True)
+        self._repo_locks: dict[tuple[str, str], threading.Lock] = {}
+        self._repo_locks_guard = threading.Lock()
+        self._read_commit_cached = functools.lru_cache(maxsize=4096)(self._read_commit)
+
+    def close(self) -> None:
+        self._server_lock.close()
+
+    # -- atomic files ---------------------------------------------------------------------------
+
+    def _write_atomically(self, target: Path, content: bytes) -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, staging = tempfile.mkstemp(dir=self.tmp)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(content)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(staging, target)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staging)
+            raise
+        _fsync_dir(target.parent)
+
+    # -- repos ----------------------------------------------------------------------------------
+
+    def repo_dir(self, repo_type: str, repo_id: str) -> Path:
+        validate_repo_type(repo_type)
+        namespace, name = validate_repo_id(repo_id)
+        return self.repos / repo_type / namespace / name
+
+    def existing_repo_dir(self, repo_type: str, repo_id: str) -> Path:
+        folder = self.repo_dir(repo_type, repo_id)
+        if not (folder / "refs.json").is_file():
+            raise HubError(404, f"Repository {repo_type}/{repo_id} not found", code="RepoNotFound")
+        return folder
+
+    def repo_exists(self, repo_type: str, repo_id: str) -> bool:
+        return (self.repo_dir(repo_type, repo_id) / "refs.json").is_file()
+
+    def namespaces(self) -> set[str]:
+        return {path.name for repo_type in REPO_TYPES for path in (self.repos / repo_type).glob("*") if path.is_dir()}
+
+    def count_repos(self, namespace: str) -> dict[str, int]:
+        return {
+            repo_type: sum(1 for path in (self.repos / repo_type / namespace).glob("*/refs.json"))
+            for repo_type in REPO_TYPES
+        }
+
+    def repo_created_at(self, repo_type: str, repo_id: str) -> str:
+        folder = self.existing_repo_dir(repo_type, repo_id)
+        return json.loads((folder / "repo.json").read_text())["createdAt"]
+
+    @contextlib.contextmanager
+    def _repo_lock(self, repo_type: str, repo_id: str) -> Iterator[None]:
+        with self._repo_locks_guard:
+            lock = self._repo_locks.setdefault((repo_type, repo_id), threading.Lock())
+        with lock:
+            yield
+
+    def create_repo(self, repo_type: str, repo_id: str, author: str) -> None:
+        """A new repo whose `main` holds an empty initial commit, as on the Hub. 409 if it exists."""
+        folder = self.repo_dir(repo_type, repo_id)
+        with self._repo_lock(repo_type, repo_id):
+            if (folder / "refs.json").is_file():
+                raise HubError(409, f"You already created this {repo_type} repo: {repo_id}")
+            created_at = now_iso()
+            self._write_atomically(
+                folder / "repo.json", _canonical_json({"type": repo_type, "id": repo_id, "createdAt": created_at})
+            )
+            initial = self._write_commit(folder, None, {}, "initial commit", "", "system", created_at)
+            # refs.json last: its presence is what makes the repo exist.
+            self._write_refs(folder, Refs(branches={MAIN_BRANCH: initial.id}, tags={}))
+
+    # -- refs and commits -----------------------------------------------------------------------
+
+    def refs(self, repo_type: str, repo_id: str) -> Refs:
+        folder = self.existing_repo_dir(repo_type, repo_id)
+        data = json.loads((folder / "refs.json").read_text())
+        return Refs(branches=MappingProxyType(data["branches"]), tags=MappingProxyType(data["tags"]))
+
+    def _write_refs(self, folder: Path, refs: Refs) -> None:
+        self._write_atomically(
+            folder / "refs.json", _canonical_json({"branches": dict(refs.branches), "tags": dict(refs.tags)})
+        )
+
+    def _read_commit(self, folder: Path, commit_id: str) -> Commit:
+        raw = (folder / "commits" / f"{commit_id}.json").read_bytes()
+        if hashlib.sha1(raw).hexdigest() != commit_id:
+            raise HubError(500, f"Commit {commit_id} is corrupted on disk")
+        data = json.loads(raw)
+        return Commit(
+            id=commit_id,
+            parent=data["parent"],
+            files=MappingProxyType({path: FileEntry.from_json(entry) for path, entry in data["files"].items()}),
+            title=data["title"],
+            message=data["message"],
+            author=data["author"],
+            date=data["date"],
+        )
+
+    def commit(self, repo_type: str, repo_id: str, commit_id: str) -> Commit:
+        return self._read_commit_cached(self.existing_repo_dir(repo_type, repo_id), commit_id)
+
+    def _write_commit(
+        self,
+        folder: Path,
+        parent: str | None,
+        files: Mapping[str, FileEntry],
+        title: str,
+        message: str,
+        author: str,
+        date: str,
+    ) -> Commit:
+        body = {
+            "parent": parent,
+            "files": {path: files[path].to_json() for path in sorted(files)},
+            "title": title,
+            "message": message,
+            "author": author,
+            "date": date,
+        }
+        raw = _canonical_json(body)
+        commit_id = hashlib.sha1(raw).hexdigest()
+        self._write_atomically(folder / "commits" / f"{commit_id}.json", raw)
+        return Commit(
+            id=commit_id, parent=parent, files=MappingProxyType(dict(files)),
+            title=title, message=message, author=author, date=date,
+        )
+
+    def resolve_revision(self, repo_type: str, repo_id: str, revision: str) -> Commit:
+        """Branch, then tag, then full commit id: what the Hub accepts in `revision`."""
+        refs = self.refs(repo_type, repo_id)
+        commit_id = refs.branches.get(revision) or refs.tags.get(revision)
+        folder = self.existing_repo_dir(repo_type, repo_id)
+        if commit_id is None and _COMMIT_ID.fullmatch(revision) and (folder / "commits" / f"{revision}.json").is_file():
+            commit_id = revision
+        if commit_id is None:
+            raise HubError(404, f"Invalid rev id: {revision}", code="RevisionNotFound")
+        return self._read_commit_cached(folder, commit_id)
+
+    def history(self, repo_type: str, repo_id: str, revision: str) -> Iterator[Commit]:
+        commit: Commit | None = self.resolve_revision(repo_type, repo_id, revision)
+        while commit is not None:
+            yield commit
+            commit = self.commit(repo_type, repo_id, commit.parent) if commit.parent else None
+
+    def create_branch(self, repo_type: str, repo_id: str, branch: str, starting_point: str) -> None:
+        self._create_ref(repo_type, repo_id, "branches", branch, starting_point)
+
+    def create_tag(self, repo_type: str, repo_id: str, tag: str, revision: str) -> None:
+        self._create_ref(repo_type, repo_id, "tags", tag, revision)
+
+    def _create_ref(self, repo_type: str, repo_id: str, kind: str, name: str, revision: str) -> None:
+        validate_ref_name(name)
+        folder = self.existing_repo_dir(repo_type, repo_id)
+        with self._repo_lock(repo_type, repo_id):
+            target = self.resolve_revision(repo_type, repo_id, revision)
+            refs = self.refs(repo_type, repo_id)
+            if name in refs.branches or name in refs.tags:
+                raise HubError(409, f"Reference already exists: {name}")
+            updated = {"branches": dict(refs.branches), "tags": dict(refs.tags)}
+            updated[kind][name] = target.id
+            self._write_refs(folder, Refs(**updated))
+
+    def delete_ref(self, repo_type: str, repo_id: str, kind: str, name: str) -> None:
+        folder = self.existing_repo_dir(repo_type, repo_id)
+        if kind == "branches" and name == MAIN_BRANCH:
+            raise HubError(403, "The main branch cannot be deleted")
+        with self._repo_lock(repo_type, repo_id):
+            refs = self.refs(repo_type, repo_id)
+            updated = {"branches": dict(refs.branches), "tags": dict(refs.tags)}
+            if updated[kind].pop(name, None) is None:
+                raise HubError(404, f"Invalid rev id: {name}", code="RevisionNotFound")
+            self._write_refs(folder, Refs(**updated))
+
+    # -- blobs ----------------------------------------------------------------------------------
+
+    def blob_path(self, entry: FileEntry) -> Path:
+        if not _SHA256.fullmatch(entry.sha256):
+            raise HubError(500, "Corrupted file entry")
+        return self.blobs / entry.sha256[:2] / entry.sha256
+
+    def stage_base64(self, path: str, content_base64: str) -> StagedFile:
+        """Decode one uploaded file into tmp/ (fsynced); it becomes a blob only if its commit lands."""
+        try:
+            content = base64.b64decode(content_base64, validate=True)
+        except (binascii.Error, ValueError) as error:
+            raise HubError(400, f"Invalid base64 content for {path!r}: {error}") from None
+        fd, staging = tempfile.mkstemp(dir=self.tmp)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(content)
+            handle.flush()
+            os.fsync(handle.fileno())
+        entry = FileEntry(sha256=hashlib.sha256(content).hexdigest(), git_oid=git_blob_oid(content), size=len(content))
+        return StagedFile(path=path, entry=entry, staged_at=Path(staging))
+
+    def discard(self, staged: Iterable[StagedFile]) -> None:
+        for file in staged:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(file.staged_at)
+
+    def _install_blob(self, staged: StagedFile) -> None:
+        target = self.blob_path(staged.entry)
+        if target.is_file():
+            os.unlink(staged.staged_at)
+            return
+        target.parent.mkdir(exist_ok=True)
+        os.replace(staged.staged_at, target)
+        _fsync_dir(target.parent)
+
+    # -- commits --------------------------------------------------------------------------------
+
+    def commit_operations(
+        self,
+        repo_type: str,
+        repo_id: str,
+        branch: str,
+        *,
+        additions: list[StagedFile],
+        deletions: list[Deletion],
+        title: str,
+        message: str,
+        author: str,
+        parent_commit: str | None,
+    ) -> Commit:
+        """Apply deletions then additions on top of the branch head, as one new commit.
+
+        Concurrent commits to one repo are serialised; each applies to the head it
+        finds, so none is lost. With `parent_commit`, the commit is refused (412)
+        if the branch has moved since, as on the Hub.
+        """
+        folder = self.existing_repo_dir(repo_type, repo_id)
+        try:
+            with self._repo_lock(repo_type, repo_id):
+                refs = self.refs(repo_type, repo_id)
+                if branch not in refs.branches:
+                    raise HubError(
+                        404, f"Invalid rev id: {branch} (commits go to an existing branch)", code="RevisionNotFound"
+                    )
+                head = self._read_commit_cached(folder, refs.branches[branch])
+                if parent_commit is not None and not head.id.startswith(parent_commit.lower()):
+                    raise HubError(
+                        412,
+                        f"A commit has happened since. Please refresh and try again. "
+                        f"(branch {branch} is at {head.id}, parentCommit was {parent_commit})",
+                        commit=head.id,
+                    )
+                files = dict(head.files)
+                for deletion in deletions:
+                    _apply_deletion(files, deletion)
+                for addition in additions:
+                    files[addition.path] = addition.entry
+                for addition in additions:
+                    self._install_blob(addition)
+                commit = self._write_commit(folder, head.id, files, title, message, author, now_iso())
+                self._write_refs(folder, Refs(branches={**refs.branches, branch: commit.id}, tags=refs.tags))
+                return commit
+        finally:
+            self.discard(additions)
+
+
+def _apply_deletion(files: dict[str, FileEntry], deletion: Deletion) -> None:
+    if not deletion.is_folder:
+        if files.pop(deletion.path, None) is None:
+            raise HubError(404, f"A file with this name doesn't exist: {deletion.path}", code="EntryNotFound")
+        return
+    prefix = deletion.path.rstrip("/") + "/"
+    doomed = [path for path in files if path.startswith(prefix)]
+    if not doomed:
+        raise HubError(404, f"A folder with this name doesn't exist: {deletion.path}", code="EntryNotFound")
+    for path in doomed:
+        del files[path]
+
+
+def folder_oid(files: Mapping[str, FileEntry], folder: str) -> str:
+    """A stable id for a folder's content (the Hub gives folders a git tree id)."""
+    prefix = folder + "/"
+    digest = hashlib.sha1()
+    for path in sorted(p for p in files if p.startswith(prefix)):
+        digest.update(path[len(prefix):].encode() + b"\0" + files[path].git_oid.encode() + b"\n")
+    return digest.hexdigest()
+
+
+def tree_entries(files: Mapping[str, FileEntry], folder: str, recursive: bool) -> list[tuple[str, FileEntry | None]]:
+    """(path, entry) under `folder` ("" for the root); entry None marks a folder. 404 if no such folder."""
+    prefix = f"{folder}/" if folder else ""
+    below = [path for path in files if path.startswith(prefix)]
+    if folder and not below:
+        raise HubError(404, f"Entry not found: {folder}", code="EntryNotFound")
+    listed: dict[str, FileEntry | None] = {}
+    for path in below:
+        relative = PurePosixPath(path[len(prefix):])
+        parents = list(reversed(relative.parents))[1:]  # drop "."
+        if recursive:
+            for parent in parents:
+                listed.setdefault(prefix + parent.as_posix(), None)
+            listed[path] = files[path]
+        elif parents:
+            listed.setdefault(prefix + parents[0].as_posix(), None)
+        else:
+            listed[path] = files[path]
+    return sorted(listed.items())

@@ -1,0 +1,213 @@
+"""`get_kernel`: the `kernels` library's loader, plus a digest check of every file before import.
+
+Resolution, trust, version lookup, variant choice, download and import are
+`kernels` 0.17.2's own (its resolvers, validators and dependency tree, used
+exactly as `kernels.get_kernel` wires them). What this module adds between
+download and import:
+
+* the selected variant's files are hashed with `kernels`' `Digest.hash_variant`
+  and compared with the `digest` of its metadata.json; a missing, extra or
+  changed file stops the load with `KernelIntegrityError` naming the files
+  (`kernels` parses the digest but never checks it);
+* bytecode in the variant is removed before import and none is written:
+  `hash_variant` skips `__pycache__`, so a planted `.pyc` whose header matches
+  its source would otherwise run instead of the verified source;
+* `force_download=True` re-fetches the variant from the Hub, which repairs a
+  damaged cache;
+* a load by `version=` records `refs/v<N>` in the cache, so the same call works
+  offline afterwards (`kernels` looks versions up there but never writes them).
+
+Configuration is read from the environment when `huggingface_hub` and `kernels`
+are first imported, as they do: HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE,
+KERNELS_CACHE (else HF_HUB_CACHE), LOCAL_KERNELS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+from huggingface_hub import HfApi, constants
+from huggingface_hub.file_download import repo_folder_name
+from kernels import resolver as kernels_resolver
+from kernels._rust import Digest, DigestValidationError, KernelDependency, KernelVersion, Metadata
+from kernels._versions import revision_or_version
+from kernels.deps import DepTreeNode, resolve_kernel_tree
+from kernels.hf_hub import _get_hf_api
+from kernels.load import _get_local_kernel_overrides
+from kernels.resolver import HubCacheResolver, HubResolver, LocalKernel, SequentialResolver
+from kernels.validate import AllValidator, ArchValidator, default_metadata_validators
+
+logger = logging.getLogger(__name__)
+
+BYTECODE_FOLDER = "__pycache__"
+
+
+class KernelIntegrityError(RuntimeError):
+    """A kernel variant's files do not match the sha256 digests of its metadata.json."""
+
+    def __init__(self, message: str, files: list[Path]):
+        super().__init__(message)
+        self.files = files
+
+
+def get_kernel(
+    repo_id: str,
+    *,
+    version: int | None = None,
+    revision: str | None = None,
+    backend: str | None = None,
+    trust_remote_code: bool | list[str] = False,
+    force_download: bool = False,
+) -> ModuleType:
+    """Load a kernel from the Hub (or HF_ENDPOINT) like `kernels.get_kernel`, after checking its digests.
+
+    Args:
+        repo_id: `namespace/name` of the kernel repo.
+        version: major version, served from branch `v<version>`. Exactly one of version/revision.
+        revision: branch, tag or commit sha.
+        backend: `cpu`, `tpu`, ...; detected when None.
+        trust_remote_code: True, or a list of repo ids allowed besides trusted publishers.
+        force_download: fetch the variant's files again even if cached (repairs a damaged cache).
+
+    Raises:
+        KernelIntegrityError: a file of the selected variant is missing, extra or altered.
+        ValueError: untrusted publisher, unknown version (the message lists the available ones),
+            or both/neither of version and revision.
+    """
+    kernel = KernelDependency(repo_id=repo_id, version=revision_or_version(revision=revision, version=version))
+    offline = constants.HF_HUB_OFFLINE
+    if force_download and offline:
+        raise ValueError("force_download=True needs the Hub, but HF_HUB_OFFLINE is set")
+    api = _get_hf_api()
+    hub_resolver = (HubCacheResolver if offline else HubResolver)(trust_remote_code=trust_remote_code)
+    tree = resolve_kernel_tree(
+        api=api,
+        backend=backend,
+        kernel=kernel,
+        resolver=SequentialResolver(resolvers=[_get_local_kernel_overrides(), hub_resolver]),
+    )
+    tree.validate_metadata(AllValidator(validators=[*default_metadata_validators(), ArchValidator()]))
+    installed = tree.install(api=api)
+    if force_download:
+        _download_again(installed, api)
+    _verify_tree(installed)
+    if isinstance(kernel.version, KernelVersion.Version) and installed.location.origin is not None:
+        _remember_version(repo_id, kernel.version.version, installed.location.origin.revision)
+    with _bytecode_writing_disabled():
+        return installed.load()
+
+
+def verify_variant(variant_path: Path, *, source: str | None = None) -> None:
+    """Check a variant folder against the digest of its metadata.json; raise KernelIntegrityError if it differs.
+
+    `source` says where the variant came from, for the error message (defaults to the path).
+    """
+    variant_path = Path(variant_path)
+    expected = Metadata.read_from_file(variant_path / "metadata.json").digest
+    if expected is None:
+        logger.warning("%s has no digest in metadata.json: its files cannot be verified", source or variant_path)
+        return
+    try:
+        expected.validate(Digest.hash_variant(expected.algorithm, variant_path))
+    except DigestValidationError as error:
+        files = sorted({variant_path / path for violation in error.violations if (path := getattr(violation, "path", None))})
+        details = "\n".join(f"  - {violation}" for violation in error.violations)
+        raise KernelIntegrityError(
+            f"Refusing to import {source or variant_path}: its files do not match the {expected.algorithm} digest "
+            f"in {variant_path / 'metadata.json'}:\n{details}\nFiles: {', '.join(map(str, files))}",
+            files,
+        ) from None
+
+
+def _nodes(tree: DepTreeNode[LocalKernel]) -> Iterator[LocalKernel]:
+    yield tree.location
+    for dep in tree.deps.values():
+        yield from _nodes(dep)
+
+
+def _verify_tree(tree: DepTreeNode[LocalKernel]) -> None:
+    for kernel in _nodes(tree):
+        origin = kernel.origin
+        if origin is not None:
+            source = f"{origin.repo_id} (revision {origin.revision}, variant {kernel.variant_str})"
+            remedy = f"Download it again: tpu_kernels.get_kernel({origin.repo_id!r}, ..., force_download=True)."
+        elif _in_download_cache(kernel.variant_path):
+            source = f"cached kernel {kernel.variant_path}"
+            remedy = "Download it again, online: tpu_kernels.get_kernel(..., force_download=True)."
+        else:
+            source, remedy = f"local kernel {kernel.variant_path}", "Rebuild it."
+        try:
+            verify_variant(kernel.variant_path, source=source)
+        except KernelIntegrityError as error:
+            raise KernelIntegrityError(f"{error}\n{remedy}", error.files) from None
+        _remove_bytecode(kernel.variant_path)
+
+
+def _download_cache() -> Path:
+    return Path(kernels_resolver.CACHE_DIR or constants.HF_HUB_CACHE).resolve()
+
+
+def _in_download_cache(path: Path) -> bool:
+    return Path(path).resolve().is_relative_to(_download_cache())
+
+
+def _download_again(tree: DepTreeNode[LocalKernel], api: HfApi) -> None:
+    """Fetch every Hub variant of the tree again, replacing blobs and snapshot links in the cache."""
+    for kernel in _nodes(tree):
+        origin = kernel.origin
+        if origin is None:
+            continue
+        # A file replaced in the snapshot (rather than edited through its link) would
+        # survive a forced download, which only rewrites blobs: drop the links first.
+        for path in kernel.variant_path.rglob("*"):
+            if path.is_symlink() or path.is_file():
+                path.unlink()
+        api.snapshot_download(
+            origin.repo_id,
+            repo_type="kernel",
+            allow_patterns=[f"build/{kernel.variant_str}/*"],
+            ignore_patterns=kernels_resolver._BYTECODE_IGNORE_PATTERNS,
+            cache_dir=kernels_resolver.CACHE_DIR,
+            revision=origin.revision,
+            force_download=True,
+        )
+
+
+def _remove_bytecode(variant_path: Path) -> None:
+    """Drop `__pycache__` folders so that only the verified sources get executed."""
+    for folder, subfolders, _ in os.walk(variant_path):
+        if BYTECODE_FOLDER in subfolders:
+            # Best effort: a read-only cache keeps its bytecode, written by its owner.
+            shutil.rmtree(Path(folder) / BYTECODE_FOLDER, ignore_errors=True)
+            subfolders.remove(BYTECODE_FOLDER)
+
+
+@contextlib.contextmanager
+def _bytecode_writing_disabled() -> Iterator[None]:
+    previous = sys.dont_write_bytecode
+    sys.dont_write_bytecode = True
+    try:
+        yield
+    finally:
+        sys.dont_write_bytecode = previous
+
+
+def _remember_version(repo_id: str, version: int, commit: str) -> None:
+    """Write refs/v<version> -> commit in the cache, where `kernels` looks versions up when offline."""
+    ref = _download_cache() / repo_folder_name(repo_id=repo_id, repo_type="kernel") / "refs" / f"v{version}"
+    with contextlib.suppress(FileNotFoundError):
+        if ref.read_text() == commit:
+            return
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    fd, staging = tempfile.mkstemp(dir=ref.parent, prefix=f".v{version}.")
+    with os.fdopen(fd, "w") as handle:
+        handle.write(commit)
+    os.replace(staging, ref)
