@@ -348,3 +348,39 @@ def test_block_bytes_are_clipped_to_the_array_at_a_partial_edge_block():
     [call] = perf.model_pallas_traffic(copy, x)
     assert call.inputs[0].hbm_bytes == 40 * 128 * 4
     assert call.outputs[0].hbm_bytes == 40 * 128 * 4
+
+
+def _buffers_and_scratch(x, *, scratch_mib):
+    """A copy kernel whose double-buffered blocks and scratch take a known number of MiB of VMEM."""
+    rows, cols = x.shape
+    scratch_rows = scratch_mib * 2**20 // (cols * 4)
+
+    def kernel(x_ref, o_ref, scratch_ref):
+        scratch_ref[...] = jnp.broadcast_to(x_ref[0:1, :], scratch_ref.shape)
+        o_ref[...] = x_ref[...] + scratch_ref[scratch_rows - 1 : scratch_rows, :]
+
+    spec = pl.BlockSpec((rows // 2, cols), lambda i: (i, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(2,),
+        in_specs=[spec],
+        out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        scratch_shapes=[pltpu.VMEM((scratch_rows, cols), jnp.float32)],
+    )(x)
+
+
+@pytest.mark.parametrize("scratch_mib, fits", [(4, True), (5, False)])
+def test_vmem_fit_agrees_with_the_compiler_at_the_default_scoped_limit(scratch_mib, fits):
+    # Four 7 MiB f32 block buffers (input and output, double-buffered) plus the scratch,
+    # against v6e's 32 MiB default scoped VMEM limit.
+    x = jax.ShapeDtypeStruct((2 * 7 * 2**20 // 512, 128), jnp.float32)
+    kernel = functools.partial(_buffers_and_scratch, scratch_mib=scratch_mib)
+    [call] = perf.model_pallas_traffic(kernel, x)
+    assert call.vmem_bytes == (4 * 7 + scratch_mib) * 2**20
+    assert perf.roofline(call, "v6e").fits_vmem is fits
+    if fits:
+        compile_for(kernel, [x], "v6e")
+    else:
+        with pytest.raises(Exception, match="CompileTimeScopedVmemOom"):
+            compile_for(kernel, [x], "v6e")

@@ -59,9 +59,10 @@ Constants and their sources:
   1640 GB/s).
 - Default scoped VMEM limit (what a kernel may use unless it sets
   `vmem_limit_bytes`): 16 MiB on v5e, 32 MiB on v6e, measured here with
-  libtpu's compile-only topologies (a pipelined kernel whose double-buffered
-  blocks total 16 MiB / 32 MiB compiles, the next MiB up fails with
-  CompileTimeScopedVmemOom). Not in jax's table.
+  libtpu's compile-only topologies: a kernel whose double-buffered blocks
+  plus scratch total exactly 16 MiB / 32 MiB compiles, one MiB more fails
+  with CompileTimeScopedVmemOom (tests/test_perf.py checks the v6e edge).
+  Not in jax's table.
 - f32 matmuls: counted at the bf16 peak at DEFAULT precision (jax's Pallas TPU
   matmul guide states v5e has "197 TFLOP/s of bf16/f32 compute") and at 1/6
   of it at HIGHEST precision (six bf16 passes, as XLA emulates f32). This is
@@ -557,8 +558,8 @@ def _replay_pallas_call(eqn, small_operands: list[Any], active_steps_fn) -> Pall
             grid.append(int(size))
     grid = tuple(grid)
     steps = math.prod(grid)
-    grid_indices = np.stack(np.unravel_index(np.arange(steps), grid), axis=-1).reshape(steps, len(grid))
-    grid_indices = grid_indices.astype(np.int32)
+    # Row-major, last axis fastest: Mosaic's iteration order. A grid-less call runs once.
+    grid_indices = np.indices(grid, dtype=np.int32).reshape(len(grid), steps).T
 
     operands = [_prefetch_traffic(position, aval) for position, aval in enumerate(gm.index_map_avals[len(grid) :])]
     notes: list[str] = []
@@ -657,45 +658,42 @@ def _block_indices(block_mappings, grid_indices: np.ndarray, prefetch: list[Any]
     """The block index tuple of each block mapping at every grid step, each (steps, rank).
 
     All index maps are vmapped over the steps and evaluated in one jitted call.
+    A scalar-prefetch operand whose value is unknown may only be passed to
+    index maps that do not read it.
     """
     steps, num_grid = grid_indices.shape
+    if not block_mappings:
+        return []
+    if steps == 0:
+        return [np.zeros((0, len(bm.block_shape)), np.int64) for bm in block_mappings]
     prefetch_args = []
     for position, value in enumerate(prefetch):
         if _is_unknown(value):
             for block_mapping in block_mappings:
-                if block_mapping.index_map_jaxpr.jaxpr.invars[num_grid + position] in _used_vars(
-                    block_mapping.index_map_jaxpr.jaxpr
-                ):
+                index_map = block_mapping.index_map_jaxpr.jaxpr
+                if index_map.invars[num_grid + position] in _used_vars(index_map):
                     raise ValueError(
                         f"pallas_call {call_name}: the index map of {block_mapping.origin} reads scalar-prefetch "
                         f"operand {position}, which is computed from an argument given as ShapeDtypeStruct "
                         "(or from a kernel output); pass that argument concretely"
                     )
-            aval = block_mappings[0].index_map_jaxpr.in_avals[num_grid + position] if block_mappings else None
-            inner = getattr(aval, "inner_aval", aval)
-            value = np.zeros(inner.shape, inner.dtype) if inner is not None else np.zeros(())
+            ref_aval = block_mappings[0].index_map_jaxpr.in_avals[num_grid + position]
+            value = np.zeros(ref_aval.inner_aval.shape, ref_aval.inner_aval.dtype)
         prefetch_args.append(value)
 
-    index_fns = []
-    for block_mapping in block_mappings:
-        rank = len(block_mapping.block_shape)
-        pure = jax_core.jaxpr_as_fun(state_discharge.discharge_state(block_mapping.index_map_jaxpr))
-        index_fns.append((pure, rank))
+    index_maps = [
+        (jax_core.jaxpr_as_fun(state_discharge.discharge_state(bm.index_map_jaxpr)), len(bm.block_shape))
+        for bm in block_mappings
+    ]
 
-    def all_block_indices(grid_columns, prefetch_values):
-        def one_step(*step):
-            return [tuple(pure(*step, *prefetch_values)[:rank]) for pure, rank in index_fns]
+    def all_block_indices(step_index, grid_columns, prefetch_values):
+        del step_index  # vmap needs one mapped argument, also for a grid-less call
+        return [tuple(index_map(*grid_columns, *prefetch_values)[:rank]) for index_map, rank in index_maps]
 
-        return jax.vmap(one_step)(*grid_columns)
-
-    if steps == 0:
-        return [np.zeros((0, len(bm.block_shape)), np.int64) for bm in block_mappings]
     columns = [grid_indices[:, axis] for axis in range(num_grid)]
-    if num_grid == 0:  # a grid-less call runs once; vmap needs a mapped axis
-        columns = [np.zeros((1,), np.int32)]
-        index_fns = [((lambda pure: lambda _, *rest: pure(*rest))(pure), rank) for pure, rank in index_fns]
+    batched = jax.vmap(all_block_indices, in_axes=(0, 0, None))
     with jax.default_device(jax.devices("cpu")[0]):
-        results = jax.jit(all_block_indices)(columns, prefetch_args)
+        results = jax.jit(batched)(np.arange(steps, dtype=np.int32), columns, prefetch_args)
     return [np.stack([np.asarray(c, dtype=np.int64) for c in result], axis=1).reshape(steps, -1) for result in results]
 
 
