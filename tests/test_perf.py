@@ -265,8 +265,8 @@ def test_calls_inside_jit_and_scan_are_each_replayed():
     assert perf.roofline(calls, "v6e").time_s == pytest.approx(3 * perf.roofline(calls[0], "v6e").time_s)
 
 
-def _masked_matmul(block_on, x, y):
-    """x @ y computing only the k-blocks that `block_on` switches on (pl.when around the dot)."""
+def _masked_matmul(block_on, x, y, *, gate_on_data=False):
+    """x @ y over the k-blocks that are switched on: by `block_on` (scalar prefetch) or by x's data."""
     m, k = x.shape
     n = y.shape[1]
     bk = 128
@@ -276,7 +276,9 @@ def _masked_matmul(block_on, x, y):
         def _():
             o_ref[...] = jnp.zeros_like(o_ref)
 
-        @pl.when(on_ref[pl.program_id(0)] == 1)
+        switched_on = x_ref[0, 0] > 0 if gate_on_data else on_ref[pl.program_id(0)] == 1
+
+        @pl.when(switched_on)
         def _():
             o_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
 
@@ -291,21 +293,34 @@ def _masked_matmul(block_on, x, y):
     )
 
 
-def test_active_steps_callback_removes_skipped_compute_but_not_the_dmas():
+MASK_X = jax.ShapeDtypeStruct((128, 512), jnp.bfloat16)
+MASK_Y = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+BLOCK_FLOPS = 2 * 128 * 128 * 256
+
+
+def test_pl_when_on_scalar_prefetch_is_evaluated_at_every_step():
     block_on = np.array([1, 0, 0, 1], np.int32)
-    x = jax.ShapeDtypeStruct((128, 512), jnp.bfloat16)
-    y = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
-    [every_step] = perf.model_pallas_traffic(_masked_matmul, block_on, x, y)
-    assert not every_step.dots_exact  # the dot sits under a pl.when
-    assert every_step.flops == 4 * 2 * 128 * 128 * 256
+    [call] = perf.model_pallas_traffic(_masked_matmul, block_on, MASK_X, MASK_Y)
+    assert call.dots_exact
+    assert call.flops == 2 * BLOCK_FLOPS
+    # The pipeline still fetches every block: pl.when only skips the compute.
+    assert call.inputs[0].transfers == call.inputs[1].transfers == 4
+
+
+def test_active_steps_callback_removes_compute_the_model_cannot_see_skipped():
+    block_on = np.array([1, 0, 0, 1], np.int32)
+    gated_on_data = functools.partial(_masked_matmul, gate_on_data=True)
+    [every_step] = perf.model_pallas_traffic(gated_on_data, block_on, MASK_X, MASK_Y)
+    assert not every_step.dots_exact  # x's data decides: the model counts the dot at every step
+    assert every_step.flops == 4 * BLOCK_FLOPS
 
     def when_on(name, grid_indices, prefetch):
         (on,) = prefetch
         return on[grid_indices[:, 0]] == 1
 
-    [masked] = perf.model_pallas_traffic(_masked_matmul, block_on, x, y, active_steps=when_on)
+    [masked] = perf.model_pallas_traffic(gated_on_data, block_on, MASK_X, MASK_Y, active_steps=when_on)
     assert masked.active_steps == 2
-    assert masked.flops == 2 * 2 * 128 * 128 * 256
+    assert masked.flops == 2 * BLOCK_FLOPS
     assert masked.hbm_bytes == every_step.hbm_bytes
 
 

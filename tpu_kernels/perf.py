@@ -82,6 +82,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax._src import core as jax_core
+from jax.extend import core as jex_core
 from jax._src.pallas import core as pallas_core
 from jax._src.pallas.mosaic import tpu_info
 from jax._src.state import discharge as state_discharge
@@ -112,7 +113,6 @@ class TpuGeneration:
     default_scoped_vmem_bytes: int | None
     mxu_size: int
     sublanes: int
-    lanes: int
 
 
 def tpu_generation(name: str) -> TpuGeneration:
@@ -134,7 +134,6 @@ def tpu_generation(name: str) -> TpuGeneration:
         default_scoped_vmem_bytes=DEFAULT_SCOPED_VMEM_BYTES.get(name),
         mxu_size=int(info.mxu_column_size),
         sublanes=int(info.num_sublanes),
-        lanes=int(info.num_lanes),
     )
 
 
@@ -144,7 +143,7 @@ def _round_up(x: int, multiple: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class DotShape:
-    """One matmul of a grid step: `count` times [batch] x (m, k) @ (k, n)."""
+    """A matmul [batch] x (m, k) @ (k, n) on block shapes, run `count` times over the whole grid."""
 
     batch: int
     m: int
@@ -243,21 +242,17 @@ class PallasCallTraffic:
         return self.hbm_read_bytes + self.hbm_write_bytes
 
     @property
-    def flops_per_step(self) -> int:
-        return sum(dot.flops for dot in self.dots)
-
-    @property
     def flops(self) -> int:
-        """MXU FLOPs on the block shapes over the active steps (no MXU padding)."""
-        return self.active_steps * self.flops_per_step
+        """MXU FLOPs on the block shapes over the whole grid (no MXU padding)."""
+        return sum(dot.flops for dot in self.dots)
 
     def mxu_flops(self, generation: str | TpuGeneration) -> int:
         gen = _as_generation(generation)
-        return self.active_steps * sum(dot.mxu_flops(gen) for dot in self.dots)
+        return sum(dot.mxu_flops(gen) for dot in self.dots)
 
     def compute_seconds(self, generation: str | TpuGeneration) -> float:
         gen = _as_generation(generation)
-        return self.active_steps * sum(dot.mxu_flops(gen) / dot.peak_flops_per_s(gen) for dot in self.dots)
+        return sum(dot.mxu_flops(gen) / dot.peak_flops_per_s(gen) for dot in self.dots)
 
     @property
     def vmem_bytes(self) -> int:
@@ -390,7 +385,7 @@ def model_pallas_traffic(fn: Callable, *args, active_steps: ActiveStepsFn | None
         return operands
 
     known_args = [a for a, k in zip(flat_args, is_known) if k]
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(_host_device()):
         operand_values = jax.jit(known_call_operands)(known_args, list(closed.consts))
     return [
         _replay_pallas_call(eqn, [_UNKNOWN if v is None else np.asarray(v) for v in values], active_steps)
@@ -408,6 +403,14 @@ _UNKNOWN = _Unknown()
 
 def _is_unknown(value) -> bool:
     return value is _UNKNOWN
+
+
+def _host_device():
+    """Where the model's small computations run: the CPU when jax has it, else the default device."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return jax.devices()[0]
 
 
 def _num_grid_operands(eqn: jax_core.JaxprEqn) -> tuple[int, int]:
@@ -582,22 +585,26 @@ def _replay_pallas_call(eqn, small_operands: list[Any], active_steps_fn) -> Pall
     if dimension_semantics is not None:
         dimension_semantics = tuple(str(s).lower().split(".")[-1] for s in dimension_semantics)
 
-    dots, dots_exact = _kernel_dots(params["jaxpr"])
-    active = steps
+    active = np.ones(steps, dtype=bool)
     if active_steps_fn is not None:
         mask = active_steps_fn(name, grid_indices, tuple(prefetch))
         if mask is not None:
-            mask = np.asarray(mask, dtype=bool)
-            if mask.shape != (steps,):
-                raise ValueError(f"active_steps must return a bool array of shape ({steps},), got {mask.shape}")
-            active = int(mask.sum())
+            active = np.asarray(mask, dtype=bool)
+            if active.shape != (steps,):
+                raise ValueError(f"active_steps must return a bool array of shape ({steps},), got {active.shape}")
+    step_dots, dots_exact = _grid_dots(params["jaxpr"], gm, grid, grid_indices, prefetch)
+    dots = tuple(
+        DotShape(*key, count=int(np.sum(counts * active)))
+        for key, counts in step_dots.items()
+        if np.any(counts * active)
+    )
 
     return PallasCallTraffic(
         name=name,
         grid=grid,
         dimension_semantics=dimension_semantics,
         steps=steps,
-        active_steps=active,
+        active_steps=int(active.sum()),
         operands=tuple(operands),
         dots=dots,
         dots_exact=dots_exact,
@@ -692,7 +699,7 @@ def _block_indices(block_mappings, grid_indices: np.ndarray, prefetch: list[Any]
 
     columns = [grid_indices[:, axis] for axis in range(num_grid)]
     batched = jax.vmap(all_block_indices, in_axes=(0, 0, None))
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(_host_device()):
         results = jax.jit(batched)(np.arange(steps, dtype=np.int32), columns, prefetch_args)
     return [np.stack([np.asarray(c, dtype=np.int64) for c in result], axis=1).reshape(steps, -1) for result in results]
 
@@ -783,12 +790,103 @@ def _operand_traffic(block_mapping, role, space, block_indices) -> OperandTraffi
     )
 
 
-def _kernel_dots(jaxpr: jax_core.Jaxpr) -> tuple[tuple[DotShape, ...], bool]:
-    """The matmuls of one grid step, merged by shape, and whether the count is exact."""
-    collected: dict[tuple, int] = {}
-    exact = _collect_dots(jaxpr, 1, collected)
-    dots = tuple(DotShape(*key, count=count) for key, count in collected.items())
-    return dots, exact
+def _grid_dots(kernel, gm, grid, grid_indices: np.ndarray, prefetch: list[Any]) -> tuple[dict[tuple, np.ndarray], bool]:
+    """How many times each matmul shape runs at every grid step, and whether that count is exact.
+
+    A top-level `cond` (e.g. `pl.when`) whose predicate depends only on
+    program ids and scalar-prefetch values is evaluated at every step, so
+    skipped compute costs nothing. Other conds count their most expensive
+    branch, a `while` body counts once; the count is then not exact.
+    """
+    steps = grid_indices.shape[0]
+    per_step: dict[tuple, np.ndarray] = {}
+    exact = True
+
+    def add(found: dict[tuple, int], times: np.ndarray):
+        for key, count in found.items():
+            per_step[key] = per_step.get(key, np.zeros(steps, np.int64)) + count * times
+
+    every_step = np.ones(steps, np.int64)
+    for eqn in kernel.eqns:
+        if eqn.primitive.name == "cond" and _cond_has_dots(eqn):
+            branch = _branch_at_each_step(kernel, eqn, gm, grid, grid_indices, prefetch)
+            if branch is not None:
+                for number, body in enumerate(eqn.params["branches"]):
+                    found: dict[tuple, int] = {}
+                    exact &= _collect_dots(body.jaxpr, 1, found)
+                    add(found, (branch == number).astype(np.int64))
+                continue
+        found = {}
+        exact &= _collect_dots_of_eqn(eqn, 1, found)
+        add(found, every_step)
+    return per_step, exact
+
+
+def _cond_has_dots(eqn) -> bool:
+    found: dict[tuple, int] = {}
+    _collect_dots_of_eqn(eqn, 1, found)
+    return bool(found)
+
+
+def _branch_at_each_step(kernel, cond_eqn, gm, grid, grid_indices, prefetch) -> np.ndarray | None:
+    """The branch `cond_eqn` takes at every grid step, if its index depends only on program ids and scalar prefetch."""
+    steps = grid_indices.shape[0]
+    index = cond_eqn.invars[0]
+    num_branches = len(cond_eqn.params["branches"])
+    if isinstance(index, jax_core.Literal):
+        return np.full(steps, int(np.clip(int(index.val), 0, num_branches - 1)))
+    prefetch_refs = list(kernel.invars[: gm.num_index_operands])
+    if any(_is_unknown(value) for value in prefetch):
+        return None
+    if any(
+        eqn.primitive.name in ("swap", "addupdate") and eqn.invars[0] in prefetch_refs for eqn in kernel.eqns
+    ):
+        return None  # the kernel rewrites its scalar prefetch: its values are not the ones passed in
+    producers = {id(var): eqn for eqn in kernel.eqns for var in eqn.outvars}
+    slice_ids: set[int] = set()
+    grid_vars: list[tuple[jax_core.Var, str, int]] = []
+    pending = [index]
+    while pending:
+        var = pending.pop()
+        if isinstance(var, jax_core.Literal) or any(var is ref for ref in prefetch_refs):
+            continue
+        eqn = producers.get(id(var))
+        if eqn is None:
+            return None  # a kernel input other than scalar prefetch
+        if eqn.primitive.name in ("program_id", "num_programs"):
+            if all(v is not var for v, _, _ in grid_vars):
+                grid_vars.append((var, eqn.primitive.name, eqn.params["axis"]))
+            continue
+        if list(jax_core.jaxprs_in_params(eqn.params)):
+            return None
+        if eqn.effects and not (eqn.primitive.name == "get" and any(eqn.invars[0] is ref for ref in prefetch_refs)):
+            return None
+        if id(eqn) not in slice_ids:
+            slice_ids.add(id(eqn))
+            pending.extend(eqn.invars)
+    eqns = [eqn for eqn in kernel.eqns if id(eqn) in slice_ids]
+    predicate = jax_core.Jaxpr(
+        constvars=[],
+        invars=[v for v, _, _ in grid_vars] + prefetch_refs,
+        outvars=[index],
+        eqns=eqns,
+        effects=jax_core.join_effects(*(eqn.effects for eqn in eqns)),
+        debug_info=jex_core.DebugInfo("tpu_kernels.perf", "branch index of a kernel cond", None, None),
+    )
+    pure = jax_core.jaxpr_as_fun(state_discharge.discharge_state(jax_core.ClosedJaxpr(predicate, [])))
+    grid_args = [
+        grid_indices[:, axis] if kind == "program_id" else np.full(steps, grid[axis], np.int32)
+        for _, kind, axis in grid_vars
+    ]
+
+    def branch_index(step, grid_columns, prefetch_values):
+        del step  # vmap needs one mapped argument, also when no program id is read
+        return pure(*grid_columns, *prefetch_values)[0]
+
+    batched = jax.vmap(branch_index, in_axes=(0, 0, None))
+    with jax.default_device(_host_device()):
+        taken = jax.jit(batched)(np.arange(steps, dtype=np.int32), grid_args, list(prefetch))
+    return np.clip(np.asarray(taken, dtype=np.int64), 0, num_branches - 1)
 
 
 def _dot_key(eqn) -> tuple:
@@ -812,31 +910,37 @@ def _flops_of(collected: dict[tuple, int]) -> int:
 def _collect_dots(jaxpr: jax_core.Jaxpr, multiplicity: int, collected: dict[tuple, int]) -> bool:
     exact = True
     for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name == "dot_general":
-            key = _dot_key(eqn)
-            collected[key] = collected.get(key, 0) + multiplicity
-        elif name == "cond":
-            branch_dots = []
-            for branch in eqn.params["branches"]:
-                found: dict[tuple, int] = {}
-                exact &= _collect_dots(branch.jaxpr, multiplicity, found)
-                branch_dots.append(found)
-            costs = [_flops_of(found) for found in branch_dots]
-            if len(set(costs)) > 1:
-                exact = False
-            for key, count in branch_dots[int(np.argmax(costs))].items():
-                collected[key] = collected.get(key, 0) + count
-        elif name == "scan":
-            exact &= _collect_dots(eqn.params["jaxpr"].jaxpr, multiplicity * eqn.params["length"], collected)
-        elif name == "while":
-            found = {}
-            _collect_dots(eqn.params["body_jaxpr"].jaxpr, multiplicity, found)
-            if found:
-                exact = False
-            for key, count in found.items():
-                collected[key] = collected.get(key, 0) + count
-        else:
-            for sub in jax_core.jaxprs_in_params(eqn.params):
-                exact &= _collect_dots(sub, multiplicity, collected)
+        exact &= _collect_dots_of_eqn(eqn, multiplicity, collected)
+    return exact
+
+
+def _collect_dots_of_eqn(eqn, multiplicity: int, collected: dict[tuple, int]) -> bool:
+    """Adds the matmuls one run of `eqn` performs; False if their number is only an upper bound."""
+    name = eqn.primitive.name
+    if name == "dot_general":
+        key = _dot_key(eqn)
+        collected[key] = collected.get(key, 0) + multiplicity
+        return True
+    if name == "cond":
+        exact = True
+        branch_dots = []
+        for branch in eqn.params["branches"]:
+            found: dict[tuple, int] = {}
+            exact &= _collect_dots(branch.jaxpr, multiplicity, found)
+            branch_dots.append(found)
+        costs = [_flops_of(found) for found in branch_dots]
+        for key, count in branch_dots[int(np.argmax(costs))].items():
+            collected[key] = collected.get(key, 0) + count
+        return exact and len(set(costs)) == 1
+    if name == "scan":
+        return _collect_dots(eqn.params["jaxpr"].jaxpr, multiplicity * eqn.params["length"], collected)
+    if name == "while":
+        found = {}
+        _collect_dots(eqn.params["body_jaxpr"].jaxpr, multiplicity, found)
+        for key, count in found.items():
+            collected[key] = collected.get(key, 0) + count
+        return not found
+    exact = True
+    for sub in jax_core.jaxprs_in_params(eqn.params):
+        exact &= _collect_dots(sub, multiplicity, collected)
     return exact
