@@ -150,11 +150,11 @@ def select_config(rows: int, hidden: int, dtype, generation: str, *, kernel: str
 
     traffic_seconds = rows * hidden * dtype.itemsize * traffic.row_arrays / chip.hbm_bytes_per_second
     steps = max(1, round(math.sqrt(traffic_seconds / GRID_STEP_OVERHEAD_SECONDS)))
-    block_rows = _round_up(-(-rows // steps), align)
 
     budget = int(chip.scoped_vmem_bytes * VMEM_BUDGET_FRACTION)
-    bytes_per_aligned_rows = _vmem_bytes(align, hidden, dtype, traffic) - _vmem_bytes(0, hidden, dtype, traffic)
-    fitting_rows = (budget - _vmem_bytes(0, hidden, dtype, traffic)) // bytes_per_aligned_rows * align
+    fixed_bytes = _vmem_bytes(0, hidden, dtype, traffic)
+    bytes_per_aligned_rows = _vmem_bytes(align, hidden, dtype, traffic) - fixed_bytes
+    fitting_rows = max(0, budget - fixed_bytes) // bytes_per_aligned_rows * align
     vmem_limit_bytes = None
     if fitting_rows < align:
         # Even the smallest aligned block overflows the default: ask for more VMEM.
@@ -166,7 +166,8 @@ def select_config(rows: int, hidden: int, dtype, generation: str, *, kernel: str
                 f"needs {needed / MIB:.1f} MiB of VMEM"
             )
         fitting_rows = align
-    block_rows = min(block_rows, fitting_rows)
+    steps = max(steps, -(-rows // fitting_rows))
+    block_rows = _round_up(-(-rows // steps), align)
     if block_rows >= rows:
         # One block covering every row: a block dim equal to the array dim needs no alignment.
         block_rows = rows
