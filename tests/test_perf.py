@@ -341,6 +341,24 @@ def test_megablox_gmm_dynamic_grid_is_resolved_from_the_group_sizes():
     assert weights.hbm_bytes == 3 * k * n * BF16
 
 
+def test_group_sizes_given_abstractly_are_refused_and_so_is_a_call_under_cond():
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    lhs = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16)
+    group_sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+    with pytest.raises(ValueError, match="dynamic size.*pass that argument concretely"):
+        perf.model_pallas_traffic(
+            functools.partial(gmm, preferred_element_type=jnp.bfloat16, tiling=(64, 128, 128)), lhs, rhs, group_sizes
+        )
+
+    def maybe_matmul(flag, x, y):
+        return jax.lax.cond(flag, MATMUL, lambda a, b: jnp.zeros((M, N), jnp.bfloat16), x, y)
+
+    with pytest.raises(NotImplementedError, match="inside `cond`"):
+        perf.model_pallas_traffic(maybe_matmul, True, X, Y)
+
+
 def test_unknown_generation_and_empty_traffic_are_refused():
     with pytest.raises(ValueError, match="generation"):
         perf.tpu_generation("v99")

@@ -2,12 +2,16 @@
 
 We have no TPU, so the speed of a kernel is argued from what a TPU does with
 it. `model_pallas_traffic` traces a JAX function, finds every `pallas_call`
-in it (also inside jit, custom_vjp/custom_jvp, cond, scan and while) and
-replays each call's grid the way the Mosaic TPU pipeline runs it:
+in it (also inside jit, custom_vjp/custom_jvp and scan; not inside lax.cond
+or while_loop) and replays each call's grid the way the Mosaic TPU pipeline
+runs it:
 
 - Grid order: row-major over the grid, the last axis fastest, one step after
   the other on one TensorCore (v5e and v6e have one; "parallel" dimension
-  semantics change nothing there).
+  semantics change nothing there). The copy rules below are the ones jax
+  documents for its pipeline emitter (docs/pallas/pipelining.md, "if the data
+  slices between two consecutive iterations are the same, the pipeline will
+  not issue a copy_in/copy_out"; docs/pallas/tpu/sparse.md on revisiting).
 - An input block is copied HBM -> VMEM (or SMEM) at the first step and at
   every step whose block index differs from the previous step's. Revisiting a
   block that was fetched earlier but not at the previous step fetches it again.
@@ -36,14 +40,16 @@ replays each call's grid the way the Mosaic TPU pipeline runs it:
   HBM bytes.
 
 MXU work is derived from the kernel body: every `dot_general` on the block
-shapes, times the loop trip counts around it, is the work of one grid step
-(so padding rows inside a block are counted: the MXU computes them). For a
-`cond` (e.g. `pl.when`) the most expensive branch is taken, and a `while`
-loop body counts once; `PallasCallTraffic.dots_exact` is False then. Which
-steps run their compute can be told with the `active_steps` callback (the
+shapes, times the loop trip counts around it, at every grid step (so padding
+rows inside a block are counted: the MXU computes them). A top-level `cond`
+(`pl.when`) whose predicate depends only on program ids and scalar-prefetch
+values is evaluated at every step, so compute a kernel skips (an empty group,
+a masked tile) costs nothing. Any other `cond` counts its most expensive
+branch and a `while` body counts once; `PallasCallTraffic.dots_exact` is
+False then, and the `active_steps` callback can say which steps compute (the
 pipeline's DMAs run on every step regardless). `mxu_flops(generation)` also
 pads each matmul to the MXU granularity: rows to 8 sublanes, contraction and
-output columns to the MXU size (128 on v5e, 256 on v6e, jax's TpuInfo).
+output columns to the MXU size (128 on v5e, 256 on v6e, from jax's TpuInfo).
 
 Modelled time of one call on one generation =
     max(HBM bytes / HBM bandwidth, MXU FLOPs / peak) + grid steps * 0.35 us.
@@ -96,7 +102,7 @@ DEFAULT_SCOPED_VMEM_BYTES = {"v5e": 16 * 2**20, "v6e": 32 * 2**20}
 _F32_HIGHEST_PASSES = 6
 
 _UNPIPELINED_MEMORY_SPACES = ("any", "hbm", "host")
-_SEMAPHORE_MEMORY_SPACES = ("semaphore", "semaphore_mem", "sem")
+_SEMAPHORE_MEMORY_SPACES = ("semaphore_mem",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,6 +426,12 @@ def _num_grid_operands(eqn: jax_core.JaxprEqn) -> tuple[int, int]:
     return len(eqn.invars) - small - gm.num_inputs, small
 
 
+# Primitives that call their one body on their operands unchanged; the model looks through them.
+_CALL_PRIMITIVES = frozenset(
+    {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "checkpoint", "remat"}
+)
+
+
 class _Collector:
     """Traces a jaxpr on the values known so far, collecting each pallas_call and its small operands.
 
@@ -479,7 +491,7 @@ class _Collector:
         if name == "scan":
             return self._scan(params, invals)
         subs = [v for v in params.values() if isinstance(v, (jax_core.ClosedJaxpr, jax_core.Jaxpr))]
-        if name not in ("cond", "while") and len(subs) == 1:
+        if name in _CALL_PRIMITIVES and len(subs) == 1:
             sub = subs[0]
             body, consts = (sub.jaxpr, sub.consts) if isinstance(sub, jax_core.ClosedJaxpr) else (sub, ())
             if len(body.invars) == len(invals) and len(body.outvars) == len(eqn.outvars):
