@@ -627,7 +627,9 @@ class RunningHub:
 
     def __init__(self, server: HubHTTPServer):
         self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, name="tpu-kernels-hub", daemon=True)
+        self._thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="tpu-kernels-hub", daemon=True
+        )
         self._thread.start()
         host, port = server.server_address[:2]
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
