@@ -1,0 +1,47 @@
+"""Shapes `tpu-kernels check` compiles ahead of time for each TPU generation.
+
+The tiling is chosen per generation, so every target binds `generation`: a
+v5e compile checks the v5e tiles against v5e's 16 MiB of scoped VMEM.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+HIDDEN_SIZES = (2048, 2816, 4096, 7168)
+ROW_COUNTS = (1, 64, 8192)
+EPS = 1e-6
+
+
+def _targets_of(kernel_fn, arity: int, name: str, rows: int, hidden: int, dtype, generation: str, **options):
+    label = f"{name} rows={rows} H={hidden} {jnp.dtype(dtype).name}"
+    if options:
+        label += " " + " ".join(f"{k}={v}" for k, v in options.items())
+    fn = functools.partial(kernel_fn, eps=EPS, generation=generation, **options)
+    avals = (jax.ShapeDtypeStruct((rows, hidden), dtype),) * arity + (jax.ShapeDtypeStruct((hidden,), dtype),)
+    return label, fn, avals
+
+
+def compile_targets(kernel, generation: str):
+    k = kernel.kernel
+    forward = (("rms_norm", k.rms_norm, 1), ("fused_add_rms_norm", k.fused_add_rms_norm, 2))
+    backward = (("rms_norm_backward", k.rms_norm_backward, 2), ("fused_add_rms_norm_backward", k.fused_add_rms_norm_backward, 3))
+    targets = []
+    for name, fn, arity in forward:
+        for hidden in HIDDEN_SIZES:
+            for rows in ROW_COUNTS:
+                targets.append(_targets_of(fn, arity, name, rows, hidden, jnp.bfloat16, generation))
+        for hidden in (4096, 7168):
+            # float32 doubles the bytes per row: the largest blocks' VMEM fit.
+            targets.append(_targets_of(fn, arity, name, 8192, hidden, jnp.float32, generation, offset=1.0))
+        for hidden in (96, 200):
+            # Hidden sizes that are not a multiple of the 128 lanes, with a ragged last row block.
+            targets.append(_targets_of(fn, arity, name, 1000, hidden, jnp.bfloat16, generation))
+    for name, fn, arity in backward:
+        for dtype in (jnp.bfloat16, jnp.float32):
+            targets.append(_targets_of(fn, arity, name, 8192, 7168, dtype, generation))
+        targets.append(_targets_of(fn, arity, name, 1000, 200, jnp.bfloat16, generation))
+    # Rows so wide that even 8 of them overflow v5e's default scoped VMEM: the kernel raises the limit.
+    targets.append(_targets_of(k.rms_norm, 1, "rms_norm", 64, 65536, jnp.float32, generation))
+    return targets
