@@ -1,0 +1,155 @@
+"""attention_forward registered in transformers: tiny models generate what eager attention generates.
+
+The registration is done here the way `tpu_kernels.kernelize` does it: the
+attention function in `AttentionInterface` and the kernel's mask function in
+`AttentionMaskInterface` under the same name, then
+`model.set_attn_implementation(name)`.
+"""
+
+import pytest
+import torch
+from transformers import AttentionInterface, Gemma2Config, Gemma2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.masking_utils import AttentionMaskInterface
+
+NAME = "tpu_attention"
+NEW_TOKENS = 4
+
+
+class Registration:
+    """The registered name, and which mask each call of the kernel's attention_forward received."""
+
+    def __init__(self, attention_forward):
+        self.name = NAME
+        self.masks = []  # (sliding_window kwarg, None | mask dtype) per call
+        self._attention_forward = attention_forward
+
+    def __call__(self, module, query, key, value, attention_mask, *args, **kwargs):
+        self.masks.append((kwargs.get("sliding_window"), None if attention_mask is None else attention_mask.dtype))
+        return self._attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+@pytest.fixture
+def registered(kernel):
+    previous = {
+        interface: interface._global_mapping.get(NAME) for interface in (AttentionInterface, AttentionMaskInterface)
+    }
+    registration = Registration(kernel.attention_forward)
+    AttentionInterface.register(NAME, registration)
+    AttentionMaskInterface.register(NAME, kernel.attention_mask)
+    yield registration
+    for interface, function in previous.items():
+        if function is None:
+            interface._global_mapping.pop(NAME)
+        else:
+            interface.register(NAME, function)
+
+
+def _tiny_qwen3_moe():
+    config = Qwen3MoeConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+        head_dim=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(config).eval()
+
+
+def _tiny_gemma2():
+    # Alternating sliding-window (w=6) and full layers, with logit soft-capping.
+    config = Gemma2Config(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=6,
+        attn_logit_softcapping=20.0,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=64,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(1)
+    return Gemma2ForCausalLM(config).eval()
+
+
+def _generate(model, implementation, input_ids, attention_mask):
+    model.set_attn_implementation(implementation)
+    with torch.no_grad():
+        return model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+
+
+def _prompts(lengths, seed):
+    """Left-padded random prompts and their padding mask."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, width - length :] = torch.randint(1, 96, (length,), generator=generator)
+        attention_mask[row, width - length :] = 1
+    return input_ids, attention_mask
+
+
+@pytest.mark.parametrize("lengths", [(9,), (11, 6)], ids=["unpadded", "left-padded"])
+def test_qwen3_moe_generates_like_eager(registered, lengths):
+    model = _tiny_qwen3_moe()
+    input_ids, attention_mask = _prompts(lengths, seed=len(lengths))
+    expected = _generate(model, "eager", input_ids, attention_mask)
+    out = _generate(model, registered.name, input_ids, attention_mask)
+    assert model.config._attn_implementation == registered.name
+    assert torch.equal(out, expected)
+    # Unpadded batches take the mask-free causal path, padded ones the explicit boolean masks.
+    expected_mask = None if len(lengths) == 1 else torch.bool
+    assert len(registered.masks) == 2 * NEW_TOKENS
+    assert {mask for _, mask in registered.masks} == {expected_mask}
+
+
+def test_sliding_window_model_generates_like_eager(registered):
+    model = _tiny_gemma2()
+    input_ids, attention_mask = _prompts((10,), seed=3)
+    expected = _generate(model, "eager", input_ids, attention_mask)
+    out = _generate(model, registered.name, input_ids, attention_mask)
+    assert torch.equal(out, expected)
+    # The prompt (10) outgrows the window (6): sliding layers get explicit masks, full layers none.
+    assert set(registered.masks) == {(6, torch.bool), (None, None)}
+
+
+def test_layer_outputs_match_eager(registered):
+    """One forward pass, left-padded: the logits of the real tokens agree with eager attention."""
+    model = _tiny_gemma2()
+    input_ids, attention_mask = _prompts((12, 7), seed=4)
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        expected = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        model.set_attn_implementation(registered.name)
+        out = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    real = attention_mask.bool()
+    torch.testing.assert_close(out[real], expected[real], rtol=1e-4, atol=1e-4)
+
+
+def test_dropout_in_training_raises(kernel):
+    model = _tiny_qwen3_moe()
+    attention = model.model.layers[0].self_attn
+    attention.train()
+    query = torch.randn(1, 8, 3, 64)
+    key = torch.randn(1, 1, 3, 64)
+    with pytest.raises(ValueError, match="dropout"):
+        kernel.attention_forward(attention, query, key, key.clone(), None, dropout=0.1)
