@@ -1,0 +1,3 @@
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]

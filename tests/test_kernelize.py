@@ -1,0 +1,107 @@
+"""kernelize(model) on tiny transformers MoE models built from config: same logits, same tokens."""
+
+import pytest
+import torch
+from kernels import Mode
+from transformers import AutoModelForCausalLM, GptOssConfig, MixtralConfig, Qwen3MoeConfig
+
+from tpu_kernels import kernelize
+from tpu_kernels.builder import build_kernel_repo
+from tpu_kernels.kernelize import experts_modules
+
+from .conftest import REPO_ROOT
+
+COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, max_position_embeddings=256)
+CONFIGS = {
+    "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                                        intermediate_size=96, decoder_sparse_step=1),
+    "mixtral": lambda: MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2),
+    "gpt_oss": lambda: GptOssConfig(**COMMON, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2,
+                                    layer_types=["sliding_attention", "full_attention"], sliding_window=8),
+}
+
+
+@pytest.fixture(scope="module")
+def ragged_dot_build(tmp_path_factory):
+    return build_kernel_repo(REPO_ROOT / "kernel_repos" / "ragged-dot-tpu", tmp_path_factory.mktemp("build"))
+
+
+def _tiny_model(name, dtype=torch.float32):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=dtype).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 3:  # expert weights start empty in some models: make them random, never zero
+                parameter.normal_(std=0.1)
+    return model
+
+
+def _prompt(batch=2, length=5):
+    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(7))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_and_greedy_tokens_match_eager(name, ragged_dot_build):
+    model = _tiny_model(name)
+    prompt = _prompt()
+    # Without a cache every step has a new token count, so a new kernel
+    # compilation: one model covers that path to keep CI time in check.
+    use_cache_options = (True, False) if name == "qwen3_moe" else (True,)
+    with torch.no_grad():
+        eager_logits = model(prompt).logits
+        eager_tokens = [model.generate(prompt, max_new_tokens=16, do_sample=False, use_cache=c) for c in use_cache_options]
+    kernelize(model, repos={"experts": str(ragged_dot_build)})
+    report = model.tpu_kernels_report
+    assert [e.modules for e in report.replaced("experts")] == [tuple(experts_modules(model))]
+    assert len(experts_modules(model)) == 2
+    with torch.no_grad():
+        logits = model(prompt).logits
+        tokens = [model.generate(prompt, max_new_tokens=16, do_sample=False, use_cache=c) for c in use_cache_options]
+    assert (logits - eager_logits).abs().max().item() <= 1e-4
+    for ours, eager in zip(tokens, eager_tokens):
+        assert ours.shape[1] == prompt.shape[1] + 16
+        assert torch.equal(ours, eager)
+
+
+def test_bf16_logits_close_to_eager(ragged_dot_build):
+    model = _tiny_model("qwen3_moe", torch.bfloat16)
+    prompt = _prompt()
+    with torch.no_grad():
+        eager = model(prompt).logits.float()
+        kernelize(model, repos={"experts": str(ragged_dot_build)})
+        ours = model(prompt).logits.float()
+    # bf16 has an 8-bit mantissa: eager rounds the gate and each matmul output to
+    # bf16, the fused path keeps them in f32, so ~1e-2 of the logit scale apart.
+    assert ((ours - eager).abs().max() / eager.abs().max()).item() <= 5e-2
+
+
+def test_torch_compile_fullgraph(ragged_dot_build):
+    model = _tiny_model("qwen3_moe")
+    prompt = _prompt(batch=1, length=4)
+    with torch.no_grad():
+        eager = model(prompt).logits
+        kernelize(model, mode=Mode.INFERENCE | Mode.TORCH_COMPILE, repos={"experts": str(ragged_dot_build)})
+        compiled = torch.compile(model, fullgraph=True)
+        logits = compiled(prompt).logits
+    assert (logits - eager).abs().max().item() <= 1e-4
+
+
+def test_training_mode_keeps_original_or_raises(ragged_dot_build):
+    model = _tiny_model("qwen3_moe")
+    kernelize(model, mode=Mode.TRAINING, repos={"experts": str(ragged_dot_build)})
+    (entry,) = [e for e in model.tpu_kernels_report.entries if e.kind == "experts"]
+    assert not entry.replaced and "backward" in entry.reason
+    assert model.config._experts_implementation != entry.source
+    with pytest.raises(RuntimeError, match="no backward"):
+        kernelize(model, mode=Mode.TRAINING, repos={"experts": str(ragged_dot_build)}, use_fallback=False)
+
+
+def test_bad_repo_spec_fails_clearly_or_falls_back():
+    model = _tiny_model("qwen3_moe")
+    with pytest.raises(ValueError, match="org/name@<version>"):
+        kernelize(model, repos={"experts": "not-a-spec"}, use_fallback=False)
+    kernelize(model, repos={"experts": "not-a-spec"})
+    assert "org/name@<version>" in repr(model.tpu_kernels_report)
+    with pytest.raises(ValueError, match="unknown kernel kind"):
+        kernelize(model, repos={"mlp": "a/b@1"})

@@ -1,0 +1,174 @@
+"""kernelize(model): point a transformers model's layers at our TPU kernels in one call.
+
+Kinds of layer and how each is replaced:
+
+* experts: every module made by transformers' `use_experts_implementation`
+  gets the ragged-dot kernel's `experts_forward`, registered in
+  `ALL_EXPERTS_FUNCTIONS` and selected with `model.set_experts_implementation`
+  (which also reaches the sub-models of multimodal models).
+
+Whatever is not replaced keeps its original forward when `use_fallback`, and
+the returned model carries a report (`model.tpu_kernels_report`) of what was
+replaced, by which repo and version, and what was not and why.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from kernels import Mode, get_local_kernel
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ORG = "tpu-kernels"
+DEFAULT_REPOS = {"experts": f"{DEFAULT_ORG}/ragged-dot-tpu@1"}
+KINDS = ("experts", "rmsnorm", "attention")
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """`org/name@version` on a Hub, or a local built repo folder."""
+
+    repo: str
+    version: int | None
+    local_path: Path | None
+
+    @classmethod
+    def parse(cls, spec: str) -> KernelSpec:
+        path = Path(spec)
+        if path.is_dir():
+            return cls(repo=str(path), version=None, local_path=path)
+        repo, _, version = spec.partition("@")
+        if repo.count("/") != 1 or not version.isdigit():
+            raise ValueError(f"kernel spec {spec!r} must be 'org/name@<version>' or a local build folder")
+        return cls(repo=repo, version=int(version), local_path=None)
+
+    def load(self, backend: str, trust_remote_code: bool | list[str]) -> ModuleType:
+        if self.local_path is not None:
+            return get_local_kernel(self.local_path, backend=backend)
+        from .loader import get_kernel
+
+        return get_kernel(self.repo, version=self.version, backend=backend, trust_remote_code=trust_remote_code)
+
+    def __str__(self) -> str:
+        return self.repo if self.version is None else f"{self.repo}@{self.version}"
+
+
+@dataclass(frozen=True)
+class ReportEntry:
+    kind: str
+    replaced: bool
+    modules: tuple[str, ...]
+    source: str
+    reason: str = ""
+
+
+@dataclass
+class KernelizeReport:
+    entries: list[ReportEntry] = field(default_factory=list)
+
+    def replaced(self, kind: str) -> list[ReportEntry]:
+        return [e for e in self.entries if e.kind == kind and e.replaced]
+
+    def __repr__(self) -> str:
+        lines = ["kernelize report:"]
+        for e in self.entries:
+            status = "replaced" if e.replaced else "kept original"
+            where = f"{len(e.modules)} module(s)" if e.modules else "no modules"
+            detail = f" by {e.source}" if e.replaced else f": {e.reason}"
+            lines.append(f"  {e.kind:<9} {status}{detail} ({where})")
+        return "\n".join(lines)
+
+
+def _model_device(model: torch.nn.Module) -> str:
+    parameter = next(model.parameters(), None)
+    return parameter.device.type if parameter is not None else "cpu"
+
+
+def _supports(kernel_fn, mode: Mode) -> str | None:
+    """Why `kernel_fn` cannot serve `mode`, or None if it can."""
+    if Mode.TRAINING in mode and not getattr(kernel_fn, "has_backward", False):
+        return "the kernel has no backward (TRAINING)"
+    if Mode.TORCH_COMPILE in mode and not getattr(kernel_fn, "can_torch_compile", False):
+        return "the kernel does not declare torch.compile support"
+    return None
+
+
+def experts_modules(model: torch.nn.Module) -> list[str]:
+    """Names of the modules transformers' `use_experts_implementation` decorated."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if all(hasattr(module, attr) for attr in ("has_gate", "is_transposed", "is_concatenated", "_apply_gate"))
+    ]
+
+
+def _kernelize_experts(model, spec: KernelSpec, kernel: ModuleType, mode: Mode) -> ReportEntry:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    modules = tuple(experts_modules(model))
+    if not modules:
+        return ReportEntry("experts", False, (), str(spec), "the model has no experts modules")
+    unsupported = _supports(kernel.experts_forward, mode)
+    if unsupported:
+        return ReportEntry("experts", False, modules, str(spec), unsupported)
+    # One name per loaded build: two versions can be registered side by side.
+    name = f"tpu_kernels_{kernel.__name__.lstrip('_')}"
+    ALL_EXPERTS_FUNCTIONS.register(name, kernel.experts_forward)
+    model.set_experts_implementation(name)
+    return ReportEntry("experts", True, modules, str(spec))
+
+
+APPLIERS = {"experts": _kernelize_experts}
+
+
+def kernelize(
+    model: torch.nn.Module,
+    *,
+    mode: Mode = Mode.INFERENCE,
+    device: str | None = None,
+    repos: dict[str, str] | None = None,
+    trust_remote_code: bool | list[str] = False,
+    use_fallback: bool = True,
+) -> torch.nn.Module:
+    """Replace the model's layers with TPU kernels from the Hub; returns the model.
+
+    Args:
+        mode: `kernels.Mode`; INFERENCE by default. A kernel serves TRAINING or
+            TORCH_COMPILE only where it declares support for them.
+        device: "tpu" or "cpu"; the model's device when None. On TPU the
+            torch-tpu variant is loaded, elsewhere torch-cpu (interpret mode:
+            exact but slow).
+        repos: per kind ("experts", ...), `org/name@version` or a local build
+            folder, overriding the defaults of our own org.
+        use_fallback: keep the original forward of what cannot be replaced
+            (the report says why) instead of raising.
+    """
+    unknown = set(repos or ()) - set(KINDS)
+    if unknown:
+        raise ValueError(f"unknown kernel kind(s) {sorted(unknown)}; known: {', '.join(KINDS)}")
+    specs = {**DEFAULT_REPOS, **(repos or {})}
+    device = device or _model_device(model)
+    backend = "tpu" if device == "tpu" else "cpu"
+    report = KernelizeReport()
+    for kind in KINDS:
+        if kind not in APPLIERS:
+            report.entries.append(ReportEntry(kind, False, (), "-", "no tpu-kernels kernel for this kind yet"))
+            continue
+        try:
+            spec = KernelSpec.parse(specs[kind])
+            entry = APPLIERS[kind](model, spec, spec.load(backend, trust_remote_code), mode)
+        except Exception as error:
+            if not use_fallback:
+                raise
+            entry = ReportEntry(kind, False, (), specs[kind], f"{type(error).__name__}: {error}")
+        if not entry.replaced and entry.modules and not use_fallback:
+            raise RuntimeError(f"kernelize: {kind} not replaced: {entry.reason}")
+        report.entries.append(entry)
+    model.tpu_kernels_report = report
+    logger.info("%r", report)
+    return model
