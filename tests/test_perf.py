@@ -307,6 +307,20 @@ def test_pl_when_on_scalar_prefetch_is_evaluated_at_every_step():
     assert call.inputs[0].transfers == call.inputs[1].transfers == 4
 
 
+def test_pipelined_time_charges_the_compute_no_transfer_hides():
+    block_on = np.array([1, 0, 0, 1], np.int32)
+    [call] = perf.model_pallas_traffic(_masked_matmul, block_on, MASK_X, MASK_Y)
+    modelled = perf.roofline(call, "v6e")
+    # Per step: x and y blocks arrive for the next step; the f32 output leaves after the last.
+    step_fetch = (128 * 128 + 128 * 256) * BF16
+    assert call.hbm_bytes == block_on.nbytes + 4 * step_fetch + 128 * 256 * 4
+    # On v6e the 128-deep contraction fills half the 256-wide MXU.
+    block_compute_s = 2 * 128 * 256 * 256 / 9.2e14
+    assert block_compute_s < step_fetch / 1.64e12  # every step but the last hides its compute under DMA
+    assert modelled.time_s == pytest.approx(call.hbm_bytes / 1.64e12 + 4 * 0.35e-6)
+    assert modelled.pipelined_time_s == pytest.approx(modelled.time_s + block_compute_s)
+
+
 def test_active_steps_callback_removes_compute_the_model_cannot_see_skipped():
     block_on = np.array([1, 0, 0, 1], np.int32)
     gated_on_data = functools.partial(_masked_matmul, gate_on_data=True)

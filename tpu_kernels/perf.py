@@ -51,10 +51,13 @@ pipeline's DMAs run on every step regardless). `mxu_flops(generation)` also
 pads each matmul to the MXU granularity: rows to 8 sublanes, contraction and
 output columns to the MXU size (128 on v5e, 256 on v6e, from jax's TpuInfo).
 
-Modelled time of one call on one generation =
+Modelled time of one call on one generation (`roofline(...).time_s`) =
     max(HBM bytes / HBM bandwidth, MXU FLOPs / peak) + grid steps * 0.35 us.
-Vector-unit work, DMA issue latency, the non-overlapped first fetch and last
-write-back, and megacore splitting are not modelled.
+`pipelined_time_s` replays the double-buffered pipeline step by step instead:
+the first fetch and last write-back are not overlapped, and each step costs
+max(its compute, the DMAs of the neighbouring steps) + 0.35 us; it is never
+below `time_s`. Vector-unit work, DMA issue latency, HBM tile granularity and
+megacore splitting are modelled by neither.
 
 Constants and their sources:
 - HBM bandwidth, bf16/int8/fp8 MXU peaks, VMEM capacity, MXU size: jax's own
@@ -208,6 +211,9 @@ class OperandTraffic:
     buffer_bytes: int
     revisits: int
     pipelined: bool
+    # Bytes fetched for use at each grid step and written back after it.
+    fetched_per_step: np.ndarray | None = dataclasses.field(compare=False, repr=False, default=None)
+    written_per_step: np.ndarray | None = dataclasses.field(compare=False, repr=False, default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +232,8 @@ class PallasCallTraffic:
     vmem_limit_bytes: int | None
     cost_estimate: pallas_core.CostEstimate | None
     notes: tuple[str, ...]
+    # How many times each matmul shape (a DotShape without its count) runs at each grid step.
+    dots_per_step: dict[tuple, np.ndarray] = dataclasses.field(compare=False, repr=False, default_factory=dict)
 
     @property
     def inputs(self) -> tuple[OperandTraffic, ...]:
@@ -260,6 +268,32 @@ class PallasCallTraffic:
         gen = _as_generation(generation)
         return sum(dot.mxu_flops(gen) / dot.peak_flops_per_s(gen) for dot in self.dots)
 
+    def pipelined_seconds(self, generation: str | TpuGeneration, step_overhead_s: float = STEP_OVERHEAD_S) -> float:
+        """Time of a double-buffered pipeline: step t computes while step t+1's blocks arrive and t-1's leave.
+
+        = first fetch + sum over steps of max(compute_t, DMA_t) + last write-back + steps * overhead,
+        with DMA_t = (bytes fetched for t+1 + bytes written after t-1) / HBM bandwidth. It charges what
+        the aggregate roofline hides: the unoverlapped first and last transfers and steps whose DMA and
+        compute do not balance.
+        """
+        gen = _as_generation(generation)
+        prologue = sum(op.hbm_bytes for op in self.operands if op.role == "scalar_prefetch")
+        if self.steps == 0:
+            return prologue / gen.hbm_bytes_per_s
+        fetched = np.zeros(self.steps)
+        written = np.zeros(self.steps)
+        for op in self.operands:
+            if op.fetched_per_step is not None:
+                fetched += op.fetched_per_step
+                written += op.written_per_step
+        compute = np.zeros(self.steps)
+        for key, counts in self.dots_per_step.items():
+            one = DotShape(*key, count=1)
+            compute += counts * (one.mxu_flops(gen) / one.peak_flops_per_s(gen))
+        dma = (np.append(fetched[1:], 0.0) + np.insert(written[:-1], 0, 0.0)) / gen.hbm_bytes_per_s
+        edges = (prologue + fetched[0] + written[-1]) / gen.hbm_bytes_per_s
+        return float(edges + np.maximum(compute, dma).sum() + self.steps * step_overhead_s)
+
     @property
     def vmem_bytes(self) -> int:
         """VMEM held by the pipeline's buffers and the scratch operands."""
@@ -276,6 +310,8 @@ class ModelledTime:
     """Modelled run time of one or more pallas_calls on one TPU generation.
 
     `time_s` = sum over calls of max(hbm_bound, compute_bound) + overhead.
+    `pipelined_time_s` = sum over calls of `PallasCallTraffic.pipelined_seconds`,
+    a step-by-step double-buffering estimate (never below `time_s`).
     `roofline_s` is the caller's lower bound, max(min_bytes / HBM bandwidth,
     min_flops / bf16 peak), and `pct_of_roofline` = 100 * roofline_s / time_s.
     `fits_vmem` compares each call's VMEM use with its `vmem_limit_bytes`, or
@@ -284,6 +320,7 @@ class ModelledTime:
 
     generation: str
     time_s: float
+    pipelined_time_s: float
     hbm_bound_s: float
     compute_bound_s: float
     overhead_s: float
@@ -320,7 +357,7 @@ def roofline(
     if step_overhead_s < 0:
         raise ValueError(f"step_overhead_s must be >= 0, got {step_overhead_s}")
     gen = _as_generation(generation)
-    time_s = hbm_s = compute_s = overhead_s = 0.0
+    time_s = pipelined_s = hbm_s = compute_s = overhead_s = 0.0
     per_call = []
     fits = True
     for call in calls:
@@ -332,6 +369,7 @@ def roofline(
         compute_s += call_compute
         overhead_s += call_overhead
         time_s += call_time
+        pipelined_s += call.pipelined_seconds(gen, step_overhead_s)
         per_call.append((call.name, call_time))
         limit = call.vmem_limit_bytes or gen.default_scoped_vmem_bytes or gen.vmem_bytes
         fits = fits and call.vmem_bytes <= limit
@@ -341,6 +379,7 @@ def roofline(
     return ModelledTime(
         generation=gen.name,
         time_s=time_s,
+        pipelined_time_s=pipelined_s,
         hbm_bound_s=hbm_s,
         compute_bound_s=compute_s,
         overhead_s=overhead_s,
@@ -605,11 +644,8 @@ def _replay_pallas_call(eqn, small_operands: list[Any], active_steps_fn) -> Pall
             if active.shape != (steps,):
                 raise ValueError(f"active_steps must return a bool array of shape ({steps},), got {active.shape}")
     step_dots, dots_exact = _grid_dots(params["jaxpr"], gm, grid, grid_indices, prefetch)
-    dots = tuple(
-        DotShape(*key, count=int(np.sum(counts * active)))
-        for key, counts in step_dots.items()
-        if np.any(counts * active)
-    )
+    dots_per_step = {key: counts * active for key, counts in step_dots.items() if np.any(counts * active)}
+    dots = tuple(DotShape(*key, count=int(counts.sum())) for key, counts in dots_per_step.items())
 
     return PallasCallTraffic(
         name=name,
@@ -624,6 +660,7 @@ def _replay_pallas_call(eqn, small_operands: list[Any], active_steps_fn) -> Pall
         vmem_limit_bytes=getattr(compiler_params, "vmem_limit_bytes", None),
         cost_estimate=params.get("cost_estimate"),
         notes=tuple(notes),
+        dots_per_step=dots_per_step,
     )
 
 
@@ -766,19 +803,22 @@ def _operand_traffic(block_mapping, role, space, block_indices) -> OperandTraffi
     elif space == "vmem" and block_mapping.has_trivial_window():
         buffer_count = 1  # Mosaic single-buffers blocks that never move.
 
+    fetched = np.zeros(steps, np.int64)
+    written = np.zeros(steps, np.int64)
     if role == "input":
         transfer_steps = run_starts
-        hbm_bytes = int(step_bytes[transfer_steps].sum())
+        fetched[transfer_steps] = step_bytes[transfer_steps]
         revisits = 0
     else:
-        last_of_run = np.append(run_starts[1:] - 1, steps - 1) if steps else run_starts
-        transfer_steps = last_of_run
-        hbm_bytes = int(step_bytes[transfer_steps].sum())
+        transfer_steps = np.append(run_starts[1:] - 1, steps - 1) if steps else run_starts
+        written[transfer_steps] = step_bytes[transfer_steps]
         revisit_any = pipeline_mode is not None and pipeline_mode.revisit == pallas_core.RevisitMode.ANY
         if revisit_any and revisits:
             is_first_visit = np.zeros(len(run_starts), dtype=bool)
             is_first_visit[first_run] = True
-            hbm_bytes += int(step_bytes[run_starts[~is_first_visit]].sum())
+            read_back = run_starts[~is_first_visit]
+            fetched[read_back] = step_bytes[read_back]
+    hbm_bytes = int(fetched.sum() + written.sum())
 
     ref_shape = tuple(
         pallas_core.get_block_size(d)
@@ -799,6 +839,8 @@ def _operand_traffic(block_mapping, role, space, block_indices) -> OperandTraffi
         buffer_bytes=buffer_count * _onchip_bytes(ref_shape, dtype),
         revisits=int(revisits),
         pipelined=True,
+        fetched_per_step=fetched,
+        written_per_step=written,
     )
 
 
