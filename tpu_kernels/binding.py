@@ -149,6 +149,8 @@ class _JaxFunction:
                 raise TypeError(f"{qualname}: parameter {parameter.name!r} needs a type annotation")
         self.static_names = tuple(p.name for p in self.parameters if not _is_array(p.annotation))
         self.returns_tuple = _returns_tuple(self.signature.return_annotation)
+        # Fails early, in our words, on annotations no torch schema can express.
+        self.torch_signature()
         # Re-wrapping jax.jit on every call costs hundreds of microseconds; one
         # jitted function caches a compilation per static-argument combination.
         self.jitted = jax.jit(fn, static_argnames=self.static_names)

@@ -5,8 +5,11 @@ the same kernel in Pallas' TPU interpret mode (exact, slow: for development
 and CI).
 """
 
-from . import config, kernel, moe, reference
+# Submodules are bound by name here, not only imported: `kernels` may load the
+# same build (same module id) from a second path, and then Python reuses the
+# cached submodules without setting them as attributes of the new package.
+from . import config, experts, kernel, moe, ops, reference
 from .experts import experts_forward
 from .ops import gated_experts, ragged_dot
 
-__all__ = ["config", "experts_forward", "gated_experts", "kernel", "moe", "ragged_dot", "reference"]
+__all__ = ["config", "experts", "experts_forward", "gated_experts", "kernel", "moe", "ops", "ragged_dot", "reference"]
