@@ -76,9 +76,10 @@ Constants and their sources:
   matmul guide states v5e has "197 TFLOP/s of bf16/f32 compute") and at 1/6
   of it at HIGHEST precision (six bf16 passes, as XLA emulates f32). This is
   an assumption; our kernels multiply bf16.
-- Per-grid-step overhead 0.35 us: the figure this project's issue #7 gives,
-  a rule of thumb for the fixed cost of one Pallas TPU pipeline step; not
-  measured here (no TPU). Override with `step_overhead_s`.
+- Per-grid-step overhead 0.35 us: a commonly quoted rule of thumb for the
+  fixed cost of one Pallas TPU grid step, the figure the brief of this
+  project's issue #7 gives. We found no primary source for it in jax's docs
+  and cannot measure it without a TPU. Override with `step_overhead_s`.
 """
 
 from __future__ import annotations
@@ -336,6 +337,10 @@ class ModelledTime:
     @property
     def bound(self) -> str:
         return "hbm" if self.hbm_bound_s >= self.compute_bound_s else "compute"
+
+    @property
+    def pipelined_pct_of_roofline(self) -> float | None:
+        return None if self.roofline_s is None else 100.0 * self.roofline_s / self.pipelined_time_s
 
 
 def _as_generation(generation: str | TpuGeneration) -> TpuGeneration:
