@@ -1,0 +1,135 @@
+"""`tpu-kernels demo`: the whole chain on one machine, then the same on a TPU VM.
+
+Default (no --hub): build the kernel repos, start a local Hub in a temp dir,
+publish the builds to it through huggingface_hub, then in a fresh process
+pointed at that Hub (HF_ENDPOINT is read when huggingface_hub is imported):
+`get_kernel`, a tiny Qwen3-MoE from config, greedy generation with and without
+`kernelize`, and a table. Exit code 0 only if the tokens are identical.
+
+With `--hub URL --model ID --device tpu` the second half runs against a real
+Hub and checkpoint on a TPU VM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEMO_ORG = "tpu-kernels"
+KERNEL_REPOS = Path(__file__).resolve().parents[1] / "kernel_repos"
+DEMO_TOKEN = "demo-write-token"
+
+
+def _publish_to_local_hub(workdir: Path, repos: list[Path]) -> tuple[object, list[str]]:
+    from .builder import build_kernel_repo
+    from .hub.server import start_hub
+    from .publish import upload_kernel
+
+    hub = start_hub(workdir / "hub", token=DEMO_TOKEN, trusted_orgs=[DEMO_ORG])
+    published = []
+    for repo in repos:
+        built = build_kernel_repo(repo, workdir / "build")
+        publication = upload_kernel(built, f"{DEMO_ORG}/{built.name}", endpoint=hub.url, token=DEMO_TOKEN)
+        published.append(f"{DEMO_ORG}/{built.name}@{publication.branch[1:]}")
+        print(f"published {built.name} -> {hub.url} {publication.branch}")
+    return hub, published
+
+
+def _tiny_qwen3_moe():
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16, num_experts_per_tok=4,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def _load_model(model_id: str | None, device: str):
+    if model_id is None:
+        return _tiny_qwen3_moe().to(device), None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.bfloat16).to(device).eval()
+    return model, AutoTokenizer.from_pretrained(model_id)
+
+
+def _generate(model, prompt, new_tokens: int):
+    import torch
+
+    with torch.no_grad():
+        model.generate(prompt, max_new_tokens=2, do_sample=False)  # warm-up: compilation is not a token
+        start = time.perf_counter()
+        tokens = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+        seconds = time.perf_counter() - start
+    return tokens, seconds / new_tokens
+
+
+def run_model_part(args) -> int:
+    """kernelize + generate; HF_ENDPOINT already points at the Hub to use."""
+    import torch
+
+    from .kernelize import kernelize
+
+    model, tokenizer = _load_model(args.model, args.device)
+    if tokenizer is not None:
+        prompt = tokenizer(["The capital of France is"], return_tensors="pt").input_ids.to(args.device)
+    else:
+        prompt = torch.randint(0, model.config.vocab_size, (args.batch, 8), generator=torch.Generator().manual_seed(0))
+    eager_tokens, eager_seconds = _generate(model, prompt, args.new_tokens)
+    kernelize(model, device=args.device, repos=dict(r.split("=", 1) for r in args.repo))
+    ours_tokens, ours_seconds = _generate(model, prompt, args.new_tokens)
+
+    identical = torch.equal(eager_tokens.cpu(), ours_tokens.cpu())
+    print(repr(model.tpu_kernels_report))
+    print()
+    print(f"{'':<26}{'eager':>12}{'kernelized':>14}")
+    print(f"{'ms per token':<26}{eager_seconds * 1e3:>12.1f}{ours_seconds * 1e3:>14.1f}")
+    print(f"{'greedy tokens identical':<26}{'yes' if identical else 'NO':>26}")
+    if args.device == "cpu":
+        print("(on the CPU the kernels run in TPU interpret mode: exact, and far slower than eager by design)")
+    return 0 if identical else 1
+
+
+def demo_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tpu-kernels demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hub", help="Hub endpoint (default: a local Hub started here)")
+    parser.add_argument("--model", help="checkpoint id (default: a tiny Qwen3-MoE from config)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "tpu"])
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=2, help="prompts per batch for the tiny model")
+    parser.add_argument("--repo", action="append", default=[], metavar="KIND=ORG/NAME@V",
+                        help="override the kernel repo of a kind, e.g. experts=org/ragged-dot-tpu@1")
+    parser.add_argument("--model-part", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.model_part or args.hub:
+        if args.hub:
+            os.environ["HF_ENDPOINT"] = args.hub
+        return run_model_part(args)
+
+    repos = sorted(p.parent for p in KERNEL_REPOS.glob("*/build.toml"))
+    with tempfile.TemporaryDirectory(prefix="tpu-kernels-demo-") as tmp:
+        workdir = Path(tmp)
+        hub, published = _publish_to_local_hub(workdir, repos)
+        try:
+            env = dict(os.environ, HF_ENDPOINT=hub.url, HF_TOKEN=DEMO_TOKEN, KERNELS_CACHE=str(workdir / "cache"),
+                       JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+            command = [sys.executable, "-m", "tpu_kernels.cli", "demo", "--model-part", "--device", args.device,
+                       "--new-tokens", str(args.new_tokens), "--batch", str(args.batch)]
+            for spec in published:
+                print(f"serving {spec}")
+            for override in args.repo:
+                command += ["--repo", override]
+            return subprocess.call(command, env=env)
+        finally:
+            hub.stop()
