@@ -92,10 +92,10 @@ from typing import Any
 import jax
 import numpy as np
 from jax._src import core as jax_core
-from jax.extend import core as jex_core
 from jax._src.pallas import core as pallas_core
 from jax._src.pallas.mosaic import tpu_info
 from jax._src.state import discharge as state_discharge
+from jax.extend import core as jex_core
 
 STEP_OVERHEAD_S = 0.35e-6
 
