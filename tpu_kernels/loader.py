@@ -14,6 +14,10 @@ download and import:
   its source would otherwise run instead of the verified source;
 * `force_download=True` re-fetches the variant from the Hub, which repairs a
   damaged cache;
+* offline (HF_HUB_OFFLINE=1), the cached snapshot is checked for the selected
+  variant only: `kernels`' own offline resolver asks huggingface_hub for the whole
+  snapshot, which huggingface_hub >= 1.22 refuses when only one variant was
+  downloaded (always the case), so unmodified `kernels` cannot load offline;
 * a load by `version=` records `refs/v<N>` in the cache, so the same call works
   offline afterwards (`kernels` looks versions up there but never writes them).
 
@@ -31,19 +35,22 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 from huggingface_hub import HfApi, constants
-from huggingface_hub.file_download import repo_folder_name
+from huggingface_hub.errors import LocalEntryNotFoundError
+from huggingface_hub.file_download import REGEX_COMMIT_HASH, repo_folder_name
 from kernels import resolver as kernels_resolver
 from kernels._rust import Digest, DigestValidationError, KernelDependency, KernelVersion, Metadata
-from kernels._versions import revision_or_version
+from kernels._versions import resolve_kernel_version, revision_or_version
 from kernels.deps import DepTreeNode, resolve_kernel_tree
-from kernels.hf_hub import _get_hf_api
+from kernels.hf_hub import _check_trust_remote_code, _get_hf_api
 from kernels.load import _get_local_kernel_overrides
-from kernels.resolver import HubCacheResolver, HubResolver, LocalKernel, SequentialResolver
+from kernels.resolver import HubResolver, LocalKernel, SequentialResolver
 from kernels.validate import AllValidator, ArchValidator, default_metadata_validators
+from kernels.variants import get_variants_local, resolve_variant, variants_trace_str
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +94,7 @@ def get_kernel(
     if force_download and offline:
         raise ValueError("force_download=True needs the Hub, but HF_HUB_OFFLINE is set")
     api = _get_hf_api()
-    hub_resolver = (HubCacheResolver if offline else HubResolver)(trust_remote_code=trust_remote_code)
+    hub_resolver = (CachedVariantResolver if offline else HubResolver)(trust_remote_code=trust_remote_code)
     tree = resolve_kernel_tree(
         api=api,
         backend=backend,
@@ -103,6 +110,52 @@ def get_kernel(
         _remember_version(repo_id, kernel.version.version, installed.location.origin.revision)
     with _bytecode_writing_disabled():
         return installed.load()
+
+
+@dataclass
+class CachedVariantResolver:
+    """`kernels`' HubCacheResolver (offline loads from the cache), checking only the variant it loads."""
+
+    trust_remote_code: bool | list[str]
+
+    def resolve(self, *, api: HfApi, backend: str | None, kernel: KernelDependency) -> LocalKernel:
+        _check_trust_remote_code(kernel.repo_id, local_files_only=True, trust_remote_code=self.trust_remote_code)
+        revision = resolve_kernel_version(kernel, local_files_only=True)
+        storage = _download_cache() / repo_folder_name(repo_id=kernel.repo_id, repo_type="kernel")
+        commit = revision if REGEX_COMMIT_HASH.fullmatch(revision) else _read_ref(storage / "refs" / revision)
+        missing = FileNotFoundError(
+            f"Cannot find a local snapshot for {kernel.repo_id} (revision: {revision}). When Hugging Face Hub "
+            "is in offline mode the kernel must already be present in the local cache."
+        )
+        if commit is None:
+            raise missing
+        variant, trace = resolve_variant(get_variants_local(storage / "snapshots" / commit / "build"), backend)
+        if variant is None:
+            raise FileNotFoundError(
+                f"Cannot find a cached build variant for this system in {kernel.repo_id} "
+                f"(revision: {revision}):\n\n{variants_trace_str(trace)}"
+            )
+        try:
+            snapshot = api.snapshot_download(
+                kernel.repo_id,
+                repo_type="kernel",
+                revision=commit,
+                cache_dir=kernels_resolver.CACHE_DIR,
+                allow_patterns=[f"build/{variant.variant_str}/*"],
+                ignore_patterns=kernels_resolver._BYTECODE_IGNORE_PATTERNS,
+                local_files_only=True,
+            )
+        except LocalEntryNotFoundError as error:
+            raise missing from error
+        variant_path = Path(snapshot) / "build" / variant.variant_str
+        return LocalKernel(variant_path=variant_path, metadata=Metadata.read_from_file(variant_path / "metadata.json"))
+
+
+def _read_ref(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        return None
 
 
 def verify_variant(variant_path: Path, *, source: str | None = None) -> None:
