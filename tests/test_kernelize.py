@@ -12,7 +12,7 @@ from tpu_kernels.kernelize import experts_modules
 from .conftest import REPO_ROOT
 
 COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, max_position_embeddings=256)
+              head_dim=64, max_position_embeddings=256)
 CONFIGS = {
     "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
                                         intermediate_size=96, decoder_sparse_step=1),
@@ -25,6 +25,20 @@ CONFIGS = {
 @pytest.fixture(scope="module")
 def ragged_dot_build(tmp_path_factory):
     return build_kernel_repo(REPO_ROOT / "kernel_repos" / "ragged-dot-tpu", tmp_path_factory.mktemp("build"))
+
+
+@pytest.fixture(scope="module")
+def all_builds(tmp_path_factory, ragged_dot_build):
+    out = tmp_path_factory.mktemp("all")
+    return {
+        "experts": str(ragged_dot_build),
+        "rmsnorm": str(build_kernel_repo(REPO_ROOT / "kernel_repos" / "rmsnorm-tpu", out)),
+        "attention": str(build_kernel_repo(REPO_ROOT / "kernel_repos" / "attention-tpu", out)),
+    }
+
+
+def _experts_only(build):
+    return {"experts": str(build), "rmsnorm": None, "attention": None}
 
 
 def _tiny_model(name, dtype=torch.float32):
@@ -51,7 +65,7 @@ def test_logits_and_greedy_tokens_match_eager(name, ragged_dot_build):
     with torch.no_grad():
         eager_logits = model(prompt).logits
         eager_tokens = [model.generate(prompt, max_new_tokens=16, do_sample=False, use_cache=c) for c in use_cache_options]
-    kernelize(model, repos={"experts": str(ragged_dot_build)})
+    kernelize(model, repos=_experts_only(ragged_dot_build))
     report = model.tpu_kernels_report
     assert [e.modules for e in report.replaced("experts")] == [tuple(experts_modules(model))]
     assert len(experts_modules(model)) == 2
@@ -69,7 +83,7 @@ def test_bf16_logits_close_to_eager(ragged_dot_build):
     prompt = _prompt()
     with torch.no_grad():
         eager = model(prompt).logits.float()
-        kernelize(model, repos={"experts": str(ragged_dot_build)})
+        kernelize(model, repos=_experts_only(ragged_dot_build))
         ours = model(prompt).logits.float()
     # bf16 has an 8-bit mantissa: eager rounds the gate and each matmul output to
     # bf16, the fused path keeps them in f32, so ~1e-2 of the logit scale apart.
@@ -81,7 +95,7 @@ def test_torch_compile_fullgraph(ragged_dot_build):
     prompt = _prompt(batch=1, length=4)
     with torch.no_grad():
         eager = model(prompt).logits
-        kernelize(model, mode=Mode.INFERENCE | Mode.TORCH_COMPILE, repos={"experts": str(ragged_dot_build)})
+        kernelize(model, mode=Mode.INFERENCE | Mode.TORCH_COMPILE, repos=_experts_only(ragged_dot_build))
         compiled = torch.compile(model, fullgraph=True)
         logits = compiled(prompt).logits
     assert (logits - eager).abs().max().item() <= 1e-4
@@ -89,19 +103,36 @@ def test_torch_compile_fullgraph(ragged_dot_build):
 
 def test_training_mode_keeps_original_or_raises(ragged_dot_build):
     model = _tiny_model("qwen3_moe")
-    kernelize(model, mode=Mode.TRAINING, repos={"experts": str(ragged_dot_build)})
+    kernelize(model, mode=Mode.TRAINING, repos=_experts_only(ragged_dot_build))
     (entry,) = [e for e in model.tpu_kernels_report.entries if e.kind == "experts"]
     assert not entry.replaced and "backward" in entry.reason
     assert model.config._experts_implementation != entry.source
     with pytest.raises(RuntimeError, match="no backward"):
-        kernelize(model, mode=Mode.TRAINING, repos={"experts": str(ragged_dot_build)}, use_fallback=False)
+        kernelize(model, mode=Mode.TRAINING, repos=_experts_only(ragged_dot_build), use_fallback=False)
+
+
+def test_all_kinds_replaced_and_tokens_match(all_builds):
+    model = _tiny_model("qwen3_moe")
+    prompt = _prompt()
+    with torch.no_grad():
+        eager_logits = model(prompt).logits
+        eager_tokens = model.generate(prompt, max_new_tokens=8, do_sample=False)
+        kernelize(model, repos=all_builds)
+        logits = model(prompt).logits
+        tokens = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    report = model.tpu_kernels_report
+    assert {e.kind for e in report.entries if e.replaced} == {"experts", "rmsnorm", "attention"}, repr(report)
+    # q/k norms and the layer norms: 2 layers x (input, post-attention, q, k) + the final norm.
+    assert len(report.replaced("rmsnorm")[0].modules) == 9
+    assert (logits - eager_logits).abs().max().item() <= 1e-4
+    assert torch.equal(tokens, eager_tokens)
 
 
 def test_bad_repo_spec_fails_clearly_or_falls_back():
     model = _tiny_model("qwen3_moe")
     with pytest.raises(ValueError, match="org/name@<version>"):
-        kernelize(model, repos={"experts": "not-a-spec"}, use_fallback=False)
-    kernelize(model, repos={"experts": "not-a-spec"})
+        kernelize(model, repos={"experts": "not-a-spec", "rmsnorm": None, "attention": None}, use_fallback=False)
+    kernelize(model, repos={"experts": "not-a-spec", "rmsnorm": None, "attention": None})
     assert "org/name@<version>" in repr(model.tpu_kernels_report)
     with pytest.raises(ValueError, match="unknown kernel kind"):
         kernelize(model, repos={"mlp": "a/b@1"})

@@ -46,7 +46,7 @@ def _tiny_qwen3_moe():
 
     config = Qwen3MoeConfig(
         vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16, num_experts_per_tok=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16, num_experts_per_tok=4,
         max_position_embeddings=512,
     )
     torch.manual_seed(0)

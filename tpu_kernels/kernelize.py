@@ -6,6 +6,16 @@ Kinds of layer and how each is replaced:
   gets the ragged-dot kernel's `experts_forward`, registered in
   `ALL_EXPERTS_FUNCTIONS` and selected with `model.set_experts_implementation`
   (which also reaches the sub-models of multimodal models).
+* rmsnorm: every module whose own forward computes `weight * normalise(x)`
+  or `(1 + weight) * normalise(x)` (decorated as transformers' "RMSNorm" or
+  not, as Gemma's) gets the forward of the rmsnorm kernel's matching layer.
+  The kernel decides the match (`layers.matching_layer_name`) by running the
+  module's forward on a small probe, so gated or other norms keep theirs.
+* attention: the attention kernel's `attention_forward` and its mask function
+  are registered under one name in `AttentionInterface` *and*
+  `AttentionMaskInterface` (without the mask registration transformers hands
+  an unknown implementation no padding mask at all), then selected with
+  `model.set_attn_implementation`.
 
 Whatever is not replaced keeps its original forward when `use_fallback`, and
 the returned model carries a report (`model.tpu_kernels_report`) of what was
@@ -25,7 +35,11 @@ from kernels import Mode, get_local_kernel
 logger = logging.getLogger(__name__)
 
 DEFAULT_ORG = "tpu-kernels"
-DEFAULT_REPOS = {"experts": f"{DEFAULT_ORG}/ragged-dot-tpu@1"}
+DEFAULT_REPOS = {
+    "experts": f"{DEFAULT_ORG}/ragged-dot-tpu@1",
+    "rmsnorm": f"{DEFAULT_ORG}/rmsnorm-tpu@1",
+    "attention": f"{DEFAULT_ORG}/attention-tpu@1",
+}
 KINDS = ("experts", "rmsnorm", "attention")
 
 
@@ -123,7 +137,55 @@ def _kernelize_experts(model, spec: KernelSpec, kernel: ModuleType, mode: Mode) 
     return ReportEntry("experts", True, modules, str(spec))
 
 
-APPLIERS = {"experts": _kernelize_experts}
+def _kernelize_rmsnorm(model, spec: KernelSpec, kernel: ModuleType, mode: Mode) -> ReportEntry:
+    import types
+
+    matches = {}
+    for name, module in model.named_modules():
+        layer_name = kernel.layers.matching_layer_name(module)
+        if layer_name is not None:
+            matches[name] = (module, getattr(kernel.layers, layer_name))
+    if not matches:
+        return ReportEntry("rmsnorm", False, (), str(spec), "no RMSNorm modules the kernel computes exactly")
+    unsupported = {why for _, layer in matches.values() if (why := _supports(layer, mode))}
+    if unsupported:
+        return ReportEntry("rmsnorm", False, tuple(matches), str(spec), "; ".join(sorted(unsupported)))
+    for module, layer in matches.values():
+        module.forward = types.MethodType(layer.forward, module)
+    return ReportEntry("rmsnorm", True, tuple(matches), str(spec))
+
+
+# Attention arguments the attention kernel does not compute; models that use them keep theirs.
+_UNSUPPORTED_ATTENTION_MEMBERS = {"sinks": "attention sinks"}
+
+
+def _kernelize_attention(model, spec: KernelSpec, kernel: ModuleType, mode: Mode) -> ReportEntry:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    modules = tuple(name for name, m in model.named_modules() if name.endswith("self_attn"))
+    if not modules:
+        return ReportEntry("attention", False, (), str(spec), "no self_attn modules")
+    for name, module in model.named_modules():
+        for member, what in _UNSUPPORTED_ATTENTION_MEMBERS.items():
+            if name in modules and getattr(module, member, None) is not None:
+                return ReportEntry("attention", False, modules, str(spec), f"the model uses {what}")
+    head_dims = {getattr(m, "head_dim", None) for n, m in model.named_modules() if n in modules}
+    if not head_dims <= set(kernel.kernel.SUPPORTED_HEAD_DIMS):
+        return ReportEntry("attention", False, modules, str(spec),
+                           f"head_dim {sorted(map(str, head_dims))} not in {kernel.kernel.SUPPORTED_HEAD_DIMS}")
+    unsupported = _supports(kernel.attention_forward, mode)
+    if unsupported:
+        return ReportEntry("attention", False, modules, str(spec), unsupported)
+    # transformers treats any name containing "flash" as FlashAttention (2-D masks): avoid it.
+    name = f"tpu_kernels_{kernel.__name__.lstrip('_')}"
+    AttentionInterface.register(name, kernel.attention_forward)
+    AttentionMaskInterface.register(name, kernel.attention_mask)
+    model.set_attn_implementation(name)
+    return ReportEntry("attention", True, modules, str(spec))
+
+
+APPLIERS = {"experts": _kernelize_experts, "rmsnorm": _kernelize_rmsnorm, "attention": _kernelize_attention}
 
 
 def kernelize(
@@ -131,7 +193,7 @@ def kernelize(
     *,
     mode: Mode = Mode.INFERENCE,
     device: str | None = None,
-    repos: dict[str, str] | None = None,
+    repos: dict[str, str | None] | None = None,
     trust_remote_code: bool | list[str] = False,
     use_fallback: bool = True,
 ) -> torch.nn.Module:
@@ -143,8 +205,9 @@ def kernelize(
         device: "tpu" or "cpu"; the model's device when None. On TPU the
             torch-tpu variant is loaded, elsewhere torch-cpu (interpret mode:
             exact but slow).
-        repos: per kind ("experts", ...), `org/name@version` or a local build
-            folder, overriding the defaults of our own org.
+        repos: per kind ("experts", "rmsnorm", "attention"), `org/name@version`
+            or a local build folder, overriding the defaults of our own org;
+            None leaves that kind alone.
         use_fallback: keep the original forward of what cannot be replaced
             (the report says why) instead of raising.
     """
@@ -156,8 +219,8 @@ def kernelize(
     backend = "tpu" if device == "tpu" else "cpu"
     report = KernelizeReport()
     for kind in KINDS:
-        if kind not in APPLIERS:
-            report.entries.append(ReportEntry(kind, False, (), "-", "no tpu-kernels kernel for this kind yet"))
+        if specs[kind] is None:
+            report.entries.append(ReportEntry(kind, False, (), "-", "disabled (repos[kind] is None)"))
             continue
         try:
             spec = KernelSpec.parse(specs[kind])
