@@ -130,12 +130,14 @@ def _vmem_bytes(block_rows: int, hidden: int, dtype, traffic: KernelTraffic) -> 
 def select_config(rows: int, hidden: int, dtype, generation: str, *, kernel: str = "rms_norm") -> RowBlockConfig:
     """Rows per block for `kernel` on [rows, hidden] arrays of `dtype` on a TPU `generation`.
 
-    The pipeline overlaps the DMA of block i+1 with the compute of block i, but
-    not the first load and the last store: with n steps, about 1/n of the
-    traffic time is exposed, while each step costs a fixed overhead. n* =
-    sqrt(traffic time / step overhead) minimises the sum; blocks are then made
-    equal (so a ragged last block wastes little), aligned to the sublane
-    multiple, and capped by what fits the scoped VMEM.
+    The pipeline overlaps the DMA of block i+1 (and the write-back of block
+    i-1) with the compute of block i, but not the first block's fetch nor the
+    last block's compute and write-back: with n steps about 1/n of the traffic
+    time T is exposed (the vector work per byte is of the order of the HBM time
+    per byte here), while each step costs a fixed overhead c. n* = sqrt(T / c)
+    minimises T/n + n*c; blocks are then made equal (so a ragged last block
+    wastes little), aligned to the sublane multiple, and capped by what fits
+    the scoped VMEM.
     """
     if generation not in GENERATIONS:
         raise ValueError(f"generation must be one of {sorted(GENERATIONS)}, got {generation!r}")
