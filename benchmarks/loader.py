@@ -1,0 +1,208 @@
+"""Loading a kernel from a local Hub: `tpu_kernels.get_kernel` vs the unmodified `kernels.get_kernel`.
+
+One run of this script:
+
+- builds kernel_repos/ragged-dot-tpu, starts a local Hub (`tpu_kernels.hub`) in a
+  temp dir and publishes the build to it (trusted publisher, branch v1);
+- loads `version=1` in fresh processes pointed at the Hub by HF_ENDPOINT and
+  KERNELS_CACHE, as a user would, alternating the two loaders (and which goes first):
+    cold    empty cache: resolve, download, verify (ours), import
+    warm    cache filled by that loader's cold run, new process: resolve, import
+    repeat  a second call in the same process (module already imported)
+    offline HF_HUB_OFFLINE=1 on the warm cache
+  both loaders and the frameworks (torch, jax, pallas) are imported before the
+  clock starts, so times cover the loader and the kernel's own module import;
+- counts the HTTP requests of each load on the server (the loading process reads
+  the server's counters just before and after the call);
+- times the digest check alone on the cached variant.
+
+Medians, ratios (ours / kernels) and request counts go to benchmarks/results/loader.json.
+
+Usage:
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/loader.py [--runs 5] [--out benchmarks/results/loader.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import huggingface_hub  # noqa: E402
+import kernels  # noqa: E402
+
+from tpu_kernels.builder import build_kernel_repo  # noqa: E402
+from tpu_kernels.hub import start_hub  # noqa: E402
+from tpu_kernels.hub.server import STATS_PATH  # noqa: E402
+from tpu_kernels.loader import verify_variant  # noqa: E402
+from tpu_kernels.publish import upload_kernel  # noqa: E402
+
+KERNEL_REPO = ROOT / "kernel_repos" / "ragged-dot-tpu"
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "loader.json"
+ORG = "tpu-kernels"
+TOKEN = "benchmark-token"
+TARGET_WARM_RATIO = 1.2
+LOADERS = {"ours": "tpu_kernels.loader", "kernels": "kernels"}
+
+# Runs in a fresh interpreter; prints one JSON line.
+LOAD_SCRIPT = """
+import importlib, json, os, sys, time, urllib.request
+# Both loaders start from the same imported modules (tpu_kernels imports jax,
+# pallas and torch), so the clock sees only what each loader does.
+import jax, torch, kernels, tpu_kernels.loader
+get_kernel = importlib.import_module({loader_module!r}).get_kernel
+
+def requests_so_far():
+    with urllib.request.urlopen(os.environ["HF_ENDPOINT"] + {stats_path!r}) as response:
+        return json.load(response)["by_route"]
+
+def timed_load():
+    before = requests_so_far()
+    start = time.perf_counter()
+    module = get_kernel({repo!r}, version=1)
+    seconds = time.perf_counter() - start
+    after = requests_so_far()
+    routes = {{route: after[route] - before.get(route, 0) for route in after if after[route] != before.get(route, 0)}}
+    return module, seconds, routes
+
+try:
+    module, load_s, load_routes = timed_load()
+except Exception as error:
+    print(json.dumps({{"error": f"{{type(error).__name__}}: {{error}}"[:400]}}))
+    sys.exit(0)
+_, repeat_s, repeat_routes = timed_load()
+print(json.dumps({{"load_s": load_s, "load_requests": load_routes, "repeat_s": repeat_s,
+                  "repeat_requests": repeat_routes, "file": module.__file__}}))
+"""
+
+
+def load_in_fresh_process(loader: str, repo: str, hub_url: str, cache: Path, hf_home: Path, offline: bool) -> dict:
+    env = {key: value for key, value in os.environ.items() if key not in ("HF_TOKEN", "LOCAL_KERNELS")}
+    env.update(HF_ENDPOINT=hub_url, KERNELS_CACHE=str(cache), HF_HOME=str(hf_home), JAX_PLATFORMS="cpu",
+               HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_OFFLINE="1" if offline else "0")
+    script = LOAD_SCRIPT.format(loader_module=LOADERS[loader], stats_path=STATS_PATH, repo=repo)
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True,
+                            text=True, timeout=600, cwd=ROOT)
+    if result.returncode != 0:
+        raise RuntimeError(f"{loader} load failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def total(routes: dict) -> int:
+    return sum(routes.values())
+
+
+def summary(runs: list[dict]) -> dict:
+    return {
+        "median_s": statistics.median(run["load_s"] for run in runs),
+        "runs_s": [round(run["load_s"], 4) for run in runs],
+        "requests_per_load": statistics.median(total(run["load_requests"]) for run in runs),
+        "requests_by_route": runs[0]["load_requests"],
+    }
+
+
+def repeat_summary(runs: list[dict]) -> dict:
+    return {
+        "median_s": statistics.median(run["repeat_s"] for run in runs),
+        "requests_per_load": statistics.median(total(run["repeat_requests"]) for run in runs),
+        "requests_by_route": runs[0]["repeat_requests"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=5, help="cold and warm loads per loader (default: 5)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="tpu-kernels-loader-bench-") as tmp:
+        work = Path(tmp)
+        built = build_kernel_repo(KERNEL_REPO, work / "build")
+        repo = f"{ORG}/{built.name}"
+        with start_hub(work / "hub", token=TOKEN, trusted_orgs=[ORG]) as hub:
+            upload_kernel(built, repo, endpoint=hub.url, token=TOKEN)
+            hf_home = work / "hf-home"
+            # huggingface_hub's once-a-day registry lookup, out of the way of the measured loads.
+            load_in_fresh_process("kernels", repo, hub.url, work / "warm-up-cache", hf_home, offline=False)
+
+            runs: dict[str, dict[str, list[dict]]] = {loader: {"cold": [], "warm": []} for loader in LOADERS}
+            caches = {}
+            for index in range(args.runs):
+                # Alternate which loader goes first: the machine's load drifts.
+                for loader in list(LOADERS)[:: 1 if index % 2 == 0 else -1]:
+                    cache = caches[loader, index] = work / f"cache-{loader}-{index}"
+                    runs[loader]["cold"].append(load_in_fresh_process(loader, repo, hub.url, cache, hf_home, False))
+                    runs[loader]["warm"].append(load_in_fresh_process(loader, repo, hub.url, cache, hf_home, False))
+                    print(f"run {index}: {loader} cold {runs[loader]['cold'][-1]['load_s']:.3f}s "
+                          f"warm {runs[loader]['warm'][-1]['load_s']:.3f}s", flush=True)
+
+            requests_before_offline = hub.request_count
+            offline_ours = [load_in_fresh_process("ours", repo, hub.url, caches["ours", 0], hf_home, True)
+                            for _ in range(max(1, args.runs // 2))]
+            offline_kernels = load_in_fresh_process("kernels", repo, hub.url, caches["kernels", 0], hf_home, True)
+            offline_server_requests = hub.request_count - requests_before_offline
+
+            variant = Path(runs["ours"]["warm"][0]["file"]).parent
+            files_in_variant = sum(1 for path in variant.rglob("*") if path.is_file())
+            digest_times = []
+            for _ in range(20):
+                start = time.perf_counter()
+                verify_variant(variant)
+                digest_times.append(time.perf_counter() - start)
+
+    result = {
+        "kernel": repo,
+        "variant": variant.name,
+        "files_in_variant": files_in_variant,
+        "runs": args.runs,
+        "environment": {
+            "python": platform.python_version(),
+            "huggingface_hub": huggingface_hub.__version__,
+            "kernels": kernels.__version__,
+            "cpus": os.cpu_count(),
+            "note": "local Hub over loopback; times exclude importing torch and jax",
+        },
+        "cold": {loader: summary(runs[loader]["cold"]) for loader in LOADERS},
+        "warm": {loader: summary(runs[loader]["warm"]) for loader in LOADERS},
+        "repeat_in_process": {loader: repeat_summary(runs[loader]["warm"]) for loader in LOADERS},
+        "offline": {
+            "ours": {
+                "median_s": statistics.median(run["load_s"] for run in offline_ours),
+                "requests_per_load": statistics.median(total(run["load_requests"]) for run in offline_ours),
+                "server_requests_during_offline_loads": offline_server_requests,
+            },
+            "kernels": offline_kernels.get("error") or {"median_s": offline_kernels["load_s"]},
+        },
+        "digest_check_median_s": statistics.median(digest_times),
+        "target_warm_ratio": TARGET_WARM_RATIO,
+    }
+    for state in ("cold", "warm"):
+        result[state]["ratio_ours_over_kernels"] = (
+            result[state]["ours"]["median_s"] / result[state]["kernels"]["median_s"]
+        )
+    result["repeat_in_process"]["ratio_ours_over_kernels"] = (
+        result["repeat_in_process"]["ours"]["median_s"] / result["repeat_in_process"]["kernels"]["median_s"]
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({state: result[state].get("ratio_ours_over_kernels") for state in
+                      ("cold", "warm", "repeat_in_process")}, indent=2))
+    print(f"offline: ours {result['offline']['ours']}, kernels {result['offline']['kernels']}")
+    print(f"wrote {args.out}")
+    warm_ok = result["warm"]["ratio_ours_over_kernels"] <= TARGET_WARM_RATIO
+    return 0 if warm_ok and offline_server_requests == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
