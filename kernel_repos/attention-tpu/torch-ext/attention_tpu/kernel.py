@@ -13,9 +13,10 @@ One kernel serves prefill, chunked prefill and decode:
   KV blocks outside that range are neither computed (``pl.when``) nor fetched:
   the K/V index maps clamp the block index into the range, so the pipeline sees
   an unchanged block index and issues no DMA.
-* Decode (one query position) packs the group's query heads into the rows of a
-  single block, so a decode step is one (group, D) x (D, block_kv) matmul per
-  KV block and reads each KV block exactly once per KV head.
+* Decode (one query position) packs each KV head's group of query heads into
+  the rows of one block, so a decode step is one (group, D) x (D, block_kv)
+  matmul per KV head and reads each KV block exactly once; one step spans
+  several KV heads so that its DMA outweighs the per-step overhead.
 * No padding copies: ragged edge blocks are masked with ``jnp.where`` before the
   exponential and the V rows past the valid length are zeroed before the PV
   matmul, so whatever lies past the arrays' ends (NaN in interpret mode) never
@@ -48,12 +49,18 @@ SUPPORTED_GENERATIONS = ("v5e", "v6e")
 # both generations, the compiler's default scoped limit is 16 MiB on v5e and
 # 32 MiB on v6e).
 _VMEM_BUDGET_BYTES = {"v5e": 24 * 2**20, "v6e": 32 * 2**20}
-# Preferred tiles: (query positions per block, keys per prefill block, keys per
-# decode block). v6e's 256-wide MXU and doubled HBM bandwidth favour larger
-# tiles; decode streams K/V, so its blocks are long to amortise the per-step
-# overhead (~0.35 us) against the DMA time.
-_PREFERRED_TILES = {"v5e": (256, 512, 2048), "v6e": (256, 512, 4096)}
+# Preferred tiles (query positions per prefill block, keys per prefill block,
+# keys per decode block), chosen with the grid-replay model of
+# tpu_kernels/perf.py on Qwen3-30B-A3B shapes (benchmarks/attention.py): at
+# S=4096-8192, (512, 512) on v5e and (512, 1024) on v6e come within ~3% of the
+# best modelled time, 10-20% faster than (256, 512). Decode streams K/V, so its
+# blocks are long and span several KV heads, to amortise the per-step overhead
+# (~0.35 us) against the DMA time: a decode step moves up to
+# _DECODE_STEP_BYTES of K and V.
+_PREFERRED_TILES = {"v5e": (512, 512, 2048), "v6e": (512, 1024, 4096)}
+_DECODE_STEP_BYTES = {"v5e": 4 * 2**20, "v6e": 8 * 2**20}
 _LANES = 128
+_SUBLANES = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +71,14 @@ class AttentionConfig:
       step are the group's query heads instead).
     block_kv: keys per grid step.
     vmem_limit_bytes: scoped VMEM limit requested from Mosaic.
+    kv_heads_per_step: KV heads one decode step handles (a divisor of the
+      number of KV heads; prefill steps handle one).
     """
 
     block_q: int
     block_kv: int
     vmem_limit_bytes: int
+    kv_heads_per_step: int = 1
 
 
 def default_generation() -> str:
@@ -86,14 +96,21 @@ def _is_decode(q_len: int) -> bool:
     return q_len == 1
 
 
-def _vmem_bytes(*, decode, group, block_q, block_kv, head_dim, itemsize, mask_itemsize):
-    rows = group if decode else group * block_q
-    q_and_out = 2 * 2 * rows * head_dim * itemsize  # double-buffered q and out blocks
-    scratch = rows * head_dim * 4 + 2 * rows * _LANES * 4  # acc, running max and sum (lane padded)
-    kv = 2 * 2 * block_kv * head_dim * itemsize  # double-buffered k and v blocks
-    step_rows = rows if decode else block_q
-    temporaries = 4 * step_rows * block_kv * 4  # logits, probabilities, masks of one head
-    mask = 2 * (1 if decode else block_q) * block_kv * mask_itemsize
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _vmem_bytes(*, decode, group, block_q, block_kv, kv_heads_per_step, head_dim, itemsize, mask_itemsize):
+    """Estimated VMEM working set of one configuration (pipeline buffers, scratch, temporaries)."""
+    # A step holds `slices` row blocks of `rows` query rows: the group's heads
+    # (prefill), or one block of `group` rows per KV head (decode).
+    slices, rows = (kv_heads_per_step, group) if decode else (group, block_q)
+    padded_rows = _round_up(rows, _SUBLANES)
+    q_and_out = 2 * 2 * slices * padded_rows * head_dim * itemsize  # double-buffered q and out blocks
+    scratch = slices * padded_rows * (head_dim + 2 * _LANES) * 4  # acc, running max and sum (lane padded)
+    kv = 2 * 2 * kv_heads_per_step * block_kv * head_dim * itemsize  # double-buffered k and v blocks
+    temporaries = 4 * padded_rows * _round_up(block_kv, _LANES) * 4  # logits, probabilities, masks of one slice
+    mask = 2 * (32 if decode else _round_up(block_q, 32)) * _round_up(block_kv, _LANES) * mask_itemsize
     return q_and_out + scratch + kv + temporaries + mask
 
 
@@ -112,7 +129,8 @@ def select_config(
 
     Block sizes are either the full extent of their axis (always legal) or a
     multiple of 128 (query blocks: of 32, so int8 mask tiles line up), shrunk
-    until the working set fits the generation's VMEM budget.
+    until the working set fits the generation's VMEM budget. Decode steps take
+    as many KV heads as fit _DECODE_STEP_BYTES.
     """
     generation = generation or default_generation()
     if generation not in SUPPORTED_GENERATIONS:
@@ -123,31 +141,41 @@ def select_config(
     block_q = 1 if decode else min(q_len, preferred_q)
     block_kv = min(kv_len, preferred_kv_decode if decode else preferred_kv_prefill)
     itemsize = jnp.dtype(dtype).itemsize
-    mask_itemsize = 0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize
     budget = _VMEM_BUDGET_BYTES[generation]
 
-    def working_set(bq, bkv):
+    def working_set(bq, bkv, heads):
         return _vmem_bytes(
             decode=decode,
             group=group,
             block_q=bq,
             block_kv=bkv,
+            kv_heads_per_step=heads,
             head_dim=head_dim,
             itemsize=itemsize,
-            mask_itemsize=mask_itemsize,
+            mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize,
         )
 
-    while working_set(block_q, block_kv) > budget:
+    while working_set(block_q, block_kv, 1) > budget:
         if block_kv > 512 or (block_kv > 128 and (decode or block_q <= 64)):
             block_kv = _shrink(block_kv, multiple=128)
         elif not decode and block_q > 32:
             block_q = _shrink(block_q, multiple=32)
         else:
             break
-    needed = working_set(block_q, block_kv)
+    heads_per_step = 1
+    if decode:
+        step_bytes = 2 * block_kv * head_dim * itemsize
+        for heads in range(kv_heads, 0, -1):
+            fits = heads * step_bytes <= _DECODE_STEP_BYTES[generation]
+            if kv_heads % heads == 0 and fits and working_set(block_q, block_kv, heads) <= budget:
+                heads_per_step = heads
+                break
+    needed = working_set(block_q, block_kv, heads_per_step)
     # Headroom for Mosaic's internal scratch and relayout temporaries.
     vmem_limit = min(max(int(needed * 1.5) + 4 * 2**20, 16 * 2**20), 100 * 2**20)
-    return AttentionConfig(block_q=block_q, block_kv=block_kv, vmem_limit_bytes=vmem_limit)
+    return AttentionConfig(
+        block_q=block_q, block_kv=block_kv, vmem_limit_bytes=vmem_limit, kv_heads_per_step=heads_per_step
+    )
 
 
 def _shrink(block: int, *, multiple: int) -> int:
@@ -225,11 +253,13 @@ def _attention_kernel(
     if st.mask_kind is not None:
         needs_mask = True
 
+    rows = st.group if st.decode else st.block_q
+
     def step(apply_mask: bool):
-        k = k_ref[...]
-        v = v_ref[...]
-        rows = st.group if st.decode else st.block_q
-        visible = bias = None
+        # k_ref/v_ref are [kv heads of this step, block_kv, D]: one KV head
+        # shared by every slice (prefill: the group's query heads), or one per
+        # slice (decode: a slice is one KV head's group of query rows).
+        visible = bias = value_valid = None
         if apply_mask:
             key_pos = key_start + jax.lax.broadcasted_iota(jnp.int32, (rows, st.block_kv), 1)
             visible = key_pos < kv_valid
@@ -252,11 +282,18 @@ def _attention_kernel(
                 visible = visible & jnp.broadcast_to(allowed, (rows, st.block_kv))
                 if bias is not None:
                     bias = jnp.broadcast_to(bias, (rows, st.block_kv))
-            # Zero V rows past the valid length: p is 0 there, but 0 * NaN is NaN.
-            value_pos = key_start + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
-            v = jnp.where(value_pos < kv_valid, v, jnp.zeros_like(v))
+            value_pos = key_start + jax.lax.broadcasted_iota(jnp.int32, (st.block_kv, st.head_dim), 0)
+            value_valid = value_pos < kv_valid
 
-        def attend(s):
+        def load_kv(head):
+            k = k_ref[head]
+            v = v_ref[head]
+            if value_valid is not None:
+                # Zero V rows past the valid length: p is 0 there, but 0 * NaN is NaN.
+                v = jnp.where(value_valid, v, jnp.zeros_like(v))
+            return k, v
+
+        def attend(s, k, v):
             q = q_ref[s]
             logits = jax.lax.dot_general(
                 q,
@@ -289,12 +326,21 @@ def _attention_kernel(
             )
             max_ref[s] = max_next
 
+        if st.decode:
+            def attend_slice(s):
+                attend(s, *load_kv(s))
+        else:
+            shared_kv = load_kv(0)
+
+            def attend_slice(s):
+                attend(s, *shared_kv)
+
         if num_slices == 1:
-            attend(0)
+            attend_slice(0)
         else:
 
             def body(s, carry):
-                attend(s)
+                attend_slice(s)
                 return carry
 
             jax.lax.fori_loop(0, num_slices, body, None)
@@ -402,6 +448,20 @@ def _check_inputs(q, k, v, q_offset, kv_lengths, attention_mask, sliding_window,
         raise ValueError(f"scale must be a finite number or None, got {scale!r}")
 
 
+def _check_config(config: AttentionConfig, *, q_len: int, kv_len: int, kv_heads: int) -> None:
+    def aligned(block, extent, multiple):
+        return block == extent or (block > 0 and block % multiple == 0)
+
+    if not _is_decode(q_len) and not aligned(config.block_q, q_len, 8):
+        raise ValueError(f"config.block_q must be a multiple of 8 or the query length {q_len}, got {config.block_q}")
+    if not aligned(config.block_kv, kv_len, 128):
+        raise ValueError(f"config.block_kv must be a multiple of 128 or the key length {kv_len}, got {config.block_kv}")
+    if config.kv_heads_per_step < 1 or kv_heads % config.kv_heads_per_step:
+        raise ValueError(
+            f"config.kv_heads_per_step must divide the number of KV heads ({kv_heads}), got {config.kv_heads_per_step}"
+        )
+
+
 def flash_attention(
     q: jax.Array,
     k: jax.Array,
@@ -443,7 +503,9 @@ def flash_attention(
             mask_kind = "bias"
             mask_floor = float(jnp.finfo(attention_mask.dtype).min)
             mask = attention_mask.astype(jnp.float32)
-    if config is None:
+    if config is not None:
+        _check_config(config, q_len=q_len, kv_len=kv_len, kv_heads=kv_heads)
+    else:
         config = select_config(
             q_heads=q_heads,
             kv_heads=kv_heads,
@@ -501,21 +563,22 @@ def _flash_attention_call(q, k, v, mask, q_offset, kv_valid, block_lo, block_hi,
     kv_heads = k.shape[1]
     group, block_q, block_kv = st.group, st.block_q, st.block_kv
     nq = st.num_q_blocks
-    grid = (batch, kv_heads, nq, st.num_kv_blocks)
 
     def kv_index_map(b, h, qi, kj, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
         return (b, h, _clamped_kv_block(b, qi, kj, lo_ref, hi_ref, nq), 0)
 
+    heads_per_step = config.kv_heads_per_step if st.decode else 1
+    grid = (batch, kv_heads // heads_per_step, nq, st.num_kv_blocks)
     if st.decode:
-        # [B, Hq, 1, D] -> [B, Hkv, 1, G, D] is free: the group's heads become
-        # the rows of one block.
-        q_in = q.reshape(batch, kv_heads, 1, group, head_dim)
-        q_block = (None, None, 1, group, head_dim)
+        # [B, Hq, 1, D] -> [B, Hkv, G, D] is free: each KV head's group of
+        # query heads becomes the rows of one slice.
+        q_in = q.reshape(batch, kv_heads, group, head_dim)
+        q_block = (None, heads_per_step, group, head_dim)
 
         def q_index_map(b, h, qi, kj, *_):
-            return (b, h, 0, 0, 0)
+            return (b, h, 0, 0)
 
-        slices, rows = 1, group
+        slices, rows = heads_per_step, group
     else:
         q_in = q
         q_block = (None, group, block_q, head_dim)
@@ -527,8 +590,8 @@ def _flash_attention_call(q, k, v, mask, q_offset, kv_valid, block_lo, block_hi,
 
     in_specs = [
         pl.BlockSpec(q_block, q_index_map),
-        pl.BlockSpec((None, None, block_kv, head_dim), kv_index_map),
-        pl.BlockSpec((None, None, block_kv, head_dim), kv_index_map),
+        pl.BlockSpec((None, heads_per_step, block_kv, head_dim), kv_index_map),
+        pl.BlockSpec((None, heads_per_step, block_kv, head_dim), kv_index_map),
     ]
     operands = [q_in, k, v]
     if mask is not None:
