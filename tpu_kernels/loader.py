@@ -34,6 +34,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,9 @@ from kernels.variants import get_variants_local, resolve_variant, variants_trace
 logger = logging.getLogger(__name__)
 
 BYTECODE_FOLDER = "__pycache__"
+# Imports toggle the process-wide sys.dont_write_bytecode and fill kernels' module
+# registry: one load at a time (re-entrant, for a kernel that loads another on import).
+_LOAD_LOCK = threading.RLock()
 
 
 class KernelIntegrityError(RuntimeError):
@@ -108,7 +112,7 @@ def get_kernel(
     _verify_tree(installed)
     if isinstance(kernel.version, KernelVersion.Version) and installed.location.origin is not None:
         _remember_version(repo_id, kernel.version.version, installed.location.origin.revision)
-    with _bytecode_writing_disabled():
+    with _LOAD_LOCK, _bytecode_writing_disabled():
         return installed.load()
 
 
@@ -223,13 +227,15 @@ def _download_again(tree: DepTreeNode[LocalKernel], api: HfApi) -> None:
         for path in kernel.variant_path.rglob("*"):
             if path.is_symlink() or path.is_file():
                 path.unlink()
+        # The snapshot folder is named by its commit: fetch exactly that one, even if
+        # origin.revision is a branch that moved since.
         api.snapshot_download(
             origin.repo_id,
             repo_type="kernel",
             allow_patterns=[f"build/{kernel.variant_str}/*"],
             ignore_patterns=kernels_resolver._BYTECODE_IGNORE_PATTERNS,
             cache_dir=kernels_resolver.CACHE_DIR,
-            revision=origin.revision,
+            revision=kernel.variant_path.parents[1].name,
             force_download=True,
         )
 

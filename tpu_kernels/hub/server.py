@@ -153,7 +153,12 @@ class HubRequestHandler(BaseHTTPRequestHandler):
     # -- plumbing -------------------------------------------------------------------------------
 
     def _dispatch(self, method: str) -> None:
-        self._body_remaining = int(self.headers.get("Content-Length") or 0)
+        length = self.headers.get("Content-Length") or "0"
+        self._body_remaining = int(length) if length.isdigit() else 0
+        if self.headers.get("Transfer-Encoding", "identity").lower() != "identity" or not length.isdigit():
+            self.close_connection = True
+            self._send_error(HubError(411, "Send a body with a Content-Length (chunked bodies are not supported)"))
+            return
         url = urlsplit(self.path)
         if url.path == STATS_PATH and method == "GET":
             self._send_json(200, self.server.stats.snapshot())
