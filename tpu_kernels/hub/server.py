@@ -35,13 +35,14 @@ about one file.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import hmac
 import json
-import argparse
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -82,30 +83,20 @@ _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 
 @dataclass
 class RequestStats:
-    """Requests served, by route name; thread-safe."""
+    """Requests served, in total and by route; thread-safe."""
 
     total: int = 0
     by_route: collections.Counter = field(default_factory=collections.Counter)
-    in_flight: collections.Counter = field(default_factory=collections.Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def start(self, route: str) -> None:
+    def count(self, route: str) -> None:
         with self.lock:
             self.total += 1
             self.by_route[route] += 1
-            self.in_flight[route] += 1
-
-    def finish(self, route: str) -> None:
-        with self.lock:
-            self.in_flight[route] -= 1
 
     def snapshot(self) -> dict:
         with self.lock:
-            return {
-                "requests": self.total,
-                "by_route": dict(self.by_route),
-                "in_flight": {route: count for route, count in self.in_flight.items() if count},
-            }
+            return {"requests": self.total, "by_route": dict(self.by_route)}
 
 
 class HubHTTPServer(ThreadingHTTPServer):
@@ -115,8 +106,6 @@ class HubHTTPServer(ThreadingHTTPServer):
 
     def __init__(self, address, storage: Storage, token: str | None, trusted_orgs, log_requests: bool):
         if ":" in address[0]:
-            import socket
-
             self.address_family = socket.AF_INET6
         self.storage = storage
         self.token = token
@@ -168,7 +157,7 @@ class HubRequestHandler(BaseHTTPRequestHandler):
         segments = [unquote(segment) for segment in url.path.split("/")[1:]]
         self._query = parse_qs(url.query)
         route, handler, args = self._route(method, segments)
-        self.server.stats.start(route)
+        self.server.stats.count(route)
         try:
             handler(*args)
         except ConnectionError:
@@ -180,7 +169,6 @@ class HubRequestHandler(BaseHTTPRequestHandler):
             self.log_error("internal error on %s %s: %r", method, self.path, error)
             self._send_error(HubError(500, f"Internal server error: {type(error).__name__}"))
         finally:
-            self.server.stats.finish(route)
             if self._body_remaining:
                 # The body was not read: the connection cannot be reused.
                 self.close_connection = True
@@ -296,7 +284,8 @@ class HubRequestHandler(BaseHTTPRequestHandler):
         self._send_bytes(status, json.dumps(data).encode(), "application/json; charset=utf-8", headers)
 
     def _send_error(self, error: HubError) -> None:
-        headers = {"X-Error-Message": error.message.encode("ascii", "replace").decode()}
+        one_line = " ".join(error.message.split())
+        headers = {"X-Error-Message": one_line.encode("ascii", "replace").decode()}
         if error.code:
             headers["X-Error-Code"] = error.code
         if error.commit:
@@ -649,9 +638,6 @@ class RunningHub:
     @property
     def request_count(self) -> int:
         return self._server.stats.snapshot()["requests"]
-
-    def stats(self) -> dict:
-        return self._server.stats.snapshot()
 
     def stop(self) -> None:
         self._server.shutdown()

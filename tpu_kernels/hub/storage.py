@@ -245,9 +245,6 @@ class Storage:
             raise HubError(404, f"Repository {repo_type}/{repo_id} not found", code="RepoNotFound")
         return folder
 
-    def repo_exists(self, repo_type: str, repo_id: str) -> bool:
-        return (self.repo_dir(repo_type, repo_id) / "refs.json").is_file()
-
     def namespaces(self) -> set[str]:
         return {path.name for repo_type in REPO_TYPES for path in (self.repos / repo_type).glob("*") if path.is_dir()}
 
