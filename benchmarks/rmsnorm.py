@@ -85,7 +85,8 @@ def xla_reference(kernel_name: str):
 
     def normalise(x, weight):
         x32 = x.astype(jnp.float32)
-        return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + EPS) * weight.astype(jnp.float32)).astype(x.dtype)
+        inverse_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + EPS)
+        return (x32 * inverse_rms * weight.astype(jnp.float32)).astype(x.dtype)
 
     if kernel_name == "rms_norm":
         return normalise
@@ -183,8 +184,15 @@ def measure_layouts(k) -> list[dict]:
 
 
 def shapes(quick: bool):
-    forward = [(name, rows, hidden) for name in ("rms_norm", "fused_add_rms_norm") for hidden in HIDDEN_SIZES for rows in ROW_COUNTS]
-    backward = [(name, 8192, hidden) for name in ("rms_norm_backward", "fused_add_rms_norm_backward") for hidden in HIDDEN_SIZES]
+    forward = [
+        (name, rows, hidden)
+        for name in ("rms_norm", "fused_add_rms_norm")
+        for hidden in HIDDEN_SIZES
+        for rows in ROW_COUNTS
+    ]
+    backward = [
+        (name, 8192, hidden) for name in ("rms_norm_backward", "fused_add_rms_norm_backward") for hidden in HIDDEN_SIZES
+    ]
     if quick:
         return [(name, rows, 4096) for name, rows, hidden in forward if hidden == 4096] + [backward[2]]
     return forward + backward
@@ -233,14 +241,21 @@ def main(argv=None) -> int:
             )
         layouts = [] if args.quick else measure_layouts(k)
         for entry in layouts:
-            print(f"rms_norm {entry['dtype']:8s} {str(tuple(entry['shape'])):18s} relayout copies {entry['relayout_copies']}  "
-                  f"bytes accessed / min {entry['bytes_accessed_over_min']:.2f}")
+            print(
+                f"rms_norm {entry['dtype']:8s} {str(tuple(entry['shape'])):18s} "
+                f"relayout copies {entry['relayout_copies']}  "
+                f"bytes accessed / min {entry['bytes_accessed_over_min']:.2f}"
+            )
     report = {
         "benchmark": "benchmarks/rmsnorm.py",
         "kernel_repo": "kernel_repos/rmsnorm-tpu",
         "dtype": "bfloat16",
         "traffic_model": "tpu_kernels.perf.model_pallas_traffic (grid replay of the kernel's BlockSpecs)",
-        "environment": {"jax": jax.__version__, "python": platform.python_version(), "tpu": "none (model + compile-only)"},
+        "environment": {
+            "jax": jax.__version__,
+            "python": platform.python_version(),
+            "tpu": "none (traffic model + compile-only)",
+        },
         "summary": summarise(results),
         "results": results,
         f"{COST_GENERATION}_nd_input_layouts": {

@@ -46,9 +46,13 @@ class TpuGeneration:
     vmem_capacity_bytes: int
 
 
+# HBM bandwidth and VMEM capacity as in jax's TpuInfo table; the scoped
+# defaults measured with libtpu's compile-only topologies.
 GENERATIONS = {
     "v5e": TpuGeneration("v5e", hbm_bytes_per_second=8.2e11, scoped_vmem_bytes=16 * MIB, vmem_capacity_bytes=128 * MIB),
-    "v6e": TpuGeneration("v6e", hbm_bytes_per_second=1.64e12, scoped_vmem_bytes=32 * MIB, vmem_capacity_bytes=128 * MIB),
+    "v6e": TpuGeneration(
+        "v6e", hbm_bytes_per_second=1.64e12, scoped_vmem_bytes=32 * MIB, vmem_capacity_bytes=128 * MIB
+    ),
 }
 DEFAULT_GENERATION = "v6e"
 # Chips outside the table get the v5e budget: 16 MiB of scoped VMEM is the
@@ -66,25 +70,35 @@ VMEM_CAPACITY_FRACTION = 0.75
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelTraffic:
-    """The per-row footprint of one kernel: what select_config sizes blocks by.
+class KernelShape:
+    """What one kernel streams, and the per-row VMEM footprint select_config sizes blocks by.
 
-    row_arrays: [rows, hidden] arrays streamed through VMEM (inputs + outputs),
-    each double-buffered by the pipeline. f32_row_temporaries: float32
-    [block_rows, hidden] scratch Mosaic allocates for the body, rounded up from
-    the scoped VMEM totals that CompileTimeScopedVmemOom reports for oversized
-    blocks on v5e and v6e (bfloat16 inputs need the most: their upcasts).
+    row_inputs / row_outputs: [rows, hidden] arrays the pipeline streams (each
+    double-buffered in VMEM); the weight comes in once as [1, hidden], and the
+    backward kernels write one float32 [1, hidden] weight-gradient partial per
+    row block. f32_row_temporaries: float32 [block_rows, hidden] scratch Mosaic
+    allocates for the body, rounded up from the scoped VMEM totals that
+    CompileTimeScopedVmemOom reports for oversized blocks on v5e and v6e
+    (bfloat16 inputs need the most: their upcasts).
     """
 
-    row_arrays: int
+    row_inputs: int
+    row_outputs: int
+    weight_gradient: bool
     f32_row_temporaries: int
+
+    @property
+    def row_arrays(self) -> int:
+        return self.row_inputs + self.row_outputs
 
 
 KERNELS = {
-    "rms_norm": KernelTraffic(row_arrays=2, f32_row_temporaries=1),
-    "fused_add_rms_norm": KernelTraffic(row_arrays=4, f32_row_temporaries=2),
-    "rms_norm_backward": KernelTraffic(row_arrays=3, f32_row_temporaries=4),
-    "fused_add_rms_norm_backward": KernelTraffic(row_arrays=4, f32_row_temporaries=4),
+    "rms_norm": KernelShape(row_inputs=1, row_outputs=1, weight_gradient=False, f32_row_temporaries=1),
+    "fused_add_rms_norm": KernelShape(row_inputs=2, row_outputs=2, weight_gradient=False, f32_row_temporaries=2),
+    "rms_norm_backward": KernelShape(row_inputs=2, row_outputs=1, weight_gradient=True, f32_row_temporaries=4),
+    "fused_add_rms_norm_backward": KernelShape(
+        row_inputs=3, row_outputs=1, weight_gradient=True, f32_row_temporaries=4
+    ),
 }
 
 
@@ -118,10 +132,10 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _vmem_bytes(block_rows: int, hidden: int, dtype, traffic: KernelTraffic) -> int:
+def _vmem_bytes(block_rows: int, hidden: int, dtype, kernel_shape: KernelShape) -> int:
     padded_hidden = _round_up(hidden, LANES)
     itemsize = jnp.dtype(dtype).itemsize
-    per_row = padded_hidden * (2 * itemsize * traffic.row_arrays + 4 * traffic.f32_row_temporaries)
+    per_row = padded_hidden * (2 * itemsize * kernel_shape.row_arrays + 4 * kernel_shape.f32_row_temporaries)
     # The weight block and the weight-gradient partials: a few sublanes of f32 each, double-buffered.
     vectors = 2 * 2 * 8 * padded_hidden * 4
     return _round_up(block_rows, sublane_multiple(dtype)) * per_row + vectors
@@ -147,20 +161,20 @@ def select_config(rows: int, hidden: int, dtype, generation: str, *, kernel: str
         raise ValueError(f"rows and hidden must be >= 1, got rows={rows}, hidden={hidden}")
     dtype = jnp.dtype(dtype)
     chip = GENERATIONS[generation]
-    traffic = KERNELS[kernel]
+    kernel_shape = KERNELS[kernel]
     align = sublane_multiple(dtype)
 
-    traffic_seconds = rows * hidden * dtype.itemsize * traffic.row_arrays / chip.hbm_bytes_per_second
+    traffic_seconds = rows * hidden * dtype.itemsize * kernel_shape.row_arrays / chip.hbm_bytes_per_second
     steps = max(1, round(math.sqrt(traffic_seconds / GRID_STEP_OVERHEAD_SECONDS)))
 
     budget = int(chip.scoped_vmem_bytes * VMEM_BUDGET_FRACTION)
-    fixed_bytes = _vmem_bytes(0, hidden, dtype, traffic)
-    bytes_per_aligned_rows = _vmem_bytes(align, hidden, dtype, traffic) - fixed_bytes
+    fixed_bytes = _vmem_bytes(0, hidden, dtype, kernel_shape)
+    bytes_per_aligned_rows = _vmem_bytes(align, hidden, dtype, kernel_shape) - fixed_bytes
     fitting_rows = max(0, budget - fixed_bytes) // bytes_per_aligned_rows * align
     vmem_limit_bytes = None
     if fitting_rows < align:
         # Even the smallest aligned block overflows the default: ask for more VMEM.
-        needed = _vmem_bytes(align, hidden, dtype, traffic)
+        needed = _vmem_bytes(align, hidden, dtype, kernel_shape)
         vmem_limit_bytes = _round_up(int(needed / VMEM_BUDGET_FRACTION), MIB)
         if vmem_limit_bytes > chip.vmem_capacity_bytes * VMEM_CAPACITY_FRACTION:
             raise ValueError(
@@ -178,7 +192,7 @@ def select_config(rows: int, hidden: int, dtype, generation: str, *, kernel: str
 
 @dataclasses.dataclass(frozen=True)
 class RowKernelLayout:
-    """Grid and BlockSpecs of one kernel call: what the kernel DMAs, for pallas_call and traffic counting."""
+    """Grid, BlockSpecs and operand shapes of one kernel call."""
 
     grid: tuple[int]
     in_specs: tuple[pl.BlockSpec, ...]
@@ -196,52 +210,24 @@ def row_kernel_layout(
     if block_rows is not None:
         align = sublane_multiple(dtype)
         if not (block_rows == rows or (block_rows >= align and block_rows % align == 0)):
-            raise ValueError(f"block_rows must be a multiple of {align} for {jnp.dtype(dtype)} or equal rows={rows}, got {block_rows}")
+            raise ValueError(
+                f"block_rows must be a multiple of {align} for {jnp.dtype(dtype)} or equal rows={rows}, "
+                f"got {block_rows}"
+            )
         config = dataclasses.replace(config, block_rows=min(block_rows, rows))
-    block_rows = config.block_rows
-    num_blocks = pl.cdiv(rows, block_rows)
-    row_spec = pl.BlockSpec((block_rows, hidden), lambda i: (i, 0))
-    # Same block index on every step: the pipeline fetches the weight once.
-    weight_spec = pl.BlockSpec((1, hidden), lambda i: (0, 0))
-    # One float32 partial weight gradient per row block, summed outside the kernel.
-    weight_grad_spec = pl.BlockSpec((None, 1, hidden), lambda i: (i, 0, 0))
-
+    shape = KERNELS[kernel]
+    num_blocks = pl.cdiv(rows, config.block_rows)
+    row_spec = pl.BlockSpec((config.block_rows, hidden), lambda i: (i, 0))
     row = jax.ShapeDtypeStruct((rows, hidden), dtype)
-    weight = jax.ShapeDtypeStruct((1, hidden), weight_dtype)
-    weight_grad_partials = jax.ShapeDtypeStruct((num_blocks, 1, hidden), jnp.float32)
-    row_inputs, row_outputs, with_weight_grad = {
-        "rms_norm": (1, 1, False),
-        "fused_add_rms_norm": (2, 2, False),
-        "rms_norm_backward": (2, 1, True),
-        "fused_add_rms_norm_backward": (3, 1, True),
-    }[kernel]
-    return RowKernelLayout(
-        grid=(num_blocks,),
-        in_specs=(row_spec,) * row_inputs + (weight_spec,),
-        out_specs=(row_spec,) * row_outputs + ((weight_grad_spec,) if with_weight_grad else ()),
-        in_shapes=(row,) * row_inputs + (weight,),
-        out_shapes=(row,) * row_outputs + ((weight_grad_partials,) if with_weight_grad else ()),
-        config=config,
-    )
-
-
-def _pallas_call(body, layout: RowKernelLayout, *, name: str, flops_per_element: int, transcendentals: int):
-    bytes_accessed = sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in layout.in_shapes + layout.out_shapes)
-    rows, hidden = layout.in_shapes[0].shape
-    return pl.pallas_call(
-        body,
-        grid=layout.grid,
-        in_specs=list(layout.in_specs),
-        out_specs=list(layout.out_specs) if len(layout.out_specs) > 1 else layout.out_specs[0],
-        out_shape=list(layout.out_shapes) if len(layout.out_shapes) > 1 else layout.out_shapes[0],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel",), vmem_limit_bytes=layout.config.vmem_limit_bytes
-        ),
-        cost_estimate=pl.CostEstimate(
-            flops=flops_per_element * rows * hidden, transcendentals=transcendentals, bytes_accessed=bytes_accessed
-        ),
-        name=name,
-    )
+    # Same block index on every step: the pipeline fetches the weight once.
+    in_specs = (row_spec,) * shape.row_inputs + (pl.BlockSpec((1, hidden), lambda i: (0, 0)),)
+    in_shapes = (row,) * shape.row_inputs + (jax.ShapeDtypeStruct((1, hidden), weight_dtype),)
+    out_specs, out_shapes = (row_spec,) * shape.row_outputs, (row,) * shape.row_outputs
+    if shape.weight_gradient:
+        # One float32 partial weight gradient per row block, summed outside the kernel.
+        out_specs += (pl.BlockSpec((None, 1, hidden), lambda i: (i, 0, 0)),)
+        out_shapes += (jax.ShapeDtypeStruct((num_blocks, 1, hidden), jnp.float32),)
+    return RowKernelLayout((num_blocks,), in_specs, out_specs, in_shapes, out_shapes, config)
 
 
 def _inverse_rms(x, eps: float):
@@ -260,7 +246,8 @@ def _rms_norm_body(x_ref, weight_ref, y_ref, *, eps: float, offset: float):
 def _fused_add_rms_norm_body(x_ref, residual_ref, weight_ref, y_ref, new_residual_ref, *, eps: float, offset: float):
     # Normalise the sum as rounded to the residual dtype, exactly what the unfused
     # `norm(x + residual)` of a transformers decoder layer sees.
-    total = (x_ref[...].astype(jnp.float32) + residual_ref[...].astype(jnp.float32)).astype(new_residual_ref.dtype)
+    total = x_ref[...].astype(jnp.float32) + residual_ref[...].astype(jnp.float32)
+    total = total.astype(new_residual_ref.dtype)
     new_residual_ref[...] = total
     total = total.astype(jnp.float32)
     y_ref[...] = (total * _inverse_rms(total, eps) * _scale(weight_ref, offset)).astype(y_ref.dtype)
@@ -290,11 +277,11 @@ def _backward_body(*refs, eps: float, offset: float, rows: int, block_rows: int,
     weight_grad_ref[...] = jnp.sum(weight_grad_terms, axis=0, keepdims=True)
 
 
-def _check_inputs(name: str, rows_arrays: dict[str, jax.Array], weight: jax.Array, eps: float) -> None:
-    first_name, first = next(iter(rows_arrays.items()))
+def _check_inputs(name: str, row_arrays: dict[str, jax.Array], weight: jax.Array, eps: float) -> None:
+    first_name, first = next(iter(row_arrays.items()))
     if first.ndim < 1:
         raise ValueError(f"{name}: {first_name} must have at least one dimension (the hidden size)")
-    for array_name, array in rows_arrays.items():
+    for array_name, array in row_arrays.items():
         if array.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name}: {array_name} must be float32 or bfloat16, got {array.dtype}")
         if array.shape != first.shape or array.dtype != first.dtype:
@@ -305,34 +292,66 @@ def _check_inputs(name: str, rows_arrays: dict[str, jax.Array], weight: jax.Arra
     if weight.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name}: weight must be float32 or bfloat16, got {weight.dtype}")
     if weight.shape != (first.shape[-1],):
-        raise ValueError(f"{name}: weight shape {list(weight.shape)} must be [{first.shape[-1]}], the hidden size of {first_name}")
+        raise ValueError(
+            f"{name}: weight shape {list(weight.shape)} must be [{first.shape[-1]}], the hidden size of {first_name}"
+        )
     if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
         raise ValueError(f"{name}: eps must be a finite number > 0, got {eps!r}")
 
 
-def _as_rows(array: jax.Array) -> jax.Array:
-    return array.reshape(-1, array.shape[-1])
+# Per element, roughly: square, sum, scale, weight multiply (+ the add, + the backward's products).
+FLOPS_PER_ELEMENT = {"rms_norm": 4, "fused_add_rms_norm": 5, "rms_norm_backward": 10, "fused_add_rms_norm_backward": 11}
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "offset", "generation", "block_rows"))
-def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, offset: float = 0.0, generation: str | None = None, block_rows: int | None = None) -> jax.Array:
+def _run(kernel: str, make_body, row_arrays, weight, generation: str | None, block_rows: int | None):
+    """Run `kernel` on arrays [..., hidden] viewed as [rows, hidden]; make_body(layout) gives the kernel body."""
+    hidden = row_arrays[0].shape[-1]
+    as_rows = [a.reshape(-1, hidden) for a in row_arrays]
+    rows = as_rows[0].shape[0]
+    layout = row_kernel_layout(
+        kernel, rows, hidden, as_rows[0].dtype, weight.dtype, generation or current_generation(), block_rows
+    )
+    bytes_accessed = sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in layout.in_shapes + layout.out_shapes)
+    single_output = len(layout.out_shapes) == 1
+    call = pl.pallas_call(
+        make_body(layout),
+        grid=layout.grid,
+        in_specs=list(layout.in_specs),
+        out_specs=layout.out_specs[0] if single_output else list(layout.out_specs),
+        out_shape=layout.out_shapes[0] if single_output else list(layout.out_shapes),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",), vmem_limit_bytes=layout.config.vmem_limit_bytes
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=FLOPS_PER_ELEMENT[kernel] * rows * hidden, transcendentals=rows, bytes_accessed=bytes_accessed
+        ),
+        name=kernel,
+    )
+    return call(*as_rows, weight.reshape(1, hidden))
+
+
+_STATIC = ("eps", "offset", "generation", "block_rows")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def rms_norm(
+    x: jax.Array,
+    weight: jax.Array,
+    *,
+    eps: float,
+    offset: float = 0.0,
+    generation: str | None = None,
+    block_rows: int | None = None,
+) -> jax.Array:
     """y = x / sqrt(mean(x^2, -1) + eps) * (offset + weight), over the last axis of x."""
     _check_inputs("rms_norm", {"x": x}, weight, eps)
     if x.size == 0:
         return jnp.zeros(x.shape, x.dtype)
-    rows = _as_rows(x)
-    layout = row_kernel_layout("rms_norm", *rows.shape, x.dtype, weight.dtype, generation or current_generation(), block_rows)
-    call = _pallas_call(
-        functools.partial(_rms_norm_body, eps=float(eps), offset=float(offset)),
-        layout,
-        name="rms_norm",
-        flops_per_element=4,
-        transcendentals=rows.shape[0],
-    )
-    return call(rows, weight.reshape(1, -1)).reshape(x.shape)
+    body = functools.partial(_rms_norm_body, eps=float(eps), offset=float(offset))
+    return _run("rms_norm", lambda layout: body, [x], weight, generation, block_rows).reshape(x.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "offset", "generation", "block_rows"))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def fused_add_rms_norm(
     x: jax.Array,
     residual: jax.Array,
@@ -347,44 +366,35 @@ def fused_add_rms_norm(
     _check_inputs("fused_add_rms_norm", {"x": x, "residual": residual}, weight, eps)
     if x.size == 0:
         return jnp.zeros(x.shape, x.dtype), jnp.zeros(x.shape, x.dtype)
-    layout = row_kernel_layout(
-        "fused_add_rms_norm", *_as_rows(x).shape, x.dtype, weight.dtype, generation or current_generation(), block_rows
-    )
-    call = _pallas_call(
-        functools.partial(_fused_add_rms_norm_body, eps=float(eps), offset=float(offset)),
-        layout,
-        name="fused_add_rms_norm",
-        flops_per_element=5,
-        transcendentals=layout.in_shapes[0].shape[0],
-    )
-    y, new_residual = call(_as_rows(x), _as_rows(residual), weight.reshape(1, -1))
+    body = functools.partial(_fused_add_rms_norm_body, eps=float(eps), offset=float(offset))
+    y, new_residual = _run("fused_add_rms_norm", lambda layout: body, [x, residual], weight, generation, block_rows)
     return y.reshape(x.shape), new_residual.reshape(x.shape)
 
 
-def _backward(kernel, grads, x, weight, eps, offset, generation, block_rows):
-    rows = _as_rows(x)
-    layout = row_kernel_layout(kernel, *rows.shape, x.dtype, weight.dtype, generation or current_generation(), block_rows)
-    call = _pallas_call(
-        functools.partial(
+def _backward(kernel: str, grads, x, weight, eps, offset, generation, block_rows):
+    def make_body(layout: RowKernelLayout):
+        return functools.partial(
             _backward_body,
             eps=float(eps),
             offset=float(offset),
-            rows=rows.shape[0],
+            rows=layout.in_shapes[0].shape[0],
             block_rows=layout.config.block_rows,
             with_residual_grad=len(grads) == 2,
-        ),
-        layout,
-        name=kernel,
-        flops_per_element=10,
-        transcendentals=rows.shape[0],
-    )
-    dx, weight_grad_partials = call(*(_as_rows(g) for g in grads), rows, weight.reshape(1, -1))
+        )
+
+    dx, weight_grad_partials = _run(kernel, make_body, [*grads, x], weight, generation, block_rows)
     return dx.reshape(x.shape), jnp.sum(weight_grad_partials, axis=(0, 1)).astype(weight.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "offset", "generation", "block_rows"))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def rms_norm_backward(
-    grad: jax.Array, x: jax.Array, weight: jax.Array, *, eps: float, offset: float = 0.0, generation: str | None = None,
+    grad: jax.Array,
+    x: jax.Array,
+    weight: jax.Array,
+    *,
+    eps: float,
+    offset: float = 0.0,
+    generation: str | None = None,
     block_rows: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(dL/dx, dL/dweight) of rms_norm given dL/dy = grad."""
@@ -394,7 +404,7 @@ def rms_norm_backward(
     return _backward("rms_norm_backward", (grad,), x, weight, eps, offset, generation, block_rows)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "offset", "generation", "block_rows"))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def fused_add_rms_norm_backward(
     grad_y: jax.Array,
     grad_new_residual: jax.Array,
@@ -415,6 +425,7 @@ def fused_add_rms_norm_backward(
     )
     if new_residual.size == 0:
         return jnp.zeros(new_residual.shape, new_residual.dtype), jnp.zeros(weight.shape, weight.dtype)
+    grads = (grad_y, grad_new_residual)
     return _backward(
-        "fused_add_rms_norm_backward", (grad_y, grad_new_residual), new_residual, weight, eps, offset, generation, block_rows
+        "fused_add_rms_norm_backward", grads, new_residual, weight, eps, offset, generation, block_rows
     )

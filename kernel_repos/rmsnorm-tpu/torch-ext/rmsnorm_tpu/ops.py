@@ -34,7 +34,12 @@ def _fused_add_rms_norm_op(
 
 @jax_torch_op(add_op_namespace_prefix("fused_add_rms_norm_backward"))
 def _fused_add_rms_norm_backward_op(
-    grad_y: jax.Array, grad_new_residual: jax.Array, new_residual: jax.Array, weight: jax.Array, eps: float, offset: float
+    grad_y: jax.Array,
+    grad_new_residual: jax.Array,
+    new_residual: jax.Array,
+    weight: jax.Array,
+    eps: float,
+    offset: float,
 ) -> tuple[jax.Array, jax.Array]:
     return kernel.fused_add_rms_norm_backward(grad_y, grad_new_residual, new_residual, weight, eps=eps, offset=offset)
 
@@ -121,6 +126,7 @@ def fused_add_rms_norm(
     _check_tensor("residual", residual, like=x)
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(
-            f"residual must match x: x is {x.dtype} {list(x.shape)}, residual is {residual.dtype} {list(residual.shape)}"
+            f"residual must match x: x is {x.dtype} {list(x.shape)}, "
+            f"residual is {residual.dtype} {list(residual.shape)}"
         )
     return _fused_add_rms_norm_op(x, residual, weight, eps, offset)
