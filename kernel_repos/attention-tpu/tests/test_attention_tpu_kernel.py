@@ -160,6 +160,8 @@ BLOCK_CASES = {
     "prefill-300-window": (1, 4, 1, 300, 300, 64, torch.float32, (64, 128, 1), dict(sliding_window=100)),
     # Decode over 4 kv blocks, the last ragged, both KV heads in one step; batch 1 stops after its length.
     "decode-1000-lengths": (2, 8, 2, 1, 1000, 128, torch.bfloat16, (1, 256, 2), dict(kv_lengths=[1000, 300])),
+    # A window of 300 keys: the KV grid axis shrinks to 3 steps of the 4 blocks.
+    "decode-1000-window": (2, 8, 2, 1, 1000, 128, torch.float32, (1, 256, 1), dict(kv_lengths=[1000, 700], sliding_window=300)),
     # Chunked prefill at per-batch offsets, non-square blocks.
     "chunk-96-of-300": (2, 2, 2, 96, 300, 64, torch.float32, (32, 128, 1), dict(q_offset=[204, 100], sliding_window=64)),
 }
@@ -178,7 +180,11 @@ def test_multi_block_matches_reference(kernel, case):
 
 
 def test_multi_block_mask_with_padding(kernel):
-    """An explicit mask over several blocks: left padding, a causal band and random holes."""
+    """An explicit mask over several blocks: left padding, a causal band and random holes.
+
+    Also a non-causal window on top (keys after a query stay visible): the
+    window must then not shorten the KV axis.
+    """
     batch, q_len, kv_len = 2, 96, 300
     q, k, v = _qkv(batch, 4, 2, q_len, kv_len, 64, torch.float32, seed=6)
     generator = torch.Generator().manual_seed(7)
@@ -194,6 +200,15 @@ def test_multi_block_mask_with_padding(kernel):
         )
     )
     expected = kernel.reference.reference_attention(q, k, v, causal=False, attention_mask=mask)
+    assert _relative_error(_torch(out), expected) <= 1e-5
+    window_options = dict(causal=False, sliding_window=50, q_offset=jnp.asarray([0, 150], jnp.int32))
+    out = _interpret(
+        lambda: kernel.kernel.flash_attention(
+            _jax(q), _jax(k), _jax(v), attention_mask=jnp.asarray(mask.numpy()), config=config, **window_options
+        )
+    )
+    window_options["q_offset"] = torch.tensor([0, 150])
+    expected = kernel.reference.reference_attention(q, k, v, attention_mask=mask, **window_options)
     assert _relative_error(_torch(out), expected) <= 1e-5
 
 

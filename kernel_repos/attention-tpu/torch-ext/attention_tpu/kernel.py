@@ -196,6 +196,7 @@ class _Static:
     block_kv: int
     num_q_blocks: int
     num_kv_blocks: int
+    num_kv_steps: int  # grid steps along the KV axis: at most num_kv_blocks
     decode: bool
     scale: float
     causal: bool
@@ -223,20 +224,22 @@ def _attention_kernel(
         o_ref, max_ref, sum_ref, acc_ref = rest
     else:
         mask_ref, o_ref, max_ref, sum_ref, acc_ref = rest
-    b, qi, kj = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    b, qi, kv_step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     slot = b * st.num_q_blocks + qi
     first_block, last_block = block_lo_ref[slot], block_hi_ref[slot]
+    # The KV steps of a query block walk its range of KV blocks from the first.
+    kv_block = first_block + kv_step
     q_offset = q_offset_ref[b]
     kv_valid = kv_valid_ref[b]
     num_slices = max_ref.shape[0]
 
-    @pl.when(kj == 0)
+    @pl.when(kv_step == 0)
     def _init():
         max_ref[...] = jnp.full(max_ref.shape, -jnp.inf, jnp.float32)
         sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    key_start = kj * st.block_kv
+    key_start = kv_block * st.block_kv
     if st.decode:
         q_first = q_last = q_offset
     else:
@@ -345,19 +348,32 @@ def _attention_kernel(
 
             jax.lax.fori_loop(0, num_slices, body, None)
 
-    in_range = (kj >= first_block) & (kj <= last_block)
+    in_range = kv_block <= last_block
     if st.mask_kind is not None:
         pl.when(in_range)(lambda: step(apply_mask=True))
     else:
         pl.when(in_range & needs_mask)(lambda: step(apply_mask=True))
         pl.when(in_range & jnp.logical_not(needs_mask))(lambda: step(apply_mask=False))
 
-    @pl.when(kj == st.num_kv_blocks - 1)
+    @pl.when(kv_step == st.num_kv_steps - 1)
     def _finalize():
         total = sum_ref[...]
         safe_total = jnp.where(total == 0.0, 1.0, total)
         out = jnp.where(total == 0.0, 0.0, acc_ref[...] / safe_total)
         o_ref[...] = out.astype(o_ref.dtype)
+
+
+def _num_kv_steps(num_kv_blocks, block_q, block_kv, causal, sliding_window):
+    """Grid length along the KV axis: the most KV blocks one query block can need.
+
+    With causality, a sliding window w bounds what block_q consecutive
+    positions see to w + block_q - 1 consecutive keys (a mask only removes keys
+    from that), so windowed attention over a long cache runs a short KV axis
+    instead of idling through the whole cache.
+    """
+    if sliding_window is None or not causal:
+        return num_kv_blocks
+    return min(num_kv_blocks, pl.cdiv(sliding_window + block_q - 1, block_kv) + 1)
 
 
 def _kv_block_ranges(q_offset, kv_valid, mask_first, mask_last, st: _Static):
@@ -518,6 +534,7 @@ def flash_attention(
         )
     decode = _is_decode(q_len)
     block_q = 1 if decode else config.block_q
+    num_kv_blocks = pl.cdiv(kv_len, config.block_kv)
     st = _Static(
         batch=batch,
         q_len=q_len,
@@ -527,7 +544,8 @@ def flash_attention(
         block_q=block_q,
         block_kv=config.block_kv,
         num_q_blocks=pl.cdiv(q_len, block_q),
-        num_kv_blocks=pl.cdiv(kv_len, config.block_kv),
+        num_kv_blocks=num_kv_blocks,
+        num_kv_steps=_num_kv_steps(num_kv_blocks, block_q, config.block_kv, causal, sliding_window),
         decode=decode,
         scale=float(head_dim**-0.5 if scale is None else scale),
         causal=bool(causal),
@@ -553,9 +571,15 @@ def flash_attention(
     return _flash_attention_call(q, k, v, mask, q_offset, kv_valid, block_lo, block_hi, st, config)
 
 
-def _clamped_kv_block(b, qi, kj, block_lo_ref, block_hi_ref, num_q_blocks):
+def _kv_block_of_step(b, qi, kv_step, block_lo_ref, block_hi_ref, num_q_blocks):
+    """The KV block a grid step reads: its range's first block + step, held at the range's last block.
+
+    Steps past the range keep the block index of the previous step, so the
+    pipeline fetches nothing for them.
+    """
     slot = b * num_q_blocks + qi
-    return jnp.maximum(jnp.minimum(kj, block_hi_ref[slot]), block_lo_ref[slot])
+    first = block_lo_ref[slot]
+    return jnp.minimum(first + kv_step, jnp.maximum(block_hi_ref[slot], first))
 
 
 def _flash_attention_call(q, k, v, mask, q_offset, kv_valid, block_lo, block_hi, st: _Static, config):
@@ -564,18 +588,18 @@ def _flash_attention_call(q, k, v, mask, q_offset, kv_valid, block_lo, block_hi,
     group, block_q, block_kv = st.group, st.block_q, st.block_kv
     nq = st.num_q_blocks
 
-    def kv_index_map(b, h, qi, kj, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
-        return (b, h, _clamped_kv_block(b, qi, kj, lo_ref, hi_ref, nq), 0)
+    def kv_index_map(b, h, qi, kv_step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
+        return (b, h, _kv_block_of_step(b, qi, kv_step, lo_ref, hi_ref, nq), 0)
 
     heads_per_step = config.kv_heads_per_step if st.decode else 1
-    grid = (batch, kv_heads // heads_per_step, nq, st.num_kv_blocks)
+    grid = (batch, kv_heads // heads_per_step, nq, st.num_kv_steps)
     if st.decode:
         # [B, Hq, 1, D] -> [B, Hkv, G, D] is free: each KV head's group of
         # query heads becomes the rows of one slice.
         q_in = q.reshape(batch, kv_heads, group, head_dim)
         q_block = (None, heads_per_step, group, head_dim)
 
-        def q_index_map(b, h, qi, kj, *_):
+        def q_index_map(b, h, qi, kv_step, *_):
             return (b, h, 0, 0)
 
         slices, rows = heads_per_step, group
@@ -583,7 +607,7 @@ def _flash_attention_call(q, k, v, mask, q_offset, kv_valid, block_lo, block_hi,
         q_in = q
         q_block = (None, group, block_q, head_dim)
 
-        def q_index_map(b, h, qi, kj, *_):
+        def q_index_map(b, h, qi, kv_step, *_):
             return (b, h, qi, 0)
 
         slices, rows = group, block_q
@@ -597,8 +621,8 @@ def _flash_attention_call(q, k, v, mask, q_offset, kv_valid, block_lo, block_hi,
     if mask is not None:
         broadcast_batch = st.mask_batch == 1
 
-        def mask_index_map(b, h, qi, kj, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
-            kv_block = _clamped_kv_block(b, qi, kj, lo_ref, hi_ref, nq)
+        def mask_index_map(b, h, qi, kv_step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
+            kv_block = _kv_block_of_step(b, qi, kv_step, lo_ref, hi_ref, nq)
             return (0 if broadcast_batch else b, 0, qi, kv_block)
 
         in_specs.append(pl.BlockSpec((None, None, block_q, block_kv), mask_index_map))
