@@ -153,3 +153,24 @@ def test_dropout_in_training_raises(kernel):
     key = torch.randn(1, 1, 3, 64)
     with pytest.raises(ValueError, match="dropout"):
         kernel.attention_forward(attention, query, key, key.clone(), None, dropout=0.1)
+
+
+def test_traces_under_torch_compile(kernel):
+    """Both paths (no mask, boolean mask) trace into one graph and give the eager results."""
+    module = _tiny_qwen3_moe().model.layers[0].self_attn
+    generator = torch.Generator().manual_seed(5)
+    query = torch.randn(2, 8, 5, 64, generator=generator)
+    key = torch.randn(2, 1, 5, 64, generator=generator)
+    value = torch.randn(2, 1, 5, 64, generator=generator)
+    mask = torch.rand(2, 1, 5, 5, generator=generator) > 0.3
+
+    def both_paths(query, key, value, mask):
+        return (
+            kernel.attention_forward(module, query, key, value, None)[0],
+            kernel.attention_forward(module, query, key, value, mask)[0],
+        )
+
+    compiled = torch.compile(both_paths, fullgraph=True)(query, key, value, mask)
+    for out, expected in zip(compiled, both_paths(query, key, value, mask)):
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert kernel.attention_forward.can_torch_compile and not kernel.attention_forward.has_backward

@@ -115,3 +115,8 @@ def attention_forward(
             softcap=softcap,
         )
     return out.transpose(1, 2).contiguous(), None
+
+
+# Read by tpu_kernels.kernelize: forward-only, and traceable by torch.compile(fullgraph=True).
+attention_forward.has_backward = False
+attention_forward.can_torch_compile = True
