@@ -25,6 +25,7 @@ from huggingface_hub import HfApi, constants
 from kernels import resolver as kernels_resolver
 from kernels._rust import Digest, DigestAlgorithm
 
+import tpu_kernels
 from tpu_kernels.hub import start_hub
 from tpu_kernels.loader import KernelIntegrityError, get_kernel, verify_variant
 from tpu_kernels.publish import upload_kernel, upload_main
@@ -282,7 +283,7 @@ RAGGED_DOT_CHECK = """
 def test_ragged_dot_round_trip_through_the_hub(hub, client, tmp_path, ragged_dot_build):
     repo = "tpu-kernels-test/ragged-dot-tpu"
     publish(hub, ragged_dot_build, repo_id=repo)
-    kernel = get_kernel(repo, version=1, trust_remote_code=[repo])
+    kernel = tpu_kernels.get_kernel(repo, version=1, trust_remote_code=[repo])
     scope = {"kernel": kernel, "torch": torch}
     exec(textwrap.dedent(RAGGED_DOT_CHECK), scope)
     assert scope["error"] < 1e-3

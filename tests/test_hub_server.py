@@ -145,6 +145,15 @@ def test_commits_branches_tags_tree_and_resolve(api, hub):
         api.list_repo_refs("org/missing", repo_type="kernel")
 
 
+def test_model_repos_are_served_too(api, hub):
+    api.create_repo("org/tiny-model")
+    config = json.dumps({"hidden_size": random.Random(3).randint(8, 64)}).encode()
+    api.create_commit("org/tiny-model", commit_message="config", operations=[add("config.json", config)])
+    path = api.hf_hub_download("org/tiny-model", "config.json", cache_dir=hub.storage.root.parent / "model-cache")
+    assert Path(path).read_bytes() == config
+    assert api.model_info("org/tiny-model").siblings[0].rfilename == "config.json"
+
+
 def test_writes_without_the_token_are_401_and_change_nothing(api, hub):
     api.create_repo(REPO, repo_type="kernel")
     before = stored_files(hub.storage.root)
@@ -291,9 +300,9 @@ def server_processes():
             process.wait()
 
 
-def _start_server_process(root: Path, started: list[subprocess.Popen]) -> tuple[subprocess.Popen, str]:
+def _start_server_process(root: Path, started: list[subprocess.Popen], *flags: str) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "tpu_kernels.hub", "--root", str(root), "--port", "0", "--quiet"],
+        [sys.executable, "-m", "tpu_kernels.hub", "--root", str(root), "--port", "0", "--quiet", *flags],
         env=dict(os.environ, TPU_KERNELS_HUB_TOKEN=TOKEN), cwd=REPO_ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
@@ -314,6 +323,7 @@ def _wait_for_staged_files(staging: Path, count: int, timeout: float = 60) -> No
 
 
 def test_sigkill_during_an_upload_leaves_the_branch_at_a_complete_commit(tmp_path, server_processes):
+    """Also runs the server as its command line does, with --token from the environment and --trusted-org."""
     root = tmp_path / "hub"
     process, url = _start_server_process(root, server_processes)
     api = HfApi(endpoint=url, token=TOKEN)
@@ -340,8 +350,9 @@ def test_sigkill_during_an_upload_leaves_the_branch_at_a_complete_commit(tmp_pat
     assert any((root / "tmp").iterdir()), "the kill should land while the commit is being received"
     assert upload_error, "the client should see the connection die"
 
-    process, url = _start_server_process(root, server_processes)
+    process, url = _start_server_process(root, server_processes, "--trusted-org", "org")
     api = HfApi(endpoint=url, token=TOKEN)
+    assert getattr(api.get_organization_overview("org"), "trustedKernelPublisher") is True
     head = api.repo_info(REPO, repo_type="kernel").sha
     files = set(api.list_repo_files(REPO, repo_type="kernel"))
     assert head == complete.oid or files == {"keep.txt", *big}
