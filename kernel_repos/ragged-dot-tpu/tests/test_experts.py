@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from transformers import Qwen3MoeConfig
+from transformers import GptOssConfig, Qwen3MoeConfig
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 NUM_EXPERTS = 8
@@ -35,7 +36,7 @@ def _routing(tokens, top_k, seed, sentinels=0):
 @pytest.mark.parametrize("tokens,sentinels", [(1, 0), (13, 0), (13, 5)])
 def test_fused_path_matches_eager(kernel, tokens, sentinels):
     experts = _experts(torch.float32)
-    assert kernel.experts.fused_path_activation(experts) == "silu"
+    assert kernel.experts.fused_gate(experts) == dict(activation="silu", interleaved=False)
     hidden = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
     index, weights = _routing(tokens, 3, seed=tokens, sentinels=sentinels)
     expected = experts(hidden, index, weights)
@@ -46,7 +47,7 @@ def test_fused_path_matches_eager(kernel, tokens, sentinels):
 def test_composed_path_matches_eager(kernel):
     """A gate the fused path does not know still gives the right answer."""
     experts = _experts(torch.float32, hidden_act="relu")
-    assert kernel.experts.fused_path_activation(experts) is None
+    assert kernel.experts.fused_gate(experts) is None
     hidden = torch.randn(9, 64, generator=torch.Generator().manual_seed(2))
     index, weights = _routing(9, 3, seed=2, sentinels=4)
     experts._is_expert_parallel = True
@@ -63,3 +64,45 @@ def test_bf16_close_to_eager(kernel):
     assert out.dtype == torch.bfloat16
     # bf16 weights and activations (8-bit mantissa) against an f32 model: a few % of the output scale.
     assert ((out.float() - expected).abs().max() / expected.abs().max()).item() < 3e-2
+
+
+def _gpt_oss_experts():
+    config = GptOssConfig(hidden_size=64, intermediate_size=48, num_local_experts=NUM_EXPERTS, num_experts_per_tok=3)
+    config._experts_implementation = "eager"
+    torch.manual_seed(1)
+    experts = GptOssExperts(config)
+    with torch.no_grad():
+        for parameter in experts.parameters():
+            parameter.normal_(std=0.5)  # large enough that the clamp at `limit` is exercised
+    return experts
+
+
+@pytest.mark.parametrize("sentinels", [0, 4])
+def test_gpt_oss_fused_path_matches_eager(kernel, sentinels):
+    """Transposed weights, biases, interleaved gate with GPT-OSS's own clamped SwiGLU."""
+    experts = _gpt_oss_experts()
+    gate = kernel.experts.fused_gate(experts)
+    assert gate == dict(activation="clamped_swiglu", interleaved=True, alpha=experts.alpha, limit=experts.limit)
+    hidden = torch.randn(10, 64, generator=torch.Generator().manual_seed(5)) * 4
+    index, weights = _routing(10, 3, seed=5, sentinels=sentinels)
+    with torch.no_grad():
+        gate_up = hidden @ experts.gate_up_proj[0] + experts.gate_up_proj_bias[0]
+    assert gate_up.abs().max() > experts.limit, "inputs must reach the clamp"
+    eager_index = index.clamp(max=NUM_EXPERTS - 1)  # GPT-OSS's eager forward has no sentinel class
+    eager_weights = weights.masked_fill(index == NUM_EXPERTS, 0.0)
+    with torch.no_grad():
+        expected = experts(hidden, eager_index, eager_weights)
+        out = kernel.experts_forward(experts, hidden, index, weights)
+        composed = kernel.experts.composed_experts_forward(experts, hidden, index, weights)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(composed, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_fused_op_refuses_unknown_gate_and_half_biases(kernel):
+    experts = _experts(torch.float32)
+    args = (torch.randn(2, 64), torch.zeros(2, 3, dtype=torch.int64), torch.ones(2, 3), experts.gate_up_proj,
+            experts.down_proj)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        kernel.gated_experts(*args, activation="relu", weights_transposed=False)
+    with pytest.raises(ValueError, match="both gate_up_bias and down_bias"):
+        kernel.gated_experts(*args, torch.zeros(NUM_EXPERTS, 192), activation="silu", weights_transposed=False)

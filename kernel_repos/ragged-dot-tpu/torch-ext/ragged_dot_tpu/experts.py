@@ -1,10 +1,12 @@
 """transformers ExpertsInterface entry point built on ragged_dot.
 
 `experts_forward(self, hidden_states, top_k_index, top_k_weights)` is what
-transformers calls on a module made by `use_experts_implementation`. The
-common gated layouts run as one fused JAX op; every other layout (biases,
-interleaved or custom gates, no gate, post-expert norms) composes torch ops
-around the ragged_dot op, so any valid model gets the right answer.
+transformers calls on a module made by `use_experts_implementation`. Gated
+experts whose gate we know (transformers' default gate with SiLU / GELU, and
+GPT-OSS's clamped SwiGLU; concatenated or interleaved, with or without
+biases, plain or transposed weights) run as one fused JAX op; every other
+layout (custom gates, no gate, post-expert norms) composes torch ops around
+the ragged_dot op, so any valid model gets the right answer.
 """
 
 from __future__ import annotations
@@ -36,17 +38,23 @@ def _uses_default_gate(experts: torch.nn.Module) -> bool:
     return getattr(gate, "__module__", None) == "transformers.integrations.moe" and gate.__name__ == "_default_apply_gate"
 
 
-def fused_path_activation(experts: torch.nn.Module) -> str | None:
-    """The activation name if the fused JAX path computes this module exactly, else None."""
-    if not (getattr(experts, "has_gate", True) and getattr(experts, "is_concatenated", True)):
-        return None
-    if getattr(experts, "has_bias", False) or getattr(experts, "has_post_expert_norm", False):
-        return None
-    if not _uses_default_gate(experts):
+def _uses_gpt_oss_gate(experts: torch.nn.Module) -> bool:
+    gate = getattr(type(experts), "_apply_gate", None)
+    return getattr(gate, "__qualname__", None) == "GptOssExperts._apply_gate" and hasattr(experts, "limit")
+
+
+def fused_gate(experts: torch.nn.Module) -> dict | None:
+    """Arguments of the fused op's gate if it computes this module exactly, else None."""
+    if not getattr(experts, "has_gate", True) or getattr(experts, "has_post_expert_norm", False):
         return None
     if experts.gate_up_proj.dtype != experts.down_proj.dtype:
         return None
-    return _fused_activation(experts)
+    interleaved = not getattr(experts, "is_concatenated", True)
+    if _uses_gpt_oss_gate(experts):
+        return dict(activation="clamped_swiglu", interleaved=interleaved, alpha=float(experts.alpha),
+                    limit=float(experts.limit))
+    activation = _fused_activation(experts) if _uses_default_gate(experts) and not interleaved else None
+    return None if activation is None else dict(activation=activation, interleaved=False)
 
 
 def composed_experts_forward(
@@ -96,17 +104,19 @@ def experts_forward(
     Picks with id == num_experts are expert-parallel sentinels: never computed,
     contributing zero.
     """
-    activation = fused_path_activation(self)
-    if activation is None:
+    gate = fused_gate(self)
+    if gate is None:
         return composed_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    biases = (self.gate_up_proj_bias, self.down_proj_bias) if getattr(self, "has_bias", False) else (None, None)
     return ops.gated_experts(
         hidden_states.to(self.gate_up_proj.dtype),
         top_k_index,
         top_k_weights,
         self.gate_up_proj,
         self.down_proj,
-        activation=activation,
+        *biases,
         weights_transposed=self.is_transposed,
+        **gate,
     ).to(hidden_states.dtype)
 
 

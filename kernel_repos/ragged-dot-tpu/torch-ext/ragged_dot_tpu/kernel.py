@@ -9,14 +9,21 @@ Schedule: the M axis is cut into row tiles of `tile_m`. A *work item* is one
 appears once per group it touches, and consecutive work items on the same row
 tile accumulate into the same resident output block. Row tiles no group
 reaches (past `sum(group_sizes)`) get one work item that only writes zeros.
-The grid is `(n_tiles, max_work_items, k_tiles)`; the number of work items
-depends on the group sizes, so the grid has a static upper bound
-`m_tiles + num_groups - 1` and steps past the real count keep the previous
-block indices (no DMA) and skip their body.
+The grid is `(n_tiles, work_items, k_tiles)` with the number of work items
+computed from the group sizes (a dynamic grid axis), so empty groups add no
+grid step.
 
-Because consecutive work items of one group keep the same `rhs` block index,
-each active group's weights are fetched once per N tile when K fits in one
-block, and empty groups cost nothing.
+What each operand moves (the point of the schedule, for decode):
+- consecutive work items of one group keep the same `rhs` block index, so
+  with `tile_k = K` each active group's weights are fetched once per N tile,
+  however many row tiles the group spans, and empty groups fetch nothing;
+- consecutive work items on one row tile keep the `lhs` and `out` block
+  indices, so every row is read and written once per N tile;
+- zero-writing tail items keep the previous item's `lhs` and `rhs` blocks
+  (no fetch) and skip the matmul: rows past the groups cost only their write.
+
+Padding rows (a row tile reaching past its group) cost MXU work, not weight
+traffic. Tile sizes come from `config.select_config`.
 """
 
 from __future__ import annotations
@@ -30,17 +37,25 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .config import TileConfig, select_config
+from .config import (
+    VMEM_HEADROOM_BYTES,
+    VMEM_LIMIT_CAP_BYTES,
+    TileConfig,
+    check_config,
+    select_config,
+    vmem_bytes,
+)
 
 
 class WorkItems(NamedTuple):
     """Scalar-prefetch arrays describing the work items of one call."""
 
     row_tile: jax.Array  # [max_items] int32: output row tile of each item
+    lhs_tile: jax.Array  # [max_items] int32: lhs row tile fetched for it (a tail item keeps the previous one)
     group: jax.Array  # [max_items] int32: rhs group of each item
-    row_start: jax.Array  # [max_items] int32: first row of the item's group
-    row_end: jax.Array  # [max_items] int32: one past the item's group's last row
-    count: jax.Array  # [1] int32: number of real items
+    row_start: jax.Array  # [max_items] int32: first row of the item's group (0 for a tail item)
+    row_end: jax.Array  # [max_items] int32: one past the item's group's last row (0 for a tail item)
+    count: jax.Array  # [1] int32: number of real items, the size of the grid's work-item axis
 
 
 def max_work_items(m: int, num_groups: int, tile_m: int) -> int:
@@ -69,18 +84,18 @@ def make_work_items(group_sizes: jax.Array, m: int, tile_m: int) -> WorkItems:
     count = group_items + untouched_tiles
 
     item = jnp.arange(capacity, dtype=jnp.int32)
-    # Steps past `count` repeat the last real item so their block indices do not change.
-    item = jnp.minimum(item, jnp.maximum(count - 1, 0))
     in_groups = item < group_items
     item_group = jnp.minimum(jnp.searchsorted(group_item_end, item, side="right"), num_groups - 1)
     item_group_begin = group_item_end[item_group] - tiles_per_group[item_group]
     group_tile = first_tile[item_group] + (item - item_group_begin)
     tail_tile = first_untouched_tile + (item - group_items)
 
-    # A tail item keeps the rhs block of the last group with rows, so it fetches nothing new.
+    # Tail items keep the lhs and rhs blocks of the last group item, so they fetch nothing new.
     last_nonempty_group = jnp.max(jnp.where(nonempty, jnp.arange(num_groups), 0))
+    last_group_tile = jnp.where(group_items > 0, first_untouched_tile - 1, 0)
     return WorkItems(
         row_tile=jnp.where(in_groups, group_tile, tail_tile).astype(jnp.int32),
+        lhs_tile=jnp.where(in_groups, group_tile, last_group_tile).astype(jnp.int32),
         group=jnp.where(in_groups, item_group, last_nonempty_group).astype(jnp.int32),
         row_start=jnp.where(in_groups, starts[item_group], 0).astype(jnp.int32),
         row_end=jnp.where(in_groups, ends[item_group], 0).astype(jnp.int32),
@@ -88,68 +103,100 @@ def make_work_items(group_sizes: jax.Array, m: int, tile_m: int) -> WorkItems:
     )
 
 
+def _row_chunks(tile_m: int, chunk_m: int) -> list[tuple[int, int]]:
+    """Static (first row, rows) of each compute chunk of a row tile; the last one may be shorter."""
+    return [(first, min(chunk_m, tile_m - first)) for first in range(0, tile_m, chunk_m)]
+
+
+def _step_item(step, slot: int, groups_per_step: int, count):
+    """The work item in `slot` of grid step `step`.
+
+    A slot past the last item repeats its item of the step before (so its
+    blocks do not move); in the first step, where there is none, it repeats
+    item 0.
+    """
+    item = step * groups_per_step + slot
+    if groups_per_step == 1:
+        return item
+    return jnp.where(item < count, item, jnp.maximum(item - groups_per_step, 0))
+
+
 def _kernel(
     row_tile_ref,
+    lhs_tile_ref,
     group_ref,
     row_start_ref,
     row_end_ref,
     count_ref,
     lhs_ref,
-    rhs_ref,
-    out_ref,
-    acc_ref,
-    *,
+    *refs,
     k: int,
     tile_k: int,
+    chunk_m: int,
+    groups_per_step: int,
     transpose_rhs: bool,
     precision,
 ):
-    del group_ref  # used by the index maps only
-    item = pl.program_id(1)
+    del lhs_tile_ref, group_ref  # used by the index maps only
+    rhs_refs, (out_ref, acc_ref) = refs[:groups_per_step], refs[groups_per_step:]
+    step = pl.program_id(1)
+    steps = pl.num_programs(1)
     k_step = pl.program_id(2)
+    count = count_ref[0]
     tile_m = lhs_ref.shape[0]
+    # Every slot of a step works on the same row tile (the kernel wrapper checks it).
+    first_item = step * groups_per_step
+    row_tile = row_tile_ref[first_item]
+    starts_row_tile = jnp.logical_or(step == 0, row_tile != row_tile_ref[jnp.maximum(first_item - groups_per_step, 0)])
+    next_item = jnp.minimum(first_item + groups_per_step, count - 1)
+    ends_row_tile = jnp.logical_or(step == steps - 1, row_tile_ref[next_item] != row_tile)
 
-    @pl.when(item < count_ref[0])
+    @pl.when(jnp.logical_and(k_step == 0, starts_row_tile))
     def _():
-        starts_row_tile = jnp.logical_or(item == 0, row_tile_ref[item] != row_tile_ref[jnp.maximum(item - 1, 0)])
+        acc_ref[...] = jnp.zeros_like(acc_ref)
 
-        @pl.when(jnp.logical_and(k_step == 0, starts_row_tile))
-        def _():
-            acc_ref[...] = jnp.zeros_like(acc_ref)
+    k_columns_ragged = k % tile_k != 0
+    for slot, rhs_ref in enumerate(rhs_refs):
+        item = first_item + slot
+        # An idle slot (past the last item) and a tail item (rows past every
+        # group) have an empty row range, so no chunk of theirs computes.
+        real = item < count
+        row_start = jnp.where(real, row_start_ref[jnp.minimum(item, count - 1)], 0)
+        row_end = jnp.where(real, row_end_ref[jnp.minimum(item, count - 1)], 0)
+        for first, rows in _row_chunks(tile_m, chunk_m):
+            chunk_start = row_tile * tile_m + first
 
-        row = row_tile_ref[item] * tile_m + lax.broadcasted_iota(jnp.int32, (tile_m, 1), 0)
-        in_group = jnp.logical_and(row >= row_start_ref[item], row < row_end_ref[item])
-        lhs = lhs_ref[...]
-        rhs = rhs_ref[...]
-        # Select, not multiply: rows and K columns outside the data may hold
-        # garbage (NaN), and 0 * NaN is NaN.
-        keep = in_group
-        if k % tile_k:
-            col = k_step * tile_k + lax.broadcasted_iota(jnp.int32, (1, tile_k), 1)
-            keep = jnp.logical_and(keep, col < k)
-            rhs_k_axis = 1 if transpose_rhs else 0
-            rhs_k = k_step * tile_k + lax.broadcasted_iota(jnp.int32, rhs.shape, rhs_k_axis)
-            rhs = jnp.where(rhs_k < k, rhs, jnp.zeros_like(rhs))
-        lhs = jnp.where(keep, lhs, jnp.zeros_like(lhs))
-        contract_rhs = 1 if transpose_rhs else 0
-        acc_ref[...] += lax.dot_general(
-            lhs,
-            rhs,
-            (((1,), (contract_rhs,)), ((), ())),
-            preferred_element_type=jnp.float32,
-            precision=precision,
-        )
+            # Chunks outside the group's rows skip the MXU: padding rows cost nothing there.
+            @pl.when(jnp.logical_and(chunk_start < row_end, chunk_start + rows > row_start))
+            def _(rhs_ref=rhs_ref, first=first, rows=rows, chunk_start=chunk_start, row_start=row_start,
+                  row_end=row_end):
+                row = chunk_start + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+                keep = jnp.logical_and(row >= row_start, row < row_end)
+                lhs = lhs_ref[first : first + rows, :]
+                rhs = rhs_ref[...]
+                # Select, not multiply: rows and K columns outside the data may
+                # hold garbage (NaN), and 0 * NaN is NaN.
+                if k_columns_ragged:
+                    col = k_step * tile_k + lax.broadcasted_iota(jnp.int32, (1, tile_k), 1)
+                    keep = jnp.logical_and(keep, col < k)
+                    rhs_k_axis = 1 if transpose_rhs else 0
+                    rhs_k = k_step * tile_k + lax.broadcasted_iota(jnp.int32, rhs.shape, rhs_k_axis)
+                    rhs = jnp.where(rhs_k < k, rhs, jnp.zeros_like(rhs))
+                lhs = jnp.where(keep, lhs, jnp.zeros_like(lhs))
+                contract_rhs = 1 if transpose_rhs else 0
+                acc_ref[first : first + rows, :] += lax.dot_general(
+                    lhs,
+                    rhs,
+                    (((1,), (contract_rhs,)), ((), ())),
+                    preferred_element_type=jnp.float32,
+                    precision=precision,
+                )
 
-        @pl.when(k_step == pl.num_programs(2) - 1)
-        def _():
-            out_ref[...] = acc_ref[...].astype(out_ref.dtype)
-
-
-def vmem_bytes(config: TileConfig, dtype) -> int:
-    """VMEM the pipeline holds: double-buffered lhs, rhs and out blocks plus the f32 accumulator."""
-    itemsize = jnp.dtype(dtype).itemsize
-    blocks = config.tile_m * config.tile_k + config.tile_k * config.tile_n + config.tile_m * config.tile_n
-    return 2 * blocks * itemsize + config.tile_m * config.tile_n * 4
+    # The output block is copied out only when the row tile changes, so it is
+    # filled once, at the last step on its row tile.
+    @pl.when(jnp.logical_and(k_step == pl.num_programs(2) - 1, ends_row_tile))
+    def _():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
 
 def ragged_dot(
@@ -170,42 +217,64 @@ def ragged_dot(
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     if config is None:
-        config = select_config(m, k, n, lhs.dtype, generation=generation)
-    tile_m, tile_k, tile_n = config.tile_m, config.tile_k, config.tile_n
+        config = select_config(m, k, n, lhs.dtype, generation=generation, num_groups=num_groups)
+    check_config(config, m, k, n, lhs.dtype)
+    tile_m, tile_k, tile_n = min(config.tile_m, m), min(config.tile_k, k), min(config.tile_n, n)
+    chunk_m = min(config.chunk_m or tile_m, tile_m)
+    groups_per_step = config.groups_per_step
     items = make_work_items(group_sizes, m, tile_m)
-    grid = (pl.cdiv(n, tile_n), max_work_items(m, num_groups, tile_m), pl.cdiv(k, tile_k))
+    count = items.count[0]
+    k_tiles = pl.cdiv(k, tile_k)
+    grid = (pl.cdiv(n, tile_n), pl.cdiv(count, groups_per_step), k_tiles)
 
-    def lhs_index(n_step, item, k_step, row_tile, group, row_start, row_end, count):
-        return row_tile[item], k_step
+    # An item without rows (a tail item, or an idle slot) pins the K block to
+    # the last one, where the item it repeats ended, so its blocks stay put.
+    def k_block(item, k_step, row_start, row_end):
+        return jnp.where(row_end[item] > row_start[item], k_step, k_tiles - 1)
 
-    def rhs_index(n_step, item, k_step, row_tile, group, row_start, row_end, count):
+    def lhs_index(n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, count):
+        item = step * groups_per_step
+        return lhs_tile[item], k_block(item, k_step, row_start, row_end)
+
+    def rhs_index(slot, n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, count):
+        item = _step_item(step, slot, groups_per_step, count[0])
+        k_index = k_block(item, k_step, row_start, row_end)
+        if groups_per_step > 1:
+            k_index = jnp.where(step * groups_per_step + slot < count[0], k_index, k_tiles - 1)
         if transpose_rhs:
-            return group[item], n_step, k_step
-        return group[item], k_step, n_step
+            return group[item], n_step, k_index
+        return group[item], k_index, n_step
 
-    def out_index(n_step, item, k_step, row_tile, group, row_start, row_end, count):
-        return row_tile[item], n_step
+    def out_index(n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, count):
+        return row_tile[step * groups_per_step], n_step
 
     rhs_block = (None, tile_n, tile_k) if transpose_rhs else (None, tile_k, tile_n)
+    rhs_specs = [pl.BlockSpec(rhs_block, functools.partial(rhs_index, slot)) for slot in range(groups_per_step)]
     precision = lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else lax.Precision.DEFAULT
-    kernel = functools.partial(_kernel, k=k, tile_k=tile_k, transpose_rhs=transpose_rhs, precision=precision)
+    kernel = functools.partial(
+        _kernel,
+        k=k,
+        tile_k=tile_k,
+        chunk_m=chunk_m,
+        groups_per_step=groups_per_step,
+        transpose_rhs=transpose_rhs,
+        precision=precision,
+    )
     itemsize = jnp.dtype(lhs.dtype).itemsize
+    needed = vmem_bytes(config, m, k, n, lhs.dtype)
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(items),
             grid=grid,
-            in_specs=[
-                pl.BlockSpec((tile_m, tile_k), lhs_index),
-                pl.BlockSpec(rhs_block, rhs_index),
-            ],
+            in_specs=[pl.BlockSpec((tile_m, tile_k), lhs_index), *rhs_specs],
             out_specs=pl.BlockSpec((tile_m, tile_n), out_index),
             scratch_shapes=[pltpu.VMEM((tile_m, tile_n), jnp.float32)],
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-            vmem_limit_bytes=max(vmem_bytes(config, lhs.dtype) + (4 << 20), 16 << 20),
+            vmem_limit_bytes=min(max(needed + VMEM_HEADROOM_BYTES, 16 << 20), VMEM_LIMIT_CAP_BYTES),
         ),
         cost_estimate=pl.CostEstimate(
             flops=2 * m * k * n,
@@ -214,4 +283,4 @@ def ragged_dot(
         ),
         name="ragged_dot",
     )
-    return call(*items, lhs, rhs)
+    return call(*items, lhs, *([rhs] * groups_per_step))

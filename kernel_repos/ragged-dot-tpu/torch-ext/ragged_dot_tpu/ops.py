@@ -25,15 +25,34 @@ def _gated_experts(
     down_proj: jax.Array,
     activation: str,
     weights_transposed: bool,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
 ) -> jax.Array:
     return moe.gated_experts(
-        hidden_states,
-        top_k_index,
-        top_k_weights,
-        gate_up_proj,
-        down_proj,
-        activation=activation,
-        weights_transposed=weights_transposed,
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+        activation=activation, weights_transposed=weights_transposed, interleaved=interleaved, alpha=alpha, limit=limit,
+    )
+
+
+@jax_torch_op(add_op_namespace_prefix("gated_experts_with_bias"))
+def _gated_experts_with_bias(
+    hidden_states: jax.Array,
+    top_k_index: jax.Array,
+    top_k_weights: jax.Array,
+    gate_up_proj: jax.Array,
+    down_proj: jax.Array,
+    gate_up_bias: jax.Array,
+    down_bias: jax.Array,
+    activation: str,
+    weights_transposed: bool,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+) -> jax.Array:
+    return moe.gated_experts(
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
+        activation=activation, weights_transposed=weights_transposed, interleaved=interleaved, alpha=alpha, limit=limit,
     )
 
 
@@ -94,16 +113,24 @@ def gated_experts(
     top_k_weights: torch.Tensor,
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
     *,
     activation: str,
     weights_transposed: bool,
+    interleaved: bool = False,
+    alpha: float = 1.0,
+    limit: float = float("inf"),
 ) -> torch.Tensor:
-    return _gated_experts(
-        hidden_states,
-        top_k_index.to(torch.int32),
-        top_k_weights,
-        gate_up_proj,
-        down_proj,
-        activation,
-        weights_transposed,
+    """The fused experts op (see `moe.gated_experts`); biases come as a pair or not at all."""
+    if activation not in moe.GATES:
+        raise ValueError(f"activation must be one of {moe.GATES}, got {activation!r}")
+    if (gate_up_bias is None) != (down_bias is None):
+        raise ValueError("pass both gate_up_bias and down_bias, or neither")
+    index = top_k_index.to(torch.int32)
+    static = (activation, weights_transposed, interleaved, float(alpha), float(limit))
+    if gate_up_bias is None:
+        return _gated_experts(hidden_states, index, top_k_weights, gate_up_proj, down_proj, *static)
+    return _gated_experts_with_bias(
+        hidden_states, index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, *static
     )
