@@ -84,16 +84,28 @@ def _tiny_gemma2():
     return Gemma2ForCausalLM(config).eval()
 
 
-def _generate(model, implementation, input_ids, attention_mask):
+def _generate(model, implementation, input_ids, attention_mask, **options):
+    """Greedy tokens and the logits of every generated step."""
     model.set_attn_implementation(implementation)
     with torch.no_grad():
-        return model.generate(
+        out = model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
             max_new_tokens=NEW_TOKENS,
             do_sample=False,
             pad_token_id=0,
+            return_dict_in_generate=True,
+            output_logits=True,
+            **options,
         )
+    return out.sequences, torch.stack(out.logits)
+
+
+def _assert_same_generation(out, expected):
+    tokens, logits = out
+    expected_tokens, expected_logits = expected
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
 
 
 def _prompts(lengths, seed):
@@ -115,11 +127,22 @@ def test_qwen3_moe_generates_like_eager(registered, lengths):
     expected = _generate(model, "eager", input_ids, attention_mask)
     out = _generate(model, registered.name, input_ids, attention_mask)
     assert model.config._attn_implementation == registered.name
-    assert torch.equal(out, expected)
+    _assert_same_generation(out, expected)
     # Unpadded batches take the mask-free causal path, padded ones the explicit boolean masks.
     expected_mask = None if len(lengths) == 1 else torch.bool
     assert len(registered.masks) == 2 * NEW_TOKENS
     assert {mask for _, mask in registered.masks} == {expected_mask}
+
+
+def test_static_cache_generates_like_eager(registered):
+    """A static cache is longer than the prompt: prefill gets no mask (causal from position 0, keys
+    past the prompt unused), decode steps get boolean masks over the whole cache."""
+    model = _tiny_qwen3_moe()
+    input_ids, attention_mask = _prompts((9,), seed=5)
+    expected = _generate(model, "eager", input_ids, attention_mask, cache_implementation="static")
+    out = _generate(model, registered.name, input_ids, attention_mask, cache_implementation="static")
+    _assert_same_generation(out, expected)
+    assert registered.masks[0] == (None, None) and registered.masks[-1] == (None, torch.bool)
 
 
 def test_sliding_window_model_generates_like_eager(registered):
@@ -127,7 +150,7 @@ def test_sliding_window_model_generates_like_eager(registered):
     input_ids, attention_mask = _prompts((10,), seed=3)
     expected = _generate(model, "eager", input_ids, attention_mask)
     out = _generate(model, registered.name, input_ids, attention_mask)
-    assert torch.equal(out, expected)
+    _assert_same_generation(out, expected)
     # The prompt (10) outgrows the window (6): sliding layers get explicit masks, full layers none.
     assert set(registered.masks) == {(6, torch.bool), (None, None)}
 
