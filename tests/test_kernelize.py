@@ -3,6 +3,7 @@
 import pytest
 import torch
 from kernels import Mode
+import transformers
 from transformers import AutoModelForCausalLM, GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
 from tpu_kernels import kernelize
@@ -19,6 +20,30 @@ CONFIGS = {
     "mixtral": lambda: MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2),
     "gpt_oss": lambda: GptOssConfig(**COMMON, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2,
                                     layer_types=["sliding_attention", "full_attention"], sliding_window=8),
+}
+
+
+SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=256)
+# More layouts, checked on one forward: shared experts beside the routed ones
+# (Qwen2-MoE, DeepSeek-V3), non-gated experts in a hybrid model (Nemotron-H),
+# and Gemma 4's MoE block.
+MORE_CONFIGS = {
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **SMALL, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+        intermediate_size=96),
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **SMALL, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=0, intermediate_size=96, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1),
+    "nemotron_h": lambda: transformers.NemotronHConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, hybrid_override_pattern="*E", num_attention_heads=4,
+        num_key_value_heads=2, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32, head_dim=16, mamba_num_heads=4, mamba_head_dim=16, n_groups=1,
+        ssm_state_size=16),
+    "gemma4": lambda: transformers.Gemma4TextConfig(
+        **SMALL, intermediate_size=96, enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32,
+        head_dim=64, global_head_dim=64),
 }
 
 
@@ -43,7 +68,7 @@ def _experts_only(build):
 
 def _tiny_model(name, dtype=torch.float32):
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_config({**CONFIGS, **MORE_CONFIGS}[name](), dtype=dtype).eval()
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.dim() == 3:  # expert weights start empty in some models: make them random, never zero
@@ -76,6 +101,18 @@ def test_logits_and_greedy_tokens_match_eager(name, ragged_dot_build):
     for ours, eager in zip(tokens, eager_tokens):
         assert ours.shape[1] == prompt.shape[1] + 16
         assert torch.equal(ours, eager)
+
+
+@pytest.mark.parametrize("name", sorted(MORE_CONFIGS))
+def test_more_experts_layouts_match_eager(name, ragged_dot_build):
+    model = _tiny_model(name)
+    prompt = _prompt()
+    with torch.no_grad():
+        eager_logits = model(prompt).logits
+        kernelize(model, repos=_experts_only(ragged_dot_build))
+        logits = model(prompt).logits
+    assert model.tpu_kernels_report.replaced("experts")[0].modules == tuple(experts_modules(model))
+    assert (logits - eager_logits).abs().max().item() <= 1e-4
 
 
 def test_bf16_logits_close_to_eager(ragged_dot_build):
