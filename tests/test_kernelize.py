@@ -161,8 +161,31 @@ def test_all_kinds_replaced_and_tokens_match(all_builds):
     assert {e.kind for e in report.entries if e.replaced} == {"experts", "rmsnorm", "attention"}, repr(report)
     # q/k norms and the layer norms: 2 layers x (input, post-attention, q, k) + the final norm.
     assert len(report.replaced("rmsnorm")[0].modules) == 9
+    modules = dict(model.named_modules())
+    for name in report.replaced("rmsnorm")[0].modules:
+        forward = modules[name].forward.__func__
+        assert forward.__qualname__ == "RMSNorm.forward" and forward.__module__.startswith("_rmsnorm_tpu_cpu_")
     assert (logits - eager_logits).abs().max().item() <= 1e-4
     assert torch.equal(tokens, eager_tokens)
+
+
+def test_zero_centred_norms_of_gemma(all_builds):
+    """Gemma's norms are not decorated for kernels and compute (1 + weight) * norm(x)."""
+    torch.manual_seed(0)
+    config = transformers.GemmaConfig(**SMALL, head_dim=64, intermediate_size=96)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.normal_(std=0.5)  # zero-initialised norm weights would hide the offset
+        eager = model(_prompt()).logits
+        kernelize(model, repos={**all_builds, "experts": None, "attention": None})
+        ours = model(_prompt()).logits
+    (entry,) = model.tpu_kernels_report.replaced("rmsnorm")
+    assert len(entry.modules) == 5
+    assert all(dict(model.named_modules())[n].forward.__func__.__qualname__ == "RMSNormZeroCentered.forward"
+               for n in entry.modules)
+    assert (ours - eager).abs().max().item() <= 1e-4
 
 
 def test_bad_repo_spec_fails_clearly_or_falls_back():

@@ -7,10 +7,12 @@ Kinds of layer and how each is replaced:
   `ALL_EXPERTS_FUNCTIONS` and selected with `model.set_experts_implementation`
   (which also reaches the sub-models of multimodal models).
 * rmsnorm: every module whose own forward computes `weight * normalise(x)`
-  or `(1 + weight) * normalise(x)` (decorated as transformers' "RMSNorm" or
-  not, as Gemma's) gets the forward of the rmsnorm kernel's matching layer.
-  The kernel decides the match (`layers.matching_layer_name`) by running the
-  module's forward on a small probe, so gated or other norms keep theirs.
+  or `(1 + weight) * normalise(x)` gets the forward of the rmsnorm kernel's
+  matching layer: through `kernels.kernelize` for the layers transformers
+  labels ("RMSNorm", "RMSNormZeroCentered"), bound directly for the norms it
+  does not decorate (Gemma's, ...). The kernel decides the match
+  (`layers.matching_layer_name`) by running the module's forward on a small
+  probe, so gated or other norms keep theirs.
 * attention: the attention kernel's `attention_forward` and its mask function
   are registered under one name in `AttentionInterface` *and*
   `AttentionMaskInterface` (without the mask registration transformers hands
@@ -121,7 +123,7 @@ def experts_modules(model: torch.nn.Module) -> list[str]:
     ]
 
 
-def _kernelize_experts(model, spec: KernelSpec, kernel: ModuleType, mode: Mode) -> ReportEntry:
+def _kernelize_experts(model, spec: KernelSpec, kernel: ModuleType, mode: Mode, device: str) -> ReportEntry:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     modules = tuple(experts_modules(model))
@@ -137,21 +139,43 @@ def _kernelize_experts(model, spec: KernelSpec, kernel: ModuleType, mode: Mode) 
     return ReportEntry("experts", True, modules, str(spec))
 
 
-def _kernelize_rmsnorm(model, spec: KernelSpec, kernel: ModuleType, mode: Mode) -> ReportEntry:
+def _kernelize_rmsnorm(model, spec: KernelSpec, kernel: ModuleType, mode: Mode, device: str) -> ReportEntry:
     import types
 
+    from kernels import LocalLayerRepository, use_kernel_mapping
+    from kernels import kernelize as kernels_kernelize
+
+    # Which kernel layer computes each module's forward exactly; the kernel
+    # decides by running the module's own forward on a small probe.
     matches = {}
     for name, module in model.named_modules():
         layer_name = kernel.layers.matching_layer_name(module)
         if layer_name is not None:
-            matches[name] = (module, getattr(kernel.layers, layer_name))
+            matches[name] = (module, layer_name)
     if not matches:
         return ReportEntry("rmsnorm", False, (), str(spec), "no RMSNorm modules the kernel computes exactly")
-    unsupported = {why for _, layer in matches.values() if (why := _supports(layer, mode))}
+    unsupported = {why for _, layer in matches.values() if (why := _supports(getattr(kernel.layers, layer), mode))}
     if unsupported:
         return ReportEntry("rmsnorm", False, tuple(matches), str(spec), "; ".join(sorted(unsupported)))
-    for module, layer in matches.values():
-        module.forward = types.MethodType(layer.forward, module)
+
+    # Layers transformers labels ("RMSNorm", "RMSNormZeroCentered") go through
+    # kernels' own kernelize, from the build we loaded (and verified):
+    # <repo>/build/torch-<backend>/__init__.py.
+    repo_root = Path(kernel.__file__).resolve().parents[2]
+    labelled = {n for n, (m, layer) in matches.items() if getattr(type(m), "kernel_layer_name", None) == layer}
+    mapping = {
+        layer: {device: LocalLayerRepository(repo_path=repo_root, layer_name=layer)}
+        for layer in {matches[n][1] for n in labelled}
+    }
+    if mapping:
+        with use_kernel_mapping(mapping, inherit_mapping=False):
+            kernels_kernelize(model, mode=mode, device=device)
+    # The rest (Gemma's and other undecorated norms) get the matching layer's
+    # forward bound directly; after kernels' kernelize, which resets labelled
+    # layers it has no mapping for.
+    for name, (module, layer) in matches.items():
+        if name not in labelled:
+            module.forward = types.MethodType(getattr(kernel.layers, layer).forward, module)
     return ReportEntry("rmsnorm", True, tuple(matches), str(spec))
 
 
@@ -159,7 +183,7 @@ def _kernelize_rmsnorm(model, spec: KernelSpec, kernel: ModuleType, mode: Mode) 
 _UNSUPPORTED_ATTENTION_MEMBERS = {"sinks": "attention sinks"}
 
 
-def _kernelize_attention(model, spec: KernelSpec, kernel: ModuleType, mode: Mode) -> ReportEntry:
+def _kernelize_attention(model, spec: KernelSpec, kernel: ModuleType, mode: Mode, device: str) -> ReportEntry:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -224,7 +248,7 @@ def kernelize(
             continue
         try:
             spec = KernelSpec.parse(specs[kind])
-            entry = APPLIERS[kind](model, spec, spec.load(backend, trust_remote_code), mode)
+            entry = APPLIERS[kind](model, spec, spec.load(backend, trust_remote_code), mode, backend)
         except Exception as error:
             if not use_fallback:
                 raise
