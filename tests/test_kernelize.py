@@ -11,6 +11,7 @@ from tpu_kernels.builder import build_kernel_repo
 from tpu_kernels.kernelize import experts_modules
 
 from .conftest import REPO_ROOT
+from .test_hub_loader import TRUSTED, client, hub, publish  # noqa: F401 - fixtures
 
 COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=64, max_position_embeddings=256)
@@ -196,3 +197,24 @@ def test_bad_repo_spec_fails_clearly_or_falls_back():
     assert "org/name@<version>" in repr(model.tpu_kernels_report)
     with pytest.raises(ValueError, match="unknown kernel kind"):
         kernelize(model, repos={"mlp": "a/b@1"})
+
+
+def test_kernels_from_the_hub_and_a_missing_version(hub, client, ragged_dot_build):
+    """Default path: kernelize loads `org/name@N` through tpu_kernels.get_kernel from a Hub."""
+    publish(hub, ragged_dot_build, repo_id=f"{TRUSTED}/ragged-dot-tpu")
+    model = _tiny_model("qwen3_moe")
+    prompt = _prompt()
+    with torch.no_grad():
+        eager = model(prompt).logits
+        kernelize(model, repos={"experts": f"{TRUSTED}/ragged-dot-tpu@1", "rmsnorm": None, "attention": None})
+        ours = model(prompt).logits
+    (entry,) = model.tpu_kernels_report.replaced("experts")
+    assert entry.source == f"{TRUSTED}/ragged-dot-tpu@1"
+    assert (ours - eager).abs().max().item() <= 1e-4
+
+    missing = {"experts": f"{TRUSTED}/ragged-dot-tpu@7", "rmsnorm": None, "attention": None}
+    with pytest.raises(ValueError, match="Version 7 not found, available versions: 1"):
+        kernelize(_tiny_model("qwen3_moe"), repos=missing, use_fallback=False)
+    fallback = kernelize(_tiny_model("qwen3_moe"), repos=missing)
+    (entry,) = [e for e in fallback.tpu_kernels_report.entries if e.kind == "experts"]
+    assert not entry.replaced and "7" in entry.reason
