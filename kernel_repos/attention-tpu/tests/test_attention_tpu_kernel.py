@@ -152,7 +152,7 @@ def _jax(tensor):
 
 
 def _torch(array):
-    return torch.from_numpy(np.asarray(array.astype(jnp.float32)))
+    return torch.from_numpy(np.array(array.astype(jnp.float32)))
 
 
 BLOCK_CASES = {

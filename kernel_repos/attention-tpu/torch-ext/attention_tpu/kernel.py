@@ -37,6 +37,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -441,9 +442,13 @@ def _check_inputs(q, k, v, q_offset, kv_lengths, attention_mask, sliding_window,
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
         raise TypeError(f"dtype must be bfloat16 or float32, got {q.dtype}")
-    if q_offset is not None and not isinstance(q_offset, int):
-        if tuple(q_offset.shape) != (batch,) or not jnp.issubdtype(q_offset.dtype, jnp.integer):
-            raise ValueError(f"q_offset must be an int or an integer array of shape ({batch},), got {q_offset.dtype}{tuple(q_offset.shape)}")
+    if q_offset is not None:
+        if jnp.ndim(q_offset) == 0:
+            q_offset_ok = isinstance(q_offset, int) or jnp.issubdtype(jnp.result_type(q_offset), jnp.integer)
+        else:
+            q_offset_ok = tuple(q_offset.shape) == (batch,) and jnp.issubdtype(q_offset.dtype, jnp.integer)
+        if isinstance(q_offset, bool) or not q_offset_ok:
+            raise ValueError(f"q_offset must be an int or an integer array of shape ({batch},), got {q_offset!r}")
     if kv_lengths is not None:
         if tuple(kv_lengths.shape) != (batch,) or not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
             raise ValueError(f"kv_lengths must be an integer array of shape ({batch},), got {kv_lengths.dtype}{tuple(kv_lengths.shape)}")
@@ -661,14 +666,10 @@ def _flash_attention_call(q, k, v, mask, q_offset, kv_valid, block_lo, block_hi,
 
 def _static_visible_pairs(st: _Static) -> int:
     """(query, key) pairs visible with the default q_offset and full lengths (for cost estimates)."""
-    offset = st.kv_len - st.q_len
-    total = 0
-    for i in range(st.q_len):
-        pos = offset + i
-        hi = min(st.kv_len - 1, pos) if st.causal else st.kv_len - 1
-        lo = max(0, pos - st.sliding_window + 1) if st.sliding_window is not None else 0
-        total += max(0, hi - lo + 1)
-    return total
+    positions = np.arange(st.kv_len - st.q_len, st.kv_len)
+    last = np.minimum(st.kv_len - 1, positions) if st.causal else np.full_like(positions, st.kv_len - 1)
+    first = np.maximum(0, positions - st.sliding_window + 1) if st.sliding_window is not None else 0
+    return int(np.clip(last - first + 1, 0, None).sum())
 
 
 def _static_kv_passes(st: _Static) -> float:
