@@ -32,26 +32,6 @@ KERNEL_REPOS = Path(__file__).resolve().parents[1] / "kernel_repos"
 KINDS_TO_REPOS = {"experts": "ragged-dot-tpu", "rmsnorm": "rmsnorm-tpu", "attention": "attention-tpu"}
 
 
-def tiny_qwen3_moe():
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    config = Qwen3MoeConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16, num_experts_per_tok=4,
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-
-
-def load_model(model_id: str | None, device: str):
-    if model_id is None:
-        return tiny_qwen3_moe().to(device)
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.bfloat16).to(device).eval()
-
-
 def decode_step_times(model, batch: int, prompt_len: int, steps: int, warmup: int, device: str) -> list[float]:
     generator = torch.Generator().manual_seed(batch)
     prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=generator).to(device)
@@ -71,7 +51,9 @@ def decode_step_times(model, batch: int, prompt_len: int, steps: int, warmup: in
 
 def prepare(implementation: str, args, workdir: Path):
     """A fresh model set up for one implementation."""
-    model = load_model(args.model, args.device)
+    from tpu_kernels.demo import load_model
+
+    model, _ = load_model(args.model, args.device)
     if implementation in ("eager", "grouped_mm"):
         model.set_experts_implementation(implementation)
         return model

@@ -40,7 +40,8 @@ def _publish_to_local_hub(workdir: Path, repos: list[Path]) -> tuple[object, lis
     return hub, published
 
 
-def _tiny_qwen3_moe():
+def tiny_qwen3_moe():
+    """A 2-layer Qwen3-MoE from config (16 experts, top-4), seeded: the demo's and the benchmarks' model."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
@@ -53,9 +54,9 @@ def _tiny_qwen3_moe():
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
-def _load_model(model_id: str | None, device: str):
+def load_model(model_id: str | None, device: str):
     if model_id is None:
-        return _tiny_qwen3_moe().to(device), None
+        return tiny_qwen3_moe().to(device), None
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -80,7 +81,7 @@ def run_model_part(args) -> int:
 
     from .kernelize import kernelize
 
-    model, tokenizer = _load_model(args.model, args.device)
+    model, tokenizer = load_model(args.model, args.device)
     if tokenizer is not None:
         prompt = tokenizer(["The capital of France is"], return_tensors="pt").input_ids.to(args.device)
     else:
