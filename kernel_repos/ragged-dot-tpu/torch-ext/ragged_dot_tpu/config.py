@@ -38,9 +38,13 @@ VMEM_HEADROOM_BYTES = 4 << 20
 VMEM_LIMIT_CAP_BYTES = 100 << 20
 VMEM_BUDGET_BYTES = VMEM_LIMIT_CAP_BYTES - VMEM_HEADROOM_BYTES
 
-# Chunks of one row tile are unrolled in the kernel body; bound the code size.
-MAX_CHUNKS_PER_TILE = 16
+# Every (group slot, row chunk) pair is one matmul unrolled in the kernel
+# body; bound the code size (and Mosaic's compile time).
+MAX_UNROLLED_MATMULS = 16
 MAX_GROUPS_PER_STEP = 4
+# With fewer active groups than slots, an idle slot still fetches one weights
+# block in the first step. Slots are only used when the rows make that rare.
+MIN_ROWS_PER_GROUP_SLOT = 8
 
 # Blocks of the heuristic fallback: weights blocks of about this many bytes
 # keep the per-step cost small next to their DMA (4 MiB take 2.6 us on v6e).
@@ -124,12 +128,14 @@ def check_config(config: TileConfig, m: int, k: int, n: int, dtype) -> None:
             raise ValueError(f"config.chunk_m must be a positive int or None, got {config.chunk_m!r}")
         if config.chunk_m < tile_m and config.chunk_m % sublanes:
             raise ValueError(f"config.chunk_m={config.chunk_m} must be a multiple of {sublanes}")
-        if math.ceil(tile_m / config.chunk_m) > MAX_CHUNKS_PER_TILE:
-            raise ValueError(
-                f"config.chunk_m={config.chunk_m} cuts a {tile_m}-row tile into more than {MAX_CHUNKS_PER_TILE} chunks"
-            )
     if config.groups_per_step > MAX_GROUPS_PER_STEP:
         raise ValueError(f"config.groups_per_step must be at most {MAX_GROUPS_PER_STEP}, got {config.groups_per_step}")
+    chunks = math.ceil(tile_m / (config.chunk_m or tile_m))
+    if chunks * config.groups_per_step > MAX_UNROLLED_MATMULS:
+        raise ValueError(
+            f"config: {config.groups_per_step} group slots x {chunks} row chunks of {config.chunk_m} is more than "
+            f"{MAX_UNROLLED_MATMULS} unrolled matmuls"
+        )
     if config.groups_per_step > 1 and config.tile_m < m:
         raise ValueError(
             f"config.groups_per_step={config.groups_per_step} needs one row tile (tile_m >= {m}), got tile_m={config.tile_m}"
@@ -140,12 +146,20 @@ def check_config(config: TileConfig, m: int, k: int, n: int, dtype) -> None:
 
 
 def resolve(entry: dict, m: int, k: int, n: int, dtype) -> TileConfig:
-    """A table entry made concrete for `m` rows: tile_m "m" is the whole lhs, chunks stay within the unroll bound."""
+    """A table entry made concrete for `m` rows.
+
+    tile_m "m" is the whole lhs; group slots need one row tile and enough rows;
+    chunks grow until the unrolled matmuls stay within bounds.
+    """
     sublanes = sublane_rows(dtype)
     tile_m = m if entry["tile_m"] == "m" else min(int(entry["tile_m"]), m)
+    groups_per_step = int(entry.get("groups_per_step", 1))
+    if tile_m < m or m < MIN_ROWS_PER_GROUP_SLOT * groups_per_step:
+        groups_per_step = 1
     chunk_m = entry.get("chunk_m")
     if chunk_m is not None:
-        chunk_m = max(int(chunk_m), _round_up(math.ceil(tile_m / MAX_CHUNKS_PER_TILE), sublanes))
+        max_chunks = MAX_UNROLLED_MATMULS // groups_per_step
+        chunk_m = max(int(chunk_m), _round_up(math.ceil(tile_m / max_chunks), sublanes))
         if chunk_m >= tile_m:
             chunk_m = None
     return TileConfig(
@@ -153,7 +167,7 @@ def resolve(entry: dict, m: int, k: int, n: int, dtype) -> TileConfig:
         tile_k=min(int(entry["tile_k"]), k),
         tile_n=min(int(entry["tile_n"]), n),
         chunk_m=chunk_m,
-        groups_per_step=int(entry.get("groups_per_step", 1)) if tile_m >= m else 1,
+        groups_per_step=groups_per_step,
     )
 
 
@@ -187,7 +201,6 @@ def heuristic_config(m: int, k: int, n: int, dtype, generation: str, num_groups:
     its weight DMA, else tiles of 256 (v5e) / 512 (v6e) rows in 128-row chunks.
     """
     itemsize = jnp.dtype(dtype).itemsize
-    sublanes = sublane_rows(dtype)
     rhs_block_bytes = HEURISTIC_RHS_BLOCK_BYTES.get(generation, HEURISTIC_RHS_BLOCK_BYTES[DEFAULT_GENERATION])
     ridge = RIDGE_ROWS.get(generation, RIDGE_ROWS[DEFAULT_GENERATION])
 
@@ -200,24 +213,30 @@ def heuristic_config(m: int, k: int, n: int, dtype, generation: str, num_groups:
 
     rows_per_group = m / max(num_groups or 1, 1)
     chunk = 128
+    tiled_m = 512 if generation == "v6e" else 256
     candidates = []
     if rows_per_group <= ridge:
         candidates.append(TileConfig(m, tile_k, tile_n, chunk if m > chunk else None))
-    tiled_m = 512 if generation == "v6e" else 256
     candidates.append(TileConfig(min(tiled_m, m), tile_k, tile_n, chunk if min(tiled_m, m) > chunk else None))
     candidates.append(TileConfig(min(128, m), tile_k, tile_n))
     for config in candidates:
-        if config.tile_m < m and config.tile_m % sublanes:
-            continue
-        if vmem_bytes(config, m, k, n, dtype) <= VMEM_BUDGET_BYTES:
+        if _fits(config, m, k, n, dtype):
             return config
     # Shrink the weights block until the smallest row tile fits.
     config = candidates[-1]
-    while vmem_bytes(config, m, k, n, dtype) > VMEM_BUDGET_BYTES and config.tile_n > 128:
+    while not _fits(config, m, k, n, dtype) and config.tile_n > 128:
         config = config._replace(tile_n=max(128, _round_up(config.tile_n // 2, 128)))
-    while vmem_bytes(config, m, k, n, dtype) > VMEM_BUDGET_BYTES and config.tile_k > 128:
+    while not _fits(config, m, k, n, dtype) and config.tile_k > 128:
         config = config._replace(tile_k=max(128, _round_up(config.tile_k // 2, 128)))
     return config
+
+
+def _fits(config: TileConfig, m: int, k: int, n: int, dtype) -> bool:
+    try:
+        check_config(config, m, k, n, dtype)
+    except ValueError:
+        return False
+    return True
 
 
 def select_config(
@@ -239,10 +258,6 @@ def select_config(
     entry = _table_entry(m, k, n, num_groups, dtype, generation)
     if entry is not None:
         config = resolve(entry, m, k, n, dtype)
-        try:
-            check_config(config, m, k, n, dtype)
-        except ValueError:
-            pass
-        else:
+        if _fits(config, m, k, n, dtype):
             return config
     return heuristic_config(m, k, n, dtype, generation, num_groups)

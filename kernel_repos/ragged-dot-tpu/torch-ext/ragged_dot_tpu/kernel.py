@@ -160,9 +160,12 @@ def _kernel(
         item = first_item + slot
         # An idle slot (past the last item) and a tail item (rows past every
         # group) have an empty row range, so no chunk of theirs computes.
+        # lax.select rather than jnp.where: jnp.where is a nested jit, which
+        # hides these predicates from the traffic model's per-step evaluation.
         real = item < count
-        row_start = jnp.where(real, row_start_ref[jnp.minimum(item, count - 1)], 0)
-        row_end = jnp.where(real, row_end_ref[jnp.minimum(item, count - 1)], 0)
+        zero = jnp.int32(0)
+        row_start = lax.select(real, row_start_ref[jnp.minimum(item, count - 1)], zero)
+        row_end = lax.select(real, row_end_ref[jnp.minimum(item, count - 1)], zero)
         for first, rows in _row_chunks(tile_m, chunk_m):
             chunk_start = row_tile * tile_m + first
 
@@ -248,6 +251,11 @@ def ragged_dot(
     def out_index(n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, count):
         return row_tile[step * groups_per_step], n_step
 
+    if (tile_m, tile_k) == (m, k):
+        # The whole lhs is one block that never moves: one buffer, not two.
+        lhs_spec = pl.BlockSpec((tile_m, tile_k), lhs_index, pipeline_mode=pl.Buffered(1))
+    else:
+        lhs_spec = pl.BlockSpec((tile_m, tile_k), lhs_index)
     rhs_block = (None, tile_n, tile_k) if transpose_rhs else (None, tile_k, tile_n)
     rhs_specs = [pl.BlockSpec(rhs_block, functools.partial(rhs_index, slot)) for slot in range(groups_per_step)]
     precision = lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else lax.Precision.DEFAULT
@@ -268,7 +276,7 @@ def ragged_dot(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(items),
             grid=grid,
-            in_specs=[pl.BlockSpec((tile_m, tile_k), lhs_index), *rhs_specs],
+            in_specs=[lhs_spec, *rhs_specs],
             out_specs=pl.BlockSpec((tile_m, tile_n), out_index),
             scratch_shapes=[pltpu.VMEM((tile_m, tile_n), jnp.float32)],
         ),
