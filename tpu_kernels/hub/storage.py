@@ -185,6 +185,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _make_dirs(path: Path) -> None:
+    """mkdir -p, fsyncing each parent that gains an entry, so new folders survive a power cut."""
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir()
+            _fsync_dir(folder.parent)
+
+
 def _canonical_json(data) -> bytes:
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
@@ -218,7 +230,7 @@ class Storage:
     # -- atomic files ---------------------------------------------------------------------------
 
     def _write_atomically(self, target: Path, content: bytes) -> None:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        _make_dirs(target.parent)
         fd, staging = tempfile.mkstemp(dir=self.tmp)
         try:
             with os.fdopen(fd, "wb") as handle:
@@ -412,7 +424,7 @@ class Storage:
         if target.is_file():
             os.unlink(staged.staged_at)
             return
-        target.parent.mkdir(exist_ok=True)
+        _make_dirs(target.parent)
         os.replace(staged.staged_at, target)
         _fsync_dir(target.parent)
 
