@@ -703,8 +703,8 @@ def serve_main(argv: list[str] | None = None) -> int:
         help=f"token that writes must present (default: ${TOKEN_ENV}); without it the server is read-only",
     )
     parser.add_argument(
-        "--trusted-org", dest="trusted_orgs", action="append", default=[], metavar="ORG",
-        help="organization whose kernels load without trust_remote_code (repeatable)",
+        "--trusted-org", dest="trusted_orgs", action="extend", nargs="+", default=[], metavar="ORG",
+        help="organizations whose kernels load without trust_remote_code",
     )
     parser.add_argument("--quiet", action="store_true", help="do not log requests")
     args = parser.parse_args(argv)
