@@ -16,14 +16,15 @@ download and import:
   damaged cache;
 * offline (HF_HUB_OFFLINE=1), the cached snapshot is checked for the selected
   variant only: `kernels`' own offline resolver asks huggingface_hub for the whole
-  snapshot, which huggingface_hub >= 1.22 refuses when only one variant was
-  downloaded (always the case), so unmodified `kernels` cannot load offline;
+  snapshot, which huggingface_hub >= 1.22 refuses as incomplete when the repo has
+  other variants (a download fetches only one), so unmodified `kernels` 0.17.2
+  cannot load a multi-variant kernel offline;
 * a load by `version=` records `refs/v<N>` in the cache, so the same call works
   offline afterwards (`kernels` looks versions up there but never writes them).
 
-Configuration is read from the environment when `huggingface_hub` and `kernels`
-are first imported, as they do: HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE,
-KERNELS_CACHE (else HF_HUB_CACHE), LOCAL_KERNELS.
+The environment is read as huggingface_hub and kernels read it: HF_ENDPOINT,
+HF_HUB_OFFLINE and KERNELS_CACHE (else HF_HUB_CACHE) when they are first
+imported, so set them before; HF_TOKEN and LOCAL_KERNELS at each call.
 """
 
 from __future__ import annotations
@@ -175,7 +176,8 @@ def verify_variant(variant_path: Path, *, source: str | None = None) -> None:
     try:
         expected.validate(Digest.hash_variant(expected.algorithm, variant_path))
     except DigestValidationError as error:
-        files = sorted({variant_path / path for violation in error.violations if (path := getattr(violation, "path", None))})
+        named = (getattr(violation, "path", None) for violation in error.violations)
+        files = sorted({variant_path / path for path in named if path})
         details = "\n".join(f"  - {violation}" for violation in error.violations)
         raise KernelIntegrityError(
             f"Refusing to import {source or variant_path}: its files do not match the {expected.algorithm} digest "
