@@ -15,8 +15,10 @@ A config has five knobs:
   other groups. `None` is one chunk per row tile.
 - `groups_per_step`: how many work items (each with its own group's weights)
   one grid step multiplies. Every grid step has a fixed cost (~0.35 us), so
-  for weights of a few MiB per expert (decode) two groups per step amortise
-  it. Only with one row tile (`tile_m >= M`).
+  for weights of a few MiB per expert (decode) several groups per step
+  amortise it. Only with one row tile (`tile_m >= M`). Cost when fewer groups
+  are active than slots (possible only if several rows share an expert): the
+  idle slots fetch one extra weights block each in the first step.
 """
 
 from __future__ import annotations
@@ -42,9 +44,6 @@ VMEM_BUDGET_BYTES = VMEM_LIMIT_CAP_BYTES - VMEM_HEADROOM_BYTES
 # body; bound the code size (and Mosaic's compile time).
 MAX_UNROLLED_MATMULS = 16
 MAX_GROUPS_PER_STEP = 4
-# With fewer active groups than slots, an idle slot still fetches one weights
-# block in the first step. Slots are only used when the rows make that rare.
-MIN_ROWS_PER_GROUP_SLOT = 8
 
 # Blocks of the heuristic fallback: weights blocks of about this many bytes
 # keep the per-step cost small next to their DMA (4 MiB take 2.6 us on v6e).
@@ -148,13 +147,14 @@ def check_config(config: TileConfig, m: int, k: int, n: int, dtype) -> None:
 def resolve(entry: dict, m: int, k: int, n: int, dtype) -> TileConfig:
     """A table entry made concrete for `m` rows.
 
-    tile_m "m" is the whole lhs; group slots need one row tile and enough rows;
-    chunks grow until the unrolled matmuls stay within bounds.
+    tile_m "m" is the whole lhs; group slots need one row tile and at least
+    as many rows as slots; chunks grow until the unrolled matmuls stay within
+    bounds.
     """
     sublanes = sublane_rows(dtype)
     tile_m = m if entry["tile_m"] == "m" else min(int(entry["tile_m"]), m)
     groups_per_step = int(entry.get("groups_per_step", 1))
-    if tile_m < m or m < MIN_ROWS_PER_GROUP_SLOT * groups_per_step:
+    if tile_m < m or m < groups_per_step:
         groups_per_step = 1
     chunk_m = entry.get("chunk_m")
     if chunk_m is not None:
