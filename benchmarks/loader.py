@@ -51,6 +51,10 @@ from tpu_kernels.hub.server import STATS_PATH  # noqa: E402
 from tpu_kernels.loader import verify_variant  # noqa: E402
 from tpu_kernels.publish import upload_kernel  # noqa: E402
 
+# This process only publishes, to the local Hub; its first request headers would
+# fetch huggingface_hub's agent registry from huggingface.co: that lookup is telemetry.
+huggingface_hub.constants.HF_HUB_DISABLE_TELEMETRY = True
+
 KERNEL_REPO = ROOT / "kernel_repos" / "ragged-dot-tpu"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "loader.json"
 ORG = "tpu-kernels"

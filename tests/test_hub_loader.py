@@ -39,6 +39,15 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 FAST_SUBPROCESS_ENV = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
 
 
+@pytest.fixture(autouse=True)
+def loopback_only(monkeypatch, tmp_path):
+    """The first time huggingface_hub builds request headers in a process, it fetches an agent registry
+    from HF_ENDPOINT (huggingface.co in this process) unless a copy is cached: give it one."""
+    registry = tmp_path / "agent-harnesses.json"
+    registry.write_text(json.dumps({"standardEnvVars": [], "harnesses": {}}))
+    monkeypatch.setattr(constants, "AGENT_HARNESSES_PATH", str(registry))
+
+
 def make_build(root: Path, answer: int, *, version: int = 1, backends=("cpu", "tpu"), name="answer") -> Path:
     """A built kernel in the layout of `tpu-kernels build`: `answer()` returns `answer`."""
     build = root / f"{name}-{answer}-{uuid.uuid4().hex[:6]}" / name
@@ -77,7 +86,6 @@ def client(monkeypatch, tmp_path, hub) -> Path:
     monkeypatch.setattr(constants, "ENDPOINT", hub.url)
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(constants, "AGENT_HARNESSES_PATH", str(tmp_path / "agent-harnesses.json"))
     monkeypatch.setattr(kernels_resolver, "CACHE_DIR", str(cache))
     monkeypatch.setenv("KERNELS_CACHE", str(cache))
     monkeypatch.delenv("LOCAL_KERNELS", raising=False)

@@ -19,7 +19,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants
 from huggingface_hub.errors import (
     HfHubHTTPError,
     RemoteEntryNotFoundError,
@@ -33,6 +33,15 @@ from tpu_kernels.hub import start_hub
 TOKEN = "test-token-" + os.urandom(4).hex()
 REPO = "org/kernel-a"
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def loopback_only(monkeypatch, tmp_path):
+    """The first time huggingface_hub builds request headers in a process, it fetches an agent registry
+    from HF_ENDPOINT (huggingface.co in this process) unless a copy is cached: give it one."""
+    registry = tmp_path / "agent-harnesses.json"
+    registry.write_text(json.dumps({"standardEnvVars": [], "harnesses": {}}))
+    monkeypatch.setattr(constants, "AGENT_HARNESSES_PATH", str(registry))
 
 
 @pytest.fixture
@@ -277,7 +286,7 @@ def test_hf_cli_downloads_a_kernel_revision(api, hub, tmp_path):
              "build/torch-cpu/data.bin": random_bytes(200_000, seed=7)}
     api.create_commit(REPO, repo_type="kernel", revision="v1", commit_message="v1",
                       operations=[add(path, content) for path, content in files.items()])
-    env = dict(os.environ, HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf-home"))
+    env = dict(os.environ, HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_UPDATE_CHECK="1")
     env.pop("HF_TOKEN", None)
     result = subprocess.run(
         [str(Path(sys.executable).with_name("hf")), "download", "--repo-type", "kernel", REPO,
