@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-import torch
 from kernels import Mode, get_local_kernel
 
 logger = logging.getLogger(__name__)
@@ -100,7 +99,7 @@ class KernelizeReport:
         return "\n".join(lines)
 
 
-def _model_device(model: torch.nn.Module) -> str:
+def _model_device(model) -> str:
     parameter = next(model.parameters(), None)
     return parameter.device.type if parameter is not None else "cpu"
 
@@ -114,7 +113,7 @@ def _supports(kernel_fn, mode: Mode) -> str | None:
     return None
 
 
-def experts_modules(model: torch.nn.Module) -> list[str]:
+def experts_modules(model) -> list[str]:
     """Names of the modules transformers' `use_experts_implementation` decorated."""
     return [
         name
@@ -213,14 +212,14 @@ APPLIERS = {"experts": _kernelize_experts, "rmsnorm": _kernelize_rmsnorm, "atten
 
 
 def kernelize(
-    model: torch.nn.Module,
+    model,
     *,
     mode: Mode = Mode.INFERENCE,
     device: str | None = None,
     repos: dict[str, str | None] | None = None,
     trust_remote_code: bool | list[str] = False,
     use_fallback: bool = True,
-) -> torch.nn.Module:
+) -> "torch.nn.Module":
     """Replace the model's layers with TPU kernels from the Hub; returns the model.
 
     Args:
