@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -117,6 +118,8 @@ def main(argv=None) -> int:
         "note": "on the CPU the kernels run in Pallas TPU interpret mode (exact, slow by design)"
         if args.device == "cpu" else "",
         "implementations": {},
+        # Other work on the host skews CPU timings: the load average says how busy it was.
+        "load_average_at_start": os.getloadavg(),
     }
     with tempfile.TemporaryDirectory() as tmp:
         for implementation in args.implementations.split(","):
@@ -128,6 +131,7 @@ def main(argv=None) -> int:
                 rows.append({"batch": batch, "median_ms_per_step": median * 1e3, "tokens_per_s": batch / median})
                 print(f"{implementation:<11} batch {batch:>3}: {median * 1e3:9.2f} ms/step  {batch / median:9.1f} tok/s")
             results["implementations"][implementation] = rows
+    results["load_average_at_end"] = os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
