@@ -41,8 +41,13 @@ VMEM_LIMIT_CAP_BYTES = 100 << 20
 VMEM_BUDGET_BYTES = VMEM_LIMIT_CAP_BYTES - VMEM_HEADROOM_BYTES
 
 # Every (group slot, row chunk) pair is one matmul unrolled in the kernel
-# body; bound the code size (and Mosaic's compile time).
+# body. Mosaic's compile time grows with their number and, above all, with
+# the multiply-adds they cover (group slots x tile_m x tile_k x tile_n):
+# measured with libtpu's compile-only topologies, ~2 s at 2^31 and ~77 s at
+# 17e9 (a resident 1024-row tile of GPT-OSS's 2880 x 5760 experts). Both are
+# bounded.
 MAX_UNROLLED_MATMULS = 16
+MAX_UNROLLED_MACS = 2**31
 MAX_GROUPS_PER_STEP = 4
 
 # Blocks of the heuristic fallback: weights blocks of about this many bytes
@@ -138,6 +143,12 @@ def check_config(config: TileConfig, m: int, k: int, n: int, dtype) -> None:
     if config.groups_per_step > 1 and config.tile_m < m:
         raise ValueError(
             f"config.groups_per_step={config.groups_per_step} needs one row tile (tile_m >= {m}), got tile_m={config.tile_m}"
+        )
+    macs = config.groups_per_step * tile_m * min(config.tile_k, k) * min(config.tile_n, n)
+    if macs > MAX_UNROLLED_MACS:
+        raise ValueError(
+            f"config {tuple(config)}: one grid step unrolls {macs / 2**30:.1f} Gi multiply-adds, past the "
+            f"{MAX_UNROLLED_MACS / 2**30:.0f} Gi bound on kernel size (compile time)"
         )
     needed = vmem_bytes(config, m, k, n, dtype)
     if needed > VMEM_BUDGET_BYTES:

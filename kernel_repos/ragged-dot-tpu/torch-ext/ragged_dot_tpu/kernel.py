@@ -9,21 +9,25 @@ Schedule: the M axis is cut into row tiles of `tile_m`. A *work item* is one
 appears once per group it touches, and consecutive work items on the same row
 tile accumulate into the same resident output block. Row tiles no group
 reaches (past `sum(group_sizes)`) get one work item that only writes zeros.
-The grid is `(n_tiles, work_items, k_tiles)` with the number of work items
-computed from the group sizes (a dynamic grid axis), so empty groups add no
-grid step.
+The grid is `(n_tiles, steps, k_tiles)`; a step runs `groups_per_step`
+consecutive work items (each with its own copy of the `rhs` operand, so each
+fetches its own group's weights block), and the number of steps is computed
+from the group sizes (a dynamic grid axis): empty groups add no grid step.
 
 What each operand moves (the point of the schedule, for decode):
 - consecutive work items of one group keep the same `rhs` block index, so
   with `tile_k = K` each active group's weights are fetched once per N tile,
   however many row tiles the group spans, and empty groups fetch nothing;
 - consecutive work items on one row tile keep the `lhs` and `out` block
-  indices, so every row is read and written once per N tile;
-- zero-writing tail items keep the previous item's `lhs` and `rhs` blocks
-  (no fetch) and skip the matmul: rows past the groups cost only their write.
+  indices, so every row is read and written once per N tile (with
+  `tile_m >= M` and `tile_k = K`, lhs is one single-buffered block read once);
+- zero-writing tail items and idle group slots keep the blocks they had (no
+  fetch) and skip the matmul: rows past the groups cost only their write.
 
-Padding rows (a row tile reaching past its group) cost MXU work, not weight
-traffic. Tile sizes come from `config.select_config`.
+MXU work: a row tile is multiplied in static chunks of `chunk_m` rows, each
+under a `pl.when` that skips chunks outside the item's group, so padding rows
+cost at most one partial chunk per item, not a whole tile. Tile sizes come
+from `config.select_config`.
 """
 
 from __future__ import annotations
