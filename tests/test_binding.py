@@ -1,7 +1,12 @@
-"""The JAX -> torch op binding: both registration paths, DLPack hand-off, fakes, races."""
+"""The JAX -> torch op binding: both registration paths, optional tensors, hand-off, fakes, races."""
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 from jax.experimental import pallas as pl
@@ -9,6 +14,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from tpu_kernels import binding
 from tpu_kernels.binding import jax_torch_op
+
+from .conftest import REPO_ROOT
 
 
 def _scale_add(x_ref, y_ref, out_ref, diff_ref, *, scale):
@@ -27,6 +34,20 @@ def scale_add(x: jax.Array, y: jax.Array, scale: float) -> tuple[jax.Array, jax.
     )(x, y)
 
 
+def _add(x_ref, y_ref, out_ref):
+    out_ref[...] = x_ref[...] + y_ref[...]
+
+
+def biased_add(x: jax.Array, y: jax.Array, bias: jax.Array | None, scale: float) -> jax.Array:
+    """(x + y) * scale, plus bias[N] when given: one op instead of a with/without pair."""
+    total = pl.pallas_call(_add, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x, y) * scale
+    return total if bias is None else total + bias
+
+
+def expected_biased_add(x, y, bias, scale):
+    return (x + y) * scale + (0 if bias is None else bias)
+
+
 def test_jax_op_registers_our_signature_on_cpu():
     """torch_tpu is installed here: registration goes through torch.tpu.pallas.jax_op."""
     assert binding._jax_op_registrar() is not None
@@ -41,6 +62,51 @@ def test_jax_op_registers_our_signature_on_cpu():
     torch.testing.assert_close(diff, x - y)
 
 
+def test_optional_tensor_through_jax_op_on_cpu():
+    op = jax_torch_op("tk_test_optional::biased_add")(biased_add)
+    assert type(op).__module__.startswith("torch_tpu")
+    assert str(torch.ops.tk_test_optional.biased_add.default._schema) == (
+        "tk_test_optional::biased_add(Tensor x, Tensor y, Tensor? bias, float scale) -> Tensor"
+    )
+    x, y, bias = torch.randn(8, 128), torch.randn(8, 128), torch.randn(128)
+    torch.testing.assert_close(op(x, y, None, 2.0), expected_biased_add(x, y, None, 2.0))
+    torch.testing.assert_close(op(x, y, bias, 2.0), expected_biased_add(x, y, bias, 2.0))
+
+
+class _StubTpuRuntime:
+    """torch_tpu's C++ kernel registry and launcher, which need a TPU: records what jax_op hands them."""
+
+    def __init__(self):
+        self.registered, self.launched = [], []
+
+    def lookup_custom_kernel(self, name, fingerprint):
+        return fingerprint in self.registered
+
+    def register_custom_kernel(self, name, fingerprint, serialized_mlir_module):
+        self.registered.append(fingerprint)
+
+    def call_custom_kernel(self, name, fingerprint, inputs, output_shapes, donate_argnums, device_assignment):
+        self.launched.append((fingerprint, [tuple(t.shape) for t in inputs]))
+        return list(output_shapes)
+
+
+def test_jax_op_lowers_for_tpu_with_the_optional_tensor_present_and_absent(monkeypatch):
+    """The TPU path up to the runtime: one Mosaic kernel per case, the absent tensor not passed."""
+    from torch_tpu._internal.pallas import pallas as torch_tpu_pallas
+
+    op = jax_torch_op("tk_test_optional_tpu::biased_add")(biased_add)
+    runtime = _StubTpuRuntime()
+    monkeypatch.setattr(torch_tpu_pallas, "tpu_torch_pallas", runtime)
+    placeholder = torch_tpu_pallas.torch_placeholder
+    monkeypatch.setattr(torch_tpu_pallas, "torch_placeholder", lambda *a, **k: placeholder(*a, **{**k, "device": "cpu"}))
+    jax_callable = op._init_fn  # what jax_op registered for TPU tensors
+    x, y, bias = torch.randn(8, 128), torch.randn(8, 128), torch.randn(128)
+    assert jax_callable(x, y, None, 2.0).shape == (8, 128)
+    assert jax_callable(x, y, bias, 2.0).shape == (8, 128)
+    assert len(set(runtime.registered)) == 2
+    assert [shapes for _, shapes in runtime.launched] == [[(8, 128), (8, 128)], [(8, 128), (8, 128), (128,)]]
+
+
 def test_plain_custom_op_without_torch_tpu(monkeypatch):
     monkeypatch.setattr(binding, "_jax_op_registrar", lambda: None)
     op = jax_torch_op("tk_test_plain::scale_add")(scale_add)
@@ -50,6 +116,12 @@ def test_plain_custom_op_without_torch_tpu(monkeypatch):
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, x * 2 + y)
 
+    optional = jax_torch_op("tk_test_plain::biased_add")(biased_add)
+    assert "Tensor? bias" in str(torch.ops.tk_test_plain.biased_add.default._schema)
+    x, y, bias = x.float(), y.float(), torch.randn(128)
+    torch.testing.assert_close(optional(x, y, None, 0.5), expected_biased_add(x, y, None, 0.5))
+    torch.testing.assert_close(optional(x, y, bias, 0.5), expected_biased_add(x, y, bias, 0.5))
+
 
 def test_torch_compile_fullgraph_uses_the_fake():
     op = jax_torch_op("tk_test_compile::scale_add")(scale_add)
@@ -58,16 +130,69 @@ def test_torch_compile_fullgraph_uses_the_fake():
     torch.testing.assert_close(compiled(x, y), (x * 0.5 + y).relu())
 
 
-def test_dlpack_hands_cpu_tensors_to_jax_without_copy():
+def test_torch_compile_fullgraph_traces_an_optional_tensor_present_and_absent():
+    op = jax_torch_op("tk_test_compile_optional::biased_add")(biased_add)
+    x, y, bias = torch.randn(8, 128), torch.randn(8, 128), torch.randn(128)
+    compiled = torch.compile(lambda a, b, c: op(a, b, c, 2.0).relu(), fullgraph=True)
+    torch.testing.assert_close(compiled(x, y, None), expected_biased_add(x, y, None, 2.0).relu())
+    torch.testing.assert_close(compiled(x, y, bias), expected_biased_add(x, y, bias, 2.0).relu())
+
+
+def test_keyword_only_and_defaulted_parameters():
+    def scaled(x: jax.Array, shift: jax.Array | None = None, *, scale: float = 2.0) -> jax.Array:
+        return x * scale if shift is None else x * scale + shift
+
+    op = jax_torch_op("tk_test_keywords::scaled")(scaled)
+    x, shift = torch.randn(8, 128), torch.randn(8, 128)
+    torch.testing.assert_close(op(x), x * 2)
+    torch.testing.assert_close(op(x, shift, scale=3.0), x * 3 + shift)
+    torch.testing.assert_close(op(x, shift=shift), x * 2 + shift)
+
+
+def test_cpu_tensors_reach_jax_without_copy():
     for dtype in (torch.float32, torch.bfloat16):
         tensor = torch.randn(32, 128).to(dtype)
-        array = binding._to_jax(tensor)
+        array = jax.device_put(binding._to_host_array(tensor))
+        assert array.dtype == binding._TORCH_TO_JAX_DTYPE[dtype]
         assert array.unsafe_buffer_pointer() == tensor.data_ptr()
         assert binding._to_torch(array).data_ptr() == tensor.data_ptr()
 
 
-def test_jax_runs_on_the_cpu_platform():
-    assert jax.devices()[0].platform == "cpu"
+def test_inputs_that_are_not_plain_contiguous_tensors():
+    op = jax_torch_op("tk_test_layouts::add")(_plain_add)
+    base = torch.randn(128, 16)
+    transposed, broadcast = base.t(), torch.randn(1, 128).expand(16, 128)
+    torch.testing.assert_close(op(transposed, broadcast), transposed + broadcast)
+    weight = torch.nn.Parameter(torch.randn(16, 128))
+    torch.testing.assert_close(op(weight, broadcast), weight.detach() + broadcast)
+    empty = torch.randn(0, 128)
+    assert op(empty, empty).shape == (0, 128)
+    with pytest.raises(TypeError, match="cannot be passed to a TPU kernel"):
+        op(base.double(), base.double())
+
+
+def _plain_add(x: jax.Array, y: jax.Array) -> jax.Array:
+    return x + y
+
+
+def test_cpu_platform_is_chosen_only_off_tpu():
+    """With libtpu installed and no TPU, the binding points jax at the CPU, unless told otherwise."""
+    script = (
+        "import glob, os, jax\n"
+        "real_glob = glob.glob\n"
+        "glob.glob = lambda pattern: []\n"
+        "import tpu_kernels.binding as binding\n"
+        "print(jax.config.jax_platforms)\n"
+        "jax.config.update('jax_platforms', 'tpu,cpu')\n"
+        "glob.glob = lambda pattern: ['/dev/accel0'] if pattern.startswith('/dev/accel') else []\n"
+        "binding._use_cpu_platform_off_tpu()\n"
+        "print(jax.config.jax_platforms)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["cpu", "tpu,cpu"]
 
 
 def _racy_kernel(x_hbm, out_ref, scratch, semaphore):
@@ -87,11 +212,60 @@ def racy(x: jax.Array) -> jax.Array:
     )(x)
 
 
+def clean(x: jax.Array) -> jax.Array:
+    return pl.pallas_call(_add, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x, x)
+
+
+def racy_then_clean(x: jax.Array) -> jax.Array:
+    return clean(racy(x))
+
+
+def test_our_test_runs_detect_races():
+    """pyproject.toml's pytest settings turn race detection on (see also test_testing.py)."""
+    assert os.environ.get(binding.RACE_DETECTION_ENV) == "1"
+    assert binding.interpret_params().detect_races
+
+
 def test_race_detection_raises(monkeypatch):
     op = jax_torch_op("tk_test_race::racy")(racy)
     monkeypatch.setenv(binding.RACE_DETECTION_ENV, "1")
     with pytest.raises(RuntimeError, match="data race"):
         op(torch.randn(8, 128))
+
+
+def test_race_in_an_earlier_kernel_of_an_op_is_reported(monkeypatch):
+    """The interpreter keeps only the last kernel's race state; the binding looks at each kernel's."""
+    op = jax_torch_op("tk_test_race_first::racy_then_clean")(racy_then_clean)
+    monkeypatch.setenv(binding.RACE_DETECTION_ENV, "1")
+    with pytest.raises(RuntimeError, match="data race"):
+        op(torch.randn(8, 128))
+
+
+def test_a_race_is_not_blamed_on_the_next_op(monkeypatch):
+    racy_op = jax_torch_op("tk_test_race_stale::racy")(racy)
+    clean_op = jax_torch_op("tk_test_race_stale::clean")(clean)
+    monkeypatch.setenv(binding.RACE_DETECTION_ENV, "1")
+    with pytest.raises(RuntimeError, match="data race"):
+        racy_op(torch.randn(8, 128))
+    x = torch.randn(8, 128)
+    torch.testing.assert_close(clean_op(x), x + x)
+
+
+def test_uninitialised_memory_reads_as_nan(monkeypatch):
+    def _reads_scratch_only(x_ref, out_ref, scratch):
+        out_ref[...] = scratch[...] + x_ref[...]
+
+    def reads_garbage(x: jax.Array) -> jax.Array:
+        return pl.pallas_call(
+            _reads_scratch_only,
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            scratch_shapes=[pltpu.VMEM(x.shape, x.dtype)],
+        )(x)
+
+    op = jax_torch_op("tk_test_nan::reads_garbage")(reads_garbage)
+    for races in ("0", "1"):
+        monkeypatch.setenv(binding.RACE_DETECTION_ENV, races)
+        assert np.isnan(op(torch.randn(8, 128)).numpy()).all()
 
 
 def test_unsupported_annotation_is_refused():
@@ -108,3 +282,11 @@ def test_missing_annotation_is_refused():
 
     with pytest.raises(TypeError, match="needs a type annotation"):
         jax_torch_op("tk_test_bad2::bad")(bad)
+
+
+def test_variadic_parameters_are_refused():
+    def bad(*xs: jax.Array) -> jax.Array:
+        return xs[0]
+
+    with pytest.raises(TypeError, match="no torch schema"):
+        jax_torch_op("tk_test_bad3::bad")(bad)

@@ -1,6 +1,8 @@
 """The builder: Hub kernel layout, metadata kernels accepts, digests, reproducibility, namespaces."""
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import kernels
@@ -10,7 +12,9 @@ from kernels._rust import Digest, DigestAlgorithm, DigestValidationError, Metada
 
 from tpu_kernels.builder import KernelSource, build_kernel_repo
 
-REPO = Path(__file__).resolve().parents[1] / "kernel_repos" / "ragged-dot-tpu"
+from .conftest import REPO_ROOT
+
+REPO = REPO_ROOT / "kernel_repos" / "ragged-dot-tpu"
 
 
 def _tree_bytes(root: Path) -> dict[str, bytes]:
@@ -29,11 +33,12 @@ def test_layout_and_metadata(built):
         variant = built / "build" / f"torch-{backend}"
         metadata = Metadata.read_from_file(variant / "metadata.json")
         assert metadata.name.python_name == "ragged_dot_tpu" and metadata.version == 1
-        assert str(metadata.backend.backend_type) in ("cpu", "tpu", "Backend.CPU", "Backend.TPU")
+        assert str(metadata.backend.backend_type) == backend
         assert metadata.python_depends == []
         # Every file is covered by the digest, and the digest matches the files.
         metadata.digest.validate(Digest.hash_variant(DigestAlgorithm.SHA256, variant))
         assert {"__init__.py", "_ops.py", "_binding.py", "kernel.py"} <= set(metadata.digest.files)
+        assert (variant / "_binding.py").read_bytes() == (REPO_ROOT / "tpu_kernels" / "binding.py").read_bytes()
         ids.add(metadata.id)
     assert len(ids) == 2, "each variant has its own op namespace"
 
@@ -74,3 +79,11 @@ def test_two_builds_of_different_sources_load_side_by_side(built, tmp_path):
 def test_not_a_kernel_repo_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="no build.toml"):
         KernelSource.open(tmp_path)
+
+
+def test_builder_finds_the_binding_without_importing_it():
+    """Importing the binding loads jax and torch and may switch jax to the CPU platform."""
+    code = "import sys, tpu_kernels.builder; print([m for m in ('jax', 'torch', 'tpu_kernels.binding') if m in sys.modules])"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"

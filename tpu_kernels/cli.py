@@ -25,7 +25,9 @@ def _run_repo_tests(repo: Path, built: Path) -> int:
         print(f"{repo}: no tests/ folder", file=sys.stderr)
         return 1
     env = dict(os.environ, TPU_KERNELS_BUILT=str(built), JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    return subprocess.call([sys.executable, "-m", "pytest", str(tests), "-q"], env=env)
+    return subprocess.call(
+        [sys.executable, "-m", "pytest", str(tests), "-q", "-o", "tpu_kernels_detect_races=true"], env=env
+    )
 
 
 def _check(args) -> int:

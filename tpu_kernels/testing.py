@@ -3,8 +3,12 @@
 A kernel repo's tests run against its *built* torch-cpu variant, loaded with
 the unmodified `kernels.get_local_kernel`, as a user would load it. The
 variant is built once per session into a temp dir, or taken from
-TPU_KERNELS_BUILT (set by `tpu-kernels check`). Race detection of the TPU
-interpreter is on for the whole session.
+TPU_KERNELS_BUILT (set by `tpu-kernels check`).
+
+Race detection of the TPU interpreter is on for a session whose pytest
+configuration says `tpu_kernels_detect_races = true` (this project's
+pyproject.toml does; `tpu-kernels check` passes it on the command line).
+Installing the package changes no other project's test runs.
 """
 
 from __future__ import annotations
@@ -14,13 +18,19 @@ from pathlib import Path
 
 import pytest
 
-from .binding import RACE_DETECTION_ENV
-
 BUILT_ENV = "TPU_KERNELS_BUILT"
+DETECT_RACES_INI = "tpu_kernels_detect_races"
+
+
+def pytest_addoption(parser):
+    parser.addini(DETECT_RACES_INI, "run Pallas kernels in interpret mode with race detection", type="bool", default=False)
 
 
 def pytest_configure(config):
-    os.environ[RACE_DETECTION_ENV] = "1"
+    if config.getini(DETECT_RACES_INI):
+        from .binding import RACE_DETECTION_ENV
+
+        os.environ[RACE_DETECTION_ENV] = "1"
 
 
 def kernel_repo_of(path: Path) -> Path | None:

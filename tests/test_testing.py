@@ -1,0 +1,29 @@
+"""The pytest plugin (tpu_kernels.testing) turns race detection on only where pytest's configuration asks."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import REPO_ROOT
+
+RACE_DETECTION_ENV = "TPU_KERNELS_DETECT_RACES"
+
+
+@pytest.mark.parametrize(("options", "expected"), [((), "None"), (("-o", "tpu_kernels_detect_races=true"), "'1'")])
+def test_race_detection_follows_the_pytest_configuration(tmp_path, options, expected):
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_env.py").write_text(
+        "import os\n\n"
+        "def test_env():\n"
+        f"    print('detect races:', repr(os.environ.get({RACE_DETECTION_ENV!r})))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != RACE_DETECTION_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-s", "-q", "-p", "no:cacheprovider", *options, "test_env.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"detect races: {expected}" in result.stdout
