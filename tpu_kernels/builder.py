@@ -21,9 +21,10 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels._rust import Build, Digest, DigestAlgorithm, Metadata
+from kernels._rust import Build, Metadata
 
 from . import binding
+from .digest import digest_field
 
 BINDING_SOURCE = Path(binding.__file__)
 SOURCE_HASH_CHARS = 10
@@ -119,7 +120,6 @@ def _write_variant(source: KernelSource, backend: str, variant_dir: Path, hash_:
     namespace = f"_{source.python_name}_{backend}_{hash_}"
     (variant_dir / "_binding.py").write_bytes(BINDING_SOURCE.read_bytes())
     (variant_dir / "_ops.py").write_text(_ops_module(namespace))
-    digest = Digest.hash_variant(DigestAlgorithm.SHA256, variant_dir)
     metadata = {
         "name": source.name,
         "id": namespace,
@@ -128,7 +128,7 @@ def _write_variant(source: KernelSource, backend: str, variant_dir: Path, hash_:
         # jax and torch_tpu are outside kernels' curated dependency list; the card states them.
         "python-depends": [],
         "backend": {"type": backend},
-        "digest": {"algorithm": "sha256", "files": digest.files},
+        "digest": digest_field(variant_dir),
     }
     metadata_path = variant_dir / "metadata.json"
     metadata_path.write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
