@@ -88,11 +88,13 @@ def verify_variant(
         metadata_blob_id: the Hub's blob id (or LFS sha256) of this metadata.json, when the
             caller asked the Hub; metadata.json must link to exactly that blob.
     """
-    variant = Path(variant)
+    # Absolute, unresolved: the cache's relative links are read against these paths.
+    variant = Path(os.path.abspath(variant))
+    blobs = Path(os.path.abspath(blobs)) if blobs is not None else None
     where = source or str(variant)
     metadata_path = variant / METADATA_FILE
     if blobs is not None:
-        _check_cache_layout(variant, Path(blobs), where)
+        _check_cache_layout(variant, blobs, where)
     metadata_bytes = _read_metadata(metadata_path, where, blobs, metadata_blob_id)
     try:
         digest = json.loads(metadata_bytes).get("digest")

@@ -331,8 +331,9 @@ def _read_ref(path: Path) -> str | None:
 def verify_variant(variant_path: Path, *, source: str | None = None) -> None:
     """Check a variant folder against its metadata.json's digest (`tpu_kernels.digest`); KernelIntegrityError if not.
 
-    A variant in the download cache is checked as a cache snapshot (file links into the
-    repo's `blobs/`, metadata.json against its blob id), any other folder as a plain one.
+    A variant of a Hub cache snapshot (`<repo folder>/snapshots/<commit>/build/<variant>`) is
+    checked as one (file links into the repo's `blobs/`, metadata.json against its blob id),
+    any other folder as a plain one (no link at all).
     """
     _verify_digest(Path(variant_path), source=source, blobs=_cache_blobs(Path(variant_path)))
 
@@ -353,7 +354,7 @@ def _verify_tree(tree: DepTreeNode[LocalKernel], api: HfApi | None) -> None:
             remedy = f"Download it again: tpu_kernels.get_kernel({origin.repo_id!r}, ..., force_download=True)."
             if blobs is None:
                 raise KernelIntegrityError(
-                    f"Refusing to import {source}: it was not downloaded into the cache {_download_cache()}",
+                    f"Refusing to import {source}: {kernel.variant_path} is not in a Hub cache snapshot",
                     [kernel.variant_path],
                 )
             metadata_blob_id = _hub_metadata_blob_id(api, origin.repo_id, kernel)
@@ -386,16 +387,20 @@ def _download_cache() -> Path:
 
 
 def _cache_blobs(variant_path: Path) -> Path | None:
-    """`<cache>/<repo folder>/blobs` if `variant_path` lies in the download cache, else None.
+    """`<repo folder>/blobs` if `variant_path` is a variant of a Hub cache snapshot, else None.
 
-    Decided from the path as written (huggingface_hub writes it from the resolved cache
-    folder), never by following links inside the cache.
+    Read from the path as written (`<repo folder>/snapshots/<commit>/build/<variant>`), never
+    by following links; `verify_variant` then refuses linked folders on that way.
     """
     path = Path(os.path.abspath(variant_path))
-    cache = _download_cache()
-    if not path.is_relative_to(cache) or path == cache:
-        return None
-    return cache / path.relative_to(cache).parts[0] / "blobs"
+    if (
+        len(path.parents) > 3
+        and path.parent.name == "build"
+        and REGEX_COMMIT_HASH.fullmatch(path.parents[1].name)
+        and path.parents[2].name == "snapshots"
+    ):
+        return path.parents[3] / "blobs"
+    return None
 
 
 def _remove_bytecode(variant_path: Path) -> None:
