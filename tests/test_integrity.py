@@ -448,7 +448,6 @@ def test_rmsnorm_from_the_hub_cache_is_replaced(hub, client, tmp_path, tiny_mode
     assert entry.source == f"{repo}@1" and len(entry.modules) == 9
     modules = dict(model.named_modules())
     assert all(modules[name].forward.__func__.__module__.startswith("_rmsnorm_tpu_cpu_") for name in entry.modules)
-    assert str(client.resolve()) in sys.modules[modules[entry.modules[0]].forward.__func__.__module__].__file__
     assert (ours - eager).abs().max().item() <= 1e-4
 
 
