@@ -48,18 +48,26 @@ def loopback_only(monkeypatch, tmp_path):
     monkeypatch.setattr(constants, "AGENT_HARNESSES_PATH", str(registry))
 
 
-def make_build(root: Path, answer: int, *, version: int = 1, backends=("cpu", "tpu"), name="answer") -> Path:
-    """A built kernel in the layout of `tpu-kernels build`: `answer()` returns `answer`."""
+def make_build(
+    root: Path, answer: int, *, version: int = 1, backends=("cpu", "tpu"), name="answer", extra: str | None = None,
+    digest: bool = True,
+) -> Path:
+    """A built kernel in the layout of `tpu-kernels build`: `answer()` returns `answer`.
+
+    `extra` adds a module of that name to each variant (builds with different file sets);
+    `digest=False` leaves the digest out of metadata.json.
+    """
     build = root / f"{name}-{answer}-{uuid.uuid4().hex[:6]}" / name
     (build / "benchmarks").mkdir(parents=True)
-    (build / "README.md").write_text(f"---\nlicense: apache-2.0\ntags: [kernels]\n---\n# {name}\n")
+    (build / "README.md").write_text(f"---\nlicense: apache-2.0\ntags: [kernels]\n---\n# {name} answering {answer}\n")
     (build / "benchmarks" / "benchmark_answer.py").write_text("ROUNDS = 3\n")
     for backend in backends:
         variant = build / "build" / f"torch-{backend}"
         variant.mkdir(parents=True)
         (variant / "_value.py").write_text(f"VALUE = {answer}\n")
         (variant / "__init__.py").write_text("from ._value import VALUE\n\n\ndef answer():\n    return VALUE\n")
-        digest = Digest.hash_variant(DigestAlgorithm.SHA256, variant)
+        if extra is not None:
+            (variant / f"_{extra}.py").write_text(f"NAME = {extra!r}\n")
         metadata = {
             "name": name,
             "id": f"_{name}_{backend}_{uuid.uuid4().hex[:10]}",
@@ -67,8 +75,9 @@ def make_build(root: Path, answer: int, *, version: int = 1, backends=("cpu", "t
             "license": "apache-2.0",
             "python-depends": [],
             "backend": {"type": backend},
-            "digest": {"algorithm": "sha256", "files": digest.files},
         }
+        if digest:
+            metadata["digest"] = {"algorithm": "sha256", "files": Digest.hash_variant(DigestAlgorithm.SHA256, variant).files}
         (variant / "metadata.json").write_text(json.dumps(metadata))
     return build
 

@@ -1,16 +1,21 @@
-"""tpu-kernels: Pallas TPU kernels as Hub kernels that PyTorch loads in one line."""
+"""tpu-kernels: Pallas TPU kernels as Hub kernels that PyTorch loads in one line.
 
+`import tpu_kernels` loads none of jax, torch_tpu, kernels or huggingface_hub:
+the Hub server needs none of them, and huggingface_hub reads HF_ENDPOINT & co.
+when first imported. They load with the first call that needs them.
+"""
+
+from .digest import KernelIntegrityError
 from .kernelize import kernelize
+
+_LOADER_NAMES = ("get_kernel", "get_locked_kernel", "load_kernel")
 
 
 def __getattr__(name):
-    # jax (binding) and huggingface_hub (loader) load only when asked for: the
-    # Hub server needs neither, and huggingface_hub reads HF_ENDPOINT & co. when
-    # first imported.
-    if name == "get_kernel":
-        from .loader import get_kernel
+    if name in _LOADER_NAMES:
+        from . import loader
 
-        return get_kernel
+        return getattr(loader, name)
     if name == "jax_torch_op":
         from .binding import jax_torch_op
 
@@ -18,4 +23,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'tpu_kernels' has no attribute {name!r}")
 
 
-__all__ = ["get_kernel", "jax_torch_op", "kernelize"]
+__all__ = ["KernelIntegrityError", "get_kernel", "get_locked_kernel", "jax_torch_op", "kernelize", "load_kernel"]

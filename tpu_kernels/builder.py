@@ -21,7 +21,9 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels._rust import Build, Digest, DigestAlgorithm, Metadata
+from kernels._rust import Build, Metadata
+
+from .digest import digest_field
 
 # Shared modules copied into every build, {name in the build: source file}: a
 # built kernel cannot import tpu_kernels. Found by path, not imported: importing
@@ -122,7 +124,6 @@ def _write_variant(source: KernelSource, backend: str, variant_dir: Path, hash_:
     for name, path in SHIPPED_MODULES.items():
         (variant_dir / name).write_bytes(path.read_bytes())
     (variant_dir / "_ops.py").write_text(_ops_module(namespace))
-    digest = Digest.hash_variant(DigestAlgorithm.SHA256, variant_dir)
     metadata = {
         "name": source.name,
         "id": namespace,
@@ -131,7 +132,7 @@ def _write_variant(source: KernelSource, backend: str, variant_dir: Path, hash_:
         # jax and torch_tpu are outside kernels' curated dependency list; the card states them.
         "python-depends": [],
         "backend": {"type": backend},
-        "digest": {"algorithm": "sha256", "files": digest.files},
+        "digest": digest_field(variant_dir),
     }
     metadata_path = variant_dir / "metadata.json"
     metadata_path.write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")

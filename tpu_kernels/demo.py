@@ -4,7 +4,8 @@ Default (no --hub): build the kernel repos, start a local Hub in a temp dir,
 publish the builds to it through huggingface_hub, then in a fresh process
 pointed at that Hub (HF_ENDPOINT is read when huggingface_hub is imported):
 `get_kernel`, a tiny Qwen3-MoE from config, greedy generation with and without
-`kernelize`, and a table. Exit code 0 only if the tokens are identical.
+`kernelize`, and a table. Exit code 0 only if every kind of layer (experts,
+RMSNorm, attention) was replaced and the tokens are identical.
 
 With `--hub URL --model ID --device tpu` the second half runs against a real
 Hub and checkpoint on a TPU VM.
@@ -88,11 +89,16 @@ def run_model_part(args) -> int:
         prompt = torch.randint(0, model.config.vocab_size, (args.batch, 8), generator=torch.Generator().manual_seed(0))
     eager_tokens, eager_seconds = _generate(model, prompt, args.new_tokens)
     kernelize(model, device=args.device, repos=dict(r.split("=", 1) for r in args.repo))
+    report = model.tpu_kernels_report
+    print(repr(report))
+    print()
+    kept = [entry.kind for entry in report.entries if not entry.replaced]
+    if kept:
+        print(f"FAILED: not replaced: {', '.join(kept)} (the demo asks for every kind)")
+        return 1
     ours_tokens, ours_seconds = _generate(model, prompt, args.new_tokens)
 
     identical = torch.equal(eager_tokens.cpu(), ours_tokens.cpu())
-    print(repr(model.tpu_kernels_report))
-    print()
     print(f"{'':<26}{'eager':>12}{'kernelized':>14}")
     print(f"{'ms per token':<26}{eager_seconds * 1e3:>12.1f}{ours_seconds * 1e3:>14.1f}")
     print(f"{'greedy tokens identical':<26}{'yes' if identical else 'NO':>26}")

@@ -19,19 +19,39 @@ Kinds of layer and how each is replaced:
   an unknown implementation no padding mask at all), then selected with
   `model.set_attn_implementation`.
 
-Whatever is not replaced keeps its original forward when `use_fallback`, and
-the returned model carries a report (`model.tpu_kernels_report`) of what was
+Kernels load through `tpu_kernels.get_kernel` (Hub) or `get_local_kernel` (a build
+folder), so every variant is checked against its digest before it runs. Fallback
+(`use_fallback=True`, the default) keeps a kind's original forward only when its
+kernel cannot serve it, for one of these reasons, which the report names:
+
+* the kernel has no build variant for this system;
+* the mode asks for what the kernel does not declare (backward for TRAINING,
+  `can_torch_compile` for TORCH_COMPILE);
+* the layers need what the kernel does not compute (attention sinks, a head_dim
+  it lacks, a norm it does not compute exactly).
+
+Anything else raises whatever `use_fallback` says: a tampered or unverifiable
+kernel (KernelIntegrityError), an untrusted publisher, a missing version or
+repo, a bad spec, a network error, an error inside the kernel's code. The
+returned model carries a report (`model.tpu_kernels_report`) of what was
 replaced, by which repo and version, and what was not and why.
+
+Importing this module imports neither `kernels` nor transformers: they load on
+the first call (`import tpu_kernels` stays light).
 """
 
 from __future__ import annotations
 
 import logging
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-from kernels import Mode, get_local_kernel
+if TYPE_CHECKING:
+    import torch
+    from kernels import Mode
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +83,10 @@ class KernelSpec:
         return cls(repo=repo, version=int(version), local_path=None)
 
     def load(self, backend: str, trust_remote_code: bool | list[str]) -> ModuleType:
+        from .loader import get_kernel, get_local_kernel
+
         if self.local_path is not None:
             return get_local_kernel(self.local_path, backend=backend)
-        from .loader import get_kernel
-
         return get_kernel(self.repo, version=self.version, backend=backend, trust_remote_code=trust_remote_code)
 
     def __str__(self) -> str:
@@ -106,6 +126,8 @@ def _model_device(model) -> str:
 
 def _supports(kernel_fn, mode: Mode) -> str | None:
     """Why `kernel_fn` cannot serve `mode`, or None if it can."""
+    from kernels import Mode
+
     if Mode.TRAINING in mode and not getattr(kernel_fn, "has_backward", False):
         return "the kernel has no backward (TRAINING)"
     if Mode.TORCH_COMPILE in mode and not getattr(kernel_fn, "can_torch_compile", False):
@@ -138,11 +160,27 @@ def _kernelize_experts(model, spec: KernelSpec, kernel: ModuleType, mode: Mode, 
     return ReportEntry("experts", True, modules, str(spec))
 
 
-def _kernelize_rmsnorm(model, spec: KernelSpec, kernel: ModuleType, mode: Mode, device: str) -> ReportEntry:
-    import types
+@dataclass(frozen=True)
+class LoadedLayerRepository:
+    """A kernels layer repository (its `RepositoryProtocol`) serving a layer of an already loaded kernel.
 
-    from kernels import LocalLayerRepository, use_kernel_mapping
+    kernels' own repositories load the kernel again, from the Hub or a path; this one
+    hands kernels' kernelize the module that was loaded and verified.
+    """
+
+    kernel: ModuleType
+    layer_name: str
+
+    def load(self) -> type:
+        return getattr(self.kernel.layers, self.layer_name)
+
+    def __str__(self) -> str:
+        return f"`{self.kernel.__name__}` (layer `{self.layer_name}`)"
+
+
+def _kernelize_rmsnorm(model, spec: KernelSpec, kernel: ModuleType, mode: Mode, device: str) -> ReportEntry:
     from kernels import kernelize as kernels_kernelize
+    from kernels import use_kernel_mapping
 
     # Which kernel layer computes each module's forward exactly; the kernel
     # decides by running the module's own forward on a small probe.
@@ -158,13 +196,10 @@ def _kernelize_rmsnorm(model, spec: KernelSpec, kernel: ModuleType, mode: Mode, 
         return ReportEntry("rmsnorm", False, tuple(matches), str(spec), "; ".join(sorted(unsupported)))
 
     # Layers transformers labels ("RMSNorm", "RMSNormZeroCentered") go through
-    # kernels' own kernelize, from the build we loaded (and verified):
-    # <repo>/build/torch-<backend>/__init__.py.
-    repo_root = Path(kernel.__file__).resolve().parents[2]
+    # kernels' own kernelize, served from the module we loaded (and verified).
     labelled = {n for n, (m, layer) in matches.items() if getattr(type(m), "kernel_layer_name", None) == layer}
     mapping = {
-        layer: {device: LocalLayerRepository(repo_path=repo_root, layer_name=layer)}
-        for layer in {matches[n][1] for n in labelled}
+        layer: {device: LoadedLayerRepository(kernel, layer)} for layer in {matches[n][1] for n in labelled}
     }
     if mapping:
         with use_kernel_mapping(mapping, inherit_mapping=False):
@@ -214,7 +249,7 @@ APPLIERS = {"experts": _kernelize_experts, "rmsnorm": _kernelize_rmsnorm, "atten
 def kernelize(
     model,
     *,
-    mode: Mode = Mode.INFERENCE,
+    mode: Mode | None = None,
     device: str | None = None,
     repos: dict[str, str | None] | None = None,
     trust_remote_code: bool | list[str] = False,
@@ -223,7 +258,7 @@ def kernelize(
     """Replace the model's layers with TPU kernels from the Hub; returns the model.
 
     Args:
-        mode: `kernels.Mode`; INFERENCE by default. A kernel serves TRAINING or
+        mode: `kernels.Mode`; None is Mode.INFERENCE. A kernel serves TRAINING or
             TORCH_COMPILE only where it declares support for them.
         device: "tpu" or "cpu"; the model's device when None. On TPU the
             torch-tpu variant is loaded, elsewhere torch-cpu (interpret mode:
@@ -231,9 +266,16 @@ def kernelize(
         repos: per kind ("experts", "rmsnorm", "attention"), `org/name@version`
             or a local build folder, overriding the defaults of our own org;
             None leaves that kind alone.
-        use_fallback: keep the original forward of what cannot be replaced
-            (the report says why) instead of raising.
+        use_fallback: keep the original forward of a kind whose kernel cannot serve it
+            (no build for this system, an unsupported mode or layer; the report says
+            which) instead of raising. Integrity, trust, loading and other errors
+            always raise.
     """
+    from kernels import Mode
+
+    from .loader import VariantNotFoundError
+
+    mode = Mode.INFERENCE if mode is None else mode
     unknown = set(repos or ()) - set(KINDS)
     if unknown:
         raise ValueError(f"unknown kernel kind(s) {sorted(unknown)}; known: {', '.join(KINDS)}")
@@ -245,13 +287,15 @@ def kernelize(
         if specs[kind] is None:
             report.entries.append(ReportEntry(kind, False, (), "-", "disabled (repos[kind] is None)"))
             continue
+        spec = KernelSpec.parse(specs[kind])
         try:
-            spec = KernelSpec.parse(specs[kind])
-            entry = APPLIERS[kind](model, spec, spec.load(backend, trust_remote_code), mode, backend)
-        except Exception as error:
+            kernel = spec.load(backend, trust_remote_code)
+        except VariantNotFoundError as error:
             if not use_fallback:
                 raise
-            entry = ReportEntry(kind, False, (), specs[kind], f"{type(error).__name__}: {error}")
+            entry = ReportEntry(kind, False, (), str(spec), f"the kernel has no build for this system: {error}")
+        else:
+            entry = APPLIERS[kind](model, spec, kernel, mode, backend)
         if not entry.replaced and entry.modules and not use_fallback:
             raise RuntimeError(f"kernelize: {kind} not replaced: {entry.reason}")
         report.entries.append(entry)
