@@ -3,7 +3,7 @@
 Routes (`{t}` is `kernels` or `models`; T: needs the token):
 
     GET  /api/whoami-v2                              T
-    POST /api/repos/create                           T  (private=True: the repo is invisible without the token)
+    POST /api/repos/create                           T  (a private repo is invisible without the token)
     POST /api/validate-yaml                          T  README front matter check (huggingface_hub sends the token)
     GET  /api/agent-harnesses                           empty registry (huggingface_hub telemetry)
     GET  /api/organizations/{org}/overview              trustedKernelPublisher
@@ -390,7 +390,12 @@ class HubApp:
         repo_type = validate_repo_type(_field(payload, "type", (str, type(None))) or "model")
         namespace = _field(payload, "organization", (str, type(None))) or USER_NAME
         repo_id = f"{namespace}/{_field(payload, 'name', str)}"
-        private = bool(_field(payload, "private", (bool, type(None))))
+        # huggingface_hub 2.x sends "visibility"; older clients and curl users send "private".
+        visibility = _field(payload, "visibility", (str, type(None)))
+        if visibility not in (None, "public", "private"):
+            raise HubError(400, f"Invalid field 'visibility': expected 'public' or 'private', got {visibility[:40]!r}")
+        private_flag = _field(payload, "private", (bool, type(None)))
+        private = visibility == "private" if visibility is not None else bool(private_flag)
         validate_repo_id(repo_id)
         url = self._repo_url(request, repo_type, repo_id)
         try:
