@@ -5,7 +5,7 @@ with the server's default limits, as deployed:
 
     empty_token      TPU_KERNELS_HUB_TOKEN= : the banner's access line; an anonymous repo creation
     connections      620 connections (half idle, half with half-sent headers): open after 15 s,
-                     server threads; a GET's latency meanwhile
+                     server threads; a GET meanwhile (503 beyond the connection cap) and after
     short_body       Content-Length 100 with a 10-byte body: seconds until answered (40 s cap)
     parsing          malformed and conflicting Content-Length: status, or "dropped"; tracebacks logged
     validate_yaml    anonymous 0.4 MB README: status, server CPU seconds, peak RSS growth
@@ -172,19 +172,26 @@ def connections(code: Path, work: Path) -> dict:
         status, _ = request(srv, "GET", f"/api/kernels/{REPO}/refs", timeout=30)
         latency_ms = (time.perf_counter() - start) * 1000
         time.sleep(14)
-        still_open = 0
+        still_open = sum(_is_open(sock) for sock in held)
         for sock in held:
-            sock.setblocking(False)
-            try:
-                still_open += sock.recv(65536, socket.MSG_PEEK) != b""
-            except BlockingIOError:
-                still_open += 1
-            except ConnectionResetError:
-                pass
             sock.close()
+        status_after, _ = request(srv, "GET", f"/api/kernels/{REPO}/refs", timeout=30)
         return {"connections": 620, "still_open_after_15_s": still_open, "server_threads_before": threads_before,
                 "server_threads_while_held": threads_held, "get_status_while_held": status,
-                "get_ms_while_held": round(latency_ms, 1)}
+                "get_ms_while_held": round(latency_ms, 1), "get_status_after_15_s": status_after}
+
+
+def _is_open(sock: socket.socket) -> bool:
+    """Whether the server still holds the connection (whatever it sent before is drained)."""
+    sock.setblocking(False)
+    try:
+        while sock.recv(65536):
+            pass
+        return False
+    except BlockingIOError:
+        return True
+    except ConnectionResetError:
+        return False
 
 
 def short_body(code: Path, work: Path) -> dict:

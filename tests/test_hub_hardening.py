@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -42,9 +43,10 @@ def loopback_only(monkeypatch, tmp_path):
     monkeypatch.setattr(constants, "AGENT_HARNESSES_PATH", str(registry))
 
 
-@pytest.fixture
-def hub(tmp_path):
-    with start_hub(tmp_path / "hub", token=TOKEN, limits=FAST) as running:
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """One server for the module (each test works in repos of its own): starting one per test costs more."""
+    with start_hub(tmp_path_factory.mktemp("shared") / "hub", token=TOKEN, limits=FAST) as running:
         yield running
 
 
@@ -53,12 +55,17 @@ def api(hub):
     return HfApi(endpoint=hub.url, token=TOKEN)
 
 
+_repo_names = itertools.count()
+
+
 @pytest.fixture
-def repo(api, hub):
-    """A kernel repo whose main holds README.md and c/d.txt; yields its head commit id."""
-    api.create_repo(REPO, repo_type="kernel")
-    return api.create_commit(REPO, repo_type="kernel", commit_message="seed",
-                             operations=[add("README.md", b"# card\n"), add("c/d.txt", b"d")]).oid
+def repo(api) -> str:
+    """A new kernel repo whose main holds README.md and c/d.txt; its id."""
+    repo_id = f"org/kernel-{next(_repo_names)}"
+    api.create_repo(repo_id, repo_type="kernel")
+    api.create_commit(repo_id, repo_type="kernel", commit_message="seed",
+                      operations=[add("README.md", b"# card\n"), add("c/d.txt", b"d")])
+    return repo_id
 
 
 def add(path: str, content: bytes) -> CommitOperationAdd:
@@ -142,11 +149,11 @@ def file_line(path: str, content: bytes) -> dict:
     return {"key": "file", "value": {"content": base64.b64encode(content).decode(), "path": path, "encoding": "base64"}}
 
 
-def stored_state(hub) -> tuple:
+def stored_state(hub, repo_id: str) -> tuple:
     """Everything a failed request must leave as it was: refs, commits, blobs, and an empty staging area."""
     root = hub.storage.root
     files = sorted(str(path.relative_to(root)) for path in root.rglob("*") if path.is_file())
-    return files, (root / "repos/kernel/org/kernel-h/refs.json").read_bytes()
+    return files, (root / "repos" / "kernel" / repo_id / "refs.json").read_bytes()
 
 
 # -- 1. token semantics --------------------------------------------------------------------------
@@ -217,15 +224,15 @@ def test_a_kept_alive_connection_idle_after_a_response_is_closed(hub):
 
 
 def test_a_body_shorter_than_its_content_length_is_a_408_not_a_hang(hub, repo):
-    before = stored_state(hub)
+    before = stored_state(hub, repo)
     body = ndjson(HEADER)
     with connect(hub.url) as sock:
-        sock.sendall(b"POST /api/kernels/org/kernel-h/commit/main HTTP/1.1\r\nHost: a\r\n"
+        sock.sendall(b"POST /api/kernels/" + repo.encode() + b"/commit/main HTTP/1.1\r\nHost: a\r\n"
                      b"Authorization: Bearer " + TOKEN.encode() + b"\r\nContent-Length: %d\r\n\r\n" % (len(body) + 100)
                      + body)
         received, elapsed = read_until_closed(sock)
     assert status_of(received) == 408 and b"stalled" in received and elapsed < FAST.body_timeout + 2
-    assert stored_state(hub) == before
+    assert stored_state(hub, repo) == before
 
 
 def test_hundreds_of_idle_and_half_sent_connections_are_all_closed_and_the_server_keeps_serving(tmp_path):
@@ -321,8 +328,8 @@ def test_validate_yaml_needs_the_token_and_bounds_the_front_matter(hub, api):
     status, _, _ = http("POST", f"{hub.url}/api/validate-yaml", json.dumps({"content": 3}).encode(), token=TOKEN)
     assert status == 400
     # The client's own check still works.
-    api.create_repo(REPO, repo_type="kernel")
-    api.create_commit(REPO, repo_type="kernel", commit_message="card",
+    api.create_repo("org/with-card", repo_type="kernel")
+    api.create_commit("org/with-card", repo_type="kernel", commit_message="card",
                       operations=[add("README.md", b"---\nlicense: apache-2.0\n---\n# card\n")])
 
 
@@ -435,19 +442,19 @@ MALFORMED_COMMITS = {
 @pytest.mark.parametrize("case", MALFORMED_COMMITS, ids=list(MALFORMED_COMMITS))
 def test_malformed_commit_lines_are_400_naming_the_field_and_change_nothing(hub, repo, case):
     body, field = MALFORMED_COMMITS[case]
-    before = stored_state(hub)
-    status, headers, answer = http("POST", f"{hub.url}/api/kernels/{REPO}/commit/main", body, token=TOKEN,
+    before = stored_state(hub, repo)
+    status, headers, answer = http("POST", f"{hub.url}/api/kernels/{repo}/commit/main", body, token=TOKEN,
                                    headers={"Content-Type": "application/x-ndjson"})
     assert status == 400, answer
     message = json.loads(answer)["error"]
     assert field in message and "Invalid commit payload" in message, message
     assert headers["X-Error-Message"]
-    assert stored_state(hub) == before
+    assert stored_state(hub, repo) == before
 
 
 @pytest.mark.parametrize("cursor", ["9" * 5000, "\u00b2", "-1", "1.5", "x"])
 def test_an_invalid_pagination_cursor_is_400(hub, repo, cursor):
-    status, _, body = http("GET", f"{hub.url}/api/kernels/{REPO}/commits/main?cursor={quote(cursor)}")
+    status, _, body = http("GET", f"{hub.url}/api/kernels/{repo}/commits/main?cursor={quote(cursor)}")
     assert status == 400 and b"cursor" in body
 
 
@@ -456,22 +463,22 @@ def test_an_invalid_pagination_cursor_is_400(hub, repo, cursor):
     ("/api/repos/create", {"name": "k", "organization": ["org"]}, "organization"),
     ("/api/repos/create", {"name": "k", "private": "yes"}, "private"),
     ("/api/repos/create", {"name": "k", "visibility": "protected"}, "visibility"),
-    (f"/api/kernels/{REPO}/preupload/main", {"files": {"path": "a"}}, "files"),
-    (f"/api/kernels/{REPO}/preupload/main", {"files": [{"path": 3}]}, "files[0].path"),
-    (f"/api/kernels/{REPO}/preupload/main", {"files": ["a"]}, "files[0]"),
-    (f"/api/kernels/{REPO}/branch/v2", {"startingPoint": 7}, "startingPoint"),
-    (f"/api/kernels/{REPO}/tag/main", {"tag": None}, "tag"),
+    ("/api/kernels/{repo}/preupload/main", {"files": {"path": "a"}}, "files"),
+    ("/api/kernels/{repo}/preupload/main", {"files": [{"path": 3}]}, "files[0].path"),
+    ("/api/kernels/{repo}/preupload/main", {"files": ["a"]}, "files[0]"),
+    ("/api/kernels/{repo}/branch/v2", {"startingPoint": 7}, "startingPoint"),
+    ("/api/kernels/{repo}/tag/main", {"tag": None}, "tag"),
 ])
 def test_malformed_json_fields_are_400_naming_the_field(hub, repo, path, payload, field):
-    before = stored_state(hub)
-    status, _, body = http("POST", hub.url + path, json.dumps(payload).encode(), token=TOKEN)
+    before = stored_state(hub, repo)
+    status, _, body = http("POST", hub.url + path.format(repo=repo), json.dumps(payload).encode(), token=TOKEN)
     assert status == 400 and field in json.loads(body)["error"], body
-    assert stored_state(hub) == before
+    assert stored_state(hub, repo) == before
 
 
 def test_non_utf8_json_and_form_bodies_are_400(hub, repo):
     assert http("POST", f"{hub.url}/api/repos/create", b'{"name": "\xff"}', token=TOKEN)[0] == 400
-    assert http("POST", f"{hub.url}/api/kernels/{REPO}/paths-info/main", b"paths=%ff")[0] == 400
+    assert http("POST", f"{hub.url}/api/kernels/{repo}/paths-info/main", b"paths=%ff")[0] == 400
 
 
 def test_escaped_base64_and_split_network_chunks_decode_exactly(hub, api, repo):
@@ -479,12 +486,12 @@ def test_escaped_base64_and_split_network_chunks_decode_exactly(hub, api, repo):
     encoded = base64.b64encode(content).decode().replace("/", "\\/")
     body = ndjson(HEADER, ('{"key": "file", "value": {"path": "e.bin", "content": "%s"}}' % encoded).encode())
     with connect(hub.url) as sock:
-        sock.sendall(b"POST /api/kernels/org/kernel-h/commit/main HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer "
+        sock.sendall(b"POST /api/kernels/" + repo.encode() + b"/commit/main HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer "
                      + TOKEN.encode() + b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
         for start in range(0, len(body), 997):  # odd pieces split escapes and base64 quads
             sock.sendall(body[start:start + 997])
         assert status_of(read_until_closed(sock)[0]) == 200
-    status, _, downloaded = http("GET", f"{hub.url}/kernels/{REPO}/resolve/main/e.bin")
+    status, _, downloaded = http("GET", f"{hub.url}/kernels/{repo}/resolve/main/e.bin")
     assert status == 200 and downloaded == content
 
 
@@ -496,16 +503,16 @@ def _wait_for_staging(hub, timeout: float = 10) -> None:
 
 
 def test_a_client_that_disconnects_mid_commit_leaves_nothing_staged(hub, repo):
-    before = stored_state(hub)
+    before = stored_state(hub, repo)
     body = ndjson(HEADER, file_line("big.bin", random.Random(2).randbytes(2 << 20)))
     with connect(hub.url) as sock:
-        sock.sendall(b"POST /api/kernels/org/kernel-h/commit/main HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer "
+        sock.sendall(b"POST /api/kernels/" + repo.encode() + b"/commit/main HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer "
                      + TOKEN.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:len(body) // 2])
         _wait_for_staging(hub)
     deadline = time.monotonic() + 10
-    while stored_state(hub) != before and time.monotonic() < deadline:
+    while stored_state(hub, repo) != before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert stored_state(hub) == before
+    assert stored_state(hub, repo) == before
 
 
 # -- 3f. file/folder clashes and ref names -------------------------------------------------------
@@ -518,22 +525,22 @@ def test_a_client_that_disconnects_mid_commit_leaves_nothing_staged(hub, repo):
     [("c/d.txt/e", b"below an existing file")],
 ], ids=["file-and-folder-in-one-commit", "folder-then-file", "file-over-a-folder", "folder-under-a-file"])
 def test_file_folder_clashes_are_400_and_the_branch_stays_downloadable(hub, api, repo, tmp_path, operations):
-    before = stored_state(hub)
+    before = stored_state(hub, repo)
     with pytest.raises(HfHubHTTPError) as error:
-        api.create_commit(REPO, repo_type="kernel", commit_message="clash",
+        api.create_commit(repo, repo_type="kernel", commit_message="clash",
                           operations=[add(path, content) for path, content in operations])
     assert error.value.response.status_code == 400 and "both a file and a folder" in str(error.value)
-    assert stored_state(hub) == before
-    snapshot = Path(api.snapshot_download(REPO, repo_type="kernel", cache_dir=tmp_path / "cache"))
+    assert stored_state(hub, repo) == before
+    snapshot = Path(api.snapshot_download(repo, repo_type="kernel", cache_dir=tmp_path / "cache"))
     assert (snapshot / "c" / "d.txt").read_bytes() == b"d"
 
 
 def test_replacing_a_folder_by_a_file_in_one_commit_is_fine(api, repo):
     from huggingface_hub import CommitOperationDelete
 
-    api.create_commit(REPO, repo_type="kernel", commit_message="folder to file",
+    api.create_commit(repo, repo_type="kernel", commit_message="folder to file",
                       operations=[CommitOperationDelete("c/"), add("c", b"now a file")])
-    assert set(api.list_repo_files(REPO, repo_type="kernel")) == {"README.md", "c"}
+    assert set(api.list_repo_files(repo, repo_type="kernel")) == {"README.md", "c"}
 
 
 BAD_REF_NAMES = ["a/./b", "a/.hidden", ".hidden", "a/b.lock", "x.lock", "a..b", "a//b", "a/", "/a", "a.", "-a",
@@ -543,22 +550,22 @@ BAD_REF_NAMES = ["a/./b", "a/.hidden", ".hidden", "a/b.lock", "x.lock", "a..b", 
 
 @pytest.mark.parametrize("name", BAD_REF_NAMES)
 def test_non_canonical_ref_names_are_400_and_refs_stay_unchanged(hub, repo, name):
-    before = stored_state(hub)
-    for path in (f"/api/kernels/{REPO}/branch/{quote(name, safe='')}", f"/api/kernels/{REPO}/tag/main"):
+    before = stored_state(hub, repo)
+    for path in (f"/api/kernels/{repo}/branch/{quote(name, safe='')}", f"/api/kernels/{repo}/tag/main"):
         status, _, body = http("POST", hub.url + path, json.dumps({"tag": name}).encode(), token=TOKEN)
         assert status == 400 and b"Invalid branch or tag name" in body, (path, body)
-    assert stored_state(hub) == before
+    assert stored_state(hub, repo) == before
 
 
 def test_canonical_ref_names_work_and_git_refuses_a_ref_below_another(api, repo):
     for name in ("v1", "release/1.0", "feature-x_y.z"):
-        api.create_branch(REPO, repo_type="kernel", branch=name)
-    api.create_tag(REPO, repo_type="kernel", tag="r/1")
+        api.create_branch(repo, repo_type="kernel", branch=name)
+    api.create_tag(repo, repo_type="kernel", tag="r/1")
     for branch in ("v1/x", "release"):
         with pytest.raises(HfHubHTTPError) as error:
-            api.create_branch(REPO, repo_type="kernel", branch=branch)
+            api.create_branch(repo, repo_type="kernel", branch=branch)
         assert error.value.response.status_code == 409
-    refs = api.list_repo_refs(REPO, repo_type="kernel")
+    refs = api.list_repo_refs(repo, repo_type="kernel")
     assert {b.name for b in refs.branches} == {"main", "v1", "release/1.0", "feature-x_y.z"}
 
 
@@ -569,7 +576,7 @@ def test_a_private_repo_is_invisible_without_the_token(hub, api, tmp_path):
     api.create_repo("secret-org/k", repo_type="kernel", private=True)
     api.create_commit("secret-org/k", repo_type="kernel", commit_message="c", operations=[add("a.txt", b"secret")])
     assert api.repo_info("secret-org/k", repo_type="kernel").private is True
-    assert api.whoami()["orgs"] == [{"type": "org", "name": "secret-org", "fullname": "secret-org"}]
+    assert {"type": "org", "name": "secret-org", "fullname": "secret-org"} in api.whoami()["orgs"]
     path = api.hf_hub_download("secret-org/k", "a.txt", repo_type="kernel", cache_dir=tmp_path / "c1")
     assert Path(path).read_bytes() == b"secret"
 
@@ -589,9 +596,9 @@ def test_a_private_repo_is_invisible_without_the_token(hub, api, tmp_path):
 
 
 def test_public_repos_say_so_and_the_legacy_private_field_works(hub, api):
-    api.create_repo(REPO, repo_type="kernel")
+    api.create_repo("org/public", repo_type="kernel")
     api.create_repo("org/public-too", repo_type="kernel", private=False)
-    assert api.repo_info(REPO, repo_type="kernel").private is False
+    assert api.repo_info("org/public", repo_type="kernel").private is False
     assert HfApi(endpoint=hub.url, token=False).repo_info("org/public-too", repo_type="kernel").private is False
     status, _, _ = http("POST", f"{hub.url}/api/repos/create", token=TOKEN,
                         body=json.dumps({"name": "legacy", "organization": "org", "type": "kernel", "private": True}).encode())

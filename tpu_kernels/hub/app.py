@@ -66,6 +66,7 @@ from .storage import (
 
 PAGE_SIZE = 1000
 MAX_CURSOR_DIGITS = 15
+DOWNLOAD_CHUNK_BYTES = 1 << 20
 USER_NAME = "local"
 STATS_PATH = "/api/tpu-kernels/stats"
 INVALID_CREDENTIALS = "Invalid credentials in Authorization header"
@@ -575,7 +576,7 @@ class HubApp:
         stat = os.stat(blob)
         if stat.st_size != entry.size:
             raise HubError(500, f"The stored content of {path} does not have its recorded size")
-        return FileResponse(
+        response = FileResponse(
             blob,
             stat_result=stat,
             media_type="application/octet-stream",
@@ -585,6 +586,9 @@ class HubApp:
                 "Content-Disposition": f"inline; filename*=UTF-8''{quote(Path(path).name)}",
             },
         )
+        # Each chunk is a hop to a worker thread and back: 1 MiB ones double the rate of the default 64 KiB.
+        response.chunk_size = DOWNLOAD_CHUNK_BYTES
+        return response
 
 
 def _parents(path: str):

@@ -33,7 +33,6 @@ MAX_SCALAR_BYTES = 64
 MAX_OPERATIONS = 25_000
 
 _CONTENT_FIELD = "value.content"
-_STRING_STOP = re.compile(rb'["\\]')
 _SCALAR_BYTES = frozenset(b"-+.0123456789eEtruefalsn")
 _LINE_SPACE = frozenset(b" \t\r")
 _BASE64_ALPHABET = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=")
@@ -241,15 +240,18 @@ class _LineReader:
         while True:
             if not self._available():
                 raise self.error(field, "the body ends inside a string")
-            stop = _STRING_STOP.search(self._buffer, self._position)
-            end = stop.start() if stop else len(self._buffer)
+            # bytes.find is memchr; a regex character class scans ~20x slower. The backslash search
+            # stops at the quote, so each byte of the line is scanned a bounded number of times.
+            quote = self._buffer.find(b'"', self._position)
+            backslash = self._buffer.find(b"\\", self._position, len(self._buffer) if quote < 0 else quote)
+            end = backslash if backslash >= 0 else quote if quote >= 0 else len(self._buffer)
             if end > self._position:
                 yield memoryview(self._buffer)[self._position:end]
                 self._position = end
-            if stop is None:
+            if end == len(self._buffer):
                 continue
             self._position += 1
-            if self._buffer[end] == ord('"'):
+            if end == quote:
                 return
             escape = self._take(field, 1)
             yield b"\\" + escape + (self._take(field, 4) if escape == b"u" else b"")
