@@ -12,7 +12,7 @@ with the server's default limits, as deployed:
     commit_memory    one-file commits of 64 and 256 MiB: server peak RSS (VmHWM) growth over an
                      8 MiB warm-up commit, upload rate
     malformed        malformed commit lines and a huge cursor: statuses
-    clash            one commit adding `c` and `c/d`: status; can the branch still be downloaded
+    clash            one commit adding `c` and `c/d`: status; does a snapshot hold every file of the branch
     ref_names        branches `a/./b`, `a/.hidden`: statuses
     private          create_repo(private=True), then an anonymous repo_info: status
     latency          1000 GETs of /refs on one kept-alive connection: median and p99 ms;
@@ -280,17 +280,20 @@ def malformed(code: Path, work: Path) -> dict:
 
 
 def clash(code: Path, work: Path) -> dict:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import HfApi, snapshot_download
 
     with server(code, work, "clash") as srv:
         create_repo(srv)
         status, _ = commit(srv, [HEADER, file_line("c", b"file"), file_line("c/d", b"below")])
+        branch_files = HfApi(endpoint=srv.url, token=False).list_repo_files(REPO, repo_type="kernel")
         try:
-            snapshot_download(REPO, repo_type="kernel", endpoint=srv.url, cache_dir=work / "clash-cache", token=False)
-            download = "ok"
+            snapshot = Path(snapshot_download(REPO, repo_type="kernel", endpoint=srv.url,
+                                              cache_dir=work / "clash-cache", token=False))
+            missing = [path for path in branch_files if not (snapshot / path).is_file()]
+            download = f"files missing: {missing}" if missing else "complete"
         except Exception as error:  # the figure: what a client gets
             download = type(error).__name__
-    return {"commit_status": status, "snapshot_download": download}
+    return {"commit_status": status, "branch_files": sorted(branch_files), "snapshot_download": download}
 
 
 def ref_names(code: Path, work: Path) -> dict:

@@ -476,8 +476,9 @@ def test_malformed_json_fields_are_400_naming_the_field(hub, repo, path, payload
     assert stored_state(hub, repo) == before
 
 
-def test_non_utf8_json_and_form_bodies_are_400(hub, repo):
-    assert http("POST", f"{hub.url}/api/repos/create", b'{"name": "\xff"}', token=TOKEN)[0] == 400
+def test_non_utf8_deeply_nested_or_non_object_json_and_bad_forms_are_400(hub, repo):
+    for body in (b'{"name": "\xff"}', b"[" * 200_000 + b"]" * 200_000, b'{"name": ' + b"9" * 5000 + b"}", b"[1]"):
+        assert http("POST", f"{hub.url}/api/repos/create", body, token=TOKEN)[0] == 400
     assert http("POST", f"{hub.url}/api/kernels/{repo}/paths-info/main", b"paths=%ff")[0] == 400
 
 

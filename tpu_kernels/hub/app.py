@@ -160,7 +160,7 @@ class HubRequest:
             data = json.loads(self.body or b"{}")
         except UnicodeDecodeError:
             raise HubError(400, "Invalid JSON body: not UTF-8") from None
-        except ValueError as error:
+        except (ValueError, RecursionError) as error:  # RecursionError: nested too deep for the decoder
             raise HubError(400, f"Invalid JSON body: {error}") from None
         if not isinstance(data, dict):
             raise HubError(400, "Invalid JSON body: expected an object")
@@ -227,10 +227,10 @@ class HubApp:
             route("organization", "GET", "/api/organizations/{org}/overview", self.organization),
             route("info", "GET HEAD", repo, self.info, choices=types),
             route("info", "GET HEAD", repo + "/revision/{revision}", self.info, choices=types),
-            route("tree", "GET", repo + "/tree/{revision}/{path*}", self.tree, choices=types),
+            route("tree", "GET HEAD", repo + "/tree/{revision}/{path*}", self.tree, choices=types),
             route("paths_info", "POST", repo + "/paths-info/{revision}", self.paths_info, choices=types),
-            route("refs", "GET", repo + "/refs", self.refs, choices=types),
-            route("commits", "GET", repo + "/commits/{revision}", self.commits, choices=types),
+            route("refs", "GET HEAD", repo + "/refs", self.refs, choices=types),
+            route("commits", "GET HEAD", repo + "/commits/{revision}", self.commits, choices=types),
             route("preupload", "POST", repo + "/preupload/{revision}", self.preupload, needs_token=True, choices=types),
             route("commit", "POST", repo + "/commit/{branch}", self.commit, needs_token=True, choices=types),
             route("branch", "POST", repo + "/branch/{branch}", self.create_branch, needs_token=True, choices=types),
