@@ -632,3 +632,32 @@ def test_concurrent_commits_beyond_the_upload_slots_all_land(tmp_path):
         assert not errors
         assert {f"u/{index}.bin" for index in range(5)} <= set(api.list_repo_files(REPO, repo_type="kernel"))
         assert not any((hub.storage.root / "tmp").iterdir())
+
+
+@pytest.mark.parametrize("piece", [1, 2, 3, 7, 64, 4096])
+def test_the_commit_reader_gives_what_json_loads_gives_however_the_body_is_split(tmp_path, piece):
+    from tpu_kernels.hub.commit_payload import read_commit_payload
+    from tpu_kernels.hub.storage import Storage
+
+    content = random.Random(piece).randbytes(3000)
+    encoded = base64.b64encode(content).decode()
+    lines = [
+        b'{"value": {"summary": "say \\"hi\\"\\n\\u00e9\\ud83d\\ude00", "description": null, "extra": [1, -2.5e3, true,'
+        b' {"k": []}]}, "key": "header"}',
+        b'  {"key":"file","value":{"content":"' + encoded.replace("/", "\\/").encode() + b'","path":"d\\u00e9/\\u0041.bin"}}\t',
+        b"",
+        b'{"key": "deletedFolder", "value": {"path": "old/"}}',
+    ]
+    body = b"\r\n".join(lines) + b"\n"
+    storage = Storage(tmp_path / "hub")
+    try:
+        pieces = iter([body[start:start + piece] for start in range(0, len(body), piece)])
+        payload = read_commit_payload(lambda: next(pieces, b""), storage)
+        assert payload.summary == 'say "hi"\né\U0001f600' and payload.description == ""
+        [added] = payload.additions
+        assert added.path == "dé/A.bin" and added.staged_at.read_bytes() == content
+        assert added.entry.sha256 == hashlib.sha256(content).hexdigest() and added.entry.size == len(content)
+        assert added.entry.git_oid == hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest()
+        assert [(d.path, d.is_folder) for d in payload.deletions] == [("old", True)]
+    finally:
+        storage.close()

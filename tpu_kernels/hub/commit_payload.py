@@ -34,7 +34,9 @@ MAX_OPERATIONS = 25_000
 
 _CONTENT_FIELD = "value.content"
 _SCALAR_BYTES = frozenset(b"-+.0123456789eEtruefalsn")
-_LINE_SPACE = frozenset(b" \t\r")
+# Whitespace inside a line, and between lines.
+_PAST_LINE_SPACE = re.compile(rb"[^ \t\r]")
+_PAST_SPACE = re.compile(rb"[^ \t\r\n]")
 _BASE64_ALPHABET = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=")
 _PARENT_COMMIT = re.compile(r"[0-9a-fA-F]{5,40}")
 _FORMAT = 'expected NDJSON lines {"key": ..., "value": {...}}, the header first'
@@ -129,9 +131,13 @@ class _LineReader:
             self._position += len(piece)
         return bytes(taken)
 
-    def _skip(self, space: frozenset) -> None:
-        while (byte := self._peek()) is not None and byte in space:
-            self._position += 1
+    def _skip(self, not_space: re.Pattern) -> None:
+        while self._available():
+            found = not_space.search(self._buffer, self._position)
+            if found:
+                self._position = found.start()
+                return
+            self._position = len(self._buffer)
 
     def _spend(self, field: str, count: int) -> None:
         self._budget -= count
@@ -142,13 +148,13 @@ class _LineReader:
 
     def next_line(self):
         """The next line's JSON value, or None at the end of the body."""
-        self._skip(_LINE_SPACE | {ord("\n")})
+        self._skip(_PAST_SPACE)
         if self._peek() is None:
             return None
         self.line += 1
         self._budget, self._values = MAX_LINE_BYTES, 0
         value = self._value("", 0)
-        self._skip(_LINE_SPACE)
+        self._skip(_PAST_LINE_SPACE)
         if self._peek() not in (None, ord("\n")):
             raise self.error("", "more than one JSON value on the line")
         return value
@@ -170,7 +176,7 @@ class _LineReader:
             raise self.error(field, f"more than {MAX_VALUES_PER_LINE} JSON values on one line")
         if depth > MAX_DEPTH:
             raise self.error(field, f"nested deeper than {MAX_DEPTH} levels")
-        self._skip(_LINE_SPACE)
+        self._skip(_PAST_LINE_SPACE)
         byte = self._peek()
         if byte is None or byte == ord("\n"):
             raise self.error(field, "the line ends where a value should start")
@@ -185,13 +191,13 @@ class _LineReader:
     def _members(self, field: str, closing: int):
         """Yields once per member of an object or array; consumes the separators and the closing bracket."""
         self._position += 1
-        self._skip(_LINE_SPACE)
+        self._skip(_PAST_LINE_SPACE)
         if self._peek() == closing:
             self._position += 1
             return
         while True:
             yield
-            self._skip(_LINE_SPACE)
+            self._skip(_PAST_LINE_SPACE)
             byte = self._peek()
             self._position += 1
             if byte == closing:
@@ -202,14 +208,14 @@ class _LineReader:
     def _object(self, field: str, depth: int) -> dict:
         result = {}
         for _ in self._members(field, ord("}")):
-            self._skip(_LINE_SPACE)
+            self._skip(_PAST_LINE_SPACE)
             if self._peek() != ord('"'):
                 raise self.error(field, "expected a quoted field name")
             key = self._string(field)
             child = f"{field}.{key}" if field else key
             if key in result:
                 raise self.error(child, "given twice")
-            self._skip(_LINE_SPACE)
+            self._skip(_PAST_LINE_SPACE)
             if self._peek() != ord(":"):
                 raise self.error(child, "expected ':' after the field name")
             self._position += 1
