@@ -4,6 +4,7 @@
 `start_hub(root)` runs it in a background thread of the calling process.
 """
 
+from .limits import Limits
 from .server import RunningHub, serve_main, start_hub
 
-__all__ = ["RunningHub", "serve_main", "start_hub"]
+__all__ = ["Limits", "RunningHub", "serve_main", "start_hub"]

@@ -4,7 +4,7 @@ Layout under the root folder:
 
     blobs/<sha256[:2]>/<sha256>           file contents, content-addressed, shared by all repos
     repos/<type>/<namespace>/<name>/
-        repo.json                           type and creation date
+        repo.json                           type, creation date, private flag
         commits/<commit id>.json            immutable commit objects (full file manifest)
         refs.json                           branches and tags -> commit ids
     tmp/                                    staging area, emptied when the server starts
@@ -22,8 +22,6 @@ unreferenced and invisible. Commits to one repo are serialised by a lock.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
 import fcntl
 import functools
@@ -48,7 +46,7 @@ MAX_PATH_CHARS = 1024
 MAX_REF_CHARS = 255
 
 _REPO_NAME_PART = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")
-_REF_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]*")
+_REF_CHARS = re.compile(r"[A-Za-z0-9._/-]+")
 _COMMIT_ID = re.compile(r"[0-9a-f]{40}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -112,23 +110,40 @@ def validate_path(path: str) -> str:
 
 
 def validate_ref_name(name: str) -> str:
-    """Branch and tag names: a conservative subset of git's rules."""
-    if (
-        not _REF_NAME.fullmatch(name)
-        or len(name) > MAX_REF_CHARS
-        or ".." in name
-        or "//" in name
-        or name.endswith(("/", ".", ".lock"))
-        or _COMMIT_ID.fullmatch(name)
-        or name.startswith("refs/")
-    ):
-        raise HubError(400, f"Invalid branch or tag name {name!r}")
+    """A branch or tag name: git's check-ref-format rules on a conservative character set.
+
+    Letters, digits, '.', '_', '-' and '/' only (so none of git's forbidden characters
+    `~^:?*[\\`, spaces, control characters or `@{`), starting with a letter or digit; no
+    empty, '.'-leading or '.lock'-ending component; no '..'; no trailing '.' or '/'. Also
+    refused: names that read as a commit id or a full ref (`refs/...`), and `HEAD`.
+    """
+    if not isinstance(name, str) or not name:
+        raise HubError(400, "Invalid branch or tag name: empty")
+    problem = None
+    components = name.split("/")
+    if len(name) > MAX_REF_CHARS:
+        problem = f"longer than {MAX_REF_CHARS} characters"
+    elif not _REF_CHARS.fullmatch(name):
+        problem = "only letters, digits, '.', '_', '-' and '/' are allowed"
+    elif not name[0].isalnum():
+        problem = "it must start with a letter or digit"
+    elif any(not component for component in components):
+        problem = "empty component ('//' or a trailing '/')"
+    elif any(component.startswith(".") for component in components):
+        problem = "a component starts with '.'"
+    elif any(component.endswith(".lock") for component in components):
+        problem = "a component ends with '.lock'"
+    elif ".." in name:
+        problem = "'..' is not allowed"
+    elif name.endswith("."):
+        problem = "it ends with '.'"
+    elif _COMMIT_ID.fullmatch(name):
+        problem = "it reads as a commit id"
+    elif components[0] == "refs" or name == "HEAD":
+        problem = "'HEAD' and names under 'refs/' are reserved"
+    if problem:
+        raise HubError(400, f"Invalid branch or tag name {name!r}: {problem}")
     return name
-
-
-def git_blob_oid(content: bytes) -> str:
-    """The git object id of a file, which the Hub uses as ETag and `oid` of regular files."""
-    return hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -177,6 +192,39 @@ class Deletion:
     is_folder: bool
 
 
+class StagingWriter:
+    """One uploaded file, received in pieces: memory stays at one piece whatever the file's size."""
+
+    def __init__(self, folder: Path):
+        fd, name = tempfile.mkstemp(dir=folder)
+        self.path = Path(name)
+        self._file = os.fdopen(fd, "wb")
+        self._sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        self._file.write(data)
+        self._sha256.update(data)
+        self.size += len(data)
+
+    def finish(self) -> FileEntry:
+        """fsync the staged bytes and name them; the writer is closed."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        # A git blob id hashes the size before the content: a second pass, over the page cache.
+        git_oid = hashlib.sha1(b"blob %d\0" % self.size)
+        with open(self.path, "rb") as staged:
+            while chunk := staged.read(1 << 20):
+                git_oid.update(chunk)
+        return FileEntry(sha256=self._sha256.hexdigest(), git_oid=git_oid.hexdigest(), size=self.size)
+
+    def abort(self) -> None:
+        self._file.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -223,6 +271,8 @@ class Storage:
         self._repo_locks: dict[tuple[str, str], threading.Lock] = {}
         self._repo_locks_guard = threading.Lock()
         self._read_commit_cached = functools.lru_cache(maxsize=4096)(self._read_commit)
+        # repo.json never changes once written: read each once.
+        self._privacy: dict[Path, bool] = {}
 
     def close(self) -> None:
         self._server_lock.close()
@@ -257,12 +307,31 @@ class Storage:
             raise HubError(404, f"Repository {repo_type}/{repo_id} not found", code="RepoNotFound")
         return folder
 
-    def namespaces(self) -> set[str]:
-        return {path.name for repo_type in REPO_TYPES for path in (self.repos / repo_type).glob("*") if path.is_dir()}
+    def is_private(self, repo_type: str, repo_id: str) -> bool:
+        folder = self.existing_repo_dir(repo_type, repo_id)
+        private = self._privacy.get(folder)
+        if private is None:
+            private = self._privacy[folder] = bool(json.loads((folder / "repo.json").read_text()).get("private"))
+        return private
 
-    def count_repos(self, namespace: str) -> dict[str, int]:
+    def _repo_ids(self, repo_type: str, namespace: str = "*") -> Iterator[str]:
+        for refs in (self.repos / repo_type).glob(f"{namespace}/*/refs.json"):
+            yield f"{refs.parent.parent.name}/{refs.parent.name}"
+
+    def namespaces(self, include_private: bool) -> set[str]:
         return {
-            repo_type: sum(1 for path in (self.repos / repo_type / namespace).glob("*/refs.json"))
+            repo_id.split("/")[0]
+            for repo_type in REPO_TYPES
+            for repo_id in self._repo_ids(repo_type)
+            if include_private or not self.is_private(repo_type, repo_id)
+        }
+
+    def count_repos(self, namespace: str, include_private: bool) -> dict[str, int]:
+        return {
+            repo_type: sum(
+                1 for repo_id in self._repo_ids(repo_type, namespace)
+                if include_private or not self.is_private(repo_type, repo_id)
+            )
             for repo_type in REPO_TYPES
         }
 
@@ -277,16 +346,20 @@ class Storage:
         with lock:
             yield
 
-    def create_repo(self, repo_type: str, repo_id: str, author: str) -> None:
-        """A new repo whose `main` holds an empty initial commit, as on the Hub. 409 if it exists."""
+    def create_repo(self, repo_type: str, repo_id: str, author: str, private: bool = False) -> None:
+        """A new repo whose `main` holds an empty initial commit, as on the Hub. 409 if it exists.
+
+        A private repo is invisible (404) to requests without the token.
+        """
         folder = self.repo_dir(repo_type, repo_id)
         with self._repo_lock(repo_type, repo_id):
             if (folder / "refs.json").is_file():
                 raise HubError(409, f"You already created this {repo_type} repo: {repo_id}")
             created_at = now_iso()
             self._write_atomically(
-                folder / "repo.json", _canonical_json({"type": repo_type, "id": repo_id, "createdAt": created_at})
+                folder / "repo.json", _canonical_json({"type": repo_type, "id": repo_id, "createdAt": created_at, "private": private})
             )
+            self._privacy.pop(folder, None)
             initial = self._write_commit(folder, None, {}, "initial commit", "", "system", created_at)
             # refs.json last: its presence is what makes the repo exist.
             self._write_refs(folder, Refs(branches={MAIN_BRANCH: initial.id}, tags={}))
@@ -358,6 +431,10 @@ class Storage:
             raise HubError(404, f"Invalid rev id: {revision}", code="RevisionNotFound")
         return self._read_commit_cached(folder, commit_id)
 
+    def require_branch(self, repo_type: str, repo_id: str, branch: str) -> None:
+        if branch not in self.refs(repo_type, repo_id).branches:
+            raise HubError(404, f"Invalid rev id: {branch} (commits go to an existing branch)", code="RevisionNotFound")
+
     def history(self, repo_type: str, repo_id: str, revision: str) -> Iterator[Commit]:
         commit: Commit | None = self.resolve_revision(repo_type, repo_id, revision)
         while commit is not None:
@@ -378,6 +455,11 @@ class Storage:
             refs = self.refs(repo_type, repo_id)
             if name in refs.branches or name in refs.tags:
                 raise HubError(409, f"Reference already exists: {name}")
+            # As in git, `a` and `a/b` cannot both be refs of one kind.
+            clash = next((other for other in getattr(refs, kind)
+                          if other.startswith(name + "/") or name.startswith(other + "/")), None)
+            if clash is not None:
+                raise HubError(409, f"Reference {name!r} conflicts with the existing {clash!r}")
             updated = {"branches": dict(refs.branches), "tags": dict(refs.tags)}
             updated[kind][name] = target.id
             self._write_refs(folder, Refs(**updated))
@@ -400,19 +482,9 @@ class Storage:
             raise HubError(500, "Corrupted file entry")
         return self.blobs / entry.sha256[:2] / entry.sha256
 
-    def stage_base64(self, path: str, content_base64: str) -> StagedFile:
-        """Decode one uploaded file into tmp/ (fsynced); it becomes a blob only if its commit lands."""
-        try:
-            content = base64.b64decode(content_base64, validate=True)
-        except (binascii.Error, ValueError) as error:
-            raise HubError(400, f"Invalid base64 content for {path!r}: {error}") from None
-        fd, staging = tempfile.mkstemp(dir=self.tmp)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(content)
-            handle.flush()
-            os.fsync(handle.fileno())
-        entry = FileEntry(sha256=hashlib.sha256(content).hexdigest(), git_oid=git_blob_oid(content), size=len(content))
-        return StagedFile(path=path, entry=entry, staged_at=Path(staging))
+    def start_staging(self) -> StagingWriter:
+        """A file of a commit being received, written piece by piece into tmp/; a blob only if its commit lands."""
+        return StagingWriter(self.tmp)
 
     def discard(self, staged: Iterable[StagedFile]) -> None:
         for file in staged:
@@ -452,11 +524,8 @@ class Storage:
         folder = self.existing_repo_dir(repo_type, repo_id)
         try:
             with self._repo_lock(repo_type, repo_id):
+                self.require_branch(repo_type, repo_id, branch)
                 refs = self.refs(repo_type, repo_id)
-                if branch not in refs.branches:
-                    raise HubError(
-                        404, f"Invalid rev id: {branch} (commits go to an existing branch)", code="RevisionNotFound"
-                    )
                 head = self._read_commit_cached(folder, refs.branches[branch])
                 if parent_commit is not None and not head.id.startswith(parent_commit.lower()):
                     raise HubError(
@@ -470,6 +539,7 @@ class Storage:
                     _apply_deletion(files, deletion)
                 for addition in additions:
                     files[addition.path] = addition.entry
+                _refuse_file_folder_clash(files)
                 for addition in additions:
                     self._install_blob(addition)
                 commit = self._write_commit(folder, head.id, files, title, message, author, now_iso())
@@ -490,6 +560,16 @@ def _apply_deletion(files: dict[str, FileEntry], deletion: Deletion) -> None:
         raise HubError(404, f"A folder with this name doesn't exist: {deletion.path}", code="EntryNotFound")
     for path in doomed:
         del files[path]
+
+
+def _refuse_file_folder_clash(files: Mapping[str, FileEntry]) -> None:
+    """A path cannot be a file and a folder at once: git could not store it, clients could not download it."""
+    for path in files:
+        folder = path
+        while "/" in folder:
+            folder = folder.rsplit("/", 1)[0]
+            if folder in files:
+                raise HubError(400, f"Invalid commit: {folder!r} would be both a file and a folder (of {path!r})")
 
 
 def folder_oid(files: Mapping[str, FileEntry], folder: str) -> str:

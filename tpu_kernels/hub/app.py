@@ -1,0 +1,597 @@
+"""The local Hub's HTTP API, as an ASGI application: the endpoints huggingface_hub 2.4 and kernels 0.17 call.
+
+Routes (`{t}` is `kernels` or `models`; T: needs the token):
+
+    GET  /api/whoami-v2                              T
+    POST /api/repos/create                           T  (a private repo is invisible without the token)
+    POST /api/validate-yaml                          T  README front matter check (huggingface_hub sends the token)
+    GET  /api/agent-harnesses                           empty registry (huggingface_hub telemetry)
+    GET  /api/organizations/{org}/overview              trustedKernelPublisher
+    GET  /api/{t}/{ns}/{name}[/revision/{rev}]          repo info at a revision (sha, siblings)
+    GET  /api/{t}/{ns}/{name}/tree/{rev}[/{path}]       tree listing (?recursive=true), paginated
+    POST /api/{t}/{ns}/{name}/paths-info/{rev}          info on given paths
+    GET  /api/{t}/{ns}/{name}/refs                      branches and tags
+    GET  /api/{t}/{ns}/{name}/commits/{rev}             history, newest first, paginated
+    POST /api/{t}/{ns}/{name}/preupload/{rev}        T  upload mode per file (always "regular")
+    POST /api/{t}/{ns}/{name}/commit/{rev}           T  NDJSON commit, streamed to disk
+    POST|DELETE /api/{t}/{ns}/{name}/branch/{branch} T
+    POST /api/{t}/{ns}/{name}/tag/{rev}, DELETE .../tag/{tag}   T
+    GET|HEAD /{ns}/{name}/resolve/{rev}/{path}          model file (X-Repo-Commit, ETag, Range)
+    GET|HEAD /kernels/{ns}/{name}/resolve/{rev}/{path}
+    GET  /api/tpu-kernels/stats                         request counters (not counted themselves)
+
+Requests carry the token as `Authorization: Bearer <token>`. Without a valid one,
+a private repo answers 404 as a missing one does, as on the Hub.
+
+Handlers are plain functions run in worker threads (storage does blocking file
+I/O and fsyncs). A request body is read here, bounded in size and in stall time,
+before its handler runs; only the commit body streams into its handler, which
+stages files on disk as they arrive.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import hmac
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import parse_qs, quote, urlencode
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+import yaml
+from starlette.datastructures import Headers, QueryParams
+from starlette.responses import FileResponse, JSONResponse, Response
+
+from .commit_payload import read_commit_payload
+from .limits import Limits
+from .routing import Route, find_route, path_segments, route
+from .storage import (
+    MAIN_BRANCH,
+    FileEntry,
+    HubError,
+    Storage,
+    folder_oid,
+    tree_entries,
+    validate_path,
+    validate_repo_id,
+    validate_repo_type,
+)
+
+PAGE_SIZE = 1000
+MAX_CURSOR_DIGITS = 15
+DOWNLOAD_CHUNK_BYTES = 1 << 20
+USER_NAME = "local"
+STATS_PATH = "/api/tpu-kernels/stats"
+INVALID_CREDENTIALS = "Invalid credentials in Authorization header"
+_URL_TYPES = {"kernels": "kernel", "models": "model"}
+_RESOLVE_PREFIXES = {"kernel": "kernels/", "model": ""}
+
+logger = logging.getLogger(__name__)
+
+
+def normalize_token(token: str | None) -> str | None:
+    """The token writes need; None (a read-only server) for a missing, empty or blank one."""
+    token = (token or "").strip()
+    return token or None
+
+
+class ClientGone(Exception):
+    """The client closed the connection while its request was being read."""
+
+
+@dataclass
+class RequestStats:
+    """Requests served, in total and by route; thread-safe."""
+
+    total: int = 0
+    by_route: collections.Counter = field(default_factory=collections.Counter)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def count(self, route_name: str) -> None:
+        with self.lock:
+            self.total += 1
+            self.by_route[route_name] += 1
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {"requests": self.total, "by_route": dict(self.by_route)}
+
+
+class HubRequest:
+    """One request: its headers and query, the caller's standing, and its body read under limits."""
+
+    def __init__(self, scope, receive, limits: Limits, authenticated: bool):
+        self.scope = scope
+        self.method: str = scope["method"]
+        self.headers = Headers(scope=scope)
+        self.query = QueryParams(scope["query_string"])
+        self.authenticated = authenticated
+        self._receive = receive
+        self._limits = limits
+        length = self.headers.get("content-length")  # the HTTP layer admits one, all digits
+        self.body_length = int(length) if length else None
+        self.body_complete = not (self.body_length or "transfer-encoding" in self.headers)
+        self._received = 0
+        self.body = b""
+
+    async def next_chunk(self, limit: int) -> bytes:
+        """The next piece of the body, b"" at its end: 413 past `limit` bytes, 408 if it stalls."""
+        if self.body_length is not None and self.body_length > limit:
+            raise HubError(413, f"Request body larger than {limit} bytes")
+        while not self.body_complete:
+            try:
+                with anyio.fail_after(self._limits.body_timeout):
+                    message = await self._receive()
+            except TimeoutError:
+                raise HubError(
+                    408, f"Request body stalled: no data for {self._limits.body_timeout:g} s"
+                ) from None
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            self.body_complete = not message.get("more_body", False)
+            chunk = message.get("body", b"")
+            self._received += len(chunk)
+            if self._received > limit:
+                raise HubError(413, f"Request body larger than {limit} bytes")
+            if chunk:
+                return chunk
+        return b""
+
+    async def read_body(self, limit: int) -> None:
+        pieces = []
+        while chunk := await self.next_chunk(limit):
+            pieces.append(chunk)
+        self.body = b"".join(pieces)
+
+    def read_chunk_from_thread(self, limit: int) -> bytes:
+        """next_chunk, for a handler running in a worker thread."""
+        return anyio.from_thread.run(self.next_chunk, limit)
+
+    def json(self) -> dict:
+        """The body as a JSON object ({} if empty)."""
+        try:
+            data = json.loads(self.body or b"{}")
+        except UnicodeDecodeError:
+            raise HubError(400, "Invalid JSON body: not UTF-8") from None
+        except (ValueError, RecursionError) as error:  # RecursionError: nested too deep for the decoder
+            raise HubError(400, f"Invalid JSON body: {error}") from None
+        if not isinstance(data, dict):
+            raise HubError(400, "Invalid JSON body: expected an object")
+        return data
+
+    def form(self) -> dict[str, list[str]]:
+        try:
+            return parse_qs(self.body.decode(), errors="strict")
+        except UnicodeDecodeError:
+            raise HubError(400, "Invalid form body: not UTF-8") from None
+
+
+def _field(payload: dict, name: str, kinds: type | tuple[type, ...], where: str = ""):
+    """payload[name] if it is one of `kinds` (missing counts as None); else a 400 naming the field."""
+    value = payload.get(name)
+    if not isinstance(value, kinds):
+        kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+        expected = " or ".join("null" if kind is type(None) else kind.__name__ for kind in kinds)
+        label = f"{where}{name}"
+        raise HubError(400, f"Invalid field {label!r}: expected {expected}, got {type(value).__name__}")
+    return value
+
+
+def _error_response(error: HubError) -> Response:
+    headers = {"X-Error-Message": " ".join(error.message.split()).encode("ascii", "replace").decode()}
+    if error.code:
+        headers["X-Error-Code"] = error.code
+    if error.commit:
+        headers["X-Repo-Commit"] = error.commit
+    return JSONResponse({"error": error.message}, status_code=error.status, headers=headers)
+
+
+def _front_matter(content: str) -> str | None:
+    """The YAML between a first line '---' and the next line '---', found in linear time."""
+    lines = content.split("\n")
+    if lines[0].strip() != "---":
+        return None
+    for index in range(1, len(lines)):
+        if lines[index].strip() == "---":
+            return "\n".join(lines[1:index])
+    return None
+
+
+class HubApp:
+    """The ASGI application: routing, authentication, limits and the handlers."""
+
+    def __init__(self, storage: Storage, token: str | None, trusted_orgs, limits: Limits):
+        self.storage = storage
+        self.token = normalize_token(token)
+        self.trusted_orgs = frozenset(trusted_orgs)
+        self.limits = limits
+        self.stats = RequestStats()
+        self.routes = self._routes()
+        self._commit_slots: anyio.CapacityLimiter | None = None
+
+    def _routes(self) -> list[Route]:
+        repo = "/api/{repo_type}/{namespace}/{name}"
+        types = {"repo_type": _URL_TYPES}
+        return [
+            route("whoami", "GET", "/api/whoami-v2", self.whoami, needs_token=True),
+            route("create_repo", "POST", "/api/repos/create", self.create_repo, needs_token=True),
+            route("validate_yaml", "POST", "/api/validate-yaml", self.validate_yaml, needs_token=True),
+            route("agent_harnesses", "GET", "/api/agent-harnesses", self.agent_harnesses),
+            route("organization", "GET", "/api/organizations/{org}/overview", self.organization),
+            route("info", "GET HEAD", repo, self.info, choices=types),
+            route("info", "GET HEAD", repo + "/revision/{revision}", self.info, choices=types),
+            route("tree", "GET HEAD", repo + "/tree/{revision}/{path*}", self.tree, choices=types),
+            route("paths_info", "POST", repo + "/paths-info/{revision}", self.paths_info, choices=types),
+            route("refs", "GET HEAD", repo + "/refs", self.refs, choices=types),
+            route("commits", "GET HEAD", repo + "/commits/{revision}", self.commits, choices=types),
+            route("preupload", "POST", repo + "/preupload/{revision}", self.preupload, needs_token=True, choices=types),
+            route("commit", "POST", repo + "/commit/{branch}", self.commit, needs_token=True, choices=types),
+            route("branch", "POST", repo + "/branch/{branch}", self.create_branch, needs_token=True, choices=types),
+            route("branch", "DELETE", repo + "/branch/{branch}", self.delete_branch, needs_token=True, choices=types),
+            route("tag", "POST", repo + "/tag/{revision}", self.create_tag, needs_token=True, choices=types),
+            route("tag", "DELETE", repo + "/tag/{tag}", self.delete_tag, needs_token=True, choices=types),
+            route("resolve", "GET HEAD", "/kernels/{namespace}/{name}/resolve/{revision}/{path+}", self.resolve),
+            route("resolve", "GET HEAD", "/{namespace}/{name}/resolve/{revision}/{path+}", self.resolve),
+        ]
+
+    # -- ASGI -----------------------------------------------------------------------------------
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        request = HubRequest(scope, receive, self.limits, self._authenticated(Headers(scope=scope)))
+        try:
+            response = await self._respond(request)
+        except ClientGone:
+            return
+        if not request.body_complete:
+            # An unread body would be taken for the next request: this connection is done.
+            response.headers["Connection"] = "close"
+        await response(scope, receive, send)
+
+    async def _respond(self, request: HubRequest) -> Response:
+        segments = path_segments(request.scope["raw_path"])
+        if request.method == "GET" and segments == STATS_PATH.split("/")[1:]:
+            return JSONResponse(self.stats.snapshot())
+        found = find_route(self.routes, request.method, segments or [])
+        self.stats.count(found[0].name if found else "unknown")
+        try:
+            if found is None:
+                raise HubError(404, f"Not found: {request.method} {request.scope['path'][:200]}")
+            matched, params = found
+            if matched.needs_token:
+                self._require_token(request)
+            if "namespace" in params:
+                params["repo_id"] = f"{params.pop('namespace')}/{params.pop('name')}"
+                params.setdefault("repo_type", "kernel" if matched.pattern[0] == "kernels" else "model")
+            if matched.handler == self.commit:
+                return await self._commit_streamed(request, params)
+            await request.read_body(self.limits.max_json_bytes)
+            return await anyio.to_thread.run_sync(functools.partial(self._handle, matched.handler, request, params))
+        except HubError as error:
+            return _error_response(error)
+        except ClientGone:
+            raise
+        except Exception as error:  # a bug answers 500 and is logged, the connection stays usable
+            logger.exception("internal error on %s %s", request.method, request.scope["path"])
+            return _error_response(HubError(500, f"Internal server error: {type(error).__name__}"))
+
+    def _handle(self, handler, request: HubRequest, params: dict) -> Response:
+        if "repo_id" in params:
+            self._check_visible(request, params["repo_type"], params["repo_id"])
+        return handler(request, **params)
+
+    async def _commit_streamed(self, request: HubRequest, params: dict) -> Response:
+        if self._commit_slots is None:
+            self._commit_slots = anyio.CapacityLimiter(self.limits.max_concurrent_commits)
+        call = functools.partial(self._handle, self.commit, request, params)
+        return await anyio.to_thread.run_sync(call, limiter=self._commit_slots)
+
+    # -- access ---------------------------------------------------------------------------------
+
+    def _authenticated(self, headers: Headers) -> bool:
+        scheme, _, given = headers.get("authorization", "").partition(" ")
+        return (
+            self.token is not None
+            and scheme.lower() == "bearer"
+            and hmac.compare_digest(given.strip().encode(), self.token.encode())
+        )
+
+    def _require_token(self, request: HubRequest) -> None:
+        if self.token is None:
+            raise HubError(401, f"{INVALID_CREDENTIALS}: this server was started without a token and is read-only")
+        if not request.authenticated:
+            raise HubError(401, f"{INVALID_CREDENTIALS}: writes need the server's token (set HF_TOKEN)")
+
+    def _check_visible(self, request: HubRequest, repo_type: str, repo_id: str) -> None:
+        """A private repo is, to a caller without the token, a repo that does not exist."""
+        if self.storage.is_private(repo_type, repo_id) and not request.authenticated:
+            raise HubError(404, f"Repository {repo_type}/{repo_id} not found", code="RepoNotFound")
+
+    def _organizations(self, request: HubRequest) -> set[str]:
+        return (self.storage.namespaces(include_private=request.authenticated) | self.trusted_orgs) - {USER_NAME}
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _base_url(request: HubRequest) -> str:
+        host = request.headers.get("host")
+        if not host:
+            address, port = request.scope["server"][:2]
+            host = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+        return f"http://{host}"
+
+    def _repo_url(self, request: HubRequest, repo_type: str, repo_id: str) -> str:
+        return f"{self._base_url(request)}/{_RESOLVE_PREFIXES[repo_type]}{repo_id}"
+
+    def _paginated(self, request: HubRequest, items: list, base_path: str) -> Response:
+        """Cursor pagination with a `Link: <...>; rel="next"` header, as the Hub does."""
+        cursor = request.query.get("cursor", "0")
+        if not (cursor.isascii() and cursor.isdigit() and len(cursor) <= MAX_CURSOR_DIGITS):
+            raise HubError(400, f"Invalid query parameter 'cursor': {cursor[:40]!r} is not a non-negative integer")
+        start = int(cursor)
+        headers = {}
+        if start + PAGE_SIZE < len(items):
+            query = dict(request.query)
+            query["cursor"] = str(start + PAGE_SIZE)
+            headers["Link"] = f'<{self._base_url(request)}{base_path}?{urlencode(query)}>; rel="next"'
+        return JSONResponse(items[start:start + PAGE_SIZE], headers=headers)
+
+    @staticmethod
+    def _tree_item(files, path: str, entry: FileEntry | None) -> dict:
+        if entry is None:
+            return {"type": "directory", "oid": folder_oid(files, path), "size": 0, "path": path}
+        return {"type": "file", "oid": entry.git_oid, "size": entry.size, "path": path}
+
+    # -- account and organizations --------------------------------------------------------------
+
+    def whoami(self, request: HubRequest) -> Response:
+        return JSONResponse({
+            "type": "user",
+            "id": USER_NAME,
+            "name": USER_NAME,
+            "fullname": "tpu-kernels local hub user",
+            "isPro": False,
+            "orgs": [{"type": "org", "name": org, "fullname": org} for org in sorted(self._organizations(request))],
+            "auth": {"type": "access_token", "accessToken": {"displayName": "tpu-kernels hub token", "role": "write"}},
+        })
+
+    def agent_harnesses(self, request: HubRequest) -> Response:
+        # huggingface_hub's once-a-day telemetry lookup; an empty registry detects no agent.
+        return JSONResponse({"standardEnvVars": [], "harnesses": {}})
+
+    def organization(self, request: HubRequest, org: str) -> Response:
+        if org not in self._organizations(request):
+            raise HubError(404, f"Organization {org} not found")
+        counts = self.storage.count_repos(org, include_private=request.authenticated)
+        return JSONResponse({
+            "name": org,
+            "fullname": org,
+            "avatarUrl": "",
+            "type": "org",
+            "isVerified": False,
+            "numModels": counts["model"],
+            "numKernels": counts["kernel"],
+            "numDatasets": 0,
+            "numSpaces": 0,
+            "trustedKernelPublisher": org in self.trusted_orgs,
+        })
+
+    # -- repos ----------------------------------------------------------------------------------
+
+    def create_repo(self, request: HubRequest) -> Response:
+        payload = request.json()
+        repo_type = validate_repo_type(_field(payload, "type", (str, type(None))) or "model")
+        namespace = _field(payload, "organization", (str, type(None))) or USER_NAME
+        repo_id = f"{namespace}/{_field(payload, 'name', str)}"
+        # huggingface_hub 2.x sends "visibility"; older clients and curl users send "private".
+        visibility = _field(payload, "visibility", (str, type(None)))
+        if visibility not in (None, "public", "private"):
+            raise HubError(400, f"Invalid field 'visibility': expected 'public' or 'private', got {visibility[:40]!r}")
+        private_flag = _field(payload, "private", (bool, type(None)))
+        private = visibility == "private" if visibility is not None else bool(private_flag)
+        validate_repo_id(repo_id)
+        url = self._repo_url(request, repo_type, repo_id)
+        try:
+            self.storage.create_repo(repo_type, repo_id, author=USER_NAME, private=private)
+        except HubError as error:
+            if error.status == 409:
+                return JSONResponse({"error": error.message, "url": url}, status_code=409)
+            raise
+        return JSONResponse({"url": url, "name": repo_id, "id": repo_id})
+
+    def validate_yaml(self, request: HubRequest) -> Response:
+        content = _field(request.json(), "content", (str, type(None))) or ""
+        front_matter = _front_matter(content)
+        if front_matter is None:
+            return JSONResponse({"errors": [], "warnings": []})
+        if len(front_matter.encode()) > self.limits.max_front_matter_bytes:
+            raise HubError(400, f"README front matter larger than {self.limits.max_front_matter_bytes} bytes")
+        try:
+            metadata = yaml.load(front_matter, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        except (yaml.YAMLError, RecursionError) as error:
+            problem = f"Invalid YAML front matter: {error}"[:2000]
+            return JSONResponse({"errors": [{"message": problem}], "warnings": []}, status_code=400)
+        if metadata is not None and not isinstance(metadata, dict):
+            return JSONResponse(
+                {"errors": [{"message": "YAML front matter must be a mapping"}], "warnings": []}, status_code=400
+            )
+        return JSONResponse({"errors": [], "warnings": []})
+
+    def info(self, request: HubRequest, repo_type: str, repo_id: str, revision: str = MAIN_BRANCH) -> Response:
+        commit = self.storage.resolve_revision(repo_type, repo_id, revision)
+        return JSONResponse({
+            "id": repo_id,
+            "author": repo_id.split("/")[0],
+            "sha": commit.id,
+            "lastModified": commit.date,
+            "createdAt": self.storage.repo_created_at(repo_type, repo_id),
+            "private": self.storage.is_private(repo_type, repo_id),
+            "gated": False,
+            "disabled": False,
+            "downloads": 0,
+            "likes": 0,
+            "tags": [],
+            "siblings": [
+                {"rfilename": path, "size": entry.size, "blobId": entry.git_oid}
+                for path, entry in sorted(commit.files.items())
+            ],
+        })
+
+    def tree(self, request: HubRequest, repo_type: str, repo_id: str, revision: str, path: str) -> Response:
+        commit = self.storage.resolve_revision(repo_type, repo_id, revision)
+        folder = path.strip("/")
+        if folder:
+            validate_path(folder)
+        recursive = request.query.get("recursive", "false").lower() in ("1", "true")
+        items = [self._tree_item(commit.files, item, entry)
+                 for item, entry in tree_entries(commit.files, folder, recursive)]
+        base = f"/api/{repo_type}s/{quote(repo_id)}/tree/{quote(revision, safe='')}"
+        return self._paginated(request, items, base + (f"/{quote(folder, safe='')}" if folder else ""))
+
+    def paths_info(self, request: HubRequest, repo_type: str, repo_id: str, revision: str) -> Response:
+        paths = request.form().get("paths", [])
+        commit = self.storage.resolve_revision(repo_type, repo_id, revision)
+        folders = {folder for name in commit.files for folder in _parents(name)}
+        items = []
+        for path in paths:
+            path = path.strip("/")
+            if path in commit.files:
+                items.append(self._tree_item(commit.files, path, commit.files[path]))
+            elif path in folders:
+                items.append(self._tree_item(commit.files, path, None))
+        return JSONResponse(items)
+
+    def refs(self, request: HubRequest, repo_type: str, repo_id: str) -> Response:
+        refs = self.storage.refs(repo_type, repo_id)
+
+        def listed(names, kind):
+            return [{"name": name, "ref": f"refs/{kind}/{name}", "targetCommit": target}
+                    for name, target in sorted(names.items())]
+
+        return JSONResponse({
+            "branches": listed(refs.branches, "heads"),
+            "tags": listed(refs.tags, "tags"),
+            "converts": [],
+            "pullRequests": [],
+        })
+
+    def commits(self, request: HubRequest, repo_type: str, repo_id: str, revision: str) -> Response:
+        items = [
+            {
+                "id": commit.id,
+                "title": commit.title,
+                "message": commit.message,
+                "date": commit.date,
+                "authors": [{"user": commit.author}],
+            }
+            for commit in self.storage.history(repo_type, repo_id, revision)
+        ]
+        return self._paginated(request, items, f"/api/{repo_type}s/{quote(repo_id)}/commits/{quote(revision, safe='')}")
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _refuse_pull_requests(request: HubRequest) -> None:
+        if request.query.get("create_pr", "0") not in ("0", "false", "False", ""):
+            raise HubError(400, "This server does not support pull requests: commit to a branch")
+
+    def preupload(self, request: HubRequest, repo_type: str, repo_id: str, revision: str) -> Response:
+        self._refuse_pull_requests(request)
+        files = _field(request.json(), "files", list)
+        commit = self.storage.resolve_revision(repo_type, repo_id, revision)
+        answers = []
+        for index, item in enumerate(files):
+            if not isinstance(item, dict):
+                raise HubError(400, f"Invalid field 'files[{index}]': expected an object")
+            path = validate_path(_field(item, "path", str, where=f"files[{index}]."))
+            existing = commit.files.get(path)
+            answers.append({
+                "path": path,
+                "uploadMode": "regular",
+                "shouldIgnore": False,
+                "oid": existing.git_oid if existing else None,
+            })
+        return JSONResponse({"files": answers, "commitOid": commit.id})
+
+    def commit(self, request: HubRequest, repo_type: str, repo_id: str, branch: str) -> Response:
+        self._refuse_pull_requests(request)
+        # Refused before a byte of the body is read, not after a large upload.
+        self.storage.require_branch(repo_type, repo_id, branch)
+        payload = read_commit_payload(
+            lambda: request.read_chunk_from_thread(self.limits.max_commit_bytes), self.storage
+        )
+        commit = self.storage.commit_operations(
+            repo_type,
+            repo_id,
+            branch,
+            additions=payload.additions,
+            deletions=payload.deletions,
+            title=payload.summary,
+            message=payload.description,
+            author=USER_NAME,
+            parent_commit=payload.parent_commit,
+        )
+        return JSONResponse({
+            "success": True,
+            "commitOid": commit.id,
+            "commitUrl": f"{self._repo_url(request, repo_type, repo_id)}/commit/{commit.id}",
+            "hookOutput": "",
+        })
+
+    def create_branch(self, request: HubRequest, repo_type: str, repo_id: str, branch: str) -> Response:
+        starting_point = _field(request.json(), "startingPoint", (str, type(None))) or MAIN_BRANCH
+        self.storage.create_branch(repo_type, repo_id, branch, starting_point)
+        return JSONResponse({})
+
+    def delete_branch(self, request: HubRequest, repo_type: str, repo_id: str, branch: str) -> Response:
+        self.storage.delete_ref(repo_type, repo_id, "branches", branch)
+        return JSONResponse({})
+
+    def create_tag(self, request: HubRequest, repo_type: str, repo_id: str, revision: str) -> Response:
+        tag = _field(request.json(), "tag", str)
+        self.storage.create_tag(repo_type, repo_id, tag, revision)
+        return JSONResponse({})
+
+    def delete_tag(self, request: HubRequest, repo_type: str, repo_id: str, tag: str) -> Response:
+        self.storage.delete_ref(repo_type, repo_id, "tags", tag)
+        return JSONResponse({})
+
+    # -- downloads ------------------------------------------------------------------------------
+
+    def resolve(self, request: HubRequest, repo_type: str, repo_id: str, revision: str, path: str) -> Response:
+        commit = self.storage.resolve_revision(repo_type, repo_id, revision)
+        validate_path(path)
+        entry = commit.files.get(path)
+        if entry is None:
+            raise HubError(404, f"Entry not found: {path}", code="EntryNotFound", commit=commit.id)
+        blob = self.storage.blob_path(entry)
+        stat = os.stat(blob)
+        if stat.st_size != entry.size:
+            raise HubError(500, f"The stored content of {path} does not have its recorded size")
+        response = FileResponse(
+            blob,
+            stat_result=stat,
+            media_type="application/octet-stream",
+            headers={
+                "X-Repo-Commit": commit.id,
+                "ETag": f'"{entry.git_oid}"',
+                "Content-Disposition": f"inline; filename*=UTF-8''{quote(Path(path).name)}",
+            },
+        )
+        # Each chunk is a hop to a worker thread and back: 1 MiB ones double the rate of the default 64 KiB.
+        response.chunk_size = DOWNLOAD_CHUNK_BYTES
+        return response
+
+
+def _parents(path: str):
+    while "/" in path:
+        path = path.rsplit("/", 1)[0]
+        yield path
