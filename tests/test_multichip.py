@@ -15,9 +15,11 @@ import sys
 
 import pytest
 import torch
+from kernels import Mode
 from transformers import AutoModelForCausalLM, GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
 from tpu_kernels.builder import build_kernel_repo
+from tpu_kernels.parallel import applied_plan, replacement_conflict, uneven_attention_heads
 
 from .conftest import REPO_ROOT
 
@@ -206,3 +208,22 @@ def test_modes_match_single_process_eager(checkpoints, world_size):
         ranks = results["tp_replicated_attention.qwen3_moe_gqa3"]
         assert all(_entry(r["report"], "attention")[1] for r in ranks)
         _check_generated(checkpoints, _run(4, "tp_replicated_attention.qwen3_moe_gqa3"), ranks, (6, 2))
+
+
+def test_replacement_conflict_by_style_and_mode():
+    plan = {"model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce", "model.norm": "sequence_parallel",
+            "model.layers.*.mlp.shared_norm": "replicate"}
+    q_norm = "model.layers.3.self_attn.q_norm"
+    assert replacement_conflict(plan, q_norm, Mode.INFERENCE) is None  # its wrapper only all-reduces gradients
+    assert "'replicated_with_grad_allreduce'" in replacement_conflict(plan, q_norm, Mode.TRAINING)
+    assert "'sequence_parallel'" in replacement_conflict(plan, "model.norm", Mode.INFERENCE)
+    for mode in (Mode.INFERENCE, Mode.TRAINING):
+        assert replacement_conflict(plan, "model.layers.0.mlp.shared_norm", mode) is None
+        assert replacement_conflict(plan, "model.layers.0.input_layernorm", mode) is None
+
+
+def test_one_process_models_have_no_plan():
+    """The config's plan applies only once transformers sharded the model: not on one process, nor a plain module."""
+    model = AutoModelForCausalLM.from_config(CONFIGS["qwen3_moe_gqa3"]())
+    assert model.tp_plan and applied_plan(model) == {} and uneven_attention_heads(model) is None
+    assert applied_plan(torch.nn.Linear(2, 2)) == {} and uneven_attention_heads(torch.nn.Linear(2, 2)) is None

@@ -26,9 +26,14 @@ _TRANSPARENT_STYLES_IN_INFERENCE = {"replicate", "replicated_with_grad_allreduce
 _TRANSPARENT_STYLES_IN_TRAINING = {"replicate"}
 
 
+def _distributed_config(model):
+    """The DistributedConfig `from_pretrained` sharded the model with; None for a model on one process."""
+    return getattr(getattr(model, "config", None), "distributed_config", None)
+
+
 def applied_plan(model) -> dict[str, str]:
     """The tensor- and expert-parallel styles transformers applied to `model`, by module pattern; {} if none."""
-    config = getattr(model.config, "distributed_config", None)
+    config = _distributed_config(model)
     if config is None:
         return {}
     plan = dict(model.tp_plan) if config.tp_size > 1 else {}
@@ -50,7 +55,7 @@ def replacement_conflict(plan: dict[str, str], module_name: str, mode: Mode) -> 
 
 def uneven_attention_heads(model) -> str | None:
     """Why tensor parallelism cannot give every rank whole attention heads, or None if it can (or is off)."""
-    config = getattr(model.config, "distributed_config", None)
+    config = _distributed_config(model)
     if config is None or config.tp_size == 1:
         return None
     from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
