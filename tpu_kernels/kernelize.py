@@ -182,12 +182,16 @@ def _kernelize_rmsnorm(model, spec: KernelSpec, kernel: ModuleType, mode: Mode, 
     from kernels import kernelize as kernels_kernelize
     from kernels import use_kernel_mapping
 
+    from .parallel import applied_plan, replacement_conflict
+
     # Which kernel layer computes each module's forward exactly; the kernel
-    # decides by running the module's own forward on a small probe.
+    # decides by running the module's own forward on a small probe. Norms whose
+    # forward a parallel plan wrapped keep it where replacing would lose what it does.
+    plan = applied_plan(model)
     matches = {}
     for name, module in model.named_modules():
         layer_name = kernel.layers.matching_layer_name(module)
-        if layer_name is not None:
+        if layer_name is not None and replacement_conflict(plan, name, mode) is None:
             matches[name] = (module, layer_name)
     if not matches:
         return ReportEntry("rmsnorm", False, (), str(spec), "no RMSNorm modules the kernel computes exactly")
@@ -201,9 +205,19 @@ def _kernelize_rmsnorm(model, spec: KernelSpec, kernel: ModuleType, mode: Mode, 
     mapping = {
         layer: {device: LoadedLayerRepository(kernel, layer)} for layer in {matches[n][1] for n in labelled}
     }
+    # kernels' kernelize sets every labelled module it does not replace back to its class forward,
+    # dropping wrappers a parallel plan installed on it: those are put back.
+    modules = dict(model.named_modules())
+    instance_forwards = {
+        name: module.__dict__["forward"]
+        for name, module in modules.items()
+        if "forward" in module.__dict__ and name not in matches
+    }
     if mapping:
         with use_kernel_mapping(mapping, inherit_mapping=False):
             kernels_kernelize(model, mode=mode, device=device)
+    for name, forward in instance_forwards.items():
+        modules[name].forward = forward
     # The rest (Gemma's and other undecorated norms) get the matching layer's
     # forward bound directly; after kernels' kernelize, which resets labelled
     # layers it has no mapping for.
@@ -228,6 +242,11 @@ def _kernelize_attention(model, spec: KernelSpec, kernel: ModuleType, mode: Mode
         for member, what in _UNSUPPORTED_ATTENTION_MEMBERS.items():
             if name in modules and getattr(module, member, None) is not None:
                 return ReportEntry("attention", False, modules, str(spec), f"the model uses {what}")
+    from .parallel import uneven_attention_heads
+
+    uneven = uneven_attention_heads(model)
+    if uneven:
+        return ReportEntry("attention", False, modules, str(spec), uneven)
     head_dims = {getattr(m, "head_dim", None) for n, m in model.named_modules() if n in modules}
     if not head_dims <= set(kernel.kernel.SUPPORTED_HEAD_DIMS):
         return ReportEntry("attention", False, modules, str(spec),
