@@ -26,6 +26,12 @@ from kernels._rust import Build, Digest, DigestAlgorithm, Metadata
 from . import binding
 
 BINDING_SOURCE = Path(binding.__file__)
+# Modules of tpu_kernels a built kernel carries, by their name in the build
+# (built kernels cannot import tpu_kernels).
+SHIPPED_MODULES = {
+    "_binding.py": BINDING_SOURCE,
+    "_hardware.py": Path(__file__).with_name("hardware.py"),
+}
 SOURCE_HASH_CHARS = 10
 IGNORED_NAMES = {"__pycache__", ".pytest_cache"}
 
@@ -82,12 +88,13 @@ def _package_files(package_dir: Path) -> list[Path]:
 
 
 def source_hash(source: KernelSource) -> str:
-    """Hash of everything that shapes the built code: package files and the binding."""
+    """Hash of everything that shapes the built code: package files and the shipped modules."""
     digest = hashlib.sha256()
     for path in _package_files(source.package_dir):
         digest.update(path.relative_to(source.package_dir).as_posix().encode() + b"\0")
         digest.update(path.read_bytes() + b"\0")
-    digest.update(BINDING_SOURCE.read_bytes())
+    for shipped in SHIPPED_MODULES.values():
+        digest.update(shipped.read_bytes())
     return digest.hexdigest()[:SOURCE_HASH_CHARS]
 
 
@@ -117,7 +124,8 @@ def _write_variant(source: KernelSource, backend: str, variant_dir: Path, hash_:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(path.read_bytes())
     namespace = f"_{source.python_name}_{backend}_{hash_}"
-    (variant_dir / "_binding.py").write_bytes(BINDING_SOURCE.read_bytes())
+    for name, shipped in SHIPPED_MODULES.items():
+        (variant_dir / name).write_bytes(shipped.read_bytes())
     (variant_dir / "_ops.py").write_text(_ops_module(namespace))
     digest = Digest.hash_variant(DigestAlgorithm.SHA256, variant_dir)
     metadata = {
