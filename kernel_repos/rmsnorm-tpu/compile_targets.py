@@ -24,7 +24,7 @@ def _targets_of(kernel_fn, arity: int, name: str, rows: int, hidden: int, dtype,
 
 
 def compile_targets(kernel, generation: str):
-    k = kernel.kernel
+    k = kernel.pallas_tpu
     forward = (("rms_norm", k.rms_norm, 1), ("fused_add_rms_norm", k.fused_add_rms_norm, 2))
     backward = (
         ("rms_norm_backward", k.rms_norm_backward, 2),

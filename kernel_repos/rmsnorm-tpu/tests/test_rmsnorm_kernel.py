@@ -57,8 +57,8 @@ def test_forward_kernels_on_ragged_row_blocks(kernel, leading, hidden, dtype, bl
     weight = random_array(2, (hidden,), dtype)
     eps = 1e-6
     with tpu_interpreter():
-        y = kernel.kernel.rms_norm(x, weight, eps=eps, offset=offset, block_rows=block_rows)
-        fused_y, new_residual = kernel.kernel.fused_add_rms_norm(
+        y = kernel.pallas_tpu.rms_norm(x, weight, eps=eps, offset=offset, block_rows=block_rows)
+        fused_y, new_residual = kernel.pallas_tpu.fused_add_rms_norm(
             x, residual, weight, eps=eps, offset=offset, block_rows=block_rows
         )
         jax.block_until_ready((y, fused_y, new_residual))
@@ -85,8 +85,8 @@ def test_backward_kernels_on_ragged_row_blocks(kernel, leading, hidden, dtype, b
     weight = random_array(6, (hidden,), dtype)
     eps = 1e-5
     with tpu_interpreter():
-        dx, dweight = kernel.kernel.rms_norm_backward(grad, x, weight, eps=eps, offset=offset, block_rows=block_rows)
-        dsum, dweight_fused = kernel.kernel.fused_add_rms_norm_backward(
+        dx, dweight = kernel.pallas_tpu.rms_norm_backward(grad, x, weight, eps=eps, offset=offset, block_rows=block_rows)
+        dsum, dweight_fused = kernel.pallas_tpu.fused_add_rms_norm_backward(
             grad, grad_residual, x, weight, eps=eps, offset=offset, block_rows=block_rows
         )
         jax.block_until_ready((dx, dweight, dsum, dweight_fused))
