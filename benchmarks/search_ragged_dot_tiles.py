@@ -97,7 +97,7 @@ class Evaluator:
         if config is None:
             return None
         if config not in self.replays:
-            fn = functools.partial(self.built.kernel.ragged_dot, transpose_rhs=self.shape.transpose_rhs, config=config)
+            fn = functools.partial(self.built.pallas_tpu.ragged_dot, transpose_rhs=self.shape.transpose_rhs, config=config)
             self.replays[config] = bench.model_kernel(fn, self.shape, bench.GENERATIONS)
             self.evaluations += 1
         return self.replays[config]
@@ -168,7 +168,7 @@ def search_shape(built, shape: bench.Shape, generation: str, evaluator: Evaluato
     order = [best_config] + [config for config, _ in ranked if config != best_config]
     attempts = []
     for config in order[:MAX_COMPILE_ATTEMPTS]:
-        fn = functools.partial(built.kernel.ragged_dot, transpose_rhs=shape.transpose_rhs, config=config)
+        fn = functools.partial(built.pallas_tpu.ragged_dot, transpose_rhs=shape.transpose_rhs, config=config)
         compiled = bench.compile_kernel(fn, shape, generation)
         attempts.append({"config": tuple(config), **compiled})
         if compiled["compiled"]:
