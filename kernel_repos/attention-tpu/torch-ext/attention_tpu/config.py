@@ -15,14 +15,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from ._hardware import (
-    LANES,
-    MIB,
-    SUBLANES,
-    check_generation,
-    resolve_generation,
-    round_up,
-    sublane_multiple,
-    vmem_limit_bytes,
+    LANES, MIB, SUBLANES, check_generation, resolve_generation, round_up, sublane_multiple, vmem_limit_bytes,
 )
 
 # Working sets the heuristic stays within. Physical VMEM is 128 MiB on both

@@ -30,15 +30,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from ._hardware import (
-    LANES,
-    MAX_VMEM_LIMIT_BYTES,
-    MOSAIC_SCRATCH_BYTES,
-    check_generation,
-    resolve_generation,
-    round_up,
-    sublane_multiple,
-    tpu_generation,
-    vmem_limit_bytes,
+    LANES, MAX_VMEM_LIMIT_BYTES, MOSAIC_SCRATCH_BYTES, check_generation, resolve_generation, round_up,
+    sublane_multiple, tpu_generation, vmem_limit_bytes,
 )
 
 # What a config's blocks may take: the most the kernel asks Mosaic for, less

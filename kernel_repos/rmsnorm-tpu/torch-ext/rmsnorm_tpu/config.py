@@ -17,16 +17,8 @@ import math
 import jax.numpy as jnp
 
 from ._hardware import (
-    DEFAULT_SCOPED_VMEM_BYTES,
-    GRID_STEP_OVERHEAD_S,
-    LANES,
-    MIB,
-    SUBLANES,
-    check_generation,
-    resolve_generation,
-    round_up,
-    sublane_multiple,
-    tpu_generation,
+    DEFAULT_SCOPED_VMEM_BYTES, GRID_STEP_OVERHEAD_S, LANES, MIB, SUBLANES, check_generation, resolve_generation,
+    round_up, sublane_multiple, tpu_generation,
 )
 
 # Share of the scoped VMEM limit the pipelined blocks may take; the rest is
