@@ -43,6 +43,8 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+from tpu_kernels.hardware import round_up
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ragged_dot as bench  # noqa: E402
 
@@ -58,16 +60,12 @@ MAX_COMPILE_ATTEMPTS = 6
 KNOBS = ("tile_m", "tile_n", "tile_k", "chunk_m", "groups_per_step")
 
 
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
 def knob_values(shape: bench.Shape) -> dict[str, list]:
     k, n, m = shape.k, shape.n, shape.m
-    tile_n = [n] + sorted({_round_up(math.ceil(n / d), 256) for d in (2, 3, 4)} - {n}, reverse=True)
+    tile_n = [n] + sorted({round_up(math.ceil(n / d), 256) for d in (2, 3, 4)} - {n}, reverse=True)
     return {
         "tile_m": ["m"] + [rows for rows in ROW_TILES if rows < m],
-        "tile_k": [k] + ([_round_up(math.ceil(k / 2), 256)] if k > 2048 else []),
+        "tile_k": [k] + ([round_up(math.ceil(k / 2), 256)] if k > 2048 else []),
         "tile_n": [value for value in tile_n if value <= n],
         "chunk_m": list(CHUNKS),
         "groups_per_step": list(GROUPS_PER_STEP),

@@ -51,8 +51,10 @@ MAX_GROUPS_PER_STEP = 4
 # Blocks of the heuristic fallback: weights blocks of about this many bytes
 # keep the per-step cost small next to their DMA (4 MiB take 2.6 us on v6e).
 HEURISTIC_RHS_BLOCK_BYTES = {"v5e": 8 << 20, "v6e": 16 << 20}
-# Row tiles of the heuristic when the rows do not stay resident, in 128-row
-# chunks (the MXU of v5e is 128 wide, v6e's 256: v6e takes twice the rows).
+# Row tiles of the heuristic when the rows do not stay resident: about the
+# ridge (`ridge_rows`: 240 on v5e, 560 on v6e), where a step's matmul takes as
+# long as its weights' DMA. Chunks of 128 rows bound the MXU work a group's
+# last partial chunk wastes; not tuned.
 HEURISTIC_ROW_TILE = {"v5e": 256, "v6e": 512}
 HEURISTIC_CHUNK_M = 128
 
