@@ -171,9 +171,9 @@ def minimum_bytes(shape: Shape, keys: int, itemsize: int) -> int:
     return q_and_out + 2 * shape.kv_heads * keys * shape.head_dim * itemsize
 
 
-def kernel_fn(k, shape: Shape, generation: str):
+def kernel_fn(built, shape: Shape, generation: str):
     def attention(q, key, value, kv_lengths):
-        return k.flash_attention(
+        return built.pallas_tpu.flash_attention(
             q, key, value, causal=shape.causal, sliding_window=shape.sliding_window,
             kv_lengths=kv_lengths, generation=generation,
         )
@@ -230,7 +230,6 @@ def active_steps_from_prefetch(num_q_blocks: int):
 
 
 def measure(built, shape: Shape, dtype) -> dict:
-    k = built.kernel
     itemsize = jnp.dtype(dtype).itemsize
     first, last = visible_key_ranges(built.reference, shape)
     pairs = visible_pairs(first, last)
@@ -258,14 +257,14 @@ def measure(built, shape: Shape, dtype) -> dict:
         "per_generation": {},
     }
     for generation in GENERATIONS:
-        config = k.select_config(
+        config = built.config.select_config(
             q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.q_len, kv_len=shape.kv_len,
             head_dim=shape.head_dim, dtype=dtype, generation=generation,
         )
         block_q = 1 if shape.q_len == 1 else config.block_q
         num_q_blocks = -(-shape.q_len // block_q)
         calls = perf.model_pallas_traffic(
-            kernel_fn(k, shape, generation), *avals(shape, dtype), lengths,
+            kernel_fn(built, shape, generation), *avals(shape, dtype), lengths,
             active_steps=active_steps_from_prefetch(num_q_blocks),
         )
         (call,) = calls
@@ -312,7 +311,7 @@ def measure(built, shape: Shape, dtype) -> dict:
         }
     args = [*avals(shape, dtype), jax.ShapeDtypeStruct((shape.batch,), jnp.int32)]
     start = time.perf_counter()
-    compiled = compile_for(kernel_fn(k, shape, COST_GENERATION), args, COST_GENERATION)
+    compiled = compile_for(kernel_fn(built, shape, COST_GENERATION), args, COST_GENERATION)
     entry[f"{COST_GENERATION}_compile_seconds"] = time.perf_counter() - start
     entry[f"{COST_GENERATION}_cost_analysis"] = cost_summary(compiled)
     entry[f"{COST_GENERATION}_xla_reference_cost_analysis"] = cost_summary(

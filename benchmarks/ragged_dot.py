@@ -15,7 +15,7 @@ MoE experts layer, realistic routing) and each of v5e and v6e this
   topology) and records success and the VMEM its pipeline holds.
 
 Kernels:
-- ours: `ragged_dot_tpu.kernel.ragged_dot` with `select_config` for the
+- ours: `ragged_dot_tpu.pallas_tpu.ragged_dot` with `select_config` for the
   generation (the searched table, `tile_table.py`);
 - megablox: `jax.experimental.pallas.ops.tpu.megablox.gmm` at its default
   tiling (128, 128, 128);
@@ -205,7 +205,7 @@ def ours_config(built, shape: Shape, generation: str):
 
 def ours_fn(built, shape: Shape, generation: str):
     config = ours_config(built, shape, generation)
-    return functools.partial(built.kernel.ragged_dot, transpose_rhs=shape.transpose_rhs, config=config), config
+    return functools.partial(built.pallas_tpu.ragged_dot, transpose_rhs=shape.transpose_rhs, config=config), config
 
 
 def megablox_fn(shape: Shape):
@@ -374,11 +374,7 @@ def measure_shape(built, shape: Shape, compile_targets: bool) -> dict:
         fn, config = ours_fn(built, shape, generation)
         result = model_kernel(fn, shape, [generation])[generation]
         result["config"] = config._asdict()
-        result["vmem_limit_bytes"] = min(
-            max(built.config.vmem_bytes(config, shape.m, shape.k, shape.n, DTYPE) + built.config.VMEM_HEADROOM_BYTES,
-                16 << 20),
-            built.config.VMEM_LIMIT_CAP_BYTES,
-        )
+        result["vmem_limit_bytes"] = built.config.vmem_limit(config, shape.m, shape.k, shape.n, DTYPE)
         if compile_targets:
             result["aot"] = compile_kernel(fn, shape, generation)
         ours["per_generation"][generation] = result
@@ -631,7 +627,7 @@ def run_on_tpu(built, shapes: list[Shape], iterations: int) -> dict:
             shape.m, shape.k, shape.n, DTYPE, generation=generation if generation in GENERATIONS else None,
             num_groups=shape.groups,
         )
-        ours = functools.partial(built.kernel.ragged_dot, transpose_rhs=shape.transpose_rhs, config=config)
+        ours = functools.partial(built.pallas_tpu.ragged_dot, transpose_rhs=shape.transpose_rhs, config=config)
         row["kernels"]["ours"] = {"config": config._asdict(), **time_on_device(ours, (lhs, rhs, sizes), iterations)}
         row["kernels"]["megablox"] = time_on_device(megablox_fn(shape), (lhs, rhs, sizes), iterations)
         dims = lax.RaggedDotDimensionNumbers(
@@ -715,7 +711,7 @@ def main(argv=None) -> int:
                        f"seed {BENCH_SEED}; EP settings: the busiest rank's picks",
             "dtype": jnp.dtype(DTYPE).name,
             "kernels": {
-                "ours": "ragged_dot_tpu.kernel.ragged_dot, select_config(generation) (searched table)",
+                "ours": "ragged_dot_tpu.pallas_tpu.ragged_dot, select_config(generation) (searched table)",
                 "megablox": f"jax.experimental.pallas.ops.tpu.megablox.gmm, tiling {MEGABLOX_TILING} (its default)",
                 "tokamax": "tokamax 0.0.12 pallas_mosaic_tpu_kernel.gmm at tokamax's own config choice; its "
                            "emit_pipeline grid replayed as a plain pallas_call",

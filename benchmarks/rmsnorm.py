@@ -72,8 +72,8 @@ def minimum_bytes(kernel_name: str, rows: int, hidden: int, dtype) -> tuple[int,
     return row_bytes, row_bytes + vector_bytes
 
 
-def kernel_fn(k, kernel_name: str, generation: str):
-    return functools.partial(getattr(k, kernel_name), eps=EPS, generation=generation)
+def kernel_fn(built, kernel_name: str, generation: str):
+    return functools.partial(getattr(built.pallas_tpu, kernel_name), eps=EPS, generation=generation)
 
 
 def avals(kernel_name: str, rows: int, hidden: int, dtype) -> list[jax.ShapeDtypeStruct]:
@@ -106,7 +106,7 @@ def cost_summary(compiled) -> dict:
     return {name: cost[key] for key, name in keep.items() if key in cost}
 
 
-def measure(k, kernel_name: str, rows: int, hidden: int, dtype) -> dict:
+def measure(built, kernel_name: str, rows: int, hidden: int, dtype) -> dict:
     row_min, full_min = minimum_bytes(kernel_name, rows, hidden, dtype)
     args = avals(kernel_name, rows, hidden, dtype)
     entry = {
@@ -119,8 +119,8 @@ def measure(k, kernel_name: str, rows: int, hidden: int, dtype) -> dict:
         "per_generation": {},
     }
     for generation in GENERATIONS:
-        config = k.select_config(rows, hidden, dtype, generation, kernel=kernel_name)
-        calls = perf.model_pallas_traffic(kernel_fn(k, kernel_name, generation), *args)
+        config = built.config.select_config(rows, hidden, dtype, generation, op=kernel_name)
+        calls = perf.model_pallas_traffic(kernel_fn(built, kernel_name, generation), *args)
         (call,) = calls
         modelled = perf.roofline(calls, generation, min_bytes=row_min)
         entry["per_generation"][generation] = {
@@ -139,7 +139,7 @@ def measure(k, kernel_name: str, rows: int, hidden: int, dtype) -> dict:
             "pct_of_roofline": modelled.pct_of_roofline,
         }
     start = time.perf_counter()
-    kernel_compiled = compile_for(kernel_fn(k, kernel_name, COST_GENERATION), args, COST_GENERATION)
+    kernel_compiled = compile_for(kernel_fn(built, kernel_name, COST_GENERATION), args, COST_GENERATION)
     entry[f"{COST_GENERATION}_compile_seconds"] = time.perf_counter() - start
     entry[f"{COST_GENERATION}_cost_analysis"] = cost_summary(kernel_compiled)
     entry[f"{COST_GENERATION}_xla_reference_cost_analysis"] = cost_summary(
@@ -164,12 +164,12 @@ def relayout_copies(compiled, rank: int) -> int:
     return count
 
 
-def measure_layouts(k) -> list[dict]:
+def measure_layouts(built) -> list[dict]:
     entries = []
     for dtype in (jnp.bfloat16, jnp.float32):
         for shape in ND_SHAPES:
             args = [jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct(shape[-1:], dtype)]
-            compiled = compile_for(kernel_fn(k, "rms_norm", COST_GENERATION), args, COST_GENERATION)
+            compiled = compile_for(kernel_fn(built, "rms_norm", COST_GENERATION), args, COST_GENERATION)
             minimum = 2 * math.prod(shape) * jnp.dtype(dtype).itemsize
             bytes_accessed = (compiled.cost_analysis() or {}).get("bytes accessed")
             entries.append({
@@ -227,10 +227,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as build_dir:
-        k = kernels.get_local_kernel(build_kernel_repo(KERNEL_REPO, Path(build_dir)), backend="cpu").kernel
+        built = kernels.get_local_kernel(build_kernel_repo(KERNEL_REPO, Path(build_dir)), backend="cpu")
         results = []
         for kernel_name, rows, hidden in shapes(args.quick):
-            entry = measure(k, kernel_name, rows, hidden, jnp.bfloat16)
+            entry = measure(built, kernel_name, rows, hidden, jnp.bfloat16)
             results.append(entry)
             v5e, v6e = (entry["per_generation"][g] for g in GENERATIONS)
             print(
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
                 f"v6e {v6e['modelled_pipelined_time_us']:.1f} us ({v6e['pct_of_roofline']:.0f}% of roofline)",
                 flush=True,
             )
-        layouts = [] if args.quick else measure_layouts(k)
+        layouts = [] if args.quick else measure_layouts(built)
         for entry in layouts:
             print(
                 f"rms_norm {entry['dtype']:8s} {str(tuple(entry['shape'])):18s} "

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+from tpu_kernels.hardware import round_up
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ragged_dot as bench  # noqa: E402
 
@@ -58,16 +60,12 @@ MAX_COMPILE_ATTEMPTS = 6
 KNOBS = ("tile_m", "tile_n", "tile_k", "chunk_m", "groups_per_step")
 
 
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
 def knob_values(shape: bench.Shape) -> dict[str, list]:
     k, n, m = shape.k, shape.n, shape.m
-    tile_n = [n] + sorted({_round_up(math.ceil(n / d), 256) for d in (2, 3, 4)} - {n}, reverse=True)
+    tile_n = [n] + sorted({round_up(math.ceil(n / d), 256) for d in (2, 3, 4)} - {n}, reverse=True)
     return {
         "tile_m": ["m"] + [rows for rows in ROW_TILES if rows < m],
-        "tile_k": [k] + ([_round_up(math.ceil(k / 2), 256)] if k > 2048 else []),
+        "tile_k": [k] + ([round_up(math.ceil(k / 2), 256)] if k > 2048 else []),
         "tile_n": [value for value in tile_n if value <= n],
         "chunk_m": list(CHUNKS),
         "groups_per_step": list(GROUPS_PER_STEP),
@@ -97,7 +95,7 @@ class Evaluator:
         if config is None:
             return None
         if config not in self.replays:
-            fn = functools.partial(self.built.kernel.ragged_dot, transpose_rhs=self.shape.transpose_rhs, config=config)
+            fn = functools.partial(self.built.pallas_tpu.ragged_dot, transpose_rhs=self.shape.transpose_rhs, config=config)
             self.replays[config] = bench.model_kernel(fn, self.shape, bench.GENERATIONS)
             self.evaluations += 1
         return self.replays[config]
@@ -168,7 +166,7 @@ def search_shape(built, shape: bench.Shape, generation: str, evaluator: Evaluato
     order = [best_config] + [config for config, _ in ranked if config != best_config]
     attempts = []
     for config in order[:MAX_COMPILE_ATTEMPTS]:
-        fn = functools.partial(built.kernel.ragged_dot, transpose_rhs=shape.transpose_rhs, config=config)
+        fn = functools.partial(built.pallas_tpu.ragged_dot, transpose_rhs=shape.transpose_rhs, config=config)
         compiled = bench.compile_kernel(fn, shape, generation)
         attempts.append({"config": tuple(config), **compiled})
         if compiled["compiled"]:

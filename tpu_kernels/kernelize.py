@@ -248,9 +248,9 @@ def _kernelize_attention(model, spec: KernelSpec, kernel: ModuleType, mode: Mode
     if uneven:
         return ReportEntry("attention", False, modules, str(spec), uneven)
     head_dims = {getattr(m, "head_dim", None) for n, m in model.named_modules() if n in modules}
-    if not head_dims <= set(kernel.kernel.SUPPORTED_HEAD_DIMS):
+    if not head_dims <= set(kernel.SUPPORTED_HEAD_DIMS):
         return ReportEntry("attention", False, modules, str(spec),
-                           f"head_dim {sorted(map(str, head_dims))} not in {kernel.kernel.SUPPORTED_HEAD_DIMS}")
+                           f"head_dim {sorted(map(str, head_dims))} not in {kernel.SUPPORTED_HEAD_DIMS}")
     unsupported = _supports(kernel.attention_forward, mode)
     if unsupported:
         return ReportEntry("attention", False, modules, str(spec), unsupported)

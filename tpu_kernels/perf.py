@@ -59,27 +59,16 @@ max(its compute, the DMAs of the neighbouring steps) + 0.35 us; it is never
 below `time_s`. Vector-unit work, DMA issue latency, HBM tile granularity and
 megacore splitting are modelled by neither.
 
-Constants and their sources:
-- HBM bandwidth, bf16/int8/fp8 MXU peaks, VMEM capacity, MXU size: jax's own
-  table, `jax._src.pallas.mosaic.tpu_info.get_tpu_info_for_chip` (jax 0.10.2),
-  per TensorCore. v5e: 8.20e11 B/s, 1.97e14 bf16 FLOP/s, 128 MiB VMEM, MXU
-  128; v6e: 1.64e12 B/s, 9.20e14 bf16 FLOP/s, 128 MiB VMEM, MXU 256. These
-  match Google's public specs (v5e 197 TFLOP/s, 819 GB/s; v6e 918 TFLOP/s,
-  1640 GB/s).
-- Default scoped VMEM limit (what a kernel may use unless it sets
-  `vmem_limit_bytes`): 16 MiB on v5e, 32 MiB on v6e, measured here with
-  libtpu's compile-only topologies: a kernel whose double-buffered blocks
-  plus scratch total exactly 16 MiB / 32 MiB compiles, one MiB more fails
-  with CompileTimeScopedVmemOom (tests/test_perf.py checks the v6e edge).
-  Not in jax's table.
+Constants and their sources: HBM bandwidth, MXU peaks and size, VMEM
+capacity, the default scoped VMEM limits and the 0.35 us per grid step come
+from `tpu_kernels.hardware` (the module every built kernel carries as
+`_hardware.py`), which reads jax's public TPU table
+(`jax.experimental.pallas.tpu.get_tpu_info_for_chip`) and names the source
+of each number it adds. Override the step cost with `step_overhead_s`.
 - f32 matmuls: counted at the bf16 peak at DEFAULT precision (jax's Pallas TPU
   matmul guide states v5e has "197 TFLOP/s of bf16/f32 compute") and at 1/6
   of it at HIGHEST precision (six bf16 passes, as XLA emulates f32). This is
   an assumption; our kernels multiply bf16.
-- Per-grid-step overhead 0.35 us: a commonly quoted rule of thumb for the
-  fixed cost of one Pallas TPU grid step, the figure the brief of this
-  project's issue #7 gives. We found no primary source for it in jax's docs
-  and cannot measure it without a TPU. Override with `step_overhead_s`.
 """
 
 from __future__ import annotations
@@ -93,62 +82,22 @@ import jax
 import numpy as np
 from jax._src import core as jax_core
 from jax._src.pallas import core as pallas_core
-from jax._src.pallas.mosaic import tpu_info
 from jax._src.state import discharge as state_discharge
 from jax.extend import core as jex_core
 
-STEP_OVERHEAD_S = 0.35e-6
-
-# Measured with libtpu compile-only topologies (see the module docstring).
-DEFAULT_SCOPED_VMEM_BYTES = {"v5e": 16 * 2**20, "v6e": 32 * 2**20}
+from .hardware import (
+    GRID_STEP_OVERHEAD_S,
+    TpuGeneration,
+    padded_vmem_bytes,
+    round_up,
+    tpu_generation,
+)
 
 # Six bf16 passes emulate an f32 matmul at HIGHEST precision.
 _F32_HIGHEST_PASSES = 6
 
 _UNPIPELINED_MEMORY_SPACES = ("any", "hbm", "host")
 _SEMAPHORE_MEMORY_SPACES = ("semaphore_mem",)
-
-
-@dataclasses.dataclass(frozen=True)
-class TpuGeneration:
-    """Per-TensorCore peak numbers of one TPU generation (see module docstring)."""
-
-    name: str
-    hbm_bytes_per_s: float
-    bf16_flops_per_s: float
-    int8_ops_per_s: float
-    fp8_flops_per_s: float
-    int4_ops_per_s: float
-    vmem_bytes: int
-    default_scoped_vmem_bytes: int | None
-    mxu_size: int
-    sublanes: int
-
-
-def tpu_generation(name: str) -> TpuGeneration:
-    """Peaks of TPU generation `name` ("v5e", "v6e", ...) from jax's TpuInfo table."""
-    try:
-        chip = tpu_info.ChipVersion(name)
-    except ValueError:
-        known = ", ".join(c.value for c in tpu_info.ChipVersion)
-        raise ValueError(f"generation: unknown TPU generation {name!r}; jax knows {known}") from None
-    info = tpu_info.get_tpu_info_for_chip(chip, 1)
-    return TpuGeneration(
-        name=name,
-        hbm_bytes_per_s=float(info.mem_bw_bytes_per_second),
-        bf16_flops_per_s=float(info.bf16_ops_per_second),
-        int8_ops_per_s=float(info.int8_ops_per_second),
-        fp8_flops_per_s=float(info.fp8_ops_per_second),
-        int4_ops_per_s=float(info.int4_ops_per_second),
-        vmem_bytes=int(info.vmem_capacity_bytes),
-        default_scoped_vmem_bytes=DEFAULT_SCOPED_VMEM_BYTES.get(name),
-        mxu_size=int(info.mxu_column_size),
-        sublanes=int(info.num_sublanes),
-    )
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,9 +119,9 @@ class DotShape:
 
     def mxu_flops(self, generation: TpuGeneration) -> int:
         """FLOPs the MXU spends, with m padded to sublanes and k, n to the MXU size."""
-        m = _round_up(self.m, generation.sublanes)
-        k = _round_up(self.k, generation.mxu_size)
-        n = _round_up(self.n, generation.mxu_size)
+        m = round_up(self.m, generation.sublanes)
+        k = round_up(self.k, generation.mxu_size)
+        n = round_up(self.n, generation.mxu_size)
         return 2 * self.batch * m * k * n * self.count
 
     def peak_flops_per_s(self, generation: TpuGeneration) -> float:
@@ -269,7 +218,7 @@ class PallasCallTraffic:
         gen = _as_generation(generation)
         return sum(dot.mxu_flops(gen) / dot.peak_flops_per_s(gen) for dot in self.dots)
 
-    def pipelined_seconds(self, generation: str | TpuGeneration, step_overhead_s: float = STEP_OVERHEAD_S) -> float:
+    def pipelined_seconds(self, generation: str | TpuGeneration, step_overhead_s: float = GRID_STEP_OVERHEAD_S) -> float:
         """Time of a double-buffered pipeline: step t computes while step t+1's blocks arrive and t-1's leave.
 
         = first fetch + sum over steps of max(compute_t, DMA_t) + last write-back + steps * overhead,
@@ -353,7 +302,7 @@ def roofline(
     *,
     min_bytes: int | None = None,
     min_flops: int | None = None,
-    step_overhead_s: float = STEP_OVERHEAD_S,
+    step_overhead_s: float = GRID_STEP_OVERHEAD_S,
 ) -> ModelledTime:
     """Modelled time of `traffic` (one call or several run one after another)."""
     calls = [traffic] if isinstance(traffic, PallasCallTraffic) else list(traffic)
@@ -376,7 +325,7 @@ def roofline(
         time_s += call_time
         pipelined_s += call.pipelined_seconds(gen, step_overhead_s)
         per_call.append((call.name, call_time))
-        limit = call.vmem_limit_bytes or gen.default_scoped_vmem_bytes or gen.vmem_bytes
+        limit = call.vmem_limit_bytes or gen.default_scoped_vmem_bytes or gen.vmem_capacity_bytes
         fits = fits and call.vmem_bytes <= limit
     roofline_s = None
     if min_bytes is not None or min_flops is not None:
@@ -578,18 +527,6 @@ def _memory_space_name(block_mapping: pallas_core.BlockMapping) -> str:
     return "vmem" if name == "default" else name
 
 
-def _onchip_bytes(shape: Sequence[int], dtype: np.dtype) -> int:
-    """Bytes of a buffer of `shape` in VMEM/SMEM, padded to Mosaic's native tile."""
-    itemsize = np.dtype(dtype).itemsize
-    packing = max(1, 4 // itemsize)
-    if not shape:
-        return itemsize
-    if len(shape) == 1:
-        return _round_up(shape[0], 128 * packing) * itemsize
-    *leading, rows, cols = shape
-    return math.prod(leading) * _round_up(rows, 8 * packing) * _round_up(cols, 128) * itemsize
-
-
 def _dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
@@ -683,7 +620,7 @@ def _prefetch_traffic(position: int, aval) -> OperandTraffic:
         transfers=1,
         distinct_blocks=1,
         hbm_bytes=math.prod(shape) * np.dtype(aval.dtype).itemsize,
-        buffer_bytes=_onchip_bytes(shape, aval.dtype),
+        buffer_bytes=padded_vmem_bytes(shape, aval.dtype),
         revisits=0,
         pipelined=True,
     )
@@ -712,7 +649,7 @@ def _scratch_vmem_bytes(aval) -> int:
     space = str(getattr(aval, "memory_space", "vmem")).lower()
     if space not in ("vmem", "default") or jax.dtypes.issubdtype(inner.dtype, jax.dtypes.extended):
         return 0
-    return _onchip_bytes(tuple(inner.shape), inner.dtype)
+    return padded_vmem_bytes(tuple(inner.shape), inner.dtype)
 
 
 def _block_indices(block_mappings, grid_indices: np.ndarray, prefetch: list[Any], call_name: str) -> list[np.ndarray]:
@@ -841,7 +778,7 @@ def _operand_traffic(block_mapping, role, space, block_indices) -> OperandTraffi
         transfers=int(len(transfer_steps)),
         distinct_blocks=int(len(distinct)),
         hbm_bytes=hbm_bytes,
-        buffer_bytes=buffer_count * _onchip_bytes(ref_shape, dtype),
+        buffer_bytes=buffer_count * padded_vmem_bytes(ref_shape, dtype),
         revisits=int(revisits),
         pipelined=True,
         fetched_per_step=fetched,

@@ -25,7 +25,7 @@ def _qkv(batch, q_len, kv_len, *, q_heads, kv_heads, head_dim, dtype=jnp.bfloat1
 
 
 def compile_targets(kernel, generation):
-    flash_attention = functools.partial(kernel.kernel.flash_attention, generation=generation)
+    flash_attention = functools.partial(kernel.pallas_tpu.flash_attention, generation=generation)
     lengths = jax.ShapeDtypeStruct((8,), jnp.int32)
 
     def with_lengths(q, k, v, kv_lengths):

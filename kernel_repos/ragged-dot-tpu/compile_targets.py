@@ -24,7 +24,7 @@ def compile_targets(kernel, generation):
         experts, hidden, intermediate = shape["experts"], shape["hidden"], shape["intermediate"]
         for rows in shape["rows"]:
             for projection, k, n in (("gate_up", hidden, 2 * intermediate), ("down", intermediate, hidden)):
-                fn = functools.partial(kernel.kernel.ragged_dot, transpose_rhs=True, generation=generation)
+                fn = functools.partial(kernel.pallas_tpu.ragged_dot, transpose_rhs=True, generation=generation)
                 avals = (
                     jax.ShapeDtypeStruct((rows, k), dtype),
                     jax.ShapeDtypeStruct((experts, n, k), dtype),

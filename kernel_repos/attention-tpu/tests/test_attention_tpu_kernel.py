@@ -173,8 +173,8 @@ def test_multi_block_matches_reference(kernel, case):
     q, k, v = _qkv(batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype, seed=len(case))
     torch_options = {n: torch.tensor(x, dtype=torch.int32) if isinstance(x, list) else x for n, x in options.items()}
     jax_options = {n: jnp.asarray(x, jnp.int32) if isinstance(x, list) else x for n, x in options.items()}
-    config = kernel.kernel.AttentionConfig(block_q, block_kv, 32 * 2**20, kv_heads_per_step=heads)
-    out = _interpret(lambda: kernel.kernel.flash_attention(_jax(q), _jax(k), _jax(v), config=config, **jax_options))
+    config = kernel.config.AttentionConfig(block_q, block_kv, 32 * 2**20, kv_heads_per_step=heads)
+    out = _interpret(lambda: kernel.pallas_tpu.flash_attention(_jax(q), _jax(k), _jax(v), config=config, **jax_options))
     expected = kernel.reference.reference_attention(q, k, v, **torch_options)
     assert _relative_error(_torch(out), expected) <= TOLERANCE[dtype]
 
@@ -193,9 +193,9 @@ def test_multi_block_mask_with_padding(kernel):
     left_pad = torch.tensor([0, 150])
     mask = (key_pos <= query_pos) & (torch.rand(batch, q_len, kv_len, generator=generator) > 0.2)
     mask = (mask & (key_pos >= left_pad[:, None, None]))[:, None]
-    config = kernel.kernel.AttentionConfig(block_q=32, block_kv=128, vmem_limit_bytes=32 * 2**20)
+    config = kernel.config.AttentionConfig(block_q=32, block_kv=128, vmem_limit_bytes=32 * 2**20)
     out = _interpret(
-        lambda: kernel.kernel.flash_attention(
+        lambda: kernel.pallas_tpu.flash_attention(
             _jax(q), _jax(k), _jax(v), causal=False, attention_mask=jnp.asarray(mask.numpy()), config=config
         )
     )
@@ -203,7 +203,7 @@ def test_multi_block_mask_with_padding(kernel):
     assert _relative_error(_torch(out), expected) <= 1e-5
     window_options = dict(causal=False, sliding_window=50, q_offset=jnp.asarray([0, 150], jnp.int32))
     out = _interpret(
-        lambda: kernel.kernel.flash_attention(
+        lambda: kernel.pallas_tpu.flash_attention(
             _jax(q), _jax(k), _jax(v), attention_mask=jnp.asarray(mask.numpy()), config=config, **window_options
         )
     )
@@ -222,9 +222,9 @@ def test_blocks_outside_the_window_are_skipped(kernel):
     q, k, v = _qkv(1, 2, 1, 32, 700, 64, torch.float32, seed=8)
     k[:, :, :512] = float("nan")
     v[:, :, :512] = float("nan")
-    config = kernel.kernel.AttentionConfig(block_q=32, block_kv=128, vmem_limit_bytes=32 * 2**20)
+    config = kernel.config.AttentionConfig(block_q=32, block_kv=128, vmem_limit_bytes=32 * 2**20)
     out = _interpret(
-        lambda: kernel.kernel.flash_attention(
+        lambda: kernel.pallas_tpu.flash_attention(
             _jax(q), _jax(k), _jax(v), q_offset=600, sliding_window=64, config=config
         )
     )
@@ -232,32 +232,12 @@ def test_blocks_outside_the_window_are_skipped(kernel):
     assert _relative_error(_torch(out), expected) <= 1e-5
 
 
-def test_select_config_respects_limits(kernel):
-    """Tiles are full-extent or aligned, decode steps span KV heads, oversized shapes shrink."""
-    select = kernel.kernel.select_config
-    for generation in ("v5e", "v6e"):
-        prefill = select(q_heads=8, kv_heads=1, q_len=300, kv_len=1000, head_dim=64, dtype=jnp.float32, generation=generation)
-        assert prefill.block_q == 300 and (prefill.block_kv == 1000 or prefill.block_kv % 128 == 0)
-        assert prefill.kv_heads_per_step == 1
-        decode = select(q_heads=32, kv_heads=4, q_len=1, kv_len=1000, head_dim=128, dtype=jnp.bfloat16, generation=generation)
-        assert (decode.block_q, decode.block_kv, decode.kv_heads_per_step) == (1, 1000, 4)
-        long_decode = select(q_heads=32, kv_heads=4, q_len=1, kv_len=32768, head_dim=128, dtype=jnp.bfloat16, generation=generation)
-        assert long_decode.block_kv % 128 == 0 and long_decode.block_kv >= 2048
-        assert 4 % long_decode.kv_heads_per_step == 0
-    # 16 query heads per KV head, D=256, float32: v5e's smaller budget forces smaller query blocks.
-    large = select(q_heads=64, kv_heads=4, q_len=8192, kv_len=8192, head_dim=256, dtype=jnp.float32, generation="v5e")
-    assert large.block_q in (32, 64, 128, 256) and large.block_kv % 128 == 0
-    assert large.block_q < select(q_heads=8, kv_heads=1, q_len=8192, kv_len=8192, head_dim=128, dtype=jnp.bfloat16, generation="v5e").block_q
-    with pytest.raises(ValueError, match="generation"):
-        select(q_heads=8, kv_heads=1, q_len=8, kv_len=8, head_dim=64, dtype=jnp.float32, generation="v2")
-
-
 def test_bad_config_raises(kernel):
     q = jnp.zeros((1, 4, 1, 64), jnp.float32)
     k = jnp.zeros((1, 2, 300, 64), jnp.float32)
     for config, match in [
-        (kernel.kernel.AttentionConfig(1, 100, 16 * 2**20), "block_kv"),
-        (kernel.kernel.AttentionConfig(1, 128, 16 * 2**20, kv_heads_per_step=3), "kv_heads_per_step"),
+        (kernel.config.AttentionConfig(1, 100, 16 * 2**20), "block_kv"),
+        (kernel.config.AttentionConfig(1, 128, 16 * 2**20, kv_heads_per_step=3), "kv_heads_per_step"),
     ]:
         with pytest.raises(ValueError, match=match):
-            kernel.kernel.flash_attention(q, k, k, config=config)
+            kernel.pallas_tpu.flash_attention(q, k, k, config=config)

@@ -106,3 +106,52 @@ def test_fused_op_refuses_unknown_gate_and_half_biases(kernel):
         kernel.gated_experts(*args, activation="relu", weights_transposed=False)
     with pytest.raises(ValueError, match="both gate_up_bias and down_bias"):
         kernel.gated_experts(*args, torch.zeros(NUM_EXPERTS, 192), activation="silu", weights_transposed=False)
+
+
+def test_fused_op_refuses_misshapen_weights_and_routing(kernel):
+    experts = _experts(torch.float32)
+    hidden, index, weights = torch.randn(2, 64), torch.zeros(2, 3, dtype=torch.int64), torch.ones(2, 3)
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    calls = [
+        (dict(gate_up_proj=gate_up[:, :, :32]), ValueError, r"expected gate_up_proj \[E, 2I, H\] and down_proj"),
+        (dict(down_proj=down[:4]), ValueError, "expected gate_up_proj"),
+        (dict(down_proj=down.bfloat16()), TypeError, "must share one dtype"),
+        (dict(gate_up_bias=torch.zeros(NUM_EXPERTS, 5), down_bias=torch.zeros(NUM_EXPERTS, 64)), ValueError,
+         r"gate_up_bias must be \[8, 192\]"),
+        (dict(top_k_index=index.float()), TypeError, "top_k_index must be int32 or int64"),
+        (dict(top_k_weights=weights[:, :2]), ValueError, "top_k_weights must have top_k_index's shape"),
+        (dict(hidden_states=hidden[None]), ValueError, "hidden_states must be 2-D"),
+    ]
+    for change, error, match in calls:
+        args = dict(hidden_states=hidden, top_k_index=index, top_k_weights=weights, gate_up_proj=gate_up,
+                    down_proj=down)
+        args.update(change)
+        with pytest.raises(error, match=match):
+            kernel.gated_experts(**args, activation="silu", weights_transposed=False)
+
+
+@pytest.mark.parametrize("hidden_act", ["silu", "relu"])
+def test_experts_forward_checks_the_routing_on_both_paths(kernel, hidden_act):
+    experts = _experts(torch.float32, hidden_act=hidden_act)
+    hidden = torch.randn(4, 64)
+    index, weights = _routing(4, 3, seed=6)
+    with pytest.raises(TypeError, match="top_k_index must be int32 or int64"):
+        kernel.experts_forward(experts, hidden, index.float(), weights)
+    with pytest.raises(ValueError, match="top_k_index must be"):
+        kernel.experts_forward(experts, hidden, index[:3], weights[:3])
+
+
+def test_composed_path_reads_no_group_sizes_back(kernel, monkeypatch):
+    """The composed path counts its own group sizes: ragged_dot's host-side value check is not run per call."""
+    experts = _experts(torch.float32, hidden_act="relu")
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(7))
+    index, weights = _routing(5, 3, seed=7)
+
+    def refuse(*args):
+        raise AssertionError("group sizes read back inside an experts layer")
+
+    monkeypatch.setattr(kernel.ops, "check_group_sizes", refuse)
+    torch.testing.assert_close(kernel.experts_forward(experts, hidden, index, weights), experts(hidden, index, weights),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(AssertionError, match="read back"):
+        kernel.ragged_dot(hidden, torch.randn(2, 64, 32), torch.tensor([5, 0], dtype=torch.int32))

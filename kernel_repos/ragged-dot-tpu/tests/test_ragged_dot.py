@@ -4,6 +4,8 @@ Race detection and NaN-filled uninitialised memory are on (tpu_kernels pytest
 plugin), so a kernel that reads garbage or races fails here.
 """
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -55,15 +57,88 @@ def test_matches_reference(kernel, m, k, n, group_sizes, transpose_rhs, dtype):
     assert torch.equal(out[rows:], torch.zeros_like(out[rows:])), "rows past the groups must be zero"
 
 
-def test_small_tiles_straddle_groups_and_ragged_k(kernel):
-    """Tiles smaller than the data: groups straddle row tiles, K and N have ragged edges."""
-    lhs, rhs, sizes = _random_inputs(300, 200, 300, [17, 0, 200, 40], True, torch.float32, seed=3)
-    config = kernel.config.TileConfig(tile_m=64, tile_k=128, tile_n=128)
+def _interpret(fn):
+    """Runs `fn` in TPU interpret mode with race detection and NaN-filled uninitialised memory."""
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")):
-        out = kernel.kernel.ragged_dot(lhs.numpy(), rhs.numpy(), sizes.numpy(), transpose_rhs=True, config=config)
-    assert not interpret_pallas_call.races.races_found
-    expected = kernel.reference.ragged_dot_reference(lhs.double(), rhs.double(), sizes, transpose_rhs=True)
-    assert _relative_error(torch.from_numpy(np.array(out)), expected) <= 1e-5
+        out = jax.block_until_ready(fn())
+    assert not interpret_pallas_call.races.races_found, "the TPU interpreter found a data race"
+    return torch.from_numpy(np.array(out.astype(jnp.float32)))
+
+
+def _jax(tensor):
+    return jnp.asarray(tensor.float().numpy(), jnp.bfloat16 if tensor.dtype == torch.bfloat16 else jnp.float32)
+
+
+# Multi-tile schedules through the JAX function with explicit small tiles, so
+# that every part of the schedule runs at affordable sizes. Each case names
+# what it forces.
+SCHEDULE_CASES = {
+    # 4 row tiles (last 4 rows), 3 K tiles (last 44 columns), 2 N tiles (last 72);
+    # groups straddle row tiles; rows 80..99 are past the groups, row tile 3 is
+    # a zero-writing tail item.
+    "tail-tiles-m-k-n": (100, 300, 200, [20, 0, 45, 15], (32, 128, 128, None, 1)),
+    # Row chunks: a 64-row tile in chunks of 48 and 16 rows, chunks outside the
+    # group skipped; two tail tiles past the groups.
+    "row-chunks": (150, 256, 128, [7, 30, 0, 50, 3], (64, 256, 128, 48, 1)),
+    # Three group slots per step over one resident row tile: 4 active groups
+    # leave 2 idle slots in the second step; K and N tiles with tails.
+    "groups-per-step-3": (40, 200, 160, [5, 0, 12, 7, 0, 9], (40, 128, 128, None, 3)),
+    # Two group slots with row chunks (16 + 16 + 8 rows); rows past the groups.
+    "groups-per-step-2-chunks": (40, 128, 256, [9, 14, 0, 6], (40, 128, 128, 16, 2)),
+    # No rows in any group: only the zero-writing tail item, in a step whose second slot is idle.
+    "all-groups-empty": (24, 128, 128, [0, 0, 0], (24, 128, 128, None, 2)),
+    # Every row tile past the groups but the first: three zero-writing tail items.
+    "tail-items": (64, 128, 256, [3, 0, 5], (16, 128, 256, None, 1)),
+}
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(SCHEDULE_CASES))
+def test_multi_tile_schedules_match_reference(kernel, case, dtype, transpose_rhs):
+    m, k, n, group_sizes, tiles = SCHEDULE_CASES[case]
+    config = kernel.config.TileConfig(*tiles)
+    lhs, rhs, sizes = _random_inputs(m, k, n, group_sizes, transpose_rhs, dtype, seed=len(case))
+    out = _interpret(
+        lambda: kernel.pallas_tpu.ragged_dot(_jax(lhs), _jax(rhs), jnp.asarray(sizes.numpy()),
+                                             transpose_rhs=transpose_rhs, config=config)
+    )
+    expected = kernel.reference.ragged_dot_reference(lhs.double(), rhs.double(), sizes, transpose_rhs=transpose_rhs)
+    assert not torch.isnan(out).any()
+    rows = sum(group_sizes)
+    assert torch.equal(out[rows:], torch.zeros_like(out[rows:])), "rows past the groups must be zero"
+    if rows:
+        assert _relative_error(out, expected) <= _tolerance(dtype)
+
+
+def test_schedule_cases_cover_what_they_name(kernel):
+    """The schedule cases above really run several tiles, tails, slots and chunks."""
+    make_work_items = kernel.pallas_tpu.make_work_items
+    seen = set()
+    for m, k, n, group_sizes, tiles in SCHEDULE_CASES.values():
+        config = kernel.config.TileConfig(*tiles)
+        kernel.config.check_config(config, m, k, n, jnp.bfloat16)
+        items = make_work_items(jnp.asarray(group_sizes, jnp.int32), m, config.tile_m)
+        count = int(items.count[0])
+        tail_items = int(jnp.sum(items.row_end[:count] == 0))
+        seen.update(
+            name
+            for name, present in {
+                "m tail": m % config.tile_m and m > config.tile_m,
+                "k tail": k % config.tile_k and k > config.tile_k,
+                "n tail": n % config.tile_n and n > config.tile_n,
+                "idle slots": count % config.groups_per_step,
+                "several slots": config.groups_per_step > 1,
+                "chunks": config.chunk_m is not None and config.chunk_m < config.tile_m,
+                "zero-writing tail item": tail_items > 0,
+                "rows past the groups": sum(group_sizes) < m,
+            }.items()
+            if present
+        )
+    assert seen == {
+        "m tail", "k tail", "n tail", "idle slots", "several slots", "chunks", "zero-writing tail item",
+        "rows past the groups",
+    }
 
 
 def test_traces_under_torch_compile(kernel):

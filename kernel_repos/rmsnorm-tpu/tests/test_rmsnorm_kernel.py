@@ -1,4 +1,4 @@
-"""The Pallas kernels themselves (kernel.py of the built variant), in TPU interpret mode.
+"""The Pallas kernels themselves (pallas_tpu.py of the built variant), in TPU interpret mode.
 
 Small blocks are forced so every case has several row blocks and a ragged last
 one; uninitialised memory is NaN, so a garbage row leaking into a valid output
@@ -6,7 +6,6 @@ or into the weight gradient shows up as NaN.
 """
 
 import contextlib
-import math
 
 import jax
 import jax.numpy as jnp
@@ -57,8 +56,8 @@ def test_forward_kernels_on_ragged_row_blocks(kernel, leading, hidden, dtype, bl
     weight = random_array(2, (hidden,), dtype)
     eps = 1e-6
     with tpu_interpreter():
-        y = kernel.kernel.rms_norm(x, weight, eps=eps, offset=offset, block_rows=block_rows)
-        fused_y, new_residual = kernel.kernel.fused_add_rms_norm(
+        y = kernel.pallas_tpu.rms_norm(x, weight, eps=eps, offset=offset, block_rows=block_rows)
+        fused_y, new_residual = kernel.pallas_tpu.fused_add_rms_norm(
             x, residual, weight, eps=eps, offset=offset, block_rows=block_rows
         )
         jax.block_until_ready((y, fused_y, new_residual))
@@ -85,8 +84,8 @@ def test_backward_kernels_on_ragged_row_blocks(kernel, leading, hidden, dtype, b
     weight = random_array(6, (hidden,), dtype)
     eps = 1e-5
     with tpu_interpreter():
-        dx, dweight = kernel.kernel.rms_norm_backward(grad, x, weight, eps=eps, offset=offset, block_rows=block_rows)
-        dsum, dweight_fused = kernel.kernel.fused_add_rms_norm_backward(
+        dx, dweight = kernel.pallas_tpu.rms_norm_backward(grad, x, weight, eps=eps, offset=offset, block_rows=block_rows)
+        dsum, dweight_fused = kernel.pallas_tpu.fused_add_rms_norm_backward(
             grad, grad_residual, x, weight, eps=eps, offset=offset, block_rows=block_rows
         )
         jax.block_until_ready((dx, dweight, dsum, dweight_fused))
@@ -102,54 +101,7 @@ def test_backward_kernels_on_ragged_row_blocks(kernel, leading, hidden, dtype, b
     assert_close(dweight_fused, expected_dweight, dtype)
 
 
-@pytest.mark.parametrize("generation", ["v5e", "v6e"])
-@pytest.mark.parametrize(
-    "kernel_name", ["rms_norm", "fused_add_rms_norm", "rms_norm_backward", "fused_add_rms_norm_backward"]
-)
-def test_select_config_aligns_blocks_and_fits_scoped_vmem(kernel, generation, kernel_name):
-    k = kernel.kernel
-    chip = k.GENERATIONS[generation]
-    for rows in (1, 7, 64, 1000, 8192, 100_003):
-        for hidden in (96, 200, 2048, 2816, 4096, 5120, 7168):
-            for dtype in (jnp.float32, jnp.bfloat16):
-                config = k.select_config(rows, hidden, dtype, generation, kernel=kernel_name)
-                assert config.block_rows == rows or config.block_rows % k.sublane_multiple(dtype) == 0
-                assert 1 <= config.block_rows <= rows
-                assert config.vmem_limit_bytes is None
-                used = k._vmem_bytes(config.block_rows, hidden, dtype, k.KERNELS[kernel_name])
-                assert used <= chip.scoped_vmem_bytes * k.VMEM_BUDGET_FRACTION
-                # Equal blocks: the ragged last block wastes less than one alignment unit per block.
-                blocks = math.ceil(rows / config.block_rows)
-                assert blocks * config.block_rows - rows < blocks * k.sublane_multiple(dtype)
-
-
-def test_select_config_follows_the_generation(kernel):
-    k = kernel.kernel
-    v5e = k.select_config(8192, 4096, jnp.bfloat16, "v5e")
-    v6e = k.select_config(8192, 4096, jnp.bfloat16, "v6e")
-    assert v5e.block_rows < v6e.block_rows  # 16 MiB vs 32 MiB of scoped VMEM
-    assert k.select_config(64, 4096, jnp.bfloat16, "v6e").block_rows == 64  # one full block: nothing to pipeline
-
-
-def test_select_config_raises_the_vmem_limit_for_huge_rows_and_refuses_beyond_capacity(kernel):
-    k = kernel.kernel
-    config = k.select_config(64, 131_072, jnp.float32, "v5e", kernel="fused_add_rms_norm")
-    assert config.block_rows == 8 and 16 * k.MIB < config.vmem_limit_bytes <= 96 * k.MIB
-    with pytest.raises(ValueError, match="hidden=262144 is too large for fused_add_rms_norm on v5e"):
-        k.select_config(64, 262_144, jnp.float32, "v5e", kernel="fused_add_rms_norm")
-
-
-def test_bad_config_arguments_are_rejected(kernel):
-    k = kernel.kernel
-    with pytest.raises(ValueError, match="generation must be one of"):
-        k.select_config(8, 128, jnp.float32, "v3")
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        k.select_config(8, 128, jnp.float32, "v6e", kernel="layer_norm")
+def test_explicit_block_rows_are_checked(kernel):
     with pytest.raises(ValueError, match="block_rows must be a multiple of 16"):
-        k.rms_norm(jnp.ones((40, 128), jnp.bfloat16), jnp.ones((128,), jnp.bfloat16), eps=1e-6, block_rows=8)
-    with pytest.raises(ValueError, match="weight shape"):
-        k.rms_norm(jnp.ones((4, 128)), jnp.ones((64,)), eps=1e-6)
-    with pytest.raises(TypeError, match="x must be float32 or bfloat16"):
-        k.rms_norm(jnp.ones((4, 128), jnp.int32), jnp.ones((128,)), eps=1e-6)
-    with pytest.raises(ValueError, match="eps must be a finite number > 0"):
-        k.rms_norm(jnp.ones((4, 128)), jnp.ones((128,)), eps=0.0)
+        kernel.pallas_tpu.rms_norm(jnp.ones((40, 128), jnp.bfloat16), jnp.ones((128,), jnp.bfloat16), eps=1e-6,
+                                   block_rows=8)

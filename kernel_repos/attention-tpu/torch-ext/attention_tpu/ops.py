@@ -1,4 +1,7 @@
-"""Torch ops of the attention kernel and their input checks."""
+"""Torch ops of the attention kernel, and the one place their inputs are checked.
+
+The JAX function (`pallas_tpu.flash_attention`) assumes valid inputs.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +11,32 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from . import kernel
+from . import pallas_tpu
 from ._ops import add_op_namespace_prefix, jax_torch_op
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _attention(q, k, v, q_offset, kv_lengths, attention_mask, scale, causal, sliding_window, softcap) -> jax.Array:
+    """What both ops run; `attention_mask` is None, int8 (a bool mask across the boundary) or floating."""
+    # Boolean masks cross the torch/JAX boundary as int8 (nonzero = attend).
+    if attention_mask is not None and attention_mask.dtype == jnp.int8:
+        attention_mask = attention_mask != 0
+    return pallas_tpu.flash_attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        causal=causal,
+        q_offset=q_offset,
+        kv_lengths=kv_lengths,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        attention_mask=attention_mask,
+    )
+
+
+# With and without a mask: two ops until the binding takes optional tensors.
 @jax_torch_op(add_op_namespace_prefix("flash_attention"))
 def _flash_attention(
     q: jax.Array,
@@ -26,17 +49,7 @@ def _flash_attention(
     sliding_window: int | None,
     softcap: float | None,
 ) -> jax.Array:
-    return kernel.flash_attention(
-        q,
-        k,
-        v,
-        scale=scale,
-        causal=causal,
-        q_offset=q_offset,
-        kv_lengths=kv_lengths,
-        sliding_window=sliding_window,
-        softcap=softcap,
-    )
+    return _attention(q, k, v, q_offset, kv_lengths, None, scale, causal, sliding_window, softcap)
 
 
 @jax_torch_op(add_op_namespace_prefix("flash_attention_masked"))
@@ -52,21 +65,7 @@ def _flash_attention_masked(
     sliding_window: int | None,
     softcap: float | None,
 ) -> jax.Array:
-    # Boolean masks cross the torch/JAX boundary as int8 (nonzero = attend).
-    if attention_mask.dtype == jnp.int8:
-        attention_mask = attention_mask != 0
-    return kernel.flash_attention(
-        q,
-        k,
-        v,
-        scale=scale,
-        causal=causal,
-        q_offset=q_offset,
-        kv_lengths=kv_lengths,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        attention_mask=attention_mask,
-    )
+    return _attention(q, k, v, q_offset, kv_lengths, attention_mask, scale, causal, sliding_window, softcap)
 
 
 def _check_tensor(name: str, value) -> None:
@@ -87,8 +86,8 @@ def check_attention_args(query, key, value, *, scale, q_offset, kv_lengths, slid
         raise ValueError(f"query and key must have the same batch size, got {batch} and {kv_batch}")
     if kv_head_dim != head_dim:
         raise ValueError(f"query and key must have the same head_dim, got {head_dim} and {kv_head_dim}")
-    if head_dim not in kernel.SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {kernel.SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if head_dim not in pallas_tpu.SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {pallas_tpu.SUPPORTED_HEAD_DIMS}, got {head_dim}")
     if kv_heads == 0 or q_heads % kv_heads:
         raise ValueError(
             f"the number of query heads ({q_heads}) must be a multiple of the number of key/value heads ({kv_heads})"

@@ -8,8 +8,10 @@ and CI).
 # Submodules are bound by name here, not only imported: `kernels` may load the
 # same build (same module id) from a second path, and then Python reuses the
 # cached submodules without setting them as attributes of the new package.
-from . import config, experts, kernel, moe, ops, reference
+from . import config, experts, moe, ops, pallas_tpu, reference
 from .experts import experts_forward
 from .ops import gated_experts, ragged_dot
 
-__all__ = ["config", "experts", "experts_forward", "gated_experts", "kernel", "moe", "ops", "ragged_dot", "reference"]
+__all__ = [
+    "config", "experts", "experts_forward", "gated_experts", "moe", "ops", "pallas_tpu", "ragged_dot", "reference",
+]

@@ -1,10 +1,11 @@
 """Tile sizes per shape and TPU generation.
 
 Kept apart from the kernel so that tuning changes data, not kernel code.
-`select_config` looks the shape up in `tile_table.TABLE` (produced by
-`benchmarks/search_ragged_dot_tiles.py`, a search over the HBM traffic and
-roofline model) and falls back to a VMEM-aware heuristic for shapes the table
-does not hold.
+`select_config` takes the tuned config (`tuned_config`: the shape looked up
+in `tile_table.TABLE`, produced by `benchmarks/search_ragged_dot_tiles.py`, a
+search over the HBM traffic and roofline model) and falls back to a
+VMEM-aware heuristic (`heuristic_config`) for shapes the table does not hold.
+TPU facts (VMEM, bandwidth, MXU peak, tiling) come from `_hardware.py`.
 
 A config has five knobs:
 - `tile_m`, `tile_k`, `tile_n`: the lhs `(tile_m, tile_k)`, rhs `(tile_k,
@@ -26,19 +27,16 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 
-DEFAULT_GENERATION = "v6e"
-GENERATIONS = ("v5e", "v6e")
+from ._hardware import (
+    LANES, MAX_VMEM_LIMIT_BYTES, MOSAIC_SCRATCH_BYTES, check_generation, resolve_generation, round_up,
+    sublane_multiple, tpu_generation, vmem_limit_bytes,
+)
 
-# Both v5e and v6e have 128 MiB of VMEM per TensorCore (jax's TpuInfo table).
-# The kernel raises its scoped VMEM limit to what its blocks need plus
-# headroom for Mosaic's own scratch, never past the cap.
-VMEM_CAPACITY_BYTES = 128 << 20
-VMEM_HEADROOM_BYTES = 4 << 20
-VMEM_LIMIT_CAP_BYTES = 100 << 20
-VMEM_BUDGET_BYTES = VMEM_LIMIT_CAP_BYTES - VMEM_HEADROOM_BYTES
+# What a config's blocks may take: the most the kernel asks Mosaic for, less
+# Mosaic's own scratch.
+VMEM_BUDGET_BYTES = MAX_VMEM_LIMIT_BYTES - MOSAIC_SCRATCH_BYTES
 
 # Every (group slot, row chunk) pair is one matmul unrolled in the kernel
 # body. Mosaic's compile time grows with their number and, above all, with
@@ -53,39 +51,22 @@ MAX_GROUPS_PER_STEP = 4
 # Blocks of the heuristic fallback: weights blocks of about this many bytes
 # keep the per-step cost small next to their DMA (4 MiB take 2.6 us on v6e).
 HEURISTIC_RHS_BLOCK_BYTES = {"v5e": 8 << 20, "v6e": 16 << 20}
-# Rows per MXU pass at which a step's matmul takes as long as streaming its
-# weights (peak FLOP/s / HBM bytes/s, bf16): below, decode stays HBM-bound.
-RIDGE_ROWS = {"v5e": 240, "v6e": 560}
+# Row tiles of the heuristic when the rows do not stay resident: about the
+# ridge (`ridge_rows`: 240 on v5e, 560 on v6e), where a step's matmul takes as
+# long as its weights' DMA. Chunks of 128 rows bound the MXU work a group's
+# last partial chunk wastes; not tuned.
+HEURISTIC_ROW_TILE = {"v5e": 256, "v6e": 512}
+HEURISTIC_CHUNK_M = 128
 
 
 class TileConfig(NamedTuple):
+    """Blocks of one ragged_dot call (the five knobs in the module docstring)."""
+
     tile_m: int
     tile_k: int
     tile_n: int
     chunk_m: int | None = None
     groups_per_step: int = 1
-
-
-def current_generation() -> str:
-    """The TPU generation of the default device; off-TPU the CPU path simulates v6e."""
-    device = jax.devices()[0]
-    if device.platform != "tpu":
-        return DEFAULT_GENERATION
-    kind = device.device_kind.lower()
-    if "v5 lite" in kind or "v5e" in kind:
-        return "v5e"
-    if "v6" in kind:
-        return "v6e"
-    return DEFAULT_GENERATION
-
-
-def sublane_rows(dtype) -> int:
-    """Rows of one native (sublane, 128) VMEM tile: 8 for 32-bit, 16 for bf16."""
-    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
 
 
 def vmem_bytes(config: TileConfig, m: int, k: int, n: int, dtype) -> int:
@@ -96,10 +77,10 @@ def vmem_bytes(config: TileConfig, m: int, k: int, n: int, dtype) -> int:
     the native (sublane, 128) tile.
     """
     itemsize = jnp.dtype(dtype).itemsize
-    sublanes = sublane_rows(dtype)
+    sublanes = sublane_multiple(dtype)
 
     def block(rows: int, cols: int, size: int = itemsize) -> int:
-        return _round_up(rows, sublanes) * _round_up(cols, 128) * size
+        return round_up(rows, sublanes) * round_up(cols, LANES) * size
 
     tile_m, tile_k, tile_n = min(config.tile_m, m), min(config.tile_k, k), min(config.tile_n, n)
     lhs_buffers = 1 if (tile_m, tile_k) == (m, k) else 2
@@ -115,7 +96,7 @@ def check_config(config: TileConfig, m: int, k: int, n: int, dtype) -> None:
     """Raises ValueError if `config` cannot run `lhs[m,k] x rhs[.,k,n]` of `dtype`."""
     if not isinstance(config, TileConfig):
         raise TypeError(f"config must be a TileConfig, got {type(config).__name__}")
-    sublanes = sublane_rows(dtype)
+    sublanes = sublane_multiple(dtype)
     for name in ("tile_m", "tile_k", "tile_n", "groups_per_step"):
         value = getattr(config, name)
         if not isinstance(value, int) or value < 1:
@@ -124,8 +105,8 @@ def check_config(config: TileConfig, m: int, k: int, n: int, dtype) -> None:
         raise ValueError(f"config.tile_m={config.tile_m} must be a multiple of {sublanes} or cover all {m} rows")
     for name, dim in (("tile_k", k), ("tile_n", n)):
         value = getattr(config, name)
-        if value < dim and value % 128:
-            raise ValueError(f"config.{name}={value} must be a multiple of 128 or cover the whole dimension {dim}")
+        if value < dim and value % LANES:
+            raise ValueError(f"config.{name}={value} must be a multiple of {LANES} or cover the whole dimension {dim}")
     tile_m = min(config.tile_m, m)
     if config.chunk_m is not None:
         if not isinstance(config.chunk_m, int) or config.chunk_m < 1:
@@ -162,7 +143,7 @@ def resolve(entry: dict, m: int, k: int, n: int, dtype) -> TileConfig:
     as many rows as slots; chunks grow until the unrolled matmuls stay within
     bounds.
     """
-    sublanes = sublane_rows(dtype)
+    sublanes = sublane_multiple(dtype)
     tile_m = m if entry["tile_m"] == "m" else min(int(entry["tile_m"]), m)
     groups_per_step = int(entry.get("groups_per_step", 1))
     if tile_m < m or m < groups_per_step:
@@ -170,7 +151,7 @@ def resolve(entry: dict, m: int, k: int, n: int, dtype) -> TileConfig:
     chunk_m = entry.get("chunk_m")
     if chunk_m is not None:
         max_chunks = MAX_UNROLLED_MATMULS // groups_per_step
-        chunk_m = max(int(chunk_m), _round_up(math.ceil(tile_m / max_chunks), sublanes))
+        chunk_m = max(int(chunk_m), round_up(math.ceil(tile_m / max_chunks), sublanes))
         if chunk_m >= tile_m:
             chunk_m = None
     return TileConfig(
@@ -202,43 +183,65 @@ def _table_entry(m: int, k: int, n: int, num_groups: int | None, dtype, generati
     return min(candidates, key=distance)
 
 
+def tuned_config(
+    m: int, k: int, n: int, dtype, generation: str, num_groups: int | None = None
+) -> TileConfig | None:
+    """The searched table's config for this shape, made concrete for `m`; None if the table has none that fits."""
+    entry = _table_entry(m, k, n, num_groups, dtype, check_generation(generation))
+    if entry is None:
+        return None
+    config = resolve(entry, m, k, n, dtype)
+    return config if _fits(config, m, k, n, dtype) else None
+
+
+def ridge_rows(generation: str) -> int:
+    """Rows per MXU pass at which a step's matmul takes as long as streaming its weights.
+
+    bf16 peak FLOP/s over HBM bytes/s (2 FLOPs per weight element of 2
+    bytes): 240 on v5e, 560 on v6e. Below it, decode stays HBM-bound.
+    """
+    facts = tpu_generation(generation)
+    return int(facts.bf16_flops_per_s / facts.hbm_bytes_per_s)
+
+
 def heuristic_config(m: int, k: int, n: int, dtype, generation: str, num_groups: int | None = None) -> TileConfig:
     """VMEM-aware fallback for shapes the table does not hold.
 
-    Weights blocks are as large as the budget allows (K whole if it fits, N
-    whole or cut in multiples of 256) so each active group's weights are
-    fetched once per N tile in few grid steps. Rows: one resident tile with
-    128-row chunks when that fits VMEM and the MXU work of a step stays under
-    its weight DMA, else tiles of 256 (v5e) / 512 (v6e) rows in 128-row chunks.
+    Weights blocks are as large as HEURISTIC_RHS_BLOCK_BYTES allows (K whole
+    if it fits, else halved down to 512; N whole or halved in multiples of
+    256, v6e's MXU width) so each active group's weights are fetched once per
+    N tile in few grid steps. Rows: one resident tile in HEURISTIC_CHUNK_M-row
+    chunks when the rows per group stay under `ridge_rows`, else
+    HEURISTIC_ROW_TILE rows, else one chunk of rows; the first that fits.
     """
+    generation = check_generation(generation)
     itemsize = jnp.dtype(dtype).itemsize
-    rhs_block_bytes = HEURISTIC_RHS_BLOCK_BYTES.get(generation, HEURISTIC_RHS_BLOCK_BYTES[DEFAULT_GENERATION])
-    ridge = RIDGE_ROWS.get(generation, RIDGE_ROWS[DEFAULT_GENERATION])
+    rhs_block_bytes = HEURISTIC_RHS_BLOCK_BYTES[generation]
 
     tile_k = k
     tile_n = n
     while tile_k * tile_n * itemsize > rhs_block_bytes and tile_n > 256:
-        tile_n = max(256, _round_up(tile_n // 2, 256))
+        tile_n = max(256, round_up(tile_n // 2, 256))
     while tile_k * tile_n * itemsize > rhs_block_bytes and tile_k > 512:
-        tile_k = max(512, _round_up(tile_k // 2, 256))
+        tile_k = max(512, round_up(tile_k // 2, 256))
 
     rows_per_group = m / max(num_groups or 1, 1)
-    chunk = 128
-    tiled_m = 512 if generation == "v6e" else 256
+    chunk = HEURISTIC_CHUNK_M
+    tiled_m = min(HEURISTIC_ROW_TILE[generation], m)
     candidates = []
-    if rows_per_group <= ridge:
+    if rows_per_group <= ridge_rows(generation):
         candidates.append(TileConfig(m, tile_k, tile_n, chunk if m > chunk else None))
-    candidates.append(TileConfig(min(tiled_m, m), tile_k, tile_n, chunk if min(tiled_m, m) > chunk else None))
-    candidates.append(TileConfig(min(128, m), tile_k, tile_n))
+    candidates.append(TileConfig(tiled_m, tile_k, tile_n, chunk if tiled_m > chunk else None))
+    candidates.append(TileConfig(min(chunk, m), tile_k, tile_n))
     for config in candidates:
         if _fits(config, m, k, n, dtype):
             return config
     # Shrink the weights block until the smallest row tile fits.
     config = candidates[-1]
-    while not _fits(config, m, k, n, dtype) and config.tile_n > 128:
-        config = config._replace(tile_n=max(128, _round_up(config.tile_n // 2, 128)))
-    while not _fits(config, m, k, n, dtype) and config.tile_k > 128:
-        config = config._replace(tile_k=max(128, _round_up(config.tile_k // 2, 128)))
+    while not _fits(config, m, k, n, dtype) and config.tile_n > LANES:
+        config = config._replace(tile_n=max(LANES, round_up(config.tile_n // 2, LANES)))
+    while not _fits(config, m, k, n, dtype) and config.tile_k > LANES:
+        config = config._replace(tile_k=max(LANES, round_up(config.tile_k // 2, LANES)))
     return config
 
 
@@ -265,10 +268,11 @@ def select_config(
     and dtype, made concrete for `m`; the heuristic when the table has no
     entry for (K, N) or the entry does not fit VMEM at this `m`.
     """
-    generation = generation or current_generation()
-    entry = _table_entry(m, k, n, num_groups, dtype, generation)
-    if entry is not None:
-        config = resolve(entry, m, k, n, dtype)
-        if _fits(config, m, k, n, dtype):
-            return config
-    return heuristic_config(m, k, n, dtype, generation, num_groups)
+    generation = resolve_generation(generation)
+    config = tuned_config(m, k, n, dtype, generation, num_groups)
+    return config if config is not None else heuristic_config(m, k, n, dtype, generation, num_groups)
+
+
+def vmem_limit(config: TileConfig, m: int, k: int, n: int, dtype) -> int:
+    """The scoped VMEM limit the kernel asks Mosaic for with `config`."""
+    return vmem_limit_bytes(vmem_bytes(config, m, k, n, dtype))

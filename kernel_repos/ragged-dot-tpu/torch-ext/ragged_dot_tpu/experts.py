@@ -60,7 +60,12 @@ def fused_gate(experts: torch.nn.Module) -> dict | None:
 def composed_experts_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """Any experts layout: torch ops for gating, biases and routing around two ragged_dot calls."""
+    """Any experts layout: torch ops for gating, biases and routing around two ragged_dot calls.
+
+    The routing is checked once here; the ragged_dot calls count their group
+    sizes from it and check only shapes (`ops.routed_ragged_dot`).
+    """
+    ops.check_routing(hidden_states, top_k_index, top_k_weights)
     num_tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[1]
     num_experts = self.num_experts
@@ -77,12 +82,12 @@ def composed_experts_forward(
 
     up_weight = self.gate_up_proj if self.has_gate else self.up_proj
     rows = hidden_states[order // top_k].to(up_weight.dtype)
-    proj = ops._ragged_dot(rows, up_weight, group_sizes, transpose_rhs)
+    proj = ops.routed_ragged_dot(rows, up_weight, group_sizes, transpose_rhs)
     if self.has_bias:
         up_bias = self.gate_up_proj_bias if self.has_gate else self.up_proj_bias
         proj = proj + up_bias[bias_rows]
     proj = self._apply_gate(proj) if self.has_gate else self.act_fn(proj)
-    out = ops._ragged_dot(proj.to(self.down_proj.dtype), self.down_proj, group_sizes, transpose_rhs)
+    out = ops.routed_ragged_dot(proj.to(self.down_proj.dtype), self.down_proj, group_sizes, transpose_rhs)
     if self.has_bias:
         out = out + self.down_proj_bias[bias_rows]
     if getattr(self, "has_post_expert_norm", False):
@@ -102,7 +107,8 @@ def experts_forward(
     """transformers ExpertsInterface signature: `[T,H], [T,K], [T,K] -> [T,H]`.
 
     Picks with id == num_experts are expert-parallel sentinels: never computed,
-    contributing zero.
+    contributing zero. Inputs are checked once per call, by the op that runs
+    the layer (`ops.gated_experts`, or `ops.check_routing` on the composed path).
     """
     gate = fused_gate(self)
     if gate is None:

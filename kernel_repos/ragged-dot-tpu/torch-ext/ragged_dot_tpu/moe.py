@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .kernel import ragged_dot
+from .pallas_tpu import ragged_dot
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,

@@ -1,21 +1,31 @@
-"""Torch ops of this kernel and their input checks."""
+"""Torch ops of this kernel and the one place their inputs are checked.
+
+Every torch-facing entry checks its inputs here before any kernel runs; the
+JAX functions (`pallas_tpu.py`, `moe.py`) assume valid inputs. The checks
+that read values back to the host (group sizes) run once per public call;
+an experts layer that counts its own group sizes uses `routed_ragged_dot`,
+which checks shapes only (see there).
+"""
 
 from __future__ import annotations
 
 import jax
 import torch
 
-from . import kernel, moe
+from . import moe, pallas_tpu
 from ._ops import add_op_namespace_prefix, jax_torch_op
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @jax_torch_op(add_op_namespace_prefix("ragged_dot"))
 def _ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, transpose_rhs: bool) -> jax.Array:
-    return kernel.ragged_dot(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
+    return pallas_tpu.ragged_dot(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
 
 
+# The fused experts op with and without biases: two ops until the binding takes
+# optional tensors; both run the same JAX function.
 @jax_torch_op(add_op_namespace_prefix("gated_experts"))
 def _gated_experts(
     hidden_states: jax.Array,
@@ -56,10 +66,20 @@ def _gated_experts_with_bias(
     )
 
 
-def check_ragged_dot_args(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, transpose_rhs: bool) -> None:
-    for name, tensor in (("lhs", lhs), ("rhs", rhs), ("group_sizes", group_sizes)):
+def _check_tensors(**tensors) -> None:
+    """Each argument is a torch.Tensor, and all of them are on one device."""
+    for name, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    devices = {tensor.device for tensor in tensors.values()}
+    if len(devices) != 1:
+        listed = ", ".join(f"{name} on {tensor.device}" for name, tensor in tensors.items())
+        raise ValueError(f"{', '.join(tensors)} must be on one device, got {listed}")
+
+
+def check_ragged_dot_shapes(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, transpose_rhs: bool) -> None:
+    """Types, ranks, dtypes and sizes of ragged_dot's arguments: all that needs no value read back."""
+    _check_tensors(lhs=lhs, rhs=rhs, group_sizes=group_sizes)
     if lhs.dim() != 2:
         raise ValueError(f"lhs must be 2-D [M, K], got shape {tuple(lhs.shape)}")
     if rhs.dim() != 3:
@@ -81,16 +101,21 @@ def check_ragged_dot_args(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: tor
         raise ValueError(f"group_sizes has {group_sizes.shape[0]} groups but rhs has {rhs.shape[0]}")
     if lhs.shape[0] == 0:
         raise ValueError("lhs must have at least one row")
-    if len({lhs.device, rhs.device, group_sizes.device}) != 1:
-        raise ValueError(f"lhs, rhs and group_sizes must be on one device, got {lhs.device}, {rhs.device}, {group_sizes.device}")
-    # Value checks read the sizes back to the host; a compiled graph skips them
-    # rather than break on a data-dependent branch.
-    if not torch.compiler.is_compiling():
-        if bool((group_sizes < 0).any()):
-            raise ValueError(f"group_sizes must be non-negative, got {group_sizes.tolist()}")
-        total = int(group_sizes.sum())
-        if total > lhs.shape[0]:
-            raise ValueError(f"group_sizes sum to {total}, past the {lhs.shape[0]} rows of lhs")
+
+
+def check_group_sizes(group_sizes: torch.Tensor, rows: int) -> None:
+    """group_sizes non-negative and summing to at most `rows`.
+
+    Reads the sizes back to the host; a compiled graph skips the check rather
+    than break on a data-dependent branch.
+    """
+    if torch.compiler.is_compiling():
+        return
+    if bool((group_sizes < 0).any()):
+        raise ValueError(f"group_sizes must be non-negative, got {group_sizes.tolist()}")
+    total = int(group_sizes.sum())
+    if total > rows:
+        raise ValueError(f"group_sizes sum to {total}, past the {rows} rows of lhs")
 
 
 def ragged_dot(
@@ -103,8 +128,97 @@ def ragged_dot(
     is int32, non-negative, summing to at most M; rows past the sum come out
     as zeros. Accumulates in float32; returns `[M, N]` in the input dtype.
     """
-    check_ragged_dot_args(lhs, rhs, group_sizes, transpose_rhs)
+    check_ragged_dot_shapes(lhs, rhs, group_sizes, transpose_rhs)
+    check_group_sizes(group_sizes, lhs.shape[0])
     return _ragged_dot(lhs, rhs, group_sizes, transpose_rhs)
+
+
+def routed_ragged_dot(
+    lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, transpose_rhs: bool
+) -> torch.Tensor:
+    """ragged_dot inside an experts layer whose `group_sizes` count the layer's own routing.
+
+    Counts of routed picks are non-negative and sum to at most the picks (the
+    rows) by construction, so only the shapes are checked: reading the sizes
+    back for `check_group_sizes` would stall the device at every call.
+    """
+    check_ragged_dot_shapes(lhs, rhs, group_sizes, transpose_rhs)
+    return _ragged_dot(lhs, rhs, group_sizes, transpose_rhs)
+
+
+def check_routing(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
+    """The token-side arguments of an experts layer: `[T, H]`, `[T, K]` integer ids, `[T, K]` float weights.
+
+    Expert ids are not read back (that would stall the device once per layer):
+    the router produces them in `[0, num_experts]`.
+    """
+    _check_tensors(hidden_states=hidden_states, top_k_index=top_k_index, top_k_weights=top_k_weights)
+    if hidden_states.dim() != 2:
+        raise ValueError(f"hidden_states must be 2-D [T, H], got shape {tuple(hidden_states.shape)}")
+    tokens = hidden_states.shape[0]
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != tokens:
+        raise ValueError(f"top_k_index must be [T, K] with T={tokens}, got shape {tuple(top_k_index.shape)}")
+    if top_k_index.dtype not in INDEX_DTYPES:
+        raise TypeError(f"top_k_index must be int32 or int64, got {top_k_index.dtype}")
+    if top_k_weights.shape != top_k_index.shape:
+        raise ValueError(
+            f"top_k_weights must have top_k_index's shape {tuple(top_k_index.shape)}, got {tuple(top_k_weights.shape)}"
+        )
+    if not top_k_weights.dtype.is_floating_point:
+        raise TypeError(f"top_k_weights must be floating point, got {top_k_weights.dtype}")
+
+
+def check_gated_experts_args(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    *,
+    activation: str,
+    weights_transposed: bool,
+) -> None:
+    """The fused experts op's arguments, in transformers' weight layouts (see `moe.gated_experts`)."""
+    check_routing(hidden_states, top_k_index, top_k_weights)
+    if activation not in moe.GATES:
+        raise ValueError(f"activation must be one of {moe.GATES}, got {activation!r}")
+    if (gate_up_bias is None) != (down_bias is None):
+        raise ValueError("pass both gate_up_bias and down_bias, or neither")
+    weights = dict(gate_up_proj=gate_up_proj, down_proj=down_proj)
+    if gate_up_bias is not None:
+        weights.update(gate_up_bias=gate_up_bias, down_bias=down_bias)
+    _check_tensors(hidden_states=hidden_states, **weights)
+    if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
+        raise ValueError(
+            f"gate_up_proj and down_proj must be 3-D [E, out, in] (or [E, in, out] when transposed), got "
+            f"{tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}"
+        )
+    if gate_up_proj.dtype not in FLOAT_DTYPES or down_proj.dtype != gate_up_proj.dtype:
+        raise TypeError(
+            f"gate_up_proj and down_proj must share one dtype, float32 or bfloat16, got {gate_up_proj.dtype} and "
+            f"{down_proj.dtype}"
+        )
+    hidden = hidden_states.shape[1]
+    if weights_transposed:
+        (experts, gate_up_in, gate_up_out), (down_experts, down_in, down_out) = gate_up_proj.shape, down_proj.shape
+        layout = "gate_up_proj [E, H, 2I] and down_proj [E, I, H] (weights_transposed=True)"
+    else:
+        (experts, gate_up_out, gate_up_in), (down_experts, down_out, down_in) = gate_up_proj.shape, down_proj.shape
+        layout = "gate_up_proj [E, 2I, H] and down_proj [E, H, I] (weights_transposed=False)"
+    if (down_experts, gate_up_in, down_out, gate_up_out) != (experts, hidden, hidden, 2 * down_in):
+        raise ValueError(
+            f"expected {layout} with H={hidden} (hidden_states), got gate_up_proj {tuple(gate_up_proj.shape)} and "
+            f"down_proj {tuple(down_proj.shape)}"
+        )
+    if gate_up_bias is not None and (
+        tuple(gate_up_bias.shape) != (experts, gate_up_out) or tuple(down_bias.shape) != (experts, hidden)
+    ):
+        raise ValueError(
+            f"gate_up_bias must be [{experts}, {gate_up_out}] and down_bias [{experts}, {hidden}], got "
+            f"{tuple(gate_up_bias.shape)} and {tuple(down_bias.shape)}"
+        )
 
 
 def gated_experts(
@@ -123,10 +237,10 @@ def gated_experts(
     limit: float = float("inf"),
 ) -> torch.Tensor:
     """The fused experts op (see `moe.gated_experts`); biases come as a pair or not at all."""
-    if activation not in moe.GATES:
-        raise ValueError(f"activation must be one of {moe.GATES}, got {activation!r}")
-    if (gate_up_bias is None) != (down_bias is None):
-        raise ValueError("pass both gate_up_bias and down_bias, or neither")
+    check_gated_experts_args(
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
+        activation=activation, weights_transposed=weights_transposed,
+    )
     index = top_k_index.to(torch.int32)
     static = (activation, weights_transposed, interleaved, float(alpha), float(limit))
     if gate_up_bias is None:

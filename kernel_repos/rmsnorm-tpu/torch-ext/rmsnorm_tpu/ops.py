@@ -1,4 +1,8 @@
-"""Torch ops over the Pallas kernels, with autograd, and the public functions that validate input."""
+"""Torch ops over the Pallas kernels, with autograd, and the public functions: the one place inputs are checked.
+
+The JAX functions (`pallas_tpu.py`) assume valid inputs; the backward ops
+are reached only through autograd, with tensors the forward ops checked.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import math
 import jax
 import torch
 
-from . import kernel
+from . import pallas_tpu
 from ._ops import add_op_namespace_prefix, jax_torch_op
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -15,21 +19,21 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 @jax_torch_op(add_op_namespace_prefix("rms_norm"))
 def _rms_norm_op(x: jax.Array, weight: jax.Array, eps: float, offset: float) -> jax.Array:
-    return kernel.rms_norm(x, weight, eps=eps, offset=offset)
+    return pallas_tpu.rms_norm(x, weight, eps=eps, offset=offset)
 
 
 @jax_torch_op(add_op_namespace_prefix("rms_norm_backward"))
 def _rms_norm_backward_op(
     grad: jax.Array, x: jax.Array, weight: jax.Array, eps: float, offset: float
 ) -> tuple[jax.Array, jax.Array]:
-    return kernel.rms_norm_backward(grad, x, weight, eps=eps, offset=offset)
+    return pallas_tpu.rms_norm_backward(grad, x, weight, eps=eps, offset=offset)
 
 
 @jax_torch_op(add_op_namespace_prefix("fused_add_rms_norm"))
 def _fused_add_rms_norm_op(
     x: jax.Array, residual: jax.Array, weight: jax.Array, eps: float, offset: float
 ) -> tuple[jax.Array, jax.Array]:
-    return kernel.fused_add_rms_norm(x, residual, weight, eps=eps, offset=offset)
+    return pallas_tpu.fused_add_rms_norm(x, residual, weight, eps=eps, offset=offset)
 
 
 @jax_torch_op(add_op_namespace_prefix("fused_add_rms_norm_backward"))
@@ -41,7 +45,7 @@ def _fused_add_rms_norm_backward_op(
     eps: float,
     offset: float,
 ) -> tuple[jax.Array, jax.Array]:
-    return kernel.fused_add_rms_norm_backward(grad_y, grad_new_residual, new_residual, weight, eps=eps, offset=offset)
+    return pallas_tpu.fused_add_rms_norm_backward(grad_y, grad_new_residual, new_residual, weight, eps=eps, offset=offset)
 
 
 def _save_rms_norm_inputs(ctx, inputs, output):

@@ -41,14 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .config import (
-    VMEM_HEADROOM_BYTES,
-    VMEM_LIMIT_CAP_BYTES,
-    TileConfig,
-    check_config,
-    select_config,
-    vmem_bytes,
-)
+from .config import TileConfig, check_config, select_config, vmem_limit
 
 
 class WorkItems(NamedTuple):
@@ -125,7 +118,7 @@ def _step_item(step, slot: int, groups_per_step: int, count):
     return jnp.where(item < count, item, jnp.maximum(item - groups_per_step, 0))
 
 
-def _kernel(
+def _body(
     row_tile_ref,
     lhs_tile_ref,
     group_ref,
@@ -217,8 +210,8 @@ def ragged_dot(
 ) -> jax.Array:
     """`lhs[M,K] x rhs[G,K,N] (or [G,N,K] with transpose_rhs) -> [M,N]` per row group.
 
-    Inputs are assumed valid (the torch API checks them); `group_sizes` is int32
-    and sums to at most M.
+    Inputs are assumed valid: the torch ops check them (`ops.py`); `group_sizes`
+    is int32 and sums to at most M.
     """
     m, k = lhs.shape
     num_groups = rhs.shape[0]
@@ -263,8 +256,8 @@ def ragged_dot(
     rhs_block = (None, tile_n, tile_k) if transpose_rhs else (None, tile_k, tile_n)
     rhs_specs = [pl.BlockSpec(rhs_block, functools.partial(rhs_index, slot)) for slot in range(groups_per_step)]
     precision = lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else lax.Precision.DEFAULT
-    kernel = functools.partial(
-        _kernel,
+    body = functools.partial(
+        _body,
         k=k,
         tile_k=tile_k,
         chunk_m=chunk_m,
@@ -273,9 +266,8 @@ def ragged_dot(
         precision=precision,
     )
     itemsize = jnp.dtype(lhs.dtype).itemsize
-    needed = vmem_bytes(config, m, k, n, lhs.dtype)
     call = pl.pallas_call(
-        kernel,
+        body,
         out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(items),
@@ -286,7 +278,7 @@ def ragged_dot(
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-            vmem_limit_bytes=min(max(needed + VMEM_HEADROOM_BYTES, 16 << 20), VMEM_LIMIT_CAP_BYTES),
+            vmem_limit_bytes=vmem_limit(config, m, k, n, lhs.dtype),
         ),
         cost_estimate=pl.CostEstimate(
             flops=2 * m * k * n,

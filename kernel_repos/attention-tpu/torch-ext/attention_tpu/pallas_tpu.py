@@ -27,13 +27,15 @@ Semantics (positions are KV-cache positions):
   it when ``j < kv_lengths[b]``, ``j <= position`` (causal), ``j > position -
   sliding_window`` (sliding window) and ``attention_mask[b, 0, i, j]`` allows it.
   Rows that see no key come out as zeros.
+
+Tile sizes come from `config.select_config`. Inputs are assumed valid: the
+torch op checks them (`ops.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -41,147 +43,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .config import AttentionConfig, check_config, is_decode, select_config
+
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
-SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-SUPPORTED_GENERATIONS = ("v5e", "v6e")
-
-# The kernel raises the scoped VMEM limit to what a configuration needs; these
-# are the working sets select_config stays within (physical VMEM is 128 MiB on
-# both generations, the compiler's default scoped limit is 16 MiB on v5e and
-# 32 MiB on v6e).
-_VMEM_BUDGET_BYTES = {"v5e": 24 * 2**20, "v6e": 32 * 2**20}
-# Preferred tiles (query positions per prefill block, keys per prefill block,
-# keys per decode block), chosen with the grid-replay model of
-# tpu_kernels/perf.py on Qwen3-30B-A3B shapes (benchmarks/attention.py): at
-# S=4096-8192, (512, 512) on v5e and (512, 1024) on v6e come within ~3% of the
-# best modelled time, 10-20% faster than (256, 512). Decode streams K/V, so its
-# blocks are long and span several KV heads, to amortise the per-step overhead
-# (~0.35 us) against the DMA time: a decode step moves up to
-# _DECODE_STEP_BYTES of K and V.
-_PREFERRED_TILES = {"v5e": (512, 512, 2048), "v6e": (512, 1024, 4096)}
-_DECODE_STEP_BYTES = {"v5e": 4 * 2**20, "v6e": 8 * 2**20}
-_LANES = 128
-_SUBLANES = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionConfig:
-    """Tile sizes of one attention call.
-
-    block_q: query positions per grid step (1 in decode, where the rows of a
-      step are the group's query heads instead).
-    block_kv: keys per grid step.
-    vmem_limit_bytes: scoped VMEM limit requested from Mosaic.
-    kv_heads_per_step: KV heads one decode step handles (a divisor of the
-      number of KV heads; prefill steps handle one).
-    """
-
-    block_q: int
-    block_kv: int
-    vmem_limit_bytes: int
-    kv_heads_per_step: int = 1
-
-
-def default_generation() -> str:
-    """TPU generation of the first device; "v6e" when not running on a TPU."""
-    device = jax.devices()[0]
-    if device.platform != "tpu":
-        return "v6e"
-    kind = device.device_kind.lower().replace(" ", "")
-    if "v5lite" in kind or "v5e" in kind:
-        return "v5e"
-    return "v6e"
-
-
-def _is_decode(q_len: int) -> bool:
-    return q_len == 1
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
-def _vmem_bytes(*, decode, group, block_q, block_kv, kv_heads_per_step, head_dim, itemsize, mask_itemsize):
-    """Estimated VMEM working set of one configuration (pipeline buffers, scratch, temporaries)."""
-    # A step holds `slices` row blocks of `rows` query rows: the group's heads
-    # (prefill), or one block of `group` rows per KV head (decode).
-    slices, rows = (kv_heads_per_step, group) if decode else (group, block_q)
-    padded_rows = _round_up(rows, _SUBLANES)
-    q_and_out = 2 * 2 * slices * padded_rows * head_dim * itemsize  # double-buffered q and out blocks
-    scratch = slices * padded_rows * (head_dim + 2 * _LANES) * 4  # acc, running max and sum (lane padded)
-    kv = 2 * 2 * kv_heads_per_step * block_kv * head_dim * itemsize  # double-buffered k and v blocks
-    temporaries = 4 * padded_rows * _round_up(block_kv, _LANES) * 4  # logits, probabilities, masks of one slice
-    mask = 2 * (32 if decode else _round_up(block_q, 32)) * _round_up(block_kv, _LANES) * mask_itemsize
-    return q_and_out + scratch + kv + temporaries + mask
-
-
-def select_config(
-    *,
-    q_heads: int,
-    kv_heads: int,
-    q_len: int,
-    kv_len: int,
-    head_dim: int,
-    dtype,
-    mask_dtype=None,
-    generation: str | None = None,
-) -> AttentionConfig:
-    """Tile sizes for one shape on one TPU generation.
-
-    Block sizes are either the full extent of their axis (always legal) or a
-    multiple of 128 (query blocks: of 32, so int8 mask tiles line up), shrunk
-    until the working set fits the generation's VMEM budget. Decode steps take
-    as many KV heads as fit _DECODE_STEP_BYTES.
-    """
-    generation = generation or default_generation()
-    if generation not in SUPPORTED_GENERATIONS:
-        raise ValueError(f"generation must be one of {SUPPORTED_GENERATIONS}, got {generation!r}")
-    group = q_heads // kv_heads
-    decode = _is_decode(q_len)
-    preferred_q, preferred_kv_prefill, preferred_kv_decode = _PREFERRED_TILES[generation]
-    block_q = 1 if decode else min(q_len, preferred_q)
-    block_kv = min(kv_len, preferred_kv_decode if decode else preferred_kv_prefill)
-    itemsize = jnp.dtype(dtype).itemsize
-    budget = _VMEM_BUDGET_BYTES[generation]
-
-    def working_set(bq, bkv, heads):
-        return _vmem_bytes(
-            decode=decode,
-            group=group,
-            block_q=bq,
-            block_kv=bkv,
-            kv_heads_per_step=heads,
-            head_dim=head_dim,
-            itemsize=itemsize,
-            mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize,
-        )
-
-    while working_set(block_q, block_kv, 1) > budget:
-        if block_kv > 512 or (block_kv > 128 and (decode or block_q <= 64)):
-            block_kv = _shrink(block_kv, multiple=128)
-        elif not decode and block_q > 32:
-            block_q = _shrink(block_q, multiple=32)
-        else:
-            break
-    heads_per_step = 1
-    if decode:
-        step_bytes = 2 * block_kv * head_dim * itemsize
-        for heads in range(kv_heads, 0, -1):
-            fits = heads * step_bytes <= _DECODE_STEP_BYTES[generation]
-            if kv_heads % heads == 0 and fits and working_set(block_q, block_kv, heads) <= budget:
-                heads_per_step = heads
-                break
-    needed = working_set(block_q, block_kv, heads_per_step)
-    # Headroom for Mosaic's internal scratch and relayout temporaries.
-    vmem_limit = min(max(int(needed * 1.5) + 4 * 2**20, 16 * 2**20), 100 * 2**20)
-    return AttentionConfig(
-        block_q=block_q, block_kv=block_kv, vmem_limit_bytes=vmem_limit, kv_heads_per_step=heads_per_step
-    )
-
-
-def _shrink(block: int, *, multiple: int) -> int:
-    """Halve a block size, rounding down to a multiple of ``multiple``."""
-    return max(multiple, block // 2 // multiple * multiple)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,74 +279,6 @@ def _mask_key_ranges(visible, st: _Static):
     return (jnp.broadcast_to(first, (st.batch, st.num_q_blocks)), jnp.broadcast_to(last, (st.batch, st.num_q_blocks)))
 
 
-def _check_inputs(q, k, v, q_offset, kv_lengths, attention_mask, sliding_window, softcap, scale):
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(
-            "q, k and v must be 4-D [batch, heads, seq, head_dim], got "
-            f"q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}"
-        )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k{tuple(k.shape)} and v{tuple(v.shape)}")
-    batch, q_heads, q_len, head_dim = q.shape
-    kv_batch, kv_heads, kv_len, kv_head_dim = k.shape
-    if kv_batch != batch:
-        raise ValueError(f"q and k must have the same batch size, got {batch} and {kv_batch}")
-    if kv_head_dim != head_dim:
-        raise ValueError(f"q and k must have the same head_dim, got {head_dim} and {kv_head_dim}")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
-    if kv_heads == 0 or q_heads % kv_heads:
-        raise ValueError(
-            f"the number of query heads ({q_heads}) must be a multiple of the number of key/value heads ({kv_heads})"
-        )
-    if q_len == 0 or kv_len == 0 or batch == 0:
-        raise ValueError(f"batch, query length and key length must be positive, got q{tuple(q.shape)}, k{tuple(k.shape)}")
-    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
-    if len(dtypes) != 1:
-        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
-        raise TypeError(f"dtype must be bfloat16 or float32, got {q.dtype}")
-    if q_offset is not None:
-        if jnp.ndim(q_offset) == 0:
-            q_offset_ok = isinstance(q_offset, int) or jnp.issubdtype(jnp.result_type(q_offset), jnp.integer)
-        else:
-            q_offset_ok = tuple(q_offset.shape) == (batch,) and jnp.issubdtype(q_offset.dtype, jnp.integer)
-        if isinstance(q_offset, bool) or not q_offset_ok:
-            raise ValueError(f"q_offset must be an int or an integer array of shape ({batch},), got {q_offset!r}")
-    if kv_lengths is not None:
-        if tuple(kv_lengths.shape) != (batch,) or not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
-            raise ValueError(f"kv_lengths must be an integer array of shape ({batch},), got {kv_lengths.dtype}{tuple(kv_lengths.shape)}")
-    if attention_mask is not None:
-        shape = tuple(attention_mask.shape)
-        if len(shape) != 4 or shape[0] not in (1, batch) or shape[1] != 1 or shape[2:] != (q_len, kv_len):
-            raise ValueError(
-                f"attention_mask must have shape ({batch} or 1, 1, {q_len}, {kv_len}), got {shape}"
-            )
-        mask_dtype = jnp.dtype(attention_mask.dtype)
-        if mask_dtype != jnp.bool_ and not jnp.issubdtype(mask_dtype, jnp.floating):
-            raise TypeError(f"attention_mask must be bool (True = attend) or floating (additive), got {mask_dtype}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
-        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
-
-
-def _check_config(config: AttentionConfig, *, q_len: int, kv_len: int, kv_heads: int) -> None:
-    def aligned(block, extent, multiple):
-        return block == extent or (block > 0 and block % multiple == 0)
-
-    if not _is_decode(q_len) and not aligned(config.block_q, q_len, 8):
-        raise ValueError(f"config.block_q must be a multiple of 8 or the query length {q_len}, got {config.block_q}")
-    if not aligned(config.block_kv, kv_len, 128):
-        raise ValueError(f"config.block_kv must be a multiple of 128 or the key length {kv_len}, got {config.block_kv}")
-    if config.kv_heads_per_step < 1 or kv_heads % config.kv_heads_per_step:
-        raise ValueError(
-            f"config.kv_heads_per_step must divide the number of KV heads ({kv_heads}), got {config.kv_heads_per_step}"
-        )
-
-
 def flash_attention(
     q: jax.Array,
     k: jax.Array,
@@ -509,8 +305,9 @@ def flash_attention(
     attention_mask: optional [B or 1, 1, Sq, Skv], bool (True = attend) or
       floating (added to the logits; values at the dtype's minimum mask the
       key out), combined with all of the above.
+
+    Inputs are assumed valid (see the module docstring).
     """
-    _check_inputs(q, k, v, q_offset, kv_lengths, attention_mask, sliding_window, softcap, scale)
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
@@ -525,7 +322,7 @@ def flash_attention(
             mask_floor = float(jnp.finfo(attention_mask.dtype).min)
             mask = attention_mask.astype(jnp.float32)
     if config is not None:
-        _check_config(config, q_len=q_len, kv_len=kv_len, kv_heads=kv_heads)
+        check_config(config, q_len=q_len, kv_len=kv_len, kv_heads=kv_heads)
     else:
         config = select_config(
             q_heads=q_heads,
@@ -537,7 +334,7 @@ def flash_attention(
             mask_dtype=None if mask is None else mask.dtype,
             generation=generation,
         )
-    decode = _is_decode(q_len)
+    decode = is_decode(q_len)
     block_q = 1 if decode else config.block_q
     num_kv_blocks = pl.cdiv(kv_len, config.block_kv)
     st = _Static(

@@ -1,0 +1,115 @@
+"""Unit tests of config.py (tile selection) of the built variant: no kernel runs here."""
+
+import jax.numpy as jnp
+import pytest
+
+MIB = 1 << 20
+QWEN3_DECODE = dict(q_heads=32, kv_heads=4, q_len=1, head_dim=128, dtype=jnp.bfloat16)
+
+
+@pytest.fixture
+def config(kernel):
+    return kernel.config
+
+
+def test_vmem_bytes_of_a_prefill_and_a_decode_step(config):
+    # Prefill: 2 query heads x 64 rows, block_kv 200 (lanes pad to 256), f32, a bool (int8) mask.
+    prefill = config.vmem_bytes(decode=False, group=2, block_q=64, block_kv=200, kv_heads_per_step=1, head_dim=64,
+                                itemsize=4, mask_itemsize=1)
+    q_and_out = 2 * 2 * 2 * 64 * 64 * 4
+    scratch = 2 * 64 * (64 + 256) * 4
+    kv = 2 * 2 * 200 * 64 * 4
+    temporaries = 4 * 64 * 256 * 4
+    mask = 2 * 64 * 256 * 1
+    assert prefill == q_and_out + scratch + kv + temporaries + mask
+    # Decode: the group's 4 query rows pad to 8 sublanes; two KV heads per step; no mask.
+    decode = config.vmem_bytes(decode=True, group=4, block_q=1, block_kv=1024, kv_heads_per_step=2, head_dim=128,
+                               itemsize=2, mask_itemsize=0)
+    assert decode == (2 * 2 * 2 * 8 * 128 * 2) + 2 * 8 * (128 + 256) * 4 + 2 * 2 * 2 * 1024 * 128 * 2 + 4 * 8 * 1024 * 4
+
+
+def test_vmem_limit_takes_the_margin_and_mosaic_scratch_within_bounds(config):
+    assert config.vmem_limit(1 * MIB) == 16 * MIB
+    assert config.vmem_limit(20 * MIB) == 30 * MIB + 4 * MIB
+    assert config.vmem_limit(90 * MIB) == 100 * MIB
+
+
+def test_is_decode(config):
+    assert config.is_decode(1) and not config.is_decode(2)
+
+
+def test_heuristic_respects_limits(config):
+    """Tiles are full-extent or aligned, decode steps span KV heads, oversized shapes shrink."""
+    for generation in ("v5e", "v6e"):
+        shape = dict(mask_dtype=None, generation=generation)
+        prefill = config.heuristic_config(q_heads=8, kv_heads=1, q_len=300, kv_len=1000, head_dim=64,
+                                          dtype=jnp.float32, **shape)
+        assert prefill.block_q == 300 and (prefill.block_kv == 1000 or prefill.block_kv % 128 == 0)
+        assert prefill.kv_heads_per_step == 1
+        decode = config.heuristic_config(kv_len=1000, **QWEN3_DECODE, **shape)
+        assert (decode.block_q, decode.block_kv, decode.kv_heads_per_step) == (1, 1000, 4)
+        long_decode = config.heuristic_config(kv_len=32768, **QWEN3_DECODE, **shape)
+        assert long_decode.block_kv == config.PREFERRED_TILES[generation][2]
+        # A step moves at most DECODE_STEP_BYTES of K and V.
+        step_bytes = 2 * long_decode.kv_heads_per_step * long_decode.block_kv * 128 * 2
+        assert step_bytes <= config.DECODE_STEP_BYTES[generation] and 4 % long_decode.kv_heads_per_step == 0
+    # 16 query heads per KV head, D=256, float32: v5e's smaller budget forces smaller query blocks.
+    large = config.heuristic_config(q_heads=64, kv_heads=4, q_len=8192, kv_len=8192, head_dim=256, dtype=jnp.float32,
+                                    mask_dtype=None, generation="v5e")
+    assert large.block_q in (32, 64, 128, 256) and large.block_kv % 128 == 0
+    plain = config.heuristic_config(q_heads=8, kv_heads=1, q_len=8192, kv_len=8192, head_dim=128,
+                                    dtype=jnp.bfloat16, mask_dtype=None, generation="v5e")
+    assert (plain.block_q, plain.block_kv) == config.PREFERRED_TILES["v5e"][:2]
+    assert large.block_q < plain.block_q
+
+
+def test_heuristic_working_set_fits_the_budget_and_sets_the_limit(config):
+    for generation in ("v5e", "v6e"):
+        for mask_dtype in (None, jnp.int8, jnp.float32):
+            chosen = config.heuristic_config(q_heads=32, kv_heads=4, q_len=4096, kv_len=4096, head_dim=128,
+                                             dtype=jnp.bfloat16, mask_dtype=mask_dtype, generation=generation)
+            working_set = config.vmem_bytes(
+                decode=False, group=8, block_q=chosen.block_q, block_kv=chosen.block_kv, kv_heads_per_step=1,
+                head_dim=128, itemsize=2, mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize,
+            )
+            assert working_set <= config.VMEM_BUDGET_BYTES[generation]
+            assert chosen.vmem_limit_bytes == config.vmem_limit(working_set)
+
+
+def test_check_config(config):
+    config.check_config(config.AttentionConfig(64, 128, 16 * MIB), q_len=300, kv_len=1000, kv_heads=2)
+    config.check_config(config.AttentionConfig(300, 1000, 16 * MIB), q_len=300, kv_len=1000, kv_heads=2)
+    for bad, match in [
+        (config.AttentionConfig(12, 128, 16 * MIB), "block_q must be a multiple of 8"),
+        (config.AttentionConfig(64, 100, 16 * MIB), "block_kv must be a multiple of 128"),
+        (config.AttentionConfig(64, 128, 16 * MIB, kv_heads_per_step=3), "kv_heads_per_step must divide"),
+        (config.AttentionConfig(64, 128, 16 * MIB, kv_heads_per_step=0), "kv_heads_per_step must divide"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            config.check_config(bad, q_len=300, kv_len=1000, kv_heads=2)
+    # Decode ignores block_q (the rows of a step are query heads).
+    config.check_config(config.AttentionConfig(12, 128, 16 * MIB), q_len=1, kv_len=1000, kv_heads=2)
+
+
+def test_tuned_configs_override_the_heuristic_and_are_checked(config, monkeypatch):
+    shape = dict(kv_len=4096, mask_dtype=None, **QWEN3_DECODE)
+    key = ("v6e", 32, 4, 1, 4096, 128, "bfloat16", None)
+    assert config.tuned_config(**shape, generation="v6e") is None
+    tuned = config.AttentionConfig(block_q=1, block_kv=2048, vmem_limit_bytes=24 * MIB, kv_heads_per_step=2)
+    monkeypatch.setitem(config.TUNED_CONFIGS, key, tuned)
+    assert config.select_config(**shape, generation="v6e") == tuned
+    assert config.select_config(**shape, generation="v5e") != tuned
+    monkeypatch.setitem(config.TUNED_CONFIGS, key, config.AttentionConfig(1, 2048, 24 * MIB, kv_heads_per_step=3))
+    with pytest.raises(ValueError, match="kv_heads_per_step"):
+        config.select_config(**shape, generation="v6e")
+
+
+def test_select_config_uses_the_current_generation_and_refuses_unknown_ones(config, monkeypatch):
+    shape = dict(q_heads=8, kv_heads=1, q_len=8192, kv_len=8192, head_dim=128, dtype=jnp.bfloat16)
+    v5e, v6e = (config.select_config(**shape, generation=g) for g in ("v5e", "v6e"))
+    assert v5e != v6e
+    assert config.select_config(**shape) == v6e  # off TPU: v6e's tiles
+    monkeypatch.setenv("TPU_KERNELS_GENERATION", "v5e")
+    assert config.select_config(**shape) == v5e
+    with pytest.raises(ValueError, match=r"generation must be one of \('v5e', 'v6e'\), got 'v2'"):
+        config.select_config(**shape, generation="v2")

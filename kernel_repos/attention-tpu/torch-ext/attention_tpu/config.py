@@ -1,0 +1,201 @@
+"""Tile sizes per shape and TPU generation, apart from the kernel.
+
+`select_config` takes a tuned config from TUNED_CONFIGS when it holds the
+shape, else the heuristic (`heuristic_config`): preferred tiles per
+generation, shrunk until the working set fits the generation's VMEM budget;
+decode steps span as many KV heads as fit DECODE_STEP_BYTES. The kernel then
+asks Mosaic for a scoped VMEM limit from the working set (`vmem_limit`). TPU
+facts (tiling, VMEM limits) come from `_hardware.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from ._hardware import (
+    LANES, MIB, SUBLANES, check_generation, resolve_generation, round_up, sublane_multiple, vmem_limit_bytes,
+)
+
+# Working sets the heuristic stays within. Physical VMEM is 128 MiB on both
+# generations and the kernel raises the scoped limit to what a config needs,
+# so these bound tile size rather than what fits: v6e's is its default scoped
+# limit (32 MiB), v5e's half again its default (16 MiB). Chosen with the
+# preferred tiles below, not measured separately.
+VMEM_BUDGET_BYTES = {"v5e": 24 * MIB, "v6e": 32 * MIB}
+# Preferred tiles (query positions per prefill block, keys per prefill block,
+# keys per decode block), chosen with the grid-replay model of
+# tpu_kernels/perf.py on Qwen3-30B-A3B shapes (benchmarks/attention.py): at
+# S=4096-8192, (512, 512) on v5e and (512, 1024) on v6e come within ~3% of the
+# best modelled time, 10-20% faster than (256, 512). Decode streams K/V, so its
+# blocks are long and span several KV heads, to amortise the per-step overhead
+# (~0.35 us) against the DMA time: a decode step moves up to
+# DECODE_STEP_BYTES of K and V (4 MiB take 5 us on v5e, 8 MiB 5 us on v6e).
+PREFERRED_TILES = {"v5e": (512, 512, 2048), "v6e": (512, 1024, 4096)}
+DECODE_STEP_BYTES = {"v5e": 4 * MIB, "v6e": 8 * MIB}
+# The VMEM estimate counts the pipeline buffers, the scratch and one slice's
+# softmax temporaries; Mosaic's relayouts of the logits come on top. A 1.5x
+# margin on the estimate covers them; every compile target also compiles
+# without it (libtpu compile-only, v5e and v6e), so the margin is for shapes
+# outside those targets.
+WORKING_SET_MARGIN = 1.5
+# Query blocks are multiples of the int8 sublane tile (32 rows), so that the
+# tiles of an int8 mask block line up with the query rows.
+MASK_ROWS = sublane_multiple(jnp.int8)
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Tile sizes of one attention call.
+
+    block_q: query positions per grid step (1 in decode, where the rows of a
+      step are the group's query heads instead).
+    block_kv: keys per grid step.
+    vmem_limit_bytes: scoped VMEM limit requested from Mosaic.
+    kv_heads_per_step: KV heads one decode step handles (a divisor of the
+      number of KV heads; prefill steps handle one).
+    """
+
+    block_q: int
+    block_kv: int
+    vmem_limit_bytes: int
+    kv_heads_per_step: int = 1
+
+
+# Searched configs, keyed (generation, q_heads, kv_heads, q_len, kv_len,
+# head_dim, dtype name, mask dtype name or None). None so far: the preferred
+# tiles come from the model sweep above.
+TUNED_CONFIGS: dict[tuple, AttentionConfig] = {}
+
+
+def is_decode(q_len: int) -> bool:
+    return q_len == 1
+
+
+def vmem_bytes(*, decode, group, block_q, block_kv, kv_heads_per_step, head_dim, itemsize, mask_itemsize) -> int:
+    """Estimated VMEM working set of one configuration (pipeline buffers, scratch, temporaries)."""
+    # A step holds `slices` row blocks of `rows` query rows: the group's heads
+    # (prefill), or one block of `group` rows per KV head (decode).
+    slices, rows = (kv_heads_per_step, group) if decode else (group, block_q)
+    padded_rows = round_up(rows, SUBLANES)
+    q_and_out = 2 * 2 * slices * padded_rows * head_dim * itemsize  # double-buffered q and out blocks
+    scratch = slices * padded_rows * (head_dim + 2 * LANES) * 4  # acc, running max and sum (lane padded)
+    kv = 2 * 2 * kv_heads_per_step * block_kv * head_dim * itemsize  # double-buffered k and v blocks
+    temporaries = 4 * padded_rows * round_up(block_kv, LANES) * 4  # logits, probabilities, masks of one slice
+    mask_rows = MASK_ROWS if decode else round_up(block_q, MASK_ROWS)
+    mask = 2 * mask_rows * round_up(block_kv, LANES) * mask_itemsize
+    return q_and_out + scratch + kv + temporaries + mask
+
+
+def vmem_limit(working_set_bytes: int) -> int:
+    """The scoped VMEM limit asked for a working set: with WORKING_SET_MARGIN and Mosaic's scratch."""
+    return vmem_limit_bytes(int(working_set_bytes * WORKING_SET_MARGIN))
+
+
+def _shrink(block: int, *, multiple: int) -> int:
+    """Halve a block size, rounding down to a multiple of ``multiple``."""
+    return max(multiple, block // 2 // multiple * multiple)
+
+
+def heuristic_config(
+    *, q_heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype, mask_dtype, generation: str
+) -> AttentionConfig:
+    """Preferred tiles shrunk to the VMEM budget; decode steps take as many KV heads as fit DECODE_STEP_BYTES.
+
+    Block sizes are either the full extent of their axis (always legal) or a
+    multiple of LANES (query blocks: of MASK_ROWS).
+    """
+    generation = check_generation(generation)
+    group = q_heads // kv_heads
+    decode = is_decode(q_len)
+    preferred_q, preferred_kv_prefill, preferred_kv_decode = PREFERRED_TILES[generation]
+    block_q = 1 if decode else min(q_len, preferred_q)
+    block_kv = min(kv_len, preferred_kv_decode if decode else preferred_kv_prefill)
+    itemsize = jnp.dtype(dtype).itemsize
+    budget = VMEM_BUDGET_BYTES[generation]
+
+    def working_set(bq, bkv, heads):
+        return vmem_bytes(
+            decode=decode,
+            group=group,
+            block_q=bq,
+            block_kv=bkv,
+            kv_heads_per_step=heads,
+            head_dim=head_dim,
+            itemsize=itemsize,
+            mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize,
+        )
+
+    while working_set(block_q, block_kv, 1) > budget:
+        if block_kv > 4 * LANES or (block_kv > LANES and (decode or block_q <= 2 * MASK_ROWS)):
+            block_kv = _shrink(block_kv, multiple=LANES)
+        elif not decode and block_q > MASK_ROWS:
+            block_q = _shrink(block_q, multiple=MASK_ROWS)
+        else:
+            break
+    heads_per_step = 1
+    if decode:
+        step_bytes = 2 * block_kv * head_dim * itemsize
+        for heads in range(kv_heads, 0, -1):
+            fits = heads * step_bytes <= DECODE_STEP_BYTES[generation]
+            if kv_heads % heads == 0 and fits and working_set(block_q, block_kv, heads) <= budget:
+                heads_per_step = heads
+                break
+    return AttentionConfig(
+        block_q=block_q,
+        block_kv=block_kv,
+        vmem_limit_bytes=vmem_limit(working_set(block_q, block_kv, heads_per_step)),
+        kv_heads_per_step=heads_per_step,
+    )
+
+
+def check_config(config: AttentionConfig, *, q_len: int, kv_len: int, kv_heads: int) -> None:
+    """Raises ValueError if `config`'s blocks are not legal for these lengths and heads."""
+
+    def aligned(block, extent, multiple):
+        return block == extent or (block > 0 and block % multiple == 0)
+
+    if not is_decode(q_len) and not aligned(config.block_q, q_len, SUBLANES):
+        raise ValueError(
+            f"config.block_q must be a multiple of {SUBLANES} or the query length {q_len}, got {config.block_q}"
+        )
+    if not aligned(config.block_kv, kv_len, LANES):
+        raise ValueError(f"config.block_kv must be a multiple of {LANES} or the key length {kv_len}, got {config.block_kv}")
+    if config.kv_heads_per_step < 1 or kv_heads % config.kv_heads_per_step:
+        raise ValueError(
+            f"config.kv_heads_per_step must divide the number of KV heads ({kv_heads}), got {config.kv_heads_per_step}"
+        )
+
+
+def tuned_config(
+    *, q_heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype, mask_dtype, generation: str
+) -> AttentionConfig | None:
+    """The TUNED_CONFIGS entry for this shape, if there is one; checked like an explicit config."""
+    key = (
+        check_generation(generation), q_heads, kv_heads, q_len, kv_len, head_dim, jnp.dtype(dtype).name,
+        None if mask_dtype is None else jnp.dtype(mask_dtype).name,
+    )
+    config = TUNED_CONFIGS.get(key)
+    if config is not None:
+        check_config(config, q_len=q_len, kv_len=kv_len, kv_heads=kv_heads)
+    return config
+
+
+def select_config(
+    *,
+    q_heads: int,
+    kv_heads: int,
+    q_len: int,
+    kv_len: int,
+    head_dim: int,
+    dtype,
+    mask_dtype=None,
+    generation: str | None = None,
+) -> AttentionConfig:
+    """Tile sizes for one shape on `generation` (default: the current one): tuned if known, else the heuristic."""
+    shape = dict(
+        q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, head_dim=head_dim, dtype=dtype,
+        mask_dtype=mask_dtype, generation=resolve_generation(generation),
+    )
+    config = tuned_config(**shape)
+    return config if config is not None else heuristic_config(**shape)

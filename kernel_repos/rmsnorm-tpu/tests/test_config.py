@@ -1,0 +1,93 @@
+"""Unit tests of config.py (row blocks) of the built variant: no kernel runs here."""
+
+import math
+
+import jax.numpy as jnp
+import pytest
+
+MIB = 1 << 20
+OPS = ["rms_norm", "fused_add_rms_norm", "rms_norm_backward", "fused_add_rms_norm_backward"]
+
+
+@pytest.fixture
+def config(kernel):
+    return kernel.config
+
+
+def test_vmem_bytes_counts_padded_double_buffered_rows_temporaries_and_vectors(config):
+    # fused_add_rms_norm, bf16: 4 row arrays double-buffered + 2 f32 temporaries per row, hidden padded to 256 lanes;
+    # 20 rows pad to 32 (16-row bf16 tiles); weight and partials: 2 x 2 x 8 sublanes of f32.
+    per_row = 256 * (2 * 2 * 4 + 4 * 2)
+    assert config.vmem_bytes(20, 200, jnp.bfloat16, "fused_add_rms_norm") == 32 * per_row + 2 * 2 * 8 * 256 * 4
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+@pytest.mark.parametrize("op", OPS)
+def test_heuristic_aligns_blocks_and_fits_scoped_vmem(config, generation, op):
+    budget = config.DEFAULT_SCOPED_VMEM_BYTES[generation] * config.VMEM_BUDGET_FRACTION
+    for rows in (1, 7, 64, 1000, 8192, 100_003):
+        for hidden in (96, 200, 2048, 2816, 4096, 5120, 7168):
+            for dtype in (jnp.float32, jnp.bfloat16):
+                chosen = config.heuristic_config(rows, hidden, dtype, generation, op=op)
+                align = 8 if dtype == jnp.float32 else 16
+                assert chosen.block_rows == rows or chosen.block_rows % align == 0
+                assert 1 <= chosen.block_rows <= rows
+                assert chosen.vmem_limit_bytes is None
+                assert config.vmem_bytes(chosen.block_rows, hidden, dtype, op) <= budget
+                # Equal blocks: the ragged last block wastes less than one alignment unit per block.
+                blocks = math.ceil(rows / chosen.block_rows)
+                assert blocks * chosen.block_rows - rows < blocks * align
+
+
+def test_heuristic_balances_steps_against_traffic(config):
+    # 64 bf16 rows of 4096: 1 MiB of traffic, 0.6 us on v6e, about 1 step of 0.35 us: one block of all rows.
+    assert config.heuristic_config(64, 4096, jnp.bfloat16, "v6e").block_rows == 64
+    # 8192 rows: sqrt(T / c) steps would be ~16, but v5e's 16 MiB of scoped VMEM (vs 32 MiB) caps blocks lower.
+    v5e = config.heuristic_config(8192, 4096, jnp.bfloat16, "v5e")
+    v6e = config.heuristic_config(8192, 4096, jnp.bfloat16, "v6e")
+    assert v5e.block_rows < v6e.block_rows
+
+
+def test_heuristic_raises_the_vmem_limit_for_huge_rows_and_refuses_beyond_capacity(config):
+    chosen = config.heuristic_config(64, 131_072, jnp.float32, "v5e", op="fused_add_rms_norm")
+    assert chosen.block_rows == 8 and 16 * MIB < chosen.vmem_limit_bytes <= 96 * MIB
+    with pytest.raises(ValueError, match="hidden=262144 is too large for fused_add_rms_norm on v5e"):
+        config.heuristic_config(64, 262_144, jnp.float32, "v5e", op="fused_add_rms_norm")
+
+
+def test_check_block_rows(config):
+    config.check_block_rows(40, 40, jnp.bfloat16)
+    config.check_block_rows(32, 40, jnp.bfloat16)
+    config.check_block_rows(8, 40, jnp.float32)
+    for block_rows in (8, 0, 20):
+        with pytest.raises(ValueError, match="block_rows must be a multiple of 16 for bfloat16 or equal rows=40"):
+            config.check_block_rows(block_rows, 40, jnp.bfloat16)
+
+
+def test_tuned_configs_override_the_heuristic_and_are_checked(config, monkeypatch):
+    heuristic = config.heuristic_config(8192, 4096, jnp.bfloat16, "v6e")
+    assert config.tuned_config(8192, 4096, jnp.bfloat16, "v6e") is None
+    assert config.select_config(8192, 4096, jnp.bfloat16, "v6e") == heuristic
+    tuned = config.RowBlockConfig(block_rows=1024)
+    monkeypatch.setitem(config.TUNED_CONFIGS, ("v6e", "rms_norm", 8192, 4096, "bfloat16"), tuned)
+    assert config.select_config(8192, 4096, jnp.bfloat16, "v6e") == tuned
+    assert config.select_config(8192, 4096, jnp.bfloat16, "v6e", op="fused_add_rms_norm") != tuned
+    monkeypatch.setitem(config.TUNED_CONFIGS, ("v6e", "rms_norm", 8192, 4096, "bfloat16"), config.RowBlockConfig(100))
+    with pytest.raises(ValueError, match="block_rows must be a multiple of 16"):
+        config.select_config(8192, 4096, jnp.bfloat16, "v6e")
+
+
+def test_select_config_uses_the_current_generation(config, monkeypatch):
+    shape = (8192, 4096, jnp.bfloat16)
+    assert config.select_config(*shape) == config.select_config(*shape, "v6e")  # off TPU: v6e's tiles
+    monkeypatch.setenv("TPU_KERNELS_GENERATION", "v5e")
+    assert config.select_config(*shape) == config.select_config(*shape, "v5e")
+
+
+def test_bad_arguments_are_refused(config):
+    with pytest.raises(ValueError, match=r"generation must be one of \('v5e', 'v6e'\), got 'v3'"):
+        config.select_config(8, 128, jnp.float32, "v3")
+    with pytest.raises(ValueError, match="op must be one of"):
+        config.select_config(8, 128, jnp.float32, "v6e", op="layer_norm")
+    with pytest.raises(ValueError, match="rows and hidden must be >= 1"):
+        config.heuristic_config(0, 128, jnp.float32, "v6e")

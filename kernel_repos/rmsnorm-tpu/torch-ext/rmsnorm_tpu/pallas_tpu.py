@@ -1,0 +1,237 @@
+"""Pallas TPU kernels for RMSNorm, fused residual-add + RMSNorm, and their backward.
+
+All kernels view the input as a matrix [rows, hidden] and stream it through
+VMEM in row blocks of shape (block_rows, hidden): the whole hidden dimension
+sits in one block (allowed for any hidden size, because a block dimension equal
+to the array dimension is exempt from the (8, 128) tiling rule), so each row is
+read from HBM once and written once; the reduction over hidden never leaves
+VMEM. The grid runs over row blocks; the last block may be ragged, and Pallas
+masks its out-of-bounds rows on store. Rows never mix in the forward kernels,
+so garbage in the padding rows of a ragged block cannot reach a valid output;
+the backward kernels reduce over rows for the weight gradient and mask those
+rows explicitly.
+
+Math is in float32 whatever the input dtype; outputs take the input dtype.
+
+The block size comes from `config.select_config(rows, hidden, dtype,
+generation, op=...)`. Inputs are assumed valid: the torch ops check them
+(`ops.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from .config import OPS, RowBlockConfig, check_block_rows, select_config
+
+
+@dataclasses.dataclass(frozen=True)
+class RowKernelLayout:
+    """Grid, BlockSpecs and operand shapes of one kernel call."""
+
+    grid: tuple[int]
+    in_specs: tuple[pl.BlockSpec, ...]
+    out_specs: tuple[pl.BlockSpec, ...]
+    in_shapes: tuple[jax.ShapeDtypeStruct, ...]
+    out_shapes: tuple[jax.ShapeDtypeStruct, ...]
+    config: RowBlockConfig
+
+
+def row_kernel_layout(
+    op: str, rows: int, hidden: int, dtype, weight_dtype, generation: str | None, block_rows: int | None = None
+) -> RowKernelLayout:
+    """The grid and blocks `op` uses for [rows, hidden] inputs; `block_rows` overrides select_config."""
+    config = select_config(rows, hidden, dtype, generation, op=op)
+    if block_rows is not None:
+        check_block_rows(block_rows, rows, dtype)
+        config = dataclasses.replace(config, block_rows=min(block_rows, rows))
+    shape = OPS[op]
+    num_blocks = pl.cdiv(rows, config.block_rows)
+    row_spec = pl.BlockSpec((config.block_rows, hidden), lambda i: (i, 0))
+    row = jax.ShapeDtypeStruct((rows, hidden), dtype)
+    # Same block index on every step: the pipeline fetches the weight once.
+    in_specs = (row_spec,) * shape.row_inputs + (pl.BlockSpec((1, hidden), lambda i: (0, 0)),)
+    in_shapes = (row,) * shape.row_inputs + (jax.ShapeDtypeStruct((1, hidden), weight_dtype),)
+    out_specs, out_shapes = (row_spec,) * shape.row_outputs, (row,) * shape.row_outputs
+    if shape.weight_gradient:
+        # One float32 partial weight gradient per row block, summed outside the kernel.
+        out_specs += (pl.BlockSpec((None, 1, hidden), lambda i: (i, 0, 0)),)
+        out_shapes += (jax.ShapeDtypeStruct((num_blocks, 1, hidden), jnp.float32),)
+    return RowKernelLayout((num_blocks,), in_specs, out_specs, in_shapes, out_shapes, config)
+
+
+def _inverse_rms(x, eps: float):
+    return jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _scale(weight_ref, offset: float):
+    return offset + weight_ref[...].astype(jnp.float32)
+
+
+def _rms_norm_body(x_ref, weight_ref, y_ref, *, eps: float, offset: float):
+    x = x_ref[...].astype(jnp.float32)
+    y_ref[...] = (x * _inverse_rms(x, eps) * _scale(weight_ref, offset)).astype(y_ref.dtype)
+
+
+def _fused_add_rms_norm_body(x_ref, residual_ref, weight_ref, y_ref, new_residual_ref, *, eps: float, offset: float):
+    # Normalise the sum as rounded to the residual dtype, exactly what the unfused
+    # `norm(x + residual)` of a transformers decoder layer sees.
+    total = x_ref[...].astype(jnp.float32) + residual_ref[...].astype(jnp.float32)
+    total = total.astype(new_residual_ref.dtype)
+    new_residual_ref[...] = total
+    total = total.astype(jnp.float32)
+    y_ref[...] = (total * _inverse_rms(total, eps) * _scale(weight_ref, offset)).astype(y_ref.dtype)
+
+
+def _backward_body(*refs, eps: float, offset: float, rows: int, block_rows: int, with_residual_grad: bool):
+    if with_residual_grad:
+        grad_ref, residual_grad_ref, x_ref, weight_ref, dx_ref, weight_grad_ref = refs
+    else:
+        grad_ref, x_ref, weight_ref, dx_ref, weight_grad_ref = refs
+    x = x_ref[...].astype(jnp.float32)
+    grad = grad_ref[...].astype(jnp.float32)
+    inverse_rms = _inverse_rms(x, eps)
+    normed = x * inverse_rms
+    scaled_grad = grad * _scale(weight_ref, offset)
+    # d/dx of x * r(x) * s, with r = (mean(x^2) + eps)^-1/2: r * (g*s - n * mean(g*s*n)).
+    dx = inverse_rms * (scaled_grad - normed * jnp.mean(scaled_grad * normed, axis=-1, keepdims=True))
+    if with_residual_grad:
+        dx = dx + residual_grad_ref[...].astype(jnp.float32)
+    dx_ref[...] = dx.astype(dx_ref.dtype)
+
+    weight_grad_terms = grad * normed
+    if rows % block_rows:
+        # The ragged last block holds uninitialised rows; this sum over rows must not see them.
+        row_ids = pl.program_id(0) * block_rows + jax.lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
+        weight_grad_terms = jnp.where(row_ids < rows, weight_grad_terms, 0.0)
+    weight_grad_ref[...] = jnp.sum(weight_grad_terms, axis=0, keepdims=True)
+
+
+# Per element, roughly: square, sum, scale, weight multiply (+ the add, + the backward's products).
+FLOPS_PER_ELEMENT = {"rms_norm": 4, "fused_add_rms_norm": 5, "rms_norm_backward": 10, "fused_add_rms_norm_backward": 11}
+
+
+def _run(op: str, make_body, row_arrays, weight, generation: str | None, block_rows: int | None):
+    """Run `op`'s kernel on arrays [..., hidden] viewed as [rows, hidden]; make_body(layout) gives its body."""
+    hidden = row_arrays[0].shape[-1]
+    as_rows = [a.reshape(-1, hidden) for a in row_arrays]
+    rows = as_rows[0].shape[0]
+    layout = row_kernel_layout(
+        op, rows, hidden, as_rows[0].dtype, weight.dtype, generation, block_rows
+    )
+    bytes_accessed = sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in layout.in_shapes + layout.out_shapes)
+    single_output = len(layout.out_shapes) == 1
+    call = pl.pallas_call(
+        make_body(layout),
+        grid=layout.grid,
+        in_specs=list(layout.in_specs),
+        out_specs=layout.out_specs[0] if single_output else list(layout.out_specs),
+        out_shape=layout.out_shapes[0] if single_output else list(layout.out_shapes),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",), vmem_limit_bytes=layout.config.vmem_limit_bytes
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=FLOPS_PER_ELEMENT[op] * rows * hidden, transcendentals=rows, bytes_accessed=bytes_accessed
+        ),
+        name=op,
+    )
+    return call(*as_rows, weight.reshape(1, hidden))
+
+
+_STATIC = ("eps", "offset", "generation", "block_rows")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def rms_norm(
+    x: jax.Array,
+    weight: jax.Array,
+    *,
+    eps: float,
+    offset: float = 0.0,
+    generation: str | None = None,
+    block_rows: int | None = None,
+) -> jax.Array:
+    """y = x / sqrt(mean(x^2, -1) + eps) * (offset + weight), over the last axis of x."""
+    if x.size == 0:
+        return jnp.zeros(x.shape, x.dtype)
+    body = functools.partial(_rms_norm_body, eps=float(eps), offset=float(offset))
+    return _run("rms_norm", lambda layout: body, [x], weight, generation, block_rows).reshape(x.shape)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def fused_add_rms_norm(
+    x: jax.Array,
+    residual: jax.Array,
+    weight: jax.Array,
+    *,
+    eps: float,
+    offset: float = 0.0,
+    generation: str | None = None,
+    block_rows: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """(rms_norm(x + residual), x + residual) in one pass over memory; the sum is rounded to x's dtype."""
+    if x.size == 0:
+        return jnp.zeros(x.shape, x.dtype), jnp.zeros(x.shape, x.dtype)
+    body = functools.partial(_fused_add_rms_norm_body, eps=float(eps), offset=float(offset))
+    y, new_residual = _run("fused_add_rms_norm", lambda layout: body, [x, residual], weight, generation, block_rows)
+    return y.reshape(x.shape), new_residual.reshape(x.shape)
+
+
+def _backward(op: str, grads, x, weight, eps, offset, generation, block_rows):
+    def make_body(layout: RowKernelLayout):
+        return functools.partial(
+            _backward_body,
+            eps=float(eps),
+            offset=float(offset),
+            rows=layout.in_shapes[0].shape[0],
+            block_rows=layout.config.block_rows,
+            with_residual_grad=len(grads) == 2,
+        )
+
+    dx, weight_grad_partials = _run(op, make_body, [*grads, x], weight, generation, block_rows)
+    return dx.reshape(x.shape), jnp.sum(weight_grad_partials, axis=(0, 1)).astype(weight.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def rms_norm_backward(
+    grad: jax.Array,
+    x: jax.Array,
+    weight: jax.Array,
+    *,
+    eps: float,
+    offset: float = 0.0,
+    generation: str | None = None,
+    block_rows: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """(dL/dx, dL/dweight) of rms_norm given dL/dy = grad."""
+    if x.size == 0:
+        return jnp.zeros(x.shape, x.dtype), jnp.zeros(weight.shape, weight.dtype)
+    return _backward("rms_norm_backward", (grad,), x, weight, eps, offset, generation, block_rows)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def fused_add_rms_norm_backward(
+    grad_y: jax.Array,
+    grad_new_residual: jax.Array,
+    new_residual: jax.Array,
+    weight: jax.Array,
+    *,
+    eps: float,
+    offset: float = 0.0,
+    generation: str | None = None,
+    block_rows: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """(dL/d(x + residual), dL/dweight) of fused_add_rms_norm; dL/dx and dL/dresidual both equal the first."""
+    if new_residual.size == 0:
+        return jnp.zeros(new_residual.shape, new_residual.dtype), jnp.zeros(weight.shape, weight.dtype)
+    grads = (grad_y, grad_new_residual)
+    return _backward(
+        "fused_add_rms_norm_backward", grads, new_residual, weight, eps, offset, generation, block_rows
+    )

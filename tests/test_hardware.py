@@ -1,0 +1,131 @@
+"""tpu_kernels/hardware.py: the TPU facts every kernel (as `_hardware.py`) and the performance model share."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import kernels
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from tpu_kernels import hardware
+from tpu_kernels.builder import build_kernel_repo
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL_REPOS = sorted(p.parent for p in (ROOT / "kernel_repos").glob("*/build.toml"))
+MIB = 1 << 20
+
+
+def test_facts_come_from_jax_tpu_table():
+    v5e, v6e = hardware.tpu_generation("v5e"), hardware.tpu_generation("v6e")
+    assert (v5e.hbm_bytes_per_s, v5e.bf16_flops_per_s, v5e.mxu_size) == (8.2e11, 1.97e14, 128)
+    assert (v6e.hbm_bytes_per_s, v6e.bf16_flops_per_s, v6e.mxu_size) == (1.64e12, 9.2e14, 256)
+    assert v5e.vmem_capacity_bytes == v6e.vmem_capacity_bytes == 128 * MIB
+    assert (v5e.default_scoped_vmem_bytes, v6e.default_scoped_vmem_bytes) == (16 * MIB, 32 * MIB)
+    assert (hardware.LANES, hardware.SUBLANES) == (128, 8)
+    # Generations jax knows but the kernels do not support still have facts (for the performance model).
+    v5p = hardware.tpu_generation("v5p")
+    assert v5p.vmem_capacity_bytes == 64 * MIB and v5p.default_scoped_vmem_bytes is None
+    with pytest.raises(ValueError, match="unknown TPU generation 'v99'; jax knows v2, v3"):
+        hardware.tpu_generation("v99")
+
+
+def test_tiling_helpers():
+    assert [hardware.round_up(x, 128) for x in (0, 1, 128, 129)] == [0, 128, 128, 256]
+    assert [hardware.sublane_multiple(d) for d in (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float64)] == [8, 16, 32, 8]
+    assert hardware.padded_vmem_bytes((20, 200), jnp.bfloat16) == 32 * 256 * 2
+    assert hardware.padded_vmem_bytes((3, 7, 130), jnp.float32) == 3 * 8 * 256 * 4
+    assert hardware.padded_vmem_bytes((5,), jnp.int32) == 128 * 4
+    assert hardware.padded_vmem_bytes((), jnp.float32) == 4
+    assert hardware.vmem_limit_bytes(1 * MIB) == 16 * MIB
+    assert hardware.vmem_limit_bytes(40 * MIB) == 44 * MIB
+    assert hardware.vmem_limit_bytes(200 * MIB) == 100 * MIB
+
+
+def test_check_and_resolve_generation(monkeypatch):
+    assert hardware.check_generation("v5e") == "v5e"
+    with pytest.raises(ValueError, match=r"generation must be one of \('v5e', 'v6e'\), got 'v5p'"):
+        hardware.check_generation("v5p")
+    monkeypatch.delenv(hardware.GENERATION_ENV, raising=False)
+    assert hardware.resolve_generation(None) == "v6e"  # off TPU
+    assert hardware.resolve_generation("v5e") == "v5e"
+
+
+def _on_a_tpu(monkeypatch, device_kind: str, chip: str | None):
+    """Makes this process look like it runs on a TPU of `device_kind` that jax's table maps to `chip`."""
+    device = types.SimpleNamespace(platform="tpu", device_kind=device_kind)
+    monkeypatch.setattr(jax, "devices", lambda *args: [device])
+
+    def get_tpu_info():
+        if chip is None:
+            raise ValueError(f"Unsupported TPU device kind: {device_kind}")
+        return pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(chip), 1)
+
+    monkeypatch.setattr(pltpu, "get_tpu_info", get_tpu_info)
+
+
+def test_current_generation_on_supported_and_unsupported_tpus(monkeypatch):
+    monkeypatch.delenv(hardware.GENERATION_ENV, raising=False)
+    _on_a_tpu(monkeypatch, "TPU v5 lite", "v5e")
+    assert hardware.current_generation() == "v5e"
+    _on_a_tpu(monkeypatch, "TPU v6 lite", "v6e")
+    assert hardware.current_generation() == "v6e"
+    for kind, chip in (("TPU v5", "v5p"), ("TPU7x", "7x"), ("TPU v9 something", None)):
+        _on_a_tpu(monkeypatch, kind, chip)
+        with pytest.raises(hardware.UnsupportedTpuError, match=rf"this TPU \('{kind}'\).*\('v5e', 'v6e'\)"):
+            hardware.current_generation()
+    monkeypatch.setenv(hardware.GENERATION_ENV, "v5e")
+    assert hardware.current_generation() == "v5e"
+
+
+def test_generation_override_must_name_a_supported_generation(monkeypatch):
+    monkeypatch.setenv(hardware.GENERATION_ENV, "v5e")
+    assert hardware.current_generation() == "v5e"
+    monkeypatch.setenv(hardware.GENERATION_ENV, "v4")
+    with pytest.raises(ValueError, match="TPU_KERNELS_GENERATION: generation must be one of"):
+        hardware.current_generation()
+
+
+@pytest.fixture(scope="module")
+def built_kernels(tmp_path_factory):
+    out = tmp_path_factory.mktemp("build")
+    return {repo.name: build_kernel_repo(repo, out) for repo in KERNEL_REPOS}
+
+
+def test_every_build_carries_the_same_facts(built_kernels):
+    source = Path(hardware.__file__).read_bytes()
+    assert set(built_kernels) == {"attention-tpu", "ragged-dot-tpu", "rmsnorm-tpu"}
+    for built in built_kernels.values():
+        for variant in (built / "build").iterdir():
+            assert (variant / "_hardware.py").read_bytes() == source
+
+
+def test_kernel_repos_derive_no_hardware_facts_of_their_own():
+    """Generation detection and device facts live in hardware.py only."""
+    for repo in KERNEL_REPOS:
+        for path in (repo / "torch-ext").rglob("*.py"):
+            text = path.read_text()
+            for marker in ("device_kind", "get_tpu_info", "def _round_up", "def current_generation", "8.2e11"):
+                assert marker not in text, f"{path.relative_to(ROOT)} has {marker!r}"
+
+
+def test_an_unsupported_tpu_gets_the_same_error_from_every_kernel(built_kernels, monkeypatch):
+    monkeypatch.delenv(hardware.GENERATION_ENV, raising=False)
+    loaded = {name: kernels.get_local_kernel(built, backend="cpu") for name, built in built_kernels.items()}
+    selects = {
+        "ragged-dot-tpu": lambda k: k.config.select_config(64, 2048, 1536, jnp.bfloat16),
+        "rmsnorm-tpu": lambda k: k.config.select_config(64, 2048, jnp.bfloat16),
+        "attention-tpu": lambda k: k.config.select_config(
+            q_heads=8, kv_heads=1, q_len=1, kv_len=128, head_dim=128, dtype=jnp.bfloat16
+        ),
+    }
+    off_tpu = {name: select(loaded[name]) for name, select in selects.items()}
+    _on_a_tpu(monkeypatch, "TPU v6 lite", "v6e")
+    assert {name: select(loaded[name]) for name, select in selects.items()} == off_tpu
+    _on_a_tpu(monkeypatch, "TPU v5", "v5p")
+    for name, select in selects.items():
+        with pytest.raises(RuntimeError, match=r"this TPU \('TPU v5'\) is not one the kernels are tuned"):
+            select(loaded[name])

@@ -1,0 +1,195 @@
+"""What kernels and the performance model know about TPU generations: one source for all of them.
+
+Shipped into every built kernel as `_hardware.py` (as the binding is shipped
+as `_binding.py`): kernel code imports it relatively (`from ._hardware import
+...`) and a built kernel never imports tpu_kernels. Imports only the standard
+library and jax.
+
+Where the numbers come from:
+- Capacities, HBM bandwidth, MXU peaks and size, lanes and sublanes: jax's
+  public TPU table, `jax.experimental.pallas.tpu.get_tpu_info_for_chip`
+  (jax 0.10.2), per TensorCore. v5e: 8.20e11 B/s HBM, 1.97e14 bf16 FLOP/s,
+  128 MiB VMEM, MXU 128; v6e: 1.64e12 B/s, 9.20e14 FLOP/s, 128 MiB VMEM,
+  MXU 256; both 8 sublanes x 128 lanes. These match Google's public specs
+  (v5e 197 TFLOP/s, 819 GB/s; v6e 918 TFLOP/s, 1640 GB/s).
+- Default scoped VMEM limit (what Mosaic compiles a kernel against unless
+  it sets `vmem_limit_bytes`; not in jax's table): 16 MiB on v5e, 32 MiB on
+  v6e, measured with libtpu's compile-only topologies: blocks plus scratch
+  of exactly that size compile, one MiB more fails with
+  CompileTimeScopedVmemOom (tests/test_perf.py checks the v6e edge).
+- Per-grid-step cost 0.35 us: the rule of thumb for the fixed cost of one
+  Pallas TPU grid step (DMA issue, semaphore waits, loop bookkeeping); no
+  primary source in jax's docs, and it cannot be measured without a TPU.
+
+Generations: kernels are tuned and compiled ahead of time for
+SUPPORTED_GENERATIONS only. On a TPU of any other generation
+`current_generation` raises UnsupportedTpuError naming them, since tiles
+sized for one generation can overflow another's VMEM (v5p and 7x have 64 MiB
+per core, v4 16 MiB). Off TPU (the CPU interpret path) the kernels tile as
+for OFF_TPU_GENERATION. The environment variable TPU_KERNELS_GENERATION
+names a supported generation to use instead of the detected one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.experimental.pallas import tpu as pltpu
+
+MIB = 1 << 20
+
+SUPPORTED_GENERATIONS = ("v5e", "v6e")
+OFF_TPU_GENERATION = "v6e"
+GENERATION_ENV = "TPU_KERNELS_GENERATION"
+
+# Measured with libtpu's compile-only topologies (module docstring).
+DEFAULT_SCOPED_VMEM_BYTES = {"v5e": 16 * MIB, "v6e": 32 * MIB}
+GRID_STEP_OVERHEAD_S = 0.35e-6
+
+# Raised VMEM limits (see `vmem_limit_bytes`). Mosaic allocates its own
+# scratch (semaphores, relayout temporaries) on top of a kernel's blocks; 4 MiB
+# for it has sufficed in every ahead-of-time compile of our kernels (v5e, v6e).
+MOSAIC_SCRATCH_BYTES = 4 * MIB
+# A kernel never asks for less than the smallest default (v5e's 16 MiB), nor
+# for more than 100 of the 128 MiB per core of v5e and v6e: the rest is left
+# to the compiler. The cap is a choice, not a measured limit.
+MIN_VMEM_LIMIT_BYTES = DEFAULT_SCOPED_VMEM_BYTES["v5e"]
+MAX_VMEM_LIMIT_BYTES = 100 * MIB
+
+
+class UnsupportedTpuError(RuntimeError):
+    """The TPU this process runs on is not one the kernels are tuned and compiled for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuGeneration:
+    """Per-TensorCore facts of one TPU generation (sources in the module docstring)."""
+
+    name: str
+    hbm_bytes_per_s: float
+    hbm_capacity_bytes: int
+    vmem_capacity_bytes: int
+    default_scoped_vmem_bytes: int | None
+    bf16_flops_per_s: float
+    int8_ops_per_s: float
+    fp8_flops_per_s: float
+    int4_ops_per_s: float
+    mxu_size: int
+    lanes: int
+    sublanes: int
+
+
+@functools.cache
+def tpu_generation(name: str) -> TpuGeneration:
+    """Facts of any generation jax's table knows ("v5e", "v6e", "v5p", ...)."""
+    try:
+        chip = pltpu.ChipVersion(name)
+    except ValueError:
+        known = ", ".join(c.value for c in pltpu.ChipVersion)
+        raise ValueError(f"generation: unknown TPU generation {name!r}; jax knows {known}") from None
+    info = pltpu.get_tpu_info_for_chip(chip, 1)
+    return TpuGeneration(
+        name=name,
+        hbm_bytes_per_s=float(info.mem_bw_bytes_per_second),
+        hbm_capacity_bytes=int(info.hbm_capacity_bytes),
+        vmem_capacity_bytes=int(info.vmem_capacity_bytes),
+        default_scoped_vmem_bytes=DEFAULT_SCOPED_VMEM_BYTES.get(name),
+        bf16_flops_per_s=float(info.bf16_ops_per_second),
+        int8_ops_per_s=float(info.int8_ops_per_second),
+        fp8_flops_per_s=float(info.fp8_ops_per_second),
+        int4_ops_per_s=float(info.int4_ops_per_second),
+        mxu_size=int(info.mxu_column_size),
+        lanes=int(info.num_lanes),
+        sublanes=int(info.num_sublanes),
+    )
+
+
+def check_generation(generation: str) -> str:
+    """`generation` if the kernels support it, else a ValueError naming the supported ones."""
+    if generation not in SUPPORTED_GENERATIONS:
+        raise ValueError(f"generation must be one of {SUPPORTED_GENERATIONS}, got {generation!r}")
+    return generation
+
+
+def current_generation() -> str:
+    """The supported generation to tile for in this process (see the module docstring)."""
+    override = os.environ.get(GENERATION_ENV)
+    if override:
+        try:
+            return check_generation(override)
+        except ValueError as error:
+            raise ValueError(f"{GENERATION_ENV}: {error}") from None
+    device = jax.devices()[0]
+    if device.platform != "tpu":
+        return OFF_TPU_GENERATION
+    try:
+        chip = str(pltpu.get_tpu_info().chip_version)
+    except ValueError:  # a device kind jax's table does not know
+        chip = None
+    if chip not in SUPPORTED_GENERATIONS:
+        raise UnsupportedTpuError(
+            f"this TPU ({device.device_kind!r}) is not one the kernels are tuned and compiled for: "
+            f"supported generations are {SUPPORTED_GENERATIONS}. Set {GENERATION_ENV} to one of them "
+            "to run its tiles here anyway (they may not fit this chip's VMEM)."
+        )
+    return chip
+
+
+def resolve_generation(generation: str | None) -> str:
+    """`generation` checked, or the current one when None."""
+    return current_generation() if generation is None else check_generation(generation)
+
+
+def _shared_by_supported(field: str) -> int:
+    values = {getattr(tpu_generation(name), field) for name in SUPPORTED_GENERATIONS}
+    if len(values) != 1:
+        raise AssertionError(f"{field} differs between supported generations: {values}")
+    return values.pop()
+
+
+# The native VMEM tile is (sublanes x 128 lanes) of 32-bit words on every supported generation.
+LANES = _shared_by_supported("lanes")
+SUBLANES = _shared_by_supported("sublanes")
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def sublane_multiple(dtype) -> int:
+    """Rows of one native VMEM tile of `dtype`: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit types.
+
+    Narrower types pack several rows into one 32-bit sublane; block row counts
+    are aligned to this.
+    """
+    return SUBLANES * max(1, 4 // np.dtype(dtype).itemsize)
+
+
+def padded_vmem_bytes(shape: Sequence[int], dtype) -> int:
+    """Bytes a buffer of `shape` takes in VMEM/SMEM, padded to the native tile of `dtype`.
+
+    The last two dimensions are padded to (sublane_multiple, LANES); a 1-D
+    buffer is laid out along lanes, several rows' worth per 32-bit word.
+    """
+    itemsize = np.dtype(dtype).itemsize
+    if not shape:
+        return itemsize
+    if len(shape) == 1:
+        return round_up(shape[0], LANES * max(1, 4 // itemsize)) * itemsize
+    *leading, rows, cols = shape
+    return math.prod(leading) * round_up(rows, sublane_multiple(dtype)) * round_up(cols, LANES) * itemsize
+
+
+def vmem_limit_bytes(working_set_bytes: int) -> int:
+    """The scoped VMEM limit to request for a kernel whose blocks and scratch take `working_set_bytes`.
+
+    The working set plus Mosaic's own scratch, within [MIN_VMEM_LIMIT_BYTES,
+    MAX_VMEM_LIMIT_BYTES].
+    """
+    return min(max(working_set_bytes + MOSAIC_SCRATCH_BYTES, MIN_VMEM_LIMIT_BYTES), MAX_VMEM_LIMIT_BYTES)
