@@ -489,8 +489,13 @@ def candidate_tilings(rival: Rival, rows: int, k: int, n: int) -> list[tuple[int
     splits_k = [k, round_up(-(-k // 2), 128), round_up(-(-k // 4), 128)]
     splits_n = [n, round_up(-(-n // 2), 128), round_up(-(-n // 4), 128)]
     if rival.name == "tokamax":
-        splits_k = sorted({v for v in tokamax_tile_space(k) if v >= 256}, reverse=True)[:4]
-        splits_n = sorted({v for v in tokamax_tile_space(n) if v >= 256}, reverse=True)[:4]
+        # Its space also holds non-multiples of 128 (K / 2 of an unaligned K), which Pallas cannot lower
+        # unless they span the whole dimension.
+        def lowerable(values, dim):
+            return sorted({v for v in values if v >= 256 and (v % 128 == 0 or v == dim)}, reverse=True)[:4]
+
+        splits_k = lowerable(tokamax_tile_space(k), k)
+        splits_n = lowerable(tokamax_tile_space(n), n)
     padded_rows = round_up(max(rows, rival.min_rows), 128)
     row_tiles = [t for t in ROW_TILES if t <= max(padded_rows, 128)]
     blocks = sorted({(tk, tn) for tk in splits_k for tn in splits_n}, key=lambda b: (-b[0] * b[1], -b[1]))
@@ -567,6 +572,11 @@ def replay(cache: Cache, fn, args, context=contextlib.nullcontext) -> list[perf.
         return cache.put(key, perf.model_pallas_traffic(fn, *args))
 
 
+def _first_line(error: Exception) -> str:
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return lines[0] if lines else repr(error)
+
+
 class Compiler:
     """Lowers on the calling thread (cheap, and tokamax's patch is thread-global) and compiles on a pool."""
 
@@ -575,8 +585,13 @@ class Compiler:
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(jobs, 1))
 
     def submit(self, fn, avals, generation: str, lock=contextlib.nullcontext()) -> concurrent.futures.Future:
-        with lock:
-            lowered = xla_program.lower_program(fn, avals, generation)
+        try:
+            with lock:
+                lowered = xla_program.lower_program(fn, avals, generation)
+        except Exception as error:  # noqa: BLE001 - a layer that does not lower is a result
+            future = concurrent.futures.Future()
+            future.set_result({"error": f"lowering failed: {_first_line(error)}", "seconds": 0.0})
+            return future
         key = self.cache.key("program", generation, lowered.as_text())
         found = self.cache.get(key)
         if found is not None:
@@ -589,8 +604,7 @@ class Compiler:
             try:
                 program = xla_program.compile_lowered(lowered, generation)
             except Exception as error:  # noqa: BLE001 - a failed compile (e.g. VMEM OOM) is a result
-                lines = str(error).strip().splitlines()
-                return {"error": lines[0] if lines else repr(error), "seconds": time.perf_counter() - started}
+                return {"error": _first_line(error), "seconds": time.perf_counter() - started}
             return self.cache.put(key, program)
 
         return self.pool.submit(compile_and_store)
@@ -638,6 +652,8 @@ def timings(program, calls, case: Case, generation: str) -> dict:
             "xla_estimated_cycles": head.xla_estimated_cycles,
             "xla_estimated_us": round(head.xla_estimated_s * 1e6, 3),
             "ops_without_xla_estimate": head.xla_ops_without_estimate,
+            "relayout_hbm_bytes": program.relayout_bytes,
+            "relayout_us": round(program.relayout_bytes / tpu_generation(generation).hbm_bytes_per_s * 1e6, 3),
         },
         "hbm_bytes": head.hbm_bytes,
         "bytes_over_min": head.hbm_bytes / case.min_bytes,

@@ -63,6 +63,9 @@ VMEM_BANDWIDTH_OVER_HBM = 22.0
 # assumed 4 on v6e. Used only to turn XLA's cycle estimates into seconds.
 MXUS_PER_CORE = 4
 PALLAS_TARGET = "tpu_custom_call"
+# A copy of an entry parameter into another layout: XLA's default TPU layout of an argument differs from
+# the one a consumer (e.g. a Pallas kernel's operand layout constraint) needs, so every call rewrites it.
+RELAYOUT = "relayout of"
 
 _HBM, _VMEM, _OTHER = "hbm", "vmem", "on_chip"
 _ITEMSIZE = {
@@ -88,6 +91,7 @@ class Leaf:
     dtype: str
     dims: tuple[int, ...]
     space: str
+    layout: str = ""  # minor-to-major order and tiling, e.g. "1,2,0:T(8,128)(2,1)"
 
     @property
     def bytes(self) -> int:
@@ -101,6 +105,7 @@ class _Instruction:
     opcode: str
     operands: tuple[str, ...]
     attributes: str
+    arguments: str = ""  # the text inside the operand parentheses, e.g. a parameter's number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +155,11 @@ class CompiledProgram:
         return sum(op.vmem_bytes for op in self.ops)
 
     @property
+    def relayout_bytes(self) -> int:
+        """HBM bytes of copies that only change an argument's layout (module docstring of RELAYOUT)."""
+        return sum(op.hbm_bytes for op in self.ops if op.detail.startswith(RELAYOUT))
+
+    @property
     def moving_ops(self) -> tuple[ProgramOp, ...]:
         """The XLA ops that read or write any buffer (launches, as opposed to free re-descriptions)."""
         return tuple(op for op in self.ops if op.hbm_bytes or op.vmem_bytes)
@@ -158,7 +168,9 @@ class CompiledProgram:
         """Human-readable list of the large buffers XLA keeps in VMEM or prefetches there."""
         lines = []
         for op in self.ops:
-            if op.prefetch and op.hbm_read_bytes >= min_bytes:
+            if op.detail.startswith(RELAYOUT) and op.hbm_bytes >= min_bytes:
+                lines.append(f"{op.name}: {op.detail}, {op.hbm_bytes / 2**20:.1f} MiB of HBM traffic per call")
+            elif op.prefetch and op.hbm_read_bytes >= min_bytes:
                 lines.append(f"{op.name}: prefetches {op.hbm_read_bytes / 2**20:.1f} MiB of {op.detail} into VMEM")
             elif not op.prefetch and op.vmem_bytes >= min_bytes and not op.hbm_bytes:
                 lines.append(f"{op.name} ({op.opcode} {op.detail}): runs on {op.vmem_bytes / 2**20:.1f} MiB in VMEM")
@@ -362,6 +374,11 @@ def _op_traffic(inst: _Instruction, by_name, computations) -> ProgramOp | None:
             charge_write(leaf)
     if not (reads or hbm_write or vmem):
         return None
+    if inst.opcode == "copy" and inst.operands and by_name.get(inst.operands[0]) is not None:
+        source = by_name[inst.operands[0]]
+        if source.opcode == "parameter" and isinstance(source.shape, Leaf) and isinstance(inst.shape, Leaf) \
+                and source.shape.layout != inst.shape.layout:
+            detail = f"{RELAYOUT} {source.name} ({source.shape.layout} -> {inst.shape.layout})"
     return ProgramOp(inst.name, inst.opcode, detail, reads, hbm_write, vmem, None, prefetch)
 
 
@@ -377,7 +394,7 @@ def _partially_read_parameters(called: list[_Instruction]) -> dict[int, int]:
     parameters = {}
     for inst in called:
         if inst.opcode == "parameter":
-            number = re.match(r"\s*(\d+)", inst.attributes)
+            number = re.match(r"\s*(\d+)", inst.arguments)
             parameters[inst.name] = int(number.group(1)) if number else None
     partial = {}
     for name, number in parameters.items():
@@ -425,8 +442,9 @@ def _parse_instruction(name: str, rest: str) -> _Instruction:
     opcode_end = rest.index("(")
     opcode = rest[:opcode_end].strip()
     close = _matching(rest, opcode_end)
-    operands = tuple(re.findall(r"%([\w.\-]+)", rest[opcode_end + 1 : close]))
-    return _Instruction(name, shape, opcode, operands, rest[close + 1 :])
+    arguments = rest[opcode_end + 1 : close]
+    operands = tuple(re.findall(r"%([\w.\-]+)", arguments))
+    return _Instruction(name, shape, opcode, operands, rest[close + 1 :], arguments)
 
 
 def _parse_shape(text: str, position: int):
@@ -454,7 +472,8 @@ def _parse_shape(text: str, position: int):
     layout = match.group(3) or ""
     space = re.search(r"S\((\d+)\)", layout)
     number = int(space.group(1)) if space else 0
-    return Leaf(match.group(1), dims, _HBM if number == 0 else _VMEM if number == 1 else _OTHER), match.end()
+    order = re.sub(r"S\(\d+\)", "", layout.strip("{}"))
+    return Leaf(match.group(1), dims, _HBM if number == 0 else _VMEM if number == 1 else _OTHER, order), match.end()
 
 
 def _matching(text: str, open_position: int) -> int:
