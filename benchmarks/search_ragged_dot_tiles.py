@@ -1,10 +1,10 @@
 """Search ragged_dot_tpu tile configs over the traffic/roofline model and write the kernel's tile table.
 
-For every MoE projection of the benchmark's settings (Qwen3-30B-A3B full and
-EP8 rank, Gemma-4-26B-A4B, GPT-OSS-120B, DeepSeek-V3 EP32 rank; gate_up and
-down) at every power-of-two token count from 1 to 8192, with routing drawn
-from a different seed than the benchmark's, and for each generation (v5e,
-v6e):
+For every grouped matmul (gate_up and down) of the experts-layer benchmark's
+settings (`benchmarks/moe_layer.py`: the rows, sentinel rows included, and
+group sizes the kernel sees on the rank) at every power-of-two token count
+from 1 to 8192, with routing drawn from a different seed than the
+benchmark's, and for each generation (v5e, v6e):
 
 1. Candidates are built from five knobs: tile_m ("m" = one resident row tile,
    or 64..2048 rows), tile_k (K, or K/2 for K > 2048), tile_n (N, or N/2,
@@ -33,6 +33,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import pprint
@@ -41,14 +42,18 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
-
-from tpu_kernels.hardware import round_up
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ragged_dot as bench  # noqa: E402
+import moe_layer  # noqa: E402
 
-ROOT = bench.ROOT
+from tpu_kernels import perf  # noqa: E402
+from tpu_kernels.aot import compile_for  # noqa: E402
+from tpu_kernels.hardware import round_up  # noqa: E402
+
+ROOT = moe_layer.ROOT
 DEFAULT_OUT = ROOT / "kernel_repos" / "ragged-dot-tpu" / "torch-ext" / "ragged_dot_tpu" / "tile_table.py"
 SEARCH_SEED = 1
 SEARCH_TOKENS = tuple(2**i for i in range(14))  # 1 .. 8192
@@ -60,7 +65,88 @@ MAX_COMPILE_ATTEMPTS = 6
 KNOBS = ("tile_m", "tile_n", "tile_k", "chunk_m", "groups_per_step")
 
 
-def knob_values(shape: bench.Shape) -> dict[str, list]:
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One grouped matmul of an experts layer as the kernel sees it on one rank."""
+
+    setting: str
+    tokens: int
+    projection: str
+    m: int
+    k: int
+    n: int
+    group_sizes: tuple[int, ...]
+    transpose_rhs: bool
+
+    @property
+    def groups(self) -> int:
+        return len(self.group_sizes)
+
+    @property
+    def label(self) -> str:
+        return f"{self.setting} T={self.tokens} {self.projection}"
+
+    def sizes_array(self) -> np.ndarray:
+        return np.asarray(self.group_sizes, np.int32)
+
+    def avals(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+        rhs = (self.groups, self.n, self.k) if self.transpose_rhs else (self.groups, self.k, self.n)
+        return jax.ShapeDtypeStruct((self.m, self.k), DTYPE), jax.ShapeDtypeStruct(rhs, DTYPE)
+
+    @property
+    def min_bytes(self) -> int:
+        active = sum(1 for size in self.group_sizes if size)
+        return (active * self.k * self.n + self.m * self.k + self.m * self.n) * jnp.dtype(DTYPE).itemsize
+
+    @property
+    def useful_flops(self) -> int:
+        return 2 * sum(self.group_sizes) * self.k * self.n
+
+
+DTYPE = moe_layer.DTYPE
+GENERATIONS = moe_layer.GENERATIONS
+
+
+def make_shapes(settings, tokens_list, seed: int) -> list[Shape]:
+    shapes = []
+    for setting in settings:
+        for tokens in tokens_list:
+            case = moe_layer.make_case(setting, tokens, seed)
+            sizes = tuple(int(size) for size in case.group_sizes)
+            for projection, k, n in moe_layer.projections(case):
+                shapes.append(Shape(setting.label, tokens, projection, case.picks, k, n, sizes,
+                                    not case.model.weights_transposed))
+    return shapes
+
+
+def model_kernel(fn, shape: Shape) -> dict:
+    """The kernel's modelled times per generation (perf's grid replay)."""
+    lhs, rhs = shape.avals()
+    calls = perf.model_pallas_traffic(fn, lhs, rhs, shape.sizes_array())
+    results = {}
+    for generation in GENERATIONS:
+        modelled = perf.roofline(calls, generation, min_bytes=shape.min_bytes, min_flops=shape.useful_flops)
+        results[generation] = {
+            "modelled_time_us": modelled.time_s * 1e6,
+            "modelled_pipelined_time_us": modelled.pipelined_time_s * 1e6,
+            "roofline_us": modelled.roofline_s * 1e6,
+            "vmem_bytes": modelled.vmem_bytes,
+        }
+    return results
+
+
+def compile_kernel(fn, shape: Shape, generation: str) -> dict:
+    lhs, rhs = shape.avals()
+    started = time.perf_counter()
+    try:
+        compile_for(fn, [lhs, rhs, jax.ShapeDtypeStruct((shape.groups,), jnp.int32)], generation)
+    except Exception as error:  # noqa: BLE001 - a config Mosaic refuses is a result
+        lines = str(error).strip().splitlines()
+        return {"compiled": False, "seconds": time.perf_counter() - started, "error": lines[0] if lines else repr(error)}
+    return {"compiled": True, "seconds": time.perf_counter() - started}
+
+
+def knob_values(shape: Shape) -> dict[str, list]:
     k, n, m = shape.k, shape.n, shape.m
     tile_n = [n] + sorted({round_up(math.ceil(n / d), 256) for d in (2, 3, 4)} - {n}, reverse=True)
     return {
@@ -75,7 +161,7 @@ def knob_values(shape: bench.Shape) -> dict[str, list]:
 class Evaluator:
     """Scores table entries for one shape; caches one grid replay per concrete config."""
 
-    def __init__(self, built, shape: bench.Shape):
+    def __init__(self, built, shape: Shape):
         self.built = built
         self.shape = shape
         self.replays: dict[tuple, dict | None] = {}
@@ -83,9 +169,9 @@ class Evaluator:
 
     def concrete(self, entry: dict):
         shape = self.shape
-        config = self.built.config.resolve(entry, shape.m, shape.k, shape.n, bench.DTYPE)
+        config = self.built.config.resolve(entry, shape.m, shape.k, shape.n, DTYPE)
         try:
-            self.built.config.check_config(config, shape.m, shape.k, shape.n, bench.DTYPE)
+            self.built.config.check_config(config, shape.m, shape.k, shape.n, DTYPE)
         except ValueError:
             return None
         return config
@@ -96,7 +182,7 @@ class Evaluator:
             return None
         if config not in self.replays:
             fn = functools.partial(self.built.pallas_tpu.ragged_dot, transpose_rhs=self.shape.transpose_rhs, config=config)
-            self.replays[config] = bench.model_kernel(fn, self.shape, bench.GENERATIONS)
+            self.replays[config] = model_kernel(fn, self.shape)
             self.evaluations += 1
         return self.replays[config]
 
@@ -146,9 +232,9 @@ def descend(evaluator: Evaluator, start: dict, values: dict, generation: str) ->
     return best
 
 
-def search_shape(built, shape: bench.Shape, generation: str, evaluator: Evaluator) -> dict:
+def search_shape(built, shape: Shape, generation: str, evaluator: Evaluator) -> dict:
     values = knob_values(shape)
-    heuristic = built.config.heuristic_config(shape.m, shape.k, shape.n, bench.DTYPE, generation, shape.groups)
+    heuristic = built.config.heuristic_config(shape.m, shape.k, shape.n, DTYPE, generation, shape.groups)
     starts = [
         entry_of(heuristic, shape.m),
         {"tile_m": "m", "tile_k": shape.k, "tile_n": shape.n, "chunk_m": 64, "groups_per_step": 2},
@@ -167,7 +253,7 @@ def search_shape(built, shape: bench.Shape, generation: str, evaluator: Evaluato
     attempts = []
     for config in order[:MAX_COMPILE_ATTEMPTS]:
         fn = functools.partial(built.pallas_tpu.ragged_dot, transpose_rhs=shape.transpose_rhs, config=config)
-        compiled = bench.compile_kernel(fn, shape, generation)
+        compiled = compile_kernel(fn, shape, generation)
         attempts.append({"config": tuple(config), **compiled})
         if compiled["compiled"]:
             break
@@ -183,7 +269,7 @@ def search_shape(built, shape: bench.Shape, generation: str, evaluator: Evaluato
         "n": shape.n,
         "groups": shape.groups,
         "m": shape.m,
-        "dtype": jnp.dtype(bench.DTYPE).name,
+        "dtype": jnp.dtype(DTYPE).name,
         **entry_of(config, shape.m),
         "modelled_pipelined_us": round(chosen["modelled_pipelined_time_us"], 2),
         "modelled_us": round(chosen["modelled_time_us"], 2),
@@ -214,17 +300,17 @@ heuristic's time on the same sample. Search took {seconds:.0f} s.
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--settings", nargs="*", default=[label for label, _, _ in bench.SETTINGS])
+    parser.add_argument("--settings", nargs="*", default=[setting.label for setting in moe_layer.SETTINGS])
     parser.add_argument("--tokens", nargs="*", type=int, default=list(SEARCH_TOKENS))
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
-    settings = [setting for setting in bench.SETTINGS if setting[0] in args.settings]
-    shapes = bench.make_shapes(settings, args.tokens, seed=SEARCH_SEED)
-    table: dict[str, list[dict]] = {generation: [] for generation in bench.GENERATIONS}
+    settings = [setting for setting in moe_layer.SETTINGS if setting.label in args.settings]
+    shapes = make_shapes(settings, args.tokens, seed=SEARCH_SEED)
+    table: dict[str, list[dict]] = {generation: [] for generation in GENERATIONS}
     seen: set[tuple] = set()
     with tempfile.TemporaryDirectory() as build_dir:
-        built = bench.load_our_kernel(Path(build_dir))
+        built = moe_layer.load_kernel(moe_layer.DEFAULT_REPO, Path(build_dir))
         for shape in shapes:
             key = (shape.k, shape.n, shape.groups, shape.m)
             if key in seen:
@@ -232,7 +318,7 @@ def main(argv=None) -> int:
             seen.add(key)
             evaluator = Evaluator(built, shape)
             shape_started = time.perf_counter()
-            for generation in bench.GENERATIONS:
+            for generation in GENERATIONS:
                 entry = search_shape(built, shape, generation, evaluator)
                 table[generation].append(entry)
                 print(
