@@ -644,6 +644,8 @@ def timings(program, calls, case: Case, generation: str) -> dict:
             "vmem_bytes": kernels.vmem_bytes,
             "calls": [{"name": c.name, "grid": list(c.grid), "hbm_bytes": c.hbm_bytes, "steps": c.steps,
                        "notes": list(c.notes)} for c in placed],
+            # Operands in memory space ANY/HBM: the kernel's own DMAs of them are invisible to the replay.
+            "dmas_not_modelled": [f"{c.name}: {op.origin}" for c in placed for op in c.operands if not op.pipelined],
         },
         "xla_ops": {
             "us": round(head.xla_s * 1e6, 3),
