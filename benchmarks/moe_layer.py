@@ -887,6 +887,28 @@ def check_targets(rows: list[dict]) -> dict:
     }
 
 
+def markdown_table(rows: list[dict]) -> str:
+    """Ours vs the best tuned rival vs the roofline per shape and generation (headline model), as markdown."""
+    lines = [
+        "| shape | gen | roofline us | ours us | ours / roofline | best tuned rival | rival us | ours / rival "
+        "| ours at XLA's glue estimate us | relayout us |",
+        "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        ours = row["variants"].get("ours", {})
+        if row.get("best_rival") is None:
+            lines.append(f"| {row['label']} | {row['generation']} | {row['roofline_us']:.1f} | "
+                         f"{ours.get('error', 'n/a')} | | | | | | |")
+            continue
+        lines.append(
+            f"| {row['label']} | {row['generation']} | {row['roofline_us']:.1f} | {row['ours_us']:.1f} | "
+            f"{row['ours_over_roofline']:.2f} | {row['best_rival']} | {row['best_rival_us']:.1f} | "
+            f"{row['ours_over_best_rival']:.2f} | {ours.get('with_xla_estimate_us', float('nan')):.1f} | "
+            f"{ours['xla_ops'].get('relayout_us', 0.0):.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -984,6 +1006,7 @@ def main(argv=None) -> int:
         plot(rows, args.out.with_suffix(".png"))
     report["seconds"] = round(time.perf_counter() - started, 1)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(markdown_table(rows))
     targets = report["targets"]
     print(f"wrote {args.out} in {report['seconds']:.0f} s (cache hits {cache.hits}, misses {cache.misses}); "
           f"anchor {targets['anchor']['ours_us']} us (target {ANCHOR_TARGET_US}); decode within "
