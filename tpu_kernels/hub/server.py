@@ -130,7 +130,7 @@ def start_hub(
 
 
 def describe(hub: RunningHub, trusted_orgs) -> str:
-    lines = [f"tpu-kernels hub serving {hub.storage.root} at {hub.url}"]
+    lines = [f"tpu-kernels hub serving {hub.storage.root} at {hub.url}", f"browse it: {hub.url}/"]
     if hub.token:
         lines.append("writes need the token (clients: HF_TOKEN)")
     else:
