@@ -66,6 +66,7 @@ from .pages import Pages
 from .routing import Route, find_route, path_segments, route
 from .storage import (
     MAIN_BRANCH,
+    NOT_SUPPORTED,
     FileEntry,
     HubError,
     Storage,
@@ -85,7 +86,6 @@ STATS_PATH = "/api/tpu-kernels/stats"
 INVALID_CREDENTIALS = "Invalid credentials in Authorization header"
 _URL_TYPES = {"kernels": "kernel", "models": "model"}
 _RESOLVE_PREFIXES = {"kernel": "kernels/", "model": ""}
-NOT_SUPPORTED = "Not supported by this local Hub"
 _ANY_METHOD = "GET HEAD POST PUT PATCH DELETE"
 _REPO_API = "/api/{repo_type}/{namespace}/{name}"
 _OTHER_TYPES = "dataset and Space repos: this server holds kernel and model repos only"
@@ -655,7 +655,7 @@ class HubApp:
     @staticmethod
     def _refuse_pull_requests(request: HubRequest) -> None:
         if request.query.get("create_pr", "0") not in ("0", "false", "False", ""):
-            raise HubError(400, "This server does not support pull requests: commit to a branch")
+            raise HubError(400, f"{NOT_SUPPORTED}: pull requests: commit to a branch (a kernel version is branch v<N>)")
 
     def preupload(self, request: HubRequest, repo_type: str, repo_id: str, revision: str) -> Response:
         self._refuse_pull_requests(request)

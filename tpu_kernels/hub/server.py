@@ -130,7 +130,7 @@ def start_hub(
 
 
 def describe(hub: RunningHub, trusted_orgs) -> str:
-    lines = [f"tpu-kernels hub serving {hub.storage.root} at {hub.url}", f"browse it: {hub.url}/"]
+    lines = [f"tpu-kernels hub serving {hub.storage.root} at {hub.url}"]
     if hub.token:
         lines.append("writes need the token (clients: HF_TOKEN)")
     else:
@@ -138,6 +138,7 @@ def describe(hub: RunningHub, trusted_orgs) -> str:
     if trusted_orgs:
         lines.append(f"trusted kernel publishers: {', '.join(sorted(trusted_orgs))}")
     lines.append(f"clients: export HF_ENDPOINT={hub.url}")
+    lines.append(f"browse it: {hub.url}/")
     return "\n".join(lines)
 
 

@@ -51,6 +51,9 @@ _COMMIT_ID = re.compile(r"[0-9a-f]{40}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
+NOT_SUPPORTED = "Not supported by this local Hub"
+
+
 class HubError(Exception):
     """An error with the HTTP status and the `X-Error-Code` huggingface_hub maps to its exceptions."""
 
@@ -69,7 +72,7 @@ def now_iso() -> str:
 
 def validate_repo_type(repo_type: str) -> str:
     if repo_type not in REPO_TYPES:
-        raise HubError(400, f"Unsupported repo type {repo_type!r}: this server serves {', '.join(REPO_TYPES)} repos")
+        raise HubError(400, f"{NOT_SUPPORTED}: {str(repo_type)[:40]!r} repos: this server holds kernel and model repos only")
     return repo_type
 
 
