@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from huggingface_hub import constants
+from huggingface_hub import CommitOperationAdd, HfApi, constants
 
 from tpu_kernels.builder import build_kernel_repo
 from tpu_kernels.hub import RunningHub, start_hub
@@ -88,3 +91,111 @@ def run_cli(program: str, *args: str, env: dict[str, str], returncode: int = 0) 
     assert result.returncode == returncode, f"{program} {' '.join(args)} -> {result.returncode}\n{output[-4000:]}"
     assert "Traceback" not in output, output[-4000:]
     return result
+
+
+# -- hostile and private content, for the pages --------------------------------------------------------
+
+HOSTILE_REPO = "mallory/kernel"
+PRIVATE_REPO = f"{TRUSTED}/secret-kernel"
+HOSTILE_CARD = """---
+license: "<script>alert('license')</script>"
+tags: ["<img src=x onerror=alert('tag')>"]
+---
+# Card <script>alert('card')</script>
+
+<img src=x onerror="alert('img')">
+
+<script>document.title = 'pwned'</script>
+
+[click me](javascript:alert('link')) and [the notes](build/torch-cpu/notes.md)
+
+![the plot](plot.png)
+"""
+HOSTILE_TITLE = "<b>bold</b><script>alert('title')</script>"
+HOSTILE_MESSAGE = "<img src=x onerror=alert('message')>\n<a href=\"javascript:alert('message')\">x</a>"
+HOSTILE_PATH = "build/torch-cpu/<img src=x onerror=alert('path')>.py"
+HOSTILE_BACKEND = "<svg onload=alert('backend')>"
+
+
+def png(width: int = 24, height: int = 12) -> bytes:
+    """A small opaque RGB picture (a red-to-blue gradient), made with the standard library."""
+    rows = b"".join(b"\0" + b"".join(bytes((255 * x // width, 64, 255 - 255 * x // width)) for x in range(width))
+                    for _ in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+
+
+def publish_hostile_and_private_repos(api: HfApi) -> None:
+    """A kernel repo whose card, commit message, file name and metadata try to inject markup, and a
+    private kernel repo of the trusted publisher."""
+    api.create_repo(HOSTILE_REPO, repo_type="kernel")
+    api.create_branch(HOSTILE_REPO, repo_type="kernel", branch="v1")
+    metadata = json.dumps({"name": "kernel", "version": 1, "backend": {"type": HOSTILE_BACKEND}}).encode()
+    api.create_commit(HOSTILE_REPO, repo_type="kernel", revision="v1", commit_message=HOSTILE_TITLE,
+                      commit_description=HOSTILE_MESSAGE, operations=[
+                          CommitOperationAdd("README.md", HOSTILE_CARD.encode()),
+                          CommitOperationAdd("plot.png", png()),
+                          CommitOperationAdd("build/torch-cpu/metadata.json", metadata),
+                          CommitOperationAdd("build/torch-cpu/notes.md", b"notes\n"),
+                          CommitOperationAdd(HOSTILE_PATH, b"VALUE = 1\n")])
+    api.create_tag(HOSTILE_REPO, repo_type="kernel", tag="release-1", revision="v1")
+    api.create_repo(PRIVATE_REPO, repo_type="kernel", private=True)
+    api.upload_file(path_or_fileobj=b"# secret\n", path_in_repo="README.md", repo_id=PRIVATE_REPO, repo_type="kernel")
+
+
+_HIDDEN = {"head", "style", "script", "title"}
+# Elements whose edges separate words in what a reader sees (as innerText does).
+_BLOCKS = {"p", "div", "li", "ul", "ol", "tr", "td", "th", "table", "pre", "br", "h1", "h2", "h3", "h4", "h5", "h6",
+           "header", "main", "article", "blockquote", "hr"}
+
+
+class _Document(HTMLParser):
+    """Elements, attributes and visible text of an HTML document."""
+
+    def __init__(self, html: str):
+        super().__init__(convert_charrefs=True)
+        self.elements: list[tuple[str, dict[str, str | None]]] = []
+        self.text: list[str] = []
+        self._hidden = 0
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        self.elements.append((tag, dict(attrs)))
+        self._hidden += tag in _HIDDEN
+        if tag in _BLOCKS:
+            self.text.append(" ")
+
+    def handle_endtag(self, tag):
+        self._hidden -= tag in _HIDDEN
+        if tag in _BLOCKS:
+            self.text.append(" ")
+
+    def handle_data(self, data):
+        if not self._hidden:
+            self.text.append(data)
+
+
+def visible_text(html: str) -> str:
+    """The page's text as a reader sees it, whitespace collapsed."""
+    return " ".join("".join(_Document(html).text).split())
+
+
+def active_content(html: str) -> list[str]:
+    """Everything in a page that could run code: script-like elements, event handler attributes,
+    javascript:/vbscript:/data: links."""
+    found = []
+    for tag, attrs in _Document(html).elements:
+        if tag in ("script", "iframe", "object", "embed", "base", "form", "meta") and not (
+                tag == "meta" and set(attrs) <= {"charset", "name", "content"}):
+            found.append(f"<{tag}>")
+        for name, value in attrs.items():
+            if name.startswith("on"):
+                found.append(f"<{tag} {name}=...>")
+            if name in ("href", "src", "action", "formaction") and (value or "").strip().lower().startswith(
+                    ("javascript:", "vbscript:", "data:text")):
+                found.append(f"<{tag} {name}={value}>")
+    return found
