@@ -32,13 +32,10 @@ BIN = Path(sys.executable).parent
 
 @dataclass
 class PublishedHub:
-    hub: RunningHub
+    url: str
     builds: dict[str, Path]  # kernel name -> its build folder
     commits: dict[str, str]  # repo id -> the commit its v1 holds
-
-    @property
-    def url(self) -> str:
-        return self.hub.url
+    hub: RunningHub | None = None  # when it runs in this process
 
 
 @contextmanager
@@ -52,16 +49,24 @@ def loopback_only(folder: Path) -> Iterator[None]:
         yield
 
 
+def publish_kernels(url: str, root: Path) -> PublishedHub:
+    """Build the three kernel repos under `root` and publish each as tpu-kernels/<name> v1 to the Hub at `url`."""
+    builds, commits = {}, {}
+    for name in KERNEL_NAMES:
+        builds[name] = build_kernel_repo(REPO_ROOT / "kernel_repos" / name, root / "build")
+        commits[f"{TRUSTED}/{name}"] = upload_kernel(builds[name], f"{TRUSTED}/{name}", endpoint=url,
+                                                     token=TOKEN).build_oid
+    return PublishedHub(url, builds, commits)
+
+
 @contextmanager
 def published_hub(root: Path) -> Iterator[PublishedHub]:
-    """A Hub under `root` where tpu-kernels (a trusted publisher) has published v1 of the three kernels."""
+    """A Hub in this process, under `root`, where tpu-kernels (a trusted publisher) has published v1 of the
+    three kernels."""
     with loopback_only(root), start_hub(root / "hub", token=TOKEN, trusted_orgs=[TRUSTED]) as hub:
-        builds, commits = {}, {}
-        for name in KERNEL_NAMES:
-            builds[name] = build_kernel_repo(REPO_ROOT / "kernel_repos" / name, root / "build")
-            commits[f"{TRUSTED}/{name}"] = upload_kernel(builds[name], f"{TRUSTED}/{name}", endpoint=hub.url,
-                                                         token=TOKEN).build_oid
-        yield PublishedHub(hub, builds, commits)
+        published = publish_kernels(hub.url, root)
+        published.hub = hub
+        yield published
 
 
 def cli_env(hub_url: str, home: Path, token: str | None = TOKEN) -> dict[str, str]:
