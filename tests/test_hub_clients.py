@@ -134,6 +134,9 @@ def test_hf_cli_publishes_branches_tags_downloads_moves_and_deletes_a_kernel_rep
                 env=env)
         assert local_files(target) == local_files(build), revision
 
+    run_cli("hf", "repos", "delete-files", repo, "build/torch-tpu/*", "--type", "kernel", "--revision", "v2", env=env)
+    assert not any(path.startswith("build/torch-tpu/")
+                   for path in api.list_repo_files(repo, repo_type="kernel", revision="refs/heads/v2"))
     run_cli("hf", "repos", "tag", "delete", repo, "release-1", "--type", "kernel", "-y", env=env)
     run_cli("hf", "repos", "branch", "delete", repo, "v2", "--type", "kernel", env=env)
     refs = api.list_repo_refs(repo, repo_type="kernel")
@@ -157,6 +160,9 @@ def test_hf_cli_lists_model_repos_and_files_and_sets_visibility(published, env, 
     assert {item["path"]: item["size"] for item in json.loads(files) if "size" in item} == {
         "README.md": 11, "build/torch-cpu/__init__.py": 26, "build/torch-cpu/_value.py": 10}
     assert repo in run_cli("hf", "models", "ls", "--author", "hf-cli", "-q", env=env).stdout.split()
+    info = json.loads(run_cli("hf", "models", "info", repo, "--format", "json", env=env).stdout)
+    assert sorted(sibling["rfilename"] for sibling in info["siblings"]) == sorted(local_files(tmp_path / "model"))
+    assert run_cli("hf", "models", "card", repo, env=env).stdout.strip().endswith("\n# answer 3")
 
     run_cli("hf", "repos", "settings", repo, "--private", env=env)
     assert not anonymous.repo_exists(repo)
@@ -193,8 +199,9 @@ def test_publisher_calls_take_branches_tags_commits_and_full_ref_names(published
                       commit_message="build v1")
     head = api.upload_file(path_or_fileobj=b"# card v1\n", path_in_repo="README.md", repo_id=repo,
                            repo_type="kernel", revision="refs/heads/v1").oid
-    api.create_tag(repo, repo_type="kernel", tag="release-1", revision="refs/heads/v1")
-    api.create_branch(repo, repo_type="kernel", branch="v2", revision="refs/tags/release-1")
+    api.create_tag(repo, repo_type="kernel", tag="refs/tags/release-1", revision="refs/heads/v1")
+    api.create_branch(repo, repo_type="kernel", branch="refs/heads/v2", revision="refs/tags/release-1")
+    api.create_branch(repo, repo_type="kernel", branch="refs/heads/v2", exist_ok=True)
     expected = {**local_files(folder), "README.md": b"# card v1\n"}
 
     for revision in ("v1", "refs/heads/v1", "release-1", "refs/tags/release-1", head, "v2", "refs/heads/v2"):
