@@ -6,6 +6,7 @@ that says so, never with a 404 a client reads as a missing repo, file or revisio
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -274,12 +275,16 @@ def test_delete_and_move_repo(published, api):
 
 
 def test_visibility_and_listings(published, api, anonymous):
-    repo = "visibility/model"
+    repo, older = "visibility/model", "visibility/an-older-model"
+    api.create_repo(older)
+    time.sleep(0.01)  # creation dates have millisecond resolution
     api.create_repo(repo)
     api.update_repo_settings(repo, private=True)
     assert not anonymous.repo_exists(repo)
-    assert [model.id for model in api.list_models(author="visibility")] == [repo]
-    assert [model.id for model in anonymous.list_models(author="visibility")] == []
+    assert [model.id for model in api.list_models(author="visibility")] == [older, repo]
+    assert [model.id for model in api.list_models(author="visibility", sort="created_at")] == [repo, older]
+    assert [model.id for model in api.list_models(search="an-older", limit=1)] == [older]
+    assert [model.id for model in anonymous.list_models(author="visibility")] == [older]
     api.update_repo_settings(repo, private=False)
     assert anonymous.repo_exists(repo)
     assert anonymous.auth_check(repo) is None

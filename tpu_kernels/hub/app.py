@@ -111,7 +111,7 @@ REFUSED = (
     *(("git", f"{prefix}/{{namespace}}/{{name}}/{tail}", _GIT)
       for prefix in ("/kernels", "") for tail in ("info/refs", "git-upload-pack", "git-receive-pack")),
 )
-LISTING_SORTS = {"id": "id", "createdAt": "created_at", "lastModified": "last_modified"}
+LISTING_SORTS = ("id", "createdAt", "lastModified")
 # Files a browser may show inline; every other file is served as application/octet-stream.
 _INLINE_TYPES = {
     ".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".gif": "image/gif", ".webp": "image/webp",
@@ -540,22 +540,20 @@ class HubApp:
             if self.storage.is_private(repo_type, repo_id) and not request.authenticated:
                 continue
             items.append(self._listed_repo(repo_type, repo_id))
-        key = LISTING_SORTS[sort]
-        descending = sort != "id" if query.get("direction") is None else query.get("direction") == "-1"
-        items.sort(key=lambda item: item[key], reverse=descending)
-        items = [{name: value for name, value in item.items() if name not in ("created_at", "last_modified")}
-                 for item in items[:int(limit) if limit is not None else None]]
-        return self._paginated(request, items, f"/api/{repo_type}s")
+        # As on the Hub: dates newest first unless `direction=1`; ids in order unless `direction=-1`.
+        direction = query.get("direction")
+        items.sort(key=lambda item: item[sort], reverse=direction == "-1" if direction else sort != "id")
+        return self._paginated(request, items[:int(limit) if limit is not None else None], f"/api/{repo_type}s")
 
     def _listed_repo(self, repo_type: str, repo_id: str) -> dict:
-        refs = self.storage.refs(repo_type, repo_id)
-        main = self.storage.commit(repo_type, repo_id, refs.branches[MAIN_BRANCH])
-        created = self.storage.repo_created_at(repo_type, repo_id)
-        modified = max(self.storage.commit(repo_type, repo_id, head).date for head in refs.branches.values())
         return {
-            "id": repo_id, "author": repo_id.split("/")[0], "sha": main.id, "private": self.storage.is_private(repo_type, repo_id),
-            "createdAt": created, "lastModified": modified, "tags": [], "downloads": 0, "likes": 0,
-            "gated": False, "disabled": False, "created_at": created, "last_modified": modified,
+            "id": repo_id,
+            "author": repo_id.split("/")[0],
+            "sha": self.storage.refs(repo_type, repo_id).branches[MAIN_BRANCH],
+            "private": self.storage.is_private(repo_type, repo_id),
+            "createdAt": self.storage.repo_created_at(repo_type, repo_id),
+            "lastModified": self.storage.last_modified(repo_type, repo_id),
+            "tags": [], "downloads": 0, "likes": 0, "gated": False, "disabled": False,
         }
 
     def refuse(self, request: HubRequest, reason: str, **params) -> Response:

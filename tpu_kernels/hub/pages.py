@@ -159,7 +159,7 @@ class Pages:
                 branches = self.storage.refs(repo_type, repo_id).branches
                 versions = sorted((int(match[1]) for name in branches if (match := VERSION_BRANCH.fullmatch(name))),
                                   reverse=True)
-                updated = max(self.storage.commit(repo_type, repo_id, head).date for head in branches.values())
+                updated = self.storage.last_modified(repo_type, repo_id)
                 namespaces.setdefault(repo_id.split("/")[0], []).append({
                     "id": repo_id,
                     "type": repo_type,

@@ -357,6 +357,11 @@ class Storage:
         folder = self.existing_repo_dir(repo_type, repo_id)
         return json.loads((folder / "repo.json").read_text())["createdAt"]
 
+    def last_modified(self, repo_type: str, repo_id: str) -> str:
+        """The date of the newest commit a branch points at."""
+        folder = self.existing_repo_dir(repo_type, repo_id)
+        return max(self._read_commit_cached(folder, head).date for head in self.refs(repo_type, repo_id).branches.values())
+
     @contextlib.contextmanager
     def _repo_lock(self, repo_type: str, repo_id: str) -> Iterator[None]:
         with self._repo_locks_guard:
