@@ -293,9 +293,13 @@ def test_visibility_and_listings(published, api, anonymous):
     assert [item["id"] for item in kernels] == sorted(f"{TRUSTED}/{name}" for name in KERNEL_NAMES)
 
 
-def _raw_unknown_api_call(api: HfApi, repo: str):
-    response = get_session().post(f"{api.endpoint}/api/kernels/{repo}/like", headers={"Authorization": f"Bearer {TOKEN}"})
-    hf_raise_for_status(response)
+def _raw_unknown_api_calls(api: HfApi, repo: str):
+    for method, path in (("POST", f"/api/kernels/{repo}/like"), ("GET", "/api/whoami"), ("GET", "/api/spaces-x")):
+        response = get_session().request(method, api.endpoint + path, headers={"Authorization": f"Bearer {TOKEN}"})
+        with pytest.raises(HfHubHTTPError) as refused:
+            hf_raise_for_status(response)
+        assert response.status_code == 400 and "Not supported by this local Hub" in str(refused.value), path
+    raise refused.value
 
 
 REFUSED_CALLS = {
@@ -310,7 +314,7 @@ REFUSED_CALLS = {
     "list_user_repos": lambda api, model, kernel: list(api.list_user_repos(namespace="refused")),
     "create_repo(dataset)": lambda api, model, kernel: api.create_repo("refused/data", repo_type="dataset"),
     "list_models(filter)": lambda api, model, kernel: list(api.list_models(filter="text-generation")),
-    "an endpoint the server lacks": lambda api, model, kernel: _raw_unknown_api_call(api, kernel),
+    "endpoints the server lacks": lambda api, model, kernel: _raw_unknown_api_calls(api, kernel),
 }
 
 

@@ -168,6 +168,7 @@ def test_commit_page_lists_what_the_commit_changed(published):
 def test_missing_things_are_404_pages(published):
     assert "Invalid rev id: v9" in visible_text(page(published, f"/kernels/{TRUSTED}/rmsnorm-tpu/tree/v9", status=404))
     assert "not found" in visible_text(page(published, "/kernels/nobody/nothing", status=404))
-    assert "No page here" in visible_text(page(published, "/favicon.ico", status=404))
+    for path in ("/favicon.ico", "/kernels/nothing", "/models/nobody"):
+        assert "No page here" in visible_text(page(published, path, status=404)), path
     head = get(f"{published.url}/kernels/{TRUSTED}/rmsnorm-tpu", method="HEAD")
     assert (head.status_code, head.content) == (200, b"")

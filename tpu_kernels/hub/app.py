@@ -67,6 +67,7 @@ from .routing import Route, find_route, path_segments, route
 from .storage import (
     MAIN_BRANCH,
     NOT_SUPPORTED,
+    RESERVED_NAMESPACES,
     FileEntry,
     HubError,
     Storage,
@@ -335,6 +336,8 @@ class HubApp:
         if request.method == "GET" and segments == STATS_PATH.split("/")[1:]:
             return JSONResponse(self.stats.snapshot())
         found = find_route(self.routes, request.method, segments or [])
+        if found and found[0].page and found[1].get("namespace", "").lower() in RESERVED_NAMESPACES:
+            found = None  # /api/<word>, /kernels/<name>: not a model repo's page
         self.stats.count(found[0].name if found else "unknown")
         page = found is None or found[0].page
         try:
