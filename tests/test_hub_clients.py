@@ -200,9 +200,8 @@ def test_publisher_calls_take_branches_tags_commits_and_full_ref_names(published
                       commit_message="build v1")
     head = api.upload_file(path_or_fileobj=b"# card v1\n", path_in_repo="README.md", repo_id=repo,
                            repo_type="kernel", revision="refs/heads/v1").oid
-    api.create_tag(repo, repo_type="kernel", tag="refs/tags/release-1", revision="refs/heads/v1")
-    api.create_branch(repo, repo_type="kernel", branch="refs/heads/v2", revision="refs/tags/release-1")
-    api.create_branch(repo, repo_type="kernel", branch="refs/heads/v2", exist_ok=True)
+    api.create_tag(repo, repo_type="kernel", tag="release-1", revision="refs/heads/v1")
+    api.create_branch(repo, repo_type="kernel", branch="v2", revision="refs/tags/release-1")
     expected = {**local_files(folder), "README.md": b"# card v1\n"}
 
     for revision in ("v1", "refs/heads/v1", "release-1", "refs/tags/release-1", head, "v2", "refs/heads/v2"):
@@ -272,6 +271,13 @@ def test_delete_and_move_repo(published, api):
     api.create_repo(renamed, repo_type="kernel")  # the id is free again, and the new repo starts empty
     assert api.list_repo_files(renamed, repo_type="kernel") == []
     assert len(api.list_repo_commits(renamed, repo_type="kernel")) == 1
+
+
+def test_a_moved_private_repo_stays_private(published, api, anonymous):
+    api.create_repo("movers/private", repo_type="kernel", private=True)
+    api.move_repo("movers/private", "movers/private-renamed", repo_type="kernel")
+    assert api.kernel_info("movers/private-renamed").private
+    assert not anonymous.repo_exists("movers/private-renamed", repo_type="kernel")
 
 
 def test_visibility_and_listings(published, api, anonymous):

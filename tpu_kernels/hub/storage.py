@@ -533,9 +533,6 @@ class Storage:
         self._create_ref(repo_type, repo_id, "tags", tag, revision)
 
     def _create_ref(self, repo_type: str, repo_id: str, kind: str, name: str, revision: str) -> None:
-        full_kind, short = split_full_ref(name)
-        if full_kind == kind:  # `refs/heads/x` creates branch x, `refs/tags/x` tag x
-            name = short
         validate_ref_name(name)
         folder = self.existing_repo_dir(repo_type, repo_id)
         with self._repo_lock(repo_type, repo_id):
