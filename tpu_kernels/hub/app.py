@@ -253,6 +253,15 @@ def _requested_privacy(payload: dict) -> bool | None:
     return visibility == "private" if visibility is not None else private_flag
 
 
+def _named_repo(payload: dict) -> tuple[str, str]:
+    """(repo type, repo id) of a create or delete request: `type`, `organization` (else the user), `name`."""
+    repo_type = validate_repo_type(_field(payload, "type", (str, type(None))) or "model")
+    namespace = _field(payload, "organization", (str, type(None))) or USER_NAME
+    repo_id = f"{namespace}/{_field(payload, 'name', str)}"
+    validate_repo_id(repo_id)
+    return repo_type, repo_id
+
+
 def _repo_of(payload: dict, field: str) -> str:
     repo_id = _field(payload, field, str)
     validate_repo_id(repo_id)
@@ -339,15 +348,16 @@ class HubApp:
         if found and found[0].page and found[1].get("namespace", "").lower() in RESERVED_NAMESPACES:
             found = None  # /api/<word>, /kernels/<name>: not a model repo's page
         self.stats.count(found[0].name if found else "unknown")
-        page = found is None or found[0].page
+        api = bool(segments) and segments[0] == "api"
+        page = found[0].page if found else not api
         try:
             if found is None:
-                if segments and segments[0] == "api":
-                    page = False
-                    raise HubError(400, f"{NOT_SUPPORTED}: {request.method} {request.scope['path'][:200]}: it "
-                                        "implements the Hub API that huggingface_hub and kernels use to publish and "
-                                        "load kernel and model repos (see the README's compatibility table)")
-                raise HubError(404, f"No page here: {request.method} {request.scope['path'][:200]}")
+                where = f"{request.method} {request.scope['path'][:200]}"
+                if api:
+                    raise HubError(400, f"{NOT_SUPPORTED}: {where}: it implements the Hub API that huggingface_hub "
+                                        "and kernels use to publish and load kernel and model repos (see the "
+                                        "README's compatibility table)")
+                raise HubError(404, f"No page here: {where}")
             matched, params = found
             if matched.needs_token:
                 self._require_token(request)
@@ -472,11 +482,8 @@ class HubApp:
 
     def create_repo(self, request: HubRequest) -> Response:
         payload = request.json()
-        repo_type = validate_repo_type(_field(payload, "type", (str, type(None))) or "model")
-        namespace = _field(payload, "organization", (str, type(None))) or USER_NAME
-        repo_id = f"{namespace}/{_field(payload, 'name', str)}"
+        repo_type, repo_id = _named_repo(payload)
         private = bool(_requested_privacy(payload))
-        validate_repo_id(repo_id)
         url = self._repo_url(request, repo_type, repo_id)
         try:
             self.storage.create_repo(repo_type, repo_id, author=USER_NAME, private=private)
@@ -487,12 +494,7 @@ class HubApp:
         return JSONResponse({"url": url, "name": repo_id, "id": repo_id})
 
     def delete_repo(self, request: HubRequest) -> Response:
-        payload = request.json()
-        repo_type = validate_repo_type(_field(payload, "type", (str, type(None))) or "model")
-        namespace = _field(payload, "organization", (str, type(None))) or USER_NAME
-        repo_id = f"{namespace}/{_field(payload, 'name', str)}"
-        validate_repo_id(repo_id)
-        self.storage.delete_repo(repo_type, repo_id)
+        self.storage.delete_repo(*_named_repo(request.json()))
         return JSONResponse({})
 
     def move_repo(self, request: HubRequest) -> Response:
@@ -746,7 +748,6 @@ class HubApp:
         # Each chunk is a hop to a worker thread and back: 1 MiB ones double the rate of the default 64 KiB.
         response.chunk_size = DOWNLOAD_CHUNK_BYTES
         return response
-
 
     # -- web pages ------------------------------------------------------------------------------
 
