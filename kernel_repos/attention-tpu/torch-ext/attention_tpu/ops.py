@@ -17,8 +17,19 @@ from ._ops import add_op_namespace_prefix, jax_torch_op
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _attention(q, k, v, q_offset, kv_lengths, attention_mask, scale, causal, sliding_window, softcap) -> jax.Array:
-    """What both ops run; `attention_mask` is None, int8 (a bool mask across the boundary) or floating."""
+@jax_torch_op(add_op_namespace_prefix("flash_attention"))
+def _flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_offset: jax.Array,
+    kv_lengths: jax.Array,
+    attention_mask: jax.Array | None,
+    scale: float,
+    causal: bool,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> jax.Array:
     # Boolean masks cross the torch/JAX boundary as int8 (nonzero = attend).
     if attention_mask is not None and attention_mask.dtype == jnp.int8:
         attention_mask = attention_mask != 0
@@ -34,38 +45,6 @@ def _attention(q, k, v, q_offset, kv_lengths, attention_mask, scale, causal, sli
         softcap=softcap,
         attention_mask=attention_mask,
     )
-
-
-# With and without a mask: two ops until the binding takes optional tensors.
-@jax_torch_op(add_op_namespace_prefix("flash_attention"))
-def _flash_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    q_offset: jax.Array,
-    kv_lengths: jax.Array,
-    scale: float,
-    causal: bool,
-    sliding_window: int | None,
-    softcap: float | None,
-) -> jax.Array:
-    return _attention(q, k, v, q_offset, kv_lengths, None, scale, causal, sliding_window, softcap)
-
-
-@jax_torch_op(add_op_namespace_prefix("flash_attention_masked"))
-def _flash_attention_masked(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    q_offset: jax.Array,
-    kv_lengths: jax.Array,
-    attention_mask: jax.Array,
-    scale: float,
-    causal: bool,
-    sliding_window: int | None,
-    softcap: float | None,
-) -> jax.Array:
-    return _attention(q, k, v, q_offset, kv_lengths, attention_mask, scale, causal, sliding_window, softcap)
 
 
 def _check_tensor(name: str, value) -> None:
@@ -190,10 +169,8 @@ def flash_attention(
     kv_lengths = kv_lengths.clamp(0, kv_len).to(torch.int32)
     scale = float(head_dim**-0.5 if scale is None else scale)
     softcap = None if softcap is None else float(softcap)
-    if attention_mask is None:
-        return _flash_attention(query, key, value, q_offset, kv_lengths, scale, bool(causal), sliding_window, softcap)
-    if attention_mask.dtype == torch.bool:
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
         attention_mask = attention_mask.to(torch.int8)
-    return _flash_attention_masked(
+    return _flash_attention(
         query, key, value, q_offset, kv_lengths, attention_mask, scale, bool(causal), sliding_window, softcap
     )
