@@ -37,6 +37,8 @@ class Problem:
     mask_batch: int
     has_sinks: bool
     dtype: str
+    # The query offset when the caller gave an int (or none: the default): grid lengths are then exact.
+    static_q_offset: int | None
 
     @property
     def group(self) -> int:
@@ -82,6 +84,7 @@ def prepare(
             mask_kind = "bias"
             mask_floor = float(jnp.finfo(attention_mask.dtype).min)
             mask = attention_mask.astype(jnp.float32)
+    static_q_offset = kv_len - q_len if q_offset is None else q_offset if isinstance(q_offset, int) else None
     problem = Problem(
         batch=batch,
         q_heads=q_heads,
@@ -98,6 +101,7 @@ def prepare(
         mask_batch=1 if mask is None else mask.shape[0],
         has_sinks=sinks is not None,
         dtype=jnp.dtype(q.dtype).name,
+        static_q_offset=static_q_offset,
     )
     if q_offset is None:
         q_offset = kv_len - q_len
@@ -158,13 +162,29 @@ def softcap_slope(problem: Problem, capped):
 # Block ranges, computed outside the kernels.
 
 
+def _blocks_spanned(first, last, block: int) -> int:
+    """Most blocks any [first, last] interval touches (intervals with last < first touch none); at least 1."""
+    spans = np.where(last >= first, last // block - first // block + 1, 0)
+    return max(1, int(spans.max(initial=0)))
+
+
 def kv_steps(problem: Problem, num_kv_blocks: int, block_q: int, block_kv: int) -> int:
     """Grid length along the KV axis of a kernel walking KV blocks per query block.
 
-    With causality, a sliding window w bounds what block_q consecutive
-    positions see to w + block_q - 1 consecutive keys (a mask only removes keys
-    from that), so windowed attention over a long cache runs a short KV axis.
+    With a static query offset, the most KV blocks a query block's visible keys
+    span (lengths and a mask only remove keys from those). Otherwise a bound:
+    with causality, a sliding window w limits what block_q consecutive
+    positions see to w + block_q - 1 consecutive keys, so windowed attention
+    over a long cache runs a short KV axis.
     """
+    if problem.static_q_offset is not None:
+        q_first = problem.static_q_offset + np.arange(0, problem.q_len, block_q)
+        q_last = np.minimum(q_first + block_q, problem.static_q_offset + problem.q_len) - 1
+        key_first = np.zeros_like(q_first)
+        if problem.sliding_window is not None:
+            key_first = np.maximum(key_first, q_first - problem.sliding_window + 1)
+        key_last = np.minimum(q_last, problem.kv_len - 1) if problem.causal else np.full_like(q_last, problem.kv_len - 1)
+        return min(num_kv_blocks, _blocks_spanned(key_first, key_last, block_kv))
     if problem.sliding_window is None or not problem.causal:
         return num_kv_blocks
     return min(num_kv_blocks, pl.cdiv(problem.sliding_window + block_q - 1, block_kv) + 1)
@@ -173,9 +193,20 @@ def kv_steps(problem: Problem, num_kv_blocks: int, block_q: int, block_kv: int) 
 def q_steps(problem: Problem, num_q_blocks: int, block_q: int, block_kv: int) -> int:
     """Grid length along the query axis of a kernel walking query blocks per KV block.
 
-    With causality and a window w, the keys of one KV block are seen by at most
-    block_kv + w - 1 consecutive query positions.
+    With a static query offset, the most query blocks that see some key of one
+    KV block span. Otherwise a bound: with causality and a window w, the keys
+    of one KV block are seen by at most block_kv + w - 1 consecutive query positions.
     """
+    if problem.static_q_offset is not None:
+        key_first = np.arange(0, problem.kv_len, block_kv)
+        key_last = np.minimum(key_first + block_kv, problem.kv_len) - 1
+        query_first = np.zeros_like(key_first)
+        query_last = np.full_like(key_first, problem.q_len - 1)
+        if problem.causal:
+            query_first = np.maximum(query_first, key_first - problem.static_q_offset)
+        if problem.sliding_window is not None:
+            query_last = np.minimum(query_last, key_last + problem.sliding_window - 1 - problem.static_q_offset)
+        return min(num_q_blocks, _blocks_spanned(query_first, query_last, block_q))
     if problem.sliding_window is None or not problem.causal:
         return num_q_blocks
     return min(num_q_blocks, pl.cdiv(problem.sliding_window + block_kv - 1, block_q) + 1)

@@ -31,7 +31,7 @@ def _flash_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    q_offset: jax.Array,
+    q_offset: jax.Array | None,
     kv_lengths: jax.Array,
     attention_mask: jax.Array | None,
     sinks: jax.Array | None,
@@ -40,7 +40,7 @@ def _flash_attention(
     sliding_window: int | None,
     softcap: float | None,
 ) -> tuple[jax.Array, jax.Array]:
-    """(out, log-sum-exp): the forward keeps the second for the backward."""
+    """(out, log-sum-exp): the forward keeps the second for the backward. q_offset None: the default, Skv - Sq."""
     return pallas_tpu.flash_attention_forward(
         q,
         k,
@@ -64,7 +64,7 @@ def _flash_attention_backward(
     v: jax.Array,
     out: jax.Array,
     lse: jax.Array,
-    q_offset: jax.Array,
+    q_offset: jax.Array | None,
     kv_lengths: jax.Array,
     attention_mask: jax.Array | None,
     sinks: jax.Array | None,
@@ -245,11 +245,14 @@ def flash_attention(
     batch, _, q_len, head_dim = query.shape
     kv_len = key.shape[2]
     device = query.device
-    if q_offset is None:
-        q_offset = kv_len - q_len
-    if isinstance(q_offset, int):
+    # The default offset stays implicit: the kernels then know it while tracing and size their grids exactly
+    # (self-attention in training always has it). Any other offset is a tensor, so that it costs no recompilation.
+    if q_offset is None or (isinstance(q_offset, int) and q_offset == kv_len - q_len):
+        q_offset = None
+    elif isinstance(q_offset, int):
         q_offset = torch.full((batch,), q_offset, dtype=torch.int32, device=device)
-    q_offset = q_offset.to(torch.int32)
+    else:
+        q_offset = q_offset.to(torch.int32)
     if kv_lengths is None:
         kv_lengths = torch.full((batch,), kv_len, dtype=torch.int32, device=device)
     kv_lengths = kv_lengths.clamp(0, kv_len).to(torch.int32)
