@@ -397,7 +397,7 @@ BACKWARD_TARGET_PCT = 80.0
 # Matmuls each backward kernel must run per visible (query, key) pair and head dim, x 2 FLOPs.
 NECESSARY_MATMULS = {"dq": 3, "dkv": 4}
 IDEAL_BACKWARD_MATMULS = 5  # dS K, P^T dO, dS^T q, and S and dP once
-SWEEP_BLOCKS = {"block_q": (256, 512, 1024, 2048), "block_kv": (256, 512, 1024, 2048)}
+SWEEP_BLOCKS = {"block_q": (128, 256, 512, 1024), "block_kv": (128, 256, 512, 1024)}
 
 
 def backward_fn(built, shape: TrainingShape, generation: str, config=None):
@@ -456,6 +456,7 @@ def model_backward(built, shape: TrainingShape, dtype, generation: str, config) 
         kernels_out[name] = {
             "block_q": tiles.block_q,
             "block_kv": tiles.block_kv,
+            "kv_heads_per_step": tiles.kv_heads_per_step,
             "vmem_limit_bytes": tiles.vmem_limit_bytes,
             "grid": list(call.grid),
             "grid_steps": call.steps,
@@ -512,7 +513,7 @@ def measure_backward(built, shape: TrainingShape, dtype) -> dict:
     for generation in GENERATIONS:
         config = built.config.select_backward_config(
             q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.seq, kv_len=shape.seq,
-            head_dim=shape.head_dim, dtype=dtype, generation=generation,
+            head_dim=shape.head_dim, dtype=dtype, sliding_window=shape.sliding_window, generation=generation,
         )
         result = model_backward(built, shape, dtype, generation, config)
         result["forward_modelled_us"] = forward_time_us(built, shape, dtype, generation)
@@ -522,27 +523,27 @@ def measure_backward(built, shape: TrainingShape, dtype) -> dict:
 
 
 def sweep_backward(built, shape: TrainingShape, dtype, generation: str) -> dict:
-    """Pipelined time of every (block_q, block_kv) per kernel that fits the VMEM budget; the best of each."""
+    """Pipelined time of every (block_q, block_kv) per kernel that fits the VMEM budget, with the KV heads per
+    step the heuristic gives those blocks; the best of each kernel."""
     config_module = built.config
     best, rows = {}, []
-    itemsize = jnp.dtype(dtype).itemsize
     for block_q in SWEEP_BLOCKS["block_q"]:
         for block_kv in SWEEP_BLOCKS["block_kv"]:
-            fits = {}
-            for name in NECESSARY_MATMULS:
-                working_set = config_module.backward_vmem_bytes(
-                    kernel=name, group=shape.q_heads // shape.kv_heads, block_q=block_q, block_kv=block_kv,
-                    head_dim=shape.head_dim, itemsize=itemsize, mask_itemsize=0)
-                fits[name] = working_set <= config_module.VMEM_BUDGET_BYTES[generation]
-            if not any(fits.values()):
+            tiles = {
+                name: config_module.backward_tiles(
+                    name, block_q=block_q, block_kv=block_kv, group=shape.q_heads // shape.kv_heads,
+                    kv_heads=shape.kv_heads, head_dim=shape.head_dim, itemsize=jnp.dtype(dtype).itemsize,
+                    mask_itemsize=0, generation=generation)
+                for name in NECESSARY_MATMULS
+            }
+            if any(t is None for t in tiles.values()):
                 continue
-            tiles = config_module.AttentionConfig(block_q, block_kv, config_module.vmem_limit(32 * 2**20))
-            result = model_backward(built, shape, dtype, generation, config_module.BackwardConfig(dq=tiles, dkv=tiles))
+            result = model_backward(built, shape, dtype, generation, config_module.BackwardConfig(**tiles))
             for name, kernel in result["kernels"].items():
-                if not fits[name]:
-                    continue
                 rows.append({"kernel": name, "block_q": block_q, "block_kv": block_kv,
-                             "pipelined_us": kernel["modelled_pipelined_time_us"]})
+                             "kv_heads_per_step": tiles[name].kv_heads_per_step,
+                             "pipelined_us": kernel["modelled_pipelined_time_us"],
+                             "pct_of_roofline": kernel["pipelined_pct_of_roofline"]})
                 if name not in best or kernel["modelled_pipelined_time_us"] < best[name]["pipelined_us"]:
                     best[name] = rows[-1]
     return {"best": best, "rows": rows}
@@ -556,7 +557,7 @@ def summarise_backward(results: list[dict]) -> dict:
             for name, kernel in result["kernels"].items():
                 table.append({
                     "shape": entry["label"], "generation": generation, "kernel": name,
-                    "tiles": [kernel["block_q"], kernel["block_kv"]],
+                    "tiles": [kernel["block_q"], kernel["block_kv"], kernel["kv_heads_per_step"]],
                     "modelled_us": round(kernel["modelled_pipelined_time_us"], 1),
                     "pct_of_roofline": round(kernel["pipelined_pct_of_roofline"], 1),
                     "modelled_mxu_utilisation_pct": round(kernel["modelled_mxu_utilisation_pct"], 1),

@@ -123,22 +123,24 @@ def test_op_gradients_match_reference(kernel, case):
 
 # Multi-block cases: the JAX function with explicit tiles.
 # batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype, sinks, options,
-# (forward tiles), (dq tiles), (dk/dv tiles)
+# (forward tiles), (dq tiles), (dk/dv tiles); backward tiles are (block_q, block_kv[, KV heads per step])
 BLOCK_CASES = {
     # Causal with a window: 3 ragged query blocks; dk/dv walks at most 3 of them per KV block.
     "causal-300-gqa4-window-sinks": (1, 4, 1, 300, 300, 64, torch.float32, True, dict(sliding_window=100),
                                      (128, 128), (128, 128), (128, 256)),
-    # Chunked prefill at offsets with lengths: KV blocks past a length get zero dk/dv; soft-capped.
+    # Chunked prefill at offsets with lengths: KV blocks past a length get zero dk/dv; soft-capped; dq steps
+    # span both KV heads.
     "chunk-200-of-300-offsets-lengths-softcap": (2, 4, 2, 200, 300, 64, torch.float32, False,
                                                  dict(q_offset=[100, 40], kv_lengths=[300, 170], softcap=3.0),
-                                                 (128, 128), (128, 256), (128, 128)),
+                                                 (128, 128), (128, 256, 2), (128, 128)),
     # An explicit mask with left padding and holes, across blocks of both axes; bf16, D=128.
     "mask-200-of-300-bf16": (2, 2, 2, 200, 300, 128, torch.bfloat16, False, dict(causal=False, mask=(0, 150)),
                              (128, 128), (128, 128), (128, 128)),
-    # Additive mask and a non-causal window (keys after a query stay visible), GQA 2, D=256, sinks.
+    # Additive mask and a non-causal window (keys after a query stay visible), GQA 2, D=256, sinks;
+    # dk/dv steps span both KV heads.
     "bias-window-noncausal-d256-sinks": (1, 4, 2, 150, 260, 256, torch.float32, True,
                                          dict(causal=False, sliding_window=60, bias=True, q_offset=[40]),
-                                         (128, 128), (128, 128), (150, 128)),
+                                         (128, 128), (128, 128), (150, 128, 2)),
 }
 
 
@@ -153,8 +155,8 @@ def test_multi_block_gradients_match_reference(kernel, interpret, convert, case)
     config = kernel.config
     tiles = dict(
         config=config.AttentionConfig(*forward_tiles, 32 * MIB),
-        backward_config=config.BackwardConfig(dq=config.AttentionConfig(*dq_tiles, 32 * MIB),
-                                              dkv=config.AttentionConfig(*dkv_tiles, 32 * MIB)),
+        backward_config=config.BackwardConfig(dq=config.AttentionConfig(*dq_tiles[:2], 32 * MIB, *dq_tiles[2:]),
+                                              dkv=config.AttentionConfig(*dkv_tiles[:2], 32 * MIB, *dkv_tiles[2:])),
     )
     names = [n for n in ("q", "k", "v", "sinks") if n in tensors]
 

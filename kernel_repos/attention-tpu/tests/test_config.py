@@ -132,20 +132,43 @@ def test_backward_tiles_fit_the_budget(config, model):
         for dtype, mask_dtype in ((jnp.bfloat16, None), (jnp.bfloat16, jnp.int8), (jnp.float32, jnp.float32)):
             chosen = config.select_backward_config(q_len=8192, kv_len=8192, dtype=dtype, mask_dtype=mask_dtype,
                                                    generation=generation, **shape)
-            config.check_backward_config(chosen, q_len=8192, kv_len=8192)
+            config.check_backward_config(chosen, q_len=8192, kv_len=8192, kv_heads=shape["kv_heads"])
             for kernel_name, tiles in (("dq", chosen.dq), ("dkv", chosen.dkv)):
-                working_set = config.backward_vmem_bytes(
-                    kernel=kernel_name, group=shape["q_heads"] // shape["kv_heads"], block_q=tiles.block_q,
-                    block_kv=tiles.block_kv, head_dim=shape["head_dim"], itemsize=jnp.dtype(dtype).itemsize,
-                    mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize,
-                )
-                assert working_set <= config.VMEM_BUDGET_BYTES[generation], (generation, kernel_name, tiles)
-                assert tiles.vmem_limit_bytes == config.vmem_limit(working_set)
+                step = dict(group=shape["q_heads"] // shape["kv_heads"], block_q=tiles.block_q,
+                            block_kv=tiles.block_kv, head_dim=shape["head_dim"])
+
+                def working_set(heads):
+                    return config.backward_vmem_bytes(
+                        kernel=kernel_name, kv_heads_per_step=heads, itemsize=jnp.dtype(dtype).itemsize,
+                        mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize, **step,
+                    )
+
+                heads = tiles.kv_heads_per_step
+                assert working_set(heads) <= config.VMEM_BUDGET_BYTES[generation], (generation, kernel_name, tiles)
+                assert tiles.vmem_limit_bytes == config.vmem_limit(working_set(heads))
+                # Enough KV heads per step that the step outweighs its overhead, or as many as fit.
+                seconds = config.backward_step_seconds(kernel_name, kv_heads_per_step=heads, generation=generation,
+                                                       **step)
+                more = [h for h in range(heads + 1, shape["kv_heads"] + 1) if shape["kv_heads"] % h == 0]
+                assert (seconds >= config.STEP_OVERHEAD_MULTIPLE * 0.35e-6 or not more
+                        or working_set(more[0]) > config.VMEM_BUDGET_BYTES[generation]), (generation, kernel_name, tiles)
     plain = config.select_backward_config(q_len=8192, kv_len=8192, dtype=jnp.bfloat16, generation="v6e",
                                           **TRAINING_SHAPES["qwen3-30b-a3b"])
     preferred = config.PREFERRED_BACKWARD_TILES["v6e"]
     assert (plain.dq.block_q, plain.dq.block_kv) == preferred["dq"]
     assert (plain.dkv.block_q, plain.dkv.block_kv) == preferred["dkv"]
+
+
+def test_backward_tiles_shrink_for_short_windows(config):
+    """GPT-OSS's window of 128: blocks past a few windows would mostly compute masked pairs."""
+    gpt_oss = dict(q_heads=64, kv_heads=8, q_len=8192, kv_len=8192, head_dim=64, dtype=jnp.bfloat16)
+    for generation in ("v5e", "v6e"):
+        chosen = config.select_backward_config(sliding_window=128, generation=generation, **gpt_oss)
+        cap = config.WINDOW_BLOCK_FACTOR[generation] * 128
+        assert max(chosen.dq.block_q, chosen.dq.block_kv, chosen.dkv.block_q, chosen.dkv.block_kv) <= cap
+        # Non-causal windows see keys on both sides without bound: no cap.
+        assert config.select_backward_config(sliding_window=128, causal=False, generation=generation,
+                                             **gpt_oss) == config.select_backward_config(generation=generation, **gpt_oss)
 
 
 def test_backward_tiles_of_short_sequences_are_whole(config):
@@ -156,12 +179,12 @@ def test_backward_tiles_of_short_sequences_are_whole(config):
 
 
 def test_check_backward_config(config):
-    good = config.AttentionConfig(128, 256, 16 * MIB)
-    config.check_backward_config(config.BackwardConfig(dq=good, dkv=good), q_len=300, kv_len=1000)
+    good = config.AttentionConfig(128, 256, 16 * MIB, kv_heads_per_step=2)
+    config.check_backward_config(config.BackwardConfig(dq=good, dkv=good), q_len=300, kv_len=1000, kv_heads=4)
     for bad, match in [
         (config.BackwardConfig(dq=config.AttentionConfig(100, 256, MIB), dkv=good), "dq.block_q must be a multiple"),
         (config.BackwardConfig(dq=good, dkv=config.AttentionConfig(128, 200, MIB)), "dkv.block_kv must be a multiple"),
-        (config.BackwardConfig(dq=good, dkv=config.AttentionConfig(128, 256, MIB, 2)), "dkv.kv_heads_per_step must be 1"),
+        (config.BackwardConfig(dq=good, dkv=config.AttentionConfig(128, 256, MIB, 3)), "dkv.kv_heads_per_step must divide"),
     ]:
         with pytest.raises(ValueError, match=match):
-            config.check_backward_config(bad, q_len=300, kv_len=1000)
+            config.check_backward_config(bad, q_len=300, kv_len=1000, kv_heads=4)

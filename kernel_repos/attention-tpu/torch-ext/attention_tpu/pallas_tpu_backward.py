@@ -7,17 +7,22 @@ inside lse), with delta = rowsum(d_out * out) precomputed once:
     dP = d_out V^T,   dS = P * (dP - delta),   dq = scale * dS' K,
     dV = P^T d_out,   dk = scale * dS'^T q,    dS' = dS * (1 - tanh^2) under a soft-cap.
 
-* dq kernel, grid (batch, kv_head, q_block, kv_step): the forward's
-  structure. A step handles the group's query heads against one K/V block and
-  accumulates dq in float32 scratch; per query block it walks only the KV
-  blocks holding a visible key (scalar-prefetched ranges, clamped index maps:
-  no compute and no fetch outside them).
-* dk/dv kernel, grid (batch, kv_head, kv_block, q_step): per KV block it walks
-  only the query blocks holding a query that sees one of its keys, and every
-  query head of the group, accumulating dk and dv in float32 scratch. Its
-  tiles are computed transposed, [block_kv, block_q] (S^T = K q^T), so that
-  every matmul is a plain or right-transposed one and lse and delta arrive as
-  lane-major rows.
+* dq kernel, grid (batch, kv_head block, q_block, kv_step): the forward's
+  structure. A step handles `kv_heads_per_step` KV heads and their groups of
+  query heads against one K/V block each and accumulates dq in float32
+  scratch; per query block it walks only the KV blocks holding a visible key
+  (scalar-prefetched ranges, clamped index maps: no compute and no fetch
+  outside them).
+* dk/dv kernel, grid (batch, kv_head block, kv_block, q_step): per KV block it
+  walks only the query blocks holding a query that sees one of its keys, and
+  every query head of the group, accumulating dk and dv in float32 scratch.
+  Its tiles are computed transposed, [block_kv, block_q] (S^T = K q^T), so
+  that every matmul is a plain or right-transposed one and lse and delta
+  arrive as lane-major rows.
+* Several KV heads per step keep a step's MXU work well above the per-step
+  overhead when groups are small (Gemma-4: 2 query heads per KV head), which
+  lets windowed layers use small tiles: tiles straddling a window's edges
+  compute masked pairs in proportion to their size.
 * Sinks: p_sink = exp(sink - lse) per row, d_sink = -sum over rows of
   p_sink * delta (plain JAX on [B, Hq, Sq] arrays, outside the kernels).
 * Masking is the forward's (`masking.py`); tiles entirely inside the visible
@@ -64,7 +69,7 @@ def _finite_lse(lse):
 
 
 def _loop_over_heads(num_heads: int, head) -> None:
-    """head(s) for every query head s of the group."""
+    """head(s) for every query head s of the step (its KV head is s // group)."""
     if num_heads == 1:
         head(0)
         return
@@ -105,8 +110,7 @@ def _dq_kernel(
         needs_mask = True
 
     def step(apply_mask: bool):
-        k, v = k_ref[...], v_ref[...]
-        visible = bias = None
+        visible = bias = key_rows = None
         if apply_mask:
             key_pos = key_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1)
             query_pos = q_first + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 0)
@@ -114,12 +118,14 @@ def _dq_kernel(
             if mask_ref is not None:
                 allowed, bias = masking.explicit_mask(problem, mask_ref[...])
                 visible = visible & allowed
-            # dS K mixes key rows: rows past the valid keys (anything, NaN included) must be zero.
             key_rows = key_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0) < kv_valid
-            k = jnp.where(key_rows, k, jnp.zeros_like(k))
-            v = jnp.where(key_rows, v, jnp.zeros_like(v))
 
         def head(s):
+            k, v = k_ref[s // problem.group], v_ref[s // problem.group]
+            if key_rows is not None:
+                # dS K mixes key rows: rows past the valid keys (anything, NaN included) must be zero.
+                k = jnp.where(key_rows, k, jnp.zeros_like(k))
+                v = jnp.where(key_rows, v, jnp.zeros_like(v))
             capped = masking.capped_logits(problem, _dot(q_ref[s], k, NT, problem))
             logits = capped if bias is None else capped + bias
             lse = _finite_lse(lse_ref[s].reshape(block_q, 1))
@@ -132,7 +138,7 @@ def _dq_kernel(
                 ds = ds * masking.softcap_slope(problem, capped)
             acc_ref[s] += _dot(ds.astype(k.dtype), k, NN, problem)
 
-        _loop_over_heads(problem.group, head)
+        _loop_over_heads(acc_ref.shape[0], head)
 
     in_range = kv_block <= block_hi_ref[slot]
     pl.when(in_range & needs_mask)(lambda: step(apply_mask=True))
@@ -175,7 +181,6 @@ def _dkv_kernel(
         needs_mask = True
 
     def step(apply_mask: bool):
-        k, v = k_ref[...], v_ref[...]
         visible = bias = query_rows = None
         if apply_mask:
             # Tiles are [block_kv, block_q]: keys along sublanes, queries along lanes.
@@ -189,6 +194,8 @@ def _dkv_kernel(
             query_rows = qi * block_q + jax.lax.broadcasted_iota(jnp.int32, (block_q, head_dim), 0) < problem.q_len
 
         def head(s):
+            kv_head = s // problem.group
+            k, v = k_ref[kv_head], v_ref[kv_head]
             q, d_out = q_ref[s], d_out_ref[s]
             if query_rows is not None:
                 # P^T d_out and dS^T q mix query rows: rows past the query length must be zero.
@@ -199,16 +206,16 @@ def _dkv_kernel(
             p = jnp.exp(logits - _finite_lse(lse_ref[s]))
             if visible is not None:
                 p = jnp.where(visible, p, 0.0)
-            dv_acc_ref[...] += _dot(p.astype(d_out.dtype), d_out, NN, problem)
+            dv_acc_ref[kv_head] += _dot(p.astype(d_out.dtype), d_out, NN, problem)
             ds = p * (_dot(v, d_out, NT, problem) - delta_ref[s])
             if problem.softcap is not None:
                 ds = ds * masking.softcap_slope(problem, capped)
             if visible is not None:
                 # Keys past the valid length may hold NaN (so do their dP rows and slopes): 0 * NaN is NaN.
                 ds = jnp.where(visible, ds, 0.0)
-            dk_acc_ref[...] += _dot(ds.astype(q.dtype), q, NN, problem)
+            dk_acc_ref[kv_head] += _dot(ds.astype(q.dtype), q, NN, problem)
 
-        _loop_over_heads(problem.group, head)
+        _loop_over_heads(q_ref.shape[0], head)
 
     in_range = qi <= block_hi_ref[slot]
     pl.when(in_range & needs_mask)(lambda: step(apply_mask=True))
@@ -248,15 +255,15 @@ def _dq_call(q, k, v, d_out, lse, delta, problem: Problem, prepared: Prepared, c
         return (b, h, qi, 0)
 
     def row_index_map(b, h, qi, kv_step, *_):
-        return (b, h, 0, 0, qi)
+        return (b, h, 0, qi)
 
     def kv_index_map(b, h, qi, kv_step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
         return (b, h, masking.block_of_step(lo_ref, hi_ref, b * nq + qi, kv_step), 0)
 
-    group = problem.group
-    q_spec = pl.BlockSpec((None, group, block_q, head_dim), q_index_map)
-    row_spec = pl.BlockSpec((None, None, group, 1, block_q), row_index_map)
-    kv_spec = pl.BlockSpec((None, None, block_kv, head_dim), kv_index_map)
+    heads = config.kv_heads_per_step
+    q_spec = pl.BlockSpec((None, heads * problem.group, block_q, head_dim), q_index_map)
+    row_spec = pl.BlockSpec((None, heads * problem.group, 1, block_q), row_index_map)
+    kv_spec = pl.BlockSpec((None, heads, block_kv, head_dim), kv_index_map)
     in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
     operands = [q, k, v, d_out, lse, delta]
     if prepared.mask is not None:
@@ -275,10 +282,10 @@ def _dq_call(q, k, v, d_out, lse, delta, problem: Problem, prepared: Prepared, c
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
-            grid=(batch, problem.kv_heads, nq, tiles.num_steps),
+            grid=(batch, problem.kv_heads // heads, nq, tiles.num_steps),
             in_specs=in_specs,
             out_specs=q_spec,
-            scratch_shapes=[pltpu.VMEM((group, block_q, head_dim), jnp.float32)],
+            scratch_shapes=[pltpu.VMEM((heads * problem.group, block_q, head_dim), jnp.float32)],
         ),
         compiler_params=_compiler_params(config),
         cost_estimate=_cost(problem, 3, bytes_accessed),
@@ -300,15 +307,15 @@ def _dkv_call(q, k, v, d_out, lse, delta, problem: Problem, prepared: Prepared, 
         return (b, h, q_block(b, kj, q_step, lo_ref, hi_ref), 0)
 
     def row_index_map(b, h, kj, q_step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
-        return (b, h, 0, 0, q_block(b, kj, q_step, lo_ref, hi_ref))
+        return (b, h, 0, q_block(b, kj, q_step, lo_ref, hi_ref))
 
     def kv_index_map(b, h, kj, q_step, *_):
         return (b, h, kj, 0)
 
-    group = problem.group
-    q_spec = pl.BlockSpec((None, group, block_q, head_dim), q_index_map)
-    row_spec = pl.BlockSpec((None, None, group, 1, block_q), row_index_map)
-    kv_spec = pl.BlockSpec((None, None, block_kv, head_dim), kv_index_map)
+    heads = config.kv_heads_per_step
+    q_spec = pl.BlockSpec((None, heads * problem.group, block_q, head_dim), q_index_map)
+    row_spec = pl.BlockSpec((None, heads * problem.group, 1, block_q), row_index_map)
+    kv_spec = pl.BlockSpec((None, heads, block_kv, head_dim), kv_index_map)
     in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
     operands = [q, k, v, d_out, lse, delta]
     if prepared.mask is not None:
@@ -328,10 +335,10 @@ def _dkv_call(q, k, v, d_out, lse, delta, problem: Problem, prepared: Prepared, 
         out_shape=(kv_shape, kv_shape),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
-            grid=(batch, problem.kv_heads, nkv, tiles.num_steps),
+            grid=(batch, problem.kv_heads // heads, nkv, tiles.num_steps),
             in_specs=in_specs,
             out_specs=(kv_spec, kv_spec),
-            scratch_shapes=[pltpu.VMEM((block_kv, head_dim), jnp.float32)] * 2,
+            scratch_shapes=[pltpu.VMEM((heads, block_kv, head_dim), jnp.float32)] * 2,
         ),
         compiler_params=_compiler_params(config),
         cost_estimate=_cost(problem, 4, bytes_accessed),
@@ -369,17 +376,17 @@ def flash_attention_backward(
         softcap=softcap, attention_mask=attention_mask, sinks=sinks,
     )
     if config is not None:
-        check_backward_config(config, q_len=problem.q_len, kv_len=problem.kv_len)
+        check_backward_config(config, q_len=problem.q_len, kv_len=problem.kv_len, kv_heads=problem.kv_heads)
     else:
         config = select_backward_config(
             q_heads=problem.q_heads, kv_heads=problem.kv_heads, q_len=problem.q_len, kv_len=problem.kv_len,
             head_dim=problem.head_dim, dtype=q.dtype, mask_dtype=None if prepared.mask is None else prepared.mask.dtype,
-            generation=generation,
+            sliding_window=problem.sliding_window, causal=problem.causal, generation=generation,
         )
     batch, q_heads, q_len, _ = q.shape
     delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)  # [B, Hq, Sq]
-    # [B, Hq, Sq] -> [B, Hkv, group, 1, Sq]: a row of query positions per query head.
-    rows = (batch, problem.kv_heads, problem.group, 1, q_len)
+    # [B, Hq, Sq] -> [B, Hq, 1, Sq]: a row of query positions per query head.
+    rows = (batch, q_heads, 1, q_len)
     lse_rows, delta_rows = lse.reshape(rows), delta.reshape(rows)
     d_out = d_out.astype(q.dtype)
     dq = _dq_call(q, k, v, d_out, lse_rows, delta_rows, problem, prepared, config.dq)
