@@ -51,11 +51,14 @@ MASK_ROWS = sublane_multiple(jnp.int8)
 Q_BLOCK_MULTIPLE = LANES
 # Preferred backward tiles per kernel, (block_q, block_kv): dq walks KV blocks
 # per query block, dk/dv walks query blocks per KV block. Chosen with the
-# grid-replay model of tpu_kernels/perf.py at Qwen3-30B-A3B and Gemma-4
-# training shapes (benchmarks/attention.py --backward).
+# grid-replay model of tpu_kernels/perf.py (benchmarks/attention.py --sweep,
+# blocks 128-1024, KV heads per step from `backward_tiles`) at training shapes
+# of 8192 tokens: the best tile of Qwen3-30B-A3B (causal) and of Gemma-4's
+# sliding layers on both generations, except v6e's dk/dv at Qwen3 (512 x 512 is
+# 1 % slower than its best, 256 x 512, and the best for Gemma-4).
 PREFERRED_BACKWARD_TILES = {
-    "v5e": {"dq": (512, 512), "dkv": (512, 512)},
-    "v6e": {"dq": (512, 1024), "dkv": (512, 1024)},
+    "v5e": {"dq": (256, 256), "dkv": (256, 256)},
+    "v6e": {"dq": (512, 512), "dkv": (512, 512)},
 }
 # Element-wise float32 temporaries of one (query block x KV block) tile held at
 # once by a backward step: logits, probabilities, dP, dS, the soft-cap slope
@@ -66,8 +69,9 @@ BACKWARD_TILE_TEMPORARIES = 6
 STEP_OVERHEAD_MULTIPLE = 16
 # Under a causal sliding window w, backward blocks are at most this many times
 # w (rounded up to 128): each tile straddling the window's edges computes up to
-# half its pairs masked. From the sweep (benchmarks/attention.py --sweep) at
-# GPT-OSS-20B's window of 128 and Gemma-4's of 1024.
+# half its pairs masked. From the sweep at GPT-OSS-20B's window of 128: 128 x
+# 128 is the best tile on v5e; 256 x 256 is within 11 % (dq) and 24 % (dk/dv)
+# of v6e's best, where 128-wide tiles fill half of the 256-wide MXU.
 WINDOW_BLOCK_FACTOR = {"v5e": 1, "v6e": 2}
 
 

@@ -137,6 +137,35 @@ def positional_visibility(problem: Problem, query_pos, key_pos, kv_valid):
     return visible
 
 
+def query_block_positions(problem: Problem, q_offset, qi, block_q: int):
+    """Positions of the first and last query of query block qi."""
+    return q_offset + qi * block_q, q_offset + jnp.minimum((qi + 1) * block_q, problem.q_len) - 1
+
+
+def tile_needs_mask(problem: Problem, *, key_start, block_kv: int, kv_valid, q_first, q_last):
+    """Whether a tile may hold a pair that lengths, causality, the window or an explicit mask hide.
+
+    Tiles inside the visible region skip the element masks (VPU work).
+    """
+    if problem.mask_kind is not None:
+        return True
+    needs_mask = key_start + block_kv > kv_valid
+    if problem.causal:
+        needs_mask = needs_mask | (key_start + block_kv - 1 > q_first)
+    if problem.sliding_window is not None:
+        needs_mask = needs_mask | (key_start <= q_last - problem.sliding_window)
+    return needs_mask
+
+
+def run_tile(in_range, needs_mask, step) -> None:
+    """step(apply_mask) on a tile in its walked range: with element masks where needed, else without."""
+    if needs_mask is True:
+        pl.when(in_range)(lambda: step(True))
+        return
+    pl.when(in_range & needs_mask)(lambda: step(True))
+    pl.when(in_range & jnp.logical_not(needs_mask))(lambda: step(False))
+
+
 def explicit_mask(problem: Problem, mask_tile):
     """(allowed, bias or None) of a tile of the explicit mask."""
     if problem.mask_kind == "bool":

@@ -109,18 +109,10 @@ def _forward_kernel(
     if tiles.decode:
         q_first = q_last = q_offset
     else:
-        q_first = q_offset + qi * tiles.block_q
-        q_last = q_offset + jnp.minimum((qi + 1) * tiles.block_q, problem.q_len) - 1
-
-    # A block needs element masks when any of its keys is invisible to any of
-    # its queries; interior blocks of a causal prefill skip that VPU work.
-    needs_mask = key_start + block_kv > kv_valid
-    if problem.causal:
-        needs_mask = needs_mask | (key_start + block_kv - 1 > q_first)
-    if problem.sliding_window is not None:
-        needs_mask = needs_mask | (key_start <= q_last - problem.sliding_window)
-    if problem.mask_kind is not None:
-        needs_mask = True
+        q_first, q_last = masking.query_block_positions(problem, q_offset, qi, tiles.block_q)
+    needs_mask = masking.tile_needs_mask(
+        problem, key_start=key_start, block_kv=block_kv, kv_valid=kv_valid, q_first=q_first, q_last=q_last
+    )
 
     rows = problem.group if tiles.decode else tiles.block_q
 
@@ -195,12 +187,7 @@ def _forward_kernel(
 
             jax.lax.fori_loop(0, num_slices, body, None)
 
-    in_range = kv_block <= last_block
-    if problem.mask_kind is not None:
-        pl.when(in_range)(lambda: step(apply_mask=True))
-    else:
-        pl.when(in_range & needs_mask)(lambda: step(apply_mask=True))
-        pl.when(in_range & jnp.logical_not(needs_mask))(lambda: step(apply_mask=False))
+    masking.run_tile(kv_block <= last_block, needs_mask, step)
 
     @pl.when(kv_step == tiles.num_kv_steps - 1)
     def _finalize():

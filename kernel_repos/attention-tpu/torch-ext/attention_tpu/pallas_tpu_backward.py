@@ -99,15 +99,10 @@ def _dq_kernel(
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     key_start = kv_block * block_kv
-    q_first = q_offset + qi * block_q
-    q_last = q_offset + jnp.minimum((qi + 1) * block_q, problem.q_len) - 1
-    needs_mask = key_start + block_kv > kv_valid
-    if problem.causal:
-        needs_mask = needs_mask | (key_start + block_kv - 1 > q_first)
-    if problem.sliding_window is not None:
-        needs_mask = needs_mask | (key_start <= q_last - problem.sliding_window)
-    if problem.mask_kind is not None:
-        needs_mask = True
+    q_first, q_last = masking.query_block_positions(problem, q_offset, qi, block_q)
+    needs_mask = masking.tile_needs_mask(
+        problem, key_start=key_start, block_kv=block_kv, kv_valid=kv_valid, q_first=q_first, q_last=q_last
+    )
 
     def step(apply_mask: bool):
         visible = bias = key_rows = None
@@ -140,10 +135,7 @@ def _dq_kernel(
 
         _loop_over_heads(acc_ref.shape[0], head)
 
-    in_range = kv_block <= block_hi_ref[slot]
-    pl.when(in_range & needs_mask)(lambda: step(apply_mask=True))
-    if problem.mask_kind is None:
-        pl.when(in_range & jnp.logical_not(needs_mask))(lambda: step(apply_mask=False))
+    masking.run_tile(kv_block <= block_hi_ref[slot], needs_mask, step)
 
     @pl.when(kv_step == tiles.num_steps - 1)
     def _finalize():
@@ -169,16 +161,13 @@ def _dkv_kernel(
         dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)
 
     key_start = kj * block_kv
-    q_first = q_offset + qi * block_q
-    q_last = q_offset + jnp.minimum((qi + 1) * block_q, problem.q_len) - 1
-    # Also a ragged last query block: its rows past the query length mix into dk and dv.
-    needs_mask = (key_start + block_kv > kv_valid) | ((qi + 1) * block_q > problem.q_len)
-    if problem.causal:
-        needs_mask = needs_mask | (key_start + block_kv - 1 > q_first)
-    if problem.sliding_window is not None:
-        needs_mask = needs_mask | (key_start <= q_last - problem.sliding_window)
-    if problem.mask_kind is not None:
-        needs_mask = True
+    q_first, q_last = masking.query_block_positions(problem, q_offset, qi, block_q)
+    needs_mask = masking.tile_needs_mask(
+        problem, key_start=key_start, block_kv=block_kv, kv_valid=kv_valid, q_first=q_first, q_last=q_last
+    )
+    if needs_mask is not True:
+        # Also a ragged last query block: its rows past the query length mix into dk and dv.
+        needs_mask = needs_mask | ((qi + 1) * block_q > problem.q_len)
 
     def step(apply_mask: bool):
         visible = bias = query_rows = None
@@ -217,10 +206,7 @@ def _dkv_kernel(
 
         _loop_over_heads(q_ref.shape[0], head)
 
-    in_range = qi <= block_hi_ref[slot]
-    pl.when(in_range & needs_mask)(lambda: step(apply_mask=True))
-    if problem.mask_kind is None:
-        pl.when(in_range & jnp.logical_not(needs_mask))(lambda: step(apply_mask=False))
+    masking.run_tile(qi <= block_hi_ref[slot], needs_mask, step)
 
     @pl.when(q_step == tiles.num_steps - 1)
     def _finalize():
