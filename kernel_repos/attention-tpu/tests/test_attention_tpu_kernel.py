@@ -230,3 +230,20 @@ def test_bad_config_raises(kernel):
     ]:
         with pytest.raises(ValueError, match=match):
             kernel.pallas_tpu.flash_attention(q, k, k, config=config)
+
+
+def test_grid_lengths_are_exact_with_a_static_offset(kernel):
+    """Gemma-4-like window of 1024 at 512-blocks: a query block sees 3 KV blocks (and a KV block 3 query
+    blocks); with the offset only known at run time the grid must allow a 4th (misaligned offsets)."""
+    masking = kernel.masking
+    q = jnp.zeros((1, 2, 8192, 64), jnp.bfloat16)
+    options = dict(scale=None, causal=True, kv_lengths=None, sliding_window=1024, softcap=None,
+                   attention_mask=None, sinks=None)
+    static, _ = masking.prepare(q, q, q_offset=None, **options)
+    dynamic, _ = masking.prepare(q, q, q_offset=jnp.zeros((1,), jnp.int32), **options)
+    assert static.static_q_offset == 0 and dynamic.static_q_offset is None
+    assert masking.kv_steps(static, 16, 512, 512) == 3 and masking.kv_steps(dynamic, 16, 512, 512) == 4
+    assert masking.q_steps(static, 16, 512, 512) == 3 and masking.q_steps(dynamic, 16, 512, 512) == 4
+    # Without a window every block of the other axis may be needed.
+    plain, _ = masking.prepare(q, q, q_offset=None, **{**options, "sliding_window": None})
+    assert masking.kv_steps(plain, 16, 512, 512) == 16 and masking.q_steps(plain, 16, 512, 512) == 16

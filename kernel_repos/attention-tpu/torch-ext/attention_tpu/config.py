@@ -251,18 +251,19 @@ def backward_vmem_bytes(*, kernel, group, kv_heads_per_step, block_q, block_kv, 
     heads = kv_heads_per_step
     padded_q = round_up(block_q, SUBLANES)
     q_lanes = round_up(block_q, LANES)
+    lanes_d = round_up(head_dim, LANES)  # a head_dim of 64 still fills 128 lanes
     rows = 2 * 2 * heads * group * SUBLANES * q_lanes * 4  # double-buffered lse and delta rows [heads, 1, block_q]
-    kv = 2 * 2 * heads * block_kv * head_dim * itemsize  # double-buffered k and v blocks
+    kv = 2 * 2 * heads * block_kv * lanes_d * itemsize  # double-buffered k and v blocks
     mask = 2 * round_up(block_q, MASK_ROWS) * round_up(block_kv, LANES) * mask_itemsize
     # Element-wise temporaries are per query head: the heads of a step run one after the other.
     if kernel == "dq":
-        q_side = 3 * 2 * heads * group * padded_q * head_dim * itemsize  # q, d_out in, dq out
-        scratch = heads * group * padded_q * head_dim * 4
+        q_side = 3 * 2 * heads * group * padded_q * lanes_d * itemsize  # q, d_out in, dq out
+        scratch = heads * group * padded_q * lanes_d * 4
         temporaries = BACKWARD_TILE_TEMPORARIES * padded_q * round_up(block_kv, LANES) * 4
     else:
-        q_side = 2 * 2 * heads * group * padded_q * head_dim * itemsize  # q, d_out in
+        q_side = 2 * 2 * heads * group * padded_q * lanes_d * itemsize  # q, d_out in
         kv = 2 * kv  # dk, dv out beside k, v in
-        scratch = 2 * heads * round_up(block_kv, SUBLANES) * head_dim * 4
+        scratch = 2 * heads * round_up(block_kv, SUBLANES) * lanes_d * 4
         # The mask tile is transposed in the kernel: one more tile.
         temporaries = (BACKWARD_TILE_TEMPORARIES + (mask_itemsize > 0)) * round_up(block_kv, SUBLANES) * q_lanes * 4
     return q_side + rows + kv + mask + scratch + temporaries

@@ -68,6 +68,13 @@ def _finite_lse(lse):
     return jnp.where(lse == -jnp.inf, 0.0, lse)
 
 
+def _kv_head(s, group: int):
+    """The KV head of a step's query head s (s >= 0). lax.div, not //: Mosaic lowers floor division through
+    sign(), whose rule asks the attached device for its TPU generation, so an ahead-of-time compile on a
+    host without a TPU fails."""
+    return jax.lax.div(s, group)
+
+
 def _loop_over_heads(num_heads: int, head) -> None:
     """head(s) for every query head s of the step (its KV head is s // group)."""
     if num_heads == 1:
@@ -116,7 +123,8 @@ def _dq_kernel(
             key_rows = key_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0) < kv_valid
 
         def head(s):
-            k, v = k_ref[s // problem.group], v_ref[s // problem.group]
+            kv_head = _kv_head(s, problem.group)
+            k, v = k_ref[kv_head], v_ref[kv_head]
             if key_rows is not None:
                 # dS K mixes key rows: rows past the valid keys (anything, NaN included) must be zero.
                 k = jnp.where(key_rows, k, jnp.zeros_like(k))
@@ -183,7 +191,7 @@ def _dkv_kernel(
             query_rows = qi * block_q + jax.lax.broadcasted_iota(jnp.int32, (block_q, head_dim), 0) < problem.q_len
 
         def head(s):
-            kv_head = s // problem.group
+            kv_head = _kv_head(s, problem.group)
             k, v = k_ref[kv_head], v_ref[kv_head]
             q, d_out = q_ref[s], d_out_ref[s]
             if query_rows is not None:
