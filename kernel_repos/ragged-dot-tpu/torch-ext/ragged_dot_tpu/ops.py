@@ -24,8 +24,6 @@ def _ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, transpos
     return pallas_tpu.ragged_dot(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
 
 
-# The fused experts op with and without biases: two ops until the binding takes
-# optional tensors; both run the same JAX function.
 @jax_torch_op(add_op_namespace_prefix("gated_experts"))
 def _gated_experts(
     hidden_states: jax.Array,
@@ -33,27 +31,8 @@ def _gated_experts(
     top_k_weights: jax.Array,
     gate_up_proj: jax.Array,
     down_proj: jax.Array,
-    activation: str,
-    weights_transposed: bool,
-    interleaved: bool,
-    alpha: float,
-    limit: float,
-) -> jax.Array:
-    return moe.gated_experts(
-        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-        activation=activation, weights_transposed=weights_transposed, interleaved=interleaved, alpha=alpha, limit=limit,
-    )
-
-
-@jax_torch_op(add_op_namespace_prefix("gated_experts_with_bias"))
-def _gated_experts_with_bias(
-    hidden_states: jax.Array,
-    top_k_index: jax.Array,
-    top_k_weights: jax.Array,
-    gate_up_proj: jax.Array,
-    down_proj: jax.Array,
-    gate_up_bias: jax.Array,
-    down_bias: jax.Array,
+    gate_up_bias: jax.Array | None,
+    down_bias: jax.Array | None,
     activation: str,
     weights_transposed: bool,
     interleaved: bool,
@@ -241,10 +220,7 @@ def gated_experts(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
         activation=activation, weights_transposed=weights_transposed,
     )
-    index = top_k_index.to(torch.int32)
-    static = (activation, weights_transposed, interleaved, float(alpha), float(limit))
-    if gate_up_bias is None:
-        return _gated_experts(hidden_states, index, top_k_weights, gate_up_proj, down_proj, *static)
-    return _gated_experts_with_bias(
-        hidden_states, index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, *static
+    return _gated_experts(
+        hidden_states, top_k_index.to(torch.int32), top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
+        activation, weights_transposed, interleaved, float(alpha), float(limit),
     )
