@@ -2,13 +2,17 @@
 
 `lhs[M, K]` rows are sorted by group: rows `[offsets[g], offsets[g+1])` belong
 to group `g` and are multiplied by `rhs[g]`. Rows past the last group come out
-as zeros.
+as zeros, or, with `zero_rows_past_groups=False` (an experts layer, whose rows
+past the groups are other ranks' sentinel picks), are not written at all.
 
 Schedule: the M axis is cut into row tiles of `tile_m`. A *work item* is one
 (group, row tile) pair that intersects; a row tile straddling a group boundary
 appears once per group it touches, and consecutive work items on the same row
 tile accumulate into the same resident output block. Row tiles no group
-reaches (past `sum(group_sizes)`) get one work item that only writes zeros.
+reaches (past `sum(group_sizes)`) get one work item that only writes zeros,
+or none without `zero_rows_past_groups`: then those rows cost no grid step,
+no MXU work and no HBM traffic (a call without any live row runs one empty
+item, as Pallas fetches the blocks of a grid's first step).
 The grid is `(n_tiles, steps, k_tiles)`; a step runs `groups_per_step`
 consecutive work items (each with its own copy of the `rhs` operand, so each
 fetches its own group's weights block), and the number of steps is computed
@@ -24,10 +28,20 @@ What each operand moves (the point of the schedule, for decode):
 - zero-writing tail items and idle group slots keep the blocks they had (no
   fetch) and skip the matmul: rows past the groups cost only their write.
 
-MXU work: a row tile is multiplied in static chunks of `chunk_m` rows, each
-under a `pl.when` that skips chunks outside the item's group, so padding rows
-cost at most one partial chunk per item, not a whole tile. Tile sizes come
-from `config.select_config`.
+MXU work: an item's rows are multiplied in chunks of `chunk_m` rows that
+start at the item's first row (rounded down to the native sublane tile, the
+finest offset Mosaic slices VMEM at), each under a `pl.when` that skips
+chunks past the item's rows. So no chunk is spent on two groups at a group
+boundary: a group costs ceil(rows / chunk_m) chunks per row tile it spans,
+give or take the sublane rounding; only where a group crosses a row tile
+boundary is a chunk split in two. A chunk that would run past the tile is
+moved back to end at the tile's end (its rows already done are masked out).
+Tile sizes come from `config.select_config`.
+
+The CostEstimate counts what the kernel reads: the rows, the weights of the
+groups expected active for M uniformly routed rows
+(`config.expected_active_groups`: the group sizes are data, unknown when
+the call is traced) and the output.
 """
 
 from __future__ import annotations
@@ -41,7 +55,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .config import TileConfig, check_config, select_config, vmem_limit
+from ._hardware import sublane_multiple
+from .config import TileConfig, check_config, expected_active_groups, row_chunks, select_config, vmem_limit
 
 
 class WorkItems(NamedTuple):
@@ -59,7 +74,7 @@ def max_work_items(m: int, num_groups: int, tile_m: int) -> int:
     return pl.cdiv(m, tile_m) + num_groups - 1
 
 
-def make_work_items(group_sizes: jax.Array, m: int, tile_m: int) -> WorkItems:
+def make_work_items(group_sizes: jax.Array, m: int, tile_m: int, zero_rows_past_groups: bool = True) -> WorkItems:
     num_groups = group_sizes.shape[0]
     m_tiles = pl.cdiv(m, tile_m)
     capacity = max_work_items(m, num_groups, tile_m)
@@ -78,7 +93,8 @@ def make_work_items(group_sizes: jax.Array, m: int, tile_m: int) -> WorkItems:
     # Items are laid out group by group, then the untouched tail tiles.
     group_item_end = jnp.cumsum(tiles_per_group)
     group_items = group_item_end[-1]
-    count = group_items + untouched_tiles
+    # Without any item (no live row, tail not zeroed) the grid still runs one empty item.
+    count = jnp.maximum(group_items + untouched_tiles, 1) if zero_rows_past_groups else jnp.maximum(group_items, 1)
 
     item = jnp.arange(capacity, dtype=jnp.int32)
     in_groups = item < group_items
@@ -98,11 +114,6 @@ def make_work_items(group_sizes: jax.Array, m: int, tile_m: int) -> WorkItems:
         row_end=jnp.where(in_groups, ends[item_group], 0).astype(jnp.int32),
         count=count.astype(jnp.int32).reshape(1),
     )
-
-
-def _row_chunks(tile_m: int, chunk_m: int) -> list[tuple[int, int]]:
-    """Static (first row, rows) of each compute chunk of a row tile; the last one may be shorter."""
-    return [(first, min(chunk_m, tile_m - first)) for first in range(0, tile_m, chunk_m)]
 
 
 def _step_item(step, slot: int, groups_per_step: int, count):
@@ -130,6 +141,7 @@ def _body(
     k: int,
     tile_k: int,
     chunk_m: int,
+    chunks: int,
     groups_per_step: int,
     transpose_rhs: bool,
     precision,
@@ -141,9 +153,13 @@ def _body(
     k_step = pl.program_id(2)
     count = count_ref[0]
     tile_m = lhs_ref.shape[0]
+    align = sublane_multiple(lhs_ref.dtype)
+    # The last chunk start that keeps a chunk inside the tile, on the sublane grid.
+    last_start = (tile_m - chunk_m) // align * align
     # Every slot of a step works on the same row tile (the kernel wrapper checks it).
     first_item = step * groups_per_step
     row_tile = row_tile_ref[first_item]
+    tile_start = row_tile * tile_m
     starts_row_tile = jnp.logical_or(step == 0, row_tile != row_tile_ref[jnp.maximum(first_item - groups_per_step, 0)])
     next_item = jnp.minimum(first_item + groups_per_step, count - 1)
     ends_row_tile = jnp.logical_or(step == steps - 1, row_tile_ref[next_item] != row_tile)
@@ -153,6 +169,29 @@ def _body(
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
     k_columns_ragged = k % tile_k != 0
+
+    def multiply(rhs_ref, start, keep):
+        """acc[start : start + chunk_m] += lhs rows `keep` of the same rows x rhs; `start` on the sublane grid."""
+        lhs = lhs_ref[pl.ds(start, chunk_m), :]
+        rhs = rhs_ref[...]
+        # Select, not multiply: rows and K columns outside the data may hold
+        # garbage (NaN), and 0 * NaN is NaN.
+        if k_columns_ragged:
+            col = k_step * tile_k + lax.broadcasted_iota(jnp.int32, (1, tile_k), 1)
+            keep = jnp.logical_and(keep, col < k)
+            rhs_k_axis = 1 if transpose_rhs else 0
+            rhs_k = k_step * tile_k + lax.broadcasted_iota(jnp.int32, rhs.shape, rhs_k_axis)
+            rhs = jnp.where(rhs_k < k, rhs, jnp.zeros_like(rhs))
+        lhs = jnp.where(keep, lhs, jnp.zeros_like(lhs))
+        contract_rhs = 1 if transpose_rhs else 0
+        acc_ref[pl.ds(start, chunk_m), :] += lax.dot_general(
+            lhs,
+            rhs,
+            (((1,), (contract_rhs,)), ((), ())),
+            preferred_element_type=jnp.float32,
+            precision=precision,
+        )
+
     for slot, rhs_ref in enumerate(rhs_refs):
         item = first_item + slot
         # An idle slot (past the last item) and a tail item (rows past every
@@ -163,34 +202,30 @@ def _body(
         zero = jnp.int32(0)
         row_start = lax.select(real, row_start_ref[jnp.minimum(item, count - 1)], zero)
         row_end = lax.select(real, row_end_ref[jnp.minimum(item, count - 1)], zero)
-        for first, rows in _row_chunks(tile_m, chunk_m):
-            chunk_start = row_tile * tile_m + first
+        # The item's rows within the tile: [first_row, end_row).
+        first_row = jnp.maximum(row_start - tile_start, 0)
+        end_row = jnp.minimum(row_end - tile_start, tile_m)
+        if chunks == 1:
 
-            # Chunks outside the group's rows skip the MXU: padding rows cost nothing there.
-            @pl.when(jnp.logical_and(chunk_start < row_end, chunk_start + rows > row_start))
-            def _(rhs_ref=rhs_ref, first=first, rows=rows, chunk_start=chunk_start, row_start=row_start,
-                  row_end=row_end):
-                row = chunk_start + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
-                keep = jnp.logical_and(row >= row_start, row < row_end)
-                lhs = lhs_ref[first : first + rows, :]
-                rhs = rhs_ref[...]
-                # Select, not multiply: rows and K columns outside the data may
-                # hold garbage (NaN), and 0 * NaN is NaN.
-                if k_columns_ragged:
-                    col = k_step * tile_k + lax.broadcasted_iota(jnp.int32, (1, tile_k), 1)
-                    keep = jnp.logical_and(keep, col < k)
-                    rhs_k_axis = 1 if transpose_rhs else 0
-                    rhs_k = k_step * tile_k + lax.broadcasted_iota(jnp.int32, rhs.shape, rhs_k_axis)
-                    rhs = jnp.where(rhs_k < k, rhs, jnp.zeros_like(rhs))
-                lhs = jnp.where(keep, lhs, jnp.zeros_like(lhs))
-                contract_rhs = 1 if transpose_rhs else 0
-                acc_ref[first : first + rows, :] += lax.dot_general(
-                    lhs,
-                    rhs,
-                    (((1,), (contract_rhs,)), ((), ())),
-                    preferred_element_type=jnp.float32,
-                    precision=precision,
-                )
+            @pl.when(first_row < end_row)
+            def _(rhs_ref=rhs_ref, first_row=first_row, end_row=end_row):
+                row = lax.broadcasted_iota(jnp.int32, (tile_m, 1), 0)
+                multiply(rhs_ref, 0, jnp.logical_and(row >= first_row, row < end_row))
+
+            continue
+        # Chunks start at the item's first row, rounded down to the sublane grid.
+        chunk_base = jnp.bitwise_and(first_row, -align)
+        for chunk in range(chunks):
+            nominal = chunk_base + chunk * chunk_m
+
+            # Chunks past the item's rows skip the MXU.
+            @pl.when(nominal < end_row)
+            def _(rhs_ref=rhs_ref, nominal=nominal, first_row=first_row, end_row=end_row):
+                start = pl.multiple_of(jnp.minimum(nominal, last_start), align)
+                row = start + lax.broadcasted_iota(jnp.int32, (chunk_m, 1), 0)
+                # Rows before `nominal` belong to the chunk before (a chunk moved back) or to another group.
+                keep = jnp.logical_and(row >= jnp.maximum(nominal, first_row), row < end_row)
+                multiply(rhs_ref, start, keep)
 
     # The output block is copied out only when the row tile changes, so it is
     # filled once, at the last step on its row tile.
@@ -205,11 +240,14 @@ def ragged_dot(
     group_sizes: jax.Array,
     *,
     transpose_rhs: bool = False,
+    zero_rows_past_groups: bool = True,
     config: TileConfig | None = None,
     generation: str | None = None,
 ) -> jax.Array:
     """`lhs[M,K] x rhs[G,K,N] (or [G,N,K] with transpose_rhs) -> [M,N]` per row group.
 
+    Rows past `sum(group_sizes)` come out as zeros, or are left unwritten
+    (whatever the output buffer held) with `zero_rows_past_groups=False`.
     Inputs are assumed valid: the torch ops check them (`ops.py`); `group_sizes`
     is int32 and sums to at most M.
     """
@@ -221,8 +259,9 @@ def ragged_dot(
     check_config(config, m, k, n, lhs.dtype)
     tile_m, tile_k, tile_n = min(config.tile_m, m), min(config.tile_k, k), min(config.tile_n, n)
     chunk_m = min(config.chunk_m or tile_m, tile_m)
+    chunks = row_chunks(config, m)
     groups_per_step = config.groups_per_step
-    items = make_work_items(group_sizes, m, tile_m)
+    items = make_work_items(group_sizes, m, tile_m, zero_rows_past_groups)
     count = items.count[0]
     k_tiles = pl.cdiv(k, tile_k)
     grid = (pl.cdiv(n, tile_n), pl.cdiv(count, groups_per_step), k_tiles)
@@ -261,11 +300,14 @@ def ragged_dot(
         k=k,
         tile_k=tile_k,
         chunk_m=chunk_m,
+        chunks=chunks,
         groups_per_step=groups_per_step,
         transpose_rhs=transpose_rhs,
         precision=precision,
     )
     itemsize = jnp.dtype(lhs.dtype).itemsize
+    # A resident lhs is read once; tiled, once per N tile.
+    lhs_reads = 1 if (tile_m, tile_k) == (m, k) else grid[0]
     call = pl.pallas_call(
         body,
         out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
@@ -283,7 +325,7 @@ def ragged_dot(
         cost_estimate=pl.CostEstimate(
             flops=2 * m * k * n,
             transcendentals=0,
-            bytes_accessed=(m * k + num_groups * k * n + m * n) * itemsize,
+            bytes_accessed=int((m * k * lhs_reads + expected_active_groups(m, num_groups) * k * n + m * n) * itemsize),
         ),
         name="ragged_dot",
     )
