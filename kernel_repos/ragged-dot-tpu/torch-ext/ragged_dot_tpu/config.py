@@ -114,9 +114,19 @@ def vmem_bytes(config: TileConfig, m: int, k: int, n: int, dtype) -> int:
     )
 
 
-def row_chunks(config: TileConfig, m: int) -> int:
+def row_tile_rows(config: TileConfig, m: int, dtype) -> int:
+    """Rows of the kernel's row tile: `tile_m`, or, for one tile over all M rows, M rounded up to the sublane tile.
+
+    A chunk starts on the sublane grid (where Mosaic can slice VMEM), so a
+    tile must reach the grid point past its last row; the rounded-up block
+    is a partial edge block, whose extra rows the kernel masks out.
+    """
+    return config.tile_m if config.tile_m < m else round_up(m, sublane_multiple(dtype))
+
+
+def row_chunks(config: TileConfig, m: int, dtype) -> int:
     """Matmuls one group slot unrolls per row tile: chunks of a tile, plus one where a group's start shifts them."""
-    tile_m = min(config.tile_m, m)
+    tile_m = row_tile_rows(config, m, dtype)
     if config.chunk_m is None or config.chunk_m >= tile_m:
         return 1
     return math.ceil(tile_m / config.chunk_m) + 1
@@ -145,7 +155,7 @@ def check_config(config: TileConfig, m: int, k: int, n: int, dtype) -> None:
             raise ValueError(f"config.chunk_m={config.chunk_m} must be a multiple of {sublanes}")
     if config.groups_per_step > MAX_GROUPS_PER_STEP:
         raise ValueError(f"config.groups_per_step must be at most {MAX_GROUPS_PER_STEP}, got {config.groups_per_step}")
-    chunks = row_chunks(config, m)
+    chunks = row_chunks(config, m, dtype)
     if chunks * config.groups_per_step > MAX_UNROLLED_MATMULS:
         raise ValueError(
             f"config: {config.groups_per_step} group slots x {chunks} row chunks of {config.chunk_m} is more than "

@@ -56,7 +56,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ._hardware import sublane_multiple
-from .config import TileConfig, check_config, expected_active_groups, row_chunks, select_config, vmem_limit
+from .config import (
+    TileConfig, check_config, expected_active_groups, row_chunks, row_tile_rows, select_config, vmem_limit,
+)
 
 
 class WorkItems(NamedTuple):
@@ -257,9 +259,9 @@ def ragged_dot(
     if config is None:
         config = select_config(m, k, n, lhs.dtype, generation=generation, num_groups=num_groups)
     check_config(config, m, k, n, lhs.dtype)
-    tile_m, tile_k, tile_n = min(config.tile_m, m), min(config.tile_k, k), min(config.tile_n, n)
+    tile_m, tile_k, tile_n = row_tile_rows(config, m, lhs.dtype), min(config.tile_k, k), min(config.tile_n, n)
     chunk_m = min(config.chunk_m or tile_m, tile_m)
-    chunks = row_chunks(config, m)
+    chunks = row_chunks(config, m, lhs.dtype)
     groups_per_step = config.groups_per_step
     items = make_work_items(group_sizes, m, tile_m, zero_rows_past_groups)
     count = items.count[0]
@@ -287,7 +289,7 @@ def ragged_dot(
     def out_index(n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, count):
         return row_tile[step * groups_per_step], n_step
 
-    if (tile_m, tile_k) == (m, k):
+    if tile_m >= m and tile_k == k:
         # The whole lhs is one block that never moves: one buffer, not two.
         lhs_spec = pl.BlockSpec((tile_m, tile_k), lhs_index, pipeline_mode=pl.Buffered(1))
     else:
@@ -307,7 +309,7 @@ def ragged_dot(
     )
     itemsize = jnp.dtype(lhs.dtype).itemsize
     # A resident lhs is read once; tiled, once per N tile.
-    lhs_reads = 1 if (tile_m, tile_k) == (m, k) else grid[0]
+    lhs_reads = 1 if tile_m >= m and tile_k == k else grid[0]
     call = pl.pallas_call(
         body,
         out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
