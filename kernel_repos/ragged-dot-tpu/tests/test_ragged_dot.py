@@ -89,6 +89,9 @@ SCHEDULE_CASES = {
     "all-groups-empty": (24, 128, 128, [0, 0, 0], (24, 128, 128, None, 2)),
     # Every row tile past the groups but the first: three zero-writing tail items.
     "tail-items": (64, 128, 256, [3, 0, 5], (16, 128, 256, None, 1)),
+    # Chunks start at groups' first rows, off the 16-row grid (5, 42, 112, 162 rows in); a chunk
+    # that would run past a 96-row tile's end moves back (its rows already done masked out).
+    "chunks-at-group-starts": (200, 128, 128, [5, 37, 0, 70, 50, 20], (96, 128, 128, 32, 1)),
 }
 
 
@@ -132,13 +135,50 @@ def test_schedule_cases_cover_what_they_name(kernel):
                 "chunks": config.chunk_m is not None and config.chunk_m < config.tile_m,
                 "zero-writing tail item": tail_items > 0,
                 "rows past the groups": sum(group_sizes) < m,
+                "group start off the sublane grid": any(start % 16 for start in np.cumsum(group_sizes)[:-1]),
+                "chunk moved back": config.chunk_m is not None and _chunk_moves_back(group_sizes, config),
             }.items()
             if present
         )
     assert seen == {
         "m tail", "k tail", "n tail", "idle slots", "several slots", "chunks", "zero-writing tail item",
-        "rows past the groups",
+        "rows past the groups", "group start off the sublane grid", "chunk moved back",
     }
+
+
+def _chunk_moves_back(group_sizes, config):
+    """Whether some group's chunks, started at its first row on the 16-row grid, run past a row tile's end."""
+    start = 0
+    for size in group_sizes:
+        end = start + size
+        tile_start = start // config.tile_m * config.tile_m
+        while size and tile_start < end:
+            first = max(start, tile_start) - tile_start
+            rows = min(end, tile_start + config.tile_m) - tile_start
+            chunk_starts = range(first // 16 * 16, rows, config.chunk_m)
+            if any(chunk + config.chunk_m > config.tile_m for chunk in chunk_starts):
+                return True
+            tile_start += config.tile_m
+        start = end
+    return False
+
+
+@pytest.mark.parametrize("case", ["chunks-at-group-starts", "tail-items"])
+def test_rows_past_the_groups_can_be_left_unwritten(kernel, case):
+    """zero_rows_past_groups=False: the live rows are the same; row tiles past the groups are never written."""
+    m, k, n, group_sizes, tiles = SCHEDULE_CASES[case]
+    config = kernel.config.TileConfig(*tiles)
+    lhs, rhs, sizes = _random_inputs(m, k, n, group_sizes, False, torch.float32, seed=3)
+    out = _interpret(
+        lambda: kernel.pallas_tpu.ragged_dot(_jax(lhs), _jax(rhs), jnp.asarray(sizes.numpy()), config=config,
+                                             zero_rows_past_groups=False)
+    )
+    expected = kernel.reference.ragged_dot_reference(lhs.double(), rhs.double(), sizes)
+    rows = sum(group_sizes)
+    assert _relative_error(out[:rows], expected[:rows]) <= 1e-5
+    first_untouched_tile = -(-rows // config.tile_m) * config.tile_m
+    # The interpreter fills memory nobody wrote with NaN.
+    assert torch.isnan(out[first_untouched_tile:]).all()
 
 
 def test_traces_under_torch_compile(kernel):
