@@ -49,8 +49,11 @@ def _fused_traffic(kernel, tokens, hidden, intermediate, experts, index, weights
     return call
 
 
-def _weights_read(call, experts, hidden, intermediate):
-    shapes = {(experts, 2 * intermediate, hidden), (experts, hidden, intermediate)}
+def _weights_read(call, experts, hidden, intermediate, transposed=False):
+    if transposed:
+        shapes = {(experts, hidden, 2 * intermediate), (experts, intermediate, hidden)}
+    else:
+        shapes = {(experts, 2 * intermediate, hidden), (experts, hidden, intermediate)}
     return sum(op.hbm_bytes for op in call.inputs if op.array_shape in shapes)
 
 
@@ -100,17 +103,23 @@ def test_fused_with_i_tiles_still_reads_each_weight_once(kernel):
     tokens, hidden, intermediate, experts = 8, 256, 256, 8
     index, weights = _picks(tokens, 2, experts, live_experts=5, seed=2)
     active = len(np.unique(index[index < experts]))
-    config = kernel.config.FusedConfig(16, 16, 128)
+    config = kernel.config.FusedConfig(16, 128)
     call = _fused_traffic(kernel, tokens, hidden, intermediate, experts, index, weights, config=config)
     assert call.steps == 2 * active
     assert _weights_read(call, experts, hidden, intermediate) == active * 3 * intermediate * hidden * BF16
 
 
-def test_fused_without_live_picks_runs_one_empty_step(kernel):
-    tokens, hidden, intermediate, experts = 4, 256, 128, 8
+@pytest.mark.parametrize("tile_i", [256, 128])
+def test_fused_without_live_picks_runs_one_empty_step(kernel, tile_i):
+    """One item over one I tile: the weights of one tile of one expert, nothing else."""
+    tokens, hidden, intermediate, experts = 4, 256, 256, 8
     index = np.full((tokens, 2), experts, np.int32)
-    call = _fused_traffic(kernel, tokens, hidden, intermediate, experts, index, np.zeros((tokens, 2), np.float32))
-    assert call.steps == 1 and call.flops == 0
+    call = _fused_traffic(kernel, tokens, hidden, intermediate, experts, index, np.zeros((tokens, 2), np.float32),
+                          config=kernel.config.FusedConfig(16, tile_i), transposed=True)
+    assert call.steps == 1
+    assert _weights_read(call, experts, hidden, intermediate, transposed=True) == 3 * tile_i * hidden * BF16
+    # Only the per-step [T, T] x [T, 1] matmuls that turn the weights row into columns; no pass over weights.
+    assert {(dot.m, dot.k, dot.n) for dot in call.dots} == {(tokens, tokens, 1)}
 
 
 def _grouped_traffic(kernel, m, k, n, group_sizes, config, zero_rows_past_groups=True):

@@ -147,15 +147,17 @@ MODELS = {
 def test_fused_config_of_real_models(config):
     qwen3_h, qwen3_i, qwen3_e, qwen3 = MODELS["qwen3-30b-a3b"]
     # Rows: T on the sublane grid, in chunks of at most 128; I whole where the weights fit.
-    assert config.fused_config(256, qwen3_h, qwen3_i, 16, jnp.bfloat16, **qwen3) == config.FusedConfig(256, 128, 768)
-    assert config.fused_config(1, qwen3_h, qwen3_i, qwen3_e, jnp.bfloat16, **qwen3) == config.FusedConfig(16, 16, 768)
-    assert config.fused_config(1, qwen3_h, qwen3_i, qwen3_e, jnp.float32, **qwen3) == config.FusedConfig(8, 8, 768)
-    assert config.fused_config(100, qwen3_h, qwen3_i, qwen3_e, jnp.bfloat16, **qwen3) == config.FusedConfig(112, 112, 768)
+    assert config.fused_config(256, qwen3_h, qwen3_i, 16, jnp.bfloat16, **qwen3) == config.FusedConfig(128, 768)
+    assert config.fused_config(1, qwen3_h, qwen3_i, qwen3_e, jnp.bfloat16, **qwen3) == config.FusedConfig(16, 768)
+    assert config.fused_config(1, qwen3_h, qwen3_i, qwen3_e, jnp.float32, **qwen3) == config.FusedConfig(8, 768)
+    assert config.fused_config(100, qwen3_h, qwen3_i, qwen3_e, jnp.bfloat16, **qwen3) == config.FusedConfig(112, 768)
+    # Beyond 16 chunks of 128 rows (a forced fused call of 2100 tokens), chunks grow.
+    assert config.fused_config(2100, qwen3_h, qwen3_i, 16, jnp.bfloat16, **qwen3).chunk_rows == 144
     # GPT-OSS-20B: two 50 MB experts do not fit; I/2 = 1440 makes 2880-column gate_up blocks (not on the lane
     # grid), I/3 = 960 fits and is aligned.
     hidden, intermediate, experts, layout = MODELS["gpt-oss-20b"]
     fused = config.fused_config(256, hidden, intermediate, experts, jnp.bfloat16, **layout)
-    assert fused == config.FusedConfig(256, 128, 960)
+    assert fused == config.FusedConfig(128, 960)
     assert config.fused_vmem_bytes(fused, 256, hidden, intermediate, experts, jnp.bfloat16, interleaved=True,
                                    has_bias=True) <= config.VMEM_BUDGET_BYTES
     for name, (hidden, intermediate, experts, layout) in MODELS.items():
@@ -165,12 +167,14 @@ def test_fused_config_of_real_models(config):
 
 
 def test_fused_vmem_bytes_counts_blocks_scratch_and_one_chunk(config):
-    fused = config.FusedConfig(16, 16, 128)
+    fused = config.FusedConfig(16, 128)
     f32 = 4
     expected = (
         3 * 8 * 256 * f32  # hidden (one buffer) and out (two), T=5 rows padded to 8
         + 8 * 256 * f32  # out accumulator
-        + 4 * 8 * 128 * f32  # token ids and routing weights, double-buffered, one row padded to 8
+        + 2 * 8 * 128 * f32  # the routing (ids and weights), resident, 5 x K padded to 8 x 128
+        + 2 * 8 * 128 * f32  # the expert's weight and rank per token as [5, 1] columns, padded
+        + 8 * 128 * f32  # the [5, 5] triangle that counts the ranks, padded
         + 2 * 256 * 256 * f32  # gate_up block, I whole: 2I = 256 columns
         + 2 * 128 * 256 * f32  # down block
         + 16 * 256 * f32 + 16 * 256 * f32  # one chunk's gate_up and down values
@@ -185,29 +189,29 @@ def test_fused_vmem_bytes_counts_blocks_scratch_and_one_chunk(config):
 @pytest.mark.parametrize(
     "fused,layout,match",
     [
-        ((32, 24, 128), {}, "block_rows=32 must be a multiple of chunk_rows=24"),
-        ((24, 12, 128), {}, "chunk_rows=12 must be a multiple of 16"),
-        ((288, 16, 128), {}, "more than 16 chunks"),
-        ((16, 16, 64), {}, "tile_i=64 must be I=256 or divide it"),  # down [E, H, I]: I tiles on lanes
-        ((16, 16, 64), dict(weights_transposed=True), "tile_i=64 must be I=256"),  # gate_up [E, H, 2I]: lanes
-        ((16, 16, 0), {}, "tile_i must be a positive int"),
+        ((12, 128), {}, "chunk_rows=12 must be a multiple of 16"),
+        ((16, 128, 300), {}, "300 tokens make more than 16 chunks"),
+        ((16, 64), {}, "tile_i=64 must be I=256 or divide it"),  # down [E, H, I]: I tiles on lanes
+        ((16, 64), dict(weights_transposed=True), "tile_i=64 must be I=256"),  # gate_up [E, H, 2I]: lanes
+        ((16, 0), {}, "tile_i must be a positive int"),
     ],
 )
 def test_check_fused_config_refuses_what_cannot_run(config, fused, layout, match):
     shape = dict(weights_transposed=False, interleaved=False, has_bias=False) | layout
+    *tiles, tokens = (*fused, 16) if len(fused) == 2 else fused
     with pytest.raises(ValueError, match=match):
-        config.check_fused_config(config.FusedConfig(*fused), 16, 512, 256, 8, jnp.bfloat16, **shape)
+        config.check_fused_config(config.FusedConfig(*tiles), tokens, 512, 256, 8, jnp.bfloat16, **shape)
 
 
 def test_tile_i_alignment_per_layout(config):
     shape = dict(weights_transposed=True, interleaved=True, has_bias=False)
     # Interleaved, transposed: gate_up [E, H, 2I] cut at 2 x 64 = 128 lanes, down [E, I, H] at 64 sublanes.
-    config.check_fused_config(config.FusedConfig(16, 16, 64), 16, 512, 256, 8, jnp.bfloat16, **shape)
+    config.check_fused_config(config.FusedConfig(16, 64), 16, 512, 256, 8, jnp.bfloat16, **shape)
     # With biases, the gate_up bias [E, 2I] is cut on lanes too: still 128.
-    config.check_fused_config(config.FusedConfig(16, 16, 64), 16, 512, 256, 8, jnp.bfloat16, **shape | dict(has_bias=True))
+    config.check_fused_config(config.FusedConfig(16, 64), 16, 512, 256, 8, jnp.bfloat16, **shape | dict(has_bias=True))
     # Concatenated, transposed, biases: gate and up bias blocks of 64 lanes are not aligned.
     with pytest.raises(ValueError, match="tile_i=64"):
-        config.check_fused_config(config.FusedConfig(16, 16, 64), 16, 512, 256, 8, jnp.bfloat16,
+        config.check_fused_config(config.FusedConfig(16, 64), 16, 512, 256, 8, jnp.bfloat16,
                                   weights_transposed=True, interleaved=False, has_bias=True)
 
 

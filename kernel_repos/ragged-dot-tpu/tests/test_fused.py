@@ -93,14 +93,14 @@ def test_fused_matches_reference_and_grouped_path(kernel, case):
 # Tiles forced small, so that every part of the schedule runs at affordable sizes.
 TILED_CASES = {
     # I in two tiles: gate and up come as separate blocks; rows gathered at the first tile, scattered at the last.
-    "i-tiles-plain": (20, 64, 256, 8, 2, dict(transposed=False, bias=True), dict(activation="silu"), (32, 16, 128)),
+    "i-tiles-plain": (20, 64, 256, 8, 2, dict(transposed=False, bias=True), dict(activation="silu"), (16, 128)),
     "i-tiles-transposed": (20, 64, 256, 8, 2, dict(transposed=True, bias=False), dict(activation="gelu_tanh"),
-                           (32, 16, 128)),
+                           (16, 128)),
     # Interleaved in three I tiles (2 x 64 = 128-lane gate_up blocks), biases.
     "i-tiles-interleaved": (20, 64, 192, 8, 2, dict(transposed=True, bias=True, scale=0.6),
-                            dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (32, 16, 64)),
-    # Experts with more picks than an item holds: several items per expert, I whole (the block stays put).
-    "items-per-expert": (60, 64, 48, 4, 2, dict(transposed=False, bias=True), dict(activation="silu"), (16, 16, 48)),
+                            dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (16, 64)),
+    # Experts with more rows than a chunk: several chunks per expert, some skipped for the others.
+    "chunks-per-expert": (60, 64, 48, 4, 2, dict(transposed=False, bias=True), dict(activation="silu"), (8, 48)),
 }
 
 
@@ -116,15 +116,12 @@ def test_fused_tiled_schedules_match_reference(kernel, case):
 
 
 def test_tiled_cases_run_what_they_name(kernel):
-    items = kernel.routing.expert_items
-    tokens, hidden, intermediate, experts, top_k, options, _, tiles = TILED_CASES["items-per-expert"]
+    tokens, hidden, intermediate, experts, top_k, options, _, (chunk, _) = TILED_CASES["chunks-per-expert"]
     _, index, weights, *_ = _layer(tokens, hidden, intermediate, experts, top_k, **options)
-    split = items(_jax(index), _jax(weights), experts, tiles[0])
-    count = int(split.count[0])
-    assert count > experts, "some expert must span several items"
-    assert (np.asarray(split.rows[:count]) <= tiles[0]).all() and int(np.asarray(split.rows).sum()) == tokens * top_k
+    rows = np.bincount(index.numpy().ravel(), minlength=experts)
+    assert rows.max() > 2 * chunk and rows.min() < rows.max() - chunk, "experts must span different chunk counts"
     for case in ("i-tiles-plain", "i-tiles-transposed", "i-tiles-interleaved"):
-        assert TILED_CASES[case][7][2] < TILED_CASES[case][2], f"{case} must tile I"
+        assert TILED_CASES[case][7][1] < TILED_CASES[case][2], f"{case} must tile I"
 
 
 @pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32])
@@ -137,27 +134,35 @@ def test_bf16_activations_with_either_routing_weights(kernel, weights_dtype):
     assert _relative_error(fused, expected) < 2e-2
 
 
-def test_only_sentinel_picks_give_zeros(kernel):
-    layer = _layer(6, 64, 48, 8, 2, transposed=False, bias=True, sentinels=1.0)
+@pytest.mark.parametrize("tiles", [None, (16, 128)])
+def test_only_sentinel_picks_give_zeros(kernel, tiles):
+    layer = _layer(6, 64, 256, 8, 2, transposed=False, bias=True, sentinels=1.0)
     assert bool((layer[1] == 8).all())
+    config = None if tiles is None else kernel.config.FusedConfig(*tiles)
     fused = _interpret(lambda: kernel.pallas_fused.fused_experts(*map(_jax, layer), activation="silu",
-                                                                 weights_transposed=False))
+                                                                 weights_transposed=False, config=config))
     assert torch.equal(fused, torch.zeros_like(fused))
 
 
-def test_expert_items_hold_live_picks_only(kernel):
-    # 3 tokens, top-2, 4 experts; sentinel id 4 (other ranks). Expert 2 gets three picks, 1 none.
-    index = jnp.asarray([[2, 4], [0, 2], [2, 3]], jnp.int32)
-    weights = jnp.asarray([[0.5, 0.0], [0.25, 0.75], [0.125, 0.875]], jnp.float32)
-    items = kernel.routing.expert_items(index, weights, 4, block_rows=2)
-    count = int(items.count[0])
-    assert count == 4  # expert 0: one item; expert 2: two (3 picks, 2 slots each); expert 3: one
-    assert np.asarray(items.expert[:count]).tolist() == [0, 2, 2, 3]
-    assert np.asarray(items.rows[:count]).tolist() == [1, 2, 1, 1]
-    assert np.asarray(items.tokens[:count, 0]).tolist() == [[1, -1], [0, 1], [2, -1], [2, -1]]
-    assert np.asarray(items.weights[:count, 0]).tolist() == [[0.25, 0.0], [0.5, 0.75], [0.125, 0.0], [0.875, 0.0]]
-    empty = kernel.routing.expert_items(jnp.full((3, 2), 4, jnp.int32), weights[:, :2], 4, block_rows=2)
+def test_expert_plan_lists_active_experts_only(kernel):
+    # 3 tokens, top-2, 4 experts; sentinel id 4 (other ranks). Expert 2: two picks; expert 1: none;
+    # token 1 picks expert 0 twice.
+    index = jnp.asarray([[2, 4], [0, 0], [2, 3]], jnp.int32)
+    plan = kernel.routing.expert_plan(index, 4)
+    assert int(plan.count[0]) == 3
+    assert np.asarray(plan.expert).tolist() == [0, 2, 3, 3]  # active experts, then the last repeated
+    assert np.asarray(plan.rows).tolist() == [2, 2, 1, 0]  # picks (at least the rows), 0 past the count
+    empty = kernel.routing.expert_plan(jnp.full((3, 2), 4, jnp.int32), 4)
     assert int(empty.count[0]) == 1 and int(empty.rows[0]) == 0  # one empty item: the grid is never empty
+
+
+def test_repeated_picks_of_one_expert_add_up(kernel):
+    layer = list(_layer(5, 64, 48, 4, 2, transposed=False, bias=True))
+    layer[1][:, 1] = layer[1][:, 0]  # every token picks its first expert twice
+    gate = dict(activation="silu", weights_transposed=False)
+    expected = kernel.reference.gated_experts_reference(*layer, **gate)
+    fused = _interpret(lambda: kernel.pallas_fused.fused_experts(*map(_jax, layer), **gate))
+    assert _relative_error(fused, expected) <= 1e-5
 
 
 def test_gated_experts_takes_the_fused_kernel_for_decode_only(kernel, monkeypatch):

@@ -72,7 +72,7 @@ HEURISTIC_CHUNK_M = 128
 # prefill-sized calls take the two grouped matmuls.
 FUSED_MAX_TOKENS = 256
 # Rows per MXU pass of the fused kernel: T rounded to the native tile, at
-# most 128 (the v5e MXU's width); an expert's picks fill whole passes but the
+# most 128 (the v5e MXU's width); an expert's rows fill whole passes but the
 # last. Not tuned.
 FUSED_MAX_CHUNK_ROWS = 128
 # The fused kernel's biases come in blocks of this many experts (a 16-row
@@ -267,18 +267,21 @@ def expected_active_groups(rows: int, num_groups: int) -> float:
 class FusedConfig(NamedTuple):
     """Blocks of one fused experts call.
 
-    - `block_rows`: row slots of one grid step, all of one expert: at least
-      the tokens in decode, so that each active expert is one item (tokens
-      pick distinct experts); an expert with more picks takes several items.
-    - `chunk_rows`: rows per MXU pass; passes past an item's picks are skipped.
+    - `chunk_rows`: rows per MXU pass. An expert has at most T rows (one per
+      token that picked it), held in ceil(T / chunk_rows) chunks; chunks past
+      the expert's picks are skipped.
     - `tile_i`: intermediate columns per grid step; the whole I unless the
       expert's weights do not fit VMEM double-buffered, then I / n for the
       smallest n whose blocks are aligned and fit.
     """
 
-    block_rows: int
     chunk_rows: int
     tile_i: int
+
+
+def fused_chunks(config: FusedConfig, tokens: int) -> int:
+    """Chunks of `chunk_rows` rows that hold an expert's rows: one per `chunk_rows` tokens."""
+    return -(-tokens // config.chunk_rows)
 
 
 def _tile_i_aligned(tile_i: int, intermediate: int, dtype, *, weights_transposed: bool, interleaved: bool,
@@ -307,14 +310,17 @@ def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate
     """VMEM of a fused experts call: its blocks (double-buffered but the resident hidden states), scratch,
     and the f32 values of one chunk that Mosaic keeps beside them (gate_up and down results)."""
     f32 = jnp.float32
-    rows, chunk, tile_i = config.block_rows, config.chunk_rows, config.tile_i
+    chunk, tile_i = config
+    rows = fused_chunks(config, tokens) * chunk
     tiled_i = tile_i < intermediate
     bias_rows = min(num_experts, BIAS_BLOCK_EXPERTS)
     total = (
         padded_vmem_bytes((tokens, hidden), dtype)  # hidden states, one buffer
         + 2 * padded_vmem_bytes((tokens, hidden), dtype)  # out
         + padded_vmem_bytes((tokens, hidden), f32)  # out accumulator
-        + 2 * 2 * padded_vmem_bytes((1, rows), f32)  # token ids and routing weights of the item
+        + 2 * padded_vmem_bytes((tokens, LANES), f32)  # the routing, resident (K <= 128 lanes, ids and weights)
+        + 2 * padded_vmem_bytes((tokens, 1), f32)  # the expert's weight and rank per token, as columns
+        + padded_vmem_bytes((tokens, tokens), f32)  # the triangle that counts the ranks
         + 2 * padded_vmem_bytes((hidden, 2 * tile_i), dtype)  # gate_up block(s)
         + 2 * padded_vmem_bytes((tile_i, hidden), dtype)  # down block
         + padded_vmem_bytes((chunk, 2 * tile_i), f32) + padded_vmem_bytes((chunk, hidden), f32)  # one chunk's values
@@ -332,16 +338,16 @@ def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, 
                  interleaved: bool, has_bias: bool) -> FusedConfig | None:
     """The fused kernel's blocks for this layer, or None if no I tiling fits VMEM.
 
-    Rows: T rounded to the native sublane tile (the most one expert can get
-    when tokens pick distinct experts), in chunks of at most
-    FUSED_MAX_CHUNK_ROWS. I: whole, or I / n for the smallest n that is
+    Rows: T (the most one expert can get) rounded to the native sublane tile,
+    in chunks of at most FUSED_MAX_CHUNK_ROWS (more if T needs more than
+    MAX_UNROLLED_MATMULS of them). I: whole, or I / n for the smallest n that is
     aligned (`_tile_i_aligned`) and fits VMEM_BUDGET_BYTES. Not tuned per
     generation: decode streams each active expert's weights once whatever the
     tiles, so they only need to fit.
     """
     sublanes = sublane_multiple(dtype)
-    chunk = min(round_up(tokens, sublanes), FUSED_MAX_CHUNK_ROWS)
-    rows = round_up(tokens, chunk)
+    chunk = max(min(round_up(tokens, sublanes), FUSED_MAX_CHUNK_ROWS),
+                round_up(-(-tokens // MAX_UNROLLED_MATMULS), sublanes))
     for parts in range(1, intermediate + 1):
         if intermediate % parts:
             continue
@@ -349,7 +355,7 @@ def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, 
         if not _tile_i_aligned(tile_i, intermediate, dtype, weights_transposed=weights_transposed,
                                interleaved=interleaved, has_bias=has_bias):
             continue
-        config = FusedConfig(rows, chunk, tile_i)
+        config = FusedConfig(chunk, tile_i)
         needed = fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
                                   has_bias=has_bias)
         if needed <= VMEM_BUDGET_BYTES:
@@ -365,10 +371,10 @@ def check_fused_config(config: FusedConfig, tokens: int, hidden: int, intermedia
     for name, value in config._asdict().items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"config.{name} must be a positive int, got {value!r}")
-    if config.block_rows % config.chunk_rows:
-        raise ValueError(f"config.block_rows={config.block_rows} must be a multiple of chunk_rows={config.chunk_rows}")
-    if config.block_rows // config.chunk_rows > MAX_UNROLLED_MATMULS:
-        raise ValueError(f"config: more than {MAX_UNROLLED_MATMULS} chunks of {config.chunk_rows} rows per step")
+    if fused_chunks(config, tokens) > MAX_UNROLLED_MATMULS:
+        raise ValueError(
+            f"config: {tokens} tokens make more than {MAX_UNROLLED_MATMULS} chunks of {config.chunk_rows} rows per step"
+        )
     if config.chunk_rows % sublane_multiple(dtype):
         raise ValueError(f"config.chunk_rows={config.chunk_rows} must be a multiple of {sublane_multiple(dtype)}")
     if not _tile_i_aligned(config.tile_i, intermediate, dtype, weights_transposed=weights_transposed,

@@ -6,27 +6,29 @@ gate_up -> gated activation -> down on the rows that picked it, weighted by
 their routing weights and summed into the tokens' outputs, with every
 intermediate in VMEM.
 
-Schedule: the grid is (items, I tiles). An item is up to `block_rows` picks
-of one expert (`routing.expert_items`); in decode (`block_rows >= T`, tokens
-pick distinct experts) each active expert is exactly one item, so:
+Schedule: the grid is (items, I tiles), one item per active expert
+(`routing.expert_plan`), so:
 - an expert without picks has no grid step and its weights are never read;
-  other ranks' sentinel picks are in no item at all;
-- each active expert's weights are read exactly once (one block per I tile;
-  with I whole, consecutive items of one expert keep their block);
+  other ranks' sentinel picks reach no item at all;
+- each active expert's weights are read exactly once (one block per I tile);
 - the hidden states are one resident block read once, and the output one
   resident block written once, at the last step.
-A call without live picks runs one empty item (Pallas fetches the blocks of
-a grid's first step; a zero-step grid is not relied upon): it writes zeros
-and reads one weights block.
+A call without live picks runs one empty item over one I tile (Pallas
+fetches the blocks of a grid's first step; a zero-step grid is not relied
+upon): it writes zeros and reads one block of one expert's weights.
 
-Per item, rows are worked in static chunks of `chunk_rows`, each under a
-`pl.when` that skips chunks past the item's picks. A chunk gathers its rows
-from the resident hidden states with a one-hot matmul (`[T, c]` one-hot,
-contracted over the tokens: exact), runs the expert, and scatters its
-results back with the one-hot scaled by the routing weights (exact for
-weights the activation dtype holds; f32 weights under bf16 activations go in
-two bf16 parts). The one-hot matmuls cost 2 x T x H multiply-adds per row,
-which decode hides under the weights' DMA (see config.FUSED_MAX_TOKENS).
+The routing (`top_k_index`, `top_k_weights`) is resident too. At each item
+the kernel sums each token's weights for the item's expert; the expert's
+rows are the tokens of nonzero weight, in token order (a row's rank is the
+count of such tokens before it, a matmul with a triangular matrix). Rows are
+worked in static chunks of `chunk_rows`, each under a `pl.when` that skips
+chunks past the expert's picks. A chunk gathers its rows from the resident
+hidden states with a one-hot matmul (`[T, c]` one-hot, contracted over the
+tokens: exact), runs the expert, and scatters its results back with the
+one-hot scaled by the routing weights (exact for weights the activation
+dtype holds; f32 weights under bf16 activations go in two bf16 parts). The
+one-hot matmuls cost 2 x T x H multiply-adds per row, which decode hides
+under the weights' DMA (see config.FUSED_MAX_TOKENS).
 
 Interleaved gate/up columns (GPT-OSS) are split in the transposed
 orientation: the chunk's gate_up projection is computed as `[2 I, c]`, whose
@@ -50,10 +52,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .config import (
-    BIAS_BLOCK_EXPERTS, FusedConfig, check_fused_config, expected_active_groups, fused_config, fused_vmem_limit,
+    BIAS_BLOCK_EXPERTS, FusedConfig, check_fused_config, expected_active_groups, fused_chunks, fused_config,
+    fused_vmem_limit,
 )
 from .gates import gated
-from .routing import expert_items
+from .routing import expert_plan
 
 _BIAS_BLOCK_SHIFT = BIAS_BLOCK_EXPERTS.bit_length() - 1
 assert 1 << _BIAS_BLOCK_SHIFT == BIAS_BLOCK_EXPERTS
@@ -105,7 +108,24 @@ def _expert_bias_columns(bias_ref, expert, columns: int):
     return _dot(selected, ones, 0, 0, lax.Precision.HIGHEST)
 
 
-def _body(expert_ref, rows_ref, count_ref, hidden_ref, tokens_ref, weights_ref, *refs, layout: _Layout):
+def _token_columns(index_ref, weights_ref, expert, tokens: int):
+    """This expert's routing weight per token and each token's rank among its rows, as `[T, 1]` f32 columns.
+
+    A token's weight is the sum of its picks of the expert (repeated picks
+    add up); its rows are the tokens of nonzero weight. The rank is a prefix
+    count, a matmul of the 0/1 mask with a strictly lower triangle: 0/1
+    operands in one bf16 pass and sums below 2^24, exact.
+    """
+    weights = jnp.sum(jnp.where(index_ref[...] == expert, weights_ref[...].astype(jnp.float32), 0.0), axis=1,
+                      keepdims=True)
+    row = lax.broadcasted_iota(jnp.int32, (tokens, tokens), 0)
+    col = lax.broadcasted_iota(jnp.int32, (tokens, tokens), 1)
+    picked = (weights != 0.0).astype(jnp.float32)
+    rank = _dot((col < row).astype(jnp.float32), picked, 1, 0, lax.Precision.DEFAULT)
+    return weights, rank
+
+
+def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *refs, layout: _Layout):
     del count_ref  # the grid's size
     parts = layout.gate_up_parts
     gate_up_refs, down_ref = refs[:parts], refs[parts]
@@ -122,7 +142,7 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, tokens_ref, weights_ref, 
     item, i_step = pl.program_id(0), pl.program_id(1)
     expert = expert_ref[item]
     picks = rows_ref[item]
-    last_i = layout.i_tiles - 1
+    last_i = pl.num_programs(1) - 1
     chunk = layout.chunk_rows
     transposed = layout.weights_transposed
 
@@ -130,10 +150,12 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, tokens_ref, weights_ref, 
     def _():
         out_acc[...] = jnp.zeros_like(out_acc)
 
+    weight_column, rank_column = _token_columns(index_ref, weights_ref, expert, layout.tokens)
+
     def one_hot(first):
-        """[T, chunk]: column r is the one-hot of the token in row slot first + r (none for an empty slot)."""
-        token_ids = tokens_ref[:, first : first + chunk]
-        return lax.broadcasted_iota(jnp.int32, (layout.tokens, chunk), 0) == token_ids
+        """[T, chunk]: column r is the one-hot of the expert's row first + r (none past its rows)."""
+        slot = (first + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)).astype(jnp.float32)
+        return jnp.logical_and(weight_column != 0.0, rank_column == slot)
 
     def gather(first):
         rows = _dot(one_hot(first).astype(dtype), hidden_ref[...], 0, 0, precision)
@@ -167,7 +189,7 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, tokens_ref, weights_ref, 
         if layout.has_bias:
             out_rows = out_rows + _expert_bias(down_bias_ref, expert)
         out_rows = out_rows.astype(dtype)
-        weighted = jnp.where(one_hot(first), weights_ref[:, first : first + chunk], 0.0)  # [T, chunk] f32
+        weighted = jnp.where(one_hot(first), weight_column, 0.0)  # [T, chunk] f32
         high = weighted.astype(dtype)
         total = _dot(high, out_rows, 1, 0, precision)
         if layout.split_weights:
@@ -245,12 +267,14 @@ def fused_experts(
                 f"fused_experts: no I tiling of T={tokens}, H={hidden}, I={intermediate} fits VMEM; use the grouped path"
             )
     check_fused_config(config, tokens, hidden, intermediate, num_experts, dtype, **shape)
-    rows, chunk, tile_i = config
+    chunk, tile_i = config
+    chunks = fused_chunks(config, tokens)
+    rows = chunks * chunk
     i_tiles = intermediate // tile_i
     parts = 2 if (i_tiles > 1 and not interleaved) else 1
-    items = expert_items(top_k_index, top_k_weights, num_experts, rows)
+    items = expert_plan(top_k_index, num_experts)
     layout = _Layout(
-        tokens=tokens, chunk_rows=chunk, chunks=rows // chunk, tile_i=tile_i, i_tiles=i_tiles, gate_up_parts=parts,
+        tokens=tokens, chunk_rows=chunk, chunks=chunks, tile_i=tile_i, i_tiles=i_tiles, gate_up_parts=parts,
         weights_transposed=weights_transposed, interleaved=interleaved, has_bias=has_bias, activation=activation,
         alpha=float(alpha), limit=float(limit),
         split_weights=jnp.dtype(top_k_weights.dtype).itemsize > jnp.dtype(dtype).itemsize,
@@ -269,15 +293,17 @@ def fused_experts(
         down_spec = pl.BlockSpec((None, tile_i, hidden), lambda item, i, expert, *_: (expert[item], i, 0))
     else:  # [E, H, I]
         down_spec = pl.BlockSpec((None, hidden, tile_i), lambda item, i, expert, *_: (expert[item], 0, i))
-    item_spec = pl.BlockSpec((None, 1, rows), lambda item, i, *_: (item, 0, 0))
+    def resident(shape):
+        return pl.BlockSpec(shape, lambda *_: (0,) * len(shape), pipeline_mode=pl.Buffered(1))
+
     in_specs = [
-        pl.BlockSpec((tokens, hidden), lambda *_: (0, 0), pipeline_mode=pl.Buffered(1)),
-        item_spec,
-        item_spec,
+        resident((tokens, hidden)),
+        resident((tokens, top_k)),
+        resident((tokens, top_k)),
         *(gate_up_spec(part * i_tiles) for part in range(parts)),
         down_spec,
     ]
-    operands = [hidden_states, items.tokens, items.weights, *([gate_up_proj] * parts), down_proj]
+    operands = [hidden_states, top_k_index, top_k_weights, *([gate_up_proj] * parts), down_proj]
     if has_bias:
         bias_rows = min(num_experts, BIAS_BLOCK_EXPERTS)
 
@@ -297,6 +323,8 @@ def fused_experts(
     if i_tiles > 1:
         scratch += [pltpu.VMEM((rows, hidden), dtype), pltpu.VMEM((rows, hidden), jnp.float32)]
 
+    # A call without live picks runs its one empty item over one I tile only: one block of weights read.
+    i_grid = i_tiles if i_tiles == 1 else jnp.where(items.rows[0] > 0, i_tiles, 1)
     picks = tokens * top_k
     active = expected_active_groups(picks, num_experts)
     itemsize = jnp.dtype(dtype).itemsize
@@ -306,7 +334,7 @@ def fused_experts(
         out_shape=jax.ShapeDtypeStruct((tokens, hidden), dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
-            grid=(items.count[0], i_tiles),
+            grid=(items.count[0], i_grid),
             in_specs=in_specs,
             out_specs=pl.BlockSpec((tokens, hidden), lambda *_: (0, 0)),
             scratch_shapes=scratch,
@@ -317,13 +345,13 @@ def fused_experts(
             vmem_limit_bytes=fused_vmem_limit(config, tokens, hidden, intermediate, num_experts, dtype,
                                               interleaved=interleaved, has_bias=has_bias),
         ),
-        # What is read: the tokens once, the weights of the experts expected active (the group sizes are
-        # data, unknown when this is traced; `expected_active_groups`), the output once.
+        # What is read: the tokens and the routing once, the weights of the experts expected active (which
+        # experts are picked is data, unknown when this is traced; `expected_active_groups`), the output once.
         cost_estimate=pl.CostEstimate(
             flops=int(2 * picks * (3 * intermediate * hidden + 2 * tokens * hidden)),
             transcendentals=int(picks * intermediate),
-            bytes_accessed=int(2 * tokens * hidden * itemsize + active * weights_per_expert * itemsize
-                               + items.tokens.size * 8),
+            bytes_accessed=int((2 * tokens * hidden + active * weights_per_expert) * itemsize
+                               + top_k_index.size * 4 + top_k_weights.size * top_k_weights.dtype.itemsize),
         ),
         name="fused_experts",
     )

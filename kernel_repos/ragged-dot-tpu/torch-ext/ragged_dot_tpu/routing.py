@@ -26,63 +26,31 @@ def sort_by_expert(top_k_index: jax.Array, num_experts: int) -> tuple[jax.Array,
     return order, counts[:num_experts]
 
 
-class ExpertItems(NamedTuple):
-    """The fused kernel's work items: up to `block_rows` picks of one expert each, active experts only.
+class ExpertPlan(NamedTuple):
+    """The fused kernel's grid: one item per active expert (scalar-prefetch operands)."""
 
-    The first three are scalar-prefetch operands; `tokens` and `weights` are
-    fetched one item (a `[1, block_rows]` row) per grid step.
-    """
-
-    expert: jax.Array  # [max_items] int32: the expert of each item
-    rows: jax.Array  # [max_items] int32: picks in each item (0 past `count`)
+    expert: jax.Array  # [E] int32: the active experts in order, then the last one repeated (items past `count`)
+    rows: jax.Array  # [E] int32: picks of each item's expert (at least its rows; 0 past `count`)
     count: jax.Array  # [1] int32: items, at least 1 (a call without live picks runs one empty item)
-    tokens: jax.Array  # [max_items, 1, block_rows] int32: token of each row slot, -1 for an empty slot
-    weights: jax.Array  # [max_items, 1, block_rows] float32: routing weight of each row slot, 0 for an empty slot
 
 
-def max_expert_items(picks: int, num_experts: int, block_rows: int) -> int:
-    """Items an expert split of `picks` picks can need: one per active expert, plus one per full block."""
-    return min(num_experts, picks) + picks // block_rows
+def expert_plan(top_k_index: jax.Array, num_experts: int) -> ExpertPlan:
+    """Which experts have picks, in order, and how many: masked sums over [T x K, E] and [E, E] compares.
 
-
-def expert_items(top_k_index: jax.Array, top_k_weights: jax.Array, num_experts: int, block_rows: int) -> ExpertItems:
-    """Items of the live picks, expert by expert in expert order; an expert's picks in token order.
-
-    An expert with p picks takes ceil(p / block_rows) consecutive items;
-    experts without picks take none.
+    Written without scatter, sort or cumsum, which XLA's TPU cost analysis
+    counts at hundreds of KiB to MiB for these few values.
     """
-    tokens, top_k = top_k_index.shape
-    picks = tokens * top_k
-    capacity = max_expert_items(picks, num_experts, block_rows)
-    order, counts = sort_by_expert(top_k_index, num_experts)
-    sorted_ids = top_k_index.reshape(-1)[order]
-    live = sorted_ids < num_experts
-    expert = jnp.minimum(sorted_ids, num_experts - 1)
-
-    group_end = jnp.cumsum(counts)
-    rank = jnp.arange(picks, dtype=jnp.int32) - (group_end - counts)[expert]
-    items_per_expert = (counts + block_rows - 1) // block_rows
-    item_end = jnp.cumsum(items_per_expert)
-    item_begin = item_end - items_per_expert
-    item = jnp.where(live, item_begin[expert] + rank // block_rows, capacity)  # sentinels: dropped below
-    slot = rank % block_rows
-
-    token_of_slot = jnp.full((capacity, block_rows), -1, jnp.int32).at[item, slot].set(
-        (order // top_k).astype(jnp.int32), mode="drop"
+    expert_ids = top_k_index.reshape(-1)
+    experts = jnp.arange(num_experts, dtype=jnp.int32)
+    picks = jnp.sum((expert_ids[:, None] == experts[None, :]).astype(jnp.int32), axis=0)
+    active = picks > 0
+    # Position of each active expert among the active ones: active experts before it.
+    position = jnp.sum(jnp.where((experts[None, :] < experts[:, None]) & active[None, :], 1, 0), axis=1)
+    count = jnp.sum(active.astype(jnp.int32))
+    nth_active = jnp.sum(
+        jnp.where(active[None, :] & (position[None, :] == experts[:, None]), experts[None, :], 0), axis=1
     )
-    weight_of_slot = jnp.zeros((capacity, block_rows), jnp.float32).at[item, slot].set(
-        top_k_weights.reshape(-1)[order].astype(jnp.float32), mode="drop"
-    )
-
-    count = item_end[-1]
-    index = jnp.arange(capacity, dtype=jnp.int32)
-    item_expert = jnp.minimum(jnp.searchsorted(item_end, index, side="right"), num_experts - 1).astype(jnp.int32)
-    item_rows = jnp.clip(counts[item_expert] - (index - item_begin[item_expert]) * block_rows, 0, block_rows)
-    item_rows = jnp.where(index < count, item_rows, 0).astype(jnp.int32)
-    return ExpertItems(
-        expert=item_expert,
-        rows=item_rows,
-        count=jnp.maximum(count, 1).astype(jnp.int32).reshape(1),
-        tokens=token_of_slot.reshape(capacity, 1, block_rows),
-        weights=weight_of_slot.reshape(capacity, 1, block_rows),
-    )
+    expert = jnp.where(experts < count, nth_active, jnp.max(jnp.where(active, experts, 0)))
+    rows = jnp.where(experts < count, jnp.sum(jnp.where(expert[:, None] == experts[None, :], picks[None, :], 0), axis=1), 0)
+    return ExpertPlan(expert=expert.astype(jnp.int32), rows=rows.astype(jnp.int32),
+                      count=jnp.maximum(count, 1).reshape(1).astype(jnp.int32))
