@@ -16,7 +16,7 @@ MoE experts layer, realistic routing) and each of v5e and v6e this
 
 Kernels:
 - ours: `ragged_dot_tpu.pallas_tpu.ragged_dot` with `select_config` for the
-  generation (`config.heuristic_config`);
+  generation (the searched table, `tile_table.py`);
 - megablox: `jax.experimental.pallas.ops.tpu.megablox.gmm` at its default
   tiling (128, 128, 128);
 - tokamax: `tokamax` 0.0.12's Pallas Mosaic TPU ragged_dot (`backend.gmm`) at
@@ -711,7 +711,7 @@ def main(argv=None) -> int:
                        f"seed {BENCH_SEED}; EP settings: the busiest rank's picks",
             "dtype": jnp.dtype(DTYPE).name,
             "kernels": {
-                "ours": "ragged_dot_tpu.pallas_tpu.ragged_dot, select_config(generation) (heuristic)",
+                "ours": "ragged_dot_tpu.pallas_tpu.ragged_dot, select_config(generation) (searched table)",
                 "megablox": f"jax.experimental.pallas.ops.tpu.megablox.gmm, tiling {MEGABLOX_TILING} (its default)",
                 "tokamax": "tokamax 0.0.12 pallas_mosaic_tpu_kernel.gmm at tokamax's own config choice; its "
                            "emit_pipeline grid replayed as a plain pallas_call",

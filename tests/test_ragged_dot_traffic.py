@@ -141,18 +141,21 @@ def test_grouped_rows_past_the_groups_cost_nothing_when_left_unwritten(kernel):
     assert skipped.hbm_write_bytes == live_tiles * 64 * n * BF16
     assert skipped.steps == 4  # items: group 0 (tile 0), group 2 (tiles 0, 1), group 3 (tile 1)
     assert skipped.flops == zeroed.flops
+    # Each live tile's lhs window: its 64 rows and the next chunk's 32.
     lhs = _operand(skipped, (m, k))
-    assert lhs.hbm_bytes == live_tiles * 64 * k * BF16
+    assert lhs.hbm_bytes == live_tiles * (64 + 32) * k * BF16
 
 
-def test_grouped_chunks_follow_group_starts(kernel):
+@pytest.mark.parametrize("tile_m", [256, 128])
+def test_grouped_chunks_follow_group_starts(kernel, tile_m):
     """Groups of 48, 80, 32 and 64 rows in 64-row chunks: 1 + 2 + 1 + 1 chunks, none shared at a boundary.
 
     Chunks at fixed offsets of the tile (0, 64, 128, 192) would take 6: the chunks at rows 0 and 128 each
-    straddle two groups and would be multiplied once per group.
+    straddle two groups and would be multiplied once per group. In 128-row tiles the second chunk of the group
+    at rows 48..127 crosses a tile end and is still multiplied once.
     """
     m, k, n = 224, 256, 256
-    call = _grouped_traffic(kernel, m, k, n, [48, 80, 32, 64], kernel.config.TileConfig(256, 256, 256, 64))
+    call = _grouped_traffic(kernel, m, k, n, [48, 80, 32, 64], kernel.config.TileConfig(tile_m, 256, 256, 64))
     assert call.dots_exact
     assert {(dot.m, dot.k, dot.n) for dot in call.dots} == {(64, k, n)}
     assert sum(dot.count for dot in call.dots) == 5

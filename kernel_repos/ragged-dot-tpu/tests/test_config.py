@@ -75,13 +75,18 @@ def test_ridge_rows_is_peak_flops_over_hbm_bandwidth(config):
 
 
 def test_heuristic_keeps_decode_rows_resident_and_tiles_prefill(config):
-    # Few rows per group (decode): one resident row tile in 128-row chunks.
+    # Few rows per group (decode): one resident row tile in chunks of the MXU width (256 on v6e, 128 on v5e).
     assert config.heuristic_config(512, 2048, 1536, jnp.bfloat16, "v6e", num_groups=128) == config.TileConfig(
+        512, 2048, 1536, 256
+    )
+    assert config.heuristic_config(512, 2048, 1536, jnp.bfloat16, "v5e", num_groups=128).chunk_m == 128
+    # Many rows per group: 512-row tiles.
+    assert config.heuristic_config(65536, 2048, 1536, jnp.bfloat16, "v6e", num_groups=16) == config.TileConfig(
+        512, 2048, 1536, 256
+    )
+    assert config.heuristic_config(65536, 2048, 1536, jnp.bfloat16, "v5e", num_groups=16) == config.TileConfig(
         512, 2048, 1536, 128
     )
-    # Many rows per group: 512-row tiles on v6e, 256 on v5e, in 128-row chunks.
-    assert config.heuristic_config(65536, 2048, 1536, jnp.bfloat16, "v6e", num_groups=16).tile_m == 512
-    assert config.heuristic_config(65536, 2048, 1536, jnp.bfloat16, "v5e", num_groups=16).tile_m == 256
     # Weights blocks stay within the generation's block budget (8 MiB on v5e): N is halved first.
     big = config.heuristic_config(64, 4096, 8192, jnp.bfloat16, "v5e", num_groups=8)
     assert big.tile_k * big.tile_n * 2 <= config.HEURISTIC_RHS_BLOCK_BYTES["v5e"]
@@ -109,7 +114,7 @@ def test_select_config_uses_the_current_generation_and_refuses_unknown_ones(conf
     shape = (65536, 1000, 1000, jnp.bfloat16)
     v6e = config.select_config(*shape, generation="v6e", num_groups=16)
     v5e = config.select_config(*shape, generation="v5e", num_groups=16)
-    assert (v5e.tile_m, v6e.tile_m) == (256, 512)
+    assert (v5e.chunk_m, v6e.chunk_m) == (128, 256)
     assert config.select_config(*shape, num_groups=16) == v6e
     monkeypatch.setenv("TPU_KERNELS_GENERATION", "v5e")
     assert config.select_config(*shape, num_groups=16) == v5e
@@ -119,15 +124,18 @@ def test_select_config_uses_the_current_generation_and_refuses_unknown_ones(conf
         config.heuristic_config(80, 2048, 1536, jnp.bfloat16, "v4")
 
 
-def test_a_tile_over_all_rows_reaches_the_sublane_grid(config):
-    # 129 bf16 rows in 128-row chunks: a 144-row tile (a partial edge block), three chunk positions.
+def test_a_tile_over_all_rows_holds_whole_chunks(config):
+    # 129 rows in 128-row chunks: a 256-row tile (a partial edge block) of two chunks.
     whole = config.TileConfig(4096, 256, 256, chunk_m=128)
-    assert config.row_tile_rows(whole, 129, jnp.bfloat16) == 144
-    assert config.row_tile_rows(whole, 129, jnp.float32) == 136
-    assert config.row_chunks(whole, 129, jnp.bfloat16) == 3
+    assert config.row_tile_rows(whole, 129, jnp.bfloat16) == 256
+    assert config.row_chunks(whole, 129, jnp.bfloat16) == 2
+    # Without chunks: the rows rounded up to the sublane tile.
+    assert config.row_tile_rows(config.TileConfig(4096, 256, 256), 129, jnp.bfloat16) == 144
+    assert config.row_tile_rows(config.TileConfig(4096, 256, 256), 129, jnp.float32) == 136
     # A fixed tile keeps its size; one chunk per tile without chunking.
     assert config.row_tile_rows(config.TileConfig(64, 256, 256), 129, jnp.bfloat16) == 64
     assert config.row_chunks(config.TileConfig(64, 256, 256), 129, jnp.bfloat16) == 1
+    assert config.row_chunks(config.TileConfig(512, 256, 256, 128), 4096, jnp.bfloat16) == 4
 
 
 def test_expected_active_groups(config):

@@ -77,9 +77,9 @@ SCHEDULE_CASES = {
     # groups straddle row tiles; rows 80..99 are past the groups, row tile 3 is
     # a zero-writing tail item.
     "tail-tiles-m-k-n": (100, 300, 200, [20, 0, 45, 15], (32, 128, 128, None, 1)),
-    # Row chunks: a 64-row tile in chunks of 48 and 16 rows, chunks outside the
-    # group skipped; two tail tiles past the groups.
-    "row-chunks": (150, 256, 128, [7, 30, 0, 50, 3], (64, 256, 128, 48, 1)),
+    # Row chunks: 96-row tiles in chunks of 48 rows, chunks past a group's rows
+    # skipped; a tail tile past the groups.
+    "row-chunks": (150, 256, 128, [7, 30, 0, 50, 3], (96, 256, 128, 48, 1)),
     # Three group slots per step over one resident row tile: 4 active groups
     # leave 2 idle slots in the second step; K and N tiles with tails.
     "groups-per-step-3": (40, 200, 160, [5, 0, 12, 7, 0, 9], (40, 128, 128, None, 3)),
@@ -89,8 +89,8 @@ SCHEDULE_CASES = {
     "all-groups-empty": (24, 128, 128, [0, 0, 0], (24, 128, 128, None, 2)),
     # Every row tile past the groups but the first: three zero-writing tail items.
     "tail-items": (64, 128, 256, [3, 0, 5], (16, 128, 256, None, 1)),
-    # Chunks start at groups' first rows, off the 16-row grid (5, 42, 112, 162 rows in); a chunk
-    # that would run past a 96-row tile's end moves back (its rows already done masked out).
+    # Chunks start at groups' first rows, off the 16-row grid (5, 42, 112, 162 rows in); chunks
+    # that run past a 96-row tile's end carry their last rows into the next tile.
     "chunks-at-group-starts": (200, 128, 128, [5, 37, 0, 70, 50, 20], (96, 128, 128, 32, 1)),
 }
 
@@ -136,29 +136,26 @@ def test_schedule_cases_cover_what_they_name(kernel):
                 "zero-writing tail item": tail_items > 0,
                 "rows past the groups": sum(group_sizes) < m,
                 "group start off the sublane grid": any(start % 16 for start in np.cumsum(group_sizes)[:-1]),
-                "chunk moved back": config.chunk_m is not None and _chunk_moves_back(group_sizes, config),
+                "chunk across a tile": config.chunk_m is not None and _chunk_crosses_a_tile(group_sizes, config),
             }.items()
             if present
         )
     assert seen == {
         "m tail", "k tail", "n tail", "idle slots", "several slots", "chunks", "zero-writing tail item",
-        "rows past the groups", "group start off the sublane grid", "chunk moved back",
+        "rows past the groups", "group start off the sublane grid", "chunk across a tile",
     }
 
 
-def _chunk_moves_back(group_sizes, config):
-    """Whether some group's chunks, started at its first row on the 16-row grid, run past a row tile's end."""
+def _chunk_crosses_a_tile(group_sizes, config):
+    """Whether some group's chunks, laid from its first row on the 16-row grid, cross a row tile's end."""
     start = 0
     for size in group_sizes:
         end = start + size
-        tile_start = start // config.tile_m * config.tile_m
-        while size and tile_start < end:
-            first = max(start, tile_start) - tile_start
-            rows = min(end, tile_start + config.tile_m) - tile_start
-            chunk_starts = range(first // 16 * 16, rows, config.chunk_m)
-            if any(chunk + config.chunk_m > config.tile_m for chunk in chunk_starts):
+        chunk = start // 16 * 16
+        while size and chunk < end:
+            if chunk // config.tile_m != (chunk + config.chunk_m - 1) // config.tile_m:
                 return True
-            tile_start += config.tile_m
+            chunk += config.chunk_m
         start = end
     return False
 

@@ -58,10 +58,12 @@ MAX_GROUPS_PER_STEP = 4
 HEURISTIC_RHS_BLOCK_BYTES = {"v5e": 8 << 20, "v6e": 16 << 20}
 # Row tiles of the heuristic when the rows do not stay resident: about the
 # ridge (`ridge_rows`: 240 on v5e, 560 on v6e), where a step's matmul takes as
-# long as its weights' DMA. Chunks of 128 rows (the v5e MXU's width, half of
-# v6e's) bound the MXU work a group's last partial chunk wastes; not tuned.
-HEURISTIC_ROW_TILE = {"v5e": 256, "v6e": 512}
-HEURISTIC_CHUNK_M = 128
+# long as its weights' DMA, and large next to a chunk (each row tile reads
+# one chunk more of lhs rows). Chunks of one MXU width (128 rows on v5e, 256
+# on v6e; jax's TPU table): an MXU pass of fewer rows takes as long as one of
+# that many (the weights tile's load), and a group's last partial chunk
+# wastes at most one chunk. Not tuned.
+HEURISTIC_ROW_TILE = {"v5e": 512, "v6e": 512}
 
 # The fused experts kernel serves calls of at most this many tokens (decode
 # batches). It gathers an expert's rows and scatters its results with one-hot
@@ -104,32 +106,39 @@ def vmem_bytes(config: TileConfig, m: int, k: int, n: int, dtype) -> int:
     def block(rows: int, cols: int, size: int = itemsize) -> int:
         return round_up(rows, sublanes) * round_up(cols, LANES) * size
 
-    tile_m, tile_k, tile_n = min(config.tile_m, m), min(config.tile_k, k), min(config.tile_n, n)
-    lhs_buffers = 1 if (tile_m, tile_k) == (m, k) else 2
+    tile_m, tile_k, tile_n = row_tile_rows(config, m, dtype), min(config.tile_k, k), min(config.tile_n, n)
+    lhs_buffers = 1 if tile_m >= m and tile_k == k else 2
+    chunk = config.chunk_m if _chunked(config, m, dtype) else 0
     return (
-        lhs_buffers * block(tile_m, tile_k)
+        lhs_buffers * block(tile_m + chunk, tile_k)  # with chunks: a window of the tile and one more chunk
         + 2 * config.groups_per_step * block(tile_k, tile_n)
         + 2 * block(tile_m, tile_n)
-        + block(tile_m, tile_n, 4)
+        + block(tile_m + 2 * chunk, tile_n, 4)  # the accumulator, and with chunks the carry across tiles
     )
 
 
-def row_tile_rows(config: TileConfig, m: int, dtype) -> int:
-    """Rows of the kernel's row tile: `tile_m`, or, for one tile over all M rows, M rounded up to the sublane tile.
+def _chunked(config: TileConfig, m: int, dtype) -> bool:
+    return config.chunk_m is not None and config.chunk_m < round_up(min(config.tile_m, m), sublane_multiple(dtype))
 
-    A chunk starts on the sublane grid (where Mosaic can slice VMEM), so a
-    tile must reach the grid point past its last row; the rounded-up block
-    is a partial edge block, whose extra rows the kernel masks out.
+
+def row_tile_rows(config: TileConfig, m: int, dtype) -> int:
+    """Rows of the kernel's row tile: `tile_m`, or, for one tile over all M rows, M rounded up.
+
+    Rounded up to the sublane tile, or with chunks to a whole number of
+    chunks: a tile holds whole chunks, which start on the sublane grid (where
+    Mosaic can slice VMEM). The rounded-up block is a partial edge block,
+    whose extra rows the kernel masks out.
     """
-    return config.tile_m if config.tile_m < m else round_up(m, sublane_multiple(dtype))
+    if config.tile_m < m:
+        return config.tile_m
+    return round_up(m, config.chunk_m if _chunked(config, m, dtype) else sublane_multiple(dtype))
 
 
 def row_chunks(config: TileConfig, m: int, dtype) -> int:
-    """Matmuls one group slot unrolls per row tile: chunks of a tile, plus one where a group's start shifts them."""
-    tile_m = row_tile_rows(config, m, dtype)
-    if config.chunk_m is None or config.chunk_m >= tile_m:
+    """Chunks of a row tile: the matmuls one group slot unrolls per grid step."""
+    if not _chunked(config, m, dtype):
         return 1
-    return math.ceil(tile_m / config.chunk_m) + 1
+    return row_tile_rows(config, m, dtype) // config.chunk_m
 
 
 def check_config(config: TileConfig, m: int, k: int, n: int, dtype) -> None:
@@ -153,6 +162,8 @@ def check_config(config: TileConfig, m: int, k: int, n: int, dtype) -> None:
             raise ValueError(f"config.chunk_m must be a positive int or None, got {config.chunk_m!r}")
         if config.chunk_m < tile_m and config.chunk_m % sublanes:
             raise ValueError(f"config.chunk_m={config.chunk_m} must be a multiple of {sublanes}")
+        if config.chunk_m < tile_m and config.tile_m < m and config.tile_m % config.chunk_m:
+            raise ValueError(f"config.tile_m={config.tile_m} must be a multiple of chunk_m={config.chunk_m}")
     if config.groups_per_step > MAX_GROUPS_PER_STEP:
         raise ValueError(f"config.groups_per_step must be at most {MAX_GROUPS_PER_STEP}, got {config.groups_per_step}")
     chunks = row_chunks(config, m, dtype)
@@ -192,8 +203,8 @@ def heuristic_config(m: int, k: int, n: int, dtype, generation: str, num_groups:
     Weights blocks are as large as HEURISTIC_RHS_BLOCK_BYTES allows (K whole
     if it fits, else halved down to 512; N whole or halved in multiples of
     256, v6e's MXU width) so each active group's weights are fetched once per
-    N tile in few grid steps. Rows: one resident tile in HEURISTIC_CHUNK_M-row
-    chunks when the rows per group stay under `ridge_rows`, else
+    N tile in few grid steps. Rows: one resident tile in chunks of the MXU
+    width when the rows per group stay under `ridge_rows`, else
     HEURISTIC_ROW_TILE rows, else one chunk of rows; the first that fits.
     """
     generation = check_generation(generation)
@@ -208,7 +219,7 @@ def heuristic_config(m: int, k: int, n: int, dtype, generation: str, num_groups:
         tile_k = max(512, round_up(tile_k // 2, 256))
 
     rows_per_group = m / max(num_groups or 1, 1)
-    chunk = HEURISTIC_CHUNK_M
+    chunk = tpu_generation(generation).mxu_size
     tiled_m = min(HEURISTIC_ROW_TILE[generation], m)
     candidates = []
     if rows_per_group <= ridge_rows(generation):

@@ -28,14 +28,18 @@ What each operand moves (the point of the schedule, for decode):
 - zero-writing tail items and idle group slots keep the blocks they had (no
   fetch) and skip the matmul: rows past the groups cost only their write.
 
-MXU work: an item's rows are multiplied in chunks of `chunk_m` rows that
-start at the item's first row (rounded down to the native sublane tile, the
-finest offset Mosaic slices VMEM at), each under a `pl.when` that skips
-chunks past the item's rows. So no chunk is spent on two groups at a group
-boundary: a group costs ceil(rows / chunk_m) chunks per row tile it spans,
-give or take the sublane rounding; only where a group crosses a row tile
-boundary is a chunk split in two. A chunk that would run past the tile is
-moved back to end at the tile's end (its rows already done are masked out).
+MXU work: with `chunk_m` below the row tile, each group is multiplied in
+chunks of `chunk_m` rows laid from its first row (rounded down to the native
+sublane tile, the finest offset Mosaic slices VMEM at), each under a
+`pl.when` that skips chunks past the group's rows. So a group costs
+ceil((rows + its start's offset from the sublane grid) / chunk_m) chunks,
+wherever its rows fall: no chunk is spent on two groups at a group boundary,
+and none is split at a row tile boundary. The item of the tile where a chunk
+starts multiplies it whole: its lhs block is a window of `tile_m + chunk_m`
+rows (element offsets), and the results of rows past the tile's end go to a
+carry buffer that the next row tile's accumulator starts from. (The window's
+extra rows cost chunk_m / tile_m more lhs reads.) Without chunks, an item
+multiplies its whole row tile, masked to its group's rows.
 Tile sizes come from `config.select_config`.
 
 The CostEstimate counts what the kernel reads: the rows, the weights of the
@@ -69,6 +73,7 @@ class WorkItems(NamedTuple):
     group: jax.Array  # [max_items] int32: rhs group of each item
     row_start: jax.Array  # [max_items] int32: first row of the item's group (0 for a tail item)
     row_end: jax.Array  # [max_items] int32: one past the item's group's last row (0 for a tail item)
+    chunk_start: jax.Array  # [max_items] int32: first row of the group's first chunk that starts in the item's tile
     count: jax.Array  # [1] int32: number of real items, the size of the grid's work-item axis
 
 
@@ -76,7 +81,11 @@ def max_work_items(m: int, num_groups: int, tile_m: int) -> int:
     return pl.cdiv(m, tile_m) + num_groups - 1
 
 
-def make_work_items(group_sizes: jax.Array, m: int, tile_m: int, zero_rows_past_groups: bool = True) -> WorkItems:
+def make_work_items(
+    group_sizes: jax.Array, m: int, tile_m: int, zero_rows_past_groups: bool = True, chunk_m: int | None = None,
+    align: int = 8,
+) -> WorkItems:
+    """Work items of a call; `chunk_m` and `align` lay each group's chunks (module docstring)."""
     num_groups = group_sizes.shape[0]
     m_tiles = pl.cdiv(m, tile_m)
     capacity = max_work_items(m, num_groups, tile_m)
@@ -105,6 +114,14 @@ def make_work_items(group_sizes: jax.Array, m: int, tile_m: int, zero_rows_past_
     group_tile = first_tile[item_group] + (item - item_group_begin)
     tail_tile = first_untouched_tile + (item - group_items)
 
+    # A group's chunks start every chunk_m rows from its first row on the sublane grid; the item's
+    # first is the first of them at or past its tile's first row (tile-relative).
+    chunk = chunk_m or tile_m
+    chunk_base = starts[item_group] // align * align
+    tile_start = group_tile * tile_m
+    behind = tile_start - chunk_base
+    chunk_start = jnp.where(behind <= 0, -behind, (chunk - behind % chunk) % chunk)
+
     # Tail items keep the lhs and rhs blocks of the last group item, so they fetch nothing new.
     last_nonempty_group = jnp.max(jnp.where(nonempty, jnp.arange(num_groups), 0))
     last_group_tile = jnp.where(group_items > 0, first_untouched_tile - 1, 0)
@@ -114,6 +131,7 @@ def make_work_items(group_sizes: jax.Array, m: int, tile_m: int, zero_rows_past_
         group=jnp.where(in_groups, item_group, last_nonempty_group).astype(jnp.int32),
         row_start=jnp.where(in_groups, starts[item_group], 0).astype(jnp.int32),
         row_end=jnp.where(in_groups, ends[item_group], 0).astype(jnp.int32),
+        chunk_start=jnp.where(in_groups, chunk_start, 0).astype(jnp.int32),
         count=count.astype(jnp.int32).reshape(1),
     )
 
@@ -137,27 +155,26 @@ def _body(
     group_ref,
     row_start_ref,
     row_end_ref,
+    chunk_start_ref,
     count_ref,
     lhs_ref,
     *refs,
     k: int,
     tile_k: int,
-    chunk_m: int,
-    chunks: int,
+    chunk_m: int | None,
     groups_per_step: int,
     transpose_rhs: bool,
     precision,
 ):
     del lhs_tile_ref, group_ref  # used by the index maps only
-    rhs_refs, (out_ref, acc_ref) = refs[:groups_per_step], refs[groups_per_step:]
+    rhs_refs, (out_ref, acc_ref, *carry) = refs[:groups_per_step], refs[groups_per_step:]
+    carry_ref = carry[0] if chunk_m else None  # [2 chunk_m, tile_n]: rows [tile_m - chunk_m, tile_m + chunk_m)
     step = pl.program_id(1)
     steps = pl.num_programs(1)
     k_step = pl.program_id(2)
     count = count_ref[0]
-    tile_m = lhs_ref.shape[0]
+    tile_m = acc_ref.shape[0]
     align = sublane_multiple(lhs_ref.dtype)
-    # The last chunk start that keeps a chunk inside the tile, on the sublane grid.
-    last_start = (tile_m - chunk_m) // align * align
     # Every slot of a step works on the same row tile (the kernel wrapper checks it).
     first_item = step * groups_per_step
     row_tile = row_tile_ref[first_item]
@@ -166,15 +183,25 @@ def _body(
     next_item = jnp.minimum(first_item + groups_per_step, count - 1)
     ends_row_tile = jnp.logical_or(step == steps - 1, row_tile_ref[next_item] != row_tile)
 
+    if chunk_m:
+
+        @pl.when(jnp.logical_and(k_step == 0, step == 0))
+        def _():
+            carry_ref[...] = jnp.zeros_like(carry_ref)
+
     @pl.when(jnp.logical_and(k_step == 0, starts_row_tile))
     def _():
         acc_ref[...] = jnp.zeros_like(acc_ref)
+        if chunk_m:
+            # Rows of the previous tile's last chunks that ran into this tile.
+            acc_ref[:chunk_m, :] = carry_ref[chunk_m:, :]
+            carry_ref[...] = jnp.zeros_like(carry_ref)
 
     k_columns_ragged = k % tile_k != 0
 
-    def multiply(rhs_ref, start, keep):
-        """acc[start : start + chunk_m] += lhs rows `keep` of the same rows x rhs; `start` on the sublane grid."""
-        lhs = lhs_ref[pl.ds(start, chunk_m), :]
+    def multiply(rhs_ref, start, rows: int, keep):
+        """lhs rows [start, start + rows) x rhs, with rows not `keep` taken as zero; `start` on the sublane grid."""
+        lhs = lhs_ref[pl.ds(start, rows), :]
         rhs = rhs_ref[...]
         # Select, not multiply: rows and K columns outside the data may hold
         # garbage (NaN), and 0 * NaN is NaN.
@@ -186,7 +213,7 @@ def _body(
             rhs = jnp.where(rhs_k < k, rhs, jnp.zeros_like(rhs))
         lhs = jnp.where(keep, lhs, jnp.zeros_like(lhs))
         contract_rhs = 1 if transpose_rhs else 0
-        acc_ref[pl.ds(start, chunk_m), :] += lax.dot_general(
+        return lax.dot_general(
             lhs,
             rhs,
             (((1,), (contract_rhs,)), ((), ())),
@@ -202,37 +229,45 @@ def _body(
         # hides these predicates from the traffic model's per-step evaluation.
         real = item < count
         zero = jnp.int32(0)
-        row_start = lax.select(real, row_start_ref[jnp.minimum(item, count - 1)], zero)
-        row_end = lax.select(real, row_end_ref[jnp.minimum(item, count - 1)], zero)
-        # The item's rows within the tile: [first_row, end_row).
-        first_row = jnp.maximum(row_start - tile_start, 0)
-        end_row = jnp.minimum(row_end - tile_start, tile_m)
-        if chunks == 1:
+        last_real = jnp.minimum(item, count - 1)
+        row_start = lax.select(real, row_start_ref[last_real], zero)
+        row_end = lax.select(real, row_end_ref[last_real], zero)
+        if not chunk_m:
 
-            @pl.when(first_row < end_row)
-            def _(rhs_ref=rhs_ref, first_row=first_row, end_row=end_row):
-                row = lax.broadcasted_iota(jnp.int32, (tile_m, 1), 0)
-                multiply(rhs_ref, 0, jnp.logical_and(row >= first_row, row < end_row))
+            @pl.when(jnp.logical_and(row_start < tile_start + tile_m, row_end > tile_start))
+            def _(rhs_ref=rhs_ref, row_start=row_start, row_end=row_end):
+                row = tile_start + lax.broadcasted_iota(jnp.int32, (tile_m, 1), 0)
+                keep = jnp.logical_and(row >= row_start, row < row_end)
+                acc_ref[...] += multiply(rhs_ref, 0, tile_m, keep)
 
             continue
-        # Chunks start at the item's first row, rounded down to the sublane grid.
-        chunk_base = jnp.bitwise_and(first_row, -align)
-        for chunk in range(chunks):
-            nominal = chunk_base + chunk * chunk_m
+        chunk_start = chunk_start_ref[last_real]
+        # The item's chunks start in its tile: at most tile_m / chunk_m of them.
+        for chunk in range(tile_m // chunk_m):
+            start = chunk_start + chunk * chunk_m  # tile-relative, on the sublane grid
 
-            # Chunks past the item's rows skip the MXU.
-            @pl.when(nominal < end_row)
-            def _(rhs_ref=rhs_ref, nominal=nominal, first_row=first_row, end_row=end_row):
-                start = pl.multiple_of(jnp.minimum(nominal, last_start), align)
-                row = start + lax.broadcasted_iota(jnp.int32, (chunk_m, 1), 0)
-                # Rows before `nominal` belong to the chunk before (a chunk moved back) or to another group.
-                keep = jnp.logical_and(row >= jnp.maximum(nominal, first_row), row < end_row)
-                multiply(rhs_ref, start, keep)
+            # Chunks past the group's rows (or starting in the next tile) skip the MXU.
+            @pl.when(jnp.logical_and(start < tile_m, tile_start + start < row_end))
+            def _(rhs_ref=rhs_ref, start=start, row_start=row_start, row_end=row_end):
+                start = pl.multiple_of(start, align)
+                row = tile_start + start + lax.broadcasted_iota(jnp.int32, (chunk_m, 1), 0)
+                product = multiply(rhs_ref, start, chunk_m, jnp.logical_and(row >= row_start, row < row_end))
+
+                @pl.when(start + chunk_m <= tile_m)
+                def _():
+                    acc_ref[pl.ds(start, chunk_m), :] += product
+
+                @pl.when(start + chunk_m > tile_m)
+                def _():
+                    carry_start = pl.multiple_of(start - (tile_m - chunk_m), align)
+                    carry_ref[pl.ds(carry_start, chunk_m), :] += product
 
     # The output block is copied out only when the row tile changes, so it is
     # filled once, at the last step on its row tile.
     @pl.when(jnp.logical_and(k_step == pl.num_programs(2) - 1, ends_row_tile))
     def _():
+        if chunk_m:
+            acc_ref[tile_m - chunk_m :, :] += carry_ref[:chunk_m, :]
         out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
 
@@ -260,10 +295,9 @@ def ragged_dot(
         config = select_config(m, k, n, lhs.dtype, generation=generation, num_groups=num_groups)
     check_config(config, m, k, n, lhs.dtype)
     tile_m, tile_k, tile_n = row_tile_rows(config, m, lhs.dtype), min(config.tile_k, k), min(config.tile_n, n)
-    chunk_m = min(config.chunk_m or tile_m, tile_m)
-    chunks = row_chunks(config, m, lhs.dtype)
+    chunk_m = config.chunk_m if row_chunks(config, m, lhs.dtype) > 1 else None
     groups_per_step = config.groups_per_step
-    items = make_work_items(group_sizes, m, tile_m, zero_rows_past_groups)
+    items = make_work_items(group_sizes, m, tile_m, zero_rows_past_groups, chunk_m, sublane_multiple(lhs.dtype))
     count = items.count[0]
     k_tiles = pl.cdiv(k, tile_k)
     grid = (pl.cdiv(n, tile_n), pl.cdiv(count, groups_per_step), k_tiles)
@@ -273,11 +307,13 @@ def ragged_dot(
     def k_block(item, k_step, row_start, row_end):
         return jnp.where(row_end[item] > row_start[item], k_step, k_tiles - 1)
 
-    def lhs_index(n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, count):
+    def lhs_index(n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, chunk_start, count):
         item = step * groups_per_step
+        if chunk_m:  # element offsets of the window
+            return lhs_tile[item] * tile_m, k_block(item, k_step, row_start, row_end) * tile_k
         return lhs_tile[item], k_block(item, k_step, row_start, row_end)
 
-    def rhs_index(slot, n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, count):
+    def rhs_index(slot, n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, chunk_start, count):
         item = _step_item(step, slot, groups_per_step, count[0])
         k_index = k_block(item, k_step, row_start, row_end)
         if groups_per_step > 1:
@@ -286,14 +322,19 @@ def ragged_dot(
             return group[item], n_step, k_index
         return group[item], k_index, n_step
 
-    def out_index(n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, count):
+    def out_index(n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, chunk_start, count):
         return row_tile[step * groups_per_step], n_step
 
+    if chunk_m:
+        # A window of the tile and the next chunk_m rows; past the array's end it is padding, never used.
+        lhs_block = (pl.Element(tile_m + chunk_m, (0, tile_m + chunk_m)), pl.Element(tile_k, (0, tile_k)))
+    else:
+        lhs_block = (tile_m, tile_k)
     if tile_m >= m and tile_k == k:
         # The whole lhs is one block that never moves: one buffer, not two.
-        lhs_spec = pl.BlockSpec((tile_m, tile_k), lhs_index, pipeline_mode=pl.Buffered(1))
+        lhs_spec = pl.BlockSpec(lhs_block, lhs_index, pipeline_mode=pl.Buffered(1))
     else:
-        lhs_spec = pl.BlockSpec((tile_m, tile_k), lhs_index)
+        lhs_spec = pl.BlockSpec(lhs_block, lhs_index)
     rhs_block = (None, tile_n, tile_k) if transpose_rhs else (None, tile_k, tile_n)
     rhs_specs = [pl.BlockSpec(rhs_block, functools.partial(rhs_index, slot)) for slot in range(groups_per_step)]
     precision = lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else lax.Precision.DEFAULT
@@ -302,14 +343,13 @@ def ragged_dot(
         k=k,
         tile_k=tile_k,
         chunk_m=chunk_m,
-        chunks=chunks,
         groups_per_step=groups_per_step,
         transpose_rhs=transpose_rhs,
         precision=precision,
     )
     itemsize = jnp.dtype(lhs.dtype).itemsize
-    # A resident lhs is read once; tiled, once per N tile.
-    lhs_reads = 1 if tile_m >= m and tile_k == k else grid[0]
+    # A resident lhs is read once; tiled, once per N tile (and chunk_m more rows per row tile).
+    lhs_reads = 1 if tile_m >= m and tile_k == k else grid[0] * (1 + (chunk_m or 0) / tile_m)
     call = pl.pallas_call(
         body,
         out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
@@ -318,7 +358,8 @@ def ragged_dot(
             grid=grid,
             in_specs=[lhs_spec, *rhs_specs],
             out_specs=pl.BlockSpec((tile_m, tile_n), out_index),
-            scratch_shapes=[pltpu.VMEM((tile_m, tile_n), jnp.float32)],
+            scratch_shapes=[pltpu.VMEM((tile_m, tile_n), jnp.float32)]
+            + ([pltpu.VMEM((2 * chunk_m, tile_n), jnp.float32)] if chunk_m else []),
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
