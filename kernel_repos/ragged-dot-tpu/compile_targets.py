@@ -30,7 +30,7 @@ LAYERS = {
     "qwen3-30b-a3b EP8": (16, 2048, 768, 8, dict(weights_transposed=False), dict(activation="silu"), (256,)),
     "gemma-4-26b-a4b": (128, 2816, 704, 8, dict(weights_transposed=False), dict(activation="gelu_tanh"), (256,)),
     "gpt-oss-20b EP1": (32, 2880, 2880, 4, dict(weights_transposed=True), dict(
-        activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (256,)),
+        activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (256, 2048)),
     "gpt-oss-20b EP8": (4, 2880, 2880, 4, dict(weights_transposed=True), dict(
         activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (64,)),
 }

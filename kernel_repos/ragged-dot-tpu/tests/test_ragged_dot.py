@@ -92,6 +92,8 @@ SCHEDULE_CASES = {
     # Chunks start at groups' first rows, off the 16-row grid (5, 42, 112, 162 rows in); chunks
     # that run past a 96-row tile's end carry their last rows into the next tile.
     "chunks-at-group-starts": (200, 128, 128, [5, 37, 0, 70, 50, 20], (96, 128, 128, 32, 1)),
+    # The same with K and N in tiles with tails: chunks carried across row tiles accumulate over K steps.
+    "chunks-k-tiles": (100, 300, 200, [20, 0, 45, 15], (32, 128, 128, 16, 1)),
 }
 
 

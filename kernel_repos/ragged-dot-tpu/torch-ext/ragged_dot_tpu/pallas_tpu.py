@@ -309,8 +309,9 @@ def ragged_dot(
 
     def lhs_index(n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, chunk_start, count):
         item = step * groups_per_step
-        if chunk_m:  # element offsets of the window
-            return lhs_tile[item] * tile_m, k_block(item, k_step, row_start, row_end) * tile_k
+        if chunk_m:  # element offsets of the window; with one K tile a literal 0, which Mosaic sees is aligned
+            k_offset = 0 if k_tiles == 1 else k_block(item, k_step, row_start, row_end) * tile_k
+            return lhs_tile[item] * tile_m, k_offset
         return lhs_tile[item], k_block(item, k_step, row_start, row_end)
 
     def rhs_index(slot, n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, chunk_start, count):
