@@ -4,28 +4,10 @@ Every case runs in TPU interpret mode with race detection and NaN-filled
 uninitialised memory, through the built torch-cpu variant's JAX functions.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call
-from jax.experimental.pallas import tpu as pltpu
-
-
-def _interpret(fn):
-    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")):
-        out = jax.block_until_ready(fn())
-    assert not interpret_pallas_call.races.races_found, "the TPU interpreter found a data race"
-    return torch.from_numpy(np.array(out.astype(jnp.float32)))
-
-
-def _jax(tensor):
-    if tensor is None:
-        return None
-    if tensor.dtype in (torch.int32, torch.int64):
-        return jnp.asarray(tensor.numpy(), jnp.int32)
-    return jnp.asarray(tensor.float().numpy(), jnp.bfloat16 if tensor.dtype == torch.bfloat16 else jnp.float32)
 
 
 def _layer(tokens, hidden, intermediate, experts, top_k, *, transposed, bias, dtype=torch.float32,
@@ -74,13 +56,13 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_fused_matches_reference_and_grouped_path(kernel, case):
+def test_fused_matches_reference_and_grouped_path(kernel, interpret, to_jax, case):
     tokens, hidden, intermediate, experts, top_k, options, gate = CASES[case]
     layer = _layer(tokens, hidden, intermediate, experts, top_k, **options)
     gate = dict(weights_transposed=options["transposed"], **gate)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
-    fused = _interpret(lambda: kernel.pallas_fused.fused_experts(*map(_jax, layer), **gate))
-    grouped = _interpret(lambda: kernel.moe.grouped_experts(*map(_jax, layer), **gate))
+    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate))
+    grouped = interpret(lambda: kernel.moe.grouped_experts(*map(to_jax, layer), **gate))
     assert not torch.isnan(fused).any()
     assert _relative_error(fused, expected) <= 1e-5
     assert _relative_error(fused, grouped.double()) <= 1e-5
@@ -105,13 +87,13 @@ TILED_CASES = {
 
 
 @pytest.mark.parametrize("case", list(TILED_CASES))
-def test_fused_tiled_schedules_match_reference(kernel, case):
+def test_fused_tiled_schedules_match_reference(kernel, interpret, to_jax, case):
     tokens, hidden, intermediate, experts, top_k, options, gate, tiles = TILED_CASES[case]
     layer = _layer(tokens, hidden, intermediate, experts, top_k, **options)
     gate = dict(weights_transposed=options["transposed"], **gate)
     config = kernel.config.FusedConfig(*tiles)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
-    fused = _interpret(lambda: kernel.pallas_fused.fused_experts(*map(_jax, layer), **gate, config=config))
+    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate, config=config))
     assert _relative_error(fused, expected) <= 1e-5
 
 
@@ -125,21 +107,21 @@ def test_tiled_cases_run_what_they_name(kernel):
 
 
 @pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32])
-def test_bf16_activations_with_either_routing_weights(kernel, weights_dtype):
+def test_bf16_activations_with_either_routing_weights(kernel, interpret, to_jax, weights_dtype):
     layer = _layer(33, 64, 48, 8, 3, transposed=False, bias=True, dtype=torch.bfloat16, weights_dtype=weights_dtype)
     gate = dict(activation="silu", weights_transposed=False)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
-    fused = _interpret(lambda: kernel.pallas_fused.fused_experts(*map(_jax, layer), **gate))
+    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate))
     # bf16 weights and activations (8-bit mantissa), rounded once more at the output.
     assert _relative_error(fused, expected) < 2e-2
 
 
 @pytest.mark.parametrize("tiles", [None, (16, 128)])
-def test_only_sentinel_picks_give_zeros(kernel, tiles):
+def test_only_sentinel_picks_give_zeros(kernel, interpret, to_jax, tiles):
     layer = _layer(6, 64, 256, 8, 2, transposed=False, bias=True, sentinels=1.0)
     assert bool((layer[1] == 8).all())
     config = None if tiles is None else kernel.config.FusedConfig(*tiles)
-    fused = _interpret(lambda: kernel.pallas_fused.fused_experts(*map(_jax, layer), activation="silu",
+    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), activation="silu",
                                                                  weights_transposed=False, config=config))
     assert torch.equal(fused, torch.zeros_like(fused))
 
@@ -156,16 +138,16 @@ def test_expert_plan_lists_active_experts_only(kernel):
     assert int(empty.count[0]) == 1 and int(empty.rows[0]) == 0  # one empty item: the grid is never empty
 
 
-def test_repeated_picks_of_one_expert_add_up(kernel):
+def test_repeated_picks_of_one_expert_add_up(kernel, interpret, to_jax):
     layer = list(_layer(5, 64, 48, 4, 2, transposed=False, bias=True))
     layer[1][:, 1] = layer[1][:, 0]  # every token picks its first expert twice
     gate = dict(activation="silu", weights_transposed=False)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
-    fused = _interpret(lambda: kernel.pallas_fused.fused_experts(*map(_jax, layer), **gate))
+    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate))
     assert _relative_error(fused, expected) <= 1e-5
 
 
-def test_gated_experts_takes_the_fused_kernel_for_decode_only(kernel, monkeypatch):
+def test_gated_experts_takes_the_fused_kernel_for_decode_only(kernel, interpret, to_jax, monkeypatch):
     """moe.gated_experts follows config.use_fused_experts; both paths give the layer."""
     taken = []
     for name in ("fused_experts", "grouped_experts"):
@@ -174,7 +156,7 @@ def test_gated_experts_takes_the_fused_kernel_for_decode_only(kernel, monkeypatc
     monkeypatch.setattr(kernel.config, "FUSED_MAX_TOKENS", 8)
     for tokens in (8, 9):
         layer = _layer(tokens, 64, 48, 4, 2, transposed=False, bias=False)
-        out = _interpret(lambda: kernel.moe.gated_experts(*map(_jax, layer), activation="silu",
+        out = interpret(lambda: kernel.moe.gated_experts(*map(to_jax, layer), activation="silu",
                                                           weights_transposed=False))
         expected = kernel.reference.gated_experts_reference(*layer, activation="silu", weights_transposed=False)
         assert _relative_error(out, expected) <= 1e-5

@@ -4,13 +4,10 @@ Race detection and NaN-filled uninitialised memory are on (tpu_kernels pytest
 plugin), so a kernel that reads garbage or races fails here.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call
-from jax.experimental.pallas import tpu as pltpu
 
 CASES = [
     # m, k, n, group_sizes, transpose_rhs
@@ -57,18 +54,6 @@ def test_matches_reference(kernel, m, k, n, group_sizes, transpose_rhs, dtype):
     assert torch.equal(out[rows:], torch.zeros_like(out[rows:])), "rows past the groups must be zero"
 
 
-def _interpret(fn):
-    """Runs `fn` in TPU interpret mode with race detection and NaN-filled uninitialised memory."""
-    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")):
-        out = jax.block_until_ready(fn())
-    assert not interpret_pallas_call.races.races_found, "the TPU interpreter found a data race"
-    return torch.from_numpy(np.array(out.astype(jnp.float32)))
-
-
-def _jax(tensor):
-    return jnp.asarray(tensor.float().numpy(), jnp.bfloat16 if tensor.dtype == torch.bfloat16 else jnp.float32)
-
-
 # Multi-tile schedules through the JAX function with explicit small tiles, so
 # that every part of the schedule runs at affordable sizes. Each case names
 # what it forces.
@@ -100,12 +85,12 @@ SCHEDULE_CASES = {
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(SCHEDULE_CASES))
-def test_multi_tile_schedules_match_reference(kernel, case, dtype, transpose_rhs):
+def test_multi_tile_schedules_match_reference(kernel, interpret, to_jax, case, dtype, transpose_rhs):
     m, k, n, group_sizes, tiles = SCHEDULE_CASES[case]
     config = kernel.config.TileConfig(*tiles)
     lhs, rhs, sizes = _random_inputs(m, k, n, group_sizes, transpose_rhs, dtype, seed=len(case))
-    out = _interpret(
-        lambda: kernel.pallas_tpu.ragged_dot(_jax(lhs), _jax(rhs), jnp.asarray(sizes.numpy()),
+    out = interpret(
+        lambda: kernel.pallas_tpu.ragged_dot(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()),
                                              transpose_rhs=transpose_rhs, config=config)
     )
     expected = kernel.reference.ragged_dot_reference(lhs.double(), rhs.double(), sizes, transpose_rhs=transpose_rhs)
@@ -163,13 +148,13 @@ def _chunk_crosses_a_tile(group_sizes, config):
 
 
 @pytest.mark.parametrize("case", ["chunks-at-group-starts", "tail-items"])
-def test_rows_past_the_groups_can_be_left_unwritten(kernel, case):
+def test_rows_past_the_groups_can_be_left_unwritten(kernel, interpret, to_jax, case):
     """zero_rows_past_groups=False: the live rows are the same; row tiles past the groups are never written."""
     m, k, n, group_sizes, tiles = SCHEDULE_CASES[case]
     config = kernel.config.TileConfig(*tiles)
     lhs, rhs, sizes = _random_inputs(m, k, n, group_sizes, False, torch.float32, seed=3)
-    out = _interpret(
-        lambda: kernel.pallas_tpu.ragged_dot(_jax(lhs), _jax(rhs), jnp.asarray(sizes.numpy()), config=config,
+    out = interpret(
+        lambda: kernel.pallas_tpu.ragged_dot(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()), config=config,
                                              zero_rows_past_groups=False)
     )
     expected = kernel.reference.ragged_dot_reference(lhs.double(), rhs.double(), sizes)
