@@ -27,8 +27,8 @@ kernel cannot serve it, for one of these reasons, which the report names:
 * the kernel has no build variant for this system;
 * the mode asks for what the kernel does not declare (backward for TRAINING,
   `can_torch_compile` for TORCH_COMPILE);
-* the layers need what the kernel does not compute (attention sinks, a head_dim
-  it lacks, a norm it does not compute exactly).
+* the layers need what the kernel does not compute (attention dropout in
+  TRAINING, a head_dim it lacks, a norm it does not compute exactly).
 
 Anything else raises whatever `use_fallback` says: a tampered or unverifiable
 kernel (KernelIntegrityError), an untrusted publisher, a missing version or
@@ -104,13 +104,14 @@ class ReportEntry:
 
 @dataclass
 class KernelizeReport:
+    mode: str = "INFERENCE"
     entries: list[ReportEntry] = field(default_factory=list)
 
     def replaced(self, kind: str) -> list[ReportEntry]:
         return [e for e in self.entries if e.kind == kind and e.replaced]
 
     def __repr__(self) -> str:
-        lines = ["kernelize report:"]
+        lines = [f"kernelize report ({self.mode}):"]
         for e in self.entries:
             status = "replaced" if e.replaced else "kept original"
             where = f"{len(e.modules)} module(s)" if e.modules else "no modules"
@@ -227,27 +228,31 @@ def _kernelize_rmsnorm(model, spec: KernelSpec, kernel: ModuleType, mode: Mode, 
     return ReportEntry("rmsnorm", True, tuple(matches), str(spec))
 
 
-# Attention arguments the attention kernel does not compute; models that use them keep theirs.
-_UNSUPPORTED_ATTENTION_MEMBERS = {"sinks": "attention sinks"}
+def _attention_dropout(modules: list) -> float:
+    """The largest attention dropout probability of these attention modules (0.0 without any)."""
+    return max((float(getattr(m, "attention_dropout", 0.0) or 0.0) for m in modules), default=0.0)
 
 
 def _kernelize_attention(model, spec: KernelSpec, kernel: ModuleType, mode: Mode, device: str) -> ReportEntry:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    modules = tuple(name for name, m in model.named_modules() if name.endswith("self_attn"))
+    from kernels import Mode
+
+    attention = {name: m for name, m in model.named_modules() if name.endswith("self_attn")}
+    modules = tuple(attention)
     if not modules:
         return ReportEntry("attention", False, (), str(spec), "no self_attn modules")
-    for name, module in model.named_modules():
-        for member, what in _UNSUPPORTED_ATTENTION_MEMBERS.items():
-            if name in modules and getattr(module, member, None) is not None:
-                return ReportEntry("attention", False, modules, str(spec), f"the model uses {what}")
+    dropout = _attention_dropout(list(attention.values()))
+    if Mode.TRAINING in mode and dropout > 0:
+        return ReportEntry("attention", False, modules, str(spec),
+                           f"attention dropout {dropout} in TRAINING: the kernel has no dropout")
     from .parallel import uneven_attention_heads
 
     uneven = uneven_attention_heads(model)
     if uneven:
         return ReportEntry("attention", False, modules, str(spec), uneven)
-    head_dims = {getattr(m, "head_dim", None) for n, m in model.named_modules() if n in modules}
+    head_dims = {getattr(m, "head_dim", None) for m in attention.values()}
     if not head_dims <= set(kernel.SUPPORTED_HEAD_DIMS):
         return ReportEntry("attention", False, modules, str(spec),
                            f"head_dim {sorted(map(str, head_dims))} not in {kernel.SUPPORTED_HEAD_DIMS}")
@@ -301,7 +306,7 @@ def kernelize(
     specs = {**DEFAULT_REPOS, **(repos or {})}
     device = device or _model_device(model)
     backend = "tpu" if device == "tpu" else "cpu"
-    report = KernelizeReport()
+    report = KernelizeReport(mode=mode.name.replace("|", " | "))
     for kind in KINDS:
         if specs[kind] is None:
             report.entries.append(ReportEntry(kind, False, (), "-", "disabled (repos[kind] is None)"))

@@ -1,11 +1,18 @@
 """Shapes `tpu-kernels check` compiles ahead of time for each TPU generation.
 
-Qwen3-30B-A3B attention: 32 query heads, 4 KV heads, head_dim 128, bf16.
-Prefill of 4096 tokens (causal), and decode steps of a batch of 8 against
-4096 and 32768 cached tokens (with per-sequence cache lengths, as a static
-cache has them). Also the explicit-mask path (a left-padded prefill batch, as
-transformers builds it) and the sliding-window / soft-capping path of
-Gemma-2-style layers, so that every code path of the kernel compiles.
+Forward (inference and training): Qwen3-30B-A3B attention (32 query heads, 4
+KV heads, head_dim 128, bf16): prefill of 4096 tokens (causal), decode steps
+of a batch of 8 against 4096 and 32768 cached tokens (with per-sequence cache
+lengths, as a static cache has them), the explicit-mask path (a left-padded
+prefill batch, as transformers builds it), the sliding-window / soft-capping
+path of Gemma-2-style layers, float32, and GPT-OSS-20B's sliding layer with
+attention sinks (64 query heads, 8 KV heads, head_dim 64, window 128).
+
+Backward (both kernels, dq and dk/dv, and the sink gradient) at training
+shapes of T = 8192 tokens per rank: Qwen3-30B-A3B (causal), Gemma-4-26B-A4B's
+sliding layers (16 query heads, 8 KV heads, head_dim 256, window 1024; its
+global layers have head_dim 512, which the kernels do not support), GPT-OSS-20B
+with sinks, a padded batch with a boolean mask and a soft-cap, and float32.
 """
 
 import functools
@@ -14,6 +21,9 @@ import jax
 import jax.numpy as jnp
 
 QWEN3_30B_A3B = dict(q_heads=32, kv_heads=4, head_dim=128)
+GEMMA_4_SLIDING = dict(q_heads=16, kv_heads=8, head_dim=256)
+GPT_OSS_20B = dict(q_heads=64, kv_heads=8, head_dim=64)
+TOKENS_PER_RANK = 8192
 
 
 def _qkv(batch, q_len, kv_len, *, q_heads, kv_heads, head_dim, dtype=jnp.bfloat16):
@@ -24,9 +34,17 @@ def _qkv(batch, q_len, kv_len, *, q_heads, kv_heads, head_dim, dtype=jnp.bfloat1
     )
 
 
+def _backward_avals(batch, seq, *, q_heads, kv_heads, head_dim, dtype=jnp.bfloat16):
+    """(d_out, q, k, v, out, lse) of a self-attention backward."""
+    q, k, v = _qkv(batch, seq, seq, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    return (q, q, k, v, q, jax.ShapeDtypeStruct((batch, q_heads, seq), jnp.float32))
+
+
 def compile_targets(kernel, generation):
     flash_attention = functools.partial(kernel.pallas_tpu.flash_attention, generation=generation)
+    backward = functools.partial(kernel.pallas_tpu_backward.flash_attention_backward, generation=generation)
     lengths = jax.ShapeDtypeStruct((8,), jnp.int32)
+    gpt_oss_sinks = jax.ShapeDtypeStruct((GPT_OSS_20B["q_heads"],), jnp.bfloat16)
 
     def with_lengths(q, k, v, kv_lengths):
         return flash_attention(q, k, v, kv_lengths=kv_lengths)
@@ -37,6 +55,27 @@ def compile_targets(kernel, generation):
     def windowed(q, k, v):
         return flash_attention(q, k, v, sliding_window=4096, softcap=50.0)
 
+    def with_sinks(q, k, v, sinks):
+        return flash_attention(q, k, v, sliding_window=128, sinks=sinks)
+
+    def backward_windowed(*arrays):
+        return backward(*arrays, sliding_window=1024)
+
+    def backward_with_sinks(*arrays, sinks):
+        return backward(*arrays, sliding_window=128, sinks=sinks)
+
+    def backward_with_mask(*arrays, attention_mask):
+        return backward(*arrays, causal=False, attention_mask=attention_mask, softcap=30.0)
+
+    def backward_f32(*arrays):
+        return backward(*arrays, softcap=30.0)
+
+    def keyword_last(fn, name):
+        """fn taking its last positional array as keyword `name` (compile targets pass arrays positionally)."""
+        return lambda *arrays: fn(*arrays[:-1], **{name: arrays[-1]})
+
+    tokens = TOKENS_PER_RANK
+    padding_mask = jax.ShapeDtypeStruct((2, 1, tokens // 2, tokens // 2), jnp.bool_)
     return [
         ("qwen3-30b-a3b prefill B=1 S=4096 causal bf16", flash_attention, _qkv(1, 4096, 4096, **QWEN3_30B_A3B)),
         ("qwen3-30b-a3b decode B=8 cache=4096 bf16", with_lengths, (*_qkv(8, 1, 4096, **QWEN3_30B_A3B), lengths)),
@@ -52,4 +91,27 @@ def compile_targets(kernel, generation):
             _qkv(1, 8192, 8192, q_heads=16, kv_heads=8, head_dim=256),
         ),
         ("qwen3-30b-a3b prefill B=1 S=1000 causal f32", flash_attention, _qkv(1, 1000, 1000, dtype=jnp.float32, **QWEN3_30B_A3B)),
+        (
+            f"gpt-oss-20b prefill B=1 S={tokens} window=128 sinks bf16",
+            with_sinks,
+            (*_qkv(1, tokens, tokens, **GPT_OSS_20B), gpt_oss_sinks),
+        ),
+        (f"backward qwen3-30b-a3b B=1 S={tokens} causal bf16", backward, _backward_avals(1, tokens, **QWEN3_30B_A3B)),
+        (
+            f"backward gemma-4-26b-a4b sliding layer B=1 S={tokens} window=1024 D=256 bf16",
+            backward_windowed,
+            _backward_avals(1, tokens, **GEMMA_4_SLIDING),
+        ),
+        (
+            f"backward gpt-oss-20b B=1 S={tokens} window=128 sinks bf16",
+            keyword_last(backward_with_sinks, "sinks"),
+            (*_backward_avals(1, tokens, **GPT_OSS_20B), gpt_oss_sinks),
+        ),
+        (
+            f"backward qwen3-30b-a3b B=2 S={tokens // 2} bool padding mask softcap bf16",
+            keyword_last(backward_with_mask, "attention_mask"),
+            (*_backward_avals(2, tokens // 2, **QWEN3_30B_A3B), padding_mask),
+        ),
+        ("backward qwen3-30b-a3b B=1 S=1000 causal softcap f32", backward_f32,
+         _backward_avals(1, 1000, dtype=jnp.float32, **QWEN3_30B_A3B)),
     ]

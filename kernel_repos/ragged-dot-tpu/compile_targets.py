@@ -1,9 +1,17 @@
 """Shapes `tpu-kernels check` compiles ahead of time for each TPU generation.
 
-Rows are token-expert picks (tokens x top-k) of one MoE layer: Qwen3-30B-A3B
-(128 experts, H=2048, I=768) at 512 decode rows and 16384 prefill rows, and
-Gemma-4-26B-A4B (128 experts, H=2816, I=704). transformers' weight layout is
-`[E, out, in]`, so both projections use `transpose_rhs=True`.
+- The grouped matmul (`pallas_tpu.ragged_dot`) on one projection of one MoE
+  layer: rows are token-expert picks (tokens x top-k), 512 for a decode
+  batch, 16384 for a prefill chunk; transformers' weight layout is
+  `[E, out, in]` (`transpose_rhs=True`); rows past the groups left unwritten,
+  as an experts layer runs it.
+- The whole experts layer (`moe.gated_experts`: the routing in XLA and the
+  kernels), which takes the fused kernel at decode sizes (T <= 256) and the
+  grouped matmuls above: Qwen3-30B-A3B (128 experts, H=2048, I=768, top-8)
+  on one chip (EP1) and on one rank of eight (EP8: 16 local experts),
+  Gemma-4-26B-A4B (128 experts, H=2816, I=704, top-8), GPT-OSS-20B (32
+  experts, H=I=2880, top-4, transposed interleaved weights with biases,
+  clamped SwiGLU) on one chip and on one rank of eight (4 experts).
 """
 
 import functools
@@ -11,37 +19,64 @@ import functools
 import jax
 import jax.numpy as jnp
 
-MODELS = {
+GROUPED = {
     "qwen3-30b-a3b": dict(experts=128, hidden=2048, intermediate=768, rows=(512, 16384)),
     "gemma-4-26b-a4b": dict(experts=128, hidden=2816, intermediate=704, rows=(512,)),
 }
 
+LAYERS = {
+    # name: (experts on this rank, hidden, intermediate, top-k, layout, gate, token counts)
+    "qwen3-30b-a3b EP1": (128, 2048, 768, 8, dict(weights_transposed=False), dict(activation="silu"), (1, 256, 2048)),
+    "qwen3-30b-a3b EP8": (16, 2048, 768, 8, dict(weights_transposed=False), dict(activation="silu"), (256,)),
+    "gemma-4-26b-a4b": (128, 2816, 704, 8, dict(weights_transposed=False), dict(activation="gelu_tanh"), (256,)),
+    "gpt-oss-20b EP1": (32, 2880, 2880, 4, dict(weights_transposed=True), dict(
+        activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (256, 2048)),
+    "gpt-oss-20b EP8": (4, 2880, 2880, 4, dict(weights_transposed=True), dict(
+        activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (64,)),
+}
 
-def compile_targets(kernel, generation):
+
+def _grouped_targets(kernel, generation, dtype):
     targets = []
-    dtype = jnp.bfloat16
-    for model, shape in MODELS.items():
+    for model, shape in GROUPED.items():
         experts, hidden, intermediate = shape["experts"], shape["hidden"], shape["intermediate"]
         for rows in shape["rows"]:
             for projection, k, n in (("gate_up", hidden, 2 * intermediate), ("down", intermediate, hidden)):
-                fn = functools.partial(kernel.pallas_tpu.ragged_dot, transpose_rhs=True, generation=generation)
+                fn = functools.partial(kernel.pallas_tpu.ragged_dot, transpose_rhs=True, zero_rows_past_groups=False,
+                                       generation=generation)
                 avals = (
                     jax.ShapeDtypeStruct((rows, k), dtype),
                     jax.ShapeDtypeStruct((experts, n, k), dtype),
                     jax.ShapeDtypeStruct((experts,), jnp.int32),
                 )
                 targets.append((f"{model} {projection} M={rows} K={k} N={n} E={experts} bf16", fn, avals))
-        # The fused experts op of one decode step (the whole layer in one program).
-        fused = functools.partial(
-            kernel.moe.gated_experts, activation="silu", weights_transposed=False, generation=generation
-        )
-        tokens, top_k = shape["rows"][0] // 8, 8
-        avals = (
-            jax.ShapeDtypeStruct((tokens, hidden), dtype),
-            jax.ShapeDtypeStruct((tokens, top_k), jnp.int32),
-            jax.ShapeDtypeStruct((tokens, top_k), dtype),
-            jax.ShapeDtypeStruct((experts, 2 * intermediate, hidden), dtype),
-            jax.ShapeDtypeStruct((experts, hidden, intermediate), dtype),
-        )
-        targets.append((f"{model} fused experts T={tokens} top-{top_k} bf16", fused, avals))
     return targets
+
+
+def _layer_targets(kernel, generation, dtype):
+    targets = []
+    for model, (experts, hidden, intermediate, top_k, layout, gate, token_counts) in LAYERS.items():
+        transposed = layout["weights_transposed"]
+        gate_up = (experts, hidden, 2 * intermediate) if transposed else (experts, 2 * intermediate, hidden)
+        down = (experts, intermediate, hidden) if transposed else (experts, hidden, intermediate)
+        biases = ((experts, 2 * intermediate), (experts, hidden)) if gate.get("activation") == "clamped_swiglu" else ()
+        for tokens in token_counts:
+            fn = functools.partial(kernel.moe.gated_experts, **layout, **gate, generation=generation)
+            avals = (
+                jax.ShapeDtypeStruct((tokens, hidden), dtype),
+                jax.ShapeDtypeStruct((tokens, top_k), jnp.int32),
+                jax.ShapeDtypeStruct((tokens, top_k), dtype),
+                jax.ShapeDtypeStruct(gate_up, dtype),
+                jax.ShapeDtypeStruct(down, dtype),
+                *(jax.ShapeDtypeStruct(bias, dtype) for bias in biases),
+            )
+            path = "fused" if kernel.config.use_fused_experts(
+                tokens, hidden, intermediate, experts, dtype, interleaved=gate.get("interleaved", False),
+                has_bias=bool(biases), **layout) else "grouped"
+            targets.append((f"{model} experts layer T={tokens} top-{top_k} ({path}) bf16", fn, avals))
+    return targets
+
+
+def compile_targets(kernel, generation):
+    dtype = jnp.bfloat16
+    return _grouped_targets(kernel, generation, dtype) + _layer_targets(kernel, generation, dtype)

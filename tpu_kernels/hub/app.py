@@ -4,6 +4,10 @@ Routes (`{t}` is `kernels` or `models`; T: needs the token):
 
     GET  /api/whoami-v2                              T
     POST /api/repos/create                           T  (a private repo is invisible without the token)
+    DELETE /api/repos/delete, POST /api/repos/move   T  delete a repo; rename it (within or across namespaces)
+    PUT  /api/{t}/{ns}/{name}/settings               T  visibility (private or public); nothing else
+    GET  /api/{t}                                       list repos (?author=, ?search=, ?sort=, ?limit=), paginated
+    GET  /api/{t}/{ns}/{name}/auth-check[/write]        (T for write) may the caller read (write) the repo
     POST /api/validate-yaml                          T  README front matter check (huggingface_hub sends the token)
     GET  /api/agent-harnesses                           empty registry (huggingface_hub telemetry)
     GET  /api/organizations/{org}/overview              trustedKernelPublisher
@@ -19,6 +23,12 @@ Routes (`{t}` is `kernels` or `models`; T: needs the token):
     GET|HEAD /{ns}/{name}/resolve/{rev}/{path}          model file (X-Repo-Commit, ETag, Range)
     GET|HEAD /kernels/{ns}/{name}/resolve/{rev}/{path}
     GET  /api/tpu-kernels/stats                         request counters (not counted themselves)
+    GET  /, /kernels/{ns}/{name}[/tree/{rev}|/commit/{id}], /{ns}/{name}[...]   web pages (pages.py)
+
+A revision may be a branch, a tag, a commit id or a full ref name (`refs/heads/v1`,
+`refs/tags/x`). What the server does not support is refused with a 400 whose message
+says so and why (REFUSED below, and any other /api/ path): never with a 404, which
+clients would read as a missing repo, file or revision.
 
 Requests carry the token as `Authorization: Bearer <token>`. Without a valid one,
 a private repo answers 404 as a missing one does, as on the Hub.
@@ -49,14 +59,19 @@ import yaml
 from starlette.datastructures import Headers, QueryParams
 from starlette.responses import FileResponse, JSONResponse, Response
 
+from .card import split_front_matter
 from .commit_payload import read_commit_payload
 from .limits import Limits
+from .pages import Pages
 from .routing import Route, find_route, path_segments, route
 from .storage import (
     MAIN_BRANCH,
+    NOT_SUPPORTED,
+    RESERVED_NAMESPACES,
     FileEntry,
     HubError,
     Storage,
+    branch_name,
     folder_oid,
     tree_entries,
     validate_path,
@@ -72,6 +87,41 @@ STATS_PATH = "/api/tpu-kernels/stats"
 INVALID_CREDENTIALS = "Invalid credentials in Authorization header"
 _URL_TYPES = {"kernels": "kernel", "models": "model"}
 _RESOLVE_PREFIXES = {"kernel": "kernels/", "model": ""}
+_ANY_METHOD = "GET HEAD POST PUT PATCH DELETE"
+_REPO_API = "/api/{repo_type}/{namespace}/{name}"
+_OTHER_TYPES = "dataset and Space repos: this server holds kernel and model repos only"
+_GIT = "git over HTTP: download with huggingface_hub (hf download, snapshot_download), publish with tpu-kernels upload"
+# Hub endpoints huggingface_hub can call that this server refuses, and why: (route name, path, reason).
+REFUSED = (
+    ("pull_requests", _REPO_API + "/discussions/{rest*}",
+     "pull requests and discussions: commit to a branch (a kernel version is branch v<N>)"),
+    ("super_squash", _REPO_API + "/super-squash/{rest*}",
+     "squashing history: history is append-only, so every commit a lock file pins stays in its branch"),
+    ("lfs_files", _REPO_API + "/lfs-files/{rest*}", "LFS files: files travel inside the commit; there is no LFS storage"),
+    ("xet", _REPO_API + "/xet-read-token/{rest*}", "Xet storage: files travel inside the commit"),
+    ("xet", _REPO_API + "/xet-write-token/{rest*}", "Xet storage: files travel inside the commit"),
+    ("duplicate", _REPO_API + "/duplicate", "duplicating a repo: publish the build to the new repo (tpu-kernels upload)"),
+    ("storage_listing", "/api/settings/repositories",
+     "the storage listing of repos: list repos with HfApi.list_models(author=...) or on the front page"),
+    ("storage_listing", "/api/organizations/{org}/settings/repositories",
+     "the storage listing of repos: list repos with HfApi.list_models(author=...) or on the front page"),
+    ("other_repo_types", "/api/datasets/{rest*}", _OTHER_TYPES),
+    ("other_repo_types", "/api/spaces/{rest*}", _OTHER_TYPES),
+    ("other_repo_types", "/datasets/{rest*}", _OTHER_TYPES),
+    ("other_repo_types", "/spaces/{rest*}", _OTHER_TYPES),
+    *(("git", f"{prefix}/{{namespace}}/{{name}}/{tail}", _GIT)
+      for prefix in ("/kernels", "") for tail in ("info/refs", "git-upload-pack", "git-receive-pack")),
+)
+LISTING_SORTS = ("id", "createdAt", "lastModified")
+# Files a browser may show inline; every other file is served as application/octet-stream.
+_INLINE_TYPES = {
+    ".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".gif": "image/gif", ".webp": "image/webp",
+    ".svg": "image/svg+xml", ".md": "text/plain; charset=utf-8", ".txt": "text/plain; charset=utf-8",
+    ".py": "text/plain; charset=utf-8", ".json": "text/plain; charset=utf-8", ".toml": "text/plain; charset=utf-8",
+}
+# A repo file opened in a browser runs nothing in this origin (an SVG could hold a script).
+_FILE_SECURITY_HEADERS = {"Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; sandbox",
+                          "X-Content-Type-Options": "nosniff"}
 
 logger = logging.getLogger(__name__)
 
@@ -193,15 +243,29 @@ def _error_response(error: HubError) -> Response:
     return JSONResponse({"error": error.message}, status_code=error.status, headers=headers)
 
 
-def _front_matter(content: str) -> str | None:
-    """The YAML between a first line '---' and the next line '---', found in linear time."""
-    lines = content.split("\n")
-    if lines[0].strip() != "---":
-        return None
-    for index in range(1, len(lines)):
-        if lines[index].strip() == "---":
-            return "\n".join(lines[1:index])
-    return None
+def _requested_privacy(payload: dict) -> bool | None:
+    """The visibility a create or settings request asks for; None if it names none."""
+    # huggingface_hub 2.x sends "visibility"; older clients and curl users send "private".
+    visibility = _field(payload, "visibility", (str, type(None)))
+    if visibility not in (None, "public", "private"):
+        raise HubError(400, f"Invalid field 'visibility': expected 'public' or 'private', got {visibility[:40]!r}")
+    private_flag = _field(payload, "private", (bool, type(None)))
+    return visibility == "private" if visibility is not None else private_flag
+
+
+def _named_repo(payload: dict) -> tuple[str, str]:
+    """(repo type, repo id) of a create or delete request: `type`, `organization` (else the user), `name`."""
+    repo_type = validate_repo_type(_field(payload, "type", (str, type(None))) or "model")
+    namespace = _field(payload, "organization", (str, type(None))) or USER_NAME
+    repo_id = f"{namespace}/{_field(payload, 'name', str)}"
+    validate_repo_id(repo_id)
+    return repo_type, repo_id
+
+
+def _repo_of(payload: dict, field: str) -> str:
+    repo_id = _field(payload, field, str)
+    validate_repo_id(repo_id)
+    return repo_id
 
 
 class HubApp:
@@ -213,20 +277,39 @@ class HubApp:
         self.trusted_orgs = frozenset(trusted_orgs)
         self.limits = limits
         self.stats = RequestStats()
+        self.pages = Pages(storage, self.trusted_orgs)
         self.routes = self._routes()
         self._commit_slots: anyio.CapacityLimiter | None = None
 
     def _routes(self) -> list[Route]:
-        repo = "/api/{repo_type}/{namespace}/{name}"
+        repo = _REPO_API
         types = {"repo_type": _URL_TYPES}
+        listings = {"repo_type": {"models": "model", "kernels": "kernel"}}
+        pages = [
+            route("page_front", "GET HEAD", "/", self.front_page, page=True),
+            *(route(name, "GET HEAD", prefix + path, handler, page=True)
+              for prefix in ("/kernels/{namespace}/{name}", "/{namespace}/{name}")
+              for name, path, handler in (("page_repo", "", self.repo_page),
+                                          ("page_repo", "/tree/{revision}", self.repo_page),
+                                          ("page_commit", "/commit/{commit_id}", self.commit_page))),
+        ]
         return [
             route("whoami", "GET", "/api/whoami-v2", self.whoami, needs_token=True),
             route("create_repo", "POST", "/api/repos/create", self.create_repo, needs_token=True),
+            route("delete_repo", "DELETE", "/api/repos/delete", self.delete_repo, needs_token=True),
+            route("move_repo", "POST", "/api/repos/move", self.move_repo, needs_token=True),
             route("validate_yaml", "POST", "/api/validate-yaml", self.validate_yaml, needs_token=True),
             route("agent_harnesses", "GET", "/api/agent-harnesses", self.agent_harnesses),
             route("organization", "GET", "/api/organizations/{org}/overview", self.organization),
+            route("list_repos", "GET HEAD", "/api/{repo_type}", self.list_repos, choices=listings),
+            *(route(name, _ANY_METHOD, path, functools.partial(self.refuse, reason=reason),
+                    choices=types if path.startswith(repo) else None)
+              for name, path, reason in REFUSED),
             route("info", "GET HEAD", repo, self.info, choices=types),
             route("info", "GET HEAD", repo + "/revision/{revision}", self.info, choices=types),
+            route("settings", "PUT", repo + "/settings", self.update_settings, needs_token=True, choices=types),
+            route("auth_check", "GET", repo + "/auth-check", self.auth_check, choices=types),
+            route("auth_check", "GET", repo + "/auth-check/write", self.auth_check, needs_token=True, choices=types),
             route("tree", "GET HEAD", repo + "/tree/{revision}/{path*}", self.tree, choices=types),
             route("paths_info", "POST", repo + "/paths-info/{revision}", self.paths_info, choices=types),
             route("refs", "GET HEAD", repo + "/refs", self.refs, choices=types),
@@ -239,6 +322,7 @@ class HubApp:
             route("tag", "DELETE", repo + "/tag/{tag}", self.delete_tag, needs_token=True, choices=types),
             route("resolve", "GET HEAD", "/kernels/{namespace}/{name}/resolve/{revision}/{path+}", self.resolve),
             route("resolve", "GET HEAD", "/{namespace}/{name}/resolve/{revision}/{path+}", self.resolve),
+            *pages,
         ]
 
     # -- ASGI -----------------------------------------------------------------------------------
@@ -261,10 +345,19 @@ class HubApp:
         if request.method == "GET" and segments == STATS_PATH.split("/")[1:]:
             return JSONResponse(self.stats.snapshot())
         found = find_route(self.routes, request.method, segments or [])
+        if found and found[0].page and found[1].get("namespace", "").lower() in RESERVED_NAMESPACES:
+            found = None  # /api/<word>, /kernels/<name>: not a model repo's page
         self.stats.count(found[0].name if found else "unknown")
+        api = bool(segments) and segments[0] == "api"
+        page = found[0].page if found else not api
         try:
             if found is None:
-                raise HubError(404, f"Not found: {request.method} {request.scope['path'][:200]}")
+                where = f"{request.method} {request.scope['path'][:200]}"
+                if api:
+                    raise HubError(400, f"{NOT_SUPPORTED}: {where}: it implements the Hub API that huggingface_hub "
+                                        "and kernels use to publish and load kernel and model repos (see the "
+                                        "README's compatibility table)")
+                raise HubError(404, f"No page here: {where}")
             matched, params = found
             if matched.needs_token:
                 self._require_token(request)
@@ -276,12 +369,13 @@ class HubApp:
             await request.read_body(self.limits.max_json_bytes)
             return await anyio.to_thread.run_sync(functools.partial(self._handle, matched.handler, request, params))
         except HubError as error:
-            return _error_response(error)
+            return self.pages.error(error) if page else _error_response(error)
         except ClientGone:
             raise
         except Exception as error:  # a bug answers 500 and is logged, the connection stays usable
             logger.exception("internal error on %s %s", request.method, request.scope["path"])
-            return _error_response(HubError(500, f"Internal server error: {type(error).__name__}"))
+            error = HubError(500, f"Internal server error: {type(error).__name__}")
+            return self.pages.error(error) if page else _error_response(error)
 
     def _handle(self, handler, request: HubRequest, params: dict) -> Response:
         if "repo_id" in params:
@@ -388,16 +482,8 @@ class HubApp:
 
     def create_repo(self, request: HubRequest) -> Response:
         payload = request.json()
-        repo_type = validate_repo_type(_field(payload, "type", (str, type(None))) or "model")
-        namespace = _field(payload, "organization", (str, type(None))) or USER_NAME
-        repo_id = f"{namespace}/{_field(payload, 'name', str)}"
-        # huggingface_hub 2.x sends "visibility"; older clients and curl users send "private".
-        visibility = _field(payload, "visibility", (str, type(None)))
-        if visibility not in (None, "public", "private"):
-            raise HubError(400, f"Invalid field 'visibility': expected 'public' or 'private', got {visibility[:40]!r}")
-        private_flag = _field(payload, "private", (bool, type(None)))
-        private = visibility == "private" if visibility is not None else bool(private_flag)
-        validate_repo_id(repo_id)
+        repo_type, repo_id = _named_repo(payload)
+        private = bool(_requested_privacy(payload))
         url = self._repo_url(request, repo_type, repo_id)
         try:
             self.storage.create_repo(repo_type, repo_id, author=USER_NAME, private=private)
@@ -407,9 +493,80 @@ class HubApp:
             raise
         return JSONResponse({"url": url, "name": repo_id, "id": repo_id})
 
+    def delete_repo(self, request: HubRequest) -> Response:
+        self.storage.delete_repo(*_named_repo(request.json()))
+        return JSONResponse({})
+
+    def move_repo(self, request: HubRequest) -> Response:
+        payload = request.json()
+        repo_type = validate_repo_type(_field(payload, "type", (str, type(None))) or "model")
+        self.storage.move_repo(repo_type, _repo_of(payload, "fromRepo"), _repo_of(payload, "toRepo"))
+        return JSONResponse({})
+
+    def update_settings(self, request: HubRequest, repo_type: str, repo_id: str) -> Response:
+        payload = request.json()
+        unknown = sorted(set(payload) - {"visibility", "private", "gated"})
+        if unknown:
+            raise HubError(400, f"{NOT_SUPPORTED}: the repo setting(s) {', '.join(unknown)[:200]}: "
+                                "only the visibility (private or public) can be set")
+        if payload.get("gated", False) is not False:
+            raise HubError(400, f"{NOT_SUPPORTED}: gated repos: reads are open, or need the token for a "
+                                "private repo; there are no access requests to approve")
+        private = _requested_privacy(payload)
+        if private is not None:
+            self.storage.set_private(repo_type, repo_id, private)
+        return JSONResponse({})
+
+    def auth_check(self, request: HubRequest, repo_type: str, repo_id: str) -> Response:
+        # Reaching here means the caller may: the repo is visible to it (and, for /write, it has the token).
+        self.storage.existing_repo_dir(repo_type, repo_id)
+        return JSONResponse({})
+
+    def list_repos(self, request: HubRequest, repo_type: str) -> Response:
+        """Repos of one type visible to the caller, as `HfApi.list_models` reads them; `?author=` is a namespace."""
+        query = request.query
+        unknown = sorted(set(query) - {"author", "search", "sort", "direction", "limit", "cursor"})
+        if unknown:
+            raise HubError(400, f"{NOT_SUPPORTED}: the listing parameter(s) {', '.join(unknown)[:200]}: "
+                                "it filters by author and search, sorts by id, createdAt or lastModified")
+        sort = query.get("sort", "id")
+        if sort not in LISTING_SORTS:
+            raise HubError(400, f"{NOT_SUPPORTED}: sorting by {sort[:40]!r}: sort by {', '.join(LISTING_SORTS)}")
+        limit = query.get("limit")
+        if limit is not None and not (limit.isascii() and limit.isdigit() and len(limit) <= MAX_CURSOR_DIGITS):
+            raise HubError(400, f"Invalid query parameter 'limit': {limit[:40]!r} is not a non-negative integer")
+        author, search = query.get("author"), query.get("search", "").lower()
+        items = []
+        for repo_id in self.storage.repo_ids(repo_type, "*"):
+            if author is not None and repo_id.split("/")[0] != author:
+                continue
+            if search not in repo_id.lower():
+                continue
+            if self.storage.is_private(repo_type, repo_id) and not request.authenticated:
+                continue
+            items.append(self._listed_repo(repo_type, repo_id))
+        # As on the Hub: dates newest first unless `direction=1`; ids in order unless `direction=-1`.
+        direction = query.get("direction")
+        items.sort(key=lambda item: item[sort], reverse=direction == "-1" if direction else sort != "id")
+        return self._paginated(request, items[:int(limit) if limit is not None else None], f"/api/{repo_type}s")
+
+    def _listed_repo(self, repo_type: str, repo_id: str) -> dict:
+        return {
+            "id": repo_id,
+            "author": repo_id.split("/")[0],
+            "sha": self.storage.refs(repo_type, repo_id).branches[MAIN_BRANCH],
+            "private": self.storage.is_private(repo_type, repo_id),
+            "createdAt": self.storage.repo_created_at(repo_type, repo_id),
+            "lastModified": self.storage.last_modified(repo_type, repo_id),
+            "tags": [], "downloads": 0, "likes": 0, "gated": False, "disabled": False,
+        }
+
+    def refuse(self, request: HubRequest, reason: str, **params) -> Response:
+        raise HubError(400, f"{NOT_SUPPORTED}: {reason}")
+
     def validate_yaml(self, request: HubRequest) -> Response:
         content = _field(request.json(), "content", (str, type(None))) or ""
-        front_matter = _front_matter(content)
+        front_matter, _ = split_front_matter(content)
         if front_matter is None:
             return JSONResponse({"errors": [], "warnings": []})
         if len(front_matter.encode()) > self.limits.max_front_matter_bytes:
@@ -501,7 +658,7 @@ class HubApp:
     @staticmethod
     def _refuse_pull_requests(request: HubRequest) -> None:
         if request.query.get("create_pr", "0") not in ("0", "false", "False", ""):
-            raise HubError(400, "This server does not support pull requests: commit to a branch")
+            raise HubError(400, f"{NOT_SUPPORTED}: pull requests: commit to a branch (a kernel version is branch v<N>)")
 
     def preupload(self, request: HubRequest, repo_type: str, repo_id: str, revision: str) -> Response:
         self._refuse_pull_requests(request)
@@ -523,6 +680,7 @@ class HubApp:
 
     def commit(self, request: HubRequest, repo_type: str, repo_id: str, branch: str) -> Response:
         self._refuse_pull_requests(request)
+        branch = branch_name(branch)
         # Refused before a byte of the body is read, not after a large upload.
         self.storage.require_branch(repo_type, repo_id, branch)
         payload = read_commit_payload(
@@ -579,16 +737,28 @@ class HubApp:
         response = FileResponse(
             blob,
             stat_result=stat,
-            media_type="application/octet-stream",
+            media_type=_INLINE_TYPES.get(Path(path).suffix.lower(), "application/octet-stream"),
             headers={
                 "X-Repo-Commit": commit.id,
                 "ETag": f'"{entry.git_oid}"',
                 "Content-Disposition": f"inline; filename*=UTF-8''{quote(Path(path).name)}",
+                **_FILE_SECURITY_HEADERS,
             },
         )
         # Each chunk is a hop to a worker thread and back: 1 MiB ones double the rate of the default 64 KiB.
         response.chunk_size = DOWNLOAD_CHUNK_BYTES
         return response
+
+    # -- web pages ------------------------------------------------------------------------------
+
+    def front_page(self, request: HubRequest) -> Response:
+        return self.pages.front(request.authenticated)
+
+    def repo_page(self, request: HubRequest, repo_type: str, repo_id: str, revision: str | None = None) -> Response:
+        return self.pages.repo(repo_type, repo_id, self._base_url(request), revision)
+
+    def commit_page(self, request: HubRequest, repo_type: str, repo_id: str, commit_id: str) -> Response:
+        return self.pages.commit(repo_type, repo_id, commit_id)
 
 
 def _parents(path: str):

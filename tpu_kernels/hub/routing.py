@@ -28,13 +28,15 @@ def path_segments(raw_path: bytes) -> list[str] | None:
 
 @dataclass(frozen=True)
 class Route:
-    """`methods` on `pattern` go to `handler(request, **params)`; `name` is what request stats count."""
+    """`methods` on `pattern` go to `handler(request, **params)`; `name` is what request stats count;
+    a `page` answers errors with an HTML page rather than JSON."""
 
     name: str
     methods: frozenset[str]
     pattern: tuple[str, ...]
     handler: Callable
     needs_token: bool = False
+    page: bool = False
     choices: Mapping[str, Mapping[str, str]] = field(default_factory=lambda: MappingProxyType({}))
 
     def match(self, segments: list[str]) -> dict[str, str] | None:
@@ -62,7 +64,7 @@ class Route:
 
 
 def route(
-    name: str, methods: str, path: str, handler: Callable, *, needs_token: bool = False,
+    name: str, methods: str, path: str, handler: Callable, *, needs_token: bool = False, page: bool = False,
     choices: Mapping[str, Mapping[str, str]] | None = None,
 ) -> Route:
     """`route("refs", "GET HEAD", "/api/{repo_type}/{namespace}/{name}/refs", handler)`."""
@@ -72,6 +74,7 @@ def route(
         pattern=tuple(path.strip("/").split("/")),
         handler=handler,
         needs_token=needs_token,
+        page=page,
         choices=MappingProxyType(dict(choices or {})),
     )
 

@@ -138,6 +138,7 @@ def describe(hub: RunningHub, trusted_orgs) -> str:
     if trusted_orgs:
         lines.append(f"trusted kernel publishers: {', '.join(sorted(trusted_orgs))}")
     lines.append(f"clients: export HF_ENDPOINT={hub.url}")
+    lines.append(f"browse it: {hub.url}/")
     return "\n".join(lines)
 
 

@@ -51,6 +51,9 @@ _COMMIT_ID = re.compile(r"[0-9a-f]{40}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
+NOT_SUPPORTED = "Not supported by this local Hub"
+
+
 class HubError(Exception):
     """An error with the HTTP status and the `X-Error-Code` huggingface_hub maps to its exceptions."""
 
@@ -69,7 +72,7 @@ def now_iso() -> str:
 
 def validate_repo_type(repo_type: str) -> str:
     if repo_type not in REPO_TYPES:
-        raise HubError(400, f"Unsupported repo type {repo_type!r}: this server serves {', '.join(REPO_TYPES)} repos")
+        raise HubError(400, f"{NOT_SUPPORTED}: {str(repo_type)[:40]!r} repos: this server holds kernel and model repos only")
     return repo_type
 
 
@@ -144,6 +147,20 @@ def validate_ref_name(name: str) -> str:
     if problem:
         raise HubError(400, f"Invalid branch or tag name {name!r}: {problem}")
     return name
+
+
+def split_full_ref(revision: str) -> tuple[str | None, str]:
+    """("branches", name) for `refs/heads/<name>`, ("tags", name) for `refs/tags/<name>`, else (None, revision)."""
+    for prefix, kind in (("refs/heads/", "branches"), ("refs/tags/", "tags")):
+        if revision.startswith(prefix) and len(revision) > len(prefix):
+            return kind, revision[len(prefix):]
+    return None, revision
+
+
+def branch_name(revision: str) -> str:
+    """The branch a commit targets: `refs/heads/<name>` is `<name>`, as on the Hub."""
+    kind, name = split_full_ref(revision)
+    return name if kind == "branches" else revision
 
 
 @dataclass(frozen=True)
@@ -314,7 +331,8 @@ class Storage:
             private = self._privacy[folder] = bool(json.loads((folder / "repo.json").read_text()).get("private"))
         return private
 
-    def _repo_ids(self, repo_type: str, namespace: str = "*") -> Iterator[str]:
+    def repo_ids(self, repo_type: str, namespace: str = "*") -> Iterator[str]:
+        """Ids of the repos of one type (in one namespace), private ones included, in no order."""
         for refs in (self.repos / repo_type).glob(f"{namespace}/*/refs.json"):
             yield f"{refs.parent.parent.name}/{refs.parent.name}"
 
@@ -322,14 +340,14 @@ class Storage:
         return {
             repo_id.split("/")[0]
             for repo_type in REPO_TYPES
-            for repo_id in self._repo_ids(repo_type)
+            for repo_id in self.repo_ids(repo_type)
             if include_private or not self.is_private(repo_type, repo_id)
         }
 
     def count_repos(self, namespace: str, include_private: bool) -> dict[str, int]:
         return {
             repo_type: sum(
-                1 for repo_id in self._repo_ids(repo_type, namespace)
+                1 for repo_id in self.repo_ids(repo_type, namespace)
                 if include_private or not self.is_private(repo_type, repo_id)
             )
             for repo_type in REPO_TYPES
@@ -338,6 +356,11 @@ class Storage:
     def repo_created_at(self, repo_type: str, repo_id: str) -> str:
         folder = self.existing_repo_dir(repo_type, repo_id)
         return json.loads((folder / "repo.json").read_text())["createdAt"]
+
+    def last_modified(self, repo_type: str, repo_id: str) -> str:
+        """The date of the newest commit a branch points at."""
+        folder = self.existing_repo_dir(repo_type, repo_id)
+        return max(self._read_commit_cached(folder, head).date for head in self.refs(repo_type, repo_id).branches.values())
 
     @contextlib.contextmanager
     def _repo_lock(self, repo_type: str, repo_id: str) -> Iterator[None]:
@@ -363,6 +386,62 @@ class Storage:
             initial = self._write_commit(folder, None, {}, "initial commit", "", "system", created_at)
             # refs.json last: its presence is what makes the repo exist.
             self._write_refs(folder, Refs(branches={MAIN_BRANCH: initial.id}, tags={}))
+
+    def delete_repo(self, repo_type: str, repo_id: str) -> None:
+        """Remove a repo with its refs and commits at once; 404 if missing.
+
+        Its folder is first renamed into tmp/ (one atomic step: the repo is gone for every
+        request after it), then removed. Blobs stay: they are shared by content with other repos.
+        """
+        with self._repo_lock(repo_type, repo_id):
+            folder = self.existing_repo_dir(repo_type, repo_id)
+            doomed = Path(tempfile.mkdtemp(dir=self.tmp)) / "repo"
+            os.rename(folder, doomed)
+            _fsync_dir(folder.parent)
+            self._forget(folder)
+        shutil.rmtree(doomed.parent, ignore_errors=True)
+
+    def move_repo(self, repo_type: str, repo_id: str, new_repo_id: str) -> None:
+        """Rename a repo, within or across namespaces: 404 if missing, 409 if the new id is taken.
+
+        One rename moves refs and commits together; commit ids do not change, so lock files that
+        pin them still resolve under the new id. Requests to the old id answer 404 (the Hub
+        redirects them; this server does not).
+        """
+        source = self.existing_repo_dir(repo_type, repo_id)
+        target = self.repo_dir(repo_type, new_repo_id)
+        if source == target:
+            raise HubError(400, f"Cannot move {repo_type} repo {repo_id} onto itself")
+        # Both locks, always in one order: two opposite moves cannot deadlock.
+        first, second = sorted([repo_id, new_repo_id])
+        with self._repo_lock(repo_type, first), self._repo_lock(repo_type, second):
+            source = self.existing_repo_dir(repo_type, repo_id)
+            if target.exists():
+                if (target / "refs.json").is_file():
+                    raise HubError(409, f"A {repo_type} repo {new_repo_id} already exists")
+                # A repo whose creation crashed before refs.json: never visible, safe to replace.
+                shutil.rmtree(target)
+            _make_dirs(target.parent)
+            os.rename(source, target)
+            _fsync_dir(target.parent)
+            _fsync_dir(source.parent)
+            record = json.loads((target / "repo.json").read_text())
+            self._write_atomically(target / "repo.json", _canonical_json({**record, "id": new_repo_id}))
+            self._forget(source)
+            self._forget(target)
+
+    def set_private(self, repo_type: str, repo_id: str, private: bool) -> None:
+        """Make a repo private (invisible without the token) or public."""
+        with self._repo_lock(repo_type, repo_id):
+            folder = self.existing_repo_dir(repo_type, repo_id)
+            record = json.loads((folder / "repo.json").read_text())
+            self._write_atomically(folder / "repo.json", _canonical_json({**record, "private": private}))
+            self._privacy[folder] = private
+
+    def _forget(self, folder: Path) -> None:
+        """Drop what is cached about the repo that was at `folder` (deleted or moved away)."""
+        self._privacy.pop(folder, None)
+        self._read_commit_cached.cache_clear()
 
     # -- refs and commits -----------------------------------------------------------------------
 
@@ -421,9 +500,14 @@ class Storage:
         )
 
     def resolve_revision(self, repo_type: str, repo_id: str, revision: str) -> Commit:
-        """Branch, then tag, then full commit id: what the Hub accepts in `revision`."""
+        """What the Hub accepts in `revision`: a branch, then a tag, then a full commit id; or a
+        full ref name, `refs/heads/<branch>` or `refs/tags/<tag>`, which names only that kind."""
         refs = self.refs(repo_type, repo_id)
-        commit_id = refs.branches.get(revision) or refs.tags.get(revision)
+        kind, name = split_full_ref(revision)
+        if kind is not None:
+            commit_id = getattr(refs, kind).get(name)
+        else:
+            commit_id = refs.branches.get(revision) or refs.tags.get(revision)
         folder = self.existing_repo_dir(repo_type, repo_id)
         if commit_id is None and _COMMIT_ID.fullmatch(revision) and (folder / "commits" / f"{revision}.json").is_file():
             commit_id = revision
@@ -432,6 +516,7 @@ class Storage:
         return self._read_commit_cached(folder, commit_id)
 
     def require_branch(self, repo_type: str, repo_id: str, branch: str) -> None:
+        """404 unless `branch` (a name; see `branch_name` for `refs/heads/...`) is a branch."""
         if branch not in self.refs(repo_type, repo_id).branches:
             raise HubError(404, f"Invalid rev id: {branch} (commits go to an existing branch)", code="RevisionNotFound")
 
@@ -465,6 +550,10 @@ class Storage:
             self._write_refs(folder, Refs(**updated))
 
     def delete_ref(self, repo_type: str, repo_id: str, kind: str, name: str) -> None:
+        """Delete branch or tag `name` (`kind` "branches" or "tags"; its full ref name works too)."""
+        full_kind, short = split_full_ref(name)
+        if full_kind == kind:
+            name = short
         folder = self.existing_repo_dir(repo_type, repo_id)
         if kind == "branches" and name == MAIN_BRANCH:
             raise HubError(403, "The main branch cannot be deleted")

@@ -8,13 +8,9 @@ JAX function with small explicit tiles so that ragged edge blocks, skipped
 blocks and clamped fetches all occur at affordable sizes.
 """
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 import torch
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call
-from jax.experimental.pallas import tpu as pltpu
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -44,6 +40,9 @@ CASES = {
     "prefill-128-window-softcap": (2, 4, 2, 128, 128, 128, torch.float32, dict(sliding_window=33, softcap=5.0, scale=0.3)),
     "decode-1000-window-bf16": (1, 8, 1, 1, 1000, 64, torch.bfloat16, dict(sliding_window=100)),
     "chunk-17-of-300-offsets": (2, 4, 1, 17, 300, 64, torch.float32, dict(q_offset=[40, 283], kv_lengths=[60, 300])),
+    # GPT-OSS-style sinks; in decode batch 1 sees no key at all (its rows are zero despite the sink).
+    "prefill-45-gqa3-sinks-window": (1, 6, 2, 45, 45, 64, torch.float32, dict(sliding_window=7, sinks=True)),
+    "decode-300-sinks-lengths-bf16": (2, 8, 2, 1, 300, 128, torch.bfloat16, dict(kv_lengths=[300, 0], sinks=True)),
 }
 
 
@@ -55,6 +54,8 @@ def test_matches_reference(kernel, case):
         name: torch.tensor(value, dtype=torch.int32) if isinstance(value, list) else value
         for name, value in options.items()
     }
+    if options.pop("sinks", False):
+        options["sinks"] = torch.randn(q_heads, generator=torch.Generator().manual_seed(9)).to(dtype)
     out = kernel.flash_attention(q, k, v, **options)
     assert out.shape == q.shape and out.dtype == dtype
     expected = kernel.reference.reference_attention(q, k, v, **options)
@@ -121,6 +122,9 @@ def test_additive_float_mask(kernel):
         (dict(attention_mask=torch.ones(2, 1, 5, 9, dtype=torch.int32)), TypeError, "attention_mask must be bool"),
         (dict(sliding_window=0), ValueError, "sliding_window"),
         (dict(softcap=-1.0), ValueError, "softcap"),
+        (dict(sinks=torch.zeros(2)), ValueError, r"sinks must be a float32/bfloat16 tensor of shape \(4,\)"),
+        (dict(sinks=torch.zeros(4, dtype=torch.int32)), ValueError, "sinks must be"),
+        (dict(attention_mask=torch.zeros(2, 1, 5, 9, requires_grad=True)), ValueError, "must not require grad"),
     ],
 )
 def test_bad_input_raises(kernel, change, error, match):
@@ -137,55 +141,39 @@ def test_bad_input_raises(kernel, change, error, match):
 # Multi-block cases through the JAX function with small explicit tiles.
 
 
-def _interpret(fn):
-    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
-    with pltpu.force_tpu_interpret_mode(params):
-        out = jax.block_until_ready(fn())
-    assert not interpret_pallas_call.races.races_found, "the TPU interpreter detected a data race"
-    return out
-
-
-def _jax(tensor):
-    if tensor.dtype == torch.bfloat16:
-        return jnp.asarray(tensor.float().numpy(), jnp.bfloat16)
-    return jnp.asarray(tensor.numpy())
-
-
-def _torch(array):
-    return torch.from_numpy(np.array(array.astype(jnp.float32)))
-
-
 BLOCK_CASES = {
-    # Causal prefill with a window: 5 ragged q blocks x 3 ragged kv blocks.
-    "prefill-300-window": (1, 4, 1, 300, 300, 64, torch.float32, (64, 128, 1), dict(sliding_window=100)),
+    # Causal prefill with a window: 3 ragged q blocks x 3 ragged kv blocks.
+    "prefill-300-window": (1, 4, 1, 300, 300, 64, torch.float32, (128, 128, 1), dict(sliding_window=100)),
     # Decode over 4 kv blocks, the last ragged, both KV heads in one step; batch 1 stops after its length.
     "decode-1000-lengths": (2, 8, 2, 1, 1000, 128, torch.bfloat16, (1, 256, 2), dict(kv_lengths=[1000, 300])),
     # A window of 300 keys: the KV grid axis shrinks to 3 steps of the 4 blocks.
     "decode-1000-window": (2, 8, 2, 1, 1000, 128, torch.float32, (1, 256, 1), dict(kv_lengths=[1000, 700], sliding_window=300)),
     # Chunked prefill at per-batch offsets, non-square blocks.
-    "chunk-96-of-300": (2, 2, 2, 96, 300, 64, torch.float32, (32, 128, 1), dict(q_offset=[204, 100], sliding_window=64)),
+    "chunk-200-of-300": (2, 2, 2, 200, 300, 64, torch.float32, (128, 256, 1), dict(q_offset=[100, 40], sliding_window=64)),
 }
 
 
 @pytest.mark.parametrize("case", list(BLOCK_CASES))
-def test_multi_block_matches_reference(kernel, case):
+def test_multi_block_matches_reference(kernel, interpret, convert, case):
+    _jax, _torch = convert
     batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype, (block_q, block_kv, heads), options = BLOCK_CASES[case]
     q, k, v = _qkv(batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype, seed=len(case))
     torch_options = {n: torch.tensor(x, dtype=torch.int32) if isinstance(x, list) else x for n, x in options.items()}
     jax_options = {n: jnp.asarray(x, jnp.int32) if isinstance(x, list) else x for n, x in options.items()}
     config = kernel.config.AttentionConfig(block_q, block_kv, 32 * 2**20, kv_heads_per_step=heads)
-    out = _interpret(lambda: kernel.pallas_tpu.flash_attention(_jax(q), _jax(k), _jax(v), config=config, **jax_options))
+    out = interpret(lambda: kernel.pallas_tpu.flash_attention(_jax(q), _jax(k), _jax(v), config=config, **jax_options))
     expected = kernel.reference.reference_attention(q, k, v, **torch_options)
     assert _relative_error(_torch(out), expected) <= TOLERANCE[dtype]
 
 
-def test_multi_block_mask_with_padding(kernel):
+def test_multi_block_mask_with_padding(kernel, interpret, convert):
     """An explicit mask over several blocks: left padding, a causal band and random holes.
 
     Also a non-causal window on top (keys after a query stay visible): the
     window must then not shorten the KV axis.
     """
-    batch, q_len, kv_len = 2, 96, 300
+    _jax, _torch = convert
+    batch, q_len, kv_len = 2, 200, 300
     q, k, v = _qkv(batch, 4, 2, q_len, kv_len, 64, torch.float32, seed=6)
     generator = torch.Generator().manual_seed(7)
     query_pos = torch.arange(q_len)[:, None] + (kv_len - q_len)
@@ -193,8 +181,8 @@ def test_multi_block_mask_with_padding(kernel):
     left_pad = torch.tensor([0, 150])
     mask = (key_pos <= query_pos) & (torch.rand(batch, q_len, kv_len, generator=generator) > 0.2)
     mask = (mask & (key_pos >= left_pad[:, None, None]))[:, None]
-    config = kernel.config.AttentionConfig(block_q=32, block_kv=128, vmem_limit_bytes=32 * 2**20)
-    out = _interpret(
+    config = kernel.config.AttentionConfig(block_q=128, block_kv=128, vmem_limit_bytes=32 * 2**20)
+    out = interpret(
         lambda: kernel.pallas_tpu.flash_attention(
             _jax(q), _jax(k), _jax(v), causal=False, attention_mask=jnp.asarray(mask.numpy()), config=config
         )
@@ -202,7 +190,7 @@ def test_multi_block_mask_with_padding(kernel):
     expected = kernel.reference.reference_attention(q, k, v, causal=False, attention_mask=mask)
     assert _relative_error(_torch(out), expected) <= 1e-5
     window_options = dict(causal=False, sliding_window=50, q_offset=jnp.asarray([0, 150], jnp.int32))
-    out = _interpret(
+    out = interpret(
         lambda: kernel.pallas_tpu.flash_attention(
             _jax(q), _jax(k), _jax(v), attention_mask=jnp.asarray(mask.numpy()), config=config, **window_options
         )
@@ -212,18 +200,19 @@ def test_multi_block_mask_with_padding(kernel):
     assert _relative_error(_torch(out), expected) <= 1e-5
 
 
-def test_blocks_outside_the_window_are_skipped(kernel):
+def test_blocks_outside_the_window_are_skipped(kernel, interpret, convert):
     """K/V blocks no query can see are not computed: NaN there never shows.
 
     Queries 600..631 with a window of 64 see keys 537..631, so kv blocks 0-3
     (keys 0..511) are NaN. Computing such a block would leak NaN through the PV
     matmul (p = 0 there, but 0 * NaN = NaN).
     """
+    _jax, _torch = convert
     q, k, v = _qkv(1, 2, 1, 32, 700, 64, torch.float32, seed=8)
     k[:, :, :512] = float("nan")
     v[:, :, :512] = float("nan")
-    config = kernel.config.AttentionConfig(block_q=32, block_kv=128, vmem_limit_bytes=32 * 2**20)
-    out = _interpret(
+    config = kernel.config.AttentionConfig(block_q=32, block_kv=128, vmem_limit_bytes=32 * 2**20)  # block_q = Sq
+    out = interpret(
         lambda: kernel.pallas_tpu.flash_attention(
             _jax(q), _jax(k), _jax(v), q_offset=600, sliding_window=64, config=config
         )
@@ -241,3 +230,20 @@ def test_bad_config_raises(kernel):
     ]:
         with pytest.raises(ValueError, match=match):
             kernel.pallas_tpu.flash_attention(q, k, k, config=config)
+
+
+def test_grid_lengths_are_exact_with_a_static_offset(kernel):
+    """Gemma-4-like window of 1024 at 512-blocks: a query block sees 3 KV blocks (and a KV block 3 query
+    blocks); with the offset only known at run time the grid must allow a 4th (misaligned offsets)."""
+    masking = kernel.masking
+    q = jnp.zeros((1, 2, 8192, 64), jnp.bfloat16)
+    options = dict(scale=None, causal=True, kv_lengths=None, sliding_window=1024, softcap=None,
+                   attention_mask=None, sinks=None)
+    static, _ = masking.prepare(q, q, q_offset=None, **options)
+    dynamic, _ = masking.prepare(q, q, q_offset=jnp.zeros((1,), jnp.int32), **options)
+    assert static.static_q_offset == 0 and dynamic.static_q_offset is None
+    assert masking.kv_steps(static, 16, 512, 512) == 3 and masking.kv_steps(dynamic, 16, 512, 512) == 4
+    assert masking.q_steps(static, 16, 512, 512) == 3 and masking.q_steps(dynamic, 16, 512, 512) == 4
+    # Without a window every block of the other axis may be needed.
+    plain, _ = masking.prepare(q, q, q_offset=None, **{**options, "sliding_window": None})
+    assert masking.kv_steps(plain, 16, 512, 512) == 16 and masking.q_steps(plain, 16, 512, 512) == 16

@@ -21,11 +21,13 @@ def test_vmem_bytes_of_a_prefill_and_a_decode_step(config):
     kv = 2 * 2 * 200 * 64 * 4
     temporaries = 4 * 64 * 256 * 4
     mask = 2 * 64 * 256 * 1
-    assert prefill == q_and_out + scratch + kv + temporaries + mask
+    lse = 2 * 2 * 8 * 128 * 4  # [group, 1, block_q] rows: 1 pads to 8 sublanes, 64 to 128 lanes
+    assert prefill == q_and_out + scratch + kv + temporaries + mask + lse
     # Decode: the group's 4 query rows pad to 8 sublanes; two KV heads per step; no mask.
     decode = config.vmem_bytes(decode=True, group=4, block_q=1, block_kv=1024, kv_heads_per_step=2, head_dim=128,
                                itemsize=2, mask_itemsize=0)
-    assert decode == (2 * 2 * 2 * 8 * 128 * 2) + 2 * 8 * (128 + 256) * 4 + 2 * 2 * 2 * 1024 * 128 * 2 + 4 * 8 * 1024 * 4
+    lse = 2 * 2 * 8 * 128 * 4  # [KV heads, group, 1]
+    assert decode == (2 * 2 * 2 * 8 * 128 * 2) + 2 * 8 * (128 + 256) * 4 + 2 * 2 * 2 * 1024 * 128 * 2 + 4 * 8 * 1024 * 4 + lse
 
 
 def test_vmem_limit_takes_the_margin_and_mosaic_scratch_within_bounds(config):
@@ -56,7 +58,7 @@ def test_heuristic_respects_limits(config):
     # 16 query heads per KV head, D=256, float32: v5e's smaller budget forces smaller query blocks.
     large = config.heuristic_config(q_heads=64, kv_heads=4, q_len=8192, kv_len=8192, head_dim=256, dtype=jnp.float32,
                                     mask_dtype=None, generation="v5e")
-    assert large.block_q in (32, 64, 128, 256) and large.block_kv % 128 == 0
+    assert large.block_q in (128, 256) and large.block_kv % 128 == 0
     plain = config.heuristic_config(q_heads=8, kv_heads=1, q_len=8192, kv_len=8192, head_dim=128,
                                     dtype=jnp.bfloat16, mask_dtype=None, generation="v5e")
     assert (plain.block_q, plain.block_kv) == config.PREFERRED_TILES["v5e"][:2]
@@ -77,13 +79,14 @@ def test_heuristic_working_set_fits_the_budget_and_sets_the_limit(config):
 
 
 def test_check_config(config):
-    config.check_config(config.AttentionConfig(64, 128, 16 * MIB), q_len=300, kv_len=1000, kv_heads=2)
+    config.check_config(config.AttentionConfig(128, 128, 16 * MIB), q_len=300, kv_len=1000, kv_heads=2)
     config.check_config(config.AttentionConfig(300, 1000, 16 * MIB), q_len=300, kv_len=1000, kv_heads=2)
     for bad, match in [
-        (config.AttentionConfig(12, 128, 16 * MIB), "block_q must be a multiple of 8"),
-        (config.AttentionConfig(64, 100, 16 * MIB), "block_kv must be a multiple of 128"),
-        (config.AttentionConfig(64, 128, 16 * MIB, kv_heads_per_step=3), "kv_heads_per_step must divide"),
-        (config.AttentionConfig(64, 128, 16 * MIB, kv_heads_per_step=0), "kv_heads_per_step must divide"),
+        # Query blocks hold the log-sum-exp rows with positions along lanes: multiples of 128.
+        (config.AttentionConfig(64, 128, 16 * MIB), "block_q must be a multiple of 128"),
+        (config.AttentionConfig(128, 100, 16 * MIB), "block_kv must be a multiple of 128"),
+        (config.AttentionConfig(128, 128, 16 * MIB, kv_heads_per_step=3), "kv_heads_per_step must divide"),
+        (config.AttentionConfig(128, 128, 16 * MIB, kv_heads_per_step=0), "kv_heads_per_step must divide"),
     ]:
         with pytest.raises(ValueError, match=match):
             config.check_config(bad, q_len=300, kv_len=1000, kv_heads=2)
@@ -113,3 +116,75 @@ def test_select_config_uses_the_current_generation_and_refuses_unknown_ones(conf
     assert config.select_config(**shape) == v5e
     with pytest.raises(ValueError, match=r"generation must be one of \('v5e', 'v6e'\), got 'v2'"):
         config.select_config(**shape, generation="v2")
+
+
+TRAINING_SHAPES = {
+    "qwen3-30b-a3b": dict(q_heads=32, kv_heads=4, head_dim=128),
+    "gemma-4 sliding": dict(q_heads=16, kv_heads=8, head_dim=256),
+    "gpt-oss": dict(q_heads=64, kv_heads=8, head_dim=64),
+}
+
+
+@pytest.mark.parametrize("model", list(TRAINING_SHAPES))
+def test_backward_tiles_fit_the_budget(config, model):
+    shape = TRAINING_SHAPES[model]
+    for generation in ("v5e", "v6e"):
+        for dtype, mask_dtype in ((jnp.bfloat16, None), (jnp.bfloat16, jnp.int8), (jnp.float32, jnp.float32)):
+            chosen = config.select_backward_config(q_len=8192, kv_len=8192, dtype=dtype, mask_dtype=mask_dtype,
+                                                   generation=generation, **shape)
+            config.check_backward_config(chosen, q_len=8192, kv_len=8192, kv_heads=shape["kv_heads"])
+            for kernel_name, tiles in (("dq", chosen.dq), ("dkv", chosen.dkv)):
+                step = dict(group=shape["q_heads"] // shape["kv_heads"], block_q=tiles.block_q,
+                            block_kv=tiles.block_kv, head_dim=shape["head_dim"])
+
+                def working_set(heads):
+                    return config.backward_vmem_bytes(
+                        kernel=kernel_name, kv_heads_per_step=heads, itemsize=jnp.dtype(dtype).itemsize,
+                        mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize, **step,
+                    )
+
+                heads = tiles.kv_heads_per_step
+                assert working_set(heads) <= config.VMEM_BUDGET_BYTES[generation], (generation, kernel_name, tiles)
+                assert tiles.vmem_limit_bytes == config.vmem_limit(working_set(heads))
+                # Enough KV heads per step that the step outweighs its overhead, or as many as fit.
+                seconds = config.backward_step_seconds(kernel_name, kv_heads_per_step=heads, generation=generation,
+                                                       **step)
+                more = [h for h in range(heads + 1, shape["kv_heads"] + 1) if shape["kv_heads"] % h == 0]
+                assert (seconds >= config.STEP_OVERHEAD_MULTIPLE * 0.35e-6 or not more
+                        or working_set(more[0]) > config.VMEM_BUDGET_BYTES[generation]), (generation, kernel_name, tiles)
+    plain = config.select_backward_config(q_len=8192, kv_len=8192, dtype=jnp.bfloat16, generation="v6e",
+                                          **TRAINING_SHAPES["qwen3-30b-a3b"])
+    preferred = config.PREFERRED_BACKWARD_TILES["v6e"]
+    assert (plain.dq.block_q, plain.dq.block_kv) == preferred["dq"]
+    assert (plain.dkv.block_q, plain.dkv.block_kv) == preferred["dkv"]
+
+
+def test_backward_tiles_shrink_for_short_windows(config):
+    """GPT-OSS's window of 128: blocks past a few windows would mostly compute masked pairs."""
+    gpt_oss = dict(q_heads=64, kv_heads=8, q_len=8192, kv_len=8192, head_dim=64, dtype=jnp.bfloat16)
+    for generation in ("v5e", "v6e"):
+        chosen = config.select_backward_config(sliding_window=128, generation=generation, **gpt_oss)
+        cap = config.WINDOW_BLOCK_FACTOR[generation] * 128
+        assert max(chosen.dq.block_q, chosen.dq.block_kv, chosen.dkv.block_q, chosen.dkv.block_kv) <= cap
+        # Non-causal windows see keys on both sides without bound: no cap.
+        assert config.select_backward_config(sliding_window=128, causal=False, generation=generation,
+                                             **gpt_oss) == config.select_backward_config(generation=generation, **gpt_oss)
+
+
+def test_backward_tiles_of_short_sequences_are_whole(config):
+    chosen = config.select_backward_config(q_heads=4, kv_heads=2, q_len=45, kv_len=300, head_dim=64,
+                                           dtype=jnp.float32, generation="v5e")
+    assert (chosen.dq.block_q, chosen.dkv.block_q) == (45, 45)
+    assert chosen.dq.block_kv in (300, 256) and chosen.dkv.block_kv in (300, 256)
+
+
+def test_check_backward_config(config):
+    good = config.AttentionConfig(128, 256, 16 * MIB, kv_heads_per_step=2)
+    config.check_backward_config(config.BackwardConfig(dq=good, dkv=good), q_len=300, kv_len=1000, kv_heads=4)
+    for bad, match in [
+        (config.BackwardConfig(dq=config.AttentionConfig(100, 256, MIB), dkv=good), "dq.block_q must be a multiple"),
+        (config.BackwardConfig(dq=good, dkv=config.AttentionConfig(128, 200, MIB)), "dkv.block_kv must be a multiple"),
+        (config.BackwardConfig(dq=good, dkv=config.AttentionConfig(128, 256, MIB, 3)), "dkv.kv_heads_per_step must divide"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            config.check_backward_config(bad, q_len=300, kv_len=1000, kv_heads=4)

@@ -1,6 +1,5 @@
 """Unit tests of config.py (tile selection) of the built variant: no kernel runs here."""
 
-import importlib
 import itertools
 
 import jax.numpy as jnp
@@ -56,7 +55,7 @@ def test_check_config_accepts_valid_tiles(config):
         ((64, 128, 128, None, 5), 64, 128, 128, jnp.float32, "groups_per_step must be at most 4"),
         ((32, 128, 128, None, 2), 64, 128, 128, jnp.float32, "needs one row tile"),
         ((256, 128, 128, 8, 2), 256, 128, 128, jnp.float32, "more than 16 unrolled matmuls"),
-        ((2048, 2048, 1024, 128), 4096, 2048, 1024, jnp.bfloat16, "Gi multiply-adds"),
+        ((2048, 2048, 1024, 256), 4096, 2048, 1024, jnp.bfloat16, "Gi multiply-adds"),
         ((16, 8192, 8192), 1024, 8192, 8192, jnp.float32, "MiB of VMEM"),
     ],
 )
@@ -70,50 +69,24 @@ def test_check_config_refuses_other_types(config):
         config.check_config((32, 128, 128), 64, 128, 128, jnp.float32)
 
 
-def test_resolve_makes_a_table_entry_concrete(config):
-    entry = dict(tile_m="m", tile_k=2048, tile_n=1536, chunk_m=32, groups_per_step=3)
-    assert config.resolve(entry, 75, 2048, 1536, jnp.bfloat16) == config.TileConfig(75, 2048, 1536, 32, 3)
-    # Fewer rows than group slots: one slot.
-    assert config.resolve(entry, 2, 2048, 1536, jnp.bfloat16).groups_per_step == 1
-    # Chunks grow (to a sublane multiple) until slots x chunks stays within 16 matmuls; tiles cap at K and N.
-    assert config.resolve(entry, 1000, 1024, 1024, jnp.bfloat16) == config.TileConfig(1000, 1024, 1024, 208, 3)
-    # A chunk as large as the tile is no chunking; a fixed row tile below M drops the group slots.
-    tiled = dict(tile_m=512, tile_k=2048, tile_n=1536, chunk_m=512, groups_per_step=2)
-    assert config.resolve(tiled, 4096, 2048, 1536, jnp.bfloat16) == config.TileConfig(512, 2048, 1536, None, 1)
-
-
-def test_tuned_config_takes_the_nearest_table_entry(config):
-    # Qwen3-30B-A3B EP8 gate_up on v6e: the table's m=75 entry (16 groups) is nearest to m=80.
-    tuned = config.tuned_config(80, 2048, 1536, jnp.bfloat16, "v6e", num_groups=16)
-    assert tuned == config.TileConfig(80, 2048, 1536, 32, 3)
-    # The nearest bucket in (log m, log groups): 128 groups pulls toward the 128-group entries.
-    assert config.tuned_config(80, 2048, 1536, jnp.bfloat16, "v6e", num_groups=128).groups_per_step == 4
-    assert config.tuned_config(80, 2048, 1000, jnp.bfloat16, "v6e") is None  # no entry for this N
-    assert config.tuned_config(80, 2048, 1536, jnp.float32, "v6e") is None  # the table is bf16
-
-
-def test_tuned_config_drops_an_entry_that_does_not_fit(config, monkeypatch):
-    entry = dict(k=4096, n=8192, dtype="float32", m=1024, groups=8, tile_m="m", tile_k=4096, tile_n=8192,
-                 chunk_m=128, groups_per_step=1)
-    tile_table = importlib.import_module(f"{config.__package__}.tile_table")
-    monkeypatch.setattr(tile_table, "TABLE", {"v6e": [entry]})
-    assert config._table_entry(1024, 4096, 8192, 8, jnp.float32, "v6e") == entry
-    assert config.tuned_config(1024, 4096, 8192, jnp.float32, "v6e", num_groups=8) is None
-
-
 def test_ridge_rows_is_peak_flops_over_hbm_bandwidth(config):
     assert config.ridge_rows("v5e") == 240
     assert config.ridge_rows("v6e") == 560
 
 
 def test_heuristic_keeps_decode_rows_resident_and_tiles_prefill(config):
-    # Few rows per group (decode): one resident row tile in 128-row chunks.
+    # Few rows per group (decode): one resident row tile in chunks of the MXU width (256 on v6e, 128 on v5e).
     assert config.heuristic_config(512, 2048, 1536, jnp.bfloat16, "v6e", num_groups=128) == config.TileConfig(
+        512, 2048, 1536, 256
+    )
+    assert config.heuristic_config(512, 2048, 1536, jnp.bfloat16, "v5e", num_groups=128).chunk_m == 128
+    # Many rows per group: 512-row tiles.
+    assert config.heuristic_config(65536, 2048, 1536, jnp.bfloat16, "v6e", num_groups=16) == config.TileConfig(
+        512, 2048, 1536, 256
+    )
+    assert config.heuristic_config(65536, 2048, 1536, jnp.bfloat16, "v5e", num_groups=16) == config.TileConfig(
         512, 2048, 1536, 128
     )
-    # Many rows per group: 512-row tiles on v6e, 256 on v5e, in 128-row chunks.
-    assert config.heuristic_config(65536, 2048, 1536, jnp.bfloat16, "v6e", num_groups=16).tile_m == 512
-    assert config.heuristic_config(65536, 2048, 1536, jnp.bfloat16, "v5e", num_groups=16).tile_m == 256
     # Weights blocks stay within the generation's block budget (8 MiB on v5e): N is halved first.
     big = config.heuristic_config(64, 4096, 8192, jnp.bfloat16, "v5e", num_groups=8)
     assert big.tile_k * big.tile_n * 2 <= config.HEURISTIC_RHS_BLOCK_BYTES["v5e"]
@@ -130,11 +103,10 @@ def test_heuristic_always_fits(config):
         config.check_config(tiles, m, k, n, dtype)
 
 
-def test_select_config_prefers_the_table_and_falls_back_to_the_heuristic(config):
-    tuned = config.select_config(80, 2048, 1536, jnp.bfloat16, generation="v6e", num_groups=16)
-    assert tuned == config.tuned_config(80, 2048, 1536, jnp.bfloat16, "v6e", num_groups=16)
-    untuned = config.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16)
-    assert untuned == config.heuristic_config(80, 1000, 1000, jnp.bfloat16, "v5e", num_groups=16)
+def test_select_config_is_the_heuristic(config):
+    assert config.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16) == (
+        config.heuristic_config(80, 1000, 1000, jnp.bfloat16, "v5e", num_groups=16)
+    )
 
 
 def test_select_config_uses_the_current_generation_and_refuses_unknown_ones(config, monkeypatch):
@@ -142,7 +114,7 @@ def test_select_config_uses_the_current_generation_and_refuses_unknown_ones(conf
     shape = (65536, 1000, 1000, jnp.bfloat16)
     v6e = config.select_config(*shape, generation="v6e", num_groups=16)
     v5e = config.select_config(*shape, generation="v5e", num_groups=16)
-    assert (v5e.tile_m, v6e.tile_m) == (256, 512)
+    assert (v5e.chunk_m, v6e.chunk_m) == (128, 256)
     assert config.select_config(*shape, num_groups=16) == v6e
     monkeypatch.setenv("TPU_KERNELS_GENERATION", "v5e")
     assert config.select_config(*shape, num_groups=16) == v5e
@@ -150,3 +122,114 @@ def test_select_config_uses_the_current_generation_and_refuses_unknown_ones(conf
         config.select_config(80, 2048, 1536, jnp.bfloat16, generation="v5p")
     with pytest.raises(ValueError, match="generation must be one of"):
         config.heuristic_config(80, 2048, 1536, jnp.bfloat16, "v4")
+
+
+def test_a_tile_over_all_rows_holds_whole_chunks(config):
+    # 129 rows in 128-row chunks: a 256-row tile (a partial edge block) of two chunks.
+    whole = config.TileConfig(4096, 256, 256, chunk_m=128)
+    assert config.row_tile_rows(whole, 129, jnp.bfloat16) == 256
+    assert config.row_chunks(whole, 129, jnp.bfloat16) == 2
+    # Without chunks: the rows rounded up to the sublane tile.
+    assert config.row_tile_rows(config.TileConfig(4096, 256, 256), 129, jnp.bfloat16) == 144
+    assert config.row_tile_rows(config.TileConfig(4096, 256, 256), 129, jnp.float32) == 136
+    # A fixed tile keeps its size; one chunk per tile without chunking.
+    assert config.row_tile_rows(config.TileConfig(64, 256, 256), 129, jnp.bfloat16) == 64
+    assert config.row_chunks(config.TileConfig(64, 256, 256), 129, jnp.bfloat16) == 1
+    assert config.row_chunks(config.TileConfig(512, 256, 256, 128), 4096, jnp.bfloat16) == 4
+
+
+def test_expected_active_groups(config):
+    assert config.expected_active_groups(1, 128) == pytest.approx(1.0)
+    assert config.expected_active_groups(8, 128) == pytest.approx(128 * (1 - (127 / 128) ** 8))
+    assert config.expected_active_groups(100000, 16) == pytest.approx(16.0)
+
+
+MODELS = {
+    # hidden, intermediate, experts (per rank), layout
+    "qwen3-30b-a3b": (2048, 768, 128, dict(weights_transposed=False, interleaved=False, has_bias=False)),
+    "gemma-4-26b-a4b": (2816, 704, 128, dict(weights_transposed=False, interleaved=False, has_bias=False)),
+    "gpt-oss-20b": (2880, 2880, 32, dict(weights_transposed=True, interleaved=True, has_bias=True)),
+}
+
+
+def test_fused_config_of_real_models(config):
+    qwen3_h, qwen3_i, qwen3_e, qwen3 = MODELS["qwen3-30b-a3b"]
+    # Rows: T on the sublane grid, in chunks of at most 128; I whole where the weights fit.
+    assert config.fused_config(256, qwen3_h, qwen3_i, 16, jnp.bfloat16, **qwen3) == config.FusedConfig(128, 768)
+    assert config.fused_config(1, qwen3_h, qwen3_i, qwen3_e, jnp.bfloat16, **qwen3) == config.FusedConfig(16, 768)
+    assert config.fused_config(1, qwen3_h, qwen3_i, qwen3_e, jnp.float32, **qwen3) == config.FusedConfig(8, 768)
+    assert config.fused_config(100, qwen3_h, qwen3_i, qwen3_e, jnp.bfloat16, **qwen3) == config.FusedConfig(112, 768)
+    # Beyond 16 chunks of 128 rows (a forced fused call of 2100 tokens), chunks grow.
+    assert config.fused_config(2100, qwen3_h, qwen3_i, 16, jnp.bfloat16, **qwen3).chunk_rows == 144
+    # GPT-OSS-20B: two 50 MB experts do not fit; I/2 = 1440 makes 2880-column gate_up blocks (not on the lane
+    # grid), I/3 = 960 fits and is aligned.
+    hidden, intermediate, experts, layout = MODELS["gpt-oss-20b"]
+    fused = config.fused_config(256, hidden, intermediate, experts, jnp.bfloat16, **layout)
+    assert fused == config.FusedConfig(128, 960)
+    assert config.fused_vmem_bytes(fused, 256, hidden, intermediate, experts, jnp.bfloat16, interleaved=True,
+                                   has_bias=True) <= config.VMEM_BUDGET_BYTES
+    for name, (hidden, intermediate, experts, layout) in MODELS.items():
+        for tokens in (1, 8, 64, 256):
+            fused = config.fused_config(tokens, hidden, intermediate, experts, jnp.bfloat16, **layout)
+            config.check_fused_config(fused, tokens, hidden, intermediate, experts, jnp.bfloat16, **layout)
+
+
+def test_fused_vmem_bytes_counts_blocks_scratch_and_one_chunk(config):
+    fused = config.FusedConfig(16, 128)
+    f32 = 4
+    expected = (
+        3 * 8 * 256 * f32  # hidden (one buffer) and out (two), T=5 rows padded to 8
+        + 8 * 256 * f32  # out accumulator
+        + 2 * 8 * 128 * f32  # the routing (ids and weights), resident, 5 x K padded to 8 x 128
+        + 2 * 8 * 128 * f32  # the expert's weight and rank per token as [5, 1] columns, padded
+        + 8 * 128 * f32  # the [5, 5] triangle that counts the ranks, padded
+        + 2 * 256 * 256 * f32  # gate_up block, I whole: 2I = 256 columns
+        + 2 * 128 * 256 * f32  # down block
+        + 16 * 256 * f32 + 16 * 256 * f32  # one chunk's gate_up and down values
+    )
+    assert config.fused_vmem_bytes(fused, 5, 256, 128, 8, jnp.float32, interleaved=False, has_bias=False) == expected
+    with_bias = config.fused_vmem_bytes(fused, 5, 256, 128, 8, jnp.float32, interleaved=False, has_bias=True)
+    assert with_bias - expected == 2 * (8 * 256 * f32 + 8 * 256 * f32)  # 8 experts' biases, double-buffered
+    interleaved = config.fused_vmem_bytes(fused, 5, 256, 128, 8, jnp.float32, interleaved=True, has_bias=False)
+    assert interleaved - expected == 256 * 128 * f32  # gate_up^T of one chunk, 16 lanes padded to 128
+
+
+@pytest.mark.parametrize(
+    "fused,layout,match",
+    [
+        ((12, 128), {}, "chunk_rows=12 must be a multiple of 16"),
+        ((16, 128, 300), {}, "300 tokens make more than 16 chunks"),
+        ((16, 64), {}, "tile_i=64 must be I=256 or divide it"),  # down [E, H, I]: I tiles on lanes
+        ((16, 64), dict(weights_transposed=True), "tile_i=64 must be I=256"),  # gate_up [E, H, 2I]: lanes
+        ((16, 0), {}, "tile_i must be a positive int"),
+    ],
+)
+def test_check_fused_config_refuses_what_cannot_run(config, fused, layout, match):
+    shape = dict(weights_transposed=False, interleaved=False, has_bias=False) | layout
+    *tiles, tokens = (*fused, 16) if len(fused) == 2 else fused
+    with pytest.raises(ValueError, match=match):
+        config.check_fused_config(config.FusedConfig(*tiles), tokens, 512, 256, 8, jnp.bfloat16, **shape)
+
+
+def test_tile_i_alignment_per_layout(config):
+    shape = dict(weights_transposed=True, interleaved=True, has_bias=False)
+    # Interleaved, transposed: gate_up [E, H, 2I] cut at 2 x 64 = 128 lanes, down [E, I, H] at 64 sublanes.
+    config.check_fused_config(config.FusedConfig(16, 64), 16, 512, 256, 8, jnp.bfloat16, **shape)
+    # With biases, the gate_up bias [E, 2I] is cut on lanes too: still 128.
+    config.check_fused_config(config.FusedConfig(16, 64), 16, 512, 256, 8, jnp.bfloat16, **shape | dict(has_bias=True))
+    # Concatenated, transposed, biases: gate and up bias blocks of 64 lanes are not aligned.
+    with pytest.raises(ValueError, match="tile_i=64"):
+        config.check_fused_config(config.FusedConfig(16, 64), 16, 512, 256, 8, jnp.bfloat16,
+                                  weights_transposed=True, interleaved=False, has_bias=True)
+
+
+def test_use_fused_experts_is_for_decode_sized_calls_that_fit(config):
+    hidden, intermediate, experts, layout = MODELS["qwen3-30b-a3b"]
+    assert config.use_fused_experts(config.FUSED_MAX_TOKENS, hidden, intermediate, experts, jnp.bfloat16, **layout)
+    assert not config.use_fused_experts(config.FUSED_MAX_TOKENS + 1, hidden, intermediate, experts, jnp.bfloat16,
+                                        **layout)
+    # An expert whose weights fit in no I tiling (I prime, 16384 x 16383 f32): the grouped matmuls.
+    assert config.fused_config(8, 16384, 16381, 4, jnp.float32, weights_transposed=False, interleaved=False,
+                               has_bias=False) is None
+    assert not config.use_fused_experts(8, 16384, 16381, 4, jnp.float32, weights_transposed=False, interleaved=False,
+                                        has_bias=False)

@@ -121,6 +121,7 @@ def test_fused_op_refuses_misshapen_weights_and_routing(kernel):
         (dict(top_k_index=index.float()), TypeError, "top_k_index must be int32 or int64"),
         (dict(top_k_weights=weights[:, :2]), ValueError, "top_k_weights must have top_k_index's shape"),
         (dict(hidden_states=hidden[None]), ValueError, "hidden_states must be 2-D"),
+        (dict(hidden_states=hidden.bfloat16()), TypeError, "hidden_states dtype torch.bfloat16 must match"),
     ]
     for change, error, match in calls:
         args = dict(hidden_states=hidden, top_k_index=index, top_k_weights=weights, gate_up_proj=gate_up,

@@ -4,13 +4,10 @@ Race detection and NaN-filled uninitialised memory are on (tpu_kernels pytest
 plugin), so a kernel that reads garbage or races fails here.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call
-from jax.experimental.pallas import tpu as pltpu
 
 CASES = [
     # m, k, n, group_sizes, transpose_rhs
@@ -57,18 +54,6 @@ def test_matches_reference(kernel, m, k, n, group_sizes, transpose_rhs, dtype):
     assert torch.equal(out[rows:], torch.zeros_like(out[rows:])), "rows past the groups must be zero"
 
 
-def _interpret(fn):
-    """Runs `fn` in TPU interpret mode with race detection and NaN-filled uninitialised memory."""
-    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")):
-        out = jax.block_until_ready(fn())
-    assert not interpret_pallas_call.races.races_found, "the TPU interpreter found a data race"
-    return torch.from_numpy(np.array(out.astype(jnp.float32)))
-
-
-def _jax(tensor):
-    return jnp.asarray(tensor.float().numpy(), jnp.bfloat16 if tensor.dtype == torch.bfloat16 else jnp.float32)
-
-
 # Multi-tile schedules through the JAX function with explicit small tiles, so
 # that every part of the schedule runs at affordable sizes. Each case names
 # what it forces.
@@ -77,9 +62,9 @@ SCHEDULE_CASES = {
     # groups straddle row tiles; rows 80..99 are past the groups, row tile 3 is
     # a zero-writing tail item.
     "tail-tiles-m-k-n": (100, 300, 200, [20, 0, 45, 15], (32, 128, 128, None, 1)),
-    # Row chunks: a 64-row tile in chunks of 48 and 16 rows, chunks outside the
-    # group skipped; two tail tiles past the groups.
-    "row-chunks": (150, 256, 128, [7, 30, 0, 50, 3], (64, 256, 128, 48, 1)),
+    # Row chunks: 96-row tiles in chunks of 48 rows, chunks past a group's rows
+    # skipped; a tail tile past the groups.
+    "row-chunks": (150, 256, 128, [7, 30, 0, 50, 3], (96, 256, 128, 48, 1)),
     # Three group slots per step over one resident row tile: 4 active groups
     # leave 2 idle slots in the second step; K and N tiles with tails.
     "groups-per-step-3": (40, 200, 160, [5, 0, 12, 7, 0, 9], (40, 128, 128, None, 3)),
@@ -89,18 +74,23 @@ SCHEDULE_CASES = {
     "all-groups-empty": (24, 128, 128, [0, 0, 0], (24, 128, 128, None, 2)),
     # Every row tile past the groups but the first: three zero-writing tail items.
     "tail-items": (64, 128, 256, [3, 0, 5], (16, 128, 256, None, 1)),
+    # Chunks start at groups' first rows, off the 16-row grid (5, 42, 112, 162 rows in); chunks
+    # that run past a 96-row tile's end carry their last rows into the next tile.
+    "chunks-at-group-starts": (200, 128, 128, [5, 37, 0, 70, 50, 20], (96, 128, 128, 32, 1)),
+    # The same with K and N in tiles with tails: chunks carried across row tiles accumulate over K steps.
+    "chunks-k-tiles": (100, 300, 200, [20, 0, 45, 15], (32, 128, 128, 16, 1)),
 }
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(SCHEDULE_CASES))
-def test_multi_tile_schedules_match_reference(kernel, case, dtype, transpose_rhs):
+def test_multi_tile_schedules_match_reference(kernel, interpret, to_jax, case, dtype, transpose_rhs):
     m, k, n, group_sizes, tiles = SCHEDULE_CASES[case]
     config = kernel.config.TileConfig(*tiles)
     lhs, rhs, sizes = _random_inputs(m, k, n, group_sizes, transpose_rhs, dtype, seed=len(case))
-    out = _interpret(
-        lambda: kernel.pallas_tpu.ragged_dot(_jax(lhs), _jax(rhs), jnp.asarray(sizes.numpy()),
+    out = interpret(
+        lambda: kernel.pallas_tpu.ragged_dot(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()),
                                              transpose_rhs=transpose_rhs, config=config)
     )
     expected = kernel.reference.ragged_dot_reference(lhs.double(), rhs.double(), sizes, transpose_rhs=transpose_rhs)
@@ -132,13 +122,47 @@ def test_schedule_cases_cover_what_they_name(kernel):
                 "chunks": config.chunk_m is not None and config.chunk_m < config.tile_m,
                 "zero-writing tail item": tail_items > 0,
                 "rows past the groups": sum(group_sizes) < m,
+                "group start off the sublane grid": any(start % 16 for start in np.cumsum(group_sizes)[:-1]),
+                "chunk across a tile": config.chunk_m is not None and _chunk_crosses_a_tile(group_sizes, config),
             }.items()
             if present
         )
     assert seen == {
         "m tail", "k tail", "n tail", "idle slots", "several slots", "chunks", "zero-writing tail item",
-        "rows past the groups",
+        "rows past the groups", "group start off the sublane grid", "chunk across a tile",
     }
+
+
+def _chunk_crosses_a_tile(group_sizes, config):
+    """Whether some group's chunks, laid from its first row on the 16-row grid, cross a row tile's end."""
+    start = 0
+    for size in group_sizes:
+        end = start + size
+        chunk = start // 16 * 16
+        while size and chunk < end:
+            if chunk // config.tile_m != (chunk + config.chunk_m - 1) // config.tile_m:
+                return True
+            chunk += config.chunk_m
+        start = end
+    return False
+
+
+@pytest.mark.parametrize("case", ["chunks-at-group-starts", "tail-items"])
+def test_rows_past_the_groups_can_be_left_unwritten(kernel, interpret, to_jax, case):
+    """zero_rows_past_groups=False: the live rows are the same; row tiles past the groups are never written."""
+    m, k, n, group_sizes, tiles = SCHEDULE_CASES[case]
+    config = kernel.config.TileConfig(*tiles)
+    lhs, rhs, sizes = _random_inputs(m, k, n, group_sizes, False, torch.float32, seed=3)
+    out = interpret(
+        lambda: kernel.pallas_tpu.ragged_dot(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()), config=config,
+                                             zero_rows_past_groups=False)
+    )
+    expected = kernel.reference.ragged_dot_reference(lhs.double(), rhs.double(), sizes)
+    rows = sum(group_sizes)
+    assert _relative_error(out[:rows], expected[:rows]) <= 1e-5
+    first_untouched_tile = -(-rows // config.tile_m) * config.tile_m
+    # The interpreter fills memory nobody wrote with NaN.
+    assert torch.isnan(out[first_untouched_tile:]).all()
 
 
 def test_traces_under_torch_compile(kernel):

@@ -34,11 +34,7 @@ def attention_mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
-_UNSUPPORTED_KWARGS = {
-    "position_bias": "additive position biases",
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
-}
+_UNSUPPORTED_KWARGS = {"position_bias": "additive position biases"}
 
 
 def attention_forward(
@@ -56,15 +52,19 @@ def attention_forward(
     query [B, Hq, Sq, D], key/value [B, Hkv, Skv, D] (no repeat of K/V for
     GQA); returns ([B, Sq, Hq, D], None). `sliding_window` and `softcap` are
     read from kwargs, else from the module (`sliding_window`,
-    `attn_logit_softcapping`). The mask is what `attention_mask` (above)
-    produced: a boolean or additive 4-D mask carries padding, sliding windows
-    and cache offsets itself; None means causal (upper-left aligned, as sdpa's
-    `is_causal`) for more than one query, and every key for a single query.
+    `attn_logit_softcapping`); attention sinks from the `s_aux` kwarg
+    (GPT-OSS passes its `sinks` parameter so) or `sinks`. Differentiable:
+    gradients reach query, key, value and the sinks.
+
+    The mask is what `attention_mask` (above) produced: a boolean or additive
+    4-D mask carries padding, sliding windows and cache offsets itself; None
+    means causal (upper-left aligned, as sdpa's `is_causal`) for more than one
+    query, and every key for a single query.
     """
     if dropout:
         raise ValueError(
-            f"attention dropout ({dropout}) is not supported by the TPU attention kernel; it is forward-only "
-            "(inference). Set the model's attention_dropout to 0 or call model.eval()."
+            f"attention dropout ({dropout}) is not supported by the TPU attention kernel. Set the model's "
+            "attention_dropout to 0 (or call model.eval() for inference)."
         )
     for name, what in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
@@ -74,6 +74,9 @@ def attention_forward(
     cache = kwargs.get("cache")
     if cache is not None:
         raise ValueError(f"the TPU attention kernel does not support paged caches (got {type(cache).__name__})")
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
     sliding_window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     softcap = kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None))
     is_causal = kwargs.get("is_causal")
@@ -96,6 +99,7 @@ def attention_forward(
             q_offset=0 if causal else kv_len - q_len,
             sliding_window=sliding_window if causal else None,
             softcap=softcap,
+            sinks=sinks,
         )
     else:
         if attention_mask.dim() != 4:
@@ -113,10 +117,12 @@ def attention_forward(
             causal=False,
             attention_mask=attention_mask,
             softcap=softcap,
+            sinks=sinks,
         )
     return out.transpose(1, 2).contiguous(), None
 
 
-# Read by tpu_kernels.kernelize: forward-only, and traceable by torch.compile(fullgraph=True).
-attention_forward.has_backward = False
+# Read by tpu_kernels.kernelize: differentiable (backward kernels, torch autograd), and traceable by
+# torch.compile(fullgraph=True).
+attention_forward.has_backward = True
 attention_forward.can_torch_compile = True

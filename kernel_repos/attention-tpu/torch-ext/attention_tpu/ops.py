@@ -1,6 +1,8 @@
-"""Torch ops of the attention kernel, and the one place their inputs are checked.
+"""Torch ops of the attention kernel, with autograd, and the one place their inputs are checked.
 
-The JAX function (`pallas_tpu.flash_attention`) assumes valid inputs.
+The JAX functions (`pallas_tpu.py`, `pallas_tpu_backward.py`) assume valid
+inputs; the backward op is reached only through autograd, with tensors the
+forward op checked.
 """
 
 from __future__ import annotations
@@ -11,18 +13,35 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from . import pallas_tpu
+from . import pallas_tpu, pallas_tpu_backward
 from ._ops import add_op_namespace_prefix, jax_torch_op
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _attention(q, k, v, q_offset, kv_lengths, attention_mask, scale, causal, sliding_window, softcap) -> jax.Array:
-    """What both ops run; `attention_mask` is None, int8 (a bool mask across the boundary) or floating."""
+def _jax_mask(attention_mask: jax.Array | None) -> jax.Array | None:
     # Boolean masks cross the torch/JAX boundary as int8 (nonzero = attend).
     if attention_mask is not None and attention_mask.dtype == jnp.int8:
-        attention_mask = attention_mask != 0
-    return pallas_tpu.flash_attention(
+        return attention_mask != 0
+    return attention_mask
+
+
+@jax_torch_op(add_op_namespace_prefix("flash_attention"))
+def _flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_offset: jax.Array | None,
+    kv_lengths: jax.Array,
+    attention_mask: jax.Array | None,
+    sinks: jax.Array | None,
+    scale: float,
+    causal: bool,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> tuple[jax.Array, jax.Array]:
+    """(out, log-sum-exp): the forward keeps the second for the backward. q_offset None: the default, Skv - Sq."""
+    return pallas_tpu.flash_attention_forward(
         q,
         k,
         v,
@@ -32,40 +51,68 @@ def _attention(q, k, v, q_offset, kv_lengths, attention_mask, scale, causal, sli
         kv_lengths=kv_lengths,
         sliding_window=sliding_window,
         softcap=softcap,
-        attention_mask=attention_mask,
+        attention_mask=_jax_mask(attention_mask),
+        sinks=sinks,
     )
 
 
-# With and without a mask: two ops until the binding takes optional tensors.
-@jax_torch_op(add_op_namespace_prefix("flash_attention"))
-def _flash_attention(
+@jax_torch_op(add_op_namespace_prefix("flash_attention_backward"))
+def _flash_attention_backward(
+    d_out: jax.Array,
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    q_offset: jax.Array,
+    out: jax.Array,
+    lse: jax.Array,
+    q_offset: jax.Array | None,
     kv_lengths: jax.Array,
+    attention_mask: jax.Array | None,
+    sinks: jax.Array | None,
     scale: float,
     causal: bool,
     sliding_window: int | None,
     softcap: float | None,
-) -> jax.Array:
-    return _attention(q, k, v, q_offset, kv_lengths, None, scale, causal, sliding_window, softcap)
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(dq, dk, dv, d_sinks); d_sinks is float32 zeros [Hq] when there are no sinks (an op returns tensors)."""
+    dq, dk, dv, d_sinks = pallas_tpu_backward.flash_attention_backward(
+        d_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        scale=scale,
+        causal=causal,
+        q_offset=q_offset,
+        kv_lengths=kv_lengths,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        attention_mask=_jax_mask(attention_mask),
+        sinks=sinks,
+    )
+    if d_sinks is None:
+        d_sinks = jnp.zeros((q.shape[1],), jnp.float32)
+    return dq, dk, dv, d_sinks
 
 
-@jax_torch_op(add_op_namespace_prefix("flash_attention_masked"))
-def _flash_attention_masked(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    q_offset: jax.Array,
-    kv_lengths: jax.Array,
-    attention_mask: jax.Array,
-    scale: float,
-    causal: bool,
-    sliding_window: int | None,
-    softcap: float | None,
-) -> jax.Array:
-    return _attention(q, k, v, q_offset, kv_lengths, attention_mask, scale, causal, sliding_window, softcap)
+def _save_for_backward(ctx, inputs, output):
+    q, k, v, q_offset, kv_lengths, attention_mask, sinks, scale, causal, sliding_window, softcap = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, q_offset, kv_lengths, attention_mask, sinks)
+    ctx.options = (scale, causal, sliding_window, softcap)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, d_out, _d_lse):
+    q, k, v, out, lse, q_offset, kv_lengths, attention_mask, sinks = ctx.saved_tensors
+    dq, dk, dv, d_sinks = _flash_attention_backward(
+        d_out.contiguous(), q, k, v, out, lse, q_offset, kv_lengths, attention_mask, sinks, *ctx.options
+    )
+    # Offsets, lengths and the mask get no gradient (ops.flash_attention refuses a mask that needs one).
+    return dq, dk, dv, None, None, None, None if sinks is None else d_sinks, None, None, None, None
+
+
+_flash_attention.register_autograd(_backward, setup_context=_save_for_backward)
 
 
 def _check_tensor(name: str, value) -> None:
@@ -73,7 +120,9 @@ def _check_tensor(name: str, value) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
-def check_attention_args(query, key, value, *, scale, q_offset, kv_lengths, sliding_window, softcap, attention_mask):
+def check_attention_args(
+    query, key, value, *, scale, q_offset, kv_lengths, sliding_window, softcap, attention_mask, sinks=None
+):
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         _check_tensor(name, tensor)
         if tensor.dim() != 4:
@@ -125,7 +174,17 @@ def check_attention_args(query, key, value, *, scale, q_offset, kv_lengths, slid
             raise ValueError(f"attention_mask must have shape ({batch} or 1, 1, {q_len}, {kv_len}), got {shape}")
         if attention_mask.dtype != torch.bool and not attention_mask.dtype.is_floating_point:
             raise TypeError(f"attention_mask must be bool (True = attend) or floating (additive), got {attention_mask.dtype}")
+        if attention_mask.requires_grad:
+            raise ValueError("attention_mask must not require grad: the kernel does not differentiate the additive mask")
         devices.add(attention_mask.device)
+    if sinks is not None:
+        _check_tensor("sinks", sinks)
+        if tuple(sinks.shape) != (q_heads,) or sinks.dtype not in FLOAT_DTYPES:
+            raise ValueError(
+                f"sinks must be a float32/bfloat16 tensor of shape ({q_heads},) (one per query head), "
+                f"got {sinks.dtype} {tuple(sinks.shape)}"
+            )
+        devices.add(sinks.device)
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
     if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1):
@@ -148,8 +207,9 @@ def flash_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     attention_mask: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of query[B, Hq, Sq, D] over key, value[B, Hkv, Skv, D] -> [B, Hq, Sq, D].
+    """Attention of query[B, Hq, Sq, D] over key, value[B, Hkv, Skv, D] -> [B, Hq, Sq, D]; differentiable.
 
     Hq must be a multiple of Hkv (query head h uses KV head h // (Hq // Hkv));
     D is 64, 128 or 256; dtypes float32 or bfloat16 (one for all three).
@@ -163,8 +223,12 @@ def flash_attention(
     attention_mask: optional [B or 1, 1, Sq, Skv]; bool (True = attend) or
       floating (added to the logits; entries at the dtype's minimum mask the
       key out, as transformers' eager masks do). Combined with all of the above.
+      Not differentiated: a floating mask that requires grad is refused.
+    sinks: optional [Hq] float32/bfloat16: a logit per query head that joins
+      every row's softmax denominator and attends to nothing (GPT-OSS).
 
-    Rows that see no key at all come out as zeros.
+    Rows that see no key at all come out as zeros (with sinks: too). Autograd
+    runs the backward Pallas kernels for query, key, value and sinks.
     """
     check_attention_args(
         query,
@@ -176,24 +240,27 @@ def flash_attention(
         sliding_window=sliding_window,
         softcap=softcap,
         attention_mask=attention_mask,
+        sinks=sinks,
     )
     batch, _, q_len, head_dim = query.shape
     kv_len = key.shape[2]
     device = query.device
-    if q_offset is None:
-        q_offset = kv_len - q_len
-    if isinstance(q_offset, int):
+    # The default offset stays implicit: the kernels then know it while tracing and size their grids exactly
+    # (self-attention in training always has it). Any other offset is a tensor, so that it costs no recompilation.
+    if q_offset is None or (isinstance(q_offset, int) and q_offset == kv_len - q_len):
+        q_offset = None
+    elif isinstance(q_offset, int):
         q_offset = torch.full((batch,), q_offset, dtype=torch.int32, device=device)
-    q_offset = q_offset.to(torch.int32)
+    else:
+        q_offset = q_offset.to(torch.int32)
     if kv_lengths is None:
         kv_lengths = torch.full((batch,), kv_len, dtype=torch.int32, device=device)
     kv_lengths = kv_lengths.clamp(0, kv_len).to(torch.int32)
     scale = float(head_dim**-0.5 if scale is None else scale)
     softcap = None if softcap is None else float(softcap)
-    if attention_mask is None:
-        return _flash_attention(query, key, value, q_offset, kv_lengths, scale, bool(causal), sliding_window, softcap)
-    if attention_mask.dtype == torch.bool:
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
         attention_mask = attention_mask.to(torch.int8)
-    return _flash_attention_masked(
-        query, key, value, q_offset, kv_lengths, attention_mask, scale, bool(causal), sliding_window, softcap
+    out, _ = _flash_attention(
+        query, key, value, q_offset, kv_lengths, attention_mask, sinks, scale, bool(causal), sliding_window, softcap
     )
+    return out

@@ -1,7 +1,8 @@
-"""Plain attention in float64 with a materialised mask: the tests' oracle.
+"""Plain attention in float64 with a materialised mask: the tests' oracle, forward and backward.
 
 Same semantics as ``pallas_tpu.flash_attention`` (see its docstring), computed
-the obvious way so that it can be trusted by reading it.
+the obvious way so that it can be trusted by reading it. It is differentiable
+(torch autograd in float64): its gradients are the oracle of the backward kernels.
 """
 
 from __future__ import annotations
@@ -54,12 +55,16 @@ def reference_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     attention_mask: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q[B, Hq, Sq, D], k/v[B, Hkv, Skv, D] -> float64 [B, Hq, Sq, D]; rows with no visible key are 0."""
+    """q[B, Hq, Sq, D], k/v[B, Hkv, Skv, D] -> float64 [B, Hq, Sq, D]; rows with no visible key are 0.
+
+    sinks [Hq]: one more logit per query head in every row's softmax, attending to nothing.
+    """
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
-    q64, k64, v64 = (x.detach().to(torch.float64) for x in (q, k, v))
+    q64, k64, v64 = (x.to(torch.float64) for x in (q, k, v))
     k64 = k64.repeat_interleave(group, dim=1)
     v64 = v64.repeat_interleave(group, dim=1)
     if kv_lengths is not None:
@@ -84,7 +89,11 @@ def reference_attention(
         attention_mask=attention_mask,
     )
     logits = logits.masked_fill(~visible, float("-inf"))
-    any_visible = visible.any(dim=-1, keepdim=True)
-    weights = torch.softmax(torch.where(any_visible, logits, 0.0), dim=-1)
+    if sinks is not None:
+        sink = sinks.to(torch.float64)[None, :, None, None].expand(batch, q_heads, q_len, 1)
+        weights = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        any_visible = visible.any(dim=-1, keepdim=True)
+        weights = torch.softmax(torch.where(any_visible, logits, 0.0), dim=-1)
     weights = torch.where(visible, weights, 0.0)
     return weights @ v64

@@ -1,25 +1,30 @@
-"""Tile sizes per shape and TPU generation.
+"""Tiles per shape and TPU generation, and which kernel serves an experts layer.
 
-Kept apart from the kernel so that tuning changes data, not kernel code.
-`select_config` takes the tuned config (`tuned_config`: the shape looked up
-in `tile_table.TABLE`, produced by `benchmarks/search_ragged_dot_tiles.py`, a
-search over the HBM traffic and roofline model) and falls back to a
-VMEM-aware heuristic (`heuristic_config`) for shapes the table does not hold.
+Kept apart from the kernels so that tuning changes data, not kernel code.
 TPU facts (VMEM, bandwidth, MXU peak, tiling) come from `_hardware.py`.
 
-A config has five knobs:
-- `tile_m`, `tile_k`, `tile_n`: the lhs `(tile_m, tile_k)`, rhs `(tile_k,
-  tile_n)` and out `(tile_m, tile_n)` blocks. `tile_m >= M` makes the whole of
-  lhs and out one resident block (fetched and written once).
-- `chunk_m`: the MXU works on row chunks of this size and skips the chunks
-  outside the current group, so a large row tile wastes no MXU work on rows of
-  other groups. `None` is one chunk per row tile.
-- `groups_per_step`: how many work items (each with its own group's weights)
-  one grid step multiplies. Every grid step has a fixed cost (~0.35 us), so
-  for weights of a few MiB per expert (decode) several groups per step
-  amortise it. Only with one row tile (`tile_m >= M`). Cost when fewer groups
-  are active than slots (possible only if several rows share an expert): the
-  idle slots fetch one extra weights block each in the first step.
+Two kernels, two configs:
+
+- `TileConfig` tiles the grouped matmul (`pallas_tpu.ragged_dot`). It comes
+  from `select_config`, a VMEM-aware heuristic (`heuristic_config`); a caller
+  who has tuned a shape passes its own (`ragged_dot(..., config=...)`).
+  Five knobs:
+  - `tile_m`, `tile_k`, `tile_n`: the lhs `(tile_m, tile_k)`, rhs `(tile_k,
+    tile_n)` and out `(tile_m, tile_n)` blocks. `tile_m >= M` makes the whole
+    of lhs and out one resident block (fetched and written once).
+  - `chunk_m`: the MXU works on row chunks of this size. A group's chunks
+    start at the group's first row (rounded down to the native sublane
+    tile), so no chunk is spent on two groups' boundary; chunks outside the
+    group are skipped. `None` is one chunk per row tile.
+  - `groups_per_step`: how many work items (each with its own group's
+    weights) one grid step multiplies. Every grid step has a fixed cost
+    (~0.35 us), so for weights of a few MiB per expert several groups per
+    step amortise it. Only with one row tile (`tile_m >= M`). Cost when fewer
+    groups are active than slots: the idle slots fetch one extra weights
+    block each in the first step.
+- `FusedConfig` tiles the fused experts kernel (`pallas_fused.fused_experts`),
+  from `fused_config`; `use_fused_experts` is the rule that picks it over
+  the two grouped matmuls.
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from ._hardware import (
-    LANES, MAX_VMEM_LIMIT_BYTES, MOSAIC_SCRATCH_BYTES, check_generation, resolve_generation, round_up,
-    sublane_multiple, tpu_generation, vmem_limit_bytes,
+    LANES, MAX_VMEM_LIMIT_BYTES, MOSAIC_SCRATCH_BYTES, check_generation, padded_vmem_bytes, resolve_generation,
+    round_up, sublane_multiple, tpu_generation, vmem_limit_bytes,
 )
 
 # What a config's blocks may take: the most the kernel asks Mosaic for, less
@@ -48,15 +53,34 @@ MAX_UNROLLED_MATMULS = 16
 MAX_UNROLLED_MACS = 2**31
 MAX_GROUPS_PER_STEP = 4
 
-# Blocks of the heuristic fallback: weights blocks of about this many bytes
-# keep the per-step cost small next to their DMA (4 MiB take 2.6 us on v6e).
+# Blocks of the heuristic: weights blocks of about this many bytes keep the
+# per-step cost small next to their DMA (4 MiB take 2.6 us on v6e).
 HEURISTIC_RHS_BLOCK_BYTES = {"v5e": 8 << 20, "v6e": 16 << 20}
 # Row tiles of the heuristic when the rows do not stay resident: about the
 # ridge (`ridge_rows`: 240 on v5e, 560 on v6e), where a step's matmul takes as
-# long as its weights' DMA. Chunks of 128 rows bound the MXU work a group's
-# last partial chunk wastes; not tuned.
-HEURISTIC_ROW_TILE = {"v5e": 256, "v6e": 512}
-HEURISTIC_CHUNK_M = 128
+# long as its weights' DMA, and large next to a chunk (each row tile reads
+# one chunk more of lhs rows). Chunks of one MXU width (128 rows on v5e, 256
+# on v6e; jax's TPU table): an MXU pass of fewer rows takes as long as one of
+# that many (the weights tile's load), and a group's last partial chunk
+# wastes at most one chunk. Not tuned.
+HEURISTIC_ROW_TILE = {"v5e": 512, "v6e": 512}
+
+# The fused experts kernel serves calls of at most this many tokens (decode
+# batches). It gathers an expert's rows and scatters its results with one-hot
+# matmuls against all T tokens: 2 x T x H multiply-adds per row on top of the
+# expert's 3 x I x H, so at T = 256 and the I of today's MoE models (704 to
+# 2880) at most 25 % more MXU work, which decode (rows per expert below
+# `ridge_rows`, weight streaming the bound) hides; the work grows with T, and
+# prefill-sized calls take the two grouped matmuls.
+FUSED_MAX_TOKENS = 256
+# Rows per MXU pass of the fused kernel: T rounded to the native tile, at
+# most 128 (the v5e MXU's width); an expert's rows fill whole passes but the
+# last. Not tuned.
+FUSED_MAX_CHUNK_ROWS = 128
+# The fused kernel's biases come in blocks of this many experts (a 16-row
+# block is aligned for 32- and 16-bit types); the kernel picks its expert's
+# row out of the block.
+BIAS_BLOCK_EXPERTS = 16
 
 
 class TileConfig(NamedTuple):
@@ -82,14 +106,39 @@ def vmem_bytes(config: TileConfig, m: int, k: int, n: int, dtype) -> int:
     def block(rows: int, cols: int, size: int = itemsize) -> int:
         return round_up(rows, sublanes) * round_up(cols, LANES) * size
 
-    tile_m, tile_k, tile_n = min(config.tile_m, m), min(config.tile_k, k), min(config.tile_n, n)
-    lhs_buffers = 1 if (tile_m, tile_k) == (m, k) else 2
+    tile_m, tile_k, tile_n = row_tile_rows(config, m, dtype), min(config.tile_k, k), min(config.tile_n, n)
+    lhs_buffers = 1 if tile_m >= m and tile_k == k else 2
+    chunk = config.chunk_m if _chunked(config, m, dtype) else 0
     return (
-        lhs_buffers * block(tile_m, tile_k)
+        lhs_buffers * block(tile_m + chunk, tile_k)  # with chunks: a window of the tile and one more chunk
         + 2 * config.groups_per_step * block(tile_k, tile_n)
         + 2 * block(tile_m, tile_n)
-        + block(tile_m, tile_n, 4)
+        + block(tile_m + 2 * chunk, tile_n, 4)  # the accumulator, and with chunks the carry across tiles
     )
+
+
+def _chunked(config: TileConfig, m: int, dtype) -> bool:
+    return config.chunk_m is not None and config.chunk_m < round_up(min(config.tile_m, m), sublane_multiple(dtype))
+
+
+def row_tile_rows(config: TileConfig, m: int, dtype) -> int:
+    """Rows of the kernel's row tile: `tile_m`, or, for one tile over all M rows, M rounded up.
+
+    Rounded up to the sublane tile, or with chunks to a whole number of
+    chunks: a tile holds whole chunks, which start on the sublane grid (where
+    Mosaic can slice VMEM). The rounded-up block is a partial edge block,
+    whose extra rows the kernel masks out.
+    """
+    if config.tile_m < m:
+        return config.tile_m
+    return round_up(m, config.chunk_m if _chunked(config, m, dtype) else sublane_multiple(dtype))
+
+
+def row_chunks(config: TileConfig, m: int, dtype) -> int:
+    """Chunks of a row tile: the matmuls one group slot unrolls per grid step."""
+    if not _chunked(config, m, dtype):
+        return 1
+    return row_tile_rows(config, m, dtype) // config.chunk_m
 
 
 def check_config(config: TileConfig, m: int, k: int, n: int, dtype) -> None:
@@ -113,9 +162,11 @@ def check_config(config: TileConfig, m: int, k: int, n: int, dtype) -> None:
             raise ValueError(f"config.chunk_m must be a positive int or None, got {config.chunk_m!r}")
         if config.chunk_m < tile_m and config.chunk_m % sublanes:
             raise ValueError(f"config.chunk_m={config.chunk_m} must be a multiple of {sublanes}")
+        if config.chunk_m < tile_m and config.tile_m < m and config.tile_m % config.chunk_m:
+            raise ValueError(f"config.tile_m={config.tile_m} must be a multiple of chunk_m={config.chunk_m}")
     if config.groups_per_step > MAX_GROUPS_PER_STEP:
         raise ValueError(f"config.groups_per_step must be at most {MAX_GROUPS_PER_STEP}, got {config.groups_per_step}")
-    chunks = math.ceil(tile_m / (config.chunk_m or tile_m))
+    chunks = row_chunks(config, m, dtype)
     if chunks * config.groups_per_step > MAX_UNROLLED_MATMULS:
         raise ValueError(
             f"config: {config.groups_per_step} group slots x {chunks} row chunks of {config.chunk_m} is more than "
@@ -136,64 +187,6 @@ def check_config(config: TileConfig, m: int, k: int, n: int, dtype) -> None:
         raise ValueError(f"config {tuple(config)} needs {needed / 2**20:.1f} MiB of VMEM, past the {VMEM_BUDGET_BYTES >> 20} MiB budget")
 
 
-def resolve(entry: dict, m: int, k: int, n: int, dtype) -> TileConfig:
-    """A table entry made concrete for `m` rows.
-
-    tile_m "m" is the whole lhs; group slots need one row tile and at least
-    as many rows as slots; chunks grow until the unrolled matmuls stay within
-    bounds.
-    """
-    sublanes = sublane_multiple(dtype)
-    tile_m = m if entry["tile_m"] == "m" else min(int(entry["tile_m"]), m)
-    groups_per_step = int(entry.get("groups_per_step", 1))
-    if tile_m < m or m < groups_per_step:
-        groups_per_step = 1
-    chunk_m = entry.get("chunk_m")
-    if chunk_m is not None:
-        max_chunks = MAX_UNROLLED_MATMULS // groups_per_step
-        chunk_m = max(int(chunk_m), round_up(math.ceil(tile_m / max_chunks), sublanes))
-        if chunk_m >= tile_m:
-            chunk_m = None
-    return TileConfig(
-        tile_m=tile_m,
-        tile_k=min(int(entry["tile_k"]), k),
-        tile_n=min(int(entry["tile_n"]), n),
-        chunk_m=chunk_m,
-        groups_per_step=groups_per_step,
-    )
-
-
-def _table_entry(m: int, k: int, n: int, num_groups: int | None, dtype, generation: str) -> dict | None:
-    """The searched entry for (k, n) whose (M, groups) bucket is nearest to (m, num_groups) in log space."""
-    from .tile_table import TABLE
-
-    candidates = [
-        entry
-        for entry in TABLE.get(generation, ())
-        if entry["k"] == k and entry["n"] == n and entry["dtype"] == jnp.dtype(dtype).name
-    ]
-    if not candidates:
-        return None
-
-    def distance(entry: dict) -> float:
-        rows = math.log2(entry["m"]) - math.log2(max(m, 1))
-        groups = 0.0 if num_groups is None else math.log2(entry["groups"]) - math.log2(max(num_groups, 1))
-        return rows * rows + groups * groups
-
-    return min(candidates, key=distance)
-
-
-def tuned_config(
-    m: int, k: int, n: int, dtype, generation: str, num_groups: int | None = None
-) -> TileConfig | None:
-    """The searched table's config for this shape, made concrete for `m`; None if the table has none that fits."""
-    entry = _table_entry(m, k, n, num_groups, dtype, check_generation(generation))
-    if entry is None:
-        return None
-    config = resolve(entry, m, k, n, dtype)
-    return config if _fits(config, m, k, n, dtype) else None
-
-
 def ridge_rows(generation: str) -> int:
     """Rows per MXU pass at which a step's matmul takes as long as streaming its weights.
 
@@ -205,13 +198,13 @@ def ridge_rows(generation: str) -> int:
 
 
 def heuristic_config(m: int, k: int, n: int, dtype, generation: str, num_groups: int | None = None) -> TileConfig:
-    """VMEM-aware fallback for shapes the table does not hold.
+    """Tiles that fit VMEM, from the shape and the generation.
 
     Weights blocks are as large as HEURISTIC_RHS_BLOCK_BYTES allows (K whole
     if it fits, else halved down to 512; N whole or halved in multiples of
     256, v6e's MXU width) so each active group's weights are fetched once per
-    N tile in few grid steps. Rows: one resident tile in HEURISTIC_CHUNK_M-row
-    chunks when the rows per group stay under `ridge_rows`, else
+    N tile in few grid steps. Rows: one resident tile in chunks of the MXU
+    width when the rows per group stay under `ridge_rows`, else
     HEURISTIC_ROW_TILE rows, else one chunk of rows; the first that fits.
     """
     generation = check_generation(generation)
@@ -226,7 +219,7 @@ def heuristic_config(m: int, k: int, n: int, dtype, generation: str, num_groups:
         tile_k = max(512, round_up(tile_k // 2, 256))
 
     rows_per_group = m / max(num_groups or 1, 1)
-    chunk = HEURISTIC_CHUNK_M
+    chunk = tpu_generation(generation).mxu_size
     tiled_m = min(HEURISTIC_ROW_TILE[generation], m)
     candidates = []
     if rows_per_group <= ridge_rows(generation):
@@ -262,17 +255,163 @@ def select_config(
     generation: str | None = None,
     num_groups: int | None = None,
 ) -> TileConfig:
-    """Tiles for `lhs[m,k] x rhs[num_groups,k,n]` on `generation` (default: the current device's).
-
-    The searched table entry of the nearest (M, groups) bucket for this (K, N)
-    and dtype, made concrete for `m`; the heuristic when the table has no
-    entry for (K, N) or the entry does not fit VMEM at this `m`.
-    """
-    generation = resolve_generation(generation)
-    config = tuned_config(m, k, n, dtype, generation, num_groups)
-    return config if config is not None else heuristic_config(m, k, n, dtype, generation, num_groups)
+    """Tiles for `lhs[m,k] x rhs[num_groups,k,n]` on `generation` (default: the current device's)."""
+    return heuristic_config(m, k, n, dtype, resolve_generation(generation), num_groups)
 
 
 def vmem_limit(config: TileConfig, m: int, k: int, n: int, dtype) -> int:
     """The scoped VMEM limit the kernel asks Mosaic for with `config`."""
     return vmem_limit_bytes(vmem_bytes(config, m, k, n, dtype))
+
+
+def expected_active_groups(rows: int, num_groups: int) -> float:
+    """Groups that receive at least one of `rows` rows routed uniformly at random: G (1 - (1 - 1/G)^rows).
+
+    What a kernel's cost estimate assumes for the weights it reads when the
+    group sizes are not known at trace time (they are data). It takes every
+    row as live: under expert-parallel router masking (most rows other ranks'
+    sentinels) it overestimates the weights read at small batches.
+    """
+    return num_groups * (1.0 - (1.0 - 1.0 / num_groups) ** rows)
+
+
+class FusedConfig(NamedTuple):
+    """Blocks of one fused experts call.
+
+    - `chunk_rows`: rows per MXU pass. An expert has at most T rows (one per
+      token that picked it), held in ceil(T / chunk_rows) chunks; chunks past
+      the expert's picks are skipped.
+    - `tile_i`: intermediate columns per grid step; the whole I unless the
+      expert's weights do not fit VMEM double-buffered, then I / n for the
+      smallest n whose blocks are aligned and fit.
+    """
+
+    chunk_rows: int
+    tile_i: int
+
+
+def fused_chunks(config: FusedConfig, tokens: int) -> int:
+    """Chunks of `chunk_rows` rows that hold an expert's rows: one per `chunk_rows` tokens."""
+    return -(-tokens // config.chunk_rows)
+
+
+def _tile_i_aligned(tile_i: int, intermediate: int, dtype, *, weights_transposed: bool, interleaved: bool,
+                    has_bias: bool) -> bool:
+    """Whether I tiles of `tile_i` make legal blocks of the weights (and biases) in their layout.
+
+    The whole I always does (a block equal to its dimension). A part does if
+    it divides I and each block's cut dimension is a multiple of its native
+    tile: 128 lanes where it is the last dimension, the sublane multiple
+    where it is the second to last.
+    """
+    if tile_i == intermediate:
+        return True
+    if intermediate % tile_i:
+        return False
+    sublanes = sublane_multiple(dtype)
+    gate_up_cut = 2 * tile_i if interleaved else tile_i
+    gate_up_multiple = LANES if weights_transposed else sublanes
+    down_multiple = sublanes if weights_transposed else LANES
+    bias_ok = not has_bias or gate_up_cut % LANES == 0
+    return gate_up_cut % gate_up_multiple == 0 and tile_i % down_multiple == 0 and bias_ok
+
+
+def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int, dtype,
+                     *, interleaved: bool, has_bias: bool) -> int:
+    """VMEM of a fused experts call: its blocks (double-buffered but the resident hidden states), scratch,
+    and the f32 values of one chunk that Mosaic keeps beside them (gate_up and down results)."""
+    f32 = jnp.float32
+    chunk, tile_i = config
+    rows = fused_chunks(config, tokens) * chunk
+    tiled_i = tile_i < intermediate
+    bias_rows = min(num_experts, BIAS_BLOCK_EXPERTS)
+    total = (
+        padded_vmem_bytes((tokens, hidden), dtype)  # hidden states, one buffer
+        + 2 * padded_vmem_bytes((tokens, hidden), dtype)  # out
+        + padded_vmem_bytes((tokens, hidden), f32)  # out accumulator
+        + 2 * padded_vmem_bytes((tokens, LANES), f32)  # the routing, resident (K <= 128 lanes, ids and weights)
+        + 2 * padded_vmem_bytes((tokens, 1), f32)  # the expert's weight and rank per token, as columns
+        + padded_vmem_bytes((tokens, tokens), f32)  # the triangle that counts the ranks
+        + 2 * padded_vmem_bytes((hidden, 2 * tile_i), dtype)  # gate_up block(s)
+        + 2 * padded_vmem_bytes((tile_i, hidden), dtype)  # down block
+        + padded_vmem_bytes((chunk, 2 * tile_i), f32) + padded_vmem_bytes((chunk, hidden), f32)  # one chunk's values
+    )
+    if has_bias:
+        total += 2 * (padded_vmem_bytes((bias_rows, 2 * tile_i), dtype) + padded_vmem_bytes((bias_rows, hidden), dtype))
+    if interleaved:
+        total += padded_vmem_bytes((2 * tile_i, chunk), f32)  # gate_up, transposed, to split even and odd rows
+    if tiled_i:
+        total += padded_vmem_bytes((rows, hidden), dtype) + padded_vmem_bytes((rows, hidden), f32)  # rows, partial out
+    return total
+
+
+def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *, weights_transposed: bool,
+                 interleaved: bool, has_bias: bool) -> FusedConfig | None:
+    """The fused kernel's blocks for this layer, or None if no I tiling fits VMEM.
+
+    Rows: T (the most one expert can get) rounded to the native sublane tile,
+    in chunks of at most FUSED_MAX_CHUNK_ROWS (more if T needs more than
+    MAX_UNROLLED_MATMULS of them). I: whole, or I / n for the smallest n that is
+    aligned (`_tile_i_aligned`) and fits VMEM_BUDGET_BYTES. Not tuned per
+    generation: decode streams each active expert's weights once whatever the
+    tiles, so they only need to fit.
+    """
+    sublanes = sublane_multiple(dtype)
+    chunk = max(min(round_up(tokens, sublanes), FUSED_MAX_CHUNK_ROWS),
+                round_up(-(-tokens // MAX_UNROLLED_MATMULS), sublanes))
+    for parts in range(1, intermediate + 1):
+        if intermediate % parts:
+            continue
+        tile_i = intermediate // parts
+        if not _tile_i_aligned(tile_i, intermediate, dtype, weights_transposed=weights_transposed,
+                               interleaved=interleaved, has_bias=has_bias):
+            continue
+        config = FusedConfig(chunk, tile_i)
+        needed = fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
+                                  has_bias=has_bias)
+        if needed <= VMEM_BUDGET_BYTES:
+            return config
+    return None
+
+
+def check_fused_config(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *,
+                       weights_transposed: bool, interleaved: bool, has_bias: bool) -> None:
+    """Raises ValueError if `config` cannot run this fused experts layer."""
+    if not isinstance(config, FusedConfig):
+        raise TypeError(f"config must be a FusedConfig, got {type(config).__name__}")
+    for name, value in config._asdict().items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"config.{name} must be a positive int, got {value!r}")
+    if fused_chunks(config, tokens) > MAX_UNROLLED_MATMULS:
+        raise ValueError(
+            f"config: {tokens} tokens make more than {MAX_UNROLLED_MATMULS} chunks of {config.chunk_rows} rows per step"
+        )
+    if config.chunk_rows % sublane_multiple(dtype):
+        raise ValueError(f"config.chunk_rows={config.chunk_rows} must be a multiple of {sublane_multiple(dtype)}")
+    if not _tile_i_aligned(config.tile_i, intermediate, dtype, weights_transposed=weights_transposed,
+                           interleaved=interleaved, has_bias=has_bias):
+        raise ValueError(
+            f"config.tile_i={config.tile_i} must be I={intermediate} or divide it into blocks aligned to the native "
+            "tile of the weights' layout"
+        )
+    needed = fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
+                              has_bias=has_bias)
+    if needed > VMEM_BUDGET_BYTES:
+        raise ValueError(f"config {tuple(config)} needs {needed / 2**20:.1f} MiB of VMEM, past the {VMEM_BUDGET_BYTES >> 20} MiB budget")
+
+
+def use_fused_experts(tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *,
+                      weights_transposed: bool, interleaved: bool, has_bias: bool) -> bool:
+    """The rule: the fused kernel for decode-sized calls (T <= FUSED_MAX_TOKENS) whose blocks fit VMEM,
+    the two grouped matmuls otherwise (see FUSED_MAX_TOKENS for why)."""
+    return tokens <= FUSED_MAX_TOKENS and fused_config(
+        tokens, hidden, intermediate, num_experts, dtype, weights_transposed=weights_transposed,
+        interleaved=interleaved, has_bias=has_bias,
+    ) is not None
+
+
+def fused_vmem_limit(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *,
+                     interleaved: bool, has_bias: bool) -> int:
+    """The scoped VMEM limit the fused kernel asks Mosaic for with `config`."""
+    return vmem_limit_bytes(fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype,
+                                             interleaved=interleaved, has_bias=has_bias))

@@ -4,9 +4,11 @@
 transformers calls on a module made by `use_experts_implementation`. Gated
 experts whose gate we know (transformers' default gate with SiLU / GELU, and
 GPT-OSS's clamped SwiGLU; concatenated or interleaved, with or without
-biases, plain or transposed weights) run as one fused JAX op; every other
-layout (custom gates, no gate, post-expert norms) composes torch ops around
-the ragged_dot op, so any valid model gets the right answer.
+biases, plain or transposed weights) run as one op, `ops.gated_experts`
+(the fused decode kernel, or two grouped matmuls for larger calls: see
+`moe.py`); every other layout (custom gates, no gate, post-expert norms)
+composes torch ops around the ragged_dot op, so any valid model gets the
+right answer.
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ def composed_experts_forward(
         out = out + self.down_proj_bias[bias_rows]
     if getattr(self, "has_post_expert_norm", False):
         out = self.post_expert_norm(out)
-    # Sentinel rows carry biases and gate offsets of a clamped expert: drop them.
+    # Sentinel rows sit past the groups: the kernels never wrote them (whatever the buffers held
+    # went through the gate and biases here). Drop them.
     out = out.masked_fill(is_sentinel, 0.0)
 
     weighted = out.float() * top_k_weights.reshape(-1)[order].float().unsqueeze(-1)

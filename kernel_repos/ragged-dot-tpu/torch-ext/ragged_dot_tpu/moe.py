@@ -1,9 +1,14 @@
 """The whole routed-experts computation of a gated MoE layer as one JAX function.
 
-Sort the token-expert picks by expert, both grouped matmuls (with per-expert
-biases if the model has them), the gate, the routing weights, the un-sort and
-the f32 sum over picks: on a TPU this is one compiled program per layer
-instead of a chain of small torch ops.
+Two ways to run it, picked by `config.use_fused_experts`:
+- decode-sized calls: one fused kernel (`pallas_fused.fused_experts`) that
+  streams each active expert's weights once and keeps everything else in VMEM;
+- larger calls: sort the picks by expert, two grouped matmuls
+  (`pallas_tpu.ragged_dot`) with the biases and the gate between them in XLA,
+  the routing weights, the un-sort and the f32 sum over picks.
+Either way, on a TPU this is one compiled program per layer instead of a
+chain of small torch ops, and expert-parallel sentinel picks
+(id == num_experts) get no kernel work.
 """
 
 from __future__ import annotations
@@ -11,41 +16,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .config import use_fused_experts
+from .gates import gated, split_gate_up
+from .pallas_fused import fused_experts
 from .pallas_tpu import ragged_dot
-
-ACTIVATIONS = {
-    "silu": jax.nn.silu,
-    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-}
-# GPT-OSS: clamped SwiGLU, `(clip(up) + 1) * g * sigmoid(alpha * g)` with g = min(gate, limit).
-CLAMPED_SWIGLU = "clamped_swiglu"
-GATES = (*ACTIVATIONS, CLAMPED_SWIGLU)
-
-
-def sort_by_expert(top_k_index: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
-    """Pick order sorted by expert, and the picks per expert.
-
-    Expert-parallel sentinels (id == num_experts) sort to the tail and belong
-    to no group, so the grouped matmuls leave their rows at zero.
-    """
-    expert_ids = top_k_index.reshape(-1)
-    order = jnp.argsort(expert_ids, stable=True)
-    counts = jnp.zeros(num_experts + 1, jnp.int32).at[expert_ids].add(1)
-    return order, counts[:num_experts]
-
-
-def apply_gate(gate_up: jax.Array, gate: str, *, interleaved: bool, alpha: float, limit: float) -> jax.Array:
-    """The gated intermediate from the f32 gate_up projection."""
-    if interleaved:
-        gate_part, up = gate_up[:, 0::2], gate_up[:, 1::2]
-    else:
-        gate_part, up = jnp.split(gate_up, 2, axis=-1)
-    if gate == CLAMPED_SWIGLU:
-        gate_part = jnp.minimum(gate_part, limit)
-        up = jnp.clip(up, -limit, limit)
-        return (up + 1.0) * gate_part * jax.nn.sigmoid(gate_part * alpha)
-    return ACTIVATIONS[gate](gate_part) * up
+from .routing import sort_by_expert
 
 
 def gated_experts(
@@ -62,6 +37,7 @@ def gated_experts(
     interleaved: bool = False,
     alpha: float = 1.0,
     limit: float = float("inf"),
+    fused: bool | None = None,
     generation: str | None = None,
 ) -> jax.Array:
     """Gated experts per pick, weighted and summed per token.
@@ -69,28 +45,69 @@ def gated_experts(
     Weights follow transformers' layouts: `gate_up_proj[E, 2I, H]` and
     `down_proj[E, H, I]`, or `[E, H, 2I]` / `[E, I, H]` when transposed. The
     gate is the first half of the gate_up output, or the even columns when
-    `interleaved`. `activation` is one of GATES.
+    `interleaved`. `activation` is one of `gates.GATES`. `fused` forces one
+    of the two paths (None: the rule, `config.use_fused_experts`);
+    `generation` picks the grouped path's tiles (None: this device's).
+    """
+    tokens, hidden = hidden_states.shape
+    intermediate = down_proj.shape[1] if weights_transposed else down_proj.shape[2]
+    gate = dict(activation=activation, weights_transposed=weights_transposed, interleaved=interleaved, alpha=alpha,
+                limit=limit)
+    if fused is None:
+        fused = use_fused_experts(tokens, hidden, intermediate, gate_up_proj.shape[0], hidden_states.dtype,
+                                  weights_transposed=weights_transposed, interleaved=interleaved,
+                                  has_bias=gate_up_bias is not None)
+    if fused:
+        return fused_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
+                             down_bias, **gate)
+    return grouped_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
+                           down_bias, **gate, generation=generation)
+
+
+def grouped_experts(
+    hidden_states: jax.Array,
+    top_k_index: jax.Array,
+    top_k_weights: jax.Array,
+    gate_up_proj: jax.Array,
+    down_proj: jax.Array,
+    gate_up_bias: jax.Array | None = None,
+    down_bias: jax.Array | None = None,
+    *,
+    activation: str,
+    weights_transposed: bool,
+    interleaved: bool = False,
+    alpha: float = 1.0,
+    limit: float = float("inf"),
+    generation: str | None = None,
+) -> jax.Array:
+    """`gated_experts` as two grouped matmuls around XLA ops (arguments as there).
+
+    The grouped matmuls compute only the rows of live picks: sentinels sort
+    to the tail, past every group, and the kernels leave those rows unwritten
+    (`zero_rows_past_groups=False`); everything that reads them here masks
+    them first. The XLA ops around the kernels (gather, gate, un-sort) are
+    shaped by all T x K picks.
     """
     num_tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[1]
     num_experts = gate_up_proj.shape[0]
     order, group_sizes = sort_by_expert(top_k_index, num_experts)
     rows = hidden_states[order // top_k]
-    # Sentinel rows sit past the groups; biases must not turn their zeros into values.
-    in_groups = (jnp.arange(rows.shape[0]) < group_sizes.sum())[:, None]
+    live = (jnp.arange(rows.shape[0]) < group_sizes.sum())[:, None]
     bias_rows = jnp.minimum(top_k_index.reshape(-1)[order], num_experts - 1)
+    grouped = dict(transpose_rhs=not weights_transposed, zero_rows_past_groups=False, generation=generation)
 
-    gate_up = ragged_dot(rows, gate_up_proj, group_sizes, transpose_rhs=not weights_transposed, generation=generation)
-    gate_up = gate_up.astype(jnp.float32)
+    gate_up = ragged_dot(rows, gate_up_proj, group_sizes, **grouped).astype(jnp.float32)
     if gate_up_bias is not None:
-        gate_up = jnp.where(in_groups, gate_up + gate_up_bias[bias_rows].astype(jnp.float32), 0.0)
-    intermediate = apply_gate(gate_up, activation, interleaved=interleaved, alpha=alpha, limit=limit)
-    out = ragged_dot(
-        intermediate.astype(hidden_states.dtype), down_proj, group_sizes,
-        transpose_rhs=not weights_transposed, generation=generation,
-    ).astype(jnp.float32)
+        gate_up = gate_up + gate_up_bias[bias_rows].astype(jnp.float32)
+    # Rows past the groups were never written: keep whatever they hold out of the gate.
+    gate_up = jnp.where(live, gate_up, 0.0)
+    gate_part, up = split_gate_up(gate_up, interleaved=interleaved)
+    intermediate = gated(gate_part, up, activation, alpha=alpha, limit=limit)
+    out = ragged_dot(intermediate.astype(hidden_states.dtype), down_proj, group_sizes, **grouped).astype(jnp.float32)
     if down_bias is not None:
-        out = jnp.where(in_groups, out + down_bias[bias_rows].astype(jnp.float32), 0.0)
+        out = out + down_bias[bias_rows].astype(jnp.float32)
+    out = jnp.where(live, out, 0.0)
     weighted = out * top_k_weights.reshape(-1)[order].astype(jnp.float32)[:, None]
     unsorted = jnp.zeros_like(weighted).at[order].set(weighted)
     return unsorted.reshape(num_tokens, top_k, hidden).sum(axis=1).astype(hidden_states.dtype)

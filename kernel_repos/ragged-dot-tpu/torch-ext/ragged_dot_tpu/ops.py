@@ -13,6 +13,7 @@ import jax
 import torch
 
 from . import moe, pallas_tpu
+from .gates import GATES
 from ._ops import add_op_namespace_prefix, jax_torch_op
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
@@ -20,12 +21,14 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @jax_torch_op(add_op_namespace_prefix("ragged_dot"))
-def _ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, transpose_rhs: bool) -> jax.Array:
-    return pallas_tpu.ragged_dot(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
+def _ragged_dot(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, transpose_rhs: bool, zero_rows_past_groups: bool
+) -> jax.Array:
+    return pallas_tpu.ragged_dot(
+        lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, zero_rows_past_groups=zero_rows_past_groups
+    )
 
 
-# The fused experts op with and without biases: two ops until the binding takes
-# optional tensors; both run the same JAX function.
 @jax_torch_op(add_op_namespace_prefix("gated_experts"))
 def _gated_experts(
     hidden_states: jax.Array,
@@ -33,27 +36,8 @@ def _gated_experts(
     top_k_weights: jax.Array,
     gate_up_proj: jax.Array,
     down_proj: jax.Array,
-    activation: str,
-    weights_transposed: bool,
-    interleaved: bool,
-    alpha: float,
-    limit: float,
-) -> jax.Array:
-    return moe.gated_experts(
-        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-        activation=activation, weights_transposed=weights_transposed, interleaved=interleaved, alpha=alpha, limit=limit,
-    )
-
-
-@jax_torch_op(add_op_namespace_prefix("gated_experts_with_bias"))
-def _gated_experts_with_bias(
-    hidden_states: jax.Array,
-    top_k_index: jax.Array,
-    top_k_weights: jax.Array,
-    gate_up_proj: jax.Array,
-    down_proj: jax.Array,
-    gate_up_bias: jax.Array,
-    down_bias: jax.Array,
+    gate_up_bias: jax.Array | None,
+    down_bias: jax.Array | None,
     activation: str,
     weights_transposed: bool,
     interleaved: bool,
@@ -130,7 +114,7 @@ def ragged_dot(
     """
     check_ragged_dot_shapes(lhs, rhs, group_sizes, transpose_rhs)
     check_group_sizes(group_sizes, lhs.shape[0])
-    return _ragged_dot(lhs, rhs, group_sizes, transpose_rhs)
+    return _ragged_dot(lhs, rhs, group_sizes, transpose_rhs, True)
 
 
 def routed_ragged_dot(
@@ -141,9 +125,11 @@ def routed_ragged_dot(
     Counts of routed picks are non-negative and sum to at most the picks (the
     rows) by construction, so only the shapes are checked: reading the sizes
     back for `check_group_sizes` would stall the device at every call.
+    Rows past the groups (expert-parallel sentinel picks) are left unwritten,
+    so they cost the kernel nothing: the caller masks them.
     """
     check_ragged_dot_shapes(lhs, rhs, group_sizes, transpose_rhs)
-    return _ragged_dot(lhs, rhs, group_sizes, transpose_rhs)
+    return _ragged_dot(lhs, rhs, group_sizes, transpose_rhs, False)
 
 
 def check_routing(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
@@ -182,8 +168,8 @@ def check_gated_experts_args(
 ) -> None:
     """The fused experts op's arguments, in transformers' weight layouts (see `moe.gated_experts`)."""
     check_routing(hidden_states, top_k_index, top_k_weights)
-    if activation not in moe.GATES:
-        raise ValueError(f"activation must be one of {moe.GATES}, got {activation!r}")
+    if activation not in GATES:
+        raise ValueError(f"activation must be one of {GATES}, got {activation!r}")
     if (gate_up_bias is None) != (down_bias is None):
         raise ValueError("pass both gate_up_bias and down_bias, or neither")
     weights = dict(gate_up_proj=gate_up_proj, down_proj=down_proj)
@@ -200,6 +186,8 @@ def check_gated_experts_args(
             f"gate_up_proj and down_proj must share one dtype, float32 or bfloat16, got {gate_up_proj.dtype} and "
             f"{down_proj.dtype}"
         )
+    if hidden_states.dtype != gate_up_proj.dtype:
+        raise TypeError(f"hidden_states dtype {hidden_states.dtype} must match the weights' dtype {gate_up_proj.dtype}")
     hidden = hidden_states.shape[1]
     if weights_transposed:
         (experts, gate_up_in, gate_up_out), (down_experts, down_in, down_out) = gate_up_proj.shape, down_proj.shape
@@ -241,10 +229,7 @@ def gated_experts(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
         activation=activation, weights_transposed=weights_transposed,
     )
-    index = top_k_index.to(torch.int32)
-    static = (activation, weights_transposed, interleaved, float(alpha), float(limit))
-    if gate_up_bias is None:
-        return _gated_experts(hidden_states, index, top_k_weights, gate_up_proj, down_proj, *static)
-    return _gated_experts_with_bias(
-        hidden_states, index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, *static
+    return _gated_experts(
+        hidden_states, top_k_index.to(torch.int32), top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
+        activation, weights_transposed, interleaved, float(alpha), float(limit),
     )

@@ -2,13 +2,17 @@
 
 `lhs[M, K]` rows are sorted by group: rows `[offsets[g], offsets[g+1])` belong
 to group `g` and are multiplied by `rhs[g]`. Rows past the last group come out
-as zeros.
+as zeros, or, with `zero_rows_past_groups=False` (an experts layer, whose rows
+past the groups are other ranks' sentinel picks), are not written at all.
 
 Schedule: the M axis is cut into row tiles of `tile_m`. A *work item* is one
 (group, row tile) pair that intersects; a row tile straddling a group boundary
 appears once per group it touches, and consecutive work items on the same row
 tile accumulate into the same resident output block. Row tiles no group
-reaches (past `sum(group_sizes)`) get one work item that only writes zeros.
+reaches (past `sum(group_sizes)`) get one work item that only writes zeros,
+or none without `zero_rows_past_groups`: then those rows cost no grid step,
+no MXU work and no HBM traffic (a call without any live row runs one empty
+item, as Pallas fetches the blocks of a grid's first step).
 The grid is `(n_tiles, steps, k_tiles)`; a step runs `groups_per_step`
 consecutive work items (each with its own copy of the `rhs` operand, so each
 fetches its own group's weights block), and the number of steps is computed
@@ -24,10 +28,24 @@ What each operand moves (the point of the schedule, for decode):
 - zero-writing tail items and idle group slots keep the blocks they had (no
   fetch) and skip the matmul: rows past the groups cost only their write.
 
-MXU work: a row tile is multiplied in static chunks of `chunk_m` rows, each
-under a `pl.when` that skips chunks outside the item's group, so padding rows
-cost at most one partial chunk per item, not a whole tile. Tile sizes come
-from `config.select_config`.
+MXU work: with `chunk_m` below the row tile, each group is multiplied in
+chunks of `chunk_m` rows laid from its first row (rounded down to the native
+sublane tile, the finest offset Mosaic slices VMEM at), each under a
+`pl.when` that skips chunks past the group's rows. So a group costs
+ceil((rows + its start's offset from the sublane grid) / chunk_m) chunks,
+wherever its rows fall: no chunk is spent on two groups at a group boundary,
+and none is split at a row tile boundary. The item of the tile where a chunk
+starts multiplies it whole: its lhs block is a window of `tile_m + chunk_m`
+rows (element offsets), and the results of rows past the tile's end go to a
+carry buffer that the next row tile's accumulator starts from. (The window's
+extra rows cost chunk_m / tile_m more lhs reads.) Without chunks, an item
+multiplies its whole row tile, masked to its group's rows.
+Tile sizes come from `config.select_config`.
+
+The CostEstimate counts what the kernel reads: the rows, the weights of the
+groups expected active for M uniformly routed rows
+(`config.expected_active_groups`: the group sizes are data, unknown when
+the call is traced) and the output.
 """
 
 from __future__ import annotations
@@ -41,7 +59,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .config import TileConfig, check_config, select_config, vmem_limit
+from ._hardware import sublane_multiple
+from .config import (
+    TileConfig, check_config, expected_active_groups, row_chunks, row_tile_rows, select_config, vmem_limit,
+)
 
 
 class WorkItems(NamedTuple):
@@ -52,6 +73,7 @@ class WorkItems(NamedTuple):
     group: jax.Array  # [max_items] int32: rhs group of each item
     row_start: jax.Array  # [max_items] int32: first row of the item's group (0 for a tail item)
     row_end: jax.Array  # [max_items] int32: one past the item's group's last row (0 for a tail item)
+    chunk_start: jax.Array  # [max_items] int32: first row of the group's first chunk that starts in the item's tile
     count: jax.Array  # [1] int32: number of real items, the size of the grid's work-item axis
 
 
@@ -59,7 +81,11 @@ def max_work_items(m: int, num_groups: int, tile_m: int) -> int:
     return pl.cdiv(m, tile_m) + num_groups - 1
 
 
-def make_work_items(group_sizes: jax.Array, m: int, tile_m: int) -> WorkItems:
+def make_work_items(
+    group_sizes: jax.Array, m: int, tile_m: int, zero_rows_past_groups: bool = True, chunk_m: int | None = None,
+    align: int = 8,
+) -> WorkItems:
+    """Work items of a call; `chunk_m` and `align` lay each group's chunks (module docstring)."""
     num_groups = group_sizes.shape[0]
     m_tiles = pl.cdiv(m, tile_m)
     capacity = max_work_items(m, num_groups, tile_m)
@@ -78,7 +104,8 @@ def make_work_items(group_sizes: jax.Array, m: int, tile_m: int) -> WorkItems:
     # Items are laid out group by group, then the untouched tail tiles.
     group_item_end = jnp.cumsum(tiles_per_group)
     group_items = group_item_end[-1]
-    count = group_items + untouched_tiles
+    # Without any item (no live row, tail not zeroed) the grid still runs one empty item.
+    count = jnp.maximum(group_items + untouched_tiles, 1) if zero_rows_past_groups else jnp.maximum(group_items, 1)
 
     item = jnp.arange(capacity, dtype=jnp.int32)
     in_groups = item < group_items
@@ -86,6 +113,14 @@ def make_work_items(group_sizes: jax.Array, m: int, tile_m: int) -> WorkItems:
     item_group_begin = group_item_end[item_group] - tiles_per_group[item_group]
     group_tile = first_tile[item_group] + (item - item_group_begin)
     tail_tile = first_untouched_tile + (item - group_items)
+
+    # A group's chunks start every chunk_m rows from its first row on the sublane grid; the item's
+    # first is the first of them at or past its tile's first row (tile-relative).
+    chunk = chunk_m or tile_m
+    chunk_base = starts[item_group] // align * align
+    tile_start = group_tile * tile_m
+    behind = tile_start - chunk_base
+    chunk_start = jnp.where(behind <= 0, -behind, (chunk - behind % chunk) % chunk)
 
     # Tail items keep the lhs and rhs blocks of the last group item, so they fetch nothing new.
     last_nonempty_group = jnp.max(jnp.where(nonempty, jnp.arange(num_groups), 0))
@@ -96,13 +131,9 @@ def make_work_items(group_sizes: jax.Array, m: int, tile_m: int) -> WorkItems:
         group=jnp.where(in_groups, item_group, last_nonempty_group).astype(jnp.int32),
         row_start=jnp.where(in_groups, starts[item_group], 0).astype(jnp.int32),
         row_end=jnp.where(in_groups, ends[item_group], 0).astype(jnp.int32),
+        chunk_start=jnp.where(in_groups, chunk_start, 0).astype(jnp.int32),
         count=count.astype(jnp.int32).reshape(1),
     )
-
-
-def _row_chunks(tile_m: int, chunk_m: int) -> list[tuple[int, int]]:
-    """Static (first row, rows) of each compute chunk of a row tile; the last one may be shorter."""
-    return [(first, min(chunk_m, tile_m - first)) for first in range(0, tile_m, chunk_m)]
 
 
 def _step_item(step, slot: int, groups_per_step: int, count):
@@ -124,35 +155,72 @@ def _body(
     group_ref,
     row_start_ref,
     row_end_ref,
+    chunk_start_ref,
     count_ref,
     lhs_ref,
     *refs,
     k: int,
     tile_k: int,
-    chunk_m: int,
+    chunk_m: int | None,
     groups_per_step: int,
     transpose_rhs: bool,
     precision,
 ):
     del lhs_tile_ref, group_ref  # used by the index maps only
-    rhs_refs, (out_ref, acc_ref) = refs[:groups_per_step], refs[groups_per_step:]
+    rhs_refs, (out_ref, acc_ref, *carry) = refs[:groups_per_step], refs[groups_per_step:]
+    carry_ref = carry[0] if chunk_m else None  # [2 chunk_m, tile_n]: rows [tile_m - chunk_m, tile_m + chunk_m)
     step = pl.program_id(1)
     steps = pl.num_programs(1)
     k_step = pl.program_id(2)
     count = count_ref[0]
-    tile_m = lhs_ref.shape[0]
+    tile_m = acc_ref.shape[0]
+    align = sublane_multiple(lhs_ref.dtype)
     # Every slot of a step works on the same row tile (the kernel wrapper checks it).
     first_item = step * groups_per_step
     row_tile = row_tile_ref[first_item]
+    tile_start = row_tile * tile_m
     starts_row_tile = jnp.logical_or(step == 0, row_tile != row_tile_ref[jnp.maximum(first_item - groups_per_step, 0)])
     next_item = jnp.minimum(first_item + groups_per_step, count - 1)
     ends_row_tile = jnp.logical_or(step == steps - 1, row_tile_ref[next_item] != row_tile)
 
+    if chunk_m:
+
+        @pl.when(jnp.logical_and(k_step == 0, step == 0))
+        def _():
+            carry_ref[...] = jnp.zeros_like(carry_ref)
+
     @pl.when(jnp.logical_and(k_step == 0, starts_row_tile))
     def _():
         acc_ref[...] = jnp.zeros_like(acc_ref)
+        if chunk_m:
+            # Rows of the previous tile's last chunks that ran into this tile.
+            acc_ref[:chunk_m, :] = carry_ref[chunk_m:, :]
+            carry_ref[...] = jnp.zeros_like(carry_ref)
 
     k_columns_ragged = k % tile_k != 0
+
+    def multiply(rhs_ref, start, rows: int, keep):
+        """lhs rows [start, start + rows) x rhs, with rows not `keep` taken as zero; `start` on the sublane grid."""
+        lhs = lhs_ref[pl.ds(start, rows), :]
+        rhs = rhs_ref[...]
+        # Select, not multiply: rows and K columns outside the data may hold
+        # garbage (NaN), and 0 * NaN is NaN.
+        if k_columns_ragged:
+            col = k_step * tile_k + lax.broadcasted_iota(jnp.int32, (1, tile_k), 1)
+            keep = jnp.logical_and(keep, col < k)
+            rhs_k_axis = 1 if transpose_rhs else 0
+            rhs_k = k_step * tile_k + lax.broadcasted_iota(jnp.int32, rhs.shape, rhs_k_axis)
+            rhs = jnp.where(rhs_k < k, rhs, jnp.zeros_like(rhs))
+        lhs = jnp.where(keep, lhs, jnp.zeros_like(lhs))
+        contract_rhs = 1 if transpose_rhs else 0
+        return lax.dot_general(
+            lhs,
+            rhs,
+            (((1,), (contract_rhs,)), ((), ())),
+            preferred_element_type=jnp.float32,
+            precision=precision,
+        )
+
     for slot, rhs_ref in enumerate(rhs_refs):
         item = first_item + slot
         # An idle slot (past the last item) and a tail item (rows past every
@@ -161,41 +229,45 @@ def _body(
         # hides these predicates from the traffic model's per-step evaluation.
         real = item < count
         zero = jnp.int32(0)
-        row_start = lax.select(real, row_start_ref[jnp.minimum(item, count - 1)], zero)
-        row_end = lax.select(real, row_end_ref[jnp.minimum(item, count - 1)], zero)
-        for first, rows in _row_chunks(tile_m, chunk_m):
-            chunk_start = row_tile * tile_m + first
+        last_real = jnp.minimum(item, count - 1)
+        row_start = lax.select(real, row_start_ref[last_real], zero)
+        row_end = lax.select(real, row_end_ref[last_real], zero)
+        if not chunk_m:
 
-            # Chunks outside the group's rows skip the MXU: padding rows cost nothing there.
-            @pl.when(jnp.logical_and(chunk_start < row_end, chunk_start + rows > row_start))
-            def _(rhs_ref=rhs_ref, first=first, rows=rows, chunk_start=chunk_start, row_start=row_start,
-                  row_end=row_end):
-                row = chunk_start + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+            @pl.when(jnp.logical_and(row_start < tile_start + tile_m, row_end > tile_start))
+            def _(rhs_ref=rhs_ref, row_start=row_start, row_end=row_end):
+                row = tile_start + lax.broadcasted_iota(jnp.int32, (tile_m, 1), 0)
                 keep = jnp.logical_and(row >= row_start, row < row_end)
-                lhs = lhs_ref[first : first + rows, :]
-                rhs = rhs_ref[...]
-                # Select, not multiply: rows and K columns outside the data may
-                # hold garbage (NaN), and 0 * NaN is NaN.
-                if k_columns_ragged:
-                    col = k_step * tile_k + lax.broadcasted_iota(jnp.int32, (1, tile_k), 1)
-                    keep = jnp.logical_and(keep, col < k)
-                    rhs_k_axis = 1 if transpose_rhs else 0
-                    rhs_k = k_step * tile_k + lax.broadcasted_iota(jnp.int32, rhs.shape, rhs_k_axis)
-                    rhs = jnp.where(rhs_k < k, rhs, jnp.zeros_like(rhs))
-                lhs = jnp.where(keep, lhs, jnp.zeros_like(lhs))
-                contract_rhs = 1 if transpose_rhs else 0
-                acc_ref[first : first + rows, :] += lax.dot_general(
-                    lhs,
-                    rhs,
-                    (((1,), (contract_rhs,)), ((), ())),
-                    preferred_element_type=jnp.float32,
-                    precision=precision,
-                )
+                acc_ref[...] += multiply(rhs_ref, 0, tile_m, keep)
+
+            continue
+        chunk_start = chunk_start_ref[last_real]
+        # The item's chunks start in its tile: at most tile_m / chunk_m of them.
+        for chunk in range(tile_m // chunk_m):
+            start = chunk_start + chunk * chunk_m  # tile-relative, on the sublane grid
+
+            # Chunks past the group's rows (or starting in the next tile) skip the MXU.
+            @pl.when(jnp.logical_and(start < tile_m, tile_start + start < row_end))
+            def _(rhs_ref=rhs_ref, start=start, row_start=row_start, row_end=row_end):
+                start = pl.multiple_of(start, align)
+                row = tile_start + start + lax.broadcasted_iota(jnp.int32, (chunk_m, 1), 0)
+                product = multiply(rhs_ref, start, chunk_m, jnp.logical_and(row >= row_start, row < row_end))
+
+                @pl.when(start + chunk_m <= tile_m)
+                def _():
+                    acc_ref[pl.ds(start, chunk_m), :] += product
+
+                @pl.when(start + chunk_m > tile_m)
+                def _():
+                    carry_start = pl.multiple_of(start - (tile_m - chunk_m), align)
+                    carry_ref[pl.ds(carry_start, chunk_m), :] += product
 
     # The output block is copied out only when the row tile changes, so it is
     # filled once, at the last step on its row tile.
     @pl.when(jnp.logical_and(k_step == pl.num_programs(2) - 1, ends_row_tile))
     def _():
+        if chunk_m:
+            acc_ref[tile_m - chunk_m :, :] += carry_ref[:chunk_m, :]
         out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
 
@@ -205,11 +277,14 @@ def ragged_dot(
     group_sizes: jax.Array,
     *,
     transpose_rhs: bool = False,
+    zero_rows_past_groups: bool = True,
     config: TileConfig | None = None,
     generation: str | None = None,
 ) -> jax.Array:
     """`lhs[M,K] x rhs[G,K,N] (or [G,N,K] with transpose_rhs) -> [M,N]` per row group.
 
+    Rows past `sum(group_sizes)` come out as zeros, or are left unwritten
+    (whatever the output buffer held) with `zero_rows_past_groups=False`.
     Inputs are assumed valid: the torch ops check them (`ops.py`); `group_sizes`
     is int32 and sums to at most M.
     """
@@ -219,10 +294,10 @@ def ragged_dot(
     if config is None:
         config = select_config(m, k, n, lhs.dtype, generation=generation, num_groups=num_groups)
     check_config(config, m, k, n, lhs.dtype)
-    tile_m, tile_k, tile_n = min(config.tile_m, m), min(config.tile_k, k), min(config.tile_n, n)
-    chunk_m = min(config.chunk_m or tile_m, tile_m)
+    tile_m, tile_k, tile_n = row_tile_rows(config, m, lhs.dtype), min(config.tile_k, k), min(config.tile_n, n)
+    chunk_m = config.chunk_m if row_chunks(config, m, lhs.dtype) > 1 else None
     groups_per_step = config.groups_per_step
-    items = make_work_items(group_sizes, m, tile_m)
+    items = make_work_items(group_sizes, m, tile_m, zero_rows_past_groups, chunk_m, sublane_multiple(lhs.dtype))
     count = items.count[0]
     k_tiles = pl.cdiv(k, tile_k)
     grid = (pl.cdiv(n, tile_n), pl.cdiv(count, groups_per_step), k_tiles)
@@ -232,11 +307,14 @@ def ragged_dot(
     def k_block(item, k_step, row_start, row_end):
         return jnp.where(row_end[item] > row_start[item], k_step, k_tiles - 1)
 
-    def lhs_index(n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, count):
+    def lhs_index(n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, chunk_start, count):
         item = step * groups_per_step
+        if chunk_m:  # element offsets of the window; with one K tile a literal 0, which Mosaic sees is aligned
+            k_offset = 0 if k_tiles == 1 else k_block(item, k_step, row_start, row_end) * tile_k
+            return lhs_tile[item] * tile_m, k_offset
         return lhs_tile[item], k_block(item, k_step, row_start, row_end)
 
-    def rhs_index(slot, n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, count):
+    def rhs_index(slot, n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, chunk_start, count):
         item = _step_item(step, slot, groups_per_step, count[0])
         k_index = k_block(item, k_step, row_start, row_end)
         if groups_per_step > 1:
@@ -245,14 +323,19 @@ def ragged_dot(
             return group[item], n_step, k_index
         return group[item], k_index, n_step
 
-    def out_index(n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, count):
+    def out_index(n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, chunk_start, count):
         return row_tile[step * groups_per_step], n_step
 
-    if (tile_m, tile_k) == (m, k):
-        # The whole lhs is one block that never moves: one buffer, not two.
-        lhs_spec = pl.BlockSpec((tile_m, tile_k), lhs_index, pipeline_mode=pl.Buffered(1))
+    if chunk_m:
+        # A window of the tile and the next chunk_m rows; past the array's end it is padding, never used.
+        lhs_block = (pl.Element(tile_m + chunk_m, (0, tile_m + chunk_m)), pl.Element(tile_k, (0, tile_k)))
     else:
-        lhs_spec = pl.BlockSpec((tile_m, tile_k), lhs_index)
+        lhs_block = (tile_m, tile_k)
+    if tile_m >= m and tile_k == k:
+        # The whole lhs is one block that never moves: one buffer, not two.
+        lhs_spec = pl.BlockSpec(lhs_block, lhs_index, pipeline_mode=pl.Buffered(1))
+    else:
+        lhs_spec = pl.BlockSpec(lhs_block, lhs_index)
     rhs_block = (None, tile_n, tile_k) if transpose_rhs else (None, tile_k, tile_n)
     rhs_specs = [pl.BlockSpec(rhs_block, functools.partial(rhs_index, slot)) for slot in range(groups_per_step)]
     precision = lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else lax.Precision.DEFAULT
@@ -266,6 +349,8 @@ def ragged_dot(
         precision=precision,
     )
     itemsize = jnp.dtype(lhs.dtype).itemsize
+    # A resident lhs is read once; tiled, once per N tile (and chunk_m more rows per row tile).
+    lhs_reads = 1 if tile_m >= m and tile_k == k else grid[0] * (1 + (chunk_m or 0) / tile_m)
     call = pl.pallas_call(
         body,
         out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
@@ -274,7 +359,8 @@ def ragged_dot(
             grid=grid,
             in_specs=[lhs_spec, *rhs_specs],
             out_specs=pl.BlockSpec((tile_m, tile_n), out_index),
-            scratch_shapes=[pltpu.VMEM((tile_m, tile_n), jnp.float32)],
+            scratch_shapes=[pltpu.VMEM((tile_m, tile_n), jnp.float32)]
+            + ([pltpu.VMEM((2 * chunk_m, tile_n), jnp.float32)] if chunk_m else []),
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
@@ -283,7 +369,7 @@ def ragged_dot(
         cost_estimate=pl.CostEstimate(
             flops=2 * m * k * n,
             transcendentals=0,
-            bytes_accessed=(m * k + num_groups * k * n + m * n) * itemsize,
+            bytes_accessed=int((m * k * lhs_reads + expected_active_groups(m, num_groups) * k * n + m * n) * itemsize),
         ),
         name="ragged_dot",
     )

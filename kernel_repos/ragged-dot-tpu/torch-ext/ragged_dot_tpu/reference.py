@@ -18,3 +18,52 @@ def ragged_dot_reference(
         out[start : start + size] = lhs[start : start + size].double() @ weight
         start += size
     return out.to(lhs.dtype)
+
+
+def gated_experts_reference(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    *,
+    activation: str,
+    weights_transposed: bool,
+    interleaved: bool = False,
+    alpha: float = 1.0,
+    limit: float = float("inf"),
+) -> torch.Tensor:
+    """The gated experts layer pick by pick in float64; picks with id == num_experts contribute nothing.
+
+    Layouts and arguments as `moe.gated_experts`.
+    """
+    num_experts = gate_up_proj.shape[0]
+    out = torch.zeros(hidden_states.shape, dtype=torch.float64)
+    for token, picks in enumerate(top_k_index.tolist()):
+        for k, expert in enumerate(picks):
+            if expert == num_experts:
+                continue
+            gate_up_weight, down_weight = gate_up_proj[expert].double(), down_proj[expert].double()
+            if not weights_transposed:
+                gate_up_weight, down_weight = gate_up_weight.T, down_weight.T
+            gate_up = hidden_states[token].double() @ gate_up_weight
+            if gate_up_bias is not None:
+                gate_up = gate_up + gate_up_bias[expert].double()
+            gate, up = (gate_up[0::2], gate_up[1::2]) if interleaved else gate_up.chunk(2)
+            if activation == "clamped_swiglu":
+                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+                intermediate = (up + 1) * gate * torch.sigmoid(gate * alpha)
+            else:
+                act = {
+                    "silu": torch.nn.functional.silu,
+                    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+                    "gelu": torch.nn.functional.gelu,
+                }[activation]
+                intermediate = act(gate) * up
+            row = intermediate @ down_weight
+            if down_bias is not None:
+                row = row + down_bias[expert].double()
+            out[token] += float(top_k_weights[token, k]) * row
+    return out

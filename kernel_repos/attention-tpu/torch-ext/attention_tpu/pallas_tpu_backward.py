@@ -1,0 +1,393 @@
+"""Flash-attention backward for TPU in Pallas: dq in one kernel, dk and dv in another.
+
+Both kernels recompute the probabilities of each (query block, KV block) tile
+from q, k and the forward's log-sum-exp (p = exp(logit - lse); the sink is
+inside lse), with delta = rowsum(d_out * out) precomputed once:
+
+    dP = d_out V^T,   dS = P * (dP - delta),   dq = scale * dS' K,
+    dV = P^T d_out,   dk = scale * dS'^T q,    dS' = dS * (1 - tanh^2) under a soft-cap.
+
+* dq kernel, grid (batch, kv_head block, q_block, kv_step): the forward's
+  structure. A step handles `kv_heads_per_step` KV heads and their groups of
+  query heads against one K/V block each and accumulates dq in float32
+  scratch; per query block it walks only the KV blocks holding a visible key
+  (scalar-prefetched ranges, clamped index maps: no compute and no fetch
+  outside them).
+* dk/dv kernel, grid (batch, kv_head block, kv_block, q_step): per KV block it
+  walks only the query blocks holding a query that sees one of its keys, and
+  every query head of the group, accumulating dk and dv in float32 scratch.
+  Its tiles are computed transposed, [block_kv, block_q] (S^T = K q^T), so
+  that every matmul is a plain or right-transposed one and lse and delta
+  arrive as lane-major rows.
+* Several KV heads per step keep a step's MXU work well above the per-step
+  overhead when groups are small (Gemma-4: 2 query heads per KV head), which
+  lets windowed layers use small tiles: tiles straddling a window's edges
+  compute masked pairs in proportion to their size.
+* Sinks: p_sink = exp(sink - lse) per row, d_sink = -sum over rows of
+  p_sink * delta (plain JAX on [B, Hq, Sq] arrays, outside the kernels).
+* Masking is the forward's (`masking.py`); tiles entirely inside the visible
+  region skip it. Where a tile mixes rows (dq: key rows in dS K; dk/dv: query
+  rows in P^T d_out and dS^T q) rows past the valid lengths are zeroed first,
+  so NaN past an array's end never reaches a gradient, and a query row that
+  sees nothing (lse = -inf) gets zero probabilities, not NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from . import masking
+from .config import AttentionConfig, BackwardConfig, check_backward_config, select_backward_config
+from .masking import Prepared, Problem
+
+NT = (((1,), (1,)), ((), ()))  # a @ b.T
+NN = (((1,), (0,)), ((), ()))  # a @ b
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+    block_q: int
+    block_kv: int
+    num_q_blocks: int
+    num_kv_blocks: int
+    num_steps: int  # grid length of the walked axis (KV blocks for dq, query blocks for dk/dv)
+
+
+def _dot(a, b, dims, problem: Problem):
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=problem.precision)
+
+
+def _finite_lse(lse):
+    # A row that sees no key has lse = -inf and only invisible entries; any finite value keeps exp() from NaN.
+    return jnp.where(lse == -jnp.inf, 0.0, lse)
+
+
+def _kv_head(s, group: int):
+    """The KV head of a step's query head s (s >= 0). lax.div, not //: Mosaic lowers floor division through
+    sign(), whose rule asks the attached device for its TPU generation, so an ahead-of-time compile on a
+    host without a TPU fails."""
+    return jax.lax.div(s, group)
+
+
+def _loop_over_heads(num_heads: int, head) -> None:
+    """head(s) for every query head s of the step (its KV head is s // group)."""
+    if num_heads == 1:
+        head(0)
+        return
+
+    def body(s, carry):
+        head(s)
+        return carry
+
+    jax.lax.fori_loop(0, num_heads, body, None)
+
+
+def _dq_kernel(
+    q_offset_ref, kv_valid_ref, block_lo_ref, block_hi_ref,
+    q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *rest,
+    problem: Problem, tiles: _Tiles,
+):
+    mask_ref = rest[0] if problem.mask_kind is not None else None
+    dq_ref, acc_ref = rest[-2:]
+    b, qi, kv_step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    slot = b * tiles.num_q_blocks + qi
+    kv_block = block_lo_ref[slot] + kv_step
+    q_offset, kv_valid = q_offset_ref[b], kv_valid_ref[b]
+    block_q, block_kv, head_dim = tiles.block_q, tiles.block_kv, problem.head_dim
+
+    @pl.when(kv_step == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    key_start = kv_block * block_kv
+    q_first, q_last = masking.query_block_positions(problem, q_offset, qi, block_q)
+    needs_mask = masking.tile_needs_mask(
+        problem, key_start=key_start, block_kv=block_kv, kv_valid=kv_valid, q_first=q_first, q_last=q_last
+    )
+
+    def step(apply_mask: bool):
+        visible = bias = key_rows = None
+        if apply_mask:
+            key_pos = key_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1)
+            query_pos = q_first + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 0)
+            visible = masking.positional_visibility(problem, query_pos, key_pos, kv_valid)
+            if mask_ref is not None:
+                allowed, bias = masking.explicit_mask(problem, mask_ref[...])
+                visible = visible & allowed
+            key_rows = key_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0) < kv_valid
+
+        def head(s):
+            kv_head = _kv_head(s, problem.group)
+            k, v = k_ref[kv_head], v_ref[kv_head]
+            if key_rows is not None:
+                # dS K mixes key rows: rows past the valid keys (anything, NaN included) must be zero.
+                k = jnp.where(key_rows, k, jnp.zeros_like(k))
+                v = jnp.where(key_rows, v, jnp.zeros_like(v))
+            capped = masking.capped_logits(problem, _dot(q_ref[s], k, NT, problem))
+            logits = capped if bias is None else capped + bias
+            lse = _finite_lse(lse_ref[s].reshape(block_q, 1))
+            p = jnp.exp(logits - lse)
+            if visible is not None:
+                p = jnp.where(visible, p, 0.0)
+            dp = _dot(d_out_ref[s], v, NT, problem)
+            ds = p * (dp - delta_ref[s].reshape(block_q, 1))
+            if problem.softcap is not None:
+                ds = ds * masking.softcap_slope(problem, capped)
+            acc_ref[s] += _dot(ds.astype(k.dtype), k, NN, problem)
+
+        _loop_over_heads(acc_ref.shape[0], head)
+
+    masking.run_tile(kv_block <= block_hi_ref[slot], needs_mask, step)
+
+    @pl.when(kv_step == tiles.num_steps - 1)
+    def _finalize():
+        dq_ref[...] = (acc_ref[...] * problem.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(
+    q_offset_ref, kv_valid_ref, block_lo_ref, block_hi_ref,
+    q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *rest,
+    problem: Problem, tiles: _Tiles,
+):
+    mask_ref = rest[0] if problem.mask_kind is not None else None
+    dk_ref, dv_ref, dk_acc_ref, dv_acc_ref = rest[-4:]
+    b, kj, q_step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    slot = b * tiles.num_kv_blocks + kj
+    qi = block_lo_ref[slot] + q_step
+    q_offset, kv_valid = q_offset_ref[b], kv_valid_ref[b]
+    block_q, block_kv, head_dim = tiles.block_q, tiles.block_kv, problem.head_dim
+
+    @pl.when(q_step == 0)
+    def _init():
+        dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)
+        dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)
+
+    key_start = kj * block_kv
+    q_first, q_last = masking.query_block_positions(problem, q_offset, qi, block_q)
+    needs_mask = masking.tile_needs_mask(
+        problem, key_start=key_start, block_kv=block_kv, kv_valid=kv_valid, q_first=q_first, q_last=q_last
+    )
+    if needs_mask is not True:
+        # Also a ragged last query block: its rows past the query length mix into dk and dv.
+        needs_mask = needs_mask | ((qi + 1) * block_q > problem.q_len)
+
+    def step(apply_mask: bool):
+        visible = bias = query_rows = None
+        if apply_mask:
+            # Tiles are [block_kv, block_q]: keys along sublanes, queries along lanes.
+            key_pos = key_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv, block_q), 0)
+            query_index = qi * block_q + jax.lax.broadcasted_iota(jnp.int32, (block_kv, block_q), 1)
+            visible = masking.positional_visibility(problem, q_offset + query_index, key_pos, kv_valid)
+            visible = visible & (query_index < problem.q_len)
+            if mask_ref is not None:
+                allowed, bias = masking.explicit_mask(problem, mask_ref[...].T)
+                visible = visible & allowed
+            query_rows = qi * block_q + jax.lax.broadcasted_iota(jnp.int32, (block_q, head_dim), 0) < problem.q_len
+
+        def head(s):
+            kv_head = _kv_head(s, problem.group)
+            k, v = k_ref[kv_head], v_ref[kv_head]
+            q, d_out = q_ref[s], d_out_ref[s]
+            if query_rows is not None:
+                # P^T d_out and dS^T q mix query rows: rows past the query length must be zero.
+                q = jnp.where(query_rows, q, jnp.zeros_like(q))
+                d_out = jnp.where(query_rows, d_out, jnp.zeros_like(d_out))
+            capped = masking.capped_logits(problem, _dot(k, q, NT, problem))
+            logits = capped if bias is None else capped + bias
+            p = jnp.exp(logits - _finite_lse(lse_ref[s]))
+            if visible is not None:
+                p = jnp.where(visible, p, 0.0)
+            dv_acc_ref[kv_head] += _dot(p.astype(d_out.dtype), d_out, NN, problem)
+            ds = p * (_dot(v, d_out, NT, problem) - delta_ref[s])
+            if problem.softcap is not None:
+                ds = ds * masking.softcap_slope(problem, capped)
+            if visible is not None:
+                # Keys past the valid length may hold NaN (so do their dP rows and slopes): 0 * NaN is NaN.
+                ds = jnp.where(visible, ds, 0.0)
+            dk_acc_ref[kv_head] += _dot(ds.astype(q.dtype), q, NN, problem)
+
+        _loop_over_heads(q_ref.shape[0], head)
+
+    masking.run_tile(qi <= block_hi_ref[slot], needs_mask, step)
+
+    @pl.when(q_step == tiles.num_steps - 1)
+    def _finalize():
+        dk_ref[...] = (dk_acc_ref[...] * problem.scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)
+
+
+def _cost(problem: Problem, matmuls: int, bytes_accessed: int) -> pl.CostEstimate:
+    pairs = problem.batch * problem.q_heads * masking.static_visible_pairs(problem)
+    return pl.CostEstimate(
+        flops=int(2 * matmuls * pairs * problem.head_dim),
+        transcendentals=int(pairs * (2 if problem.softcap is not None else 1)),
+        bytes_accessed=int(bytes_accessed),
+    )
+
+
+def _compiler_params(config: AttentionConfig):
+    return pltpu.CompilerParams(
+        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+        vmem_limit_bytes=config.vmem_limit_bytes,
+    )
+
+
+def _dq_call(q, k, v, d_out, lse, delta, problem: Problem, prepared: Prepared, config: AttentionConfig):
+    batch, q_heads, q_len, head_dim = q.shape
+    block_q, block_kv = config.block_q, config.block_kv
+    nq, nkv = pl.cdiv(q_len, block_q), pl.cdiv(problem.kv_len, block_kv)
+    tiles = _Tiles(block_q, block_kv, nq, nkv, masking.kv_steps(problem, nkv, block_q, block_kv))
+    block_lo, block_hi = masking.kv_block_ranges(problem, prepared, block_q, block_kv)
+
+    def q_index_map(b, h, qi, kv_step, *_):
+        return (b, h, qi, 0)
+
+    def row_index_map(b, h, qi, kv_step, *_):
+        return (b, h, 0, qi)
+
+    def kv_index_map(b, h, qi, kv_step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
+        return (b, h, masking.block_of_step(lo_ref, hi_ref, b * nq + qi, kv_step), 0)
+
+    heads = config.kv_heads_per_step
+    q_spec = pl.BlockSpec((None, heads * problem.group, block_q, head_dim), q_index_map)
+    row_spec = pl.BlockSpec((None, heads * problem.group, 1, block_q), row_index_map)
+    kv_spec = pl.BlockSpec((None, heads, block_kv, head_dim), kv_index_map)
+    in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+    operands = [q, k, v, d_out, lse, delta]
+    if prepared.mask is not None:
+        broadcast_batch = problem.mask_batch == 1
+
+        def mask_index_map(b, h, qi, kv_step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
+            return (0 if broadcast_batch else b, 0, qi, masking.block_of_step(lo_ref, hi_ref, b * nq + qi, kv_step))
+
+        in_specs.append(pl.BlockSpec((None, None, block_q, block_kv), mask_index_map))
+        operands.append(prepared.mask)
+    itemsize = jnp.dtype(q.dtype).itemsize
+    passes = masking.static_kv_passes(problem, block_q, block_kv)
+    bytes_accessed = 3 * q.size * itemsize + 2 * k.size * itemsize * passes + 2 * lse.size * 4
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, problem=problem, tiles=tiles),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(batch, problem.kv_heads // heads, nq, tiles.num_steps),
+            in_specs=in_specs,
+            out_specs=q_spec,
+            scratch_shapes=[pltpu.VMEM((heads * problem.group, block_q, head_dim), jnp.float32)],
+        ),
+        compiler_params=_compiler_params(config),
+        cost_estimate=_cost(problem, 3, bytes_accessed),
+        name="attention_tpu_flash_dq",
+    )(prepared.q_offset, prepared.kv_valid, block_lo, block_hi, *operands)
+
+
+def _dkv_call(q, k, v, d_out, lse, delta, problem: Problem, prepared: Prepared, config: AttentionConfig):
+    batch, q_heads, q_len, head_dim = q.shape
+    block_q, block_kv = config.block_q, config.block_kv
+    nq, nkv = pl.cdiv(q_len, block_q), pl.cdiv(problem.kv_len, block_kv)
+    tiles = _Tiles(block_q, block_kv, nq, nkv, masking.q_steps(problem, nq, block_q, block_kv))
+    block_lo, block_hi = masking.q_block_ranges(problem, prepared, block_q, block_kv)
+
+    def q_block(b, kj, q_step, lo_ref, hi_ref):
+        return masking.block_of_step(lo_ref, hi_ref, b * nkv + kj, q_step)
+
+    def q_index_map(b, h, kj, q_step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
+        return (b, h, q_block(b, kj, q_step, lo_ref, hi_ref), 0)
+
+    def row_index_map(b, h, kj, q_step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
+        return (b, h, 0, q_block(b, kj, q_step, lo_ref, hi_ref))
+
+    def kv_index_map(b, h, kj, q_step, *_):
+        return (b, h, kj, 0)
+
+    heads = config.kv_heads_per_step
+    q_spec = pl.BlockSpec((None, heads * problem.group, block_q, head_dim), q_index_map)
+    row_spec = pl.BlockSpec((None, heads * problem.group, 1, block_q), row_index_map)
+    kv_spec = pl.BlockSpec((None, heads, block_kv, head_dim), kv_index_map)
+    in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+    operands = [q, k, v, d_out, lse, delta]
+    if prepared.mask is not None:
+        broadcast_batch = problem.mask_batch == 1
+
+        def mask_index_map(b, h, kj, q_step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
+            return (0 if broadcast_batch else b, 0, q_block(b, kj, q_step, lo_ref, hi_ref), kj)
+
+        in_specs.append(pl.BlockSpec((None, None, block_q, block_kv), mask_index_map))
+        operands.append(prepared.mask)
+    itemsize = jnp.dtype(q.dtype).itemsize
+    passes = masking.static_kv_passes(problem, block_q, block_kv)  # symmetric: q/d_out passes per KV block
+    bytes_accessed = 2 * q.size * itemsize * passes + 4 * k.size * itemsize + 2 * lse.size * 4 * passes
+    kv_shape = jax.ShapeDtypeStruct(k.shape, k.dtype)
+    return pl.pallas_call(
+        functools.partial(_dkv_kernel, problem=problem, tiles=tiles),
+        out_shape=(kv_shape, kv_shape),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(batch, problem.kv_heads // heads, nkv, tiles.num_steps),
+            in_specs=in_specs,
+            out_specs=(kv_spec, kv_spec),
+            scratch_shapes=[pltpu.VMEM((heads, block_kv, head_dim), jnp.float32)] * 2,
+        ),
+        compiler_params=_compiler_params(config),
+        cost_estimate=_cost(problem, 4, bytes_accessed),
+        name="attention_tpu_flash_dkv",
+    )(prepared.q_offset, prepared.kv_valid, block_lo, block_hi, *operands)
+
+
+def flash_attention_backward(
+    d_out: jax.Array,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    out: jax.Array,
+    lse: jax.Array,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    q_offset: int | jax.Array | None = None,
+    kv_lengths: jax.Array | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    attention_mask: jax.Array | None = None,
+    sinks: jax.Array | None = None,
+    config: BackwardConfig | None = None,
+    generation: str | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """(dq, dk, dv, d_sinks or None) of `pallas_tpu.flash_attention` given d_out = dL/d out.
+
+    `out` and `lse` are what `flash_attention_forward` returned for the same
+    inputs and options. Keys past kv_lengths get zero gradients; so do the
+    rows of queries that see nothing.
+    """
+    problem, prepared = masking.prepare(
+        q, k, scale=scale, causal=causal, q_offset=q_offset, kv_lengths=kv_lengths, sliding_window=sliding_window,
+        softcap=softcap, attention_mask=attention_mask, sinks=sinks,
+    )
+    if config is not None:
+        check_backward_config(config, q_len=problem.q_len, kv_len=problem.kv_len, kv_heads=problem.kv_heads)
+    else:
+        config = select_backward_config(
+            q_heads=problem.q_heads, kv_heads=problem.kv_heads, q_len=problem.q_len, kv_len=problem.kv_len,
+            head_dim=problem.head_dim, dtype=q.dtype, mask_dtype=None if prepared.mask is None else prepared.mask.dtype,
+            sliding_window=problem.sliding_window, causal=problem.causal, generation=generation,
+        )
+    batch, q_heads, q_len, _ = q.shape
+    delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)  # [B, Hq, Sq]
+    # [B, Hq, Sq] -> [B, Hq, 1, Sq]: a row of query positions per query head.
+    rows = (batch, q_heads, 1, q_len)
+    lse_rows, delta_rows = lse.reshape(rows), delta.reshape(rows)
+    d_out = d_out.astype(q.dtype)
+    dq = _dq_call(q, k, v, d_out, lse_rows, delta_rows, problem, prepared, config.dq)
+    dk, dv = _dkv_call(q, k, v, d_out, lse_rows, delta_rows, problem, prepared, config.dkv)
+    d_sinks = None
+    if sinks is not None:
+        # d out / d sink = -p_sink * out, so dL/d sink = -sum over rows of p_sink * delta.
+        p_sink = jnp.exp(prepared.sinks[None, :, None] - lse)
+        d_sinks = -jnp.sum(p_sink * delta, axis=(0, 2)).astype(sinks.dtype)
+    return dq, dk, dv, d_sinks

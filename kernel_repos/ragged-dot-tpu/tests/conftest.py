@@ -1,0 +1,36 @@
+"""Helpers of this repo's tests: running a JAX function in TPU interpret mode, tensors to JAX arrays."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+from jax.experimental.pallas import tpu as pltpu
+
+
+def _interpret(fn):
+    """Runs `fn` in TPU interpret mode with race detection and NaN-filled uninitialised memory; f32 torch out."""
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")):
+        out = jax.block_until_ready(fn())
+    assert not interpret_pallas_call.races.races_found, "the TPU interpreter found a data race"
+    return torch.from_numpy(np.array(out.astype(jnp.float32)))
+
+
+def _to_jax(tensor):
+    """A torch tensor as a JAX array of its dtype (integers as int32); None stays None."""
+    if tensor is None:
+        return None
+    if tensor.dtype in (torch.int32, torch.int64):
+        return jnp.asarray(tensor.numpy(), jnp.int32)
+    return jnp.asarray(tensor.float().numpy(), jnp.bfloat16 if tensor.dtype == torch.bfloat16 else jnp.float32)
+
+
+@pytest.fixture
+def interpret():
+    return _interpret
+
+
+@pytest.fixture
+def to_jax():
+    return _to_jax

@@ -1,0 +1,163 @@
+"""The fused experts kernel (pallas_fused.fused_experts) against the float64 reference and the grouped path.
+
+Every case runs in TPU interpret mode with race detection and NaN-filled
+uninitialised memory, through the built torch-cpu variant's JAX functions.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+
+def _layer(tokens, hidden, intermediate, experts, top_k, *, transposed, bias, dtype=torch.float32,
+           weights_dtype=None, sentinels=0.0, seed=0, scale=0.2):
+    """Random (never zero) inputs of one experts layer; `sentinels` of the picks go to other ranks."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, std=1.0):
+        return (torch.randn(*shape, generator=generator) * std).to(dtype)
+
+    gate_up = randn(*((experts, hidden, 2 * intermediate) if transposed else (experts, 2 * intermediate, hidden)),
+                    std=scale)
+    down = randn(*((experts, intermediate, hidden) if transposed else (experts, hidden, intermediate)), std=scale)
+    biases = (randn(experts, 2 * intermediate, std=0.5), randn(experts, hidden, std=0.5)) if bias else (None, None)
+    index = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)]).int()
+    weights = torch.rand(tokens, top_k, generator=generator).softmax(-1)
+    if sentinels:
+        other_rank = torch.rand(tokens, top_k, generator=generator) < sentinels
+        index = index.masked_fill(other_rank, experts)
+        weights = weights.masked_fill(other_rank, 0.0)
+    return randn(tokens, hidden), index, weights.to(weights_dtype or dtype), gate_up, down, *biases
+
+
+def _relative_error(out, expected):
+    return ((out.double() - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
+
+
+CASES = {
+    # tokens, hidden, intermediate, experts, top_k, layer options, gate
+    # Qwen3-MoE / Mixtral layout: [E, 2I, H] and [E, H, I], concatenated gate, SiLU; odd H and I.
+    "concatenated": (7, 72, 40, 8, 2, dict(transposed=False, bias=False), dict(activation="silu")),
+    # Transposed weights with biases, tanh GELU.
+    "transposed-biases": (13, 64, 48, 6, 3, dict(transposed=True, bias=True), dict(activation="gelu_tanh")),
+    # Exact GELU, one token.
+    "gelu-one-token": (1, 64, 48, 4, 2, dict(transposed=False, bias=False), dict(activation="gelu")),
+    # GPT-OSS: transposed, interleaved gate and up, clamped SwiGLU, biases; inputs reach the clamp.
+    "gpt-oss": (13, 64, 48, 8, 3, dict(transposed=True, bias=True, scale=0.6),
+                dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0)),
+    # Interleaved with the plain layout.
+    "interleaved-plain": (9, 64, 40, 5, 2, dict(transposed=False, bias=True), dict(activation="silu", interleaved=True)),
+    # Expert-parallel router masking: most picks are other ranks' sentinels; 16 experts, several without picks.
+    "sentinels": (64, 64, 48, 16, 4, dict(transposed=False, bias=True, sentinels=0.8), dict(activation="silu")),
+    # A few hundred tokens: 128-row chunks, several per expert.
+    "three-hundred-tokens": (300, 64, 40, 4, 2, dict(transposed=False, bias=False), dict(activation="silu")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_matches_reference_and_grouped_path(kernel, interpret, to_jax, case):
+    tokens, hidden, intermediate, experts, top_k, options, gate = CASES[case]
+    layer = _layer(tokens, hidden, intermediate, experts, top_k, **options)
+    gate = dict(weights_transposed=options["transposed"], **gate)
+    expected = kernel.reference.gated_experts_reference(*layer, **gate)
+    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate))
+    grouped = interpret(lambda: kernel.moe.grouped_experts(*map(to_jax, layer), **gate))
+    assert not torch.isnan(fused).any()
+    assert _relative_error(fused, expected) <= 1e-5
+    assert _relative_error(fused, grouped.double()) <= 1e-5
+    if case == "gpt-oss":
+        _, index, _, gate_up, _, gate_up_bias, _ = layer
+        pre = layer[0][0] @ gate_up[index[0, 0]] + gate_up_bias[index[0, 0]]
+        assert pre.abs().max() > gate["limit"], "inputs must reach the clamp"
+
+
+# Tiles forced small, so that every part of the schedule runs at affordable sizes.
+TILED_CASES = {
+    # I in two tiles: gate and up come as separate blocks; rows gathered at the first tile, scattered at the last.
+    "i-tiles-plain": (20, 64, 256, 8, 2, dict(transposed=False, bias=True), dict(activation="silu"), (16, 128)),
+    "i-tiles-transposed": (20, 64, 256, 8, 2, dict(transposed=True, bias=False), dict(activation="gelu_tanh"),
+                           (16, 128)),
+    # Interleaved in three I tiles (2 x 64 = 128-lane gate_up blocks), biases.
+    "i-tiles-interleaved": (20, 64, 192, 8, 2, dict(transposed=True, bias=True, scale=0.6),
+                            dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (16, 64)),
+    # Experts with more rows than a chunk: several chunks per expert, some skipped for the others.
+    "chunks-per-expert": (60, 64, 48, 4, 2, dict(transposed=False, bias=True), dict(activation="silu"), (8, 48)),
+}
+
+
+@pytest.mark.parametrize("case", list(TILED_CASES))
+def test_fused_tiled_schedules_match_reference(kernel, interpret, to_jax, case):
+    tokens, hidden, intermediate, experts, top_k, options, gate, tiles = TILED_CASES[case]
+    layer = _layer(tokens, hidden, intermediate, experts, top_k, **options)
+    gate = dict(weights_transposed=options["transposed"], **gate)
+    config = kernel.config.FusedConfig(*tiles)
+    expected = kernel.reference.gated_experts_reference(*layer, **gate)
+    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate, config=config))
+    assert _relative_error(fused, expected) <= 1e-5
+
+
+def test_tiled_cases_run_what_they_name(kernel):
+    tokens, hidden, intermediate, experts, top_k, options, _, (chunk, _) = TILED_CASES["chunks-per-expert"]
+    _, index, weights, *_ = _layer(tokens, hidden, intermediate, experts, top_k, **options)
+    rows = np.bincount(index.numpy().ravel(), minlength=experts)
+    assert rows.max() > 2 * chunk and rows.min() < rows.max() - chunk, "experts must span different chunk counts"
+    for case in ("i-tiles-plain", "i-tiles-transposed", "i-tiles-interleaved"):
+        assert TILED_CASES[case][7][1] < TILED_CASES[case][2], f"{case} must tile I"
+
+
+@pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_activations_with_either_routing_weights(kernel, interpret, to_jax, weights_dtype):
+    layer = _layer(33, 64, 48, 8, 3, transposed=False, bias=True, dtype=torch.bfloat16, weights_dtype=weights_dtype)
+    gate = dict(activation="silu", weights_transposed=False)
+    expected = kernel.reference.gated_experts_reference(*layer, **gate)
+    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate))
+    # bf16 weights and activations (8-bit mantissa), rounded once more at the output.
+    assert _relative_error(fused, expected) < 2e-2
+
+
+@pytest.mark.parametrize("tiles", [None, (16, 128)])
+def test_only_sentinel_picks_give_zeros(kernel, interpret, to_jax, tiles):
+    layer = _layer(6, 64, 256, 8, 2, transposed=False, bias=True, sentinels=1.0)
+    assert bool((layer[1] == 8).all())
+    config = None if tiles is None else kernel.config.FusedConfig(*tiles)
+    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), activation="silu",
+                                                                 weights_transposed=False, config=config))
+    assert torch.equal(fused, torch.zeros_like(fused))
+
+
+def test_expert_plan_lists_active_experts_only(kernel):
+    # 3 tokens, top-2, 4 experts; sentinel id 4 (other ranks). Expert 2: two picks; expert 1: none;
+    # token 1 picks expert 0 twice.
+    index = jnp.asarray([[2, 4], [0, 0], [2, 3]], jnp.int32)
+    plan = kernel.routing.expert_plan(index, 4)
+    assert int(plan.count[0]) == 3
+    assert np.asarray(plan.expert).tolist() == [0, 2, 3, 3]  # active experts, then the last repeated
+    assert np.asarray(plan.rows).tolist() == [2, 2, 1, 0]  # picks (at least the rows), 0 past the count
+    empty = kernel.routing.expert_plan(jnp.full((3, 2), 4, jnp.int32), 4)
+    assert int(empty.count[0]) == 1 and int(empty.rows[0]) == 0  # one empty item: the grid is never empty
+
+
+def test_repeated_picks_of_one_expert_add_up(kernel, interpret, to_jax):
+    layer = list(_layer(5, 64, 48, 4, 2, transposed=False, bias=True))
+    layer[1][:, 1] = layer[1][:, 0]  # every token picks its first expert twice
+    gate = dict(activation="silu", weights_transposed=False)
+    expected = kernel.reference.gated_experts_reference(*layer, **gate)
+    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate))
+    assert _relative_error(fused, expected) <= 1e-5
+
+
+def test_gated_experts_takes_the_fused_kernel_for_decode_only(kernel, interpret, to_jax, monkeypatch):
+    """moe.gated_experts follows config.use_fused_experts; both paths give the layer."""
+    taken = []
+    for name in ("fused_experts", "grouped_experts"):
+        original = getattr(kernel.moe, name)
+        monkeypatch.setattr(kernel.moe, name, lambda *a, _name=name, _fn=original, **kw: taken.append(_name) or _fn(*a, **kw))
+    monkeypatch.setattr(kernel.config, "FUSED_MAX_TOKENS", 8)
+    for tokens in (8, 9):
+        layer = _layer(tokens, 64, 48, 4, 2, transposed=False, bias=False)
+        out = interpret(lambda: kernel.moe.gated_experts(*map(to_jax, layer), activation="silu",
+                                                          weights_transposed=False))
+        expected = kernel.reference.gated_experts_reference(*layer, activation="silu", weights_transposed=False)
+        assert _relative_error(out, expected) <= 1e-5
+    assert taken == ["fused_experts", "grouped_experts"]

@@ -1,0 +1,206 @@
+"""Shared by the local-Hub client, page and browser tests: a Hub holding the three built kernel
+repos, and the real CLIs run against it in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+from huggingface_hub import CommitOperationAdd, HfApi, constants
+
+from tpu_kernels.builder import build_kernel_repo
+from tpu_kernels.hub import RunningHub, start_hub
+from tpu_kernels.publish import upload_kernel
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "test-token-" + os.urandom(4).hex()
+TRUSTED = "tpu-kernels"
+KERNEL_NAMES = ("ragged-dot-tpu", "rmsnorm-tpu", "attention-tpu")
+CLI_TIMEOUT = 180
+BIN = Path(sys.executable).parent
+
+
+@dataclass
+class PublishedHub:
+    url: str
+    builds: dict[str, Path]  # kernel name -> its build folder
+    commits: dict[str, str]  # repo id -> the commit its v1 holds
+    hub: RunningHub | None = None  # when it runs in this process
+
+
+@contextmanager
+def loopback_only(folder: Path) -> Iterator[None]:
+    """The first time huggingface_hub builds request headers in a process, it fetches an agent registry
+    from HF_ENDPOINT (huggingface.co in this process) unless a copy is cached: give it one."""
+    registry = folder / "agent-harnesses.json"
+    registry.write_text(json.dumps({"standardEnvVars": [], "harnesses": {}}))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(constants, "AGENT_HARNESSES_PATH", str(registry))
+        yield
+
+
+def publish_kernels(url: str, root: Path) -> PublishedHub:
+    """Build the three kernel repos under `root` and publish each as tpu-kernels/<name> v1 to the Hub at `url`."""
+    builds, commits = {}, {}
+    for name in KERNEL_NAMES:
+        builds[name] = build_kernel_repo(REPO_ROOT / "kernel_repos" / name, root / "build")
+        commits[f"{TRUSTED}/{name}"] = upload_kernel(builds[name], f"{TRUSTED}/{name}", endpoint=url,
+                                                     token=TOKEN).build_oid
+    return PublishedHub(url, builds, commits)
+
+
+@contextmanager
+def published_hub(root: Path) -> Iterator[PublishedHub]:
+    """A Hub in this process, under `root`, where tpu-kernels (a trusted publisher) has published v1 of the
+    three kernels."""
+    with loopback_only(root), start_hub(root / "hub", token=TOKEN, trusted_orgs=[TRUSTED]) as hub:
+        published = publish_kernels(hub.url, root)
+        published.hub = hub
+        yield published
+
+
+def cli_env(hub_url: str, home: Path, token: str | None = TOKEN) -> dict[str, str]:
+    """The environment of a user of this Hub: HF_ENDPOINT, their own caches, and the token."""
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("HF_", "KERNELS_", "LOCAL_KERNELS"))}
+    env.update(
+        HF_ENDPOINT=hub_url,
+        HF_HOME=str(home / "hf-home"),
+        KERNELS_CACHE=str(home / "kernels-cache"),
+        HF_HUB_DISABLE_UPDATE_CHECK="1",
+        # Our kernels need no TPU runtime here: skipping torch_tpu's autoload halves each start-up.
+        TORCH_DEVICE_BACKEND_AUTOLOAD="0",
+        NO_COLOR="1",
+        COLUMNS="250",
+    )
+    if token is not None:
+        env["HF_TOKEN"] = token
+    return env
+
+
+def run_cli(program: str, *args: str, env: dict[str, str], returncode: int = 0) -> subprocess.CompletedProcess:
+    """Run `kernels ...` or `hf ...`; check its exit code, and that it printed no traceback."""
+    result = subprocess.run([str(BIN / program), *args], env=env, capture_output=True, text=True,
+                            timeout=CLI_TIMEOUT, stdin=subprocess.DEVNULL)
+    output = result.stdout + result.stderr
+    assert result.returncode == returncode, f"{program} {' '.join(args)} -> {result.returncode}\n{output[-4000:]}"
+    assert "Traceback" not in output, output[-4000:]
+    return result
+
+
+# -- hostile and private content, for the pages --------------------------------------------------------
+
+HOSTILE_REPO = "mallory/kernel"
+PRIVATE_REPO = f"{TRUSTED}/secret-kernel"
+HOSTILE_CARD = """---
+license: "<script>alert('license')</script>"
+tags: ["<img src=x onerror=alert('tag')>"]
+---
+# Card <script>alert('card')</script>
+
+<img src=x onerror="alert('img')">
+
+<script>document.title = 'pwned'</script>
+
+[click me](javascript:alert('link')) and [the notes](build/torch-cpu/notes.md)
+
+![the plot](plot.png)
+"""
+HOSTILE_TITLE = "<b>bold</b><script>alert('title')</script>"
+HOSTILE_MESSAGE = "<img src=x onerror=alert('message')>\n<a href=\"javascript:alert('message')\">x</a>"
+HOSTILE_PATH = "build/torch-cpu/<img src=x onerror=alert('path')>.py"
+HOSTILE_BACKEND = "<svg onload=alert('backend')>"
+
+
+def png(width: int = 24, height: int = 12) -> bytes:
+    """A small opaque RGB picture (a red-to-blue gradient), made with the standard library."""
+    rows = b"".join(b"\0" + b"".join(bytes((255 * x // width, 64, 255 - 255 * x // width)) for x in range(width))
+                    for _ in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+
+
+def publish_hostile_and_private_repos(api: HfApi) -> None:
+    """A kernel repo whose card, commit message, file name and metadata try to inject markup, and a
+    private kernel repo of the trusted publisher."""
+    api.create_repo(HOSTILE_REPO, repo_type="kernel")
+    api.create_branch(HOSTILE_REPO, repo_type="kernel", branch="v1")
+    metadata = json.dumps({"name": "kernel", "version": 1, "backend": {"type": HOSTILE_BACKEND}}).encode()
+    api.create_commit(HOSTILE_REPO, repo_type="kernel", revision="v1", commit_message=HOSTILE_TITLE,
+                      commit_description=HOSTILE_MESSAGE, operations=[
+                          CommitOperationAdd("README.md", HOSTILE_CARD.encode()),
+                          CommitOperationAdd("plot.png", png()),
+                          CommitOperationAdd("build/torch-cpu/metadata.json", metadata),
+                          CommitOperationAdd("build/torch-cpu/notes.md", b"notes\n"),
+                          CommitOperationAdd(HOSTILE_PATH, b"VALUE = 1\n")])
+    api.create_tag(HOSTILE_REPO, repo_type="kernel", tag="release-1", revision="v1")
+    api.create_repo(PRIVATE_REPO, repo_type="kernel", private=True)
+    api.upload_file(path_or_fileobj=b"# secret\n", path_in_repo="README.md", repo_id=PRIVATE_REPO, repo_type="kernel")
+
+
+_HIDDEN = {"head", "style", "script", "title"}
+# Elements whose edges separate words in what a reader sees (as innerText does).
+_BLOCKS = {"p", "div", "li", "ul", "ol", "tr", "td", "th", "table", "pre", "br", "h1", "h2", "h3", "h4", "h5", "h6",
+           "header", "main", "article", "blockquote", "hr"}
+
+
+class _Document(HTMLParser):
+    """Elements, attributes and visible text of an HTML document."""
+
+    def __init__(self, html: str):
+        super().__init__(convert_charrefs=True)
+        self.elements: list[tuple[str, dict[str, str | None]]] = []
+        self.text: list[str] = []
+        self._hidden = 0
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        self.elements.append((tag, dict(attrs)))
+        self._hidden += tag in _HIDDEN
+        if tag in _BLOCKS:
+            self.text.append(" ")
+
+    def handle_endtag(self, tag):
+        self._hidden -= tag in _HIDDEN
+        if tag in _BLOCKS:
+            self.text.append(" ")
+
+    def handle_data(self, data):
+        if not self._hidden:
+            self.text.append(data)
+
+
+def visible_text(html: str) -> str:
+    """The page's text as a reader sees it, whitespace collapsed."""
+    return " ".join("".join(_Document(html).text).split())
+
+
+def active_content(html: str) -> list[str]:
+    """Everything in a page that could run code: script-like elements, event handler attributes,
+    javascript:/vbscript:/data: links."""
+    found = []
+    for tag, attrs in _Document(html).elements:
+        if tag in ("script", "iframe", "object", "embed", "base", "form", "meta") and not (
+                tag == "meta" and set(attrs) <= {"charset", "name", "content"}):
+            found.append(f"<{tag}>")
+        for name, value in attrs.items():
+            if name.startswith("on"):
+                found.append(f"<{tag} {name}=...>")
+            if name in ("href", "src", "action", "formaction") and (value or "").strip().lower().startswith(
+                    ("javascript:", "vbscript:", "data:text")):
+                found.append(f"<{tag} {name}={value}>")
+    return found

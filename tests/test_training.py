@@ -1,0 +1,123 @@
+"""kernelize(model, mode=Mode.TRAINING): a few AdamW steps of tiny models give eager's losses.
+
+Attention (with sinks and sliding windows for GPT-OSS, an explicit padding
+mask for Qwen3) and RMSNorm run our kernels forward and backward; the experts
+keep their original forward until ragged-dot has a backward, and the report
+says so. Runs eagerly and under torch.compile(fullgraph=True).
+"""
+
+import copy
+
+import pytest
+import torch
+from kernels import Mode
+from transformers import AutoModelForCausalLM, GptOssConfig, Qwen3Config
+
+from tpu_kernels import kernelize
+from tpu_kernels.builder import build_kernel_repo
+
+from .conftest import REPO_ROOT
+
+STEPS = 5
+TOLERANCE = 1e-4
+COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=64, max_position_embeddings=256)
+CONFIGS = {
+    # Sinks, a sliding layer (window 8 < 12 tokens) and a full layer, MoE experts (kept eager in TRAINING).
+    "gpt_oss": lambda: GptOssConfig(**COMMON, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                                    layer_types=["sliding_attention", "full_attention"], sliding_window=8),
+    # Dense; q/k norms beside the layer norms.
+    "qwen3": lambda: Qwen3Config(**COMMON, intermediate_size=96),
+}
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    out = tmp_path_factory.mktemp("builds")
+    return {kind: str(build_kernel_repo(REPO_ROOT / "kernel_repos" / name, out))
+            for kind, name in (("experts", "ragged-dot-tpu"), ("rmsnorm", "rmsnorm-tpu"), ("attention", "attention-tpu"))}
+
+
+def _model(name, experts_implementation=None):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.float32)
+    if experts_implementation is not None and name == "gpt_oss":
+        model.set_experts_implementation(experts_implementation)
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            if parameter.dim() == 3 or "sinks" in parameter_name:  # experts and sinks may start empty or zero
+                parameter.normal_(std=0.1 if parameter.dim() == 3 else 1.0)
+    return model.train()
+
+
+def _batch(name):
+    generator = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(0, 128, (2, 12), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    labels = input_ids.clone()
+    if name == "qwen3":
+        # Right padding (fine-tuning batches): the kernel gets transformers' boolean mask.
+        attention_mask[1, 9:] = 0
+        labels[1, 9:] = -100
+    return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def _losses(model, batch, forward=None):
+    forward = model if forward is None else forward
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = forward(**batch).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return torch.tensor(losses, dtype=torch.float64)
+
+
+def _kernelized(name, builds, mode, experts_implementation=None):
+    model = kernelize(_model(name, experts_implementation), mode=mode, repos=builds)
+    report = model.tpu_kernels_report
+    assert report.mode == mode.name.replace("|", " | ")
+    assert [e.kind for e in report.entries if e.replaced] == ["rmsnorm", "attention"], repr(report)
+    (experts,) = [e for e in report.entries if e.kind == "experts"]
+    if name == "gpt_oss":
+        assert experts.modules and "no backward (TRAINING)" in experts.reason, repr(report)
+    assert model.config._attn_implementation.startswith("tpu_kernels_")
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_training_losses_match_eager(name, builds):
+    batch = _batch(name)
+    expected = _losses(_model(name), batch)
+    model = _kernelized(name, builds, Mode.TRAINING)
+    losses = _losses(model, batch)
+    assert (losses - expected).abs().max().item() <= TOLERANCE, (losses, expected)
+    assert losses[-1] < losses[0]
+    if name == "gpt_oss":
+        sinks = [p for n, p in model.named_parameters() if n.endswith("sinks")]
+        assert len(sinks) == 2 and all(p.grad is not None and p.grad.abs().sum() > 0 for p in sinks)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_training_under_torch_compile_fullgraph(name, builds):
+    # transformers' default experts backward (grouped_mm_fallback) has data-dependent shapes that
+    # fullgraph cannot trace; its batched_mm experts can be (they stay eager-original in TRAINING anyway).
+    batch = _batch(name)
+    expected = _losses(_model(name, "batched_mm"), batch)
+    model = _kernelized(name, builds, Mode.TRAINING | Mode.TORCH_COMPILE, "batched_mm")
+    losses = _losses(model, batch, forward=torch.compile(model, fullgraph=True))
+    assert (losses - expected).abs().max().item() <= TOLERANCE, (losses, expected)
+
+
+def test_attention_dropout_in_training_keeps_the_original(builds):
+    model = _model("qwen3")
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    original = copy.copy(model.config._attn_implementation)
+    kernelize(model, mode=Mode.TRAINING, repos=builds)
+    (entry,) = [e for e in model.tpu_kernels_report.entries if e.kind == "attention"]
+    assert not entry.replaced and "attention dropout 0.1" in entry.reason
+    assert model.config._attn_implementation == original

@@ -1,0 +1,306 @@
+"""The local Hub's web pages: what it holds, browsable without writing code.
+
+    /                                   namespaces and their repos (trusted publishers marked)
+    /kernels/{ns}/{name}[/tree/{rev}]   a kernel repo: versions (v<N> branches) with their build
+                                        variants and backends, tags, the card, files with sizes and
+                                        sha256 digests, history, the snippet that loads it
+    /kernels/{ns}/{name}/commit/{id}    one commit: message and the files it changed
+    /{ns}/{name}[/tree/{rev}|/commit/{id}]  the same for model repos
+
+Plain server-rendered HTML (Jinja2 templates in templates/, autoescaped: every name, message
+and path from a repo is escaped; the card is rendered by card.py with raw HTML off). The
+pages carry no script, and their Content-Security-Policy allows none, nor any style but
+their own stylesheet, nor images from other sites. Private repos are shown only to
+requests carrying the token (a browser sends none: to it they do not exist).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import itertools
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+import jinja2
+from starlette.responses import HTMLResponse
+
+from .card import Card, render_card
+from .storage import MAIN_BRANCH, Commit, FileEntry, HubError, Storage, branch_name
+
+VERSION_BRANCH = re.compile(r"v(\d+)")
+HISTORY_SHOWN = 100
+FILES_SHOWN = 1000
+MAX_METADATA_BYTES = 1 << 20
+CARD_NAME = "README.md"
+_URL_PREFIXES = {"kernel": "kernels/", "model": ""}
+_TEMPLATES = Path(__file__).with_name("templates")
+_STYLESHEET = (_TEMPLATES / "hub.css").read_text()
+CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; img-src 'self' data:; "
+    f"style-src 'sha256-{base64.b64encode(hashlib.sha256(_STYLESHEET.encode()).digest()).decode()}'; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+_ENVIRONMENT = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(_TEMPLATES),
+    autoescape=True,
+    undefined=jinja2.StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+
+
+def repo_page_path(repo_type: str, repo_id: str) -> str:
+    return f"/{_URL_PREFIXES[repo_type]}{repo_id}"
+
+
+def _short_date(iso: str) -> str:
+    return iso[:16].replace("T", " ") + " UTC"
+
+
+def _size(size: int) -> str:
+    if size < 1024:
+        return f"{size} B"
+    return f"{size / 1024:.1f} KiB" if size < 1024 * 1024 else f"{size / (1024 * 1024):.1f} MiB"
+
+
+@dataclass(frozen=True)
+class CommitView:
+    id: str
+    title: str
+    message: str
+    date: str
+    author: str
+    url: str
+
+    @property
+    def short(self) -> str:
+        return self.id[:10]
+
+
+@dataclass(frozen=True)
+class VariantView:
+    name: str
+    backend: str
+    digest_files: int | None  # files metadata.json's digest covers; None without a digest
+
+
+@dataclass(frozen=True)
+class VersionView:
+    number: int
+    branch: str
+    url: str
+    commit: CommitView
+    kernel_version: object
+    variants: list[VariantView]
+
+    @property
+    def backends(self) -> list[str]:
+        return sorted({variant.backend for variant in self.variants})
+
+
+@dataclass(frozen=True)
+class RefView:
+    name: str
+    url: str
+    commit: CommitView
+    same_as: list[str]  # version branches at the same commit
+
+
+@dataclass(frozen=True)
+class FileView:
+    path: str
+    size: str
+    sha256: str
+    url: str
+
+
+@dataclass(frozen=True)
+class Change:
+    kind: str  # added, modified, deleted
+    file: FileView
+
+
+class Pages:
+    """Renders the pages from storage; `authenticated` requests also see private repos."""
+
+    def __init__(self, storage: Storage, trusted_orgs: frozenset[str]):
+        self.storage = storage
+        self.trusted_orgs = trusted_orgs
+
+    # -- responses ------------------------------------------------------------------------------
+
+    def _page(self, template: str, status: int = 200, **context) -> HTMLResponse:
+        html = _ENVIRONMENT.get_template(template).render(stylesheet=_STYLESHEET, **context)
+        return HTMLResponse(html, status_code=status, headers={
+            "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+            "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "no-referrer",
+            "Cache-Control": "no-cache",
+        })
+
+    def error(self, error: HubError) -> HTMLResponse:
+        return self._page("error.html", status=error.status, status_code=error.status, message=error.message)
+
+    # -- front page -----------------------------------------------------------------------------
+
+    def front(self, authenticated: bool) -> HTMLResponse:
+        namespaces: dict[str, list[dict]] = {org: [] for org in self.trusted_orgs}
+        for repo_type in ("kernel", "model"):
+            for repo_id in sorted(self.storage.repo_ids(repo_type)):
+                private = self.storage.is_private(repo_type, repo_id)
+                if private and not authenticated:
+                    continue
+                branches = self.storage.refs(repo_type, repo_id).branches
+                versions = sorted((int(match[1]) for name in branches if (match := VERSION_BRANCH.fullmatch(name))),
+                                  reverse=True)
+                updated = self.storage.last_modified(repo_type, repo_id)
+                namespaces.setdefault(repo_id.split("/")[0], []).append({
+                    "id": repo_id,
+                    "type": repo_type,
+                    "url": repo_page_path(repo_type, repo_id),
+                    "versions": [f"v{number}" for number in versions],
+                    "updated": _short_date(updated),
+                    "private": private,
+                })
+        listing = [{"name": name, "trusted": name in self.trusted_orgs, "repos": repos}
+                   for name, repos in sorted(namespaces.items())]
+        return self._page("index.html", namespaces=listing)
+
+    # -- repo page ------------------------------------------------------------------------------
+
+    def repo(self, repo_type: str, repo_id: str, base_url: str, revision: str | None = None) -> HTMLResponse:
+        refs = self.storage.refs(repo_type, repo_id)
+        page_url = repo_page_path(repo_type, repo_id)
+        versions = sorted(
+            (self._version(repo_type, repo_id, int(match[1]), name, commit_id)
+             for name, commit_id in refs.branches.items() if (match := VERSION_BRANCH.fullmatch(name))),
+            key=lambda version: version.number, reverse=True,
+        )
+        branches_at: dict[str, list[str]] = {}
+        for version in versions:
+            branches_at.setdefault(version.commit.id, []).append(version.branch)
+        tags = [self._ref(repo_type, repo_id, name, commit_id, branches_at) for name, commit_id in sorted(refs.tags.items())]
+        other_branches = [self._ref(repo_type, repo_id, name, commit_id, branches_at)
+                          for name, commit_id in sorted(refs.branches.items()) if not VERSION_BRANCH.fullmatch(name)]
+
+        chosen = revision is not None
+        if revision is None:
+            revision = versions[0].branch if versions else MAIN_BRANCH
+        selected = self.storage.resolve_revision(repo_type, repo_id, revision)
+        branch = branch_name(revision)
+        selected_version = next((version for version in versions if version.branch == branch), None)
+        # The snippet loads what the page shows: a version, else the chosen ref, else the latest version.
+        snippet_version = selected_version or (versions[0] if versions and not chosen else None)
+        card_commit = selected if CARD_NAME in selected.files else self.storage.resolve_revision(repo_type, repo_id, MAIN_BRANCH)
+        card = self._card(repo_type, repo_id, card_commit)
+        history = list(itertools.islice(self.storage.history(repo_type, repo_id, selected.id), HISTORY_SHOWN + 1))
+        files = sorted(selected.files.items())
+        return self._page(
+            "repo.html",
+            repo_type=repo_type,
+            repo_id=repo_id,
+            page_url=page_url,
+            private=self.storage.is_private(repo_type, repo_id),
+            trusted=repo_id.split("/")[0] in self.trusted_orgs,
+            versions=versions,
+            tags=tags,
+            other_branches=other_branches,
+            revision=revision,
+            selected=self._commit_view(repo_type, repo_id, selected),
+            card=card,
+            files=[self._file(repo_type, repo_id, selected, path, entry) for path, entry in files[:FILES_SHOWN]],
+            files_hidden=max(0, len(files) - FILES_SHOWN),
+            history=[self._commit_view(repo_type, repo_id, commit) for commit in history[:HISTORY_SHOWN]],
+            history_truncated=len(history) > HISTORY_SHOWN,
+            snippet=self._snippet(repo_type, repo_id, base_url, snippet_version, revision),
+        )
+
+    def commit(self, repo_type: str, repo_id: str, commit_id: str) -> HTMLResponse:
+        commit = self.storage.resolve_revision(repo_type, repo_id, commit_id)
+        parent = self.storage.commit(repo_type, repo_id, commit.parent) if commit.parent else None
+        before = parent.files if parent else {}
+        changes = []
+        for path in sorted(set(before) | set(commit.files)):
+            old, new = before.get(path), commit.files.get(path)
+            if old == new:
+                continue
+            kind = "added" if old is None else "deleted" if new is None else "modified"
+            changes.append(Change(kind, self._file(repo_type, repo_id, parent if new is None else commit, path, new or old)))
+        return self._page(
+            "commit.html",
+            repo_type=repo_type,
+            repo_id=repo_id,
+            page_url=repo_page_path(repo_type, repo_id),
+            commit=self._commit_view(repo_type, repo_id, commit),
+            parent=self._commit_view(repo_type, repo_id, parent) if parent else None,
+            changes=changes,
+        )
+
+    # -- pieces ---------------------------------------------------------------------------------
+
+    def _commit_view(self, repo_type: str, repo_id: str, commit: Commit) -> CommitView:
+        return CommitView(commit.id, commit.title, commit.message, _short_date(commit.date), commit.author,
+                          f"{repo_page_path(repo_type, repo_id)}/commit/{commit.id}")
+
+    def _file(self, repo_type: str, repo_id: str, commit: Commit, path: str, entry: FileEntry) -> FileView:
+        url = f"{repo_page_path(repo_type, repo_id)}/resolve/{commit.id}/{quote(path)}"
+        return FileView(path, _size(entry.size), entry.sha256, url)
+
+    def _ref(self, repo_type: str, repo_id: str, name: str, commit_id: str, branches_at: dict) -> RefView:
+        commit = self.storage.commit(repo_type, repo_id, commit_id)
+        return RefView(name, f"{repo_page_path(repo_type, repo_id)}/tree/{quote(name, safe='')}",
+                       self._commit_view(repo_type, repo_id, commit), branches_at.get(commit_id, []))
+
+    def _version(self, repo_type: str, repo_id: str, number: int, branch: str, commit_id: str) -> VersionView:
+        commit = self.storage.commit(repo_type, repo_id, commit_id)
+        names = sorted({path.split("/")[1] for path in commit.files if path.startswith("build/") and path.count("/") >= 2})
+        variants, kernel_versions = [], set()
+        for name in names:
+            metadata = self._json(commit.files.get(f"build/{name}/metadata.json"))
+            backend = metadata.get("backend") if metadata else None
+            backend_type = backend.get("type") if isinstance(backend, dict) else None
+            digest = metadata.get("digest") if metadata else None
+            digest_files = digest.get("files") if isinstance(digest, dict) else None
+            variants.append(VariantView(
+                name=name,
+                backend=backend_type if isinstance(backend_type, str) else "unknown (no readable metadata.json)",
+                digest_files=len(digest_files) if isinstance(digest_files, dict) else None,
+            ))
+            if metadata and isinstance(metadata.get("version"), int):
+                kernel_versions.add(metadata["version"])
+        return VersionView(
+            number=number,
+            branch=branch,
+            url=f"{repo_page_path(repo_type, repo_id)}/tree/{quote(branch, safe='')}",
+            commit=self._commit_view(repo_type, repo_id, commit),
+            kernel_version=", ".join(map(str, sorted(kernel_versions))) or None,
+            variants=variants,
+        )
+
+    def _json(self, entry: FileEntry | None) -> dict | None:
+        if entry is None or entry.size > MAX_METADATA_BYTES:
+            return None
+        try:
+            data = json.loads(self.storage.blob_path(entry).read_bytes())
+        except (OSError, ValueError, RecursionError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def _card(self, repo_type: str, repo_id: str, commit: Commit) -> Card | None:
+        entry = commit.files.get(CARD_NAME)
+        if entry is None:
+            return None
+        base = f"{repo_page_path(repo_type, repo_id)}/resolve/{commit.id}/"
+        return render_card(self.storage.blob_path(entry).read_bytes(), lambda path: base + quote(path))
+
+    def _snippet(self, repo_type: str, repo_id: str, base_url: str, version: VersionView | None, revision: str) -> str:
+        endpoint = f"# HF_ENDPOINT={base_url} in the environment, before huggingface_hub is imported\n"
+        if repo_type == "model":
+            return endpoint + f'from huggingface_hub import snapshot_download\nsnapshot_download("{repo_id}", revision="{revision}")'
+        selector = f"version={version.number}" if version else f'revision="{revision}"'
+        trust = "" if repo_id.split("/")[0] in self.trusted_orgs else f', trust_remote_code=["{repo_id}"]'
+        return endpoint + f'from kernels import get_kernel\nkernel = get_kernel("{repo_id}", {selector}{trust})'
