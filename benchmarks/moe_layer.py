@@ -524,18 +524,30 @@ def _versions() -> str:
     return ";".join(found)
 
 
+# The model's own code: a cached analysis is stale once any of these changes.
+MODEL_SOURCES = ("tpu_kernels/perf.py", "tpu_kernels/xla_program.py", "tpu_kernels/hardware.py")
+
+
+def model_fingerprint() -> str:
+    digest = hashlib.sha256()
+    for source in MODEL_SOURCES:
+        digest.update((ROOT / source).read_bytes())
+    return digest.hexdigest()[:16]
+
+
 class Cache:
-    """Results of compiles and replays on disk, keyed by the fingerprint of what they analysed."""
+    """Results of compiles and replays on disk, keyed by the fingerprint of what they analysed and of the model."""
 
     def __init__(self, folder: Path | None):
         self.folder = folder
         self.versions = _versions()
+        self.model = model_fingerprint()
         self.hits = self.misses = 0
         if folder:
             folder.mkdir(parents=True, exist_ok=True)
 
     def key(self, kind: str, *parts) -> str:
-        digest = hashlib.sha256(f"{kind}|{self.versions}".encode())
+        digest = hashlib.sha256(f"{kind}|{self.versions}|{self.model}".encode())
         for part in parts:
             digest.update(part if isinstance(part, bytes) else str(part).encode())
         return f"{kind}-{digest.hexdigest()[:32]}"
@@ -560,9 +572,29 @@ class Cache:
         return value
 
 
+class PhaseClock:
+    """Seconds spent per phase of the run (summed over threads), for the JSON's account of the run time."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
+
+
+CLOCK = PhaseClock()
+
+
 def replay(cache: Cache, fn, args, context=contextlib.nullcontext) -> list[perf.PallasCallTraffic]:
     """perf's grid replay of `fn(*args)`, cached by its jaxpr and concrete arguments."""
-    with context():
+    with context(), CLOCK("replay"):
         jaxpr = str(jax.make_jaxpr(fn)(*args))
         concrete = b"".join(np.asarray(a).tobytes() for a in args if not isinstance(a, jax.ShapeDtypeStruct))
         key = cache.key("replay", jaxpr, concrete)
@@ -586,7 +618,7 @@ class Compiler:
 
     def submit(self, fn, avals, generation: str, lock=contextlib.nullcontext()) -> concurrent.futures.Future:
         try:
-            with lock:
+            with lock, CLOCK("lower"):
                 lowered = xla_program.lower_program(fn, avals, generation)
         except Exception as error:  # noqa: BLE001 - a layer that does not lower is a result
             future = concurrent.futures.Future()
@@ -602,7 +634,8 @@ class Compiler:
         def compile_and_store():
             started = time.perf_counter()
             try:
-                program = xla_program.compile_lowered(lowered, generation)
+                with CLOCK("compile (summed over threads)"):
+                    program = xla_program.compile_lowered(lowered, generation)
             except Exception as error:  # noqa: BLE001 - a failed compile (e.g. VMEM OOM) is a result
                 return {"error": _first_line(error), "seconds": time.perf_counter() - started}
             return self.cache.put(key, program)
@@ -751,12 +784,14 @@ def default_rival(cache: Cache, case: Case) -> list:
     return result
 
 
-def measure_case(built, case: Case, cache: Cache, compiler: Compiler, rivals: list[str]):
-    """Replays `case`'s kernels, queues its compiles, and returns a function that waits for them and builds its rows."""
+def measure_case(built, case: Case, cache: Cache, compiler: Compiler, rivals: list[str],
+                 generations: tuple[str, ...] = GENERATIONS):
+    """Replays `case`'s kernels, queues its compiles, and returns a function that waits for them and builds its rows
+    (one per generation)."""
     replay_args = case.avals(concrete_index=True)
     compile_avals = case.avals(concrete_index=False)
     pending = {}
-    for generation in GENERATIONS:
+    for generation in generations:
         layer = ours_layer(built, case.model, generation)
         pending[("ours", generation)] = (compiler.submit(layer, compile_avals, generation),
                                          replay(cache, layer, replay_args), None)
@@ -765,7 +800,7 @@ def measure_case(built, case: Case, cache: Cache, compiler: Compiler, rivals: li
         rival = RIVALS[name]
         if rival.tiled:
             tunings[name] = tune_rival(cache, rival, case)
-        for generation in GENERATIONS:
+        for generation in generations:
             chosen = tunings[name]["per_generation"][generation] if rival.tiled else [(None, []), (None, [])]
             tilings = [tiling for tiling, _ in chosen]
             layer = rival_layer(rival, case.model, tilings)
@@ -776,7 +811,7 @@ def measure_case(built, case: Case, cache: Cache, compiler: Compiler, rivals: li
 
     def finish() -> list[dict]:
         rows = []
-        for generation in GENERATIONS:
+        for generation in generations:
             row = {
                 "label": case.label, "setting": case.setting.label, "model": case.model.name, "ep": case.setting.ep,
                 "mode": case.setting.mode, "tokens": case.tokens, "phase": case.phase, "generation": generation,
@@ -963,6 +998,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
+    load_at_start = os.getloadavg()
     settings = [s for s in SETTINGS if args.settings is None or s.label in args.settings]
     if not settings:
         parser.error(f"no setting matches {args.settings}; known: {[s.label for s in SETTINGS]}")
@@ -1001,8 +1037,10 @@ def main(argv=None) -> int:
                       "(candidate_tilings) per projection and generation, XLA lax.ragged_dot; all inside user_layer",
             "dtype": jnp.dtype(DTYPE).name,
         },
-        "environment": {"python": platform.python_version(), "versions": cache.versions,
-                        "cache": {"hits": cache.hits, "misses": cache.misses}},
+        "environment": {"python": platform.python_version(), "versions": cache.versions, "model": cache.model,
+                        "cache": {"hits": cache.hits, "misses": cache.misses}, "cpus": os.cpu_count(),
+                        "jobs": args.jobs, "load_average_1_5_15_min": {"start": load_at_start},
+                        "seconds_by_phase": None},
         "rows": rows,
         "targets": check_targets(rows),
         "seconds": None,
@@ -1011,6 +1049,8 @@ def main(argv=None) -> int:
     if not args.no_plot:
         plot(rows, args.out.with_suffix(".png"))
     report["seconds"] = round(time.perf_counter() - started, 1)
+    report["environment"]["load_average_1_5_15_min"]["end"] = os.getloadavg()
+    report["environment"]["seconds_by_phase"] = {phase: round(t, 1) for phase, t in CLOCK.seconds.items()}
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(markdown_table(rows))
     targets = report["targets"]
