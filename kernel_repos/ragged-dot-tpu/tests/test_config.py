@@ -247,6 +247,12 @@ def test_tile_i_alignment_per_layout(config):
                                   weights_transposed=True, interleaved=False, has_bias=True)
 
 
+def test_an_ep_dispatch_rank_at_decode_batch_256_takes_the_fused_kernel(config):
+    # Qwen3-30B-A3B, batch 256, top-8 dispatched over 8 ranks: 256 rows per rank on average, 301 on the busiest.
+    hidden, intermediate, experts, layout = MODELS["qwen3-30b-a3b"]
+    assert config.use_fused_experts(301, hidden, intermediate, experts // 8, jnp.bfloat16, **layout)
+
+
 def test_use_fused_experts_is_for_decode_sized_calls_that_fit(config):
     hidden, intermediate, experts, layout = MODELS["qwen3-30b-a3b"]
     assert config.use_fused_experts(config.FUSED_MAX_TOKENS, hidden, intermediate, experts, jnp.bfloat16, **layout)

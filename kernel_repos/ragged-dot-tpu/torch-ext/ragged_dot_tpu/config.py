@@ -68,11 +68,15 @@ HEURISTIC_ROW_TILE = {"v5e": 512, "v6e": 512}
 # The fused experts kernel serves calls of at most this many tokens (decode
 # batches). It gathers an expert's rows and scatters its results with one-hot
 # matmuls against all T tokens: 2 x T x H multiply-adds per row on top of the
-# expert's 3 x I x H, so at T = 256 and the I of today's MoE models (704 to
-# 2880) at most 25 % more MXU work, which decode (rows per expert below
+# expert's 3 x I x H, so at T = 512 and the I of today's MoE models (704 to
+# 2880) at most 49 % more MXU work, which decode (rows per expert far below
 # `ridge_rows`, weight streaming the bound) hides; the work grows with T, and
-# prefill-sized calls take the two grouped matmuls.
-FUSED_MAX_TOKENS = 256
+# prefill-sized calls take the two grouped matmuls. 512, not 256: under EP
+# token dispatch a rank's call holds the picks sent to it, one per row, and at
+# a decode batch of 256 the busiest rank gets more than 256 of them (Qwen3-30B-A3B
+# on 8 ranks: 301 in benchmarks/moe_layer.py), which the grouped path served
+# at 1.28x its roofline on v6e, the fused kernel at 1.06x.
+FUSED_MAX_TOKENS = 512
 # Rows per MXU pass of the fused kernel: T rounded to the native tile, at
 # most 128 (the v5e MXU's width); an expert's rows fill whole passes but the
 # last. Not tuned.
