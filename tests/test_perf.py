@@ -107,13 +107,62 @@ def test_roofline_is_max_of_hbm_and_mxu_time_plus_step_overhead(matmul_traffic):
     assert v5e.hbm_bound_s == pytest.approx(matmul_traffic.hbm_bytes / 8.2e11)
 
 
-def test_mxu_padding_rounds_k_and_n_to_the_mxu_and_m_to_sublanes():
+def test_mxu_charges_each_weights_tile_at_least_the_mxu_size_in_rows():
+    # 8 rows x (384 x 128): the weights are 3 tiles of 128 x 128 on v5e, 2 x 1 tiles of 256 x 256 on v6e
+    # (k padded to 512, n to 256). Each pass loads one weights tile, which takes mxu_size cycles, so
+    # 8 streamed rows cost as much as 128 (v5e) or 256 (v6e): per-pass model, perf's docstring.
     x = jax.ShapeDtypeStruct((8, 384), jnp.bfloat16)
     y = jax.ShapeDtypeStruct((384, 128), jnp.bfloat16)
     [call] = perf.model_pallas_traffic(functools.partial(tiled_matmul, bm=8, bk=128, bn=128), x, y)
     assert call.flops == 2 * 8 * 384 * 128
-    assert call.mxu_flops("v5e") == 2 * 8 * 384 * 128
-    assert call.mxu_flops("v6e") == 3 * (2 * 8 * 256 * 256)
+    v5e, v6e = perf.tpu_generation("v5e"), perf.tpu_generation("v6e")
+    # The grid has 3 k-steps of one (8, 128) @ (128, 128) matmul each: one pass per step.
+    assert [dot.mxu_passes(v5e) for dot in call.dots] == [3]
+    assert [dot.mxu_passes(v6e) for dot in call.dots] == [3]
+    assert call.mxu_flops("v5e") == 3 * (2 * 128 * 128 * 128)
+    assert call.mxu_flops("v6e") == 3 * (2 * 256 * 256 * 256)
+
+
+def test_mxu_rows_past_the_mxu_size_stream_at_one_row_per_cycle_padded_to_sublanes():
+    # 300 rows: more than one weights load per pass, so the pass costs its rows, padded to 8 sublanes.
+    shape = perf.DotShape(batch=1, m=300, k=384, n=640, lhs_dtype="bfloat16", rhs_dtype="bfloat16",
+                          precision="DEFAULT", count=2)
+    v5e, v6e = perf.tpu_generation("v5e"), perf.tpu_generation("v6e")
+    assert shape.mxu_passes(v5e) == 2 * (3 * 5)  # k 384 = 3 x 128, n 640 = 5 x 128, twice
+    assert shape.mxu_flops(v5e) == 2 * (3 * 5) * (2 * 304 * 128 * 128)
+    assert shape.mxu_passes(v6e) == 2 * (2 * 3)  # k padded to 512 = 2 x 256, n to 768 = 3 x 256
+    assert shape.mxu_flops(v6e) == 2 * (2 * 3) * (2 * 304 * 256 * 256)
+
+
+def test_row_chunks_below_the_mxu_size_cost_a_full_pass_each():
+    # The same 256 rows as one matmul, or as eight 32-row chunks against the same weights tile:
+    # each chunk reloads the weights, so on v6e chunking costs 8x the MXU time; on v5e 4x (128 / 32).
+    whole = perf.DotShape(1, 256, 256, 256, "bfloat16", "bfloat16", "DEFAULT", count=1)
+    chunks = perf.DotShape(1, 32, 256, 256, "bfloat16", "bfloat16", "DEFAULT", count=8)
+    assert whole.flops == chunks.flops
+    v5e, v6e = perf.tpu_generation("v5e"), perf.tpu_generation("v6e")
+    assert chunks.mxu_flops(v6e) == 8 * whole.mxu_flops(v6e)
+    assert chunks.mxu_flops(v5e) == 4 * whole.mxu_flops(v5e)
+
+
+def test_hbm_fraction_scales_only_the_transfer_time_and_is_checked(matmul_traffic):
+    full = perf.roofline(matmul_traffic, "v6e", min_bytes=1000)
+    slower = perf.roofline(matmul_traffic, "v6e", min_bytes=1000, hbm_fraction=0.85)
+    assert slower.hbm_bound_s == pytest.approx(full.hbm_bound_s / 0.85)
+    assert slower.compute_bound_s == full.compute_bound_s
+    assert slower.roofline_s == full.roofline_s  # the floor is the peak bandwidth's
+    assert slower.pipelined_time_s > full.pipelined_time_s
+    with pytest.raises(ValueError, match="hbm_fraction"):
+        perf.roofline(matmul_traffic, "v6e", hbm_fraction=0.0)
+
+
+def test_operands_placed_on_chip_move_no_hbm_bytes(matmul_traffic):
+    x_position = next(i for i, op in enumerate(matmul_traffic.operands) if op.role == "input")
+    on_chip = perf.with_operands_on_chip(matmul_traffic, [x_position], "prefetched into VMEM by XLA")
+    assert on_chip.hbm_bytes == matmul_traffic.hbm_bytes - matmul_traffic.operands[x_position].hbm_bytes
+    assert on_chip.operands[x_position].fetched_per_step.sum() == 0
+    assert "prefetched into VMEM by XLA" in on_chip.notes[-1]
+    assert perf.roofline(on_chip, "v6e").pipelined_time_s < perf.roofline(matmul_traffic, "v6e").pipelined_time_s
 
 
 def _row_copy(x, *, block_rows, revisit_every):
@@ -314,8 +363,9 @@ def test_pipelined_time_charges_the_compute_no_transfer_hides():
     # Per step: x and y blocks arrive for the next step; the f32 output leaves after the last.
     step_fetch = (128 * 128 + 128 * 256) * BF16
     assert call.hbm_bytes == block_on.nbytes + 4 * step_fetch + 128 * 256 * 4
-    # On v6e the 128-deep contraction fills half the 256-wide MXU.
-    block_compute_s = 2 * 128 * 256 * 256 / 9.2e14
+    # On v6e the (128, 128) @ (128, 256) block is one pass of the 256-wide MXU (k padded to 256),
+    # and its 128 rows cost the 256 cycles of loading the weights tile.
+    block_compute_s = 2 * 256 * 256 * 256 / 9.2e14
     assert block_compute_s < step_fetch / 1.64e12  # every step but the last hides its compute under DMA
     assert modelled.time_s == pytest.approx(call.hbm_bytes / 1.64e12 + 4 * 0.35e-6)
     assert modelled.pipelined_time_s == pytest.approx(modelled.time_s + block_compute_s)

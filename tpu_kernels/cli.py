@@ -1,4 +1,4 @@
-"""`tpu-kernels`: build | check | serve | upload | demo."""
+"""`tpu-kernels`: build | check | bench | serve | upload | demo."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 DEFAULT_GENERATIONS = "v5e,v6e"
+# The project's modelled benchmarks (benchmarks/ of this checkout) of each kernel repo, run by `bench`.
+MODELLED_BENCHMARKS = {"ragged-dot-tpu": "moe_layer.py"}
+BENCHMARKS_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def _build(args) -> int:
@@ -49,6 +52,21 @@ def _check(args) -> int:
     print(f"tests: {tests_word}; "
           f"ahead-of-time compiles: {sum(r.compiled for r in results)}/{len(results)}")
     return 0 if tests_status == 0 and compiled_all else 1
+
+
+def _bench(args, extra: list[str]) -> int:
+    repo = Path(args.repo)
+    script = MODELLED_BENCHMARKS.get(repo.resolve().name)
+    if script is None:
+        known = ", ".join(sorted(MODELLED_BENCHMARKS))
+        print(f"{repo}: no modelled benchmark for this kernel repo (known: {known})", file=sys.stderr)
+        return 2
+    path = BENCHMARKS_DIR / script
+    if not path.is_file():
+        print(f"{path} is missing: `bench` runs from a checkout of the tpu-kernels project", file=sys.stderr)
+        return 2
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    return subprocess.call([sys.executable, str(path), "--repo", str(repo), *extra], env=env)
 
 
 def _serve(argv: list[str]) -> int:
@@ -95,11 +113,22 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--skip-tests", action="store_true", help="only build and compile")
     check.set_defaults(run=_check)
 
+    bench = commands.add_parser(
+        "bench", help="run the modelled benchmark of a kernel repo (benchmarks/ of this project); other "
+                      "arguments go to the benchmark script"
+    )
+    bench.add_argument("repo", help="kernel_repos/<name>")
+    bench.set_defaults(run=_bench)
+
     for name, help_ in (("serve", "run a local Hub-compatible server"), ("upload", "publish a build to a Hub"),
                         ("demo", "kernelize a tiny MoE model end to end")):
         commands.add_parser(name, help=help_, add_help=False)
 
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.run is _bench:
+        return _bench(args, extra)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args.run(args)
 
 

@@ -18,8 +18,12 @@ Where the numbers come from:
   of exactly that size compile, one MiB more fails with
   CompileTimeScopedVmemOom (tests/test_perf.py checks the v6e edge).
 - Per-grid-step cost 0.35 us: the rule of thumb for the fixed cost of one
-  Pallas TPU grid step (DMA issue, semaphore waits, loop bookkeeping); no
-  primary source in jax's docs, and it cannot be measured without a TPU.
+  Pallas TPU grid step (DMA issue, semaphore waits, loop bookkeeping),
+  commonly attributed to the Pallas TPU pipelining guide. That guide's text
+  in jax's repository (docs/pallas/tpu/pipelining.md and the other Pallas
+  TPU guides, whole history up to commit cec06d1, 2026-08) does not state it,
+  and it cannot be measured without a TPU: benchmarks treat it as a
+  parameter and also report 0 and 1.0 us per step.
 
 Generations: kernels are tuned and compiled ahead of time for
 SUPPORTED_GENERATIONS only. On a TPU of any other generation

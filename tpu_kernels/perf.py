@@ -47,20 +47,39 @@ values is evaluated at every step, so compute a kernel skips (an empty group,
 a masked tile) costs nothing. Any other `cond` counts its most expensive
 branch and a `while` body counts once; `PallasCallTraffic.dots_exact` is
 False then, and the `active_steps` callback can say which steps compute (the
-pipeline's DMAs run on every step regardless). `mxu_flops(generation)` also
-pads each matmul to the MXU granularity: rows to 8 sublanes, contraction and
-output columns to the MXU size (128 on v5e, 256 on v6e, from jax's TpuInfo).
+pipeline's DMAs run on every step regardless).
+
+MXU time per matmul (`DotShape.mxu_flops(generation)`, in FLOPs at peak) is
+charged per pass of the systolic array. Source: "How to Scale Your Model",
+part "How to Think About TPUs" (jax-ml/scaling-book, tpus.md, Appendix B):
+the MXU is a `mxu_size` x `mxu_size` systolic array (128 on v5e, 256 on v6e,
+also in jax's TpuInfo) that holds a tile of the matmul's right-hand side (the
+weights) while the left-hand side's rows stream through it, one row per
+cycle (one bf16[8,128] @ bf16[128,128] per 8 cycles); "after that initial
+bubble, new inputs and weights can be loaded in without an additional
+bubble". So a matmul (m, k) @ (k, n) takes ceil(k / mxu) * ceil(n / mxu)
+passes, one per weights tile. Loading a weights tile takes `mxu_size` cycles
+(its rows enter one per cycle) and overlaps the previous pass only while
+that pass streams rows, so a pass costs max(m rounded up to 8 sublanes,
+mxu_size) cycles. Assumptions beyond the source: the next tile's load hides
+entirely behind a pass of at least `mxu_size` rows, passes spread evenly over
+the core's MXUs, and a matmul's rows are not split into several passes of the
+same weights tile. A 32-row chunk on v6e thus costs as much MXU time as 256
+rows: small row chunks are not free.
 
 Modelled time of one call on one generation (`roofline(...).time_s`) =
-    max(HBM bytes / HBM bandwidth, MXU FLOPs / peak) + grid steps * 0.35 us.
-`pipelined_time_s` replays the double-buffered pipeline step by step instead:
+    max(HBM bytes / (HBM bandwidth * hbm_fraction), MXU time) + grid steps * step cost,
+with hbm_fraction the share of the peak bandwidth the DMAs reach (1.0 by
+default; benchmarks also report 0.85) and step cost 0.35 us by default
+(`hardware.GRID_STEP_OVERHEAD_S`: an unverified rule of thumb; benchmarks
+bound it by also reporting 0 and 1.0 us). `pipelined_time_s` replays the double-buffered pipeline step by step instead:
 the first fetch and last write-back are not overlapped, and each step costs
 max(its compute, the DMAs of the neighbouring steps) + 0.35 us; it is never
 below `time_s`. Vector-unit work, DMA issue latency, HBM tile granularity and
 megacore splitting are modelled by neither.
 
 Constants and their sources: HBM bandwidth, MXU peaks and size, VMEM
-capacity, the default scoped VMEM limits and the 0.35 us per grid step come
+capacity, the default scoped VMEM limits and the per-grid-step cost come
 from `tpu_kernels.hardware` (the module every built kernel carries as
 `_hardware.py`), which reads jax's public TPU table
 (`jax.experimental.pallas.tpu.get_tpu_info_for_chip`) and names the source
@@ -118,11 +137,16 @@ class DotShape:
         return 2 * self.batch * self.m * self.k * self.n * self.count
 
     def mxu_flops(self, generation: TpuGeneration) -> int:
-        """FLOPs the MXU spends, with m padded to sublanes and k, n to the MXU size."""
-        m = round_up(self.m, generation.sublanes)
-        k = round_up(self.k, generation.mxu_size)
-        n = round_up(self.n, generation.mxu_size)
-        return 2 * self.batch * m * k * n * self.count
+        """MXU time in FLOPs at peak: one pass per weights tile, each at least `mxu_size` rows (module docstring)."""
+        mxu = generation.mxu_size
+        rows_per_pass = max(round_up(self.m, generation.sublanes), mxu)
+        passes = math.ceil(self.k / mxu) * math.ceil(self.n / mxu)
+        return 2 * self.batch * rows_per_pass * mxu * mxu * passes * self.count
+
+    def mxu_passes(self, generation: TpuGeneration) -> int:
+        """Weights tiles loaded into the MXU over the whole grid."""
+        mxu = generation.mxu_size
+        return self.batch * math.ceil(self.k / mxu) * math.ceil(self.n / mxu) * self.count
 
     def peak_flops_per_s(self, generation: TpuGeneration) -> float:
         dtypes = {self.lhs_dtype, self.rhs_dtype}
@@ -218,7 +242,9 @@ class PallasCallTraffic:
         gen = _as_generation(generation)
         return sum(dot.mxu_flops(gen) / dot.peak_flops_per_s(gen) for dot in self.dots)
 
-    def pipelined_seconds(self, generation: str | TpuGeneration, step_overhead_s: float = GRID_STEP_OVERHEAD_S) -> float:
+    def pipelined_seconds(
+        self, generation: str | TpuGeneration, step_overhead_s: float = GRID_STEP_OVERHEAD_S, hbm_fraction: float = 1.0
+    ) -> float:
         """Time of a double-buffered pipeline: step t computes while step t+1's blocks arrive and t-1's leave.
 
         = first fetch + sum over steps of max(compute_t, DMA_t) + last write-back + steps * overhead,
@@ -227,9 +253,10 @@ class PallasCallTraffic:
         compute do not balance.
         """
         gen = _as_generation(generation)
+        bandwidth = gen.hbm_bytes_per_s * hbm_fraction
         prologue = sum(op.hbm_bytes for op in self.operands if op.role == "scalar_prefetch")
         if self.steps == 0:
-            return prologue / gen.hbm_bytes_per_s
+            return prologue / bandwidth
         fetched = np.zeros(self.steps)
         written = np.zeros(self.steps)
         for op in self.operands:
@@ -240,8 +267,8 @@ class PallasCallTraffic:
         for key, counts in self.dots_per_step.items():
             one = DotShape(*key, count=1)
             compute += counts * (one.mxu_flops(gen) / one.peak_flops_per_s(gen))
-        dma = (np.append(fetched[1:], 0.0) + np.insert(written[:-1], 0, 0.0)) / gen.hbm_bytes_per_s
-        edges = (prologue + fetched[0] + written[-1]) / gen.hbm_bytes_per_s
+        dma = (np.append(fetched[1:], 0.0) + np.insert(written[:-1], 0, 0.0)) / bandwidth
+        edges = (prologue + fetched[0] + written[-1]) / bandwidth
         return float(edges + np.maximum(compute, dma).sum() + self.steps * step_overhead_s)
 
     @property
@@ -303,19 +330,26 @@ def roofline(
     min_bytes: int | None = None,
     min_flops: int | None = None,
     step_overhead_s: float = GRID_STEP_OVERHEAD_S,
+    hbm_fraction: float = 1.0,
 ) -> ModelledTime:
-    """Modelled time of `traffic` (one call or several run one after another)."""
+    """Modelled time of `traffic` (one call or several run one after another).
+
+    `hbm_fraction` is the share of the peak HBM bandwidth the DMAs reach; the
+    roofline (`min_bytes`, `min_flops`) is always taken at the peak.
+    """
     calls = [traffic] if isinstance(traffic, PallasCallTraffic) else list(traffic)
     if not calls:
         raise ValueError("traffic: no pallas_call to model")
     if step_overhead_s < 0:
         raise ValueError(f"step_overhead_s must be >= 0, got {step_overhead_s}")
+    if not 0 < hbm_fraction <= 1:
+        raise ValueError(f"hbm_fraction must be in (0, 1], got {hbm_fraction}")
     gen = _as_generation(generation)
     time_s = pipelined_s = hbm_s = compute_s = overhead_s = 0.0
     per_call = []
     fits = True
     for call in calls:
-        call_hbm = call.hbm_bytes / gen.hbm_bytes_per_s
+        call_hbm = call.hbm_bytes / (gen.hbm_bytes_per_s * hbm_fraction)
         call_compute = call.compute_seconds(gen)
         call_overhead = call.steps * step_overhead_s
         call_time = max(call_hbm, call_compute) + call_overhead
@@ -323,7 +357,7 @@ def roofline(
         compute_s += call_compute
         overhead_s += call_overhead
         time_s += call_time
-        pipelined_s += call.pipelined_seconds(gen, step_overhead_s)
+        pipelined_s += call.pipelined_seconds(gen, step_overhead_s, hbm_fraction)
         per_call.append((call.name, call_time))
         limit = call.vmem_limit_bytes or gen.default_scoped_vmem_bytes or gen.vmem_capacity_bytes
         fits = fits and call.vmem_bytes <= limit
@@ -346,6 +380,23 @@ def roofline(
         fits_vmem=fits,
         per_call=tuple(per_call),
     )
+
+
+def with_operands_on_chip(call: PallasCallTraffic, positions: Sequence[int], why: str) -> PallasCallTraffic:
+    """`call` with the operands at `positions` (indices into `call.operands`) moving no HBM bytes.
+
+    For an operand the surrounding program placed in VMEM (XLA's memory-space
+    assignment can prefetch a custom call's operand into VMEM, or keep its
+    output there): the pipeline's copies of it then stay on chip, and the
+    HBM traffic belongs to whatever brought it there.
+    """
+    operands = list(call.operands)
+    for position in positions:
+        op = operands[position]
+        zeros = None if op.fetched_per_step is None else np.zeros_like(op.fetched_per_step)
+        operands[position] = dataclasses.replace(op, hbm_bytes=0, fetched_per_step=zeros, written_per_step=zeros)
+    notes = (*call.notes, *(f"{call.operands[p].origin}: {why}" for p in positions))
+    return dataclasses.replace(call, operands=tuple(operands), notes=notes)
 
 
 # A callback telling which grid steps run their compute:
@@ -385,7 +436,7 @@ def model_pallas_traffic(fn: Callable, *args, active_steps: ActiveStepsFn | None
 
     known_args = [a for a, k in zip(flat_args, is_known) if k]
     with jax.default_device(_host_device()):
-        operand_values = jax.jit(known_call_operands)(known_args, list(closed.consts))
+        operand_values = _run_on_host(known_call_operands, known_args, list(closed.consts))
     return [
         _replay_pallas_call(eqn, [_UNKNOWN if v is None else np.asarray(v) for v in values], active_steps)
         for eqn, values in zip(calls, operand_values)
@@ -402,6 +453,16 @@ _UNKNOWN = _Unknown()
 
 def _is_unknown(value) -> bool:
     return value is _UNKNOWN
+
+
+# The model's helper programs run once each on small integer arrays: XLA's CPU backend optimizations
+# cost more compile time than they save (skipping them cuts compile time by about a quarter, measured here).
+_HOST_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _run_on_host(fn: Callable, *args):
+    """`jax.jit(fn)(*args)` on the host device, compiled without XLA's CPU optimizations."""
+    return jax.jit(fn).lower(*args).compile(_HOST_COMPILE_OPTIONS)(*args)
 
 
 def _host_device():
@@ -691,7 +752,7 @@ def _block_indices(block_mappings, grid_indices: np.ndarray, prefetch: list[Any]
     columns = [grid_indices[:, axis] for axis in range(num_grid)]
     batched = jax.vmap(all_block_indices, in_axes=(0, 0, None))
     with jax.default_device(_host_device()):
-        results = jax.jit(batched)(np.arange(steps, dtype=np.int32), columns, prefetch_args)
+        results = _run_on_host(batched, np.arange(steps, dtype=np.int32), columns, prefetch_args)
     return [np.stack([np.asarray(c, dtype=np.int64) for c in result], axis=1).reshape(steps, -1) for result in results]
 
 
@@ -881,7 +942,7 @@ def _branch_at_each_step(kernel, cond_eqn, gm, grid, grid_indices, prefetch) -> 
 
     batched = jax.vmap(branch_index, in_axes=(0, 0, None))
     with jax.default_device(_host_device()):
-        taken = jax.jit(batched)(np.arange(steps, dtype=np.int32), grid_args, list(prefetch))
+        taken = _run_on_host(batched, np.arange(steps, dtype=np.int32), grid_args, list(prefetch))
     return np.clip(np.asarray(taken, dtype=np.int64), 0, num_branches - 1)
 
 

@@ -93,6 +93,30 @@ def test_heuristic_keeps_decode_rows_resident_and_tiles_prefill(config):
     assert (big.tile_k, big.tile_n) == (4096, 1024)
 
 
+def test_heuristic_n_tiles_waste_no_mxu_pass_they_can_avoid(config):
+    # GPT-OSS's gate_up (K 2880, N 5760) on v5e: halving N in multiples of 256 gave 8 tiles of 768, the last one
+    # half empty (48 passes of 128 columns); 5 tiles of 1152 take the 45 that N needs, in fewer grid steps.
+    gate_up = config.heuristic_config(16384, 2880, 5760, jnp.bfloat16, "v5e", num_groups=32)
+    assert gate_up.tile_n == 1152
+    # down (N 2880 = 22.5 x 128): 24 passes is the least any fitting tiling takes; 3 tiles of 1024 instead of 4 of 768.
+    assert config.heuristic_config(16384, 2880, 2880, jnp.bfloat16, "v5e", num_groups=32).tile_n == 1024
+    # A whole N that fits the block budget stays whole, aligned or not.
+    assert config.heuristic_config(16384, 2880, 2880, jnp.bfloat16, "v6e", num_groups=32).tile_n == 2880
+    assert config.n_tile(1408, 4096, 128) == 1408
+
+
+@pytest.mark.parametrize("n, max_cols, mxu", [(5760, 1456, 128), (2880, 1456, 128), (5760, 2912, 256), (7168, 2048, 128),
+                                              (4096, 585, 128), (16384, 1024, 256)])
+def test_n_tile_takes_the_fewest_passes_of_the_tiles_it_considers(config, n, max_cols, mxu):
+    def passes(tile):
+        return -(-n // tile) * -(-tile // mxu)
+
+    chosen = config.n_tile(n, max_cols, mxu)
+    widest = max(256, max_cols // 128 * 128)
+    assert chosen % 128 == 0 and widest // 2 <= chosen <= widest
+    assert passes(chosen) == min(passes(t) for t in range(128, widest + 1, 128) if t >= widest // 2)
+
+
 def test_heuristic_always_fits(config):
     for generation, dtype, (m, k, n) in itertools.product(
         ("v5e", "v6e"),
@@ -221,6 +245,12 @@ def test_tile_i_alignment_per_layout(config):
     with pytest.raises(ValueError, match="tile_i=64"):
         config.check_fused_config(config.FusedConfig(16, 64), 16, 512, 256, 8, jnp.bfloat16,
                                   weights_transposed=True, interleaved=False, has_bias=True)
+
+
+def test_an_ep_dispatch_rank_at_decode_batch_256_takes_the_fused_kernel(config):
+    # Qwen3-30B-A3B, batch 256, top-8 dispatched over 8 ranks: 256 rows per rank on average, 301 on the busiest.
+    hidden, intermediate, experts, layout = MODELS["qwen3-30b-a3b"]
+    assert config.use_fused_experts(301, hidden, intermediate, experts // 8, jnp.bfloat16, **layout)
 
 
 def test_use_fused_experts_is_for_decode_sized_calls_that_fit(config):

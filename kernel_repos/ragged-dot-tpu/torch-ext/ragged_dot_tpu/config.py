@@ -68,11 +68,15 @@ HEURISTIC_ROW_TILE = {"v5e": 512, "v6e": 512}
 # The fused experts kernel serves calls of at most this many tokens (decode
 # batches). It gathers an expert's rows and scatters its results with one-hot
 # matmuls against all T tokens: 2 x T x H multiply-adds per row on top of the
-# expert's 3 x I x H, so at T = 256 and the I of today's MoE models (704 to
-# 2880) at most 25 % more MXU work, which decode (rows per expert below
+# expert's 3 x I x H, so at T = 512 and the I of today's MoE models (704 to
+# 2880) at most 49 % more MXU work, which decode (rows per expert far below
 # `ridge_rows`, weight streaming the bound) hides; the work grows with T, and
-# prefill-sized calls take the two grouped matmuls.
-FUSED_MAX_TOKENS = 256
+# prefill-sized calls take the two grouped matmuls. 512, not 256: under EP
+# token dispatch a rank's call holds the picks sent to it, one per row, and at
+# a decode batch of 256 the busiest rank gets more than 256 of them (Qwen3-30B-A3B
+# on 8 ranks: 301 in benchmarks/moe_layer.py), which the grouped path served
+# at 1.28x its roofline on v6e, the fused kernel at 1.06x.
+FUSED_MAX_TOKENS = 512
 # Rows per MXU pass of the fused kernel: T rounded to the native tile, at
 # most 128 (the v5e MXU's width); an expert's rows fill whole passes but the
 # last. Not tuned.
@@ -197,24 +201,46 @@ def ridge_rows(generation: str) -> int:
     return int(facts.bf16_flops_per_s / facts.hbm_bytes_per_s)
 
 
+def n_tile(n: int, max_cols: int, mxu: int) -> int:
+    """The N tile for weights blocks of at most `max_cols` columns (at least 256): all of N if it fits.
+
+    Else, among multiples of 128 from half the widest fitting tile up to it
+    (not narrower: every N tile is a grid step per row tile), the one whose
+    tiles take the fewest MXU passes over all of N (a tile's columns round up
+    to whole `mxu`-wide passes, and a partial last tile is padded to the
+    tile), then the fewest tiles, then the least padding of the last tile.
+    Halving N in multiples of 256 instead can waste passes: GPT-OSS's 5760
+    gate_up columns on v5e made 8 tiles of 768 (48 passes of 128, the last
+    tile half empty) where 5 tiles of 1152 take 45.
+    """
+    if n <= max(256, max_cols):
+        return n
+    widest = max(256, max_cols // LANES * LANES)
+    candidates = range(max(LANES, widest // 2 // LANES * LANES), widest + 1, LANES)
+
+    def cost(tile: int) -> tuple[int, int, int]:
+        tiles = -(-n // tile)
+        return tiles * -(-tile // mxu), tiles, tiles * tile - n
+
+    return min(candidates, key=cost)
+
+
 def heuristic_config(m: int, k: int, n: int, dtype, generation: str, num_groups: int | None = None) -> TileConfig:
     """Tiles that fit VMEM, from the shape and the generation.
 
     Weights blocks are as large as HEURISTIC_RHS_BLOCK_BYTES allows (K whole
-    if it fits, else halved down to 512; N whole or halved in multiples of
-    256, v6e's MXU width) so each active group's weights are fetched once per
-    N tile in few grid steps. Rows: one resident tile in chunks of the MXU
-    width when the rows per group stay under `ridge_rows`, else
-    HEURISTIC_ROW_TILE rows, else one chunk of rows; the first that fits.
+    if it fits, else halved down to 512; N whole or the tile of `n_tile`,
+    which wastes the fewest MXU passes) so each active group's weights are
+    fetched once per N tile in few grid steps. Rows: one resident tile in
+    chunks of the MXU width when the rows per group stay under `ridge_rows`,
+    else HEURISTIC_ROW_TILE rows, else one chunk of rows; the first that fits.
     """
     generation = check_generation(generation)
     itemsize = jnp.dtype(dtype).itemsize
     rhs_block_bytes = HEURISTIC_RHS_BLOCK_BYTES[generation]
 
     tile_k = k
-    tile_n = n
-    while tile_k * tile_n * itemsize > rhs_block_bytes and tile_n > 256:
-        tile_n = max(256, round_up(tile_n // 2, 256))
+    tile_n = n_tile(n, rhs_block_bytes // (k * itemsize), tpu_generation(generation).mxu_size)
     while tile_k * tile_n * itemsize > rhs_block_bytes and tile_k > 512:
         tile_k = max(512, round_up(tile_k // 2, 256))
 

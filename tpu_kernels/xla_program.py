@@ -1,0 +1,624 @@
+"""What XLA does around Pallas kernels in a program compiled for a TPU: each op's HBM traffic and placement.
+
+`compile_program(fn, avals, generation)` compiles `fn` ahead of time for a
+TPU generation (libtpu compile-only topology, as `aot.compile_for`), with
+XLA's HLO dump switched on for that one compile, and reads the optimized
+module (`*.after_optimizations.txt`). Every instruction of the entry
+computation becomes a `ProgramOp` with
+
+- the memory space XLA assigned to each operand and result: the layout's
+  `S(n)` annotation, none or S(0) = HBM, S(1) = VMEM, any other (SMEM, sync
+  flags) small on-chip buffers;
+- the HBM bytes it reads and writes and the VMEM bytes it touches. A fused
+  operand read only through gather / slice / dynamic-slice counts the bytes
+  those ops produce, not the whole operand. Prefetches (`copy-start`, sliced
+  `async-start`) count their copy; `*-done`, bitcasts, tuples and parameters
+  move nothing. Bytes are logical: HBM tile padding is ignored;
+- the cycles XLA's own TPU cost model estimated for it, where the backend
+  annotated them (`estimated_cycles` in `*.after_codegen.txt`; many ops,
+  e.g. sorts and scatters, carry none).
+
+Pallas kernels (custom-call target `tpu_custom_call`) are listed apart as
+`KernelCall`s with the placement of their operands and results; their
+traffic is `tpu_kernels.perf`'s grid replay. `model_program` joins the two:
+kernel operands XLA placed in VMEM move no HBM bytes inside the kernel (the
+prefetch that brought them there is an XLA op), and
+
+    time = sum over kernels of perf.roofline time
+         + max(sum over XLA ops of max(HBM bytes / (HBM bandwidth * hbm_fraction),
+                                       VMEM bytes / VMEM bandwidth),
+               XLA FLOPs / bf16 peak)
+
+where XLA FLOPs are the compiled module's `cost_analysis()["flops"]` less
+the kernels' own `CostEstimate` FLOPs (XLA reports a Pallas call's estimate
+as its cost); per-op FLOPs are not available, hence the module-level max.
+
+with VMEM bandwidth = 22 x HBM bandwidth ("VMEM bandwidth is around 22x
+higher than HBM bandwidth": "How to Scale Your Model", part "How to Think
+About TPUs", jax-ml/scaling-book tpus.md). Not modelled: a fixed cost per XLA
+op (XLA's own estimates, reported as `estimated_cycles`, suggest ~2,100
+cycles for small ops touching HBM), vector-unit work beyond its VMEM
+traffic, sort networks' compute, overlap of prefetches with compute (every
+HBM byte is charged once, serially), while-loop bodies without a known trip
+count (counted once) and HBM tile padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+
+from . import perf
+from .aot import topology_device
+from .hardware import TpuGeneration, tpu_generation
+
+VMEM_BANDWIDTH_OVER_HBM = 22.0
+# MXUs per TensorCore: 4 on v4 and v5 ("How to Think About TPUs", which also gives v5e's 1.5 GHz clock);
+# assumed 4 on v6e. Used only to turn XLA's cycle estimates into seconds.
+MXUS_PER_CORE = 4
+PALLAS_TARGET = "tpu_custom_call"
+# A copy of an entry parameter into another layout: XLA's default TPU layout of an argument differs from
+# the one a consumer (e.g. a Pallas kernel's operand layout constraint) needs, so every call rewrites it.
+RELAYOUT = "relayout of"
+
+_HBM, _VMEM, _OTHER = "hbm", "vmem", "on_chip"
+_ITEMSIZE = {
+    "pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4,
+    "u32": 4, "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16,
+}
+# Opcodes that move no data themselves (or whose copy is charged at the matching start).
+_FREE_OPCODES = frozenset({
+    "parameter", "constant", "bitcast", "get-tuple-element", "tuple", "copy-done", "async-done", "after-all",
+    "opt-barrier", "partition-id", "replica-id", "add-dependency", "domain",
+})
+# Custom calls that only re-describe buffers.
+_FREE_TARGETS = frozenset({"AllocateBuffer", "ConcatBitcast", "AssumeGatherIndicesInBound"})
+# Ops that read only the part of their first operand they produce.
+_SLICING_OPCODES = frozenset({"gather", "slice", "dynamic-slice"})
+_UNKNOWN_CYCLES = 2**63 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One array of a (possibly tuple) shape."""
+
+    dtype: str
+    dims: tuple[int, ...]
+    space: str
+    layout: str = ""  # minor-to-major order and tiling, e.g. "1,2,0:T(8,128)(2,1)"
+
+    @property
+    def bytes(self) -> int:
+        return math.ceil(math.prod(self.dims) * _ITEMSIZE.get(self.dtype, 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instruction:
+    name: str
+    shape: object  # Leaf | tuple of shapes
+    opcode: str
+    operands: tuple[str, ...]
+    attributes: str
+    arguments: str = ""  # the text inside the operand parentheses, e.g. a parameter's number
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramOp:
+    """One XLA instruction of the entry computation and what it moves."""
+
+    name: str
+    opcode: str
+    detail: str  # fused computation kind, custom-call target, or the sliced operand of a prefetch
+    hbm_read_bytes: int
+    hbm_write_bytes: int
+    vmem_bytes: int
+    estimated_cycles: int | None
+    prefetch: bool
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self.hbm_read_bytes + self.hbm_write_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """A Pallas kernel in the compiled program: where XLA placed its operands and results."""
+
+    name: str
+    operand_spaces: tuple[str, ...]
+    operand_bytes: tuple[int, ...]
+    result_spaces: tuple[str, ...]
+    result_bytes: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledProgram:
+    generation: str
+    ops: tuple[ProgramOp, ...]
+    kernels: tuple[KernelCall, ...]
+    cost_analysis: dict
+    memory: dict
+    notes: tuple[str, ...]
+
+    @property
+    def hbm_bytes(self) -> int:
+        return sum(op.hbm_bytes for op in self.ops)
+
+    @property
+    def vmem_bytes(self) -> int:
+        return sum(op.vmem_bytes for op in self.ops)
+
+    @property
+    def relayout_bytes(self) -> int:
+        """HBM bytes of copies that only change an argument's layout (module docstring of RELAYOUT)."""
+        return sum(op.hbm_bytes for op in self.ops if op.detail.startswith(RELAYOUT))
+
+    @property
+    def moving_ops(self) -> tuple[ProgramOp, ...]:
+        """The XLA ops that read or write any buffer (launches, as opposed to free re-descriptions)."""
+        return tuple(op for op in self.ops if op.hbm_bytes or op.vmem_bytes)
+
+    def placements(self, min_bytes: int = 1 << 20) -> list[str]:
+        """Human-readable list of the large buffers XLA keeps in VMEM or prefetches there."""
+        lines = []
+        for op in self.ops:
+            if op.detail.startswith(RELAYOUT) and op.hbm_bytes >= min_bytes:
+                lines.append(f"{op.name}: {op.detail}, {op.hbm_bytes / 2**20:.1f} MiB of HBM traffic per call")
+            elif op.prefetch and op.hbm_read_bytes >= min_bytes:
+                lines.append(f"{op.name}: prefetches {op.hbm_read_bytes / 2**20:.1f} MiB of {op.detail} into VMEM")
+            elif not op.prefetch and op.vmem_bytes >= min_bytes and not op.hbm_bytes:
+                lines.append(f"{op.name} ({op.opcode} {op.detail}): runs on {op.vmem_bytes / 2**20:.1f} MiB in VMEM")
+        for kernel in self.kernels:
+            for number, (space, size) in enumerate(zip(kernel.operand_spaces, kernel.operand_bytes)):
+                if space == _VMEM and size >= min_bytes:
+                    lines.append(f"{kernel.name}: operand {number} ({size / 2**20:.1f} MiB) read from VMEM")
+            for number, (space, size) in enumerate(zip(kernel.result_spaces, kernel.result_bytes)):
+                if space == _VMEM and size >= min_bytes:
+                    lines.append(f"{kernel.name}: result {number} ({size / 2**20:.1f} MiB) kept in VMEM")
+        return lines
+
+
+def lower_program(fn, avals: Sequence[jax.ShapeDtypeStruct], generation: str):
+    """`fn` traced and lowered for `generation`'s compile-only device (cheap; compile it with `compile_lowered`)."""
+    sharding = jax.sharding.SingleDeviceSharding(topology_device(generation))
+    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in avals]
+    return jax.jit(fn).lower(*placed)
+
+
+def compile_lowered(lowered, generation: str) -> CompiledProgram:
+    """Compiles a `lower_program` result with XLA's HLO dump on and analyses the optimized module.
+
+    Thread-safe: the dump goes to a folder of its own, passed as a compile option.
+    """
+    with tempfile.TemporaryDirectory(prefix="xla_dump_") as dump:
+        compiled = lowered.compile({"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
+        optimized = _one_dump(dump, "after_optimizations.txt")
+        codegen = _one_dump(dump, "after_codegen.txt", required=False)
+        return analyse_hlo(
+            optimized.read_text(),
+            generation,
+            codegen_text=codegen.read_text() if codegen else None,
+            cost_analysis=compiled.cost_analysis() or {},
+            memory=_memory_stats(compiled),
+        )
+
+
+def compile_program(fn, avals: Sequence[jax.ShapeDtypeStruct], generation: str) -> CompiledProgram:
+    """Compiles `fn` at `avals` for `generation` and analyses the optimized module (module docstring)."""
+    return compile_lowered(lower_program(fn, avals, generation), generation)
+
+
+def _one_dump(folder: str, suffix: str, required: bool = True) -> Path | None:
+    found = sorted(Path(folder).glob(f"*.{suffix}"))
+    if len(found) > 1:
+        raise RuntimeError(f"XLA dumped {len(found)} modules ending in {suffix} for one compile: {found}")
+    if not found and required:
+        raise RuntimeError(f"XLA dumped no *.{suffix} (the HLO dump options were ignored?)")
+    return found[0] if found else None
+
+
+def _memory_stats(compiled) -> dict:
+    stats = compiled.memory_analysis()
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "generated_code_size_in_bytes")
+    return {field: int(getattr(stats, field)) for field in fields} if stats is not None else {}
+
+
+def analyse_hlo(
+    text: str,
+    generation: str,
+    *,
+    codegen_text: str | None = None,
+    cost_analysis: dict | None = None,
+    memory: dict | None = None,
+) -> CompiledProgram:
+    """A `CompiledProgram` from the text of an optimized HLO module (and optionally its after-codegen text)."""
+    computations, entry = _parse_module(text)
+    cycles = _estimated_cycles(codegen_text) if codegen_text else {}
+    ops, kernels, notes = [], [], []
+    _walk(computations, entry, 1, cycles, ops, kernels, notes)
+    return CompiledProgram(
+        generation=generation,
+        ops=tuple(ops),
+        kernels=tuple(kernels),
+        cost_analysis={k: float(v) for k, v in (cost_analysis or {}).items() if not k.startswith("utilization")},
+        memory=dict(memory or {}),
+        notes=tuple(notes),
+    )
+
+
+def _walk(computations, name, repeats, cycles, ops, kernels, notes):
+    instructions = computations[name]
+    by_name = {inst.name: inst for inst in instructions}
+    for inst in instructions:
+        if inst.opcode == "custom-call" and _target(inst) == PALLAS_TARGET:
+            operands = [by_name[o].shape for o in inst.operands if o in by_name]
+            results = _leaves(inst.shape)
+            kernels.append(KernelCall(
+                name=inst.name,
+                operand_spaces=tuple(_single_space(s) for s in operands),
+                operand_bytes=tuple(sum(leaf.bytes for leaf in _leaves(s)) for s in operands),
+                result_spaces=tuple(leaf.space for leaf in results),
+                result_bytes=tuple(leaf.bytes for leaf in results),
+            ))
+            continue
+        if inst.opcode == "while":
+            body = _attribute(inst.attributes, "body")
+            trips = re.search(r'known_trip_count[^0-9]*"?n"?\D*(\d+)', inst.attributes)
+            if not trips:
+                notes.append(f"{inst.name}: while loop without a known trip count, its body counted once")
+            if body in computations:
+                _walk(computations, body, repeats * (int(trips.group(1)) if trips else 1), cycles, ops, kernels, notes)
+            continue
+        if inst.opcode in ("conditional", "call"):
+            notes.append(f"{inst.name}: {inst.opcode} not modelled (its called computations move no counted bytes)")
+            continue
+        op = _op_traffic(inst, by_name, computations)
+        if op is None:
+            continue
+        if repeats != 1:
+            op = dataclasses.replace(op, hbm_read_bytes=op.hbm_read_bytes * repeats,
+                                     hbm_write_bytes=op.hbm_write_bytes * repeats, vmem_bytes=op.vmem_bytes * repeats)
+        estimate = cycles.get(inst.name)
+        ops.append(dataclasses.replace(op, estimated_cycles=None if estimate is None else estimate * repeats))
+
+
+def _op_traffic(inst: _Instruction, by_name, computations) -> ProgramOp | None:
+    if inst.opcode in _FREE_OPCODES:
+        return None
+    if inst.opcode == "custom-call" and _target(inst) in _FREE_TARGETS:
+        return None
+    results = _leaves(inst.shape)
+    operand_shapes = [by_name[o].shape for o in inst.operands if o in by_name]
+    detail = _target(inst) or _attribute(inst.attributes, "kind") or ""
+    reads = hbm_write = vmem = 0
+    prefetch = False
+
+    def charge_read(leaf: Leaf, size: int | None = None):
+        nonlocal reads, vmem
+        size = leaf.bytes if size is None else size
+        if leaf.space == _HBM:
+            reads += size
+        elif leaf.space == _VMEM:
+            vmem += size
+
+    def charge_write(leaf: Leaf):
+        nonlocal hbm_write, vmem
+        if leaf.space == _HBM:
+            hbm_write += leaf.bytes
+        elif leaf.space == _VMEM:
+            vmem += leaf.bytes
+
+    if inst.opcode == "copy-start":
+        # (destination, source, context): the copy reads the source and fills the destination.
+        destination = _leaves(inst.shape[0])
+        for shape in operand_shapes:
+            for leaf in _leaves(shape):
+                charge_read(leaf)
+        for leaf in destination:
+            charge_write(leaf)
+        prefetch = any(leaf.space == _VMEM for leaf in destination)
+        detail = _source(inst.operands[0], by_name) if inst.operands else detail
+    elif inst.opcode == "async-start":
+        called = computations.get(_attribute(inst.attributes, "calls"), [])
+        root = called[-1] if called else None
+        if root is not None and root.opcode in ("slice", "dynamic-slice", "copy"):
+            source = _leaves(operand_shapes[0]) if operand_shapes else []
+            destination = _leaves(root.shape)
+            for leaf in source:
+                charge_read(leaf, sum(d.bytes for d in destination))
+            for leaf in destination:
+                charge_write(leaf)
+            prefetch = any(leaf.space == _VMEM for leaf in destination)
+            detail = f"{_source(inst.operands[0], by_name)} ({root.opcode})" if inst.operands else root.opcode
+        else:
+            for shape in operand_shapes:
+                for leaf in _leaves(shape):
+                    charge_read(leaf)
+            if isinstance(inst.shape, tuple) and len(inst.shape) > 1:
+                for leaf in _leaves(inst.shape[1]):
+                    charge_write(leaf)
+    elif inst.opcode == "async-update":
+        # Offloaded gathers / scatters: the inputs arrive with the update; result element 1 is the output.
+        for shape in operand_shapes[1:]:
+            for leaf in _leaves(shape):
+                charge_read(leaf)
+        if isinstance(inst.shape, tuple) and len(inst.shape) > 1:
+            for leaf in _leaves(inst.shape[1]):
+                charge_write(leaf)
+    elif inst.opcode == "fusion":
+        called = computations.get(_attribute(inst.attributes, "calls"), [])
+        partial = _partially_read_parameters(called)
+        for number, shape in enumerate(operand_shapes):
+            for leaf in _leaves(shape):
+                charge_read(leaf, min(leaf.bytes, partial[number]) if number in partial else None)
+        for leaf in results:
+            charge_write(leaf)
+    elif inst.opcode in _SLICING_OPCODES:
+        produced = sum(leaf.bytes for leaf in results)
+        for number, shape in enumerate(operand_shapes):
+            for leaf in _leaves(shape):
+                charge_read(leaf, min(leaf.bytes, produced) if number == 0 else None)
+        for leaf in results:
+            charge_write(leaf)
+    else:
+        for shape in operand_shapes:
+            for leaf in _leaves(shape):
+                charge_read(leaf)
+        for leaf in results:
+            charge_write(leaf)
+    if not (reads or hbm_write or vmem):
+        return None
+    if inst.opcode == "copy" and inst.operands and by_name.get(inst.operands[0]) is not None:
+        source = by_name[inst.operands[0]]
+        if source.opcode == "parameter" and isinstance(source.shape, Leaf) and isinstance(inst.shape, Leaf) \
+                and source.shape.layout != inst.shape.layout:
+            detail = f"{RELAYOUT} {source.name} ({source.shape.layout} -> {inst.shape.layout})"
+    return ProgramOp(inst.name, inst.opcode, detail, reads, hbm_write, vmem, None, prefetch)
+
+
+def _source(name: str, by_name) -> str:
+    """The buffer `name` re-describes, looking through bitcasts (e.g. the parameter a prefetch slices)."""
+    while name in by_name and by_name[name].opcode == "bitcast" and by_name[name].operands:
+        name = by_name[name].operands[0]
+    return name
+
+
+def _partially_read_parameters(called: list[_Instruction]) -> dict[int, int]:
+    """Parameters of a fused computation read only through gather / slice ops: bytes those ops produce."""
+    parameters = {}
+    for inst in called:
+        if inst.opcode == "parameter":
+            number = re.match(r"\s*(\d+)", inst.arguments)
+            parameters[inst.name] = int(number.group(1)) if number else None
+    partial = {}
+    for name, number in parameters.items():
+        users = [inst for inst in called if name in inst.operands]
+        if users and all(user.opcode in _SLICING_OPCODES and user.operands[0] == name for user in users):
+            partial[number] = sum(sum(leaf.bytes for leaf in _leaves(user.shape)) for user in users)
+    return partial
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+_LEAF = re.compile(r"(\w+)\[([\d,]*)\](\{[^}]*\})?")
+
+
+def _parse_module(text: str) -> tuple[dict[str, list[_Instruction]], str]:
+    computations: dict[str, list[_Instruction]] = {}
+    entry = None
+    current = None
+    for line in text.splitlines():
+        if current is None:
+            header = _HEADER.match(line)
+            if header and "=" not in line.split("(")[0]:
+                current = header.group(2)
+                computations[current] = []
+                if header.group(1):
+                    entry = current
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        match = _INSTRUCTION.match(line)
+        if match:
+            computations[current].append(_parse_instruction(match.group(1), match.group(2)))
+    if entry is None:
+        raise ValueError("HLO text has no ENTRY computation")
+    return computations, entry
+
+
+def _parse_instruction(name: str, rest: str) -> _Instruction:
+    shape, position = _parse_shape(rest, 0)
+    rest = rest[position:].lstrip()
+    opcode_end = rest.index("(")
+    opcode = rest[:opcode_end].strip()
+    close = _matching(rest, opcode_end)
+    arguments = rest[opcode_end + 1 : close]
+    operands = tuple(re.findall(r"%([\w.\-]+)", arguments))
+    return _Instruction(name, shape, opcode, operands, rest[close + 1 :], arguments)
+
+
+def _parse_shape(text: str, position: int):
+    """A shape at `text[position:]`: a Leaf or a tuple of shapes; returns it and the position after it."""
+    while text[position] == " ":
+        position += 1
+    if text[position] == "(":
+        elements = []
+        position += 1
+        while True:
+            while text[position] in " ,":
+                position += 1
+            if text.startswith("/*", position):
+                position = text.index("*/", position) + 2
+                continue
+            if text[position] == ")":
+                return tuple(elements), position + 1
+            element, position = _parse_shape(text, position)
+            elements.append(element)
+    match = _LEAF.match(text, position)
+    if match is None:  # token[] and other shapes without arrays
+        end = text.find(" ", position)
+        return Leaf("token", (), _OTHER), len(text) if end < 0 else end
+    dims = tuple(int(d) for d in match.group(2).split(",") if d)
+    layout = match.group(3) or ""
+    space = re.search(r"S\((\d+)\)", layout)
+    number = int(space.group(1)) if space else 0
+    order = re.sub(r"S\(\d+\)", "", layout.strip("{}"))
+    return Leaf(match.group(1), dims, _HBM if number == 0 else _VMEM if number == 1 else _OTHER, order), match.end()
+
+
+def _matching(text: str, open_position: int) -> int:
+    depth = 0
+    for position in range(open_position, len(text)):
+        char = text[position]
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+            if depth == 0:
+                return position
+    raise ValueError(f"unbalanced brackets in HLO: {text[:200]}")
+
+
+def _leaves(shape) -> list[Leaf]:
+    if isinstance(shape, Leaf):
+        return [shape]
+    return [leaf for element in shape for leaf in _leaves(element)]
+
+
+def _single_space(shape) -> str:
+    spaces = {leaf.space for leaf in _leaves(shape)}
+    return spaces.pop() if len(spaces) == 1 else "mixed"
+
+
+def _attribute(attributes: str, key: str) -> str | None:
+    match = re.search(rf"\b{key}=%?([\w.\-]+)", attributes)
+    return match.group(1) if match else None
+
+
+def _target(inst: _Instruction) -> str | None:
+    match = re.search(r'custom_call_target="([^"]+)"', inst.attributes)
+    return match.group(1) if match else None
+
+
+def _estimated_cycles(codegen_text: str) -> dict[str, int]:
+    """XLA's estimated cycles per instruction name, where the TPU backend annotated a finite estimate."""
+    found = {}
+    for line in codegen_text.splitlines():
+        match = _INSTRUCTION.match(line)
+        cycles = re.search(r'"estimated_cycles":"(\d+)"', line)
+        if match and cycles and int(cycles.group(1)) != _UNKNOWN_CYCLES:
+            found[match.group(1)] = int(cycles.group(1))
+    return found
+
+
+# ----------------------------------------------------------------------------- the program's modelled time
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramTime:
+    """Modelled time of a compiled program: its Pallas kernels (grid replay) plus its XLA ops."""
+
+    generation: str
+    step_overhead_s: float
+    hbm_fraction: float
+    kernels: perf.ModelledTime | None
+    xla_s: float
+    xla_flops: float
+    xla_hbm_bytes: int
+    xla_vmem_bytes: int
+    xla_ops: int
+    xla_estimated_cycles: int
+    xla_ops_without_estimate: int
+
+    @property
+    def xla_estimated_s(self) -> float:
+        """XLA's own estimate for the ops it annotated, at `clock_hz` (no estimate for the rest)."""
+        return self.xla_estimated_cycles / clock_hz(self.generation)
+
+    @property
+    def time_s(self) -> float:
+        return (self.kernels.time_s if self.kernels else 0.0) + self.xla_s
+
+    @property
+    def pipelined_time_s(self) -> float:
+        return (self.kernels.pipelined_time_s if self.kernels else 0.0) + self.xla_s
+
+    @property
+    def hbm_bytes(self) -> int:
+        return (self.kernels.hbm_bytes if self.kernels else 0) + self.xla_hbm_bytes
+
+
+def clock_hz(generation: str | TpuGeneration) -> float:
+    """TensorCore clock implied by the bf16 peak: peak / (MXUs x 2 x mxu_size^2); 1.50 GHz on v5e, 1.75 GHz on v6e."""
+    gen = generation if isinstance(generation, TpuGeneration) else tpu_generation(generation)
+    return gen.bf16_flops_per_s / (MXUS_PER_CORE * 2 * gen.mxu_size**2)
+
+
+def kernels_as_placed(program: CompiledProgram, calls: Sequence[perf.PallasCallTraffic]) -> list[perf.PallasCallTraffic]:
+    """The replayed calls with the operands XLA placed in VMEM moving no HBM bytes.
+
+    Kernels and replays are matched in program order; a kernel's last
+    operands are its pipelined inputs (after dynamic grid sizes and scalar
+    prefetch), its results its outputs.
+    """
+    if len(program.kernels) != len(calls):
+        raise ValueError(
+            f"the compiled program has {len(program.kernels)} Pallas kernels but {len(calls)} were replayed: "
+            "they cannot be matched"
+        )
+    placed = []
+    for kernel, call in zip(program.kernels, calls):
+        inputs = [position for position, op in enumerate(call.operands) if op.role == "input"]
+        outputs = [position for position, op in enumerate(call.operands) if op.role == "output"]
+        input_spaces = kernel.operand_spaces[len(kernel.operand_spaces) - len(inputs):]
+        on_chip = [position for position, space in zip(inputs, input_spaces) if space == _VMEM]
+        kept = [position for position, space in zip(outputs, kernel.result_spaces) if space == _VMEM]
+        if on_chip:
+            call = perf.with_operands_on_chip(call, on_chip, "XLA placed this operand in VMEM before the kernel")
+        if kept:
+            call = perf.with_operands_on_chip(call, kept, "XLA keeps this result in VMEM")
+        placed.append(call)
+    return placed
+
+
+def model_program(
+    program: CompiledProgram,
+    calls: Sequence[perf.PallasCallTraffic],
+    *,
+    step_overhead_s: float = perf.GRID_STEP_OVERHEAD_S,
+    hbm_fraction: float = 1.0,
+) -> ProgramTime:
+    """Modelled time of `program` whose Pallas kernels were replayed as `calls` (module docstring)."""
+    gen: TpuGeneration = tpu_generation(program.generation)
+    placed = kernels_as_placed(program, calls)
+    kernels = perf.roofline(placed, gen, step_overhead_s=step_overhead_s, hbm_fraction=hbm_fraction) if placed else None
+    hbm_bandwidth = gen.hbm_bytes_per_s * hbm_fraction
+    vmem_bandwidth = gen.hbm_bytes_per_s * VMEM_BANDWIDTH_OVER_HBM
+    transfer_s = sum(max(op.hbm_bytes / hbm_bandwidth, op.vmem_bytes / vmem_bandwidth) for op in program.ops)
+    kernel_flops = sum(call.cost_estimate.flops for call in calls if call.cost_estimate is not None)
+    xla_flops = max(program.cost_analysis.get("flops", 0.0) - kernel_flops, 0.0)
+    xla_s = max(transfer_s, xla_flops / gen.bf16_flops_per_s)
+    moving = program.moving_ops
+    return ProgramTime(
+        generation=program.generation,
+        step_overhead_s=step_overhead_s,
+        hbm_fraction=hbm_fraction,
+        kernels=kernels,
+        xla_s=xla_s,
+        xla_flops=xla_flops,
+        xla_hbm_bytes=program.hbm_bytes,
+        xla_vmem_bytes=program.vmem_bytes,
+        xla_ops=len(moving),
+        xla_estimated_cycles=sum(op.estimated_cycles or 0 for op in moving),
+        xla_ops_without_estimate=sum(op.estimated_cycles is None for op in moving),
+    )
