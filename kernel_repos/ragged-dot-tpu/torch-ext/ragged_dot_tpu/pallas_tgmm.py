@@ -1,0 +1,178 @@
+"""Transposed grouped matmul (`tgmm`) as a Pallas TPU kernel: the weights' gradient of a grouped matmul.
+
+`tgmm(lhs[M, K], rhs[M, N], group_sizes[G]) -> [G, K, N]`: per group g,
+`lhs_g^T @ rhs_g` over the group's rows `[offsets[g], offsets[g+1])`; an
+empty group gets zeros, rows past `sum(group_sizes)` contribute nothing
+(whatever they hold, NaN included). For `out = ragged_dot(x, w, ...)`,
+`d_w = tgmm(x, d_out)` in the `[G, K, N]` layout and `tgmm(d_out, x)` in the
+transposed `[G, N, K]` one: the same kernel with its operands swapped.
+
+Schedule: the output block `(group, K tile, N tile)` stays resident while
+the grid walks the group's row tiles, so each group's gradient is written
+once. A *work item* is one (group, row tile) pair that intersects, laid out
+group by group; an empty group gets one item that keeps the previous item's
+row tile (no fetch) and only writes its zeros. The grid is
+`(n_tiles, k_tiles, items)`: lhs row tiles are read once per N tile, rhs row
+tiles once per K tile (with `tile_k = K` and `tile_n = N`, everything once);
+a row tile shared by two groups is fetched once for both (consecutive items).
+
+MXU work: an item multiplies its rows in chunks of `chunk_m` rows at fixed
+offsets of its row tile, each under a `pl.when` that skips chunks outside
+the group, so a group boundary inside a row tile costs at most one chunk
+per group rather than a whole tile.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from .config import TgmmConfig, check_tgmm_config, select_tgmm_config, tgmm_blocks, tgmm_vmem_limit
+
+
+class TgmmItems(NamedTuple):
+    """Scalar-prefetch arrays describing the work items of one tgmm call."""
+
+    row_tile: jax.Array  # [max_items] int32: row tile of each item (an empty group's item keeps the previous one)
+    group: jax.Array  # [max_items] int32: output group of each item
+    row_start: jax.Array  # [max_items] int32: first row of the item's group
+    row_end: jax.Array  # [max_items] int32: one past the group's last row (row_start for an empty group)
+    count: jax.Array  # [1] int32: number of items, the size of the grid's item axis
+
+
+def max_tgmm_items(m: int, num_groups: int, tile_m: int) -> int:
+    # Non-empty groups touch at most m_tiles + (their number - 1) tiles; each empty one adds an item.
+    return pl.cdiv(m, tile_m) + num_groups - 1
+
+
+def make_tgmm_items(group_sizes: jax.Array, m: int, tile_m: int) -> TgmmItems:
+    num_groups = group_sizes.shape[0]
+    capacity = max_tgmm_items(m, num_groups, tile_m)
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    nonempty = group_sizes > 0
+    first_tile = starts // tile_m
+    tiles = jnp.where(nonempty, (ends - 1) // tile_m - first_tile + 1, 1)
+    item_end = jnp.cumsum(tiles)
+    count = item_end[-1]
+
+    item = jnp.arange(capacity, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(item_end, item, side="right"), num_groups - 1)
+    own_tile = first_tile[group] + (item - (item_end[group] - tiles[group]))
+    # Row tiles never decrease along the items, so an empty group's item (and the unused capacity)
+    # takes the row tile of the item before it by a running maximum: it fetches nothing.
+    tile = lax.cummax(jnp.where(nonempty[group] & (item < count), own_tile, 0))
+    return TgmmItems(
+        row_tile=tile.astype(jnp.int32),
+        group=group.astype(jnp.int32),
+        row_start=starts[group].astype(jnp.int32),
+        row_end=ends[group].astype(jnp.int32),
+        count=count.astype(jnp.int32).reshape(1),
+    )
+
+
+def _body(row_tile_ref, group_ref, row_start_ref, row_end_ref, count_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *,
+          chunk_m: int, precision):
+    item = pl.program_id(2)
+    items = pl.num_programs(2)
+    group = group_ref[item]
+    starts_group = jnp.logical_or(item == 0, group != group_ref[jnp.maximum(item - 1, 0)])
+    ends_group = jnp.logical_or(item == items - 1, group != group_ref[jnp.minimum(item + 1, items - 1)])
+    tile_m = lhs_ref.shape[0]
+    tile_start = row_tile_ref[item] * tile_m
+    row_start = row_start_ref[item]
+    row_end = row_end_ref[item]
+
+    @pl.when(starts_group)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    for chunk in range(tile_m // chunk_m):
+        first = tile_start + chunk * chunk_m
+
+        @pl.when(jnp.logical_and(first < row_end, first + chunk_m > row_start))
+        def _(chunk=chunk, first=first):
+            row = first + lax.broadcasted_iota(jnp.int32, (chunk_m, 1), 0)
+            keep = jnp.logical_and(row >= row_start, row < row_end)
+            # Select, not multiply: rows outside the group may hold anything (NaN), and 0 * NaN is NaN.
+            lhs = lhs_ref[pl.ds(chunk * chunk_m, chunk_m), :]
+            rhs = rhs_ref[pl.ds(chunk * chunk_m, chunk_m), :]
+            lhs = jnp.where(keep, lhs, jnp.zeros_like(lhs))
+            rhs = jnp.where(keep, rhs, jnp.zeros_like(rhs))
+            acc_ref[...] += lax.dot_general(
+                lhs, rhs, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
+            )
+
+    @pl.when(ends_group)
+    def _():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+def tgmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    out_dtype=None,
+    config: TgmmConfig | None = None,
+    generation: str | None = None,
+) -> jax.Array:
+    """Per group, `lhs_g^T @ rhs_g`: `lhs[M, K], rhs[M, N] -> [G, K, N]` (f32 accumulation).
+
+    `G = group_sizes.shape[0]`; `out_dtype` defaults to lhs's. Inputs are
+    assumed valid (int32 sizes summing to at most M; `ops.py` checks the
+    torch entries).
+    """
+    m, k = lhs.shape
+    n = rhs.shape[1]
+    num_groups = group_sizes.shape[0]
+    out_dtype = lhs.dtype if out_dtype is None else out_dtype
+    if config is None:
+        config = select_tgmm_config(m, k, n, lhs.dtype, generation=generation, out_dtype=out_dtype)
+    check_tgmm_config(config, m, k, n, lhs.dtype, out_dtype)
+    tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, m, k, n, lhs.dtype)
+    items = make_tgmm_items(group_sizes, m, tile_m)
+    grid = (pl.cdiv(n, tile_n), pl.cdiv(k, tile_k), items.count[0])
+
+    def lhs_index(n_step, k_step, item, row_tile, group, row_start, row_end, count):
+        return row_tile[item], k_step
+
+    def rhs_index(n_step, k_step, item, row_tile, group, row_start, row_end, count):
+        return row_tile[item], n_step
+
+    def out_index(n_step, k_step, item, row_tile, group, row_start, row_end, count):
+        return group[item], k_step, n_step
+
+    precision = lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else lax.Precision.DEFAULT
+    itemsize = jnp.dtype(lhs.dtype).itemsize
+    call = pl.pallas_call(
+        lambda *refs: _body(*refs, chunk_m=chunk_m, precision=precision),
+        out_shape=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(items),
+            grid=grid,
+            in_specs=[pl.BlockSpec((tile_m, tile_k), lhs_index), pl.BlockSpec((tile_m, tile_n), rhs_index)],
+            out_specs=pl.BlockSpec((None, tile_k, tile_n), out_index),
+            scratch_shapes=[pltpu.VMEM((tile_k, tile_n), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=tgmm_vmem_limit(config, m, k, n, lhs.dtype, out_dtype),
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=2 * m * k * n,
+            transcendentals=0,
+            # lhs once per N tile, rhs once per K tile, every group's gradient written once.
+            bytes_accessed=int(
+                (m * k * grid[0] + m * n * grid[1]) * itemsize
+                + num_groups * k * n * jnp.dtype(out_dtype).itemsize
+            ),
+        ),
+        name="tgmm",
+    )
+    return call(*items, lhs, rhs)
