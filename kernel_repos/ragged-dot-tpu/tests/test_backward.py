@@ -63,3 +63,142 @@ def test_tgmm_items_skip_rows_past_groups_and_fetch_nothing_for_empty_groups(ker
     assert list(np.asarray(items.group[:count])) == [0, 1, 2, 3, 3, 3, 4]
     # Empty groups keep the row tile of the item before them; nothing reaches tile 3 (rows 96..99).
     assert list(np.asarray(items.row_tile[:count])) == [0, 0, 0, 0, 1, 2, 2]
+
+
+RAGGED_DOT_CASES = [
+    # m, k, n, group_sizes, transpose_rhs
+    (1, 96, 200, [0, 1], False),
+    (37, 72, 130, [5, 0, 11, 0, 9, 0], True),
+    (64, 128, 96, [10, 0, 30], False),
+    (129, 200, 96, [50, 0, 0, 60], True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k,n,group_sizes,transpose_rhs", RAGGED_DOT_CASES)
+def test_ragged_dot_gradients_match_reference(kernel, m, k, n, group_sizes, transpose_rhs, dtype):
+    generator = torch.Generator().manual_seed(m + k)
+    lhs = torch.randn(m, k, generator=generator).to(dtype).requires_grad_()
+    shape = (len(group_sizes), n, k) if transpose_rhs else (len(group_sizes), k, n)
+    rhs = torch.randn(shape, generator=generator).to(dtype).requires_grad_()
+    d_out = torch.randn(m, n, generator=generator).to(dtype)
+    sizes = torch.tensor(group_sizes, dtype=torch.int32)
+    kernel.ragged_dot(lhs, rhs, sizes, transpose_rhs=transpose_rhs).backward(d_out)
+
+    lhs64, rhs64 = lhs.detach().double().requires_grad_(), rhs.detach().double().requires_grad_()
+    kernel.reference.ragged_dot_reference(lhs64, rhs64, sizes, transpose_rhs=transpose_rhs).backward(d_out.double())
+    for grad, expected in ((lhs.grad, lhs64.grad), (rhs.grad, rhs64.grad)):
+        assert grad.dtype == dtype and grad.shape == expected.shape
+        assert not torch.isnan(grad).any()
+        assert _relative_error(grad, expected) <= _tolerance(dtype)
+    rows = sum(group_sizes)
+    assert torch.equal(lhs.grad[rows:], torch.zeros_like(lhs.grad[rows:])), "rows past the groups get no gradient"
+
+
+def test_ragged_dot_gradient_in_jax(kernel, interpret, to_jax):
+    """jax.grad through the custom_vjp runs the backward kernels (rows past the groups hold NaN and stay out)."""
+    generator = torch.Generator().manual_seed(5)
+    lhs, rhs = torch.randn(45, 72, generator=generator), torch.randn(4, 72, 50, generator=generator)
+    lhs[40:] = float("nan")
+    d_out = torch.randn(45, 50, generator=generator)
+    sizes = torch.tensor([12, 0, 20, 8], dtype=torch.int32)
+
+    def loss(lhs, rhs):
+        out = kernel.backward.differentiable_ragged_dot(lhs, rhs, to_jax(sizes), False, False, None)
+        return jnp.sum(jnp.where(jnp.arange(45)[:, None] < 40, out, 0.0) * to_jax(d_out))
+
+    d_rhs = interpret(lambda: jax.grad(loss, argnums=1)(to_jax(lhs), to_jax(rhs)))
+    lhs64, rhs64 = lhs.double().nan_to_num(), rhs.double().requires_grad_()
+    kernel.reference.ragged_dot_reference(lhs64, rhs64, sizes).backward(d_out.double())
+    assert _relative_error(d_rhs, rhs64.grad) <= 1e-5
+
+
+NUM_EXPERTS = 6
+EXPERTS_CASES = {
+    # name: (activation, weights_transposed, interleaved, biases, alpha, limit)
+    "silu": ("silu", False, False, False, 1.0, float("inf")),
+    "gelu-tanh-transposed": ("gelu_tanh", True, False, False, 1.0, float("inf")),
+    # GPT-OSS: clamped interleaved SwiGLU with biases; a small limit so the clamps bite.
+    "gpt-oss": ("clamped_swiglu", True, True, True, 1.702, 1.0),
+}
+
+
+def _experts_inputs(dtype, tokens=13, hidden=40, intermediate=24, top_k=3, weights_transposed=False, biases=False,
+                    sentinels=4, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    # Experts 1 and 4 get no pick: empty groups.
+    choices = torch.tensor([0, 2, 3, 5])
+    index = torch.stack([choices[torch.randperm(4, generator=generator)[:top_k]] for _ in range(tokens)])
+    index.view(-1)[:sentinels] = NUM_EXPERTS
+    weights = torch.rand(tokens, top_k, generator=generator) + 0.1
+    gate_up_shape = (NUM_EXPERTS, hidden, 2 * intermediate) if weights_transposed else (
+        NUM_EXPERTS, 2 * intermediate, hidden)
+    down_shape = (NUM_EXPERTS, intermediate, hidden) if weights_transposed else (NUM_EXPERTS, hidden, intermediate)
+    tensors = dict(
+        hidden_states=torch.randn(tokens, hidden, generator=generator),
+        top_k_weights=weights,
+        gate_up_proj=torch.randn(gate_up_shape, generator=generator) * 0.3,
+        down_proj=torch.randn(down_shape, generator=generator) * 0.3,
+    )
+    if biases:
+        tensors.update(gate_up_bias=torch.randn(NUM_EXPERTS, 2 * intermediate, generator=generator) * 0.3,
+                       down_bias=torch.randn(NUM_EXPERTS, hidden, generator=generator) * 0.3)
+    tensors = {name: tensor.to(dtype).requires_grad_() for name, tensor in tensors.items()}
+    return index, tensors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", EXPERTS_CASES)
+def test_gated_experts_gradients_match_reference(kernel, case, dtype):
+    activation, weights_transposed, interleaved, biases, alpha, limit = EXPERTS_CASES[case]
+    index, tensors = _experts_inputs(dtype, weights_transposed=weights_transposed, biases=biases)
+    gate = dict(activation=activation, weights_transposed=weights_transposed, interleaved=interleaved, alpha=alpha,
+                limit=limit)
+    out = kernel.gated_experts(
+        tensors["hidden_states"], index, tensors["top_k_weights"], tensors["gate_up_proj"], tensors["down_proj"],
+        tensors.get("gate_up_bias"), tensors.get("down_bias"), **gate)
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out.backward(d_out)
+
+    reference = {name: tensor.detach().double().requires_grad_() for name, tensor in tensors.items()}
+    expected_out = kernel.reference.gated_experts_reference(
+        reference["hidden_states"], index, reference["top_k_weights"], reference["gate_up_proj"],
+        reference["down_proj"], reference.get("gate_up_bias"), reference.get("down_bias"), **gate)
+    expected_out.backward(d_out.double())
+    assert _relative_error(out, expected_out) <= _tolerance(dtype)
+    for name, tensor in tensors.items():
+        assert tensor.grad.dtype == dtype and tensor.grad.shape == tensor.shape, name
+        assert not torch.isnan(tensor.grad).any(), name
+        assert _relative_error(tensor.grad, reference[name].grad) <= _tolerance(dtype), name
+    sentinel = index == NUM_EXPERTS
+    assert torch.equal(tensors["top_k_weights"].grad[sentinel], torch.zeros(int(sentinel.sum()), dtype=dtype))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_gated_experts_jax_gradient_on_either_forward_path(kernel, interpret, to_jax, fused):
+    """jax.grad of moe.gated_experts: the decode-sized call the rule would give the fused kernel, forced
+    either way, differentiates through the grouped formulation (GPT-OSS gate, biases, sentinels)."""
+    index, tensors = _experts_inputs(torch.float32, tokens=5, weights_transposed=True, biases=True, sentinels=2)
+    gate = dict(activation="clamped_swiglu", weights_transposed=True, interleaved=True, alpha=1.702, limit=1.0)
+    d_out = torch.randn(5, 40, generator=torch.Generator().manual_seed(3))
+    names = list(tensors)
+
+    def loss(*arrays):
+        args = dict(zip(names, arrays))
+        out = kernel.moe.gated_experts(args["hidden_states"], to_jax(index), args["top_k_weights"],
+                                       args["gate_up_proj"], args["down_proj"], args["gate_up_bias"],
+                                       args["down_bias"], **gate, fused=fused)
+        return jnp.sum(out * to_jax(d_out))
+
+    arrays = [to_jax(tensor.detach()) for tensor in tensors.values()]
+    # All gradients in one run, flattened into one array (the interpret fixture returns one).
+    flat = interpret(lambda: jnp.concatenate(
+        [grad.ravel() for grad in jax.grad(loss, argnums=tuple(range(len(arrays))))(*arrays)]))
+    grads = [part.reshape(array.shape) for part, array in zip(
+        torch.split(flat, [array.size for array in arrays]), arrays)]
+    reference = {name: tensor.detach().double().requires_grad_() for name, tensor in tensors.items()}
+    kernel.reference.gated_experts_reference(
+        reference["hidden_states"], index, reference["top_k_weights"], reference["gate_up_proj"],
+        reference["down_proj"], reference["gate_up_bias"], reference["down_bias"], **gate).backward(d_out.double())
+    for name, grad in zip(names, grads):
+        assert _relative_error(grad, reference[name].grad) <= 1e-5, name
