@@ -99,7 +99,8 @@ def _backward_targets(kernel, generation, dtype):
         sizes = jax.ShapeDtypeStruct((experts,), jnp.int32)
         for projection, k, n in (("gate_up", hidden, 2 * intermediate), ("down", intermediate, hidden)):
             # The forward ran lhs[rows, k] x weights[E, n, k] (transpose_rhs=True).
-            d_lhs = functools.partial(kernel.pallas_tpu.ragged_dot, transpose_rhs=False, generation=generation)
+            d_lhs = functools.partial(kernel.pallas_tpu.ragged_dot, transpose_rhs=False, config=kernel.config.select_d_lhs_config(
+                rows, n, k, dtype, generation=generation, num_groups=experts))
             targets.append((
                 f"{model} {projection} d_lhs M={rows} K={n} N={k} E={experts} bf16", d_lhs,
                 (jax.ShapeDtypeStruct((rows, n), dtype), jax.ShapeDtypeStruct((experts, n, k), dtype), sizes),

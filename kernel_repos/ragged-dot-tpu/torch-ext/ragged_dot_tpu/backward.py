@@ -21,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from .config import select_d_lhs_config
 from .gates import gated, split_gate_up
 from .pallas_tgmm import tgmm
 from .pallas_tpu import ragged_dot
@@ -33,7 +34,9 @@ def ragged_dot_backward(
 ) -> tuple[jax.Array, jax.Array]:
     """`(d_lhs[M, K], d_rhs)` of `ragged_dot(lhs, rhs, group_sizes, transpose_rhs=...)`; d_rhs has rhs's layout."""
     d_out = d_out.astype(lhs.dtype)
-    d_lhs = ragged_dot(d_out, rhs, group_sizes, transpose_rhs=not transpose_rhs, generation=generation)
+    m, n = d_out.shape
+    config = select_d_lhs_config(m, n, lhs.shape[1], lhs.dtype, generation=generation, num_groups=rhs.shape[0])
+    d_lhs = ragged_dot(d_out, rhs, group_sizes, transpose_rhs=not transpose_rhs, config=config)
     if transpose_rhs:
         d_rhs = tgmm(d_out, lhs, group_sizes, out_dtype=rhs.dtype, generation=generation)
     else:
