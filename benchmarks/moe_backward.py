@@ -171,7 +171,7 @@ def measure_projection(built, setting: str, projection: str, m: int, k: int, n: 
                   (S((m, n), DTYPE), weights), (m, n, k)),
         "d_rhs": (d_rhs_bytes, (S((m, n), DTYPE), S((m, k), DTYPE)),
                   lambda generation: functools.partial(built.pallas_tgmm.tgmm, generation=generation),
-                  lambda generation: built.config.select_tgmm_config(m, n, k, DTYPE, generation=generation)._asdict(),
+                  lambda generation: built.config.select_tgmm_config(m, n, k, DTYPE, generation=generation, num_groups=experts)._asdict(),
                   (S((n, m), DTYPE), S((m, k), DTYPE)), (m, n, k)),
     }
     for kind, (min_bytes, our_avals, our_fn, our_config, rival_avals, (rm, rk, rn)) in kinds.items():

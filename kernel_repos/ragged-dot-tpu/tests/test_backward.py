@@ -28,6 +28,11 @@ TGMM_CASES = {
     # 3 row tiles of 32 in chunks of 16; groups straddle tiles and chunks; K and N in tiles with tails;
     # rows 90..99 past the groups; an empty group between two that share a row tile.
     "tiles-and-chunks": (100, 300, 200, [20, 0, 45, 0, 25, 0], (32, 128, 128, 16)),
+    # Chunks laid from each group's first row (off the 16-row grid: 5, 42, 112, 162 rows in), windows of
+    # 32 + 16 rows; chunks running past a tile's end are multiplied whole by the tile where they start.
+    "group-chunks": (200, 128, 130, [5, 37, 0, 70, 50, 20, 0], (32, 128, 128, 16, True)),
+    # The same with K and N in tiles with tails, and rows past the groups.
+    "group-chunks-k-n-tiles": (120, 300, 200, [9, 0, 40, 33, 0], (48, 128, 128, 16, True)),
     "all-groups-empty": (24, 128, 128, [0, 0, 0], (16, 128, 128, 16)),
     "leading-empty-groups": (48, 128, 128, [0, 0, 17, 31], (16, 128, 128, 16)),
 }
@@ -63,6 +68,25 @@ def test_tgmm_items_skip_rows_past_groups_and_fetch_nothing_for_empty_groups(ker
     assert list(np.asarray(items.group[:count])) == [0, 1, 2, 3, 3, 3, 4]
     # Empty groups keep the row tile of the item before them; nothing reaches tile 3 (rows 96..99).
     assert list(np.asarray(items.row_tile[:count])) == [0, 0, 0, 0, 1, 2, 2]
+
+
+def test_tgmm_group_chunks_start_at_group_starts(kernel):
+    # Group 1: rows 5..40 (chunks of 16 from row 0: 0, 16, 32); group 2: rows 40..100 (from 40: 40, 56, 72, 88).
+    items = kernel.pallas_tgmm.make_tgmm_items(jnp.asarray([5, 35, 60], jnp.int32), 100, 32, chunk_m=16, align=8)
+    count = int(items.count[0])
+    assert list(np.asarray(items.group[:count])) == [0, 1, 1, 2, 2, 2]
+    assert list(np.asarray(items.row_tile[:count])) == [0, 0, 1, 1, 2, 3]
+    # Tile-relative first chunk of the item's group starting in its tile: group 1's chunk at row 32 in
+    # tile 1 (rows 32..63) is at 0; group 2's chunks at 40, 56 (tile 1: 8), 72, 88 (tile 2: 8); in tile 3
+    # the next would start at 104, past the group's rows, so that item multiplies nothing.
+    assert list(np.asarray(items.chunk_start[:count])) == [0, 0, 0, 8, 8, 8]
+
+
+def test_tgmm_heuristic_takes_group_chunks_where_the_mxu_bounds_it(kernel):
+    """Training shapes: v5e's MXU bounds tgmm (group chunks halve the waste per group); v6e's HBM does."""
+    select = kernel.config.select_tgmm_config
+    assert select(65536, 1536, 2048, jnp.bfloat16, generation="v5e", num_groups=128).group_chunks
+    assert not select(65536, 1536, 2048, jnp.bfloat16, generation="v6e", num_groups=128).group_chunks
 
 
 RAGGED_DOT_CASES = [

@@ -436,13 +436,17 @@ class TgmmConfig(NamedTuple):
       read every row once; smaller ones read lhs once per N tile and rhs once
       per K tile.
     - `chunk_m`: rows per MXU pass (the contraction); chunks outside an item's
-      group are skipped, so a group boundary costs at most one chunk.
+      group are skipped.
+    - `group_chunks`: chunks laid from each group's first row rather than at
+      fixed offsets of the row tile: about half a chunk less MXU work per
+      group for chunk_m / tile_m more row reads (`pallas_tgmm`).
     """
 
     tile_m: int
     tile_k: int
     tile_n: int
     chunk_m: int
+    group_chunks: bool = False
 
 
 def tgmm_blocks(config: TgmmConfig, m: int, k: int, n: int, dtype) -> tuple[int, int, int, int]:
@@ -461,9 +465,10 @@ def tgmm_vmem_bytes(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype
     one chunk's masked operands."""
     out_dtype = dtype if out_dtype is None else out_dtype
     tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, m, k, n, dtype)
+    rows = tile_m + chunk_m if config.group_chunks and chunk_m < tile_m else tile_m  # windows with group chunks
     return (
-        2 * padded_vmem_bytes((tile_m, tile_k), dtype)
-        + 2 * padded_vmem_bytes((tile_m, tile_n), dtype)
+        2 * padded_vmem_bytes((rows, tile_k), dtype)
+        + 2 * padded_vmem_bytes((rows, tile_n), dtype)
         + 2 * padded_vmem_bytes((tile_k, tile_n), out_dtype)
         + padded_vmem_bytes((tile_k, tile_n), jnp.float32)
         + padded_vmem_bytes((chunk_m, tile_k), dtype) + padded_vmem_bytes((chunk_m, tile_n), dtype)
@@ -474,9 +479,12 @@ def check_tgmm_config(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dty
     """Raises ValueError if `config` cannot run tgmm of `lhs[m,k]`, `rhs[m,n]` in `dtype`."""
     if not isinstance(config, TgmmConfig):
         raise TypeError(f"config must be a TgmmConfig, got {type(config).__name__}")
-    for name, value in config._asdict().items():
+    for name in ("tile_m", "tile_k", "tile_n", "chunk_m"):
+        value = getattr(config, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"config.{name} must be a positive int, got {value!r}")
+    if not isinstance(config.group_chunks, bool):
+        raise ValueError(f"config.group_chunks must be a bool, got {config.group_chunks!r}")
     sublanes = sublane_multiple(dtype)
     tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, m, k, n, dtype)
     if chunk_m % sublanes:
@@ -499,10 +507,12 @@ def check_tgmm_config(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dty
         raise ValueError(f"config {tuple(config)} needs {needed / 2**20:.1f} MiB of VMEM, past the {VMEM_BUDGET_BYTES >> 20} MiB budget")
 
 
-def heuristic_tgmm_config(m: int, k: int, n: int, dtype, generation: str, out_dtype=None) -> TgmmConfig:
+def heuristic_tgmm_config(m: int, k: int, n: int, dtype, generation: str, out_dtype=None,
+                          num_groups: int = 1) -> TgmmConfig:
     """Whole K and N when the output block fits TGMM_OUTPUT_SHARE of the budget (every row read once),
     else N, then K, halved in multiples of 256; chunks of one MXU width (the contraction of a pass);
-    TGMM_ROW_TILE rows, halved until a step fits the unrolling and VMEM bounds."""
+    TGMM_ROW_TILE rows, halved until a step fits the unrolling and VMEM bounds; group chunks where
+    `_group_chunks_pay` says so."""
     generation = check_generation(generation)
     out_dtype = dtype if out_dtype is None else out_dtype
     out_bytes = 4 + 2 * jnp.dtype(out_dtype).itemsize
@@ -517,7 +527,30 @@ def heuristic_tgmm_config(m: int, k: int, n: int, dtype, generation: str, out_dt
         config = config._replace(tile_m=config.tile_m // 2)
     while not _tgmm_fits(config, m, k, n, dtype, out_dtype) and config.tile_n > LANES:
         config = config._replace(tile_n=max(LANES, round_up(config.tile_n // 2, LANES)))
+    grouped = config._replace(group_chunks=True)
+    if _group_chunks_pay(config, m, k, n, dtype, generation, num_groups) and _tgmm_fits(grouped, m, k, n, dtype,
+                                                                                       out_dtype):
+        return grouped
     return config
+
+
+def _group_chunks_pay(config: TgmmConfig, m: int, k: int, n: int, dtype, generation: str, num_groups: int) -> bool:
+    """Whether chunks from each group's first row make a tgmm call faster: the larger of its MXU and HBM
+    times, with about one extra chunk per group at fixed offsets against half a chunk laid from group
+    starts (which read chunk_m / tile_m more rows). bf16 peak; the output written once either way."""
+    facts = tpu_generation(generation)
+    itemsize = jnp.dtype(dtype).itemsize
+    tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, m, k, n, dtype)
+    if chunk_m >= tile_m:
+        return False
+    row_bytes = m * (k * -(-n // tile_n) + n * -(-k // tile_k)) * itemsize
+    out_bytes = num_groups * k * n * itemsize
+
+    def seconds(wasted_chunks_per_group: float, row_read_factor: float) -> float:
+        flops = 2 * (m + wasted_chunks_per_group * num_groups * chunk_m) * k * n
+        return max(flops / facts.bf16_flops_per_s, (row_bytes * row_read_factor + out_bytes) / facts.hbm_bytes_per_s)
+
+    return seconds(0.5, 1 + chunk_m / tile_m) < seconds(1.0, 1.0)
 
 
 def _tgmm_fits(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype) -> bool:
@@ -528,9 +561,11 @@ def _tgmm_fits(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype) -> 
     return True
 
 
-def select_tgmm_config(m: int, k: int, n: int, dtype, *, generation: str | None = None, out_dtype=None) -> TgmmConfig:
-    """Tiles for tgmm of `lhs[m,k]`, `rhs[m,n]` on `generation` (default: the current device's)."""
-    return heuristic_tgmm_config(m, k, n, dtype, resolve_generation(generation), out_dtype)
+def select_tgmm_config(m: int, k: int, n: int, dtype, *, generation: str | None = None, out_dtype=None,
+                       num_groups: int = 1) -> TgmmConfig:
+    """Tiles for tgmm of `lhs[m,k]`, `rhs[m,n]` into `num_groups` groups on `generation` (default: the
+    current device's)."""
+    return heuristic_tgmm_config(m, k, n, dtype, resolve_generation(generation), out_dtype, num_groups)
 
 
 def tgmm_vmem_limit(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype=None) -> int:
