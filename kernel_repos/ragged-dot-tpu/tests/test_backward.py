@@ -226,3 +226,56 @@ def test_gated_experts_jax_gradient_on_either_forward_path(kernel, interpret, to
         reference["down_proj"], reference["gate_up_bias"], reference["down_bias"], **gate).backward(d_out.double())
     for name, grad in zip(names, grads):
         assert _relative_error(grad, reference[name].grad) <= 1e-5, name
+
+
+def _gpt_oss_experts(custom_gate: bool):
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    class TanhGateExperts(GptOssExperts):
+        """A gate the fused op does not know: experts_forward composes torch ops around ragged_dot."""
+
+        def _apply_gate(self, gate_up):
+            return torch.tanh(gate_up[..., ::2]) * gate_up[..., 1::2]
+
+    config = GptOssConfig(hidden_size=40, intermediate_size=24, num_local_experts=NUM_EXPERTS, num_experts_per_tok=3)
+    config._experts_implementation = "eager"
+    torch.manual_seed(1)
+    experts = (TanhGateExperts if custom_gate else GptOssExperts)(config)
+    with torch.no_grad():
+        for parameter in experts.parameters():
+            parameter.normal_(std=0.3)
+    return experts
+
+
+@pytest.mark.parametrize("custom_gate,tokens,sentinels", [
+    (False, 11, 4),
+    (True, 11, 4),
+    # 3600 picks, all but 100 of them sentinels: the grouped matmuls tile the rows (more than `ridge_rows`
+    # per expert) and leave the sentinels' row tiles unwritten (NaN in interpret mode).
+    (True, 1200, 3500),
+], ids=["gpt-oss-gate", "composed-with-biases", "composed-unwritten-sentinel-tiles"])
+def test_experts_forward_gradients_match_eager(kernel, custom_gate, tokens, sentinels):
+    """experts_forward's gradients (weights, biases, hidden states, routing weights) against transformers'
+    eager experts, with sentinels; on the composed path the unwritten sentinel rows must not reach the
+    bias gradients through the gate's backward."""
+    experts = _gpt_oss_experts(custom_gate)
+    assert (kernel.experts.fused_gate(experts) is None) == custom_gate
+    index, tensors = _experts_inputs(torch.float32, tokens=tokens, sentinels=sentinels)
+    hidden = tensors["hidden_states"].detach().requires_grad_()
+    weights = tensors["top_k_weights"].detach().requires_grad_()
+    d_out = torch.randn(tokens, 40, generator=torch.Generator().manual_seed(2))
+    kernel.experts_forward(experts, hidden, index, weights).backward(d_out)
+    ours = {name: p.grad.clone() for name, p in experts.named_parameters()}
+    experts.zero_grad()
+
+    sentinel = index == NUM_EXPERTS
+    eager_hidden = hidden.detach().requires_grad_()
+    eager_weights = weights.detach().masked_fill(sentinel, 0.0).requires_grad_()
+    experts(eager_hidden, index.clamp(max=NUM_EXPERTS - 1), eager_weights).backward(d_out)  # eager has no sentinels
+    for name, parameter in experts.named_parameters():
+        assert not torch.isnan(ours[name]).any(), name
+        assert _relative_error(ours[name], parameter.grad) <= 1e-5, name
+    assert _relative_error(hidden.grad, eager_hidden.grad) <= 1e-5
+    assert _relative_error(weights.grad[~sentinel], eager_weights.grad[~sentinel]) <= 1e-5
+    assert torch.equal(weights.grad[sentinel], torch.zeros(int(sentinel.sum())))
