@@ -242,7 +242,8 @@ def plot(entries: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(GENERATIONS), figsize=(13, 4.5), sharey=True)
-    labels = [f"{e['setting'].split('-')[0]} {e['projection']}\n{kind}" for e in entries for kind in ("d_lhs", "d_rhs")]
+    labels = [f"{e['setting'].split('-')[0]}\n{e['projection']}\n{'tgmm' if kind == 'd_rhs' else kind}"
+              for e in entries for kind in ("d_lhs", "d_rhs")]
     width = 0.27
     for axis, generation in zip(axes, GENERATIONS):
         for offset, kernel in enumerate(KERNELS):
