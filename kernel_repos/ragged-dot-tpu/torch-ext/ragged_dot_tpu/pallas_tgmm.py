@@ -96,6 +96,7 @@ def make_tgmm_items(group_sizes: jax.Array, m: int, tile_m: int, chunk_m: int | 
 
 def _body(row_tile_ref, group_ref, row_start_ref, row_end_ref, chunk_start_ref, count_ref, lhs_ref, rhs_ref, out_ref,
           acc_ref, *, tile_m: int, chunk_m: int, group_chunks: bool, align: int, precision):
+    del count_ref  # the grid's item axis has that length
     item = pl.program_id(2)
     items = pl.num_programs(2)
     group = group_ref[item]
