@@ -139,7 +139,20 @@ def test_torch_compile_fullgraph(ragged_dot_build):
     assert (logits - eager).abs().max().item() <= 1e-4
 
 
-def test_training_mode_keeps_original_or_raises(ragged_dot_build):
+def test_training_mode_replaces_experts(ragged_dot_build):
+    model = _tiny_model("qwen3_moe")
+    kernelize(model, mode=Mode.TRAINING, repos=_experts_only(ragged_dot_build))
+    (entry,) = [e for e in model.tpu_kernels_report.entries if e.kind == "experts"]
+    assert entry.replaced and len(entry.modules) == 2
+    assert "experts   replaced by" in repr(model.tpu_kernels_report)
+
+
+def test_training_mode_keeps_original_or_raises(ragged_dot_build, monkeypatch):
+    """A kernel that declares no backward keeps the original experts in TRAINING (or raises)."""
+    from tpu_kernels.loader import get_local_kernel
+
+    kernel = get_local_kernel(ragged_dot_build, backend="cpu")
+    monkeypatch.setattr(kernel.experts_forward, "has_backward", False)
     model = _tiny_model("qwen3_moe")
     original = model.config._experts_implementation
     kernelize(model, mode=Mode.TRAINING, repos=_experts_only(ragged_dot_build))

@@ -1,9 +1,10 @@
 """kernelize(model, mode=Mode.TRAINING): a few AdamW steps of tiny models give eager's losses.
 
 Attention (with sinks and sliding windows for GPT-OSS, an explicit padding
-mask for Qwen3) and RMSNorm run our kernels forward and backward; the experts
-keep their original forward until ragged-dot has a backward, and the report
-says so. Runs eagerly and under torch.compile(fullgraph=True).
+mask for Qwen3), RMSNorm and the MoE experts (ragged-dot: GPT-OSS's clamped
+SwiGLU with biases, Qwen3-MoE's SiLU gate; the router trains through the
+routing weights' gradient) run our kernels forward and backward. Runs eagerly
+and under torch.compile(fullgraph=True).
 """
 
 import copy
@@ -11,7 +12,7 @@ import copy
 import pytest
 import torch
 from kernels import Mode
-from transformers import AutoModelForCausalLM, GptOssConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, GptOssConfig, Qwen3Config, Qwen3MoeConfig
 
 from tpu_kernels import kernelize
 from tpu_kernels.builder import build_kernel_repo
@@ -23,12 +24,15 @@ TOLERANCE = 1e-4
 COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=64, max_position_embeddings=256)
 CONFIGS = {
-    # Sinks, a sliding layer (window 8 < 12 tokens) and a full layer, MoE experts (kept eager in TRAINING).
+    # Sinks, a sliding layer (window 8 < 12 tokens) and a full layer, MoE experts with biases.
     "gpt_oss": lambda: GptOssConfig(**COMMON, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
                                     layer_types=["sliding_attention", "full_attention"], sliding_window=8),
     # Dense; q/k norms beside the layer norms.
     "qwen3": lambda: Qwen3Config(**COMMON, intermediate_size=96),
+    # MoE in every layer: 6 experts, top-2 of 24 tokens, so some experts get no token in some steps.
+    "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, moe_intermediate_size=40, num_experts=6, num_experts_per_tok=2),
 }
+MOE = ("gpt_oss", "qwen3_moe")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +45,7 @@ def builds(tmp_path_factory):
 def _model(name, experts_implementation=None):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.float32)
-    if experts_implementation is not None and name == "gpt_oss":
+    if experts_implementation is not None and name in MOE:
         model.set_experts_implementation(experts_implementation)
     with torch.no_grad():
         for parameter_name, parameter in model.named_parameters():
@@ -55,7 +59,7 @@ def _batch(name):
     input_ids = torch.randint(0, 128, (2, 12), generator=generator)
     attention_mask = torch.ones_like(input_ids)
     labels = input_ids.clone()
-    if name == "qwen3":
+    if name.startswith("qwen3"):
         # Right padding (fine-tuning batches): the kernel gets transformers' boolean mask.
         attention_mask[1, 9:] = 0
         labels[1, 9:] = -100
@@ -79,10 +83,8 @@ def _kernelized(name, builds, mode, experts_implementation=None):
     model = kernelize(_model(name, experts_implementation), mode=mode, repos=builds)
     report = model.tpu_kernels_report
     assert report.mode == mode.name.replace("|", " | ")
-    assert [e.kind for e in report.entries if e.replaced] == ["rmsnorm", "attention"], repr(report)
-    (experts,) = [e for e in report.entries if e.kind == "experts"]
-    if name == "gpt_oss":
-        assert experts.modules and "no backward (TRAINING)" in experts.reason, repr(report)
+    replaced = ["experts", "rmsnorm", "attention"] if name in MOE else ["rmsnorm", "attention"]
+    assert [e.kind for e in report.entries if e.replaced] == replaced, repr(report)
     assert model.config._attn_implementation.startswith("tpu_kernels_")
     return model
 
@@ -98,12 +100,19 @@ def test_training_losses_match_eager(name, builds):
     if name == "gpt_oss":
         sinks = [p for n, p in model.named_parameters() if n.endswith("sinks")]
         assert len(sinks) == 2 and all(p.grad is not None and p.grad.abs().sum() > 0 for p in sinks)
+    if name in MOE:
+        # The experts' weights (and GPT-OSS's biases) and the router get gradients from our backward.
+        trained = [n for n, p in model.named_parameters()
+                   if (".experts." in n or ".router." in n or ".gate." in n) and p.grad is not None
+                   and p.grad.abs().sum() > 0]
+        expected_names = [n for n, _ in model.named_parameters() if ".experts." in n or ".router." in n or ".gate." in n]
+        assert trained == expected_names and any(".experts." in n for n in trained), (trained, expected_names)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_training_under_torch_compile_fullgraph(name, builds):
-    # transformers' default experts backward (grouped_mm_fallback) has data-dependent shapes that
-    # fullgraph cannot trace; its batched_mm experts can be (they stay eager-original in TRAINING anyway).
+    # The eager baseline: transformers' batched_mm experts (its default grouped_mm has data-dependent
+    # shapes that fullgraph cannot trace); kernelize replaces them with ours either way.
     batch = _batch(name)
     expected = _losses(_model(name, "batched_mm"), batch)
     model = _kernelized(name, builds, Mode.TRAINING | Mode.TORCH_COMPILE, "batched_mm")

@@ -12,6 +12,13 @@
   Gemma-4-26B-A4B (128 experts, H=2816, I=704, top-8), GPT-OSS-20B (32
   experts, H=I=2880, top-4, transposed interleaved weights with biases,
   clamped SwiGLU) on one chip and on one rank of eight (4 experts).
+- Training (the backward, `backward.py`) at T = 8192 tokens per rank, top-8
+  (65536 picks), Qwen3-30B-A3B and Gemma-4-26B-A4B with all 128 experts on
+  the rank: each projection's d_lhs grouped matmul (the forward kernel with
+  the weights read the other way) and its weights' gradient (`tgmm`, in
+  transformers' `[E, out, in]` layout). The whole layer's backward (these
+  kernels and XLA's gather, scatter and gate around them) compiles too, but
+  takes ~80 s per generation and shape, mostly XLA's: not part of the check.
 """
 
 import functools
@@ -77,6 +84,36 @@ def _layer_targets(kernel, generation, dtype):
     return targets
 
 
+TRAINING = {
+    # name: (experts on this rank, hidden, intermediate, top-k)
+    "qwen3-30b-a3b EP1": (128, 2048, 768, 8),
+    "gemma-4-26b-a4b": (128, 2816, 704, 8),
+}
+TRAINING_TOKENS = 8192
+
+
+def _backward_targets(kernel, generation, dtype):
+    targets = []
+    for model, (experts, hidden, intermediate, top_k) in TRAINING.items():
+        rows = TRAINING_TOKENS * top_k
+        sizes = jax.ShapeDtypeStruct((experts,), jnp.int32)
+        for projection, k, n in (("gate_up", hidden, 2 * intermediate), ("down", intermediate, hidden)):
+            # The forward ran lhs[rows, k] x weights[E, n, k] (transpose_rhs=True).
+            d_lhs = functools.partial(kernel.pallas_tpu.ragged_dot, transpose_rhs=False, config=kernel.config.select_d_lhs_config(
+                rows, n, k, dtype, generation=generation, num_groups=experts))
+            targets.append((
+                f"{model} {projection} d_lhs M={rows} K={n} N={k} E={experts} bf16", d_lhs,
+                (jax.ShapeDtypeStruct((rows, n), dtype), jax.ShapeDtypeStruct((experts, n, k), dtype), sizes),
+            ))
+            d_rhs = functools.partial(kernel.pallas_tgmm.tgmm, generation=generation)
+            targets.append((
+                f"{model} {projection} tgmm M={rows} -> [E={experts}, {n}, {k}] bf16", d_rhs,
+                (jax.ShapeDtypeStruct((rows, n), dtype), jax.ShapeDtypeStruct((rows, k), dtype), sizes),
+            ))
+    return targets
+
+
 def compile_targets(kernel, generation):
     dtype = jnp.bfloat16
-    return _grouped_targets(kernel, generation, dtype) + _layer_targets(kernel, generation, dtype)
+    return (_grouped_targets(kernel, generation, dtype) + _layer_targets(kernel, generation, dtype)
+            + _backward_targets(kernel, generation, dtype))

@@ -84,7 +84,9 @@ def composed_experts_forward(
 
     up_weight = self.gate_up_proj if self.has_gate else self.up_proj
     rows = hidden_states[order // top_k].to(up_weight.dtype)
-    proj = ops.routed_ragged_dot(rows, up_weight, group_sizes, transpose_rhs)
+    # Sentinel rows past the groups were never written: zero them before the gate, whose backward
+    # would otherwise multiply their zero gradient by whatever they held (NaN included).
+    proj = ops.routed_ragged_dot(rows, up_weight, group_sizes, transpose_rhs).masked_fill(is_sentinel, 0.0)
     if self.has_bias:
         up_bias = self.gate_up_proj_bias if self.has_gate else self.up_proj_bias
         proj = proj + up_bias[bias_rows]
@@ -94,8 +96,7 @@ def composed_experts_forward(
         out = out + self.down_proj_bias[bias_rows]
     if getattr(self, "has_post_expert_norm", False):
         out = self.post_expert_norm(out)
-    # Sentinel rows sit past the groups: the kernels never wrote them (whatever the buffers held
-    # went through the gate and biases here). Drop them.
+    # Sentinel rows sit past the groups: the down kernel never wrote them. Drop them.
     out = out.masked_fill(is_sentinel, 0.0)
 
     weighted = out.float() * top_k_weights.reshape(-1)[order].float().unsqueeze(-1)
@@ -130,5 +131,5 @@ def experts_forward(
 
 
 # What kernelize reads to decide where this entry point may serve.
-experts_forward.has_backward = False
+experts_forward.has_backward = True
 experts_forward.can_torch_compile = True

@@ -9,13 +9,26 @@ Two ways to run it, picked by `config.use_fused_experts`:
 Either way, on a TPU this is one compiled program per layer instead of a
 chain of small torch ops, and expert-parallel sentinel picks
 (id == num_experts) get no kernel work.
+
+`gated_experts` is differentiable (`jax.custom_vjp`). Under differentiation
+the forward always takes the grouped path, whose two kernel outputs are the
+residuals the backward needs (`backward.grouped_experts_backward`: two d_lhs
+grouped matmuls and two tgmm, nothing recomputed but the elementwise gate).
+The fused decode kernel keeps nothing of its intermediate (that is its
+point), so it has no backward of its own: its backward would have to run the
+grouped forward anyway, and training calls are large (T in the thousands),
+where the rule picks the grouped path regardless.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
+from .backward import grouped_experts_backward
 from .config import use_fused_experts
 from .gates import gated, split_gate_up
 from .pallas_fused import fused_experts
@@ -48,11 +61,38 @@ def gated_experts(
     `interleaved`. `activation` is one of `gates.GATES`. `fused` forces one
     of the two paths (None: the rule, `config.use_fused_experts`);
     `generation` picks the grouped path's tiles (None: this device's).
+    Differentiable in hidden_states, top_k_weights, the weights and biases
+    (module docstring); sentinel picks get a zero weight gradient.
     """
+    options = _ExpertsOptions(activation, bool(weights_transposed), bool(interleaved), float(alpha), float(limit),
+                              fused, generation)
+    return _differentiable_experts(options, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                   gate_up_bias, down_bias)
+
+
+class _ExpertsOptions(NamedTuple):
+    """The static arguments of `gated_experts` (hashable: custom_vjp keeps them apart from the arrays)."""
+
+    activation: str
+    weights_transposed: bool
+    interleaved: bool
+    alpha: float
+    limit: float
+    fused: bool | None
+    generation: str | None
+
+    def gate(self) -> dict:
+        return dict(activation=self.activation, weights_transposed=self.weights_transposed,
+                    interleaved=self.interleaved, alpha=self.alpha, limit=self.limit)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _differentiable_experts(options: _ExpertsOptions, hidden_states, top_k_index, top_k_weights, gate_up_proj,
+                            down_proj, gate_up_bias, down_bias):
     tokens, hidden = hidden_states.shape
+    weights_transposed, interleaved, fused = options.weights_transposed, options.interleaved, options.fused
     intermediate = down_proj.shape[1] if weights_transposed else down_proj.shape[2]
-    gate = dict(activation=activation, weights_transposed=weights_transposed, interleaved=interleaved, alpha=alpha,
-                limit=limit)
+    gate = options.gate()
     if fused is None:
         fused = use_fused_experts(tokens, hidden, intermediate, gate_up_proj.shape[0], hidden_states.dtype,
                                   weights_transposed=weights_transposed, interleaved=interleaved,
@@ -61,7 +101,24 @@ def gated_experts(
         return fused_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
                              down_bias, **gate)
     return grouped_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
-                           down_bias, **gate, generation=generation)
+                           down_bias, **gate, generation=options.generation)
+
+
+def _experts_vjp_forward(options: _ExpertsOptions, *arrays):
+    out, kernel_outputs = grouped_experts(*arrays, **options.gate(), generation=options.generation,
+                                          return_residuals=True)
+    return out, (arrays, kernel_outputs)
+
+
+def _experts_vjp_backward(options: _ExpertsOptions, residuals, d_out):
+    arrays, kernel_outputs = residuals
+    d_hidden, d_weights, d_gate_up, d_down, d_gate_up_bias, d_down_bias = grouped_experts_backward(
+        d_out, *arrays, *kernel_outputs, **options.gate(), generation=options.generation)
+    # The expert ids are integers: no cotangent.
+    return d_hidden, None, d_weights, d_gate_up, d_down, d_gate_up_bias, d_down_bias
+
+
+_differentiable_experts.defvjp(_experts_vjp_forward, _experts_vjp_backward)
 
 
 def grouped_experts(
@@ -79,8 +136,12 @@ def grouped_experts(
     alpha: float = 1.0,
     limit: float = float("inf"),
     generation: str | None = None,
-) -> jax.Array:
+    return_residuals: bool = False,
+) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """`gated_experts` as two grouped matmuls around XLA ops (arguments as there).
+
+    With `return_residuals`, also the two kernels' outputs `(gate_up_out,
+    down_out)` that `backward.grouped_experts_backward` differentiates from.
 
     The grouped matmuls compute only the rows of live picks: sentinels sort
     to the tail, past every group, and the kernels leave those rows unwritten
@@ -97,17 +158,20 @@ def grouped_experts(
     bias_rows = jnp.minimum(top_k_index.reshape(-1)[order], num_experts - 1)
     grouped = dict(transpose_rhs=not weights_transposed, zero_rows_past_groups=False, generation=generation)
 
-    gate_up = ragged_dot(rows, gate_up_proj, group_sizes, **grouped).astype(jnp.float32)
+    gate_up_out = ragged_dot(rows, gate_up_proj, group_sizes, **grouped)
+    gate_up = gate_up_out.astype(jnp.float32)
     if gate_up_bias is not None:
         gate_up = gate_up + gate_up_bias[bias_rows].astype(jnp.float32)
     # Rows past the groups were never written: keep whatever they hold out of the gate.
     gate_up = jnp.where(live, gate_up, 0.0)
     gate_part, up = split_gate_up(gate_up, interleaved=interleaved)
     intermediate = gated(gate_part, up, activation, alpha=alpha, limit=limit)
-    out = ragged_dot(intermediate.astype(hidden_states.dtype), down_proj, group_sizes, **grouped).astype(jnp.float32)
+    down_out = ragged_dot(intermediate.astype(hidden_states.dtype), down_proj, group_sizes, **grouped)
+    out = down_out.astype(jnp.float32)
     if down_bias is not None:
         out = out + down_bias[bias_rows].astype(jnp.float32)
     out = jnp.where(live, out, 0.0)
     weighted = out * top_k_weights.reshape(-1)[order].astype(jnp.float32)[:, None]
     unsorted = jnp.zeros_like(weighted).at[order].set(weighted)
-    return unsorted.reshape(num_tokens, top_k, hidden).sum(axis=1).astype(hidden_states.dtype)
+    result = unsorted.reshape(num_tokens, top_k, hidden).sum(axis=1).astype(hidden_states.dtype)
+    return (result, (gate_up_out, down_out)) if return_residuals else result

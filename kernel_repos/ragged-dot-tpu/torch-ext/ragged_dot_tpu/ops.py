@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import torch
 
-from . import moe, pallas_tpu
+from . import moe, pallas_tpu, training_ops
 from .gates import GATES
 from ._ops import add_op_namespace_prefix, jax_torch_op
 
@@ -27,6 +27,9 @@ def _ragged_dot(
     return pallas_tpu.ragged_dot(
         lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, zero_rows_past_groups=zero_rows_past_groups
     )
+
+
+_ragged_dot.register_autograd(training_ops.ragged_dot_backward_formula, setup_context=training_ops.save_ragged_dot_inputs)
 
 
 @jax_torch_op(add_op_namespace_prefix("gated_experts"))
@@ -224,12 +227,19 @@ def gated_experts(
     alpha: float = 1.0,
     limit: float = float("inf"),
 ) -> torch.Tensor:
-    """The fused experts op (see `moe.gated_experts`); biases come as a pair or not at all."""
+    """The fused experts op (see `moe.gated_experts`); biases come as a pair or not at all.
+
+    Differentiable: when autograd needs a gradient of any float input, the
+    layer runs the grouped forward that keeps what its backward needs
+    (`training_ops`).
+    """
     check_gated_experts_args(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
         activation=activation, weights_transposed=weights_transposed,
     )
-    return _gated_experts(
+    differentiable = (hidden_states, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
+    return (training_ops.gated_experts_train if needs_grad else _gated_experts)(
         hidden_states, top_k_index.to(torch.int32), top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
         activation, weights_transposed, interleaved, float(alpha), float(limit),
     )

@@ -20,6 +20,16 @@ def ragged_dot_reference(
     return out.to(lhs.dtype)
 
 
+def tgmm_reference(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """Per group `lhs_g^T @ rhs_g` in float64 -> `[G, K, N]`; empty groups are zero, rows past the groups unused."""
+    out = torch.zeros(group_sizes.shape[0], lhs.shape[1], rhs.shape[1], dtype=torch.float64)
+    start = 0
+    for group, size in enumerate(group_sizes.tolist()):
+        out[group] = lhs[start : start + size].double().T @ rhs[start : start + size].double()
+        start += size
+    return out
+
+
 def gated_experts_reference(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -36,6 +46,8 @@ def gated_experts_reference(
     limit: float = float("inf"),
 ) -> torch.Tensor:
     """The gated experts layer pick by pick in float64; picks with id == num_experts contribute nothing.
+
+    Differentiable with torch autograd (the gradient checks' oracle).
 
     Layouts and arguments as `moe.gated_experts`.
     """
@@ -65,5 +77,5 @@ def gated_experts_reference(
             row = intermediate @ down_weight
             if down_bias is not None:
                 row = row + down_bias[expert].double()
-            out[token] += float(top_k_weights[token, k]) * row
+            out[token] += top_k_weights[token, k].double() * row
     return out

@@ -1,0 +1,319 @@
+"""MoE experts backward: our d_lhs grouped matmul and tgmm vs megablox's and tokamax's, in the traffic model.
+
+No TPU is needed. For one training step's MoE experts layer (T = 8192 tokens
+per rank, top-8, all 128 experts on the rank) of Qwen3-30B-A3B and
+Gemma-4-26B-A4B, bf16, on v5e and v6e, this replays every backward kernel's
+grid with `tpu_kernels.perf.model_pallas_traffic` and models its time with
+`perf.roofline` (max(HBM bytes / bandwidth, MXU FLOPs / peak) + 0.35 us per
+grid step; also the step-by-step double-buffered pipeline estimate):
+
+- per projection (gate_up: K = H, N = 2I; down: K = I, N = H) with the weights
+  in transformers' `[E, N, K]` layout (the forward ran `x[M, K] @ W[e]^T`):
+  - d_lhs = `d_out[M, N] @ W[e]` per group: ours is the forward grouped matmul
+    with the weights read the other way (`transpose_rhs=False`, tiles from
+    `config.select_d_lhs_config`, as `backward.py` runs it); megablox
+    `gmm` and tokamax `gmm` the same;
+  - d_rhs = per group `d_out_g^T @ x_g -> [E, N, K]`: ours `pallas_tgmm.tgmm(d_out, x)`;
+    megablox and tokamax `tgmm` take the transposed `d_out^T [N, M]` (an XLA
+    transpose outside their kernel, which is not counted: in their favour);
+- roofline of each kernel: its useful FLOPs (2 M K N) at the bf16 peak, or its
+  least HBM traffic (d_lhs: d_out, the active experts' weights, the result;
+  d_rhs: d_out, x and all E gradients written), whichever takes longer;
+  `pct_of_roofline` = roofline / modelled time, `mxu_utilisation_pct` =
+  useful FLOPs / peak / modelled time;
+- rivals at their best config under the same model: a sweep of row tiles and
+  of K and N tiles that divide the dimension (they refuse others) or cover
+  it, the best modelled time whose VMEM fits (`--no-sweep`: their defaults);
+- the layer's backward / forward ratio: the four backward kernels against the
+  two forward grouped matmuls (ours, `select_config`). XLA's gather,
+  scatter-add, gate and its vjp around them are not modelled (the backward
+  has more of them: the d_hidden scatter-add over all picks and the gate's vjp).
+
+Routing as in `benchmarks/ragged_dot.py`: expert popularity ~ Dirichlet(8)
+(seeded), each token picks top_k distinct experts by Gumbel-top-k.
+
+Usage:
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/moe_backward.py [--out benchmarks/results/moe_backward.json]
+        [--no-sweep] [--no-plot]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import ragged_dot as forward_bench  # noqa: E402  (the forward benchmark: routing, models, tokamax's grid)
+
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "moe_backward.json"
+GENERATIONS = ("v5e", "v6e")
+DTYPE = jnp.bfloat16
+TOKENS = 8192
+SETTINGS = (("qwen3-30b-a3b", 1), ("gemma-4-26b-a4b", 1))
+KERNELS = ("ours", "megablox", "tokamax")
+TARGET_PCT_OF_ROOFLINE = 80.0
+TARGET_BACKWARD_FORWARD_RATIO = 2.2
+RIVAL_ROW_TILES = (256, 512, 1024)
+RIVAL_DEFAULT_TILING = (128, 128, 128)
+
+
+def _tile_options(dim: int) -> list[int]:
+    """The whole dimension and up to two 128-multiples that divide it (megablox and tokamax need that)."""
+    divisors = [d for d in (2048, 1536, 1024, 768, 512, 256) if d < dim and dim % d == 0]
+    return [dim, *divisors[:2]]
+
+
+def rival_tilings(m: int, k: int, n: int, sweep: bool) -> list[tuple[int, int, int]]:
+    if not sweep:
+        return [RIVAL_DEFAULT_TILING]
+    return [(tm, tk, tn) for tm in RIVAL_ROW_TILES if m % tm == 0 for tk in _tile_options(k) for tn in _tile_options(n)]
+
+
+def _model(fn, avals, sizes, min_bytes: int, useful_flops: int) -> dict:
+    from tpu_kernels import perf
+
+    calls = perf.model_pallas_traffic(fn, *avals, sizes)
+    results = {}
+    for generation in GENERATIONS:
+        modelled = perf.roofline(calls, generation, min_bytes=min_bytes, min_flops=useful_flops)
+        peak = perf.tpu_generation(generation).bf16_flops_per_s
+        results[generation] = {
+            "modelled_time_us": modelled.time_s * 1e6,
+            "modelled_pipelined_time_us": modelled.pipelined_time_s * 1e6,
+            "roofline_us": modelled.roofline_s * 1e6,
+            "pct_of_roofline": modelled.pct_of_roofline,
+            "pipelined_pct_of_roofline": modelled.pipelined_pct_of_roofline,
+            "mxu_utilisation_pct": 100.0 * useful_flops / peak / modelled.time_s,
+            "bound": modelled.bound,
+            "hbm_bytes": modelled.hbm_bytes,
+            "mxu_flops": modelled.mxu_flops,
+            "grid_steps": modelled.steps,
+            "vmem_bytes": modelled.vmem_bytes,
+            "fits_vmem": modelled.fits_vmem,
+        }
+    return results
+
+
+def _best(candidates: list[tuple[dict, dict]]) -> dict:
+    """Per generation, the candidate (config, modelled) with the least modelled time among those that fit VMEM."""
+    best = {}
+    for generation in GENERATIONS:
+        fitting = [(config, modelled[generation]) for config, modelled in candidates if modelled[generation]["fits_vmem"]]
+        config, result = min(fitting, key=lambda item: item[1]["modelled_time_us"])
+        best[generation] = {**result, "config": config, "configs_tried": len(candidates)}
+    return best
+
+
+def _rival_fns(kind: str, tiling):
+    from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
+    from jax.experimental.pallas.ops.tpu.megablox.gmm import tgmm as megablox_tgmm
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu_kernel as tokamax_kernel
+
+    precision = (lax.Precision.DEFAULT, lax.Precision.DEFAULT)
+    if kind == "d_lhs":
+        return {
+            "megablox": functools.partial(megablox_gmm, preferred_element_type=DTYPE, tiling=tiling, transpose_rhs=False),
+            "tokamax": functools.partial(tokamax_kernel.gmm, precision=precision, out_dtype=DTYPE, tiling=tiling,
+                                         transpose_rhs=False),
+        }
+    return {
+        "megablox": functools.partial(megablox_tgmm, preferred_element_type=DTYPE, tiling=tiling),
+        "tokamax": functools.partial(tokamax_kernel.tgmm, precision=precision, out_dtype=DTYPE, tiling=tiling),
+    }
+
+
+def measure_projection(built, setting: str, projection: str, m: int, k: int, n: int, sizes, sweep: bool) -> dict:
+    """Forward, d_lhs and d_rhs of one projection: weights W[E, N, K], forward x[M, K] @ W[e]^T."""
+    S = jax.ShapeDtypeStruct
+    experts = len(sizes)
+    active = int((sizes > 0).sum())
+    itemsize = jnp.dtype(DTYPE).itemsize
+    flops = 2 * m * k * n
+    weights = S((experts, n, k), DTYPE)
+    entry = {"setting": setting, "projection": projection, "m": m, "k": k, "n": n, "experts": experts,
+             "active_experts": active, "useful_flops": flops, "kernels": {}}
+
+    # Forward (for the ratio): ours only.
+    forward_bytes = (active * k * n + m * k + m * n) * itemsize
+    entry["kernels"]["forward"] = {"ours": {}}
+    for generation in GENERATIONS:
+        fn = functools.partial(built.pallas_tpu.ragged_dot, transpose_rhs=True, generation=generation)
+        result = _model(fn, (S((m, k), DTYPE), weights), sizes, forward_bytes, flops)[generation]
+        result["config"] = built.config.select_config(m, k, n, DTYPE, generation=generation,
+                                                      num_groups=experts)._asdict()
+        entry["kernels"]["forward"]["ours"][generation] = result
+
+    # d_lhs[M, K] = d_out[M, N] @ W[e]: reads d_out, the active weights, writes d_lhs.
+    d_lhs_bytes = (m * n + active * n * k + m * k) * itemsize
+    # d_rhs[E, N, K] = d_out_g^T @ x_g: reads d_out and x, writes every expert's gradient.
+    d_rhs_bytes = (m * n + m * k + experts * n * k) * itemsize
+    def d_lhs_config(generation):
+        return built.config.select_d_lhs_config(m, n, k, DTYPE, generation=generation, num_groups=experts)
+
+    kinds = {
+        "d_lhs": (d_lhs_bytes, (S((m, n), DTYPE), weights),
+                  lambda generation: functools.partial(built.pallas_tpu.ragged_dot, transpose_rhs=False,
+                                                       config=d_lhs_config(generation)),
+                  lambda generation: d_lhs_config(generation)._asdict(),
+                  (S((m, n), DTYPE), weights), (m, n, k)),
+        "d_rhs": (d_rhs_bytes, (S((m, n), DTYPE), S((m, k), DTYPE)),
+                  lambda generation: functools.partial(built.pallas_tgmm.tgmm, generation=generation),
+                  lambda generation: built.config.select_tgmm_config(m, n, k, DTYPE, generation=generation, num_groups=experts)._asdict(),
+                  (S((n, m), DTYPE), S((m, k), DTYPE)), (m, n, k)),
+    }
+    for kind, (min_bytes, our_avals, our_fn, our_config, rival_avals, (rm, rk, rn)) in kinds.items():
+        ours = {}
+        for generation in GENERATIONS:
+            result = _model(our_fn(generation), our_avals, sizes, min_bytes, flops)[generation]
+            result["config"] = our_config(generation)
+            ours[generation] = result
+        entry["kernels"][kind] = {"ours": ours}
+        candidates = {"megablox": [], "tokamax": []}
+        for tiling in rival_tilings(rm, rk, rn, sweep):
+            for rival, fn in _rival_fns(kind, tiling).items():
+                try:
+                    if rival == "tokamax":
+                        with forward_bench.tokamax_grid_as_pallas_call():
+                            modelled = _model(fn, rival_avals, sizes, min_bytes, flops)
+                    else:
+                        modelled = _model(fn, rival_avals, sizes, min_bytes, flops)
+                except Exception as error:  # noqa: BLE001 - a tiling the rival refuses is skipped, and counted
+                    candidates[rival].append(({"tiling": tiling, "refused": str(error).splitlines()[0][:200]}, None))
+                    continue
+                candidates[rival].append(({"tiling": tiling}, modelled))
+        for rival, tried in candidates.items():
+            usable = [(config, modelled) for config, modelled in tried if modelled is not None]
+            best = _best(usable)
+            for generation in GENERATIONS:
+                best[generation]["configs_refused"] = len(tried) - len(usable)
+            entry["kernels"][kind][rival] = best
+    return entry
+
+
+def layer_ratios(entries: list[dict]) -> list[dict]:
+    """Per setting and generation: the four backward kernels' modelled time over the two forward ones."""
+    rows = []
+    for setting in dict.fromkeys(e["setting"] for e in entries):
+        parts = [e for e in entries if e["setting"] == setting]
+        for generation in GENERATIONS:
+            def total(kind, kernel, parts=parts, generation=generation):
+                return sum(p["kernels"][kind][kernel][generation]["modelled_time_us"] for p in parts)
+
+            forward = total("forward", "ours")
+            row = {"setting": setting, "generation": generation, "forward_us": forward}
+            for kernel in KERNELS:
+                backward = total("d_lhs", kernel) + total("d_rhs", kernel)
+                row[f"{kernel}_backward_us"] = backward
+                row[f"{kernel}_backward_over_our_forward"] = backward / forward
+            rows.append(row)
+    return rows
+
+
+def check_targets(entries: list[dict], ratios: list[dict]) -> dict:
+    misses = [
+        f"{e['setting']} {e['projection']} {kind} {generation}: {e['kernels'][kind]['ours'][generation]['pct_of_roofline']:.1f}%"
+        for e in entries for kind in ("d_lhs", "d_rhs") for generation in GENERATIONS
+        if e["kernels"][kind]["ours"][generation]["pct_of_roofline"] < TARGET_PCT_OF_ROOFLINE
+    ]
+    ratio_misses = [f"{r['setting']} {r['generation']}: {r['ours_backward_over_our_forward']:.2f}"
+                    for r in ratios if r["ours_backward_over_our_forward"] > TARGET_BACKWARD_FORWARD_RATIO]
+    return {"pct_of_roofline_target": TARGET_PCT_OF_ROOFLINE, "pct_of_roofline_misses": misses,
+            "backward_forward_ratio_target": TARGET_BACKWARD_FORWARD_RATIO, "ratio_misses": ratio_misses,
+            "met": not misses and not ratio_misses}
+
+
+def plot(entries: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(GENERATIONS), figsize=(13, 4.5), sharey=True)
+    labels = [f"{e['setting'].split('-')[0]}\n{e['projection']}\n{'tgmm' if kind == 'd_rhs' else kind}"
+              for e in entries for kind in ("d_lhs", "d_rhs")]
+    width = 0.27
+    for axis, generation in zip(axes, GENERATIONS):
+        for offset, kernel in enumerate(KERNELS):
+            values = [e["kernels"][kind][kernel][generation]["pct_of_roofline"] for e in entries
+                      for kind in ("d_lhs", "d_rhs")]
+            axis.bar([i + (offset - 1) * width for i in range(len(values))], values, width, label=kernel)
+        axis.axhline(TARGET_PCT_OF_ROOFLINE, color="grey", linestyle="--", linewidth=1)
+        axis.set_xticks(range(len(labels)), labels, fontsize=7)
+        axis.set_title(f"{generation}: backward kernels, T={TOKENS} per rank, bf16 (modelled)")
+        axis.set_ylabel("% of roofline")
+        axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--no-sweep", action="store_true", help="rivals at their default tiling only")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(argv)
+
+    started = time.perf_counter()
+    entries = []
+    with tempfile.TemporaryDirectory() as build_dir:
+        built = forward_bench.load_our_kernel(Path(build_dir))
+        for model_name, ep in SETTINGS:
+            model = forward_bench.MODELS[model_name]
+            sizes = forward_bench.rank_group_sizes(model, ep, TOKENS, forward_bench.BENCH_SEED)
+            m = int(sizes.sum())
+            setting = model_name if ep == 1 else f"{model_name} EP{ep}"
+            for projection, k, n in forward_bench.projections(model):
+                entry = measure_projection(built, setting, projection, m, k, n, sizes, sweep=not args.no_sweep)
+                entries.append(entry)
+                cells = [f"{generation} {kind} {kernel} {entry['kernels'][kind][kernel][generation]['pct_of_roofline']:5.1f}%"
+                         for generation in GENERATIONS for kind in ("d_lhs", "d_rhs") for kernel in KERNELS]
+                print(f"{setting} {projection}: " + " | ".join(cells), flush=True)
+
+    ratios = layer_ratios(entries)
+    report = {
+        "benchmark": "moe_backward",
+        "assumptions": {
+            "model": "tpu_kernels.perf grid replay: HBM bytes of each BlockSpec copy, MXU FLOPs on block shapes "
+                     "(padded to the MXU size), 0.35 us per grid step (Pallas TPU pipelining guide); TPU peaks and "
+                     "bandwidths from tpu_kernels/hardware.py (jax's TPU table)",
+            "routing": "Dirichlet(8) expert popularity, Gumbel-top-k picks, seed 0 (benchmarks/ragged_dot.py)",
+            "tokens_per_rank": TOKENS,
+            "weights_layout": "transformers' [E, out, in]",
+            "not_modelled": "XLA gather/scatter/gate around the kernels; rivals' transposed d_out copy for tgmm",
+            "rivals": "megablox gmm/tgmm (jax 0.10.2) and tokamax 0.0.12 gmm/tgmm (its emit_pipeline grid replayed "
+                      "as a pallas_call), best modelled time over a tiling sweep that fits VMEM"
+                      + (" (no sweep: default tiling)" if args.no_sweep else ""),
+        },
+        "platform": platform.platform(),
+        "entries": entries,
+        "layer_ratios": ratios,
+        "targets": check_targets(entries, ratios),
+        "seconds": time.perf_counter() - started,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    if not args.no_plot:
+        plot(entries, args.out.with_suffix(".png"))
+    for row in ratios:
+        print(f"{row['setting']} {row['generation']}: forward {row['forward_us']:.0f} us, backward ours "
+              f"{row['ours_backward_us']:.0f} us (x{row['ours_backward_over_our_forward']:.2f}), megablox "
+              f"{row['megablox_backward_us']:.0f} us, tokamax {row['tokamax_backward_us']:.0f} us")
+    print(f"targets met: {report['targets']['met']}; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
