@@ -8,11 +8,11 @@ and CI).
 # Submodules are bound by name here, not only imported: `kernels` may load the
 # same build (same module id) from a second path, and then Python reuses the
 # cached submodules without setting them as attributes of the new package.
-from . import config, experts, gates, moe, ops, pallas_fused, pallas_tpu, reference, routing
+from . import config, experts, gates, moe, ops, pallas_fused, pallas_tpu, quant, reference, routing
 from .experts import experts_forward
 from .ops import gated_experts, ragged_dot
 
 __all__ = [
     "config", "experts", "experts_forward", "gated_experts", "gates", "moe", "ops", "pallas_fused", "pallas_tpu",
-    "ragged_dot", "reference", "routing",
+    "quant", "ragged_dot", "reference", "routing",
 ]

@@ -31,6 +31,8 @@ def gated_experts(
     down_proj: jax.Array,
     gate_up_bias: jax.Array | None = None,
     down_bias: jax.Array | None = None,
+    gate_up_scales: jax.Array | None = None,
+    down_scales: jax.Array | None = None,
     *,
     activation: str,
     weights_transposed: bool,
@@ -45,7 +47,8 @@ def gated_experts(
     Weights follow transformers' layouts: `gate_up_proj[E, 2I, H]` and
     `down_proj[E, H, I]`, or `[E, H, 2I]` / `[E, I, H]` when transposed. The
     gate is the first half of the gate_up output, or the even columns when
-    `interleaved`. `activation` is one of `gates.GATES`. `fused` forces one
+    `interleaved`. Quantized weights (int8, float8_e4m3fn) come with their
+    scales (`quant.py`). `activation` is one of `gates.GATES`. `fused` forces one
     of the two paths (None: the rule, `config.use_fused_experts`);
     `generation` picks the grouped path's tiles (None: this device's).
     """
@@ -56,12 +59,11 @@ def gated_experts(
     if fused is None:
         fused = use_fused_experts(tokens, hidden, intermediate, gate_up_proj.shape[0], hidden_states.dtype,
                                   weights_transposed=weights_transposed, interleaved=interleaved,
-                                  has_bias=gate_up_bias is not None)
+                                  has_bias=gate_up_bias is not None, weights_dtype=gate_up_proj.dtype)
+    weights = (gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up_scales, down_scales)
     if fused:
-        return fused_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
-                             down_bias, **gate)
-    return grouped_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
-                           down_bias, **gate, generation=generation)
+        return fused_experts(hidden_states, top_k_index, top_k_weights, *weights, **gate)
+    return grouped_experts(hidden_states, top_k_index, top_k_weights, *weights, **gate, generation=generation)
 
 
 def grouped_experts(
@@ -72,6 +74,8 @@ def grouped_experts(
     down_proj: jax.Array,
     gate_up_bias: jax.Array | None = None,
     down_bias: jax.Array | None = None,
+    gate_up_scales: jax.Array | None = None,
+    down_scales: jax.Array | None = None,
     *,
     activation: str,
     weights_transposed: bool,
@@ -97,14 +101,15 @@ def grouped_experts(
     bias_rows = jnp.minimum(top_k_index.reshape(-1)[order], num_experts - 1)
     grouped = dict(transpose_rhs=not weights_transposed, zero_rows_past_groups=False, generation=generation)
 
-    gate_up = ragged_dot(rows, gate_up_proj, group_sizes, **grouped).astype(jnp.float32)
+    gate_up = ragged_dot(rows, gate_up_proj, group_sizes, gate_up_scales, **grouped).astype(jnp.float32)
     if gate_up_bias is not None:
         gate_up = gate_up + gate_up_bias[bias_rows].astype(jnp.float32)
     # Rows past the groups were never written: keep whatever they hold out of the gate.
     gate_up = jnp.where(live, gate_up, 0.0)
     gate_part, up = split_gate_up(gate_up, interleaved=interleaved)
     intermediate = gated(gate_part, up, activation, alpha=alpha, limit=limit)
-    out = ragged_dot(intermediate.astype(hidden_states.dtype), down_proj, group_sizes, **grouped).astype(jnp.float32)
+    out = ragged_dot(intermediate.astype(hidden_states.dtype), down_proj, group_sizes, down_scales,
+                     **grouped).astype(jnp.float32)
     if down_bias is not None:
         out = out + down_bias[bias_rows].astype(jnp.float32)
     out = jnp.where(live, out, 0.0)
