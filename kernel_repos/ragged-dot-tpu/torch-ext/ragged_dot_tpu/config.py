@@ -38,7 +38,7 @@ from ._hardware import (
     LANES, MAX_VMEM_LIMIT_BYTES, MOSAIC_SCRATCH_BYTES, check_generation, padded_vmem_bytes, resolve_generation,
     round_up, sublane_multiple, tpu_generation, vmem_limit_bytes,
 )
-from .quant import INT8, blocks, scheme_of
+from .quant import FP8_BLOCK, INT8, blocks, scheme_of
 
 # What a config's blocks may take: the most the kernel asks Mosaic for, less
 # Mosaic's own scratch.
@@ -130,7 +130,7 @@ def quantized_rhs_vmem_bytes(groups_per_step: int, k: int, n: int, tile_k: int, 
                              rhs_dtype) -> int:
     """VMEM of ragged_dot's quantized weights: one-byte blocks and their scales (double-buffered per group slot),
     and what dequantizing one block takes: int8 cast to the activation dtype; fp8 dequantized into a scratch
-    block per slot, through the f32 weights and their expanded block scales."""
+    block per slot, 128 rows at a time through f32 (`quant.dequantize_fp8_block`)."""
     f32 = jnp.float32
     weights = padded_vmem_bytes((tile_k, tile_n), rhs_dtype)
     as_dtype = padded_vmem_bytes((tile_k, tile_n), dtype)
@@ -138,8 +138,14 @@ def quantized_rhs_vmem_bytes(groups_per_step: int, k: int, n: int, tile_k: int, 
         scales = padded_vmem_bytes((1, tile_n), f32)
         return 2 * groups_per_step * (weights + scales) + as_dtype
     scales = padded_vmem_bytes((blocks(k), blocks(n)), f32)
-    f32_block = padded_vmem_bytes((tile_k, tile_n), f32)
-    return 2 * groups_per_step * (weights + scales) + groups_per_step * as_dtype + 2 * f32_block
+    return 2 * groups_per_step * (weights + scales) + groups_per_step * as_dtype + fp8_dequantize_vmem_bytes(
+        max(tile_k, tile_n))
+
+
+def fp8_dequantize_vmem_bytes(cols: int) -> int:
+    """f32 values `quant.dequantize_fp8_block` keeps for a window `cols` wide (at most): the grid's scales spread
+    over the columns, one 128-row slab's scales, weights and product (at most 24 grid rows: H, I <= 3072)."""
+    return 4 * padded_vmem_bytes((FP8_BLOCK, cols), jnp.float32)
 
 
 def _chunked(config: TileConfig, m: int, dtype) -> bool:
@@ -383,15 +389,15 @@ def _quantized_fused_vmem_bytes(tile_i: int, hidden: int, intermediate: int, num
     """The fused kernel's scales (double-buffered) and dequantization working set: int8 blocks cast to the
     activation dtype one at a time; fp8 blocks dequantized into scratch once per step, through f32."""
     f32 = jnp.float32
-    largest_block = max(padded_vmem_bytes((hidden, 2 * tile_i), f32), padded_vmem_bytes((2 * tile_i, hidden), f32))
     if scheme_of(weights_dtype) == INT8:
+        largest_block = max(padded_vmem_bytes((hidden, 2 * tile_i), dtype), padded_vmem_bytes((2 * tile_i, hidden), dtype))
         bias_rows = min(num_experts, BIAS_BLOCK_EXPERTS)
         scales = padded_vmem_bytes((bias_rows, 2 * tile_i), f32) + padded_vmem_bytes((bias_rows, hidden), f32)
-        return 2 * scales + largest_block * jnp.dtype(dtype).itemsize // 4
+        return 2 * scales + largest_block
     scales = padded_vmem_bytes((blocks(hidden), blocks(2 * intermediate)), f32) + padded_vmem_bytes(
         (blocks(hidden), blocks(intermediate)), f32)
     dequantized = padded_vmem_bytes((hidden, 2 * tile_i), dtype) + padded_vmem_bytes((tile_i, hidden), dtype)
-    return 2 * scales + 2 * dequantized + 2 * largest_block
+    return 2 * scales + dequantized + fp8_dequantize_vmem_bytes(max(hidden, 2 * tile_i))
 
 
 def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *, weights_transposed: bool,

@@ -168,10 +168,10 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *
             for part, (ref, dequantized) in enumerate(zip(gate_up_refs, dequantized_gate_up)):
                 offset = (part * layout.i_tiles + i_step) * width  # along 2I
                 offsets = (0, offset) if transposed else (offset, 0)
-                dequantized[...] = dequantize_fp8_block(ref[...], gate_up_scale_ref[...], *offsets, dtype)
+                dequantize_fp8_block(ref, gate_up_scale_ref[...], *offsets, dequantized)
             offset = i_step * layout.tile_i  # along I
             offsets = (offset, 0) if transposed else (0, offset)
-            dequantized_down[...] = dequantize_fp8_block(down_ref[...], down_scale_ref[...], *offsets, dtype)
+            dequantize_fp8_block(down_ref, down_scale_ref[...], *offsets, dequantized_down)
 
         gate_up_refs, down_ref = dequantized_gate_up, dequantized_down
 

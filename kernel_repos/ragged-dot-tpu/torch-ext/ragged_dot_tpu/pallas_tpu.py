@@ -255,8 +255,7 @@ def _body(
             def _(slot=slot):
                 n_offset, k_offset = pl.program_id(0) * tile_n, k_step * tile_k
                 offsets = (n_offset, k_offset) if transpose_rhs else (k_offset, n_offset)
-                dequantized_refs[slot][...] = dequantize_fp8_block(
-                    rhs_refs[slot][...], scale_refs[slot][...], *offsets, lhs_ref.dtype)
+                dequantize_fp8_block(rhs_refs[slot], scale_refs[slot][...], *offsets, dequantized_refs[slot])
 
         if not chunk_m:
 

@@ -60,23 +60,34 @@ def _dot(lhs, rhs):
                            precision=lax.Precision.HIGHEST)
 
 
-def expand_block_scales(scales: jax.Array, rows: int, cols: int, row_offset, col_offset) -> jax.Array:
-    """`[rows, cols]` f32: each weight's block scale, for the window at (row_offset, col_offset) of one expert.
+def dequantize_fp8_block(q_ref, scales: jax.Array, row_offset, col_offset, out_ref) -> None:
+    """Writes a window of one expert's fp8 weights, dequantized as transformers does (`(q.f32 * s).astype`),
+    to `out_ref` (same shape, the activation dtype).
 
-    `scales` is the expert's whole `[ceil(D1/128), ceil(D2/128)]` grid. Two
-    one-hot matmuls pick every weight's block (one nonzero term per sum:
-    exact); rows or columns past the grid get 0.
+    The window is `q_ref` (`[rows, cols]`) at element offsets (row_offset,
+    col_offset) of the expert's weight; `scales` is the expert's whole
+    `[ceil(D1/128), ceil(D2/128)]` grid (`row_offset` a multiple of the
+    sublane tile). Each scale is spread over its 128 columns by a one-hot
+    matmul with a handful of rows (one nonzero term per sum: exact), then
+    multiplied into 128 rows at a time on the vector unit: a window's 128-row
+    slab spans at most two blocks, picked per row with one select. The MXU
+    does ~(rows / 128 + grid rows) x cols multiply-adds for it, against the
+    weights' rows x cols on the vector unit.
     """
+    rows, cols = q_ref.shape
     row_blocks, col_blocks = scales.shape
-    row_pick = (row_offset + lax.broadcasted_iota(jnp.int32, (rows, row_blocks), 0)) >> _FP8_BLOCK_SHIFT
-    row_pick = (row_pick == lax.broadcasted_iota(jnp.int32, (rows, row_blocks), 1)).astype(jnp.float32)
-    col_pick = (col_offset + lax.broadcasted_iota(jnp.int32, (col_blocks, cols), 1)) >> _FP8_BLOCK_SHIFT
-    col_pick = (col_pick == lax.broadcasted_iota(jnp.int32, (col_blocks, cols), 0)).astype(jnp.float32)
-    return _dot(_dot(row_pick, scales.astype(jnp.float32)), col_pick)
-
-
-def dequantize_fp8_block(q: jax.Array, scales: jax.Array, row_offset, col_offset, dtype) -> jax.Array:
-    """A window of one expert's fp8 weights, dequantized as transformers does: `(q.f32 * scale).astype(dtype)`."""
-    rows, cols = q.shape
-    return (q.astype(jnp.float32) * expand_block_scales(scales, rows, cols, row_offset, col_offset)).astype(dtype)
-
+    slabs = -(-rows // FP8_BLOCK)
+    # Each grid row's scales spread over the window's columns: [row_blocks, cols].
+    col_block = (col_offset + lax.broadcasted_iota(jnp.int32, (col_blocks, cols), 1)) >> _FP8_BLOCK_SHIFT
+    col_pick = (col_block == lax.broadcasted_iota(jnp.int32, (col_blocks, cols), 0)).astype(jnp.float32)
+    spread = _dot(scales.astype(jnp.float32), col_pick)
+    # The grid rows the window's slabs start in, and the next ones: [slabs + 1, cols] (past the grid: 0).
+    first = row_offset >> _FP8_BLOCK_SHIFT
+    slab_block = first + lax.broadcasted_iota(jnp.int32, (slabs + 1, row_blocks), 0)
+    slab_pick = (slab_block == lax.broadcasted_iota(jnp.int32, (slabs + 1, row_blocks), 1)).astype(jnp.float32)
+    slab_scales = _dot(slab_pick, spread)
+    for slab in range(slabs):
+        start, stop = slab * FP8_BLOCK, min(rows, (slab + 1) * FP8_BLOCK)
+        row_block = (row_offset + start + lax.broadcasted_iota(jnp.int32, (stop - start, 1), 0)) >> _FP8_BLOCK_SHIFT
+        scale = jnp.where(row_block == first + slab, slab_scales[slab : slab + 1], slab_scales[slab + 1 : slab + 2])
+        out_ref[start:stop, :] = (q_ref[start:stop, :].astype(jnp.float32) * scale).astype(out_ref.dtype)
