@@ -36,6 +36,12 @@ even and odd rows Mosaic reads with strided loads (lanes have no strided
 load). Biases come in blocks of config.BIAS_BLOCK_EXPERTS experts and the
 kernel selects its expert's row.
 
+Quantized weights (`quant.py`) are read as one byte each: int8 blocks are
+cast to the activation dtype at each matmul and their per-channel scales
+multiply its result (as the biases, in blocks of BIAS_BLOCK_EXPERTS experts);
+fp8 blocks are dequantized once per step into VMEM scratch, which the
+matmuls read.
+
 Tiles come from `config.fused_config`; inputs are assumed valid (`ops.py`
 checks them).
 """
@@ -136,6 +142,7 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *
         gate_up_bias_refs, down_bias_ref = refs[:parts], refs[parts]
         refs = refs[parts + 1 :]
     quantization = layout.quantization
+    gate_up_scale_refs, down_scale_ref = (None,) * parts, None
     if quantization == INT8:  # [BIAS_BLOCK_EXPERTS, n] blocks, as the biases
         gate_up_scale_refs, down_scale_ref = refs[:parts], refs[parts]
         refs = refs[parts + 1 :]
@@ -202,9 +209,8 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *
         """[chunk, H] f32: this I tile's share of the expert's output for `rows`."""
         if layout.interleaved:
             # gate_up^T [2 ti, chunk]: weights [2 ti, H] (or [H, 2 ti] transposed) against rows [chunk, H].
-            gate_up_t = _dot(weights(gate_up_refs[0]), rows, 0 if transposed else 1, 1, precision)
-            if quantization == INT8:
-                gate_up_t = scaled(gate_up_t, gate_up_scale_refs[0], columns=True)
+            gate_up_t = scaled(_dot(weights(gate_up_refs[0]), rows, 0 if transposed else 1, 1, precision),
+                               gate_up_scale_refs[0], columns=True)
             if layout.has_bias:
                 gate_up_t = gate_up_t + _expert_bias_columns(gate_up_bias_refs[0], expert, chunk)
             gate_up_t_ref[...] = gate_up_t
@@ -212,11 +218,9 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *
             up_t = gate_up_t_ref[pl.ds(1, layout.tile_i, stride=2), :]
             hidden_t = gated(gate_t, up_t, layout.activation, alpha=layout.alpha, limit=layout.limit).astype(dtype)
             # down [ti, H] (transposed) or [H, ti] against hidden^T [ti, chunk].
-            down = _dot(hidden_t, weights(down_ref), 0, 0 if transposed else 1, precision)
-            return scaled(down, down_scale_ref) if quantization == INT8 else down
-        projections = [_dot(rows, weights(ref), 1, 0 if transposed else 1, precision) for ref in gate_up_refs]
-        if quantization == INT8:
-            projections = [scaled(p, ref) for p, ref in zip(projections, gate_up_scale_refs)]
+            return scaled(_dot(hidden_t, weights(down_ref), 0, 0 if transposed else 1, precision), down_scale_ref)
+        projections = [scaled(_dot(rows, weights(ref), 1, 0 if transposed else 1, precision), scale_ref)
+                       for ref, scale_ref in zip(gate_up_refs, gate_up_scale_refs)]
         if layout.has_bias:
             projections = [p + _expert_bias(ref, expert) for p, ref in zip(projections, gate_up_bias_refs)]
         if parts == 2:
@@ -224,8 +228,7 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *
         else:
             gate, up = projections[0][:, : layout.tile_i], projections[0][:, layout.tile_i :]
         hidden_rows = gated(gate, up, layout.activation, alpha=layout.alpha, limit=layout.limit).astype(dtype)
-        down = _dot(hidden_rows, weights(down_ref), 1, 0 if transposed else 1, precision)
-        return scaled(down, down_scale_ref) if quantization == INT8 else down
+        return scaled(_dot(hidden_rows, weights(down_ref), 1, 0 if transposed else 1, precision), down_scale_ref)
 
     def scatter(first, out_rows):
         """Adds the chunk's rows, times their routing weights, to their tokens' outputs."""

@@ -42,6 +42,11 @@ extra rows cost chunk_m / tile_m more lhs reads.) Without chunks, an item
 multiplies its whole row tile, masked to its group's rows.
 Tile sizes come from `config.select_config`.
 
+Quantized weights (`quant.py`) are read as one byte each: an int8 block is
+cast to lhs's dtype at the matmul and its per-output-column scales multiply
+the result; an fp8 block is dequantized once per step into VMEM scratch
+(under the slot's `pl.when`: only for a slot with rows in the tile).
+
 The CostEstimate counts what the kernel reads: the rows, the weights of the
 groups expected active for M uniformly routed rows
 (`config.expected_active_groups`: the group sizes are data, unknown when
