@@ -35,3 +35,13 @@ def test_demo_exits_non_zero_when_a_kind_is_not_replaced(tmp_path):
     assert "attention kept original: the kernel has no build for this system" in result.stdout
     assert "experts   replaced" in result.stdout and "rmsnorm   replaced" in result.stdout
     assert "FAILED: not replaced: attention" in result.stdout
+
+
+def test_demo_with_int8_experts_prints_their_error_and_the_bytes_saved():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-m", "tpu_kernels.cli", "demo", "--new-tokens", "4",
+                             "--quantize-experts", "int8"], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "quantized 2 experts module(s) to int8" in result.stdout
+    assert "logits max abs error" in result.stdout and "greedy tokens equal" in result.stdout
+    assert "MB saved (" in result.stdout

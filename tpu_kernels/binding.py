@@ -55,12 +55,13 @@ _TORCH_TO_JAX_DTYPE = {
     torch.int32: jnp.int32,
     torch.int8: jnp.int8,
     torch.uint8: jnp.uint8,
+    torch.float8_e4m3fn: jnp.float8_e4m3fn,
     torch.bool: jnp.bool_,
 }
 _JAX_TO_TORCH_DTYPE = {jnp.dtype(v): k for k, v in _TORCH_TO_JAX_DTYPE.items()}
-# torch cannot view a bfloat16 tensor as numpy: its bits cross as int16 and
-# become jax's (ml_dtypes) bfloat16 again on the numpy side, still without a copy.
-_NUMPY_BITS_DTYPE = {torch.bfloat16: torch.int16}
+# torch cannot view a bfloat16 (or float8) tensor as numpy: its bits cross as int16 (uint8) and
+# become jax's (ml_dtypes) bfloat16 (float8_e4m3fn) again on the numpy side, still without a copy.
+_NUMPY_BITS_DTYPE = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
 _STATIC_TYPES = (bool, int, float, str)
 
 

@@ -7,6 +7,11 @@ pointed at that Hub (HF_ENDPOINT is read when huggingface_hub is imported):
 `kernelize`, and a table. Exit code 0 only if every kind of layer (experts,
 RMSNorm, attention) was replaced and the tokens are identical.
 
+With `--quantize-experts int8|fp8` the experts are kernelized with one-byte
+weights: the demo prints their error against the unquantized model (logits,
+greedy tokens) and the bytes saved, and exits 0 if every kind was replaced
+and every experts module quantized (the tokens may then differ).
+
 With `--hub URL --model ID --device tpu` the second half runs against a real
 Hub and checkpoint on a TPU VM.
 """
@@ -55,6 +60,21 @@ def tiny_qwen3_moe():
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
+def quantization_error(reference_logits, logits, reference_tokens, tokens, prompt_len: int) -> dict:
+    """How far a quantized model's outputs are from the unquantized model's: logits and greedy tokens."""
+    difference = (logits.float() - reference_logits.float()).abs()
+    generated = tokens[:, prompt_len:] == reference_tokens[:, prompt_len:]
+    # Per sequence, the new tokens before the first that differs.
+    agreeing = generated.int().cumprod(dim=1).sum(dim=1)
+    return {
+        "logits_max_abs_error": difference.max().item(),
+        "logits_mean_abs_error": difference.mean().item(),
+        "logits_max_abs": reference_logits.float().abs().max().item(),
+        "greedy_tokens_equal": f"{int(generated.sum())}/{generated.numel()}",
+        "greedy_tokens_before_first_difference": agreeing.tolist(),
+    }
+
+
 def load_model(model_id: str | None, device: str):
     if model_id is None:
         return tiny_qwen3_moe().to(device), None
@@ -88,7 +108,11 @@ def run_model_part(args) -> int:
     else:
         prompt = torch.randint(0, model.config.vocab_size, (args.batch, 8), generator=torch.Generator().manual_seed(0))
     eager_tokens, eager_seconds = _generate(model, prompt, args.new_tokens)
-    kernelize(model, device=args.device, repos=dict(r.split("=", 1) for r in args.repo))
+    if args.quantize_experts:
+        with torch.no_grad():
+            eager_logits = model(prompt).logits
+    kernelize(model, device=args.device, repos=dict(r.split("=", 1) for r in args.repo),
+              quantize_experts=args.quantize_experts)
     report = model.tpu_kernels_report
     print(repr(report))
     print()
@@ -98,13 +122,34 @@ def run_model_part(args) -> int:
         return 1
     ours_tokens, ours_seconds = _generate(model, prompt, args.new_tokens)
 
-    identical = torch.equal(eager_tokens.cpu(), ours_tokens.cpu())
     print(f"{'':<26}{'eager':>12}{'kernelized':>14}")
     print(f"{'ms per token':<26}{eager_seconds * 1e3:>12.1f}{ours_seconds * 1e3:>14.1f}")
-    print(f"{'greedy tokens identical':<26}{'yes' if identical else 'NO':>26}")
     if args.device == "cpu":
         print("(on the CPU the kernels run in TPU interpret mode: exact, and far slower than eager by design)")
+    if args.quantize_experts:
+        with torch.no_grad():
+            logits = model(prompt).logits
+        return _print_quantization(report.quantization, quantization_error(
+            eager_logits.cpu(), logits.cpu(), eager_tokens.cpu(), ours_tokens.cpu(), prompt.shape[1]))
+    identical = torch.equal(eager_tokens.cpu(), ours_tokens.cpu())
+    print(f"{'greedy tokens identical':<26}{'yes' if identical else 'NO':>26}")
     return 0 if identical else 1
+
+
+def _print_quantization(quantization, error: dict) -> int:
+    """The quantized experts' error against the unquantized model and the bytes saved; 0 if all were quantized."""
+    before, after = quantization.bytes_before, quantization.bytes_after
+    print(f"quantized experts ({quantization.scheme}) against the unquantized eager model:")
+    print(f"  logits max abs error     {error['logits_max_abs_error']:.3e}  (largest |logit| {error['logits_max_abs']:.3f})")
+    print(f"  logits mean abs error    {error['logits_mean_abs_error']:.3e}")
+    print(f"  greedy tokens equal      {error['greedy_tokens_equal']} "
+          f"(before the first difference, per prompt: {error['greedy_tokens_before_first_difference']})")
+    print(f"  expert weights           {before / 1e6:.3f} MB -> {after / 1e6:.3f} MB with scales, "
+          f"{(before - after) / 1e6:.3f} MB saved ({1 - after / max(before, 1):.1%})")
+    if quantization.kept or not quantization.quantized:
+        print(f"FAILED: experts not quantized: {quantization.kept or 'none found'}")
+        return 1
+    return 0
 
 
 def demo_main(argv: list[str] | None = None) -> int:
@@ -117,6 +162,8 @@ def demo_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=2, help="prompts per batch for the tiny model")
     parser.add_argument("--repo", action="append", default=[], metavar="KIND=ORG/NAME@V",
                         help="override the kernel repo of a kind, e.g. experts=org/ragged-dot-tpu@1")
+    parser.add_argument("--quantize-experts", choices=["int8", "fp8"],
+                        help="kernelize with one-byte expert weights; prints their error and the bytes saved")
     parser.add_argument("--model-part", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.model_part or args.hub:
@@ -137,6 +184,8 @@ def demo_main(argv: list[str] | None = None) -> int:
                 print(f"serving {spec}")
             for override in args.repo:
                 command += ["--repo", override]
+            if args.quantize_experts:
+                command += ["--quantize-experts", args.quantize_experts]
             return subprocess.call(command, env=env)
         finally:
             hub.stop()

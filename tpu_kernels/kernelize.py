@@ -103,9 +103,38 @@ class ReportEntry:
 
 
 @dataclass
+class QuantizationReport:
+    """What `quantize_experts` did: the modules quantized with their bytes, and those kept float and why."""
+
+    scheme: str
+    quantized: list = field(default_factory=list)  # quantize.QuantizedModule
+    kept: dict[str, str] = field(default_factory=dict)  # module name -> reason
+
+    @property
+    def bytes_before(self) -> int:
+        return sum(m.bytes_before for m in self.quantized)
+
+    @property
+    def bytes_after(self) -> int:
+        return sum(m.bytes_after for m in self.quantized)
+
+    def __repr__(self) -> str:
+        lines = []
+        if self.quantized:
+            before, after = self.bytes_before, self.bytes_after
+            lines.append(f"  quantized {len(self.quantized)} experts module(s) to {self.scheme}: weights "
+                         f"{before / 1e6:.3f} MB -> {after / 1e6:.3f} MB with scales ({after / before:.1%})")
+        for reason in sorted(set(self.kept.values())):
+            names = [name for name, why in self.kept.items() if why == reason]
+            lines.append(f"  not quantized ({len(names)} module(s)): {reason}")
+        return "\n".join(lines)
+
+
+@dataclass
 class KernelizeReport:
     mode: str = "INFERENCE"
     entries: list[ReportEntry] = field(default_factory=list)
+    quantization: QuantizationReport | None = None
 
     def replaced(self, kind: str) -> list[ReportEntry]:
         return [e for e in self.entries if e.kind == kind and e.replaced]
@@ -117,6 +146,8 @@ class KernelizeReport:
             where = f"{len(e.modules)} module(s)" if e.modules else "no modules"
             detail = f" by {e.source}" if e.replaced else f": {e.reason}"
             lines.append(f"  {e.kind:<9} {status}{detail} ({where})")
+        if self.quantization is not None:
+            lines.append(repr(self.quantization))
         return "\n".join(lines)
 
 
@@ -270,6 +301,27 @@ def _kernelize_attention(model, spec: KernelSpec, kernel: ModuleType, mode: Mode
 APPLIERS = {"experts": _kernelize_experts, "rmsnorm": _kernelize_rmsnorm, "attention": _kernelize_attention}
 
 
+def _quantize_experts(model, entry: ReportEntry | None, kernel: ModuleType | None, scheme: str) -> QuantizationReport:
+    """Quantize the experts modules the kernel now serves with its fused path (`tpu_kernels.quantize`)."""
+    from .quantize import quantize_experts_module
+
+    report = QuantizationReport(scheme)
+    if entry is None or not entry.replaced:
+        names = entry.modules if entry is not None else ()
+        report.kept.update({name: "the experts were not replaced by the kernel" for name in names})
+        return report
+    modules = dict(model.named_modules())
+    for name in entry.modules:
+        module = modules[name]
+        if kernel.experts.fused_gate(module) is None:
+            report.kept[name] = "a gate the fused experts op does not compute (its composed path takes float weights)"
+        elif not module.gate_up_proj.dtype.is_floating_point or module.gate_up_proj.element_size() == 1:
+            report.kept[name] = f"weights already {module.gate_up_proj.dtype}"
+        else:
+            report.quantized.append(quantize_experts_module(name, module, scheme))
+    return report
+
+
 def kernelize(
     model,
     *,
@@ -278,6 +330,7 @@ def kernelize(
     repos: dict[str, str | None] | None = None,
     trust_remote_code: bool | list[str] = False,
     use_fallback: bool = True,
+    quantize_experts: str | None = None,
 ) -> "torch.nn.Module":
     """Replace the model's layers with TPU kernels from the Hub; returns the model.
 
@@ -294,12 +347,23 @@ def kernelize(
             (no build for this system, an unsupported mode or layer; the report says
             which) instead of raising. Integrity, trust, loading and other errors
             always raise.
+        quantize_experts: None, "int8" (symmetric, per output channel) or "fp8" (e4m3 in 128 x 128
+            blocks, transformers' fine-grained FP8): the float weights of every experts module the
+            kernel serves are quantized once, in place, and read as one byte per weight from then
+            on (`tpu_kernels.quantize`); the report gives the bytes before and after.
     """
     from kernels import Mode
 
     from .loader import VariantNotFoundError
+    from .quantize import check_scheme
 
+    check_scheme(quantize_experts)
     mode = Mode.INFERENCE if mode is None else mode
+    if quantize_experts is not None and Mode.TRAINING in mode:
+        raise ValueError(
+            f"kernelize: quantize_experts={quantize_experts!r} with Mode.TRAINING: one-byte expert weights serve "
+            "inference only (no gradient through them); train with float weights"
+        )
     unknown = set(repos or ()) - set(KINDS)
     if unknown:
         raise ValueError(f"unknown kernel kind(s) {sorted(unknown)}; known: {', '.join(KINDS)}")
@@ -307,6 +371,7 @@ def kernelize(
     device = device or _model_device(model)
     backend = "tpu" if device == "tpu" else "cpu"
     report = KernelizeReport(mode=mode.name.replace("|", " | "))
+    loaded = {}
     for kind in KINDS:
         if specs[kind] is None:
             report.entries.append(ReportEntry(kind, False, (), "-", "disabled (repos[kind] is None)"))
@@ -319,10 +384,14 @@ def kernelize(
                 raise
             entry = ReportEntry(kind, False, (), str(spec), f"the kernel has no build for this system: {error}")
         else:
+            loaded[kind] = kernel
             entry = APPLIERS[kind](model, spec, kernel, mode, backend)
         if not entry.replaced and entry.modules and not use_fallback:
             raise RuntimeError(f"kernelize: {kind} not replaced: {entry.reason}")
         report.entries.append(entry)
+    if quantize_experts is not None:
+        experts_entry = next((e for e in report.entries if e.kind == "experts"), None)
+        report.quantization = _quantize_experts(model, experts_entry, loaded.get("experts"), quantize_experts)
     model.tpu_kernels_report = report
     logger.info("%r", report)
     return model

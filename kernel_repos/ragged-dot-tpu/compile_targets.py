@@ -19,6 +19,11 @@
   transformers' `[E, out, in]` layout). The whole layer's backward (these
   kernels and XLA's gather, scatter and gate around them) compiles too, but
   takes ~80 s per generation and shape, mostly XLA's: not part of the check.
+- The same with one-byte weights (`quant.py`): int8 with per-output-channel
+  scales and fp8 (e4m3) with 128 x 128 block scales, for the layers of
+  Qwen3-30B-A3B (EP8 decode: fused; EP1 prefill: grouped) and GPT-OSS-20B
+  (H = I = 2880: partial scale blocks; EP1 and EP8 decode), and the grouped
+  matmul's gate_up projection of Qwen3-30B-A3B at decode rows.
 """
 
 import functools
@@ -113,7 +118,62 @@ def _backward_targets(kernel, generation, dtype):
     return targets
 
 
+QUANTIZED_LAYERS = {"qwen3-30b-a3b EP8": (256,), "qwen3-30b-a3b EP1": (2048,), "gpt-oss-20b EP1": (256,),
+                    "gpt-oss-20b EP8": (64,)}
+SCHEMES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+
+def _scales(kernel, scheme, weight_shape, out_axis):
+    return jax.ShapeDtypeStruct(kernel.quant.expected_scales_shape(scheme, weight_shape, out_axis), jnp.float32)
+
+
+def _quantized_targets(kernel, generation, dtype):
+    targets = []
+    for scheme, weights_dtype in SCHEMES.items():
+        shape = GROUPED["qwen3-30b-a3b"]
+        experts, hidden, intermediate = shape["experts"], shape["hidden"], shape["intermediate"]
+        rhs = (experts, 2 * intermediate, hidden)
+        fn = functools.partial(kernel.pallas_tpu.ragged_dot, transpose_rhs=True, zero_rows_past_groups=False,
+                               generation=generation)
+        avals = (jax.ShapeDtypeStruct((512, hidden), dtype), jax.ShapeDtypeStruct(rhs, weights_dtype),
+                 jax.ShapeDtypeStruct((experts,), jnp.int32), _scales(kernel, scheme, rhs, 1))
+        targets.append((f"qwen3-30b-a3b gate_up M=512 K={hidden} N={2 * intermediate} E={experts} {scheme}", fn, avals))
+        for model, token_counts in QUANTIZED_LAYERS.items():
+            experts, hidden, intermediate, top_k, layout, gate, _ = LAYERS[model]
+            transposed = layout["weights_transposed"]
+            gate_up = (experts, hidden, 2 * intermediate) if transposed else (experts, 2 * intermediate, hidden)
+            down = (experts, intermediate, hidden) if transposed else (experts, hidden, intermediate)
+            out_axis = 2 if transposed else 1
+            has_bias = gate.get("activation") == "clamped_swiglu"
+            biases = (jax.ShapeDtypeStruct((experts, 2 * intermediate), dtype),
+                      jax.ShapeDtypeStruct((experts, hidden), dtype)) if has_bias else (None, None)
+            for tokens in token_counts:
+                # Positional: the optional biases may be None; avals are the array arguments only.
+                def fn(hidden_states, index, weights, gate_up_proj, down_proj, *rest, _layout=layout, _gate=gate,
+                       _bias=has_bias):
+                    gate_up_bias, down_bias, gate_up_scales, down_scales = rest if _bias else (None, None, *rest)
+                    return kernel.moe.gated_experts(hidden_states, index, weights, gate_up_proj, down_proj,
+                                                    gate_up_bias, down_bias, gate_up_scales, down_scales, **_layout,
+                                                    **_gate, generation=generation)
+
+                avals = (
+                    jax.ShapeDtypeStruct((tokens, hidden), dtype),
+                    jax.ShapeDtypeStruct((tokens, top_k), jnp.int32),
+                    jax.ShapeDtypeStruct((tokens, top_k), dtype),
+                    jax.ShapeDtypeStruct(gate_up, weights_dtype),
+                    jax.ShapeDtypeStruct(down, weights_dtype),
+                    *(bias for bias in biases if bias is not None),
+                    _scales(kernel, scheme, gate_up, out_axis),
+                    _scales(kernel, scheme, down, out_axis),
+                )
+                path = "fused" if kernel.config.use_fused_experts(
+                    tokens, hidden, intermediate, experts, dtype, interleaved=gate.get("interleaved", False),
+                    has_bias=has_bias, weights_dtype=weights_dtype, **layout) else "grouped"
+                targets.append((f"{model} experts layer T={tokens} top-{top_k} ({path}) {scheme}", fn, avals))
+    return targets
+
+
 def compile_targets(kernel, generation):
     dtype = jnp.bfloat16
     return (_grouped_targets(kernel, generation, dtype) + _layer_targets(kernel, generation, dtype)
-            + _backward_targets(kernel, generation, dtype))
+            + _backward_targets(kernel, generation, dtype) + _quantized_targets(kernel, generation, dtype))

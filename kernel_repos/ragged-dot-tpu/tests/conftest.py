@@ -18,9 +18,13 @@ def _interpret(fn):
 
 
 def _to_jax(tensor):
-    """A torch tensor as a JAX array of its dtype (integers as int32); None stays None."""
+    """A torch tensor as a JAX array of its dtype (int32/int64 as int32); None stays None."""
     if tensor is None:
         return None
+    if tensor.dtype == torch.int8:
+        return jnp.asarray(tensor.numpy())
+    if tensor.dtype == torch.float8_e4m3fn:  # numpy has no fp8: the bits cross as bytes
+        return jnp.asarray(tensor.view(torch.uint8).numpy()).view(jnp.float8_e4m3fn)
     if tensor.dtype in (torch.int32, torch.int64):
         return jnp.asarray(tensor.numpy(), jnp.int32)
     return jnp.asarray(tensor.float().numpy(), jnp.bfloat16 if tensor.dtype == torch.bfloat16 else jnp.float32)

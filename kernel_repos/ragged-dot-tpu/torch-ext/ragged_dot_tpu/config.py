@@ -38,6 +38,7 @@ from ._hardware import (
     LANES, MAX_VMEM_LIMIT_BYTES, MOSAIC_SCRATCH_BYTES, check_generation, padded_vmem_bytes, resolve_generation,
     round_up, sublane_multiple, tpu_generation, vmem_limit_bytes,
 )
+from .quant import FP8_BLOCK, INT8, blocks, scheme_of
 
 # What a config's blocks may take: the most the kernel asks Mosaic for, less
 # Mosaic's own scratch.
@@ -97,12 +98,14 @@ class TileConfig(NamedTuple):
     groups_per_step: int = 1
 
 
-def vmem_bytes(config: TileConfig, m: int, k: int, n: int, dtype) -> int:
+def vmem_bytes(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None) -> int:
     """VMEM the pipeline holds: lhs, rhs (per group slot) and out blocks, plus the f32 accumulator.
 
     Blocks are double-buffered except an lhs block that is the whole array
     (Mosaic keeps one copy of a block that never moves); sizes are padded to
-    the native (sublane, 128) tile.
+    the native (sublane, 128) tile. Quantized weights (`rhs_dtype` int8 or
+    fp8) add their scales' blocks and the dequantization's working set
+    (`quantized_rhs_vmem_bytes`).
     """
     itemsize = jnp.dtype(dtype).itemsize
     sublanes = sublane_multiple(dtype)
@@ -113,12 +116,40 @@ def vmem_bytes(config: TileConfig, m: int, k: int, n: int, dtype) -> int:
     tile_m, tile_k, tile_n = row_tile_rows(config, m, dtype), min(config.tile_k, k), min(config.tile_n, n)
     lhs_buffers = 1 if tile_m >= m and tile_k == k else 2
     chunk = config.chunk_m if _chunked(config, m, dtype) else 0
+    rhs_dtype = dtype if rhs_dtype is None else rhs_dtype
+    rhs_blocks = (
+        2 * config.groups_per_step * block(tile_k, tile_n)
+        if scheme_of(rhs_dtype) is None
+        else quantized_rhs_vmem_bytes(config.groups_per_step, k, n, tile_k, tile_n, dtype, rhs_dtype)
+    )
     return (
         lhs_buffers * block(tile_m + chunk, tile_k)  # with chunks: a window of the tile and one more chunk
-        + 2 * config.groups_per_step * block(tile_k, tile_n)
+        + rhs_blocks
         + 2 * block(tile_m, tile_n)
         + block(tile_m + 2 * chunk, tile_n, 4)  # the accumulator, and with chunks the carry across tiles
     )
+
+
+def quantized_rhs_vmem_bytes(groups_per_step: int, k: int, n: int, tile_k: int, tile_n: int, dtype,
+                             rhs_dtype) -> int:
+    """VMEM of ragged_dot's quantized weights: one-byte blocks and their scales (double-buffered per group slot),
+    and what dequantizing one block takes: int8 cast to the activation dtype; fp8 dequantized into a scratch
+    block per slot, 128 rows at a time through f32 (`quant.dequantize_fp8_block`)."""
+    f32 = jnp.float32
+    weights = padded_vmem_bytes((tile_k, tile_n), rhs_dtype)
+    as_dtype = padded_vmem_bytes((tile_k, tile_n), dtype)
+    if scheme_of(rhs_dtype) == INT8:
+        scales = padded_vmem_bytes((1, tile_n), f32)
+        return 2 * groups_per_step * (weights + scales) + as_dtype
+    scales = padded_vmem_bytes((blocks(k), blocks(n)), f32)
+    return 2 * groups_per_step * (weights + scales) + groups_per_step * as_dtype + fp8_dequantize_vmem_bytes(
+        max(tile_k, tile_n))
+
+
+def fp8_dequantize_vmem_bytes(cols: int) -> int:
+    """f32 values `quant.dequantize_fp8_block` keeps for a window `cols` wide (at most): the grid's scales spread
+    over the columns, one 128-row slab's scales, weights and product (at most 24 grid rows: H, I <= 3072)."""
+    return 4 * padded_vmem_bytes((FP8_BLOCK, cols), jnp.float32)
 
 
 def _chunked(config: TileConfig, m: int, dtype) -> bool:
@@ -145,8 +176,9 @@ def row_chunks(config: TileConfig, m: int, dtype) -> int:
     return row_tile_rows(config, m, dtype) // config.chunk_m
 
 
-def check_config(config: TileConfig, m: int, k: int, n: int, dtype) -> None:
-    """Raises ValueError if `config` cannot run `lhs[m,k] x rhs[.,k,n]` of `dtype`."""
+def check_config(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None) -> None:
+    """Raises ValueError if `config` cannot run `lhs[m,k] x rhs[.,k,n]` of `dtype` (weights of `rhs_dtype`:
+    the same, or int8 / fp8)."""
     if not isinstance(config, TileConfig):
         raise TypeError(f"config must be a TileConfig, got {type(config).__name__}")
     sublanes = sublane_multiple(dtype)
@@ -186,7 +218,7 @@ def check_config(config: TileConfig, m: int, k: int, n: int, dtype) -> None:
             f"config {tuple(config)}: one grid step unrolls {macs / 2**30:.1f} Gi multiply-adds, past the "
             f"{MAX_UNROLLED_MACS / 2**30:.0f} Gi bound on kernel size (compile time)"
         )
-    needed = vmem_bytes(config, m, k, n, dtype)
+    needed = vmem_bytes(config, m, k, n, dtype, rhs_dtype)
     if needed > VMEM_BUDGET_BYTES:
         raise ValueError(f"config {tuple(config)} needs {needed / 2**20:.1f} MiB of VMEM, past the {VMEM_BUDGET_BYTES >> 20} MiB budget")
 
@@ -225,7 +257,8 @@ def n_tile(n: int, max_cols: int, mxu: int) -> int:
     return min(candidates, key=cost)
 
 
-def heuristic_config(m: int, k: int, n: int, dtype, generation: str, num_groups: int | None = None) -> TileConfig:
+def heuristic_config(m: int, k: int, n: int, dtype, generation: str, num_groups: int | None = None,
+                     rhs_dtype=None) -> TileConfig:
     """Tiles that fit VMEM, from the shape and the generation.
 
     Weights blocks are as large as HEURISTIC_RHS_BLOCK_BYTES allows (K whole
@@ -253,20 +286,20 @@ def heuristic_config(m: int, k: int, n: int, dtype, generation: str, num_groups:
     candidates.append(TileConfig(tiled_m, tile_k, tile_n, chunk if tiled_m > chunk else None))
     candidates.append(TileConfig(min(chunk, m), tile_k, tile_n))
     for config in candidates:
-        if _fits(config, m, k, n, dtype):
+        if _fits(config, m, k, n, dtype, rhs_dtype):
             return config
     # Shrink the weights block until the smallest row tile fits.
     config = candidates[-1]
-    while not _fits(config, m, k, n, dtype) and config.tile_n > LANES:
+    while not _fits(config, m, k, n, dtype, rhs_dtype) and config.tile_n > LANES:
         config = config._replace(tile_n=max(LANES, round_up(config.tile_n // 2, LANES)))
-    while not _fits(config, m, k, n, dtype) and config.tile_k > LANES:
+    while not _fits(config, m, k, n, dtype, rhs_dtype) and config.tile_k > LANES:
         config = config._replace(tile_k=max(LANES, round_up(config.tile_k // 2, LANES)))
     return config
 
 
-def _fits(config: TileConfig, m: int, k: int, n: int, dtype) -> bool:
+def _fits(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None) -> bool:
     try:
-        check_config(config, m, k, n, dtype)
+        check_config(config, m, k, n, dtype, rhs_dtype)
     except ValueError:
         return False
     return True
@@ -280,14 +313,15 @@ def select_config(
     *,
     generation: str | None = None,
     num_groups: int | None = None,
+    rhs_dtype=None,
 ) -> TileConfig:
     """Tiles for `lhs[m,k] x rhs[num_groups,k,n]` on `generation` (default: the current device's)."""
-    return heuristic_config(m, k, n, dtype, resolve_generation(generation), num_groups)
+    return heuristic_config(m, k, n, dtype, resolve_generation(generation), num_groups, rhs_dtype)
 
 
-def vmem_limit(config: TileConfig, m: int, k: int, n: int, dtype) -> int:
+def vmem_limit(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None) -> int:
     """The scoped VMEM limit the kernel asks Mosaic for with `config`."""
-    return vmem_limit_bytes(vmem_bytes(config, m, k, n, dtype))
+    return vmem_limit_bytes(vmem_bytes(config, m, k, n, dtype, rhs_dtype))
 
 
 def expected_active_groups(rows: int, num_groups: int) -> float:
@@ -322,31 +356,34 @@ def fused_chunks(config: FusedConfig, tokens: int) -> int:
 
 
 def _tile_i_aligned(tile_i: int, intermediate: int, dtype, *, weights_transposed: bool, interleaved: bool,
-                    has_bias: bool) -> bool:
-    """Whether I tiles of `tile_i` make legal blocks of the weights (and biases) in their layout.
+                    has_bias: bool, weights_dtype=None) -> bool:
+    """Whether I tiles of `tile_i` make legal blocks of the weights (and biases, and int8 scales) in their layout.
 
     The whole I always does (a block equal to its dimension). A part does if
     it divides I and each block's cut dimension is a multiple of its native
-    tile: 128 lanes where it is the last dimension, the sublane multiple
-    where it is the second to last.
+    tile: 128 lanes where it is the last dimension, the sublane multiple of
+    the weights' dtype where it is the second to last.
     """
     if tile_i == intermediate:
         return True
     if intermediate % tile_i:
         return False
-    sublanes = sublane_multiple(dtype)
+    sublanes = sublane_multiple(dtype if weights_dtype is None else weights_dtype)
     gate_up_cut = 2 * tile_i if interleaved else tile_i
     gate_up_multiple = LANES if weights_transposed else sublanes
     down_multiple = sublanes if weights_transposed else LANES
-    bias_ok = not has_bias or gate_up_cut % LANES == 0
-    return gate_up_cut % gate_up_multiple == 0 and tile_i % down_multiple == 0 and bias_ok
+    # Biases and int8 scales are [E, 2I] rows, cut along their lanes.
+    columns_ok = not (has_bias or scheme_of(weights_dtype or dtype) == INT8) or gate_up_cut % LANES == 0
+    return gate_up_cut % gate_up_multiple == 0 and tile_i % down_multiple == 0 and columns_ok
 
 
 def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int, dtype,
-                     *, interleaved: bool, has_bias: bool) -> int:
+                     *, interleaved: bool, has_bias: bool, weights_dtype=None) -> int:
     """VMEM of a fused experts call: its blocks (double-buffered but the resident hidden states), scratch,
-    and the f32 values of one chunk that Mosaic keeps beside them (gate_up and down results)."""
+    and the f32 values of one chunk that Mosaic keeps beside them (gate_up and down results); quantized
+    weights add their scales and what dequantizing them takes (`_quantized_fused_vmem_bytes`)."""
     f32 = jnp.float32
+    weights_dtype = dtype if weights_dtype is None else weights_dtype
     chunk, tile_i = config
     rows = fused_chunks(config, tokens) * chunk
     tiled_i = tile_i < intermediate
@@ -358,8 +395,8 @@ def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate
         + 2 * padded_vmem_bytes((tokens, LANES), f32)  # the routing, resident (K <= 128 lanes, ids and weights)
         + 2 * padded_vmem_bytes((tokens, 1), f32)  # the expert's weight and rank per token, as columns
         + padded_vmem_bytes((tokens, tokens), f32)  # the triangle that counts the ranks
-        + 2 * padded_vmem_bytes((hidden, 2 * tile_i), dtype)  # gate_up block(s)
-        + 2 * padded_vmem_bytes((tile_i, hidden), dtype)  # down block
+        + 2 * padded_vmem_bytes((hidden, 2 * tile_i), weights_dtype)  # gate_up block(s)
+        + 2 * padded_vmem_bytes((tile_i, hidden), weights_dtype)  # down block
         + padded_vmem_bytes((chunk, 2 * tile_i), f32) + padded_vmem_bytes((chunk, hidden), f32)  # one chunk's values
     )
     if has_bias:
@@ -368,11 +405,29 @@ def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate
         total += padded_vmem_bytes((2 * tile_i, chunk), f32)  # gate_up, transposed, to split even and odd rows
     if tiled_i:
         total += padded_vmem_bytes((rows, hidden), dtype) + padded_vmem_bytes((rows, hidden), f32)  # rows, partial out
+    if scheme_of(weights_dtype) is not None:
+        total += _quantized_fused_vmem_bytes(tile_i, hidden, intermediate, num_experts, dtype, weights_dtype)
     return total
 
 
+def _quantized_fused_vmem_bytes(tile_i: int, hidden: int, intermediate: int, num_experts: int, dtype,
+                                weights_dtype) -> int:
+    """The fused kernel's scales (double-buffered) and dequantization working set: int8 blocks cast to the
+    activation dtype one at a time; fp8 blocks dequantized into scratch once per step, through f32."""
+    f32 = jnp.float32
+    if scheme_of(weights_dtype) == INT8:
+        largest_block = max(padded_vmem_bytes((hidden, 2 * tile_i), dtype), padded_vmem_bytes((2 * tile_i, hidden), dtype))
+        bias_rows = min(num_experts, BIAS_BLOCK_EXPERTS)
+        scales = padded_vmem_bytes((bias_rows, 2 * tile_i), f32) + padded_vmem_bytes((bias_rows, hidden), f32)
+        return 2 * scales + largest_block
+    scales = padded_vmem_bytes((blocks(hidden), blocks(2 * intermediate)), f32) + padded_vmem_bytes(
+        (blocks(hidden), blocks(intermediate)), f32)
+    dequantized = padded_vmem_bytes((hidden, 2 * tile_i), dtype) + padded_vmem_bytes((tile_i, hidden), dtype)
+    return 2 * scales + dequantized + fp8_dequantize_vmem_bytes(max(hidden, 2 * tile_i))
+
+
 def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *, weights_transposed: bool,
-                 interleaved: bool, has_bias: bool) -> FusedConfig | None:
+                 interleaved: bool, has_bias: bool, weights_dtype=None) -> FusedConfig | None:
     """The fused kernel's blocks for this layer, or None if no I tiling fits VMEM.
 
     Rows: T (the most one expert can get) rounded to the native sublane tile,
@@ -390,18 +445,18 @@ def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, 
             continue
         tile_i = intermediate // parts
         if not _tile_i_aligned(tile_i, intermediate, dtype, weights_transposed=weights_transposed,
-                               interleaved=interleaved, has_bias=has_bias):
+                               interleaved=interleaved, has_bias=has_bias, weights_dtype=weights_dtype):
             continue
         config = FusedConfig(chunk, tile_i)
         needed = fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
-                                  has_bias=has_bias)
+                                  has_bias=has_bias, weights_dtype=weights_dtype)
         if needed <= VMEM_BUDGET_BYTES:
             return config
     return None
 
 
 def check_fused_config(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *,
-                       weights_transposed: bool, interleaved: bool, has_bias: bool) -> None:
+                       weights_transposed: bool, interleaved: bool, has_bias: bool, weights_dtype=None) -> None:
     """Raises ValueError if `config` cannot run this fused experts layer."""
     if not isinstance(config, FusedConfig):
         raise TypeError(f"config must be a FusedConfig, got {type(config).__name__}")
@@ -415,32 +470,32 @@ def check_fused_config(config: FusedConfig, tokens: int, hidden: int, intermedia
     if config.chunk_rows % sublane_multiple(dtype):
         raise ValueError(f"config.chunk_rows={config.chunk_rows} must be a multiple of {sublane_multiple(dtype)}")
     if not _tile_i_aligned(config.tile_i, intermediate, dtype, weights_transposed=weights_transposed,
-                           interleaved=interleaved, has_bias=has_bias):
+                           interleaved=interleaved, has_bias=has_bias, weights_dtype=weights_dtype):
         raise ValueError(
             f"config.tile_i={config.tile_i} must be I={intermediate} or divide it into blocks aligned to the native "
             "tile of the weights' layout"
         )
     needed = fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
-                              has_bias=has_bias)
+                              has_bias=has_bias, weights_dtype=weights_dtype)
     if needed > VMEM_BUDGET_BYTES:
         raise ValueError(f"config {tuple(config)} needs {needed / 2**20:.1f} MiB of VMEM, past the {VMEM_BUDGET_BYTES >> 20} MiB budget")
 
 
 def use_fused_experts(tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *,
-                      weights_transposed: bool, interleaved: bool, has_bias: bool) -> bool:
+                      weights_transposed: bool, interleaved: bool, has_bias: bool, weights_dtype=None) -> bool:
     """The rule: the fused kernel for decode-sized calls (T <= FUSED_MAX_TOKENS) whose blocks fit VMEM,
     the two grouped matmuls otherwise (see FUSED_MAX_TOKENS for why)."""
     return tokens <= FUSED_MAX_TOKENS and fused_config(
         tokens, hidden, intermediate, num_experts, dtype, weights_transposed=weights_transposed,
-        interleaved=interleaved, has_bias=has_bias,
+        interleaved=interleaved, has_bias=has_bias, weights_dtype=weights_dtype,
     ) is not None
 
 
 def fused_vmem_limit(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *,
-                     interleaved: bool, has_bias: bool) -> int:
+                     interleaved: bool, has_bias: bool, weights_dtype=None) -> int:
     """The scoped VMEM limit the fused kernel asks Mosaic for with `config`."""
     return vmem_limit_bytes(fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype,
-                                             interleaved=interleaved, has_bias=has_bias))
+                                             interleaved=interleaved, has_bias=has_bias, weights_dtype=weights_dtype))
 
 
 # The weights' gradient (`pallas_tgmm.tgmm`): per group, lhs_g^T @ rhs_g -> [G, K, N].

@@ -118,14 +118,19 @@ def experts_forward(
     if gate is None:
         return composed_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     biases = (self.gate_up_proj_bias, self.down_proj_bias) if getattr(self, "has_bias", False) else (None, None)
+    # Quantized weights (int8 / fp8, with transformers' `*_scale_inv` names for their scales) compute in the
+    # activations' dtype; float weights in their own.
+    quantized = self.gate_up_proj.dtype in ops.QUANTIZED_DTYPES
     return ops.gated_experts(
-        hidden_states.to(self.gate_up_proj.dtype),
+        hidden_states if quantized else hidden_states.to(self.gate_up_proj.dtype),
         top_k_index,
         top_k_weights,
         self.gate_up_proj,
         self.down_proj,
         *biases,
         weights_transposed=self.is_transposed,
+        gate_up_scales=getattr(self, "gate_up_proj_scale_inv", None) if quantized else None,
+        down_scales=getattr(self, "down_proj_scale_inv", None) if quantized else None,
         **gate,
     ).to(hidden_states.dtype)
 

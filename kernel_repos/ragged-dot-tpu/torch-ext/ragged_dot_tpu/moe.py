@@ -44,6 +44,8 @@ def gated_experts(
     down_proj: jax.Array,
     gate_up_bias: jax.Array | None = None,
     down_bias: jax.Array | None = None,
+    gate_up_scales: jax.Array | None = None,
+    down_scales: jax.Array | None = None,
     *,
     activation: str,
     weights_transposed: bool,
@@ -58,7 +60,8 @@ def gated_experts(
     Weights follow transformers' layouts: `gate_up_proj[E, 2I, H]` and
     `down_proj[E, H, I]`, or `[E, H, 2I]` / `[E, I, H]` when transposed. The
     gate is the first half of the gate_up output, or the even columns when
-    `interleaved`. `activation` is one of `gates.GATES`. `fused` forces one
+    `interleaved`. Quantized weights (int8, float8_e4m3fn) come with their
+    scales (`quant.py`). `activation` is one of `gates.GATES`. `fused` forces one
     of the two paths (None: the rule, `config.use_fused_experts`);
     `generation` picks the grouped path's tiles (None: this device's).
     Differentiable in hidden_states, top_k_weights, the weights and biases
@@ -66,6 +69,10 @@ def gated_experts(
     """
     options = _ExpertsOptions(activation, bool(weights_transposed), bool(interleaved), float(alpha), float(limit),
                               fused, generation)
+    if gate_up_scales is not None or down_scales is not None:
+        # One-byte weights serve inference: the backward differentiates float weights only.
+        return _experts(options, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
+                        down_bias, gate_up_scales, down_scales)
     return _differentiable_experts(options, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
                                    gate_up_bias, down_bias)
 
@@ -86,9 +93,8 @@ class _ExpertsOptions(NamedTuple):
                     interleaved=self.interleaved, alpha=self.alpha, limit=self.limit)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _differentiable_experts(options: _ExpertsOptions, hidden_states, top_k_index, top_k_weights, gate_up_proj,
-                            down_proj, gate_up_bias, down_bias):
+def _experts(options: _ExpertsOptions, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+             gate_up_bias, down_bias, gate_up_scales=None, down_scales=None):
     tokens, hidden = hidden_states.shape
     weights_transposed, interleaved, fused = options.weights_transposed, options.interleaved, options.fused
     intermediate = down_proj.shape[1] if weights_transposed else down_proj.shape[2]
@@ -96,12 +102,18 @@ def _differentiable_experts(options: _ExpertsOptions, hidden_states, top_k_index
     if fused is None:
         fused = use_fused_experts(tokens, hidden, intermediate, gate_up_proj.shape[0], hidden_states.dtype,
                                   weights_transposed=weights_transposed, interleaved=interleaved,
-                                  has_bias=gate_up_bias is not None)
+                                  has_bias=gate_up_bias is not None, weights_dtype=gate_up_proj.dtype)
+    weights = (gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up_scales, down_scales)
     if fused:
-        return fused_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
-                             down_bias, **gate)
-    return grouped_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
-                           down_bias, **gate, generation=options.generation)
+        return fused_experts(hidden_states, top_k_index, top_k_weights, *weights, **gate)
+    return grouped_experts(hidden_states, top_k_index, top_k_weights, *weights, **gate, generation=options.generation)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _differentiable_experts(options: _ExpertsOptions, hidden_states, top_k_index, top_k_weights, gate_up_proj,
+                            down_proj, gate_up_bias, down_bias):
+    return _experts(options, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
+                    down_bias)
 
 
 def _experts_vjp_forward(options: _ExpertsOptions, *arrays):
@@ -129,6 +141,8 @@ def grouped_experts(
     down_proj: jax.Array,
     gate_up_bias: jax.Array | None = None,
     down_bias: jax.Array | None = None,
+    gate_up_scales: jax.Array | None = None,
+    down_scales: jax.Array | None = None,
     *,
     activation: str,
     weights_transposed: bool,
@@ -158,7 +172,7 @@ def grouped_experts(
     bias_rows = jnp.minimum(top_k_index.reshape(-1)[order], num_experts - 1)
     grouped = dict(transpose_rhs=not weights_transposed, zero_rows_past_groups=False, generation=generation)
 
-    gate_up_out = ragged_dot(rows, gate_up_proj, group_sizes, **grouped)
+    gate_up_out = ragged_dot(rows, gate_up_proj, group_sizes, gate_up_scales, **grouped)
     gate_up = gate_up_out.astype(jnp.float32)
     if gate_up_bias is not None:
         gate_up = gate_up + gate_up_bias[bias_rows].astype(jnp.float32)
@@ -166,7 +180,7 @@ def grouped_experts(
     gate_up = jnp.where(live, gate_up, 0.0)
     gate_part, up = split_gate_up(gate_up, interleaved=interleaved)
     intermediate = gated(gate_part, up, activation, alpha=alpha, limit=limit)
-    down_out = ragged_dot(intermediate.astype(hidden_states.dtype), down_proj, group_sizes, **grouped)
+    down_out = ragged_dot(intermediate.astype(hidden_states.dtype), down_proj, group_sizes, down_scales, **grouped)
     out = down_out.astype(jnp.float32)
     if down_bias is not None:
         out = out + down_bias[bias_rows].astype(jnp.float32)

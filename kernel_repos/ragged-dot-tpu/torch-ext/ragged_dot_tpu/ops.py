@@ -12,20 +12,22 @@ from __future__ import annotations
 import jax
 import torch
 
-from . import moe, pallas_tpu, training_ops
+from . import moe, pallas_tpu, quant, training_ops
 from .gates import GATES
 from ._ops import add_op_namespace_prefix, jax_torch_op
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @jax_torch_op(add_op_namespace_prefix("ragged_dot"))
 def _ragged_dot(
-    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, transpose_rhs: bool, zero_rows_past_groups: bool
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_scales: jax.Array | None, transpose_rhs: bool,
+    zero_rows_past_groups: bool,
 ) -> jax.Array:
     return pallas_tpu.ragged_dot(
-        lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, zero_rows_past_groups=zero_rows_past_groups
+        lhs, rhs, group_sizes, rhs_scales, transpose_rhs=transpose_rhs, zero_rows_past_groups=zero_rows_past_groups
     )
 
 
@@ -41,6 +43,8 @@ def _gated_experts(
     down_proj: jax.Array,
     gate_up_bias: jax.Array | None,
     down_bias: jax.Array | None,
+    gate_up_scales: jax.Array | None,
+    down_scales: jax.Array | None,
     activation: str,
     weights_transposed: bool,
     interleaved: bool,
@@ -48,9 +52,16 @@ def _gated_experts(
     limit: float,
 ) -> jax.Array:
     return moe.gated_experts(
-        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
-        activation=activation, weights_transposed=weights_transposed, interleaved=interleaved, alpha=alpha, limit=limit,
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up_scales,
+        down_scales, activation=activation, weights_transposed=weights_transposed, interleaved=interleaved,
+        alpha=alpha, limit=limit,
     )
+
+
+# Gradients come from `training_ops.gated_experts_train` (float weights); this op is reached under autograd only
+# with one-byte weights, whose backward is refused.
+_gated_experts.register_autograd(training_ops.refuse_quantized_experts_backward,
+                                 setup_context=training_ops.save_nothing)
 
 
 def _check_tensors(**tensors) -> None:
@@ -64,7 +75,33 @@ def _check_tensors(**tensors) -> None:
         raise ValueError(f"{', '.join(tensors)} must be on one device, got {listed}")
 
 
-def check_ragged_dot_shapes(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, transpose_rhs: bool) -> None:
+def check_scales(name: str, scales: torch.Tensor | None, weight_name: str, weight: torch.Tensor, out_axis: int) -> None:
+    """`scales` of a `[G, D1, D2]` weight: required for int8 / fp8 weights (with the shape of `quant.py`'s
+    layout: int8 per output channel, dim `out_axis`; fp8 per 128 x 128 block), refused for float weights."""
+    if weight.dtype not in QUANTIZED_DTYPES:
+        if scales is not None:
+            raise ValueError(f"{name} are for int8 or float8_e4m3fn weights; {weight_name} is {weight.dtype}")
+        return
+    if scales is None:
+        raise ValueError(f"{weight_name} is {weight.dtype}: it needs {name}")
+    if not isinstance(scales, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(scales).__name__}")
+    if scales.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {scales.dtype}")
+    scheme = quant.INT8 if weight.dtype == torch.int8 else quant.FP8
+    expected = quant.expected_scales_shape(scheme, tuple(weight.shape), out_axis)
+    if tuple(scales.shape) != expected:
+        what = "one per output channel" if scheme == quant.INT8 else f"one per {quant.FP8_BLOCK}x{quant.FP8_BLOCK} block"
+        raise ValueError(
+            f"{name} must be {list(expected)} ({what} of {weight_name} {list(weight.shape)}, {weight.dtype}), got "
+            f"{list(scales.shape)}"
+        )
+
+
+def check_ragged_dot_shapes(
+    lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, transpose_rhs: bool,
+    rhs_scales: torch.Tensor | None = None,
+) -> None:
     """Types, ranks, dtypes and sizes of ragged_dot's arguments: all that needs no value read back."""
     _check_tensors(lhs=lhs, rhs=rhs, group_sizes=group_sizes)
     if lhs.dim() != 2:
@@ -76,7 +113,9 @@ def check_ragged_dot_shapes(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: t
         raise ValueError(f"group_sizes must be 1-D [G], got shape {tuple(group_sizes.shape)}")
     if lhs.dtype not in FLOAT_DTYPES:
         raise TypeError(f"lhs must be float32 or bfloat16, got {lhs.dtype}")
-    if rhs.dtype != lhs.dtype:
+    if rhs.dtype not in FLOAT_DTYPES + QUANTIZED_DTYPES:
+        raise TypeError(f"rhs must be float32, bfloat16, int8 or float8_e4m3fn, got {rhs.dtype}")
+    if rhs.dtype in FLOAT_DTYPES and rhs.dtype != lhs.dtype:
         raise TypeError(f"rhs dtype {rhs.dtype} must match lhs dtype {lhs.dtype}")
     if group_sizes.dtype != torch.int32:
         raise TypeError(f"group_sizes must be int32, got {group_sizes.dtype}")
@@ -88,6 +127,9 @@ def check_ragged_dot_shapes(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: t
         raise ValueError(f"group_sizes has {group_sizes.shape[0]} groups but rhs has {rhs.shape[0]}")
     if lhs.shape[0] == 0:
         raise ValueError("lhs must have at least one row")
+    check_scales("rhs_scales", rhs_scales, "rhs", rhs, 1 if transpose_rhs else 2)
+    if rhs_scales is not None and rhs_scales.device != rhs.device:
+        raise ValueError(f"rhs_scales must be on rhs's device {rhs.device}, got {rhs_scales.device}")
 
 
 def check_group_sizes(group_sizes: torch.Tensor, rows: int) -> None:
@@ -106,7 +148,8 @@ def check_group_sizes(group_sizes: torch.Tensor, rows: int) -> None:
 
 
 def ragged_dot(
-    lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *, transpose_rhs: bool = False
+    lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *, rhs_scales: torch.Tensor | None = None,
+    transpose_rhs: bool = False,
 ) -> torch.Tensor:
     """Grouped matmul: rows of `lhs[M, K]`, sorted by group, times their group's `rhs`.
 
@@ -114,10 +157,14 @@ def ragged_dot(
     own expert weight layout, used without a transposed copy). `group_sizes[G]`
     is int32, non-negative, summing to at most M; rows past the sum come out
     as zeros. Accumulates in float32; returns `[M, N]` in the input dtype.
+    Quantized `rhs` (int8 or float8_e4m3fn, read as one byte per weight and
+    dequantized in VMEM) needs float32 `rhs_scales`: `[G, N]` per output
+    channel for int8, `[G, ceil(D1/128), ceil(D2/128)]` per 128 x 128 block
+    of rhs's own dims for fp8 (transformers' `weight_scale_inv`).
     """
-    check_ragged_dot_shapes(lhs, rhs, group_sizes, transpose_rhs)
+    check_ragged_dot_shapes(lhs, rhs, group_sizes, transpose_rhs, rhs_scales)
     check_group_sizes(group_sizes, lhs.shape[0])
-    return _ragged_dot(lhs, rhs, group_sizes, transpose_rhs, True)
+    return _ragged_dot(lhs, rhs, group_sizes, rhs_scales, transpose_rhs, True)
 
 
 def routed_ragged_dot(
@@ -132,7 +179,7 @@ def routed_ragged_dot(
     so they cost the kernel nothing: the caller masks them.
     """
     check_ragged_dot_shapes(lhs, rhs, group_sizes, transpose_rhs)
-    return _ragged_dot(lhs, rhs, group_sizes, transpose_rhs, False)
+    return _ragged_dot(lhs, rhs, group_sizes, None, transpose_rhs, False)
 
 
 def check_routing(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
@@ -168,6 +215,8 @@ def check_gated_experts_args(
     *,
     activation: str,
     weights_transposed: bool,
+    gate_up_scales: torch.Tensor | None = None,
+    down_scales: torch.Tensor | None = None,
 ) -> None:
     """The fused experts op's arguments, in transformers' weight layouts (see `moe.gated_experts`)."""
     check_routing(hidden_states, top_k_index, top_k_weights)
@@ -184,12 +233,15 @@ def check_gated_experts_args(
             f"gate_up_proj and down_proj must be 3-D [E, out, in] (or [E, in, out] when transposed), got "
             f"{tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}"
         )
-    if gate_up_proj.dtype not in FLOAT_DTYPES or down_proj.dtype != gate_up_proj.dtype:
+    if gate_up_proj.dtype not in FLOAT_DTYPES + QUANTIZED_DTYPES or down_proj.dtype != gate_up_proj.dtype:
         raise TypeError(
-            f"gate_up_proj and down_proj must share one dtype, float32 or bfloat16, got {gate_up_proj.dtype} and "
-            f"{down_proj.dtype}"
+            f"gate_up_proj and down_proj must share one dtype, float32, bfloat16, int8 or float8_e4m3fn, got "
+            f"{gate_up_proj.dtype} and {down_proj.dtype}"
         )
-    if hidden_states.dtype != gate_up_proj.dtype:
+    if gate_up_proj.dtype in QUANTIZED_DTYPES:
+        if hidden_states.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"hidden_states must be float32 or bfloat16, got {hidden_states.dtype}")
+    elif hidden_states.dtype != gate_up_proj.dtype:
         raise TypeError(f"hidden_states dtype {hidden_states.dtype} must match the weights' dtype {gate_up_proj.dtype}")
     hidden = hidden_states.shape[1]
     if weights_transposed:
@@ -210,6 +262,11 @@ def check_gated_experts_args(
             f"gate_up_bias must be [{experts}, {gate_up_out}] and down_bias [{experts}, {hidden}], got "
             f"{tuple(gate_up_bias.shape)} and {tuple(down_bias.shape)}"
         )
+    out_axis = 2 if weights_transposed else 1
+    check_scales("gate_up_scales", gate_up_scales, "gate_up_proj", gate_up_proj, out_axis)
+    check_scales("down_scales", down_scales, "down_proj", down_proj, out_axis)
+    scales = {name: t for name, t in (("gate_up_scales", gate_up_scales), ("down_scales", down_scales)) if t is not None}
+    _check_tensors(hidden_states=hidden_states, **scales)
 
 
 def gated_experts(
@@ -226,20 +283,30 @@ def gated_experts(
     interleaved: bool = False,
     alpha: float = 1.0,
     limit: float = float("inf"),
+    gate_up_scales: torch.Tensor | None = None,
+    down_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The fused experts op (see `moe.gated_experts`); biases come as a pair or not at all.
 
-    Differentiable: when autograd needs a gradient of any float input, the
-    layer runs the grouped forward that keeps what its backward needs
-    (`training_ops`).
+    int8 or float8_e4m3fn weights need their float32 scales (layouts as for
+    `ragged_dot`'s `rhs_scales`, over each weight's own dims); the output is
+    in hidden_states' dtype.
+
+    Differentiable with float weights: when autograd needs a gradient of any
+    float input, the layer runs the grouped forward that keeps what its
+    backward needs (`training_ops`). One-byte weights serve inference only.
     """
     check_gated_experts_args(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
-        activation=activation, weights_transposed=weights_transposed,
+        activation=activation, weights_transposed=weights_transposed, gate_up_scales=gate_up_scales,
+        down_scales=down_scales,
     )
+    index = top_k_index.to(torch.int32)
+    options = (activation, weights_transposed, interleaved, float(alpha), float(limit))
     differentiable = (hidden_states, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
-    return (training_ops.gated_experts_train if needs_grad else _gated_experts)(
-        hidden_states, top_k_index.to(torch.int32), top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
-        activation, weights_transposed, interleaved, float(alpha), float(limit),
-    )
+    if needs_grad and gate_up_scales is None:
+        return training_ops.gated_experts_train(hidden_states, index, top_k_weights, gate_up_proj, down_proj,
+                                                gate_up_bias, down_bias, *options)
+    return _gated_experts(hidden_states, index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
+                          gate_up_scales, down_scales, *options)

@@ -36,6 +36,12 @@ even and odd rows Mosaic reads with strided loads (lanes have no strided
 load). Biases come in blocks of config.BIAS_BLOCK_EXPERTS experts and the
 kernel selects its expert's row.
 
+Quantized weights (`quant.py`) are read as one byte each: int8 blocks are
+cast to the activation dtype at each matmul and their per-channel scales
+multiply its result (as the biases, in blocks of BIAS_BLOCK_EXPERTS experts);
+fp8 blocks are dequantized once per step into VMEM scratch, which the
+matmuls read.
+
 Tiles come from `config.fused_config`; inputs are assumed valid (`ops.py`
 checks them).
 """
@@ -56,6 +62,7 @@ from .config import (
     fused_vmem_limit,
 )
 from .gates import gated
+from .quant import FP8, INT8, dequantize_fp8_block, scheme_of
 from .routing import expert_plan
 
 _BIAS_BLOCK_SHIFT = BIAS_BLOCK_EXPERTS.bit_length() - 1
@@ -78,6 +85,7 @@ class _Layout(NamedTuple):
     alpha: float
     limit: float
     split_weights: bool  # f32 routing weights under a narrower activation dtype: scatter in two parts
+    quantization: str | None  # the weights' scheme (quant.py): None, "int8" or "fp8"
 
 
 def _dot(lhs, rhs, lhs_contract: int, rhs_contract: int, precision):
@@ -133,9 +141,16 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *
     if layout.has_bias:
         gate_up_bias_refs, down_bias_ref = refs[:parts], refs[parts]
         refs = refs[parts + 1 :]
+    quantization = layout.quantization
+    gate_up_scale_refs, down_scale_ref = (None,) * parts, None
+    if quantization == INT8:  # [BIAS_BLOCK_EXPERTS, n] blocks, as the biases
+        gate_up_scale_refs, down_scale_ref = refs[:parts], refs[parts]
+        refs = refs[parts + 1 :]
+    elif quantization == FP8:  # the expert's whole grids of block scales
+        gate_up_scale_ref, down_scale_ref, *refs = refs
     out_ref, out_acc, *scratch = refs
     gate_up_t_ref = scratch.pop(0) if layout.interleaved else None
-    rows_cache, partial_out = scratch if layout.i_tiles > 1 else (None, None)
+    rows_cache, partial_out = (scratch.pop(0), scratch.pop(0)) if layout.i_tiles > 1 else (None, None)
 
     dtype = hidden_ref.dtype
     precision = lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
@@ -149,6 +164,35 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *
     @pl.when(jnp.logical_and(item == 0, i_step == 0))
     def _():
         out_acc[...] = jnp.zeros_like(out_acc)
+
+    if quantization == FP8:
+        # Dequantized once per step (not per chunk) into scratch, which the matmuls then read.
+        dequantized_gate_up, dequantized_down = scratch[:parts], scratch[parts]
+
+        @pl.when(picks > 0)
+        def _():
+            width = gate_up_refs[0].shape[1 if transposed else 0]
+            for part, (ref, dequantized) in enumerate(zip(gate_up_refs, dequantized_gate_up)):
+                offset = (part * layout.i_tiles + i_step) * width  # along 2I
+                offsets = (0, offset) if transposed else (offset, 0)
+                dequantize_fp8_block(ref, gate_up_scale_ref[...], *offsets, dequantized)
+            offset = i_step * layout.tile_i  # along I
+            offsets = (offset, 0) if transposed else (0, offset)
+            dequantize_fp8_block(down_ref, down_scale_ref[...], *offsets, dequantized_down)
+
+        gate_up_refs, down_ref = dequantized_gate_up, dequantized_down
+
+    def weights(ref):
+        """A weights block in the activation dtype; int8 as its integers (the scales come after the dot)."""
+        return ref[...].astype(dtype) if quantization == INT8 else ref[...]
+
+    def scaled(projection, scale_ref, columns: bool = False):
+        """int8: the projection's output channels times their scales (as a column when the channels are rows)."""
+        if quantization != INT8:
+            return projection
+        if columns:
+            return projection * _expert_bias_columns(scale_ref, expert, projection.shape[1])
+        return projection * _expert_bias(scale_ref, expert)
 
     weight_column, rank_column = _token_columns(index_ref, weights_ref, expert, layout.tokens)
 
@@ -165,7 +209,8 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *
         """[chunk, H] f32: this I tile's share of the expert's output for `rows`."""
         if layout.interleaved:
             # gate_up^T [2 ti, chunk]: weights [2 ti, H] (or [H, 2 ti] transposed) against rows [chunk, H].
-            gate_up_t = _dot(gate_up_refs[0][...], rows, 0 if transposed else 1, 1, precision)
+            gate_up_t = scaled(_dot(weights(gate_up_refs[0]), rows, 0 if transposed else 1, 1, precision),
+                               gate_up_scale_refs[0], columns=True)
             if layout.has_bias:
                 gate_up_t = gate_up_t + _expert_bias_columns(gate_up_bias_refs[0], expert, chunk)
             gate_up_t_ref[...] = gate_up_t
@@ -173,8 +218,9 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *
             up_t = gate_up_t_ref[pl.ds(1, layout.tile_i, stride=2), :]
             hidden_t = gated(gate_t, up_t, layout.activation, alpha=layout.alpha, limit=layout.limit).astype(dtype)
             # down [ti, H] (transposed) or [H, ti] against hidden^T [ti, chunk].
-            return _dot(hidden_t, down_ref[...], 0, 0 if transposed else 1, precision)
-        projections = [_dot(rows, ref[...], 1, 0 if transposed else 1, precision) for ref in gate_up_refs]
+            return scaled(_dot(hidden_t, weights(down_ref), 0, 0 if transposed else 1, precision), down_scale_ref)
+        projections = [scaled(_dot(rows, weights(ref), 1, 0 if transposed else 1, precision), scale_ref)
+                       for ref, scale_ref in zip(gate_up_refs, gate_up_scale_refs)]
         if layout.has_bias:
             projections = [p + _expert_bias(ref, expert) for p, ref in zip(projections, gate_up_bias_refs)]
         if parts == 2:
@@ -182,7 +228,7 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *
         else:
             gate, up = projections[0][:, : layout.tile_i], projections[0][:, layout.tile_i :]
         hidden_rows = gated(gate, up, layout.activation, alpha=layout.alpha, limit=layout.limit).astype(dtype)
-        return _dot(hidden_rows, down_ref[...], 1, 0 if transposed else 1, precision)
+        return scaled(_dot(hidden_rows, weights(down_ref), 1, 0 if transposed else 1, precision), down_scale_ref)
 
     def scatter(first, out_rows):
         """Adds the chunk's rows, times their routing weights, to their tokens' outputs."""
@@ -238,6 +284,8 @@ def fused_experts(
     down_proj: jax.Array,
     gate_up_bias: jax.Array | None = None,
     down_bias: jax.Array | None = None,
+    gate_up_scales: jax.Array | None = None,
+    down_scales: jax.Array | None = None,
     *,
     activation: str,
     weights_transposed: bool,
@@ -250,8 +298,10 @@ def fused_experts(
 
     Weights in transformers' layouts: `gate_up_proj[E, 2I, H]` and
     `down_proj[E, H, I]`, or `[E, H, 2I]` / `[E, I, H]` when transposed;
-    optional `gate_up_bias[E, 2I]` and `down_bias[E, H]`. Picks with
-    id == E are sentinels. Inputs are assumed valid (`ops.py`).
+    optional `gate_up_bias[E, 2I]` and `down_bias[E, H]`. Quantized weights
+    (int8 or float8_e4m3fn) come with their scales (`quant.py`: int8
+    `[E, 2I]` and `[E, H]`; fp8 block grids over each weight's own dims).
+    Picks with id == E are sentinels. Inputs are assumed valid (`ops.py`).
     """
     tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[1]
@@ -259,7 +309,9 @@ def fused_experts(
     intermediate = down_proj.shape[1] if weights_transposed else down_proj.shape[2]
     dtype = hidden_states.dtype
     has_bias = gate_up_bias is not None
-    shape = dict(weights_transposed=weights_transposed, interleaved=interleaved, has_bias=has_bias)
+    quantization = scheme_of(gate_up_proj.dtype)
+    shape = dict(weights_transposed=weights_transposed, interleaved=interleaved, has_bias=has_bias,
+                 weights_dtype=gate_up_proj.dtype)
     if config is None:
         config = fused_config(tokens, hidden, intermediate, num_experts, dtype, **shape)
         if config is None:
@@ -278,6 +330,7 @@ def fused_experts(
         weights_transposed=weights_transposed, interleaved=interleaved, has_bias=has_bias, activation=activation,
         alpha=float(alpha), limit=float(limit),
         split_weights=jnp.dtype(top_k_weights.dtype).itemsize > jnp.dtype(dtype).itemsize,
+        quantization=quantization,
     )
 
     # Index maps get (item, I tile, *scalar prefetch). A gate_up part spans `width` columns of 2I:
@@ -304,31 +357,47 @@ def fused_experts(
         down_spec,
     ]
     operands = [hidden_states, top_k_index, top_k_weights, *([gate_up_proj] * parts), down_proj]
+    bias_rows = min(num_experts, BIAS_BLOCK_EXPERTS)
+
+    def bias_spec(columns, block_offset):
+        return pl.BlockSpec(
+            (bias_rows, columns),
+            lambda item, i, expert, *_: (expert[item] >> _BIAS_BLOCK_SHIFT, block_offset + i),
+        )
+
+    def bias_specs():
+        return [*(bias_spec(width, part * i_tiles) for part in range(parts)),
+                pl.BlockSpec((bias_rows, hidden), lambda item, i, expert, *_: (expert[item] >> _BIAS_BLOCK_SHIFT, 0))]
+
     if has_bias:
-        bias_rows = min(num_experts, BIAS_BLOCK_EXPERTS)
-
-        def bias_spec(columns, block_offset):
-            return pl.BlockSpec(
-                (bias_rows, columns),
-                lambda item, i, expert, *_: (expert[item] >> _BIAS_BLOCK_SHIFT, block_offset + i),
-            )
-
-        in_specs += [*(bias_spec(width, part * i_tiles) for part in range(parts)),
-                     pl.BlockSpec((bias_rows, hidden), lambda item, i, expert, *_: (expert[item] >> _BIAS_BLOCK_SHIFT, 0))]
+        in_specs += bias_specs()
         operands += [*([gate_up_bias] * parts), down_bias]
+    if quantization == INT8:  # [E, 2I] and [E, H], blocked as the biases
+        in_specs += bias_specs()
+        operands += [*([gate_up_scales] * parts), down_scales]
+    elif quantization == FP8:
+        in_specs += [pl.BlockSpec((None, *scales.shape[1:]), lambda item, i, expert, *_: (expert[item], 0, 0))
+                     for scales in (gate_up_scales, down_scales)]
+        operands += [gate_up_scales, down_scales]
 
     scratch = [pltpu.VMEM((tokens, hidden), jnp.float32)]
     if interleaved:
         scratch.append(pltpu.VMEM((2 * tile_i, chunk), jnp.float32))
     if i_tiles > 1:
         scratch += [pltpu.VMEM((rows, hidden), dtype), pltpu.VMEM((rows, hidden), jnp.float32)]
+    if quantization == FP8:
+        gate_up_block = (hidden, width) if weights_transposed else (width, hidden)
+        down_block = (tile_i, hidden) if weights_transposed else (hidden, tile_i)
+        scratch += [*(pltpu.VMEM(gate_up_block, dtype) for _ in range(parts)), pltpu.VMEM(down_block, dtype)]
 
     # A call without live picks runs its one empty item over one I tile only: one block of weights read.
     i_grid = i_tiles if i_tiles == 1 else jnp.where(items.rows[0] > 0, i_tiles, 1)
     picks = tokens * top_k
     active = expected_active_groups(picks, num_experts)
     itemsize = jnp.dtype(dtype).itemsize
-    weights_per_expert = 3 * intermediate * hidden + ((2 * intermediate + hidden) if has_bias else 0)
+    scale_bytes = sum(scales[0].size * 4 for scales in (gate_up_scales, down_scales) if scales is not None)
+    bytes_per_expert = (3 * intermediate * hidden * jnp.dtype(gate_up_proj.dtype).itemsize
+                        + ((2 * intermediate + hidden) * itemsize if has_bias else 0) + scale_bytes)
     call = pl.pallas_call(
         functools.partial(_body, layout=layout),
         out_shape=jax.ShapeDtypeStruct((tokens, hidden), dtype),
@@ -343,14 +412,15 @@ def fused_experts(
             # Every step adds into the one resident output: no axis can be split across cores.
             dimension_semantics=("arbitrary", "arbitrary"),
             vmem_limit_bytes=fused_vmem_limit(config, tokens, hidden, intermediate, num_experts, dtype,
-                                              interleaved=interleaved, has_bias=has_bias),
+                                              interleaved=interleaved, has_bias=has_bias,
+                                              weights_dtype=gate_up_proj.dtype),
         ),
         # What is read: the tokens and the routing once, the weights of the experts expected active (which
         # experts are picked is data, unknown when this is traced; `expected_active_groups`), the output once.
         cost_estimate=pl.CostEstimate(
             flops=int(2 * picks * (3 * intermediate * hidden + 2 * tokens * hidden)),
             transcendentals=int(picks * intermediate),
-            bytes_accessed=int((2 * tokens * hidden + active * weights_per_expert) * itemsize
+            bytes_accessed=int(2 * tokens * hidden * itemsize + active * bytes_per_expert
                                + top_k_index.size * 4 + top_k_weights.size * top_k_weights.dtype.itemsize),
         ),
         name="fused_experts",

@@ -42,6 +42,11 @@ extra rows cost chunk_m / tile_m more lhs reads.) Without chunks, an item
 multiplies its whole row tile, masked to its group's rows.
 Tile sizes come from `config.select_config`.
 
+Quantized weights (`quant.py`) are read as one byte each: an int8 block is
+cast to lhs's dtype at the matmul and its per-output-column scales multiply
+the result; an fp8 block is dequantized once per step into VMEM scratch
+(under the slot's `pl.when`: only for a slot with rows in the tile).
+
 The CostEstimate counts what the kernel reads: the rows, the weights of the
 groups expected active for M uniformly routed rows
 (`config.expected_active_groups`: the group sizes are data, unknown when
@@ -63,6 +68,7 @@ from ._hardware import sublane_multiple
 from .config import (
     TileConfig, check_config, expected_active_groups, row_chunks, row_tile_rows, select_config, vmem_limit,
 )
+from .quant import FP8, INT8, dequantize_fp8_block, scheme_of
 
 
 class WorkItems(NamedTuple):
@@ -161,14 +167,19 @@ def _body(
     *refs,
     k: int,
     tile_k: int,
+    tile_n: int,
     chunk_m: int | None,
     groups_per_step: int,
     transpose_rhs: bool,
+    quantization: str | None,
     precision,
 ):
     del lhs_tile_ref, group_ref  # used by the index maps only
-    rhs_refs, (out_ref, acc_ref, *carry) = refs[:groups_per_step], refs[groups_per_step:]
-    carry_ref = carry[0] if chunk_m else None  # [2 chunk_m, tile_n]: rows [tile_m - chunk_m, tile_m + chunk_m)
+    rhs_refs, refs = refs[:groups_per_step], refs[groups_per_step:]
+    scale_refs, refs = (refs[:groups_per_step], refs[groups_per_step:]) if quantization else ((), refs)
+    out_ref, acc_ref, *scratch = refs
+    carry_ref = scratch.pop(0) if chunk_m else None  # [2 chunk_m, tile_n]: rows [tile_m - chunk_m, tile_m + chunk_m)
+    dequantized_refs = scratch  # fp8: each slot's weights block, dequantized once per step
     step = pl.program_id(1)
     steps = pl.num_programs(1)
     k_step = pl.program_id(2)
@@ -199,10 +210,18 @@ def _body(
 
     k_columns_ragged = k % tile_k != 0
 
-    def multiply(rhs_ref, start, rows: int, keep):
-        """lhs rows [start, start + rows) x rhs, with rows not `keep` taken as zero; `start` on the sublane grid."""
+    def weights(slot):
+        """The slot's weights block in the activation dtype (int8 as its integers: the scales come after the dot)."""
+        if quantization == FP8:
+            return dequantized_refs[slot][...]
+        rhs = rhs_refs[slot][...]
+        return rhs.astype(lhs_ref.dtype) if quantization == INT8 else rhs
+
+    def multiply(slot, start, rows: int, keep):
+        """lhs rows [start, start + rows) x the slot's weights, with rows not `keep` taken as zero; `start` on the
+        sublane grid."""
         lhs = lhs_ref[pl.ds(start, rows), :]
-        rhs = rhs_ref[...]
+        rhs = weights(slot)
         # Select, not multiply: rows and K columns outside the data may hold
         # garbage (NaN), and 0 * NaN is NaN.
         if k_columns_ragged:
@@ -213,15 +232,17 @@ def _body(
             rhs = jnp.where(rhs_k < k, rhs, jnp.zeros_like(rhs))
         lhs = jnp.where(keep, lhs, jnp.zeros_like(lhs))
         contract_rhs = 1 if transpose_rhs else 0
-        return lax.dot_general(
+        product = lax.dot_general(
             lhs,
             rhs,
             (((1,), (contract_rhs,)), ((), ())),
             preferred_element_type=jnp.float32,
             precision=precision,
         )
+        # int8: one scale per output column, common to the whole dot product.
+        return product * scale_refs[slot][...] if quantization == INT8 else product
 
-    for slot, rhs_ref in enumerate(rhs_refs):
+    for slot in range(groups_per_step):
         item = first_item + slot
         # An idle slot (past the last item) and a tail item (rows past every
         # group) have an empty row range, so no chunk of theirs computes.
@@ -232,13 +253,22 @@ def _body(
         last_real = jnp.minimum(item, count - 1)
         row_start = lax.select(real, row_start_ref[last_real], zero)
         row_end = lax.select(real, row_end_ref[last_real], zero)
+        rows_in_tile = jnp.logical_and(row_start < tile_start + tile_m, row_end > tile_start)
+        if quantization == FP8:
+
+            @pl.when(rows_in_tile)
+            def _(slot=slot):
+                n_offset, k_offset = pl.program_id(0) * tile_n, k_step * tile_k
+                offsets = (n_offset, k_offset) if transpose_rhs else (k_offset, n_offset)
+                dequantize_fp8_block(rhs_refs[slot], scale_refs[slot][...], *offsets, dequantized_refs[slot])
+
         if not chunk_m:
 
-            @pl.when(jnp.logical_and(row_start < tile_start + tile_m, row_end > tile_start))
-            def _(rhs_ref=rhs_ref, row_start=row_start, row_end=row_end):
+            @pl.when(rows_in_tile)
+            def _(slot=slot, row_start=row_start, row_end=row_end):
                 row = tile_start + lax.broadcasted_iota(jnp.int32, (tile_m, 1), 0)
                 keep = jnp.logical_and(row >= row_start, row < row_end)
-                acc_ref[...] += multiply(rhs_ref, 0, tile_m, keep)
+                acc_ref[...] += multiply(slot, 0, tile_m, keep)
 
             continue
         chunk_start = chunk_start_ref[last_real]
@@ -248,10 +278,10 @@ def _body(
 
             # Chunks past the group's rows (or starting in the next tile) skip the MXU.
             @pl.when(jnp.logical_and(start < tile_m, tile_start + start < row_end))
-            def _(rhs_ref=rhs_ref, start=start, row_start=row_start, row_end=row_end):
+            def _(slot=slot, start=start, row_start=row_start, row_end=row_end):
                 start = pl.multiple_of(start, align)
                 row = tile_start + start + lax.broadcasted_iota(jnp.int32, (chunk_m, 1), 0)
-                product = multiply(rhs_ref, start, chunk_m, jnp.logical_and(row >= row_start, row < row_end))
+                product = multiply(slot, start, chunk_m, jnp.logical_and(row >= row_start, row < row_end))
 
                 @pl.when(start + chunk_m <= tile_m)
                 def _():
@@ -275,6 +305,7 @@ def ragged_dot(
     lhs: jax.Array,
     rhs: jax.Array,
     group_sizes: jax.Array,
+    rhs_scales: jax.Array | None = None,
     *,
     transpose_rhs: bool = False,
     zero_rows_past_groups: bool = True,
@@ -285,15 +316,19 @@ def ragged_dot(
 
     Rows past `sum(group_sizes)` come out as zeros, or are left unwritten
     (whatever the output buffer held) with `zero_rows_past_groups=False`.
-    Inputs are assumed valid: the torch ops check them (`ops.py`); `group_sizes`
-    is int32 and sums to at most M.
+    Quantized `rhs` (int8 or float8_e4m3fn) comes with `rhs_scales`
+    (`quant.py`: `[G, N]` per output channel for int8; `[G, ceil(D1/128),
+    ceil(D2/128)]` blocks over rhs's own dims for fp8); the output is in
+    lhs's dtype. Inputs are assumed valid: the torch ops check them (`ops.py`);
+    `group_sizes` is int32 and sums to at most M.
     """
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    quantization = scheme_of(rhs.dtype)
     if config is None:
-        config = select_config(m, k, n, lhs.dtype, generation=generation, num_groups=num_groups)
-    check_config(config, m, k, n, lhs.dtype)
+        config = select_config(m, k, n, lhs.dtype, generation=generation, num_groups=num_groups, rhs_dtype=rhs.dtype)
+    check_config(config, m, k, n, lhs.dtype, rhs.dtype)
     tile_m, tile_k, tile_n = row_tile_rows(config, m, lhs.dtype), min(config.tile_k, k), min(config.tile_n, n)
     chunk_m = config.chunk_m if row_chunks(config, m, lhs.dtype) > 1 else None
     groups_per_step = config.groups_per_step
@@ -338,39 +373,63 @@ def ragged_dot(
         lhs_spec = pl.BlockSpec(lhs_block, lhs_index)
     rhs_block = (None, tile_n, tile_k) if transpose_rhs else (None, tile_k, tile_n)
     rhs_specs = [pl.BlockSpec(rhs_block, functools.partial(rhs_index, slot)) for slot in range(groups_per_step)]
+    scale_specs, scale_operands, dequantized = [], [], []
+    if quantization == INT8:
+        # The N tile's scales, as a [1, tile_n] row: the scales get a unit dim so the block is (1, tile_n).
+        def scale_index(slot, n_step, *grid_and_prefetch):
+            return rhs_index(slot, n_step, *grid_and_prefetch)[0], 0, n_step
+
+        scale_specs = [pl.BlockSpec((None, 1, tile_n), functools.partial(scale_index, slot))
+                       for slot in range(groups_per_step)]
+        scale_operands = [rhs_scales.reshape(num_groups, 1, n)] * groups_per_step
+    elif quantization == FP8:
+        # The group's whole (small) grid of block scales; the kernel picks the tile's blocks.
+        def scale_index(slot, n_step, *grid_and_prefetch):
+            return rhs_index(slot, n_step, *grid_and_prefetch)[0], 0, 0
+
+        scale_specs = [pl.BlockSpec((None, *rhs_scales.shape[1:]), functools.partial(scale_index, slot))
+                       for slot in range(groups_per_step)]
+        scale_operands = [rhs_scales] * groups_per_step
+        dequantized = [pltpu.VMEM(rhs_block[1:], lhs.dtype) for _ in range(groups_per_step)]
     precision = lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else lax.Precision.DEFAULT
     body = functools.partial(
         _body,
         k=k,
         tile_k=tile_k,
+        tile_n=tile_n,
         chunk_m=chunk_m,
         groups_per_step=groups_per_step,
         transpose_rhs=transpose_rhs,
+        quantization=quantization,
         precision=precision,
     )
     itemsize = jnp.dtype(lhs.dtype).itemsize
     # A resident lhs is read once; tiled, once per N tile (and chunk_m more rows per row tile).
     lhs_reads = 1 if tile_m >= m and tile_k == k else grid[0] * (1 + (chunk_m or 0) / tile_m)
+    # Per active group: its weights once, and its scales once per N tile.
+    group_bytes = k * n * jnp.dtype(rhs.dtype).itemsize + (0 if rhs_scales is None else grid[0] * rhs_scales[0].size * 4)
     call = pl.pallas_call(
         body,
         out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(items),
             grid=grid,
-            in_specs=[lhs_spec, *rhs_specs],
+            in_specs=[lhs_spec, *rhs_specs, *scale_specs],
             out_specs=pl.BlockSpec((tile_m, tile_n), out_index),
             scratch_shapes=[pltpu.VMEM((tile_m, tile_n), jnp.float32)]
-            + ([pltpu.VMEM((2 * chunk_m, tile_n), jnp.float32)] if chunk_m else []),
+            + ([pltpu.VMEM((2 * chunk_m, tile_n), jnp.float32)] if chunk_m else [])
+            + dequantized,
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-            vmem_limit_bytes=vmem_limit(config, m, k, n, lhs.dtype),
+            vmem_limit_bytes=vmem_limit(config, m, k, n, lhs.dtype, rhs.dtype),
         ),
         cost_estimate=pl.CostEstimate(
             flops=2 * m * k * n,
             transcendentals=0,
-            bytes_accessed=int((m * k * lhs_reads + expected_active_groups(m, num_groups) * k * n + m * n) * itemsize),
+            bytes_accessed=int((m * k * lhs_reads + m * n) * itemsize
+                               + expected_active_groups(m, num_groups) * group_bytes),
         ),
         name="ragged_dot",
     )
-    return call(*items, lhs, *([rhs] * groups_per_step))
+    return call(*items, lhs, *([rhs] * groups_per_step), *scale_operands)

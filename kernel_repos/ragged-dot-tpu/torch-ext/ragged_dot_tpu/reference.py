@@ -79,3 +79,17 @@ def gated_experts_reference(
                 row = row + down_bias[expert].double()
             out[token] += top_k_weights[token, k].double() * row
     return out
+
+
+def dequantize_reference(weight: torch.Tensor, scales: torch.Tensor, *, out_axis: int) -> torch.Tensor:
+    """Quantized `[G, D1, D2]` weights in float64 (layouts in `quant.py`).
+
+    int8: each weight times its output channel's scale (`scales[G, N]`, N the
+    dim `out_axis`); float8_e4m3fn: times its 128 x 128 block's scale.
+    """
+    q = weight.double()
+    if weight.dtype == torch.int8:
+        return q * scales.double().unsqueeze(3 - out_axis)
+    _, rows, cols = weight.shape
+    expanded = scales.double().repeat_interleave(128, 1)[:, :rows].repeat_interleave(128, 2)[:, :, :cols]
+    return q * expanded

@@ -29,16 +29,33 @@ def _ragged_dot_backward(
     return backward.ragged_dot_backward(d_out, lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
 
 
+QUANTIZED_BACKWARD_REFUSAL = (
+    "no gradient through int8 / float8_e4m3fn weights: one-byte weights serve inference only; "
+    "train with bfloat16 or float32 weights (kernelize without quantize_experts)"
+)
+
+
 def save_ragged_dot_inputs(ctx, inputs, output):
-    lhs, rhs, group_sizes, transpose_rhs, _zero_rows_past_groups = inputs
+    lhs, rhs, group_sizes, rhs_scales, transpose_rhs, _zero_rows_past_groups = inputs
     ctx.save_for_backward(lhs, rhs, group_sizes)
     ctx.transpose_rhs = transpose_rhs
+    ctx.quantized = rhs_scales is not None
 
 
 def ragged_dot_backward_formula(ctx, d_out):
+    if ctx.quantized:
+        raise NotImplementedError(f"ragged_dot: {QUANTIZED_BACKWARD_REFUSAL}")
     lhs, rhs, group_sizes = ctx.saved_tensors
     d_lhs, d_rhs = _ragged_dot_backward(d_out.contiguous(), lhs, rhs, group_sizes, ctx.transpose_rhs)
-    return d_lhs, d_rhs, None, None, None
+    return d_lhs, d_rhs, None, None, None, None
+
+
+def save_nothing(ctx, inputs, output):
+    pass
+
+
+def refuse_quantized_experts_backward(ctx, d_out):
+    raise NotImplementedError(f"gated_experts: {QUANTIZED_BACKWARD_REFUSAL}")
 
 
 @jax_torch_op(add_op_namespace_prefix("gated_experts_train"))

@@ -1,0 +1,240 @@
+"""Quantized weights (int8 per output channel, fp8 in 128 x 128 blocks) against a reference that dequantizes first.
+
+Every kernel case runs in TPU interpret mode with race detection and
+NaN-filled uninitialised memory. Shapes are odd (partial fp8 scale blocks,
+K and N tails), groups empty, picks sentinels.
+"""
+
+import jax.numpy as jnp
+import pytest
+import torch
+
+SCHEMES = ("int8", "fp8")
+
+
+def _codes(shape, scheme, generator):
+    """Random (never all-zero) quantized weights of `shape`."""
+    if scheme == "int8":
+        return torch.randint(-127, 128, shape, generator=generator).to(torch.int8)
+    return (torch.randn(shape, generator=generator) * 4).to(torch.float8_e4m3fn)
+
+
+def _scales(shape, scheme, out_axis, generator, std=0.2):
+    """Positive scales for weights of `shape`, sized so the weights come out with about `std`."""
+    experts, rows, cols = shape
+    if scheme == "int8":
+        return (0.5 + torch.rand(experts, shape[out_axis], generator=generator)) * std / 64
+    return (0.5 + torch.rand(experts, -(-rows // 128), -(-cols // 128), generator=generator)) * std / 4
+
+
+def _quantized(shape, scheme, out_axis, generator, std=0.2):
+    return _codes(shape, scheme, generator), _scales(shape, scheme, out_axis, generator, std)
+
+
+def _relative_error(out, expected):
+    return ((out.double() - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
+
+
+RAGGED_CASES = {
+    # m, k, n, group_sizes, tiles (None: the heuristic's)
+    # K and N past one 128 block with partial last blocks; empty groups; rows past the groups.
+    "odd-k-n": (40, 200, 300, [5, 0, 20, 7], None),
+    # K, N and M in tiles with tails: scale blocks picked per tile.
+    "tiles": (100, 300, 200, [20, 0, 45, 15], (32, 128, 128, None, 1)),
+    # Two group slots per step with row chunks: each slot dequantizes its own group's block.
+    "slots-chunks": (40, 136, 256, [9, 14, 0, 6], (40, 128, 128, 16, 2)),
+    # Smaller than one scale block in every dim.
+    "one-partial-block": (7, 72, 40, [3, 0, 4], None),
+}
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("case", list(RAGGED_CASES))
+def test_ragged_dot_matches_dequantized_reference(kernel, interpret, to_jax, case, scheme, transpose_rhs):
+    m, k, n, group_sizes, tiles = RAGGED_CASES[case]
+    generator = torch.Generator().manual_seed(len(case))
+    lhs = torch.randn(m, k, generator=generator)
+    shape = (len(group_sizes), n, k) if transpose_rhs else (len(group_sizes), k, n)
+    rhs, scales = _quantized(shape, scheme, 1 if transpose_rhs else 2, generator)
+    sizes = torch.tensor(group_sizes, dtype=torch.int32)
+    config = None if tiles is None else kernel.config.TileConfig(*tiles)
+    out = interpret(lambda: kernel.pallas_tpu.ragged_dot(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
+                                                         to_jax(scales), transpose_rhs=transpose_rhs, config=config))
+    weights = kernel.reference.dequantize_reference(rhs, scales, out_axis=1 if transpose_rhs else 2)
+    expected = kernel.reference.ragged_dot_reference(lhs.double(), weights, sizes, transpose_rhs=transpose_rhs)
+    assert not torch.isnan(out).any()
+    assert _relative_error(out, expected) <= 1e-5
+    rows = sum(group_sizes)
+    assert torch.equal(out[rows:], torch.zeros_like(out[rows:]))
+
+
+def _layer(tokens, hidden, intermediate, experts, top_k, scheme, *, transposed, bias, dtype=torch.float32,
+           sentinels=0.0, seed=0, std=0.2):
+    """One experts layer with quantized weights: (hidden, index, weights, gate_up, down, biases..., scales...)."""
+    generator = torch.Generator().manual_seed(seed)
+    gate_up_shape = (experts, hidden, 2 * intermediate) if transposed else (experts, 2 * intermediate, hidden)
+    down_shape = (experts, intermediate, hidden) if transposed else (experts, hidden, intermediate)
+    out_axis = 2 if transposed else 1
+    gate_up, gate_up_scales = _quantized(gate_up_shape, scheme, out_axis, generator, std)
+    down, down_scales = _quantized(down_shape, scheme, out_axis, generator, std)
+    biases = (torch.randn(experts, 2 * intermediate, generator=generator).to(dtype) * 0.5,
+              torch.randn(experts, hidden, generator=generator).to(dtype) * 0.5) if bias else (None, None)
+    index = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)]).int()
+    weights = torch.rand(tokens, top_k, generator=generator).softmax(-1)
+    if sentinels:
+        other_rank = torch.rand(tokens, top_k, generator=generator) < sentinels
+        index = index.masked_fill(other_rank, experts)
+        weights = weights.masked_fill(other_rank, 0.0)
+    hidden_states = torch.randn(tokens, hidden, generator=generator).to(dtype)
+    return hidden_states, index, weights.to(dtype), gate_up, down, *biases, gate_up_scales, down_scales
+
+
+def _dequantized_layer(kernel, layer, transposed):
+    """The same layer with float64 weights: what the reference computes with."""
+    *front, gate_up, down, gate_up_bias, down_bias, gate_up_scales, down_scales = layer
+    out_axis = 2 if transposed else 1
+    return (*front, kernel.reference.dequantize_reference(gate_up, gate_up_scales, out_axis=out_axis),
+            kernel.reference.dequantize_reference(down, down_scales, out_axis=out_axis), gate_up_bias, down_bias)
+
+
+LAYER_CASES = {
+    # tokens, hidden, intermediate, experts, top_k, layer options, gate, fused tiles (None: fused_config's)
+    # Qwen3-MoE / Mixtral layout, H and 2I past one 128 block with partial last blocks; some experts without picks.
+    "concatenated": (9, 200, 136, 8, 2, dict(transposed=False, bias=False), dict(activation="silu"), None),
+    # Transposed weights with biases.
+    "transposed-biases": (13, 136, 72, 6, 3, dict(transposed=True, bias=True), dict(activation="gelu_tanh"), None),
+    # GPT-OSS: transposed, interleaved, clamped SwiGLU, biases.
+    "gpt-oss": (11, 136, 72, 8, 3, dict(transposed=True, bias=True, std=0.6),
+                dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), None),
+    # Expert-parallel router masking: most picks other ranks' sentinels.
+    "sentinels": (32, 64, 48, 16, 4, dict(transposed=False, bias=True, sentinels=0.8), dict(activation="silu"), None),
+    # I in two tiles of the fused kernel: gate and up as separate blocks, each dequantized at its offset.
+    "i-tiles": (20, 136, 256, 4, 2, dict(transposed=False, bias=True), dict(activation="silu"), (16, 128)),
+    "i-tiles-interleaved": (20, 136, 192, 4, 2, dict(transposed=True, bias=True, std=0.6),
+                            dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (16, 64)),
+}
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("case", list(LAYER_CASES))
+def test_experts_layer_matches_dequantized_reference(kernel, interpret, to_jax, case, scheme):
+    """Both paths of moe.gated_experts (the fused kernel and the grouped matmuls) against the float64 reference."""
+    tokens, hidden, intermediate, experts, top_k, options, gate, tiles = LAYER_CASES[case]
+    transposed = options["transposed"]
+    layer = _layer(tokens, hidden, intermediate, experts, top_k, scheme, **options)
+    gate = dict(weights_transposed=transposed, **gate)
+    expected = kernel.reference.gated_experts_reference(*_dequantized_layer(kernel, layer, transposed), **gate)
+    config = None if tiles is None else kernel.config.FusedConfig(*tiles)
+    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate, config=config))
+    grouped = interpret(lambda: kernel.moe.grouped_experts(*map(to_jax, layer), **gate))
+    assert not torch.isnan(fused).any() and not torch.isnan(grouped).any()
+    assert _relative_error(fused, expected) <= 1e-5
+    assert _relative_error(grouped, expected) <= 1e-5
+
+
+def test_fp8_bf16_layer_is_the_unquantized_kernel_on_transformers_dequantized_weights(kernel, interpret, to_jax):
+    """bf16 activations: fp8 weights dequantized in VMEM as transformers does on load ((q.f32 * s).to(bf16))
+    give the unquantized bf16 kernel's output on those weights, bit for bit, on both paths."""
+    layer = _layer(24, 136, 192, 8, 2, "fp8", transposed=False, bias=False, dtype=torch.bfloat16)
+    *front, gate_up, down, _, _, gate_up_scales, down_scales = layer
+    dequantized = [kernel.reference.dequantize_reference(w, s, out_axis=1).to(torch.bfloat16)
+                   for w, s in ((gate_up, gate_up_scales), (down, down_scales))]
+    gate = dict(activation="silu", weights_transposed=False)
+    for fused in (True, False):
+        quantized = interpret(lambda: kernel.moe.gated_experts(*map(to_jax, layer), **gate, fused=fused))
+        plain = interpret(lambda: kernel.moe.gated_experts(*map(to_jax, (*front, *dequantized)), **gate, fused=fused))
+        assert torch.equal(quantized, plain), f"fused={fused}"
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_only_sentinel_picks_give_zeros(kernel, interpret, to_jax, scheme):
+    layer = _layer(6, 64, 256, 8, 2, scheme, transposed=False, bias=True, sentinels=1.0)
+    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), activation="silu",
+                                                                 weights_transposed=False))
+    assert torch.equal(fused, torch.zeros_like(fused))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_torch_ops_take_quantized_weights(kernel, scheme):
+    """The checked torch ops, end to end: ragged_dot and gated_experts with int8 / fp8 weights and their scales."""
+    generator = torch.Generator().manual_seed(3)
+    lhs = torch.randn(12, 136, generator=generator).bfloat16()
+    rhs, scales = _quantized((3, 136, 200), scheme, 2, generator)
+    sizes = torch.tensor([5, 0, 7], dtype=torch.int32)
+    out = kernel.ragged_dot(lhs, rhs, sizes, rhs_scales=scales)
+    weights = kernel.reference.dequantize_reference(rhs, scales, out_axis=2)
+    expected = kernel.reference.ragged_dot_reference(lhs.double(), weights, sizes)
+    assert out.dtype == torch.bfloat16
+    assert _relative_error(out, expected) < 2e-2  # bf16 activations and output
+
+    layer = _layer(5, 64, 48, 4, 2, scheme, transposed=False, bias=False)
+    hidden, index, routing, gate_up, down, _, _, gate_up_scales, down_scales = layer
+    out = kernel.gated_experts(hidden, index, routing, gate_up, down, gate_up_scales=gate_up_scales,
+                               down_scales=down_scales, activation="silu", weights_transposed=False)
+    expected = kernel.reference.gated_experts_reference(*_dequantized_layer(kernel, layer, False), activation="silu",
+                                                        weights_transposed=False)
+    assert _relative_error(out, expected) <= 1e-5
+
+
+def _bad_scales_calls(rhs_dtype):
+    int8 = rhs_dtype == torch.int8
+    good = torch.ones(2, 32) if int8 else torch.ones(2, 1, 1)
+    return [
+        (dict(rhs_scales=None), ValueError, "needs rhs_scales"),
+        (dict(rhs_scales=torch.ones(2, 31) if int8 else torch.ones(2, 2, 1)), ValueError, "rhs_scales must be"),
+        (dict(rhs_scales=good.double()), TypeError, "rhs_scales must be float32"),
+        (dict(rhs_scales=good.view(-1)), ValueError, "rhs_scales must be"),
+    ]
+
+
+@pytest.mark.parametrize("rhs_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_bad_scales_are_refused(kernel, rhs_dtype):
+    rhs = torch.ones(2, 16, 32).to(rhs_dtype)
+    args = dict(lhs=torch.randn(8, 16), rhs=rhs, group_sizes=torch.tensor([4, 4], dtype=torch.int32))
+    for change, error, match in _bad_scales_calls(rhs_dtype):
+        with pytest.raises(error, match=match):
+            kernel.ragged_dot(**{**args, **change})
+    with pytest.raises(ValueError, match="rhs_scales are for int8 or float8_e4m3fn"):
+        kernel.ragged_dot(**args | dict(rhs=torch.randn(2, 16, 32)), rhs_scales=torch.ones(2, 32))
+    with pytest.raises(TypeError, match="rhs must be float32, bfloat16, int8 or float8_e4m3fn"):
+        kernel.ragged_dot(**args | dict(rhs=rhs.to(torch.uint8)), rhs_scales=torch.ones(2, 32))
+
+
+def test_gated_experts_refuses_bad_scales(kernel):
+    layer = _layer(4, 64, 48, 4, 2, "fp8", transposed=False, bias=False)
+    hidden, index, routing, gate_up, down, _, _, gate_up_scales, down_scales = layer
+    args = dict(hidden_states=hidden, top_k_index=index, top_k_weights=routing, gate_up_proj=gate_up,
+                down_proj=down, gate_up_scales=gate_up_scales, down_scales=down_scales)
+    calls = [
+        (dict(down_scales=None), ValueError, "down_scales"),
+        (dict(gate_up_scales=gate_up_scales[:, :, :0]), ValueError, r"gate_up_scales must be \[4, 1, 1\]"),
+        (dict(down_proj=down.view(torch.int8)), TypeError, "must share one dtype"),
+        (dict(gate_up_proj=gate_up.float(), down_proj=down.float()), ValueError, "scales are for int8"),
+    ]
+    for change, error, match in calls:
+        with pytest.raises(error, match=match):
+            kernel.gated_experts(**args | change, activation="silu", weights_transposed=False)
+
+
+def test_quantized_weights_run_under_autograd_and_refuse_a_backward(kernel):
+    """A forward with gradients enabled (as a plain model call makes) runs; asking for a gradient through
+    one-byte weights raises the refusal, never a wrong or silent gradient."""
+    generator = torch.Generator().manual_seed(5)
+    lhs = torch.randn(12, 136, generator=generator, requires_grad=True)
+    rhs, scales = _quantized((3, 136, 200), "int8", 2, generator)
+    out = kernel.ragged_dot(lhs, rhs, torch.tensor([5, 0, 7], dtype=torch.int32), rhs_scales=scales)
+    with pytest.raises(NotImplementedError, match="ragged_dot: no gradient through int8 / float8_e4m3fn weights"):
+        out.sum().backward()
+
+    hidden, index, routing, gate_up, down, _, _, gate_up_scales, down_scales = _layer(
+        5, 64, 48, 4, 2, "fp8", transposed=False, bias=False)
+    hidden.requires_grad_(True)
+    out = kernel.gated_experts(hidden, index, routing, gate_up, down, gate_up_scales=gate_up_scales,
+                               down_scales=down_scales, activation="silu", weights_transposed=False)
+    with torch.no_grad():
+        expected = kernel.gated_experts(hidden, index, routing, gate_up, down, gate_up_scales=gate_up_scales,
+                                        down_scales=down_scales, activation="silu", weights_transposed=False)
+    assert torch.equal(out.detach(), expected)
+    with pytest.raises(NotImplementedError, match="gated_experts: no gradient through int8 / float8_e4m3fn"):
+        out.sum().backward()
