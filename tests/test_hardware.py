@@ -129,3 +129,32 @@ def test_an_unsupported_tpu_gets_the_same_error_from_every_kernel(built_kernels,
     for name, select in selects.items():
         with pytest.raises(RuntimeError, match=r"this TPU \('TPU v5'\) is not one the kernels are tuned"):
             select(loaded[name])
+
+
+# Weights-like shapes on both sides of each condition of the rule: lanes (a, b vs 128), the 8-row
+# multiple (b), dtypes of 1, 2 and 4 bytes (their sublane packing differs; the rule does not).
+_LAYOUT_SHAPES = [
+    (128, 2816, 704), (16, 2816, 704), (2, 2816, 704),  # Gemma 4 down_proj (full, EP8 rank, tiny)
+    (128, 2048, 768), (32, 2880, 5760), (32, 2880, 2880),  # Qwen3, GPT-OSS: nothing to swap
+    (8, 256, 72), (8, 256, 200), (8, 256, 36), (8, 256, 129), (8, 200, 256), (8, 100, 72), (256, 72), (3, 4, 256, 40),
+]
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+def test_default_layout_rule_matches_the_compiler(generation):
+    from tpu_kernels.aot import topology_device
+
+    sharding = jax.sharding.SingleDeviceSharding(topology_device(generation))
+    for dtype in (jnp.bfloat16, jnp.float32, jnp.int8):
+        for shape in _LAYOUT_SHAPES:
+            arg = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+            compiled = jax.jit(lambda w: w + 1).lower(arg).compile()
+            major_to_minor = compiled.input_formats[0][0].layout.major_to_minor
+            swapped = major_to_minor[-2:] == (len(shape) - 1, len(shape) - 2)
+            predicted = hardware.default_layout_swaps_minor_dims(shape)
+            if shape[-2] % hardware.LANES == 0 or shape[-1] % hardware.LANES == 0:
+                assert swapped == predicted, (shape, jnp.dtype(dtype).name)
+            else:  # both unaligned: XLA weighs the padding; the rule claims nothing (its docstring)
+                assert not predicted
+    assert hardware.default_layout_swaps_minor_dims((128, 2816, 704))
+    assert not hardware.default_layout_swaps_minor_dims((128, 2048, 768))

@@ -190,6 +190,29 @@ def padded_vmem_bytes(shape: Sequence[int], dtype) -> int:
     return math.prod(leading) * round_up(rows, sublane_multiple(dtype)) * round_up(cols, LANES) * itemsize
 
 
+def default_layout_swaps_minor_dims(shape: Sequence[int]) -> bool:
+    """Whether XLA's default TPU layout stores an array of `shape` with its last two dimensions swapped.
+
+    XLA picks the layout of a jitted function's arguments itself. For
+    `[..., a, b]` whose last dimension b is not a multiple of 128 lanes but a
+    is, and b is a multiple of 8, it makes `a` the minor dimension (e.g.
+    `{1,2,0}`), whatever the dtype and generation (v5e, v6e); otherwise the
+    last dimension stays minor, or (b not a multiple of 8) a leading
+    dimension goes between them. Where neither a nor b is a multiple of 128
+    XLA weighs the padding of both orders; this answers False there (no
+    weights of the models we serve have such shapes), so a miss costs what
+    reading the array as given costs. A Pallas kernel reads its operands
+    row-major, so a kernel fed such an array as it is makes XLA rewrite the
+    whole array on every call, while reading `swapaxes(array, -1, -2)` is a
+    free bitcast. Probed with libtpu's compile-only topologies
+    (tests/test_hardware.py checks it against the compiler).
+    """
+    if len(shape) < 2:
+        return False
+    rows, cols = shape[-2:]
+    return rows % LANES == 0 and cols % LANES != 0 and cols % SUBLANES == 0
+
+
 def vmem_limit_bytes(working_set_bytes: int) -> int:
     """The scoped VMEM limit to request for a kernel whose blocks and scratch take `working_set_bytes`.
 

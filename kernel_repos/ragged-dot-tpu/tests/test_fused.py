@@ -52,7 +52,21 @@ CASES = {
     "sentinels": (64, 64, 48, 16, 4, dict(transposed=False, bias=True, sentinels=0.8), dict(activation="silu")),
     # A few hundred tokens: 128-row chunks, several per expert.
     "three-hundred-tokens": (300, 64, 40, 4, 2, dict(transposed=False, bias=False), dict(activation="silu")),
+    # Weights XLA stores with their last two dims swapped (config.weights_orientation), read as that view:
+    # Gemma 4's down_proj [E, H, I] with I off the 128 lanes; a transposed down_proj [E, I, H]; a gate_up.
+    "swapped-down": (9, 256, 72, 6, 2, dict(transposed=False, bias=True), dict(activation="gelu_tanh")),
+    "swapped-down-transposed": (9, 200, 128, 6, 2, dict(transposed=True, bias=True), dict(activation="silu")),
+    "swapped-gate-up": (9, 200, 64, 6, 2, dict(transposed=False, bias=False), dict(activation="silu")),
 }
+SWAPPED = {"swapped-down": (False, True), "swapped-down-transposed": (True, False), "swapped-gate-up": (True, False)}
+
+
+def test_swapped_cases_read_the_weights_swapped(kernel):
+    """Each swapped case reads the projection it names in the order opposite to transformers' layout."""
+    for case, expected in SWAPPED.items():
+        tokens, hidden, intermediate, *_, options, _ = CASES[case]
+        orientation = kernel.config.weights_orientation(hidden, intermediate, weights_transposed=options["transposed"])
+        assert tuple(orientation) == expected, case
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -25,6 +25,9 @@ Two kernels, two configs:
 - `FusedConfig` tiles the fused experts kernel (`pallas_fused.fused_experts`),
   from `fused_config`; `use_fused_experts` is the rule that picks it over
   the two grouped matmuls.
+
+Both paths read each projection's weights in the order XLA already stores
+them (`weights_orientation`), which is not always transformers' layout.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from ._hardware import (
-    LANES, MAX_VMEM_LIMIT_BYTES, MOSAIC_SCRATCH_BYTES, check_generation, padded_vmem_bytes, resolve_generation,
-    round_up, sublane_multiple, tpu_generation, vmem_limit_bytes,
+    LANES, MAX_VMEM_LIMIT_BYTES, MOSAIC_SCRATCH_BYTES, check_generation, default_layout_swaps_minor_dims,
+    padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, tpu_generation, vmem_limit_bytes,
 )
 from .quant import FP8_BLOCK, INT8, blocks, scheme_of
 
@@ -335,6 +338,29 @@ def expected_active_groups(rows: int, num_groups: int) -> float:
     return num_groups * (1.0 - (1.0 - 1.0 / num_groups) ** rows)
 
 
+class WeightsOrientation(NamedTuple):
+    """How the kernels read each projection's weights: `[E, in, out]` when transposed, `[E, out, in]` if not."""
+
+    gate_up_transposed: bool
+    down_transposed: bool
+
+
+def weights_orientation(hidden: int, intermediate: int, *, weights_transposed: bool) -> WeightsOrientation:
+    """Each projection in the order XLA's default TPU layout stores it row-major.
+
+    transformers hands `gate_up_proj[E, 2I, H]` and `down_proj[E, H, I]`
+    (`[E, H, 2I]` / `[E, I, H]` when `weights_transposed`). Where XLA keeps
+    an array's last two dimensions swapped (`default_layout_swaps_minor_dims`:
+    Gemma 4's `down_proj[E, 2816, 704]` is stored 704-major), the kernels read
+    the swapped view, a bitcast; reading it as given makes XLA rewrite the
+    whole array on every call (968 MiB for Gemma-4-26B-A4B's experts).
+    """
+    gate_up = (hidden, 2 * intermediate) if weights_transposed else (2 * intermediate, hidden)
+    down = (intermediate, hidden) if weights_transposed else (hidden, intermediate)
+    return WeightsOrientation(weights_transposed != default_layout_swaps_minor_dims(gate_up),
+                              weights_transposed != default_layout_swaps_minor_dims(down))
+
+
 class FusedConfig(NamedTuple):
     """Blocks of one fused experts call.
 
@@ -355,9 +381,10 @@ def fused_chunks(config: FusedConfig, tokens: int) -> int:
     return -(-tokens // config.chunk_rows)
 
 
-def _tile_i_aligned(tile_i: int, intermediate: int, dtype, *, weights_transposed: bool, interleaved: bool,
+def _tile_i_aligned(tile_i: int, intermediate: int, dtype, *, orientation: WeightsOrientation, interleaved: bool,
                     has_bias: bool, weights_dtype=None) -> bool:
-    """Whether I tiles of `tile_i` make legal blocks of the weights (and biases, and int8 scales) in their layout.
+    """Whether I tiles of `tile_i` make legal blocks of the weights (and biases, and int8 scales) as the kernel
+    reads them (`orientation`).
 
     The whole I always does (a block equal to its dimension). A part does if
     it divides I and each block's cut dimension is a multiple of its native
@@ -370,8 +397,8 @@ def _tile_i_aligned(tile_i: int, intermediate: int, dtype, *, weights_transposed
         return False
     sublanes = sublane_multiple(dtype if weights_dtype is None else weights_dtype)
     gate_up_cut = 2 * tile_i if interleaved else tile_i
-    gate_up_multiple = LANES if weights_transposed else sublanes
-    down_multiple = sublanes if weights_transposed else LANES
+    gate_up_multiple = LANES if orientation.gate_up_transposed else sublanes
+    down_multiple = sublanes if orientation.down_transposed else LANES
     # Biases and int8 scales are [E, 2I] rows, cut along their lanes.
     columns_ok = not (has_bias or scheme_of(weights_dtype or dtype) == INT8) or gate_up_cut % LANES == 0
     return gate_up_cut % gate_up_multiple == 0 and tile_i % down_multiple == 0 and columns_ok
@@ -440,12 +467,13 @@ def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, 
     sublanes = sublane_multiple(dtype)
     chunk = max(min(round_up(tokens, sublanes), FUSED_MAX_CHUNK_ROWS),
                 round_up(-(-tokens // MAX_UNROLLED_MATMULS), sublanes))
+    orientation = weights_orientation(hidden, intermediate, weights_transposed=weights_transposed)
     for parts in range(1, intermediate + 1):
         if intermediate % parts:
             continue
         tile_i = intermediate // parts
-        if not _tile_i_aligned(tile_i, intermediate, dtype, weights_transposed=weights_transposed,
-                               interleaved=interleaved, has_bias=has_bias, weights_dtype=weights_dtype):
+        if not _tile_i_aligned(tile_i, intermediate, dtype, orientation=orientation, interleaved=interleaved,
+                               has_bias=has_bias, weights_dtype=weights_dtype):
             continue
         config = FusedConfig(chunk, tile_i)
         needed = fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
@@ -469,11 +497,12 @@ def check_fused_config(config: FusedConfig, tokens: int, hidden: int, intermedia
         )
     if config.chunk_rows % sublane_multiple(dtype):
         raise ValueError(f"config.chunk_rows={config.chunk_rows} must be a multiple of {sublane_multiple(dtype)}")
-    if not _tile_i_aligned(config.tile_i, intermediate, dtype, weights_transposed=weights_transposed,
-                           interleaved=interleaved, has_bias=has_bias, weights_dtype=weights_dtype):
+    orientation = weights_orientation(hidden, intermediate, weights_transposed=weights_transposed)
+    if not _tile_i_aligned(config.tile_i, intermediate, dtype, orientation=orientation, interleaved=interleaved,
+                           has_bias=has_bias, weights_dtype=weights_dtype):
         raise ValueError(
             f"config.tile_i={config.tile_i} must be I={intermediate} or divide it into blocks aligned to the native "
-            "tile of the weights' layout"
+            "tile of the weights as the kernel reads them (weights_orientation)"
         )
     needed = fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
                               has_bias=has_bias, weights_dtype=weights_dtype)

@@ -29,10 +29,11 @@ import jax
 import jax.numpy as jnp
 
 from .backward import grouped_experts_backward
-from .config import use_fused_experts
+from .config import use_fused_experts, weights_orientation
 from .gates import gated, split_gate_up
 from .pallas_fused import fused_experts
 from .pallas_tpu import ragged_dot
+from .quant import swapped_minor_dims
 from .routing import sort_by_expert
 
 
@@ -161,26 +162,35 @@ def grouped_experts(
     to the tail, past every group, and the kernels leave those rows unwritten
     (`zero_rows_past_groups=False`); everything that reads them here masks
     them first. The XLA ops around the kernels (gather, gate, un-sort) are
-    shaped by all T x K picks.
+    shaped by all T x K picks. Each projection is read in the order XLA
+    stores it (`config.weights_orientation`).
     """
     num_tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[1]
     num_experts = gate_up_proj.shape[0]
+    intermediate = down_proj.shape[1] if weights_transposed else down_proj.shape[2]
+    orientation = weights_orientation(hidden, intermediate, weights_transposed=weights_transposed)
+    if orientation.gate_up_transposed != weights_transposed:
+        gate_up_proj, gate_up_scales = swapped_minor_dims(gate_up_proj, gate_up_scales)
+    if orientation.down_transposed != weights_transposed:
+        down_proj, down_scales = swapped_minor_dims(down_proj, down_scales)
     order, group_sizes = sort_by_expert(top_k_index, num_experts)
     rows = hidden_states[order // top_k]
     live = (jnp.arange(rows.shape[0]) < group_sizes.sum())[:, None]
     bias_rows = jnp.minimum(top_k_index.reshape(-1)[order], num_experts - 1)
-    grouped = dict(transpose_rhs=not weights_transposed, zero_rows_past_groups=False, generation=generation)
+    grouped = dict(zero_rows_past_groups=False, generation=generation)
 
-    gate_up_out = ragged_dot(rows, gate_up_proj, group_sizes, gate_up_scales, **grouped)
+    gate_up_out = ragged_dot(rows, gate_up_proj, group_sizes, gate_up_scales,
+                             transpose_rhs=not orientation.gate_up_transposed, **grouped)
     gate_up = gate_up_out.astype(jnp.float32)
     if gate_up_bias is not None:
         gate_up = gate_up + gate_up_bias[bias_rows].astype(jnp.float32)
     # Rows past the groups were never written: keep whatever they hold out of the gate.
     gate_up = jnp.where(live, gate_up, 0.0)
     gate_part, up = split_gate_up(gate_up, interleaved=interleaved)
-    intermediate = gated(gate_part, up, activation, alpha=alpha, limit=limit)
-    down_out = ragged_dot(intermediate.astype(hidden_states.dtype), down_proj, group_sizes, down_scales, **grouped)
+    activated = gated(gate_part, up, activation, alpha=alpha, limit=limit)
+    down_out = ragged_dot(activated.astype(hidden_states.dtype), down_proj, group_sizes, down_scales,
+                          transpose_rhs=not orientation.down_transposed, **grouped)
     out = down_out.astype(jnp.float32)
     if down_bias is not None:
         out = out + down_bias[bias_rows].astype(jnp.float32)

@@ -59,10 +59,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .config import (
     BIAS_BLOCK_EXPERTS, FusedConfig, check_fused_config, expected_active_groups, fused_chunks, fused_config,
-    fused_vmem_limit,
+    fused_vmem_limit, weights_orientation,
 )
 from .gates import gated
-from .quant import FP8, INT8, dequantize_fp8_block, scheme_of
+from .quant import FP8, INT8, dequantize_fp8_block, scheme_of, swapped_minor_dims
 from .routing import expert_plan
 
 _BIAS_BLOCK_SHIFT = BIAS_BLOCK_EXPERTS.bit_length() - 1
@@ -78,7 +78,8 @@ class _Layout(NamedTuple):
     tile_i: int
     i_tiles: int
     gate_up_parts: int  # 2: gate and up blocks apart (concatenated, I tiled); 1: one block of both
-    weights_transposed: bool
+    gate_up_transposed: bool  # as the kernel reads it (config.weights_orientation): [E, H, 2I], else [E, 2I, H]
+    down_transposed: bool  # [E, I, H], else [E, H, I]
     interleaved: bool
     has_bias: bool
     activation: str
@@ -159,7 +160,7 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *
     picks = rows_ref[item]
     last_i = pl.num_programs(1) - 1
     chunk = layout.chunk_rows
-    transposed = layout.weights_transposed
+    gate_up_transposed, down_transposed = layout.gate_up_transposed, layout.down_transposed
 
     @pl.when(jnp.logical_and(item == 0, i_step == 0))
     def _():
@@ -171,13 +172,13 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *
 
         @pl.when(picks > 0)
         def _():
-            width = gate_up_refs[0].shape[1 if transposed else 0]
+            width = gate_up_refs[0].shape[1 if gate_up_transposed else 0]
             for part, (ref, dequantized) in enumerate(zip(gate_up_refs, dequantized_gate_up)):
                 offset = (part * layout.i_tiles + i_step) * width  # along 2I
-                offsets = (0, offset) if transposed else (offset, 0)
+                offsets = (0, offset) if gate_up_transposed else (offset, 0)
                 dequantize_fp8_block(ref, gate_up_scale_ref[...], *offsets, dequantized)
             offset = i_step * layout.tile_i  # along I
-            offsets = (offset, 0) if transposed else (0, offset)
+            offsets = (offset, 0) if down_transposed else (0, offset)
             dequantize_fp8_block(down_ref, down_scale_ref[...], *offsets, dequantized_down)
 
         gate_up_refs, down_ref = dequantized_gate_up, dequantized_down
@@ -209,7 +210,7 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *
         """[chunk, H] f32: this I tile's share of the expert's output for `rows`."""
         if layout.interleaved:
             # gate_up^T [2 ti, chunk]: weights [2 ti, H] (or [H, 2 ti] transposed) against rows [chunk, H].
-            gate_up_t = scaled(_dot(weights(gate_up_refs[0]), rows, 0 if transposed else 1, 1, precision),
+            gate_up_t = scaled(_dot(weights(gate_up_refs[0]), rows, 0 if gate_up_transposed else 1, 1, precision),
                                gate_up_scale_refs[0], columns=True)
             if layout.has_bias:
                 gate_up_t = gate_up_t + _expert_bias_columns(gate_up_bias_refs[0], expert, chunk)
@@ -218,8 +219,9 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *
             up_t = gate_up_t_ref[pl.ds(1, layout.tile_i, stride=2), :]
             hidden_t = gated(gate_t, up_t, layout.activation, alpha=layout.alpha, limit=layout.limit).astype(dtype)
             # down [ti, H] (transposed) or [H, ti] against hidden^T [ti, chunk].
-            return scaled(_dot(hidden_t, weights(down_ref), 0, 0 if transposed else 1, precision), down_scale_ref)
-        projections = [scaled(_dot(rows, weights(ref), 1, 0 if transposed else 1, precision), scale_ref)
+            return scaled(_dot(hidden_t, weights(down_ref), 0, 0 if down_transposed else 1, precision),
+                          down_scale_ref)
+        projections = [scaled(_dot(rows, weights(ref), 1, 0 if gate_up_transposed else 1, precision), scale_ref)
                        for ref, scale_ref in zip(gate_up_refs, gate_up_scale_refs)]
         if layout.has_bias:
             projections = [p + _expert_bias(ref, expert) for p, ref in zip(projections, gate_up_bias_refs)]
@@ -228,7 +230,7 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *
         else:
             gate, up = projections[0][:, : layout.tile_i], projections[0][:, layout.tile_i :]
         hidden_rows = gated(gate, up, layout.activation, alpha=layout.alpha, limit=layout.limit).astype(dtype)
-        return scaled(_dot(hidden_rows, weights(down_ref), 1, 0 if transposed else 1, precision), down_scale_ref)
+        return scaled(_dot(hidden_rows, weights(down_ref), 1, 0 if down_transposed else 1, precision), down_scale_ref)
 
     def scatter(first, out_rows):
         """Adds the chunk's rows, times their routing weights, to their tokens' outputs."""
@@ -302,11 +304,18 @@ def fused_experts(
     (int8 or float8_e4m3fn) come with their scales (`quant.py`: int8
     `[E, 2I]` and `[E, H]`; fp8 block grids over each weight's own dims).
     Picks with id == E are sentinels. Inputs are assumed valid (`ops.py`).
+    Each projection is read in the order XLA stores it
+    (`config.weights_orientation`).
     """
     tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[1]
     num_experts = gate_up_proj.shape[0]
     intermediate = down_proj.shape[1] if weights_transposed else down_proj.shape[2]
+    orientation = weights_orientation(hidden, intermediate, weights_transposed=weights_transposed)
+    if orientation.gate_up_transposed != weights_transposed:
+        gate_up_proj, gate_up_scales = swapped_minor_dims(gate_up_proj, gate_up_scales)
+    if orientation.down_transposed != weights_transposed:
+        down_proj, down_scales = swapped_minor_dims(down_proj, down_scales)
     dtype = hidden_states.dtype
     has_bias = gate_up_bias is not None
     quantization = scheme_of(gate_up_proj.dtype)
@@ -327,7 +336,8 @@ def fused_experts(
     items = expert_plan(top_k_index, num_experts)
     layout = _Layout(
         tokens=tokens, chunk_rows=chunk, chunks=chunks, tile_i=tile_i, i_tiles=i_tiles, gate_up_parts=parts,
-        weights_transposed=weights_transposed, interleaved=interleaved, has_bias=has_bias, activation=activation,
+        gate_up_transposed=orientation.gate_up_transposed, down_transposed=orientation.down_transposed,
+        interleaved=interleaved, has_bias=has_bias, activation=activation,
         alpha=float(alpha), limit=float(limit),
         split_weights=jnp.dtype(top_k_weights.dtype).itemsize > jnp.dtype(dtype).itemsize,
         quantization=quantization,
@@ -338,11 +348,11 @@ def fused_experts(
     width = tile_i if parts == 2 else 2 * tile_i
 
     def gate_up_spec(block_offset):
-        if weights_transposed:  # [E, H, 2I]
+        if orientation.gate_up_transposed:  # [E, H, 2I]
             return pl.BlockSpec((None, hidden, width), lambda item, i, expert, *_: (expert[item], 0, block_offset + i))
         return pl.BlockSpec((None, width, hidden), lambda item, i, expert, *_: (expert[item], block_offset + i, 0))
 
-    if weights_transposed:  # [E, I, H]
+    if orientation.down_transposed:  # [E, I, H]
         down_spec = pl.BlockSpec((None, tile_i, hidden), lambda item, i, expert, *_: (expert[item], i, 0))
     else:  # [E, H, I]
         down_spec = pl.BlockSpec((None, hidden, tile_i), lambda item, i, expert, *_: (expert[item], 0, i))
@@ -386,8 +396,8 @@ def fused_experts(
     if i_tiles > 1:
         scratch += [pltpu.VMEM((rows, hidden), dtype), pltpu.VMEM((rows, hidden), jnp.float32)]
     if quantization == FP8:
-        gate_up_block = (hidden, width) if weights_transposed else (width, hidden)
-        down_block = (tile_i, hidden) if weights_transposed else (hidden, tile_i)
+        gate_up_block = (hidden, width) if orientation.gate_up_transposed else (width, hidden)
+        down_block = (tile_i, hidden) if orientation.down_transposed else (hidden, tile_i)
         scratch += [*(pltpu.VMEM(gate_up_block, dtype) for _ in range(parts)), pltpu.VMEM(down_block, dtype)]
 
     # A call without live picks runs its one empty item over one I tile only: one block of weights read.

@@ -1,0 +1,54 @@
+"""The MoE layer reads Gemma 4's experts without rewriting them: no per-call relayout in the compiled program.
+
+XLA's default TPU layout stores Gemma-4-26B-A4B's `down_proj[E, 2816, 704]`
+704-major (`hardware.default_layout_swaps_minor_dims`); a kernel that read it
+row-major made XLA copy all of it on every call (968 MiB at EP1, 60.5 MiB on
+an EP8 rank: benchmarks/results/moe_layer.json before the fix). Compiled
+ahead of time for v5e and v6e on an EP8 rank (16 local experts), both paths
+of `moe.gated_experts`, bf16 and fp8 weights (whose small scale grids may
+still be relaid out).
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from kernels import get_local_kernel
+
+from tests.conftest import REPO_ROOT
+from tpu_kernels import xla_program
+from tpu_kernels.builder import build_kernel_repo
+
+S = jax.ShapeDtypeStruct
+EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 16, 2816, 704, 8  # Gemma-4-26B-A4B, one of 8 expert-parallel ranks
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    build = build_kernel_repo(REPO_ROOT / "kernel_repos" / "ragged-dot-tpu", tmp_path_factory.mktemp("build"))
+    return get_local_kernel(build, backend="cpu")
+
+
+@pytest.mark.parametrize("generation, fused, weights_dtype", [
+    ("v6e", True, jnp.bfloat16), ("v6e", False, jnp.bfloat16), ("v5e", True, jnp.bfloat16),
+    ("v6e", True, jnp.float8_e4m3fn),
+])
+def test_gemma4_experts_are_read_in_place(kernel, generation, fused, weights_dtype):
+    tokens = 8
+    gate_up, down = (EXPERTS, 2 * INTERMEDIATE, HIDDEN), (EXPERTS, HIDDEN, INTERMEDIATE)
+    avals = [S((tokens, HIDDEN), jnp.bfloat16), S((tokens, TOP_K), jnp.int32), S((tokens, TOP_K), jnp.bfloat16),
+             S(gate_up, weights_dtype), S(down, weights_dtype)]
+    scheme = kernel.quant.scheme_of(weights_dtype)
+    if scheme is not None:
+        avals += [S(kernel.quant.expected_scales_shape(scheme, shape, 1), jnp.float32) for shape in (gate_up, down)]
+
+    def layer(hidden_states, index, weights, gate_up_proj, down_proj, *scales):
+        return kernel.moe.gated_experts(hidden_states, index, weights, gate_up_proj, down_proj, None, None, *scales,
+                                        activation="gelu_tanh", weights_transposed=False, fused=fused,
+                                        generation=generation)
+
+    program = xla_program.compile_program(layer, avals, generation)
+    relayouts = [op.detail for op in program.ops if op.detail.startswith("relayout")]
+    assert not [detail for detail in relayouts if "_proj" in detail], relayouts
+    # fp8's small block-scale grids ([16, 11, 22] and [16, 22, 6] f32) may still be relaid out: ~24 KB a call.
+    scale_bytes = sum(aval.size * 4 for aval in avals[5:])
+    assert program.relayout_bytes <= 2 * scale_bytes, relayouts
