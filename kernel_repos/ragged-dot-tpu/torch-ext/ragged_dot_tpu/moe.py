@@ -5,7 +5,7 @@ Two ways to run it, picked by `config.use_fused_experts`:
   streams each active expert's weights once and keeps everything else in VMEM;
 - larger calls: sort the picks by expert, two grouped matmuls
   (`pallas_tpu.ragged_dot`) with the biases and the gate between them in XLA,
-  the routing weights, the un-sort and the f32 sum over picks.
+  the routing weights, and each token gathering and summing its picks in f32.
 Either way, on a TPU this is one compiled program per layer instead of a
 chain of small torch ops, and expert-parallel sentinel picks
 (id == num_experts) get no kernel work.
@@ -161,7 +161,7 @@ def grouped_experts(
     The grouped matmuls compute only the rows of live picks: sentinels sort
     to the tail, past every group, and the kernels leave those rows unwritten
     (`zero_rows_past_groups=False`); everything that reads them here masks
-    them first. The XLA ops around the kernels (gather, gate, un-sort) are
+    them first. The XLA ops around the kernels (gather, gate, per-token sum) are
     shaped by all T x K picks. Each projection is read in the order XLA
     stores it (`config.weights_orientation`).
     """
@@ -191,11 +191,14 @@ def grouped_experts(
     activated = gated(gate_part, up, activation, alpha=alpha, limit=limit)
     down_out = ragged_dot(activated.astype(hidden_states.dtype), down_proj, group_sizes, down_scales,
                           transpose_rhs=not orientation.down_transposed, **grouped)
-    out = down_out.astype(jnp.float32)
+    # Each token gathers its picks' rows and sums them, weighted: XLA fuses the gather, the bias, the mask
+    # and the sum into one pass that reads each pick's row once and writes [T, H] (un-sorting by a
+    # scatter instead wrote and reread T x K f32 rows three times: most of a prefill layer's HBM traffic).
+    position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    picked = down_out[position].reshape(num_tokens, top_k, hidden).astype(jnp.float32)
     if down_bias is not None:
-        out = out + down_bias[bias_rows].astype(jnp.float32)
-    out = jnp.where(live, out, 0.0)
-    weighted = out * top_k_weights.reshape(-1)[order].astype(jnp.float32)[:, None]
-    unsorted = jnp.zeros_like(weighted).at[order].set(weighted)
-    result = unsorted.reshape(num_tokens, top_k, hidden).sum(axis=1).astype(hidden_states.dtype)
+        picked = picked + down_bias[jnp.minimum(top_k_index, num_experts - 1)].astype(jnp.float32)
+    live_picks = (position < group_sizes.sum()).reshape(num_tokens, top_k, 1)
+    weighted = jnp.where(live_picks, picked, 0.0) * top_k_weights[..., None].astype(jnp.float32)
+    result = weighted.sum(axis=1).astype(hidden_states.dtype)
     return (result, (gate_up_out, down_out)) if return_residuals else result
