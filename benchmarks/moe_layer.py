@@ -16,8 +16,10 @@ it and as a user would build it from each rival:
   searched subset, see `candidate_tilings`), and XLA's `lax.ragged_dot`, each
   inside the same user-written layer: sort the picks by expert (other
   ranks' picks last), gather the rows, pad them to the kernel's row tile,
-  grouped matmul, bias and gate, grouped matmul, mask rows past the groups,
-  routing weights, un-sort, sum over picks;
+  grouped matmul, bias and gate, grouped matmul, then each token gathers its
+  picks' rows (rows past the groups masked), weights and sums them, the glue
+  ours uses; every layer reads each projection's weights in the order XLA
+  stores them (`stored_order`);
 - labelled extra rows (never headlines): megablox at its default tiling
   (128, 128, 128), which is also what tokamax picks for every shape here.
 
@@ -75,7 +77,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tpu_kernels import perf, xla_program  # noqa: E402
-from tpu_kernels.hardware import round_up, tpu_generation  # noqa: E402
+from tpu_kernels.hardware import default_layout_swaps_minor_dims, round_up, tpu_generation  # noqa: E402
 
 DEFAULT_REPO = ROOT / "kernel_repos" / "ragged-dot-tpu"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "moe_layer.json"
@@ -317,30 +319,51 @@ def gate(x: jax.Array, model: Model) -> jax.Array:
     return jax.nn.silu(gate_part) * up
 
 
+def stored_order(model: Model, projection: str) -> tuple[bool, bool]:
+    """(swap, transpose_rhs): how a layer reads `projection`'s weights in the order XLA stores them.
+
+    transformers' `[E, N, K]` (`[E, K, N]` when transposed) is read as given,
+    or, where XLA's default TPU layout keeps the last two dims swapped
+    (`default_layout_swaps_minor_dims`: Gemma 4's down_proj), as the swapped
+    view: a bitcast instead of a relayout of all the weights per call. Ours
+    does the same (`config.weights_orientation`).
+    """
+    h, i = model.hidden, model.intermediate
+    out_in = {"gate_up": (2 * i, h), "down": (h, i)}[projection]
+    given = out_in[::-1] if model.weights_transposed else out_in
+    swap = default_layout_swaps_minor_dims(given)
+    return swap, (not model.weights_transposed) != swap
+
+
 def user_layer(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias=None, down_bias=None, *,
                model: Model, rival: "Rival", configs):
     """The experts layer a user builds around a rival's grouped matmul (module docstring)."""
     rows, k = top_k_index.shape
     experts = gate_up.shape[0]
-    transpose_rhs = not model.weights_transposed
+    (swap_gate_up, gate_up_transposed), (swap_down, down_transposed) = (
+        stored_order(model, "gate_up"), stored_order(model, "down"))
+    gate_up = jnp.swapaxes(gate_up, 1, 2) if swap_gate_up else gate_up
+    down = jnp.swapaxes(down, 1, 2) if swap_down else down
     expert_ids = top_k_index.reshape(-1)
     order = jnp.argsort(expert_ids, stable=True)  # other ranks' picks (id == experts) sort last
     sizes = jnp.zeros(experts + 1, jnp.int32).at[expert_ids].add(1)[:experts]
     picks = rows * k
-    in_groups = (jnp.arange(picks) < sizes.sum())[:, None]
     bias_rows = jnp.minimum(expert_ids[order], experts - 1)
-    projected = rival.padded_matmul(hidden[order // k], gate_up, sizes, transpose_rhs, configs[0])
+    projected = rival.padded_matmul(hidden[order // k], gate_up, sizes, gate_up_transposed, configs[0])
     projected = projected.astype(jnp.float32)
     if gate_up_bias is not None:
         projected = projected + gate_up_bias[bias_rows].astype(jnp.float32)
     intermediate = gate(projected, model).astype(hidden.dtype)
-    out = rival.padded_matmul(intermediate, down, sizes, transpose_rhs, configs[1]).astype(jnp.float32)
+    out = rival.padded_matmul(intermediate, down, sizes, down_transposed, configs[1])
+    # Each token gathers its picks' rows (one fused pass, as ours does); rows past the groups hold whatever
+    # the kernel left there: masked before weighting.
+    position = jnp.zeros_like(order).at[order].set(jnp.arange(picks, dtype=order.dtype))
+    picked = out[position].reshape(rows, k, -1).astype(jnp.float32)
     if down_bias is not None:
-        out = out + down_bias[bias_rows].astype(jnp.float32)
-    # Rows past the groups hold whatever the kernel left there: mask them before weighting.
-    out = jnp.where(in_groups, out, 0.0) * top_k_weights.reshape(-1)[order].astype(jnp.float32)[:, None]
-    unsorted = jnp.zeros_like(out).at[order].set(out)
-    return unsorted.reshape(rows, k, -1).sum(axis=1).astype(hidden.dtype)
+        picked = picked + down_bias[jnp.minimum(top_k_index, experts - 1)].astype(jnp.float32)
+    live = (position < sizes.sum()).reshape(rows, k, 1)
+    weighted = jnp.where(live, picked, 0.0) * top_k_weights[..., None].astype(jnp.float32)
+    return weighted.sum(axis=1).astype(hidden.dtype)
 
 
 def megablox_matmul(lhs, rhs, sizes, transpose_rhs, tiling):
@@ -731,10 +754,10 @@ def tune_rival(cache: Cache, rival: Rival, case: Case) -> dict:
     sizes = case.group_sizes
     options = []  # per projection: [(tiling, calls)]
     searched = []
-    transposed = not case.model.weights_transposed
     experts = case.setting.local_experts
     for projection, k, n in projections(case):
         found = []
+        _, transposed = stored_order(case.model, projection)
         for tiling in candidate_tilings(rival, case.picks, k, n):
             lhs = jax.ShapeDtypeStruct((rival.padded_rows(case.picks, tiling), k), DTYPE)
             rhs = jax.ShapeDtypeStruct((experts, n, k) if transposed else (experts, k, n), DTYPE)
@@ -780,8 +803,8 @@ def default_rival(cache: Cache, case: Case) -> list:
     """megablox at its default tiling, per projection (tokamax picks the same tiles for every shape here)."""
     rival = RIVALS["megablox"]
     result = []
-    for _, k, n in projections(case):
-        transposed = not case.model.weights_transposed
+    for projection, k, n in projections(case):
+        _, transposed = stored_order(case.model, projection)
         experts = case.setting.local_experts
         lhs = jax.ShapeDtypeStruct((rival.padded_rows(case.picks, DEFAULT_TILING), k), DTYPE)
         rhs = jax.ShapeDtypeStruct((experts, n, k) if transposed else (experts, k, n), DTYPE)
