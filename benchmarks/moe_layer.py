@@ -304,6 +304,45 @@ def ours_layer(built, model: Model, generation: str):
     )
 
 
+# One-byte expert weights (issue 14), ours only, decode shapes only: labelled extra variants, never headlines.
+QUANTIZED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+QUANTIZED_ANCHOR_TARGET_US = {"int8": 55.0}
+QUANTIZED_MAX_BYTES_OVER_MIN = 1.05
+
+
+def quantized_layer(built, model: Model, generation: str):
+    """Ours with quantized weights: arguments as `Case.avals`, then the two weights' scales."""
+    layer = ours_layer(built, model, generation)
+
+    def run(hidden, top_k_index, top_k_weights, gate_up, down, *rest):
+        biases, scales = (rest[:2], rest[2:]) if model.bias else ((None, None), rest)
+        return layer(hidden, top_k_index, top_k_weights, gate_up, down, *biases, *scales)
+
+    return run
+
+
+def quantized_avals(built, case: "Case", scheme: str, concrete_index: bool) -> list:
+    """`case.avals` with one-byte weights, then their scales in the shapes the kernel repo's quant.py expects."""
+    args = case.avals(concrete_index)
+    shapes = case.weight_shapes()
+    args[3:5] = [jax.ShapeDtypeStruct(shape, QUANTIZED[scheme]) for shape in shapes]
+    out_axis = 2 if case.model.weights_transposed else 1
+    return args + [jax.ShapeDtypeStruct(built.quant.expected_scales_shape(scheme, shape, out_axis), jnp.float32)
+                   for shape in shapes]
+
+
+def quantized_min_bytes(built, case: "Case", scheme: str) -> int:
+    """The layer's minimum bytes with one-byte weights: each active expert's weights and scales once."""
+    model = case.model
+    h, i = model.hidden, model.intermediate
+    out_axis = 2 if model.weights_transposed else 1
+    scales = sum(math.prod(built.quant.expected_scales_shape(scheme, shape, out_axis)[1:]) * 4
+                 for shape in case.weight_shapes())
+    itemsize = jnp.dtype(DTYPE).itemsize
+    per_expert = 3 * h * i + scales + ((2 * i + h) * itemsize if model.bias else 0)
+    return 2 * case.rows * h * itemsize + case.active_experts * per_expert + case.picks * (4 + itemsize)
+
+
 def gate(x: jax.Array, model: Model) -> jax.Array:
     """The gated intermediate from the f32 gate_up projection, as the model's experts compute it."""
     if model.interleaved:
@@ -824,6 +863,12 @@ def measure_case(built, case: Case, cache: Cache, compiler: Compiler, rivals: li
         layer = ours_layer(built, case.model, generation)
         pending[("ours", generation)] = (compiler.submit(layer, compile_avals, generation),
                                          replay(cache, layer, replay_args), None)
+        if case.phase == "decode":
+            for scheme in QUANTIZED:
+                layer = quantized_layer(built, case.model, generation)
+                pending[(f"ours_{scheme}", generation)] = (
+                    compiler.submit(layer, quantized_avals(built, case, scheme, False), generation),
+                    replay(cache, layer, quantized_avals(built, case, scheme, True)), None)
     tunings = {}
     shares_megablox_program = set()
     for name in rivals:
@@ -868,6 +913,12 @@ def measure_case(built, case: Case, cache: Cache, compiler: Compiler, rivals: li
                     row["variants"][name] = {"compiled": False, **program}
                     continue
                 entry = {"compiled": True, **timings(program, calls, case, generation)}
+                if name.startswith("ours_"):
+                    scheme = name.removeprefix("ours_")
+                    minimum = quantized_min_bytes(built, case, scheme)
+                    entry = {"extra_row": f"ours with {scheme} expert weights (issue 14); over_roofline is against "
+                                          "the bf16 roofline", **entry,
+                             "quantized_min_bytes": minimum, "bytes_over_quantized_min": entry["hbm_bytes"] / minimum}
                 if name == "tokamax" and generation in shares_megablox_program:
                     entry["placement_from"] = ("megablox's layer compiled at the same tiles (tokamax's kernel is "
                                                "megablox's gmm_megablox; the XLA ops around it are the same)")
@@ -1030,7 +1081,33 @@ def check_targets(rows: list[dict]) -> dict:
         "prefill": prefill,
         "not_slower_than_best_rival": not losses,
         "rival_wins": losses,
+        "quantized": quantized_targets(rows),
     }
+
+
+def quantized_targets(rows: list[dict]) -> dict:
+    """Issue 14's targets: the anchor with int8 weights, and every decode shape's bytes against the quantized minimum."""
+    anchor = next((r for r in rows if (r["setting"], r["tokens"], r["generation"]) == ANCHOR), None)
+    result = {"max_bytes_over_quantized_min": QUANTIZED_MAX_BYTES_OVER_MIN, "anchor": {}, "decode": []}
+    for scheme in QUANTIZED:
+        variant = None if anchor is None else anchor["variants"].get(f"ours_{scheme}")
+        us = None if not variant or variant.get("compiled") is not True else variant["headline_us"]
+        result["anchor"][scheme] = {"ours_us": us, "bf16_us": None if anchor is None else anchor.get("ours_us"),
+                                    "target_us": QUANTIZED_ANCHOR_TARGET_US.get(scheme),
+                                    "meets": None if scheme not in QUANTIZED_ANCHOR_TARGET_US or us is None
+                                    else us <= QUANTIZED_ANCHOR_TARGET_US[scheme]}
+    for r in rows:
+        for scheme in QUANTIZED:
+            variant = r["variants"].get(f"ours_{scheme}")
+            if not variant or variant.get("compiled") is not True:
+                continue
+            result["decode"].append({
+                "label": r["label"], "generation": r["generation"], "scheme": scheme, "us": variant["headline_us"],
+                "bf16_us": r.get("ours_us"), "bytes_over_quantized_min": round(variant["bytes_over_quantized_min"], 4),
+                "meets": variant["bytes_over_quantized_min"] <= QUANTIZED_MAX_BYTES_OVER_MIN})
+    result["decode_meets"] = sum(d["meets"] for d in result["decode"])
+    result["decode_shapes"] = len(result["decode"])
+    return result
 
 
 def markdown_table(rows: list[dict]) -> str:

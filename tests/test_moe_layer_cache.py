@@ -68,3 +68,27 @@ def test_rival_layer_computes_the_experts_layer(tmp_path):
             *map(torch.from_numpy, arrays), activation=model.activation, weights_transposed=model.weights_transposed,
             interleaved=model.interleaved, alpha=model.alpha, limit=model.limit).numpy()
         assert np.abs(out - expected).max() <= 1e-4 * np.abs(expected).max(), model.name
+
+
+def test_quantized_variants_take_the_kernels_arguments_and_minimum(tmp_path):
+    """The one-byte variants: their arguments are what the kernel repo's quant.py expects, and their minimum
+    bytes count each active expert's one-byte weights and f32 scales once (the anchor, by hand)."""
+    from kernels import get_local_kernel
+
+    from tpu_kernels.builder import build_kernel_repo
+
+    moe_layer = load_moe_layer()
+    built = get_local_kernel(build_kernel_repo(ROOT / "kernel_repos" / "ragged-dot-tpu", tmp_path), backend="cpu")
+    setting = next(s for s in moe_layer.SETTINGS if s.label == moe_layer.ANCHOR[0])
+    case = moe_layer.make_case(setting, moe_layer.ANCHOR[1])
+    h, i, rows, picks = 2048, 768, 256, 256 * 8
+    activations = 2 * rows * h * 2 + picks * (4 + 2)
+    assert moe_layer.quantized_min_bytes(built, case, "int8") == (
+        activations + case.active_experts * (3 * h * i + (2 * i + h) * 4))
+    assert moe_layer.quantized_min_bytes(built, case, "fp8") == (
+        activations + case.active_experts * (3 * h * i + (16 * 12 + 6 * 16) * 4))
+    for scheme, dtype in moe_layer.QUANTIZED.items():
+        args = moe_layer.quantized_avals(built, case, scheme, concrete_index=False)
+        assert [a.dtype for a in args[3:5]] == [dtype, dtype]
+        assert [a.shape for a in args[5:]] == [
+            built.quant.expected_scales_shape(scheme, shape, 1) for shape in case.weight_shapes()]
