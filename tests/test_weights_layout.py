@@ -52,3 +52,23 @@ def test_gemma4_experts_are_read_in_place(kernel, generation, fused, weights_dty
     # fp8's small block-scale grids ([16, 11, 22] and [16, 22, 6] f32) may still be relaid out: ~24 KB a call.
     scale_bytes = sum(aval.size * 4 for aval in avals[5:])
     assert program.relayout_bytes <= 2 * scale_bytes, relayouts
+
+
+def test_gemma4_experts_backward_reads_and_writes_the_weights_in_place(kernel):
+    """Training: the gradient of the layer (grouped forward, d_lhs and tgmm backward) neither relays out the
+    weights nor writes their gradients in another order than XLA stores them."""
+    tokens = 64
+    gate_up, down = (EXPERTS, 2 * INTERMEDIATE, HIDDEN), (EXPERTS, HIDDEN, INTERMEDIATE)
+    avals = [S((tokens, HIDDEN), jnp.bfloat16), S((tokens, TOP_K), jnp.int32), S((tokens, TOP_K), jnp.bfloat16),
+             S(gate_up, jnp.bfloat16), S(down, jnp.bfloat16)]
+
+    def loss(hidden_states, index, weights, gate_up_proj, down_proj):
+        out = kernel.moe.gated_experts(hidden_states, index, weights, gate_up_proj, down_proj,
+                                       activation="gelu_tanh", weights_transposed=False, generation="v6e")
+        return jnp.sum(out.astype(jnp.float32))
+
+    program = xla_program.compile_program(jax.grad(loss, argnums=(0, 2, 3, 4)), avals, "v6e")
+    relayouts = [op.detail for op in program.ops if op.detail.startswith("relayout")]
+    assert not [detail for detail in relayouts if "_proj" in detail], relayouts
+    weights_bytes = 3 * EXPERTS * HIDDEN * INTERMEDIATE * 2
+    assert program.relayout_bytes < weights_bytes / 100, relayouts

@@ -145,6 +145,10 @@ EXPERTS_CASES = {
     # GPT-OSS: clamped interleaved SwiGLU with biases; a small limit so the clamps bite.
     "gpt-oss": ("clamped_swiglu", True, True, True, 1.702, 1.0),
 }
+# Shapes whose down_proj XLA stores with its last two dims swapped, read (and differentiated) as that view
+# (config.weights_orientation): Gemma 4's [E, H, I] with I off the lanes, and a transposed [E, I, H].
+SWAPPED_DOWN_SHAPES = {"gelu-tanh-transposed": dict(hidden=40, intermediate=128),
+                       "silu": dict(hidden=128, intermediate=24)}
 
 
 def _experts_inputs(dtype, tokens=13, hidden=40, intermediate=24, top_k=3, weights_transposed=False, biases=False,
@@ -172,10 +176,15 @@ def _experts_inputs(dtype, tokens=13, hidden=40, intermediate=24, top_k=3, weigh
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", EXPERTS_CASES)
+@pytest.mark.parametrize("case", [*EXPERTS_CASES, *(f"{name}-swapped-down" for name in SWAPPED_DOWN_SHAPES)])
 def test_gated_experts_gradients_match_reference(kernel, case, dtype):
-    activation, weights_transposed, interleaved, biases, alpha, limit = EXPERTS_CASES[case]
-    index, tensors = _experts_inputs(dtype, weights_transposed=weights_transposed, biases=biases)
+    name = case.removesuffix("-swapped-down")
+    activation, weights_transposed, interleaved, biases, alpha, limit = EXPERTS_CASES[name]
+    shape = SWAPPED_DOWN_SHAPES[name] if case != name else {}
+    if shape:
+        orientation = kernel.config.weights_orientation(**shape, weights_transposed=weights_transposed)
+        assert orientation.down_transposed != weights_transposed, "the case must read down_proj swapped"
+    index, tensors = _experts_inputs(dtype, weights_transposed=weights_transposed, biases=biases, **shape)
     gate = dict(activation=activation, weights_transposed=weights_transposed, interleaved=interleaved, alpha=alpha,
                 limit=limit)
     out = kernel.gated_experts(

@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .config import select_d_lhs_config
+from .config import select_d_lhs_config, weights_orientation
 from .gates import gated, split_gate_up
 from .pallas_tgmm import tgmm
 from .pallas_tpu import ragged_dot
@@ -93,6 +93,8 @@ def grouped_experts_backward(
     d_down_proj, d_gate_up_bias, d_down_bias)`, each in its input's dtype
     (the bias gradients None without biases). Sentinel picks (id ==
     num_experts) get a zero weight gradient and feed no other gradient.
+    Each weight is read, and its gradient written, in the order XLA stores it
+    (`config.weights_orientation`), as the forward reads it.
     """
     num_tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[1]
@@ -103,7 +105,10 @@ def grouped_experts_backward(
     tokens = order // top_k
     live = (jnp.arange(order.shape[0]) < group_sizes.sum())[:, None]
     bias_rows = jnp.minimum(top_k_index.reshape(-1)[order], num_experts - 1)
-    grouped = dict(transpose_rhs=not weights_transposed, generation=generation)
+    intermediate_size = down_proj.shape[1] if weights_transposed else down_proj.shape[2]
+    orientation = weights_orientation(hidden, intermediate_size, weights_transposed=weights_transposed)
+    swap_gate_up = orientation.gate_up_transposed != weights_transposed
+    swap_down = orientation.down_transposed != weights_transposed
 
     # The gate again, elementwise, from the saved projection; its vjp gives d_gate_up.
     gate_up = gate_up_out.astype(f32)
@@ -123,12 +128,18 @@ def grouped_experts_backward(
     d_weights_sorted = jnp.where(live[:, 0], jnp.sum(jnp.where(live, out, 0.0) * d_picked, axis=-1), 0.0)
     d_out = jnp.where(live, d_picked * top_k_weights.reshape(-1)[order].astype(f32)[:, None], 0.0)
 
+    # A swapped weights view's gradient comes in the view's order; swapped back it is again a bitcast.
     d_intermediate, d_down_proj = ragged_dot_backward(
-        d_out.astype(dtype), intermediate.astype(dtype), down_proj, group_sizes, **grouped)
+        d_out.astype(dtype), intermediate.astype(dtype), jnp.swapaxes(down_proj, 1, 2) if swap_down else down_proj,
+        group_sizes, transpose_rhs=not orientation.down_transposed, generation=generation)
+    d_down_proj = jnp.swapaxes(d_down_proj, 1, 2) if swap_down else d_down_proj
     (d_gate_up,) = gate_vjp(d_intermediate.astype(f32))
     d_gate_up = jnp.where(live, d_gate_up, 0.0)
     rows = hidden_states[tokens]
-    d_rows, d_gate_up_proj = ragged_dot_backward(d_gate_up.astype(dtype), rows, gate_up_proj, group_sizes, **grouped)
+    d_rows, d_gate_up_proj = ragged_dot_backward(
+        d_gate_up.astype(dtype), rows, jnp.swapaxes(gate_up_proj, 1, 2) if swap_gate_up else gate_up_proj,
+        group_sizes, transpose_rhs=not orientation.gate_up_transposed, generation=generation)
+    d_gate_up_proj = jnp.swapaxes(d_gate_up_proj, 1, 2) if swap_gate_up else d_gate_up_proj
 
     d_hidden = jnp.zeros((num_tokens, hidden), f32).at[tokens].add(d_rows.astype(f32))
     d_weights = jnp.zeros(order.shape, f32).at[order].set(d_weights_sorted).reshape(num_tokens, top_k)
