@@ -8,14 +8,19 @@ grid with `tpu_kernels.perf.model_pallas_traffic` and models its time with
 grid step; also the step-by-step double-buffered pipeline estimate):
 
 - per projection (gate_up: K = H, N = 2I; down: K = I, N = H) with the weights
-  in transformers' `[E, N, K]` layout (the forward ran `x[M, K] @ W[e]^T`):
+  in the order XLA stores them (`moe_layer.stored_order`, as `backward.py`
+  reads them): transformers' `[E, N, K]` (the forward runs `x[M, K] @
+  W[e]^T`), or the swapped view `[E, K, N]` where XLA's default layout keeps
+  the last two dims swapped (Gemma 4's down_proj; the forward runs `x @ W[e]`):
   - d_lhs = `d_out[M, N] @ W[e]` per group: ours is the forward grouped matmul
-    with the weights read the other way (`transpose_rhs=False`, tiles from
+    with the weights read the other way (tiles from
     `config.select_d_lhs_config`, as `backward.py` runs it); megablox
     `gmm` and tokamax `gmm` the same;
-  - d_rhs = per group `d_out_g^T @ x_g -> [E, N, K]`: ours `pallas_tgmm.tgmm(d_out, x)`;
-    megablox and tokamax `tgmm` take the transposed `d_out^T [N, M]` (an XLA
-    transpose outside their kernel, which is not counted: in their favour);
+  - d_rhs, the weights' gradient in their stored order: `[E, N, K]` = per group
+    `d_out_g^T @ x_g` (ours `pallas_tgmm.tgmm(d_out, x)`), or `[E, K, N]` =
+    `x_g^T @ d_out_g`; megablox and tokamax `tgmm` take the first operand
+    transposed (`[N, M]` or `[K, M]`: an XLA transpose outside their kernel,
+    which is not counted: in their favour);
 - roofline of each kernel: its useful FLOPs (2 M K N) at the bf16 peak, or its
   least HBM traffic (d_lhs: d_out, the active experts' weights, the result;
   d_rhs: d_out, x and all E gradients written), whichever takes longer;
@@ -29,8 +34,9 @@ grid step; also the step-by-step double-buffered pipeline estimate):
   scatter-add, gate and its vjp around them are not modelled (the backward
   has more of them: the d_hidden scatter-add over all picks and the gate's vjp).
 
-Routing as in `benchmarks/ragged_dot.py`: expert popularity ~ Dirichlet(8)
-(seeded), each token picks top_k distinct experts by Gumbel-top-k.
+Routing and models from `benchmarks/moe_layer.py`: expert popularity ~
+Dirichlet(8) (seeded), each token picks top_k distinct experts by
+Gumbel-top-k.
 
 Usage:
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/moe_backward.py [--out benchmarks/results/moe_backward.json]
@@ -56,7 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import ragged_dot as forward_bench  # noqa: E402  (the forward benchmark: routing, models, tokamax's grid)
+import moe_layer  # noqa: E402  (the MoE-layer benchmark: models, routing, stored weights order, tokamax's grid)
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "moe_backward.json"
 GENERATIONS = ("v5e", "v6e")
@@ -117,7 +123,7 @@ def _best(candidates: list[tuple[dict, dict]]) -> dict:
     return best
 
 
-def _rival_fns(kind: str, tiling):
+def _rival_fns(kind: str, tiling, swapped: bool):
     from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
     from jax.experimental.pallas.ops.tpu.megablox.gmm import tgmm as megablox_tgmm
     from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu_kernel as tokamax_kernel
@@ -125,9 +131,10 @@ def _rival_fns(kind: str, tiling):
     precision = (lax.Precision.DEFAULT, lax.Precision.DEFAULT)
     if kind == "d_lhs":
         return {
-            "megablox": functools.partial(megablox_gmm, preferred_element_type=DTYPE, tiling=tiling, transpose_rhs=False),
+            "megablox": functools.partial(megablox_gmm, preferred_element_type=DTYPE, tiling=tiling,
+                                          transpose_rhs=swapped),
             "tokamax": functools.partial(tokamax_kernel.gmm, precision=precision, out_dtype=DTYPE, tiling=tiling,
-                                         transpose_rhs=False),
+                                         transpose_rhs=swapped),
         }
     return {
         "megablox": functools.partial(megablox_tgmm, preferred_element_type=DTYPE, tiling=tiling),
@@ -135,22 +142,24 @@ def _rival_fns(kind: str, tiling):
     }
 
 
-def measure_projection(built, setting: str, projection: str, m: int, k: int, n: int, sizes, sweep: bool) -> dict:
-    """Forward, d_lhs and d_rhs of one projection: weights W[E, N, K], forward x[M, K] @ W[e]^T."""
+def measure_projection(built, setting: str, projection: str, m: int, k: int, n: int, sizes, sweep: bool,
+                       swapped: bool) -> dict:
+    """Forward, d_lhs and d_rhs of one projection: weights W[E, N, K] (`swapped`: the view [E, K, N])."""
     S = jax.ShapeDtypeStruct
     experts = len(sizes)
     active = int((sizes > 0).sum())
     itemsize = jnp.dtype(DTYPE).itemsize
     flops = 2 * m * k * n
-    weights = S((experts, n, k), DTYPE)
+    weights = S((experts, k, n) if swapped else (experts, n, k), DTYPE)
     entry = {"setting": setting, "projection": projection, "m": m, "k": k, "n": n, "experts": experts,
+             "weights_read_as": "[E, K, N] (swapped view)" if swapped else "[E, N, K]",
              "active_experts": active, "useful_flops": flops, "kernels": {}}
 
     # Forward (for the ratio): ours only.
     forward_bytes = (active * k * n + m * k + m * n) * itemsize
     entry["kernels"]["forward"] = {"ours": {}}
     for generation in GENERATIONS:
-        fn = functools.partial(built.pallas_tpu.ragged_dot, transpose_rhs=True, generation=generation)
+        fn = functools.partial(built.pallas_tpu.ragged_dot, transpose_rhs=not swapped, generation=generation)
         result = _model(fn, (S((m, k), DTYPE), weights), sizes, forward_bytes, flops)[generation]
         result["config"] = built.config.select_config(m, k, n, DTYPE, generation=generation,
                                                       num_groups=experts)._asdict()
@@ -160,19 +169,24 @@ def measure_projection(built, setting: str, projection: str, m: int, k: int, n: 
     d_lhs_bytes = (m * n + active * n * k + m * k) * itemsize
     # d_rhs[E, N, K] = d_out_g^T @ x_g: reads d_out and x, writes every expert's gradient.
     d_rhs_bytes = (m * n + m * k + experts * n * k) * itemsize
+    # tgmm(a, b) -> per group a_g^T @ b_g: [E, N, K] from (d_out, x), or the swapped view from (x, d_out).
+    d_rhs_avals = (S((m, k), DTYPE), S((m, n), DTYPE)) if swapped else (S((m, n), DTYPE), S((m, k), DTYPE))
+    d_rhs_dims = (m, k, n) if swapped else (m, n, k)
+
     def d_lhs_config(generation):
         return built.config.select_d_lhs_config(m, n, k, DTYPE, generation=generation, num_groups=experts)
 
     kinds = {
         "d_lhs": (d_lhs_bytes, (S((m, n), DTYPE), weights),
-                  lambda generation: functools.partial(built.pallas_tpu.ragged_dot, transpose_rhs=False,
+                  lambda generation: functools.partial(built.pallas_tpu.ragged_dot, transpose_rhs=swapped,
                                                        config=d_lhs_config(generation)),
                   lambda generation: d_lhs_config(generation)._asdict(),
                   (S((m, n), DTYPE), weights), (m, n, k)),
-        "d_rhs": (d_rhs_bytes, (S((m, n), DTYPE), S((m, k), DTYPE)),
+        "d_rhs": (d_rhs_bytes, d_rhs_avals,
                   lambda generation: functools.partial(built.pallas_tgmm.tgmm, generation=generation),
-                  lambda generation: built.config.select_tgmm_config(m, n, k, DTYPE, generation=generation, num_groups=experts)._asdict(),
-                  (S((n, m), DTYPE), S((m, k), DTYPE)), (m, n, k)),
+                  lambda generation: built.config.select_tgmm_config(*d_rhs_dims, DTYPE, generation=generation,
+                                                                     num_groups=experts)._asdict(),
+                  (S((d_rhs_dims[1], m), DTYPE), d_rhs_avals[1]), d_rhs_dims),
     }
     for kind, (min_bytes, our_avals, our_fn, our_config, rival_avals, (rm, rk, rn)) in kinds.items():
         ours = {}
@@ -183,10 +197,10 @@ def measure_projection(built, setting: str, projection: str, m: int, k: int, n: 
         entry["kernels"][kind] = {"ours": ours}
         candidates = {"megablox": [], "tokamax": []}
         for tiling in rival_tilings(rm, rk, rn, sweep):
-            for rival, fn in _rival_fns(kind, tiling).items():
+            for rival, fn in _rival_fns(kind, tiling, swapped).items():
                 try:
                     if rival == "tokamax":
-                        with forward_bench.tokamax_grid_as_pallas_call():
+                        with moe_layer.tokamax_grid_as_pallas_call():
                             modelled = _model(fn, rival_avals, sizes, min_bytes, flops)
                     else:
                         modelled = _model(fn, rival_avals, sizes, min_bytes, flops)
@@ -269,18 +283,20 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     entries = []
     with tempfile.TemporaryDirectory() as build_dir:
-        built = forward_bench.load_our_kernel(Path(build_dir))
+        built = moe_layer.load_kernel(ROOT / "kernel_repos" / "ragged-dot-tpu", Path(build_dir))
         for model_name, ep in SETTINGS:
-            model = forward_bench.MODELS[model_name]
-            sizes = forward_bench.rank_group_sizes(model, ep, TOKENS, forward_bench.BENCH_SEED)
+            setting = next(s for s in moe_layer.SETTINGS if s.model.name == model_name and s.ep == ep)
+            case = moe_layer.make_case(setting, TOKENS)
+            sizes = case.group_sizes
             m = int(sizes.sum())
-            setting = model_name if ep == 1 else f"{model_name} EP{ep}"
-            for projection, k, n in forward_bench.projections(model):
-                entry = measure_projection(built, setting, projection, m, k, n, sizes, sweep=not args.no_sweep)
+            for projection, k, n in moe_layer.projections(case):
+                swapped, _ = moe_layer.stored_order(case.model, projection)
+                entry = measure_projection(built, setting.label, projection, m, k, n, sizes,
+                                           sweep=not args.no_sweep, swapped=swapped)
                 entries.append(entry)
                 cells = [f"{generation} {kind} {kernel} {entry['kernels'][kind][kernel][generation]['pct_of_roofline']:5.1f}%"
                          for generation in GENERATIONS for kind in ("d_lhs", "d_rhs") for kernel in KERNELS]
-                print(f"{setting} {projection}: " + " | ".join(cells), flush=True)
+                print(f"{setting.label} {projection}: " + " | ".join(cells), flush=True)
 
     ratios = layer_ratios(entries)
     report = {
@@ -289,9 +305,10 @@ def main(argv=None) -> int:
             "model": "tpu_kernels.perf grid replay: HBM bytes of each BlockSpec copy, MXU FLOPs on block shapes "
                      "(padded to the MXU size), 0.35 us per grid step (Pallas TPU pipelining guide); TPU peaks and "
                      "bandwidths from tpu_kernels/hardware.py (jax's TPU table)",
-            "routing": "Dirichlet(8) expert popularity, Gumbel-top-k picks, seed 0 (benchmarks/ragged_dot.py)",
+            "routing": "Dirichlet(8) expert popularity, Gumbel-top-k picks, seeded (benchmarks/moe_layer.py)",
             "tokens_per_rank": TOKENS,
-            "weights_layout": "transformers' [E, out, in]",
+            "weights_layout": "as XLA stores them (moe_layer.stored_order): transformers' [E, out, in], or the "
+                              "swapped view where XLA's default layout swaps the last two dims (Gemma 4's down_proj)",
             "not_modelled": "XLA gather/scatter/gate around the kernels; rivals' transposed d_out copy for tgmm",
             "rivals": "megablox gmm/tgmm (jax 0.10.2) and tokamax 0.0.12 gmm/tgmm (its emit_pipeline grid replayed "
                       "as a pallas_call), best modelled time over a tiling sweep that fits VMEM"
