@@ -308,6 +308,8 @@ def ours_layer(built, model: Model, generation: str):
 QUANTIZED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 QUANTIZED_ANCHOR_TARGET_US = {"int8": 55.0}
 QUANTIZED_MAX_BYTES_OVER_MIN = 1.05
+# A rival config Mosaic refuses to compile inside the layer is replaced by the next best, at most this many times.
+MAX_COMPILE_FALLBACKS = 4
 
 
 def quantized_layer(built, model: Model, generation: str):
@@ -809,26 +811,31 @@ def tune_rival(cache: Cache, rival: Rival, case: Case) -> dict:
                 "fits_vmem": {g: perf.roofline(calls, g).fits_vmem for g in GENERATIONS},
             })
         options.append(found)
-    standalone = {}
+    standalone, ranked = {}, {}
     for generation in GENERATIONS:
-        chosen = []
+        fitting = []
         for projection, found in zip(projections(case), options):
-            fitting = [(perf.roofline(c, generation).time_s, t, c) for t, c in found
-                       if perf.roofline(c, generation).fits_vmem]
-            if not fitting:
+            fits = sorted(((perf.roofline(c, generation).time_s, t, c) for t, c in found
+                           if perf.roofline(c, generation).fits_vmem), key=lambda item: item[0])
+            if not fits:
                 raise RuntimeError(f"{case.label} {rival.name} {projection[0]}: no candidate fits {generation}'s VMEM")
-            _, tiling, calls = min(fitting, key=lambda item: item[0])
-            chosen.append((tiling, calls))
-        standalone[generation] = chosen
-    return {"per_generation": standalone, "options": options, "searched": searched}
+            fitting.append(fits)
+        pairs = sorted(((a[0] + b[0], [(a[1], a[2]), (b[1], b[2])]) for a in fitting[0] for b in fitting[1]),
+                       key=lambda item: item[0])
+        ranked[generation] = [pair for _, pair in pairs]
+        standalone[generation] = ranked[generation][0]
+    return {"per_generation": standalone, "ranked": ranked, "options": options, "searched": searched}
 
 
-def best_in_layer(program, options, case: Case, generation: str):
-    """The pair of fitting configs (gate_up, down) with the least modelled layer time under `program`'s placement."""
+def best_in_layer(program, options, case: Case, generation: str, refused=()):
+    """The pair of fitting configs (gate_up, down) with the least modelled layer time under `program`'s placement,
+    but the pairs whose layer Mosaic `refused` to compile."""
     best = None
     for first in options[0]:
         for second in options[1]:
             pair = (first, second)
+            if [first[0], second[0]] in refused:
+                continue
             calls = [call for _, c in pair for call in c]
             if not all(perf.roofline(c, generation).fits_vmem for _, c in pair):
                 continue
@@ -909,8 +916,19 @@ def measure_case(built, case: Case, cache: Cache, compiler: Compiler, rivals: li
                 if gen != generation:
                     continue
                 program = future.result()
+                refused = []
+                if isinstance(program, dict) and tilings and tilings[0] is not None:
+                    # Mosaic refused the standalone best inside the layer (its VMEM use beyond our model's):
+                    # the rival's best is then the next pair by standalone time that compiles.
+                    for pair in tunings[name]["ranked"][generation][1:1 + MAX_COMPILE_FALLBACKS]:
+                        refused.append({"tiling": list(tilings), "error": program["error"]})
+                        tilings, calls = [t for t, _ in pair], [call for _, c in pair for call in c]
+                        program = compiler.submit(rival_layer(RIVALS[name], case.model, tilings), compile_avals,
+                                                  generation, RIVALS[name].lowering_lock()).result()
+                        if not isinstance(program, dict):
+                            break
                 if isinstance(program, dict):
-                    row["variants"][name] = {"compiled": False, **program}
+                    row["variants"][name] = {"compiled": False, **program, "refused_tilings": refused}
                     continue
                 entry = {"compiled": True, **timings(program, calls, case, generation)}
                 if name.startswith("ours_"):
@@ -922,9 +940,12 @@ def measure_case(built, case: Case, cache: Cache, compiler: Compiler, rivals: li
                 if name == "tokamax" and generation in shares_megablox_program:
                     entry["placement_from"] = ("megablox's layer compiled at the same tiles (tokamax's kernel is "
                                                "megablox's gmm_megablox; the XLA ops around it are the same)")
+                if refused:
+                    entry["refused_tilings"] = refused
                 if tilings and tilings[0] is not None:
                     entry["tiling"] = {"gate_up": list(tilings[0]), "down": list(tilings[1])}
-                    _, best_tilings, best_calls = best_in_layer(program, tunings[name]["options"], case, generation)
+                    _, best_tilings, best_calls = best_in_layer(program, tunings[name]["options"], case, generation,
+                                                                refused=[r["tiling"] for r in refused])
                     if best_tilings != list(tilings):
                         entry = {"compiled": True,
                                  "placement_from": f"the layer compiled at the standalone best {tilings}",

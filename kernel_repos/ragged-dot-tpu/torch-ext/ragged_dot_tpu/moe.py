@@ -182,23 +182,34 @@ def grouped_experts(
 
     gate_up_out = ragged_dot(rows, gate_up_proj, group_sizes, gate_up_scales,
                              transpose_rhs=not orientation.gate_up_transposed, **grouped)
-    gate_up = gate_up_out.astype(jnp.float32)
+    # Split before anything else (the [E, 2I] biases too): XLA then fuses the split, the casts, the biases
+    # and the gate into one pass over the kernel's bf16 output, where splitting the f32 sum made it
+    # write and reread [M, 2I] f32 copies (GPT-OSS's even/odd columns: 4 of them).
+    gate_part, up = (part.astype(jnp.float32) for part in split_gate_up(gate_up_out, interleaved=interleaved))
     if gate_up_bias is not None:
-        gate_up = gate_up + gate_up_bias[bias_rows].astype(jnp.float32)
+        gate_bias, up_bias = split_gate_up(gate_up_bias, interleaved=interleaved)
+        gate_part = gate_part + gate_bias[bias_rows].astype(jnp.float32)
+        up = up + up_bias[bias_rows].astype(jnp.float32)
     # Rows past the groups were never written: keep whatever they hold out of the gate.
-    gate_up = jnp.where(live, gate_up, 0.0)
-    gate_part, up = split_gate_up(gate_up, interleaved=interleaved)
-    activated = gated(gate_part, up, activation, alpha=alpha, limit=limit)
+    activated = gated(jnp.where(live, gate_part, 0.0), jnp.where(live, up, 0.0), activation, alpha=alpha,
+                      limit=limit)
     down_out = ragged_dot(activated.astype(hidden_states.dtype), down_proj, group_sizes, down_scales,
                           transpose_rhs=not orientation.down_transposed, **grouped)
-    # Each token gathers its picks' rows and sums them, weighted: XLA fuses the gather, the bias, the mask
-    # and the sum into one pass that reads each pick's row once and writes [T, H] (un-sorting by a
-    # scatter instead wrote and reread T x K f32 rows three times: most of a prefill layer's HBM traffic).
+    # Each token gathers its picks' rows and sums them, weighted, one pick slot at a time: XLA fuses the
+    # gathers, the biases, the masks and the sum into one pass that reads each pick's row once and writes
+    # [T, H]. (Un-sorting by a scatter instead wrote and reread T x K f32 rows three times, most of a prefill
+    # layer's HBM traffic; a [T, K, H] gather is relaid out when K is not a multiple of 8.)
     position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    picked = down_out[position].reshape(num_tokens, top_k, hidden).astype(jnp.float32)
-    if down_bias is not None:
-        picked = picked + down_bias[jnp.minimum(top_k_index, num_experts - 1)].astype(jnp.float32)
-    live_picks = (position < group_sizes.sum()).reshape(num_tokens, top_k, 1)
-    weighted = jnp.where(live_picks, picked, 0.0) * top_k_weights[..., None].astype(jnp.float32)
-    result = weighted.sum(axis=1).astype(hidden_states.dtype)
+    position = position.reshape(num_tokens, top_k)
+    live_picks = position < group_sizes.sum()
+    pick_weights = jnp.where(live_picks, top_k_weights.astype(jnp.float32), 0.0)
+    pick_experts = jnp.minimum(top_k_index, num_experts - 1)
+    result = jnp.zeros((num_tokens, hidden), jnp.float32)
+    for slot in range(top_k):
+        # Rows past the groups were never written: masked before they are weighted.
+        picked = jnp.where(live_picks[:, slot, None], down_out[position[:, slot]].astype(jnp.float32), 0.0)
+        if down_bias is not None:
+            picked = picked + down_bias[pick_experts[:, slot]].astype(jnp.float32)
+        result = result + pick_weights[:, slot, None] * picked
+    result = result.astype(hidden_states.dtype)
     return (result, (gate_up_out, down_out)) if return_residuals else result
