@@ -345,12 +345,15 @@ def quantized_min_bytes(built, case: "Case", scheme: str) -> int:
     return 2 * case.rows * h * itemsize + case.active_experts * per_expert + case.picks * (4 + itemsize)
 
 
-def gate(x: jax.Array, model: Model) -> jax.Array:
-    """The gated intermediate from the f32 gate_up projection, as the model's experts compute it."""
+def split(x: jax.Array, model: Model) -> tuple[jax.Array, jax.Array]:
+    """The gate and up halves of a `[rows, 2I]` array: even / odd columns (interleaved) or first / second half."""
     if model.interleaved:
-        gate_part, up = x[:, 0::2], x[:, 1::2]
-    else:
-        gate_part, up = jnp.split(x, 2, axis=-1)
+        return x[:, 0::2], x[:, 1::2]
+    return tuple(jnp.split(x, 2, axis=-1))
+
+
+def gate(gate_part: jax.Array, up: jax.Array, model: Model) -> jax.Array:
+    """The gated intermediate from the f32 gate and up projections, as the model's experts compute it."""
     if model.activation == "clamped_swiglu":
         gate_part = jnp.minimum(gate_part, model.limit)
         up = jnp.clip(up, -model.limit, model.limit)
@@ -391,20 +394,27 @@ def user_layer(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias=N
     picks = rows * k
     bias_rows = jnp.minimum(expert_ids[order], experts - 1)
     projected = rival.padded_matmul(hidden[order // k], gate_up, sizes, gate_up_transposed, configs[0])
-    projected = projected.astype(jnp.float32)
+    # The glue ours uses (moe.grouped_experts): split before casting, biases split too, so XLA fuses it.
+    gate_part, up = (part.astype(jnp.float32) for part in split(projected, model))
     if gate_up_bias is not None:
-        projected = projected + gate_up_bias[bias_rows].astype(jnp.float32)
-    intermediate = gate(projected, model).astype(hidden.dtype)
+        gate_bias, up_bias = split(gate_up_bias, model)
+        gate_part = gate_part + gate_bias[bias_rows].astype(jnp.float32)
+        up = up + up_bias[bias_rows].astype(jnp.float32)
+    intermediate = gate(gate_part, up, model).astype(hidden.dtype)
     out = rival.padded_matmul(intermediate, down, sizes, down_transposed, configs[1])
-    # Each token gathers its picks' rows (one fused pass, as ours does); rows past the groups hold whatever
-    # the kernel left there: masked before weighting.
-    position = jnp.zeros_like(order).at[order].set(jnp.arange(picks, dtype=order.dtype))
-    picked = out[position].reshape(rows, k, -1).astype(jnp.float32)
-    if down_bias is not None:
-        picked = picked + down_bias[jnp.minimum(top_k_index, experts - 1)].astype(jnp.float32)
-    live = (position < sizes.sum()).reshape(rows, k, 1)
-    weighted = jnp.where(live, picked, 0.0) * top_k_weights[..., None].astype(jnp.float32)
-    return weighted.sum(axis=1).astype(hidden.dtype)
+    # Each token gathers its picks' rows one pick slot at a time, weights and sums them (as ours); rows past
+    # the groups hold whatever the kernel left there: masked before weighting.
+    position = jnp.zeros_like(order).at[order].set(jnp.arange(picks, dtype=order.dtype)).reshape(rows, k)
+    live = position < sizes.sum()
+    pick_weights = jnp.where(live, top_k_weights.astype(jnp.float32), 0.0)
+    pick_experts = jnp.minimum(top_k_index, experts - 1)
+    result = jnp.zeros((rows, hidden.shape[1]), jnp.float32)
+    for slot in range(k):
+        picked = jnp.where(live[:, slot, None], out[position[:, slot]].astype(jnp.float32), 0.0)
+        if down_bias is not None:
+            picked = picked + down_bias[pick_experts[:, slot]].astype(jnp.float32)
+        result = result + pick_weights[:, slot, None] * picked
+    return result.astype(hidden.dtype)
 
 
 def megablox_matmul(lhs, rhs, sizes, transpose_rhs, tiling):
