@@ -14,6 +14,7 @@ where `kernel` is the loaded built module and `avals` are
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import os
 import time
@@ -60,33 +61,54 @@ def load_compile_targets(repo: Path) -> ModuleType:
     return module
 
 
-def compile_for(fn, avals, generation: str):
-    """Lower and compile `fn` at `avals` for one TPU generation; returns the compiled executable."""
+def lower_for(fn, avals, generation: str):
+    """`fn` traced and lowered at `avals` for one TPU generation (compile it with `.compile()`)."""
     sharding = jax.sharding.SingleDeviceSharding(topology_device(generation))
     placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in avals]
-    return jax.jit(fn).lower(*placed).compile()
+    return jax.jit(fn).lower(*placed)
 
 
-def compile_repo(repo: Path, kernel: ModuleType, kernel_name: str, generations: list[str]) -> list[CompileResult]:
+def compile_for(fn, avals, generation: str):
+    """Lower and compile `fn` at `avals` for one TPU generation; returns the compiled executable."""
+    return lower_for(fn, avals, generation).compile()
+
+
+def compile_repo(repo: Path, kernel: ModuleType, kernel_name: str, generations: list[str],
+                 jobs: int | None = None) -> list[CompileResult]:
+    """Every declared shape compiled for each generation, in declaration order.
+
+    Targets are lowered one after another on this thread and compiled on
+    `jobs` threads (default: one per CPU): XLA and Mosaic compile outside the
+    GIL, and compiles are most of the time.
+    """
     targets = load_compile_targets(repo)
-    results = []
-    for generation in generations:
-        for label, fn, avals in targets.compile_targets(kernel, generation):
-            start = time.perf_counter()
-            try:
-                compiled = compile_for(fn, avals, generation)
-            except Exception as error:  # noqa: BLE001 - every failure is a reported result
-                message = str(error).strip().splitlines()
-                results.append(
-                    CompileResult(kernel_name, label, generation, False, time.perf_counter() - start, None,
-                                  message[0] if message else type(error).__name__)
-                )
-                continue
-            cost = compiled.cost_analysis() or {}
-            results.append(
-                CompileResult(kernel_name, label, generation, True, time.perf_counter() - start, cost.get("flops"), None)
-            )
-    return results
+
+    def failed(label, generation, start, error):
+        message = str(error).strip().splitlines()
+        return CompileResult(kernel_name, label, generation, False, time.perf_counter() - start, None,
+                             message[0] if message else type(error).__name__)
+
+    def compile_lowered(label, generation, lowered):
+        start = time.perf_counter()
+        try:
+            compiled = lowered.compile()
+        except Exception as error:  # noqa: BLE001 - every failure is a reported result
+            return failed(label, generation, start, error)
+        cost = compiled.cost_analysis() or {}
+        return CompileResult(kernel_name, label, generation, True, time.perf_counter() - start, cost.get("flops"), None)
+
+    pending = []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+        for generation in generations:
+            for label, fn, avals in targets.compile_targets(kernel, generation):
+                start = time.perf_counter()
+                try:
+                    lowered = lower_for(fn, avals, generation)
+                except Exception as error:  # noqa: BLE001 - every failure is a reported result
+                    pending.append(failed(label, generation, start, error))
+                    continue
+                pending.append(pool.submit(compile_lowered, label, generation, lowered))
+        return [item if isinstance(item, CompileResult) else item.result() for item in pending]
 
 
 def format_table(results: list[CompileResult]) -> str:
