@@ -74,6 +74,30 @@ def test_pallas_kernels_are_listed_with_their_operands_placement(handmade):
     assert any("weights (slice)" in line for line in placements)
 
 
+# A gather offloaded to the SparseCores, as XLA writes it for v6e (abridged): 8192 of 65536 rows.
+OFFLOADED_GATHER_HLO = """HloModule offloaded, entry_computation_layout={(bf16[65536,2048]{1,0:T(8,128)(2,1)}, s32[8192]{0:T(1024)})->bf16[8192,2048]{1,0:T(8,128)(2,1)}}
+
+ENTRY %main (x.1: bf16[65536,2048], i.1: s32[8192]) -> bf16[8192,2048] {
+  %x.1 = bf16[65536,2048]{1,0:T(8,128)(2,1)} parameter(0)
+  %i.1 = s32[8192]{0:T(1024)} parameter(1)
+  %gather_offload_async_start = ((), (), (s32[16384]{0:T(1024)})) async-start(), async_execution_thread="sparsecore", calls=%none
+  %gather_offload_async_start.update = ((bf16[65536,2048]{1,0:T(8,128)(2,1)}, s32[8192]{0:T(1024)}), bf16[8192,2048]{1,0:T(8,128)(2,1)}, (s32[16384]{0:T(1024)})) async-update(%gather_offload_async_start, %x.1, %i.1)
+  ROOT %gather_offload_async_done = bf16[8192,2048]{1,0:T(8,128)(2,1)} async-done(%gather_offload_async_start.update)
+}
+"""
+
+
+def test_an_offloaded_gather_reads_the_rows_it_gathers():
+    """Not the whole table (65536 rows), and a table smaller than what is gathered is read once per index."""
+    rows = 8192 * 2048 * 2
+    program = xla_program.analyse_hlo(OFFLOADED_GATHER_HLO, "v6e")
+    [gather] = [op for op in program.ops if op.name == "gather_offload_async_start.update"]
+    assert (gather.hbm_read_bytes, gather.hbm_write_bytes) == (rows + 8192 * 4, rows)
+    repeated = xla_program.analyse_hlo(OFFLOADED_GATHER_HLO.replace("65536,2048", "1024,2048"), "v6e")
+    [gather] = [op for op in repeated.ops if op.name == "gather_offload_async_start.update"]
+    assert gather.hbm_read_bytes == rows + 8192 * 4
+
+
 def _copy_kernel(x_ref, y_ref, o_ref):
     o_ref[...] = x_ref[...] + y_ref[...]
 

@@ -345,12 +345,16 @@ def _op_traffic(inst: _Instruction, by_name, computations) -> ProgramOp | None:
                     charge_write(leaf)
     elif inst.opcode == "async-update":
         # Offloaded gathers / scatters: the inputs arrive with the update; result element 1 is the output.
-        for shape in operand_shapes[1:]:
+        # A gather offloaded to the SparseCores (XLA names it `gather_offload...`) reads the rows it gathers,
+        # one per index (repeated rows again), not its whole table: its data operand is charged the output's
+        # bytes, its indices whole.
+        output = _leaves(inst.shape[1]) if isinstance(inst.shape, tuple) and len(inst.shape) > 1 else []
+        gather = inst.name.startswith("gather_offload")
+        for number, shape in enumerate(operand_shapes[1:]):
             for leaf in _leaves(shape):
-                charge_read(leaf)
-        if isinstance(inst.shape, tuple) and len(inst.shape) > 1:
-            for leaf in _leaves(inst.shape[1]):
-                charge_write(leaf)
+                charge_read(leaf, sum(o.bytes for o in output) if gather and number == 0 else None)
+        for leaf in output:
+            charge_write(leaf)
     elif inst.opcode == "fusion":
         called = computations.get(_attribute(inst.attributes, "calls"), [])
         partial = _partially_read_parameters(called)
