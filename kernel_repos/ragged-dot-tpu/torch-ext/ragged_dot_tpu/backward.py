@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .config import select_d_lhs_config, weights_orientation
+from .config import select_d_lhs_config, weights_as_stored
 from .gates import gated, split_gate_up
 from .pallas_tgmm import tgmm
 from .pallas_tpu import ragged_dot
@@ -105,10 +105,8 @@ def grouped_experts_backward(
     tokens = order // top_k
     live = (jnp.arange(order.shape[0]) < group_sizes.sum())[:, None]
     bias_rows = jnp.minimum(top_k_index.reshape(-1)[order], num_experts - 1)
-    intermediate_size = down_proj.shape[1] if weights_transposed else down_proj.shape[2]
-    orientation = weights_orientation(hidden, intermediate_size, weights_transposed=weights_transposed)
-    swap_gate_up = orientation.gate_up_transposed != weights_transposed
-    swap_down = orientation.down_transposed != weights_transposed
+    orientation, gate_up_read, down_read, _, _ = weights_as_stored(gate_up_proj, down_proj,
+                                                                   weights_transposed=weights_transposed)
 
     # The gate again, elementwise, from the saved projection; its vjp gives d_gate_up.
     gate_up = gate_up_out.astype(f32)
@@ -130,16 +128,18 @@ def grouped_experts_backward(
 
     # A swapped weights view's gradient comes in the view's order; swapped back it is again a bitcast.
     d_intermediate, d_down_proj = ragged_dot_backward(
-        d_out.astype(dtype), intermediate.astype(dtype), jnp.swapaxes(down_proj, 1, 2) if swap_down else down_proj,
-        group_sizes, transpose_rhs=not orientation.down_transposed, generation=generation)
-    d_down_proj = jnp.swapaxes(d_down_proj, 1, 2) if swap_down else d_down_proj
+        d_out.astype(dtype), intermediate.astype(dtype), down_read, group_sizes,
+        transpose_rhs=not orientation.down_transposed, generation=generation)
+    if orientation.down_transposed != weights_transposed:
+        d_down_proj = jnp.swapaxes(d_down_proj, 1, 2)
     (d_gate_up,) = gate_vjp(d_intermediate.astype(f32))
     d_gate_up = jnp.where(live, d_gate_up, 0.0)
     rows = hidden_states[tokens]
     d_rows, d_gate_up_proj = ragged_dot_backward(
-        d_gate_up.astype(dtype), rows, jnp.swapaxes(gate_up_proj, 1, 2) if swap_gate_up else gate_up_proj,
-        group_sizes, transpose_rhs=not orientation.gate_up_transposed, generation=generation)
-    d_gate_up_proj = jnp.swapaxes(d_gate_up_proj, 1, 2) if swap_gate_up else d_gate_up_proj
+        d_gate_up.astype(dtype), rows, gate_up_read, group_sizes,
+        transpose_rhs=not orientation.gate_up_transposed, generation=generation)
+    if orientation.gate_up_transposed != weights_transposed:
+        d_gate_up_proj = jnp.swapaxes(d_gate_up_proj, 1, 2)
 
     d_hidden = jnp.zeros((num_tokens, hidden), f32).at[tokens].add(d_rows.astype(f32))
     d_weights = jnp.zeros(order.shape, f32).at[order].set(d_weights_sorted).reshape(num_tokens, top_k)

@@ -41,7 +41,7 @@ from ._hardware import (
     LANES, MAX_VMEM_LIMIT_BYTES, MOSAIC_SCRATCH_BYTES, check_generation, default_layout_swaps_minor_dims,
     padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, tpu_generation, vmem_limit_bytes,
 )
-from .quant import FP8_BLOCK, INT8, blocks, scheme_of
+from .quant import FP8_BLOCK, INT8, blocks, scheme_of, swapped_minor_dims
 
 # What a config's blocks may take: the most the kernel asks Mosaic for, less
 # Mosaic's own scratch.
@@ -359,6 +359,21 @@ def weights_orientation(hidden: int, intermediate: int, *, weights_transposed: b
     down = (intermediate, hidden) if weights_transposed else (hidden, intermediate)
     return WeightsOrientation(weights_transposed != default_layout_swaps_minor_dims(gate_up),
                               weights_transposed != default_layout_swaps_minor_dims(down))
+
+
+def weights_as_stored(gate_up_proj, down_proj, gate_up_scales=None, down_scales=None, *, weights_transposed: bool):
+    """The views of both projections (and their scales) that the kernels read (`weights_orientation`).
+
+    Returns `(orientation, gate_up_proj, down_proj, gate_up_scales, down_scales)`.
+    """
+    hidden = down_proj.shape[2] if weights_transposed else down_proj.shape[1]
+    intermediate = down_proj.shape[1] if weights_transposed else down_proj.shape[2]
+    orientation = weights_orientation(hidden, intermediate, weights_transposed=weights_transposed)
+    if orientation.gate_up_transposed != weights_transposed:
+        gate_up_proj, gate_up_scales = swapped_minor_dims(gate_up_proj, gate_up_scales)
+    if orientation.down_transposed != weights_transposed:
+        down_proj, down_scales = swapped_minor_dims(down_proj, down_scales)
+    return orientation, gate_up_proj, down_proj, gate_up_scales, down_scales
 
 
 class FusedConfig(NamedTuple):

@@ -29,11 +29,10 @@ import jax
 import jax.numpy as jnp
 
 from .backward import grouped_experts_backward
-from .config import use_fused_experts, weights_orientation
+from .config import use_fused_experts, weights_as_stored
 from .gates import gated, split_gate_up
 from .pallas_fused import fused_experts
 from .pallas_tpu import ragged_dot
-from .quant import swapped_minor_dims
 from .routing import sort_by_expert
 
 
@@ -168,12 +167,8 @@ def grouped_experts(
     num_tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[1]
     num_experts = gate_up_proj.shape[0]
-    intermediate = down_proj.shape[1] if weights_transposed else down_proj.shape[2]
-    orientation = weights_orientation(hidden, intermediate, weights_transposed=weights_transposed)
-    if orientation.gate_up_transposed != weights_transposed:
-        gate_up_proj, gate_up_scales = swapped_minor_dims(gate_up_proj, gate_up_scales)
-    if orientation.down_transposed != weights_transposed:
-        down_proj, down_scales = swapped_minor_dims(down_proj, down_scales)
+    orientation, gate_up_proj, down_proj, gate_up_scales, down_scales = weights_as_stored(
+        gate_up_proj, down_proj, gate_up_scales, down_scales, weights_transposed=weights_transposed)
     order, group_sizes = sort_by_expert(top_k_index, num_experts)
     rows = hidden_states[order // top_k]
     live = (jnp.arange(rows.shape[0]) < group_sizes.sum())[:, None]

@@ -59,10 +59,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .config import (
     BIAS_BLOCK_EXPERTS, FusedConfig, check_fused_config, expected_active_groups, fused_chunks, fused_config,
-    fused_vmem_limit, weights_orientation,
+    fused_vmem_limit, weights_as_stored,
 )
 from .gates import gated
-from .quant import FP8, INT8, dequantize_fp8_block, scheme_of, swapped_minor_dims
+from .quant import FP8, INT8, dequantize_fp8_block, scheme_of
 from .routing import expert_plan
 
 _BIAS_BLOCK_SHIFT = BIAS_BLOCK_EXPERTS.bit_length() - 1
@@ -311,11 +311,8 @@ def fused_experts(
     top_k = top_k_index.shape[1]
     num_experts = gate_up_proj.shape[0]
     intermediate = down_proj.shape[1] if weights_transposed else down_proj.shape[2]
-    orientation = weights_orientation(hidden, intermediate, weights_transposed=weights_transposed)
-    if orientation.gate_up_transposed != weights_transposed:
-        gate_up_proj, gate_up_scales = swapped_minor_dims(gate_up_proj, gate_up_scales)
-    if orientation.down_transposed != weights_transposed:
-        down_proj, down_scales = swapped_minor_dims(down_proj, down_scales)
+    orientation, gate_up_proj, down_proj, gate_up_scales, down_scales = weights_as_stored(
+        gate_up_proj, down_proj, gate_up_scales, down_scales, weights_transposed=weights_transposed)
     dtype = hidden_states.dtype
     has_bias = gate_up_bias is not None
     quantization = scheme_of(gate_up_proj.dtype)
