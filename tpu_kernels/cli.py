@@ -1,4 +1,4 @@
-"""`tpu-kernels`: build | check | bench | serve | upload | demo."""
+"""`tpu-kernels`: build | check | bench | calibrate | serve | upload | demo."""
 
 from __future__ import annotations
 
@@ -69,6 +69,28 @@ def _bench(args, extra: list[str]) -> int:
     return subprocess.call([sys.executable, str(path), "--repo", str(repo), *extra], env=env)
 
 
+def _calibrate(args) -> int:
+    from tqdm import tqdm
+
+    from . import calibration
+
+    try:
+        report = calibration.calibrate(
+            [Path(path) for path in args.paths],
+            chip=args.chip,
+            cache_dir=None if args.no_cache else Path(args.cache_dir),
+            jobs=args.jobs,
+            progress=lambda items, description: tqdm(items, desc=description, unit="entry"),
+        )
+    except calibration.CalibrationInputError as error:
+        print(f"tpu-kernels calibrate: {error}", file=sys.stderr)
+        return 2
+    calibration.write_report(report, Path(args.out))
+    print(calibration.summary_table(report))
+    print(f"{len(report['entries'])} entries modelled, {len(report['skipped'])} skipped; wrote {args.out}")
+    return 0
+
+
 def _serve(argv: list[str]) -> int:
     from .hub import serve_main
 
@@ -119,6 +141,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("repo", help="kernel_repos/<name>")
     bench.set_defaults(run=_bench)
+
+    calibrate = commands.add_parser(
+        "calibrate", help="model tokamax's measured TPU timings and compare (the performance model's error)"
+    )
+    calibrate.add_argument("paths", nargs="+", help="tokamax autotuning JSON files or folders of them")
+    calibrate.add_argument("--chip", help="v5e, v5p, v6e or tpu7x (default: from the folder name, e.g. tpu_v5_lite)")
+    calibrate.add_argument("--out", default="benchmarks/results/calibration.json", help="report file")
+    calibrate.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile threads")
+    calibrate.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "tpu-kernels" / "calibration"))
+    calibrate.add_argument("--no-cache", action="store_true", help="recompile and replay every entry")
+    calibrate.set_defaults(run=_calibrate)
 
     for name, help_ in (("serve", "run a local Hub-compatible server"), ("upload", "publish a build to a Hub"),
                         ("demo", "kernelize a tiny MoE model end to end")):

@@ -85,17 +85,28 @@ class TpuGeneration:
     fp8_flops_per_s: float
     int4_ops_per_s: float
     mxu_size: int
+    num_mxus: int
     lanes: int
     sublanes: int
+    # TensorCores of one device (2 in megacore: a Pallas grid splits over them only along parallel dimensions).
+    cores_per_device: int
+
+
+# Our names for generations whose jax ChipVersion value is a bare number ("7x"), as libtpu's topologies name them.
+_JAX_CHIP_NAMES = {"tpu7x": "7x"}
+# TensorCores one device drives: v5p (like v4) runs its chip's two cores as one megacore device; a TPU7x
+# device is one of its chip's two cores (jax's ChipVersion table).
+MEGACORE_GENERATIONS = ("v4", "v5p")
 
 
 @functools.cache
 def tpu_generation(name: str) -> TpuGeneration:
-    """Facts of any generation jax's table knows ("v5e", "v6e", "v5p", ...)."""
+    """Facts of any generation jax's table knows ("v5e", "v5p", "v6e", "tpu7x", ...), per TensorCore."""
     try:
-        chip = pltpu.ChipVersion(name)
+        chip = pltpu.ChipVersion(_JAX_CHIP_NAMES.get(name, name))
     except ValueError:
-        known = ", ".join(c.value for c in pltpu.ChipVersion)
+        ours = {jax_name: name for name, jax_name in _JAX_CHIP_NAMES.items()}
+        known = ", ".join(ours.get(c.value, c.value) for c in pltpu.ChipVersion)
         raise ValueError(f"generation: unknown TPU generation {name!r}; jax knows {known}") from None
     info = pltpu.get_tpu_info_for_chip(chip, 1)
     return TpuGeneration(
@@ -109,8 +120,10 @@ def tpu_generation(name: str) -> TpuGeneration:
         fp8_flops_per_s=float(info.fp8_ops_per_second),
         int4_ops_per_s=float(info.int4_ops_per_second),
         mxu_size=int(info.mxu_column_size),
+        num_mxus=int(info.num_mxus),
         lanes=int(info.num_lanes),
         sublanes=int(info.num_sublanes),
+        cores_per_device=2 if name in MEGACORE_GENERATIONS else 1,
     )
 
 

@@ -161,6 +161,30 @@ class DotShape:
         return generation.bf16_flops_per_s
 
 
+def pipeline_seconds(
+    fetched: np.ndarray,
+    written: np.ndarray,
+    compute: np.ndarray,
+    *,
+    prologue_bytes: float,
+    bandwidth: float,
+    step_overhead_s: float,
+) -> float:
+    """A double-buffered pipeline over steps: step t computes while t+1's blocks arrive and t-1's leave.
+
+    = (prologue + first fetch + last write-back) / bandwidth + sum over steps of max(compute_t, DMA_t)
+      + steps * overhead, with DMA_t = (bytes fetched for t+1 + bytes written after t-1) / bandwidth.
+    `fetched[t]` are the bytes a step needs copied in, `written[t]` those it leaves to copy out, `compute[t]`
+    its MXU seconds.
+    """
+    steps = len(compute)
+    if steps == 0:
+        return prologue_bytes / bandwidth
+    dma = (np.append(fetched[1:], 0.0) + np.insert(written[:-1], 0, 0.0)) / bandwidth
+    edges = (prologue_bytes + fetched[0] + written[-1]) / bandwidth
+    return float(edges + np.maximum(compute, dma).sum() + steps * step_overhead_s)
+
+
 @dataclasses.dataclass(frozen=True)
 class OperandTraffic:
     """What the pipeline moves for one operand of a pallas_call.
@@ -253,10 +277,7 @@ class PallasCallTraffic:
         compute do not balance.
         """
         gen = _as_generation(generation)
-        bandwidth = gen.hbm_bytes_per_s * hbm_fraction
         prologue = sum(op.hbm_bytes for op in self.operands if op.role == "scalar_prefetch")
-        if self.steps == 0:
-            return prologue / bandwidth
         fetched = np.zeros(self.steps)
         written = np.zeros(self.steps)
         for op in self.operands:
@@ -267,9 +288,8 @@ class PallasCallTraffic:
         for key, counts in self.dots_per_step.items():
             one = DotShape(*key, count=1)
             compute += counts * (one.mxu_flops(gen) / one.peak_flops_per_s(gen))
-        dma = (np.append(fetched[1:], 0.0) + np.insert(written[:-1], 0, 0.0)) / bandwidth
-        edges = (prologue + fetched[0] + written[-1]) / bandwidth
-        return float(edges + np.maximum(compute, dma).sum() + self.steps * step_overhead_s)
+        return pipeline_seconds(fetched, written, compute, prologue_bytes=prologue,
+                                bandwidth=gen.hbm_bytes_per_s * hbm_fraction, step_overhead_s=step_overhead_s)
 
     @property
     def vmem_bytes(self) -> int:
@@ -404,6 +424,31 @@ def with_operands_on_chip(call: PallasCallTraffic, positions: Sequence[int], why
 ActiveStepsFn = Callable[[str, np.ndarray, tuple[np.ndarray, ...]], Any]
 
 
+@dataclasses.dataclass(frozen=True)
+class RaggedDotCall:
+    """A `lax.ragged_dot_general` the traced function runs, with its group sizes where they are known.
+
+    XLA compiles it into a windowed loop of its own (`tpu_kernels.xla_ragged_dot` models it); the loop
+    skips the windows a group does not touch, so its cost depends on the group sizes' values.
+    """
+
+    lhs_shape: tuple[int, ...]
+    rhs_shape: tuple[int, ...]
+    lhs_dtype: str
+    rhs_dtype: str
+    out_dtype: str
+    dimension_numbers: Any  # lax.RaggedDotDimensionNumbers
+    group_sizes: np.ndarray | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramReplay:
+    """What the model replays of a traced function: its pallas_calls and its XLA ragged dots, each in execution order."""
+
+    pallas_calls: tuple[PallasCallTraffic, ...]
+    ragged_dots: tuple[RaggedDotCall, ...]
+
+
 def model_pallas_traffic(fn: Callable, *args, active_steps: ActiveStepsFn | None = None) -> list[PallasCallTraffic]:
     """Replays every pallas_call of `fn(*args)` and counts its HBM traffic and MXU work.
 
@@ -415,6 +460,14 @@ def model_pallas_traffic(fn: Callable, *args, active_steps: ActiveStepsFn | None
     executed, in execution order (a call inside a scan appears once per
     iteration). A pallas_call inside `lax.cond` or `lax.while_loop` is not
     supported.
+    """
+    return list(replay_program(fn, *args, active_steps=active_steps).pallas_calls)
+
+
+def replay_program(fn: Callable, *args, active_steps: ActiveStepsFn | None = None) -> ProgramReplay:
+    """`model_pallas_traffic`, plus every `lax.ragged_dot_general` of `fn(*args)` with its group sizes' values.
+
+    Pass the group sizes concretely to get their values (else `RaggedDotCall.group_sizes` is None).
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
@@ -437,10 +490,27 @@ def model_pallas_traffic(fn: Callable, *args, active_steps: ActiveStepsFn | None
     known_args = [a for a, k in zip(flat_args, is_known) if k]
     with jax.default_device(_host_device()):
         operand_values = _run_on_host(known_call_operands, known_args, list(closed.consts))
-    return [
-        _replay_pallas_call(eqn, [_UNKNOWN if v is None else np.asarray(v) for v in values], active_steps)
-        for eqn, values in zip(calls, operand_values)
-    ]
+    pallas_calls, ragged_dots = [], []
+    for eqn, values in zip(calls, operand_values):
+        values = [_UNKNOWN if v is None else np.asarray(v) for v in values]
+        if eqn.primitive.name == "pallas_call":
+            pallas_calls.append(_replay_pallas_call(eqn, values, active_steps))
+        else:
+            ragged_dots.append(_ragged_dot_call(eqn, values[0]))
+    return ProgramReplay(tuple(pallas_calls), tuple(ragged_dots))
+
+
+def _ragged_dot_call(eqn: jax_core.JaxprEqn, group_sizes) -> RaggedDotCall:
+    lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
+    return RaggedDotCall(
+        lhs_shape=tuple(int(d) for d in lhs.shape),
+        rhs_shape=tuple(int(d) for d in rhs.shape),
+        lhs_dtype=_dtype_name(lhs.dtype),
+        rhs_dtype=_dtype_name(rhs.dtype),
+        out_dtype=_dtype_name(eqn.outvars[0].aval.dtype),
+        dimension_numbers=eqn.params["ragged_dot_dimension_numbers"],
+        group_sizes=None if _is_unknown(group_sizes) else np.asarray(group_sizes, np.int64),
+    )
 
 
 class _Unknown:
@@ -486,8 +556,11 @@ _CALL_PRIMITIVES = frozenset(
 )
 
 
+_RAGGED_DOT = "ragged_dot_general"
+
+
 class _Collector:
-    """Traces a jaxpr on the values known so far, collecting each pallas_call and its small operands.
+    """Traces a jaxpr on the values known so far, collecting each pallas_call (and ragged dot) and its small operands.
 
     Runs under jax.jit: known values are tracers, the others `_UNKNOWN`.
     Everything that depends on an unknown value (or on a pallas_call output,
@@ -503,7 +576,7 @@ class _Collector:
         key = id(jaxpr)
         if key not in self._has_pallas:
             self._has_pallas[key] = any(
-                eqn.primitive.name == "pallas_call"
+                eqn.primitive.name in ("pallas_call", _RAGGED_DOT)
                 or any(self.contains_pallas(sub) for sub in jax_core.jaxprs_in_params(eqn.params))
                 for eqn in jaxpr.eqns
             )
@@ -525,6 +598,10 @@ class _Collector:
                 leading, small = _num_grid_operands(eqn)
                 self.calls.append(eqn)
                 self.operands.append([None if _is_unknown(v) else v for v in invals[leading : leading + small]])
+                outvals = [_UNKNOWN] * len(eqn.outvars)
+            elif eqn.primitive.name == _RAGGED_DOT:
+                self.calls.append(eqn)
+                self.operands.append([None if _is_unknown(invals[2]) else invals[2]])
                 outvals = [_UNKNOWN] * len(eqn.outvars)
             elif any(self.contains_pallas(sub) for sub in jax_core.jaxprs_in_params(eqn.params)):
                 outvals = self.descend(eqn, invals)

@@ -54,11 +54,13 @@ from pathlib import Path
 
 import jax
 
-from . import perf
+from . import perf, xla_ragged_dot
 from .aot import topology_device
 from .hardware import TpuGeneration, tpu_generation
 
 VMEM_BANDWIDTH_OVER_HBM = 22.0
+# Fixed cost of one kept iteration of XLA's ragged dot loop (`xla_ragged_dot`), fitted by `tpu-kernels calibrate`.
+XLA_RAGGED_DOT_STEP_S = 0.35e-6
 # MXUs per TensorCore: 4 on v4 and v5 ("How to Think About TPUs", which also gives v5e's 1.5 GHz clock);
 # assumed 4 on v6e. Used only to turn XLA's cycle estimates into seconds.
 MXUS_PER_CORE = 4
@@ -120,6 +122,8 @@ class ProgramOp:
     vmem_bytes: int
     estimated_cycles: int | None
     prefetch: bool
+    # XLA's loop for a `lax.ragged_dot_general` (`xla_ragged_dot`): priced by replaying it, not by its traffic.
+    ragged_dot: xla_ragged_dot.Windows | None = None
 
     @property
     def hbm_bytes(self) -> int:
@@ -186,9 +190,13 @@ class CompiledProgram:
 
 def lower_program(fn, avals: Sequence[jax.ShapeDtypeStruct], generation: str):
     """`fn` traced and lowered for `generation`'s compile-only device (cheap; compile it with `compile_lowered`)."""
-    sharding = jax.sharding.SingleDeviceSharding(topology_device(generation))
+    device = topology_device(generation)
+    sharding = jax.sharding.SingleDeviceSharding(device)
     placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in avals]
-    return jax.jit(fn).lower(*placed)
+    # Kernels that ask jax which TPU they are traced for (`pltpu.get_tpu_info()`, e.g. emit_pipeline's DMA
+    # tiling) read the default device.
+    with jax.default_device(device):
+        return jax.jit(fn).lower(*placed)
 
 
 def compile_lowered(lowered, generation: str) -> CompiledProgram:
@@ -198,14 +206,14 @@ def compile_lowered(lowered, generation: str) -> CompiledProgram:
     """
     with tempfile.TemporaryDirectory(prefix="xla_dump_") as dump:
         compiled = lowered.compile({"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
-        optimized = _one_dump(dump, "after_optimizations.txt")
-        codegen = _one_dump(dump, "after_codegen.txt", required=False)
+        optimized = dumped_module(dump, "after_optimizations.txt")
+        codegen = dumped_module(dump, "after_codegen.txt", required=False)
         return analyse_hlo(
             optimized.read_text(),
             generation,
             codegen_text=codegen.read_text() if codegen else None,
             cost_analysis=compiled.cost_analysis() or {},
-            memory=_memory_stats(compiled),
+            memory=memory_stats(compiled),
         )
 
 
@@ -214,7 +222,7 @@ def compile_program(fn, avals: Sequence[jax.ShapeDtypeStruct], generation: str) 
     return compile_lowered(lower_program(fn, avals, generation), generation)
 
 
-def _one_dump(folder: str, suffix: str, required: bool = True) -> Path | None:
+def dumped_module(folder: str, suffix: str, required: bool = True) -> Path | None:
     found = sorted(Path(folder).glob(f"*.{suffix}"))
     if len(found) > 1:
         raise RuntimeError(f"XLA dumped {len(found)} modules ending in {suffix} for one compile: {found}")
@@ -223,7 +231,7 @@ def _one_dump(folder: str, suffix: str, required: bool = True) -> Path | None:
     return found[0] if found else None
 
 
-def _memory_stats(compiled) -> dict:
+def memory_stats(compiled) -> dict:
     stats = compiled.memory_analysis()
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "generated_code_size_in_bytes")
     return {field: int(getattr(stats, field)) for field in fields} if stats is not None else {}
@@ -383,7 +391,24 @@ def _op_traffic(inst: _Instruction, by_name, computations) -> ProgramOp | None:
         if source.opcode == "parameter" and isinstance(source.shape, Leaf) and isinstance(inst.shape, Leaf) \
                 and source.shape.layout != inst.shape.layout:
             detail = f"{RELAYOUT} {source.name} ({source.shape.layout} -> {inst.shape.layout})"
-    return ProgramOp(inst.name, inst.opcode, detail, reads, hbm_write, vmem, None, prefetch)
+    windows = _ragged_dot_windows(inst, computations) if inst.opcode == "fusion" else None
+    return ProgramOp(inst.name, inst.opcode, detail, reads, hbm_write, vmem, None, prefetch, windows)
+
+
+def _ragged_dot_windows(inst: _Instruction, computations) -> xla_ragged_dot.Windows | None:
+    """The loop of a fusion that computes a ragged dot (its backend config, or a nested fusion's)."""
+    pending, seen = [inst], set()
+    while pending:
+        current = pending.pop()
+        if xla_ragged_dot.is_ragged_dot_fusion(current.attributes):
+            windows = xla_ragged_dot.parse_windows(current.attributes)
+            if windows is not None:
+                return windows
+        called = _attribute(current.attributes, "calls")
+        if called in computations and called not in seen:
+            seen.add(called)
+            pending.extend(computations[called])
+    return None
 
 
 def _source(name: str, by_name) -> str:
@@ -420,21 +445,31 @@ def _parse_module(text: str) -> tuple[dict[str, list[_Instruction]], str]:
     computations: dict[str, list[_Instruction]] = {}
     entry = None
     current = None
+    pending: list[tuple[str, str]] = []  # (name, text) of the current computation's instructions
+
+    def close():
+        computations[current] = [_parse_instruction(name, rest) for name, rest in pending]
+        pending.clear()
+
     for line in text.splitlines():
         if current is None:
             header = _HEADER.match(line)
             if header and "=" not in line.split("(")[0]:
                 current = header.group(2)
-                computations[current] = []
                 if header.group(1):
                     entry = current
             continue
-        if line.startswith("}"):
+        if line.strip() == "}":
+            close()
             current = None
             continue
         match = _INSTRUCTION.match(line)
         if match:
-            computations[current].append(_parse_instruction(match.group(1), match.group(2)))
+            pending.append((match.group(1), match.group(2)))
+        elif pending:
+            # An attribute string holding line breaks (a kernel's metadata JSON) continues the instruction.
+            name, rest = pending[-1]
+            pending[-1] = (name, rest + "\n" + line)
     if entry is None:
         raise ValueError("HLO text has no ENTRY computation")
     return computations, entry
@@ -537,6 +572,7 @@ class ProgramTime:
     hbm_fraction: float
     kernels: perf.ModelledTime | None
     xla_s: float
+    ragged_dot_s: float
     xla_flops: float
     xla_hbm_bytes: int
     xla_vmem_bytes: int
@@ -551,15 +587,21 @@ class ProgramTime:
 
     @property
     def time_s(self) -> float:
-        return (self.kernels.time_s if self.kernels else 0.0) + self.xla_s
+        return (self.kernels.time_s if self.kernels else 0.0) + self.xla_s + self.ragged_dot_s
 
     @property
     def pipelined_time_s(self) -> float:
-        return (self.kernels.pipelined_time_s if self.kernels else 0.0) + self.xla_s
+        return (self.kernels.pipelined_time_s if self.kernels else 0.0) + self.xla_s + self.ragged_dot_s
 
     @property
     def hbm_bytes(self) -> int:
         return (self.kernels.hbm_bytes if self.kernels else 0) + self.xla_hbm_bytes
+
+
+def _dense_flops(call: perf.RaggedDotCall) -> float:
+    """The FLOPs XLA's cost analysis reports for a ragged dot: every row against every group's weights."""
+    shape = xla_ragged_dot.shape_of(call)
+    return 2.0 * shape.groups * shape.m * shape.k * shape.n
 
 
 def clock_hz(generation: str | TpuGeneration) -> float:
@@ -599,19 +641,36 @@ def model_program(
     program: CompiledProgram,
     calls: Sequence[perf.PallasCallTraffic],
     *,
+    ragged_dots: Sequence[perf.RaggedDotCall] = (),
     step_overhead_s: float = perf.GRID_STEP_OVERHEAD_S,
+    ragged_dot_step_s: float = XLA_RAGGED_DOT_STEP_S,
     hbm_fraction: float = 1.0,
 ) -> ProgramTime:
-    """Modelled time of `program` whose Pallas kernels were replayed as `calls` (module docstring)."""
+    """Modelled time of `program` whose Pallas kernels were replayed as `calls` (module docstring).
+
+    `ragged_dots` are the program's `lax.ragged_dot_general`s as `perf.replay_program` found them, in
+    order: each is priced by replaying XLA's loop for it (`xla_ragged_dot`).
+    """
     gen: TpuGeneration = tpu_generation(program.generation)
     placed = kernels_as_placed(program, calls)
     kernels = perf.roofline(placed, gen, step_overhead_s=step_overhead_s, hbm_fraction=hbm_fraction) if placed else None
-    hbm_bandwidth = gen.hbm_bytes_per_s * hbm_fraction
-    vmem_bandwidth = gen.hbm_bytes_per_s * VMEM_BANDWIDTH_OVER_HBM
-    transfer_s = sum(max(op.hbm_bytes / hbm_bandwidth, op.vmem_bytes / vmem_bandwidth) for op in program.ops)
+    hbm_bandwidth = gen.hbm_bytes_per_s * gen.cores_per_device * hbm_fraction
+    vmem_bandwidth = gen.hbm_bytes_per_s * gen.cores_per_device * VMEM_BANDWIDTH_OVER_HBM
+    looped = [op for op in program.ops if op.ragged_dot is not None]
+    if len(looped) != len(ragged_dots):
+        raise ValueError(
+            f"the compiled program has {len(looped)} ragged dot loops but {len(ragged_dots)} ragged dots were "
+            "replayed: pass perf.replay_program(...).ragged_dots"
+        )
+    ragged = [xla_ragged_dot.model(call, op.ragged_dot, gen, step_overhead_s=ragged_dot_step_s,
+                                   hbm_fraction=hbm_fraction) for op, call in zip(looped, ragged_dots)]
+    transfer_s = sum(max(op.hbm_bytes / hbm_bandwidth, op.vmem_bytes / vmem_bandwidth)
+                     for op in program.ops if op.ragged_dot is None)
     kernel_flops = sum(call.cost_estimate.flops for call in calls if call.cost_estimate is not None)
-    xla_flops = max(program.cost_analysis.get("flops", 0.0) - kernel_flops, 0.0)
-    xla_s = max(transfer_s, xla_flops / gen.bf16_flops_per_s)
+    # XLA's cost analysis counts a ragged dot densely over every group; its loop is priced apart.
+    dense_ragged_flops = sum(_dense_flops(call) for call in ragged_dots)
+    xla_flops = max(program.cost_analysis.get("flops", 0.0) - kernel_flops - dense_ragged_flops, 0.0)
+    xla_s = max(transfer_s, xla_flops / (gen.bf16_flops_per_s * gen.cores_per_device))
     moving = program.moving_ops
     return ProgramTime(
         generation=program.generation,
@@ -619,6 +678,7 @@ def model_program(
         hbm_fraction=hbm_fraction,
         kernels=kernels,
         xla_s=xla_s,
+        ragged_dot_s=sum(r.seconds for r in ragged),
         xla_flops=xla_flops,
         xla_hbm_bytes=program.hbm_bytes,
         xla_vmem_bytes=program.vmem_bytes,
