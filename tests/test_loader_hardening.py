@@ -492,6 +492,8 @@ def test_an_unreachable_hub_is_named_with_the_failure_and_no_advice_to_trust(tmp
         message = str(raised.value)
         assert f"Cannot reach the Hub at {url}: ConnectError" in message, (name, message)
         assert "refused" in message and "trust_remote_code" not in message, (name, message)
+        if name.startswith("kernelize"):
+            assert raised.value.__notes__[-1].startswith("kernelize: while loading the experts kernel "), name
 
 
 # -- the ids, fuzzed (bounded: about 20 s) -------------------------------------------------------------
