@@ -71,7 +71,14 @@ from kernels.deps import DepTreeNode, resolve_kernel_tree
 from kernels.hf_hub import _check_trust_remote_code, _get_hf_api
 from kernels.load import _get_local_kernel_overrides
 from kernels.locking import get_locked_kernel_revision
-from kernels.resolver import LocalKernel, RemoteKernel, SequentialResolver, resolve_hub_kernel, resolve_local_kernel
+from kernels.resolver import (
+    LocalKernel,
+    RemoteKernel,
+    Resolver,
+    SequentialResolver,
+    resolve_hub_kernel,
+    resolve_local_kernel,
+)
 from kernels.validate import AllValidator, ArchValidator, MetadataValidator, default_metadata_validators
 from kernels.variants import get_variants_local, resolve_variant, variants_trace_str
 
@@ -238,7 +245,7 @@ def _hub_api() -> HfApi:
 
 def _install(
     kernel: KernelDependency,
-    resolver,
+    resolver: Resolver,
     *,
     backend: str | None,
     validator: MetadataValidator,
