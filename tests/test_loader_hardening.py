@@ -411,6 +411,24 @@ def test_ids_from_a_lying_hub_never_name_a_path(hub, hostile, tmp_path, case):
     assert get_kernel(REPO, **load).answer() == 5  # told the truth, the same call loads
 
 
+def test_an_id_from_a_cached_tree_listing_never_names_a_path(hub, client, tmp_path):
+    """huggingface_hub skips the per-file request for a Xet file its cached tree listing describes, and
+    takes the ETag from that listing (which the server wrote): the same check applies."""
+    from huggingface_hub import hf_hub_download
+
+    publication = publish(hub, make_build(tmp_path, answer=5))
+    trees = client / "kernels--trusted-org--answer" / "trees"
+    trees.mkdir(parents=True)
+    listing = {"format_version": 1, "files": {"build/torch-cpu/metadata.json": {
+        "size": 10, "blob_id": "0" * 40, "lfs_sha256": f"{OUT}/planted", "lfs_size": 10, "xet_hash": "a" * 64}}}
+    (trees / f"{publication.build_oid}.json").write_text(json.dumps(listing))
+    outside = files_outside(tmp_path, client, tmp_path / "hub")
+    with pytest.raises(UnsafeIdError, match="ETag '../../../victim/planted'"):
+        hf_hub_download(REPO, "build/torch-cpu/metadata.json", repo_type="kernel", revision=publication.build_oid,
+                        cache_dir=client)
+    assert files_outside(tmp_path, client, tmp_path / "hub") == outside
+
+
 def test_the_trust_check_comes_before_anything_a_lying_hub_says(hub, hostile, tmp_path):
     publication = publish(hub, make_build(tmp_path, answer=5), repo_id=UNTRUSTED)
     outside = files_outside(tmp_path, tmp_path / "cache", tmp_path / "hub")
