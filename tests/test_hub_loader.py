@@ -120,8 +120,9 @@ def run_python(code: str, env: dict, timeout: float = 300) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def variant_dir(module) -> Path:
-    return Path(module.__file__).parent
+def cached_variant(cache: Path, commit: str, repo_id: str = REPO, variant: str = "torch-cpu") -> Path:
+    """Where huggingface_hub keeps a downloaded variant; loaded kernels run from a private copy of it."""
+    return cache / f"kernels--{repo_id.replace('/', '--')}" / "snapshots" / commit / "build" / variant
 
 
 def test_upload_publishes_the_card_on_main_and_the_build_on_its_version_branch(
@@ -177,8 +178,9 @@ def test_only_trusted_publishers_load_without_trust_remote_code(hub, client, tmp
 
 
 def test_a_tampered_cache_is_refused_naming_the_file_and_a_forced_download_repairs_it(hub, client, tmp_path):
-    publish(hub, make_build(tmp_path, answer=5))
-    variant = variant_dir(get_kernel(REPO, version=1))
+    publication = publish(hub, make_build(tmp_path, answer=5))
+    assert get_kernel(REPO, version=1).answer() == 5
+    variant = cached_variant(client, publication.build_oid)
     value_file = variant / "_value.py"
     original = value_file.read_bytes()
 
@@ -222,7 +224,7 @@ def test_forged_bytecode_does_not_replace_the_verified_source(hub, client, tmp_p
     assert plain_import.VALUE == 666  # the forgery works on a plain import
 
     assert get_kernel(REPO, revision=publication.build_commit.oid).answer() == 5
-    assert not pyc.parent.exists()
+    assert pyc.exists()  # left in the cache: the import reads a private copy, which has no bytecode
 
 
 def test_local_kernels_overrides_are_verified_too(hub, client, tmp_path, monkeypatch):
@@ -271,11 +273,10 @@ def test_eight_processes_share_one_consistent_cache(hub, tmp_path):
         assert process.returncode == 0, stderr[-5000:]
     results = [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in outputs]
     assert {answer for answer, _ in results} == {11}
-    paths = {path for _, path in results}
-    assert len(paths) == 1
-    verify_variant(Path(paths.pop()).parent)
+    assert len({path for _, path in results}) == 8  # each process imports its own private copy
     repo_cache = cache / "kernels--trusted-org--answer"
-    assert len(list((repo_cache / "snapshots").iterdir())) == 1
+    (snapshot,) = (repo_cache / "snapshots").iterdir()
+    verify_variant(snapshot / "build" / "torch-cpu")
     assert not list(repo_cache.rglob("*.incomplete"))
 
 

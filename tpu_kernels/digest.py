@@ -9,12 +9,17 @@ be accounted for, because Python may import any of them:
 
 * every file is listed in the digest, with that digest; `metadata.json` and its signature
   `metadata.json.sigstore` at the top are the only files outside it (neither is imported);
-* every folder holds a listed file; `__pycache__` folders are the caller's to remove first;
+* every folder holds a listed file; `__pycache__` folders are passed over, neither checked nor
+  copied (the loader imports from a copy that has none);
 * no symbolic link, except, in a Hub cache snapshot, the cache's own link from a file to its
   blob (`blobs/<id>` of the same repo folder);
 * in a Hub cache, metadata.json is checked against the id of the blob it links to: the
   cache names each blob after the ETag the Hub sent, which is the file's git blob id (the
   sha256 for LFS files), so metadata.json and code edited together are caught too.
+
+`copy_verified_variant` reads each file once, hashes those bytes and writes the same bytes to a
+new folder: what is imported from that copy is exactly what was checked, whatever happens to the
+variant afterwards.
 
 Standard library only: builder, publisher and loader share it, and it loads nothing.
 """
@@ -54,6 +59,11 @@ def git_blob_id(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
+def is_blob_id(value: object) -> bool:
+    """Whether `value` is a blob id as the Hub sends it (ETag, `oid`): a git blob id, or a sha256 for LFS files."""
+    return isinstance(value, str) and bool(_GIT_BLOB_ID.fullmatch(value) or _SHA256.fullmatch(value))
+
+
 def blob_name_matches(name: str, data: bytes) -> bool:
     """Whether a cache blob named `name` (the Hub's ETag) holds `data`: git blob id, or sha256 for LFS."""
     if _GIT_BLOB_ID.fullmatch(name):
@@ -88,6 +98,29 @@ def verify_variant(
         metadata_blob_id: the Hub's blob id (or LFS sha256) of this metadata.json, when the
             caller asked the Hub; metadata.json must link to exactly that blob.
     """
+    _check_variant(Path(variant), None, source=source, blobs=blobs, metadata_blob_id=metadata_blob_id)
+
+
+def copy_verified_variant(
+    variant: Path,
+    destination: Path,
+    *,
+    source: str | None = None,
+    blobs: Path | None = None,
+    metadata_blob_id: str | None = None,
+) -> None:
+    """`verify_variant`, writing to `destination` (a new folder, mode 0700) exactly the bytes it checked.
+
+    Each file is read once; the bytes hashed are the bytes written, so a file changed in the variant
+    during or after the check cannot reach the copy. The copy holds metadata.json and the files of the
+    digest, nothing else. On KernelIntegrityError the copy is incomplete: the caller discards it.
+    """
+    _check_variant(Path(variant), Path(destination), source=source, blobs=blobs, metadata_blob_id=metadata_blob_id)
+
+
+def _check_variant(
+    variant: Path, copy_to: Path | None, *, source: str | None, blobs: Path | None, metadata_blob_id: str | None
+) -> None:
     # Absolute, unresolved: the cache's relative links are read against these paths.
     variant = Path(os.path.abspath(variant))
     blobs = Path(os.path.abspath(blobs)) if blobs is not None else None
@@ -114,7 +147,10 @@ def verify_variant(
             f"(need an algorithm among {sorted(_HASHES)} and a files mapping)",
             [metadata_path],
         )
-    scan = _scan(variant, algorithm, blobs)
+    if copy_to is not None:
+        copy_to.mkdir(mode=0o700)
+        _write_new_file(copy_to / METADATA_FILE, [metadata_bytes])
+    scan = _scan(variant, algorithm, blobs, copy_to)
     problems = list(scan.problems)
     for path in sorted(expected.keys() - scan.digests.keys()):
         problems.append((path, "missing"))
@@ -137,15 +173,16 @@ def verify_variant(
 def _read_metadata(path: Path, where: str, blobs: Path | None, hub_blob_id: str | None) -> bytes:
     """metadata.json's bytes; in a cache, only if they are the blob the Hub named (and sent)."""
     if blobs is None:
-        if path.is_symlink() or not path.is_file():
+        data = _read_regular_file(path)
+        if data is None:
             raise KernelIntegrityError(f"Refusing to import {where}: {path} is not a regular file", [path])
-        return path.read_bytes()
+        return data
     blob = _cache_link_target(path, blobs)
-    if blob is None:
+    data = _read_regular_file(blob) if blob is not None else None
+    if data is None:
         raise KernelIntegrityError(
             f"Refusing to import {where}: {path} is not the cache's link to a blob in {blobs}", [path]
         )
-    data = blob.read_bytes()
     if not blob_name_matches(blob.name, data):
         raise KernelIntegrityError(
             f"Refusing to import {where}: {path} was changed in the cache (its content is not blob {blob.name}, "
@@ -206,8 +243,11 @@ class _Scan:
         return sorted({variant / path for path, _ in self.problems})
 
 
-def _scan(variant: Path, algorithm: str, blobs: Path | None) -> _Scan:
-    """Every entry under `variant`, without following links: file digests, folders, and what is not allowed."""
+def _scan(variant: Path, algorithm: str, blobs: Path | None, copy_to: Path | None = None) -> _Scan:
+    """Every entry under `variant`, without following links: file digests, folders, and what is not allowed.
+
+    With `copy_to`, every file hashed is written there, under the same relative path, as the bytes hashed.
+    """
     scan = _Scan()
     if variant.is_symlink() or not variant.is_dir():
         scan.problems.append((".", "the variant is not a folder (a link, or missing)"))
@@ -233,8 +273,61 @@ def _scan(variant: Path, algorithm: str, blobs: Path | None) -> _Scan:
             else:
                 scan.problems.append((relative, "not a regular file"))
                 continue
-            scan.digests[relative] = base64.b64encode(_HASHES[algorithm](content.read_bytes()).digest()).decode()
+            digest = _hash_file(content, _HASHES[algorithm](), copy_to / relative if copy_to is not None else None)
+            if digest is None:
+                scan.problems.append((relative, "changed while being read (no longer a regular file)"))
+                continue
+            scan.digests[relative] = base64.b64encode(digest).decode()
     return scan
+
+
+def _open_regular_file(path: Path):
+    """`path` opened for reading if it is a regular file (a link is not followed), else None.
+
+    O_NONBLOCK: a FIFO swapped in for the file must not block the open.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return os.fdopen(fd, "rb")
+
+
+def _read_regular_file(path: Path) -> bytes | None:
+    handle = _open_regular_file(path)
+    if handle is None:
+        return None
+    with handle:
+        return handle.read()
+
+
+def _hash_file(path: Path, hasher, copy_to: Path | None) -> bytes | None:
+    """The digest of the regular file at `path`, read once; those same bytes written to `copy_to` if given."""
+    handle = _open_regular_file(path)
+    if handle is None:
+        return None
+    with handle:
+        chunks = iter(lambda: handle.read(1 << 20), b"")
+        if copy_to is None:
+            for chunk in chunks:
+                hasher.update(chunk)
+        else:
+            copy_to.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _write_new_file(copy_to, chunks, hasher)
+    return hasher.digest()
+
+
+def _write_new_file(path: Path, chunks: Iterable[bytes], hasher=None) -> None:
+    """Create `path` (it must not exist, and is not followed if a link) with these bytes, readable by us only."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        for chunk in chunks:
+            if hasher is not None:
+                hasher.update(chunk)
+            out.write(chunk)
 
 
 def _walk(root: Path) -> Iterable[tuple[Path, list[Path]]]:

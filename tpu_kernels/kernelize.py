@@ -32,8 +32,9 @@ kernel cannot serve it, for one of these reasons, which the report names:
 
 Anything else raises whatever `use_fallback` says: a tampered or unverifiable
 kernel (KernelIntegrityError), an untrusted publisher, a missing version or
-repo, a bad spec, a network error, an error inside the kernel's code. The
-returned model carries a report (`model.tpu_kernels_report`) of what was
+repo, a bad spec, a Hub out of reach (HubUnreachableError, naming the Hub and
+the network failure), an error inside the kernel's code; the error carries a
+note naming the kind and the kernel it was loading. The returned model carries a report (`model.tpu_kernels_report`) of what was
 replaced, by which repo and version, and what was not and why.
 
 Importing this module imports neither `kernels` nor transformers: they load on
@@ -383,6 +384,9 @@ def kernelize(
             if not use_fallback:
                 raise
             entry = ReportEntry(kind, False, (), str(spec), f"the kernel has no build for this system: {error}")
+        except Exception as error:
+            error.add_note(f"kernelize: while loading the {kind} kernel {spec}")
+            raise
         else:
             loaded[kind] = kernel
             entry = APPLIERS[kind](model, spec, kernel, mode, backend)

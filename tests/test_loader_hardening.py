@@ -1,0 +1,586 @@
+"""What an attacker gets through the loader (issue 21): planted bytecode in a read-only cache, a blob
+swapped between the digest check and the import, a Hub that lies about ids, and the errors users see
+when the Hub is out of reach or telemetry is off.
+
+Reads of a read-only folder are checked the way a user who is not root meets them: when the tests run
+as root, the loads run in a subprocess without the capability that lets root write anywhere.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from importlib import _bootstrap_external
+from pathlib import Path
+
+import kernels.importer
+import pytest
+from huggingface_hub import constants
+from huggingface_hub.errors import HfHubHTTPError
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kernels import resolver as kernels_resolver
+from kernels._rust import KernelDependency, KernelLock, KernelLocks, KernelVersion
+
+import tpu_kernels.loader as loader
+from tpu_kernels.digest import KernelIntegrityError
+from tpu_kernels.loader import HubUnreachableError, UnsafeIdError, get_kernel, get_local_kernel
+
+from .conftest import REPO_ROOT
+from .hostile_hub import branch_target, extra_branches, file_header, hostile_hub, revision_sha
+from .test_hub_loader import (  # noqa: F401 - fixtures
+    FAST_SUBPROCESS_ENV,
+    REPO,
+    cached_variant,
+    client,
+    hub,
+    loopback_only,
+    make_build,
+    publish,
+    run_python,
+    subprocess_env,
+)
+
+UNTRUSTED = "someone/answer"
+
+
+def point_clients_at(monkeypatch, url: str, cache: Path) -> None:
+    """huggingface_hub and kernels in this process, as if HF_ENDPOINT=url and KERNELS_CACHE=cache."""
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(kernels_resolver, "CACHE_DIR", str(cache))
+    monkeypatch.setenv("KERNELS_CACHE", str(cache))
+    monkeypatch.delenv("LOCAL_KERNELS", raising=False)
+
+
+def forget_loaded_kernels() -> None:
+    """Make the next load import again: kernels' registry of imported variants, and our copies of them."""
+    ids = {loaded.metadata.id for loaded in kernels.importer._loaded_kernels.values()}
+    for name in [name for name in sys.modules if name.split(".")[0] in ids]:  # submodules too
+        del sys.modules[name]
+    kernels.importer._loaded_kernels.clear()
+    getattr(loader, "_PRIVATE_COPIES", {}).clear()
+
+
+def files_outside(root: Path, *inside: Path) -> dict[str, bytes | None]:
+    """Every path under `root` but those under `inside`, with file contents (None for folders and links)."""
+    found = {}
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [name for name in subfolders if Path(folder) / name not in inside]
+        for name in subfolders + files:
+            path = Path(folder) / name
+            regular = path.is_file() and not path.is_symlink()
+            found[str(path.relative_to(root))] = path.read_bytes() if regular else None
+    return found
+
+
+def lock_file(path: Path, repo_id: str, commit: str) -> Path:
+    locks = KernelLocks({KernelDependency(repo_id=repo_id, version=KernelVersion.Version(1)): KernelLock(commit)})
+    path.write_text(locks.to_json())
+    return path
+
+
+# -- found 1: planted bytecode in a read-only cache ------------------------------------------------------
+
+
+def plant_bytecode(variant: Path, marker: Path) -> None:
+    """Unchecked-hash bytecode (PEP 552: Python runs it whatever the source holds) for each module of the
+    variant: it records that it ran and answers 666."""
+    folder = variant / "__pycache__"
+    folder.mkdir()
+    forged = f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\nVALUE = 666\ndef answer():\n    return 666\n"
+    for module in ("__init__", "_value"):
+        code = compile(forged, str(variant / f"{module}.py"), "exec")
+        pyc = _bootstrap_external._code_to_hash_pyc(code, importlib.util.source_hash(b""), checked=False)
+        (folder / f"{module}.{sys.implementation.cache_tag}.pyc").write_bytes(pyc)
+
+
+def set_folder_modes(root: Path, mode: int) -> None:
+    for folder, _, _ in os.walk(root):
+        os.chmod(folder, mode)
+
+
+def run_python_as_a_user(code: str, env: dict) -> dict:
+    """`run_python`, as a user whom file modes bind: as root, without the capabilities that let root write
+    into read-only folders, read any file, or change files of others."""
+    as_a_user = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: file modes would not bind")
+        as_a_user = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner"]
+    result = subprocess.run([*as_a_user, sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-5000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+LOADS_FROM_A_PLANTED_CACHE = """
+    import json, sys
+    import kernels.importer
+    import tpu_kernels.loader as loader
+
+    def answer(load):
+        ids = {{loaded.metadata.id for loaded in kernels.importer._loaded_kernels.values()}}
+        for name in [name for name in sys.modules if name.split(".")[0] in ids]:
+            del sys.modules[name]
+        kernels.importer._loaded_kernels.clear()
+        getattr(loader, "_PRIVATE_COPIES", {{}}).clear()
+        try:
+            return load().answer()
+        except Exception as error:
+            return f"{{type(error).__name__}}: {{error}}"
+
+    loads = {{
+        "version": lambda: loader.get_kernel({repo!r}, version=1),
+        "commit": lambda: loader.get_kernel({repo!r}, revision={commit!r}),
+        "lock file": lambda: loader.{lock_loader}({repo!r}, lockfile={lockfile!r}),
+    }}
+    if {force!r}:
+        loads["force_download"] = lambda: loader.get_kernel({repo!r}, version=1, force_download=True)
+    print(json.dumps({{name: answer(load) for name, load in loads.items()}}))
+"""
+
+
+def test_planted_bytecode_in_a_read_only_cache_never_runs_and_force_download_repairs_it(hub, client, tmp_path):
+    publication = publish(hub, make_build(tmp_path, answer=5))
+    assert get_kernel(REPO, version=1).answer() == 5  # the cache a first load leaves, refs/v1 included
+    lockfile = str(lock_file(tmp_path / "kernels.lock", REPO, publication.build_oid))
+    variant = cached_variant(client, publication.build_oid)
+    marker = tmp_path / "planted-code-ran"
+    plant_bytecode(variant, marker)
+    repo_cache = client / "kernels--trusted-org--answer"
+    set_folder_modes(repo_cache, 0o555)  # as a restored cache archive leaves it
+    try:
+        results = {}
+        for offline in (True, False):
+            code = LOADS_FROM_A_PLANTED_CACHE.format(
+                repo=REPO, commit=publication.build_oid, lockfile=lockfile, force=not offline,
+                lock_loader="load_kernel" if offline else "get_locked_kernel")
+            env = subprocess_env(hub, client, tmp_path, **FAST_SUBPROCESS_ENV, **({"HF_HUB_OFFLINE": "1"} if offline else {}))
+            result = run_python_as_a_user(code, env)
+            results.update({f"{'offline' if offline else 'online'}, {name}": value for name, value in result.items()})
+    finally:
+        set_folder_modes(repo_cache, 0o755)
+    assert results == {
+        "offline, version": 5, "offline, commit": 5, "offline, lock file": 5,
+        "online, version": 5, "online, commit": 5, "online, lock file": 5, "online, force_download": 5,
+    }
+    assert not marker.exists()
+    assert not (variant / "__pycache__").exists()  # force_download left what a first download leaves
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a cache folder someone else's needs root")
+def test_force_download_on_someone_elses_read_only_cache_says_so(hub, client, tmp_path):
+    publication = publish(hub, make_build(tmp_path, answer=5))
+    assert get_kernel(REPO, version=1).answer() == 5
+    snapshot = client / "kernels--trusted-org--answer" / "snapshots" / publication.build_oid
+    for folder, _, _ in os.walk(snapshot):
+        os.chown(folder, 65534, 65534)
+        os.chmod(folder, 0o555)
+    try:
+        result = run_python_as_a_user(f"""
+            import json
+            from tpu_kernels.loader import get_kernel
+            try:
+                get_kernel({REPO!r}, version=1, force_download=True)
+            except Exception as error:
+                print(json.dumps([type(error).__name__, str(error)]))
+        """, subprocess_env(hub, client, tmp_path, **FAST_SUBPROCESS_ENV))
+    finally:
+        for folder, _, _ in os.walk(snapshot):
+            os.chown(folder, 0, 0)
+            os.chmod(folder, 0o755)
+    kind, message = result
+    assert kind == "CacheNotWritableError"
+    assert "owned by user 65534" in message and str(snapshot) in message
+
+
+def test_the_copies_are_refused_in_a_temporary_folder_others_can_change(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # world-writable, not sticky: another user could rename our folder away
+    monkeypatch.setattr(tempfile, "tempdir", str(shared))
+    monkeypatch.setattr(loader, "_private_root", None)
+    with pytest.raises(KernelIntegrityError, match="can be changed by other users"):
+        get_local_kernel(make_build(tmp_path, answer=5), backend="cpu")
+
+
+def test_a_loaded_kernel_runs_from_a_private_copy_without_bytecode(tmp_path):
+    build = make_build(tmp_path, answer=5)
+    module = get_local_kernel(build, backend="cpu")
+    copy = Path(module.__file__).parent
+    assert copy.name == "torch-cpu" and not copy.is_relative_to(build)
+    root = copy.parents[1]
+    assert root.name.startswith("tpu-kernels-verified-") and stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert sorted(path.name for path in copy.iterdir()) == ["__init__.py", "_value.py", "metadata.json"]
+    assert get_local_kernel(build, backend="cpu") is module  # the same bytes: the same module
+
+
+# -- found 2: a blob swapped between the digest check and the import ---------------------------------------
+
+
+# Run in its own process, so that it acts while the loader runs (a thread would wait for the GIL).
+BLOB_SWAPPER = r"""
+import ctypes, os, select, struct, sys, tempfile, time
+from pathlib import Path
+
+IN_CLOSE_NOWRITE = 0x10
+blob, good_file, bad_file = (Path(arg) for arg in sys.argv[1:4])
+good, bad = good_file.read_bytes(), bad_file.read_bytes()
+libc = ctypes.CDLL(None, use_errno=True)
+watch = libc.inotify_init1(os.O_NONBLOCK)
+if watch < 0 or libc.inotify_add_watch(watch, os.fsencode(blob.parent), IN_CLOSE_NOWRITE) < 0:
+    raise OSError(ctypes.get_errno(), "inotify")
+
+
+def stage(content):
+    fd, name = tempfile.mkstemp(dir=blob.parent, prefix=".swap-")
+    os.write(fd, content)
+    os.close(fd)
+    return name
+
+
+def closed_reads_of_the_blob():
+    count = 0
+    while select.select([watch], [], [], 0)[0]:
+        data, offset = os.read(watch, 1 << 16), 0
+        while offset < len(data):
+            length = struct.unpack_from("iIII", data, offset)[3]
+            count += data[offset + 16: offset + 16 + length].rstrip(b"\0") == blob.name.encode()
+            offset += 16 + length
+    return count
+
+
+armed, reads, swaps, holds_good, staged = False, 0, 0, True, {}
+while True:
+    ready = select.select([watch, sys.stdin], [], [])[0]
+    if watch in ready:
+        new_reads = closed_reads_of_the_blob()  # the swapper never reads the blob: only the loader's reads count
+        if armed:
+            for _ in range(new_reads):
+                reads += 1
+                if reads == 1:  # right after the digest check read it
+                    os.replace(staged[bad], blob)
+                    holds_good, swaps = False, swaps + 1
+                elif reads == 2:
+                    os.replace(staged[good], blob)
+                    holds_good = True
+    if sys.stdin in ready:
+        command = sys.stdin.readline().strip()
+        if command == "arm":
+            closed_reads_of_the_blob()
+            staged = {content: stage(content) for content in (bad, good)}
+            armed, reads = True, 0
+        elif command == "disarm":
+            time.sleep(0.01)
+            armed = False
+            if not holds_good:
+                os.replace(staged[good], blob)
+                holds_good = True
+            for name in staged.values():
+                Path(name).unlink(missing_ok=True)
+        else:
+            break
+        print(swaps, flush=True)
+"""
+
+
+@contextlib.contextmanager
+def blob_swapper(blob: Path, good: bytes, bad: bytes, folder: Path):
+    """A process that swaps `blob` for `bad` right after its next read and back after the one after, each
+    time it is armed; yields `swap_next(armed: bool) -> swaps so far`."""
+    (folder / "good").write_bytes(good)
+    (folder / "bad").write_bytes(bad)
+    swapper = subprocess.Popen([sys.executable, "-c", BLOB_SWAPPER, str(blob), str(folder / "good"), str(folder / "bad")],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def command(armed: bool) -> int:
+        swapper.stdin.write("arm\n" if armed else "disarm\n")
+        swapper.stdin.flush()
+        return int(swapper.stdout.readline())
+
+    try:
+        yield command
+    finally:
+        swapper.stdin.close()
+        swapper.wait(timeout=30)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inotify")
+def test_a_blob_swapped_between_the_check_and_the_import_never_runs(hub, client, tmp_path):
+    publication = publish(hub, make_build(tmp_path, answer=5))
+    commit = publication.build_oid
+    assert get_kernel(REPO, revision=commit).answer() == 5
+    blob = (cached_variant(client, commit) / "_value.py").resolve()
+    marker = tmp_path / "swapped-code-ran"
+    swapped = f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\nVALUE = 666\n".encode()
+    ran, refused, attempts = 0, 0, 50
+    with blob_swapper(blob, blob.read_bytes(), swapped, tmp_path) as swapper:
+        for _ in range(attempts):
+            forget_loaded_kernels()
+            swapper(True)
+            try:
+                value = get_kernel(REPO, revision=commit).answer()
+            except KernelIntegrityError:
+                refused += 1
+            else:
+                assert value in (5, 666)
+            swaps = swapper(False)
+            if marker.exists():
+                ran += 1
+                marker.unlink()
+    print(f"swapped code ran {ran} of {attempts} attempts ({swaps} swaps, {refused} refused)")
+    assert swaps == attempts  # the blob was swapped right after the check's read, every time
+    assert (ran, refused) == (0, 0)
+
+
+# -- found 3: ids from the server ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def hostile(hub, monkeypatch, tmp_path):
+    """A hostile Hub in front of `hub`, with this process's clients pointed at it; and a folder to lose."""
+    with hostile_hub(hub.url) as server:
+        point_clients_at(monkeypatch, server.url, tmp_path / "cache")
+        victim = tmp_path / "victim"
+        victim.mkdir()
+        (victim / "precious.txt").write_text("keep me\n")
+        yield server
+
+
+# Relative to any folder of a repo's cache (snapshots/, blobs/, refs/, trees/, .no_exist/), this is
+# tmp_path/victim: outside the cache.
+OUT = "../../../victim"
+
+
+def lie_about_commits(make_lie, fake: str, commit: str):
+    """The lie, told consistently: the server also answers for `fake` as if it were `commit`."""
+    return make_lie(fake), {fake: commit}
+
+
+HOSTILE_CASES = {
+    "revision sha with ../": (lambda commit: lie_about_commits(revision_sha, OUT, commit),
+                              {"revision": "v1"}, UnsafeIdError, "revision 'v1'"),
+    "revision sha with ../, force_download": (lambda commit: lie_about_commits(revision_sha, OUT, commit),
+                                              {"revision": "v1", "force_download": True}, UnsafeIdError, "revision 'v1'"),
+    "targetCommit with ../": (lambda commit: lie_about_commits(branch_target, OUT, commit),
+                              {"version": 1}, UnsafeIdError, "branch v1"),
+    "targetCommit with ../, force_download": (lambda commit: lie_about_commits(branch_target, OUT, commit),
+                                              {"version": 1, "force_download": True}, UnsafeIdError, "branch v1"),
+    "targetCommit in capitals": (lambda commit: lie_about_commits(branch_target, commit.upper(), commit),
+                                 {"version": 1}, UnsafeIdError, "branch v1"),
+    "ETag with ../": (lambda commit: (file_header("ETag", f'"{OUT}/planted"'), {}),
+                      {"version": 1}, UnsafeIdError, "ETag '../../../victim/planted'"),
+    "weak ETag with ../": (lambda commit: (file_header("ETag", f'W/"{OUT}/planted"'), {}),
+                           {"version": 1}, UnsafeIdError, "ETag"),
+    "X-Linked-Etag with ../": (lambda commit: (file_header("X-Linked-Etag", f"{OUT}/planted"), {}),
+                               {"version": 1}, UnsafeIdError, "ETag"),
+    "X-Repo-Commit with ../": (lambda commit: (file_header("X-Repo-Commit", OUT), {}),
+                               {"version": 1}, UnsafeIdError, "commit id '../../../victim'"),
+    "X-Repo-Commit of another commit": (lambda commit: (file_header("X-Repo-Commit", "0" * 40), {}),
+                                        {"version": 1}, UnsafeIdError, "answers for commit 0000"),
+    "X-Repo-Commit with ../ on a 404": (lambda commit: (file_header("X-Repo-Commit", OUT, status=404), {}),
+                                        {"version": 1}, HfHubHTTPError, "404"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_CASES)
+def test_ids_from_a_lying_hub_never_name_a_path(hub, hostile, tmp_path, case):
+    make_lie, load, error, message = HOSTILE_CASES[case]
+    publication = publish(hub, make_build(tmp_path, answer=5))
+    cache = tmp_path / "cache"
+    outside = files_outside(tmp_path, cache, tmp_path / "hub")
+    hostile.lie, hostile.aliases = make_lie(publication.build_oid)
+    with pytest.raises(error, match=message):
+        get_kernel(REPO, **load)
+    assert files_outside(tmp_path, cache, tmp_path / "hub") == outside
+    hostile.lie, hostile.aliases = None, {}
+    forget_loaded_kernels()
+    assert get_kernel(REPO, **load).answer() == 5  # told the truth, the same call loads
+
+
+def test_an_id_from_a_cached_tree_listing_never_names_a_path(hub, client, tmp_path):
+    """huggingface_hub skips the per-file request for a Xet file its cached tree listing describes, and
+    takes the ETag from that listing (which the server wrote): the same check applies."""
+    from huggingface_hub import hf_hub_download
+
+    publication = publish(hub, make_build(tmp_path, answer=5))
+    trees = client / "kernels--trusted-org--answer" / "trees"
+    trees.mkdir(parents=True)
+    listing = {"format_version": 1, "files": {"build/torch-cpu/metadata.json": {
+        "size": 10, "blob_id": "0" * 40, "lfs_sha256": f"{OUT}/planted", "lfs_size": 10, "xet_hash": "a" * 64}}}
+    (trees / f"{publication.build_oid}.json").write_text(json.dumps(listing))
+    outside = files_outside(tmp_path, client, tmp_path / "hub")
+    with pytest.raises(UnsafeIdError, match="ETag '../../../victim/planted'"):
+        hf_hub_download(REPO, "build/torch-cpu/metadata.json", repo_type="kernel", revision=publication.build_oid,
+                        cache_dir=client)
+    assert files_outside(tmp_path, client, tmp_path / "hub") == outside
+
+
+def test_the_trust_check_comes_before_anything_a_lying_hub_says(hub, hostile, tmp_path):
+    publication = publish(hub, make_build(tmp_path, answer=5), repo_id=UNTRUSTED)
+    outside = files_outside(tmp_path, tmp_path / "cache", tmp_path / "hub")
+    hostile.lie, hostile.aliases = lie_about_commits(revision_sha, OUT, publication.build_oid)
+    with pytest.raises(ValueError, match="not from a trusted publisher"):
+        get_kernel(UNTRUSTED, revision="v1", force_download=True)
+    assert files_outside(tmp_path, tmp_path / "cache", tmp_path / "hub") == outside
+    assert (tmp_path / "victim" / "precious.txt").exists()
+
+
+def test_branches_that_are_not_versions_are_ignored(hub, hostile, tmp_path):
+    publish(hub, make_build(tmp_path, answer=5))
+    hostile.lie = extra_branches(*({"name": name, "ref": f"refs/heads/{name}", "targetCommit": OUT}
+                                   for name in ("v1/../../victim", "v01", "v+2", "v2 ", "v٢")))
+    assert get_kernel(REPO, version=1).answer() == 5
+    with pytest.raises(ValueError, match="Version 2 not found, available versions: 1$"):
+        get_kernel(REPO, version=2)
+
+
+def test_refs_in_the_cache_are_checked_offline(hub, client, tmp_path, monkeypatch):
+    publication = publish(hub, make_build(tmp_path, answer=5))
+    assert get_kernel(REPO, version=1).answer() == 5
+    refs = client / "kernels--trusted-org--answer" / "refs"
+    assert (refs / "v1").read_text() == publication.build_oid
+    (refs / "v1").write_text(OUT)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UnsafeIdError, match="The cache gives .*ref v1 the commit id '../../../victim'"):
+        get_kernel(REPO, version=1)
+    with pytest.raises(UnsafeIdError, match="refs/v1 gives .* the commit id '../../../victim'"):
+        get_kernel(REPO, revision="v1")
+    with pytest.raises(UnsafeIdError, match="is not a branch or tag name"):
+        get_kernel(REPO, revision=OUT)
+
+
+# -- found 4 and 5: telemetry off, and a Hub out of reach ----------------------------------------------
+
+
+def test_loads_and_trust_checks_work_with_telemetry_off(hub, client, tmp_path):
+    publish(hub, make_build(tmp_path, answer=5))
+    publish(hub, make_build(tmp_path, answer=7), repo_id=UNTRUSTED)
+    trusted, untrusted = run_python(f"""
+        import json
+        from tpu_kernels.loader import get_kernel
+        trusted = get_kernel({REPO!r}, version=1).answer()
+        try:
+            get_kernel({UNTRUSTED!r}, version=1)
+        except ValueError as error:
+            untrusted = str(error)
+        print(json.dumps([trusted, untrusted]))
+    """, subprocess_env(hub, tmp_path / "telemetry-off-cache", tmp_path, HF_HUB_DISABLE_TELEMETRY="1",
+                        **FAST_SUBPROCESS_ENV))
+    assert trusted == 5
+    assert "not from a trusted publisher" in untrusted
+
+
+def closed_port_url() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def test_an_unreachable_hub_is_named_with_the_failure_and_no_advice_to_trust(tmp_path, monkeypatch):
+    from .test_kernelize import _tiny_model
+
+    from tpu_kernels import kernelize
+
+    url = closed_port_url()
+    point_clients_at(monkeypatch, url, tmp_path / "cache")
+    calls = {
+        "get_kernel": lambda: get_kernel(REPO, version=1),
+        "get_kernel, trust_remote_code": lambda: get_kernel(REPO, version=1, trust_remote_code=True),
+        "kernelize, a repo": lambda: kernelize(_tiny_model("qwen3_moe"),
+                                               repos={"experts": f"{REPO}@1", "rmsnorm": None, "attention": None}),
+        "kernelize, the default repos": lambda: kernelize(_tiny_model("qwen3_moe")),
+    }
+    for name, call in calls.items():
+        with pytest.raises(HubUnreachableError) as raised:
+            call()
+        message = str(raised.value)
+        assert f"Cannot reach the Hub at {url}: ConnectError" in message, (name, message)
+        assert "refused" in message and "trust_remote_code" not in message, (name, message)
+        if name.startswith("kernelize"):
+            assert raised.value.__notes__[-1].startswith("kernelize: while loading the experts kernel "), name
+
+
+# -- the ids, fuzzed (bounded: about 20 s) -------------------------------------------------------------
+
+HEX = "0123456789abcdef"
+# Values near the valid ones (hex of other lengths and cases, with a traversal) and arbitrary ones.
+# Header values are kept to what HTTP can carry.
+header_ids = st.one_of(
+    st.text(alphabet=HEX + "ABCDEF", min_size=38, max_size=66),
+    st.builds(lambda a, b: a + b, st.sampled_from(["../", "../../", "/", "..\\", "./", ""]),
+              st.text(alphabet=HEX + "/.", max_size=70)),
+    st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=80),
+)
+json_ids = st.one_of(header_ids, st.text(max_size=80))
+LIES = {
+    "sha": (lambda value: revision_sha(value), {"revision": "v1"}),
+    "targetCommit": (lambda value: branch_target(value), {"version": 1}),
+    "ETag": (lambda value: file_header("ETag", f'"{value}"'), {"version": 1}),
+    "X-Repo-Commit": (lambda value: file_header("X-Repo-Commit", value), {"version": 1}),
+}
+
+
+def test_ids_from_the_server_fuzzed(hub, hostile, tmp_path, monkeypatch):
+    publication = publish(hub, make_build(tmp_path, answer=5))
+    commit = publication.build_oid
+    outside = files_outside(tmp_path, tmp_path / "hub", tmp_path / "caches")
+    started = time.monotonic()
+    examples = []
+
+    @settings(max_examples=100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(lie=st.sampled_from(sorted(LIES)), data=st.data())
+    def load_through_a_lie(lie, data):
+        value = data.draw(json_ids if lie in ("sha", "targetCommit") else header_ids)
+        make_lie, load = LIES[lie]
+        cache = Path(tempfile.mkdtemp(dir=tmp_path / "caches"))
+        monkeypatch.setattr(kernels_resolver, "CACHE_DIR", str(cache))
+        monkeypatch.setenv("KERNELS_CACHE", str(cache))
+        hostile.lie, hostile.aliases = make_lie(value), {value: commit} if lie in ("sha", "targetCommit") else {}
+        forget_loaded_kernels()
+        try:
+            answer = get_kernel(REPO, **load).answer()
+        except (UnsafeIdError, KernelIntegrityError) as error:  # an ETag that is a blob id, but not this file's
+            outcome = type(error).__name__
+        else:
+            outcome = f"loaded {answer}"
+        examples.append((lie, value, outcome))
+        assert files_outside(tmp_path, tmp_path / "hub", tmp_path / "caches") == outside
+        for folder, _, files in os.walk(cache):  # inside the cache, only names huggingface_hub gives ids
+            for name in files:
+                assert ".." not in Path(folder, name).relative_to(cache).parts
+
+    (tmp_path / "caches").mkdir()
+    load_through_a_lie()
+    elapsed = time.monotonic() - started
+    outcomes = collections.Counter((lie, outcome) for lie, _, outcome in examples)
+    print(f"{len(examples)} lies in {elapsed:.1f} s: {dict(sorted(outcomes.items()))}")
+    assert not [example for example in examples if example[2].startswith("loaded")]  # no lie loads
+    assert elapsed < 40, elapsed
+
+
+@settings(max_examples=2000, deadline=None, database=None)
+@given(name=st.one_of(st.text(), st.text(alphabet="./\\abv019-_ ", max_size=30)))
+def test_ref_names_the_loader_writes_stay_in_refs(name):
+    refs = Path("/cache/kernels--o--n/refs")
+    if loader._is_ref_name(name):
+        assert Path(os.path.normpath(refs / name)).is_relative_to(refs) and (refs / name) != refs
+    try:
+        commit = loader._checked_commit(name, "test", "a fuzzed id")
+    except UnsafeIdError:
+        assert not loader.REGEX_COMMIT_HASH.fullmatch(name)
+    else:
+        assert commit == name and len(name) == 40 and set(name) <= set(HEX)
