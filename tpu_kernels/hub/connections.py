@@ -2,21 +2,24 @@
 
 uvicorn closes a kept-alive connection that stays idle after a response
 (`timeout_keep_alive`), answers 400 to malformed requests (h11 parses strictly:
-one Content-Length, all digits, no conflicting duplicates) and caps header size.
-It has no deadline for a request's headers, though: a connection that never
-sends a full request stays open for ever. This adds that deadline and a cap on
-open connections.
+one Content-Length, all digits, no conflicting duplicates) and caps the size of
+headers still arriving. It has no deadline for a request's headers, though, nor
+for a client that does not read its responses: either would hold a connection
+for ever. This adds both, a cap on open connections, and closes a connection
+whose response went out before its request body was read (uvicorn would read
+and discard that body at whatever pace the client sends it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .limits import Limits
+from .limits import Limits, TransferClock
 
 _TOO_MANY_BODY = b"Too many open connections: try again shortly\n"
 _TOO_MANY = (
@@ -30,17 +33,43 @@ _TIMED_OUT = (
 )
 
 
+class _CountingTransport:
+    """The connection's transport, counting the bytes written to it (asyncio's does not), and
+    telling the protocol when it is closed with bytes still unsent."""
+
+    def __init__(self, transport: asyncio.Transport, on_close_pending):
+        self._transport = transport
+        self._on_close_pending = on_close_pending
+        self.written = 0
+
+    def write(self, data: bytes) -> None:
+        self.written += len(data)
+        self._transport.write(data)
+
+    def close(self) -> None:
+        self._transport.close()
+        if self._transport.get_write_buffer_size():
+            self._on_close_pending()
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+
 class HubHTTPProtocol(H11Protocol):
-    """One connection: at most `limits.header_timeout` seconds to deliver each request's headers."""
+    """One connection: at most `limits.header_timeout` seconds to deliver each request's headers,
+    and responses read at `limits.min_rate` after `limits.send_timeout` seconds of grace."""
 
     def __init__(self, *args, limits: Limits, **kwargs):
         super().__init__(*args, **kwargs)
         self._limits = limits
         self._header_deadline: asyncio.TimerHandle | None = None
         self._partial_headers = False
+        self._send_clock = TransferClock(limits.send_timeout, limits.min_rate)
+        self._send_deadline: asyncio.TimerHandle | None = None
+        self._send_mark: tuple[float, int] | None = None  # (when, bytes sent) as the server began to wait
 
     def connection_made(self, transport) -> None:
-        super().connection_made(transport)
+        super().connection_made(_CountingTransport(transport, on_close_pending=self._await_reader))
         # Headers and body leave in separate writes: with Nagle's algorithm the body would wait
         # for the client's delayed ACK, ~40 ms per request. (asyncio sets this itself only on
         # sockets whose `proto` field says TCP, which a listening socket made without one lacks.)
@@ -63,7 +92,16 @@ class HubHTTPProtocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._stop_header_clock()
+        self._stop_send_clock()
         super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            # Answered before its body was read (a refusal, or a route that takes no body).
+            self.transport.close()
+        super().on_response_complete()
+
+    # -- request headers ------------------------------------------------------------------------
 
     def _await_headers(self) -> None:
         self._partial_headers = False
@@ -80,3 +118,47 @@ class HubHTTPProtocol(H11Protocol):
             if self._partial_headers:
                 self.transport.write(_TIMED_OUT)
             self.transport.close()
+
+    # -- responses ------------------------------------------------------------------------------
+    # asyncio pauses writing when the bytes the kernel has not taken pass its high-water mark:
+    # from then until it resumes, the server waits for the client to read.
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._await_reader()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_send_clock()
+
+    def _sent(self) -> int:
+        return self.transport.written - self.transport.get_write_buffer_size()
+
+    def _await_reader(self) -> None:
+        if self._send_mark is None:
+            self._send_mark = (time.monotonic(), self._sent())
+            self._send_deadline = self.loop.call_later(max(self._send_clock.remaining(), 0), self._check_reader)
+
+    def _account_wait(self) -> None:
+        started, sent = self._send_mark
+        now, sent_now = time.monotonic(), self._sent()
+        self._send_clock.record(now - started, sent_now - sent)
+        self._send_mark = (now, sent_now)
+
+    def _stop_send_clock(self) -> None:
+        if self._send_mark is not None:
+            self._account_wait()
+            self._send_mark = None
+        if self._send_deadline is not None:
+            self._send_deadline.cancel()
+            self._send_deadline = None
+
+    def _check_reader(self) -> None:
+        self._send_deadline = None
+        self._account_wait()
+        remaining = self._send_clock.remaining()
+        if remaining > 0:
+            self._send_deadline = self.loop.call_later(remaining, self._check_reader)
+        else:
+            # close() would wait for the client to take the unsent bytes: drop them.
+            self.transport.abort()
