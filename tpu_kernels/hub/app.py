@@ -58,10 +58,10 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import parse_qs, quote, urlencode, urlsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 
 import anyio
 import anyio.from_thread
@@ -253,11 +253,25 @@ class HubRequest:
             raise HubError(400, "Invalid JSON body: expected an object")
         return data
 
-    def form(self) -> dict[str, list[str]]:
-        try:
-            return parse_qs(self.body().decode(), errors="strict")
-        except UnicodeDecodeError:
-            raise HubError(400, "Invalid form body: not UTF-8") from None
+    def form_values(self, name: str) -> Iterator[str]:
+        """The values of one field of the urlencoded body, parsed a piece of the body at a time: an
+        anonymous request's body never sits in memory whole."""
+        if self._body is None:
+            return
+        self._body.seek(0)
+        pending = b""
+        while True:
+            piece = self._body.read(BODY_MEMORY_BYTES)
+            fields = (pending + piece).split(b"&")
+            pending = fields.pop() if piece else b""
+            try:
+                for key, value in parse_qsl(b"&".join(fields).decode(), errors="strict"):
+                    if key == name:
+                        yield value
+            except UnicodeDecodeError:
+                raise HubError(400, "Invalid form body: not UTF-8") from None
+            if not piece:
+                return
 
 
 def host_name(value: str) -> str | None:
@@ -405,7 +419,8 @@ class HubApp:
         finally:
             request.close()
         if not (request.body_complete and request.keep_alive):
-            # An unread body would be taken for the next request: this connection is done.
+            # uvicorn would read an unread body at whatever pace the client sends it, only to discard
+            # it; a request refused for its framing may hide another: this connection is done.
             response.headers["Connection"] = "close"
         await response(scope, receive, send)
 
@@ -717,11 +732,10 @@ class HubApp:
                                render=functools.partial(self._tree_item, tree))
 
     def paths_info(self, request: HubRequest, repo_type: str, repo_id: str, revision: str) -> Response:
-        paths = request.form().get("paths", [])
         commit = self.storage.resolve_revision(repo_type, repo_id, revision)
         tree = self.storage.tree(commit)
         items = []
-        for path in paths:
+        for path in request.form_values("paths"):
             path = path.strip("/")
             if path in commit.files or tree.is_folder(path):
                 items.append(self._tree_item(tree, path))

@@ -5,15 +5,17 @@ uvicorn closes a kept-alive connection that stays idle after a response
 one Content-Length, all digits, no conflicting duplicates) and caps the size of
 headers still arriving. It has no deadline for a request's headers, though, nor
 for a client that does not read its responses: either would hold a connection
-for ever. This adds both, a cap on open connections, and closes a connection
-whose response went out before its request body was read (uvicorn would read
-and discard that body at whatever pace the client sends it).
+for ever. This adds both, and a cap on open connections.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import socket
+import struct
+import sys
+import termios
 import time
 
 import h11
@@ -66,7 +68,8 @@ class HubHTTPProtocol(H11Protocol):
         self._partial_headers = False
         self._send_clock = TransferClock(limits.send_timeout, limits.min_rate)
         self._send_deadline: asyncio.TimerHandle | None = None
-        self._send_mark: tuple[float, int] | None = None  # (when, bytes sent) as the server began to wait
+        self._send_mark: float | None = None  # when the server last began, or went on, waiting for the client
+        self._acknowledged_before = 0
 
     def connection_made(self, transport) -> None:
         super().connection_made(_CountingTransport(transport, on_close_pending=self._await_reader))
@@ -95,12 +98,6 @@ class HubHTTPProtocol(H11Protocol):
         self._stop_send_clock()
         super().connection_lost(exc)
 
-    def on_response_complete(self) -> None:
-        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
-            # Answered before its body was read (a refusal, or a route that takes no body).
-            self.transport.close()
-        super().on_response_complete()
-
     # -- request headers ------------------------------------------------------------------------
 
     def _await_headers(self) -> None:
@@ -121,7 +118,9 @@ class HubHTTPProtocol(H11Protocol):
 
     # -- responses ------------------------------------------------------------------------------
     # asyncio pauses writing when the bytes the kernel has not taken pass its high-water mark:
-    # from then until it resumes, the server waits for the client to read.
+    # from then until it resumes, the server waits for the client to read. What the client read
+    # is what its TCP acknowledged: the kernel's send buffer (megabytes, autotuned) hides it from
+    # asyncio, which may see no progress for seconds while a client reads at a good pace.
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -131,19 +130,23 @@ class HubHTTPProtocol(H11Protocol):
         super().resume_writing()
         self._stop_send_clock()
 
-    def _sent(self) -> int:
-        return self.transport.written - self.transport.get_write_buffer_size()
+    def _acknowledged(self) -> int:
+        """Bytes of responses the client's TCP has acknowledged (so far as this platform tells)."""
+        return (self.transport.written - self.transport.get_write_buffer_size()
+                - _unacknowledged(self.transport.get_extra_info("socket")))
 
     def _await_reader(self) -> None:
         if self._send_mark is None:
-            self._send_mark = (time.monotonic(), self._sent())
+            acknowledged = self._acknowledged()
+            self._send_clock.record(0.0, acknowledged - self._acknowledged_before)
+            self._acknowledged_before = acknowledged
+            self._send_mark = time.monotonic()
             self._send_deadline = self.loop.call_later(max(self._send_clock.remaining(), 0), self._check_reader)
 
     def _account_wait(self) -> None:
-        started, sent = self._send_mark
-        now, sent_now = time.monotonic(), self._sent()
-        self._send_clock.record(now - started, sent_now - sent)
-        self._send_mark = (now, sent_now)
+        now, acknowledged = time.monotonic(), self._acknowledged()
+        self._send_clock.record(now - self._send_mark, acknowledged - self._acknowledged_before)
+        self._send_mark, self._acknowledged_before = now, acknowledged
 
     def _stop_send_clock(self) -> None:
         if self._send_mark is not None:
@@ -162,3 +165,13 @@ class HubHTTPProtocol(H11Protocol):
         else:
             # close() would wait for the client to take the unsent bytes: drop them.
             self.transport.abort()
+
+
+def _unacknowledged(sock) -> int:
+    """Bytes in the socket's send queue the peer has not acknowledged; 0 where the platform does not say."""
+    if sys.platform != "linux" or sock is None or sock.fileno() < 0:
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+    except OSError:  # closed meanwhile
+        return 0
