@@ -624,9 +624,15 @@ def test_content_length_with_transfer_encoding_is_400_and_the_connection_closes(
 
 @pytest.fixture
 def renders(monkeypatch):
+    """One item per card markdown-it parses."""
     counted = []
-    render = card.render_card
-    monkeypatch.setattr(card, "render_card", lambda *args: (counted.append(1), render(*args))[1])
+    parse = card._MARKDOWN.parse
+
+    def counting(*args, **kwargs):
+        counted.append(1)
+        return parse(*args, **kwargs)
+
+    monkeypatch.setattr(card._MARKDOWN, "parse", counting)
     return counted
 
 
