@@ -28,6 +28,7 @@ Issue 21 (`--issue 21`; found item numbers in brackets):
                      that drip bodies; seconds until a new client is served again (30 s cap each)
     body_memory      [6] 256 connections each sending a 4 MiB anonymous body (all but its last byte,
                      then the rest): server RSS growth while held, peak growth after
+    response_memory  [6] 250 clients that never read a 40 MiB download: server RSS growth after 3 s
     get_body         [6] a GET announcing a 4 MiB body and sending 1 KiB, --body-timeout 2: status,
                      seconds until answered
     tree_listing     [7] 8,000 and 25,000 one-file folders: seconds for the first page of the
@@ -487,6 +488,26 @@ def body_memory(code: Path, work: Path) -> dict:
                 "peak_rss_growth_mib": round((srv.status("VmHWM") - baseline) / 1024, 1), "answers": dict(statuses)}
 
 
+def response_memory(code: Path, work: Path) -> dict:
+    with server(code, work, "response-memory") as srv:
+        create_repo(srv)
+        _stream_commit(srv, "big.bin", 40 << 20, seed=5)
+        request(srv, "GET", f"/kernels/{REPO}/resolve/main/big.bin")
+        baseline = srv.status("VmRSS")
+        clients = []
+        for _ in range(250):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((srv.host, srv.port))
+            sock.sendall(f"GET /kernels/{REPO}/resolve/main/big.bin HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+            clients.append(sock)
+        time.sleep(3)
+        growth = (srv.status("VmRSS") - baseline) / 1024
+        for sock in clients:
+            sock.close()
+        return {"clients": 250, "rss_growth_mib": round(growth, 1)}
+
+
 def get_body(code: Path, work: Path) -> dict:
     with server(code, work, "get-body", flags=("--body-timeout", "2")) as srv:
         create_repo(srv)
@@ -644,7 +665,7 @@ def smaller(code: Path, work: Path) -> dict:
 GROUPS = {
     "11": [empty_token, connections, short_body, parsing, validate_yaml, commit_memory, malformed, clash, ref_names,
            private, latency],
-    "21": [slow_body, slots, body_memory, get_body, tree_listing, dot_git, orphans, headers, smuggling, card, smaller,
+    "21": [slow_body, slots, body_memory, response_memory, get_body, tree_listing, dot_git, orphans, headers, smuggling, card, smaller,
            latency],
 }
 
@@ -658,6 +679,8 @@ TABLE_21 = [
      ["dripped_bodies_free_their_slots_after_s"]),
     ("6", "256 connections x 4 MiB bodies: RSS growth held / peak, MiB", "body_memory",
      ["rss_growth_while_held_mib", "peak_rss_growth_mib"]),
+    ("6", "250 clients not reading a 40 MiB download: RSS growth after 3 s, MiB", "response_memory",
+     ["rss_growth_mib"]),
     ("6", "GET announcing a 4 MiB body, 1 KiB sent: answer / seconds", "get_body", ["outcome", "seconds"]),
     ("7", "8,000 one-file folders: first page / whole recursive walk, s", "tree_listing",
      ["8000_folders.page_s", "8000_folders.recursive_walk_s"]),

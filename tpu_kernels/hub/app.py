@@ -93,7 +93,7 @@ PAGE_SIZE = 1000
 BODY_MEMORY_BYTES = 64 << 10
 LOOPBACK_NAMES = frozenset({"localhost"})
 MAX_CURSOR_DIGITS = 15
-DOWNLOAD_CHUNK_BYTES = 1 << 20
+DOWNLOAD_CHUNK_BYTES = 256 << 10
 USER_NAME = "local"
 STATS_PATH = "/api/tpu-kernels/stats"
 INVALID_CREDENTIALS = "Invalid credentials in Authorization header"
@@ -860,7 +860,9 @@ class HubApp:
                 **_FILE_SECURITY_HEADERS,
             },
         )
-        # Each chunk is a hop to a worker thread and back: 1 MiB ones double the rate of the default 64 KiB.
+        # Each chunk is a hop to a worker thread and back, and what a client that stops reading leaves
+        # in memory until its send timeout: 256 KiB ones download as fast as 1 MiB ones (~750 MiB/s
+        # here; 64 KiB: ~380) and 250 stalled downloads hold +166 MiB (1 MiB: +418).
         response.chunk_size = DOWNLOAD_CHUNK_BYTES
         return response
 
