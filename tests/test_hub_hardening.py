@@ -202,7 +202,7 @@ def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(hub)
 
 def test_half_sent_and_trickled_headers_are_cut_off_with_408(hub):
     with connect(hub.url) as sock:
-        sock.sendall(b"GET /api/kernels/org/x/refs HTTP/1.1\r\nHost: a\r\n")
+        sock.sendall(b"GET /api/kernels/org/x/refs HTTP/1.1\r\nHost: localhost\r\n")
         received, elapsed = read_until_closed(sock)
     assert status_of(received) == 408 and elapsed < FAST.header_timeout + 2
 
@@ -218,7 +218,7 @@ def test_half_sent_and_trickled_headers_are_cut_off_with_408(hub):
 
 def test_a_kept_alive_connection_idle_after_a_response_is_closed(hub):
     with connect(hub.url) as sock:
-        sock.sendall(b"GET /api/agent-harnesses HTTP/1.1\r\nHost: a\r\n\r\n")
+        sock.sendall(b"GET /api/agent-harnesses HTTP/1.1\r\nHost: localhost\r\n\r\n")
         received, elapsed = read_until_closed(sock)
     assert status_of(received) == 200 and elapsed < FAST.idle_timeout + 2
 
@@ -227,7 +227,7 @@ def test_a_body_shorter_than_its_content_length_is_a_408_not_a_hang(hub, repo):
     before = stored_state(hub, repo)
     body = ndjson(HEADER)
     with connect(hub.url) as sock:
-        sock.sendall(b"POST /api/kernels/" + repo.encode() + b"/commit/main HTTP/1.1\r\nHost: a\r\n"
+        sock.sendall(b"POST /api/kernels/" + repo.encode() + b"/commit/main HTTP/1.1\r\nHost: localhost\r\n"
                      b"Authorization: Bearer " + TOKEN.encode() + b"\r\nContent-Length: %d\r\n\r\n" % (len(body) + 100)
                      + body)
         received, elapsed = read_until_closed(sock)
@@ -239,7 +239,7 @@ def test_hundreds_of_idle_and_half_sent_connections_are_all_closed_and_the_serve
     with start_hub(tmp_path / "hub", token=TOKEN, limits=Limits(header_timeout=1, max_connections=1000)) as hub:
         sockets = [connect(hub.url) for _ in range(300)]
         for sock in sockets[::2]:
-            sock.sendall(b"POST /api/repos/create HTTP/1.1\r\nHost: a\r\n")
+            sock.sendall(b"POST /api/repos/create HTTP/1.1\r\nHost: localhost\r\n")
         status, _, _ = http("GET", f"{hub.url}/api/agent-harnesses")
         assert status == 200
         selector = selectors.DefaultSelector()
@@ -303,14 +303,14 @@ def server_process(tmp_path_factory):
 ])
 def test_malformed_or_conflicting_content_length_is_400_without_a_traceback(server_process, content_length):
     url, stderr = server_process
-    response = exchange(url, b"POST /api/repos/create HTTP/1.1\r\nHost: a\r\n" + content_length + b"\r\n\r\n{}")
+    response = exchange(url, b"POST /api/repos/create HTTP/1.1\r\nHost: localhost\r\n" + content_length + b"\r\n\r\n{}")
     assert status_of(response) in (400, 501)
     assert http("GET", f"{url}/api/agent-harnesses")[0] == 200
     assert "Traceback" not in stderr()
 
 
 def test_oversized_bodies_are_refused_before_they_are_read(hub):
-    response = exchange(hub.url, b"POST /api/repos/create HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer "
+    response = exchange(hub.url, b"POST /api/repos/create HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer "
                         + TOKEN.encode() + b"\r\nContent-Length: %d\r\n\r\n{" % (FAST.max_json_bytes + 1))
     assert status_of(response) == 413 and b"connection: close" in response.lower()
 
@@ -487,7 +487,7 @@ def test_escaped_base64_and_split_network_chunks_decode_exactly(hub, api, repo):
     encoded = base64.b64encode(content).decode().replace("/", "\\/")
     body = ndjson(HEADER, ('{"key": "file", "value": {"path": "e.bin", "content": "%s"}}' % encoded).encode())
     with connect(hub.url) as sock:
-        sock.sendall(b"POST /api/kernels/" + repo.encode() + b"/commit/main HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer "
+        sock.sendall(b"POST /api/kernels/" + repo.encode() + b"/commit/main HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer "
                      + TOKEN.encode() + b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
         for start in range(0, len(body), 997):  # odd pieces split escapes and base64 quads
             sock.sendall(body[start:start + 997])
@@ -507,7 +507,7 @@ def test_a_client_that_disconnects_mid_commit_leaves_nothing_staged(hub, repo):
     before = stored_state(hub, repo)
     body = ndjson(HEADER, file_line("big.bin", random.Random(2).randbytes(2 << 20)))
     with connect(hub.url) as sock:
-        sock.sendall(b"POST /api/kernels/" + repo.encode() + b"/commit/main HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer "
+        sock.sendall(b"POST /api/kernels/" + repo.encode() + b"/commit/main HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer "
                      + TOKEN.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:len(body) // 2])
         _wait_for_staging(hub)
     deadline = time.monotonic() + 10

@@ -269,11 +269,14 @@ class _LineReader:
             raw += piece
         raw += b'"'
         try:
-            return json.loads(raw)
-        except UnicodeDecodeError:
-            raise self.error(field, "not valid UTF-8") from None
+            value = json.loads(raw)
+            # json.loads lets a lone surrogate through, escaped (\ud800) or UTF-8-encoded.
+            value.encode("utf-8")
+        except UnicodeError:
+            raise self.error(field, "not valid Unicode (invalid UTF-8, or a lone surrogate)") from None
         except ValueError as error:
             raise self.error(field, f"not a valid JSON string ({error.msg})") from None
+        return value
 
     def _content(self, field: str) -> _StagedContent:
         writer = self._storage.start_staging()
@@ -304,6 +307,7 @@ def read_commit_payload(read_chunk: Callable[[], bytes], storage: Storage) -> Co
     reader = _LineReader(read_chunk, storage)
     header: dict | None = None
     additions: list[StagedFile] = []
+    added_paths: set[str] = set()
     deletions: list[Deletion] = []
     try:
         while (line := reader.next_line()) is not None:
@@ -325,6 +329,9 @@ def read_commit_payload(read_chunk: Callable[[], bytes], storage: Storage) -> Co
                     raise reader.error("value.encoding", "only 'base64' is supported")
                 if not isinstance(content, _StagedContent):
                     raise reader.error(_CONTENT_FIELD, "expected the file's content as a base64 string")
+                if path in added_paths:
+                    raise reader.error("value.path", f"{path!r} is added twice in this commit")
+                added_paths.add(path)
                 reader.claim(content)
                 additions.append(StagedFile(path=path, entry=content.entry, staged_at=content.writer.path))
             elif key in ("deletedFile", "deletedFolder"):

@@ -12,11 +12,15 @@ and path from a repo is escaped; the card is rendered by card.py with raw HTML o
 pages carry no script, and their Content-Security-Policy allows none, nor any style but
 their own stylesheet, nor images from other sites. Private repos are shown only to
 requests carrying the token (a browser sends none: to it they do not exist).
+
+What a view costs beyond the repo's refs and file list is computed once: a card per content
+(card.CardCache), a version's build variants per commit. A HEAD request renders nothing.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import itertools
 import json
@@ -26,9 +30,9 @@ from pathlib import Path
 from urllib.parse import quote
 
 import jinja2
-from starlette.responses import HTMLResponse
+from starlette.responses import HTMLResponse, Response
 
-from .card import Card, render_card
+from .card import Card, CardCache
 from .storage import MAIN_BRANCH, Commit, FileEntry, HubError, Storage, branch_name
 
 VERSION_BRANCH = re.compile(r"v(\d+)")
@@ -44,6 +48,12 @@ CONTENT_SECURITY_POLICY = (
     f"style-src 'sha256-{base64.b64encode(hashlib.sha256(_STYLESHEET.encode()).digest()).decode()}'; "
     "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
+_PAGE_HEADERS = {
+    "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
 _ENVIRONMENT = jinja2.Environment(
     loader=jinja2.FileSystemLoader(_TEMPLATES),
     autoescape=True,
@@ -130,24 +140,30 @@ class Pages:
     def __init__(self, storage: Storage, trusted_orgs: frozenset[str]):
         self.storage = storage
         self.trusted_orgs = trusted_orgs
+        self._cards = CardCache()
+        self._variants = functools.lru_cache(maxsize=256)(self._read_variants)
 
     # -- responses ------------------------------------------------------------------------------
 
     def _page(self, template: str, status: int = 200, **context) -> HTMLResponse:
         html = _ENVIRONMENT.get_template(template).render(stylesheet=_STYLESHEET, **context)
-        return HTMLResponse(html, status_code=status, headers={
-            "Content-Security-Policy": CONTENT_SECURITY_POLICY,
-            "X-Content-Type-Options": "nosniff",
-            "Referrer-Policy": "no-referrer",
-            "Cache-Control": "no-cache",
-        })
+        return HTMLResponse(html, status_code=status, headers=_PAGE_HEADERS)
+
+    @staticmethod
+    def _head() -> Response:
+        """The answer to a HEAD of a page that exists: its headers, but for the length of a body not rendered."""
+        response = Response(status_code=200, headers=_PAGE_HEADERS, media_type="text/html")
+        del response.headers["content-length"]
+        return response
 
     def error(self, error: HubError) -> HTMLResponse:
         return self._page("error.html", status=error.status, status_code=error.status, message=error.message)
 
     # -- front page -----------------------------------------------------------------------------
 
-    def front(self, authenticated: bool) -> HTMLResponse:
+    def front(self, authenticated: bool, head: bool = False) -> Response:
+        if head:
+            return self._head()
         namespaces: dict[str, list[dict]] = {org: [] for org in self.trusted_orgs}
         for repo_type in ("kernel", "model"):
             for repo_id in sorted(self.storage.repo_ids(repo_type)):
@@ -172,8 +188,13 @@ class Pages:
 
     # -- repo page ------------------------------------------------------------------------------
 
-    def repo(self, repo_type: str, repo_id: str, base_url: str, revision: str | None = None) -> HTMLResponse:
+    def repo(self, repo_type: str, repo_id: str, base_url: str, revision: str | None = None,
+             head: bool = False) -> Response:
         refs = self.storage.refs(repo_type, repo_id)
+        if head:
+            if revision is not None:
+                self.storage.resolve_revision(repo_type, repo_id, revision)
+            return self._head()
         page_url = repo_page_path(repo_type, repo_id)
         versions = sorted(
             (self._version(repo_type, repo_id, int(match[1]), name, commit_id)
@@ -219,8 +240,10 @@ class Pages:
             snippet=self._snippet(repo_type, repo_id, base_url, snippet_version, revision),
         )
 
-    def commit(self, repo_type: str, repo_id: str, commit_id: str) -> HTMLResponse:
+    def commit(self, repo_type: str, repo_id: str, commit_id: str, head: bool = False) -> Response:
         commit = self.storage.resolve_revision(repo_type, repo_id, commit_id)
+        if head:
+            return self._head()
         parent = self.storage.commit(repo_type, repo_id, commit.parent) if commit.parent else None
         before = parent.files if parent else {}
         changes = []
@@ -257,10 +280,23 @@ class Pages:
 
     def _version(self, repo_type: str, repo_id: str, number: int, branch: str, commit_id: str) -> VersionView:
         commit = self.storage.commit(repo_type, repo_id, commit_id)
-        names = sorted({path.split("/")[1] for path in commit.files if path.startswith("build/") and path.count("/") >= 2})
+        variants, kernel_versions = self._variants(repo_type, repo_id, commit_id)
+        return VersionView(
+            number=number,
+            branch=branch,
+            url=f"{repo_page_path(repo_type, repo_id)}/tree/{quote(branch, safe='')}",
+            commit=self._commit_view(repo_type, repo_id, commit),
+            kernel_version=kernel_versions,
+            variants=variants,
+        )
+
+    def _read_variants(self, repo_type: str, repo_id: str, commit_id: str) -> tuple[list[VariantView], str | None]:
+        """The build variants of a commit and the kernel version(s) their metadata.json give."""
+        files = self.storage.commit(repo_type, repo_id, commit_id).files
+        names = sorted({path.split("/")[1] for path in files if path.startswith("build/") and path.count("/") >= 2})
         variants, kernel_versions = [], set()
         for name in names:
-            metadata = self._json(commit.files.get(f"build/{name}/metadata.json"))
+            metadata = self._json(files.get(f"build/{name}/metadata.json"))
             backend = metadata.get("backend") if metadata else None
             backend_type = backend.get("type") if isinstance(backend, dict) else None
             digest = metadata.get("digest") if metadata else None
@@ -272,14 +308,7 @@ class Pages:
             ))
             if metadata and isinstance(metadata.get("version"), int):
                 kernel_versions.add(metadata["version"])
-        return VersionView(
-            number=number,
-            branch=branch,
-            url=f"{repo_page_path(repo_type, repo_id)}/tree/{quote(branch, safe='')}",
-            commit=self._commit_view(repo_type, repo_id, commit),
-            kernel_version=", ".join(map(str, sorted(kernel_versions))) or None,
-            variants=variants,
-        )
+        return variants, ", ".join(map(str, sorted(kernel_versions))) or None
 
     def _json(self, entry: FileEntry | None) -> dict | None:
         if entry is None or entry.size > MAX_METADATA_BYTES:
@@ -294,8 +323,8 @@ class Pages:
         entry = commit.files.get(CARD_NAME)
         if entry is None:
             return None
-        base = f"{repo_page_path(repo_type, repo_id)}/resolve/{commit.id}/"
-        return render_card(self.storage.blob_path(entry).read_bytes(), lambda path: base + quote(path))
+        return self._cards.card(entry.sha256, self.storage.blob_path(entry).read_bytes,
+                                f"{repo_page_path(repo_type, repo_id)}/resolve/{commit.id}/")
 
     def _snippet(self, repo_type: str, repo_id: str, base_url: str, version: VersionView | None, revision: str) -> str:
         endpoint = f"# HF_ENDPOINT={base_url} in the environment, before huggingface_hub is imported\n"

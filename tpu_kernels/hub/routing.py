@@ -8,6 +8,7 @@ matching happens here, on the raw path.)
 Pattern segments: a literal; `{name}` one segment; `{name+}` the rest, at least
 one segment, joined with '/'; `{name*}` the same, possibly empty. A `{name}`
 listed in `Route.choices` only matches those words and is replaced by their value.
+A route that answers GET answers HEAD too.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def path_segments(raw_path: bytes) -> list[str] | None:
 @dataclass(frozen=True)
 class Route:
     """`methods` on `pattern` go to `handler(request, **params)`; `name` is what request stats count;
-    a `page` answers errors with an HTML page rather than JSON."""
+    a `page` answers errors with an HTML page rather than JSON; only a route that `reads_body` reads
+    a request body (any other answers without reading it, and the connection is then closed)."""
 
     name: str
     methods: frozenset[str]
@@ -37,6 +39,7 @@ class Route:
     handler: Callable
     needs_token: bool = False
     page: bool = False
+    reads_body: bool = False
     choices: Mapping[str, Mapping[str, str]] = field(default_factory=lambda: MappingProxyType({}))
 
     def match(self, segments: list[str]) -> dict[str, str] | None:
@@ -65,16 +68,20 @@ class Route:
 
 def route(
     name: str, methods: str, path: str, handler: Callable, *, needs_token: bool = False, page: bool = False,
-    choices: Mapping[str, Mapping[str, str]] | None = None,
+    reads_body: bool = False, choices: Mapping[str, Mapping[str, str]] | None = None,
 ) -> Route:
-    """`route("refs", "GET HEAD", "/api/{repo_type}/{namespace}/{name}/refs", handler)`."""
+    """`route("refs", "GET", "/api/{repo_type}/{namespace}/{name}/refs", handler)`."""
+    methods = set(methods.split())
+    if "GET" in methods:
+        methods.add("HEAD")
     return Route(
         name=name,
-        methods=frozenset(methods.split()),
+        methods=frozenset(methods),
         pattern=tuple(path.strip("/").split("/")),
         handler=handler,
         needs_token=needs_token,
         page=page,
+        reads_body=reads_body,
         choices=MappingProxyType(dict(choices or {})),
     )
 

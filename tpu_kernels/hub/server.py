@@ -3,11 +3,13 @@
 HTTP stack: uvicorn (its pure-Python h11 protocol) and starlette's request and
 response types, both installed with this package. They parse requests strictly
 (a malformed or conflicting Content-Length is a 400, never a dropped connection),
-bound header size, close idle kept-alive connections, and serve files with
-ranges. connections.py adds a deadline for request headers and a cap on open
-connections; app.py bounds bodies in size and stall time. One event loop thread
-holds every connection (an idle one costs a socket, not a thread); handlers run
-in worker threads because storage does blocking file I/O and fsyncs.
+bound the size of headers still arriving, close idle kept-alive connections, and
+serve files with ranges. connections.py adds a deadline for request headers, a
+minimum pace for reading responses and a cap on open connections; app.py bounds
+bodies in size and pace, headers in size however they arrive, and refuses
+ambiguous framing and unknown Host names. One event loop thread holds every
+connection (an idle one costs a socket, not a thread); handlers run in worker
+threads because storage does blocking file I/O and fsyncs.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import uvicorn
 
-from .app import STATS_PATH, USER_NAME, HubApp, normalize_token
+from .app import LOOPBACK_NAMES, STATS_PATH, USER_NAME, HubApp, normalize_token
 from .connections import HubHTTPProtocol
 from .limits import Limits
 from .storage import Storage
@@ -110,14 +112,17 @@ def start_hub(
     trusted_orgs=(),
     log_requests: bool = False,
     limits: Limits | None = None,
+    allowed_hosts=(),
 ) -> RunningHub:
     """Serve `root` in a background thread; `port=0` picks a free port. Use as a context manager or call stop().
 
-    An empty or blank token is no token: the server is then read-only.
+    An empty or blank token is no token: the server is then read-only. Requests must name in
+    their Host an IP address, `localhost`, `host`, or one of `allowed_hosts` ("*": any name).
     """
     storage = Storage(Path(root))
     try:
-        app = HubApp(storage, token, trusted_orgs, limits or Limits())
+        app = HubApp(storage, token, trusted_orgs, limits or Limits(),
+                     host_names=LOOPBACK_NAMES | {host} | set(allowed_hosts))
         listener = _listen(host, port)
         try:
             return RunningHub(app, listener, log_requests)
@@ -186,15 +191,25 @@ def serve_main(argv: list[str] | None = None) -> int:
                         help="close a connection whose request headers take longer (default: %(default)s)")
     parser.add_argument("--idle-timeout", type=float, default=defaults.idle_timeout, metavar="SECONDS",
                         help="close a kept-alive connection idle this long (default: %(default)s)")
+    parser.add_argument("--allowed-host", dest="allowed_hosts", action="append", default=[], metavar="NAME",
+                        help="a name clients reach this server by (its Host header): IP addresses, localhost and "
+                             "--host are always accepted; '*' accepts any name (no DNS-rebinding defence)")
     parser.add_argument("--body-timeout", type=float, default=defaults.body_timeout, metavar="SECONDS",
                         help="answer 408 when a request body stalls this long (default: %(default)s)")
+    parser.add_argument("--send-timeout", type=float, default=defaults.send_timeout, metavar="SECONDS",
+                        help="drop a connection whose client reads nothing of a response this long "
+                             "(default: %(default)s)")
+    parser.add_argument("--min-rate", type=float, default=defaults.min_rate, metavar="BYTES_PER_S",
+                        help="pace a request body or a response must average after its first --body-timeout "
+                             "(--send-timeout) seconds of waiting for the client (default: %(default)g)")
     parser.add_argument("--max-connections", type=int, default=defaults.max_connections, metavar="N",
                         help="open connections at most; more are answered 503 (default: %(default)s)")
     parser.add_argument("--quiet", action="store_true", help="do not log requests")
     args = parser.parse_args(argv)
     try:
         limits = Limits(header_timeout=args.header_timeout, idle_timeout=args.idle_timeout,
-                        body_timeout=args.body_timeout, max_connections=args.max_connections)
+                        body_timeout=args.body_timeout, send_timeout=args.send_timeout, min_rate=args.min_rate,
+                        max_connections=args.max_connections)
     except ValueError as error:
         parser.error(str(error))
     if args.token is not None and normalize_token(args.token) is None:
@@ -202,7 +217,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     warn_if_exposed(args.host)
     _log_to_stderr(log_requests=not args.quiet)
     hub = start_hub(args.root, args.host, args.port, args.token, args.trusted_orgs,
-                    log_requests=not args.quiet, limits=limits)
+                    log_requests=not args.quiet, limits=limits, allowed_hosts=args.allowed_hosts)
     stopped = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopped.set())

@@ -18,24 +18,33 @@ Crash safety: every file is written to tmp/, fsynced and renamed into place
 A branch moves only when refs.json is replaced, so a crash at any point leaves
 every ref at a complete commit; what a crashed commit wrote before that is
 unreferenced and invisible. Commits to one repo are serialised by a lock.
+
+Orphan blobs (no commit references them: a crashed commit's, a deleted repo's)
+are removed when the server starts, and a commit that fails removes the blobs it
+installed unless another commit relies on them (see `_BlobLedger`). A commit is
+validated and encoded in full before its first blob is installed.
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
 import contextlib
 import fcntl
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+import unicodedata
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from types import MappingProxyType
 
 REPO_TYPES = ("model", "kernel")
@@ -49,6 +58,14 @@ _REPO_NAME_PART = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")
 _REF_CHARS = re.compile(r"[A-Za-z0-9._/-]+")
 _COMMIT_ID = re.compile(r"[0-9a-f]{40}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# Control, format (bidi overrides, zero-width joiners, the code points HFS+ ignores in names),
+# surrogate and line/paragraph separator characters: none belongs in a file name.
+_REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+# The 8.3 short names Windows gives `.git` (GIT~1, or GIT~2... when names collide).
+_GIT_SHORT_NAME = re.compile(r"GIT~[0-9]+")
+TREE_CACHE_COMMITS = 16
+
+logger = logging.getLogger(__name__)
 
 
 NOT_SUPPORTED = "Not supported by this local Hub"
@@ -58,6 +75,8 @@ class HubError(Exception):
     """An error with the HTTP status and the `X-Error-Code` huggingface_hub maps to its exceptions."""
 
     def __init__(self, status: int, message: str, code: str | None = None, commit: str | None = None):
+        # A message quoting a client's lone surrogate must still encode as UTF-8 in the answer.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status = status
         self.message = message
@@ -93,13 +112,22 @@ def validate_repo_id(repo_id: str) -> tuple[str, str]:
 
 
 def validate_path(path: str) -> str:
-    """A file path inside a repo: relative, normalised, never escaping the repo root."""
+    """A file path inside a repo: relative, normalised, never escaping the repo root, and safe to
+    write into a local folder on any file system a client may use.
+
+    Refused: control, format (bidi, zero-width), surrogate and line-separator characters; any
+    part that git, or a file system folding case, dropping trailing dots and spaces or reading
+    `name:stream` as a stream of `name`, would take for `.git` (`.GIT`, `.git.`, `.git `,
+    `.git::$INDEX_ALLOCATION`, and the 8.3 short name `GIT~1`).
+    """
     if not isinstance(path, str) or not path:
         raise HubError(400, "Invalid path: empty")
     if len(path) > MAX_PATH_CHARS:
         raise HubError(400, f"Invalid path {path[:80]!r}...: longer than {MAX_PATH_CHARS} characters")
-    if "\0" in path or any(ord(char) < 0x20 for char in path):
-        raise HubError(400, f"Invalid path {path!r}: control characters are not allowed")
+    refused = next((char for char in path if unicodedata.category(char) in _REFUSED_CATEGORIES), None)
+    if refused is not None:
+        raise HubError(400, f"Invalid path {path!r}: control, bidi, zero-width and other invisible characters "
+                            f"are not allowed (U+{ord(refused):04X})")
     if "\\" in path:
         raise HubError(400, f"Invalid path {path!r}: use '/' as the separator")
     if path.startswith("/"):
@@ -107,9 +135,24 @@ def validate_path(path: str) -> str:
     parts = path.split("/")
     if any(part in ("", ".", "..") for part in parts):
         raise HubError(400, f"Invalid path {path!r}: empty, '.' and '..' segments are not allowed")
-    if ".git" in parts:
-        raise HubError(400, f"Invalid path {path!r}: '.git' folders are not allowed")
+    if any(_is_git_folder_alias(part) for part in parts):
+        raise HubError(400, f"Invalid path {path!r}: '.git' folders are not allowed, in any case or spelling "
+                            "a file system would read as '.git'")
     return path
+
+
+def _is_git_folder_alias(part: str) -> bool:
+    name = part.split(":", 1)[0].rstrip(". ")
+    return name.upper() == ".GIT" or name.casefold() == ".git" or bool(_GIT_SHORT_NAME.fullmatch(name.upper()))
+
+
+def name_key(path: str) -> str:
+    """What a path is to a file system that folds case and Unicode normalisation and drops each
+    name's trailing dots and spaces: two paths with one key land on one file there."""
+    return "/".join(
+        unicodedata.normalize("NFD", unicodedata.normalize("NFD", part.rstrip(". ")).upper().casefold())
+        for part in path.split("/")
+    )
 
 
 def validate_ref_name(name: str) -> str:
@@ -290,6 +333,12 @@ class Storage:
         self._read_commit_cached = functools.lru_cache(maxsize=4096)(self._read_commit)
         # repo.json never changes once written: read each once.
         self._privacy: dict[Path, bool] = {}
+        self._trees: collections.OrderedDict[str, Tree] = collections.OrderedDict()
+        self._trees_guard = threading.Lock()
+        self._ledger = _BlobLedger(self._blob_file)
+        removed = self.collect_orphans()
+        if removed:
+            logger.warning("removed %d orphan blob(s) from %s", removed, self.blobs)
 
     def close(self) -> None:
         self._server_lock.close()
@@ -383,7 +432,8 @@ class Storage:
                 folder / "repo.json", _canonical_json({"type": repo_type, "id": repo_id, "createdAt": created_at, "private": private})
             )
             self._privacy.pop(folder, None)
-            initial = self._write_commit(folder, None, {}, "initial commit", "", "system", created_at)
+            initial, raw = _new_commit(None, {}, "initial commit", "", "system", created_at)
+            self._write_atomically(folder / "commits" / f"{initial.id}.json", raw)
             # refs.json last: its presence is what makes the repo exist.
             self._write_refs(folder, Refs(branches={MAIN_BRANCH: initial.id}, tags={}))
 
@@ -473,32 +523,6 @@ class Storage:
     def commit(self, repo_type: str, repo_id: str, commit_id: str) -> Commit:
         return self._read_commit_cached(self.existing_repo_dir(repo_type, repo_id), commit_id)
 
-    def _write_commit(
-        self,
-        folder: Path,
-        parent: str | None,
-        files: Mapping[str, FileEntry],
-        title: str,
-        message: str,
-        author: str,
-        date: str,
-    ) -> Commit:
-        body = {
-            "parent": parent,
-            "files": {path: files[path].to_json() for path in sorted(files)},
-            "title": title,
-            "message": message,
-            "author": author,
-            "date": date,
-        }
-        raw = _canonical_json(body)
-        commit_id = hashlib.sha1(raw).hexdigest()
-        self._write_atomically(folder / "commits" / f"{commit_id}.json", raw)
-        return Commit(
-            id=commit_id, parent=parent, files=MappingProxyType(dict(files)),
-            title=title, message=message, author=author, date=date,
-        )
-
     def resolve_revision(self, repo_type: str, repo_id: str, revision: str) -> Commit:
         """What the Hub accepts in `revision`: a branch, then a tag, then a full commit id; or a
         full ref name, `refs/heads/<branch>` or `refs/tags/<tag>`, which names only that kind."""
@@ -569,7 +593,10 @@ class Storage:
     def blob_path(self, entry: FileEntry) -> Path:
         if not _SHA256.fullmatch(entry.sha256):
             raise HubError(500, "Corrupted file entry")
-        return self.blobs / entry.sha256[:2] / entry.sha256
+        return self._blob_file(entry.sha256)
+
+    def _blob_file(self, sha256: str) -> Path:
+        return self.blobs / sha256[:2] / sha256
 
     def start_staging(self) -> StagingWriter:
         """A file of a commit being received, written piece by piece into tmp/; a blob only if its commit lands."""
@@ -588,6 +615,40 @@ class Storage:
         _make_dirs(target.parent)
         os.replace(staged.staged_at, target)
         _fsync_dir(target.parent)
+
+    def collect_orphans(self) -> int:
+        """Remove the blobs no commit references; how many. Only while no commit is under way (at start).
+
+        Every commit object counts, reachable from a ref or not (a lock file may pin a commit of a
+        deleted branch). If one cannot be read, nothing is removed.
+        """
+        referenced = set()
+        for commit_file in self.repos.glob("*/*/*/commits/*.json"):
+            try:
+                referenced.update(entry["sha256"] for entry in json.loads(commit_file.read_bytes())["files"].values())
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+                logger.warning("orphan blobs kept: cannot read %s (%s)", commit_file, error)
+                return 0
+        removed = 0
+        for blob in self.blobs.glob("*/*"):
+            if _SHA256.fullmatch(blob.name) and blob.name not in referenced:
+                blob.unlink()
+                removed += 1
+        return removed
+
+    def tree(self, commit: Commit) -> Tree:
+        """The commit's folders (listings, git tree ids), computed once per commit while it is in use."""
+        with self._trees_guard:
+            tree = self._trees.get(commit.id)
+            if tree is not None:
+                self._trees.move_to_end(commit.id)
+                return tree
+        tree = Tree(commit.files)
+        with self._trees_guard:
+            self._trees[commit.id] = tree
+            while len(self._trees) > TREE_CACHE_COMMITS:
+                self._trees.popitem(last=False)
+        return tree
 
     # -- commits --------------------------------------------------------------------------------
 
@@ -608,7 +669,9 @@ class Storage:
 
         Concurrent commits to one repo are serialised; each applies to the head it
         finds, so none is lost. With `parent_commit`, the commit is refused (412)
-        if the branch has moved since, as on the Hub.
+        if the branch has moved since, as on the Hub. The new commit is checked and
+        encoded before its first blob is installed; if it fails after that, the blobs
+        it installed go again unless another commit relies on them.
         """
         folder = self.existing_repo_dir(repo_type, repo_id)
         try:
@@ -629,13 +692,88 @@ class Storage:
                 for addition in additions:
                     files[addition.path] = addition.entry
                 _refuse_file_folder_clash(files)
-                for addition in additions:
-                    self._install_blob(addition)
-                commit = self._write_commit(folder, head.id, files, title, message, author, now_iso())
-                self._write_refs(folder, Refs(branches={**refs.branches, branch: commit.id}, tags=refs.tags))
+                _refuse_name_twins(files, {addition.path for addition in additions})
+                commit, raw = _new_commit(head.id, files, title, message, author, now_iso())
+                blobs = {addition.entry.sha256 for addition in additions}
+                referenced = {files[addition.path].sha256 for addition in additions}
+                self._ledger.acquire(blobs)
+                try:
+                    for addition in additions:
+                        self._install_blob(addition)
+                    commit_file = folder / "commits" / f"{commit.id}.json"
+                    self._write_atomically(commit_file, raw)
+                    try:
+                        self._write_refs(folder, Refs(branches={**refs.branches, branch: commit.id}, tags=refs.tags))
+                    except BaseException:
+                        with contextlib.suppress(FileNotFoundError):
+                            commit_file.unlink()
+                        raise
+                    self._ledger.stored(referenced)
+                finally:
+                    self._ledger.release(blobs)
                 return commit
         finally:
             self.discard(additions)
+
+
+class _BlobLedger:
+    """The blobs commits under way rely on, so that a failed commit removes only blobs no one needs.
+
+    A commit `acquire`s its blobs before installing any. One missing from the store then is
+    unreferenced until a commit relying on it is `stored`; when the last commit relying on an
+    unreferenced blob `release`s it, having failed, the blob is removed. A blob installed by one
+    commit and found present by another is therefore kept while either may still reference it.
+    """
+
+    def __init__(self, blob_file):
+        self._blob_file = blob_file
+        self._lock = threading.Lock()
+        self._users: collections.Counter[str] = collections.Counter()
+        self._unreferenced: set[str] = set()
+
+    def acquire(self, blobs: set[str]) -> None:
+        with self._lock:
+            for sha256 in blobs:
+                self._users[sha256] += 1
+                if not self._blob_file(sha256).is_file():
+                    self._unreferenced.add(sha256)
+
+    def stored(self, blobs: set[str]) -> None:
+        with self._lock:
+            self._unreferenced -= blobs
+
+    def release(self, blobs: set[str]) -> None:
+        with self._lock:
+            for sha256 in blobs:
+                self._users[sha256] -= 1
+                if self._users[sha256]:
+                    continue
+                del self._users[sha256]
+                if sha256 in self._unreferenced:
+                    self._unreferenced.discard(sha256)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._blob_file(sha256))
+
+
+def _new_commit(
+    parent: str | None, files: Mapping[str, FileEntry], title: str, message: str, author: str, date: str
+) -> tuple[Commit, bytes]:
+    """A commit object and its canonical JSON (the bytes its id hashes)."""
+    body = {
+        "parent": parent,
+        "files": {path: files[path].to_json() for path in sorted(files)},
+        "title": title,
+        "message": message,
+        "author": author,
+        "date": date,
+    }
+    try:
+        raw = _canonical_json(body)
+    except UnicodeEncodeError:
+        raise HubError(400, "Invalid commit: its title, message or a path is not valid Unicode") from None
+    commit = Commit(id=hashlib.sha1(raw).hexdigest(), parent=parent, files=MappingProxyType(dict(files)),
+                    title=title, message=message, author=author, date=date)
+    return commit, raw
 
 
 def _apply_deletion(files: dict[str, FileEntry], deletion: Deletion) -> None:
@@ -661,31 +799,78 @@ def _refuse_file_folder_clash(files: Mapping[str, FileEntry]) -> None:
                 raise HubError(400, f"Invalid commit: {folder!r} would be both a file and a folder (of {path!r})")
 
 
-def folder_oid(files: Mapping[str, FileEntry], folder: str) -> str:
-    """A stable id for a folder's content (the Hub gives folders a git tree id)."""
-    prefix = folder + "/"
-    digest = hashlib.sha1()
-    for path in sorted(p for p in files if p.startswith(prefix)):
-        digest.update(path[len(prefix):].encode() + b"\0" + files[path].git_oid.encode() + b"\n")
-    return digest.hexdigest()
+def _refuse_name_twins(files: Mapping[str, FileEntry], added: set[str]) -> None:
+    """An added path may not land where another file or folder does on a file system that folds
+    case and Unicode normalisation or drops trailing dots and spaces (macOS, Windows): a client
+    writing the repo to disk there would get one file for two. Twins already in the branch stay."""
+    seen: dict[str, str] = {}
+    for path in sorted(files, key=lambda name: name in added):
+        prefix, key = "", ""
+        for part in path.split("/"):
+            prefix, key = (f"{prefix}/{part}", f"{key}/{name_key(part)}") if prefix else (part, name_key(part))
+            other = seen.setdefault(key, prefix)
+            if other != prefix and path in added:
+                raise HubError(400, f"Invalid commit: {prefix!r} and {other!r} differ only in case, Unicode "
+                                    "normalisation or trailing dots and spaces: on macOS and Windows they are one")
 
 
-def tree_entries(files: Mapping[str, FileEntry], folder: str, recursive: bool) -> list[tuple[str, FileEntry | None]]:
-    """(path, entry) under `folder` ("" for the root); entry None marks a folder. 404 if no such folder."""
-    prefix = f"{folder}/" if folder else ""
-    below = [path for path in files if path.startswith(prefix)]
-    if folder and not below:
-        raise HubError(404, f"Entry not found: {folder}", code="EntryNotFound")
-    listed: dict[str, FileEntry | None] = {}
-    for path in below:
-        relative = PurePosixPath(path[len(prefix):])
-        parents = list(reversed(relative.parents))[1:]  # drop "."
-        if recursive:
-            for parent in parents:
-                listed.setdefault(prefix + parent.as_posix(), None)
-            listed[path] = files[path]
-        elif parents:
-            listed.setdefault(prefix + parents[0].as_posix(), None)
-        else:
-            listed[path] = files[path]
-    return sorted(listed.items())
+_FILE_MODE, _FOLDER_MODE = b"100644", b"40000"
+
+
+class Tree:
+    """A commit's files seen as folders: each folder's entries and its git tree id, computed in
+    one pass over the files (time linear in files plus folders), then listed in pages."""
+
+    def __init__(self, files: Mapping[str, FileEntry]):
+        self._files = files
+        children: dict[str, list[str]] = {"": []}
+        for path in files:
+            while True:
+                parent = path.rpartition("/")[0]
+                known = parent in children
+                children.setdefault(parent, []).append(path)
+                if known:
+                    break
+                path = parent
+        self._children = {folder: sorted(entries) for folder, entries in children.items()}
+        self._paths = sorted(path for entries in children.values() for path in entries)
+        self._folder_ids: dict[str, bytes] = {}
+        # Deepest first: a folder's id hashes its subfolders' ids.
+        for folder in sorted(children, key=lambda name: (name == "", -name.count("/"))):
+            self._folder_ids[folder] = self._git_tree_id(self._children[folder])
+
+    def _git_tree_id(self, entries: list[str]) -> bytes:
+        records = []
+        for path in entries:
+            name = path.rpartition("/")[2].encode()
+            entry = self._files.get(path)
+            if entry is not None:
+                records.append((name, _FILE_MODE + b" " + name + b"\0" + bytes.fromhex(entry.git_oid)))
+            else:  # git orders a folder as if its name ended with '/'
+                records.append((name + b"/", _FOLDER_MODE + b" " + name + b"\0" + self._folder_ids[path]))
+        content = b"".join(record for _, record in sorted(records))
+        return hashlib.sha1(b"tree %d\0" % len(content) + content).digest()
+
+    def is_folder(self, path: str) -> bool:
+        """Whether `path` is a folder below the root."""
+        return bool(path) and path in self._folder_ids and path not in self._files
+
+    def entry(self, path: str) -> FileEntry | None:
+        """The file at `path`; None for a folder."""
+        return self._files.get(path)
+
+    def folder_id(self, folder: str) -> str:
+        """The folder's git tree id, as the Hub reports it."""
+        return self._folder_ids[folder].hex()
+
+    def listing(self, folder: str, recursive: bool) -> Sequence[str]:
+        """Paths of the files and folders in `folder` ("" for the root), or below it, in order; 404 if
+        there is no such folder."""
+        if folder and not self.is_folder(folder):
+            raise HubError(404, f"Entry not found: {folder}", code="EntryNotFound")
+        if not recursive:
+            return self._children[folder]
+        if not folder:
+            return self._paths
+        # '0' follows '/': the paths below `folder` sit between the two in sorted order.
+        return self._paths[bisect.bisect_left(self._paths, folder + "/"):bisect.bisect_left(self._paths, folder + "0")]
