@@ -42,18 +42,35 @@ def no_kernel_if(empty: bool):
         yield
 
 
-def assert_matches(out: torch.Tensor, expected: torch.Tensor, tolerance: float, what: str = "output") -> None:
-    """Same shape; within `tolerance` of the largest reference value (so exactly zero where the reference is)."""
+def assert_matches(out: torch.Tensor, expected: torch.Tensor, tolerance: float, what: str = "output",
+                   floor: float = 0.0) -> None:
+    """Same shape; within `tolerance` of the largest reference value, or of `floor` if that is larger.
+
+    Outputs use no floor: exactly zero where the reference is. Gradients use the inputs' scale, 1: some are
+    zero in exact arithmetic (attention's dq with one key, RMSNorm's dx with hidden size 1), where rounding
+    leaves ~1e-7.
+    """
     assert out.shape == expected.shape, f"{what}: shape {tuple(out.shape)}, expected {tuple(expected.shape)}"
     if expected.numel():
         error = (out.double() - expected.double()).abs().max().item()
-        assert error <= tolerance * expected.double().abs().max().item(), f"{what}: max error {error}"
+        assert error <= tolerance * max(expected.double().abs().max().item(), floor), f"{what}: max error {error}"
+
+
+@st.composite
+def dimensions(draw, **sizes: list[int]) -> dict[str, int]:
+    """A size for each named dimension from its (positive) `sizes`; in about half the cases one or two of
+    them are 0 instead, so empty inputs come up as often as ones with work in them."""
+    drawn = {name: draw(st.sampled_from(values)) for name, values in sizes.items()}
+    if draw(st.booleans()):
+        for name in draw(st.sets(st.sampled_from(sorted(sizes)), min_size=1, max_size=2)):
+            drawn[name] = 0
+    return drawn
 
 
 @st.composite
 def attention_cases(draw):
-    batch, kv_heads, group, q_len, kv_len = (
-        draw(st.sampled_from(values)) for values in ([0, 1, 2], [1, 2], [1, 2], [0, 1, 3, 9], [0, 1, 5, 17]))
+    batch, q_len, kv_len = draw(dimensions(batch=[1, 2], q_len=[1, 3, 9], kv_len=[1, 5, 17])).values()
+    kv_heads, group = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
     offset = draw(st.sampled_from(["default", "int", "tensor"]))
     return dict(
         batch=batch, kv_heads=kv_heads, q_heads=kv_heads * group, q_len=q_len, kv_len=kv_len,
@@ -106,7 +123,7 @@ EMPTY = dict(kv_heads=2, q_heads=4, head_dim=64, dtype=torch.float32, causal=Tru
              seed=0)
 
 
-@settings(PROPERTIES, max_examples=14)
+@settings(PROPERTIES, max_examples=6)
 @given(case=attention_cases())
 @example(case=dict(EMPTY, batch=0, q_len=3, kv_len=5))  # batch 0, as scaled_dot_product_attention takes it
 @example(case=dict(EMPTY, batch=2, q_len=0, kv_len=5, offset="tensor", kv_lengths=True))  # no queries
@@ -122,7 +139,7 @@ def test_flash_attention_matches_reference(kernel, case):
     assert_matches(out, expected, TOLERANCE[case["dtype"]])
 
 
-@settings(PROPERTIES, max_examples=6)
+@settings(PROPERTIES, max_examples=3)
 @given(case=attention_cases())
 @example(case=dict(EMPTY, batch=0, q_len=3, kv_len=5, sinks=True))
 @example(case=dict(EMPTY, batch=2, q_len=0, kv_len=5, sinks=True))  # no queries: dk, dv, d_sinks zero
@@ -141,7 +158,7 @@ def test_flash_attention_gradients_match_reference(kernel, case):
     for name, grad, like, reference_grad in zip(("dq", "dk", "dv", "d_sinks"), grads, inputs, expected):
         assert grad.dtype == like.dtype, name
         reference_grad = torch.zeros_like(like, dtype=torch.float64) if reference_grad is None else reference_grad
-        assert_matches(grad, reference_grad, TOLERANCE[case["dtype"]], name)
+        assert_matches(grad, reference_grad, TOLERANCE[case["dtype"]], name, floor=1.0)
 
 
 class _Attention(torch.nn.Module):
@@ -152,7 +169,7 @@ class _Attention(torch.nn.Module):
     attn_logit_softcapping = None
 
 
-@settings(PROPERTIES, max_examples=4)
+@settings(PROPERTIES, max_examples=3)
 @given(case=attention_cases().filter(lambda case: case["mask"] != "additive" and case["offset"] == "default"))
 @example(case=dict(EMPTY, batch=0, q_len=3, kv_len=3))
 @example(case=dict(EMPTY, batch=2, q_len=0, kv_len=0, mask="bool"))

@@ -15,6 +15,7 @@ from unittest import mock
 
 import jax.experimental.pallas
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
@@ -44,12 +45,18 @@ def no_kernel_if(empty: bool):
         yield
 
 
-def assert_matches(out: torch.Tensor, expected: torch.Tensor, tolerance: float, what: str = "output") -> None:
-    """Same shape; within `tolerance` of the largest reference value (so exactly zero where the reference is)."""
+def assert_matches(out: torch.Tensor, expected: torch.Tensor, tolerance: float, what: str = "output",
+                   floor: float = 0.0) -> None:
+    """Same shape; within `tolerance` of the largest reference value, or of `floor` if that is larger.
+
+    Outputs use no floor: exactly zero where the reference is. Gradients use the inputs' scale, 1: some are
+    zero in exact arithmetic (attention's dq with one key, RMSNorm's dx with hidden size 1), where rounding
+    leaves ~1e-7.
+    """
     assert out.shape == expected.shape, f"{what}: shape {tuple(out.shape)}, expected {tuple(expected.shape)}"
     if expected.numel():
         error = (out.double() - expected.double()).abs().max().item()
-        assert error <= tolerance * expected.double().abs().max().item(), f"{what}: max error {error}"
+        assert error <= tolerance * max(expected.double().abs().max().item(), floor), f"{what}: max error {error}"
 
 
 def random_tensor(generator: torch.Generator, shape, dtype=torch.float32, std: float = 1.0) -> torch.Tensor:
@@ -74,6 +81,17 @@ def reference_gradients(out: torch.Tensor, inputs: list[torch.Tensor], d_out: to
 
 
 @st.composite
+def dimensions(draw, **sizes: list[int]) -> dict[str, int]:
+    """A size for each named dimension from its (positive) `sizes`; in about half the cases one or two of
+    them are 0 instead, so empty inputs come up as often as ones with work in them."""
+    drawn = {name: draw(st.sampled_from(values)) for name, values in sizes.items()}
+    if draw(st.booleans()):
+        for name in draw(st.sets(st.sampled_from(sorted(sizes)), min_size=1, max_size=2)):
+            drawn[name] = 0
+    return drawn
+
+
+@st.composite
 def group_sizes(draw, groups: int, rows: int) -> list[int]:
     """`groups` non-negative sizes summing to at most `rows` (empty groups and unused rows included)."""
     sizes, left = [], rows
@@ -86,7 +104,7 @@ def group_sizes(draw, groups: int, rows: int) -> list[int]:
 
 @st.composite
 def ragged_dot_cases(draw):
-    m, k, n, groups = (draw(st.sampled_from(values)) for values in ([0, 1, 2, 9], [0, 1, 8], [0, 1, 5], [0, 1, 3]))
+    m, k, n, groups = draw(dimensions(m=[1, 2, 9], k=[1, 8], n=[1, 5], groups=[1, 3])).values()
     return dict(
         m=m, k=k, n=n, sizes=draw(group_sizes(groups, m)), sizes_dtype=draw(st.sampled_from(INTEGER_DTYPES)),
         dtype=draw(st.sampled_from(FLOAT_DTYPES)), weights=draw(st.sampled_from(WEIGHTS)),
@@ -112,7 +130,7 @@ def ragged_dot_inputs(kernel, case, dtype_of_float_weights=None):
 EMPTY_RAGGED_DOT = dict(sizes_dtype=torch.int64, dtype=torch.float32, weights="float", transpose_rhs=False, seed=1)
 
 
-@settings(PROPERTIES, max_examples=12)
+@settings(PROPERTIES, max_examples=6)
 @given(case=ragged_dot_cases())
 @example(case=dict(EMPTY_RAGGED_DOT, m=0, k=8, n=5, sizes=[0, 0, 0]))  # no rows, all-zero sizes
 @example(case=dict(EMPTY_RAGGED_DOT, m=4, k=8, n=5, sizes=[1, 3]))  # int64 sizes, as torch.bincount gives
@@ -129,7 +147,7 @@ def test_ragged_dot_matches_reference(kernel, case):
     assert_matches(out, expected, TOLERANCE[case["dtype"]])
 
 
-@settings(PROPERTIES, max_examples=6)
+@settings(PROPERTIES, max_examples=3)
 @given(case=ragged_dot_cases().filter(lambda case: case["weights"] == "float"))
 @example(case=dict(EMPTY_RAGGED_DOT, m=0, k=8, n=5, sizes=[0, 0]))  # no rows: d_rhs is zeros [G, K, N]
 def test_ragged_dot_gradients_match_reference(kernel, case):
@@ -148,13 +166,13 @@ def test_ragged_dot_gradients_match_reference(kernel, case):
     for name, grad, like, reference in (("d_lhs", d_lhs, lhs, expected[0]), ("d_rhs", d_rhs, rhs, expected[1])):
         assert grad.dtype == like.dtype, name
         assert_matches(grad, torch.zeros_like(like, dtype=torch.float64) if reference is None else reference,
-                       TOLERANCE[case["dtype"]], name)
+                       TOLERANCE[case["dtype"]], name, floor=1.0)
 
 
 @st.composite
 def experts_cases(draw):
-    tokens, top_k, hidden, intermediate, experts = (
-        draw(st.sampled_from(values)) for values in ([0, 1, 2, 5], [0, 1, 2], [0, 1, 8], [0, 1, 4], [0, 1, 3]))
+    tokens, top_k, hidden, intermediate, experts = draw(dimensions(
+        tokens=[1, 2, 5], top_k=[1, 2], hidden=[1, 8], intermediate=[1, 4], experts=[1, 3])).values()
     activation = draw(st.sampled_from(("silu", "gelu", "gelu_tanh", "clamped_swiglu")))
     return dict(
         tokens=tokens, top_k=top_k, hidden=hidden, intermediate=intermediate, experts=experts,
@@ -207,7 +225,7 @@ EMPTY_EXPERTS = dict(top_k=2, hidden=8, intermediate=4, experts=3, index_dtype=t
                      weights="float", weights_transposed=False, interleaved=False, bias=True, activation="silu", seed=3)
 
 
-@settings(PROPERTIES, max_examples=10)
+@settings(PROPERTIES, max_examples=6)
 @given(case=experts_cases())
 @example(case=dict(EMPTY_EXPERTS, tokens=0, index=[]))  # no tokens (an expert-parallel rank that got none)
 @example(case=dict(EMPTY_EXPERTS, tokens=2, experts=0, index=[0, 0, 0, 0]))  # no local experts: all sentinels
@@ -220,7 +238,7 @@ def test_gated_experts_matches_reference(kernel, case):
     assert_matches(out, expected, LAYER_TOLERANCE[case["dtype"]])
 
 
-@settings(PROPERTIES, max_examples=4)
+@settings(PROPERTIES, max_examples=2)
 @given(case=experts_cases().filter(lambda case: case["weights"] == "float"))
 @example(case=dict(EMPTY_EXPERTS, tokens=0, index=[]))
 def test_gated_experts_gradients_match_reference(kernel, case):
@@ -241,7 +259,7 @@ def test_gated_experts_gradients_match_reference(kernel, case):
     for name, grad, like, reference in zip(names, grads, differentiable, expected):
         assert grad.dtype == like.dtype, name
         assert_matches(grad, torch.zeros_like(like, dtype=torch.float64) if reference is None else reference,
-                       LAYER_TOLERANCE[case["dtype"]], name)
+                       LAYER_TOLERANCE[case["dtype"]], name, floor=1.0)
 
 
 def transformers_experts(kind: str, hidden: int, intermediate: int, experts: int, dtype) -> torch.nn.Module:
@@ -266,13 +284,14 @@ def transformers_experts(kind: str, hidden: int, intermediate: int, experts: int
     return module.to(dtype)
 
 
-@settings(PROPERTIES, max_examples=5)
+@settings(PROPERTIES, max_examples=3)
 @given(kind=st.sampled_from(("qwen3_moe", "qwen3_moe_relu", "gpt_oss")),
-       tokens=st.sampled_from([0, 1, 3]), top_k=st.sampled_from([1, 2]), hidden=st.sampled_from([1, 8]),
+       tokens=st.sampled_from([0, 1, 3]), top_k=st.sampled_from([0, 1, 2]), hidden=st.sampled_from([1, 8]),
        index_dtype=st.sampled_from(INTEGER_DTYPES), dtype=st.sampled_from(FLOAT_DTYPES),
        seed=st.integers(0, 2**16))
 @example(kind="qwen3_moe", tokens=0, top_k=2, hidden=8, index_dtype=torch.int64, dtype=torch.float32, seed=0)
 @example(kind="qwen3_moe_relu", tokens=0, top_k=2, hidden=8, index_dtype=torch.int64, dtype=torch.float32, seed=0)
+@example(kind="qwen3_moe_relu", tokens=3, top_k=2, hidden=8, index_dtype=torch.uint8, dtype=torch.float32, seed=0)
 def test_experts_forward_matches_transformers_eager(kernel, kind, tokens, top_k, hidden, index_dtype, dtype, seed):
     """The layer transformers calls, on its own experts modules, against their eager forward."""
     experts = 3
@@ -281,7 +300,7 @@ def test_experts_forward_matches_transformers_eager(kernel, kind, tokens, top_k,
     hidden_states = random_tensor(generator, (tokens, hidden), dtype)
     index = torch.randint(0, experts, (tokens, top_k), generator=generator)
     routing_weights = (torch.rand(tokens, top_k, generator=generator) + 0.1).to(dtype)
-    with torch.no_grad(), no_kernel_if(tokens == 0):
+    with torch.no_grad(), no_kernel_if(0 in (tokens, top_k)):
         out = kernel.experts_forward(module, hidden_states, index.to(index_dtype), routing_weights)
     with torch.no_grad():
         expected = module.double()(hidden_states.double(), index, routing_weights.double())
@@ -289,14 +308,15 @@ def test_experts_forward_matches_transformers_eager(kernel, kind, tokens, top_k,
     assert_matches(out, expected, LAYER_TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int16, jnp.int32])
+@pytest.mark.parametrize("dtype", [np.uint8, np.int64])
 def test_jax_ragged_dot_takes_any_integer_group_sizes(kernel, interpret, dtype):
-    """The JAX function counts rows in int32 whatever the sizes' dtype: uint8 sizes summing past 255 too."""
+    """The JAX function counts rows in int32 whatever the sizes' dtype: uint8 sizes summing past 255 too, and
+    int64 (what a torch tensor's `.numpy()` gives)."""
     generator = torch.Generator().manual_seed(5)
     lhs, rhs = random_tensor(generator, (300, 8)), random_tensor(generator, (2, 8, 16))
     sizes = [200, 100]
     out = interpret(lambda: kernel.pallas_tpu.ragged_dot(jnp.asarray(lhs.numpy()), jnp.asarray(rhs.numpy()),
-                                                        jnp.asarray(sizes, dtype)))
+                                                        np.asarray(sizes, dtype)))
     expected = kernel.reference.ragged_dot_reference(lhs.double(), rhs.double(), torch.tensor(sizes))
     assert_matches(out, expected, TOLERANCE[torch.float32])
     with pytest.raises(TypeError, match="group_sizes must have an integer dtype"):

@@ -42,12 +42,18 @@ def no_kernel_if(empty: bool):
         yield
 
 
-def assert_matches(out: torch.Tensor, expected: torch.Tensor, tolerance: float, what: str = "output") -> None:
-    """Same shape; within `tolerance` of the largest reference value (so exactly zero where the reference is)."""
+def assert_matches(out: torch.Tensor, expected: torch.Tensor, tolerance: float, what: str = "output",
+                   floor: float = 0.0) -> None:
+    """Same shape; within `tolerance` of the largest reference value, or of `floor` if that is larger.
+
+    Outputs use no floor: exactly zero where the reference is. Gradients use the inputs' scale, 1: some are
+    zero in exact arithmetic (attention's dq with one key, RMSNorm's dx with hidden size 1), where rounding
+    leaves ~1e-7.
+    """
     assert out.shape == expected.shape, f"{what}: shape {tuple(out.shape)}, expected {tuple(expected.shape)}"
     if expected.numel():
         error = (out.double() - expected.double()).abs().max().item()
-        assert error <= tolerance * expected.double().abs().max().item(), f"{what}: max error {error}"
+        assert error <= tolerance * max(expected.double().abs().max().item(), floor), f"{what}: max error {error}"
 
 
 def reference_gradients(out: torch.Tensor, inputs: list[torch.Tensor], d_out: torch.Tensor) -> list:
@@ -60,11 +66,23 @@ def reference_gradients(out: torch.Tensor, inputs: list[torch.Tensor], d_out: to
 
 
 @st.composite
+def dimensions(draw, **sizes: list[int]) -> dict[str, int]:
+    """A size for each named dimension from its (positive) `sizes`; in about half the cases one or two of
+    them are 0 instead, so empty inputs come up as often as ones with work in them."""
+    drawn = {name: draw(st.sampled_from(values)) for name, values in sizes.items()}
+    if draw(st.booleans()):
+        for name in draw(st.sets(st.sampled_from(sorted(sizes)), min_size=1, max_size=2)):
+            drawn[name] = 0
+    return drawn
+
+
+@st.composite
 def norm_cases(draw):
-    """x [*leading, hidden]: no leading dim, one or two of them, any of which may be 0 (no rows)."""
-    leading = draw(st.lists(st.sampled_from([0, 1, 3]), max_size=2))
+    """x [*leading, hidden]: no leading dim, one or two of them."""
+    leading = draw(st.integers(0, 2))
+    shape = draw(dimensions(**{f"leading_{i}": [1, 3] for i in range(leading)}, hidden=[1, 5, 128])).values()
     return dict(
-        shape=(*leading, draw(st.sampled_from([0, 1, 5, 128]))), dtype=draw(st.sampled_from(FLOAT_DTYPES)),
+        shape=tuple(shape), dtype=draw(st.sampled_from(FLOAT_DTYPES)),
         weight_dtype=draw(st.sampled_from(FLOAT_DTYPES)), offset=draw(st.sampled_from([0.0, 1.0])),
         fused=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
     )
@@ -95,7 +113,7 @@ def is_empty(case) -> bool:
 EMPTY = dict(dtype=torch.float32, weight_dtype=torch.float32, offset=0.0, seed=0)
 
 
-@settings(PROPERTIES, max_examples=12)
+@settings(PROPERTIES, max_examples=8)
 @given(case=norm_cases())
 @example(case=dict(EMPTY, shape=(0, 64), fused=False))  # no rows
 @example(case=dict(EMPTY, shape=(2, 0, 64), fused=True))  # no rows among several leading dims
@@ -109,7 +127,7 @@ def test_norms_match_reference(kernel, case):
         assert_matches(out, expected, TOLERANCE[case["dtype"]], name)
 
 
-@settings(PROPERTIES, max_examples=8)
+@settings(PROPERTIES, max_examples=5)
 @given(case=norm_cases())
 @example(case=dict(EMPTY, shape=(0, 64), fused=False))  # the weight still gets its (zero) gradient
 @example(case=dict(EMPTY, shape=(0, 64), fused=True))
@@ -128,13 +146,14 @@ def test_norm_gradients_match_reference(kernel, case):
     expected = reference_gradients(total, inputs64 if case["fused"] else [inputs64[0], inputs64[2]],
                                    torch.ones((), dtype=torch.float64))
     names = ("d_x", "d_residual", "d_weight") if case["fused"] else ("d_x", "d_weight")
+    # bfloat16 anywhere rounds what every gradient is made of (the fused sum x + residual, the weight).
+    precision = torch.bfloat16 if torch.bfloat16 in (case["dtype"], case["weight_dtype"]) else torch.float32
     for name, grad, like, reference in zip(names, grads, inputs, expected):
         assert grad.dtype == like.dtype, name
-        # The weight's gradient sums over rows: relative to its own largest value, both dtypes' rounding adds up.
-        assert_matches(grad, reference, GRADIENT_TOLERANCE[like.dtype], name)
+        assert_matches(grad, reference, GRADIENT_TOLERANCE[precision], name, floor=1.0)
 
 
-@settings(PROPERTIES, max_examples=6)
+@settings(PROPERTIES, max_examples=4)
 @given(case=norm_cases())
 @example(case=dict(EMPTY, shape=(0, 64), fused=False))
 def test_layers_match_the_transformers_norms_they_replace(kernel, case):
@@ -149,5 +168,5 @@ def test_layers_match_the_transformers_norms_they_replace(kernel, case):
             out = layer.forward(module, x)
         expected = type(module).forward(module, x)
     assert out.dtype == expected.dtype
-    assert_matches(out, expected, TOLERANCE[torch.bfloat16 if torch.bfloat16 in (x.dtype, weight.dtype)
-                                            else torch.float32])
+    precision = torch.bfloat16 if torch.bfloat16 in (case["dtype"], case["weight_dtype"]) else torch.float32
+    assert_matches(out, expected, TOLERANCE[precision])

@@ -20,7 +20,7 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
-def is_integer_dtype(dtype: torch.dtype) -> bool:
+def _is_integer_dtype(dtype: torch.dtype) -> bool:
     """Any of torch's integer dtypes, signed or unsigned (bool is not one)."""
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
@@ -121,7 +121,7 @@ def check_ragged_dot_shapes(
         raise TypeError(f"rhs must be float32, bfloat16, int8 or float8_e4m3fn, got {rhs.dtype}")
     if rhs.dtype in FLOAT_DTYPES and rhs.dtype != lhs.dtype:
         raise TypeError(f"rhs dtype {rhs.dtype} must match lhs dtype {lhs.dtype}")
-    if not is_integer_dtype(group_sizes.dtype):
+    if not _is_integer_dtype(group_sizes.dtype):
         raise TypeError(f"group_sizes must have an integer dtype (int32, int64, ...), got {group_sizes.dtype}")
     rhs_k = rhs.shape[2] if transpose_rhs else rhs.shape[1]
     if lhs.shape[1] != rhs_k:
@@ -200,7 +200,7 @@ def check_routing(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_
     tokens = hidden_states.shape[0]
     if top_k_index.dim() != 2 or top_k_index.shape[0] != tokens:
         raise ValueError(f"top_k_index must be [T, K] with T={tokens}, got shape {tuple(top_k_index.shape)}")
-    if not is_integer_dtype(top_k_index.dtype):
+    if not _is_integer_dtype(top_k_index.dtype):
         raise TypeError(f"top_k_index must have an integer dtype (int64 from torch.topk, int32, ...), got {top_k_index.dtype}")
     if top_k_weights.shape != top_k_index.shape:
         raise ValueError(
