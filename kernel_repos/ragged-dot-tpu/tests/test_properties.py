@@ -130,7 +130,7 @@ def ragged_dot_inputs(kernel, case, dtype_of_float_weights=None):
 EMPTY_RAGGED_DOT = dict(sizes_dtype=torch.int64, dtype=torch.float32, weights="float", transpose_rhs=False, seed=1)
 
 
-@settings(PROPERTIES, max_examples=6)
+@settings(PROPERTIES, max_examples=5)
 @given(case=ragged_dot_cases())
 @example(case=dict(EMPTY_RAGGED_DOT, m=0, k=8, n=5, sizes=[0, 0, 0]))  # no rows, all-zero sizes
 @example(case=dict(EMPTY_RAGGED_DOT, m=4, k=8, n=5, sizes=[1, 3]))  # int64 sizes, as torch.bincount gives
@@ -225,7 +225,7 @@ EMPTY_EXPERTS = dict(top_k=2, hidden=8, intermediate=4, experts=3, index_dtype=t
                      weights="float", weights_transposed=False, interleaved=False, bias=True, activation="silu", seed=3)
 
 
-@settings(PROPERTIES, max_examples=6)
+@settings(PROPERTIES, max_examples=5)
 @given(case=experts_cases())
 @example(case=dict(EMPTY_EXPERTS, tokens=0, index=[]))  # no tokens (an expert-parallel rank that got none)
 @example(case=dict(EMPTY_EXPERTS, tokens=2, experts=0, index=[0, 0, 0, 0]))  # no local experts: all sentinels
