@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up .venv/ at the repo root with everything the project and its tests need.
+# Set up everything the README's commands need: .venv/ at the repo root with the project and its test
+# extras, and the system packages of the test suite (scripts/system-packages.sh: Chromium).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3.11 -m venv .venv 2>/dev/null || python3 -m venv .venv
@@ -7,3 +8,4 @@ python3.11 -m venv .venv 2>/dev/null || python3 -m venv .venv
 # The exact CPU wheel first: a looser torch spec would pull a multi-GB CUDA build.
 .venv/bin/pip install -q "torch==2.13.0"
 .venv/bin/pip install -q -e ".[test]"
+scripts/system-packages.sh

@@ -1,4 +1,4 @@
-"""The local Hub's pages in a real browser: headless Chromium (Debian's package; .ci/run installs it)
+"""The local Hub's pages in a real browser: headless Chromium (Debian's package; scripts/setup.sh installs it)
 loads them from `tpu-kernels serve` holding the three built kernel repos. Each test asserts on the
 DOM Chromium built and leaves a screenshot of the page in its temporary folder."""
 
@@ -46,7 +46,7 @@ CHROMIUM_FLAGS = (
 def chromium() -> str:
     path = shutil.which("chromium")
     if path is None:
-        pytest.fail("Chromium is not installed: `apt-get install chromium` (.ci/run installs it when absent)")
+        pytest.fail("Chromium is not installed: `apt-get install chromium fonts-dejavu-core` (scripts/setup.sh installs it where it can)")
     return path
 
 

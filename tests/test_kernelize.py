@@ -184,6 +184,48 @@ def test_all_kinds_replaced_and_tokens_match(all_builds):
     assert torch.equal(tokens, eager_tokens)
 
 
+def _model_of(config):
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 3:  # expert weights start empty in some models: make them random, never zero
+                parameter.normal_(std=0.1)
+    return model
+
+
+def _configs_in(model) -> set[int]:
+    return {id(value) for module in model.modules() for value in vars(module).values()
+            if isinstance(value, transformers.PretrainedConfig)}
+
+
+def test_kernelize_changes_only_the_model_it_is_given(all_builds):
+    """Two models of one config object: kernelizing one leaves the other, the config and later models eager."""
+    config = CONFIGS["qwen3_moe"]()
+    torch.manual_seed(0)
+    model, other = _model_of(config), _model_of(config)
+    implementations = (config._experts_implementation, config._attn_implementation)
+    assert model.config is other.config is config
+    prompt = _prompt()
+    with torch.no_grad():
+        other_eager = other(prompt).logits
+        model_eager = model(prompt).logits
+        kernelize(model, repos=all_builds)
+        other_after, model_after = other(prompt).logits, model(prompt).logits
+    later = _model_of(config)
+    # Eager twice on the same inputs: bit for bit; our kernels would round differently.
+    assert torch.equal(other_after, other_eager)
+    assert (config._experts_implementation, config._attn_implementation) == implementations
+    for eager_model in (other, later):
+        assert _configs_in(eager_model) == {id(config)}
+    report = model.tpu_kernels_report
+    assert {e.kind for e in report.entries if e.replaced} == {"experts", "rmsnorm", "attention"}, repr(report)
+    assert model.config is not config and id(config) not in _configs_in(model)
+    assert model.config._experts_implementation.startswith("tpu_kernels_")
+    assert model.config._attn_implementation.startswith("tpu_kernels_")
+    assert (model_after - model_eager).abs().max().item() <= 1e-4
+    assert report.own_config and "config    the model's own copy" in repr(report)
+
+
 def test_zero_centred_norms_of_gemma(all_builds):
     """Gemma's norms are not decorated for kernels and compute (1 + weight) * norm(x)."""
     torch.manual_seed(0)

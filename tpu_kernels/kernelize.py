@@ -19,6 +19,13 @@ Kinds of layer and how each is replaced:
   an unknown implementation no padding mask at all), then selected with
   `model.set_attn_implementation`.
 
+kernelize changes only the model it is given. transformers reads the experts
+and attention implementations from the model's config, and models built from
+one config object share it (`from_config(cfg)` keeps `cfg`): before selecting
+an implementation, kernelize gives the model its own copy of its config (and
+sub-configs), so other models of that config, and models built from it later,
+keep theirs.
+
 Kernels load through `tpu_kernels.get_kernel` (Hub) or `get_local_kernel` (a build
 folder), so every variant is checked against its digest before it runs. Fallback
 (`use_fallback=True`, the default) keeps a kind's original forward only when its
@@ -43,6 +50,7 @@ the first call (`import tpu_kernels` stays light).
 
 from __future__ import annotations
 
+import copy
 import logging
 import types
 from dataclasses import dataclass, field
@@ -136,6 +144,7 @@ class KernelizeReport:
     mode: str = "INFERENCE"
     entries: list[ReportEntry] = field(default_factory=list)
     quantization: QuantizationReport | None = None
+    own_config: bool = False  # the model was given its own copy of its config
 
     def replaced(self, kind: str) -> list[ReportEntry]:
         return [e for e in self.entries if e.kind == kind and e.replaced]
@@ -147,6 +156,9 @@ class KernelizeReport:
             where = f"{len(e.modules)} module(s)" if e.modules else "no modules"
             detail = f" by {e.source}" if e.replaced else f": {e.reason}"
             lines.append(f"  {e.kind:<9} {status}{detail} ({where})")
+        if self.own_config:
+            lines.append("  config    the model's own copy: the experts and attention implementations are set on it, "
+                         "not on the config object the model was built from")
         if self.quantization is not None:
             lines.append(repr(self.quantization))
         return "\n".join(lines)
@@ -155,6 +167,27 @@ class KernelizeReport:
 def _model_device(model) -> str:
     parameter = next(model.parameters(), None)
     return parameter.device.type if parameter is not None else "cpu"
+
+
+def give_own_config(model) -> bool:
+    """Point every module of `model` at a deep copy of the model's config (sub-configs included).
+
+    Modules keep the config they were built with (`self.config`), so each
+    reference to the old config, or to one of its sub-configs, is replaced by
+    its copy; nothing outside the model is touched. False (nothing done) for
+    a model without a transformers config.
+    """
+    from transformers import PretrainedConfig
+
+    if not isinstance(getattr(model, "config", None), PretrainedConfig):
+        return False
+    copies: dict[int, object] = {}
+    copy.deepcopy(model.config, copies)
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, PretrainedConfig) and id(value) in copies:
+                setattr(module, name, copies[id(value)])
+    return True
 
 
 def _supports(kernel_fn, mode: Mode) -> str | None:
@@ -372,6 +405,8 @@ def kernelize(
     device = device or _model_device(model)
     backend = "tpu" if device == "tpu" else "cpu"
     report = KernelizeReport(mode=mode.name.replace("|", " | "))
+    if specs["experts"] is not None or specs["attention"] is not None:
+        report.own_config = give_own_config(model)
     loaded = {}
     for kind in KINDS:
         if specs[kind] is None:

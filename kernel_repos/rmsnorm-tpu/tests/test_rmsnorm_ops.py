@@ -111,7 +111,7 @@ def _bad_calls():
         (lambda k: k.rms_norm(x, weight.int(), 1e-6), TypeError, "weight must be torch.float32 or torch.bfloat16"),
         (lambda k: k.rms_norm(x, weight.to("meta"), 1e-6), ValueError, "weight is on meta but x is on cpu"),
         (lambda k: k.rms_norm(x.numpy(), weight, 1e-6), TypeError, "x must be a torch.Tensor, got ndarray"),
-        (lambda k: k.rms_norm(torch.tensor(1.0), weight, 1e-6), ValueError, "non-empty last dimension"),
+        (lambda k: k.rms_norm(torch.tensor(1.0), weight, 1e-6), ValueError, "x must have at least one dimension"),
         (lambda k: k.rms_norm(x, weight, 0.0), ValueError, "eps must be a finite number > 0, got 0.0"),
         (lambda k: k.rms_norm(x, weight, -1e-6), ValueError, "eps must be a finite number > 0"),
         (lambda k: k.rms_norm(x, weight, math.nan), ValueError, "eps must be a finite number > 0, got nan"),

@@ -120,6 +120,11 @@ def _check_tensor(name: str, value) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
+def _is_integer_dtype(dtype: torch.dtype) -> bool:
+    """Any of torch's integer dtypes, signed or unsigned (bool is not one)."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def check_attention_args(
     query, key, value, *, scale, q_offset, kv_lengths, sliding_window, softcap, attention_mask, sinks=None
 ):
@@ -141,19 +146,15 @@ def check_attention_args(
         raise ValueError(
             f"the number of query heads ({q_heads}) must be a multiple of the number of key/value heads ({kv_heads})"
         )
-    if batch == 0 or q_len == 0 or kv_len == 0:
-        raise ValueError(
-            f"batch, query length and key length must be positive, got query {tuple(query.shape)}, key {tuple(key.shape)}"
-        )
     if query.dtype not in FLOAT_DTYPES:
         raise TypeError(f"query must be float32 or bfloat16, got {query.dtype}")
     if key.dtype != query.dtype or value.dtype != query.dtype:
         raise TypeError(f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
     devices = {query.device, key.device, value.device}
     if isinstance(q_offset, torch.Tensor):
-        if tuple(q_offset.shape) != (batch,) or q_offset.dtype not in (torch.int32, torch.int64):
+        if tuple(q_offset.shape) != (batch,) or not _is_integer_dtype(q_offset.dtype):
             raise ValueError(
-                f"q_offset must be an int or an int32/int64 tensor of shape ({batch},), "
+                f"q_offset must be an int or an integer tensor of shape ({batch},), "
                 f"got {q_offset.dtype} {tuple(q_offset.shape)}"
             )
         devices.add(q_offset.device)
@@ -161,9 +162,9 @@ def check_attention_args(
         raise TypeError(f"q_offset must be an int, an integer tensor [batch] or None, got {type(q_offset).__name__}")
     if kv_lengths is not None:
         _check_tensor("kv_lengths", kv_lengths)
-        if tuple(kv_lengths.shape) != (batch,) or kv_lengths.dtype not in (torch.int32, torch.int64):
+        if tuple(kv_lengths.shape) != (batch,) or not _is_integer_dtype(kv_lengths.dtype):
             raise ValueError(
-                f"kv_lengths must be an int32/int64 tensor of shape ({batch},), "
+                f"kv_lengths must be an integer tensor of shape ({batch},), "
                 f"got {kv_lengths.dtype} {tuple(kv_lengths.shape)}"
             )
         devices.add(kv_lengths.device)
@@ -227,8 +228,10 @@ def flash_attention(
     sinks: optional [Hq] float32/bfloat16: a logit per query head that joins
       every row's softmax denominator and attends to nothing (GPT-OSS).
 
-    Rows that see no key at all come out as zeros (with sinks: too). Autograd
-    runs the backward Pallas kernels for query, key, value and sinks.
+    Rows that see no key at all come out as zeros (with sinks: too); so does
+    every row when there are no keys. Empty inputs (batch, heads, query or key
+    length 0) run no kernel. Autograd runs the backward Pallas kernels for
+    query, key, value and sinks.
     """
     check_attention_args(
         query,
@@ -255,7 +258,8 @@ def flash_attention(
         q_offset = q_offset.to(torch.int32)
     if kv_lengths is None:
         kv_lengths = torch.full((batch,), kv_len, dtype=torch.int32, device=device)
-    kv_lengths = kv_lengths.clamp(0, kv_len).to(torch.int32)
+    # Clamped as int64: torch clamps no unsigned dtype wider than uint8.
+    kv_lengths = kv_lengths.to(torch.int64).clamp(0, kv_len).to(torch.int32)
     scale = float(head_dim**-0.5 if scale is None else scale)
     softcap = None if softcap is None else float(softcap)
     if attention_mask is not None and attention_mask.dtype == torch.bool:

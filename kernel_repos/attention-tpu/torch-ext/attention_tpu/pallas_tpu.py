@@ -340,7 +340,13 @@ def flash_attention_forward(
 
     The log-sum-exp is that of each row's softmax denominator, the sink
     included; -inf for a row that sees no key and has no sink.
+    Without a batch, a query head, a query or a key no kernel runs: every row
+    sees no key.
     """
+    batch, q_heads, q_len, _ = q.shape
+    if 0 in (batch, q_heads, q_len, k.shape[2]):
+        no_key = jnp.full((q_heads,), -jnp.inf, jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+        return jnp.zeros(q.shape, q.dtype), jnp.broadcast_to(no_key[None, :, None], (batch, q_heads, q_len))
     problem, prepared = masking.prepare(
         q, k, scale=scale, causal=causal, q_offset=q_offset, kv_lengths=kv_lengths, sliding_window=sliding_window,
         softcap=softcap, attention_mask=attention_mask, sinks=sinks,

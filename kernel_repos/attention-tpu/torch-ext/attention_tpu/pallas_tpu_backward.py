@@ -363,8 +363,12 @@ def flash_attention_backward(
 
     `out` and `lse` are what `flash_attention_forward` returned for the same
     inputs and options. Keys past kv_lengths get zero gradients; so do the
-    rows of queries that see nothing.
+    rows of queries that see nothing. Without a batch, a query head, a query
+    or a key every gradient is zero and no kernel runs.
     """
+    if 0 in (q.shape[0], q.shape[1], q.shape[2], k.shape[2]):
+        d_sinks = None if sinks is None else jnp.zeros(sinks.shape, sinks.dtype)
+        return jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype), d_sinks
     problem, prepared = masking.prepare(
         q, k, scale=scale, causal=causal, q_offset=q_offset, kv_lengths=kv_lengths, sliding_window=sliding_window,
         softcap=softcap, attention_mask=attention_mask, sinks=sinks,

@@ -32,9 +32,14 @@ def ragged_dot_backward(
     d_out: jax.Array, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool,
     generation: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """`(d_lhs[M, K], d_rhs)` of `ragged_dot(lhs, rhs, group_sizes, transpose_rhs=...)`; d_rhs has rhs's layout."""
+    """`(d_lhs[M, K], d_rhs)` of `ragged_dot(lhs, rhs, group_sizes, transpose_rhs=...)`; d_rhs has rhs's layout.
+
+    With an empty dimension both are zeros and no kernel runs.
+    """
     d_out = d_out.astype(lhs.dtype)
     m, n = d_out.shape
+    if 0 in (m, n, lhs.shape[1], rhs.shape[0]):
+        return jnp.zeros(lhs.shape, lhs.dtype), jnp.zeros(rhs.shape, rhs.dtype)
     config = select_d_lhs_config(m, n, lhs.shape[1], lhs.dtype, generation=generation, num_groups=rhs.shape[0])
     d_lhs = ragged_dot(d_out, rhs, group_sizes, transpose_rhs=not transpose_rhs, config=config)
     if transpose_rhs:

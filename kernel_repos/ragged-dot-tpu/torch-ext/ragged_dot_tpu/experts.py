@@ -73,7 +73,8 @@ def composed_experts_forward(
     num_experts = self.num_experts
     transpose_rhs = not self.is_transposed
 
-    expert_ids = top_k_index.reshape(-1)
+    # int64: torch scatters with int32 or int64 indices only.
+    expert_ids = top_k_index.reshape(-1).to(torch.int64)
     sorted_ids, order = torch.sort(expert_ids, stable=True)
     # Sentinels land in the extra last bin; a scatter keeps the shape static for torch.compile.
     picks = torch.ones_like(expert_ids, dtype=torch.int32)

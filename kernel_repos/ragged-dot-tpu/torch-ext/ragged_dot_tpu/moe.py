@@ -65,8 +65,12 @@ def gated_experts(
     of the two paths (None: the rule, `config.use_fused_experts`);
     `generation` picks the grouped path's tiles (None: this device's).
     Differentiable in hidden_states, top_k_weights, the weights and biases
-    (module docstring); sentinel picks get a zero weight gradient.
+    (module docstring); sentinel picks get a zero weight gradient. Without
+    tokens, picks, hidden size or experts the result is zeros and no kernel
+    runs.
     """
+    if 0 in (*hidden_states.shape, top_k_index.shape[1], gate_up_proj.shape[0]):
+        return jnp.zeros(hidden_states.shape, hidden_states.dtype)
     options = _ExpertsOptions(activation, bool(weights_transposed), bool(interleaved), float(alpha), float(limit),
                               fused, generation)
     if gate_up_scales is not None or down_scales is not None:

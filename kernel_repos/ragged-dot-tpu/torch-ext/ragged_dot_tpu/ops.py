@@ -18,7 +18,11 @@ from ._ops import add_op_namespace_prefix, jax_torch_op
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
-INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _is_integer_dtype(dtype: torch.dtype) -> bool:
+    """Any of torch's integer dtypes, signed or unsigned (bool is not one)."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 @jax_torch_op(add_op_namespace_prefix("ragged_dot"))
@@ -117,16 +121,14 @@ def check_ragged_dot_shapes(
         raise TypeError(f"rhs must be float32, bfloat16, int8 or float8_e4m3fn, got {rhs.dtype}")
     if rhs.dtype in FLOAT_DTYPES and rhs.dtype != lhs.dtype:
         raise TypeError(f"rhs dtype {rhs.dtype} must match lhs dtype {lhs.dtype}")
-    if group_sizes.dtype != torch.int32:
-        raise TypeError(f"group_sizes must be int32, got {group_sizes.dtype}")
+    if not _is_integer_dtype(group_sizes.dtype):
+        raise TypeError(f"group_sizes must have an integer dtype (int32, int64, ...), got {group_sizes.dtype}")
     rhs_k = rhs.shape[2] if transpose_rhs else rhs.shape[1]
     if lhs.shape[1] != rhs_k:
         axis = "rhs.shape[2]" if transpose_rhs else "rhs.shape[1]"
         raise ValueError(f"K mismatch: lhs.shape[1]={lhs.shape[1]} but {axis}={rhs_k} (transpose_rhs={transpose_rhs})")
     if group_sizes.shape[0] != rhs.shape[0]:
         raise ValueError(f"group_sizes has {group_sizes.shape[0]} groups but rhs has {rhs.shape[0]}")
-    if lhs.shape[0] == 0:
-        raise ValueError("lhs must have at least one row")
     check_scales("rhs_scales", rhs_scales, "rhs", rhs, 1 if transpose_rhs else 2)
     if rhs_scales is not None and rhs_scales.device != rhs.device:
         raise ValueError(f"rhs_scales must be on rhs's device {rhs.device}, got {rhs_scales.device}")
@@ -140,6 +142,8 @@ def check_group_sizes(group_sizes: torch.Tensor, rows: int) -> None:
     """
     if torch.compiler.is_compiling():
         return
+    # int64 holds every size a row count can be, and torch compares int64 where it cannot compare uint16-64.
+    group_sizes = group_sizes.to(torch.int64)
     if bool((group_sizes < 0).any()):
         raise ValueError(f"group_sizes must be non-negative, got {group_sizes.tolist()}")
     total = int(group_sizes.sum())
@@ -155,8 +159,10 @@ def ragged_dot(
 
     `rhs` is `[G, K, N]`, or `[G, N, K]` with `transpose_rhs=True` (transformers'
     own expert weight layout, used without a transposed copy). `group_sizes[G]`
-    is int32, non-negative, summing to at most M; rows past the sum come out
-    as zeros. Accumulates in float32; returns `[M, N]` in the input dtype.
+    has any integer dtype (int64 from `torch.bincount` as well as int32), is
+    non-negative and sums to at most M; rows past the sum come out as zeros.
+    Accumulates in float32; returns `[M, N]` in the input dtype. An empty
+    dimension (M, K, N or G zero) gives zeros without running a kernel.
     Quantized `rhs` (int8 or float8_e4m3fn, read as one byte per weight and
     dequantized in VMEM) needs float32 `rhs_scales`: `[G, N]` per output
     channel for int8, `[G, ceil(D1/128), ceil(D2/128)]` per 128 x 128 block
@@ -164,7 +170,7 @@ def ragged_dot(
     """
     check_ragged_dot_shapes(lhs, rhs, group_sizes, transpose_rhs, rhs_scales)
     check_group_sizes(group_sizes, lhs.shape[0])
-    return _ragged_dot(lhs, rhs, group_sizes, rhs_scales, transpose_rhs, True)
+    return _ragged_dot(lhs, rhs, group_sizes.to(torch.int32), rhs_scales, transpose_rhs, True)
 
 
 def routed_ragged_dot(
@@ -179,7 +185,7 @@ def routed_ragged_dot(
     so they cost the kernel nothing: the caller masks them.
     """
     check_ragged_dot_shapes(lhs, rhs, group_sizes, transpose_rhs)
-    return _ragged_dot(lhs, rhs, group_sizes, None, transpose_rhs, False)
+    return _ragged_dot(lhs, rhs, group_sizes.to(torch.int32), None, transpose_rhs, False)
 
 
 def check_routing(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
@@ -194,8 +200,8 @@ def check_routing(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_
     tokens = hidden_states.shape[0]
     if top_k_index.dim() != 2 or top_k_index.shape[0] != tokens:
         raise ValueError(f"top_k_index must be [T, K] with T={tokens}, got shape {tuple(top_k_index.shape)}")
-    if top_k_index.dtype not in INDEX_DTYPES:
-        raise TypeError(f"top_k_index must be int32 or int64, got {top_k_index.dtype}")
+    if not _is_integer_dtype(top_k_index.dtype):
+        raise TypeError(f"top_k_index must have an integer dtype (int64 from torch.topk, int32, ...), got {top_k_index.dtype}")
     if top_k_weights.shape != top_k_index.shape:
         raise ValueError(
             f"top_k_weights must have top_k_index's shape {tuple(top_k_index.shape)}, got {tuple(top_k_weights.shape)}"

@@ -305,11 +305,14 @@ def fused_experts(
     `[E, 2I]` and `[E, H]`; fp8 block grids over each weight's own dims).
     Picks with id == E are sentinels. Inputs are assumed valid (`ops.py`).
     Each projection is read in the order XLA stores it
-    (`config.weights_orientation`).
+    (`config.weights_orientation`). Without tokens, picks, hidden size or
+    experts there is nothing to compute: the result is zeros and no kernel runs.
     """
     tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[1]
     num_experts = gate_up_proj.shape[0]
+    if 0 in (tokens, top_k, hidden, num_experts):
+        return jnp.zeros((tokens, hidden), hidden_states.dtype)
     intermediate = down_proj.shape[1] if weights_transposed else down_proj.shape[2]
     orientation, gate_up_proj, down_proj, gate_up_scales, down_scales = weights_as_stored(
         gate_up_proj, down_proj, gate_up_scales, down_scales, weights_transposed=weights_transposed)

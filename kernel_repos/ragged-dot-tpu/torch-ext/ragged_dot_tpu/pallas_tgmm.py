@@ -43,6 +43,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ._hardware import sublane_multiple
 from .config import TgmmConfig, check_tgmm_config, select_tgmm_config, tgmm_blocks, tgmm_vmem_limit
+from .routing import int32_group_sizes
 
 
 class TgmmItems(NamedTuple):
@@ -152,13 +153,17 @@ def tgmm(
     """Per group, `lhs_g^T @ rhs_g`: `lhs[M, K], rhs[M, N] -> [G, K, N]` (f32 accumulation).
 
     `G = group_sizes.shape[0]`; `out_dtype` defaults to lhs's. Inputs are
-    assumed valid (int32 sizes summing to at most M; `ops.py` checks the
-    torch entries).
+    assumed valid (integer sizes summing to at most M; `ops.py` checks the
+    torch entries). With an empty dimension the result is zeros and no kernel
+    runs.
     """
     m, k = lhs.shape
     n = rhs.shape[1]
     num_groups = group_sizes.shape[0]
     out_dtype = lhs.dtype if out_dtype is None else out_dtype
+    group_sizes = int32_group_sizes(group_sizes)
+    if 0 in (m, k, n, num_groups):
+        return jnp.zeros((num_groups, k, n), out_dtype)
     if config is None:
         config = select_tgmm_config(m, k, n, lhs.dtype, generation=generation, out_dtype=out_dtype,
                                     num_groups=num_groups)

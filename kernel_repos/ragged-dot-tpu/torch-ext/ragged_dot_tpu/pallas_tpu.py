@@ -69,6 +69,7 @@ from .config import (
     TileConfig, check_config, expected_active_groups, row_chunks, row_tile_rows, select_config, vmem_limit,
 )
 from .quant import FP8, INT8, dequantize_fp8_block, scheme_of
+from .routing import int32_group_sizes
 
 
 class WorkItems(NamedTuple):
@@ -320,11 +321,16 @@ def ragged_dot(
     (`quant.py`: `[G, N]` per output channel for int8; `[G, ceil(D1/128),
     ceil(D2/128)]` blocks over rhs's own dims for fp8); the output is in
     lhs's dtype. Inputs are assumed valid: the torch ops check them (`ops.py`);
-    `group_sizes` is int32 and sums to at most M.
+    `group_sizes` has an integer dtype and sums to at most M. With an empty
+    dimension (M, K, N or G zero) there is nothing to multiply: the result is
+    zeros and no kernel runs.
     """
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    group_sizes = int32_group_sizes(group_sizes)
+    if 0 in (m, k, n, num_groups):
+        return jnp.zeros((m, n), lhs.dtype)
     quantization = scheme_of(rhs.dtype)
     if config is None:
         config = select_config(m, k, n, lhs.dtype, generation=generation, num_groups=num_groups, rhs_dtype=rhs.dtype)

@@ -14,6 +14,18 @@ import jax
 import jax.numpy as jnp
 
 
+def int32_group_sizes(group_sizes: jax.Array) -> jax.Array:
+    """Group sizes of any integer dtype as the int32 the kernels schedule with.
+
+    The kernels take prefix sums of the sizes: in a narrow dtype (uint8) those
+    would wrap around; int64 sizes (`jax_enable_x64`) are cast down, their
+    values being row counts.
+    """
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"group_sizes must have an integer dtype, got {group_sizes.dtype}")
+    return group_sizes.astype(jnp.int32)
+
+
 def sort_by_expert(top_k_index: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
     """Pick order sorted by expert, and the picks per expert.
 

@@ -100,8 +100,8 @@ def _check_number(name: str, value, *, positive: bool) -> float:
 
 def _check_norm_inputs(x, weight, eps, offset) -> tuple[float, float]:
     _check_tensor("x", x)
-    if x.dim() < 1 or x.shape[-1] < 1:
-        raise ValueError(f"x must have a non-empty last dimension (the hidden size), got shape {list(x.shape)}")
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension (the last is the hidden size), got a 0-d tensor")
     _check_tensor("weight", weight, like=x)
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"weight must have shape [{x.shape[-1]}] (the hidden size of x), got {list(weight.shape)}")
@@ -112,7 +112,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float
     """x / sqrt(mean(x**2, -1) + eps) * (offset + weight), in float32, returned in x's dtype.
 
     `offset=1.0` is the zero-centred form (Gemma, Qwen3-Next, Qwen3.5) whose
-    stored weight is the deviation from 1.
+    stored weight is the deviation from 1. An empty x (no rows, or hidden size
+    0) gives an empty result without running a kernel.
     """
     eps, offset = _check_norm_inputs(x, weight, eps, offset)
     return _rms_norm_op(x, weight, eps, offset)
