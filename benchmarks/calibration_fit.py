@@ -1,13 +1,14 @@
 """Fit the performance model's constants to tokamax's measured TPU timings, and report the error on held-out entries.
 
-The model (`tpu_kernels.perf`, `xla_program`, `xla_ragged_dot`) has two
+The model (`tpu_kernels.perf`, `xla_program`, `xla_ragged_dot`) has
 constants the Pallas guides and XLA do not state: the fixed cost of one
-Pallas grid step and of one kept iteration of XLA's ragged dot loop. This
-script analyses every entry `tpu-kernels calibrate` can rebuild (cached
-compiles and replays), then for each constant and chip scans a grid of
-values, pricing the "fit" half of the entries (`calibration.holdout`) and
-keeping the value with the smallest median |log(predicted / measured)|;
-the "holdout" half is priced only at the chosen value, and its errors are the
+Pallas grid step, the vector unit's rates (elements per cycle, plain and
+transcendental), and the fixed cost of one kept iteration of XLA's ragged dot
+loop. This script analyses every entry `tpu-kernels calibrate` can rebuild
+(cached compiles and replays), then per chip scans a grid of values for each
+in turn (and the unhidden share of an MXU weights load), pricing the "fit" half of the entries (`calibration.holdout`) and
+keeping the value with the smallest median |log(predicted / measured)|; the
+"holdout" half is priced only at the chosen values, and its errors are the
 ones to quote. Writes benchmarks/results/calibration_fit.json.
 
 Usage:
@@ -18,6 +19,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -31,10 +33,12 @@ sys.path.insert(0, str(ROOT))
 
 from tpu_kernels import calibration  # noqa: E402
 
-# Scanned values (seconds): 0 to 2 us in 0.01 us steps.
+# Scanned step costs (seconds): 0 to 2 us in 0.01 us steps; vector rates (register elements per cycle):
+# powers of two from 64 to 16384.
 GRID = [round(0.01e-6 * i, 10) for i in range(201)]
-CONSTANT_OF_KIND = {"pallas_ragged_dot": "grid_step_s", "flash_attention": "grid_step_s",
-                    "flash_attention_vjp": "grid_step_s", "xla_ragged_dot": "ragged_dot_step_s"}
+VECTOR_RATES = [float(2**i) for i in range(6, 15)]
+# The unhidden share of an MXU weights load: 1/8 to 1 in eighths.
+LOAD_FRACTIONS = [i / 8 for i in range(1, 9)]
 
 
 def installed_paths() -> list[Path]:
@@ -44,39 +48,77 @@ def installed_paths() -> list[Path]:
     return [folder for folder in sorted(root.iterdir()) if folder.name in calibration.CHIP_FOLDERS]
 
 
+def ratios(entries, constants) -> list[float]:
+    return [entry.price(constants).pipelined_time_s * 1e6 / entry.measurement.measured_us for entry in entries]
+
+
 def errors(entries, constants) -> list[float]:
-    return [abs(math.log(entry.price(constants).pipelined_time_s * 1e6 / entry.measurement.measured_us))
-            for entry in entries]
+    return [abs(math.log(r)) for r in ratios(entries, constants)]
 
 
-def stats(values: list[float]) -> dict:
-    ratio_errors = sorted(math.exp(v) - 1 for v in values)
+def stats(entries, constants) -> dict:
+    """|predicted / measured - 1| over `entries`: count, median, 90th percentile, worst, entries within 2x."""
+    values = ratios(entries, constants)
+    ratio_errors = sorted(abs(r - 1) for r in values)
     return {"count": len(values), "median_abs_error": round(statistics.median(ratio_errors), 4),
             "p90_abs_error": round(float(np.percentile(ratio_errors, 90)), 4),
-            "worst_abs_error": round(max(ratio_errors), 4)}
+            "worst_abs_error": round(max(ratio_errors), 4),
+            "within_2x": sum(1 for r in values if 0.5 <= r <= 2)}
 
 
-def fit(analysed, kinds: tuple[str, ...], constant: str) -> dict:
-    """The grid value of `constant` minimizing the median log error on the fit entries of `kinds`."""
-    chosen = [a for a in analysed if a.measurement.kind in kinds]
-    fitting = [a for a in chosen if not calibration.holdout(a.measurement)]
-    held = [a for a in chosen if calibration.holdout(a.measurement)]
+def fit(entries, grid: list[dict], base: calibration.ModelConstants) -> dict:
+    """The point of `grid` (overrides of `base`) minimizing the median log error on the fit half of `entries`."""
+    fitting = [a for a in entries if not calibration.holdout(a.measurement)]
+    held = [a for a in entries if calibration.holdout(a.measurement)]
     if not fitting:
-        return {"count": 0}
-    scores = []
-    for value in GRID:
-        constants = calibration.ModelConstants(**{constant: value})
-        scores.append((statistics.median(errors(fitting, constants)), value))
-    best_score, best = min(scores)
-    constants = calibration.ModelConstants(**{constant: best})
+        return {"count": 0, "constants": base}
+    scored = []
+    for point in grid:
+        constants = dataclasses.replace(base, **point)
+        scored.append((statistics.median(errors(fitting, constants)), json.dumps(point, sort_keys=True)))
+    _, best = min(scored)
+    constants = dataclasses.replace(base, **json.loads(best))
     return {
-        "constant": constant,
-        "value_us": round(best * 1e6, 3),
-        "fit": stats(errors(fitting, constants)),
-        "holdout": stats(errors(held, constants)) if held else None,
-        "scan_median_error_at_us": {f"{v * 1e6:.2f}": round(math.exp(s) - 1, 4)
-                                    for s, v in scores[:: 10]},
+        "chosen": json.loads(best),
+        "fit": stats(fitting, constants),
+        "holdout": stats(held, constants) if held else None,
+        "all": stats(entries, constants),
+        "constants": constants,
     }
+
+
+def scan(name: str, values) -> list[dict]:
+    return [{name: value} for value in values]
+
+
+def main_fits(analysed) -> dict:
+    """Per chip: the grid step and the vector rates on all Pallas entries (ragged dot and flash attention,
+    alternating two rounds of coordinate descent), then the XLA ragged dot loop's step. Each on the fit
+    half; errors per kind on both halves at the chosen constants."""
+    results = {}
+    for chip in sorted({a.measurement.chip for a in analysed}):
+        on_chip = [a for a in analysed if a.measurement.chip == chip]
+        by_kind = {kind: [a for a in on_chip if a.measurement.kind == kind] for kind in calibration.KINDS}
+        pallas = by_kind["pallas_ragged_dot"] + by_kind["flash_attention"] + by_kind["flash_attention_vjp"]
+        constants = calibration.ModelConstants()
+        rates = [{"vector_elements_per_cycle": v, "transcendental_elements_per_cycle": t}
+                 for v in VECTOR_RATES for t in VECTOR_RATES]
+        for _ in range(2):
+            if pallas:
+                constants = fit(pallas, scan("grid_step_s", GRID), constants)["constants"]
+                constants = fit(pallas, rates, constants)["constants"]
+                constants = fit(pallas, scan("mxu_weight_load_fraction", LOAD_FRACTIONS), constants)["constants"]
+        if by_kind["xla_ragged_dot"]:
+            constants = fit(by_kind["xla_ragged_dot"], scan("ragged_dot_step_s", GRID), constants)["constants"]
+        chip_results = {"constants": dataclasses.asdict(constants)}
+        for kind, entries in by_kind.items():
+            if entries:
+                found = fit(entries, [{}], constants)
+                found.pop("constants")
+                found.pop("chosen")
+                chip_results[kind] = found
+        results[chip] = chip_results
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,18 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "calibration_fit.json")
     args = parser.parse_args(argv)
     analysed, _ = calibration.analyse(args.paths or installed_paths())
-    results = {}
-    for chip in sorted({a.measurement.chip for a in analysed}):
-        on_chip = [a for a in analysed if a.measurement.chip == chip]
-        for kind in sorted({a.measurement.kind for a in on_chip}):
-            results.setdefault(chip, {})[kind] = fit(on_chip, (kind,), CONSTANT_OF_KIND[kind])
-        pallas = tuple(k for k in ("pallas_ragged_dot", "flash_attention", "flash_attention_vjp")
-                       if any(a.measurement.kind == k for a in on_chip))
-        if len(pallas) > 1:
-            results[chip]["all_pallas"] = fit(on_chip, pallas, "grid_step_s")
+    results = main_fits(analysed)
     report = {
-        "what": "each constant fitted per chip and kind on the 'fit' half (median |log ratio|), errors on both halves",
+        "what": "constants fitted per chip on the 'fit' half (median |log ratio|): the grid step and vector rates "
+                "on all Pallas entries, then XLA's ragged dot loop step; errors per kind on both halves and all "
+                "entries, as |predicted / measured - 1|",
         "grid_us": [GRID[0] * 1e6, GRID[-1] * 1e6, 0.01],
+        "vector_rates_per_cycle": VECTOR_RATES,
         "fits": results,
     }
     args.out.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")

@@ -30,6 +30,7 @@ model change reruns in seconds.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -358,7 +359,7 @@ def _rebuild_flash_attention_vjp(measurement: Measurement) -> Rebuilt:
     def timed(max_logits, logsumexp, out, dout, q, k, v):
         grads, _ = op._fwd((max_logits, logsumexp), out, dout, q, k, v, return_residuals=False, config=config,
                            **arguments)
-        return grads.q, grads.k, grads.v
+        return grads["q"], grads["k"], grads["v"]
 
     residuals = [array_type(text) for text in call["residuals"]]
     avals = (*residuals, *(array_type(call[name]) for name in ("out", "dout", "q", "k", "v")))
@@ -400,7 +401,7 @@ def _source_fingerprint(*objects) -> str:
 def _rebuild_code() -> tuple:
     """What decides the program a measurement compiles to: the rebuilders and the lowering."""
     return (rebuild, group_sizes_of, array_type, _rebuild_ragged_dot, _attention_arguments, _dot_algorithms,
-            _rebuild_flash_attention, _rebuild_flash_attention_vjp, xla_program.lower_program)
+            _rebuild_flash_attention, _rebuild_flash_attention_vjp, _submit_compile, xla_program.lower_program)
 
 
 class AnalysisCache:
@@ -482,8 +483,11 @@ def compile_text(lowered) -> CompiledText:
 class ModelConstants:
     """The constants the model is priced with (fitted by benchmarks/calibration_fit.py)."""
 
-    grid_step_s: float = perf.GRID_STEP_OVERHEAD_S
-    ragged_dot_step_s: float = xla_program.XLA_RAGGED_DOT_STEP_S
+    grid_step_s: float | None = None  # None: the calibrated value of the entry's generation
+    ragged_dot_step_s: float | None = None
+    vector_elements_per_cycle: float = perf.VECTOR_ELEMENTS_PER_CYCLE
+    transcendental_elements_per_cycle: float = perf.TRANSCENDENTAL_ELEMENTS_PER_CYCLE
+    mxu_weight_load_fraction: float = perf.MXU_WEIGHT_LOAD_FRACTION
     hbm_fraction: float = 1.0
 
 
@@ -497,11 +501,37 @@ class Analysed:
     reason: str | None = None
 
     def price(self, constants: ModelConstants = ModelConstants()) -> xla_program.ProgramTime:
-        return xla_program.model_program(
-            self.program, self.replay.pallas_calls, ragged_dots=self.replay.ragged_dots,
-            step_overhead_s=constants.grid_step_s, ragged_dot_step_s=constants.ragged_dot_step_s,
-            hbm_fraction=constants.hbm_fraction,
-        )
+        with _module_constants(constants):
+            return xla_program.model_program(
+                self.program, self.replay.pallas_calls, ragged_dots=self.replay.ragged_dots,
+                step_overhead_s=constants.grid_step_s, ragged_dot_step_s=constants.ragged_dot_step_s,
+                hbm_fraction=constants.hbm_fraction,
+            )
+
+
+_RATES_LOCK = threading.Lock()
+
+
+# perf's module constants that `ModelConstants` overrides for one pricing.
+_PERF_CONSTANTS = {
+    "vector_elements_per_cycle": "VECTOR_ELEMENTS_PER_CYCLE",
+    "transcendental_elements_per_cycle": "TRANSCENDENTAL_ELEMENTS_PER_CYCLE",
+    "mxu_weight_load_fraction": "MXU_WEIGHT_LOAD_FRACTION",
+}
+
+
+@contextlib.contextmanager
+def _module_constants(constants: ModelConstants):
+    """perf's module constants set to `constants`' for one pricing."""
+    with _RATES_LOCK:
+        saved = {name: getattr(perf, name) for name in _PERF_CONSTANTS.values()}
+        for field, name in _PERF_CONSTANTS.items():
+            setattr(perf, name, getattr(constants, field))
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(perf, name, value)
 
 
 def _first_line(error: BaseException) -> str:
@@ -558,7 +588,8 @@ def _submit_compile(pool, cache: AnalysisCache, measurement: Measurement, rebuil
     if found is not None:
         return _done(found)
     try:
-        lowered = xla_program.lower_program(rebuilt.fn, rebuilt.avals, measurement.chip)
+        # The kernels' time is the replay's; the compile is for the XLA program around them.
+        lowered = xla_program.lower_program(rebuilt.fn, rebuilt.avals, measurement.chip, kernel_bodies=False)
     except Exception as error:  # noqa: BLE001
         return _done(f"lowering failed: {_first_line(error)}")
 
@@ -663,11 +694,33 @@ def analyse(
     """Every measurement at `paths` analysed, and what was skipped (with the reason)."""
     measurements, skipped = read_measurements(paths, chip)
     analysed = analyse_measurements(measurements, AnalysisCache(cache_dir), jobs=jobs, progress=progress)
+    kept = []
     for result in analysed:
-        if result.program is None:
+        reason = result.reason if result.program is None else inconsistent_with_peak(result)
+        if reason is None:
+            kept.append(result)
+        else:
             skipped.append({"file": result.measurement.source, "call": result.measurement.label,
-                            "config": result.measurement.config, "reason": result.reason})
-    return [result for result in analysed if result.program is not None], skipped
+                            "config": result.measurement.config, "reason": reason})
+    return kept, skipped
+
+
+def inconsistent_with_peak(analysed: Analysed) -> str | None:
+    """Why a timing cannot be of the rebuilt inputs, if their kernels' matmuls alone need longer at the bf16 peak.
+
+    tokamax records some group sizes as a count (`{num_groups, total_size}`) and expands them at its default
+    seed; where the tiles those group sizes make the kernel visit hold more matmul work than the chip can do
+    in the measured time, the measurement ran on other group sizes, and the entry says nothing about the model.
+    """
+    generation = perf.tpu_generation(analysed.measurement.chip)
+    peak = generation.bf16_flops_per_s * generation.cores_per_device
+    flops = sum(dot.flops for call in analysed.replay.pallas_calls for dot in call.dots)
+    needed_us = 1e6 * flops / peak
+    if needed_us <= analysed.measurement.measured_us:
+        return None
+    return (f"inconsistent inputs: the kernel's tiles for these group sizes hold {flops / 1e9:.0f} GFLOP of matmuls, "
+            f"{needed_us:.0f} us at the chip's bf16 peak, more than the measured {analysed.measurement.measured_us:.0f} "
+            "us: the timing was not taken on tokamax's expansion of the recorded group-size count")
 
 
 def report(analysed: Sequence[Analysed], skipped: Sequence[dict], constants: ModelConstants = ModelConstants()) -> dict:

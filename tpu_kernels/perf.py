@@ -7,8 +7,11 @@ or while_loop) and replays each call's grid the way the Mosaic TPU pipeline
 runs it:
 
 - Grid order: row-major over the grid, the last axis fastest, one step after
-  the other on one TensorCore (v5e and v6e have one; "parallel" dimension
-  semantics change nothing there). The copy rules below are the ones jax
+  the other on one TensorCore (a v5e, v6e or TPU7x device has one; "parallel"
+  dimension semantics change nothing there). A v5p device is two TensorCores
+  in megacore: the first "parallel" grid dimension with more than one index
+  is split into two contiguous halves, one per core, and a call takes as long
+  as its busier core (with no such dimension the grid runs on one core). The copy rules below are the ones jax
   documents for its pipeline emitter (docs/pallas/pipelining.md, "if the data
   slices between two consecutive iterations are the same, the pipeline will
   not issue a copy_in/copy_out"; docs/pallas/tpu/sparse.md on revisiting).
@@ -34,8 +37,9 @@ runs it:
   depends on an abstract argument (or on a Pallas kernel's output), the model
   raises a ValueError naming it: pass that argument concretely.
 - Operands in memory space ANY/HBM are not windowed: the kernel copies them
-  itself with DMAs that the model does not see. Their traffic is not counted
-  and the call's `notes` say so. Scalar-prefetch operands are copied to SMEM
+  itself with DMAs that the model does not see. The replay lists them
+  (`unmodelled_dmas`, and the call's `notes`); `roofline` refuses to time
+  such a call rather than call its copies free. Scalar-prefetch operands are copied to SMEM
   once before the grid starts and count as HBM reads. Scratch buffers move no
   HBM bytes.
 
@@ -67,16 +71,24 @@ the core's MXUs, and a matmul's rows are not split into several passes of the
 same weights tile. A 32-row chunk on v6e thus costs as much MXU time as 256
 rows: small row chunks are not free.
 
+Vector-unit work: every elementwise or reducing op of the kernel body on an
+array counts its (8 x 128) register elements (a [bq, 64] f32 block counts
+[bq, 128]) at every step it runs, at VECTOR_ELEMENTS_PER_CYCLE, or at
+TRANSCENDENTAL_ELEMENTS_PER_CYCLE for exp, log, div, rsqrt and the like; an
+add of a matmul's result into an accumulator is the MXU's, not counted. A
+step's compute is max(its MXU time, its vector time).
+
 Modelled time of one call on one generation (`roofline(...).time_s`) =
-    max(HBM bytes / (HBM bandwidth * hbm_fraction), MXU time) + grid steps * step cost,
+    max(HBM bytes / (HBM bandwidth * hbm_fraction), compute) + grid steps * step cost,
 with hbm_fraction the share of the peak bandwidth the DMAs reach (1.0 by
-default; benchmarks also report 0.85) and step cost 0.35 us by default
-(`hardware.GRID_STEP_OVERHEAD_S`: an unverified rule of thumb; benchmarks
-bound it by also reporting 0 and 1.0 us). `pipelined_time_s` replays the double-buffered pipeline step by step instead:
-the first fetch and last write-back are not overlapped, and each step costs
-max(its compute, the DMAs of the neighbouring steps) + 0.35 us; it is never
-below `time_s`. Vector-unit work, DMA issue latency, HBM tile granularity and
-megacore splitting are modelled by neither.
+default) and the step cost calibrated per generation
+(`hardware.grid_step_s`). `pipelined_time_s` replays the double-buffered
+pipeline step by step instead: the first fetch and last write-back are not
+overlapped, and each step costs max(its compute, the DMAs of the
+neighbouring steps) + the step cost; it is never below `time_s`, and it is
+the figure `tpu-kernels calibrate` holds against real chips (its errors per
+chip and kind: benchmarks/results/calibration.json). DMA issue latency and
+HBM tile granularity are not modelled.
 
 Constants and their sources: HBM bandwidth, MXU peaks and size, VMEM
 capacity, the default scoped VMEM limits and the per-grid-step cost come
@@ -105,8 +117,8 @@ from jax._src.state import discharge as state_discharge
 from jax.extend import core as jex_core
 
 from .hardware import (
-    GRID_STEP_OVERHEAD_S,
     TpuGeneration,
+    grid_step_s,
     padded_vmem_bytes,
     round_up,
     tpu_generation,
@@ -114,6 +126,37 @@ from .hardware import (
 
 # Six bf16 passes emulate an f32 matmul at HIGHEST precision.
 _F32_HIGHEST_PASSES = 6
+
+# The cycles a weights tile takes to load into the MXU that a pass of fewer rows cannot hide, as a share of
+# `mxu_size` (the scaling book implies all of them, 1.0: a pass would cost max(rows, mxu_size) cycles).
+# Fitted to tokamax's TPU7x ragged dot timings, whose 128-row tiles on the 256-wide MXU cost what 128 rows
+# cost, not 256 (benchmarks/calibration_fit.py; the scan's smallest value, 1/8, fits best); v5e's timings
+# (128-row tiles on a 128-wide MXU) cannot tell. Assumed the same on every generation.
+MXU_WEIGHT_LOAD_FRACTION = 0.125
+
+# Vector-unit throughput per TensorCore cycle, in (8 x 128) register elements: VPU operations, and
+# operations through the transcendental unit. Fitted to tokamax's TPU7x flash attention timings
+# (benchmarks/calibration_fit.py; no other chip's data has vector-bound kernels); assumed the same per
+# cycle on every generation, at the clock `core_clock_hz` implies.
+VECTOR_ELEMENTS_PER_CYCLE = 4096.0
+TRANSCENDENTAL_ELEMENTS_PER_CYCLE = 1024.0
+# MXUs per TensorCore used to turn a bf16 peak into a clock: 4 on v4 and v5 ("How to Think About TPUs",
+# which also gives v5e's 1.5 GHz clock); assumed 4 on later generations.
+MXUS_PER_CORE = 4
+
+
+def core_clock_hz(generation: str | TpuGeneration) -> float:
+    """TensorCore clock implied by the bf16 peak: peak / (MXUs x 2 x mxu_size^2); 1.50 GHz on v5e, 1.75 GHz on v6e."""
+    gen = _as_generation(generation)
+    return gen.bf16_flops_per_s / (MXUS_PER_CORE * 2 * gen.mxu_size**2)
+
+
+def vector_elements_per_s(generation: str | TpuGeneration) -> float:
+    return VECTOR_ELEMENTS_PER_CYCLE * core_clock_hz(generation)
+
+
+def transcendental_elements_per_s(generation: str | TpuGeneration) -> float:
+    return TRANSCENDENTAL_ELEMENTS_PER_CYCLE * core_clock_hz(generation)
 
 _UNPIPELINED_MEMORY_SPACES = ("any", "hbm", "host")
 _SEMAPHORE_MEMORY_SPACES = ("semaphore_mem",)
@@ -139,7 +182,7 @@ class DotShape:
     def mxu_flops(self, generation: TpuGeneration) -> int:
         """MXU time in FLOPs at peak: one pass per weights tile, each at least `mxu_size` rows (module docstring)."""
         mxu = generation.mxu_size
-        rows_per_pass = max(round_up(self.m, generation.sublanes), mxu)
+        rows_per_pass = max(round_up(self.m, generation.sublanes), math.ceil(MXU_WEIGHT_LOAD_FRACTION * mxu))
         passes = math.ceil(self.k / mxu) * math.ceil(self.n / mxu)
         return 2 * self.batch * rows_per_pass * mxu * mxu * passes * self.count
 
@@ -232,6 +275,18 @@ class PallasCallTraffic:
     notes: tuple[str, ...]
     # How many times each matmul shape (a DotShape without its count) runs at each grid step.
     dots_per_step: dict[tuple, np.ndarray] = dataclasses.field(compare=False, repr=False, default_factory=dict)
+    # On a megacore device (v5p), the core each grid step runs on: Mosaic splits the first "parallel"
+    # grid dimension of more than one index into two halves. None when no dimension lets the grid split.
+    megacore_core: np.ndarray | None = dataclasses.field(compare=False, repr=False, default=None)
+    # Vector-unit work at each grid step, in register elements (`VECTOR_KEY`): VPU operations, and those
+    # through the transcendental unit (exp, div, rsqrt, ...).
+    vector_per_step: np.ndarray | None = dataclasses.field(compare=False, repr=False, default=None)
+    transcendental_per_step: np.ndarray | None = dataclasses.field(compare=False, repr=False, default=None)
+
+    @property
+    def unmodelled_dmas(self) -> tuple[str, ...]:
+        """Operands the kernel copies itself (memory space ANY/HBM): the replay does not see those copies."""
+        return tuple(op.origin for op in self.operands if not op.pipelined)
 
     @property
     def inputs(self) -> tuple[OperandTraffic, ...]:
@@ -267,7 +322,7 @@ class PallasCallTraffic:
         return sum(dot.mxu_flops(gen) / dot.peak_flops_per_s(gen) for dot in self.dots)
 
     def pipelined_seconds(
-        self, generation: str | TpuGeneration, step_overhead_s: float = GRID_STEP_OVERHEAD_S, hbm_fraction: float = 1.0
+        self, generation: str | TpuGeneration, step_overhead_s: float | None = None, hbm_fraction: float = 1.0
     ) -> float:
         """Time of a double-buffered pipeline: step t computes while step t+1's blocks arrive and t-1's leave.
 
@@ -277,7 +332,26 @@ class PallasCallTraffic:
         compute do not balance.
         """
         gen = _as_generation(generation)
+        step_overhead_s = grid_step_s(gen.name) if step_overhead_s is None else step_overhead_s
         prologue = sum(op.hbm_bytes for op in self.operands if op.role == "scalar_prefetch")
+        fetched, written, compute = self._per_step(gen)
+        bandwidth = gen.hbm_bytes_per_s * hbm_fraction
+        times = [
+            pipeline_seconds(fetched[steps], written[steps], compute[steps], prologue_bytes=prologue,
+                             bandwidth=bandwidth, step_overhead_s=step_overhead_s)
+            for steps in self.core_steps(gen)
+        ]
+        return max(times)
+
+    def core_steps(self, generation: str | TpuGeneration) -> list[np.ndarray]:
+        """The grid steps each TensorCore of the device runs: all on one core unless megacore splits them."""
+        gen = _as_generation(generation)
+        if gen.cores_per_device == 1 or self.megacore_core is None:
+            return [np.arange(self.steps)]
+        return [np.flatnonzero(self.megacore_core == core) for core in range(gen.cores_per_device)]
+
+    def _per_step(self, gen: TpuGeneration) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """HBM bytes fetched for and written after each step, and its MXU seconds."""
         fetched = np.zeros(self.steps)
         written = np.zeros(self.steps)
         for op in self.operands:
@@ -288,8 +362,27 @@ class PallasCallTraffic:
         for key, counts in self.dots_per_step.items():
             one = DotShape(*key, count=1)
             compute += counts * (one.mxu_flops(gen) / one.peak_flops_per_s(gen))
-        return pipeline_seconds(fetched, written, compute, prologue_bytes=prologue,
-                                bandwidth=gen.hbm_bytes_per_s * hbm_fraction, step_overhead_s=step_overhead_s)
+        return fetched, written, np.maximum(compute, self.vector_seconds_per_step(gen))
+
+    def vector_seconds_per_step(self, generation: str | TpuGeneration) -> np.ndarray:
+        """Vector-unit seconds of each step: its register elements at the generation's calibrated rates."""
+        gen = _as_generation(generation)
+        seconds = np.zeros(self.steps)
+        if self.vector_per_step is not None:
+            seconds += self.vector_per_step / vector_elements_per_s(gen)
+        if self.transcendental_per_step is not None:
+            seconds += self.transcendental_per_step / transcendental_elements_per_s(gen)
+        return seconds
+
+    def core_bound_seconds(self, generation: str | TpuGeneration, hbm_fraction: float = 1.0) -> tuple[float, float, int]:
+        """(HBM seconds, MXU seconds, steps) of the busiest core: a megacore split halves them only where it applies."""
+        gen = _as_generation(generation)
+        fetched, written, compute = self._per_step(gen)
+        prologue = sum(op.hbm_bytes for op in self.operands if op.role == "scalar_prefetch")
+        bandwidth = gen.hbm_bytes_per_s * hbm_fraction
+        per_core = [((prologue + fetched[steps].sum() + written[steps].sum()) / bandwidth, compute[steps].sum(),
+                     len(steps)) for steps in self.core_steps(gen)]
+        return max(per_core, key=lambda entry: max(entry[0], entry[1]) + entry[2])
 
     @property
     def vmem_bytes(self) -> int:
@@ -349,7 +442,7 @@ def roofline(
     *,
     min_bytes: int | None = None,
     min_flops: int | None = None,
-    step_overhead_s: float = GRID_STEP_OVERHEAD_S,
+    step_overhead_s: float | None = None,
     hbm_fraction: float = 1.0,
 ) -> ModelledTime:
     """Modelled time of `traffic` (one call or several run one after another).
@@ -360,18 +453,24 @@ def roofline(
     calls = [traffic] if isinstance(traffic, PallasCallTraffic) else list(traffic)
     if not calls:
         raise ValueError("traffic: no pallas_call to model")
+    gen = _as_generation(generation)
+    step_overhead_s = grid_step_s(gen.name) if step_overhead_s is None else step_overhead_s
     if step_overhead_s < 0:
         raise ValueError(f"step_overhead_s must be >= 0, got {step_overhead_s}")
     if not 0 < hbm_fraction <= 1:
         raise ValueError(f"hbm_fraction must be in (0, 1], got {hbm_fraction}")
-    gen = _as_generation(generation)
     time_s = pipelined_s = hbm_s = compute_s = overhead_s = 0.0
     per_call = []
     fits = True
     for call in calls:
-        call_hbm = call.hbm_bytes / (gen.hbm_bytes_per_s * hbm_fraction)
-        call_compute = call.compute_seconds(gen)
-        call_overhead = call.steps * step_overhead_s
+        if call.unmodelled_dmas:
+            raise ValueError(
+                f"pallas_call {call.name}: operands {', '.join(call.unmodelled_dmas)} stay in HBM (memory space "
+                "ANY) and the kernel copies them itself; the model cannot see those copies, so it cannot time "
+                "this kernel"
+            )
+        call_hbm, call_compute, core_steps = call.core_bound_seconds(gen, hbm_fraction)
+        call_overhead = core_steps * step_overhead_s
         call_time = max(call_hbm, call_compute) + call_overhead
         hbm_s += call_hbm
         compute_s += call_compute
@@ -723,9 +822,12 @@ def _replay_pallas_call(eqn, small_operands: list[Any], active_steps_fn) -> Pall
             active = np.asarray(mask, dtype=bool)
             if active.shape != (steps,):
                 raise ValueError(f"active_steps must return a bool array of shape ({steps},), got {active.shape}")
+    megacore_core = _megacore_split(grid, grid_indices, dimension_semantics)
     step_dots, dots_exact = _grid_dots(params["jaxpr"], gm, grid, grid_indices, prefetch)
-    dots_per_step = {key: counts * active for key, counts in step_dots.items() if np.any(counts * active)}
+    work_per_step = {key: counts * active for key, counts in step_dots.items() if np.any(counts * active)}
+    dots_per_step = {key: counts for key, counts in work_per_step.items() if _is_dot_key(key)}
     dots = tuple(DotShape(*key, count=int(counts.sum())) for key, counts in dots_per_step.items())
+    no_work = np.zeros(steps, np.int64)
 
     return PallasCallTraffic(
         name=name,
@@ -741,7 +843,22 @@ def _replay_pallas_call(eqn, small_operands: list[Any], active_steps_fn) -> Pall
         cost_estimate=params.get("cost_estimate"),
         notes=tuple(notes),
         dots_per_step=dots_per_step,
+        vector_per_step=work_per_step.get(VECTOR_KEY, no_work),
+        transcendental_per_step=work_per_step.get(TRANSCENDENTAL_KEY, no_work),
+        megacore_core=megacore_core,
     )
+
+
+def _megacore_split(grid, grid_indices: np.ndarray, dimension_semantics) -> np.ndarray | None:
+    """Each step's core (0 or 1) when a parallel grid dimension of more than one index lets a megacore split it.
+
+    Assumption (jax's Pallas TPU docs describe megacore sharding along "parallel" dimensions but not the
+    split itself): the first such dimension is cut into two contiguous halves, the first half on core 0.
+    """
+    for axis, semantics in enumerate(dimension_semantics or ()):
+        if semantics in ("parallel", "core_parallel") and grid[axis] > 1:
+            return (grid_indices[:, axis] >= (grid[axis] + 1) // 2).astype(np.int8)
+    return None
 
 
 def _prefetch_traffic(position: int, aval) -> OperandTraffic:
@@ -941,6 +1058,7 @@ def _grid_dots(kernel, gm, grid, grid_indices: np.ndarray, prefetch: list[Any]) 
             per_step[key] = per_step.get(key, np.zeros(steps, np.int64)) + count * times
 
     every_step = np.ones(steps, np.int64)
+    products = _matmul_products(kernel)
     for eqn in kernel.eqns:
         if eqn.primitive.name == "cond" and _cond_has_dots(eqn):
             branch = _branch_at_each_step(kernel, eqn, gm, grid, grid_indices, prefetch)
@@ -951,7 +1069,7 @@ def _grid_dots(kernel, gm, grid, grid_indices: np.ndarray, prefetch: list[Any]) 
                     add(found, (branch == number).astype(np.int64))
                 continue
         found = {}
-        exact &= _collect_dots_of_eqn(eqn, 1, found)
+        exact &= _collect_dots_of_eqn(eqn, 1, found, products)
         add(found, every_step)
     return per_step, exact
 
@@ -1038,22 +1156,78 @@ def _dot_key(eqn) -> tuple:
 
 
 def _flops_of(collected: dict[tuple, int]) -> int:
-    return sum(2 * key[0] * key[1] * key[2] * key[3] * count for key, count in collected.items())
+    return sum(2 * key[0] * key[1] * key[2] * key[3] * count for key, count in collected.items() if _is_dot_key(key))
+
+
+# Vector-unit work of a kernel body, counted in (sublane x 128-lane) register elements: an array of shape
+# [..., r, c] occupies prod(...) * round_up(r, 8) * round_up(c, 128) of them, however many it uses.
+VECTOR_KEY = ("vector",)
+TRANSCENDENTAL_KEY = ("transcendental",)
+# Elementwise and reducing primitives the VPU runs (one op per register element)...
+_VECTOR_PRIMITIVES = frozenset({
+    "add", "sub", "mul", "neg", "max", "min", "abs", "sign", "floor", "ceil", "round", "select_n", "clamp",
+    "convert_element_type", "and", "or", "not", "xor", "eq", "ne", "lt", "le", "gt", "ge", "integer_pow",
+    "square", "shift_left", "shift_right_logical", "shift_right_arithmetic", "reduce_max", "reduce_min",
+    "reduce_sum", "reduce_and", "reduce_or", "argmax", "argmin", "cumsum", "cummax",
+})
+# ...and those that go through the transcendental unit (and the VPU for their operands' handling).
+_TRANSCENDENTAL_PRIMITIVES = frozenset({
+    "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "erf", "erf_inv", "sin", "cos", "tan",
+    "sqrt", "rsqrt", "cbrt", "div", "pow", "atan2",
+})
+
+
+def _is_dot_key(key: tuple) -> bool:
+    return len(key) > 1
+
+
+def _register_elements(aval) -> int:
+    shape = tuple(int(d) for d in getattr(aval, "shape", ()))
+    if not shape:
+        return 0
+    if len(shape) == 1:
+        return round_up(shape[0], 128)
+    *leading, rows, cols = shape
+    return math.prod(leading) * round_up(rows, 8) * round_up(cols, 128)
+
+
+def _vector_work(eqn) -> tuple[tuple, int] | None:
+    """(key, register elements) of the vector work one run of `eqn` does, if it is vector work."""
+    name = eqn.primitive.name
+    if name not in _VECTOR_PRIMITIVES and name not in _TRANSCENDENTAL_PRIMITIVES:
+        return None
+    reducing = name.startswith(("reduce_", "arg", "cum"))
+    elements = _register_elements(eqn.invars[0].aval if reducing else eqn.outvars[0].aval)
+    if not elements:
+        return None
+    return (TRANSCENDENTAL_KEY if name in _TRANSCENDENTAL_PRIMITIVES else VECTOR_KEY), elements
 
 
 def _collect_dots(jaxpr: jax_core.Jaxpr, multiplicity: int, collected: dict[tuple, int]) -> bool:
     exact = True
+    products = _matmul_products(jaxpr)
     for eqn in jaxpr.eqns:
-        exact &= _collect_dots_of_eqn(eqn, multiplicity, collected)
+        exact &= _collect_dots_of_eqn(eqn, multiplicity, collected, products)
     return exact
 
 
-def _collect_dots_of_eqn(eqn, multiplicity: int, collected: dict[tuple, int]) -> bool:
-    """Adds the matmuls one run of `eqn` performs; False if their number is only an upper bound."""
+def _matmul_products(jaxpr: jax_core.Jaxpr) -> set:
+    """Variables holding a matmul's result: adding one to an accumulator is the MXU's accumulation, not VPU work."""
+    return {var for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general" for var in eqn.outvars}
+
+
+def _collect_dots_of_eqn(eqn, multiplicity: int, collected: dict[tuple, int], products: set = frozenset()) -> bool:
+    """Adds the matmuls (and vector work) one run of `eqn` performs; False if their number is only an upper bound."""
     name = eqn.primitive.name
     if name == "dot_general":
         key = _dot_key(eqn)
         collected[key] = collected.get(key, 0) + multiplicity
+        return True
+    accumulating = name == "add" and any(var in products for var in eqn.invars if isinstance(var, jax_core.Var))
+    work = None if accumulating else _vector_work(eqn)
+    if work is not None:
+        key, elements = work
+        collected[key] = collected.get(key, 0) + elements * multiplicity
         return True
     if name == "cond":
         exact = True
@@ -1073,7 +1247,7 @@ def _collect_dots_of_eqn(eqn, multiplicity: int, collected: dict[tuple, int]) ->
         _collect_dots(eqn.params["body_jaxpr"].jaxpr, multiplicity, found)
         for key, count in found.items():
             collected[key] = collected.get(key, 0) + count
-        return not found
+        return not any(_is_dot_key(key) for key in found)
     exact = True
     for sub in jax_core.jaxprs_in_params(eqn.params):
         exact &= _collect_dots(sub, multiplicity, collected)

@@ -45,10 +45,12 @@ count (counted once) and HBM tile padding.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -56,14 +58,12 @@ import jax
 
 from . import perf, xla_ragged_dot
 from .aot import topology_device
-from .hardware import TpuGeneration, tpu_generation
+from .hardware import TpuGeneration, grid_step_s, tpu_generation
 
 VMEM_BANDWIDTH_OVER_HBM = 22.0
-# Fixed cost of one kept iteration of XLA's ragged dot loop (`xla_ragged_dot`), fitted by `tpu-kernels calibrate`.
-XLA_RAGGED_DOT_STEP_S = 0.35e-6
-# MXUs per TensorCore: 4 on v4 and v5 ("How to Think About TPUs", which also gives v5e's 1.5 GHz clock);
-# assumed 4 on v6e. Used only to turn XLA's cycle estimates into seconds.
-MXUS_PER_CORE = 4
+# Fixed cost of one kept iteration of XLA's ragged dot loop (`xla_ragged_dot`), fitted to tokamax's measured
+# XLA ragged dots (benchmarks/calibration_fit.py); v5p and v6e have no measurements and take v5e's.
+XLA_RAGGED_DOT_STEP_S = {"v5e": 0.92e-6, "v5p": 0.92e-6, "v6e": 0.92e-6, "tpu7x": 1.05e-6}
 PALLAS_TARGET = "tpu_custom_call"
 # A copy of an entry parameter into another layout: XLA's default TPU layout of an argument differs from
 # the one a consumer (e.g. a Pallas kernel's operand layout constraint) needs, so every call rewrites it.
@@ -188,15 +188,46 @@ class CompiledProgram:
         return lines
 
 
-def lower_program(fn, avals: Sequence[jax.ShapeDtypeStruct], generation: str):
-    """`fn` traced and lowered for `generation`'s compile-only device (cheap; compile it with `compile_lowered`)."""
+def lower_program(fn, avals: Sequence[jax.ShapeDtypeStruct], generation: str, *, kernel_bodies: bool = True):
+    """`fn` traced and lowered for `generation`'s compile-only device (cheap; compile it with `compile_lowered`).
+
+    `kernel_bodies=False` lowers every `pl.pallas_call` with an empty body (same grid, specs and operands):
+    the XLA program around the kernels, their operands' placement and layouts are unchanged, and Mosaic
+    compiles in a second instead of up to a minute for a large kernel. For analysing the program only: the
+    kernels' own time comes from `perf`'s replay of the real bodies.
+    """
     device = topology_device(generation)
     sharding = jax.sharding.SingleDeviceSharding(device)
     placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in avals]
+    bodies = contextlib.nullcontext() if kernel_bodies else _empty_kernel_bodies()
     # Kernels that ask jax which TPU they are traced for (`pltpu.get_tpu_info()`, e.g. emit_pipeline's DMA
     # tiling) read the default device.
-    with jax.default_device(device):
+    with jax.default_device(device), bodies:
         return jax.jit(fn).lower(*placed)
+
+
+_PATCH_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _empty_kernel_bodies():
+    """`jax.experimental.pallas.pallas_call` (as kernels call it, `pl.pallas_call`) with an empty kernel body."""
+    from jax.experimental import pallas
+
+    def empty_body(*refs):
+        del refs
+
+    def pallas_call_with_empty_body(kernel, *args, **kwargs):
+        del kernel
+        return original(empty_body, *args, **kwargs)
+
+    with _PATCH_LOCK:
+        original = pallas.pallas_call
+        pallas.pallas_call = pallas_call_with_empty_body
+        try:
+            yield
+        finally:
+            pallas.pallas_call = original
 
 
 def compile_lowered(lowered, generation: str) -> CompiledProgram:
@@ -438,6 +469,9 @@ def _partially_read_parameters(called: list[_Instruction]) -> dict[int, int]:
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+# A computation ends with a line "}" (or "}, execution_thread=..." for the SparseCores' computations); a line
+# starting with "}" inside an instruction (a kernel's multi-line metadata) does not end it.
+_COMPUTATION_END = re.compile(r"^\}(\s*$|, execution_thread=)")
 _LEAF = re.compile(r"(\w+)\[([\d,]*)\](\{[^}]*\})?")
 
 
@@ -459,7 +493,7 @@ def _parse_module(text: str) -> tuple[dict[str, list[_Instruction]], str]:
                 if header.group(1):
                     entry = current
             continue
-        if line.strip() == "}":
+        if _COMPUTATION_END.match(line):
             close()
             current = None
             continue
@@ -605,9 +639,8 @@ def _dense_flops(call: perf.RaggedDotCall) -> float:
 
 
 def clock_hz(generation: str | TpuGeneration) -> float:
-    """TensorCore clock implied by the bf16 peak: peak / (MXUs x 2 x mxu_size^2); 1.50 GHz on v5e, 1.75 GHz on v6e."""
-    gen = generation if isinstance(generation, TpuGeneration) else tpu_generation(generation)
-    return gen.bf16_flops_per_s / (MXUS_PER_CORE * 2 * gen.mxu_size**2)
+    """TensorCore clock implied by the bf16 peak (`perf.core_clock_hz`)."""
+    return perf.core_clock_hz(generation)
 
 
 def kernels_as_placed(program: CompiledProgram, calls: Sequence[perf.PallasCallTraffic]) -> list[perf.PallasCallTraffic]:
@@ -642,8 +675,8 @@ def model_program(
     calls: Sequence[perf.PallasCallTraffic],
     *,
     ragged_dots: Sequence[perf.RaggedDotCall] = (),
-    step_overhead_s: float = perf.GRID_STEP_OVERHEAD_S,
-    ragged_dot_step_s: float = XLA_RAGGED_DOT_STEP_S,
+    step_overhead_s: float | None = None,
+    ragged_dot_step_s: float | None = None,
     hbm_fraction: float = 1.0,
 ) -> ProgramTime:
     """Modelled time of `program` whose Pallas kernels were replayed as `calls` (module docstring).
@@ -652,6 +685,9 @@ def model_program(
     order: each is priced by replaying XLA's loop for it (`xla_ragged_dot`).
     """
     gen: TpuGeneration = tpu_generation(program.generation)
+    step_overhead_s = grid_step_s(gen.name) if step_overhead_s is None else step_overhead_s
+    if ragged_dot_step_s is None:
+        ragged_dot_step_s = XLA_RAGGED_DOT_STEP_S.get(gen.name, XLA_RAGGED_DOT_STEP_S["v5e"])
     placed = kernels_as_placed(program, calls)
     kernels = perf.roofline(placed, gen, step_overhead_s=step_overhead_s, hbm_fraction=hbm_fraction) if placed else None
     hbm_bandwidth = gen.hbm_bytes_per_s * gen.cores_per_device * hbm_fraction
