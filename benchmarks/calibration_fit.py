@@ -121,10 +121,29 @@ def main_fits(analysed) -> dict:
     return results
 
 
+def write_constants(results: dict) -> None:
+    """Fitted per-chip steps into model_constants.json; unmeasured chips keep v5e's; vector rates and the MXU
+    load share from TPU7x (no other chip's timings are vector-bound or use 128-row tiles on a 256-wide MXU)."""
+    path = ROOT / "tpu_kernels" / "model_constants.json"
+    constants = json.loads(path.read_text())
+    for field, key in (("grid_step_s", "grid_step_s"), ("ragged_dot_step_s", "xla_ragged_dot_step_s")):
+        for chip, fitted in results.items():
+            constants[key][chip] = fitted["constants"][field]
+        for unmeasured in ("v5p", "v6e"):
+            constants[key][unmeasured] = constants[key]["v5e"]
+    if "tpu7x" in results:
+        for field in ("vector_elements_per_cycle", "transcendental_elements_per_cycle", "mxu_weight_load_fraction"):
+            constants[field] = results["tpu7x"]["constants"][field]
+    path.write_text(json.dumps(constants, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="*", type=Path)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "calibration_fit.json")
+    parser.add_argument("--write-constants", action="store_true",
+                        help="write the fitted constants to tpu_kernels/model_constants.json (per-chip steps; the "
+                             "vector rates and MXU load share from the chip with vector-bound timings, TPU7x)")
     args = parser.parse_args(argv)
     analysed, _ = calibration.analyse(args.paths or installed_paths())
     results = main_fits(analysed)
@@ -137,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         "fits": results,
     }
     args.out.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    if args.write_constants:
+        write_constants(results)
     print(json.dumps(results, indent=1, sort_keys=True))
     return 0
 

@@ -30,6 +30,12 @@ PINNED = [
     ("tpu_v5_lite", "ragged_dot.json", "fwd bf16[8,4096] x bf16[8,4096,4096] G=8", 1.0),
     ("tpu_v5_lite", "ragged_dot.json", "fwd bf16[131072,2048] x bf16[128,2048,768] G=128", 1.0),
     ("tpu_v5_lite", "ragged_dot.json", "drhs bf16[131072,2048] x bf16[131072,768] G=128", 1.0),
+    ("tpu7x", "pallas_mosaic_tpu_ragged_dot.json", "fwd bf16[131072,7168] x bf16[256,7168,512] G=256", 0.20),
+    ("tpu7x", "ragged_dot.json", "fwd bf16[131072,2048] x bf16[128,2048,768] G=128", 1.0),
+    ("tpu7x", "pallas_mosaic_tpu_flash_attention.json",
+     "q bf16[16,1024,16,128] k bf16[16,1024,16,128] v bf16[16,1024,16,128] is_causal", 0.30),
+    ("tpu7x", "pallas_mosaic_tpu_flash_attention_vjp.json",
+     "q bf16[16,1024,16,128] k bf16[16,1024,16,128] v bf16[16,1024,16,128] is_causal", 0.30),
 ]
 
 
@@ -121,3 +127,14 @@ def test_cli_writes_the_report_and_fails_only_on_a_file_it_cannot_read(tmp_path)
     (source / "ragged_dot.json").write_text("not json")
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     assert done.returncode == 2 and "not a tokamax autotuning file" in done.stderr
+
+
+def test_a_timing_faster_than_the_peak_allows_for_its_recorded_inputs_is_left_out(tmp_path):
+    # tokamax records these group sizes as a count; at its expansion (random sizes, seed 0) the kernel's
+    # tiles hold more matmul work than TPU7x's bf16 peak does in the measured time.
+    measurement = _measurement("tpu7x", "pallas_mosaic_tpu_ragged_dot.json", "fwd bf16[4096,4096] x bf16[8,4096,4096] G=8")
+    [analysed] = calibration.analyse_measurements([measurement], calibration.AnalysisCache(tmp_path), jobs=1)
+    assert "inconsistent inputs" in calibration.inconsistent_with_peak(analysed)
+    fine = _measurement("tpu_v5_lite", "pallas_mosaic_tpu_ragged_dot.json", "fwd bf16[4096,4096] x bf16[8,4096,4096] G=8")
+    [analysed] = calibration.analyse_measurements([fine], calibration.AnalysisCache(tmp_path), jobs=1)
+    assert calibration.inconsistent_with_peak(analysed) is None

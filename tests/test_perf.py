@@ -1,5 +1,6 @@
 """The traffic and roofline model against hand counts and the compiler's own cost analysis."""
 
+import dataclasses
 import functools
 import math
 
@@ -14,6 +15,13 @@ from tpu_kernels import perf
 from tpu_kernels.aot import compile_for
 
 BF16 = 2  # bytes
+V6E_STEP_S = perf.grid_step_s("v6e")  # the calibrated step cost the model charges by default
+
+
+@pytest.fixture
+def whole_weight_loads(monkeypatch):
+    """The scaling book's per-pass rule, a weights load never hidden by a short pass (the mechanism under test)."""
+    monkeypatch.setattr(perf, "MXU_WEIGHT_LOAD_FRACTION", 1.0)
 
 
 def _tiled_matmul_kernel(x_ref, y_ref, o_ref, acc_ref):
@@ -97,8 +105,8 @@ def test_roofline_is_max_of_hbm_and_mxu_time_plus_step_overhead(matmul_traffic):
     mxu_s = 2 * M * N * K / 9.2e14
     assert modelled.hbm_bound_s == pytest.approx(hbm_s)
     assert modelled.compute_bound_s == pytest.approx(mxu_s)
-    assert modelled.overhead_s == pytest.approx(matmul_traffic.steps * 0.35e-6)
-    assert modelled.time_s == pytest.approx(max(hbm_s, mxu_s) + matmul_traffic.steps * 0.35e-6)
+    assert modelled.overhead_s == pytest.approx(matmul_traffic.steps * V6E_STEP_S)
+    assert modelled.time_s == pytest.approx(max(hbm_s, mxu_s) + matmul_traffic.steps * V6E_STEP_S)
     assert modelled.pct_of_roofline == pytest.approx(100 * (min_bytes / 1.64e12) / modelled.time_s)
     assert modelled.fits_vmem
     # v5e: a 128-wide MXU, so the same 256-blocks need no padding there either.
@@ -107,7 +115,7 @@ def test_roofline_is_max_of_hbm_and_mxu_time_plus_step_overhead(matmul_traffic):
     assert v5e.hbm_bound_s == pytest.approx(matmul_traffic.hbm_bytes / 8.2e11)
 
 
-def test_mxu_charges_each_weights_tile_at_least_the_mxu_size_in_rows():
+def test_mxu_charges_each_weights_tile_at_least_the_mxu_size_in_rows(whole_weight_loads):
     # 8 rows x (384 x 128): the weights are 3 tiles of 128 x 128 on v5e, 2 x 1 tiles of 256 x 256 on v6e
     # (k padded to 512, n to 256). Each pass loads one weights tile, which takes mxu_size cycles, so
     # 8 streamed rows cost as much as 128 (v5e) or 256 (v6e): per-pass model, perf's docstring.
@@ -134,7 +142,7 @@ def test_mxu_rows_past_the_mxu_size_stream_at_one_row_per_cycle_padded_to_sublan
     assert shape.mxu_flops(v6e) == 2 * (2 * 3) * (2 * 304 * 256 * 256)
 
 
-def test_row_chunks_below_the_mxu_size_cost_a_full_pass_each():
+def test_row_chunks_below_the_mxu_size_cost_a_full_pass_each(whole_weight_loads):
     # The same 256 rows as one matmul, or as eight 32-row chunks against the same weights tile:
     # each chunk reloads the weights, so on v6e chunking costs 8x the MXU time; on v5e 4x (128 / 32).
     whole = perf.DotShape(1, 256, 256, 256, "bfloat16", "bfloat16", "DEFAULT", count=1)
@@ -356,7 +364,7 @@ def test_pl_when_on_scalar_prefetch_is_evaluated_at_every_step():
     assert call.inputs[0].transfers == call.inputs[1].transfers == 4
 
 
-def test_pipelined_time_charges_the_compute_no_transfer_hides():
+def test_pipelined_time_charges_the_compute_no_transfer_hides(whole_weight_loads):
     block_on = np.array([1, 0, 0, 1], np.int32)
     [call] = perf.model_pallas_traffic(_masked_matmul, block_on, MASK_X, MASK_Y)
     modelled = perf.roofline(call, "v6e")
@@ -367,7 +375,7 @@ def test_pipelined_time_charges_the_compute_no_transfer_hides():
     # and its 128 rows cost the 256 cycles of loading the weights tile.
     block_compute_s = 2 * 256 * 256 * 256 / 9.2e14
     assert block_compute_s < step_fetch / 1.64e12  # every step but the last hides its compute under DMA
-    assert modelled.time_s == pytest.approx(call.hbm_bytes / 1.64e12 + 4 * 0.35e-6)
+    assert modelled.time_s == pytest.approx(call.hbm_bytes / 1.64e12 + 4 * V6E_STEP_S)
     assert modelled.pipelined_time_s == pytest.approx(modelled.time_s + block_compute_s)
 
 
@@ -481,3 +489,94 @@ def test_vmem_fit_agrees_with_the_compiler_at_the_default_scoped_limit(scratch_m
     else:
         with pytest.raises(Exception, match="CompileTimeScopedVmemOom"):
             compile_for(kernel, [x], "v6e")
+
+
+def test_megacore_splits_the_first_parallel_dimension_of_more_than_one_index():
+    # v5p: one device is two TensorCores; the tiled matmul's grid (2, 3, 4) is parallel in its first two
+    # dimensions, so each core runs one of the two row halves (12 steps each).
+    [call] = perf.model_pallas_traffic(MATMUL, X, Y)
+    halves = call.core_steps("v5p")
+    assert [len(steps) for steps in halves] == [call.steps // 2] * 2
+    assert call.core_steps("v5e") == [pytest.approx(np.arange(call.steps))]
+    one_core = dataclasses.replace(call, megacore_core=None)
+    split, whole = perf.roofline(call, "v5p"), perf.roofline(one_core, "v5p")
+    assert split.pipelined_time_s == pytest.approx(whole.pipelined_time_s / 2, rel=0.1)
+    assert split.steps == whole.steps  # the busier core's steps are what the overhead charges
+    assert split.overhead_s == pytest.approx(whole.overhead_s / 2)
+
+
+def test_a_grid_without_a_parallel_dimension_stays_on_one_core():
+    def sequential(x, y):
+        m, k = x.shape
+        n = y.shape[1]
+        return pl.pallas_call(
+            _tiled_matmul_kernel, grid=(m // BM, n // BN, k // BK),
+            in_specs=[pl.BlockSpec((BM, BK), lambda i, j, kk: (i, kk)), pl.BlockSpec((BK, BN), lambda i, j, kk: (kk, j))],
+            out_specs=pl.BlockSpec((BM, BN), lambda i, j, kk: (i, j)),
+            scratch_shapes=[pltpu.VMEM((BM, BN), jnp.float32)],
+            out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary", "arbitrary")),
+        )(x, y)
+
+    [call] = perf.model_pallas_traffic(sequential, X, Y)
+    assert call.megacore_core is None and len(call.core_steps("v5p")) == 1
+
+
+def test_roofline_refuses_a_kernel_whose_own_copies_it_cannot_see():
+    def gather_rows(table, x):
+        def kernel(table_ref, x_ref, o_ref):
+            o_ref[...] = x_ref[...]
+
+        return pl.pallas_call(
+            kernel, grid=(x.shape[0] // 8,),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec((8, 128), lambda i: (i, 0))],
+            out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)),
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        )(table, x)
+
+    table = jax.ShapeDtypeStruct((1024, 128), jnp.float32)
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    [call] = perf.model_pallas_traffic(gather_rows, table, x)
+    assert call.unmodelled_dmas == (call.operands[0].origin,)
+    with pytest.raises(ValueError, match="memory space ANY.*cannot time this kernel"):
+        perf.roofline(call, "v6e")
+
+
+def test_vector_work_counts_register_elements_and_leaves_mxu_accumulation_out():
+    def softmax_rows(x):
+        def kernel(x_ref, o_ref):
+            row = x_ref[...]
+            shifted = row - jnp.max(row, axis=-1, keepdims=True)
+            o_ref[...] = jnp.exp(shifted)
+
+        return pl.pallas_call(
+            kernel, grid=(x.shape[0] // 16,), in_specs=[pl.BlockSpec((16, 64), lambda i: (i, 0))],
+            out_specs=pl.BlockSpec((16, 64), lambda i: (i, 0)), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        )(x)
+
+    [call] = perf.model_pallas_traffic(softmax_rows, jax.ShapeDtypeStruct((64, 64), jnp.float32))
+    # A [16, 64] f32 block fills 16 x 128 register elements: the max (reduce) and the subtract on the VPU,
+    # the exp on the transcendental unit.
+    assert call.vector_per_step.tolist() == [2 * 16 * 128] * 4
+    assert call.transcendental_per_step.tolist() == [16 * 128] * 4
+    seconds = call.vector_seconds_per_step("v5e")
+    clock = perf.core_clock_hz("v5e")
+    expected = 2 * 16 * 128 / (perf.VECTOR_ELEMENTS_PER_CYCLE * clock) + \
+        16 * 128 / (perf.TRANSCENDENTAL_ELEMENTS_PER_CYCLE * clock)
+    assert seconds == pytest.approx([expected] * 4)
+    # `acc += dot(...)` is the MXU's accumulation: the tiled matmul's only vector work is its f32 -> bf16 store.
+    [matmul] = perf.model_pallas_traffic(MATMUL, X, Y)
+    gk = K // BK
+    per_output_tile = BM * BN  # the cast at the last k step
+    assert matmul.vector_per_step.sum() == (M // BM) * (N // BN) * per_output_tile
+    assert matmul.transcendental_per_step.sum() == 0
+    assert gk > 1
+
+
+def test_the_calibrated_mxu_hides_most_of_a_weights_load_under_a_short_pass():
+    # The per-pass rule with a weights load hidden but for MXU_WEIGHT_LOAD_FRACTION of mxu_size cycles
+    # (fitted on TPU7x's 128-row tiles): 8 rows on v6e cost max(8, 0.125 * 256) = 32 rows.
+    shape = perf.DotShape(1, 8, 256, 256, "bfloat16", "bfloat16", "DEFAULT", count=1)
+    v6e = perf.tpu_generation("v6e")
+    rows = max(8, math.ceil(perf.MXU_WEIGHT_LOAD_FRACTION * 256))
+    assert shape.mxu_flops(v6e) == 2 * rows * 256 * 256

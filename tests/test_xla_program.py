@@ -124,7 +124,7 @@ def test_operands_placed_in_vmem_move_no_hbm_bytes_in_the_kernel():
     assert (x, y, out) == (512 * 256 * 4, 0, 0)
     modelled = xla_program.model_program(program, [call])
     assert modelled.hbm_bytes == 512 * 256 * 4
-    assert modelled.time_s == pytest.approx(512 * 256 * 4 / 1.64e12 + 4 * 0.35e-6)
+    assert modelled.time_s == pytest.approx(512 * 256 * 4 / 1.64e12 + 4 * perf.grid_step_s("v6e"))
     with pytest.raises(ValueError, match="cannot be matched"):
         xla_program.kernels_as_placed(program, [call, call])
 
@@ -159,3 +159,28 @@ def test_shapes_parse_into_leaves(shape):
     assert (shape + " rest")[end:].strip() == "rest"
 
 
+
+
+MULTILINE_AND_SPARSECORE_HLO = """HloModule m
+
+%called_computation (param_0: f32[8]) -> f32[8] {
+  %param_0 = f32[8]{0} parameter(0)
+  ROOT %copy.1 = f32[8]{0} copy(%param_0)
+}, execution_thread="sparsecore"
+
+ENTRY %main (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  %kernel = f32[1024]{0} custom-call(%x), custom_call_target="tpu_custom_call", backend_config={"metadata":"{
+}, more"}
+  ROOT %copy = f32[1024]{0} copy(%kernel)
+}
+"""
+
+
+def test_a_multiline_attribute_and_a_sparsecore_computation_do_not_end_the_module_early():
+    # A kernel's metadata may hold a line starting with "}"; SparseCore computations end with
+    # "}, execution_thread=...". Either used to hide the ops after them.
+    program = xla_program.analyse_hlo(MULTILINE_AND_SPARSECORE_HLO, "v5e")
+    assert [kernel.name for kernel in program.kernels] == ["kernel"]
+    assert [op.name for op in program.ops] == ["copy"]
+    assert program.ops[0].hbm_bytes == 2 * 1024 * 4

@@ -17,13 +17,11 @@ Where the numbers come from:
   v6e, measured with libtpu's compile-only topologies: blocks plus scratch
   of exactly that size compile, one MiB more fails with
   CompileTimeScopedVmemOom (tests/test_perf.py checks the v6e edge).
-- Per-grid-step cost (DMA issue, semaphore waits, loop bookkeeping): fitted
-  to real-chip timings (`tpu-kernels calibrate`, benchmarks/calibration_fit.py
-  on tokamax's measured Pallas kernels): 0.34 us on v5e, 0.73 us on TPU7x.
-  The Pallas guides do not state it (jax's docs/pallas/tpu, whole history up
-  to commit cec06d1, 2026-08); the 0.35 us rule of thumb kernels tile by
-  (`GRID_STEP_OVERHEAD_S`) agrees with the v5e fit. v5p and v6e have no
-  measurements: they take v5e's value.
+- Per-grid-step cost 0.35 us (`GRID_STEP_OVERHEAD_S`): the rule of thumb
+  kernels tile by. The Pallas guides do not state it (jax's docs/pallas/tpu,
+  whole history up to commit cec06d1, 2026-08); fitted to real-chip timings
+  it is 0.34 us on v5e and 0.73 us on TPU7x (the performance model's
+  calibrated values: tpu_kernels/model_constants.json).
 
 Generations: kernels are tuned and compiled ahead of time for
 SUPPORTED_GENERATIONS only. On a TPU of any other generation
@@ -54,14 +52,8 @@ GENERATION_ENV = "TPU_KERNELS_GENERATION"
 
 # Measured with libtpu's compile-only topologies (module docstring).
 DEFAULT_SCOPED_VMEM_BYTES = {"v5e": 16 * MIB, "v6e": 32 * MIB}
-# The rule of thumb kernels tile by; the model's calibrated figures per generation are GRID_STEP_S.
+# The rule of thumb kernels tile by (the performance model's calibrated values: tpu_kernels/model_constants.json).
 GRID_STEP_OVERHEAD_S = 0.35e-6
-GRID_STEP_S = {"v5e": 0.34e-6, "v5p": 0.34e-6, "v6e": 0.34e-6, "tpu7x": 0.73e-6}
-
-
-def grid_step_s(generation: str) -> float:
-    """The calibrated fixed cost of one Pallas grid step on `generation` (module docstring)."""
-    return GRID_STEP_S.get(generation, GRID_STEP_OVERHEAD_S)
 
 # Raised VMEM limits (see `vmem_limit_bytes`). Mosaic allocates its own
 # scratch (semaphores, relayout temporaries) on top of a kernel's blocks; 4 MiB

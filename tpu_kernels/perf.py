@@ -82,7 +82,7 @@ Modelled time of one call on one generation (`roofline(...).time_s`) =
     max(HBM bytes / (HBM bandwidth * hbm_fraction), compute) + grid steps * step cost,
 with hbm_fraction the share of the peak bandwidth the DMAs reach (1.0 by
 default) and the step cost calibrated per generation
-(`hardware.grid_step_s`). `pipelined_time_s` replays the double-buffered
+(`grid_step_s`, tpu_kernels/model_constants.json). `pipelined_time_s` replays the double-buffered
 pipeline step by step instead: the first fetch and last write-back are not
 overlapped, and each step costs max(its compute, the DMAs of the
 neighbouring steps) + the step cost; it is never below `time_s`, and it is
@@ -105,8 +105,10 @@ of each number it adds. Override the step cost with `step_overhead_s`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable, Sequence
+from importlib import resources
 from typing import Any
 
 import jax
@@ -117,8 +119,8 @@ from jax._src.state import discharge as state_discharge
 from jax.extend import core as jex_core
 
 from .hardware import (
+    GRID_STEP_OVERHEAD_S,
     TpuGeneration,
-    grid_step_s,
     padded_vmem_bytes,
     round_up,
     tpu_generation,
@@ -127,19 +129,27 @@ from .hardware import (
 # Six bf16 passes emulate an f32 matmul at HIGHEST precision.
 _F32_HIGHEST_PASSES = 6
 
+# The model's fitted constants (tpu_kernels/model_constants.json, written from benchmarks/calibration_fit.py):
+# data, so that refitting them changes no code and re-prices cached replays without redoing them.
+CONSTANTS = json.loads(resources.files(__package__).joinpath("model_constants.json").read_text())
 # The cycles a weights tile takes to load into the MXU that a pass of fewer rows cannot hide, as a share of
 # `mxu_size` (the scaling book implies all of them, 1.0: a pass would cost max(rows, mxu_size) cycles).
-# Fitted to tokamax's TPU7x ragged dot timings, whose 128-row tiles on the 256-wide MXU cost what 128 rows
-# cost, not 256 (benchmarks/calibration_fit.py; the scan's smallest value, 1/8, fits best); v5e's timings
-# (128-row tiles on a 128-wide MXU) cannot tell. Assumed the same on every generation.
-MXU_WEIGHT_LOAD_FRACTION = 0.125
-
+# Fitted on TPU7x, whose 128-row tiles on the 256-wide MXU cost what 128 rows cost, not 256; v5e's timings
+# (128-row tiles on a 128-wide MXU) cannot tell.
+MXU_WEIGHT_LOAD_FRACTION = CONSTANTS["mxu_weight_load_fraction"]
 # Vector-unit throughput per TensorCore cycle, in (8 x 128) register elements: VPU operations, and
-# operations through the transcendental unit. Fitted to tokamax's TPU7x flash attention timings
-# (benchmarks/calibration_fit.py; no other chip's data has vector-bound kernels); assumed the same per
-# cycle on every generation, at the clock `core_clock_hz` implies.
-VECTOR_ELEMENTS_PER_CYCLE = 4096.0
-TRANSCENDENTAL_ELEMENTS_PER_CYCLE = 1024.0
+# operations through the transcendental unit. Fitted on TPU7x (the only chip with vector-bound timings:
+# flash attention); assumed the same per cycle on every generation, at the clock `core_clock_hz` implies.
+VECTOR_ELEMENTS_PER_CYCLE = CONSTANTS["vector_elements_per_cycle"]
+TRANSCENDENTAL_ELEMENTS_PER_CYCLE = CONSTANTS["transcendental_elements_per_cycle"]
+
+
+def grid_step_s(generation: str) -> float:
+    """The calibrated fixed cost of one Pallas grid step on `generation` (model_constants.json)."""
+    steps = CONSTANTS["grid_step_s"]
+    return steps.get(generation, GRID_STEP_OVERHEAD_S)
+
+
 # MXUs per TensorCore used to turn a bf16 peak into a clock: 4 on v4 and v5 ("How to Think About TPUs",
 # which also gives v5e's 1.5 GHz clock); assumed 4 on later generations.
 MXUS_PER_CORE = 4
@@ -1075,9 +1085,13 @@ def _grid_dots(kernel, gm, grid, grid_indices: np.ndarray, prefetch: list[Any]) 
 
 
 def _cond_has_dots(eqn) -> bool:
-    found: dict[tuple, int] = {}
-    _collect_dots_of_eqn(eqn, 1, found)
-    return bool(found)
+    """Whether a cond holds work the model counts (matmuls or vector work) in some branch."""
+    for branch in eqn.params["branches"]:
+        found: dict[tuple, int] = {}
+        _collect_dots(branch.jaxpr, 1, found)
+        if found:
+            return True
+    return False
 
 
 def _branch_at_each_step(kernel, cond_eqn, gm, grid, grid_indices, prefetch) -> np.ndarray | None:
@@ -1236,10 +1250,10 @@ def _collect_dots_of_eqn(eqn, multiplicity: int, collected: dict[tuple, int], pr
             found: dict[tuple, int] = {}
             exact &= _collect_dots(branch.jaxpr, multiplicity, found)
             branch_dots.append(found)
-        costs = [_flops_of(found) for found in branch_dots]
-        for key, count in branch_dots[int(np.argmax(costs))].items():
+        costs = [(_flops_of(found), sum(c for key, c in found.items() if not _is_dot_key(key))) for found in branch_dots]
+        for key, count in branch_dots[max(range(len(costs)), key=costs.__getitem__)].items():
             collected[key] = collected.get(key, 0) + count
-        return exact and len(set(costs)) == 1
+        return exact and len({flops for flops, _ in costs}) == 1
     if name == "scan":
         return _collect_dots(eqn.params["jaxpr"].jaxpr, multiplicity * eqn.params["length"], collected)
     if name == "while":

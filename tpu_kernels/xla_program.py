@@ -58,12 +58,12 @@ import jax
 
 from . import perf, xla_ragged_dot
 from .aot import topology_device
-from .hardware import TpuGeneration, grid_step_s, tpu_generation
+from .hardware import TpuGeneration, tpu_generation
 
 VMEM_BANDWIDTH_OVER_HBM = 22.0
-# Fixed cost of one kept iteration of XLA's ragged dot loop (`xla_ragged_dot`), fitted to tokamax's measured
-# XLA ragged dots (benchmarks/calibration_fit.py); v5p and v6e have no measurements and take v5e's.
-XLA_RAGGED_DOT_STEP_S = {"v5e": 0.92e-6, "v5p": 0.92e-6, "v6e": 0.92e-6, "tpu7x": 1.05e-6}
+# Fixed cost of one kept iteration of XLA's ragged dot loop (`xla_ragged_dot`), per generation, fitted to
+# tokamax's measured XLA ragged dots (model_constants.json).
+XLA_RAGGED_DOT_STEP_S = perf.CONSTANTS["xla_ragged_dot_step_s"]
 PALLAS_TARGET = "tpu_custom_call"
 # A copy of an entry parameter into another layout: XLA's default TPU layout of an argument differs from
 # the one a consumer (e.g. a Pallas kernel's operand layout constraint) needs, so every call rewrites it.
@@ -685,7 +685,7 @@ def model_program(
     order: each is priced by replaying XLA's loop for it (`xla_ragged_dot`).
     """
     gen: TpuGeneration = tpu_generation(program.generation)
-    step_overhead_s = grid_step_s(gen.name) if step_overhead_s is None else step_overhead_s
+    step_overhead_s = perf.grid_step_s(gen.name) if step_overhead_s is None else step_overhead_s
     if ragged_dot_step_s is None:
         ragged_dot_step_s = XLA_RAGGED_DOT_STEP_S.get(gen.name, XLA_RAGGED_DOT_STEP_S["v5e"])
     placed = kernels_as_placed(program, calls)
