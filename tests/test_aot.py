@@ -4,7 +4,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import kernels
+from tpu_kernels.loader import get_local_kernel
 import pytest
 from jax.experimental import pallas as pl
 
@@ -17,7 +17,7 @@ KERNEL_REPOS = sorted(p.parent for p in (Path(__file__).resolve().parents[1] / "
 @pytest.mark.parametrize("repo", KERNEL_REPOS, ids=lambda p: p.name)
 def test_declared_shapes_compile_for_v5e_and_v6e(repo, tmp_path):
     built = build_kernel_repo(repo, tmp_path)
-    module = kernels.get_local_kernel(built, backend="cpu")
+    module = get_local_kernel(built, backend="cpu")
     results = compile_repo(repo, module, repo.name, ["v5e", "v6e"])
     assert results, f"{repo.name} declares no compile targets"
     failed = [f"{r.generation} {r.label}: {r.error}" for r in results if not r.compiled]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import kernels
+from tpu_kernels.loader import get_local_kernel
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
@@ -114,7 +114,7 @@ def test_kernel_repos_derive_no_hardware_facts_of_their_own():
 
 def test_an_unsupported_tpu_gets_the_same_error_from_every_kernel(built_kernels, monkeypatch):
     monkeypatch.delenv(hardware.GENERATION_ENV, raising=False)
-    loaded = {name: kernels.get_local_kernel(built, backend="cpu") for name, built in built_kernels.items()}
+    loaded = {name: get_local_kernel(built, backend="cpu") for name, built in built_kernels.items()}
     selects = {
         "ragged-dot-tpu": lambda k: k.config.select_config(64, 2048, 1536, jnp.bfloat16),
         "rmsnorm-tpu": lambda k: k.config.select_config(64, 2048, jnp.bfloat16),

@@ -38,7 +38,7 @@ def test_rival_layer_computes_the_experts_layer(tmp_path):
     import jax.numpy as jnp
     import numpy as np
     import torch
-    from kernels import get_local_kernel
+    from tpu_kernels.loader import get_local_kernel
 
     from tpu_kernels.builder import build_kernel_repo
 
@@ -73,7 +73,7 @@ def test_rival_layer_computes_the_experts_layer(tmp_path):
 def test_quantized_variants_take_the_kernels_arguments_and_minimum(tmp_path):
     """The one-byte variants: their arguments are what the kernel repo's quant.py expects, and their minimum
     bytes count each active expert's one-byte weights and f32 scales once (the anchor, by hand)."""
-    from kernels import get_local_kernel
+    from tpu_kernels.loader import get_local_kernel
 
     from tpu_kernels.builder import build_kernel_repo
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernels import get_local_kernel
+from tpu_kernels.loader import get_local_kernel
 
 from tests.conftest import REPO_ROOT
 from tpu_kernels import perf

@@ -12,7 +12,7 @@ still be relaid out).
 import jax
 import jax.numpy as jnp
 import pytest
-from kernels import get_local_kernel
+from tpu_kernels.loader import get_local_kernel
 
 from tests.conftest import REPO_ROOT
 from tpu_kernels import xla_program

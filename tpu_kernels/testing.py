@@ -1,9 +1,12 @@
 """pytest plugin (entry point `tpu_kernels`): a `kernel` fixture for kernel repo tests.
 
 A kernel repo's tests run against its *built* torch-cpu variant, loaded with
-the unmodified `kernels.get_local_kernel`, as a user would load it. The
-variant is built once per session into a temp dir, or taken from
-TPU_KERNELS_BUILT (set by `tpu-kernels check`).
+`tpu_kernels.loader.get_local_kernel` (`kernels.get_local_kernel` after the digest
+check), as a user would load it. The variant is built once per session into a
+temp dir, or taken from TPU_KERNELS_BUILT (set by `tpu-kernels check`). The
+loader keeps one module per kernel content, so every test in a session that
+loads the same kernel gets the same module: two copies of one kernel id in a
+process re-register its torch ops and confuse torch.compile's guards.
 
 Race detection of the TPU interpreter is on for a session whose pytest
 configuration says `tpu_kernels_detect_races = true` (this project's
@@ -49,9 +52,8 @@ def _built_kernels(tmp_path_factory) -> dict[Path, Path]:
 @pytest.fixture
 def kernel(request, _built_kernels, tmp_path_factory):
     """The built torch-cpu variant of the kernel repo this test lives in."""
-    import kernels
-
     from .builder import KernelSource, build_kernel_repo
+    from .loader import get_local_kernel
 
     repo = kernel_repo_of(request.path)
     if repo is None:
@@ -62,4 +64,4 @@ def kernel(request, _built_kernels, tmp_path_factory):
             _built_kernels[repo] = Path(prebuilt)
         else:
             _built_kernels[repo] = build_kernel_repo(repo, tmp_path_factory.mktemp("build"))
-    return kernels.get_local_kernel(_built_kernels[repo], backend="cpu")
+    return get_local_kernel(_built_kernels[repo], backend="cpu")

@@ -39,13 +39,10 @@ SMALL_MODEL = dict(
 TINY_MOE = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
 
 
-def built_repo(kernel) -> Path:
-    # kernel is build/<name>/build/torch-cpu/__init__.py
-    return Path(kernel.__file__).parents[2]
-
-
 def layer_mapping(kernel) -> dict:
-    return {name: {"cpu": LocalLayerRepository(repo_path=built_repo(kernel), layer_name=name)} for name in LAYER_NAMES}
+    # The variant folder the fixture's module was imported from: kernels then returns that same module.
+    variant = Path(kernel.__file__).parent
+    return {name: {"cpu": LocalLayerRepository(repo_path=variant, layer_name=name)} for name in LAYER_NAMES}
 
 
 def tiny_model(model_class, config):
