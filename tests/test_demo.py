@@ -18,8 +18,17 @@ def test_demo_replaces_every_kind_and_exits_zero_with_identical_tokens():
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for kind, repo in KINDS_AND_REPOS.items():
+        assert f"published tpu-kernels/{repo}@1 to the local Hub at http://127.0.0.1:" in result.stdout
         assert f"{kind:<9} replaced by tpu-kernels/{repo}@1" in result.stdout, result.stdout[-3000:]
     assert "greedy tokens identical" in result.stdout and "NO" not in result.stdout.split("identical")[-1]
+    assert "ms per token" in result.stdout
+    _assert_quiet(result)
+
+
+def _assert_quiet(result):
+    """Only the demo's own lines: no Python warnings, no log lines of libraries, no progress bars."""
+    assert result.stderr == "", result.stderr[-3000:]
+    assert "Warning" not in result.stdout and "No kernel mapping found" not in result.stdout, result.stdout[-3000:]
 
 
 def test_demo_exits_non_zero_when_a_kind_is_not_replaced(tmp_path):
@@ -35,6 +44,7 @@ def test_demo_exits_non_zero_when_a_kind_is_not_replaced(tmp_path):
     assert "attention kept original: the kernel has no build for this system" in result.stdout
     assert "experts   replaced" in result.stdout and "rmsnorm   replaced" in result.stdout
     assert "FAILED: not replaced: attention" in result.stdout
+    _assert_quiet(result)
 
 
 def test_demo_with_int8_experts_prints_their_error_and_the_bytes_saved():
@@ -45,3 +55,4 @@ def test_demo_with_int8_experts_prints_their_error_and_the_bytes_saved():
     assert "quantized 2 experts module(s) to int8" in result.stdout
     assert "logits max abs error" in result.stdout and "greedy tokens equal" in result.stdout
     assert "MB saved (" in result.stdout
+    _assert_quiet(result)

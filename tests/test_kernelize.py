@@ -1,5 +1,7 @@
 """kernelize(model) on tiny transformers MoE models built from config: same logits, same tokens."""
 
+import logging
+
 import pytest
 import torch
 from kernels import Mode
@@ -182,6 +184,22 @@ def test_all_kinds_replaced_and_tokens_match(all_builds):
         assert forward.__qualname__ == "RMSNorm.forward" and forward.__module__.startswith("_rmsnorm_tpu_cpu_")
     assert (logits - eager_logits).abs().max().item() <= 1e-4
     assert torch.equal(tokens, eager_tokens)
+
+
+def test_norms_alone_go_through_kernels_kernelize(all_builds, caplog):
+    """The model's other labelled layers (SiLU, rotary_pos_emb) are not kernels' business here: no warning that
+    they have no mapping, and a forward set on one of them (as a parallel plan's wrapper is) stays."""
+    model = _tiny_model("qwen3_moe")
+    others = [m for m in model.modules() if getattr(type(m), "kernel_layer_name", "RMSNorm") != "RMSNorm"]
+    assert others
+    wrappers = {}
+    for module in others:
+        wrappers[module] = module.forward = lambda *args, _forward=module.forward, **kwargs: _forward(*args, **kwargs)
+    with caplog.at_level(logging.INFO, logger="kernels"):
+        kernelize(model, repos={**all_builds, "experts": None, "attention": None})
+    assert len(model.tpu_kernels_report.replaced("rmsnorm")[0].modules) == 9
+    assert "No kernel mapping found" not in caplog.text
+    assert all(module.forward is wrapper for module, wrapper in wrappers.items())
 
 
 def _model_of(config):

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 DEMO_ORG = "tpu-kernels"
@@ -42,7 +43,7 @@ def _publish_to_local_hub(workdir: Path, repos: list[Path]) -> tuple[object, lis
         built = build_kernel_repo(repo, workdir / "build")
         publication = upload_kernel(built, f"{DEMO_ORG}/{built.name}", endpoint=hub.url, token=DEMO_TOKEN)
         published.append(f"{DEMO_ORG}/{built.name}@{publication.branch[1:]}")
-        print(f"published {built.name} -> {hub.url} {publication.branch}")
+        print(f"published {published[-1]} to the local Hub at {hub.url}")
     return hub, published
 
 
@@ -96,8 +97,25 @@ def _generate(model, prompt, new_tokens: int):
     return tokens, seconds / new_tokens
 
 
+def _silence_notices_a_demo_reader_cannot_act_on(args) -> None:
+    """Third-party notices printed on every run, none about this demo's result; set before torch is imported."""
+    # libtpu's and XLA's INFO lines ("GetPjrtApi was found for TPU ..."); their warnings and errors still print.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    # torch's own torch.utils.mkldnn, at `import torch`.
+    warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated", category=DeprecationWarning)
+    # torch_tpu's API-stage notice when the binding registers an op; the version is pinned and the tests check it.
+    warnings.filterwarnings("ignore", message=r".*jax_op is experimental", category=UserWarning)
+    if args.device == "cpu":
+        # torch_tpu's advice for TPU hosts' allocator, on a CPU run where torch_tpu runs nothing.
+        warnings.filterwarnings("ignore", message=r"<TorchTpu/Performance/TcMalloc/>", category=UserWarning)
+    if args.model is None:
+        # The only downloads are the kernels, a few small files each: no progress to watch.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
 def run_model_part(args) -> int:
     """kernelize + generate; HF_ENDPOINT already points at the Hub to use."""
+    _silence_notices_a_demo_reader_cannot_act_on(args)
     import torch
 
     from .kernelize import kernelize
@@ -180,8 +198,6 @@ def demo_main(argv: list[str] | None = None) -> int:
                        JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
             command = [sys.executable, "-m", "tpu_kernels.cli", "demo", "--model-part", "--device", args.device,
                        "--new-tokens", str(args.new_tokens), "--batch", str(args.batch)]
-            for spec in published:
-                print(f"serving {spec}")
             for override in args.repo:
                 command += ["--repo", override]
             if args.quantize_experts:

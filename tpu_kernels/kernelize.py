@@ -271,22 +271,13 @@ def _kernelize_rmsnorm(model, spec: KernelSpec, kernel: ModuleType, mode: Mode, 
     mapping = {
         layer: {device: LoadedLayerRepository(kernel, layer)} for layer in {matches[n][1] for n in labelled}
     }
-    # kernels' kernelize sets every labelled module it does not replace back to its class forward,
-    # dropping wrappers a parallel plan installed on it: those are put back.
-    modules = dict(model.named_modules())
-    instance_forwards = {
-        name: module.__dict__["forward"]
-        for name, module in modules.items()
-        if "forward" in module.__dict__ and name not in matches
-    }
-    if mapping:
-        with use_kernel_mapping(mapping, inherit_mapping=False):
-            kernels_kernelize(model, mode=mode, device=device)
-    for name, forward in instance_forwards.items():
-        modules[name].forward = forward
-    # The rest (Gemma's and other undecorated norms) get the matching layer's
-    # forward bound directly; after kernels' kernelize, which resets labelled
-    # layers it has no mapping for.
+    # kernels' kernelize is given only these norms: on a whole model it would also visit every other
+    # labelled layer (rotary_pos_emb, SiLU, ...), warn that it has no mapping for it and set its forward
+    # back to the class's, dropping wrappers a parallel plan installed.
+    with use_kernel_mapping(mapping, inherit_mapping=False):
+        for name in labelled:
+            kernels_kernelize(matches[name][0], mode=mode, device=device)
+    # The rest (Gemma's and other undecorated norms) get the matching layer's forward bound directly.
     for name, (module, layer) in matches.items():
         if name not in labelled:
             module.forward = types.MethodType(getattr(kernel.layers, layer).forward, module)
