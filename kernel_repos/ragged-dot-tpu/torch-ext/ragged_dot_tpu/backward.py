@@ -12,11 +12,15 @@ read. `differentiable_ragged_dot` attaches this backward with `jax.custom_vjp`.
 `grouped_experts_backward` differentiates the experts layer of `moe.py` from
 the two projections' kernel outputs saved by its forward, so the backward
 runs four grouped matmuls (two `d_lhs`, two `tgmm`) and no forward one again.
+
+One-byte (int8 / fp8) weights serve inference: `without_gradient` runs their
+forward and refuses a backward instead of differentiating around the scales.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +30,29 @@ from .gates import gated, split_gate_up
 from .pallas_tgmm import tgmm
 from .pallas_tpu import ragged_dot
 from .routing import sort_by_expert
+
+
+QUANTIZED_BACKWARD_REFUSAL = (
+    "no gradient through int8 / float8_e4m3fn weights: one-byte weights serve inference only; "
+    "train with bfloat16 or float32 weights (kernelize without quantize_experts)"
+)
+
+
+def without_gradient(name: str, compute: Callable, *arrays):
+    """`compute(*arrays)`, whose backward raises NotImplementedError (one-byte weights: inference only)."""
+
+    @jax.custom_vjp
+    def call(*arrays):
+        return compute(*arrays)
+
+    def forward(*arrays):
+        return compute(*arrays), None
+
+    def refuse(_residuals, _d_out):
+        raise NotImplementedError(f"{name}: {QUANTIZED_BACKWARD_REFUSAL}")
+
+    call.defvjp(forward, refuse)
+    return call(*arrays)
 
 
 def ragged_dot_backward(

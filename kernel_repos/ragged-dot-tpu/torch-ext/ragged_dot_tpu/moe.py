@@ -28,7 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .backward import grouped_experts_backward
+from .backward import grouped_experts_backward, without_gradient
 from .config import use_fused_experts, weights_as_stored
 from .gates import gated, split_gate_up
 from .pallas_fused import fused_experts
@@ -74,9 +74,9 @@ def gated_experts(
     options = _ExpertsOptions(activation, bool(weights_transposed), bool(interleaved), float(alpha), float(limit),
                               fused, generation)
     if gate_up_scales is not None or down_scales is not None:
-        # One-byte weights serve inference: the backward differentiates float weights only.
-        return _experts(options, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias,
-                        down_bias, gate_up_scales, down_scales)
+        return without_gradient("gated_experts", functools.partial(_experts, options), hidden_states, top_k_index,
+                                top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up_scales,
+                                down_scales)
     return _differentiable_experts(options, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
                                    gate_up_bias, down_bias)
 
