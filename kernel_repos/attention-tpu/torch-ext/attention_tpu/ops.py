@@ -1,8 +1,8 @@
-"""Torch ops of the attention kernel, with autograd, and the one place their inputs are checked.
+"""The torch op of the attention kernel and the one place its inputs are checked.
 
 The JAX functions (`pallas_tpu.py`, `pallas_tpu_backward.py`) assume valid
-inputs; the backward op is reached only through autograd, with tensors the
-forward op checked.
+inputs. The op's gradients are those of `pallas_tpu.flash_attention` (a
+`jax.custom_vjp`), which the binding hands to torch autograd.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from . import pallas_tpu, pallas_tpu_backward
+from . import pallas_tpu
 from ._ops import add_op_namespace_prefix, jax_torch_op
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
@@ -39,9 +39,9 @@ def _flash_attention(
     causal: bool,
     sliding_window: int | None,
     softcap: float | None,
-) -> tuple[jax.Array, jax.Array]:
-    """(out, log-sum-exp): the forward keeps the second for the backward. q_offset None: the default, Skv - Sq."""
-    return pallas_tpu.flash_attention_forward(
+) -> jax.Array:
+    """q_offset None: the default, Skv - Sq. Differentiable in q, k, v and the sinks (`pallas_tpu.flash_attention`)."""
+    return pallas_tpu.flash_attention(
         q,
         k,
         v,
@@ -54,65 +54,6 @@ def _flash_attention(
         attention_mask=_jax_mask(attention_mask),
         sinks=sinks,
     )
-
-
-@jax_torch_op(add_op_namespace_prefix("flash_attention_backward"))
-def _flash_attention_backward(
-    d_out: jax.Array,
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    out: jax.Array,
-    lse: jax.Array,
-    q_offset: jax.Array | None,
-    kv_lengths: jax.Array,
-    attention_mask: jax.Array | None,
-    sinks: jax.Array | None,
-    scale: float,
-    causal: bool,
-    sliding_window: int | None,
-    softcap: float | None,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(dq, dk, dv, d_sinks); d_sinks is float32 zeros [Hq] when there are no sinks (an op returns tensors)."""
-    dq, dk, dv, d_sinks = pallas_tpu_backward.flash_attention_backward(
-        d_out,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        scale=scale,
-        causal=causal,
-        q_offset=q_offset,
-        kv_lengths=kv_lengths,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        attention_mask=_jax_mask(attention_mask),
-        sinks=sinks,
-    )
-    if d_sinks is None:
-        d_sinks = jnp.zeros((q.shape[1],), jnp.float32)
-    return dq, dk, dv, d_sinks
-
-
-def _save_for_backward(ctx, inputs, output):
-    q, k, v, q_offset, kv_lengths, attention_mask, sinks, scale, causal, sliding_window, softcap = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, q_offset, kv_lengths, attention_mask, sinks)
-    ctx.options = (scale, causal, sliding_window, softcap)
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, d_out, _d_lse):
-    q, k, v, out, lse, q_offset, kv_lengths, attention_mask, sinks = ctx.saved_tensors
-    dq, dk, dv, d_sinks = _flash_attention_backward(
-        d_out.contiguous(), q, k, v, out, lse, q_offset, kv_lengths, attention_mask, sinks, *ctx.options
-    )
-    # Offsets, lengths and the mask get no gradient (ops.flash_attention refuses a mask that needs one).
-    return dq, dk, dv, None, None, None, None if sinks is None else d_sinks, None, None, None, None
-
-
-_flash_attention.register_autograd(_backward, setup_context=_save_for_backward)
 
 
 def _check_tensor(name: str, value) -> None:
@@ -264,7 +205,6 @@ def flash_attention(
     softcap = None if softcap is None else float(softcap)
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         attention_mask = attention_mask.to(torch.int8)
-    out, _ = _flash_attention(
+    return _flash_attention(
         query, key, value, q_offset, kv_lengths, attention_mask, sinks, scale, bool(causal), sliding_window, softcap
     )
-    return out
