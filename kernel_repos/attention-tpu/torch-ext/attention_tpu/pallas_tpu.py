@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,8 +50,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import masking
 from .config import AttentionConfig, BackwardConfig, check_config, is_decode, select_config
-from .masking import Prepared, Problem
-from .pallas_tpu_backward import flash_attention_backward
+from .masking import Attention, Prepared, Problem
+from .pallas_tpu_backward import attention_backward
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
@@ -325,18 +326,18 @@ def flash_attention_forward(
     k: jax.Array,
     v: jax.Array,
     *,
-    scale: float | None = None,
-    causal: bool = True,
-    q_offset: int | jax.Array | None = None,
-    kv_lengths: jax.Array | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    attention_mask: jax.Array | None = None,
-    sinks: jax.Array | None = None,
     config: AttentionConfig | None = None,
     generation: str | None = None,
+    **options,
 ) -> tuple[jax.Array, jax.Array]:
-    """(out [B, Hq, Sq, D], log-sum-exp float32 [B, Hq, Sq]) of `flash_attention`; see there.
+    """(out [B, Hq, Sq, D], log-sum-exp float32 [B, Hq, Sq]) of `flash_attention`; `options` those of
+    `masking.Attention`."""
+    return attention_forward(q, k, v, Attention(**options), config, generation)
+
+
+def attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, attention: Attention,
+                      config: AttentionConfig | None = None, generation: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """`flash_attention_forward` of an `Attention` value.
 
     The log-sum-exp is that of each row's softmax denominator, the sink
     included; -inf for a row that sees no key and has no sink.
@@ -345,12 +346,10 @@ def flash_attention_forward(
     """
     batch, q_heads, q_len, _ = q.shape
     if 0 in (batch, q_heads, q_len, k.shape[2]):
+        sinks = attention.sinks
         no_key = jnp.full((q_heads,), -jnp.inf, jnp.float32) if sinks is None else sinks.astype(jnp.float32)
         return jnp.zeros(q.shape, q.dtype), jnp.broadcast_to(no_key[None, :, None], (batch, q_heads, q_len))
-    problem, prepared = masking.prepare(
-        q, k, scale=scale, causal=causal, q_offset=q_offset, kv_lengths=kv_lengths, sliding_window=sliding_window,
-        softcap=softcap, attention_mask=attention_mask, sinks=sinks,
-    )
+    problem, prepared = masking.prepare(q, k, attention)
     if config is not None:
         check_config(config, q_len=problem.q_len, kv_len=problem.kv_len, kv_heads=problem.kv_heads)
     else:
@@ -367,48 +366,32 @@ def flash_attention_forward(
     return _forward_call(q, k, v, problem, prepared, config)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Options:
-    """The static arguments of `flash_attention` (hashable: custom_vjp keeps them apart from the arrays)."""
+class _Tiling(NamedTuple):
+    """The static arguments of `_differentiable_attention` besides the `Attention` (custom_vjp keeps them apart)."""
 
-    scale: float | None
-    causal: bool
-    sliding_window: int | None
-    softcap: float | None
     config: AttentionConfig | None
     backward_config: BackwardConfig | None
     generation: str | None
 
-    def shared(self) -> dict:
-        return dict(scale=self.scale, causal=self.causal, sliding_window=self.sliding_window, softcap=self.softcap,
-                    generation=self.generation)
-
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _differentiable_attention(options: _Options, q, k, v, sinks, q_offset, kv_lengths, attention_mask):
-    out, _ = flash_attention_forward(
-        q, k, v, q_offset=q_offset, kv_lengths=kv_lengths, attention_mask=attention_mask, sinks=sinks,
-        config=options.config, **options.shared(),
-    )
+def _differentiable_attention(tiling: _Tiling, q, k, v, attention: Attention):
+    out, _ = attention_forward(q, k, v, attention, tiling.config, tiling.generation)
     return out
 
 
-def _attention_vjp_forward(options: _Options, q, k, v, sinks, q_offset, kv_lengths, attention_mask):
-    out, lse = flash_attention_forward(
-        q, k, v, q_offset=q_offset, kv_lengths=kv_lengths, attention_mask=attention_mask, sinks=sinks,
-        config=options.config, **options.shared(),
-    )
-    return out, (q, k, v, sinks, q_offset, kv_lengths, attention_mask, out, lse)
+def _attention_vjp_forward(tiling: _Tiling, q, k, v, attention: Attention):
+    out, lse = attention_forward(q, k, v, attention, tiling.config, tiling.generation)
+    return out, (q, k, v, attention, out, lse)
 
 
-def _attention_vjp_backward(options: _Options, residuals, d_out):
-    q, k, v, sinks, q_offset, kv_lengths, attention_mask, out, lse = residuals
-    dq, dk, dv, d_sinks = flash_attention_backward(
-        d_out, q, k, v, out, lse, q_offset=q_offset, kv_lengths=kv_lengths, attention_mask=attention_mask,
-        sinks=sinks, config=options.backward_config, **options.shared(),
-    )
+def _attention_vjp_backward(tiling: _Tiling, residuals, d_out):
+    q, k, v, attention, out, lse = residuals
+    dq, dk, dv, d_sinks = attention_backward(d_out, q, k, v, out, lse, attention, tiling.backward_config,
+                                             tiling.generation)
     # Offsets, lengths and the mask are not differentiated (None: a zero cotangent).
-    return dq, dk, dv, d_sinks, None, None, None
+    no_gradient = dict(q_offset=None, kv_lengths=None, attention_mask=None)
+    return dq, dk, dv, dataclasses.replace(attention, sinks=d_sinks, **no_gradient)
 
 
 _differentiable_attention.defvjp(_attention_vjp_forward, _attention_vjp_backward)
@@ -419,38 +402,20 @@ def flash_attention(
     k: jax.Array,
     v: jax.Array,
     *,
-    scale: float | None = None,
-    causal: bool = True,
-    q_offset: int | jax.Array | None = None,
-    kv_lengths: jax.Array | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    attention_mask: jax.Array | None = None,
-    sinks: jax.Array | None = None,
     config: AttentionConfig | None = None,
     backward_config: BackwardConfig | None = None,
     generation: str | None = None,
+    **options,
 ) -> jax.Array:
     """Attention of q[B, Hq, Sq, D] over k, v[B, Hkv, Skv, D] -> [B, Hq, Sq, D]; differentiable.
 
-    q_offset: KV position of the first query (int or integer [B]); default
-      Skv - Sq, i.e. the queries are the last Sq positions (decode and chunked
-      prefill against a cache).
-    kv_lengths: integer [B]; keys at and past kv_lengths[b] are masked.
-    sliding_window: w lets the query at position p see keys in (p - w, p].
-    softcap: logits become softcap * tanh(logits / softcap).
-    attention_mask: optional [B or 1, 1, Sq, Skv], bool (True = attend) or
-      floating (added to the logits; values at the dtype's minimum mask the
-      key out), combined with all of the above. Not differentiated.
-    sinks: optional [Hq]: a logit per query head that joins every row's
-      softmax denominator and attends to nothing (GPT-OSS); not scaled or capped.
-
-    jax.grad/jax.vjp run the backward Pallas kernels (`flash_attention_backward`)
-    for q, k, v and sinks; offsets, lengths and the mask get no gradient.
-    Inputs are assumed valid (see the module docstring).
+    `options` are those of `masking.Attention` (scale, causal, q_offset,
+    kv_lengths, sliding_window, softcap, attention_mask, sinks). Tiles:
+    `config` and `backward_config`, else those of `config.select_config`
+    and `config.select_backward_config` for `generation` (default this
+    device's). jax.grad/jax.vjp run the backward Pallas kernels
+    (`pallas_tpu_backward.attention_backward`) for q, k, v and sinks;
+    offsets, lengths and the mask get no gradient. Inputs are assumed valid
+    (see the module docstring).
     """
-    options = _Options(
-        scale=scale, causal=bool(causal), sliding_window=sliding_window, softcap=softcap, config=config,
-        backward_config=backward_config, generation=generation,
-    )
-    return _differentiable_attention(options, q, k, v, sinks, q_offset, kv_lengths, attention_mask)
+    return _differentiable_attention(_Tiling(config, backward_config, generation), q, k, v, Attention(**options))
