@@ -69,140 +69,152 @@ class _Tiles:
     num_kv_steps: int  # grid steps along the KV axis: at most num_kv_blocks
 
 
-def _forward_kernel(
-    q_offset_ref,
-    kv_valid_ref,
-    block_lo_ref,
-    block_hi_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    *rest,
-    problem: Problem,
-    tiles: _Tiles,
-):
+class _ForwardRefs(NamedTuple):
+    q: object
+    k: object
+    v: object
+    mask: object | None
+    sinks: object | None
+    out: object
+    lse: object
+    max: object  # [slices, rows, 1] f32: running max of each row's logits
+    sum: object  # [slices, rows, 1] f32: running sum of each row's exponentials
+    acc: object  # [slices, rows, D] f32
+
+
+class _Position(NamedTuple):
+    """Where a grid step is: its KV block's first key, its queries' first position, the batch's offset and length."""
+
+    key_start: object
+    q_first: object
+    q_offset: object
+    kv_valid: object
+
+
+def _visibility(refs: _ForwardRefs, at: _Position, problem: Problem, tiles: _Tiles):
+    """(visible, bias or None, valid value rows) of a tile that needs element masks."""
+    rows, block_kv = problem.group if tiles.decode else tiles.block_q, tiles.block_kv
+    key_pos = at.key_start + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
+    if tiles.decode:
+        query_pos = at.q_offset
+    else:
+        query_pos = at.q_first + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0)
+    visible = masking.positional_visibility(problem, query_pos, key_pos, at.kv_valid)
+    bias = None
+    if refs.mask is not None:
+        allowed, bias = masking.explicit_mask(problem, refs.mask[...])
+        visible = visible & jnp.broadcast_to(allowed, (rows, block_kv))
+        if bias is not None:
+            bias = jnp.broadcast_to(bias, (rows, block_kv))
+    value_pos = at.key_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv, problem.head_dim), 0)
+    return visible, bias, value_pos < at.kv_valid
+
+
+def _attend_block(refs: _ForwardRefs, at: _Position, problem: Problem, tiles: _Tiles, apply_mask: bool) -> None:
+    """The online softmax over one KV block for every slice of the step.
+
+    k and v refs are [kv heads of this step, block_kv, D]: one KV head shared
+    by every slice (prefill: the group's query heads), or one per slice
+    (decode: a slice is one KV head's group of query rows).
+    """
+    visible = bias = value_valid = None
+    if apply_mask:
+        visible, bias, value_valid = _visibility(refs, at, problem, tiles)
+
+    def load_kv(head):
+        k, v = refs.k[head], refs.v[head]
+        if value_valid is not None:
+            # Zero V rows past the valid length: p is 0 there, but 0 * NaN is NaN.
+            v = jnp.where(value_valid, v, jnp.zeros_like(v))
+        return k, v
+
+    def attend(s, k, v):
+        raw = jax.lax.dot_general(refs.q[s], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                  precision=problem.precision)
+        logits = masking.capped_logits(problem, raw)
+        if bias is not None:
+            logits = logits + bias
+        if visible is not None:
+            logits = jnp.where(visible, logits, -jnp.inf)
+        max_prev = refs.max[s]
+        max_next = jnp.maximum(max_prev, jnp.max(logits, axis=1, keepdims=True))
+        # A row that has seen no visible key yet keeps max -inf; shift by 0
+        # instead so exp() gives 0 rather than exp(-inf + inf) = NaN.
+        shift = jnp.where(max_next == -jnp.inf, 0.0, max_next)
+        probs = jnp.exp(logits - shift)
+        rescale = jnp.exp(max_prev - shift)
+        refs.sum[s] = rescale * refs.sum[s] + jnp.sum(probs, axis=1, keepdims=True)
+        refs.acc[s] = rescale * refs.acc[s] + jax.lax.dot_general(
+            probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+            precision=problem.precision,
+        )
+        refs.max[s] = max_next
+
+    shared_kv = None if tiles.decode else load_kv(0)
+
+    def attend_slice(s):
+        attend(s, *(load_kv(s) if tiles.decode else shared_kv))
+
+    num_slices = refs.max.shape[0]
+    if num_slices == 1:
+        attend_slice(0)
+        return
+
+    def body(s, carry):
+        attend_slice(s)
+        return carry
+
+    jax.lax.fori_loop(0, num_slices, body, None)
+
+
+def _forward_kernel(q_offset_ref, kv_valid_ref, block_lo_ref, block_hi_ref, q_ref, k_ref, v_ref, *rest,
+                    problem: Problem, tiles: _Tiles):
     rest = list(rest)
     mask_ref = rest.pop(0) if problem.mask_kind is not None else None
     sinks_ref = rest.pop(0) if problem.has_sinks else None
-    o_ref, lse_ref, max_ref, sum_ref, acc_ref = rest
+    refs = _ForwardRefs(q_ref, k_ref, v_ref, mask_ref, sinks_ref, *rest)
     b, qi, kv_step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     slot = b * tiles.num_q_blocks + qi
-    last_block = block_hi_ref[slot]
     # The KV steps of a query block walk its range of KV blocks from the first.
     kv_block = block_lo_ref[slot] + kv_step
-    q_offset = q_offset_ref[b]
-    kv_valid = kv_valid_ref[b]
-    num_slices = max_ref.shape[0]
-    block_kv = tiles.block_kv
 
     @pl.when(kv_step == 0)
     def _init():
         if sinks_ref is None:
-            max_ref[...] = jnp.full(max_ref.shape, -jnp.inf, jnp.float32)
-            sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
+            refs.max[...] = jnp.full(refs.max.shape, -jnp.inf, jnp.float32)
+            refs.sum[...] = jnp.zeros(refs.sum.shape, jnp.float32)
         else:
             # The sink is one more logit in every row's softmax, over a zero value: exp(sink - max) = 1.
-            max_ref[...] = jnp.broadcast_to(sinks_ref[...], max_ref.shape)
-            sum_ref[...] = jnp.ones(sum_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+            refs.max[...] = jnp.broadcast_to(sinks_ref[...], refs.max.shape)
+            refs.sum[...] = jnp.ones(refs.sum.shape, jnp.float32)
+        refs.acc[...] = jnp.zeros(refs.acc.shape, jnp.float32)
 
-    key_start = kv_block * block_kv
+    q_offset, kv_valid = q_offset_ref[b], kv_valid_ref[b]
+    key_start = kv_block * tiles.block_kv
     if tiles.decode:
         q_first = q_last = q_offset
     else:
         q_first, q_last = masking.query_block_positions(problem, q_offset, qi, tiles.block_q)
     needs_mask = masking.tile_needs_mask(
-        problem, key_start=key_start, block_kv=block_kv, kv_valid=kv_valid, q_first=q_first, q_last=q_last
+        problem, key_start=key_start, block_kv=tiles.block_kv, kv_valid=kv_valid, q_first=q_first, q_last=q_last
     )
-
-    rows = problem.group if tiles.decode else tiles.block_q
-
-    def step(apply_mask: bool):
-        # k_ref/v_ref are [kv heads of this step, block_kv, D]: one KV head
-        # shared by every slice (prefill: the group's query heads), or one per
-        # slice (decode: a slice is one KV head's group of query rows).
-        visible = bias = value_valid = None
-        if apply_mask:
-            key_pos = key_start + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
-            if tiles.decode:
-                query_pos = q_offset
-            else:
-                query_pos = q_first + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0)
-            visible = masking.positional_visibility(problem, query_pos, key_pos, kv_valid)
-            if mask_ref is not None:
-                allowed, bias = masking.explicit_mask(problem, mask_ref[...])
-                visible = visible & jnp.broadcast_to(allowed, (rows, block_kv))
-                if bias is not None:
-                    bias = jnp.broadcast_to(bias, (rows, block_kv))
-            value_pos = key_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv, problem.head_dim), 0)
-            value_valid = value_pos < kv_valid
-
-        def load_kv(head):
-            k = k_ref[head]
-            v = v_ref[head]
-            if value_valid is not None:
-                # Zero V rows past the valid length: p is 0 there, but 0 * NaN is NaN.
-                v = jnp.where(value_valid, v, jnp.zeros_like(v))
-            return k, v
-
-        def attend(s, k, v):
-            raw = jax.lax.dot_general(
-                q_ref[s], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                precision=problem.precision,
-            )
-            logits = masking.capped_logits(problem, raw)
-            if bias is not None:
-                logits = logits + bias
-            if visible is not None:
-                logits = jnp.where(visible, logits, -jnp.inf)
-            max_prev = max_ref[s]
-            max_next = jnp.maximum(max_prev, jnp.max(logits, axis=1, keepdims=True))
-            # A row that has seen no visible key yet keeps max -inf; shift by 0
-            # instead so exp() gives 0 rather than exp(-inf + inf) = NaN.
-            shift = jnp.where(max_next == -jnp.inf, 0.0, max_next)
-            probs = jnp.exp(logits - shift)
-            rescale = jnp.exp(max_prev - shift)
-            sum_ref[s] = rescale * sum_ref[s] + jnp.sum(probs, axis=1, keepdims=True)
-            acc_ref[s] = rescale * acc_ref[s] + jax.lax.dot_general(
-                probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
-                precision=problem.precision,
-            )
-            max_ref[s] = max_next
-
-        if tiles.decode:
-            def attend_slice(s):
-                attend(s, *load_kv(s))
-        else:
-            shared_kv = load_kv(0)
-
-            def attend_slice(s):
-                attend(s, *shared_kv)
-
-        if num_slices == 1:
-            attend_slice(0)
-        else:
-
-            def body(s, carry):
-                attend_slice(s)
-                return carry
-
-            jax.lax.fori_loop(0, num_slices, body, None)
-
-    masking.run_tile(kv_block <= last_block, needs_mask, step)
+    at = _Position(key_start, q_first, q_offset, kv_valid)
+    masking.run_tile(kv_block <= block_hi_ref[slot], needs_mask,
+                     lambda apply_mask: _attend_block(refs, at, problem, tiles, apply_mask))
 
     @pl.when(kv_step == tiles.num_kv_steps - 1)
     def _finalize():
-        total = sum_ref[...]
+        total = refs.sum[...]
         safe_total = jnp.where(total == 0.0, 1.0, total)
-        out = jnp.where(total == 0.0, 0.0, acc_ref[...] / safe_total)
-        o_ref[...] = out.astype(o_ref.dtype)
+        out = jnp.where(total == 0.0, 0.0, refs.acc[...] / safe_total)
+        refs.out[...] = out.astype(refs.out.dtype)
         # log(0) = -inf for a row that saw nothing (its max is -inf too: the sum stays -inf).
-        lse = max_ref[...] + jnp.log(total)
+        lse = refs.max[...] + jnp.log(total)
         if tiles.decode:
-            lse_ref[...] = lse
+            refs.lse[...] = lse
         else:
             # [group, block_q, 1] -> [group, 1, block_q]: query positions along lanes.
-            lse_ref[...] = lse.reshape(lse_ref.shape)
+            refs.lse[...] = lse.reshape(refs.lse.shape)
 
 
 def _tiles(problem: Problem, config: AttentionConfig) -> _Tiles:
