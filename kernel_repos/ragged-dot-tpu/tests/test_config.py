@@ -202,7 +202,7 @@ def test_fused_vmem_bytes_counts_blocks_scratch_and_one_chunk(config):
     fused = config.FusedConfig(16, 128)
     f32 = 4
     expected = (
-        3 * 8 * 256 * f32  # hidden (one buffer) and out (two), T=5 rows padded to 8
+        2 * 8 * 256 * f32  # hidden and out, resident (one buffer each), T=5 rows padded to 8
         + 8 * 256 * f32  # out accumulator
         + 2 * 8 * 128 * f32  # the routing (ids and weights), resident, 5 x K padded to 8 x 128
         + 2 * 8 * 128 * f32  # the expert's weight and rank per token as [5, 1] columns, padded
