@@ -127,10 +127,20 @@ def test_heuristic_always_fits(config):
         config.check_config(tiles, m, k, n, dtype)
 
 
-def test_select_config_is_the_heuristic(config):
+def test_select_config_is_the_heuristic_unless_the_shape_is_tuned(config, monkeypatch):
     assert config.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16) == (
         config.heuristic_config(80, 1000, 1000, jnp.bfloat16, "v5e", num_groups=16)
     )
+    key = config.TunedKey("v5e", 80, 1000, 1000, 16, "bfloat16", "bfloat16", True)
+    tuned = config.TileConfig(80, 512, 256, 16)
+    monkeypatch.setitem(config.TUNED_TILES, key, tuned)
+    assert config.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16,
+                                transpose_rhs=True) == tuned
+    # Another generation, orientation or shape keeps the heuristic; an entry that cannot run is refused.
+    assert config.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16) != tuned
+    monkeypatch.setitem(config.TUNED_TILES, key, config.TileConfig(80, 100, 256))
+    with pytest.raises(ValueError, match="tile_k=100 must be a multiple of 128"):
+        config.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16, transpose_rhs=True)
 
 
 def test_select_config_uses_the_current_generation_and_refuses_unknown_ones(config, monkeypatch):

@@ -109,6 +109,25 @@ class TileConfig(NamedTuple):
     groups_per_step: int = 1
 
 
+class TunedKey(NamedTuple):
+    """The shape a tuned grouped matmul's tiles were measured at."""
+
+    generation: str
+    m: int  # rows (picks, in an experts layer)
+    k: int
+    n: int
+    groups: int | None
+    dtype: str
+    rhs_dtype: str
+    transpose_rhs: bool
+
+
+# Tiles measured best on a TPU, per shape: data, taken over the heuristic by `select_config`. Empty until a
+# sweep runs on a real chip (none is at hand here: the heuristic's choices are what the grid-replay model and
+# the AOT compiles checked). An entry is `TunedKey(...): TileConfig(...)`.
+TUNED_TILES: dict[TunedKey, TileConfig] = {}
+
+
 class Buffer(NamedTuple):
     """A VMEM buffer a kernel's pipeline holds: a block (`count` 2 when double-buffered, 1 when resident) or
     scratch (1)."""
@@ -338,8 +357,17 @@ def select_config(
     rhs_dtype=None,
     transpose_rhs: bool = False,
 ) -> TileConfig:
-    """Tiles for `lhs[m,k] x rhs[num_groups,k,n]` on `generation` (default: the current device's)."""
-    return heuristic_config(m, k, n, dtype, resolve_generation(generation), num_groups, rhs_dtype, transpose_rhs)
+    """Tiles for `lhs[m,k] x rhs[num_groups,k,n]` on `generation` (default: the current device's): the
+    TUNED_TILES entry of the shape (checked like an explicit config), else the heuristic."""
+    generation = resolve_generation(generation)
+    rhs_dtype = dtype if rhs_dtype is None else rhs_dtype
+    key = TunedKey(generation, m, k, n, num_groups, jnp.dtype(dtype).name, jnp.dtype(rhs_dtype).name,
+                   bool(transpose_rhs))
+    tuned = TUNED_TILES.get(key)
+    if tuned is None:
+        return heuristic_config(m, k, n, dtype, generation, num_groups, rhs_dtype, transpose_rhs)
+    check_config(tuned, m, k, n, dtype, rhs_dtype, transpose_rhs)
+    return tuned
 
 
 def vmem_limit(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False) -> int:
