@@ -16,6 +16,7 @@ import torch
 
 from . import backward, moe, pallas_tpu, quant
 from .gates import GATES
+from .problem import ExpertWeights
 from ._ops import add_op_namespace_prefix, jax_torch_op
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
@@ -205,21 +206,10 @@ def check_routing(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_
         raise TypeError(f"top_k_weights must be floating point, got {top_k_weights.dtype}")
 
 
-def check_gated_experts_args(
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    gate_up_bias: torch.Tensor | None,
-    down_bias: torch.Tensor | None,
-    *,
-    activation: str,
-    weights_transposed: bool,
-    gate_up_scales: torch.Tensor | None = None,
-    down_scales: torch.Tensor | None = None,
-) -> None:
-    """The fused experts op's arguments, in transformers' weight layouts (see `moe.gated_experts`)."""
+def check_gated_experts_args(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                             weights: ExpertWeights, *, activation: str, weights_transposed: bool) -> None:
+    """The experts op's arguments, in transformers' weight layouts (see `problem.ExpertWeights`)."""
+    gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up_scales, down_scales = weights
     check_routing(hidden_states, top_k_index, top_k_weights)
     if activation not in GATES:
         raise ValueError(f"activation must be one of {GATES}, got {activation!r}")
@@ -296,11 +286,8 @@ def gated_experts(
     Differentiable with float weights (`moe.gated_experts` says how); one-byte
     weights serve inference only.
     """
-    check_gated_experts_args(
-        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
-        activation=activation, weights_transposed=weights_transposed, gate_up_scales=gate_up_scales,
-        down_scales=down_scales,
-    )
-    return _gated_experts(hidden_states, top_k_index.to(torch.int32), top_k_weights, gate_up_proj, down_proj,
-                          gate_up_bias, down_bias, gate_up_scales, down_scales, activation, weights_transposed,
-                          interleaved, float(alpha), float(limit))
+    weights = ExpertWeights(gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up_scales, down_scales)
+    check_gated_experts_args(hidden_states, top_k_index, top_k_weights, weights, activation=activation,
+                             weights_transposed=weights_transposed)
+    return _gated_experts(hidden_states, top_k_index.to(torch.int32), top_k_weights, *weights, activation,
+                          weights_transposed, interleaved, float(alpha), float(limit))
