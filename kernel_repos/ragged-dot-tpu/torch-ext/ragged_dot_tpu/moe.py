@@ -34,39 +34,23 @@ from .config import ExpertsPlan, plan_experts
 from .gates import gated, split_gate_up
 from .pallas_fused import fused_experts_call
 from .pallas_tpu import grouped_matmul
-from .problem import ExpertsProblem, ExpertWeights, Gate
+from .problem import ExpertsProblem, ExpertWeights, describe_experts
 from .routing import sort_by_expert
 
 
-def gated_experts(
-    hidden_states: jax.Array,
-    top_k_index: jax.Array,
-    top_k_weights: jax.Array,
-    *weights: jax.Array | None,
-    activation: str,
-    weights_transposed: bool,
-    interleaved: bool = False,
-    alpha: float = 1.0,
-    limit: float = float("inf"),
-    fused: bool | None = None,
-    generation: str | None = None,
-) -> jax.Array:
+def gated_experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array, *weights: jax.Array | None,
+                  fused: bool | None = None, generation: str | None = None, **gate) -> jax.Array:
     """Gated experts per pick, weighted and summed per token.
 
-    `weights` are those of `problem.ExpertWeights`, in its order
-    (`gate_up_proj, down_proj`, then optionally the biases and the scales of
-    one-byte weights), in transformers' layouts; the gate is
-    `problem.Gate(activation, interleaved, alpha, limit)`. `fused` forces
-    one of the two paths (None: the rule, `config.use_fused_experts`);
-    `generation` picks the tiles (None: this device's). Differentiable in
-    hidden_states, top_k_weights, the weights and biases (module docstring);
-    sentinel picks get a zero weight gradient. Without tokens, picks, hidden
-    size or experts the result is zeros and no kernel runs.
+    `weights` and `gate` (activation, weights_transposed, interleaved, alpha,
+    limit) as `problem.describe_experts` takes them. `fused` forces one of
+    the two paths (None: the rule, `config.use_fused_experts`); `generation`
+    picks the tiles (None: this device's). Differentiable in hidden_states,
+    top_k_weights, the weights and biases (module docstring); sentinel picks
+    get a zero weight gradient. Without tokens, picks, hidden size or experts
+    the result is zeros and no kernel runs.
     """
-    weights = ExpertWeights(*weights)
-    problem = ExpertsProblem.of(hidden_states, top_k_index, top_k_weights, weights,
-                                Gate(activation, bool(interleaved), float(alpha), float(limit)),
-                                weights_transposed=weights_transposed)
+    problem, weights = describe_experts(hidden_states, top_k_index, top_k_weights, *weights, **gate)
     if problem.empty:
         return jnp.zeros(hidden_states.shape, hidden_states.dtype)
     return experts(plan_experts(problem, generation, fused=fused), hidden_states, top_k_index, top_k_weights, weights)

@@ -59,7 +59,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .config import BIAS_BLOCK_EXPERTS, FusedConfig, FusedPlan, plan_fused
 from .gates import gated
-from .problem import ExpertsProblem, ExpertWeights, Gate
+from .problem import ExpertWeights, describe_experts
 from .quant import FP8, INT8, dequantize_fp8_block, scheme_of
 from .routing import expert_plan
 
@@ -304,35 +304,20 @@ def _chunk_over_i_tiles(first, live, i_step, last_i, gather, scatter, refs: _Ref
         scatter(first, refs.partial_out[first : first + chunk, :])
 
 
-def fused_experts(
-    hidden_states: jax.Array,
-    top_k_index: jax.Array,
-    top_k_weights: jax.Array,
-    *weights: jax.Array | None,
-    activation: str,
-    weights_transposed: bool,
-    interleaved: bool = False,
-    alpha: float = 1.0,
-    limit: float = float("inf"),
-    config: FusedConfig | None = None,
-) -> jax.Array:
+def fused_experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array, *weights: jax.Array | None,
+                  config: FusedConfig | None = None, **gate) -> jax.Array:
     """Gated experts per pick, weighted and summed per token, in one pallas_call (see the module docstring).
 
-    Arguments as `moe.gated_experts` (`weights` those of
-    `problem.ExpertWeights`, in transformers' layouts); picks with id == E
-    are sentinels. Blocks: `config`, else the plan's (`config.plan_fused`).
-    Inputs are assumed valid (`ops.py`). Without tokens, picks, hidden size
-    or experts there is nothing to compute: the result is zeros and no
-    kernel runs.
+    Arguments as `moe.gated_experts`; picks with id == E are sentinels.
+    Blocks: `config`, else the plan's (`config.plan_fused`). Inputs are
+    assumed valid (`ops.py`). Without tokens, picks, hidden size or experts
+    there is nothing to compute: the result is zeros and no kernel runs.
     """
-    weights = ExpertWeights(*weights)
-    problem = ExpertsProblem.of(hidden_states, top_k_index, top_k_weights, weights,
-                                Gate(activation, bool(interleaved), float(alpha), float(limit)),
-                                weights_transposed=weights_transposed)
+    problem, weights = describe_experts(hidden_states, top_k_index, top_k_weights, *weights, **gate)
     if problem.empty:
         return jnp.zeros(hidden_states.shape, hidden_states.dtype)
     plan = plan_fused(problem, config)
-    read = weights.as_read(plan.orientation, weights_transposed=weights_transposed)
+    read = weights.as_read(plan.orientation, weights_transposed=problem.weights_transposed)
     return fused_experts_call(plan, hidden_states, top_k_index, top_k_weights, read)
 
 

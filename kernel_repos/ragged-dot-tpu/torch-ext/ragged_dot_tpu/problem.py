@@ -128,3 +128,19 @@ class TgmmProblem(NamedTuple):
     groups: int
     dtype: str
     out_dtype: str
+
+
+def describe_experts(hidden_states, top_k_index, top_k_weights, *weights, activation: str, weights_transposed: bool,
+                     interleaved: bool = False, alpha: float = 1.0,
+                     limit: float = float("inf")) -> tuple[ExpertsProblem, ExpertWeights]:
+    """An experts call's problem and arrays from the arguments of `moe.gated_experts`.
+
+    `weights` are those of `ExpertWeights`, in its order (`gate_up_proj,
+    down_proj`, then optionally the biases and the scales of one-byte
+    weights), in transformers' layouts; the gate is `Gate(activation,
+    interleaved, alpha, limit)`.
+    """
+    weights = ExpertWeights(*weights)
+    gate = Gate(activation, bool(interleaved), float(alpha), float(limit))
+    return ExpertsProblem.of(hidden_states, top_k_index, top_k_weights, weights, gate,
+                             weights_transposed=weights_transposed), weights
