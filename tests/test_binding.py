@@ -381,3 +381,21 @@ def test_gradients_under_torch_compile_fullgraph():
     x_ref, w_ref = x.detach().requires_grad_(), w.detach().requires_grad_()
     expected = torch.autograd.grad(_expected_scaled_tanh(x_ref, w_ref, None, 0.25).square().sum(), (x_ref, w_ref))
     torch.testing.assert_close((d_x, d_w), expected)
+
+
+def test_gradient_ops_lower_for_tpu(monkeypatch):
+    """The gradient ops go through jax_op too: each lowers to Mosaic kernels and reaches the TPU runtime."""
+    from torch_tpu._internal.pallas import pallas as torch_tpu_pallas
+
+    op = jax_torch_op("tk_test_grad_tpu::scaled_tanh")(scaled_tanh)
+    runtime = _StubTpuRuntime()
+    monkeypatch.setattr(torch_tpu_pallas, "tpu_torch_pallas", runtime)
+    placeholder = torch_tpu_pallas.torch_placeholder
+    monkeypatch.setattr(torch_tpu_pallas, "torch_placeholder", lambda *a, **k: placeholder(*a, **{**k, "device": "cpu"}))
+    x, w = torch.randn(8, 128), torch.randn(1, 128)
+    forward = op.gradient_ops.forward._init_fn(x, w, None, 0.5, "x,w")
+    # The output and the kernel's output before the shift (x, w and the output itself are not returned again).
+    assert [tuple(t.shape) for t in forward] == [(8, 128), (8, 128)]
+    grads = op.gradient_ops.backward._init_fn(x, w, None, 0.5, forward[:1], forward[1:], [torch.randn(8, 128)], "x,w")
+    assert [tuple(t.shape) for t in grads] == [(8, 128), (1, 128)]
+    assert len(set(runtime.registered)) == 2

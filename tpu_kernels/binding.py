@@ -28,7 +28,6 @@ outputs are not returned again: autograd keeps the tensors it already has.
 
 from __future__ import annotations
 
-import functools
 import glob
 import inspect
 import os
@@ -372,9 +371,9 @@ class _GradientOps:
         clashes = set(self.EXTRA_PARAMETERS) & {p.name for p in parameters}
         if clashes:
             raise TypeError(f"{qualname}: parameter names {sorted(clashes)} are taken by the gradient ops")
-        if any(p.default is not inspect.Parameter.empty for p in parameters):
-            # Defaults go last in a signature; the extra parameters follow the function's own.
-            parameters = [p.replace(default=inspect.Parameter.empty) for p in parameters]
+        # The extra parameters follow the function's own, so those lose their defaults (a default cannot come
+        # before a parameter without one); the caller passes every argument.
+        parameters = [p.replace(default=inspect.Parameter.empty) for p in parameters]
         self.names = tuple(p.name for p in parameters)
 
         def parameter(name, annotation):
