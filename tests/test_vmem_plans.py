@@ -56,7 +56,7 @@ def test_grouped_matmul_plan_counts_the_vmem_of_its_block_specs(kernel, case):
     config = kernel.config
     problem = kernel.problem.MatmulProblem(m, k, n, groups, "bfloat16" if rhs_dtype != "float32" else "float32",
                                            rhs_dtype, transpose_rhs=transpose_rhs)
-    plan = config.plan_ragged_dot(problem, "v6e", config.TileConfig(*tiles))
+    plan = kernel.plan.plan_ragged_dot(problem, "v6e", config.TileConfig(*tiles))
     rhs_shape = (groups, n, k) if transpose_rhs else (groups, k, n)
     scheme = kernel.quant.scheme_of(rhs_dtype)
     scales = None if scheme is None else S(kernel.quant.expected_scales_shape(scheme, rhs_shape,
@@ -72,7 +72,7 @@ def test_tgmm_plan_counts_the_vmem_of_its_block_specs(kernel, tiles):
     m, k, n, groups = 200, 256, 256, 5
     config = kernel.config
     problem = kernel.problem.TgmmProblem(m, k, n, groups, "bfloat16", "bfloat16")
-    plan = config.plan_tgmm(problem, "v6e", config.TgmmConfig(*tiles))
+    plan = kernel.plan.plan_tgmm(problem, "v6e", config.TgmmConfig(*tiles))
     sizes = np.asarray([30, 0, 70, 60, 40], np.int32)
     fn = functools.partial(kernel.pallas_tgmm.tgmm_call, plan=plan)
     assert _planned_vmem(plan, config) == _replayed_vmem(fn, S((m, k), jnp.bfloat16), S((m, n), jnp.bfloat16), sizes)
@@ -110,7 +110,7 @@ def test_fused_plan_counts_the_vmem_of_its_block_specs(kernel, case):
     routing = np.full((tokens, top_k), 0.5, np.float32)
     problem = problem_module.ExpertsProblem.of(hidden_states, index, routing, expert_weights,
                                                problem_module.Gate(**gate), weights_transposed=transposed)
-    plan = config.plan_fused(problem, None if tiles is None else config.FusedConfig(*tiles))
+    plan = kernel.plan.plan_fused(problem, None if tiles is None else config.FusedConfig(*tiles))
 
     def run(hidden_states, index, routing, *weights):
         read = problem_module.ExpertWeights(*weights).as_read(plan.orientation, weights_transposed=transposed)

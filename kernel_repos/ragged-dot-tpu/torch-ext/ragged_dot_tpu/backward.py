@@ -25,7 +25,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from .config import ExpertsPlan, MatmulBackwardPlan, plan_ragged_dot_backward
+from .plan import ExpertsPlan, MatmulBackwardPlan, plan_ragged_dot_backward
 from .gates import gated, split_gate_up
 from .pallas_tgmm import tgmm_call
 from .pallas_tpu import grouped_matmul, ragged_dot

@@ -1,7 +1,7 @@
 """The whole routed-experts computation of a gated MoE layer as one JAX function.
 
 `gated_experts` describes the call (`problem.ExpertsProblem`) and plans it
-once (`config.plan_experts`); everything below runs that plan. Two ways to
+once (`plan.plan_experts`); everything below runs that plan. Two ways to
 run it, picked by the plan (the rule is `config.use_fused_experts`):
 - decode-sized calls: one fused kernel (`pallas_fused.fused_experts`) that
   streams each active expert's weights once and keeps everything else in VMEM;
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from .backward import grouped_experts_backward, without_gradient
-from .config import ExpertsPlan, plan_experts
+from .plan import ExpertsPlan, plan_experts
 from .gates import gated, split_gate_up
 from .pallas_fused import fused_experts_call
 from .pallas_tpu import grouped_matmul

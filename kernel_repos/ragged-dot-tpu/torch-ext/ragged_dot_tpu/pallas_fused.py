@@ -42,7 +42,7 @@ multiply its result (as the biases, in blocks of BIAS_BLOCK_EXPERTS experts);
 fp8 blocks are dequantized once per step into VMEM scratch, which the
 matmuls read.
 
-`fused_experts` plans a call (`config.plan_fused`); `fused_experts_call`
+`fused_experts` plans a call (`plan.plan_fused`); `fused_experts_call`
 runs a plan. Inputs are assumed valid (`ops.py` checks them).
 """
 
@@ -57,7 +57,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .config import BIAS_BLOCK_EXPERTS, FusedConfig, FusedPlan, plan_fused
+from .config import BIAS_BLOCK_EXPERTS, FusedConfig
+from .plan import FusedPlan, plan_fused
 from .gates import gated
 from .problem import ExpertWeights, describe_experts
 from .quant import FP8, INT8, dequantize_fp8_block, scheme_of
@@ -309,7 +310,7 @@ def fused_experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weight
     """Gated experts per pick, weighted and summed per token, in one pallas_call (see the module docstring).
 
     Arguments as `moe.gated_experts`; picks with id == E are sentinels.
-    Blocks: `config`, else the plan's (`config.plan_fused`). Inputs are
+    Blocks: `config`, else the plan's (`plan.plan_fused`). Inputs are
     assumed valid (`ops.py`). Without tokens, picks, hidden size or experts
     there is nothing to compute: the result is zeros and no kernel runs.
     """

@@ -29,7 +29,7 @@ under a `pl.when` that skips chunks outside the group. Two layouts
   reads. Worth it where the MXU, not HBM, bounds the kernel
   (`config.heuristic_tgmm_config` decides).
 
-`tgmm` plans a call (`config.plan_tgmm`); `tgmm_call` runs a plan.
+`tgmm` plans a call (`plan.plan_tgmm`); `tgmm_call` runs a plan.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ._hardware import sublane_multiple
-from .config import TgmmConfig, TgmmPlan, plan_tgmm
+from .config import TgmmConfig
+from .plan import TgmmPlan, plan_tgmm
 from .problem import TgmmProblem
 from .routing import int32_group_sizes
 

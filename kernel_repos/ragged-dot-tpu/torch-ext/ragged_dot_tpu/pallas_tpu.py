@@ -40,7 +40,7 @@ rows (element offsets), and the results of rows past the tile's end go to a
 carry buffer that the next row tile's accumulator starts from. (The window's
 extra rows cost chunk_m / tile_m more lhs reads.) Without chunks, an item
 multiplies its whole row tile, masked to its group's rows.
-`ragged_dot` plans a call (`config.plan_ragged_dot`); `grouped_matmul` runs
+`ragged_dot` plans a call (`plan.plan_ragged_dot`); `grouped_matmul` runs
 a plan.
 
 Quantized weights (`quant.py`) are read as one byte each: an int8 block is
@@ -66,7 +66,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ._hardware import sublane_multiple
-from .config import MatmulPlan, TileConfig, plan_ragged_dot
+from .config import TileConfig
+from .plan import MatmulPlan, plan_ragged_dot
 from .problem import MatmulProblem
 from .quant import FP8, INT8, dequantize_fp8_block, scheme_of
 from .routing import int32_group_sizes
@@ -317,7 +318,7 @@ def ragged_dot(
     Quantized `rhs` (int8 or float8_e4m3fn) comes with `rhs_scales`
     (`quant.py`: `[G, N]` per output channel for int8; `[G, ceil(D1/128),
     ceil(D2/128)]` blocks over rhs's own dims for fp8); the output is in
-    lhs's dtype. Tiles: `config`, else the plan's (`config.plan_ragged_dot`
+    lhs's dtype. Tiles: `config`, else the plan's (`plan.plan_ragged_dot`
     for `generation`, default this device's). Inputs are assumed valid: the
     torch ops check them (`ops.py`); `group_sizes` has an integer dtype and
     sums to at most M. With an empty dimension (M, K, N or G zero) there is

@@ -8,8 +8,8 @@
   can be a static argument of jit and custom_vjp.
 - `MatmulProblem` / `TgmmProblem`: one grouped matmul, one weights' gradient.
 
-`config.plan_experts(problem, generation)` turns a problem into the plan the
-kernels run (`config.py`); the kernels take arrays and a plan.
+`plan.plan_experts(problem, generation)` turns a problem into the plan the
+kernels run; the kernels take arrays and a plan.
 """
 
 from __future__ import annotations
