@@ -90,15 +90,22 @@ class _StubTpuRuntime:
         return list(output_shapes)
 
 
-def test_jax_op_lowers_for_tpu_with_the_optional_tensor_present_and_absent(monkeypatch):
-    """The TPU path up to the runtime: one Mosaic kernel per case, the absent tensor not passed."""
+@pytest.fixture
+def tpu_runtime(monkeypatch):
+    """torch_tpu's launcher replaced by `_StubTpuRuntime`, its placeholders made on the CPU."""
     from torch_tpu._internal.pallas import pallas as torch_tpu_pallas
 
-    op = jax_torch_op("tk_test_optional_tpu::biased_add")(biased_add)
     runtime = _StubTpuRuntime()
     monkeypatch.setattr(torch_tpu_pallas, "tpu_torch_pallas", runtime)
     placeholder = torch_tpu_pallas.torch_placeholder
     monkeypatch.setattr(torch_tpu_pallas, "torch_placeholder", lambda *a, **k: placeholder(*a, **{**k, "device": "cpu"}))
+    return runtime
+
+
+def test_jax_op_lowers_for_tpu_with_the_optional_tensor_present_and_absent(tpu_runtime):
+    """The TPU path up to the runtime: one Mosaic kernel per case, the absent tensor not passed."""
+    runtime = tpu_runtime
+    op = jax_torch_op("tk_test_optional_tpu::biased_add")(biased_add)
     jax_callable = op.op._init_fn  # what jax_op registered for TPU tensors
     x, y, bias = torch.randn(8, 128), torch.randn(8, 128), torch.randn(128)
     assert jax_callable(x, y, None, 2.0).shape == (8, 128)
@@ -383,15 +390,10 @@ def test_gradients_under_torch_compile_fullgraph():
     torch.testing.assert_close((d_x, d_w), expected)
 
 
-def test_gradient_ops_lower_for_tpu(monkeypatch):
+def test_gradient_ops_lower_for_tpu(tpu_runtime):
     """The gradient ops go through jax_op too: each lowers to Mosaic kernels and reaches the TPU runtime."""
-    from torch_tpu._internal.pallas import pallas as torch_tpu_pallas
-
+    runtime = tpu_runtime
     op = jax_torch_op("tk_test_grad_tpu::scaled_tanh")(scaled_tanh)
-    runtime = _StubTpuRuntime()
-    monkeypatch.setattr(torch_tpu_pallas, "tpu_torch_pallas", runtime)
-    placeholder = torch_tpu_pallas.torch_placeholder
-    monkeypatch.setattr(torch_tpu_pallas, "torch_placeholder", lambda *a, **k: placeholder(*a, **{**k, "device": "cpu"}))
     x, w = torch.randn(8, 128), torch.randn(1, 128)
     forward = op.gradient_ops.forward._init_fn(x, w, None, 0.5, "x,w")
     # The output and the kernel's output before the shift (x, w and the output itself are not returned again).
