@@ -52,7 +52,7 @@ def test_jax_op_registers_our_signature_on_cpu():
     """torch_tpu is installed here: registration goes through torch.tpu.pallas.jax_op."""
     assert binding._jax_op_registrar() is not None
     op = jax_torch_op("tk_test_jaxop::scale_add")(scale_add)
-    assert type(op).__module__.startswith("torch_tpu")
+    assert type(op.op).__module__.startswith("torch_tpu")
     assert str(torch.ops.tk_test_jaxop.scale_add.default._schema) == (
         "tk_test_jaxop::scale_add(Tensor x, Tensor y, float scale) -> (Tensor, Tensor)"
     )
@@ -64,7 +64,7 @@ def test_jax_op_registers_our_signature_on_cpu():
 
 def test_optional_tensor_through_jax_op_on_cpu():
     op = jax_torch_op("tk_test_optional::biased_add")(biased_add)
-    assert type(op).__module__.startswith("torch_tpu")
+    assert type(op.op).__module__.startswith("torch_tpu")
     assert str(torch.ops.tk_test_optional.biased_add.default._schema) == (
         "tk_test_optional::biased_add(Tensor x, Tensor y, Tensor? bias, float scale) -> Tensor"
     )
@@ -90,16 +90,23 @@ class _StubTpuRuntime:
         return list(output_shapes)
 
 
-def test_jax_op_lowers_for_tpu_with_the_optional_tensor_present_and_absent(monkeypatch):
-    """The TPU path up to the runtime: one Mosaic kernel per case, the absent tensor not passed."""
+@pytest.fixture
+def tpu_runtime(monkeypatch):
+    """torch_tpu's launcher replaced by `_StubTpuRuntime`, its placeholders made on the CPU."""
     from torch_tpu._internal.pallas import pallas as torch_tpu_pallas
 
-    op = jax_torch_op("tk_test_optional_tpu::biased_add")(biased_add)
     runtime = _StubTpuRuntime()
     monkeypatch.setattr(torch_tpu_pallas, "tpu_torch_pallas", runtime)
     placeholder = torch_tpu_pallas.torch_placeholder
     monkeypatch.setattr(torch_tpu_pallas, "torch_placeholder", lambda *a, **k: placeholder(*a, **{**k, "device": "cpu"}))
-    jax_callable = op._init_fn  # what jax_op registered for TPU tensors
+    return runtime
+
+
+def test_jax_op_lowers_for_tpu_with_the_optional_tensor_present_and_absent(tpu_runtime):
+    """The TPU path up to the runtime: one Mosaic kernel per case, the absent tensor not passed."""
+    runtime = tpu_runtime
+    op = jax_torch_op("tk_test_optional_tpu::biased_add")(biased_add)
+    jax_callable = op.op._init_fn  # what jax_op registered for TPU tensors
     x, y, bias = torch.randn(8, 128), torch.randn(8, 128), torch.randn(128)
     assert jax_callable(x, y, None, 2.0).shape == (8, 128)
     assert jax_callable(x, y, bias, 2.0).shape == (8, 128)
@@ -110,7 +117,7 @@ def test_jax_op_lowers_for_tpu_with_the_optional_tensor_present_and_absent(monke
 def test_plain_custom_op_without_torch_tpu(monkeypatch):
     monkeypatch.setattr(binding, "_jax_op_registrar", lambda: None)
     op = jax_torch_op("tk_test_plain::scale_add")(scale_add)
-    assert isinstance(op, torch.library.CustomOpDef)
+    assert isinstance(op.op, torch.library.CustomOpDef)
     x, y = torch.randn(16, 128).bfloat16(), torch.randn(16, 128).bfloat16()
     out, _ = op(x, y, 2.0)
     assert out.dtype == torch.bfloat16
@@ -290,3 +297,107 @@ def test_variadic_parameters_are_refused():
 
     with pytest.raises(TypeError, match="no torch schema"):
         jax_torch_op("tk_test_bad3::bad")(bad)
+
+
+def _scale_kernel(x_ref, w_ref, out_ref):
+    out_ref[...] = jnp.tanh(x_ref[...] * w_ref[...])
+
+
+def _scaled_tanh_kernel(x, w):
+    return pl.pallas_call(_scale_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x, w)
+
+
+@jax.custom_vjp
+def _scaled_tanh(x, w):
+    return _scaled_tanh_kernel(x, w)
+
+
+def _scaled_tanh_forward(x, w):
+    out = _scaled_tanh_kernel(x, w)
+    return out, (x, w, out)
+
+
+def _scaled_tanh_backward(residuals, d_out):
+    x, w, out = residuals
+    d_pre = d_out * (1 - out * out)
+    return d_pre * w, jnp.sum(d_pre * x, axis=0, keepdims=True)
+
+
+_scaled_tanh.defvjp(_scaled_tanh_forward, _scaled_tanh_backward)
+
+
+def scaled_tanh(x: jax.Array, w: jax.Array, rows: jax.Array | None, shift: float) -> jax.Array:
+    """tanh(x * w) + shift (a Pallas kernel with a custom_vjp), times `rows` (integer, not differentiated)."""
+    out = _scaled_tanh(x, w) + shift
+    return out if rows is None else out * rows[:, None].astype(out.dtype)
+
+
+def _expected_scaled_tanh(x, w, rows, shift):
+    out = torch.tanh(x * w) + shift
+    return out if rows is None else out * rows[:, None].to(out.dtype)
+
+
+@pytest.mark.parametrize("registrar", ["jax_op", "custom_op"])
+def test_gradients_come_from_the_jax_vjp(monkeypatch, registrar):
+    if registrar == "custom_op":
+        monkeypatch.setattr(binding, "_jax_op_registrar", lambda: None)
+    op = jax_torch_op(f"tk_test_grad_{registrar}::scaled_tanh")(scaled_tanh)
+    x, w = torch.randn(8, 128, requires_grad=True), torch.randn(1, 128, requires_grad=True)
+    rows = torch.arange(8, dtype=torch.int32)
+    for row_scale in (None, rows):
+        out = op(x, w, row_scale, 0.5)
+        x_ref, w_ref = x.detach().requires_grad_(), w.detach().requires_grad_()
+        expected = _expected_scaled_tanh(x_ref, w_ref, row_scale, 0.5)
+        torch.testing.assert_close(out, expected)
+        d_out = torch.randn(8, 128)
+        torch.testing.assert_close(torch.autograd.grad(out, (x, w), d_out),
+                                   torch.autograd.grad(expected, (x_ref, w_ref), d_out))
+    # Only w requires grad: x gets none, and the pullback still runs.
+    w_only = op(x.detach(), w, None, 0.0)
+    (d_w,) = torch.autograd.grad(w_only.sum(), (w,))
+    assert d_w.shape == (1, 128)
+
+
+def plain_scaled_tanh(x: jax.Array, w: jax.Array) -> jax.Array:
+    return _scaled_tanh(x, w)
+
+
+def test_residuals_that_are_inputs_or_outputs_are_not_returned_again():
+    op = jax_torch_op("tk_test_grad_residuals::scaled_tanh")(plain_scaled_tanh)
+    x, w = torch.randn(8, 128, requires_grad=True), torch.randn(1, 128, requires_grad=True)
+    # x, w and the output are the custom_vjp's residuals: the forward op returns the output alone.
+    assert len(op.gradient_ops.forward(x, w, "x,w")) == 1
+    # With the shift, the residual output is the kernel's before the shift: returned beside the output.
+    shifted = jax_torch_op("tk_test_grad_residuals::shifted_scaled_tanh")(scaled_tanh)
+    assert len(shifted.gradient_ops.forward(x, w, None, 0.5, "x,w")) == 2
+
+
+def test_no_gradient_ops_without_autograd():
+    op = jax_torch_op("tk_test_grad_inference::scaled_tanh")(scaled_tanh)
+    x, w = torch.randn(8, 128, requires_grad=True), torch.randn(1, 128, requires_grad=True)
+    with torch.no_grad():
+        out = op(x, w, None, 0.0)
+    assert not out.requires_grad
+
+
+def test_gradients_under_torch_compile_fullgraph():
+    op = jax_torch_op("tk_test_grad_compile::scaled_tanh")(scaled_tanh)
+    x, w = torch.randn(8, 128, requires_grad=True), torch.randn(1, 128, requires_grad=True)
+    compiled = torch.compile(lambda a, b: op(a, b, None, 0.25).square().sum(), fullgraph=True)
+    d_x, d_w = torch.autograd.grad(compiled(x, w), (x, w))
+    x_ref, w_ref = x.detach().requires_grad_(), w.detach().requires_grad_()
+    expected = torch.autograd.grad(_expected_scaled_tanh(x_ref, w_ref, None, 0.25).square().sum(), (x_ref, w_ref))
+    torch.testing.assert_close((d_x, d_w), expected)
+
+
+def test_gradient_ops_lower_for_tpu(tpu_runtime):
+    """The gradient ops go through jax_op too: each lowers to Mosaic kernels and reaches the TPU runtime."""
+    runtime = tpu_runtime
+    op = jax_torch_op("tk_test_grad_tpu::scaled_tanh")(scaled_tanh)
+    x, w = torch.randn(8, 128), torch.randn(1, 128)
+    forward = op.gradient_ops.forward._init_fn(x, w, None, 0.5, "x,w")
+    # The output and the kernel's output before the shift (x, w and the output itself are not returned again).
+    assert [tuple(t.shape) for t in forward] == [(8, 128), (8, 128)]
+    grads = op.gradient_ops.backward._init_fn(x, w, None, 0.5, forward[:1], forward[1:], [torch.randn(8, 128)], "x,w")
+    assert [tuple(t.shape) for t in grads] == [(8, 128), (1, 128)]
+    assert len(set(runtime.registered)) == 2

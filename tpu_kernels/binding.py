@@ -17,6 +17,13 @@ One op, two execution paths, chosen by torch's dispatcher per device:
 A parameter annotated `jax.Array | None` is an optional tensor (`Tensor?` in
 the op schema) on both paths: the JAX function receives None when the caller
 passes None, and each case is traced and compiled on its own.
+
+Gradients come from the JAX function itself (`jax.vjp`, so a `jax.custom_vjp`
+inside it decides how they are computed): when autograd needs a gradient of a
+floating tensor argument, the call runs a second op that returns the outputs
+and the pullback's residuals as tensors, and torch autograd hands those to a
+third op that runs the pullback. Residuals that are the call's own inputs or
+outputs are not returned again: autograd keeps the tensors it already has.
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ import os
 import types
 import typing
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 from jax.experimental.pallas import tpu as pltpu
 
@@ -85,8 +94,12 @@ def _optional_of(annotation):
     return None
 
 
+# A list of tensors: the residuals and cotangents of the ops that carry gradients.
+_ARRAY_LIST = list[jax.Array]
+
+
 def _is_tensor(annotation) -> bool:
-    return annotation is jax.Array or _optional_of(annotation) is jax.Array
+    return annotation is jax.Array or _optional_of(annotation) is jax.Array or annotation == _ARRAY_LIST
 
 
 def _returns_tuple(annotation) -> bool:
@@ -97,6 +110,8 @@ def _torch_annotation(annotation):
     """The torch.library type for one parameter of the JAX function."""
     if annotation is jax.Array:
         return torch.Tensor
+    if annotation == _ARRAY_LIST:
+        return list[torch.Tensor]
     if annotation in _STATIC_TYPES:
         return annotation
     inner = _optional_of(annotation)
@@ -113,9 +128,26 @@ def _torch_annotation(annotation):
 def _torch_return_annotation(annotation):
     if annotation is jax.Array:
         return torch.Tensor
+    if annotation == _ARRAY_LIST:
+        return list[torch.Tensor]
     if _returns_tuple(annotation) and all(a is jax.Array for a in typing.get_args(annotation)):
         return tuple[tuple(torch.Tensor for _ in typing.get_args(annotation))]
     raise TypeError(f"unsupported return annotation {annotation!r}: use jax.Array or tuple[jax.Array, ...]")
+
+
+def _holds_tensors(value) -> bool:
+    """A tensor, or a non-empty list of them."""
+    return isinstance(value, torch.Tensor) or (
+        isinstance(value, list) and bool(value) and all(isinstance(v, torch.Tensor) for v in value))
+
+
+def _map_tensors(value, convert):
+    """`convert` applied to a tensor, or to each tensor of a list of them; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return convert(value)
+    if _holds_tensors(value):
+        return [convert(v) for v in value]
+    return value
 
 
 def _to_host_array(tensor: torch.Tensor):
@@ -223,18 +255,20 @@ class _JaxFunction:
 
     def run_on_cpu(self, *args, **kwargs):
         args, kwargs = self._complete(args, kwargs)
-        host_args = [_to_host_array(a) if isinstance(a, torch.Tensor) else a for a in args]
-        host_kwargs = {k: _to_host_array(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        host_args = [_map_tensors(a, _to_host_array) for a in args]
+        host_kwargs = {k: _map_tensors(v, _to_host_array) for k, v in kwargs.items()}
         params = interpret_params()
         if params.detect_races:
             _races.start()
         with pltpu.force_tpu_interpret_mode(params):
             out = self.jitted(*host_args, **host_kwargs)
-        outputs = out if self.returns_tuple else (out,)
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
         for array in outputs:
             array.block_until_ready()
         if params.detect_races:
             _races.raise_if_found(self.qualname)
+        if isinstance(out, list):
+            return [_to_torch(o) for o in outputs]
         if self.returns_tuple:
             return tuple(_to_torch(o) for o in outputs)
         return _to_torch(out)
@@ -242,49 +276,223 @@ class _JaxFunction:
     def fake(self, *args, **kwargs):
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        tensors = {n: v for n, v in bound.arguments.items() if isinstance(v, torch.Tensor)}
+        tensors = {n: v for n, v in bound.arguments.items() if _holds_tensors(v)}
         others = {n: v for n, v in bound.arguments.items() if n not in tensors}
-        device = next((t.device for t in tensors.values()), torch.device("cpu"))
-        avals = {n: jax.ShapeDtypeStruct(tuple(t.shape), _TORCH_TO_JAX_DTYPE[t.dtype]) for n, t in tensors.items()}
+        first = next((v if isinstance(v, torch.Tensor) else v[0] for v in tensors.values()), None)
+        device = torch.device("cpu") if first is None else first.device
+        avals = {n: _map_tensors(v, _shape_dtype) for n, v in tensors.items()}
         out = jax.eval_shape(lambda **arrays: self.fn(**arrays, **others), **avals)
 
         def empty(shape_dtype):
             return torch.empty(shape_dtype.shape, dtype=_JAX_TO_TORCH_DTYPE[shape_dtype.dtype], device=device)
 
+        if isinstance(out, list):
+            return [empty(o) for o in out]
         if self.returns_tuple:
             return tuple(empty(o) for o in out)
         return empty(out)
 
 
-def jax_torch_op(qualname: str) -> Callable[[Callable], torch.library.CustomOpDef]:
-    """Decorator: register the typed JAX function `fn` as the torch op `qualname`.
+def _shape_dtype(tensor: torch.Tensor) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(tensor.shape), _TORCH_TO_JAX_DTYPE[tensor.dtype])
+
+
+class _Residual(NamedTuple):
+    """Where one leaf of a pullback comes from: an input of the call (by name), an output (by index), or the
+    residuals the forward op returns (by index)."""
+
+    source: str  # "input", "output" or "residual"
+    key: str | int
+
+
+class _Pullback(NamedTuple):
+    treedef: jax.tree_util.PyTreeDef
+    residuals: tuple[_Residual, ...]
+
+
+def _linearize(fn: Callable, arguments: dict, differentiated: Sequence[str]):
+    """`(outputs, pullback leaves, _Pullback)` of `fn(**arguments)` with respect to the named arguments."""
+
+    def of_differentiated(*values):
+        return fn(**(arguments | dict(zip(differentiated, values))))
+
+    out, pullback = jax.vjp(of_differentiated, *(arguments[name] for name in differentiated))
+    outputs = tuple(out) if isinstance(out, tuple) else (out,)
+    leaves, treedef = jax.tree_util.tree_flatten(pullback)
+    residuals, returned = [], 0
+    for leaf in leaves:
+        source = next((_Residual("input", name) for name, value in arguments.items() if leaf is value), None)
+        source = source or next((_Residual("output", i) for i, output in enumerate(outputs) if leaf is output), None)
+        if source is None:
+            source, returned = _Residual("residual", returned), returned + 1
+        residuals.append(source)
+    returned_leaves = [jnp.asarray(leaf) for leaf, r in zip(leaves, residuals) if r.source == "residual"]
+    return outputs, returned_leaves, _Pullback(treedef, tuple(residuals))
+
+
+def _pullback_structure(fn: Callable, arguments: dict, differentiated: Sequence[str]) -> _Pullback:
+    """The `_Pullback` of `_linearize` for these arguments, traced abstractly (nothing is computed)."""
+    structure = []
+
+    def trace(arrays):
+        _, leaves, pullback = _linearize(fn, arguments | arrays, differentiated)
+        structure.append(pullback)
+        return leaves
+
+    arrays = {name: jax.ShapeDtypeStruct(value.shape, value.dtype) for name, value in arguments.items()
+              if isinstance(value, jax.Array)}
+    jax.eval_shape(trace, arrays)
+    return structure[0]
+
+
+def _cotangent(cotangent: jax.Array, output: jax.Array):
+    """The cotangent JAX expects for `output`: in its dtype, or float0 zeros for an integer output."""
+    if jnp.issubdtype(output.dtype, jnp.inexact):
+        return cotangent.astype(output.dtype)
+    return np.zeros(output.shape, jax.dtypes.float0)
+
+
+class _GradientOps:
+    """The two ops that give a JAX function's torch op its gradients.
+
+    `forward` takes the function's arguments and the names of those to
+    differentiate (`differentiated`, comma-separated) and returns the outputs
+    followed by the pullback's residuals; `backward` takes the same arguments,
+    the outputs, the residuals and one cotangent per output, and returns the
+    gradients of the differentiated arguments in that order.
+    """
+
+    EXTRA_PARAMETERS = ("outputs", "residuals", "cotangents", "differentiated")
+
+    def __init__(self, qualname: str, jax_function: "_JaxFunction"):
+        self.fn = jax_function.fn
+        parameters = [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                      for p in jax_function.signature.parameters.values()]
+        clashes = set(self.EXTRA_PARAMETERS) & {p.name for p in parameters}
+        if clashes:
+            raise TypeError(f"{qualname}: parameter names {sorted(clashes)} are taken by the gradient ops")
+        # The extra parameters follow the function's own, so those lose their defaults (a default cannot come
+        # before a parameter without one); the caller passes every argument.
+        parameters = [p.replace(default=inspect.Parameter.empty) for p in parameters]
+        self.names = tuple(p.name for p in parameters)
+
+        def parameter(name, annotation):
+            return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation)
+
+        def forward(*args, **kwargs):
+            arguments = forward.__signature__.bind(*args, **kwargs).arguments
+            differentiated = arguments.pop("differentiated").split(",")
+            outputs, residuals, _ = _linearize(self.fn, arguments, differentiated)
+            return [*outputs, *residuals]
+
+        def backward(*args, **kwargs):
+            arguments = backward.__signature__.bind(*args, **kwargs).arguments
+            outputs, residuals, cotangents = (arguments.pop(name) for name in self.EXTRA_PARAMETERS[:3])
+            names = arguments.pop("differentiated").split(",")
+            pullback = _pullback_structure(self.fn, dict(arguments), names)
+            leaves = [arguments[r.key] if r.source == "input" else outputs[r.key] if r.source == "output"
+                      else residuals[r.key] for r in pullback.residuals]
+            cotangent = tuple(_cotangent(c, o) for c, o in zip(cotangents, outputs))
+            grads = jax.tree_util.tree_unflatten(pullback.treedef, leaves)(
+                cotangent if jax_function.returns_tuple else cotangent[0])
+            return list(grads)
+
+        forward.__signature__ = inspect.Signature(
+            [*parameters, parameter("differentiated", str)], return_annotation=_ARRAY_LIST)
+        backward.__signature__ = inspect.Signature(
+            [*parameters, *(parameter(name, _ARRAY_LIST) for name in self.EXTRA_PARAMETERS[:3]),
+             parameter("differentiated", str)], return_annotation=_ARRAY_LIST)
+        self.output_count = len(typing.get_args(jax_function.signature.return_annotation)) or 1
+        self.forward, _ = _register(f"{qualname}_vjp_forward", forward)
+        self.backward, _ = _register(f"{qualname}_vjp_backward", backward)
+        self.forward.register_autograd(self._backward_formula, setup_context=self._save_for_backward)
+
+    def _save_for_backward(self, ctx, inputs, output):
+        *values, differentiated = inputs
+        outputs, residuals = output[: self.output_count], output[self.output_count :]
+        ctx.tensor_positions = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+        ctx.save_for_backward(*(values[i] for i in ctx.tensor_positions), *outputs, *residuals)
+        ctx.mark_non_differentiable(*residuals)
+        ctx.values = values
+        ctx.differentiated = differentiated
+
+    def _backward_formula(self, ctx, cotangents):
+        saved = list(ctx.saved_tensors)
+        values = list(ctx.values)
+        for position in ctx.tensor_positions:
+            values[position] = saved.pop(0)
+        outputs, residuals = saved[: self.output_count], saved[self.output_count :]
+        cotangents = [c.contiguous() for c in cotangents[: self.output_count]]
+        grads = iter(self.backward(*values, outputs, residuals, cotangents, ctx.differentiated))
+        differentiated = set(ctx.differentiated.split(","))
+        return (*(next(grads) if name in differentiated else None for name in self.names), None)
+
+
+class JaxTorchOp:
+    """A JAX function as a torch op (`op`), differentiable through `jax.vjp` of the same function.
+
+    Calling it runs `op`, unless autograd needs the gradient of a floating
+    tensor argument: then the call runs the gradient ops (`_GradientOps`),
+    whose backward hands the residuals to the JAX pullback.
+    """
+
+    def __init__(self, qualname: str, op: torch.library.CustomOpDef, jax_function: "_JaxFunction"):
+        self.op = op
+        self.returns_tuple = jax_function.returns_tuple
+        # Registered with the op: torch.compile cannot trace a registration.
+        self.gradient_ops = _GradientOps(qualname, jax_function)
+        parameters = list(jax_function.signature.parameters.values())
+        self._names = tuple(p.name for p in parameters)
+        self._defaults = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return self.op(*args, **kwargs)
+        values = [*args, *(kwargs[n] if n in kwargs else self._defaults[n] for n in self._names[len(args):])]
+        differentiated = [name for name, value in zip(self._names, values)
+                          if isinstance(value, torch.Tensor) and value.requires_grad]
+        if not differentiated:
+            return self.op(*args, **kwargs)
+        result = self.gradient_ops.forward(*values, ",".join(differentiated))
+        outputs = result[: self.gradient_ops.output_count]
+        return tuple(outputs) if self.returns_tuple else outputs[0]
+
+
+def _register(qualname: str, fn: Callable) -> tuple[torch.library.CustomOpDef, "_JaxFunction"]:
+    """`fn` as the torch op `qualname` on both paths (module docstring), and its CPU kernel and fake."""
+    jax_function = _JaxFunction(qualname, fn)
+    jax_op = _jax_op_registrar()
+    if jax_op is not None:
+        op = jax_op(qualname, fn)
+    else:
+        def placeholder(*args, **kwargs):
+            raise RuntimeError(f"{qualname} runs on TPU only through torch_tpu, which is not installed")
+
+        placeholder.__signature__ = jax_function.torch_signature
+        op = torch.library.custom_op(qualname, placeholder, mutates_args=())
+    # Registered on the dispatcher's CPU key itself, not through
+    # op.register_kernel, whose wrappers (an aliasing check and a
+    # torch.compile guard) cost ~3 µs a call: outputs are always fresh
+    # buffers, and torch.compile traces the fake below, not this kernel.
+    torch.library.impl(qualname, "CPU", jax_function.run_on_cpu)
+    # jax_op's own fake lowers for the TPU platform; shapes from eval_shape
+    # are the same on every device and need no backend.
+    op.register_fake(jax_function.fake)
+    return op, jax_function
+
+
+def jax_torch_op(qualname: str) -> Callable[[Callable], JaxTorchOp]:
+    """Decorator: register the typed JAX function `fn` as the torch op `qualname`, with its gradients.
 
     Parameters annotated `jax.Array` become tensors, `jax.Array | None`
     optional tensors; bool/int/float/str parameters (optionally `| None`) are
     static (part of the compilation cache key). The return is `jax.Array` or
-    `tuple[jax.Array, ...]`. Validate inputs in torch terms before calling the
-    op: shapes that reach the kernel are assumed valid.
+    `tuple[jax.Array, ...]`. Gradients are those of `jax.vjp(fn)` (module
+    docstring). Validate inputs in torch terms before calling the op: shapes
+    that reach the kernel are assumed valid.
     """
 
-    def register(fn: Callable) -> torch.library.CustomOpDef:
-        jax_function = _JaxFunction(qualname, fn)
-        jax_op = _jax_op_registrar()
-        if jax_op is not None:
-            op = jax_op(qualname, fn)
-        else:
-            def placeholder(*args, **kwargs):
-                raise RuntimeError(f"{qualname} runs on TPU only through torch_tpu, which is not installed")
-
-            placeholder.__signature__ = jax_function.torch_signature
-            op = torch.library.custom_op(qualname, placeholder, mutates_args=())
-        # Registered on the dispatcher's CPU key itself, not through
-        # op.register_kernel, whose wrappers (an aliasing check and a
-        # torch.compile guard) cost ~3 µs a call: outputs are always fresh
-        # buffers, and torch.compile traces the fake below, not this kernel.
-        torch.library.impl(qualname, "CPU", jax_function.run_on_cpu)
-        # jax_op's own fake lowers for the TPU platform; shapes from eval_shape
-        # are the same on every device and need no backend.
-        op.register_fake(jax_function.fake)
-        return op
+    def register(fn: Callable) -> JaxTorchOp:
+        return JaxTorchOp(qualname, *_register(qualname, fn))
 
     return register

@@ -1,7 +1,7 @@
 """Gradients of flash_attention against the float64 reference's autograd, in TPU interpret mode.
 
-The torch-level cases go through the op's autograd (register_autograd: the
-backward op runs the dq and dk/dv Pallas kernels) at the tiles select_config
+The torch-level cases go through the op's autograd (the binding runs the
+JAX custom_vjp: the dq and dk/dv Pallas kernels) at the tiles select_config
 picks; the multi-block cases differentiate the JAX function (custom_vjp) with
 small explicit tiles, so ragged edge blocks, skipped blocks, clamped fetches
 and blocks walked per KV block all occur. Race detection and NaN-filled

@@ -8,6 +8,7 @@ JAX function with small explicit tiles so that ragged edge blocks, skipped
 blocks and clamped fetches all occur at affordable sizes.
 """
 
+import dataclasses
 import jax.numpy as jnp
 import pytest
 import torch
@@ -237,13 +238,12 @@ def test_grid_lengths_are_exact_with_a_static_offset(kernel):
     blocks); with the offset only known at run time the grid must allow a 4th (misaligned offsets)."""
     masking = kernel.masking
     q = jnp.zeros((1, 2, 8192, 64), jnp.bfloat16)
-    options = dict(scale=None, causal=True, kv_lengths=None, sliding_window=1024, softcap=None,
-                   attention_mask=None, sinks=None)
-    static, _ = masking.prepare(q, q, q_offset=None, **options)
-    dynamic, _ = masking.prepare(q, q, q_offset=jnp.zeros((1,), jnp.int32), **options)
+    window = masking.Attention(sliding_window=1024)
+    static, _ = masking.prepare(q, q, window)
+    dynamic, _ = masking.prepare(q, q, dataclasses.replace(window, q_offset=jnp.zeros((1,), jnp.int32)))
     assert static.static_q_offset == 0 and dynamic.static_q_offset is None
     assert masking.kv_steps(static, 16, 512, 512) == 3 and masking.kv_steps(dynamic, 16, 512, 512) == 4
     assert masking.q_steps(static, 16, 512, 512) == 3 and masking.q_steps(dynamic, 16, 512, 512) == 4
     # Without a window every block of the other axis may be needed.
-    plain, _ = masking.prepare(q, q, q_offset=None, **{**options, "sliding_window": None})
+    plain, _ = masking.prepare(q, q, masking.Attention())
     assert masking.kv_steps(plain, 16, 512, 512) == 16 and masking.q_steps(plain, 16, 512, 512) == 16

@@ -127,10 +127,20 @@ def test_heuristic_always_fits(config):
         config.check_config(tiles, m, k, n, dtype)
 
 
-def test_select_config_is_the_heuristic(config):
+def test_select_config_is_the_heuristic_unless_the_shape_is_tuned(config, monkeypatch):
     assert config.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16) == (
         config.heuristic_config(80, 1000, 1000, jnp.bfloat16, "v5e", num_groups=16)
     )
+    key = config.TunedKey("v5e", 80, 1000, 1000, 16, "bfloat16", "bfloat16", True)
+    tuned = config.TileConfig(80, 512, 256, 16)
+    monkeypatch.setitem(config.TUNED_TILES, key, tuned)
+    assert config.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16,
+                                transpose_rhs=True) == tuned
+    # Another generation, orientation or shape keeps the heuristic; an entry that cannot run is refused.
+    assert config.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16) != tuned
+    monkeypatch.setitem(config.TUNED_TILES, key, config.TileConfig(80, 100, 256))
+    with pytest.raises(ValueError, match="tile_k=100 must be a multiple of 128"):
+        config.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16, transpose_rhs=True)
 
 
 def test_select_config_uses_the_current_generation_and_refuses_unknown_ones(config, monkeypatch):
@@ -202,7 +212,7 @@ def test_fused_vmem_bytes_counts_blocks_scratch_and_one_chunk(config):
     fused = config.FusedConfig(16, 128)
     f32 = 4
     expected = (
-        3 * 8 * 256 * f32  # hidden (one buffer) and out (two), T=5 rows padded to 8
+        2 * 8 * 256 * f32  # hidden and out, resident (one buffer each), T=5 rows padded to 8
         + 8 * 256 * f32  # out accumulator
         + 2 * 8 * 128 * f32  # the routing (ids and weights), resident, 5 x K padded to 8 x 128
         + 2 * 8 * 128 * f32  # the expert's weight and rank per token as [5, 1] columns, padded

@@ -76,7 +76,7 @@ def test_fused_matches_reference_and_grouped_path(kernel, interpret, to_jax, cas
     gate = dict(weights_transposed=options["transposed"], **gate)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
     fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate))
-    grouped = interpret(lambda: kernel.moe.grouped_experts(*map(to_jax, layer), **gate))
+    grouped = interpret(lambda: kernel.moe.gated_experts(*map(to_jax, layer), **gate, fused=False))
     assert not torch.isnan(fused).any()
     assert _relative_error(fused, expected) <= 1e-5
     assert _relative_error(fused, grouped.double()) <= 1e-5
@@ -164,7 +164,7 @@ def test_repeated_picks_of_one_expert_add_up(kernel, interpret, to_jax):
 def test_gated_experts_takes_the_fused_kernel_for_decode_only(kernel, interpret, to_jax, monkeypatch):
     """moe.gated_experts follows config.use_fused_experts; both paths give the layer."""
     taken = []
-    for name in ("fused_experts", "grouped_experts"):
+    for name in ("fused_experts_call", "grouped_experts"):
         original = getattr(kernel.moe, name)
         monkeypatch.setattr(kernel.moe, name, lambda *a, _name=name, _fn=original, **kw: taken.append(_name) or _fn(*a, **kw))
     monkeypatch.setattr(kernel.config, "FUSED_MAX_TOKENS", 8)
@@ -174,4 +174,4 @@ def test_gated_experts_takes_the_fused_kernel_for_decode_only(kernel, interpret,
                                                           weights_transposed=False))
         expected = kernel.reference.gated_experts_reference(*layer, activation="silu", weights_transposed=False)
         assert _relative_error(out, expected) <= 1e-5
-    assert taken == ["fused_experts", "grouped_experts"]
+    assert taken == ["fused_experts_call", "grouped_experts"]

@@ -1,4 +1,8 @@
-"""What the forward and backward kernels share: the problem, which (query, key) pairs are visible, block ranges.
+"""What the forward and backward kernels share: the call's options, the problem, which pairs are visible, block ranges.
+
+`Attention` is the value a caller describes a call with (everything beyond
+q, k and v); `prepare` turns it and the shapes into the static `Problem` and
+the `Prepared` arrays the kernels read.
 
 Positions are KV-cache positions: query i of batch b sits at ``q_offset[b] +
 i``; key j is visible to it when ``j < kv_valid[b]``, ``j <= position``
@@ -11,11 +15,46 @@ here, up front, and reach the kernels by scalar prefetch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["q_offset", "kv_lengths", "attention_mask", "sinks"],
+                   meta_fields=["scale", "causal", "sliding_window", "softcap"])
+@dataclasses.dataclass(frozen=True)
+class Attention:
+    """One attention call beyond q[B, Hq, Sq, D], k and v[B, Hkv, Skv, D]: which pairs are visible, and the logits.
+
+    scale: multiplies q.k (default D ** -0.5).
+    causal: a query at position p sees keys at positions <= p.
+    q_offset: KV position of the first query (int or integer [B]); default
+      Skv - Sq, i.e. the queries are the last Sq positions (decode and chunked
+      prefill against a cache).
+    kv_lengths: integer [B]; keys at and past kv_lengths[b] are masked.
+    sliding_window: w lets the query at position p see keys in (p - w, p].
+    softcap: logits become softcap * tanh(logits / softcap).
+    attention_mask: optional [B or 1, 1, Sq, Skv], bool or int8 (nonzero =
+      attend) or floating (added to the logits; values at the dtype's minimum
+      mask the key out), combined with all of the above. Not differentiated.
+    sinks: optional [Hq]: a logit per query head that joins every row's
+      softmax denominator and attends to nothing (GPT-OSS); not scaled or capped.
+
+    A pytree: the arrays are its leaves, the rest static.
+    """
+
+    scale: float | None = None
+    causal: bool = True
+    sliding_window: int | None = None
+    softcap: float | None = None
+    q_offset: jax.Array | int | None = None
+    kv_lengths: jax.Array | None = None
+    attention_mask: jax.Array | None = None
+    sinks: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,25 +99,17 @@ class Prepared:
     sinks: jax.Array | None  # float32 [Hq]
 
 
-def prepare(
-    q: jax.Array,
-    k: jax.Array,
-    *,
-    scale: float | None,
-    causal: bool,
-    q_offset,
-    kv_lengths: jax.Array | None,
-    sliding_window: int | None,
-    softcap: float | None,
-    attention_mask: jax.Array | None,
-    sinks: jax.Array | None,
-) -> tuple[Problem, Prepared]:
+def prepare(q: jax.Array, k: jax.Array, attention: Attention) -> tuple[Problem, Prepared]:
     """The Problem and the prepared arrays of one call (inputs assumed valid)."""
+    scale, causal, sliding_window, softcap = attention.scale, attention.causal, attention.sliding_window, attention.softcap
+    q_offset, kv_lengths, attention_mask, sinks = (attention.q_offset, attention.kv_lengths, attention.attention_mask,
+                                                   attention.sinks)
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     mask_kind, mask_floor, mask = None, 0.0, None
     if attention_mask is not None:
-        if jnp.dtype(attention_mask.dtype) == jnp.bool_:
+        if not jnp.issubdtype(attention_mask.dtype, jnp.floating):
+            # bool, or bool as int8 (as it crosses from torch): nonzero = visible.
             mask_kind, mask = "bool", attention_mask.astype(jnp.int8)
         else:
             mask_kind = "bias"

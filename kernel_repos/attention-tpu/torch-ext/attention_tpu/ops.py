@@ -1,8 +1,8 @@
-"""Torch ops of the attention kernel, with autograd, and the one place their inputs are checked.
+"""The torch op of the attention kernel and the one place its inputs are checked.
 
 The JAX functions (`pallas_tpu.py`, `pallas_tpu_backward.py`) assume valid
-inputs; the backward op is reached only through autograd, with tensors the
-forward op checked.
+inputs. The op's gradients are those of `pallas_tpu.flash_attention` (a
+`jax.custom_vjp`), which the binding hands to torch autograd.
 """
 
 from __future__ import annotations
@@ -10,20 +10,13 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 import torch
 
-from . import pallas_tpu, pallas_tpu_backward
+from . import pallas_tpu
 from ._ops import add_op_namespace_prefix, jax_torch_op
+from .masking import Attention
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _jax_mask(attention_mask: jax.Array | None) -> jax.Array | None:
-    # Boolean masks cross the torch/JAX boundary as int8 (nonzero = attend).
-    if attention_mask is not None and attention_mask.dtype == jnp.int8:
-        return attention_mask != 0
-    return attention_mask
 
 
 @jax_torch_op(add_op_namespace_prefix("flash_attention"))
@@ -39,80 +32,11 @@ def _flash_attention(
     causal: bool,
     sliding_window: int | None,
     softcap: float | None,
-) -> tuple[jax.Array, jax.Array]:
-    """(out, log-sum-exp): the forward keeps the second for the backward. q_offset None: the default, Skv - Sq."""
-    return pallas_tpu.flash_attention_forward(
-        q,
-        k,
-        v,
-        scale=scale,
-        causal=causal,
-        q_offset=q_offset,
-        kv_lengths=kv_lengths,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        attention_mask=_jax_mask(attention_mask),
-        sinks=sinks,
-    )
-
-
-@jax_torch_op(add_op_namespace_prefix("flash_attention_backward"))
-def _flash_attention_backward(
-    d_out: jax.Array,
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    out: jax.Array,
-    lse: jax.Array,
-    q_offset: jax.Array | None,
-    kv_lengths: jax.Array,
-    attention_mask: jax.Array | None,
-    sinks: jax.Array | None,
-    scale: float,
-    causal: bool,
-    sliding_window: int | None,
-    softcap: float | None,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(dq, dk, dv, d_sinks); d_sinks is float32 zeros [Hq] when there are no sinks (an op returns tensors)."""
-    dq, dk, dv, d_sinks = pallas_tpu_backward.flash_attention_backward(
-        d_out,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        scale=scale,
-        causal=causal,
-        q_offset=q_offset,
-        kv_lengths=kv_lengths,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        attention_mask=_jax_mask(attention_mask),
-        sinks=sinks,
-    )
-    if d_sinks is None:
-        d_sinks = jnp.zeros((q.shape[1],), jnp.float32)
-    return dq, dk, dv, d_sinks
-
-
-def _save_for_backward(ctx, inputs, output):
-    q, k, v, q_offset, kv_lengths, attention_mask, sinks, scale, causal, sliding_window, softcap = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, q_offset, kv_lengths, attention_mask, sinks)
-    ctx.options = (scale, causal, sliding_window, softcap)
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, d_out, _d_lse):
-    q, k, v, out, lse, q_offset, kv_lengths, attention_mask, sinks = ctx.saved_tensors
-    dq, dk, dv, d_sinks = _flash_attention_backward(
-        d_out.contiguous(), q, k, v, out, lse, q_offset, kv_lengths, attention_mask, sinks, *ctx.options
-    )
-    # Offsets, lengths and the mask get no gradient (ops.flash_attention refuses a mask that needs one).
-    return dq, dk, dv, None, None, None, None if sinks is None else d_sinks, None, None, None, None
-
-
-_flash_attention.register_autograd(_backward, setup_context=_save_for_backward)
+) -> jax.Array:
+    """q_offset None: the default, Skv - Sq. Differentiable in q, k, v and the sinks (`pallas_tpu.flash_attention`)."""
+    return pallas_tpu.flash_attention(q, k, v, scale=scale, causal=causal, q_offset=q_offset, kv_lengths=kv_lengths,
+                                      sliding_window=sliding_window, softcap=softcap, attention_mask=attention_mask,
+                                      sinks=sinks)
 
 
 def _check_tensor(name: str, value) -> None:
@@ -125,9 +49,11 @@ def _is_integer_dtype(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
-def check_attention_args(
-    query, key, value, *, scale, q_offset, kv_lengths, sliding_window, softcap, attention_mask, sinks=None
-):
+def check_attention_args(query, key, value, attention: Attention) -> None:
+    """Types, shapes, dtypes and devices of a call, in torch terms."""
+    scale, q_offset, kv_lengths = attention.scale, attention.q_offset, attention.kv_lengths
+    sliding_window, softcap, attention_mask, sinks = (attention.sliding_window, attention.softcap,
+                                                      attention.attention_mask, attention.sinks)
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         _check_tensor(name, tensor)
         if tensor.dim() != 4:
@@ -196,55 +122,27 @@ def check_attention_args(
         raise ValueError(f"scale must be a finite number or None, got {scale!r}")
 
 
-def flash_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *,
-    scale: float | None = None,
-    causal: bool = True,
-    q_offset: int | torch.Tensor | None = None,
-    kv_lengths: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    attention_mask: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
+def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **options) -> torch.Tensor:
     """Attention of query[B, Hq, Sq, D] over key, value[B, Hkv, Skv, D] -> [B, Hq, Sq, D]; differentiable.
 
     Hq must be a multiple of Hkv (query head h uses KV head h // (Hq // Hkv));
     D is 64, 128 or 256; dtypes float32 or bfloat16 (one for all three).
 
-    q_offset: KV position of the first query, an int or an integer tensor [B];
-      default Skv - Sq (the queries are the newest positions of a cache).
-    kv_lengths: integer tensor [B]; keys at and past kv_lengths[b] are masked
-      (values are clipped to [0, Skv]).
-    sliding_window: w lets the query at position p see keys in (p - w, p].
-    softcap: logits become softcap * tanh(logits / softcap).
-    attention_mask: optional [B or 1, 1, Sq, Skv]; bool (True = attend) or
-      floating (added to the logits; entries at the dtype's minimum mask the
-      key out, as transformers' eager masks do). Combined with all of the above.
-      Not differentiated: a floating mask that requires grad is refused.
-    sinks: optional [Hq] float32/bfloat16: a logit per query head that joins
-      every row's softmax denominator and attends to nothing (GPT-OSS).
+    `options` are those of `masking.Attention`, with tensors for its arrays:
+    scale, causal (default True), q_offset (an int or an integer tensor [B]),
+    kv_lengths (integer tensor [B], values clipped to [0, Skv]),
+    sliding_window, softcap, attention_mask (bool, True = attend, or
+    floating, additive; a floating mask that requires grad is refused) and
+    sinks ([Hq] float32/bfloat16).
 
     Rows that see no key at all come out as zeros (with sinks: too); so does
     every row when there are no keys. Empty inputs (batch, heads, query or key
     length 0) run no kernel. Autograd runs the backward Pallas kernels for
     query, key, value and sinks.
     """
-    check_attention_args(
-        query,
-        key,
-        value,
-        scale=scale,
-        q_offset=q_offset,
-        kv_lengths=kv_lengths,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        attention_mask=attention_mask,
-        sinks=sinks,
-    )
+    attention = Attention(**options)
+    check_attention_args(query, key, value, attention)
+    q_offset, kv_lengths, attention_mask = attention.q_offset, attention.kv_lengths, attention.attention_mask
     batch, _, q_len, head_dim = query.shape
     kv_len = key.shape[2]
     device = query.device
@@ -260,11 +158,9 @@ def flash_attention(
         kv_lengths = torch.full((batch,), kv_len, dtype=torch.int32, device=device)
     # Clamped as int64: torch clamps no unsigned dtype wider than uint8.
     kv_lengths = kv_lengths.to(torch.int64).clamp(0, kv_len).to(torch.int32)
-    scale = float(head_dim**-0.5 if scale is None else scale)
-    softcap = None if softcap is None else float(softcap)
+    scale = float(head_dim**-0.5 if attention.scale is None else attention.scale)
+    softcap = None if attention.softcap is None else float(attention.softcap)
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         attention_mask = attention_mask.to(torch.int8)
-    out, _ = _flash_attention(
-        query, key, value, q_offset, kv_lengths, attention_mask, sinks, scale, bool(causal), sliding_window, softcap
-    )
-    return out
+    return _flash_attention(query, key, value, q_offset, kv_lengths, attention_mask, attention.sinks, scale,
+                            bool(attention.causal), attention.sliding_window, softcap)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,8 +50,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import masking
 from .config import AttentionConfig, BackwardConfig, check_config, is_decode, select_config
-from .masking import Prepared, Problem
-from .pallas_tpu_backward import flash_attention_backward
+from .masking import Attention, Prepared, Problem
+from .pallas_tpu_backward import attention_backward
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
@@ -68,140 +69,152 @@ class _Tiles:
     num_kv_steps: int  # grid steps along the KV axis: at most num_kv_blocks
 
 
-def _forward_kernel(
-    q_offset_ref,
-    kv_valid_ref,
-    block_lo_ref,
-    block_hi_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    *rest,
-    problem: Problem,
-    tiles: _Tiles,
-):
+class _ForwardRefs(NamedTuple):
+    q: object
+    k: object
+    v: object
+    mask: object | None
+    sinks: object | None
+    out: object
+    lse: object
+    max: object  # [slices, rows, 1] f32: running max of each row's logits
+    sum: object  # [slices, rows, 1] f32: running sum of each row's exponentials
+    acc: object  # [slices, rows, D] f32
+
+
+class _Position(NamedTuple):
+    """Where a grid step is: its KV block's first key, its queries' first position, the batch's offset and length."""
+
+    key_start: object
+    q_first: object
+    q_offset: object
+    kv_valid: object
+
+
+def _visibility(refs: _ForwardRefs, at: _Position, problem: Problem, tiles: _Tiles):
+    """(visible, bias or None, valid value rows) of a tile that needs element masks."""
+    rows, block_kv = problem.group if tiles.decode else tiles.block_q, tiles.block_kv
+    key_pos = at.key_start + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
+    if tiles.decode:
+        query_pos = at.q_offset
+    else:
+        query_pos = at.q_first + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0)
+    visible = masking.positional_visibility(problem, query_pos, key_pos, at.kv_valid)
+    bias = None
+    if refs.mask is not None:
+        allowed, bias = masking.explicit_mask(problem, refs.mask[...])
+        visible = visible & jnp.broadcast_to(allowed, (rows, block_kv))
+        if bias is not None:
+            bias = jnp.broadcast_to(bias, (rows, block_kv))
+    value_pos = at.key_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv, problem.head_dim), 0)
+    return visible, bias, value_pos < at.kv_valid
+
+
+def _attend_block(refs: _ForwardRefs, at: _Position, problem: Problem, tiles: _Tiles, apply_mask: bool) -> None:
+    """The online softmax over one KV block for every slice of the step.
+
+    k and v refs are [kv heads of this step, block_kv, D]: one KV head shared
+    by every slice (prefill: the group's query heads), or one per slice
+    (decode: a slice is one KV head's group of query rows).
+    """
+    visible = bias = value_valid = None
+    if apply_mask:
+        visible, bias, value_valid = _visibility(refs, at, problem, tiles)
+
+    def load_kv(head):
+        k, v = refs.k[head], refs.v[head]
+        if value_valid is not None:
+            # Zero V rows past the valid length: p is 0 there, but 0 * NaN is NaN.
+            v = jnp.where(value_valid, v, jnp.zeros_like(v))
+        return k, v
+
+    def attend(s, k, v):
+        raw = jax.lax.dot_general(refs.q[s], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                  precision=problem.precision)
+        logits = masking.capped_logits(problem, raw)
+        if bias is not None:
+            logits = logits + bias
+        if visible is not None:
+            logits = jnp.where(visible, logits, -jnp.inf)
+        max_prev = refs.max[s]
+        max_next = jnp.maximum(max_prev, jnp.max(logits, axis=1, keepdims=True))
+        # A row that has seen no visible key yet keeps max -inf; shift by 0
+        # instead so exp() gives 0 rather than exp(-inf + inf) = NaN.
+        shift = jnp.where(max_next == -jnp.inf, 0.0, max_next)
+        probs = jnp.exp(logits - shift)
+        rescale = jnp.exp(max_prev - shift)
+        refs.sum[s] = rescale * refs.sum[s] + jnp.sum(probs, axis=1, keepdims=True)
+        refs.acc[s] = rescale * refs.acc[s] + jax.lax.dot_general(
+            probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+            precision=problem.precision,
+        )
+        refs.max[s] = max_next
+
+    shared_kv = None if tiles.decode else load_kv(0)
+
+    def attend_slice(s):
+        attend(s, *(load_kv(s) if tiles.decode else shared_kv))
+
+    num_slices = refs.max.shape[0]
+    if num_slices == 1:
+        attend_slice(0)
+        return
+
+    def body(s, carry):
+        attend_slice(s)
+        return carry
+
+    jax.lax.fori_loop(0, num_slices, body, None)
+
+
+def _forward_kernel(q_offset_ref, kv_valid_ref, block_lo_ref, block_hi_ref, q_ref, k_ref, v_ref, *rest,
+                    problem: Problem, tiles: _Tiles):
     rest = list(rest)
     mask_ref = rest.pop(0) if problem.mask_kind is not None else None
     sinks_ref = rest.pop(0) if problem.has_sinks else None
-    o_ref, lse_ref, max_ref, sum_ref, acc_ref = rest
+    refs = _ForwardRefs(q_ref, k_ref, v_ref, mask_ref, sinks_ref, *rest)
     b, qi, kv_step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     slot = b * tiles.num_q_blocks + qi
-    last_block = block_hi_ref[slot]
     # The KV steps of a query block walk its range of KV blocks from the first.
     kv_block = block_lo_ref[slot] + kv_step
-    q_offset = q_offset_ref[b]
-    kv_valid = kv_valid_ref[b]
-    num_slices = max_ref.shape[0]
-    block_kv = tiles.block_kv
 
     @pl.when(kv_step == 0)
     def _init():
         if sinks_ref is None:
-            max_ref[...] = jnp.full(max_ref.shape, -jnp.inf, jnp.float32)
-            sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
+            refs.max[...] = jnp.full(refs.max.shape, -jnp.inf, jnp.float32)
+            refs.sum[...] = jnp.zeros(refs.sum.shape, jnp.float32)
         else:
             # The sink is one more logit in every row's softmax, over a zero value: exp(sink - max) = 1.
-            max_ref[...] = jnp.broadcast_to(sinks_ref[...], max_ref.shape)
-            sum_ref[...] = jnp.ones(sum_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+            refs.max[...] = jnp.broadcast_to(sinks_ref[...], refs.max.shape)
+            refs.sum[...] = jnp.ones(refs.sum.shape, jnp.float32)
+        refs.acc[...] = jnp.zeros(refs.acc.shape, jnp.float32)
 
-    key_start = kv_block * block_kv
+    q_offset, kv_valid = q_offset_ref[b], kv_valid_ref[b]
+    key_start = kv_block * tiles.block_kv
     if tiles.decode:
         q_first = q_last = q_offset
     else:
         q_first, q_last = masking.query_block_positions(problem, q_offset, qi, tiles.block_q)
     needs_mask = masking.tile_needs_mask(
-        problem, key_start=key_start, block_kv=block_kv, kv_valid=kv_valid, q_first=q_first, q_last=q_last
+        problem, key_start=key_start, block_kv=tiles.block_kv, kv_valid=kv_valid, q_first=q_first, q_last=q_last
     )
-
-    rows = problem.group if tiles.decode else tiles.block_q
-
-    def step(apply_mask: bool):
-        # k_ref/v_ref are [kv heads of this step, block_kv, D]: one KV head
-        # shared by every slice (prefill: the group's query heads), or one per
-        # slice (decode: a slice is one KV head's group of query rows).
-        visible = bias = value_valid = None
-        if apply_mask:
-            key_pos = key_start + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
-            if tiles.decode:
-                query_pos = q_offset
-            else:
-                query_pos = q_first + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0)
-            visible = masking.positional_visibility(problem, query_pos, key_pos, kv_valid)
-            if mask_ref is not None:
-                allowed, bias = masking.explicit_mask(problem, mask_ref[...])
-                visible = visible & jnp.broadcast_to(allowed, (rows, block_kv))
-                if bias is not None:
-                    bias = jnp.broadcast_to(bias, (rows, block_kv))
-            value_pos = key_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv, problem.head_dim), 0)
-            value_valid = value_pos < kv_valid
-
-        def load_kv(head):
-            k = k_ref[head]
-            v = v_ref[head]
-            if value_valid is not None:
-                # Zero V rows past the valid length: p is 0 there, but 0 * NaN is NaN.
-                v = jnp.where(value_valid, v, jnp.zeros_like(v))
-            return k, v
-
-        def attend(s, k, v):
-            raw = jax.lax.dot_general(
-                q_ref[s], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                precision=problem.precision,
-            )
-            logits = masking.capped_logits(problem, raw)
-            if bias is not None:
-                logits = logits + bias
-            if visible is not None:
-                logits = jnp.where(visible, logits, -jnp.inf)
-            max_prev = max_ref[s]
-            max_next = jnp.maximum(max_prev, jnp.max(logits, axis=1, keepdims=True))
-            # A row that has seen no visible key yet keeps max -inf; shift by 0
-            # instead so exp() gives 0 rather than exp(-inf + inf) = NaN.
-            shift = jnp.where(max_next == -jnp.inf, 0.0, max_next)
-            probs = jnp.exp(logits - shift)
-            rescale = jnp.exp(max_prev - shift)
-            sum_ref[s] = rescale * sum_ref[s] + jnp.sum(probs, axis=1, keepdims=True)
-            acc_ref[s] = rescale * acc_ref[s] + jax.lax.dot_general(
-                probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
-                precision=problem.precision,
-            )
-            max_ref[s] = max_next
-
-        if tiles.decode:
-            def attend_slice(s):
-                attend(s, *load_kv(s))
-        else:
-            shared_kv = load_kv(0)
-
-            def attend_slice(s):
-                attend(s, *shared_kv)
-
-        if num_slices == 1:
-            attend_slice(0)
-        else:
-
-            def body(s, carry):
-                attend_slice(s)
-                return carry
-
-            jax.lax.fori_loop(0, num_slices, body, None)
-
-    masking.run_tile(kv_block <= last_block, needs_mask, step)
+    at = _Position(key_start, q_first, q_offset, kv_valid)
+    masking.run_tile(kv_block <= block_hi_ref[slot], needs_mask,
+                     lambda apply_mask: _attend_block(refs, at, problem, tiles, apply_mask))
 
     @pl.when(kv_step == tiles.num_kv_steps - 1)
     def _finalize():
-        total = sum_ref[...]
+        total = refs.sum[...]
         safe_total = jnp.where(total == 0.0, 1.0, total)
-        out = jnp.where(total == 0.0, 0.0, acc_ref[...] / safe_total)
-        o_ref[...] = out.astype(o_ref.dtype)
+        out = jnp.where(total == 0.0, 0.0, refs.acc[...] / safe_total)
+        refs.out[...] = out.astype(refs.out.dtype)
         # log(0) = -inf for a row that saw nothing (its max is -inf too: the sum stays -inf).
-        lse = max_ref[...] + jnp.log(total)
+        lse = refs.max[...] + jnp.log(total)
         if tiles.decode:
-            lse_ref[...] = lse
+            refs.lse[...] = lse
         else:
             # [group, block_q, 1] -> [group, 1, block_q]: query positions along lanes.
-            lse_ref[...] = lse.reshape(lse_ref.shape)
+            refs.lse[...] = lse.reshape(refs.lse.shape)
 
 
 def _tiles(problem: Problem, config: AttentionConfig) -> _Tiles:
@@ -325,18 +338,18 @@ def flash_attention_forward(
     k: jax.Array,
     v: jax.Array,
     *,
-    scale: float | None = None,
-    causal: bool = True,
-    q_offset: int | jax.Array | None = None,
-    kv_lengths: jax.Array | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    attention_mask: jax.Array | None = None,
-    sinks: jax.Array | None = None,
     config: AttentionConfig | None = None,
     generation: str | None = None,
+    **options,
 ) -> tuple[jax.Array, jax.Array]:
-    """(out [B, Hq, Sq, D], log-sum-exp float32 [B, Hq, Sq]) of `flash_attention`; see there.
+    """(out [B, Hq, Sq, D], log-sum-exp float32 [B, Hq, Sq]) of `flash_attention`; `options` those of
+    `masking.Attention`."""
+    return attention_forward(q, k, v, Attention(**options), config, generation)
+
+
+def attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, attention: Attention,
+                      config: AttentionConfig | None = None, generation: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """`flash_attention_forward` of an `Attention` value.
 
     The log-sum-exp is that of each row's softmax denominator, the sink
     included; -inf for a row that sees no key and has no sink.
@@ -345,12 +358,10 @@ def flash_attention_forward(
     """
     batch, q_heads, q_len, _ = q.shape
     if 0 in (batch, q_heads, q_len, k.shape[2]):
+        sinks = attention.sinks
         no_key = jnp.full((q_heads,), -jnp.inf, jnp.float32) if sinks is None else sinks.astype(jnp.float32)
         return jnp.zeros(q.shape, q.dtype), jnp.broadcast_to(no_key[None, :, None], (batch, q_heads, q_len))
-    problem, prepared = masking.prepare(
-        q, k, scale=scale, causal=causal, q_offset=q_offset, kv_lengths=kv_lengths, sliding_window=sliding_window,
-        softcap=softcap, attention_mask=attention_mask, sinks=sinks,
-    )
+    problem, prepared = masking.prepare(q, k, attention)
     if config is not None:
         check_config(config, q_len=problem.q_len, kv_len=problem.kv_len, kv_heads=problem.kv_heads)
     else:
@@ -367,48 +378,32 @@ def flash_attention_forward(
     return _forward_call(q, k, v, problem, prepared, config)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Options:
-    """The static arguments of `flash_attention` (hashable: custom_vjp keeps them apart from the arrays)."""
+class _Tiling(NamedTuple):
+    """The static arguments of `_differentiable_attention` besides the `Attention` (custom_vjp keeps them apart)."""
 
-    scale: float | None
-    causal: bool
-    sliding_window: int | None
-    softcap: float | None
     config: AttentionConfig | None
     backward_config: BackwardConfig | None
     generation: str | None
 
-    def shared(self) -> dict:
-        return dict(scale=self.scale, causal=self.causal, sliding_window=self.sliding_window, softcap=self.softcap,
-                    generation=self.generation)
-
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _differentiable_attention(options: _Options, q, k, v, sinks, q_offset, kv_lengths, attention_mask):
-    out, _ = flash_attention_forward(
-        q, k, v, q_offset=q_offset, kv_lengths=kv_lengths, attention_mask=attention_mask, sinks=sinks,
-        config=options.config, **options.shared(),
-    )
+def _differentiable_attention(tiling: _Tiling, q, k, v, attention: Attention):
+    out, _ = attention_forward(q, k, v, attention, tiling.config, tiling.generation)
     return out
 
 
-def _attention_vjp_forward(options: _Options, q, k, v, sinks, q_offset, kv_lengths, attention_mask):
-    out, lse = flash_attention_forward(
-        q, k, v, q_offset=q_offset, kv_lengths=kv_lengths, attention_mask=attention_mask, sinks=sinks,
-        config=options.config, **options.shared(),
-    )
-    return out, (q, k, v, sinks, q_offset, kv_lengths, attention_mask, out, lse)
+def _attention_vjp_forward(tiling: _Tiling, q, k, v, attention: Attention):
+    out, lse = attention_forward(q, k, v, attention, tiling.config, tiling.generation)
+    return out, (q, k, v, attention, out, lse)
 
 
-def _attention_vjp_backward(options: _Options, residuals, d_out):
-    q, k, v, sinks, q_offset, kv_lengths, attention_mask, out, lse = residuals
-    dq, dk, dv, d_sinks = flash_attention_backward(
-        d_out, q, k, v, out, lse, q_offset=q_offset, kv_lengths=kv_lengths, attention_mask=attention_mask,
-        sinks=sinks, config=options.backward_config, **options.shared(),
-    )
+def _attention_vjp_backward(tiling: _Tiling, residuals, d_out):
+    q, k, v, attention, out, lse = residuals
+    dq, dk, dv, d_sinks = attention_backward(d_out, q, k, v, out, lse, attention, tiling.backward_config,
+                                             tiling.generation)
     # Offsets, lengths and the mask are not differentiated (None: a zero cotangent).
-    return dq, dk, dv, d_sinks, None, None, None
+    no_gradient = dict(q_offset=None, kv_lengths=None, attention_mask=None)
+    return dq, dk, dv, dataclasses.replace(attention, sinks=d_sinks, **no_gradient)
 
 
 _differentiable_attention.defvjp(_attention_vjp_forward, _attention_vjp_backward)
@@ -419,38 +414,20 @@ def flash_attention(
     k: jax.Array,
     v: jax.Array,
     *,
-    scale: float | None = None,
-    causal: bool = True,
-    q_offset: int | jax.Array | None = None,
-    kv_lengths: jax.Array | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    attention_mask: jax.Array | None = None,
-    sinks: jax.Array | None = None,
     config: AttentionConfig | None = None,
     backward_config: BackwardConfig | None = None,
     generation: str | None = None,
+    **options,
 ) -> jax.Array:
     """Attention of q[B, Hq, Sq, D] over k, v[B, Hkv, Skv, D] -> [B, Hq, Sq, D]; differentiable.
 
-    q_offset: KV position of the first query (int or integer [B]); default
-      Skv - Sq, i.e. the queries are the last Sq positions (decode and chunked
-      prefill against a cache).
-    kv_lengths: integer [B]; keys at and past kv_lengths[b] are masked.
-    sliding_window: w lets the query at position p see keys in (p - w, p].
-    softcap: logits become softcap * tanh(logits / softcap).
-    attention_mask: optional [B or 1, 1, Sq, Skv], bool (True = attend) or
-      floating (added to the logits; values at the dtype's minimum mask the
-      key out), combined with all of the above. Not differentiated.
-    sinks: optional [Hq]: a logit per query head that joins every row's
-      softmax denominator and attends to nothing (GPT-OSS); not scaled or capped.
-
-    jax.grad/jax.vjp run the backward Pallas kernels (`flash_attention_backward`)
-    for q, k, v and sinks; offsets, lengths and the mask get no gradient.
-    Inputs are assumed valid (see the module docstring).
+    `options` are those of `masking.Attention` (scale, causal, q_offset,
+    kv_lengths, sliding_window, softcap, attention_mask, sinks). Tiles:
+    `config` and `backward_config`, else those of `config.select_config`
+    and `config.select_backward_config` for `generation` (default this
+    device's). jax.grad/jax.vjp run the backward Pallas kernels
+    (`pallas_tpu_backward.attention_backward`) for q, k, v and sinks;
+    offsets, lengths and the mask get no gradient. Inputs are assumed valid
+    (see the module docstring).
     """
-    options = _Options(
-        scale=scale, causal=bool(causal), sliding_window=sliding_window, softcap=softcap, config=config,
-        backward_config=backward_config, generation=generation,
-    )
-    return _differentiable_attention(options, q, k, v, sinks, q_offset, kv_lengths, attention_mask)
+    return _differentiable_attention(_Tiling(config, backward_config, generation), q, k, v, Attention(**options))

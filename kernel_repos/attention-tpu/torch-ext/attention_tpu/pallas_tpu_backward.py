@@ -44,7 +44,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import masking
 from .config import AttentionConfig, BackwardConfig, check_backward_config, select_backward_config
-from .masking import Prepared, Problem
+from .masking import Attention, Prepared, Problem
 
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
 NN = (((1,), (0,)), ((), ()))  # a @ b
@@ -348,31 +348,31 @@ def flash_attention_backward(
     out: jax.Array,
     lse: jax.Array,
     *,
-    scale: float | None = None,
-    causal: bool = True,
-    q_offset: int | jax.Array | None = None,
-    kv_lengths: jax.Array | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    attention_mask: jax.Array | None = None,
-    sinks: jax.Array | None = None,
     config: BackwardConfig | None = None,
     generation: str | None = None,
+    **options,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """(dq, dk, dv, d_sinks or None) of `pallas_tpu.flash_attention` given d_out = dL/d out.
+    """(dq, dk, dv, d_sinks or None) of `pallas_tpu.flash_attention` given d_out = dL/d out; `options` those of
+    `masking.Attention`."""
+    return attention_backward(d_out, q, k, v, out, lse, Attention(**options), config, generation)
 
-    `out` and `lse` are what `flash_attention_forward` returned for the same
-    inputs and options. Keys past kv_lengths get zero gradients; so do the
-    rows of queries that see nothing. Without a batch, a query head, a query
-    or a key every gradient is zero and no kernel runs.
+
+def attention_backward(
+    d_out: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array, attention: Attention,
+    config: BackwardConfig | None = None, generation: str | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """`flash_attention_backward` of an `Attention` value.
+
+    `out` and `lse` are what `pallas_tpu.attention_forward` returned for the
+    same inputs. Keys past kv_lengths get zero gradients; so do the rows of
+    queries that see nothing. Without a batch, a query head, a query or a key
+    every gradient is zero and no kernel runs.
     """
+    sinks = attention.sinks
     if 0 in (q.shape[0], q.shape[1], q.shape[2], k.shape[2]):
         d_sinks = None if sinks is None else jnp.zeros(sinks.shape, sinks.dtype)
         return jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype), d_sinks
-    problem, prepared = masking.prepare(
-        q, k, scale=scale, causal=causal, q_offset=q_offset, kv_lengths=kv_lengths, sliding_window=sliding_window,
-        softcap=softcap, attention_mask=attention_mask, sinks=sinks,
-    )
+    problem, prepared = masking.prepare(q, k, attention)
     if config is not None:
         check_backward_config(config, q_len=problem.q_len, kv_len=problem.kv_len, kv_heads=problem.kv_heads)
     else:

@@ -28,6 +28,9 @@ Two kernels, two configs:
 
 Both paths read each projection's weights in the order XLA already stores
 them (`weights_orientation`), which is not always transformers' layout.
+
+`plan.py` turns a call's problem into the plan its kernels run, from the
+choices made here.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from ._hardware import (
     LANES, MAX_VMEM_LIMIT_BYTES, MOSAIC_SCRATCH_BYTES, check_generation, default_layout_swaps_minor_dims,
     padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, tpu_generation, vmem_limit_bytes,
 )
-from .quant import FP8_BLOCK, INT8, blocks, scheme_of, swapped_minor_dims
+from .quant import FP8_BLOCK, INT8, blocks, scheme_of
 
 # What a config's blocks may take: the most the kernel asks Mosaic for, less
 # Mosaic's own scratch.
@@ -101,52 +104,82 @@ class TileConfig(NamedTuple):
     groups_per_step: int = 1
 
 
-def vmem_bytes(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None) -> int:
-    """VMEM the pipeline holds: lhs, rhs (per group slot) and out blocks, plus the f32 accumulator.
+class TunedKey(NamedTuple):
+    """The shape a tuned grouped matmul's tiles were measured at."""
+
+    generation: str
+    m: int  # rows (picks, in an experts layer)
+    k: int
+    n: int
+    groups: int | None
+    dtype: str
+    rhs_dtype: str
+    transpose_rhs: bool
+
+
+# Tiles measured best on a TPU, per shape: data, taken over the heuristic by `select_config`. Empty until a
+# sweep runs on a real chip (none is at hand here: the heuristic's choices are what the grid-replay model and
+# the AOT compiles checked). An entry is `TunedKey(...): TileConfig(...)`.
+TUNED_TILES: dict[TunedKey, TileConfig] = {}
+
+
+class Buffer(NamedTuple):
+    """A VMEM buffer a kernel's pipeline holds: a block (`count` 2 when double-buffered, 1 when resident) or
+    scratch (1)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    count: int = 1
+
+    @property
+    def bytes(self) -> int:
+        return self.count * padded_vmem_bytes(self.shape, self.dtype)
+
+
+def buffers_bytes(buffers) -> int:
+    """VMEM of `buffers`, each padded to the native (sublane, 128) tile: what `tpu_kernels.perf` derives from the
+    kernel's block specs and scratch."""
+    return sum(buffer.bytes for buffer in buffers)
+
+
+def matmul_buffers(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None,
+                   transpose_rhs: bool = False) -> tuple[Buffer, ...]:
+    """The grouped matmul's blocks and scratch with `config`: lhs, rhs (and scales) per group slot, out, the f32
+    accumulator (and with chunks the carry across tiles; fp8 weights: a dequantized block per slot).
 
     Blocks are double-buffered except an lhs block that is the whole array
-    (Mosaic keeps one copy of a block that never moves); sizes are padded to
-    the native (sublane, 128) tile. Quantized weights (`rhs_dtype` int8 or
-    fp8) add their scales' blocks and the dequantization's working set
-    (`quantized_rhs_vmem_bytes`).
+    (Mosaic keeps one copy of a block that never moves); with chunks the lhs
+    block is a window of the tile and one more chunk.
     """
-    itemsize = jnp.dtype(dtype).itemsize
-    sublanes = sublane_multiple(dtype)
-
-    def block(rows: int, cols: int, size: int = itemsize) -> int:
-        return round_up(rows, sublanes) * round_up(cols, LANES) * size
-
+    dtype, rhs_dtype = jnp.dtype(dtype).name, jnp.dtype(dtype if rhs_dtype is None else rhs_dtype).name
+    f32, slots = "float32", config.groups_per_step
     tile_m, tile_k, tile_n = row_tile_rows(config, m, dtype), min(config.tile_k, k), min(config.tile_n, n)
-    lhs_buffers = 1 if tile_m >= m and tile_k == k else 2
     chunk = config.chunk_m if _chunked(config, m, dtype) else 0
-    rhs_dtype = dtype if rhs_dtype is None else rhs_dtype
-    rhs_blocks = (
-        2 * config.groups_per_step * block(tile_k, tile_n)
-        if scheme_of(rhs_dtype) is None
-        else quantized_rhs_vmem_bytes(config.groups_per_step, k, n, tile_k, tile_n, dtype, rhs_dtype)
-    )
-    return (
-        lhs_buffers * block(tile_m + chunk, tile_k)  # with chunks: a window of the tile and one more chunk
-        + rhs_blocks
-        + 2 * block(tile_m, tile_n)
-        + block(tile_m + 2 * chunk, tile_n, 4)  # the accumulator, and with chunks the carry across tiles
-    )
-
-
-def quantized_rhs_vmem_bytes(groups_per_step: int, k: int, n: int, tile_k: int, tile_n: int, dtype,
-                             rhs_dtype) -> int:
-    """VMEM of ragged_dot's quantized weights: one-byte blocks and their scales (double-buffered per group slot),
-    and what dequantizing one block takes: int8 cast to the activation dtype; fp8 dequantized into a scratch
-    block per slot, 128 rows at a time through f32 (`quant.dequantize_fp8_block`)."""
-    f32 = jnp.float32
-    weights = padded_vmem_bytes((tile_k, tile_n), rhs_dtype)
-    as_dtype = padded_vmem_bytes((tile_k, tile_n), dtype)
+    rhs_block = (tile_n, tile_k) if transpose_rhs else (tile_k, tile_n)
+    buffers = [Buffer((tile_m + chunk, tile_k), dtype, 1 if tile_m >= m and tile_k == k else 2),
+               *[Buffer(rhs_block, rhs_dtype, 2)] * slots]
     if scheme_of(rhs_dtype) == INT8:
-        scales = padded_vmem_bytes((1, tile_n), f32)
-        return 2 * groups_per_step * (weights + scales) + as_dtype
-    scales = padded_vmem_bytes((blocks(k), blocks(n)), f32)
-    return 2 * groups_per_step * (weights + scales) + groups_per_step * as_dtype + fp8_dequantize_vmem_bytes(
-        max(tile_k, tile_n))
+        buffers += [Buffer((1, tile_n), f32, 2)] * slots
+    elif scheme_of(rhs_dtype) is not None:  # fp8: the group's whole grid of block scales over rhs's own dims
+        grid = (blocks(n), blocks(k)) if transpose_rhs else (blocks(k), blocks(n))
+        buffers += [Buffer(grid, f32, 2)] * slots + [Buffer(rhs_block, dtype)] * slots
+    buffers += [Buffer((tile_m, tile_n), dtype, 2), Buffer((tile_m, tile_n), f32)]
+    return tuple(buffers + ([Buffer((2 * chunk, tile_n), f32)] if chunk else []))
+
+
+def vmem_bytes(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False) -> int:
+    """VMEM of a grouped matmul with `config`: its buffers (`matmul_buffers`) and what dequantizing one-byte
+    weights takes beside them: an int8 block cast to the activation dtype; fp8 blocks dequantized 128 rows at a
+    time through f32 (`quant.dequantize_fp8_block`)."""
+    buffers = matmul_buffers(config, m, k, n, dtype, rhs_dtype, transpose_rhs)
+    scheme = scheme_of(dtype if rhs_dtype is None else rhs_dtype)
+    tile_k, tile_n = min(config.tile_k, k), min(config.tile_n, n)
+    if scheme == INT8:
+        return buffers_bytes(buffers) + padded_vmem_bytes((tile_n, tile_k) if transpose_rhs else (tile_k, tile_n),
+                                                          dtype)
+    if scheme is not None:
+        return buffers_bytes(buffers) + fp8_dequantize_vmem_bytes(max(tile_k, tile_n))
+    return buffers_bytes(buffers)
 
 
 def fp8_dequantize_vmem_bytes(cols: int) -> int:
@@ -179,9 +212,9 @@ def row_chunks(config: TileConfig, m: int, dtype) -> int:
     return row_tile_rows(config, m, dtype) // config.chunk_m
 
 
-def check_config(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None) -> None:
-    """Raises ValueError if `config` cannot run `lhs[m,k] x rhs[.,k,n]` of `dtype` (weights of `rhs_dtype`:
-    the same, or int8 / fp8)."""
+def check_config(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False) -> None:
+    """Raises ValueError if `config` cannot run `lhs[m,k] x rhs[.,k,n]` (`[., n, k]` with `transpose_rhs`) of
+    `dtype` (weights of `rhs_dtype`: the same, or int8 / fp8)."""
     if not isinstance(config, TileConfig):
         raise TypeError(f"config must be a TileConfig, got {type(config).__name__}")
     sublanes = sublane_multiple(dtype)
@@ -221,7 +254,7 @@ def check_config(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=No
             f"config {tuple(config)}: one grid step unrolls {macs / 2**30:.1f} Gi multiply-adds, past the "
             f"{MAX_UNROLLED_MACS / 2**30:.0f} Gi bound on kernel size (compile time)"
         )
-    needed = vmem_bytes(config, m, k, n, dtype, rhs_dtype)
+    needed = vmem_bytes(config, m, k, n, dtype, rhs_dtype, transpose_rhs)
     if needed > VMEM_BUDGET_BYTES:
         raise ValueError(f"config {tuple(config)} needs {needed / 2**20:.1f} MiB of VMEM, past the {VMEM_BUDGET_BYTES >> 20} MiB budget")
 
@@ -261,7 +294,7 @@ def n_tile(n: int, max_cols: int, mxu: int) -> int:
 
 
 def heuristic_config(m: int, k: int, n: int, dtype, generation: str, num_groups: int | None = None,
-                     rhs_dtype=None) -> TileConfig:
+                     rhs_dtype=None, transpose_rhs: bool = False) -> TileConfig:
     """Tiles that fit VMEM, from the shape and the generation.
 
     Weights blocks are as large as HEURISTIC_RHS_BLOCK_BYTES allows (K whole
@@ -289,20 +322,20 @@ def heuristic_config(m: int, k: int, n: int, dtype, generation: str, num_groups:
     candidates.append(TileConfig(tiled_m, tile_k, tile_n, chunk if tiled_m > chunk else None))
     candidates.append(TileConfig(min(chunk, m), tile_k, tile_n))
     for config in candidates:
-        if _fits(config, m, k, n, dtype, rhs_dtype):
+        if _fits(config, m, k, n, dtype, rhs_dtype, transpose_rhs):
             return config
     # Shrink the weights block until the smallest row tile fits.
     config = candidates[-1]
-    while not _fits(config, m, k, n, dtype, rhs_dtype) and config.tile_n > LANES:
+    while not _fits(config, m, k, n, dtype, rhs_dtype, transpose_rhs) and config.tile_n > LANES:
         config = config._replace(tile_n=max(LANES, round_up(config.tile_n // 2, LANES)))
-    while not _fits(config, m, k, n, dtype, rhs_dtype) and config.tile_k > LANES:
+    while not _fits(config, m, k, n, dtype, rhs_dtype, transpose_rhs) and config.tile_k > LANES:
         config = config._replace(tile_k=max(LANES, round_up(config.tile_k // 2, LANES)))
     return config
 
 
-def _fits(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None) -> bool:
+def _fits(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False) -> bool:
     try:
-        check_config(config, m, k, n, dtype, rhs_dtype)
+        check_config(config, m, k, n, dtype, rhs_dtype, transpose_rhs)
     except ValueError:
         return False
     return True
@@ -317,14 +350,24 @@ def select_config(
     generation: str | None = None,
     num_groups: int | None = None,
     rhs_dtype=None,
+    transpose_rhs: bool = False,
 ) -> TileConfig:
-    """Tiles for `lhs[m,k] x rhs[num_groups,k,n]` on `generation` (default: the current device's)."""
-    return heuristic_config(m, k, n, dtype, resolve_generation(generation), num_groups, rhs_dtype)
+    """Tiles for `lhs[m,k] x rhs[num_groups,k,n]` on `generation` (default: the current device's): the
+    TUNED_TILES entry of the shape (checked like an explicit config), else the heuristic."""
+    generation = resolve_generation(generation)
+    rhs_dtype = dtype if rhs_dtype is None else rhs_dtype
+    key = TunedKey(generation, m, k, n, num_groups, jnp.dtype(dtype).name, jnp.dtype(rhs_dtype).name,
+                   bool(transpose_rhs))
+    tuned = TUNED_TILES.get(key)
+    if tuned is None:
+        return heuristic_config(m, k, n, dtype, generation, num_groups, rhs_dtype, transpose_rhs)
+    check_config(tuned, m, k, n, dtype, rhs_dtype, transpose_rhs)
+    return tuned
 
 
-def vmem_limit(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None) -> int:
+def vmem_limit(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False) -> int:
     """The scoped VMEM limit the kernel asks Mosaic for with `config`."""
-    return vmem_limit_bytes(vmem_bytes(config, m, k, n, dtype, rhs_dtype))
+    return vmem_limit_bytes(vmem_bytes(config, m, k, n, dtype, rhs_dtype, transpose_rhs))
 
 
 def expected_active_groups(rows: int, num_groups: int) -> float:
@@ -359,21 +402,6 @@ def weights_orientation(hidden: int, intermediate: int, *, weights_transposed: b
     down = (intermediate, hidden) if weights_transposed else (hidden, intermediate)
     return WeightsOrientation(weights_transposed != default_layout_swaps_minor_dims(gate_up),
                               weights_transposed != default_layout_swaps_minor_dims(down))
-
-
-def weights_as_stored(gate_up_proj, down_proj, gate_up_scales=None, down_scales=None, *, weights_transposed: bool):
-    """The views of both projections (and their scales) that the kernels read (`weights_orientation`).
-
-    Returns `(orientation, gate_up_proj, down_proj, gate_up_scales, down_scales)`.
-    """
-    hidden = down_proj.shape[2] if weights_transposed else down_proj.shape[1]
-    intermediate = down_proj.shape[1] if weights_transposed else down_proj.shape[2]
-    orientation = weights_orientation(hidden, intermediate, weights_transposed=weights_transposed)
-    if orientation.gate_up_transposed != weights_transposed:
-        gate_up_proj, gate_up_scales = swapped_minor_dims(gate_up_proj, gate_up_scales)
-    if orientation.down_transposed != weights_transposed:
-        down_proj, down_scales = swapped_minor_dims(down_proj, down_scales)
-    return orientation, gate_up_proj, down_proj, gate_up_scales, down_scales
 
 
 class FusedConfig(NamedTuple):
@@ -419,53 +447,66 @@ def _tile_i_aligned(tile_i: int, intermediate: int, dtype, *, orientation: Weigh
     return gate_up_cut % gate_up_multiple == 0 and tile_i % down_multiple == 0 and columns_ok
 
 
+def fused_buffers(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *,
+                  interleaved: bool, has_bias: bool, weights_dtype=None, weights_transposed: bool = False,
+                  top_k: int = 1, routing_dtype="float32") -> tuple[Buffer, ...]:
+    """The fused kernel's blocks and scratch: the resident hidden states and routing, each gate_up part's and the
+    down block (biases, scales) of the item's expert and I tile, the resident output, the f32 accumulator; scratch for
+    interleaved gates, I tiles and fp8 weights. Weights blocks in the order the kernel reads them
+    (`weights_orientation`)."""
+    dtype, f32 = jnp.dtype(dtype).name, "float32"
+    weights_dtype = dtype if weights_dtype is None else jnp.dtype(weights_dtype).name
+    chunk, tile_i = config
+    i_tiles = intermediate // tile_i
+    parts = 2 if i_tiles > 1 and not interleaved else 1
+    width = tile_i if parts == 2 else 2 * tile_i
+    gate_up_transposed, down_transposed = weights_orientation(hidden, intermediate,
+                                                              weights_transposed=weights_transposed)
+    gate_up_block = (hidden, width) if gate_up_transposed else (width, hidden)
+    down_block = (tile_i, hidden) if down_transposed else (hidden, tile_i)
+    bias_rows = min(num_experts, BIAS_BLOCK_EXPERTS)
+    per_expert_rows = [*[Buffer((bias_rows, width), f32, 2)] * parts, Buffer((bias_rows, hidden), f32, 2)]
+    buffers = [Buffer((tokens, hidden), dtype), Buffer((tokens, top_k), "int32"), Buffer((tokens, top_k), routing_dtype),
+               *[Buffer(gate_up_block, weights_dtype, 2)] * parts, Buffer(down_block, weights_dtype, 2)]
+    if has_bias:
+        buffers += [b._replace(dtype=dtype) for b in per_expert_rows]
+    if scheme_of(weights_dtype) == INT8:
+        buffers += per_expert_rows
+    elif scheme_of(weights_dtype) is not None:  # fp8: each stored weight's whole grid of block scales
+        gate_up_stored = (hidden, 2 * intermediate) if gate_up_transposed else (2 * intermediate, hidden)
+        down_stored = (intermediate, hidden) if down_transposed else (hidden, intermediate)
+        buffers += [Buffer(tuple(blocks(d) for d in stored), f32, 2) for stored in (gate_up_stored, down_stored)]
+    # The output block never moves: Mosaic keeps one copy of it.
+    buffers += [Buffer((tokens, hidden), dtype), Buffer((tokens, hidden), f32)]
+    if interleaved:
+        buffers.append(Buffer((2 * tile_i, chunk), f32))  # gate_up, transposed, to split even and odd rows
+    if i_tiles > 1:
+        rows = fused_chunks(config, tokens) * chunk
+        buffers += [Buffer((rows, hidden), dtype), Buffer((rows, hidden), f32)]  # gathered rows, partial out
+    if scheme_of(weights_dtype) not in (None, INT8):
+        buffers += [*[Buffer(gate_up_block, dtype)] * parts, Buffer(down_block, dtype)]  # dequantized blocks
+    return tuple(buffers)
+
+
 def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int, dtype,
-                     *, interleaved: bool, has_bias: bool, weights_dtype=None) -> int:
-    """VMEM of a fused experts call: its blocks (double-buffered but the resident hidden states), scratch,
-    and the f32 values of one chunk that Mosaic keeps beside them (gate_up and down results); quantized
-    weights add their scales and what dequantizing them takes (`_quantized_fused_vmem_bytes`)."""
+                     *, interleaved: bool, has_bias: bool, weights_dtype=None, weights_transposed: bool = False,
+                     top_k: int = 1, routing_dtype="float32") -> int:
+    """VMEM of a fused experts call: its buffers (`fused_buffers`) and the f32 values Mosaic keeps beside them:
+    the expert's weight and rank per token as columns, the triangle that counts the ranks, one chunk's gate_up
+    and down results; an int8 block cast to the activation dtype, or what dequantizing fp8 blocks takes."""
     f32 = jnp.float32
     weights_dtype = dtype if weights_dtype is None else weights_dtype
+    buffers = fused_buffers(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
+                            has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed,
+                            top_k=top_k, routing_dtype=routing_dtype)
     chunk, tile_i = config
-    rows = fused_chunks(config, tokens) * chunk
-    tiled_i = tile_i < intermediate
-    bias_rows = min(num_experts, BIAS_BLOCK_EXPERTS)
-    total = (
-        padded_vmem_bytes((tokens, hidden), dtype)  # hidden states, one buffer
-        + 2 * padded_vmem_bytes((tokens, hidden), dtype)  # out
-        + padded_vmem_bytes((tokens, hidden), f32)  # out accumulator
-        + 2 * padded_vmem_bytes((tokens, LANES), f32)  # the routing, resident (K <= 128 lanes, ids and weights)
-        + 2 * padded_vmem_bytes((tokens, 1), f32)  # the expert's weight and rank per token, as columns
-        + padded_vmem_bytes((tokens, tokens), f32)  # the triangle that counts the ranks
-        + 2 * padded_vmem_bytes((hidden, 2 * tile_i), weights_dtype)  # gate_up block(s)
-        + 2 * padded_vmem_bytes((tile_i, hidden), weights_dtype)  # down block
-        + padded_vmem_bytes((chunk, 2 * tile_i), f32) + padded_vmem_bytes((chunk, hidden), f32)  # one chunk's values
-    )
-    if has_bias:
-        total += 2 * (padded_vmem_bytes((bias_rows, 2 * tile_i), dtype) + padded_vmem_bytes((bias_rows, hidden), dtype))
-    if interleaved:
-        total += padded_vmem_bytes((2 * tile_i, chunk), f32)  # gate_up, transposed, to split even and odd rows
-    if tiled_i:
-        total += padded_vmem_bytes((rows, hidden), dtype) + padded_vmem_bytes((rows, hidden), f32)  # rows, partial out
-    if scheme_of(weights_dtype) is not None:
-        total += _quantized_fused_vmem_bytes(tile_i, hidden, intermediate, num_experts, dtype, weights_dtype)
-    return total
-
-
-def _quantized_fused_vmem_bytes(tile_i: int, hidden: int, intermediate: int, num_experts: int, dtype,
-                                weights_dtype) -> int:
-    """The fused kernel's scales (double-buffered) and dequantization working set: int8 blocks cast to the
-    activation dtype one at a time; fp8 blocks dequantized into scratch once per step, through f32."""
-    f32 = jnp.float32
+    values = (2 * padded_vmem_bytes((tokens, 1), f32) + padded_vmem_bytes((tokens, tokens), f32)
+              + padded_vmem_bytes((chunk, 2 * tile_i), f32) + padded_vmem_bytes((chunk, hidden), f32))
     if scheme_of(weights_dtype) == INT8:
-        largest_block = max(padded_vmem_bytes((hidden, 2 * tile_i), dtype), padded_vmem_bytes((2 * tile_i, hidden), dtype))
-        bias_rows = min(num_experts, BIAS_BLOCK_EXPERTS)
-        scales = padded_vmem_bytes((bias_rows, 2 * tile_i), f32) + padded_vmem_bytes((bias_rows, hidden), f32)
-        return 2 * scales + largest_block
-    scales = padded_vmem_bytes((blocks(hidden), blocks(2 * intermediate)), f32) + padded_vmem_bytes(
-        (blocks(hidden), blocks(intermediate)), f32)
-    dequantized = padded_vmem_bytes((hidden, 2 * tile_i), dtype) + padded_vmem_bytes((tile_i, hidden), dtype)
-    return 2 * scales + dequantized + fp8_dequantize_vmem_bytes(max(hidden, 2 * tile_i))
+        values += max(padded_vmem_bytes((hidden, 2 * tile_i), dtype), padded_vmem_bytes((2 * tile_i, hidden), dtype))
+    elif scheme_of(weights_dtype) is not None:
+        values += fp8_dequantize_vmem_bytes(max(hidden, 2 * tile_i))
+    return buffers_bytes(buffers) + values
 
 
 def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *, weights_transposed: bool,
@@ -492,7 +533,7 @@ def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, 
             continue
         config = FusedConfig(chunk, tile_i)
         needed = fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
-                                  has_bias=has_bias, weights_dtype=weights_dtype)
+                                  has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed)
         if needed <= VMEM_BUDGET_BYTES:
             return config
     return None
@@ -520,7 +561,7 @@ def check_fused_config(config: FusedConfig, tokens: int, hidden: int, intermedia
             "tile of the weights as the kernel reads them (weights_orientation)"
         )
     needed = fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
-                              has_bias=has_bias, weights_dtype=weights_dtype)
+                              has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed)
     if needed > VMEM_BUDGET_BYTES:
         raise ValueError(f"config {tuple(config)} needs {needed / 2**20:.1f} MiB of VMEM, past the {VMEM_BUDGET_BYTES >> 20} MiB budget")
 
@@ -533,13 +574,6 @@ def use_fused_experts(tokens: int, hidden: int, intermediate: int, num_experts: 
         tokens, hidden, intermediate, num_experts, dtype, weights_transposed=weights_transposed,
         interleaved=interleaved, has_bias=has_bias, weights_dtype=weights_dtype,
     ) is not None
-
-
-def fused_vmem_limit(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *,
-                     interleaved: bool, has_bias: bool, weights_dtype=None) -> int:
-    """The scoped VMEM limit the fused kernel asks Mosaic for with `config`."""
-    return vmem_limit_bytes(fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype,
-                                             interleaved=interleaved, has_bias=has_bias, weights_dtype=weights_dtype))
 
 
 # The weights' gradient (`pallas_tgmm.tgmm`): per group, lhs_g^T @ rhs_g -> [G, K, N].
@@ -585,19 +619,22 @@ def tgmm_blocks(config: TgmmConfig, m: int, k: int, n: int, dtype) -> tuple[int,
     return tile_m, min(config.tile_k, k), min(config.tile_n, n), chunk_m
 
 
-def tgmm_vmem_bytes(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype=None) -> int:
-    """VMEM of a tgmm call: double-buffered lhs, rhs and output blocks, the f32 accumulator, and
-    one chunk's masked operands."""
-    out_dtype = dtype if out_dtype is None else out_dtype
+def tgmm_buffers(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype=None) -> tuple[Buffer, ...]:
+    """tgmm's blocks and scratch: double-buffered lhs and rhs row blocks (windows with group chunks) and output
+    block, the f32 accumulator."""
+    dtype = jnp.dtype(dtype).name
+    out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype).name
     tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, m, k, n, dtype)
     rows = tile_m + chunk_m if config.group_chunks and chunk_m < tile_m else tile_m  # windows with group chunks
-    return (
-        2 * padded_vmem_bytes((rows, tile_k), dtype)
-        + 2 * padded_vmem_bytes((rows, tile_n), dtype)
-        + 2 * padded_vmem_bytes((tile_k, tile_n), out_dtype)
-        + padded_vmem_bytes((tile_k, tile_n), jnp.float32)
-        + padded_vmem_bytes((chunk_m, tile_k), dtype) + padded_vmem_bytes((chunk_m, tile_n), dtype)
-    )
+    return (Buffer((rows, tile_k), dtype, 2), Buffer((rows, tile_n), dtype, 2), Buffer((tile_k, tile_n), out_dtype, 2),
+            Buffer((tile_k, tile_n), "float32"))
+
+
+def tgmm_vmem_bytes(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype=None) -> int:
+    """VMEM of a tgmm call: its buffers (`tgmm_buffers`) and one chunk's masked operands beside them."""
+    _, tile_k, tile_n, chunk_m = tgmm_blocks(config, m, k, n, dtype)
+    return buffers_bytes(tgmm_buffers(config, m, k, n, dtype, out_dtype)) + padded_vmem_bytes(
+        (chunk_m, tile_k), dtype) + padded_vmem_bytes((chunk_m, tile_n), dtype)
 
 
 def check_tgmm_config(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype=None) -> None:

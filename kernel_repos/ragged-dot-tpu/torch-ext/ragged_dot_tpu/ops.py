@@ -9,11 +9,14 @@ which checks shapes only (see there).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import torch
 
-from . import moe, pallas_tpu, quant, training_ops
+from . import backward, moe, pallas_tpu, quant
 from .gates import GATES
+from .problem import ExpertWeights
 from ._ops import add_op_namespace_prefix, jax_torch_op
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
@@ -30,12 +33,11 @@ def _ragged_dot(
     lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_scales: jax.Array | None, transpose_rhs: bool,
     zero_rows_past_groups: bool,
 ) -> jax.Array:
-    return pallas_tpu.ragged_dot(
-        lhs, rhs, group_sizes, rhs_scales, transpose_rhs=transpose_rhs, zero_rows_past_groups=zero_rows_past_groups
-    )
-
-
-_ragged_dot.register_autograd(training_ops.ragged_dot_backward_formula, setup_context=training_ops.save_ragged_dot_inputs)
+    if rhs_scales is not None:
+        quantized = functools.partial(pallas_tpu.ragged_dot, transpose_rhs=transpose_rhs,
+                                      zero_rows_past_groups=zero_rows_past_groups)
+        return backward.without_gradient("ragged_dot", quantized, lhs, rhs, group_sizes, rhs_scales)
+    return backward.differentiable_ragged_dot(lhs, rhs, group_sizes, transpose_rhs, zero_rows_past_groups, None)
 
 
 @jax_torch_op(add_op_namespace_prefix("gated_experts"))
@@ -60,12 +62,6 @@ def _gated_experts(
         down_scales, activation=activation, weights_transposed=weights_transposed, interleaved=interleaved,
         alpha=alpha, limit=limit,
     )
-
-
-# Gradients come from `training_ops.gated_experts_train` (float weights); this op is reached under autograd only
-# with one-byte weights, whose backward is refused.
-_gated_experts.register_autograd(training_ops.refuse_quantized_experts_backward,
-                                 setup_context=training_ops.save_nothing)
 
 
 def _check_tensors(**tensors) -> None:
@@ -210,21 +206,10 @@ def check_routing(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_
         raise TypeError(f"top_k_weights must be floating point, got {top_k_weights.dtype}")
 
 
-def check_gated_experts_args(
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    gate_up_bias: torch.Tensor | None,
-    down_bias: torch.Tensor | None,
-    *,
-    activation: str,
-    weights_transposed: bool,
-    gate_up_scales: torch.Tensor | None = None,
-    down_scales: torch.Tensor | None = None,
-) -> None:
-    """The fused experts op's arguments, in transformers' weight layouts (see `moe.gated_experts`)."""
+def check_gated_experts_args(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                             weights: ExpertWeights, *, activation: str, weights_transposed: bool) -> None:
+    """The experts op's arguments, in transformers' weight layouts (see `problem.ExpertWeights`)."""
+    gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up_scales, down_scales = weights
     check_routing(hidden_states, top_k_index, top_k_weights)
     if activation not in GATES:
         raise ValueError(f"activation must be one of {GATES}, got {activation!r}")
@@ -298,21 +283,11 @@ def gated_experts(
     `ragged_dot`'s `rhs_scales`, over each weight's own dims); the output is
     in hidden_states' dtype.
 
-    Differentiable with float weights: when autograd needs a gradient of any
-    float input, the layer runs the grouped forward that keeps what its
-    backward needs (`training_ops`). One-byte weights serve inference only.
+    Differentiable with float weights (`moe.gated_experts` says how); one-byte
+    weights serve inference only.
     """
-    check_gated_experts_args(
-        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
-        activation=activation, weights_transposed=weights_transposed, gate_up_scales=gate_up_scales,
-        down_scales=down_scales,
-    )
-    index = top_k_index.to(torch.int32)
-    options = (activation, weights_transposed, interleaved, float(alpha), float(limit))
-    differentiable = (hidden_states, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
-    if needs_grad and gate_up_scales is None:
-        return training_ops.gated_experts_train(hidden_states, index, top_k_weights, gate_up_proj, down_proj,
-                                                gate_up_bias, down_bias, *options)
-    return _gated_experts(hidden_states, index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
-                          gate_up_scales, down_scales, *options)
+    weights = ExpertWeights(gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up_scales, down_scales)
+    check_gated_experts_args(hidden_states, top_k_index, top_k_weights, weights, activation=activation,
+                             weights_transposed=weights_transposed)
+    return _gated_experts(hidden_states, top_k_index.to(torch.int32), top_k_weights, *weights, activation,
+                          weights_transposed, interleaved, float(alpha), float(limit))

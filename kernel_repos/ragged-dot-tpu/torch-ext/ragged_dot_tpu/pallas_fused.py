@@ -42,8 +42,8 @@ multiply its result (as the biases, in blocks of BIAS_BLOCK_EXPERTS experts);
 fp8 blocks are dequantized once per step into VMEM scratch, which the
 matmuls read.
 
-Tiles come from `config.fused_config`; inputs are assumed valid (`ops.py`
-checks them).
+`fused_experts` plans a call (`plan.plan_fused`); `fused_experts_call`
+runs a plan. Inputs are assumed valid (`ops.py` checks them).
 """
 
 from __future__ import annotations
@@ -57,36 +57,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .config import (
-    BIAS_BLOCK_EXPERTS, FusedConfig, check_fused_config, expected_active_groups, fused_chunks, fused_config,
-    fused_vmem_limit, weights_as_stored,
-)
+from .config import BIAS_BLOCK_EXPERTS, FusedConfig
+from .plan import FusedPlan, plan_fused
 from .gates import gated
+from .problem import ExpertWeights, describe_experts
 from .quant import FP8, INT8, dequantize_fp8_block, scheme_of
 from .routing import expert_plan
 
 _BIAS_BLOCK_SHIFT = BIAS_BLOCK_EXPERTS.bit_length() - 1
 assert 1 << _BIAS_BLOCK_SHIFT == BIAS_BLOCK_EXPERTS
-
-
-class _Layout(NamedTuple):
-    """What the kernel body needs to know about the layer, all static."""
-
-    tokens: int
-    chunk_rows: int
-    chunks: int
-    tile_i: int
-    i_tiles: int
-    gate_up_parts: int  # 2: gate and up blocks apart (concatenated, I tiled); 1: one block of both
-    gate_up_transposed: bool  # as the kernel reads it (config.weights_orientation): [E, H, 2I], else [E, 2I, H]
-    down_transposed: bool  # [E, I, H], else [E, H, I]
-    interleaved: bool
-    has_bias: bool
-    activation: str
-    alpha: float
-    limit: float
-    split_weights: bool  # f32 routing weights under a narrower activation dtype: scatter in two parts
-    quantization: str | None  # the weights' scheme (quant.py): None, "int8" or "fp8"
 
 
 def _dot(lhs, rhs, lhs_contract: int, rhs_contract: int, precision):
@@ -134,68 +113,139 @@ def _token_columns(index_ref, weights_ref, expert, tokens: int):
     return weights, rank
 
 
-def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *refs, layout: _Layout):
-    del count_ref  # the grid's size
-    parts = layout.gate_up_parts
-    gate_up_refs, down_ref = refs[:parts], refs[parts]
-    refs = refs[parts + 1 :]
-    if layout.has_bias:
-        gate_up_bias_refs, down_bias_ref = refs[:parts], refs[parts]
-        refs = refs[parts + 1 :]
-    quantization = layout.quantization
-    gate_up_scale_refs, down_scale_ref = (None,) * parts, None
-    if quantization == INT8:  # [BIAS_BLOCK_EXPERTS, n] blocks, as the biases
-        gate_up_scale_refs, down_scale_ref = refs[:parts], refs[parts]
-        refs = refs[parts + 1 :]
-    elif quantization == FP8:  # the expert's whole grids of block scales
-        gate_up_scale_ref, down_scale_ref, *refs = refs
-    out_ref, out_acc, *scratch = refs
-    gate_up_t_ref = scratch.pop(0) if layout.interleaved else None
-    rows_cache, partial_out = (scratch.pop(0), scratch.pop(0)) if layout.i_tiles > 1 else (None, None)
+class _Refs(NamedTuple):
+    """The kernel body's refs past the routing, by role (each tuple one per gate_up part)."""
 
+    gate_up: tuple
+    down: object
+    gate_up_bias: tuple  # empty without biases
+    down_bias: object | None
+    gate_up_scales: tuple  # int8: [BIAS_BLOCK_EXPERTS, n] blocks, as the biases; fp8: one whole grid; else empty
+    down_scales: object | None
+    out: object
+    out_acc: object
+    gate_up_t: object | None  # interleaved: the chunk's gate_up projection, transposed, to split even and odd rows
+    rows_cache: object | None  # I tiled: the expert's gathered rows
+    partial_out: object | None  # I tiled: the expert's output summed over the I tiles
+    dequantized: tuple  # fp8: the step's gate_up part(s), then down, dequantized
+
+
+def _split_refs(refs, plan: FusedPlan) -> _Refs:
+    parts, problem = plan.gate_up_parts, plan.problem
+    quantization = scheme_of(problem.weights_dtype)
+
+    def take(count):
+        nonlocal refs
+        taken, refs = tuple(refs[:count]), refs[count:]
+        return taken
+
+    gate_up, (down,) = take(parts), take(1)
+    gate_up_bias, down_bias = (take(parts), take(1)[0]) if problem.has_bias else ((), None)
+    if quantization == INT8:
+        gate_up_scales, down_scales = take(parts), take(1)[0]
+    elif quantization == FP8:
+        gate_up_scales, (down_scales,) = take(1), take(1)
+    else:
+        gate_up_scales, down_scales = (), None
+    out, out_acc, *scratch = refs
+    gate_up_t = scratch.pop(0) if problem.gate.interleaved else None
+    rows_cache, partial_out = (scratch.pop(0), scratch.pop(0)) if plan.i_tiles > 1 else (None, None)
+    return _Refs(gate_up, down, gate_up_bias, down_bias, gate_up_scales, down_scales, out, out_acc, gate_up_t,
+                 rows_cache, partial_out, tuple(scratch))
+
+
+def _dequantize_step(refs: _Refs, i_step, plan: FusedPlan) -> None:
+    """fp8: the step's weights blocks dequantized once (not per chunk) into scratch, which the matmuls read."""
+    gate_up_transposed, down_transposed = plan.orientation
+    parts = plan.gate_up_parts
+    width = refs.gate_up[0].shape[1 if gate_up_transposed else 0]
+    for part, (ref, dequantized) in enumerate(zip(refs.gate_up, refs.dequantized[:parts])):
+        offset = (part * plan.i_tiles + i_step) * width  # along 2I
+        offsets = (0, offset) if gate_up_transposed else (offset, 0)
+        dequantize_fp8_block(ref, refs.gate_up_scales[0][...], *offsets, dequantized)
+    offset = i_step * plan.tile_i  # along I
+    offsets = (offset, 0) if down_transposed else (0, offset)
+    dequantize_fp8_block(refs.down, refs.down_scales[...], *offsets, refs.dequantized[parts])
+
+
+class _Expert(NamedTuple):
+    """One item's expert and the I tile's weights the matmuls read."""
+
+    index: object  # the expert id
+    gate_up: tuple  # refs
+    down: object
+    dtype: object
+    precision: object
+
+
+def _weights(ref, expert: _Expert, plan: FusedPlan):
+    """A weights block in the activation dtype; int8 as its integers (the scales come after the dot)."""
+    return ref[...].astype(expert.dtype) if scheme_of(plan.problem.weights_dtype) == INT8 else ref[...]
+
+
+def _scaled(projection, scale_ref, expert: _Expert, plan: FusedPlan, columns: bool = False):
+    """int8: the projection's output channels times their scales (as a column when the channels are rows)."""
+    if scheme_of(plan.problem.weights_dtype) != INT8:
+        return projection
+    if columns:
+        return projection * _expert_bias_columns(scale_ref, expert.index, projection.shape[1])
+    return projection * _expert_bias(scale_ref, expert.index)
+
+
+def _expert_rows(rows, refs: _Refs, expert: _Expert, plan: FusedPlan):
+    """[chunk, H] f32: this I tile's share of the expert's output for `rows`."""
+    gate = plan.problem.gate
+    gate_up_transposed, down_transposed = plan.orientation
+    precision = expert.precision
+    scales = refs.gate_up_scales if scheme_of(plan.problem.weights_dtype) == INT8 else (None,) * plan.gate_up_parts
+    down_scales = refs.down_scales if scheme_of(plan.problem.weights_dtype) == INT8 else None
+    if gate.interleaved:
+        # gate_up^T [2 ti, chunk]: weights [2 ti, H] (or [H, 2 ti] transposed) against rows [chunk, H].
+        gate_up_t = _scaled(_dot(_weights(expert.gate_up[0], expert, plan), rows, 0 if gate_up_transposed else 1, 1,
+                                 precision), scales[0], expert, plan, columns=True)
+        if refs.gate_up_bias:
+            gate_up_t = gate_up_t + _expert_bias_columns(refs.gate_up_bias[0], expert.index, rows.shape[0])
+        refs.gate_up_t[...] = gate_up_t
+        gate_t = refs.gate_up_t[pl.ds(0, plan.tile_i, stride=2), :]
+        up_t = refs.gate_up_t[pl.ds(1, plan.tile_i, stride=2), :]
+        hidden_t = gated(gate_t, up_t, gate.activation, alpha=gate.alpha, limit=gate.limit).astype(expert.dtype)
+        # down [ti, H] (transposed) or [H, ti] against hidden^T [ti, chunk].
+        return _scaled(_dot(hidden_t, _weights(expert.down, expert, plan), 0, 0 if down_transposed else 1, precision),
+                       down_scales, expert, plan)
+    projections = [_scaled(_dot(rows, _weights(ref, expert, plan), 1, 0 if gate_up_transposed else 1, precision),
+                           scale_ref, expert, plan) for ref, scale_ref in zip(expert.gate_up, scales)]
+    if refs.gate_up_bias:
+        projections = [p + _expert_bias(ref, expert.index) for p, ref in zip(projections, refs.gate_up_bias)]
+    if plan.gate_up_parts == 2:
+        gate_part, up = projections
+    else:
+        gate_part, up = projections[0][:, : plan.tile_i], projections[0][:, plan.tile_i :]
+    hidden_rows = gated(gate_part, up, gate.activation, alpha=gate.alpha, limit=gate.limit).astype(expert.dtype)
+    return _scaled(_dot(hidden_rows, _weights(expert.down, expert, plan), 1, 0 if down_transposed else 1, precision),
+                   down_scales, expert, plan)
+
+
+def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *refs, plan: FusedPlan):
+    del count_ref  # the grid's size
+    refs = _split_refs(refs, plan)
+    problem, chunk = plan.problem, plan.chunk_rows
     dtype = hidden_ref.dtype
-    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
     item, i_step = pl.program_id(0), pl.program_id(1)
-    expert = expert_ref[item]
+    expert_id = expert_ref[item]
     picks = rows_ref[item]
     last_i = pl.num_programs(1) - 1
-    chunk = layout.chunk_rows
-    gate_up_transposed, down_transposed = layout.gate_up_transposed, layout.down_transposed
 
     @pl.when(jnp.logical_and(item == 0, i_step == 0))
     def _():
-        out_acc[...] = jnp.zeros_like(out_acc)
+        refs.out_acc[...] = jnp.zeros_like(refs.out_acc)
 
-    if quantization == FP8:
-        # Dequantized once per step (not per chunk) into scratch, which the matmuls then read.
-        dequantized_gate_up, dequantized_down = scratch[:parts], scratch[parts]
-
-        @pl.when(picks > 0)
-        def _():
-            width = gate_up_refs[0].shape[1 if gate_up_transposed else 0]
-            for part, (ref, dequantized) in enumerate(zip(gate_up_refs, dequantized_gate_up)):
-                offset = (part * layout.i_tiles + i_step) * width  # along 2I
-                offsets = (0, offset) if gate_up_transposed else (offset, 0)
-                dequantize_fp8_block(ref, gate_up_scale_ref[...], *offsets, dequantized)
-            offset = i_step * layout.tile_i  # along I
-            offsets = (offset, 0) if down_transposed else (0, offset)
-            dequantize_fp8_block(down_ref, down_scale_ref[...], *offsets, dequantized_down)
-
-        gate_up_refs, down_ref = dequantized_gate_up, dequantized_down
-
-    def weights(ref):
-        """A weights block in the activation dtype; int8 as its integers (the scales come after the dot)."""
-        return ref[...].astype(dtype) if quantization == INT8 else ref[...]
-
-    def scaled(projection, scale_ref, columns: bool = False):
-        """int8: the projection's output channels times their scales (as a column when the channels are rows)."""
-        if quantization != INT8:
-            return projection
-        if columns:
-            return projection * _expert_bias_columns(scale_ref, expert, projection.shape[1])
-        return projection * _expert_bias(scale_ref, expert)
-
-    weight_column, rank_column = _token_columns(index_ref, weights_ref, expert, layout.tokens)
+    gate_up, down = refs.gate_up, refs.down
+    if scheme_of(problem.weights_dtype) == FP8:
+        pl.when(picks > 0)(lambda: _dequantize_step(refs, i_step, plan))
+        gate_up, down = refs.dequantized[: plan.gate_up_parts], refs.dequantized[plan.gate_up_parts]
+    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
+    expert = _Expert(expert_id, gate_up, down, dtype, precision)
+    weight_column, rank_column = _token_columns(index_ref, weights_ref, expert_id, problem.tokens)
 
     def one_hot(first):
         """[T, chunk]: column r is the one-hot of the expert's row first + r (none past its rows)."""
@@ -203,149 +253,92 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *
         return jnp.logical_and(weight_column != 0.0, rank_column == slot)
 
     def gather(first):
-        rows = _dot(one_hot(first).astype(dtype), hidden_ref[...], 0, 0, precision)
-        return rows.astype(dtype)
-
-    def expert_rows(rows):
-        """[chunk, H] f32: this I tile's share of the expert's output for `rows`."""
-        if layout.interleaved:
-            # gate_up^T [2 ti, chunk]: weights [2 ti, H] (or [H, 2 ti] transposed) against rows [chunk, H].
-            gate_up_t = scaled(_dot(weights(gate_up_refs[0]), rows, 0 if gate_up_transposed else 1, 1, precision),
-                               gate_up_scale_refs[0], columns=True)
-            if layout.has_bias:
-                gate_up_t = gate_up_t + _expert_bias_columns(gate_up_bias_refs[0], expert, chunk)
-            gate_up_t_ref[...] = gate_up_t
-            gate_t = gate_up_t_ref[pl.ds(0, layout.tile_i, stride=2), :]
-            up_t = gate_up_t_ref[pl.ds(1, layout.tile_i, stride=2), :]
-            hidden_t = gated(gate_t, up_t, layout.activation, alpha=layout.alpha, limit=layout.limit).astype(dtype)
-            # down [ti, H] (transposed) or [H, ti] against hidden^T [ti, chunk].
-            return scaled(_dot(hidden_t, weights(down_ref), 0, 0 if down_transposed else 1, precision),
-                          down_scale_ref)
-        projections = [scaled(_dot(rows, weights(ref), 1, 0 if gate_up_transposed else 1, precision), scale_ref)
-                       for ref, scale_ref in zip(gate_up_refs, gate_up_scale_refs)]
-        if layout.has_bias:
-            projections = [p + _expert_bias(ref, expert) for p, ref in zip(projections, gate_up_bias_refs)]
-        if parts == 2:
-            gate, up = projections
-        else:
-            gate, up = projections[0][:, : layout.tile_i], projections[0][:, layout.tile_i :]
-        hidden_rows = gated(gate, up, layout.activation, alpha=layout.alpha, limit=layout.limit).astype(dtype)
-        return scaled(_dot(hidden_rows, weights(down_ref), 1, 0 if down_transposed else 1, precision), down_scale_ref)
+        return _dot(one_hot(first).astype(dtype), hidden_ref[...], 0, 0, precision).astype(dtype)
 
     def scatter(first, out_rows):
         """Adds the chunk's rows, times their routing weights, to their tokens' outputs."""
-        if layout.has_bias:
-            out_rows = out_rows + _expert_bias(down_bias_ref, expert)
+        if refs.down_bias is not None:
+            out_rows = out_rows + _expert_bias(refs.down_bias, expert_id)
         out_rows = out_rows.astype(dtype)
         weighted = jnp.where(one_hot(first), weight_column, 0.0)  # [T, chunk] f32
         high = weighted.astype(dtype)
         total = _dot(high, out_rows, 1, 0, precision)
-        if layout.split_weights:
+        if jnp.dtype(problem.routing_dtype).itemsize > jnp.dtype(problem.dtype).itemsize:
+            # f32 routing weights under narrower activations: scattered in two parts, exact.
             low = (weighted - high.astype(jnp.float32)).astype(dtype)
             total = total + _dot(low, out_rows, 1, 0, precision)
-        out_acc[...] += total
+        refs.out_acc[...] += total
 
-    for j in range(layout.chunks):
+    for j in range(plan.chunks):
         first = j * chunk
         live = first < picks
-        if layout.i_tiles == 1:
-
-            @pl.when(live)
-            def _(first=first):
-                scatter(first, expert_rows(gather(first)))
-
+        if plan.i_tiles == 1:
+            pl.when(live)(functools.partial(lambda first: scatter(first, _expert_rows(gather(first), refs, expert,
+                                                                                      plan)), first))
             continue
-
-        # I tiled: the rows are gathered at the first I tile, the output summed over the tiles and
-        # scattered at the last. Each phase is its own top-level pl.when, so that the traffic model
-        # evaluates which steps run which matmuls.
-        @pl.when(jnp.logical_and(live, i_step == 0))
-        def _(first=first):
-            rows_cache[first : first + chunk, :] = gather(first)
-
-        @pl.when(live)
-        def _(first=first):
-            part = expert_rows(rows_cache[first : first + chunk, :])
-            earlier = partial_out[first : first + chunk, :]
-            partial_out[first : first + chunk, :] = jnp.where(i_step == 0, part, earlier + part)
-
-        @pl.when(jnp.logical_and(live, i_step == last_i))
-        def _(first=first):
-            scatter(first, partial_out[first : first + chunk, :])
+        _chunk_over_i_tiles(first, live, i_step, last_i, gather, scatter, refs, expert, plan)
 
     @pl.when(jnp.logical_and(item == pl.num_programs(0) - 1, i_step == last_i))
     def _():
-        out_ref[...] = out_acc[...].astype(out_ref.dtype)
+        refs.out[...] = refs.out_acc[...].astype(refs.out.dtype)
 
 
-def fused_experts(
-    hidden_states: jax.Array,
-    top_k_index: jax.Array,
-    top_k_weights: jax.Array,
-    gate_up_proj: jax.Array,
-    down_proj: jax.Array,
-    gate_up_bias: jax.Array | None = None,
-    down_bias: jax.Array | None = None,
-    gate_up_scales: jax.Array | None = None,
-    down_scales: jax.Array | None = None,
-    *,
-    activation: str,
-    weights_transposed: bool,
-    interleaved: bool = False,
-    alpha: float = 1.0,
-    limit: float = float("inf"),
-    config: FusedConfig | None = None,
-) -> jax.Array:
+def _chunk_over_i_tiles(first, live, i_step, last_i, gather, scatter, refs: _Refs, expert: _Expert,
+                        plan: FusedPlan) -> None:
+    """I tiled: the rows are gathered at the first I tile, the output summed over the tiles and scattered at the
+    last. Each phase is its own top-level pl.when, so that the traffic model evaluates which steps run which
+    matmuls."""
+    chunk = plan.chunk_rows
+
+    @pl.when(jnp.logical_and(live, i_step == 0))
+    def _():
+        refs.rows_cache[first : first + chunk, :] = gather(first)
+
+    @pl.when(live)
+    def _():
+        part = _expert_rows(refs.rows_cache[first : first + chunk, :], refs, expert, plan)
+        earlier = refs.partial_out[first : first + chunk, :]
+        refs.partial_out[first : first + chunk, :] = jnp.where(i_step == 0, part, earlier + part)
+
+    @pl.when(jnp.logical_and(live, i_step == last_i))
+    def _():
+        scatter(first, refs.partial_out[first : first + chunk, :])
+
+
+def fused_experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array, *weights: jax.Array | None,
+                  config: FusedConfig | None = None, **gate) -> jax.Array:
     """Gated experts per pick, weighted and summed per token, in one pallas_call (see the module docstring).
 
-    Weights in transformers' layouts: `gate_up_proj[E, 2I, H]` and
-    `down_proj[E, H, I]`, or `[E, H, 2I]` / `[E, I, H]` when transposed;
-    optional `gate_up_bias[E, 2I]` and `down_bias[E, H]`. Quantized weights
-    (int8 or float8_e4m3fn) come with their scales (`quant.py`: int8
-    `[E, 2I]` and `[E, H]`; fp8 block grids over each weight's own dims).
-    Picks with id == E are sentinels. Inputs are assumed valid (`ops.py`).
-    Each projection is read in the order XLA stores it
-    (`config.weights_orientation`). Without tokens, picks, hidden size or
-    experts there is nothing to compute: the result is zeros and no kernel runs.
+    Arguments as `moe.gated_experts`; picks with id == E are sentinels.
+    Blocks: `config`, else the plan's (`plan.plan_fused`). Inputs are
+    assumed valid (`ops.py`). Without tokens, picks, hidden size or experts
+    there is nothing to compute: the result is zeros and no kernel runs.
     """
-    tokens, hidden = hidden_states.shape
-    top_k = top_k_index.shape[1]
-    num_experts = gate_up_proj.shape[0]
-    if 0 in (tokens, top_k, hidden, num_experts):
-        return jnp.zeros((tokens, hidden), hidden_states.dtype)
-    intermediate = down_proj.shape[1] if weights_transposed else down_proj.shape[2]
-    orientation, gate_up_proj, down_proj, gate_up_scales, down_scales = weights_as_stored(
-        gate_up_proj, down_proj, gate_up_scales, down_scales, weights_transposed=weights_transposed)
-    dtype = hidden_states.dtype
-    has_bias = gate_up_bias is not None
-    quantization = scheme_of(gate_up_proj.dtype)
-    shape = dict(weights_transposed=weights_transposed, interleaved=interleaved, has_bias=has_bias,
-                 weights_dtype=gate_up_proj.dtype)
-    if config is None:
-        config = fused_config(tokens, hidden, intermediate, num_experts, dtype, **shape)
-        if config is None:
-            raise ValueError(
-                f"fused_experts: no I tiling of T={tokens}, H={hidden}, I={intermediate} fits VMEM; use the grouped path"
-            )
-    check_fused_config(config, tokens, hidden, intermediate, num_experts, dtype, **shape)
-    chunk, tile_i = config
-    chunks = fused_chunks(config, tokens)
-    rows = chunks * chunk
-    i_tiles = intermediate // tile_i
-    parts = 2 if (i_tiles > 1 and not interleaved) else 1
-    items = expert_plan(top_k_index, num_experts)
-    layout = _Layout(
-        tokens=tokens, chunk_rows=chunk, chunks=chunks, tile_i=tile_i, i_tiles=i_tiles, gate_up_parts=parts,
-        gate_up_transposed=orientation.gate_up_transposed, down_transposed=orientation.down_transposed,
-        interleaved=interleaved, has_bias=has_bias, activation=activation,
-        alpha=float(alpha), limit=float(limit),
-        split_weights=jnp.dtype(top_k_weights.dtype).itemsize > jnp.dtype(dtype).itemsize,
-        quantization=quantization,
-    )
+    problem, weights = describe_experts(hidden_states, top_k_index, top_k_weights, *weights, **gate)
+    if problem.empty:
+        return jnp.zeros(hidden_states.shape, hidden_states.dtype)
+    plan = plan_fused(problem, config)
+    read = weights.as_read(plan.orientation, weights_transposed=problem.weights_transposed)
+    return fused_experts_call(plan, hidden_states, top_k_index, top_k_weights, read)
 
-    # Index maps get (item, I tile, *scalar prefetch). A gate_up part spans `width` columns of 2I:
-    # gate and up apart (parts == 2: up starts I / tile_i blocks later), or both in one block.
+
+class _Specs(NamedTuple):
+    in_specs: list
+    operands: list
+    scratch: list
+
+
+def _weight_specs(plan: FusedPlan, weights: ExpertWeights) -> _Specs:
+    """The experts' blocks: weights (and biases, and scales) of the item's expert and I tile.
+
+    Index maps get (item, I tile, *scalar prefetch). A gate_up part spans
+    `width` columns of 2I: gate and up apart (parts == 2: up starts
+    I / tile_i blocks later), or both in one block.
+    """
+    problem, orientation, parts, tile_i = plan.problem, plan.orientation, plan.gate_up_parts, plan.tile_i
+    hidden, i_tiles = problem.hidden, plan.i_tiles
     width = tile_i if parts == 2 else 2 * tile_i
+    quantization = scheme_of(problem.weights_dtype)
 
     def gate_up_spec(block_offset):
         if orientation.gate_up_transposed:  # [E, H, 2I]
@@ -356,83 +349,91 @@ def fused_experts(
         down_spec = pl.BlockSpec((None, tile_i, hidden), lambda item, i, expert, *_: (expert[item], i, 0))
     else:  # [E, H, I]
         down_spec = pl.BlockSpec((None, hidden, tile_i), lambda item, i, expert, *_: (expert[item], 0, i))
+    bias_rows = min(problem.num_experts, BIAS_BLOCK_EXPERTS)
+
+    def per_expert_rows(columns, block_offset):
+        """A [BIAS_BLOCK_EXPERTS, columns] block holding the item's expert's row (biases, int8 scales)."""
+        return pl.BlockSpec((bias_rows, columns),
+                            lambda item, i, expert, *_: (expert[item] >> _BIAS_BLOCK_SHIFT, block_offset + i))
+
+    def per_expert_specs():
+        return [*(per_expert_rows(width, part * i_tiles) for part in range(parts)),
+                pl.BlockSpec((bias_rows, hidden), lambda item, i, expert, *_: (expert[item] >> _BIAS_BLOCK_SHIFT, 0))]
+
+    in_specs = [*(gate_up_spec(part * i_tiles) for part in range(parts)), down_spec]
+    operands = [*([weights.gate_up_proj] * parts), weights.down_proj]
+    if problem.has_bias:
+        in_specs += per_expert_specs()
+        operands += [*([weights.gate_up_bias] * parts), weights.down_bias]
+    scratch = []
+    if quantization == INT8:  # [E, 2I] and [E, H], blocked as the biases
+        in_specs += per_expert_specs()
+        operands += [*([weights.gate_up_scales] * parts), weights.down_scales]
+    elif quantization == FP8:
+        in_specs += [pl.BlockSpec((None, *scales.shape[1:]), lambda item, i, expert, *_: (expert[item], 0, 0))
+                     for scales in (weights.gate_up_scales, weights.down_scales)]
+        operands += [weights.gate_up_scales, weights.down_scales]
+        dtype = jnp.dtype(problem.dtype)
+        gate_up_block = (hidden, width) if orientation.gate_up_transposed else (width, hidden)
+        down_block = (tile_i, hidden) if orientation.down_transposed else (hidden, tile_i)
+        scratch = [*(pltpu.VMEM(gate_up_block, dtype) for _ in range(parts)), pltpu.VMEM(down_block, dtype)]
+    return _Specs(in_specs, operands, scratch)
+
+
+def _cost(plan: FusedPlan, weights: ExpertWeights) -> pl.CostEstimate:
+    """What is read: the tokens and the routing once, the weights of the experts expected active (which experts
+    are picked is data, unknown when this is traced), the output once."""
+    problem = plan.problem
+    tokens, hidden, intermediate, picks = problem.tokens, problem.hidden, problem.intermediate, problem.picks
+    itemsize = jnp.dtype(problem.dtype).itemsize
+    scale_bytes = sum(scales[0].size * 4 for scales in (weights.gate_up_scales, weights.down_scales)
+                      if scales is not None)
+    bytes_per_expert = (3 * intermediate * hidden * jnp.dtype(problem.weights_dtype).itemsize
+                        + ((2 * intermediate + hidden) * itemsize if problem.has_bias else 0) + scale_bytes)
+    routing_bytes = picks * 4 + picks * jnp.dtype(problem.routing_dtype).itemsize
+    return pl.CostEstimate(
+        flops=int(2 * picks * (3 * intermediate * hidden + 2 * tokens * hidden)),
+        transcendentals=int(picks * intermediate),
+        bytes_accessed=int(2 * tokens * hidden * itemsize + plan.active_experts * bytes_per_expert + routing_bytes),
+    )
+
+
+def fused_experts_call(plan: FusedPlan, hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array,
+                       weights: ExpertWeights) -> jax.Array:
+    """`fused_experts` as `plan` says, with `weights` as the kernel reads them (`ExpertWeights.as_read`)."""
+    problem = plan.problem
+    tokens, hidden, top_k, dtype = problem.tokens, problem.hidden, problem.top_k, hidden_states.dtype
+    items = expert_plan(top_k_index, problem.num_experts)
+
     def resident(shape):
         return pl.BlockSpec(shape, lambda *_: (0,) * len(shape), pipeline_mode=pl.Buffered(1))
 
-    in_specs = [
-        resident((tokens, hidden)),
-        resident((tokens, top_k)),
-        resident((tokens, top_k)),
-        *(gate_up_spec(part * i_tiles) for part in range(parts)),
-        down_spec,
-    ]
-    operands = [hidden_states, top_k_index, top_k_weights, *([gate_up_proj] * parts), down_proj]
-    bias_rows = min(num_experts, BIAS_BLOCK_EXPERTS)
-
-    def bias_spec(columns, block_offset):
-        return pl.BlockSpec(
-            (bias_rows, columns),
-            lambda item, i, expert, *_: (expert[item] >> _BIAS_BLOCK_SHIFT, block_offset + i),
-        )
-
-    def bias_specs():
-        return [*(bias_spec(width, part * i_tiles) for part in range(parts)),
-                pl.BlockSpec((bias_rows, hidden), lambda item, i, expert, *_: (expert[item] >> _BIAS_BLOCK_SHIFT, 0))]
-
-    if has_bias:
-        in_specs += bias_specs()
-        operands += [*([gate_up_bias] * parts), down_bias]
-    if quantization == INT8:  # [E, 2I] and [E, H], blocked as the biases
-        in_specs += bias_specs()
-        operands += [*([gate_up_scales] * parts), down_scales]
-    elif quantization == FP8:
-        in_specs += [pl.BlockSpec((None, *scales.shape[1:]), lambda item, i, expert, *_: (expert[item], 0, 0))
-                     for scales in (gate_up_scales, down_scales)]
-        operands += [gate_up_scales, down_scales]
-
+    specs = _weight_specs(plan, weights)
     scratch = [pltpu.VMEM((tokens, hidden), jnp.float32)]
-    if interleaved:
-        scratch.append(pltpu.VMEM((2 * tile_i, chunk), jnp.float32))
-    if i_tiles > 1:
+    if problem.gate.interleaved:
+        scratch.append(pltpu.VMEM((2 * plan.tile_i, plan.chunk_rows), jnp.float32))
+    if plan.i_tiles > 1:
+        rows = plan.chunks * plan.chunk_rows
         scratch += [pltpu.VMEM((rows, hidden), dtype), pltpu.VMEM((rows, hidden), jnp.float32)]
-    if quantization == FP8:
-        gate_up_block = (hidden, width) if orientation.gate_up_transposed else (width, hidden)
-        down_block = (tile_i, hidden) if orientation.down_transposed else (hidden, tile_i)
-        scratch += [*(pltpu.VMEM(gate_up_block, dtype) for _ in range(parts)), pltpu.VMEM(down_block, dtype)]
-
     # A call without live picks runs its one empty item over one I tile only: one block of weights read.
-    i_grid = i_tiles if i_tiles == 1 else jnp.where(items.rows[0] > 0, i_tiles, 1)
-    picks = tokens * top_k
-    active = expected_active_groups(picks, num_experts)
-    itemsize = jnp.dtype(dtype).itemsize
-    scale_bytes = sum(scales[0].size * 4 for scales in (gate_up_scales, down_scales) if scales is not None)
-    bytes_per_expert = (3 * intermediate * hidden * jnp.dtype(gate_up_proj.dtype).itemsize
-                        + ((2 * intermediate + hidden) * itemsize if has_bias else 0) + scale_bytes)
+    i_grid = plan.i_tiles if plan.i_tiles == 1 else jnp.where(items.rows[0] > 0, plan.i_tiles, 1)
     call = pl.pallas_call(
-        functools.partial(_body, layout=layout),
+        functools.partial(_body, plan=plan),
         out_shape=jax.ShapeDtypeStruct((tokens, hidden), dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(items.count[0], i_grid),
-            in_specs=in_specs,
+            in_specs=[resident((tokens, hidden)), resident((tokens, top_k)), resident((tokens, top_k)),
+                      *specs.in_specs],
             out_specs=pl.BlockSpec((tokens, hidden), lambda *_: (0, 0)),
-            scratch_shapes=scratch,
+            scratch_shapes=scratch + specs.scratch,
         ),
         compiler_params=pltpu.CompilerParams(
             # Every step adds into the one resident output: no axis can be split across cores.
             dimension_semantics=("arbitrary", "arbitrary"),
-            vmem_limit_bytes=fused_vmem_limit(config, tokens, hidden, intermediate, num_experts, dtype,
-                                              interleaved=interleaved, has_bias=has_bias,
-                                              weights_dtype=gate_up_proj.dtype),
+            vmem_limit_bytes=plan.vmem_limit_bytes,
         ),
-        # What is read: the tokens and the routing once, the weights of the experts expected active (which
-        # experts are picked is data, unknown when this is traced; `expected_active_groups`), the output once.
-        cost_estimate=pl.CostEstimate(
-            flops=int(2 * picks * (3 * intermediate * hidden + 2 * tokens * hidden)),
-            transcendentals=int(picks * intermediate),
-            bytes_accessed=int(2 * tokens * hidden * itemsize + active * bytes_per_expert
-                               + top_k_index.size * 4 + top_k_weights.size * top_k_weights.dtype.itemsize),
-        ),
+        cost_estimate=_cost(plan, weights),
         name="fused_experts",
     )
-    return call(items.expert, items.rows, items.count, *operands)
+    return call(items.expert, items.rows, items.count, hidden_states, top_k_index, top_k_weights, *specs.operands)

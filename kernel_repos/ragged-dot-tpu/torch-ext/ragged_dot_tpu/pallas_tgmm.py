@@ -28,6 +28,8 @@ under a `pl.when` that skips chunks outside the group. Two layouts
   blocks are windows of `tile_m + chunk_m` rows: chunk_m / tile_m more row
   reads. Worth it where the MXU, not HBM, bounds the kernel
   (`config.heuristic_tgmm_config` decides).
+
+`tgmm` plans a call (`plan.plan_tgmm`); `tgmm_call` runs a plan.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ._hardware import sublane_multiple
-from .config import TgmmConfig, check_tgmm_config, select_tgmm_config, tgmm_blocks, tgmm_vmem_limit
+from .config import TgmmConfig
+from .plan import TgmmPlan, plan_tgmm
+from .problem import TgmmProblem
 from .routing import int32_group_sizes
 
 
@@ -164,14 +168,18 @@ def tgmm(
     group_sizes = int32_group_sizes(group_sizes)
     if 0 in (m, k, n, num_groups):
         return jnp.zeros((num_groups, k, n), out_dtype)
-    if config is None:
-        config = select_tgmm_config(m, k, n, lhs.dtype, generation=generation, out_dtype=out_dtype,
-                                    num_groups=num_groups)
-    check_tgmm_config(config, m, k, n, lhs.dtype, out_dtype)
-    tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, m, k, n, lhs.dtype)
-    group_chunks = config.group_chunks and chunk_m < tile_m
+    problem = TgmmProblem(m, k, n, num_groups, jnp.dtype(lhs.dtype).name, jnp.dtype(out_dtype).name)
+    return tgmm_call(lhs, rhs, group_sizes, plan_tgmm(problem, generation, config))
+
+
+def tgmm_call(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, plan: TgmmPlan) -> jax.Array:
+    """`tgmm` as `plan` says (inputs of the plan's non-empty problem, assumed valid)."""
+    problem = plan.problem
+    m, k, n, num_groups = problem.m, problem.k, problem.n, problem.groups
+    tile_m, tile_k, tile_n, chunk_m, group_chunks = plan.tile_m, plan.tile_k, plan.tile_n, plan.chunk_m, plan.group_chunks
+    out_dtype = jnp.dtype(problem.out_dtype)
     align = sublane_multiple(lhs.dtype)
-    items = make_tgmm_items(group_sizes, m, tile_m, chunk_m if group_chunks else None, align)
+    items = make_tgmm_items(int32_group_sizes(group_sizes), m, tile_m, chunk_m if group_chunks else None, align)
     k_tiles, n_tiles = pl.cdiv(k, tile_k), pl.cdiv(n, tile_n)
     grid = (n_tiles, k_tiles, items.count[0])
 
@@ -211,7 +219,7 @@ def tgmm(
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=tgmm_vmem_limit(config, m, k, n, lhs.dtype, out_dtype),
+            vmem_limit_bytes=plan.vmem_limit_bytes,
         ),
         cost_estimate=pl.CostEstimate(
             flops=2 * m * k * n,
@@ -220,7 +228,7 @@ def tgmm(
             # gradient written once.
             bytes_accessed=int(
                 (m * k * n_tiles + m * n * k_tiles) * (1 + (chunk_m / tile_m if group_chunks else 0)) * itemsize
-                + num_groups * k * n * jnp.dtype(out_dtype).itemsize
+                + num_groups * k * n * out_dtype.itemsize
             ),
         ),
         name="tgmm",

@@ -40,7 +40,8 @@ rows (element offsets), and the results of rows past the tile's end go to a
 carry buffer that the next row tile's accumulator starts from. (The window's
 extra rows cost chunk_m / tile_m more lhs reads.) Without chunks, an item
 multiplies its whole row tile, masked to its group's rows.
-Tile sizes come from `config.select_config`.
+`ragged_dot` plans a call (`plan.plan_ragged_dot`); `grouped_matmul` runs
+a plan.
 
 Quantized weights (`quant.py`) are read as one byte each: an int8 block is
 cast to lhs's dtype at the matmul and its per-output-column scales multiply
@@ -65,9 +66,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ._hardware import sublane_multiple
-from .config import (
-    TileConfig, check_config, expected_active_groups, row_chunks, row_tile_rows, select_config, vmem_limit,
-)
+from .config import TileConfig
+from .plan import MatmulPlan, plan_ragged_dot
+from .problem import MatmulProblem
 from .quant import FP8, INT8, dequantize_fp8_block, scheme_of
 from .routing import int32_group_sizes
 
@@ -156,38 +157,89 @@ def _step_item(step, slot: int, groups_per_step: int, count):
     return jnp.where(item < count, item, jnp.maximum(item - groups_per_step, 0))
 
 
-def _body(
-    row_tile_ref,
-    lhs_tile_ref,
-    group_ref,
-    row_start_ref,
-    row_end_ref,
-    chunk_start_ref,
-    count_ref,
-    lhs_ref,
-    *refs,
-    k: int,
-    tile_k: int,
-    tile_n: int,
-    chunk_m: int | None,
-    groups_per_step: int,
-    transpose_rhs: bool,
-    quantization: str | None,
-    precision,
-):
+class _StepRefs(NamedTuple):
+    """The refs of one grid step of the kernel body, past the scalar prefetch."""
+
+    lhs: object
+    rhs: tuple  # one per group slot
+    scales: tuple  # one per group slot (quantized weights), else empty
+    out: object
+    acc: object  # [tile_m, tile_n] f32
+    carry: object | None  # [2 chunk_m, tile_n] f32: rows [tile_m - chunk_m, tile_m + chunk_m), with chunks
+    dequantized: tuple  # fp8: each slot's weights block, dequantized once per step
+
+
+def _step_refs(lhs_ref, refs, plan: MatmulPlan) -> _StepRefs:
+    slots = plan.groups_per_step
+    quantized = scheme_of(plan.problem.rhs_dtype) is not None
+    rhs, refs = refs[:slots], refs[slots:]
+    scales, refs = (refs[:slots], refs[slots:]) if quantized else ((), refs)
+    out, acc, *scratch = refs
+    carry = scratch.pop(0) if plan.chunk_m else None
+    return _StepRefs(lhs_ref, tuple(rhs), tuple(scales), out, acc, carry, tuple(scratch))
+
+
+def _multiply(refs: _StepRefs, slot: int, start, rows: int, keep, k_step, plan: MatmulPlan):
+    """lhs rows [start, start + rows) x the slot's weights, with rows not `keep` taken as zero; `start` on the
+    sublane grid. int8 weights reach the MXU as their integers; their per-column scales multiply the result."""
+    problem, tile_k = plan.problem, plan.tile_k
+    quantization = scheme_of(problem.rhs_dtype)
+    lhs = refs.lhs[pl.ds(start, rows), :]
+    if quantization == FP8:
+        rhs = refs.dequantized[slot][...]
+    else:
+        rhs = refs.rhs[slot][...]
+        rhs = rhs.astype(lhs.dtype) if quantization == INT8 else rhs
+    # Select, not multiply: rows and K columns outside the data may hold
+    # garbage (NaN), and 0 * NaN is NaN.
+    if problem.k % tile_k:
+        col = k_step * tile_k + lax.broadcasted_iota(jnp.int32, (1, tile_k), 1)
+        keep = jnp.logical_and(keep, col < problem.k)
+        rhs_k = k_step * tile_k + lax.broadcasted_iota(jnp.int32, rhs.shape, 1 if problem.transpose_rhs else 0)
+        rhs = jnp.where(rhs_k < problem.k, rhs, jnp.zeros_like(rhs))
+    lhs = jnp.where(keep, lhs, jnp.zeros_like(lhs))
+    precision = lax.Precision.HIGHEST if problem.dtype == "float32" else lax.Precision.DEFAULT
+    product = lax.dot_general(lhs, rhs, (((1,), (1 if problem.transpose_rhs else 0,)), ((), ())),
+                              preferred_element_type=jnp.float32, precision=precision)
+    return product * refs.scales[slot][...] if quantization == INT8 else product
+
+
+def _accumulate_chunks(refs: _StepRefs, slot: int, tile_start, chunk_start, row_start, row_end, k_step,
+                       plan: MatmulPlan) -> None:
+    """The slot's group's chunks that start in this row tile, each multiplied whole: the rows past the tile's
+    end go to the carry, which the next row tile's accumulator starts from."""
+    tile_m, chunk_m = plan.tile_m, plan.chunk_m
+    align = sublane_multiple(plan.problem.dtype)
+    # The item's chunks start in its tile: at most tile_m / chunk_m of them.
+    for chunk in range(tile_m // chunk_m):
+        start = chunk_start + chunk * chunk_m  # tile-relative, on the sublane grid
+
+        # Chunks past the group's rows (or starting in the next tile) skip the MXU.
+        @pl.when(jnp.logical_and(start < tile_m, tile_start + start < row_end))
+        def _(start=start):
+            start = pl.multiple_of(start, align)
+            row = tile_start + start + lax.broadcasted_iota(jnp.int32, (chunk_m, 1), 0)
+            product = _multiply(refs, slot, start, chunk_m, jnp.logical_and(row >= row_start, row < row_end),
+                                k_step, plan)
+
+            @pl.when(start + chunk_m <= tile_m)
+            def _():
+                refs.acc[pl.ds(start, chunk_m), :] += product
+
+            @pl.when(start + chunk_m > tile_m)
+            def _():
+                carry_start = pl.multiple_of(start - (tile_m - chunk_m), align)
+                refs.carry[pl.ds(carry_start, chunk_m), :] += product
+
+
+def _body(row_tile_ref, lhs_tile_ref, group_ref, row_start_ref, row_end_ref, chunk_start_ref, count_ref, lhs_ref,
+          *refs, plan: MatmulPlan):
     del lhs_tile_ref, group_ref  # used by the index maps only
-    rhs_refs, refs = refs[:groups_per_step], refs[groups_per_step:]
-    scale_refs, refs = (refs[:groups_per_step], refs[groups_per_step:]) if quantization else ((), refs)
-    out_ref, acc_ref, *scratch = refs
-    carry_ref = scratch.pop(0) if chunk_m else None  # [2 chunk_m, tile_n]: rows [tile_m - chunk_m, tile_m + chunk_m)
-    dequantized_refs = scratch  # fp8: each slot's weights block, dequantized once per step
-    step = pl.program_id(1)
-    steps = pl.num_programs(1)
-    k_step = pl.program_id(2)
+    refs = _step_refs(lhs_ref, refs, plan)
+    tile_m, chunk_m, groups_per_step = plan.tile_m, plan.chunk_m, plan.groups_per_step
+    step, steps, k_step = pl.program_id(1), pl.num_programs(1), pl.program_id(2)
     count = count_ref[0]
-    tile_m = acc_ref.shape[0]
-    align = sublane_multiple(lhs_ref.dtype)
-    # Every slot of a step works on the same row tile (the kernel wrapper checks it).
+    # Every slot of a step works on the same row tile (`make_work_items` lays them so).
     first_item = step * groups_per_step
     row_tile = row_tile_ref[first_item]
     tile_start = row_tile * tile_m
@@ -199,49 +251,15 @@ def _body(
 
         @pl.when(jnp.logical_and(k_step == 0, step == 0))
         def _():
-            carry_ref[...] = jnp.zeros_like(carry_ref)
+            refs.carry[...] = jnp.zeros_like(refs.carry)
 
     @pl.when(jnp.logical_and(k_step == 0, starts_row_tile))
     def _():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
+        refs.acc[...] = jnp.zeros_like(refs.acc)
         if chunk_m:
             # Rows of the previous tile's last chunks that ran into this tile.
-            acc_ref[:chunk_m, :] = carry_ref[chunk_m:, :]
-            carry_ref[...] = jnp.zeros_like(carry_ref)
-
-    k_columns_ragged = k % tile_k != 0
-
-    def weights(slot):
-        """The slot's weights block in the activation dtype (int8 as its integers: the scales come after the dot)."""
-        if quantization == FP8:
-            return dequantized_refs[slot][...]
-        rhs = rhs_refs[slot][...]
-        return rhs.astype(lhs_ref.dtype) if quantization == INT8 else rhs
-
-    def multiply(slot, start, rows: int, keep):
-        """lhs rows [start, start + rows) x the slot's weights, with rows not `keep` taken as zero; `start` on the
-        sublane grid."""
-        lhs = lhs_ref[pl.ds(start, rows), :]
-        rhs = weights(slot)
-        # Select, not multiply: rows and K columns outside the data may hold
-        # garbage (NaN), and 0 * NaN is NaN.
-        if k_columns_ragged:
-            col = k_step * tile_k + lax.broadcasted_iota(jnp.int32, (1, tile_k), 1)
-            keep = jnp.logical_and(keep, col < k)
-            rhs_k_axis = 1 if transpose_rhs else 0
-            rhs_k = k_step * tile_k + lax.broadcasted_iota(jnp.int32, rhs.shape, rhs_k_axis)
-            rhs = jnp.where(rhs_k < k, rhs, jnp.zeros_like(rhs))
-        lhs = jnp.where(keep, lhs, jnp.zeros_like(lhs))
-        contract_rhs = 1 if transpose_rhs else 0
-        product = lax.dot_general(
-            lhs,
-            rhs,
-            (((1,), (contract_rhs,)), ((), ())),
-            preferred_element_type=jnp.float32,
-            precision=precision,
-        )
-        # int8: one scale per output column, common to the whole dot product.
-        return product * scale_refs[slot][...] if quantization == INT8 else product
+            refs.acc[:chunk_m, :] = refs.carry[chunk_m:, :]
+            refs.carry[...] = jnp.zeros_like(refs.carry)
 
     for slot in range(groups_per_step):
         item = first_item + slot
@@ -255,51 +273,31 @@ def _body(
         row_start = lax.select(real, row_start_ref[last_real], zero)
         row_end = lax.select(real, row_end_ref[last_real], zero)
         rows_in_tile = jnp.logical_and(row_start < tile_start + tile_m, row_end > tile_start)
-        if quantization == FP8:
+        if scheme_of(plan.problem.rhs_dtype) == FP8:
 
             @pl.when(rows_in_tile)
             def _(slot=slot):
-                n_offset, k_offset = pl.program_id(0) * tile_n, k_step * tile_k
-                offsets = (n_offset, k_offset) if transpose_rhs else (k_offset, n_offset)
-                dequantize_fp8_block(rhs_refs[slot], scale_refs[slot][...], *offsets, dequantized_refs[slot])
+                n_offset, k_offset = pl.program_id(0) * plan.tile_n, k_step * plan.tile_k
+                offsets = (n_offset, k_offset) if plan.problem.transpose_rhs else (k_offset, n_offset)
+                dequantize_fp8_block(refs.rhs[slot], refs.scales[slot][...], *offsets, refs.dequantized[slot])
 
-        if not chunk_m:
-
-            @pl.when(rows_in_tile)
-            def _(slot=slot, row_start=row_start, row_end=row_end):
-                row = tile_start + lax.broadcasted_iota(jnp.int32, (tile_m, 1), 0)
-                keep = jnp.logical_and(row >= row_start, row < row_end)
-                acc_ref[...] += multiply(slot, 0, tile_m, keep)
-
+        if chunk_m:
+            _accumulate_chunks(refs, slot, tile_start, chunk_start_ref[last_real], row_start, row_end, k_step, plan)
             continue
-        chunk_start = chunk_start_ref[last_real]
-        # The item's chunks start in its tile: at most tile_m / chunk_m of them.
-        for chunk in range(tile_m // chunk_m):
-            start = chunk_start + chunk * chunk_m  # tile-relative, on the sublane grid
 
-            # Chunks past the group's rows (or starting in the next tile) skip the MXU.
-            @pl.when(jnp.logical_and(start < tile_m, tile_start + start < row_end))
-            def _(slot=slot, start=start, row_start=row_start, row_end=row_end):
-                start = pl.multiple_of(start, align)
-                row = tile_start + start + lax.broadcasted_iota(jnp.int32, (chunk_m, 1), 0)
-                product = multiply(slot, start, chunk_m, jnp.logical_and(row >= row_start, row < row_end))
-
-                @pl.when(start + chunk_m <= tile_m)
-                def _():
-                    acc_ref[pl.ds(start, chunk_m), :] += product
-
-                @pl.when(start + chunk_m > tile_m)
-                def _():
-                    carry_start = pl.multiple_of(start - (tile_m - chunk_m), align)
-                    carry_ref[pl.ds(carry_start, chunk_m), :] += product
+        @pl.when(rows_in_tile)
+        def _(slot=slot, row_start=row_start, row_end=row_end):
+            row = tile_start + lax.broadcasted_iota(jnp.int32, (tile_m, 1), 0)
+            keep = jnp.logical_and(row >= row_start, row < row_end)
+            refs.acc[...] += _multiply(refs, slot, 0, tile_m, keep, k_step, plan)
 
     # The output block is copied out only when the row tile changes, so it is
     # filled once, at the last step on its row tile.
     @pl.when(jnp.logical_and(k_step == pl.num_programs(2) - 1, ends_row_tile))
     def _():
         if chunk_m:
-            acc_ref[tile_m - chunk_m :, :] += carry_ref[:chunk_m, :]
-        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+            refs.acc[tile_m - chunk_m :, :] += refs.carry[:chunk_m, :]
+        refs.out[...] = refs.acc[...].astype(refs.out.dtype)
 
 
 def ragged_dot(
@@ -320,28 +318,34 @@ def ragged_dot(
     Quantized `rhs` (int8 or float8_e4m3fn) comes with `rhs_scales`
     (`quant.py`: `[G, N]` per output channel for int8; `[G, ceil(D1/128),
     ceil(D2/128)]` blocks over rhs's own dims for fp8); the output is in
-    lhs's dtype. Inputs are assumed valid: the torch ops check them (`ops.py`);
-    `group_sizes` has an integer dtype and sums to at most M. With an empty
-    dimension (M, K, N or G zero) there is nothing to multiply: the result is
-    zeros and no kernel runs.
+    lhs's dtype. Tiles: `config`, else the plan's (`plan.plan_ragged_dot`
+    for `generation`, default this device's). Inputs are assumed valid: the
+    torch ops check them (`ops.py`); `group_sizes` has an integer dtype and
+    sums to at most M. With an empty dimension (M, K, N or G zero) there is
+    nothing to multiply: the result is zeros and no kernel runs.
     """
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    group_sizes = int32_group_sizes(group_sizes)
     if 0 in (m, k, n, num_groups):
         return jnp.zeros((m, n), lhs.dtype)
-    quantization = scheme_of(rhs.dtype)
-    if config is None:
-        config = select_config(m, k, n, lhs.dtype, generation=generation, num_groups=num_groups, rhs_dtype=rhs.dtype)
-    check_config(config, m, k, n, lhs.dtype, rhs.dtype)
-    tile_m, tile_k, tile_n = row_tile_rows(config, m, lhs.dtype), min(config.tile_k, k), min(config.tile_n, n)
-    chunk_m = config.chunk_m if row_chunks(config, m, lhs.dtype) > 1 else None
-    groups_per_step = config.groups_per_step
-    items = make_work_items(group_sizes, m, tile_m, zero_rows_past_groups, chunk_m, sublane_multiple(lhs.dtype))
-    count = items.count[0]
-    k_tiles = pl.cdiv(k, tile_k)
-    grid = (pl.cdiv(n, tile_n), pl.cdiv(count, groups_per_step), k_tiles)
+    problem = MatmulProblem(m, k, n, num_groups, jnp.dtype(lhs.dtype).name, jnp.dtype(rhs.dtype).name,
+                            transpose_rhs=bool(transpose_rhs), zero_rows_past_groups=bool(zero_rows_past_groups))
+    return grouped_matmul(lhs, rhs, group_sizes, rhs_scales, plan_ragged_dot(problem, generation, config))
+
+
+class _Specs(NamedTuple):
+    in_specs: list
+    out_spec: pl.BlockSpec
+    scratch: list
+    operands: list  # after lhs: rhs once per group slot, then the scales once per slot
+
+
+def _specs(plan: MatmulPlan, rhs, rhs_scales, items: WorkItems) -> _Specs:
+    """Blocks, index maps and scratch of a call (module docstring: what each operand moves)."""
+    problem, tile_m, tile_k, tile_n, chunk_m = plan.problem, plan.tile_m, plan.tile_k, plan.tile_n, plan.chunk_m
+    slots, k_tiles = plan.groups_per_step, pl.cdiv(problem.k, plan.tile_k)
+    quantization = scheme_of(problem.rhs_dtype)
 
     # An item without rows (a tail item, or an idle slot) pins the K block to
     # the last one, where the item it repeats ended, so its blocks stay put.
@@ -349,93 +353,87 @@ def ragged_dot(
         return jnp.where(row_end[item] > row_start[item], k_step, k_tiles - 1)
 
     def lhs_index(n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, chunk_start, count):
-        item = step * groups_per_step
+        item = step * slots
         if chunk_m:  # element offsets of the window; with one K tile a literal 0, which Mosaic sees is aligned
             k_offset = 0 if k_tiles == 1 else k_block(item, k_step, row_start, row_end) * tile_k
             return lhs_tile[item] * tile_m, k_offset
         return lhs_tile[item], k_block(item, k_step, row_start, row_end)
 
     def rhs_index(slot, n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, chunk_start, count):
-        item = _step_item(step, slot, groups_per_step, count[0])
+        item = _step_item(step, slot, slots, count[0])
         k_index = k_block(item, k_step, row_start, row_end)
-        if groups_per_step > 1:
-            k_index = jnp.where(step * groups_per_step + slot < count[0], k_index, k_tiles - 1)
-        if transpose_rhs:
+        if slots > 1:
+            k_index = jnp.where(step * slots + slot < count[0], k_index, k_tiles - 1)
+        if problem.transpose_rhs:
             return group[item], n_step, k_index
         return group[item], k_index, n_step
 
     def out_index(n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, chunk_start, count):
-        return row_tile[step * groups_per_step], n_step
+        return row_tile[step * slots], n_step
 
     if chunk_m:
         # A window of the tile and the next chunk_m rows; past the array's end it is padding, never used.
         lhs_block = (pl.Element(tile_m + chunk_m, (0, tile_m + chunk_m)), pl.Element(tile_k, (0, tile_k)))
     else:
         lhs_block = (tile_m, tile_k)
-    if tile_m >= m and tile_k == k:
-        # The whole lhs is one block that never moves: one buffer, not two.
-        lhs_spec = pl.BlockSpec(lhs_block, lhs_index, pipeline_mode=pl.Buffered(1))
-    else:
-        lhs_spec = pl.BlockSpec(lhs_block, lhs_index)
-    rhs_block = (None, tile_n, tile_k) if transpose_rhs else (None, tile_k, tile_n)
-    rhs_specs = [pl.BlockSpec(rhs_block, functools.partial(rhs_index, slot)) for slot in range(groups_per_step)]
-    scale_specs, scale_operands, dequantized = [], [], []
+    # The whole lhs as one block never moves: one buffer, not two.
+    resident = tile_m >= problem.m and tile_k == problem.k
+    lhs_spec = pl.BlockSpec(lhs_block, lhs_index, **(dict(pipeline_mode=pl.Buffered(1)) if resident else {}))
+    rhs_block = (None, tile_n, tile_k) if problem.transpose_rhs else (None, tile_k, tile_n)
+    in_specs = [lhs_spec, *(pl.BlockSpec(rhs_block, functools.partial(rhs_index, slot)) for slot in range(slots))]
+    operands = [rhs] * slots
+    scratch = [pltpu.VMEM((tile_m, tile_n), jnp.float32)] + ([pltpu.VMEM((2 * chunk_m, tile_n), jnp.float32)]
+                                                               if chunk_m else [])
+
+    def scale_index(slot, n_step, *grid_and_prefetch):
+        group = rhs_index(slot, n_step, *grid_and_prefetch)[0]
+        # int8: the N tile's scales, as a [1, tile_n] row; fp8: the group's whole (small) grid of block scales.
+        return (group, 0, n_step) if quantization == INT8 else (group, 0, 0)
+
     if quantization == INT8:
-        # The N tile's scales, as a [1, tile_n] row: the scales get a unit dim so the block is (1, tile_n).
-        def scale_index(slot, n_step, *grid_and_prefetch):
-            return rhs_index(slot, n_step, *grid_and_prefetch)[0], 0, n_step
-
-        scale_specs = [pl.BlockSpec((None, 1, tile_n), functools.partial(scale_index, slot))
-                       for slot in range(groups_per_step)]
-        scale_operands = [rhs_scales.reshape(num_groups, 1, n)] * groups_per_step
+        in_specs += [pl.BlockSpec((None, 1, tile_n), functools.partial(scale_index, slot)) for slot in range(slots)]
+        operands += [rhs_scales.reshape(problem.groups, 1, problem.n)] * slots
     elif quantization == FP8:
-        # The group's whole (small) grid of block scales; the kernel picks the tile's blocks.
-        def scale_index(slot, n_step, *grid_and_prefetch):
-            return rhs_index(slot, n_step, *grid_and_prefetch)[0], 0, 0
+        in_specs += [pl.BlockSpec((None, *rhs_scales.shape[1:]), functools.partial(scale_index, slot))
+                     for slot in range(slots)]
+        operands += [rhs_scales] * slots
+        scratch += [pltpu.VMEM(rhs_block[1:], jnp.dtype(problem.dtype)) for _ in range(slots)]
+    return _Specs(in_specs, pl.BlockSpec((tile_m, tile_n), out_index), scratch, operands)
 
-        scale_specs = [pl.BlockSpec((None, *rhs_scales.shape[1:]), functools.partial(scale_index, slot))
-                       for slot in range(groups_per_step)]
-        scale_operands = [rhs_scales] * groups_per_step
-        dequantized = [pltpu.VMEM(rhs_block[1:], lhs.dtype) for _ in range(groups_per_step)]
-    precision = lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else lax.Precision.DEFAULT
-    body = functools.partial(
-        _body,
-        k=k,
-        tile_k=tile_k,
-        tile_n=tile_n,
-        chunk_m=chunk_m,
-        groups_per_step=groups_per_step,
-        transpose_rhs=transpose_rhs,
-        quantization=quantization,
-        precision=precision,
-    )
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_scales: jax.Array | None,
+                   plan: MatmulPlan) -> jax.Array:
+    """`ragged_dot` as `plan` says (inputs of the plan's non-empty problem, assumed valid)."""
+    problem, tile_m = plan.problem, plan.tile_m
+    m, k, n = problem.m, problem.k, problem.n
+    items = make_work_items(int32_group_sizes(group_sizes), m, tile_m, problem.zero_rows_past_groups, plan.chunk_m,
+                            sublane_multiple(lhs.dtype))
+    grid = (pl.cdiv(n, plan.tile_n), pl.cdiv(items.count[0], plan.groups_per_step), pl.cdiv(k, plan.tile_k))
+    specs = _specs(plan, rhs, rhs_scales, items)
     itemsize = jnp.dtype(lhs.dtype).itemsize
     # A resident lhs is read once; tiled, once per N tile (and chunk_m more rows per row tile).
-    lhs_reads = 1 if tile_m >= m and tile_k == k else grid[0] * (1 + (chunk_m or 0) / tile_m)
+    lhs_reads = 1 if tile_m >= m and plan.tile_k == k else grid[0] * (1 + (plan.chunk_m or 0) / tile_m)
     # Per active group: its weights once, and its scales once per N tile.
     group_bytes = k * n * jnp.dtype(rhs.dtype).itemsize + (0 if rhs_scales is None else grid[0] * rhs_scales[0].size * 4)
     call = pl.pallas_call(
-        body,
+        functools.partial(_body, plan=plan),
         out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(items),
             grid=grid,
-            in_specs=[lhs_spec, *rhs_specs, *scale_specs],
-            out_specs=pl.BlockSpec((tile_m, tile_n), out_index),
-            scratch_shapes=[pltpu.VMEM((tile_m, tile_n), jnp.float32)]
-            + ([pltpu.VMEM((2 * chunk_m, tile_n), jnp.float32)] if chunk_m else [])
-            + dequantized,
+            in_specs=specs.in_specs,
+            out_specs=specs.out_spec,
+            scratch_shapes=specs.scratch,
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-            vmem_limit_bytes=vmem_limit(config, m, k, n, lhs.dtype, rhs.dtype),
+            vmem_limit_bytes=plan.vmem_limit_bytes,
         ),
         cost_estimate=pl.CostEstimate(
             flops=2 * m * k * n,
             transcendentals=0,
-            bytes_accessed=int((m * k * lhs_reads + m * n) * itemsize
-                               + expected_active_groups(m, num_groups) * group_bytes),
+            bytes_accessed=int((m * k * lhs_reads + m * n) * itemsize + plan.active_groups * group_bytes),
         ),
         name="ragged_dot",
     )
-    return call(*items, lhs, *([rhs] * groups_per_step), *scale_operands)
+    return call(*items, lhs, *specs.operands)

@@ -1,7 +1,8 @@
-"""Torch ops over the Pallas kernels, with autograd, and the public functions: the one place inputs are checked.
+"""Torch ops over the Pallas kernels and the public functions: the one place inputs are checked.
 
-The JAX functions (`pallas_tpu.py`) assume valid inputs; the backward ops
-are reached only through autograd, with tensors the forward ops checked.
+The JAX functions (`pallas_tpu.py`) assume valid inputs; the ops' gradients
+are those of its `jax.custom_vjp` functions, which the binding hands to torch
+autograd.
 """
 
 from __future__ import annotations
@@ -19,66 +20,14 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 @jax_torch_op(add_op_namespace_prefix("rms_norm"))
 def _rms_norm_op(x: jax.Array, weight: jax.Array, eps: float, offset: float) -> jax.Array:
-    return pallas_tpu.rms_norm(x, weight, eps=eps, offset=offset)
-
-
-@jax_torch_op(add_op_namespace_prefix("rms_norm_backward"))
-def _rms_norm_backward_op(
-    grad: jax.Array, x: jax.Array, weight: jax.Array, eps: float, offset: float
-) -> tuple[jax.Array, jax.Array]:
-    return pallas_tpu.rms_norm_backward(grad, x, weight, eps=eps, offset=offset)
+    return pallas_tpu.differentiable_rms_norm(x, weight, eps, offset)
 
 
 @jax_torch_op(add_op_namespace_prefix("fused_add_rms_norm"))
 def _fused_add_rms_norm_op(
     x: jax.Array, residual: jax.Array, weight: jax.Array, eps: float, offset: float
 ) -> tuple[jax.Array, jax.Array]:
-    return pallas_tpu.fused_add_rms_norm(x, residual, weight, eps=eps, offset=offset)
-
-
-@jax_torch_op(add_op_namespace_prefix("fused_add_rms_norm_backward"))
-def _fused_add_rms_norm_backward_op(
-    grad_y: jax.Array,
-    grad_new_residual: jax.Array,
-    new_residual: jax.Array,
-    weight: jax.Array,
-    eps: float,
-    offset: float,
-) -> tuple[jax.Array, jax.Array]:
-    return pallas_tpu.fused_add_rms_norm_backward(grad_y, grad_new_residual, new_residual, weight, eps=eps, offset=offset)
-
-
-def _save_rms_norm_inputs(ctx, inputs, output):
-    x, weight, eps, offset = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.eps, ctx.offset = eps, offset
-
-
-def _rms_norm_backward(ctx, grad):
-    x, weight = ctx.saved_tensors
-    dx, weight_grad = _rms_norm_backward_op(grad.contiguous(), x, weight, ctx.eps, ctx.offset)
-    return dx, weight_grad, None, None
-
-
-_rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_save_rms_norm_inputs)
-
-
-def _save_fused_outputs(ctx, inputs, output):
-    _, _, weight, eps, offset = inputs
-    # The norm's input is the new residual: saving the output avoids keeping x and residual.
-    ctx.save_for_backward(output[1], weight)
-    ctx.eps, ctx.offset = eps, offset
-
-
-def _fused_add_rms_norm_backward(ctx, grad_y, grad_new_residual):
-    new_residual, weight = ctx.saved_tensors
-    grad_sum, weight_grad = _fused_add_rms_norm_backward_op(
-        grad_y.contiguous(), grad_new_residual.contiguous(), new_residual, weight, ctx.eps, ctx.offset
-    )
-    return grad_sum, grad_sum, weight_grad, None, None
-
-
-_fused_add_rms_norm_op.register_autograd(_fused_add_rms_norm_backward, setup_context=_save_fused_outputs)
+    return pallas_tpu.differentiable_fused_add_rms_norm(x, residual, weight, eps, offset)
 
 
 def _check_tensor(name: str, value, like: torch.Tensor | None = None) -> None:

@@ -235,3 +235,43 @@ def fused_add_rms_norm_backward(
     return _backward(
         "fused_add_rms_norm_backward", grads, new_residual, weight, eps, offset, generation, block_rows
     )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def differentiable_rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float) -> jax.Array:
+    """`rms_norm`, whose gradients run `rms_norm_backward`."""
+    return rms_norm(x, weight, eps=eps, offset=offset)
+
+
+def _rms_norm_vjp_forward(x, weight, eps, offset):
+    return rms_norm(x, weight, eps=eps, offset=offset), (x, weight)
+
+
+def _rms_norm_vjp_backward(eps, offset, residuals, grad):
+    x, weight = residuals
+    return rms_norm_backward(grad, x, weight, eps=eps, offset=offset)
+
+
+differentiable_rms_norm.defvjp(_rms_norm_vjp_forward, _rms_norm_vjp_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def differentiable_fused_add_rms_norm(x: jax.Array, residual: jax.Array, weight: jax.Array, eps: float,
+                                      offset: float) -> tuple[jax.Array, jax.Array]:
+    """`fused_add_rms_norm`, whose gradients run `fused_add_rms_norm_backward`."""
+    return fused_add_rms_norm(x, residual, weight, eps=eps, offset=offset)
+
+
+def _fused_vjp_forward(x, residual, weight, eps, offset):
+    y, new_residual = fused_add_rms_norm(x, residual, weight, eps=eps, offset=offset)
+    # The norm's input is the new residual: keeping it (an output) spares keeping x and residual.
+    return (y, new_residual), (new_residual, weight)
+
+
+def _fused_vjp_backward(eps, offset, residuals, grads):
+    new_residual, weight = residuals
+    grad_sum, weight_grad = fused_add_rms_norm_backward(*grads, new_residual, weight, eps=eps, offset=offset)
+    return grad_sum, grad_sum, weight_grad
+
+
+differentiable_fused_add_rms_norm.defvjp(_fused_vjp_forward, _fused_vjp_backward)

@@ -1,0 +1,201 @@
+"""Plans: a call's problem (`problem.py`) goes in, the plan its kernels run comes out.
+
+A plan is made once per call and handed to the kernels, which take arrays
+and a plan and never come back for a decision. `plan_experts` decides the
+experts layer whole: the kernel (fused or grouped, by the rule
+`config.use_fused_experts`), the weights' orientation, and the tiles,
+buffers and VMEM limit of every kernel of its forward and backward.
+`plan_ragged_dot`, `plan_tgmm` and `plan_fused` plan one kernel call. The
+choices themselves (tiles, the rule, the VMEM each kernel holds) are
+`config.py`'s.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ._hardware import resolve_generation, vmem_limit_bytes
+from .config import (
+    Buffer, FusedConfig, TgmmConfig, TileConfig, WeightsOrientation, check_config, check_fused_config,
+    check_tgmm_config, expected_active_groups, fused_buffers, fused_chunks, fused_config, fused_vmem_bytes,
+    matmul_buffers, row_chunks, row_tile_rows, select_config, select_d_lhs_config, select_tgmm_config, tgmm_blocks,
+    tgmm_buffers, tgmm_vmem_limit, use_fused_experts, vmem_limit, weights_orientation,
+)
+from .problem import ExpertsProblem, MatmulProblem, TgmmProblem
+from .quant import scheme_of
+
+
+class MatmulPlan(NamedTuple):
+    """One grouped matmul as `pallas_tpu.grouped_matmul` runs it: blocks resolved for the problem's shape."""
+
+    problem: MatmulProblem
+    tile_m: int  # rows of a row tile (`row_tile_rows`)
+    tile_k: int
+    tile_n: int
+    chunk_m: int | None  # rows per MXU pass; None: the whole row tile
+    groups_per_step: int
+    buffers: tuple[Buffer, ...]  # what the pipeline holds in VMEM (`matmul_buffers`)
+    vmem_limit_bytes: int
+    active_groups: float  # expected, for the cost estimate (`expected_active_groups`)
+
+
+def plan_ragged_dot(problem: MatmulProblem, generation: str | None = None,
+                    config: TileConfig | None = None) -> MatmulPlan:
+    """The plan of one grouped matmul: `config`'s tiles (checked), else `select_config`'s."""
+    m, k, n, dtype, rhs_dtype = problem.m, problem.k, problem.n, problem.dtype, problem.rhs_dtype
+    transpose_rhs = problem.transpose_rhs
+    if config is None:
+        config = select_config(m, k, n, dtype, generation=generation, num_groups=problem.groups, rhs_dtype=rhs_dtype,
+                               transpose_rhs=transpose_rhs)
+    check_config(config, m, k, n, dtype, rhs_dtype, transpose_rhs)
+    return MatmulPlan(
+        problem=problem, tile_m=row_tile_rows(config, m, dtype), tile_k=min(config.tile_k, k),
+        tile_n=min(config.tile_n, n), chunk_m=config.chunk_m if row_chunks(config, m, dtype) > 1 else None,
+        groups_per_step=config.groups_per_step, buffers=matmul_buffers(config, m, k, n, dtype, rhs_dtype, transpose_rhs),
+        vmem_limit_bytes=vmem_limit(config, m, k, n, dtype, rhs_dtype, transpose_rhs),
+        active_groups=expected_active_groups(m, problem.groups),
+    )
+
+
+class TgmmPlan(NamedTuple):
+    """One weights' gradient as `pallas_tgmm.tgmm_call` runs it (blocks of `tgmm_blocks`)."""
+
+    problem: TgmmProblem
+    tile_m: int
+    tile_k: int
+    tile_n: int
+    chunk_m: int
+    group_chunks: bool  # chunks laid from each group's first row (only with more than one chunk per tile)
+    buffers: tuple[Buffer, ...]  # what the pipeline holds in VMEM (`tgmm_buffers`)
+    vmem_limit_bytes: int
+
+
+def plan_tgmm(problem: TgmmProblem, generation: str | None = None, config: TgmmConfig | None = None) -> TgmmPlan:
+    """The plan of one tgmm call: `config`'s tiles (checked), else `select_tgmm_config`'s."""
+    m, k, n, dtype, out_dtype = problem.m, problem.k, problem.n, problem.dtype, problem.out_dtype
+    if config is None:
+        config = select_tgmm_config(m, k, n, dtype, generation=generation, out_dtype=out_dtype,
+                                    num_groups=problem.groups)
+    check_tgmm_config(config, m, k, n, dtype, out_dtype)
+    tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, m, k, n, dtype)
+    return TgmmPlan(problem, tile_m, tile_k, tile_n, chunk_m, config.group_chunks and chunk_m < tile_m,
+                    tgmm_buffers(config, m, k, n, dtype, out_dtype), tgmm_vmem_limit(config, m, k, n, dtype, out_dtype))
+
+
+class MatmulBackwardPlan(NamedTuple):
+    """The gradients of one grouped matmul: d_lhs (a grouped matmul against the same weights read the other way)
+    and d_rhs (tgmm; `swapped`: of `(d_out, lhs)`, for weights read transposed)."""
+
+    d_lhs: MatmulPlan
+    d_rhs: TgmmPlan
+    swapped: bool
+
+
+def plan_ragged_dot_backward(forward: MatmulProblem, generation: str | None = None) -> MatmulBackwardPlan:
+    """The backward of `forward`: d_lhs tiles of `select_d_lhs_config`, d_rhs of `select_tgmm_config`."""
+    m, k, n, groups, dtype = forward.m, forward.k, forward.n, forward.groups, forward.dtype
+    d_lhs = MatmulProblem(m, n, k, groups, dtype, dtype, transpose_rhs=not forward.transpose_rhs)
+    d_lhs_config = select_d_lhs_config(m, n, k, dtype, generation=generation, num_groups=groups)
+    d_rhs = TgmmProblem(m, n, k, groups, dtype, dtype) if forward.transpose_rhs else TgmmProblem(m, k, n, groups,
+                                                                                                  dtype, dtype)
+    return MatmulBackwardPlan(plan_ragged_dot(d_lhs, config=d_lhs_config), plan_tgmm(d_rhs, generation),
+                              swapped=forward.transpose_rhs)
+
+
+class FusedPlan(NamedTuple):
+    """The fused experts kernel as `pallas_fused.fused_experts_call` runs it."""
+
+    problem: ExpertsProblem
+    orientation: WeightsOrientation
+    chunk_rows: int
+    chunks: int  # chunks of `chunk_rows` rows that hold an expert's rows
+    tile_i: int
+    i_tiles: int
+    gate_up_parts: int  # 2: gate and up blocks apart (concatenated, I tiled); 1: one block of both
+    buffers: tuple[Buffer, ...]  # what the pipeline holds in VMEM (`fused_buffers`)
+    vmem_limit_bytes: int
+    active_experts: float  # expected, for the cost estimate
+
+
+def plan_fused(problem: ExpertsProblem, config: FusedConfig | None = None) -> FusedPlan:
+    """The fused kernel's plan: `config`'s blocks (checked), else `fused_config`'s; ValueError if none fits."""
+    shape = _fused_shape(problem)
+    if config is None:
+        config = fused_config(*shape.args, **shape.options)
+        if config is None:
+            raise ValueError(f"fused_experts: no I tiling of T={problem.tokens}, H={problem.hidden}, "
+                             f"I={problem.intermediate} fits VMEM; use the grouped path")
+    check_fused_config(config, *shape.args, **shape.options)
+    i_tiles = problem.intermediate // config.tile_i
+    options = dict(shape.options, top_k=problem.top_k, routing_dtype=problem.routing_dtype)
+    return FusedPlan(
+        problem=problem, orientation=_orientation(problem), chunk_rows=config.chunk_rows,
+        chunks=fused_chunks(config, problem.tokens), tile_i=config.tile_i, i_tiles=i_tiles,
+        gate_up_parts=2 if i_tiles > 1 and not problem.gate.interleaved else 1,
+        buffers=fused_buffers(config, *shape.args, **options),
+        vmem_limit_bytes=vmem_limit_bytes(fused_vmem_bytes(config, *shape.args, **options)),
+        active_experts=expected_active_groups(problem.picks, problem.num_experts),
+    )
+
+
+class _FusedShape(NamedTuple):
+    args: tuple
+    options: dict
+
+
+def _fused_shape(problem: ExpertsProblem) -> _FusedShape:
+    """The arguments `fused_config` and its checks take for this problem."""
+    return _FusedShape(
+        (problem.tokens, problem.hidden, problem.intermediate, problem.num_experts, problem.dtype),
+        dict(weights_transposed=problem.weights_transposed, interleaved=problem.gate.interleaved,
+             has_bias=problem.has_bias, weights_dtype=problem.weights_dtype),
+    )
+
+
+def _orientation(problem: ExpertsProblem) -> WeightsOrientation:
+    return weights_orientation(problem.hidden, problem.intermediate, weights_transposed=problem.weights_transposed)
+
+
+class ExpertsPlan(NamedTuple):
+    """Everything the experts layer's kernels need, decided once per call.
+
+    `fused` is the fused kernel's plan when it serves the forward, else None;
+    `gate_up` and `down` plan the grouped path's two matmuls, which the
+    forward under differentiation always takes; `gate_up_backward` and
+    `down_backward` plan the backward (None for one-byte weights, which have
+    none).
+    """
+
+    problem: ExpertsProblem
+    orientation: WeightsOrientation
+    fused: FusedPlan | None
+    gate_up: MatmulPlan
+    down: MatmulPlan
+    gate_up_backward: MatmulBackwardPlan | None
+    down_backward: MatmulBackwardPlan | None
+
+
+def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fused: bool | None = None) -> ExpertsPlan:
+    """The plan of one experts call on `generation` (default: this device's).
+
+    `fused` forces a path; None takes the rule (`use_fused_experts`).
+    """
+    generation = resolve_generation(generation)
+    orientation = _orientation(problem)
+    if fused is None:
+        fused = use_fused_experts(*_fused_shape(problem).args, **_fused_shape(problem).options)
+    picks, hidden, intermediate = problem.picks, problem.hidden, problem.intermediate
+
+    def matmul(k: int, n: int, read_transposed: bool) -> MatmulProblem:
+        return MatmulProblem(picks, k, n, problem.num_experts, problem.dtype, problem.weights_dtype,
+                             transpose_rhs=not read_transposed, zero_rows_past_groups=False)
+
+    gate_up = matmul(hidden, 2 * intermediate, orientation.gate_up_transposed)
+    down = matmul(intermediate, hidden, orientation.down_transposed)
+    trains = scheme_of(problem.weights_dtype) is None
+    return ExpertsPlan(
+        problem=problem, orientation=orientation, fused=plan_fused(problem) if fused else None,
+        gate_up=plan_ragged_dot(gate_up, generation), down=plan_ragged_dot(down, generation),
+        gate_up_backward=plan_ragged_dot_backward(gate_up, generation) if trains else None,
+        down_backward=plan_ragged_dot_backward(down, generation) if trains else None,
+    )

@@ -1,0 +1,146 @@
+"""What a call computes, as values: the static description a plan is made from, and the experts layer's arrays.
+
+- `ExpertWeights`: the six arrays of a gated experts layer (projections,
+  optional biases, optional scales of one-byte weights), passed as one value.
+- `Gate`: the gated activation between the two projections.
+- `ExpertsProblem`: the static description of one experts call (shapes,
+  dtypes, gate, weight orientation, quantization, biases); hashable, so it
+  can be a static argument of jit and custom_vjp.
+- `MatmulProblem` / `TgmmProblem`: one grouped matmul, one weights' gradient.
+
+`plan.plan_experts(problem, generation)` turns a problem into the plan the
+kernels run; the kernels take arrays and a plan.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .quant import swapped_minor_dims
+
+
+class Gate(NamedTuple):
+    """The gated activation: `activation` (one of `gates.GATES`) of the gate half times the up half.
+
+    The gate is the first half of the gate_up projection, or its even
+    columns when `interleaved`; `alpha` and `limit` parametrise GPT-OSS's
+    clamped SwiGLU.
+    """
+
+    activation: str
+    interleaved: bool = False
+    alpha: float = 1.0
+    limit: float = float("inf")
+
+
+class ExpertWeights(NamedTuple):
+    """The arrays of a gated experts layer, in transformers' layouts.
+
+    `gate_up_proj[E, 2I, H]` and `down_proj[E, H, I]` (or `[E, H, 2I]` /
+    `[E, I, H]` when transposed); optional `gate_up_bias[E, 2I]` and
+    `down_bias[E, H]`; int8 or float8_e4m3fn projections come with their
+    float32 scales (`quant.py`).
+    """
+
+    gate_up_proj: jax.Array
+    down_proj: jax.Array
+    gate_up_bias: jax.Array | None = None
+    down_bias: jax.Array | None = None
+    gate_up_scales: jax.Array | None = None
+    down_scales: jax.Array | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.gate_up_scales is not None or self.down_scales is not None
+
+    def as_read(self, orientation, *, weights_transposed: bool) -> ExpertWeights:
+        """The views of both projections (and their scales) that the kernels read: each in the order XLA stores
+        it (`orientation`, a `config.WeightsOrientation`); a swapped view is a bitcast."""
+        gate_up, gate_up_scales, down, down_scales = (self.gate_up_proj, self.gate_up_scales, self.down_proj,
+                                                      self.down_scales)
+        if orientation.gate_up_transposed != weights_transposed:
+            gate_up, gate_up_scales = swapped_minor_dims(gate_up, gate_up_scales)
+        if orientation.down_transposed != weights_transposed:
+            down, down_scales = swapped_minor_dims(down, down_scales)
+        return self._replace(gate_up_proj=gate_up, down_proj=down, gate_up_scales=gate_up_scales,
+                             down_scales=down_scales)
+
+
+class ExpertsProblem(NamedTuple):
+    """One experts call: `hidden_states[T, H]` routed to `top_k` of `num_experts` experts of intermediate size I."""
+
+    tokens: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    num_experts: int
+    dtype: str  # the activations'
+    weights_dtype: str  # bfloat16 / float32, or int8 / float8_e4m3fn (quantized)
+    routing_dtype: str  # top_k_weights'
+    weights_transposed: bool
+    has_bias: bool
+    gate: Gate
+
+    @classmethod
+    def of(cls, hidden_states, top_k_index, top_k_weights, weights: ExpertWeights, gate: Gate, *,
+           weights_transposed: bool) -> ExpertsProblem:
+        down = weights.down_proj.shape
+        return cls(
+            tokens=hidden_states.shape[0], top_k=top_k_index.shape[1], hidden=hidden_states.shape[1],
+            intermediate=down[1] if weights_transposed else down[2], num_experts=weights.gate_up_proj.shape[0],
+            dtype=jnp.dtype(hidden_states.dtype).name, weights_dtype=jnp.dtype(weights.gate_up_proj.dtype).name,
+            routing_dtype=jnp.dtype(top_k_weights.dtype).name, weights_transposed=bool(weights_transposed),
+            has_bias=weights.gate_up_bias is not None, gate=Gate(*gate),
+        )
+
+    @property
+    def picks(self) -> int:
+        return self.tokens * self.top_k
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to compute: no tokens, picks, hidden size or experts."""
+        return 0 in (self.tokens, self.top_k, self.hidden, self.num_experts)
+
+
+class MatmulProblem(NamedTuple):
+    """`lhs[m, k] x rhs[groups, k, n]` (rhs `[groups, n, k]` with `transpose_rhs`) per row group."""
+
+    m: int
+    k: int
+    n: int
+    groups: int
+    dtype: str  # lhs's and the output's
+    rhs_dtype: str  # lhs's, or int8 / float8_e4m3fn
+    transpose_rhs: bool
+    zero_rows_past_groups: bool = True
+
+
+class TgmmProblem(NamedTuple):
+    """Per group `lhs_g^T @ rhs_g`: `lhs[m, k], rhs[m, n] -> [groups, k, n]` in `out_dtype`."""
+
+    m: int
+    k: int
+    n: int
+    groups: int
+    dtype: str
+    out_dtype: str
+
+
+def describe_experts(hidden_states, top_k_index, top_k_weights, *weights, activation: str, weights_transposed: bool,
+                     interleaved: bool = False, alpha: float = 1.0,
+                     limit: float = float("inf")) -> tuple[ExpertsProblem, ExpertWeights]:
+    """An experts call's problem and arrays from the arguments of `moe.gated_experts`.
+
+    `weights` are those of `ExpertWeights`, in its order (`gate_up_proj,
+    down_proj`, then optionally the biases and the scales of one-byte
+    weights), in transformers' layouts; the gate is `Gate(activation,
+    interleaved, alpha, limit)`.
+    """
+    weights = ExpertWeights(*weights)
+    gate = Gate(activation, bool(interleaved), float(alpha), float(limit))
+    return ExpertsProblem.of(hidden_states, top_k_index, top_k_weights, weights, gate,
+                             weights_transposed=weights_transposed), weights

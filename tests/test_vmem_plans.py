@@ -1,0 +1,119 @@
+"""ragged-dot-tpu's plans count the VMEM its kernels' block specs and scratch hold, as tpu_kernels.perf derives it.
+
+Each kernel's plan lists its buffers (`config.Buffer`: block shapes, dtypes,
+buffer counts); the VMEM limit a kernel asks for is their sum plus the values
+it keeps beside them. Here the sum is checked against the replayed call:
+every block spec and scratch operand the kernel builds, for plain, chunked,
+multi-slot, transposed and quantized grouped matmuls, tgmm with and without
+group chunks, and the fused kernel with I tiles, interleaved gates, biases
+and one-byte weights.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernels import get_local_kernel
+
+from tests.conftest import REPO_ROOT
+from tpu_kernels import perf
+from tpu_kernels.builder import build_kernel_repo
+
+S = jax.ShapeDtypeStruct
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    build = build_kernel_repo(REPO_ROOT / "kernel_repos" / "ragged-dot-tpu", tmp_path_factory.mktemp("build"))
+    return get_local_kernel(build, backend="cpu")
+
+
+def _replayed_vmem(fn, *args) -> int:
+    [call] = perf.model_pallas_traffic(fn, *args)
+    return call.vmem_bytes
+
+
+def _planned_vmem(plan, config) -> int:
+    return config.buffers_bytes(plan.buffers)
+
+
+MATMUL_CASES = {
+    # m, k, n, groups, rhs dtype, transpose_rhs, tiles (tile_m, tile_k, tile_n, chunk_m, groups_per_step)
+    "resident-rows": (64, 256, 384, 4, "bfloat16", False, (64, 256, 384, None, 1)),
+    "row-tiles-in-chunks": (200, 256, 256, 4, "bfloat16", True, (64, 128, 128, 32, 1)),
+    "group-slots": (48, 128, 256, 6, "float32", False, (48, 128, 256, None, 3)),
+    "transposed-ragged-edges": (100, 200, 300, 3, "bfloat16", True, (112, 200, 300, None, 1)),
+    "int8": (64, 256, 256, 4, "int8", True, (64, 256, 256, None, 1)),
+    "fp8": (64, 256, 384, 4, "float8_e4m3fn", False, (64, 256, 384, None, 2)),
+}
+
+
+@pytest.mark.parametrize("case", list(MATMUL_CASES))
+def test_grouped_matmul_plan_counts_the_vmem_of_its_block_specs(kernel, case):
+    m, k, n, groups, rhs_dtype, transpose_rhs, tiles = MATMUL_CASES[case]
+    config = kernel.config
+    problem = kernel.problem.MatmulProblem(m, k, n, groups, "bfloat16" if rhs_dtype != "float32" else "float32",
+                                           rhs_dtype, transpose_rhs=transpose_rhs)
+    plan = kernel.plan.plan_ragged_dot(problem, "v6e", config.TileConfig(*tiles))
+    rhs_shape = (groups, n, k) if transpose_rhs else (groups, k, n)
+    scheme = kernel.quant.scheme_of(rhs_dtype)
+    scales = None if scheme is None else S(kernel.quant.expected_scales_shape(scheme, rhs_shape,
+                                                                             1 if transpose_rhs else 2), jnp.float32)
+    sizes = np.full(groups, m // groups, np.int32)
+    fn = functools.partial(kernel.pallas_tpu.grouped_matmul, plan=plan)
+    replayed = _replayed_vmem(fn, S((m, k), problem.dtype), S(rhs_shape, rhs_dtype), sizes, scales)
+    assert _planned_vmem(plan, config) == replayed
+
+
+@pytest.mark.parametrize("tiles", [(64, 128, 256, 32, False), (64, 256, 128, 16, True), (512, 256, 256, 128, False)])
+def test_tgmm_plan_counts_the_vmem_of_its_block_specs(kernel, tiles):
+    m, k, n, groups = 200, 256, 256, 5
+    config = kernel.config
+    problem = kernel.problem.TgmmProblem(m, k, n, groups, "bfloat16", "bfloat16")
+    plan = kernel.plan.plan_tgmm(problem, "v6e", config.TgmmConfig(*tiles))
+    sizes = np.asarray([30, 0, 70, 60, 40], np.int32)
+    fn = functools.partial(kernel.pallas_tgmm.tgmm_call, plan=plan)
+    assert _planned_vmem(plan, config) == _replayed_vmem(fn, S((m, k), jnp.bfloat16), S((m, n), jnp.bfloat16), sizes)
+
+
+FUSED_CASES = {
+    # tokens, hidden, intermediate, experts, weights dtype, weights_transposed, bias, gate, fused tiles
+    "whole-i": (16, 256, 128, 8, "bfloat16", False, False, dict(activation="silu"), None),
+    "i-tiles": (20, 256, 256, 8, "bfloat16", False, True, dict(activation="silu"), (16, 128)),
+    "interleaved-transposed": (20, 256, 192, 8, "bfloat16", True, True,
+                               dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (16, 64)),
+    "int8": (16, 256, 256, 8, "int8", False, False, dict(activation="silu"), (16, 128)),
+    "fp8": (16, 256, 256, 8, "float8_e4m3fn", True, False, dict(activation="gelu"), None),
+}
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_fused_plan_counts_the_vmem_of_its_block_specs(kernel, case):
+    tokens, hidden, intermediate, experts, weights_dtype, transposed, bias, gate, tiles = FUSED_CASES[case]
+    config, problem_module = kernel.config, kernel.problem
+    top_k = 2
+    gate_up = (experts, hidden, 2 * intermediate) if transposed else (experts, 2 * intermediate, hidden)
+    down = (experts, intermediate, hidden) if transposed else (experts, hidden, intermediate)
+    weights = [S(gate_up, weights_dtype), S(down, weights_dtype)]
+    weights += [S((experts, 2 * intermediate), jnp.bfloat16), S((experts, hidden), jnp.bfloat16)] if bias else [None,
+                                                                                                               None]
+    scheme = kernel.quant.scheme_of(weights_dtype)
+    if scheme is not None:
+        out_axis = 2 if transposed else 1
+        weights += [S(kernel.quant.expected_scales_shape(scheme, shape, out_axis), jnp.float32) for shape in (gate_up,
+                                                                                                          down)]
+    expert_weights = problem_module.ExpertWeights(*weights)
+    hidden_states = S((tokens, hidden), jnp.bfloat16)
+    index = np.random.default_rng(0).integers(0, experts, (tokens, top_k)).astype(np.int32)
+    routing = np.full((tokens, top_k), 0.5, np.float32)
+    problem = problem_module.ExpertsProblem.of(hidden_states, index, routing, expert_weights,
+                                               problem_module.Gate(**gate), weights_transposed=transposed)
+    plan = kernel.plan.plan_fused(problem, None if tiles is None else config.FusedConfig(*tiles))
+
+    def run(hidden_states, index, routing, *weights):
+        read = problem_module.ExpertWeights(*weights).as_read(plan.orientation, weights_transposed=transposed)
+        return kernel.pallas_fused.fused_experts_call(plan, hidden_states, index, routing, read)
+
+    assert _planned_vmem(plan, config) == _replayed_vmem(run, hidden_states, index, routing, *weights)
