@@ -308,6 +308,22 @@ def make_cases(settings, tokens_list) -> list[Case]:
 # ----------------------------------------------------------------------------- the layers
 
 
+@contextlib.contextmanager
+def build_folder(cache_dir: Path | None):
+    """Where the kernel repo is built and loaded from: a fixed folder under the cache, else a temporary one.
+
+    A Mosaic kernel's lowered text embeds the source paths of the code that traced it (its location info),
+    so ours is only found in the compile cache when it is built at the same path on every run.
+    """
+    if cache_dir is None:
+        with tempfile.TemporaryDirectory() as folder:
+            yield Path(folder)
+    else:
+        folder = Path(cache_dir) / "build"
+        folder.mkdir(parents=True, exist_ok=True)
+        yield folder
+
+
 def load_kernel(repo: Path, build_dir: Path):
     import kernels
 
@@ -1567,8 +1583,8 @@ def main(argv=None) -> int:
 
     rows = []
     report = None
-    with tempfile.TemporaryDirectory() as build_dir:
-        built = load_kernel(args.repo, Path(build_dir))
+    with build_folder(None if args.no_cache else args.cache_dir) as build_dir:
+        built = load_kernel(args.repo, build_dir)
         queued: list = []
         upcoming = iter(cases)
         while True:

@@ -80,7 +80,6 @@ import math
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -218,8 +217,8 @@ def experts_layers(repo: Path, cache_dir: Path | None, jobs: int) -> dict[tuple[
     cache = moe_layer.Cache(cache_dir)
     compiler = moe_layer.Compiler(cache, jobs)
     finishers = {}
-    with tempfile.TemporaryDirectory() as build_dir:
-        built = moe_layer.load_kernel(repo, Path(build_dir))
+    with moe_layer.build_folder(cache_dir) as build_dir:
+        built = moe_layer.load_kernel(repo, build_dir)
         for mode, setting in settings().items():
             for batch in BATCHES:
                 case = moe_layer.make_case(setting, batch)

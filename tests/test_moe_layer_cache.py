@@ -127,3 +127,15 @@ def test_quantized_variants_take_the_kernels_arguments_and_minimum(tmp_path):
         assert [a.dtype for a in args[3:5]] == [dtype, dtype]
         assert [a.shape for a in args[5:]] == [
             built.quant.expected_scales_shape(scheme, shape, 1) for shape in case.weight_shapes()]
+
+
+def test_the_kernel_is_built_at_the_same_path_on_every_cached_run(tmp_path):
+    """A Mosaic kernel's lowered text embeds its source paths: a build in a fresh temporary folder per run
+    would miss every cached compile of ours."""
+    moe_layer = load_moe_layer()
+    with moe_layer.build_folder(tmp_path) as first:
+        pass
+    with moe_layer.build_folder(tmp_path) as second:
+        assert second == first == tmp_path / "build"
+    with moe_layer.build_folder(None) as temporary:
+        assert temporary.is_dir() and tmp_path not in temporary.parents
