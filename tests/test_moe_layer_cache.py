@@ -16,17 +16,52 @@ def load_moe_layer():
     return module
 
 
-def test_cache_keys_change_when_the_model_code_changes(tmp_path, monkeypatch):
+def test_compile_keys_ignore_the_model_and_replay_keys_follow_perf(monkeypatch):
+    """A compile is keyed by what the compiler sees (module text, library versions): a model change never
+    recompiles. A replay is perf.py's work: its key changes with perf.py's source."""
     moe_layer = load_moe_layer()
-    for source in moe_layer.MODEL_SOURCES:
-        (tmp_path / source).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(ROOT / source, tmp_path / source)
-    monkeypatch.setattr(moe_layer, "ROOT", tmp_path)
-    before = moe_layer.Cache(None).key("replay", "the same jaxpr")
-    assert moe_layer.Cache(None).key("replay", "the same jaxpr") == before
-    with open(tmp_path / "tpu_kernels" / "perf.py", "a") as perf:
-        perf.write("\n# a changed model\n")
-    assert moe_layer.Cache(None).key("replay", "the same jaxpr") != before
+    compile_key = moe_layer.Cache(None).key("compile", "v6e", "the same module")
+    replay_key = moe_layer.Cache(None).key("replay", "the same jaxpr")
+    assert moe_layer.Cache(None).key("replay", "the same jaxpr") == replay_key
+    monkeypatch.setattr(moe_layer, "_source_of", lambda module: "perf.py after a change")
+    assert moe_layer.Cache(None).key("compile", "v6e", "the same module") == compile_key
+    assert moe_layer.Cache(None).key("replay", "the same jaxpr") != replay_key
+    assert moe_layer.Cache(None).key("compile", "v6e", "another module") != compile_key
+
+
+def test_a_cached_compile_is_reanalysed_not_recompiled(tmp_path):
+    """The cache holds what the compile left (HLO text, cost, memory); a second run reads it back and analyses
+    it under the current model, without compiling."""
+    import jax
+    import jax.numpy as jnp
+
+    moe_layer = load_moe_layer()
+    avals = [jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)]
+
+    def fn(x):
+        return (x * 2).sum(axis=0)
+
+    first = moe_layer.Cache(tmp_path)
+    compiler = moe_layer.Compiler(first, 1)
+    program = compiler.submit(fn, avals, "v5e").result()
+    compiler.pool.shutdown()
+    assert first.misses == 1 and first.hits == 0
+    again = moe_layer.Cache(tmp_path)
+    cached = moe_layer.Compiler(again, 1).submit(fn, avals, "v5e").result()
+    assert again.hits == 1 and again.misses == 0
+    assert type(cached) is type(program) and cached.ops == program.ops and cached.hbm_bytes == program.hbm_bytes
+
+
+def test_tracked_json_is_one_object_per_line_with_sorted_keys():
+    import json
+
+    moe_layer = load_moe_layer()
+    report = {"shapes": [{"b": 1, "a": [1, 2]}, {"a": 3}], "targets": {"z": {"rows": [{"y": 1, "x": 2}]}, "a": 1.5}}
+    text = moe_layer.dump_compact(report)
+    assert json.loads(text) == report
+    lines = [line.strip().rstrip(",") for line in text.splitlines()]
+    assert '{"a": [1, 2], "b": 1}' in lines and '{"a": 3}' in lines and '{"x": 2, "y": 1}' in lines
+    assert text.index('"a": 1.5') < text.index('"z"')
 
 
 def test_rival_layer_computes_the_experts_layer(tmp_path):
@@ -92,3 +127,15 @@ def test_quantized_variants_take_the_kernels_arguments_and_minimum(tmp_path):
         assert [a.dtype for a in args[3:5]] == [dtype, dtype]
         assert [a.shape for a in args[5:]] == [
             built.quant.expected_scales_shape(scheme, shape, 1) for shape in case.weight_shapes()]
+
+
+def test_the_kernel_is_built_at_the_same_path_on_every_cached_run(tmp_path):
+    """A Mosaic kernel's lowered text embeds its source paths: a build in a fresh temporary folder per run
+    would miss every cached compile of ours."""
+    moe_layer = load_moe_layer()
+    with moe_layer.build_folder(tmp_path) as first:
+        pass
+    with moe_layer.build_folder(tmp_path) as second:
+        assert second == first == tmp_path / "build"
+    with moe_layer.build_folder(None) as temporary:
+        assert temporary.is_dir() and tmp_path not in temporary.parents
