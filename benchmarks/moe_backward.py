@@ -6,7 +6,7 @@ Gemma-4-26B-A4B, bf16, on v5e and v6e, this replays every backward kernel's
 grid with `tpu_kernels.perf.model_pallas_traffic` and models its time with
 `perf.roofline`. The headline is the calibrated pipelined figure
 (`pipelined_time_s`: each grid step max(its compute, its neighbours' copies)
-+ the generation's fitted step cost, `hardware.grid_step_s`: 0.34 us on v5e;
++ the generation's fitted step cost, `perf.grid_step_s`: 0.34 us on v5e;
 v6e has no measurements and takes v5e's), the figure `tpu-kernels calibrate`
 holds against tokamax's measured forward, d_lhs and d_rhs ragged dots; each
 time carries that calibration's error band (`calibration_bands`). The figure

@@ -36,7 +36,7 @@ bodies is not made; their kernels' time is the replay's either way).
 
 The headline is the calibrated pipelined figure (`pipelined_time_s`: each
 grid step max(its compute, its neighbours' copies) + the fitted per-step cost
-of the generation, `hardware.grid_step_s`), the figure `tpu-kernels
+of the generation, `perf.grid_step_s`), the figure `tpu-kernels
 calibrate` holds against real chips. Every time carries the calibrated error
 band of its terms (`calibration_bands`: Pallas kernels at the Pallas
 ragged-dot error, XLA ragged-dot loops at theirs, other XLA ops uncalibrated).
@@ -98,12 +98,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import calibration_bands  # noqa: E402
 from tpu_kernels import calibration, perf, tokamax_kernels, xla_program  # noqa: E402
-from tpu_kernels.hardware import (  # noqa: E402
-    default_layout_swaps_minor_dims,
-    grid_step_s,
-    round_up,
-    tpu_generation,
-)
+from tpu_kernels.hardware import default_layout_swaps_minor_dims, round_up, tpu_generation  # noqa: E402
+from tpu_kernels.perf import grid_step_s  # noqa: E402
 
 DEFAULT_REPO = ROOT / "kernel_repos" / "ragged-dot-tpu"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "moe_layer.json"
