@@ -11,6 +11,8 @@ from jax.experimental import pallas as pl
 from tpu_kernels.aot import compile_for, compile_repo
 from tpu_kernels.builder import build_kernel_repo
 
+pytestmark = pytest.mark.aot
+
 KERNEL_REPOS = sorted(p.parent for p in (Path(__file__).resolve().parents[1] / "kernel_repos").glob("*/build.toml"))
 
 

@@ -182,6 +182,8 @@ def _plain_add(x: jax.Array, y: jax.Array) -> jax.Array:
     return x + y
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_cpu_platform_is_chosen_only_off_tpu():
     """With libtpu installed and no TPU, the binding points jax at the CPU, unless told otherwise."""
     script = (

@@ -81,6 +81,7 @@ def test_not_a_kernel_repo_is_refused(tmp_path):
         KernelSource.open(tmp_path)
 
 
+@pytest.mark.multiprocess
 def test_builder_finds_the_binding_without_importing_it():
     """Importing the binding loads jax and torch and may switch jax to the CPU platform."""
     code = "import sys, tpu_kernels.builder; print([m for m in ('jax', 'torch', 'tpu_kernels.binding') if m in sys.modules])"

@@ -46,6 +46,7 @@ def _measurement(folder: str, file: str, label: str) -> calibration.Measurement:
     return found[0]
 
 
+@pytest.mark.aot
 @pytest.mark.parametrize("folder, file, label, band", PINNED, ids=[p[2] for p in PINNED])
 def test_pinned_entries_stay_inside_the_calibrated_bands(folder, file, label, band, tmp_path):
     measurement = _measurement(folder, file, label)
@@ -107,6 +108,8 @@ def test_the_chip_comes_from_the_folder_and_unknown_ops_or_untimed_entries_are_l
     assert measurements[0].chip == "v5e"
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_cli_writes_the_report_and_fails_only_on_a_file_it_cannot_read(tmp_path):
     source = tmp_path / "tpu_v5_lite"
     source.mkdir()

@@ -5,6 +5,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from tpu_kernels.builder import build_kernel_repo
 
 from .conftest import REPO_ROOT
@@ -12,6 +14,8 @@ from .conftest import REPO_ROOT
 KINDS_AND_REPOS = {"experts": "ragged-dot-tpu", "rmsnorm": "rmsnorm-tpu", "attention": "attention-tpu"}
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_demo_replaces_every_kind_and_exits_zero_with_identical_tokens():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     result = subprocess.run([sys.executable, "-m", "tpu_kernels.cli", "demo", "--new-tokens", "8"],
@@ -31,6 +35,8 @@ def _assert_quiet(result):
     assert "Warning" not in result.stdout and "No kernel mapping found" not in result.stdout, result.stdout[-3000:]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_demo_exits_non_zero_when_a_kind_is_not_replaced(tmp_path):
     """Attention from a build without a torch-cpu variant: kernelize falls back, the demo must fail."""
     builds = {kind: build_kernel_repo(REPO_ROOT / "kernel_repos" / repo, tmp_path) for kind, repo in KINDS_AND_REPOS.items()}
@@ -47,6 +53,8 @@ def test_demo_exits_non_zero_when_a_kind_is_not_replaced(tmp_path):
     _assert_quiet(result)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_demo_with_int8_experts_prints_their_error_and_the_bytes_saved():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     result = subprocess.run([sys.executable, "-m", "tpu_kernels.cli", "demo", "--new-tokens", "4",

@@ -140,6 +140,8 @@ _LAYOUT_SHAPES = [
 ]
 
 
+@pytest.mark.aot
+@pytest.mark.slow
 @pytest.mark.parametrize("generation", ["v5e", "v6e"])
 def test_default_layout_rule_matches_the_compiler(generation):
     from tpu_kernels.aot import topology_device

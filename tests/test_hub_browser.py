@@ -32,6 +32,8 @@ from .hub_support import (
     visible_text,
 )
 
+pytestmark = pytest.mark.browser
+
 WINDOW = (1280, 1600)
 BROWSER_TIMEOUT = 120
 # As root without a desktop session; no traffic but to the page (this machine's network is closed).

@@ -61,6 +61,7 @@ def local_files(folder: Path) -> dict[str, bytes]:
 # -- the kernels CLI --------------------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 def test_kernels_versions_lists_each_version_with_its_variants(published, env, api):
     # It lists the tree at revision `refs/heads/v<N>`: this was a 404 "Invalid rev id".
     repo = f"{TRUSTED}/ragged-dot-tpu"
@@ -72,6 +73,8 @@ def test_kernels_versions_lists_each_version_with_its_variants(published, env, a
     api.delete_branch(repo, repo_type="kernel", branch="v2")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_kernels_info_by_version_branch_tag_and_full_ref_name(published, env, api):
     repo = f"{TRUSTED}/rmsnorm-tpu"
     api.create_tag(repo, repo_type="kernel", tag="info-tag", revision="v1")
@@ -80,6 +83,8 @@ def test_kernels_info_by_version_branch_tag_and_full_ref_name(published, env, ap
         assert (info["name"], info["version"], info["backends"]) == ("rmsnorm-tpu", 1, ["cpu", "tpu"]), selector
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_kernels_lock_then_download_pins_the_published_commits(published, env, tmp_path):
     env = {**env, "KERNELS_CACHE": str(tmp_path / "kernels-cache")}
     project = tmp_path / "project"
@@ -103,6 +108,7 @@ def test_kernels_lock_then_download_pins_the_published_commits(published, env, t
         assert local_files(snapshot) == local_files(published.builds[name] / "build")
 
 
+@pytest.mark.multiprocess
 def test_kernels_verify_signature_of_an_unsigned_kernel_is_a_clear_message(published, env):
     result = run_cli("kernels", "verify-signature", "--all-variants", f"{TRUSTED}/attention-tpu", "1",
                      env=env, returncode=1)
@@ -115,6 +121,8 @@ def test_kernels_verify_signature_of_an_unsigned_kernel_is_a_clear_message(publi
 # -- the hf CLI -------------------------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_hf_cli_publishes_branches_tags_downloads_moves_and_deletes_a_kernel_repo(published, env, api, tmp_path):
     repo, moved = "hf-cli/answer", "hf-cli-moved/answer-renamed"
     build = published.builds["rmsnorm-tpu"]
@@ -153,6 +161,7 @@ def test_hf_cli_publishes_branches_tags_downloads_moves_and_deletes_a_kernel_rep
     assert "Repository not found" in missing.stderr
 
 
+@pytest.mark.multiprocess
 def test_hf_cli_lists_model_repos_and_files_and_sets_visibility(published, env, anonymous, tmp_path):
     repo = "hf-cli/model"
     run_cli("hf", "repos", "create", repo, env=env)
@@ -172,6 +181,7 @@ def test_hf_cli_lists_model_repos_and_files_and_sets_visibility(published, env, 
     assert anonymous.repo_exists(repo)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("command, reason", [
     (["repos", "list"], "the storage listing of repos"),
     (["repos", "duplicate", "hf-cli/refused", "hf-cli/copy"], "duplicating a repo"),

@@ -123,6 +123,7 @@ def _unreferenced_blobs(root: Path) -> list[str]:
     return [blob.name for blob in root.glob("blobs/*/*") if blob.name not in referenced]
 
 
+@pytest.mark.slow
 @settings(max_examples=1200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(summary=TEXT, description=st.none() | TEXT, operations=st.lists(OPERATIONS, max_size=5),
        cut=st.none() | st.integers(min_value=0, max_value=400), probe=PATHS)

@@ -171,6 +171,7 @@ def test_an_empty_or_blank_token_is_no_token(tmp_path, token):
         assert not (hub.storage.root / "repos" / "kernel" / "org").exists()
 
 
+@pytest.mark.multiprocess
 def test_serve_with_an_empty_token_variable_says_read_only_and_is(tmp_path):
     process = subprocess.Popen(
         [sys.executable, "-m", "tpu_kernels.hub", "--root", str(tmp_path / "hub"), "--port", "0", "--quiet",
@@ -296,6 +297,7 @@ def server_process(tmp_path_factory):
         stderr.close()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("content_length", [
     b"Content-Length: \xc2\xb2", b"Content-Length: " + b"9" * 5000, b"Content-Length: -1", b"Content-Length: 1e3",
     b"Content-Length: 2\r\nContent-Length: 3", b"Content-Length: 2, 3",
@@ -373,6 +375,7 @@ def _stream_commit(url: str, path: str, size: int, seed: int) -> tuple[int, dict
         connection.close()
 
 
+@pytest.mark.multiprocess
 def test_a_256_mib_commit_raises_the_server_peak_memory_by_a_few_mib(tmp_path):
     root = tmp_path / "hub"
     process = subprocess.Popen(

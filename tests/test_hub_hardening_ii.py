@@ -181,6 +181,7 @@ def _download_request(repo_id: str, path: str) -> bytes:
     return f"GET /kernels/{repo_id}/resolve/main/{path} HTTP/1.1\r\nHost: localhost\r\n\r\n".encode()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reader", ["never-reads-a-download", "never-reads-pipelined-responses", "trickles"])
 def test_a_client_that_does_not_read_its_responses_loses_its_connection_and_slot(tmp_path, reader):
     limits = Limits(header_timeout=0.5, idle_timeout=0.5, send_timeout=0.5, min_rate=4 << 20, max_connections=4)
@@ -211,6 +212,7 @@ def test_a_client_that_does_not_read_its_responses_loses_its_connection_and_slot
             sock.close()
 
 
+@pytest.mark.slow
 def test_a_response_read_at_the_minimum_rate_completes(tmp_path):
     limits = Limits(send_timeout=0.5, min_rate=256 << 10)
     content = os.urandom(2 << 20)
@@ -230,6 +232,8 @@ def test_a_response_read_at_the_minimum_rate_completes(tmp_path):
         assert received.split(b"\r\n\r\n", 1)[1] == content
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_256_connections_with_4_mib_bodies_add_under_100_mib(tmp_path):
     """Bodies past 64 KiB wait on disk; what is parsed at once is bounded (Limits.max_large_bodies)."""
     process = subprocess.Popen(
@@ -308,6 +312,7 @@ def test_a_route_that_takes_no_body_answers_at_once_without_reading_it_and_close
 # -- 7. tree listing: linear, ids once per commit --------------------------------------------------
 
 
+@pytest.mark.multiprocess
 def test_folder_ids_are_the_git_tree_ids(hub, api, tmp_path):
     files = {"a/b/c.txt": b"c", "a/b/d.py": b"d", "a/e": b"e", "a-b/f": b"f", "a.b/g": b"g", "a/b-c/h": b"h",
              "x/y/z/w.bin": os.urandom(300), "top.md": b"top"}
@@ -330,6 +335,7 @@ def test_folder_ids_are_the_git_tree_ids(hub, api, tmp_path):
     assert listed == expected
 
 
+@pytest.mark.slow
 def test_25000_one_file_folders_list_in_pages_from_one_index(hub, api, monkeypatch):
     count = 25_000
     monkeypatch.setattr(os, "fsync", lambda fd: None)  # 25,000 staged files: durability is not the point here
@@ -703,6 +709,7 @@ def test_allowed_host_names_are_configurable(tmp_path):
         assert http("GET", f"{hub.url}/", headers={"Host": "anything.example"})[0] == 200
 
 
+@pytest.mark.multiprocess
 def test_serve_takes_the_new_limits_and_host_names_from_its_command_line(tmp_path):
     process = subprocess.Popen(
         [sys.executable, "-m", "tpu_kernels.hub", "--root", str(tmp_path / "hub"), "--port", "0", "--quiet",

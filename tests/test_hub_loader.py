@@ -238,6 +238,7 @@ def test_local_kernels_overrides_are_verified_too(hub, client, tmp_path, monkeyp
         get_kernel(REPO, version=1)
 
 
+@pytest.mark.multiprocess
 def test_offline_loads_from_the_cache_with_zero_requests(hub, client, tmp_path):
     publication = publish(hub, make_build(tmp_path, answer=3))
     assert get_kernel(REPO, version=1).answer() == 3
@@ -253,6 +254,8 @@ def test_offline_loads_from_the_cache_with_zero_requests(hub, client, tmp_path):
     assert hub.request_count == requests_before
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_eight_processes_share_one_consistent_cache(hub, tmp_path):
     publish(hub, make_build(tmp_path, answer=11))
     cache = tmp_path / "shared-cache"
@@ -298,6 +301,8 @@ RAGGED_DOT_CHECK = """
 """
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_ragged_dot_round_trip_through_the_hub(hub, client, tmp_path, ragged_dot_build):
     repo = "tpu-kernels-test/ragged-dot-tpu"
     publish(hub, ragged_dot_build, repo_id=repo)

@@ -280,6 +280,7 @@ def test_organization_overview_reports_trusted_publishers(api):
         api.get_organization_overview("no-such-org")
 
 
+@pytest.mark.multiprocess
 def test_hf_cli_downloads_a_kernel_revision(api, hub, tmp_path):
     api.create_repo(REPO, repo_type="kernel")
     api.create_branch(REPO, repo_type="kernel", branch="v1")
@@ -332,6 +333,7 @@ def _wait_for_staged_files(staging: Path, count: int, timeout: float = 60) -> No
     raise AssertionError("the upload never reached the commit endpoint")
 
 
+@pytest.mark.multiprocess
 def test_sigkill_during_an_upload_leaves_the_branch_at_a_complete_commit(tmp_path, server_processes):
     """Also runs the server as its command line does, with --token from the environment and --trusted-org."""
     root = tmp_path / "hub"

@@ -154,6 +154,7 @@ def forge_consistently(variant: Path) -> None:
     write_through_link(variant / "metadata.json", json.dumps(metadata))
 
 
+@pytest.mark.multiprocess
 def test_code_and_digest_edited_together_are_refused_online_and_offline(hub, client, tmp_path):
     publication = publish(hub, make_build(tmp_path, answer=5))
     assert get_kernel(REPO, version=1).answer() == 5  # also records refs/v1 for the offline load
@@ -233,6 +234,8 @@ def lock_project(hub, cache: Path, tmp_path: Path) -> Path:
     return project / "kernels.lock"
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_lock_file_pins_the_commit_for_kernels_and_for_us(hub, client, tmp_path):
     locked = publish(hub, make_build(tmp_path, answer=1, backends=("cpu",)))
     lockfile = lock_project(hub, tmp_path / "lock-cache", tmp_path)
@@ -257,6 +260,7 @@ def test_a_lock_file_pins_the_commit_for_kernels_and_for_us(hub, client, tmp_pat
 
 
 
+@pytest.mark.multiprocess
 def test_our_lock_loads_check_digests(hub, client, tmp_path):
     locked = publish(hub, make_build(tmp_path, answer=1, backends=("cpu",)))
     lockfile = lock_project(hub, tmp_path / "lock-cache", tmp_path)
@@ -313,6 +317,7 @@ def test_an_upload_raced_by_another_lands_whole(hub, client, tmp_path, monkeypat
     assert remote_files(api, "main") == {"README.md": build_files(ours)["README.md"]}
 
 
+@pytest.mark.multiprocess
 def test_six_concurrent_uploads_each_land_whole_or_fail_clearly(hub, tmp_path):
     builds = [make_build(tmp_path, answer=index, extra=f"build{index}") for index in range(6)]
     expected = [build_files(build) for build in builds]

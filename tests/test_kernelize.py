@@ -83,6 +83,7 @@ def _prompt(batch=2, length=5):
     return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(7))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_logits_and_greedy_tokens_match_eager(name, ragged_dot_build):
     model = _tiny_model(name)
@@ -130,6 +131,7 @@ def test_bf16_logits_close_to_eager(ragged_dot_build):
     assert ((ours - eager).abs().max() / eager.abs().max()).item() <= 5e-2
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph(ragged_dot_build):
     model = _tiny_model("qwen3_moe")
     prompt = _prompt(batch=1, length=4)
@@ -165,6 +167,7 @@ def test_training_mode_keeps_original_or_raises(ragged_dot_build, monkeypatch):
         kernelize(model, mode=Mode.TRAINING, repos=_experts_only(ragged_dot_build), use_fallback=False)
 
 
+@pytest.mark.slow
 def test_all_kinds_replaced_and_tokens_match(all_builds):
     model = _tiny_model("qwen3_moe")
     prompt = _prompt()

@@ -153,6 +153,7 @@ LOADS_FROM_A_PLANTED_CACHE = """
 """
 
 
+@pytest.mark.multiprocess
 def test_planted_bytecode_in_a_read_only_cache_never_runs_and_force_download_repairs_it(hub, client, tmp_path):
     publication = publish(hub, make_build(tmp_path, answer=5))
     assert get_kernel(REPO, version=1).answer() == 5  # the cache a first load leaves, refs/v1 included
@@ -181,6 +182,7 @@ def test_planted_bytecode_in_a_read_only_cache_never_runs_and_force_download_rep
     assert not (variant / "__pycache__").exists()  # force_download left what a first download leaves
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(os.geteuid() != 0, reason="making a cache folder someone else's needs root")
 def test_force_download_on_someone_elses_read_only_cache_says_so(hub, client, tmp_path):
     publication = publish(hub, make_build(tmp_path, answer=5))
@@ -318,6 +320,7 @@ def blob_swapper(blob: Path, good: bytes, bad: bytes, folder: Path):
         swapper.wait(timeout=30)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inotify")
 def test_a_blob_swapped_between_the_check_and_the_import_never_runs(hub, client, tmp_path):
     publication = publish(hub, make_build(tmp_path, answer=5))
@@ -534,6 +537,7 @@ LIES = {
 }
 
 
+@pytest.mark.slow
 def test_ids_from_the_server_fuzzed(hub, hostile, tmp_path, monkeypatch):
     publication = publish(hub, make_build(tmp_path, answer=5))
     commit = publication.build_oid

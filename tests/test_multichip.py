@@ -23,6 +23,8 @@ from tpu_kernels.parallel import applied_plan, replacement_conflict, uneven_atte
 
 from .conftest import REPO_ROOT
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
 MODES = ("tp", "ep_dispatch", "ep_router")
 TOKENS, TOP_K, EXPERTS, INTERMEDIATE = 10, 2, 8, 64  # prompt: 2 rows x 5 tokens
 NEW_TOKENS = 8

@@ -4,11 +4,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import REPO_ROOT
 
 HEAVY = ("jax", "torch", "torch_tpu", "kernels", "huggingface_hub", "transformers")
 
 
+@pytest.mark.multiprocess
 def test_importing_the_package_loads_no_framework():
     code = (
         "import json, sys, tpu_kernels; "

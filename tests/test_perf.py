@@ -84,6 +84,7 @@ def test_tiled_matmul_bytes_equal_the_hand_count(matmul_traffic):
     assert matmul_traffic.dimension_semantics == ("parallel", "parallel", "arbitrary")
 
 
+@pytest.mark.aot
 def test_tiled_matmul_flops_agree_with_compile_only_cost_analysis(matmul_traffic):
     assert matmul_traffic.dots_exact
     assert matmul_traffic.flops == 2 * M * N * K
@@ -475,6 +476,7 @@ def _buffers_and_scratch(x, *, scratch_mib):
     )(x)
 
 
+@pytest.mark.aot
 @pytest.mark.parametrize("scratch_mib, fits", [(4, True), (5, False)])
 def test_vmem_fit_agrees_with_the_compiler_at_the_default_scoped_limit(scratch_mib, fits):
     # Four 7 MiB f32 block buffers (input and output, double-buffered) plus the scratch,

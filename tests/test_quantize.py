@@ -61,6 +61,7 @@ def _dequantized_copy(model, quantized, kernel):
     return reference
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_quantized_model_equals_its_dequantized_reference(name, scheme, ragged_dot_build):

@@ -11,6 +11,8 @@ from .conftest import REPO_ROOT
 RACE_DETECTION_ENV = "TPU_KERNELS_DETECT_RACES"
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize(("options", "expected"), [((), "None"), (("-o", "tpu_kernels_detect_races=true"), "'1'")])
 def test_race_detection_follows_the_pytest_configuration(tmp_path, options, expected):
     (tmp_path / "pytest.ini").write_text("[pytest]\n")

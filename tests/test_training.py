@@ -89,6 +89,7 @@ def _kernelized(name, builds, mode, experts_implementation=None):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_training_losses_match_eager(name, builds):
     batch = _batch(name)
@@ -109,6 +110,7 @@ def test_training_losses_match_eager(name, builds):
         assert trained == expected_names and any(".experts." in n for n in trained), (trained, expected_names)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_training_under_torch_compile_fullgraph(name, builds):
     # The eager baseline: transformers' batched_mm experts (its default grouped_mm has data-dependent

@@ -54,6 +54,7 @@ def test_gemma4_experts_are_read_in_place(kernel, generation, fused, weights_dty
     assert program.relayout_bytes <= 2 * scale_bytes, relayouts
 
 
+@pytest.mark.slow
 def test_gemma4_experts_backward_reads_and_writes_the_weights_in_place(kernel):
     """Training: the gradient of the layer (grouped forward, d_lhs and tgmm backward) neither relays out the
     weights nor writes their gradients in another order than XLA stores them."""

@@ -103,6 +103,7 @@ def _resolve_masks(options, batch, q_len, kv_len):
     return options
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_op_gradients_match_reference(kernel, case):
     batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype, sinks, options = CASES[case]
@@ -144,6 +145,7 @@ BLOCK_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BLOCK_CASES))
 def test_multi_block_gradients_match_reference(kernel, interpret, convert, case):
     to_jax, to_torch = convert
@@ -172,6 +174,7 @@ def test_multi_block_gradients_match_reference(kernel, interpret, convert, case)
     _assert_close({n: to_torch(g) for n, g in zip(names, grads)}, expected, dtype)
 
 
+@pytest.mark.slow
 def test_keys_past_lengths_may_hold_nan(kernel, interpret, convert):
     """Keys and values past kv_lengths are NaN, blocks are ragged: every gradient is finite and those keys get zero."""
     to_jax, to_torch = convert

@@ -149,6 +149,7 @@ def _prompts(lengths, seed):
     return input_ids, attention_mask
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lengths", [(9,), (11, 6)], ids=["unpadded", "left-padded"])
 def test_qwen3_moe_generates_like_eager(registered, lengths):
     model = _tiny_qwen3_moe()
@@ -174,6 +175,7 @@ def test_static_cache_generates_like_eager(registered):
     assert registered.masks[0] == (None, None) and registered.masks[-1] == (None, torch.bool)
 
 
+@pytest.mark.slow
 def test_sliding_window_model_generates_like_eager(registered):
     model = _tiny_gemma2()
     input_ids, attention_mask = _prompts((10,), seed=3)
@@ -184,6 +186,7 @@ def test_sliding_window_model_generates_like_eager(registered):
     assert set(registered.masks) == {(6, torch.bool), (None, None)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lengths", [(10,), (11, 7)], ids=["unpadded", "left-padded"])
 def test_gpt_oss_with_sinks_generates_like_eager(registered, lengths):
     model = _tiny_gpt_oss()
@@ -233,6 +236,7 @@ def test_dropout_in_training_raises(kernel):
         kernel.attention_forward(attention, query, key, key.clone(), None, dropout=0.1)
 
 
+@pytest.mark.slow
 def test_traces_under_torch_compile(kernel):
     """Both paths (no mask, boolean mask) trace into one graph and give the eager results."""
     module = _tiny_qwen3_moe().model.layers[0].self_attn

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from unittest import mock
 
 import jax.experimental.pallas
+import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -123,6 +124,7 @@ EMPTY = dict(kv_heads=2, q_heads=4, head_dim=64, dtype=torch.float32, causal=Tru
              seed=0)
 
 
+@pytest.mark.slow
 @settings(PROPERTIES, max_examples=5)
 @given(case=attention_cases())
 @example(case=dict(EMPTY, batch=0, q_len=3, kv_len=5))  # batch 0, as scaled_dot_product_attention takes it
@@ -139,6 +141,7 @@ def test_flash_attention_matches_reference(kernel, case):
     assert_matches(out, expected, TOLERANCE[case["dtype"]])
 
 
+@pytest.mark.slow
 @settings(PROPERTIES, max_examples=3)
 @given(case=attention_cases())
 @example(case=dict(EMPTY, batch=0, q_len=3, kv_len=5, sinks=True))

@@ -119,6 +119,7 @@ def test_ragged_dot_gradients_match_reference(kernel, m, k, n, group_sizes, tran
     assert torch.equal(lhs.grad[rows:], torch.zeros_like(lhs.grad[rows:])), "rows past the groups get no gradient"
 
 
+@pytest.mark.slow
 def test_ragged_dot_gradient_in_jax(kernel, interpret, to_jax):
     """jax.grad through the custom_vjp runs the backward kernels (rows past the groups hold NaN and stay out)."""
     generator = torch.Generator().manual_seed(5)
@@ -175,6 +176,7 @@ def _experts_inputs(dtype, tokens=13, hidden=40, intermediate=24, top_k=3, weigh
     return index, tensors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", [*EXPERTS_CASES, *(f"{name}-swapped-down" for name in SWAPPED_DOWN_SHAPES)])
 def test_gated_experts_gradients_match_reference(kernel, case, dtype):
@@ -207,6 +209,7 @@ def test_gated_experts_gradients_match_reference(kernel, case, dtype):
     assert torch.equal(tensors["top_k_weights"].grad[sentinel], torch.zeros(int(sentinel.sum()), dtype=dtype))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [True, False])
 def test_gated_experts_jax_gradient_on_either_forward_path(kernel, interpret, to_jax, fused):
     """jax.grad of moe.gated_experts: the decode-sized call the rule would give the fused kernel, forced
@@ -257,6 +260,7 @@ def _gpt_oss_experts(custom_gate: bool):
     return experts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("custom_gate,tokens,sentinels", [
     (False, 11, 4),
     (True, 11, 4),

@@ -77,6 +77,7 @@ def _gpt_oss_experts():
     return experts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sentinels", [0, 4])
 def test_gpt_oss_fused_path_matches_eager(kernel, sentinels):
     """Transposed weights, biases, interleaved gate with GPT-OSS's own clamped SwiGLU."""

@@ -69,6 +69,7 @@ def test_swapped_cases_read_the_weights_swapped(kernel):
         assert tuple(orientation) == expected, case
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_fused_matches_reference_and_grouped_path(kernel, interpret, to_jax, case):
     tokens, hidden, intermediate, experts, top_k, options, gate = CASES[case]

@@ -147,6 +147,7 @@ def test_ragged_dot_matches_reference(kernel, case):
     assert_matches(out, expected, TOLERANCE[case["dtype"]])
 
 
+@pytest.mark.slow
 @settings(PROPERTIES, max_examples=3)
 @given(case=ragged_dot_cases().filter(lambda case: case["weights"] == "float"))
 @example(case=dict(EMPTY_RAGGED_DOT, m=0, k=8, n=5, sizes=[0, 0]))  # no rows: d_rhs is zeros [G, K, N]
@@ -238,6 +239,7 @@ def test_gated_experts_matches_reference(kernel, case):
     assert_matches(out, expected, LAYER_TOLERANCE[case["dtype"]])
 
 
+@pytest.mark.slow
 @settings(PROPERTIES, max_examples=2)
 @given(case=experts_cases().filter(lambda case: case["weights"] == "float"))
 @example(case=dict(EMPTY_EXPERTS, tokens=0, index=[]))

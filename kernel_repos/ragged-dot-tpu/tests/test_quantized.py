@@ -119,6 +119,7 @@ LAYER_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("case", list(LAYER_CASES))
 def test_experts_layer_matches_dequantized_reference(kernel, interpret, to_jax, case, scheme):
@@ -136,6 +137,7 @@ def test_experts_layer_matches_dequantized_reference(kernel, interpret, to_jax, 
     assert _relative_error(grouped, expected) <= 1e-5
 
 
+@pytest.mark.slow
 def test_fp8_bf16_layer_is_the_unquantized_kernel_on_transformers_dequantized_weights(kernel, interpret, to_jax):
     """bf16 activations: fp8 weights dequantized in VMEM as transformers does on load ((q.f32 * s).to(bf16))
     give the unquantized bf16 kernel's output on those weights, bit for bit, on both paths."""

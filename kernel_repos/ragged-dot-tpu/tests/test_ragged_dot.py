@@ -101,6 +101,7 @@ def test_multi_tile_schedules_match_reference(kernel, interpret, to_jax, case, d
         assert _relative_error(out, expected) <= _tolerance(dtype)
 
 
+@pytest.mark.slow
 def test_schedule_cases_cover_what_they_name(kernel):
     """The schedule cases above really run several tiles, tails, slots and chunks."""
     make_work_items = kernel.pallas_tpu.make_work_items
