@@ -12,12 +12,18 @@ Race detection of the TPU interpreter is on for a session whose pytest
 configuration says `tpu_kernels_detect_races = true` (this project's
 pyproject.toml does; `tpu-kernels check` passes it on the command line).
 Installing the package changes no other project's test runs.
+
+Kernel repo tests also take two helpers from here: `no_kernel_if` (an empty
+input must run no Pallas kernel) and `assert_matches` (a result against the
+reference, relative to the reference's scale).
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -65,3 +71,32 @@ def kernel(request, _built_kernels, tmp_path_factory):
         else:
             _built_kernels[repo] = build_kernel_repo(repo, tmp_path_factory.mktemp("build"))
     return get_local_kernel(_built_kernels[repo], backend="cpu")
+
+
+@contextmanager
+def no_kernel_if(empty: bool):
+    """Around a call whose input is `empty`: any Pallas kernel it would run fails the test.
+
+    An empty input must give its result from the static shapes alone: `pallas_call` raises while inside.
+    """
+    if not empty:
+        yield
+        return
+    import jax.experimental.pallas
+
+    failure = AssertionError("a Pallas kernel ran for an input with an empty dimension")
+    with mock.patch.object(jax.experimental.pallas, "pallas_call", side_effect=failure):
+        yield
+
+
+def assert_matches(out, expected, tolerance: float, what: str = "output", floor: float = 0.0) -> None:
+    """Same shape (torch tensors); within `tolerance` of the largest reference value, or of `floor` if larger.
+
+    Outputs use no floor: exactly zero where the reference is. Gradients use the inputs' scale, 1: some are
+    zero in exact arithmetic (attention's dq with one key, RMSNorm's dx with hidden size 1), where rounding
+    leaves ~1e-7.
+    """
+    assert out.shape == expected.shape, f"{what}: shape {tuple(out.shape)}, expected {tuple(expected.shape)}"
+    if expected.numel():
+        error = (out.double() - expected.double()).abs().max().item()
+        assert error <= tolerance * max(expected.double().abs().max().item(), floor), f"{what}: max error {error}"

@@ -13,14 +13,12 @@ while it runs. The next edge case goes here: a value in a strategy, or an
 Examples stay few and tiny: every new shape and option set compiles the kernels (~1 s).
 """
 
-from contextlib import contextmanager
-from unittest import mock
-
-import jax.experimental.pallas
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+
+from tpu_kernels.testing import assert_matches, no_kernel_if
 
 # The `kernel` fixture returns the same built variant for every example.
 PROPERTIES = settings(deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -30,31 +28,6 @@ INTEGER_DTYPES = (torch.int32, torch.int64, torch.int16)
 # Error relative to the largest reference value: float32's online softmax against float64; bfloat16
 # rounds the inputs' products and the output (8-bit mantissa).
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
-
-@contextmanager
-def no_kernel_if(empty: bool):
-    """Around a call whose input is `empty`: any Pallas kernel it would run fails the test."""
-    if not empty:
-        yield
-        return
-    failure = AssertionError("a Pallas kernel ran for an input with an empty dimension")
-    with mock.patch.object(jax.experimental.pallas, "pallas_call", side_effect=failure):
-        yield
-
-
-def assert_matches(out: torch.Tensor, expected: torch.Tensor, tolerance: float, what: str = "output",
-                   floor: float = 0.0) -> None:
-    """Same shape; within `tolerance` of the largest reference value, or of `floor` if that is larger.
-
-    Outputs use no floor: exactly zero where the reference is. Gradients use the inputs' scale, 1: some are
-    zero in exact arithmetic (attention's dq with one key, RMSNorm's dx with hidden size 1), where rounding
-    leaves ~1e-7.
-    """
-    assert out.shape == expected.shape, f"{what}: shape {tuple(out.shape)}, expected {tuple(expected.shape)}"
-    if expected.numel():
-        error = (out.double() - expected.double()).abs().max().item()
-        assert error <= tolerance * max(expected.double().abs().max().item(), floor), f"{what}: max error {error}"
 
 
 @st.composite

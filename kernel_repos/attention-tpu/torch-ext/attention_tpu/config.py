@@ -242,9 +242,6 @@ class BackwardConfig:
     dkv: AttentionConfig
 
 
-BACKWARD_MATMULS = {"dq": 3, "dkv": 4}  # per (query block x KV block) tile and query head
-
-
 def backward_vmem_bytes(*, kernel, group, kv_heads_per_step, block_q, block_kv, head_dim, itemsize,
                         mask_itemsize) -> int:
     """Estimated VMEM working set of one backward kernel ("dq" or "dkv") at these tiles."""
