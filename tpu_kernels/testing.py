@@ -13,9 +13,10 @@ configuration says `tpu_kernels_detect_races = true` (this project's
 pyproject.toml does; `tpu-kernels check` passes it on the command line).
 Installing the package changes no other project's test runs.
 
-Kernel repo tests also take two helpers from here: `no_kernel_if` (an empty
-input must run no Pallas kernel) and `assert_matches` (a result against the
-reference, relative to the reference's scale).
+Kernel repo tests also take helpers from here: `no_kernel_if` (an empty
+input must run no Pallas kernel), `assert_matches` (a result against the
+reference, relative to the reference's scale) and `dimensions` (a hypothesis
+strategy of sizes that are often 0).
 """
 
 from __future__ import annotations
@@ -100,3 +101,19 @@ def assert_matches(out, expected, tolerance: float, what: str = "output", floor:
     if expected.numel():
         error = (out.double() - expected.double()).abs().max().item()
         assert error <= tolerance * max(expected.double().abs().max().item(), floor), f"{what}: max error {error}"
+
+
+def dimensions(**sizes: list[int]):
+    """A hypothesis strategy: a size for each named dimension from its (positive) `sizes`; in about half the
+    cases one or two of them are 0 instead, so empty inputs come up as often as ones with work in them."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def draw_dimensions(draw) -> dict[str, int]:
+        drawn = {name: draw(st.sampled_from(values)) for name, values in sizes.items()}
+        if draw(st.booleans()):
+            for name in draw(st.sets(st.sampled_from(sorted(sizes)), min_size=1, max_size=2)):
+                drawn[name] = 0
+        return drawn
+
+    return draw_dimensions()

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tpu_kernels.testing import assert_matches, no_kernel_if
+from tpu_kernels.testing import assert_matches, dimensions, no_kernel_if
 
 # The `kernel` fixture returns the same built variant for every example.
 PROPERTIES = settings(deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -28,17 +28,6 @@ INTEGER_DTYPES = (torch.int32, torch.int64, torch.int16)
 # Error relative to the largest reference value: float32's online softmax against float64; bfloat16
 # rounds the inputs' products and the output (8-bit mantissa).
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
-
-@st.composite
-def dimensions(draw, **sizes: list[int]) -> dict[str, int]:
-    """A size for each named dimension from its (positive) `sizes`; in about half the cases one or two of
-    them are 0 instead, so empty inputs come up as often as ones with work in them."""
-    drawn = {name: draw(st.sampled_from(values)) for name, values in sizes.items()}
-    if draw(st.booleans()):
-        for name in draw(st.sets(st.sampled_from(sorted(sizes)), min_size=1, max_size=2)):
-            drawn[name] = 0
-    return drawn
 
 
 @st.composite

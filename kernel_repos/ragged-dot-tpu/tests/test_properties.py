@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tpu_kernels.testing import assert_matches, no_kernel_if
+from tpu_kernels.testing import assert_matches, dimensions, no_kernel_if
 
 # The `kernel` fixture returns the same built variant for every example.
 PROPERTIES = settings(deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -51,17 +51,6 @@ def reference_gradients(out: torch.Tensor, inputs: list[torch.Tensor], d_out: to
     if not out.requires_grad:  # nothing was computed (an empty input): no input reaches the output
         return [None] * len(inputs)
     return list(torch.autograd.grad(out, inputs, d_out, allow_unused=True))
-
-
-@st.composite
-def dimensions(draw, **sizes: list[int]) -> dict[str, int]:
-    """A size for each named dimension from its (positive) `sizes`; in about half the cases one or two of
-    them are 0 instead, so empty inputs come up as often as ones with work in them."""
-    drawn = {name: draw(st.sampled_from(values)) for name, values in sizes.items()}
-    if draw(st.booleans()):
-        for name in draw(st.sets(st.sampled_from(sorted(sizes)), min_size=1, max_size=2)):
-            drawn[name] = 0
-    return drawn
 
 
 @st.composite
