@@ -23,7 +23,7 @@ from pathlib import Path
 from urllib.parse import quote, urlsplit
 
 import pytest
-from huggingface_hub import CommitOperationAdd, HfApi, constants
+from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
 from tpu_kernels.hub import Limits, start_hub
@@ -35,12 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 FAST = Limits(header_timeout=0.5, idle_timeout=0.5, body_timeout=0.5, max_connections=64)
 
 
-@pytest.fixture(autouse=True)
-def loopback_only(monkeypatch, tmp_path):
-    """huggingface_hub fetches an agent registry from HF_ENDPOINT on first use unless a copy is cached."""
-    registry = tmp_path / "agent-harnesses.json"
-    registry.write_text(json.dumps({"standardEnvVars": [], "harnesses": {}}))
-    monkeypatch.setattr(constants, "AGENT_HARNESSES_PATH", str(registry))
+pytestmark = pytest.mark.usefixtures("local_agent_registry")
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
 from tpu_kernels.hub import Limits, card, start_hub
 from tpu_kernels.hub import storage as hub_storage
@@ -38,12 +38,7 @@ LIMITS = Limits(header_timeout=0.5, idle_timeout=0.5, body_timeout=0.5, send_tim
                 max_connections=64)
 
 
-@pytest.fixture(autouse=True)
-def loopback_only(monkeypatch, tmp_path):
-    """huggingface_hub fetches an agent registry from HF_ENDPOINT on first use unless a copy is cached."""
-    registry = tmp_path / "agent-harnesses.json"
-    registry.write_text(json.dumps({"standardEnvVars": [], "harnesses": {}}))
-    monkeypatch.setattr(constants, "AGENT_HARNESSES_PATH", str(registry))
+pytestmark = pytest.mark.usefixtures("local_agent_registry")
 
 
 @pytest.fixture(scope="module")

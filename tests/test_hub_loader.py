@@ -38,14 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # subprocess's start-up and does not change the backend `kernels` picks here (cpu).
 FAST_SUBPROCESS_ENV = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
 
-
-@pytest.fixture(autouse=True)
-def loopback_only(monkeypatch, tmp_path):
-    """The first time huggingface_hub builds request headers in a process, it fetches an agent registry
-    from HF_ENDPOINT (huggingface.co in this process) unless a copy is cached: give it one."""
-    registry = tmp_path / "agent-harnesses.json"
-    registry.write_text(json.dumps({"standardEnvVars": [], "harnesses": {}}))
-    monkeypatch.setattr(constants, "AGENT_HARNESSES_PATH", str(registry))
+pytestmark = pytest.mark.usefixtures("local_agent_registry")
 
 
 def make_build(

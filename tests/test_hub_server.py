@@ -19,7 +19,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 from huggingface_hub.errors import (
     HfHubHTTPError,
     RemoteEntryNotFoundError,
@@ -36,13 +36,7 @@ REPO = "org/kernel-a"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def loopback_only(monkeypatch, tmp_path):
-    """The first time huggingface_hub builds request headers in a process, it fetches an agent registry
-    from HF_ENDPOINT (huggingface.co in this process) unless a copy is cached: give it one."""
-    registry = tmp_path / "agent-harnesses.json"
-    registry.write_text(json.dumps({"standardEnvVars": [], "harnesses": {}}))
-    monkeypatch.setattr(constants, "AGENT_HARNESSES_PATH", str(registry))
+pytestmark = pytest.mark.usefixtures("local_agent_registry")
 
 
 @pytest.fixture

@@ -32,12 +32,13 @@ from .test_hub_loader import (  # noqa: F401 - fixtures
     TRUSTED,
     client,
     hub,
-    loopback_only,
     make_build,
     publish,
     run_python,
     subprocess_env,
 )
+
+pytestmark = pytest.mark.usefixtures("local_agent_registry")
 
 CPU_VARIANT = "torch-cpu"
 

@@ -45,12 +45,13 @@ from .test_hub_loader import (  # noqa: F401 - fixtures
     cached_variant,
     client,
     hub,
-    loopback_only,
     make_build,
     publish,
     run_python,
     subprocess_env,
 )
+
+pytestmark = pytest.mark.usefixtures("local_agent_registry")
 
 UNTRUSTED = "someone/answer"
 
