@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import json
 import logging
 import os
@@ -30,13 +29,23 @@ from tpu_kernels.hub import storage as hub_storage
 from tpu_kernels.hub.app import _error_response
 from tpu_kernels.hub.storage import HubError, StagedFile, Storage
 
-from .test_hub_hardening import HEADER, _peak_rss_kib, address, file_line, http, ndjson, status_of, stored_state
+from .test_hub_hardening import (  # noqa: F401 - api and repo are fixtures: they take this module's hub
+    HEADER,
+    TOKEN,
+    _peak_rss_kib,
+    address,
+    api,
+    file_line,
+    http,
+    ndjson,
+    repo,
+    status_of,
+    stored_state,
+)
 
-TOKEN = "hardening-ii-" + os.urandom(4).hex()
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LIMITS = Limits(header_timeout=0.5, idle_timeout=0.5, body_timeout=0.5, send_timeout=1.0, min_rate=64 << 10,
                 max_connections=64)
-
 
 pytestmark = pytest.mark.usefixtures("local_agent_registry")
 
@@ -45,24 +54,6 @@ pytestmark = pytest.mark.usefixtures("local_agent_registry")
 def hub(tmp_path_factory):
     with start_hub(tmp_path_factory.mktemp("shared") / "hub", token=TOKEN, limits=LIMITS) as running:
         yield running
-
-
-@pytest.fixture
-def api(hub):
-    return HfApi(endpoint=hub.url, token=TOKEN)
-
-
-_repo_names = itertools.count()
-
-
-@pytest.fixture
-def repo(api) -> str:
-    """A new kernel repo whose main holds README.md and c/d.txt; its id."""
-    repo_id = f"org/ii-{next(_repo_names)}"
-    api.create_repo(repo_id, repo_type="kernel")
-    api.create_commit(repo_id, repo_type="kernel", commit_message="seed",
-                      operations=[add("README.md", b"# card\n"), add("c/d.txt", b"d")])
-    return repo_id
 
 
 @pytest.fixture
