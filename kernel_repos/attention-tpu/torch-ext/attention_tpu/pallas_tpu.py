@@ -51,7 +51,7 @@ from jax.experimental.pallas import tpu as pltpu
 from . import masking
 from .config import AttentionConfig, BackwardConfig, check_config, is_decode, select_config
 from .masking import Attention, Prepared, Problem
-from .pallas_tpu_backward import attention_backward
+from .pallas_tpu_backward import attention_backward, loop_over_heads
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
@@ -155,16 +155,7 @@ def _attend_block(refs: _ForwardRefs, at: _Position, problem: Problem, tiles: _T
     def attend_slice(s):
         attend(s, *(load_kv(s) if tiles.decode else shared_kv))
 
-    num_slices = refs.max.shape[0]
-    if num_slices == 1:
-        attend_slice(0)
-        return
-
-    def body(s, carry):
-        attend_slice(s)
-        return carry
-
-    jax.lax.fori_loop(0, num_slices, body, None)
+    loop_over_heads(refs.max.shape[0], attend_slice)
 
 
 def _forward_kernel(q_offset_ref, kv_valid_ref, block_lo_ref, block_hi_ref, q_ref, k_ref, v_ref, *rest,

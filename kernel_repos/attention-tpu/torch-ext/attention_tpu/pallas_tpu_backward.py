@@ -75,8 +75,8 @@ def _kv_head(s, group: int):
     return jax.lax.div(s, group)
 
 
-def _loop_over_heads(num_heads: int, head) -> None:
-    """head(s) for every query head s of the step (its KV head is s // group)."""
+def loop_over_heads(num_heads: int, head) -> None:
+    """head(s) for every query head s of a kernel step (its KV head is s // group); no loop for one head."""
     if num_heads == 1:
         head(0)
         return
@@ -141,7 +141,7 @@ def _dq_kernel(
                 ds = ds * masking.softcap_slope(problem, capped)
             acc_ref[s] += _dot(ds.astype(k.dtype), k, NN, problem)
 
-        _loop_over_heads(acc_ref.shape[0], head)
+        loop_over_heads(acc_ref.shape[0], head)
 
     masking.run_tile(kv_block <= block_hi_ref[slot], needs_mask, step)
 
@@ -212,7 +212,7 @@ def _dkv_kernel(
                 ds = jnp.where(visible, ds, 0.0)
             dk_acc_ref[kv_head] += _dot(ds.astype(q.dtype), q, NN, problem)
 
-        _loop_over_heads(q_ref.shape[0], head)
+        loop_over_heads(q_ref.shape[0], head)
 
     masking.run_tile(qi <= block_hi_ref[slot], needs_mask, step)
 
