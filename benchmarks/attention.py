@@ -81,9 +81,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import calibration_bands  # noqa: E402
 
 from tpu_kernels import perf  # noqa: E402
-from tpu_kernels.hardware import tpu_generation  # noqa: E402
+from tpu_kernels.runtime.hardware import tpu_generation  # noqa: E402
 from tpu_kernels.aot import compile_for  # noqa: E402
-from tpu_kernels.builder import build_kernel_repo  # noqa: E402
+from tpu_kernels.distribution.builder import build_kernel_repo  # noqa: E402
 
 KERNEL_REPO = ROOT / "kernel_repos" / "attention-tpu"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "attention.json"

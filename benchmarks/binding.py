@@ -46,7 +46,7 @@ from jax.experimental.pallas import tpu as pltpu
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tpu_kernels import binding  # noqa: E402
+from tpu_kernels.runtime import binding  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "binding.json"
 TARGET_US, STRETCH_US = 100.0, 50.0

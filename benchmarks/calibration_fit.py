@@ -31,7 +31,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tpu_kernels import calibration  # noqa: E402
+from tpu_kernels.perf import calibration  # noqa: E402
 
 # Scanned step costs (seconds): 0 to 2 us in 0.01 us steps; vector rates (register elements per cycle):
 # powers of two from 64 to 16384.
@@ -124,7 +124,7 @@ def main_fits(analysed) -> dict:
 def write_constants(results: dict) -> None:
     """Fitted per-chip steps into model_constants.json; unmeasured chips keep v5e's; vector rates and the MXU
     load share from TPU7x (no other chip's timings are vector-bound or use 128-row tiles on a 256-wide MXU)."""
-    path = ROOT / "tpu_kernels" / "model_constants.json"
+    path = ROOT / "tpu_kernels" / "perf" / "model_constants.json"
     constants = json.loads(path.read_text())
     for field, key in (("grid_step_s", "grid_step_s"), ("ragged_dot_step_s", "xla_ragged_dot_step_s")):
         for chip, fitted in results.items():
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("paths", nargs="*", type=Path)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "calibration_fit.json")
     parser.add_argument("--write-constants", action="store_true",
-                        help="write the fitted constants to tpu_kernels/model_constants.json (per-chip steps; the "
+                        help="write the fitted constants to tpu_kernels/perf/model_constants.json (per-chip steps; the "
                              "vector rates and MXU load share from the chip with vector-bound timings, TPU7x)")
     args = parser.parse_args(argv)
     analysed, _ = calibration.analyse(args.paths or installed_paths())

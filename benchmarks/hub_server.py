@@ -1,6 +1,6 @@
 """The local Hub server under hostile input and faults: the figures of issues 11 and 21, measured.
 
-Each case runs against `python -m tpu_kernels.hub` in its own process on loopback,
+Each case runs against `python -m tpu_kernels.distribution.hub` in its own process on loopback,
 with the server's default limits as deployed, unless the case names a flag.
 
 Issue 11 (`--issue 11`):
@@ -94,7 +94,7 @@ class Server:
         self.stderr_path = root.parent / f"{root.name}.stderr"
         self._stderr = open(self.stderr_path, "w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tpu_kernels.hub", "--root", str(root), "--port", "0", "--quiet", *flags],
+            [sys.executable, "-m", "tpu_kernels.distribution.hub", "--root", str(root), "--port", "0", "--quiet", *flags],
             env=env, cwd=code, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
         )
         self.banner = [self.process.stdout.readline().strip(), self.process.stdout.readline().strip()]
@@ -366,7 +366,7 @@ def latency(code: Path, work: Path) -> dict:
 
 def _flags(code: Path, *wanted: str) -> tuple[str, ...]:
     """The `--flag value` pairs of `wanted` that this code's `serve` knows (an older one lacks some)."""
-    known = subprocess.run([sys.executable, "-m", "tpu_kernels.hub", "--help"], env=dict(os.environ, PYTHONPATH=str(code)),
+    known = subprocess.run([sys.executable, "-m", "tpu_kernels.distribution.hub", "--help"], env=dict(os.environ, PYTHONPATH=str(code)),
                            cwd=code, capture_output=True, text=True).stdout
     pairs = zip(wanted[::2], wanted[1::2])
     return tuple(part for flag, value in pairs if flag in known for part in (flag, value))

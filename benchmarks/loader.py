@@ -2,7 +2,7 @@
 
 One run of this script:
 
-- builds kernel_repos/ragged-dot-tpu, starts a local Hub (`tpu_kernels.hub`) in a
+- builds kernel_repos/ragged-dot-tpu, starts a local Hub (`tpu_kernels.distribution.hub`) in a
   temp dir and publishes the build to it (trusted publisher, branch v1);
 - loads `version=1` in fresh processes pointed at the Hub by HF_ENDPOINT and
   KERNELS_CACHE, as a user would, alternating the two loaders (and which goes first):
@@ -46,12 +46,12 @@ sys.path.insert(0, str(ROOT))
 import huggingface_hub  # noqa: E402
 import kernels  # noqa: E402
 
-from tpu_kernels.builder import build_kernel_repo  # noqa: E402
-from tpu_kernels.hub import start_hub  # noqa: E402
-from tpu_kernels.hub.server import STATS_PATH  # noqa: E402
-from tpu_kernels.digest import copy_verified_variant  # noqa: E402
-from tpu_kernels.loader import verify_variant  # noqa: E402
-from tpu_kernels.publish import upload_kernel  # noqa: E402
+from tpu_kernels.distribution.builder import build_kernel_repo  # noqa: E402
+from tpu_kernels.distribution.hub import start_hub  # noqa: E402
+from tpu_kernels.distribution.hub.server import STATS_PATH  # noqa: E402
+from tpu_kernels.distribution.digest import copy_verified_variant  # noqa: E402
+from tpu_kernels.distribution.loader import verify_variant  # noqa: E402
+from tpu_kernels.distribution.publish import upload_kernel  # noqa: E402
 
 # This process only publishes, to the local Hub; its first request headers would
 # fetch huggingface_hub's agent registry from huggingface.co: that lookup is telemetry.
@@ -62,14 +62,14 @@ DEFAULT_OUT = ROOT / "benchmarks" / "results" / "loader.json"
 ORG = "tpu-kernels"
 TOKEN = "benchmark-token"
 TARGET_WARM_RATIO = 1.2
-LOADERS = {"ours": "tpu_kernels.loader", "kernels": "kernels"}
+LOADERS = {"ours": "tpu_kernels.distribution.loader", "kernels": "kernels"}
 
 # Runs in a fresh interpreter; prints one JSON line.
 LOAD_SCRIPT = """
 import importlib, json, os, sys, time, urllib.request
 # Both loaders start from the same imported modules (tpu_kernels imports jax,
 # pallas and torch), so the clock sees only what each loader does.
-import jax, torch, kernels, tpu_kernels.loader
+import jax, torch, kernels, tpu_kernels.distribution.loader
 get_kernel = importlib.import_module({loader_module!r}).get_kernel
 
 def requests_so_far():
@@ -100,8 +100,8 @@ print(json.dumps({{"load_s": load_s, "load_requests": load_routes, "repeat_s": r
 # order, many times (the module is imported by the first call); prints one JSON line.
 REPEAT_SCRIPT = """
 import json, random, statistics, time
-import jax, torch, kernels, tpu_kernels.loader
-loaders = {{"ours": tpu_kernels.loader.get_kernel, "kernels": kernels.get_kernel}}
+import jax, torch, kernels, tpu_kernels.distribution.loader
+loaders = {{"ours": tpu_kernels.distribution.loader.get_kernel, "kernels": kernels.get_kernel}}
 for get_kernel in loaders.values():
     get_kernel({repo!r}, version=1)
 times = {{name: [] for name in loaders}}

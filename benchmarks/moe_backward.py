@@ -71,7 +71,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import calibration_bands  # noqa: E402
 import moe_layer  # noqa: E402  (the MoE-layer benchmark: models, routing, stored weights order)
-from tpu_kernels import perf, tokamax_kernels  # noqa: E402
+from tpu_kernels import perf
+from tpu_kernels.perf import tokamax_kernels  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "moe_backward.json"
 GENERATIONS = ("v5e", "v6e")
@@ -316,7 +317,7 @@ def main(argv=None) -> int:
             "model": "tpu_kernels.perf grid replay: HBM bytes of each BlockSpec copy, MXU work per pass, vector-unit "
                      "work; headline modelled_time_us = the calibrated pipelined figure (grid step "
                      + ", ".join(f"{g} {perf.grid_step_s(g) * 1e6:.2f} us" for g in GENERATIONS)
-                     + "); TPU peaks and bandwidths from tpu_kernels/hardware.py (jax's TPU table); "
+                     + "); TPU peaks and bandwidths from tpu_kernels/runtime/hardware.py (jax's TPU table); "
                      "overlap_time_us: MXU work fully overlapping the copies",
             "calibrated_errors": {g: calibration_bands.describe("pallas_ragged_dot", g) for g in GENERATIONS},
             "routing": "Dirichlet(8) expert popularity, Gumbel-top-k picks, seeded (benchmarks/moe_layer.py)",

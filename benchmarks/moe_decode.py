@@ -52,7 +52,7 @@ def decode_step_times(model, batch: int, prompt_len: int, steps: int, warmup: in
 
 def prepare(implementation: str, args, workdir: Path):
     """A fresh model set up for one implementation."""
-    from tpu_kernels.demo import load_model
+    from tpu_kernels.integration.demo import load_model
 
     model, _ = load_model(args.model, args.device)
     if implementation in ("eager", "grouped_mm"):
@@ -64,7 +64,7 @@ def prepare(implementation: str, args, workdir: Path):
     if args.device == "tpu":
         repos = {kind: (f"{args.org}/{KINDS_TO_REPOS[kind]}@1" if kind in kinds else None) for kind in KINDS_TO_REPOS}
     else:
-        from tpu_kernels.builder import build_kernel_repo
+        from tpu_kernels.distribution.builder import build_kernel_repo
 
         repos = {
             kind: (str(build_kernel_repo(KERNEL_REPOS / repo, workdir)) if kind in kinds else None)

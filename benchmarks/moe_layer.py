@@ -6,7 +6,7 @@ it and as a user would build it from each rival:
 
 - ours: the kernel repo's own JAX entry behind its fused torch op
   (`LAYER_ENTRY`, today `moe.gated_experts`), loaded from the built kernel
-  (`tpu_kernels.builder.build_kernel_repo` + `kernels.get_local_kernel`), at
+  (`tpu_kernels.distribution.builder.build_kernel_repo` + `kernels.get_local_kernel`), at
   the arguments transformers hands `experts_forward`: T tokens x top-k picks
   without expert parallelism; under EP router masking all T x top-k picks,
   other ranks' picks as id == local expert count (weight 0); under EP
@@ -24,9 +24,9 @@ it and as a user would build it from each rival:
   (128, 128, 128), which is also what tokamax picks for every shape here.
 
 Each layer is compiled ahead of time for the generation (libtpu
-compile-only topology) and analysed by `tpu_kernels.xla_program`: every XLA
+compile-only topology) and analysed by `tpu_kernels.perf.xla_program`: every XLA
 op's HBM / VMEM traffic from the optimized HLO (where XLA placed each
-buffer), XLA's ragged-dot loops replayed (`tpu_kernels.xla_ragged_dot`), and
+buffer), XLA's ragged-dot loops replayed (`tpu_kernels.perf.xla_ragged_dot`), and
 each Pallas kernel by `tpu_kernels.perf`'s grid replay, with the kernel
 operands XLA placed in VMEM moving no HBM bytes. Ours compiles with its real
 kernel bodies (that Mosaic accepts them is part of the result); the rivals'
@@ -97,8 +97,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import calibration_bands  # noqa: E402
-from tpu_kernels import calibration, perf, tokamax_kernels, xla_program  # noqa: E402
-from tpu_kernels.hardware import default_layout_swaps_minor_dims, round_up, tpu_generation  # noqa: E402
+from tpu_kernels.perf import calibration, tokamax_kernels, xla_program
+from tpu_kernels import perf  # noqa: E402
+from tpu_kernels.runtime.hardware import default_layout_swaps_minor_dims, round_up, tpu_generation  # noqa: E402
 from tpu_kernels.perf import grid_step_s  # noqa: E402
 
 DEFAULT_REPO = ROOT / "kernel_repos" / "ragged-dot-tpu"
@@ -323,7 +324,7 @@ def build_folder(cache_dir: Path | None):
 def load_kernel(repo: Path, build_dir: Path):
     import kernels
 
-    from tpu_kernels.builder import build_kernel_repo
+    from tpu_kernels.distribution.builder import build_kernel_repo
 
     return kernels.get_local_kernel(build_kernel_repo(repo, build_dir), backend="cpu")
 
@@ -511,7 +512,7 @@ class Rival:
         return self.matmul(lhs, rhs, sizes, transpose_rhs, tiling)[:rows]
 
     def replay_context(self):
-        """tokamax's grid as a plain pallas_call, so perf's replay sees it (`tpu_kernels.tokamax_kernels`)."""
+        """tokamax's grid as a plain pallas_call, so perf's replay sees it (`tpu_kernels.perf.tokamax_kernels`)."""
         return tokamax_kernels.grid_as_pallas_call() if self.name == "tokamax" else contextlib.nullcontext()
 
     def lowering_lock(self):
@@ -1487,8 +1488,8 @@ def dump_compact(value, indent: int = 0) -> str:
 
 def method(args) -> dict:
     return {
-        "model": "tpu_kernels.xla_program.model_program: Pallas kernels by tpu_kernels.perf grid replay, XLA's "
-                 "ragged-dot loops by tpu_kernels.xla_ragged_dot, other XLA ops from the optimized HLO's placement "
+        "model": "tpu_kernels.perf.xla_program.model_program: Pallas kernels by tpu_kernels.perf grid replay, XLA's "
+                 "ragged-dot loops by tpu_kernels.perf.xla_ragged_dot, other XLA ops from the optimized HLO's placement "
                  "(HBM bytes at HBM bandwidth, VMEM bytes at 22x it)",
         "headline": "us: the calibrated pipelined figure at peak HBM bandwidth (grid step "
                     + ", ".join(f"{g} {grid_step_s(g) * 1e6:.2f} us" for g in GENERATIONS)

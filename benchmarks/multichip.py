@@ -89,7 +89,7 @@ sys.path.insert(0, str(BENCHMARKS))
 import calibration_bands  # noqa: E402
 import moe_layer  # noqa: E402
 
-from tpu_kernels.hardware import tpu_generation  # noqa: E402
+from tpu_kernels.runtime.hardware import tpu_generation  # noqa: E402
 
 DEFAULT_OUT = moe_layer.ROOT / "benchmarks" / "results" / "multichip.json"
 GENERATION = "v6e"

@@ -42,7 +42,7 @@ EXPERT_WEIGHT_STD = 0.02
 def _models():
     from transformers import AutoModelForCausalLM, GptOssConfig, MixtralConfig
 
-    from tpu_kernels.demo import tiny_qwen3_moe
+    from tpu_kernels.integration.demo import tiny_qwen3_moe
 
     common = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=64, max_position_embeddings=512)
@@ -72,7 +72,7 @@ def _with_random_experts(model):
 
 
 def _dequantized(float_model, quantized, kernel):
-    from tpu_kernels.kernelize import experts_modules
+    from tpu_kernels.integration.kernelize import experts_modules
 
     reference = copy.deepcopy(float_model)
     for name in experts_modules(reference):
@@ -101,9 +101,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from tpu_kernels import kernelize
-    from tpu_kernels.builder import build_kernel_repo
-    from tpu_kernels.demo import quantization_error
-    from tpu_kernels.loader import get_local_kernel
+    from tpu_kernels.distribution.builder import build_kernel_repo
+    from tpu_kernels.integration.demo import quantization_error
+    from tpu_kernels.distribution.loader import get_local_kernel
 
     results = {
         "method": __doc__.split("\n\n")[1].replace("\n", " "),

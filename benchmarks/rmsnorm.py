@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from tpu_kernels import perf  # noqa: E402
 from tpu_kernels.aot import compile_for  # noqa: E402
-from tpu_kernels.builder import build_kernel_repo  # noqa: E402
+from tpu_kernels.distribution.builder import build_kernel_repo  # noqa: E402
 
 KERNEL_REPO = ROOT / "kernel_repos" / "rmsnorm-tpu"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "rmsnorm.json"

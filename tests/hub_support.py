@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from huggingface_hub import CommitOperationAdd, HfApi, constants
 
-from tpu_kernels.builder import build_kernel_repo
-from tpu_kernels.hub import RunningHub, start_hub
-from tpu_kernels.publish import upload_kernel
+from tpu_kernels.distribution.builder import build_kernel_repo
+from tpu_kernels.distribution.hub import RunningHub, start_hub
+from tpu_kernels.distribution.publish import upload_kernel
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "test-token-" + os.urandom(4).hex()

@@ -4,12 +4,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from tpu_kernels.loader import get_local_kernel
+from tpu_kernels.distribution.loader import get_local_kernel
 import pytest
 from jax.experimental import pallas as pl
 
 from tpu_kernels.aot import compile_for, compile_repo
-from tpu_kernels.builder import build_kernel_repo
+from tpu_kernels.distribution.builder import build_kernel_repo
 
 pytestmark = pytest.mark.aot
 

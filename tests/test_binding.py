@@ -12,8 +12,8 @@ import torch
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpu_kernels import binding
-from tpu_kernels.binding import jax_torch_op
+from tpu_kernels.runtime import binding
+from tpu_kernels.runtime.binding import jax_torch_op
 
 from .conftest import REPO_ROOT
 
@@ -190,7 +190,7 @@ def test_cpu_platform_is_chosen_only_off_tpu():
         "import glob, os, jax\n"
         "real_glob = glob.glob\n"
         "glob.glob = lambda pattern: []\n"
-        "import tpu_kernels.binding as binding\n"
+        "import tpu_kernels.runtime.binding as binding\n"
         "print(jax.config.jax_platforms)\n"
         "jax.config.update('jax_platforms', 'tpu,cpu')\n"
         "glob.glob = lambda pattern: ['/dev/accel0'] if pattern.startswith('/dev/accel') else []\n"

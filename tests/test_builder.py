@@ -10,7 +10,7 @@ import pytest
 import torch
 from kernels._rust import Digest, DigestAlgorithm, DigestValidationError, Metadata
 
-from tpu_kernels.builder import KernelSource, build_kernel_repo
+from tpu_kernels.distribution.builder import KernelSource, build_kernel_repo
 
 from .conftest import REPO_ROOT
 
@@ -38,7 +38,7 @@ def test_layout_and_metadata(built):
         # Every file is covered by the digest, and the digest matches the files.
         metadata.digest.validate(Digest.hash_variant(DigestAlgorithm.SHA256, variant))
         assert {"__init__.py", "_ops.py", "_binding.py", "_hardware.py", "pallas_tpu.py"} <= set(metadata.digest.files)
-        assert (variant / "_binding.py").read_bytes() == (REPO_ROOT / "tpu_kernels" / "binding.py").read_bytes()
+        assert (variant / "_binding.py").read_bytes() == (REPO_ROOT / "tpu_kernels" / "runtime" / "binding.py").read_bytes()
         ids.add(metadata.id)
     assert len(ids) == 2, "each variant has its own op namespace"
 
@@ -84,7 +84,7 @@ def test_not_a_kernel_repo_is_refused(tmp_path):
 @pytest.mark.multiprocess
 def test_builder_finds_the_binding_without_importing_it():
     """Importing the binding loads jax and torch and may switch jax to the CPU platform."""
-    code = "import sys, tpu_kernels.builder; print([m for m in ('jax', 'torch', 'tpu_kernels.binding') if m in sys.modules])"
+    code = "import sys, tpu_kernels.distribution.builder; print([m for m in ('jax', 'torch', 'tpu_kernels.runtime.binding') if m in sys.modules])"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tpu_kernels import calibration
+from tpu_kernels.perf import calibration
 
 tokamax = pytest.importorskip("tokamax")
 AUTOTUNING = Path(tokamax.__file__).parent / "data" / "autotuning"

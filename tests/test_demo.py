@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tpu_kernels.builder import build_kernel_repo
+from tpu_kernels.distribution.builder import build_kernel_repo
 
 from .conftest import REPO_ROOT
 

@@ -1,4 +1,4 @@
-"""tpu_kernels/hardware.py: the TPU facts every kernel (as `_hardware.py`) and the performance model share."""
+"""tpu_kernels/runtime/hardware.py: the TPU facts every kernel (as `_hardware.py`) and the performance model share."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from tpu_kernels.loader import get_local_kernel
+from tpu_kernels.distribution.loader import get_local_kernel
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from tpu_kernels import hardware
-from tpu_kernels.builder import build_kernel_repo
+from tpu_kernels.runtime import hardware
+from tpu_kernels.distribution.builder import build_kernel_repo
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_REPOS = sorted(p.parent for p in (ROOT / "kernel_repos").glob("*/build.toml"))

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tpu_kernels.hub import Limits, start_hub
-from tpu_kernels.hub.storage import HubError, name_key, validate_path
+from tpu_kernels.distribution.hub import Limits, start_hub
+from tpu_kernels.distribution.hub.storage import HubError, name_key, validate_path
 
 from .test_hub_hardening import http
 

@@ -26,8 +26,8 @@ import pytest
 from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
-from tpu_kernels.hub import Limits, start_hub
-from tpu_kernels.hub.commit_payload import MAX_LINE_BYTES
+from tpu_kernels.distribution.hub import Limits, start_hub
+from tpu_kernels.distribution.hub.commit_payload import MAX_LINE_BYTES
 
 TOKEN = "hardening-" + os.urandom(4).hex()
 REPO = "org/kernel-h"
@@ -169,7 +169,7 @@ def test_an_empty_or_blank_token_is_no_token(tmp_path, token):
 @pytest.mark.multiprocess
 def test_serve_with_an_empty_token_variable_says_read_only_and_is(tmp_path):
     process = subprocess.Popen(
-        [sys.executable, "-m", "tpu_kernels.hub", "--root", str(tmp_path / "hub"), "--port", "0", "--quiet",
+        [sys.executable, "-m", "tpu_kernels.distribution.hub", "--root", str(tmp_path / "hub"), "--port", "0", "--quiet",
          "--trusted-org", "org"],
         env=dict(os.environ, TPU_KERNELS_HUB_TOKEN=""), cwd=REPO_ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -276,11 +276,11 @@ def test_connections_beyond_the_cap_get_503_and_service_resumes(tmp_path):
 
 @pytest.fixture(scope="module")
 def server_process(tmp_path_factory):
-    """`python -m tpu_kernels.hub` as deployed; yields (url, its stderr so far)."""
+    """`python -m tpu_kernels.distribution.hub` as deployed; yields (url, its stderr so far)."""
     folder = tmp_path_factory.mktemp("served")
     stderr = open(folder / "stderr.txt", "w+")
     process = subprocess.Popen(
-        [sys.executable, "-m", "tpu_kernels.hub", "--root", str(folder / "hub"), "--port", "0", "--quiet"],
+        [sys.executable, "-m", "tpu_kernels.distribution.hub", "--root", str(folder / "hub"), "--port", "0", "--quiet"],
         env=dict(os.environ, TPU_KERNELS_HUB_TOKEN=TOKEN), cwd=REPO_ROOT,
         stdout=subprocess.PIPE, stderr=stderr, text=True,
     )
@@ -374,7 +374,7 @@ def _stream_commit(url: str, path: str, size: int, seed: int) -> tuple[int, dict
 def test_a_256_mib_commit_raises_the_server_peak_memory_by_a_few_mib(tmp_path):
     root = tmp_path / "hub"
     process = subprocess.Popen(
-        [sys.executable, "-m", "tpu_kernels.hub", "--root", str(root), "--port", "0", "--quiet"],
+        [sys.executable, "-m", "tpu_kernels.distribution.hub", "--root", str(root), "--port", "0", "--quiet"],
         env=dict(os.environ, TPU_KERNELS_HUB_TOKEN=TOKEN), cwd=REPO_ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
@@ -634,8 +634,8 @@ def test_concurrent_commits_beyond_the_upload_slots_all_land(tmp_path):
 
 @pytest.mark.parametrize("piece", [1, 2, 3, 7, 64, 4096])
 def test_the_commit_reader_gives_what_json_loads_gives_however_the_body_is_split(tmp_path, piece):
-    from tpu_kernels.hub.commit_payload import read_commit_payload
-    from tpu_kernels.hub.storage import Storage
+    from tpu_kernels.distribution.hub.commit_payload import read_commit_payload
+    from tpu_kernels.distribution.hub.storage import Storage
 
     content = random.Random(piece).randbytes(3000)
     encoded = base64.b64encode(content).decode()

@@ -24,10 +24,10 @@ from urllib.parse import quote
 import pytest
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
-from tpu_kernels.hub import Limits, card, start_hub
-from tpu_kernels.hub import storage as hub_storage
-from tpu_kernels.hub.app import _error_response
-from tpu_kernels.hub.storage import HubError, StagedFile, Storage
+from tpu_kernels.distribution.hub import Limits, card, start_hub
+from tpu_kernels.distribution.hub import storage as hub_storage
+from tpu_kernels.distribution.hub.app import _error_response
+from tpu_kernels.distribution.hub.storage import HubError, StagedFile, Storage
 
 from .test_hub_hardening import (  # noqa: F401 - api and repo are fixtures: they take this module's hub
     HEADER,
@@ -223,7 +223,7 @@ def test_a_response_read_at_the_minimum_rate_completes(tmp_path):
 def test_256_connections_with_4_mib_bodies_add_under_100_mib(tmp_path):
     """Bodies past 64 KiB wait on disk; what is parsed at once is bounded (Limits.max_large_bodies)."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "tpu_kernels.hub", "--root", str(tmp_path / "hub"), "--port", "0", "--quiet"],
+        [sys.executable, "-m", "tpu_kernels.distribution.hub", "--root", str(tmp_path / "hub"), "--port", "0", "--quiet"],
         env=dict(os.environ, TPU_KERNELS_HUB_TOKEN=TOKEN), cwd=REPO_ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
@@ -698,7 +698,7 @@ def test_allowed_host_names_are_configurable(tmp_path):
 @pytest.mark.multiprocess
 def test_serve_takes_the_new_limits_and_host_names_from_its_command_line(tmp_path):
     process = subprocess.Popen(
-        [sys.executable, "-m", "tpu_kernels.hub", "--root", str(tmp_path / "hub"), "--port", "0", "--quiet",
+        [sys.executable, "-m", "tpu_kernels.distribution.hub", "--root", str(tmp_path / "hub"), "--port", "0", "--quiet",
          "--allowed-host", "hub.internal", "--send-timeout", "5", "--min-rate", "1000"],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -709,7 +709,7 @@ def test_serve_takes_the_new_limits_and_host_names_from_its_command_line(tmp_pat
     finally:
         process.terminate()
         process.wait(timeout=30)
-    bad = subprocess.run([sys.executable, "-m", "tpu_kernels.hub", "--root", str(tmp_path / "hub"), "--min-rate", "0"],
+    bad = subprocess.run([sys.executable, "-m", "tpu_kernels.distribution.hub", "--root", str(tmp_path / "hub"), "--min-rate", "0"],
                          cwd=REPO_ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "min_rate must be positive" in bad.stderr
 

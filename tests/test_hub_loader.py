@@ -26,9 +26,9 @@ from kernels import resolver as kernels_resolver
 from kernels._rust import Digest, DigestAlgorithm
 
 import tpu_kernels
-from tpu_kernels.hub import start_hub
-from tpu_kernels.loader import KernelIntegrityError, get_kernel, verify_variant
-from tpu_kernels.publish import upload_kernel, upload_main
+from tpu_kernels.distribution.hub import start_hub
+from tpu_kernels.distribution.loader import KernelIntegrityError, get_kernel, verify_variant
+from tpu_kernels.distribution.publish import upload_kernel, upload_main
 
 TOKEN = "test-token-" + os.urandom(4).hex()
 TRUSTED = "trusted-org"
@@ -238,7 +238,7 @@ def test_offline_loads_from_the_cache_with_zero_requests(hub, client, tmp_path):
     requests_before = hub.request_count
     loaded = run_python(f"""
         import json
-        from tpu_kernels.loader import get_kernel
+        from tpu_kernels.distribution.loader import get_kernel
         by_version = get_kernel({REPO!r}, version=1).answer()
         by_sha = get_kernel({REPO!r}, revision={publication.build_commit.oid!r}).answer()
         print(json.dumps([by_version, by_sha]))
@@ -254,7 +254,7 @@ def test_eight_processes_share_one_consistent_cache(hub, tmp_path):
     cache = tmp_path / "shared-cache"
     code = f"""
         import json
-        from tpu_kernels.loader import get_kernel
+        from tpu_kernels.distribution.loader import get_kernel
         module = get_kernel({REPO!r}, version=1)
         print(json.dumps([module.answer(), module.__file__]))
     """
@@ -278,7 +278,7 @@ def test_eight_processes_share_one_consistent_cache(hub, tmp_path):
 
 @pytest.fixture(scope="module")
 def ragged_dot_build(tmp_path_factory) -> Path:
-    from tpu_kernels.builder import build_kernel_repo
+    from tpu_kernels.distribution.builder import build_kernel_repo
 
     return build_kernel_repo(REPO_ROOT / "kernel_repos" / "ragged-dot-tpu", tmp_path_factory.mktemp("build"))
 

@@ -11,7 +11,7 @@ import pytest
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 from huggingface_hub.utils import get_session
 
-from tpu_kernels.hub.pages import CONTENT_SECURITY_POLICY
+from tpu_kernels.distribution.hub.pages import CONTENT_SECURITY_POLICY
 
 from .hub_support import (
     HOSTILE_BACKEND,

@@ -27,9 +27,9 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from tpu_kernels.hub import app as hub_app
-from tpu_kernels.hub import server as hub_server
-from tpu_kernels.hub import start_hub
+from tpu_kernels.distribution.hub import app as hub_app
+from tpu_kernels.distribution.hub import server as hub_server
+from tpu_kernels.distribution.hub import start_hub
 
 TOKEN = "test-token-" + os.urandom(4).hex()
 REPO = "org/kernel-a"
@@ -296,7 +296,7 @@ def test_hf_cli_downloads_a_kernel_revision(api, hub, tmp_path):
 
 @pytest.fixture
 def server_processes():
-    """Hub servers run as `python -m tpu_kernels.hub`; any still alive at the end is killed."""
+    """Hub servers run as `python -m tpu_kernels.distribution.hub`; any still alive at the end is killed."""
     started: list[subprocess.Popen] = []
     yield started
     for process in started:
@@ -307,7 +307,7 @@ def server_processes():
 
 def _start_server_process(root: Path, started: list[subprocess.Popen], *flags: str) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "tpu_kernels.hub", "--root", str(root), "--port", "0", "--quiet", *flags],
+        [sys.executable, "-m", "tpu_kernels.distribution.hub", "--root", str(root), "--port", "0", "--quiet", *flags],
         env=dict(os.environ, TPU_KERNELS_HUB_TOKEN=TOKEN), cwd=REPO_ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )

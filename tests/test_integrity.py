@@ -1,5 +1,5 @@
 """Hostile input and races against the chain that runs Hub code: the loader's digest check on a real
-cache, lock files, concurrent uploads and kernelize, all against a `tpu_kernels.hub` server on loopback.
+cache, lock files, concurrent uploads and kernelize, all against a `tpu_kernels.distribution.hub` server on loopback.
 
 Tampering is done the way a hand (or an attacker with write access to the cache) would: in the
 snapshot folder that huggingface_hub filled, after a plain download and before the first import.
@@ -20,9 +20,9 @@ import pytest
 from huggingface_hub import HfApi, RepoFile
 from kernels._rust import Digest, DigestAlgorithm, Metadata
 
-from tpu_kernels.digest import KernelIntegrityError, git_blob_id
-from tpu_kernels.loader import VariantNotFoundError, get_kernel, get_locked_kernel, load_kernel
-from tpu_kernels.publish import upload_kernel
+from tpu_kernels.distribution.digest import KernelIntegrityError, git_blob_id
+from tpu_kernels.distribution.loader import VariantNotFoundError, get_kernel, get_locked_kernel, load_kernel
+from tpu_kernels.distribution.publish import upload_kernel
 
 from .conftest import REPO_ROOT
 from .test_hub_loader import (  # noqa: F401 - fixtures
@@ -168,7 +168,7 @@ def test_code_and_digest_edited_together_are_refused_online_and_offline(hub, cli
     assert refused.value.files == [variant / "metadata.json"]
 
     result = subprocess.run(
-        [sys.executable, "-c", "from tpu_kernels.loader import get_kernel; "
+        [sys.executable, "-c", "from tpu_kernels.distribution.loader import get_kernel; "
          f"get_kernel({REPO!r}, version=1)"],
         env=subprocess_env(hub, client, tmp_path, HF_HUB_OFFLINE="1", **FAST_SUBPROCESS_ENV),
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
@@ -375,7 +375,7 @@ def test_a_build_with_an_extra_file_is_not_uploaded(hub, tmp_path):
 
 
 def test_the_digest_is_the_one_kernels_verify_reads(tmp_path):
-    from tpu_kernels.builder import build_kernel_repo
+    from tpu_kernels.distribution.builder import build_kernel_repo
 
     built = build_kernel_repo(REPO_ROOT / "kernel_repos" / "rmsnorm-tpu", tmp_path)
     for variant in sorted((built / "build").iterdir()):
@@ -440,7 +440,7 @@ def test_rmsnorm_from_the_hub_cache_is_replaced(hub, client, tmp_path, tiny_mode
     import torch
 
     from tpu_kernels import kernelize
-    from tpu_kernels.builder import build_kernel_repo
+    from tpu_kernels.distribution.builder import build_kernel_repo
 
     repo = f"{TRUSTED}/rmsnorm-tpu"
     publish(hub, build_kernel_repo(REPO_ROOT / "kernel_repos" / "rmsnorm-tpu", tmp_path / "build"), repo_id=repo)

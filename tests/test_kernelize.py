@@ -9,8 +9,8 @@ import transformers
 from transformers import AutoModelForCausalLM, GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
 from tpu_kernels import kernelize
-from tpu_kernels.builder import build_kernel_repo
-from tpu_kernels.kernelize import experts_modules
+from tpu_kernels.distribution.builder import build_kernel_repo
+from tpu_kernels.integration.kernelize import experts_modules
 
 from .conftest import REPO_ROOT
 from .test_hub_loader import TRUSTED, client, hub, publish  # noqa: F401 - fixtures
@@ -153,7 +153,7 @@ def test_training_mode_replaces_experts(ragged_dot_build):
 
 def test_training_mode_keeps_original_or_raises(ragged_dot_build, monkeypatch):
     """A kernel that declares no backward keeps the original experts in TRAINING (or raises)."""
-    from tpu_kernels.loader import get_local_kernel
+    from tpu_kernels.distribution.loader import get_local_kernel
 
     kernel = get_local_kernel(ragged_dot_build, backend="cpu")
     monkeypatch.setattr(kernel.experts_forward, "has_backward", False)

@@ -33,9 +33,9 @@ from hypothesis import strategies as st
 from kernels import resolver as kernels_resolver
 from kernels._rust import KernelDependency, KernelLock, KernelLocks, KernelVersion
 
-import tpu_kernels.loader as loader
-from tpu_kernels.digest import KernelIntegrityError
-from tpu_kernels.loader import HubUnreachableError, UnsafeIdError, get_kernel, get_local_kernel
+import tpu_kernels.distribution.loader as loader
+from tpu_kernels.distribution.digest import KernelIntegrityError
+from tpu_kernels.distribution.loader import HubUnreachableError, UnsafeIdError, get_kernel, get_local_kernel
 
 from .conftest import REPO_ROOT
 from .hostile_hub import branch_target, extra_branches, file_header, hostile_hub, revision_sha
@@ -130,7 +130,7 @@ def run_python_as_a_user(code: str, env: dict) -> dict:
 LOADS_FROM_A_PLANTED_CACHE = """
     import json, sys
     import kernels.importer
-    import tpu_kernels.loader as loader
+    import tpu_kernels.distribution.loader as loader
 
     def answer(load):
         ids = {{loaded.metadata.id for loaded in kernels.importer._loaded_kernels.values()}}
@@ -195,7 +195,7 @@ def test_force_download_on_someone_elses_read_only_cache_says_so(hub, client, tm
     try:
         result = run_python_as_a_user(f"""
             import json
-            from tpu_kernels.loader import get_kernel
+            from tpu_kernels.distribution.loader import get_kernel
             try:
                 get_kernel({REPO!r}, version=1, force_download=True)
             except Exception as error:
@@ -475,7 +475,7 @@ def test_loads_and_trust_checks_work_with_telemetry_off(hub, client, tmp_path):
     publish(hub, make_build(tmp_path, answer=7), repo_id=UNTRUSTED)
     trusted, untrusted = run_python(f"""
         import json
-        from tpu_kernels.loader import get_kernel
+        from tpu_kernels.distribution.loader import get_kernel
         trusted = get_kernel({REPO!r}, version=1).answer()
         try:
             get_kernel({UNTRUSTED!r}, version=1)

@@ -73,8 +73,8 @@ def test_rival_layer_computes_the_experts_layer(tmp_path):
     import jax.numpy as jnp
     import numpy as np
     import torch
-    from tpu_kernels.builder import build_kernel_repo
-    from tpu_kernels.loader import get_local_kernel
+    from tpu_kernels.distribution.builder import build_kernel_repo
+    from tpu_kernels.distribution.loader import get_local_kernel
 
     moe_layer = load_moe_layer()
     reference = get_local_kernel(build_kernel_repo(ROOT / "kernel_repos" / "ragged-dot-tpu", tmp_path),
@@ -107,8 +107,8 @@ def test_rival_layer_computes_the_experts_layer(tmp_path):
 def test_quantized_variants_take_the_kernels_arguments_and_minimum(tmp_path):
     """The one-byte variants: their arguments are what the kernel repo's quant.py expects, and their minimum
     bytes count each active expert's one-byte weights and f32 scales once (the anchor, by hand)."""
-    from tpu_kernels.builder import build_kernel_repo
-    from tpu_kernels.loader import get_local_kernel
+    from tpu_kernels.distribution.builder import build_kernel_repo
+    from tpu_kernels.distribution.loader import get_local_kernel
 
     moe_layer = load_moe_layer()
     built = get_local_kernel(build_kernel_repo(ROOT / "kernel_repos" / "ragged-dot-tpu", tmp_path), backend="cpu")

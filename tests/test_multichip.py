@@ -18,8 +18,8 @@ import torch
 from kernels import Mode
 from transformers import AutoModelForCausalLM, GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
-from tpu_kernels.builder import build_kernel_repo
-from tpu_kernels.parallel import applied_plan, replacement_conflict, uneven_attention_heads
+from tpu_kernels.distribution.builder import build_kernel_repo
+from tpu_kernels.integration.parallel import applied_plan, replacement_conflict, uneven_attention_heads
 
 from .conftest import REPO_ROOT
 

@@ -15,7 +15,7 @@ HEAVY = ("jax", "torch", "torch_tpu", "kernels", "huggingface_hub", "transformer
 def test_importing_the_package_loads_no_framework():
     code = (
         "import json, sys, tpu_kernels; "
-        "tpu_kernels.kernelize; tpu_kernels.KernelIntegrityError; "
+        "tpu_kernels.integration.kernelize; tpu_kernels.KernelIntegrityError; "
         f"print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)

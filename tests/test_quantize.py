@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Qwen3MoeCon
 from transformers.integrations.finegrained_fp8 import Fp8Quantize
 
 from tpu_kernels import kernelize
-from tpu_kernels.kernelize import experts_modules
-from tpu_kernels.loader import get_local_kernel
-from tpu_kernels.quantize import quantize_fp8, quantize_int8
+from tpu_kernels.integration.kernelize import experts_modules
+from tpu_kernels.distribution.loader import get_local_kernel
+from tpu_kernels.integration.quantize import quantize_fp8, quantize_int8
 
 from .test_kernelize import _experts_only, _prompt, _tiny_model, ragged_dot_build  # noqa: F401 - fixture
 

@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tpu_kernels.loader import get_local_kernel
+from tpu_kernels.distribution.loader import get_local_kernel
 
 from tests.conftest import REPO_ROOT
 from tpu_kernels import perf
-from tpu_kernels.builder import build_kernel_repo
+from tpu_kernels.distribution.builder import build_kernel_repo
 
 S = jax.ShapeDtypeStruct
 SCHEMES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}

@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tpu_kernels.loader import get_local_kernel
+from tpu_kernels.distribution.loader import get_local_kernel
 
 from tests.conftest import REPO_ROOT
 from tpu_kernels import perf
-from tpu_kernels.builder import build_kernel_repo
+from tpu_kernels.distribution.builder import build_kernel_repo
 
 BF16 = 2
 S = jax.ShapeDtypeStruct

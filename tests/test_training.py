@@ -15,7 +15,7 @@ from kernels import Mode
 from transformers import AutoModelForCausalLM, GptOssConfig, Qwen3Config, Qwen3MoeConfig
 
 from tpu_kernels import kernelize
-from tpu_kernels.builder import build_kernel_repo
+from tpu_kernels.distribution.builder import build_kernel_repo
 
 from .conftest import REPO_ROOT
 

@@ -19,7 +19,7 @@ from kernels import get_local_kernel
 
 from tests.conftest import REPO_ROOT
 from tpu_kernels import perf
-from tpu_kernels.builder import build_kernel_repo
+from tpu_kernels.distribution.builder import build_kernel_repo
 
 S = jax.ShapeDtypeStruct
 

@@ -12,11 +12,11 @@ still be relaid out).
 import jax
 import jax.numpy as jnp
 import pytest
-from tpu_kernels.loader import get_local_kernel
+from tpu_kernels.distribution.loader import get_local_kernel
 
 from tests.conftest import REPO_ROOT
-from tpu_kernels import xla_program
-from tpu_kernels.builder import build_kernel_repo
+from tpu_kernels.perf import xla_program
+from tpu_kernels.distribution.builder import build_kernel_repo
 
 S = jax.ShapeDtypeStruct
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 16, 2816, 704, 8  # Gemma-4-26B-A4B, one of 8 expert-parallel ranks

@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tpu_kernels import perf, xla_program
+from tpu_kernels import perf
+from tpu_kernels.perf import xla_program
 
 # A hand-written optimized module: a prefetch, a gather fusion, a sliced async prefetch, a relayout copy
 # of an argument and a Pallas kernel.

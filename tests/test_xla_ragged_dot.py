@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from jax import lax
 
-from tpu_kernels import perf, xla_program, xla_ragged_dot
+from tpu_kernels import perf
+from tpu_kernels.perf import xla_program, xla_ragged_dot
 
 FORWARD = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((1,), (1,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))

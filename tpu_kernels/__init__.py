@@ -5,19 +5,19 @@ the Hub server needs none of them, and huggingface_hub reads HF_ENDPOINT & co.
 when first imported. They load with the first call that needs them.
 """
 
-from .digest import KernelIntegrityError
-from .kernelize import kernelize
+from .distribution.digest import KernelIntegrityError
+from .integration.kernelize import kernelize
 
 _LOADER_NAMES = ("get_kernel", "get_locked_kernel", "load_kernel")
 
 
 def __getattr__(name):
     if name in _LOADER_NAMES:
-        from . import loader
+        from .distribution import loader
 
         return getattr(loader, name)
     if name == "jax_torch_op":
-        from .binding import jax_torch_op
+        from .runtime.binding import jax_torch_op
 
         return jax_torch_op
     raise AttributeError(f"module 'tpu_kernels' has no attribute {name!r}")

@@ -15,7 +15,7 @@ BENCHMARKS_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def _build(args) -> int:
-    from .builder import build_kernel_repo
+    from .distribution.builder import build_kernel_repo
 
     for repo in args.repos:
         print(build_kernel_repo(Path(repo), Path(args.out)))
@@ -37,7 +37,7 @@ def _check(args) -> int:
     import kernels
 
     from .aot import compile_repo, format_table
-    from .builder import build_kernel_repo
+    from .distribution.builder import build_kernel_repo
 
     repo = Path(args.repo)
     built = build_kernel_repo(repo, Path(args.out))
@@ -72,7 +72,7 @@ def _bench(args, extra: list[str]) -> int:
 def _calibrate(args) -> int:
     from tqdm import tqdm
 
-    from . import calibration
+    from .perf import calibration
 
     try:
         report = calibration.calibrate(
@@ -92,19 +92,19 @@ def _calibrate(args) -> int:
 
 
 def _serve(argv: list[str]) -> int:
-    from .hub import serve_main
+    from .distribution.hub import serve_main
 
     return serve_main(argv)
 
 
 def _upload(argv: list[str]) -> int:
-    from .publish import upload_main
+    from .distribution.publish import upload_main
 
     return upload_main(argv)
 
 
 def _demo(argv: list[str]) -> int:
-    from .demo import demo_main
+    from .integration.demo import demo_main
 
     return demo_main(argv)
 

@@ -1,7 +1,7 @@
 """pytest plugin (entry point `tpu_kernels`): a `kernel` fixture for kernel repo tests.
 
 A kernel repo's tests run against its *built* torch-cpu variant, loaded with
-`tpu_kernels.loader.get_local_kernel` (`kernels.get_local_kernel` after the digest
+`tpu_kernels.distribution.loader.get_local_kernel` (`kernels.get_local_kernel` after the digest
 check), as a user would load it. The variant is built once per session into a
 temp dir, or taken from TPU_KERNELS_BUILT (set by `tpu-kernels check`). The
 loader keeps one module per kernel content, so every test in a session that
@@ -38,7 +38,7 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     if config.getini(DETECT_RACES_INI):
-        from .binding import RACE_DETECTION_ENV
+        from .runtime.binding import RACE_DETECTION_ENV
 
         os.environ[RACE_DETECTION_ENV] = "1"
 
@@ -59,8 +59,8 @@ def _built_kernels(tmp_path_factory) -> dict[Path, Path]:
 @pytest.fixture
 def kernel(request, _built_kernels, tmp_path_factory):
     """The built torch-cpu variant of the kernel repo this test lives in."""
-    from .builder import KernelSource, build_kernel_repo
-    from .loader import get_local_kernel
+    from .distribution.builder import KernelSource, build_kernel_repo
+    from .distribution.loader import get_local_kernel
 
     repo = kernel_repo_of(request.path)
     if repo is None:

@@ -1,6 +1,6 @@
 """attention_forward registered in transformers: tiny models generate what eager attention generates.
 
-The registration is done here the way `tpu_kernels.kernelize` does it: the
+The registration is done here the way `tpu_kernels.integration.kernelize` does it: the
 attention function in `AttentionInterface` and the kernel's mask function in
 `AttentionMaskInterface` under the same name, then
 `model.set_attn_implementation(name)`.

@@ -122,7 +122,7 @@ def attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-# Read by tpu_kernels.kernelize: differentiable (backward kernels, torch autograd), and traceable by
+# Read by tpu_kernels.integration.kernelize: differentiable (backward kernels, torch autograd), and traceable by
 # torch.compile(fullgraph=True).
 attention_forward.has_backward = True
 attention_forward.can_torch_compile = True

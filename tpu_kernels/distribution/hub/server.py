@@ -159,7 +159,7 @@ def warn_if_exposed(host: str) -> None:
 def _log_to_stderr(log_requests: bool) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-    for name, level in (("uvicorn.error", logging.WARNING), ("tpu_kernels.hub", logging.WARNING),
+    for name, level in (("uvicorn.error", logging.WARNING), ("tpu_kernels.distribution.hub", logging.WARNING),
                         ("uvicorn.access", logging.INFO if log_requests else logging.WARNING)):
         logger = logging.getLogger(name)
         logger.addHandler(handler)

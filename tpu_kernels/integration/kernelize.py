@@ -92,7 +92,7 @@ class KernelSpec:
         return cls(repo=repo, version=int(version), local_path=None)
 
     def load(self, backend: str, trust_remote_code: bool | list[str]) -> ModuleType:
-        from .loader import get_kernel, get_local_kernel
+        from ..distribution.loader import get_kernel, get_local_kernel
 
         if self.local_path is not None:
             return get_local_kernel(self.local_path, backend=backend)
@@ -327,7 +327,7 @@ APPLIERS = {"experts": _kernelize_experts, "rmsnorm": _kernelize_rmsnorm, "atten
 
 
 def _quantize_experts(model, entry: ReportEntry | None, kernel: ModuleType | None, scheme: str) -> QuantizationReport:
-    """Quantize the experts modules the kernel now serves with its fused path (`tpu_kernels.quantize`)."""
+    """Quantize the experts modules the kernel now serves with its fused path (`tpu_kernels.integration.quantize`)."""
     from .quantize import quantize_experts_module
 
     report = QuantizationReport(scheme)
@@ -375,11 +375,11 @@ def kernelize(
         quantize_experts: None, "int8" (symmetric, per output channel) or "fp8" (e4m3 in 128 x 128
             blocks, transformers' fine-grained FP8): the float weights of every experts module the
             kernel serves are quantized once, in place, and read as one byte per weight from then
-            on (`tpu_kernels.quantize`); the report gives the bytes before and after.
+            on (`tpu_kernels.integration.quantize`); the report gives the bytes before and after.
     """
     from kernels import Mode
 
-    from .loader import VariantNotFoundError
+    from ..distribution.loader import VariantNotFoundError
     from .quantize import check_scheme
 
     check_scheme(quantize_experts)

@@ -21,7 +21,7 @@ Where the numbers come from:
   kernels tile by. The Pallas guides do not state it (jax's docs/pallas/tpu,
   whole history up to commit cec06d1, 2026-08); fitted to real-chip timings
   it is 0.34 us on v5e and 0.73 us on TPU7x (the performance model's
-  calibrated values: tpu_kernels/model_constants.json).
+  calibrated values: tpu_kernels/perf/model_constants.json).
 
 Generations: kernels are tuned and compiled ahead of time for
 SUPPORTED_GENERATIONS only. On a TPU of any other generation
@@ -52,7 +52,7 @@ GENERATION_ENV = "TPU_KERNELS_GENERATION"
 
 # Measured with libtpu's compile-only topologies (module docstring).
 DEFAULT_SCOPED_VMEM_BYTES = {"v5e": 16 * MIB, "v6e": 32 * MIB}
-# The rule of thumb kernels tile by (the performance model's calibrated values: tpu_kernels/model_constants.json).
+# The rule of thumb kernels tile by (the performance model's calibrated values: tpu_kernels/perf/model_constants.json).
 GRID_STEP_OVERHEAD_S = 0.35e-6
 
 # Raised VMEM limits (see `vmem_limit_bytes`). Mosaic allocates its own

@@ -56,9 +56,10 @@ from pathlib import Path
 
 import jax
 
-from . import perf, xla_ragged_dot
-from .aot import topology_device
-from .hardware import TpuGeneration, tpu_generation
+from .. import perf
+from . import xla_ragged_dot
+from ..aot import topology_device
+from ..runtime.hardware import TpuGeneration, tpu_generation
 
 VMEM_BANDWIDTH_OVER_HBM = 22.0
 # Fixed cost of one kept iteration of XLA's ragged dot loop (`xla_ragged_dot`), per generation, fitted to

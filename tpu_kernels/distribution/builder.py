@@ -28,9 +28,10 @@ from .digest import digest_field
 # Shared modules copied into every build, {name in the build: source file}: a
 # built kernel cannot import tpu_kernels. Found by path, not imported: importing
 # the binding would load jax and torch.
+RUNTIME = Path(__file__).resolve().parents[1] / "runtime"
 SHIPPED_MODULES = {
-    "_binding.py": Path(__file__).with_name("binding.py"),
-    "_hardware.py": Path(__file__).with_name("hardware.py"),
+    "_binding.py": RUNTIME / "binding.py",
+    "_hardware.py": RUNTIME / "hardware.py",
 }
 SOURCE_HASH_CHARS = 10
 IGNORED_NAMES = {"__pycache__", ".pytest_cache"}

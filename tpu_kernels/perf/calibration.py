@@ -49,7 +49,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import perf, xla_program
+from .. import perf
+from . import xla_program
 
 # tokamax's folder names (device kinds, lower snake case) -> our generation names.
 CHIP_FOLDERS = {"tpu_v5_lite": "v5e", "tpu_v5": "v5p", "tpu_v5p": "v5p", "tpu_v6_lite": "v6e", "tpu7x": "tpu7x"}

@@ -28,14 +28,14 @@ import warnings
 from pathlib import Path
 
 DEMO_ORG = "tpu-kernels"
-KERNEL_REPOS = Path(__file__).resolve().parents[1] / "kernel_repos"
+KERNEL_REPOS = Path(__file__).resolve().parents[2] / "kernel_repos"
 DEMO_TOKEN = "demo-write-token"
 
 
 def _publish_to_local_hub(workdir: Path, repos: list[Path]) -> tuple[object, list[str]]:
-    from .builder import build_kernel_repo
-    from .hub.server import start_hub
-    from .publish import upload_kernel
+    from ..distribution.builder import build_kernel_repo
+    from ..distribution.hub.server import start_hub
+    from ..distribution.publish import upload_kernel
 
     hub = start_hub(workdir / "hub", token=DEMO_TOKEN, trusted_orgs=[DEMO_ORG])
     published = []

@@ -16,7 +16,7 @@ Variant choice, metadata validators, download and import are `kernels` 0.17.2's 
   huggingface_hub turns into a header httpx refuses). A Hub that cannot be reached raises
   `HubUnreachableError` naming the endpoint and the network failure, never advice to trust the code;
 * the selected variant (and each kernel it depends on) is read once, checked against the digest of
-  its metadata.json with `tpu_kernels.digest` (every file listed with its sha256, no other file or
+  its metadata.json with `tpu_kernels.distribution.digest` (every file listed with its sha256, no other file or
   folder, no symbolic link but the cache's own file links into `blobs/`, a digest present; in the
   cache metadata.json must be the blob whose id it links to, and online the blob the Hub serves for it
   at that commit), and the very bytes checked are written to a private copy, a new folder (mode 0700)
@@ -404,7 +404,7 @@ def _guard_kernel_downloads() -> None:
     parameters = inspect.signature(original).parameters if callable(original) else {}
     if not {"repo_id", "repo_type", "revision", "filename", "storage_folder"} <= parameters.keys():
         raise ImportError(
-            "tpu_kernels.loader cannot check the ids huggingface_hub turns into cache paths: "
+            "tpu_kernels.distribution.loader cannot check the ids huggingface_hub turns into cache paths: "
             "huggingface_hub.file_download._get_metadata_or_catch_error is missing or changed. "
             "Install a huggingface_hub this package supports (see its requirements)."
         )
@@ -602,7 +602,7 @@ def _remember_ref(repo_id: str, name: str, commit: str) -> None:
 
 
 def verify_variant(variant_path: Path, *, source: str | None = None) -> None:
-    """Check a variant folder against its metadata.json's digest (`tpu_kernels.digest`); KernelIntegrityError if not.
+    """Check a variant folder against its metadata.json's digest (`tpu_kernels.distribution.digest`); KernelIntegrityError if not.
 
     A variant of a Hub cache snapshot (`<repo folder>/snapshots/<commit>/build/<variant>`) is
     checked as one (file links into the repo's `blobs/`, metadata.json against its blob id),

@@ -32,7 +32,7 @@ pipeline step (`perf.pipeline_seconds`):
   into 6 contracting chunks would take 2.5x their measured time if every
   chunk paid it;
 - each kept iteration costs `step_overhead_s` besides its copies and matmul
-  (fitted: `tpu_kernels.calibration`); skipped iterations cost nothing.
+  (fitted: `tpu_kernels.perf.calibration`); skipped iterations cost nothing.
 
 Where XLA leaves `iteration_bounds` empty (some lhs-gradient shapes; its own
 cost model gives no estimate for them either) the model refuses: taking the
@@ -49,8 +49,8 @@ import re
 
 import numpy as np
 
-from . import perf
-from .hardware import TpuGeneration
+from .. import perf
+from ..runtime.hardware import TpuGeneration
 
 # The f32 accumulator of the groups' masked sum (module docstring).
 ACCUMULATOR_BYTES = 4

@@ -82,7 +82,7 @@ Modelled time of one call on one generation (`roofline(...).time_s`) =
     max(HBM bytes / (HBM bandwidth * hbm_fraction), compute) + grid steps * step cost,
 with hbm_fraction the share of the peak bandwidth the DMAs reach (1.0 by
 default) and the step cost calibrated per generation
-(`grid_step_s`, tpu_kernels/model_constants.json). `pipelined_time_s` replays the double-buffered
+(`grid_step_s`, tpu_kernels/perf/model_constants.json). `pipelined_time_s` replays the double-buffered
 pipeline step by step instead: the first fetch and last write-back are not
 overlapped, and each step costs max(its compute, the DMAs of the
 neighbouring steps) + the step cost; it is never below `time_s`, and it is
@@ -92,7 +92,7 @@ HBM tile granularity are not modelled.
 
 Constants and their sources: HBM bandwidth, MXU peaks and size, VMEM
 capacity, the default scoped VMEM limits and the per-grid-step cost come
-from `tpu_kernels.hardware` (the module every built kernel carries as
+from `tpu_kernels.runtime.hardware` (the module every built kernel carries as
 `_hardware.py`), which reads jax's public TPU table
 (`jax.experimental.pallas.tpu.get_tpu_info_for_chip`) and names the source
 of each number it adds. Override the step cost with `step_overhead_s`.
@@ -118,7 +118,7 @@ from jax._src.pallas import core as pallas_core
 from jax._src.state import discharge as state_discharge
 from jax.extend import core as jex_core
 
-from .hardware import (
+from ..runtime.hardware import (
     GRID_STEP_OVERHEAD_S,
     TpuGeneration,
     padded_vmem_bytes,
@@ -129,7 +129,7 @@ from .hardware import (
 # Six bf16 passes emulate an f32 matmul at HIGHEST precision.
 _F32_HIGHEST_PASSES = 6
 
-# The model's fitted constants (tpu_kernels/model_constants.json, written from benchmarks/calibration_fit.py):
+# The model's fitted constants (tpu_kernels/perf/model_constants.json, written from benchmarks/calibration_fit.py):
 # data, so that refitting them changes no code and re-prices cached replays without redoing them.
 CONSTANTS = json.loads(resources.files(__package__).joinpath("model_constants.json").read_text())
 # The cycles a weights tile takes to load into the MXU that a pass of fewer rows cannot hide, as a share of
@@ -537,7 +537,7 @@ ActiveStepsFn = Callable[[str, np.ndarray, tuple[np.ndarray, ...]], Any]
 class RaggedDotCall:
     """A `lax.ragged_dot_general` the traced function runs, with its group sizes where they are known.
 
-    XLA compiles it into a windowed loop of its own (`tpu_kernels.xla_ragged_dot` models it); the loop
+    XLA compiles it into a windowed loop of its own (`tpu_kernels.perf.xla_ragged_dot` models it); the loop
     skips the windows a group does not touch, so its cost depends on the group sizes' values.
     """
 
