@@ -28,6 +28,7 @@ outputs are not returned again: autograd keeps the tensors it already has.
 
 from __future__ import annotations
 
+import functools
 import glob
 import inspect
 import os
@@ -48,14 +49,16 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interpret
 RACE_DETECTION_ENV = "TPU_KERNELS_DETECT_RACES"
 
 
+@functools.cache
 def _use_cpu_platform_off_tpu() -> None:
-    """With libtpu installed, JAX would try (noisily, slowly) to open a TPU that is not there."""
+    """With libtpu installed, JAX would try (noisily, slowly) to open a TPU that is not there.
+
+    Called by the CPU path before it first touches JAX, not at import: importing a kernel leaves
+    the process's JAX configuration alone, and a caller that already chose platforms keeps them.
+    """
     if "JAX_PLATFORMS" in os.environ or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
         return
     jax.config.update("jax_platforms", "cpu")
-
-
-_use_cpu_platform_off_tpu()
 
 _TORCH_TO_JAX_DTYPE = {
     torch.float32: jnp.float32,
@@ -159,6 +162,7 @@ def _to_host_array(tensor: torch.Tensor):
     """
     if tensor.dtype not in _TORCH_TO_JAX_DTYPE:
         raise TypeError(f"dtype {tensor.dtype} cannot be passed to a TPU kernel")
+    _use_cpu_platform_off_tpu()
     if tensor.requires_grad:
         tensor = tensor.detach()
     bits = _NUMPY_BITS_DTYPE.get(tensor.dtype)
@@ -274,6 +278,7 @@ class _JaxFunction:
         return _to_torch(out)
 
     def fake(self, *args, **kwargs):
+        _use_cpu_platform_off_tpu()
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
         tensors = {n: v for n, v in bound.arguments.items() if _holds_tensors(v)}
