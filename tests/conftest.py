@@ -12,3 +12,21 @@ def local_agent_registry(tmp_path):
 
     with loopback_only(tmp_path):
         yield
+
+
+@pytest.fixture(scope="session")
+def kernel_builds(tmp_path_factory) -> dict[str, Path]:
+    """Every kernel repo built once per test session: {repo folder name: build folder}."""
+    from tpu_kernels.distribution.builder import build_kernel_repo
+
+    out = tmp_path_factory.mktemp("kernel_builds")
+    repos = sorted(build_toml.parent for build_toml in (REPO_ROOT / "kernel_repos").glob("*/build.toml"))
+    return {repo.name: build_kernel_repo(repo, out) for repo in repos}
+
+
+@pytest.fixture(scope="session")
+def ragged_dot_kernel(kernel_builds):
+    """The torch-cpu variant of ragged-dot-tpu, as get_local_kernel loads it."""
+    from tpu_kernels.distribution.loader import get_local_kernel
+
+    return get_local_kernel(kernel_builds["ragged-dot-tpu"], backend="cpu")

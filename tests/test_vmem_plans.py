@@ -17,17 +17,14 @@ import numpy as np
 import pytest
 from kernels import get_local_kernel
 
-from tests.conftest import REPO_ROOT
 from tpu_kernels import perf
-from tpu_kernels.distribution.builder import build_kernel_repo
 
 S = jax.ShapeDtypeStruct
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    build = build_kernel_repo(REPO_ROOT / "kernel_repos" / "ragged-dot-tpu", tmp_path_factory.mktemp("build"))
-    return get_local_kernel(build, backend="cpu")
+def kernel(ragged_dot_kernel):
+    return ragged_dot_kernel
 
 
 def _replayed_vmem(fn, *args) -> int:

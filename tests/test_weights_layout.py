@@ -12,20 +12,16 @@ still be relaid out).
 import jax
 import jax.numpy as jnp
 import pytest
-from tpu_kernels.distribution.loader import get_local_kernel
 
-from tests.conftest import REPO_ROOT
 from tpu_kernels.perf import xla_program
-from tpu_kernels.distribution.builder import build_kernel_repo
 
 S = jax.ShapeDtypeStruct
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 16, 2816, 704, 8  # Gemma-4-26B-A4B, one of 8 expert-parallel ranks
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    build = build_kernel_repo(REPO_ROOT / "kernel_repos" / "ragged-dot-tpu", tmp_path_factory.mktemp("build"))
-    return get_local_kernel(build, backend="cpu")
+def kernel(ragged_dot_kernel):
+    return ragged_dot_kernel
 
 
 @pytest.mark.parametrize("generation, fused, weights_dtype", [
