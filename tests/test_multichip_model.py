@@ -1,21 +1,13 @@
-"""benchmarks/multichip.py's collective model gives the numbers worked out by hand."""
-
-import importlib.util
-import sys
-from pathlib import Path
+"""tpu_kernels.bench.multichip's collective model gives the numbers worked out by hand."""
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def multichip():
-    spec = importlib.util.spec_from_file_location("multichip", ROOT / "benchmarks" / "multichip.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["multichip"] = module
-    spec.loader.exec_module(module)
-    return module
+    from tpu_kernels.bench import multichip
+
+    return multichip
 
 
 def test_all_reduce_of_a_batch_64_output_on_v6e_8(multichip):

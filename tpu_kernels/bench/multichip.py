@@ -6,7 +6,7 @@ For batch B in {1, 8, 64, 256} decode tokens and each layout this models one
 MoE layer on the busiest chip and one whole step (48 layers):
 
 - **experts layer**: our kernel's whole experts layer on one chip, from
-  `benchmarks/moe_layer.py`'s model (its cases, compiles, replays and
+  `tpu_kernels.bench.moe_layer`'s model (its cases, compiles, replays and
   timings, reused as functions; same on-disk cache): what the experts
   function receives in that layout (the table in README.md):
   - `tp`: all B tokens, top-8 over all 128 experts, the intermediate dim
@@ -67,8 +67,9 @@ with Hugging Face's 56.6 ms/step at batch 64 (kernels-community/ragged-dot-tpu,
 v6e-8; figure from issue 12).
 
 Usage:
-    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/multichip.py [--out benchmarks/results/multichip.json]
+    tpu-kernels bench multichip [--out benchmarks/results/multichip.json]
         [--repo kernel_repos/ragged-dot-tpu] [--jobs 2] [--cache-dir DIR] [--no-cache]
+    (or JAX_PLATFORMS=cpu python -m tpu_kernels.bench.multichip; paths relative to the current directory)
 """
 
 from __future__ import annotations
@@ -83,15 +84,10 @@ import sys
 import time
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCHMARKS))
+from tpu_kernels.bench import calibration_bands, moe_layer, require_kernel_repo, result_path
+from tpu_kernels.runtime.hardware import tpu_generation
 
-import calibration_bands  # noqa: E402
-import moe_layer  # noqa: E402
-
-from tpu_kernels.runtime.hardware import tpu_generation  # noqa: E402
-
-DEFAULT_OUT = moe_layer.ROOT / "benchmarks" / "results" / "multichip.json"
+DEFAULT_OUT = result_path("multichip.json")
 GENERATION = "v6e"
 CHIPS = 8
 LAYERS = 48
@@ -356,6 +352,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     load_at_start = os.getloadavg()
+    require_kernel_repo(args.repo)
     rows = experts_layers(args.repo, None if args.no_cache else args.cache_dir, args.jobs)
     entries = [step_entry(mode, batch, rows[(mode, batch)]) for mode in MODES for batch in BATCHES]
     for entry in entries:
@@ -371,7 +368,7 @@ def main(argv=None) -> int:
         "method": {
             "what": f"one {MODEL.name} decode step on v6e-8 ({V6E_8.rows}x{V6E_8.cols}), per MoE layout: {LAYERS} x "
                     "(our experts layer on the busiest chip + the layer's collectives + attention's all-reduce)",
-            "experts_layer": f"benchmarks/moe_layer.py's model of our layer ({moe_layer.LAYER_ENTRY}), {GENERATION}; "
+            "experts_layer": f"tpu_kernels.bench.moe_layer's model of our layer ({moe_layer.LAYER_ENTRY}), {GENERATION}; "
                              "central: the calibrated pipelined figure at peak HBM bandwidth; low / high: its p90 "
                              "calibrated band (" + calibration_bands.describe("pallas_ragged_dot", GENERATION) + ")",
             "ici": {"link_bytes_per_s_one_way": ICI_LINK_BYTES_PER_S, "hop_latency_us":
