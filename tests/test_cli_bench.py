@@ -17,7 +17,11 @@ def seen(monkeypatch):
 
     def recorder(name):
         def main(argv=None):
+            import sys
+
             calls.append((name, argv))
+            # argparse's usage line names the benchmark as it was run.
+            assert sys.argv[0] == f"tpu-kernels bench {name}"
             return 0
         return main
 
@@ -37,6 +41,9 @@ def test_bench_runs_a_benchmark_by_name(seen, monkeypatch):
     assert cli.main(["bench", "rmsnorm", "--quick"]) == 0
     assert seen == [("rmsnorm", ["--quick"])]
     import os
+    import sys
+
+    assert sys.argv[0] != "tpu-kernels bench rmsnorm"  # restored
 
     assert os.environ["JAX_PLATFORMS"] == "cpu"  # a modelled benchmark compiles for TPUs from the CPU
 

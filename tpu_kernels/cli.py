@@ -94,7 +94,10 @@ def _bench(argv: list[str]) -> int:
         # Modelled benchmarks compile for TPUs ahead of time from the CPU (set before jax is imported).
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     module = importlib.import_module(f"{bench.__name__}.{name}")
+    argv0 = sys.argv[0] if sys.argv else None
     try:
+        # The benchmark's argparse names itself after sys.argv[0]: its usage lines then say how it was run.
+        sys.argv[:1] = [f"tpu-kernels bench {name}"]
         status = module.main(extra)
     except SystemExit as exit_:
         # argparse's errors and --help, and a benchmark's missing input (bench.MissingInput).
@@ -102,6 +105,8 @@ def _bench(argv: list[str]) -> int:
             return exit_.code or 0
         print(f"tpu-kernels bench {name}: {exit_.code}", file=sys.stderr)
         return 1
+    finally:
+        sys.argv[:1] = [] if argv0 is None else [argv0]
     return status or 0
 
 
