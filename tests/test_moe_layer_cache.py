@@ -1,25 +1,15 @@
-"""benchmarks/moe_layer.py's on-disk cache: an analysis cached before the model changed is not reused."""
+"""tpu_kernels.bench.moe_layer's on-disk cache: an analysis cached before the model changed is not reused."""
 
-import importlib.util
-import shutil
-import sys
 from pathlib import Path
 
+from tpu_kernels.bench import moe_layer
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_moe_layer():
-    spec = importlib.util.spec_from_file_location("moe_layer", ROOT / "benchmarks" / "moe_layer.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("moe_layer", module)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_compile_keys_ignore_the_model_and_replay_keys_follow_perf(monkeypatch):
     """A compile is keyed by what the compiler sees (module text, library versions): a model change never
     recompiles. A replay is perf.py's work: its key changes with perf.py's source."""
-    moe_layer = load_moe_layer()
     compile_key = moe_layer.Cache(None).key("compile", "v6e", "the same module")
     replay_key = moe_layer.Cache(None).key("replay", "the same jaxpr")
     assert moe_layer.Cache(None).key("replay", "the same jaxpr") == replay_key
@@ -35,7 +25,6 @@ def test_a_cached_compile_is_reanalysed_not_recompiled(tmp_path):
     import jax
     import jax.numpy as jnp
 
-    moe_layer = load_moe_layer()
     avals = [jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)]
 
     def fn(x):
@@ -55,7 +44,6 @@ def test_a_cached_compile_is_reanalysed_not_recompiled(tmp_path):
 def test_tracked_json_is_one_object_per_line_with_sorted_keys():
     import json
 
-    moe_layer = load_moe_layer()
     report = {"shapes": [{"b": 1, "a": [1, 2]}, {"a": 3}], "targets": {"z": {"rows": [{"y": 1, "x": 2}]}, "a": 1.5}}
     text = moe_layer.dump_compact(report)
     assert json.loads(text) == report
@@ -76,7 +64,6 @@ def test_rival_layer_computes_the_experts_layer(tmp_path):
     from tpu_kernels.distribution.builder import build_kernel_repo
     from tpu_kernels.distribution.loader import get_local_kernel
 
-    moe_layer = load_moe_layer()
     reference = get_local_kernel(build_kernel_repo(ROOT / "kernel_repos" / "ragged-dot-tpu", tmp_path),
                                  backend="cpu").reference
     tokens, hidden, intermediate, experts, top_k = 11, 256, 72, 6, 3
@@ -110,7 +97,6 @@ def test_quantized_variants_take_the_kernels_arguments_and_minimum(tmp_path):
     from tpu_kernels.distribution.builder import build_kernel_repo
     from tpu_kernels.distribution.loader import get_local_kernel
 
-    moe_layer = load_moe_layer()
     built = get_local_kernel(build_kernel_repo(ROOT / "kernel_repos" / "ragged-dot-tpu", tmp_path), backend="cpu")
     setting = next(s for s in moe_layer.SETTINGS if s.label == moe_layer.ANCHOR[0])
     case = moe_layer.make_case(setting, moe_layer.ANCHOR[1])
@@ -130,7 +116,6 @@ def test_quantized_variants_take_the_kernels_arguments_and_minimum(tmp_path):
 def test_the_kernel_is_built_at_the_same_path_on_every_cached_run(tmp_path):
     """A Mosaic kernel's lowered text embeds its source paths: a build in a fresh temporary folder per run
     would miss every cached compile of ours."""
-    moe_layer = load_moe_layer()
     with moe_layer.build_folder(tmp_path) as first:
         pass
     with moe_layer.build_folder(tmp_path) as second:

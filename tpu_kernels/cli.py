@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 DEFAULT_GENERATIONS = "v5e,v6e"
-# The project's modelled benchmarks (benchmarks/ of this checkout) of each kernel repo, run by `bench`.
-MODELLED_BENCHMARKS = {"ragged-dot-tpu": "moe_layer.py"}
-BENCHMARKS_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def _build(args) -> int:
@@ -54,19 +52,62 @@ def _check(args) -> int:
     return 0 if tests_status == 0 and compiled_all else 1
 
 
-def _bench(args, extra: list[str]) -> int:
-    repo = Path(args.repo)
-    script = MODELLED_BENCHMARKS.get(repo.resolve().name)
-    if script is None:
-        known = ", ".join(sorted(MODELLED_BENCHMARKS))
-        print(f"{repo}: no modelled benchmark for this kernel repo (known: {known})", file=sys.stderr)
+def _bench_usage() -> str:
+    from . import bench
+
+    width = max(map(len, bench.BENCHMARKS))
+    listed = "\n".join(f"  {name:<{width}}  {line}" for name, line in bench.BENCHMARKS.items())
+    repos = ", ".join(f"{repo} -> {name}" for repo, name in bench.KERNEL_REPO_BENCHMARKS.items())
+    return (
+        "usage: tpu-kernels bench NAME [args...]        run benchmark NAME (NAME --help: its own options)\n"
+        "       tpu-kernels bench KERNEL_REPO [args...]  run a kernel repo's modelled benchmark with --repo KERNEL_REPO\n"
+        "\n"
+        "Runs in this process, like `python -m tpu_kernels.bench.NAME [args...]`. Paths are relative to the current\n"
+        "directory: results go to benchmarks/results/ (--out), kernel repos come from kernel_repos/ (--repo); run\n"
+        "from a checkout of the tpu-kernels project or pass them.\n"
+        f"\nbenchmarks:\n{listed}\n\nkernel repos: {repos}\n"
+    )
+
+
+def _bench(argv: list[str]) -> int:
+    from . import bench
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_bench_usage(), end="", file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    target, extra = argv[0], argv[1:]
+    if target in bench.BENCHMARKS:
+        name = target
+    elif Path(target).is_dir() or "/" in target or os.sep in target:
+        # A kernel repo: its modelled benchmark, with --repo.
+        name = bench.KERNEL_REPO_BENCHMARKS.get(Path(target).resolve().name)
+        if name is None:
+            known = ", ".join(sorted(bench.KERNEL_REPO_BENCHMARKS))
+            print(f"tpu-kernels bench: {target}: no modelled benchmark for this kernel repo (known: {known})",
+                  file=sys.stderr)
+            return 2
+        extra = ["--repo", target, *extra]
+    else:
+        print(f"tpu-kernels bench: unknown benchmark {target!r}\n\n{_bench_usage()}", end="", file=sys.stderr)
         return 2
-    path = BENCHMARKS_DIR / script
-    if not path.is_file():
-        print(f"{path} is missing: `bench` runs from a checkout of the tpu-kernels project", file=sys.stderr)
-        return 2
-    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    return subprocess.call([sys.executable, str(path), "--repo", str(repo), *extra], env=env)
+    if name in bench.MODELLED:
+        # Modelled benchmarks compile for TPUs ahead of time from the CPU (set before jax is imported).
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    module = importlib.import_module(f"{bench.__name__}.{name}")
+    argv0 = sys.argv[0] if sys.argv else None
+    try:
+        # The benchmark's argparse names itself after sys.argv[0]: its usage lines then say how it was run.
+        sys.argv[:1] = [f"tpu-kernels bench {name}"]
+        status = module.main(extra)
+    except SystemExit as exit_:
+        # argparse's errors and --help, and a benchmark's missing input (bench.MissingInput).
+        if exit_.code is None or isinstance(exit_.code, int):
+            return exit_.code or 0
+        print(f"tpu-kernels bench {name}: {exit_.code}", file=sys.stderr)
+        return 1
+    finally:
+        sys.argv[:1] = [] if argv0 is None else [argv0]
+    return status or 0
 
 
 def _calibrate(args) -> int:
@@ -110,7 +151,7 @@ def _demo(argv: list[str]) -> int:
 
 
 # Subcommands that own their argument parsing.
-DELEGATED = {"serve": _serve, "upload": _upload, "demo": _demo}
+DELEGATED = {"serve": _serve, "upload": _upload, "demo": _demo, "bench": _bench}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,13 +176,6 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--skip-tests", action="store_true", help="only build and compile")
     check.set_defaults(run=_check)
 
-    bench = commands.add_parser(
-        "bench", help="run the modelled benchmark of a kernel repo (benchmarks/ of this project); other "
-                      "arguments go to the benchmark script"
-    )
-    bench.add_argument("repo", help="kernel_repos/<name>")
-    bench.set_defaults(run=_bench)
-
     calibrate = commands.add_parser(
         "calibrate", help="model tokamax's measured TPU timings and compare (the performance model's error)"
     )
@@ -153,15 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     calibrate.add_argument("--no-cache", action="store_true", help="recompile and replay every entry")
     calibrate.set_defaults(run=_calibrate)
 
-    for name, help_ in (("serve", "run a local Hub-compatible server"), ("upload", "publish a build to a Hub"),
+    for name, help_ in (("bench", "run a benchmark: bench NAME [args] (moe_layer, multichip, attention, ...; "
+                                  "`bench --help` lists them) or bench kernel_repos/<name> [args]"),
+                        ("serve", "run a local Hub-compatible server"), ("upload", "publish a build to a Hub"),
                         ("demo", "kernelize a tiny MoE model end to end")):
         commands.add_parser(name, help=help_, add_help=False)
 
-    args, extra = parser.parse_known_args(argv)
-    if args.run is _bench:
-        return _bench(args, extra)
-    if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args = parser.parse_args(argv)
     return args.run(args)
 
 

@@ -24,7 +24,8 @@ time over rounds. The host is shared: the minimum is the figure least skewed
 by other work, and the load average is recorded.
 
 Usage:
-    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/binding.py [--rounds 40] [--calls 200] [--out benchmarks/results/binding.json]
+    tpu-kernels bench binding [--rounds 40] [--calls 200] [--out benchmarks/results/binding.json]
+    (or python -m tpu_kernels.bench.binding; --out is relative to the current directory)
 """
 
 from __future__ import annotations
@@ -43,12 +44,10 @@ import jax
 import torch
 from jax.experimental.pallas import tpu as pltpu
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from tpu_kernels.bench import result_path
+from tpu_kernels.runtime import binding
 
-from tpu_kernels.runtime import binding  # noqa: E402
-
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "binding.json"
+DEFAULT_OUT = result_path("binding.json")
 TARGET_US, STRETCH_US = 100.0, 50.0
 
 # Decode-step model (figures from issue 12): a 48-layer MoE, four kernel calls

@@ -13,6 +13,9 @@ measured figures of that kind stray, not how far the whole layer can.
 Which measurements apply to a generation (`MEASURED_ON`): v5e's and TPU7x's
 own; v6e and v5p have none, their model constants are v5e's, and so are their
 bands (every v6e figure says so, `measured_on`).
+
+The report is read from `CALIBRATION`, benchmarks/results/calibration.json
+relative to the current directory.
 """
 
 from __future__ import annotations
@@ -21,15 +24,24 @@ import functools
 import json
 from pathlib import Path
 
-CALIBRATION = Path(__file__).resolve().parent / "results" / "calibration.json"
+from tpu_kernels.bench import MissingInput, result_path
+
+CALIBRATION = result_path("calibration.json")
 # The chip whose measurements stand for each generation's.
 MEASURED_ON = {"v5e": "v5e", "v6e": "v5e", "v5p": "v5e", "tpu7x": "tpu7x"}
 KINDS = ("pallas_ragged_dot", "xla_ragged_dot", "flash_attention", "flash_attention_vjp")
 
 
 @functools.cache
-def _summary(path: Path = CALIBRATION) -> dict:
+def _read(path: Path) -> dict:
+    if not path.is_file():
+        raise MissingInput(f"no calibration report at {path}: the calibrated error bands need it; run from a "
+                           "checkout of the tpu-kernels project, or write one with `tpu-kernels calibrate`")
     return json.loads(path.read_text())["summary"]
+
+
+def _summary() -> dict:
+    return _read(CALIBRATION.absolute())
 
 
 def error(kind: str, generation: str) -> dict | None:

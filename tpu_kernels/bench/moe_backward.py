@@ -41,13 +41,14 @@ calibration) is kept as `overlap_time_us`:
   scatter-add, gate and its vjp around them are not modelled (the backward
   has more of them: the d_hidden scatter-add over all picks and the gate's vjp).
 
-Routing and models from `benchmarks/moe_layer.py`: expert popularity ~
+Routing and models from `tpu_kernels.bench.moe_layer`: expert popularity ~
 Dirichlet(8) (seeded), each token picks top_k distinct experts by
 Gumbel-top-k.
 
 Usage:
-    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/moe_backward.py [--out benchmarks/results/moe_backward.json]
-        [--no-sweep] [--no-plot]
+    tpu-kernels bench moe_backward [--out benchmarks/results/moe_backward.json]
+        [--repo kernel_repos/ragged-dot-tpu] [--no-sweep] [--no-plot]
+    (or JAX_PLATFORMS=cpu python -m tpu_kernels.bench.moe_backward; paths relative to the current directory)
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ import argparse
 import functools
 import json
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -65,16 +65,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import calibration_bands  # noqa: E402
-import moe_layer  # noqa: E402  (the MoE-layer benchmark: models, routing, stored weights order)
 from tpu_kernels import perf
-from tpu_kernels.perf import tokamax_kernels  # noqa: E402
+# moe_layer: the MoE-layer benchmark (models, routing, stored weights order).
+from tpu_kernels.bench import calibration_bands, moe_layer, require_kernel_repo, result_path
+from tpu_kernels.perf import tokamax_kernels
 
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "moe_backward.json"
+DEFAULT_OUT = result_path("moe_backward.json")
 GENERATIONS = ("v5e", "v6e")
 DTYPE = jnp.bfloat16
 TOKENS = 8192
@@ -290,12 +286,14 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--no-sweep", action="store_true", help="rivals at their default tiling only")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--repo", type=Path, default=moe_layer.DEFAULT_REPO, help="the ragged-dot kernel repo")
     args = parser.parse_args(argv)
+    require_kernel_repo(args.repo)
 
     started = time.perf_counter()
     entries = []
     with tempfile.TemporaryDirectory() as build_dir:
-        built = moe_layer.load_kernel(ROOT / "kernel_repos" / "ragged-dot-tpu", Path(build_dir))
+        built = moe_layer.load_kernel(args.repo, Path(build_dir))
         for model_name, ep in SETTINGS:
             setting = next(s for s in moe_layer.SETTINGS if s.model.name == model_name and s.ep == ep)
             case = moe_layer.make_case(setting, TOKENS)
@@ -320,7 +318,7 @@ def main(argv=None) -> int:
                      + "); TPU peaks and bandwidths from tpu_kernels/runtime/hardware.py (jax's TPU table); "
                      "overlap_time_us: MXU work fully overlapping the copies",
             "calibrated_errors": {g: calibration_bands.describe("pallas_ragged_dot", g) for g in GENERATIONS},
-            "routing": "Dirichlet(8) expert popularity, Gumbel-top-k picks, seeded (benchmarks/moe_layer.py)",
+            "routing": "Dirichlet(8) expert popularity, Gumbel-top-k picks, seeded (tpu_kernels.bench.moe_layer)",
             "tokens_per_rank": TOKENS,
             "weights_layout": "as XLA stores them (moe_layer.stored_order): transformers' [E, out, in], or the "
                               "swapped view where XLA's default layout swaps the last two dims (Gemma 4's down_proj)",

@@ -6,7 +6,7 @@ For batch B in {1, 8, 64, 256} decode tokens and each layout this models one
 MoE layer on the busiest chip and one whole step (48 layers):
 
 - **experts layer**: our kernel's whole experts layer on one chip, from
-  `benchmarks/moe_layer.py`'s model (its cases, compiles, replays and
+  `tpu_kernels.bench.moe_layer`'s model (its cases, compiles, replays and
   timings, reused as functions; same on-disk cache): what the experts
   function receives in that layout (the table in README.md):
   - `tp`: all B tokens, top-8 over all 128 experts, the intermediate dim
@@ -25,30 +25,12 @@ MoE layer on the busiest chip and one whole step (48 layers):
     all-to-all of the picks out and one back, and an all-gather of the
     B x H output (each chip dispatched B/8 of the tokens: Shard(0));
   - every layout, for attention: one all-reduce of B x H after o_proj.
-- **collective model** on the v6e-8's 2x4 mesh (`Ici`, `Mesh`):
-  time = latency + bytes term, with
-  - all-reduce of S bytes: a bidirectional ring over a Hamiltonian cycle of
-    the mesh (reduce-scatter + all-gather): 2 (N-1)/N S / (2 W);
-    latency 2 x diameter hops (reduce to one chip and broadcast back);
-  - all-gather of an S-byte result: (N-1)/N S / (2 W); latency diameter hops;
-  - all-to-all of b bytes between every ordered pair of chips: bisection
-    bound, (N/2)^2 b bytes cross the middle cut each way over `rows` links:
-    (N/2)^2 b / (rows W); latency diameter hops. Traffic is spread evenly
-    over the destinations (at B < 8 only some chips send: an upper bound).
-  - W, one link's one-way bandwidth: 1e11 B/s for v6e ("How to Scale Your
-    Model", jax-ml/scaling-book, tpus.md, ICI table; Google Cloud's v6e page
-    gives 3,584 Gbps of ICI per chip over 4 ports, ~1.1e11 B/s per port).
-  - topology: v6e-8 is a 2x4 slice (Google Cloud's v6e page), without
-    wraparound links (scaling book: only full 16-chip axes wrap on v5e/v6e);
-    diameter 4 hops.
-  - per-hop latency: 1 us central ("~1 us" per hop in the scaling book's
-    worked ICI problem), band 0.5 us (the figure that problem states) to
-    2 us (our allowance for collective launch and synchronisation, not
-    sourced). So a small all-reduce costs 4 / 8 / 16 us, an all-to-all or
-    all-gather 2 / 4 / 8 us.
-  - the host sync of `ep_dispatch`: 30 us central, band 10-100 us. NOT
-    sourced: a device-to-host read drains the device's queue and the host
-    must then issue the layer's remaining ops; we have no TPU to measure it.
+- **collective model** on the v6e-8's 2x4 mesh: `tpu_kernels.perf.collectives`
+  (its docstring: formulas, ICI bandwidth, topology, hop latency 0.5 / 1 /
+  2 us and the host sync's 10 / 30 / 100 us, with their sources). A small
+  all-reduce costs 4 / 8 / 16 us, an all-to-all or all-gather 2 / 4 / 8 us.
+  All-to-all traffic is spread evenly over the destinations (at B < 8 only
+  some chips send: an upper bound).
 - **per step** = 48 x (experts layer + its collectives + attention's
   all-reduce). Left out, the same in every layout: attention itself (its
   weights' HBM floor is given as `not_modelled`), the KV cache, norms, the
@@ -67,8 +49,9 @@ with Hugging Face's 56.6 ms/step at batch 64 (kernels-community/ragged-dot-tpu,
 v6e-8; figure from issue 12).
 
 Usage:
-    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/multichip.py [--out benchmarks/results/multichip.json]
+    tpu-kernels bench multichip [--out benchmarks/results/multichip.json]
         [--repo kernel_repos/ragged-dot-tpu] [--jobs 2] [--cache-dir DIR] [--no-cache]
+    (or JAX_PLATFORMS=cpu python -m tpu_kernels.bench.multichip; paths relative to the current directory)
 """
 
 from __future__ import annotations
@@ -76,125 +59,44 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import platform
 import sys
 import time
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCHMARKS))
+from tpu_kernels.bench import calibration_bands, moe_layer, require_kernel_repo, result_path
+from tpu_kernels.perf.collectives import (
+    HOP_LATENCY_S,
+    HOST_SYNC_S,
+    ICI_LINK_BYTES_PER_S,
+    MOE_MODES,
+    V6E_8,
+    Collective,
+    Ici,
+    Mesh,
+    moe_layer_collectives,
+)
+from tpu_kernels.runtime.hardware import tpu_generation
 
-import calibration_bands  # noqa: E402
-import moe_layer  # noqa: E402
-
-from tpu_kernels.runtime.hardware import tpu_generation  # noqa: E402
-
-DEFAULT_OUT = moe_layer.ROOT / "benchmarks" / "results" / "multichip.json"
+DEFAULT_OUT = result_path("multichip.json")
 GENERATION = "v6e"
-CHIPS = 8
+CHIPS = V6E_8.chips
 LAYERS = 48
 BATCHES = (1, 8, 64, 256)
 BYTES_PER_ACTIVATION = 2  # bf16
-COUNT_BYTES = 8  # transformers counts picks per expert in int64
 HF_MS_PER_STEP_BATCH_64 = 56.6
 MODEL = moe_layer.MODELS["qwen3-30b-a3b"]
 # Qwen3-30B-A3B's attention (config.json): 32 query heads and 4 KV heads of 128; vocabulary 151,936.
 ATTENTION_HEADS, KV_HEADS, HEAD_DIM, VOCAB = 32, 4, 128, 151_936
-MODES = ("tp", "ep_router", "ep_dispatch")
-RAW_DIR = moe_layer.RAW_DIR
-
-
-@dataclasses.dataclass(frozen=True)
-class Mesh:
-    """A 2-D slice of chips without wraparound links."""
-
-    rows: int
-    cols: int
-
-    @property
-    def chips(self) -> int:
-        return self.rows * self.cols
-
-    @property
-    def diameter(self) -> int:
-        return self.rows - 1 + self.cols - 1
-
-    @property
-    def bisection_links(self) -> int:
-        """Links crossing the cut that halves the longer axis (one per row)."""
-        return self.rows
-
-
-V6E_8 = Mesh(rows=2, cols=4)
-
-
-@dataclasses.dataclass(frozen=True)
-class Ici:
-    link_bytes_per_s: float  # one link, one way
-    hop_latency_s: float
-
-
-ICI_LINK_BYTES_PER_S = 1e11
-HOP_LATENCY_S = {"low": 0.5e-6, "central": 1e-6, "high": 2e-6}
-HOST_SYNC_S = {"low": 10e-6, "central": 30e-6, "high": 100e-6}
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    name: str
-    kind: str  # "all-reduce" | "all-gather" | "all-to-all" | "host sync"
-    bytes: int  # all-reduce / all-gather: the array; all-to-all: bytes per ordered pair of chips
-    bandwidth_s: float
-    latency_s: float
-
-    @property
-    def time_s(self) -> float:
-        return self.bandwidth_s + self.latency_s
-
-
-def all_reduce(name: str, nbytes: int, mesh: Mesh, ici: Ici) -> Collective:
-    n = mesh.chips
-    bandwidth = 2 * (n - 1) / n * nbytes / (2 * ici.link_bytes_per_s)
-    return Collective(name, "all-reduce", nbytes, bandwidth, 2 * mesh.diameter * ici.hop_latency_s)
-
-
-def all_gather(name: str, nbytes: int, mesh: Mesh, ici: Ici) -> Collective:
-    n = mesh.chips
-    bandwidth = (n - 1) / n * nbytes / (2 * ici.link_bytes_per_s)
-    return Collective(name, "all-gather", nbytes, bandwidth, mesh.diameter * ici.hop_latency_s)
-
-
-def all_to_all(name: str, bytes_per_pair: int, mesh: Mesh, ici: Ici) -> Collective:
-    half = mesh.chips // 2
-    bandwidth = half * half * bytes_per_pair / (mesh.bisection_links * ici.link_bytes_per_s)
-    return Collective(name, "all-to-all", bytes_per_pair, bandwidth, mesh.diameter * ici.hop_latency_s)
+MODES = MOE_MODES
 
 
 def layer_collectives(mode: str, batch: int, mesh: Mesh, ici: Ici, host_sync_s: float) -> list[Collective]:
-    """The collectives one decoder layer issues per chip in `mode` at `batch` tokens (module docstring)."""
-    hidden = MODEL.hidden
-    output = batch * hidden * BYTES_PER_ACTIVATION
-    attention = all_reduce("attention o_proj all-reduce", output, mesh, ici)
-    if mode in ("tp", "ep_router"):
-        return [all_reduce("experts all-reduce", output, mesh, ici), attention]
-    if mode != "ep_dispatch":
-        raise ValueError(f"unknown mode {mode!r}; known: {MODES}")
-    n = mesh.chips
-    local_experts = MODEL.experts // n
-    # Each chip dispatches its Shard(0) slice of the tokens (the busiest holds ceil(B / N)), each pick to
-    # its expert's chip, destinations spread evenly.
-    picks_per_pair = math.ceil(batch / n) * MODEL.top_k / n
-    tokens_per_pair = math.ceil(picks_per_pair * hidden * BYTES_PER_ACTIVATION)
-    return [
-        all_to_all("per-expert counts all-to-all", local_experts * COUNT_BYTES, mesh, ici),
-        Collective("split sizes to the host (.tolist())", "host sync", 0, 0.0, host_sync_s),
-        all_to_all("picks out all-to-all", tokens_per_pair, mesh, ici),
-        all_to_all("results back all-to-all", tokens_per_pair, mesh, ici),
-        all_gather("output all-gather", output, mesh, ici),
-        attention,
-    ]
+    """The collectives one Qwen3-30B-A3B decoder layer issues per chip in `mode` at `batch` tokens."""
+    return moe_layer_collectives(mode, batch, hidden=MODEL.hidden, experts=MODEL.experts, top_k=MODEL.top_k,
+                                 mesh=mesh, ici=ici, host_sync_s=host_sync_s,
+                                 bytes_per_activation=BYTES_PER_ACTIVATION)
 
 
 def tp_setting() -> moe_layer.Setting:
@@ -356,6 +258,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     load_at_start = os.getloadavg()
+    require_kernel_repo(args.repo)
     rows = experts_layers(args.repo, None if args.no_cache else args.cache_dir, args.jobs)
     entries = [step_entry(mode, batch, rows[(mode, batch)]) for mode in MODES for batch in BATCHES]
     for entry in entries:
@@ -371,7 +274,7 @@ def main(argv=None) -> int:
         "method": {
             "what": f"one {MODEL.name} decode step on v6e-8 ({V6E_8.rows}x{V6E_8.cols}), per MoE layout: {LAYERS} x "
                     "(our experts layer on the busiest chip + the layer's collectives + attention's all-reduce)",
-            "experts_layer": f"benchmarks/moe_layer.py's model of our layer ({moe_layer.LAYER_ENTRY}), {GENERATION}; "
+            "experts_layer": f"tpu_kernels.bench.moe_layer's model of our layer ({moe_layer.LAYER_ENTRY}), {GENERATION}; "
                              "central: the calibrated pipelined figure at peak HBM bandwidth; low / high: its p90 "
                              "calibrated band (" + calibration_bands.describe("pallas_ragged_dot", GENERATION) + ")",
             "ici": {"link_bytes_per_s_one_way": ICI_LINK_BYTES_PER_S, "hop_latency_us":
@@ -413,8 +316,8 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     plot(entries, args.out.with_suffix(".png"))
     args.out.write_text(moe_layer.dump_compact(moe_layer._round(report)) + "\n")
-    RAW_DIR.mkdir(parents=True, exist_ok=True)
-    (RAW_DIR / f"{args.out.stem}.run.json").write_text(json.dumps(run, indent=1, sort_keys=True) + "\n")
+    moe_layer.RAW_DIR.mkdir(parents=True, exist_ok=True)
+    (moe_layer.RAW_DIR / f"{args.out.stem}.run.json").write_text(json.dumps(run, indent=1, sort_keys=True) + "\n")
     print(f"wrote {args.out} in {run['seconds']:.0f} s; winners: "
           + ", ".join(f"B={b}: {w['mode']}" for b, w in found.items()))
     return 0

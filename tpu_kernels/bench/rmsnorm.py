@@ -23,7 +23,8 @@ No TPU is needed. For each kernel and shape this
   kernel takes its operands row-major, so the array is copied in and out.
 
 Usage:
-    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/rmsnorm.py [--out benchmarks/results/rmsnorm.json] [--quick]
+    tpu-kernels bench rmsnorm [--out benchmarks/results/rmsnorm.json] [--repo kernel_repos/rmsnorm-tpu] [--quick]
+    (or JAX_PLATFORMS=cpu python -m tpu_kernels.bench.rmsnorm; paths relative to the current directory)
 """
 
 from __future__ import annotations
@@ -40,15 +41,13 @@ import jax
 import jax.numpy as jnp
 import kernels
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from tpu_kernels import perf
+from tpu_kernels.aot import compile_for
+from tpu_kernels.bench import kernel_repo, require_kernel_repo, result_path
+from tpu_kernels.distribution.builder import build_kernel_repo
 
-from tpu_kernels import perf  # noqa: E402
-from tpu_kernels.aot import compile_for  # noqa: E402
-from tpu_kernels.distribution.builder import build_kernel_repo  # noqa: E402
-
-KERNEL_REPO = ROOT / "kernel_repos" / "rmsnorm-tpu"
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "rmsnorm.json"
+KERNEL_REPO = kernel_repo("rmsnorm-tpu")
+DEFAULT_OUT = result_path("rmsnorm.json")
 GENERATIONS = ("v5e", "v6e")
 COST_GENERATION = "v6e"
 HIDDEN_SIZES = (2048, 2816, 4096, 5120, 7168)
@@ -225,11 +224,13 @@ def summarise(results: list[dict]) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--repo", type=Path, default=KERNEL_REPO, help="the RMSNorm kernel repo")
     parser.add_argument("--quick", action="store_true", help="H=4096 only")
     args = parser.parse_args(argv)
+    require_kernel_repo(args.repo)
 
     with tempfile.TemporaryDirectory() as build_dir:
-        built = kernels.get_local_kernel(build_kernel_repo(KERNEL_REPO, Path(build_dir)), backend="cpu")
+        built = kernels.get_local_kernel(build_kernel_repo(args.repo, Path(build_dir)), backend="cpu")
         results = []
         for kernel_name, rows, hidden in shapes(args.quick):
             entry = measure(built, kernel_name, rows, hidden, jnp.bfloat16)
@@ -249,8 +250,8 @@ def main(argv=None) -> int:
                 f"bytes accessed / min {entry['bytes_accessed_over_min']:.2f}"
             )
     report = {
-        "benchmark": "benchmarks/rmsnorm.py",
-        "kernel_repo": "kernel_repos/rmsnorm-tpu",
+        "benchmark": "tpu_kernels.bench.rmsnorm",
+        "kernel_repo": args.repo.as_posix(),
         "dtype": "bfloat16",
         "traffic_model": "tpu_kernels.perf.model_pallas_traffic (grid replay of the kernel's BlockSpecs); "
                          "modelled_time_us: the calibrated pipelined figure (grid step " + ", ".join(

@@ -12,8 +12,11 @@ keeping the value with the smallest median |log(predicted / measured)|; the
 ones to quote. Writes benchmarks/results/calibration_fit.json.
 
 Usage:
-    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/calibration_fit.py [PATH ...] [--out FILE]
-(PATH defaults to the installed tokamax's autotuning folders of TPU chips.)
+    tpu-kernels bench calibration_fit [PATH ...] [--out FILE] [--write-constants [--constants FILE]]
+    (or JAX_PLATFORMS=cpu python -m tpu_kernels.bench.calibration_fit)
+(PATH defaults to the installed tokamax's autotuning folders of TPU chips; --out to
+benchmarks/results/calibration_fit.json and --constants to tpu_kernels/perf/model_constants.json, both
+relative to the current directory: the project's checkout.)
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from tpu_kernels.bench import MissingInput, result_path
+from tpu_kernels.perf import calibration
 
-from tpu_kernels.perf import calibration  # noqa: E402
+# The checkout's source of the model's constants, relative to the current directory.
+CONSTANTS = Path("tpu_kernels") / "perf" / "model_constants.json"
 
 # Scanned step costs (seconds): 0 to 2 us in 0.01 us steps; vector rates (register elements per cycle):
 # powers of two from 64 to 16384.
@@ -121,10 +125,9 @@ def main_fits(analysed) -> dict:
     return results
 
 
-def write_constants(results: dict) -> None:
+def write_constants(results: dict, path: Path = CONSTANTS) -> None:
     """Fitted per-chip steps into model_constants.json; unmeasured chips keep v5e's; vector rates and the MXU
     load share from TPU7x (no other chip's timings are vector-bound or use 128-row tiles on a 256-wide MXU)."""
-    path = ROOT / "tpu_kernels" / "perf" / "model_constants.json"
     constants = json.loads(path.read_text())
     for field, key in (("grid_step_s", "grid_step_s"), ("ragged_dot_step_s", "xla_ragged_dot_step_s")):
         for chip, fitted in results.items():
@@ -140,11 +143,16 @@ def write_constants(results: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="*", type=Path)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "calibration_fit.json")
+    parser.add_argument("--out", type=Path, default=result_path("calibration_fit.json"))
     parser.add_argument("--write-constants", action="store_true",
-                        help="write the fitted constants to tpu_kernels/perf/model_constants.json (per-chip steps; the "
-                             "vector rates and MXU load share from the chip with vector-bound timings, TPU7x)")
+                        help="write the fitted constants to --constants (per-chip steps; the vector rates and MXU "
+                             "load share from the chip with vector-bound timings, TPU7x)")
+    parser.add_argument("--constants", type=Path, default=CONSTANTS,
+                        help=f"the model_constants.json to update (default: {CONSTANTS}, in the project's checkout)")
     args = parser.parse_args(argv)
+    if args.write_constants and not args.constants.is_file():
+        raise MissingInput(f"no model constants at {args.constants} (relative to {Path.cwd()}): run from a checkout "
+                           "of the tpu-kernels project, or pass --constants FILE")
     analysed, _ = calibration.analyse(args.paths or installed_paths())
     results = main_fits(analysed)
     report = {
@@ -155,9 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         "vector_rates_per_cycle": VECTOR_RATES,
         "fits": results,
     }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
     if args.write_constants:
-        write_constants(results)
+        write_constants(results, args.constants)
     print(json.dumps(results, indent=1, sort_keys=True))
     return 0
 

@@ -63,10 +63,12 @@ the Hugging Face 257 us case, with sorted keys and no run facts; the raw rows
 cache hits, load) go to benchmarks/results/raw/ (untracked).
 
 Usage:
-    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/moe_layer.py [--out benchmarks/results/moe_layer.json]
+    tpu-kernels bench moe_layer [--out benchmarks/results/moe_layer.json]
         [--repo kernel_repos/ragged-dot-tpu] [--settings LABEL ...] [--tokens T ...] [--jobs 2] [--no-cache]
         [--retarget]
-    tpu-kernels bench kernel_repos/ragged-dot-tpu      (the same, through the CLI)
+    tpu-kernels bench kernel_repos/ragged-dot-tpu [...]        (the same, --repo from the path)
+    JAX_PLATFORMS=cpu python -m tpu_kernels.bench.moe_layer [...]
+Paths are relative to the current directory: run from the project's checkout.
 """
 
 from __future__ import annotations
@@ -92,20 +94,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from tpu_kernels import perf
+from tpu_kernels.bench import calibration_bands, kernel_repo, require_kernel_repo, result_path
+from tpu_kernels.perf import calibration, grid_step_s, tokamax_kernels, xla_program
+from tpu_kernels.runtime.hardware import default_layout_swaps_minor_dims, round_up, tpu_generation
 
-import calibration_bands  # noqa: E402
-from tpu_kernels.perf import calibration, tokamax_kernels, xla_program
-from tpu_kernels import perf  # noqa: E402
-from tpu_kernels.runtime.hardware import default_layout_swaps_minor_dims, round_up, tpu_generation  # noqa: E402
-from tpu_kernels.perf import grid_step_s  # noqa: E402
-
-DEFAULT_REPO = ROOT / "kernel_repos" / "ragged-dot-tpu"
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "moe_layer.json"
+# Relative to the current directory (tpu_kernels.bench).
+DEFAULT_REPO = kernel_repo("ragged-dot-tpu")
+DEFAULT_OUT = result_path("moe_layer.json")
 # Raw rows and the run's own facts (untracked: .gitignore).
-RAW_DIR = ROOT / "benchmarks" / "results" / "raw"
+RAW_DIR = result_path("raw")
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tpu-kernels" / "moe_layer"
 # The JAX function behind the built kernel's fused experts op, as "module.function" of the built package.
 LAYER_ENTRY = "moe.gated_experts"
@@ -1557,6 +1555,8 @@ def main(argv=None) -> int:
         parser.error(f"no setting matches {args.settings}; known: {[s.label for s in SETTINGS]}")
     cases = sorted(make_cases(settings, args.tokens), key=priority)
     cache = Cache(None if args.no_cache else args.cache_dir)
+    if not args.retarget:
+        require_kernel_repo(args.repo)
     if args.retarget:
         rows = json.loads((args.raw_dir / f"{args.out.stem}.rows.json").read_text())
         for row in rows:

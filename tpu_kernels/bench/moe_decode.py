@@ -5,14 +5,17 @@ so it is expected to be far slower than eager: the point here is the harness,
 which a TPU VM runs unchanged to reproduce the published table (batch 1..64,
 ms/step, tokens/s):
 
-    python benchmarks/moe_decode.py --device tpu --model Qwen/Qwen3-30B-A3B
+    tpu-kernels bench moe_decode --device tpu --model Qwen/Qwen3-30B-A3B
 
 Method: for each implementation and batch size, prefill a seeded random prompt
 of --prompt-len tokens, then time --steps greedy decode steps one by one
 (each step ends with the next tokens copied to the host, which waits for the
 device), after --warmup untimed steps (compilation is not a step). Reports the
 median ms/step and tokens/s = batch / median. Writes JSON (and a PNG plot of
-ms/step against batch size) to benchmarks/results/.
+ms/step against batch size) to benchmarks/results/ (`--out`). Off the TPU the
+kernels are built from --kernel-repos (default kernel_repos/); both paths are
+relative to the current directory. `python -m tpu_kernels.bench.moe_decode` is
+the same.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
-KERNEL_REPOS = Path(__file__).resolve().parents[1] / "kernel_repos"
+from tpu_kernels.bench import KERNEL_REPOS_DIR, require_kernel_repo, result_path
+
 KINDS_TO_REPOS = {"experts": "ragged-dot-tpu", "rmsnorm": "rmsnorm-tpu", "attention": "attention-tpu"}
 
 
@@ -67,7 +70,7 @@ def prepare(implementation: str, args, workdir: Path):
         from tpu_kernels.distribution.builder import build_kernel_repo
 
         repos = {
-            kind: (str(build_kernel_repo(KERNEL_REPOS / repo, workdir)) if kind in kinds else None)
+            kind: (str(build_kernel_repo(args.kernel_repos / repo, workdir)) if kind in kinds else None)
             for kind, repo in KINDS_TO_REPOS.items()
         }
     kernelize(model, device=args.device, repos=repos, use_fallback=False)
@@ -105,8 +108,13 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-len", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--out", default=str(RESULTS / "moe_decode.json"))
+    parser.add_argument("--out", default=str(result_path("moe_decode.json")))
+    parser.add_argument("--kernel-repos", type=Path, default=KERNEL_REPOS_DIR,
+                        help="folder of the kernel repos built off the TPU (default: kernel_repos)")
     args = parser.parse_args(argv)
+    if args.device != "tpu" and "kernelized" in args.implementations.split(","):
+        for kind in args.kinds.split(","):
+            require_kernel_repo(args.kernel_repos / KINDS_TO_REPOS[kind], option="--kernel-repos")
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
     results = {

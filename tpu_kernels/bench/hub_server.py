@@ -46,11 +46,14 @@ Issue 21 (`--issue 21`; found item numbers in brackets):
     latency          as above: what the new bounds cost a well-behaved client
 
 `--code DIR --label before` runs a group against the package in DIR (e.g. an export of
-another commit: `git archive <commit> tpu_kernels | tar -x -C DIR`); results merge into
-benchmarks/results/hub_server.json under the issue and the label.
+another commit: `git archive <commit> tpu_kernels | tar -x -C DIR`; by default the folder
+holding the tpu_kernels package this runs from); results merge into
+benchmarks/results/hub_server.json (relative to the current directory; `--out`) under the
+issue and the label.
 
 Usage:
-    .venv/bin/python benchmarks/hub_server.py --issue 21 [--code DIR --label before]
+    tpu-kernels bench hub_server --issue 21 [--code DIR --label before]
+    (or python -m tpu_kernels.bench.hub_server ...)
 """
 
 from __future__ import annotations
@@ -76,8 +79,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "hub_server.json"
+import tpu_kernels
+from tpu_kernels.bench import result_path
+
+# The folder holding the tpu_kernels package this runs from (a checkout or site-packages): the default --code.
+PACKAGE_PARENT = Path(tpu_kernels.__file__).resolve().parents[1]
+DEFAULT_OUT = result_path("hub_server.json")
 TOKEN = "bench-token"
 REPO = "org/k"
 
@@ -743,14 +750,15 @@ def run_group(code: Path, cases) -> dict:
     return results
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--issue", choices=sorted(GROUPS), default="21", help="which issue's cases to run")
     parser.add_argument("--case", action="append", help="run only these cases (by name)")
-    parser.add_argument("--code", type=Path, default=ROOT, help="folder holding the tpu_kernels package to measure")
+    parser.add_argument("--code", type=Path, default=PACKAGE_PARENT,
+                        help="folder holding the tpu_kernels package to measure (default: this one's)")
     parser.add_argument("--label", default="after", help="where the results go: before or after")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cases = [case for case in GROUPS[args.issue] if not args.case or case.__name__ in args.case]
     report = json.loads(args.out.read_text()) if args.out.is_file() else {"what": __doc__.split("\n")[0]}
     issue = report.setdefault(f"issue_{args.issue}", {})

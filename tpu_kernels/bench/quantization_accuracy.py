@@ -17,9 +17,10 @@ initializer range), with only the experts kernelized:
 float32 models, so that the error is the weights' quantization alone (no
 bf16 rounding of activations on top). The kernels run in Pallas TPU
 interpret mode on the CPU (exact, slow). Writes
-benchmarks/results/quantization_accuracy.json.
+benchmarks/results/quantization_accuracy.json (`--out`), building the kernel
+from kernel_repos/ragged-dot-tpu (`--repo`), relative to the current directory.
 
-    python benchmarks/quantization_accuracy.py
+    tpu-kernels bench quantization_accuracy      (or python -m tpu_kernels.bench.quantization_accuracy)
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
-KERNEL_REPO = Path(__file__).resolve().parents[1] / "kernel_repos" / "ragged-dot-tpu"
+from tpu_kernels.bench import kernel_repo, require_kernel_repo, result_path
+
+KERNEL_REPO = kernel_repo("ragged-dot-tpu")
 SCHEMES = ("int8", "fp8")
 EXPERT_WEIGHT_STD = 0.02
 
@@ -97,8 +99,10 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=8)
-    parser.add_argument("--out", default=str(RESULTS / "quantization_accuracy.json"))
+    parser.add_argument("--out", default=str(result_path("quantization_accuracy.json")))
+    parser.add_argument("--repo", type=Path, default=KERNEL_REPO, help="the ragged-dot kernel repo")
     args = parser.parse_args(argv)
+    require_kernel_repo(args.repo)
 
     from tpu_kernels import kernelize
     from tpu_kernels.distribution.builder import build_kernel_repo
@@ -113,7 +117,7 @@ def main(argv=None) -> int:
         "models": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
-        build = build_kernel_repo(KERNEL_REPO, Path(tmp))
+        build = build_kernel_repo(args.repo, Path(tmp))
         kernel = get_local_kernel(build, backend="cpu")
         repos = {"experts": str(build), "rmsnorm": None, "attention": None}
         for name, factory in _models().items():

@@ -55,8 +55,9 @@ sinks), per generation:
   from; every swept tile must also fit the VMEM budget.
 
 Usage:
-    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/attention.py [--out benchmarks/results/attention.json] [--quick]
-        [--sweep]
+    tpu-kernels bench attention [--out benchmarks/results/attention.json] [--repo kernel_repos/attention-tpu]
+        [--quick] [--sweep]
+    (or JAX_PLATFORMS=cpu python -m tpu_kernels.bench.attention; paths relative to the current directory)
 """
 
 from __future__ import annotations
@@ -74,19 +75,14 @@ import kernels
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from tpu_kernels import perf
+from tpu_kernels.aot import compile_for
+from tpu_kernels.bench import calibration_bands, kernel_repo, require_kernel_repo, result_path
+from tpu_kernels.distribution.builder import build_kernel_repo
+from tpu_kernels.runtime.hardware import tpu_generation
 
-import calibration_bands  # noqa: E402
-
-from tpu_kernels import perf  # noqa: E402
-from tpu_kernels.runtime.hardware import tpu_generation  # noqa: E402
-from tpu_kernels.aot import compile_for  # noqa: E402
-from tpu_kernels.distribution.builder import build_kernel_repo  # noqa: E402
-
-KERNEL_REPO = ROOT / "kernel_repos" / "attention-tpu"
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "attention.json"
+KERNEL_REPO = kernel_repo("attention-tpu")
+DEFAULT_OUT = result_path("attention.json")
 GENERATIONS = ("v5e", "v6e")
 COST_GENERATION = "v6e"
 DECODE_TARGET_RATIO = 1.1
@@ -595,12 +591,14 @@ def summarise_backward(results: list[dict]) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--repo", type=Path, default=KERNEL_REPO, help="the attention kernel repo")
     parser.add_argument("--quick", action="store_true", help="four forward shapes only")
     parser.add_argument("--sweep", action="store_true", help="sweep the backward tiles at the training shapes")
     args = parser.parse_args(argv)
+    require_kernel_repo(args.repo)
 
     with tempfile.TemporaryDirectory() as build_dir:
-        built = kernels.get_local_kernel(build_kernel_repo(KERNEL_REPO, Path(build_dir)), backend="cpu")
+        built = kernels.get_local_kernel(build_kernel_repo(args.repo, Path(build_dir)), backend="cpu")
         if args.sweep:
             sweeps = {}
             for shape in TRAINING_SHAPES:
@@ -638,8 +636,8 @@ def main(argv=None) -> int:
                 flush=True,
             )
     report = {
-        "benchmark": "benchmarks/attention.py",
-        "kernel_repo": "kernel_repos/attention-tpu",
+        "benchmark": "tpu_kernels.bench.attention",
+        "kernel_repo": args.repo.as_posix(),
         "dtype": "bfloat16",
         "traffic_model": "tpu_kernels.perf.model_pallas_traffic (grid replay of the kernel's BlockSpecs); times: the "
                          "calibrated pipelined figure (grid step " + ", ".join(

@@ -23,7 +23,8 @@ median of the per-iteration ratios) and request counts go to benchmarks/results/
 The machine is shared, so single loads are noisy: read the ratios together.
 
 Usage:
-    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/loader.py [--runs 5] [--out benchmarks/results/loader.json]
+    tpu-kernels bench loader [--runs 5] [--out benchmarks/results/loader.json] [--repo kernel_repos/ragged-dot-tpu]
+    (or JAX_PLATFORMS=cpu python -m tpu_kernels.bench.loader; paths relative to the current directory)
 """
 
 from __future__ import annotations
@@ -40,25 +41,26 @@ import textwrap
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import huggingface_hub
+import kernels
 
-import huggingface_hub  # noqa: E402
-import kernels  # noqa: E402
-
-from tpu_kernels.distribution.builder import build_kernel_repo  # noqa: E402
-from tpu_kernels.distribution.hub import start_hub  # noqa: E402
-from tpu_kernels.distribution.hub.server import STATS_PATH  # noqa: E402
-from tpu_kernels.distribution.digest import copy_verified_variant  # noqa: E402
-from tpu_kernels.distribution.loader import verify_variant  # noqa: E402
-from tpu_kernels.distribution.publish import upload_kernel  # noqa: E402
+import tpu_kernels
+from tpu_kernels.bench import kernel_repo, require_kernel_repo, result_path
+from tpu_kernels.distribution.builder import build_kernel_repo
+from tpu_kernels.distribution.digest import copy_verified_variant
+from tpu_kernels.distribution.hub import start_hub
+from tpu_kernels.distribution.hub.server import STATS_PATH
+from tpu_kernels.distribution.loader import verify_variant
+from tpu_kernels.distribution.publish import upload_kernel
 
 # This process only publishes, to the local Hub; its first request headers would
 # fetch huggingface_hub's agent registry from huggingface.co: that lookup is telemetry.
 huggingface_hub.constants.HF_HUB_DISABLE_TELEMETRY = True
 
-KERNEL_REPO = ROOT / "kernel_repos" / "ragged-dot-tpu"
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "loader.json"
+KERNEL_REPO = kernel_repo("ragged-dot-tpu")
+DEFAULT_OUT = result_path("loader.json")
+# The folder holding the tpu_kernels package this runs from: the measured processes import the same one.
+PACKAGE_PARENT = Path(tpu_kernels.__file__).resolve().parents[1]
 ORG = "tpu-kernels"
 TOKEN = "benchmark-token"
 TARGET_WARM_RATIO = 1.2
@@ -120,13 +122,14 @@ print(json.dumps({{name: {{"median_s": statistics.median(values), "min_s": min(v
 def client_env(hub_url: str, cache: Path, hf_home: Path, offline: bool) -> dict:
     env = {key: value for key, value in os.environ.items() if key not in ("HF_TOKEN", "LOCAL_KERNELS")}
     env.update(HF_ENDPOINT=hub_url, KERNELS_CACHE=str(cache), HF_HOME=str(hf_home), JAX_PLATFORMS="cpu",
-               HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_OFFLINE="1" if offline else "0")
+               HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_OFFLINE="1" if offline else "0",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")])))
     return env
 
 
 def run_script(script: str, env: dict) -> dict:
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True,
-                            text=True, timeout=900, cwd=ROOT)
+                            text=True, timeout=900)
     if result.returncode != 0:
         raise RuntimeError(f"benchmark process failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -163,11 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=5, help="cold and warm loads per loader (default: 5)")
     parser.add_argument("--repeat-calls", type=int, default=200, help="in-process calls per loader (default: 200)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--repo", type=Path, default=KERNEL_REPO, help="the kernel repo to publish and load")
     args = parser.parse_args(argv)
+    require_kernel_repo(args.repo)
 
     with tempfile.TemporaryDirectory(prefix="tpu-kernels-loader-bench-") as tmp:
         work = Path(tmp)
-        built = build_kernel_repo(KERNEL_REPO, work / "build")
+        built = build_kernel_repo(args.repo, work / "build")
         repo = f"{ORG}/{built.name}"
         with start_hub(work / "hub", token=TOKEN, trusted_orgs=[ORG]) as hub:
             upload_kernel(built, repo, endpoint=hub.url, token=TOKEN)
