@@ -1,6 +1,6 @@
 """Shapes `tpu-kernels check` compiles ahead of time for each TPU generation.
 
-- The grouped matmul (`pallas_tpu.ragged_dot`) on one projection of one MoE
+- The grouped matmul (`pallas_gmm.ragged_dot`) on one projection of one MoE
   layer: rows are token-expert picks (tokens x top-k), 512 for a decode
   batch, 16384 for a prefill chunk; transformers' weight layout is
   `[E, out, in]` (`transpose_rhs=True`); rows past the groups left unwritten,
@@ -54,7 +54,7 @@ def _grouped_targets(kernel, generation, dtype):
         experts, hidden, intermediate = shape["experts"], shape["hidden"], shape["intermediate"]
         for rows in shape["rows"]:
             for projection, k, n in (("gate_up", hidden, 2 * intermediate), ("down", intermediate, hidden)):
-                fn = functools.partial(kernel.pallas_tpu.ragged_dot, transpose_rhs=True, zero_rows_past_groups=False,
+                fn = functools.partial(kernel.pallas_gmm.ragged_dot, transpose_rhs=True, zero_rows_past_groups=False,
                                        generation=generation)
                 avals = (
                     jax.ShapeDtypeStruct((rows, k), dtype),
@@ -104,7 +104,7 @@ def _backward_targets(kernel, generation, dtype):
         sizes = jax.ShapeDtypeStruct((experts,), jnp.int32)
         for projection, k, n in (("gate_up", hidden, 2 * intermediate), ("down", intermediate, hidden)):
             # The forward ran lhs[rows, k] x weights[E, n, k] (transpose_rhs=True).
-            d_lhs = functools.partial(kernel.pallas_tpu.ragged_dot, transpose_rhs=False, config=kernel.config.select_d_lhs_config(
+            d_lhs = functools.partial(kernel.pallas_gmm.ragged_dot, transpose_rhs=False, config=kernel.config.select_d_lhs_config(
                 rows, n, k, dtype, generation=generation, num_groups=experts))
             targets.append((
                 f"{model} {projection} d_lhs M={rows} K={n} N={k} E={experts} bf16", d_lhs,
@@ -133,7 +133,7 @@ def _quantized_targets(kernel, generation, dtype):
         shape = GROUPED["qwen3-30b-a3b"]
         experts, hidden, intermediate = shape["experts"], shape["hidden"], shape["intermediate"]
         rhs = (experts, 2 * intermediate, hidden)
-        fn = functools.partial(kernel.pallas_tpu.ragged_dot, transpose_rhs=True, zero_rows_past_groups=False,
+        fn = functools.partial(kernel.pallas_gmm.ragged_dot, transpose_rhs=True, zero_rows_past_groups=False,
                                generation=generation)
         avals = (jax.ShapeDtypeStruct((512, hidden), dtype), jax.ShapeDtypeStruct(rhs, weights_dtype),
                  jax.ShapeDtypeStruct((experts,), jnp.int32), _scales(kernel, scheme, rhs, 1))

@@ -59,7 +59,7 @@ def test_ragged_dot_matches_dequantized_reference(kernel, interpret, to_jax, cas
     rhs, scales = _quantized(shape, scheme, 1 if transpose_rhs else 2, generator)
     sizes = torch.tensor(group_sizes, dtype=torch.int32)
     config = None if tiles is None else kernel.config.TileConfig(*tiles)
-    out = interpret(lambda: kernel.pallas_tpu.ragged_dot(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
+    out = interpret(lambda: kernel.pallas_gmm.ragged_dot(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
                                                          to_jax(scales), transpose_rhs=transpose_rhs, config=config))
     weights = kernel.reference.dequantize_reference(rhs, scales, out_axis=1 if transpose_rhs else 2)
     expected = kernel.reference.ragged_dot_reference(lhs.double(), weights, sizes, transpose_rhs=transpose_rhs)

@@ -9,7 +9,7 @@ and CI).
 # same build (same module id) from a second path, and then Python reuses the
 # cached submodules without setting them as attributes of the new package.
 from . import (
-    backward, config, experts, gates, moe, ops, pallas_fused, pallas_tgmm, pallas_tpu, plan, problem, quant,
+    backward, config, experts, gates, moe, ops, pallas_fused, pallas_gmm, pallas_tgmm, plan, problem, quant,
     reference, routing,
 )
 from .experts import experts_forward
@@ -17,5 +17,5 @@ from .ops import gated_experts, ragged_dot
 
 __all__ = [
     "backward", "config", "experts", "experts_forward", "gated_experts", "gates", "moe", "ops", "pallas_fused",
-    "pallas_tgmm", "pallas_tpu", "plan", "problem", "quant", "ragged_dot", "reference", "routing",
+    "pallas_gmm", "pallas_tgmm", "plan", "problem", "quant", "ragged_dot", "reference", "routing",
 ]

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from .plan import ExpertsPlan, MatmulBackwardPlan, plan_ragged_dot_backward
 from .gates import gated, split_gate_up
 from .pallas_tgmm import tgmm_call
-from .pallas_tpu import grouped_matmul, ragged_dot
+from .pallas_gmm import grouped_matmul, ragged_dot
 from .problem import ExpertWeights, MatmulProblem
 from .routing import sort_by_expert
 

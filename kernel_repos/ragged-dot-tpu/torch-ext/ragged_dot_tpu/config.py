@@ -5,7 +5,7 @@ TPU facts (VMEM, bandwidth, MXU peak, tiling) come from `_hardware.py`.
 
 Two kernels, two configs:
 
-- `TileConfig` tiles the grouped matmul (`pallas_tpu.ragged_dot`). It comes
+- `TileConfig` tiles the grouped matmul (`pallas_gmm.ragged_dot`). It comes
   from `select_config`, a VMEM-aware heuristic (`heuristic_config`); a caller
   who has tuned a shape passes its own (`ragged_dot(..., config=...)`).
   Five knobs:

@@ -6,7 +6,7 @@ run it, picked by the plan (the rule is `config.use_fused_experts`):
 - decode-sized calls: one fused kernel (`pallas_fused.fused_experts`) that
   streams each active expert's weights once and keeps everything else in VMEM;
 - larger calls: sort the picks by expert, two grouped matmuls
-  (`pallas_tpu.ragged_dot`) with the biases and the gate between them in XLA,
+  (`pallas_gmm.ragged_dot`) with the biases and the gate between them in XLA,
   the routing weights, and each token gathering and summing its picks in f32.
 Either way, on a TPU this is one compiled program per layer instead of a
 chain of small torch ops, and expert-parallel sentinel picks
@@ -33,7 +33,7 @@ from .backward import grouped_experts_backward, without_gradient
 from .plan import ExpertsPlan, plan_experts
 from .gates import gated, split_gate_up
 from .pallas_fused import fused_experts_call
-from .pallas_tpu import grouped_matmul
+from .pallas_gmm import grouped_matmul
 from .problem import ExpertsProblem, ExpertWeights, describe_experts
 from .routing import sort_by_expert
 

@@ -1,7 +1,7 @@
 """Torch ops of this kernel and the one place their inputs are checked.
 
 Every torch-facing entry checks its inputs here before any kernel runs; the
-JAX functions (`pallas_tpu.py`, `moe.py`) assume valid inputs. The checks
+JAX functions (`pallas_gmm.py`, `moe.py`) assume valid inputs. The checks
 that read values back to the host (group sizes) run once per public call;
 an experts layer that counts its own group sizes uses `routed_ragged_dot`,
 which checks shapes only (see there).
@@ -14,7 +14,7 @@ import functools
 import jax
 import torch
 
-from . import backward, moe, pallas_tpu, quant
+from . import backward, moe, pallas_gmm, quant
 from .gates import GATES
 from .problem import ExpertWeights
 from ._ops import add_op_namespace_prefix, jax_torch_op
@@ -34,7 +34,7 @@ def _ragged_dot(
     zero_rows_past_groups: bool,
 ) -> jax.Array:
     if rhs_scales is not None:
-        quantized = functools.partial(pallas_tpu.ragged_dot, transpose_rhs=transpose_rhs,
+        quantized = functools.partial(pallas_gmm.ragged_dot, transpose_rhs=transpose_rhs,
                                       zero_rows_past_groups=zero_rows_past_groups)
         return backward.without_gradient("ragged_dot", quantized, lhs, rhs, group_sizes, rhs_scales)
     return backward.differentiable_ragged_dot(lhs, rhs, group_sizes, transpose_rhs, zero_rows_past_groups, None)

@@ -26,7 +26,7 @@ from .quant import scheme_of
 
 
 class MatmulPlan(NamedTuple):
-    """One grouped matmul as `pallas_tpu.grouped_matmul` runs it: blocks resolved for the problem's shape."""
+    """One grouped matmul as `pallas_gmm.grouped_matmul` runs it: blocks resolved for the problem's shape."""
 
     problem: MatmulProblem
     tile_m: int  # rows of a row tile (`row_tile_rows`)
