@@ -5,7 +5,7 @@
   batch, 16384 for a prefill chunk; transformers' weight layout is
   `[E, out, in]` (`transpose_rhs=True`); rows past the groups left unwritten,
   as an experts layer runs it.
-- The whole experts layer (`moe.gated_experts`: the routing in XLA and the
+- The whole experts layer (`moe.experts_layer`: the routing in XLA and the
   kernels), which takes the fused kernel at decode sizes (T <= 256) and the
   grouped matmuls above: Qwen3-30B-A3B (128 experts, H=2048, I=768, top-8)
   on one chip (EP1) and on one rank of eight (EP8: 16 local experts),
@@ -73,7 +73,7 @@ def _layer_targets(kernel, generation, dtype):
         down = (experts, intermediate, hidden) if transposed else (experts, hidden, intermediate)
         biases = ((experts, 2 * intermediate), (experts, hidden)) if gate.get("activation") == "clamped_swiglu" else ()
         for tokens in token_counts:
-            fn = functools.partial(kernel.moe.gated_experts, **layout, **gate, generation=generation)
+            fn = functools.partial(kernel.moe.experts_layer, **layout, **gate, generation=generation)
             avals = (
                 jax.ShapeDtypeStruct((tokens, hidden), dtype),
                 jax.ShapeDtypeStruct((tokens, top_k), jnp.int32),
@@ -152,7 +152,7 @@ def _quantized_targets(kernel, generation, dtype):
                 def fn(hidden_states, index, weights, gate_up_proj, down_proj, *rest, _layout=layout, _gate=gate,
                        _bias=has_bias):
                     gate_up_bias, down_bias, gate_up_scales, down_scales = rest if _bias else (None, None, *rest)
-                    return kernel.moe.gated_experts(hidden_states, index, weights, gate_up_proj, down_proj,
+                    return kernel.moe.experts_layer(hidden_states, index, weights, gate_up_proj, down_proj,
                                                     gate_up_bias, down_bias, gate_up_scales, down_scales, **_layout,
                                                     **_gate, generation=generation)
 

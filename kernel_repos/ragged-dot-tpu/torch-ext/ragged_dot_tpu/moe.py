@@ -1,6 +1,6 @@
 """The whole routed-experts computation of a gated MoE layer as one JAX function.
 
-`gated_experts` describes the call (`problem.ExpertsProblem`) and plans it
+`experts_layer` describes the call (`problem.ExpertsProblem`) and plans it
 once (`plan.plan_experts`); everything below runs that plan. Two ways to
 run it, picked by the plan (the rule is `config.use_fused_experts`):
 - decode-sized calls: one fused kernel (`pallas_fused.fused_experts`) that
@@ -12,7 +12,7 @@ Either way, on a TPU this is one compiled program per layer instead of a
 chain of small torch ops, and expert-parallel sentinel picks
 (id == num_experts) get no kernel work.
 
-`experts` is differentiable (`jax.custom_vjp`). Under differentiation
+`experts_layer` is differentiable (`jax.custom_vjp`). Under differentiation
 the forward always takes the grouped path, whose two kernel outputs are the
 residuals the backward needs (`backward.grouped_experts_backward`: two d_lhs
 grouped matmuls and two tgmm, nothing recomputed but the elementwise gate).
@@ -38,7 +38,7 @@ from .problem import ExpertsProblem, ExpertWeights, describe_experts
 from .routing import sort_by_expert
 
 
-def gated_experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array, *weights: jax.Array | None,
+def experts_layer(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array, *weights: jax.Array | None,
                   fused: bool | None = None, generation: str | None = None, **gate) -> jax.Array:
     """Gated experts per pick, weighted and summed per token.
 
@@ -47,18 +47,19 @@ def gated_experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weight
     the two paths (None: the rule, `config.use_fused_experts`); `generation`
     picks the tiles (None: this device's). Differentiable in hidden_states,
     top_k_weights, the weights and biases (module docstring); sentinel picks
-    get a zero weight gradient. Without tokens, picks, hidden size or experts
+    get a zero routing-weight gradient. Without tokens, picks, hidden size or experts
     the result is zeros and no kernel runs.
     """
     problem, weights = describe_experts(hidden_states, top_k_index, top_k_weights, *weights, **gate)
     if problem.empty:
         return jnp.zeros(hidden_states.shape, hidden_states.dtype)
-    return experts(plan_experts(problem, generation, fused=fused), hidden_states, top_k_index, top_k_weights, weights)
+    return planned_experts(plan_experts(problem, generation, fused=fused), hidden_states, top_k_index, top_k_weights,
+                           weights)
 
 
-def experts(plan: ExpertsPlan, hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array,
-            weights: ExpertWeights) -> jax.Array:
-    """`gated_experts` as `plan` says; one-byte weights run without a gradient (they serve inference)."""
+def planned_experts(plan: ExpertsPlan, hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array,
+                    weights: ExpertWeights) -> jax.Array:
+    """`experts_layer` as `plan` says; one-byte weights run without a gradient (they serve inference)."""
     if weights.quantized:
         return without_gradient("gated_experts", functools.partial(_experts_forward, plan), hidden_states,
                                 top_k_index, top_k_weights, weights)
@@ -85,10 +86,10 @@ def _experts_vjp_forward(plan: ExpertsPlan, hidden_states, top_k_index, top_k_we
 
 def _experts_vjp_backward(plan: ExpertsPlan, residuals, d_out):
     hidden_states, top_k_index, top_k_weights, weights, kernel_outputs = residuals
-    d_hidden, d_routing, d_weights = grouped_experts_backward(plan, d_out, hidden_states, top_k_index,
-                                                              top_k_weights, weights, *kernel_outputs)
+    d_hidden, d_top_k_weights, d_expert_weights = grouped_experts_backward(
+        plan, d_out, hidden_states, top_k_index, top_k_weights, weights, *kernel_outputs)
     # The expert ids are integers: no cotangent.
-    return d_hidden, None, d_routing, d_weights
+    return d_hidden, None, d_top_k_weights, d_expert_weights
 
 
 _differentiable_experts.defvjp(_experts_vjp_forward, _experts_vjp_backward)
@@ -102,7 +103,7 @@ def grouped_experts(
     weights: ExpertWeights,
     return_residuals: bool = False,
 ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """`gated_experts` as two grouped matmuls around XLA ops, with `plan`'s tiles.
+    """`experts_layer` as two grouped matmuls around XLA ops, with `plan`'s tiles.
 
     With `return_residuals`, also the two kernels' outputs `(gate_up_out,
     down_out)` that `backward.grouped_experts_backward` differentiates from.

@@ -57,7 +57,7 @@ def _gated_experts(
     alpha: float,
     limit: float,
 ) -> jax.Array:
-    return moe.gated_experts(
+    return moe.experts_layer(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up_scales,
         down_scales, activation=activation, weights_transposed=weights_transposed, interleaved=interleaved,
         alpha=alpha, limit=limit,
@@ -277,13 +277,13 @@ def gated_experts(
     gate_up_scales: torch.Tensor | None = None,
     down_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The fused experts op (see `moe.gated_experts`); biases come as a pair or not at all.
+    """The experts layer as one op (see `moe.experts_layer`); biases come as a pair or not at all.
 
     int8 or float8_e4m3fn weights need their float32 scales (layouts as for
     `ragged_dot`'s `rhs_scales`, over each weight's own dims); the output is
     in hidden_states' dtype.
 
-    Differentiable with float weights (`moe.gated_experts` says how); one-byte
+    Differentiable with float weights (`moe.experts_layer` says how); one-byte
     weights serve inference only.
     """
     weights = ExpertWeights(gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up_scales, down_scales)

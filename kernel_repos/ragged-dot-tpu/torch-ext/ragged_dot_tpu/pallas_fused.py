@@ -309,7 +309,7 @@ def fused_experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weight
                   config: FusedConfig | None = None, **gate) -> jax.Array:
     """Gated experts per pick, weighted and summed per token, in one pallas_call (see the module docstring).
 
-    Arguments as `moe.gated_experts`; picks with id == E are sentinels.
+    Arguments as `moe.experts_layer`; picks with id == E are sentinels.
     Blocks: `config`, else the plan's (`plan.plan_fused`). Inputs are
     assumed valid (`ops.py`). Without tokens, picks, hidden size or experts
     there is nothing to compute: the result is zeros and no kernel runs.

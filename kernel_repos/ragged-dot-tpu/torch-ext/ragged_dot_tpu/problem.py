@@ -133,7 +133,7 @@ class TgmmProblem(NamedTuple):
 def describe_experts(hidden_states, top_k_index, top_k_weights, *weights, activation: str, weights_transposed: bool,
                      interleaved: bool = False, alpha: float = 1.0,
                      limit: float = float("inf")) -> tuple[ExpertsProblem, ExpertWeights]:
-    """An experts call's problem and arrays from the arguments of `moe.gated_experts`.
+    """An experts call's problem and arrays from the arguments of `moe.experts_layer`.
 
     `weights` are those of `ExpertWeights`, in its order (`gate_up_proj,
     down_proj`, then optionally the biases and the scales of one-byte
