@@ -125,7 +125,7 @@ def grouped_experts(
 
     gate_up_out = grouped_matmul(rows, read.gate_up_proj, group_sizes, read.gate_up_scales, plan.gate_up)
     # Split before anything else (the [E, 2I] biases too): XLA then fuses the split, the casts, the biases
-    # and the gate into one pass over the kernel's bf16 output, where splitting the f32 sum made it
+    # and the gate into one pass over the kernel's bf16 output; splitting the f32 sum instead makes it
     # write and reread [M, 2I] f32 copies (GPT-OSS's even/odd columns: 4 of them).
     gate_part, up = (part.astype(jnp.float32) for part in split_gate_up(gate_up_out, interleaved=gate.interleaved))
     if weights.gate_up_bias is not None:
@@ -149,7 +149,7 @@ def _weighted_sum_per_token(down_out, order, group_sizes, top_k_index, top_k_wei
 
     One pick slot at a time: XLA fuses the gathers, the biases, the masks
     and the sum into one pass that reads each pick's row once and writes
-    [T, H]. (Un-sorting by a scatter instead wrote and reread T x K f32 rows
+    [T, H]. (Un-sorting by a scatter instead writes and rereads T x K f32 rows
     three times, most of a prefill layer's HBM traffic; a [T, K, H] gather is
     relaid out when K is not a multiple of 8.)
     """
