@@ -58,7 +58,7 @@ class ExpertWeights(NamedTuple):
 
     def as_read(self, orientation, *, weights_transposed: bool) -> ExpertWeights:
         """The views of both projections (and their scales) that the kernels read: each in the order XLA stores
-        it (`orientation`, a `config.WeightsOrientation`); a swapped view is a bitcast."""
+        it (`orientation`, a `weights_layout.WeightsOrientation`); a swapped view is a bitcast."""
         gate_up, gate_up_scales, down, down_scales = (self.gate_up_proj, self.gate_up_scales, self.down_proj,
                                                       self.down_scales)
         if orientation.gate_up_transposed != weights_transposed:
