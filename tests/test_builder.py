@@ -37,7 +37,7 @@ def test_layout_and_metadata(built):
         assert metadata.python_depends == []
         # Every file is covered by the digest, and the digest matches the files.
         metadata.digest.validate(Digest.hash_variant(DigestAlgorithm.SHA256, variant))
-        assert {"__init__.py", "_ops.py", "_binding.py", "_hardware.py", "pallas_tpu.py"} <= set(metadata.digest.files)
+        assert {"__init__.py", "_ops.py", "_binding.py", "_hardware.py", "pallas_gmm.py"} <= set(metadata.digest.files)
         assert (variant / "_binding.py").read_bytes() == (REPO_ROOT / "tpu_kernels" / "runtime" / "binding.py").read_bytes()
         ids.add(metadata.id)
     assert len(ids) == 2, "each variant has its own op namespace"
@@ -46,12 +46,12 @@ def test_layout_and_metadata(built):
 def test_digest_catches_a_changed_byte(built, tmp_path):
     variant = tmp_path / "torch-cpu"
     shutil.copytree(built / "build" / "torch-cpu", variant)
-    pallas_tpu_py = variant / "pallas_tpu.py"
-    data = bytearray(pallas_tpu_py.read_bytes())
+    pallas_gmm_py = variant / "pallas_gmm.py"
+    data = bytearray(pallas_gmm_py.read_bytes())
     data[100] ^= 1
-    pallas_tpu_py.write_bytes(bytes(data))
+    pallas_gmm_py.write_bytes(bytes(data))
     metadata = Metadata.read_from_file(variant / "metadata.json")
-    with pytest.raises(DigestValidationError, match="pallas_tpu.py"):
+    with pytest.raises(DigestValidationError, match="pallas_gmm.py"):
         metadata.digest.validate(Digest.hash_variant(DigestAlgorithm.SHA256, variant))
 
 

@@ -119,7 +119,7 @@ def test_fused_without_live_picks_runs_one_empty_step(kernel, tile_i):
 
 
 def _grouped_traffic(kernel, m, k, n, group_sizes, config, zero_rows_past_groups=True):
-    fn = functools.partial(kernel.pallas_tpu.ragged_dot, config=config, zero_rows_past_groups=zero_rows_past_groups)
+    fn = functools.partial(kernel.pallas_gmm.ragged_dot, config=config, zero_rows_past_groups=zero_rows_past_groups)
     [call] = perf.model_pallas_traffic(fn, S((m, k), jnp.bfloat16), S((len(group_sizes), k, n), jnp.bfloat16),
                                        np.asarray(group_sizes, np.int32))
     return call

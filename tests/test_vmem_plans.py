@@ -59,7 +59,7 @@ def test_grouped_matmul_plan_counts_the_vmem_of_its_block_specs(kernel, case):
     scales = None if scheme is None else S(kernel.quant.expected_scales_shape(scheme, rhs_shape,
                                                                              1 if transpose_rhs else 2), jnp.float32)
     sizes = np.full(groups, m // groups, np.int32)
-    fn = functools.partial(kernel.pallas_tpu.grouped_matmul, plan=plan)
+    fn = functools.partial(kernel.pallas_gmm.grouped_matmul, plan=plan)
     replayed = _replayed_vmem(fn, S((m, k), problem.dtype), S(rhs_shape, rhs_dtype), sizes, scales)
     assert _planned_vmem(plan, config) == replayed
 

@@ -5,7 +5,7 @@ XLA's default TPU layout stores Gemma-4-26B-A4B's `down_proj[E, 2816, 704]`
 row-major made XLA copy all of it on every call (968 MiB at EP1, 60.5 MiB on
 an EP8 rank: benchmarks/results/moe_layer.json before the fix). Compiled
 ahead of time for v5e and v6e on an EP8 rank (16 local experts), both paths
-of `moe.gated_experts`, bf16 and fp8 weights (whose small scale grids may
+of `moe.experts_layer`, bf16 and fp8 weights (whose small scale grids may
 still be relaid out).
 """
 
@@ -38,7 +38,7 @@ def test_gemma4_experts_are_read_in_place(kernel, generation, fused, weights_dty
         avals += [S(kernel.quant.expected_scales_shape(scheme, shape, 1), jnp.float32) for shape in (gate_up, down)]
 
     def layer(hidden_states, index, weights, gate_up_proj, down_proj, *scales):
-        return kernel.moe.gated_experts(hidden_states, index, weights, gate_up_proj, down_proj, None, None, *scales,
+        return kernel.moe.experts_layer(hidden_states, index, weights, gate_up_proj, down_proj, None, None, *scales,
                                         activation="gelu_tanh", weights_transposed=False, fused=fused,
                                         generation=generation)
 
@@ -60,7 +60,7 @@ def test_gemma4_experts_backward_reads_and_writes_the_weights_in_place(kernel):
              S(gate_up, jnp.bfloat16), S(down, jnp.bfloat16)]
 
     def loss(hidden_states, index, weights, gate_up_proj, down_proj):
-        out = kernel.moe.gated_experts(hidden_states, index, weights, gate_up_proj, down_proj,
+        out = kernel.moe.experts_layer(hidden_states, index, weights, gate_up_proj, down_proj,
                                        activation="gelu_tanh", weights_transposed=False, generation="v6e")
         return jnp.sum(out.astype(jnp.float32))
 

@@ -41,8 +41,8 @@ def _backward_avals(batch, seq, *, q_heads, kv_heads, head_dim, dtype=jnp.bfloat
 
 
 def compile_targets(kernel, generation):
-    flash_attention = functools.partial(kernel.pallas_tpu.flash_attention, generation=generation)
-    backward = functools.partial(kernel.pallas_tpu_backward.flash_attention_backward, generation=generation)
+    flash_attention = functools.partial(kernel.pallas_flash.flash_attention, generation=generation)
+    backward = functools.partial(kernel.pallas_flash_backward.flash_attention_backward, generation=generation)
     lengths = jax.ShapeDtypeStruct((8,), jnp.int32)
     gpt_oss_sinks = jax.ShapeDtypeStruct((GPT_OSS_20B["q_heads"],), jnp.bfloat16)
 

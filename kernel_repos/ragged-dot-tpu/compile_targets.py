@@ -1,11 +1,11 @@
 """Shapes `tpu-kernels check` compiles ahead of time for each TPU generation.
 
-- The grouped matmul (`pallas_tpu.ragged_dot`) on one projection of one MoE
+- The grouped matmul (`pallas_gmm.ragged_dot`) on one projection of one MoE
   layer: rows are token-expert picks (tokens x top-k), 512 for a decode
   batch, 16384 for a prefill chunk; transformers' weight layout is
   `[E, out, in]` (`transpose_rhs=True`); rows past the groups left unwritten,
   as an experts layer runs it.
-- The whole experts layer (`moe.gated_experts`: the routing in XLA and the
+- The whole experts layer (`moe.experts_layer`: the routing in XLA and the
   kernels), which takes the fused kernel at decode sizes (T <= 256) and the
   grouped matmuls above: Qwen3-30B-A3B (128 experts, H=2048, I=768, top-8)
   on one chip (EP1) and on one rank of eight (EP8: 16 local experts),
@@ -54,7 +54,7 @@ def _grouped_targets(kernel, generation, dtype):
         experts, hidden, intermediate = shape["experts"], shape["hidden"], shape["intermediate"]
         for rows in shape["rows"]:
             for projection, k, n in (("gate_up", hidden, 2 * intermediate), ("down", intermediate, hidden)):
-                fn = functools.partial(kernel.pallas_tpu.ragged_dot, transpose_rhs=True, zero_rows_past_groups=False,
+                fn = functools.partial(kernel.pallas_gmm.ragged_dot, transpose_rhs=True, zero_rows_past_groups=False,
                                        generation=generation)
                 avals = (
                     jax.ShapeDtypeStruct((rows, k), dtype),
@@ -73,7 +73,7 @@ def _layer_targets(kernel, generation, dtype):
         down = (experts, intermediate, hidden) if transposed else (experts, hidden, intermediate)
         biases = ((experts, 2 * intermediate), (experts, hidden)) if gate.get("activation") == "clamped_swiglu" else ()
         for tokens in token_counts:
-            fn = functools.partial(kernel.moe.gated_experts, **layout, **gate, generation=generation)
+            fn = functools.partial(kernel.moe.experts_layer, **layout, **gate, generation=generation)
             avals = (
                 jax.ShapeDtypeStruct((tokens, hidden), dtype),
                 jax.ShapeDtypeStruct((tokens, top_k), jnp.int32),
@@ -104,7 +104,7 @@ def _backward_targets(kernel, generation, dtype):
         sizes = jax.ShapeDtypeStruct((experts,), jnp.int32)
         for projection, k, n in (("gate_up", hidden, 2 * intermediate), ("down", intermediate, hidden)):
             # The forward ran lhs[rows, k] x weights[E, n, k] (transpose_rhs=True).
-            d_lhs = functools.partial(kernel.pallas_tpu.ragged_dot, transpose_rhs=False, config=kernel.config.select_d_lhs_config(
+            d_lhs = functools.partial(kernel.pallas_gmm.ragged_dot, transpose_rhs=False, config=kernel.config.select_d_lhs_config(
                 rows, n, k, dtype, generation=generation, num_groups=experts))
             targets.append((
                 f"{model} {projection} d_lhs M={rows} K={n} N={k} E={experts} bf16", d_lhs,
@@ -133,7 +133,7 @@ def _quantized_targets(kernel, generation, dtype):
         shape = GROUPED["qwen3-30b-a3b"]
         experts, hidden, intermediate = shape["experts"], shape["hidden"], shape["intermediate"]
         rhs = (experts, 2 * intermediate, hidden)
-        fn = functools.partial(kernel.pallas_tpu.ragged_dot, transpose_rhs=True, zero_rows_past_groups=False,
+        fn = functools.partial(kernel.pallas_gmm.ragged_dot, transpose_rhs=True, zero_rows_past_groups=False,
                                generation=generation)
         avals = (jax.ShapeDtypeStruct((512, hidden), dtype), jax.ShapeDtypeStruct(rhs, weights_dtype),
                  jax.ShapeDtypeStruct((experts,), jnp.int32), _scales(kernel, scheme, rhs, 1))
@@ -152,7 +152,7 @@ def _quantized_targets(kernel, generation, dtype):
                 def fn(hidden_states, index, weights, gate_up_proj, down_proj, *rest, _layout=layout, _gate=gate,
                        _bias=has_bias):
                     gate_up_bias, down_bias, gate_up_scales, down_scales = rest if _bias else (None, None, *rest)
-                    return kernel.moe.gated_experts(hidden_states, index, weights, gate_up_proj, down_proj,
+                    return kernel.moe.experts_layer(hidden_states, index, weights, gate_up_proj, down_proj,
                                                     gate_up_bias, down_bias, gate_up_scales, down_scales, **_layout,
                                                     **_gate, generation=generation)
 

@@ -24,11 +24,11 @@ def _targets_of(kernel_fn, arity: int, name: str, rows: int, hidden: int, dtype,
 
 
 def compile_targets(kernel, generation: str):
-    pallas_tpu = kernel.pallas_tpu
-    forward = (("rms_norm", pallas_tpu.rms_norm, 1), ("fused_add_rms_norm", pallas_tpu.fused_add_rms_norm, 2))
+    pallas_rms_norm = kernel.pallas_rms_norm
+    forward = (("rms_norm", pallas_rms_norm.rms_norm, 1), ("fused_add_rms_norm", pallas_rms_norm.fused_add_rms_norm, 2))
     backward = (
-        ("rms_norm_backward", pallas_tpu.rms_norm_backward, 2),
-        ("fused_add_rms_norm_backward", pallas_tpu.fused_add_rms_norm_backward, 3),
+        ("rms_norm_backward", pallas_rms_norm.rms_norm_backward, 2),
+        ("fused_add_rms_norm_backward", pallas_rms_norm.fused_add_rms_norm_backward, 3),
     )
     targets = []
     for name, fn, arity in forward:
@@ -46,5 +46,5 @@ def compile_targets(kernel, generation: str):
             targets.append(_targets_of(fn, arity, name, 8192, 7168, dtype, generation))
         targets.append(_targets_of(fn, arity, name, 1000, 200, jnp.bfloat16, generation))
     # Rows so wide that even 8 of them overflow v5e's default scoped VMEM: the kernel raises the limit.
-    targets.append(_targets_of(pallas_tpu.rms_norm, 1, "rms_norm", 64, 65536, jnp.float32, generation))
+    targets.append(_targets_of(pallas_rms_norm.rms_norm, 1, "rms_norm", 64, 65536, jnp.float32, generation))
     return targets

@@ -203,7 +203,7 @@ def minimum_bytes(shape: Shape, keys: int, itemsize: int) -> int:
 
 def kernel_fn(built, shape: Shape, generation: str):
     def attention(q, key, value, kv_lengths):
-        return built.pallas_tpu.flash_attention(
+        return built.pallas_flash.flash_attention(
             q, key, value, causal=shape.causal, sliding_window=shape.sliding_window,
             kv_lengths=kv_lengths, generation=generation,
         )
@@ -408,7 +408,7 @@ SWEEP_BLOCKS = {"block_q": (128, 256, 512, 1024), "block_kv": (128, 256, 512, 10
 
 def backward_fn(built, shape: TrainingShape, generation: str, config=None):
     def backward(d_out, q, key, value, out, lse, kv_lengths, sinks):
-        return built.pallas_tpu_backward.flash_attention_backward(
+        return built.pallas_flash_backward.flash_attention_backward(
             d_out, q, key, value, out, lse, sliding_window=shape.sliding_window, kv_lengths=kv_lengths,
             sinks=sinks if shape.sinks else None, config=config, generation=generation,
         )

@@ -166,7 +166,7 @@ def measure_projection(built, setting: str, projection: str, m: int, k: int, n: 
     forward_bytes = (active * k * n + m * k + m * n) * itemsize
     entry["kernels"]["forward"] = {"ours": {}}
     for generation in GENERATIONS:
-        fn = functools.partial(built.pallas_tpu.ragged_dot, transpose_rhs=not swapped, generation=generation)
+        fn = functools.partial(built.pallas_gmm.ragged_dot, transpose_rhs=not swapped, generation=generation)
         result = _model(fn, (S((m, k), DTYPE), weights), sizes, forward_bytes, flops)[generation]
         result["config"] = built.config.select_config(m, k, n, DTYPE, generation=generation,
                                                       num_groups=experts)._asdict()
@@ -185,7 +185,7 @@ def measure_projection(built, setting: str, projection: str, m: int, k: int, n: 
 
     kinds = {
         "d_lhs": (d_lhs_bytes, (S((m, n), DTYPE), weights),
-                  lambda generation: functools.partial(built.pallas_tpu.ragged_dot, transpose_rhs=swapped,
+                  lambda generation: functools.partial(built.pallas_gmm.ragged_dot, transpose_rhs=swapped,
                                                        config=d_lhs_config(generation)),
                   lambda generation: d_lhs_config(generation)._asdict(),
                   (S((m, n), DTYPE), weights), (m, n, k)),

@@ -5,7 +5,7 @@ generation this benchmark models one whole experts layer, as kernelize runs
 it and as a user would build it from each rival:
 
 - ours: the kernel repo's own JAX entry behind its fused torch op
-  (`LAYER_ENTRY`, today `moe.gated_experts`), loaded from the built kernel
+  (`LAYER_ENTRY`, today `moe.experts_layer`), loaded from the built kernel
   (`tpu_kernels.distribution.builder.build_kernel_repo` + `kernels.get_local_kernel`), at
   the arguments transformers hands `experts_forward`: T tokens x top-k picks
   without expert parallelism; under EP router masking all T x top-k picks,
@@ -106,7 +106,7 @@ DEFAULT_OUT = result_path("moe_layer.json")
 RAW_DIR = result_path("raw")
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tpu-kernels" / "moe_layer"
 # The JAX function behind the built kernel's fused experts op, as "module.function" of the built package.
-LAYER_ENTRY = "moe.gated_experts"
+LAYER_ENTRY = "moe.experts_layer"
 GENERATIONS = ("v5e", "v6e")
 DTYPE = jnp.bfloat16
 SEED = 0

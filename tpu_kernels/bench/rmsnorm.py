@@ -75,7 +75,7 @@ def minimum_bytes(kernel_name: str, rows: int, hidden: int, dtype) -> tuple[int,
 
 
 def kernel_fn(built, kernel_name: str, generation: str):
-    return functools.partial(getattr(built.pallas_tpu, kernel_name), eps=EPS, generation=generation)
+    return functools.partial(getattr(built.pallas_rms_norm, kernel_name), eps=EPS, generation=generation)
 
 
 def avals(kernel_name: str, rows: int, hidden: int, dtype) -> list[jax.ShapeDtypeStruct]:

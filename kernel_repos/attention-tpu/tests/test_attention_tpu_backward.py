@@ -164,7 +164,7 @@ def test_multi_block_gradients_match_reference(kernel, interpret, convert, case)
 
     def attention(*arrays):
         named = dict(zip(names, arrays))
-        return kernel.pallas_tpu.flash_attention(named["q"], named["k"], named["v"], sinks=named.get("sinks"),
+        return kernel.pallas_flash.flash_attention(named["q"], named["k"], named["v"], sinks=named.get("sinks"),
                                                  **tiles, **jax_options)
 
     out, vjp = interpret(lambda: jax.vjp(attention, *[to_jax(tensors[n]) for n in names]))
@@ -186,7 +186,7 @@ def test_keys_past_lengths_may_hold_nan(kernel, interpret, convert):
     backward = kernel.config.BackwardConfig(dq=tiles, dkv=tiles)
 
     def attention(q, k, v):
-        return kernel.pallas_tpu.flash_attention(q, k, v, kv_lengths=jnp.asarray(lengths, jnp.int32), config=tiles,
+        return kernel.pallas_flash.flash_attention(q, k, v, kv_lengths=jnp.asarray(lengths, jnp.int32), config=tiles,
                                                  backward_config=backward)
 
     _, vjp = interpret(lambda: jax.vjp(attention, *[to_jax(tensors[n]) for n in ("q", "k", "v")]))
@@ -205,7 +205,7 @@ def test_log_sum_exp_of_the_forward(kernel, interpret, convert):
     tensors = _inputs(2, 4, 2, 130, 130, 64, torch.float32, sinks=True, seed=6)
     lengths = [130, 0]
     tiles = kernel.config.AttentionConfig(128, 128, 32 * MIB)
-    out, lse = interpret(lambda: kernel.pallas_tpu.flash_attention_forward(
+    out, lse = interpret(lambda: kernel.pallas_flash.flash_attention_forward(
         to_jax(tensors["q"]), to_jax(tensors["k"]), to_jax(tensors["v"]), kv_lengths=jnp.asarray(lengths, jnp.int32),
         sinks=to_jax(tensors["sinks"]), config=tiles))
     logits = torch.einsum("bhqd,bhkd->bhqk", tensors["q"].double(),
@@ -216,7 +216,7 @@ def test_log_sum_exp_of_the_forward(kernel, interpret, convert):
     expected = torch.logsumexp(torch.cat([logits, sink], dim=-1), dim=-1)
     np.testing.assert_allclose(np.array(lse), expected.numpy(), rtol=1e-6, atol=1e-6)
     # Without sinks a row that sees nothing has lse = -inf.
-    _, lse = interpret(lambda: kernel.pallas_tpu.flash_attention_forward(
+    _, lse = interpret(lambda: kernel.pallas_flash.flash_attention_forward(
         to_jax(tensors["q"]), to_jax(tensors["k"]), to_jax(tensors["v"]), kv_lengths=jnp.asarray(lengths, jnp.int32),
         config=tiles))
     assert np.all(np.array(lse)[1] == -np.inf) and np.all(np.isfinite(np.array(lse)[0]))
@@ -228,5 +228,5 @@ def test_backward_config_is_checked(kernel):
     bad = kernel.config.AttentionConfig(64, 128, 16 * MIB)
     lse = jnp.zeros((1, 2, 300), jnp.float32)
     with pytest.raises(ValueError, match="config.dkv.block_q must be a multiple of 128"):
-        kernel.pallas_tpu_backward.flash_attention_backward(
+        kernel.pallas_flash_backward.flash_attention_backward(
             q, q, q, q, q, lse, config=kernel.config.BackwardConfig(dq=good, dkv=bad))

@@ -162,7 +162,7 @@ def test_multi_block_matches_reference(kernel, interpret, convert, case):
     torch_options = {n: torch.tensor(x, dtype=torch.int32) if isinstance(x, list) else x for n, x in options.items()}
     jax_options = {n: jnp.asarray(x, jnp.int32) if isinstance(x, list) else x for n, x in options.items()}
     config = kernel.config.AttentionConfig(block_q, block_kv, 32 * 2**20, kv_heads_per_step=heads)
-    out = interpret(lambda: kernel.pallas_tpu.flash_attention(_jax(q), _jax(k), _jax(v), config=config, **jax_options))
+    out = interpret(lambda: kernel.pallas_flash.flash_attention(_jax(q), _jax(k), _jax(v), config=config, **jax_options))
     expected = kernel.reference.reference_attention(q, k, v, **torch_options)
     assert _relative_error(_torch(out), expected) <= TOLERANCE[dtype]
 
@@ -184,7 +184,7 @@ def test_multi_block_mask_with_padding(kernel, interpret, convert):
     mask = (mask & (key_pos >= left_pad[:, None, None]))[:, None]
     config = kernel.config.AttentionConfig(block_q=128, block_kv=128, vmem_limit_bytes=32 * 2**20)
     out = interpret(
-        lambda: kernel.pallas_tpu.flash_attention(
+        lambda: kernel.pallas_flash.flash_attention(
             _jax(q), _jax(k), _jax(v), causal=False, attention_mask=jnp.asarray(mask.numpy()), config=config
         )
     )
@@ -192,7 +192,7 @@ def test_multi_block_mask_with_padding(kernel, interpret, convert):
     assert _relative_error(_torch(out), expected) <= 1e-5
     window_options = dict(causal=False, sliding_window=50, q_offset=jnp.asarray([0, 150], jnp.int32))
     out = interpret(
-        lambda: kernel.pallas_tpu.flash_attention(
+        lambda: kernel.pallas_flash.flash_attention(
             _jax(q), _jax(k), _jax(v), attention_mask=jnp.asarray(mask.numpy()), config=config, **window_options
         )
     )
@@ -214,7 +214,7 @@ def test_blocks_outside_the_window_are_skipped(kernel, interpret, convert):
     v[:, :, :512] = float("nan")
     config = kernel.config.AttentionConfig(block_q=32, block_kv=128, vmem_limit_bytes=32 * 2**20)  # block_q = Sq
     out = interpret(
-        lambda: kernel.pallas_tpu.flash_attention(
+        lambda: kernel.pallas_flash.flash_attention(
             _jax(q), _jax(k), _jax(v), q_offset=600, sliding_window=64, config=config
         )
     )
@@ -230,7 +230,7 @@ def test_bad_config_raises(kernel):
         (kernel.config.AttentionConfig(1, 128, 16 * 2**20, kv_heads_per_step=3), "kv_heads_per_step"),
     ]:
         with pytest.raises(ValueError, match=match):
-            kernel.pallas_tpu.flash_attention(q, k, k, config=config)
+            kernel.pallas_flash.flash_attention(q, k, k, config=config)
 
 
 def test_grid_lengths_are_exact_with_a_static_offset(kernel):

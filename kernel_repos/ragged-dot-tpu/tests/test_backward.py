@@ -211,8 +211,8 @@ def test_gated_experts_gradients_match_reference(kernel, case, dtype):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fused", [True, False])
-def test_gated_experts_jax_gradient_on_either_forward_path(kernel, interpret, to_jax, fused):
-    """jax.grad of moe.gated_experts: the decode-sized call the rule would give the fused kernel, forced
+def test_experts_layer_jax_gradient_on_either_forward_path(kernel, interpret, to_jax, fused):
+    """jax.grad of moe.experts_layer: the decode-sized call the rule would give the fused kernel, forced
     either way, differentiates through the grouped formulation (GPT-OSS gate, biases, sentinels)."""
     index, tensors = _experts_inputs(torch.float32, tokens=5, weights_transposed=True, biases=True, sentinels=2)
     gate = dict(activation="clamped_swiglu", weights_transposed=True, interleaved=True, alpha=1.702, limit=1.0)
@@ -221,7 +221,7 @@ def test_gated_experts_jax_gradient_on_either_forward_path(kernel, interpret, to
 
     def loss(*arrays):
         args = dict(zip(names, arrays))
-        out = kernel.moe.gated_experts(args["hidden_states"], to_jax(index), args["top_k_weights"],
+        out = kernel.moe.experts_layer(args["hidden_states"], to_jax(index), args["top_k_weights"],
                                        args["gate_up_proj"], args["down_proj"], args["gate_up_bias"],
                                        args["down_bias"], **gate, fused=fused)
         return jnp.sum(out * to_jax(d_out))

@@ -77,7 +77,7 @@ def test_fused_matches_reference_and_grouped_path(kernel, interpret, to_jax, cas
     gate = dict(weights_transposed=options["transposed"], **gate)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
     fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate))
-    grouped = interpret(lambda: kernel.moe.gated_experts(*map(to_jax, layer), **gate, fused=False))
+    grouped = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False))
     assert not torch.isnan(fused).any()
     assert _relative_error(fused, expected) <= 1e-5
     assert _relative_error(fused, grouped.double()) <= 1e-5
@@ -162,8 +162,8 @@ def test_repeated_picks_of_one_expert_add_up(kernel, interpret, to_jax):
     assert _relative_error(fused, expected) <= 1e-5
 
 
-def test_gated_experts_takes_the_fused_kernel_for_decode_only(kernel, interpret, to_jax, monkeypatch):
-    """moe.gated_experts follows config.use_fused_experts; both paths give the layer."""
+def test_experts_layer_takes_the_fused_kernel_for_decode_only(kernel, interpret, to_jax, monkeypatch):
+    """moe.experts_layer follows config.use_fused_experts; both paths give the layer."""
     taken = []
     for name in ("fused_experts_call", "grouped_experts"):
         original = getattr(kernel.moe, name)
@@ -171,7 +171,7 @@ def test_gated_experts_takes_the_fused_kernel_for_decode_only(kernel, interpret,
     monkeypatch.setattr(kernel.config, "FUSED_MAX_TOKENS", 8)
     for tokens in (8, 9):
         layer = _layer(tokens, 64, 48, 4, 2, transposed=False, bias=False)
-        out = interpret(lambda: kernel.moe.gated_experts(*map(to_jax, layer), activation="silu",
+        out = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), activation="silu",
                                                           weights_transposed=False))
         expected = kernel.reference.gated_experts_reference(*layer, activation="silu", weights_transposed=False)
         assert _relative_error(out, expected) <= 1e-5

@@ -59,7 +59,7 @@ def test_ragged_dot_matches_dequantized_reference(kernel, interpret, to_jax, cas
     rhs, scales = _quantized(shape, scheme, 1 if transpose_rhs else 2, generator)
     sizes = torch.tensor(group_sizes, dtype=torch.int32)
     config = None if tiles is None else kernel.config.TileConfig(*tiles)
-    out = interpret(lambda: kernel.pallas_tpu.ragged_dot(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
+    out = interpret(lambda: kernel.pallas_gmm.ragged_dot(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
                                                          to_jax(scales), transpose_rhs=transpose_rhs, config=config))
     weights = kernel.reference.dequantize_reference(rhs, scales, out_axis=1 if transpose_rhs else 2)
     expected = kernel.reference.ragged_dot_reference(lhs.double(), weights, sizes, transpose_rhs=transpose_rhs)
@@ -123,7 +123,7 @@ LAYER_CASES = {
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("case", list(LAYER_CASES))
 def test_experts_layer_matches_dequantized_reference(kernel, interpret, to_jax, case, scheme):
-    """Both paths of moe.gated_experts (the fused kernel and the grouped matmuls) against the float64 reference."""
+    """Both paths of moe.experts_layer (the fused kernel and the grouped matmuls) against the float64 reference."""
     tokens, hidden, intermediate, experts, top_k, options, gate, tiles = LAYER_CASES[case]
     transposed = options["transposed"]
     layer = _layer(tokens, hidden, intermediate, experts, top_k, scheme, **options)
@@ -131,7 +131,7 @@ def test_experts_layer_matches_dequantized_reference(kernel, interpret, to_jax, 
     expected = kernel.reference.gated_experts_reference(*_dequantized_layer(kernel, layer, transposed), **gate)
     config = None if tiles is None else kernel.config.FusedConfig(*tiles)
     fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate, config=config))
-    grouped = interpret(lambda: kernel.moe.gated_experts(*map(to_jax, layer), **gate, fused=False))
+    grouped = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False))
     assert not torch.isnan(fused).any() and not torch.isnan(grouped).any()
     assert _relative_error(fused, expected) <= 1e-5
     assert _relative_error(grouped, expected) <= 1e-5
@@ -147,8 +147,8 @@ def test_fp8_bf16_layer_is_the_unquantized_kernel_on_transformers_dequantized_we
                    for w, s in ((gate_up, gate_up_scales), (down, down_scales))]
     gate = dict(activation="silu", weights_transposed=False)
     for fused in (True, False):
-        quantized = interpret(lambda: kernel.moe.gated_experts(*map(to_jax, layer), **gate, fused=fused))
-        plain = interpret(lambda: kernel.moe.gated_experts(*map(to_jax, (*front, *dequantized)), **gate, fused=fused))
+        quantized = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=fused))
+        plain = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, (*front, *dequantized)), **gate, fused=fused))
         assert torch.equal(quantized, plain), f"fused={fused}"
 
 

@@ -90,7 +90,7 @@ def test_multi_tile_schedules_match_reference(kernel, interpret, to_jax, case, d
     config = kernel.config.TileConfig(*tiles)
     lhs, rhs, sizes = _random_inputs(m, k, n, group_sizes, transpose_rhs, dtype, seed=len(case))
     out = interpret(
-        lambda: kernel.pallas_tpu.ragged_dot(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()),
+        lambda: kernel.pallas_gmm.ragged_dot(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()),
                                              transpose_rhs=transpose_rhs, config=config)
     )
     expected = kernel.reference.ragged_dot_reference(lhs.double(), rhs.double(), sizes, transpose_rhs=transpose_rhs)
@@ -104,7 +104,7 @@ def test_multi_tile_schedules_match_reference(kernel, interpret, to_jax, case, d
 @pytest.mark.slow
 def test_schedule_cases_cover_what_they_name(kernel):
     """The schedule cases above really run several tiles, tails, slots and chunks."""
-    make_work_items = kernel.pallas_tpu.make_work_items
+    make_work_items = kernel.pallas_gmm.make_work_items
     seen = set()
     for m, k, n, group_sizes, tiles in SCHEDULE_CASES.values():
         config = kernel.config.TileConfig(*tiles)
@@ -155,7 +155,7 @@ def test_rows_past_the_groups_can_be_left_unwritten(kernel, interpret, to_jax, c
     config = kernel.config.TileConfig(*tiles)
     lhs, rhs, sizes = _random_inputs(m, k, n, group_sizes, False, torch.float32, seed=3)
     out = interpret(
-        lambda: kernel.pallas_tpu.ragged_dot(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()), config=config,
+        lambda: kernel.pallas_gmm.ragged_dot(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()), config=config,
                                              zero_rows_past_groups=False)
     )
     expected = kernel.reference.ragged_dot_reference(lhs.double(), rhs.double(), sizes)

@@ -1,4 +1,4 @@
-"""The Pallas kernels themselves (pallas_tpu.py of the built variant), in TPU interpret mode.
+"""The Pallas kernels themselves (pallas_rms_norm.py of the built variant), in TPU interpret mode.
 
 Small blocks are forced so every case has several row blocks and a ragged last
 one; uninitialised memory is NaN, so a garbage row leaking into a valid output
@@ -56,8 +56,8 @@ def test_forward_kernels_on_ragged_row_blocks(kernel, leading, hidden, dtype, bl
     weight = random_array(2, (hidden,), dtype)
     eps = 1e-6
     with tpu_interpreter():
-        y = kernel.pallas_tpu.rms_norm(x, weight, eps=eps, offset=offset, block_rows=block_rows)
-        fused_y, new_residual = kernel.pallas_tpu.fused_add_rms_norm(
+        y = kernel.pallas_rms_norm.rms_norm(x, weight, eps=eps, offset=offset, block_rows=block_rows)
+        fused_y, new_residual = kernel.pallas_rms_norm.fused_add_rms_norm(
             x, residual, weight, eps=eps, offset=offset, block_rows=block_rows
         )
         jax.block_until_ready((y, fused_y, new_residual))
@@ -84,8 +84,8 @@ def test_backward_kernels_on_ragged_row_blocks(kernel, leading, hidden, dtype, b
     weight = random_array(6, (hidden,), dtype)
     eps = 1e-5
     with tpu_interpreter():
-        dx, dweight = kernel.pallas_tpu.rms_norm_backward(grad, x, weight, eps=eps, offset=offset, block_rows=block_rows)
-        dsum, dweight_fused = kernel.pallas_tpu.fused_add_rms_norm_backward(
+        dx, dweight = kernel.pallas_rms_norm.rms_norm_backward(grad, x, weight, eps=eps, offset=offset, block_rows=block_rows)
+        dsum, dweight_fused = kernel.pallas_rms_norm.fused_add_rms_norm_backward(
             grad, grad_residual, x, weight, eps=eps, offset=offset, block_rows=block_rows
         )
         jax.block_until_ready((dx, dweight, dsum, dweight_fused))
@@ -103,5 +103,5 @@ def test_backward_kernels_on_ragged_row_blocks(kernel, leading, hidden, dtype, b
 
 def test_explicit_block_rows_are_checked(kernel):
     with pytest.raises(ValueError, match="block_rows must be a multiple of 16"):
-        kernel.pallas_tpu.rms_norm(jnp.ones((40, 128), jnp.bfloat16), jnp.ones((128,), jnp.bfloat16), eps=1e-6,
+        kernel.pallas_rms_norm.rms_norm(jnp.ones((40, 128), jnp.bfloat16), jnp.ones((128,), jnp.bfloat16), eps=1e-6,
                                    block_rows=8)

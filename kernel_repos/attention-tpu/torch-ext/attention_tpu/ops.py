@@ -1,7 +1,7 @@
 """The torch op of the attention kernel and the one place its inputs are checked.
 
-The JAX functions (`pallas_tpu.py`, `pallas_tpu_backward.py`) assume valid
-inputs. The op's gradients are those of `pallas_tpu.flash_attention` (a
+The JAX functions (`pallas_flash.py`, `pallas_flash_backward.py`) assume valid
+inputs. The op's gradients are those of `pallas_flash.flash_attention` (a
 `jax.custom_vjp`), which the binding hands to torch autograd.
 """
 
@@ -12,7 +12,7 @@ import math
 import jax
 import torch
 
-from . import pallas_tpu
+from . import pallas_flash
 from ._ops import add_op_namespace_prefix, jax_torch_op
 from .masking import Attention
 
@@ -33,8 +33,8 @@ def _flash_attention(
     sliding_window: int | None,
     softcap: float | None,
 ) -> jax.Array:
-    """q_offset None: the default, Skv - Sq. Differentiable in q, k, v and the sinks (`pallas_tpu.flash_attention`)."""
-    return pallas_tpu.flash_attention(q, k, v, scale=scale, causal=causal, q_offset=q_offset, kv_lengths=kv_lengths,
+    """q_offset None: the default, Skv - Sq. Differentiable in q, k, v and the sinks (`pallas_flash.flash_attention`)."""
+    return pallas_flash.flash_attention(q, k, v, scale=scale, causal=causal, q_offset=q_offset, kv_lengths=kv_lengths,
                                       sliding_window=sliding_window, softcap=softcap, attention_mask=attention_mask,
                                       sinks=sinks)
 
@@ -66,8 +66,8 @@ def check_attention_args(query, key, value, attention: Attention) -> None:
         raise ValueError(f"query and key must have the same batch size, got {batch} and {kv_batch}")
     if kv_head_dim != head_dim:
         raise ValueError(f"query and key must have the same head_dim, got {head_dim} and {kv_head_dim}")
-    if head_dim not in pallas_tpu.SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {pallas_tpu.SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if head_dim not in pallas_flash.SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {pallas_flash.SUPPORTED_HEAD_DIMS}, got {head_dim}")
     if kv_heads == 0 or q_heads % kv_heads:
         raise ValueError(
             f"the number of query heads ({q_heads}) must be a multiple of the number of key/value heads ({kv_heads})"

@@ -9,13 +9,14 @@ and CI).
 # same build (same module id) from a second path, and then Python reuses the
 # cached submodules without setting them as attributes of the new package.
 from . import (
-    backward, config, experts, gates, moe, ops, pallas_fused, pallas_tgmm, pallas_tpu, plan, problem, quant,
-    reference, routing,
+    backward, config, experts, fused_tiles, gates, gmm_tiles, moe, ops, pallas_fused, pallas_gmm, pallas_tgmm, plan,
+    problem, quant, reference, routing, tgmm_tiles, vmem, weights_layout,
 )
 from .experts import experts_forward
 from .ops import gated_experts, ragged_dot
 
 __all__ = [
-    "backward", "config", "experts", "experts_forward", "gated_experts", "gates", "moe", "ops", "pallas_fused",
-    "pallas_tgmm", "pallas_tpu", "plan", "problem", "quant", "ragged_dot", "reference", "routing",
+    "backward", "config", "experts", "experts_forward", "fused_tiles", "gated_experts", "gates", "gmm_tiles", "moe",
+    "ops", "pallas_fused", "pallas_gmm", "pallas_tgmm", "plan", "problem", "quant", "ragged_dot", "reference",
+    "routing", "tgmm_tiles", "vmem", "weights_layout",
 ]

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from .plan import ExpertsPlan, MatmulBackwardPlan, plan_ragged_dot_backward
 from .gates import gated, split_gate_up
 from .pallas_tgmm import tgmm_call
-from .pallas_tpu import grouped_matmul, ragged_dot
+from .pallas_gmm import grouped_matmul, ragged_dot
 from .problem import ExpertWeights, MatmulProblem
 from .routing import sort_by_expert
 
@@ -118,8 +118,8 @@ def grouped_experts_backward(
 
     `gate_up_out[M, 2I]` and `down_out[M, H]` are the two grouped matmuls'
     outputs of the forward (rows sorted by expert, rows past the groups
-    unwritten). Returns `(d_hidden_states, d_top_k_weights, d_weights)`,
-    each in its input's dtype (`d_weights` an `ExpertWeights` of the
+    unwritten). Returns `(d_hidden_states, d_top_k_weights, d_expert_weights)`,
+    each in its input's dtype (`d_expert_weights` an `ExpertWeights` of the
     projections' and biases' gradients; None where there is no bias). Sentinel
     picks (id == num_experts) get a zero routing-weight gradient and feed no
     other gradient. Each weight is read, and its gradient written, in the
@@ -150,7 +150,7 @@ def grouped_experts_backward(
         out = out + weights.down_bias[bias_rows].astype(f32)
 
     d_picked = d_y[tokens].astype(f32)
-    d_routing_sorted = jnp.where(live[:, 0], jnp.sum(jnp.where(live, out, 0.0) * d_picked, axis=-1), 0.0)
+    d_top_k_weights_sorted = jnp.where(live[:, 0], jnp.sum(jnp.where(live, out, 0.0) * d_picked, axis=-1), 0.0)
     d_out = jnp.where(live, d_picked * top_k_weights.reshape(-1)[order].astype(f32)[:, None], 0.0)
 
     # A swapped weights view's gradient comes in the view's order; swapped back it is again a bitcast.
@@ -166,12 +166,12 @@ def grouped_experts_backward(
         d_gate_up_proj = jnp.swapaxes(d_gate_up_proj, 1, 2)
 
     d_hidden = jnp.zeros((num_tokens, problem.hidden), f32).at[tokens].add(d_rows.astype(f32))
-    d_routing = jnp.zeros(order.shape, f32).at[order].set(d_routing_sorted).reshape(num_tokens, top_k)
-    d_weights = ExpertWeights(d_gate_up_proj, d_down_proj)
+    d_top_k_weights = jnp.zeros(order.shape, f32).at[order].set(d_top_k_weights_sorted).reshape(num_tokens, top_k)
+    d_expert_weights = ExpertWeights(d_gate_up_proj, d_down_proj)
     if weights.gate_up_bias is not None:
         # Rows past the groups carry zero gradients, so clamping their expert id adds nothing.
-        d_weights = d_weights._replace(
+        d_expert_weights = d_expert_weights._replace(
             gate_up_bias=jnp.zeros(weights.gate_up_bias.shape, f32).at[bias_rows].add(d_gate_up).astype(
                 weights.gate_up_bias.dtype),
             down_bias=jnp.zeros(weights.down_bias.shape, f32).at[bias_rows].add(d_out).astype(weights.down_bias.dtype))
-    return d_hidden.astype(dtype), d_routing.astype(top_k_weights.dtype), d_weights
+    return d_hidden.astype(dtype), d_top_k_weights.astype(top_k_weights.dtype), d_expert_weights

@@ -1,18 +1,18 @@
 """The whole routed-experts computation of a gated MoE layer as one JAX function.
 
-`gated_experts` describes the call (`problem.ExpertsProblem`) and plans it
+`experts_layer` describes the call (`problem.ExpertsProblem`) and plans it
 once (`plan.plan_experts`); everything below runs that plan. Two ways to
 run it, picked by the plan (the rule is `config.use_fused_experts`):
 - decode-sized calls: one fused kernel (`pallas_fused.fused_experts`) that
   streams each active expert's weights once and keeps everything else in VMEM;
 - larger calls: sort the picks by expert, two grouped matmuls
-  (`pallas_tpu.ragged_dot`) with the biases and the gate between them in XLA,
+  (`pallas_gmm.ragged_dot`) with the biases and the gate between them in XLA,
   the routing weights, and each token gathering and summing its picks in f32.
 Either way, on a TPU this is one compiled program per layer instead of a
 chain of small torch ops, and expert-parallel sentinel picks
 (id == num_experts) get no kernel work.
 
-`experts` is differentiable (`jax.custom_vjp`). Under differentiation
+`experts_layer` is differentiable (`jax.custom_vjp`). Under differentiation
 the forward always takes the grouped path, whose two kernel outputs are the
 residuals the backward needs (`backward.grouped_experts_backward`: two d_lhs
 grouped matmuls and two tgmm, nothing recomputed but the elementwise gate).
@@ -33,12 +33,12 @@ from .backward import grouped_experts_backward, without_gradient
 from .plan import ExpertsPlan, plan_experts
 from .gates import gated, split_gate_up
 from .pallas_fused import fused_experts_call
-from .pallas_tpu import grouped_matmul
+from .pallas_gmm import grouped_matmul
 from .problem import ExpertsProblem, ExpertWeights, describe_experts
 from .routing import sort_by_expert
 
 
-def gated_experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array, *weights: jax.Array | None,
+def experts_layer(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array, *weights: jax.Array | None,
                   fused: bool | None = None, generation: str | None = None, **gate) -> jax.Array:
     """Gated experts per pick, weighted and summed per token.
 
@@ -47,18 +47,19 @@ def gated_experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weight
     the two paths (None: the rule, `config.use_fused_experts`); `generation`
     picks the tiles (None: this device's). Differentiable in hidden_states,
     top_k_weights, the weights and biases (module docstring); sentinel picks
-    get a zero weight gradient. Without tokens, picks, hidden size or experts
+    get a zero routing-weight gradient. Without tokens, picks, hidden size or experts
     the result is zeros and no kernel runs.
     """
     problem, weights = describe_experts(hidden_states, top_k_index, top_k_weights, *weights, **gate)
     if problem.empty:
         return jnp.zeros(hidden_states.shape, hidden_states.dtype)
-    return experts(plan_experts(problem, generation, fused=fused), hidden_states, top_k_index, top_k_weights, weights)
+    return planned_experts(plan_experts(problem, generation, fused=fused), hidden_states, top_k_index, top_k_weights,
+                           weights)
 
 
-def experts(plan: ExpertsPlan, hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array,
-            weights: ExpertWeights) -> jax.Array:
-    """`gated_experts` as `plan` says; one-byte weights run without a gradient (they serve inference)."""
+def planned_experts(plan: ExpertsPlan, hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array,
+                    weights: ExpertWeights) -> jax.Array:
+    """`experts_layer` as `plan` says; one-byte weights run without a gradient (they serve inference)."""
     if weights.quantized:
         return without_gradient("gated_experts", functools.partial(_experts_forward, plan), hidden_states,
                                 top_k_index, top_k_weights, weights)
@@ -85,10 +86,10 @@ def _experts_vjp_forward(plan: ExpertsPlan, hidden_states, top_k_index, top_k_we
 
 def _experts_vjp_backward(plan: ExpertsPlan, residuals, d_out):
     hidden_states, top_k_index, top_k_weights, weights, kernel_outputs = residuals
-    d_hidden, d_routing, d_weights = grouped_experts_backward(plan, d_out, hidden_states, top_k_index,
-                                                              top_k_weights, weights, *kernel_outputs)
+    d_hidden, d_top_k_weights, d_expert_weights = grouped_experts_backward(
+        plan, d_out, hidden_states, top_k_index, top_k_weights, weights, *kernel_outputs)
     # The expert ids are integers: no cotangent.
-    return d_hidden, None, d_routing, d_weights
+    return d_hidden, None, d_top_k_weights, d_expert_weights
 
 
 _differentiable_experts.defvjp(_experts_vjp_forward, _experts_vjp_backward)
@@ -102,7 +103,7 @@ def grouped_experts(
     weights: ExpertWeights,
     return_residuals: bool = False,
 ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """`gated_experts` as two grouped matmuls around XLA ops, with `plan`'s tiles.
+    """`experts_layer` as two grouped matmuls around XLA ops, with `plan`'s tiles.
 
     With `return_residuals`, also the two kernels' outputs `(gate_up_out,
     down_out)` that `backward.grouped_experts_backward` differentiates from.
@@ -124,7 +125,7 @@ def grouped_experts(
 
     gate_up_out = grouped_matmul(rows, read.gate_up_proj, group_sizes, read.gate_up_scales, plan.gate_up)
     # Split before anything else (the [E, 2I] biases too): XLA then fuses the split, the casts, the biases
-    # and the gate into one pass over the kernel's bf16 output, where splitting the f32 sum made it
+    # and the gate into one pass over the kernel's bf16 output; splitting the f32 sum instead makes it
     # write and reread [M, 2I] f32 copies (GPT-OSS's even/odd columns: 4 of them).
     gate_part, up = (part.astype(jnp.float32) for part in split_gate_up(gate_up_out, interleaved=gate.interleaved))
     if weights.gate_up_bias is not None:
@@ -148,7 +149,7 @@ def _weighted_sum_per_token(down_out, order, group_sizes, top_k_index, top_k_wei
 
     One pick slot at a time: XLA fuses the gathers, the biases, the masks
     and the sum into one pass that reads each pick's row once and writes
-    [T, H]. (Un-sorting by a scatter instead wrote and reread T x K f32 rows
+    [T, H]. (Un-sorting by a scatter instead writes and rereads T x K f32 rows
     three times, most of a prefill layer's HBM traffic; a [T, K, H] gather is
     relaid out when K is not a multiple of 8.)
     """

@@ -1,7 +1,7 @@
 """Torch ops of this kernel and the one place their inputs are checked.
 
 Every torch-facing entry checks its inputs here before any kernel runs; the
-JAX functions (`pallas_tpu.py`, `moe.py`) assume valid inputs. The checks
+JAX functions (`pallas_gmm.py`, `moe.py`) assume valid inputs. The checks
 that read values back to the host (group sizes) run once per public call;
 an experts layer that counts its own group sizes uses `routed_ragged_dot`,
 which checks shapes only (see there).
@@ -14,7 +14,7 @@ import functools
 import jax
 import torch
 
-from . import backward, moe, pallas_tpu, quant
+from . import backward, moe, pallas_gmm, quant
 from .gates import GATES
 from .problem import ExpertWeights
 from ._ops import add_op_namespace_prefix, jax_torch_op
@@ -34,7 +34,7 @@ def _ragged_dot(
     zero_rows_past_groups: bool,
 ) -> jax.Array:
     if rhs_scales is not None:
-        quantized = functools.partial(pallas_tpu.ragged_dot, transpose_rhs=transpose_rhs,
+        quantized = functools.partial(pallas_gmm.ragged_dot, transpose_rhs=transpose_rhs,
                                       zero_rows_past_groups=zero_rows_past_groups)
         return backward.without_gradient("ragged_dot", quantized, lhs, rhs, group_sizes, rhs_scales)
     return backward.differentiable_ragged_dot(lhs, rhs, group_sizes, transpose_rhs, zero_rows_past_groups, None)
@@ -57,7 +57,7 @@ def _gated_experts(
     alpha: float,
     limit: float,
 ) -> jax.Array:
-    return moe.gated_experts(
+    return moe.experts_layer(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up_scales,
         down_scales, activation=activation, weights_transposed=weights_transposed, interleaved=interleaved,
         alpha=alpha, limit=limit,
@@ -277,13 +277,13 @@ def gated_experts(
     gate_up_scales: torch.Tensor | None = None,
     down_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The fused experts op (see `moe.gated_experts`); biases come as a pair or not at all.
+    """The experts layer as one op (see `moe.experts_layer`); biases come as a pair or not at all.
 
     int8 or float8_e4m3fn weights need their float32 scales (layouts as for
     `ragged_dot`'s `rhs_scales`, over each weight's own dims); the output is
     in hidden_states' dtype.
 
-    Differentiable with float weights (`moe.gated_experts` says how); one-byte
+    Differentiable with float weights (`moe.experts_layer` says how); one-byte
     weights serve inference only.
     """
     weights = ExpertWeights(gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up_scales, down_scales)

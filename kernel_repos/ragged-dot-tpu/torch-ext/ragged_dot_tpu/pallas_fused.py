@@ -33,7 +33,7 @@ under the weights' DMA (see config.FUSED_MAX_TOKENS).
 Interleaved gate/up columns (GPT-OSS) are split in the transposed
 orientation: the chunk's gate_up projection is computed as `[2 I, c]`, whose
 even and odd rows Mosaic reads with strided loads (lanes have no strided
-load). Biases come in blocks of config.BIAS_BLOCK_EXPERTS experts and the
+load). Biases come in blocks of fused_tiles.BIAS_BLOCK_EXPERTS experts and the
 kernel selects its expert's row.
 
 Quantized weights (`quant.py`) are read as one byte each: int8 blocks are
@@ -57,7 +57,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .config import BIAS_BLOCK_EXPERTS, FusedConfig
+from .fused_tiles import BIAS_BLOCK_EXPERTS, FusedConfig
 from .plan import FusedPlan, plan_fused
 from .gates import gated
 from .problem import ExpertWeights, describe_experts
@@ -309,7 +309,7 @@ def fused_experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weight
                   config: FusedConfig | None = None, **gate) -> jax.Array:
     """Gated experts per pick, weighted and summed per token, in one pallas_call (see the module docstring).
 
-    Arguments as `moe.gated_experts`; picks with id == E are sentinels.
+    Arguments as `moe.experts_layer`; picks with id == E are sentinels.
     Blocks: `config`, else the plan's (`plan.plan_fused`). Inputs are
     assumed valid (`ops.py`). Without tokens, picks, hidden size or experts
     there is nothing to compute: the result is zeros and no kernel runs.

@@ -27,7 +27,7 @@ under a `pl.when` that skips chunks outside the group. Two layouts
   the tile where it starts and is multiplied whole there, so the lhs and rhs
   blocks are windows of `tile_m + chunk_m` rows: chunk_m / tile_m more row
   reads. Worth it where the MXU, not HBM, bounds the kernel
-  (`config.heuristic_tgmm_config` decides).
+  (`tgmm_tiles.heuristic_tgmm_config` decides).
 
 `tgmm` plans a call (`plan.plan_tgmm`); `tgmm_call` runs a plan.
 """
@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ._hardware import sublane_multiple
-from .config import TgmmConfig
+from .tgmm_tiles import TgmmConfig
 from .plan import TgmmPlan, plan_tgmm
 from .problem import TgmmProblem
 from .routing import int32_group_sizes

@@ -15,18 +15,21 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ._hardware import resolve_generation, vmem_limit_bytes
-from .config import (
-    Buffer, FusedConfig, TgmmConfig, TileConfig, WeightsOrientation, check_config, check_fused_config,
-    check_tgmm_config, expected_active_groups, fused_buffers, fused_chunks, fused_config, fused_vmem_bytes,
-    matmul_buffers, row_chunks, row_tile_rows, select_config, select_d_lhs_config, select_tgmm_config, tgmm_blocks,
-    tgmm_buffers, tgmm_vmem_limit, use_fused_experts, vmem_limit, weights_orientation,
+from .config import use_fused_experts
+from .fused_tiles import FusedConfig, check_fused_config, fused_buffers, fused_chunks, fused_config, fused_vmem_bytes
+from .gmm_tiles import (
+    TileConfig, check_config, expected_active_groups, matmul_buffers, row_chunks, row_tile_rows, select_config,
+    select_d_lhs_config, vmem_limit,
 )
+from .tgmm_tiles import TgmmConfig, check_tgmm_config, select_tgmm_config, tgmm_blocks, tgmm_buffers, tgmm_vmem_limit
+from .vmem import Buffer
+from .weights_layout import WeightsOrientation, weights_orientation
 from .problem import ExpertsProblem, MatmulProblem, TgmmProblem
 from .quant import scheme_of
 
 
 class MatmulPlan(NamedTuple):
-    """One grouped matmul as `pallas_tpu.grouped_matmul` runs it: blocks resolved for the problem's shape."""
+    """One grouped matmul as `pallas_gmm.grouped_matmul` runs it: blocks resolved for the problem's shape."""
 
     problem: MatmulProblem
     tile_m: int  # rows of a row tile (`row_tile_rows`)

@@ -58,7 +58,7 @@ class ExpertWeights(NamedTuple):
 
     def as_read(self, orientation, *, weights_transposed: bool) -> ExpertWeights:
         """The views of both projections (and their scales) that the kernels read: each in the order XLA stores
-        it (`orientation`, a `config.WeightsOrientation`); a swapped view is a bitcast."""
+        it (`orientation`, a `weights_layout.WeightsOrientation`); a swapped view is a bitcast."""
         gate_up, gate_up_scales, down, down_scales = (self.gate_up_proj, self.gate_up_scales, self.down_proj,
                                                       self.down_scales)
         if orientation.gate_up_transposed != weights_transposed:
@@ -133,7 +133,7 @@ class TgmmProblem(NamedTuple):
 def describe_experts(hidden_states, top_k_index, top_k_weights, *weights, activation: str, weights_transposed: bool,
                      interleaved: bool = False, alpha: float = 1.0,
                      limit: float = float("inf")) -> tuple[ExpertsProblem, ExpertWeights]:
-    """An experts call's problem and arrays from the arguments of `moe.gated_experts`.
+    """An experts call's problem and arrays from the arguments of `moe.experts_layer`.
 
     `weights` are those of `ExpertWeights`, in its order (`gate_up_proj,
     down_proj`, then optionally the biases and the scales of one-byte

@@ -57,7 +57,7 @@ def expected_scales_shape(scheme: str, weight_shape: tuple[int, ...], out_axis: 
 
 def swapped_minor_dims(weights: jax.Array, scales: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
     """`weights[G, D1, D2]` as `[G, D2, D1]`, with its scales: an fp8 block grid swaps with it, int8's
-    per-output-channel scales do not depend on the order (`config.weights_orientation` says when)."""
+    per-output-channel scales do not depend on the order (`weights_layout.weights_orientation` says when)."""
     if scales is not None and scales.ndim == 3:
         scales = jnp.swapaxes(scales, 1, 2)
     return jnp.swapaxes(weights, 1, 2), scales

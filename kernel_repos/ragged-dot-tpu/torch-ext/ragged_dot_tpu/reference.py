@@ -49,7 +49,7 @@ def gated_experts_reference(
 
     Differentiable with torch autograd (the gradient checks' oracle).
 
-    Layouts and arguments as `moe.gated_experts`.
+    Layouts and arguments as `moe.experts_layer`.
     """
     num_experts = gate_up_proj.shape[0]
     out = torch.zeros(hidden_states.shape, dtype=torch.float64)

@@ -5,7 +5,7 @@ kernels run in Pallas' TPU interpret mode, which is for development and tests,
 not for speed.
 """
 
-from . import config, layers, ops, pallas_tpu, reference
+from . import config, layers, ops, pallas_rms_norm, reference
 from .ops import fused_add_rms_norm, rms_norm
 
-__all__ = ["config", "fused_add_rms_norm", "layers", "ops", "pallas_tpu", "reference", "rms_norm"]
+__all__ = ["config", "fused_add_rms_norm", "layers", "ops", "pallas_rms_norm", "reference", "rms_norm"]

@@ -352,7 +352,7 @@ def flash_attention_backward(
     generation: str | None = None,
     **options,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """(dq, dk, dv, d_sinks or None) of `pallas_tpu.flash_attention` given d_out = dL/d out; `options` those of
+    """(dq, dk, dv, d_sinks or None) of `pallas_flash.flash_attention` given d_out = dL/d out; `options` those of
     `masking.Attention`."""
     return attention_backward(d_out, q, k, v, out, lse, Attention(**options), config, generation)
 
@@ -363,7 +363,7 @@ def attention_backward(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """`flash_attention_backward` of an `Attention` value.
 
-    `out` and `lse` are what `pallas_tpu.attention_forward` returned for the
+    `out` and `lse` are what `pallas_flash.attention_forward` returned for the
     same inputs. Keys past kv_lengths get zero gradients; so do the rows of
     queries that see nothing. Without a batch, a query head, a query or a key
     every gradient is zero and no kernel runs.

@@ -50,7 +50,7 @@ the result; an fp8 block is dequantized once per step into VMEM scratch
 
 The CostEstimate counts what the kernel reads: the rows, the weights of the
 groups expected active for M uniformly routed rows
-(`config.expected_active_groups`: the group sizes are data, unknown when
+(`gmm_tiles.expected_active_groups`: the group sizes are data, unknown when
 the call is traced) and the output.
 """
 
@@ -66,7 +66,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ._hardware import sublane_multiple
-from .config import TileConfig
+from .gmm_tiles import TileConfig
 from .plan import MatmulPlan, plan_ragged_dot
 from .problem import MatmulProblem
 from .quant import FP8, INT8, dequantize_fp8_block, scheme_of

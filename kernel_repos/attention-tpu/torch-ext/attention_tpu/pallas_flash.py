@@ -25,13 +25,13 @@ One forward kernel serves prefill, chunked prefill and decode:
   reaches the result.
 * Besides the output the kernel writes the log-sum-exp of every query row
   (float32 [B, Hq, Sq]; -inf for a row that sees no key and has no sink), which
-  the backward kernels (`pallas_tpu_backward.py`) read instead of recomputing
+  the backward kernels (`pallas_flash_backward.py`) read instead of recomputing
   the softmax statistics.
 
 Semantics: see `masking.py`. Rows that see no key come out as zeros.
 
 `flash_attention` is differentiable (a `jax.custom_vjp` whose backward runs
-the Pallas kernels of `pallas_tpu_backward.py`) with respect to q, k, v and
+the Pallas kernels of `pallas_flash_backward.py`) with respect to q, k, v and
 the sinks. Tile sizes come from `config.select_config` and
 `config.select_backward_config`. Inputs are assumed valid: the torch op checks
 them (`ops.py`).
@@ -51,7 +51,7 @@ from jax.experimental.pallas import tpu as pltpu
 from . import masking
 from .config import AttentionConfig, BackwardConfig, check_config, is_decode, select_config
 from .masking import Attention, Prepared, Problem
-from .pallas_tpu_backward import attention_backward, loop_over_heads
+from .pallas_flash_backward import attention_backward, loop_over_heads
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
@@ -417,7 +417,7 @@ def flash_attention(
     `config` and `backward_config`, else those of `config.select_config`
     and `config.select_backward_config` for `generation` (default this
     device's). jax.grad/jax.vjp run the backward Pallas kernels
-    (`pallas_tpu_backward.attention_backward`) for q, k, v and sinks;
+    (`pallas_flash_backward.attention_backward`) for q, k, v and sinks;
     offsets, lengths and the mask get no gradient. Inputs are assumed valid
     (see the module docstring).
     """

@@ -1,0 +1,188 @@
+"""Tiles of the fused experts kernel (`pallas_fused.fused_experts`): `FusedConfig` and how one is chosen.
+
+`fused_config` picks the blocks of a layer (I whole unless the expert's
+weights do not fit VMEM double-buffered); whether the fused kernel serves a
+call at all is the rule of `config.use_fused_experts`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+from ._hardware import LANES, padded_vmem_bytes, round_up, sublane_multiple
+from .quant import INT8, blocks, scheme_of
+from .vmem import MAX_UNROLLED_MATMULS, VMEM_BUDGET_BYTES, Buffer, buffers_bytes, fp8_dequantize_vmem_bytes
+from .weights_layout import WeightsOrientation, weights_orientation
+
+# Rows per MXU pass of the fused kernel: T rounded to the native tile, at
+# most 128 (the v5e MXU's width); an expert's rows fill whole passes but the
+# last. Not tuned.
+FUSED_MAX_CHUNK_ROWS = 128
+# The fused kernel's biases come in blocks of this many experts (a 16-row
+# block is aligned for 32- and 16-bit types); the kernel picks its expert's
+# row out of the block.
+BIAS_BLOCK_EXPERTS = 16
+
+
+class FusedConfig(NamedTuple):
+    """Blocks of one fused experts call.
+
+    - `chunk_rows`: rows per MXU pass. An expert has at most T rows (one per
+      token that picked it), held in ceil(T / chunk_rows) chunks; chunks past
+      the expert's picks are skipped.
+    - `tile_i`: intermediate columns per grid step; the whole I unless the
+      expert's weights do not fit VMEM double-buffered, then I / n for the
+      smallest n whose blocks are aligned and fit.
+    """
+
+    chunk_rows: int
+    tile_i: int
+
+
+def fused_chunks(config: FusedConfig, tokens: int) -> int:
+    """Chunks of `chunk_rows` rows that hold an expert's rows: one per `chunk_rows` tokens."""
+    return -(-tokens // config.chunk_rows)
+
+
+def _tile_i_aligned(tile_i: int, intermediate: int, dtype, *, orientation: WeightsOrientation, interleaved: bool,
+                    has_bias: bool, weights_dtype=None) -> bool:
+    """Whether I tiles of `tile_i` make legal blocks of the weights (and biases, and int8 scales) as the kernel
+    reads them (`orientation`).
+
+    The whole I always does (a block equal to its dimension). A part does if
+    it divides I and each block's cut dimension is a multiple of its native
+    tile: 128 lanes where it is the last dimension, the sublane multiple of
+    the weights' dtype where it is the second to last.
+    """
+    if tile_i == intermediate:
+        return True
+    if intermediate % tile_i:
+        return False
+    sublanes = sublane_multiple(dtype if weights_dtype is None else weights_dtype)
+    gate_up_cut = 2 * tile_i if interleaved else tile_i
+    gate_up_multiple = LANES if orientation.gate_up_transposed else sublanes
+    down_multiple = sublanes if orientation.down_transposed else LANES
+    # Biases and int8 scales are [E, 2I] rows, cut along their lanes.
+    columns_ok = not (has_bias or scheme_of(weights_dtype or dtype) == INT8) or gate_up_cut % LANES == 0
+    return gate_up_cut % gate_up_multiple == 0 and tile_i % down_multiple == 0 and columns_ok
+
+
+def fused_buffers(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *,
+                  interleaved: bool, has_bias: bool, weights_dtype=None, weights_transposed: bool = False,
+                  top_k: int = 1, routing_dtype="float32") -> tuple[Buffer, ...]:
+    """The fused kernel's blocks and scratch: the resident hidden states and routing, each gate_up part's and the
+    down block (biases, scales) of the item's expert and I tile, the resident output, the f32 accumulator; scratch for
+    interleaved gates, I tiles and fp8 weights. Weights blocks in the order the kernel reads them
+    (`weights_orientation`)."""
+    dtype, f32 = jnp.dtype(dtype).name, "float32"
+    weights_dtype = dtype if weights_dtype is None else jnp.dtype(weights_dtype).name
+    chunk, tile_i = config
+    i_tiles = intermediate // tile_i
+    parts = 2 if i_tiles > 1 and not interleaved else 1
+    width = tile_i if parts == 2 else 2 * tile_i
+    gate_up_transposed, down_transposed = weights_orientation(hidden, intermediate,
+                                                              weights_transposed=weights_transposed)
+    gate_up_block = (hidden, width) if gate_up_transposed else (width, hidden)
+    down_block = (tile_i, hidden) if down_transposed else (hidden, tile_i)
+    bias_rows = min(num_experts, BIAS_BLOCK_EXPERTS)
+    per_expert_rows = [*[Buffer((bias_rows, width), f32, 2)] * parts, Buffer((bias_rows, hidden), f32, 2)]
+    buffers = [Buffer((tokens, hidden), dtype), Buffer((tokens, top_k), "int32"), Buffer((tokens, top_k), routing_dtype),
+               *[Buffer(gate_up_block, weights_dtype, 2)] * parts, Buffer(down_block, weights_dtype, 2)]
+    if has_bias:
+        buffers += [b._replace(dtype=dtype) for b in per_expert_rows]
+    if scheme_of(weights_dtype) == INT8:
+        buffers += per_expert_rows
+    elif scheme_of(weights_dtype) is not None:  # fp8: each stored weight's whole grid of block scales
+        gate_up_stored = (hidden, 2 * intermediate) if gate_up_transposed else (2 * intermediate, hidden)
+        down_stored = (intermediate, hidden) if down_transposed else (hidden, intermediate)
+        buffers += [Buffer(tuple(blocks(d) for d in stored), f32, 2) for stored in (gate_up_stored, down_stored)]
+    # The output block never moves: Mosaic keeps one copy of it.
+    buffers += [Buffer((tokens, hidden), dtype), Buffer((tokens, hidden), f32)]
+    if interleaved:
+        buffers.append(Buffer((2 * tile_i, chunk), f32))  # gate_up, transposed, to split even and odd rows
+    if i_tiles > 1:
+        rows = fused_chunks(config, tokens) * chunk
+        buffers += [Buffer((rows, hidden), dtype), Buffer((rows, hidden), f32)]  # gathered rows, partial out
+    if scheme_of(weights_dtype) not in (None, INT8):
+        buffers += [*[Buffer(gate_up_block, dtype)] * parts, Buffer(down_block, dtype)]  # dequantized blocks
+    return tuple(buffers)
+
+
+def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int, dtype,
+                     *, interleaved: bool, has_bias: bool, weights_dtype=None, weights_transposed: bool = False,
+                     top_k: int = 1, routing_dtype="float32") -> int:
+    """VMEM of a fused experts call: its buffers (`fused_buffers`) and the f32 values Mosaic keeps beside them:
+    the expert's weight and rank per token as columns, the triangle that counts the ranks, one chunk's gate_up
+    and down results; an int8 block cast to the activation dtype, or what dequantizing fp8 blocks takes."""
+    f32 = jnp.float32
+    weights_dtype = dtype if weights_dtype is None else weights_dtype
+    buffers = fused_buffers(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
+                            has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed,
+                            top_k=top_k, routing_dtype=routing_dtype)
+    chunk, tile_i = config
+    values = (2 * padded_vmem_bytes((tokens, 1), f32) + padded_vmem_bytes((tokens, tokens), f32)
+              + padded_vmem_bytes((chunk, 2 * tile_i), f32) + padded_vmem_bytes((chunk, hidden), f32))
+    if scheme_of(weights_dtype) == INT8:
+        values += max(padded_vmem_bytes((hidden, 2 * tile_i), dtype), padded_vmem_bytes((2 * tile_i, hidden), dtype))
+    elif scheme_of(weights_dtype) is not None:
+        values += fp8_dequantize_vmem_bytes(max(hidden, 2 * tile_i))
+    return buffers_bytes(buffers) + values
+
+
+def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *, weights_transposed: bool,
+                 interleaved: bool, has_bias: bool, weights_dtype=None) -> FusedConfig | None:
+    """The fused kernel's blocks for this layer, or None if no I tiling fits VMEM.
+
+    Rows: T (the most one expert can get) rounded to the native sublane tile,
+    in chunks of at most FUSED_MAX_CHUNK_ROWS (more if T needs more than
+    MAX_UNROLLED_MATMULS of them). I: whole, or I / n for the smallest n that is
+    aligned (`_tile_i_aligned`) and fits VMEM_BUDGET_BYTES. Not tuned per
+    generation: decode streams each active expert's weights once whatever the
+    tiles, so they only need to fit.
+    """
+    sublanes = sublane_multiple(dtype)
+    chunk = max(min(round_up(tokens, sublanes), FUSED_MAX_CHUNK_ROWS),
+                round_up(-(-tokens // MAX_UNROLLED_MATMULS), sublanes))
+    orientation = weights_orientation(hidden, intermediate, weights_transposed=weights_transposed)
+    for parts in range(1, intermediate + 1):
+        if intermediate % parts:
+            continue
+        tile_i = intermediate // parts
+        if not _tile_i_aligned(tile_i, intermediate, dtype, orientation=orientation, interleaved=interleaved,
+                               has_bias=has_bias, weights_dtype=weights_dtype):
+            continue
+        config = FusedConfig(chunk, tile_i)
+        needed = fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
+                                  has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed)
+        if needed <= VMEM_BUDGET_BYTES:
+            return config
+    return None
+
+
+def check_fused_config(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *,
+                       weights_transposed: bool, interleaved: bool, has_bias: bool, weights_dtype=None) -> None:
+    """Raises ValueError if `config` cannot run this fused experts layer."""
+    if not isinstance(config, FusedConfig):
+        raise TypeError(f"config must be a FusedConfig, got {type(config).__name__}")
+    for name, value in config._asdict().items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"config.{name} must be a positive int, got {value!r}")
+    if fused_chunks(config, tokens) > MAX_UNROLLED_MATMULS:
+        raise ValueError(
+            f"config: {tokens} tokens make more than {MAX_UNROLLED_MATMULS} chunks of {config.chunk_rows} rows per step"
+        )
+    if config.chunk_rows % sublane_multiple(dtype):
+        raise ValueError(f"config.chunk_rows={config.chunk_rows} must be a multiple of {sublane_multiple(dtype)}")
+    orientation = weights_orientation(hidden, intermediate, weights_transposed=weights_transposed)
+    if not _tile_i_aligned(config.tile_i, intermediate, dtype, orientation=orientation, interleaved=interleaved,
+                           has_bias=has_bias, weights_dtype=weights_dtype):
+        raise ValueError(
+            f"config.tile_i={config.tile_i} must be I={intermediate} or divide it into blocks aligned to the native "
+            "tile of the weights as the kernel reads them (weights_orientation)"
+        )
+    needed = fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
+                              has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed)
+    if needed > VMEM_BUDGET_BYTES:
+        raise ValueError(f"config {tuple(config)} needs {needed / 2**20:.1f} MiB of VMEM, past the {VMEM_BUDGET_BYTES >> 20} MiB budget")

@@ -1,0 +1,334 @@
+"""Tiles of the grouped matmul (`pallas_gmm.ragged_dot`): `TileConfig` and how one is chosen.
+
+A config comes from `select_config`: the `TUNED_TILES` entry of the shape,
+else a VMEM-aware heuristic (`heuristic_config`); a caller who has tuned a
+shape passes its own (`ragged_dot(..., config=...)`). Five knobs:
+
+- `tile_m`, `tile_k`, `tile_n`: the lhs `(tile_m, tile_k)`, rhs `(tile_k,
+  tile_n)` and out `(tile_m, tile_n)` blocks. `tile_m >= M` makes the whole
+  of lhs and out one resident block (fetched and written once).
+- `chunk_m`: the MXU works on row chunks of this size. A group's chunks
+  start at the group's first row (rounded down to the native sublane
+  tile), so no chunk is spent on two groups' boundary; chunks outside the
+  group are skipped. `None` is one chunk per row tile.
+- `groups_per_step`: how many work items (each with its own group's
+  weights) one grid step multiplies. Every grid step has a fixed cost
+  (~0.35 us), so for weights of a few MiB per expert several groups per
+  step amortise it. Only with one row tile (`tile_m >= M`). Cost when fewer
+  groups are active than slots: the idle slots fetch one extra weights
+  block each in the first step.
+
+The backward's d_lhs grouped matmul takes these tiles with longer row tiles
+(`select_d_lhs_config`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+from ._hardware import (
+    LANES, check_generation, padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, tpu_generation,
+    vmem_limit_bytes,
+)
+from .quant import INT8, blocks, scheme_of
+from .vmem import (
+    MAX_UNROLLED_MACS, MAX_UNROLLED_MATMULS, VMEM_BUDGET_BYTES, Buffer, buffers_bytes, fp8_dequantize_vmem_bytes,
+)
+
+# Group slots one grid step may multiply: each slot's row chunks are matmuls unrolled in the kernel body
+# (bounded with them by `vmem.MAX_UNROLLED_MATMULS` and `vmem.MAX_UNROLLED_MACS`).
+MAX_GROUPS_PER_STEP = 4
+
+# Blocks of the heuristic: weights blocks of about this many bytes keep the
+# per-step cost small next to their DMA (4 MiB take 2.6 us on v6e).
+HEURISTIC_RHS_BLOCK_BYTES = {"v5e": 8 << 20, "v6e": 16 << 20}
+# Row tiles of the heuristic when the rows do not stay resident: about the
+# ridge (`ridge_rows`: 240 on v5e, 560 on v6e), where a step's matmul takes as
+# long as its weights' DMA, and large next to a chunk (each row tile reads
+# one chunk more of lhs rows). Chunks of one MXU width (128 rows on v5e, 256
+# on v6e; jax's TPU table): an MXU pass of fewer rows takes as long as one of
+# that many (the weights tile's load), and a group's last partial chunk
+# wastes at most one chunk. Not tuned.
+HEURISTIC_ROW_TILE = {"v5e": 512, "v6e": 512}
+
+
+class TileConfig(NamedTuple):
+    """Blocks of one ragged_dot call (the five knobs in the module docstring)."""
+
+    tile_m: int
+    tile_k: int
+    tile_n: int
+    chunk_m: int | None = None
+    groups_per_step: int = 1
+
+
+class TunedKey(NamedTuple):
+    """The shape a tuned grouped matmul's tiles were measured at."""
+
+    generation: str
+    m: int  # rows (picks, in an experts layer)
+    k: int
+    n: int
+    groups: int | None
+    dtype: str
+    rhs_dtype: str
+    transpose_rhs: bool
+
+
+# Tiles measured best on a TPU, per shape: data, taken over the heuristic by `select_config`. Empty until a
+# sweep runs on a real chip (none is at hand here: the heuristic's choices are what the grid-replay model and
+# the AOT compiles checked). An entry is `TunedKey(...): TileConfig(...)`.
+TUNED_TILES: dict[TunedKey, TileConfig] = {}
+
+
+def matmul_buffers(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None,
+                   transpose_rhs: bool = False) -> tuple[Buffer, ...]:
+    """The grouped matmul's blocks and scratch with `config`: lhs, rhs (and scales) per group slot, out, the f32
+    accumulator (and with chunks the carry across tiles; fp8 weights: a dequantized block per slot).
+
+    Blocks are double-buffered except an lhs block that is the whole array
+    (Mosaic keeps one copy of a block that never moves); with chunks the lhs
+    block is a window of the tile and one more chunk.
+    """
+    dtype, rhs_dtype = jnp.dtype(dtype).name, jnp.dtype(dtype if rhs_dtype is None else rhs_dtype).name
+    f32, slots = "float32", config.groups_per_step
+    tile_m, tile_k, tile_n = row_tile_rows(config, m, dtype), min(config.tile_k, k), min(config.tile_n, n)
+    chunk = config.chunk_m if _chunked(config, m, dtype) else 0
+    rhs_block = (tile_n, tile_k) if transpose_rhs else (tile_k, tile_n)
+    buffers = [Buffer((tile_m + chunk, tile_k), dtype, 1 if tile_m >= m and tile_k == k else 2),
+               *[Buffer(rhs_block, rhs_dtype, 2)] * slots]
+    if scheme_of(rhs_dtype) == INT8:
+        buffers += [Buffer((1, tile_n), f32, 2)] * slots
+    elif scheme_of(rhs_dtype) is not None:  # fp8: the group's whole grid of block scales over rhs's own dims
+        grid = (blocks(n), blocks(k)) if transpose_rhs else (blocks(k), blocks(n))
+        buffers += [Buffer(grid, f32, 2)] * slots + [Buffer(rhs_block, dtype)] * slots
+    buffers += [Buffer((tile_m, tile_n), dtype, 2), Buffer((tile_m, tile_n), f32)]
+    return tuple(buffers + ([Buffer((2 * chunk, tile_n), f32)] if chunk else []))
+
+
+def vmem_bytes(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False) -> int:
+    """VMEM of a grouped matmul with `config`: its buffers (`matmul_buffers`) and what dequantizing one-byte
+    weights takes beside them: an int8 block cast to the activation dtype; fp8 blocks dequantized 128 rows at a
+    time through f32 (`quant.dequantize_fp8_block`)."""
+    buffers = matmul_buffers(config, m, k, n, dtype, rhs_dtype, transpose_rhs)
+    scheme = scheme_of(dtype if rhs_dtype is None else rhs_dtype)
+    tile_k, tile_n = min(config.tile_k, k), min(config.tile_n, n)
+    if scheme == INT8:
+        return buffers_bytes(buffers) + padded_vmem_bytes((tile_n, tile_k) if transpose_rhs else (tile_k, tile_n),
+                                                          dtype)
+    if scheme is not None:
+        return buffers_bytes(buffers) + fp8_dequantize_vmem_bytes(max(tile_k, tile_n))
+    return buffers_bytes(buffers)
+
+
+def _chunked(config: TileConfig, m: int, dtype) -> bool:
+    return config.chunk_m is not None and config.chunk_m < round_up(min(config.tile_m, m), sublane_multiple(dtype))
+
+
+def row_tile_rows(config: TileConfig, m: int, dtype) -> int:
+    """Rows of the kernel's row tile: `tile_m`, or, for one tile over all M rows, M rounded up.
+
+    Rounded up to the sublane tile, or with chunks to a whole number of
+    chunks: a tile holds whole chunks, which start on the sublane grid (where
+    Mosaic can slice VMEM). The rounded-up block is a partial edge block,
+    whose extra rows the kernel masks out.
+    """
+    if config.tile_m < m:
+        return config.tile_m
+    return round_up(m, config.chunk_m if _chunked(config, m, dtype) else sublane_multiple(dtype))
+
+
+def row_chunks(config: TileConfig, m: int, dtype) -> int:
+    """Chunks of a row tile: the matmuls one group slot unrolls per grid step."""
+    if not _chunked(config, m, dtype):
+        return 1
+    return row_tile_rows(config, m, dtype) // config.chunk_m
+
+
+def check_config(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False) -> None:
+    """Raises ValueError if `config` cannot run `lhs[m,k] x rhs[.,k,n]` (`[., n, k]` with `transpose_rhs`) of
+    `dtype` (weights of `rhs_dtype`: the same, or int8 / fp8)."""
+    if not isinstance(config, TileConfig):
+        raise TypeError(f"config must be a TileConfig, got {type(config).__name__}")
+    sublanes = sublane_multiple(dtype)
+    for name in ("tile_m", "tile_k", "tile_n", "groups_per_step"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"config.{name} must be a positive int, got {value!r}")
+    if config.tile_m < m and config.tile_m % sublanes:
+        raise ValueError(f"config.tile_m={config.tile_m} must be a multiple of {sublanes} or cover all {m} rows")
+    for name, dim in (("tile_k", k), ("tile_n", n)):
+        value = getattr(config, name)
+        if value < dim and value % LANES:
+            raise ValueError(f"config.{name}={value} must be a multiple of {LANES} or cover the whole dimension {dim}")
+    tile_m = min(config.tile_m, m)
+    if config.chunk_m is not None:
+        if not isinstance(config.chunk_m, int) or config.chunk_m < 1:
+            raise ValueError(f"config.chunk_m must be a positive int or None, got {config.chunk_m!r}")
+        if config.chunk_m < tile_m and config.chunk_m % sublanes:
+            raise ValueError(f"config.chunk_m={config.chunk_m} must be a multiple of {sublanes}")
+        if config.chunk_m < tile_m and config.tile_m < m and config.tile_m % config.chunk_m:
+            raise ValueError(f"config.tile_m={config.tile_m} must be a multiple of chunk_m={config.chunk_m}")
+    if config.groups_per_step > MAX_GROUPS_PER_STEP:
+        raise ValueError(f"config.groups_per_step must be at most {MAX_GROUPS_PER_STEP}, got {config.groups_per_step}")
+    chunks = row_chunks(config, m, dtype)
+    if chunks * config.groups_per_step > MAX_UNROLLED_MATMULS:
+        raise ValueError(
+            f"config: {config.groups_per_step} group slots x {chunks} row chunks of {config.chunk_m} is more than "
+            f"{MAX_UNROLLED_MATMULS} unrolled matmuls"
+        )
+    if config.groups_per_step > 1 and config.tile_m < m:
+        raise ValueError(
+            f"config.groups_per_step={config.groups_per_step} needs one row tile (tile_m >= {m}), got tile_m={config.tile_m}"
+        )
+    macs = config.groups_per_step * tile_m * min(config.tile_k, k) * min(config.tile_n, n)
+    if macs > MAX_UNROLLED_MACS:
+        raise ValueError(
+            f"config {tuple(config)}: one grid step unrolls {macs / 2**30:.1f} Gi multiply-adds, past the "
+            f"{MAX_UNROLLED_MACS / 2**30:.0f} Gi bound on kernel size (compile time)"
+        )
+    needed = vmem_bytes(config, m, k, n, dtype, rhs_dtype, transpose_rhs)
+    if needed > VMEM_BUDGET_BYTES:
+        raise ValueError(f"config {tuple(config)} needs {needed / 2**20:.1f} MiB of VMEM, past the {VMEM_BUDGET_BYTES >> 20} MiB budget")
+
+
+def ridge_rows(generation: str) -> int:
+    """Rows per MXU pass at which a step's matmul takes as long as streaming its weights.
+
+    bf16 peak FLOP/s over HBM bytes/s (2 FLOPs per weight element of 2
+    bytes): 240 on v5e, 560 on v6e. Below it, decode stays HBM-bound.
+    """
+    facts = tpu_generation(generation)
+    return int(facts.bf16_flops_per_s / facts.hbm_bytes_per_s)
+
+
+def n_tile(n: int, max_cols: int, mxu: int) -> int:
+    """The N tile for weights blocks of at most `max_cols` columns (at least 256): all of N if it fits.
+
+    Else, among multiples of 128 from half the widest fitting tile up to it
+    (not narrower: every N tile is a grid step per row tile), the one whose
+    tiles take the fewest MXU passes over all of N (a tile's columns round up
+    to whole `mxu`-wide passes, and a partial last tile is padded to the
+    tile), then the fewest tiles, then the least padding of the last tile.
+    Halving N in multiples of 256 instead can waste passes: GPT-OSS's 5760
+    gate_up columns on v5e made 8 tiles of 768 (48 passes of 128, the last
+    tile half empty) where 5 tiles of 1152 take 45.
+    """
+    if n <= max(256, max_cols):
+        return n
+    widest = max(256, max_cols // LANES * LANES)
+    candidates = range(max(LANES, widest // 2 // LANES * LANES), widest + 1, LANES)
+
+    def cost(tile: int) -> tuple[int, int, int]:
+        tiles = -(-n // tile)
+        return tiles * -(-tile // mxu), tiles, tiles * tile - n
+
+    return min(candidates, key=cost)
+
+
+def heuristic_config(m: int, k: int, n: int, dtype, generation: str, num_groups: int | None = None,
+                     rhs_dtype=None, transpose_rhs: bool = False) -> TileConfig:
+    """Tiles that fit VMEM, from the shape and the generation.
+
+    Weights blocks are as large as HEURISTIC_RHS_BLOCK_BYTES allows (K whole
+    if it fits, else halved down to 512; N whole or the tile of `n_tile`,
+    which wastes the fewest MXU passes) so each active group's weights are
+    fetched once per N tile in few grid steps. Rows: one resident tile in
+    chunks of the MXU width when the rows per group stay under `ridge_rows`,
+    else HEURISTIC_ROW_TILE rows, else one chunk of rows; the first that fits.
+    """
+    generation = check_generation(generation)
+    itemsize = jnp.dtype(dtype).itemsize
+    rhs_block_bytes = HEURISTIC_RHS_BLOCK_BYTES[generation]
+
+    tile_k = k
+    tile_n = n_tile(n, rhs_block_bytes // (k * itemsize), tpu_generation(generation).mxu_size)
+    while tile_k * tile_n * itemsize > rhs_block_bytes and tile_k > 512:
+        tile_k = max(512, round_up(tile_k // 2, 256))
+
+    rows_per_group = m / max(num_groups or 1, 1)
+    chunk = tpu_generation(generation).mxu_size
+    tiled_m = min(HEURISTIC_ROW_TILE[generation], m)
+    candidates = []
+    if rows_per_group <= ridge_rows(generation):
+        candidates.append(TileConfig(m, tile_k, tile_n, chunk if m > chunk else None))
+    candidates.append(TileConfig(tiled_m, tile_k, tile_n, chunk if tiled_m > chunk else None))
+    candidates.append(TileConfig(min(chunk, m), tile_k, tile_n))
+    for config in candidates:
+        if _fits(config, m, k, n, dtype, rhs_dtype, transpose_rhs):
+            return config
+    # Shrink the weights block until the smallest row tile fits.
+    config = candidates[-1]
+    while not _fits(config, m, k, n, dtype, rhs_dtype, transpose_rhs) and config.tile_n > LANES:
+        config = config._replace(tile_n=max(LANES, round_up(config.tile_n // 2, LANES)))
+    while not _fits(config, m, k, n, dtype, rhs_dtype, transpose_rhs) and config.tile_k > LANES:
+        config = config._replace(tile_k=max(LANES, round_up(config.tile_k // 2, LANES)))
+    return config
+
+
+def _fits(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False) -> bool:
+    try:
+        check_config(config, m, k, n, dtype, rhs_dtype, transpose_rhs)
+    except ValueError:
+        return False
+    return True
+
+
+def select_config(
+    m: int,
+    k: int,
+    n: int,
+    dtype,
+    *,
+    generation: str | None = None,
+    num_groups: int | None = None,
+    rhs_dtype=None,
+    transpose_rhs: bool = False,
+) -> TileConfig:
+    """Tiles for `lhs[m,k] x rhs[num_groups,k,n]` on `generation` (default: the current device's): the
+    TUNED_TILES entry of the shape (checked like an explicit config), else the heuristic."""
+    generation = resolve_generation(generation)
+    rhs_dtype = dtype if rhs_dtype is None else rhs_dtype
+    key = TunedKey(generation, m, k, n, num_groups, jnp.dtype(dtype).name, jnp.dtype(rhs_dtype).name,
+                   bool(transpose_rhs))
+    tuned = TUNED_TILES.get(key)
+    if tuned is None:
+        return heuristic_config(m, k, n, dtype, generation, num_groups, rhs_dtype, transpose_rhs)
+    check_config(tuned, m, k, n, dtype, rhs_dtype, transpose_rhs)
+    return tuned
+
+
+def vmem_limit(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False) -> int:
+    """The scoped VMEM limit the kernel asks Mosaic for with `config`."""
+    return vmem_limit_bytes(vmem_bytes(config, m, k, n, dtype, rhs_dtype, transpose_rhs))
+
+
+def expected_active_groups(rows: int, num_groups: int) -> float:
+    """Groups that receive at least one of `rows` rows routed uniformly at random: G (1 - (1 - 1/G)^rows).
+
+    What a kernel's cost estimate assumes for the weights it reads when the
+    group sizes are not known at trace time (they are data). It takes every
+    row as live: under expert-parallel router masking (most rows other ranks'
+    sentinels) it overestimates the weights read at small batches.
+    """
+    return num_groups * (1.0 - (1.0 - 1.0 / num_groups) ** rows)
+
+
+# The backward's d_lhs grouped matmul runs at training sizes, where the heuristic tiles rows
+# (HEURISTIC_ROW_TILE) in chunks and each row tile reads one chunk more of lhs rows: a longer row
+# tile halves that extra read (modelled in benchmarks/moe_backward.py: Qwen3-30B-A3B's down
+# projection on v6e, 73 % -> 82 % of its roofline). Taken where it passes `check_config`.
+D_LHS_ROW_TILE = 1024
+
+
+def select_d_lhs_config(m: int, k: int, n: int, dtype, *, generation: str | None = None,
+                        num_groups: int | None = None) -> TileConfig:
+    """Tiles of the backward's d_lhs grouped matmul `d_out[m,k] x rhs[.,k,n]`: `select_config`'s,
+    with row tiles of D_LHS_ROW_TILE rows where they fit."""
+    config = select_config(m, k, n, dtype, generation=generation, num_groups=num_groups)
+    longer = config._replace(tile_m=min(D_LHS_ROW_TILE, m))
+    if config.tile_m < longer.tile_m and _fits(longer, m, k, n, dtype):
+        return longer
+    return config

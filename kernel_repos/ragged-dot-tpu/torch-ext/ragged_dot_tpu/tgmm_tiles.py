@@ -1,0 +1,171 @@
+"""Tiles of the weights' gradient (`pallas_tgmm.tgmm`): `TgmmConfig` and how one is chosen."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+from ._hardware import (
+    LANES, check_generation, padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, tpu_generation,
+    vmem_limit_bytes,
+)
+from .vmem import MAX_UNROLLED_MACS, MAX_UNROLLED_MATMULS, VMEM_BUDGET_BYTES, Buffer, buffers_bytes
+
+# The weights' gradient (`pallas_tgmm.tgmm`): per group, lhs_g^T @ rhs_g -> [G, K, N].
+# Row tiles of the heuristic: large next to a chunk (fewer grid steps), small enough that a
+# step unrolls few chunks. Not tuned.
+TGMM_ROW_TILE = 512
+# What the resident output block (f32 accumulator and the double-buffered output) may take of
+# the budget; the row blocks take the rest.
+TGMM_OUTPUT_SHARE = 0.75
+
+
+class TgmmConfig(NamedTuple):
+    """Blocks of one tgmm call.
+
+    - `tile_m`: rows per grid step (lhs `(tile_m, tile_k)` and rhs
+      `(tile_m, tile_n)` blocks); at least M means one row tile.
+    - `tile_k`, `tile_n`: the output block `(tile_k, tile_n)` of a group's
+      gradient, resident while the grid walks the group's rows. Whole K and N
+      read every row once; smaller ones read lhs once per N tile and rhs once
+      per K tile.
+    - `chunk_m`: rows per MXU pass (the contraction); chunks outside an item's
+      group are skipped.
+    - `group_chunks`: chunks laid from each group's first row rather than at
+      fixed offsets of the row tile: about half a chunk less MXU work per
+      group for chunk_m / tile_m more row reads (`pallas_tgmm`).
+    """
+
+    tile_m: int
+    tile_k: int
+    tile_n: int
+    chunk_m: int
+    group_chunks: bool = False
+
+
+def tgmm_blocks(config: TgmmConfig, m: int, k: int, n: int, dtype) -> tuple[int, int, int, int]:
+    """(tile_m, tile_k, tile_n, chunk_m) the kernel runs `config` with, for `lhs[m,k]`, `rhs[m,n]`.
+
+    A chunk of more rows than M (rounded to the sublane tile) shrinks to them; one row tile over all
+    M rows is M rounded up to whole chunks (a partial edge block whose extra rows the kernel masks).
+    """
+    chunk_m = min(config.chunk_m, round_up(m, sublane_multiple(dtype)))
+    tile_m = config.tile_m if config.tile_m < m else round_up(m, chunk_m)
+    return tile_m, min(config.tile_k, k), min(config.tile_n, n), chunk_m
+
+
+def tgmm_buffers(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype=None) -> tuple[Buffer, ...]:
+    """tgmm's blocks and scratch: double-buffered lhs and rhs row blocks (windows with group chunks) and output
+    block, the f32 accumulator."""
+    dtype = jnp.dtype(dtype).name
+    out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype).name
+    tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, m, k, n, dtype)
+    rows = tile_m + chunk_m if config.group_chunks and chunk_m < tile_m else tile_m  # windows with group chunks
+    return (Buffer((rows, tile_k), dtype, 2), Buffer((rows, tile_n), dtype, 2), Buffer((tile_k, tile_n), out_dtype, 2),
+            Buffer((tile_k, tile_n), "float32"))
+
+
+def tgmm_vmem_bytes(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype=None) -> int:
+    """VMEM of a tgmm call: its buffers (`tgmm_buffers`) and one chunk's masked operands beside them."""
+    _, tile_k, tile_n, chunk_m = tgmm_blocks(config, m, k, n, dtype)
+    return buffers_bytes(tgmm_buffers(config, m, k, n, dtype, out_dtype)) + padded_vmem_bytes(
+        (chunk_m, tile_k), dtype) + padded_vmem_bytes((chunk_m, tile_n), dtype)
+
+
+def check_tgmm_config(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype=None) -> None:
+    """Raises ValueError if `config` cannot run tgmm of `lhs[m,k]`, `rhs[m,n]` in `dtype`."""
+    if not isinstance(config, TgmmConfig):
+        raise TypeError(f"config must be a TgmmConfig, got {type(config).__name__}")
+    for name in ("tile_m", "tile_k", "tile_n", "chunk_m"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"config.{name} must be a positive int, got {value!r}")
+    if not isinstance(config.group_chunks, bool):
+        raise ValueError(f"config.group_chunks must be a bool, got {config.group_chunks!r}")
+    sublanes = sublane_multiple(dtype)
+    tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, m, k, n, dtype)
+    if chunk_m % sublanes:
+        raise ValueError(f"config.chunk_m={config.chunk_m} must be a multiple of {sublanes}")
+    if tile_m % chunk_m:
+        raise ValueError(f"config.tile_m={config.tile_m} must be a multiple of chunk_m={chunk_m} or cover all {m} rows")
+    for name, value, dim in (("tile_k", tile_k, k), ("tile_n", tile_n, n)):
+        if value < dim and value % LANES:
+            raise ValueError(f"config.{name}={value} must be a multiple of {LANES} or cover the whole dimension {dim}")
+    if tile_m // chunk_m > MAX_UNROLLED_MATMULS:
+        raise ValueError(f"config: {tile_m // chunk_m} row chunks per step, more than {MAX_UNROLLED_MATMULS} unrolled matmuls")
+    macs = tile_m * tile_k * tile_n
+    if macs > MAX_UNROLLED_MACS:
+        raise ValueError(
+            f"config {tuple(config)}: one grid step unrolls {macs / 2**30:.1f} Gi multiply-adds, past the "
+            f"{MAX_UNROLLED_MACS / 2**30:.0f} Gi bound on kernel size (compile time)"
+        )
+    needed = tgmm_vmem_bytes(config, m, k, n, dtype, out_dtype)
+    if needed > VMEM_BUDGET_BYTES:
+        raise ValueError(f"config {tuple(config)} needs {needed / 2**20:.1f} MiB of VMEM, past the {VMEM_BUDGET_BYTES >> 20} MiB budget")
+
+
+def heuristic_tgmm_config(m: int, k: int, n: int, dtype, generation: str, out_dtype=None,
+                          num_groups: int = 1) -> TgmmConfig:
+    """Whole K and N when the output block fits TGMM_OUTPUT_SHARE of the budget (every row read once),
+    else N, then K, halved in multiples of 256; chunks of one MXU width (the contraction of a pass);
+    TGMM_ROW_TILE rows, halved until a step fits the unrolling and VMEM bounds; group chunks where
+    `_group_chunks_pay` says so."""
+    generation = check_generation(generation)
+    out_dtype = dtype if out_dtype is None else out_dtype
+    out_bytes = 4 + 2 * jnp.dtype(out_dtype).itemsize
+    tile_k, tile_n = k, n
+    while tile_k * tile_n * out_bytes > TGMM_OUTPUT_SHARE * VMEM_BUDGET_BYTES and tile_n > 256:
+        tile_n = max(256, round_up(tile_n // 2, 256))
+    while tile_k * tile_n * out_bytes > TGMM_OUTPUT_SHARE * VMEM_BUDGET_BYTES and tile_k > 256:
+        tile_k = max(256, round_up(tile_k // 2, 256))
+    chunk = tpu_generation(generation).mxu_size
+    config = TgmmConfig(TGMM_ROW_TILE, tile_k, tile_n, chunk)
+    while config.tile_m > chunk and not _tgmm_fits(config, m, k, n, dtype, out_dtype):
+        config = config._replace(tile_m=config.tile_m // 2)
+    while not _tgmm_fits(config, m, k, n, dtype, out_dtype) and config.tile_n > LANES:
+        config = config._replace(tile_n=max(LANES, round_up(config.tile_n // 2, LANES)))
+    grouped = config._replace(group_chunks=True)
+    if _group_chunks_pay(config, m, k, n, dtype, generation, num_groups) and _tgmm_fits(grouped, m, k, n, dtype,
+                                                                                       out_dtype):
+        return grouped
+    return config
+
+
+def _group_chunks_pay(config: TgmmConfig, m: int, k: int, n: int, dtype, generation: str, num_groups: int) -> bool:
+    """Whether chunks from each group's first row make a tgmm call faster: the larger of its MXU and HBM
+    times, with about one extra chunk per group at fixed offsets against half a chunk laid from group
+    starts (which read chunk_m / tile_m more rows). bf16 peak; the output written once either way."""
+    facts = tpu_generation(generation)
+    itemsize = jnp.dtype(dtype).itemsize
+    tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, m, k, n, dtype)
+    if chunk_m >= tile_m:
+        return False
+    row_bytes = m * (k * -(-n // tile_n) + n * -(-k // tile_k)) * itemsize
+    out_bytes = num_groups * k * n * itemsize
+
+    def seconds(wasted_chunks_per_group: float, row_read_factor: float) -> float:
+        flops = 2 * (m + wasted_chunks_per_group * num_groups * chunk_m) * k * n
+        return max(flops / facts.bf16_flops_per_s, (row_bytes * row_read_factor + out_bytes) / facts.hbm_bytes_per_s)
+
+    return seconds(0.5, 1 + chunk_m / tile_m) < seconds(1.0, 1.0)
+
+
+def _tgmm_fits(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype) -> bool:
+    try:
+        check_tgmm_config(config, m, k, n, dtype, out_dtype)
+    except ValueError:
+        return False
+    return True
+
+
+def select_tgmm_config(m: int, k: int, n: int, dtype, *, generation: str | None = None, out_dtype=None,
+                       num_groups: int = 1) -> TgmmConfig:
+    """Tiles for tgmm of `lhs[m,k]`, `rhs[m,n]` into `num_groups` groups on `generation` (default: the
+    current device's)."""
+    return heuristic_tgmm_config(m, k, n, dtype, resolve_generation(generation), out_dtype, num_groups)
+
+
+def tgmm_vmem_limit(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype=None) -> int:
+    """The scoped VMEM limit the tgmm kernel asks Mosaic for with `config`."""
+    return vmem_limit_bytes(tgmm_vmem_bytes(config, m, k, n, dtype, out_dtype))

@@ -1,0 +1,54 @@
+"""What every kernel's tiles must respect, and how their VMEM is counted.
+
+The budget a config's blocks may take, the bounds on what one grid step
+unrolls (compile time), and `Buffer`: one VMEM buffer of a kernel's
+pipeline, padded as Mosaic lays it out. The tiles of each kernel
+(`gmm_tiles.py`, `tgmm_tiles.py`, `fused_tiles.py`) list their buffers in it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+from ._hardware import MAX_VMEM_LIMIT_BYTES, MOSAIC_SCRATCH_BYTES, padded_vmem_bytes
+from .quant import FP8_BLOCK
+
+# What a config's blocks may take: the most the kernel asks Mosaic for, less
+# Mosaic's own scratch.
+VMEM_BUDGET_BYTES = MAX_VMEM_LIMIT_BYTES - MOSAIC_SCRATCH_BYTES
+
+# Every (group slot, row chunk) pair is one matmul unrolled in the kernel
+# body. Mosaic's compile time grows with their number and, above all, with
+# the multiply-adds they cover (group slots x tile_m x tile_k x tile_n):
+# measured with libtpu's compile-only topologies, ~2 s at 2^31 and ~77 s at
+# 17e9 (a resident 1024-row tile of GPT-OSS's 2880 x 5760 experts). Both are
+# bounded.
+MAX_UNROLLED_MATMULS = 16
+MAX_UNROLLED_MACS = 2**31
+
+
+class Buffer(NamedTuple):
+    """A VMEM buffer a kernel's pipeline holds: a block (`count` 2 when double-buffered, 1 when resident) or
+    scratch (1)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    count: int = 1
+
+    @property
+    def bytes(self) -> int:
+        return self.count * padded_vmem_bytes(self.shape, self.dtype)
+
+
+def buffers_bytes(buffers) -> int:
+    """VMEM of `buffers`, each padded to the native (sublane, 128) tile: what `tpu_kernels.perf` derives from the
+    kernel's block specs and scratch."""
+    return sum(buffer.bytes for buffer in buffers)
+
+
+def fp8_dequantize_vmem_bytes(cols: int) -> int:
+    """f32 values `quant.dequantize_fp8_block` keeps for a window `cols` wide (at most): the grid's scales spread
+    over the columns, one 128-row slab's scales, weights and product (at most 24 grid rows: H, I <= 3072)."""
+    return 4 * padded_vmem_bytes((FP8_BLOCK, cols), jnp.float32)
