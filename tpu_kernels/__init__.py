@@ -8,7 +8,7 @@ when first imported. They load with the first call that needs them.
 from .distribution.digest import KernelIntegrityError
 from .integration.kernelize import kernelize
 
-_LOADER_NAMES = ("get_kernel", "get_locked_kernel", "load_kernel")
+_LOADER_NAMES = ("get_kernel", "get_local_kernel", "get_locked_kernel", "load_kernel")
 
 
 def __getattr__(name):
@@ -23,4 +23,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'tpu_kernels' has no attribute {name!r}")
 
 
-__all__ = ["KernelIntegrityError", "get_kernel", "get_locked_kernel", "jax_torch_op", "kernelize", "load_kernel"]
+__all__ = ["KernelIntegrityError", "get_kernel", "get_local_kernel", "get_locked_kernel", "jax_torch_op", "kernelize", "load_kernel"]
