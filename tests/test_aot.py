@@ -8,7 +8,7 @@ from tpu_kernels.distribution.loader import get_local_kernel
 import pytest
 from jax.experimental import pallas as pl
 
-from tpu_kernels.aot import compile_for, compile_repo
+from tpu_kernels.aot import compile_for, compile_kernel
 from tpu_kernels.distribution.builder import build_kernel_repo
 
 pytestmark = pytest.mark.aot
@@ -20,7 +20,7 @@ KERNEL_REPOS = sorted(p.parent for p in (Path(__file__).resolve().parents[1] / "
 def test_declared_shapes_compile_for_v5e_and_v6e(repo, tmp_path):
     built = build_kernel_repo(repo, tmp_path)
     module = get_local_kernel(built, backend="cpu")
-    results = compile_repo(repo, module, repo.name, ["v5e", "v6e"])
+    results = compile_kernel(module, repo.name, ["v5e", "v6e"])
     assert results, f"{repo.name} declares no compile targets"
     failed = [f"{r.generation} {r.label}: {r.error}" for r in results if not r.compiled]
     assert not failed, "\n".join(failed)

@@ -3,7 +3,7 @@
 The claim checked: with one-byte weights the fused kernel's HBM traffic stays
 within 5 % of the quantized minimum (each active expert's one-byte weights and
 their scales once, biases once, the hidden states, the routing and the output
-once), at every decode shape of compile_targets.py. The modelled times (v6e,
+once), at every decode shape of the kernel's compile_targets.py. The modelled times (v6e,
 0.35 us per grid step) are printed beside the bf16 ones: the MoE-layer
 benchmark is where they are recorded.
 """
@@ -19,7 +19,7 @@ from tpu_kernels import perf
 
 S = jax.ShapeDtypeStruct
 SCHEMES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
-# name: (experts on this rank, ranks, hidden, intermediate, top-k, transposed, biases, tokens); compile_targets.py
+# name: (experts on this rank, ranks, hidden, intermediate, top-k, transposed, biases, tokens); the kernel's compile_targets.py
 DECODE_SHAPES = {
     "qwen3-30b-a3b EP1 T=1": (128, 1, 2048, 768, 8, False, False, 1),
     "qwen3-30b-a3b EP1 T=256": (128, 1, 2048, 768, 8, False, False, 256),

@@ -4,22 +4,21 @@ No TPU is needed: libtpu (from torch-tpu) provides compile-only topologies,
 and Mosaic compiles the Pallas kernels for them exactly as it would on a TPU
 VM, including VMEM limits (an oversized tile fails here as it would there).
 
-A kernel repo declares its shapes in `compile_targets.py`:
+A kernel declares its shapes in its own module `compile_targets` (it ships
+with the kernel, so a kernel from the Hub can be checked as well):
 
-    def compile_targets(kernel, generation) -> list[(label, fn, avals)]
+    def compile_targets(generation) -> list[(label, fn, avals)]
 
-where `kernel` is the loaded built module and `avals` are
-`jax.ShapeDtypeStruct`s of `fn`'s array arguments.
+where `avals` are `jax.ShapeDtypeStruct`s of `fn`'s array arguments.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.util
+import importlib
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 import jax
@@ -51,14 +50,16 @@ def topology_device(generation: str):
     return topologies.get_topology_desc(platform="tpu", topology_name=TOPOLOGIES[generation]).devices[0]
 
 
-def load_compile_targets(repo: Path) -> ModuleType:
-    path = Path(repo) / "compile_targets.py"
-    if not path.is_file():
-        raise FileNotFoundError(f"{repo}: compile_targets.py is missing (it declares the shapes to compile)")
-    spec = importlib.util.spec_from_file_location(f"_compile_targets_{Path(repo).name.replace('-', '_')}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load_compile_targets(kernel: ModuleType) -> ModuleType:
+    """The loaded kernel's `compile_targets` module."""
+    name = f"{kernel.__name__}.compile_targets"
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name != name:
+            raise
+        raise FileNotFoundError(
+            f"{kernel.__name__}: no compile_targets module (it declares the shapes to compile)") from None
 
 
 def lower_for(fn, avals, generation: str):
@@ -73,15 +74,15 @@ def compile_for(fn, avals, generation: str):
     return lower_for(fn, avals, generation).compile()
 
 
-def compile_repo(repo: Path, kernel: ModuleType, kernel_name: str, generations: list[str],
-                 jobs: int | None = None) -> list[CompileResult]:
+def compile_kernel(kernel: ModuleType, kernel_name: str, generations: list[str],
+                   jobs: int | None = None) -> list[CompileResult]:
     """Every declared shape compiled for each generation, in declaration order.
 
     Targets are lowered one after another on this thread and compiled on
     `jobs` threads (default: one per CPU): XLA and Mosaic compile outside the
     GIL, and compiles are most of the time.
     """
-    targets = load_compile_targets(repo)
+    targets = load_compile_targets(kernel)
 
     def failed(label, generation, start, error):
         message = str(error).strip().splitlines()
@@ -100,7 +101,7 @@ def compile_repo(repo: Path, kernel: ModuleType, kernel_name: str, generations: 
     pending = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
         for generation in generations:
-            for label, fn, avals in targets.compile_targets(kernel, generation):
+            for label, fn, avals in targets.compile_targets(generation):
                 start = time.perf_counter()
                 try:
                     lowered = lower_for(fn, avals, generation)

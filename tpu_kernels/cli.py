@@ -34,7 +34,7 @@ def _run_repo_tests(repo: Path, built: Path) -> int:
 def _check(args) -> int:
     import kernels
 
-    from .aot import compile_repo, format_table
+    from .aot import compile_kernel, format_table
     from .distribution.builder import build_kernel_repo
 
     repo = Path(args.repo)
@@ -43,7 +43,7 @@ def _check(args) -> int:
     tests_status = 0 if args.skip_tests else _run_repo_tests(repo, built)
     generations = [g for g in args.tpu.split(",") if g]
     module = kernels.get_local_kernel(built, backend="cpu")
-    results = compile_repo(repo, module, built.name, generations)
+    results = compile_kernel(module, built.name, generations)
     print(format_table(results))
     compiled_all = all(r.compiled for r in results) and bool(results)
     tests_word = "skipped" if args.skip_tests else ("passed" if tests_status == 0 else "FAILED")

@@ -31,6 +31,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from . import config, moe, pallas_gmm, pallas_tgmm, quant
+
 GROUPED = {
     "qwen3-30b-a3b": dict(experts=128, hidden=2048, intermediate=768, rows=(512, 16384)),
     "gemma-4-26b-a4b": dict(experts=128, hidden=2816, intermediate=704, rows=(512,)),
@@ -48,13 +50,13 @@ LAYERS = {
 }
 
 
-def _grouped_targets(kernel, generation, dtype):
+def _grouped_targets(generation, dtype):
     targets = []
     for model, shape in GROUPED.items():
         experts, hidden, intermediate = shape["experts"], shape["hidden"], shape["intermediate"]
         for rows in shape["rows"]:
             for projection, k, n in (("gate_up", hidden, 2 * intermediate), ("down", intermediate, hidden)):
-                fn = functools.partial(kernel.pallas_gmm.ragged_dot, transpose_rhs=True, zero_rows_past_groups=False,
+                fn = functools.partial(pallas_gmm.ragged_dot, transpose_rhs=True, zero_rows_past_groups=False,
                                        generation=generation)
                 avals = (
                     jax.ShapeDtypeStruct((rows, k), dtype),
@@ -65,7 +67,7 @@ def _grouped_targets(kernel, generation, dtype):
     return targets
 
 
-def _layer_targets(kernel, generation, dtype):
+def _layer_targets(generation, dtype):
     targets = []
     for model, (experts, hidden, intermediate, top_k, layout, gate, token_counts) in LAYERS.items():
         transposed = layout["weights_transposed"]
@@ -73,7 +75,7 @@ def _layer_targets(kernel, generation, dtype):
         down = (experts, intermediate, hidden) if transposed else (experts, hidden, intermediate)
         biases = ((experts, 2 * intermediate), (experts, hidden)) if gate.get("activation") == "clamped_swiglu" else ()
         for tokens in token_counts:
-            fn = functools.partial(kernel.moe.experts_layer, **layout, **gate, generation=generation)
+            fn = functools.partial(moe.experts_layer, **layout, **gate, generation=generation)
             avals = (
                 jax.ShapeDtypeStruct((tokens, hidden), dtype),
                 jax.ShapeDtypeStruct((tokens, top_k), jnp.int32),
@@ -82,7 +84,7 @@ def _layer_targets(kernel, generation, dtype):
                 jax.ShapeDtypeStruct(down, dtype),
                 *(jax.ShapeDtypeStruct(bias, dtype) for bias in biases),
             )
-            path = "fused" if kernel.config.use_fused_experts(
+            path = "fused" if config.use_fused_experts(
                 tokens, hidden, intermediate, experts, dtype, interleaved=gate.get("interleaved", False),
                 has_bias=bool(biases), **layout) else "grouped"
             targets.append((f"{model} experts layer T={tokens} top-{top_k} ({path}) bf16", fn, avals))
@@ -97,20 +99,20 @@ TRAINING = {
 TRAINING_TOKENS = 8192
 
 
-def _backward_targets(kernel, generation, dtype):
+def _backward_targets(generation, dtype):
     targets = []
     for model, (experts, hidden, intermediate, top_k) in TRAINING.items():
         rows = TRAINING_TOKENS * top_k
         sizes = jax.ShapeDtypeStruct((experts,), jnp.int32)
         for projection, k, n in (("gate_up", hidden, 2 * intermediate), ("down", intermediate, hidden)):
             # The forward ran lhs[rows, k] x weights[E, n, k] (transpose_rhs=True).
-            d_lhs = functools.partial(kernel.pallas_gmm.ragged_dot, transpose_rhs=False, config=kernel.config.select_d_lhs_config(
+            d_lhs = functools.partial(pallas_gmm.ragged_dot, transpose_rhs=False, config=config.select_d_lhs_config(
                 rows, n, k, dtype, generation=generation, num_groups=experts))
             targets.append((
                 f"{model} {projection} d_lhs M={rows} K={n} N={k} E={experts} bf16", d_lhs,
                 (jax.ShapeDtypeStruct((rows, n), dtype), jax.ShapeDtypeStruct((experts, n, k), dtype), sizes),
             ))
-            d_rhs = functools.partial(kernel.pallas_tgmm.tgmm, generation=generation)
+            d_rhs = functools.partial(pallas_tgmm.tgmm, generation=generation)
             targets.append((
                 f"{model} {projection} tgmm M={rows} -> [E={experts}, {n}, {k}] bf16", d_rhs,
                 (jax.ShapeDtypeStruct((rows, n), dtype), jax.ShapeDtypeStruct((rows, k), dtype), sizes),
@@ -123,20 +125,20 @@ QUANTIZED_LAYERS = {"qwen3-30b-a3b EP8": (256,), "qwen3-30b-a3b EP1": (2048,), "
 SCHEMES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 
-def _scales(kernel, scheme, weight_shape, out_axis):
-    return jax.ShapeDtypeStruct(kernel.quant.expected_scales_shape(scheme, weight_shape, out_axis), jnp.float32)
+def _scales(scheme, weight_shape, out_axis):
+    return jax.ShapeDtypeStruct(quant.expected_scales_shape(scheme, weight_shape, out_axis), jnp.float32)
 
 
-def _quantized_targets(kernel, generation, dtype):
+def _quantized_targets(generation, dtype):
     targets = []
     for scheme, weights_dtype in SCHEMES.items():
         shape = GROUPED["qwen3-30b-a3b"]
         experts, hidden, intermediate = shape["experts"], shape["hidden"], shape["intermediate"]
         rhs = (experts, 2 * intermediate, hidden)
-        fn = functools.partial(kernel.pallas_gmm.ragged_dot, transpose_rhs=True, zero_rows_past_groups=False,
+        fn = functools.partial(pallas_gmm.ragged_dot, transpose_rhs=True, zero_rows_past_groups=False,
                                generation=generation)
         avals = (jax.ShapeDtypeStruct((512, hidden), dtype), jax.ShapeDtypeStruct(rhs, weights_dtype),
-                 jax.ShapeDtypeStruct((experts,), jnp.int32), _scales(kernel, scheme, rhs, 1))
+                 jax.ShapeDtypeStruct((experts,), jnp.int32), _scales(scheme, rhs, 1))
         targets.append((f"qwen3-30b-a3b gate_up M=512 K={hidden} N={2 * intermediate} E={experts} {scheme}", fn, avals))
         for model, token_counts in QUANTIZED_LAYERS.items():
             experts, hidden, intermediate, top_k, layout, gate, _ = LAYERS[model]
@@ -152,7 +154,7 @@ def _quantized_targets(kernel, generation, dtype):
                 def fn(hidden_states, index, weights, gate_up_proj, down_proj, *rest, _layout=layout, _gate=gate,
                        _bias=has_bias):
                     gate_up_bias, down_bias, gate_up_scales, down_scales = rest if _bias else (None, None, *rest)
-                    return kernel.moe.experts_layer(hidden_states, index, weights, gate_up_proj, down_proj,
+                    return moe.experts_layer(hidden_states, index, weights, gate_up_proj, down_proj,
                                                     gate_up_bias, down_bias, gate_up_scales, down_scales, **_layout,
                                                     **_gate, generation=generation)
 
@@ -163,17 +165,17 @@ def _quantized_targets(kernel, generation, dtype):
                     jax.ShapeDtypeStruct(gate_up, weights_dtype),
                     jax.ShapeDtypeStruct(down, weights_dtype),
                     *(bias for bias in biases if bias is not None),
-                    _scales(kernel, scheme, gate_up, out_axis),
-                    _scales(kernel, scheme, down, out_axis),
+                    _scales(scheme, gate_up, out_axis),
+                    _scales(scheme, down, out_axis),
                 )
-                path = "fused" if kernel.config.use_fused_experts(
+                path = "fused" if config.use_fused_experts(
                     tokens, hidden, intermediate, experts, dtype, interleaved=gate.get("interleaved", False),
                     has_bias=has_bias, weights_dtype=weights_dtype, **layout) else "grouped"
                 targets.append((f"{model} experts layer T={tokens} top-{top_k} ({path}) {scheme}", fn, avals))
     return targets
 
 
-def compile_targets(kernel, generation):
+def compile_targets(generation):
     dtype = jnp.bfloat16
-    return (_grouped_targets(kernel, generation, dtype) + _layer_targets(kernel, generation, dtype)
-            + _backward_targets(kernel, generation, dtype) + _quantized_targets(kernel, generation, dtype))
+    return (_grouped_targets(generation, dtype) + _layer_targets(generation, dtype)
+            + _backward_targets(generation, dtype) + _quantized_targets(generation, dtype))

@@ -20,6 +20,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from . import pallas_flash, pallas_flash_backward
+
 QWEN3_30B_A3B = dict(q_heads=32, kv_heads=4, head_dim=128)
 GEMMA_4_SLIDING = dict(q_heads=16, kv_heads=8, head_dim=256)
 GPT_OSS_20B = dict(q_heads=64, kv_heads=8, head_dim=64)
@@ -40,9 +42,9 @@ def _backward_avals(batch, seq, *, q_heads, kv_heads, head_dim, dtype=jnp.bfloat
     return (q, q, k, v, q, jax.ShapeDtypeStruct((batch, q_heads, seq), jnp.float32))
 
 
-def compile_targets(kernel, generation):
-    flash_attention = functools.partial(kernel.pallas_flash.flash_attention, generation=generation)
-    backward = functools.partial(kernel.pallas_flash_backward.flash_attention_backward, generation=generation)
+def compile_targets(generation):
+    flash_attention = functools.partial(pallas_flash.flash_attention, generation=generation)
+    backward = functools.partial(pallas_flash_backward.flash_attention_backward, generation=generation)
     lengths = jax.ShapeDtypeStruct((8,), jnp.int32)
     gpt_oss_sinks = jax.ShapeDtypeStruct((GPT_OSS_20B["q_heads"],), jnp.bfloat16)
 
