@@ -23,7 +23,7 @@ Reading the files:
 
 Compiles and grid replays are cached on disk (`AnalysisCache`): a compile by
 the call, config, chip, library versions and this module's source; a replay
-also by the model's source (perf.py). Re-analysing cached HLO is cheap, so a
+also by the replay's source (`program_replay.REPLAY_MODULES`). Re-analysing cached HLO is cheap, so a
 model change reruns in seconds.
 """
 
@@ -49,8 +49,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import perf
-from . import xla_program
+from . import chip as chip_constants
+from . import program_replay, xla_program
+from .program_replay import ProgramReplay
+from ..runtime.hardware import tpu_generation
 
 # tokamax's folder names (device kinds, lower snake case) -> our generation names.
 CHIP_FOLDERS = {"tpu_v5_lite": "v5e", "tpu_v5": "v5p", "tpu_v5p": "v5p", "tpu_v6_lite": "v6e", "tpu7x": "tpu7x"}
@@ -409,14 +411,14 @@ class AnalysisCache:
     """Compiled-program texts and grid replays on disk, keyed by what produced them (module docstring).
 
     A compile is stored as the optimized HLO, codegen text, cost analysis and memory statistics, so
-    `xla_program.analyse_hlo` re-reads it under the current model; a replay as perf's result objects.
+    `xla_program.analyse_hlo` re-reads it under the current model; a replay as the replay's result objects.
     """
 
     def __init__(self, folder: Path | None):
         self.folder = Path(folder) if folder is not None else None
         self.versions = _versions()
         self.rebuild_code = _source_fingerprint(*_rebuild_code())
-        self.replay_code = _source_fingerprint(perf)
+        self.replay_code = _source_fingerprint(*program_replay.REPLAY_MODULES)
         self.hits = self.misses = 0
         self._lock = threading.Lock()
         if self.folder is not None:
@@ -486,9 +488,9 @@ class ModelConstants:
 
     grid_step_s: float | None = None  # None: the calibrated value of the entry's generation
     ragged_dot_step_s: float | None = None
-    vector_elements_per_cycle: float = perf.VECTOR_ELEMENTS_PER_CYCLE
-    transcendental_elements_per_cycle: float = perf.TRANSCENDENTAL_ELEMENTS_PER_CYCLE
-    mxu_weight_load_fraction: float = perf.MXU_WEIGHT_LOAD_FRACTION
+    vector_elements_per_cycle: float = chip_constants.VECTOR_ELEMENTS_PER_CYCLE
+    transcendental_elements_per_cycle: float = chip_constants.TRANSCENDENTAL_ELEMENTS_PER_CYCLE
+    mxu_weight_load_fraction: float = chip_constants.MXU_WEIGHT_LOAD_FRACTION
     hbm_fraction: float = 1.0
 
 
@@ -498,7 +500,7 @@ class Analysed:
 
     measurement: Measurement
     program: xla_program.CompiledProgram | None
-    replay: perf.ProgramReplay | None
+    replay: ProgramReplay | None
     reason: str | None = None
 
     def price(self, constants: ModelConstants = ModelConstants()) -> xla_program.ProgramTime:
@@ -513,8 +515,8 @@ class Analysed:
 _RATES_LOCK = threading.Lock()
 
 
-# perf's module constants that `ModelConstants` overrides for one pricing.
-_PERF_CONSTANTS = {
+# The rates in `chip` that `ModelConstants` overrides for one pricing.
+_CHIP_CONSTANTS = {
     "vector_elements_per_cycle": "VECTOR_ELEMENTS_PER_CYCLE",
     "transcendental_elements_per_cycle": "TRANSCENDENTAL_ELEMENTS_PER_CYCLE",
     "mxu_weight_load_fraction": "MXU_WEIGHT_LOAD_FRACTION",
@@ -523,16 +525,16 @@ _PERF_CONSTANTS = {
 
 @contextlib.contextmanager
 def _module_constants(constants: ModelConstants):
-    """perf's module constants set to `constants`' for one pricing."""
+    """The rates in `chip` set to `constants`' for one pricing."""
     with _RATES_LOCK:
-        saved = {name: getattr(perf, name) for name in _PERF_CONSTANTS.values()}
-        for field, name in _PERF_CONSTANTS.items():
-            setattr(perf, name, getattr(constants, field))
+        saved = {name: getattr(chip_constants, name) for name in _CHIP_CONSTANTS.values()}
+        for field, name in _CHIP_CONSTANTS.items():
+            setattr(chip_constants, name, getattr(constants, field))
         try:
             yield
         finally:
             for name, value in saved.items():
-                setattr(perf, name, value)
+                setattr(chip_constants, name, value)
 
 
 def _first_line(error: BaseException) -> str:
@@ -616,7 +618,7 @@ def _replay(cache: AnalysisCache, measurement: Measurement, rebuilt: Rebuilt):
         return found
     try:
         with rebuilt.replay_context():
-            calls = perf.replay_program(rebuilt.fn, *rebuilt.replay_args)
+            calls = program_replay.replay_program(rebuilt.fn, *rebuilt.replay_args)
     except Exception as error:  # noqa: BLE001
         return f"replay failed: {_first_line(error)}"
     return cache.put(key, calls)
@@ -713,7 +715,7 @@ def inconsistent_with_peak(analysed: Analysed) -> str | None:
     seed; where the tiles those group sizes make the kernel visit hold more matmul work than the chip can do
     in the measured time, the measurement ran on other group sizes, and the entry says nothing about the model.
     """
-    generation = perf.tpu_generation(analysed.measurement.chip)
+    generation = tpu_generation(analysed.measurement.chip)
     peak = generation.bf16_flops_per_s * generation.cores_per_device
     flops = sum(dot.flops for call in analysed.replay.pallas_calls for dot in call.dots)
     needed_us = 1e6 * flops / peak

@@ -56,15 +56,17 @@ from pathlib import Path
 
 import jax
 
-from .. import perf
-from . import xla_ragged_dot
+from . import chip, xla_ragged_dot
+from .modelled_time import ModelledTime, roofline, with_operands_on_chip
+from .program_replay import RaggedDotCall
+from .traffic import PallasCallTraffic
 from ..aot import topology_device
 from ..runtime.hardware import TpuGeneration, tpu_generation
 
 VMEM_BANDWIDTH_OVER_HBM = 22.0
 # Fixed cost of one kept iteration of XLA's ragged dot loop (`xla_ragged_dot`), per generation, fitted to
 # tokamax's measured XLA ragged dots (model_constants.json).
-XLA_RAGGED_DOT_STEP_S = perf.CONSTANTS["xla_ragged_dot_step_s"]
+XLA_RAGGED_DOT_STEP_S = chip.CONSTANTS["xla_ragged_dot_step_s"]
 PALLAS_TARGET = "tpu_custom_call"
 # A copy of an entry parameter into another layout: XLA's default TPU layout of an argument differs from
 # the one a consumer (e.g. a Pallas kernel's operand layout constraint) needs, so every call rewrites it.
@@ -605,7 +607,7 @@ class ProgramTime:
     generation: str
     step_overhead_s: float
     hbm_fraction: float
-    kernels: perf.ModelledTime | None
+    kernels: ModelledTime | None
     xla_s: float
     ragged_dot_s: float
     xla_flops: float
@@ -633,18 +635,18 @@ class ProgramTime:
         return (self.kernels.hbm_bytes if self.kernels else 0) + self.xla_hbm_bytes
 
 
-def _dense_flops(call: perf.RaggedDotCall) -> float:
+def _dense_flops(call: RaggedDotCall) -> float:
     """The FLOPs XLA's cost analysis reports for a ragged dot: every row against every group's weights."""
     shape = xla_ragged_dot.shape_of(call)
     return 2.0 * shape.groups * shape.m * shape.k * shape.n
 
 
 def clock_hz(generation: str | TpuGeneration) -> float:
-    """TensorCore clock implied by the bf16 peak (`perf.core_clock_hz`)."""
-    return perf.core_clock_hz(generation)
+    """TensorCore clock implied by the bf16 peak (`chip.core_clock_hz`)."""
+    return chip.core_clock_hz(generation)
 
 
-def kernels_as_placed(program: CompiledProgram, calls: Sequence[perf.PallasCallTraffic]) -> list[perf.PallasCallTraffic]:
+def kernels_as_placed(program: CompiledProgram, calls: Sequence[PallasCallTraffic]) -> list[PallasCallTraffic]:
     """The replayed calls with the operands XLA placed in VMEM moving no HBM bytes.
 
     Kernels and replays are matched in program order; a kernel's last
@@ -664,18 +666,18 @@ def kernels_as_placed(program: CompiledProgram, calls: Sequence[perf.PallasCallT
         on_chip = [position for position, space in zip(inputs, input_spaces) if space == _VMEM]
         kept = [position for position, space in zip(outputs, kernel.result_spaces) if space == _VMEM]
         if on_chip:
-            call = perf.with_operands_on_chip(call, on_chip, "XLA placed this operand in VMEM before the kernel")
+            call = with_operands_on_chip(call, on_chip, "XLA placed this operand in VMEM before the kernel")
         if kept:
-            call = perf.with_operands_on_chip(call, kept, "XLA keeps this result in VMEM")
+            call = with_operands_on_chip(call, kept, "XLA keeps this result in VMEM")
         placed.append(call)
     return placed
 
 
 def model_program(
     program: CompiledProgram,
-    calls: Sequence[perf.PallasCallTraffic],
+    calls: Sequence[PallasCallTraffic],
     *,
-    ragged_dots: Sequence[perf.RaggedDotCall] = (),
+    ragged_dots: Sequence[RaggedDotCall] = (),
     step_overhead_s: float | None = None,
     ragged_dot_step_s: float | None = None,
     hbm_fraction: float = 1.0,
@@ -686,11 +688,11 @@ def model_program(
     order: each is priced by replaying XLA's loop for it (`xla_ragged_dot`).
     """
     gen: TpuGeneration = tpu_generation(program.generation)
-    step_overhead_s = perf.grid_step_s(gen.name) if step_overhead_s is None else step_overhead_s
+    step_overhead_s = chip.grid_step_s(gen.name) if step_overhead_s is None else step_overhead_s
     if ragged_dot_step_s is None:
         ragged_dot_step_s = XLA_RAGGED_DOT_STEP_S.get(gen.name, XLA_RAGGED_DOT_STEP_S["v5e"])
     placed = kernels_as_placed(program, calls)
-    kernels = perf.roofline(placed, gen, step_overhead_s=step_overhead_s, hbm_fraction=hbm_fraction) if placed else None
+    kernels = roofline(placed, gen, step_overhead_s=step_overhead_s, hbm_fraction=hbm_fraction) if placed else None
     hbm_bandwidth = gen.hbm_bytes_per_s * gen.cores_per_device * hbm_fraction
     vmem_bandwidth = gen.hbm_bytes_per_s * gen.cores_per_device * VMEM_BANDWIDTH_OVER_HBM
     looped = [op for op in program.ops if op.ragged_dot is not None]
