@@ -13,7 +13,7 @@ states its rules and their sources:
 - `modelled_time`: `roofline`, the modelled time of replayed calls on one generation;
 - `chip`: the fitted constants (model_constants.json) and the clock they run at;
 - `host_eval`: the replay's small computations on the CPU;
-- `xla_program`, `xla_ragged_dot`: what XLA does around the kernels in a compiled program;
+- `xla_program`, `hlo`, `xla_ragged_dot`: what XLA does around the kernels in a compiled program;
 - `calibration`, `tokamax_kernels`: the model against tokamax's
   measured TPU timings (`tpu-kernels calibrate`).
 
