@@ -14,7 +14,7 @@ states its rules and their sources:
 - `chip`: the fitted constants (model_constants.json) and the clock they run at;
 - `host_eval`: the replay's small computations on the CPU;
 - `xla_program`, `hlo`, `xla_ragged_dot`: what XLA does around the kernels in a compiled program;
-- `calibration`, `tokamax_kernels`: the model against tokamax's
+- `calibration`, `tokamax_calls`, `tokamax_kernels`: the model against tokamax's
   measured TPU timings (`tpu-kernels calibrate`).
 
 The constants below are re-exported values: code that prices with other
