@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tpu_kernels.perf import calibration
+from tpu_kernels.perf import calibration, tokamax_calls
 
 tokamax = pytest.importorskip("tokamax")
 AUTOTUNING = Path(tokamax.__file__).parent / "data" / "autotuning"
@@ -63,7 +63,7 @@ def test_group_sizes_given_as_a_count_expand_as_tokamax_expands_them():
     from tokamax._src.ops.ragged_dot.base import generate_group_sizes
 
     call = {"group_sizes": {"num_groups": 8, "total_size": 100}}
-    sizes = calibration.group_sizes_of(call)
+    sizes = tokamax_calls.group_sizes_of(call)
     assert sizes.tolist() == list(generate_group_sizes(m=100, num_groups=8)) and sizes.sum() == 100
 
 
@@ -73,15 +73,15 @@ def test_reading_repairs_tokamax_unescaped_group_sizes_and_refuses_other_damage(
     damaged = tmp_path / "tpu_v5_lite" / "ragged_dot.json"
     damaged.parent.mkdir()
     damaged.write_text('{"%s": {"{}": {"evaluation_times_ms": [1.0, 2.0]}}}' % key)
-    [(parsed, configs)] = calibration.read_timing_file(damaged).items()
+    [(parsed, configs)] = tokamax_calls.read_timing_file(damaged).items()
     assert json.loads(parsed)["group_sizes"] == {"num_groups": 2, "total_size": 16}
     assert configs == {"{}": {"evaluation_times_ms": [1.0, 2.0]}}
 
     (tmp_path / "empty.json").write_text("")
-    assert calibration.read_timing_file(tmp_path / "empty.json") == {}
+    assert tokamax_calls.read_timing_file(tmp_path / "empty.json") == {}
     (tmp_path / "broken.json").write_text('{"a": ')
     with pytest.raises(calibration.CalibrationInputError, match="not a tokamax autotuning file"):
-        calibration.read_timing_file(tmp_path / "broken.json")
+        tokamax_calls.read_timing_file(tmp_path / "broken.json")
 
 
 def test_the_chip_comes_from_the_folder_and_unknown_ops_or_untimed_entries_are_listed(tmp_path):

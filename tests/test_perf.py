@@ -12,6 +12,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tpu_kernels import perf
+from tpu_kernels.perf import chip
 from tpu_kernels.aot import compile_for
 
 BF16 = 2  # bytes
@@ -21,7 +22,7 @@ V6E_STEP_S = perf.grid_step_s("v6e")  # the calibrated step cost the model charg
 @pytest.fixture
 def whole_weight_loads(monkeypatch):
     """The scaling book's per-pass rule, a weights load never hidden by a short pass (the mechanism under test)."""
-    monkeypatch.setattr(perf, "MXU_WEIGHT_LOAD_FRACTION", 1.0)
+    monkeypatch.setattr(chip, "MXU_WEIGHT_LOAD_FRACTION", 1.0)
 
 
 def _tiled_matmul_kernel(x_ref, y_ref, o_ref, acc_ref):

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from tpu_kernels import perf
-from tpu_kernels.perf import xla_program
+from tpu_kernels.perf import hlo, xla_program
 
 # A hand-written optimized module: a prefetch, a gather fusion, a sliced async prefetch, a relayout copy
 # of an argument and a Pallas kernel.
@@ -153,8 +153,8 @@ def test_clock_implied_by_the_peak_matches_the_published_v5e_clock():
 
 @pytest.mark.parametrize("shape", ["bf16[2,3]{1,0:T(8,128)(2,1)S(1)}", "(bf16[2,3]{1,0}, (s32[4]{0:S(2)}, f32[]))"])
 def test_shapes_parse_into_leaves(shape):
-    parsed, end = xla_program._parse_shape(shape + " rest", 0)
-    leaves = xla_program._leaves(parsed)
+    parsed, end = hlo.parse_shape(shape + " rest", 0)
+    leaves = hlo.leaves(parsed)
     assert leaves[0].dims == (2, 3) and leaves[0].bytes == 12
     assert shape.endswith(")") or leaves[0].space == "vmem"
     assert (shape + " rest")[end:].strip() == "rest"

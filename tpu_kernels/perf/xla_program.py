@@ -3,7 +3,7 @@
 `compile_program(fn, avals, generation)` compiles `fn` ahead of time for a
 TPU generation (libtpu compile-only topology, as `aot.compile_for`), with
 XLA's HLO dump switched on for that one compile, and reads the optimized
-module (`*.after_optimizations.txt`). Every instruction of the entry
+module (`*.after_optimizations.txt`, read by `hlo`). Every instruction of the entry
 computation becomes a `ProgramOp` with
 
 - the memory space XLA assigned to each operand and result: the layout's
@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import re
 import tempfile
 import threading
@@ -56,25 +55,22 @@ from pathlib import Path
 
 import jax
 
-from .. import perf
-from . import xla_ragged_dot
+from . import chip, hlo, xla_ragged_dot
+from .modelled_time import ModelledTime, roofline, with_operands_on_chip
+from .program_replay import RaggedDotCall
+from .traffic import PallasCallTraffic
 from ..aot import topology_device
 from ..runtime.hardware import TpuGeneration, tpu_generation
 
 VMEM_BANDWIDTH_OVER_HBM = 22.0
 # Fixed cost of one kept iteration of XLA's ragged dot loop (`xla_ragged_dot`), per generation, fitted to
 # tokamax's measured XLA ragged dots (model_constants.json).
-XLA_RAGGED_DOT_STEP_S = perf.CONSTANTS["xla_ragged_dot_step_s"]
+XLA_RAGGED_DOT_STEP_S = chip.CONSTANTS["xla_ragged_dot_step_s"]
 PALLAS_TARGET = "tpu_custom_call"
 # A copy of an entry parameter into another layout: XLA's default TPU layout of an argument differs from
 # the one a consumer (e.g. a Pallas kernel's operand layout constraint) needs, so every call rewrites it.
 RELAYOUT = "relayout of"
 
-_HBM, _VMEM, _OTHER = "hbm", "vmem", "on_chip"
-_ITEMSIZE = {
-    "pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4,
-    "u32": 4, "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16,
-}
 # Opcodes that move no data themselves (or whose copy is charged at the matching start).
 _FREE_OPCODES = frozenset({
     "parameter", "constant", "bitcast", "get-tuple-element", "tuple", "copy-done", "async-done", "after-all",
@@ -84,31 +80,6 @@ _FREE_OPCODES = frozenset({
 _FREE_TARGETS = frozenset({"AllocateBuffer", "ConcatBitcast", "AssumeGatherIndicesInBound"})
 # Ops that read only the part of their first operand they produce.
 _SLICING_OPCODES = frozenset({"gather", "slice", "dynamic-slice"})
-_UNKNOWN_CYCLES = 2**63 - 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Leaf:
-    """One array of a (possibly tuple) shape."""
-
-    dtype: str
-    dims: tuple[int, ...]
-    space: str
-    layout: str = ""  # minor-to-major order and tiling, e.g. "1,2,0:T(8,128)(2,1)"
-
-    @property
-    def bytes(self) -> int:
-        return math.ceil(math.prod(self.dims) * _ITEMSIZE.get(self.dtype, 0))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Instruction:
-    name: str
-    shape: object  # Leaf | tuple of shapes
-    opcode: str
-    operands: tuple[str, ...]
-    attributes: str
-    arguments: str = ""  # the text inside the operand parentheses, e.g. a parameter's number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,10 +152,10 @@ class CompiledProgram:
                 lines.append(f"{op.name} ({op.opcode} {op.detail}): runs on {op.vmem_bytes / 2**20:.1f} MiB in VMEM")
         for kernel in self.kernels:
             for number, (space, size) in enumerate(zip(kernel.operand_spaces, kernel.operand_bytes)):
-                if space == _VMEM and size >= min_bytes:
+                if space == hlo.VMEM and size >= min_bytes:
                     lines.append(f"{kernel.name}: operand {number} ({size / 2**20:.1f} MiB) read from VMEM")
             for number, (space, size) in enumerate(zip(kernel.result_spaces, kernel.result_bytes)):
-                if space == _VMEM and size >= min_bytes:
+                if space == hlo.VMEM and size >= min_bytes:
                     lines.append(f"{kernel.name}: result {number} ({size / 2**20:.1f} MiB) kept in VMEM")
         return lines
 
@@ -278,8 +249,8 @@ def analyse_hlo(
     memory: dict | None = None,
 ) -> CompiledProgram:
     """A `CompiledProgram` from the text of an optimized HLO module (and optionally its after-codegen text)."""
-    computations, entry = _parse_module(text)
-    cycles = _estimated_cycles(codegen_text) if codegen_text else {}
+    computations, entry = hlo.parse_module(text)
+    cycles = hlo.estimated_cycles(codegen_text) if codegen_text else {}
     ops, kernels, notes = [], [], []
     _walk(computations, entry, 1, cycles, ops, kernels, notes)
     return CompiledProgram(
@@ -296,19 +267,19 @@ def _walk(computations, name, repeats, cycles, ops, kernels, notes):
     instructions = computations[name]
     by_name = {inst.name: inst for inst in instructions}
     for inst in instructions:
-        if inst.opcode == "custom-call" and _target(inst) == PALLAS_TARGET:
+        if inst.opcode == "custom-call" and hlo.target(inst) == PALLAS_TARGET:
             operands = [by_name[o].shape for o in inst.operands if o in by_name]
-            results = _leaves(inst.shape)
+            results = hlo.leaves(inst.shape)
             kernels.append(KernelCall(
                 name=inst.name,
-                operand_spaces=tuple(_single_space(s) for s in operands),
-                operand_bytes=tuple(sum(leaf.bytes for leaf in _leaves(s)) for s in operands),
+                operand_spaces=tuple(hlo.single_space(s) for s in operands),
+                operand_bytes=tuple(sum(leaf.bytes for leaf in hlo.leaves(s)) for s in operands),
                 result_spaces=tuple(leaf.space for leaf in results),
                 result_bytes=tuple(leaf.bytes for leaf in results),
             ))
             continue
         if inst.opcode == "while":
-            body = _attribute(inst.attributes, "body")
+            body = hlo.attribute(inst.attributes, "body")
             trips = re.search(r'known_trip_count[^0-9]*"?n"?\D*(\d+)', inst.attributes)
             if not trips:
                 notes.append(f"{inst.name}: while loop without a known trip count, its body counted once")
@@ -328,91 +299,91 @@ def _walk(computations, name, repeats, cycles, ops, kernels, notes):
         ops.append(dataclasses.replace(op, estimated_cycles=None if estimate is None else estimate * repeats))
 
 
-def _op_traffic(inst: _Instruction, by_name, computations) -> ProgramOp | None:
+def _op_traffic(inst: hlo.Instruction, by_name, computations) -> ProgramOp | None:
     if inst.opcode in _FREE_OPCODES:
         return None
-    if inst.opcode == "custom-call" and _target(inst) in _FREE_TARGETS:
+    if inst.opcode == "custom-call" and hlo.target(inst) in _FREE_TARGETS:
         return None
-    results = _leaves(inst.shape)
+    results = hlo.leaves(inst.shape)
     operand_shapes = [by_name[o].shape for o in inst.operands if o in by_name]
-    detail = _target(inst) or _attribute(inst.attributes, "kind") or ""
+    detail = hlo.target(inst) or hlo.attribute(inst.attributes, "kind") or ""
     reads = hbm_write = vmem = 0
     prefetch = False
 
-    def charge_read(leaf: Leaf, size: int | None = None):
+    def charge_read(leaf: hlo.Leaf, size: int | None = None):
         nonlocal reads, vmem
         size = leaf.bytes if size is None else size
-        if leaf.space == _HBM:
+        if leaf.space == hlo.HBM:
             reads += size
-        elif leaf.space == _VMEM:
+        elif leaf.space == hlo.VMEM:
             vmem += size
 
-    def charge_write(leaf: Leaf):
+    def charge_write(leaf: hlo.Leaf):
         nonlocal hbm_write, vmem
-        if leaf.space == _HBM:
+        if leaf.space == hlo.HBM:
             hbm_write += leaf.bytes
-        elif leaf.space == _VMEM:
+        elif leaf.space == hlo.VMEM:
             vmem += leaf.bytes
 
     if inst.opcode == "copy-start":
         # (destination, source, context): the copy reads the source and fills the destination.
-        destination = _leaves(inst.shape[0])
+        destination = hlo.leaves(inst.shape[0])
         for shape in operand_shapes:
-            for leaf in _leaves(shape):
+            for leaf in hlo.leaves(shape):
                 charge_read(leaf)
         for leaf in destination:
             charge_write(leaf)
-        prefetch = any(leaf.space == _VMEM for leaf in destination)
+        prefetch = any(leaf.space == hlo.VMEM for leaf in destination)
         detail = _source(inst.operands[0], by_name) if inst.operands else detail
     elif inst.opcode == "async-start":
-        called = computations.get(_attribute(inst.attributes, "calls"), [])
+        called = computations.get(hlo.attribute(inst.attributes, "calls"), [])
         root = called[-1] if called else None
         if root is not None and root.opcode in ("slice", "dynamic-slice", "copy"):
-            source = _leaves(operand_shapes[0]) if operand_shapes else []
-            destination = _leaves(root.shape)
+            source = hlo.leaves(operand_shapes[0]) if operand_shapes else []
+            destination = hlo.leaves(root.shape)
             for leaf in source:
                 charge_read(leaf, sum(d.bytes for d in destination))
             for leaf in destination:
                 charge_write(leaf)
-            prefetch = any(leaf.space == _VMEM for leaf in destination)
+            prefetch = any(leaf.space == hlo.VMEM for leaf in destination)
             detail = f"{_source(inst.operands[0], by_name)} ({root.opcode})" if inst.operands else root.opcode
         else:
             for shape in operand_shapes:
-                for leaf in _leaves(shape):
+                for leaf in hlo.leaves(shape):
                     charge_read(leaf)
             if isinstance(inst.shape, tuple) and len(inst.shape) > 1:
-                for leaf in _leaves(inst.shape[1]):
+                for leaf in hlo.leaves(inst.shape[1]):
                     charge_write(leaf)
     elif inst.opcode == "async-update":
         # Offloaded gathers / scatters: the inputs arrive with the update; result element 1 is the output.
         # A gather offloaded to the SparseCores (XLA names it `gather_offload...`) reads the rows it gathers,
         # one per index (repeated rows again), not its whole table: its data operand is charged the output's
         # bytes, its indices whole.
-        output = _leaves(inst.shape[1]) if isinstance(inst.shape, tuple) and len(inst.shape) > 1 else []
+        output = hlo.leaves(inst.shape[1]) if isinstance(inst.shape, tuple) and len(inst.shape) > 1 else []
         gather = inst.name.startswith("gather_offload")
         for number, shape in enumerate(operand_shapes[1:]):
-            for leaf in _leaves(shape):
+            for leaf in hlo.leaves(shape):
                 charge_read(leaf, sum(o.bytes for o in output) if gather and number == 0 else None)
         for leaf in output:
             charge_write(leaf)
     elif inst.opcode == "fusion":
-        called = computations.get(_attribute(inst.attributes, "calls"), [])
+        called = computations.get(hlo.attribute(inst.attributes, "calls"), [])
         partial = _partially_read_parameters(called)
         for number, shape in enumerate(operand_shapes):
-            for leaf in _leaves(shape):
+            for leaf in hlo.leaves(shape):
                 charge_read(leaf, min(leaf.bytes, partial[number]) if number in partial else None)
         for leaf in results:
             charge_write(leaf)
     elif inst.opcode in _SLICING_OPCODES:
         produced = sum(leaf.bytes for leaf in results)
         for number, shape in enumerate(operand_shapes):
-            for leaf in _leaves(shape):
+            for leaf in hlo.leaves(shape):
                 charge_read(leaf, min(leaf.bytes, produced) if number == 0 else None)
         for leaf in results:
             charge_write(leaf)
     else:
         for shape in operand_shapes:
-            for leaf in _leaves(shape):
+            for leaf in hlo.leaves(shape):
                 charge_read(leaf)
         for leaf in results:
             charge_write(leaf)
@@ -420,14 +391,15 @@ def _op_traffic(inst: _Instruction, by_name, computations) -> ProgramOp | None:
         return None
     if inst.opcode == "copy" and inst.operands and by_name.get(inst.operands[0]) is not None:
         source = by_name[inst.operands[0]]
-        if source.opcode == "parameter" and isinstance(source.shape, Leaf) and isinstance(inst.shape, Leaf) \
+        if source.opcode == "parameter" and isinstance(source.shape, hlo.Leaf) \
+                and isinstance(inst.shape, hlo.Leaf) \
                 and source.shape.layout != inst.shape.layout:
             detail = f"{RELAYOUT} {source.name} ({source.shape.layout} -> {inst.shape.layout})"
     windows = _ragged_dot_windows(inst, computations) if inst.opcode == "fusion" else None
     return ProgramOp(inst.name, inst.opcode, detail, reads, hbm_write, vmem, None, prefetch, windows)
 
 
-def _ragged_dot_windows(inst: _Instruction, computations) -> xla_ragged_dot.Windows | None:
+def _ragged_dot_windows(inst: hlo.Instruction, computations) -> xla_ragged_dot.Windows | None:
     """The loop of a fusion that computes a ragged dot (its backend config, or a nested fusion's)."""
     pending, seen = [inst], set()
     while pending:
@@ -436,7 +408,7 @@ def _ragged_dot_windows(inst: _Instruction, computations) -> xla_ragged_dot.Wind
             windows = xla_ragged_dot.parse_windows(current.attributes)
             if windows is not None:
                 return windows
-        called = _attribute(current.attributes, "calls")
+        called = hlo.attribute(current.attributes, "calls")
         if called in computations and called not in seen:
             seen.add(called)
             pending.extend(computations[called])
@@ -450,7 +422,7 @@ def _source(name: str, by_name) -> str:
     return name
 
 
-def _partially_read_parameters(called: list[_Instruction]) -> dict[int, int]:
+def _partially_read_parameters(called: list[hlo.Instruction]) -> dict[int, int]:
     """Parameters of a fused computation read only through gather / slice ops: bytes those ops produce."""
     parameters = {}
     for inst in called:
@@ -461,139 +433,8 @@ def _partially_read_parameters(called: list[_Instruction]) -> dict[int, int]:
     for name, number in parameters.items():
         users = [inst for inst in called if name in inst.operands]
         if users and all(user.opcode in _SLICING_OPCODES and user.operands[0] == name for user in users):
-            partial[number] = sum(sum(leaf.bytes for leaf in _leaves(user.shape)) for user in users)
+            partial[number] = sum(sum(leaf.bytes for leaf in hlo.leaves(user.shape)) for user in users)
     return partial
-
-
-# ----------------------------------------------------------------------------- parsing
-
-
-_HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
-# A computation ends with a line "}" (or "}, execution_thread=..." for the SparseCores' computations); a line
-# starting with "}" inside an instruction (a kernel's multi-line metadata) does not end it.
-_COMPUTATION_END = re.compile(r"^\}(\s*$|, execution_thread=)")
-_LEAF = re.compile(r"(\w+)\[([\d,]*)\](\{[^}]*\})?")
-
-
-def _parse_module(text: str) -> tuple[dict[str, list[_Instruction]], str]:
-    computations: dict[str, list[_Instruction]] = {}
-    entry = None
-    current = None
-    pending: list[tuple[str, str]] = []  # (name, text) of the current computation's instructions
-
-    def close():
-        computations[current] = [_parse_instruction(name, rest) for name, rest in pending]
-        pending.clear()
-
-    for line in text.splitlines():
-        if current is None:
-            header = _HEADER.match(line)
-            if header and "=" not in line.split("(")[0]:
-                current = header.group(2)
-                if header.group(1):
-                    entry = current
-            continue
-        if _COMPUTATION_END.match(line):
-            close()
-            current = None
-            continue
-        match = _INSTRUCTION.match(line)
-        if match:
-            pending.append((match.group(1), match.group(2)))
-        elif pending:
-            # An attribute string holding line breaks (a kernel's metadata JSON) continues the instruction.
-            name, rest = pending[-1]
-            pending[-1] = (name, rest + "\n" + line)
-    if entry is None:
-        raise ValueError("HLO text has no ENTRY computation")
-    return computations, entry
-
-
-def _parse_instruction(name: str, rest: str) -> _Instruction:
-    shape, position = _parse_shape(rest, 0)
-    rest = rest[position:].lstrip()
-    opcode_end = rest.index("(")
-    opcode = rest[:opcode_end].strip()
-    close = _matching(rest, opcode_end)
-    arguments = rest[opcode_end + 1 : close]
-    operands = tuple(re.findall(r"%([\w.\-]+)", arguments))
-    return _Instruction(name, shape, opcode, operands, rest[close + 1 :], arguments)
-
-
-def _parse_shape(text: str, position: int):
-    """A shape at `text[position:]`: a Leaf or a tuple of shapes; returns it and the position after it."""
-    while text[position] == " ":
-        position += 1
-    if text[position] == "(":
-        elements = []
-        position += 1
-        while True:
-            while text[position] in " ,":
-                position += 1
-            if text.startswith("/*", position):
-                position = text.index("*/", position) + 2
-                continue
-            if text[position] == ")":
-                return tuple(elements), position + 1
-            element, position = _parse_shape(text, position)
-            elements.append(element)
-    match = _LEAF.match(text, position)
-    if match is None:  # token[] and other shapes without arrays
-        end = text.find(" ", position)
-        return Leaf("token", (), _OTHER), len(text) if end < 0 else end
-    dims = tuple(int(d) for d in match.group(2).split(",") if d)
-    layout = match.group(3) or ""
-    space = re.search(r"S\((\d+)\)", layout)
-    number = int(space.group(1)) if space else 0
-    order = re.sub(r"S\(\d+\)", "", layout.strip("{}"))
-    return Leaf(match.group(1), dims, _HBM if number == 0 else _VMEM if number == 1 else _OTHER, order), match.end()
-
-
-def _matching(text: str, open_position: int) -> int:
-    depth = 0
-    for position in range(open_position, len(text)):
-        char = text[position]
-        if char in "([{":
-            depth += 1
-        elif char in ")]}":
-            depth -= 1
-            if depth == 0:
-                return position
-    raise ValueError(f"unbalanced brackets in HLO: {text[:200]}")
-
-
-def _leaves(shape) -> list[Leaf]:
-    if isinstance(shape, Leaf):
-        return [shape]
-    return [leaf for element in shape for leaf in _leaves(element)]
-
-
-def _single_space(shape) -> str:
-    spaces = {leaf.space for leaf in _leaves(shape)}
-    return spaces.pop() if len(spaces) == 1 else "mixed"
-
-
-def _attribute(attributes: str, key: str) -> str | None:
-    match = re.search(rf"\b{key}=%?([\w.\-]+)", attributes)
-    return match.group(1) if match else None
-
-
-def _target(inst: _Instruction) -> str | None:
-    match = re.search(r'custom_call_target="([^"]+)"', inst.attributes)
-    return match.group(1) if match else None
-
-
-def _estimated_cycles(codegen_text: str) -> dict[str, int]:
-    """XLA's estimated cycles per instruction name, where the TPU backend annotated a finite estimate."""
-    found = {}
-    for line in codegen_text.splitlines():
-        match = _INSTRUCTION.match(line)
-        cycles = re.search(r'"estimated_cycles":"(\d+)"', line)
-        if match and cycles and int(cycles.group(1)) != _UNKNOWN_CYCLES:
-            found[match.group(1)] = int(cycles.group(1))
-    return found
-
 
 # ----------------------------------------------------------------------------- the program's modelled time
 
@@ -605,7 +446,7 @@ class ProgramTime:
     generation: str
     step_overhead_s: float
     hbm_fraction: float
-    kernels: perf.ModelledTime | None
+    kernels: ModelledTime | None
     xla_s: float
     ragged_dot_s: float
     xla_flops: float
@@ -633,18 +474,18 @@ class ProgramTime:
         return (self.kernels.hbm_bytes if self.kernels else 0) + self.xla_hbm_bytes
 
 
-def _dense_flops(call: perf.RaggedDotCall) -> float:
+def _dense_flops(call: RaggedDotCall) -> float:
     """The FLOPs XLA's cost analysis reports for a ragged dot: every row against every group's weights."""
     shape = xla_ragged_dot.shape_of(call)
     return 2.0 * shape.groups * shape.m * shape.k * shape.n
 
 
 def clock_hz(generation: str | TpuGeneration) -> float:
-    """TensorCore clock implied by the bf16 peak (`perf.core_clock_hz`)."""
-    return perf.core_clock_hz(generation)
+    """TensorCore clock implied by the bf16 peak (`chip.core_clock_hz`)."""
+    return chip.core_clock_hz(generation)
 
 
-def kernels_as_placed(program: CompiledProgram, calls: Sequence[perf.PallasCallTraffic]) -> list[perf.PallasCallTraffic]:
+def kernels_as_placed(program: CompiledProgram, calls: Sequence[PallasCallTraffic]) -> list[PallasCallTraffic]:
     """The replayed calls with the operands XLA placed in VMEM moving no HBM bytes.
 
     Kernels and replays are matched in program order; a kernel's last
@@ -661,21 +502,21 @@ def kernels_as_placed(program: CompiledProgram, calls: Sequence[perf.PallasCallT
         inputs = [position for position, op in enumerate(call.operands) if op.role == "input"]
         outputs = [position for position, op in enumerate(call.operands) if op.role == "output"]
         input_spaces = kernel.operand_spaces[len(kernel.operand_spaces) - len(inputs):]
-        on_chip = [position for position, space in zip(inputs, input_spaces) if space == _VMEM]
-        kept = [position for position, space in zip(outputs, kernel.result_spaces) if space == _VMEM]
+        on_chip = [position for position, space in zip(inputs, input_spaces) if space == hlo.VMEM]
+        kept = [position for position, space in zip(outputs, kernel.result_spaces) if space == hlo.VMEM]
         if on_chip:
-            call = perf.with_operands_on_chip(call, on_chip, "XLA placed this operand in VMEM before the kernel")
+            call = with_operands_on_chip(call, on_chip, "XLA placed this operand in VMEM before the kernel")
         if kept:
-            call = perf.with_operands_on_chip(call, kept, "XLA keeps this result in VMEM")
+            call = with_operands_on_chip(call, kept, "XLA keeps this result in VMEM")
         placed.append(call)
     return placed
 
 
 def model_program(
     program: CompiledProgram,
-    calls: Sequence[perf.PallasCallTraffic],
+    calls: Sequence[PallasCallTraffic],
     *,
-    ragged_dots: Sequence[perf.RaggedDotCall] = (),
+    ragged_dots: Sequence[RaggedDotCall] = (),
     step_overhead_s: float | None = None,
     ragged_dot_step_s: float | None = None,
     hbm_fraction: float = 1.0,
@@ -686,11 +527,11 @@ def model_program(
     order: each is priced by replaying XLA's loop for it (`xla_ragged_dot`).
     """
     gen: TpuGeneration = tpu_generation(program.generation)
-    step_overhead_s = perf.grid_step_s(gen.name) if step_overhead_s is None else step_overhead_s
+    step_overhead_s = chip.grid_step_s(gen.name) if step_overhead_s is None else step_overhead_s
     if ragged_dot_step_s is None:
         ragged_dot_step_s = XLA_RAGGED_DOT_STEP_S.get(gen.name, XLA_RAGGED_DOT_STEP_S["v5e"])
     placed = kernels_as_placed(program, calls)
-    kernels = perf.roofline(placed, gen, step_overhead_s=step_overhead_s, hbm_fraction=hbm_fraction) if placed else None
+    kernels = roofline(placed, gen, step_overhead_s=step_overhead_s, hbm_fraction=hbm_fraction) if placed else None
     hbm_bandwidth = gen.hbm_bytes_per_s * gen.cores_per_device * hbm_fraction
     vmem_bandwidth = gen.hbm_bytes_per_s * gen.cores_per_device * VMEM_BANDWIDTH_OVER_HBM
     looped = [op for op in program.ops if op.ragged_dot is not None]

@@ -14,7 +14,7 @@ pricing it by XLA's FLOPs was 4x to 100x too slow.
 This module replays that loop with the group sizes' values, in XLA's order
 (column windows, then groups, then row windows, then contracting chunks),
 visiting only the iterations the skipper keeps, and prices each like a
-pipeline step (`perf.pipeline_seconds`):
+pipeline step (`traffic.pipeline_seconds`):
 
 - forward and lhs-gradient modes (the ragged dimension is the output's rows):
   an iteration reads its lhs window (rows x chunk) and, when the group, chunk
@@ -49,7 +49,8 @@ import re
 
 import numpy as np
 
-from .. import perf
+from .program_replay import RaggedDotCall
+from .traffic import DotShape, pipeline_seconds
 from ..runtime.hardware import TpuGeneration
 
 # The f32 accumulator of the groups' masked sum (module docstring).
@@ -100,7 +101,7 @@ class Shape:
     rhs_dtype: str
 
 
-def shape_of(call: perf.RaggedDotCall) -> Shape:
+def shape_of(call: RaggedDotCall) -> Shape:
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = call.dimension_numbers.dot_dimension_numbers
     if lhs_batch or rhs_batch or len(call.lhs_shape) != 2:
         raise ValueError(f"ragged dot with batch dimensions or lhs rank {len(call.lhs_shape)} is not modelled")
@@ -150,7 +151,7 @@ class Modelled:
 
 
 def model(
-    call: perf.RaggedDotCall,
+    call: RaggedDotCall,
     windows: Windows,
     generation: TpuGeneration,
     *,
@@ -173,7 +174,7 @@ def model(
 _WITHOUT_STEP_COST: dict[tuple, Modelled] = {}
 
 
-def _model(call: perf.RaggedDotCall, windows: Windows, generation: TpuGeneration, *, hbm_fraction: float) -> Modelled:
+def _model(call: RaggedDotCall, windows: Windows, generation: TpuGeneration, *, hbm_fraction: float) -> Modelled:
     shape = shape_of(call)
     rows = 8 * windows.output_window[1]
     cols = 128 * windows.output_window[2]
@@ -244,10 +245,10 @@ def _model(call: perf.RaggedDotCall, windows: Windows, generation: TpuGeneration
     m, k, n = height, depth, width
     compute = np.zeros(len(steps))
     for key in set(zip(m.tolist(), k.tolist(), n.tolist())):
-        dot = perf.DotShape(1, key[0], key[1], key[2], shape.lhs_dtype, shape.rhs_dtype, "DEFAULT", 1)
+        dot = DotShape(1, key[0], key[1], key[2], shape.lhs_dtype, shape.rhs_dtype, "DEFAULT", 1)
         seconds = dot.mxu_flops(generation) / dot.peak_flops_per_s(generation)
         compute[(m == key[0]) & (k == key[1]) & (n == key[2])] = seconds
     bandwidth = generation.hbm_bytes_per_s * generation.cores_per_device * hbm_fraction
-    seconds = perf.pipeline_seconds(fetched.astype(float), written.astype(float), compute / generation.cores_per_device,
+    seconds = pipeline_seconds(fetched.astype(float), written.astype(float), compute / generation.cores_per_device,
                                     prologue_bytes=0.0, bandwidth=bandwidth, step_overhead_s=0.0)
     return Modelled(seconds, len(steps), iterations, int(fetched.sum() + written.sum()), float(compute.sum()), note)

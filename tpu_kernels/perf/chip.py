@@ -1,0 +1,65 @@
+"""The chip rates the performance model prices with: its fitted constants and the clock they run at.
+
+HBM bandwidth, MXU peaks and size, VMEM capacity, the default scoped VMEM
+limits and the default per-grid-step cost come from
+`tpu_kernels.runtime.hardware` (the module every built kernel carries as
+`_hardware.py`), which reads jax's public TPU table
+(`jax.experimental.pallas.tpu.get_tpu_info_for_chip`) and names the source
+of each number it adds. The constants fitted to real-chip timings (the step
+cost per generation, the MXU weight-load share, the vector-unit rates) are
+data in model_constants.json, beside this module.
+
+`tpu_kernels.perf.calibration` prices with other constants by setting this
+module's attributes for one pricing: code elsewhere in the model reads them
+as `chip.NAME` at call time, never copies them.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+from ..runtime.hardware import GRID_STEP_OVERHEAD_S, TpuGeneration, tpu_generation
+
+# The model's fitted constants (tpu_kernels/perf/model_constants.json, written from benchmarks/calibration_fit.py):
+# data, so that refitting them changes no code and re-prices cached replays without redoing them.
+CONSTANTS = json.loads(resources.files(__package__).joinpath("model_constants.json").read_text())
+# The cycles a weights tile takes to load into the MXU that a pass of fewer rows cannot hide, as a share of
+# `mxu_size` (the scaling book implies all of them, 1.0: a pass would cost max(rows, mxu_size) cycles).
+# Fitted on TPU7x, whose 128-row tiles on the 256-wide MXU cost what 128 rows cost, not 256; v5e's timings
+# (128-row tiles on a 128-wide MXU) cannot tell.
+MXU_WEIGHT_LOAD_FRACTION = CONSTANTS["mxu_weight_load_fraction"]
+# Vector-unit throughput per TensorCore cycle, in (8 x 128) register elements: VPU operations, and
+# operations through the transcendental unit. Fitted on TPU7x (the only chip with vector-bound timings:
+# flash attention); assumed the same per cycle on every generation, at the clock `core_clock_hz` implies.
+VECTOR_ELEMENTS_PER_CYCLE = CONSTANTS["vector_elements_per_cycle"]
+TRANSCENDENTAL_ELEMENTS_PER_CYCLE = CONSTANTS["transcendental_elements_per_cycle"]
+
+
+def grid_step_s(generation: str) -> float:
+    """The calibrated fixed cost of one Pallas grid step on `generation` (model_constants.json)."""
+    steps = CONSTANTS["grid_step_s"]
+    return steps.get(generation, GRID_STEP_OVERHEAD_S)
+
+
+# MXUs per TensorCore used to turn a bf16 peak into a clock: 4 on v4 and v5 ("How to Think About TPUs",
+# which also gives v5e's 1.5 GHz clock); assumed 4 on later generations.
+MXUS_PER_CORE = 4
+
+
+def core_clock_hz(generation: str | TpuGeneration) -> float:
+    """TensorCore clock implied by the bf16 peak: peak / (MXUs x 2 x mxu_size^2); 1.50 GHz on v5e, 1.75 GHz on v6e."""
+    gen = as_generation(generation)
+    return gen.bf16_flops_per_s / (MXUS_PER_CORE * 2 * gen.mxu_size**2)
+
+
+def vector_elements_per_s(generation: str | TpuGeneration) -> float:
+    return VECTOR_ELEMENTS_PER_CYCLE * core_clock_hz(generation)
+
+
+def transcendental_elements_per_s(generation: str | TpuGeneration) -> float:
+    return TRANSCENDENTAL_ELEMENTS_PER_CYCLE * core_clock_hz(generation)
+
+
+def as_generation(generation: str | TpuGeneration) -> TpuGeneration:
+    return generation if isinstance(generation, TpuGeneration) else tpu_generation(generation)

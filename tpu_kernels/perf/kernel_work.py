@@ -1,0 +1,250 @@
+"""The work inside a Pallas kernel body at each grid step: its matmuls (MXU) and its vector-unit operations.
+
+MXU work is derived from the kernel body: every `dot_general` on the block
+shapes, times the loop trip counts around it, at every grid step (so padding
+rows inside a block are counted: the MXU computes them). A top-level `cond`
+(`pl.when`) whose predicate depends only on program ids and scalar-prefetch
+values is evaluated at every step, so compute a kernel skips (an empty group,
+a masked tile) costs nothing. Any other `cond` counts its most expensive
+branch and a `while` body counts once; `PallasCallTraffic.dots_exact` is
+False then, and the `active_steps` callback can say which steps compute (the
+pipeline's DMAs run on every step regardless).
+
+Vector-unit work: every elementwise or reducing op of the kernel body on an
+array counts its (8 x 128) register elements (a [bq, 64] f32 block counts
+[bq, 128]) at every step it runs, at `chip.VECTOR_ELEMENTS_PER_CYCLE`, or at
+`chip.TRANSCENDENTAL_ELEMENTS_PER_CYCLE` for exp, log, div, rsqrt and the
+like; an add of a matmul's result into an accumulator is the MXU's, not
+counted.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import core as jax_core
+from jax._src.state import discharge as state_discharge
+from jax.extend import core as jex_core
+
+from .host_eval import host_device, is_unknown, run_on_host
+from .traffic import dtype_name
+from ..runtime.hardware import round_up
+
+def grid_dots(kernel, gm, grid, grid_indices: np.ndarray, prefetch: list[Any]) -> tuple[dict[tuple, np.ndarray], bool]:
+    """How many times each matmul shape runs at every grid step, and whether that count is exact.
+
+    A top-level `cond` (e.g. `pl.when`) whose predicate depends only on
+    program ids and scalar-prefetch values is evaluated at every step, so
+    skipped compute costs nothing. Other conds count their most expensive
+    branch, a `while` body counts once; the count is then not exact.
+    """
+    steps = grid_indices.shape[0]
+    per_step: dict[tuple, np.ndarray] = {}
+    exact = True
+
+    def add(found: dict[tuple, int], times: np.ndarray):
+        for key, count in found.items():
+            per_step[key] = per_step.get(key, np.zeros(steps, np.int64)) + count * times
+
+    every_step = np.ones(steps, np.int64)
+    products = _matmul_products(kernel)
+    for eqn in kernel.eqns:
+        if eqn.primitive.name == "cond" and _cond_has_dots(eqn):
+            branch = _branch_at_each_step(kernel, eqn, gm, grid, grid_indices, prefetch)
+            if branch is not None:
+                for number, body in enumerate(eqn.params["branches"]):
+                    found: dict[tuple, int] = {}
+                    exact &= _collect_dots(body.jaxpr, 1, found)
+                    add(found, (branch == number).astype(np.int64))
+                continue
+        found = {}
+        exact &= _collect_dots_of_eqn(eqn, 1, found, products)
+        add(found, every_step)
+    return per_step, exact
+
+
+def _cond_has_dots(eqn) -> bool:
+    """Whether a cond holds work the model counts (matmuls or vector work) in some branch."""
+    for branch in eqn.params["branches"]:
+        found: dict[tuple, int] = {}
+        _collect_dots(branch.jaxpr, 1, found)
+        if found:
+            return True
+    return False
+
+
+def _branch_at_each_step(kernel, cond_eqn, gm, grid, grid_indices, prefetch) -> np.ndarray | None:
+    """The branch `cond_eqn` takes at every grid step, if its index depends only on program ids and scalar prefetch."""
+    steps = grid_indices.shape[0]
+    index = cond_eqn.invars[0]
+    num_branches = len(cond_eqn.params["branches"])
+    if isinstance(index, jax_core.Literal):
+        return np.full(steps, int(np.clip(int(index.val), 0, num_branches - 1)))
+    prefetch_refs = list(kernel.invars[: gm.num_index_operands])
+    if any(is_unknown(value) for value in prefetch):
+        return None
+    if any(
+        eqn.primitive.name in ("swap", "addupdate") and eqn.invars[0] in prefetch_refs for eqn in kernel.eqns
+    ):
+        return None  # the kernel rewrites its scalar prefetch: its values are not the ones passed in
+    producers = {id(var): eqn for eqn in kernel.eqns for var in eqn.outvars}
+    slice_ids: set[int] = set()
+    grid_vars: list[tuple[jax_core.Var, str, int]] = []
+    pending = [index]
+    while pending:
+        var = pending.pop()
+        if isinstance(var, jax_core.Literal) or any(var is ref for ref in prefetch_refs):
+            continue
+        eqn = producers.get(id(var))
+        if eqn is None:
+            return None  # a kernel input other than scalar prefetch
+        if eqn.primitive.name in ("program_id", "num_programs"):
+            if all(v is not var for v, _, _ in grid_vars):
+                grid_vars.append((var, eqn.primitive.name, eqn.params["axis"]))
+            continue
+        if list(jax_core.jaxprs_in_params(eqn.params)):
+            return None
+        if eqn.effects and not (eqn.primitive.name == "get" and any(eqn.invars[0] is ref for ref in prefetch_refs)):
+            return None
+        if id(eqn) not in slice_ids:
+            slice_ids.add(id(eqn))
+            pending.extend(eqn.invars)
+    eqns = [eqn for eqn in kernel.eqns if id(eqn) in slice_ids]
+    predicate = jax_core.Jaxpr(
+        constvars=[],
+        invars=[v for v, _, _ in grid_vars] + prefetch_refs,
+        outvars=[index],
+        eqns=eqns,
+        effects=jax_core.join_effects(*(eqn.effects for eqn in eqns)),
+        debug_info=jex_core.DebugInfo("tpu_kernels.perf", "branch index of a kernel cond", None, None),
+    )
+    pure = jax_core.jaxpr_as_fun(state_discharge.discharge_state(jax_core.ClosedJaxpr(predicate, [])))
+    grid_args = [
+        grid_indices[:, axis] if kind == "program_id" else np.full(steps, grid[axis], np.int32)
+        for _, kind, axis in grid_vars
+    ]
+
+    def branch_index(step, grid_columns, prefetch_values):
+        del step  # vmap needs one mapped argument, also when no program id is read
+        return pure(*grid_columns, *prefetch_values)[0]
+
+    batched = jax.vmap(branch_index, in_axes=(0, 0, None))
+    with jax.default_device(host_device()):
+        taken = run_on_host(batched, np.arange(steps, dtype=np.int32), grid_args, list(prefetch))
+    return np.clip(np.asarray(taken, dtype=np.int64), 0, num_branches - 1)
+
+
+def _dot_key(eqn) -> tuple:
+    lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
+    batch = math.prod(lhs.shape[d] for d in lhs_batch)
+    k = math.prod(lhs.shape[d] for d in lhs_contract)
+    m = math.prod(s for d, s in enumerate(lhs.shape) if d not in (*lhs_contract, *lhs_batch))
+    n = math.prod(s for d, s in enumerate(rhs.shape) if d not in (*rhs_contract, *rhs_batch))
+    precision = eqn.params.get("precision")
+    if isinstance(precision, tuple):
+        precision = precision[0]
+    precision_name = "DEFAULT" if precision is None else getattr(precision, "name", str(precision))
+    return (batch, m, k, n, dtype_name(lhs.dtype), dtype_name(rhs.dtype), precision_name)
+
+
+def _flops_of(collected: dict[tuple, int]) -> int:
+    return sum(2 * key[0] * key[1] * key[2] * key[3] * count for key, count in collected.items() if is_dot_key(key))
+
+
+# Vector-unit work of a kernel body, counted in (sublane x 128-lane) register elements: an array of shape
+# [..., r, c] occupies prod(...) * round_up(r, 8) * round_up(c, 128) of them, however many it uses.
+VECTOR_KEY = ("vector",)
+TRANSCENDENTAL_KEY = ("transcendental",)
+# Elementwise and reducing primitives the VPU runs (one op per register element)...
+_VECTOR_PRIMITIVES = frozenset({
+    "add", "sub", "mul", "neg", "max", "min", "abs", "sign", "floor", "ceil", "round", "select_n", "clamp",
+    "convert_element_type", "and", "or", "not", "xor", "eq", "ne", "lt", "le", "gt", "ge", "integer_pow",
+    "square", "shift_left", "shift_right_logical", "shift_right_arithmetic", "reduce_max", "reduce_min",
+    "reduce_sum", "reduce_and", "reduce_or", "argmax", "argmin", "cumsum", "cummax",
+})
+# ...and those that go through the transcendental unit (and the VPU for their operands' handling).
+_TRANSCENDENTAL_PRIMITIVES = frozenset({
+    "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "erf", "erf_inv", "sin", "cos", "tan",
+    "sqrt", "rsqrt", "cbrt", "div", "pow", "atan2",
+})
+
+
+def is_dot_key(key: tuple) -> bool:
+    return len(key) > 1
+
+
+def _register_elements(aval) -> int:
+    shape = tuple(int(d) for d in getattr(aval, "shape", ()))
+    if not shape:
+        return 0
+    if len(shape) == 1:
+        return round_up(shape[0], 128)
+    *leading, rows, cols = shape
+    return math.prod(leading) * round_up(rows, 8) * round_up(cols, 128)
+
+
+def _vector_work(eqn) -> tuple[tuple, int] | None:
+    """(key, register elements) of the vector work one run of `eqn` does, if it is vector work."""
+    name = eqn.primitive.name
+    if name not in _VECTOR_PRIMITIVES and name not in _TRANSCENDENTAL_PRIMITIVES:
+        return None
+    reducing = name.startswith(("reduce_", "arg", "cum"))
+    elements = _register_elements(eqn.invars[0].aval if reducing else eqn.outvars[0].aval)
+    if not elements:
+        return None
+    return (TRANSCENDENTAL_KEY if name in _TRANSCENDENTAL_PRIMITIVES else VECTOR_KEY), elements
+
+
+def _collect_dots(jaxpr: jax_core.Jaxpr, multiplicity: int, collected: dict[tuple, int]) -> bool:
+    exact = True
+    products = _matmul_products(jaxpr)
+    for eqn in jaxpr.eqns:
+        exact &= _collect_dots_of_eqn(eqn, multiplicity, collected, products)
+    return exact
+
+
+def _matmul_products(jaxpr: jax_core.Jaxpr) -> set:
+    """Variables holding a matmul's result: adding one to an accumulator is the MXU's accumulation, not VPU work."""
+    return {var for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general" for var in eqn.outvars}
+
+
+def _collect_dots_of_eqn(eqn, multiplicity: int, collected: dict[tuple, int], products: set = frozenset()) -> bool:
+    """Adds the matmuls (and vector work) one run of `eqn` performs; False if their number is only an upper bound."""
+    name = eqn.primitive.name
+    if name == "dot_general":
+        key = _dot_key(eqn)
+        collected[key] = collected.get(key, 0) + multiplicity
+        return True
+    accumulating = name == "add" and any(var in products for var in eqn.invars if isinstance(var, jax_core.Var))
+    work = None if accumulating else _vector_work(eqn)
+    if work is not None:
+        key, elements = work
+        collected[key] = collected.get(key, 0) + elements * multiplicity
+        return True
+    if name == "cond":
+        exact = True
+        branch_dots = []
+        for branch in eqn.params["branches"]:
+            found: dict[tuple, int] = {}
+            exact &= _collect_dots(branch.jaxpr, multiplicity, found)
+            branch_dots.append(found)
+        costs = [(_flops_of(found), sum(c for key, c in found.items() if not is_dot_key(key))) for found in branch_dots]
+        for key, count in branch_dots[max(range(len(costs)), key=costs.__getitem__)].items():
+            collected[key] = collected.get(key, 0) + count
+        return exact and len({flops for flops, _ in costs}) == 1
+    if name == "scan":
+        return _collect_dots(eqn.params["jaxpr"].jaxpr, multiplicity * eqn.params["length"], collected)
+    if name == "while":
+        found = {}
+        _collect_dots(eqn.params["body_jaxpr"].jaxpr, multiplicity, found)
+        for key, count in found.items():
+            collected[key] = collected.get(key, 0) + count
+        return not any(is_dot_key(key) for key in found)
+    exact = True
+    for sub in jax_core.jaxprs_in_params(eqn.params):
+        exact &= _collect_dots(sub, multiplicity, collected)
+    return exact
