@@ -21,11 +21,8 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
-import importlib.metadata
-import inspect
 import json
 import os
-import pickle
 import statistics
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -36,6 +33,7 @@ import numpy as np
 
 from . import chip as chip_constants
 from . import program_replay, tokamax_calls, xla_program
+from .disk_cache import DiskCache, library_versions, source_fingerprint
 from .program_replay import ProgramReplay
 from .tokamax_calls import (
     CHIP_FOLDERS,
@@ -56,29 +54,12 @@ DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) /
 # ----------------------------------------------------------------------------- cache
 
 
-def _versions() -> str:
-    found = []
-    for name in ("jax", "jaxlib", "tokamax", "libtpu", "torch_tpu"):
-        try:
-            found.append(f"{name}={importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return ";".join(found)
-
-
-def _source_fingerprint(*objects) -> str:
-    digest = hashlib.sha256()
-    for obj in objects:
-        digest.update(inspect.getsource(obj).encode())
-    return digest.hexdigest()[:16]
-
-
 def _rebuild_code() -> tuple:
     """What decides the program a measurement compiles to: the rebuilders and the lowering."""
     return (*tokamax_calls.REBUILD_FUNCTIONS, _submit_compile, xla_program.lower_program)
 
 
-class AnalysisCache:
+class AnalysisCache(DiskCache):
     """Compiled-program texts and grid replays on disk, keyed by what produced them (module docstring).
 
     A compile is stored as the optimized HLO, codegen text, cost analysis and memory statistics, so
@@ -86,39 +67,16 @@ class AnalysisCache:
     """
 
     def __init__(self, folder: Path | None):
-        self.folder = Path(folder) if folder is not None else None
-        self.versions = _versions()
-        self.rebuild_code = _source_fingerprint(*_rebuild_code())
-        self.replay_code = _source_fingerprint(*program_replay.REPLAY_MODULES)
-        self.hits = self.misses = 0
-        self._lock = threading.Lock()
-        if self.folder is not None:
-            self.folder.mkdir(parents=True, exist_ok=True)
+        super().__init__(folder)
+        self.versions = library_versions()
+        self.rebuild_code = source_fingerprint(*_rebuild_code())
+        self.replay_code = source_fingerprint(*program_replay.REPLAY_MODULES)
 
     def key(self, what: str, measurement: Measurement) -> str:
         parts = [what, self.versions, self.rebuild_code, measurement.identity]
         if what == "replay":
             parts.append(self.replay_code)
         return f"{what}-{hashlib.sha256('|'.join(parts).encode()).hexdigest()[:32]}"
-
-    def get(self, key: str):
-        if self.folder is None:
-            return None
-        path = self.folder / f"{key}.pkl"
-        with self._lock:
-            if not path.is_file():
-                self.misses += 1
-                return None
-            self.hits += 1
-        return pickle.loads(path.read_bytes())
-
-    def put(self, key: str, value):
-        if self.folder is not None:
-            path = self.folder / f"{key}.pkl"
-            staging = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-            staging.write_bytes(pickle.dumps(value))
-            staging.replace(path)
-        return value
 
 
 @dataclasses.dataclass(frozen=True)
