@@ -65,6 +65,12 @@ def test_each_op_moves_the_bytes_its_placement_implies(handmade):
     assert handmade.hbm_bytes == 64 + 16 * 256 * 2 + 262144 + 2 * 2**20
 
 
+def test_a_copy_that_changes_the_minor_dimension_is_a_transpose(handmade):
+    # %relayout turns wt's {0,1} into {1,0}: a transpose; the prefetch copy keeps its layout.
+    assert [op.name for op in handmade.transpose_ops] == ["relayout"]
+    assert [op.name for op in handmade.ops if op.opcode.startswith("copy") and not op.transposes] != []
+
+
 def test_pallas_kernels_are_listed_with_their_operands_placement(handmade):
     [kernel] = handmade.kernels
     assert kernel.operand_spaces == ("vmem", "vmem", "hbm")

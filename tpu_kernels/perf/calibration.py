@@ -282,6 +282,7 @@ def entry_record(analysed: Analysed, constants: ModelConstants) -> dict:
             "kernel_steps": kernels.steps if kernels else 0,
             "xla_ragged_dot": round(1e6 * program.ragged_dot_s, 2),
             "xla_ops": round(1e6 * program.xla_s, 2),
+            "xla_transposes": round(1e6 * program.xla_transpose_s, 2),
             "xla_op_count": program.xla_ops,
         },
     }

@@ -96,6 +96,8 @@ class ProgramOp:
     prefetch: bool
     # XLA's loop for a `lax.ragged_dot_general` (`xla_ragged_dot`): priced by replaying it, not by its traffic.
     ragged_dot: xla_ragged_dot.Windows | None = None
+    # A copy whose result's minor dimension is not its operand's (`CompiledProgram.transpose_ops`).
+    transposes: bool = False
 
     @property
     def hbm_bytes(self) -> int:
@@ -134,6 +136,19 @@ class CompiledProgram:
     def relayout_bytes(self) -> int:
         """HBM bytes of copies that only change an argument's layout (module docstring of RELAYOUT)."""
         return sum(op.hbm_bytes for op in self.ops if op.detail.startswith(RELAYOUT))
+
+    @property
+    def transpose_ops(self) -> tuple[ProgramOp, ...]:
+        """The copies that transpose: their result's minor dimension differs from their operand's.
+
+        TPU's default layout of an argument puts a dimension that is a multiple of 128 minor when the
+        logical minor one is not (bf16[327680,2880] is stored {0,1}, bf16[128,2880,2880] {0,2,1},
+        bf16[B,S,H,64] {1,3,2,0}); a kernel that needs the logical layout then makes every call transpose
+        the argument (and its result back). XLA emits such a copy as an XLU transpose loop (bf16 unpacked
+        to 32 bits, `vxpose`, repacked) fed by pipelined DMAs; they are priced like any copy, at their
+        HBM bytes (calibration reports their share apart, `terms_us["xla_transposes"]`).
+        """
+        return tuple(op for op in self.ops if op.transposes)
 
     @property
     def moving_ops(self) -> tuple[ProgramOp, ...]:
@@ -396,7 +411,17 @@ def _op_traffic(inst: hlo.Instruction, by_name, computations) -> ProgramOp | Non
                 and source.shape.layout != inst.shape.layout:
             detail = f"{RELAYOUT} {source.name} ({source.shape.layout} -> {inst.shape.layout})"
     windows = _ragged_dot_windows(inst, computations) if inst.opcode == "fusion" else None
-    return ProgramOp(inst.name, inst.opcode, detail, reads, hbm_write, vmem, None, prefetch, windows)
+    transposes = False
+    if inst.opcode == "copy" and inst.operands and by_name.get(inst.operands[0]) is not None:
+        source = by_name[inst.operands[0]].shape
+        if isinstance(source, hlo.Leaf) and isinstance(inst.shape, hlo.Leaf) and len(source.dims) > 1:
+            transposes = _minor_dimension(source.layout) != _minor_dimension(inst.shape.layout)
+    return ProgramOp(inst.name, inst.opcode, detail, reads, hbm_write, vmem, None, prefetch, windows, transposes)
+
+
+def _minor_dimension(layout: str) -> str:
+    """The first entry of a layout's minor-to-major order ("1,0:T(8,128)(2,1)" -> "1")."""
+    return layout.split(":")[0].split(",")[0]
 
 
 def _ragged_dot_windows(inst: hlo.Instruction, computations) -> xla_ragged_dot.Windows | None:
@@ -455,6 +480,7 @@ class ProgramTime:
     xla_ops: int
     xla_estimated_cycles: int
     xla_ops_without_estimate: int
+    xla_transpose_s: float = 0.0  # the part of `xla_s`'s traffic that transposing copies move (at its HBM time)
 
     @property
     def xla_estimated_s(self) -> float:
@@ -563,4 +589,5 @@ def model_program(
         xla_ops=len(moving),
         xla_estimated_cycles=sum(op.estimated_cycles or 0 for op in moving),
         xla_ops_without_estimate=sum(op.estimated_cycles is None for op in moving),
+        xla_transpose_s=sum(op.hbm_bytes for op in program.transpose_ops) / hbm_bandwidth,
     )
