@@ -650,7 +650,7 @@ def test_the_commit_reader_gives_what_json_loads_gives_however_the_body_is_split
     storage = Storage(tmp_path / "hub")
     try:
         pieces = iter([body[start:start + piece] for start in range(0, len(body), piece)])
-        payload = read_commit_payload(lambda: next(pieces, b""), storage)
+        payload = read_commit_payload(lambda: next(pieces, b""), storage.blob_store)
         assert payload.summary == 'say "hi"\né\U0001f600' and payload.description == ""
         [added] = payload.additions
         assert added.path == "dé/A.bin" and added.staged_at.read_bytes() == content

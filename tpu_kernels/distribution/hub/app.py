@@ -75,18 +75,17 @@ from .commit_payload import read_commit_payload
 from .limits import Limits, TransferClock
 from .pages import Pages
 from .routing import Route, find_route, path_segments, route
-from .storage import (
+from .commits import Tree
+from .errors import NOT_SUPPORTED, HubError
+from .names import (
     MAIN_BRANCH,
-    NOT_SUPPORTED,
     RESERVED_NAMESPACES,
-    HubError,
-    Storage,
-    Tree,
     branch_name,
     validate_path,
     validate_repo_id,
     validate_repo_type,
 )
+from .storage import Storage
 
 PAGE_SIZE = 1000
 # A request body beyond this waits on disk (tmp/) until its handler reads it.
@@ -799,7 +798,7 @@ class HubApp:
         # Refused before a byte of the body is read, not after a large upload.
         self.storage.require_branch(repo_type, repo_id, branch)
         payload = read_commit_payload(
-            lambda: request.read_chunk_from_thread(self.limits.max_commit_bytes), self.storage
+            lambda: request.read_chunk_from_thread(self.limits.max_commit_bytes), self.storage.blob_store
         )
         commit = self.storage.commit_operations(
             repo_type,
@@ -845,7 +844,7 @@ class HubApp:
         entry = commit.files.get(path)
         if entry is None:
             raise HubError(404, f"Entry not found: {path}", code="EntryNotFound", commit=commit.id)
-        blob = self.storage.blob_path(entry)
+        blob = self.storage.blob_store.path(entry)
         stat = os.stat(blob)
         if stat.st_size != entry.size:
             raise HubError(500, f"The stored content of {path} does not have its recorded size")
