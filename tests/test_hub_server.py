@@ -27,7 +27,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from tpu_kernels.distribution.hub import app as hub_app
+from tpu_kernels.distribution.hub import repo_reads
 from tpu_kernels.distribution.hub import server as hub_server
 from tpu_kernels.distribution.hub import start_hub
 
@@ -250,7 +250,7 @@ def test_stale_parent_commit_is_refused_with_412(api):
 
 
 def test_listings_paginate(api, hub, monkeypatch):
-    monkeypatch.setattr(hub_app, "PAGE_SIZE", 3)
+    monkeypatch.setattr(repo_reads, "PAGE_SIZE", 3)
     api.create_repo(REPO, repo_type="kernel")
     for index in range(4):
         api.create_commit(REPO, repo_type="kernel", commit_message=f"c{index}",
