@@ -45,13 +45,12 @@ from tpu_kernels.distribution.loader import (
 
 from .conftest import REPO_ROOT
 from .hostile_hub import branch_target, extra_branches, file_header, hostile_hub, revision_sha
-from .test_hub_loader import (  # noqa: F401 - fixtures
+from .loader_support import (
     FAST_SUBPROCESS_ENV,
     REPO,
     cached_variant,
-    client,
-    hub,
     make_build,
+    point_clients_at,
     publish,
     run_python,
     subprocess_env,
@@ -60,16 +59,6 @@ from .test_hub_loader import (  # noqa: F401 - fixtures
 pytestmark = pytest.mark.usefixtures("local_agent_registry")
 
 UNTRUSTED = "someone/answer"
-
-
-def point_clients_at(monkeypatch, url: str, cache: Path) -> None:
-    """huggingface_hub and kernels in this process, as if HF_ENDPOINT=url and KERNELS_CACHE=cache."""
-    monkeypatch.setattr(constants, "ENDPOINT", url)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(kernels_resolver, "CACHE_DIR", str(cache))
-    monkeypatch.setenv("KERNELS_CACHE", str(cache))
-    monkeypatch.delenv("LOCAL_KERNELS", raising=False)
 
 
 def forget_loaded_kernels() -> None:
