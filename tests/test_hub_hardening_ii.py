@@ -31,6 +31,7 @@ from tpu_kernels.distribution.hub.blobs import StagedFile
 from tpu_kernels.distribution.hub.errors import HubError
 from tpu_kernels.distribution.hub.storage import Storage
 
+from .hub_support import module_hub
 from .test_hub_hardening import (  # noqa: F401 - api and repo are fixtures: they take this module's hub
     HEADER,
     TOKEN,
@@ -52,10 +53,7 @@ LIMITS = Limits(header_timeout=0.5, idle_timeout=0.5, body_timeout=0.5, send_tim
 pytestmark = pytest.mark.usefixtures("local_agent_registry")
 
 
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    with start_hub(tmp_path_factory.mktemp("shared") / "hub", token=TOKEN, limits=LIMITS) as running:
-        yield running
+hub = module_hub(TOKEN, LIMITS)
 
 
 @pytest.fixture
