@@ -6,6 +6,27 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
+def hub(tmp_path):
+    """A Hub in this process with the loader tests' token, trusting their publisher (loader_support.TRUSTED)."""
+    from tpu_kernels.distribution.hub import start_hub
+
+    from .loader_support import TOKEN, TRUSTED
+
+    with start_hub(tmp_path / "hub", token=TOKEN, trusted_orgs=[TRUSTED]) as running:
+        yield running
+
+
+@pytest.fixture
+def client(monkeypatch, tmp_path, hub) -> Path:
+    """huggingface_hub and kernels in this process, as if HF_ENDPOINT and KERNELS_CACHE had been set."""
+    from .loader_support import point_clients_at
+
+    cache = tmp_path / "kernels-cache"
+    point_clients_at(monkeypatch, hub.url, cache)
+    return cache
+
+
+@pytest.fixture
 def local_agent_registry(tmp_path):
     """For a test that talks to a Hub in this process: huggingface_hub's agent registry from a local copy."""
     from .hub_support import loopback_only

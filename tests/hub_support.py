@@ -8,8 +8,9 @@ import os
 import struct
 import subprocess
 import sys
+import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from html.parser import HTMLParser
@@ -19,7 +20,7 @@ import pytest
 from huggingface_hub import CommitOperationAdd, HfApi, constants
 
 from tpu_kernels.distribution.builder import build_kernel_repo
-from tpu_kernels.distribution.hub import RunningHub, start_hub
+from tpu_kernels.distribution.hub import Limits, RunningHub, start_hub
 from tpu_kernels.distribution.publish import upload_kernel
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +70,49 @@ def published_hub(root: Path) -> Iterator[PublishedHub]:
         yield published
 
 
+def module_hub(token: str, limits: Limits):
+    """A `hub` fixture for a test module: one server for all its tests, each working in repos of its own
+    (starting one per test costs more)."""
+
+    @pytest.fixture(scope="module")
+    def hub(tmp_path_factory):
+        with start_hub(tmp_path_factory.mktemp("shared") / "hub", token=token, limits=limits) as running:
+            yield running
+
+    return hub
+
+
+def published_fixture(folder: str, publish_more: Callable[[HfApi], None] = lambda api: None):
+    """A `published` fixture for a test module: `published_hub` in a folder of its own, then
+    `publish_more(api)` for what the module's tests need beyond the three kernels."""
+
+    @pytest.fixture(scope="module")
+    def published(tmp_path_factory):
+        with published_hub(tmp_path_factory.mktemp(folder)) as hub:
+            publish_more(HfApi(endpoint=hub.url, token=TOKEN))
+            yield hub
+
+    return published
+
+
+def run_concurrently(work: Callable[[int], object], count: int) -> list[Exception]:
+    """`work(index)` for each index in range(count), in threads started together; what they raised."""
+    errors = []
+
+    def run(index: int) -> None:
+        try:
+            work(index)
+        except Exception as error:  # the caller asserts on the list
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
+
+
 def cli_env(hub_url: str, home: Path, token: str | None = TOKEN) -> dict[str, str]:
     """The environment of a user of this Hub: HF_ENDPOINT, their own caches, and the token."""
     env = {key: value for key, value in os.environ.items()
@@ -100,9 +144,24 @@ def run_cli(program: str, *args: str, env: dict[str, str], returncode: int = 0) 
 
 # -- hostile and private content, for the pages --------------------------------------------------------
 
-HOSTILE_REPO = "mallory/kernel"
 PRIVATE_REPO = f"{TRUSTED}/secret-kernel"
-HOSTILE_CARD = """---
+
+
+@dataclass(frozen=True)
+class HostileRepo:
+    """A repo whose every field a page shows holds markup that must stay inert."""
+
+    repo: str
+    card: str
+    title: str
+    message: str
+    path: str
+    backend: str
+
+
+HOSTILE = HostileRepo(
+    repo="mallory/kernel",
+    card="""---
 license: "<script>alert('license')</script>"
 tags: ["<img src=x onerror=alert('tag')>"]
 ---
@@ -115,11 +174,12 @@ tags: ["<img src=x onerror=alert('tag')>"]
 [click me](javascript:alert('link')) and [the notes](build/torch-cpu/notes.md)
 
 ![the plot](plot.png)
-"""
-HOSTILE_TITLE = "<b>bold</b><script>alert('title')</script>"
-HOSTILE_MESSAGE = "<img src=x onerror=alert('message')>\n<a href=\"javascript:alert('message')\">x</a>"
-HOSTILE_PATH = "build/torch-cpu/<img src=x onerror=alert('path')>.py"
-HOSTILE_BACKEND = "<svg onload=alert('backend')>"
+""",
+    title="<b>bold</b><script>alert('title')</script>",
+    message="<img src=x onerror=alert('message')>\n<a href=\"javascript:alert('message')\">x</a>",
+    path="build/torch-cpu/<img src=x onerror=alert('path')>.py",
+    backend="<svg onload=alert('backend')>",
+)
 
 
 def png(width: int = 24, height: int = 12) -> bytes:
@@ -137,17 +197,17 @@ def png(width: int = 24, height: int = 12) -> bytes:
 def publish_hostile_and_private_repos(api: HfApi) -> None:
     """A kernel repo whose card, commit message, file name and metadata try to inject markup, and a
     private kernel repo of the trusted publisher."""
-    api.create_repo(HOSTILE_REPO, repo_type="kernel")
-    api.create_branch(HOSTILE_REPO, repo_type="kernel", branch="v1")
-    metadata = json.dumps({"name": "kernel", "version": 1, "backend": {"type": HOSTILE_BACKEND}}).encode()
-    api.create_commit(HOSTILE_REPO, repo_type="kernel", revision="v1", commit_message=HOSTILE_TITLE,
-                      commit_description=HOSTILE_MESSAGE, operations=[
-                          CommitOperationAdd("README.md", HOSTILE_CARD.encode()),
+    api.create_repo(HOSTILE.repo, repo_type="kernel")
+    api.create_branch(HOSTILE.repo, repo_type="kernel", branch="v1")
+    metadata = json.dumps({"name": "kernel", "version": 1, "backend": {"type": HOSTILE.backend}}).encode()
+    api.create_commit(HOSTILE.repo, repo_type="kernel", revision="v1", commit_message=HOSTILE.title,
+                      commit_description=HOSTILE.message, operations=[
+                          CommitOperationAdd("README.md", HOSTILE.card.encode()),
                           CommitOperationAdd("plot.png", png()),
                           CommitOperationAdd("build/torch-cpu/metadata.json", metadata),
                           CommitOperationAdd("build/torch-cpu/notes.md", b"notes\n"),
-                          CommitOperationAdd(HOSTILE_PATH, b"VALUE = 1\n")])
-    api.create_tag(HOSTILE_REPO, repo_type="kernel", tag="release-1", revision="v1")
+                          CommitOperationAdd(HOSTILE.path, b"VALUE = 1\n")])
+    api.create_tag(HOSTILE.repo, repo_type="kernel", tag="release-1", revision="v1")
     api.create_repo(PRIVATE_REPO, repo_type="kernel", private=True)
     api.upload_file(path_or_fileobj=b"# secret\n", path_in_repo="README.md", repo_id=PRIVATE_REPO, repo_type="kernel")
 

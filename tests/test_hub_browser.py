@@ -16,10 +16,7 @@ import pytest
 from huggingface_hub import HfApi
 
 from .hub_support import (
-    HOSTILE_MESSAGE,
-    HOSTILE_PATH,
-    HOSTILE_REPO,
-    HOSTILE_TITLE,
+    HOSTILE,
     KERNEL_NAMES,
     PRIVATE_REPO,
     REPO_ROOT,
@@ -97,7 +94,7 @@ def test_front_page(chromium, served, tmp_path):
     assert f"{TRUSTED} trusted publisher" in text
     for name in KERNEL_NAMES:
         assert f"{TRUSTED}/{name} kernel v1 updated" in text
-    assert f"{HOSTILE_REPO} kernel v1 updated" in text
+    assert f"{HOSTILE.repo} kernel v1 updated" in text
     assert PRIVATE_REPO not in text
 
 
@@ -124,12 +121,12 @@ def test_commit_page(chromium, served, tmp_path):
 
 
 def test_hostile_content_is_inert_text(chromium, served, tmp_path):
-    dom = render(chromium, f"{served.url}/kernels/{HOSTILE_REPO}", tmp_path / "hostile.png")  # no active content
-    assert f"<title>{HOSTILE_REPO} · tpu-kernels hub</title>" in dom  # no script retitled the page
+    dom = render(chromium, f"{served.url}/kernels/{HOSTILE.repo}", tmp_path / "hostile.png")  # no active content
+    assert f"<title>{HOSTILE.repo} · tpu-kernels hub</title>" in dom  # no script retitled the page
     text = visible_text(dom)
     for shown in ("Card <script>alert('card')</script>", """<img src=x onerror="alert('img')">""",
                   "<script>document.title = 'pwned'</script>", "[click me](javascript:alert('link'))",
-                  HOSTILE_TITLE, HOSTILE_PATH, " ".join(HOSTILE_MESSAGE.split())):
+                  HOSTILE.title, HOSTILE.path, " ".join(HOSTILE.message.split())):
         assert shown in text, shown
 
 

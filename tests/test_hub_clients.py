@@ -19,13 +19,9 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import get_session, hf_raise_for_status
 
-from .hub_support import KERNEL_NAMES, TOKEN, TRUSTED, cli_env, published_hub, run_cli
+from .hub_support import KERNEL_NAMES, TOKEN, TRUSTED, cli_env, published_fixture, run_cli
 
-
-@pytest.fixture(scope="module")
-def published(tmp_path_factory):
-    with published_hub(tmp_path_factory.mktemp("hub-clients")) as hub:
-        yield hub
+published = published_fixture("hub-clients")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tpu_kernels.distribution.hub import Limits, start_hub
-from tpu_kernels.distribution.hub.storage import HubError, name_key, validate_path
+from tpu_kernels.distribution.hub.errors import HubError
+from tpu_kernels.distribution.hub.names import name_key, validate_path
 
 from .test_hub_hardening import http
 

@@ -17,7 +17,6 @@ import selectors
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from urllib.parse import quote, urlsplit
@@ -29,6 +28,8 @@ from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 from tpu_kernels.distribution.hub import Limits, start_hub
 from tpu_kernels.distribution.hub.commit_payload import MAX_LINE_BYTES
 
+from .hub_support import module_hub, run_concurrently
+
 TOKEN = "hardening-" + os.urandom(4).hex()
 REPO = "org/kernel-h"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -38,11 +39,7 @@ FAST = Limits(header_timeout=0.5, idle_timeout=0.5, body_timeout=0.5, max_connec
 pytestmark = pytest.mark.usefixtures("local_agent_registry")
 
 
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    """One server for the module (each test works in repos of its own): starting one per test costs more."""
-    with start_hub(tmp_path_factory.mktemp("shared") / "hub", token=TOKEN, limits=FAST) as running:
-        yield running
+hub = module_hub(TOKEN, FAST)
 
 
 @pytest.fixture
@@ -612,22 +609,13 @@ def test_concurrent_commits_beyond_the_upload_slots_all_land(tmp_path):
     with start_hub(tmp_path / "hub", token=TOKEN, limits=Limits(max_concurrent_commits=1)) as hub:
         api = HfApi(endpoint=hub.url, token=TOKEN)
         api.create_repo(REPO, repo_type="kernel")
-        errors = []
 
         def upload(index: int) -> None:
-            try:
-                HfApi(endpoint=hub.url, token=TOKEN).create_commit(
-                    REPO, repo_type="kernel", commit_message=f"u{index}",
-                    operations=[add(f"u/{index}.bin", random.Random(index).randbytes(300_000))])
-            except Exception as error:  # surfaced by the assert below
-                errors.append(error)
+            HfApi(endpoint=hub.url, token=TOKEN).create_commit(
+                REPO, repo_type="kernel", commit_message=f"u{index}",
+                operations=[add(f"u/{index}.bin", random.Random(index).randbytes(300_000))])
 
-        threads = [threading.Thread(target=upload, args=(index,)) for index in range(5)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        assert not errors
+        assert run_concurrently(upload, 5) == []
         assert {f"u/{index}.bin" for index in range(5)} <= set(api.list_repo_files(REPO, repo_type="kernel"))
         assert not any((hub.storage.root / "tmp").iterdir())
 
@@ -650,7 +638,7 @@ def test_the_commit_reader_gives_what_json_loads_gives_however_the_body_is_split
     storage = Storage(tmp_path / "hub")
     try:
         pieces = iter([body[start:start + piece] for start in range(0, len(body), piece)])
-        payload = read_commit_payload(lambda: next(pieces, b""), storage)
+        payload = read_commit_payload(lambda: next(pieces, b""), storage.blob_store)
         assert payload.summary == 'say "hi"\né\U0001f600' and payload.description == ""
         [added] = payload.additions
         assert added.path == "dé/A.bin" and added.staged_at.read_bytes() == content

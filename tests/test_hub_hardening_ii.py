@@ -25,10 +25,13 @@ import pytest
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
 from tpu_kernels.distribution.hub import Limits, card, start_hub
-from tpu_kernels.distribution.hub import storage as hub_storage
+from tpu_kernels.distribution.hub import commits as hub_commits
 from tpu_kernels.distribution.hub.app import _error_response
-from tpu_kernels.distribution.hub.storage import HubError, StagedFile, Storage
+from tpu_kernels.distribution.hub.blobs import StagedFile
+from tpu_kernels.distribution.hub.errors import HubError
+from tpu_kernels.distribution.hub.storage import Storage
 
+from .hub_support import module_hub
 from .test_hub_hardening import (  # noqa: F401 - api and repo are fixtures: they take this module's hub
     HEADER,
     TOKEN,
@@ -50,10 +53,7 @@ LIMITS = Limits(header_timeout=0.5, idle_timeout=0.5, body_timeout=0.5, send_tim
 pytestmark = pytest.mark.usefixtures("local_agent_registry")
 
 
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    with start_hub(tmp_path_factory.mktemp("shared") / "hub", token=TOKEN, limits=LIMITS) as running:
-        yield running
+hub = module_hub(TOKEN, LIMITS)
 
 
 @pytest.fixture
@@ -330,13 +330,13 @@ def test_25000_one_file_folders_list_in_pages_from_one_index(hub, api, monkeypat
     status, answer = commit_body(hub, "org/many-folders", body)
     assert status == 200, answer
     built = []
-    index_folders = hub_storage.Tree.__init__
+    index_folders = hub_commits.Tree.__init__
 
     def counted(tree, files):
         built.append(1)
         index_folders(tree, files)
 
-    monkeypatch.setattr(hub_storage.Tree, "__init__", counted)
+    monkeypatch.setattr(hub_commits.Tree, "__init__", counted)
     start = time.monotonic()
     root = api.list_repo_tree("org/many-folders", repo_type="kernel")
     assert sum(1 for _ in root) == count
@@ -446,9 +446,10 @@ def test_orphan_blobs_are_collected_when_the_server_starts(tmp_path):
 
 
 def _staged(storage: Storage, path: str, content: bytes) -> StagedFile:
-    writer = storage.start_staging()
+    writer = storage.blob_store.start_staging()
     writer.write(content)
-    return StagedFile(path=path, entry=writer.finish(), staged_at=writer.path)
+    writer.finish()
+    return writer.staged_as(path)
 
 
 def _commit(storage: Storage, repo_id: str, path: str, content: bytes):
@@ -499,7 +500,7 @@ def test_a_failed_commit_keeps_a_blob_another_commit_relies_on(storage, monkeypa
 
     _failing_refs(storage, monkeypatch, "org/a", before_failing)
     if order == "other-in-flight-at-the-failure":
-        install = storage._install_blob
+        install = storage.blob_store.install
 
         def install_then_wait_for_the_failure(staged):
             install(staged)
@@ -507,7 +508,7 @@ def test_a_failed_commit_keeps_a_blob_another_commit_relies_on(storage, monkeypa
                 other_relies.set()
                 a_failed.wait(10)
 
-        monkeypatch.setattr(storage, "_install_blob", install_then_wait_for_the_failure)
+        monkeypatch.setattr(storage.blob_store, "install", install_then_wait_for_the_failure)
     outcome = {}
 
     def commit_a():
@@ -528,7 +529,7 @@ def test_a_failed_commit_keeps_a_blob_another_commit_relies_on(storage, monkeypa
     for thread in threads:
         thread.join(10)
     assert isinstance(outcome.get("a"), OSError) and "b" in outcome
-    assert storage.blob_path(outcome["b"].files["f.bin"]).read_bytes() == b"shared content"
+    assert storage.blob_store.path(outcome["b"].files["f.bin"]).read_bytes() == b"shared content"
     assert orphan_blobs(storage.root) == []
 
 

@@ -7,19 +7,13 @@ import hashlib
 import json
 import re
 
-import pytest
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 from huggingface_hub.utils import get_session
 
 from tpu_kernels.distribution.hub.pages import CONTENT_SECURITY_POLICY
 
 from .hub_support import (
-    HOSTILE_BACKEND,
-    HOSTILE_CARD,
-    HOSTILE_MESSAGE,
-    HOSTILE_PATH,
-    HOSTILE_REPO,
-    HOSTILE_TITLE,
+    HOSTILE,
     KERNEL_NAMES,
     PRIVATE_REPO,
     TOKEN,
@@ -27,20 +21,19 @@ from .hub_support import (
     active_content,
     png,
     publish_hostile_and_private_repos,
-    published_hub,
+    published_fixture,
     visible_text,
 )
 
 
-@pytest.fixture(scope="module")
-def published(tmp_path_factory):
-    with published_hub(tmp_path_factory.mktemp("hub-pages")) as hub:
-        api = HfApi(endpoint=hub.url, token=TOKEN)
-        publish_hostile_and_private_repos(api)
-        # A second version and a tag, so the page has more than one of each to show.
-        api.create_branch(f"{TRUSTED}/rmsnorm-tpu", repo_type="kernel", branch="v2", revision="v1")
-        api.create_tag(f"{TRUSTED}/rmsnorm-tpu", repo_type="kernel", tag="first-release", revision="v1")
-        yield hub
+def publish_page_content(api: HfApi) -> None:
+    publish_hostile_and_private_repos(api)
+    # A second version and a tag, so the page has more than one of each to show.
+    api.create_branch(f"{TRUSTED}/rmsnorm-tpu", repo_type="kernel", branch="v2", revision="v1")
+    api.create_tag(f"{TRUSTED}/rmsnorm-tpu", repo_type="kernel", tag="first-release", revision="v1")
+
+
+published = published_fixture("hub-pages", publish_page_content)
 
 
 def get(url: str, token: str | None = None, method: str = "GET"):
@@ -110,33 +103,33 @@ def test_repo_page_shows_versions_variants_tags_card_files_history_and_snippet(p
 
 
 def test_untrusted_publishers_snippet_names_the_repo_in_trust_remote_code(published):
-    text = visible_text(page(published, f"/kernels/{HOSTILE_REPO}"))
-    assert f'get_kernel("{HOSTILE_REPO}", version=1, trust_remote_code=["{HOSTILE_REPO}"])' in text
+    text = visible_text(page(published, f"/kernels/{HOSTILE.repo}"))
+    assert f'get_kernel("{HOSTILE.repo}", version=1, trust_remote_code=["{HOSTILE.repo}"])' in text
 
 
 def test_user_content_renders_as_inert_text(published):
-    html = page(published, f"/kernels/{HOSTILE_REPO}")  # page() checks there is nothing active
+    html = page(published, f"/kernels/{HOSTILE.repo}")  # page() checks there is nothing active
     text = visible_text(html)
     assert "Card <script>alert('card')</script>" in text
     assert """<img src=x onerror="alert('img')">""" in text
     assert "<script>document.title = 'pwned'</script>" in text
     assert "[click me](javascript:alert('link'))" in text  # the link check left it as text
     assert "license: <script>alert('license')</script> <img src=x onerror=alert('tag')>" in text
-    assert HOSTILE_TITLE in text and HOSTILE_PATH in text and HOSTILE_BACKEND in text
-    assert " ".join(HOSTILE_MESSAGE.split()) in text
+    assert HOSTILE.title in text and HOSTILE.path in text and HOSTILE.backend in text
+    assert " ".join(HOSTILE.message.split()) in text
 
-    commit = HfApi(endpoint=published.url).kernel_info(HOSTILE_REPO, revision="v1").sha
-    commit_html = page(published, f"/kernels/{HOSTILE_REPO}/commit/{commit}")
+    commit = HfApi(endpoint=published.url).kernel_info(HOSTILE.repo, revision="v1").sha
+    commit_html = page(published, f"/kernels/{HOSTILE.repo}/commit/{commit}")
     commit_text = visible_text(commit_html)
-    assert HOSTILE_TITLE in commit_text and " ".join(HOSTILE_MESSAGE.split()) in commit_text
-    assert f"added {HOSTILE_PATH}" in commit_text
+    assert HOSTILE.title in commit_text and " ".join(HOSTILE.message.split()) in commit_text
+    assert f"added {HOSTILE.path}" in commit_text
     assert "<title>&lt;b&gt;bold&lt;/b&gt;&lt;script&gt;" in commit_html
 
 
 def test_card_links_and_images_point_at_the_repos_files_at_the_cards_commit(published):
-    html = page(published, f"/kernels/{HOSTILE_REPO}")
-    commit = HfApi(endpoint=published.url).kernel_info(HOSTILE_REPO, revision="v1").sha
-    base = f"/kernels/{HOSTILE_REPO}/resolve/{commit}/"
+    html = page(published, f"/kernels/{HOSTILE.repo}")
+    commit = HfApi(endpoint=published.url).kernel_info(HOSTILE.repo, revision="v1").sha
+    base = f"/kernels/{HOSTILE.repo}/resolve/{commit}/"
     assert f'<img src="{base}plot.png" alt="the plot" />' in html
     assert f'<a href="{base}build/torch-cpu/notes.md">the notes</a>' in html
     image = get(published.url + base + "plot.png")

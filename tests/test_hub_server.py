@@ -27,9 +27,11 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from tpu_kernels.distribution.hub import app as hub_app
+from tpu_kernels.distribution.hub import repo_reads
 from tpu_kernels.distribution.hub import server as hub_server
 from tpu_kernels.distribution.hub import start_hub
+
+from .hub_support import run_concurrently
 
 TOKEN = "test-token-" + os.urandom(4).hex()
 REPO = "org/kernel-a"
@@ -209,26 +211,18 @@ def test_bad_repo_ids_are_400(hub, repo_id):
 def test_concurrent_commits_to_one_branch_all_land(api, hub):
     api.create_repo(REPO, repo_type="kernel")
     start = threading.Barrier(4)
-    results, errors = {}, []
+    results = {}
 
     def upload(index: int) -> None:
-        try:
-            client = HfApi(endpoint=hub.url, token=TOKEN)
-            start.wait()
-            results[index] = client.create_commit(
-                REPO, repo_type="kernel", commit_message=f"upload {index}",
-                operations=[add(f"uploads/{index}.bin", random_bytes(50_000, seed=index)),
-                            add("shared/last-writer.txt", f"{index}".encode())],
-            )
-        except Exception as error:  # surfaced by the assert below
-            errors.append(error)
+        client = HfApi(endpoint=hub.url, token=TOKEN)
+        start.wait()
+        results[index] = client.create_commit(
+            REPO, repo_type="kernel", commit_message=f"upload {index}",
+            operations=[add(f"uploads/{index}.bin", random_bytes(50_000, seed=index)),
+                        add("shared/last-writer.txt", f"{index}".encode())],
+        )
 
-    threads = [threading.Thread(target=upload, args=(index,)) for index in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors
+    assert run_concurrently(upload, 4) == []
     titles = [c.title for c in api.list_repo_commits(REPO, repo_type="kernel")]
     assert sorted(titles[:4]) == [f"upload {index}" for index in range(4)] and titles[4:] == ["initial commit"]
     files = set(api.list_repo_files(REPO, repo_type="kernel"))
@@ -250,7 +244,7 @@ def test_stale_parent_commit_is_refused_with_412(api):
 
 
 def test_listings_paginate(api, hub, monkeypatch):
-    monkeypatch.setattr(hub_app, "PAGE_SIZE", 3)
+    monkeypatch.setattr(repo_reads, "PAGE_SIZE", 3)
     api.create_repo(REPO, repo_type="kernel")
     for index in range(4):
         api.create_commit(REPO, repo_type="kernel", commit_message=f"c{index}",

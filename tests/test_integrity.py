@@ -25,18 +25,7 @@ from tpu_kernels.distribution.loader import VariantNotFoundError, get_kernel, ge
 from tpu_kernels.distribution.publish import upload_kernel
 
 from .conftest import REPO_ROOT
-from .test_hub_loader import (  # noqa: F401 - fixtures
-    FAST_SUBPROCESS_ENV,
-    REPO,
-    TOKEN,
-    TRUSTED,
-    client,
-    hub,
-    make_build,
-    publish,
-    run_python,
-    subprocess_env,
-)
+from .loader_support import FAST_SUBPROCESS_ENV, REPO, TOKEN, TRUSTED, make_build, publish, run_python, subprocess_env
 
 pytestmark = pytest.mark.usefixtures("local_agent_registry")
 

@@ -13,7 +13,7 @@ from tpu_kernels.distribution.builder import build_kernel_repo
 from tpu_kernels.integration.kernelize import experts_modules
 
 from .conftest import REPO_ROOT
-from .test_hub_loader import TRUSTED, client, hub, publish  # noqa: F401 - fixtures
+from .loader_support import TRUSTED, publish
 
 COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=64, max_position_embeddings=256)

@@ -33,19 +33,24 @@ from hypothesis import strategies as st
 from kernels import resolver as kernels_resolver
 from kernels._rust import KernelDependency, KernelLock, KernelLocks, KernelVersion
 
-import tpu_kernels.distribution.loader as loader
 from tpu_kernels.distribution.digest import KernelIntegrityError
-from tpu_kernels.distribution.loader import HubUnreachableError, UnsafeIdError, get_kernel, get_local_kernel
+from tpu_kernels.distribution.loader import (
+    HubUnreachableError,
+    UnsafeIdError,
+    get_kernel,
+    get_local_kernel,
+    ids,
+    private_copies,
+)
 
 from .conftest import REPO_ROOT
 from .hostile_hub import branch_target, extra_branches, file_header, hostile_hub, revision_sha
-from .test_hub_loader import (  # noqa: F401 - fixtures
+from .loader_support import (
     FAST_SUBPROCESS_ENV,
     REPO,
     cached_variant,
-    client,
-    hub,
     make_build,
+    point_clients_at,
     publish,
     run_python,
     subprocess_env,
@@ -56,23 +61,13 @@ pytestmark = pytest.mark.usefixtures("local_agent_registry")
 UNTRUSTED = "someone/answer"
 
 
-def point_clients_at(monkeypatch, url: str, cache: Path) -> None:
-    """huggingface_hub and kernels in this process, as if HF_ENDPOINT=url and KERNELS_CACHE=cache."""
-    monkeypatch.setattr(constants, "ENDPOINT", url)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(kernels_resolver, "CACHE_DIR", str(cache))
-    monkeypatch.setenv("KERNELS_CACHE", str(cache))
-    monkeypatch.delenv("LOCAL_KERNELS", raising=False)
-
-
 def forget_loaded_kernels() -> None:
     """Make the next load import again: kernels' registry of imported variants, and our copies of them."""
     ids = {loaded.metadata.id for loaded in kernels.importer._loaded_kernels.values()}
     for name in [name for name in sys.modules if name.split(".")[0] in ids]:  # submodules too
         del sys.modules[name]
     kernels.importer._loaded_kernels.clear()
-    getattr(loader, "_PRIVATE_COPIES", {}).clear()
+    private_copies._PRIVATE_COPIES.clear()
 
 
 def files_outside(root: Path, *inside: Path) -> dict[str, bytes | None]:
@@ -131,13 +126,14 @@ LOADS_FROM_A_PLANTED_CACHE = """
     import json, sys
     import kernels.importer
     import tpu_kernels.distribution.loader as loader
+    from tpu_kernels.distribution.loader import private_copies
 
     def answer(load):
         ids = {{loaded.metadata.id for loaded in kernels.importer._loaded_kernels.values()}}
         for name in [name for name in sys.modules if name.split(".")[0] in ids]:
             del sys.modules[name]
         kernels.importer._loaded_kernels.clear()
-        getattr(loader, "_PRIVATE_COPIES", {{}}).clear()
+        private_copies._PRIVATE_COPIES.clear()
         try:
             return load().answer()
         except Exception as error:
@@ -215,7 +211,7 @@ def test_the_copies_are_refused_in_a_temporary_folder_others_can_change(tmp_path
     shared.mkdir()
     os.chmod(shared, 0o777)  # world-writable, not sticky: another user could rename our folder away
     monkeypatch.setattr(tempfile, "tempdir", str(shared))
-    monkeypatch.setattr(loader, "_private_root", None)
+    monkeypatch.setattr(private_copies, "_private_root", None)
     with pytest.raises(KernelIntegrityError, match="can be changed by other users"):
         get_local_kernel(make_build(tmp_path, answer=5), backend="cpu")
 
@@ -581,11 +577,11 @@ def test_ids_from_the_server_fuzzed(hub, hostile, tmp_path, monkeypatch):
 @given(name=st.one_of(st.text(), st.text(alphabet="./\\abv019-_ ", max_size=30)))
 def test_ref_names_the_loader_writes_stay_in_refs(name):
     refs = Path("/cache/kernels--o--n/refs")
-    if loader._is_ref_name(name):
+    if ids.is_ref_name(name):
         assert Path(os.path.normpath(refs / name)).is_relative_to(refs) and (refs / name) != refs
     try:
-        commit = loader._checked_commit(name, "test", "a fuzzed id")
+        commit = ids.checked_commit(name, "test", "a fuzzed id")
     except UnsafeIdError:
-        assert not loader.REGEX_COMMIT_HASH.fullmatch(name)
+        assert not ids.REGEX_COMMIT_HASH.fullmatch(name)
     else:
         assert commit == name and len(name) == 40 and set(name) <= set(HEX)

@@ -22,7 +22,10 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .storage import Deletion, FileEntry, HubError, StagedFile, Storage, StagingWriter, validate_path
+from .blobs import BlobStore, FileEntry, StagedFile, StagingWriter
+from .commits import Deletion
+from .errors import HubError
+from .names import validate_path
 
 # Bounds on everything in a line but a file's content: strings (summary, description,
 # path), values per line and nesting. huggingface_hub's lines hold 3 to 6 values.
@@ -49,14 +52,6 @@ class CommitPayload:
     parent_commit: str | None
     additions: list[StagedFile]
     deletions: list[Deletion]
-
-
-@dataclass(frozen=True)
-class _StagedContent:
-    """A `value.content` string, already decoded into a staging file."""
-
-    writer: StagingWriter
-    entry: FileEntry
 
 
 class _Base64ToFile:
@@ -89,9 +84,9 @@ class _Base64ToFile:
 class _LineReader:
     """JSON values, one per line, from a byte source that may split them anywhere."""
 
-    def __init__(self, read_chunk: Callable[[], bytes], storage: Storage):
+    def __init__(self, read_chunk: Callable[[], bytes], blob_store: BlobStore):
         self._read_chunk = read_chunk
-        self._storage = storage
+        self._blob_store = blob_store
         self._buffer = b""
         self._position = 0
         self._ended = False
@@ -159,9 +154,9 @@ class _LineReader:
             raise self.error("", "more than one JSON value on the line")
         return value
 
-    def claim(self, content: _StagedContent) -> None:
+    def claim(self, content: StagingWriter) -> None:
         """The staged content now belongs to the caller: no longer removed on an error."""
-        self._writers.remove(content.writer)
+        self._writers.remove(content)
 
     def discard_unclaimed(self) -> None:
         for writer in self._writers:
@@ -278,8 +273,8 @@ class _LineReader:
             raise self.error(field, f"not a valid JSON string ({error.msg})") from None
         return value
 
-    def _content(self, field: str) -> _StagedContent:
-        writer = self._storage.start_staging()
+    def _content(self, field: str) -> StagingWriter:
+        writer = self._blob_store.start_staging()
         self._writers.append(writer)
         decoder = _Base64ToFile(writer)
         try:
@@ -294,17 +289,18 @@ class _LineReader:
                         raise binascii.Error(f"{piece!r} is not a base64 character")
                     piece = piece.encode()
                 decoder.feed(piece)
-            return _StagedContent(writer, decoder.finish())
+            decoder.finish()
+            return writer
         except binascii.Error as error:
             raise self.error(field, f"invalid base64 ({error})") from None
 
 
-def read_commit_payload(read_chunk: Callable[[], bytes], storage: Storage) -> CommitPayload:
-    """Parse a commit body from `read_chunk()` (b"" at its end); added files are staged in storage.
+def read_commit_payload(read_chunk: Callable[[], bytes], blob_store: BlobStore) -> CommitPayload:
+    """Parse a commit body from `read_chunk()` (b"" at its end); added files are staged in `blob_store`.
 
     On any error, everything staged is removed before the error propagates.
     """
-    reader = _LineReader(read_chunk, storage)
+    reader = _LineReader(read_chunk, blob_store)
     header: dict | None = None
     additions: list[StagedFile] = []
     added_paths: set[str] = set()
@@ -327,13 +323,13 @@ def read_commit_payload(read_chunk: Callable[[], bytes], storage: Storage) -> Co
                 path = _path(reader, value)
                 if value.get("encoding", "base64") != "base64":
                     raise reader.error("value.encoding", "only 'base64' is supported")
-                if not isinstance(content, _StagedContent):
+                if not isinstance(content, StagingWriter):
                     raise reader.error(_CONTENT_FIELD, "expected the file's content as a base64 string")
                 if path in added_paths:
                     raise reader.error("value.path", f"{path!r} is added twice in this commit")
                 added_paths.add(path)
                 reader.claim(content)
-                additions.append(StagedFile(path=path, entry=content.entry, staged_at=content.writer.path))
+                additions.append(content.staged_as(path))
             elif key in ("deletedFile", "deletedFolder"):
                 deletions.append(Deletion(_path(reader, value, folder=key == "deletedFolder"), key == "deletedFolder"))
             elif key == "lfsFile":
@@ -351,7 +347,7 @@ def read_commit_payload(read_chunk: Callable[[], bytes], storage: Storage) -> Co
         )
     except BaseException:
         reader.discard_unclaimed()
-        storage.discard(additions)
+        blob_store.discard(additions)
         raise
 
 

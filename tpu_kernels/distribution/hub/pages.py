@@ -33,7 +33,11 @@ import jinja2
 from starlette.responses import HTMLResponse, Response
 
 from .card import Card, CardCache
-from .storage import MAIN_BRANCH, Commit, FileEntry, HubError, Storage, branch_name
+from .blobs import FileEntry
+from .commits import Commit
+from .errors import HubError
+from .names import MAIN_BRANCH, branch_name
+from .storage import Storage
 
 VERSION_BRANCH = re.compile(r"v(\d+)")
 HISTORY_SHOWN = 100
@@ -314,7 +318,7 @@ class Pages:
         if entry is None or entry.size > MAX_METADATA_BYTES:
             return None
         try:
-            data = json.loads(self.storage.blob_path(entry).read_bytes())
+            data = json.loads(self.storage.blob_store.path(entry).read_bytes())
         except (OSError, ValueError, RecursionError):
             return None
         return data if isinstance(data, dict) else None
@@ -323,7 +327,7 @@ class Pages:
         entry = commit.files.get(CARD_NAME)
         if entry is None:
             return None
-        return self._cards.card(entry.sha256, self.storage.blob_path(entry).read_bytes,
+        return self._cards.card(entry.sha256, self.storage.blob_store.path(entry).read_bytes,
                                 f"{repo_page_path(repo_type, repo_id)}/resolve/{commit.id}/")
 
     def _snippet(self, repo_type: str, repo_id: str, base_url: str, version: VersionView | None, revision: str) -> str:

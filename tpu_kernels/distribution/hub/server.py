@@ -5,9 +5,9 @@ response types, both installed with this package. They parse requests strictly
 (a malformed or conflicting Content-Length is a 400, never a dropped connection),
 bound the size of headers still arriving, close idle kept-alive connections, and
 serve files with ranges. connections.py adds a deadline for request headers, a
-minimum pace for reading responses and a cap on open connections; app.py bounds
-bodies in size and pace, headers in size however they arrive, and refuses
-ambiguous framing and unknown Host names. One event loop thread holds every
+minimum pace for reading responses and a cap on open connections; request.py bounds
+bodies in size and pace, app.py headers in size however they arrive, and refuses
+ambiguous framing and (through access.py) unknown Host names. One event loop thread holds every
 connection (an idle one costs a socket, not a thread); handlers run in worker
 threads because storage does blocking file I/O and fsyncs.
 """
@@ -27,7 +27,8 @@ from pathlib import Path
 
 import uvicorn
 
-from .app import LOOPBACK_NAMES, STATS_PATH, USER_NAME, HubApp, normalize_token
+from .access import LOOPBACK_NAMES, USER_NAME, normalize_token
+from .app import STATS_PATH, HubApp
 from .connections import HubHTTPProtocol
 from .limits import Limits
 from .storage import Storage
@@ -80,7 +81,7 @@ class RunningHub:
     @property
     def token(self) -> str | None:
         """The token writes need, None if the server is read-only."""
-        return self._app.token
+        return self._app.access.token
 
     @property
     def request_count(self) -> int:

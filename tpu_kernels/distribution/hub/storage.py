@@ -1,4 +1,4 @@
-"""Durable storage of the local Hub.
+"""Durable storage of the local Hub: repos, their refs and their commits (file contents: blobs.py).
 
 Layout under the root folder:
 
@@ -10,9 +10,6 @@ Layout under the root folder:
     tmp/                                    staging area, emptied when the server starts
     server.lock                             one server process per root
 
-A commit id is the sha1 of the commit object's canonical JSON, which is also
-the file's exact content: commits are content-addressed and self-verifying.
-
 Crash safety: every file is written to tmp/, fsynced and renamed into place
 (then its folder is fsynced), in the order blobs -> commit object -> refs.json.
 A branch moves only when refs.json is replaced, so a crash at any point leaves
@@ -21,13 +18,12 @@ unreferenced and invisible. Commits to one repo are serialised by a lock.
 
 Orphan blobs (no commit references them: a crashed commit's, a deleted repo's)
 are removed when the server starts, and a commit that fails removes the blobs it
-installed unless another commit relies on them (see `_BlobLedger`). A commit is
+installed unless another commit relies on them (`BlobStore.installed`). A commit is
 validated and encoded in full before its first blob is installed.
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
 import contextlib
 import fcntl
@@ -36,277 +32,41 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 import threading
-import unicodedata
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import datetime, timezone
+from collections.abc import Iterator
 from pathlib import Path
 from types import MappingProxyType
 
-REPO_TYPES = ("model", "kernel")
-MAIN_BRANCH = "main"
-# URL prefixes and API words that would make a namespace ambiguous in routes.
-RESERVED_NAMESPACES = frozenset({"api", "models", "kernels", "datasets", "spaces", "buckets", "resolve", "tmp"})
-MAX_PATH_CHARS = 1024
-MAX_REF_CHARS = 255
+from .blobs import BlobStore, FileEntry, StagedFile
+from .commits import (
+    Commit,
+    Deletion,
+    Refs,
+    Tree,
+    apply_deletion,
+    canonical_json,
+    new_commit,
+    now_iso,
+    refuse_file_folder_clash,
+    refuse_name_twins,
+)
+from .durable import fsync_dir, make_dirs, write_atomically
+from .errors import HubError
+from .names import (
+    COMMIT_ID,
+    MAIN_BRANCH,
+    REPO_TYPES,
+    split_full_ref,
+    validate_ref_name,
+    validate_repo_id,
+    validate_repo_type,
+)
 
-_REPO_NAME_PART = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")
-_REF_CHARS = re.compile(r"[A-Za-z0-9._/-]+")
-_COMMIT_ID = re.compile(r"[0-9a-f]{40}")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-# Control, format (bidi overrides, zero-width joiners, the code points HFS+ ignores in names),
-# surrogate and line/paragraph separator characters: none belongs in a file name.
-_REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
-# The 8.3 short names Windows gives `.git` (GIT~1, or GIT~2... when names collide).
-_GIT_SHORT_NAME = re.compile(r"GIT~[0-9]+")
 TREE_CACHE_COMMITS = 16
 
 logger = logging.getLogger(__name__)
-
-
-NOT_SUPPORTED = "Not supported by this local Hub"
-
-
-class HubError(Exception):
-    """An error with the HTTP status and the `X-Error-Code` huggingface_hub maps to its exceptions."""
-
-    def __init__(self, status: int, message: str, code: str | None = None, commit: str | None = None):
-        # A message quoting a client's lone surrogate must still encode as UTF-8 in the answer.
-        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.commit = commit
-
-
-def now_iso() -> str:
-    """The Hub's timestamp format: milliseconds, UTC, trailing Z."""
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
-
-
-def validate_repo_type(repo_type: str) -> str:
-    if repo_type not in REPO_TYPES:
-        raise HubError(400, f"{NOT_SUPPORTED}: {str(repo_type)[:40]!r} repos: this server holds kernel and model repos only")
-    return repo_type
-
-
-def validate_repo_id(repo_id: str) -> tuple[str, str]:
-    """`namespace/name` with the Hub's character rules; returns both parts."""
-    parts = repo_id.split("/")
-    if len(parts) != 2 or not all(_REPO_NAME_PART.fullmatch(part) for part in parts):
-        raise HubError(
-            400,
-            f"Invalid repo id {repo_id!r}: expected 'namespace/name' made of letters, digits, '-', '_' and '.', "
-            "each part starting and ending with a letter or digit, at most 96 characters",
-        )
-    if any("--" in part or ".." in part for part in parts):
-        raise HubError(400, f"Invalid repo id {repo_id!r}: '--' and '..' are not allowed")
-    if parts[0].lower() in RESERVED_NAMESPACES:
-        raise HubError(400, f"Invalid repo id {repo_id!r}: namespace {parts[0]!r} is reserved")
-    return parts[0], parts[1]
-
-
-def validate_path(path: str) -> str:
-    """A file path inside a repo: relative, normalised, never escaping the repo root, and safe to
-    write into a local folder on any file system a client may use.
-
-    Refused: control, format (bidi, zero-width), surrogate and line-separator characters; any
-    part that git, or a file system folding case, dropping trailing dots and spaces or reading
-    `name:stream` as a stream of `name`, would take for `.git` (`.GIT`, `.git.`, `.git `,
-    `.git::$INDEX_ALLOCATION`, and the 8.3 short name `GIT~1`).
-    """
-    if not isinstance(path, str) or not path:
-        raise HubError(400, "Invalid path: empty")
-    if len(path) > MAX_PATH_CHARS:
-        raise HubError(400, f"Invalid path {path[:80]!r}...: longer than {MAX_PATH_CHARS} characters")
-    refused = next((char for char in path if unicodedata.category(char) in _REFUSED_CATEGORIES), None)
-    if refused is not None:
-        raise HubError(400, f"Invalid path {path!r}: control, bidi, zero-width and other invisible characters "
-                            f"are not allowed (U+{ord(refused):04X})")
-    if "\\" in path:
-        raise HubError(400, f"Invalid path {path!r}: use '/' as the separator")
-    if path.startswith("/"):
-        raise HubError(400, f"Invalid path {path!r}: absolute paths are not allowed")
-    parts = path.split("/")
-    if any(part in ("", ".", "..") for part in parts):
-        raise HubError(400, f"Invalid path {path!r}: empty, '.' and '..' segments are not allowed")
-    if any(_is_git_folder_alias(part) for part in parts):
-        raise HubError(400, f"Invalid path {path!r}: '.git' folders are not allowed, in any case or spelling "
-                            "a file system would read as '.git'")
-    return path
-
-
-def _is_git_folder_alias(part: str) -> bool:
-    name = part.split(":", 1)[0].rstrip(". ")
-    return name.upper() == ".GIT" or name.casefold() == ".git" or bool(_GIT_SHORT_NAME.fullmatch(name.upper()))
-
-
-def name_key(path: str) -> str:
-    """What a path is to a file system that folds case and Unicode normalisation and drops each
-    name's trailing dots and spaces: two paths with one key land on one file there."""
-    return "/".join(
-        unicodedata.normalize("NFD", unicodedata.normalize("NFD", part.rstrip(". ")).upper().casefold())
-        for part in path.split("/")
-    )
-
-
-def validate_ref_name(name: str) -> str:
-    """A branch or tag name: git's check-ref-format rules on a conservative character set.
-
-    Letters, digits, '.', '_', '-' and '/' only (so none of git's forbidden characters
-    `~^:?*[\\`, spaces, control characters or `@{`), starting with a letter or digit; no
-    empty, '.'-leading or '.lock'-ending component; no '..'; no trailing '.' or '/'. Also
-    refused: names that read as a commit id or a full ref (`refs/...`), and `HEAD`.
-    """
-    if not isinstance(name, str) or not name:
-        raise HubError(400, "Invalid branch or tag name: empty")
-    problem = None
-    components = name.split("/")
-    if len(name) > MAX_REF_CHARS:
-        problem = f"longer than {MAX_REF_CHARS} characters"
-    elif not _REF_CHARS.fullmatch(name):
-        problem = "only letters, digits, '.', '_', '-' and '/' are allowed"
-    elif not name[0].isalnum():
-        problem = "it must start with a letter or digit"
-    elif any(not component for component in components):
-        problem = "empty component ('//' or a trailing '/')"
-    elif any(component.startswith(".") for component in components):
-        problem = "a component starts with '.'"
-    elif any(component.endswith(".lock") for component in components):
-        problem = "a component ends with '.lock'"
-    elif ".." in name:
-        problem = "'..' is not allowed"
-    elif name.endswith("."):
-        problem = "it ends with '.'"
-    elif _COMMIT_ID.fullmatch(name):
-        problem = "it reads as a commit id"
-    elif components[0] == "refs" or name == "HEAD":
-        problem = "'HEAD' and names under 'refs/' are reserved"
-    if problem:
-        raise HubError(400, f"Invalid branch or tag name {name!r}: {problem}")
-    return name
-
-
-def split_full_ref(revision: str) -> tuple[str | None, str]:
-    """("branches", name) for `refs/heads/<name>`, ("tags", name) for `refs/tags/<name>`, else (None, revision)."""
-    for prefix, kind in (("refs/heads/", "branches"), ("refs/tags/", "tags")):
-        if revision.startswith(prefix) and len(revision) > len(prefix):
-            return kind, revision[len(prefix):]
-    return None, revision
-
-
-def branch_name(revision: str) -> str:
-    """The branch a commit targets: `refs/heads/<name>` is `<name>`, as on the Hub."""
-    kind, name = split_full_ref(revision)
-    return name if kind == "branches" else revision
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    sha256: str
-    git_oid: str
-    size: int
-
-    def to_json(self) -> dict:
-        return {"sha256": self.sha256, "oid": self.git_oid, "size": self.size}
-
-    @staticmethod
-    def from_json(data: dict) -> FileEntry:
-        return FileEntry(sha256=data["sha256"], git_oid=data["oid"], size=data["size"])
-
-
-@dataclass(frozen=True)
-class Commit:
-    id: str
-    parent: str | None
-    files: Mapping[str, FileEntry]
-    title: str
-    message: str
-    author: str
-    date: str
-
-
-@dataclass(frozen=True)
-class Refs:
-    branches: Mapping[str, str]
-    tags: Mapping[str, str]
-
-
-@dataclass(frozen=True)
-class StagedFile:
-    """A file of a commit being received: its content is in tmp/ until the commit lands."""
-
-    path: str
-    entry: FileEntry
-    staged_at: Path
-
-
-@dataclass(frozen=True)
-class Deletion:
-    path: str
-    is_folder: bool
-
-
-class StagingWriter:
-    """One uploaded file, received in pieces: memory stays at one piece whatever the file's size."""
-
-    def __init__(self, folder: Path):
-        fd, name = tempfile.mkstemp(dir=folder)
-        self.path = Path(name)
-        self._file = os.fdopen(fd, "wb")
-        self._sha256 = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: bytes) -> None:
-        self._file.write(data)
-        self._sha256.update(data)
-        self.size += len(data)
-
-    def finish(self) -> FileEntry:
-        """fsync the staged bytes and name them; the writer is closed."""
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        # A git blob id hashes the size before the content: a second pass, over the page cache.
-        git_oid = hashlib.sha1(b"blob %d\0" % self.size)
-        with open(self.path, "rb") as staged:
-            while chunk := staged.read(1 << 20):
-                git_oid.update(chunk)
-        return FileEntry(sha256=self._sha256.hexdigest(), git_oid=git_oid.hexdigest(), size=self.size)
-
-    def abort(self) -> None:
-        self._file.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _make_dirs(path: Path) -> None:
-    """mkdir -p, fsyncing each parent that gains an entry, so new folders survive a power cut."""
-    missing = []
-    while not path.is_dir():
-        missing.append(path)
-        path = path.parent
-    for folder in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            folder.mkdir()
-            _fsync_dir(folder.parent)
-
-
-def _canonical_json(data) -> bytes:
-    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 class Storage:
@@ -335,30 +95,16 @@ class Storage:
         self._privacy: dict[Path, bool] = {}
         self._trees: collections.OrderedDict[str, Tree] = collections.OrderedDict()
         self._trees_guard = threading.Lock()
-        self._ledger = _BlobLedger(self._blob_file)
-        removed = self.collect_orphans()
+        self.blob_store = BlobStore(self.blobs, self.tmp)
+        removed = self.blob_store.collect_orphans(self.repos.glob("*/*/*/commits/*.json"))
         if removed:
             logger.warning("removed %d orphan blob(s) from %s", removed, self.blobs)
 
     def close(self) -> None:
         self._server_lock.close()
 
-    # -- atomic files ---------------------------------------------------------------------------
-
     def _write_atomically(self, target: Path, content: bytes) -> None:
-        _make_dirs(target.parent)
-        fd, staging = tempfile.mkstemp(dir=self.tmp)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(content)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(staging, target)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(staging)
-            raise
-        _fsync_dir(target.parent)
+        write_atomically(target, content, self.tmp)
 
     # -- repos ----------------------------------------------------------------------------------
 
@@ -429,10 +175,10 @@ class Storage:
                 raise HubError(409, f"You already created this {repo_type} repo: {repo_id}")
             created_at = now_iso()
             self._write_atomically(
-                folder / "repo.json", _canonical_json({"type": repo_type, "id": repo_id, "createdAt": created_at, "private": private})
+                folder / "repo.json", canonical_json({"type": repo_type, "id": repo_id, "createdAt": created_at, "private": private})
             )
             self._privacy.pop(folder, None)
-            initial, raw = _new_commit(None, {}, "initial commit", "", "system", created_at)
+            initial, raw = new_commit(None, {}, "initial commit", "", "system", created_at)
             self._write_atomically(folder / "commits" / f"{initial.id}.json", raw)
             # refs.json last: its presence is what makes the repo exist.
             self._write_refs(folder, Refs(branches={MAIN_BRANCH: initial.id}, tags={}))
@@ -447,7 +193,7 @@ class Storage:
             folder = self.existing_repo_dir(repo_type, repo_id)
             doomed = Path(tempfile.mkdtemp(dir=self.tmp)) / "repo"
             os.rename(folder, doomed)
-            _fsync_dir(folder.parent)
+            fsync_dir(folder.parent)
             self._forget(folder)
         shutil.rmtree(doomed.parent, ignore_errors=True)
 
@@ -471,12 +217,12 @@ class Storage:
                     raise HubError(409, f"A {repo_type} repo {new_repo_id} already exists")
                 # A repo whose creation crashed before refs.json: never visible, safe to replace.
                 shutil.rmtree(target)
-            _make_dirs(target.parent)
+            make_dirs(target.parent)
             os.rename(source, target)
-            _fsync_dir(target.parent)
-            _fsync_dir(source.parent)
+            fsync_dir(target.parent)
+            fsync_dir(source.parent)
             record = json.loads((target / "repo.json").read_text())
-            self._write_atomically(target / "repo.json", _canonical_json({**record, "id": new_repo_id}))
+            self._write_atomically(target / "repo.json", canonical_json({**record, "id": new_repo_id}))
             self._forget(source)
             self._forget(target)
 
@@ -485,7 +231,7 @@ class Storage:
         with self._repo_lock(repo_type, repo_id):
             folder = self.existing_repo_dir(repo_type, repo_id)
             record = json.loads((folder / "repo.json").read_text())
-            self._write_atomically(folder / "repo.json", _canonical_json({**record, "private": private}))
+            self._write_atomically(folder / "repo.json", canonical_json({**record, "private": private}))
             self._privacy[folder] = private
 
     def _forget(self, folder: Path) -> None:
@@ -502,7 +248,7 @@ class Storage:
 
     def _write_refs(self, folder: Path, refs: Refs) -> None:
         self._write_atomically(
-            folder / "refs.json", _canonical_json({"branches": dict(refs.branches), "tags": dict(refs.tags)})
+            folder / "refs.json", canonical_json({"branches": dict(refs.branches), "tags": dict(refs.tags)})
         )
 
     def _read_commit(self, folder: Path, commit_id: str) -> Commit:
@@ -533,7 +279,7 @@ class Storage:
         else:
             commit_id = refs.branches.get(revision) or refs.tags.get(revision)
         folder = self.existing_repo_dir(repo_type, repo_id)
-        if commit_id is None and _COMMIT_ID.fullmatch(revision) and (folder / "commits" / f"{revision}.json").is_file():
+        if commit_id is None and COMMIT_ID.fullmatch(revision) and (folder / "commits" / f"{revision}.json").is_file():
             commit_id = revision
         if commit_id is None:
             raise HubError(404, f"Invalid rev id: {revision}", code="RevisionNotFound")
@@ -588,53 +334,7 @@ class Storage:
                 raise HubError(404, f"Invalid rev id: {name}", code="RevisionNotFound")
             self._write_refs(folder, Refs(**updated))
 
-    # -- blobs ----------------------------------------------------------------------------------
-
-    def blob_path(self, entry: FileEntry) -> Path:
-        if not _SHA256.fullmatch(entry.sha256):
-            raise HubError(500, "Corrupted file entry")
-        return self._blob_file(entry.sha256)
-
-    def _blob_file(self, sha256: str) -> Path:
-        return self.blobs / sha256[:2] / sha256
-
-    def start_staging(self) -> StagingWriter:
-        """A file of a commit being received, written piece by piece into tmp/; a blob only if its commit lands."""
-        return StagingWriter(self.tmp)
-
-    def discard(self, staged: Iterable[StagedFile]) -> None:
-        for file in staged:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(file.staged_at)
-
-    def _install_blob(self, staged: StagedFile) -> None:
-        target = self.blob_path(staged.entry)
-        if target.is_file():
-            os.unlink(staged.staged_at)
-            return
-        _make_dirs(target.parent)
-        os.replace(staged.staged_at, target)
-        _fsync_dir(target.parent)
-
-    def collect_orphans(self) -> int:
-        """Remove the blobs no commit references; how many. Only while no commit is under way (at start).
-
-        Every commit object counts, reachable from a ref or not (a lock file may pin a commit of a
-        deleted branch). If one cannot be read, nothing is removed.
-        """
-        referenced = set()
-        for commit_file in self.repos.glob("*/*/*/commits/*.json"):
-            try:
-                referenced.update(entry["sha256"] for entry in json.loads(commit_file.read_bytes())["files"].values())
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-                logger.warning("orphan blobs kept: cannot read %s (%s)", commit_file, error)
-                return 0
-        removed = 0
-        for blob in self.blobs.glob("*/*"):
-            if _SHA256.fullmatch(blob.name) and blob.name not in referenced:
-                blob.unlink()
-                removed += 1
-        return removed
+    # -- commits ----------------------------------------------------------------------------------
 
     def tree(self, commit: Commit) -> Tree:
         """The commit's folders (listings, git tree ids), computed once per commit while it is in use."""
@@ -649,8 +349,6 @@ class Storage:
             while len(self._trees) > TREE_CACHE_COMMITS:
                 self._trees.popitem(last=False)
         return tree
-
-    # -- commits --------------------------------------------------------------------------------
 
     def commit_operations(
         self,
@@ -688,18 +386,13 @@ class Storage:
                     )
                 files = dict(head.files)
                 for deletion in deletions:
-                    _apply_deletion(files, deletion)
+                    apply_deletion(files, deletion)
                 for addition in additions:
                     files[addition.path] = addition.entry
-                _refuse_file_folder_clash(files)
-                _refuse_name_twins(files, {addition.path for addition in additions})
-                commit, raw = _new_commit(head.id, files, title, message, author, now_iso())
-                blobs = {addition.entry.sha256 for addition in additions}
-                referenced = {files[addition.path].sha256 for addition in additions}
-                self._ledger.acquire(blobs)
-                try:
-                    for addition in additions:
-                        self._install_blob(addition)
+                refuse_file_folder_clash(files)
+                refuse_name_twins(files, {addition.path for addition in additions})
+                commit, raw = new_commit(head.id, files, title, message, author, now_iso())
+                with self.blob_store.installed(additions, {files[addition.path].sha256 for addition in additions}):
                     commit_file = folder / "commits" / f"{commit.id}.json"
                     self._write_atomically(commit_file, raw)
                     try:
@@ -708,169 +401,7 @@ class Storage:
                         with contextlib.suppress(FileNotFoundError):
                             commit_file.unlink()
                         raise
-                    self._ledger.stored(referenced)
-                finally:
-                    self._ledger.release(blobs)
                 return commit
         finally:
-            self.discard(additions)
+            self.blob_store.discard(additions)
 
-
-class _BlobLedger:
-    """The blobs commits under way rely on, so that a failed commit removes only blobs no one needs.
-
-    A commit `acquire`s its blobs before installing any. One missing from the store then is
-    unreferenced until a commit relying on it is `stored`; when the last commit relying on an
-    unreferenced blob `release`s it, having failed, the blob is removed. A blob installed by one
-    commit and found present by another is therefore kept while either may still reference it.
-    """
-
-    def __init__(self, blob_file):
-        self._blob_file = blob_file
-        self._lock = threading.Lock()
-        self._users: collections.Counter[str] = collections.Counter()
-        self._unreferenced: set[str] = set()
-
-    def acquire(self, blobs: set[str]) -> None:
-        with self._lock:
-            for sha256 in blobs:
-                self._users[sha256] += 1
-                if not self._blob_file(sha256).is_file():
-                    self._unreferenced.add(sha256)
-
-    def stored(self, blobs: set[str]) -> None:
-        with self._lock:
-            self._unreferenced -= blobs
-
-    def release(self, blobs: set[str]) -> None:
-        with self._lock:
-            for sha256 in blobs:
-                self._users[sha256] -= 1
-                if self._users[sha256]:
-                    continue
-                del self._users[sha256]
-                if sha256 in self._unreferenced:
-                    self._unreferenced.discard(sha256)
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self._blob_file(sha256))
-
-
-def _new_commit(
-    parent: str | None, files: Mapping[str, FileEntry], title: str, message: str, author: str, date: str
-) -> tuple[Commit, bytes]:
-    """A commit object and its canonical JSON (the bytes its id hashes)."""
-    body = {
-        "parent": parent,
-        "files": {path: files[path].to_json() for path in sorted(files)},
-        "title": title,
-        "message": message,
-        "author": author,
-        "date": date,
-    }
-    try:
-        raw = _canonical_json(body)
-    except UnicodeEncodeError:
-        raise HubError(400, "Invalid commit: its title, message or a path is not valid Unicode") from None
-    commit = Commit(id=hashlib.sha1(raw).hexdigest(), parent=parent, files=MappingProxyType(dict(files)),
-                    title=title, message=message, author=author, date=date)
-    return commit, raw
-
-
-def _apply_deletion(files: dict[str, FileEntry], deletion: Deletion) -> None:
-    if not deletion.is_folder:
-        if files.pop(deletion.path, None) is None:
-            raise HubError(404, f"A file with this name doesn't exist: {deletion.path}", code="EntryNotFound")
-        return
-    prefix = deletion.path.rstrip("/") + "/"
-    doomed = [path for path in files if path.startswith(prefix)]
-    if not doomed:
-        raise HubError(404, f"A folder with this name doesn't exist: {deletion.path}", code="EntryNotFound")
-    for path in doomed:
-        del files[path]
-
-
-def _refuse_file_folder_clash(files: Mapping[str, FileEntry]) -> None:
-    """A path cannot be a file and a folder at once: git could not store it, clients could not download it."""
-    for path in files:
-        folder = path
-        while "/" in folder:
-            folder = folder.rsplit("/", 1)[0]
-            if folder in files:
-                raise HubError(400, f"Invalid commit: {folder!r} would be both a file and a folder (of {path!r})")
-
-
-def _refuse_name_twins(files: Mapping[str, FileEntry], added: set[str]) -> None:
-    """An added path may not land where another file or folder does on a file system that folds
-    case and Unicode normalisation or drops trailing dots and spaces (macOS, Windows): a client
-    writing the repo to disk there would get one file for two. Twins already in the branch stay."""
-    seen: dict[str, str] = {}
-    for path in sorted(files, key=lambda name: name in added):
-        prefix, key = "", ""
-        for part in path.split("/"):
-            prefix, key = (f"{prefix}/{part}", f"{key}/{name_key(part)}") if prefix else (part, name_key(part))
-            other = seen.setdefault(key, prefix)
-            if other != prefix and path in added:
-                raise HubError(400, f"Invalid commit: {prefix!r} and {other!r} differ only in case, Unicode "
-                                    "normalisation or trailing dots and spaces: on macOS and Windows they are one")
-
-
-_FILE_MODE, _FOLDER_MODE = b"100644", b"40000"
-
-
-class Tree:
-    """A commit's files seen as folders: each folder's entries and its git tree id, computed in
-    one pass over the files (time linear in files plus folders), then listed in pages."""
-
-    def __init__(self, files: Mapping[str, FileEntry]):
-        self._files = files
-        children: dict[str, list[str]] = {"": []}
-        for path in files:
-            while True:
-                parent = path.rpartition("/")[0]
-                known = parent in children
-                children.setdefault(parent, []).append(path)
-                if known:
-                    break
-                path = parent
-        self._children = {folder: sorted(entries) for folder, entries in children.items()}
-        self._paths = sorted(path for entries in children.values() for path in entries)
-        self._folder_ids: dict[str, bytes] = {}
-        # Deepest first: a folder's id hashes its subfolders' ids.
-        for folder in sorted(children, key=lambda name: (name == "", -name.count("/"))):
-            self._folder_ids[folder] = self._git_tree_id(self._children[folder])
-
-    def _git_tree_id(self, entries: list[str]) -> bytes:
-        records = []
-        for path in entries:
-            name = path.rpartition("/")[2].encode()
-            entry = self._files.get(path)
-            if entry is not None:
-                records.append((name, _FILE_MODE + b" " + name + b"\0" + bytes.fromhex(entry.git_oid)))
-            else:  # git orders a folder as if its name ended with '/'
-                records.append((name + b"/", _FOLDER_MODE + b" " + name + b"\0" + self._folder_ids[path]))
-        content = b"".join(record for _, record in sorted(records))
-        return hashlib.sha1(b"tree %d\0" % len(content) + content).digest()
-
-    def is_folder(self, path: str) -> bool:
-        """Whether `path` is a folder below the root."""
-        return bool(path) and path in self._folder_ids and path not in self._files
-
-    def entry(self, path: str) -> FileEntry | None:
-        """The file at `path`; None for a folder."""
-        return self._files.get(path)
-
-    def folder_id(self, folder: str) -> str:
-        """The folder's git tree id, as the Hub reports it."""
-        return self._folder_ids[folder].hex()
-
-    def listing(self, folder: str, recursive: bool) -> Sequence[str]:
-        """Paths of the files and folders in `folder` ("" for the root), or below it, in order; 404 if
-        there is no such folder."""
-        if folder and not self.is_folder(folder):
-            raise HubError(404, f"Entry not found: {folder}", code="EntryNotFound")
-        if not recursive:
-            return self._children[folder]
-        if not folder:
-            return self._paths
-        # '0' follows '/': the paths below `folder` sit between the two in sorted order.
-        return self._paths[bisect.bisect_left(self._paths, folder + "/"):bisect.bisect_left(self._paths, folder + "0")]
