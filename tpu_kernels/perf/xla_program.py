@@ -411,12 +411,18 @@ def _op_traffic(inst: hlo.Instruction, by_name, computations) -> ProgramOp | Non
                 and source.shape.layout != inst.shape.layout:
             detail = f"{RELAYOUT} {source.name} ({source.shape.layout} -> {inst.shape.layout})"
     windows = _ragged_dot_windows(inst, computations) if inst.opcode == "fusion" else None
-    transposes = False
-    if inst.opcode == "copy" and inst.operands and by_name.get(inst.operands[0]) is not None:
-        source = by_name[inst.operands[0]].shape
-        if isinstance(source, hlo.Leaf) and isinstance(inst.shape, hlo.Leaf) and len(source.dims) > 1:
-            transposes = _minor_dimension(source.layout) != _minor_dimension(inst.shape.layout)
-    return ProgramOp(inst.name, inst.opcode, detail, reads, hbm_write, vmem, None, prefetch, windows, transposes)
+    return ProgramOp(inst.name, inst.opcode, detail, reads, hbm_write, vmem, None, prefetch, windows,
+                     _transposes(inst, by_name))
+
+
+def _transposes(inst: hlo.Instruction, by_name) -> bool:
+    """Whether `inst` is a copy whose result's minor dimension is not its operand's."""
+    if inst.opcode != "copy" or not inst.operands or by_name.get(inst.operands[0]) is None:
+        return False
+    source = by_name[inst.operands[0]].shape
+    if not (isinstance(source, hlo.Leaf) and isinstance(inst.shape, hlo.Leaf) and len(source.dims) > 1):
+        return False
+    return _minor_dimension(source.layout) != _minor_dimension(inst.shape.layout)
 
 
 def _minor_dimension(layout: str) -> str:
