@@ -478,20 +478,23 @@ def _buffers_and_scratch(x, *, scratch_mib):
 
 
 @pytest.mark.aot
+@pytest.mark.parametrize("generation", ["v5e", "v5p", "v6e"])
 @pytest.mark.parametrize("scratch_mib, fits", [(4, True), (5, False)])
-def test_vmem_fit_agrees_with_the_compiler_at_the_default_scoped_limit(scratch_mib, fits):
-    # Four 7 MiB f32 block buffers (input and output, double-buffered) plus the scratch,
-    # against v6e's 32 MiB default scoped VMEM limit.
-    x = jax.ShapeDtypeStruct((2 * 7 * 2**20 // 512, 128), jnp.float32)
+def test_vmem_fit_agrees_with_the_compiler_at_the_default_scoped_limit(generation, scratch_mib, fits):
+    # Four block buffers (input and output, double-buffered) that leave 4 MiB of the generation's default
+    # scoped VMEM limit, plus the scratch: 4 MiB fills the limit exactly, 5 MiB is one over.
+    limit_mib = perf.tpu_generation(generation).default_scoped_vmem_bytes // 2**20
+    block_mib = (limit_mib - 4) // 4
+    x = jax.ShapeDtypeStruct((2 * block_mib * 2**20 // 512, 128), jnp.float32)
     kernel = functools.partial(_buffers_and_scratch, scratch_mib=scratch_mib)
     [call] = perf.model_pallas_traffic(kernel, x)
-    assert call.vmem_bytes == (4 * 7 + scratch_mib) * 2**20
-    assert perf.roofline(call, "v6e").fits_vmem is fits
+    assert call.vmem_bytes == (4 * block_mib + scratch_mib) * 2**20
+    assert perf.roofline(call, generation).fits_vmem is fits
     if fits:
-        compile_for(kernel, [x], "v6e")
+        compile_for(kernel, [x], generation)
     else:
         with pytest.raises(Exception, match="CompileTimeScopedVmemOom"):
-            compile_for(kernel, [x], "v6e")
+            compile_for(kernel, [x], generation)
 
 
 def test_megacore_splits_the_first_parallel_dimension_of_more_than_one_index():

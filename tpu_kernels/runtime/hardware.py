@@ -13,10 +13,12 @@ Where the numbers come from:
   MXU 256; both 8 sublanes x 128 lanes. These match Google's public specs
   (v5e 197 TFLOP/s, 819 GB/s; v6e 918 TFLOP/s, 1640 GB/s).
 - Default scoped VMEM limit (what Mosaic compiles a kernel against unless
-  it sets `vmem_limit_bytes`; not in jax's table): 16 MiB on v5e, 32 MiB on
-  v6e, measured with libtpu's compile-only topologies: blocks plus scratch
-  of exactly that size compile, one MiB more fails with
-  CompileTimeScopedVmemOom (tests/test_perf.py checks the v6e edge).
+  it sets `vmem_limit_bytes`; not in jax's table): 16 MiB on v5e and v5p,
+  32 MiB on v6e, measured with libtpu's compile-only topologies: blocks plus
+  scratch of exactly that size compile, one MiB more fails with
+  CompileTimeScopedVmemOom (tests/test_perf.py checks each edge). TPU7x has
+  no such edge: double-buffered blocks of 1 MiB with 34 MiB in all compile
+  and 35 fail, blocks of 7 MiB with 36 MiB compile; it is left unknown.
 - Per-grid-step cost 0.35 us (`GRID_STEP_OVERHEAD_S`): the rule of thumb
   kernels tile by. The Pallas guides do not state it (jax's docs/pallas/tpu,
   whole history up to commit cec06d1, 2026-08); fitted to real-chip timings
@@ -51,7 +53,7 @@ OFF_TPU_GENERATION = "v6e"
 GENERATION_ENV = "TPU_KERNELS_GENERATION"
 
 # Measured with libtpu's compile-only topologies (module docstring).
-DEFAULT_SCOPED_VMEM_BYTES = {"v5e": 16 * MIB, "v6e": 32 * MIB}
+DEFAULT_SCOPED_VMEM_BYTES = {"v5e": 16 * MIB, "v5p": 16 * MIB, "v6e": 32 * MIB}
 # The rule of thumb kernels tile by (the performance model's calibrated values: tpu_kernels/perf/model_constants.json).
 GRID_STEP_OVERHEAD_S = 0.35e-6
 
