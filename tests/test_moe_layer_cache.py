@@ -9,11 +9,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_compile_keys_ignore_the_model_and_replay_keys_follow_perf(monkeypatch):
     """A compile is keyed by what the compiler sees (module text, library versions): a model change never
-    recompiles. A replay is perf.py's work: its key changes with perf.py's source."""
+    recompiles. A replay is the replay modules' work: its key changes with their source."""
     compile_key = moe_layer.Cache(None).key("compile", "v6e", "the same module")
     replay_key = moe_layer.Cache(None).key("replay", "the same jaxpr")
     assert moe_layer.Cache(None).key("replay", "the same jaxpr") == replay_key
-    monkeypatch.setattr(moe_layer, "_source_of", lambda module: "perf.py after a change")
+    monkeypatch.setattr(moe_layer.cache, "source_fingerprint", lambda *modules: "the replay after a change")
     assert moe_layer.Cache(None).key("compile", "v6e", "the same module") == compile_key
     assert moe_layer.Cache(None).key("replay", "the same jaxpr") != replay_key
     assert moe_layer.Cache(None).key("compile", "v6e", "another module") != compile_key

@@ -1,8 +1,9 @@
 """The project's benchmarks, one module each: `tpu-kernels bench NAME [args]` or `python -m tpu_kernels.bench.NAME`.
 
-Each module has a `main(argv=None)` and documents itself in its docstring
-(benchmarks/README.md says what each found). Paths are relative to the
-current directory, never to where this package is installed:
+Each has a `main(argv=None)` and documents itself in its docstring
+(benchmarks/README.md says what each found); the large ones (moe_layer,
+attention, hub_server) are packages split by concern. Paths are relative to
+the current directory, never to where this package is installed:
 
 - results go to `benchmarks/results/<name>.json` (each benchmark's `--out`,
   or `--results`, overrides it); the project's checkout tracks that folder;

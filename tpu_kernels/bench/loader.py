@@ -161,6 +161,20 @@ def repeat_summary(runs: list[dict]) -> dict:
     }
 
 
+def digest_and_copy_times(variant: Path, copies: Path, attempts: int = 100) -> tuple[list[float], list[float]]:
+    """Seconds of each digest check of a cached variant, and of each check with the private copy a load makes."""
+    digest_times, copy_times = [], []
+    copies.mkdir()
+    for attempt in range(attempts):
+        start = time.perf_counter()
+        verify_variant(variant)
+        digest_times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        copy_verified_variant(variant, copies / str(attempt), blobs=variant.parents[3] / "blobs")
+        copy_times.append(time.perf_counter() - start)
+    return digest_times, copy_times
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=5, help="cold and warm loads per loader (default: 5)")
@@ -204,16 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             variant_name = Path(runs["ours"]["warm"][0]["file"]).parent.name
             (variant,) = caches["ours", 0].glob(f"kernels--*/snapshots/*/build/{variant_name}")
             files_in_variant = sum(1 for path in variant.rglob("*") if path.is_file())
-            digest_times, copy_times = [], []
-            (work / "copies").mkdir()
-            for attempt in range(100):
-                start = time.perf_counter()
-                verify_variant(variant)
-                digest_times.append(time.perf_counter() - start)
-                start = time.perf_counter()
-                copy_verified_variant(variant, work / "copies" / str(attempt),
-                                      blobs=variant.parents[3] / "blobs")
-                copy_times.append(time.perf_counter() - start)
+            digest_times, copy_times = digest_and_copy_times(variant, work / "copies")
 
     result = {
         "kernel": repo,

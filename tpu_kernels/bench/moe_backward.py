@@ -333,7 +333,7 @@ def main(argv=None) -> int:
     }
     run = {"platform": platform.platform(), "seconds": round(time.perf_counter() - started, 1)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(moe_layer._round(report), indent=1, sort_keys=True) + "\n")
+    args.out.write_text(json.dumps(moe_layer.rounded(report), indent=1, sort_keys=True) + "\n")
     moe_layer.RAW_DIR.mkdir(parents=True, exist_ok=True)
     (moe_layer.RAW_DIR / f"{args.out.stem}.run.json").write_text(json.dumps(run, indent=1) + "\n")
     if not args.no_plot:

@@ -315,7 +315,7 @@ def main(argv=None) -> int:
            "seconds": round(time.perf_counter() - started, 1)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     plot(entries, args.out.with_suffix(".png"))
-    args.out.write_text(moe_layer.dump_compact(moe_layer._round(report)) + "\n")
+    args.out.write_text(moe_layer.dump_compact(moe_layer.rounded(report)) + "\n")
     moe_layer.RAW_DIR.mkdir(parents=True, exist_ok=True)
     (moe_layer.RAW_DIR / f"{args.out.stem}.run.json").write_text(json.dumps(run, indent=1, sort_keys=True) + "\n")
     print(f"wrote {args.out} in {run['seconds']:.0f} s; winners: "

@@ -1,0 +1,95 @@
+"""The command line: the backward at the training shapes (or its tile sweep), then the forward shapes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import kernels
+
+from tpu_kernels import perf
+from tpu_kernels.bench import calibration_bands, kernel_repo, require_kernel_repo, result_path
+from tpu_kernels.distribution.builder import build_kernel_repo
+
+from .backward import TRAINING_SHAPES, measure_backward, summarise_backward, sweep_backward
+from .forward import GENERATIONS, QUICK, SHAPES, measure, summarise
+
+
+KERNEL_REPO = kernel_repo("attention-tpu")
+DEFAULT_OUT = result_path("attention.json")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=sys.modules[__package__].__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--repo", type=Path, default=KERNEL_REPO, help="the attention kernel repo")
+    parser.add_argument("--quick", action="store_true", help="four forward shapes only")
+    parser.add_argument("--sweep", action="store_true", help="sweep the backward tiles at the training shapes")
+    args = parser.parse_args(argv)
+    require_kernel_repo(args.repo)
+
+    with tempfile.TemporaryDirectory() as build_dir:
+        built = kernels.get_local_kernel(build_kernel_repo(args.repo, Path(build_dir)), backend="cpu")
+        if args.sweep:
+            sweeps = {}
+            for shape in TRAINING_SHAPES:
+                for generation in GENERATIONS:
+                    sweep = sweep_backward(built, shape, jnp.bfloat16, generation)
+                    sweeps[f"{shape.label} {generation}"] = sweep
+                    print(shape.label, generation, json.dumps(sweep["best"]), flush=True)
+            out = args.out.with_name(args.out.stem + "_backward_sweep.json")
+            out.write_text(json.dumps(sweeps, indent=2) + "\n")
+            print(f"wrote {out}")
+            return 0
+        backward = []
+        for shape in TRAINING_SHAPES:
+            entry = measure_backward(built, shape, jnp.bfloat16)
+            backward.append(entry)
+            for generation in GENERATIONS:
+                result = entry["per_generation"][generation]
+                kernels_text = "  ".join(
+                    f"{name} {k['modelled_pipelined_time_us']:.0f} us {k['modelled_mxu_utilisation_pct']:.0f}% MXU "
+                    f"({k['pipelined_pct_of_roofline']:.0f}% of roofline)" for name, k in result["kernels"].items())
+                print(f"backward {shape.label:60s} {generation}: {kernels_text}  total {result['total_modelled_us']:.0f} us "
+                      f"= {result['backward_over_forward']:.2f}x forward", flush=True)
+        results = []
+        for shape in SHAPES:
+            if args.quick and shape.label not in QUICK:
+                continue
+            entry = measure(built, shape, jnp.bfloat16)
+            results.append(entry)
+            v5e, v6e = (entry["per_generation"][g] for g in GENERATIONS)
+            print(
+                f"{shape.label:48s} bytes/min v5e {v5e['bytes_ratio']:.3f} v6e {v6e['bytes_ratio']:.3f}  "
+                f"steps computed/needed/grid {v6e['computed_steps']}/{v6e['needed_steps']}/{v6e['grid_steps']}  "
+                f"v6e {v6e['modelled_time_us']:.1f} us ({v6e['pct_of_roofline']:.0f}% of roofline, "
+                f"{v6e['bound']})",
+                flush=True,
+            )
+    report = {
+        "benchmark": "tpu_kernels.bench.attention",
+        "kernel_repo": args.repo.as_posix(),
+        "dtype": "bfloat16",
+        "traffic_model": "tpu_kernels.perf.model_pallas_traffic (grid replay of the kernel's BlockSpecs); times: the "
+                         "calibrated pipelined figure (grid step " + ", ".join(
+                             f"{g} {perf.grid_step_s(g) * 1e6:.2f} us" for g in GENERATIONS) + "), v6e on v5e's constants",
+        "calibrated_errors": {kind: calibration_bands.describe(kind, g) for kind in ("flash_attention",
+                              "flash_attention_vjp") for g in ("v5e",)},
+        "environment": {"jax": jax.__version__, "tpu": "none (model + compile-only)"},
+        "summary": summarise(results),
+        "results": results,
+        "backward": {"summary": summarise_backward(backward), "results": backward},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    print(json.dumps(report["summary"], indent=2))
+    print(f"wrote {args.out}")
+    print(json.dumps(report["backward"]["summary"], indent=2))
+    summary = report["summary"]
+    ok = summary["skips_all_fully_masked_blocks"] and summary["fetches_no_fully_masked_block"]
+    return 0 if ok and summary["meets_decode_target"] else 1

@@ -1,0 +1,98 @@
+"""Ours: the built kernel repo's layer entry, at bf16 and with one-byte (int8, fp8) expert weights."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from .shapes import DTYPE, Case, Model
+
+
+# The JAX function behind the built kernel's fused experts op, as "module.function" of the built package.
+LAYER_ENTRY = "moe.experts_layer"
+
+
+@contextlib.contextmanager
+def build_folder(cache_dir: Path | None):
+    """Where the kernel repo is built and loaded from: a fixed folder under the cache, else a temporary one.
+
+    A Mosaic kernel's lowered text embeds the source paths of the code that traced it (its location info),
+    so ours is only found in the compile cache when it is built at the same path on every run.
+    """
+    if cache_dir is None:
+        with tempfile.TemporaryDirectory() as folder:
+            yield Path(folder)
+    else:
+        folder = Path(cache_dir) / "build"
+        folder.mkdir(parents=True, exist_ok=True)
+        yield folder
+
+
+def load_kernel(repo: Path, build_dir: Path):
+    import kernels
+
+    from tpu_kernels.distribution.builder import build_kernel_repo
+
+    return kernels.get_local_kernel(build_kernel_repo(repo, build_dir), backend="cpu")
+
+
+def layer_entry(built):
+    target = built
+    for part in LAYER_ENTRY.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def ours_layer(built, model: Model, generation: str):
+    return functools.partial(
+        layer_entry(built),
+        activation=model.activation,
+        weights_transposed=model.weights_transposed,
+        interleaved=model.interleaved,
+        alpha=model.alpha,
+        limit=model.limit,
+        generation=generation,
+    )
+
+
+# One-byte expert weights (issue 14), ours only, decode shapes only: labelled extra variants, never headlines.
+QUANTIZED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+
+def quantized_layer(built, model: Model, generation: str):
+    """Ours with quantized weights: arguments as `Case.avals`, then the two weights' scales."""
+    layer = ours_layer(built, model, generation)
+
+    def run(hidden, top_k_index, top_k_weights, gate_up, down, *rest):
+        biases, scales = (rest[:2], rest[2:]) if model.bias else ((None, None), rest)
+        return layer(hidden, top_k_index, top_k_weights, gate_up, down, *biases, *scales)
+
+    return run
+
+
+def quantized_avals(built, case: "Case", scheme: str, concrete_index: bool) -> list:
+    """`case.avals` with one-byte weights, then their scales in the shapes the kernel repo's quant.py expects."""
+    args = case.avals(concrete_index)
+    shapes = case.weight_shapes()
+    args[3:5] = [jax.ShapeDtypeStruct(shape, QUANTIZED[scheme]) for shape in shapes]
+    out_axis = 2 if case.model.weights_transposed else 1
+    return args + [jax.ShapeDtypeStruct(built.quant.expected_scales_shape(scheme, shape, out_axis), jnp.float32)
+                   for shape in shapes]
+
+
+def quantized_min_bytes(built, case: "Case", scheme: str) -> int:
+    """The layer's minimum bytes with one-byte weights: each active expert's weights and scales once."""
+    model = case.model
+    h, i = model.hidden, model.intermediate
+    out_axis = 2 if model.weights_transposed else 1
+    scales = sum(math.prod(built.quant.expected_scales_shape(scheme, shape, out_axis)[1:]) * 4
+                 for shape in case.weight_shapes())
+    itemsize = jnp.dtype(DTYPE).itemsize
+    per_expert = 3 * h * i + scales + ((2 * i + h) * itemsize if model.bias else 0)
+    return 2 * case.rows * h * itemsize + case.active_experts * per_expert + case.picks * (4 + itemsize)

@@ -1,0 +1,124 @@
+"""The command line: cases in order of importance, replays ahead of compiles, outputs rewritten after every case."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from tpu_kernels.bench import kernel_repo, require_kernel_repo, result_path
+
+from .cache import CLOCK, Cache, Compiler
+from .hf import hf_case
+from .measure import measure_case
+from .ours import build_folder, load_kernel
+from .report import write_outputs
+from .rivals import RIVALS
+from .shapes import ANCHOR, ANCHOR_DISPATCH, DECODE_TOKENS, PREFILL_TOKENS, SETTINGS, Case, make_cases
+from .targets import ANCHOR_TARGET_US, DECODE_MAX_OVER_ROOFLINE, summarise
+
+
+# Relative to the current directory (tpu_kernels.bench).
+DEFAULT_REPO = kernel_repo("ragged-dot-tpu")
+DEFAULT_OUT = result_path("moe_layer.json")
+# Raw rows and the run's own facts (untracked: .gitignore).
+RAW_DIR = result_path("raw")
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tpu-kernels" / "moe_layer"
+
+
+def priority(case: Case) -> tuple:
+    """The order cases are modelled in: the anchors (router masking, then dispatch), then decode by tokens, then
+    prefill.
+
+    The JSON is rewritten after every case, so a run stopped early still
+    leaves the most important shapes complete.
+    """
+    shape = (case.setting.label, case.tokens)
+    anchor = 0 if shape == ANCHOR[:2] else 1 if shape == ANCHOR_DISPATCH[:2] else 2
+    return (anchor, case.phase != "decode", case.tokens)
+
+
+# Cases whose replays run ahead of the one being finished: enough to keep the compile threads busy
+# without front-loading every replay of the run.
+LOOKAHEAD = 2
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=sys.modules[__package__].__doc__.splitlines()[0])
+    parser.add_argument("--repo", type=Path, default=DEFAULT_REPO, help="kernel repo whose layer entry is ours")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--raw-dir", type=Path, default=RAW_DIR, help="raw rows and the run's facts (untracked)")
+    parser.add_argument("--settings", nargs="*", default=None, help="setting labels (default: all)")
+    parser.add_argument("--tokens", nargs="*", type=int, default=list(DECODE_TOKENS + PREFILL_TOKENS))
+    parser.add_argument("--rivals", nargs="*", default=list(RIVALS), choices=list(RIVALS))
+    parser.add_argument("--jobs", type=int, default=2, help="compiles run in parallel (threads)")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    parser.add_argument("--no-cache", action="store_true", help="recompute every compile and replay")
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--retarget", action="store_true",
+                        help="only recompute the summary, targets, table and plot from the raw rows of the last run")
+    args = parser.parse_args(argv)
+    settings = [s for s in SETTINGS if args.settings is None or s.label in args.settings]
+    if not settings:
+        parser.error(f"no setting matches {args.settings}; known: {[s.label for s in SETTINGS]}")
+    cases = sorted(make_cases(settings, args.tokens), key=priority)
+    cache = Cache(None if args.no_cache else args.cache_dir)
+    if not args.retarget:
+        require_kernel_repo(args.repo)
+    if args.retarget:
+        rows = json.loads((args.raw_dir / f"{args.out.stem}.rows.json").read_text())
+        for row in rows:
+            summarise(row, args.rivals)
+        previous = json.loads(args.out.read_text()) if args.out.is_file() else {}
+        hf = hf_case(rows, cache) if "tokamax" in args.rivals else previous.get("hf_257us")
+        run = json.loads((args.raw_dir / f"{args.out.stem}.run.json").read_text())
+        write_outputs(args, rows, cases, hf, run)
+        return 0
+
+    started = time.perf_counter()
+    load_at_start = os.getloadavg()
+    compiler = Compiler(cache, args.jobs)
+
+    def run_facts() -> dict:
+        return {"python": platform.python_version(), "versions": cache.versions,
+                "cache": {"hits": cache.hits, "misses": cache.misses}, "cpus": os.cpu_count(), "jobs": args.jobs,
+                "load_average_1_5_15_min": {"start": load_at_start, "end": os.getloadavg()},
+                "seconds_by_phase": {phase: round(t, 1) for phase, t in CLOCK.seconds.items()},
+                "seconds": round(time.perf_counter() - started, 1)}
+
+    rows = []
+    report = None
+    with build_folder(None if args.no_cache else args.cache_dir) as build_dir:
+        built = load_kernel(args.repo, build_dir)
+        queued: list = []
+        upcoming = iter(cases)
+        while True:
+            for case in upcoming:
+                queued.append(measure_case(built, case, cache, compiler, args.rivals))
+                print(f"queued {case.label:48s} rows={case.rows:5d} picks={case.picks:6d} live={case.live_picks:6d} "
+                      f"({time.perf_counter() - started:.0f} s)", flush=True)
+                if len(queued) > LOOKAHEAD:
+                    break
+            if not queued:
+                break
+            for row in queued.pop(0)():
+                rows.append(row)
+                ours = row["variants"].get("ours", {})
+                print(f"{row['label']:48s} {row['generation']}  ours {ours.get('headline_us', float('nan')):10.1f} us"
+                      f"  best rival {row.get('best_rival')} {row.get('best_rival_us', float('nan')):10.1f} us"
+                      f"  roofline {row['roofline_us']:10.1f} us  ({time.perf_counter() - started:.0f} s)", flush=True)
+            report = write_outputs(args, rows, cases, None, run_facts())
+        hf = hf_case(rows, cache) if "tokamax" in args.rivals else None
+        report = write_outputs(args, rows, cases, hf, run_facts())
+    compiler.pool.shutdown()
+    targets = report["targets"]
+    anchor = targets["anchor"][" ".join(map(str, ANCHOR))]
+    print(f"wrote {args.out} in {time.perf_counter() - started:.0f} s (cache hits {cache.hits}, misses "
+          f"{cache.misses}); anchor {anchor['ours_us']} us (p90 band {anchor['ours_band_p90_us']}, target "
+          f"{ANCHOR_TARGET_US}); decode within {DECODE_MAX_OVER_ROOFLINE}x: {targets['decode_meets']}/"
+          f"{targets['decode_shapes']}; shapes a rival wins: {len(targets['rival_wins'])}")
+    return 0
