@@ -27,8 +27,9 @@ def test_facts_come_from_jax_tpu_table():
     assert (v5e.default_scoped_vmem_bytes, v6e.default_scoped_vmem_bytes) == (16 * MIB, 32 * MIB)
     assert (hardware.LANES, hardware.SUBLANES) == (128, 8)
     # Generations jax knows but the kernels do not support still have facts (for the performance model).
-    v5p = hardware.tpu_generation("v5p")
-    assert v5p.vmem_capacity_bytes == 64 * MIB and v5p.default_scoped_vmem_bytes is None
+    v5p, tpu7x = hardware.tpu_generation("v5p"), hardware.tpu_generation("tpu7x")
+    assert v5p.vmem_capacity_bytes == tpu7x.vmem_capacity_bytes == 64 * MIB
+    assert (v5p.default_scoped_vmem_bytes, tpu7x.default_scoped_vmem_bytes) == (16 * MIB, None)
     with pytest.raises(ValueError, match="unknown TPU generation 'v99'; jax knows v2, v3"):
         hardware.tpu_generation("v99")
 
