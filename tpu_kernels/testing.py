@@ -15,8 +15,9 @@ Installing the package changes no other project's test runs.
 
 Kernel repo tests also take helpers from here: `no_kernel_if` (an empty
 input must run no Pallas kernel), `assert_matches` (a result against the
-reference, relative to the reference's scale) and `dimensions` (a hypothesis
-strategy of sizes that are often 0).
+reference, relative to the reference's scale), `dimensions` (a hypothesis
+strategy of sizes that are often 0) and `tiny_transformers_model` (a small
+seeded transformers model to swap kernels into).
 """
 
 from __future__ import annotations
@@ -117,3 +118,17 @@ def dimensions(**sizes: list[int]):
         return drawn
 
     return draw_dimensions()
+
+
+def tiny_transformers_model(model_class, seed: int, **config):
+    """A randomly initialised transformers `model_class`, seeded: two decoder layers of hidden size 64, 4 query
+    and 2 key/value heads, a vocabulary of 96, unless `config` (fields of `model_class.config_class`) says else.
+
+    Small enough that interpret-mode kernels run its forward and backward passes in seconds.
+    """
+    import torch
+
+    sizes = dict(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(seed)
+    return model_class(model_class.config_class(**sizes | config))

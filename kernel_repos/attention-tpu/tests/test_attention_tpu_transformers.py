@@ -8,11 +8,10 @@ attention function in `AttentionInterface` and the kernel's mask function in
 
 import pytest
 import torch
-from transformers import (
-    AttentionInterface, Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
-)
+from transformers import AttentionInterface, Gemma2ForCausalLM, GptOssForCausalLM, Qwen3MoeForCausalLM
 from transformers.masking_utils import AttentionMaskInterface
+
+from tpu_kernels.testing import tiny_transformers_model
 
 NAME = "tpu_attention"
 NEW_TOKENS = 4
@@ -47,65 +46,32 @@ def registered(kernel):
             interface.register(NAME, function)
 
 
+# Every model compares the kernel with eager attention; heads of 64 lanes, as real models have.
+EAGER = dict(head_dim=64, attn_implementation="eager")
+SLIDING_THEN_FULL = dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+
+
 def _tiny_qwen3_moe():
-    config = Qwen3MoeConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=64,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=1,
-        head_dim=64,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(config).eval()
+    # Grouped-query attention with a single key/value head.
+    return tiny_transformers_model(
+        Qwen3MoeForCausalLM, seed=0, **EAGER, num_attention_heads=8, num_key_value_heads=1,
+        moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+    ).eval()
 
 
 def _tiny_gemma2():
     # Alternating sliding-window (w=6) and full layers, with logit soft-capping.
-    config = Gemma2Config(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        query_pre_attn_scalar=64,
-        sliding_window=6,
-        attn_logit_softcapping=20.0,
-        layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=64,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(1)
-    return Gemma2ForCausalLM(config).eval()
+    return tiny_transformers_model(
+        Gemma2ForCausalLM, seed=1, **EAGER, **SLIDING_THEN_FULL, query_pre_attn_scalar=64, attn_logit_softcapping=20.0
+    ).eval()
 
 
 def _tiny_gpt_oss():
     # Attention sinks; a sliding-window layer (w=6) and a full one.
-    config = GptOssConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_local_experts=4,
+    model = tiny_transformers_model(
+        GptOssForCausalLM, seed=2, **EAGER, **SLIDING_THEN_FULL, intermediate_size=32, num_local_experts=4,
         num_experts_per_tok=2,
-        sliding_window=6,
-        layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=64,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(2)
-    model = GptOssForCausalLM(config).eval()
+    ).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("sinks") or parameter.dim() == 3:  # sinks and experts may start zero or empty

@@ -1,4 +1,4 @@
-"""Helpers of this repo's tests: running a JAX function in TPU interpret mode, tensors to JAX arrays."""
+"""Helpers of this repo's tests: running a JAX function in TPU interpret mode, tensors to JAX arrays, random picks."""
 
 import jax
 import jax.numpy as jnp
@@ -38,3 +38,20 @@ def interpret():
 @pytest.fixture
 def to_jax():
     return _to_jax
+
+
+def _random_picks(generator, tokens: int, experts: int, top_k: int, sentinels: float = 0.0):
+    """A router's output: index [T, K] int32 of distinct experts per token and softmax weights [T, K] float32; about a
+    `sentinels` share of the picks goes to other ranks (expert-parallel sentinels: id == experts, weight 0)."""
+    index = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)]).int()
+    weights = torch.rand(tokens, top_k, generator=generator).softmax(-1)
+    if sentinels:
+        other_rank = torch.rand(tokens, top_k, generator=generator) < sentinels
+        index = index.masked_fill(other_rank, experts)
+        weights = weights.masked_fill(other_rank, 0.0)
+    return index, weights
+
+
+@pytest.fixture
+def random_picks():
+    return _random_picks

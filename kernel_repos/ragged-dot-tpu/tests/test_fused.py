@@ -10,7 +10,7 @@ import pytest
 import torch
 
 
-def _layer(tokens, hidden, intermediate, experts, top_k, *, transposed, bias, dtype=torch.float32,
+def _layer(random_picks, tokens, hidden, intermediate, experts, top_k, *, transposed, bias, dtype=torch.float32,
            weights_dtype=None, sentinels=0.0, seed=0, scale=0.2):
     """Random (never zero) inputs of one experts layer; `sentinels` of the picks go to other ranks."""
     generator = torch.Generator().manual_seed(seed)
@@ -22,12 +22,7 @@ def _layer(tokens, hidden, intermediate, experts, top_k, *, transposed, bias, dt
                     std=scale)
     down = randn(*((experts, intermediate, hidden) if transposed else (experts, hidden, intermediate)), std=scale)
     biases = (randn(experts, 2 * intermediate, std=0.5), randn(experts, hidden, std=0.5)) if bias else (None, None)
-    index = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)]).int()
-    weights = torch.rand(tokens, top_k, generator=generator).softmax(-1)
-    if sentinels:
-        other_rank = torch.rand(tokens, top_k, generator=generator) < sentinels
-        index = index.masked_fill(other_rank, experts)
-        weights = weights.masked_fill(other_rank, 0.0)
+    index, weights = random_picks(generator, tokens, experts, top_k, sentinels)
     return randn(tokens, hidden), index, weights.to(weights_dtype or dtype), gate_up, down, *biases
 
 
@@ -71,9 +66,9 @@ def test_swapped_cases_read_the_weights_swapped(kernel):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_fused_matches_reference_and_grouped_path(kernel, interpret, to_jax, case):
+def test_fused_matches_reference_and_grouped_path(kernel, interpret, to_jax, case, random_picks):
     tokens, hidden, intermediate, experts, top_k, options, gate = CASES[case]
-    layer = _layer(tokens, hidden, intermediate, experts, top_k, **options)
+    layer = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, **options)
     gate = dict(weights_transposed=options["transposed"], **gate)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
     fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate))
@@ -102,9 +97,9 @@ TILED_CASES = {
 
 
 @pytest.mark.parametrize("case", list(TILED_CASES))
-def test_fused_tiled_schedules_match_reference(kernel, interpret, to_jax, case):
+def test_fused_tiled_schedules_match_reference(kernel, interpret, to_jax, case, random_picks):
     tokens, hidden, intermediate, experts, top_k, options, gate, tiles = TILED_CASES[case]
-    layer = _layer(tokens, hidden, intermediate, experts, top_k, **options)
+    layer = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, **options)
     gate = dict(weights_transposed=options["transposed"], **gate)
     config = kernel.config.FusedConfig(*tiles)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
@@ -112,9 +107,9 @@ def test_fused_tiled_schedules_match_reference(kernel, interpret, to_jax, case):
     assert _relative_error(fused, expected) <= 1e-5
 
 
-def test_tiled_cases_run_what_they_name(kernel):
+def test_tiled_cases_run_what_they_name(kernel, random_picks):
     tokens, hidden, intermediate, experts, top_k, options, _, (chunk, _) = TILED_CASES["chunks-per-expert"]
-    _, index, weights, *_ = _layer(tokens, hidden, intermediate, experts, top_k, **options)
+    _, index, weights, *_ = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, **options)
     rows = np.bincount(index.numpy().ravel(), minlength=experts)
     assert rows.max() > 2 * chunk and rows.min() < rows.max() - chunk, "experts must span different chunk counts"
     for case in ("i-tiles-plain", "i-tiles-transposed", "i-tiles-interleaved"):
@@ -122,8 +117,9 @@ def test_tiled_cases_run_what_they_name(kernel):
 
 
 @pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32])
-def test_bf16_activations_with_either_routing_weights(kernel, interpret, to_jax, weights_dtype):
-    layer = _layer(33, 64, 48, 8, 3, transposed=False, bias=True, dtype=torch.bfloat16, weights_dtype=weights_dtype)
+def test_bf16_activations_with_either_routing_weights(kernel, interpret, to_jax, weights_dtype, random_picks):
+    layer = _layer(random_picks, 33, 64, 48, 8, 3, transposed=False, bias=True, dtype=torch.bfloat16,
+                   weights_dtype=weights_dtype)
     gate = dict(activation="silu", weights_transposed=False)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
     fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate))
@@ -132,8 +128,8 @@ def test_bf16_activations_with_either_routing_weights(kernel, interpret, to_jax,
 
 
 @pytest.mark.parametrize("tiles", [None, (16, 128)])
-def test_only_sentinel_picks_give_zeros(kernel, interpret, to_jax, tiles):
-    layer = _layer(6, 64, 256, 8, 2, transposed=False, bias=True, sentinels=1.0)
+def test_only_sentinel_picks_give_zeros(kernel, interpret, to_jax, tiles, random_picks):
+    layer = _layer(random_picks, 6, 64, 256, 8, 2, transposed=False, bias=True, sentinels=1.0)
     assert bool((layer[1] == 8).all())
     config = None if tiles is None else kernel.config.FusedConfig(*tiles)
     fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), activation="silu",
@@ -153,8 +149,8 @@ def test_expert_plan_lists_active_experts_only(kernel):
     assert int(empty.count[0]) == 1 and int(empty.rows[0]) == 0  # one empty item: the grid is never empty
 
 
-def test_repeated_picks_of_one_expert_add_up(kernel, interpret, to_jax):
-    layer = list(_layer(5, 64, 48, 4, 2, transposed=False, bias=True))
+def test_repeated_picks_of_one_expert_add_up(kernel, interpret, to_jax, random_picks):
+    layer = list(_layer(random_picks, 5, 64, 48, 4, 2, transposed=False, bias=True))
     layer[1][:, 1] = layer[1][:, 0]  # every token picks its first expert twice
     gate = dict(activation="silu", weights_transposed=False)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
@@ -162,7 +158,7 @@ def test_repeated_picks_of_one_expert_add_up(kernel, interpret, to_jax):
     assert _relative_error(fused, expected) <= 1e-5
 
 
-def test_experts_layer_takes_the_fused_kernel_for_decode_only(kernel, interpret, to_jax, monkeypatch):
+def test_experts_layer_takes_the_fused_kernel_for_decode_only(kernel, interpret, to_jax, monkeypatch, random_picks):
     """moe.experts_layer follows config.use_fused_experts; both paths give the layer."""
     taken = []
     for name in ("fused_experts_call", "grouped_experts"):
@@ -170,7 +166,7 @@ def test_experts_layer_takes_the_fused_kernel_for_decode_only(kernel, interpret,
         monkeypatch.setattr(kernel.moe, name, lambda *a, _name=name, _fn=original, **kw: taken.append(_name) or _fn(*a, **kw))
     monkeypatch.setattr(kernel.config, "FUSED_MAX_TOKENS", 8)
     for tokens in (8, 9):
-        layer = _layer(tokens, 64, 48, 4, 2, transposed=False, bias=False)
+        layer = _layer(random_picks, tokens, 64, 48, 4, 2, transposed=False, bias=False)
         out = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), activation="silu",
                                                           weights_transposed=False))
         expected = kernel.reference.gated_experts_reference(*layer, activation="silu", weights_transposed=False)

@@ -69,7 +69,7 @@ def test_ragged_dot_matches_dequantized_reference(kernel, interpret, to_jax, cas
     assert torch.equal(out[rows:], torch.zeros_like(out[rows:]))
 
 
-def _layer(tokens, hidden, intermediate, experts, top_k, scheme, *, transposed, bias, dtype=torch.float32,
+def _layer(random_picks, tokens, hidden, intermediate, experts, top_k, scheme, *, transposed, bias, dtype=torch.float32,
            sentinels=0.0, seed=0, std=0.2):
     """One experts layer with quantized weights: (hidden, index, weights, gate_up, down, biases..., scales...)."""
     generator = torch.Generator().manual_seed(seed)
@@ -80,12 +80,7 @@ def _layer(tokens, hidden, intermediate, experts, top_k, scheme, *, transposed, 
     down, down_scales = _quantized(down_shape, scheme, out_axis, generator, std)
     biases = (torch.randn(experts, 2 * intermediate, generator=generator).to(dtype) * 0.5,
               torch.randn(experts, hidden, generator=generator).to(dtype) * 0.5) if bias else (None, None)
-    index = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)]).int()
-    weights = torch.rand(tokens, top_k, generator=generator).softmax(-1)
-    if sentinels:
-        other_rank = torch.rand(tokens, top_k, generator=generator) < sentinels
-        index = index.masked_fill(other_rank, experts)
-        weights = weights.masked_fill(other_rank, 0.0)
+    index, weights = random_picks(generator, tokens, experts, top_k, sentinels)
     hidden_states = torch.randn(tokens, hidden, generator=generator).to(dtype)
     return hidden_states, index, weights.to(dtype), gate_up, down, *biases, gate_up_scales, down_scales
 
@@ -122,11 +117,11 @@ LAYER_CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("case", list(LAYER_CASES))
-def test_experts_layer_matches_dequantized_reference(kernel, interpret, to_jax, case, scheme):
+def test_experts_layer_matches_dequantized_reference(kernel, interpret, to_jax, case, scheme, random_picks):
     """Both paths of moe.experts_layer (the fused kernel and the grouped matmuls) against the float64 reference."""
     tokens, hidden, intermediate, experts, top_k, options, gate, tiles = LAYER_CASES[case]
     transposed = options["transposed"]
-    layer = _layer(tokens, hidden, intermediate, experts, top_k, scheme, **options)
+    layer = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, scheme, **options)
     gate = dict(weights_transposed=transposed, **gate)
     expected = kernel.reference.gated_experts_reference(*_dequantized_layer(kernel, layer, transposed), **gate)
     config = None if tiles is None else kernel.config.FusedConfig(*tiles)
@@ -138,10 +133,11 @@ def test_experts_layer_matches_dequantized_reference(kernel, interpret, to_jax, 
 
 
 @pytest.mark.slow
-def test_fp8_bf16_layer_is_the_unquantized_kernel_on_transformers_dequantized_weights(kernel, interpret, to_jax):
+def test_fp8_bf16_layer_is_the_unquantized_kernel_on_transformers_dequantized_weights(kernel, interpret, to_jax,
+                                                                                     random_picks):
     """bf16 activations: fp8 weights dequantized in VMEM as transformers does on load ((q.f32 * s).to(bf16))
     give the unquantized bf16 kernel's output on those weights, bit for bit, on both paths."""
-    layer = _layer(24, 136, 192, 8, 2, "fp8", transposed=False, bias=False, dtype=torch.bfloat16)
+    layer = _layer(random_picks, 24, 136, 192, 8, 2, "fp8", transposed=False, bias=False, dtype=torch.bfloat16)
     *front, gate_up, down, _, _, gate_up_scales, down_scales = layer
     dequantized = [kernel.reference.dequantize_reference(w, s, out_axis=1).to(torch.bfloat16)
                    for w, s in ((gate_up, gate_up_scales), (down, down_scales))]
@@ -153,15 +149,15 @@ def test_fp8_bf16_layer_is_the_unquantized_kernel_on_transformers_dequantized_we
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_only_sentinel_picks_give_zeros(kernel, interpret, to_jax, scheme):
-    layer = _layer(6, 64, 256, 8, 2, scheme, transposed=False, bias=True, sentinels=1.0)
+def test_only_sentinel_picks_give_zeros(kernel, interpret, to_jax, scheme, random_picks):
+    layer = _layer(random_picks, 6, 64, 256, 8, 2, scheme, transposed=False, bias=True, sentinels=1.0)
     fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), activation="silu",
                                                                  weights_transposed=False))
     assert torch.equal(fused, torch.zeros_like(fused))
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_torch_ops_take_quantized_weights(kernel, scheme):
+def test_torch_ops_take_quantized_weights(kernel, scheme, random_picks):
     """The checked torch ops, end to end: ragged_dot and gated_experts with int8 / fp8 weights and their scales."""
     generator = torch.Generator().manual_seed(3)
     lhs = torch.randn(12, 136, generator=generator).bfloat16()
@@ -173,7 +169,7 @@ def test_torch_ops_take_quantized_weights(kernel, scheme):
     assert out.dtype == torch.bfloat16
     assert _relative_error(out, expected) < 2e-2  # bf16 activations and output
 
-    layer = _layer(5, 64, 48, 4, 2, scheme, transposed=False, bias=False)
+    layer = _layer(random_picks, 5, 64, 48, 4, 2, scheme, transposed=False, bias=False)
     hidden, index, routing, gate_up, down, _, _, gate_up_scales, down_scales = layer
     out = kernel.gated_experts(hidden, index, routing, gate_up, down, gate_up_scales=gate_up_scales,
                                down_scales=down_scales, activation="silu", weights_transposed=False)
@@ -206,8 +202,8 @@ def test_bad_scales_are_refused(kernel, rhs_dtype):
         kernel.ragged_dot(**args | dict(rhs=rhs.to(torch.uint8)), rhs_scales=torch.ones(2, 32))
 
 
-def test_gated_experts_refuses_bad_scales(kernel):
-    layer = _layer(4, 64, 48, 4, 2, "fp8", transposed=False, bias=False)
+def test_gated_experts_refuses_bad_scales(kernel, random_picks):
+    layer = _layer(random_picks, 4, 64, 48, 4, 2, "fp8", transposed=False, bias=False)
     hidden, index, routing, gate_up, down, _, _, gate_up_scales, down_scales = layer
     args = dict(hidden_states=hidden, top_k_index=index, top_k_weights=routing, gate_up_proj=gate_up,
                 down_proj=down, gate_up_scales=gate_up_scales, down_scales=down_scales)
@@ -222,7 +218,7 @@ def test_gated_experts_refuses_bad_scales(kernel):
             kernel.gated_experts(**args | change, activation="silu", weights_transposed=False)
 
 
-def test_quantized_weights_run_under_autograd_and_refuse_a_backward(kernel):
+def test_quantized_weights_run_under_autograd_and_refuse_a_backward(kernel, random_picks):
     """A forward with gradients enabled (as a plain model call makes) runs; asking for a gradient through
     one-byte weights raises the refusal, never a wrong or silent gradient."""
     generator = torch.Generator().manual_seed(5)
@@ -232,7 +228,7 @@ def test_quantized_weights_run_under_autograd_and_refuse_a_backward(kernel):
     with pytest.raises(NotImplementedError, match="ragged_dot: no gradient through int8 / float8_e4m3fn weights"):
         out.sum().backward()
 
-    hidden, index, routing, gate_up, down, _, _, gate_up_scales, down_scales = _layer(
+    hidden, index, routing, gate_up, down, _, _, gate_up_scales, down_scales = _layer(random_picks, 
         5, 64, 48, 4, 2, "fp8", transposed=False, bias=False)
     hidden.requires_grad_(True)
     out = kernel.gated_experts(hidden, index, routing, gate_up, down, gate_up_scales=gate_up_scales,

@@ -6,14 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
-from transformers import (
-    GemmaConfig,
-    GemmaForCausalLM,
-    Qwen3_5ForCausalLM,
-    Qwen3_5TextConfig,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
-)
+from transformers import GemmaForCausalLM, Qwen3_5ForCausalLM, Qwen3MoeForCausalLM
 from transformers.models.falcon_mamba.modeling_falcon_mamba import FalconMambaWeightlessRMSNorm
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
@@ -25,16 +18,11 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm, Qwen3NextRMSNormGated
 from transformers.models.t5.modeling_t5 import T5LayerNorm
 
+from tpu_kernels.testing import tiny_transformers_model
+
 LAYER_NAMES = ("RMSNorm", "RMSNormZeroCentered")
-SMALL_MODEL = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-)
+# What these tests' models change of tiny_transformers_model's sizes.
+SMALL_MODEL = dict(vocab_size=128, intermediate_size=96, head_dim=16)
 
 TINY_MOE = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
 
@@ -45,9 +33,8 @@ def layer_mapping(kernel) -> dict:
     return {name: {"cpu": LocalLayerRepository(repo_path=variant, layer_name=name)} for name in LAYER_NAMES}
 
 
-def tiny_model(model_class, config):
-    torch.manual_seed(0)
-    model = model_class(config)
+def tiny_model(model_class, **config):
+    model = tiny_transformers_model(model_class, seed=0, **SMALL_MODEL | config)
     with torch.no_grad():
         # Norm weights start at 1 (or 0 when zero-centred): randomise them so the weight path is tested.
         for name, parameter in model.named_parameters():
@@ -71,7 +58,7 @@ def relative_error(actual, expected) -> float:
 
 
 def test_kernelize_swaps_every_norm_of_a_tiny_qwen3_moe_for_inference(kernel):
-    model = tiny_model(Qwen3MoeForCausalLM, Qwen3MoeConfig(**SMALL_MODEL, **TINY_MOE)).eval()
+    model = tiny_model(Qwen3MoeForCausalLM, **TINY_MOE).eval()
     with torch.no_grad():
         eager = model(token_ids()).logits
     with use_kernel_mapping(layer_mapping(kernel)):
@@ -83,7 +70,7 @@ def test_kernelize_swaps_every_norm_of_a_tiny_qwen3_moe_for_inference(kernel):
 
 
 def test_kernelize_for_training_gives_the_eager_gradients(kernel):
-    model = tiny_model(Qwen3MoeForCausalLM, Qwen3MoeConfig(**SMALL_MODEL | {"num_hidden_layers": 1}, **TINY_MOE))
+    model = tiny_model(Qwen3MoeForCausalLM, num_hidden_layers=1, **TINY_MOE)
     ids = token_ids()
 
     def loss_and_gradients():
@@ -104,15 +91,14 @@ def test_kernelize_for_training_gives_the_eager_gradients(kernel):
 
 
 def test_kernelize_swaps_the_zero_centred_norms_of_a_tiny_qwen3_5(kernel):
-    config = Qwen3_5TextConfig(
-        **SMALL_MODEL,
+    model = tiny_model(
+        Qwen3_5ForCausalLM,
         layer_types=["full_attention", "linear_attention"],
         linear_key_head_dim=16,
         linear_value_head_dim=16,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
-    )
-    model = tiny_model(Qwen3_5ForCausalLM, config).eval()
+    ).eval()
     with torch.no_grad():
         eager = model(token_ids()).logits
     with use_kernel_mapping(layer_mapping(kernel)):
@@ -124,7 +110,7 @@ def test_kernelize_swaps_the_zero_centred_norms_of_a_tiny_qwen3_5(kernel):
 
 
 def test_probed_layers_replace_the_undecorated_norms_of_a_tiny_gemma(kernel):
-    model = tiny_model(GemmaForCausalLM, GemmaConfig(**SMALL_MODEL)).eval()
+    model = tiny_model(GemmaForCausalLM).eval()
     with torch.no_grad():
         eager = model(token_ids()).logits
     # What a kernelize for undecorated norms does: probe each module, swap the matching layer's forward.

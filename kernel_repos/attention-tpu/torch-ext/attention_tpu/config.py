@@ -147,17 +147,12 @@ def heuristic_config(
     itemsize = jnp.dtype(dtype).itemsize
     budget = VMEM_BUDGET_BYTES[generation]
 
+    # What the working set depends on besides the tiles, as backward_tiles binds it.
+    shape = dict(decode=decode, group=group, head_dim=head_dim, itemsize=itemsize,
+                 mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize)
+
     def working_set(bq, bkv, heads):
-        return vmem_bytes(
-            decode=decode,
-            group=group,
-            block_q=bq,
-            block_kv=bkv,
-            kv_heads_per_step=heads,
-            head_dim=head_dim,
-            itemsize=itemsize,
-            mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize,
-        )
+        return vmem_bytes(block_q=bq, block_kv=bkv, kv_heads_per_step=heads, **shape)
 
     while working_set(block_q, block_kv, 1) > budget:
         if block_kv > 4 * LANES or (block_kv > LANES and (decode or block_q <= Q_BLOCK_MULTIPLE)):

@@ -88,6 +88,32 @@ def loop_over_heads(num_heads: int, head) -> None:
     jax.lax.fori_loop(0, num_heads, body, None)
 
 
+def _grid_step(q_offset_ref, kv_valid_ref, block_lo_ref, num_outer_blocks: int):
+    """(outer block, step, slot, walked block, q_offset, kv_valid) of this step of a grid (batch, kv_head block,
+    outer block, step): the walked range of the slot (batch, outer block) starts at block_lo_ref[slot]."""
+    b, outer, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    slot = b * num_outer_blocks + outer
+    walked = block_lo_ref[slot] + step
+    return outer, step, slot, walked, q_offset_ref[b], kv_valid_ref[b]
+
+
+def _tile_mask(problem: Problem, tiles: _Tiles, q_offset, kv_valid, qi, kv_block):
+    """(first key position, first query position, whether element masks are needed) of tile (qi, kv_block)."""
+    key_start = kv_block * tiles.block_kv
+    q_first, q_last = masking.query_block_positions(problem, q_offset, qi, tiles.block_q)
+    needs_mask = masking.tile_needs_mask(
+        problem, key_start=key_start, block_kv=tiles.block_kv, kv_valid=kv_valid, q_first=q_first, q_last=q_last
+    )
+    return key_start, q_first, needs_mask
+
+
+def _walk_tile(in_range, needs_mask, step, walk_step, tiles: _Tiles, finalize) -> None:
+    """step(apply_mask) on this grid step's tile if it is in the walked range, then, on the walk's last step,
+    finalize() (write the float32 accumulators out)."""
+    masking.run_tile(in_range, needs_mask, step)
+    pl.when(walk_step == tiles.num_steps - 1)(finalize)
+
+
 def _dq_kernel(
     q_offset_ref, kv_valid_ref, block_lo_ref, block_hi_ref,
     q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *rest,
@@ -95,21 +121,15 @@ def _dq_kernel(
 ):
     mask_ref = rest[0] if problem.mask_kind is not None else None
     dq_ref, acc_ref = rest[-2:]
-    b, qi, kv_step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    slot = b * tiles.num_q_blocks + qi
-    kv_block = block_lo_ref[slot] + kv_step
-    q_offset, kv_valid = q_offset_ref[b], kv_valid_ref[b]
+    qi, kv_step, slot, kv_block, q_offset, kv_valid = _grid_step(
+        q_offset_ref, kv_valid_ref, block_lo_ref, tiles.num_q_blocks)
     block_q, block_kv, head_dim = tiles.block_q, tiles.block_kv, problem.head_dim
 
     @pl.when(kv_step == 0)
     def _init():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    key_start = kv_block * block_kv
-    q_first, q_last = masking.query_block_positions(problem, q_offset, qi, block_q)
-    needs_mask = masking.tile_needs_mask(
-        problem, key_start=key_start, block_kv=block_kv, kv_valid=kv_valid, q_first=q_first, q_last=q_last
-    )
+    key_start, q_first, needs_mask = _tile_mask(problem, tiles, q_offset, kv_valid, qi, kv_block)
 
     def step(apply_mask: bool):
         visible = bias = key_rows = None
@@ -143,11 +163,10 @@ def _dq_kernel(
 
         loop_over_heads(acc_ref.shape[0], head)
 
-    masking.run_tile(kv_block <= block_hi_ref[slot], needs_mask, step)
-
-    @pl.when(kv_step == tiles.num_steps - 1)
-    def _finalize():
+    def finalize():
         dq_ref[...] = (acc_ref[...] * problem.scale).astype(dq_ref.dtype)
+
+    _walk_tile(kv_block <= block_hi_ref[slot], needs_mask, step, kv_step, tiles, finalize)
 
 
 def _dkv_kernel(
@@ -157,10 +176,7 @@ def _dkv_kernel(
 ):
     mask_ref = rest[0] if problem.mask_kind is not None else None
     dk_ref, dv_ref, dk_acc_ref, dv_acc_ref = rest[-4:]
-    b, kj, q_step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    slot = b * tiles.num_kv_blocks + kj
-    qi = block_lo_ref[slot] + q_step
-    q_offset, kv_valid = q_offset_ref[b], kv_valid_ref[b]
+    kj, q_step, slot, qi, q_offset, kv_valid = _grid_step(q_offset_ref, kv_valid_ref, block_lo_ref, tiles.num_kv_blocks)
     block_q, block_kv, head_dim = tiles.block_q, tiles.block_kv, problem.head_dim
 
     @pl.when(q_step == 0)
@@ -168,11 +184,7 @@ def _dkv_kernel(
         dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)
         dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)
 
-    key_start = kj * block_kv
-    q_first, q_last = masking.query_block_positions(problem, q_offset, qi, block_q)
-    needs_mask = masking.tile_needs_mask(
-        problem, key_start=key_start, block_kv=block_kv, kv_valid=kv_valid, q_first=q_first, q_last=q_last
-    )
+    key_start, _, needs_mask = _tile_mask(problem, tiles, q_offset, kv_valid, qi, kj)
     if needs_mask is not True:
         # Also a ragged last query block: its rows past the query length mix into dk and dv.
         needs_mask = needs_mask | ((qi + 1) * block_q > problem.q_len)
@@ -214,12 +226,11 @@ def _dkv_kernel(
 
         loop_over_heads(q_ref.shape[0], head)
 
-    masking.run_tile(qi <= block_hi_ref[slot], needs_mask, step)
-
-    @pl.when(q_step == tiles.num_steps - 1)
-    def _finalize():
+    def finalize():
         dk_ref[...] = (dk_acc_ref[...] * problem.scale).astype(dk_ref.dtype)
         dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)
+
+    _walk_tile(qi <= block_hi_ref[slot], needs_mask, step, q_step, tiles, finalize)
 
 
 def _cost(problem: Problem, matmuls: int, bytes_accessed: int) -> pl.CostEstimate:
@@ -238,21 +249,40 @@ def _compiler_params(config: AttentionConfig):
     )
 
 
-def _dq_call(q, k, v, d_out, lse, delta, problem: Problem, prepared: Prepared, config: AttentionConfig):
+def _backward_call(q, k, v, d_out, lse, delta, problem: Problem, prepared: Prepared, config: AttentionConfig, *,
+                   for_dq: bool):
+    """The dq call (for_dq) or the dk/dv call.
+
+    Both read (q, k, v, d_out, lse, delta[, mask]) in the same blocks, with the query offsets, valid key lengths
+    and the per-block ranges of the walked axis prefetched. They differ in the grid's third axis (the "outer"
+    block: a query block for dq, a KV block for dk/dv) and in the axis the last grid axis walks (KV blocks for
+    dq, query blocks for dk/dv).
+    """
     batch, q_heads, q_len, head_dim = q.shape
     block_q, block_kv = config.block_q, config.block_kv
     nq, nkv = pl.cdiv(q_len, block_q), pl.cdiv(problem.kv_len, block_kv)
-    tiles = _Tiles(block_q, block_kv, nq, nkv, masking.kv_steps(problem, nkv, block_q, block_kv))
-    block_lo, block_hi = masking.kv_block_ranges(problem, prepared, block_q, block_kv)
+    if for_dq:
+        tiles = _Tiles(block_q, block_kv, nq, nkv, masking.kv_steps(problem, nkv, block_q, block_kv))
+        block_lo, block_hi = masking.kv_block_ranges(problem, prepared, block_q, block_kv)
+    else:
+        tiles = _Tiles(block_q, block_kv, nq, nkv, masking.q_steps(problem, nq, block_q, block_kv))
+        block_lo, block_hi = masking.q_block_ranges(problem, prepared, block_q, block_kv)
 
-    def q_index_map(b, h, qi, kv_step, *_):
-        return (b, h, qi, 0)
+    # The walked block comes from the prefetched ranges; the outer block is the grid index itself.
+    def q_block(b, outer, step, lo_ref, hi_ref):
+        return outer if for_dq else masking.block_of_step(lo_ref, hi_ref, b * nkv + outer, step)
 
-    def row_index_map(b, h, qi, kv_step, *_):
-        return (b, h, 0, qi)
+    def kv_block(b, outer, step, lo_ref, hi_ref):
+        return masking.block_of_step(lo_ref, hi_ref, b * nq + outer, step) if for_dq else outer
 
-    def kv_index_map(b, h, qi, kv_step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
-        return (b, h, masking.block_of_step(lo_ref, hi_ref, b * nq + qi, kv_step), 0)
+    def q_index_map(b, h, outer, step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
+        return (b, h, q_block(b, outer, step, lo_ref, hi_ref), 0)
+
+    def row_index_map(b, h, outer, step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
+        return (b, h, 0, q_block(b, outer, step, lo_ref, hi_ref))
+
+    def kv_index_map(b, h, outer, step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
+        return (b, h, kv_block(b, outer, step, lo_ref, hi_ref), 0)
 
     heads = config.kv_heads_per_step
     q_spec = pl.BlockSpec((None, heads * problem.group, block_q, head_dim), q_index_map)
@@ -263,80 +293,37 @@ def _dq_call(q, k, v, d_out, lse, delta, problem: Problem, prepared: Prepared, c
     if prepared.mask is not None:
         broadcast_batch = problem.mask_batch == 1
 
-        def mask_index_map(b, h, qi, kv_step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
-            return (0 if broadcast_batch else b, 0, qi, masking.block_of_step(lo_ref, hi_ref, b * nq + qi, kv_step))
-
-        in_specs.append(pl.BlockSpec((None, None, block_q, block_kv), mask_index_map))
-        operands.append(prepared.mask)
-    itemsize = jnp.dtype(q.dtype).itemsize
-    passes = masking.static_kv_passes(problem, block_q, block_kv)
-    bytes_accessed = 3 * q.size * itemsize + 2 * k.size * itemsize * passes + 2 * lse.size * 4
-    return pl.pallas_call(
-        functools.partial(_dq_kernel, problem=problem, tiles=tiles),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(batch, problem.kv_heads // heads, nq, tiles.num_steps),
-            in_specs=in_specs,
-            out_specs=q_spec,
-            scratch_shapes=[pltpu.VMEM((heads * problem.group, block_q, head_dim), jnp.float32)],
-        ),
-        compiler_params=_compiler_params(config),
-        cost_estimate=_cost(problem, 3, bytes_accessed),
-        name="attention_tpu_flash_dq",
-    )(prepared.q_offset, prepared.kv_valid, block_lo, block_hi, *operands)
-
-
-def _dkv_call(q, k, v, d_out, lse, delta, problem: Problem, prepared: Prepared, config: AttentionConfig):
-    batch, q_heads, q_len, head_dim = q.shape
-    block_q, block_kv = config.block_q, config.block_kv
-    nq, nkv = pl.cdiv(q_len, block_q), pl.cdiv(problem.kv_len, block_kv)
-    tiles = _Tiles(block_q, block_kv, nq, nkv, masking.q_steps(problem, nq, block_q, block_kv))
-    block_lo, block_hi = masking.q_block_ranges(problem, prepared, block_q, block_kv)
-
-    def q_block(b, kj, q_step, lo_ref, hi_ref):
-        return masking.block_of_step(lo_ref, hi_ref, b * nkv + kj, q_step)
-
-    def q_index_map(b, h, kj, q_step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
-        return (b, h, q_block(b, kj, q_step, lo_ref, hi_ref), 0)
-
-    def row_index_map(b, h, kj, q_step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
-        return (b, h, 0, q_block(b, kj, q_step, lo_ref, hi_ref))
-
-    def kv_index_map(b, h, kj, q_step, *_):
-        return (b, h, kj, 0)
-
-    heads = config.kv_heads_per_step
-    q_spec = pl.BlockSpec((None, heads * problem.group, block_q, head_dim), q_index_map)
-    row_spec = pl.BlockSpec((None, heads * problem.group, 1, block_q), row_index_map)
-    kv_spec = pl.BlockSpec((None, heads, block_kv, head_dim), kv_index_map)
-    in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
-    operands = [q, k, v, d_out, lse, delta]
-    if prepared.mask is not None:
-        broadcast_batch = problem.mask_batch == 1
-
-        def mask_index_map(b, h, kj, q_step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
-            return (0 if broadcast_batch else b, 0, q_block(b, kj, q_step, lo_ref, hi_ref), kj)
+        def mask_index_map(b, h, outer, step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
+            blocks = (q_block(b, outer, step, lo_ref, hi_ref), kv_block(b, outer, step, lo_ref, hi_ref))
+            return (0 if broadcast_batch else b, 0, *blocks)
 
         in_specs.append(pl.BlockSpec((None, None, block_q, block_kv), mask_index_map))
         operands.append(prepared.mask)
     itemsize = jnp.dtype(q.dtype).itemsize
     passes = masking.static_kv_passes(problem, block_q, block_kv)  # symmetric: q/d_out passes per KV block
-    bytes_accessed = 2 * q.size * itemsize * passes + 4 * k.size * itemsize + 2 * lse.size * 4 * passes
-    kv_shape = jax.ShapeDtypeStruct(k.shape, k.dtype)
+    if for_dq:
+        bytes_accessed = 3 * q.size * itemsize + 2 * k.size * itemsize * passes + 2 * lse.size * 4
+        kernel, name, matmuls, outer_blocks = _dq_kernel, "attention_tpu_flash_dq", 3, nq
+        out_shape, out_specs = jax.ShapeDtypeStruct(q.shape, q.dtype), q_spec
+        scratch_shapes = [pltpu.VMEM((heads * problem.group, block_q, head_dim), jnp.float32)]
+    else:
+        bytes_accessed = 2 * q.size * itemsize * passes + 4 * k.size * itemsize + 2 * lse.size * 4 * passes
+        kernel, name, matmuls, outer_blocks = _dkv_kernel, "attention_tpu_flash_dkv", 4, nkv
+        out_shape, out_specs = (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, (kv_spec, kv_spec)
+        scratch_shapes = [pltpu.VMEM((heads, block_kv, head_dim), jnp.float32)] * 2
     return pl.pallas_call(
-        functools.partial(_dkv_kernel, problem=problem, tiles=tiles),
-        out_shape=(kv_shape, kv_shape),
+        functools.partial(kernel, problem=problem, tiles=tiles),
+        out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
-            grid=(batch, problem.kv_heads // heads, nkv, tiles.num_steps),
+            grid=(batch, problem.kv_heads // heads, outer_blocks, tiles.num_steps),
             in_specs=in_specs,
-            out_specs=(kv_spec, kv_spec),
-            scratch_shapes=[pltpu.VMEM((heads, block_kv, head_dim), jnp.float32)] * 2,
+            out_specs=out_specs,
+            scratch_shapes=scratch_shapes,
         ),
         compiler_params=_compiler_params(config),
-        cost_estimate=_cost(problem, 4, bytes_accessed),
-        name="attention_tpu_flash_dkv",
+        cost_estimate=_cost(problem, matmuls, bytes_accessed),
+        name=name,
     )(prepared.q_offset, prepared.kv_valid, block_lo, block_hi, *operands)
 
 
@@ -387,8 +374,8 @@ def attention_backward(
     rows = (batch, q_heads, 1, q_len)
     lse_rows, delta_rows = lse.reshape(rows), delta.reshape(rows)
     d_out = d_out.astype(q.dtype)
-    dq = _dq_call(q, k, v, d_out, lse_rows, delta_rows, problem, prepared, config.dq)
-    dk, dv = _dkv_call(q, k, v, d_out, lse_rows, delta_rows, problem, prepared, config.dkv)
+    dq = _backward_call(q, k, v, d_out, lse_rows, delta_rows, problem, prepared, config.dq, for_dq=True)
+    dk, dv = _backward_call(q, k, v, d_out, lse_rows, delta_rows, problem, prepared, config.dkv, for_dq=False)
     d_sinks = None
     if sinks is not None:
         # d out / d sink = -p_sink * out, so dL/d sink = -sum over rows of p_sink * delta.

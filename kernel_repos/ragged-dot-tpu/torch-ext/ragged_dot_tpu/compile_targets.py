@@ -67,23 +67,35 @@ def _grouped_targets(generation, dtype):
     return targets
 
 
+def _weight_shapes(experts, hidden, intermediate, transposed):
+    """gate_up_proj's and down_proj's shapes in the layer's layout."""
+    gate_up = (experts, hidden, 2 * intermediate) if transposed else (experts, 2 * intermediate, hidden)
+    down = (experts, intermediate, hidden) if transposed else (experts, hidden, intermediate)
+    return gate_up, down
+
+
+def _layer_avals(tokens, hidden, top_k, dtype, gate_up, down, weights_dtype, *rest):
+    """Avals of experts_layer's arrays: hidden states, picks, routing weights, the two weights, then `rest`."""
+    return (
+        jax.ShapeDtypeStruct((tokens, hidden), dtype),
+        jax.ShapeDtypeStruct((tokens, top_k), jnp.int32),
+        jax.ShapeDtypeStruct((tokens, top_k), dtype),
+        jax.ShapeDtypeStruct(gate_up, weights_dtype),
+        jax.ShapeDtypeStruct(down, weights_dtype),
+        *rest,
+    )
+
+
 def _layer_targets(generation, dtype):
     targets = []
     for model, (experts, hidden, intermediate, top_k, layout, gate, token_counts) in LAYERS.items():
         transposed = layout["weights_transposed"]
-        gate_up = (experts, hidden, 2 * intermediate) if transposed else (experts, 2 * intermediate, hidden)
-        down = (experts, intermediate, hidden) if transposed else (experts, hidden, intermediate)
+        gate_up, down = _weight_shapes(experts, hidden, intermediate, transposed)
         biases = ((experts, 2 * intermediate), (experts, hidden)) if gate.get("activation") == "clamped_swiglu" else ()
         for tokens in token_counts:
             fn = functools.partial(moe.experts_layer, **layout, **gate, generation=generation)
-            avals = (
-                jax.ShapeDtypeStruct((tokens, hidden), dtype),
-                jax.ShapeDtypeStruct((tokens, top_k), jnp.int32),
-                jax.ShapeDtypeStruct((tokens, top_k), dtype),
-                jax.ShapeDtypeStruct(gate_up, dtype),
-                jax.ShapeDtypeStruct(down, dtype),
-                *(jax.ShapeDtypeStruct(bias, dtype) for bias in biases),
-            )
+            avals = _layer_avals(tokens, hidden, top_k, dtype, gate_up, down, dtype,
+                                 *(jax.ShapeDtypeStruct(bias, dtype) for bias in biases))
             path = "fused" if config.use_fused_experts(
                 tokens, hidden, intermediate, experts, dtype, interleaved=gate.get("interleaved", False),
                 has_bias=bool(biases), **layout) else "grouped"
@@ -143,8 +155,7 @@ def _quantized_targets(generation, dtype):
         for model, token_counts in QUANTIZED_LAYERS.items():
             experts, hidden, intermediate, top_k, layout, gate, _ = LAYERS[model]
             transposed = layout["weights_transposed"]
-            gate_up = (experts, hidden, 2 * intermediate) if transposed else (experts, 2 * intermediate, hidden)
-            down = (experts, intermediate, hidden) if transposed else (experts, hidden, intermediate)
+            gate_up, down = _weight_shapes(experts, hidden, intermediate, transposed)
             out_axis = 2 if transposed else 1
             has_bias = gate.get("activation") == "clamped_swiglu"
             biases = (jax.ShapeDtypeStruct((experts, 2 * intermediate), dtype),
@@ -158,16 +169,9 @@ def _quantized_targets(generation, dtype):
                                                     gate_up_bias, down_bias, gate_up_scales, down_scales, **_layout,
                                                     **_gate, generation=generation)
 
-                avals = (
-                    jax.ShapeDtypeStruct((tokens, hidden), dtype),
-                    jax.ShapeDtypeStruct((tokens, top_k), jnp.int32),
-                    jax.ShapeDtypeStruct((tokens, top_k), dtype),
-                    jax.ShapeDtypeStruct(gate_up, weights_dtype),
-                    jax.ShapeDtypeStruct(down, weights_dtype),
-                    *(bias for bias in biases if bias is not None),
-                    _scales(scheme, gate_up, out_axis),
-                    _scales(scheme, down, out_axis),
-                )
+                avals = _layer_avals(tokens, hidden, top_k, dtype, gate_up, down, weights_dtype,
+                                     *(bias for bias in biases if bias is not None),
+                                     _scales(scheme, gate_up, out_axis), _scales(scheme, down, out_axis))
                 path = "fused" if config.use_fused_experts(
                     tokens, hidden, intermediate, experts, dtype, interleaved=gate.get("interleaved", False),
                     has_bias=has_bias, weights_dtype=weights_dtype, **layout) else "grouped"

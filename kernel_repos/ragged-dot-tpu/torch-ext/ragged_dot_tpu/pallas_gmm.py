@@ -415,25 +415,25 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_s
     lhs_reads = 1 if tile_m >= m and plan.tile_k == k else grid[0] * (1 + (plan.chunk_m or 0) / tile_m)
     # Per active group: its weights once, and its scales once per N tile.
     group_bytes = k * n * jnp.dtype(rhs.dtype).itemsize + (0 if rhs_scales is None else grid[0] * rhs_scales[0].size * 4)
-    call = pl.pallas_call(
-        functools.partial(_body, plan=plan),
-        out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(items),
-            grid=grid,
-            in_specs=specs.in_specs,
-            out_specs=specs.out_spec,
-            scratch_shapes=specs.scratch,
-        ),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-            vmem_limit_bytes=plan.vmem_limit_bytes,
-        ),
-        cost_estimate=pl.CostEstimate(
-            flops=2 * m * k * n,
-            transcendentals=0,
-            bytes_accessed=int((m * k * lhs_reads + m * n) * itemsize + plan.active_groups * group_bytes),
-        ),
-        name="ragged_dot",
-    )
+    grid_spec = pltpu.PrefetchScalarGridSpec(len(items), grid, specs.in_specs, specs.out_spec, specs.scratch)
+    call = scheduled_matmul_call(
+        functools.partial(_body, plan=plan), jax.ShapeDtypeStruct((m, n), lhs.dtype), grid_spec,
+        ("parallel", "arbitrary", "arbitrary"), plan.vmem_limit_bytes, (m, k, n),
+        bytes_accessed=int((m * k * lhs_reads + m * n) * itemsize + plan.active_groups * group_bytes),
+        name="ragged_dot")
     return call(*items, lhs, *specs.operands)
+
+
+def scheduled_matmul_call(body, out_shape, grid_spec, semantics, vmem_limit_bytes: int, mkn, *, bytes_accessed: int,
+                          name: str):
+    """The pallas_call of a matmul over a scalar-prefetched work schedule: ragged_dot's and tgmm's (pallas_tgmm)
+    differ only in these arguments. Its cost: 2 m k n flops, no transcendentals."""
+    m, k, n = mkn
+    return pl.pallas_call(
+        body,
+        out_shape=out_shape,
+        grid_spec=grid_spec,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=vmem_limit_bytes),
+        cost_estimate=pl.CostEstimate(flops=2 * m * k * n, transcendentals=0, bytes_accessed=bytes_accessed),
+        name=name,
+    )

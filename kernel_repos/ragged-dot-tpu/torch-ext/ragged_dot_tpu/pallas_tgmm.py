@@ -45,6 +45,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ._hardware import sublane_multiple
 from .tgmm_tiles import TgmmConfig
+from .pallas_gmm import scheduled_matmul_call
 from .plan import TgmmPlan, plan_tgmm
 from .problem import TgmmProblem
 from .routing import int32_group_sizes
@@ -206,31 +207,16 @@ def tgmm_call(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, plan: Tgmm
 
     precision = lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else lax.Precision.DEFAULT
     itemsize = jnp.dtype(lhs.dtype).itemsize
-    call = pl.pallas_call(
-        functools.partial(_body, tile_m=tile_m, chunk_m=chunk_m, group_chunks=group_chunks, align=align,
-                          precision=precision),
-        out_shape=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(items),
-            grid=grid,
-            in_specs=[row_spec(tile_k, lhs_index), row_spec(tile_n, rhs_index)],
-            out_specs=pl.BlockSpec((None, tile_k, tile_n), out_index),
-            scratch_shapes=[pltpu.VMEM((tile_k, tile_n), jnp.float32)],
-        ),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=plan.vmem_limit_bytes,
-        ),
-        cost_estimate=pl.CostEstimate(
-            flops=2 * m * k * n,
-            transcendentals=0,
-            # lhs once per N tile, rhs once per K tile (windows: chunk_m / tile_m more), every group's
-            # gradient written once.
-            bytes_accessed=int(
-                (m * k * n_tiles + m * n * k_tiles) * (1 + (chunk_m / tile_m if group_chunks else 0)) * itemsize
-                + num_groups * k * n * out_dtype.itemsize
-            ),
-        ),
-        name="tgmm",
-    )
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        len(items), grid, [row_spec(tile_k, lhs_index), row_spec(tile_n, rhs_index)],
+        pl.BlockSpec((None, tile_k, tile_n), out_index), [pltpu.VMEM((tile_k, tile_n), jnp.float32)])
+    # lhs once per N tile, rhs once per K tile (windows: chunk_m / tile_m more), every group's gradient written once.
+    window_reads = 1 + (chunk_m / tile_m if group_chunks else 0)
+    bytes_accessed = int((m * k * n_tiles + m * n * k_tiles) * window_reads * itemsize
+                         + num_groups * k * n * out_dtype.itemsize)
+    body = functools.partial(_body, tile_m=tile_m, chunk_m=chunk_m, group_chunks=group_chunks, align=align,
+                             precision=precision)
+    call = scheduled_matmul_call(body, jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), grid_spec,
+                                 ("parallel", "parallel", "arbitrary"), plan.vmem_limit_bytes, (m, k, n),
+                                 bytes_accessed=bytes_accessed, name="tgmm")
     return call(*items, lhs, rhs)

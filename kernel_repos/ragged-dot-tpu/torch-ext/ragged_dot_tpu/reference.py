@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .problem import ExpertWeights
+
 
 def ragged_dot_reference(
     lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *, transpose_rhs: bool = False
@@ -30,27 +32,20 @@ def tgmm_reference(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
     return out
 
 
-def gated_experts_reference(
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    gate_up_bias: torch.Tensor | None = None,
-    down_bias: torch.Tensor | None = None,
-    *,
-    activation: str,
-    weights_transposed: bool,
-    interleaved: bool = False,
-    alpha: float = 1.0,
-    limit: float = float("inf"),
-) -> torch.Tensor:
+def gated_experts_reference(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                            *weights: torch.Tensor | None, activation: str, weights_transposed: bool,
+                            interleaved: bool = False, alpha: float = 1.0, limit: float = float("inf")) -> torch.Tensor:
     """The gated experts layer pick by pick in float64; picks with id == num_experts contribute nothing.
 
     Differentiable with torch autograd (the gradient checks' oracle).
 
-    Layouts and arguments as `moe.experts_layer`.
+    Layouts and arguments as `moe.experts_layer`: `weights` in `ExpertWeights`' order, float ones only
+    (dequantize one-byte weights first).
     """
+    layer = ExpertWeights(*weights)
+    if layer.quantized:
+        raise ValueError("gated_experts_reference takes float weights: dequantize one-byte ones first")
+    gate_up_proj, down_proj, gate_up_bias, down_bias = layer[:4]
     num_experts = gate_up_proj.shape[0]
     out = torch.zeros(hidden_states.shape, dtype=torch.float64)
     for token, picks in enumerate(top_k_index.tolist()):

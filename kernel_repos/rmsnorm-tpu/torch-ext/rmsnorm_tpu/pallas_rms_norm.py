@@ -14,8 +14,9 @@ rows explicitly.
 Math is in float32 whatever the input dtype; outputs take the input dtype.
 
 The block size comes from `config.select_config(rows, hidden, dtype,
-generation, op=...)`. Inputs are assumed valid: the torch ops check them
-(`ops.py`).
+generation, op=...)`. The four public functions take the same keyword options
+(eps, offset, generation, block_rows; see `_row_norm`). Inputs are assumed
+valid: the torch ops check them (`ops.py`).
 """
 
 from __future__ import annotations
@@ -119,7 +120,10 @@ FLOPS_PER_ELEMENT = {"rms_norm": 4, "fused_add_rms_norm": 5, "rms_norm_backward"
 
 
 def _run(op: str, make_body, row_arrays, weight, generation: str | None, block_rows: int | None):
-    """Run `op`'s kernel on arrays [..., hidden] viewed as [rows, hidden]; make_body(layout) gives its body."""
+    """Run `op`'s kernel on arrays [..., hidden] viewed as [rows, hidden]; make_body(layout) gives its body.
+
+    Returns the kernel's outputs as a tuple, one output or several.
+    """
     hidden = row_arrays[0].shape[-1]
     as_rows = [a.reshape(-1, hidden) for a in row_arrays]
     rows = as_rows[0].shape[0]
@@ -142,99 +146,89 @@ def _run(op: str, make_body, row_arrays, weight, generation: str | None, block_r
         ),
         name=op,
     )
-    return call(*as_rows, weight.reshape(1, hidden))
+    outputs = call(*as_rows, weight.reshape(1, hidden))
+    return (outputs,) if single_output else tuple(outputs)
 
 
 _STATIC = ("eps", "offset", "generation", "block_rows")
 
+# Each op's kernel body; the backward ops share one, told apart by their number of row inputs.
+_BODIES = {
+    "rms_norm": _rms_norm_body,
+    "fused_add_rms_norm": _fused_add_rms_norm_body,
+    "rms_norm_backward": _backward_body,
+    "fused_add_rms_norm_backward": _backward_body,
+}
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def rms_norm(
-    x: jax.Array,
+
+def _row_norm(
+    op: str,
+    row_arrays: tuple[jax.Array, ...],
     weight: jax.Array,
     *,
     eps: float,
     offset: float = 0.0,
     generation: str | None = None,
     block_rows: int | None = None,
-) -> jax.Array:
-    """y = x / sqrt(mean(x^2, -1) + eps) * (offset + weight), over the last axis of x."""
+) -> tuple[jax.Array, ...]:
+    """`op`'s outputs: its row outputs shaped like the row inputs, then dL/dweight for a backward op.
+
+    The one signature of the keyword options the public functions pass through: eps is added to
+    mean(x^2), the scale is offset + weight, generation picks the tiling (None: select_config's
+    default), block_rows overrides the selected row block.
+    """
+    shape = OPS[op]
+    x = row_arrays[0]
     if x.size == 0:
-        return jnp.zeros(x.shape, x.dtype)
-    body = functools.partial(_rms_norm_body, eps=float(eps), offset=float(offset))
-    return _run("rms_norm", lambda layout: body, [x], weight, generation, block_rows).reshape(x.shape)
+        # No rows: a grid of zero blocks has nothing to run, so skip the kernel.
+        empty = (jnp.zeros(x.shape, x.dtype),) * shape.row_outputs
+        if shape.weight_gradient:
+            empty += (jnp.zeros(weight.shape, weight.dtype),)
+        return empty
 
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def fused_add_rms_norm(
-    x: jax.Array,
-    residual: jax.Array,
-    weight: jax.Array,
-    *,
-    eps: float,
-    offset: float = 0.0,
-    generation: str | None = None,
-    block_rows: int | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """(rms_norm(x + residual), x + residual) in one pass over memory; the sum is rounded to x's dtype."""
-    if x.size == 0:
-        return jnp.zeros(x.shape, x.dtype), jnp.zeros(x.shape, x.dtype)
-    body = functools.partial(_fused_add_rms_norm_body, eps=float(eps), offset=float(offset))
-    y, new_residual = _run("fused_add_rms_norm", lambda layout: body, [x, residual], weight, generation, block_rows)
-    return y.reshape(x.shape), new_residual.reshape(x.shape)
-
-
-def _backward(op: str, grads, x, weight, eps, offset, generation, block_rows):
     def make_body(layout: RowKernelLayout):
-        return functools.partial(
-            _backward_body,
-            eps=float(eps),
-            offset=float(offset),
-            rows=layout.in_shapes[0].shape[0],
-            block_rows=layout.config.block_rows,
-            with_residual_grad=len(grads) == 2,
-        )
+        extra = {}
+        if shape.weight_gradient:
+            extra = dict(
+                rows=layout.in_shapes[0].shape[0],
+                block_rows=layout.config.block_rows,
+                with_residual_grad=shape.row_inputs == 3,
+            )
+        return functools.partial(_BODIES[op], eps=float(eps), offset=float(offset), **extra)
 
-    dx, weight_grad_partials = _run(op, make_body, [*grads, x], weight, generation, block_rows)
-    return dx.reshape(x.shape), jnp.sum(weight_grad_partials, axis=(0, 1)).astype(weight.dtype)
+    outputs = _run(op, make_body, row_arrays, weight, generation, block_rows)
+    results = tuple(output.reshape(x.shape) for output in outputs[: shape.row_outputs])
+    if shape.weight_gradient:
+        # Sum the per-block float32 partials the kernel wrote.
+        results += (jnp.sum(outputs[-1], axis=(0, 1)).astype(weight.dtype),)
+    return results
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def rms_norm_backward(
-    grad: jax.Array,
-    x: jax.Array,
-    weight: jax.Array,
-    *,
-    eps: float,
-    offset: float = 0.0,
-    generation: str | None = None,
-    block_rows: int | None = None,
-) -> tuple[jax.Array, jax.Array]:
+def rms_norm(x: jax.Array, weight: jax.Array, **options) -> jax.Array:
+    """y = x / sqrt(mean(x^2, -1) + eps) * (offset + weight), over the last axis of x."""
+    (y,) = _row_norm("rms_norm", (x,), weight, **options)
+    return y
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def fused_add_rms_norm(x: jax.Array, residual: jax.Array, weight: jax.Array, **options) -> tuple[jax.Array, jax.Array]:
+    """(rms_norm(x + residual), x + residual) in one pass over memory; the sum is rounded to x's dtype."""
+    return _row_norm("fused_add_rms_norm", (x, residual), weight, **options)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def rms_norm_backward(grad: jax.Array, x: jax.Array, weight: jax.Array, **options) -> tuple[jax.Array, jax.Array]:
     """(dL/dx, dL/dweight) of rms_norm given dL/dy = grad."""
-    if x.size == 0:
-        return jnp.zeros(x.shape, x.dtype), jnp.zeros(weight.shape, weight.dtype)
-    return _backward("rms_norm_backward", (grad,), x, weight, eps, offset, generation, block_rows)
+    return _row_norm("rms_norm_backward", (grad, x), weight, **options)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def fused_add_rms_norm_backward(
-    grad_y: jax.Array,
-    grad_new_residual: jax.Array,
-    new_residual: jax.Array,
-    weight: jax.Array,
-    *,
-    eps: float,
-    offset: float = 0.0,
-    generation: str | None = None,
-    block_rows: int | None = None,
+    grad_y: jax.Array, grad_new_residual: jax.Array, new_residual: jax.Array, weight: jax.Array, **options
 ) -> tuple[jax.Array, jax.Array]:
     """(dL/d(x + residual), dL/dweight) of fused_add_rms_norm; dL/dx and dL/dresidual both equal the first."""
-    if new_residual.size == 0:
-        return jnp.zeros(new_residual.shape, new_residual.dtype), jnp.zeros(weight.shape, weight.dtype)
-    grads = (grad_y, grad_new_residual)
-    return _backward(
-        "fused_add_rms_norm_backward", grads, new_residual, weight, eps, offset, generation, block_rows
-    )
+    return _row_norm("fused_add_rms_norm_backward", (grad_y, grad_new_residual, new_residual), weight, **options)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
