@@ -181,7 +181,7 @@ def experts_inputs(kernel, case):
 
 
 def experts_are_empty(case) -> bool:
-    return 0 in (case["tokens"], case["top_k"], case["hidden"], case["experts"])
+    return 0 in (case["tokens"], case["top_k"], case["hidden"], case["experts"], case["intermediate"])
 
 
 EMPTY_EXPERTS = dict(top_k=2, hidden=8, intermediate=4, experts=3, index_dtype=torch.int64, dtype=torch.float32,
@@ -192,6 +192,7 @@ EMPTY_EXPERTS = dict(top_k=2, hidden=8, intermediate=4, experts=3, index_dtype=t
 @given(case=experts_cases())
 @example(case=dict(EMPTY_EXPERTS, tokens=0, index=[]))  # no tokens (an expert-parallel rank that got none)
 @example(case=dict(EMPTY_EXPERTS, tokens=2, experts=0, index=[0, 0, 0, 0]))  # no local experts: all sentinels
+@example(case=dict(EMPTY_EXPERTS, tokens=2, intermediate=0, index=[0, 3, 2, 1]))  # no intermediate: down biases
 def test_gated_experts_matches_reference(kernel, case):
     args, options, reference_args, gate = experts_inputs(kernel, case)
     with no_kernel_if(experts_are_empty(case)):
@@ -205,6 +206,7 @@ def test_gated_experts_matches_reference(kernel, case):
 @settings(PROPERTIES, max_examples=2)
 @given(case=experts_cases().filter(lambda case: case["weights"] == "float"))
 @example(case=dict(EMPTY_EXPERTS, tokens=0, index=[]))
+@example(case=dict(EMPTY_EXPERTS, tokens=2, intermediate=0, index=[0, 3, 2, 1]))
 def test_gated_experts_gradients_match_reference(kernel, case):
     args, options, reference_args, gate = experts_inputs(kernel, case)
     hidden_states, index, routing_weights, *weights = args

@@ -48,13 +48,26 @@ def experts_layer(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weight
     picks the tiles (None: this device's). Differentiable in hidden_states,
     top_k_weights, the weights and biases (module docstring); sentinel picks
     get a zero routing-weight gradient. Without tokens, picks, hidden size or experts
-    the result is zeros and no kernel runs.
+    the result is zeros and no kernel runs; without intermediate columns each pick
+    adds its expert's down bias (nothing without biases), and no kernel runs either.
     """
     problem, weights = describe_experts(hidden_states, top_k_index, top_k_weights, *weights, **gate)
     if problem.empty:
         return jnp.zeros(hidden_states.shape, hidden_states.dtype)
+    if problem.intermediate == 0:
+        return _routed_down_bias(hidden_states, top_k_index, top_k_weights, weights.down_bias)
     return planned_experts(plan_experts(problem, generation, fused=fused), hidden_states, top_k_index, top_k_weights,
                            weights)
+
+
+def _routed_down_bias(hidden_states, top_k_index, top_k_weights, down_bias) -> jax.Array:
+    """The layer when the experts have no intermediate columns: every expert's output is its down bias."""
+    if down_bias is None:
+        return jnp.zeros(hidden_states.shape, hidden_states.dtype)
+    live = top_k_index < down_bias.shape[0]  # a sentinel pick (another rank's expert) adds nothing
+    picked = jnp.take(down_bias, jnp.where(live, top_k_index, 0), axis=0).astype(jnp.float32)
+    routing = jnp.where(live, top_k_weights, 0).astype(jnp.float32)
+    return jnp.einsum("tk,tkh->th", routing, picked).astype(hidden_states.dtype)
 
 
 def planned_experts(plan: ExpertsPlan, hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array,
