@@ -355,16 +355,19 @@ def test_gradients_come_from_the_jax_vjp(monkeypatch, registrar):
     if registrar == "custom_op":
         monkeypatch.setattr(binding, "_jax_op_registrar", lambda: None)
     op = jax_torch_op(f"tk_test_grad_{registrar}::scaled_tanh")(scaled_tanh)
-    x, w = torch.randn(8, 128, requires_grad=True), torch.randn(1, 128, requires_grad=True)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 128, generator=generator, requires_grad=True)
+    w = torch.randn(1, 128, generator=generator, requires_grad=True)
     rows = torch.arange(8, dtype=torch.int32)
     for row_scale in (None, rows):
         out = op(x, w, row_scale, 0.5)
         x_ref, w_ref = x.detach().requires_grad_(), w.detach().requires_grad_()
         expected = _expected_scaled_tanh(x_ref, w_ref, row_scale, 0.5)
         torch.testing.assert_close(out, expected)
-        d_out = torch.randn(8, 128)
+        d_out = torch.randn(8, 128, generator=generator)
+        # XLA's and torch's float32 tanh differ in the last bits; d_w sums 8 rows scaled by up to 7.
         torch.testing.assert_close(torch.autograd.grad(out, (x, w), d_out),
-                                   torch.autograd.grad(expected, (x_ref, w_ref), d_out))
+                                   torch.autograd.grad(expected, (x_ref, w_ref), d_out), rtol=1e-5, atol=1e-5)
     # Only w requires grad: x gets none, and the pullback still runs.
     w_only = op(x.detach(), w, None, 0.0)
     (d_w,) = torch.autograd.grad(w_only.sum(), (w,))
