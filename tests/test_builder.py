@@ -60,17 +60,21 @@ def test_build_is_reproducible(built, tmp_path):
     assert _tree_bytes(again) == _tree_bytes(built)
 
 
-def test_two_builds_of_different_sources_load_side_by_side(built, tmp_path):
-    changed_repo = tmp_path / "src" / "ragged-dot-tpu"
-    shutil.copytree(REPO, changed_repo, ignore=shutil.ignore_patterns("__pycache__"))
-    reference = changed_repo / "torch-ext" / "ragged_dot_tpu" / "reference.py"
-    reference.write_text(reference.read_text() + "\nBUILD_MARKER = 'changed'\n")
-    changed = build_kernel_repo(changed_repo, tmp_path / "out")
+def test_two_builds_of_different_sources_load_side_by_side(tmp_path):
+    # Both sources differ from the repo's own, so plain `kernels` loading them here registers no op of the
+    # build every other test loads (a second copy of one build would re-register its ops in this process).
+    builds = {}
+    for marker in ("one", "two"):
+        changed_repo = tmp_path / marker / "ragged-dot-tpu"
+        shutil.copytree(REPO, changed_repo, ignore=shutil.ignore_patterns("__pycache__"))
+        reference = changed_repo / "torch-ext" / "ragged_dot_tpu" / "reference.py"
+        reference.write_text(reference.read_text() + f"\nBUILD_MARKER = {marker!r}\n")
+        builds[marker] = build_kernel_repo(changed_repo, tmp_path / marker / "out")
 
-    first = kernels.get_local_kernel(built, backend="cpu")
-    second = kernels.get_local_kernel(changed, backend="cpu")
+    first = kernels.get_local_kernel(builds["one"], backend="cpu")
+    second = kernels.get_local_kernel(builds["two"], backend="cpu")
     assert first.__name__ != second.__name__
-    assert not hasattr(first.reference, "BUILD_MARKER") and second.reference.BUILD_MARKER == "changed"
+    assert (first.reference.BUILD_MARKER, second.reference.BUILD_MARKER) == ("one", "two")
     lhs, rhs = torch.randn(5, 96), torch.randn(2, 96, 128)
     sizes = torch.tensor([2, 3], dtype=torch.int32)
     torch.testing.assert_close(first.ragged_dot(lhs, rhs, sizes), second.ragged_dot(lhs, rhs, sizes))
