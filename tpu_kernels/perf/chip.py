@@ -21,7 +21,7 @@ from importlib import resources
 
 from ..runtime.hardware import GRID_STEP_OVERHEAD_S, TpuGeneration, tpu_generation
 
-# The model's fitted constants (tpu_kernels/perf/model_constants.json, written from benchmarks/calibration_fit.py):
+# The model's fitted constants (tpu_kernels/perf/model_constants.json, written by `tpu-kernels bench calibration_fit`):
 # data, so that refitting them changes no code and re-prices cached replays without redoing them.
 CONSTANTS = json.loads(resources.files(__package__).joinpath("model_constants.json").read_text())
 # The cycles a weights tile takes to load into the MXU that a pass of fewer rows cannot hide, as a share of
