@@ -29,7 +29,7 @@ from ._hardware import (
 VMEM_BUDGET_BYTES = {"v5e": 24 * MIB, "v6e": 32 * MIB}
 # Preferred tiles (query positions per prefill block, keys per prefill block,
 # keys per decode block), chosen with the grid-replay model of
-# tpu_kernels/perf/__init__.py on Qwen3-30B-A3B shapes (benchmarks/attention.py): at
+# tpu_kernels.perf on Qwen3-30B-A3B shapes (`tpu-kernels bench attention`): at
 # S=4096-8192, (512, 512) on v5e and (512, 1024) on v6e come within ~3% of the
 # best modelled time, 10-20% faster than (256, 512). Decode streams K/V, so its
 # blocks are long and span several KV heads, to amortise the per-step overhead
@@ -51,7 +51,7 @@ MASK_ROWS = sublane_multiple(jnp.int8)
 Q_BLOCK_MULTIPLE = LANES
 # Preferred backward tiles per kernel, (block_q, block_kv): dq walks KV blocks
 # per query block, dk/dv walks query blocks per KV block. Chosen with the
-# grid-replay model of tpu_kernels/perf/__init__.py (benchmarks/attention.py --sweep,
+# grid-replay model of tpu_kernels.perf (`tpu-kernels bench attention --sweep`,
 # blocks 128-1024, KV heads per step from `backward_tiles`) at training shapes
 # of 8192 tokens: the best tile of Qwen3-30B-A3B (causal) and of Gemma-4's
 # sliding layers on both generations, except v6e's dk/dv at Qwen3 (512 x 512 is

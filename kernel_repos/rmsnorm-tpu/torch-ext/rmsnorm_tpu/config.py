@@ -73,7 +73,7 @@ class RowBlockConfig:
 # Searched block sizes, keyed (generation, op, rows, hidden, dtype name). None
 # so far: at 64 rows and more the heuristic's blocks move within 1.4% of the
 # minimum HBM bytes and model at 91-94% of the HBM roofline at 8192 rows on
-# v6e (benchmarks/rmsnorm.py), leaving a search little to win.
+# v6e (`tpu-kernels bench rmsnorm`), leaving a search little to win.
 TUNED_CONFIGS: dict[tuple[str, str, int, int, str], RowBlockConfig] = {}
 
 
