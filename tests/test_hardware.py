@@ -26,7 +26,6 @@ def test_facts_come_from_jax_tpu_table():
     assert v5e.vmem_capacity_bytes == v6e.vmem_capacity_bytes == 128 * MIB
     assert (v5e.default_scoped_vmem_bytes, v6e.default_scoped_vmem_bytes) == (16 * MIB, 32 * MIB)
     assert (hardware.LANES, hardware.SUBLANES) == (128, 8)
-    # Generations jax knows but the kernels do not support still have facts (for the performance model).
     v5p, tpu7x = hardware.tpu_generation("v5p"), hardware.tpu_generation("tpu7x")
     assert v5p.vmem_capacity_bytes == tpu7x.vmem_capacity_bytes == 64 * MIB
     assert (v5p.default_scoped_vmem_bytes, tpu7x.default_scoped_vmem_bytes) == (16 * MIB, None)
@@ -41,15 +40,19 @@ def test_tiling_helpers():
     assert hardware.padded_vmem_bytes((3, 7, 130), jnp.float32) == 3 * 8 * 256 * 4
     assert hardware.padded_vmem_bytes((5,), jnp.int32) == 128 * 4
     assert hardware.padded_vmem_bytes((), jnp.float32) == 4
-    assert hardware.vmem_limit_bytes(1 * MIB) == 16 * MIB
-    assert hardware.vmem_limit_bytes(40 * MIB) == 44 * MIB
-    assert hardware.vmem_limit_bytes(200 * MIB) == 100 * MIB
+    assert hardware.vmem_limit_bytes(1 * MIB, "v6e") == 16 * MIB
+    assert hardware.vmem_limit_bytes(40 * MIB, "v5e") == 44 * MIB
+    assert hardware.vmem_limit_bytes(200 * MIB, "v6e") == 100 * MIB
+    # 64 MiB of VMEM per core on v5p and TPU7x: at most 50 MiB asked for, 46 MiB for a config's blocks.
+    assert hardware.vmem_limit_bytes(40 * MIB, "tpu7x") == 44 * MIB
+    assert hardware.vmem_limit_bytes(60 * MIB, "v5p") == 50 * MIB
+    assert [hardware.vmem_budget_bytes(g) >> 20 for g in ("v5e", "v5p", "v6e", "tpu7x")] == [96, 46, 96, 46]
 
 
 def test_check_and_resolve_generation(monkeypatch):
-    assert hardware.check_generation("v5e") == "v5e"
-    with pytest.raises(ValueError, match=r"generation must be one of \('v5e', 'v6e'\), got 'v5p'"):
-        hardware.check_generation("v5p")
+    assert [hardware.check_generation(g) for g in ("v5e", "v5p", "v6e", "tpu7x")] == ["v5e", "v5p", "v6e", "tpu7x"]
+    with pytest.raises(ValueError, match=r"generation must be one of \('v5e', 'v5p', 'v6e', 'tpu7x'\), got 'v4'"):
+        hardware.check_generation("v4")
     monkeypatch.delenv(hardware.GENERATION_ENV, raising=False)
     assert hardware.resolve_generation(None) == "v6e"  # off TPU
     assert hardware.resolve_generation("v5e") == "v5e"
@@ -74,9 +77,15 @@ def test_current_generation_on_supported_and_unsupported_tpus(monkeypatch):
     assert hardware.current_generation() == "v5e"
     _on_a_tpu(monkeypatch, "TPU v6 lite", "v6e")
     assert hardware.current_generation() == "v6e"
-    for kind, chip in (("TPU v5", "v5p"), ("TPU7x", "7x"), ("TPU v9 something", None)):
+    for kind in ("TPU v5", "TPU v5p"):
+        _on_a_tpu(monkeypatch, kind, "v5p")
+        assert hardware.current_generation() == "v5p"
+    _on_a_tpu(monkeypatch, "TPU7x", "7x")
+    assert hardware.current_generation() == "tpu7x"
+    for kind, chip in (("TPU v4", "v4"), ("TPU v9 something", None)):
         _on_a_tpu(monkeypatch, kind, chip)
-        with pytest.raises(hardware.UnsupportedTpuError, match=rf"this TPU \('{kind}'\).*\('v5e', 'v6e'\)"):
+        with pytest.raises(hardware.UnsupportedTpuError,
+                           match=rf"this TPU \('{kind}'\).*\('v5e', 'v5p', 'v6e', 'tpu7x'\)"):
             hardware.current_generation()
     monkeypatch.setenv(hardware.GENERATION_ENV, "v5e")
     assert hardware.current_generation() == "v5e"
@@ -126,9 +135,9 @@ def test_an_unsupported_tpu_gets_the_same_error_from_every_kernel(built_kernels,
     off_tpu = {name: select(loaded[name]) for name, select in selects.items()}
     _on_a_tpu(monkeypatch, "TPU v6 lite", "v6e")
     assert {name: select(loaded[name]) for name, select in selects.items()} == off_tpu
-    _on_a_tpu(monkeypatch, "TPU v5", "v5p")
+    _on_a_tpu(monkeypatch, "TPU v4", "v4")
     for name, select in selects.items():
-        with pytest.raises(RuntimeError, match=r"this TPU \('TPU v5'\) is not one the kernels are tuned"):
+        with pytest.raises(RuntimeError, match=r"this TPU \('TPU v4'\) is not one the kernels are tuned"):
             select(loaded[name])
 
 
@@ -143,7 +152,7 @@ _LAYOUT_SHAPES = [
 
 @pytest.mark.aot
 @pytest.mark.slow
-@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+@pytest.mark.parametrize("generation", ["v5e", "v5p", "v6e", "tpu7x"])
 def test_default_layout_rule_matches_the_compiler(generation):
     from tpu_kernels.aot import topology_device
 

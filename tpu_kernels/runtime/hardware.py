@@ -26,12 +26,20 @@ Where the numbers come from:
   calibrated values: tpu_kernels/perf/model_constants.json).
 
 Generations: kernels are tuned and compiled ahead of time for
-SUPPORTED_GENERATIONS only. On a TPU of any other generation
-`current_generation` raises UnsupportedTpuError naming them, since tiles
-sized for one generation can overflow another's VMEM (v5p and 7x have 64 MiB
-per core, v4 16 MiB). Off TPU (the CPU interpret path) the kernels tile as
-for OFF_TPU_GENERATION. The environment variable TPU_KERNELS_GENERATION
-names a supported generation to use instead of the detected one.
+SUPPORTED_GENERATIONS only: v5e, v5p, v6e and TPU7x (Ironwood). The device
+kinds jax reports map to them through jax's table ("TPU v5 lite" -> v5e,
+"TPU v5" or "TPU v5p" -> v5p, "TPU v6 lite" -> v6e, "TPU7x" -> tpu7x). On a
+TPU of any other generation `current_generation` raises UnsupportedTpuError
+naming them, since tiles sized for one generation can overflow another's
+VMEM (v4 has 16 MiB per core). Off TPU (the CPU interpret path) the kernels
+tile as for OFF_TPU_GENERATION. The environment variable
+TPU_KERNELS_GENERATION names a supported generation to use instead of the
+detected one.
+
+VMEM per TensorCore is 128 MiB on v5e and v6e and 64 MiB on v5p and TPU7x.
+Compile-only checks (libtpu, 2026-12-02) accept a kernel's raised limit up to
+the whole capacity on v5p and TPU7x: blocks of 60 MiB under a 64 MiB limit
+compile, 64 MiB of blocks fail ("Used 64.00M of 63.94M vmem").
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 MIB = 1 << 20
 
-SUPPORTED_GENERATIONS = ("v5e", "v6e")
+SUPPORTED_GENERATIONS = ("v5e", "v5p", "v6e", "tpu7x")
 OFF_TPU_GENERATION = "v6e"
 GENERATION_ENV = "TPU_KERNELS_GENERATION"
 
@@ -59,13 +67,15 @@ GRID_STEP_OVERHEAD_S = 0.35e-6
 
 # Raised VMEM limits (see `vmem_limit_bytes`). Mosaic allocates its own
 # scratch (semaphores, relayout temporaries) on top of a kernel's blocks; 4 MiB
-# for it has sufficed in every ahead-of-time compile of our kernels (v5e, v6e).
+# for it has sufficed in every ahead-of-time compile of our kernels (v5e, v5p,
+# v6e, TPU7x).
 MOSAIC_SCRATCH_BYTES = 4 * MIB
 # A kernel never asks for less than the smallest default (v5e's 16 MiB), nor
-# for more than 100 of the 128 MiB per core of v5e and v6e: the rest is left
-# to the compiler. The cap is a choice, not a measured limit.
+# for more than 100/128 of a core's VMEM (100 MiB on v5e and v6e, 50 MiB on v5p
+# and TPU7x): the rest is left to the compiler. The share is a choice, not a
+# measured limit (the module docstring has the measured one).
 MIN_VMEM_LIMIT_BYTES = DEFAULT_SCOPED_VMEM_BYTES["v5e"]
-MAX_VMEM_LIMIT_BYTES = 100 * MIB
+MAX_VMEM_SHARE = 100 / 128
 
 
 class UnsupportedTpuError(RuntimeError):
@@ -95,6 +105,7 @@ class TpuGeneration:
 
 # Our names for generations whose jax ChipVersion value is a bare number ("7x"), as libtpu's topologies name them.
 _JAX_CHIP_NAMES = {"tpu7x": "7x"}
+_OUR_CHIP_NAMES = {jax_name: name for name, jax_name in _JAX_CHIP_NAMES.items()}
 # TensorCores one device drives: v5p (like v4) runs its chip's two cores as one megacore device; a TPU7x
 # device is one of its chip's two cores (jax's ChipVersion table).
 MEGACORE_GENERATIONS = ("v4", "v5p")
@@ -106,8 +117,7 @@ def tpu_generation(name: str) -> TpuGeneration:
     try:
         chip = pltpu.ChipVersion(_JAX_CHIP_NAMES.get(name, name))
     except ValueError:
-        ours = {jax_name: name for name, jax_name in _JAX_CHIP_NAMES.items()}
-        known = ", ".join(ours.get(c.value, c.value) for c in pltpu.ChipVersion)
+        known = ", ".join(_OUR_CHIP_NAMES.get(c.value, c.value) for c in pltpu.ChipVersion)
         raise ValueError(f"generation: unknown TPU generation {name!r}; jax knows {known}") from None
     info = pltpu.get_tpu_info_for_chip(chip, 1)
     return TpuGeneration(
@@ -147,9 +157,10 @@ def current_generation() -> str:
     if device.platform != "tpu":
         return OFF_TPU_GENERATION
     try:
-        chip = str(pltpu.get_tpu_info().chip_version)
+        chip_version = str(pltpu.get_tpu_info().chip_version)
     except ValueError:  # a device kind jax's table does not know
-        chip = None
+        chip_version = None
+    chip = _OUR_CHIP_NAMES.get(chip_version, chip_version)
     if chip not in SUPPORTED_GENERATIONS:
         raise UnsupportedTpuError(
             f"this TPU ({device.device_kind!r}) is not one the kernels are tuned and compiled for: "
@@ -210,7 +221,7 @@ def default_layout_swaps_minor_dims(shape: Sequence[int]) -> bool:
     XLA picks the layout of a jitted function's arguments itself. For
     `[..., a, b]` whose last dimension b is not a multiple of 128 lanes but a
     is, and b is a multiple of 8, it makes `a` the minor dimension (e.g.
-    `{1,2,0}`), whatever the dtype and generation (v5e, v6e); otherwise the
+    `{1,2,0}`), whatever the dtype and generation (v5e, v5p, v6e, TPU7x); otherwise the
     last dimension stays minor, or (b not a multiple of 8) a leading
     dimension goes between them. Where neither a nor b is a multiple of 128
     XLA weighs the padding of both orders; this answers False there (no
@@ -227,10 +238,22 @@ def default_layout_swaps_minor_dims(shape: Sequence[int]) -> bool:
     return rows % LANES == 0 and cols % LANES != 0 and cols % SUBLANES == 0
 
 
-def vmem_limit_bytes(working_set_bytes: int) -> int:
-    """The scoped VMEM limit to request for a kernel whose blocks and scratch take `working_set_bytes`.
+def max_vmem_limit_bytes(generation: str) -> int:
+    """The most VMEM a kernel asks for on `generation`: MAX_VMEM_SHARE of a core's, in whole MiB."""
+    return int(tpu_generation(generation).vmem_capacity_bytes * MAX_VMEM_SHARE) // MIB * MIB
+
+
+def vmem_budget_bytes(generation: str) -> int:
+    """What a config's blocks and scratch may take on `generation`: the most a kernel asks for, less Mosaic's
+    own scratch."""
+    return max_vmem_limit_bytes(generation) - MOSAIC_SCRATCH_BYTES
+
+
+def vmem_limit_bytes(working_set_bytes: int, generation: str) -> int:
+    """The scoped VMEM limit to request on `generation` for a kernel whose blocks and scratch take
+    `working_set_bytes`.
 
     The working set plus Mosaic's own scratch, within [MIN_VMEM_LIMIT_BYTES,
-    MAX_VMEM_LIMIT_BYTES].
+    max_vmem_limit_bytes(generation)].
     """
-    return min(max(working_set_bytes + MOSAIC_SCRATCH_BYTES, MIN_VMEM_LIMIT_BYTES), MAX_VMEM_LIMIT_BYTES)
+    return min(max(working_set_bytes + MOSAIC_SCRATCH_BYTES, MIN_VMEM_LIMIT_BYTES), max_vmem_limit_bytes(generation))

@@ -31,9 +31,12 @@ def test_vmem_bytes_of_a_prefill_and_a_decode_step(config):
 
 
 def test_vmem_limit_takes_the_margin_and_mosaic_scratch_within_bounds(config):
-    assert config.vmem_limit(1 * MIB) == 16 * MIB
-    assert config.vmem_limit(20 * MIB) == 30 * MIB + 4 * MIB
-    assert config.vmem_limit(90 * MIB) == 100 * MIB
+    assert config.vmem_limit(1 * MIB, "v6e") == 16 * MIB
+    assert config.vmem_limit(20 * MIB, "v6e") == 30 * MIB + 4 * MIB
+    assert config.vmem_limit(90 * MIB, "v6e") == 100 * MIB
+    # 64 MiB of VMEM per core: at most 50 MiB asked for.
+    assert config.vmem_limit(20 * MIB, "tpu7x") == 30 * MIB + 4 * MIB
+    assert config.vmem_limit(40 * MIB, "v5p") == 50 * MIB
 
 
 def test_is_decode(config):
@@ -42,7 +45,7 @@ def test_is_decode(config):
 
 def test_heuristic_respects_limits(config):
     """Tiles are full-extent or aligned, decode steps span KV heads, oversized shapes shrink."""
-    for generation in ("v5e", "v6e"):
+    for generation in ("v5e", "v5p", "v6e", "tpu7x"):
         shape = dict(mask_dtype=None, generation=generation)
         prefill = config.heuristic_config(q_heads=8, kv_heads=1, q_len=300, kv_len=1000, head_dim=64,
                                           dtype=jnp.float32, **shape)
@@ -66,7 +69,7 @@ def test_heuristic_respects_limits(config):
 
 
 def test_heuristic_working_set_fits_the_budget_and_sets_the_limit(config):
-    for generation in ("v5e", "v6e"):
+    for generation in ("v5e", "v5p", "v6e", "tpu7x"):
         for mask_dtype in (None, jnp.int8, jnp.float32):
             chosen = config.heuristic_config(q_heads=32, kv_heads=4, q_len=4096, kv_len=4096, head_dim=128,
                                              dtype=jnp.bfloat16, mask_dtype=mask_dtype, generation=generation)
@@ -75,7 +78,7 @@ def test_heuristic_working_set_fits_the_budget_and_sets_the_limit(config):
                 head_dim=128, itemsize=2, mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize,
             )
             assert working_set <= config.VMEM_BUDGET_BYTES[generation]
-            assert chosen.vmem_limit_bytes == config.vmem_limit(working_set)
+            assert chosen.vmem_limit_bytes == config.vmem_limit(working_set, generation)
 
 
 def test_check_config(config):
@@ -114,7 +117,7 @@ def test_select_config_uses_the_current_generation_and_refuses_unknown_ones(conf
     assert config.select_config(**shape) == v6e  # off TPU: v6e's tiles
     monkeypatch.setenv("TPU_KERNELS_GENERATION", "v5e")
     assert config.select_config(**shape) == v5e
-    with pytest.raises(ValueError, match=r"generation must be one of \('v5e', 'v6e'\), got 'v2'"):
+    with pytest.raises(ValueError, match=r"generation must be one of \('v5e', 'v5p', 'v6e', 'tpu7x'\), got 'v2'"):
         config.select_config(**shape, generation="v2")
 
 
@@ -128,7 +131,7 @@ TRAINING_SHAPES = {
 @pytest.mark.parametrize("model", list(TRAINING_SHAPES))
 def test_backward_tiles_fit_the_budget(config, model):
     shape = TRAINING_SHAPES[model]
-    for generation in ("v5e", "v6e"):
+    for generation in ("v5e", "v5p", "v6e", "tpu7x"):
         for dtype, mask_dtype in ((jnp.bfloat16, None), (jnp.bfloat16, jnp.int8), (jnp.float32, jnp.float32)):
             chosen = config.select_backward_config(q_len=8192, kv_len=8192, dtype=dtype, mask_dtype=mask_dtype,
                                                    generation=generation, **shape)
@@ -145,7 +148,7 @@ def test_backward_tiles_fit_the_budget(config, model):
 
                 heads = tiles.kv_heads_per_step
                 assert working_set(heads) <= config.VMEM_BUDGET_BYTES[generation], (generation, kernel_name, tiles)
-                assert tiles.vmem_limit_bytes == config.vmem_limit(working_set(heads))
+                assert tiles.vmem_limit_bytes == config.vmem_limit(working_set(heads), generation)
                 # Enough KV heads per step that the step outweighs its overhead, or as many as fit.
                 seconds = config.backward_step_seconds(kernel_name, kv_heads_per_step=heads, generation=generation,
                                                        **step)
@@ -162,7 +165,7 @@ def test_backward_tiles_fit_the_budget(config, model):
 def test_backward_tiles_shrink_for_short_windows(config):
     """GPT-OSS's window of 128: blocks past a few windows would mostly compute masked pairs."""
     gpt_oss = dict(q_heads=64, kv_heads=8, q_len=8192, kv_len=8192, head_dim=64, dtype=jnp.bfloat16)
-    for generation in ("v5e", "v6e"):
+    for generation in ("v5e", "v5p", "v6e", "tpu7x"):
         chosen = config.select_backward_config(sliding_window=128, generation=generation, **gpt_oss)
         cap = config.WINDOW_BLOCK_FACTOR[generation] * 128
         assert max(chosen.dq.block_q, chosen.dq.block_kv, chosen.dkv.block_q, chosen.dkv.block_kv) <= cap

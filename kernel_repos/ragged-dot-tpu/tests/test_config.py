@@ -152,8 +152,8 @@ def test_select_config_uses_the_current_generation_and_refuses_unknown_ones(conf
     assert config.select_config(*shape, num_groups=16) == v6e
     monkeypatch.setenv("TPU_KERNELS_GENERATION", "v5e")
     assert config.select_config(*shape, num_groups=16) == v5e
-    with pytest.raises(ValueError, match=r"generation must be one of \('v5e', 'v6e'\), got 'v5p'"):
-        config.select_config(80, 2048, 1536, jnp.bfloat16, generation="v5p")
+    with pytest.raises(ValueError, match=r"generation must be one of \('v5e', 'v5p', 'v6e', 'tpu7x'\), got 'v4'"):
+        config.select_config(80, 2048, 1536, jnp.bfloat16, generation="v4")
     with pytest.raises(ValueError, match="generation must be one of"):
         config.heuristic_config(80, 2048, 1536, jnp.bfloat16, "v4")
 
@@ -201,11 +201,20 @@ def test_fused_config_of_real_models(config):
     fused = config.fused_config(256, hidden, intermediate, experts, jnp.bfloat16, **layout)
     assert fused == config.FusedConfig(128, 960)
     assert config.fused_vmem_bytes(fused, 256, hidden, intermediate, experts, jnp.bfloat16, interleaved=True,
-                                   has_bias=True) <= config.VMEM_BUDGET_BYTES
-    for name, (hidden, intermediate, experts, layout) in MODELS.items():
-        for tokens in (1, 8, 64, 256):
-            fused = config.fused_config(tokens, hidden, intermediate, experts, jnp.bfloat16, **layout)
-            config.check_fused_config(fused, tokens, hidden, intermediate, experts, jnp.bfloat16, **layout)
+                                   has_bias=True) <= 96 * MIB  # v6e's budget: 100 MiB less Mosaic's scratch
+    # Every generation: decode of every model fits the fused kernel (v5p and TPU7x: a 46 MiB budget).
+    for generation in ("v5e", "v5p", "v6e", "tpu7x"):
+        for name, (hidden, intermediate, experts, layout) in MODELS.items():
+            for tokens in (1, 8, 64, 256):
+                fused = config.fused_config(tokens, hidden, intermediate, experts, jnp.bfloat16, **layout,
+                                            generation=generation)
+                assert fused is not None, (generation, name, tokens)
+                config.check_fused_config(fused, tokens, hidden, intermediate, experts, jnp.bfloat16, **layout,
+                                          generation=generation)
+                needed = config.fused_vmem_bytes(fused, tokens, hidden, intermediate, experts, jnp.bfloat16,
+                                                 interleaved=layout["interleaved"], has_bias=layout["has_bias"],
+                                                 weights_transposed=layout["weights_transposed"])
+                assert needed <= (46 if generation in ("v5p", "tpu7x") else 96) * MIB
 
 
 def test_fused_vmem_bytes_counts_blocks_scratch_and_one_chunk(config):

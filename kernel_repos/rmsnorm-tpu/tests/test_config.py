@@ -21,10 +21,11 @@ def test_vmem_bytes_counts_padded_double_buffered_rows_temporaries_and_vectors(c
     assert config.vmem_bytes(20, 200, jnp.bfloat16, "fused_add_rms_norm") == 32 * per_row + 2 * 2 * 8 * 256 * 4
 
 
-@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+@pytest.mark.parametrize("generation", ["v5e", "v5p", "v6e", "tpu7x"])
 @pytest.mark.parametrize("op", OPS)
 def test_heuristic_aligns_blocks_and_fits_scoped_vmem(config, generation, op):
-    budget = config.DEFAULT_SCOPED_VMEM_BYTES[generation] * config.VMEM_BUDGET_FRACTION
+    scoped, explicit_limit = config.scoped_vmem(generation)
+    budget = scoped * config.VMEM_BUDGET_FRACTION
     for rows in (1, 7, 64, 1000, 8192, 100_003):
         for hidden in (96, 200, 2048, 2816, 4096, 5120, 7168):
             for dtype in (jnp.float32, jnp.bfloat16):
@@ -32,7 +33,7 @@ def test_heuristic_aligns_blocks_and_fits_scoped_vmem(config, generation, op):
                 align = 8 if dtype == jnp.float32 else 16
                 assert chosen.block_rows == rows or chosen.block_rows % align == 0
                 assert 1 <= chosen.block_rows <= rows
-                assert chosen.vmem_limit_bytes is None
+                assert chosen.vmem_limit_bytes == explicit_limit
                 assert config.vmem_bytes(chosen.block_rows, hidden, dtype, op) <= budget
                 # Equal blocks: the ragged last block wastes less than one alignment unit per block.
                 blocks = math.ceil(rows / chosen.block_rows)
@@ -48,11 +49,24 @@ def test_heuristic_balances_steps_against_traffic(config):
     assert v5e.block_rows < v6e.block_rows
 
 
+def test_blocks_are_sized_for_the_default_scoped_vmem_or_ask_for_their_limit(config):
+    assert config.scoped_vmem("v5e") == (16 * MIB, None)
+    assert config.scoped_vmem("v5p") == (16 * MIB, None)
+    assert config.scoped_vmem("v6e") == (32 * MIB, None)
+    # TPU7x's default scoped limit is not known (_hardware's docstring): the kernel asks for its limit.
+    assert config.scoped_vmem("tpu7x") == (32 * MIB, 32 * MIB)
+
+
 def test_heuristic_raises_the_vmem_limit_for_huge_rows_and_refuses_beyond_capacity(config):
     chosen = config.heuristic_config(64, 131_072, jnp.float32, "v5e", op="fused_add_rms_norm")
     assert chosen.block_rows == 8 and 16 * MIB < chosen.vmem_limit_bytes <= 96 * MIB
     with pytest.raises(ValueError, match="hidden=262144 is too large for fused_add_rms_norm on v5e"):
         config.heuristic_config(64, 262_144, jnp.float32, "v5e", op="fused_add_rms_norm")
+    # 64 MiB of VMEM per core: what fits v5e's 96 MiB is refused past 48 MiB on v5p.
+    chosen = config.heuristic_config(64, 65_536, jnp.float32, "v5p", op="fused_add_rms_norm")
+    assert chosen.block_rows == 8 and 16 * MIB < chosen.vmem_limit_bytes <= 48 * MIB
+    with pytest.raises(ValueError, match="hidden=131072 is too large for fused_add_rms_norm on v5p"):
+        config.heuristic_config(64, 131_072, jnp.float32, "v5p", op="fused_add_rms_norm")
 
 
 def test_check_block_rows(config):
@@ -85,7 +99,7 @@ def test_select_config_uses_the_current_generation(config, monkeypatch):
 
 
 def test_bad_arguments_are_refused(config):
-    with pytest.raises(ValueError, match=r"generation must be one of \('v5e', 'v6e'\), got 'v3'"):
+    with pytest.raises(ValueError, match=r"generation must be one of \('v5e', 'v5p', 'v6e', 'tpu7x'\), got 'v3'"):
         config.select_config(8, 128, jnp.float32, "v3")
     with pytest.raises(ValueError, match="op must be one of"):
         config.select_config(8, 128, jnp.float32, "v6e", op="layer_norm")

@@ -21,12 +21,14 @@ from ._hardware import (
     tpu_generation, vmem_limit_bytes,
 )
 
-# Working sets the heuristic stays within. Physical VMEM is 128 MiB on both
-# generations and the kernel raises the scoped limit to what a config needs,
-# so these bound tile size rather than what fits: v6e's is its default scoped
-# limit (32 MiB), v5e's half again its default (16 MiB). Chosen with the
-# preferred tiles below, not measured separately.
-VMEM_BUDGET_BYTES = {"v5e": 24 * MIB, "v6e": 32 * MIB}
+# Working sets the heuristic stays within. The kernel raises the scoped limit
+# to what a config needs, so these bound tile size rather than what fits:
+# v6e's is its default scoped limit (32 MiB), v5e's half again its default
+# (16 MiB). Chosen with the preferred tiles below, not measured separately.
+# v5p and TPU7x have 64 MiB per core: 24 MiB each, whose limit with
+# WORKING_SET_MARGIN and Mosaic's scratch (40 MiB) stays under the 50 MiB a
+# kernel asks for there (_hardware.max_vmem_limit_bytes).
+VMEM_BUDGET_BYTES = {"v5e": 24 * MIB, "v5p": 24 * MIB, "v6e": 32 * MIB, "tpu7x": 24 * MIB}
 # Preferred tiles (query positions per prefill block, keys per prefill block,
 # keys per decode block), chosen with the grid-replay model of
 # tpu_kernels.perf on Qwen3-30B-A3B shapes (`tpu-kernels bench attention`): at
@@ -35,8 +37,11 @@ VMEM_BUDGET_BYTES = {"v5e": 24 * MIB, "v6e": 32 * MIB}
 # blocks are long and span several KV heads, to amortise the per-step overhead
 # (~0.35 us) against the DMA time: a decode step moves up to
 # DECODE_STEP_BYTES of K and V (4 MiB take 5 us on v5e, 8 MiB 5 us on v6e).
-PREFERRED_TILES = {"v5e": (512, 512, 2048), "v6e": (512, 1024, 4096)}
-DECODE_STEP_BYTES = {"v5e": 4 * MIB, "v6e": 8 * MIB}
+# v5p takes v5e's tiles and TPU7x v6e's, by MXU width (128 and 256; not
+# searched on them): 4 MiB take 3.4 us on v5p, 8 MiB 2.3 us on TPU7x.
+PREFERRED_TILES = {"v5e": (512, 512, 2048), "v5p": (512, 512, 2048), "v6e": (512, 1024, 4096),
+                   "tpu7x": (512, 1024, 4096)}
+DECODE_STEP_BYTES = {"v5e": 4 * MIB, "v5p": 4 * MIB, "v6e": 8 * MIB, "tpu7x": 8 * MIB}
 # The VMEM estimate counts the pipeline buffers, the scratch and one slice's
 # softmax temporaries; Mosaic's relayouts of the logits come on top. A 1.5x
 # margin on the estimate covers them; every compile target also compiles
@@ -55,10 +60,13 @@ Q_BLOCK_MULTIPLE = LANES
 # blocks 128-1024, KV heads per step from `backward_tiles`) at training shapes
 # of 8192 tokens: the best tile of Qwen3-30B-A3B (causal) and of Gemma-4's
 # sliding layers on both generations, except v6e's dk/dv at Qwen3 (512 x 512 is
-# 1 % slower than its best, 256 x 512, and the best for Gemma-4).
+# 1 % slower than its best, 256 x 512, and the best for Gemma-4). v5p takes
+# v5e's and TPU7x v6e's, by MXU width (not searched on them).
 PREFERRED_BACKWARD_TILES = {
     "v5e": {"dq": (256, 256), "dkv": (256, 256)},
+    "v5p": {"dq": (256, 256), "dkv": (256, 256)},
     "v6e": {"dq": (512, 512), "dkv": (512, 512)},
+    "tpu7x": {"dq": (512, 512), "dkv": (512, 512)},
 }
 # Element-wise float32 temporaries of one (query block x KV block) tile held at
 # once by a backward step: logits, probabilities, dP, dS, the soft-cap slope
@@ -71,8 +79,9 @@ STEP_OVERHEAD_MULTIPLE = 16
 # w (rounded up to 128): each tile straddling the window's edges computes up to
 # half its pairs masked. From the sweep at GPT-OSS-20B's window of 128: 128 x
 # 128 is the best tile on v5e; 256 x 256 is within 11 % (dq) and 24 % (dk/dv)
-# of v6e's best, where 128-wide tiles fill half of the 256-wide MXU.
-WINDOW_BLOCK_FACTOR = {"v5e": 1, "v6e": 2}
+# of v6e's best, where 128-wide tiles fill half of the 256-wide MXU. By MXU
+# width on v5p (128) and TPU7x (256).
+WINDOW_BLOCK_FACTOR = {"v5e": 1, "v5p": 1, "v6e": 2, "tpu7x": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,9 +129,10 @@ def vmem_bytes(*, decode, group, block_q, block_kv, kv_heads_per_step, head_dim,
     return q_and_out + scratch + kv + temporaries + mask + lse
 
 
-def vmem_limit(working_set_bytes: int) -> int:
-    """The scoped VMEM limit asked for a working set: with WORKING_SET_MARGIN and Mosaic's scratch."""
-    return vmem_limit_bytes(int(working_set_bytes * WORKING_SET_MARGIN))
+def vmem_limit(working_set_bytes: int, generation: str) -> int:
+    """The scoped VMEM limit asked for a working set on `generation`: with WORKING_SET_MARGIN and Mosaic's
+    scratch."""
+    return vmem_limit_bytes(int(working_set_bytes * WORKING_SET_MARGIN), generation)
 
 
 def _shrink(block: int, *, multiple: int) -> int:
@@ -172,7 +182,7 @@ def heuristic_config(
     return AttentionConfig(
         block_q=block_q,
         block_kv=block_kv,
-        vmem_limit_bytes=vmem_limit(working_set(block_q, block_kv, heads_per_step)),
+        vmem_limit_bytes=vmem_limit(working_set(block_q, block_kv, heads_per_step), generation),
         kv_heads_per_step=heads_per_step,
     )
 
@@ -290,7 +300,7 @@ def backward_tiles(kernel, *, block_q, block_kv, group, kv_heads, head_dim, item
     enough = [h for h in fitting if backward_step_seconds(kernel, kv_heads_per_step=h, generation=generation, **shape)
               >= target]
     heads = enough[0] if enough else fitting[-1]
-    return AttentionConfig(block_q=block_q, block_kv=block_kv, vmem_limit_bytes=vmem_limit(working_set(heads)),
+    return AttentionConfig(block_q=block_q, block_kv=block_kv, vmem_limit_bytes=vmem_limit(working_set(heads), generation),
                            kv_heads_per_step=heads)
 
 
@@ -311,7 +321,7 @@ def _heuristic_backward_tiles(kernel, *, group, kv_heads, q_len, kv_len, head_di
         else:
             return AttentionConfig(block_q, block_kv, vmem_limit(backward_vmem_bytes(
                 kernel=kernel, kv_heads_per_step=1, group=group, block_q=block_q, block_kv=block_kv,
-                head_dim=head_dim, itemsize=itemsize, mask_itemsize=mask_itemsize)))
+                head_dim=head_dim, itemsize=itemsize, mask_itemsize=mask_itemsize), generation))
     return tiles
 
 

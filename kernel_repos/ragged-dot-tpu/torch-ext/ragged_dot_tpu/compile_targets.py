@@ -98,7 +98,7 @@ def _layer_targets(generation, dtype):
                                  *(jax.ShapeDtypeStruct(bias, dtype) for bias in biases))
             path = "fused" if config.use_fused_experts(
                 tokens, hidden, intermediate, experts, dtype, interleaved=gate.get("interleaved", False),
-                has_bias=bool(biases), **layout) else "grouped"
+                has_bias=bool(biases), generation=generation, **layout) else "grouped"
             targets.append((f"{model} experts layer T={tokens} top-{top_k} ({path}) bf16", fn, avals))
     return targets
 
@@ -174,7 +174,7 @@ def _quantized_targets(generation, dtype):
                                      _scales(scheme, gate_up, out_axis), _scales(scheme, down, out_axis))
                 path = "fused" if config.use_fused_experts(
                     tokens, hidden, intermediate, experts, dtype, interleaved=gate.get("interleaved", False),
-                    has_bias=has_bias, weights_dtype=weights_dtype, **layout) else "grouped"
+                    has_bias=has_bias, weights_dtype=weights_dtype, generation=generation, **layout) else "grouped"
                 targets.append((f"{model} experts layer T={tokens} top-{top_k} ({path}) {scheme}", fn, avals))
     return targets
 

@@ -41,14 +41,14 @@ from .tgmm_tiles import (
     tgmm_blocks, tgmm_buffers, tgmm_vmem_bytes, tgmm_vmem_limit,
 )
 from .vmem import (
-    MAX_UNROLLED_MACS, MAX_UNROLLED_MATMULS, VMEM_BUDGET_BYTES, Buffer, buffers_bytes, fp8_dequantize_vmem_bytes,
+    MAX_UNROLLED_MACS, MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, fp8_dequantize_vmem_bytes,
 )
 from .weights_layout import WeightsOrientation, weights_orientation
 
 __all__ = [
     "BIAS_BLOCK_EXPERTS", "D_LHS_ROW_TILE", "FUSED_MAX_CHUNK_ROWS", "FUSED_MAX_TOKENS", "HEURISTIC_RHS_BLOCK_BYTES",
     "HEURISTIC_ROW_TILE", "MAX_GROUPS_PER_STEP", "MAX_UNROLLED_MACS", "MAX_UNROLLED_MATMULS", "TGMM_OUTPUT_SHARE",
-    "TGMM_ROW_TILE", "TUNED_TILES", "VMEM_BUDGET_BYTES", "Buffer", "FusedConfig", "TgmmConfig", "TileConfig",
+    "TGMM_ROW_TILE", "TUNED_TILES", "Buffer", "FusedConfig", "TgmmConfig", "TileConfig",
     "TunedKey", "WeightsOrientation", "buffers_bytes", "check_config", "check_fused_config", "check_tgmm_config",
     "expected_active_groups", "fp8_dequantize_vmem_bytes", "fused_buffers", "fused_chunks", "fused_config",
     "fused_vmem_bytes", "heuristic_config", "heuristic_tgmm_config", "matmul_buffers", "n_tile", "ridge_rows",
@@ -72,10 +72,11 @@ FUSED_MAX_TOKENS = 512
 
 
 def use_fused_experts(tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *,
-                      weights_transposed: bool, interleaved: bool, has_bias: bool, weights_dtype=None) -> bool:
-    """The rule: the fused kernel for decode-sized calls (T <= FUSED_MAX_TOKENS) whose blocks fit VMEM,
-    the two grouped matmuls otherwise (see FUSED_MAX_TOKENS for why)."""
+                      weights_transposed: bool, interleaved: bool, has_bias: bool, weights_dtype=None,
+                      generation: str | None = None) -> bool:
+    """The rule: the fused kernel for decode-sized calls (T <= FUSED_MAX_TOKENS) whose blocks fit the VMEM of
+    `generation` (default: this device's), the two grouped matmuls otherwise (see FUSED_MAX_TOKENS for why)."""
     return tokens <= FUSED_MAX_TOKENS and fused_config(
         tokens, hidden, intermediate, num_experts, dtype, weights_transposed=weights_transposed,
-        interleaved=interleaved, has_bias=has_bias, weights_dtype=weights_dtype,
+        interleaved=interleaved, has_bias=has_bias, weights_dtype=weights_dtype, generation=generation,
     ) is not None

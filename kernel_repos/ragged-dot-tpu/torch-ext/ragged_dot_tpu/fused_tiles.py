@@ -11,9 +11,9 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from ._hardware import LANES, padded_vmem_bytes, round_up, sublane_multiple
+from ._hardware import LANES, padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, vmem_budget_bytes
 from .quant import INT8, blocks, scheme_of
-from .vmem import MAX_UNROLLED_MATMULS, VMEM_BUDGET_BYTES, Buffer, buffers_bytes, fp8_dequantize_vmem_bytes
+from .vmem import MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, check_vmem_fits, fp8_dequantize_vmem_bytes
 from .weights_layout import WeightsOrientation, weights_orientation
 
 # Rows per MXU pass of the fused kernel: T rounded to the native tile, at
@@ -132,20 +132,22 @@ def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate
 
 
 def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *, weights_transposed: bool,
-                 interleaved: bool, has_bias: bool, weights_dtype=None) -> FusedConfig | None:
+                 interleaved: bool, has_bias: bool, weights_dtype=None, generation: str | None = None) -> FusedConfig | None:
     """The fused kernel's blocks for this layer, or None if no I tiling fits VMEM.
 
     Rows: T (the most one expert can get) rounded to the native sublane tile,
     in chunks of at most FUSED_MAX_CHUNK_ROWS (more if T needs more than
     MAX_UNROLLED_MATMULS of them). I: whole, or I / n for the smallest n that is
-    aligned (`_tile_i_aligned`) and fits VMEM_BUDGET_BYTES. Not tuned per
-    generation: decode streams each active expert's weights once whatever the
-    tiles, so they only need to fit.
+    aligned (`_tile_i_aligned`) and fits the VMEM budget of `generation`
+    (default: this device's). Not tuned per generation otherwise: decode
+    streams each active expert's weights once whatever the tiles, so they only
+    need to fit.
     """
     sublanes = sublane_multiple(dtype)
     chunk = max(min(round_up(tokens, sublanes), FUSED_MAX_CHUNK_ROWS),
                 round_up(-(-tokens // MAX_UNROLLED_MATMULS), sublanes))
     orientation = weights_orientation(hidden, intermediate, weights_transposed=weights_transposed)
+    budget = vmem_budget_bytes(resolve_generation(generation))
     for parts in range(1, intermediate + 1):
         if intermediate % parts:
             continue
@@ -156,13 +158,14 @@ def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, 
         config = FusedConfig(chunk, tile_i)
         needed = fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
                                   has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed)
-        if needed <= VMEM_BUDGET_BYTES:
+        if needed <= budget:
             return config
     return None
 
 
 def check_fused_config(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *,
-                       weights_transposed: bool, interleaved: bool, has_bias: bool, weights_dtype=None) -> None:
+                       weights_transposed: bool, interleaved: bool, has_bias: bool, weights_dtype=None,
+                       generation: str | None = None) -> None:
     """Raises ValueError if `config` cannot run this fused experts layer."""
     if not isinstance(config, FusedConfig):
         raise TypeError(f"config must be a FusedConfig, got {type(config).__name__}")
@@ -184,5 +187,4 @@ def check_fused_config(config: FusedConfig, tokens: int, hidden: int, intermedia
         )
     needed = fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
                               has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed)
-    if needed > VMEM_BUDGET_BYTES:
-        raise ValueError(f"config {tuple(config)} needs {needed / 2**20:.1f} MiB of VMEM, past the {VMEM_BUDGET_BYTES >> 20} MiB budget")
+    check_vmem_fits(config, needed, generation)

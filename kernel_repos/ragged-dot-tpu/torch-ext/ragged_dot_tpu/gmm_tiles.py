@@ -34,7 +34,7 @@ from ._hardware import (
 )
 from .quant import INT8, blocks, scheme_of
 from .vmem import (
-    MAX_UNROLLED_MACS, MAX_UNROLLED_MATMULS, VMEM_BUDGET_BYTES, Buffer, buffers_bytes, fp8_dequantize_vmem_bytes,
+    MAX_UNROLLED_MACS, MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, check_vmem_fits, fp8_dequantize_vmem_bytes,
 )
 
 # Group slots one grid step may multiply: each slot's row chunks are matmuls unrolled in the kernel body
@@ -42,16 +42,19 @@ from .vmem import (
 MAX_GROUPS_PER_STEP = 4
 
 # Blocks of the heuristic: weights blocks of about this many bytes keep the
-# per-step cost small next to their DMA (4 MiB take 2.6 us on v6e).
-HEURISTIC_RHS_BLOCK_BYTES = {"v5e": 8 << 20, "v6e": 16 << 20}
+# per-step cost small next to their DMA (4 MiB take 2.6 us on v6e). v5p takes
+# v5e's, TPU7x v6e's (the same MXU width; double-buffered, either fits the
+# 46 MiB budget of their 64 MiB of VMEM with room for rows).
+HEURISTIC_RHS_BLOCK_BYTES = {"v5e": 8 << 20, "v5p": 8 << 20, "v6e": 16 << 20, "tpu7x": 16 << 20}
 # Row tiles of the heuristic when the rows do not stay resident: about the
-# ridge (`ridge_rows`: 240 on v5e, 560 on v6e), where a step's matmul takes as
-# long as its weights' DMA, and large next to a chunk (each row tile reads
-# one chunk more of lhs rows). Chunks of one MXU width (128 rows on v5e, 256
-# on v6e; jax's TPU table): an MXU pass of fewer rows takes as long as one of
-# that many (the weights tile's load), and a group's last partial chunk
-# wastes at most one chunk. Not tuned.
-HEURISTIC_ROW_TILE = {"v5e": 512, "v6e": 512}
+# ridge (`ridge_rows`: 240 on v5e, 186 on v5p, 560 on v6e, 312 on TPU7x),
+# where a step's matmul takes as long as its weights' DMA, and large next to
+# a chunk (each row tile reads one chunk more of lhs rows). Chunks of one MXU
+# width (128 rows on v5e and v5p, 256 on v6e and TPU7x; jax's TPU table): an
+# MXU pass of fewer rows takes as long as one of that many (the weights
+# tile's load), and a group's last partial chunk wastes at most one chunk.
+# Not tuned.
+HEURISTIC_ROW_TILE = {"v5e": 512, "v5p": 512, "v6e": 512, "tpu7x": 512}
 
 
 class TileConfig(NamedTuple):
@@ -147,9 +150,10 @@ def row_chunks(config: TileConfig, m: int, dtype) -> int:
     return row_tile_rows(config, m, dtype) // config.chunk_m
 
 
-def check_config(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False) -> None:
+def check_config(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False, *,
+                 generation: str | None = None) -> None:
     """Raises ValueError if `config` cannot run `lhs[m,k] x rhs[.,k,n]` (`[., n, k]` with `transpose_rhs`) of
-    `dtype` (weights of `rhs_dtype`: the same, or int8 / fp8)."""
+    `dtype` (weights of `rhs_dtype`: the same, or int8 / fp8) on `generation` (default: this device's)."""
     if not isinstance(config, TileConfig):
         raise TypeError(f"config must be a TileConfig, got {type(config).__name__}")
     sublanes = sublane_multiple(dtype)
@@ -189,16 +193,14 @@ def check_config(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=No
             f"config {tuple(config)}: one grid step unrolls {macs / 2**30:.1f} Gi multiply-adds, past the "
             f"{MAX_UNROLLED_MACS / 2**30:.0f} Gi bound on kernel size (compile time)"
         )
-    needed = vmem_bytes(config, m, k, n, dtype, rhs_dtype, transpose_rhs)
-    if needed > VMEM_BUDGET_BYTES:
-        raise ValueError(f"config {tuple(config)} needs {needed / 2**20:.1f} MiB of VMEM, past the {VMEM_BUDGET_BYTES >> 20} MiB budget")
+    check_vmem_fits(config, vmem_bytes(config, m, k, n, dtype, rhs_dtype, transpose_rhs), generation)
 
 
 def ridge_rows(generation: str) -> int:
     """Rows per MXU pass at which a step's matmul takes as long as streaming its weights.
 
     bf16 peak FLOP/s over HBM bytes/s (2 FLOPs per weight element of 2
-    bytes): 240 on v5e, 560 on v6e. Below it, decode stays HBM-bound.
+    bytes): 240 on v5e, 186 on v5p, 560 on v6e, 312 on TPU7x. Below it, decode stays HBM-bound.
     """
     facts = tpu_generation(generation)
     return int(facts.bf16_flops_per_s / facts.hbm_bytes_per_s)
@@ -257,20 +259,21 @@ def heuristic_config(m: int, k: int, n: int, dtype, generation: str, num_groups:
     candidates.append(TileConfig(tiled_m, tile_k, tile_n, chunk if tiled_m > chunk else None))
     candidates.append(TileConfig(min(chunk, m), tile_k, tile_n))
     for config in candidates:
-        if _fits(config, m, k, n, dtype, rhs_dtype, transpose_rhs):
+        if _fits(config, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation):
             return config
     # Shrink the weights block until the smallest row tile fits.
     config = candidates[-1]
-    while not _fits(config, m, k, n, dtype, rhs_dtype, transpose_rhs) and config.tile_n > LANES:
+    while not _fits(config, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation) and config.tile_n > LANES:
         config = config._replace(tile_n=max(LANES, round_up(config.tile_n // 2, LANES)))
-    while not _fits(config, m, k, n, dtype, rhs_dtype, transpose_rhs) and config.tile_k > LANES:
+    while not _fits(config, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation) and config.tile_k > LANES:
         config = config._replace(tile_k=max(LANES, round_up(config.tile_k // 2, LANES)))
     return config
 
 
-def _fits(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False) -> bool:
+def _fits(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False, *,
+          generation: str) -> bool:
     try:
-        check_config(config, m, k, n, dtype, rhs_dtype, transpose_rhs)
+        check_config(config, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation)
     except ValueError:
         return False
     return True
@@ -296,13 +299,14 @@ def select_config(
     tuned = TUNED_TILES.get(key)
     if tuned is None:
         return heuristic_config(m, k, n, dtype, generation, num_groups, rhs_dtype, transpose_rhs)
-    check_config(tuned, m, k, n, dtype, rhs_dtype, transpose_rhs)
+    check_config(tuned, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation)
     return tuned
 
 
-def vmem_limit(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False) -> int:
-    """The scoped VMEM limit the kernel asks Mosaic for with `config`."""
-    return vmem_limit_bytes(vmem_bytes(config, m, k, n, dtype, rhs_dtype, transpose_rhs))
+def vmem_limit(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False, *,
+               generation: str | None = None) -> int:
+    """The scoped VMEM limit the kernel asks Mosaic for with `config` on `generation` (default: this device's)."""
+    return vmem_limit_bytes(vmem_bytes(config, m, k, n, dtype, rhs_dtype, transpose_rhs), resolve_generation(generation))
 
 
 def expected_active_groups(rows: int, num_groups: int) -> float:
@@ -329,6 +333,6 @@ def select_d_lhs_config(m: int, k: int, n: int, dtype, *, generation: str | None
     with row tiles of D_LHS_ROW_TILE rows where they fit."""
     config = select_config(m, k, n, dtype, generation=generation, num_groups=num_groups)
     longer = config._replace(tile_m=min(D_LHS_ROW_TILE, m))
-    if config.tile_m < longer.tile_m and _fits(longer, m, k, n, dtype):
+    if config.tile_m < longer.tile_m and _fits(longer, m, k, n, dtype, generation=resolve_generation(generation)):
         return longer
     return config

@@ -306,18 +306,18 @@ def _chunk_over_i_tiles(first, live, i_step, last_i, gather, scatter, refs: _Ref
 
 
 def fused_experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array, *weights: jax.Array | None,
-                  config: FusedConfig | None = None, **gate) -> jax.Array:
+                  config: FusedConfig | None = None, generation: str | None = None, **gate) -> jax.Array:
     """Gated experts per pick, weighted and summed per token, in one pallas_call (see the module docstring).
 
     Arguments as `moe.experts_layer`; picks with id == E are sentinels.
-    Blocks: `config`, else the plan's (`plan.plan_fused`). Inputs are
+    Blocks: `config`, else the plan's on `generation` (`plan.plan_fused`). Inputs are
     assumed valid (`ops.py`). Without tokens, picks, hidden size or experts
     there is nothing to compute: the result is zeros and no kernel runs.
     """
     problem, weights = describe_experts(hidden_states, top_k_index, top_k_weights, *weights, **gate)
     if problem.empty:
         return jnp.zeros(hidden_states.shape, hidden_states.dtype)
-    plan = plan_fused(problem, config)
+    plan = plan_fused(problem, config, generation)
     read = weights.as_read(plan.orientation, weights_transposed=problem.weights_transposed)
     return fused_experts_call(plan, hidden_states, top_k_index, top_k_weights, read)
 

@@ -44,18 +44,20 @@ class MatmulPlan(NamedTuple):
 
 def plan_ragged_dot(problem: MatmulProblem, generation: str | None = None,
                     config: TileConfig | None = None) -> MatmulPlan:
-    """The plan of one grouped matmul: `config`'s tiles (checked), else `select_config`'s."""
+    """The plan of one grouped matmul on `generation` (default: this device's): `config`'s tiles (checked),
+    else `select_config`'s."""
+    generation = resolve_generation(generation)
     m, k, n, dtype, rhs_dtype = problem.m, problem.k, problem.n, problem.dtype, problem.rhs_dtype
     transpose_rhs = problem.transpose_rhs
     if config is None:
         config = select_config(m, k, n, dtype, generation=generation, num_groups=problem.groups, rhs_dtype=rhs_dtype,
                                transpose_rhs=transpose_rhs)
-    check_config(config, m, k, n, dtype, rhs_dtype, transpose_rhs)
+    check_config(config, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation)
     return MatmulPlan(
         problem=problem, tile_m=row_tile_rows(config, m, dtype), tile_k=min(config.tile_k, k),
         tile_n=min(config.tile_n, n), chunk_m=config.chunk_m if row_chunks(config, m, dtype) > 1 else None,
         groups_per_step=config.groups_per_step, buffers=matmul_buffers(config, m, k, n, dtype, rhs_dtype, transpose_rhs),
-        vmem_limit_bytes=vmem_limit(config, m, k, n, dtype, rhs_dtype, transpose_rhs),
+        vmem_limit_bytes=vmem_limit(config, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation),
         active_groups=expected_active_groups(m, problem.groups),
     )
 
@@ -74,15 +76,18 @@ class TgmmPlan(NamedTuple):
 
 
 def plan_tgmm(problem: TgmmProblem, generation: str | None = None, config: TgmmConfig | None = None) -> TgmmPlan:
-    """The plan of one tgmm call: `config`'s tiles (checked), else `select_tgmm_config`'s."""
+    """The plan of one tgmm call on `generation` (default: this device's): `config`'s tiles (checked), else
+    `select_tgmm_config`'s."""
+    generation = resolve_generation(generation)
     m, k, n, dtype, out_dtype = problem.m, problem.k, problem.n, problem.dtype, problem.out_dtype
     if config is None:
         config = select_tgmm_config(m, k, n, dtype, generation=generation, out_dtype=out_dtype,
                                     num_groups=problem.groups)
-    check_tgmm_config(config, m, k, n, dtype, out_dtype)
+    check_tgmm_config(config, m, k, n, dtype, out_dtype, generation=generation)
     tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, m, k, n, dtype)
     return TgmmPlan(problem, tile_m, tile_k, tile_n, chunk_m, config.group_chunks and chunk_m < tile_m,
-                    tgmm_buffers(config, m, k, n, dtype, out_dtype), tgmm_vmem_limit(config, m, k, n, dtype, out_dtype))
+                    tgmm_buffers(config, m, k, n, dtype, out_dtype),
+                    tgmm_vmem_limit(config, m, k, n, dtype, out_dtype, generation=generation))
 
 
 class MatmulBackwardPlan(NamedTuple):
@@ -101,7 +106,7 @@ def plan_ragged_dot_backward(forward: MatmulProblem, generation: str | None = No
     d_lhs_config = select_d_lhs_config(m, n, k, dtype, generation=generation, num_groups=groups)
     d_rhs = TgmmProblem(m, n, k, groups, dtype, dtype) if forward.transpose_rhs else TgmmProblem(m, k, n, groups,
                                                                                                   dtype, dtype)
-    return MatmulBackwardPlan(plan_ragged_dot(d_lhs, config=d_lhs_config), plan_tgmm(d_rhs, generation),
+    return MatmulBackwardPlan(plan_ragged_dot(d_lhs, generation, d_lhs_config), plan_tgmm(d_rhs, generation),
                               swapped=forward.transpose_rhs)
 
 
@@ -120,15 +125,17 @@ class FusedPlan(NamedTuple):
     active_experts: float  # expected, for the cost estimate
 
 
-def plan_fused(problem: ExpertsProblem, config: FusedConfig | None = None) -> FusedPlan:
-    """The fused kernel's plan: `config`'s blocks (checked), else `fused_config`'s; ValueError if none fits."""
+def plan_fused(problem: ExpertsProblem, config: FusedConfig | None = None, generation: str | None = None) -> FusedPlan:
+    """The fused kernel's plan on `generation` (default: this device's): `config`'s blocks (checked), else
+    `fused_config`'s; ValueError if none fits."""
+    generation = resolve_generation(generation)
     shape = _fused_shape(problem)
     if config is None:
-        config = fused_config(*shape.args, **shape.options)
+        config = fused_config(*shape.args, **shape.options, generation=generation)
         if config is None:
             raise ValueError(f"fused_experts: no I tiling of T={problem.tokens}, H={problem.hidden}, "
                              f"I={problem.intermediate} fits VMEM; use the grouped path")
-    check_fused_config(config, *shape.args, **shape.options)
+    check_fused_config(config, *shape.args, **shape.options, generation=generation)
     i_tiles = problem.intermediate // config.tile_i
     options = dict(shape.options, top_k=problem.top_k, routing_dtype=problem.routing_dtype)
     return FusedPlan(
@@ -136,7 +143,7 @@ def plan_fused(problem: ExpertsProblem, config: FusedConfig | None = None) -> Fu
         chunks=fused_chunks(config, problem.tokens), tile_i=config.tile_i, i_tiles=i_tiles,
         gate_up_parts=2 if i_tiles > 1 and not problem.gate.interleaved else 1,
         buffers=fused_buffers(config, *shape.args, **options),
-        vmem_limit_bytes=vmem_limit_bytes(fused_vmem_bytes(config, *shape.args, **options)),
+        vmem_limit_bytes=vmem_limit_bytes(fused_vmem_bytes(config, *shape.args, **options), generation),
         active_experts=expected_active_groups(problem.picks, problem.num_experts),
     )
 
@@ -186,7 +193,7 @@ def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fuse
     generation = resolve_generation(generation)
     orientation = _orientation(problem)
     if fused is None:
-        fused = use_fused_experts(*_fused_shape(problem).args, **_fused_shape(problem).options)
+        fused = use_fused_experts(*_fused_shape(problem).args, **_fused_shape(problem).options, generation=generation)
     picks, hidden, intermediate = problem.picks, problem.hidden, problem.intermediate
 
     def matmul(k: int, n: int, read_transposed: bool) -> MatmulProblem:
@@ -197,7 +204,7 @@ def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fuse
     down = matmul(intermediate, hidden, orientation.down_transposed)
     trains = scheme_of(problem.weights_dtype) is None
     return ExpertsPlan(
-        problem=problem, orientation=orientation, fused=plan_fused(problem) if fused else None,
+        problem=problem, orientation=orientation, fused=plan_fused(problem, generation=generation) if fused else None,
         gate_up=plan_ragged_dot(gate_up, generation), down=plan_ragged_dot(down, generation),
         gate_up_backward=plan_ragged_dot_backward(gate_up, generation) if trains else None,
         down_backward=plan_ragged_dot_backward(down, generation) if trains else None,

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 
 from ._hardware import (
     LANES, check_generation, padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, tpu_generation,
-    vmem_limit_bytes,
+    vmem_budget_bytes, vmem_limit_bytes,
 )
-from .vmem import MAX_UNROLLED_MACS, MAX_UNROLLED_MATMULS, VMEM_BUDGET_BYTES, Buffer, buffers_bytes
+from .vmem import MAX_UNROLLED_MACS, MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, check_vmem_fits
 
 # The weights' gradient (`pallas_tgmm.tgmm`): per group, lhs_g^T @ rhs_g -> [G, K, N].
 # Row tiles of the heuristic: large next to a chunk (fewer grid steps), small enough that a
@@ -73,8 +73,10 @@ def tgmm_vmem_bytes(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype
         (chunk_m, tile_k), dtype) + padded_vmem_bytes((chunk_m, tile_n), dtype)
 
 
-def check_tgmm_config(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype=None) -> None:
-    """Raises ValueError if `config` cannot run tgmm of `lhs[m,k]`, `rhs[m,n]` in `dtype`."""
+def check_tgmm_config(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype=None, *,
+                      generation: str | None = None) -> None:
+    """Raises ValueError if `config` cannot run tgmm of `lhs[m,k]`, `rhs[m,n]` in `dtype` on `generation`
+    (default: this device's)."""
     if not isinstance(config, TgmmConfig):
         raise TypeError(f"config must be a TgmmConfig, got {type(config).__name__}")
     for name in ("tile_m", "tile_k", "tile_n", "chunk_m"):
@@ -100,9 +102,7 @@ def check_tgmm_config(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dty
             f"config {tuple(config)}: one grid step unrolls {macs / 2**30:.1f} Gi multiply-adds, past the "
             f"{MAX_UNROLLED_MACS / 2**30:.0f} Gi bound on kernel size (compile time)"
         )
-    needed = tgmm_vmem_bytes(config, m, k, n, dtype, out_dtype)
-    if needed > VMEM_BUDGET_BYTES:
-        raise ValueError(f"config {tuple(config)} needs {needed / 2**20:.1f} MiB of VMEM, past the {VMEM_BUDGET_BYTES >> 20} MiB budget")
+    check_vmem_fits(config, tgmm_vmem_bytes(config, m, k, n, dtype, out_dtype), generation)
 
 
 def heuristic_tgmm_config(m: int, k: int, n: int, dtype, generation: str, out_dtype=None,
@@ -115,19 +115,20 @@ def heuristic_tgmm_config(m: int, k: int, n: int, dtype, generation: str, out_dt
     out_dtype = dtype if out_dtype is None else out_dtype
     out_bytes = 4 + 2 * jnp.dtype(out_dtype).itemsize
     tile_k, tile_n = k, n
-    while tile_k * tile_n * out_bytes > TGMM_OUTPUT_SHARE * VMEM_BUDGET_BYTES and tile_n > 256:
+    output_budget = TGMM_OUTPUT_SHARE * vmem_budget_bytes(generation)
+    while tile_k * tile_n * out_bytes > output_budget and tile_n > 256:
         tile_n = max(256, round_up(tile_n // 2, 256))
-    while tile_k * tile_n * out_bytes > TGMM_OUTPUT_SHARE * VMEM_BUDGET_BYTES and tile_k > 256:
+    while tile_k * tile_n * out_bytes > output_budget and tile_k > 256:
         tile_k = max(256, round_up(tile_k // 2, 256))
     chunk = tpu_generation(generation).mxu_size
     config = TgmmConfig(TGMM_ROW_TILE, tile_k, tile_n, chunk)
-    while config.tile_m > chunk and not _tgmm_fits(config, m, k, n, dtype, out_dtype):
+    while config.tile_m > chunk and not _tgmm_fits(config, m, k, n, dtype, out_dtype, generation):
         config = config._replace(tile_m=config.tile_m // 2)
-    while not _tgmm_fits(config, m, k, n, dtype, out_dtype) and config.tile_n > LANES:
+    while not _tgmm_fits(config, m, k, n, dtype, out_dtype, generation) and config.tile_n > LANES:
         config = config._replace(tile_n=max(LANES, round_up(config.tile_n // 2, LANES)))
     grouped = config._replace(group_chunks=True)
     if _group_chunks_pay(config, m, k, n, dtype, generation, num_groups) and _tgmm_fits(grouped, m, k, n, dtype,
-                                                                                       out_dtype):
+                                                                                       out_dtype, generation):
         return grouped
     return config
 
@@ -151,9 +152,9 @@ def _group_chunks_pay(config: TgmmConfig, m: int, k: int, n: int, dtype, generat
     return seconds(0.5, 1 + chunk_m / tile_m) < seconds(1.0, 1.0)
 
 
-def _tgmm_fits(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype) -> bool:
+def _tgmm_fits(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype, generation: str) -> bool:
     try:
-        check_tgmm_config(config, m, k, n, dtype, out_dtype)
+        check_tgmm_config(config, m, k, n, dtype, out_dtype, generation=generation)
     except ValueError:
         return False
     return True
@@ -166,6 +167,8 @@ def select_tgmm_config(m: int, k: int, n: int, dtype, *, generation: str | None 
     return heuristic_tgmm_config(m, k, n, dtype, resolve_generation(generation), out_dtype, num_groups)
 
 
-def tgmm_vmem_limit(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype=None) -> int:
-    """The scoped VMEM limit the tgmm kernel asks Mosaic for with `config`."""
-    return vmem_limit_bytes(tgmm_vmem_bytes(config, m, k, n, dtype, out_dtype))
+def tgmm_vmem_limit(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype=None, *,
+                    generation: str | None = None) -> int:
+    """The scoped VMEM limit the tgmm kernel asks Mosaic for with `config` on `generation` (default: this
+    device's)."""
+    return vmem_limit_bytes(tgmm_vmem_bytes(config, m, k, n, dtype, out_dtype), resolve_generation(generation))

@@ -12,12 +12,8 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from ._hardware import MAX_VMEM_LIMIT_BYTES, MOSAIC_SCRATCH_BYTES, padded_vmem_bytes
+from ._hardware import padded_vmem_bytes, resolve_generation, vmem_budget_bytes
 from .quant import FP8_BLOCK
-
-# What a config's blocks may take: the most the kernel asks Mosaic for, less
-# Mosaic's own scratch.
-VMEM_BUDGET_BYTES = MAX_VMEM_LIMIT_BYTES - MOSAIC_SCRATCH_BYTES
 
 # Every (group slot, row chunk) pair is one matmul unrolled in the kernel
 # body. Mosaic's compile time grows with their number and, above all, with
@@ -40,6 +36,16 @@ class Buffer(NamedTuple):
     @property
     def bytes(self) -> int:
         return self.count * padded_vmem_bytes(self.shape, self.dtype)
+
+
+def check_vmem_fits(config, needed: int, generation: str | None) -> None:
+    """Raises ValueError if `needed` bytes of VMEM pass the budget of `generation` (default: this device's):
+    `_hardware.vmem_budget_bytes`, 96 MiB on v5e and v6e, 46 MiB on v5p and TPU7x."""
+    generation = resolve_generation(generation)
+    budget = vmem_budget_bytes(generation)
+    if needed > budget:
+        raise ValueError(f"config {tuple(config)} needs {needed / 2**20:.1f} MiB of VMEM, past the {budget >> 20} MiB "
+                         f"budget on {generation}")
 
 
 def buffers_bytes(buffers) -> int:

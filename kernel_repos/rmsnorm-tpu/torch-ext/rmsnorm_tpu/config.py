@@ -17,8 +17,8 @@ import math
 import jax.numpy as jnp
 
 from ._hardware import (
-    DEFAULT_SCOPED_VMEM_BYTES, GRID_STEP_OVERHEAD_S, LANES, MIB, SUBLANES, check_generation, resolve_generation,
-    round_up, sublane_multiple, tpu_generation,
+    GRID_STEP_OVERHEAD_S, LANES, MIB, SUBLANES, check_generation, max_vmem_limit_bytes, resolve_generation, round_up,
+    sublane_multiple, tpu_generation,
 )
 
 # Share of the scoped VMEM limit the pipelined blocks may take; the rest is
@@ -26,9 +26,14 @@ from ._hardware import (
 # below are estimates calibrated against Mosaic's VMEM reports.
 VMEM_BUDGET_FRACTION = 0.8
 # Beyond this share of physical VMEM a block of the fewest rows is refused
-# rather than the limit raised: 96 of the 128 MiB of v5e and v6e, below the
-# 100 MiB any of our kernels asks for (_hardware.MAX_VMEM_LIMIT_BYTES).
+# rather than the limit raised: 96 of the 128 MiB of v5e and v6e, 48 of the
+# 64 MiB of v5p and TPU7x, below the most any of our kernels asks for
+# (_hardware.max_vmem_limit_bytes: 100 and 50 MiB).
 VMEM_CAPACITY_FRACTION = 0.75
+# The scoped limit blocks are sized for on a generation whose default is not
+# known (TPU7x: _hardware's docstring): the kernel asks for it explicitly.
+# v6e's default, on a chip with as much VMEM per core as v5p.
+EXPLICIT_SCOPED_VMEM_BYTES = 32 * MIB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +107,13 @@ def check_block_rows(block_rows: int, rows: int, dtype) -> None:
         )
 
 
+def scoped_vmem(generation: str) -> tuple[int, int | None]:
+    """The scoped VMEM limit blocks are sized for on `generation`, and the limit a kernel asks for to get it
+    (None: the default is that limit)."""
+    default = tpu_generation(generation).default_scoped_vmem_bytes
+    return (default, None) if default else (EXPLICIT_SCOPED_VMEM_BYTES, EXPLICIT_SCOPED_VMEM_BYTES)
+
+
 def heuristic_config(rows: int, hidden: int, dtype, generation: str, *, op: str = "rms_norm") -> RowBlockConfig:
     """Rows per block from the traffic time, the per-step cost and the scoped VMEM.
 
@@ -112,9 +124,10 @@ def heuristic_config(rows: int, hidden: int, dtype, generation: str, *, op: str 
     per byte here), while each step costs a fixed overhead c. n* = sqrt(T / c)
     minimises T/n + n*c; blocks are then made equal (so a ragged last block
     wastes little), aligned to the sublane multiple, and capped by what fits
-    VMEM_BUDGET_FRACTION of the default scoped VMEM. Rows so wide that the
-    fewest rows overflow it get a raised limit, up to VMEM_CAPACITY_FRACTION
-    of physical VMEM.
+    VMEM_BUDGET_FRACTION of the default scoped VMEM (of
+    EXPLICIT_SCOPED_VMEM_BYTES, asked for, where the default is not known).
+    Rows so wide that the fewest rows overflow it get a raised limit, up to
+    VMEM_CAPACITY_FRACTION of physical VMEM.
     """
     generation = check_generation(generation)
     _check_op(op)
@@ -127,16 +140,16 @@ def heuristic_config(rows: int, hidden: int, dtype, generation: str, *, op: str 
     traffic_seconds = rows * hidden * dtype.itemsize * OPS[op].row_arrays / facts.hbm_bytes_per_s
     steps = max(1, round(math.sqrt(traffic_seconds / GRID_STEP_OVERHEAD_S)))
 
-    budget = int(DEFAULT_SCOPED_VMEM_BYTES[generation] * VMEM_BUDGET_FRACTION)
+    scoped, vmem_limit_bytes = scoped_vmem(generation)
+    budget = int(scoped * VMEM_BUDGET_FRACTION)
     fixed_bytes = vmem_bytes(0, hidden, dtype, op)
     bytes_per_aligned_rows = vmem_bytes(align, hidden, dtype, op) - fixed_bytes
     fitting_rows = max(0, budget - fixed_bytes) // bytes_per_aligned_rows * align
-    vmem_limit_bytes = None
     if fitting_rows < align:
         # Even the smallest aligned block overflows the default: ask for more VMEM.
         needed = vmem_bytes(align, hidden, dtype, op)
         vmem_limit_bytes = round_up(int(needed / VMEM_BUDGET_FRACTION), MIB)
-        if vmem_limit_bytes > facts.vmem_capacity_bytes * VMEM_CAPACITY_FRACTION:
+        if vmem_limit_bytes > min(facts.vmem_capacity_bytes * VMEM_CAPACITY_FRACTION, max_vmem_limit_bytes(generation)):
             raise ValueError(
                 f"hidden={hidden} is too large for {op} on {generation}: one block of {align} rows "
                 f"needs {needed / MIB:.1f} MiB of VMEM"
