@@ -1,4 +1,5 @@
-"""Ahead-of-time compiles of every kernel repo's declared shapes for v5e and v6e (libtpu compile-only)."""
+"""Ahead-of-time compiles of every kernel repo's declared shapes for every supported TPU generation (libtpu
+compile-only)."""
 
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 from tpu_kernels.aot import compile_for, compile_kernel
-from tpu_kernels.distribution.builder import build_kernel_repo
+from tpu_kernels.runtime.hardware import SUPPORTED_GENERATIONS
 
 pytestmark = pytest.mark.aot
 
@@ -17,10 +18,10 @@ KERNEL_REPOS = sorted(p.parent for p in (Path(__file__).resolve().parents[1] / "
 
 
 @pytest.mark.parametrize("repo", KERNEL_REPOS, ids=lambda p: p.name)
-def test_declared_shapes_compile_for_v5e_and_v6e(repo, tmp_path):
-    built = build_kernel_repo(repo, tmp_path)
-    module = get_local_kernel(built, backend="cpu")
-    results = compile_kernel(module, repo.name, ["v5e", "v6e"])
+@pytest.mark.parametrize("generation", SUPPORTED_GENERATIONS)
+def test_declared_shapes_compile(repo, generation, kernel_builds):
+    module = get_local_kernel(kernel_builds[repo.name], backend="cpu")
+    results = compile_kernel(module, repo.name, [generation])
     assert results, f"{repo.name} declares no compile targets"
     failed = [f"{r.generation} {r.label}: {r.error}" for r in results if not r.compiled]
     assert not failed, "\n".join(failed)

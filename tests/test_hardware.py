@@ -158,10 +158,11 @@ def test_default_layout_rule_matches_the_compiler(generation):
 
     sharding = jax.sharding.SingleDeviceSharding(topology_device(generation))
     for dtype in (jnp.bfloat16, jnp.float32, jnp.int8):
-        for shape in _LAYOUT_SHAPES:
-            arg = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-            compiled = jax.jit(lambda w: w + 1).lower(arg).compile()
-            major_to_minor = compiled.input_formats[0][0].layout.major_to_minor
+        # One program takes every shape: XLA picks each parameter's layout on its own.
+        args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape in _LAYOUT_SHAPES]
+        compiled = jax.jit(lambda *weights: [w + 1 for w in weights]).lower(*args).compile()
+        for shape, arg_format in zip(_LAYOUT_SHAPES, compiled.input_formats[0]):
+            major_to_minor = arg_format.layout.major_to_minor
             swapped = major_to_minor[-2:] == (len(shape) - 1, len(shape) - 2)
             predicted = hardware.default_layout_swaps_minor_dims(shape)
             if shape[-2] % hardware.LANES == 0 or shape[-1] % hardware.LANES == 0:

@@ -122,3 +122,17 @@ def test_the_kernel_is_built_at_the_same_path_on_every_cached_run(tmp_path):
         assert second == first == tmp_path / "build"
     with moe_layer.build_folder(None) as temporary:
         assert temporary.is_dir() and tmp_path not in temporary.parents
+
+
+def test_rivals_are_searched_under_each_generations_scoped_vmem():
+    """Each generation gets the largest blocks under its default scoped limit; TPU7x, which has no fixed one,
+    under v6e's 32 MiB (rivals.TPU7X_SCOPED_VMEM_BYTES)."""
+    from tpu_kernels.bench.moe_layer.rivals import RIVALS, block_vmem_bytes, candidate_tilings
+
+    megablox = RIVALS["megablox"]
+    shape = (2048, 2048, 1536)  # Qwen3-30B-A3B's gate_up at 256 tokens x top-8
+    v5e, tpu7x = (candidate_tilings(megablox, *shape, (g,)) for g in ("v5e", "tpu7x"))
+    assert candidate_tilings(megablox, *shape, ("v5p",)) == v5e
+    assert candidate_tilings(megablox, *shape, ("tpu7x",)) == candidate_tilings(megablox, *shape, ("v6e",))
+    assert max(map(block_vmem_bytes, v5e)) <= 16 << 20 < max(map(block_vmem_bytes, tpu7x)) <= 32 << 20
+    assert set(candidate_tilings(megablox, *shape, ("v5e", "tpu7x"))) == set(v5e) | set(tpu7x)

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-DEFAULT_GENERATIONS = "v5e,v6e"
+DEFAULT_GENERATIONS = "v5e,v5p,v6e,tpu7x"
 
 
 def _build(args) -> int:

@@ -7,10 +7,11 @@ No TPU is needed. For each kernel and shape this
   with the minimum: read x (and residual) once, write y (and the new residual)
   once. The weight is extra; `ratio_with_weight` counts it in the minimum too,
   which matters only for a handful of rows;
-- models the time on v5e and v6e (`perf.roofline`): the headline
+- models the time on v5e, v5p, v6e and TPU7x (`perf.roofline`): the headline
   `modelled_time_us` is the calibrated pipelined figure (each grid step
   max(its vector work, its neighbours' copies) + the generation's fitted step
-  cost: 0.34 us on v5e; v6e has no measurements and takes v5e's);
+  cost: 0.34 us on v5e, 0.72 us on TPU7x; v5p and v6e have no measurements
+  and take v5e's);
   `overlap_time_us` the figure in which the work fully overlaps the copies.
   No calibrated kind covers a norm (tokamax ships no TPU RMSNorm timings), so
   these times carry no error band;
@@ -48,7 +49,7 @@ from tpu_kernels.distribution.builder import build_kernel_repo
 
 KERNEL_REPO = kernel_repo("rmsnorm-tpu")
 DEFAULT_OUT = result_path("rmsnorm.json")
-GENERATIONS = ("v5e", "v6e")
+GENERATIONS = ("v5e", "v5p", "v6e", "tpu7x")
 COST_GENERATION = "v6e"
 HIDDEN_SIZES = (2048, 2816, 4096, 5120, 7168)
 ROW_COUNTS = (1, 64, 1000, 8192)
@@ -235,11 +236,11 @@ def main(argv=None) -> int:
         for kernel_name, rows, hidden in shapes(args.quick):
             entry = measure(built, kernel_name, rows, hidden, jnp.bfloat16)
             results.append(entry)
-            v5e, v6e = (entry["per_generation"][g] for g in GENERATIONS)
+            per = entry["per_generation"]
             print(
-                f"{kernel_name:28s} rows={rows:5d} H={hidden:5d}  bytes/min v5e {v5e['bytes_ratio']:.4f} "
-                f"v6e {v6e['bytes_ratio']:.4f}  blocks {v5e['block_rows']}/{v6e['block_rows']}  "
-                f"v6e {v6e['modelled_time_us']:.1f} us ({v6e['pct_of_roofline']:.0f}% of roofline)",
+                f"{kernel_name:28s} rows={rows:5d} H={hidden:5d}  "
+                + "  ".join(f"{g} {per[g]['block_rows']} rows {per[g]['modelled_time_us']:.1f} us "
+                            f"({per[g]['pct_of_roofline']:.0f}%)" for g in GENERATIONS),
                 flush=True,
             )
         layouts = [] if args.quick else measure_layouts(built)

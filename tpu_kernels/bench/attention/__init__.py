@@ -14,14 +14,14 @@ query heads, 4 KV heads, head_dim 128, bf16) this
   index maps): "prefill skips all fully masked causal blocks";
 - reports FLOPs: the useful 4 * visible pairs * head_dim, and the MXU work of
   the computed tiles;
-- models the time on v5e and v6e (`perf.roofline`): the headline
+- models the time on v5e, v5p, v6e and TPU7x (`perf.roofline`): the headline
   `modelled_time_us` is the calibrated pipelined figure (each grid step
   max(its compute, its neighbours' copies) + the generation's fitted step
   cost; MXU per pass, vector-unit work of the softmax at the rates fitted to
   tokamax's TPU7x flash attention timings), with that calibration's error band
   (`calibration_bands`, kinds flash_attention and flash_attention_vjp: measured
-  on TPU7x only; v5e and v6e have no attention measurements, the band is
-  TPU7x's); `overlap_time_us` is the figure in which MXU work fully overlaps
+  on TPU7x only: its TPU7x figures are the calibrated ones; v5e, v5p and v6e
+  have no attention measurements, the band is TPU7x's); `overlap_time_us` is the figure in which MXU work fully overlaps
   the copies (the headline before calibration);
 - compiles the kernel ahead of time for v6e (libtpu compile-only topology),
   records `cost_analysis()`, and the same for plain-jnp attention compiled by

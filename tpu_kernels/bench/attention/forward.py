@@ -15,7 +15,7 @@ from tpu_kernels.aot import compile_for
 from tpu_kernels.bench import calibration_bands
 
 
-GENERATIONS = ("v5e", "v6e")
+GENERATIONS = ("v5e", "v5p", "v6e", "tpu7x")
 COST_GENERATION = "v6e"
 DECODE_TARGET_RATIO = 1.1
 QWEN3 = dict(q_heads=32, kv_heads=4, head_dim=128)

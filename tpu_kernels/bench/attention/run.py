@@ -63,23 +63,19 @@ def main(argv=None) -> int:
                 continue
             entry = measure(built, shape, jnp.bfloat16)
             results.append(entry)
-            v5e, v6e = (entry["per_generation"][g] for g in GENERATIONS)
-            print(
-                f"{shape.label:48s} bytes/min v5e {v5e['bytes_ratio']:.3f} v6e {v6e['bytes_ratio']:.3f}  "
-                f"steps computed/needed/grid {v6e['computed_steps']}/{v6e['needed_steps']}/{v6e['grid_steps']}  "
-                f"v6e {v6e['modelled_time_us']:.1f} us ({v6e['pct_of_roofline']:.0f}% of roofline, "
-                f"{v6e['bound']})",
-                flush=True,
-            )
+            per = entry["per_generation"]
+            print(f"{shape.label:48s} " + "  ".join(
+                f"{g} {per[g]['modelled_time_us']:.1f} us ({per[g]['pct_of_roofline']:.0f}% of roofline, "
+                f"{per[g]['bound']})" for g in GENERATIONS), flush=True)
     report = {
         "benchmark": "tpu_kernels.bench.attention",
         "kernel_repo": args.repo.as_posix(),
         "dtype": "bfloat16",
         "traffic_model": "tpu_kernels.perf.model_pallas_traffic (grid replay of the kernel's BlockSpecs); times: the "
                          "calibrated pipelined figure (grid step " + ", ".join(
-                             f"{g} {perf.grid_step_s(g) * 1e6:.2f} us" for g in GENERATIONS) + "), v6e on v5e's constants",
-        "calibrated_errors": {kind: calibration_bands.describe(kind, g) for kind in ("flash_attention",
-                              "flash_attention_vjp") for g in ("v5e",)},
+                             f"{g} {perf.grid_step_s(g) * 1e6:.2f} us" for g in GENERATIONS) + "), v5p and v6e on v5e's constants",
+        "calibrated_errors": {g: {kind: calibration_bands.describe(kind, g) for kind in ("flash_attention",
+                              "flash_attention_vjp")} for g in GENERATIONS},
         "environment": {"jax": jax.__version__, "tpu": "none (model + compile-only)"},
         "summary": summarise(results),
         "results": results,

@@ -69,7 +69,7 @@ def queue_rivals(case: Case, cache: Cache, compiler: Compiler, rivals: list[str]
     for name in rivals:
         rival = RIVALS[name]
         if rival.tiled:
-            tunings[name] = tune_rival(cache, rival, case)
+            tunings[name] = tune_rival(cache, rival, case, generations)
         else:  # XLA's ragged dots: replayed inside the layer, with the case's group sizes
             replayed = replay(cache, rival_layer(rival, case.model, [None, None]), replay_args)
         for generation in generations:

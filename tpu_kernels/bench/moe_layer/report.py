@@ -12,7 +12,7 @@ from tpu_kernels.bench import calibration_bands
 from tpu_kernels.perf import grid_step_s
 
 from .ours import LAYER_ENTRY
-from .shapes import DTYPE, GENERATIONS, POPULARITY_CONCENTRATION, SEED, Case
+from .shapes import DTYPE, POPULARITY_CONCENTRATION, SEED, Case
 from .targets import DECODE_MAX_OVER_ROOFLINE, check_targets, modelled
 from .tuning import TOKAMAX_DEFAULT
 
@@ -53,8 +53,9 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(GENERATIONS), 1, figsize=(22, 6 * len(GENERATIONS)))
-    for ax, generation in zip(axes, GENERATIONS):
+    generations = sorted({r["generation"] for r in rows})
+    fig, axes = plt.subplots(len(generations), 1, figsize=(22, 6 * len(generations)), squeeze=False)
+    for ax, generation in zip(axes[:, 0], generations):
         selected = [r for r in rows if r["generation"] == generation and r.get("best_rival")]
         x = np.arange(len(selected))
         ours = [r["ours_over_roofline"] for r in selected]
@@ -154,12 +155,12 @@ def method(args) -> dict:
                  "ragged-dot loops by tpu_kernels.perf.xla_ragged_dot, other XLA ops from the optimized HLO's placement "
                  "(HBM bytes at HBM bandwidth, VMEM bytes at 22x it)",
         "headline": "us: the calibrated pipelined figure at peak HBM bandwidth (grid step "
-                    + ", ".join(f"{g} {grid_step_s(g) * 1e6:.2f} us" for g in GENERATIONS)
-                    + "; v6e has no measurements and takes v5e's constants)",
+                    + ", ".join(f"{g} {grid_step_s(g) * 1e6:.2f} us" for g in args.generations)
+                    + "; v5p and v6e have no measurements and take v5e's constants)",
         "bands": "band_p90_us / band_median_us: the Pallas kernels' time at the Pallas ragged-dot error and XLA's "
                  "ragged-dot loops at theirs (benchmarks/results/calibration.json); uncalibrated_us (other XLA ops) "
                  "carries no band",
-        "calibrated_errors": calibration_bands.bands_used(GENERATIONS, ("pallas_ragged_dot", "xla_ragged_dot")),
+        "calibrated_errors": calibration_bands.bands_used(args.generations, ("pallas_ragged_dot", "xla_ragged_dot")),
         "also": "overlap_us: each kernel's MXU work fully overlapping its copies (the headline before calibration); "
                 "hbm85_us: the headline at 85 % of peak HBM bandwidth",
         "roofline": "max(min_bytes / peak HBM bandwidth, useful FLOPs / bf16 peak); min_bytes = rows in + "

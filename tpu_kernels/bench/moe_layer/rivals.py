@@ -17,11 +17,14 @@ import jax.numpy as jnp
 from tpu_kernels.perf import tokamax_kernels
 from tpu_kernels.runtime.hardware import default_layout_swaps_minor_dims, round_up, tpu_generation
 
-from .shapes import GENERATIONS, Model
+from .shapes import Model
 
 
 TOKAMAX_MIN_ROWS = 128  # tokamax's op refuses lhs or rhs dimensions below 128
 ROW_TILES = (128, 256, 512)
+# The rivals' blocks searched on TPU7x, whose default scoped VMEM limit has no fixed edge (runtime/hardware.py:
+# double-buffered blocks of 34 MiB in all compile there, of 36 MiB with larger blocks): 32 MiB, v6e's default.
+TPU7X_SCOPED_VMEM_BYTES = 32 << 20
 
 
 def split(x: jax.Array, model: Model) -> tuple[jax.Array, jax.Array]:
@@ -178,18 +181,20 @@ def block_vmem_bytes(tiling) -> int:
     return 2 * (tm * tk + tk * tn + tm * tn) * 2 + tm * tn * 4
 
 
-def candidate_tilings(rival: Rival, rows: int, k: int, n: int) -> list[tuple[int, int, int]]:
+def candidate_tilings(rival: Rival, rows: int, k: int, n: int, generations: tuple[str, ...]) -> list[tuple[int, int, int]]:
     """The configs searched: per row tile, the largest (K, N) blocks that fit each generation's VMEM.
 
     Row tiles 128 (the tiling a user picks, and vLLM's gmm_v2), 256, 512
     (tokamax: its own range, 64..1024 and at most the rows); K and N blocks
     whole, halved or quartered (tokamax: only values of its own space). Both
-    kernels keep Mosaic's default scoped VMEM limit (16 MiB on v5e, 32 MiB on
-    v6e), so each generation gets the largest blocks under its limit.
+    kernels keep Mosaic's default scoped VMEM limit (16 MiB on v5e and v5p,
+    32 MiB on v6e; TPU7x has no fixed one: TPU7X_SCOPED_VMEM_BYTES), so each
+    generation gets the largest blocks under its limit. A config the compiler
+    refuses inside the layer is replaced by the next best (`measure.variant`).
     """
     if not rival.tiled:
         return [None]
-    limits = {tpu_generation(g).default_scoped_vmem_bytes for g in GENERATIONS}
+    limits = {tpu_generation(g).default_scoped_vmem_bytes or TPU7X_SCOPED_VMEM_BYTES for g in generations}
     splits_k = [k, round_up(-(-k // 2), 128), round_up(-(-k // 4), 128)]
     splits_n = [n, round_up(-(-n // 2), 128), round_up(-(-n // 4), 128)]
     if rival.name == "tokamax":

@@ -11,7 +11,7 @@ from tpu_kernels.runtime.hardware import round_up
 from .cache import Cache, replay
 from .modelling import joined, price, standalone
 from .rivals import RIVALS, TOKAMAX_MIN_ROWS, Rival, candidate_tilings, stored_order
-from .shapes import DTYPE, GENERATIONS, Case, projections
+from .shapes import DTYPE, Case, projections
 
 
 def rival_replay(cache: Cache, rival: Rival, case: Case, projection: str, k: int, n: int, tiling):
@@ -24,8 +24,9 @@ def rival_replay(cache: Cache, rival: Rival, case: Case, projection: str, k: int
     return replay(cache, lambda x, w, s, fn=fn: fn(x, w, s), (lhs, rhs, case.group_sizes), rival.replay_context)
 
 
-def tune_rival(cache: Cache, rival: Rival, case: Case) -> dict:
-    """Each candidate config's replay per projection, and per generation the best standalone config that fits.
+def tune_rival(cache: Cache, rival: Rival, case: Case, generations: tuple[str, ...]) -> dict:
+    """Each candidate config's replay per projection, and per generation of `generations` the best standalone config
+    that fits.
 
     The standalone best is what a sweep over the grouped matmul alone finds
     (tokamax's autotuner works that way); it is the config compiled into the
@@ -37,17 +38,17 @@ def tune_rival(cache: Cache, rival: Rival, case: Case) -> dict:
     searched = []
     for projection, k, n in projections(case):
         found = []
-        for tiling in candidate_tilings(rival, case.picks, k, n):
+        for tiling in candidate_tilings(rival, case.picks, k, n, generations):
             replayed = rival_replay(cache, rival, case, projection, k, n, tiling)
             found.append((tiling, replayed))
             searched.append({
                 "projection": projection, "tiling": list(tiling),
-                "standalone_us": {g: round(standalone(replayed, g).pipelined_time_s * 1e6, 3) for g in GENERATIONS},
-                "fits_vmem": {g: standalone(replayed, g).fits_vmem for g in GENERATIONS},
+                "standalone_us": {g: round(standalone(replayed, g).pipelined_time_s * 1e6, 3) for g in generations},
+                "fits_vmem": {g: standalone(replayed, g).fits_vmem for g in generations},
             })
         options.append(found)
     best, ranked = {}, {}
-    for generation in GENERATIONS:
+    for generation in generations:
         fitting = []
         for projection, found in zip(projections(case), options):
             fits = sorted(((standalone(r, generation).pipelined_time_s, t, r) for t, r in found

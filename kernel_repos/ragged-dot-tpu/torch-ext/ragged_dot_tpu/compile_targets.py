@@ -2,9 +2,10 @@
 
 - The grouped matmul (`pallas_gmm.ragged_dot`) on one projection of one MoE
   layer: rows are token-expert picks (tokens x top-k), 512 for a decode
-  batch, 16384 for a prefill chunk; transformers' weight layout is
-  `[E, out, in]` (`transpose_rhs=True`); rows past the groups left unwritten,
-  as an experts layer runs it.
+  batch; transformers' weight layout is `[E, out, in]` (`transpose_rhs=True`);
+  rows past the groups left unwritten, as an experts layer runs it. A
+  prefill chunk's 16384 rows are compiled inside Qwen3-30B-A3B's layer at
+  T=2048 below (the same two calls, at the same tiles).
 - The whole experts layer (`moe.experts_layer`: the routing in XLA and the
   kernels), which takes the fused kernel at decode sizes (T <= 256) and the
   grouped matmuls above: Qwen3-30B-A3B (128 experts, H=2048, I=768, top-8)
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 from . import config, moe, pallas_gmm, pallas_tgmm, quant
 
 GROUPED = {
-    "qwen3-30b-a3b": dict(experts=128, hidden=2048, intermediate=768, rows=(512, 16384)),
+    "qwen3-30b-a3b": dict(experts=128, hidden=2048, intermediate=768, rows=(512,)),
     "gemma-4-26b-a4b": dict(experts=128, hidden=2816, intermediate=704, rows=(512,)),
 }
 

@@ -1,0 +1,77 @@
+"""Kernel calls whose split over v5p's two TensorCores the compiler and the performance model must agree on.
+
+Run as `python -m tests.megacore_cases BUILD_FOLDERS_JSON` with libtpu's LLO
+dump switched on (LIBTPU_INIT_ARGS="--xla_jf_dump_to=DIR
+--xla_jf_dump_llo_text=true", read once when libtpu starts: hence a process
+of its own): it compiles each case for v5p and prints, as JSON, the dump
+files each case's compile added. tests/test_megacore.py reads them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GENERATION = "v5p"
+
+
+def cases(kernels: dict) -> dict[str, tuple]:
+    """{case: (fn, args, pallas_call name)}: args concrete (numpy), as the model replays them."""
+    ragged_dot, rmsnorm, attention = kernels["ragged-dot-tpu"], kernels["rmsnorm-tpu"], kernels["attention-tpu"]
+    rng = np.random.default_rng(0)
+
+    def normal(*shape, dtype=jnp.bfloat16):
+        return rng.standard_normal(shape).astype(dtype)
+
+    lhs, rhs = normal(1024, 512), normal(8, 512, 1024)
+    group_sizes = np.full(8, 128, np.int32)
+
+    def gmm(tile_n):
+        config = ragged_dot.config.TileConfig(256, 512, tile_n)
+        return functools.partial(ragged_dot.pallas_gmm.ragged_dot, config=config, generation=GENERATION)
+
+    tokens, hidden, intermediate, experts, top_k = 8, 512, 256, 8, 2
+    top_k_index = (np.arange(tokens * top_k).reshape(tokens, top_k) % experts).astype(np.int32)
+    layer = (normal(tokens, hidden), top_k_index, normal(tokens, top_k, dtype=jnp.float32),
+             normal(experts, hidden, 2 * intermediate), normal(experts, intermediate, hidden))
+    q, k, v = (normal(1, 4, 512, 128) for _ in range(3))
+    return {
+        # Four N tiles on the "parallel" first axis: two per core.
+        "ragged_dot, four N tiles": (gmm(256), (lhs, rhs, group_sizes), "ragged_dot"),
+        # One N tile: the parallel axis has a single index, nothing to split.
+        "ragged_dot, one N tile": (gmm(1024), (lhs, rhs, group_sizes), "ragged_dot"),
+        # Experts and I tiles both accumulate into one output block: no parallel axis.
+        "fused experts (decode)": (functools.partial(ragged_dot.moe.experts_layer, fused=True, generation=GENERATION,
+                                                     activation="silu", weights_transposed=False),
+                                   layer, "fused_experts"),
+        "rms_norm": (functools.partial(rmsnorm.pallas_rms_norm.rms_norm, eps=1e-6, generation=GENERATION, block_rows=256),
+                     (normal(1024, 1024), normal(1024)), "rms_norm"),
+        "flash attention forward": (
+            functools.partial(attention.pallas_flash.flash_attention_forward, causal=True, generation=GENERATION),
+            (q, k, v), "attention_tpu_flash"),
+    }
+
+
+def _compile_each(build_folders: dict[str, str], dump: Path) -> dict[str, list[str]]:
+    import kernels as hf_kernels
+
+    from tpu_kernels.aot import compile_for
+
+    loaded = {name: hf_kernels.get_local_kernel(Path(folder), backend="cpu") for name, folder in build_folders.items()}
+    added = {}
+    for case, (fn, args, _) in cases(loaded).items():
+        before = set(dump.iterdir()) if dump.exists() else set()
+        compile_for(fn, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args], GENERATION)
+        added[case] = sorted(path.name for path in set(dump.iterdir()) - before)
+    return added
+
+
+if __name__ == "__main__":
+    build_folders, dump = json.loads(sys.argv[1]), Path(sys.argv[2])
+    print(json.dumps(_compile_each(build_folders, dump)))
