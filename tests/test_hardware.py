@@ -29,6 +29,10 @@ def test_facts_come_from_jax_tpu_table():
     v5p, tpu7x = hardware.tpu_generation("v5p"), hardware.tpu_generation("tpu7x")
     assert v5p.vmem_capacity_bytes == tpu7x.vmem_capacity_bytes == 64 * MIB
     assert (v5p.default_scoped_vmem_bytes, tpu7x.default_scoped_vmem_bytes) == (16 * MIB, None)
+    # A v5p device is two TensorCores (megacore): its roofline takes both; a TPU7x device is one core.
+    assert (v5p.cores_per_device, tpu7x.cores_per_device, v5e.cores_per_device) == (2, 1, 1)
+    assert (v5p.device_hbm_bytes_per_s, v5p.device_bf16_flops_per_s) == (2 * 1.23e12, 2 * 2.295e14)
+    assert (tpu7x.device_hbm_bytes_per_s, tpu7x.device_bf16_flops_per_s) == (3.7e12, 1.155e15)
     with pytest.raises(ValueError, match="unknown TPU generation 'v99'; jax knows v2, v3"):
         hardware.tpu_generation("v99")
 
@@ -43,10 +47,11 @@ def test_tiling_helpers():
     assert hardware.vmem_limit_bytes(1 * MIB, "v6e") == 16 * MIB
     assert hardware.vmem_limit_bytes(40 * MIB, "v5e") == 44 * MIB
     assert hardware.vmem_limit_bytes(200 * MIB, "v6e") == 100 * MIB
-    # 64 MiB of VMEM per core on v5p and TPU7x: at most 50 MiB asked for, 46 MiB for a config's blocks.
-    assert hardware.vmem_limit_bytes(40 * MIB, "tpu7x") == 44 * MIB
+    # 64 MiB of VMEM per core on v5p and TPU7x: at most 50 MiB asked for; TPU7x leaves Mosaic 8 MiB, not 4.
+    assert hardware.vmem_limit_bytes(40 * MIB, "tpu7x") == 48 * MIB
+    assert hardware.vmem_limit_bytes(40 * MIB, "v5p") == 44 * MIB
     assert hardware.vmem_limit_bytes(60 * MIB, "v5p") == 50 * MIB
-    assert [hardware.vmem_budget_bytes(g) >> 20 for g in ("v5e", "v5p", "v6e", "tpu7x")] == [96, 46, 96, 46]
+    assert [hardware.vmem_budget_bytes(g) >> 20 for g in ("v5e", "v5p", "v6e", "tpu7x")] == [96, 46, 96, 42]
 
 
 def test_check_and_resolve_generation(monkeypatch):

@@ -106,7 +106,8 @@ def roofline(
         fits = fits and call.vmem_bytes <= limit
     roofline_s = None
     if min_bytes is not None or min_flops is not None:
-        roofline_s = max((min_bytes or 0) / gen.hbm_bytes_per_s, (min_flops or 0) / gen.bf16_flops_per_s)
+        # The device's peaks: on v5p both TensorCores', whether or not the grid splits over them.
+        roofline_s = max((min_bytes or 0) / gen.device_hbm_bytes_per_s, (min_flops or 0) / gen.device_bf16_flops_per_s)
     return ModelledTime(
         generation=gen.name,
         time_s=time_s,

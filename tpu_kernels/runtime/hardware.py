@@ -66,10 +66,13 @@ DEFAULT_SCOPED_VMEM_BYTES = {"v5e": 16 * MIB, "v5p": 16 * MIB, "v6e": 32 * MIB}
 GRID_STEP_OVERHEAD_S = 0.35e-6
 
 # Raised VMEM limits (see `vmem_limit_bytes`). Mosaic allocates its own
-# scratch (semaphores, relayout temporaries) on top of a kernel's blocks; 4 MiB
-# for it has sufficed in every ahead-of-time compile of our kernels (v5e, v5p,
-# v6e, TPU7x).
-MOSAIC_SCRATCH_BYTES = 4 * MIB
+# scratch (semaphores, relayout temporaries) on top of a kernel's blocks: 4 MiB
+# for it has sufficed in every ahead-of-time compile of our kernels on v5e,
+# v5p and v6e. TPU7x needs more: ragged-dot's fused GPT-OSS decode layer (16-row
+# chunks, I tiles of 960) took 4.8 MiB past its blocks there (the same config
+# compiles within 4 MiB on v6e); 8 MiB leaves a margin.
+MOSAIC_SCRATCH_BYTES = {"tpu7x": 8 * MIB}
+DEFAULT_MOSAIC_SCRATCH_BYTES = 4 * MIB
 # A kernel never asks for less than the smallest default (v5e's 16 MiB), nor
 # for more than 100/128 of a core's VMEM (100 MiB on v5e and v6e, 50 MiB on v5p
 # and TPU7x): the rest is left to the compiler. The share is a choice, not a
@@ -101,6 +104,16 @@ class TpuGeneration:
     sublanes: int
     # TensorCores of one device (2 in megacore: a Pallas grid splits over them only along parallel dimensions).
     cores_per_device: int
+
+    @property
+    def device_hbm_bytes_per_s(self) -> float:
+        """HBM bandwidth of one device: all its TensorCores' (a roofline's, whatever a kernel's grid lets it use)."""
+        return self.hbm_bytes_per_s * self.cores_per_device
+
+    @property
+    def device_bf16_flops_per_s(self) -> float:
+        """bf16 MXU peak of one device: all its TensorCores'."""
+        return self.bf16_flops_per_s * self.cores_per_device
 
 
 # Our names for generations whose jax ChipVersion value is a bare number ("7x"), as libtpu's topologies name them.
@@ -243,10 +256,15 @@ def max_vmem_limit_bytes(generation: str) -> int:
     return int(tpu_generation(generation).vmem_capacity_bytes * MAX_VMEM_SHARE) // MIB * MIB
 
 
+def mosaic_scratch_bytes(generation: str) -> int:
+    """VMEM Mosaic takes on `generation` on top of a kernel's blocks and scratch (MOSAIC_SCRATCH_BYTES)."""
+    return MOSAIC_SCRATCH_BYTES.get(generation, DEFAULT_MOSAIC_SCRATCH_BYTES)
+
+
 def vmem_budget_bytes(generation: str) -> int:
     """What a config's blocks and scratch may take on `generation`: the most a kernel asks for, less Mosaic's
     own scratch."""
-    return max_vmem_limit_bytes(generation) - MOSAIC_SCRATCH_BYTES
+    return max_vmem_limit_bytes(generation) - mosaic_scratch_bytes(generation)
 
 
 def vmem_limit_bytes(working_set_bytes: int, generation: str) -> int:
@@ -256,4 +274,5 @@ def vmem_limit_bytes(working_set_bytes: int, generation: str) -> int:
     The working set plus Mosaic's own scratch, within [MIN_VMEM_LIMIT_BYTES,
     max_vmem_limit_bytes(generation)].
     """
-    return min(max(working_set_bytes + MOSAIC_SCRATCH_BYTES, MIN_VMEM_LIMIT_BYTES), max_vmem_limit_bytes(generation))
+    return min(max(working_set_bytes + mosaic_scratch_bytes(generation), MIN_VMEM_LIMIT_BYTES),
+               max_vmem_limit_bytes(generation))

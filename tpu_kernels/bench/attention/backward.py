@@ -128,12 +128,12 @@ def model_backward(built, shape: TrainingShape, dtype, generation: str, config) 
             "overlap_pct_of_roofline": modelled.pct_of_roofline,
             "pipelined_pct_of_roofline": modelled.pipelined_pct_of_roofline,
             # necessary FLOPs / (pipelined time x bf16 peak)
-            "modelled_mxu_utilisation_pct": 100.0 * necessary[name] / (modelled.pipelined_time_s * gen.bf16_flops_per_s),
+            "modelled_mxu_utilisation_pct": 100.0 * necessary[name] / (modelled.pipelined_time_s * gen.device_bf16_flops_per_s),
             "bound": modelled.bound,
         }
     # delta = rowsum(d_out * out): XLA reads both once and writes a float32 row per query.
     delta_bytes = 2 * q_bytes + shape.batch * shape.q_heads * shape.seq * 4
-    delta_us = delta_bytes / gen.hbm_bytes_per_s * 1e6
+    delta_us = delta_bytes / gen.device_hbm_bytes_per_s * 1e6  # an XLA op: both of v5p's cores
     ideal_flops = 2 * IDEAL_BACKWARD_MATMULS * per_head_pairs * shape.head_dim
     total_us = sum(k["modelled_pipelined_time_us"] for k in kernels_out.values()) + delta_us
     return {
@@ -142,8 +142,8 @@ def model_backward(built, shape: TrainingShape, dtype, generation: str, config) 
         "delta_xla_bytes": delta_bytes,
         "delta_xla_us": delta_us,
         "total_modelled_us": total_us,
-        "ideal_backward_us": ideal_flops / gen.bf16_flops_per_s * 1e6,
-        "pct_of_ideal_backward": 100.0 * ideal_flops / gen.bf16_flops_per_s * 1e6 / total_us,
+        "ideal_backward_us": ideal_flops / gen.device_bf16_flops_per_s * 1e6,
+        "pct_of_ideal_backward": 100.0 * ideal_flops / gen.device_bf16_flops_per_s * 1e6 / total_us,
     }
 
 

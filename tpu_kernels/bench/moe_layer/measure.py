@@ -104,8 +104,8 @@ def row_facts(case: Case, generation: str) -> dict:
         "active_experts": case.active_experts, "local_experts": case.setting.local_experts,
         "min_bytes": case.min_bytes, "useful_flops": case.useful_flops,
         "roofline_us": round(case.roofline_s(generation) * 1e6, 3),
-        "roofline_bound": "compute" if case.useful_flops / facts.bf16_flops_per_s
-        > case.min_bytes / facts.hbm_bytes_per_s else "hbm",
+        "roofline_bound": "compute" if case.useful_flops / facts.device_bf16_flops_per_s
+        > case.min_bytes / facts.device_hbm_bytes_per_s else "hbm",
         "variants": {},
     }
 

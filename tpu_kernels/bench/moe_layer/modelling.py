@@ -29,7 +29,7 @@ def timings(program, replayed: perf.ProgramReplay, case: Case, generation: str) 
     except ValueError as error:
         return {"modelled": False, "error": f"not modelled: {first_line(error)}"}
     kernels = head.kernels
-    peak = tpu_generation(generation).bf16_flops_per_s
+    peak = tpu_generation(generation).device_bf16_flops_per_s  # on v5p both TensorCores
     placed = xla_program.kernels_as_placed(program, replayed.pallas_calls) if replayed.pallas_calls else []
     kernels_s = kernels.pipelined_time_s if kernels else 0.0
     band = calibration_bands.band({"pallas_ragged_dot": kernels_s, "xla_ragged_dot": head.ragged_dot_s},

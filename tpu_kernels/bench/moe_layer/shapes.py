@@ -170,7 +170,8 @@ class Case:
 
     def roofline_s(self, generation: str) -> float:
         facts = tpu_generation(generation)
-        return max(self.min_bytes / facts.hbm_bytes_per_s, self.useful_flops / facts.bf16_flops_per_s)
+        # The device's peaks: on v5p both TensorCores'.
+        return max(self.min_bytes / facts.device_hbm_bytes_per_s, self.useful_flops / facts.device_bf16_flops_per_s)
 
 
 def global_picks(model: Model, tokens: int, seed: int) -> np.ndarray:

@@ -12,7 +12,9 @@
   on one chip (EP1) and on one rank of eight (EP8: 16 local experts),
   Gemma-4-26B-A4B (128 experts, H=2816, I=704, top-8), GPT-OSS-20B (32
   experts, H=I=2880, top-4, transposed interleaved weights with biases,
-  clamped SwiGLU) on one chip and on one rank of eight (4 experts).
+  clamped SwiGLU) on one chip and on one rank of eight (4 experts). GPT-OSS
+  at T=1 takes 16-row chunks, whose relayouts need the most of Mosaic's own
+  VMEM (_hardware.MOSAIC_SCRATCH_BYTES).
 - Training (the backward, `backward.py`) at T = 8192 tokens per rank, top-8
   (65536 picks), Qwen3-30B-A3B and Gemma-4-26B-A4B with all 128 experts on
   the rank: each projection's d_lhs grouped matmul (the forward kernel with
@@ -45,7 +47,7 @@ LAYERS = {
     "qwen3-30b-a3b EP8": (16, 2048, 768, 8, dict(weights_transposed=False), dict(activation="silu"), (256,)),
     "gemma-4-26b-a4b": (128, 2816, 704, 8, dict(weights_transposed=False), dict(activation="gelu_tanh"), (256,)),
     "gpt-oss-20b EP1": (32, 2880, 2880, 4, dict(weights_transposed=True), dict(
-        activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (256, 2048)),
+        activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (1, 256, 2048)),
     "gpt-oss-20b EP8": (4, 2880, 2880, 4, dict(weights_transposed=True), dict(
         activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (64,)),
 }
