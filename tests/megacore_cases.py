@@ -46,7 +46,7 @@ def cases(kernels: dict) -> dict[str, tuple]:
         "ragged_dot, four N tiles": (gmm(256), (lhs, rhs, group_sizes), "ragged_dot"),
         # One N tile: the parallel axis has a single index, nothing to split.
         "ragged_dot, one N tile": (gmm(1024), (lhs, rhs, group_sizes), "ragged_dot"),
-        # Experts and I tiles both accumulate into one output block: no parallel axis.
+        # On v5p the experts are split over the two cores, each summing into a partial output of its own.
         "fused experts (decode)": (functools.partial(ragged_dot.moe.experts_layer, fused=True, generation=GENERATION,
                                                      activation="silu", weights_transposed=False),
                                    layer, "fused_experts"),

@@ -107,6 +107,41 @@ def test_fused_tiled_schedules_match_reference(kernel, interpret, to_jax, case, 
     assert _relative_error(fused, expected) <= 1e-5
 
 
+# v5p: the items split over its two TensorCores (grid (cores, items per core, I tiles)), each core summing into an
+# f32 partial of its own: an odd number of active experts (the second core's last step is empty), every expert
+# active (the empty step's blocks clamp to the expert table), a single active expert, sentinels, I tiles.
+MEGACORE_CASES = {
+    "concatenated": (CASES["concatenated"], None),
+    "odd-count-every-expert-active": ((7, 64, 40, 3, 2, dict(transposed=False, bias=True), dict(activation="silu")),
+                                      None),
+    "one-active-expert": ((5, 64, 40, 4, 1, dict(transposed=True, bias=True), dict(activation="gelu_tanh")), None),
+    "sentinels": (CASES["sentinels"], None),
+    "i-tiles-interleaved": (TILED_CASES["i-tiles-interleaved"][:7], TILED_CASES["i-tiles-interleaved"][7]),
+}
+
+
+@pytest.mark.parametrize("case", list(MEGACORE_CASES))
+def test_megacore_split_matches_reference_and_one_core(kernel, interpret, to_jax, case, random_picks):
+    (tokens, hidden, intermediate, experts, top_k, options, gate), tiles = MEGACORE_CASES[case]
+    layer = list(_layer(random_picks, tokens, hidden, intermediate, experts, top_k, **options))
+    if case == "one-active-expert":
+        layer[1] = torch.full_like(layer[1], 2)
+    active = np.unique(layer[1].numpy())
+    active = active[active < experts]
+    if case == "odd-count-every-expert-active":
+        assert len(active) == experts == 3
+    gate = dict(weights_transposed=options["transposed"], **gate)
+    config = None if tiles is None else kernel.config.FusedConfig(*tiles)
+    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
+    assert kernel.plan.plan_fused(problem, config, "v5p").cores == 2
+    expected = kernel.reference.gated_experts_reference(*layer, **gate)
+    split, one_core = (interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate, config=config,
+                                                                           generation=generation))
+                       for generation in ("v5p", "v6e"))
+    assert _relative_error(split, expected) <= 1e-5
+    assert _relative_error(split, one_core.double()) <= 1e-6
+
+
 def test_tiled_cases_run_what_they_name(kernel, random_picks):
     tokens, hidden, intermediate, experts, top_k, options, _, (chunk, _) = TILED_CASES["chunks-per-expert"]
     _, index, weights, *_ = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, **options)

@@ -11,7 +11,9 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from ._hardware import LANES, padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, vmem_budget_bytes
+from ._hardware import (
+    LANES, padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, tpu_generation, vmem_budget_bytes,
+)
 from .quant import INT8, blocks, scheme_of
 from .vmem import MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, check_vmem_fits, fp8_dequantize_vmem_bytes
 from .weights_layout import WeightsOrientation, weights_orientation
@@ -71,11 +73,11 @@ def _tile_i_aligned(tile_i: int, intermediate: int, dtype, *, orientation: Weigh
 
 def fused_buffers(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *,
                   interleaved: bool, has_bias: bool, weights_dtype=None, weights_transposed: bool = False,
-                  top_k: int = 1, routing_dtype="float32") -> tuple[Buffer, ...]:
+                  top_k: int = 1, routing_dtype="float32", cores: int = 1) -> tuple[Buffer, ...]:
     """The fused kernel's blocks and scratch: the resident hidden states and routing, each gate_up part's and the
-    down block (biases, scales) of the item's expert and I tile, the resident output, the f32 accumulator; scratch for
-    interleaved gates, I tiles and fp8 weights. Weights blocks in the order the kernel reads them
-    (`weights_orientation`)."""
+    down block (biases, scales) of the item's expert and I tile, the resident output (each core's f32 partial when
+    `cores` > 1), the f32 accumulator; scratch for interleaved gates, I tiles and fp8 weights. Weights blocks in the
+    order the kernel reads them (`weights_orientation`)."""
     dtype, f32 = jnp.dtype(dtype).name, "float32"
     weights_dtype = dtype if weights_dtype is None else jnp.dtype(weights_dtype).name
     chunk, tile_i = config
@@ -98,8 +100,8 @@ def fused_buffers(config: FusedConfig, tokens: int, hidden: int, intermediate: i
         gate_up_stored = (hidden, 2 * intermediate) if gate_up_transposed else (2 * intermediate, hidden)
         down_stored = (intermediate, hidden) if down_transposed else (hidden, intermediate)
         buffers += [Buffer(tuple(blocks(d) for d in stored), f32, 2) for stored in (gate_up_stored, down_stored)]
-    # The output block never moves: Mosaic keeps one copy of it.
-    buffers += [Buffer((tokens, hidden), dtype), Buffer((tokens, hidden), f32)]
+    # The output block never moves (on each core): Mosaic keeps one copy of it.
+    buffers += [Buffer((tokens, hidden), dtype if cores == 1 else f32), Buffer((tokens, hidden), f32)]
     if interleaved:
         buffers.append(Buffer((2 * tile_i, chunk), f32))  # gate_up, transposed, to split even and odd rows
     if i_tiles > 1:
@@ -112,7 +114,7 @@ def fused_buffers(config: FusedConfig, tokens: int, hidden: int, intermediate: i
 
 def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int, dtype,
                      *, interleaved: bool, has_bias: bool, weights_dtype=None, weights_transposed: bool = False,
-                     top_k: int = 1, routing_dtype="float32") -> int:
+                     top_k: int = 1, routing_dtype="float32", cores: int = 1) -> int:
     """VMEM of a fused experts call: its buffers (`fused_buffers`) and the f32 values Mosaic keeps beside them:
     the expert's weight and rank per token as columns, the triangle that counts the ranks, one chunk's gate_up
     and down results; an int8 block cast to the activation dtype, or what dequantizing fp8 blocks takes."""
@@ -120,7 +122,7 @@ def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate
     weights_dtype = dtype if weights_dtype is None else weights_dtype
     buffers = fused_buffers(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
                             has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed,
-                            top_k=top_k, routing_dtype=routing_dtype)
+                            top_k=top_k, routing_dtype=routing_dtype, cores=cores)
     chunk, tile_i = config
     values = (2 * padded_vmem_bytes((tokens, 1), f32) + padded_vmem_bytes((tokens, tokens), f32)
               + padded_vmem_bytes((chunk, 2 * tile_i), f32) + padded_vmem_bytes((chunk, hidden), f32))
@@ -129,6 +131,12 @@ def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate
     elif scheme_of(weights_dtype) is not None:
         values += fp8_dequantize_vmem_bytes(max(hidden, 2 * tile_i))
     return buffers_bytes(buffers) + values
+
+
+def fused_cores(generation: str) -> int:
+    """TensorCores the fused kernel splits its experts over on `generation`: both of a megacore device's (v5p),
+    each core summing its experts into an f32 partial output of its own."""
+    return tpu_generation(generation).cores_per_device
 
 
 def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *, weights_transposed: bool,
@@ -147,7 +155,8 @@ def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, 
     chunk = max(min(round_up(tokens, sublanes), FUSED_MAX_CHUNK_ROWS),
                 round_up(-(-tokens // MAX_UNROLLED_MATMULS), sublanes))
     orientation = weights_orientation(hidden, intermediate, weights_transposed=weights_transposed)
-    budget = vmem_budget_bytes(resolve_generation(generation))
+    generation = resolve_generation(generation)
+    budget, cores = vmem_budget_bytes(generation), fused_cores(generation)
     for parts in range(1, intermediate + 1):
         if intermediate % parts:
             continue
@@ -157,7 +166,8 @@ def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, 
             continue
         config = FusedConfig(chunk, tile_i)
         needed = fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
-                                  has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed)
+                                  has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed,
+                                  cores=cores)
         if needed <= budget:
             return config
     return None
@@ -186,5 +196,6 @@ def check_fused_config(config: FusedConfig, tokens: int, hidden: int, intermedia
             "tile of the weights as the kernel reads them (weights_orientation)"
         )
     needed = fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
-                              has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed)
+                              has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed,
+                              cores=fused_cores(resolve_generation(generation)))
     check_vmem_fits(config, needed, generation)

@@ -17,6 +17,13 @@ A call without live picks runs one empty item over one I tile (Pallas
 fetches the blocks of a grid's first step; a zero-step grid is not relied
 upon): it writes zeros and reads one block of one expert's weights.
 
+On a megacore device (v5p: two TensorCores, `plan.cores` 2) the grid is
+(cores, items per core, I tiles), its first axis "parallel": each core takes
+a contiguous half of the items and sums them into an f32 partial output of
+its own, and XLA adds the two partials. A core's items past the last active
+expert are empty; their blocks are the last active expert's, which the
+pipeline does not fetch again.
+
 The routing (`top_k_index`, `top_k_weights`) is resident too. At each item
 the kernel sums each token's weights for the item's expert; the expert's
 rows are the tokens of nonzero weight, in token order (a row's rank is the
@@ -225,17 +232,57 @@ def _expert_rows(rows, refs: _Refs, expert: _Expert, plan: FusedPlan):
                    down_scales, expert, plan)
 
 
+def _item(core, local, count_ref, plan: FusedPlan):
+    """(the item `core` runs at its `local`-th step, clamped to the expert table; whether it is a real one)."""
+    # lax.div: jnp's floor division lowers through sign(), whose Mosaic rule asks the attached device its
+    # generation (there is none in an ahead-of-time compile); the count is positive, so truncation is floor.
+    per_core = lax.div(count_ref[0] + plan.cores - 1, plan.cores)
+    item = core * per_core + local
+    return jnp.minimum(item, plan.problem.num_experts - 1), item < count_ref[0]
+
+
+def _on_cores(spec: pl.BlockSpec, plan: FusedPlan) -> pl.BlockSpec:
+    """`spec`, indexed by (core, step of the core, I tile) instead of (item, I tile)."""
+    def index_map(core, local, i, expert, rows, count):
+        return spec.index_map(_item(core, local, count, plan)[0], i, expert, rows, count)
+
+    return pl.BlockSpec(spec.block_shape, index_map, pipeline_mode=spec.pipeline_mode)
+
+
+class _Step(NamedTuple):
+    """Where the grid is: the item and its expert's picks, the I tile, and whether this is the core's first or
+    last step."""
+
+    item: object
+    picks: object
+    i_step: object
+    last_i: object
+    first: object
+    last: object
+
+
+def _step(rows_ref, count_ref, plan: FusedPlan) -> _Step:
+    if plan.cores == 1:
+        item, i_step = pl.program_id(0), pl.program_id(1)
+        last_i = pl.num_programs(1) - 1
+        last_item = pl.num_programs(0) - 1
+        return _Step(item, rows_ref[item], i_step, last_i, jnp.logical_and(item == 0, i_step == 0),
+                     jnp.logical_and(item == last_item, i_step == last_i))
+    local, i_step = pl.program_id(1), pl.program_id(2)
+    item, real = _item(pl.program_id(0), local, count_ref, plan)
+    last_i = pl.num_programs(2) - 1
+    return _Step(item, jnp.where(real, rows_ref[item], 0), i_step, last_i, jnp.logical_and(local == 0, i_step == 0),
+                 jnp.logical_and(local == pl.num_programs(1) - 1, i_step == last_i))
+
+
 def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *refs, plan: FusedPlan):
-    del count_ref  # the grid's size
     refs = _split_refs(refs, plan)
     problem, chunk = plan.problem, plan.chunk_rows
     dtype = hidden_ref.dtype
-    item, i_step = pl.program_id(0), pl.program_id(1)
-    expert_id = expert_ref[item]
-    picks = rows_ref[item]
-    last_i = pl.num_programs(1) - 1
+    step = _step(rows_ref, count_ref, plan)
+    expert_id, picks, i_step, last_i = expert_ref[step.item], step.picks, step.i_step, step.last_i
 
-    @pl.when(jnp.logical_and(item == 0, i_step == 0))
+    @pl.when(step.first)
     def _():
         refs.out_acc[...] = jnp.zeros_like(refs.out_acc)
 
@@ -278,7 +325,7 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *
             continue
         _chunk_over_i_tiles(first, live, i_step, last_i, gather, scatter, refs, expert, plan)
 
-    @pl.when(jnp.logical_and(item == pl.num_programs(0) - 1, i_step == last_i))
+    @pl.when(step.last)
     def _():
         refs.out[...] = refs.out_acc[...].astype(refs.out.dtype)
 
@@ -417,23 +464,31 @@ def fused_experts_call(plan: FusedPlan, hidden_states: jax.Array, top_k_index: j
         scratch += [pltpu.VMEM((rows, hidden), dtype), pltpu.VMEM((rows, hidden), jnp.float32)]
     # A call without live picks runs its one empty item over one I tile only: one block of weights read.
     i_grid = plan.i_tiles if plan.i_tiles == 1 else jnp.where(items.rows[0] > 0, plan.i_tiles, 1)
+    if plan.cores == 1:
+        # Every step adds into the one resident output: no axis can be split.
+        grid, semantics, weight_specs = (items.count[0], i_grid), ("arbitrary", "arbitrary"), specs.in_specs
+        out_shape = jax.ShapeDtypeStruct((tokens, hidden), dtype)
+        out_spec = pl.BlockSpec((tokens, hidden), lambda *_: (0, 0))
+    else:
+        per_core = (items.count[0] + plan.cores - 1) // plan.cores
+        grid, semantics = (plan.cores, per_core, i_grid), ("parallel", "arbitrary", "arbitrary")
+        weight_specs = [_on_cores(spec, plan) for spec in specs.in_specs]
+        out_shape = jax.ShapeDtypeStruct((plan.cores, tokens, hidden), jnp.float32)
+        out_spec = pl.BlockSpec((None, tokens, hidden), lambda core, *_: (core, 0, 0))
     call = pl.pallas_call(
         functools.partial(_body, plan=plan),
-        out_shape=jax.ShapeDtypeStruct((tokens, hidden), dtype),
+        out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
-            grid=(items.count[0], i_grid),
+            grid=grid,
             in_specs=[resident((tokens, hidden)), resident((tokens, top_k)), resident((tokens, top_k)),
-                      *specs.in_specs],
-            out_specs=pl.BlockSpec((tokens, hidden), lambda *_: (0, 0)),
+                      *weight_specs],
+            out_specs=out_spec,
             scratch_shapes=scratch + specs.scratch,
         ),
-        compiler_params=pltpu.CompilerParams(
-            # Every step adds into the one resident output: no axis can be split across cores.
-            dimension_semantics=("arbitrary", "arbitrary"),
-            vmem_limit_bytes=plan.vmem_limit_bytes,
-        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=plan.vmem_limit_bytes),
         cost_estimate=_cost(plan, weights),
         name="fused_experts",
     )
-    return call(items.expert, items.rows, items.count, hidden_states, top_k_index, top_k_weights, *specs.operands)
+    out = call(items.expert, items.rows, items.count, hidden_states, top_k_index, top_k_weights, *specs.operands)
+    return out if plan.cores == 1 else jnp.sum(out, axis=0).astype(dtype)

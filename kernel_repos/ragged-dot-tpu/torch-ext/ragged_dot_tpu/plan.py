@@ -16,7 +16,9 @@ from typing import NamedTuple
 
 from ._hardware import resolve_generation, vmem_limit_bytes
 from .config import use_fused_experts
-from .fused_tiles import FusedConfig, check_fused_config, fused_buffers, fused_chunks, fused_config, fused_vmem_bytes
+from .fused_tiles import (
+    FusedConfig, check_fused_config, fused_buffers, fused_chunks, fused_config, fused_cores, fused_vmem_bytes,
+)
 from .gmm_tiles import (
     TileConfig, check_config, expected_active_groups, matmul_buffers, row_chunks, row_tile_rows, select_config,
     select_d_lhs_config, vmem_limit,
@@ -120,6 +122,7 @@ class FusedPlan(NamedTuple):
     tile_i: int
     i_tiles: int
     gate_up_parts: int  # 2: gate and up blocks apart (concatenated, I tiled); 1: one block of both
+    cores: int  # TensorCores the items are split over (`fused_tiles.fused_cores`: 2 on v5p)
     buffers: tuple[Buffer, ...]  # what the pipeline holds in VMEM (`fused_buffers`)
     vmem_limit_bytes: int
     active_experts: float  # expected, for the cost estimate
@@ -137,11 +140,12 @@ def plan_fused(problem: ExpertsProblem, config: FusedConfig | None = None, gener
                              f"I={problem.intermediate} fits VMEM; use the grouped path")
     check_fused_config(config, *shape.args, **shape.options, generation=generation)
     i_tiles = problem.intermediate // config.tile_i
-    options = dict(shape.options, top_k=problem.top_k, routing_dtype=problem.routing_dtype)
+    cores = fused_cores(generation)
+    options = dict(shape.options, top_k=problem.top_k, routing_dtype=problem.routing_dtype, cores=cores)
     return FusedPlan(
         problem=problem, orientation=_orientation(problem), chunk_rows=config.chunk_rows,
         chunks=fused_chunks(config, problem.tokens), tile_i=config.tile_i, i_tiles=i_tiles,
-        gate_up_parts=2 if i_tiles > 1 and not problem.gate.interleaved else 1,
+        gate_up_parts=2 if i_tiles > 1 and not problem.gate.interleaved else 1, cores=cores,
         buffers=fused_buffers(config, *shape.args, **options),
         vmem_limit_bytes=vmem_limit_bytes(fused_vmem_bytes(config, *shape.args, **options), generation),
         active_experts=expected_active_groups(problem.picks, problem.num_experts),
