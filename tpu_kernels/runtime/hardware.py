@@ -19,11 +19,12 @@ Where the numbers come from:
   CompileTimeScopedVmemOom (tests/test_perf.py checks each edge). TPU7x has
   no such edge: double-buffered blocks of 1 MiB with 34 MiB in all compile
   and 35 fail, blocks of 7 MiB with 36 MiB compile; it is left unknown.
-- Per-grid-step cost 0.35 us (`GRID_STEP_OVERHEAD_S`): the rule of thumb
-  kernels tile by. The Pallas guides do not state it (jax's docs/pallas/tpu,
-  whole history up to commit cec06d1, 2026-08); fitted to real-chip timings
-  it is 0.34 us on v5e and 0.73 us on TPU7x (the performance model's
-  calibrated values: tpu_kernels/perf/model_constants.json).
+- Per-grid-step cost 0.35 us (`GRID_STEP_OVERHEAD_S`), 0.72 us on TPU7x
+  (`grid_step_overhead_s`): the rule of thumb kernels tile by. The Pallas
+  guides do not state it (jax's docs/pallas/tpu, whole history up to commit
+  cec06d1, 2026-08); fitted to real-chip timings it is 0.34 us on v5e and
+  0.72 us on TPU7x (the performance model's calibrated values:
+  tpu_kernels/perf/model_constants.json; v5p and v6e have no timings).
 
 Generations: kernels are tuned and compiled ahead of time for
 SUPPORTED_GENERATIONS only: v5e, v5p, v6e and TPU7x (Ironwood). The device
@@ -64,6 +65,7 @@ GENERATION_ENV = "TPU_KERNELS_GENERATION"
 DEFAULT_SCOPED_VMEM_BYTES = {"v5e": 16 * MIB, "v5p": 16 * MIB, "v6e": 32 * MIB}
 # The rule of thumb kernels tile by (the performance model's calibrated values: tpu_kernels/perf/model_constants.json).
 GRID_STEP_OVERHEAD_S = 0.35e-6
+GRID_STEP_OVERHEAD_S_BY_GENERATION = {"tpu7x": 0.72e-6}
 
 # Raised VMEM limits (see `vmem_limit_bytes`). Mosaic allocates its own
 # scratch (semaphores, relayout temporaries) on top of a kernel's blocks: 4 MiB
@@ -149,6 +151,11 @@ def tpu_generation(name: str) -> TpuGeneration:
         sublanes=int(info.num_sublanes),
         cores_per_device=2 if name in MEGACORE_GENERATIONS else 1,
     )
+
+
+def grid_step_overhead_s(generation: str) -> float:
+    """The per-grid-step cost kernels tile by on `generation` (module docstring)."""
+    return GRID_STEP_OVERHEAD_S_BY_GENERATION.get(generation, GRID_STEP_OVERHEAD_S)
 
 
 def check_generation(generation: str) -> str:

@@ -18,6 +18,10 @@ PREFILL_MIN_MXU_PCT = 85.0
 # Issue 14: one-byte expert weights.
 QUANTIZED_ANCHOR_TARGET_US = {"int8": 55.0}
 QUANTIZED_MAX_BYTES_OVER_MIN = 1.05
+# Issue 25, at the anchor's shape on each generation: bf16 against the roofline (TPU7x), one-byte weights against
+# our bf16 (fp8 on TPU7x).
+GENERATION_MAX_OVER_ROOFLINE = {"tpu7x": 1.08}
+GENERATION_MAX_OVER_BF16 = {("tpu7x", "fp8"): 0.6}
 
 
 def modelled(variant: dict | None) -> bool:
@@ -198,7 +202,33 @@ def check_targets(rows: list[dict]) -> dict:
         "not_slower_than_best_rival": not losses,
         "rival_wins": losses,
         "quantized": quantized_targets(rows),
+        "per_generation_anchor": generation_targets(rows),
     }
+
+
+def generation_targets(rows: list[dict]) -> dict:
+    """Issue 25: per generation, the anchor's shape in both EP modes: ours against the roofline, and each
+    one-byte format against our bf16."""
+    result = {}
+    for row in rows:
+        if (row["setting"], row["tokens"]) not in (ANCHOR[:2], ANCHOR_DISPATCH[:2]) or row.get("ours_us") is None:
+            continue
+        generation = row["generation"]
+        entry = {"ours_us": row["ours_us"], "roofline_us": row["roofline_us"],
+                 "ours_over_roofline": round(row["ours_over_roofline"], 4),
+                 "max_over_roofline": GENERATION_MAX_OVER_ROOFLINE.get(generation)}
+        if entry["max_over_roofline"] is not None:
+            entry["meets_roofline"] = entry["ours_over_roofline"] <= entry["max_over_roofline"]
+        for scheme in QUANTIZED:
+            variant = row["variants"].get(f"ours_{scheme}")
+            if not modelled(variant):
+                continue
+            ratio = variant["headline_us"] / row["ours_us"]
+            limit = GENERATION_MAX_OVER_BF16.get((generation, scheme))
+            entry[scheme] = {"us": variant["headline_us"], "over_bf16": round(ratio, 4), "max_over_bf16": limit,
+                             **({} if limit is None else {"meets": ratio <= limit})}
+        result[f"{row['setting']} {row['tokens']} {generation}"] = entry
+    return result
 
 
 def quantized_targets(rows: list[dict]) -> dict:

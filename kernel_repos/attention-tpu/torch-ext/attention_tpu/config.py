@@ -17,7 +17,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from ._hardware import (
-    GRID_STEP_OVERHEAD_S, LANES, MIB, SUBLANES, check_generation, resolve_generation, round_up, sublane_multiple,
+    LANES, MIB, SUBLANES, check_generation, grid_step_overhead_s, resolve_generation, round_up, sublane_multiple,
     tpu_generation, vmem_limit_bytes,
 )
 
@@ -296,7 +296,7 @@ def backward_tiles(kernel, *, block_q, block_kv, group, kv_heads, head_dim, item
     fitting = [h for h in range(1, kv_heads + 1) if kv_heads % h == 0 and working_set(h) <= VMEM_BUDGET_BYTES[generation]]
     if not fitting:
         return None
-    target = STEP_OVERHEAD_MULTIPLE * GRID_STEP_OVERHEAD_S
+    target = STEP_OVERHEAD_MULTIPLE * grid_step_overhead_s(generation)
     enough = [h for h in fitting if backward_step_seconds(kernel, kv_heads_per_step=h, generation=generation, **shape)
               >= target]
     heads = enough[0] if enough else fitting[-1]

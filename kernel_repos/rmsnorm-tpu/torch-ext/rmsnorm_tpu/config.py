@@ -17,7 +17,7 @@ import math
 import jax.numpy as jnp
 
 from ._hardware import (
-    GRID_STEP_OVERHEAD_S, LANES, MIB, SUBLANES, check_generation, max_vmem_limit_bytes, resolve_generation, round_up,
+    LANES, MIB, SUBLANES, check_generation, grid_step_overhead_s, max_vmem_limit_bytes, resolve_generation, round_up,
     sublane_multiple, tpu_generation,
 )
 
@@ -138,7 +138,7 @@ def heuristic_config(rows: int, hidden: int, dtype, generation: str, *, op: str 
     align = sublane_multiple(dtype)
 
     traffic_seconds = rows * hidden * dtype.itemsize * OPS[op].row_arrays / facts.hbm_bytes_per_s
-    steps = max(1, round(math.sqrt(traffic_seconds / GRID_STEP_OVERHEAD_S)))
+    steps = max(1, round(math.sqrt(traffic_seconds / grid_step_overhead_s(generation))))
 
     scoped, vmem_limit_bytes = scoped_vmem(generation)
     budget = int(scoped * VMEM_BUDGET_FRACTION)
