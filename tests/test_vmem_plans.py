@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernels import get_local_kernel
 
 from tpu_kernels import perf
 
