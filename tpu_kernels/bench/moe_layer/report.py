@@ -156,7 +156,8 @@ def method(args) -> dict:
                  "(HBM bytes at HBM bandwidth, VMEM bytes at 22x it)",
         "headline": "us: the calibrated pipelined figure at peak HBM bandwidth (grid step "
                     + ", ".join(f"{g} {grid_step_s(g) * 1e6:.2f} us" for g in args.generations)
-                    + "; v5p and v6e have no measurements and take v5e's constants)",
+                    + "".join(f"; {g} has no measurements and takes {calibration_bands.MEASURED_ON[g]}'s constants"
+                              for g in args.generations if calibration_bands.MEASURED_ON[g] != g) + ")",
         "bands": "band_p90_us / band_median_us: the Pallas kernels' time at the Pallas ragged-dot error and XLA's "
                  "ragged-dot loops at theirs (benchmarks/results/calibration.json); uncalibrated_us (other XLA ops) "
                  "carries no band",
