@@ -62,12 +62,19 @@ UNTRUSTED = "someone/answer"
 
 
 def forget_loaded_kernels() -> None:
-    """Make the next load import again: kernels' registry of imported variants, and our copies of them."""
-    ids = {loaded.metadata.id for loaded in kernels.importer._loaded_kernels.values()}
+    """Make the next load of a test kernel (`make_build`'s "answer") import again: its entries in kernels'
+    registry of imported variants, and our copies of it. The project's kernels that other tests of this process
+    loaded stay imported: importing one again would register its torch ops a second time."""
+    forgotten = {path: loaded for path, loaded in kernels.importer._loaded_kernels.items()
+                 if loaded.metadata.name.python_name == "answer"}
+    ids = {loaded.metadata.id for loaded in forgotten.values()}
     for name in [name for name in sys.modules if name.split(".")[0] in ids]:  # submodules too
         del sys.modules[name]
-    kernels.importer._loaded_kernels.clear()
-    private_copies._PRIVATE_COPIES.clear()
+    for path in forgotten:
+        del kernels.importer._loaded_kernels[path]
+    for key, copy in list(private_copies._PRIVATE_COPIES.items()):
+        if copy in forgotten:
+            del private_copies._PRIVATE_COPIES[key]
 
 
 def files_outside(root: Path, *inside: Path) -> dict[str, bytes | None]:
