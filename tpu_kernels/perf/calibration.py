@@ -346,7 +346,7 @@ def inconsistent_with_peak(analysed: Analysed) -> str | None:
     in the measured time, the measurement ran on other group sizes, and the entry says nothing about the model.
     """
     generation = tpu_generation(analysed.measurement.chip)
-    peak = generation.bf16_flops_per_s * generation.cores_per_device
+    peak = generation.device_bf16_flops_per_s
     flops = sum(dot.flops for call in analysed.replay.pallas_calls for dot in call.dots)
     needed_us = 1e6 * flops / peak
     if needed_us <= analysed.measurement.measured_us:

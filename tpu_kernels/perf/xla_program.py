@@ -564,8 +564,8 @@ def model_program(
         ragged_dot_step_s = XLA_RAGGED_DOT_STEP_S.get(gen.name, XLA_RAGGED_DOT_STEP_S["v5e"])
     placed = kernels_as_placed(program, calls)
     kernels = roofline(placed, gen, step_overhead_s=step_overhead_s, hbm_fraction=hbm_fraction) if placed else None
-    hbm_bandwidth = gen.hbm_bytes_per_s * gen.cores_per_device * hbm_fraction
-    vmem_bandwidth = gen.hbm_bytes_per_s * gen.cores_per_device * VMEM_BANDWIDTH_OVER_HBM
+    hbm_bandwidth = gen.device_hbm_bytes_per_s * hbm_fraction
+    vmem_bandwidth = gen.device_hbm_bytes_per_s * VMEM_BANDWIDTH_OVER_HBM
     looped = [op for op in program.ops if op.ragged_dot is not None]
     if len(looped) != len(ragged_dots):
         raise ValueError(
@@ -580,7 +580,7 @@ def model_program(
     # XLA's cost analysis counts a ragged dot densely over every group; its loop is priced apart.
     dense_ragged_flops = sum(_dense_flops(call) for call in ragged_dots)
     xla_flops = max(program.cost_analysis.get("flops", 0.0) - kernel_flops - dense_ragged_flops, 0.0)
-    xla_s = max(transfer_s, xla_flops / (gen.bf16_flops_per_s * gen.cores_per_device))
+    xla_s = max(transfer_s, xla_flops / gen.device_bf16_flops_per_s)
     moving = program.moving_ops
     return ProgramTime(
         generation=program.generation,

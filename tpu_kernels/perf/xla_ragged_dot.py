@@ -248,7 +248,7 @@ def _model(call: RaggedDotCall, windows: Windows, generation: TpuGeneration, *, 
         dot = DotShape(1, key[0], key[1], key[2], shape.lhs_dtype, shape.rhs_dtype, "DEFAULT", 1)
         seconds = dot.mxu_flops(generation) / dot.peak_flops_per_s(generation)
         compute[(m == key[0]) & (k == key[1]) & (n == key[2])] = seconds
-    bandwidth = generation.hbm_bytes_per_s * generation.cores_per_device * hbm_fraction
+    bandwidth = generation.device_hbm_bytes_per_s * hbm_fraction
     seconds = pipeline_seconds(fetched.astype(float), written.astype(float), compute / generation.cores_per_device,
                                     prologue_bytes=0.0, bandwidth=bandwidth, step_overhead_s=0.0)
     return Modelled(seconds, len(steps), iterations, int(fetched.sum() + written.sum()), float(compute.sum()), note)

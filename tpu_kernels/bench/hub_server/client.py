@@ -78,19 +78,27 @@ def request(srv: Server, method: str, path: str, body=b"", headers=None, token: 
         connection.close()
 
 
+def _first_status_line(sock: socket.socket) -> tuple[str | None, bool]:
+    """(the first status line the server sent, None if nothing; whether it closed the connection before the
+    socket's timeout)."""
+    received = b""
+    closed = True
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except TimeoutError:
+        closed = False
+    except ConnectionResetError:
+        pass
+    return (received.split(b"\r\n")[0].decode() if received else None), closed
+
+
 def raw(srv: Server, data: bytes, timeout: float = 10) -> str:
     """The status line of the answer to raw bytes, or what happened instead."""
-    with socket.create_connection((srv.host, srv.port), timeout=timeout) as sock:
+    with connect(srv, timeout) as sock:
         sock.sendall(data)
-        received = b""
-        try:
-            while chunk := sock.recv(65536):
-                received += chunk
-        except TimeoutError:
-            return f"no answer in {timeout} s" if not received else received.split(b"\r\n")[0].decode()
-        except ConnectionResetError:
-            pass
-    return received.split(b"\r\n")[0].decode() if received else "dropped (no answer)"
+        line, closed = _first_status_line(sock)
+    return line or ("dropped (no answer)" if closed else f"no answer in {timeout} s")
 
 
 def create_repo(srv: Server, private: bool = False) -> int:
@@ -128,15 +136,8 @@ def connect(srv: Server, timeout: float = 10) -> socket.socket:
 def answer(sock: socket.socket, timeout: float) -> tuple[str, bool]:
     """(the first status line received, whether the server closed the connection) within `timeout`."""
     sock.settimeout(timeout)
-    received = b""
-    try:
-        while chunk := sock.recv(65536):
-            received += chunk
-    except TimeoutError:
-        return (received.split(b"\r\n")[0].decode() if received else "no answer"), False
-    except ConnectionResetError:
-        pass
-    return (received.split(b"\r\n")[0].decode() if received else "closed, no answer"), True
+    line, closed = _first_status_line(sock)
+    return line or ("closed, no answer" if closed else "no answer"), closed
 
 
 def stream_commit(srv: Server, path: str, size: int, seed: int) -> tuple[int, float]:
