@@ -1,7 +1,8 @@
 """What ragged-dot-tpu's kernels move and compute, by tpu_kernels.perf's grid replay (no TPU needed).
 
 The claims checked: the fused experts kernel reads each active expert's
-weights once and nothing of the others, in one grid step per active expert;
+weights once and nothing of the others, in one grid step per active expert
+(or per `experts_per_step` of them);
 other ranks' sentinel picks cost no step, no weight read and no MXU pass;
 the grouped matmul leaves rows past its groups alone when asked to; its row
 chunks follow group starts, so no chunk is spent on two groups.
@@ -103,6 +104,31 @@ def test_fused_with_i_tiles_still_reads_each_weight_once(kernel):
     call = _fused_traffic(kernel, tokens, hidden, intermediate, experts, index, weights, config=config)
     assert call.steps == 2 * active
     assert _weights_read(call, experts, hidden, intermediate) == active * 3 * intermediate * hidden * BF16
+
+
+@pytest.mark.parametrize("slots", [2, 3, 4])
+def test_fused_with_several_experts_per_step_reads_each_weight_once_in_fewer_steps(kernel, slots):
+    """Slots past the last active expert keep their blocks: no expert is read twice, no step is added."""
+    tokens, hidden, intermediate, experts = 16, 256, 128, 16
+    index, weights = _picks(tokens, 4, experts, live_experts=7, seed=3)
+    active = len(np.unique(index[index < experts]))
+    assert active % slots
+    call = _fused_traffic(kernel, tokens, hidden, intermediate, experts, index, weights,
+                          config=kernel.config.FusedConfig(16, intermediate, slots))
+    assert call.steps == -(-active // slots)
+    assert _weights_read(call, experts, hidden, intermediate) == active * 3 * intermediate * hidden * BF16
+
+
+def test_fused_slots_without_an_active_expert_read_one_expert_each_at_the_first_step(kernel):
+    """What MULTI_EXPERT_MIN_TOKENS guards against: one active expert in four slots reads four experts' weights."""
+    tokens, hidden, intermediate, experts = 4, 256, 128, 16
+    index = np.full((tokens, 2), experts, np.int32)
+    index[:, 0] = 5
+    weights = np.where(index < experts, 0.5, 0.0).astype(np.float32)
+    call = _fused_traffic(kernel, tokens, hidden, intermediate, experts, index, weights,
+                          config=kernel.config.FusedConfig(16, intermediate, 4))
+    assert call.steps == 1
+    assert _weights_read(call, experts, hidden, intermediate) == 4 * 3 * intermediate * hidden * BF16
 
 
 @pytest.mark.parametrize("tile_i", [256, 128])

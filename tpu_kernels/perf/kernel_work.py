@@ -76,6 +76,10 @@ def _cond_has_dots(eqn) -> bool:
     return False
 
 
+# Calls of a jitted function (jnp.clip, jnp.where, ...): pure, so a predicate may take them whole.
+_PURE_CALLS = ("pjit", "jit", "closed_call")
+
+
 def _branch_at_each_step(kernel, cond_eqn, gm, grid, grid_indices, prefetch) -> np.ndarray | None:
     """The branch `cond_eqn` takes at every grid step, if its index depends only on program ids and scalar prefetch."""
     steps = grid_indices.shape[0]
@@ -105,7 +109,7 @@ def _branch_at_each_step(kernel, cond_eqn, gm, grid, grid_indices, prefetch) -> 
             if all(v is not var for v, _, _ in grid_vars):
                 grid_vars.append((var, eqn.primitive.name, eqn.params["axis"]))
             continue
-        if list(jax_core.jaxprs_in_params(eqn.params)):
+        if list(jax_core.jaxprs_in_params(eqn.params)) and not (eqn.primitive.name in _PURE_CALLS and not eqn.effects):
             return None
         if eqn.effects and not (eqn.primitive.name == "get" and any(eqn.invars[0] is ref for ref in prefetch_refs)):
             return None

@@ -189,10 +189,11 @@ MODELS = {
 def test_fused_config_of_real_models(config):
     qwen3_h, qwen3_i, qwen3_e, qwen3 = MODELS["qwen3-30b-a3b"]
     # Rows: T on the sublane grid, in chunks of at most 128; I whole where the weights fit.
-    assert config.fused_config(256, qwen3_h, qwen3_i, 16, jnp.bfloat16, **qwen3) == config.FusedConfig(128, 768)
+    # Qwen3 at EP8 (16 experts a rank), 256 tokens: two experts per step on v6e (experts_per_step_saving).
+    assert config.fused_config(256, qwen3_h, qwen3_i, 16, jnp.bfloat16, **qwen3) == config.FusedConfig(128, 768, 2)
     assert config.fused_config(1, qwen3_h, qwen3_i, qwen3_e, jnp.bfloat16, **qwen3) == config.FusedConfig(16, 768)
     assert config.fused_config(1, qwen3_h, qwen3_i, qwen3_e, jnp.float32, **qwen3) == config.FusedConfig(8, 768)
-    assert config.fused_config(100, qwen3_h, qwen3_i, qwen3_e, jnp.bfloat16, **qwen3) == config.FusedConfig(112, 768)
+    assert config.fused_config(100, qwen3_h, qwen3_i, qwen3_e, jnp.bfloat16, **qwen3) == config.FusedConfig(112, 768, 4)
     # Beyond 16 chunks of 128 rows (a forced fused call of 2100 tokens), chunks grow.
     assert config.fused_config(2100, qwen3_h, qwen3_i, 16, jnp.bfloat16, **qwen3).chunk_rows == 144
     # GPT-OSS-20B: two 50 MB experts do not fit; I/2 = 1440 makes 2880-column gate_up blocks (not on the lane
@@ -217,6 +218,26 @@ def test_fused_config_of_real_models(config):
                 assert needed <= {"v5p": 46, "tpu7x": 42}.get(generation, 96) * MIB
 
 
+def test_experts_per_step_where_the_model_says_it_pays(config):
+    hidden, intermediate, _, layout = MODELS["qwen3-30b-a3b"]
+    # Below MULTI_EXPERT_MIN_TOKENS an empty slot is likely (its first fetch wasted): one expert per step.
+    assert config.fused_config(config.MULTI_EXPERT_MIN_TOKENS - 1, hidden, intermediate, 16, jnp.bfloat16,
+                               **layout).experts_per_step == 1
+    # TPU7x: two of Qwen3's experts fit its 42 MiB budget at 64 tokens, not at 256 (128-row chunks).
+    assert config.fused_config(64, hidden, intermediate, 16, jnp.bfloat16, **layout,
+                               generation="tpu7x").experts_per_step == 2
+    assert config.fused_config(256, hidden, intermediate, 16, jnp.bfloat16, **layout,
+                               generation="tpu7x").experts_per_step == 1
+    # v6e, Qwen3 at EP8, 256 tokens: each expert's 128-row chunk computes in 1.6 us against its 5.7 us fetch;
+    # two experts per step save 8 steps (2.8 us) for one more chunk at the last step; four would save 12 steps
+    # (4.2 us) for three more (4.8 us).
+    fused = config.FusedConfig(128, intermediate)
+    savings = [config.experts_per_step_saving(fused._replace(experts_per_step=n), 256, hidden, intermediate, 16,
+                                              jnp.bfloat16, "v6e") for n in (1, 2, 4)]
+    assert savings[0] == 0.0 and savings[1] > 0 > savings[2]
+    assert config.fused_config(256, hidden, intermediate, 16, jnp.bfloat16, **layout).experts_per_step == 2
+
+
 def test_fused_vmem_bytes_counts_blocks_scratch_and_one_chunk(config):
     fused = config.FusedConfig(16, 128)
     f32 = 4
@@ -238,20 +259,22 @@ def test_fused_vmem_bytes_counts_blocks_scratch_and_one_chunk(config):
 
 
 @pytest.mark.parametrize(
-    "fused,layout,match",
+    "fused,tokens,layout,match",
     [
-        ((12, 128), {}, "chunk_rows=12 must be a multiple of 16"),
-        ((16, 128, 300), {}, "300 tokens make more than 16 chunks"),
-        ((16, 64), {}, "tile_i=64 must be I=256 or divide it"),  # down [E, H, I]: I tiles on lanes
-        ((16, 64), dict(weights_transposed=True), "tile_i=64 must be I=256"),  # gate_up [E, H, 2I]: lanes
-        ((16, 0), {}, "tile_i must be a positive int"),
+        ((12, 128), 16, {}, "chunk_rows=12 must be a multiple of 16"),
+        ((16, 128), 300, {}, "300 tokens of 1 experts make more than 16 chunks"),
+        ((16, 64), 16, {}, "tile_i=64 must be I=256 or divide it"),  # down [E, H, I]: I tiles on lanes
+        ((16, 64), 16, dict(weights_transposed=True), "tile_i=64 must be I=256"),  # gate_up [E, H, 2I]: lanes
+        ((16, 0), 16, {}, "tile_i must be a positive int"),
+        ((16, 128, 2), 16, {}, "experts_per_step=2 needs the whole I"),
+        ((16, 256, 4), 80, {}, "80 tokens of 4 experts make more than 16 chunks"),
+        ((16, 256, 0), 16, {}, "experts_per_step must be a positive int"),
     ],
 )
-def test_check_fused_config_refuses_what_cannot_run(config, fused, layout, match):
+def test_check_fused_config_refuses_what_cannot_run(config, fused, tokens, layout, match):
     shape = dict(weights_transposed=False, interleaved=False, has_bias=False) | layout
-    *tiles, tokens = (*fused, 16) if len(fused) == 2 else fused
     with pytest.raises(ValueError, match=match):
-        config.check_fused_config(config.FusedConfig(*tiles), tokens, 512, 256, 8, jnp.bfloat16, **shape)
+        config.check_fused_config(config.FusedConfig(*fused), tokens, 512, 256, 8, jnp.bfloat16, **shape)
 
 
 def test_tile_i_alignment_per_layout(config):

@@ -93,6 +93,12 @@ TILED_CASES = {
                             dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (16, 64)),
     # Experts with more rows than a chunk: several chunks per expert, some skipped for the others.
     "chunks-per-expert": (60, 64, 48, 4, 2, dict(transposed=False, bias=True), dict(activation="silu"), (8, 48)),
+    # Several experts per step: 7 active experts in steps of 3 (the last step's two empty slots keep their blocks).
+    "experts-per-step": (30, 64, 48, 7, 2, dict(transposed=False, bias=True), dict(activation="silu"), (8, 48, 3)),
+    # GPT-OSS's layout, two experts per step, several chunks each.
+    "experts-per-step-interleaved": (40, 64, 64, 5, 3, dict(transposed=True, bias=True, scale=0.6),
+                                     dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0),
+                                     (16, 64, 2)),
 }
 
 
@@ -107,7 +113,7 @@ def test_fused_tiled_schedules_match_reference(kernel, interpret, to_jax, case, 
     assert _relative_error(fused, expected) <= 1e-5
 
 
-# v5p: the items split over its two TensorCores (grid (cores, items per core, I tiles)), each core summing into an
+# v5p: the items split over its two TensorCores (grid (cores, steps per core, I tiles)), each core summing into an
 # f32 partial of its own: an odd number of active experts (the second core's last step is empty), every expert
 # active (the empty step's blocks clamp to the expert table), a single active expert, sentinels, I tiles.
 MEGACORE_CASES = {
@@ -117,6 +123,8 @@ MEGACORE_CASES = {
     "one-active-expert": ((5, 64, 40, 4, 1, dict(transposed=True, bias=True), dict(activation="gelu_tanh")), None),
     "sentinels": (CASES["sentinels"], None),
     "i-tiles-interleaved": (TILED_CASES["i-tiles-interleaved"][:7], TILED_CASES["i-tiles-interleaved"][7]),
+    # Two experts per step on each core: 3 active experts, so the second core has one, its second slot none.
+    "experts-per-step": ((7, 64, 40, 3, 2, dict(transposed=False, bias=True), dict(activation="silu")), (8, 40, 2)),
 }
 
 
@@ -128,7 +136,7 @@ def test_megacore_split_matches_reference(kernel, interpret, to_jax, case, rando
         layer[1] = torch.full_like(layer[1], 2)
     active = np.unique(layer[1].numpy())
     active = active[active < experts]
-    if case == "odd-count-every-expert-active":
+    if case in ("odd-count-every-expert-active", "experts-per-step"):
         assert len(active) == experts == 3
     gate = dict(weights_transposed=options["transposed"], **gate)
     config = None if tiles is None else kernel.config.FusedConfig(*tiles)
@@ -141,6 +149,19 @@ def test_megacore_split_matches_reference(kernel, interpret, to_jax, case, rando
     assert _relative_error(split, expected) <= 1e-5
 
 
+@pytest.mark.parametrize("generation", ["v6e", "v5p"])
+def test_fewer_active_experts_than_slots(kernel, interpret, to_jax, generation, random_picks):
+    """One active expert, four slots per step: the first step's empty slots fetch blocks they never use."""
+    layer = list(_layer(random_picks, 9, 64, 48, 6, 2, transposed=True, bias=True))
+    layer[1] = torch.full_like(layer[1], 4)
+    gate = dict(activation="gelu_tanh", weights_transposed=True)
+    expected = kernel.reference.gated_experts_reference(*layer, **gate)
+    config = kernel.config.FusedConfig(16, 48, 4)
+    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate, config=config,
+                                                                generation=generation))
+    assert _relative_error(fused, expected) <= 1e-5
+
+
 def test_tiled_cases_run_what_they_name(kernel, random_picks):
     tokens, hidden, intermediate, experts, top_k, options, _, (chunk, _) = TILED_CASES["chunks-per-expert"]
     _, index, weights, *_ = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, **options)
@@ -148,6 +169,11 @@ def test_tiled_cases_run_what_they_name(kernel, random_picks):
     assert rows.max() > 2 * chunk and rows.min() < rows.max() - chunk, "experts must span different chunk counts"
     for case in ("i-tiles-plain", "i-tiles-transposed", "i-tiles-interleaved"):
         assert TILED_CASES[case][7][1] < TILED_CASES[case][2], f"{case} must tile I"
+    for case in ("experts-per-step", "experts-per-step-interleaved"):
+        tokens, hidden, intermediate, experts, top_k, options, _, (chunk, _, slots) = TILED_CASES[case]
+        _, index, *_ = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, **options)
+        rows = np.bincount(index.numpy().ravel(), minlength=experts)
+        assert (rows > 0).sum() % slots and rows.max() > chunk, f"{case}: a partial last step, several chunks"
 
 
 @pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32])
@@ -161,7 +187,7 @@ def test_bf16_activations_with_either_routing_weights(kernel, interpret, to_jax,
     assert _relative_error(fused, expected) < 2e-2
 
 
-@pytest.mark.parametrize("tiles", [None, (16, 128)])
+@pytest.mark.parametrize("tiles", [None, (16, 128), (16, 256, 3)])
 def test_only_sentinel_picks_give_zeros(kernel, interpret, to_jax, tiles, random_picks):
     layer = _layer(random_picks, 6, 64, 256, 8, 2, transposed=False, bias=True, sentinels=1.0)
     assert bool((layer[1] == 8).all())

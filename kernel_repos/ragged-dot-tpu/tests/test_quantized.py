@@ -108,6 +108,8 @@ LAYER_CASES = {
     "i-tiles": (20, 136, 256, 4, 2, dict(transposed=False, bias=True), dict(activation="silu"), (16, 128)),
     "i-tiles-interleaved": (20, 136, 192, 4, 2, dict(transposed=True, bias=True, std=0.6),
                             dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (16, 64)),
+    # Two experts per step, each slot with its own scales (int8) or scale grids (fp8), the fp8 scratch shared.
+    "experts-per-step": (40, 136, 72, 5, 2, dict(transposed=False, bias=True), dict(activation="silu"), (16, 72, 2)),
     # Gemma 4's down_proj layout: [E, H, I] with I off the 128 lanes, which the kernels read swapped
     # (config.weights_orientation), fp8 block scales swapped with it; gate_up [E, 2I, H] (H = 256) as given.
     "swapped-down": (9, 256, 72, 6, 2, dict(transposed=False, bias=True), dict(activation="gelu_tanh"), None),

@@ -28,8 +28,8 @@ choices made here.
 from __future__ import annotations
 
 from .fused_tiles import (
-    BIAS_BLOCK_EXPERTS, FUSED_MAX_CHUNK_ROWS, FusedConfig, check_fused_config, fused_buffers, fused_chunks,
-    fused_config, fused_vmem_bytes,
+    BIAS_BLOCK_EXPERTS, FUSED_MAX_CHUNK_ROWS, MAX_EXPERTS_PER_STEP, MULTI_EXPERT_MIN_TOKENS, FusedConfig,
+    check_fused_config, experts_per_step_saving, fused_buffers, fused_chunks, fused_config, fused_vmem_bytes,
 )
 from .gmm_tiles import (
     D_LHS_ROW_TILE, HEURISTIC_RHS_BLOCK_BYTES, HEURISTIC_ROW_TILE, MAX_GROUPS_PER_STEP, TUNED_TILES, TileConfig,
@@ -47,14 +47,14 @@ from .weights_layout import WeightsOrientation, weights_orientation
 
 __all__ = [
     "BIAS_BLOCK_EXPERTS", "D_LHS_ROW_TILE", "FUSED_MAX_CHUNK_ROWS", "FUSED_MAX_TOKENS", "HEURISTIC_RHS_BLOCK_BYTES",
-    "HEURISTIC_ROW_TILE", "MAX_GROUPS_PER_STEP", "MAX_UNROLLED_MACS", "MAX_UNROLLED_MATMULS", "TGMM_OUTPUT_SHARE",
-    "TGMM_ROW_TILE", "TUNED_TILES", "Buffer", "FusedConfig", "TgmmConfig", "TileConfig",
-    "TunedKey", "WeightsOrientation", "buffers_bytes", "check_config", "check_fused_config", "check_tgmm_config",
-    "expected_active_groups", "fp8_dequantize_vmem_bytes", "fused_buffers", "fused_chunks", "fused_config",
-    "fused_vmem_bytes", "heuristic_config", "heuristic_tgmm_config", "matmul_buffers", "n_tile", "ridge_rows",
-    "row_chunks", "row_tile_rows", "select_config", "select_d_lhs_config", "select_tgmm_config", "tgmm_blocks",
-    "tgmm_buffers", "tgmm_vmem_bytes", "tgmm_vmem_limit", "use_fused_experts", "vmem_bytes", "vmem_limit",
-    "weights_orientation",
+    "HEURISTIC_ROW_TILE", "MAX_EXPERTS_PER_STEP", "MAX_GROUPS_PER_STEP", "MAX_UNROLLED_MACS", "MAX_UNROLLED_MATMULS",
+    "MULTI_EXPERT_MIN_TOKENS", "TGMM_OUTPUT_SHARE", "TGMM_ROW_TILE", "TUNED_TILES", "Buffer", "FusedConfig",
+    "TgmmConfig", "TileConfig", "TunedKey", "WeightsOrientation", "buffers_bytes", "check_config",
+    "check_fused_config", "check_tgmm_config", "expected_active_groups", "experts_per_step_saving",
+    "fp8_dequantize_vmem_bytes", "fused_buffers", "fused_chunks", "fused_config", "fused_vmem_bytes",
+    "heuristic_config", "heuristic_tgmm_config", "matmul_buffers", "n_tile", "ridge_rows", "row_chunks",
+    "row_tile_rows", "select_config", "select_d_lhs_config", "select_tgmm_config", "tgmm_blocks", "tgmm_buffers",
+    "tgmm_vmem_bytes", "tgmm_vmem_limit", "use_fused_experts", "vmem_bytes", "vmem_limit", "weights_orientation",
 ]
 
 # The fused experts kernel serves calls of at most this many tokens (decode

@@ -7,12 +7,14 @@ call at all is the rule of `config.use_fused_experts`.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
 
 from ._hardware import (
-    LANES, padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, tpu_generation, vmem_budget_bytes,
+    LANES, grid_step_overhead_s, padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, tpu_generation,
+    vmem_budget_bytes,
 )
 from .quant import INT8, blocks, scheme_of
 from .vmem import MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, check_vmem_fits, fp8_dequantize_vmem_bytes
@@ -22,6 +24,17 @@ from .weights_layout import WeightsOrientation, weights_orientation
 # most 128 (the v5e MXU's width); an expert's rows fill whole passes but the
 # last. Not tuned.
 FUSED_MAX_CHUNK_ROWS = 128
+# Several experts per grid step only from this many tokens. A call's first
+# step fetches every slot's weights, and a slot without an active expert
+# then reads one expert's weights for nothing: with T >= 32 tokens of
+# top-k >= 2 routing, fewer active experts on a rank than slots is unlikely
+# even where most picks are other ranks' (Qwen3-30B-A3B at EP8: 16 of 128
+# experts local; 256 picks leave a local expert idle with probability
+# e^-2). Not tuned.
+MULTI_EXPERT_MIN_TOKENS = 32
+# The most experts one grid step takes; more would unroll more matmuls per
+# step for a grid-step cost already divided by the VMEM that holds them.
+MAX_EXPERTS_PER_STEP = 4
 # The fused kernel's biases come in blocks of this many experts (a 16-row
 # block is aligned for 32- and 16-bit types); the kernel picks its expert's
 # row out of the block.
@@ -37,10 +50,15 @@ class FusedConfig(NamedTuple):
     - `tile_i`: intermediate columns per grid step; the whole I unless the
       expert's weights do not fit VMEM double-buffered, then I / n for the
       smallest n whose blocks are aligned and fit.
+    - `experts_per_step`: active experts each grid step runs, one after the
+      other, their weights fetched together (the whole I only): a grid step
+      has a fixed cost (`hardware.grid_step_overhead_s`), so fewer, larger
+      steps stream the same bytes sooner.
     """
 
     chunk_rows: int
     tile_i: int
+    experts_per_step: int = 1
 
 
 def fused_chunks(config: FusedConfig, tokens: int) -> int:
@@ -75,12 +93,12 @@ def fused_buffers(config: FusedConfig, tokens: int, hidden: int, intermediate: i
                   interleaved: bool, has_bias: bool, weights_dtype=None, weights_transposed: bool = False,
                   top_k: int = 1, routing_dtype="float32", cores: int = 1) -> tuple[Buffer, ...]:
     """The fused kernel's blocks and scratch: the resident hidden states and routing, each gate_up part's and the
-    down block (biases, scales) of the item's expert and I tile, the resident output (each core's f32 partial when
+    down block (biases, scales) of each slot's expert and I tile, the resident output (each core's f32 partial when
     `cores` > 1), the f32 accumulator; scratch for interleaved gates, I tiles and fp8 weights. Weights blocks in the
     order the kernel reads them (`weights_orientation`)."""
     dtype, f32 = jnp.dtype(dtype).name, "float32"
     weights_dtype = dtype if weights_dtype is None else jnp.dtype(weights_dtype).name
-    chunk, tile_i = config
+    chunk, tile_i, slots = config
     i_tiles = intermediate // tile_i
     parts = 2 if i_tiles > 1 and not interleaved else 1
     width = tile_i if parts == 2 else 2 * tile_i
@@ -90,16 +108,17 @@ def fused_buffers(config: FusedConfig, tokens: int, hidden: int, intermediate: i
     down_block = (tile_i, hidden) if down_transposed else (hidden, tile_i)
     bias_rows = min(num_experts, BIAS_BLOCK_EXPERTS)
     per_expert_rows = [*[Buffer((bias_rows, width), f32, 2)] * parts, Buffer((bias_rows, hidden), f32, 2)]
-    buffers = [Buffer((tokens, hidden), dtype), Buffer((tokens, top_k), "int32"), Buffer((tokens, top_k), routing_dtype),
-               *[Buffer(gate_up_block, weights_dtype, 2)] * parts, Buffer(down_block, weights_dtype, 2)]
+    slot = [*[Buffer(gate_up_block, weights_dtype, 2)] * parts, Buffer(down_block, weights_dtype, 2)]
     if has_bias:
-        buffers += [b._replace(dtype=dtype) for b in per_expert_rows]
+        slot += [b._replace(dtype=dtype) for b in per_expert_rows]
     if scheme_of(weights_dtype) == INT8:
-        buffers += per_expert_rows
+        slot += per_expert_rows
     elif scheme_of(weights_dtype) is not None:  # fp8: each stored weight's whole grid of block scales
         gate_up_stored = (hidden, 2 * intermediate) if gate_up_transposed else (2 * intermediate, hidden)
         down_stored = (intermediate, hidden) if down_transposed else (hidden, intermediate)
-        buffers += [Buffer(tuple(blocks(d) for d in stored), f32, 2) for stored in (gate_up_stored, down_stored)]
+        slot += [Buffer(tuple(blocks(d) for d in stored), f32, 2) for stored in (gate_up_stored, down_stored)]
+    buffers = [Buffer((tokens, hidden), dtype), Buffer((tokens, top_k), "int32"), Buffer((tokens, top_k), routing_dtype),
+               *slot * slots]
     # The output block never moves (on each core): Mosaic keeps one copy of it.
     buffers += [Buffer((tokens, hidden), dtype if cores == 1 else f32), Buffer((tokens, hidden), f32)]
     if interleaved:
@@ -117,14 +136,15 @@ def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate
                      top_k: int = 1, routing_dtype="float32", cores: int = 1) -> int:
     """VMEM of a fused experts call: its buffers (`fused_buffers`) and the f32 values Mosaic keeps beside them:
     the expert's weight and rank per token as columns, the triangle that counts the ranks, one chunk's gate_up
-    and down results; an int8 block cast to the activation dtype, or what dequantizing fp8 blocks takes."""
+    and down results (the columns once per expert of the step); an int8 block cast to the activation dtype, or
+    what dequantizing fp8 blocks takes."""
     f32 = jnp.float32
     weights_dtype = dtype if weights_dtype is None else weights_dtype
     buffers = fused_buffers(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
                             has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed,
                             top_k=top_k, routing_dtype=routing_dtype, cores=cores)
-    chunk, tile_i = config
-    values = (2 * padded_vmem_bytes((tokens, 1), f32) + padded_vmem_bytes((tokens, tokens), f32)
+    chunk, tile_i, slots = config
+    values = (2 * slots * padded_vmem_bytes((tokens, 1), f32) + padded_vmem_bytes((tokens, tokens), f32)
               + padded_vmem_bytes((chunk, 2 * tile_i), f32) + padded_vmem_bytes((chunk, hidden), f32))
     if scheme_of(weights_dtype) == INT8:
         values += max(padded_vmem_bytes((hidden, 2 * tile_i), dtype), padded_vmem_bytes((2 * tile_i, hidden), dtype))
@@ -139,6 +159,30 @@ def fused_cores(generation: str) -> int:
     return tpu_generation(generation).cores_per_device
 
 
+def experts_per_step_saving(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int,
+                            weights_dtype, generation: str) -> float:
+    """Seconds a call saves with `config.experts_per_step` experts per grid step rather than one (negative: loses).
+
+    Each step saved saves its fixed cost (`grid_step_overhead_s`); what the
+    larger steps lose is the pipeline's edges: the first step's weights
+    arrive before any compute and the last step's compute follows the last
+    fetch, so one of the two grows by the extra experts' fetch or compute,
+    whichever is shorter. Active experts as `expected_active_groups` of T
+    picks (top-1: the fewest a call can have), split over the device's cores;
+    an expert's rows its share of T, in whole chunks, each chunk's MXU work
+    the expert's matmuls and the one-hot gather and scatter over the T
+    tokens; per-core HBM and bf16 MXU peaks.
+    """
+    chip = tpu_generation(generation)
+    active = num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** tokens)
+    per_core = active / chip.cores_per_device
+    steps_saved = math.ceil(per_core) - math.ceil(per_core / config.experts_per_step)
+    fetch = 3 * hidden * intermediate * jnp.dtype(weights_dtype).itemsize / chip.hbm_bytes_per_s
+    mxu_rows = config.chunk_rows * math.ceil(tokens / active / config.chunk_rows)
+    compute = 2 * mxu_rows * (3 * hidden * intermediate + 2 * tokens * hidden) / chip.bf16_flops_per_s
+    return steps_saved * grid_step_overhead_s(generation) - (config.experts_per_step - 1) * min(fetch, compute)
+
+
 def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *, weights_transposed: bool,
                  interleaved: bool, has_bias: bool, weights_dtype=None, generation: str | None = None) -> FusedConfig | None:
     """The fused kernel's blocks for this layer, or None if no I tiling fits VMEM.
@@ -147,9 +191,11 @@ def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, 
     in chunks of at most FUSED_MAX_CHUNK_ROWS (more if T needs more than
     MAX_UNROLLED_MATMULS of them). I: whole, or I / n for the smallest n that is
     aligned (`_tile_i_aligned`) and fits the VMEM budget of `generation`
-    (default: this device's). Not tuned per generation otherwise: decode
-    streams each active expert's weights once whatever the tiles, so they only
-    need to fit.
+    (default: this device's). Experts per step: with the whole I and at least
+    MULTI_EXPERT_MIN_TOKENS tokens, of those that fit (up to
+    MAX_EXPERTS_PER_STEP and the experts), the one `experts_per_step_saving`
+    rates best. Not tuned per generation otherwise: decode streams each
+    active expert's weights once whatever the tiles, so they only need to fit.
     """
     sublanes = sublane_multiple(dtype)
     chunk = max(min(round_up(tokens, sublanes), FUSED_MAX_CHUNK_ROWS),
@@ -164,12 +210,22 @@ def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, 
         if not _tile_i_aligned(tile_i, intermediate, dtype, orientation=orientation, interleaved=interleaved,
                                has_bias=has_bias, weights_dtype=weights_dtype):
             continue
+        def fits(config: FusedConfig) -> bool:
+            return fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
+                                    has_bias=has_bias, weights_dtype=weights_dtype,
+                                    weights_transposed=weights_transposed, cores=cores) <= budget
+
         config = FusedConfig(chunk, tile_i)
-        needed = fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
-                                  has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed,
-                                  cores=cores)
-        if needed <= budget:
+        if not fits(config):
+            continue
+        if tile_i < intermediate or tokens < MULTI_EXPERT_MIN_TOKENS:
             return config
+        chunks = fused_chunks(config, tokens)
+        most = min(MAX_EXPERTS_PER_STEP, num_experts, MAX_UNROLLED_MATMULS // chunks)
+        weights = dtype if weights_dtype is None else weights_dtype
+        candidates = [c for c in (config._replace(experts_per_step=n) for n in range(1, most + 1)) if fits(c)]
+        return max(candidates, key=lambda c: experts_per_step_saving(c, tokens, hidden, intermediate, num_experts,
+                                                                     weights, generation))
     return None
 
 
@@ -182,10 +238,14 @@ def check_fused_config(config: FusedConfig, tokens: int, hidden: int, intermedia
     for name, value in config._asdict().items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"config.{name} must be a positive int, got {value!r}")
-    if fused_chunks(config, tokens) > MAX_UNROLLED_MATMULS:
+    if fused_chunks(config, tokens) * config.experts_per_step > MAX_UNROLLED_MATMULS:
         raise ValueError(
-            f"config: {tokens} tokens make more than {MAX_UNROLLED_MATMULS} chunks of {config.chunk_rows} rows per step"
+            f"config: {tokens} tokens of {config.experts_per_step} experts make more than {MAX_UNROLLED_MATMULS} "
+            f"chunks of {config.chunk_rows} rows per step"
         )
+    if config.experts_per_step > 1 and config.tile_i != intermediate:
+        raise ValueError(f"config.experts_per_step={config.experts_per_step} needs the whole I per step "
+                         f"(tile_i={intermediate}), got tile_i={config.tile_i}")
     if config.chunk_rows % sublane_multiple(dtype):
         raise ValueError(f"config.chunk_rows={config.chunk_rows} must be a multiple of {sublane_multiple(dtype)}")
     orientation = weights_orientation(hidden, intermediate, weights_transposed=weights_transposed)

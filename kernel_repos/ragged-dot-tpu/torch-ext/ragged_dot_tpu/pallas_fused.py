@@ -6,8 +6,10 @@ gate_up -> gated activation -> down on the rows that picked it, weighted by
 their routing weights and summed into the tokens' outputs, with every
 intermediate in VMEM.
 
-Schedule: the grid is (items, I tiles), one item per active expert
-(`routing.expert_plan`), so:
+Schedule: the grid is (steps, I tiles); an item is one active expert
+(`routing.expert_plan`), and each step runs `plan.experts_per_step` items
+one after the other, each from its own slot of weights blocks (several only
+with the whole I: a grid step has a fixed cost, which they then share). So:
 - an expert without picks has no grid step and its weights are never read;
   other ranks' sentinel picks reach no item at all;
 - each active expert's weights are read exactly once (one block per I tile);
@@ -18,11 +20,12 @@ fetches the blocks of a grid's first step; a zero-step grid is not relied
 upon): it writes zeros and reads one block of one expert's weights.
 
 On a megacore device (v5p: two TensorCores, `plan.cores` 2) the grid is
-(cores, items per core, I tiles), its first axis "parallel": each core takes
+(cores, steps per core, I tiles), its first axis "parallel": each core takes
 a contiguous half of the items and sums them into an f32 partial output of
-its own, and XLA adds the two partials. A core's items past the last active
-expert are empty; their blocks are the last active expert's, which the
-pipeline does not fetch again.
+its own, and XLA adds the two partials. A slot past its core's items is
+empty and keeps the blocks of its last real item, which the pipeline does
+not fetch again (`_slot_item`); only at a core's first step can a slot
+without any item fetch blocks it does not use.
 
 The routing (`top_k_index`, `top_k_weights`) is resident too. At each item
 the kernel sums each token's weights for the item's expert; the expert's
@@ -121,7 +124,8 @@ def _token_columns(index_ref, weights_ref, expert, tokens: int):
 
 
 class _Refs(NamedTuple):
-    """The kernel body's refs past the routing, by role (each tuple one per gate_up part)."""
+    """The kernel body's refs past the routing that one slot of experts uses, by role (each tuple one per gate_up
+    part): its own blocks, then the output and scratch all slots share."""
 
     gate_up: tuple
     down: object
@@ -137,7 +141,9 @@ class _Refs(NamedTuple):
     dequantized: tuple  # fp8: the step's gate_up part(s), then down, dequantized
 
 
-def _split_refs(refs, plan: FusedPlan) -> _Refs:
+def _split_refs(refs, plan: FusedPlan) -> tuple[_Refs, ...]:
+    """The body's refs past the routing, one `_Refs` per slot of experts: each its own weights blocks (biases,
+    scales), all sharing the output, accumulator and scratch."""
     parts, problem = plan.gate_up_parts, plan.problem
     quantization = scheme_of(problem.weights_dtype)
 
@@ -146,19 +152,22 @@ def _split_refs(refs, plan: FusedPlan) -> _Refs:
         taken, refs = tuple(refs[:count]), refs[count:]
         return taken
 
-    gate_up, (down,) = take(parts), take(1)
-    gate_up_bias, down_bias = (take(parts), take(1)[0]) if problem.has_bias else ((), None)
-    if quantization == INT8:
-        gate_up_scales, down_scales = take(parts), take(1)[0]
-    elif quantization == FP8:
-        gate_up_scales, (down_scales,) = take(1), take(1)
-    else:
-        gate_up_scales, down_scales = (), None
+    def slot_refs():
+        gate_up, (down,) = take(parts), take(1)
+        gate_up_bias, down_bias = (take(parts), take(1)[0]) if problem.has_bias else ((), None)
+        if quantization == INT8:
+            gate_up_scales, down_scales = take(parts), take(1)[0]
+        elif quantization == FP8:
+            gate_up_scales, (down_scales,) = take(1), take(1)
+        else:
+            gate_up_scales, down_scales = (), None
+        return gate_up, down, gate_up_bias, down_bias, gate_up_scales, down_scales
+
+    slots = [slot_refs() for _ in range(plan.experts_per_step)]
     out, out_acc, *scratch = refs
     gate_up_t = scratch.pop(0) if problem.gate.interleaved else None
     rows_cache, partial_out = (scratch.pop(0), scratch.pop(0)) if plan.i_tiles > 1 else (None, None)
-    return _Refs(gate_up, down, gate_up_bias, down_bias, gate_up_scales, down_scales, out, out_acc, gate_up_t,
-                 rows_cache, partial_out, tuple(scratch))
+    return tuple(_Refs(*slot, out, out_acc, gate_up_t, rows_cache, partial_out, tuple(scratch)) for slot in slots)
 
 
 def _dequantize_step(refs: _Refs, i_step, plan: FusedPlan) -> None:
@@ -232,60 +241,51 @@ def _expert_rows(rows, refs: _Refs, expert: _Expert, plan: FusedPlan):
                    down_scales, expert, plan)
 
 
-def _item(core, local, count_ref, plan: FusedPlan):
-    """(the item `core` runs at its `local`-th step, clamped to the expert table; whether it is a real one)."""
+def _slot_item(core, step, slot: int, count, plan: FusedPlan):
+    """(the item `slot` runs at the core's `step`, an index into the expert table; whether it is a real one).
+
+    A core takes a contiguous share of the `count` items, `experts_per_step`
+    per step. A slot past its share keeps its last real item, whose blocks
+    the pipeline then does not fetch again; a slot without any (fewer items
+    than slots) takes the core's last item.
+    """
+    slots = plan.experts_per_step
     # lax.div: jnp's floor division lowers through sign(), whose Mosaic rule asks the attached device its
-    # generation (there is none in an ahead-of-time compile); the count is positive, so truncation is floor.
-    per_core = lax.div(count_ref[0] + plan.cores - 1, plan.cores)
-    item = core * per_core + local
-    return jnp.minimum(item, plan.problem.num_experts - 1), item < count_ref[0]
+    # generation (there is none in an ahead-of-time compile); both operands are >= 0, so truncation is floor.
+    per_core = lax.div(count + plan.cores - 1, plan.cores)
+    owned = jnp.clip(count - core * per_core, 0, per_core)
+    local = step * slots + slot
+    last_local = jnp.where(owned > slot, lax.div(jnp.maximum(owned - slot - 1, 0), slots) * slots + slot, owned - 1)
+    item = core * per_core + jnp.where(local < owned, local, last_local)
+    return jnp.clip(item, 0, plan.problem.num_experts - 1), local < owned
 
 
-def _on_cores(spec: pl.BlockSpec, plan: FusedPlan) -> pl.BlockSpec:
-    """`spec`, indexed by (core, step of the core, I tile) instead of (item, I tile)."""
-    def index_map(core, local, i, expert, rows, count):
-        return spec.index_map(_item(core, local, count, plan)[0], i, expert, rows, count)
+def _grid_position(plan: FusedPlan):
+    """(core, step of the core, I tile, and the number of each) from the grid: (steps, I tiles) on one core,
+    (cores, steps per core, I tiles) on a megacore device."""
+    if plan.cores == 1:
+        return 0, pl.program_id(0), pl.program_id(1), pl.num_programs(0), pl.num_programs(1)
+    return pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.num_programs(1), pl.num_programs(2)
+
+
+def _slot_spec(spec: pl.BlockSpec, slot: int, plan: FusedPlan) -> pl.BlockSpec:
+    """`spec` (indexed by item and I tile) as the blocks of `slot`, indexed by the grid (`_grid_position`)."""
+    def index_map(*indices):
+        *position, i, expert, rows, count = indices
+        core, step = position if plan.cores > 1 else (0, position[0])
+        return spec.index_map(_slot_item(core, step, slot, count[0], plan)[0], i, expert, rows, count)
 
     return pl.BlockSpec(spec.block_shape, index_map, pipeline_mode=spec.pipeline_mode)
 
 
-class _Step(NamedTuple):
-    """Where the grid is: the item and its expert's picks, the I tile, and whether this is the core's first or
-    last step."""
-
-    item: object
-    picks: object
-    i_step: object
-    last_i: object
-    first: object
-    last: object
-
-
-def _step(rows_ref, count_ref, plan: FusedPlan) -> _Step:
-    if plan.cores == 1:
-        item, i_step = pl.program_id(0), pl.program_id(1)
-        last_i = pl.num_programs(1) - 1
-        last_item = pl.num_programs(0) - 1
-        return _Step(item, rows_ref[item], i_step, last_i, jnp.logical_and(item == 0, i_step == 0),
-                     jnp.logical_and(item == last_item, i_step == last_i))
-    local, i_step = pl.program_id(1), pl.program_id(2)
-    item, real = _item(pl.program_id(0), local, count_ref, plan)
-    last_i = pl.num_programs(2) - 1
-    return _Step(item, jnp.where(real, rows_ref[item], 0), i_step, last_i, jnp.logical_and(local == 0, i_step == 0),
-                 jnp.logical_and(local == pl.num_programs(1) - 1, i_step == last_i))
-
-
-def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *refs, plan: FusedPlan):
-    refs = _split_refs(refs, plan)
+def _expert_step(slot: int, refs: _Refs, expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref,
+                 core, step, i_step, last_i, plan: FusedPlan) -> None:
+    """One slot's expert at this grid step: its rows gathered, run through the I tile, weighted and added to
+    their tokens' outputs (under `pl.when`s that skip chunks past its picks, and a slot without an item)."""
     problem, chunk = plan.problem, plan.chunk_rows
     dtype = hidden_ref.dtype
-    step = _step(rows_ref, count_ref, plan)
-    expert_id, picks, i_step, last_i = expert_ref[step.item], step.picks, step.i_step, step.last_i
-
-    @pl.when(step.first)
-    def _():
-        refs.out_acc[...] = jnp.zeros_like(refs.out_acc)
-
+    item, real = _slot_item(core, step, slot, count_ref[0], plan)
+    expert_id, picks = expert_ref[item], jnp.where(real, rows_ref[item], 0)
     gate_up, down = refs.gate_up, refs.down
     if scheme_of(problem.weights_dtype) == FP8:
         pl.when(picks > 0)(lambda: _dequantize_step(refs, i_step, plan))
@@ -296,8 +296,8 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *
 
     def one_hot(first):
         """[T, chunk]: column r is the one-hot of the expert's row first + r (none past its rows)."""
-        slot = (first + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)).astype(jnp.float32)
-        return jnp.logical_and(weight_column != 0.0, rank_column == slot)
+        slot_rows = (first + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)).astype(jnp.float32)
+        return jnp.logical_and(weight_column != 0.0, rank_column == slot_rows)
 
     def gather(first):
         return _dot(one_hot(first).astype(dtype), hidden_ref[...], 0, 0, precision).astype(dtype)
@@ -325,9 +325,24 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *
             continue
         _chunk_over_i_tiles(first, live, i_step, last_i, gather, scatter, refs, expert, plan)
 
-    @pl.when(step.last)
+
+def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *refs, plan: FusedPlan):
+    slot_refs = _split_refs(refs, plan)
+    shared = slot_refs[0]
+    core, step, i_step, steps, i_steps = _grid_position(plan)
+    last_i = i_steps - 1
+
+    @pl.when(jnp.logical_and(step == 0, i_step == 0))
     def _():
-        refs.out[...] = refs.out_acc[...].astype(refs.out.dtype)
+        shared.out_acc[...] = jnp.zeros_like(shared.out_acc)
+
+    for slot, refs_of_slot in enumerate(slot_refs):
+        _expert_step(slot, refs_of_slot, expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, core,
+                     step, i_step, last_i, plan)
+
+    @pl.when(jnp.logical_and(step == steps - 1, i_step == last_i))
+    def _():
+        shared.out[...] = shared.out_acc[...].astype(shared.out.dtype)
 
 
 def _chunk_over_i_tiles(first, live, i_step, last_i, gather, scatter, refs: _Refs, expert: _Expert,
@@ -464,15 +479,16 @@ def fused_experts_call(plan: FusedPlan, hidden_states: jax.Array, top_k_index: j
         scratch += [pltpu.VMEM((rows, hidden), dtype), pltpu.VMEM((rows, hidden), jnp.float32)]
     # A call without live picks runs its one empty item over one I tile only: one block of weights read.
     i_grid = plan.i_tiles if plan.i_tiles == 1 else jnp.where(items.rows[0] > 0, plan.i_tiles, 1)
+    per_core = (items.count[0] + plan.cores - 1) // plan.cores
+    steps = (per_core + plan.experts_per_step - 1) // plan.experts_per_step
+    weight_specs = [_slot_spec(spec, slot, plan) for slot in range(plan.experts_per_step) for spec in specs.in_specs]
     if plan.cores == 1:
         # Every step adds into the one resident output: no axis can be split.
-        grid, semantics, weight_specs = (items.count[0], i_grid), ("arbitrary", "arbitrary"), specs.in_specs
+        grid, semantics = (steps, i_grid), ("arbitrary", "arbitrary")
         out_shape = jax.ShapeDtypeStruct((tokens, hidden), dtype)
         out_spec = pl.BlockSpec((tokens, hidden), lambda *_: (0, 0))
     else:
-        per_core = (items.count[0] + plan.cores - 1) // plan.cores
-        grid, semantics = (plan.cores, per_core, i_grid), ("parallel", "arbitrary", "arbitrary")
-        weight_specs = [_on_cores(spec, plan) for spec in specs.in_specs]
+        grid, semantics = (plan.cores, steps, i_grid), ("parallel", "arbitrary", "arbitrary")
         out_shape = jax.ShapeDtypeStruct((plan.cores, tokens, hidden), jnp.float32)
         out_spec = pl.BlockSpec((None, tokens, hidden), lambda core, *_: (core, 0, 0))
     call = pl.pallas_call(
@@ -490,5 +506,6 @@ def fused_experts_call(plan: FusedPlan, hidden_states: jax.Array, top_k_index: j
         cost_estimate=_cost(plan, weights),
         name="fused_experts",
     )
-    out = call(items.expert, items.rows, items.count, hidden_states, top_k_index, top_k_weights, *specs.operands)
+    operands = specs.operands * plan.experts_per_step
+    out = call(items.expert, items.rows, items.count, hidden_states, top_k_index, top_k_weights, *operands)
     return out if plan.cores == 1 else jnp.sum(out, axis=0).astype(dtype)

@@ -122,6 +122,7 @@ class FusedPlan(NamedTuple):
     tile_i: int
     i_tiles: int
     gate_up_parts: int  # 2: gate and up blocks apart (concatenated, I tiled); 1: one block of both
+    experts_per_step: int  # active experts (items) each grid step runs, one per slot of blocks
     cores: int  # TensorCores the items are split over (`fused_tiles.fused_cores`: 2 on v5p)
     buffers: tuple[Buffer, ...]  # what the pipeline holds in VMEM (`fused_buffers`)
     vmem_limit_bytes: int
@@ -145,7 +146,8 @@ def plan_fused(problem: ExpertsProblem, config: FusedConfig | None = None, gener
     return FusedPlan(
         problem=problem, orientation=_orientation(problem), chunk_rows=config.chunk_rows,
         chunks=fused_chunks(config, problem.tokens), tile_i=config.tile_i, i_tiles=i_tiles,
-        gate_up_parts=2 if i_tiles > 1 and not problem.gate.interleaved else 1, cores=cores,
+        gate_up_parts=2 if i_tiles > 1 and not problem.gate.interleaved else 1,
+        experts_per_step=config.experts_per_step, cores=cores,
         buffers=fused_buffers(config, *shape.args, **options),
         vmem_limit_bytes=vmem_limit_bytes(fused_vmem_bytes(config, *shape.args, **options), generation),
         active_experts=expected_active_groups(problem.picks, problem.num_experts),
