@@ -76,11 +76,14 @@ GRID_STEP_OVERHEAD_S_BY_GENERATION = {"tpu7x": 0.72e-6}
 MOSAIC_SCRATCH_BYTES = {"tpu7x": 8 * MIB}
 DEFAULT_MOSAIC_SCRATCH_BYTES = 4 * MIB
 # A kernel never asks for less than the smallest default (v5e's 16 MiB), nor
-# for more than 100/128 of a core's VMEM (100 MiB on v5e and v6e, 50 MiB on v5p
-# and TPU7x): the rest is left to the compiler. The share is a choice, not a
-# measured limit (the module docstring has the measured one).
+# for more than a core's VMEM less what is left to the compiler (XLA's own
+# VMEM use around the kernel): 28 MiB of the 128 of v5e and v6e (a kernel asks
+# for at most 100), 8 MiB of the 64 of v5p and TPU7x (at most 56; blocks of
+# 60 MiB compile there, module docstring). Choices, not measured limits; every
+# declared shape's compile checks them.
 MIN_VMEM_LIMIT_BYTES = DEFAULT_SCOPED_VMEM_BYTES["v5e"]
-MAX_VMEM_SHARE = 100 / 128
+COMPILER_VMEM_BYTES = {"v5p": 8 * MIB, "tpu7x": 8 * MIB}
+DEFAULT_COMPILER_VMEM_BYTES = 28 * MIB
 
 
 class UnsupportedTpuError(RuntimeError):
@@ -259,8 +262,10 @@ def default_layout_swaps_minor_dims(shape: Sequence[int]) -> bool:
 
 
 def max_vmem_limit_bytes(generation: str) -> int:
-    """The most VMEM a kernel asks for on `generation`: MAX_VMEM_SHARE of a core's, in whole MiB."""
-    return int(tpu_generation(generation).vmem_capacity_bytes * MAX_VMEM_SHARE) // MIB * MIB
+    """The most VMEM a kernel asks for on `generation`: a core's, less what is left to the compiler
+    (COMPILER_VMEM_BYTES)."""
+    return tpu_generation(generation).vmem_capacity_bytes - COMPILER_VMEM_BYTES.get(generation,
+                                                                                  DEFAULT_COMPILER_VMEM_BYTES)
 
 
 def mosaic_scratch_bytes(generation: str) -> int:

@@ -27,7 +27,7 @@ from ._hardware import (
 # (16 MiB). Chosen with the preferred tiles below, not measured separately.
 # v5p and TPU7x have 64 MiB per core: 24 MiB each, whose limit with
 # WORKING_SET_MARGIN and Mosaic's scratch (40 MiB, 44 on TPU7x) stays under
-# the 50 MiB a kernel asks for there (_hardware.max_vmem_limit_bytes).
+# the 56 MiB a kernel may ask for there (_hardware.max_vmem_limit_bytes).
 VMEM_BUDGET_BYTES = {"v5e": 24 * MIB, "v5p": 24 * MIB, "v6e": 32 * MIB, "tpu7x": 24 * MIB}
 # Preferred tiles (query positions per prefill block, keys per prefill block,
 # keys per decode block), chosen with the grid-replay model of

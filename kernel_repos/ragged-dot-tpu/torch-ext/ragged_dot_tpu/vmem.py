@@ -40,7 +40,7 @@ class Buffer(NamedTuple):
 
 def check_vmem_fits(config, needed: int, generation: str | None) -> None:
     """Raises ValueError if `needed` bytes of VMEM pass the budget of `generation` (default: this device's):
-    `_hardware.vmem_budget_bytes`: 96 MiB on v5e and v6e, 46 MiB on v5p, 42 MiB on TPU7x."""
+    `_hardware.vmem_budget_bytes`: 96 MiB on v5e and v6e, 52 MiB on v5p, 48 MiB on TPU7x."""
     generation = resolve_generation(generation)
     budget = vmem_budget_bytes(generation)
     if needed > budget:

@@ -28,7 +28,7 @@ VMEM_BUDGET_FRACTION = 0.8
 # Beyond this share of physical VMEM a block of the fewest rows is refused
 # rather than the limit raised: 96 of the 128 MiB of v5e and v6e, 48 of the
 # 64 MiB of v5p and TPU7x, below the most any of our kernels asks for
-# (_hardware.max_vmem_limit_bytes: 100 and 50 MiB).
+# (_hardware.max_vmem_limit_bytes: 100 and 56 MiB).
 VMEM_CAPACITY_FRACTION = 0.75
 # The scoped limit blocks are sized for on a generation whose default is not
 # known (TPU7x: _hardware's docstring): the kernel asks for it explicitly.
