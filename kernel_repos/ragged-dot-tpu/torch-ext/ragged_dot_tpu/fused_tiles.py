@@ -16,17 +16,22 @@ from ._hardware import (
     LANES, grid_step_overhead_s, padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, tpu_generation,
     vmem_budget_bytes,
 )
+from .gmm_tiles import expected_active_groups
 from .quant import INT8, blocks, scheme_of
 from .vmem import MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, check_vmem_fits, fp8_dequantize_vmem_bytes
 from .weights_layout import WeightsOrientation, weights_orientation
 
 # Rows per MXU pass of the fused kernel: T rounded to the native tile, at
-# most 64. A decode step gives each expert few rows (Qwen3-30B-A3B at EP8 and
-# 256 tokens: 16 on average) and a chunk runs whole, so smaller chunks waste
-# less MXU work and VMEM; an expert with more rows takes more passes. 64
-# models faster than 128 at the moe_layer decode shapes tried (Qwen3 and
-# Gemma 4 at 256 tokens, v6e and TPU7x); not searched further.
-FUSED_MAX_CHUNK_ROWS = 64
+# most 128 (the v5e MXU's width); at most 64 where each expert expects few
+# rows (T over the experts T picks would activate, at most
+# FEW_ROWS_PER_EXPERT; Qwen3-30B-A3B at EP8 and 256 tokens: 16). A chunk runs
+# whole, so there smaller chunks waste less MXU work and VMEM; where experts
+# get more rows, fewer chunks load the weights and the hidden states into the
+# MXU fewer times (GPT-OSS at EP8, 256 tokens: 64 rows each, 2 % slower in
+# 64-row chunks). Chosen on moe_layer's decode shapes, not searched further.
+FUSED_MAX_CHUNK_ROWS = 128
+FEW_ROWS_CHUNK_ROWS = 64
+FEW_ROWS_PER_EXPERT = 32
 # Several experts per grid step only from this many tokens. A call's first
 # step fetches every slot's weights, and a slot without an active expert
 # then reads one expert's weights for nothing: with T >= 32 tokens of
@@ -177,7 +182,7 @@ def experts_per_step_saving(config: FusedConfig, tokens: int, hidden: int, inter
     tokens; per-core HBM and bf16 MXU peaks.
     """
     chip = tpu_generation(generation)
-    active = num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** tokens)
+    active = expected_active_groups(tokens, num_experts)
     per_core = active / chip.cores_per_device
     steps_saved = math.ceil(per_core) - math.ceil(per_core / config.experts_per_step)
     fetch = 3 * hidden * intermediate * jnp.dtype(weights_dtype).itemsize / chip.hbm_bytes_per_s
@@ -191,7 +196,8 @@ def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, 
     """The fused kernel's blocks for this layer, or None if no I tiling fits VMEM.
 
     Rows: T (the most one expert can get) rounded to the native sublane tile,
-    in chunks of at most FUSED_MAX_CHUNK_ROWS (more if T needs more than
+    in chunks of at most FUSED_MAX_CHUNK_ROWS, or FEW_ROWS_CHUNK_ROWS where
+    each expert expects few rows (more if T needs more than
     MAX_UNROLLED_MATMULS of them). I: whole, or I / n for the smallest n that is
     aligned (`_tile_i_aligned`) and fits the VMEM budget of `generation`
     (default: this device's). Experts per step: with the whole I and at least
@@ -201,7 +207,8 @@ def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, 
     active expert's weights once whatever the tiles, so they only need to fit.
     """
     sublanes = sublane_multiple(dtype)
-    chunk = max(min(round_up(tokens, sublanes), FUSED_MAX_CHUNK_ROWS),
+    few_rows = tokens / expected_active_groups(tokens, num_experts) <= FEW_ROWS_PER_EXPERT
+    chunk = max(min(round_up(tokens, sublanes), FEW_ROWS_CHUNK_ROWS if few_rows else FUSED_MAX_CHUNK_ROWS),
                 round_up(-(-tokens // MAX_UNROLLED_MATMULS), sublanes))
     orientation = weights_orientation(hidden, intermediate, weights_transposed=weights_transposed)
     generation = resolve_generation(generation)
