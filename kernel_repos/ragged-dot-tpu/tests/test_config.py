@@ -143,6 +143,29 @@ def test_select_config_is_the_heuristic_unless_the_shape_is_tuned(config, monkey
         config.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16, transpose_rhs=True)
 
 
+def test_megacore_heuristic_tiles_give_each_core_an_n_tile(config):
+    """v5p's two cores split the grouped matmul's N tiles (its parallel axis): at least two where N allows."""
+    for m, k, n in ((16384, 2048, 1536), (16384, 768, 2048), (16384, 704, 2816), (512, 256, 512)):
+        v5p = config.heuristic_config(m, k, n, jnp.bfloat16, "v5p", 128, jnp.bfloat16, True)
+        assert -(-n // v5p.tile_n) >= 2, (m, k, n, v5p)
+        assert config.heuristic_config(m, k, n, jnp.bfloat16, "v5e", 128, jnp.bfloat16, True).tile_n >= v5p.tile_n
+    # Up to 256 columns stay one tile (`n_tile`'s narrowest).
+    assert config.heuristic_config(512, 256, 256, jnp.bfloat16, "v5p", 8).tile_n == 256
+
+
+def test_the_shipped_tuned_tiles_run_and_are_selected(config):
+    """tuned_tiles.json (written by tpu-kernels' moe_layer --tune-ours): every entry is a legal config on its
+    generation, differs from the heuristic and is what select_config returns for its shape."""
+    assert config.TUNED_TILES, "the package ships its tuned tiles"
+    for key, tiles in config.TUNED_TILES.items():
+        shape = (key.m, key.k, key.n, jnp.dtype(key.dtype))
+        config.check_config(tiles, *shape, jnp.dtype(key.rhs_dtype), key.transpose_rhs, generation=key.generation)
+        assert tiles != config.heuristic_config(*shape, key.generation, key.groups, jnp.dtype(key.rhs_dtype),
+                                                key.transpose_rhs)
+        assert config.select_config(*shape, generation=key.generation, num_groups=key.groups,
+                                    rhs_dtype=jnp.dtype(key.rhs_dtype), transpose_rhs=key.transpose_rhs) == tiles
+
+
 def test_select_config_uses_the_current_generation_and_refuses_unknown_ones(config, monkeypatch):
     # Off TPU the kernels tile as for v6e; TPU_KERNELS_GENERATION picks another supported one.
     shape = (65536, 1000, 1000, jnp.bfloat16)

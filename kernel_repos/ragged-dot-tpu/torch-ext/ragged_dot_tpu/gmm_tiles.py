@@ -1,7 +1,7 @@
 """Tiles of the grouped matmul (`pallas_gmm.ragged_dot`): `TileConfig` and how one is chosen.
 
-A config comes from `select_config`: the `TUNED_TILES` entry of the shape,
-else a VMEM-aware heuristic (`heuristic_config`); a caller who has tuned a
+A config comes from `select_config`: the `TUNED_TILES` entry of the shape
+(tuned_tiles.json), else a VMEM-aware heuristic (`heuristic_config`); a caller who has tuned a
 shape passes its own (`ragged_dot(..., config=...)`). Five knobs:
 
 - `tile_m`, `tile_k`, `tile_n`: the lhs `(tile_m, tile_k)`, rhs `(tile_k,
@@ -24,6 +24,8 @@ The backward's d_lhs grouped matmul takes these tiles with longer row tiles
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -80,10 +82,18 @@ class TunedKey(NamedTuple):
     transpose_rhs: bool
 
 
-# Tiles measured best on a TPU, per shape: data, taken over the heuristic by `select_config`. Empty until a
-# sweep runs on a real chip (none is at hand here: the heuristic's choices are what the grid-replay model and
-# the AOT compiles checked). An entry is `TunedKey(...): TileConfig(...)`.
-TUNED_TILES: dict[TunedKey, TileConfig] = {}
+# Tiles tuned per shape, taken over the heuristic by `select_config`: data in tuned_tiles.json beside this
+# module, written by tpu-kernels' `bench moe_layer --tune-ours` (a search on its calibrated model, as its
+# rivals get; not measured on a TPU). A shape not in it takes the heuristic.
+TUNED_TILES_FILE = Path(__file__).with_name("tuned_tiles.json")
+
+
+def _tuned_tiles() -> dict[TunedKey, TileConfig]:
+    entries = json.loads(TUNED_TILES_FILE.read_text())["entries"]
+    return {TunedKey(**entry["key"]): TileConfig(*entry["tiles"]) for entry in entries}
+
+
+TUNED_TILES: dict[TunedKey, TileConfig] = _tuned_tiles()
 
 
 def matmul_buffers(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None,
@@ -236,7 +246,8 @@ def heuristic_config(m: int, k: int, n: int, dtype, generation: str, num_groups:
 
     Weights blocks are as large as HEURISTIC_RHS_BLOCK_BYTES allows (K whole
     if it fits, else halved down to 512; N whole or the tile of `n_tile`,
-    which wastes the fewest MXU passes) so each active group's weights are
+    which wastes the fewest MXU passes; on a megacore device at least one N
+    tile per core, the axis its two cores split) so each active group's weights are
     fetched once per N tile in few grid steps. Rows: one resident tile in
     chunks of the MXU width when the rows per group stay under `ridge_rows`,
     else HEURISTIC_ROW_TILE rows, else one chunk of rows; the first that fits.
@@ -246,7 +257,12 @@ def heuristic_config(m: int, k: int, n: int, dtype, generation: str, num_groups:
     rhs_block_bytes = HEURISTIC_RHS_BLOCK_BYTES[generation]
 
     tile_k = k
-    tile_n = n_tile(n, rhs_block_bytes // (k * itemsize), tpu_generation(generation).mxu_size)
+    max_cols = rhs_block_bytes // (k * itemsize)
+    cores = tpu_generation(generation).cores_per_device
+    if cores > 1:
+        # A megacore device (v5p) splits the grid's first parallel axis, the N tiles: at least one per core.
+        max_cols = min(max_cols, round_up(-(-n // cores), LANES))
+    tile_n = n_tile(n, max_cols, tpu_generation(generation).mxu_size)
     while tile_k * tile_n * itemsize > rhs_block_bytes and tile_k > 512:
         tile_k = max(512, round_up(tile_k // 2, 256))
 

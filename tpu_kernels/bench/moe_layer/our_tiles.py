@@ -1,0 +1,107 @@
+"""Ours tuned as the rivals are: a search over our grouped matmul's tiles at every prefill case, kept as data.
+
+`tpu-kernels bench moe_layer --tune-ours` replays ragged-dot's grouped
+matmul (`pallas_gmm.ragged_dot`) of each projection of each prefill case at
+candidate tiles around its heuristic's (row tiles of 256 to 2048 rows, the
+heuristic's N tile and the whole N, chunks of one MXU width), prices each
+standalone on the calibrated model per generation, as the rivals' search
+does (`tuning.tune_rival`), and writes every shape whose best candidate beats
+the heuristic by at least MIN_GAIN into the kernel repo's
+`tuned_tiles.json`, which `gmm_tiles.select_config` takes over the
+heuristic at run time. The heuristic stays the fallback for every other
+shape. The table changes no kernel code.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from tpu_kernels.runtime.hardware import LANES, tpu_generation
+
+from .cache import Cache, replay
+from .modelling import standalone
+from .rivals import stored_order
+from .shapes import DTYPE, Case, projections
+
+# The file in ragged-dot's package that holds the table (`gmm_tiles.TUNED_TILES_FILE`).
+TABLE = Path("torch-ext/ragged_dot_tpu/tuned_tiles.json")
+# An entry is kept only where the search beats the heuristic by this share: below it the model's own
+# error (p90 5.7 % on measured Pallas ragged dots) decides, and the heuristic is the simpler claim.
+MIN_GAIN = 0.01
+ROW_TILES = (256, 512, 1024, 2048)
+
+
+def candidates(built, key, generation: str) -> list:
+    """Tiles to try for one grouped matmul `key` (a `TunedKey`): the heuristic's, other row tiles in chunks of
+    one MXU width, the heuristic's N tile and the whole N; those `check_config` accepts on `generation`."""
+    config = built.config
+    heuristic = config.heuristic_config(key.m, key.k, key.n, key.dtype, generation, key.groups, key.rhs_dtype,
+                                        key.transpose_rhs)
+    chunk = tpu_generation(generation).mxu_size
+    tile_ns = {heuristic.tile_n, key.n}
+    if heuristic.tile_n // 2 >= LANES and heuristic.tile_n % (2 * LANES) == 0:
+        tile_ns.add(heuristic.tile_n // 2)
+    found = [heuristic]
+    for tile_m in ROW_TILES:
+        if tile_m >= key.m:
+            continue
+        for tile_n in sorted(tile_ns):
+            candidate = config.TileConfig(tile_m, heuristic.tile_k, tile_n, chunk if tile_m > chunk else None)
+            try:
+                config.check_config(candidate, key.m, key.k, key.n, key.dtype, key.rhs_dtype, key.transpose_rhs,
+                                    generation=generation)
+            except ValueError:
+                continue
+            if candidate not in found:
+                found.append(candidate)
+    return found
+
+
+def _replay(built, cache: Cache, case: Case, key, tiles):
+    experts = case.setting.local_experts
+    lhs = jax.ShapeDtypeStruct((key.m, key.k), DTYPE)
+    rhs = jax.ShapeDtypeStruct((experts, key.n, key.k) if key.transpose_rhs else (experts, key.k, key.n), DTYPE)
+    fn = functools.partial(built.pallas_gmm.ragged_dot, transpose_rhs=key.transpose_rhs, zero_rows_past_groups=False,
+                           config=tiles)
+    return replay(cache, lambda x, w, s, fn=fn: fn(x, w, s), (lhs, rhs, case.group_sizes))
+
+
+def tune_case(built, cache: Cache, case: Case, generations: tuple[str, ...]) -> list[dict]:
+    """The table's entries for one case: per projection and generation, the best tiles if they beat the heuristic
+    by MIN_GAIN."""
+    entries = []
+    for projection, k, n in projections(case):
+        _, transposed = stored_order(case.model, projection)
+        for generation in generations:
+            dtype = jnp.dtype(DTYPE).name
+            key = built.config.TunedKey(generation, case.picks, k, n, case.setting.local_experts, dtype, dtype,
+                                        transposed)
+            priced = []
+            for tiles in candidates(built, key, generation):
+                modelled = standalone(_replay(built, cache, case, key, tiles), generation)
+                if modelled.fits_vmem:
+                    priced.append((modelled.pipelined_time_s, tiles))
+            heuristic_s, heuristic = priced[0]
+            best_s, best = min(priced, key=lambda item: item[0])
+            if best != heuristic and best_s <= (1 - MIN_GAIN) * heuristic_s:
+                entries.append({"key": key._asdict(), "tiles": list(best), "label": f"{case.label} {projection}",
+                                "modelled_us": round(best_s * 1e6, 2), "heuristic_us": round(heuristic_s * 1e6, 2),
+                                "heuristic_tiles": list(heuristic)})
+    return entries
+
+
+def write_table(repo: Path, entries: list[dict]) -> Path:
+    path = repo / TABLE
+    entries = sorted(entries, key=lambda e: tuple(str(v) for v in e["key"].values()))
+    path.write_text(json.dumps({
+        "what": "Grouped-matmul tiles of ragged-dot's experts layer at the prefill shapes of tpu-kernels' moe_layer "
+                "benchmark, searched on its calibrated model (`tpu-kernels bench moe_layer --tune-ours`); each beats "
+                f"the heuristic's by at least {MIN_GAIN:.0%} there. Modelled, not measured on a TPU.",
+        "entries": entries,
+    }, indent=1, sort_keys=True) + "\n")
+    return path
