@@ -29,3 +29,31 @@ def test_the_table_is_sorted_data_the_kernel_reads(ragged_dot_kernel, tmp_path):
     assert [entry["key"]["generation"] for entry in written] == ["v5e", "v6e"]
     assert {config.TunedKey(**entry["key"]): config.TileConfig(*entry["tiles"]) for entry in written} == {
         key: config.TileConfig(1024, key.k, 512, 256, 1) for key in keys}
+
+
+def test_tuned_as_sets_exactly_the_entries_then_restores_the_shipped_table(ragged_dot_kernel):
+    config = ragged_dot_kernel.config
+    shipped = dict(config.TUNED_TILES)
+    key = config.TunedKey("v6e", 777, 2048, 1536, 5, "bfloat16", "bfloat16", True)
+    with our_tiles.tuned_as(ragged_dot_kernel, [{"key": key._asdict(), "tiles": [256, 2048, 512, None, 1]}]):
+        assert config.TUNED_TILES == {key: config.TileConfig(256, 2048, 512, None, 1)}
+    assert config.TUNED_TILES == shipped
+    with our_tiles.tuned_as(ragged_dot_kernel, []):
+        assert config.TUNED_TILES == {}
+    assert config.TUNED_TILES == shipped
+
+
+def test_the_layer_keeps_only_the_entries_that_make_it_faster(monkeypatch):
+    gate_up, down = {"label": "gate_up"}, {"label": "down"}
+    # The layer's figure per set of tuned projections: down alone helps; gate_up slows the layer (XLA placed
+    # fewer operands in VMEM) although it won standalone.
+    layer = {(): 100.0, ("gate_up",): 103.0, ("down",): 96.0, ("gate_up", "down"): 99.0}
+    monkeypatch.setattr(our_tiles, "layer_us",
+                        lambda built, cache, compiler, case, generation, entries: layer[
+                            tuple(e["label"] for e in entries)])
+    kept = our_tiles.kept_in_layer(None, None, None, None, "v6e", [gate_up, down])
+    assert kept == [{"label": "down", "layer_us": 96.0, "layer_heuristic_us": 100.0}]
+    layer[("down",)] = 100.0
+    layer[("gate_up", "down")] = 100.5
+    assert our_tiles.kept_in_layer(None, None, None, None, "v6e", [gate_up, down]) == []
+    assert our_tiles.kept_in_layer(None, None, None, None, "v6e", []) == []

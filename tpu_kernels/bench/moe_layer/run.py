@@ -111,7 +111,7 @@ def main(argv=None) -> int:
             entries = []
             for case in cases:
                 if case.phase == "prefill":
-                    entries += tune_case(built, cache, case, args.generations)
+                    entries += tune_case(built, cache, compiler, case, args.generations)
                     print(f"tuned {case.label:48s} entries {len(entries)} ({time.perf_counter() - started:.0f} s)",
                           flush=True)
             print(f"wrote {write_table(args.repo, entries)}: {len(entries)} entries")
