@@ -63,11 +63,11 @@ def queue_ours(built, case: Case, cache: Cache, compiler: Compiler, generations)
 
 def queue_rivals(case: Case, cache: Cache, compiler: Compiler, rivals: list[str], generations, pending: dict) -> dict:
     """Adds each rival's layer (and tokamax's untuned pick) to `pending`; returns the tiled rivals' tunings."""
-    replay_args = case.avals(concrete_index=True)
-    compile_avals = case.avals(concrete_index=False)
     tunings = {}
     for name in rivals:
         rival = RIVALS[name]
+        replay_args = case.avals(concrete_index=True, weights_k_n=rival.weights_k_n)
+        compile_avals = case.avals(concrete_index=False, weights_k_n=rival.weights_k_n)
         if rival.tiled:
             tunings[name] = tune_rival(cache, rival, case, generations)
         else:  # XLA's ragged dots: replayed inside the layer, with the case's group sizes
@@ -83,6 +83,7 @@ def queue_rivals(case: Case, cache: Cache, compiler: Compiler, rivals: list[str]
             future = compiler.submit(layer, compile_avals, generation, rival.lowering_lock(), kernel_bodies=False)
             pending[(name, generation)] = (future, replayed, tilings)
     if "tokamax" in rivals:
+        compile_avals = case.avals(concrete_index=False)
         defaults = tokamax_default(cache, case)
         tilings = [tiling for tiling, _ in defaults]
         for generation in generations:
@@ -113,7 +114,7 @@ def row_facts(case: Case, generation: str) -> dict:
 def variant(built, case: Case, compiler: Compiler, name: str, generation: str, program, replayed, tilings,
             tuning: dict | None) -> dict:
     """One variant's entry in a row: its modelled time and terms, or why it has none."""
-    compile_avals = case.avals(concrete_index=False)
+    compile_avals = case.avals(concrete_index=False, weights_k_n=name in RIVALS and RIVALS[name].weights_k_n)
     refused = []
     if isinstance(program, dict) and tuning is not None:
         # The compiler refused the standalone best inside the layer: the rival's best is then the

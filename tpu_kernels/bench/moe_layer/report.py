@@ -168,8 +168,10 @@ def method(args) -> dict:
                     "routing + each active expert's weights and biases once + rows out",
         "routing": f"Dirichlet({POPULARITY_CONCENTRATION}) popularity, Gumbel-top-k, seed {SEED}; EP: busiest rank",
         "ours": f"{args.repo.name}: {LAYER_ENTRY} of the built kernel, compiled with its kernel bodies",
-        "rivals": "megablox gmm and tokamax 0.0.12 pallas_mosaic_tpu_kernel.gmm at the best searched config "
-                  "(candidate_tilings) per projection and generation, XLA lax.ragged_dot; all inside user_layer, "
+        "rivals": "megablox gmm, vLLM's gmm (tpu-inference 0.32.0's megablox/gmm.py, from its wheel; weights "
+                  "[E, K, N] as vLLM arranges them at load time) and tokamax 0.0.12 pallas_mosaic_tpu_kernel.gmm at "
+                  "the best searched config (candidate_tilings) per projection and generation, XLA "
+                  "lax.ragged_dot; all inside user_layer, "
                   "compiled with empty kernel bodies (lower_program(kernel_bodies=False))",
         "extra_rows": "tokamax_default: tokamax's kernel at tokamax's own untuned pick; ours_int8 / ours_fp8 at decode",
         "dtype": jnp.dtype(DTYPE).name,

@@ -1,5 +1,5 @@
-"""The rivals: megablox's, tokamax's and XLA's grouped matmuls, each in the experts layer a user writes, and the
-configs searched for the tiled ones.
+"""The rivals: megablox's, vLLM's (its TPU backend's gmm), tokamax's and XLA's grouped matmuls, each in the experts
+layer a user writes, and the configs searched for the tiled ones.
 
 The compile cache keys a layer by its lowered text, which names the jitted function (`jit_user_layer`):
 renaming `user_layer` would miss every cached compile of the rivals.
@@ -61,13 +61,19 @@ def stored_order(model: Model, projection: str) -> tuple[bool, bool]:
     return swap, (not model.weights_transposed) != swap
 
 
+def rival_order(rival: "Rival", model: Model, projection: str) -> tuple[bool, bool]:
+    """(swap, transpose_rhs) of `projection`'s weights in `rival`'s layer: as stored (`stored_order`), or [E, K, N]
+    as given for a rival that arranges its weights so at load time."""
+    return (False, False) if rival.weights_k_n else stored_order(model, projection)
+
+
 def user_layer(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias=None, down_bias=None, *,
                model: Model, rival: "Rival", configs):
     """The experts layer a user builds around a rival's grouped matmul (module docstring)."""
     rows, k = top_k_index.shape
     experts = gate_up.shape[0]
     (swap_gate_up, gate_up_transposed), (swap_down, down_transposed) = (
-        stored_order(model, "gate_up"), stored_order(model, "down"))
+        rival_order(rival, model, "gate_up"), rival_order(rival, model, "down"))
     gate_up = jnp.swapaxes(gate_up, 1, 2) if swap_gate_up else gate_up
     down = jnp.swapaxes(down, 1, 2) if swap_down else down
     expert_ids = top_k_index.reshape(-1)
@@ -105,6 +111,14 @@ def megablox_matmul(lhs, rhs, sizes, transpose_rhs, tiling):
     return gmm(lhs, rhs, sizes, preferred_element_type=lhs.dtype, tiling=tuple(tiling), transpose_rhs=transpose_rhs)
 
 
+def vllm_matmul(lhs, rhs, sizes, transpose_rhs, tiling):
+    from .vllm_kernels import DEFAULT_FOLDER, load_gmm
+
+    if transpose_rhs:
+        raise ValueError("vLLM's gmm reads weights as [E, K, N] only (its layer arranges them so at load time)")
+    return load_gmm(DEFAULT_FOLDER)(lhs, rhs, sizes, preferred_element_type=lhs.dtype, tiling=tuple(tiling))
+
+
 def tokamax_matmul(lhs, rhs, sizes, transpose_rhs, tiling):
     from jax import lax
     from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu_kernel as tokamax_kernel
@@ -135,6 +149,9 @@ class Rival:
     matmul: object  # matmul(lhs, rhs, sizes, transpose_rhs, tiling) -> [rows, N]
     min_rows: int  # rows the kernel accepts at least
     tiled: bool  # has a tiling config (XLA has none)
+    # Reads every projection's weights as [E, K, N], which its serving stack arranges once at load time (vLLM's
+    # gmm has no transposed read): its layer takes them so (`Case.avals(weights_k_n=True)`), at no cost per call.
+    weights_k_n: bool = False
 
     def padded_rows(self, rows: int, tiling) -> int:
         """The lhs rows a caller must pass: megablox and tokamax need a multiple of the row tile."""
@@ -160,6 +177,7 @@ class Rival:
 
 RIVALS = {
     "megablox": Rival("megablox", megablox_matmul, 8, True),
+    "vllm_gmm": Rival("vllm_gmm", vllm_matmul, 8, True, weights_k_n=True),
     "tokamax": Rival("tokamax", tokamax_matmul, TOKAMAX_MIN_ROWS, True),
     "xla_ragged_dot": Rival("xla_ragged_dot", xla_matmul, 1, False),
 }
@@ -186,7 +204,9 @@ def candidate_tilings(rival: Rival, rows: int, k: int, n: int, generations: tupl
 
     Row tiles 128 (the tiling a user picks, and vLLM's gmm_v2), 256, 512
     (tokamax: its own range, 64..1024 and at most the rows); K and N blocks
-    whole, halved or quartered (tokamax: only values of its own space). Both
+    whole, halved or quartered (tokamax: only values of its own space; vLLM:
+    K blocks that divide K, as its gmm takes the whole K otherwise, and N
+    also in eighths). The
     kernels keep Mosaic's default scoped VMEM limit (16 MiB on v5e and v5p,
     32 MiB on v6e; TPU7x has no fixed one: TPU7X_SCOPED_VMEM_BYTES), so each
     generation gets the largest blocks under its limit. A config the compiler
@@ -205,6 +225,9 @@ def candidate_tilings(rival: Rival, rows: int, k: int, n: int, generations: tupl
 
         splits_k = lowerable(tokamax_tile_space(k), k)
         splits_n = lowerable(tokamax_tile_space(n), n)
+    if rival.name == "vllm_gmm":
+        splits_k = [k] + [k // parts for parts in (2, 4, 8) if k % parts == 0 and (k // parts) % 128 == 0]
+        splits_n.append(round_up(-(-n // 8), 128))
     padded_rows = round_up(max(rows, rival.min_rows), 128)
     row_tiles = [t for t in ROW_TILES if t <= max(padded_rows, 128)]
     blocks = sorted({(tk, tn) for tk in splits_k for tn in splits_n}, key=lambda b: (-b[0] * b[1], -b[1]))

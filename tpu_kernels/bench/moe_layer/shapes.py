@@ -131,16 +131,18 @@ class Case:
     def label(self) -> str:
         return f"{self.setting.label} T={self.tokens}"
 
-    def weight_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def weight_shapes(self, weights_k_n: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """gate_up's and down's shapes as transformers stores them, or [E, K, N] with `weights_k_n`."""
         model, experts = self.model, self.setting.local_experts
         h, i = model.hidden, model.intermediate
-        if model.weights_transposed:
+        if model.weights_transposed or weights_k_n:
             return (experts, h, 2 * i), (experts, i, h)
         return (experts, 2 * i, h), (experts, h, i)
 
-    def avals(self, concrete_index: bool) -> list:
-        """Layer arguments: hidden, top_k_index, top_k_weights, gate_up, down (, biases); abstract but the index."""
-        gate_up, down = self.weight_shapes()
+    def avals(self, concrete_index: bool, weights_k_n: bool = False) -> list:
+        """Layer arguments: hidden, top_k_index, top_k_weights, gate_up, down (, biases); abstract but the index.
+        The weights as transformers stores them, or [E, K, N] with `weights_k_n` (`rivals.Rival.weights_k_n`)."""
+        gate_up, down = self.weight_shapes(weights_k_n)
         index = self.top_k_index if concrete_index else jax.ShapeDtypeStruct(self.top_k_index.shape, jnp.int32)
         args = [
             jax.ShapeDtypeStruct((self.rows, self.model.hidden), DTYPE),

@@ -10,13 +10,13 @@ from tpu_kernels.runtime.hardware import round_up
 
 from .cache import Cache, replay
 from .modelling import joined, price, standalone
-from .rivals import RIVALS, TOKAMAX_MIN_ROWS, Rival, candidate_tilings, stored_order
+from .rivals import RIVALS, TOKAMAX_MIN_ROWS, Rival, candidate_tilings, rival_order, stored_order
 from .shapes import DTYPE, Case, projections
 
 
 def rival_replay(cache: Cache, rival: Rival, case: Case, projection: str, k: int, n: int, tiling):
     """The replay of one projection's grouped matmul by `rival` at `tiling`, on the case's group sizes."""
-    _, transposed = stored_order(case.model, projection)
+    _, transposed = rival_order(rival, case.model, projection)
     experts = case.setting.local_experts
     lhs = jax.ShapeDtypeStruct((rival.padded_rows(case.picks, tiling), k), DTYPE)
     rhs = jax.ShapeDtypeStruct((experts, n, k) if transposed else (experts, k, n), DTYPE)

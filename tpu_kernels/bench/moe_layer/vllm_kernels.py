@@ -1,0 +1,80 @@
+"""vLLM's TPU grouped matmul (`tpu_inference.kernels.megablox.gmm`), loaded from its wheel without the serving engine.
+
+The `tpu-inference` package pins jax 0.11.2 and its `__init__` imports vllm,
+so it is not installed. Its gmm module imports only jax, its own tuned table
+(`tuned_block_sizes.py`) and `tpu_inference.logger` (which imports vllm): the
+three files are read from the pinned wheel and run as modules of their own
+names, with a stand-in logger. The wheel is fetched once from the package
+index into the benchmark's cache and checked against WHEEL_SHA256 before any
+of it runs: a different file is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import types
+import zipfile
+from pathlib import Path
+
+WHEEL_REQUIREMENT = "tpu-inference==0.32.0"
+WHEEL_NAME = "tpu_inference-0.32.0-py3-none-any.whl"
+WHEEL_SHA256 = "7c25a3c76cefd383f06ef115a6ed4d7bed82c081f047046bfef55f5913ea06d4"
+# Modules in import order: each imports only jax and the ones before it (and the logger).
+MODULES = ("tpu_inference.kernels.megablox.common", "tpu_inference.kernels.megablox.tuned_block_sizes",
+           "tpu_inference.kernels.megablox.gmm")
+DEFAULT_FOLDER = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tpu-kernels" / "wheels"
+PACKAGES = ("tpu_inference", "tpu_inference.kernels", "tpu_inference.kernels.megablox")
+
+
+def wheel(folder: Path) -> Path:
+    """The pinned wheel in `folder`, downloaded (without dependencies) if absent; refused unless its hash matches."""
+    path = folder / WHEEL_NAME
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
+                        "--dest", str(folder), WHEEL_REQUIREMENT], check=True)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != WHEEL_SHA256:
+        raise RuntimeError(f"{path} has sha256 {digest}, not the pinned {WHEEL_SHA256}: refusing to run its code")
+    return path
+
+
+class _StandInLogger(logging.LoggerAdapter):
+    """vllm's logger as the gmm module uses it (`warning_once`), on the standard library."""
+
+    def __init__(self, name: str):
+        super().__init__(logging.getLogger(name), {})
+        self._said: set[str] = set()
+
+    def warning_once(self, message: str, *args) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            self.warning(message, *args)
+
+
+def load_gmm(folder: Path):
+    """vLLM's `gmm` function (its tuned table inside), from the pinned wheel in `folder`."""
+    if MODULES[-1] in sys.modules:
+        return sys.modules[MODULES[-1]].gmm
+    if "tpu_inference" in sys.modules and not hasattr(sys.modules["tpu_inference"], "_stand_in"):
+        raise RuntimeError("a real tpu_inference package is imported: vLLM's gmm is loaded from its wheel only")
+    with zipfile.ZipFile(wheel(folder)) as archive:
+        sources = {name: archive.read(name.replace(".", "/") + ".py").decode() for name in MODULES}
+    for name in PACKAGES:
+        package = types.ModuleType(name)
+        package.__path__ = []
+        package._stand_in = True
+        sys.modules.setdefault(name, package)
+    logger = types.ModuleType("tpu_inference.logger")
+    logger.init_logger = _StandInLogger
+    sys.modules["tpu_inference.logger"] = logger
+    for name in MODULES:
+        module = types.ModuleType(name)
+        module.__file__ = f"{WHEEL_NAME}/{name.replace('.', '/')}.py"
+        sys.modules[name] = module
+        exec(compile(sources[name], module.__file__, "exec"), module.__dict__)  # noqa: S102 - the pinned wheel
+    return sys.modules[MODULES[-1]].gmm
