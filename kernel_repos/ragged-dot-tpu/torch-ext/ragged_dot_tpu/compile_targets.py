@@ -10,7 +10,9 @@
   kernels), which takes the fused kernel at decode sizes (T <= 256) and the
   grouped matmuls above: Qwen3-30B-A3B (128 experts, H=2048, I=768, top-8)
   on one chip (EP1) and on one rank of eight (EP8: 16 local experts),
-  Gemma-4-26B-A4B (128 experts, H=2816, I=704, top-8), GPT-OSS-20B (32
+  Gemma-4-26B-A4B (128 experts, H=2816, I=704, top-8; at T=2048 the
+  grouped path's first kernel gates its own output in 704-row weight
+  blocks, I being off the 128 lanes), GPT-OSS-20B (32
   experts, H=I=2880, top-4, transposed interleaved weights with biases,
   clamped SwiGLU) on one chip and on one rank of eight (4 experts). GPT-OSS
   at T=1 takes 16-row chunks, whose relayouts need the most of Mosaic's own
@@ -45,7 +47,7 @@ LAYERS = {
     # name: (experts on this rank, hidden, intermediate, top-k, layout, gate, token counts)
     "qwen3-30b-a3b EP1": (128, 2048, 768, 8, dict(weights_transposed=False), dict(activation="silu"), (1, 256, 2048)),
     "qwen3-30b-a3b EP8": (16, 2048, 768, 8, dict(weights_transposed=False), dict(activation="silu"), (256,)),
-    "gemma-4-26b-a4b": (128, 2816, 704, 8, dict(weights_transposed=False), dict(activation="gelu_tanh"), (256,)),
+    "gemma-4-26b-a4b": (128, 2816, 704, 8, dict(weights_transposed=False), dict(activation="gelu_tanh"), (256, 2048)),
     "gpt-oss-20b EP1": (32, 2880, 2880, 4, dict(weights_transposed=True), dict(
         activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (1, 256, 2048)),
     "gpt-oss-20b EP8": (4, 2880, 2880, 4, dict(weights_transposed=True), dict(

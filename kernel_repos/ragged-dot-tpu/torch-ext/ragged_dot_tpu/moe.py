@@ -124,15 +124,22 @@ def grouped_experts(
     The grouped matmuls compute only the rows of live picks: sentinels sort
     to the tail, past every group, and the kernels leave those rows unwritten
     (`zero_rows_past_groups=False`); everything that reads them here masks
-    them first. The XLA ops around the kernels (gather, gate, per-token sum) are
-    shaped by all T x K picks. Each projection is read in the order XLA
-    stores it (`plan.orientation`).
+    them first. Without residuals and where the plan has one
+    (`plan.gated_gate_up`), the first kernel gates its own output; otherwise
+    the gate runs in XLA. The XLA ops around the kernels (gather, the gate
+    there, per-token sum) are shaped by all T x K picks. Each projection is
+    read in the order XLA stores it (`plan.orientation`).
     """
     problem, gate = plan.problem, plan.problem.gate
     num_tokens, top_k, num_experts = problem.tokens, problem.top_k, problem.num_experts
     read = weights.as_read(plan.orientation, weights_transposed=problem.weights_transposed)
     order, group_sizes = sort_by_expert(top_k_index, num_experts)
     rows = hidden_states[order // top_k]
+    if plan.gated_gate_up is not None and not return_residuals:
+        activated = grouped_matmul(rows, read.gate_up_proj, group_sizes, None, plan.gated_gate_up)
+        down_out = grouped_matmul(activated, read.down_proj, group_sizes, read.down_scales, plan.down)
+        return _weighted_sum_per_token(down_out, order, group_sizes, top_k_index, top_k_weights, weights.down_bias,
+                                       problem).astype(hidden_states.dtype)
     live = (jnp.arange(rows.shape[0]) < group_sizes.sum())[:, None]
     bias_rows = jnp.minimum(top_k_index.reshape(-1)[order], num_experts - 1)
 

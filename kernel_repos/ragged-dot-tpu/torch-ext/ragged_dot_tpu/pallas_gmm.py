@@ -43,6 +43,13 @@ multiplies its whole row tile, masked to its group's rows.
 `ragged_dot` plans a call (`plan.plan_ragged_dot`); `grouped_matmul` runs
 a plan.
 
+With a gate (`MatmulProblem.gate`, the experts layer's first projection),
+rhs holds 2N columns, the gate's then the up projection's, and the kernel
+writes the gated intermediate `activation(lhs @ gate) * (lhs @ up)` [M, N]:
+each step fetches the gate's and the up's blocks of its N tile (two views of
+rhs), accumulates both, and gates them when the output block is written, so
+the [M, 2N] projection never goes to HBM and no XLA pass reads it back.
+
 Quantized weights (`quant.py`) are read as one byte each: an int8 block is
 cast to lhs's dtype at the matmul and its per-output-column scales multiply
 the result; an fp8 block is dequantized once per step into VMEM scratch
@@ -66,6 +73,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ._hardware import sublane_multiple
+from .gates import gated
 from .gmm_tiles import TileConfig
 from .plan import MatmulPlan, plan_ragged_dot
 from .problem import MatmulProblem
@@ -161,34 +169,42 @@ class _StepRefs(NamedTuple):
     """The refs of one grid step of the kernel body, past the scalar prefetch."""
 
     lhs: object
-    rhs: tuple  # one per group slot
+    rhs: tuple  # per group slot, per part (`_parts`): the weights blocks
     scales: tuple  # one per group slot (quantized weights), else empty
     out: object
-    acc: object  # [tile_m, tile_n] f32
-    carry: object | None  # [2 chunk_m, tile_n] f32: rows [tile_m - chunk_m, tile_m + chunk_m), with chunks
+    acc: tuple  # per part: [tile_m, tile_n] f32
+    carry: tuple | None  # per part: [2 chunk_m, tile_n] f32, rows [tile_m - chunk_m, tile_m + chunk_m), with chunks
     dequantized: tuple  # fp8: each slot's weights block, dequantized once per step
 
 
+def _parts(problem: MatmulProblem) -> int:
+    """Column blocks each output column needs: 2 (its gate's and its up's) with a gate, else 1."""
+    return 1 if problem.gate is None else 2
+
+
 def _step_refs(lhs_ref, refs, plan: MatmulPlan) -> _StepRefs:
-    slots = plan.groups_per_step
+    slots, parts = plan.groups_per_step, _parts(plan.problem)
     quantized = scheme_of(plan.problem.rhs_dtype) is not None
-    rhs, refs = refs[:slots], refs[slots:]
+    rhs, refs = refs[: slots * parts], refs[slots * parts :]
+    rhs = tuple(tuple(rhs[slot * parts : (slot + 1) * parts]) for slot in range(slots))
     scales, refs = (refs[:slots], refs[slots:]) if quantized else ((), refs)
-    out, acc, *scratch = refs
-    carry = scratch.pop(0) if plan.chunk_m else None
-    return _StepRefs(lhs_ref, tuple(rhs), tuple(scales), out, acc, carry, tuple(scratch))
+    out, *scratch = refs
+    acc, scratch = tuple(scratch[:parts]), scratch[parts:]
+    carry, scratch = (tuple(scratch[:parts]), scratch[parts:]) if plan.chunk_m else (None, scratch)
+    return _StepRefs(lhs_ref, rhs, tuple(scales), out, acc, carry, tuple(scratch))
 
 
-def _multiply(refs: _StepRefs, slot: int, start, rows: int, keep, k_step, plan: MatmulPlan):
-    """lhs rows [start, start + rows) x the slot's weights, with rows not `keep` taken as zero; `start` on the
-    sublane grid. int8 weights reach the MXU as their integers; their per-column scales multiply the result."""
+def _multiply(refs: _StepRefs, slot: int, part: int, start, rows: int, keep, k_step, plan: MatmulPlan):
+    """lhs rows [start, start + rows) x the slot's weights (its `part`), with rows not `keep` taken as zero; `start`
+    on the sublane grid. int8 weights reach the MXU as their integers; their per-column scales multiply the
+    result."""
     problem, tile_k = plan.problem, plan.tile_k
     quantization = scheme_of(problem.rhs_dtype)
     lhs = refs.lhs[pl.ds(start, rows), :]
     if quantization == FP8:
         rhs = refs.dequantized[slot][...]
     else:
-        rhs = refs.rhs[slot][...]
+        rhs = refs.rhs[slot][part][...]
         rhs = rhs.astype(lhs.dtype) if quantization == INT8 else rhs
     # Select, not multiply: rows and K columns outside the data may hold
     # garbage (NaN), and 0 * NaN is NaN.
@@ -219,17 +235,20 @@ def _accumulate_chunks(refs: _StepRefs, slot: int, tile_start, chunk_start, row_
         def _(start=start):
             start = pl.multiple_of(start, align)
             row = tile_start + start + lax.broadcasted_iota(jnp.int32, (chunk_m, 1), 0)
-            product = _multiply(refs, slot, start, chunk_m, jnp.logical_and(row >= row_start, row < row_end),
-                                k_step, plan)
+            keep = jnp.logical_and(row >= row_start, row < row_end)
+            products = [_multiply(refs, slot, part, start, chunk_m, keep, k_step, plan)
+                        for part in range(len(refs.acc))]
 
             @pl.when(start + chunk_m <= tile_m)
             def _():
-                refs.acc[pl.ds(start, chunk_m), :] += product
+                for acc, product in zip(refs.acc, products):
+                    acc[pl.ds(start, chunk_m), :] += product
 
             @pl.when(start + chunk_m > tile_m)
             def _():
                 carry_start = pl.multiple_of(start - (tile_m - chunk_m), align)
-                refs.carry[pl.ds(carry_start, chunk_m), :] += product
+                for carry, product in zip(refs.carry, products):
+                    carry[pl.ds(carry_start, chunk_m), :] += product
 
 
 def _body(row_tile_ref, lhs_tile_ref, group_ref, row_start_ref, row_end_ref, chunk_start_ref, count_ref, lhs_ref,
@@ -251,15 +270,18 @@ def _body(row_tile_ref, lhs_tile_ref, group_ref, row_start_ref, row_end_ref, chu
 
         @pl.when(jnp.logical_and(k_step == 0, step == 0))
         def _():
-            refs.carry[...] = jnp.zeros_like(refs.carry)
+            for carry in refs.carry:
+                carry[...] = jnp.zeros_like(carry)
 
     @pl.when(jnp.logical_and(k_step == 0, starts_row_tile))
     def _():
-        refs.acc[...] = jnp.zeros_like(refs.acc)
-        if chunk_m:
-            # Rows of the previous tile's last chunks that ran into this tile.
-            refs.acc[:chunk_m, :] = refs.carry[chunk_m:, :]
-            refs.carry[...] = jnp.zeros_like(refs.carry)
+        for part, acc in enumerate(refs.acc):
+            acc[...] = jnp.zeros_like(acc)
+            if chunk_m:
+                # Rows of the previous tile's last chunks that ran into this tile.
+                carry = refs.carry[part]
+                acc[:chunk_m, :] = carry[chunk_m:, :]
+                carry[...] = jnp.zeros_like(carry)
 
     for slot in range(groups_per_step):
         item = first_item + slot
@@ -279,7 +301,7 @@ def _body(row_tile_ref, lhs_tile_ref, group_ref, row_start_ref, row_end_ref, chu
             def _(slot=slot):
                 n_offset, k_offset = pl.program_id(0) * plan.tile_n, k_step * plan.tile_k
                 offsets = (n_offset, k_offset) if plan.problem.transpose_rhs else (k_offset, n_offset)
-                dequantize_fp8_block(refs.rhs[slot], refs.scales[slot][...], *offsets, refs.dequantized[slot])
+                dequantize_fp8_block(refs.rhs[slot][0], refs.scales[slot][...], *offsets, refs.dequantized[slot])
 
         if chunk_m:
             _accumulate_chunks(refs, slot, tile_start, chunk_start_ref[last_real], row_start, row_end, k_step, plan)
@@ -289,15 +311,23 @@ def _body(row_tile_ref, lhs_tile_ref, group_ref, row_start_ref, row_end_ref, chu
         def _(slot=slot, row_start=row_start, row_end=row_end):
             row = tile_start + lax.broadcasted_iota(jnp.int32, (tile_m, 1), 0)
             keep = jnp.logical_and(row >= row_start, row < row_end)
-            refs.acc[...] += _multiply(refs, slot, 0, tile_m, keep, k_step, plan)
+            for part, acc in enumerate(refs.acc):
+                acc[...] += _multiply(refs, slot, part, 0, tile_m, keep, k_step, plan)
 
     # The output block is copied out only when the row tile changes, so it is
     # filled once, at the last step on its row tile.
     @pl.when(jnp.logical_and(k_step == pl.num_programs(2) - 1, ends_row_tile))
     def _():
         if chunk_m:
-            refs.acc[tile_m - chunk_m :, :] += refs.carry[:chunk_m, :]
-        refs.out[...] = refs.acc[...].astype(refs.out.dtype)
+            for acc, carry in zip(refs.acc, refs.carry):
+                acc[tile_m - chunk_m :, :] += carry[:chunk_m, :]
+        gate = plan.problem.gate
+        if gate is None:
+            refs.out[...] = refs.acc[0][...].astype(refs.out.dtype)
+        else:
+            # Rows of the tile outside every group hold zeros: gated to zeros.
+            refs.out[...] = gated(refs.acc[0][...], refs.acc[1][...], gate.activation, alpha=gate.alpha,
+                                  limit=gate.limit).astype(refs.out.dtype)
 
 
 def ragged_dot(
@@ -344,8 +374,11 @@ class _Specs(NamedTuple):
 def _specs(plan: MatmulPlan, rhs, rhs_scales, items: WorkItems) -> _Specs:
     """Blocks, index maps and scratch of a call (module docstring: what each operand moves)."""
     problem, tile_m, tile_k, tile_n, chunk_m = plan.problem, plan.tile_m, plan.tile_k, plan.tile_n, plan.chunk_m
-    slots, k_tiles = plan.groups_per_step, pl.cdiv(problem.k, plan.tile_k)
+    slots, k_tiles, parts = plan.groups_per_step, pl.cdiv(problem.k, plan.tile_k), _parts(problem)
     quantization = scheme_of(problem.rhs_dtype)
+    # With a gate, the up projection's blocks start this many N blocks into rhs (`plan.gated_plan`: N is a
+    # multiple of tile_n then).
+    up_blocks = problem.n // tile_n
 
     # An item without rows (a tail item, or an idle slot) pins the K block to
     # the last one, where the item it repeats ended, so its blocks stay put.
@@ -359,14 +392,16 @@ def _specs(plan: MatmulPlan, rhs, rhs_scales, items: WorkItems) -> _Specs:
             return lhs_tile[item] * tile_m, k_offset
         return lhs_tile[item], k_block(item, k_step, row_start, row_end)
 
-    def rhs_index(slot, n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, chunk_start, count):
+    def rhs_index(slot, part, n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, chunk_start,
+                  count):
         item = _step_item(step, slot, slots, count[0])
         k_index = k_block(item, k_step, row_start, row_end)
         if slots > 1:
             k_index = jnp.where(step * slots + slot < count[0], k_index, k_tiles - 1)
+        n_index = n_step + part * up_blocks
         if problem.transpose_rhs:
-            return group[item], n_step, k_index
-        return group[item], k_index, n_step
+            return group[item], n_index, k_index
+        return group[item], k_index, n_index
 
     def out_index(n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, chunk_start, count):
         return row_tile[step * slots], n_step
@@ -380,13 +415,14 @@ def _specs(plan: MatmulPlan, rhs, rhs_scales, items: WorkItems) -> _Specs:
     resident = tile_m >= problem.m and tile_k == problem.k
     lhs_spec = pl.BlockSpec(lhs_block, lhs_index, **(dict(pipeline_mode=pl.Buffered(1)) if resident else {}))
     rhs_block = (None, tile_n, tile_k) if problem.transpose_rhs else (None, tile_k, tile_n)
-    in_specs = [lhs_spec, *(pl.BlockSpec(rhs_block, functools.partial(rhs_index, slot)) for slot in range(slots))]
-    operands = [rhs] * slots
-    scratch = [pltpu.VMEM((tile_m, tile_n), jnp.float32)] + ([pltpu.VMEM((2 * chunk_m, tile_n), jnp.float32)]
-                                                               if chunk_m else [])
+    in_specs = [lhs_spec, *(pl.BlockSpec(rhs_block, functools.partial(rhs_index, slot, part))
+                            for slot in range(slots) for part in range(parts))]
+    operands = [rhs] * (slots * parts)
+    scratch = ([pltpu.VMEM((tile_m, tile_n), jnp.float32) for _ in range(parts)]
+               + ([pltpu.VMEM((2 * chunk_m, tile_n), jnp.float32) for _ in range(parts)] if chunk_m else []))
 
     def scale_index(slot, n_step, *grid_and_prefetch):
-        group = rhs_index(slot, n_step, *grid_and_prefetch)[0]
+        group = rhs_index(slot, 0, n_step, *grid_and_prefetch)[0]
         # int8: the N tile's scales, as a [1, tile_n] row; fp8: the group's whole (small) grid of block scales.
         return (group, 0, n_step) if quantization == INT8 else (group, 0, 0)
 
@@ -413,12 +449,14 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_s
     itemsize = jnp.dtype(lhs.dtype).itemsize
     # A resident lhs is read once; tiled, once per N tile (and chunk_m more rows per row tile).
     lhs_reads = 1 if tile_m >= m and plan.tile_k == k else grid[0] * (1 + (plan.chunk_m or 0) / tile_m)
-    # Per active group: its weights once, and its scales once per N tile.
-    group_bytes = k * n * jnp.dtype(rhs.dtype).itemsize + (0 if rhs_scales is None else grid[0] * rhs_scales[0].size * 4)
+    # Per active group: its weights once (with a gate, both halves), and its scales once per N tile.
+    read_n = n * _parts(problem)
+    group_bytes = (k * read_n * jnp.dtype(rhs.dtype).itemsize
+                   + (0 if rhs_scales is None else grid[0] * rhs_scales[0].size * 4))
     grid_spec = pltpu.PrefetchScalarGridSpec(len(items), grid, specs.in_specs, specs.out_spec, specs.scratch)
     call = scheduled_matmul_call(
         functools.partial(_body, plan=plan), jax.ShapeDtypeStruct((m, n), lhs.dtype), grid_spec,
-        ("parallel", "arbitrary", "arbitrary"), plan.vmem_limit_bytes, (m, k, n),
+        ("parallel", "arbitrary", "arbitrary"), plan.vmem_limit_bytes, (m, k, read_n),
         bytes_accessed=int((m * k * lhs_reads + m * n) * itemsize + plan.active_groups * group_bytes),
         name="ragged_dot")
     return call(*items, lhs, *specs.operands)

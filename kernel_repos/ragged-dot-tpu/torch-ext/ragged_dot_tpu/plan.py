@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ._hardware import resolve_generation, vmem_limit_bytes
+from ._hardware import LANES, resolve_generation, sublane_multiple, vmem_limit_bytes
 from .config import use_fused_experts
 from .fused_tiles import (
     FusedConfig, check_fused_config, fused_buffers, fused_chunks, fused_config, fused_cores, fused_vmem_bytes,
@@ -26,7 +26,7 @@ from .gmm_tiles import (
 from .tgmm_tiles import TgmmConfig, check_tgmm_config, select_tgmm_config, tgmm_blocks, tgmm_buffers, tgmm_vmem_limit
 from .vmem import Buffer
 from .weights_layout import WeightsOrientation, weights_orientation
-from .problem import ExpertsProblem, MatmulProblem, TgmmProblem
+from .problem import ExpertsProblem, Gate, MatmulProblem, TgmmProblem
 from .quant import scheme_of
 
 
@@ -62,6 +62,27 @@ def plan_ragged_dot(problem: MatmulProblem, generation: str | None = None,
         vmem_limit_bytes=vmem_limit(config, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation),
         active_groups=expected_active_groups(m, problem.groups),
     )
+
+
+def gated_plan(gate_up: MatmulPlan, gate: Gate, has_bias: bool) -> MatmulPlan | None:
+    """The experts' first projection with the gate in its epilogue (`MatmulProblem.gate`): `gate_up`'s tiles with
+    half its N tile, so the two blocks each step fetches (the gate's and the up's) and the two accumulators take
+    the VMEM the one did (its `buffers` and VMEM limit, which the halved output block only undercuts).
+
+    None where the gate stays in XLA: GPT-OSS's interleaved columns (gate and up alternate), biases (added per
+    row's expert before the gate), one-byte weights (scales per column half), or a half tile that does not
+    divide the intermediate size or that Mosaic cannot block (a lane dimension not a multiple of 128 unless
+    whole; a sublane one not of the weights' native tile).
+    """
+    problem = gate_up.problem
+    half, intermediate = gate_up.tile_n // 2, problem.n // 2
+    if gate.interleaved or has_bias or scheme_of(problem.rhs_dtype) is not None or gate_up.tile_n % 2 \
+            or intermediate % half:
+        return None
+    weights_axis_ok = half % (sublane_multiple(problem.rhs_dtype) if problem.transpose_rhs else LANES) == 0
+    if not weights_axis_ok or not (half % LANES == 0 or half == intermediate):
+        return None
+    return gate_up._replace(problem=problem._replace(n=intermediate, gate=gate), tile_n=half)
 
 
 class TgmmPlan(NamedTuple):
@@ -177,7 +198,10 @@ class ExpertsPlan(NamedTuple):
 
     `fused` is the fused kernel's plan when it serves the forward, else None;
     `gate_up` and `down` plan the grouped path's two matmuls, which the
-    forward under differentiation always takes; `gate_up_backward` and
+    forward under differentiation always takes (the backward needs
+    gate_up's output); `gated_gate_up` is gate_up with the gate in its
+    epilogue, which the grouped forward without a gradient runs instead
+    where it can (`gated_plan`; else None); `gate_up_backward` and
     `down_backward` plan the backward (None for one-byte weights, which have
     none).
     """
@@ -186,6 +210,7 @@ class ExpertsPlan(NamedTuple):
     orientation: WeightsOrientation
     fused: FusedPlan | None
     gate_up: MatmulPlan
+    gated_gate_up: MatmulPlan | None
     down: MatmulPlan
     gate_up_backward: MatmulBackwardPlan | None
     down_backward: MatmulBackwardPlan | None
@@ -209,9 +234,11 @@ def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fuse
     gate_up = matmul(hidden, 2 * intermediate, orientation.gate_up_transposed)
     down = matmul(intermediate, hidden, orientation.down_transposed)
     trains = scheme_of(problem.weights_dtype) is None
+    gate_up_plan = plan_ragged_dot(gate_up, generation)
     return ExpertsPlan(
         problem=problem, orientation=orientation, fused=plan_fused(problem, generation=generation) if fused else None,
-        gate_up=plan_ragged_dot(gate_up, generation), down=plan_ragged_dot(down, generation),
+        gate_up=gate_up_plan, gated_gate_up=gated_plan(gate_up_plan, problem.gate, problem.has_bias),
+        down=plan_ragged_dot(down, generation),
         gate_up_backward=plan_ragged_dot_backward(gate_up, generation) if trains else None,
         down_backward=plan_ragged_dot_backward(down, generation) if trains else None,
     )

@@ -107,7 +107,12 @@ class ExpertsProblem(NamedTuple):
 
 
 class MatmulProblem(NamedTuple):
-    """`lhs[m, k] x rhs[groups, k, n]` (rhs `[groups, n, k]` with `transpose_rhs`) per row group."""
+    """`lhs[m, k] x rhs[groups, k, n]` (rhs `[groups, n, k]` with `transpose_rhs`) per row group.
+
+    With `gate`, rhs holds 2n columns (the gate projection's, then the up
+    projection's) and the result is the gated intermediate `[m, n]`
+    (`pallas_gmm`'s module docstring).
+    """
 
     m: int
     k: int
@@ -117,6 +122,7 @@ class MatmulProblem(NamedTuple):
     rhs_dtype: str  # lhs's, or int8 / float8_e4m3fn
     transpose_rhs: bool
     zero_rows_past_groups: bool = True
+    gate: Gate | None = None
 
 
 class TgmmProblem(NamedTuple):
