@@ -36,6 +36,18 @@ def cases(kernels: dict) -> dict[str, tuple]:
         config = ragged_dot.config.TileConfig(256, 512, tile_n)
         return functools.partial(ragged_dot.pallas_gmm.ragged_dot, config=config, generation=GENERATION)
 
+    def tgmm(tile_k, tile_n):
+        config = ragged_dot.config.TgmmConfig(256, tile_k, tile_n, 256)
+        return functools.partial(ragged_dot.pallas_tgmm.tgmm, config=config, generation=GENERATION)
+
+    def gated(tile_n):
+        """The experts' gate_up with the gate in its epilogue: rhs [8, 2 x 512, 512] read transposed."""
+        problem = ragged_dot.problem.MatmulProblem(1024, 512, 1024, 8, "bfloat16", "bfloat16", transpose_rhs=True,
+                                                   zero_rows_past_groups=False)
+        plan = ragged_dot.plan.plan_ragged_dot(problem, GENERATION, ragged_dot.config.TileConfig(256, 512, tile_n))
+        plan = ragged_dot.plan.gated_plan(plan, ragged_dot.problem.Gate("silu"), has_bias=False)
+        return lambda x, w, sizes: ragged_dot.pallas_gmm.grouped_matmul(x, w, sizes, None, plan)
+
     tokens, hidden, intermediate, experts, top_k = 8, 512, 256, 8, 2
     top_k_index = (np.arange(tokens * top_k).reshape(tokens, top_k) % experts).astype(np.int32)
     layer = (normal(tokens, hidden), top_k_index, normal(tokens, top_k, dtype=jnp.float32),
@@ -46,6 +58,12 @@ def cases(kernels: dict) -> dict[str, tuple]:
         "ragged_dot, four N tiles": (gmm(256), (lhs, rhs, group_sizes), "ragged_dot"),
         # One N tile: the parallel axis has a single index, nothing to split.
         "ragged_dot, one N tile": (gmm(1024), (lhs, rhs, group_sizes), "ragged_dot"),
+        # The gated gate_up, two N tiles of the intermediate (each fetching a gate and an up block): one per core.
+        "ragged_dot gated, two N tiles": (gated(512), (lhs, normal(8, 1024, 512), group_sizes), "ragged_dot"),
+        # tgmm's grid (N tiles, K tiles, items) has two parallel axes: two N tiles split there...
+        "tgmm, two N tiles": (tgmm(512, 512), (lhs, normal(1024, 1024), group_sizes), "tgmm"),
+        # ...and with one N tile, the two K tiles (the second parallel axis).
+        "tgmm, one N tile, two K tiles": (tgmm(256, 1024), (lhs, normal(1024, 1024), group_sizes), "tgmm"),
         # On v5p the experts are split over the two cores, each summing into a partial output of its own.
         "fused experts (decode)": (functools.partial(ragged_dot.moe.experts_layer, fused=True, generation=GENERATION,
                                                      activation="silu", weights_transposed=False),

@@ -64,6 +64,9 @@ def test_the_compiler_splits_what_the_model_charges_two_cores_for(compiled_split
     assert compiled_splits == {
         "ragged_dot, four N tiles": True,
         "ragged_dot, one N tile": False,
+        "ragged_dot gated, two N tiles": True,
+        "tgmm, two N tiles": True,
+        "tgmm, one N tile, two K tiles": True,
         "fused experts (decode)": True,
         "rms_norm": True,
         "flash attention forward": True,
