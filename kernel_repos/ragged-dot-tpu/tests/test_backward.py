@@ -60,6 +60,19 @@ def test_tgmm_matches_reference(kernel, interpret, to_jax, case, dtype):
             assert torch.equal(out[group], torch.zeros_like(out[group])), "an empty group's gradient must be zero"
 
 
+@pytest.mark.parametrize("k,n", [(256, 384), (400, 256)])
+def test_tgmm_split_for_v5p_cores_matches_reference(kernel, interpret, to_jax, k, n):
+    """v5p's heuristic cuts the one output block per group in two (N, or K when K is the larger), tails
+    partial."""
+    config = kernel.config.select_tgmm_config(80, k, n, jnp.float32, generation="v5p", num_groups=3)
+    assert (-(-k // config.tile_k)) * (-(-n // config.tile_n)) == 2
+    generator = torch.Generator().manual_seed(k)
+    lhs, rhs = torch.randn(80, k, generator=generator), torch.randn(80, n, generator=generator)
+    sizes = torch.tensor([30, 0, 41], dtype=torch.int32)
+    out = interpret(lambda: kernel.pallas_tgmm.tgmm(to_jax(lhs), to_jax(rhs), to_jax(sizes), generation="v5p"))
+    assert _relative_error(out, kernel.reference.tgmm_reference(lhs, rhs, sizes)) <= 1e-5
+
+
 def test_tgmm_items_skip_rows_past_groups_and_fetch_nothing_for_empty_groups(kernel):
     items = kernel.pallas_tgmm.make_tgmm_items(jnp.asarray([0, 20, 0, 45, 0], jnp.int32), 100, 32)
     count = int(items.count[0])

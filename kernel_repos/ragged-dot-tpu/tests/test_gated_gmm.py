@@ -17,14 +17,17 @@ ACTIVATIONS = {
 
 # m, k, intermediate, group sizes, the ungated gate_up's tiles (tile_m, tile_k, tile_n over 2I, chunk_m, slots)
 CASES = {
-    # One N tile (the whole 2I), odd K in one tile, an empty group, rows past the groups.
+    # One N tile: all 2I columns as one block, split after the matmul; odd K in one tile, an empty group, rows
+    # past the groups.
     "one-n-tile": (40, 72, 128, [9, 0, 14, 6], (40, 72, 256, None, 1)),
-    # I off the 128 lanes (Gemma 4's 704 is 5.5 x 128): only weights read [2I, K] block it, in whole sublane tiles.
+    # The same with I off the 128 lanes (Gemma 4's 704 is 5.5 x 128).
     "odd-intermediate": (40, 72, 48, [9, 0, 14, 6], (40, 72, 96, None, 1)),
     # Two N tiles of the intermediate (gate blocks 0-1, up blocks 2-3), K in three tiles with a tail.
     "n-and-k-tiles": (64, 300, 256, [20, 0, 25, 10], (32, 128, 256, None, 1)),
-    # Row chunks carried across row tiles, with K tiles.
+    # Row chunks carried across row tiles, with K tiles; one N tile.
     "chunks": (100, 256, 128, [5, 37, 0, 40], (48, 128, 256, 16, 1)),
+    # The same in two N tiles.
+    "chunks-n-tiles": (100, 256, 256, [5, 37, 0, 40], (48, 128, 256, 16, 1)),
     # Three group slots per step; idle slots in the last step.
     "groups-per-step": (40, 128, 128, [5, 0, 12, 7, 0, 9], (40, 128, 256, None, 3)),
     # No rows in any group: one empty item.
@@ -48,13 +51,14 @@ def _gated_reference(lhs, rhs, sizes, transpose_rhs, activation):
 def _gated(kernel, m, k, intermediate, groups, dtype, transpose_rhs, tiles, activation="silu"):
     problem = kernel.problem.MatmulProblem(m, k, 2 * intermediate, groups, dtype, dtype, transpose_rhs=transpose_rhs,
                                            zero_rows_past_groups=False)
-    plan = kernel.plan.plan_ragged_dot(problem, "v6e", kernel.config.TileConfig(*tiles))
-    return kernel.plan.gated_plan(plan, kernel.problem.Gate(activation), has_bias=False)
+    # v5e: its 128-wide MXU takes 128-column halves without padding.
+    plan = kernel.plan.plan_ragged_dot(problem, "v5e", kernel.config.TileConfig(*tiles))
+    return kernel.plan.gated_plan(plan, kernel.problem.Gate(activation), has_bias=False, generation="v5e")
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case,transpose_rhs", [(case, transpose) for case in CASES for transpose in (False, True)
-                                                if transpose or case != "odd-intermediate"])
+@pytest.mark.parametrize("case", list(CASES))
 def test_gated_schedules_match_reference(kernel, interpret, to_jax, case, dtype, transpose_rhs):
     m, k, intermediate, group_sizes, tiles = CASES[case]
     activation = "gelu_tanh" if transpose_rhs else "silu"
@@ -83,25 +87,33 @@ def test_gated_schedules_match_reference(kernel, interpret, to_jax, case, dtype,
 
 
 def test_the_gate_stays_in_xla_where_the_epilogue_cannot_take_it(kernel):
-    """gated_plan refuses interleaved columns, biases, one-byte weights and half tiles Mosaic cannot block."""
+    """gated_plan refuses interleaved columns, biases and one-byte weights; with several N tiles, halves that do
+    not divide I, are off the 128 lanes or pad the MXU past the whole tile."""
     gate = kernel.problem.Gate("silu")
-    assert _gated(kernel, 64, 128, 128, 4, "bfloat16", True, (64, 128, 256, None, 1)) is not None
-    problem = kernel.problem.MatmulProblem(64, 128, 256, 4, "bfloat16", "bfloat16", transpose_rhs=False)
-    plan = kernel.plan.plan_ragged_dot(problem, "v6e", kernel.config.TileConfig(64, 128, 256, None, 1))
-    assert kernel.plan.gated_plan(plan, gate._replace(interleaved=True), has_bias=False) is None
-    assert kernel.plan.gated_plan(plan, gate, has_bias=True) is None
-    int8 = problem._replace(rhs_dtype="int8")
-    assert kernel.plan.gated_plan(plan._replace(problem=int8), gate, has_bias=False) is None
-    # Half of a 256-column tile does not divide I = 160 (2I = 320).
-    narrow = kernel.plan.plan_ragged_dot(problem._replace(n=320), "v6e", kernel.config.TileConfig(64, 128, 256, None, 1))
-    assert kernel.plan.gated_plan(narrow, gate, has_bias=False) is None
-    # I = 96 in one tile: a 96-lane block of weights [K, 2I] is neither 128 lanes nor the whole 192, which
-    # Mosaic refuses; read transposed ([2I, K]) the 96 rows are a whole number of sublane tiles.
-    lanes = problem._replace(n=192)
-    config = kernel.config.TileConfig(64, 128, 192, None, 1)
-    assert kernel.plan.gated_plan(kernel.plan.plan_ragged_dot(lanes, "v6e", config), gate, has_bias=False) is None
-    transposed = kernel.plan.plan_ragged_dot(lanes._replace(transpose_rhs=True), "v6e", config)
-    assert kernel.plan.gated_plan(transposed, gate, has_bias=False).tile_n == 96
+
+    def gate_up(n, tile_n, generation="v5e"):
+        problem = kernel.problem.MatmulProblem(64, 128, n, 4, "bfloat16", "bfloat16", transpose_rhs=False)
+        return kernel.plan.plan_ragged_dot(problem, generation, kernel.config.TileConfig(64, 128, tile_n, None, 1))
+
+    def gated(n, tile_n, generation="v5e", gate=gate, has_bias=False):
+        return kernel.plan.gated_plan(gate_up(n, tile_n, generation), gate, has_bias, generation)
+
+    assert gated(512, 256).tile_n == 128  # two N tiles of I = 256
+    assert gated(512, 256, gate=gate._replace(interleaved=True)) is None
+    assert gated(512, 256, has_bias=True) is None
+    # One-byte weights: gated in one N tile (the block's scales whole), not in halves.
+    for n, tile_n, expected in ((512, 256, None), (512, 512, 256)):
+        int8 = gate_up(n, tile_n)
+        int8 = kernel.plan.gated_plan(int8._replace(problem=int8.problem._replace(rhs_dtype="int8")), gate, False,
+                                      "v5e")
+        assert (int8 and int8.tile_n) == expected
+    # Half of a 256-column tile does not divide I = 160 (2I = 320); a 192-column half of I = 384 is off the lanes.
+    assert gated(320, 256) is None
+    assert gated(768, 384) is None
+    # v6e's 256-wide MXU pads each 128-column half to 256: twice the whole tile's MXU work.
+    assert gated(512, 256, generation="v6e") is None
+    # One N tile takes any I: all 2I columns as one block (I = 96, off the lanes).
+    assert gated(192, 192, generation="v6e").tile_n == 96
 
 
 @pytest.mark.parametrize("options", [dict(activation="silu"), dict(activation="gelu")])

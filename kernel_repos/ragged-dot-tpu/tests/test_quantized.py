@@ -69,6 +69,35 @@ def test_ragged_dot_matches_dequantized_reference(kernel, interpret, to_jax, cas
     assert torch.equal(out[rows:], torch.zeros_like(out[rows:]))
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_gated_gate_up_takes_one_byte_weights_in_one_n_tile(kernel, interpret, to_jax, scheme, transpose_rhs):
+    """The first projection with the gate in its epilogue (plan.gated_plan) on one-byte weights: all 2I columns
+    one block, dequantized (fp8) or scaled per column (int8) before the gate; I = 100 ends in partial scale
+    blocks."""
+    m, k, intermediate, group_sizes = 40, 136, 100, [9, 0, 14, 6]
+    generator = torch.Generator().manual_seed(11)
+    lhs = torch.randn(m, k, generator=generator)
+    shape = (len(group_sizes), 2 * intermediate, k) if transpose_rhs else (len(group_sizes), k, 2 * intermediate)
+    rhs, scales = _quantized(shape, scheme, 1 if transpose_rhs else 2, generator)
+    problem = kernel.problem.MatmulProblem(m, k, 2 * intermediate, len(group_sizes), "float32",
+                                           jnp.dtype(to_jax(rhs).dtype).name, transpose_rhs=transpose_rhs,
+                                           zero_rows_past_groups=False)
+    plan = kernel.plan.plan_ragged_dot(problem, "v5e", kernel.config.TileConfig(40, k, 2 * intermediate, None, 1))
+    plan = kernel.plan.gated_plan(plan, kernel.problem.Gate("silu"), has_bias=False, generation="v5e")
+    assert plan.tile_n == plan.problem.n == intermediate
+    out = interpret(lambda: kernel.pallas_gmm.grouped_matmul(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes,
+                                                                                                    jnp.int32),
+                                                             to_jax(scales), plan))
+    weights = kernel.reference.dequantize_reference(rhs, scales, out_axis=1 if transpose_rhs else 2)
+    projected = kernel.reference.ragged_dot_reference(lhs.double(), weights, torch.tensor(group_sizes, dtype=torch.int32),
+                                                      transpose_rhs=transpose_rhs)
+    gate, up = projected.chunk(2, dim=1)
+    rows = sum(group_sizes)
+    expected = (torch.nn.functional.silu(gate) * up)[:rows]
+    assert _relative_error(out[:rows], expected) <= 1e-5
+
+
 def _layer(random_picks, tokens, hidden, intermediate, experts, top_k, scheme, *, transposed, bias, dtype=torch.float32,
            sentinels=0.0, seed=0, std=0.2):
     """One experts layer with quantized weights: (hidden, index, weights, gate_up, down, biases..., scales...)."""

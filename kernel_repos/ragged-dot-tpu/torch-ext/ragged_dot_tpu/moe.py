@@ -136,7 +136,7 @@ def grouped_experts(
     order, group_sizes = sort_by_expert(top_k_index, num_experts)
     rows = hidden_states[order // top_k]
     if plan.gated_gate_up is not None and not return_residuals:
-        activated = grouped_matmul(rows, read.gate_up_proj, group_sizes, None, plan.gated_gate_up)
+        activated = grouped_matmul(rows, read.gate_up_proj, group_sizes, read.gate_up_scales, plan.gated_gate_up)
         down_out = grouped_matmul(activated, read.down_proj, group_sizes, read.down_scales, plan.down)
         return _weighted_sum_per_token(down_out, order, group_sizes, top_k_index, top_k_weights, weights.down_bias,
                                        problem).astype(hidden_states.dtype)

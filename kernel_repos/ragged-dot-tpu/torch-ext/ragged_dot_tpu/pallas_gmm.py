@@ -45,10 +45,12 @@ a plan.
 
 With a gate (`MatmulProblem.gate`, the experts layer's first projection),
 rhs holds 2N columns, the gate's then the up projection's, and the kernel
-writes the gated intermediate `activation(lhs @ gate) * (lhs @ up)` [M, N]:
-each step fetches the gate's and the up's blocks of its N tile (two views of
-rhs), accumulates both, and gates them when the output block is written, so
-the [M, 2N] projection never goes to HBM and no XLA pass reads it back.
+writes the gated intermediate `activation(lhs @ gate) * (lhs @ up)` [M, N],
+gating the accumulators when the output block is written, so the [M, 2N]
+projection never goes to HBM and no XLA pass reads it back. With one N tile
+each step fetches all 2N columns as one block and splits the result (no MXU
+padding for an N off the MXU width); with several, the gate's and the up's
+blocks of its N tile (two views of rhs), each accumulated apart.
 
 Quantized weights (`quant.py`) are read as one byte each: an int8 block is
 cast to lhs's dtype at the matmul and its per-output-column scales multiply
@@ -172,18 +174,25 @@ class _StepRefs(NamedTuple):
     rhs: tuple  # per group slot, per part (`_parts`): the weights blocks
     scales: tuple  # one per group slot (quantized weights), else empty
     out: object
-    acc: tuple  # per part: [tile_m, tile_n] f32
-    carry: tuple | None  # per part: [2 chunk_m, tile_n] f32, rows [tile_m - chunk_m, tile_m + chunk_m), with chunks
+    acc: tuple  # per part: [tile_m, block columns (`_block_columns`)] f32
+    carry: tuple | None  # per part: [2 chunk_m, block columns] f32, rows [tile_m - chunk_m, tile_m + chunk_m)
     dequantized: tuple  # fp8: each slot's weights block, dequantized once per step
 
 
-def _parts(problem: MatmulProblem) -> int:
-    """Column blocks each output column needs: 2 (its gate's and its up's) with a gate, else 1."""
-    return 1 if problem.gate is None else 2
+def _parts(plan: MatmulPlan) -> int:
+    """Weights blocks per step: 2 (the N tile's gate and up columns apart) with a gate over several N tiles,
+    else 1."""
+    return 2 if plan.problem.gate is not None and plan.tile_n < plan.problem.n else 1
+
+
+def _block_columns(plan: MatmulPlan) -> int:
+    """Columns of a weights block and its accumulator: 2N (the gate's and the up's whole) with a gate in one N
+    tile, else the N tile."""
+    return 2 * plan.tile_n if plan.problem.gate is not None and _parts(plan) == 1 else plan.tile_n
 
 
 def _step_refs(lhs_ref, refs, plan: MatmulPlan) -> _StepRefs:
-    slots, parts = plan.groups_per_step, _parts(plan.problem)
+    slots, parts = plan.groups_per_step, _parts(plan)
     quantized = scheme_of(plan.problem.rhs_dtype) is not None
     rhs, refs = refs[: slots * parts], refs[slots * parts :]
     rhs = tuple(tuple(rhs[slot * parts : (slot + 1) * parts]) for slot in range(slots))
@@ -324,10 +333,14 @@ def _body(row_tile_ref, lhs_tile_ref, group_ref, row_start_ref, row_end_ref, chu
         gate = plan.problem.gate
         if gate is None:
             refs.out[...] = refs.acc[0][...].astype(refs.out.dtype)
+            return
+        if len(refs.acc) == 2:
+            gate_part, up = refs.acc[0][...], refs.acc[1][...]
         else:
-            # Rows of the tile outside every group hold zeros: gated to zeros.
-            refs.out[...] = gated(refs.acc[0][...], refs.acc[1][...], gate.activation, alpha=gate.alpha,
-                                  limit=gate.limit).astype(refs.out.dtype)
+            gate_part, up = refs.acc[0][:, : plan.tile_n], refs.acc[0][:, plan.tile_n :]
+        # Rows of the tile outside every group hold zeros: gated to zeros.
+        refs.out[...] = gated(gate_part, up, gate.activation, alpha=gate.alpha, limit=gate.limit).astype(
+            refs.out.dtype)
 
 
 def ragged_dot(
@@ -374,7 +387,8 @@ class _Specs(NamedTuple):
 def _specs(plan: MatmulPlan, rhs, rhs_scales, items: WorkItems) -> _Specs:
     """Blocks, index maps and scratch of a call (module docstring: what each operand moves)."""
     problem, tile_m, tile_k, tile_n, chunk_m = plan.problem, plan.tile_m, plan.tile_k, plan.tile_n, plan.chunk_m
-    slots, k_tiles, parts = plan.groups_per_step, pl.cdiv(problem.k, plan.tile_k), _parts(problem)
+    slots, k_tiles, parts = plan.groups_per_step, pl.cdiv(problem.k, plan.tile_k), _parts(plan)
+    columns = _block_columns(plan)
     quantization = scheme_of(problem.rhs_dtype)
     # With a gate, the up projection's blocks start this many N blocks into rhs (`plan.gated_plan`: N is a
     # multiple of tile_n then).
@@ -414,21 +428,22 @@ def _specs(plan: MatmulPlan, rhs, rhs_scales, items: WorkItems) -> _Specs:
     # The whole lhs as one block never moves: one buffer, not two.
     resident = tile_m >= problem.m and tile_k == problem.k
     lhs_spec = pl.BlockSpec(lhs_block, lhs_index, **(dict(pipeline_mode=pl.Buffered(1)) if resident else {}))
-    rhs_block = (None, tile_n, tile_k) if problem.transpose_rhs else (None, tile_k, tile_n)
+    rhs_block = (None, columns, tile_k) if problem.transpose_rhs else (None, tile_k, columns)
     in_specs = [lhs_spec, *(pl.BlockSpec(rhs_block, functools.partial(rhs_index, slot, part))
                             for slot in range(slots) for part in range(parts))]
     operands = [rhs] * (slots * parts)
-    scratch = ([pltpu.VMEM((tile_m, tile_n), jnp.float32) for _ in range(parts)]
-               + ([pltpu.VMEM((2 * chunk_m, tile_n), jnp.float32) for _ in range(parts)] if chunk_m else []))
+    scratch = ([pltpu.VMEM((tile_m, columns), jnp.float32) for _ in range(parts)]
+               + ([pltpu.VMEM((2 * chunk_m, columns), jnp.float32) for _ in range(parts)] if chunk_m else []))
 
     def scale_index(slot, n_step, *grid_and_prefetch):
         group = rhs_index(slot, 0, n_step, *grid_and_prefetch)[0]
-        # int8: the N tile's scales, as a [1, tile_n] row; fp8: the group's whole (small) grid of block scales.
+        # int8: the weights block's column scales, as a [1, columns] row; fp8: the group's whole (small) grid of
+        # block scales.
         return (group, 0, n_step) if quantization == INT8 else (group, 0, 0)
 
     if quantization == INT8:
-        in_specs += [pl.BlockSpec((None, 1, tile_n), functools.partial(scale_index, slot)) for slot in range(slots)]
-        operands += [rhs_scales.reshape(problem.groups, 1, problem.n)] * slots
+        in_specs += [pl.BlockSpec((None, 1, columns), functools.partial(scale_index, slot)) for slot in range(slots)]
+        operands += [rhs_scales.reshape(problem.groups, 1, rhs_scales.shape[-1])] * slots
     elif quantization == FP8:
         in_specs += [pl.BlockSpec((None, *rhs_scales.shape[1:]), functools.partial(scale_index, slot))
                      for slot in range(slots)]
@@ -450,7 +465,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_s
     # A resident lhs is read once; tiled, once per N tile (and chunk_m more rows per row tile).
     lhs_reads = 1 if tile_m >= m and plan.tile_k == k else grid[0] * (1 + (plan.chunk_m or 0) / tile_m)
     # Per active group: its weights once (with a gate, both halves), and its scales once per N tile.
-    read_n = n * _parts(problem)
+    read_n = n if problem.gate is None else 2 * n
     group_bytes = (k * read_n * jnp.dtype(rhs.dtype).itemsize
                    + (0 if rhs_scales is None else grid[0] * rhs_scales[0].size * 4))
     grid_spec = pltpu.PrefetchScalarGridSpec(len(items), grid, specs.in_specs, specs.out_spec, specs.scratch)

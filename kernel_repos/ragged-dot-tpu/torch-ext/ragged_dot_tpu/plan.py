@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ._hardware import LANES, resolve_generation, sublane_multiple, vmem_limit_bytes
+from ._hardware import LANES, resolve_generation, round_up, tpu_generation, vmem_limit_bytes
 from .config import use_fused_experts
 from .fused_tiles import (
     FusedConfig, check_fused_config, fused_buffers, fused_chunks, fused_config, fused_cores, fused_vmem_bytes,
@@ -64,25 +64,34 @@ def plan_ragged_dot(problem: MatmulProblem, generation: str | None = None,
     )
 
 
-def gated_plan(gate_up: MatmulPlan, gate: Gate, has_bias: bool) -> MatmulPlan | None:
-    """The experts' first projection with the gate in its epilogue (`MatmulProblem.gate`): `gate_up`'s tiles with
-    half its N tile, so the two blocks each step fetches (the gate's and the up's) and the two accumulators take
-    the VMEM the one did (its `buffers` and VMEM limit, which the halved output block only undercuts).
+def gated_plan(gate_up: MatmulPlan, gate: Gate, has_bias: bool, generation: str | None = None) -> MatmulPlan | None:
+    """The experts' first projection with the gate in its epilogue (`MatmulProblem.gate`) on `generation`
+    (default: this device's): `gate_up`'s tiles, its N tile counted in output columns (half as many), so the
+    weights blocks and accumulators take the VMEM gate_up's did (its `buffers` and VMEM limit, which the
+    halved output block only undercuts). With gate_up in one N tile the kernel reads all 2I columns as one
+    block; with several, each tile's gate and up halves apart.
 
     None where the gate stays in XLA: GPT-OSS's interleaved columns (gate and up alternate), biases (added per
-    row's expert before the gate), one-byte weights (scales per column half), or a half tile that does not
-    divide the intermediate size or that Mosaic cannot block (a lane dimension not a multiple of 128 unless
-    whole; a sublane one not of the weights' native tile).
+    row's expert before the gate); with several N tiles, also one-byte weights (their scales come per
+    weights block) and where the half tile does not divide the intermediate size, is not a whole number of 128 lanes (the
+    output block's, which Mosaic needs), or the two halves would pad the MXU
+    beyond the whole tile (Gemma 4's I = 704 on v5e's 128-wide MXU: 2 x 768 columns for 1408).
     """
     problem = gate_up.problem
-    half, intermediate = gate_up.tile_n // 2, problem.n // 2
-    if gate.interleaved or has_bias or scheme_of(problem.rhs_dtype) is not None or gate_up.tile_n % 2 \
-            or intermediate % half:
+    intermediate = problem.n // 2
+    if gate.interleaved or has_bias or gate_up.tile_n % 2:
         return None
-    weights_axis_ok = half % (sublane_multiple(problem.rhs_dtype) if problem.transpose_rhs else LANES) == 0
-    if not weights_axis_ok or not (half % LANES == 0 or half == intermediate):
+    half = gate_up.tile_n // 2
+    gated = gate_up._replace(problem=problem._replace(n=intermediate, gate=gate), tile_n=half)
+    if half == intermediate:
+        return gated
+    if scheme_of(problem.rhs_dtype) is not None:
         return None
-    return gate_up._replace(problem=problem._replace(n=intermediate, gate=gate), tile_n=half)
+    mxu = tpu_generation(resolve_generation(generation)).mxu_size
+    if intermediate % half or 2 * round_up(half, mxu) > round_up(gate_up.tile_n, mxu):
+        return None
+    # The output block's columns, and the weights block's (lanes, or sublanes when read transposed).
+    return gated if half % LANES == 0 else None
 
 
 class TgmmPlan(NamedTuple):
@@ -237,7 +246,7 @@ def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fuse
     gate_up_plan = plan_ragged_dot(gate_up, generation)
     return ExpertsPlan(
         problem=problem, orientation=orientation, fused=plan_fused(problem, generation=generation) if fused else None,
-        gate_up=gate_up_plan, gated_gate_up=gated_plan(gate_up_plan, problem.gate, problem.has_bias),
+        gate_up=gate_up_plan, gated_gate_up=gated_plan(gate_up_plan, problem.gate, problem.has_bias, generation),
         down=plan_ragged_dot(down, generation),
         gate_up_backward=plan_ragged_dot_backward(gate_up, generation) if trains else None,
         down_backward=plan_ragged_dot_backward(down, generation) if trains else None,

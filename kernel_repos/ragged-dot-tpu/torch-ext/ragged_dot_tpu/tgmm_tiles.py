@@ -108,9 +108,10 @@ def check_tgmm_config(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dty
 def heuristic_tgmm_config(m: int, k: int, n: int, dtype, generation: str, out_dtype=None,
                           num_groups: int = 1) -> TgmmConfig:
     """Whole K and N when the output block fits TGMM_OUTPUT_SHARE of the budget (every row read once),
-    else N, then K, halved in multiples of 256; chunks of one MXU width (the contraction of a pass);
-    TGMM_ROW_TILE rows, halved until a step fits the unrolling and VMEM bounds; group chunks where
-    `_group_chunks_pay` says so."""
+    else N, then K, halved in multiples of 256; on a megacore device (v5p) at least one output block per
+    core (`_split_for_cores`); chunks of one MXU width (the contraction of a pass); TGMM_ROW_TILE rows,
+    halved until a step fits the unrolling and VMEM bounds; group chunks where `_group_chunks_pay` says
+    so."""
     generation = check_generation(generation)
     out_dtype = dtype if out_dtype is None else out_dtype
     out_bytes = 4 + 2 * jnp.dtype(out_dtype).itemsize
@@ -120,6 +121,7 @@ def heuristic_tgmm_config(m: int, k: int, n: int, dtype, generation: str, out_dt
         tile_n = max(256, round_up(tile_n // 2, 256))
     while tile_k * tile_n * out_bytes > output_budget and tile_k > 256:
         tile_k = max(256, round_up(tile_k // 2, 256))
+    tile_k, tile_n = _split_for_cores(k, n, tile_k, tile_n, tpu_generation(generation).cores_per_device)
     chunk = tpu_generation(generation).mxu_size
     config = TgmmConfig(TGMM_ROW_TILE, tile_k, tile_n, chunk)
     while config.tile_m > chunk and not _tgmm_fits(config, m, k, n, dtype, out_dtype, generation):
@@ -131,6 +133,21 @@ def heuristic_tgmm_config(m: int, k: int, n: int, dtype, generation: str, out_dt
                                                                                        out_dtype, generation):
         return grouped
     return config
+
+
+def _split_for_cores(k: int, n: int, tile_k: int, tile_n: int, cores: int) -> tuple[int, int]:
+    """(tile_k, tile_n) with at least `cores` output blocks where the output is one block: a megacore device
+    splits the grid's parallel axes (N tiles, then K tiles) over its cores, and one block leaves all but one
+    idle. The split dimension is the one whose re-read costs less: N re-reads lhs ([m, k]) per N tile, K
+    re-reads rhs ([m, n]) per K tile. Blocks stay multiples of the 128 lanes (a tail block is partial)."""
+    if cores == 1 or tile_k < k or tile_n < n:
+        return tile_k, tile_n
+    split_n = k <= n
+    dim = n if split_n else k
+    part = round_up(-(-dim // cores), LANES)
+    if part >= dim:
+        return tile_k, tile_n
+    return (tile_k, part) if split_n else (part, tile_n)
 
 
 def _group_chunks_pay(config: TgmmConfig, m: int, k: int, n: int, dtype, generation: str, num_groups: int) -> bool:
