@@ -5,14 +5,15 @@
   batch; transformers' weight layout is `[E, out, in]` (`transpose_rhs=True`);
   rows past the groups left unwritten, as an experts layer runs it. A
   prefill chunk's 16384 rows are compiled inside Qwen3-30B-A3B's layer at
-  T=2048 below (the same two calls, at the same tiles).
+  T=2048 below (the same two calls, at the same tiles). The first
+  projection with the gate in its epilogue (`plan.gated_plan`) at those
+  16384 rows: all 2I columns as one block (Gemma 4's I = 704, off the 128
+  lanes, split in VMEM), and Qwen3's in halves of 256 columns per N tile.
 - The whole experts layer (`moe.experts_layer`: the routing in XLA and the
   kernels), which takes the fused kernel at decode sizes (T <= 256) and the
   grouped matmuls above: Qwen3-30B-A3B (128 experts, H=2048, I=768, top-8)
   on one chip (EP1) and on one rank of eight (EP8: 16 local experts),
-  Gemma-4-26B-A4B (128 experts, H=2816, I=704, top-8; at T=2048 the
-  grouped path's first kernel gates its own output in 704-row weight
-  blocks, I being off the 128 lanes), GPT-OSS-20B (32
+  Gemma-4-26B-A4B (128 experts, H=2816, I=704, top-8), GPT-OSS-20B (32
   experts, H=I=2880, top-4, transposed interleaved weights with biases,
   clamped SwiGLU) on one chip and on one rank of eight (4 experts). GPT-OSS
   at T=1 takes 16-row chunks, whose relayouts need the most of Mosaic's own
@@ -37,6 +38,8 @@ import jax
 import jax.numpy as jnp
 
 from . import config, moe, pallas_gmm, pallas_tgmm, quant
+from .plan import gated_plan, plan_ragged_dot
+from .problem import Gate, MatmulProblem
 
 GROUPED = {
     "qwen3-30b-a3b": dict(experts=128, hidden=2048, intermediate=768, rows=(512,)),
@@ -47,7 +50,7 @@ LAYERS = {
     # name: (experts on this rank, hidden, intermediate, top-k, layout, gate, token counts)
     "qwen3-30b-a3b EP1": (128, 2048, 768, 8, dict(weights_transposed=False), dict(activation="silu"), (1, 256, 2048)),
     "qwen3-30b-a3b EP8": (16, 2048, 768, 8, dict(weights_transposed=False), dict(activation="silu"), (256,)),
-    "gemma-4-26b-a4b": (128, 2816, 704, 8, dict(weights_transposed=False), dict(activation="gelu_tanh"), (256, 2048)),
+    "gemma-4-26b-a4b": (128, 2816, 704, 8, dict(weights_transposed=False), dict(activation="gelu_tanh"), (256,)),
     "gpt-oss-20b EP1": (32, 2880, 2880, 4, dict(weights_transposed=True), dict(
         activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (1, 256, 2048)),
     "gpt-oss-20b EP8": (4, 2880, 2880, 4, dict(weights_transposed=True), dict(
@@ -69,7 +72,33 @@ def _grouped_targets(generation, dtype):
                     jax.ShapeDtypeStruct((experts,), jnp.int32),
                 )
                 targets.append((f"{model} {projection} M={rows} K={k} N={n} E={experts} bf16", fn, avals))
+    for model, tile_n in GATED.items():
+        experts, hidden, intermediate = GROUPED[model]["experts"], GROUPED[model]["hidden"], GROUPED[model][
+            "intermediate"]
+        targets.append(_gated_target(model, experts, hidden, intermediate, tile_n, generation, dtype))
     return targets
+
+
+# The gated gate_up's N tile (over 2I): whole (one block, split after the matmul), or halves per N tile.
+GATED = {"gemma-4-26b-a4b": 2 * 704, "qwen3-30b-a3b": 512}
+GATED_ROWS = 16384
+
+
+def _gated_target(model, experts, hidden, intermediate, tile_n, generation, dtype):
+    problem = MatmulProblem(GATED_ROWS, hidden, 2 * intermediate, experts, jnp.dtype(dtype).name,
+                            jnp.dtype(dtype).name, transpose_rhs=True, zero_rows_past_groups=False)
+    heuristic = config.select_config(GATED_ROWS, hidden, 2 * intermediate, dtype, generation=generation,
+                                     num_groups=experts, transpose_rhs=True)
+    ungated = plan_ragged_dot(problem, generation, heuristic._replace(tile_n=tile_n))
+    plan = gated_plan(ungated, Gate("silu"), has_bias=False, generation=generation)
+    if plan is None:
+        raise ValueError(f"{model}: no gated plan at tile_n={tile_n} on {generation}")
+    avals = (jax.ShapeDtypeStruct((GATED_ROWS, hidden), dtype),
+             jax.ShapeDtypeStruct((experts, 2 * intermediate, hidden), dtype),
+             jax.ShapeDtypeStruct((experts,), jnp.int32))
+    mode = "one block" if plan.tile_n == intermediate else f"halves of {plan.tile_n}"
+    return (f"{model} gated gate_up M={GATED_ROWS} K={hidden} I={intermediate} E={experts} ({mode}) bf16",
+            lambda x, w, sizes: pallas_gmm.grouped_matmul(x, w, sizes, None, plan), avals)
 
 
 def _weight_shapes(experts, hidden, intermediate, transposed):
