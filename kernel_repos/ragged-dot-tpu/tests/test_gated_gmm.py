@@ -129,6 +129,6 @@ def test_the_grouped_layer_gates_in_the_kernel_and_matches_the_reference(kernel,
     gate = dict(weights_transposed=False, **options)
     problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
     assert kernel.plan.plan_experts(problem, "v6e", fused=False).gated_gate_up is not None
-    out = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False))
+    out = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False, generation="v6e"))
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
     assert ((out.double() - expected).abs().max() / expected.abs().max()).item() <= 1e-5

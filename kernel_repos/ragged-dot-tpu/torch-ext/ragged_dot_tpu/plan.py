@@ -73,9 +73,9 @@ def gated_plan(gate_up: MatmulPlan, gate: Gate, has_bias: bool, generation: str 
 
     None where the gate stays in XLA: GPT-OSS's interleaved columns (gate and up alternate), biases (added per
     row's expert before the gate); with several N tiles, also one-byte weights (their scales come per
-    weights block) and where the half tile does not divide the intermediate size, is not a whole number of 128 lanes (the
-    output block's, which Mosaic needs), or the two halves would pad the MXU
-    beyond the whole tile (Gemma 4's I = 704 on v5e's 128-wide MXU: 2 x 768 columns for 1408).
+    weights block) and where the half tile does not divide the intermediate size, is not a whole number of
+    128 lanes (the output block's, which Mosaic needs), or the two halves would pad the MXU beyond the
+    whole tile (Gemma 4's I = 704 on v5e's 128-wide MXU: 2 x 768 columns for 1408).
     """
     problem = gate_up.problem
     intermediate = problem.n // 2
@@ -90,7 +90,7 @@ def gated_plan(gate_up: MatmulPlan, gate: Gate, has_bias: bool, generation: str 
     mxu = tpu_generation(resolve_generation(generation)).mxu_size
     if intermediate % half or 2 * round_up(half, mxu) > round_up(gate_up.tile_n, mxu):
         return None
-    # The output block's columns, and the weights block's (lanes, or sublanes when read transposed).
+    # The output block's lanes (and the weights block's lanes or, read transposed, sublanes).
     return gated if half % LANES == 0 else None
 
 
