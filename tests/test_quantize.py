@@ -1,4 +1,4 @@
-"""kernelize(quantize_experts=...): one-byte expert weights, checked against the model with the weights dequantized.
+"""kernelize(quantize_experts=...): quantized expert weights, checked against the model with the weights dequantized.
 
 The quantization error itself (quantized against float weights) is measured,
 not asserted, by `tpu-kernels bench quantization_accuracy`.
@@ -17,9 +17,13 @@ from transformers.integrations.finegrained_fp8 import Fp8Quantize
 from tpu_kernels import kernelize
 from tpu_kernels.integration.kernelize import experts_modules
 from tpu_kernels.distribution.loader import get_local_kernel
-from tpu_kernels.integration.quantize import quantize_fp8, quantize_int8
+from tpu_kernels.integration.quantize import quantize_fp8, quantize_int4, quantize_int8
 
-from .test_kernelize import _experts_only, _prompt, _tiny_model, ragged_dot_build  # noqa: F401 - fixture
+from .test_kernelize import CONFIGS, _experts_only, _prompt, _tiny_model, ragged_dot_build  # noqa: F401 - fixture
+
+WEIGHT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8}
+# Bits per stored weight: the float32 originals take 32.
+WEIGHT_BITS = {"int8": 8, "fp8": 8, "int4": 4}
 
 
 def _transformers_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,6 +51,25 @@ def test_fp8_is_transformers_arithmetic_and_int8_rounds_to_nearest():
     assert bool((error <= scale_inv.unsqueeze(2) / 2 + 1e-9).all())
 
 
+def test_int4_rounds_to_nearest_and_packs_as_the_kernel_reads(ragged_dot_build):
+    kernel = get_local_kernel(ragged_dot_build, backend="cpu")
+    weight = torch.randn(3, 192, 136, generator=torch.Generator().manual_seed(0)) * 0.05
+    weight[1, 5] = 0.0  # an all-zero output channel keeps scale 1
+    packed, scale_inv = quantize_int4(weight, 1, kernel)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 96, 136) and scale_inv.shape == (3, 192)
+    q = kernel.int4.unpack_int4(packed, 136, 2)
+    assert int(q.abs().max()) == 7 and scale_inv[1, 5] == 1.0
+    scale = scale_inv.unsqueeze(2)
+    error = (q.float() * scale - weight).abs()
+    # Weights inside the clipped range round to nearest; the clipping (a ratio per channel) beats none.
+    inside = weight.abs() <= 7.5 * scale
+    assert bool((error[inside] <= scale.expand_as(error)[inside] / 2 + 1e-9).all())
+    unclipped = weight.abs().amax(dim=2, keepdim=True) / 7
+    plain = (torch.round(weight / unclipped).clamp(-7, 7) * unclipped - weight).square().sum(dim=2)
+    assert bool((error.square().sum(dim=2)[[0, 2]] <= plain[[0, 2]] + 1e-12).all())
+    assert bool((scale_inv[[0, 2]] < unclipped[[0, 2], :, 0]).any())
+
+
 def _dequantized_copy(model, quantized, kernel):
     """`model` (float) with each experts module's weights set to `quantized`'s, dequantized: the reference."""
     reference = copy.deepcopy(model)
@@ -61,25 +84,39 @@ def _dequantized_copy(model, quantized, kernel):
     return reference
 
 
+def _int4_packable_model(name):
+    """The tiny model with I = 64: whole 64-row packed blocks along every packed dim (H = 64 too)."""
+    config = CONFIGS[name]()
+    setattr(config, "moe_intermediate_size" if name == "qwen3_moe" else "intermediate_size", 64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 3:
+                parameter.normal_(std=0.1)
+    return model
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", ["int8", "fp8"])
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("scheme,name", [(scheme, name) for scheme in ("int8", "fp8")
+                                         for name in ("qwen3_moe", "mixtral", "gpt_oss")]
+                         + [("int4", "qwen3_moe"), ("int4", "gpt_oss")])
 def test_quantized_model_equals_its_dequantized_reference(name, scheme, ragged_dot_build):
-    model = _tiny_model(name)
+    model = _int4_packable_model(name) if scheme == "int4" else _tiny_model(name)
     float_bytes = sum(getattr(model.get_submodule(n), p).numel() * 4 for n in experts_modules(model)
                       for p in ("gate_up_proj", "down_proj"))
     original = copy.deepcopy(model)
     kernelize(model, repos=_experts_only(ragged_dot_build), quantize_experts=scheme)
     report = model.tpu_kernels_report.quantization
     assert [m.name for m in report.quantized] == experts_modules(model) and not report.kept
-    dtype = torch.int8 if scheme == "int8" else torch.float8_e4m3fn
+    dtype = WEIGHT_DTYPES[scheme]
     for name_ in experts_modules(model):
         module = model.get_submodule(name_)
         assert module.gate_up_proj.dtype == dtype and module.down_proj.dtype == dtype
     assert report.bytes_before == float_bytes
     weights = report.bytes_after - sum(getattr(model.get_submodule(n), f"{p}_scale_inv").numel() * 4
                                        for n in experts_modules(model) for p in ("gate_up_proj", "down_proj"))
-    assert weights * 4 == float_bytes  # one byte per weight, plus the scales
+    assert weights * 32 == float_bytes * WEIGHT_BITS[scheme]  # one byte (int4: half) per weight, plus the scales
     assert f"to {scheme}" in repr(model.tpu_kernels_report)
 
     reference = _dequantized_copy(original, model, get_local_kernel(ragged_dot_build, backend="cpu"))
@@ -92,10 +129,10 @@ def test_quantized_model_equals_its_dequantized_reference(name, scheme, ragged_d
     assert torch.equal(tokens, expected_tokens)
 
 
-@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
 def test_quantized_experts_skip_sentinel_picks(scheme, ragged_dot_build):
     """Expert-parallel router masking: picks with id == num_experts cost nothing and add nothing."""
-    model = _tiny_model("qwen3_moe")
+    model = _int4_packable_model("qwen3_moe") if scheme == "int4" else _tiny_model("qwen3_moe")
     kernelize(model, repos=_experts_only(ragged_dot_build), quantize_experts=scheme)
     experts = model.get_submodule(experts_modules(model)[0])
     kernel = get_local_kernel(ragged_dot_build, backend="cpu")
@@ -131,8 +168,27 @@ def test_shared_experts_and_unserved_gates_stay_float(ragged_dot_build):
 
 
 def test_unknown_scheme_is_refused():
-    with pytest.raises(ValueError, match="quantize_experts must be None, 'int8' or 'fp8'"):
-        kernelize(torch.nn.Linear(2, 2), quantize_experts="int4")
+    with pytest.raises(ValueError, match="quantize_experts must be None, 'int8', 'fp8' or 'int4'"):
+        kernelize(torch.nn.Linear(2, 2), quantize_experts="int2")
+
+
+def test_int4_weights_that_cannot_pack_stay_float(ragged_dot_build):
+    """I = 48: gate_up's 2I = 96 rows are not whole 64-row packed blocks; the report says why."""
+    model = _tiny_model("qwen3_moe")
+    kernelize(model, repos=_experts_only(ragged_dot_build), quantize_experts="int4")
+    report = model.tpu_kernels_report.quantization
+    assert not report.quantized and set(report.kept) == set(experts_modules(model))
+    assert "gate_up_proj: int4 packs blocks of 64 rows" in repr(model.tpu_kernels_report)
+    assert model.get_submodule(experts_modules(model)[0]).gate_up_proj.dtype == torch.float32
+
+
+def test_int4_is_refused_on_tpu7x_before_the_model_changes(monkeypatch, ragged_dot_build):
+    monkeypatch.setenv("TPU_KERNELS_GENERATION", "tpu7x")
+    model = _int4_packable_model("qwen3_moe")
+    with pytest.raises(ValueError, match=r"int4 expert weights are not served on tpu7x: .*quantize_experts=\"fp8\""):
+        kernelize(model, repos=_experts_only(ragged_dot_build), quantize_experts="int4")
+    assert model.get_submodule(experts_modules(model)[0]).gate_up_proj.dtype == torch.float32
+    assert not hasattr(model, "tpu_kernels_report")
 
 
 def test_training_with_quantized_experts_is_refused():

@@ -1,7 +1,8 @@
 """What the quantized fused experts kernel moves at real decode shapes, by tpu_kernels.perf's grid replay.
 
-The claim checked: with one-byte weights the fused kernel's HBM traffic stays
-within 5 % of the quantized minimum (each active expert's one-byte weights and
+The claim checked: with quantized weights the fused kernel's HBM traffic stays
+within 5 % of the quantized minimum (each active expert's one-byte (int4:
+half-byte) weights and
 their scales once, biases once, the hidden states, the routing and the output
 once), at every decode shape of the kernel's compile_targets.py. The modelled times (v6e,
 0.35 us per grid step) are printed beside the bf16 ones: the MoE-layer
@@ -18,7 +19,7 @@ import pytest
 from tpu_kernels import perf
 
 S = jax.ShapeDtypeStruct
-SCHEMES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+SCHEMES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}
 # name: (experts on this rank, ranks, hidden, intermediate, top-k, transposed, biases, tokens); the kernel's compile_targets.py
 DECODE_SHAPES = {
     "qwen3-30b-a3b EP1 T=1": (128, 1, 2048, 768, 8, False, False, 1),
@@ -61,8 +62,14 @@ def _layer(kernel, shape, weights_dtype):
     def fn(hidden_states, index, weights, gate_up, down, *rest):
         return fused(hidden_states, index, weights, gate_up, down, *(rest if biases else (None, None, *rest)))
 
-    args = [S((tokens, hidden), jnp.bfloat16), index, weights, S(gate_up, weights_dtype), S(down, weights_dtype),
-            *bias, *scales]
+    def stored(shape):  # packed int4: two weights per byte along the kernel's packed axis
+        if scheme != kernel.quant.INT4:
+            return shape
+        axis = kernel.quant.int4_packed_axis(shape)
+        return tuple(d // 2 if i == axis else d for i, d in enumerate(shape))
+
+    args = [S((tokens, hidden), jnp.bfloat16), index, weights, S(stored(gate_up), weights_dtype),
+            S(stored(down), weights_dtype), *bias, *scales]
     [call] = perf.model_pallas_traffic(fn, *args)
     active = len(np.unique(index[index < experts]))
     return call, active, scales
@@ -70,7 +77,7 @@ def _layer(kernel, shape, weights_dtype):
 
 def _minimum_bytes(kernel, shape, weights_dtype, active, scales):
     experts, _, hidden, intermediate, top_k, _, biases, tokens = shape
-    per_expert = 3 * intermediate * hidden * jnp.dtype(weights_dtype).itemsize
+    per_expert = 3 * intermediate * hidden * (0.5 if weights_dtype == jnp.uint8 else jnp.dtype(weights_dtype).itemsize)
     per_expert += sum(int(np.prod(s.shape[1:])) * 4 for s in scales)
     per_expert += (2 * intermediate + hidden) * 2 if biases else 0
     return active * per_expert + 2 * tokens * hidden * 2 + tokens * top_k * (4 + 2)

@@ -27,7 +27,7 @@ BENCHMARKS = {
     "attention": "attention kernels: HBM bytes and MXU work vs the minimum, skipped blocks, v6e compile-only cost",
     "rmsnorm": "RMSNorm kernels: HBM bytes vs the minimum, modelled time, v6e compile-only cost",
     "moe_decode": "per-step decode time of a MoE model: kernelized vs eager vs grouped_mm (a TPU VM harness)",
-    "quantization_accuracy": "quantization error of one-byte (int8 / fp8) expert weights against the float model",
+    "quantization_accuracy": "quantization error of int8 / fp8 / int4 expert weights against the float model",
     "calibration_fit": "fit the performance model's constants to tokamax's measured TPU timings",
     "binding": "host cost of the JAX -> torch op binding",
     "loader": "loading a kernel from a local Hub: tpu_kernels.get_kernel vs kernels.get_kernel",

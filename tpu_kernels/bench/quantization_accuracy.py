@@ -1,4 +1,4 @@
-"""Quantization error of one-byte expert weights: kernelize(quantize_experts="int8" | "fp8") against the float model.
+"""Quantization error of expert weights: kernelize(quantize_experts="int8" | "fp8" | "int4") against the float model.
 
 For tiny Qwen3-MoE, Mixtral and GPT-OSS models built from config (float32,
 seeded random weights; expert weights N(0, 0.02), transformers' usual
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import tempfile
 from pathlib import Path
 
@@ -37,7 +36,7 @@ import torch
 from tpu_kernels.bench import kernel_repo, require_kernel_repo, result_path
 
 KERNEL_REPO = kernel_repo("ragged-dot-tpu")
-SCHEMES = ("int8", "fp8")
+SCHEMES = ("int8", "fp8", "int4")
 EXPERT_WEIGHT_STD = 0.02
 
 
@@ -138,6 +137,7 @@ def main(argv=None) -> int:
                         (logits - dequantized_logits).abs().max().item(),
                     "expert_bytes_before": report.bytes_before,
                     "expert_bytes_after": report.bytes_after,
+                    "experts_modules_quantized": len(report.quantized),
                 }
                 row = rows[scheme]
                 print(f"{name[:10]:<10} {scheme}: logits max {row['logits_max_abs_error']:.3e} "
@@ -146,7 +146,6 @@ def main(argv=None) -> int:
                       f"{row['kernel_vs_dequantized_reference_logits_max_abs_error']:.1e}, bytes "
                       f"{report.bytes_before} -> {report.bytes_after}", flush=True)
             results["models"][name] = rows
-    results["load_average_at_end"] = os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

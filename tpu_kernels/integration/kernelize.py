@@ -328,7 +328,7 @@ APPLIERS = {"experts": _kernelize_experts, "rmsnorm": _kernelize_rmsnorm, "atten
 
 def _quantize_experts(model, entry: ReportEntry | None, kernel: ModuleType | None, scheme: str) -> QuantizationReport:
     """Quantize the experts modules the kernel now serves with its fused path (`tpu_kernels.integration.quantize`)."""
-    from .quantize import quantize_experts_module
+    from .quantize import quantize_experts_module, why_not_quantized
 
     report = QuantizationReport(scheme)
     if entry is None or not entry.replaced:
@@ -342,8 +342,10 @@ def _quantize_experts(model, entry: ReportEntry | None, kernel: ModuleType | Non
             report.kept[name] = "a gate the fused experts op does not compute (its composed path takes float weights)"
         elif not module.gate_up_proj.dtype.is_floating_point or module.gate_up_proj.element_size() == 1:
             report.kept[name] = f"weights already {module.gate_up_proj.dtype}"
+        elif (why := why_not_quantized(module, scheme, kernel)) is not None:
+            report.kept[name] = why
         else:
-            report.quantized.append(quantize_experts_module(name, module, scheme))
+            report.quantized.append(quantize_experts_module(name, module, scheme, kernel))
     return report
 
 
@@ -372,10 +374,12 @@ def kernelize(
             (no build for this system, an unsupported mode or layer; the report says
             which) instead of raising. Integrity, trust, loading and other errors
             always raise.
-        quantize_experts: None, "int8" (symmetric, per output channel) or "fp8" (e4m3 in 128 x 128
-            blocks, transformers' fine-grained FP8): the float weights of every experts module the
-            kernel serves are quantized once, in place, and read as one byte per weight from then
-            on (`tpu_kernels.integration.quantize`); the report gives the bytes before and after.
+        quantize_experts: None, "int8" (symmetric, per output channel), "fp8" (e4m3 in 128 x 128
+            blocks, transformers' fine-grained FP8) or "int4" (symmetric, per output channel, two
+            per byte; not on TPU7x, where fp8 is the format): the float weights of every experts
+            module the kernel serves are quantized once, in place, and read as one byte (int4: half
+            a byte) per weight from then on (`tpu_kernels.integration.quantize`); the report gives
+            the bytes before and after.
     """
     from kernels import Mode
 
@@ -414,6 +418,9 @@ def kernelize(
             error.add_note(f"kernelize: while loading the {kind} kernel {spec}")
             raise
         else:
+            if kind == "experts" and quantize_experts is not None:
+                # Before the model changes: a format this chip is not served in is refused whole.
+                kernel.quant.check_scheme_served(quantize_experts)
             loaded[kind] = kernel
             entry = APPLIERS[kind](model, spec, kernel, mode, backend)
         if not entry.replaced and entry.modules and not use_fallback:

@@ -21,7 +21,7 @@ def _to_jax(tensor):
     """A torch tensor as a JAX array of its dtype (int32/int64 as int32); None stays None."""
     if tensor is None:
         return None
-    if tensor.dtype == torch.int8:
+    if tensor.dtype in (torch.int8, torch.uint8):
         return jnp.asarray(tensor.numpy())
     if tensor.dtype == torch.float8_e4m3fn:  # numpy has no fp8: the bits cross as bytes
         return jnp.asarray(tensor.view(torch.uint8).numpy()).view(jnp.float8_e4m3fn)

@@ -227,10 +227,10 @@ def test_bad_scales_are_refused(kernel, rhs_dtype):
     for change, error, match in _bad_scales_calls(rhs_dtype):
         with pytest.raises(error, match=match):
             kernel.ragged_dot(**{**args, **change})
-    with pytest.raises(ValueError, match="rhs_scales are for int8 or float8_e4m3fn"):
+    with pytest.raises(ValueError, match="rhs_scales are for int8, float8_e4m3fn or uint8"):
         kernel.ragged_dot(**args | dict(rhs=torch.randn(2, 16, 32)), rhs_scales=torch.ones(2, 32))
-    with pytest.raises(TypeError, match="rhs must be float32, bfloat16, int8 or float8_e4m3fn"):
-        kernel.ragged_dot(**args | dict(rhs=rhs.to(torch.uint8)), rhs_scales=torch.ones(2, 32))
+    with pytest.raises(TypeError, match=r"rhs must be float32, bfloat16, int8, float8_e4m3fn or uint8 \(packed int4\)"):
+        kernel.ragged_dot(**args | dict(rhs=rhs.to(torch.int16)), rhs_scales=torch.ones(2, 32))
 
 
 def test_gated_experts_refuses_bad_scales(kernel, random_picks):
@@ -256,7 +256,7 @@ def test_quantized_weights_run_under_autograd_and_refuse_a_backward(kernel, rand
     lhs = torch.randn(12, 136, generator=generator, requires_grad=True)
     rhs, scales = _quantized((3, 136, 200), "int8", 2, generator)
     out = kernel.ragged_dot(lhs, rhs, torch.tensor([5, 0, 7], dtype=torch.int32), rhs_scales=scales)
-    with pytest.raises(NotImplementedError, match="ragged_dot: no gradient through int8 / float8_e4m3fn weights"):
+    with pytest.raises(NotImplementedError, match="ragged_dot: no gradient through int8 / float8_e4m3fn / packed int4 weights"):
         out.sum().backward()
 
     hidden, index, routing, gate_up, down, _, _, gate_up_scales, down_scales = _layer(random_picks, 
@@ -268,5 +268,5 @@ def test_quantized_weights_run_under_autograd_and_refuse_a_backward(kernel, rand
         expected = kernel.gated_experts(hidden, index, routing, gate_up, down, gate_up_scales=gate_up_scales,
                                         down_scales=down_scales, activation="silu", weights_transposed=False)
     assert torch.equal(out.detach(), expected)
-    with pytest.raises(NotImplementedError, match="gated_experts: no gradient through int8 / float8_e4m3fn"):
+    with pytest.raises(NotImplementedError, match="gated_experts: no gradient through int8 / float8_e4m3fn / packed int4"):
         out.sum().backward()

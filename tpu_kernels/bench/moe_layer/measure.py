@@ -6,7 +6,7 @@ from tpu_kernels.runtime.hardware import tpu_generation
 
 from .cache import Cache, Compiler, replay
 from .modelling import joined, timings
-from .ours import QUANTIZED, ours_layer, quantized_avals, quantized_layer, quantized_min_bytes
+from .ours import ours_layer, quantized_avals, quantized_layer, quantized_min_bytes, quantized_schemes
 from .rivals import RIVALS, rival_layer
 from .shapes import GENERATIONS, Case
 from .targets import summarise
@@ -53,7 +53,7 @@ def queue_ours(built, case: Case, cache: Cache, compiler: Compiler, generations)
         pending[("ours", generation)] = (compiler.submit(layer, compile_avals, generation),
                                          replay(cache, layer, replay_args), None)
         if case.phase == "decode":
-            for scheme in QUANTIZED:
+            for scheme in quantized_schemes(built, generation):
                 layer = quantized_layer(built, case.model, generation)
                 pending[(f"ours_{scheme}", generation)] = (
                     compiler.submit(layer, quantized_avals(built, case, scheme, False), generation),

@@ -1,4 +1,4 @@
-"""Ours: the built kernel repo's layer entry, at bf16 and with one-byte (int8, fp8) expert weights."""
+"""Ours: the built kernel repo's layer entry, at bf16 and with quantized (int8, fp8, int4) expert weights."""
 
 from __future__ import annotations
 
@@ -61,8 +61,22 @@ def ours_layer(built, model: Model, generation: str):
     )
 
 
-# One-byte expert weights (issue 14), ours only, decode shapes only: labelled extra variants, never headlines.
-QUANTIZED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+# Quantized expert weights (issues 14 and 25), ours only, decode shapes only: labelled extra variants, never
+# headlines. int4 is packed two per byte (uint8), on the generations the kernel serves it on.
+QUANTIZED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}
+
+
+def quantized_schemes(built, generation: str) -> list[str]:
+    """The QUANTIZED schemes the kernel serves on `generation` (its quant.NOT_SERVED)."""
+    return [scheme for scheme in QUANTIZED if (scheme, generation) not in built.quant.NOT_SERVED]
+
+
+def _stored_shape(built, shape: tuple[int, ...], scheme: str) -> tuple[int, ...]:
+    """A weight's array shape in `scheme`: int4 halves its packed axis (the kernel repo's quant.int4_packed_axis)."""
+    if scheme != "int4":
+        return shape
+    axis = built.quant.int4_packed_axis(shape)
+    return tuple(d // 2 if i == axis else d for i, d in enumerate(shape))
 
 
 def quantized_layer(built, model: Model, generation: str):
@@ -77,22 +91,24 @@ def quantized_layer(built, model: Model, generation: str):
 
 
 def quantized_avals(built, case: "Case", scheme: str, concrete_index: bool) -> list:
-    """`case.avals` with one-byte weights, then their scales in the shapes the kernel repo's quant.py expects."""
+    """`case.avals` with quantized weights, then their scales in the shapes the kernel repo's quant.py expects."""
     args = case.avals(concrete_index)
     shapes = case.weight_shapes()
-    args[3:5] = [jax.ShapeDtypeStruct(shape, QUANTIZED[scheme]) for shape in shapes]
+    args[3:5] = [jax.ShapeDtypeStruct(_stored_shape(built, shape, scheme), QUANTIZED[scheme]) for shape in shapes]
     out_axis = 2 if case.model.weights_transposed else 1
     return args + [jax.ShapeDtypeStruct(built.quant.expected_scales_shape(scheme, shape, out_axis), jnp.float32)
                    for shape in shapes]
 
 
 def quantized_min_bytes(built, case: "Case", scheme: str) -> int:
-    """The layer's minimum bytes with one-byte weights: each active expert's weights and scales once."""
+    """The layer's minimum bytes with quantized weights: each active expert's weights (int4: half a byte each) and
+    scales once."""
     model = case.model
     h, i = model.hidden, model.intermediate
     out_axis = 2 if model.weights_transposed else 1
     scales = sum(math.prod(built.quant.expected_scales_shape(scheme, shape, out_axis)[1:]) * 4
                  for shape in case.weight_shapes())
     itemsize = jnp.dtype(DTYPE).itemsize
-    per_expert = 3 * h * i + scales + ((2 * i + h) * itemsize if model.bias else 0)
+    weight_bytes = 3 * h * i // 2 if scheme == "int4" else 3 * h * i
+    per_expert = weight_bytes + scales + ((2 * i + h) * itemsize if model.bias else 0)
     return 2 * case.rows * h * itemsize + case.active_experts * per_expert + case.picks * (4 + itemsize)

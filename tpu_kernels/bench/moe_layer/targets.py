@@ -16,12 +16,12 @@ ANCHOR_TARGET_US = 100.0
 DECODE_MAX_OVER_ROOFLINE = 1.08
 PREFILL_MIN_MXU_PCT = 85.0
 # Issue 14: one-byte expert weights.
-QUANTIZED_ANCHOR_TARGET_US = {"int8": 55.0}
+QUANTIZED_ANCHOR_TARGET_US = {"int8": 55.0, "int4": 35.0}
 QUANTIZED_MAX_BYTES_OVER_MIN = 1.05
-# Issue 25, at the anchor's shape on each generation: bf16 against the roofline (TPU7x), one-byte weights against
-# our bf16 (fp8 on TPU7x).
+# Issue 25, at the anchor's shape on each generation: bf16 against the roofline (TPU7x), quantized weights against
+# our bf16 (fp8 on TPU7x, int4 on v6e).
 GENERATION_MAX_OVER_ROOFLINE = {"tpu7x": 1.08}
-GENERATION_MAX_OVER_BF16 = {("tpu7x", "fp8"): 0.6}
+GENERATION_MAX_OVER_BF16 = {("tpu7x", "fp8"): 0.6, ("v6e", "int4"): 0.35}
 
 
 def modelled(variant: dict | None) -> bool:

@@ -34,7 +34,7 @@ from .routing import sort_by_expert
 
 
 QUANTIZED_BACKWARD_REFUSAL = (
-    "no gradient through int8 / float8_e4m3fn weights: one-byte weights serve inference only; "
+    "no gradient through int8 / float8_e4m3fn / packed int4 weights: quantized weights serve inference only; "
     "train with bfloat16 or float32 weights (kernelize without quantize_experts)"
 )
 

@@ -25,11 +25,15 @@
   transformers' `[E, out, in]` layout). The whole layer's backward (these
   kernels and XLA's gather, scatter and gate around them) compiles too, but
   takes ~80 s per generation and shape, mostly XLA's: not part of the check.
-- The same with one-byte weights (`quant.py`): int8 with per-output-channel
-  scales and fp8 (e4m3) with 128 x 128 block scales, for the layers of
-  Qwen3-30B-A3B (EP8 decode: fused; EP1 prefill: grouped) and GPT-OSS-20B
-  (H = I = 2880: partial scale blocks; EP1 and EP8 decode), and the grouped
-  matmul's gate_up projection of Qwen3-30B-A3B at decode rows.
+- The same with quantized weights (`quant.py`): int8 with per-output-channel
+  scales, fp8 (e4m3) with 128 x 128 block scales and int4 (packed two per
+  byte) with per-output-channel scales, for the layers of Qwen3-30B-A3B (EP8
+  decode: fused; EP1 prefill: grouped) and GPT-OSS-20B at EP8 decode (H = I =
+  2880: partial fp8 scale blocks; 4 local experts), and the grouped matmul's
+  gate_up projection of Qwen3-30B-A3B at decode rows; int4 also Gemma 4's
+  down projection there (`[E, H, I]` with I = 704 off the lanes: XLA stores
+  it swapped, so int4 packs I and the kernel reads the swapped view). int4
+  on every generation but TPU7x, which refuses it (`quant.NOT_SERVED`).
 """
 
 import functools
@@ -166,26 +170,39 @@ def _backward_targets(generation, dtype):
     return targets
 
 
-QUANTIZED_LAYERS = {"qwen3-30b-a3b EP8": (256,), "qwen3-30b-a3b EP1": (2048,), "gpt-oss-20b EP1": (256,),
-                    "gpt-oss-20b EP8": (64,)}
-SCHEMES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+QUANTIZED_LAYERS = {"qwen3-30b-a3b EP8": (256,), "qwen3-30b-a3b EP1": (2048,), "gpt-oss-20b EP8": (64,)}
+# Grouped matmuls compiled for one scheme only, at decode rows: (model, projection).
+SCHEME_PROJECTIONS = {"int4": (("qwen3-30b-a3b", "gate_up"), ("gemma-4-26b-a4b", "down"))}
+SCHEMES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}
 
 
 def _scales(scheme, weight_shape, out_axis):
     return jax.ShapeDtypeStruct(quant.expected_scales_shape(scheme, weight_shape, out_axis), jnp.float32)
 
 
+def _stored(scheme, weight_shape):
+    """The array shape of a `[G, D1, D2]` weight in `scheme`: int4 packed two per byte (`quant.int4_packed_axis`)."""
+    if scheme != quant.INT4:
+        return weight_shape
+    axis = quant.int4_packed_axis(weight_shape)
+    return tuple(d // 2 if i == axis else d for i, d in enumerate(weight_shape))
+
+
 def _quantized_targets(generation, dtype):
     targets = []
     for scheme, weights_dtype in SCHEMES.items():
-        shape = GROUPED["qwen3-30b-a3b"]
-        experts, hidden, intermediate = shape["experts"], shape["hidden"], shape["intermediate"]
-        rhs = (experts, 2 * intermediate, hidden)
-        fn = functools.partial(pallas_gmm.ragged_dot, transpose_rhs=True, zero_rows_past_groups=False,
-                               generation=generation)
-        avals = (jax.ShapeDtypeStruct((512, hidden), dtype), jax.ShapeDtypeStruct(rhs, weights_dtype),
-                 jax.ShapeDtypeStruct((experts,), jnp.int32), _scales(scheme, rhs, 1))
-        targets.append((f"qwen3-30b-a3b gate_up M=512 K={hidden} N={2 * intermediate} E={experts} {scheme}", fn, avals))
+        if (scheme, generation) in quant.NOT_SERVED:
+            continue
+        for model, projection in SCHEME_PROJECTIONS.get(scheme, (("qwen3-30b-a3b", "gate_up"),)):
+            shape = GROUPED[model]
+            experts, hidden, intermediate = shape["experts"], shape["hidden"], shape["intermediate"]
+            k, n = (hidden, 2 * intermediate) if projection == "gate_up" else (intermediate, hidden)
+            rhs = (experts, n, k)
+            fn = functools.partial(pallas_gmm.ragged_dot, transpose_rhs=True, zero_rows_past_groups=False,
+                                   generation=generation)
+            avals = (jax.ShapeDtypeStruct((512, k), dtype), jax.ShapeDtypeStruct(_stored(scheme, rhs), weights_dtype),
+                     jax.ShapeDtypeStruct((experts,), jnp.int32), _scales(scheme, rhs, 1))
+            targets.append((f"{model} {projection} M=512 K={k} N={n} E={experts} {scheme}", fn, avals))
         for model, token_counts in QUANTIZED_LAYERS.items():
             experts, hidden, intermediate, top_k, layout, gate, _ = LAYERS[model]
             transposed = layout["weights_transposed"]
@@ -203,7 +220,8 @@ def _quantized_targets(generation, dtype):
                                                     gate_up_bias, down_bias, gate_up_scales, down_scales, **_layout,
                                                     **_gate, generation=generation)
 
-                avals = _layer_avals(tokens, hidden, top_k, dtype, gate_up, down, weights_dtype,
+                avals = _layer_avals(tokens, hidden, top_k, dtype, _stored(scheme, gate_up), _stored(scheme, down),
+                                     weights_dtype,
                                      *(bias for bias in biases if bias is not None),
                                      _scales(scheme, gate_up, out_axis), _scales(scheme, down, out_axis))
                 path = "fused" if config.use_fused_experts(

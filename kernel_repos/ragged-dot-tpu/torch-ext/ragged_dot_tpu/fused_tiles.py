@@ -17,8 +17,12 @@ from ._hardware import (
     vmem_budget_bytes,
 )
 from .gmm_tiles import expected_active_groups
-from .quant import INT8, blocks, scheme_of
-from .vmem import MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, check_vmem_fits, fp8_dequantize_vmem_bytes
+from .quant import (
+    FP8, INT4, INT8, blocks, dequantized_in_vmem, per_channel_scales, scheme_of, stored_rows, weight_row_multiple,
+)
+from .vmem import (
+    MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, check_vmem_fits, fp8_dequantize_vmem_bytes, int4_unpack_vmem_bytes,
+)
 from .weights_layout import WeightsOrientation, weights_orientation
 
 # Rows per MXU pass of the fused kernel: T rounded to the native tile, at
@@ -47,6 +51,9 @@ MAX_EXPERTS_PER_STEP = 4
 # block is aligned for 32- and 16-bit types); the kernel picks its expert's
 # row out of the block.
 BIAS_BLOCK_EXPERTS = 16
+# Per-channel scales (int8, int4; float32, native tile 8 rows) come in blocks of this many experts: at one
+# token each active expert's step reads its block's other experts' scales too.
+SCALE_BLOCK_EXPERTS = 8
 
 
 class FusedConfig(NamedTuple):
@@ -76,24 +83,25 @@ def fused_chunks(config: FusedConfig, tokens: int) -> int:
 
 def _tile_i_aligned(tile_i: int, intermediate: int, dtype, *, orientation: WeightsOrientation, interleaved: bool,
                     has_bias: bool, weights_dtype=None) -> bool:
-    """Whether I tiles of `tile_i` make legal blocks of the weights (and biases, and int8 scales) as the kernel
-    reads them (`orientation`).
+    """Whether I tiles of `tile_i` make legal blocks of the weights (and biases, and int8 and int4 scales) as the
+    kernel reads them (`orientation`).
 
     The whole I always does (a block equal to its dimension). A part does if
     it divides I and each block's cut dimension is a multiple of its native
     tile: 128 lanes where it is the last dimension, the sublane multiple of
-    the weights' dtype where it is the second to last.
+    the weights' dtype where it is the second to last (packed int4: a whole
+    packed block).
     """
     if tile_i == intermediate:
         return True
     if intermediate % tile_i:
         return False
-    sublanes = sublane_multiple(dtype if weights_dtype is None else weights_dtype)
+    sublanes = weight_row_multiple(dtype if weights_dtype is None else weights_dtype)
     gate_up_cut = 2 * tile_i if interleaved else tile_i
     gate_up_multiple = LANES if orientation.gate_up_transposed else sublanes
     down_multiple = sublanes if orientation.down_transposed else LANES
     # Biases and int8 scales are [E, 2I] rows, cut along their lanes.
-    columns_ok = not (has_bias or scheme_of(weights_dtype or dtype) == INT8) or gate_up_cut % LANES == 0
+    columns_ok = not (has_bias or per_channel_scales(scheme_of(weights_dtype or dtype))) or gate_up_cut % LANES == 0
     return gate_up_cut % gate_up_multiple == 0 and tile_i % down_multiple == 0 and columns_ok
 
 
@@ -102,8 +110,8 @@ def fused_buffers(config: FusedConfig, tokens: int, hidden: int, intermediate: i
                   top_k: int = 1, routing_dtype="float32", cores: int = 1) -> tuple[Buffer, ...]:
     """The fused kernel's blocks and scratch: the resident hidden states and routing, each gate_up part's and the
     down block (biases, scales) of each slot's expert and I tile, the resident output (each core's f32 partial when
-    `cores` > 1), the f32 accumulator; scratch for interleaved gates, I tiles and fp8 weights. Weights blocks in the
-    order the kernel reads them (`weights_orientation`)."""
+    `cores` > 1), the f32 accumulator; scratch for interleaved gates, I tiles and fp8 and int4 weights. Weights
+    blocks in the order the kernel reads them (`weights_orientation`), packed int4's with half the rows."""
     dtype, f32 = jnp.dtype(dtype).name, "float32"
     weights_dtype = dtype if weights_dtype is None else jnp.dtype(weights_dtype).name
     chunk, tile_i, slots = config
@@ -114,14 +122,21 @@ def fused_buffers(config: FusedConfig, tokens: int, hidden: int, intermediate: i
                                                               weights_transposed=weights_transposed)
     gate_up_block = (hidden, width) if gate_up_transposed else (width, hidden)
     down_block = (tile_i, hidden) if down_transposed else (hidden, tile_i)
-    bias_rows = min(num_experts, BIAS_BLOCK_EXPERTS)
-    per_expert_rows = [*[Buffer((bias_rows, width), f32, 2)] * parts, Buffer((bias_rows, hidden), f32, 2)]
-    slot = [*[Buffer(gate_up_block, weights_dtype, 2)] * parts, Buffer(down_block, weights_dtype, 2)]
+    def per_expert_rows(block_experts):
+        rows = min(num_experts, block_experts)
+        return [*[Buffer((rows, width), f32, 2)] * parts, Buffer((rows, hidden), f32, 2)]
+
+    scheme = scheme_of(weights_dtype)
+
+    def stored(block):
+        return (stored_rows(block[0], scheme), block[1])
+
+    slot = [*[Buffer(stored(gate_up_block), weights_dtype, 2)] * parts, Buffer(stored(down_block), weights_dtype, 2)]
     if has_bias:
-        slot += [b._replace(dtype=dtype) for b in per_expert_rows]
-    if scheme_of(weights_dtype) == INT8:
-        slot += per_expert_rows
-    elif scheme_of(weights_dtype) is not None:  # fp8: each stored weight's whole grid of block scales
+        slot += [b._replace(dtype=dtype) for b in per_expert_rows(BIAS_BLOCK_EXPERTS)]
+    if per_channel_scales(scheme):
+        slot += per_expert_rows(SCALE_BLOCK_EXPERTS)
+    elif scheme == FP8:  # each stored weight's whole grid of block scales
         gate_up_stored = (hidden, 2 * intermediate) if gate_up_transposed else (2 * intermediate, hidden)
         down_stored = (intermediate, hidden) if down_transposed else (hidden, intermediate)
         slot += [Buffer(tuple(blocks(d) for d in stored), f32, 2) for stored in (gate_up_stored, down_stored)]
@@ -134,7 +149,7 @@ def fused_buffers(config: FusedConfig, tokens: int, hidden: int, intermediate: i
     if i_tiles > 1:
         rows = fused_chunks(config, tokens) * chunk
         buffers += [Buffer((rows, hidden), dtype), Buffer((rows, hidden), f32)]  # gathered rows, partial out
-    if scheme_of(weights_dtype) not in (None, INT8):
+    if dequantized_in_vmem(scheme):
         buffers += [*[Buffer(gate_up_block, dtype)] * parts, Buffer(down_block, dtype)]  # dequantized blocks
     return tuple(buffers)
 
@@ -145,7 +160,7 @@ def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate
     """VMEM of a fused experts call: its buffers (`fused_buffers`) and the f32 values Mosaic keeps beside them:
     the expert's weight and rank per token as columns, the triangle that counts the ranks, one chunk's gate_up
     and down results (the columns once per expert of the step); an int8 block cast to the activation dtype, or
-    what dequantizing fp8 blocks takes."""
+    what dequantizing fp8 or unpacking int4 blocks takes."""
     f32 = jnp.float32
     weights_dtype = dtype if weights_dtype is None else weights_dtype
     buffers = fused_buffers(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
@@ -156,6 +171,8 @@ def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate
               + padded_vmem_bytes((chunk, 2 * tile_i), f32) + padded_vmem_bytes((chunk, hidden), f32))
     if scheme_of(weights_dtype) == INT8:
         values += max(padded_vmem_bytes((hidden, 2 * tile_i), dtype), padded_vmem_bytes((2 * tile_i, hidden), dtype))
+    elif scheme_of(weights_dtype) == INT4:
+        values += int4_unpack_vmem_bytes(max(hidden, 2 * tile_i))
     elif scheme_of(weights_dtype) is not None:
         values += fp8_dequantize_vmem_bytes(max(hidden, 2 * tile_i))
     return buffers_bytes(buffers) + values
@@ -185,7 +202,8 @@ def experts_per_step_saving(config: FusedConfig, tokens: int, hidden: int, inter
     active = expected_active_groups(tokens, num_experts)
     per_core = active / chip.cores_per_device
     steps_saved = math.ceil(per_core) - math.ceil(per_core / config.experts_per_step)
-    fetch = 3 * hidden * intermediate * jnp.dtype(weights_dtype).itemsize / chip.hbm_bytes_per_s
+    weight_bytes = 0.5 if scheme_of(weights_dtype) == INT4 else jnp.dtype(weights_dtype).itemsize
+    fetch = 3 * hidden * intermediate * weight_bytes / chip.hbm_bytes_per_s
     mxu_rows = config.chunk_rows * math.ceil(tokens / active / config.chunk_rows)
     compute = 2 * mxu_rows * (3 * hidden * intermediate + 2 * tokens * hidden) / chip.bf16_flops_per_s
     return steps_saved * grid_step_overhead_s(generation) - (config.experts_per_step - 1) * min(fetch, compute)

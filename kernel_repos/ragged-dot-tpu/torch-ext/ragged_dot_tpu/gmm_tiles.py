@@ -34,9 +34,10 @@ from ._hardware import (
     LANES, check_generation, padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, tpu_generation,
     vmem_limit_bytes,
 )
-from .quant import INT8, blocks, scheme_of
+from .quant import FP8, INT8, INT4, blocks, dequantized_in_vmem, per_channel_scales, scheme_of, stored_rows
 from .vmem import (
     MAX_UNROLLED_MACS, MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, check_vmem_fits, fp8_dequantize_vmem_bytes,
+    int4_unpack_vmem_bytes,
 )
 
 # Group slots one grid step may multiply: each slot's row chunks are matmuls unrolled in the kernel body
@@ -99,7 +100,7 @@ TUNED_TILES: dict[TunedKey, TileConfig] = _tuned_tiles()
 def matmul_buffers(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None,
                    transpose_rhs: bool = False) -> tuple[Buffer, ...]:
     """The grouped matmul's blocks and scratch with `config`: lhs, rhs (and scales) per group slot, out, the f32
-    accumulator (and with chunks the carry across tiles; fp8 weights: a dequantized block per slot).
+    accumulator (and with chunks the carry across tiles; fp8 and int4 weights: a dequantized block per slot).
 
     Blocks are double-buffered except an lhs block that is the whole array
     (Mosaic keeps one copy of a block that never moves); with chunks the lhs
@@ -110,13 +111,17 @@ def matmul_buffers(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=
     tile_m, tile_k, tile_n = row_tile_rows(config, m, dtype), min(config.tile_k, k), min(config.tile_n, n)
     chunk = config.chunk_m if _chunked(config, m, dtype) else 0
     rhs_block = (tile_n, tile_k) if transpose_rhs else (tile_k, tile_n)
+    scheme = scheme_of(rhs_dtype)
+    stored_block = (stored_rows(rhs_block[0], scheme), rhs_block[1])
     buffers = [Buffer((tile_m + chunk, tile_k), dtype, 1 if tile_m >= m and tile_k == k else 2),
-               *[Buffer(rhs_block, rhs_dtype, 2)] * slots]
-    if scheme_of(rhs_dtype) == INT8:
+               *[Buffer(stored_block, rhs_dtype, 2)] * slots]
+    if per_channel_scales(scheme):
         buffers += [Buffer((1, tile_n), f32, 2)] * slots
-    elif scheme_of(rhs_dtype) is not None:  # fp8: the group's whole grid of block scales over rhs's own dims
+    elif scheme == FP8:  # the group's whole grid of block scales over rhs's own dims
         grid = (blocks(n), blocks(k)) if transpose_rhs else (blocks(k), blocks(n))
-        buffers += [Buffer(grid, f32, 2)] * slots + [Buffer(rhs_block, dtype)] * slots
+        buffers += [Buffer(grid, f32, 2)] * slots
+    if dequantized_in_vmem(scheme):
+        buffers += [Buffer(rhs_block, dtype)] * slots
     buffers += [Buffer((tile_m, tile_n), dtype, 2), Buffer((tile_m, tile_n), f32)]
     return tuple(buffers + ([Buffer((2 * chunk, tile_n), f32)] if chunk else []))
 
@@ -124,13 +129,16 @@ def matmul_buffers(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=
 def vmem_bytes(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False) -> int:
     """VMEM of a grouped matmul with `config`: its buffers (`matmul_buffers`) and what dequantizing one-byte
     weights takes beside them: an int8 block cast to the activation dtype; fp8 blocks dequantized 128 rows at a
-    time through f32 (`quant.dequantize_fp8_block`)."""
+    time through f32 (`quant.dequantize_fp8_block`); int4 blocks unpacked a packed block (two 32-row slabs) at a
+    time through int32 (`quant.unpack_int4_block`)."""
     buffers = matmul_buffers(config, m, k, n, dtype, rhs_dtype, transpose_rhs)
     scheme = scheme_of(dtype if rhs_dtype is None else rhs_dtype)
     tile_k, tile_n = min(config.tile_k, k), min(config.tile_n, n)
     if scheme == INT8:
         return buffers_bytes(buffers) + padded_vmem_bytes((tile_n, tile_k) if transpose_rhs else (tile_k, tile_n),
                                                           dtype)
+    if scheme == INT4:
+        return buffers_bytes(buffers) + int4_unpack_vmem_bytes(tile_k if transpose_rhs else tile_n)
     if scheme is not None:
         return buffers_bytes(buffers) + fp8_dequantize_vmem_bytes(max(tile_k, tile_n))
     return buffers_bytes(buffers)
@@ -163,7 +171,7 @@ def row_chunks(config: TileConfig, m: int, dtype) -> int:
 def check_config(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False, *,
                  generation: str | None = None) -> None:
     """Raises ValueError if `config` cannot run `lhs[m,k] x rhs[.,k,n]` (`[., n, k]` with `transpose_rhs`) of
-    `dtype` (weights of `rhs_dtype`: the same, or int8 / fp8) on `generation` (default: this device's)."""
+    `dtype` (weights of `rhs_dtype`: the same, or int8 / fp8 / packed int4) on `generation` (default: this device's)."""
     if not isinstance(config, TileConfig):
         raise TypeError(f"config must be a TileConfig, got {type(config).__name__}")
     sublanes = sublane_multiple(dtype)

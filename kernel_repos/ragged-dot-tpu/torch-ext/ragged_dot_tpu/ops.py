@@ -20,7 +20,10 @@ from .problem import ExpertWeights
 from ._ops import add_op_namespace_prefix, jax_torch_op
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
-QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
+# uint8: int4 codes packed two per byte (`quant.py`; `int4.pack_int4` packs them).
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.uint8)
+_SCHEMES = {torch.int8: quant.INT8, torch.float8_e4m3fn: quant.FP8, torch.uint8: quant.INT4}
+_WEIGHT_DTYPES = "float32, bfloat16, int8, float8_e4m3fn or uint8 (packed int4)"
 
 
 def _is_integer_dtype(dtype: torch.dtype) -> bool:
@@ -75,12 +78,33 @@ def _check_tensors(**tensors) -> None:
         raise ValueError(f"{', '.join(tensors)} must be on one device, got {listed}")
 
 
-def check_scales(name: str, scales: torch.Tensor | None, weight_name: str, weight: torch.Tensor, out_axis: int) -> None:
-    """`scales` of a `[G, D1, D2]` weight: required for int8 / fp8 weights (with the shape of `quant.py`'s
-    layout: int8 per output channel, dim `out_axis`; fp8 per 128 x 128 block), refused for float weights."""
+def weight_shape(name: str, weight: torch.Tensor, known_dim: int, known_axis: int, what: str) -> tuple[int, ...]:
+    """The `[G, D1, D2]` shape `weight` stands for: its own, or packed int4's unpacked, given that its dim
+    `known_axis` is `known_dim` (`what` names that dim in the error)."""
+    if weight.dtype != torch.uint8:
+        return tuple(weight.shape)
+    shape = quant.int4_unpacked_shape(tuple(weight.shape), known_dim, known_axis)
+    if shape is None:
+        raise ValueError(
+            f"{name} is uint8, int4 packed two per byte along the dim the kernels read on sublanes "
+            f"(quant.int4_packed_axis; int4.pack_int4 packs it), but no packing of its shape {list(weight.shape)} "
+            f"has dim {known_axis} = {known_dim} ({what})"
+        )
+    why = quant.int4_packable(shape)
+    if why is not None:
+        raise ValueError(f"{name}: a {list(shape)} weight cannot be int4: {why}")
+    return shape
+
+
+def check_scales(name: str, scales: torch.Tensor | None, weight_name: str, weight: torch.Tensor, out_axis: int,
+                 shape: tuple[int, ...]) -> None:
+    """`scales` of a `[G, D1, D2]` weight (`shape`, unpacked): required for quantized weights (with the shape of
+    `quant.py`'s layout: int8 and int4 per output channel, dim `out_axis`; fp8 per 128 x 128 block), refused for
+    float weights."""
     if weight.dtype not in QUANTIZED_DTYPES:
         if scales is not None:
-            raise ValueError(f"{name} are for int8 or float8_e4m3fn weights; {weight_name} is {weight.dtype}")
+            raise ValueError(f"{name} are for int8, float8_e4m3fn or uint8 (packed int4) weights; {weight_name} is "
+                             f"{weight.dtype}")
         return
     if scales is None:
         raise ValueError(f"{weight_name} is {weight.dtype}: it needs {name}")
@@ -88,12 +112,13 @@ def check_scales(name: str, scales: torch.Tensor | None, weight_name: str, weigh
         raise TypeError(f"{name} must be a torch.Tensor, got {type(scales).__name__}")
     if scales.dtype != torch.float32:
         raise TypeError(f"{name} must be float32, got {scales.dtype}")
-    scheme = quant.INT8 if weight.dtype == torch.int8 else quant.FP8
-    expected = quant.expected_scales_shape(scheme, tuple(weight.shape), out_axis)
+    scheme = _SCHEMES[weight.dtype]
+    expected = quant.expected_scales_shape(scheme, shape, out_axis)
     if tuple(scales.shape) != expected:
-        what = "one per output channel" if scheme == quant.INT8 else f"one per {quant.FP8_BLOCK}x{quant.FP8_BLOCK} block"
+        what = ("one per output channel" if quant.per_channel_scales(scheme)
+                else f"one per {quant.FP8_BLOCK}x{quant.FP8_BLOCK} block")
         raise ValueError(
-            f"{name} must be {list(expected)} ({what} of {weight_name} {list(weight.shape)}, {weight.dtype}), got "
+            f"{name} must be {list(expected)} ({what} of {weight_name} {list(shape)}, {scheme}), got "
             f"{list(scales.shape)}"
         )
 
@@ -114,18 +139,20 @@ def check_ragged_dot_shapes(
     if lhs.dtype not in FLOAT_DTYPES:
         raise TypeError(f"lhs must be float32 or bfloat16, got {lhs.dtype}")
     if rhs.dtype not in FLOAT_DTYPES + QUANTIZED_DTYPES:
-        raise TypeError(f"rhs must be float32, bfloat16, int8 or float8_e4m3fn, got {rhs.dtype}")
+        raise TypeError(f"rhs must be {_WEIGHT_DTYPES}, got {rhs.dtype}")
     if rhs.dtype in FLOAT_DTYPES and rhs.dtype != lhs.dtype:
         raise TypeError(f"rhs dtype {rhs.dtype} must match lhs dtype {lhs.dtype}")
     if not _is_integer_dtype(group_sizes.dtype):
         raise TypeError(f"group_sizes must have an integer dtype (int32, int64, ...), got {group_sizes.dtype}")
-    rhs_k = rhs.shape[2] if transpose_rhs else rhs.shape[1]
+    k_axis = 2 if transpose_rhs else 1
+    shape = weight_shape("rhs", rhs, lhs.shape[1], k_axis, "K, lhs.shape[1]")
+    rhs_k = shape[k_axis]
     if lhs.shape[1] != rhs_k:
         axis = "rhs.shape[2]" if transpose_rhs else "rhs.shape[1]"
         raise ValueError(f"K mismatch: lhs.shape[1]={lhs.shape[1]} but {axis}={rhs_k} (transpose_rhs={transpose_rhs})")
     if group_sizes.shape[0] != rhs.shape[0]:
         raise ValueError(f"group_sizes has {group_sizes.shape[0]} groups but rhs has {rhs.shape[0]}")
-    check_scales("rhs_scales", rhs_scales, "rhs", rhs, 1 if transpose_rhs else 2)
+    check_scales("rhs_scales", rhs_scales, "rhs", rhs, 1 if transpose_rhs else 2, shape)
     if rhs_scales is not None and rhs_scales.device != rhs.device:
         raise ValueError(f"rhs_scales must be on rhs's device {rhs.device}, got {rhs_scales.device}")
 
@@ -159,10 +186,11 @@ def ragged_dot(
     non-negative and sums to at most M; rows past the sum come out as zeros.
     Accumulates in float32; returns `[M, N]` in the input dtype. An empty
     dimension (M, K, N or G zero) gives zeros without running a kernel.
-    Quantized `rhs` (int8 or float8_e4m3fn, read as one byte per weight and
-    dequantized in VMEM) needs float32 `rhs_scales`: `[G, N]` per output
-    channel for int8, `[G, ceil(D1/128), ceil(D2/128)]` per 128 x 128 block
-    of rhs's own dims for fp8 (transformers' `weight_scale_inv`).
+    Quantized `rhs` (int8 or float8_e4m3fn, read as one byte per weight, or
+    int4 packed two per byte in uint8 by `int4.pack_int4`; dequantized in
+    VMEM) needs float32 `rhs_scales`: `[G, N]` per output channel for int8
+    and int4, `[G, ceil(D1/128), ceil(D2/128)]` per 128 x 128 block of rhs's
+    own dims for fp8 (transformers' `weight_scale_inv`).
     """
     check_ragged_dot_shapes(lhs, rhs, group_sizes, transpose_rhs, rhs_scales)
     check_group_sizes(group_sizes, lhs.shape[0])
@@ -226,8 +254,8 @@ def check_gated_experts_args(hidden_states: torch.Tensor, top_k_index: torch.Ten
         )
     if gate_up_proj.dtype not in FLOAT_DTYPES + QUANTIZED_DTYPES or down_proj.dtype != gate_up_proj.dtype:
         raise TypeError(
-            f"gate_up_proj and down_proj must share one dtype, float32, bfloat16, int8 or float8_e4m3fn, got "
-            f"{gate_up_proj.dtype} and {down_proj.dtype}"
+            f"gate_up_proj and down_proj must share one dtype, {_WEIGHT_DTYPES}, got {gate_up_proj.dtype} and "
+            f"{down_proj.dtype}"
         )
     if gate_up_proj.dtype in QUANTIZED_DTYPES:
         if hidden_states.dtype not in FLOAT_DTYPES:
@@ -235,11 +263,14 @@ def check_gated_experts_args(hidden_states: torch.Tensor, top_k_index: torch.Ten
     elif hidden_states.dtype != gate_up_proj.dtype:
         raise TypeError(f"hidden_states dtype {hidden_states.dtype} must match the weights' dtype {gate_up_proj.dtype}")
     hidden = hidden_states.shape[1]
+    in_axis, out_axis = (1, 2) if weights_transposed else (2, 1)
+    gate_up_shape = weight_shape("gate_up_proj", gate_up_proj, hidden, in_axis, "H, hidden_states.shape[1]")
+    down_shape = weight_shape("down_proj", down_proj, hidden, out_axis, "H, hidden_states.shape[1]")
     if weights_transposed:
-        (experts, gate_up_in, gate_up_out), (down_experts, down_in, down_out) = gate_up_proj.shape, down_proj.shape
+        (experts, gate_up_in, gate_up_out), (down_experts, down_in, down_out) = gate_up_shape, down_shape
         layout = "gate_up_proj [E, H, 2I] and down_proj [E, I, H] (weights_transposed=True)"
     else:
-        (experts, gate_up_out, gate_up_in), (down_experts, down_out, down_in) = gate_up_proj.shape, down_proj.shape
+        (experts, gate_up_out, gate_up_in), (down_experts, down_out, down_in) = gate_up_shape, down_shape
         layout = "gate_up_proj [E, 2I, H] and down_proj [E, H, I] (weights_transposed=False)"
     if (down_experts, gate_up_in, down_out, gate_up_out) != (experts, hidden, hidden, 2 * down_in):
         raise ValueError(
@@ -253,9 +284,8 @@ def check_gated_experts_args(hidden_states: torch.Tensor, top_k_index: torch.Ten
             f"gate_up_bias must be [{experts}, {gate_up_out}] and down_bias [{experts}, {hidden}], got "
             f"{tuple(gate_up_bias.shape)} and {tuple(down_bias.shape)}"
         )
-    out_axis = 2 if weights_transposed else 1
-    check_scales("gate_up_scales", gate_up_scales, "gate_up_proj", gate_up_proj, out_axis)
-    check_scales("down_scales", down_scales, "down_proj", down_proj, out_axis)
+    check_scales("gate_up_scales", gate_up_scales, "gate_up_proj", gate_up_proj, out_axis, gate_up_shape)
+    check_scales("down_scales", down_scales, "down_proj", down_proj, out_axis, down_shape)
     scales = {name: t for name, t in (("gate_up_scales", gate_up_scales), ("down_scales", down_scales)) if t is not None}
     _check_tensors(hidden_states=hidden_states, **scales)
 
@@ -279,9 +309,9 @@ def gated_experts(
 ) -> torch.Tensor:
     """The experts layer as one op (see `moe.experts_layer`); biases come as a pair or not at all.
 
-    int8 or float8_e4m3fn weights need their float32 scales (layouts as for
-    `ragged_dot`'s `rhs_scales`, over each weight's own dims); the output is
-    in hidden_states' dtype.
+    int8, float8_e4m3fn or packed int4 (uint8) weights need their float32
+    scales (layouts as for `ragged_dot`'s `rhs_scales`, over each weight's own
+    dims, unpacked); the output is in hidden_states' dtype.
 
     Differentiable with float weights (`moe.experts_layer` says how); one-byte
     weights serve inference only.

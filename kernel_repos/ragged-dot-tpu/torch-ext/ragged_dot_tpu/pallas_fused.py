@@ -43,14 +43,15 @@ under the weights' DMA (see config.FUSED_MAX_TOKENS).
 Interleaved gate/up columns (GPT-OSS) are split in the transposed
 orientation: the chunk's gate_up projection is computed as `[2 I, c]`, whose
 even and odd rows Mosaic reads with strided loads (lanes have no strided
-load). Biases come in blocks of fused_tiles.BIAS_BLOCK_EXPERTS experts and the
-kernel selects its expert's row.
+load). Biases come in blocks of fused_tiles.BIAS_BLOCK_EXPERTS experts (int8's
+and int4's scales in blocks of SCALE_BLOCK_EXPERTS) and the kernel selects
+its expert's row.
 
-Quantized weights (`quant.py`) are read as one byte each: int8 blocks are
-cast to the activation dtype at each matmul and their per-channel scales
-multiply its result (as the biases, in blocks of BIAS_BLOCK_EXPERTS experts);
-fp8 blocks are dequantized once per step into VMEM scratch, which the
-matmuls read.
+Quantized weights (`quant.py`) are read as one byte each (int4: half a
+byte): int8 blocks are cast to the activation dtype at each matmul; fp8 and
+int4 blocks are dequantized (int4: unpacked) once per step into VMEM scratch,
+which the matmuls read; int8's and int4's per-channel scales multiply the
+matmul's result (as the biases, in blocks of SCALE_BLOCK_EXPERTS experts).
 
 `fused_experts` plans a call (`plan.plan_fused`); `fused_experts_call`
 runs a plan. Inputs are assumed valid (`ops.py` checks them).
@@ -67,15 +68,23 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .fused_tiles import BIAS_BLOCK_EXPERTS, FusedConfig
+from .fused_tiles import BIAS_BLOCK_EXPERTS, SCALE_BLOCK_EXPERTS, FusedConfig
 from .plan import FusedPlan, plan_fused
 from .gates import gated
 from .problem import ExpertWeights, describe_experts
-from .quant import FP8, INT8, dequantize_fp8_block, scheme_of
+from .quant import (
+    FP8, INT4, INT8, dequantize_fp8_block, dequantized_in_vmem, per_channel_scales, scheme_of, stored_rows,
+    unpack_int4_block,
+)
 from .routing import expert_plan
 
-_BIAS_BLOCK_SHIFT = BIAS_BLOCK_EXPERTS.bit_length() - 1
-assert 1 << _BIAS_BLOCK_SHIFT == BIAS_BLOCK_EXPERTS
+
+
+def _block_shift(block_experts: int) -> int:
+    """log2 of a per-expert block's experts (a power of two: the block index is the expert id shifted)."""
+    shift = block_experts.bit_length() - 1
+    assert 1 << shift == block_experts
+    return shift
 
 
 def _dot(lhs, rhs, lhs_contract: int, rhs_contract: int, precision):
@@ -85,21 +94,24 @@ def _dot(lhs, rhs, lhs_contract: int, rhs_contract: int, precision):
     )
 
 
-def _expert_bias(bias_ref, expert):
-    """This expert's row of a `[BIAS_BLOCK_EXPERTS, n]` bias block, as a `[1, n]` f32 row.
+def _expert_bias(bias_ref, expert, block_experts: int = BIAS_BLOCK_EXPERTS):
+    """This expert's row of a `[block_experts, n]` block (biases; scales: SCALE_BLOCK_EXPERTS), as a `[1, n]` f32
+    row.
 
     Rows past the last expert (a partial last block) hold garbage; they are
     never selected, and `where` keeps a NaN there out of the sum.
     """
     block = bias_ref[...].astype(jnp.float32)
-    row = lax.broadcasted_iota(jnp.int32, block.shape, 0) + ((expert >> _BIAS_BLOCK_SHIFT) << _BIAS_BLOCK_SHIFT)
+    shift = _block_shift(block_experts)
+    row = lax.broadcasted_iota(jnp.int32, block.shape, 0) + ((expert >> shift) << shift)
     return jnp.sum(jnp.where(row == expert, block, 0.0), axis=0, keepdims=True)
 
 
-def _expert_bias_columns(bias_ref, expert, columns: int):
-    """This expert's bias as `[n, columns]` (each column the bias), for the transposed orientation."""
+def _expert_bias_columns(bias_ref, expert, columns: int, block_experts: int = BIAS_BLOCK_EXPERTS):
+    """This expert's bias (or scales) as `[n, columns]` (each column the bias), for the transposed orientation."""
     block = bias_ref[...].astype(jnp.float32)
-    row = lax.broadcasted_iota(jnp.int32, block.shape, 0) + ((expert >> _BIAS_BLOCK_SHIFT) << _BIAS_BLOCK_SHIFT)
+    shift = _block_shift(block_experts)
+    row = lax.broadcasted_iota(jnp.int32, block.shape, 0) + ((expert >> shift) << shift)
     selected = jnp.where(row == expert, block, 0.0)
     ones = jnp.ones((block.shape[0], columns), jnp.float32)
     # A transposed-lhs matmul turns the selected row into columns; one nonzero term per sum: exact.
@@ -131,14 +143,14 @@ class _Refs(NamedTuple):
     down: object
     gate_up_bias: tuple  # empty without biases
     down_bias: object | None
-    gate_up_scales: tuple  # int8: [BIAS_BLOCK_EXPERTS, n] blocks, as the biases; fp8: one whole grid; else empty
+    gate_up_scales: tuple  # int8, int4: [SCALE_BLOCK_EXPERTS, n] blocks, as the biases; fp8: one whole grid
     down_scales: object | None
     out: object
     out_acc: object
     gate_up_t: object | None  # interleaved: the chunk's gate_up projection, transposed, to split even and odd rows
     rows_cache: object | None  # I tiled: the expert's gathered rows
     partial_out: object | None  # I tiled: the expert's output summed over the I tiles
-    dequantized: tuple  # fp8: the step's gate_up part(s), then down, dequantized
+    dequantized: tuple  # fp8, int4: the step's gate_up part(s), then down, dequantized
 
 
 def _split_refs(refs, plan: FusedPlan) -> tuple[_Refs, ...]:
@@ -155,7 +167,7 @@ def _split_refs(refs, plan: FusedPlan) -> tuple[_Refs, ...]:
     def slot_refs():
         gate_up, (down,) = take(parts), take(1)
         gate_up_bias, down_bias = (take(parts), take(1)[0]) if problem.has_bias else ((), None)
-        if quantization == INT8:
+        if per_channel_scales(quantization):
             gate_up_scales, down_scales = take(parts), take(1)[0]
         elif quantization == FP8:
             gate_up_scales, (down_scales,) = take(1), take(1)
@@ -171,9 +183,14 @@ def _split_refs(refs, plan: FusedPlan) -> tuple[_Refs, ...]:
 
 
 def _dequantize_step(refs: _Refs, i_step, plan: FusedPlan) -> None:
-    """fp8: the step's weights blocks dequantized once (not per chunk) into scratch, which the matmuls read."""
+    """fp8, int4: the step's weights blocks dequantized once (not per chunk) into scratch, which the matmuls
+    read."""
     gate_up_transposed, down_transposed = plan.orientation
     parts = plan.gate_up_parts
+    if scheme_of(plan.problem.weights_dtype) == INT4:
+        for ref, unpacked in zip((*refs.gate_up, refs.down), refs.dequantized):
+            unpack_int4_block(ref, unpacked)
+        return
     width = refs.gate_up[0].shape[1 if gate_up_transposed else 0]
     for part, (ref, dequantized) in enumerate(zip(refs.gate_up, refs.dequantized[:parts])):
         offset = (part * plan.i_tiles + i_step) * width  # along 2I
@@ -195,17 +212,19 @@ class _Expert(NamedTuple):
 
 
 def _weights(ref, expert: _Expert, plan: FusedPlan):
-    """A weights block in the activation dtype; int8 as its integers (the scales come after the dot)."""
+    """A weights block in the activation dtype; int8 as its integers (the scales come after the dot), fp8 and
+    int4 as `_dequantize_step` left it."""
     return ref[...].astype(expert.dtype) if scheme_of(plan.problem.weights_dtype) == INT8 else ref[...]
 
 
 def _scaled(projection, scale_ref, expert: _Expert, plan: FusedPlan, columns: bool = False):
-    """int8: the projection's output channels times their scales (as a column when the channels are rows)."""
-    if scheme_of(plan.problem.weights_dtype) != INT8:
+    """int8, int4: the projection's output channels times their scales (as a column when the channels are
+    rows)."""
+    if not per_channel_scales(scheme_of(plan.problem.weights_dtype)):
         return projection
     if columns:
-        return projection * _expert_bias_columns(scale_ref, expert.index, projection.shape[1])
-    return projection * _expert_bias(scale_ref, expert.index)
+        return projection * _expert_bias_columns(scale_ref, expert.index, projection.shape[1], SCALE_BLOCK_EXPERTS)
+    return projection * _expert_bias(scale_ref, expert.index, SCALE_BLOCK_EXPERTS)
 
 
 def _expert_rows(rows, refs: _Refs, expert: _Expert, plan: FusedPlan):
@@ -213,8 +232,9 @@ def _expert_rows(rows, refs: _Refs, expert: _Expert, plan: FusedPlan):
     gate = plan.problem.gate
     gate_up_transposed, down_transposed = plan.orientation
     precision = expert.precision
-    scales = refs.gate_up_scales if scheme_of(plan.problem.weights_dtype) == INT8 else (None,) * plan.gate_up_parts
-    down_scales = refs.down_scales if scheme_of(plan.problem.weights_dtype) == INT8 else None
+    per_channel = per_channel_scales(scheme_of(plan.problem.weights_dtype))
+    scales = refs.gate_up_scales if per_channel else (None,) * plan.gate_up_parts
+    down_scales = refs.down_scales if per_channel else None
     if gate.interleaved:
         # gate_up^T [2 ti, chunk]: weights [2 ti, H] (or [H, 2 ti] transposed) against rows [chunk, H].
         gate_up_t = _scaled(_dot(_weights(expert.gate_up[0], expert, plan), rows, 0 if gate_up_transposed else 1, 1,
@@ -287,7 +307,7 @@ def _expert_step(slot: int, refs: _Refs, expert_ref, rows_ref, count_ref, hidden
     item, real = _slot_item(core, step, slot, count_ref[0], plan)
     expert_id, picks = expert_ref[item], jnp.where(real, rows_ref[item], 0)
     gate_up, down = refs.gate_up, refs.down
-    if scheme_of(problem.weights_dtype) == FP8:
+    if dequantized_in_vmem(scheme_of(problem.weights_dtype)):
         pl.when(picks > 0)(lambda: _dequantize_step(refs, i_step, plan))
         gate_up, down = refs.dequantized[: plan.gate_up_parts], refs.dequantized[plan.gate_up_parts]
     precision = lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
@@ -402,25 +422,31 @@ def _weight_specs(plan: FusedPlan, weights: ExpertWeights) -> _Specs:
     width = tile_i if parts == 2 else 2 * tile_i
     quantization = scheme_of(problem.weights_dtype)
 
+    def rows(count):  # of a weights block as stored: packed int4 holds two rows per byte
+        return stored_rows(count, quantization)
+
     def gate_up_spec(block_offset):
         if orientation.gate_up_transposed:  # [E, H, 2I]
-            return pl.BlockSpec((None, hidden, width), lambda item, i, expert, *_: (expert[item], 0, block_offset + i))
-        return pl.BlockSpec((None, width, hidden), lambda item, i, expert, *_: (expert[item], block_offset + i, 0))
+            return pl.BlockSpec((None, rows(hidden), width),
+                                lambda item, i, expert, *_: (expert[item], 0, block_offset + i))
+        return pl.BlockSpec((None, rows(width), hidden),
+                            lambda item, i, expert, *_: (expert[item], block_offset + i, 0))
 
     if orientation.down_transposed:  # [E, I, H]
-        down_spec = pl.BlockSpec((None, tile_i, hidden), lambda item, i, expert, *_: (expert[item], i, 0))
+        down_spec = pl.BlockSpec((None, rows(tile_i), hidden), lambda item, i, expert, *_: (expert[item], i, 0))
     else:  # [E, H, I]
-        down_spec = pl.BlockSpec((None, hidden, tile_i), lambda item, i, expert, *_: (expert[item], 0, i))
-    bias_rows = min(problem.num_experts, BIAS_BLOCK_EXPERTS)
+        down_spec = pl.BlockSpec((None, rows(hidden), tile_i), lambda item, i, expert, *_: (expert[item], 0, i))
+    def per_expert_rows(columns, block_experts, block_offset=None):
+        """A [block_experts, columns] block holding the item's expert's row (biases, int8 and int4 scales): of
+        the I tile's columns (`block_offset`: where the part's tiles start), else of all `columns`."""
+        shift = _block_shift(block_experts)
+        return pl.BlockSpec((min(problem.num_experts, block_experts), columns),
+                            lambda item, i, expert, *_: (expert[item] >> shift,
+                                                         0 if block_offset is None else block_offset + i))
 
-    def per_expert_rows(columns, block_offset):
-        """A [BIAS_BLOCK_EXPERTS, columns] block holding the item's expert's row (biases, int8 scales)."""
-        return pl.BlockSpec((bias_rows, columns),
-                            lambda item, i, expert, *_: (expert[item] >> _BIAS_BLOCK_SHIFT, block_offset + i))
-
-    def per_expert_specs():
-        return [*(per_expert_rows(width, part * i_tiles) for part in range(parts)),
-                pl.BlockSpec((bias_rows, hidden), lambda item, i, expert, *_: (expert[item] >> _BIAS_BLOCK_SHIFT, 0))]
+    def per_expert_specs(block_experts=BIAS_BLOCK_EXPERTS):
+        return [*(per_expert_rows(width, block_experts, part * i_tiles) for part in range(parts)),
+                per_expert_rows(hidden, block_experts)]
 
     in_specs = [*(gate_up_spec(part * i_tiles) for part in range(parts)), down_spec]
     operands = [*([weights.gate_up_proj] * parts), weights.down_proj]
@@ -428,13 +454,14 @@ def _weight_specs(plan: FusedPlan, weights: ExpertWeights) -> _Specs:
         in_specs += per_expert_specs()
         operands += [*([weights.gate_up_bias] * parts), weights.down_bias]
     scratch = []
-    if quantization == INT8:  # [E, 2I] and [E, H], blocked as the biases
-        in_specs += per_expert_specs()
+    if per_channel_scales(quantization):  # [E, 2I] and [E, H], blocked as the biases (in f32's 8 rows)
+        in_specs += per_expert_specs(SCALE_BLOCK_EXPERTS)
         operands += [*([weights.gate_up_scales] * parts), weights.down_scales]
     elif quantization == FP8:
         in_specs += [pl.BlockSpec((None, *scales.shape[1:]), lambda item, i, expert, *_: (expert[item], 0, 0))
                      for scales in (weights.gate_up_scales, weights.down_scales)]
         operands += [weights.gate_up_scales, weights.down_scales]
+    if dequantized_in_vmem(quantization):
         dtype = jnp.dtype(problem.dtype)
         gate_up_block = (hidden, width) if orientation.gate_up_transposed else (width, hidden)
         down_block = (tile_i, hidden) if orientation.down_transposed else (hidden, tile_i)
@@ -450,7 +477,8 @@ def _cost(plan: FusedPlan, weights: ExpertWeights) -> pl.CostEstimate:
     itemsize = jnp.dtype(problem.dtype).itemsize
     scale_bytes = sum(scales[0].size * 4 for scales in (weights.gate_up_scales, weights.down_scales)
                       if scales is not None)
-    bytes_per_expert = (3 * intermediate * hidden * jnp.dtype(problem.weights_dtype).itemsize
+    weight_bytes = 0.5 if scheme_of(problem.weights_dtype) == INT4 else jnp.dtype(problem.weights_dtype).itemsize
+    bytes_per_expert = (3 * intermediate * hidden * weight_bytes
                         + ((2 * intermediate + hidden) * itemsize if problem.has_bias else 0) + scale_bytes)
     routing_bytes = picks * 4 + picks * jnp.dtype(problem.routing_dtype).itemsize
     return pl.CostEstimate(

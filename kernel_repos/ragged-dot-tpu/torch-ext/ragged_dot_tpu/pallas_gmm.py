@@ -52,10 +52,11 @@ each step fetches all 2N columns as one block and splits the result (no MXU
 padding for an N off the MXU width); with several, the gate's and the up's
 blocks of its N tile (two views of rhs), each accumulated apart.
 
-Quantized weights (`quant.py`) are read as one byte each: an int8 block is
-cast to lhs's dtype at the matmul and its per-output-column scales multiply
-the result; an fp8 block is dequantized once per step into VMEM scratch
-(under the slot's `pl.when`: only for a slot with rows in the tile).
+Quantized weights (`quant.py`) are read as one byte each (int4: half a
+byte): an int8 block is cast to lhs's dtype at the matmul; fp8 and int4
+blocks are dequantized (int4: unpacked) once per step into VMEM scratch
+(under the slot's `pl.when`: only for a slot with rows in the tile); int8's
+and int4's per-output-column scales multiply the result.
 
 The CostEstimate counts what the kernel reads: the rows, the weights of the
 groups expected active for M uniformly routed rows
@@ -78,8 +79,11 @@ from ._hardware import sublane_multiple
 from .gates import gated
 from .gmm_tiles import TileConfig
 from .plan import MatmulPlan, plan_ragged_dot
-from .problem import MatmulProblem
-from .quant import FP8, INT8, dequantize_fp8_block, scheme_of
+from .problem import MatmulProblem, weight_shape
+from .quant import (
+    FP8, INT4, INT8, dequantize_fp8_block, dequantized_in_vmem, int4_packed_axis, per_channel_scales, scheme_of,
+    stored_rows, unpack_int4_block,
+)
 from .routing import int32_group_sizes
 
 
@@ -176,7 +180,7 @@ class _StepRefs(NamedTuple):
     out: object
     acc: tuple  # per part: [tile_m, block columns (`_block_columns`)] f32
     carry: tuple | None  # per part: [2 chunk_m, block columns] f32, rows [tile_m - chunk_m, tile_m + chunk_m)
-    dequantized: tuple  # fp8: each slot's weights block, dequantized once per step
+    dequantized: tuple  # fp8 and int4: each slot's weights block, dequantized once per step
 
 
 def _parts(plan: MatmulPlan) -> int:
@@ -205,12 +209,12 @@ def _step_refs(lhs_ref, refs, plan: MatmulPlan) -> _StepRefs:
 
 def _multiply(refs: _StepRefs, slot: int, part: int, start, rows: int, keep, k_step, plan: MatmulPlan):
     """lhs rows [start, start + rows) x the slot's weights (its `part`), with rows not `keep` taken as zero; `start`
-    on the sublane grid. int8 weights reach the MXU as their integers; their per-column scales multiply the
-    result."""
+    on the sublane grid. int8 and int4 weights reach the MXU as their integers; their per-column scales multiply
+    the result."""
     problem, tile_k = plan.problem, plan.tile_k
     quantization = scheme_of(problem.rhs_dtype)
     lhs = refs.lhs[pl.ds(start, rows), :]
-    if quantization == FP8:
+    if dequantized_in_vmem(quantization):
         rhs = refs.dequantized[slot][...]
     else:
         rhs = refs.rhs[slot][part][...]
@@ -226,7 +230,7 @@ def _multiply(refs: _StepRefs, slot: int, part: int, start, rows: int, keep, k_s
     precision = lax.Precision.HIGHEST if problem.dtype == "float32" else lax.Precision.DEFAULT
     product = lax.dot_general(lhs, rhs, (((1,), (1 if problem.transpose_rhs else 0,)), ((), ())),
                               preferred_element_type=jnp.float32, precision=precision)
-    return product * refs.scales[slot][...] if quantization == INT8 else product
+    return product * refs.scales[slot][...] if per_channel_scales(quantization) else product
 
 
 def _accumulate_chunks(refs: _StepRefs, slot: int, tile_start, chunk_start, row_start, row_end, k_step,
@@ -311,6 +315,8 @@ def _body(row_tile_ref, lhs_tile_ref, group_ref, row_start_ref, row_end_ref, chu
                 n_offset, k_offset = pl.program_id(0) * plan.tile_n, k_step * plan.tile_k
                 offsets = (n_offset, k_offset) if plan.problem.transpose_rhs else (k_offset, n_offset)
                 dequantize_fp8_block(refs.rhs[slot][0], refs.scales[slot][...], *offsets, refs.dequantized[slot])
+        elif scheme_of(plan.problem.rhs_dtype) == INT4:
+            pl.when(rows_in_tile)(functools.partial(unpack_int4_block, refs.rhs[slot][0], refs.dequantized[slot]))
 
         if chunk_m:
             _accumulate_chunks(refs, slot, tile_start, chunk_start_ref[last_real], row_start, row_end, k_step, plan)
@@ -358,9 +364,10 @@ def ragged_dot(
 
     Rows past `sum(group_sizes)` come out as zeros, or are left unwritten
     (whatever the output buffer held) with `zero_rows_past_groups=False`.
-    Quantized `rhs` (int8 or float8_e4m3fn) comes with `rhs_scales`
-    (`quant.py`: `[G, N]` per output channel for int8; `[G, ceil(D1/128),
-    ceil(D2/128)]` blocks over rhs's own dims for fp8); the output is in
+    Quantized `rhs` (int8, float8_e4m3fn, or int4 packed in uint8) comes
+    with `rhs_scales` (`quant.py`: `[G, N]` per output channel for int8 and
+    int4; `[G, ceil(D1/128), ceil(D2/128)]` blocks over rhs's own dims for
+    fp8); the output is in
     lhs's dtype. Tiles: `config`, else the plan's (`plan.plan_ragged_dot`
     for `generation`, default this device's). Inputs are assumed valid: the
     torch ops check them (`ops.py`); `group_sizes` has an integer dtype and
@@ -368,10 +375,15 @@ def ragged_dot(
     nothing to multiply: the result is zeros and no kernel runs.
     """
     m, k = lhs.shape
-    num_groups = rhs.shape[0]
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    rhs_shape = weight_shape(rhs, k, 2 if transpose_rhs else 1)
+    num_groups = rhs_shape[0]
+    n = rhs_shape[1] if transpose_rhs else rhs_shape[2]
     if 0 in (m, k, n, num_groups):
         return jnp.zeros((m, n), lhs.dtype)
+    if scheme_of(rhs.dtype) == INT4 and int4_packed_axis(rhs_shape) == 2:
+        # Packed along its last dim, where XLA stores its last two dims swapped: the kernel reads that view (a
+        # bitcast), whose rows are the packed ones.
+        rhs, transpose_rhs = jnp.swapaxes(rhs, 1, 2), not transpose_rhs
     problem = MatmulProblem(m, k, n, num_groups, jnp.dtype(lhs.dtype).name, jnp.dtype(rhs.dtype).name,
                             transpose_rhs=bool(transpose_rhs), zero_rows_past_groups=bool(zero_rows_past_groups))
     return grouped_matmul(lhs, rhs, group_sizes, rhs_scales, plan_ragged_dot(problem, generation, config))
@@ -429,7 +441,8 @@ def _specs(plan: MatmulPlan, rhs, rhs_scales, items: WorkItems) -> _Specs:
     resident = tile_m >= problem.m and tile_k == problem.k
     lhs_spec = pl.BlockSpec(lhs_block, lhs_index, **(dict(pipeline_mode=pl.Buffered(1)) if resident else {}))
     rhs_block = (None, columns, tile_k) if problem.transpose_rhs else (None, tile_k, columns)
-    in_specs = [lhs_spec, *(pl.BlockSpec(rhs_block, functools.partial(rhs_index, slot, part))
+    stored_block = (None, stored_rows(rhs_block[1], quantization), rhs_block[2])
+    in_specs = [lhs_spec, *(pl.BlockSpec(stored_block, functools.partial(rhs_index, slot, part))
                             for slot in range(slots) for part in range(parts))]
     operands = [rhs] * (slots * parts)
     scratch = ([pltpu.VMEM((tile_m, columns), jnp.float32) for _ in range(parts)]
@@ -437,17 +450,18 @@ def _specs(plan: MatmulPlan, rhs, rhs_scales, items: WorkItems) -> _Specs:
 
     def scale_index(slot, n_step, *grid_and_prefetch):
         group = rhs_index(slot, 0, n_step, *grid_and_prefetch)[0]
-        # int8: the weights block's column scales, as a [1, columns] row; fp8: the group's whole (small) grid of
-        # block scales.
-        return (group, 0, n_step) if quantization == INT8 else (group, 0, 0)
+        # int8 and int4: the weights block's column scales, as a [1, columns] row; fp8: the group's whole (small)
+        # grid of block scales.
+        return (group, 0, n_step) if per_channel_scales(quantization) else (group, 0, 0)
 
-    if quantization == INT8:
+    if per_channel_scales(quantization):
         in_specs += [pl.BlockSpec((None, 1, columns), functools.partial(scale_index, slot)) for slot in range(slots)]
         operands += [rhs_scales.reshape(problem.groups, 1, rhs_scales.shape[-1])] * slots
     elif quantization == FP8:
         in_specs += [pl.BlockSpec((None, *rhs_scales.shape[1:]), functools.partial(scale_index, slot))
                      for slot in range(slots)]
         operands += [rhs_scales] * slots
+    if dequantized_in_vmem(quantization):
         scratch += [pltpu.VMEM(rhs_block[1:], jnp.dtype(problem.dtype)) for _ in range(slots)]
     return _Specs(in_specs, pl.BlockSpec((tile_m, tile_n), out_index), scratch, operands)
 
@@ -466,7 +480,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_s
     lhs_reads = 1 if tile_m >= m and plan.tile_k == k else grid[0] * (1 + (plan.chunk_m or 0) / tile_m)
     # Per active group: its weights once (with a gate, both halves), and its scales once per N tile.
     read_n = n if problem.gate is None else 2 * n
-    group_bytes = (k * read_n * jnp.dtype(rhs.dtype).itemsize
+    group_bytes = (k * read_n * (0.5 if scheme_of(rhs.dtype) == INT4 else jnp.dtype(rhs.dtype).itemsize)
                    + (0 if rhs_scales is None else grid[0] * rhs_scales[0].size * 4))
     grid_spec = pltpu.PrefetchScalarGridSpec(len(items), grid, specs.in_specs, specs.out_spec, specs.scratch)
     call = scheduled_matmul_call(

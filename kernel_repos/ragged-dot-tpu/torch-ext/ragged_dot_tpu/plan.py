@@ -27,7 +27,7 @@ from .tgmm_tiles import TgmmConfig, check_tgmm_config, select_tgmm_config, tgmm_
 from .vmem import Buffer
 from .weights_layout import WeightsOrientation, weights_orientation
 from .problem import ExpertsProblem, Gate, MatmulProblem, TgmmProblem
-from .quant import scheme_of
+from .quant import check_served, scheme_of
 
 
 class MatmulPlan(NamedTuple):
@@ -50,6 +50,7 @@ def plan_ragged_dot(problem: MatmulProblem, generation: str | None = None,
     else `select_config`'s."""
     generation = resolve_generation(generation)
     m, k, n, dtype, rhs_dtype = problem.m, problem.k, problem.n, problem.dtype, problem.rhs_dtype
+    check_served(rhs_dtype, generation)
     transpose_rhs = problem.transpose_rhs
     if config is None:
         config = select_config(m, k, n, dtype, generation=generation, num_groups=problem.groups, rhs_dtype=rhs_dtype,
@@ -163,6 +164,7 @@ def plan_fused(problem: ExpertsProblem, config: FusedConfig | None = None, gener
     """The fused kernel's plan on `generation` (default: this device's): `config`'s blocks (checked), else
     `fused_config`'s; ValueError if none fits."""
     generation = resolve_generation(generation)
+    check_served(problem.weights_dtype, generation)
     shape = _fused_shape(problem)
     if config is None:
         config = fused_config(*shape.args, **shape.options, generation=generation)
@@ -231,6 +233,7 @@ def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fuse
     `fused` forces a path; None takes the rule (`use_fused_experts`).
     """
     generation = resolve_generation(generation)
+    check_served(problem.weights_dtype, generation)
     orientation = _orientation(problem)
     if fused is None:
         fused = use_fused_experts(*_fused_shape(problem).args, **_fused_shape(problem).options, generation=generation)

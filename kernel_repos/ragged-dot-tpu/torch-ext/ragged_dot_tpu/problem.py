@@ -19,7 +19,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .quant import swapped_minor_dims
+from .quant import INT4, int4_unpacked_shape, scheme_of, swapped_minor_dims
+
+
+def weight_shape(weight: jax.Array, known_dim: int, known_axis: int) -> tuple[int, ...]:
+    """The `[G, D1, D2]` shape of a weight as the layer uses it: packed int4 unpacked (`quant.py`), given that its
+    dim `known_axis` is `known_dim` (valid inputs: `ops.py` checks them)."""
+    if scheme_of(weight.dtype) != INT4:
+        return tuple(weight.shape)
+    return int4_unpacked_shape(tuple(weight.shape), known_dim, known_axis)
 
 
 class Gate(NamedTuple):
@@ -78,7 +86,7 @@ class ExpertsProblem(NamedTuple):
     intermediate: int
     num_experts: int
     dtype: str  # the activations'
-    weights_dtype: str  # bfloat16 / float32, or int8 / float8_e4m3fn (quantized)
+    weights_dtype: str  # bfloat16 / float32, or int8 / float8_e4m3fn / uint8 (packed int4) (quantized)
     routing_dtype: str  # top_k_weights'
     weights_transposed: bool
     has_bias: bool
@@ -87,7 +95,7 @@ class ExpertsProblem(NamedTuple):
     @classmethod
     def of(cls, hidden_states, top_k_index, top_k_weights, weights: ExpertWeights, gate: Gate, *,
            weights_transposed: bool) -> ExpertsProblem:
-        down = weights.down_proj.shape
+        down = weight_shape(weights.down_proj, hidden_states.shape[1], 2 if weights_transposed else 1)
         return cls(
             tokens=hidden_states.shape[0], top_k=top_k_index.shape[1], hidden=hidden_states.shape[1],
             intermediate=down[1] if weights_transposed else down[2], num_experts=weights.gate_up_proj.shape[0],
@@ -119,7 +127,7 @@ class MatmulProblem(NamedTuple):
     n: int
     groups: int
     dtype: str  # lhs's and the output's
-    rhs_dtype: str  # lhs's, or int8 / float8_e4m3fn
+    rhs_dtype: str  # lhs's, or int8 / float8_e4m3fn / uint8 (packed int4; k and n unpacked)
     transpose_rhs: bool
     zero_rows_past_groups: bool = True
     gate: Gate | None = None

@@ -1,6 +1,6 @@
-"""Quantized expert weights: read from HBM as one byte per weight, dequantized in VMEM.
+"""Quantized expert weights: read from HBM as one byte (or half a byte) per weight, dequantized in VMEM.
 
-Two schemes, named by the weights' dtype; the scales are float32 multipliers
+Three schemes, named by the weights' dtype; the scales are float32 multipliers
 (weight = q x scale, transformers' `weight_scale_inv` convention):
 
 - int8, symmetric, one scale per output channel: `scales[G, N]`. An output
@@ -16,8 +16,20 @@ Two schemes, named by the weights' dtype; the scales are float32 multipliers
   VMEM, `(q.f32 x scale).astype(activation dtype)`, exactly as transformers'
   `Fp8Dequantize` does when it loads an FP8 checkpoint off GPU, and run the
   unquantized matmul on it.
+- int4 (stored as uint8, two weights per byte), symmetric, one scale per
+  output channel as int8: `scales[G, N]`. The weights are packed along the
+  dimension the kernels read on sublanes (`int4_packed_axis`: D1 of the
+  stored `[G, D1, D2]`, or D2 where XLA keeps that array's last two
+  dimensions swapped), in blocks of INT4_PACK_ROWS: byte r of a block's
+  INT4_PACK_ROWS / 2 holds row r in its low nibble and row r +
+  INT4_PACK_ROWS / 2 in its high one, two's complement (-8..7). A block
+  unpacks into two whole 32-row slabs of the native int8 tile, with shifts
+  on the vector unit and no relayout (`unpack_int4_block`); the kernels
+  unpack each weights block once per grid step into VMEM scratch, in the
+  activation dtype (exact: small integers), and multiply the scales into
+  the matmul's result columns as for int8.
 
-Neither scheme feeds int8 or fp8 operands to the MXU: that would need the
+None of the schemes feeds int8 or fp8 operands to the MXU: that would need the
 activations quantized too (a different result), and decode is bound by the
 weights' HBM traffic, which one byte per weight already halves (see CARD.md).
 """
@@ -27,6 +39,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+
+from ._hardware import default_layout_swaps_minor_dims, resolve_generation, sublane_multiple
 
 FP8_BLOCK = 128
 # `>>` rather than `//`: Mosaic lowers integer floor division through `sign`, which needs a TPU to look up.
@@ -35,12 +50,103 @@ assert 1 << _FP8_BLOCK_SHIFT == FP8_BLOCK
 
 INT8 = "int8"
 FP8 = "fp8"
-SCHEMES = {jnp.dtype(jnp.int8): INT8, jnp.dtype(jnp.float8_e4m3fn): FP8}
+INT4 = "int4"
+SCHEMES = {jnp.dtype(jnp.int8): INT8, jnp.dtype(jnp.float8_e4m3fn): FP8, jnp.dtype(jnp.uint8): INT4}
+# Rows of one packed int4 block: two slabs of the uint8 native tile (32 sublanes), one per nibble.
+INT4_PACK_ROWS = 64
+_INT4_SLAB = INT4_PACK_ROWS // 2
 
 
 def scheme_of(dtype) -> str | None:
-    """"int8", "fp8", or None for unquantized (float) weights."""
+    """"int8", "fp8", "int4" (packed in uint8), or None for unquantized (float) weights."""
     return SCHEMES.get(jnp.dtype(dtype))
+
+
+# Generations whose chip a scheme is not served on, with what to use there instead.
+NOT_SERVED = {(INT4, "tpu7x"): "TPU7x has no int4 MXU path and its fp8 MXU serves 8-bit weights: use fp8 weights "
+                               "(kernelize(..., quantize_experts=\"fp8\"))"}
+
+
+def check_scheme_served(scheme: str | None, generation: str | None = None) -> None:
+    """Raises ValueError if `scheme` ("int8", "fp8", "int4") is not served on `generation` (default: this device's;
+    NOT_SERVED says why)."""
+    generation = resolve_generation(generation)
+    reason = NOT_SERVED.get((scheme, generation))
+    if reason is not None:
+        raise ValueError(f"{scheme} expert weights are not served on {generation}: {reason}")
+
+
+def check_served(dtype, generation: str | None = None) -> None:
+    """`check_scheme_served` for weights of `dtype`."""
+    check_scheme_served(scheme_of(dtype), generation)
+
+
+def per_channel_scales(scheme: str | None) -> bool:
+    """Whether the scales are one per output channel, multiplied into the matmul's result (int8, int4)."""
+    return scheme in (INT8, INT4)
+
+
+def dequantized_in_vmem(scheme: str | None) -> bool:
+    """Whether the kernels dequantize each weights block once per grid step into VMEM scratch (fp8, int4)."""
+    return scheme in (FP8, INT4)
+
+
+def stored_rows(rows: int, scheme: str | None) -> int:
+    """Rows of a weights block as stored (HBM, and its VMEM buffer): half as many for packed int4."""
+    return rows // 2 if scheme == INT4 else rows
+
+
+def weight_row_multiple(dtype) -> int:
+    """What a weights block's rows (as the kernels read them: sublanes) must be a multiple of when it is cut:
+    the dtype's native sublane tile, or a whole packed int4 block."""
+    return INT4_PACK_ROWS if scheme_of(dtype) == INT4 else sublane_multiple(dtype)
+
+
+def int4_packed_axis(shape: tuple[int, ...]) -> int:
+    """The axis of a `[G, D1, D2]` weight (unpacked shape) that int4 packs: the one the kernels read on sublanes,
+    D1 unless XLA stores that array's last two dimensions swapped (`default_layout_swaps_minor_dims`, on the
+    packed shape, which for our models' dims decides as on the unpacked one)."""
+    return 2 if default_layout_swaps_minor_dims(shape[1:]) else 1
+
+
+def int4_packable(shape: tuple[int, ...]) -> str | None:
+    """None if int4 can pack a `[G, D1, D2]` weight; else why not."""
+    axis = int4_packed_axis(shape)
+    if shape[axis] % INT4_PACK_ROWS:
+        return (f"int4 packs blocks of {INT4_PACK_ROWS} rows along dim {axis} (the dim the kernels read on "
+                f"sublanes), and {shape[axis]} is not a multiple of {INT4_PACK_ROWS}")
+    packed = list(shape)
+    packed[axis] //= 2
+    if int4_packed_axis(tuple(packed)) != axis:
+        return f"XLA would store the packed weight {tuple(packed)} in another order than the kernels read it"
+    return None
+
+
+def int4_unpacked_shape(packed_shape: tuple[int, ...], known_dim: int, known_axis: int) -> tuple[int, ...] | None:
+    """The unpacked shape of a packed int4 `[G, a, b]` weight whose dim `known_axis` (1 or 2) is `known_dim`
+    unpacked, if one packing (`int4_packed_axis`) explains it; else None."""
+    for axis in (1, 2):
+        shape = list(packed_shape)
+        shape[axis] *= 2
+        if shape[known_axis] == known_dim and int4_packed_axis(tuple(shape)) == axis:
+            return tuple(shape)
+    return None
+
+
+def unpack_int4_block(q_ref, out_ref) -> None:
+    """Writes a packed int4 window (`q_ref`, `[rows / 2, cols]` uint8, whole INT4_PACK_ROWS blocks) to `out_ref`
+    (`[rows, cols]`, the activation dtype) as the integers it holds. Per block: the bytes as int32, each nibble
+    sign-extended by two shifts, each written as a 32-row slab (aligned: no relayout)."""
+    def block(index, carry):
+        packed = q_ref[pl.ds(pl.multiple_of(index * _INT4_SLAB, _INT4_SLAB), _INT4_SLAB), :].astype(jnp.int32)
+        low = lax.shift_right_arithmetic(lax.shift_left(packed, 28), 28)
+        high = lax.shift_right_arithmetic(lax.shift_left(packed, 24), 28)
+        first = pl.multiple_of(index * INT4_PACK_ROWS, INT4_PACK_ROWS)
+        out_ref[pl.ds(first, _INT4_SLAB), :] = low.astype(out_ref.dtype)
+        out_ref[pl.ds(first + _INT4_SLAB, _INT4_SLAB), :] = high.astype(out_ref.dtype)
+        return carry
+
+    lax.fori_loop(0, q_ref.shape[0] // _INT4_SLAB, block, 0)
 
 
 def blocks(size: int) -> int:
@@ -49,8 +155,8 @@ def blocks(size: int) -> int:
 
 
 def expected_scales_shape(scheme: str, weight_shape: tuple[int, ...], out_axis: int) -> tuple[int, ...]:
-    """The scales of `weight[G, D1, D2]` whose output channels run along `out_axis` (1 or 2)."""
-    if scheme == INT8:
+    """The scales of `weight[G, D1, D2]` (unpacked shape) whose output channels run along `out_axis` (1 or 2)."""
+    if per_channel_scales(scheme):
         return (weight_shape[0], weight_shape[out_axis])
     return (weight_shape[0], blocks(weight_shape[1]), blocks(weight_shape[2]))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .int4 import unpack_int4
 from .problem import ExpertWeights
 
 
@@ -80,8 +81,11 @@ def dequantize_reference(weight: torch.Tensor, scales: torch.Tensor, *, out_axis
     """Quantized `[G, D1, D2]` weights in float64 (layouts in `quant.py`).
 
     int8: each weight times its output channel's scale (`scales[G, N]`, N the
-    dim `out_axis`); float8_e4m3fn: times its 128 x 128 block's scale.
+    dim `out_axis`); packed int4 (uint8) unpacked, then as int8 (the result
+    has the unpacked shape); float8_e4m3fn: times its 128 x 128 block's scale.
     """
+    if weight.dtype == torch.uint8:
+        weight = unpack_int4(weight, scales.shape[1], out_axis)
     q = weight.double()
     if weight.dtype == torch.int8:
         return q * scales.double().unsqueeze(3 - out_axis)

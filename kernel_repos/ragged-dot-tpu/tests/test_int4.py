@@ -1,0 +1,250 @@
+"""int4 weights (two per byte, uint8) with per-output-channel scales: packing, kernels and ops.
+
+Every kernel case runs in TPU interpret mode with race detection and
+NaN-filled uninitialised memory, against a float64 reference on the unpacked
+weights. The packed dim is whole packed blocks (64 rows); the other dims are
+odd, K and N in tiles with tails, groups empty, picks sentinels, and both
+packed axes occur (XLA's swapped layout packs D2).
+"""
+
+import jax.numpy as jnp
+import pytest
+import torch
+
+
+def _codes(shape, generator):
+    """Random int4 codes over the whole range [-8, 7], never all zero."""
+    return torch.randint(-8, 8, shape, generator=generator).to(torch.int8)
+
+
+def _quantized(kernel, shape, out_axis, generator, std=0.2):
+    """(packed uint8 weights, their float32 scales [G, N], the int8 codes)."""
+    codes = _codes(shape, generator)
+    scales = (0.5 + torch.rand(shape[0], shape[out_axis], generator=generator)) * std / 4
+    return kernel.int4.pack_int4(codes), scales, codes
+
+
+def _relative_error(out, expected):
+    return ((out.double() - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("shape", [(2, 64, 8), (3, 192, 200), (1, 128, 64), (2, 256, 192)])
+def test_pack_unpack_round_trip_and_nibble_layout(kernel, shape):
+    """Unpacking gives the codes back; byte r of a 64-row block holds row r (low nibble) and row r + 32 (high)
+    along the packed axis (D2 where XLA swaps the last two dims: [1, 128, 64] and [2, 256, 192])."""
+    generator = torch.Generator().manual_seed(sum(shape))
+    codes = _codes(shape, generator)
+    packed = kernel.int4.pack_int4(codes)
+    axis = kernel.quant.int4_packed_axis(shape)
+    assert axis == (2 if shape[1] % 128 == 0 and shape[2] % 128 else 1)
+    assert packed.dtype == torch.uint8 and packed.shape[axis] == shape[axis] // 2
+    assert torch.equal(kernel.int4.unpack_int4(packed, shape[3 - axis], 3 - axis), codes)
+    first = packed.select(axis, 0).to(torch.int32)
+    low, high = ((first & 0xF) ^ 8) - 8, ((first >> 4) ^ 8) - 8
+    assert torch.equal(low, codes.select(axis, 0).to(torch.int32))
+    assert torch.equal(high, codes.select(axis, 32).to(torch.int32))
+
+
+def test_pack_refuses_what_it_cannot_pack(kernel):
+    with pytest.raises(ValueError, match="multiple of 64"):
+        kernel.int4.pack_int4(torch.zeros(2, 96, 8, dtype=torch.int8))
+    with pytest.raises(ValueError, match=r"\[-8, 7\]"):
+        kernel.int4.pack_int4(torch.full((1, 64, 8), 8, dtype=torch.int8))
+    with pytest.raises(ValueError, match="integer"):
+        kernel.int4.pack_int4(torch.zeros(1, 64, 8))
+
+
+RAGGED_CASES = {
+    # m, packed dim (N read transposed, else K), the other dim, group_sizes, tiles (None: the heuristic's)
+    # The other dim off the lanes; empty groups; rows past the groups.
+    "odd-other-dim": (40, 192, 200, [5, 0, 20, 7], None),
+    # K and N in tiles with tails: a partial last packed block row of tiles.
+    "tiles": (100, 320, 300, [20, 0, 45, 15], (32, 128, 128, None, 1)),
+    # Two group slots per step with row chunks: each slot unpacks its own group's block.
+    "slots-chunks": (40, 192, 136, [9, 14, 0, 6], (40, 128, 128, 16, 2)),
+}
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("case", list(RAGGED_CASES))
+def test_ragged_dot_matches_unpacked_reference(kernel, interpret, to_jax, case, transpose_rhs):
+    m, packed_dim, other, group_sizes, tiles = RAGGED_CASES[case]
+    k, n = (other, packed_dim) if transpose_rhs else (packed_dim, other)
+    generator = torch.Generator().manual_seed(len(case))
+    lhs = torch.randn(m, k, generator=generator)
+    shape = (len(group_sizes), n, k) if transpose_rhs else (len(group_sizes), k, n)
+    out_axis = 1 if transpose_rhs else 2
+    rhs, scales, codes = _quantized(kernel, shape, out_axis, generator)
+    assert kernel.quant.int4_packed_axis(shape) == 1
+    sizes = torch.tensor(group_sizes, dtype=torch.int32)
+    config = None if tiles is None else kernel.config.TileConfig(*tiles)
+    out = interpret(lambda: kernel.pallas_gmm.ragged_dot(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
+                                                         to_jax(scales), transpose_rhs=transpose_rhs, config=config))
+    weights = codes.double() * scales.double().unsqueeze(3 - out_axis)
+    assert torch.equal(kernel.reference.dequantize_reference(rhs, scales, out_axis=out_axis), weights)
+    expected = kernel.reference.ragged_dot_reference(lhs.double(), weights, sizes, transpose_rhs=transpose_rhs)
+    assert not torch.isnan(out).any()
+    assert _relative_error(out, expected) <= 1e-5
+    rows = sum(group_sizes)
+    assert torch.equal(out[rows:], torch.zeros_like(out[rows:]))
+
+
+def test_ragged_dot_reads_weights_packed_along_d2_swapped(kernel, interpret, to_jax):
+    """rhs [G, 256, 192] (transpose_rhs: N = 256): XLA stores it 192-major, so int4 packs D2 (K) and the kernel
+    reads the swapped view."""
+    generator = torch.Generator().manual_seed(5)
+    shape, group_sizes = (3, 256, 192), [7, 0, 12]
+    lhs = torch.randn(24, 192, generator=generator)
+    rhs, scales, codes = _quantized(kernel, shape, 1, generator)
+    assert kernel.quant.int4_packed_axis(shape) == 2 and tuple(rhs.shape) == (3, 256, 96)
+    out = interpret(lambda: kernel.pallas_gmm.ragged_dot(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
+                                                         to_jax(scales), transpose_rhs=True))
+    expected = kernel.reference.ragged_dot_reference(lhs.double(), codes.double() * scales.double().unsqueeze(2),
+                                                     torch.tensor(group_sizes), transpose_rhs=True)
+    assert _relative_error(out[:19], expected[:19]) <= 1e-5
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_gated_gate_up_takes_int4_weights_in_one_n_tile(kernel, interpret, to_jax, transpose_rhs):
+    """The first projection with the gate in its epilogue on int4 weights: all 2I columns one block, unpacked
+    once, scaled per column before the gate."""
+    m, intermediate, group_sizes = 40, 96, [9, 0, 14, 6]
+    k = 136 if transpose_rhs else 192  # packed along 2I (read transposed), else along K
+    generator = torch.Generator().manual_seed(11)
+    lhs = torch.randn(m, k, generator=generator)
+    shape = (len(group_sizes), 2 * intermediate, k) if transpose_rhs else (len(group_sizes), k, 2 * intermediate)
+    out_axis = 1 if transpose_rhs else 2
+    rhs, scales, _ = _quantized(kernel, shape, out_axis, generator)
+    problem = kernel.problem.MatmulProblem(m, k, 2 * intermediate, len(group_sizes), "float32", "uint8",
+                                           transpose_rhs=transpose_rhs, zero_rows_past_groups=False)
+    plan = kernel.plan.plan_ragged_dot(problem, "v6e", kernel.config.TileConfig(40, k, 2 * intermediate, None, 1))
+    plan = kernel.plan.gated_plan(plan, kernel.problem.Gate("silu"), has_bias=False, generation="v6e")
+    assert plan.tile_n == plan.problem.n == intermediate
+    out = interpret(lambda: kernel.pallas_gmm.grouped_matmul(
+        to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32), to_jax(scales), plan))
+    weights = kernel.reference.dequantize_reference(rhs, scales, out_axis=out_axis)
+    projected = kernel.reference.ragged_dot_reference(lhs.double(), weights, torch.tensor(group_sizes),
+                                                      transpose_rhs=transpose_rhs)
+    gate, up = projected.chunk(2, dim=1)
+    rows = sum(group_sizes)
+    assert _relative_error(out[:rows], (torch.nn.functional.silu(gate) * up)[:rows]) <= 1e-5
+
+
+def _layer(kernel, random_picks, tokens, hidden, intermediate, experts, top_k, *, transposed, bias, sentinels=0.0,
+           std=0.2, seed=0, dtype=torch.float32):
+    """One experts layer with int4 weights: (hidden, index, weights, gate_up, down, biases..., scales...)."""
+    generator = torch.Generator().manual_seed(seed)
+    gate_up_shape = (experts, hidden, 2 * intermediate) if transposed else (experts, 2 * intermediate, hidden)
+    down_shape = (experts, intermediate, hidden) if transposed else (experts, hidden, intermediate)
+    out_axis = 2 if transposed else 1
+    gate_up, gate_up_scales, _ = _quantized(kernel, gate_up_shape, out_axis, generator, std)
+    down, down_scales, _ = _quantized(kernel, down_shape, out_axis, generator, std)
+    biases = (torch.randn(experts, 2 * intermediate, generator=generator).to(dtype) * 0.5,
+              torch.randn(experts, hidden, generator=generator).to(dtype) * 0.5) if bias else (None, None)
+    index, weights = random_picks(generator, tokens, experts, top_k, sentinels)
+    hidden_states = torch.randn(tokens, hidden, generator=generator).to(dtype)
+    return hidden_states, index, weights.to(dtype), gate_up, down, *biases, gate_up_scales, down_scales
+
+
+def _dequantized_layer(kernel, layer, transposed):
+    *front, gate_up, down, gate_up_bias, down_bias, gate_up_scales, down_scales = layer
+    out_axis = 2 if transposed else 1
+    return (*front, kernel.reference.dequantize_reference(gate_up, gate_up_scales, out_axis=out_axis),
+            kernel.reference.dequantize_reference(down, down_scales, out_axis=out_axis), gate_up_bias, down_bias)
+
+
+LAYER_CASES = {
+    # tokens, hidden, intermediate, experts, top_k, layer options, gate, fused tiles (None: fused_config's)
+    # Qwen3-MoE / Mixtral layout with H off the lanes; some experts without picks.
+    "concatenated": (9, 192, 96, 8, 2, dict(transposed=False, bias=False), dict(activation="silu"), None),
+    # Transposed weights with biases.
+    "transposed-biases": (13, 192, 64, 6, 3, dict(transposed=True, bias=True), dict(activation="gelu_tanh"), None),
+    # GPT-OSS: transposed, interleaved, clamped SwiGLU, biases.
+    "gpt-oss": (11, 128, 64, 8, 3, dict(transposed=True, bias=True, std=0.6),
+                dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), None),
+    # Router masking, most picks other ranks'; gate_up [E, 128, 64] is stored swapped: packed along H.
+    "sentinels-swapped-gate-up": (32, 64, 64, 16, 4, dict(transposed=False, bias=True, sentinels=0.8),
+                                  dict(activation="silu"), None),
+    # I in two tiles of the fused kernel: gate and up as separate blocks, each unpacked.
+    "i-tiles": (20, 128, 256, 4, 2, dict(transposed=False, bias=True), dict(activation="silu"), (16, 128)),
+    # down [E, I, H] cut along its packed rows: 64-row tiles (one packed block each).
+    "i-tiles-interleaved": (20, 128, 192, 4, 2, dict(transposed=True, bias=True, std=0.6),
+                            dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (16, 64)),
+    # Two experts per step, each slot with its own scales and unpacked blocks.
+    "experts-per-step": (40, 128, 64, 5, 2, dict(transposed=False, bias=True), dict(activation="silu"), (16, 64, 2)),
+    # Gemma 4's down_proj layout: [E, H, I] with I off the 128 lanes, stored swapped: packed along I.
+    "swapped-down": (9, 256, 192, 6, 2, dict(transposed=False, bias=True), dict(activation="gelu_tanh"), None),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(LAYER_CASES))
+def test_experts_layer_matches_unpacked_reference(kernel, interpret, to_jax, case, random_picks):
+    """Both paths of moe.experts_layer (the fused kernel and the grouped matmuls) against the float64 reference."""
+    tokens, hidden, intermediate, experts, top_k, options, gate, tiles = LAYER_CASES[case]
+    transposed = options["transposed"]
+    layer = _layer(kernel, random_picks, tokens, hidden, intermediate, experts, top_k, **options)
+    gate = dict(weights_transposed=transposed, **gate)
+    expected = kernel.reference.gated_experts_reference(*_dequantized_layer(kernel, layer, transposed), **gate)
+    config = None if tiles is None else kernel.config.FusedConfig(*tiles)
+    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate, config=config))
+    grouped = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False))
+    assert not torch.isnan(fused).any() and not torch.isnan(grouped).any()
+    assert _relative_error(fused, expected) <= 1e-5
+    assert _relative_error(grouped, expected) <= 1e-5
+
+
+def test_only_sentinel_picks_give_zeros(kernel, interpret, to_jax, random_picks):
+    layer = _layer(kernel, random_picks, 6, 64, 128, 8, 2, transposed=False, bias=True, sentinels=1.0)
+    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), activation="silu",
+                                                                 weights_transposed=False))
+    assert torch.equal(fused, torch.zeros_like(fused))
+
+
+def test_torch_ops_take_int4_weights(kernel, random_picks):
+    """The checked torch ops, end to end: ragged_dot and gated_experts with packed int4 weights and their scales."""
+    generator = torch.Generator().manual_seed(3)
+    lhs = torch.randn(12, 192, generator=generator).bfloat16()
+    rhs, scales, codes = _quantized(kernel, (3, 192, 200), 2, generator)
+    sizes = torch.tensor([5, 0, 7], dtype=torch.int32)
+    out = kernel.ragged_dot(lhs, rhs, sizes, rhs_scales=scales)
+    expected = kernel.reference.ragged_dot_reference(lhs.double(), codes.double() * scales.double().unsqueeze(1),
+                                                     sizes)
+    assert out.dtype == torch.bfloat16
+    assert _relative_error(out.float(), expected) <= 1e-2
+    layer = _layer(kernel, random_picks, 5, 128, 64, 4, 2, transposed=False, bias=False, dtype=torch.bfloat16)
+    hidden, index, weights, gate_up, down, _, _, gate_up_scales, down_scales = layer
+    out = kernel.gated_experts(hidden, index, weights, gate_up, down, activation="silu", weights_transposed=False,
+                               gate_up_scales=gate_up_scales, down_scales=down_scales)
+    expected = kernel.reference.gated_experts_reference(*_dequantized_layer(kernel, layer, False), activation="silu",
+                                                        weights_transposed=False)
+    assert out.dtype == torch.bfloat16
+    assert _relative_error(out.float(), expected) <= 2e-2
+
+
+def test_torch_ops_refuse_int4_weights_packed_wrong(kernel):
+    generator = torch.Generator().manual_seed(4)
+    lhs = torch.randn(8, 192)
+    rhs, scales, _ = _quantized(kernel, (2, 192, 200), 2, generator)
+    sizes = torch.tensor([4, 4])
+    with pytest.raises(ValueError, match="no packing of its shape"):
+        kernel.ragged_dot(torch.randn(8, 100), rhs, sizes, rhs_scales=scales)
+    with pytest.raises(ValueError, match=r"one per output channel"):
+        kernel.ragged_dot(lhs, rhs, sizes, rhs_scales=scales[:, :100])
+    with pytest.raises(ValueError, match="needs rhs_scales"):
+        kernel.ragged_dot(lhs, rhs, sizes)
+    # K = 96 along the packed axis: not whole 64-row blocks.
+    with pytest.raises(ValueError, match="multiple of 64"):
+        kernel.ragged_dot(torch.randn(8, 96), torch.zeros(2, 48, 200, dtype=torch.uint8), sizes,
+                          rhs_scales=torch.ones(2, 200))
+    hidden = torch.randn(4, 128)
+    index, weights = torch.zeros(4, 1, dtype=torch.int64), torch.ones(4, 1)
+    gate_up = kernel.int4.pack_int4(torch.ones(2, 128, 128, dtype=torch.int8))
+    down = kernel.int4.pack_int4(torch.ones(2, 128, 64, dtype=torch.int8))
+    with pytest.raises(ValueError, match="no packing of its shape"):
+        kernel.gated_experts(torch.randn(4, 64), index, weights, gate_up, down, activation="silu",
+                             weights_transposed=False, gate_up_scales=torch.ones(2, 128),
+                             down_scales=torch.ones(2, 128))
+    out = kernel.gated_experts(hidden, index, weights, gate_up, down, activation="silu", weights_transposed=False,
+                               gate_up_scales=torch.ones(2, 128), down_scales=torch.ones(2, 128))
+    assert out.shape == hidden.shape
