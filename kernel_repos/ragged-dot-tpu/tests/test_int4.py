@@ -155,10 +155,6 @@ def _dequantized_layer(kernel, layer, transposed):
 
 LAYER_CASES = {
     # tokens, hidden, intermediate, experts, top_k, layer options, gate, fused tiles (None: fused_config's)
-    # Qwen3-MoE / Mixtral layout with H off the lanes; some experts without picks.
-    "concatenated": (9, 192, 96, 8, 2, dict(transposed=False, bias=False), dict(activation="silu"), None),
-    # Transposed weights with biases.
-    "transposed-biases": (13, 192, 64, 6, 3, dict(transposed=True, bias=True), dict(activation="gelu_tanh"), None),
     # GPT-OSS: transposed, interleaved, clamped SwiGLU, biases.
     "gpt-oss": (11, 128, 64, 8, 3, dict(transposed=True, bias=True, std=0.6),
                 dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), None),

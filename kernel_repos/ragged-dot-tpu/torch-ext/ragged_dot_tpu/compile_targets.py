@@ -29,11 +29,11 @@
   scales, fp8 (e4m3) with 128 x 128 block scales and int4 (packed two per
   byte) with per-output-channel scales, for the layers of Qwen3-30B-A3B (EP8
   decode: fused; EP1 prefill: grouped) and GPT-OSS-20B at EP8 decode (H = I =
-  2880: partial fp8 scale blocks; 4 local experts), and the grouped matmul's
-  gate_up projection of Qwen3-30B-A3B at decode rows; int4 also Gemma 4's
-  down projection there (`[E, H, I]` with I = 704 off the lanes: XLA stores
-  it swapped, so int4 packs I and the kernel reads the swapped view). int4
-  on every generation but TPU7x, which refuses it (`quant.NOT_SERVED`).
+  2880: partial fp8 scale blocks; 4 local experts); int4 also Gemma 4's
+  down projection as a grouped matmul at decode rows (`[E, H, I]` with I =
+  704 off the lanes: XLA stores it swapped, so int4 packs I and the kernel
+  reads the swapped view). int4 on every generation but TPU7x, which
+  refuses it (`quant.NOT_SERVED`).
 """
 
 import functools
@@ -172,7 +172,7 @@ def _backward_targets(generation, dtype):
 
 QUANTIZED_LAYERS = {"qwen3-30b-a3b EP8": (256,), "qwen3-30b-a3b EP1": (2048,), "gpt-oss-20b EP8": (64,)}
 # Grouped matmuls compiled for one scheme only, at decode rows: (model, projection).
-SCHEME_PROJECTIONS = {"int4": (("qwen3-30b-a3b", "gate_up"), ("gemma-4-26b-a4b", "down"))}
+SCHEME_PROJECTIONS = {"int4": (("gemma-4-26b-a4b", "down"),)}
 SCHEMES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}
 
 
@@ -193,7 +193,7 @@ def _quantized_targets(generation, dtype):
     for scheme, weights_dtype in SCHEMES.items():
         if (scheme, generation) in quant.NOT_SERVED:
             continue
-        for model, projection in SCHEME_PROJECTIONS.get(scheme, (("qwen3-30b-a3b", "gate_up"),)):
+        for model, projection in SCHEME_PROJECTIONS.get(scheme, ()):
             shape = GROUPED[model]
             experts, hidden, intermediate = shape["experts"], shape["hidden"], shape["intermediate"]
             k, n = (hidden, 2 * intermediate) if projection == "gate_up" else (intermediate, hidden)
