@@ -7,9 +7,9 @@ pointed at that Hub (HF_ENDPOINT is read when huggingface_hub is imported):
 `kernelize`, and a table. Exit code 0 only if every kind of layer (experts,
 RMSNorm, attention) was replaced and the tokens are identical.
 
-With `--quantize-experts int8|fp8` the experts are kernelized with one-byte
-weights: the demo prints their error against the unquantized model (logits,
-greedy tokens) and the bytes saved, and exits 0 if every kind was replaced
+With `--quantize-experts int8|fp8|int4` the experts are kernelized with
+quantized weights: the demo prints their error against the unquantized model
+(logits, greedy tokens) and the bytes saved, and exits 0 if every kind was replaced
 and every experts module quantized (the tokens may then differ).
 
 With `--hub URL --model ID --device tpu` the second half runs against a real
@@ -180,8 +180,8 @@ def demo_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=2, help="prompts per batch for the tiny model")
     parser.add_argument("--repo", action="append", default=[], metavar="KIND=ORG/NAME@V",
                         help="override the kernel repo of a kind, e.g. experts=org/ragged-dot-tpu@1")
-    parser.add_argument("--quantize-experts", choices=["int8", "fp8"],
-                        help="kernelize with one-byte expert weights; prints their error and the bytes saved")
+    parser.add_argument("--quantize-experts", choices=["int8", "fp8", "int4"],
+                        help="kernelize with quantized expert weights; prints their error and the bytes saved")
     parser.add_argument("--model-part", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.model_part or args.hub:
