@@ -1,10 +1,10 @@
 """kernelize under transformers' tensor- and expert-parallel plans, on 2 and 4 CPU processes.
 
 Each world size is one `torchrun` launch (gloo) of tests/multichip_ranks.py running every mode on
-tiny Qwen3-MoE, Mixtral and GPT-OSS checkpoints with experts, RMSNorm and attention kernelized; the
-ranks' logits and greedy tokens are compared here with the single-process eager model. One launch per
-world size rather than per mode: the kernels compile once per shape and process, and the modes share
-most shapes.
+tiny Qwen3-MoE, Mixtral and GPT-OSS checkpoints (at 4 ranks each mode on one of them: FOUR_RANK_RUNS)
+with experts, RMSNorm and attention kernelized; the ranks' logits and greedy tokens are compared here
+with the single-process eager model. One launch per world size rather than per mode: the kernels
+compile once per shape and process, and the modes share most shapes.
 """
 
 import json
@@ -55,9 +55,16 @@ NORMS = {"qwen3_moe": 9, "mixtral": 5, "gpt_oss": 5}  # 2 layers x (input, post-
 REPLICATED_ATTENTION = {f"model.layers.*.self_attn.{p}_proj": "replicate" for p in "qkvo"}
 
 
+# At 4 ranks each mode once, on a model whose layers it splits in a way 2 ranks do not show: Qwen3-MoE's
+# intermediate dim and heads in quarters, GPT-OSS's 2 local experts behind the all-to-all, Mixtral's router
+# masking of 3 ranks' picks in 4. Every mode-model pair runs at 2 ranks.
+FOUR_RANK_RUNS = (("tp", "qwen3_moe"), ("ep_dispatch", "gpt_oss"), ("ep_router", "mixtral"))
+
+
 def _runs(world_size: int) -> list[dict]:
+    pairs = [(mode, model) for mode in MODES for model in NORMS] if world_size == 2 else FOUR_RANK_RUNS
     runs = [dict(name=f"{mode}.{model}", mode=mode, model=model, action="generate", new_tokens=NEW_TOKENS)
-            for mode in MODES for model in NORMS]
+            for mode, model in pairs]
     if world_size == 2:
         runs.append(dict(name="tp.qwen3_moe_gqa3", mode="tp", model="qwen3_moe_gqa3", action="generate", new_tokens=0))
         runs.append(dict(name="train.qwen3_moe", mode="tp", model="qwen3_moe", action="train"))

@@ -19,7 +19,7 @@ from tpu_kernels.distribution.builder import build_kernel_repo
 
 from .conftest import REPO_ROOT
 
-STEPS = 5
+STEPS = 3
 TOLERANCE = 1e-4
 COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=64, max_position_embeddings=256)
