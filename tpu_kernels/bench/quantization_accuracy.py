@@ -21,6 +21,13 @@ benchmarks/results/quantization_accuracy.json (`--out`), building the kernel
 from kernel_repos/ragged-dot-tpu (`--repo`), relative to the current directory.
 
     tpu-kernels bench quantization_accuracy      (or python -m tpu_kernels.bench.quantization_accuracy)
+
+The kernels take the tiles and paths of the generation they run for (off
+TPU: TPU_KERNELS_GENERATION, recorded as `generation`). On TPU7x fp8 feeds
+the fp8 MXU with fp8 activations, which adds their quantization error:
+
+    TPU_KERNELS_GENERATION=tpu7x tpu-kernels bench quantization_accuracy --schemes fp8 \
+        --out benchmarks/results/quantization_accuracy_tpu7x.json
 """
 
 from __future__ import annotations
@@ -100,6 +107,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-len", type=int, default=8)
     parser.add_argument("--out", default=str(result_path("quantization_accuracy.json")))
     parser.add_argument("--repo", type=Path, default=KERNEL_REPO, help="the ragged-dot kernel repo")
+    parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
     args = parser.parse_args(argv)
     require_kernel_repo(args.repo)
 
@@ -107,11 +115,13 @@ def main(argv=None) -> int:
     from tpu_kernels.distribution.builder import build_kernel_repo
     from tpu_kernels.integration.demo import quantization_error
     from tpu_kernels.distribution.loader import get_local_kernel
+    from tpu_kernels.runtime.hardware import current_generation
 
     results = {
         "method": __doc__.split("\n\n")[1].replace("\n", " "),
         "dtype": "float32",
         "expert_weight_std": EXPERT_WEIGHT_STD,
+        "generation": current_generation(),
         "prompts": f"{args.batch} seeded random prompts of {args.prompt_len} tokens, {args.new_tokens} greedy tokens",
         "models": {},
     }
@@ -125,7 +135,7 @@ def main(argv=None) -> int:
                                    generator=torch.Generator().manual_seed(0))
             reference_logits, reference_tokens = _run(float_model, prompt, args.new_tokens)
             rows = {}
-            for scheme in SCHEMES:
+            for scheme in args.schemes:
                 model = kernelize(copy.deepcopy(float_model), repos=repos, quantize_experts=scheme)
                 report = model.tpu_kernels_report.quantization
                 logits, tokens = _run(model, prompt, args.new_tokens)

@@ -270,3 +270,35 @@ def test_quantized_weights_run_under_autograd_and_refuse_a_backward(kernel, rand
     assert torch.equal(out.detach(), expected)
     with pytest.raises(NotImplementedError, match="gated_experts: no gradient through int8 / float8_e4m3fn / packed int4"):
         out.sum().backward()
+
+
+# On TPU7x the fused kernel multiplies fp8 weights with fp8 activations (plan.fp8_matmul); GPT-OSS's interleaved
+# layout keeps dequantizing.
+FP8_MXU_CASES = {"concatenated": True, "transposed-biases": True, "sentinels": True, "i-tiles": True,
+                 "experts-per-step": True, "swapped-down": True, "gpt-oss": False, "i-tiles-interleaved": False}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(FP8_MXU_CASES))
+def test_fused_fp8_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, interpret, to_jax, case, random_picks):
+    """Against the reference that quantizes each matmul's activations per row and 128-wide K block as the kernel
+    does; where the path is taken, the result differs from the dequantizing path's (the activations were
+    quantized), else it is that path's."""
+    tokens, hidden, intermediate, experts, top_k, options, gate, tiles = LAYER_CASES[case]
+    transposed = options["transposed"]
+    layer = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, "fp8", **options)
+    gate = dict(weights_transposed=transposed, **gate)
+    config = None if tiles is None else kernel.config.FusedConfig(*tiles)
+    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
+    assert kernel.plan.plan_fused(problem, config, "tpu7x").fp8_matmul == FP8_MXU_CASES[case]
+    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate, config=config,
+                                                                generation="tpu7x"))
+    dequantized = _dequantized_layer(kernel, layer, transposed)
+    weights_only = kernel.reference.gated_experts_reference(*dequantized, **gate)
+    assert not torch.isnan(fused).any()
+    if not FP8_MXU_CASES[case]:
+        assert _relative_error(fused, weights_only) <= 1e-5
+        return
+    expected = kernel.reference.gated_experts_reference(*dequantized, **gate, fp8_activations=True)
+    assert _relative_error(fused, expected) <= 1e-5
+    assert _relative_error(fused, weights_only) > 1e-3

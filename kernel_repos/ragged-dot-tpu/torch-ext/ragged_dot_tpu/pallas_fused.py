@@ -50,8 +50,10 @@ its expert's row.
 Quantized weights (`quant.py`) are read as one byte each (int4: half a
 byte): int8 blocks are cast to the activation dtype at each matmul; fp8 and
 int4 blocks are dequantized (int4: unpacked) once per step into VMEM scratch,
-which the matmuls read; int8's and int4's per-channel scales multiply the
-matmul's result (as the biases, in blocks of SCALE_BLOCK_EXPERTS experts).
+which the matmuls read, except fp8 on a generation with an fp8 MXU
+(`plan.fp8_matmul`), whose matmuls take the fp8 blocks as they are and the
+rows quantized to fp8 (`quant.fp8_matmul`); int8's and int4's per-channel
+scales multiply the matmul's result (as the biases, in blocks of SCALE_BLOCK_EXPERTS experts).
 
 `fused_experts` plans a call (`plan.plan_fused`); `fused_experts_call`
 runs a plan. Inputs are assumed valid (`ops.py` checks them).
@@ -73,8 +75,8 @@ from .plan import FusedPlan, plan_fused
 from .gates import gated
 from .problem import ExpertWeights, describe_experts
 from .quant import (
-    FP8, INT4, INT8, dequantize_fp8_block, dequantized_in_vmem, per_channel_scales, scheme_of, stored_rows,
-    unpack_int4_block,
+    FP8, INT4, INT8, dequantize_fp8_block, dequantized_in_vmem, fp8_matmul, fp8_window_scales, per_channel_scales,
+    scheme_of, stored_rows, unpack_int4_block,
 )
 from .routing import expert_plan
 
@@ -201,6 +203,19 @@ def _dequantize_step(refs: _Refs, i_step, plan: FusedPlan) -> None:
     dequantize_fp8_block(refs.down, refs.down_scales[...], *offsets, refs.dequantized[parts])
 
 
+def _fp8_step_scales(refs: _Refs, i_step, plan: FusedPlan) -> tuple:
+    """plan.fp8_matmul: the step's weights windows' scales per K block and output column
+    (`quant.fp8_window_scales`), once per step for all chunks: each gate_up part's, then down's."""
+    gate_up_transposed, down_transposed = plan.orientation
+    width = refs.gate_up[0].shape[1 if gate_up_transposed else 0]
+    gate_up = [fp8_window_scales(refs.gate_up_scales[0][...], ref.shape, rhs_contract=0 if gate_up_transposed else 1,
+                                 k_offset=0, out_offset=(part * plan.i_tiles + i_step) * width)
+               for part, ref in enumerate(refs.gate_up)]
+    down = fp8_window_scales(refs.down_scales[...], refs.down.shape, rhs_contract=0 if down_transposed else 1,
+                             k_offset=i_step * plan.tile_i, out_offset=0)
+    return (*gate_up, down)
+
+
 class _Expert(NamedTuple):
     """One item's expert and the I tile's weights the matmuls read."""
 
@@ -209,6 +224,7 @@ class _Expert(NamedTuple):
     down: object
     dtype: object
     precision: object
+    fp8_scales: tuple  # plan.fp8_matmul: each gate_up part's, then down's `quant.fp8_window_scales`
 
 
 def _weights(ref, expert: _Expert, plan: FusedPlan):
@@ -248,8 +264,12 @@ def _expert_rows(rows, refs: _Refs, expert: _Expert, plan: FusedPlan):
         # down [ti, H] (transposed) or [H, ti] against hidden^T [ti, chunk].
         return _scaled(_dot(hidden_t, _weights(expert.down, expert, plan), 0, 0 if down_transposed else 1, precision),
                        down_scales, expert, plan)
-    projections = [_scaled(_dot(rows, _weights(ref, expert, plan), 1, 0 if gate_up_transposed else 1, precision),
-                           scale_ref, expert, plan) for ref, scale_ref in zip(expert.gate_up, scales)]
+    if plan.fp8_matmul:
+        projections = [fp8_matmul(rows, ref, scales, rhs_contract=0 if gate_up_transposed else 1)
+                       for ref, scales in zip(expert.gate_up, expert.fp8_scales)]
+    else:
+        projections = [_scaled(_dot(rows, _weights(ref, expert, plan), 1, 0 if gate_up_transposed else 1, precision),
+                               scale_ref, expert, plan) for ref, scale_ref in zip(expert.gate_up, scales)]
     if refs.gate_up_bias:
         projections = [p + _expert_bias(ref, expert.index) for p, ref in zip(projections, refs.gate_up_bias)]
     if plan.gate_up_parts == 2:
@@ -257,6 +277,8 @@ def _expert_rows(rows, refs: _Refs, expert: _Expert, plan: FusedPlan):
     else:
         gate_part, up = projections[0][:, : plan.tile_i], projections[0][:, plan.tile_i :]
     hidden_rows = gated(gate_part, up, gate.activation, alpha=gate.alpha, limit=gate.limit).astype(expert.dtype)
+    if plan.fp8_matmul:
+        return fp8_matmul(hidden_rows, expert.down, expert.fp8_scales[-1], rhs_contract=0 if down_transposed else 1)
     return _scaled(_dot(hidden_rows, _weights(expert.down, expert, plan), 1, 0 if down_transposed else 1, precision),
                    down_scales, expert, plan)
 
@@ -307,11 +329,12 @@ def _expert_step(slot: int, refs: _Refs, expert_ref, rows_ref, count_ref, hidden
     item, real = _slot_item(core, step, slot, count_ref[0], plan)
     expert_id, picks = expert_ref[item], jnp.where(real, rows_ref[item], 0)
     gate_up, down = refs.gate_up, refs.down
-    if dequantized_in_vmem(scheme_of(problem.weights_dtype)):
+    if dequantized_in_vmem(scheme_of(problem.weights_dtype)) and not plan.fp8_matmul:
         pl.when(picks > 0)(lambda: _dequantize_step(refs, i_step, plan))
         gate_up, down = refs.dequantized[: plan.gate_up_parts], refs.dequantized[plan.gate_up_parts]
     precision = lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
-    expert = _Expert(expert_id, gate_up, down, dtype, precision)
+    expert = _Expert(expert_id, gate_up, down, dtype, precision,
+                     _fp8_step_scales(refs, i_step, plan) if plan.fp8_matmul else ())
     weight_column, rank_column = _token_columns(index_ref, weights_ref, expert_id, problem.tokens)
 
     def one_hot(first):
@@ -461,7 +484,7 @@ def _weight_specs(plan: FusedPlan, weights: ExpertWeights) -> _Specs:
         in_specs += [pl.BlockSpec((None, *scales.shape[1:]), lambda item, i, expert, *_: (expert[item], 0, 0))
                      for scales in (weights.gate_up_scales, weights.down_scales)]
         operands += [weights.gate_up_scales, weights.down_scales]
-    if dequantized_in_vmem(quantization):
+    if dequantized_in_vmem(quantization) and not plan.fp8_matmul:
         dtype = jnp.dtype(problem.dtype)
         gate_up_block = (hidden, width) if orientation.gate_up_transposed else (width, hidden)
         down_block = (tile_i, hidden) if orientation.down_transposed else (hidden, tile_i)

@@ -29,9 +29,16 @@ Three schemes, named by the weights' dtype; the scales are float32 multipliers
   activation dtype (exact: small integers), and multiply the scales into
   the matmul's result columns as for int8.
 
-None of the schemes feeds int8 or fp8 operands to the MXU: that would need the
-activations quantized too (a different result), and decode is bound by the
-weights' HBM traffic, which one byte per weight already halves (see CARD.md).
+int8 and int4 do not feed int8 or int4 operands to the MXU: that would need
+the activations quantized too (a different result), and decode is bound by
+the weights' HBM traffic, which one byte per weight already halves (see
+CARD.md). fp8 does where the MXU multiplies fp8 natively (TPU7x,
+FP8_MXU_GENERATIONS): `fp8_matmul` quantizes the activations per row and
+128-column block of the contraction (the weights' K blocks), to float8_e4m3fn
+with the scale amax / 448, and runs one fp8 x fp8 matmul per K block with f32
+results, which both scales then multiply; nothing is dequantized to the
+activation dtype. The fused kernel takes that path on those generations
+(`plan.FusedPlan.fp8_matmul`).
 """
 
 from __future__ import annotations
@@ -55,6 +62,12 @@ SCHEMES = {jnp.dtype(jnp.int8): INT8, jnp.dtype(jnp.float8_e4m3fn): FP8, jnp.dty
 # Rows of one packed int4 block: two slabs of the uint8 native tile (32 sublanes), one per nibble.
 INT4_PACK_ROWS = 64
 _INT4_SLAB = INT4_PACK_ROWS // 2
+
+
+# Mosaic lowers an fp8 x fp8 dot to the MXU's own fp8 matmul on TPU7x (its LLO: `vmatmul...f8e4m3fn`); on v5e,
+# v5p and v6e it converts the operands first, so fp8 activations would only cost accuracy there.
+FP8_MXU_GENERATIONS = frozenset({"tpu7x"})
+FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
 
 
 def scheme_of(dtype) -> str | None:
@@ -205,3 +218,63 @@ def dequantize_fp8_block(q_ref, scales: jax.Array, row_offset, col_offset, out_r
         row_block = (row_offset + start + lax.broadcasted_iota(jnp.int32, (stop - start, 1), 0)) >> _FP8_BLOCK_SHIFT
         scale = jnp.where(row_block == first + slab, slab_scales[slab : slab + 1], slab_scales[slab + 1 : slab + 2])
         out_ref[start:stop, :] = (q_ref[start:stop, :].astype(jnp.float32) * scale).astype(out_ref.dtype)
+
+
+def quantize_fp8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`x` (`[m, k]` f32) as float8_e4m3fn codes and one f32 scale per row (`[m, 1]`, x ~ codes x scale): the
+    scale is the row's amax / 448, 1 for an all-zero row."""
+    amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
+    scale = jnp.where(amax > 0.0, amax / FP8_MAX, 1.0)
+    return (x / scale).astype(jnp.float8_e4m3fn), scale
+
+
+def fp8_window_scales(scales: jax.Array, window_shape: tuple[int, int], *, rhs_contract: int, k_offset,
+                      out_offset) -> jax.Array:
+    """The weight scale of each 128-wide K block of a window of one expert's fp8 weights, per output column:
+    `[ceil(K / 128), out]` f32, what `fp8_matmul` multiplies its blocks' products by.
+
+    The window (`window_shape`: `[out, K]` if `rhs_contract` is 1, else `[K,
+    out]`) sits at element offsets `k_offset` (a multiple of FP8_BLOCK) and
+    `out_offset` of the expert's weight; `scales` is the expert's whole block
+    grid in the window's orientation. A one-hot matmul picks the grid's rows
+    of the window's K blocks (one nonzero term per sum: exact); one select
+    per output block of the grid spreads them over the columns (on the
+    vector unit: matmuls spreading them cost more MXU passes than the fp8
+    matmuls themselves).
+    """
+    k, out = (window_shape[1], window_shape[0]) if rhs_contract == 1 else window_shape
+    grid = scales.astype(jnp.float32)
+    grid_out_blocks, grid_k_blocks = grid.shape if rhs_contract == 1 else grid.shape[::-1]
+    window_blocks = blocks(k)
+    k_block = (k_offset >> _FP8_BLOCK_SHIFT) + lax.broadcasted_iota(jnp.int32, (window_blocks, grid_k_blocks), 0)
+    k_pick = (k_block == lax.broadcasted_iota(jnp.int32, (window_blocks, grid_k_blocks), 1)).astype(jnp.float32)
+    # [window K blocks, grid out blocks]
+    by_block = lax.dot_general(k_pick, grid, (((1,), (1 if rhs_contract == 1 else 0,)), ((), ())),
+                               preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+    out_block = (out_offset + lax.broadcasted_iota(jnp.int32, (window_blocks, out), 1)) >> _FP8_BLOCK_SHIFT
+    spread = jnp.zeros((window_blocks, out), jnp.float32)
+    for block in range(grid_out_blocks):
+        spread = jnp.where(out_block == block, by_block[:, block : block + 1], spread)
+    return spread
+
+
+def fp8_matmul(x: jax.Array, w_ref, window_scales: jax.Array, *, rhs_contract: int) -> jax.Array:
+    """`x` (`[m, K]`) times a window of one expert's fp8 weights (`w_ref`, `[out, K]` if `rhs_contract` is 1,
+    else `[K, out]`) on the fp8 MXU, as `[m, out]` f32.
+
+    Per 128-wide K block b: x's columns are quantized per row
+    (`quantize_fp8_rows`), multiplied with the weights' rows of the block in
+    fp8 with f32 results, and scaled by the rows' scales and by row b of
+    `window_scales` (`fp8_window_scales`).
+    """
+    k = x.shape[1]
+    result = None
+    for block in range(blocks(k)):
+        start, stop = block * FP8_BLOCK, min(k, (block + 1) * FP8_BLOCK)
+        codes, row_scales = quantize_fp8_rows(x[:, start:stop].astype(jnp.float32))
+        weights = w_ref[:, start:stop] if rhs_contract == 1 else w_ref[start:stop, :]
+        product = lax.dot_general(codes, weights, (((1,), (rhs_contract,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
+        term = product * row_scales * window_scales[block : block + 1]
+        result = term if result is None else result + term
+    return result

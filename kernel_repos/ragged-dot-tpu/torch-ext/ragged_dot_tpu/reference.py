@@ -35,8 +35,12 @@ def tgmm_reference(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
 
 def gated_experts_reference(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                             *weights: torch.Tensor | None, activation: str, weights_transposed: bool,
-                            interleaved: bool = False, alpha: float = 1.0, limit: float = float("inf")) -> torch.Tensor:
+                            interleaved: bool = False, alpha: float = 1.0, limit: float = float("inf"),
+                            fp8_activations: bool = False) -> torch.Tensor:
     """The gated experts layer pick by pick in float64; picks with id == num_experts contribute nothing.
+
+    `fp8_activations`: each matmul's activations as the fp8 MXU path takes
+    them (`fp8_rows_reference`), the fused kernel's on TPU7x.
 
     Differentiable with torch autograd (the gradient checks' oracle).
 
@@ -56,7 +60,8 @@ def gated_experts_reference(hidden_states: torch.Tensor, top_k_index: torch.Tens
             gate_up_weight, down_weight = gate_up_proj[expert].double(), down_proj[expert].double()
             if not weights_transposed:
                 gate_up_weight, down_weight = gate_up_weight.T, down_weight.T
-            gate_up = hidden_states[token].double() @ gate_up_weight
+            token_row = hidden_states[token]
+            gate_up = (fp8_rows_reference(token_row) if fp8_activations else token_row.double()) @ gate_up_weight
             if gate_up_bias is not None:
                 gate_up = gate_up + gate_up_bias[expert].double()
             gate, up = (gate_up[0::2], gate_up[1::2]) if interleaved else gate_up.chunk(2)
@@ -70,10 +75,24 @@ def gated_experts_reference(hidden_states: torch.Tensor, top_k_index: torch.Tens
                     "gelu": torch.nn.functional.gelu,
                 }[activation]
                 intermediate = act(gate) * up
+            if fp8_activations:
+                intermediate = fp8_rows_reference(intermediate.to(hidden_states.dtype))
             row = intermediate @ down_weight
             if down_bias is not None:
                 row = row + down_bias[expert].double()
             out[token] += top_k_weights[token, k].double() * row
+    return out
+
+
+def fp8_rows_reference(row: torch.Tensor) -> torch.Tensor:
+    """A row of activations as `quant.fp8_matmul` multiplies it, in float64: per 128-element block, in float32,
+    divided by its amax / 448 (1 if all zero), rounded to float8_e4m3fn, times that scale."""
+    out = torch.empty(row.shape, dtype=torch.float64)
+    for start in range(0, row.shape[0], 128):
+        block = row[start : start + 128].float()
+        amax = block.abs().max()
+        scale = amax / 448.0 if amax > 0 else torch.ones((), dtype=torch.float32)
+        out[start : start + 128] = (block / scale).to(torch.float8_e4m3fn).double() * scale.double()
     return out
 
 

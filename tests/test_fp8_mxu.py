@@ -1,0 +1,31 @@
+"""On TPU7x the fused kernel's fp8 weights reach the MXU as fp8, with fp8 activations; on v6e (no fp8 MXU) they
+are dequantized first. Read from libtpu's LLO dump of the compiled kernel (tests/fp8_mxu_case.py)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.aot, pytest.mark.multiprocess]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_fp8_weights_take_the_fp8_mxu_on_tpu7x_only(kernel_builds, tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               LIBTPU_INIT_ARGS=f"--xla_jf_dump_to={tmp_path} --xla_jf_dump_llo_text=true")
+    run = subprocess.run([sys.executable, "-m", "tests.fp8_mxu_case", str(kernel_builds["ragged-dot-tpu"]),
+                          str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    fp8 = {generation: sum(count for name, count in kinds.items() if "f8e4m3fn" in name)
+           for generation, kinds in found.items()}
+    bf16 = {generation: sum(count for name, count in kinds.items() if ".bf16." in name)
+            for generation, kinds in found.items()}
+    # TPU7x: the expert matmuls in fp8 (bf16 ones remain for the one-hot gather and scatter of the rows).
+    assert fp8["tpu7x"] > 0, found
+    # v6e: no fp8 operand reaches the MXU; the dequantized weights go in as bf16.
+    assert fp8["v6e"] == 0 and bf16["v6e"] > bf16["tpu7x"], found
