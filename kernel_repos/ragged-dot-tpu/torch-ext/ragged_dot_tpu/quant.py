@@ -65,7 +65,8 @@ _INT4_SLAB = INT4_PACK_ROWS // 2
 
 
 # Mosaic lowers an fp8 x fp8 dot to the MXU's own fp8 matmul on TPU7x (its LLO: `vmatmul...f8e4m3fn`); on v5e,
-# v5p and v6e it converts the operands first, so fp8 activations would only cost accuracy there.
+# v5p and v6e to bf16-rate matmuls of converted operands (`vmatmul...f8e4m3b11.bf16`), where fp8 activations
+# would only cost accuracy.
 FP8_MXU_GENERATIONS = frozenset({"tpu7x"})
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
 
