@@ -10,7 +10,6 @@ the kernel's program as the LLO pipeline first sees it.
 from __future__ import annotations
 
 import collections
-import functools
 import json
 import re
 import sys
@@ -18,7 +17,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 GENERATIONS = ("tpu7x", "v6e")
 _MATMUL = re.compile(r"vmatmul[a-z0-9_.]*")

@@ -53,7 +53,8 @@ int4 blocks are dequantized (int4: unpacked) once per step into VMEM scratch,
 which the matmuls read, except fp8 on a generation with an fp8 MXU
 (`plan.fp8_matmul`), whose matmuls take the fp8 blocks as they are and the
 rows quantized to fp8 (`quant.fp8_matmul`); int8's and int4's per-channel
-scales multiply the matmul's result (as the biases, in blocks of SCALE_BLOCK_EXPERTS experts).
+scales multiply the matmul's result (as the biases, in blocks of
+SCALE_BLOCK_EXPERTS experts).
 
 `fused_experts` plans a call (`plan.plan_fused`); `fused_experts_call`
 runs a plan. Inputs are assumed valid (`ops.py` checks them).
