@@ -75,19 +75,25 @@ def test_tgmm_plan_counts_the_vmem_of_its_block_specs(kernel, tiles):
 
 
 FUSED_CASES = {
-    # tokens, hidden, intermediate, experts, weights dtype, weights_transposed, bias, gate, fused tiles
-    "whole-i": (16, 256, 128, 8, "bfloat16", False, False, dict(activation="silu"), None),
-    "i-tiles": (20, 256, 256, 8, "bfloat16", False, True, dict(activation="silu"), (16, 128)),
+    # tokens, hidden, intermediate, experts, weights dtype, weights_transposed, bias, gate, fused tiles, generation
+    "whole-i": (16, 256, 128, 8, "bfloat16", False, False, dict(activation="silu"), None, "v6e"),
+    "i-tiles": (20, 256, 256, 8, "bfloat16", False, True, dict(activation="silu"), (16, 128), "v6e"),
     "interleaved-transposed": (20, 256, 192, 8, "bfloat16", True, True,
-                               dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (16, 64)),
-    "int8": (16, 256, 256, 8, "int8", False, False, dict(activation="silu"), (16, 128)),
-    "fp8": (16, 256, 256, 8, "float8_e4m3fn", True, False, dict(activation="gelu"), None),
+                               dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (16, 64),
+                               "v6e"),
+    "int8": (16, 256, 256, 8, "int8", False, False, dict(activation="silu"), (16, 128), "v6e"),
+    "fp8-dequantized": (16, 256, 256, 8, "float8_e4m3fn", True, False, dict(activation="gelu"), None, "v6e"),
+    # No dequantized blocks: the fp8 MXU takes the weights as they are.
+    "fp8-on-the-fp8-mxu": (40, 256, 256, 8, "float8_e4m3fn", False, False, dict(activation="silu"), (16, 128, 1),
+                           "tpu7x"),
+    "fp8-on-the-fp8-mxu-slots": (40, 256, 256, 8, "float8_e4m3fn", False, False, dict(activation="silu"),
+                                 (16, 256, 2), "tpu7x"),
 }
 
 
 @pytest.mark.parametrize("case", list(FUSED_CASES))
 def test_fused_plan_counts_the_vmem_of_its_block_specs(kernel, case):
-    tokens, hidden, intermediate, experts, weights_dtype, transposed, bias, gate, tiles = FUSED_CASES[case]
+    tokens, hidden, intermediate, experts, weights_dtype, transposed, bias, gate, tiles, generation = FUSED_CASES[case]
     config, problem_module = kernel.config, kernel.problem
     top_k = 2
     gate_up = (experts, hidden, 2 * intermediate) if transposed else (experts, 2 * intermediate, hidden)
@@ -106,7 +112,8 @@ def test_fused_plan_counts_the_vmem_of_its_block_specs(kernel, case):
     routing = np.full((tokens, top_k), 0.5, np.float32)
     problem = problem_module.ExpertsProblem.of(hidden_states, index, routing, expert_weights,
                                                problem_module.Gate(**gate), weights_transposed=transposed)
-    plan = kernel.plan.plan_fused(problem, None if tiles is None else config.FusedConfig(*tiles))
+    plan = kernel.plan.plan_fused(problem, None if tiles is None else config.FusedConfig(*tiles), generation)
+    assert plan.fp8_matmul == case.startswith("fp8-on-the-fp8-mxu")
 
     def run(hidden_states, index, routing, *weights):
         read = problem_module.ExpertWeights(*weights).as_read(plan.orientation, weights_transposed=transposed)

@@ -18,10 +18,12 @@ from ._hardware import (
 )
 from .gmm_tiles import expected_active_groups
 from .quant import (
-    FP8, INT4, INT8, blocks, dequantized_in_vmem, per_channel_scales, scheme_of, stored_rows, weight_row_multiple,
+    FP8, FP8_BLOCK, FP8_MXU_GENERATIONS, INT4, INT8, blocks, dequantized_in_vmem, per_channel_scales, scheme_of,
+    stored_rows, weight_row_multiple,
 )
 from .vmem import (
-    MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, check_vmem_fits, fp8_dequantize_vmem_bytes, int4_unpack_vmem_bytes,
+    MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, check_vmem_fits, fp8_dequantize_vmem_bytes, fp8_matmul_vmem_bytes,
+    int4_unpack_vmem_bytes,
 )
 from .weights_layout import WeightsOrientation, weights_orientation
 
@@ -105,13 +107,25 @@ def _tile_i_aligned(tile_i: int, intermediate: int, dtype, *, orientation: Weigh
     return gate_up_cut % gate_up_multiple == 0 and tile_i % down_multiple == 0 and columns_ok
 
 
+def fp8_on_the_mxu(config: FusedConfig, intermediate: int, weights_dtype, *, interleaved: bool,
+                   generation: str) -> bool:
+    """Whether the fused kernel feeds fp8 weights to the fp8 MXU (`quant.fp8_matmul`) rather than dequantizing
+    them: on a generation that has one, in the concatenated gate/up layout (the interleaved one computes gate_up
+    transposed: its per-row activation scales would fall on columns), with I whole or in tiles of whole scale
+    blocks (the down projection's K offsets)."""
+    return (weights_dtype is not None and scheme_of(weights_dtype) == FP8 and generation in FP8_MXU_GENERATIONS
+            and not interleaved and (config.tile_i == intermediate or config.tile_i % FP8_BLOCK == 0))
+
+
 def fused_buffers(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *,
                   interleaved: bool, has_bias: bool, weights_dtype=None, weights_transposed: bool = False,
-                  top_k: int = 1, routing_dtype="float32", cores: int = 1) -> tuple[Buffer, ...]:
+                  top_k: int = 1, routing_dtype="float32", cores: int = 1, fp8_matmul: bool = False
+                  ) -> tuple[Buffer, ...]:
     """The fused kernel's blocks and scratch: the resident hidden states and routing, each gate_up part's and the
     down block (biases, scales) of each slot's expert and I tile, the resident output (each core's f32 partial when
-    `cores` > 1), the f32 accumulator; scratch for interleaved gates, I tiles and fp8 and int4 weights. Weights
-    blocks in the order the kernel reads them (`weights_orientation`), packed int4's with half the rows."""
+    `cores` > 1), the f32 accumulator; scratch for interleaved gates, I tiles and int4 weights, and for fp8 weights
+    unless `fp8_matmul` (`fp8_on_the_mxu`) multiplies them as they are. Weights blocks in the order the kernel
+    reads them (`weights_orientation`), packed int4's with half the rows."""
     dtype, f32 = jnp.dtype(dtype).name, "float32"
     weights_dtype = dtype if weights_dtype is None else jnp.dtype(weights_dtype).name
     chunk, tile_i, slots = config
@@ -149,23 +163,24 @@ def fused_buffers(config: FusedConfig, tokens: int, hidden: int, intermediate: i
     if i_tiles > 1:
         rows = fused_chunks(config, tokens) * chunk
         buffers += [Buffer((rows, hidden), dtype), Buffer((rows, hidden), f32)]  # gathered rows, partial out
-    if dequantized_in_vmem(scheme):
+    if dequantized_in_vmem(scheme) and not fp8_matmul:
         buffers += [*[Buffer(gate_up_block, dtype)] * parts, Buffer(down_block, dtype)]  # dequantized blocks
     return tuple(buffers)
 
 
 def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int, dtype,
                      *, interleaved: bool, has_bias: bool, weights_dtype=None, weights_transposed: bool = False,
-                     top_k: int = 1, routing_dtype="float32", cores: int = 1) -> int:
+                     top_k: int = 1, routing_dtype="float32", cores: int = 1, fp8_matmul: bool = False) -> int:
     """VMEM of a fused experts call: its buffers (`fused_buffers`) and the f32 values Mosaic keeps beside them:
     the expert's weight and rank per token as columns, the triangle that counts the ranks, one chunk's gate_up
-    and down results (the columns once per expert of the step); an int8 block cast to the activation dtype, or
-    what dequantizing fp8 or unpacking int4 blocks takes."""
+    and down results (the columns once per expert of the step); an int8 block cast to the activation dtype, what
+    dequantizing fp8 or unpacking int4 blocks takes, or, for fp8 on the MXU (`fp8_matmul`), each slot's weight
+    scales spread over the step's windows and one K block's product."""
     f32 = jnp.float32
     weights_dtype = dtype if weights_dtype is None else weights_dtype
     buffers = fused_buffers(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
                             has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed,
-                            top_k=top_k, routing_dtype=routing_dtype, cores=cores)
+                            top_k=top_k, routing_dtype=routing_dtype, cores=cores, fp8_matmul=fp8_matmul)
     chunk, tile_i, slots = config
     values = (2 * slots * padded_vmem_bytes((tokens, 1), f32) + padded_vmem_bytes((tokens, tokens), f32)
               + padded_vmem_bytes((chunk, 2 * tile_i), f32) + padded_vmem_bytes((chunk, hidden), f32))
@@ -173,6 +188,8 @@ def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate
         values += max(padded_vmem_bytes((hidden, 2 * tile_i), dtype), padded_vmem_bytes((2 * tile_i, hidden), dtype))
     elif scheme_of(weights_dtype) == INT4:
         values += int4_unpack_vmem_bytes(max(hidden, 2 * tile_i))
+    elif fp8_matmul:
+        values += fp8_matmul_vmem_bytes(chunk, hidden, tile_i, slots)
     elif scheme_of(weights_dtype) is not None:
         values += fp8_dequantize_vmem_bytes(max(hidden, 2 * tile_i))
     return buffers_bytes(buffers) + values
@@ -239,9 +256,12 @@ def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, 
                                has_bias=has_bias, weights_dtype=weights_dtype):
             continue
         def fits(config: FusedConfig) -> bool:
+            fp8_matmul = fp8_on_the_mxu(config, intermediate, weights_dtype, interleaved=interleaved,
+                                        generation=generation)
             return fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
                                     has_bias=has_bias, weights_dtype=weights_dtype,
-                                    weights_transposed=weights_transposed, cores=cores) <= budget
+                                    weights_transposed=weights_transposed, cores=cores,
+                                    fp8_matmul=fp8_matmul) <= budget
 
         config = FusedConfig(chunk, tile_i)
         if not fits(config):
@@ -283,7 +303,10 @@ def check_fused_config(config: FusedConfig, tokens: int, hidden: int, intermedia
             f"config.tile_i={config.tile_i} must be I={intermediate} or divide it into blocks aligned to the native "
             "tile of the weights as the kernel reads them (weights_orientation)"
         )
+    generation = resolve_generation(generation)
     needed = fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
                               has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed,
-                              cores=fused_cores(resolve_generation(generation)))
+                              cores=fused_cores(generation),
+                              fp8_matmul=fp8_on_the_mxu(config, intermediate, weights_dtype, interleaved=interleaved,
+                                                        generation=generation))
     check_vmem_fits(config, needed, generation)

@@ -17,7 +17,8 @@ from typing import NamedTuple
 from ._hardware import LANES, resolve_generation, round_up, tpu_generation, vmem_limit_bytes
 from .config import use_fused_experts
 from .fused_tiles import (
-    FusedConfig, check_fused_config, fused_buffers, fused_chunks, fused_config, fused_cores, fused_vmem_bytes,
+    FusedConfig, check_fused_config, fp8_on_the_mxu, fused_buffers, fused_chunks, fused_config, fused_cores,
+    fused_vmem_bytes,
 )
 from .gmm_tiles import (
     TileConfig, check_config, expected_active_groups, matmul_buffers, row_chunks, row_tile_rows, select_config,
@@ -27,7 +28,7 @@ from .tgmm_tiles import TgmmConfig, check_tgmm_config, select_tgmm_config, tgmm_
 from .vmem import Buffer
 from .weights_layout import WeightsOrientation, weights_orientation
 from .problem import ExpertsProblem, Gate, MatmulProblem, TgmmProblem
-from .quant import FP8, FP8_BLOCK, FP8_MXU_GENERATIONS, check_served, scheme_of
+from .quant import check_served, scheme_of
 
 
 class MatmulPlan(NamedTuple):
@@ -158,7 +159,7 @@ class FusedPlan(NamedTuple):
     buffers: tuple[Buffer, ...]  # what the pipeline holds in VMEM (`fused_buffers`)
     vmem_limit_bytes: int
     active_experts: float  # expected, for the cost estimate
-    fp8_matmul: bool  # fp8 weights multiplied on the fp8 MXU with fp8 activations (`quant.fp8_matmul`)
+    fp8_matmul: bool  # fp8 weights multiplied on the fp8 MXU with fp8 activations (`fused_tiles.fp8_on_the_mxu`)
 
 
 def plan_fused(problem: ExpertsProblem, config: FusedConfig | None = None, generation: str | None = None) -> FusedPlan:
@@ -175,7 +176,10 @@ def plan_fused(problem: ExpertsProblem, config: FusedConfig | None = None, gener
     check_fused_config(config, *shape.args, **shape.options, generation=generation)
     i_tiles = problem.intermediate // config.tile_i
     cores = fused_cores(generation)
-    options = dict(shape.options, top_k=problem.top_k, routing_dtype=problem.routing_dtype, cores=cores)
+    fp8_matmul = fp8_on_the_mxu(config, problem.intermediate, problem.weights_dtype,
+                                interleaved=problem.gate.interleaved, generation=generation)
+    options = dict(shape.options, top_k=problem.top_k, routing_dtype=problem.routing_dtype, cores=cores,
+                   fp8_matmul=fp8_matmul)
     return FusedPlan(
         problem=problem, orientation=_orientation(problem), chunk_rows=config.chunk_rows,
         chunks=fused_chunks(config, problem.tokens), tile_i=config.tile_i, i_tiles=i_tiles,
@@ -184,18 +188,8 @@ def plan_fused(problem: ExpertsProblem, config: FusedConfig | None = None, gener
         buffers=fused_buffers(config, *shape.args, **options),
         vmem_limit_bytes=vmem_limit_bytes(fused_vmem_bytes(config, *shape.args, **options), generation),
         active_experts=expected_active_groups(problem.picks, problem.num_experts),
-        fp8_matmul=_fp8_matmul(problem, config, generation),
+        fp8_matmul=fp8_matmul,
     )
-
-
-def _fp8_matmul(problem: ExpertsProblem, config: FusedConfig, generation: str) -> bool:
-    """Whether the fused kernel feeds fp8 weights to the fp8 MXU (`quant.fp8_matmul`): on a generation that has
-    one, in the concatenated gate/up layout (the interleaved one computes gate_up transposed: its per-row
-    activation scales would fall on columns), with I whole or in tiles of whole scale blocks (the down
-    projection's K offsets)."""
-    return (scheme_of(problem.weights_dtype) == FP8 and generation in FP8_MXU_GENERATIONS
-            and not problem.gate.interleaved
-            and (config.tile_i == problem.intermediate or config.tile_i % FP8_BLOCK == 0))
 
 
 class _FusedShape(NamedTuple):

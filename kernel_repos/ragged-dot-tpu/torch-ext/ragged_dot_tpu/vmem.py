@@ -13,7 +13,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from ._hardware import padded_vmem_bytes, resolve_generation, vmem_budget_bytes
-from .quant import FP8_BLOCK, INT4_PACK_ROWS
+from .quant import FP8_BLOCK, INT4_PACK_ROWS, blocks
 
 # Every (group slot, row chunk) pair is one matmul unrolled in the kernel
 # body. Mosaic's compile time grows with their number and, above all, with
@@ -58,6 +58,17 @@ def fp8_dequantize_vmem_bytes(cols: int) -> int:
     """f32 values `quant.dequantize_fp8_block` keeps for a window `cols` wide (at most): the grid's scales spread
     over the columns, one 128-row slab's scales, weights and product (at most 24 grid rows: H, I <= 3072)."""
     return 4 * padded_vmem_bytes((FP8_BLOCK, cols), jnp.float32)
+
+
+def fp8_matmul_vmem_bytes(chunk: int, hidden: int, tile_i: int, slots: int) -> int:
+    """f32 values `quant.fp8_matmul` keeps beside a fused step's chunk results: each slot's weight scales spread
+    over its windows (`quant.fp8_window_scales`: [K blocks, out] for gate_up and for down, kept for the step's
+    chunks) and, per 128-wide K block, the rows' f32 slice and the block's product and scaled term."""
+    window_scales = (padded_vmem_bytes((blocks(hidden), 2 * tile_i), jnp.float32)
+                     + padded_vmem_bytes((blocks(tile_i), hidden), jnp.float32))
+    per_block = (padded_vmem_bytes((chunk, FP8_BLOCK), jnp.float32)
+                 + 2 * padded_vmem_bytes((chunk, max(hidden, 2 * tile_i)), jnp.float32))
+    return slots * window_scales + per_block
 
 
 def int4_unpack_vmem_bytes(cols: int) -> int:
