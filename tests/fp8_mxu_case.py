@@ -1,10 +1,11 @@
-"""The fused experts kernel with fp8 weights, compiled for TPU7x and v6e: which operands its matmuls take.
+"""The experts layer with fp8 weights on both paths (the fused kernel, the grouped matmuls), compiled for TPU7x and
+v6e: which operands the kernels' matmuls take.
 
 Run as `python -m tests.fp8_mxu_case RAGGED_DOT_BUILD DUMP_DIR` with libtpu's
 LLO dump switched on (LIBTPU_INIT_ARGS="--xla_jf_dump_to=DUMP_DIR
 --xla_jf_dump_llo_text=true", read once when libtpu starts: hence a process
-of its own). Prints, as JSON, {generation: {matmul instruction: count}} of
-the kernel's program as the LLO pipeline first sees it.
+of its own). Prints, as JSON, {path: {generation: {matmul instruction:
+count}}} of the path's kernels' programs as the LLO pipeline first sees them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import jax
 import jax.numpy as jnp
 
 GENERATIONS = ("tpu7x", "v6e")
+# The experts layer's paths, by the pallas_call names of their kernels.
+PATHS = {"fused": "fused_experts.", "grouped": "ragged_dot."}
 _MATMUL = re.compile(r"vmatmul[a-z0-9_.]*")
 
 
@@ -32,23 +35,27 @@ def _layer_avals(tokens=64, hidden=512, intermediate=256, experts=8, top_k=2):
         ((experts, blocks(hidden), blocks(intermediate)), jnp.float32))]
 
 
-def matmuls(build: str, dump: Path) -> dict[str, dict[str, int]]:
+def matmuls(build: str, dump: Path) -> dict[str, dict[str, dict[str, int]]]:
     import kernels as hf_kernels
     from tpu_kernels.aot import compile_for
 
     ragged_dot = hf_kernels.get_local_kernel(Path(build), backend="cpu")
-    found = {}
-    for generation in GENERATIONS:
-        def layer(hidden, index, weights, gate_up, down, gate_up_scales, down_scales, generation=generation):
-            return ragged_dot.moe.experts_layer(hidden, index, weights, gate_up, down, None, None, gate_up_scales,
-                                               down_scales, fused=True, activation="silu", weights_transposed=False,
-                                               generation=generation)
+    found = {path: {} for path in PATHS}
+    for path, kernel_name in PATHS.items():
+        for generation in GENERATIONS:
+            def layer(hidden, index, weights, gate_up, down, gate_up_scales, down_scales, generation=generation,
+                      fused=path == "fused"):
+                return ragged_dot.moe.experts_layer(hidden, index, weights, gate_up, down, None, None, gate_up_scales,
+                                                   down_scales, fused=fused, activation="silu",
+                                                   weights_transposed=False, generation=generation)
 
-        before = set(dump.iterdir()) if dump.exists() else set()
-        compile_for(layer, _layer_avals(), generation)
-        (program,) = [p for p in set(dump.iterdir()) - before
-                      if p.name.split("-", 1)[1].startswith("fused_experts.") and p.name.endswith("-02-original.txt")]
-        found[generation] = dict(collections.Counter(_MATMUL.findall(program.read_text())))
+            before = set(dump.iterdir()) if dump.exists() else set()
+            compile_for(layer, _layer_avals(), generation)
+            programs = [p for p in set(dump.iterdir()) - before
+                        if p.name.split("-", 1)[1].startswith(kernel_name) and p.name.endswith("-02-original.txt")]
+            assert programs, f"no {kernel_name} program dumped for {generation}"
+            found[path][generation] = dict(sum((collections.Counter(_MATMUL.findall(p.read_text())) for p in programs),
+                                               collections.Counter()))
     return found
 
 

@@ -1,5 +1,6 @@
-"""On TPU7x the fused kernel's fp8 weights reach the MXU as fp8, with fp8 activations; on v6e (no fp8 MXU) they
-are dequantized first. Read from libtpu's LLO dump of the compiled kernel (tests/fp8_mxu_case.py)."""
+"""On TPU7x the experts kernels' fp8 weights reach the MXU as fp8, with fp8 activations, on both paths (the fused
+kernel and the grouped matmuls); on v6e (no fp8 MXU) they are dequantized first. Read from libtpu's LLO dump of the
+compiled kernels (tests/fp8_mxu_case.py)."""
 
 import json
 import os
@@ -14,18 +15,26 @@ pytestmark = [pytest.mark.aot, pytest.mark.multiprocess]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_fp8_weights_take_the_fp8_mxu_on_tpu7x_only(kernel_builds, tmp_path):
+@pytest.fixture(scope="module")
+def matmuls(kernel_builds, tmp_path_factory):
+    """{path: {generation: {matmul instruction: count}}} of the fp8 layer's kernels."""
+    dump = tmp_path_factory.mktemp("llo")
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               LIBTPU_INIT_ARGS=f"--xla_jf_dump_to={tmp_path} --xla_jf_dump_llo_text=true")
+               LIBTPU_INIT_ARGS=f"--xla_jf_dump_to={dump} --xla_jf_dump_llo_text=true")
     run = subprocess.run([sys.executable, "-m", "tests.fp8_mxu_case", str(kernel_builds["ragged-dot-tpu"]),
-                          str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                          str(dump)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    found = json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("path", ["fused", "grouped"])
+def test_fp8_weights_take_the_fp8_mxu_on_tpu7x_only(matmuls, path):
+    found = matmuls[path]
     fp8 = {generation: sum(count for name, count in kinds.items() if "f8e4m3fn" in name)
            for generation, kinds in found.items()}
     bf16 = {generation: sum(count for name, count in kinds.items() if ".bf16." in name)
             for generation, kinds in found.items()}
-    # TPU7x: the expert matmuls in fp8 (bf16 ones remain for the one-hot gather and scatter of the rows).
+    # TPU7x: the expert matmuls in fp8 (the fused kernel's one-hot gather and scatter of the rows stay bf16).
     assert fp8["tpu7x"] > 0, found
     # v6e: no fp8 operand reaches the MXU; the dequantized weights go in as bf16.
     assert fp8["v6e"] == 0 and bf16["v6e"] > bf16["tpu7x"], found

@@ -36,23 +36,26 @@ def _planned_vmem(plan, config) -> int:
 
 
 MATMUL_CASES = {
-    # m, k, n, groups, rhs dtype, transpose_rhs, tiles (tile_m, tile_k, tile_n, chunk_m, groups_per_step)
-    "resident-rows": (64, 256, 384, 4, "bfloat16", False, (64, 256, 384, None, 1)),
-    "row-tiles-in-chunks": (200, 256, 256, 4, "bfloat16", True, (64, 128, 128, 32, 1)),
-    "group-slots": (48, 128, 256, 6, "float32", False, (48, 128, 256, None, 3)),
-    "transposed-ragged-edges": (100, 200, 300, 3, "bfloat16", True, (112, 200, 300, None, 1)),
-    "int8": (64, 256, 256, 4, "int8", True, (64, 256, 256, None, 1)),
-    "fp8": (64, 256, 384, 4, "float8_e4m3fn", False, (64, 256, 384, None, 2)),
+    # m, k, n, groups, rhs dtype, transpose_rhs, tiles (tile_m, tile_k, tile_n, chunk_m, groups_per_step), generation
+    "resident-rows": (64, 256, 384, 4, "bfloat16", False, (64, 256, 384, None, 1), "v6e"),
+    "row-tiles-in-chunks": (200, 256, 256, 4, "bfloat16", True, (64, 128, 128, 32, 1), "v6e"),
+    "group-slots": (48, 128, 256, 6, "float32", False, (48, 128, 256, None, 3), "v6e"),
+    "transposed-ragged-edges": (100, 200, 300, 3, "bfloat16", True, (112, 200, 300, None, 1), "v6e"),
+    "int8": (64, 256, 256, 4, "int8", True, (64, 256, 256, None, 1), "v6e"),
+    "fp8-dequantized": (64, 256, 384, 4, "float8_e4m3fn", False, (64, 256, 384, None, 2), "v6e"),
+    # No dequantized blocks: the fp8 MXU takes the weights as they are.
+    "fp8-on-the-fp8-mxu": (200, 384, 256, 4, "float8_e4m3fn", True, (64, 128, 256, 32, 1), "tpu7x"),
 }
 
 
 @pytest.mark.parametrize("case", list(MATMUL_CASES))
 def test_grouped_matmul_plan_counts_the_vmem_of_its_block_specs(kernel, case):
-    m, k, n, groups, rhs_dtype, transpose_rhs, tiles = MATMUL_CASES[case]
+    m, k, n, groups, rhs_dtype, transpose_rhs, tiles, generation = MATMUL_CASES[case]
     config = kernel.config
     problem = kernel.problem.MatmulProblem(m, k, n, groups, "bfloat16" if rhs_dtype != "float32" else "float32",
                                            rhs_dtype, transpose_rhs=transpose_rhs)
-    plan = kernel.plan.plan_ragged_dot(problem, "v6e", config.TileConfig(*tiles))
+    plan = kernel.plan.plan_ragged_dot(problem, generation, config.TileConfig(*tiles))
+    assert plan.fp8_matmul == (case == "fp8-on-the-fp8-mxu")
     rhs_shape = (groups, n, k) if transpose_rhs else (groups, k, n)
     scheme = kernel.quant.scheme_of(rhs_dtype)
     scales = None if scheme is None else S(kernel.quant.expected_scales_shape(scheme, rhs_shape,

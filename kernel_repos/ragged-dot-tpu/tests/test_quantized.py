@@ -302,3 +302,55 @@ def test_fused_fp8_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, interpret, 
     expected = kernel.reference.gated_experts_reference(*dequantized, **gate, fp8_activations=True)
     assert _relative_error(fused, expected) <= 1e-5
     assert _relative_error(fused, weights_only) > 1e-3
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("case", list(RAGGED_CASES))
+def test_ragged_dot_fp8_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, interpret, to_jax, case, transpose_rhs):
+    """On TPU7x the grouped matmul multiplies the rows, quantized to fp8 per row and 128-wide K block, with the fp8
+    weights as they are: against a reference that rounds the rows the same way, and not the weights-only result
+    (the path really ran)."""
+    m, k, n, group_sizes, tiles = RAGGED_CASES[case]
+    generator = torch.Generator().manual_seed(len(case))
+    lhs = torch.randn(m, k, generator=generator)
+    shape = (len(group_sizes), n, k) if transpose_rhs else (len(group_sizes), k, n)
+    rhs, scales = _quantized(shape, "fp8", 1 if transpose_rhs else 2, generator)
+    sizes = torch.tensor(group_sizes, dtype=torch.int32)
+    config = None if tiles is None else kernel.config.TileConfig(*tiles)
+    problem = kernel.problem.MatmulProblem(m, k, n, len(group_sizes), "float32", "float8_e4m3fn",
+                                           transpose_rhs=transpose_rhs)
+    assert kernel.plan.plan_ragged_dot(problem, "tpu7x", config).fp8_matmul
+    out = interpret(lambda: kernel.pallas_gmm.ragged_dot(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
+                                                         to_jax(scales), transpose_rhs=transpose_rhs, config=config,
+                                                         generation="tpu7x"))
+    weights = kernel.reference.dequantize_reference(rhs, scales, out_axis=1 if transpose_rhs else 2)
+    fp8_rows = torch.stack([kernel.reference.fp8_rows_reference(row) for row in lhs])
+    expected = kernel.reference.ragged_dot_reference(fp8_rows, weights, sizes, transpose_rhs=transpose_rhs)
+    weights_only = kernel.reference.ragged_dot_reference(lhs.double(), weights, sizes, transpose_rhs=transpose_rhs)
+    assert not torch.isnan(out).any()
+    assert _relative_error(out, expected) <= 1e-5
+    assert _relative_error(out, weights_only) > 1e-3
+    rows = sum(group_sizes)
+    assert torch.equal(out[rows:], torch.zeros_like(out[rows:]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["concatenated", "transposed-biases", "gpt-oss", "sentinels", "swapped-down"])
+def test_grouped_fp8_layer_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, interpret, to_jax, case, random_picks):
+    """The grouped path of the experts layer on TPU7x (both projections on the fp8 MXU, GPT-OSS's interleaved
+    layout too: its rows are quantized before the columns interleave) against the reference that quantizes each
+    matmul's activations as the kernels do."""
+    tokens, hidden, intermediate, experts, top_k, options, gate, _ = LAYER_CASES[case]
+    transposed = options["transposed"]
+    layer = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, "fp8", **options)
+    gate = dict(weights_transposed=transposed, **gate)
+    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
+    plan = kernel.plan.plan_experts(problem, "tpu7x", fused=False)
+    assert plan.gate_up.fp8_matmul and plan.down.fp8_matmul
+    grouped = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False,
+                                                         generation="tpu7x"))
+    dequantized = _dequantized_layer(kernel, layer, transposed)
+    expected = kernel.reference.gated_experts_reference(*dequantized, **gate, fp8_activations=True)
+    assert not torch.isnan(grouped).any()
+    assert _relative_error(grouped, expected) <= 1e-5
+    assert _relative_error(grouped, kernel.reference.gated_experts_reference(*dequantized, **gate)) > 1e-3

@@ -23,7 +23,7 @@ from .quant import (
 )
 from .vmem import (
     MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, check_vmem_fits, fp8_dequantize_vmem_bytes, fp8_matmul_vmem_bytes,
-    int4_unpack_vmem_bytes,
+    fp8_window_scales_vmem_bytes, int4_unpack_vmem_bytes,
 )
 from .weights_layout import WeightsOrientation, weights_orientation
 
@@ -107,7 +107,7 @@ def _tile_i_aligned(tile_i: int, intermediate: int, dtype, *, orientation: Weigh
     return gate_up_cut % gate_up_multiple == 0 and tile_i % down_multiple == 0 and columns_ok
 
 
-def fp8_on_the_mxu(config: FusedConfig, intermediate: int, weights_dtype, *, interleaved: bool,
+def fused_feeds_fp8_mxu(config: FusedConfig, intermediate: int, weights_dtype, *, interleaved: bool,
                    generation: str) -> bool:
     """Whether the fused kernel feeds fp8 weights to the fp8 MXU (`quant.fp8_matmul`) rather than dequantizing
     them: on a generation that has one, in the concatenated gate/up layout (the interleaved one computes gate_up
@@ -124,7 +124,7 @@ def fused_buffers(config: FusedConfig, tokens: int, hidden: int, intermediate: i
     """The fused kernel's blocks and scratch: the resident hidden states and routing, each gate_up part's and the
     down block (biases, scales) of each slot's expert and I tile, the resident output (each core's f32 partial when
     `cores` > 1), the f32 accumulator; scratch for interleaved gates, I tiles and int4 weights, and for fp8 weights
-    unless `fp8_matmul` (`fp8_on_the_mxu`) multiplies them as they are. Weights blocks in the order the kernel
+    unless `fp8_matmul` (`fused_feeds_fp8_mxu`) multiplies them as they are. Weights blocks in the order the kernel
     reads them (`weights_orientation`), packed int4's with half the rows."""
     dtype, f32 = jnp.dtype(dtype).name, "float32"
     weights_dtype = dtype if weights_dtype is None else jnp.dtype(weights_dtype).name
@@ -189,7 +189,8 @@ def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate
     elif scheme_of(weights_dtype) == INT4:
         values += int4_unpack_vmem_bytes(max(hidden, 2 * tile_i))
     elif fp8_matmul:
-        values += fp8_matmul_vmem_bytes(chunk, hidden, tile_i, slots)
+        window_scales = fp8_window_scales_vmem_bytes(hidden, 2 * tile_i) + fp8_window_scales_vmem_bytes(tile_i, hidden)
+        values += slots * window_scales + fp8_matmul_vmem_bytes(chunk, max(hidden, 2 * tile_i))
     elif scheme_of(weights_dtype) is not None:
         values += fp8_dequantize_vmem_bytes(max(hidden, 2 * tile_i))
     return buffers_bytes(buffers) + values
@@ -256,7 +257,7 @@ def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, 
                                has_bias=has_bias, weights_dtype=weights_dtype):
             continue
         def fits(config: FusedConfig) -> bool:
-            fp8_matmul = fp8_on_the_mxu(config, intermediate, weights_dtype, interleaved=interleaved,
+            fp8_matmul = fused_feeds_fp8_mxu(config, intermediate, weights_dtype, interleaved=interleaved,
                                         generation=generation)
             return fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
                                     has_bias=has_bias, weights_dtype=weights_dtype,
@@ -307,6 +308,6 @@ def check_fused_config(config: FusedConfig, tokens: int, hidden: int, intermedia
     needed = fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
                               has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed,
                               cores=fused_cores(generation),
-                              fp8_matmul=fp8_on_the_mxu(config, intermediate, weights_dtype, interleaved=interleaved,
-                                                        generation=generation))
+                              fp8_matmul=fused_feeds_fp8_mxu(config, intermediate, weights_dtype,
+                                                             interleaved=interleaved, generation=generation))
     check_vmem_fits(config, needed, generation)

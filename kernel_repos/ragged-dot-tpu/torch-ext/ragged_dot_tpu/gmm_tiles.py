@@ -34,10 +34,13 @@ from ._hardware import (
     LANES, check_generation, padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, tpu_generation,
     vmem_limit_bytes,
 )
-from .quant import FP8, INT8, INT4, blocks, dequantized_in_vmem, per_channel_scales, scheme_of, stored_rows
+from .quant import (
+    FP8, FP8_BLOCK, FP8_MXU_GENERATIONS, INT8, INT4, blocks, dequantized_in_vmem, per_channel_scales, scheme_of,
+    stored_rows,
+)
 from .vmem import (
     MAX_UNROLLED_MACS, MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, check_vmem_fits, fp8_dequantize_vmem_bytes,
-    int4_unpack_vmem_bytes,
+    fp8_matmul_vmem_bytes, fp8_window_scales_vmem_bytes, int4_unpack_vmem_bytes,
 )
 
 # Group slots one grid step may multiply: each slot's row chunks are matmuls unrolled in the kernel body
@@ -97,10 +100,18 @@ def _tuned_tiles() -> dict[TunedKey, TileConfig]:
 TUNED_TILES: dict[TunedKey, TileConfig] = _tuned_tiles()
 
 
+def matmul_feeds_fp8_mxu(config: TileConfig, k: int, rhs_dtype, generation: str) -> bool:
+    """Whether the grouped matmul feeds fp8 weights to the fp8 MXU (`quant.fp8_matmul`) rather than dequantizing
+    them: on a generation that has one, with K whole or in tiles of whole 128-wide scale blocks."""
+    return (rhs_dtype is not None and scheme_of(rhs_dtype) == FP8 and generation in FP8_MXU_GENERATIONS
+            and (config.tile_k >= k or config.tile_k % FP8_BLOCK == 0))
+
+
 def matmul_buffers(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None,
-                   transpose_rhs: bool = False) -> tuple[Buffer, ...]:
+                   transpose_rhs: bool = False, fp8_matmul: bool = False) -> tuple[Buffer, ...]:
     """The grouped matmul's blocks and scratch with `config`: lhs, rhs (and scales) per group slot, out, the f32
-    accumulator (and with chunks the carry across tiles; fp8 and int4 weights: a dequantized block per slot).
+    accumulator (and with chunks the carry across tiles; int4 weights, and fp8 ones unless `fp8_matmul`
+    (`matmul_feeds_fp8_mxu`) multiplies them as they are: a dequantized block per slot).
 
     Blocks are double-buffered except an lhs block that is the whole array
     (Mosaic keeps one copy of a block that never moves); with chunks the lhs
@@ -120,20 +131,26 @@ def matmul_buffers(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=
     elif scheme == FP8:  # the group's whole grid of block scales over rhs's own dims
         grid = (blocks(n), blocks(k)) if transpose_rhs else (blocks(k), blocks(n))
         buffers += [Buffer(grid, f32, 2)] * slots
-    if dequantized_in_vmem(scheme):
+    if dequantized_in_vmem(scheme) and not fp8_matmul:
         buffers += [Buffer(rhs_block, dtype)] * slots
     buffers += [Buffer((tile_m, tile_n), dtype, 2), Buffer((tile_m, tile_n), f32)]
     return tuple(buffers + ([Buffer((2 * chunk, tile_n), f32)] if chunk else []))
 
 
-def vmem_bytes(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False) -> int:
+def vmem_bytes(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False,
+               fp8_matmul: bool = False) -> int:
     """VMEM of a grouped matmul with `config`: its buffers (`matmul_buffers`) and what dequantizing one-byte
     weights takes beside them: an int8 block cast to the activation dtype; fp8 blocks dequantized 128 rows at a
-    time through f32 (`quant.dequantize_fp8_block`); int4 blocks unpacked a packed block (two 32-row slabs) at a
-    time through int32 (`quant.unpack_int4_block`)."""
-    buffers = matmul_buffers(config, m, k, n, dtype, rhs_dtype, transpose_rhs)
+    time through f32 (`quant.dequantize_fp8_block`), or with `fp8_matmul` each slot's block scales spread over
+    the columns and one 128-wide K block's product (`quant.fp8_matmul`); int4 blocks unpacked a packed block
+    (two 32-row slabs) at a time through int32 (`quant.unpack_int4_block`)."""
+    buffers = matmul_buffers(config, m, k, n, dtype, rhs_dtype, transpose_rhs, fp8_matmul)
     scheme = scheme_of(dtype if rhs_dtype is None else rhs_dtype)
     tile_k, tile_n = min(config.tile_k, k), min(config.tile_n, n)
+    if fp8_matmul:
+        rows = config.chunk_m if _chunked(config, m, dtype) else row_tile_rows(config, m, dtype)
+        return (buffers_bytes(buffers) + config.groups_per_step * fp8_window_scales_vmem_bytes(tile_k, tile_n)
+                + fp8_matmul_vmem_bytes(rows, tile_n))
     if scheme == INT8:
         return buffers_bytes(buffers) + padded_vmem_bytes((tile_n, tile_k) if transpose_rhs else (tile_k, tile_n),
                                                           dtype)
@@ -211,7 +228,9 @@ def check_config(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=No
             f"config {tuple(config)}: one grid step unrolls {macs / 2**30:.1f} Gi multiply-adds, past the "
             f"{MAX_UNROLLED_MACS / 2**30:.0f} Gi bound on kernel size (compile time)"
         )
-    check_vmem_fits(config, vmem_bytes(config, m, k, n, dtype, rhs_dtype, transpose_rhs), generation)
+    generation = resolve_generation(generation)
+    check_vmem_fits(config, vmem_bytes(config, m, k, n, dtype, rhs_dtype, transpose_rhs,
+                                       matmul_feeds_fp8_mxu(config, k, rhs_dtype, generation)), generation)
 
 
 def ridge_rows(generation: str) -> int:
@@ -330,7 +349,9 @@ def select_config(
 def vmem_limit(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False, *,
                generation: str | None = None) -> int:
     """The scoped VMEM limit the kernel asks Mosaic for with `config` on `generation` (default: this device's)."""
-    return vmem_limit_bytes(vmem_bytes(config, m, k, n, dtype, rhs_dtype, transpose_rhs), resolve_generation(generation))
+    generation = resolve_generation(generation)
+    return vmem_limit_bytes(vmem_bytes(config, m, k, n, dtype, rhs_dtype, transpose_rhs,
+                                       matmul_feeds_fp8_mxu(config, k, rhs_dtype, generation)), generation)
 
 
 def expected_active_groups(rows: int, num_groups: int) -> float:

@@ -56,7 +56,10 @@ Quantized weights (`quant.py`) are read as one byte each (int4: half a
 byte): an int8 block is cast to lhs's dtype at the matmul; fp8 and int4
 blocks are dequantized (int4: unpacked) once per step into VMEM scratch
 (under the slot's `pl.when`: only for a slot with rows in the tile); int8's
-and int4's per-output-column scales multiply the result.
+and int4's per-output-column scales multiply the result. On a chip with an
+fp8 MXU (`plan.fp8_matmul`: TPU7x) fp8 blocks are not dequantized: the rows
+are quantized to fp8 per row and 128-wide K block and multiplied with them
+as they are (`quant.fp8_matmul`).
 
 The CostEstimate counts what the kernel reads: the rows, the weights of the
 groups expected active for M uniformly routed rows
@@ -81,8 +84,8 @@ from .gmm_tiles import TileConfig
 from .plan import MatmulPlan, plan_ragged_dot
 from .problem import MatmulProblem, weight_shape
 from .quant import (
-    FP8, INT4, INT8, dequantize_fp8_block, dequantized_in_vmem, int4_packed_axis, per_channel_scales, scheme_of,
-    stored_rows, unpack_int4_block,
+    FP8, INT4, INT8, dequantize_fp8_block, dequantized_in_vmem, fp8_matmul, fp8_window_scales, int4_packed_axis,
+    per_channel_scales, scheme_of, stored_rows, unpack_int4_block,
 )
 from .routing import int32_group_sizes
 
@@ -180,7 +183,7 @@ class _StepRefs(NamedTuple):
     out: object
     acc: tuple  # per part: [tile_m, block columns (`_block_columns`)] f32
     carry: tuple | None  # per part: [2 chunk_m, block columns] f32, rows [tile_m - chunk_m, tile_m + chunk_m)
-    dequantized: tuple  # fp8 and int4: each slot's weights block, dequantized once per step
+    dequantized: tuple  # fp8 (unless plan.fp8_matmul) and int4: each slot's weights block, dequantized once per step
 
 
 def _parts(plan: MatmulPlan) -> int:
@@ -207,14 +210,16 @@ def _step_refs(lhs_ref, refs, plan: MatmulPlan) -> _StepRefs:
     return _StepRefs(lhs_ref, rhs, tuple(scales), out, acc, carry, tuple(scratch))
 
 
-def _multiply(refs: _StepRefs, slot: int, part: int, start, rows: int, keep, k_step, plan: MatmulPlan):
+def _multiply(refs: _StepRefs, slot: int, part: int, start, rows: int, keep, k_step, plan: MatmulPlan,
+              window_scales):
     """lhs rows [start, start + rows) x the slot's weights (its `part`), with rows not `keep` taken as zero; `start`
     on the sublane grid. int8 and int4 weights reach the MXU as their integers; their per-column scales multiply
-    the result."""
+    the result. With plan.fp8_matmul, fp8 weights meet the rows quantized to fp8 (`quant.fp8_matmul`), and
+    `window_scales` are the slot's block scales over the step's window."""
     problem, tile_k = plan.problem, plan.tile_k
     quantization = scheme_of(problem.rhs_dtype)
     lhs = refs.lhs[pl.ds(start, rows), :]
-    if dequantized_in_vmem(quantization):
+    if dequantized_in_vmem(quantization) and not plan.fp8_matmul:
         rhs = refs.dequantized[slot][...]
     else:
         rhs = refs.rhs[slot][part][...]
@@ -227,6 +232,8 @@ def _multiply(refs: _StepRefs, slot: int, part: int, start, rows: int, keep, k_s
         rhs_k = k_step * tile_k + lax.broadcasted_iota(jnp.int32, rhs.shape, 1 if problem.transpose_rhs else 0)
         rhs = jnp.where(rhs_k < problem.k, rhs, jnp.zeros_like(rhs))
     lhs = jnp.where(keep, lhs, jnp.zeros_like(lhs))
+    if plan.fp8_matmul:
+        return fp8_matmul(lhs, rhs, window_scales, rhs_contract=1 if problem.transpose_rhs else 0)
     precision = lax.Precision.HIGHEST if problem.dtype == "float32" else lax.Precision.DEFAULT
     product = lax.dot_general(lhs, rhs, (((1,), (1 if problem.transpose_rhs else 0,)), ((), ())),
                               preferred_element_type=jnp.float32, precision=precision)
@@ -234,7 +241,7 @@ def _multiply(refs: _StepRefs, slot: int, part: int, start, rows: int, keep, k_s
 
 
 def _accumulate_chunks(refs: _StepRefs, slot: int, tile_start, chunk_start, row_start, row_end, k_step,
-                       plan: MatmulPlan) -> None:
+                       plan: MatmulPlan, window_scales) -> None:
     """The slot's group's chunks that start in this row tile, each multiplied whole: the rows past the tile's
     end go to the carry, which the next row tile's accumulator starts from."""
     tile_m, chunk_m = plan.tile_m, plan.chunk_m
@@ -249,7 +256,7 @@ def _accumulate_chunks(refs: _StepRefs, slot: int, tile_start, chunk_start, row_
             start = pl.multiple_of(start, align)
             row = tile_start + start + lax.broadcasted_iota(jnp.int32, (chunk_m, 1), 0)
             keep = jnp.logical_and(row >= row_start, row < row_end)
-            products = [_multiply(refs, slot, part, start, chunk_m, keep, k_step, plan)
+            products = [_multiply(refs, slot, part, start, chunk_m, keep, k_step, plan, window_scales)
                         for part in range(len(refs.acc))]
 
             @pl.when(start + chunk_m <= tile_m)
@@ -308,7 +315,13 @@ def _body(row_tile_ref, lhs_tile_ref, group_ref, row_start_ref, row_end_ref, chu
         row_start = lax.select(real, row_start_ref[last_real], zero)
         row_end = lax.select(real, row_end_ref[last_real], zero)
         rows_in_tile = jnp.logical_and(row_start < tile_start + tile_m, row_end > tile_start)
-        if scheme_of(plan.problem.rhs_dtype) == FP8:
+        window_scales = None
+        if plan.fp8_matmul:
+            # Once per step, outside the chunks' branches: a few selects on the vector unit.
+            window_scales = fp8_window_scales(
+                refs.scales[slot][...], refs.rhs[slot][0].shape, rhs_contract=1 if plan.problem.transpose_rhs else 0,
+                k_offset=k_step * plan.tile_k, out_offset=pl.program_id(0) * plan.tile_n)
+        elif scheme_of(plan.problem.rhs_dtype) == FP8:
 
             @pl.when(rows_in_tile)
             def _(slot=slot):
@@ -319,15 +332,16 @@ def _body(row_tile_ref, lhs_tile_ref, group_ref, row_start_ref, row_end_ref, chu
             pl.when(rows_in_tile)(functools.partial(unpack_int4_block, refs.rhs[slot][0], refs.dequantized[slot]))
 
         if chunk_m:
-            _accumulate_chunks(refs, slot, tile_start, chunk_start_ref[last_real], row_start, row_end, k_step, plan)
+            _accumulate_chunks(refs, slot, tile_start, chunk_start_ref[last_real], row_start, row_end, k_step, plan,
+                               window_scales)
             continue
 
         @pl.when(rows_in_tile)
-        def _(slot=slot, row_start=row_start, row_end=row_end):
+        def _(slot=slot, row_start=row_start, row_end=row_end, window_scales=window_scales):
             row = tile_start + lax.broadcasted_iota(jnp.int32, (tile_m, 1), 0)
             keep = jnp.logical_and(row >= row_start, row < row_end)
             for part, acc in enumerate(refs.acc):
-                acc[...] += _multiply(refs, slot, part, 0, tile_m, keep, k_step, plan)
+                acc[...] += _multiply(refs, slot, part, 0, tile_m, keep, k_step, plan, window_scales)
 
     # The output block is copied out only when the row tile changes, so it is
     # filled once, at the last step on its row tile.
@@ -461,7 +475,7 @@ def _specs(plan: MatmulPlan, rhs, rhs_scales, items: WorkItems) -> _Specs:
         in_specs += [pl.BlockSpec((None, *rhs_scales.shape[1:]), functools.partial(scale_index, slot))
                      for slot in range(slots)]
         operands += [rhs_scales] * slots
-    if dequantized_in_vmem(quantization):
+    if dequantized_in_vmem(quantization) and not plan.fp8_matmul:
         scratch += [pltpu.VMEM(rhs_block[1:], jnp.dtype(problem.dtype)) for _ in range(slots)]
     return _Specs(in_specs, pl.BlockSpec((tile_m, tile_n), out_index), scratch, operands)
 

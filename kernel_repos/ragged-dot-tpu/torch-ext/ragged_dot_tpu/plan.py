@@ -17,12 +17,12 @@ from typing import NamedTuple
 from ._hardware import LANES, resolve_generation, round_up, tpu_generation, vmem_limit_bytes
 from .config import use_fused_experts
 from .fused_tiles import (
-    FusedConfig, check_fused_config, fp8_on_the_mxu, fused_buffers, fused_chunks, fused_config, fused_cores,
+    FusedConfig, check_fused_config, fused_buffers, fused_chunks, fused_config, fused_cores, fused_feeds_fp8_mxu,
     fused_vmem_bytes,
 )
 from .gmm_tiles import (
-    TileConfig, check_config, expected_active_groups, matmul_buffers, row_chunks, row_tile_rows, select_config,
-    select_d_lhs_config, vmem_limit,
+    TileConfig, check_config, expected_active_groups, matmul_buffers, matmul_feeds_fp8_mxu, row_chunks, row_tile_rows,
+    select_config, select_d_lhs_config, vmem_limit,
 )
 from .tgmm_tiles import TgmmConfig, check_tgmm_config, select_tgmm_config, tgmm_blocks, tgmm_buffers, tgmm_vmem_limit
 from .vmem import Buffer
@@ -43,6 +43,7 @@ class MatmulPlan(NamedTuple):
     buffers: tuple[Buffer, ...]  # what the pipeline holds in VMEM (`matmul_buffers`)
     vmem_limit_bytes: int
     active_groups: float  # expected, for the cost estimate (`expected_active_groups`)
+    fp8_matmul: bool  # fp8 weights multiplied on the fp8 MXU with fp8 activations (`gmm_tiles.matmul_feeds_fp8_mxu`)
 
 
 def plan_ragged_dot(problem: MatmulProblem, generation: str | None = None,
@@ -57,12 +58,14 @@ def plan_ragged_dot(problem: MatmulProblem, generation: str | None = None,
         config = select_config(m, k, n, dtype, generation=generation, num_groups=problem.groups, rhs_dtype=rhs_dtype,
                                transpose_rhs=transpose_rhs)
     check_config(config, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation)
+    fp8_matmul = matmul_feeds_fp8_mxu(config, k, rhs_dtype, generation)
     return MatmulPlan(
         problem=problem, tile_m=row_tile_rows(config, m, dtype), tile_k=min(config.tile_k, k),
         tile_n=min(config.tile_n, n), chunk_m=config.chunk_m if row_chunks(config, m, dtype) > 1 else None,
-        groups_per_step=config.groups_per_step, buffers=matmul_buffers(config, m, k, n, dtype, rhs_dtype, transpose_rhs),
+        groups_per_step=config.groups_per_step,
+        buffers=matmul_buffers(config, m, k, n, dtype, rhs_dtype, transpose_rhs, fp8_matmul),
         vmem_limit_bytes=vmem_limit(config, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation),
-        active_groups=expected_active_groups(m, problem.groups),
+        active_groups=expected_active_groups(m, problem.groups), fp8_matmul=fp8_matmul,
     )
 
 
@@ -159,7 +162,7 @@ class FusedPlan(NamedTuple):
     buffers: tuple[Buffer, ...]  # what the pipeline holds in VMEM (`fused_buffers`)
     vmem_limit_bytes: int
     active_experts: float  # expected, for the cost estimate
-    fp8_matmul: bool  # fp8 weights multiplied on the fp8 MXU with fp8 activations (`fused_tiles.fp8_on_the_mxu`)
+    fp8_matmul: bool  # fp8 weights multiplied on the fp8 MXU with fp8 activations (`fused_tiles.fused_feeds_fp8_mxu`)
 
 
 def plan_fused(problem: ExpertsProblem, config: FusedConfig | None = None, generation: str | None = None) -> FusedPlan:
@@ -176,8 +179,8 @@ def plan_fused(problem: ExpertsProblem, config: FusedConfig | None = None, gener
     check_fused_config(config, *shape.args, **shape.options, generation=generation)
     i_tiles = problem.intermediate // config.tile_i
     cores = fused_cores(generation)
-    fp8_matmul = fp8_on_the_mxu(config, problem.intermediate, problem.weights_dtype,
-                                interleaved=problem.gate.interleaved, generation=generation)
+    fp8_matmul = fused_feeds_fp8_mxu(config, problem.intermediate, problem.weights_dtype,
+                                      interleaved=problem.gate.interleaved, generation=generation)
     options = dict(shape.options, top_k=problem.top_k, routing_dtype=problem.routing_dtype, cores=cores,
                    fp8_matmul=fp8_matmul)
     return FusedPlan(

@@ -68,7 +68,6 @@ _INT4_SLAB = INT4_PACK_ROWS // 2
 # v5p and v6e to bf16-rate matmuls of converted operands (`vmatmul...f8e4m3b11.bf16`), where fp8 activations
 # would only cost accuracy.
 FP8_MXU_GENERATIONS = frozenset({"tpu7x"})
-FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
 
 
 def scheme_of(dtype) -> str | None:
@@ -222,11 +221,30 @@ def dequantize_fp8_block(q_ref, scales: jax.Array, row_offset, col_offset, out_r
 
 
 def quantize_fp8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`x` (`[m, k]` f32) as float8_e4m3fn codes and one f32 scale per row (`[m, 1]`, x ~ codes x scale): the
-    scale is the row's amax / 448, 1 for an all-zero row."""
+    """`x` (`[m, k]` f32) as float8_e4m3fn codes and one f32 scale per row (`[m, 1]`, x ~ codes x scale).
+
+    The scale is a power of two: the smallest that keeps the row's amax
+    within 448 but puts it past 224 (e4m3's top binade). Scaling by it is
+    exact, so the codes are x's own rounding to e4m3 on every backend (a
+    scale of amax / 448 takes a division, which backends round differently:
+    XLA's CPU one moves ties to other codes), and it loses nothing an amax
+    scale would keep: e4m3's relative precision is the same in every binade
+    above its subnormals. Taken from amax's float32 bits; an all-zero row
+    gets the smallest normal scale (its codes are zeros).
+    """
     amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
-    scale = jnp.where(amax > 0.0, amax / FP8_MAX, 1.0)
-    return (x / scale).astype(jnp.float8_e4m3fn), scale
+    bits = lax.bitcast_convert_type(amax, jnp.int32)
+    # amax = 1.f x 2^(biased - 127): within 448 at 2^(biased - 135) while 1.f <= 1.75, else at 2^(biased - 134).
+    biased, fraction = bits >> _F32_MANTISSA_BITS, bits & _F32_MANTISSA_MASK
+    scale_biased = jnp.clip(biased - jnp.where(fraction <= _F32_FRACTION_1_75, 8, 7), 1, 253)
+    scale = lax.bitcast_convert_type(scale_biased << _F32_MANTISSA_BITS, jnp.float32)
+    inverse = lax.bitcast_convert_type((254 - scale_biased) << _F32_MANTISSA_BITS, jnp.float32)
+    return (x * inverse).astype(jnp.float8_e4m3fn), scale
+
+
+_F32_MANTISSA_BITS = 23
+_F32_MANTISSA_MASK = (1 << _F32_MANTISSA_BITS) - 1
+_F32_FRACTION_1_75 = 3 << (_F32_MANTISSA_BITS - 2)  # the fraction bits of 1.75
 
 
 def fp8_window_scales(scales: jax.Array, window_shape: tuple[int, int], *, rhs_contract: int, k_offset,
@@ -260,8 +278,8 @@ def fp8_window_scales(scales: jax.Array, window_shape: tuple[int, int], *, rhs_c
 
 
 def fp8_matmul(x: jax.Array, w_ref, window_scales: jax.Array, *, rhs_contract: int) -> jax.Array:
-    """`x` (`[m, K]`) times a window of one expert's fp8 weights (`w_ref`, `[out, K]` if `rhs_contract` is 1,
-    else `[K, out]`) on the fp8 MXU, as `[m, out]` f32.
+    """`x` (`[m, K]`) times a window of one expert's fp8 weights (`w_ref`, a ref or an array, `[out, K]` if
+    `rhs_contract` is 1, else `[K, out]`) on the fp8 MXU, as `[m, out]` f32.
 
     Per 128-wide K block b: x's columns are quantized per row
     (`quantize_fp8_rows`), multiplied with the weights' rows of the block in

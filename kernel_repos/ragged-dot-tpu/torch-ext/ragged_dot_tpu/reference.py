@@ -86,13 +86,18 @@ def gated_experts_reference(hidden_states: torch.Tensor, top_k_index: torch.Tens
 
 def fp8_rows_reference(row: torch.Tensor) -> torch.Tensor:
     """A row of activations as `quant.fp8_matmul` multiplies it, in float64: per 128-element block, in float32,
-    divided by its amax / 448 (1 if all zero), rounded to float8_e4m3fn, times that scale."""
-    out = torch.empty(row.shape, dtype=torch.float64)
+    scaled by the power of two that brings its amax into (224, 448] (a normal float32 one), rounded to float8_e4m3fn, scaled back
+    (all-zero blocks stay zero)."""
+    out = torch.zeros(row.shape, dtype=torch.float64)
     for start in range(0, row.shape[0], 128):
         block = row[start : start + 128].float()
         amax = block.abs().max()
-        scale = amax / 448.0 if amax > 0 else torch.ones((), dtype=torch.float32)
-        out[start : start + 128] = (block / scale).to(torch.float8_e4m3fn).double() * scale.double()
+        if amax == 0:
+            continue
+        fraction, exponent = torch.frexp(amax)  # amax = fraction x 2^exponent, fraction in [0.5, 1)
+        shift = min(max(int(exponent) - (9 if fraction <= 0.875 else 8), -126), 126)  # a normal float32
+        codes = (block * 2.0**-shift).to(torch.float8_e4m3fn)
+        out[start : start + 128] = codes.double() * 2.0**shift
     return out
 
 

@@ -60,15 +60,16 @@ def fp8_dequantize_vmem_bytes(cols: int) -> int:
     return 4 * padded_vmem_bytes((FP8_BLOCK, cols), jnp.float32)
 
 
-def fp8_matmul_vmem_bytes(chunk: int, hidden: int, tile_i: int, slots: int) -> int:
-    """f32 values `quant.fp8_matmul` keeps beside a fused step's chunk results: each slot's weight scales spread
-    over its windows (`quant.fp8_window_scales`: [K blocks, out] for gate_up and for down, kept for the step's
-    chunks) and, per 128-wide K block, the rows' f32 slice and the block's product and scaled term."""
-    window_scales = (padded_vmem_bytes((blocks(hidden), 2 * tile_i), jnp.float32)
-                     + padded_vmem_bytes((blocks(tile_i), hidden), jnp.float32))
-    per_block = (padded_vmem_bytes((chunk, FP8_BLOCK), jnp.float32)
-                 + 2 * padded_vmem_bytes((chunk, max(hidden, 2 * tile_i)), jnp.float32))
-    return slots * window_scales + per_block
+def fp8_matmul_vmem_bytes(rows: int, cols: int) -> int:
+    """f32 values `quant.fp8_matmul` keeps beside its running result for `rows` x `cols` outputs, per 128-wide K
+    block: the rows' f32 slice, the block's product and its scaled term. (The weights' scales spread over the
+    columns, `quant.fp8_window_scales`, are its caller's.)"""
+    return padded_vmem_bytes((rows, FP8_BLOCK), jnp.float32) + 2 * padded_vmem_bytes((rows, cols), jnp.float32)
+
+
+def fp8_window_scales_vmem_bytes(window_k: int, cols: int) -> int:
+    """The f32 scales `quant.fp8_window_scales` spreads over a weights window `window_k` deep and `cols` wide."""
+    return padded_vmem_bytes((blocks(window_k), cols), jnp.float32)
 
 
 def int4_unpack_vmem_bytes(cols: int) -> int:
