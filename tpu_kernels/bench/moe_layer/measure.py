@@ -18,10 +18,10 @@ MAX_COMPILE_FALLBACKS = 4
 
 
 def measure_case(built, case: Case, cache: Cache, compiler: Compiler, rivals: list[str],
-                 generations: tuple[str, ...] = GENERATIONS):
+                 generations: tuple[str, ...] = GENERATIONS, quantized_prefill: bool = False):
     """Replays `case`'s kernels, queues its compiles, and returns a function that waits for them and builds its rows
-    (one per generation)."""
-    pending = queue_ours(built, case, cache, compiler, generations)
+    (one per generation). Quantized variants at decode, and with `quantized_prefill` at prefill too."""
+    pending = queue_ours(built, case, cache, compiler, generations, quantized_prefill)
     tunings = queue_rivals(case, cache, compiler, rivals, generations, pending)
 
     def finish() -> list[dict]:
@@ -42,9 +42,9 @@ def measure_case(built, case: Case, cache: Cache, compiler: Compiler, rivals: li
     return finish
 
 
-def queue_ours(built, case: Case, cache: Cache, compiler: Compiler, generations) -> dict:
-    """Ours (and at decode its quantized variants) per generation: (variant, generation) -> (future of the compiled
-    program, replay, tilings)."""
+def queue_ours(built, case: Case, cache: Cache, compiler: Compiler, generations, quantized_prefill: bool) -> dict:
+    """Ours (and at decode, or everywhere with `quantized_prefill`, its quantized variants) per generation:
+    (variant, generation) -> (future of the compiled program, replay, tilings)."""
     replay_args = case.avals(concrete_index=True)
     compile_avals = case.avals(concrete_index=False)
     pending = {}
@@ -52,7 +52,7 @@ def queue_ours(built, case: Case, cache: Cache, compiler: Compiler, generations)
         layer = ours_layer(built, case.model, generation)
         pending[("ours", generation)] = (compiler.submit(layer, compile_avals, generation),
                                          replay(cache, layer, replay_args), None)
-        if case.phase == "decode":
+        if case.phase == "decode" or quantized_prefill:
             for scheme in quantized_schemes(built, generation):
                 layer = quantized_layer(built, case.model, generation)
                 pending[(f"ours_{scheme}", generation)] = (

@@ -173,7 +173,9 @@ def method(args) -> dict:
                   "the best searched config (candidate_tilings) per projection and generation, XLA "
                   "lax.ragged_dot; all inside user_layer, "
                   "compiled with empty kernel bodies (lower_program(kernel_bodies=False))",
-        "extra_rows": "tokamax_default: tokamax's kernel at tokamax's own untuned pick; ours_int8 / ours_fp8 at decode",
+        "extra_rows": "tokamax_default: tokamax's kernel at tokamax's own untuned pick; ours_int8 / ours_fp8 "
+                      "(/ ours_int4 where served) at decode"
+                      + (" and prefill (--quantized-prefill)" if args.quantized_prefill else ""),
         "dtype": jnp.dtype(DTYPE).name,
         "raw": "benchmarks/results/raw/moe_layer.rows.json (untracked): every term, placement and searched config",
     }

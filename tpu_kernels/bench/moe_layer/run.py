@@ -65,6 +65,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--no-cache", action="store_true", help="recompute every compile and replay")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--quantized-prefill", action="store_true",
+                        help="model the quantized variants at the prefill shapes too (default: at decode only)")
     parser.add_argument("--tune-ours", action="store_true",
                         help="only search our grouped matmul's tiles at the prefill cases and write the kernel repo's "
                              "tuned_tiles.json (then rerun without it)")
@@ -120,7 +122,8 @@ def main(argv=None) -> int:
         upcoming = iter(cases)
         while True:
             for case in upcoming:
-                queued.append(measure_case(built, case, cache, compiler, args.rivals, args.generations))
+                queued.append(measure_case(built, case, cache, compiler, args.rivals, args.generations,
+                                           args.quantized_prefill))
                 print(f"queued {case.label:48s} rows={case.rows:5d} picks={case.picks:6d} live={case.live_picks:6d} "
                       f"({time.perf_counter() - started:.0f} s)", flush=True)
                 if len(queued) > LOOKAHEAD:
