@@ -8,6 +8,12 @@ initializer range), with only the experts kernelized:
   random prompts (max and mean absolute error, and the logits' own scale), and
   the greedy tokens of 32 new tokens per prompt (how many equal, and how many
   before the first that differs);
+- teacher-forced: both models read the unquantized model's greedy sequence,
+  and at each new position the quantized model's top token is compared with
+  the unquantized one's. Free generation stops agreeing at the first
+  difference; this counts every position on its own, and gives the
+  unquantized model's margin (top-1 minus top-2 logit) where they differ,
+  against its median margin: how close to a tie each difference was;
 - kernel vs its reference: the same quantized model's logits against the
   eager float model whose expert weights are the dequantized ones. This is
   the kernel's own error, which tests/test_quantize.py asserts (<= 1e-4);
@@ -93,6 +99,22 @@ def _dequantized(float_model, quantized, kernel):
     return reference
 
 
+def _teacher_forced(reference_sequence_logits, sequence_logits, prompt_len: int) -> dict:
+    """Top-token agreement at each new position of the unquantized model's greedy sequence, and the unquantized
+    model's top-1 minus top-2 logit where the two disagree (module docstring)."""
+    # Position p predicts token p + 1: the new tokens are predicted from prompt_len - 1 to the second to last.
+    reference = reference_sequence_logits[:, prompt_len - 1 : -1].float()
+    quantized = sequence_logits[:, prompt_len - 1 : -1].float()
+    top2 = reference.topk(2, dim=-1).values
+    margin = top2[..., 0] - top2[..., 1]
+    differ = reference.argmax(-1) != quantized.argmax(-1)
+    return {
+        "teacher_forced_tokens_equal": f"{int((~differ).sum())}/{differ.numel()}",
+        "teacher_forced_reference_margins_where_different": sorted(round(m, 6) for m in margin[differ].tolist()),
+        "reference_median_margin": round(margin.median().item(), 6),
+    }
+
+
 def _run(model, prompt, new_tokens):
     with torch.no_grad():
         logits = model(prompt).logits
@@ -134,6 +156,8 @@ def main(argv=None) -> int:
             prompt = torch.randint(0, float_model.config.vocab_size, (args.batch, args.prompt_len),
                                    generator=torch.Generator().manual_seed(0))
             reference_logits, reference_tokens = _run(float_model, prompt, args.new_tokens)
+            with torch.no_grad():
+                reference_sequence_logits = float_model(reference_tokens).logits
             rows = {}
             for scheme in args.schemes:
                 model = kernelize(copy.deepcopy(float_model), repos=repos, quantize_experts=scheme)
@@ -141,8 +165,10 @@ def main(argv=None) -> int:
                 logits, tokens = _run(model, prompt, args.new_tokens)
                 with torch.no_grad():
                     dequantized_logits = _dequantized(float_model, model, kernel)(prompt).logits
+                    sequence_logits = model(reference_tokens).logits
                 rows[scheme] = {
                     **quantization_error(reference_logits, logits, reference_tokens, tokens, args.prompt_len),
+                    **_teacher_forced(reference_sequence_logits, sequence_logits, args.prompt_len),
                     "kernel_vs_dequantized_reference_logits_max_abs_error":
                         (logits - dequantized_logits).abs().max().item(),
                     "expert_bytes_before": report.bytes_before,
@@ -152,7 +178,8 @@ def main(argv=None) -> int:
                 row = rows[scheme]
                 print(f"{name[:10]:<10} {scheme}: logits max {row['logits_max_abs_error']:.3e} "
                       f"mean {row['logits_mean_abs_error']:.3e} (|logits| <= {row['logits_max_abs']:.2f}), "
-                      f"greedy {row['greedy_tokens_equal']}, kernel vs dequantized "
+                      f"greedy {row['greedy_tokens_equal']}, teacher-forced {row['teacher_forced_tokens_equal']}, "
+                      f"kernel vs dequantized "
                       f"{row['kernel_vs_dequantized_reference_logits_max_abs_error']:.1e}, bytes "
                       f"{report.bytes_before} -> {report.bytes_after}", flush=True)
             results["models"][name] = rows
