@@ -224,7 +224,7 @@ def quantize_fp8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`x` (`[m, k]` f32) as float8_e4m3fn codes and one f32 scale per row (`[m, 1]`, x ~ codes x scale).
 
     The scale is a power of two: the smallest that keeps the row's amax
-    within 448 but puts it past 224 (e4m3's top binade). Scaling by it is
+    within 448 (e4m3's largest), which puts it in (224, 448]. Scaling by it is
     exact, so the codes are x's own rounding to e4m3 on every backend (a
     scale of amax / 448 takes a division, which backends round differently:
     XLA's CPU one moves ties to other codes), and it loses nothing an amax
