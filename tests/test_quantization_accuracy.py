@@ -2,7 +2,7 @@
 
 import torch
 
-from tpu_kernels.bench.quantization_accuracy import _teacher_forced
+from tpu_kernels.bench.quantization_accuracy import teacher_forced_agreement
 
 
 def test_teacher_forced_counts_each_new_position_and_the_margin_where_they_differ():
@@ -16,9 +16,10 @@ def test_teacher_forced_counts_each_new_position_and_the_margin_where_they_diffe
     # The prompt's positions before prompt_len - 1 and the last position predict no new token: not counted.
     quantized[0, 0] = -reference[0, 0]
     quantized[0, 6] = -reference[0, 6]
-    result = _teacher_forced(reference, quantized, prompt_len)
+    result = teacher_forced_agreement(reference, quantized, prompt_len)
     assert result["teacher_forced_tokens_equal"] == "7/8"
     margin = (top2.values[0] - top2.values[1]).item()
     assert result["teacher_forced_reference_margins_where_different"] == [round(margin, 6)]
     new_positions = reference[:, prompt_len - 1 : -1].topk(2, dim=-1).values
-    assert result["reference_median_margin"] == round((new_positions[..., 0] - new_positions[..., 1]).median().item(), 6)
+    median = (new_positions[..., 0] - new_positions[..., 1]).median().item()
+    assert result["reference_median_margin"] == round(median, 6)

@@ -99,7 +99,7 @@ def _dequantized(float_model, quantized, kernel):
     return reference
 
 
-def _teacher_forced(reference_sequence_logits, sequence_logits, prompt_len: int) -> dict:
+def teacher_forced_agreement(reference_sequence_logits, sequence_logits, prompt_len: int) -> dict:
     """Top-token agreement at each new position of the unquantized model's greedy sequence, and the unquantized
     model's top-1 minus top-2 logit where the two disagree (module docstring)."""
     # Position p predicts token p + 1: the new tokens are predicted from prompt_len - 1 to the second to last.
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
                     sequence_logits = model(reference_tokens).logits
                 rows[scheme] = {
                     **quantization_error(reference_logits, logits, reference_tokens, tokens, args.prompt_len),
-                    **_teacher_forced(reference_sequence_logits, sequence_logits, args.prompt_len),
+                    **teacher_forced_agreement(reference_sequence_logits, sequence_logits, args.prompt_len),
                     "kernel_vs_dequantized_reference_logits_max_abs_error":
                         (logits - dequantized_logits).abs().max().item(),
                     "expert_bytes_before": report.bytes_before,

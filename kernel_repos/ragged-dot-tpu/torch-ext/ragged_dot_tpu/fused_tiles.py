@@ -108,7 +108,7 @@ def _tile_i_aligned(tile_i: int, intermediate: int, dtype, *, orientation: Weigh
 
 
 def fused_feeds_fp8_mxu(config: FusedConfig, intermediate: int, weights_dtype, *, interleaved: bool,
-                   generation: str) -> bool:
+                        generation: str) -> bool:
     """Whether the fused kernel feeds fp8 weights to the fp8 MXU (`quant.fp8_matmul`) rather than dequantizing
     them: on a generation that has one, in the concatenated gate/up layout (the interleaved one computes gate_up
     transposed: its per-row activation scales would fall on columns), with I whole or in tiles of whole scale
@@ -258,7 +258,7 @@ def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, 
             continue
         def fits(config: FusedConfig) -> bool:
             fp8_matmul = fused_feeds_fp8_mxu(config, intermediate, weights_dtype, interleaved=interleaved,
-                                        generation=generation)
+                                             generation=generation)
             return fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
                                     has_bias=has_bias, weights_dtype=weights_dtype,
                                     weights_transposed=weights_transposed, cores=cores,

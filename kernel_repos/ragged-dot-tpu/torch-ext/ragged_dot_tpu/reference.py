@@ -86,8 +86,8 @@ def gated_experts_reference(hidden_states: torch.Tensor, top_k_index: torch.Tens
 
 def fp8_rows_reference(row: torch.Tensor) -> torch.Tensor:
     """A row of activations as `quant.fp8_matmul` multiplies it, in float64: per 128-element block, in float32,
-    scaled by the power of two that brings its amax into (224, 448] (a normal float32 one), rounded to float8_e4m3fn, scaled back
-    (all-zero blocks stay zero)."""
+    scaled by the power of two that brings its amax into (224, 448] (a normal float32 one), rounded to
+    float8_e4m3fn, scaled back (all-zero blocks stay zero)."""
     out = torch.zeros(row.shape, dtype=torch.float64)
     for start in range(0, row.shape[0], 128):
         block = row[start : start + 128].float()
