@@ -200,6 +200,12 @@ def test_gated_experts_gradients_match_reference(kernel, case, dtype):
         orientation = kernel.config.weights_orientation(**shape, weights_transposed=weights_transposed)
         assert orientation.down_transposed != weights_transposed, "the case must read down_proj swapped"
     index, tensors = _experts_inputs(dtype, weights_transposed=weights_transposed, biases=biases, **shape)
+    if activation == "clamped_swiglu" and dtype == torch.bfloat16:
+        # A clamp's gradient jumps at the limit. With ~1700 pre-activations of std ~2 and bf16's rounding of
+        # 2^-8 to 2^-7, a few fall on the other side of a limit of 1 than in the float64 reference, and their
+        # gradients differ by O(1) however exact both are: float32 checks the clamps biting; bf16 takes
+        # GPT-OSS's own limit, which they reach rarely.
+        limit = 7.0
     gate = dict(activation=activation, weights_transposed=weights_transposed, interleaved=interleaved, alpha=alpha,
                 limit=limit)
     out = kernel.gated_experts(

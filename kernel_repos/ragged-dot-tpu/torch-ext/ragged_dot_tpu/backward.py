@@ -134,11 +134,8 @@ def grouped_experts_backward(
     bias_rows = jnp.minimum(top_k_index.reshape(-1)[order], num_experts - 1)
     read = weights.as_read(plan.orientation, weights_transposed=problem.weights_transposed)
 
-    # The gate again, elementwise, from the saved projection; its vjp gives d_gate_up.
-    gate_up = gate_up_out.astype(f32)
-    if weights.gate_up_bias is not None:
-        gate_up = gate_up + weights.gate_up_bias[bias_rows].astype(f32)
-    gate_up = jnp.where(live, gate_up, 0.0)
+    # The gate again, elementwise, from the saved projection (biased by the kernel); its vjp gives d_gate_up.
+    gate_up = jnp.where(live, gate_up_out.astype(f32), 0.0)
 
     def gated_intermediate(gate_up):
         return gated(*split_gate_up(gate_up, interleaved=gate.interleaved), gate.activation, alpha=gate.alpha,
@@ -146,8 +143,6 @@ def grouped_experts_backward(
 
     intermediate, gate_vjp = jax.vjp(gated_intermediate, gate_up)
     out = down_out.astype(f32)
-    if weights.down_bias is not None:
-        out = out + weights.down_bias[bias_rows].astype(f32)
 
     d_picked = d_y[tokens].astype(f32)
     d_top_k_weights_sorted = jnp.where(live[:, 0], jnp.sum(jnp.where(live, out, 0.0) * d_picked, axis=-1), 0.0)

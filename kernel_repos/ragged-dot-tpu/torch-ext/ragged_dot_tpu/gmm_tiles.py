@@ -108,8 +108,8 @@ def matmul_feeds_fp8_mxu(config: TileConfig, k: int, rhs_dtype, generation: str)
 
 
 def matmul_buffers(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None,
-                   transpose_rhs: bool = False, fp8_matmul: bool = False) -> tuple[Buffer, ...]:
-    """The grouped matmul's blocks and scratch with `config`: lhs, rhs (and scales) per group slot, out, the f32
+                   transpose_rhs: bool = False, fp8_matmul: bool = False, bias: bool = False) -> tuple[Buffer, ...]:
+    """The grouped matmul's blocks and scratch with `config`: lhs, rhs (scales, bias) per group slot, out, the f32
     accumulator (and with chunks the carry across tiles; int4 weights, and fp8 ones unless `fp8_matmul`
     (`matmul_feeds_fp8_mxu`) multiplies them as they are: a dequantized block per slot).
 
@@ -131,6 +131,8 @@ def matmul_buffers(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=
     elif scheme == FP8:  # the group's whole grid of block scales over rhs's own dims
         grid = (blocks(n), blocks(k)) if transpose_rhs else (blocks(k), blocks(n))
         buffers += [Buffer(grid, f32, 2)] * slots
+    if bias:
+        buffers += [Buffer((1, tile_n), dtype, 2)] * slots
     if dequantized_in_vmem(scheme) and not fp8_matmul:
         buffers += [Buffer(rhs_block, dtype)] * slots
     buffers += [Buffer((tile_m, tile_n), dtype, 2), Buffer((tile_m, tile_n), f32)]
@@ -138,13 +140,13 @@ def matmul_buffers(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=
 
 
 def vmem_bytes(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False,
-               fp8_matmul: bool = False) -> int:
+               fp8_matmul: bool = False, bias: bool = False) -> int:
     """VMEM of a grouped matmul with `config`: its buffers (`matmul_buffers`) and what dequantizing one-byte
     weights takes beside them: an int8 block cast to the activation dtype; fp8 blocks dequantized 128 rows at a
     time through f32 (`quant.dequantize_fp8_block`), or with `fp8_matmul` each slot's block scales spread over
     the columns and one 128-wide K block's product (`quant.fp8_matmul`); int4 blocks unpacked a packed block
     (two 32-row slabs) at a time through int32 (`quant.unpack_int4_block`)."""
-    buffers = matmul_buffers(config, m, k, n, dtype, rhs_dtype, transpose_rhs, fp8_matmul)
+    buffers = matmul_buffers(config, m, k, n, dtype, rhs_dtype, transpose_rhs, fp8_matmul, bias)
     scheme = scheme_of(dtype if rhs_dtype is None else rhs_dtype)
     tile_k, tile_n = min(config.tile_k, k), min(config.tile_n, n)
     if fp8_matmul:
@@ -186,9 +188,10 @@ def row_chunks(config: TileConfig, m: int, dtype) -> int:
 
 
 def check_config(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False, *,
-                 generation: str | None = None) -> None:
+                 generation: str | None = None, bias: bool = False) -> None:
     """Raises ValueError if `config` cannot run `lhs[m,k] x rhs[.,k,n]` (`[., n, k]` with `transpose_rhs`) of
-    `dtype` (weights of `rhs_dtype`: the same, or int8 / fp8 / packed int4) on `generation` (default: this device's)."""
+    `dtype` (weights of `rhs_dtype`: the same, or int8 / fp8 / packed int4; with `bias`, a bias row per group) on
+    `generation` (default: this device's)."""
     if not isinstance(config, TileConfig):
         raise TypeError(f"config must be a TileConfig, got {type(config).__name__}")
     sublanes = sublane_multiple(dtype)
@@ -230,7 +233,7 @@ def check_config(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=No
         )
     generation = resolve_generation(generation)
     check_vmem_fits(config, vmem_bytes(config, m, k, n, dtype, rhs_dtype, transpose_rhs,
-                                       matmul_feeds_fp8_mxu(config, k, rhs_dtype, generation)), generation)
+                                       matmul_feeds_fp8_mxu(config, k, rhs_dtype, generation), bias), generation)
 
 
 def ridge_rows(generation: str) -> int:
@@ -347,11 +350,11 @@ def select_config(
 
 
 def vmem_limit(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False, *,
-               generation: str | None = None) -> int:
+               generation: str | None = None, bias: bool = False) -> int:
     """The scoped VMEM limit the kernel asks Mosaic for with `config` on `generation` (default: this device's)."""
     generation = resolve_generation(generation)
     return vmem_limit_bytes(vmem_bytes(config, m, k, n, dtype, rhs_dtype, transpose_rhs,
-                                       matmul_feeds_fp8_mxu(config, k, rhs_dtype, generation)), generation)
+                                       matmul_feeds_fp8_mxu(config, k, rhs_dtype, generation), bias), generation)
 
 
 def expected_active_groups(rows: int, num_groups: int) -> float:

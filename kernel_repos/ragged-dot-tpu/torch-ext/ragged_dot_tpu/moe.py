@@ -6,8 +6,9 @@ run it, picked by the plan (the rule is `config.use_fused_experts`):
 - decode-sized calls: one fused kernel (`pallas_fused.fused_experts`) that
   streams each active expert's weights once and keeps everything else in VMEM;
 - larger calls: sort the picks by expert, two grouped matmuls
-  (`pallas_gmm.ragged_dot`) with the biases and the gate between them in XLA,
-  the routing weights, and each token gathering and summing its picks in f32.
+  (`pallas_gmm.ragged_dot`, each adding its biases) with the gate between
+  them, the routing weights, and each token gathering and summing its picks
+  in f32.
 Either way, on a TPU this is one compiled program per layer instead of a
 chain of small torch ops, and expert-parallel sentinel picks
 (id == num_experts) get no kernel work.
@@ -127,8 +128,9 @@ def grouped_experts(
     them first. Without residuals and where the plan has one
     (`plan.gated_gate_up`), the first kernel gates its own output; otherwise
     the gate runs in XLA. The XLA ops around the kernels (gather, the gate
-    there, per-token sum) are shaped by all T x K picks. Each projection is
-    read in the order XLA stores it (`plan.orientation`).
+    there, per-token sum) are shaped by all T x K picks; the biases are the
+    kernels' (`MatmulProblem.bias`). Each projection is read in the order
+    XLA stores it (`plan.orientation`).
     """
     problem, gate = plan.problem, plan.problem.gate
     num_tokens, top_k, num_experts = problem.tokens, problem.top_k, problem.num_experts
@@ -138,52 +140,44 @@ def grouped_experts(
     if plan.gated_gate_up is not None and not return_residuals:
         activated = grouped_matmul(rows, read.gate_up_proj, group_sizes, read.gate_up_scales, plan.gated_gate_up)
         down_out = grouped_matmul(activated, read.down_proj, group_sizes, read.down_scales, plan.down)
-        return _weighted_sum_per_token(down_out, order, group_sizes, top_k_index, top_k_weights, weights.down_bias,
-                                       problem).astype(hidden_states.dtype)
+        return _weighted_sum_per_token(down_out, order, group_sizes, top_k_weights, problem).astype(
+            hidden_states.dtype)
     live = (jnp.arange(rows.shape[0]) < group_sizes.sum())[:, None]
-    bias_rows = jnp.minimum(top_k_index.reshape(-1)[order], num_experts - 1)
 
-    gate_up_out = grouped_matmul(rows, read.gate_up_proj, group_sizes, read.gate_up_scales, plan.gate_up)
-    # Split before anything else (the [E, 2I] biases too): XLA then fuses the split, the casts, the biases
-    # and the gate into one pass over the kernel's bf16 output; splitting the f32 sum instead makes it
-    # write and reread [M, 2I] f32 copies (GPT-OSS's even/odd columns: 4 of them).
+    gate_up_out = grouped_matmul(rows, read.gate_up_proj, group_sizes, read.gate_up_scales, plan.gate_up,
+                                 weights.gate_up_bias)
+    # Split before casting: XLA then fuses the split, the casts and the gate into one pass over the kernel's
+    # bf16 output; splitting the f32 sum instead makes it write and reread [M, 2I] f32 copies (GPT-OSS's
+    # even/odd columns: 4 of them).
     gate_part, up = (part.astype(jnp.float32) for part in split_gate_up(gate_up_out, interleaved=gate.interleaved))
-    if weights.gate_up_bias is not None:
-        gate_bias, up_bias = split_gate_up(weights.gate_up_bias, interleaved=gate.interleaved)
-        gate_part = gate_part + gate_bias[bias_rows].astype(jnp.float32)
-        up = up + up_bias[bias_rows].astype(jnp.float32)
     # Rows past the groups were never written: keep whatever they hold out of the gate.
     activated = gated(jnp.where(live, gate_part, 0.0), jnp.where(live, up, 0.0), gate.activation, alpha=gate.alpha,
                       limit=gate.limit)
     down_out = grouped_matmul(activated.astype(hidden_states.dtype), read.down_proj, group_sizes, read.down_scales,
-                              plan.down)
-    result = _weighted_sum_per_token(down_out, order, group_sizes, top_k_index, top_k_weights, weights.down_bias,
-                                     problem)
+                              plan.down, weights.down_bias)
+    result = _weighted_sum_per_token(down_out, order, group_sizes, top_k_weights, problem)
     result = result.astype(hidden_states.dtype)
     return (result, (gate_up_out, down_out)) if return_residuals else result
 
 
-def _weighted_sum_per_token(down_out, order, group_sizes, top_k_index, top_k_weights, down_bias,
-                            problem: ExpertsProblem) -> jax.Array:
-    """Each token's picks' rows of `down_out` (sorted by expert), with their bias, weighted and summed: [T, H] f32.
+def _weighted_sum_per_token(down_out, order, group_sizes, top_k_weights, problem: ExpertsProblem) -> jax.Array:
+    """Each token's picks' rows of `down_out` (sorted by expert, biased by the kernel), weighted and summed: [T, H]
+    f32.
 
-    One pick slot at a time: XLA fuses the gathers, the biases, the masks
-    and the sum into one pass that reads each pick's row once and writes
-    [T, H]. (Un-sorting by a scatter instead writes and rereads T x K f32 rows
-    three times, most of a prefill layer's HBM traffic; a [T, K, H] gather is
+    One pick slot at a time: XLA fuses the gathers, the masks and the sum
+    into one pass that reads each pick's row once and writes [T, H].
+    (Un-sorting by a scatter instead writes and rereads T x K f32 rows three
+    times, most of a prefill layer's HBM traffic; a [T, K, H] gather is
     relaid out when K is not a multiple of 8.)
     """
-    num_tokens, top_k, num_experts = problem.tokens, problem.top_k, problem.num_experts
+    num_tokens, top_k = problem.tokens, problem.top_k
     position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     position = position.reshape(num_tokens, top_k)
     live_picks = position < group_sizes.sum()
     pick_weights = jnp.where(live_picks, top_k_weights.astype(jnp.float32), 0.0)
-    pick_experts = jnp.minimum(top_k_index, num_experts - 1)
     result = jnp.zeros((num_tokens, problem.hidden), jnp.float32)
     for slot in range(top_k):
         # Rows past the groups were never written: masked before they are weighted.
         picked = jnp.where(live_picks[:, slot, None], down_out[position[:, slot]].astype(jnp.float32), 0.0)
-        if down_bias is not None:
-            picked = picked + down_bias[pick_experts[:, slot]].astype(jnp.float32)
         result = result + pick_weights[:, slot, None] * picked
     return result

@@ -61,6 +61,11 @@ fp8 MXU (`plan.fp8_matmul`: TPU7x) fp8 blocks are not dequantized: the rows
 are quantized to fp8 per row and 128-wide K block and multiplied with them
 as they are (`quant.fp8_matmul`).
 
+With a bias (`MatmulProblem.bias`: an experts layer's per-expert biases), each
+work item adds its group's bias row to its rows of the accumulator at its
+first K step, so the output leaves the kernel biased: no XLA pass gathers a
+bias row per row and adds it (a `[M, N]` write and reread).
+
 The CostEstimate counts what the kernel reads: the rows, the weights of the
 groups expected active for M uniformly routed rows
 (`gmm_tiles.expected_active_groups`: the group sizes are data, unknown when
@@ -180,6 +185,7 @@ class _StepRefs(NamedTuple):
     lhs: object
     rhs: tuple  # per group slot, per part (`_parts`): the weights blocks
     scales: tuple  # one per group slot (quantized weights), else empty
+    bias: tuple  # one [1, block columns] row per group slot (`MatmulProblem.bias`), else empty
     out: object
     acc: tuple  # per part: [tile_m, block columns (`_block_columns`)] f32
     carry: tuple | None  # per part: [2 chunk_m, block columns] f32, rows [tile_m - chunk_m, tile_m + chunk_m)
@@ -204,10 +210,11 @@ def _step_refs(lhs_ref, refs, plan: MatmulPlan) -> _StepRefs:
     rhs, refs = refs[: slots * parts], refs[slots * parts :]
     rhs = tuple(tuple(rhs[slot * parts : (slot + 1) * parts]) for slot in range(slots))
     scales, refs = (refs[:slots], refs[slots:]) if quantized else ((), refs)
+    bias, refs = (refs[:slots], refs[slots:]) if plan.problem.bias else ((), refs)
     out, *scratch = refs
     acc, scratch = tuple(scratch[:parts]), scratch[parts:]
     carry, scratch = (tuple(scratch[:parts]), scratch[parts:]) if plan.chunk_m else (None, scratch)
-    return _StepRefs(lhs_ref, rhs, tuple(scales), out, acc, carry, tuple(scratch))
+    return _StepRefs(lhs_ref, rhs, tuple(scales), tuple(bias), out, acc, carry, tuple(scratch))
 
 
 def _multiply(refs: _StepRefs, slot: int, part: int, start, rows: int, keep, k_step, plan: MatmulPlan,
@@ -315,6 +322,16 @@ def _body(row_tile_ref, lhs_tile_ref, group_ref, row_start_ref, row_end_ref, chu
         row_start = lax.select(real, row_start_ref[last_real], zero)
         row_end = lax.select(real, row_end_ref[last_real], zero)
         rows_in_tile = jnp.logical_and(row_start < tile_start + tile_m, row_end > tile_start)
+        if refs.bias:
+
+            @pl.when(jnp.logical_and(k_step == 0, rows_in_tile))
+            def _(slot=slot, row_start=row_start, row_end=row_end):
+                # The accumulator rows of the tile that are the item's group's (a bias gate_up has one part).
+                row = tile_start + lax.broadcasted_iota(jnp.int32, (tile_m, 1), 0)
+                group_rows = jnp.logical_and(row >= row_start, row < row_end)
+                bias = refs.bias[slot][...].astype(jnp.float32)
+                refs.acc[0][...] += jnp.where(group_rows, bias, 0.0)
+
         window_scales = None
         if plan.fp8_matmul:
             # Once per step, outside the chunks' branches: a few selects on the vector unit.
@@ -407,10 +424,10 @@ class _Specs(NamedTuple):
     in_specs: list
     out_spec: pl.BlockSpec
     scratch: list
-    operands: list  # after lhs: rhs once per group slot, then the scales once per slot
+    operands: list  # after lhs: rhs once per group slot, then the scales and the bias once per slot
 
 
-def _specs(plan: MatmulPlan, rhs, rhs_scales, items: WorkItems) -> _Specs:
+def _specs(plan: MatmulPlan, rhs, rhs_scales, bias, items: WorkItems) -> _Specs:
     """Blocks, index maps and scratch of a call (module docstring: what each operand moves)."""
     problem, tile_m, tile_k, tile_n, chunk_m = plan.problem, plan.tile_m, plan.tile_k, plan.tile_n, plan.chunk_m
     slots, k_tiles, parts = plan.groups_per_step, pl.cdiv(problem.k, plan.tile_k), _parts(plan)
@@ -468,6 +485,9 @@ def _specs(plan: MatmulPlan, rhs, rhs_scales, items: WorkItems) -> _Specs:
         # grid of block scales.
         return (group, 0, n_step) if per_channel_scales(quantization) else (group, 0, 0)
 
+    def bias_index(slot, n_step, *grid_and_prefetch):
+        return rhs_index(slot, 0, n_step, *grid_and_prefetch)[0], 0, n_step
+
     if per_channel_scales(quantization):
         in_specs += [pl.BlockSpec((None, 1, columns), functools.partial(scale_index, slot)) for slot in range(slots)]
         operands += [rhs_scales.reshape(problem.groups, 1, rhs_scales.shape[-1])] * slots
@@ -475,27 +495,35 @@ def _specs(plan: MatmulPlan, rhs, rhs_scales, items: WorkItems) -> _Specs:
         in_specs += [pl.BlockSpec((None, *rhs_scales.shape[1:]), functools.partial(scale_index, slot))
                      for slot in range(slots)]
         operands += [rhs_scales] * slots
+    if problem.bias:
+        in_specs += [pl.BlockSpec((None, 1, columns), functools.partial(bias_index, slot)) for slot in range(slots)]
+        operands += [bias.reshape(problem.groups, 1, problem.n).astype(problem.dtype)] * slots
     if dequantized_in_vmem(quantization) and not plan.fp8_matmul:
         scratch += [pltpu.VMEM(rhs_block[1:], jnp.dtype(problem.dtype)) for _ in range(slots)]
     return _Specs(in_specs, pl.BlockSpec((tile_m, tile_n), out_index), scratch, operands)
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_scales: jax.Array | None,
-                   plan: MatmulPlan) -> jax.Array:
-    """`ragged_dot` as `plan` says (inputs of the plan's non-empty problem, assumed valid)."""
+                   plan: MatmulPlan, bias: jax.Array | None = None) -> jax.Array:
+    """`ragged_dot` as `plan` says (inputs of the plan's non-empty problem, assumed valid), with the plan's
+    problem's `bias` (`[groups, n]`) when it has one."""
     problem, tile_m = plan.problem, plan.tile_m
+    if (bias is not None) != problem.bias:
+        raise ValueError(f"the plan {'takes a' if problem.bias else 'has no'} bias, got "
+                         f"{'none' if bias is None else 'one'}")
     m, k, n = problem.m, problem.k, problem.n
     items = make_work_items(int32_group_sizes(group_sizes), m, tile_m, problem.zero_rows_past_groups, plan.chunk_m,
                             sublane_multiple(lhs.dtype))
     grid = (pl.cdiv(n, plan.tile_n), pl.cdiv(items.count[0], plan.groups_per_step), pl.cdiv(k, plan.tile_k))
-    specs = _specs(plan, rhs, rhs_scales, items)
+    specs = _specs(plan, rhs, rhs_scales, bias, items)
     itemsize = jnp.dtype(lhs.dtype).itemsize
     # A resident lhs is read once; tiled, once per N tile (and chunk_m more rows per row tile).
     lhs_reads = 1 if tile_m >= m and plan.tile_k == k else grid[0] * (1 + (plan.chunk_m or 0) / tile_m)
     # Per active group: its weights once (with a gate, both halves), and its scales once per N tile.
     read_n = n if problem.gate is None else 2 * n
     group_bytes = (k * read_n * (0.5 if scheme_of(rhs.dtype) == INT4 else jnp.dtype(rhs.dtype).itemsize)
-                   + (0 if rhs_scales is None else grid[0] * rhs_scales[0].size * 4))
+                   + (0 if rhs_scales is None else grid[0] * rhs_scales[0].size * 4)
+                   + (n * itemsize if problem.bias else 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(len(items), grid, specs.in_specs, specs.out_spec, specs.scratch)
     call = scheduled_matmul_call(
         functools.partial(_body, plan=plan), jax.ShapeDtypeStruct((m, n), lhs.dtype), grid_spec,

@@ -57,14 +57,15 @@ def plan_ragged_dot(problem: MatmulProblem, generation: str | None = None,
     if config is None:
         config = select_config(m, k, n, dtype, generation=generation, num_groups=problem.groups, rhs_dtype=rhs_dtype,
                                transpose_rhs=transpose_rhs)
-    check_config(config, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation)
+    check_config(config, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation, bias=problem.bias)
     fp8_matmul = matmul_feeds_fp8_mxu(config, k, rhs_dtype, generation)
     return MatmulPlan(
         problem=problem, tile_m=row_tile_rows(config, m, dtype), tile_k=min(config.tile_k, k),
         tile_n=min(config.tile_n, n), chunk_m=config.chunk_m if row_chunks(config, m, dtype) > 1 else None,
         groups_per_step=config.groups_per_step,
-        buffers=matmul_buffers(config, m, k, n, dtype, rhs_dtype, transpose_rhs, fp8_matmul),
-        vmem_limit_bytes=vmem_limit(config, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation),
+        buffers=matmul_buffers(config, m, k, n, dtype, rhs_dtype, transpose_rhs, fp8_matmul, problem.bias),
+        vmem_limit_bytes=vmem_limit(config, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation,
+                                    bias=problem.bias),
         active_groups=expected_active_groups(m, problem.groups), fp8_matmul=fp8_matmul,
     )
 
@@ -250,7 +251,7 @@ def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fuse
 
     def matmul(k: int, n: int, read_transposed: bool) -> MatmulProblem:
         return MatmulProblem(picks, k, n, problem.num_experts, problem.dtype, problem.weights_dtype,
-                             transpose_rhs=not read_transposed, zero_rows_past_groups=False)
+                             transpose_rhs=not read_transposed, zero_rows_past_groups=False, bias=problem.has_bias)
 
     gate_up = matmul(hidden, 2 * intermediate, orientation.gate_up_transposed)
     down = matmul(intermediate, hidden, orientation.down_transposed)

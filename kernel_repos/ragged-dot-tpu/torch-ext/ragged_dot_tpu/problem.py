@@ -119,7 +119,8 @@ class MatmulProblem(NamedTuple):
 
     With `gate`, rhs holds 2n columns (the gate projection's, then the up
     projection's) and the result is the gated intermediate `[m, n]`
-    (`pallas_gmm`'s module docstring).
+    (`pallas_gmm`'s module docstring). With `bias`, a `[groups, n]` bias
+    row is added to each of its group's rows (in f32, before the cast).
     """
 
     m: int
@@ -131,6 +132,7 @@ class MatmulProblem(NamedTuple):
     transpose_rhs: bool
     zero_rows_past_groups: bool = True
     gate: Gate | None = None
+    bias: bool = False
 
 
 class TgmmProblem(NamedTuple):
