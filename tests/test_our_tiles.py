@@ -13,22 +13,32 @@ def test_candidates_start_at_the_heuristic_and_all_run(ragged_dot_kernel):
     heuristic = config.heuristic_config(key.m, key.k, key.n, key.dtype, "v6e", key.groups, key.rhs_dtype, True)
     assert found[0] == heuristic and len(set(found)) == len(found) > 4
     assert {tiles.tile_m for tiles in found} >= {256, 512, 1024}
+    # K whole (the heuristic's) and halved down to 512.
+    assert {tiles.tile_k for tiles in found} == {2048, 1024, 512}
     for tiles in found:
         config.check_config(tiles, key.m, key.k, key.n, key.dtype, key.rhs_dtype, True, generation="v6e")
 
 
 def test_the_table_is_sorted_data_the_kernel_reads(ragged_dot_kernel, tmp_path):
+    """A search replaces the entries of the keys it searched (a winner, or none: back to the heuristic) and keeps
+    every other."""
     config = ragged_dot_kernel.config
     keys = [config.TunedKey("v6e", 16384, 2048, 1536, 128, "bfloat16", "bfloat16", True),
-            config.TunedKey("v5e", 16384, 768, 2048, 128, "bfloat16", "bfloat16", True)]
-    entries = [{"key": key._asdict(), "tiles": [1024, key.k, 512, 256, 1]} for key in keys]
+            config.TunedKey("v5e", 16384, 768, 2048, 128, "bfloat16", "bfloat16", True),
+            config.TunedKey("v5e", 2048, 768, 2048, 16, "bfloat16", "bfloat16", True)]
     path = tmp_path / our_tiles.TABLE
     path.parent.mkdir(parents=True)
-    our_tiles.write_table(tmp_path, entries)
+    path.write_text(json.dumps({"entries": [{"key": key._asdict(), "tiles": [256, key.k, 256, None, 1]}
+                                            for key in keys[1:]]}))
+    entries = [{"key": key._asdict(), "tiles": [1024, key.k, 512, 256, 1]} for key in keys[:2]]
+    our_tiles.write_table(tmp_path, entries, [key._asdict() for key in keys[:2]])
     written = json.loads(path.read_text())["entries"]
-    assert [entry["key"]["generation"] for entry in written] == ["v5e", "v6e"]
+    assert [entry["key"]["generation"] for entry in written] == ["v5e", "v5e", "v6e"]
     assert {config.TunedKey(**entry["key"]): config.TileConfig(*entry["tiles"]) for entry in written} == {
-        key: config.TileConfig(1024, key.k, 512, 256, 1) for key in keys}
+        keys[0]: config.TileConfig(1024, 2048, 512, 256, 1), keys[1]: config.TileConfig(1024, 768, 512, 256, 1),
+        keys[2]: config.TileConfig(256, 768, 256, None, 1)}
+    our_tiles.write_table(tmp_path, [], [keys[2]._asdict()])
+    assert [config.TunedKey(**entry["key"]) for entry in json.loads(path.read_text())["entries"]] == keys[1::-1]
 
 
 def test_tuned_as_sets_exactly_the_entries_then_restores_the_shipped_table(ragged_dot_kernel):

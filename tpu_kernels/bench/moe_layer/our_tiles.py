@@ -26,7 +26,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from tpu_kernels.runtime.hardware import LANES, tpu_generation
+from tpu_kernels.runtime.hardware import LANES, round_up, tpu_generation
 
 from .cache import Cache, Compiler, replay
 from .modelling import standalone, timings
@@ -44,7 +44,9 @@ ROW_TILES = (256, 512, 1024, 2048)
 
 def candidates(built, key, generation: str) -> list:
     """Tiles to try for one grouped matmul `key` (a `TunedKey`): the heuristic's, other row tiles in chunks of
-    one MXU width, the heuristic's N tile and the whole N; those `check_config` accepts on `generation`."""
+    one MXU width, the heuristic's N tile, its half and the whole N, the heuristic's K tile and its halves down to
+    512 (smaller blocks expose less of the pipeline's first fetch and last write where the weights stream); those
+    `check_config` accepts on `generation`."""
     config = built.config
     heuristic = config.heuristic_config(key.m, key.k, key.n, key.dtype, generation, key.groups, key.rhs_dtype,
                                         key.transpose_rhs)
@@ -52,12 +54,13 @@ def candidates(built, key, generation: str) -> list:
     tile_ns = {heuristic.tile_n, key.n}
     if heuristic.tile_n // 2 >= LANES and heuristic.tile_n % (2 * LANES) == 0:
         tile_ns.add(heuristic.tile_n // 2)
+    tile_ks = {heuristic.tile_k}
+    while min(tile_ks) // 2 >= 512:
+        tile_ks.add(round_up(min(tile_ks) // 2, 256))
     found = [heuristic]
-    for tile_m in ROW_TILES:
-        if tile_m >= key.m:
-            continue
-        for tile_n in sorted(tile_ns):
-            candidate = config.TileConfig(tile_m, heuristic.tile_k, tile_n, chunk if tile_m > chunk else None)
+    for tile_m, tile_n, tile_k in itertools.product(ROW_TILES, sorted(tile_ns), sorted(tile_ks)):
+        if tile_m < key.m:
+            candidate = config.TileConfig(tile_m, tile_k, tile_n, chunk if tile_m > chunk else None)
             try:
                 config.check_config(candidate, key.m, key.k, key.n, key.dtype, key.rhs_dtype, key.transpose_rhs,
                                     generation=generation)
@@ -85,14 +88,18 @@ def tune_case(built, cache: Cache, compiler: Compiler, case: Case, generations: 
                                        standalone_winners(built, cache, case, generation))]
 
 
+def projection_keys(built, case: Case, generation: str) -> list[tuple[str, object]]:
+    """(projection, `TunedKey`) of each grouped matmul of `case`'s layer on `generation`."""
+    dtype = jnp.dtype(DTYPE).name
+    return [(projection, built.config.TunedKey(generation, case.picks, k, n, case.setting.local_experts, dtype, dtype,
+                                               stored_order(case.model, projection)[1]))
+            for projection, k, n in projections(case)]
+
+
 def standalone_winners(built, cache: Cache, case: Case, generation: str) -> list[dict]:
     """Per projection, the best tiles on `generation` if they beat the heuristic by MIN_GAIN standalone."""
     entries = []
-    for projection, k, n in projections(case):
-        _, transposed = stored_order(case.model, projection)
-        dtype = jnp.dtype(DTYPE).name
-        key = built.config.TunedKey(generation, case.picks, k, n, case.setting.local_experts, dtype, dtype,
-                                    transposed)
+    for projection, key in projection_keys(built, case, generation):
         priced = []
         for tiles in candidates(built, key, generation):
             modelled = standalone(_replay(built, cache, case, key, tiles), generation)
@@ -149,9 +156,13 @@ def kept_in_layer(built, cache: Cache, compiler: Compiler, case: Case, generatio
     return [{**entry, "layer_us": round(best_us, 2), "layer_heuristic_us": round(heuristic_us, 2)} for entry in best]
 
 
-def write_table(repo: Path, entries: list[dict]) -> Path:
+def write_table(repo: Path, entries: list[dict], searched_keys: list[dict]) -> Path:
+    """The table with `entries` in place of whatever it held for the keys searched (`searched_keys`, as dicts);
+    the entries of shapes not searched this run stay."""
     path = repo / TABLE
-    entries = sorted(entries, key=lambda e: tuple(str(v) for v in e["key"].values()))
+    searched = [dict(key) for key in searched_keys]
+    kept = [entry for entry in json.loads(path.read_text())["entries"] if entry["key"] not in searched]
+    entries = sorted(kept + entries, key=lambda e: tuple(str(v) for v in e["key"].values()))
     path.write_text(json.dumps({
         "what": "Grouped-matmul tiles of ragged-dot's experts layer at the prefill shapes of tpu-kernels' moe_layer "
                 "benchmark, searched on its calibrated model (`tpu-kernels bench moe_layer --tune-ours`); each beats "

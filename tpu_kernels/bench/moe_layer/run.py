@@ -16,7 +16,7 @@ from tpu_kernels.runtime.hardware import SUPPORTED_GENERATIONS
 from .cache import CLOCK, Cache, Compiler
 from .hf import hf_case
 from .measure import measure_case
-from .our_tiles import tune_case, write_table
+from .our_tiles import projection_keys, tune_case, write_table
 from .ours import build_folder, load_kernel
 from .report import write_outputs
 from .rivals import RIVALS
@@ -68,8 +68,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quantized-prefill", action="store_true",
                         help="model the quantized variants at the prefill shapes too (default: at decode only)")
     parser.add_argument("--tune-ours", action="store_true",
-                        help="only search our grouped matmul's tiles at the prefill cases and write the kernel repo's "
-                             "tuned_tiles.json (then rerun without it)")
+                        help="only search our grouped matmul's tiles at the prefill cases and write their entries "
+                             "into the kernel repo's tuned_tiles.json (then rerun without it)")
     parser.add_argument("--retarget", action="store_true",
                         help="only recompute the summary, targets, table and plot from the raw rows of the last run")
     args = parser.parse_args(argv)
@@ -110,13 +110,15 @@ def main(argv=None) -> int:
     with build_folder(None if args.no_cache else args.cache_dir) as build_dir:
         built = load_kernel(args.repo, build_dir)
         if args.tune_ours:
-            entries = []
+            entries, searched = [], []
             for case in cases:
                 if case.phase == "prefill":
                     entries += tune_case(built, cache, compiler, case, args.generations)
+                    searched += [key._asdict() for generation in args.generations
+                                 for _, key in projection_keys(built, case, generation)]
                     print(f"tuned {case.label:48s} entries {len(entries)} ({time.perf_counter() - started:.0f} s)",
                           flush=True)
-            print(f"wrote {write_table(args.repo, entries)}: {len(entries)} entries")
+            print(f"wrote {write_table(args.repo, entries, searched)}: {len(entries)} entries for the shapes searched")
             return 0
         queued: list = []
         upcoming = iter(cases)
