@@ -39,21 +39,24 @@ TABLE = Path("torch-ext/ragged_dot_tpu/tuned_tiles.json")
 # An entry is kept only where the search beats the heuristic by this share: below it the model's own
 # error (p90 5.7 % on measured Pallas ragged dots) decides, and the heuristic is the simpler claim.
 MIN_GAIN = 0.01
+# The table's order: by the fields of ragged-dot's `gmm_tiles.TunedKey`, in its order.
+TUNED_KEY_ORDER = ("generation", "m", "k", "n", "groups", "dtype", "rhs_dtype", "transpose_rhs")
 ROW_TILES = (256, 512, 1024, 2048)
 
 
 def candidates(built, key, generation: str) -> list:
     """Tiles to try for one grouped matmul `key` (a `TunedKey`): the heuristic's, other row tiles in chunks of
-    one MXU width, the heuristic's N tile, its half and the whole N, the heuristic's K tile and its halves down to
-    512 (smaller blocks expose less of the pipeline's first fetch and last write where the weights stream); those
-    `check_config` accepts on `generation`."""
+    one MXU width, the heuristic's N tile and its half, the whole N, its half and quarter, the heuristic's K tile
+    and its halves down to 512 (smaller blocks expose less of the pipeline's first fetch and last write where the
+    weights stream); those `check_config` accepts on `generation`."""
     config = built.config
     heuristic = config.heuristic_config(key.m, key.k, key.n, key.dtype, generation, key.groups, key.rhs_dtype,
                                         key.transpose_rhs)
     chunk = tpu_generation(generation).mxu_size
     tile_ns = {heuristic.tile_n, key.n}
-    if heuristic.tile_n // 2 >= LANES and heuristic.tile_n % (2 * LANES) == 0:
-        tile_ns.add(heuristic.tile_n // 2)
+    for tile_n in (heuristic.tile_n // 2, key.n // 2, key.n // 4):
+        if tile_n >= LANES and tile_n % LANES == 0:
+            tile_ns.add(tile_n)
     tile_ks = {heuristic.tile_k}
     while min(tile_ks) // 2 >= 512:
         tile_ks.add(round_up(min(tile_ks) // 2, 256))
@@ -162,7 +165,7 @@ def write_table(repo: Path, entries: list[dict], searched_keys: list[dict]) -> P
     path = repo / TABLE
     searched = [dict(key) for key in searched_keys]
     kept = [entry for entry in json.loads(path.read_text())["entries"] if entry["key"] not in searched]
-    entries = sorted(kept + entries, key=lambda e: tuple(str(v) for v in e["key"].values()))
+    entries = sorted(kept + entries, key=lambda e: tuple(str(e["key"][field]) for field in TUNED_KEY_ORDER))
     path.write_text(json.dumps({
         "what": "Grouped-matmul tiles of ragged-dot's experts layer at the prefill shapes of tpu-kernels' moe_layer "
                 "benchmark, searched on its calibrated model (`tpu-kernels bench moe_layer --tune-ours`); each beats "
