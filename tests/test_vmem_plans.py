@@ -45,7 +45,10 @@ MATMUL_CASES = {
     "fp8-dequantized": (64, 256, 384, 4, "float8_e4m3fn", False, (64, 256, 384, None, 2), "v6e"),
     # No dequantized blocks: the fp8 MXU takes the weights as they are.
     "fp8-on-the-fp8-mxu": (200, 384, 256, 4, "float8_e4m3fn", True, (64, 128, 256, 32, 1), "tpu7x"),
+    # A bias row per group slot (`MatmulProblem.bias`), with int8 scales beside it.
+    "biased-int8-slots": (48, 256, 384, 6, "int8", False, (48, 256, 384, None, 3), "v6e"),
 }
+BIASED = {"biased-int8-slots"}
 
 
 @pytest.mark.parametrize("case", list(MATMUL_CASES))
@@ -53,7 +56,7 @@ def test_grouped_matmul_plan_counts_the_vmem_of_its_block_specs(kernel, case):
     m, k, n, groups, rhs_dtype, transpose_rhs, tiles, generation = MATMUL_CASES[case]
     config = kernel.config
     problem = kernel.problem.MatmulProblem(m, k, n, groups, "bfloat16" if rhs_dtype != "float32" else "float32",
-                                           rhs_dtype, transpose_rhs=transpose_rhs)
+                                           rhs_dtype, transpose_rhs=transpose_rhs, bias=case in BIASED)
     plan = kernel.plan.plan_ragged_dot(problem, generation, config.TileConfig(*tiles))
     assert plan.fp8_matmul == (case == "fp8-on-the-fp8-mxu")
     rhs_shape = (groups, n, k) if transpose_rhs else (groups, k, n)
@@ -61,8 +64,12 @@ def test_grouped_matmul_plan_counts_the_vmem_of_its_block_specs(kernel, case):
     scales = None if scheme is None else S(kernel.quant.expected_scales_shape(scheme, rhs_shape,
                                                                              1 if transpose_rhs else 2), jnp.float32)
     sizes = np.full(groups, m // groups, np.int32)
-    fn = functools.partial(kernel.pallas_gmm.grouped_matmul, plan=plan)
-    replayed = _replayed_vmem(fn, S((m, k), problem.dtype), S(rhs_shape, rhs_dtype), sizes, scales)
+    bias = S((groups, n), jnp.bfloat16) if case in BIASED else None
+
+    def fn(lhs, rhs, sizes, scales, bias):
+        return kernel.pallas_gmm.grouped_matmul(lhs, rhs, sizes, scales, plan, bias)
+
+    replayed = _replayed_vmem(fn, S((m, k), problem.dtype), S(rhs_shape, rhs_dtype), sizes, scales, bias)
     assert _planned_vmem(plan, config) == replayed
 
 

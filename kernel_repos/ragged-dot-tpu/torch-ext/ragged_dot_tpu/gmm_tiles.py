@@ -132,7 +132,7 @@ def matmul_buffers(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=
         grid = (blocks(n), blocks(k)) if transpose_rhs else (blocks(k), blocks(n))
         buffers += [Buffer(grid, f32, 2)] * slots
     if bias:
-        buffers += [Buffer((1, tile_n), dtype, 2)] * slots
+        buffers += [Buffer((1, tile_n), f32, 2)] * slots
     if dequantized_in_vmem(scheme) and not fp8_matmul:
         buffers += [Buffer(rhs_block, dtype)] * slots
     buffers += [Buffer((tile_m, tile_n), dtype, 2), Buffer((tile_m, tile_n), f32)]

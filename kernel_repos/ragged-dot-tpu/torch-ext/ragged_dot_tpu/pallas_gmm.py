@@ -185,7 +185,7 @@ class _StepRefs(NamedTuple):
     lhs: object
     rhs: tuple  # per group slot, per part (`_parts`): the weights blocks
     scales: tuple  # one per group slot (quantized weights), else empty
-    bias: tuple  # one [1, block columns] row per group slot (`MatmulProblem.bias`), else empty
+    bias: tuple  # one [1, block columns] f32 row per group slot (`MatmulProblem.bias`), else empty
     out: object
     acc: tuple  # per part: [tile_m, block columns (`_block_columns`)] f32
     carry: tuple | None  # per part: [2 chunk_m, block columns] f32, rows [tile_m - chunk_m, tile_m + chunk_m)
@@ -329,8 +329,7 @@ def _body(row_tile_ref, lhs_tile_ref, group_ref, row_start_ref, row_end_ref, chu
                 # The accumulator rows of the tile that are the item's group's (a bias gate_up has one part).
                 row = tile_start + lax.broadcasted_iota(jnp.int32, (tile_m, 1), 0)
                 group_rows = jnp.logical_and(row >= row_start, row < row_end)
-                bias = refs.bias[slot][...].astype(jnp.float32)
-                refs.acc[0][...] += jnp.where(group_rows, bias, 0.0)
+                refs.acc[0][...] += jnp.where(group_rows, refs.bias[slot][...], 0.0)
 
         window_scales = None
         if plan.fp8_matmul:
@@ -497,7 +496,8 @@ def _specs(plan: MatmulPlan, rhs, rhs_scales, bias, items: WorkItems) -> _Specs:
         operands += [rhs_scales] * slots
     if problem.bias:
         in_specs += [pl.BlockSpec((None, 1, columns), functools.partial(bias_index, slot)) for slot in range(slots)]
-        operands += [bias.reshape(problem.groups, 1, problem.n).astype(problem.dtype)] * slots
+        # In f32, as the accumulator adds it: a bias in a wider dtype than the rows keeps its precision.
+        operands += [bias.reshape(problem.groups, 1, problem.n).astype(jnp.float32)] * slots
     if dequantized_in_vmem(quantization) and not plan.fp8_matmul:
         scratch += [pltpu.VMEM(rhs_block[1:], jnp.dtype(problem.dtype)) for _ in range(slots)]
     return _Specs(in_specs, pl.BlockSpec((tile_m, tile_n), out_index), scratch, operands)
@@ -523,7 +523,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_s
     read_n = n if problem.gate is None else 2 * n
     group_bytes = (k * read_n * (0.5 if scheme_of(rhs.dtype) == INT4 else jnp.dtype(rhs.dtype).itemsize)
                    + (0 if rhs_scales is None else grid[0] * rhs_scales[0].size * 4)
-                   + (n * itemsize if problem.bias else 0))
+                   + (n * 4 if problem.bias else 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(len(items), grid, specs.in_specs, specs.out_spec, specs.scratch)
     call = scheduled_matmul_call(
         functools.partial(_body, plan=plan), jax.ShapeDtypeStruct((m, n), lhs.dtype), grid_spec,

@@ -85,7 +85,7 @@ def gated_plan(gate_up: MatmulPlan, gate: Gate, has_bias: bool, generation: str 
     """
     problem = gate_up.problem
     intermediate = problem.n // 2
-    if gate.interleaved or has_bias or gate_up.tile_n % 2:
+    if gate.interleaved or has_bias or problem.bias or gate_up.tile_n % 2:
         return None
     half = gate_up.tile_n // 2
     gated = gate_up._replace(problem=problem._replace(n=intermediate, gate=gate), tile_n=half)
