@@ -586,3 +586,70 @@ def test_the_calibrated_mxu_hides_most_of_a_weights_load_under_a_short_pass():
     v6e = perf.tpu_generation("v6e")
     rows = max(8, math.ceil(perf.MXU_WEIGHT_LOAD_FRACTION * 256))
     assert shape.mxu_flops(v6e) == 2 * rows * 256 * 256
+
+
+def _copied_rows(rows_from_vmem: bool):
+    """A kernel that copies rows of an HBM table by index (scalar prefetch), a step ahead, as gathering kernels do:
+    step i needs rows [8 i, min(8 i + 8, live)); with `rows_from_vmem` the live count comes from a VMEM block,
+    which the replay cannot evaluate per step."""
+    def kernel(index_ref, live_ref, table_ref, count_ref, o_ref, buffers, semaphores):
+        step, steps = pl.program_id(0), pl.num_programs(0)
+        live = count_ref[0, 0] if rows_from_vmem else live_ref[0]
+        start, stop = step * 8, jnp.clip(live, step * 8, step * 8 + 8)
+        next_start, next_stop = start + 8, jnp.clip(live, start + 8, start + 16)
+
+        def copies(slot, first, last, base):
+            def copy(row):
+                return pltpu.make_async_copy(table_ref.at[pl.ds(index_ref[row], 1)],
+                                             buffers.at[slot, pl.ds(row - base, 1)], semaphores.at[slot])
+            def start_all():
+                jax.lax.fori_loop(first, last, lambda r, c: (copy(r).start(), c)[1], 0)
+
+            def wait_all():
+                jax.lax.fori_loop(first, last, lambda r, c: (copy(r).wait(), c)[1], 0)
+
+            return start_all, wait_all
+
+        slot = step % 2
+        pl.when(step == 0)(copies(0, start, stop, start)[0])
+        pl.when(step + 1 < steps)(copies(1 - slot, next_start, next_stop, next_start)[0])
+        copies(slot, start, stop, start)[1]()
+        o_ref[...] = buffers[slot]
+
+    def gather(index, live, table, count):
+        return pl.pallas_call(
+            kernel,
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                2, (index.shape[0] // 8,),
+                [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec((1, 128), lambda i, *_: (0, 0))],
+                pl.BlockSpec((8, 128), lambda i, *_: (i, 0)),
+                [pltpu.VMEM((2, 8, 128), jnp.float32), pltpu.SemaphoreType.DMA((2,))]),
+            out_shape=jax.ShapeDtypeStruct((index.shape[0], 128), jnp.float32),
+        )(index, live, table, count)
+
+    return gather
+
+
+def test_a_kernels_own_copies_are_counted_at_the_steps_that_wait_for_them():
+    index = np.arange(40, dtype=np.int32) * 7 % 1024
+    table = jax.ShapeDtypeStruct((1024, 128), jnp.float32)
+    count = jax.ShapeDtypeStruct((1, 128), jnp.int32)
+    [call] = perf.model_pallas_traffic(_copied_rows(False), index, np.array([21], np.int32), table, count)
+    copied = call.operands[2]
+    assert copied.pipelined and not call.unmodelled_dmas
+    row = 128 * 4
+    # 21 live rows over steps of 8: 8, 8, 5, then none.
+    assert list(copied.fetched_per_step) == [8 * row, 8 * row, 5 * row, 0, 0]
+    assert copied.hbm_bytes == 21 * row
+    assert any("counted from the kernel's own copies" in note for note in call.notes)
+    perf.roofline(call, "v6e")
+
+
+def test_a_copy_count_the_replay_cannot_evaluate_leaves_the_kernel_untimed():
+    index = np.arange(40, dtype=np.int32)
+    table = jax.ShapeDtypeStruct((1024, 128), jnp.float32)
+    count = jax.ShapeDtypeStruct((1, 128), jnp.int32)
+    [call] = perf.model_pallas_traffic(_copied_rows(True), index, np.array([21], np.int32), table, count)
+    assert call.unmodelled_dmas == (call.operands[2].origin,)
+    with pytest.raises(ValueError, match="cannot time this kernel"):
+        perf.roofline(call, "v6e")

@@ -9,6 +9,7 @@ states its rules and their sources:
 - `program_replay`: the traced function, its pallas_calls and XLA ragged dots, the values their grids need;
 - `grid_replay`: one pallas_call's grid, step by step: the blocks each operand copies to and from HBM;
 - `kernel_work`: the matmuls and vector-unit work of a kernel body at each grid step;
+- `kernel_dmas`: the copies a kernel makes itself of operands left in HBM, at each grid step;
 - `traffic`: the replayed call (`PallasCallTraffic`), MXU time per matmul, the pipeline's time;
 - `modelled_time`: `roofline`, the modelled time of replayed calls on one generation;
 - `chip`: the fitted constants (model_constants.json) and the clock they run at;

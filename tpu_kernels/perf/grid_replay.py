@@ -27,7 +27,9 @@
   concrete values of the scalar-prefetch operands and dynamic grid sizes
   (`tpu_kernels.perf.program_replay` computes them).
 - Operands in memory space ANY/HBM are not windowed: the kernel copies them
-  itself with DMAs that the model does not see. The replay lists them
+  itself. The replay counts those copies from the kernel body where it can
+  (`kernel_dmas`: each wait's bytes at the steps it runs, as bytes fetched
+  for, or written after, that step). Where it cannot, it lists the operand
   (`unmodelled_dmas`, and the call's `notes`); `roofline` refuses to time
   such a call rather than call its copies free. Scalar-prefetch operands are
   copied to SMEM once before the grid starts and count as HBM reads. Scratch
@@ -39,6 +41,7 @@ The MXU and vector work of each step comes from the kernel body
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +53,7 @@ from jax._src.pallas import core as pallas_core
 from jax._src.state import discharge as state_discharge
 
 from .host_eval import host_device, is_unknown, run_on_host
+from .kernel_dmas import waited_bytes
 from .kernel_work import TRANSCENDENTAL_KEY, VECTOR_KEY, grid_dots, is_dot_key
 from .traffic import DotShape, OperandTraffic, PallasCallTraffic, dtype_name
 from ..runtime.hardware import padded_vmem_bytes
@@ -113,8 +117,16 @@ def replay_pallas_call(eqn, small_operands: list[Any], active_steps_fn) -> Palla
             kept.append((block_mapping, "input" if number < gm.num_inputs else "output", space))
     windowed = [bm for bm, _, space in kept if space not in _UNPIPELINED_MEMORY_SPACES]
     indices = dict(zip(map(id, windowed), _block_indices(windowed, grid_indices, prefetch, name)))
+    kernel = params["jaxpr"]
+    operand_refs = {id(bm): kernel.invars[gm.num_index_operands + number] for number, bm in enumerate(gm.block_mappings)}
+    unpipelined = [operand_refs[id(bm)] for bm, _, space in kept if space in _UNPIPELINED_MEMORY_SPACES]
+    copied, _ = waited_bytes(kernel, unpipelined, gm, grid, grid_indices, prefetch) if unpipelined else ({}, set())
     for block_mapping, role, space in kept:
-        if space in _UNPIPELINED_MEMORY_SPACES:
+        if space in _UNPIPELINED_MEMORY_SPACES and operand_refs[id(block_mapping)] in copied:
+            read, written = copied[operand_refs[id(block_mapping)]]
+            notes.append(f"{block_mapping.origin} is in memory space {space}: counted from the kernel's own copies")
+            operands.append(_copied_traffic(block_mapping, role, space, read, written))
+        elif space in _UNPIPELINED_MEMORY_SPACES:
             notes.append(f"{block_mapping.origin} is in memory space {space}: the kernel's own DMAs of it are not counted")
             operands.append(_unpipelined_traffic(block_mapping, role, space))
         else:
@@ -206,6 +218,19 @@ def _unpipelined_traffic(block_mapping, role: str, space: str) -> OperandTraffic
         buffer_bytes=0,
         revisits=0,
         pipelined=False,
+    )
+
+
+def _copied_traffic(block_mapping, role: str, space: str, read: np.ndarray, written: np.ndarray) -> OperandTraffic:
+    """An operand the kernel copies itself, with the bytes its waits account for at each step (`kernel_dmas`);
+    its VMEM is the kernel's scratch, counted there."""
+    return dataclasses.replace(
+        _unpipelined_traffic(block_mapping, role, space),
+        transfers=int(np.count_nonzero(read + written)),
+        hbm_bytes=int(read.sum() + written.sum()),
+        pipelined=True,
+        fetched_per_step=read,
+        written_per_step=written,
     )
 
 

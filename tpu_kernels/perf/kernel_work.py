@@ -82,11 +82,17 @@ _PURE_CALLS = ("pjit", "jit", "closed_call")
 
 def _branch_at_each_step(kernel, cond_eqn, gm, grid, grid_indices, prefetch) -> np.ndarray | None:
     """The branch `cond_eqn` takes at every grid step, if its index depends only on program ids and scalar prefetch."""
+    taken = values_at_each_step(kernel, cond_eqn.invars[0], gm, grid, grid_indices, prefetch)
+    return None if taken is None else np.clip(taken, 0, len(cond_eqn.params["branches"]) - 1)
+
+
+def values_at_each_step(kernel, value, gm, grid, grid_indices, prefetch) -> np.ndarray | None:
+    """The integer `value` (a literal or a variable of the kernel body's top level) at every grid step, if it
+    depends only on program ids and scalar prefetch; else None."""
     steps = grid_indices.shape[0]
-    index = cond_eqn.invars[0]
-    num_branches = len(cond_eqn.params["branches"])
+    index = value
     if isinstance(index, jax_core.Literal):
-        return np.full(steps, int(np.clip(int(index.val), 0, num_branches - 1)))
+        return np.full(steps, int(index.val), np.int64)
     prefetch_refs = list(kernel.invars[: gm.num_index_operands])
     if any(is_unknown(value) for value in prefetch):
         return None
@@ -123,7 +129,7 @@ def _branch_at_each_step(kernel, cond_eqn, gm, grid, grid_indices, prefetch) -> 
         outvars=[index],
         eqns=eqns,
         effects=jax_core.join_effects(*(eqn.effects for eqn in eqns)),
-        debug_info=jex_core.DebugInfo("tpu_kernels.perf", "branch index of a kernel cond", None, None),
+        debug_info=jex_core.DebugInfo("tpu_kernels.perf", "a kernel value at each grid step", None, None),
     )
     pure = jax_core.jaxpr_as_fun(state_discharge.discharge_state(jax_core.ClosedJaxpr(predicate, [])))
     grid_args = [
@@ -131,14 +137,14 @@ def _branch_at_each_step(kernel, cond_eqn, gm, grid, grid_indices, prefetch) -> 
         for _, kind, axis in grid_vars
     ]
 
-    def branch_index(step, grid_columns, prefetch_values):
+    def value_at(step, grid_columns, prefetch_values):
         del step  # vmap needs one mapped argument, also when no program id is read
         return pure(*grid_columns, *prefetch_values)[0]
 
-    batched = jax.vmap(branch_index, in_axes=(0, 0, None))
+    batched = jax.vmap(value_at, in_axes=(0, 0, None))
     with jax.default_device(host_device()):
-        taken = run_on_host(batched, np.arange(steps, dtype=np.int32), grid_args, list(prefetch))
-    return np.clip(np.asarray(taken, dtype=np.int64), 0, num_branches - 1)
+        values = run_on_host(batched, np.arange(steps, dtype=np.int32), grid_args, list(prefetch))
+    return np.broadcast_to(np.asarray(values, dtype=np.int64), (steps,))
 
 
 def _dot_key(eqn) -> tuple:

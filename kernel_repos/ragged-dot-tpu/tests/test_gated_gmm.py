@@ -128,7 +128,7 @@ def test_the_grouped_layer_gates_in_the_kernel_and_matches_the_reference(kernel,
              torch.randn(experts, hidden, intermediate, generator=generator) * 0.2)
     gate = dict(weights_transposed=False, **options)
     problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
-    assert kernel.plan.plan_experts(problem, "v6e", fused=False).gated_gate_up is not None
+    assert kernel.plan.plan_experts(problem, "v6e", fused=False).forward_gate_up.problem.gate is not None
     out = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False, generation="v6e"))
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
     assert ((out.double() - expected).abs().max() / expected.abs().max()).item() <= 1e-5

@@ -6,9 +6,10 @@ run it, picked by the plan (the rule is `config.use_fused_experts`):
 - decode-sized calls: one fused kernel (`pallas_fused.fused_experts`) that
   streams each active expert's weights once and keeps everything else in VMEM;
 - larger calls: sort the picks by expert, two grouped matmuls
-  (`pallas_gmm.ragged_dot`, each adding its biases) with the gate between
-  them, the routing weights, and each token gathering and summing its picks
-  in f32.
+  (`pallas_gmm.grouped_matmul`, each adding its biases; the first copying
+  each pick's row from its token where it can) with the gate between them,
+  the routing weights, and each token gathering and summing its picks in
+  f32.
 Either way, on a TPU this is one compiled program per layer instead of a
 chain of small torch ops, and expert-parallel sentinel picks
 (id == num_experts) get no kernel work.
@@ -125,39 +126,41 @@ def grouped_experts(
     The grouped matmuls compute only the rows of live picks: sentinels sort
     to the tail, past every group, and the kernels leave those rows unwritten
     (`zero_rows_past_groups=False`); everything that reads them here masks
-    them first. Without residuals and where the plan has one
-    (`plan.gated_gate_up`), the first kernel gates its own output; otherwise
-    the gate runs in XLA. The XLA ops around the kernels (gather, the gate
-    there, per-token sum) are shaped by all T x K picks; the biases are the
-    kernels' (`MatmulProblem.bias`). Each projection is read in the order
+    them first. Without residuals the first kernel runs
+    `plan.forward_gate_up`: where it can, it copies each pick's row from its
+    token itself (no `[T x K, H]` gather in XLA; sentinel picks copy
+    nothing) and gates its own output; otherwise the gate runs in XLA. The
+    backward needs the sorted rows, so with residuals they are gathered in
+    XLA. The per-token sum runs in XLA over all T x K picks; the biases are
+    the kernels' (`MatmulProblem.bias`). Each projection is read in the order
     XLA stores it (`plan.orientation`).
     """
     problem, gate = plan.problem, plan.problem.gate
-    num_tokens, top_k, num_experts = problem.tokens, problem.top_k, problem.num_experts
+    top_k, num_experts = problem.top_k, problem.num_experts
     read = weights.as_read(plan.orientation, weights_transposed=problem.weights_transposed)
     order, group_sizes = sort_by_expert(top_k_index, num_experts)
-    rows = hidden_states[order // top_k]
-    if plan.gated_gate_up is not None and not return_residuals:
-        activated = grouped_matmul(rows, read.gate_up_proj, group_sizes, read.gate_up_scales, plan.gated_gate_up)
-        down_out = grouped_matmul(activated, read.down_proj, group_sizes, read.down_scales, plan.down)
-        return _weighted_sum_per_token(down_out, order, group_sizes, top_k_weights, problem).astype(
-            hidden_states.dtype)
-    live = (jnp.arange(rows.shape[0]) < group_sizes.sum())[:, None]
-
-    gate_up_out = grouped_matmul(rows, read.gate_up_proj, group_sizes, read.gate_up_scales, plan.gate_up,
-                                 weights.gate_up_bias)
-    # Split before casting: XLA then fuses the split, the casts and the gate into one pass over the kernel's
-    # bf16 output; splitting the f32 sum instead makes it write and reread [M, 2I] f32 copies (GPT-OSS's
-    # even/odd columns: 4 of them).
-    gate_part, up = (part.astype(jnp.float32) for part in split_gate_up(gate_up_out, interleaved=gate.interleaved))
-    # Rows past the groups were never written: keep whatever they hold out of the gate.
-    activated = gated(jnp.where(live, gate_part, 0.0), jnp.where(live, up, 0.0), gate.activation, alpha=gate.alpha,
-                      limit=gate.limit)
-    down_out = grouped_matmul(activated.astype(hidden_states.dtype), read.down_proj, group_sizes, read.down_scales,
-                              plan.down, weights.down_bias)
-    result = _weighted_sum_per_token(down_out, order, group_sizes, top_k_weights, problem)
-    result = result.astype(hidden_states.dtype)
-    return (result, (gate_up_out, down_out)) if return_residuals else result
+    first = plan.gate_up if return_residuals else plan.forward_gate_up
+    row_token = (order // top_k).astype(jnp.int32)
+    if first.problem.gathered:
+        first_out = grouped_matmul(hidden_states, read.gate_up_proj, group_sizes, read.gate_up_scales, first,
+                                   weights.gate_up_bias, row_token)
+    else:
+        first_out = grouped_matmul(hidden_states[row_token], read.gate_up_proj, group_sizes, read.gate_up_scales,
+                                   first, weights.gate_up_bias)
+    if first.problem.gate is not None:
+        activated = first_out
+    else:
+        live = (jnp.arange(first_out.shape[0]) < group_sizes.sum())[:, None]
+        # Split before casting: XLA then fuses the split, the casts and the gate into one pass over the kernel's
+        # bf16 output; splitting the f32 sum instead makes it write and reread [M, 2I] f32 copies (GPT-OSS's
+        # even/odd columns: 4 of them).
+        gate_part, up = (part.astype(jnp.float32) for part in split_gate_up(first_out, interleaved=gate.interleaved))
+        # Rows past the groups were never written: keep whatever they hold out of the gate.
+        activated = gated(jnp.where(live, gate_part, 0.0), jnp.where(live, up, 0.0), gate.activation,
+                          alpha=gate.alpha, limit=gate.limit).astype(hidden_states.dtype)
+    down_out = grouped_matmul(activated, read.down_proj, group_sizes, read.down_scales, plan.down, weights.down_bias)
+    result = _weighted_sum_per_token(down_out, order, group_sizes, top_k_weights, problem).astype(hidden_states.dtype)
+    return (result, (first_out, down_out)) if return_residuals else result
 
 
 def _weighted_sum_per_token(down_out, order, group_sizes, top_k_weights, problem: ExpertsProblem) -> jax.Array:

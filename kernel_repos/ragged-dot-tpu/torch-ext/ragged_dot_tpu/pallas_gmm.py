@@ -66,6 +66,21 @@ work item adds its group's bias row to its rows of the accumulator at its
 first K step, so the output leaves the kernel biased: no XLA pass gathers a
 bias row per row and adds it (a `[M, N]` write and reread).
 
+With gathered rows (`MatmulProblem.gathered`: an experts layer's first
+projection), lhs is the `[tokens, K]` token rows, left in HBM, and a
+scalar-prefetched `row_token[M]` names each sorted row's token. Each step
+that starts a row tile waits for its window's rows, copied one row per DMA
+into one of two VMEM buffers, and starts the copies of the next step's
+window into the other, as the pipeline would fetch a block; rows past the
+groups (sentinel picks) are never copied. A row tile's first step in each N
+tile copies its window and waits at once (the N tiles may run on two
+cores). A row is copied whole (one K tile). Mosaic copies a bf16 row only in
+pairs of rows (its VMEM tiling packs two rows per 32-bit word), so bf16
+token rows travel as 32-bit words, each the bits of one element of the
+row's first half and one of its second half (`pack_token_rows`: one XLA pass
+over the tokens); the kernel takes the halves apart with a shift and a mask
+and multiplies each by its half of the weights block's K.
+
 The CostEstimate counts what the kernel reads: the rows, the weights of the
 groups expected active for M uniformly routed rows
 (`gmm_tiles.expected_active_groups`: the group sizes are data, unknown when
@@ -182,7 +197,7 @@ def _step_item(step, slot: int, groups_per_step: int, count):
 class _StepRefs(NamedTuple):
     """The refs of one grid step of the kernel body, past the scalar prefetch."""
 
-    lhs: object
+    lhs: object  # (start, rows) -> ((rows of lhs, the K range of rhs they meet, or None for all of it), ...)
     rhs: tuple  # per group slot, per part (`_parts`): the weights blocks
     scales: tuple  # one per group slot (quantized weights), else empty
     bias: tuple  # one [1, block columns] f32 row per group slot (`MatmulProblem.bias`), else empty
@@ -205,6 +220,7 @@ def _block_columns(plan: MatmulPlan) -> int:
 
 
 def _step_refs(lhs_ref, refs, plan: MatmulPlan) -> _StepRefs:
+    """The step's refs, with lhs read from `lhs_ref` (gathered rows: the caller swaps in the copies' buffer)."""
     slots, parts = plan.groups_per_step, _parts(plan)
     quantized = scheme_of(plan.problem.rhs_dtype) is not None
     rhs, refs = refs[: slots * parts], refs[slots * parts :]
@@ -214,7 +230,102 @@ def _step_refs(lhs_ref, refs, plan: MatmulPlan) -> _StepRefs:
     out, *scratch = refs
     acc, scratch = tuple(scratch[:parts]), scratch[parts:]
     carry, scratch = (tuple(scratch[:parts]), scratch[parts:]) if plan.chunk_m else (None, scratch)
-    return _StepRefs(lhs_ref, rhs, tuple(scales), tuple(bias), out, acc, carry, tuple(scratch))
+    return _StepRefs(functools.partial(_lhs_rows, lhs_ref), rhs, tuple(scales), tuple(bias), out, acc, carry,
+                     tuple(scratch))
+
+
+def _lhs_rows(lhs_ref, start, rows: int):
+    return ((lhs_ref[pl.ds(start, rows), :], None),)
+
+
+def _token_rows(words_ref, dtype: str, k: int, start, rows: int):
+    """Copied token rows `[start, start + rows)` of one buffer, as `_lhs_rows` gives them: f32 rows as they are;
+    bf16 rows, copied as words (`pack_token_rows`), as their two K halves."""
+    words = words_ref[pl.ds(start, rows), :]
+    if dtype == "float32":
+        return ((words, None),)
+    # A bf16 value's bits are the top half of its f32 bits: both halves widen exactly, then narrow exactly.
+    first = lax.bitcast_convert_type(lax.shift_left(words, 16), jnp.float32).astype(jnp.bfloat16)
+    second = lax.bitcast_convert_type(words & jnp.int32(-65536), jnp.float32).astype(jnp.bfloat16)
+    half = k // 2
+    return ((first, slice(0, half)), (second, slice(half, k)))
+
+
+def pack_token_rows(tokens: jax.Array) -> jax.Array:
+    """Token rows as the gathering kernel copies them (module docstring): f32 as they are; bf16 `[T, K]` as int32
+    `[T, K / 2]` words whose low 16 bits are column j's and high 16 bits column K / 2 + j's."""
+    if tokens.dtype == jnp.float32:
+        return tokens
+    half = tokens.shape[1] // 2
+    bits = lax.bitcast_convert_type(tokens, jnp.uint16).astype(jnp.int32)
+    return bits[:, :half] | lax.shift_left(bits[:, half:], 16)
+
+
+class _Gather(NamedTuple):
+    """The refs gathered rows take: the tokens in HBM, their scalar-prefetched schedule, and two buffers."""
+
+    tokens: object  # HBM [T, K] (f32) or [T, K / 2] (packed bf16)
+    row_token: object  # SMEM [M]: each sorted row's token
+    live_rows: object  # SMEM [1]: rows in groups (sum of the group sizes); rows past them are never copied
+    buffers: object  # VMEM [2, window, ...]
+    semaphores: object  # DMA [2]
+    current: object  # SMEM [1]: which buffer holds this step's rows
+
+
+def _copies(gather: _Gather, buffer, start, stop, tile_start):
+    """Rows [start, stop) of a window starting at sorted row `tile_start`, each from its token into `buffer`."""
+    def copy(row):
+        return pltpu.make_async_copy(gather.tokens.at[pl.ds(gather.row_token[row], 1)],
+                                     gather.buffers.at[buffer, pl.ds(row - tile_start, 1)],
+                                     gather.semaphores.at[buffer])
+
+    def start_all():
+        lax.fori_loop(start, stop, lambda row, carry: (copy(row).start(), carry)[1], 0)
+
+    def wait_all():
+        lax.fori_loop(start, stop, lambda row, carry: (copy(row).wait(), carry)[1], 0)
+
+    return start_all, wait_all
+
+
+def _gather_rows(gather: _Gather, lhs_tile_ref, step, steps, plan: MatmulPlan):
+    """Copies this step's window of rows from their tokens (module docstring) and returns the buffer holding it.
+
+    The rows each copy loop runs over are computed here, outside the `pl.when`s: the traffic model evaluates
+    them per grid step from the program ids and the scalar prefetch.
+    """
+    slots, tile_m = plan.groups_per_step, plan.tile_m
+    window, last_item = gather.buffers.shape[1], lhs_tile_ref.shape[0] - 1
+    item = step * slots
+    tile = lhs_tile_ref[item]
+    first = step == 0
+    new_tile = jnp.logical_or(first, tile != lhs_tile_ref[jnp.maximum(item - slots, 0)])
+    next_tile = lhs_tile_ref[jnp.minimum(item + slots, last_item)]
+    prefetch = jnp.logical_and(step + 1 < steps, next_tile != tile)
+    live = gather.live_rows[0]
+    start, next_start = tile * tile_m, next_tile * tile_m
+    stop, next_stop = jnp.clip(live, start, start + window), jnp.clip(live, next_start, next_start + window)
+
+    @pl.when(first)
+    def _():
+        gather.current[0] = 0
+        _copies(gather, 0, start, stop, start)[0]()
+
+    @pl.when(jnp.logical_and(new_tile, jnp.logical_not(first)))
+    def _():
+        gather.current[0] = 1 - gather.current[0]
+
+    buffer = gather.current[0]
+
+    @pl.when(prefetch)
+    def _():
+        _copies(gather, 1 - buffer, next_start, next_stop, next_start)[0]()
+
+    @pl.when(new_tile)
+    def _():
+        _copies(gather, buffer, start, stop, start)[1]()
+
+    return buffer
 
 
 def _multiply(refs: _StepRefs, slot: int, part: int, start, rows: int, keep, k_step, plan: MatmulPlan,
@@ -225,7 +336,18 @@ def _multiply(refs: _StepRefs, slot: int, part: int, start, rows: int, keep, k_s
     `window_scales` are the slot's block scales over the step's window."""
     problem, tile_k = plan.problem, plan.tile_k
     quantization = scheme_of(problem.rhs_dtype)
-    lhs = refs.lhs[pl.ds(start, rows), :]
+    pieces = refs.lhs(start, rows)
+    if len(pieces) > 1:  # gathered bf16 rows, as their K halves (tile_k == k: no K tail, no quantized weights)
+        rhs = refs.rhs[slot][part][...]
+        product = None
+        for lhs, k_range in pieces:
+            rhs_part = rhs[:, k_range] if problem.transpose_rhs else rhs[k_range, :]
+            half = lax.dot_general(jnp.where(keep, lhs, jnp.zeros_like(lhs)), rhs_part,
+                                   (((1,), (1 if problem.transpose_rhs else 0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+            product = half if product is None else product + half
+        return product
+    ((lhs, _),) = pieces
     if dequantized_in_vmem(quantization) and not plan.fp8_matmul:
         rhs = refs.dequantized[slot][...]
     else:
@@ -278,12 +400,21 @@ def _accumulate_chunks(refs: _StepRefs, slot: int, tile_start, chunk_start, row_
                     carry[pl.ds(carry_start, chunk_m), :] += product
 
 
-def _body(row_tile_ref, lhs_tile_ref, group_ref, row_start_ref, row_end_ref, chunk_start_ref, count_ref, lhs_ref,
-          *refs, plan: MatmulPlan):
-    del lhs_tile_ref, group_ref  # used by the index maps only
-    refs = _step_refs(lhs_ref, refs, plan)
-    tile_m, chunk_m, groups_per_step = plan.tile_m, plan.chunk_m, plan.groups_per_step
+def _body(*refs, plan: MatmulPlan):
+    prefetch, (lhs_ref, *refs) = refs[: _prefetch_count(plan)], refs[_prefetch_count(plan) :]
+    items = WorkItems(*prefetch[: len(WorkItems._fields)])
+    row_tile_ref, row_start_ref, row_end_ref, count_ref = items.row_tile, items.row_start, items.row_end, items.count
+    chunk_start_ref = items.chunk_start
     step, steps, k_step = pl.program_id(1), pl.num_programs(1), pl.program_id(2)
+    if plan.problem.gathered:
+        *refs, buffers, semaphores, current = refs
+        gather = _Gather(lhs_ref, *prefetch[len(WorkItems._fields) :], buffers, semaphores, current)
+        buffer = _gather_rows(gather, items.lhs_tile, step, steps, plan)
+        refs = _step_refs(None, refs, plan)._replace(
+            lhs=functools.partial(_token_rows, buffers.at[buffer], plan.problem.dtype, plan.problem.k))
+    else:
+        refs = _step_refs(lhs_ref, refs, plan)
+    tile_m, chunk_m, groups_per_step = plan.tile_m, plan.chunk_m, plan.groups_per_step
     count = count_ref[0]
     # Every slot of a step works on the same row tile (`make_work_items` lays them so).
     first_item = step * groups_per_step
@@ -419,6 +550,11 @@ def ragged_dot(
     return grouped_matmul(lhs, rhs, group_sizes, rhs_scales, plan_ragged_dot(problem, generation, config))
 
 
+def _prefetch_count(plan: MatmulPlan) -> int:
+    """Scalar-prefetch operands: the work items, and with gathered rows each row's token and the live rows."""
+    return len(WorkItems._fields) + (2 if plan.problem.gathered else 0)
+
+
 class _Specs(NamedTuple):
     in_specs: list
     out_spec: pl.BlockSpec
@@ -441,7 +577,7 @@ def _specs(plan: MatmulPlan, rhs, rhs_scales, bias, items: WorkItems) -> _Specs:
     def k_block(item, k_step, row_start, row_end):
         return jnp.where(row_end[item] > row_start[item], k_step, k_tiles - 1)
 
-    def lhs_index(n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, chunk_start, count):
+    def lhs_index(n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, chunk_start, count, *_):
         item = step * slots
         if chunk_m:  # element offsets of the window; with one K tile a literal 0, which Mosaic sees is aligned
             k_offset = 0 if k_tiles == 1 else k_block(item, k_step, row_start, row_end) * tile_k
@@ -449,7 +585,7 @@ def _specs(plan: MatmulPlan, rhs, rhs_scales, bias, items: WorkItems) -> _Specs:
         return lhs_tile[item], k_block(item, k_step, row_start, row_end)
 
     def rhs_index(slot, part, n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, chunk_start,
-                  count):
+                  count, *_):
         item = _step_item(step, slot, slots, count[0])
         k_index = k_block(item, k_step, row_start, row_end)
         if slots > 1:
@@ -459,7 +595,7 @@ def _specs(plan: MatmulPlan, rhs, rhs_scales, bias, items: WorkItems) -> _Specs:
             return group[item], n_index, k_index
         return group[item], k_index, n_index
 
-    def out_index(n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, chunk_start, count):
+    def out_index(n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, chunk_start, count, *_):
         return row_tile[step * slots], n_step
 
     if chunk_m:
@@ -469,7 +605,10 @@ def _specs(plan: MatmulPlan, rhs, rhs_scales, bias, items: WorkItems) -> _Specs:
         lhs_block = (tile_m, tile_k)
     # The whole lhs as one block never moves: one buffer, not two.
     resident = tile_m >= problem.m and tile_k == problem.k
-    lhs_spec = pl.BlockSpec(lhs_block, lhs_index, **(dict(pipeline_mode=pl.Buffered(1)) if resident else {}))
+    if problem.gathered:  # copied by the kernel from the tokens (module docstring)
+        lhs_spec = pl.BlockSpec(memory_space=pl.ANY)
+    else:
+        lhs_spec = pl.BlockSpec(lhs_block, lhs_index, **(dict(pipeline_mode=pl.Buffered(1)) if resident else {}))
     rhs_block = (None, columns, tile_k) if problem.transpose_rhs else (None, tile_k, columns)
     stored_block = (None, stored_rows(rhs_block[1], quantization), rhs_block[2])
     in_specs = [lhs_spec, *(pl.BlockSpec(stored_block, functools.partial(rhs_index, slot, part))
@@ -500,23 +639,39 @@ def _specs(plan: MatmulPlan, rhs, rhs_scales, bias, items: WorkItems) -> _Specs:
         operands += [bias.reshape(problem.groups, 1, problem.n).astype(jnp.float32)] * slots
     if dequantized_in_vmem(quantization) and not plan.fp8_matmul:
         scratch += [pltpu.VMEM(rhs_block[1:], jnp.dtype(problem.dtype)) for _ in range(slots)]
+    if problem.gathered:
+        words = (problem.k, jnp.float32) if problem.dtype == "float32" else (problem.k // 2, jnp.int32)
+        # One row tile never prefetches a next one: one buffer.
+        copies = 1 if tile_m >= problem.m else 2
+        scratch += [pltpu.VMEM((copies, tile_m + (chunk_m or 0), words[0]), words[1]),
+                    pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((1,), jnp.int32)]
     return _Specs(in_specs, pl.BlockSpec((tile_m, tile_n), out_index), scratch, operands)
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_scales: jax.Array | None,
-                   plan: MatmulPlan, bias: jax.Array | None = None) -> jax.Array:
+                   plan: MatmulPlan, bias: jax.Array | None = None, row_token: jax.Array | None = None) -> jax.Array:
     """`ragged_dot` as `plan` says (inputs of the plan's non-empty problem, assumed valid), with the plan's
-    problem's `bias` (`[groups, n]`) when it has one."""
+    problem's `bias` (`[groups, n]`) when it has one. With gathered rows (`MatmulProblem.gathered`) lhs is
+    the `[tokens, k]` token rows and `row_token[m]` each sorted row's token (its entries past the groups are
+    never read)."""
     problem, tile_m = plan.problem, plan.tile_m
     if (bias is not None) != problem.bias:
         raise ValueError(f"the plan {'takes a' if problem.bias else 'has no'} bias, got "
                          f"{'none' if bias is None else 'one'}")
+    if (row_token is not None) != problem.gathered:
+        raise ValueError(f"the plan {'gathers its rows and takes' if problem.gathered else 'takes sorted rows, not'} "
+                         f"row_token, got {'none' if row_token is None else 'one'}")
     m, k, n = problem.m, problem.k, problem.n
-    items = make_work_items(int32_group_sizes(group_sizes), m, tile_m, problem.zero_rows_past_groups, plan.chunk_m,
+    group_sizes = int32_group_sizes(group_sizes)
+    items = make_work_items(group_sizes, m, tile_m, problem.zero_rows_past_groups, plan.chunk_m,
                             sublane_multiple(lhs.dtype))
+    prefetch = tuple(items)
+    if problem.gathered:
+        prefetch += (row_token.astype(jnp.int32), jnp.sum(group_sizes).reshape(1))
+        lhs = pack_token_rows(lhs)
     grid = (pl.cdiv(n, plan.tile_n), pl.cdiv(items.count[0], plan.groups_per_step), pl.cdiv(k, plan.tile_k))
     specs = _specs(plan, rhs, rhs_scales, bias, items)
-    itemsize = jnp.dtype(lhs.dtype).itemsize
+    itemsize = jnp.dtype(problem.dtype).itemsize
     # A resident lhs is read once; tiled, once per N tile (and chunk_m more rows per row tile).
     lhs_reads = 1 if tile_m >= m and plan.tile_k == k else grid[0] * (1 + (plan.chunk_m or 0) / tile_m)
     # Per active group: its weights once (with a gate, both halves), and its scales once per N tile.
@@ -524,13 +679,13 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_s
     group_bytes = (k * read_n * (0.5 if scheme_of(rhs.dtype) == INT4 else jnp.dtype(rhs.dtype).itemsize)
                    + (0 if rhs_scales is None else grid[0] * rhs_scales[0].size * 4)
                    + (n * 4 if problem.bias else 0))
-    grid_spec = pltpu.PrefetchScalarGridSpec(len(items), grid, specs.in_specs, specs.out_spec, specs.scratch)
+    grid_spec = pltpu.PrefetchScalarGridSpec(len(prefetch), grid, specs.in_specs, specs.out_spec, specs.scratch)
     call = scheduled_matmul_call(
-        functools.partial(_body, plan=plan), jax.ShapeDtypeStruct((m, n), lhs.dtype), grid_spec,
+        functools.partial(_body, plan=plan), jax.ShapeDtypeStruct((m, n), jnp.dtype(problem.dtype)), grid_spec,
         ("parallel", "arbitrary", "arbitrary"), plan.vmem_limit_bytes, (m, k, read_n),
         bytes_accessed=int((m * k * lhs_reads + m * n) * itemsize + plan.active_groups * group_bytes),
         name="ragged_dot")
-    return call(*items, lhs, *specs.operands)
+    return call(*prefetch, lhs, *specs.operands)
 
 
 def scheduled_matmul_call(body, out_shape, grid_spec, semantics, vmem_limit_bytes: int, mkn, *, bytes_accessed: int,

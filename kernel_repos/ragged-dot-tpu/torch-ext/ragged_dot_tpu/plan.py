@@ -100,6 +100,28 @@ def gated_plan(gate_up: MatmulPlan, gate: Gate, has_bias: bool, generation: str 
     return gated if half % LANES == 0 else None
 
 
+def gathered_plan(plan: MatmulPlan) -> MatmulPlan | None:
+    """`plan` with its rows copied in the kernel from their tokens (`MatmulProblem.gathered`): the same tiles
+    and VMEM (the copies land in two buffers of lhs's window, as the pipeline's would, or in one for a single
+    row tile).
+
+    None where lhs stays an array of sorted rows: one-byte weights and fp8 on the MXU (their K blocks),
+    rows in several K tiles (a row is copied whole), and bfloat16 rows whose two K halves (`pallas_gmm.pack_token_rows`: a bf16 row is
+    copied as 32-bit words, one element of each half per word) do not split the weights block on its
+    tiling: 128 lanes read transposed, 16 sublanes otherwise.
+    """
+    problem = plan.problem
+    if problem.rhs_dtype != problem.dtype or problem.dtype not in ("bfloat16", "float32"):
+        return None
+    if plan.tile_k < problem.k:
+        return None
+    if problem.dtype == "bfloat16":
+        half = problem.k // 2
+        if problem.k % 2 or half % (LANES if problem.transpose_rhs else 16):
+            return None
+    return plan._replace(problem=problem._replace(gathered=True))
+
+
 class TgmmPlan(NamedTuple):
     """One weights' gradient as `pallas_tgmm.tgmm_call` runs it (blocks of `tgmm_blocks`)."""
 
@@ -220,9 +242,11 @@ class ExpertsPlan(NamedTuple):
     `fused` is the fused kernel's plan when it serves the forward, else None;
     `gate_up` and `down` plan the grouped path's two matmuls, which the
     forward under differentiation always takes (the backward needs
-    gate_up's output); `gated_gate_up` is gate_up with the gate in its
-    epilogue, which the grouped forward without a gradient runs instead
-    where it can (`gated_plan`; else None); `gate_up_backward` and
+    gate_up's output and the sorted rows); `forward_gate_up` is the first
+    projection the grouped forward without a gradient runs: gate_up with the
+    gate in its epilogue (`gated_plan`) and its rows copied from their
+    tokens in the kernel (`gathered_plan`), each where it can;
+    `gate_up_backward` and
     `down_backward` plan the backward (None for one-byte weights, which have
     none).
     """
@@ -231,7 +255,7 @@ class ExpertsPlan(NamedTuple):
     orientation: WeightsOrientation
     fused: FusedPlan | None
     gate_up: MatmulPlan
-    gated_gate_up: MatmulPlan | None
+    forward_gate_up: MatmulPlan
     down: MatmulPlan
     gate_up_backward: MatmulBackwardPlan | None
     down_backward: MatmulBackwardPlan | None
@@ -257,9 +281,10 @@ def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fuse
     down = matmul(intermediate, hidden, orientation.down_transposed)
     trains = scheme_of(problem.weights_dtype) is None
     gate_up_plan = plan_ragged_dot(gate_up, generation)
+    forward_gate_up = gated_plan(gate_up_plan, problem.gate, problem.has_bias, generation) or gate_up_plan
     return ExpertsPlan(
         problem=problem, orientation=orientation, fused=plan_fused(problem, generation=generation) if fused else None,
-        gate_up=gate_up_plan, gated_gate_up=gated_plan(gate_up_plan, problem.gate, problem.has_bias, generation),
+        gate_up=gate_up_plan, forward_gate_up=gathered_plan(forward_gate_up) or forward_gate_up,
         down=plan_ragged_dot(down, generation),
         gate_up_backward=plan_ragged_dot_backward(gate_up, generation) if trains else None,
         down_backward=plan_ragged_dot_backward(down, generation) if trains else None,

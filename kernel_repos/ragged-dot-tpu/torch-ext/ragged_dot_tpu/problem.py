@@ -121,6 +121,9 @@ class MatmulProblem(NamedTuple):
     projection's) and the result is the gated intermediate `[m, n]`
     (`pallas_gmm`'s module docstring). With `bias`, a `[groups, n]` bias
     row is added to each of its group's rows (in f32, before the cast).
+    With `gathered`, lhs is not the m sorted rows but the token rows they
+    are picks of: the kernel copies each row it multiplies from its token
+    (`pallas_gmm`'s module docstring), so no `[m, k]` copy of the rows exists.
     """
 
     m: int
@@ -133,6 +136,7 @@ class MatmulProblem(NamedTuple):
     zero_rows_past_groups: bool = True
     gate: Gate | None = None
     bias: bool = False
+    gathered: bool = False
 
 
 class TgmmProblem(NamedTuple):
