@@ -96,7 +96,7 @@ def test_gathered_rows_take_the_bias(kernel, interpret, to_jax, transpose_rhs):
 def test_token_rows_pack_into_words_and_back(kernel):
     """bf16 rows as words: column j in the low half, column K/2 + j in the high half, every bit kept."""
     tokens = jnp.asarray(torch.randn(5, 64).numpy(), jnp.bfloat16).at[0, 3].set(jnp.nan).at[1, 40].set(-0.0)
-    words = kernel.pallas_gmm.pack_token_rows(tokens)
+    words = kernel.packed_rows.pack_rows(tokens)
     assert words.shape == (5, 32) and words.dtype == jnp.int32
     bits = jnp.asarray(tokens).view(jnp.uint16).astype(jnp.int32)
     assert (words & 0xFFFF == bits[:, :32]).all()
@@ -132,9 +132,10 @@ def test_a_gathered_plan_takes_row_tokens_and_only_it(kernel):
     dict(activation="silu"),
     dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0, weights_transposed=True),
 ])
-def test_the_grouped_layer_copies_its_rows_in_the_kernel(kernel, interpret, to_jax, random_picks, options):
-    """The experts layer without a gradient gathers in its first kernel (gated or not, biased or not) and matches
-    the reference, with a third of the picks other ranks' sentinels."""
+def test_the_grouped_layer_copies_its_rows_in_the_kernels(kernel, interpret, to_jax, random_picks, options):
+    """The experts layer without a gradient gathers in its first kernel (gated or not, biased or not) and sums each
+    token's picks in the combine kernel, and matches the reference, with a third of the picks other ranks'
+    sentinels."""
     tokens, hidden, intermediate, experts, top_k = 45, 256, 48, 6, 3
     gate = dict(weights_transposed=False) | options
     generator = torch.Generator().manual_seed(11)
@@ -152,6 +153,7 @@ def test_the_grouped_layer_copies_its_rows_in_the_kernel(kernel, interpret, to_j
     problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
     plan = kernel.plan.plan_experts(problem, "v6e", fused=False)
     assert plan.forward_gate_up.problem.gathered
+    assert plan.forward_down.problem.packed_out and plan.combine is not None
     out = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False, generation="v6e"))
     expected = kernel.reference.gated_experts_reference(*(t.float() if t.is_floating_point() else t for t in layer),
                                                         **gate)

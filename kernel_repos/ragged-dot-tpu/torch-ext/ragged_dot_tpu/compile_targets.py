@@ -11,7 +11,8 @@
   lanes, split in VMEM), and Qwen3's in halves of 256 columns per N tile.
 - The whole experts layer (`moe.experts_layer`: the routing in XLA and the
   kernels), which takes the fused kernel at decode sizes (T <= 256) and the
-  grouped matmuls above: Qwen3-30B-A3B (128 experts, H=2048, I=768, top-8)
+  grouped matmuls above, the first copying its rows from the tokens where it
+  can (`plan.gathered_plan`): Qwen3-30B-A3B (128 experts, H=2048, I=768, top-8)
   on one chip (EP1) and on one rank of eight (EP8: 16 local experts),
   Gemma-4-26B-A4B (128 experts, H=2816, I=704, top-8), GPT-OSS-20B (32
   experts, H=I=2880, top-4, transposed interleaved weights with biases,

@@ -8,8 +8,8 @@ run it, picked by the plan (the rule is `config.use_fused_experts`):
 - larger calls: sort the picks by expert, two grouped matmuls
   (`pallas_gmm.grouped_matmul`, each adding its biases; the first copying
   each pick's row from its token where it can) with the gate between them,
-  the routing weights, and each token gathering and summing its picks in
-  f32.
+  then each token's picks weighted and summed in f32 (where it can, by the
+  combine kernel, `pallas_combine`, which copies only the live picks' rows).
 Either way, on a TPU this is one compiled program per layer instead of a
 chain of small torch ops, and expert-parallel sentinel picks
 (id == num_experts) get no kernel work.
@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from .backward import grouped_experts_backward, without_gradient
 from .plan import ExpertsPlan, plan_experts
 from .gates import gated, split_gate_up
+from .pallas_combine import combine_picks
 from .pallas_fused import fused_experts_call
 from .pallas_gmm import grouped_matmul
 from .problem import ExpertsProblem, ExpertWeights, describe_experts
@@ -131,8 +132,11 @@ def grouped_experts(
     token itself (no `[T x K, H]` gather in XLA; sentinel picks copy
     nothing) and gates its own output; otherwise the gate runs in XLA. The
     backward needs the sorted rows, so with residuals they are gathered in
-    XLA. The per-token sum runs in XLA over all T x K picks; the biases are
-    the kernels' (`MatmulProblem.bias`). Each projection is read in the order
+    XLA. Without residuals, where it can (`plan.combine`), the second kernel
+    leaves its rows as packed words and the combine kernel sums each token's
+    live picks, copying only their rows; otherwise the per-token sum runs in
+    XLA over all T x K picks. The biases are the kernels'
+    (`MatmulProblem.bias`). Each projection is read in the order
     XLA stores it (`plan.orientation`).
     """
     problem, gate = plan.problem, plan.problem.gate
@@ -158,12 +162,23 @@ def grouped_experts(
         # Rows past the groups were never written: keep whatever they hold out of the gate.
         activated = gated(jnp.where(live, gate_part, 0.0), jnp.where(live, up, 0.0), gate.activation,
                           alpha=gate.alpha, limit=gate.limit).astype(hidden_states.dtype)
-    down_out = grouped_matmul(activated, read.down_proj, group_sizes, read.down_scales, plan.down, weights.down_bias)
-    result = _weighted_sum_per_token(down_out, order, group_sizes, top_k_weights, problem).astype(hidden_states.dtype)
+    down = plan.down if return_residuals else plan.forward_down
+    down_out = grouped_matmul(activated, read.down_proj, group_sizes, read.down_scales, down, weights.down_bias)
+    position, live = _pick_positions(order, group_sizes, problem)
+    if down.problem.packed_out:
+        return combine_picks(down_out, position, top_k_weights, live, plan.combine)
+    result = _weighted_sum_per_token(down_out, position, live, top_k_weights, problem).astype(hidden_states.dtype)
     return (result, (first_out, down_out)) if return_residuals else result
 
 
-def _weighted_sum_per_token(down_out, order, group_sizes, top_k_weights, problem: ExpertsProblem) -> jax.Array:
+def _pick_positions(order, group_sizes, problem: ExpertsProblem) -> tuple[jax.Array, jax.Array]:
+    """Each pick's row among the sorted rows, and whether it is live (in a group: not a sentinel): [T, K] each."""
+    position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    position = position.reshape(problem.tokens, problem.top_k)
+    return position, position < group_sizes.sum()
+
+
+def _weighted_sum_per_token(down_out, position, live_picks, top_k_weights, problem: ExpertsProblem) -> jax.Array:
     """Each token's picks' rows of `down_out` (sorted by expert, biased by the kernel), weighted and summed: [T, H]
     f32.
 
@@ -174,9 +189,6 @@ def _weighted_sum_per_token(down_out, order, group_sizes, top_k_weights, problem
     relaid out when K is not a multiple of 8.)
     """
     num_tokens, top_k = problem.tokens, problem.top_k
-    position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    position = position.reshape(num_tokens, top_k)
-    live_picks = position < group_sizes.sum()
     pick_weights = jnp.where(live_picks, top_k_weights.astype(jnp.float32), 0.0)
     result = jnp.zeros((num_tokens, problem.hidden), jnp.float32)
     for slot in range(top_k):

@@ -77,9 +77,15 @@ tile copies its window and waits at once (the N tiles may run on two
 cores). A row is copied whole (one K tile). Mosaic copies a bf16 row only in
 pairs of rows (its VMEM tiling packs two rows per 32-bit word), so bf16
 token rows travel as 32-bit words, each the bits of one element of the
-row's first half and one of its second half (`pack_token_rows`: one XLA pass
+row's first half and one of its second half (`packed_rows.pack_rows`: one XLA pass
 over the tokens); the kernel takes the halves apart with a shift and a mask
 and multiplies each by its half of the weights block's K.
+
+With a packed output (`MatmulProblem.packed_out`: an experts layer's second
+projection, whose rows the combine kernel (`pallas_combine`) copies one at a
+time), each bf16 output block leaves as int32 words, word j of an N tile
+holding its column j (low half) and its column tile_n / 2 + j (high half)
+(`packed_rows.pack_rows`).
 
 The CostEstimate counts what the kernel reads: the rows, the weights of the
 groups expected active for M uniformly routed rows
@@ -107,7 +113,12 @@ from .quant import (
     FP8, INT4, INT8, dequantize_fp8_block, dequantized_in_vmem, fp8_matmul, fp8_window_scales, int4_packed_axis,
     per_channel_scales, scheme_of, stored_rows, unpack_int4_block,
 )
+from .packed_rows import pack_rows, unpack_rows
 from .routing import int32_group_sizes
+
+
+# Rows the epilogue packs at a time (`MatmulProblem.packed_out`).
+PACKED_ROWS = 128
 
 
 class WorkItems(NamedTuple):
@@ -240,25 +251,14 @@ def _lhs_rows(lhs_ref, start, rows: int):
 
 def _token_rows(words_ref, dtype: str, k: int, start, rows: int):
     """Copied token rows `[start, start + rows)` of one buffer, as `_lhs_rows` gives them: f32 rows as they are;
-    bf16 rows, copied as words (`pack_token_rows`), as their two K halves."""
+    bf16 rows, copied as words (`packed_rows.pack_rows`), as their two K halves."""
     words = words_ref[pl.ds(start, rows), :]
     if dtype == "float32":
         return ((words, None),)
     # A bf16 value's bits are the top half of its f32 bits: both halves widen exactly, then narrow exactly.
-    first = lax.bitcast_convert_type(lax.shift_left(words, 16), jnp.float32).astype(jnp.bfloat16)
-    second = lax.bitcast_convert_type(words & jnp.int32(-65536), jnp.float32).astype(jnp.bfloat16)
+    first, second = (half.astype(jnp.bfloat16) for half in unpack_rows(words))
     half = k // 2
     return ((first, slice(0, half)), (second, slice(half, k)))
-
-
-def pack_token_rows(tokens: jax.Array) -> jax.Array:
-    """Token rows as the gathering kernel copies them (module docstring): f32 as they are; bf16 `[T, K]` as int32
-    `[T, K / 2]` words whose low 16 bits are column j's and high 16 bits column K / 2 + j's."""
-    if tokens.dtype == jnp.float32:
-        return tokens
-    half = tokens.shape[1] // 2
-    bits = lax.bitcast_convert_type(tokens, jnp.uint16).astype(jnp.int32)
-    return bits[:, :half] | lax.shift_left(bits[:, half:], 16)
 
 
 class _Gather(NamedTuple):
@@ -498,6 +498,17 @@ def _body(*refs, plan: MatmulPlan):
             for acc, carry in zip(refs.acc, refs.carry):
                 acc[tile_m - chunk_m :, :] += carry[:chunk_m, :]
         gate = plan.problem.gate
+        if gate is None and plan.problem.packed_out:
+            # A slice of rows at a time: packing the whole tile at once holds several f32 copies of it in VMEM.
+            rows = PACKED_ROWS if tile_m % PACKED_ROWS == 0 else tile_m
+
+            def pack(chunk, carry):
+                start = pl.multiple_of(chunk * rows, rows)
+                refs.out[pl.ds(start, rows), :] = pack_rows(refs.acc[0][pl.ds(start, rows), :])
+                return carry
+
+            lax.fori_loop(0, tile_m // rows, pack, 0)
+            return
         if gate is None:
             refs.out[...] = refs.acc[0][...].astype(refs.out.dtype)
             return
@@ -645,7 +656,8 @@ def _specs(plan: MatmulPlan, rhs, rhs_scales, bias, items: WorkItems) -> _Specs:
         copies = 1 if tile_m >= problem.m else 2
         scratch += [pltpu.VMEM((copies, tile_m + (chunk_m or 0), words[0]), words[1]),
                     pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((1,), jnp.int32)]
-    return _Specs(in_specs, pl.BlockSpec((tile_m, tile_n), out_index), scratch, operands)
+    out_columns = tile_n // 2 if problem.packed_out else tile_n
+    return _Specs(in_specs, pl.BlockSpec((tile_m, out_columns), out_index), scratch, operands)
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_scales: jax.Array | None,
@@ -668,7 +680,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_s
     prefetch = tuple(items)
     if problem.gathered:
         prefetch += (row_token.astype(jnp.int32), jnp.sum(group_sizes).reshape(1))
-        lhs = pack_token_rows(lhs)
+        lhs = lhs if lhs.dtype == jnp.float32 else pack_rows(lhs)
     grid = (pl.cdiv(n, plan.tile_n), pl.cdiv(items.count[0], plan.groups_per_step), pl.cdiv(k, plan.tile_k))
     specs = _specs(plan, rhs, rhs_scales, bias, items)
     itemsize = jnp.dtype(problem.dtype).itemsize
@@ -681,11 +693,17 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_s
                    + (n * 4 if problem.bias else 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(len(prefetch), grid, specs.in_specs, specs.out_spec, specs.scratch)
     call = scheduled_matmul_call(
-        functools.partial(_body, plan=plan), jax.ShapeDtypeStruct((m, n), jnp.dtype(problem.dtype)), grid_spec,
+        functools.partial(_body, plan=plan), _out_shape(problem), grid_spec,
         ("parallel", "arbitrary", "arbitrary"), plan.vmem_limit_bytes, (m, k, read_n),
         bytes_accessed=int((m * k * lhs_reads + m * n) * itemsize + plan.active_groups * group_bytes),
         name="ragged_dot")
     return call(*prefetch, lhs, *specs.operands)
+
+
+def _out_shape(problem: MatmulProblem) -> jax.ShapeDtypeStruct:
+    if problem.packed_out:
+        return jax.ShapeDtypeStruct((problem.m, problem.n // 2), jnp.int32)
+    return jax.ShapeDtypeStruct((problem.m, problem.n), jnp.dtype(problem.dtype))
 
 
 def scheduled_matmul_call(body, out_shape, grid_spec, semantics, vmem_limit_bytes: int, mkn, *, bytes_accessed: int,

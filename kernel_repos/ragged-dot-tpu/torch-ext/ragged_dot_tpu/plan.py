@@ -20,6 +20,7 @@ from .fused_tiles import (
     FusedConfig, check_fused_config, fused_buffers, fused_chunks, fused_config, fused_cores, fused_feeds_fp8_mxu,
     fused_vmem_bytes,
 )
+from .pallas_combine import CombinePlan, plan_combine
 from .gmm_tiles import (
     TileConfig, check_config, expected_active_groups, matmul_buffers, matmul_feeds_fp8_mxu, row_chunks, row_tile_rows,
     select_config, select_d_lhs_config, vmem_limit,
@@ -106,7 +107,7 @@ def gathered_plan(plan: MatmulPlan) -> MatmulPlan | None:
     row tile).
 
     None where lhs stays an array of sorted rows: one-byte weights and fp8 on the MXU (their K blocks),
-    rows in several K tiles (a row is copied whole), and bfloat16 rows whose two K halves (`pallas_gmm.pack_token_rows`: a bf16 row is
+    rows in several K tiles (a row is copied whole), and bfloat16 rows whose two K halves (`packed_rows.pack_rows`: a bf16 row is
     copied as 32-bit words, one element of each half per word) do not split the weights block on its
     tiling: 128 lanes read transposed, 16 sublanes otherwise.
     """
@@ -120,6 +121,18 @@ def gathered_plan(plan: MatmulPlan) -> MatmulPlan | None:
         if problem.k % 2 or half % (LANES if problem.transpose_rhs else 16):
             return None
     return plan._replace(problem=problem._replace(gathered=True))
+
+
+def packed_plan(plan: MatmulPlan) -> MatmulPlan | None:
+    """`plan` with its output as packed words (`MatmulProblem.packed_out`), for the combine kernel to copy by row;
+    None unless the output is bf16 without a gate and every N tile splits into two halves of whole 128 lanes
+    (the words' block, and the combine kernel's halves of each tile)."""
+    problem = plan.problem
+    if problem.dtype != "bfloat16" or problem.gate is not None:
+        return None
+    if problem.n % plan.tile_n or plan.tile_n % (2 * LANES):
+        return None
+    return plan._replace(problem=problem._replace(packed_out=True))
 
 
 class TgmmPlan(NamedTuple):
@@ -246,7 +259,10 @@ class ExpertsPlan(NamedTuple):
     projection the grouped forward without a gradient runs: gate_up with the
     gate in its epilogue (`gated_plan`) and its rows copied from their
     tokens in the kernel (`gathered_plan`), each where it can;
-    `gate_up_backward` and
+    `forward_down` and `combine` the second projection and the per-token
+    sum it runs: the projection's rows as packed words and the combine
+    kernel (`packed_plan`, `pallas_combine`) where it can (else `down` and
+    None: the sum runs in XLA); `gate_up_backward` and
     `down_backward` plan the backward (None for one-byte weights, which have
     none).
     """
@@ -257,6 +273,8 @@ class ExpertsPlan(NamedTuple):
     gate_up: MatmulPlan
     forward_gate_up: MatmulPlan
     down: MatmulPlan
+    forward_down: MatmulPlan
+    combine: CombinePlan | None
     gate_up_backward: MatmulBackwardPlan | None
     down_backward: MatmulBackwardPlan | None
 
@@ -282,10 +300,14 @@ def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fuse
     trains = scheme_of(problem.weights_dtype) is None
     gate_up_plan = plan_ragged_dot(gate_up, generation)
     forward_gate_up = gated_plan(gate_up_plan, problem.gate, problem.has_bias, generation) or gate_up_plan
+    down_plan = plan_ragged_dot(down, generation)
+    packed_down = packed_plan(down_plan)
     return ExpertsPlan(
         problem=problem, orientation=orientation, fused=plan_fused(problem, generation=generation) if fused else None,
         gate_up=gate_up_plan, forward_gate_up=gathered_plan(forward_gate_up) or forward_gate_up,
-        down=plan_ragged_dot(down, generation),
+        down=down_plan, forward_down=packed_down or down_plan,
+        combine=packed_down and plan_combine(problem.tokens, problem.top_k, hidden, problem.dtype, down_plan.tile_n,
+                                             generation),
         gate_up_backward=plan_ragged_dot_backward(gate_up, generation) if trains else None,
         down_backward=plan_ragged_dot_backward(down, generation) if trains else None,
     )

@@ -1,0 +1,69 @@
+"""The combine kernel (`pallas_combine`): each token's live picks' rows, weighted and summed, against float64.
+
+In TPU interpret mode with race detection and NaN-filled uninitialised
+memory. The sorted rows a sentinel pick would name are NaN: a kernel that
+read them, or multiplied a stale buffer row by a zero weight, would return
+NaN.
+"""
+
+import jax.numpy as jnp
+import pytest
+import torch
+
+# tokens, top-k, hidden, the second projection's N tile, share of sentinel picks
+CASES = {
+    # Three token tiles, the last partial; one N tile.
+    "partial-tile": (300, 3, 256, 256, 0.3),
+    # Two N tiles per row, each packed apart; K off the sublanes.
+    "two-n-tiles": (40, 5, 512, 256, 0.2),
+    # Router masking's share: most picks another rank's, some tokens with none live.
+    "mostly-sentinels": (150, 8, 256, 256, 0.9),
+    # Every pick another rank's: nothing is copied, the sum is zero.
+    "all-sentinels": (20, 2, 256, 256, 1.0),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_combine_sums_each_tokens_live_picks(kernel, interpret, to_jax, case):
+    tokens, top_k, hidden, tile_n, sentinels = CASES[case]
+    generator = torch.Generator().manual_seed(len(case))
+    picks = tokens * top_k
+    live = torch.rand(tokens, top_k, generator=generator) >= sentinels
+    live_rows = int(live.sum())
+    # Live picks take the sorted rows [0, live_rows) in a random order; sentinels point past them.
+    position = torch.full((tokens, top_k), 0, dtype=torch.int64)
+    position[live] = torch.randperm(live_rows, generator=generator)
+    position[~live] = live_rows + torch.randint(0, picks - live_rows + 1, (int((~live).sum()),), generator=generator)
+    position = position.clamp(max=picks - 1)
+    rows = torch.randn(picks, hidden, generator=generator).to(torch.bfloat16).float()
+    rows[live_rows:] = float("nan")
+    weights = torch.rand(tokens, top_k, generator=generator)
+    words = kernel.packed_rows.pack_rows(jnp.asarray(rows.numpy()).reshape(picks, hidden // tile_n, tile_n)
+                                        .reshape(-1, tile_n)).reshape(picks, hidden // 2)
+    plan = kernel.pallas_combine.plan_combine(tokens, top_k, hidden, "bfloat16", tile_n, "v6e")
+    out = interpret(lambda: kernel.pallas_combine.combine_picks(
+        words, to_jax(position), to_jax(weights), jnp.asarray(live.numpy()), plan))
+    expected = torch.einsum("tk,tkh->th", torch.where(live, weights, 0.0).double(),
+                            torch.where(live[..., None], rows[position].double(), 0.0))
+    assert out.shape == (tokens, hidden)
+    assert not out.isnan().any()
+    assert (out.double() - expected).abs().max().item() <= 1e-2 * max(expected.abs().max().item(), 1.0)
+
+
+def test_packed_rows_round_to_bf16_and_unpack_exactly(kernel):
+    values = jnp.asarray(torch.randn(16, 512).numpy())
+    first, second = kernel.packed_rows.unpack_rows(kernel.packed_rows.pack_rows(values))
+    rounded = values.astype(jnp.bfloat16).astype(jnp.float32)
+    assert (first == rounded[:, :256]).all() and (second == rounded[:, 256:]).all()
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(dtype="float32", rhs_dtype="float32"), "f32 rows"),
+    (dict(n=320), "an N tile whose halves are not whole lanes"),
+])
+def test_packed_plan_refuses_what_it_cannot_pack(kernel, change, why):
+    fields = dict(m=64, k=128, n=512, groups=4, dtype="bfloat16", rhs_dtype="bfloat16", transpose_rhs=False,
+                  zero_rows_past_groups=False) | change
+    problem = kernel.problem.MatmulProblem(**fields)
+    tiles = kernel.config.TileConfig(16, 128, fields["n"], None, 1)
+    assert kernel.plan.packed_plan(kernel.plan.plan_ragged_dot(problem, "v6e", tiles)) is None, why

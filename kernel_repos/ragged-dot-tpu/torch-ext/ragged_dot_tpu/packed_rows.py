@@ -1,0 +1,29 @@
+"""bf16 rows as int32 words, two columns per word: the form a kernel can copy one row at a time.
+
+Mosaic tiles a bf16 array in VMEM with two rows per 32-bit word, so a DMA
+moves bf16 rows only in pairs; 32-bit rows it moves one by one. The grouped
+matmul writes its rows this way for the combine kernel to copy
+(`MatmulProblem.packed_out`), and reads token rows this way to copy them
+(`MatmulProblem.gathered`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def pack_rows(values: jax.Array) -> jax.Array:
+    """f32 `[rows, cols]` rounded to bf16 and packed as int32 words `[rows, cols / 2]`: column j's bits in the low
+    half, column cols / 2 + j's in the high half (32-bit operations only: Mosaic's bf16 values have no bitcast)."""
+    half = values.shape[1] // 2
+    bits = lax.bitcast_convert_type(values.astype(jnp.bfloat16).astype(jnp.float32), jnp.int32)
+    return lax.shift_right_logical(bits[:, :half], 16) | (bits[:, half:] & jnp.int32(-65536))
+
+
+def unpack_rows(words: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`pack_rows`'s words as the two f32 halves of the columns they hold, exactly."""
+    first = lax.bitcast_convert_type(lax.shift_left(words, 16), jnp.float32)
+    second = lax.bitcast_convert_type(words & jnp.int32(-65536), jnp.float32)
+    return first, second

@@ -1,0 +1,157 @@
+"""Each token's picks, weighted and summed, as a Pallas TPU kernel that copies only the live picks' rows.
+
+The experts layer's second grouped matmul leaves one row per pick, sorted by
+expert (`[M, H]`, as packed words: `packed_rows.pack_rows`). Summing each
+token's picks in XLA reads all T x K rows of that array, the sentinel
+picks' too (another rank's experts, most picks under expert-parallel router
+masking), and XLA writes and rereads a `[T, H]` gather per pick slot.
+
+Here the grid runs over tiles of `tile_t` tokens. Each step waits for its
+tile's live pick rows, copied one row per DMA from the sorted rows into one
+of two VMEM buffers (slab k holds the tile's tokens' k-th picks), and starts
+the next tile's copies into the other buffer; then it weights each slab by
+its routing weights and sums them in f32. Sentinel picks are never copied:
+their slots in the buffer keep whatever they held, and a select (not a
+multiply: they may hold NaN) drops them.
+
+What each step copies is scheduled in XLA over the `[T, K]` picks (not their
+rows): per tile, its live picks' sorted positions and buffer slots first,
+and their count (`combine_schedule`), scalar-prefetched, so the kernel's
+copy loops have no branch and the traffic model counts them per step
+(`tpu_kernels.perf.kernel_dmas`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ._hardware import LANES, round_up, vmem_limit_bytes
+from .packed_rows import unpack_rows
+
+# Tokens per grid step: each step copies up to K x TOKEN_TILE rows, enough to keep the DMA engines busy.
+TOKEN_TILE = 128
+
+
+class CombinePlan(NamedTuple):
+    """The combine kernel of one experts call."""
+
+    tokens: int
+    top_k: int
+    hidden: int
+    dtype: str  # the layer's output's
+    tile_t: int
+    tile_n: int  # the second projection's N tile: each pairs its two halves in one word (`packed_rows.pack_rows`)
+    vmem_limit_bytes: int
+
+
+def plan_combine(tokens: int, top_k: int, hidden: int, dtype: str, tile_n: int, generation: str) -> CombinePlan:
+    tile_t = min(TOKEN_TILE, round_up(tokens, 8))
+    words = hidden // 2
+    working_set = (2 * top_k * tile_t * words * 4  # the two buffers of copied rows
+                   + 2 * 2 * tile_t * round_up(top_k, LANES) * 4  # routing weights and live flags, double-buffered
+                   + 2 * tile_t * hidden * jnp.dtype(dtype).itemsize  # the output block, double-buffered
+                   + 4 * tile_t * tile_n * 4)  # one N tile's f32 halves and sums
+    return CombinePlan(tokens, top_k, hidden, dtype, tile_t, tile_n, vmem_limit_bytes(working_set, generation))
+
+
+class CombineSchedule(NamedTuple):
+    """Scalar-prefetch operands: per token tile, its live picks' copies first."""
+
+    source: jax.Array  # [tiles * K * tile_t] int32: the sorted row of each copy
+    slot: jax.Array  # [tiles * K * tile_t] int32: its row in the tile's buffer (k * tile_t + token in tile)
+    copies: jax.Array  # [tiles] int32: live picks of each tile
+
+
+def combine_schedule(position: jax.Array, live: jax.Array, plan: CombinePlan) -> CombineSchedule:
+    """The copies of each token tile from `position[T, K]` (each pick's sorted row) and `live[T, K]`."""
+    tile_t, top_k = plan.tile_t, plan.top_k
+    tiles = pl.cdiv(plan.tokens, tile_t)
+    pad = tiles * tile_t - plan.tokens
+    position = jnp.pad(position, ((0, pad), (0, 0)))
+    live = jnp.pad(live, ((0, pad), (0, 0)))
+
+    def by_slab(picks):
+        """[tiles, K x tile_t]: entry k * tile_t + t of a tile is its token t's k-th pick (and buffer row)."""
+        return picks.reshape(tiles, tile_t, top_k).transpose(0, 2, 1).reshape(tiles, top_k * tile_t)
+
+    position, live = by_slab(position), by_slab(live)
+    first_live = jnp.argsort(jnp.logical_not(live), axis=1, stable=True).astype(jnp.int32)
+    return CombineSchedule(source=jnp.take_along_axis(position, first_live, axis=1).reshape(-1).astype(jnp.int32),
+                           slot=first_live.reshape(-1), copies=jnp.sum(live, axis=1, dtype=jnp.int32))
+
+
+def combine_picks(rows: jax.Array, position: jax.Array, top_k_weights: jax.Array, live: jax.Array,
+                  plan: CombinePlan) -> jax.Array:
+    """`sum_k top_k_weights[t, k] * rows[position[t, k]]` over each token's live picks, in f32, as `plan.dtype`.
+
+    `rows` are the sorted rows as packed words (`[M, H / 2]` int32, `packed_rows.pack_rows` per N tile of
+    `plan.tile_n`); rows of picks not `live` are never read.
+    """
+    tile_t, top_k, hidden = plan.tile_t, plan.top_k, plan.hidden
+    tiles = pl.cdiv(plan.tokens, tile_t)
+    schedule = combine_schedule(position, live, plan)
+    pad = ((0, tiles * tile_t - plan.tokens), (0, 0))
+    weights = jnp.pad(jnp.where(live, top_k_weights.astype(jnp.float32), 0.0), pad)
+    live_flags = jnp.pad(live.astype(jnp.int32), pad)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(schedule),
+        grid=(tiles,),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY),
+                  pl.BlockSpec((tile_t, top_k), lambda i, *_: (i, 0)),
+                  pl.BlockSpec((tile_t, top_k), lambda i, *_: (i, 0))],
+        out_specs=pl.BlockSpec((tile_t, hidden), lambda i, *_: (i, 0)),
+        scratch_shapes=[pltpu.VMEM((2, top_k * tile_t, hidden // 2), jnp.int32), pltpu.SemaphoreType.DMA((2,))],
+    )
+    return pl.pallas_call(
+        functools.partial(_body, plan=plan),
+        # The last tile's block is partial: its rows past the tokens are never written back.
+        out_shape=jax.ShapeDtypeStruct((plan.tokens, hidden), jnp.dtype(plan.dtype)),
+        grid_spec=grid_spec,
+        # One core walks the tiles in order: each step's copies were started by the step before.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                                             vmem_limit_bytes=plan.vmem_limit_bytes),
+        cost_estimate=pl.CostEstimate(flops=2 * plan.tokens * top_k * hidden, transcendentals=0,
+                                      bytes_accessed=plan.tokens * top_k * hidden * 2 + plan.tokens * hidden * 2),
+        name="combine_picks",
+    )(*schedule, rows, weights, live_flags)
+
+
+def _body(source_ref, slot_ref, copies_ref, rows_ref, weights_ref, live_ref, out_ref, buffers, semaphores, *,
+          plan: CombinePlan):
+    step, steps = pl.program_id(0), pl.num_programs(0)
+    per_tile = plan.top_k * plan.tile_t
+    buffer = step % 2
+
+    def copy(tile, target, entry):
+        index = tile * per_tile + entry
+        return pltpu.make_async_copy(rows_ref.at[pl.ds(source_ref[index], 1)],
+                                     buffers.at[target, pl.ds(slot_ref[index], 1)], semaphores.at[target])
+
+    def start_tile(tile, target, count):
+        lax.fori_loop(0, count, lambda entry, carry: (copy(tile, target, entry).start(), carry)[1], 0)
+
+    # The copy counts are read here, outside the branches: the traffic model evaluates them per step.
+    count, next_count = copies_ref[step], copies_ref[jnp.minimum(step + 1, steps - 1)]
+    pl.when(step == 0)(functools.partial(start_tile, step, buffer, count))
+    pl.when(step + 1 < steps)(functools.partial(start_tile, step + 1, 1 - buffer, next_count))
+    lax.fori_loop(0, count, lambda entry, carry: (copy(step, buffer, entry).wait(), carry)[1], 0)
+
+    tile_t, half = plan.tile_t, plan.tile_n // 2
+    weights, live = weights_ref[...], live_ref[...] > 0
+    for n_tile in range(plan.hidden // plan.tile_n):
+        sums = [jnp.zeros((tile_t, half), jnp.float32) for _ in range(2)]
+        for k in range(plan.top_k):
+            words = buffers[buffer, pl.ds(k * tile_t, tile_t), pl.ds(n_tile * half, half)]
+            # Rows of picks not live were never copied: selected away, whatever they hold.
+            for part, values in enumerate(unpack_rows(words)):
+                sums[part] = sums[part] + jnp.where(live[:, k : k + 1], weights[:, k : k + 1] * values, 0.0)
+        for part in range(2):
+            start = n_tile * plan.tile_n + part * half
+            out_ref[:, start : start + half] = sums[part].astype(out_ref.dtype)
