@@ -181,3 +181,31 @@ def test_grouped_chunks_follow_group_starts(kernel, tile_m):
     assert call.dots_exact
     assert {(dot.m, dot.k, dot.n) for dot in call.dots} == {(64, k, n)}
     assert sum(dot.count for dot in call.dots) == 5
+
+
+def test_the_layer_copies_only_live_picks_rows_in_and_out_of_its_grouped_matmuls(kernel):
+    """Router masking at prefill size: the first grouped matmul copies one token row per live pick (sentinels none),
+    the combine kernel one packed row per live pick; the model counts both from the kernels' own copies."""
+    tokens, hidden, intermediate, experts, top_k = 1024, 256, 256, 4, 8
+    index, weights = _picks(tokens, top_k, experts, live_experts=experts)
+    live = int((index < experts).sum())
+    fn = functools.partial(kernel.moe.experts_layer, activation="silu", weights_transposed=False, fused=False,
+                           generation="v6e")
+    calls = perf.model_pallas_traffic(fn, S((tokens, hidden), jnp.bfloat16), index, weights,
+                                      S((experts, 2 * intermediate, hidden), jnp.bfloat16),
+                                      S((experts, hidden, intermediate), jnp.bfloat16))
+    gate_up, down, combine = calls
+    row_bytes = hidden * BF16
+    # The gate_up kernel's copies: the live rows of each row tile's window (the tile and one chunk more, as its
+    # pipelined lhs block would read), once per N tile (one here); the combine's: each live pick's row once.
+    plan = kernel.plan.plan_experts(kernel.problem.ExpertsProblem(
+        tokens, top_k, hidden, intermediate, experts, "bfloat16", "bfloat16", "float32", False, False,
+        kernel.problem.Gate("silu")), "v6e", fused=False).forward_gate_up
+    window = plan.tile_m + (plan.chunk_m or 0)
+    copied = sum(min(live, start + window) - start for start in range(0, live, plan.tile_m))
+    [token_rows] = [op for op in gate_up.operands if op.array_shape == (tokens, hidden // 2)]
+    assert gate_up.grid[0] == 1 and token_rows.hbm_bytes == copied * row_bytes
+    [picked_rows] = [op for op in combine.operands if op.array_shape == (tokens * top_k, hidden // 2)]
+    assert picked_rows.hbm_bytes == live * row_bytes
+    assert not any(call.unmodelled_dmas for call in calls)
+    perf.roofline(calls, "v6e")
