@@ -67,3 +67,14 @@ def test_packed_plan_refuses_what_it_cannot_pack(kernel, change, why):
     problem = kernel.problem.MatmulProblem(**fields)
     tiles = kernel.config.TileConfig(16, 128, fields["n"], None, 1)
     assert kernel.plan.packed_plan(kernel.plan.plan_ragged_dot(problem, "v6e", tiles)) is None, why
+
+
+@pytest.mark.parametrize("generation, combined", [("v5e", True), ("v6e", True), ("tpu7x", True), ("v5p", False)])
+def test_the_combine_kernel_serves_one_core_devices(kernel, generation, combined):
+    """On v5p's two cores the combine kernel (one core walking the token tiles) would halve the bandwidth XLA's sum
+    gets: the sum stays in XLA there."""
+    problem = kernel.problem.ExpertsProblem(2048, 8, 2048, 768, 16, "bfloat16", "bfloat16", "float32", False, False,
+                                            kernel.problem.Gate("silu"))
+    plan = kernel.plan.plan_experts(problem, generation, fused=False)
+    assert (plan.combine is not None) == combined
+    assert plan.forward_down.problem.packed_out == combined

@@ -261,8 +261,8 @@ class ExpertsPlan(NamedTuple):
     tokens in the kernel (`gathered_plan`), each where it can;
     `forward_down` and `combine` the second projection and the per-token
     sum it runs: the projection's rows as packed words and the combine
-    kernel (`packed_plan`, `pallas_combine`) where it can (else `down` and
-    None: the sum runs in XLA); `gate_up_backward` and
+    kernel (`packed_plan`, `pallas_combine`) where it can, on one-core
+    devices (else `down` and None: the sum runs in XLA); `gate_up_backward` and
     `down_backward` plan the backward (None for one-byte weights, which have
     none).
     """
@@ -301,7 +301,10 @@ def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fuse
     gate_up_plan = plan_ragged_dot(gate_up, generation)
     forward_gate_up = gated_plan(gate_up_plan, problem.gate, problem.has_bias, generation) or gate_up_plan
     down_plan = plan_ragged_dot(down, generation)
-    packed_down = packed_plan(down_plan)
+    # The combine kernel walks its token tiles in order on one core: on a megacore device (v5p) that is half the
+    # chip's HBM bandwidth, against XLA's sum over both cores, so there the sum stays in XLA.
+    single_core = tpu_generation(generation).cores_per_device == 1
+    packed_down = packed_plan(down_plan) if single_core else None
     return ExpertsPlan(
         problem=problem, orientation=orientation, fused=plan_fused(problem, generation=generation) if fused else None,
         gate_up=gate_up_plan, forward_gate_up=gathered_plan(forward_gate_up) or forward_gate_up,
