@@ -120,7 +120,7 @@ def replay_pallas_call(eqn, small_operands: list[Any], active_steps_fn) -> Palla
     kernel = params["jaxpr"]
     operand_refs = {id(bm): kernel.invars[gm.num_index_operands + number] for number, bm in enumerate(gm.block_mappings)}
     unpipelined = [operand_refs[id(bm)] for bm, _, space in kept if space in _UNPIPELINED_MEMORY_SPACES]
-    copied, _ = waited_bytes(kernel, unpipelined, gm, grid, grid_indices, prefetch) if unpipelined else ({}, set())
+    copied = waited_bytes(kernel, unpipelined, gm, grid, grid_indices, prefetch) if unpipelined else {}
     for block_mapping, role, space in kept:
         if space in _UNPIPELINED_MEMORY_SPACES and operand_refs[id(block_mapping)] in copied:
             read, written = copied[operand_refs[id(block_mapping)]]

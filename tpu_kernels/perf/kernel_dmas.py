@@ -33,10 +33,9 @@ from jax._src.pallas.mosaic import primitives as mosaic_primitives
 from .kernel_work import values_at_each_step
 
 
-def waited_bytes(kernel: jax_core.Jaxpr, refs, gm, grid, grid_indices: np.ndarray, prefetch) -> tuple[dict, set]:
-    """For each of `refs` (top-level kernel refs, e.g. the ANY operands): HBM bytes its copies' waits account
-    for at each grid step (`[steps]`, reads and writes as `(read, written)`); and the refs with a wait the replay
-    could not count."""
+def waited_bytes(kernel: jax_core.Jaxpr, refs, gm, grid, grid_indices: np.ndarray, prefetch) -> dict:
+    """For each of `refs` (top-level kernel refs, e.g. the ANY operands) whose copies the replay can count: HBM
+    bytes its copies' waits account for at each grid step, as `(read, written)` arrays of `[steps]`."""
     steps = grid_indices.shape[0]
     refs = set(refs)
     counted = {ref: (np.zeros(steps, np.int64), np.zeros(steps, np.int64)) for ref in refs}
@@ -98,7 +97,7 @@ def waited_bytes(kernel: jax_core.Jaxpr, refs, gm, grid, grid_indices: np.ndarra
 
     walk(kernel, lambda var: var, np.ones(steps, np.int64))
     uncounted |= refs - waited
-    return {ref: bytes_ for ref, bytes_ in counted.items() if ref not in uncounted}, uncounted
+    return {ref: bytes_ for ref, bytes_ in counted.items() if ref not in uncounted}
 
 
 def _scope(inner_vars, outer_values):

@@ -86,11 +86,10 @@ def _branch_at_each_step(kernel, cond_eqn, gm, grid, grid_indices, prefetch) -> 
     return None if taken is None else np.clip(taken, 0, len(cond_eqn.params["branches"]) - 1)
 
 
-def values_at_each_step(kernel, value, gm, grid, grid_indices, prefetch) -> np.ndarray | None:
-    """The integer `value` (a literal or a variable of the kernel body's top level) at every grid step, if it
+def values_at_each_step(kernel, index, gm, grid, grid_indices, prefetch) -> np.ndarray | None:
+    """The integer `index` (a literal or a variable of the kernel body's top level) at every grid step, if it
     depends only on program ids and scalar prefetch; else None."""
     steps = grid_indices.shape[0]
-    index = value
     if isinstance(index, jax_core.Literal):
         return np.full(steps, int(index.val), np.int64)
     prefetch_refs = list(kernel.invars[: gm.num_index_operands])
