@@ -53,6 +53,12 @@ def cases(kernels: dict) -> dict[str, tuple]:
     layer = (normal(tokens, hidden), top_k_index, normal(tokens, top_k, dtype=jnp.float32),
              normal(experts, hidden, 2 * intermediate), normal(experts, intermediate, hidden))
     q, k, v = (normal(1, 4, 512, 128) for _ in range(3))
+    # The combine kernel over 256 tokens (two tiles of 128), two picks each: one sorted row per pick, as words.
+    combine_tokens = 256
+    combine = ragged_dot.pallas_combine.plan_combine(combine_tokens, top_k, hidden, "bfloat16", hidden, GENERATION)
+    position = rng.permutation(combine_tokens * top_k).reshape(combine_tokens, top_k).astype(np.int32)
+    combine_args = (rng.integers(-2**31, 2**31, (combine_tokens * top_k, hidden // 2), dtype=np.int32), position,
+                    normal(combine_tokens, top_k, dtype=jnp.float32), np.ones((combine_tokens, top_k), bool))
     return {
         # Four N tiles on the "parallel" first axis: two per core.
         "ragged_dot, four N tiles": (gmm(256), (lhs, rhs, group_sizes), "ragged_dot"),
@@ -68,6 +74,9 @@ def cases(kernels: dict) -> dict[str, tuple]:
         "fused experts (decode)": (functools.partial(ragged_dot.moe.experts_layer, fused=True, generation=GENERATION,
                                                      activation="silu", weights_transposed=False),
                                    layer, "fused_experts"),
+        # Two token tiles, one per core.
+        "combine picks, two token tiles": (functools.partial(ragged_dot.pallas_combine.combine_picks, plan=combine),
+                                           combine_args, "combine_picks"),
         "rms_norm": (functools.partial(rmsnorm.pallas_rms_norm.rms_norm, eps=1e-6, generation=GENERATION, block_rows=256),
                      (normal(1024, 1024), normal(1024)), "rms_norm"),
         "flash attention forward": (

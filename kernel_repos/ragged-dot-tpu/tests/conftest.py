@@ -9,9 +9,11 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 from jax.experimental.pallas import tpu as pltpu
 
 
-def _interpret(fn):
-    """Runs `fn` in TPU interpret mode with race detection and NaN-filled uninitialised memory; f32 torch out."""
-    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")):
+def _interpret(fn, cores: int = 1):
+    """Runs `fn` in TPU interpret mode with race detection and NaN-filled uninitialised memory, on `cores`
+    TensorCores (v5p's megacore: 2, which split the grid's parallel dimensions); f32 torch out."""
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan", num_cores_or_threads=cores)
+    with pltpu.force_tpu_interpret_mode(params):
         out = jax.block_until_ready(fn())
     assert not interpret_pallas_call.races.races_found, "the TPU interpreter found a data race"
     return torch.from_numpy(np.array(out.astype(jnp.float32)))

@@ -20,11 +20,14 @@ CASES = {
     "mostly-sentinels": (150, 8, 256, 256, 0.9),
     # Every pick another rank's: nothing is copied, the sum is zero.
     "all-sentinels": (20, 2, 256, 256, 1.0),
+    # Five tiles: on two cores, three and two, the second core's last step repeating its tile before.
+    "odd-tiles": (600, 2, 256, 256, 0.5),
 }
 
 
+@pytest.mark.parametrize("generation", ["v6e", "v5p"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_combine_sums_each_tokens_live_picks(kernel, interpret, to_jax, case):
+def test_combine_sums_each_tokens_live_picks(kernel, interpret, to_jax, case, generation):
     tokens, top_k, hidden, tile_n, sentinels = CASES[case]
     generator = torch.Generator().manual_seed(len(case))
     picks = tokens * top_k
@@ -40,9 +43,11 @@ def test_combine_sums_each_tokens_live_picks(kernel, interpret, to_jax, case):
     weights = torch.rand(tokens, top_k, generator=generator)
     words = kernel.packed_rows.pack_rows(jnp.asarray(rows.numpy()).reshape(picks, hidden // tile_n, tile_n)
                                         .reshape(-1, tile_n)).reshape(picks, hidden // 2)
-    plan = kernel.pallas_combine.plan_combine(tokens, top_k, hidden, "bfloat16", tile_n, "v6e")
+    plan = kernel.pallas_combine.plan_combine(tokens, top_k, hidden, "bfloat16", tile_n, generation)
+    # v5p's two cores split the token tiles, but a single tile is one core's.
+    assert plan.cores == (2 if generation == "v5p" and tokens > plan.tile_t else 1)
     out = interpret(lambda: kernel.pallas_combine.combine_picks(
-        words, to_jax(position), to_jax(weights), jnp.asarray(live.numpy()), plan))
+        words, to_jax(position), to_jax(weights), jnp.asarray(live.numpy()), plan), cores=plan.cores)
     expected = torch.einsum("tk,tkh->th", torch.where(live, weights, 0.0).double(),
                             torch.where(live[..., None], rows[position].double(), 0.0))
     assert out.shape == (tokens, hidden)
@@ -69,12 +74,9 @@ def test_packed_plan_refuses_what_it_cannot_pack(kernel, change, why):
     assert kernel.plan.packed_plan(kernel.plan.plan_ragged_dot(problem, "v6e", tiles)) is None, why
 
 
-@pytest.mark.parametrize("generation, combined", [("v5e", True), ("v6e", True), ("tpu7x", True), ("v5p", False)])
-def test_the_combine_kernel_serves_one_core_devices(kernel, generation, combined):
-    """On v5p's two cores the combine kernel (one core walking the token tiles) would halve the bandwidth XLA's sum
-    gets: the sum stays in XLA there."""
+@pytest.mark.parametrize("generation, cores", [("v5e", 1), ("v6e", 1), ("tpu7x", 1), ("v5p", 2)])
+def test_the_combine_kernel_splits_its_tiles_over_the_cores(kernel, generation, cores):
     problem = kernel.problem.ExpertsProblem(2048, 8, 2048, 768, 16, "bfloat16", "bfloat16", "float32", False, False,
                                             kernel.problem.Gate("silu"))
     plan = kernel.plan.plan_experts(problem, generation, fused=False)
-    assert (plan.combine is not None) == combined
-    assert plan.forward_down.problem.packed_out == combined
+    assert plan.forward_down.problem.packed_out and plan.combine.cores == cores

@@ -28,6 +28,14 @@ CASES = {
     # One row tile over all rows (decode-sized calls): one buffer, copied once.
     "one-tile": (13, 96, 128, [4, 0, 9, 11], 6, (32, 96, 128, None, 1), "bfloat16"),
 }
+# K whose halves would take an MXU pass more than K whole: the row splits at the MXU width past half
+# (`plan.gathered_plan`), its words wider than half a row and its second part's columns off the lanes.
+MXU_SPLITS = {
+    # v5e's 128-wide MXU: halves of 144 take 2 + 2 passes, 256 + 32 columns 2 + 1.
+    "v5e-288": ("v5e", 288, False, 256),
+    # Read transposed, halves of 160 are off the lanes: 256 + 64 on v6e.
+    "v6e-320-transposed": ("v6e", 320, True, 256),
+}
 
 
 def _reference(tokens, row_token, weights, sizes, transpose_rhs, bias=None):
@@ -41,15 +49,15 @@ def _reference(tokens, row_token, weights, sizes, transpose_rhs, bias=None):
     return torch.cat(out)
 
 
-def _call(kernel, interpret, to_jax, case, transpose_rhs, *, bias=False, k=None, seed=0):
+def _call(kernel, interpret, to_jax, case, transpose_rhs, *, bias=False, k=None, seed=0, generation="v6e"):
     num_tokens, case_k, n, sizes, past, tiles, dtype = CASES[case]
     k = k or case_k
     groups, live = len(sizes), sum(sizes)
     m = live + past
     problem = kernel.problem.MatmulProblem(m, k, n, groups, dtype, dtype, transpose_rhs=transpose_rhs,
                                            zero_rows_past_groups=False, bias=bias)
-    plan = kernel.plan.gathered_plan(kernel.plan.plan_ragged_dot(problem, "v6e",
-                                                                 kernel.config.TileConfig(*tiles)._replace(tile_k=k)))
+    tile_config = kernel.config.TileConfig(*tiles)._replace(tile_k=k)
+    plan = kernel.plan.gathered_plan(kernel.plan.plan_ragged_dot(problem, generation, tile_config), generation)
     assert plan is not None and plan.problem.gathered
     generator = torch.Generator().manual_seed(seed + len(case) + transpose_rhs)
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
@@ -66,7 +74,7 @@ def _call(kernel, interpret, to_jax, case, transpose_rhs, *, bias=False, k=None,
         to_jax(row_token)))
     assert out.shape == (m, n)
     expected = _reference(tokens, row_token, weights, sizes, transpose_rhs, bias_rows)
-    return out, expected, live
+    return out, expected, live, plan
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
@@ -74,7 +82,7 @@ def _call(kernel, interpret, to_jax, case, transpose_rhs, *, bias=False, k=None,
 def test_gathered_schedules_match_reference(kernel, interpret, to_jax, case, transpose_rhs):
     # Read transposed, a bf16 row splits on the weights block's lanes: K halves of 128.
     k = 256 if transpose_rhs and CASES[case][-1] == "bfloat16" else None
-    out, expected, live = _call(kernel, interpret, to_jax, case, transpose_rhs, k=k)
+    out, expected, live, _ = _call(kernel, interpret, to_jax, case, transpose_rhs, k=k)
     tolerance = 1e-5 if CASES[case][-1] == "float32" else 1e-2
     if live:
         assert ((out[:live].double() - expected).abs().max() / expected.abs().max()).item() <= tolerance
@@ -88,9 +96,36 @@ def test_gathered_schedules_match_reference(kernel, interpret, to_jax, case, tra
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 def test_gathered_rows_take_the_bias(kernel, interpret, to_jax, transpose_rhs):
-    out, expected, live = _call(kernel, interpret, to_jax, "chunks", transpose_rhs, bias=True,
-                                k=256 if transpose_rhs else None)
+    out, expected, live, _ = _call(kernel, interpret, to_jax, "chunks", transpose_rhs, bias=True,
+                                   k=256 if transpose_rhs else None)
     assert ((out[:live].double() - expected).abs().max() / expected.abs().max()).item() <= 1e-2
+
+
+@pytest.mark.parametrize("split", list(MXU_SPLITS))
+@pytest.mark.parametrize("case", ["chunks", "tail-window"])
+def test_rows_split_at_the_mxu_width_match_reference(kernel, interpret, to_jax, case, split):
+    generation, k, transpose_rhs, expected_split = MXU_SPLITS[split]
+    out, expected, live, plan = _call(kernel, interpret, to_jax, case, transpose_rhs, k=k, generation=generation)
+    assert plan.gather_split == expected_split
+    assert ((out[:live].double() - expected).abs().max() / expected.abs().max()).item() <= 1e-2
+
+
+@pytest.mark.parametrize("generation, k, transpose_rhs, split", [
+    ("v6e", 2048, False, 1024),  # Qwen3: halves on every tiling and pass
+    ("v5e", 2880, False, 1536),  # GPT-OSS: 2 x 1440 would take 24 passes of 128, 1536 + 1344 take 23
+    ("v6e", 2880, False, 1440),  # ... 2 x 6 passes of 256, as 2880 whole
+    ("v6e", 2880, True, 1536),  # ... read transposed, 1440 is off the lanes
+    ("v6e", 2816, False, 1536),  # Gemma 4: 2 x 1408 would take 12 passes of 256, 1536 + 1280 take 11
+    ("v5e", 2816, False, 1408),  # ... 2 x 11 passes of 128, as 2816 whole
+])
+def test_a_row_splits_where_its_parts_cost_no_mxu_pass(kernel, generation, k, transpose_rhs, split):
+    problem = kernel.problem.MatmulProblem(4096, k, 1536, 16, "bfloat16", "bfloat16", transpose_rhs=transpose_rhs,
+                                           zero_rows_past_groups=False)
+    plan = kernel.plan.plan_ragged_dot(problem, generation, kernel.config.TileConfig(256, k, 512, None, 1))
+    gathered = kernel.plan.gathered_plan(plan, generation)
+    assert gathered.gather_split == split
+    # The copies' two buffers of 256-row windows hold words wider than half a row by (split - K / 2) each.
+    assert gathered.vmem_limit_bytes - plan.vmem_limit_bytes == 2 * 256 * 4 * (split - k // 2)
 
 
 def test_token_rows_pack_into_words_and_back(kernel):
@@ -101,26 +136,31 @@ def test_token_rows_pack_into_words_and_back(kernel):
     bits = jnp.asarray(tokens).view(jnp.uint16).astype(jnp.int32)
     assert (words & 0xFFFF == bits[:, :32]).all()
     assert ((words >> 16) & 0xFFFF == bits[:, 32:]).all()
+    # Split past half: the second part zero-padded to the first's width.
+    words = kernel.packed_rows.pack_rows(tokens, 40)
+    assert words.shape == (5, 40)
+    assert (words & 0xFFFF == bits[:, :40]).all()
+    assert ((words[:, :24] >> 16) & 0xFFFF == bits[:, 40:]).all() and (words[:, 24:] >> 16 == 0).all()
 
 
 @pytest.mark.parametrize("change, why", [
     (dict(rhs_dtype="int8"), "one-byte weights"),
     (dict(k=200), "K in several tiles"),
-    (dict(k=80), "K halves of 40 rows, off bf16's 16-row tiling"),
-    (dict(k=192, transpose_rhs=True), "K halves of 96 lanes"),
+    (dict(k=80), "K halves of 40 rows, off bf16's 16-row tiling, and K within one MXU pass"),
+    (dict(k=192, transpose_rhs=True), "K halves of 96 lanes, and K within one 256-wide MXU pass"),
 ])
 def test_gathered_plan_refuses_what_it_cannot_copy(kernel, change, why):
     fields = dict(m=64, k=96, n=128, groups=4, dtype="bfloat16", rhs_dtype="bfloat16", transpose_rhs=False,
                   zero_rows_past_groups=False) | change
     problem = kernel.problem.MatmulProblem(**fields)
     tiles = kernel.config.TileConfig(16, min(fields["k"], 128), 128, None, 1)
-    assert kernel.plan.gathered_plan(kernel.plan.plan_ragged_dot(problem, "v6e", tiles)) is None, why
+    assert kernel.plan.gathered_plan(kernel.plan.plan_ragged_dot(problem, "v6e", tiles), "v6e") is None, why
 
 
 def test_a_gathered_plan_takes_row_tokens_and_only_it(kernel):
     problem = kernel.problem.MatmulProblem(64, 96, 128, 2, "bfloat16", "bfloat16", transpose_rhs=False)
     plan = kernel.plan.plan_ragged_dot(problem, "v6e", kernel.config.TileConfig(16, 96, 128, None, 1))
-    gathered = kernel.plan.gathered_plan(plan)
+    gathered = kernel.plan.gathered_plan(plan, "v6e")
     tokens, weights, sizes = jnp.ones((8, 96), jnp.bfloat16), jnp.ones((2, 96, 128), jnp.bfloat16), jnp.array([3, 5])
     with pytest.raises(ValueError, match="gathers its rows"):
         kernel.pallas_gmm.grouped_matmul(tokens, weights, sizes, None, gathered)

@@ -14,16 +14,22 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def pack_rows(values: jax.Array) -> jax.Array:
-    """f32 `[rows, cols]` rounded to bf16 and packed as int32 words `[rows, cols / 2]`: column j's bits in the low
-    half, column cols / 2 + j's in the high half (32-bit operations only: Mosaic's bf16 values have no bitcast)."""
-    half = values.shape[1] // 2
+def pack_rows(values: jax.Array, split: int | None = None) -> jax.Array:
+    """f32 `[rows, cols]` rounded to bf16 and packed as int32 words `[rows, split]`: column j's bits in the low
+    half, column split + j's (zero past the columns) in the high half (32-bit operations only: Mosaic's bf16
+    values have no bitcast). `split` (default cols / 2) is at least half the columns: past half, the second
+    half's columns can start on an MXU pass (`plan.gathered_plan`)."""
+    split = values.shape[1] // 2 if split is None else split
     bits = lax.bitcast_convert_type(values.astype(jnp.bfloat16).astype(jnp.float32), jnp.int32)
-    return lax.shift_right_logical(bits[:, :half], 16) | (bits[:, half:] & jnp.int32(-65536))
+    second = bits[:, split:]
+    if second.shape[1] < split:
+        second = jnp.pad(second, ((0, 0), (0, split - second.shape[1])))
+    return lax.shift_right_logical(bits[:, :split], 16) | (second & jnp.int32(-65536))
 
 
 def unpack_rows(words: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`pack_rows`'s words as the two f32 halves of the columns they hold, exactly."""
+    """`pack_rows`'s words as the two f32 halves of the columns they hold, exactly (the second zero-padded to the
+    first's width)."""
     first = lax.bitcast_convert_type(lax.shift_left(words, 16), jnp.float32)
     second = lax.bitcast_convert_type(words & jnp.int32(-65536), jnp.float32)
     return first, second

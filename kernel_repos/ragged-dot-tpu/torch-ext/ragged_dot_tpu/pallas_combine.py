@@ -6,11 +6,16 @@ token's picks in XLA reads all T x K rows of that array, the sentinel
 picks' too (another rank's experts, most picks under expert-parallel router
 masking), and XLA writes and rereads a `[T, H]` gather per pick slot.
 
-Here the grid runs over tiles of `tile_t` tokens. Each step waits for its
-tile's live pick rows, copied one row per DMA from the sorted rows into one
-of two VMEM buffers (slab k holds the tile's tokens' k-th picks), and starts
-the next tile's copies into the other buffer; then it weights each slab by
-its routing weights and sums them in f32. Sentinel picks are never copied:
+Here the grid runs over tiles of `tile_t` tokens, split in runs of
+consecutive tiles over the device's TensorCores (v5p's two: the grid's
+first dimension, parallel). Each step waits for its tile's live pick rows,
+copied one row per DMA from the sorted rows into one of two VMEM buffers
+(slab k holds the tile's tokens' k-th picks), and starts the copies of its
+core's next tile into the other buffer; a core's first step copies its own
+tile first. Then it weights each slab by its routing weights and sums them
+in f32. With an odd number of tiles on two cores, the second core's last
+step repeats its tile before (copies, sums and writes the same values): no
+step lacks a tile, and no two cores write one block. Sentinel picks are never copied:
 their slots in the buffer keep whatever they held, and a select (not a
 multiply: they may hold NaN) drops them.
 
@@ -32,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._hardware import LANES, round_up, vmem_limit_bytes
+from ._hardware import LANES, round_up, tpu_generation, vmem_limit_bytes
 from .packed_rows import unpack_rows
 
 # Tokens per grid step: each step copies up to K x TOKEN_TILE rows, enough to keep the DMA engines busy.
@@ -48,17 +53,27 @@ class CombinePlan(NamedTuple):
     dtype: str  # the layer's output's
     tile_t: int
     tile_n: int  # the second projection's N tile: each pairs its two halves in one word (`packed_rows.pack_rows`)
+    cores: int  # TensorCores the token tiles are split over
     vmem_limit_bytes: int
+
+    @property
+    def tiles(self) -> int:
+        return pl.cdiv(self.tokens, self.tile_t)
+
+    @property
+    def tiles_per_core(self) -> int:
+        return pl.cdiv(self.tiles, self.cores)
 
 
 def plan_combine(tokens: int, top_k: int, hidden: int, dtype: str, tile_n: int, generation: str) -> CombinePlan:
     tile_t = min(TOKEN_TILE, round_up(tokens, 8))
+    cores = min(tpu_generation(generation).cores_per_device, pl.cdiv(tokens, tile_t))
     words = hidden // 2
     working_set = (2 * top_k * tile_t * words * 4  # the two buffers of copied rows
                    + 2 * 2 * tile_t * round_up(top_k, LANES) * 4  # routing weights and live flags, double-buffered
                    + 2 * tile_t * hidden * jnp.dtype(dtype).itemsize  # the output block, double-buffered
                    + 4 * tile_t * tile_n * 4)  # one N tile's f32 halves and sums
-    return CombinePlan(tokens, top_k, hidden, dtype, tile_t, tile_n, vmem_limit_bytes(working_set, generation))
+    return CombinePlan(tokens, top_k, hidden, dtype, tile_t, tile_n, cores, vmem_limit_bytes(working_set, generation))
 
 
 class CombineSchedule(NamedTuple):
@@ -71,8 +86,7 @@ class CombineSchedule(NamedTuple):
 
 def combine_schedule(position: jax.Array, live: jax.Array, plan: CombinePlan) -> CombineSchedule:
     """The copies of each token tile from `position[T, K]` (each pick's sorted row) and `live[T, K]`."""
-    tile_t, top_k = plan.tile_t, plan.top_k
-    tiles = pl.cdiv(plan.tokens, tile_t)
+    tile_t, top_k, tiles = plan.tile_t, plan.top_k, plan.tiles
     pad = tiles * tile_t - plan.tokens
     position = jnp.pad(position, ((0, pad), (0, 0)))
     live = jnp.pad(live, ((0, pad), (0, 0)))
@@ -94,19 +108,22 @@ def combine_picks(rows: jax.Array, position: jax.Array, top_k_weights: jax.Array
     `rows` are the sorted rows as packed words (`[M, H / 2]` int32, `packed_rows.pack_rows` per N tile of
     `plan.tile_n`); rows of picks not `live` are never read.
     """
-    tile_t, top_k, hidden = plan.tile_t, plan.top_k, plan.hidden
-    tiles = pl.cdiv(plan.tokens, tile_t)
+    tile_t, top_k, hidden, tiles = plan.tile_t, plan.top_k, plan.hidden, plan.tiles
     schedule = combine_schedule(position, live, plan)
     pad = ((0, tiles * tile_t - plan.tokens), (0, 0))
     weights = jnp.pad(jnp.where(live, top_k_weights.astype(jnp.float32), 0.0), pad)
     live_flags = jnp.pad(live.astype(jnp.int32), pad)
+
+    def by_tile(core, step, *_):
+        return _tile(core, step, plan), 0
+
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(schedule),
-        grid=(tiles,),
+        grid=(plan.cores, plan.tiles_per_core),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY),
-                  pl.BlockSpec((tile_t, top_k), lambda i, *_: (i, 0)),
-                  pl.BlockSpec((tile_t, top_k), lambda i, *_: (i, 0))],
-        out_specs=pl.BlockSpec((tile_t, hidden), lambda i, *_: (i, 0)),
+                  pl.BlockSpec((tile_t, top_k), by_tile),
+                  pl.BlockSpec((tile_t, top_k), by_tile)],
+        out_specs=pl.BlockSpec((tile_t, hidden), by_tile),
         scratch_shapes=[pltpu.VMEM((2, top_k * tile_t, hidden // 2), jnp.int32), pltpu.SemaphoreType.DMA((2,))],
     )
     return pl.pallas_call(
@@ -114,8 +131,8 @@ def combine_picks(rows: jax.Array, position: jax.Array, top_k_weights: jax.Array
         # The last tile's block is partial: its rows past the tokens are never written back.
         out_shape=jax.ShapeDtypeStruct((plan.tokens, hidden), jnp.dtype(plan.dtype)),
         grid_spec=grid_spec,
-        # One core walks the tiles in order: each step's copies were started by the step before.
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+        # Each core walks its tiles in order: each step's copies were started by the step before.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=plan.vmem_limit_bytes),
         cost_estimate=pl.CostEstimate(flops=2 * plan.tokens * top_k * hidden, transcendentals=0,
                                       bytes_accessed=plan.tokens * top_k * hidden * 2 + plan.tokens * hidden * 2),
@@ -123,11 +140,18 @@ def combine_picks(rows: jax.Array, position: jax.Array, top_k_weights: jax.Array
     )(*schedule, rows, weights, live_flags)
 
 
+def _tile(core, step, plan: CombinePlan):
+    """The token tile a core's step sums: its run's, the second core's last step past the tiles repeating the one
+    before."""
+    return jnp.minimum(core * plan.tiles_per_core + step, plan.tiles - 1)
+
+
 def _body(source_ref, slot_ref, copies_ref, rows_ref, weights_ref, live_ref, out_ref, buffers, semaphores, *,
           plan: CombinePlan):
-    step, steps = pl.program_id(0), pl.num_programs(0)
+    core, step, steps = pl.program_id(0), pl.program_id(1), pl.num_programs(1)
     per_tile = plan.top_k * plan.tile_t
     buffer = step % 2
+    tile, next_tile = _tile(core, step, plan), _tile(core, step + 1, plan)
 
     def copy(tile, target, entry):
         index = tile * per_tile + entry
@@ -138,10 +162,10 @@ def _body(source_ref, slot_ref, copies_ref, rows_ref, weights_ref, live_ref, out
         lax.fori_loop(0, count, lambda entry, carry: (copy(tile, target, entry).start(), carry)[1], 0)
 
     # The copy counts are read here, outside the branches: the traffic model evaluates them per step.
-    count, next_count = copies_ref[step], copies_ref[jnp.minimum(step + 1, steps - 1)]
-    pl.when(step == 0)(functools.partial(start_tile, step, buffer, count))
-    pl.when(step + 1 < steps)(functools.partial(start_tile, step + 1, 1 - buffer, next_count))
-    lax.fori_loop(0, count, lambda entry, carry: (copy(step, buffer, entry).wait(), carry)[1], 0)
+    count, next_count = copies_ref[tile], copies_ref[next_tile]
+    pl.when(step == 0)(functools.partial(start_tile, tile, buffer, count))
+    pl.when(step + 1 < steps)(functools.partial(start_tile, next_tile, 1 - buffer, next_count))
+    lax.fori_loop(0, count, lambda entry, carry: (copy(tile, buffer, entry).wait(), carry)[1], 0)
 
     tile_t, half = plan.tile_t, plan.tile_n // 2
     weights, live = weights_ref[...], live_ref[...] > 0

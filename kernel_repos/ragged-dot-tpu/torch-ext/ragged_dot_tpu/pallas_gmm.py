@@ -77,9 +77,10 @@ tile copies its window and waits at once (the N tiles may run on two
 cores). A row is copied whole (one K tile). Mosaic copies a bf16 row only in
 pairs of rows (its VMEM tiling packs two rows per 32-bit word), so bf16
 token rows travel as 32-bit words, each the bits of one element of the
-row's first half and one of its second half (`packed_rows.pack_rows`: one XLA pass
-over the tokens); the kernel takes the halves apart with a shift and a mask
-and multiplies each by its half of the weights block's K.
+row's columns before `plan.gather_split` (half of K, or the MXU-aligned
+column past it) and one of the columns from it (`packed_rows.pack_rows`:
+one XLA pass over the tokens); the kernel takes the parts apart with a
+shift and a mask and multiplies each by its rows of the weights block.
 
 With a packed output (`MatmulProblem.packed_out`: an experts layer's second
 projection, whose rows the combine kernel (`pallas_combine`) copies one at a
@@ -249,16 +250,15 @@ def _lhs_rows(lhs_ref, start, rows: int):
     return ((lhs_ref[pl.ds(start, rows), :], None),)
 
 
-def _token_rows(words_ref, dtype: str, k: int, start, rows: int):
+def _token_rows(words_ref, dtype: str, k: int, split: int, start, rows: int):
     """Copied token rows `[start, start + rows)` of one buffer, as `_lhs_rows` gives them: f32 rows as they are;
-    bf16 rows, copied as words (`packed_rows.pack_rows`), as their two K halves."""
+    bf16 rows, copied as words (`packed_rows.pack_rows`), as their K columns before `split` and from it."""
     words = words_ref[pl.ds(start, rows), :]
     if dtype == "float32":
         return ((words, None),)
-    # A bf16 value's bits are the top half of its f32 bits: both halves widen exactly, then narrow exactly.
-    first, second = (half.astype(jnp.bfloat16) for half in unpack_rows(words))
-    half = k // 2
-    return ((first, slice(0, half)), (second, slice(half, k)))
+    # A bf16 value's bits are the top half of its f32 bits: both parts widen exactly, then narrow exactly.
+    first, second = (part.astype(jnp.bfloat16) for part in unpack_rows(words))
+    return ((first, slice(0, split)), (second[:, : k - split], slice(split, k)))
 
 
 class _Gather(NamedTuple):
@@ -337,15 +337,15 @@ def _multiply(refs: _StepRefs, slot: int, part: int, start, rows: int, keep, k_s
     problem, tile_k = plan.problem, plan.tile_k
     quantization = scheme_of(problem.rhs_dtype)
     pieces = refs.lhs(start, rows)
-    if len(pieces) > 1:  # gathered bf16 rows, as their K halves (tile_k == k: no K tail, no quantized weights)
+    if len(pieces) > 1:  # gathered bf16 rows, as two parts of K (tile_k == k: no K tail, no quantized weights)
         rhs = refs.rhs[slot][part][...]
         product = None
         for lhs, k_range in pieces:
             rhs_part = rhs[:, k_range] if problem.transpose_rhs else rhs[k_range, :]
-            half = lax.dot_general(jnp.where(keep, lhs, jnp.zeros_like(lhs)), rhs_part,
-                                   (((1,), (1 if problem.transpose_rhs else 0,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-            product = half if product is None else product + half
+            part_product = lax.dot_general(jnp.where(keep, lhs, jnp.zeros_like(lhs)), rhs_part,
+                                           (((1,), (1 if problem.transpose_rhs else 0,)), ((), ())),
+                                           preferred_element_type=jnp.float32)
+            product = part_product if product is None else product + part_product
         return product
     ((lhs, _),) = pieces
     if dequantized_in_vmem(quantization) and not plan.fp8_matmul:
@@ -411,7 +411,8 @@ def _body(*refs, plan: MatmulPlan):
         gather = _Gather(lhs_ref, *prefetch[len(WorkItems._fields) :], buffers, semaphores, current)
         buffer = _gather_rows(gather, items.lhs_tile, step, steps, plan)
         refs = _step_refs(None, refs, plan)._replace(
-            lhs=functools.partial(_token_rows, buffers.at[buffer], plan.problem.dtype, plan.problem.k))
+            lhs=functools.partial(_token_rows, buffers.at[buffer], plan.problem.dtype, plan.problem.k,
+                                  plan.gather_split))
     else:
         refs = _step_refs(lhs_ref, refs, plan)
     tile_m, chunk_m, groups_per_step = plan.tile_m, plan.chunk_m, plan.groups_per_step
@@ -651,7 +652,7 @@ def _specs(plan: MatmulPlan, rhs, rhs_scales, bias, items: WorkItems) -> _Specs:
     if dequantized_in_vmem(quantization) and not plan.fp8_matmul:
         scratch += [pltpu.VMEM(rhs_block[1:], jnp.dtype(problem.dtype)) for _ in range(slots)]
     if problem.gathered:
-        words = (problem.k, jnp.float32) if problem.dtype == "float32" else (problem.k // 2, jnp.int32)
+        words = (problem.k, jnp.float32) if problem.dtype == "float32" else (plan.gather_split, jnp.int32)
         # One row tile never prefetches a next one: one buffer.
         copies = 1 if tile_m >= problem.m else 2
         scratch += [pltpu.VMEM((copies, tile_m + (chunk_m or 0), words[0]), words[1]),
@@ -680,7 +681,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_s
     prefetch = tuple(items)
     if problem.gathered:
         prefetch += (row_token.astype(jnp.int32), jnp.sum(group_sizes).reshape(1))
-        lhs = lhs if lhs.dtype == jnp.float32 else pack_rows(lhs)
+        lhs = lhs if lhs.dtype == jnp.float32 else pack_rows(lhs, plan.gather_split)
     grid = (pl.cdiv(n, plan.tile_n), pl.cdiv(items.count[0], plan.groups_per_step), pl.cdiv(k, plan.tile_k))
     specs = _specs(plan, rhs, rhs_scales, bias, items)
     itemsize = jnp.dtype(problem.dtype).itemsize

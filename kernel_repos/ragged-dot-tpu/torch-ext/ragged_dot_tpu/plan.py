@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ._hardware import LANES, resolve_generation, round_up, tpu_generation, vmem_limit_bytes
+from ._hardware import LANES, max_vmem_limit_bytes, resolve_generation, round_up, tpu_generation, vmem_limit_bytes
 from .config import use_fused_experts
 from .fused_tiles import (
     FusedConfig, check_fused_config, fused_buffers, fused_chunks, fused_config, fused_cores, fused_feeds_fp8_mxu,
@@ -45,6 +45,8 @@ class MatmulPlan(NamedTuple):
     vmem_limit_bytes: int
     active_groups: float  # expected, for the cost estimate (`expected_active_groups`)
     fp8_matmul: bool  # fp8 weights multiplied on the fp8 MXU with fp8 activations (`gmm_tiles.matmul_feeds_fp8_mxu`)
+    # Gathered bf16 rows (`gathered_plan`): the K column where the second half of each copied word starts.
+    gather_split: int = 0
 
 
 def plan_ragged_dot(problem: MatmulProblem, generation: str | None = None,
@@ -101,26 +103,52 @@ def gated_plan(gate_up: MatmulPlan, gate: Gate, has_bias: bool, generation: str 
     return gated if half % LANES == 0 else None
 
 
-def gathered_plan(plan: MatmulPlan) -> MatmulPlan | None:
-    """`plan` with its rows copied in the kernel from their tokens (`MatmulProblem.gathered`): the same tiles
-    and VMEM (the copies land in two buffers of lhs's window, as the pipeline's would, or in one for a single
-    row tile).
+def gathered_plan(plan: MatmulPlan, generation: str | None = None) -> MatmulPlan | None:
+    """`plan` with its rows copied in the kernel from their tokens (`MatmulProblem.gathered`) on `generation`
+    (default: this device's): the same tiles, the copies landing in two buffers of lhs's window, as the
+    pipeline's would, or in one for a single row tile.
 
-    None where lhs stays an array of sorted rows: one-byte weights and fp8 on the MXU (their K blocks),
-    rows in several K tiles (a row is copied whole), and bfloat16 rows whose two K halves (`packed_rows.pack_rows`: a bf16 row is
-    copied as 32-bit words, one element of each half per word) do not split the weights block on its
-    tiling: 128 lanes read transposed, 16 sublanes otherwise.
+    A bf16 row is copied as 32-bit words, each holding one element of the row's first K columns and one of the
+    rest (`packed_rows.pack_rows`), and the kernel multiplies each part by its rows of the weights block.
+    Where the second part starts (`gather_split`) is half of K if that falls on the weights block's tiling (16
+    sublanes, or 128 lanes read transposed) and the two parts take no more MXU passes than K whole, else the
+    first multiple of the MXU width past half (GPT-OSS's K = 2880 on v5e's 128-wide MXU: 1536 + 1344 columns
+    in 12 + 11 passes, not 2 x 1440 in 2 x 12), whose words are wider than half a row (the VMEM limit grows
+    by the difference).
+
+    None where lhs stays an array of sorted rows: one-byte weights and fp8 on the MXU (their K blocks), rows
+    in several K tiles (a row is copied whole), and bf16 rows with no split of either kind.
     """
     problem = plan.problem
     if problem.rhs_dtype != problem.dtype or problem.dtype not in ("bfloat16", "float32"):
         return None
     if plan.tile_k < problem.k:
         return None
-    if problem.dtype == "bfloat16":
-        half = problem.k // 2
-        if problem.k % 2 or half % (LANES if problem.transpose_rhs else 16):
-            return None
-    return plan._replace(problem=problem._replace(gathered=True))
+    gathered = plan._replace(problem=problem._replace(gathered=True))
+    if problem.dtype == "float32":
+        return gathered
+    generation = resolve_generation(generation)
+    split = _gather_split(problem.k, problem.transpose_rhs, tpu_generation(generation).mxu_size)
+    if split is None:
+        return None
+    window_rows = plan.tile_m + (plan.chunk_m or 0)
+    copies = 1 if plan.tile_m >= problem.m else 2
+    wider_words = copies * window_rows * 4 * (split - problem.k // 2)
+    return gathered._replace(gather_split=split, vmem_limit_bytes=min(plan.vmem_limit_bytes + wider_words,
+                                                                      max_vmem_limit_bytes(generation)))
+
+
+def _gather_split(k: int, transpose_rhs: bool, mxu: int) -> int | None:
+    """`gathered_plan`'s split of a bf16 row of K columns: half, the MXU-aligned one, or None."""
+    def passes(columns):
+        return -(-columns // mxu)
+
+    half = k // 2 if k % 2 == 0 and (k // 2) % (LANES if transpose_rhs else 16) == 0 else None
+    aligned = round_up(-(-k // 2), mxu)
+    aligned = aligned if aligned < k else None
+    if half is not None and (aligned is None or 2 * passes(half) <= passes(k)):
+        return half
+    return aligned
 
 
 def packed_plan(plan: MatmulPlan) -> MatmulPlan | None:
@@ -261,8 +289,8 @@ class ExpertsPlan(NamedTuple):
     tokens in the kernel (`gathered_plan`), each where it can;
     `forward_down` and `combine` the second projection and the per-token
     sum it runs: the projection's rows as packed words and the combine
-    kernel (`packed_plan`, `pallas_combine`) where it can, on one-core
-    devices (else `down` and None: the sum runs in XLA); `gate_up_backward` and
+    kernel (`packed_plan`, `pallas_combine`) where it can (else `down` and
+    None: the sum runs in XLA); `gate_up_backward` and
     `down_backward` plan the backward (None for one-byte weights, which have
     none).
     """
@@ -301,13 +329,10 @@ def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fuse
     gate_up_plan = plan_ragged_dot(gate_up, generation)
     forward_gate_up = gated_plan(gate_up_plan, problem.gate, problem.has_bias, generation) or gate_up_plan
     down_plan = plan_ragged_dot(down, generation)
-    # The combine kernel walks its token tiles in order on one core: on a megacore device (v5p) that is half the
-    # chip's HBM bandwidth, against XLA's sum over both cores, so there the sum stays in XLA.
-    single_core = tpu_generation(generation).cores_per_device == 1
-    packed_down = packed_plan(down_plan) if single_core else None
+    packed_down = packed_plan(down_plan)
     return ExpertsPlan(
         problem=problem, orientation=orientation, fused=plan_fused(problem, generation=generation) if fused else None,
-        gate_up=gate_up_plan, forward_gate_up=gathered_plan(forward_gate_up) or forward_gate_up,
+        gate_up=gate_up_plan, forward_gate_up=gathered_plan(forward_gate_up, generation) or forward_gate_up,
         down=down_plan, forward_down=packed_down or down_plan,
         combine=packed_down and plan_combine(problem.tokens, problem.top_k, hidden, problem.dtype, down_plan.tile_n,
                                              generation),
