@@ -15,16 +15,20 @@ from jax import lax
 
 
 def pack_rows(values: jax.Array, split: int | None = None) -> jax.Array:
-    """f32 `[rows, cols]` rounded to bf16 and packed as int32 words `[rows, split]`: column j's bits in the low
-    half, column split + j's (zero past the columns) in the high half (32-bit operations only: Mosaic's bf16
+    """f32 or bf16 `[rows, cols]` rounded to bf16 and packed as int32 words `[rows, split]`: column j's bits in the
+    low half, column split + j's (zero past the columns) in the high half (32-bit operations only: Mosaic's bf16
     values have no bitcast). `split` (default cols / 2) is at least half the columns: past half, the second
     half's columns can start on an MXU pass (`plan.gathered_plan`)."""
     split = values.shape[1] // 2 if split is None else split
-    bits = lax.bitcast_convert_type(values.astype(jnp.bfloat16).astype(jnp.float32), jnp.int32)
-    second = bits[:, split:]
-    if second.shape[1] < split:
-        second = jnp.pad(second, ((0, 0), (0, split - second.shape[1])))
-    return lax.shift_right_logical(bits[:, :split], 16) | (second & jnp.int32(-65536))
+    if values.shape[1] < 2 * split:
+        values = jnp.pad(values, ((0, 0), (0, 2 * split - values.shape[1])))
+
+    def bits(columns):
+        return lax.bitcast_convert_type(columns.astype(jnp.bfloat16).astype(jnp.float32), jnp.int32)
+
+    # Sliced before the bitcasts: XLA then packs in one pass; bitcasting the whole first, it writes and rereads
+    # an int32 copy of all the rows wherever it leaves that copy in HBM (v5p).
+    return lax.shift_right_logical(bits(values[:, :split]), 16) | (bits(values[:, split:]) & jnp.int32(-65536))
 
 
 def unpack_rows(words: jax.Array) -> tuple[jax.Array, jax.Array]:
