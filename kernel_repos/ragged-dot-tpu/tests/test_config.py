@@ -107,14 +107,25 @@ def test_heuristic_n_tiles_waste_no_mxu_pass_they_can_avoid(config):
 
 @pytest.mark.parametrize("n, max_cols, mxu", [(5760, 1456, 128), (2880, 1456, 128), (5760, 2912, 256), (7168, 2048, 128),
                                               (4096, 585, 128), (16384, 1024, 256)])
-def test_n_tile_takes_the_fewest_passes_of_the_tiles_it_considers(config, n, max_cols, mxu):
+@pytest.mark.parametrize("cores", [1, 2])
+def test_n_tile_takes_the_fewest_passes_of_the_tiles_it_considers(config, n, max_cols, mxu, cores):
+    """Passes on the busier core: with two cores, each takes whole N tiles, one of them the odd one."""
     def passes(tile):
-        return -(-n // tile) * -(-tile // mxu)
+        return -(-(-(-n // tile)) // cores) * -(-tile // mxu)
 
-    chosen = config.n_tile(n, max_cols, mxu)
+    chosen = config.n_tile(n, max_cols, mxu, cores)
     widest = max(256, max_cols // 128 * 128)
     assert chosen % 128 == 0 and widest // 2 <= chosen <= widest
     assert passes(chosen) == min(passes(t) for t in range(128, widest + 1, 128) if t >= widest // 2)
+
+
+def test_megacore_n_tiles_balance_the_cores(config):
+    """GPT-OSS on v5p: 6 tiles of 1024 (3 per core, 24 passes each) for gate_up's 5760 columns, not 5 of 1152 (45
+    passes in all, the fewest, but 27 on one core); 4 of 768 for down's 2880, not 3 of 1024."""
+    assert config.n_tile(5760, 1456, 128) == 1152
+    assert config.n_tile(5760, 1456, 128, cores=2) == 1024
+    assert config.heuristic_config(32768, 2880, 5760, jnp.bfloat16, "v5p", 32, jnp.bfloat16, True).tile_n == 1024
+    assert config.heuristic_config(32768, 2880, 2880, jnp.bfloat16, "v5p", 32, jnp.bfloat16, True).tile_n == 768
 
 
 def test_heuristic_always_fits(config):

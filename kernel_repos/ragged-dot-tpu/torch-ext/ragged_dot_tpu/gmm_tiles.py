@@ -246,14 +246,17 @@ def ridge_rows(generation: str) -> int:
     return int(facts.bf16_flops_per_s / facts.hbm_bytes_per_s)
 
 
-def n_tile(n: int, max_cols: int, mxu: int) -> int:
+def n_tile(n: int, max_cols: int, mxu: int, cores: int = 1) -> int:
     """The N tile for weights blocks of at most `max_cols` columns (at least 256): all of N if it fits.
 
     Else, among multiples of 128 from half the widest fitting tile up to it
     (not narrower: every N tile is a grid step per row tile), the one whose
-    tiles take the fewest MXU passes over all of N (a tile's columns round up
-    to whole `mxu`-wide passes, and a partial last tile is padded to the
-    tile), then the fewest tiles, then the least padding of the last tile.
+    tiles take the fewest MXU passes on the busier of the device's `cores`
+    (which split the N tiles, in whole tiles), then over all of N (a tile's
+    columns round up to whole `mxu`-wide passes, and a partial last tile is
+    padded to the tile), then the fewest tiles, then the least padding of
+    the last tile. On v5p GPT-OSS's 5760 gate_up columns take 6 tiles of
+    1024 (48 passes, 24 per core), not 5 of 1152 (45 passes, 27 on one core).
     Halving N in multiples of 256 instead can waste passes: GPT-OSS's 5760
     gate_up columns on v5e made 8 tiles of 768 (48 passes of 128, the last
     tile half empty) where 5 tiles of 1152 take 45.
@@ -263,9 +266,9 @@ def n_tile(n: int, max_cols: int, mxu: int) -> int:
     widest = max(256, max_cols // LANES * LANES)
     candidates = range(max(LANES, widest // 2 // LANES * LANES), widest + 1, LANES)
 
-    def cost(tile: int) -> tuple[int, int, int]:
-        tiles = -(-n // tile)
-        return tiles * -(-tile // mxu), tiles, tiles * tile - n
+    def cost(tile: int) -> tuple[int, int, int, int]:
+        tiles, passes = -(-n // tile), -(-tile // mxu)
+        return -(-tiles // cores) * passes, tiles * passes, tiles, tiles * tile - n
 
     return min(candidates, key=cost)
 
@@ -292,7 +295,7 @@ def heuristic_config(m: int, k: int, n: int, dtype, generation: str, num_groups:
     if cores > 1:
         # A megacore device (v5p) splits the grid's first parallel axis, the N tiles: at least one per core.
         max_cols = min(max_cols, round_up(-(-n // cores), LANES))
-    tile_n = n_tile(n, max_cols, tpu_generation(generation).mxu_size)
+    tile_n = n_tile(n, max_cols, tpu_generation(generation).mxu_size, cores)
     while tile_k * tile_n * itemsize > rhs_block_bytes and tile_k > 512:
         tile_k = max(512, round_up(tile_k // 2, 256))
 
