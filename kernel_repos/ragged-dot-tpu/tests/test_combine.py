@@ -22,7 +22,20 @@ CASES = {
     "all-sentinels": (20, 2, 256, 256, 1.0),
     # Five tiles: on two cores, three and two, the second core's last step repeating its tile before.
     "odd-tiles": (600, 2, 256, 256, 0.5),
+    # N tiles of 384 columns in 256 words (256 + 128 columns each).
+    "wider-words": (40, 3, 768, 384, 0.3),
+    # A partial last N tile of 128 columns: its words' high halves hold none.
+    "partial-n-tile": (40, 3, 640, 256, 0.3),
+    # ... of 64 columns, off the lanes (GPT-OSS's 2880 in tiles of 1024 ends in 832).
+    "partial-n-tile-off-lanes": (40, 2, 320, 256, 0.3),
 }
+
+
+def _packed(kernel, rows, tile_n, split):
+    """The second projection's rows as it writes them: each N tile packed in `split` words."""
+    values = jnp.asarray(rows.numpy())
+    return jnp.concatenate([kernel.packed_rows.pack_rows(values[:, start : start + tile_n], split)
+                            for start in range(0, values.shape[1], tile_n)], axis=1)
 
 
 @pytest.mark.parametrize("generation", ["v6e", "v5p"])
@@ -41,9 +54,10 @@ def test_combine_sums_each_tokens_live_picks(kernel, interpret, to_jax, case, ge
     rows = torch.randn(picks, hidden, generator=generator).to(torch.bfloat16).float()
     rows[live_rows:] = float("nan")
     weights = torch.rand(tokens, top_k, generator=generator)
-    words = kernel.packed_rows.pack_rows(jnp.asarray(rows.numpy()).reshape(picks, hidden // tile_n, tile_n)
-                                        .reshape(-1, tile_n)).reshape(picks, hidden // 2)
-    plan = kernel.pallas_combine.plan_combine(tokens, top_k, hidden, "bfloat16", tile_n, generation)
+    split = -(-tile_n // 256) * 128
+    words = _packed(kernel, rows, tile_n, split)
+    plan = kernel.pallas_combine.plan_combine(tokens, top_k, hidden, "bfloat16", tile_n, split, generation)
+    assert words.shape == (picks, plan.words)
     # v5p's two cores split the token tiles, but a single tile is one core's.
     assert plan.cores == (2 if generation == "v5p" and tokens > plan.tile_t else 1)
     out = interpret(lambda: kernel.pallas_combine.combine_picks(
@@ -64,14 +78,15 @@ def test_packed_rows_round_to_bf16_and_unpack_exactly(kernel):
 
 @pytest.mark.parametrize("change, why", [
     (dict(dtype="float32", rhs_dtype="float32"), "f32 rows"),
-    (dict(n=320), "an N tile whose halves are not whole lanes"),
+    (dict(n=320), "an N tile off the lanes"),
+    (dict(n=128), "an N tile of one 128-lane block"),
 ])
 def test_packed_plan_refuses_what_it_cannot_pack(kernel, change, why):
     fields = dict(m=64, k=128, n=512, groups=4, dtype="bfloat16", rhs_dtype="bfloat16", transpose_rhs=False,
                   zero_rows_past_groups=False) | change
     problem = kernel.problem.MatmulProblem(**fields)
     tiles = kernel.config.TileConfig(16, 128, fields["n"], None, 1)
-    assert kernel.plan.packed_plan(kernel.plan.plan_ragged_dot(problem, "v6e", tiles)) is None, why
+    assert kernel.plan.packed_plan(kernel.plan.plan_ragged_dot(problem, "v6e", tiles), "v6e") is None, why
 
 
 @pytest.mark.parametrize("generation, cores", [("v5e", 1), ("v6e", 1), ("tpu7x", 1), ("v5p", 2)])
@@ -80,3 +95,15 @@ def test_the_combine_kernel_splits_its_tiles_over_the_cores(kernel, generation, 
                                             kernel.problem.Gate("silu"))
     plan = kernel.plan.plan_experts(problem, generation, fused=False)
     assert plan.forward_down.problem.packed_out and plan.combine.cores == cores
+
+
+@pytest.mark.parametrize("n, tile_n, split", [(512, 256, 128), (768, 384, 256), (2816, 1408, 768), (2880, 1024, 512)])
+def test_packed_plan_splits_each_n_tile_on_whole_lanes(kernel, n, tile_n, split):
+    """Half the tile rounded up to 128 lanes: Gemma 4's down tiles of 1408 columns (v5p) in 768 words, 640 paired;
+    GPT-OSS's 2880 in tiles of 1024, the last partial (v5e)."""
+    problem = kernel.problem.MatmulProblem(256, 128, n, 4, "bfloat16", "bfloat16", transpose_rhs=False,
+                                           zero_rows_past_groups=False)
+    plan = kernel.plan.plan_ragged_dot(problem, "v5e", kernel.config.TileConfig(128, 128, tile_n, None, 1))
+    packed = kernel.plan.packed_plan(plan, "v5e")
+    assert packed.out_split == split
+    assert packed.vmem_limit_bytes - plan.vmem_limit_bytes == 2 * 128 * (4 * split - 2 * tile_n)

@@ -232,3 +232,13 @@ def test_experts_layer_takes_the_fused_kernel_for_decode_only(kernel, interpret,
         expected = kernel.reference.gated_experts_reference(*layer, activation="silu", weights_transposed=False)
         assert _relative_error(out, expected) <= 1e-5
     assert taken == ["fused_experts_call", "grouped_experts"]
+
+
+@pytest.mark.parametrize("tokens, top_k, cores", [(1, 1, 1), (1, 4, 2), (8, 1, 2)])
+def test_a_single_pick_takes_one_core(kernel, tokens, top_k, cores):
+    """On v5p one pick (decode of one token under EP dispatch) leaves the second core no expert, whose first step
+    would still fetch a block of weights: the kernel runs on one core."""
+    problem = kernel.problem.ExpertsProblem(tokens, top_k, 2880, 2880, 4, "bfloat16", "bfloat16", "float32", True,
+                                            True, kernel.problem.Gate("clamped_swiglu", True, 1.702, 7.0))
+    assert kernel.plan.plan_fused(problem, generation="v5p").cores == cores
+    assert kernel.plan.plan_fused(problem, generation="v6e").cores == 1

@@ -196,10 +196,12 @@ def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate
     return buffers_bytes(buffers) + values
 
 
-def fused_cores(generation: str) -> int:
+def fused_cores(generation: str, picks: int | None = None) -> int:
     """TensorCores the fused kernel splits its experts over on `generation`: both of a megacore device's (v5p),
-    each core summing its experts into an f32 partial output of its own."""
-    return tpu_generation(generation).cores_per_device
+    each core summing its experts into an f32 partial output of its own; one for a single pick (decode of one
+    token under EP dispatch), where the second core would have no expert and still fetch a step's weights."""
+    cores = tpu_generation(generation).cores_per_device
+    return cores if picks is None else max(1, min(cores, picks))
 
 
 def experts_per_step_saving(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int,

@@ -23,12 +23,24 @@ def pack_rows(values: jax.Array, split: int | None = None) -> jax.Array:
     if values.shape[1] < 2 * split:
         values = jnp.pad(values, ((0, 0), (0, 2 * split - values.shape[1])))
 
-    def bits(columns):
-        return lax.bitcast_convert_type(columns.astype(jnp.bfloat16).astype(jnp.float32), jnp.int32)
-
     # Sliced before the bitcasts: XLA then packs in one pass; bitcasting the whole first, it writes and rereads
     # an int32 copy of all the rows wherever it leaves that copy in HBM (v5p).
-    return lax.shift_right_logical(bits(values[:, :split]), 16) | (bits(values[:, split:]) & jnp.int32(-65536))
+    return pack_first_half(values[:, :split]) | pack_second_half(values[:, split:])
+
+
+def _bf16_bits(values: jax.Array) -> jax.Array:
+    """Values rounded to bf16, as the int32 bits of that bf16 widened to f32 (its bits in the high half)."""
+    return lax.bitcast_convert_type(values.astype(jnp.bfloat16).astype(jnp.float32), jnp.int32)
+
+
+def pack_first_half(values: jax.Array) -> jax.Array:
+    """The words' low halves: `values` rounded to bf16, their bits in the low 16 bits, zeros above."""
+    return lax.shift_right_logical(_bf16_bits(values), 16)
+
+
+def pack_second_half(values: jax.Array) -> jax.Array:
+    """The words' high halves: `values` rounded to bf16, their bits in the high 16 bits, zeros below."""
+    return _bf16_bits(values) & jnp.int32(-65536)
 
 
 def unpack_rows(words: jax.Array) -> tuple[jax.Array, jax.Array]:

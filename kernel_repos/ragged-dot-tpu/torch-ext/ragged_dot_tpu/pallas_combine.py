@@ -1,7 +1,7 @@
 """Each token's picks, weighted and summed, as a Pallas TPU kernel that copies only the live picks' rows.
 
 The experts layer's second grouped matmul leaves one row per pick, sorted by
-expert (`[M, H]`, as packed words: `packed_rows.pack_rows`). Summing each
+expert (`[M, H]`, as packed words per N tile: `plan.packed_plan`). Summing each
 token's picks in XLA reads all T x K rows of that array, the sentinel
 picks' too (another rank's experts, most picks under expert-parallel router
 masking), and XLA writes and rereads a `[T, H]` gather per pick slot.
@@ -52,9 +52,15 @@ class CombinePlan(NamedTuple):
     hidden: int
     dtype: str  # the layer's output's
     tile_t: int
-    tile_n: int  # the second projection's N tile: each pairs its two halves in one word (`packed_rows.pack_rows`)
+    tile_n: int  # the second projection's N tile, packed in `split` words (`plan.packed_plan`)
+    split: int  # words per N tile: column j of the tile with column split + j
     cores: int  # TensorCores the token tiles are split over
     vmem_limit_bytes: int
+
+    @property
+    def words(self) -> int:
+        """Words of one row: `split` per N tile."""
+        return pl.cdiv(self.hidden, self.tile_n) * self.split
 
     @property
     def tiles(self) -> int:
@@ -65,15 +71,17 @@ class CombinePlan(NamedTuple):
         return pl.cdiv(self.tiles, self.cores)
 
 
-def plan_combine(tokens: int, top_k: int, hidden: int, dtype: str, tile_n: int, generation: str) -> CombinePlan:
+def plan_combine(tokens: int, top_k: int, hidden: int, dtype: str, tile_n: int, split: int,
+                 generation: str) -> CombinePlan:
     tile_t = min(TOKEN_TILE, round_up(tokens, 8))
     cores = min(tpu_generation(generation).cores_per_device, pl.cdiv(tokens, tile_t))
-    words = hidden // 2
+    words = pl.cdiv(hidden, tile_n) * split
     working_set = (2 * top_k * tile_t * words * 4  # the two buffers of copied rows
                    + 2 * 2 * tile_t * round_up(top_k, LANES) * 4  # routing weights and live flags, double-buffered
                    + 2 * tile_t * hidden * jnp.dtype(dtype).itemsize  # the output block, double-buffered
-                   + 4 * tile_t * tile_n * 4)  # one N tile's f32 halves and sums
-    return CombinePlan(tokens, top_k, hidden, dtype, tile_t, tile_n, cores, vmem_limit_bytes(working_set, generation))
+                   + 4 * tile_t * split * 4)  # one N tile's f32 parts and sums
+    return CombinePlan(tokens, top_k, hidden, dtype, tile_t, tile_n, split, cores,
+                       vmem_limit_bytes(working_set, generation))
 
 
 class CombineSchedule(NamedTuple):
@@ -105,8 +113,8 @@ def combine_picks(rows: jax.Array, position: jax.Array, top_k_weights: jax.Array
                   plan: CombinePlan) -> jax.Array:
     """`sum_k top_k_weights[t, k] * rows[position[t, k]]` over each token's live picks, in f32, as `plan.dtype`.
 
-    `rows` are the sorted rows as packed words (`[M, H / 2]` int32, `packed_rows.pack_rows` per N tile of
-    `plan.tile_n`); rows of picks not `live` are never read.
+    `rows` are the sorted rows as packed words (`[M, plan.words]` int32, `packed_rows.pack_rows` per N tile
+    of `plan.tile_n` in `plan.split` words); rows of picks not `live` are never read.
     """
     tile_t, top_k, hidden, tiles = plan.tile_t, plan.top_k, plan.hidden, plan.tiles
     schedule = combine_schedule(position, live, plan)
@@ -124,7 +132,7 @@ def combine_picks(rows: jax.Array, position: jax.Array, top_k_weights: jax.Array
                   pl.BlockSpec((tile_t, top_k), by_tile),
                   pl.BlockSpec((tile_t, top_k), by_tile)],
         out_specs=pl.BlockSpec((tile_t, hidden), by_tile),
-        scratch_shapes=[pltpu.VMEM((2, top_k * tile_t, hidden // 2), jnp.int32), pltpu.SemaphoreType.DMA((2,))],
+        scratch_shapes=[pltpu.VMEM((2, top_k * tile_t, plan.words), jnp.int32), pltpu.SemaphoreType.DMA((2,))],
     )
     return pl.pallas_call(
         functools.partial(_body, plan=plan),
@@ -167,15 +175,18 @@ def _body(source_ref, slot_ref, copies_ref, rows_ref, weights_ref, live_ref, out
     pl.when(step + 1 < steps)(functools.partial(start_tile, next_tile, 1 - buffer, next_count))
     lax.fori_loop(0, count, lambda entry, carry: (copy(tile, buffer, entry).wait(), carry)[1], 0)
 
-    tile_t, half = plan.tile_t, plan.tile_n // 2
+    tile_t, split = plan.tile_t, plan.split
     weights, live = weights_ref[...], live_ref[...] > 0
-    for n_tile in range(plan.hidden // plan.tile_n):
-        sums = [jnp.zeros((tile_t, half), jnp.float32) for _ in range(2)]
+    for n_tile in range(pl.cdiv(plan.hidden, plan.tile_n)):
+        sums = [jnp.zeros((tile_t, split), jnp.float32) for _ in range(2)]
         for k in range(plan.top_k):
-            words = buffers[buffer, pl.ds(k * tile_t, tile_t), pl.ds(n_tile * half, half)]
+            words = buffers[buffer, pl.ds(k * tile_t, tile_t), pl.ds(n_tile * split, split)]
             # Rows of picks not live were never copied: selected away, whatever they hold.
             for part, values in enumerate(unpack_rows(words)):
                 sums[part] = sums[part] + jnp.where(live[:, k : k + 1], weights[:, k : k + 1] * values, 0.0)
-        for part in range(2):
-            start = n_tile * plan.tile_n + part * half
-            out_ref[:, start : start + half] = sums[part].astype(out_ref.dtype)
+        tile_start = n_tile * plan.tile_n
+        tile_end = min(tile_start + plan.tile_n, plan.hidden)
+        for part, (start, end) in enumerate(((tile_start, min(tile_start + split, tile_end)),
+                                             (tile_start + split, tile_end))):
+            if end > start:  # a partial last tile's second part may hold no column
+                out_ref[:, start:end] = sums[part][:, : end - start].astype(out_ref.dtype)

@@ -84,9 +84,9 @@ shift and a mask and multiplies each by its rows of the weights block.
 
 With a packed output (`MatmulProblem.packed_out`: an experts layer's second
 projection, whose rows the combine kernel (`pallas_combine`) copies one at a
-time), each bf16 output block leaves as int32 words, word j of an N tile
-holding its column j (low half) and its column tile_n / 2 + j (high half)
-(`packed_rows.pack_rows`).
+time), each bf16 output block leaves as `plan.out_split` int32 words, word j
+of an N tile holding its column j (low half) and its column out_split + j
+(high half; nothing past the tile's columns) (`packed_rows.pack_rows`).
 
 The CostEstimate counts what the kernel reads: the rows, the weights of the
 groups expected active for M uniformly routed rows
@@ -114,7 +114,7 @@ from .quant import (
     FP8, INT4, INT8, dequantize_fp8_block, dequantized_in_vmem, fp8_matmul, fp8_window_scales, int4_packed_axis,
     per_channel_scales, scheme_of, stored_rows, unpack_int4_block,
 )
-from .packed_rows import pack_rows, unpack_rows
+from .packed_rows import pack_first_half, pack_rows, pack_second_half, unpack_rows
 from .routing import int32_group_sizes
 
 
@@ -248,6 +248,18 @@ def _step_refs(lhs_ref, refs, plan: MatmulPlan) -> _StepRefs:
 
 def _lhs_rows(lhs_ref, start, rows: int):
     return ((lhs_ref[pl.ds(start, rows), :], None),)
+
+
+def _store_packed(out_ref, acc_ref, start, rows: int, split: int):
+    """Rows [start, start + rows) of the f32 accumulator as packed words (`packed_rows`): column j with column
+    split + j, the words past the tile's columns holding column j alone. Two stores, not a padded value: both
+    start on whole 128 lanes."""
+    acc = acc_ref[pl.ds(start, rows), :]
+    paired = acc.shape[1] - split
+    first = pack_first_half(acc[:, :split])
+    out_ref[pl.ds(start, rows), :paired] = first[:, :paired] | pack_second_half(acc[:, split:])
+    if paired < split:
+        out_ref[pl.ds(start, rows), paired:] = first[:, paired:]
 
 
 def _token_rows(words_ref, dtype: str, k: int, split: int, start, rows: int):
@@ -505,7 +517,7 @@ def _body(*refs, plan: MatmulPlan):
 
             def pack(chunk, carry):
                 start = pl.multiple_of(chunk * rows, rows)
-                refs.out[pl.ds(start, rows), :] = pack_rows(refs.acc[0][pl.ds(start, rows), :])
+                _store_packed(refs.out, refs.acc[0], start, rows, plan.out_split)
                 return carry
 
             lax.fori_loop(0, tile_m // rows, pack, 0)
@@ -657,7 +669,7 @@ def _specs(plan: MatmulPlan, rhs, rhs_scales, bias, items: WorkItems) -> _Specs:
         copies = 1 if tile_m >= problem.m else 2
         scratch += [pltpu.VMEM((copies, tile_m + (chunk_m or 0), words[0]), words[1]),
                     pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((1,), jnp.int32)]
-    out_columns = tile_n // 2 if problem.packed_out else tile_n
+    out_columns = plan.out_split if problem.packed_out else tile_n
     return _Specs(in_specs, pl.BlockSpec((tile_m, out_columns), out_index), scratch, operands)
 
 
@@ -694,16 +706,17 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_s
                    + (n * 4 if problem.bias else 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(len(prefetch), grid, specs.in_specs, specs.out_spec, specs.scratch)
     call = scheduled_matmul_call(
-        functools.partial(_body, plan=plan), _out_shape(problem), grid_spec,
+        functools.partial(_body, plan=plan), _out_shape(plan), grid_spec,
         ("parallel", "arbitrary", "arbitrary"), plan.vmem_limit_bytes, (m, k, read_n),
         bytes_accessed=int((m * k * lhs_reads + m * n) * itemsize + plan.active_groups * group_bytes),
         name="ragged_dot")
     return call(*prefetch, lhs, *specs.operands)
 
 
-def _out_shape(problem: MatmulProblem) -> jax.ShapeDtypeStruct:
+def _out_shape(plan: MatmulPlan) -> jax.ShapeDtypeStruct:
+    problem = plan.problem
     if problem.packed_out:
-        return jax.ShapeDtypeStruct((problem.m, problem.n // 2), jnp.int32)
+        return jax.ShapeDtypeStruct((problem.m, pl.cdiv(problem.n, plan.tile_n) * plan.out_split), jnp.int32)
     return jax.ShapeDtypeStruct((problem.m, problem.n), jnp.dtype(problem.dtype))
 
 

@@ -47,6 +47,9 @@ class MatmulPlan(NamedTuple):
     fp8_matmul: bool  # fp8 weights multiplied on the fp8 MXU with fp8 activations (`gmm_tiles.matmul_feeds_fp8_mxu`)
     # Gathered bf16 rows (`gathered_plan`): the K column where the second half of each copied word starts.
     gather_split: int = 0
+    # Packed output (`packed_plan`): words per N tile, each holding one of the tile's columns before this and
+    # one from it.
+    out_split: int = 0
 
 
 def plan_ragged_dot(problem: MatmulProblem, generation: str | None = None,
@@ -151,16 +154,25 @@ def _gather_split(k: int, transpose_rhs: bool, mxu: int) -> int | None:
     return aligned
 
 
-def packed_plan(plan: MatmulPlan) -> MatmulPlan | None:
-    """`plan` with its output as packed words (`MatmulProblem.packed_out`), for the combine kernel to copy by row;
-    None unless the output is bf16 without a gate and every N tile splits into two halves of whole 128 lanes
-    (the words' block, and the combine kernel's halves of each tile)."""
+def packed_plan(plan: MatmulPlan, generation: str | None = None) -> MatmulPlan | None:
+    """`plan` with its output as packed words (`MatmulProblem.packed_out`) on `generation` (default: this
+    device's), for the combine kernel to copy by row: each N tile's columns in words of one column before
+    `out_split` (half the tile, rounded up to whole 128 lanes: the words' block and the combine kernel's
+    parts of each tile) and one from it; the rows' words are `out_split` per N tile, a partial last tile's
+    included. The VMEM limit grows by what the words' blocks take past the bf16 ones.
+
+    None unless the output is bf16 without a gate and the N tile is whole 128 lanes, at least 256.
+    """
     problem = plan.problem
     if problem.dtype != "bfloat16" or problem.gate is not None:
         return None
-    if problem.n % plan.tile_n or plan.tile_n % (2 * LANES):
+    if plan.tile_n % LANES or plan.tile_n < 2 * LANES:
         return None
-    return plan._replace(problem=problem._replace(packed_out=True))
+    split = round_up(plan.tile_n // 2, LANES)
+    wider_words = 2 * plan.tile_m * (4 * split - 2 * plan.tile_n)
+    return plan._replace(problem=problem._replace(packed_out=True), out_split=split,
+                         vmem_limit_bytes=min(plan.vmem_limit_bytes + wider_words,
+                                              max_vmem_limit_bytes(resolve_generation(generation))))
 
 
 class TgmmPlan(NamedTuple):
@@ -242,7 +254,7 @@ def plan_fused(problem: ExpertsProblem, config: FusedConfig | None = None, gener
                              f"I={problem.intermediate} fits VMEM; use the grouped path")
     check_fused_config(config, *shape.args, **shape.options, generation=generation)
     i_tiles = problem.intermediate // config.tile_i
-    cores = fused_cores(generation)
+    cores = fused_cores(generation, problem.picks)
     fp8_matmul = fused_feeds_fp8_mxu(config, problem.intermediate, problem.weights_dtype,
                                       interleaved=problem.gate.interleaved, generation=generation)
     options = dict(shape.options, top_k=problem.top_k, routing_dtype=problem.routing_dtype, cores=cores,
@@ -329,13 +341,13 @@ def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fuse
     gate_up_plan = plan_ragged_dot(gate_up, generation)
     forward_gate_up = gated_plan(gate_up_plan, problem.gate, problem.has_bias, generation) or gate_up_plan
     down_plan = plan_ragged_dot(down, generation)
-    packed_down = packed_plan(down_plan)
+    packed_down = packed_plan(down_plan, generation)
     return ExpertsPlan(
         problem=problem, orientation=orientation, fused=plan_fused(problem, generation=generation) if fused else None,
         gate_up=gate_up_plan, forward_gate_up=gathered_plan(forward_gate_up, generation) or forward_gate_up,
         down=down_plan, forward_down=packed_down or down_plan,
         combine=packed_down and plan_combine(problem.tokens, problem.top_k, hidden, problem.dtype, down_plan.tile_n,
-                                             generation),
+                                             packed_down.out_split, generation),
         gate_up_backward=plan_ragged_dot_backward(gate_up, generation) if trains else None,
         down_backward=plan_ragged_dot_backward(down, generation) if trains else None,
     )

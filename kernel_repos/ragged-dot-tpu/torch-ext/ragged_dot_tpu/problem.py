@@ -124,9 +124,9 @@ class MatmulProblem(NamedTuple):
     With `gathered`, lhs is not the m sorted rows but the token rows they
     are picks of: the kernel copies each row it multiplies from its token
     (`pallas_gmm`'s module docstring), so no `[m, k]` copy of the rows exists.
-    With `packed_out` (bfloat16 only) the result leaves as int32 words
-    `[m, n / 2]`, two bf16 columns each (`packed_rows.pack_rows`), a form the
-    combine kernel copies one row at a time.
+    With `packed_out` (bfloat16 only) the result leaves as int32 words, two
+    bf16 columns each, about half as many as columns (`plan.packed_plan`), a
+    form the combine kernel copies one row at a time.
     """
 
     m: int
