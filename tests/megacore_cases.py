@@ -75,6 +75,14 @@ def cases(kernels: dict) -> dict[str, tuple]:
         "fused experts (decode)": (functools.partial(ragged_dot.moe.experts_layer, fused=True, generation=GENERATION,
                                                      activation="silu", weights_transposed=False),
                                    layer, "fused_experts"),
+        # One pick: both cores share its expert, each taking one of its two I tiles.
+        "fused experts, one expert shared": (
+            functools.partial(ragged_dot.pallas_fused.fused_experts, activation="silu", weights_transposed=False,
+                              config=ragged_dot.config.FusedConfig(16, intermediate // 2, cores_per_expert=2),
+                              generation=GENERATION),
+            (normal(1, hidden), np.array([[3]], np.int32), normal(1, 1, dtype=jnp.float32),
+             normal(experts, 2 * intermediate, hidden), normal(experts, hidden, intermediate)),
+            "fused_experts"),
         # Two token tiles, one per core.
         "combine picks, two token tiles": (functools.partial(ragged_dot.pallas_combine.combine_picks, plan=combine),
                                            combine_args, "combine_picks"),

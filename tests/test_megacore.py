@@ -68,6 +68,7 @@ def test_the_compiler_splits_what_the_model_charges_two_cores_for(compiled_split
         "tgmm, two N tiles": True,
         "tgmm, one N tile, two K tiles": True,
         "fused experts (decode)": True,
+        "fused experts, one expert shared": True,
         "combine picks, two token tiles": True,
         "rms_norm": True,
         "flash attention forward": True,

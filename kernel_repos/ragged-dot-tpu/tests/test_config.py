@@ -317,12 +317,35 @@ def test_fused_vmem_bytes_counts_blocks_scratch_and_one_chunk(config):
         ((16, 128, 2), 16, {}, "experts_per_step=2 needs the whole I"),
         ((16, 256, 4), 80, {}, "80 tokens of 4 experts make more than 16 chunks"),
         ((16, 256, 0), 16, {}, "experts_per_step must be a positive int"),
+        ((16, 128, 1, 2), 16, dict(generation="v6e"), "cores_per_expert=2: v6e has 1 TensorCore"),
+        ((16, 128, 1, 3), 16, dict(generation="v5p"), "cores_per_expert=3: v5p has 2 TensorCore"),
+        ((16, 256, 1, 2), 16, dict(generation="v5p"), "cores_per_expert=2 needs at least as many I tiles"),
     ],
 )
 def test_check_fused_config_refuses_what_cannot_run(config, fused, tokens, layout, match):
     shape = dict(weights_transposed=False, interleaved=False, has_bias=False) | layout
     with pytest.raises(ValueError, match=match):
         config.check_fused_config(config.FusedConfig(*fused), tokens, 512, 256, 8, jnp.bfloat16, **shape)
+
+
+def test_v5p_cores_share_experts_where_the_busier_core_saves(config):
+    """Split by experts, one active expert leaves a core idle and three put two on one core; shared, each core
+    streams its I tiles of every expert. Sixteen active experts split evenly: the experts stay apart."""
+    hidden, intermediate, experts, layout = MODELS["qwen3-30b-a3b"]
+    apart = config.FusedConfig(16, intermediate)
+    shared = config.FusedConfig(16, intermediate // 2, cores_per_expert=2)
+
+    def seconds(fused, tokens):
+        return config.busier_core_seconds(fused, tokens, hidden, intermediate, 16, jnp.bfloat16, "v5p")
+
+    assert seconds(shared, 1) < 0.6 * seconds(apart, 1)
+    assert seconds(shared, 4) < seconds(apart, 4)
+    picked = config.fused_config(1, hidden, intermediate, 16, jnp.bfloat16, generation="v5p", **layout)
+    assert picked.cores_per_expert == 2 and picked.tile_i == intermediate // 2
+    assert config.fused_config(256, hidden, intermediate, 16, jnp.bfloat16, generation="v5p",
+                               **layout).cores_per_expert == 1
+    assert config.fused_config(1, hidden, intermediate, 16, jnp.bfloat16, generation="v6e",
+                               **layout).cores_per_expert == 1
 
 
 def test_tile_i_alignment_per_layout(config):

@@ -125,6 +125,19 @@ MEGACORE_CASES = {
     "i-tiles-interleaved": (TILED_CASES["i-tiles-interleaved"][:7], TILED_CASES["i-tiles-interleaved"][7]),
     # Two experts per step on each core: 3 active experts, so the second core has one, its second slot none.
     "experts-per-step": ((7, 64, 40, 3, 2, dict(transposed=False, bias=True), dict(activation="silu")), (8, 40, 2)),
+    # The cores share every expert (cores_per_expert 2): one I tile each, biases (the down bias added once).
+    "shared-two-i-tiles": ((7, 64, 256, 3, 2, dict(transposed=False, bias=True), dict(activation="silu")),
+                           (8, 128, 1, 2)),
+    # A single active expert, five I tiles: three on the first core, two and an empty step on the second.
+    "shared-one-active-expert-odd-tiles": ((5, 64, 640, 4, 1, dict(transposed=True, bias=True),
+                                            dict(activation="gelu_tanh")), (8, 128, 1, 2)),
+    # GPT-OSS's interleaved layout in three I tiles (two, then one and an empty step), several chunks per expert.
+    "shared-interleaved-odd-tiles": ((20, 64, 192, 4, 2, dict(transposed=True, bias=True, scale=0.6),
+                                      dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0)),
+                                     (8, 64, 1, 2)),
+    # Sentinels and experts without picks, four I tiles (two per core).
+    "shared-sentinels": ((64, 64, 512, 16, 4, dict(transposed=False, bias=True, sentinels=0.8),
+                          dict(activation="silu")), (16, 128, 1, 2)),
 }
 
 
@@ -138,13 +151,17 @@ def test_megacore_split_matches_reference(kernel, interpret, to_jax, case, rando
     active = active[active < experts]
     if case in ("odd-count-every-expert-active", "experts-per-step"):
         assert len(active) == experts == 3
+    if case.startswith("shared-one-active"):
+        layer[1] = torch.full_like(layer[1], 1)
     gate = dict(weights_transposed=options["transposed"], **gate)
     config = None if tiles is None else kernel.config.FusedConfig(*tiles)
     problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
-    assert kernel.plan.plan_fused(problem, config, "v5p").cores == 2
+    plan = kernel.plan.plan_fused(problem, config, "v5p")
+    assert plan.cores == 2 and plan.cores_per_expert == (2 if case.startswith("shared") else 1)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
+    # Two simulated cores: each its own scratch and partial output, the grid's parallel axis split between them.
     split = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate, config=config,
-                                                                generation="v5p"))
+                                                                generation="v5p"), cores=2)
     assert not torch.isnan(split).any()
     assert _relative_error(split, expected) <= 1e-5
 
@@ -234,11 +251,27 @@ def test_experts_layer_takes_the_fused_kernel_for_decode_only(kernel, interpret,
     assert taken == ["fused_experts_call", "grouped_experts"]
 
 
-@pytest.mark.parametrize("tokens, top_k, cores", [(1, 1, 1), (1, 4, 2), (8, 1, 2)])
-def test_a_single_pick_takes_one_core(kernel, tokens, top_k, cores):
-    """On v5p one pick (decode of one token under EP dispatch) leaves the second core no expert, whose first step
-    would still fetch a block of weights: the kernel runs on one core."""
-    problem = kernel.problem.ExpertsProblem(tokens, top_k, 2880, 2880, 4, "bfloat16", "bfloat16", "float32", True,
-                                            True, kernel.problem.Gate("clamped_swiglu", True, 1.702, 7.0))
-    assert kernel.plan.plan_fused(problem, generation="v5p").cores == cores
-    assert kernel.plan.plan_fused(problem, generation="v6e").cores == 1
+# (tokens, top_k, intermediate, cores, cores_per_expert) of GPT-OSS's layout on v5p.
+SPLITS = {
+    # One pick of GPT-OSS's 2880-wide experts: both cores share the one active expert, in I tiles of 320.
+    "one pick, experts shared": (1, 1, 2880, 2, 2),
+    "one token of four picks, experts shared": (1, 4, 2880, 2, 2),
+    # Eight picks of four experts (3.6 expected active): the experts split as evenly as their I tiles would.
+    "eight picks, experts apart": (8, 1, 2880, 2, 1),
+    # I = 64 is a single 128-lane block of interleaved gate_up columns, no I tile per core: one pick takes one
+    # core, where the second would have no expert and still fetch a step's weights.
+    "one pick, no I tiles to share": (1, 1, 64, 1, 1),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLITS))
+def test_how_v5p_cores_split_few_picks(kernel, case):
+    tokens, top_k, intermediate, cores, cores_per_expert = SPLITS[case]
+    problem = kernel.problem.ExpertsProblem(tokens, top_k, 2880, intermediate, 4, "bfloat16", "bfloat16", "float32",
+                                            True, True, kernel.problem.Gate("clamped_swiglu", True, 1.702, 7.0))
+    plan = kernel.plan.plan_fused(problem, generation="v5p")
+    assert (plan.cores, plan.cores_per_expert) == (cores, cores_per_expert)
+    if cores_per_expert > 1:
+        assert plan.i_tiles_per_core * cores >= plan.i_tiles > (plan.i_tiles_per_core - 1) * cores
+    on_v6e = kernel.plan.plan_fused(problem, generation="v6e")
+    assert (on_v6e.cores, on_v6e.cores_per_expert) == (1, 1)

@@ -190,6 +190,19 @@ def test_experts_layer_matches_unpacked_reference(kernel, interpret, to_jax, cas
     assert _relative_error(grouped, expected) <= 1e-5
 
 
+def test_v5p_cores_sharing_each_expert_unpack_their_own_i_tiles(kernel, interpret, to_jax, random_picks):
+    """cores_per_expert 2 on two simulated cores: each unpacks the I tiles it owns and scales them by their
+    columns' scales."""
+    layer = _layer(kernel, random_picks, 20, 128, 256, 4, 2, transposed=False, bias=True)
+    gate = dict(activation="silu", weights_transposed=False)
+    expected = kernel.reference.gated_experts_reference(*_dequantized_layer(kernel, layer, False), **gate)
+    config = kernel.config.FusedConfig(16, 128, cores_per_expert=2)
+    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate, config=config,
+                                                                generation="v5p"), cores=2)
+    assert not torch.isnan(fused).any()
+    assert _relative_error(fused, expected) <= 1e-5
+
+
 def test_only_sentinel_picks_give_zeros(kernel, interpret, to_jax, random_picks):
     layer = _layer(kernel, random_picks, 6, 64, 128, 8, 2, transposed=False, bias=True, sentinels=1.0)
     fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), activation="silu",

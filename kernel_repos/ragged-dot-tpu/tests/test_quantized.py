@@ -163,6 +163,23 @@ def test_experts_layer_matches_dequantized_reference(kernel, interpret, to_jax, 
     assert _relative_error(grouped, expected) <= 1e-5
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("case", ["i-tiles", "i-tiles-interleaved"])
+def test_v5p_cores_sharing_each_expert_read_their_own_i_tiles(kernel, interpret, to_jax, case, scheme, random_picks):
+    """cores_per_expert 2 on two simulated cores: each dequantizes (fp8) or scales (int8) the I tiles it owns,
+    at their offsets into the expert's scales; three tiles leave the second core an empty step."""
+    tokens, hidden, intermediate, experts, top_k, options, gate, (chunk, tile_i) = LAYER_CASES[case]
+    transposed = options["transposed"]
+    layer = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, scheme, **options)
+    gate = dict(weights_transposed=transposed, **gate)
+    expected = kernel.reference.gated_experts_reference(*_dequantized_layer(kernel, layer, transposed), **gate)
+    config = kernel.config.FusedConfig(chunk, tile_i, cores_per_expert=2)
+    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate, config=config,
+                                                                generation="v5p"), cores=2)
+    assert not torch.isnan(fused).any()
+    assert _relative_error(fused, expected) <= 1e-5
+
+
 @pytest.mark.slow
 def test_fp8_bf16_layer_is_the_unquantized_kernel_on_transformers_dequantized_weights(kernel, interpret, to_jax,
                                                                                      random_picks):

@@ -28,8 +28,9 @@ choices made here.
 from __future__ import annotations
 
 from .fused_tiles import (
-    BIAS_BLOCK_EXPERTS, FUSED_MAX_CHUNK_ROWS, MAX_EXPERTS_PER_STEP, MULTI_EXPERT_MIN_TOKENS, FusedConfig,
-    check_fused_config, experts_per_step_saving, fused_buffers, fused_chunks, fused_config, fused_vmem_bytes,
+    BIAS_BLOCK_EXPERTS, FUSED_MAX_CHUNK_ROWS, MAX_EXPERTS_PER_STEP, MULTI_EXPERT_MIN_TOKENS,
+    SHARED_EXPERTS_MIN_GAIN, FusedConfig, busier_core_seconds, check_fused_config, experts_per_step_saving,
+    fused_buffers, fused_chunks, fused_config, fused_vmem_bytes,
 )
 from .gmm_tiles import (
     D_LHS_ROW_TILE, HEURISTIC_RHS_BLOCK_BYTES, HEURISTIC_ROW_TILE, MAX_GROUPS_PER_STEP, TUNED_TILES, TileConfig,
@@ -48,8 +49,9 @@ from .weights_layout import WeightsOrientation, weights_orientation
 __all__ = [
     "BIAS_BLOCK_EXPERTS", "D_LHS_ROW_TILE", "FUSED_MAX_CHUNK_ROWS", "FUSED_MAX_TOKENS", "HEURISTIC_RHS_BLOCK_BYTES",
     "HEURISTIC_ROW_TILE", "MAX_EXPERTS_PER_STEP", "MAX_GROUPS_PER_STEP", "MAX_UNROLLED_MACS", "MAX_UNROLLED_MATMULS",
-    "MULTI_EXPERT_MIN_TOKENS", "TGMM_OUTPUT_SHARE", "TGMM_ROW_TILE", "TUNED_TILES", "Buffer", "FusedConfig",
-    "TgmmConfig", "TileConfig", "TunedKey", "WeightsOrientation", "buffers_bytes", "check_config",
+    "MULTI_EXPERT_MIN_TOKENS", "SHARED_EXPERTS_MIN_GAIN", "TGMM_OUTPUT_SHARE", "TGMM_ROW_TILE", "TUNED_TILES", "Buffer", "FusedConfig",
+    "TgmmConfig", "TileConfig", "TunedKey", "WeightsOrientation", "buffers_bytes", "busier_core_seconds",
+    "check_config",
     "check_fused_config", "check_tgmm_config", "expected_active_groups", "experts_per_step_saving",
     "fp8_dequantize_vmem_bytes", "fused_buffers", "fused_chunks", "fused_config", "fused_vmem_bytes",
     "heuristic_config", "heuristic_tgmm_config", "matmul_buffers", "n_tile", "ridge_rows", "row_chunks",

@@ -49,6 +49,10 @@ MULTI_EXPERT_MIN_TOKENS = 32
 # The most experts one grid step takes; more would unroll more matmuls per
 # step for a grid-step cost already divided by the VMEM that holds them.
 MAX_EXPERTS_PER_STEP = 4
+# On a megacore device the cores share every expert only where that models at least this much faster than
+# splitting the experts: both cores then gather and scatter every expert's rows, work the estimate leaves out,
+# and a tie (as busy either way) keeps the experts apart. Not tuned.
+SHARED_EXPERTS_MIN_GAIN = 0.01
 # The fused kernel's biases come in blocks of this many experts (a 16-row
 # block is aligned for 32- and 16-bit types); the kernel picks its expert's
 # row out of the block.
@@ -71,11 +75,23 @@ class FusedConfig(NamedTuple):
       other, their weights fetched together (the whole I only): a grid step
       has a fixed cost (`hardware.grid_step_overhead_s`), so fewer, larger
       steps stream the same bytes sooner.
+    - `cores_per_expert`: on a megacore device (v5p), 2 has both cores take
+      every expert, each its share of the I tiles (the second core one fewer
+      when they are odd), and sum the down projection's partials; 1 has each
+      core take whole experts. Few active experts split unevenly over the
+      cores (one expert: one core idle), every expert's I tiles evenly.
     """
 
     chunk_rows: int
     tile_i: int
     experts_per_step: int = 1
+    cores_per_expert: int = 1
+
+
+def i_tiles_per_core(config: FusedConfig, intermediate: int) -> int:
+    """I tiles one core walks per expert: all of them, or its share when the cores share each expert (the first
+    core's, the larger)."""
+    return -(-(intermediate // config.tile_i) // config.cores_per_expert)
 
 
 def fused_chunks(config: FusedConfig, tokens: int) -> int:
@@ -128,7 +144,7 @@ def fused_buffers(config: FusedConfig, tokens: int, hidden: int, intermediate: i
     reads them (`weights_orientation`), packed int4's with half the rows."""
     dtype, f32 = jnp.dtype(dtype).name, "float32"
     weights_dtype = dtype if weights_dtype is None else jnp.dtype(weights_dtype).name
-    chunk, tile_i, slots = config
+    chunk, tile_i, slots = config.chunk_rows, config.tile_i, config.experts_per_step
     i_tiles = intermediate // tile_i
     parts = 2 if i_tiles > 1 and not interleaved else 1
     width = tile_i if parts == 2 else 2 * tile_i
@@ -160,7 +176,7 @@ def fused_buffers(config: FusedConfig, tokens: int, hidden: int, intermediate: i
     buffers += [Buffer((tokens, hidden), dtype if cores == 1 else f32), Buffer((tokens, hidden), f32)]
     if interleaved:
         buffers.append(Buffer((2 * tile_i, chunk), f32))  # gate_up, transposed, to split even and odd rows
-    if i_tiles > 1:
+    if i_tiles_per_core(config, intermediate) > 1:
         rows = fused_chunks(config, tokens) * chunk
         buffers += [Buffer((rows, hidden), dtype), Buffer((rows, hidden), f32)]  # gathered rows, partial out
     if dequantized_in_vmem(scheme) and not fp8_matmul:
@@ -181,7 +197,7 @@ def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate
     buffers = fused_buffers(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
                             has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed,
                             top_k=top_k, routing_dtype=routing_dtype, cores=cores, fp8_matmul=fp8_matmul)
-    chunk, tile_i, slots = config
+    chunk, tile_i, slots = config.chunk_rows, config.tile_i, config.experts_per_step
     values = (2 * slots * padded_vmem_bytes((tokens, 1), f32) + padded_vmem_bytes((tokens, tokens), f32)
               + padded_vmem_bytes((chunk, 2 * tile_i), f32) + padded_vmem_bytes((chunk, hidden), f32))
     if scheme_of(weights_dtype) == INT8:
@@ -196,12 +212,43 @@ def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate
     return buffers_bytes(buffers) + values
 
 
-def fused_cores(generation: str, picks: int | None = None) -> int:
-    """TensorCores the fused kernel splits its experts over on `generation`: both of a megacore device's (v5p),
-    each core summing its experts into an f32 partial output of its own; one for a single pick (decode of one
-    token under EP dispatch), where the second core would have no expert and still fetch a step's weights."""
+def fused_cores(generation: str, picks: int | None = None, cores_per_expert: int = 1) -> int:
+    """TensorCores the fused kernel runs on on `generation`: both of a megacore device's (v5p), each summing its
+    experts (or its I tiles of every expert, `cores_per_expert`) into an f32 partial output of its own; one for a
+    single pick split by experts (decode of one token under EP dispatch), where the second core would have no
+    expert and still fetch a step's weights."""
     cores = tpu_generation(generation).cores_per_device
-    return cores if picks is None else max(1, min(cores, picks))
+    if picks is None or cores_per_expert > 1:
+        return cores
+    return max(1, min(cores, picks))
+
+
+def busier_core_seconds(config: FusedConfig, picks: int, hidden: int, intermediate: int, num_experts: int,
+                        weights_dtype, generation: str) -> float:
+    """Modelled seconds of a call's busier TensorCore under `config`'s split: its share of the active experts'
+    weights streamed at one core's HBM rate, and its grid steps at their fixed cost (`grid_step_overhead_s`).
+
+    Active experts as `expected_active_groups` of the call's picks (T x
+    top-k; under EP router masking other ranks' picks count as local ones,
+    which overestimates the active experts and favours keeping them apart),
+    a real number: split by experts, the busier core takes
+    ceil(active / cores) of them (one expert: a whole one, the other core
+    idle); shared, every core takes its I tiles of each. Decode is bound by
+    the weights: MXU work, which splits as they do, and the pipeline's
+    first fetch are left out.
+    """
+    chip = tpu_generation(generation)
+    active = expected_active_groups(picks, num_experts)
+    i_tiles = intermediate // config.tile_i
+    weight_bytes = 0.5 if scheme_of(weights_dtype) == INT4 else jnp.dtype(weights_dtype).itemsize
+    fetch = 3 * hidden * intermediate * weight_bytes / chip.hbm_bytes_per_s
+    if config.cores_per_expert > 1:
+        share = i_tiles_per_core(config, intermediate)
+        experts, steps = active * share / i_tiles, math.ceil(active) * share
+    else:
+        experts = math.ceil(active / chip.cores_per_device)
+        steps = math.ceil(experts / config.experts_per_step) * i_tiles
+    return experts * fetch + steps * grid_step_overhead_s(generation)
 
 
 def experts_per_step_saving(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int,
@@ -230,7 +277,8 @@ def experts_per_step_saving(config: FusedConfig, tokens: int, hidden: int, inter
 
 
 def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *, weights_transposed: bool,
-                 interleaved: bool, has_bias: bool, weights_dtype=None, generation: str | None = None) -> FusedConfig | None:
+                 interleaved: bool, has_bias: bool, weights_dtype=None, generation: str | None = None,
+                 top_k: int = 1) -> FusedConfig | None:
     """The fused kernel's blocks for this layer, or None if no I tiling fits VMEM.
 
     Rows: T (the most one expert can get) rounded to the native sublane tile,
@@ -241,8 +289,12 @@ def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, 
     (default: this device's). Experts per step: with the whole I and at least
     MULTI_EXPERT_MIN_TOKENS tokens, of those that fit (up to
     MAX_EXPERTS_PER_STEP and the experts), the one `experts_per_step_saving`
-    rates best. Not tuned per generation otherwise: decode streams each
-    active expert's weights once whatever the tiles, so they only need to fit.
+    rates best. On a megacore device, that config or one whose cores share
+    every expert (`cores_per_expert`, any aligned I tiling that fits, at
+    least one tile per core) if `busier_core_seconds` rates it at least
+    SHARED_EXPERTS_MIN_GAIN faster for T x `top_k` picks.
+    Not tuned per generation otherwise: decode streams each active expert's
+    weights once whatever the tiles, so they only need to fit.
     """
     sublanes = sublane_multiple(dtype)
     few_rows = tokens / expected_active_groups(tokens, num_experts) <= FEW_ROWS_PER_EXPERT
@@ -251,33 +303,38 @@ def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, 
     orientation = weights_orientation(hidden, intermediate, weights_transposed=weights_transposed)
     generation = resolve_generation(generation)
     budget, cores = vmem_budget_bytes(generation), fused_cores(generation)
-    for parts in range(1, intermediate + 1):
-        if intermediate % parts:
-            continue
-        tile_i = intermediate // parts
-        if not _tile_i_aligned(tile_i, intermediate, dtype, orientation=orientation, interleaved=interleaved,
-                               has_bias=has_bias, weights_dtype=weights_dtype):
-            continue
-        def fits(config: FusedConfig) -> bool:
-            fp8_matmul = fused_feeds_fp8_mxu(config, intermediate, weights_dtype, interleaved=interleaved,
-                                             generation=generation)
-            return fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
-                                    has_bias=has_bias, weights_dtype=weights_dtype,
-                                    weights_transposed=weights_transposed, cores=cores,
-                                    fp8_matmul=fp8_matmul) <= budget
+    weights = dtype if weights_dtype is None else weights_dtype
 
-        config = FusedConfig(chunk, tile_i)
-        if not fits(config):
-            continue
-        if tile_i < intermediate or tokens < MULTI_EXPERT_MIN_TOKENS:
-            return config
-        chunks = fused_chunks(config, tokens)
-        most = min(MAX_EXPERTS_PER_STEP, num_experts, MAX_UNROLLED_MATMULS // chunks)
-        weights = dtype if weights_dtype is None else weights_dtype
-        candidates = [c for c in (config._replace(experts_per_step=n) for n in range(1, most + 1)) if fits(c)]
-        return max(candidates, key=lambda c: experts_per_step_saving(c, tokens, hidden, intermediate, num_experts,
-                                                                     weights, generation))
-    return None
+    def fits(config: FusedConfig) -> bool:
+        fp8_matmul = fused_feeds_fp8_mxu(config, intermediate, weights_dtype, interleaved=interleaved,
+                                         generation=generation)
+        return fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
+                                has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed,
+                                cores=cores, fp8_matmul=fp8_matmul) <= budget
+
+    aligned = [FusedConfig(chunk, intermediate // parts) for parts in range(1, intermediate + 1)
+               if intermediate % parts == 0
+               and _tile_i_aligned(intermediate // parts, intermediate, dtype, orientation=orientation,
+                                   interleaved=interleaved, has_bias=has_bias, weights_dtype=weights_dtype)]
+    by_experts = next((config for config in aligned if fits(config)), None)
+    if by_experts is None:
+        return None
+    if by_experts.tile_i == intermediate and tokens >= MULTI_EXPERT_MIN_TOKENS:
+        most = min(MAX_EXPERTS_PER_STEP, num_experts, MAX_UNROLLED_MATMULS // fused_chunks(by_experts, tokens))
+        candidates = [c for c in (by_experts._replace(experts_per_step=n) for n in range(1, most + 1)) if fits(c)]
+        by_experts = max(candidates, key=lambda c: experts_per_step_saving(c, tokens, hidden, intermediate,
+                                                                           num_experts, weights, generation))
+    if cores == 1:
+        return by_experts
+    def seconds(config):
+        return busier_core_seconds(config, tokens * top_k, hidden, intermediate, num_experts, weights, generation)
+
+    shared = [c for c in (config._replace(cores_per_expert=cores) for config in aligned)
+              if intermediate // c.tile_i >= cores and fits(c)]
+    fastest = min(shared, key=seconds, default=None)
+    if fastest is not None and seconds(fastest) < (1 - SHARED_EXPERTS_MIN_GAIN) * seconds(by_experts):
+        return fastest
+    return by_experts
 
 
 def check_fused_config(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *,
@@ -297,6 +354,13 @@ def check_fused_config(config: FusedConfig, tokens: int, hidden: int, intermedia
     if config.experts_per_step > 1 and config.tile_i != intermediate:
         raise ValueError(f"config.experts_per_step={config.experts_per_step} needs the whole I per step "
                          f"(tile_i={intermediate}), got tile_i={config.tile_i}")
+    generation = resolve_generation(generation)
+    if config.cores_per_expert not in (1, fused_cores(generation)):
+        raise ValueError(f"config.cores_per_expert={config.cores_per_expert}: {generation} has "
+                         f"{fused_cores(generation)} TensorCore(s) per device; take 1 or all of them")
+    if intermediate // config.tile_i < config.cores_per_expert:
+        raise ValueError(f"config.cores_per_expert={config.cores_per_expert} needs at least as many I tiles, got "
+                         f"tile_i={config.tile_i} of I={intermediate}")
     if config.chunk_rows % sublane_multiple(dtype):
         raise ValueError(f"config.chunk_rows={config.chunk_rows} must be a multiple of {sublane_multiple(dtype)}")
     orientation = weights_orientation(hidden, intermediate, weights_transposed=weights_transposed)
@@ -306,7 +370,6 @@ def check_fused_config(config: FusedConfig, tokens: int, hidden: int, intermedia
             f"config.tile_i={config.tile_i} must be I={intermediate} or divide it into blocks aligned to the native "
             "tile of the weights as the kernel reads them (weights_orientation)"
         )
-    generation = resolve_generation(generation)
     needed = fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
                               has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed,
                               cores=fused_cores(generation),

@@ -20,12 +20,16 @@ fetches the blocks of a grid's first step; a zero-step grid is not relied
 upon): it writes zeros and reads one block of one expert's weights.
 
 On a megacore device (v5p: two TensorCores, `plan.cores` 2) the grid is
-(cores, steps per core, I tiles), its first axis "parallel": each core takes
-a contiguous half of the items and sums them into an f32 partial output of
-its own, and XLA adds the two partials. A slot past its core's items is
+(cores, steps per core, I tiles per core), its first axis "parallel", and
+each core sums into an f32 partial output of its own, which XLA adds. The
+cores split either the items (`plan.cores_per_expert` 1: each takes a
+contiguous half) or every item's I tiles (`plan.cores_per_expert` 2: each
+takes a contiguous run of them, the second core one fewer when they are
+odd, its last step then computing nothing). A slot past its core's items is
 empty and keeps the blocks of its last real item, which the pipeline does
-not fetch again (`_slot_item`); only at a core's first step can a slot
-without any item fetch blocks it does not use.
+not fetch again (`_slot_item`), as does a step past the core's I tiles;
+only at a core's first step can a slot without any item fetch blocks it
+does not use.
 
 The routing (`top_k_index`, `top_k_weights`) is resident too. At each item
 the kernel sums each token's weights for the item's expert; the expert's
@@ -181,7 +185,7 @@ def _split_refs(refs, plan: FusedPlan) -> tuple[_Refs, ...]:
     slots = [slot_refs() for _ in range(plan.experts_per_step)]
     out, out_acc, *scratch = refs
     gate_up_t = scratch.pop(0) if problem.gate.interleaved else None
-    rows_cache, partial_out = (scratch.pop(0), scratch.pop(0)) if plan.i_tiles > 1 else (None, None)
+    rows_cache, partial_out = (scratch.pop(0), scratch.pop(0)) if plan.i_tiles_per_core > 1 else (None, None)
     return tuple(_Refs(*slot, out, out_acc, gate_up_t, rows_cache, partial_out, tuple(scratch)) for slot in slots)
 
 
@@ -293,9 +297,12 @@ def _slot_item(core, step, slot: int, count, plan: FusedPlan):
     than slots) takes the core's last item.
     """
     slots = plan.experts_per_step
+    if plan.cores_per_expert > 1:  # every core takes every item
+        core = 0
+    item_cores = plan.cores // plan.cores_per_expert
     # lax.div: jnp's floor division lowers through sign(), whose Mosaic rule asks the attached device its
     # generation (there is none in an ahead-of-time compile); both operands are >= 0, so truncation is floor.
-    per_core = lax.div(count + plan.cores - 1, plan.cores)
+    per_core = lax.div(count + item_cores - 1, item_cores)
     owned = jnp.clip(count - core * per_core, 0, per_core)
     local = step * slots + slot
     last_local = jnp.where(owned > slot, lax.div(jnp.maximum(owned - slot - 1, 0), slots) * slots + slot, owned - 1)
@@ -304,19 +311,30 @@ def _slot_item(core, step, slot: int, count, plan: FusedPlan):
 
 
 def _grid_position(plan: FusedPlan):
-    """(core, step of the core, I tile, and the number of each) from the grid: (steps, I tiles) on one core,
-    (cores, steps per core, I tiles) on a megacore device."""
+    """(core, step of the core, I tile step of the core, and the number of each) from the grid: (steps, I tiles)
+    on one core, (cores, steps per core, I tiles per core) on a megacore device."""
     if plan.cores == 1:
         return 0, pl.program_id(0), pl.program_id(1), pl.num_programs(0), pl.num_programs(1)
     return pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.num_programs(1), pl.num_programs(2)
 
 
+def _i_tile(core, i_step, plan: FusedPlan):
+    """(the I tile a core's I step reads, whether it is one of the core's own): with the cores sharing each item,
+    the core's run of tiles starts at core x `plan.i_tiles_per_core`, and a step past the last tile (the second
+    core of an odd count) keeps the last one's blocks."""
+    if plan.cores_per_expert == 1:
+        return i_step, True
+    tile = core * plan.i_tiles_per_core + i_step
+    return jnp.minimum(tile, plan.i_tiles - 1), tile < plan.i_tiles
+
+
 def _slot_spec(spec: pl.BlockSpec, slot: int, plan: FusedPlan) -> pl.BlockSpec:
     """`spec` (indexed by item and I tile) as the blocks of `slot`, indexed by the grid (`_grid_position`)."""
     def index_map(*indices):
-        *position, i, expert, rows, count = indices
+        *position, i_step, expert, rows, count = indices
         core, step = position if plan.cores > 1 else (0, position[0])
-        return spec.index_map(_slot_item(core, step, slot, count[0], plan)[0], i, expert, rows, count)
+        item = _slot_item(core, step, slot, count[0], plan)[0]
+        return spec.index_map(item, _i_tile(core, i_step, plan)[0], expert, rows, count)
 
     return pl.BlockSpec(spec.block_shape, index_map, pipeline_mode=spec.pipeline_mode)
 
@@ -324,18 +342,20 @@ def _slot_spec(spec: pl.BlockSpec, slot: int, plan: FusedPlan) -> pl.BlockSpec:
 def _expert_step(slot: int, refs: _Refs, expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref,
                  core, step, i_step, last_i, plan: FusedPlan) -> None:
     """One slot's expert at this grid step: its rows gathered, run through the I tile, weighted and added to
-    their tokens' outputs (under `pl.when`s that skip chunks past its picks, and a slot without an item)."""
+    their tokens' outputs (under `pl.when`s that skip chunks past its picks, a slot without an item, and a step
+    past the core's I tiles)."""
     problem, chunk = plan.problem, plan.chunk_rows
     dtype = hidden_ref.dtype
     item, real = _slot_item(core, step, slot, count_ref[0], plan)
     expert_id, picks = expert_ref[item], jnp.where(real, rows_ref[item], 0)
+    i_tile, own_tile = _i_tile(core, i_step, plan)
     gate_up, down = refs.gate_up, refs.down
     if dequantized_in_vmem(scheme_of(problem.weights_dtype)) and not plan.fp8_matmul:
-        pl.when(picks > 0)(lambda: _dequantize_step(refs, i_step, plan))
+        pl.when(jnp.logical_and(picks > 0, own_tile))(lambda: _dequantize_step(refs, i_tile, plan))
         gate_up, down = refs.dequantized[: plan.gate_up_parts], refs.dequantized[plan.gate_up_parts]
     precision = lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
     expert = _Expert(expert_id, gate_up, down, dtype, precision,
-                     _fp8_step_scales(refs, i_step, plan) if plan.fp8_matmul else ())
+                     _fp8_step_scales(refs, i_tile, plan) if plan.fp8_matmul else ())
     weight_column, rank_column = _token_columns(index_ref, weights_ref, expert_id, problem.tokens)
 
     def one_hot(first):
@@ -349,7 +369,9 @@ def _expert_step(slot: int, refs: _Refs, expert_ref, rows_ref, count_ref, hidden
     def scatter(first, out_rows):
         """Adds the chunk's rows, times their routing weights, to their tokens' outputs."""
         if refs.down_bias is not None:
-            out_rows = out_rows + _expert_bias(refs.down_bias, expert_id)
+            bias = _expert_bias(refs.down_bias, expert_id)
+            # Cores sharing the expert each scatter a partial sum over their I tiles: the bias goes in one.
+            out_rows = out_rows + (bias if plan.cores_per_expert == 1 else jnp.where(core == 0, bias, 0.0))
         out_rows = out_rows.astype(dtype)
         weighted = jnp.where(one_hot(first), weight_column, 0.0)  # [T, chunk] f32
         high = weighted.astype(dtype)
@@ -363,11 +385,11 @@ def _expert_step(slot: int, refs: _Refs, expert_ref, rows_ref, count_ref, hidden
     for j in range(plan.chunks):
         first = j * chunk
         live = first < picks
-        if plan.i_tiles == 1:
+        if plan.i_tiles_per_core == 1:  # each core's I tile, if any, is its own: the second of two
             pl.when(live)(functools.partial(lambda first: scatter(first, _expert_rows(gather(first), refs, expert,
                                                                                       plan)), first))
             continue
-        _chunk_over_i_tiles(first, live, i_step, last_i, gather, scatter, refs, expert, plan)
+        _chunk_over_i_tiles(first, live, own_tile, i_step, last_i, gather, scatter, refs, expert, plan)
 
 
 def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *refs, plan: FusedPlan):
@@ -389,18 +411,18 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *
         shared.out[...] = shared.out_acc[...].astype(shared.out.dtype)
 
 
-def _chunk_over_i_tiles(first, live, i_step, last_i, gather, scatter, refs: _Refs, expert: _Expert,
+def _chunk_over_i_tiles(first, live, own_tile, i_step, last_i, gather, scatter, refs: _Refs, expert: _Expert,
                         plan: FusedPlan) -> None:
-    """I tiled: the rows are gathered at the first I tile, the output summed over the tiles and scattered at the
-    last. Each phase is its own top-level pl.when, so that the traffic model evaluates which steps run which
-    matmuls."""
+    """I tiled: the rows are gathered at the core's first I step, the output summed over its own tiles and
+    scattered at its last step. Each phase is its own top-level pl.when, so that the traffic model evaluates which
+    steps run which matmuls."""
     chunk = plan.chunk_rows
 
     @pl.when(jnp.logical_and(live, i_step == 0))
     def _():
         refs.rows_cache[first : first + chunk, :] = gather(first)
 
-    @pl.when(live)
+    @pl.when(jnp.logical_and(live, own_tile))
     def _():
         part = _expert_rows(refs.rows_cache[first : first + chunk, :], refs, expert, plan)
         earlier = refs.partial_out[first : first + chunk, :]
@@ -526,12 +548,14 @@ def fused_experts_call(plan: FusedPlan, hidden_states: jax.Array, top_k_index: j
     scratch = [pltpu.VMEM((tokens, hidden), jnp.float32)]
     if problem.gate.interleaved:
         scratch.append(pltpu.VMEM((2 * plan.tile_i, plan.chunk_rows), jnp.float32))
-    if plan.i_tiles > 1:
+    if plan.i_tiles_per_core > 1:
         rows = plan.chunks * plan.chunk_rows
         scratch += [pltpu.VMEM((rows, hidden), dtype), pltpu.VMEM((rows, hidden), jnp.float32)]
     # A call without live picks runs its one empty item over one I tile only: one block of weights read.
-    i_grid = plan.i_tiles if plan.i_tiles == 1 else jnp.where(items.rows[0] > 0, plan.i_tiles, 1)
-    per_core = (items.count[0] + plan.cores - 1) // plan.cores
+    i_grid = plan.i_tiles_per_core if plan.i_tiles_per_core == 1 else jnp.where(items.rows[0] > 0,
+                                                                                  plan.i_tiles_per_core, 1)
+    item_cores = plan.cores // plan.cores_per_expert
+    per_core = (items.count[0] + item_cores - 1) // item_cores
     steps = (per_core + plan.experts_per_step - 1) // plan.experts_per_step
     weight_specs = [_slot_spec(spec, slot, plan) for slot in range(plan.experts_per_step) for spec in specs.in_specs]
     if plan.cores == 1:

@@ -18,7 +18,7 @@ from ._hardware import LANES, max_vmem_limit_bytes, resolve_generation, round_up
 from .config import use_fused_experts
 from .fused_tiles import (
     FusedConfig, check_fused_config, fused_buffers, fused_chunks, fused_config, fused_cores, fused_feeds_fp8_mxu,
-    fused_vmem_bytes,
+    fused_vmem_bytes, i_tiles_per_core,
 )
 from .pallas_combine import CombinePlan, plan_combine
 from .gmm_tiles import (
@@ -234,7 +234,9 @@ class FusedPlan(NamedTuple):
     i_tiles: int
     gate_up_parts: int  # 2: gate and up blocks apart (concatenated, I tiled); 1: one block of both
     experts_per_step: int  # active experts (items) each grid step runs, one per slot of blocks
-    cores: int  # TensorCores the items are split over (`fused_tiles.fused_cores`: 2 on v5p)
+    cores: int  # TensorCores the kernel runs on (`fused_tiles.fused_cores`: 2 on v5p)
+    cores_per_expert: int  # 1: the cores split the items; `cores`: each core takes its I tiles of every item
+    i_tiles_per_core: int  # I tiles a core walks per item (`fused_tiles.i_tiles_per_core`)
     buffers: tuple[Buffer, ...]  # what the pipeline holds in VMEM (`fused_buffers`)
     vmem_limit_bytes: int
     active_experts: float  # expected, for the cost estimate
@@ -248,13 +250,13 @@ def plan_fused(problem: ExpertsProblem, config: FusedConfig | None = None, gener
     check_served(problem.weights_dtype, generation)
     shape = _fused_shape(problem)
     if config is None:
-        config = fused_config(*shape.args, **shape.options, generation=generation)
+        config = fused_config(*shape.args, **shape.options, generation=generation, top_k=problem.top_k)
         if config is None:
             raise ValueError(f"fused_experts: no I tiling of T={problem.tokens}, H={problem.hidden}, "
                              f"I={problem.intermediate} fits VMEM; use the grouped path")
     check_fused_config(config, *shape.args, **shape.options, generation=generation)
     i_tiles = problem.intermediate // config.tile_i
-    cores = fused_cores(generation, problem.picks)
+    cores = fused_cores(generation, problem.picks, config.cores_per_expert)
     fp8_matmul = fused_feeds_fp8_mxu(config, problem.intermediate, problem.weights_dtype,
                                       interleaved=problem.gate.interleaved, generation=generation)
     options = dict(shape.options, top_k=problem.top_k, routing_dtype=problem.routing_dtype, cores=cores,
@@ -263,7 +265,8 @@ def plan_fused(problem: ExpertsProblem, config: FusedConfig | None = None, gener
         problem=problem, orientation=_orientation(problem), chunk_rows=config.chunk_rows,
         chunks=fused_chunks(config, problem.tokens), tile_i=config.tile_i, i_tiles=i_tiles,
         gate_up_parts=2 if i_tiles > 1 and not problem.gate.interleaved else 1,
-        experts_per_step=config.experts_per_step, cores=cores,
+        experts_per_step=config.experts_per_step, cores=cores, cores_per_expert=config.cores_per_expert,
+        i_tiles_per_core=i_tiles_per_core(config, problem.intermediate),
         buffers=fused_buffers(config, *shape.args, **options),
         vmem_limit_bytes=vmem_limit_bytes(fused_vmem_bytes(config, *shape.args, **options), generation),
         active_experts=expected_active_groups(problem.picks, problem.num_experts),
