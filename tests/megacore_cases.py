@@ -45,7 +45,7 @@ def cases(kernels: dict) -> dict[str, tuple]:
         problem = ragged_dot.problem.MatmulProblem(1024, 512, 1024, 8, "bfloat16", "bfloat16", transpose_rhs=True,
                                                    zero_rows_past_groups=False)
         plan = ragged_dot.plan.plan_ragged_dot(problem, GENERATION, ragged_dot.config.TileConfig(256, 512, tile_n))
-        plan = ragged_dot.plan.gated_plan(plan, ragged_dot.problem.Gate("silu"), has_bias=False)
+        plan = ragged_dot.plan.gated_plan(plan, ragged_dot.problem.Gate("silu"))
         return lambda x, w, sizes: ragged_dot.pallas_gmm.grouped_matmul(x, w, sizes, None, plan)
 
     tokens, hidden, intermediate, experts, top_k = 8, 512, 256, 8, 2

@@ -14,6 +14,13 @@ ACTIVATIONS = {
     "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
     "gelu": torch.nn.functional.gelu,
 }
+# GPT-OSS's clamped SwiGLU (transformers' GptOssExperts._apply_gate on gate and up apart).
+GPT_OSS_GATE = dict(activation="clamped_swiglu", alpha=1.702, limit=7.0)
+
+
+def _clamped_swiglu(gate, up, alpha, limit):
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
 
 # m, k, intermediate, group sizes, the ungated gate_up's tiles (tile_m, tile_k, tile_n over 2I, chunk_m, slots)
 CASES = {
@@ -35,25 +42,32 @@ CASES = {
 }
 
 
-def _gated_reference(lhs, rhs, sizes, transpose_rhs, activation):
-    """Per group: activation(lhs @ gate) * (lhs @ up) in float64, gate the first half of rhs's 2I columns."""
+def _gated_reference(lhs, rhs, sizes, transpose_rhs, activation, bias=None, alpha=1.0, limit=float("inf")):
+    """Per group: activation(lhs @ gate + its bias) * (lhs @ up + its bias) in float64 (clamped SwiGLU: as
+    GPT-OSS), gate the first half of rhs's 2I columns."""
     out, start = [], 0
     for group, size in enumerate(sizes.tolist()):
         weights = rhs[group].double()
         weights = weights.T if transpose_rhs else weights
         projected = lhs[start : start + size].double() @ weights
+        if bias is not None:
+            projected = projected + bias[group].double()
         gate, up = projected.chunk(2, dim=1)
-        out.append(ACTIVATIONS[activation](gate) * up)
+        if activation == "clamped_swiglu":
+            out.append(_clamped_swiglu(gate, up, alpha, limit))
+        else:
+            out.append(ACTIVATIONS[activation](gate) * up)
         start += size
     return torch.cat(out)
 
 
-def _gated(kernel, m, k, intermediate, groups, dtype, transpose_rhs, tiles, activation="silu"):
+def _gated(kernel, m, k, intermediate, groups, dtype, transpose_rhs, tiles, activation="silu", bias=False,
+           **gate_options):
     problem = kernel.problem.MatmulProblem(m, k, 2 * intermediate, groups, dtype, dtype, transpose_rhs=transpose_rhs,
-                                           zero_rows_past_groups=False)
+                                           zero_rows_past_groups=False, bias=bias)
     # v5e: its 128-wide MXU takes 128-column halves without padding.
     plan = kernel.plan.plan_ragged_dot(problem, "v5e", kernel.config.TileConfig(*tiles))
-    return kernel.plan.gated_plan(plan, kernel.problem.Gate(activation), has_bias=False, generation="v5e")
+    return kernel.plan.gated_plan(plan, kernel.problem.Gate(activation, **gate_options), generation="v5e")
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
@@ -86,26 +100,56 @@ def test_gated_schedules_match_reference(kernel, interpret, to_jax, case, dtype,
         assert torch.equal(out[:first_untouched], torch.zeros_like(out[:first_untouched]))
 
 
+# Biases with the gate: each group's gate and up bias added before GPT-OSS's clamped SwiGLU, in one N tile (one
+# bias block of 2I) and in several (each tile's gate and up bias blocks apart), with K tiles, chunks, slots.
+BIAS_CASES = ("one-n-tile", "n-and-k-tiles", "chunks-n-tiles", "groups-per-step")
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("case", BIAS_CASES)
+def test_gated_with_biases_matches_reference(kernel, interpret, to_jax, case, transpose_rhs):
+    m, k, intermediate, group_sizes, tiles = CASES[case]
+    plan = _gated(kernel, m, k, intermediate, len(group_sizes), "float32", transpose_rhs, tiles, bias=True,
+                  **GPT_OSS_GATE)
+    assert plan is not None and plan.problem.bias
+    generator = torch.Generator().manual_seed(len(case) + 7)
+    lhs = torch.randn(m, k, generator=generator)
+    shape = (len(group_sizes), 2 * intermediate, k) if transpose_rhs else (len(group_sizes), k, 2 * intermediate)
+    # Scaled so that the clamp at 7 cuts some of the gate and up values.
+    rhs = torch.randn(shape, generator=generator) * 4 * k**-0.5
+    bias = torch.randn(len(group_sizes), 2 * intermediate, generator=generator) * 3
+    sizes = torch.tensor(group_sizes, dtype=torch.int32)
+    out = interpret(lambda: kernel.pallas_gmm.grouped_matmul(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()),
+                                                             None, plan, to_jax(bias)))
+    rows = sum(group_sizes)
+    expected = _gated_reference(lhs, rhs, sizes, transpose_rhs, "clamped_swiglu", bias, **{
+        name: GPT_OSS_GATE[name] for name in ("alpha", "limit")})
+    assert ((out[:rows].double() - expected).abs().max() / expected.abs().max()).item() <= 1e-5
+    projected = torch.cat([lhs[sum(group_sizes[:g]) : sum(group_sizes[: g + 1])].double()
+                           @ (rhs[g].double().T if transpose_rhs else rhs[g].double()) + bias[g].double()
+                           for g in range(len(group_sizes))])
+    assert (projected.abs() > GPT_OSS_GATE["limit"]).any(), "inputs must reach the clamp"
+
+
 def test_the_gate_stays_in_xla_where_the_epilogue_cannot_take_it(kernel):
-    """gated_plan refuses interleaved columns, biases and one-byte weights; with several N tiles, halves that do
-    not divide I, are off the 128 lanes or pad the MXU past the whole tile."""
+    """gated_plan refuses interleaved columns and one-byte weights in halves; with several N tiles, halves that
+    do not divide I, are off the 128 lanes or pad the MXU past the whole tile. Biases it takes."""
     gate = kernel.problem.Gate("silu")
 
-    def gate_up(n, tile_n, generation="v5e"):
-        problem = kernel.problem.MatmulProblem(64, 128, n, 4, "bfloat16", "bfloat16", transpose_rhs=False)
+    def gate_up(n, tile_n, generation="v5e", bias=False):
+        problem = kernel.problem.MatmulProblem(64, 128, n, 4, "bfloat16", "bfloat16", transpose_rhs=False, bias=bias)
         return kernel.plan.plan_ragged_dot(problem, generation, kernel.config.TileConfig(64, 128, tile_n, None, 1))
 
-    def gated(n, tile_n, generation="v5e", gate=gate, has_bias=False):
-        return kernel.plan.gated_plan(gate_up(n, tile_n, generation), gate, has_bias, generation)
+    def gated(n, tile_n, generation="v5e", gate=gate, bias=False):
+        return kernel.plan.gated_plan(gate_up(n, tile_n, generation, bias), gate, generation)
 
     assert gated(512, 256).tile_n == 128  # two N tiles of I = 256
     assert gated(512, 256, gate=gate._replace(interleaved=True)) is None
-    assert gated(512, 256, has_bias=True) is None
+    assert gated(512, 256, bias=True).tile_n == 128
     # One-byte weights: gated in one N tile (the block's scales whole), not in halves.
     for n, tile_n, expected in ((512, 256, None), (512, 512, 256)):
         int8 = gate_up(n, tile_n)
-        int8 = kernel.plan.gated_plan(int8._replace(problem=int8.problem._replace(rhs_dtype="int8")), gate, False,
-                                      "v5e")
+        int8 = kernel.plan.gated_plan(int8._replace(problem=int8.problem._replace(rhs_dtype="int8")), gate, "v5e")
         assert (int8 and int8.tile_n) == expected
     # Half of a 256-column tile does not divide I = 160 (2I = 320); a 192-column half of I = 384 is off the lanes.
     assert gated(320, 256) is None
@@ -129,6 +173,28 @@ def test_the_grouped_layer_gates_in_the_kernel_and_matches_the_reference(kernel,
     gate = dict(weights_transposed=False, **options)
     problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
     assert kernel.plan.plan_experts(problem, "v6e", fused=False).forward_gate_up.problem.gate is not None
+    out = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False, generation="v6e"))
+    expected = kernel.reference.gated_experts_reference(*layer, **gate)
+    assert ((out.double() - expected).abs().max() / expected.abs().max()).item() <= 1e-5
+
+
+def test_the_grouped_gpt_oss_layer_laid_out_concatenated_gates_its_biased_rows_in_the_kernel(kernel, interpret, to_jax,
+                                                                                          random_picks):
+    """GPT-OSS's layer as kernelize lays it out (transposed weights, biases, gate and up concatenated): the
+    grouped path without a gradient adds the gate_up bias and gates in the first kernel (sentinel picks
+    included)."""
+    tokens, hidden, intermediate, experts, top_k = 37, 64, 128, 6, 3
+    generator = torch.Generator().manual_seed(11)
+    index, weights = random_picks(generator, tokens, experts, top_k, 0.3)
+    layer = (torch.randn(tokens, hidden, generator=generator), index, weights,
+             torch.randn(experts, hidden, 2 * intermediate, generator=generator) * 0.6,
+             torch.randn(experts, intermediate, hidden, generator=generator) * 0.2,
+             torch.randn(experts, 2 * intermediate, generator=generator) * 3,
+             torch.randn(experts, hidden, generator=generator))
+    gate = dict(weights_transposed=True, interleaved=False, **GPT_OSS_GATE)
+    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
+    first = kernel.plan.plan_experts(problem, "v6e", fused=False).forward_gate_up
+    assert first.problem.gate is not None and first.problem.bias
     out = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False, generation="v6e"))
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
     assert ((out.double() - expected).abs().max() / expected.abs().max()).item() <= 1e-5

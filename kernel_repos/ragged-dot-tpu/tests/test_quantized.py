@@ -84,7 +84,7 @@ def test_gated_gate_up_takes_one_byte_weights_in_one_n_tile(kernel, interpret, t
                                            jnp.dtype(to_jax(rhs).dtype).name, transpose_rhs=transpose_rhs,
                                            zero_rows_past_groups=False)
     plan = kernel.plan.plan_ragged_dot(problem, "v5e", kernel.config.TileConfig(40, k, 2 * intermediate, None, 1))
-    plan = kernel.plan.gated_plan(plan, kernel.problem.Gate("silu"), has_bias=False, generation="v5e")
+    plan = kernel.plan.gated_plan(plan, kernel.problem.Gate("silu"), generation="v5e")
     assert plan.tile_n == plan.problem.n == intermediate
     out = interpret(lambda: kernel.pallas_gmm.grouped_matmul(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes,
                                                                                                     jnp.int32),

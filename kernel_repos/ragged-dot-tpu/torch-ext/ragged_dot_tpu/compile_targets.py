@@ -97,7 +97,7 @@ def _gated_target(model, experts, hidden, intermediate, tile_n, generation, dtyp
     heuristic = config.select_config(GATED_ROWS, hidden, 2 * intermediate, dtype, generation=generation,
                                      num_groups=experts, transpose_rhs=True)
     ungated = plan_ragged_dot(problem, generation, heuristic._replace(tile_n=tile_n))
-    plan = gated_plan(ungated, Gate("silu"), has_bias=False, generation=generation)
+    plan = gated_plan(ungated, Gate("silu"), generation=generation)
     if plan is None:
         raise ValueError(f"{model}: no gated plan at tile_n={tile_n} on {generation}")
     avals = (jax.ShapeDtypeStruct((GATED_ROWS, hidden), dtype),

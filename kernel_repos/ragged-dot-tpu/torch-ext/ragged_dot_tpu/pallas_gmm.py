@@ -63,8 +63,10 @@ as they are (`quant.fp8_matmul`).
 
 With a bias (`MatmulProblem.bias`: an experts layer's per-expert biases), each
 work item adds its group's bias row to its rows of the accumulator at its
-first K step, so the output leaves the kernel biased: no XLA pass gathers a
-bias row per row and adds it (a `[M, N]` write and reread).
+first K step (with a gate, of each part: the gate's and the up's bias
+columns), so the output leaves the kernel biased, and gated after the bias:
+no XLA pass gathers a bias row per row and adds it (a `[M, N]` write and
+reread).
 
 With gathered rows (`MatmulProblem.gathered`: an experts layer's first
 projection), lhs is the `[tokens, K]` token rows, left in HBM, and a
@@ -212,7 +214,7 @@ class _StepRefs(NamedTuple):
     lhs: object  # (start, rows) -> ((rows of lhs, the K range of rhs they meet, or None for all of it), ...)
     rhs: tuple  # per group slot, per part (`_parts`): the weights blocks
     scales: tuple  # one per group slot (quantized weights), else empty
-    bias: tuple  # one [1, block columns] f32 row per group slot (`MatmulProblem.bias`), else empty
+    bias: tuple  # per group slot, per part: a [1, block columns] f32 row (`MatmulProblem.bias`), else empty
     out: object
     acc: tuple  # per part: [tile_m, block columns (`_block_columns`)] f32
     carry: tuple | None  # per part: [2 chunk_m, block columns] f32, rows [tile_m - chunk_m, tile_m + chunk_m)
@@ -238,7 +240,8 @@ def _step_refs(lhs_ref, refs, plan: MatmulPlan) -> _StepRefs:
     rhs, refs = refs[: slots * parts], refs[slots * parts :]
     rhs = tuple(tuple(rhs[slot * parts : (slot + 1) * parts]) for slot in range(slots))
     scales, refs = (refs[:slots], refs[slots:]) if quantized else ((), refs)
-    bias, refs = (refs[:slots], refs[slots:]) if plan.problem.bias else ((), refs)
+    bias, refs = (refs[: slots * parts], refs[slots * parts :]) if plan.problem.bias else ((), refs)
+    bias = tuple(tuple(bias[slot * parts : (slot + 1) * parts]) for slot in range(slots)) if bias else ()
     out, *scratch = refs
     acc, scratch = tuple(scratch[:parts]), scratch[parts:]
     carry, scratch = (tuple(scratch[:parts]), scratch[parts:]) if plan.chunk_m else (None, scratch)
@@ -470,10 +473,11 @@ def _body(*refs, plan: MatmulPlan):
 
             @pl.when(jnp.logical_and(k_step == 0, rows_in_tile))
             def _(slot=slot, row_start=row_start, row_end=row_end):
-                # The accumulator rows of the tile that are the item's group's (a bias gate_up has one part).
+                # The accumulator rows of the tile that are the item's group's.
                 row = tile_start + lax.broadcasted_iota(jnp.int32, (tile_m, 1), 0)
                 group_rows = jnp.logical_and(row >= row_start, row < row_end)
-                refs.acc[0][...] += jnp.where(group_rows, refs.bias[slot][...], 0.0)
+                for acc, bias in zip(refs.acc, refs.bias[slot]):
+                    acc[...] += jnp.where(group_rows, bias[...], 0.0)
 
         window_scales = None
         if plan.fp8_matmul:
@@ -647,8 +651,8 @@ def _specs(plan: MatmulPlan, rhs, rhs_scales, bias, items: WorkItems) -> _Specs:
         # grid of block scales.
         return (group, 0, n_step) if per_channel_scales(quantization) else (group, 0, 0)
 
-    def bias_index(slot, n_step, *grid_and_prefetch):
-        return rhs_index(slot, 0, n_step, *grid_and_prefetch)[0], 0, n_step
+    def bias_index(slot, part, n_step, *grid_and_prefetch):
+        return rhs_index(slot, part, n_step, *grid_and_prefetch)[0], 0, n_step + part * up_blocks
 
     if per_channel_scales(quantization):
         in_specs += [pl.BlockSpec((None, 1, columns), functools.partial(scale_index, slot)) for slot in range(slots)]
@@ -658,9 +662,11 @@ def _specs(plan: MatmulPlan, rhs, rhs_scales, bias, items: WorkItems) -> _Specs:
                      for slot in range(slots)]
         operands += [rhs_scales] * slots
     if problem.bias:
-        in_specs += [pl.BlockSpec((None, 1, columns), functools.partial(bias_index, slot)) for slot in range(slots)]
-        # In f32, as the accumulator adds it: a bias in a wider dtype than the rows keeps its precision.
-        operands += [bias.reshape(problem.groups, 1, problem.n).astype(jnp.float32)] * slots
+        in_specs += [pl.BlockSpec((None, 1, columns), functools.partial(bias_index, slot, part))
+                     for slot in range(slots) for part in range(parts)]
+        # In f32, as the accumulator adds it: a bias in a wider dtype than the rows keeps its precision. With a
+        # gate, its 2N columns (gate, then up).
+        operands += [bias.reshape(problem.groups, 1, bias.shape[-1]).astype(jnp.float32)] * (slots * parts)
     if dequantized_in_vmem(quantization) and not plan.fp8_matmul:
         scratch += [pltpu.VMEM(rhs_block[1:], jnp.dtype(problem.dtype)) for _ in range(slots)]
     if problem.gathered:
@@ -676,7 +682,7 @@ def _specs(plan: MatmulPlan, rhs, rhs_scales, bias, items: WorkItems) -> _Specs:
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_scales: jax.Array | None,
                    plan: MatmulPlan, bias: jax.Array | None = None, row_token: jax.Array | None = None) -> jax.Array:
     """`ragged_dot` as `plan` says (inputs of the plan's non-empty problem, assumed valid), with the plan's
-    problem's `bias` (`[groups, n]`) when it has one. With gathered rows (`MatmulProblem.gathered`) lhs is
+    problem's `bias` (`[groups, n]`; with a gate `[groups, 2n]`, gate then up) when it has one. With gathered rows (`MatmulProblem.gathered`) lhs is
     the `[tokens, k]` token rows and `row_token[m]` each sorted row's token (its entries past the groups are
     never read)."""
     problem, tile_m = plan.problem, plan.tile_m
@@ -703,7 +709,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_s
     read_n = n if problem.gate is None else 2 * n
     group_bytes = (k * read_n * (0.5 if scheme_of(rhs.dtype) == INT4 else jnp.dtype(rhs.dtype).itemsize)
                    + (0 if rhs_scales is None else grid[0] * rhs_scales[0].size * 4)
-                   + (n * 4 if problem.bias else 0))
+                   + (read_n * 4 if problem.bias else 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(len(prefetch), grid, specs.in_specs, specs.out_spec, specs.scratch)
     call = scheduled_matmul_call(
         functools.partial(_body, plan=plan), _out_shape(plan), grid_spec,

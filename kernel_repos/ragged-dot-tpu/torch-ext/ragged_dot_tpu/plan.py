@@ -76,22 +76,22 @@ def plan_ragged_dot(problem: MatmulProblem, generation: str | None = None,
     )
 
 
-def gated_plan(gate_up: MatmulPlan, gate: Gate, has_bias: bool, generation: str | None = None) -> MatmulPlan | None:
+def gated_plan(gate_up: MatmulPlan, gate: Gate, generation: str | None = None) -> MatmulPlan | None:
     """The experts' first projection with the gate in its epilogue (`MatmulProblem.gate`) on `generation`
     (default: this device's): `gate_up`'s tiles, its N tile counted in output columns (half as many), so the
     weights blocks and accumulators take the VMEM gate_up's did (its `buffers` and VMEM limit, which the
     halved output block only undercuts). With gate_up in one N tile the kernel reads all 2I columns as one
     block; with several, each tile's gate and up halves apart.
 
-    None where the gate stays in XLA: GPT-OSS's interleaved columns (gate and up alternate), biases (added per
-    row's expert before the gate); with several N tiles, also one-byte weights (their scales come per
-    weights block) and where the half tile does not divide the intermediate size, is not a whole number of
+    None where the gate stays in XLA: GPT-OSS's interleaved columns (gate and up alternate; kernelize lays them
+    out concatenated); with several N tiles, also one-byte weights (their scales come per weights block) and
+    where the half tile does not divide the intermediate size, is not a whole number of
     128 lanes (the output block's, which Mosaic needs), or the two halves would pad the MXU beyond the
     whole tile (Gemma 4's I = 704 on v5e's 128-wide MXU: 2 x 768 columns for 1408).
     """
     problem = gate_up.problem
     intermediate = problem.n // 2
-    if gate.interleaved or has_bias or problem.bias or gate_up.tile_n % 2:
+    if gate.interleaved or gate_up.tile_n % 2:
         return None
     half = gate_up.tile_n // 2
     gated = gate_up._replace(problem=problem._replace(n=intermediate, gate=gate), tile_n=half)
@@ -342,7 +342,7 @@ def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fuse
     down = matmul(intermediate, hidden, orientation.down_transposed)
     trains = scheme_of(problem.weights_dtype) is None
     gate_up_plan = plan_ragged_dot(gate_up, generation)
-    forward_gate_up = gated_plan(gate_up_plan, problem.gate, problem.has_bias, generation) or gate_up_plan
+    forward_gate_up = gated_plan(gate_up_plan, problem.gate, generation) or gate_up_plan
     down_plan = plan_ragged_dot(down, generation)
     packed_down = packed_plan(down_plan, generation)
     return ExpertsPlan(
