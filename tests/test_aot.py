@@ -42,3 +42,51 @@ def test_an_oversized_block_fails_to_compile():
 
     with pytest.raises(Exception, match="(?i)vmem|resource"):
         compile_for(copy, [jax.ShapeDtypeStruct((16384, 8192), jnp.float32)], "v6e")
+
+
+def _fake_kernel(root: Path, digest: str):
+    """A built-variant-like package whose compile targets are one small program and one oversized block."""
+    import importlib
+    import sys
+    import textwrap
+
+    package = root / f"fake_kernel_{digest}"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "metadata.json").write_text(f'{{"digest": {{"algorithm": "sha256", "files": {{"x": "{digest}"}}}}}}')
+    (package / "compile_targets.py").write_text(textwrap.dedent('''
+        import jax
+        import jax.numpy as jnp
+        from jax.experimental import pallas as pl
+
+        def too_big(x):
+            block = pl.BlockSpec((8192, 8192), lambda i: (i, 0))
+            return pl.pallas_call(lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...]),
+                                  out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(2,), in_specs=[block],
+                                  out_specs=block)(x)
+
+        def compile_targets(generation):
+            return [("small", lambda x: x * 2, (jax.ShapeDtypeStruct((8, 128), jnp.float32),)),
+                    ("too big", too_big, (jax.ShapeDtypeStruct((16384, 8192), jnp.float32),))]
+    '''))
+    sys.path.insert(0, str(root))
+    try:
+        return importlib.import_module(package.name)
+    finally:
+        sys.path.remove(str(root))
+
+
+def test_a_compile_that_succeeded_is_remembered_and_a_failure_never(tmp_path):
+    cache = tmp_path / "cache"
+    kernel = _fake_kernel(tmp_path, "a" * 8)
+    first = {r.label: r for r in compile_kernel(kernel, "fake", ["v5e"], cache_dir=cache)}
+    assert first["small"].compiled and not first["small"].cached
+    assert not first["too big"].compiled
+    second = {r.label: r for r in compile_kernel(kernel, "fake", ["v5e"], cache_dir=cache)}
+    assert second["small"].compiled and second["small"].cached and second["small"].flops == first["small"].flops
+    assert not second["too big"].compiled and not second["too big"].cached
+    # Another generation, or another variant (its content digest), compiles again.
+    assert not compile_kernel(kernel, "fake", ["v6e"], cache_dir=cache)[0].cached
+    changed = _fake_kernel(tmp_path, "b" * 8)
+    assert not compile_kernel(changed, "fake", ["v5e"], cache_dir=cache)[0].cached
+    assert not compile_kernel(kernel, "fake", ["v5e"], cache_dir=None)[0].cached

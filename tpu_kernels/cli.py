@@ -34,7 +34,7 @@ def _run_repo_tests(repo: Path, built: Path) -> int:
 def _check(args) -> int:
     import kernels
 
-    from .aot import compile_kernel, format_table
+    from .aot import DEFAULT_CACHE, compile_kernel, format_table
     from .distribution.builder import build_kernel_repo
 
     repo = Path(args.repo)
@@ -43,7 +43,8 @@ def _check(args) -> int:
     tests_status = 0 if args.skip_tests else _run_repo_tests(repo, built)
     generations = [g for g in args.tpu.split(",") if g]
     module = kernels.get_local_kernel(built, backend="cpu")
-    results = compile_kernel(module, built.name, generations)
+    cache_dir = None if args.no_cache else args.cache_dir or DEFAULT_CACHE
+    results = compile_kernel(module, built.name, generations, cache_dir=cache_dir)
     print(format_table(results))
     compiled_all = all(r.compiled for r in results) and bool(results)
     tests_word = "skipped" if args.skip_tests else ("passed" if tests_status == 0 else "FAILED")
@@ -174,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--tpu", default=DEFAULT_GENERATIONS, help=f"TPU generations (default: {DEFAULT_GENERATIONS})")
     check.add_argument("--out", default="build", help="output folder (default: build/)")
     check.add_argument("--skip-tests", action="store_true", help="only build and compile")
+    check.add_argument("--cache-dir", type=Path, default=None,
+                       help="where compiles that succeeded are remembered (default: ~/.cache/tpu-kernels/aot)")
+    check.add_argument("--no-cache", action="store_true", help="compile every target, remembering nothing")
     check.set_defaults(run=_check)
 
     calibrate = commands.add_parser(
