@@ -145,10 +145,6 @@ class KernelizeReport:
     entries: list[ReportEntry] = field(default_factory=list)
     quantization: QuantizationReport | None = None
     own_config: bool = False  # the model was given its own copy of its config
-    # Experts modules whose interleaved gate/up columns were laid out concatenated (`gate_layout`), and those
-    # left interleaved with why.
-    concatenated_gate_up: list[str] = field(default_factory=list)
-    interleaved_gate_up: dict[str, str] = field(default_factory=dict)
 
     def replaced(self, kind: str) -> list[ReportEntry]:
         return [e for e in self.entries if e.kind == kind and e.replaced]
@@ -163,12 +159,6 @@ class KernelizeReport:
         if self.own_config:
             lines.append("  config    the model's own copy: the experts and attention implementations are set on it, "
                          "not on the config object the model was built from")
-        if self.concatenated_gate_up:
-            lines.append(f"  experts   gate/up columns laid out concatenated in {len(self.concatenated_gate_up)} "
-                         "module(s), for the kernel's gate (state_dict() keeps the checkpoint's interleaved layout)")
-        for reason in sorted(set(self.interleaved_gate_up.values())):
-            names = [name for name, why in self.interleaved_gate_up.items() if why == reason]
-            lines.append(f"  experts   gate/up columns left interleaved ({len(names)} module(s)): {reason}")
         if self.quantization is not None:
             lines.append(repr(self.quantization))
         return "\n".join(lines)
@@ -336,27 +326,6 @@ def _kernelize_attention(model, spec: KernelSpec, kernel: ModuleType, mode: Mode
 APPLIERS = {"experts": _kernelize_experts, "rmsnorm": _kernelize_rmsnorm, "attention": _kernelize_attention}
 
 
-def _concatenate_gate_up(model, entry: ReportEntry, kernel: ModuleType, report: KernelizeReport,
-                         quantize_experts: str | None) -> None:
-    """Lay out concatenated the interleaved gate/up columns of the experts modules the kernel's fused op now
-    serves (`tpu_kernels.integration.gate_layout`): its grouped path then gates in the kernel."""
-    from .gate_layout import concatenate_gate_up, why_kept_interleaved
-
-    modules = dict(model.named_modules())
-    for name in entry.modules:
-        module = modules[name]
-        gate = kernel.experts.fused_gate(module)
-        if gate is None or not gate["interleaved"]:
-            continue
-        if quantize_experts is not None:
-            report.interleaved_gate_up[name] = "quantized weights keep the checkpoint's layout"
-        elif (why := why_kept_interleaved(module)) is not None:
-            report.interleaved_gate_up[name] = why
-        else:
-            concatenate_gate_up(module)
-            report.concatenated_gate_up.append(name)
-
-
 def _quantize_experts(model, entry: ReportEntry | None, kernel: ModuleType | None, scheme: str) -> QuantizationReport:
     """Quantize the experts modules the kernel now serves with its fused path (`tpu_kernels.integration.quantize`)."""
     from .quantize import quantize_experts_module, why_not_quantized
@@ -454,8 +423,6 @@ def kernelize(
                 kernel.quant.check_scheme_served(quantize_experts)
             loaded[kind] = kernel
             entry = APPLIERS[kind](model, spec, kernel, mode, backend)
-            if kind == "experts" and entry.replaced:
-                _concatenate_gate_up(model, entry, kernel, report, quantize_experts)
         if not entry.replaced and entry.modules and not use_fallback:
             raise RuntimeError(f"kernelize: {kind} not replaced: {entry.reason}")
         report.entries.append(entry)

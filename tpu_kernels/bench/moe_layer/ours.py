@@ -49,14 +49,12 @@ def layer_entry(built):
     return target
 
 
-def ours_layer(built, model: Model, generation: str, quantized: bool = False):
-    """Ours as kernelize installs it: interleaved gate/up columns (GPT-OSS) of float weights laid out
-    concatenated (`tpu_kernels.integration.gate_layout`), of quantized weights as the checkpoint has them."""
+def ours_layer(built, model: Model, generation: str):
     return functools.partial(
         layer_entry(built),
         activation=model.activation,
         weights_transposed=model.weights_transposed,
-        interleaved=model.interleaved and quantized,
+        interleaved=model.interleaved,
         alpha=model.alpha,
         limit=model.limit,
         generation=generation,
@@ -83,7 +81,7 @@ def _stored_shape(built, shape: tuple[int, ...], scheme: str) -> tuple[int, ...]
 
 def quantized_layer(built, model: Model, generation: str):
     """Ours with quantized weights: arguments as `Case.avals`, then the two weights' scales."""
-    layer = ours_layer(built, model, generation, quantized=True)
+    layer = ours_layer(built, model, generation)
 
     def run(hidden, top_k_index, top_k_weights, gate_up, down, *rest):
         biases, scales = (rest[:2], rest[2:]) if model.bias else ((None, None), rest)

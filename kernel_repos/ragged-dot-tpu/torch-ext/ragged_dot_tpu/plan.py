@@ -83,11 +83,11 @@ def gated_plan(gate_up: MatmulPlan, gate: Gate, generation: str | None = None) -
     halved output block only undercuts). With gate_up in one N tile the kernel reads all 2I columns as one
     block; with several, each tile's gate and up halves apart.
 
-    None where the gate stays in XLA: GPT-OSS's interleaved columns (gate and up alternate; kernelize lays them
-    out concatenated); with several N tiles, also one-byte weights (their scales come per weights block) and
-    where the half tile does not divide the intermediate size, is not a whole number of
-    128 lanes (the output block's, which Mosaic needs), or the two halves would pad the MXU beyond the
-    whole tile (Gemma 4's I = 704 on v5e's 128-wide MXU: 2 x 768 columns for 1408).
+    None where the gate stays in XLA: GPT-OSS's interleaved columns (gate and up alternate); with several N
+    tiles, also one-byte weights (their scales come per weights block) and where the half tile does not
+    divide the intermediate size, is not a whole number of 128 lanes (the output block's, which Mosaic
+    needs), or the two halves would pad the MXU beyond the whole tile (Gemma 4's I = 704 on v5e's 128-wide
+    MXU: 2 x 768 columns for 1408). Biases are added to each part before the gate.
     """
     problem = gate_up.problem
     intermediate = problem.n // 2
