@@ -16,9 +16,11 @@
   on one chip (EP1) and on one rank of eight (EP8: 16 local experts),
   Gemma-4-26B-A4B (128 experts, H=2816, I=704, top-8), GPT-OSS-20B (32
   experts, H=I=2880, top-4, transposed interleaved weights with biases,
-  clamped SwiGLU) on one chip and on one rank of eight (4 experts). GPT-OSS
-  at T=1 takes 16-row chunks, whose relayouts need the most of Mosaic's own
-  VMEM (_hardware.MOSAIC_SCRATCH_BYTES).
+  clamped SwiGLU) on one chip and on one rank of eight (4 experts), and the
+  one pick such a rank receives under EP dispatch, whose expert v5p's two
+  cores share (`FusedConfig.cores_per_expert`: nine I tiles of 320, five and four).
+  GPT-OSS at T=1 takes 16-row chunks, whose relayouts need the most of
+  Mosaic's own VMEM (_hardware.MOSAIC_SCRATCH_BYTES).
 - Training (the backward, `backward.py`) at T = 8192 tokens per rank, top-8
   (65536 picks), Qwen3-30B-A3B and Gemma-4-26B-A4B with all 128 experts on
   the rank: each projection's d_lhs grouped matmul (the forward kernel with
@@ -62,6 +64,9 @@ LAYERS = {
         activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (1, 256, 2048)),
     "gpt-oss-20b EP8": (4, 2880, 2880, 4, dict(weights_transposed=True), dict(
         activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (64,)),
+    # A rank's one received pick under EP dispatch (rows of top-1): on v5p both cores share its expert.
+    "gpt-oss-20b EP8 dispatch": (4, 2880, 2880, 1, dict(weights_transposed=True), dict(
+        activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (1,)),
 }
 
 
