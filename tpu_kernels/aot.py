@@ -161,8 +161,8 @@ def format_table(results: list[CompileResult]) -> str:
     rows = [("kernel", "shape", "gen", "compiled", "seconds", "flops")]
     for r in results:
         rows.append(
-            (r.kernel, r.label, r.generation, ("yes (before)" if r.cached else "yes") if r.compiled else f"NO: {r.error}",
-             f"{r.seconds:.1f}",
+            (r.kernel, r.label, r.generation,
+             ("yes (before)" if r.cached else "yes") if r.compiled else f"NO: {r.error}", f"{r.seconds:.1f}",
              f"{r.flops:.3g}" if r.flops else "-")
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]

@@ -49,10 +49,9 @@ from .weights_layout import WeightsOrientation, weights_orientation
 __all__ = [
     "BIAS_BLOCK_EXPERTS", "D_LHS_ROW_TILE", "FUSED_MAX_CHUNK_ROWS", "FUSED_MAX_TOKENS", "HEURISTIC_RHS_BLOCK_BYTES",
     "HEURISTIC_ROW_TILE", "MAX_EXPERTS_PER_STEP", "MAX_GROUPS_PER_STEP", "MAX_UNROLLED_MACS", "MAX_UNROLLED_MATMULS",
-    "MULTI_EXPERT_MIN_TOKENS", "SHARED_EXPERTS_MIN_GAIN", "TGMM_OUTPUT_SHARE", "TGMM_ROW_TILE", "TUNED_TILES", "Buffer", "FusedConfig",
-    "TgmmConfig", "TileConfig", "TunedKey", "WeightsOrientation", "buffers_bytes", "busier_core_seconds",
-    "check_config",
-    "check_fused_config", "check_tgmm_config", "expected_active_groups", "experts_per_step_saving",
+    "MULTI_EXPERT_MIN_TOKENS", "SHARED_EXPERTS_MIN_GAIN", "TGMM_OUTPUT_SHARE", "TGMM_ROW_TILE", "TUNED_TILES",
+    "Buffer", "FusedConfig", "TgmmConfig", "TileConfig", "TunedKey", "WeightsOrientation", "buffers_bytes",
+    "busier_core_seconds", "check_config", "check_fused_config", "check_tgmm_config", "expected_active_groups", "experts_per_step_saving",
     "fp8_dequantize_vmem_bytes", "fused_buffers", "fused_chunks", "fused_config", "fused_vmem_bytes",
     "heuristic_config", "heuristic_tgmm_config", "matmul_buffers", "n_tile", "ridge_rows", "row_chunks",
     "row_tile_rows", "select_config", "select_d_lhs_config", "select_tgmm_config", "tgmm_blocks", "tgmm_buffers",

@@ -682,9 +682,9 @@ def _specs(plan: MatmulPlan, rhs, rhs_scales, bias, items: WorkItems) -> _Specs:
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_scales: jax.Array | None,
                    plan: MatmulPlan, bias: jax.Array | None = None, row_token: jax.Array | None = None) -> jax.Array:
     """`ragged_dot` as `plan` says (inputs of the plan's non-empty problem, assumed valid), with the plan's
-    problem's `bias` (`[groups, n]`; with a gate `[groups, 2n]`, gate then up) when it has one. With gathered rows (`MatmulProblem.gathered`) lhs is
-    the `[tokens, k]` token rows and `row_token[m]` each sorted row's token (its entries past the groups are
-    never read)."""
+    problem's `bias` (`[groups, n]`; with a gate `[groups, 2n]`, gate then up) when it has one. With gathered
+    rows (`MatmulProblem.gathered`) lhs is the `[tokens, k]` token rows and `row_token[m]` each sorted row's
+    token (its entries past the groups are never read)."""
     problem, tile_m = plan.problem, plan.tile_m
     if (bias is not None) != problem.bias:
         raise ValueError(f"the plan {'takes a' if problem.bias else 'has no'} bias, got "
