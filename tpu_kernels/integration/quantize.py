@@ -84,6 +84,13 @@ def quantize_int8(weight: torch.Tensor, out_axis: int) -> tuple[torch.Tensor, to
 def quantize_int4(weight: torch.Tensor, out_axis: int, kernel) -> tuple[torch.Tensor, torch.Tensor]:
     """`weight[E, D1, D2]` -> (packed uint8 q, float32 scale_inv `[E, D_out]`), one scale per output channel,
     packed by `kernel` (ragged-dot-tpu) as it reads them."""
+    q, scale_inv = int4_codes(weight, out_axis)
+    return kernel.int4.pack_int4(q), scale_inv
+
+
+def int4_codes(weight: torch.Tensor, out_axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight[E, D1, D2]` -> (int8 codes in [-7, 7], float32 scale_inv `[E, D_out]`): one scale per output
+    channel, at the clipping ratio of INT4_CLIP_RATIOS with the least squared error."""
     contraction = 3 - out_axis
     values = weight.detach().float()
     amax = values.abs().amax(dim=contraction)
@@ -98,7 +105,7 @@ def quantize_int4(weight: torch.Tensor, out_axis: int, kernel) -> tuple[torch.Te
         better = error < best_error
         best_q = torch.where(better.unsqueeze(contraction), q, best_q)
         best_scale, best_error = torch.where(better, scale_inv, best_scale), torch.minimum(error, best_error)
-    return kernel.int4.pack_int4(best_q.to(torch.int8)), best_scale
+    return best_q.to(torch.int8), best_scale
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
