@@ -42,9 +42,10 @@ CASES = {
 }
 
 
-def _gated_reference(lhs, rhs, sizes, transpose_rhs, activation, bias=None, alpha=1.0, limit=float("inf")):
+def _gated_reference(lhs, rhs, sizes, transpose_rhs, activation, bias=None, alpha=1.0, limit=float("inf"),
+                     interleaved=False):
     """Per group: activation(lhs @ gate + its bias) * (lhs @ up + its bias) in float64 (clamped SwiGLU: as
-    GPT-OSS), gate the first half of rhs's 2I columns."""
+    GPT-OSS), gate the first half of rhs's 2I columns (interleaved: the even ones)."""
     out, start = [], 0
     for group, size in enumerate(sizes.tolist()):
         weights = rhs[group].double()
@@ -52,7 +53,7 @@ def _gated_reference(lhs, rhs, sizes, transpose_rhs, activation, bias=None, alph
         projected = lhs[start : start + size].double() @ weights
         if bias is not None:
             projected = projected + bias[group].double()
-        gate, up = projected.chunk(2, dim=1)
+        gate, up = (projected[:, 0::2], projected[:, 1::2]) if interleaved else projected.chunk(2, dim=1)
         if activation == "clamped_swiglu":
             out.append(_clamped_swiglu(gate, up, alpha, limit))
         else:
@@ -100,6 +101,55 @@ def test_gated_schedules_match_reference(kernel, interpret, to_jax, case, dtype,
         assert torch.equal(out[:first_untouched], torch.zeros_like(out[:first_untouched]))
 
 
+# Interleaved gate and up columns (GPT-OSS): m, k, intermediate, group sizes, the ungated gate_up's tiles, and the
+# gated plan's N tile (output columns).
+INTERLEAVED_CASES = {
+    # One N tile of I = 48 (off the lanes): one chunk of 96 interleaved columns.
+    "one-n-tile": (40, 72, 48, [9, 0, 14, 6], (40, 72, 96, None, 1), 48),
+    # One N tile of I = 200: a chunk of 256 columns and one of 144.
+    "one-n-tile-two-chunks": (40, 72, 200, [9, 0, 14, 6], (40, 72, 400, None, 1), 200),
+    # Three N tiles of 128 pairs, the last holding 44 (its block's other columns are garbage, NaN in the
+    # interpreter); K in three tiles with a tail.
+    "n-and-k-tiles-partial": (64, 300, 300, [20, 0, 25, 10], (32, 128, 256, None, 1), 128),
+    # gate_up's 384-column tile (192 pairs) rounded up to 256 lanes of output: two N tiles of I = 500 (rounded
+    # down, four of 128 would compute as many columns).
+    "half-rounded-to-lanes": (64, 128, 500, [20, 0, 25, 10], (32, 128, 384, None, 1), 256),
+    # Row chunks carried across row tiles, two N tiles, the last partial.
+    "chunks-n-tiles": (100, 256, 160, [5, 37, 0, 40], (48, 128, 256, 16, 1), 128),
+    # Three group slots per step; idle slots in the last step.
+    "groups-per-step": (40, 128, 256, [5, 0, 12, 7, 0, 9], (40, 128, 256, None, 3), 128),
+}
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(INTERLEAVED_CASES))
+def test_interleaved_gate_matches_reference(kernel, interpret, to_jax, case, dtype, transpose_rhs):
+    """GPT-OSS's interleaved columns with biases and its clamped SwiGLU, gated in the epilogue."""
+    m, k, intermediate, group_sizes, tiles, tile_n = INTERLEAVED_CASES[case]
+    dtype_name = "float32" if dtype == torch.float32 else "bfloat16"
+    plan = _gated(kernel, m, k, intermediate, len(group_sizes), dtype_name, transpose_rhs, tiles, bias=True,
+                  interleaved=True, **GPT_OSS_GATE)
+    assert plan is not None and plan.problem.n == intermediate and plan.tile_n == tile_n
+    generator = torch.Generator().manual_seed(len(case) + 3)
+    lhs = torch.randn(m, k, generator=generator).to(dtype)
+    shape = (len(group_sizes), 2 * intermediate, k) if transpose_rhs else (len(group_sizes), k, 2 * intermediate)
+    # Scaled so that the clamp at 7 cuts some of the gate and up values.
+    rhs = (torch.randn(shape, generator=generator) * 4 * k**-0.5).to(dtype)
+    bias = torch.randn(len(group_sizes), 2 * intermediate, generator=generator) * 3
+    sizes = torch.tensor(group_sizes, dtype=torch.int32)
+    out = interpret(lambda: kernel.pallas_gmm.grouped_matmul(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()),
+                                                             None, plan, to_jax(bias)))
+    rows = sum(group_sizes)
+    assert out.shape == (m, intermediate)
+    expected = _gated_reference(lhs, rhs, sizes, transpose_rhs, "clamped_swiglu", bias, interleaved=True,
+                                **{name: GPT_OSS_GATE[name] for name in ("alpha", "limit")})
+    error = ((out[:rows].double() - expected).abs().max() / expected.abs().max()).item()
+    assert error <= (1e-5 if dtype == torch.float32 else 3e-2)
+    first_untouched = -(-rows // plan.tile_m) * plan.tile_m
+    assert torch.isnan(out[first_untouched:]).all()
+
+
 # Biases with the gate: each group's gate and up bias added before GPT-OSS's clamped SwiGLU, in one N tile (one
 # bias block of 2I) and in several (each tile's gate and up bias blocks apart), with K tiles, chunks, slots.
 BIAS_CASES = ("one-n-tile", "n-and-k-tiles", "chunks-n-tiles", "groups-per-step")
@@ -132,8 +182,8 @@ def test_gated_with_biases_matches_reference(kernel, interpret, to_jax, case, tr
 
 
 def test_the_gate_stays_in_xla_where_the_epilogue_cannot_take_it(kernel):
-    """gated_plan refuses interleaved columns and one-byte weights in halves; with several N tiles, halves that
-    do not divide I, are off the 128 lanes or pad the MXU past the whole tile. Biases it takes."""
+    """gated_plan refuses one-byte weights in several N tiles; concatenated, halves that do not divide I, are off
+    the 128 lanes or pad the MXU past the whole tile. Biases and interleaved columns it takes."""
     gate = kernel.problem.Gate("silu")
 
     def gate_up(n, tile_n, generation="v5e", bias=False):
@@ -144,7 +194,17 @@ def test_the_gate_stays_in_xla_where_the_epilogue_cannot_take_it(kernel):
         return kernel.plan.gated_plan(gate_up(n, tile_n, generation, bias), gate, generation)
 
     assert gated(512, 256).tile_n == 128  # two N tiles of I = 256
-    assert gated(512, 256, gate=gate._replace(interleaved=True)) is None
+    interleaved = gate._replace(interleaved=True)
+    assert gated(512, 256, gate=interleaved).tile_n == 128
+    # Interleaved, halves need not divide I (I = 160: 128 and 32 pairs), nor is v6e's MXU padded (one block).
+    assert gated(320, 256, gate=interleaved).tile_n == 128
+    assert gated(512, 256, generation="v6e", gate=interleaved).tile_n == 128
+    # gate_up's 384-column tile, 192 pairs, is rounded to 256 lanes of output: I = 512 in two N tiles, not 128
+    # lanes in four.
+    assert gated(1024, 384, gate=interleaved).tile_n == 256
+    int8 = gate_up(512, 256)
+    int8 = int8._replace(problem=int8.problem._replace(rhs_dtype="int8"))
+    assert kernel.plan.gated_plan(int8, interleaved, "v5e") is None
     assert gated(512, 256, bias=True).tile_n == 128
     # One-byte weights: gated in one N tile (the block's scales whole), not in halves.
     for n, tile_n, expected in ((512, 256, None), (512, 512, 256)):
@@ -195,6 +255,27 @@ def test_the_grouped_gpt_oss_layer_laid_out_concatenated_gates_its_biased_rows_i
     problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
     first = kernel.plan.plan_experts(problem, "v6e", fused=False).forward_gate_up
     assert first.problem.gate is not None and first.problem.bias
+    out = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False, generation="v6e"))
+    expected = kernel.reference.gated_experts_reference(*layer, **gate)
+    assert ((out.double() - expected).abs().max() / expected.abs().max()).item() <= 1e-5
+
+
+def test_the_grouped_gpt_oss_layer_as_the_checkpoint_lays_it_out_gates_in_the_kernel(kernel, interpret, to_jax,
+                                                                                    random_picks):
+    """GPT-OSS's layer as transformers loads it (transposed weights, biases, interleaved gate and up, I off the
+    lanes): the grouped path without a gradient gates in the first kernel (sentinel picks included)."""
+    tokens, hidden, intermediate, experts, top_k = 37, 64, 72, 6, 3
+    generator = torch.Generator().manual_seed(13)
+    index, weights = random_picks(generator, tokens, experts, top_k, 0.3)
+    layer = (torch.randn(tokens, hidden, generator=generator), index, weights,
+             torch.randn(experts, hidden, 2 * intermediate, generator=generator) * 0.6,
+             torch.randn(experts, intermediate, hidden, generator=generator) * 0.2,
+             torch.randn(experts, 2 * intermediate, generator=generator) * 3,
+             torch.randn(experts, hidden, generator=generator))
+    gate = dict(weights_transposed=True, interleaved=True, **GPT_OSS_GATE)
+    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
+    first = kernel.plan.plan_experts(problem, "v6e", fused=False).forward_gate_up
+    assert first.problem.gate is not None and first.problem.gate.interleaved and first.problem.bias
     out = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False, generation="v6e"))
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
     assert ((out.double() - expected).abs().max() / expected.abs().max()).item() <= 1e-5

@@ -50,7 +50,10 @@ gating the accumulators when the output block is written, so the [M, 2N]
 projection never goes to HBM and no XLA pass reads it back. With one N tile
 each step fetches all 2N columns as one block and splits the result (no MXU
 padding for an N off the MXU width); with several, the gate's and the up's
-blocks of its N tile (two views of rhs), each accumulated apart.
+blocks of its N tile (two views of rhs), each accumulated apart. GPT-OSS's
+interleaved columns (gate and up alternate) are one block of the N tile's
+pairs, de-interleaved when the output block is written by a matmul with a
+0/1 matrix per 256 columns (`_store_interleaved_gated`).
 
 Quantized weights (`quant.py`) are read as one byte each (int4: half a
 byte): an int8 block is cast to lhs's dtype at the matmul; fp8 and int4
@@ -107,7 +110,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._hardware import sublane_multiple
+from ._hardware import LANES, sublane_multiple
 from .gates import gated
 from .gmm_tiles import TileConfig
 from .plan import MatmulPlan, plan_ragged_dot
@@ -122,6 +125,8 @@ from .routing import int32_group_sizes
 
 # Rows the epilogue packs at a time (`MatmulProblem.packed_out`).
 PACKED_ROWS = 128
+# Lanes an interleaved chunk is de-interleaved into: 128 gate, then 128 up (`_store_interleaved_gated`).
+_DEINTERLEAVED_COLUMNS = 2 * LANES
 
 
 class WorkItems(NamedTuple):
@@ -222,14 +227,15 @@ class _StepRefs(NamedTuple):
 
 
 def _parts(plan: MatmulPlan) -> int:
-    """Weights blocks per step: 2 (the N tile's gate and up columns apart) with a gate over several N tiles,
-    else 1."""
-    return 2 if plan.problem.gate is not None and plan.tile_n < plan.problem.n else 1
+    """Weights blocks per step: 2 (the N tile's gate and up columns apart) with a concatenated gate over several
+    N tiles, else 1 (interleaved: the N tile's pairs are one block)."""
+    gate = plan.problem.gate
+    return 2 if gate is not None and not gate.interleaved and plan.tile_n < plan.problem.n else 1
 
 
 def _block_columns(plan: MatmulPlan) -> int:
-    """Columns of a weights block and its accumulator: 2N (the gate's and the up's whole) with a gate in one N
-    tile, else the N tile."""
+    """Columns of a weights block and its accumulator: twice the N tile (gate and up) with a gate in one block,
+    else the N tile."""
     return 2 * plan.tile_n if plan.problem.gate is not None and _parts(plan) == 1 else plan.tile_n
 
 
@@ -263,6 +269,45 @@ def _store_packed(out_ref, acc_ref, start, rows: int, split: int):
     out_ref[pl.ds(start, rows), :paired] = first[:, :paired] | pack_second_half(acc[:, split:])
     if paired < split:
         out_ref[pl.ds(start, rows), paired:] = first[:, paired:]
+
+
+def _deinterleaving_matrix(width: int, dtype) -> jax.Array:
+    """`[width, 2 x 128]` 0/1: column i of a chunk of interleaved pairs (gate, up, gate, ...) to lane i // 2 of the
+    gate's 128 lanes (even i) or of the up's (odd i)."""
+    column = lax.broadcasted_iota(jnp.int32, (width, _DEINTERLEAVED_COLUMNS), 0)
+    lane = lax.broadcasted_iota(jnp.int32, (width, _DEINTERLEAVED_COLUMNS), 1)
+    return (lane == (column & 1) * LANES + (column >> 1)).astype(dtype)
+
+
+def _store_interleaved_gated(out_ref, acc_ref, gate, valid_columns, *, exact: bool) -> None:
+    """The gated output of an accumulator of interleaved pairs (`[rows, 2 x out columns]` f32).
+
+    Lanes have no strided load (Mosaic: "Stride on last dim is not 1"), so
+    each chunk of 256 columns (128 pairs; the last may be narrower) is
+    de-interleaved by a matmul with a 0/1 matrix (`_deinterleaving_matrix`)
+    into 128 gate then 128 up lanes, gated, and stored as 128 output lanes.
+    One nonzero term per sum: exact in f32 at HIGHEST precision (`exact`);
+    otherwise one bf16 pass, which rounds gate and up to bf16 first, as the
+    gate in XLA reads the kernel's bf16 output. The MXU work is 256 / K of the
+    projection's. Columns from `valid_columns` on (a partial last N tile's
+    garbage, possibly NaN, which a matmul would spread to every lane) are
+    zeroed first.
+    """
+    columns = acc_ref.shape[1]
+    for start in range(0, columns, _DEINTERLEAVED_COLUMNS):
+        width = min(_DEINTERLEAVED_COLUMNS, columns - start)
+        chunk = acc_ref[:, start : start + width]
+        if valid_columns is not None:
+            column = start + lax.broadcasted_iota(jnp.int32, (1, width), 1)
+            chunk = jnp.where(column < valid_columns, chunk, 0.0)
+        if exact:
+            split = lax.dot_general(chunk, _deinterleaving_matrix(width, jnp.float32), (((1,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+        else:
+            split = lax.dot_general(chunk.astype(jnp.bfloat16), _deinterleaving_matrix(width, jnp.bfloat16),
+                                    (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        activated = gated(split[:, :LANES], split[:, LANES:], gate.activation, alpha=gate.alpha, limit=gate.limit)
+        out_ref[:, start // 2 : (start + width) // 2] = activated[:, : width // 2].astype(out_ref.dtype)
 
 
 def _token_rows(words_ref, dtype: str, k: int, split: int, start, rows: int):
@@ -528,6 +573,12 @@ def _body(*refs, plan: MatmulPlan):
             return
         if gate is None:
             refs.out[...] = refs.acc[0][...].astype(refs.out.dtype)
+            return
+        if gate.interleaved:
+            partial = plan.problem.n % plan.tile_n
+            # Columns of this N tile's block that hold pairs; past them a partial last block holds garbage.
+            valid = 2 * (plan.problem.n - pl.program_id(0) * plan.tile_n) if partial else None
+            _store_interleaved_gated(refs.out, refs.acc[0], gate, valid, exact=plan.problem.dtype == "float32")
             return
         if len(refs.acc) == 2:
             gate_part, up = refs.acc[0][...], refs.acc[1][...]

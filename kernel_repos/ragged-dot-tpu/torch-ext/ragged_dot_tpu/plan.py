@@ -83,15 +83,18 @@ def gated_plan(gate_up: MatmulPlan, gate: Gate, generation: str | None = None) -
     halved output block only undercuts). With gate_up in one N tile the kernel reads all 2I columns as one
     block; with several, each tile's gate and up halves apart.
 
-    None where the gate stays in XLA: GPT-OSS's interleaved columns (gate and up alternate); with several N
-    tiles, also one-byte weights (their scales come per weights block) and where the half tile does not
-    divide the intermediate size, is not a whole number of 128 lanes (the output block's, which Mosaic
-    needs), or the two halves would pad the MXU beyond the whole tile (Gemma 4's I = 704 on v5e's 128-wide
-    MXU: 2 x 768 columns for 1408). Biases are added to each part before the gate.
+    GPT-OSS's interleaved columns (gate and up alternate) come as one block of the N tile's pairs
+    (`interleaved_gated_plan`). None where the gate stays in XLA: with several N tiles, one-byte weights
+    (their scales come per weights block); concatenated, also where the half tile does not divide the
+    intermediate size, is not a whole number of 128 lanes (the output block's, which Mosaic needs), or the
+    two halves would pad the MXU beyond the whole tile (Gemma 4's I = 704 on v5e's 128-wide MXU: 2 x 768
+    columns for 1408). Biases are added to each part before the gate.
     """
     problem = gate_up.problem
     intermediate = problem.n // 2
-    if gate.interleaved or gate_up.tile_n % 2:
+    if gate.interleaved:
+        return interleaved_gated_plan(gate_up, gate, generation)
+    if gate_up.tile_n % 2:
         return None
     half = gate_up.tile_n // 2
     gated = gate_up._replace(problem=problem._replace(n=intermediate, gate=gate), tile_n=half)
@@ -104,6 +107,32 @@ def gated_plan(gate_up: MatmulPlan, gate: Gate, generation: str | None = None) -
         return None
     # The output block's lanes (and the weights block's lanes or, read transposed, sublanes).
     return gated if half % LANES == 0 else None
+
+
+def interleaved_gated_plan(gate_up: MatmulPlan, gate: Gate, generation: str | None = None) -> MatmulPlan | None:
+    """`gated_plan` for interleaved gate and up columns: each N tile reads its pairs as one block, which the
+    kernel's epilogue de-interleaves (`pallas_gmm`). One N tile takes any I. With several, the output block's
+    columns (the half tile) must be whole 128 lanes: of gate_up's half tile rounded down and up to the lanes,
+    the one that computes the fewest columns (a partial last tile computes its whole width) and fits VMEM,
+    planned anew (`plan_ragged_dot`). None for one-byte weights in several N tiles (their scales come per
+    weights block) and where neither half fits."""
+    problem = gate_up.problem
+    intermediate = problem.n // 2
+    if gate_up.tile_n >= problem.n:
+        return gate_up._replace(problem=problem._replace(n=intermediate, gate=gate), tile_n=intermediate)
+    if scheme_of(problem.rhs_dtype) is not None:
+        return None
+    halves = sorted({max(gate_up.tile_n // 2 // LANES, 1) * LANES, round_up(gate_up.tile_n // 2, LANES)},
+                    key=lambda half: (-(-intermediate // half) * half, -half))
+    for half in halves:
+        half = min(half, intermediate)
+        config = TileConfig(gate_up.tile_m, gate_up.tile_k, 2 * half, gate_up.chunk_m, gate_up.groups_per_step)
+        try:
+            planned = plan_ragged_dot(problem, generation, config)
+        except ValueError:
+            continue
+        return planned._replace(problem=problem._replace(n=intermediate, gate=gate), tile_n=half)
+    return None
 
 
 def gathered_plan(plan: MatmulPlan, generation: str | None = None) -> MatmulPlan | None:
