@@ -5,6 +5,7 @@ uninitialised memory: rows past the groups are never written (NaN), every
 row of a group comes out gated.
 """
 
+import jax
 import jax.numpy as jnp
 import pytest
 import torch
@@ -279,3 +280,18 @@ def test_the_grouped_gpt_oss_layer_as_the_checkpoint_lays_it_out_gates_in_the_ke
     out = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False, generation="v6e"))
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
     assert ((out.double() - expected).abs().max() / expected.abs().max()).item() <= 1e-5
+
+
+@pytest.mark.parametrize(("generation", "tile_n"), [("v5e", 512), ("v6e", 1024)])
+def test_gpt_oss_20b_gates_in_its_first_kernel_in_whole_lanes(kernel, generation, tile_n):
+    """At GPT-OSS-20B's prefill shape (I = 2880, 22.5 lanes) the first kernel's output tiles are whole lanes:
+    gate_up's half tile (576 pairs on v5e, 960 on v6e) rounded to the lanes that compute the fewest columns."""
+    tokens, hidden, intermediate, experts, top_k = 2048, 2880, 2880, 32, 4
+    arrays = [((tokens, hidden), "bfloat16"), ((tokens, top_k), "int32"), ((tokens, top_k), "bfloat16"),
+              ((experts, hidden, 2 * intermediate), "bfloat16"), ((experts, intermediate, hidden), "bfloat16"),
+              ((experts, 2 * intermediate), "bfloat16"), ((experts, hidden), "bfloat16")]
+    layer = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in arrays]
+    gate = dict(weights_transposed=True, interleaved=True, **GPT_OSS_GATE)
+    problem, _ = kernel.problem.describe_experts(*layer, **gate)
+    first = kernel.plan.plan_experts(problem, generation, fused=False).forward_gate_up
+    assert first.problem.gate is not None and first.problem.n == intermediate and first.tile_n == tile_n
