@@ -239,44 +239,29 @@ def test_the_grouped_layer_gates_in_the_kernel_and_matches_the_reference(kernel,
     assert ((out.double() - expected).abs().max() / expected.abs().max()).item() <= 1e-5
 
 
-def test_the_grouped_gpt_oss_layer_laid_out_concatenated_gates_its_biased_rows_in_the_kernel(kernel, interpret, to_jax,
-                                                                                          random_picks):
-    """GPT-OSS's layer as kernelize lays it out (transposed weights, biases, gate and up concatenated): the
-    grouped path without a gradient adds the gate_up bias and gates in the first kernel (sentinel picks
-    included)."""
-    tokens, hidden, intermediate, experts, top_k = 37, 64, 128, 6, 3
-    generator = torch.Generator().manual_seed(11)
+# GPT-OSS's layer laid out as the checkpoint has it (interleaved gate and up, I = 72 off the lanes) and as
+# kernelize once laid it out (concatenated, I = 128): (interleaved, intermediate, seed).
+GPT_OSS_LAYOUTS = {"interleaved": (True, 72, 13), "concatenated": (False, 128, 11)}
+
+
+@pytest.mark.parametrize("layout", list(GPT_OSS_LAYOUTS))
+def test_the_grouped_gpt_oss_layer_gates_its_biased_rows_in_the_kernel(kernel, interpret, to_jax, random_picks,
+                                                                       layout):
+    """GPT-OSS's layer (transposed weights, biases, clamped SwiGLU): the grouped path without a gradient adds
+    the gate_up bias and gates in the first kernel, in either layout (sentinel picks included)."""
+    interleaved, intermediate, seed = GPT_OSS_LAYOUTS[layout]
+    tokens, hidden, experts, top_k = 37, 64, 6, 3
+    generator = torch.Generator().manual_seed(seed)
     index, weights = random_picks(generator, tokens, experts, top_k, 0.3)
     layer = (torch.randn(tokens, hidden, generator=generator), index, weights,
              torch.randn(experts, hidden, 2 * intermediate, generator=generator) * 0.6,
              torch.randn(experts, intermediate, hidden, generator=generator) * 0.2,
              torch.randn(experts, 2 * intermediate, generator=generator) * 3,
              torch.randn(experts, hidden, generator=generator))
-    gate = dict(weights_transposed=True, interleaved=False, **GPT_OSS_GATE)
+    gate = dict(weights_transposed=True, interleaved=interleaved, **GPT_OSS_GATE)
     problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
     first = kernel.plan.plan_experts(problem, "v6e", fused=False).forward_gate_up
-    assert first.problem.gate is not None and first.problem.bias
-    out = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False, generation="v6e"))
-    expected = kernel.reference.gated_experts_reference(*layer, **gate)
-    assert ((out.double() - expected).abs().max() / expected.abs().max()).item() <= 1e-5
-
-
-def test_the_grouped_gpt_oss_layer_as_the_checkpoint_lays_it_out_gates_in_the_kernel(kernel, interpret, to_jax,
-                                                                                    random_picks):
-    """GPT-OSS's layer as transformers loads it (transposed weights, biases, interleaved gate and up, I off the
-    lanes): the grouped path without a gradient gates in the first kernel (sentinel picks included)."""
-    tokens, hidden, intermediate, experts, top_k = 37, 64, 72, 6, 3
-    generator = torch.Generator().manual_seed(13)
-    index, weights = random_picks(generator, tokens, experts, top_k, 0.3)
-    layer = (torch.randn(tokens, hidden, generator=generator), index, weights,
-             torch.randn(experts, hidden, 2 * intermediate, generator=generator) * 0.6,
-             torch.randn(experts, intermediate, hidden, generator=generator) * 0.2,
-             torch.randn(experts, 2 * intermediate, generator=generator) * 3,
-             torch.randn(experts, hidden, generator=generator))
-    gate = dict(weights_transposed=True, interleaved=True, **GPT_OSS_GATE)
-    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
-    first = kernel.plan.plan_experts(problem, "v6e", fused=False).forward_gate_up
-    assert first.problem.gate is not None and first.problem.gate.interleaved and first.problem.bias
+    assert first.problem.gate == kernel.problem.Gate(interleaved=interleaved, **GPT_OSS_GATE) and first.problem.bias
     out = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False, generation="v6e"))
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
     assert ((out.double() - expected).abs().max() / expected.abs().max()).item() <= 1e-5
