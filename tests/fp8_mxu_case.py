@@ -1,5 +1,5 @@
-"""The experts layer with fp8 weights on both paths (the fused kernel, the grouped matmuls), compiled for TPU7x and
-v6e: which operands the kernels' matmuls take.
+"""The experts layer with fp8 weights on both paths (the fused kernel, in both gate/up layouts, and the grouped
+matmuls), compiled for TPU7x and v6e: which operands the kernels' matmuls take.
 
 Run as `python -m tests.fp8_mxu_case RAGGED_DOT_BUILD DUMP_DIR` with libtpu's
 LLO dump switched on (LIBTPU_INIT_ARGS="--xla_jf_dump_to=DUMP_DIR
@@ -20,19 +20,26 @@ import jax
 import jax.numpy as jnp
 
 GENERATIONS = ("tpu7x", "v6e")
-# The experts layer's paths, by the pallas_call names of their kernels.
-PATHS = {"fused": "fused_experts.", "grouped": "ragged_dot."}
+# The experts layer's paths: the pallas_call names of their kernels, and the layer's weights layout and gate.
+QWEN3 = dict(weights_transposed=False, activation="silu")
+GPT_OSS = dict(weights_transposed=True, activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0)
+PATHS = {"fused": ("fused_experts.", QWEN3), "grouped": ("ragged_dot.", QWEN3),
+         "fused-interleaved": ("fused_experts.", GPT_OSS)}
 _MATMUL = re.compile(r"vmatmul[a-z0-9_.]*")
 
 
-def _layer_avals(tokens=64, hidden=512, intermediate=256, experts=8, top_k=2):
-    """A Qwen3-layout layer (`[E, 2I, H]`, `[E, H, I]`) with fp8 weights and 128 x 128 block scales."""
+def _layer_avals(layout: dict, tokens=64, hidden=512, intermediate=256, experts=8, top_k=2):
+    """A layer with fp8 weights and 128 x 128 block scales, in Qwen3's layout (`[E, 2I, H]`, `[E, H, I]`) or
+    GPT-OSS's (`[E, H, 2I]`, `[E, I, H]`, with biases)."""
     blocks = lambda n: -(-n // 128)  # noqa: E731
+    gate_up, down = (experts, 2 * intermediate, hidden), (experts, hidden, intermediate)
+    if layout["weights_transposed"]:
+        gate_up, down = (experts, hidden, 2 * intermediate), (experts, intermediate, hidden)
+    fp8, bf16 = jnp.float8_e4m3fn, jnp.bfloat16
+    biases = [((experts, 2 * intermediate), bf16), ((experts, hidden), bf16)] if layout.get("interleaved") else []
     return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
-        ((tokens, hidden), jnp.bfloat16), ((tokens, top_k), jnp.int32), ((tokens, top_k), jnp.bfloat16),
-        ((experts, 2 * intermediate, hidden), jnp.float8_e4m3fn), ((experts, hidden, intermediate), jnp.float8_e4m3fn),
-        ((experts, blocks(2 * intermediate), blocks(hidden)), jnp.float32),
-        ((experts, blocks(hidden), blocks(intermediate)), jnp.float32))]
+        ((tokens, hidden), bf16), ((tokens, top_k), jnp.int32), ((tokens, top_k), bf16), (gate_up, fp8), (down, fp8),
+        *biases, ((experts, *map(blocks, gate_up[1:])), jnp.float32), ((experts, *map(blocks, down[1:])), jnp.float32))]
 
 
 def matmuls(build: str, dump: Path) -> dict[str, dict[str, dict[str, int]]]:
@@ -41,16 +48,16 @@ def matmuls(build: str, dump: Path) -> dict[str, dict[str, dict[str, int]]]:
 
     ragged_dot = hf_kernels.get_local_kernel(Path(build), backend="cpu")
     found = {path: {} for path in PATHS}
-    for path, kernel_name in PATHS.items():
+    for path, (kernel_name, layout) in PATHS.items():
         for generation in GENERATIONS:
-            def layer(hidden, index, weights, gate_up, down, gate_up_scales, down_scales, generation=generation,
-                      fused=path == "fused"):
-                return ragged_dot.moe.experts_layer(hidden, index, weights, gate_up, down, None, None, gate_up_scales,
-                                                   down_scales, fused=fused, activation="silu",
-                                                   weights_transposed=False, generation=generation)
+            def layer(hidden, index, weights, gate_up, down, *rest, generation=generation,
+                      fused=path.startswith("fused"), layout=layout):
+                biases = rest[:2] if len(rest) == 4 else (None, None)
+                return ragged_dot.moe.experts_layer(hidden, index, weights, gate_up, down, *biases, *rest[-2:],
+                                                   fused=fused, generation=generation, **layout)
 
             before = set(dump.iterdir()) if dump.exists() else set()
-            compile_for(layer, _layer_avals(), generation)
+            compile_for(layer, _layer_avals(layout), generation)
             programs = [p for p in set(dump.iterdir()) - before
                         if p.name.split("-", 1)[1].startswith(kernel_name) and p.name.endswith("-02-original.txt")]
             assert programs, f"no {kernel_name} program dumped for {generation}"

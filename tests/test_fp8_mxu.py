@@ -1,6 +1,6 @@
 """On TPU7x the experts kernels' fp8 weights reach the MXU as fp8, with fp8 activations, on both paths (the fused
-kernel and the grouped matmuls); on v6e (no fp8 MXU) they are dequantized first. Read from libtpu's LLO dump of the
-compiled kernels (tests/fp8_mxu_case.py)."""
+kernel, GPT-OSS's interleaved gate/up layout too, and the grouped matmuls); on v6e (no fp8 MXU) they are dequantized
+first. Read from libtpu's LLO dump of the compiled kernels (tests/fp8_mxu_case.py)."""
 
 import json
 import os
@@ -27,7 +27,7 @@ def matmuls(kernel_builds, tmp_path_factory):
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("path", ["fused", "grouped"])
+@pytest.mark.parametrize("path", ["fused", "grouped", "fused-interleaved"])
 def test_fp8_weights_take_the_fp8_mxu_on_tpu7x_only(matmuls, path):
     found = matmuls[path]
     fp8 = {generation: sum(count for name, count in kinds.items() if "f8e4m3fn" in name)

@@ -289,10 +289,20 @@ def test_quantized_weights_run_under_autograd_and_refuse_a_backward(kernel, rand
         out.sum().backward()
 
 
-# On TPU7x the fused kernel multiplies fp8 weights with fp8 activations (plan.fp8_matmul); GPT-OSS's interleaved
-# layout keeps dequantizing.
+# On TPU7x the fused kernel multiplies fp8 weights with fp8 activations (plan.fp8_matmul), in either gate/up
+# layout, unless I tiles would cut the down projection's scale blocks (I tiles of 64 here).
 FP8_MXU_CASES = {"concatenated": True, "transposed-biases": True, "sentinels": True, "i-tiles": True,
-                 "experts-per-step": True, "swapped-down": True, "gpt-oss": False, "i-tiles-interleaved": False}
+                 "experts-per-step": True, "swapped-down": True, "gpt-oss": True, "i-tiles-interleaved": False,
+                 "i-tiles-interleaved-128": True, "gpt-oss-wide": True}
+FP8_MXU_LAYER_CASES = {
+    **LAYER_CASES,
+    # GPT-OSS's layout in two I tiles of whole scale blocks: each tile's interleaved window de-interleaved apart.
+    "i-tiles-interleaved-128": (20, 136, 256, 4, 2, dict(transposed=True, bias=True, std=0.6),
+                                dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (16, 128)),
+    # I = 200: 400 interleaved columns, de-interleaved as 256 + 144, the down projection's K blocks 128 + 72.
+    "gpt-oss-wide": (7, 136, 200, 3, 2, dict(transposed=True, bias=True, std=0.6),
+                     dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), None),
+}
 
 
 @pytest.mark.slow
@@ -301,7 +311,7 @@ def test_fused_fp8_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, interpret, 
     """Against the reference that quantizes each matmul's activations per row and 128-wide K block as the kernel
     does; where the path is taken, the result differs from the dequantizing path's (the activations were
     quantized), else it is that path's."""
-    tokens, hidden, intermediate, experts, top_k, options, gate, tiles = LAYER_CASES[case]
+    tokens, hidden, intermediate, experts, top_k, options, gate, tiles = FP8_MXU_LAYER_CASES[case]
     transposed = options["transposed"]
     layer = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, "fp8", **options)
     gate = dict(weights_transposed=transposed, **gate)

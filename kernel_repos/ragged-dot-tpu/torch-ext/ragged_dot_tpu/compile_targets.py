@@ -36,9 +36,9 @@
   down projection as a grouped matmul at decode rows (`[E, H, I]` with I =
   704 off the lanes: XLA stores it swapped, so int4 packs I and the kernel
   reads the swapped view). int4 on every generation but TPU7x, which
-  refuses it (`quant.NOT_SERVED`). On TPU7x Qwen3's fused fp8 layer
-  multiplies fp8 activations on the fp8 MXU (`plan.FusedPlan.fp8_matmul`);
-  GPT-OSS's (interleaved) dequantizes as on the other generations.
+  refuses it (`quant.NOT_SERVED`). On TPU7x the fused fp8 layers (Qwen3's,
+  and GPT-OSS's with its interleaved gate/up) multiply fp8 activations on the
+  fp8 MXU (`plan.FusedPlan.fp8_matmul`).
 """
 
 import functools

@@ -16,6 +16,7 @@ from ._hardware import (
     LANES, grid_step_overhead_s, padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, tpu_generation,
     vmem_budget_bytes,
 )
+from .gates import DEINTERLEAVED_COLUMNS
 from .gmm_tiles import expected_active_groups
 from .quant import (
     FP8, FP8_BLOCK, FP8_MXU_GENERATIONS, INT4, INT8, blocks, dequantized_in_vmem, per_channel_scales, scheme_of,
@@ -123,14 +124,13 @@ def _tile_i_aligned(tile_i: int, intermediate: int, dtype, *, orientation: Weigh
     return gate_up_cut % gate_up_multiple == 0 and tile_i % down_multiple == 0 and columns_ok
 
 
-def fused_feeds_fp8_mxu(config: FusedConfig, intermediate: int, weights_dtype, *, interleaved: bool,
-                        generation: str) -> bool:
+def fused_feeds_fp8_mxu(config: FusedConfig, intermediate: int, weights_dtype, *, generation: str) -> bool:
     """Whether the fused kernel feeds fp8 weights to the fp8 MXU (`quant.fp8_matmul`) rather than dequantizing
-    them: on a generation that has one, in the concatenated gate/up layout (the interleaved one computes gate_up
-    transposed: its per-row activation scales would fall on columns), with I whole or in tiles of whole scale
-    blocks (the down projection's K offsets)."""
+    them: on a generation that has one, with I whole or in tiles of whole scale blocks (the down projection's K
+    offsets). Either gate/up layout: the interleaved one is de-interleaved on the MXU there, in row orientation
+    (`pallas_fused._interleaved_fp8_rows`)."""
     return (weights_dtype is not None and scheme_of(weights_dtype) == FP8 and generation in FP8_MXU_GENERATIONS
-            and not interleaved and (config.tile_i == intermediate or config.tile_i % FP8_BLOCK == 0))
+            and (config.tile_i == intermediate or config.tile_i % FP8_BLOCK == 0))
 
 
 def fused_buffers(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *,
@@ -174,7 +174,7 @@ def fused_buffers(config: FusedConfig, tokens: int, hidden: int, intermediate: i
                *slot * slots]
     # The output block never moves (on each core): Mosaic keeps one copy of it.
     buffers += [Buffer((tokens, hidden), dtype if cores == 1 else f32), Buffer((tokens, hidden), f32)]
-    if interleaved:
+    if interleaved and not fp8_matmul:
         buffers.append(Buffer((2 * tile_i, chunk), f32))  # gate_up, transposed, to split even and odd rows
     if i_tiles_per_core(config, intermediate) > 1:
         rows = fused_chunks(config, tokens) * chunk
@@ -191,7 +191,7 @@ def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate
     the expert's weight and rank per token as columns, the triangle that counts the ranks, one chunk's gate_up
     and down results (the columns once per expert of the step); an int8 block cast to the activation dtype, what
     dequantizing fp8 or unpacking int4 blocks takes, or, for fp8 on the MXU (`fp8_matmul`), each slot's weight
-    scales spread over the step's windows and one K block's product."""
+    scales spread over the step's windows and one K block's product (interleaved: and the de-interleaving)."""
     f32 = jnp.float32
     weights_dtype = dtype if weights_dtype is None else weights_dtype
     buffers = fused_buffers(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
@@ -207,6 +207,9 @@ def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate
     elif fp8_matmul:
         window_scales = fp8_window_scales_vmem_bytes(hidden, 2 * tile_i) + fp8_window_scales_vmem_bytes(tile_i, hidden)
         values += slots * window_scales + fp8_matmul_vmem_bytes(chunk, max(hidden, 2 * tile_i))
+        if interleaved:  # the de-interleaving 0/1 matrix and its product (`gates.deinterleaved_gated`)
+            values += (padded_vmem_bytes((DEINTERLEAVED_COLUMNS, DEINTERLEAVED_COLUMNS), f32)
+                       + padded_vmem_bytes((chunk, DEINTERLEAVED_COLUMNS), f32))
     elif scheme_of(weights_dtype) is not None:
         values += fp8_dequantize_vmem_bytes(max(hidden, 2 * tile_i))
     return buffers_bytes(buffers) + values
@@ -306,8 +309,7 @@ def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, 
     weights = dtype if weights_dtype is None else weights_dtype
 
     def fits(config: FusedConfig) -> bool:
-        fp8_matmul = fused_feeds_fp8_mxu(config, intermediate, weights_dtype, interleaved=interleaved,
-                                         generation=generation)
+        fp8_matmul = fused_feeds_fp8_mxu(config, intermediate, weights_dtype, generation=generation)
         return fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
                                 has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed,
                                 cores=cores, fp8_matmul=fp8_matmul) <= budget
@@ -373,6 +375,5 @@ def check_fused_config(config: FusedConfig, tokens: int, hidden: int, intermedia
     needed = fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
                               has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed,
                               cores=fused_cores(generation),
-                              fp8_matmul=fused_feeds_fp8_mxu(config, intermediate, weights_dtype,
-                                                             interleaved=interleaved, generation=generation))
+                              fp8_matmul=fused_feeds_fp8_mxu(config, intermediate, weights_dtype, generation=generation))
     check_vmem_fits(config, needed, generation)

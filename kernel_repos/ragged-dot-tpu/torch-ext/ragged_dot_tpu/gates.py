@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ._hardware import LANES
+
 
 def _gelu_erf(x: jax.Array) -> jax.Array:
     # torch's exact GELU. jax.nn.gelu(approximate=False) goes through erfc,
@@ -39,3 +41,36 @@ def split_gate_up(gate_up: jax.Array, *, interleaved: bool) -> tuple[jax.Array, 
     if interleaved:
         return gate_up[:, 0::2], gate_up[:, 1::2]
     return jnp.split(gate_up, 2, axis=-1)
+
+
+# Columns of interleaved pairs one matmul de-interleaves: into 128 gate, then 128 up lanes (`deinterleaved_gated`).
+DEINTERLEAVED_COLUMNS = 2 * LANES
+
+
+def _deinterleaving_matrix(width: int, dtype) -> jax.Array:
+    """`[width, 2 x 128]` 0/1: column i of a chunk of interleaved pairs (gate, up, gate, ...) to lane i // 2 of the
+    gate's 128 lanes (even i) or of the up's (odd i)."""
+    column = lax.broadcasted_iota(jnp.int32, (width, DEINTERLEAVED_COLUMNS), 0)
+    lane = lax.broadcasted_iota(jnp.int32, (width, DEINTERLEAVED_COLUMNS), 1)
+    return (lane == (column & 1) * LANES + (column >> 1)).astype(dtype)
+
+
+def deinterleaved_gated(pairs: jax.Array, activation: str, *, alpha: float, limit: float, exact: bool) -> jax.Array:
+    """The gated intermediate (`[rows, width // 2]` f32) of `pairs`, `[rows, width]` f32 interleaved (gate, up)
+    columns with width even and at most DEINTERLEAVED_COLUMNS, inside a kernel.
+
+    Lanes have no strided load (Mosaic: "Stride on last dim is not 1"), so
+    the pairs are de-interleaved by a matmul with a 0/1 matrix into 128 gate
+    then 128 up lanes. One nonzero term per sum: exact in f32 at HIGHEST
+    precision (`exact`); otherwise one bf16 pass, which rounds gate and up to
+    bf16 first. Garbage columns (possibly NaN) would spread to every lane:
+    callers zero them first.
+    """
+    width = pairs.shape[1]
+    if exact:
+        split = lax.dot_general(pairs, _deinterleaving_matrix(width, jnp.float32), (((1,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+    else:
+        split = lax.dot_general(pairs.astype(jnp.bfloat16), _deinterleaving_matrix(width, jnp.bfloat16),
+                                (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return gated(split[:, :LANES], split[:, LANES:], activation, alpha=alpha, limit=limit)[:, : width // 2]

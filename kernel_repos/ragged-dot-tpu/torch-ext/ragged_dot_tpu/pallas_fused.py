@@ -47,7 +47,9 @@ under the weights' DMA (see config.FUSED_MAX_TOKENS).
 Interleaved gate/up columns (GPT-OSS) are split in the transposed
 orientation: the chunk's gate_up projection is computed as `[2 I, c]`, whose
 even and odd rows Mosaic reads with strided loads (lanes have no strided
-load). Biases come in blocks of fused_tiles.BIAS_BLOCK_EXPERTS experts (int8's
+load); with fp8 on the fp8 MXU, in row orientation, by a 0/1 matmul per 256
+columns (`gates.deinterleaved_gated`), each giving the down projection one
+K block. Biases come in blocks of fused_tiles.BIAS_BLOCK_EXPERTS experts (int8's
 and int4's scales in blocks of SCALE_BLOCK_EXPERTS) and the kernel selects
 its expert's row.
 
@@ -77,11 +79,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .fused_tiles import BIAS_BLOCK_EXPERTS, SCALE_BLOCK_EXPERTS, FusedConfig
 from .plan import FusedPlan, plan_fused
-from .gates import gated
+from .gates import DEINTERLEAVED_COLUMNS, deinterleaved_gated, gated
 from .problem import ExpertWeights, describe_experts
 from .quant import (
-    FP8, INT4, INT8, dequantize_fp8_block, dequantized_in_vmem, fp8_matmul, fp8_window_scales, per_channel_scales,
-    scheme_of, stored_rows, unpack_int4_block,
+    FP8, INT4, INT8, dequantize_fp8_block, dequantized_in_vmem, fp8_matmul, fp8_matmul_of_blocks, fp8_window_scales,
+    per_channel_scales, scheme_of, stored_rows, unpack_int4_block,
 )
 from .routing import expert_plan
 
@@ -154,7 +156,7 @@ class _Refs(NamedTuple):
     down_scales: object | None
     out: object
     out_acc: object
-    gate_up_t: object | None  # interleaved: the chunk's gate_up projection, transposed, to split even and odd rows
+    gate_up_t: object | None  # interleaved but not fp8_matmul: the chunk's gate_up projection, transposed, to split
     rows_cache: object | None  # I tiled: the expert's gathered rows
     partial_out: object | None  # I tiled: the expert's output summed over the I tiles
     dequantized: tuple  # fp8, int4: the step's gate_up part(s), then down, dequantized
@@ -184,7 +186,7 @@ def _split_refs(refs, plan: FusedPlan) -> tuple[_Refs, ...]:
 
     slots = [slot_refs() for _ in range(plan.experts_per_step)]
     out, out_acc, *scratch = refs
-    gate_up_t = scratch.pop(0) if problem.gate.interleaved else None
+    gate_up_t = scratch.pop(0) if problem.gate.interleaved and not plan.fp8_matmul else None
     rows_cache, partial_out = (scratch.pop(0), scratch.pop(0)) if plan.i_tiles_per_core > 1 else (None, None)
     return tuple(_Refs(*slot, out, out_acc, gate_up_t, rows_cache, partial_out, tuple(scratch)) for slot in slots)
 
@@ -256,6 +258,8 @@ def _expert_rows(rows, refs: _Refs, expert: _Expert, plan: FusedPlan):
     per_channel = per_channel_scales(scheme_of(plan.problem.weights_dtype))
     scales = refs.gate_up_scales if per_channel else (None,) * plan.gate_up_parts
     down_scales = refs.down_scales if per_channel else None
+    if gate.interleaved and plan.fp8_matmul:
+        return _interleaved_fp8_rows(rows, refs, expert, plan)
     if gate.interleaved:
         # gate_up^T [2 ti, chunk]: weights [2 ti, H] (or [H, 2 ti] transposed) against rows [chunk, H].
         gate_up_t = _scaled(_dot(_weights(expert.gate_up[0], expert, plan), rows, 0 if gate_up_transposed else 1, 1,
@@ -286,6 +290,23 @@ def _expert_rows(rows, refs: _Refs, expert: _Expert, plan: FusedPlan):
         return fp8_matmul(hidden_rows, expert.down, expert.fp8_scales[-1], rhs_contract=0 if down_transposed else 1)
     return _scaled(_dot(hidden_rows, _weights(expert.down, expert, plan), 1, 0 if down_transposed else 1, precision),
                    down_scales, expert, plan)
+
+
+def _interleaved_fp8_rows(rows, refs: _Refs, expert: _Expert, plan: FusedPlan):
+    """`_expert_rows` on the fp8 MXU with interleaved gate/up columns: the chunk's `[chunk, 2 ti]` projection,
+    biased, is de-interleaved and gated 256 columns at a time (`gates.deinterleaved_gated`, exact), each giving
+    the next 128-wide K block of the down projection's input, which that matmul quantizes as it comes."""
+    gate = plan.problem.gate
+    gate_up_transposed, down_transposed = plan.orientation
+    projection = fp8_matmul(rows, expert.gate_up[0], expert.fp8_scales[0], rhs_contract=0 if gate_up_transposed else 1)
+    if refs.gate_up_bias:
+        projection = projection + _expert_bias(refs.gate_up_bias[0], expert.index)
+    hidden_blocks = (
+        deinterleaved_gated(projection[:, start : start + DEINTERLEAVED_COLUMNS], gate.activation, alpha=gate.alpha,
+                            limit=gate.limit, exact=True).astype(expert.dtype)
+        for start in range(0, projection.shape[1], DEINTERLEAVED_COLUMNS))
+    return fp8_matmul_of_blocks(hidden_blocks, expert.down, expert.fp8_scales[-1],
+                                rhs_contract=0 if down_transposed else 1)
 
 
 def _slot_item(core, step, slot: int, count, plan: FusedPlan):
@@ -546,7 +567,7 @@ def fused_experts_call(plan: FusedPlan, hidden_states: jax.Array, top_k_index: j
 
     specs = _weight_specs(plan, weights)
     scratch = [pltpu.VMEM((tokens, hidden), jnp.float32)]
-    if problem.gate.interleaved:
+    if problem.gate.interleaved and not plan.fp8_matmul:
         scratch.append(pltpu.VMEM((2 * plan.tile_i, plan.chunk_rows), jnp.float32))
     if plan.i_tiles_per_core > 1:
         rows = plan.chunks * plan.chunk_rows

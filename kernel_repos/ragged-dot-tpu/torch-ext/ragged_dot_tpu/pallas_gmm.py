@@ -53,7 +53,7 @@ padding for an N off the MXU width); with several, the gate's and the up's
 blocks of its N tile (two views of rhs), each accumulated apart. GPT-OSS's
 interleaved columns (gate and up alternate) are one block of the N tile's
 pairs, de-interleaved when the output block is written by a matmul with a
-0/1 matrix per 256 columns (`_store_interleaved_gated`).
+0/1 matrix per 256 columns (`gates.deinterleaved_gated`).
 
 Quantized weights (`quant.py`) are read as one byte each (int4: half a
 byte): an int8 block is cast to lhs's dtype at the matmul; fp8 and int4
@@ -110,8 +110,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._hardware import LANES, sublane_multiple
-from .gates import gated
+from ._hardware import sublane_multiple
+from .gates import DEINTERLEAVED_COLUMNS, deinterleaved_gated, gated
 from .gmm_tiles import TileConfig
 from .plan import MatmulPlan, plan_ragged_dot
 from .problem import MatmulProblem, weight_shape
@@ -125,8 +125,6 @@ from .routing import int32_group_sizes
 
 # Rows the epilogue packs at a time (`MatmulProblem.packed_out`).
 PACKED_ROWS = 128
-# Lanes an interleaved chunk is de-interleaved into: 128 gate, then 128 up (`_store_interleaved_gated`).
-_DEINTERLEAVED_COLUMNS = 2 * LANES
 
 
 class WorkItems(NamedTuple):
@@ -271,43 +269,27 @@ def _store_packed(out_ref, acc_ref, start, rows: int, split: int):
         out_ref[pl.ds(start, rows), paired:] = first[:, paired:]
 
 
-def _deinterleaving_matrix(width: int, dtype) -> jax.Array:
-    """`[width, 2 x 128]` 0/1: column i of a chunk of interleaved pairs (gate, up, gate, ...) to lane i // 2 of the
-    gate's 128 lanes (even i) or of the up's (odd i)."""
-    column = lax.broadcasted_iota(jnp.int32, (width, _DEINTERLEAVED_COLUMNS), 0)
-    lane = lax.broadcasted_iota(jnp.int32, (width, _DEINTERLEAVED_COLUMNS), 1)
-    return (lane == (column & 1) * LANES + (column >> 1)).astype(dtype)
-
-
 def _store_interleaved_gated(out_ref, acc_ref, gate, valid_columns, *, exact: bool) -> None:
     """The gated output of an accumulator of interleaved pairs (`[rows, 2 x out columns]` f32).
 
-    Lanes have no strided load (Mosaic: "Stride on last dim is not 1"), so
-    each chunk of 256 columns (128 pairs; the last may be narrower) is
-    de-interleaved by a matmul with a 0/1 matrix (`_deinterleaving_matrix`)
-    into 128 gate then 128 up lanes, gated, and stored as 128 output lanes.
-    One nonzero term per sum: exact in f32 at HIGHEST precision (`exact`);
-    otherwise one bf16 pass, which rounds gate and up to bf16 first, as the
-    gate in XLA reads the kernel's bf16 output. The MXU work is 256 / K of the
-    projection's. Columns from `valid_columns` on (a partial last N tile's
-    garbage, possibly NaN, which a matmul would spread to every lane) are
-    zeroed first.
+    Each chunk of 256 columns (128 pairs; the last may be narrower) is
+    de-interleaved on the MXU and gated (`gates.deinterleaved_gated`) and
+    stored as 128 output lanes; `exact` as there: f32 problems at HIGHEST
+    precision, bf16 ones in one bf16 pass, which rounds gate and up to bf16
+    as the gate in XLA reads the kernel's bf16 output. The MXU work is 256 / K
+    of the projection's. Columns from `valid_columns` on (a partial last N
+    tile's garbage, possibly NaN, which a matmul would spread to every lane)
+    are zeroed first.
     """
     columns = acc_ref.shape[1]
-    for start in range(0, columns, _DEINTERLEAVED_COLUMNS):
-        width = min(_DEINTERLEAVED_COLUMNS, columns - start)
+    for start in range(0, columns, DEINTERLEAVED_COLUMNS):
+        width = min(DEINTERLEAVED_COLUMNS, columns - start)
         chunk = acc_ref[:, start : start + width]
         if valid_columns is not None:
             column = start + lax.broadcasted_iota(jnp.int32, (1, width), 1)
             chunk = jnp.where(column < valid_columns, chunk, 0.0)
-        if exact:
-            split = lax.dot_general(chunk, _deinterleaving_matrix(width, jnp.float32), (((1,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
-        else:
-            split = lax.dot_general(chunk.astype(jnp.bfloat16), _deinterleaving_matrix(width, jnp.bfloat16),
-                                    (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        activated = gated(split[:, :LANES], split[:, LANES:], gate.activation, alpha=gate.alpha, limit=gate.limit)
-        out_ref[:, start // 2 : (start + width) // 2] = activated[:, : width // 2].astype(out_ref.dtype)
+        activated = deinterleaved_gated(chunk, gate.activation, alpha=gate.alpha, limit=gate.limit, exact=exact)
+        out_ref[:, start // 2 : (start + width) // 2] = activated.astype(out_ref.dtype)
 
 
 def _token_rows(words_ref, dtype: str, k: int, split: int, start, rows: int):

@@ -286,8 +286,7 @@ def plan_fused(problem: ExpertsProblem, config: FusedConfig | None = None, gener
     check_fused_config(config, *shape.args, **shape.options, generation=generation)
     i_tiles = problem.intermediate // config.tile_i
     cores = fused_cores(generation, problem.picks, config.cores_per_expert)
-    fp8_matmul = fused_feeds_fp8_mxu(config, problem.intermediate, problem.weights_dtype,
-                                      interleaved=problem.gate.interleaved, generation=generation)
+    fp8_matmul = fused_feeds_fp8_mxu(config, problem.intermediate, problem.weights_dtype, generation=generation)
     options = dict(shape.options, top_k=problem.top_k, routing_dtype=problem.routing_dtype, cores=cores,
                    fp8_matmul=fp8_matmul)
     return FusedPlan(

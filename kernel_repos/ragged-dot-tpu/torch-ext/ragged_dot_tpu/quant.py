@@ -287,10 +287,18 @@ def fp8_matmul(x: jax.Array, w_ref, window_scales: jax.Array, *, rhs_contract: i
     `window_scales` (`fp8_window_scales`).
     """
     k = x.shape[1]
+    return fp8_matmul_of_blocks((x[:, b * FP8_BLOCK : min(k, (b + 1) * FP8_BLOCK)] for b in range(blocks(k))),
+                                w_ref, window_scales, rhs_contract=rhs_contract)
+
+
+def fp8_matmul_of_blocks(x_blocks, w_ref, window_scales: jax.Array, *, rhs_contract: int) -> jax.Array:
+    """`fp8_matmul` of the `x` whose 128-wide K blocks `x_blocks` yields in order (the last may be narrower): for a
+    caller that computes x one block at a time and never holds it whole."""
     result = None
-    for block in range(blocks(k)):
-        start, stop = block * FP8_BLOCK, min(k, (block + 1) * FP8_BLOCK)
-        codes, row_scales = quantize_fp8_rows(x[:, start:stop].astype(jnp.float32))
+    for block, x_block in enumerate(x_blocks):
+        start = block * FP8_BLOCK
+        stop = start + x_block.shape[1]
+        codes, row_scales = quantize_fp8_rows(x_block.astype(jnp.float32))
         weights = w_ref[:, start:stop] if rhs_contract == 1 else w_ref[start:stop, :]
         product = lax.dot_general(codes, weights, (((1,), (rhs_contract,)), ((), ())),
                                   preferred_element_type=jnp.float32)
