@@ -376,3 +376,30 @@ def test_use_fused_experts_is_for_decode_sized_calls_that_fit(config):
                                has_bias=False) is None
     assert not config.use_fused_experts(8, 16384, 16381, 4, jnp.float32, weights_transposed=False, interleaved=False,
                                         has_bias=False)
+
+
+def test_gpt_oss_fp8_on_tpu7x_takes_partial_i_tiles_of_whole_scale_blocks(config):
+    """I = 2880 has no divisor on the 128-wide fp8 scale blocks and its whole fp8 expert does not fit TPU7x's
+    budget double-buffered, so the fp8 MXU path cuts it in two tiles of 1536 (the last one 1344 columns); elsewhere,
+    or in bf16, the tiles divide I (960) and fp8 is dequantized."""
+    hidden, intermediate, experts, layout = MODELS["gpt-oss-20b"]
+    fp8 = jnp.float8_e4m3fn
+    for tokens in (1, 64, 256):
+        picked = config.fused_config(tokens, hidden, intermediate, experts, jnp.bfloat16, **layout, weights_dtype=fp8,
+                                     generation="tpu7x")
+        assert picked.tile_i == 1536 and config.i_tiles(picked, intermediate) == 2
+        assert config.fused_feeds_fp8_mxu(picked, intermediate, fp8, generation="tpu7x")
+        for generation, dtype in (("v6e", fp8), ("tpu7x", None)):
+            other = config.fused_config(tokens, hidden, intermediate, experts, jnp.bfloat16, **layout,
+                                        weights_dtype=dtype, generation=generation)
+            assert intermediate % other.tile_i == 0 and other.tile_i % 128
+    shape = dict(weights_transposed=True, interleaved=True, has_bias=True)
+    # Concatenated gate/up (the up block's offset counts whole tiles), bf16, and v6e keep tiles that divide I.
+    for refused in (dict(shape, interleaved=False, weights_dtype=fp8, generation="tpu7x"),
+                    dict(shape, generation="tpu7x"), dict(shape, weights_dtype=fp8, generation="v6e")):
+        with pytest.raises(ValueError, match=r"tile_i=1536 must be I=2880 or divide it"):
+            config.check_fused_config(config.FusedConfig(16, 1536), 1, hidden, intermediate, 4, jnp.bfloat16,
+                                      **refused)
+    with pytest.raises(ValueError, match=r"tile_i=1000 must be I=2880, a multiple of 128 below it,"):
+        config.check_fused_config(config.FusedConfig(16, 1000), 1, hidden, intermediate, 4, jnp.bfloat16, **shape,
+                                  weights_dtype=fp8, generation="tpu7x")

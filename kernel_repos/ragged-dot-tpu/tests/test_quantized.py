@@ -293,12 +293,16 @@ def test_quantized_weights_run_under_autograd_and_refuse_a_backward(kernel, rand
 # layout, unless I tiles would cut the down projection's scale blocks (I tiles of 64 here).
 FP8_MXU_CASES = {"concatenated": True, "transposed-biases": True, "sentinels": True, "i-tiles": True,
                  "experts-per-step": True, "swapped-down": True, "gpt-oss": True, "i-tiles-interleaved": False,
-                 "i-tiles-interleaved-128": True, "gpt-oss-wide": True}
+                 "partial-i-tile": True, "partial-i-tile-wide": True, "gpt-oss-wide": True}
 FP8_MXU_LAYER_CASES = {
     **LAYER_CASES,
-    # GPT-OSS's layout in two I tiles of whole scale blocks: each tile's interleaved window de-interleaved apart.
-    "i-tiles-interleaved-128": (20, 136, 256, 4, 2, dict(transposed=True, bias=True, std=0.6),
-                                dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (16, 128)),
+    # GPT-OSS's layout in I tiles of whole scale blocks that do not divide I (fused_tiles.partial_i_tiles): 128,
+    # 128 and a last tile of 64 columns past which the weights and biases are garbage (NaN in the interpreter).
+    "partial-i-tile": (20, 136, 320, 4, 2, dict(transposed=True, bias=True, std=0.6),
+                       dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (16, 128)),
+    # 256 and 192: the last tile's first K block whole, its second half garbage.
+    "partial-i-tile-wide": (13, 136, 448, 3, 2, dict(transposed=True, bias=True, std=0.6),
+                            dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (16, 256)),
     # I = 200: 400 interleaved columns, de-interleaved as 256 + 144, the down projection's K blocks 128 + 72.
     "gpt-oss-wide": (7, 136, 200, 3, 2, dict(transposed=True, bias=True, std=0.6),
                      dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), None),

@@ -30,7 +30,7 @@ from __future__ import annotations
 from .fused_tiles import (
     BIAS_BLOCK_EXPERTS, FUSED_MAX_CHUNK_ROWS, MAX_EXPERTS_PER_STEP, MULTI_EXPERT_MIN_TOKENS,
     SHARED_EXPERTS_MIN_GAIN, FusedConfig, busier_core_seconds, check_fused_config, experts_per_step_saving,
-    fused_buffers, fused_chunks, fused_config, fused_vmem_bytes,
+    fused_buffers, fused_chunks, fused_config, fused_feeds_fp8_mxu, fused_vmem_bytes, i_tiles,
 )
 from .gmm_tiles import (
     D_LHS_ROW_TILE, HEURISTIC_RHS_BLOCK_BYTES, HEURISTIC_ROW_TILE, MAX_GROUPS_PER_STEP, TUNED_TILES, TileConfig,
@@ -52,7 +52,8 @@ __all__ = [
     "MULTI_EXPERT_MIN_TOKENS", "SHARED_EXPERTS_MIN_GAIN", "TGMM_OUTPUT_SHARE", "TGMM_ROW_TILE", "TUNED_TILES",
     "Buffer", "FusedConfig", "TgmmConfig", "TileConfig", "TunedKey", "WeightsOrientation", "buffers_bytes",
     "busier_core_seconds", "check_config", "check_fused_config", "check_tgmm_config", "expected_active_groups", "experts_per_step_saving",
-    "fp8_dequantize_vmem_bytes", "fused_buffers", "fused_chunks", "fused_config", "fused_vmem_bytes",
+    "fp8_dequantize_vmem_bytes", "fused_buffers", "fused_chunks", "fused_config", "fused_feeds_fp8_mxu",
+    "fused_vmem_bytes", "i_tiles",
     "heuristic_config", "heuristic_tgmm_config", "matmul_buffers", "n_tile", "ridge_rows", "row_chunks",
     "row_tile_rows", "select_config", "select_d_lhs_config", "select_tgmm_config", "tgmm_blocks", "tgmm_buffers",
     "tgmm_vmem_bytes", "tgmm_vmem_limit", "use_fused_experts", "vmem_bytes", "vmem_limit", "weights_orientation",

@@ -71,7 +71,9 @@ class FusedConfig(NamedTuple):
       the expert's picks are skipped.
     - `tile_i`: intermediate columns per grid step; the whole I unless the
       expert's weights do not fit VMEM double-buffered, then I / n for the
-      smallest n whose blocks are aligned and fit.
+      smallest n whose blocks are aligned and fit (fp8 on the fp8 MXU with
+      interleaved gate/up: a multiple of 128, the last tile partial where it
+      does not divide I, `partial_i_tiles`).
     - `experts_per_step`: active experts each grid step runs, one after the
       other, their weights fetched together (the whole I only): a grid step
       has a fixed cost (`hardware.grid_step_overhead_s`), so fewer, larger
@@ -89,10 +91,25 @@ class FusedConfig(NamedTuple):
     cores_per_expert: int = 1
 
 
+def i_tiles(config: FusedConfig, intermediate: int) -> int:
+    """I tiles per expert; the last one partial where `tile_i` does not divide I (`partial_i_tiles`)."""
+    return -(-intermediate // config.tile_i)
+
+
 def i_tiles_per_core(config: FusedConfig, intermediate: int) -> int:
     """I tiles one core walks per expert: all of them, or its share when the cores share each expert (the first
     core's, the larger)."""
-    return -(-(intermediate // config.tile_i) // config.cores_per_expert)
+    return -(-i_tiles(config, intermediate) // config.cores_per_expert)
+
+
+def partial_i_tiles(weights_dtype, *, interleaved: bool, generation: str) -> bool:
+    """Whether I may be cut into FP8_BLOCK-aligned tiles with a partial last one: for fp8 weights on the fp8 MXU in
+    the interleaved gate/up layout, whose kernel masks the last tile's columns past I
+    (`pallas_fused._interleaved_fp8_rows`). GPT-OSS's I = 2880 has no divisor that is a multiple of 128, and its
+    whole I does not fit VMEM with double-buffered fp8 blocks. In the concatenated layout the up block's offset
+    is counted in whole tiles, so the tiles must divide I there."""
+    return (interleaved and weights_dtype is not None and scheme_of(weights_dtype) == FP8
+            and generation in FP8_MXU_GENERATIONS)
 
 
 def fused_chunks(config: FusedConfig, tokens: int) -> int:
@@ -101,7 +118,7 @@ def fused_chunks(config: FusedConfig, tokens: int) -> int:
 
 
 def _tile_i_aligned(tile_i: int, intermediate: int, dtype, *, orientation: WeightsOrientation, interleaved: bool,
-                    has_bias: bool, weights_dtype=None) -> bool:
+                    has_bias: bool, weights_dtype=None, partial: bool = False) -> bool:
     """Whether I tiles of `tile_i` make legal blocks of the weights (and biases, and int8 and int4 scales) as the
     kernel reads them (`orientation`).
 
@@ -109,9 +126,12 @@ def _tile_i_aligned(tile_i: int, intermediate: int, dtype, *, orientation: Weigh
     it divides I and each block's cut dimension is a multiple of its native
     tile: 128 lanes where it is the last dimension, the sublane multiple of
     the weights' dtype where it is the second to last (packed int4: a whole
-    packed block).
+    packed block). With `partial` (`partial_i_tiles`) a multiple of
+    FP8_BLOCK less than I does too, dividing it or not.
     """
     if tile_i == intermediate:
+        return True
+    if partial and tile_i < intermediate and tile_i % FP8_BLOCK == 0:
         return True
     if intermediate % tile_i:
         return False
@@ -145,8 +165,7 @@ def fused_buffers(config: FusedConfig, tokens: int, hidden: int, intermediate: i
     dtype, f32 = jnp.dtype(dtype).name, "float32"
     weights_dtype = dtype if weights_dtype is None else jnp.dtype(weights_dtype).name
     chunk, tile_i, slots = config.chunk_rows, config.tile_i, config.experts_per_step
-    i_tiles = intermediate // tile_i
-    parts = 2 if i_tiles > 1 and not interleaved else 1
+    parts = 2 if i_tiles(config, intermediate) > 1 and not interleaved else 1
     width = tile_i if parts == 2 else 2 * tile_i
     gate_up_transposed, down_transposed = weights_orientation(hidden, intermediate,
                                                               weights_transposed=weights_transposed)
@@ -242,15 +261,15 @@ def busier_core_seconds(config: FusedConfig, picks: int, hidden: int, intermedia
     """
     chip = tpu_generation(generation)
     active = expected_active_groups(picks, num_experts)
-    i_tiles = intermediate // config.tile_i
+    tiles = i_tiles(config, intermediate)
     weight_bytes = 0.5 if scheme_of(weights_dtype) == INT4 else jnp.dtype(weights_dtype).itemsize
     fetch = 3 * hidden * intermediate * weight_bytes / chip.hbm_bytes_per_s
     if config.cores_per_expert > 1:
         share = i_tiles_per_core(config, intermediate)
-        experts, steps = active * share / i_tiles, math.ceil(active) * share
+        experts, steps = active * share / tiles, math.ceil(active) * share
     else:
         experts = math.ceil(active / chip.cores_per_device)
-        steps = math.ceil(experts / config.experts_per_step) * i_tiles
+        steps = math.ceil(experts / config.experts_per_step) * tiles
     return experts * fetch + steps * grid_step_overhead_s(generation)
 
 
@@ -279,6 +298,20 @@ def experts_per_step_saving(config: FusedConfig, tokens: int, hidden: int, inter
     return steps_saved * grid_step_overhead_s(generation) - (config.experts_per_step - 1) * min(fetch, compute)
 
 
+def _tile_i_candidates(intermediate: int, partial: bool) -> list[int]:
+    """I tiles by their count n, fewest first: with `partial`, the FP8_BLOCK multiple that covers I in n tiles (the
+    last one partial), then I / n where n divides I."""
+    found = []
+    for parts in range(1, intermediate + 1):
+        if partial and parts > 1:
+            tile_i = round_up(-(-intermediate // parts), FP8_BLOCK)
+            if -(-intermediate // tile_i) == parts and tile_i not in found:
+                found.append(tile_i)
+        if intermediate % parts == 0 and intermediate // parts not in found:
+            found.append(intermediate // parts)
+    return found
+
+
 def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *, weights_transposed: bool,
                  interleaved: bool, has_bias: bool, weights_dtype=None, generation: str | None = None,
                  top_k: int = 1) -> FusedConfig | None:
@@ -289,7 +322,8 @@ def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, 
     each expert expects few rows (more if T needs more than
     MAX_UNROLLED_MATMULS of them). I: whole, or I / n for the smallest n that is
     aligned (`_tile_i_aligned`) and fits the VMEM budget of `generation`
-    (default: this device's). Experts per step: with the whole I and at least
+    (default: this device's); where `partial_i_tiles`, for each n first the
+    FP8_BLOCK multiple that covers I in n tiles (the fp8 MXU's). Experts per step: with the whole I and at least
     MULTI_EXPERT_MIN_TOKENS tokens, of those that fit (up to
     MAX_EXPERTS_PER_STEP and the experts), the one `experts_per_step_saving`
     rates best. On a megacore device, that config or one whose cores share
@@ -314,10 +348,10 @@ def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, 
                                 has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed,
                                 cores=cores, fp8_matmul=fp8_matmul) <= budget
 
-    aligned = [FusedConfig(chunk, intermediate // parts) for parts in range(1, intermediate + 1)
-               if intermediate % parts == 0
-               and _tile_i_aligned(intermediate // parts, intermediate, dtype, orientation=orientation,
-                                   interleaved=interleaved, has_bias=has_bias, weights_dtype=weights_dtype)]
+    partial = partial_i_tiles(weights_dtype, interleaved=interleaved, generation=generation)
+    aligned = [FusedConfig(chunk, tile_i) for tile_i in _tile_i_candidates(intermediate, partial)
+               if _tile_i_aligned(tile_i, intermediate, dtype, orientation=orientation, interleaved=interleaved,
+                                  has_bias=has_bias, weights_dtype=weights_dtype, partial=partial)]
     by_experts = next((config for config in aligned if fits(config)), None)
     if by_experts is None:
         return None
@@ -332,7 +366,7 @@ def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, 
         return busier_core_seconds(config, tokens * top_k, hidden, intermediate, num_experts, weights, generation)
 
     shared = [c for c in (config._replace(cores_per_expert=cores) for config in aligned)
-              if intermediate // c.tile_i >= cores and fits(c)]
+              if i_tiles(c, intermediate) >= cores and fits(c)]
     fastest = min(shared, key=seconds, default=None)
     if fastest is not None and seconds(fastest) < (1 - SHARED_EXPERTS_MIN_GAIN) * seconds(by_experts):
         return fastest
@@ -360,20 +394,23 @@ def check_fused_config(config: FusedConfig, tokens: int, hidden: int, intermedia
     if config.cores_per_expert not in (1, fused_cores(generation)):
         raise ValueError(f"config.cores_per_expert={config.cores_per_expert}: {generation} has "
                          f"{fused_cores(generation)} TensorCore(s) per device; take 1 or all of them")
-    if intermediate // config.tile_i < config.cores_per_expert:
+    if i_tiles(config, intermediate) < config.cores_per_expert:
         raise ValueError(f"config.cores_per_expert={config.cores_per_expert} needs at least as many I tiles, got "
                          f"tile_i={config.tile_i} of I={intermediate}")
     if config.chunk_rows % sublane_multiple(dtype):
         raise ValueError(f"config.chunk_rows={config.chunk_rows} must be a multiple of {sublane_multiple(dtype)}")
     orientation = weights_orientation(hidden, intermediate, weights_transposed=weights_transposed)
+    partial = partial_i_tiles(weights_dtype, interleaved=interleaved, generation=generation)
     if not _tile_i_aligned(config.tile_i, intermediate, dtype, orientation=orientation, interleaved=interleaved,
-                           has_bias=has_bias, weights_dtype=weights_dtype):
+                           has_bias=has_bias, weights_dtype=weights_dtype, partial=partial):
         raise ValueError(
-            f"config.tile_i={config.tile_i} must be I={intermediate} or divide it into blocks aligned to the native "
-            "tile of the weights as the kernel reads them (weights_orientation)"
+            f"config.tile_i={config.tile_i} must be I={intermediate}"
+            + (f", a multiple of {FP8_BLOCK} below it," if partial else "")
+            + " or divide it into blocks aligned to the native tile of the weights as the kernel reads them "
+            "(weights_orientation)"
         )
+    fp8_matmul = fused_feeds_fp8_mxu(config, intermediate, weights_dtype, generation=generation)
     needed = fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
                               has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed,
-                              cores=fused_cores(generation),
-                              fp8_matmul=fused_feeds_fp8_mxu(config, intermediate, weights_dtype, generation=generation))
+                              cores=fused_cores(generation), fp8_matmul=fp8_matmul)
     check_vmem_fits(config, needed, generation)

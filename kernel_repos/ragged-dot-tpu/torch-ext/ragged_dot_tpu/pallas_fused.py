@@ -232,6 +232,7 @@ class _Expert(NamedTuple):
     dtype: object
     precision: object
     fp8_scales: tuple  # plan.fp8_matmul: each gate_up part's, then down's `quant.fp8_window_scales`
+    valid_i: object | None  # a partial last I tile (`fused_tiles.partial_i_tiles`): this tile's columns within I
 
 
 def _weights(ref, expert: _Expert, plan: FusedPlan):
@@ -295,18 +296,28 @@ def _expert_rows(rows, refs: _Refs, expert: _Expert, plan: FusedPlan):
 def _interleaved_fp8_rows(rows, refs: _Refs, expert: _Expert, plan: FusedPlan):
     """`_expert_rows` on the fp8 MXU with interleaved gate/up columns: the chunk's `[chunk, 2 ti]` projection,
     biased, is de-interleaved and gated 256 columns at a time (`gates.deinterleaved_gated`, exact), each giving
-    the next 128-wide K block of the down projection's input, which that matmul quantizes as it comes."""
+    the next 128-wide K block of the down projection's input, which that matmul quantizes as it comes.
+
+    In a partial last I tile the projection's columns past I (garbage weights and biases, possibly NaN) are
+    zeroed before the de-interleaving matmul would spread them; they gate to zeros, and the down projection
+    zeroes its weights' rows past I (`quant.fp8_matmul_of_blocks`'s `k_bounds`).
+    """
     gate = plan.problem.gate
     gate_up_transposed, down_transposed = plan.orientation
     projection = fp8_matmul(rows, expert.gate_up[0], expert.fp8_scales[0], rhs_contract=0 if gate_up_transposed else 1)
     if refs.gate_up_bias:
         projection = projection + _expert_bias(refs.gate_up_bias[0], expert.index)
+    k_bounds = None
+    if expert.valid_i is not None:
+        column = lax.broadcasted_iota(jnp.int32, projection.shape, 1)
+        projection = jnp.where(column < 2 * expert.valid_i, projection, 0.0)
+        k_bounds = (expert.valid_i, plan.problem.intermediate - (plan.i_tiles - 1) * plan.tile_i)
     hidden_blocks = (
         deinterleaved_gated(projection[:, start : start + DEINTERLEAVED_COLUMNS], gate.activation, alpha=gate.alpha,
                             limit=gate.limit, exact=True).astype(expert.dtype)
         for start in range(0, projection.shape[1], DEINTERLEAVED_COLUMNS))
     return fp8_matmul_of_blocks(hidden_blocks, expert.down, expert.fp8_scales[-1],
-                                rhs_contract=0 if down_transposed else 1)
+                                rhs_contract=0 if down_transposed else 1, k_bounds=k_bounds)
 
 
 def _slot_item(core, step, slot: int, count, plan: FusedPlan):
@@ -376,7 +387,8 @@ def _expert_step(slot: int, refs: _Refs, expert_ref, rows_ref, count_ref, hidden
         gate_up, down = refs.dequantized[: plan.gate_up_parts], refs.dequantized[plan.gate_up_parts]
     precision = lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
     expert = _Expert(expert_id, gate_up, down, dtype, precision,
-                     _fp8_step_scales(refs, i_tile, plan) if plan.fp8_matmul else ())
+                     _fp8_step_scales(refs, i_tile, plan) if plan.fp8_matmul else (),
+                     problem.intermediate - i_tile * plan.tile_i if problem.intermediate % plan.tile_i else None)
     weight_column, rank_column = _token_columns(index_ref, weights_ref, expert_id, problem.tokens)
 
     def one_hot(first):

@@ -18,7 +18,7 @@ from ._hardware import LANES, max_vmem_limit_bytes, resolve_generation, round_up
 from .config import use_fused_experts
 from .fused_tiles import (
     FusedConfig, check_fused_config, fused_buffers, fused_chunks, fused_config, fused_cores, fused_feeds_fp8_mxu,
-    fused_vmem_bytes, i_tiles_per_core,
+    fused_vmem_bytes, i_tiles, i_tiles_per_core,
 )
 from .pallas_combine import CombinePlan, plan_combine
 from .gmm_tiles import (
@@ -284,15 +284,15 @@ def plan_fused(problem: ExpertsProblem, config: FusedConfig | None = None, gener
             raise ValueError(f"fused_experts: no I tiling of T={problem.tokens}, H={problem.hidden}, "
                              f"I={problem.intermediate} fits VMEM; use the grouped path")
     check_fused_config(config, *shape.args, **shape.options, generation=generation)
-    i_tiles = problem.intermediate // config.tile_i
+    tiles = i_tiles(config, problem.intermediate)
     cores = fused_cores(generation, problem.picks, config.cores_per_expert)
     fp8_matmul = fused_feeds_fp8_mxu(config, problem.intermediate, problem.weights_dtype, generation=generation)
     options = dict(shape.options, top_k=problem.top_k, routing_dtype=problem.routing_dtype, cores=cores,
                    fp8_matmul=fp8_matmul)
     return FusedPlan(
         problem=problem, orientation=_orientation(problem), chunk_rows=config.chunk_rows,
-        chunks=fused_chunks(config, problem.tokens), tile_i=config.tile_i, i_tiles=i_tiles,
-        gate_up_parts=2 if i_tiles > 1 and not problem.gate.interleaved else 1,
+        chunks=fused_chunks(config, problem.tokens), tile_i=config.tile_i, i_tiles=tiles,
+        gate_up_parts=2 if tiles > 1 and not problem.gate.interleaved else 1,
         experts_per_step=config.experts_per_step, cores=cores, cores_per_expert=config.cores_per_expert,
         i_tiles_per_core=i_tiles_per_core(config, problem.intermediate),
         buffers=fused_buffers(config, *shape.args, **options),

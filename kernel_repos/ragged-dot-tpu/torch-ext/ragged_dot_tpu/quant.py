@@ -291,15 +291,28 @@ def fp8_matmul(x: jax.Array, w_ref, window_scales: jax.Array, *, rhs_contract: i
                                 w_ref, window_scales, rhs_contract=rhs_contract)
 
 
-def fp8_matmul_of_blocks(x_blocks, w_ref, window_scales: jax.Array, *, rhs_contract: int) -> jax.Array:
+def fp8_matmul_of_blocks(x_blocks, w_ref, window_scales: jax.Array, *, rhs_contract: int,
+                         k_bounds: tuple | None = None) -> jax.Array:
     """`fp8_matmul` of the `x` whose 128-wide K blocks `x_blocks` yields in order (the last may be narrower): for a
-    caller that computes x one block at a time and never holds it whole."""
+    caller that computes x one block at a time and never holds it whole.
+
+    `k_bounds`, (valid, fewest valid): a window past the weight's end (a
+    partial last tile) has only `valid` (traced) K rows of real weights and
+    garbage after them, possibly NaN; it has at least `fewest valid`
+    (static). Blocks that may reach past it multiply in bf16 with the rows
+    past `valid` zeroed: fp8 values are exact in bf16 and their products in
+    f32, so the result is the fp8 MXU's.
+    """
     result = None
     for block, x_block in enumerate(x_blocks):
         start = block * FP8_BLOCK
         stop = start + x_block.shape[1]
         codes, row_scales = quantize_fp8_rows(x_block.astype(jnp.float32))
         weights = w_ref[:, start:stop] if rhs_contract == 1 else w_ref[start:stop, :]
+        if k_bounds is not None and stop > k_bounds[1]:
+            k = start + lax.broadcasted_iota(jnp.int32, weights.shape, rhs_contract)
+            weights = jnp.where(k < k_bounds[0], weights.astype(jnp.float32), 0.0).astype(jnp.bfloat16)
+            codes = codes.astype(jnp.float32).astype(jnp.bfloat16)
         product = lax.dot_general(codes, weights, (((1,), (rhs_contract,)), ((), ())),
                                   preferred_element_type=jnp.float32)
         term = product * row_scales * window_scales[block : block + 1]
