@@ -232,7 +232,7 @@ class _Expert(NamedTuple):
     dtype: object
     precision: object
     fp8_scales: tuple  # plan.fp8_matmul: each gate_up part's, then down's `quant.fp8_window_scales`
-    valid_i: object | None  # a partial last I tile (`fused_tiles.partial_i_tiles`): this tile's columns within I
+    valid_i: object | None  # partial I tiles (`fused_tiles.partial_i_tiles`): I's columns from this tile's start on
 
 
 def _weights(ref, expert: _Expert, plan: FusedPlan):
