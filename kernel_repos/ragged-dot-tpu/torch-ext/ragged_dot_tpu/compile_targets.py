@@ -32,7 +32,9 @@
   scales, fp8 (e4m3) with 128 x 128 block scales and int4 (packed two per
   byte) with per-output-channel scales, for the layers of Qwen3-30B-A3B (EP8
   decode: fused; EP1 prefill: grouped) and GPT-OSS-20B at EP8 decode (H = I =
-  2880: partial fp8 scale blocks; 4 local experts); int4 also Gemma 4's
+  2880: partial fp8 scale blocks; 4 local experts) and at one token on one
+  chip (32 experts, top-4: 16-row chunks of whole I tiles, where unpacking
+  int4 needs the most VMEM of Mosaic's own); int4 also Gemma 4's
   down projection as a grouped matmul at decode rows (`[E, H, I]` with I =
   704 off the lanes: XLA stores it swapped, so int4 packs I and the kernel
   reads the swapped view). int4 on every generation but TPU7x, which
@@ -178,7 +180,8 @@ def _backward_targets(generation, dtype):
     return targets
 
 
-QUANTIZED_LAYERS = {"qwen3-30b-a3b EP8": (256,), "qwen3-30b-a3b EP1": (2048,), "gpt-oss-20b EP8": (64,)}
+QUANTIZED_LAYERS = {"qwen3-30b-a3b EP8": (256,), "qwen3-30b-a3b EP1": (2048,), "gpt-oss-20b EP8": (64,),
+                    "gpt-oss-20b EP1": (1,)}
 # Grouped matmuls compiled for one scheme only, at decode rows: (model, projection).
 SCHEME_PROJECTIONS = {"int4": (("gemma-4-26b-a4b", "down"),)}
 SCHEMES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}

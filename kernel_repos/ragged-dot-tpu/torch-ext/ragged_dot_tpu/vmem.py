@@ -74,6 +74,8 @@ def fp8_window_scales_vmem_bytes(window_k: int, cols: int) -> int:
 
 def int4_unpack_vmem_bytes(cols: int) -> int:
     """32-bit values `quant.unpack_int4_block` keeps for a window `cols` wide: one packed block's bytes as int32,
-    each nibble's two shifts and its conversion through f32, eight 32-row slabs in all (Mosaic's own count for
-    GPT-OSS's 5760-wide gate_up on v5e passed six by 0.1 MiB)."""
-    return 8 * padded_vmem_bytes((INT4_PACK_ROWS // 2, cols), jnp.int32)
+    each nibble's two shifts and its conversion through f32: ten 32-row slabs in all (Mosaic's own count for
+    GPT-OSS's 5760-wide gate_up on v5e passed six by 0.1 MiB; for its fused decode layer in 16-row chunks
+    and whole I tiles on v5e and v6e, eight by 20 KiB with four experts, top-1, and by 0.75 MiB with 32,
+    top-4)."""
+    return 10 * padded_vmem_bytes((INT4_PACK_ROWS // 2, cols), jnp.int32)
