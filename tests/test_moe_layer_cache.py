@@ -55,7 +55,8 @@ def test_tracked_json_is_one_object_per_line_with_sorted_keys():
 def test_rival_layer_computes_the_experts_layer(tmp_path):
     """The layer the benchmark builds around a rival's grouped matmul is the experts layer: with XLA's
     ragged_dot (which runs on the CPU) it matches the kernel repo's float64 reference, with weights read
-    in their stored order (a swapped down_proj, as Gemma 4's) and other ranks' sentinel picks."""
+    in their stored order (a swapped down_proj, as Gemma 4's) or taken as [E, K, N] (as the XLA and vLLM
+    rivals take them), and other ranks' sentinel picks."""
     import dataclasses
 
     import jax.numpy as jnp
@@ -83,12 +84,17 @@ def test_rival_layer_computes_the_experts_layer(tmp_path):
         if model.bias:
             arrays += [(0.5 * rng.standard_normal((experts, 2 * intermediate))).astype(np.float32),
                        (0.5 * rng.standard_normal((experts, hidden))).astype(np.float32)]
-        layer = moe_layer.rival_layer(moe_layer.RIVALS["xla_ragged_dot"], model, [None, None])
-        out = np.asarray(layer(*map(jnp.asarray, arrays)), dtype=np.float64)
         expected = reference.gated_experts_reference(
             *map(torch.from_numpy, arrays), activation=model.activation, weights_transposed=model.weights_transposed,
             interleaved=model.interleaved, alpha=model.alpha, limit=model.limit).numpy()
-        assert np.abs(out - expected).max() <= 1e-4 * np.abs(expected).max(), model.name
+        for weights_k_n in (False, True):
+            rival = dataclasses.replace(moe_layer.RIVALS["xla_ragged_dot"], weights_k_n=weights_k_n)
+            given = list(arrays)
+            if weights_k_n and not model.weights_transposed:
+                given[3:5] = [np.swapaxes(w, 1, 2) for w in given[3:5]]
+            out = np.asarray(moe_layer.rival_layer(rival, model, [None, None])(*map(jnp.asarray, given)),
+                             dtype=np.float64)
+            assert np.abs(out - expected).max() <= 1e-4 * np.abs(expected).max(), (model.name, weights_k_n)
 
 
 def test_quantized_variants_take_the_kernels_arguments_and_minimum(tmp_path):

@@ -171,7 +171,8 @@ def method(args) -> dict:
         "rivals": "megablox gmm, vLLM's gmm (tpu-inference 0.32.0's megablox/gmm.py, from its wheel; weights "
                   "[E, K, N] as vLLM arranges them at load time) and tokamax 0.0.12 pallas_mosaic_tpu_kernel.gmm at "
                   "the best searched config (candidate_tilings) per projection and generation, XLA "
-                  "lax.ragged_dot; all inside user_layer, "
+                  "lax.ragged_dot (weights [E, K, N] too: its transposed read leaves XLA's loop bounds empty, "
+                  "which the model cannot price); all inside user_layer, "
                   "compiled with empty kernel bodies (lower_program(kernel_bodies=False))",
         "extra_rows": "tokamax_default: tokamax's kernel at tokamax's own untuned pick; ours_int8 / ours_fp8 "
                       "(/ ours_int4 where served) at decode"

@@ -149,8 +149,10 @@ class Rival:
     matmul: object  # matmul(lhs, rhs, sizes, transpose_rhs, tiling) -> [rows, N]
     min_rows: int  # rows the kernel accepts at least
     tiled: bool  # has a tiling config (XLA has none)
-    # Reads every projection's weights as [E, K, N], which its serving stack arranges once at load time (vLLM's
-    # gmm has no transposed read): its layer takes them so (`Case.avals(weights_k_n=True)`), at no cost per call.
+    # Reads every projection's weights as [E, K, N], arranged once at load time as vLLM's loader does: its layer
+    # takes them so (`Case.avals(weights_k_n=True)`), at no cost per call. vLLM's gmm has no transposed read; XLA's
+    # ragged dot has one, but XLA leaves that loop's bounds empty and the model cannot price it
+    # (`tpu_kernels.perf.xla_ragged_dot`), so the XLA rival is priced at the arrangement whose loop it can read.
     weights_k_n: bool = False
 
     def padded_rows(self, rows: int, tiling) -> int:
@@ -179,7 +181,7 @@ RIVALS = {
     "megablox": Rival("megablox", megablox_matmul, 8, True),
     "vllm_gmm": Rival("vllm_gmm", vllm_matmul, 8, True, weights_k_n=True),
     "tokamax": Rival("tokamax", tokamax_matmul, TOKAMAX_MIN_ROWS, True),
-    "xla_ragged_dot": Rival("xla_ragged_dot", xla_matmul, 1, False),
+    "xla_ragged_dot": Rival("xla_ragged_dot", xla_matmul, 1, False, weights_k_n=True),
 }
 
 
