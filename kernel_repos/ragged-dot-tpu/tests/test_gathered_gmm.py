@@ -168,7 +168,7 @@ def test_a_gathered_plan_takes_row_tokens_and_only_it(kernel):
         kernel.pallas_gmm.grouped_matmul(tokens, weights, sizes, None, plan, None, jnp.zeros(64, jnp.int32))
 
 
-@pytest.mark.parametrize("hidden", [256, 640])
+@pytest.mark.parametrize("hidden", [256, 640, 2880])
 @pytest.mark.parametrize("options", [
     dict(activation="silu"),
     dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0, weights_transposed=True),
@@ -177,7 +177,8 @@ def test_the_grouped_layer_copies_its_rows_in_the_kernels(kernel, interpret, to_
     """The experts layer without a gradient gathers in its first kernel (gated or not, biased or not) and sums each
     token's picks in the combine kernel, and matches the reference, with a third of the picks other ranks'
     sentinels. H = 640: token rows split at 512 (halves of 320 would take an extra pass of v6e's 256-wide MXU),
-    the second projection's 640 columns packed in 384 words (256 paired)."""
+    the second projection's 640 columns packed in 384 words (256 paired). H = 2880 (GPT-OSS's): the second
+    projection's one N tile off the lanes widened to 2944 columns, its 64 past H never summed."""
     tokens, intermediate, experts, top_k = 45, 48, 6, 3
     gate = dict(weights_transposed=False) | options
     generator = torch.Generator().manual_seed(11)
@@ -198,6 +199,8 @@ def test_the_grouped_layer_copies_its_rows_in_the_kernels(kernel, interpret, to_
     assert plan.forward_down.problem.packed_out and plan.combine is not None
     if hidden == 640:
         assert (plan.forward_gate_up.gather_split, plan.forward_down.out_split) == (512, 384)
+    if hidden == 2880:
+        assert (plan.forward_down.tile_n, plan.forward_down.out_split, plan.combine.tile_n) == (2944, 1536, 2944)
     out = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False, generation="v6e"))
     expected = kernel.reference.gated_experts_reference(*(t.float() if t.is_floating_point() else t for t in layer),
                                                         **gate)

@@ -23,10 +23,10 @@ from .fused_tiles import (
 from .pallas_combine import CombinePlan, plan_combine
 from .gmm_tiles import (
     TileConfig, check_config, expected_active_groups, matmul_buffers, matmul_feeds_fp8_mxu, row_chunks, row_tile_rows,
-    select_config, select_d_lhs_config, vmem_limit,
+    select_config, select_d_lhs_config, vmem_bytes, vmem_limit,
 )
 from .tgmm_tiles import TgmmConfig, check_tgmm_config, select_tgmm_config, tgmm_blocks, tgmm_buffers, tgmm_vmem_limit
-from .vmem import Buffer
+from .vmem import Buffer, check_vmem_fits
 from .weights_layout import WeightsOrientation, weights_orientation
 from .problem import ExpertsProblem, Gate, MatmulProblem, TgmmProblem
 from .quant import check_served, scheme_of
@@ -190,11 +190,24 @@ def packed_plan(plan: MatmulPlan, generation: str | None = None) -> MatmulPlan |
     parts of each tile) and one from it; the rows' words are `out_split` per N tile, a partial last tile's
     included. The VMEM limit grows by what the words' blocks take past the bf16 ones.
 
+    One N tile off the lanes (GPT-OSS's 2880) is planned anew as one tile of whole lanes: a partial tile, whose
+    columns past N the weights' copy never reads and the combine kernel never sums (the same MXU passes).
+
     None unless the output is bf16 without a gate and the N tile is whole 128 lanes, at least 256.
     """
     problem = plan.problem
     if problem.dtype != "bfloat16" or problem.gate is not None:
         return None
+    if plan.tile_n == problem.n and problem.n % LANES:
+        widened = TileConfig(plan.tile_m, plan.tile_k, round_up(problem.n, LANES), plan.chunk_m, plan.groups_per_step)
+        shape = (problem.m, problem.k, widened.tile_n, problem.dtype, problem.rhs_dtype, problem.transpose_rhs)
+        try:
+            check_vmem_fits(widened, vmem_bytes(widened, *shape, plan.fp8_matmul, problem.bias), generation)
+        except ValueError:
+            return None
+        plan = plan._replace(tile_n=widened.tile_n,
+                             buffers=matmul_buffers(widened, *shape, plan.fp8_matmul, problem.bias),
+                             vmem_limit_bytes=vmem_limit(widened, *shape, generation=generation, bias=problem.bias))
     if plan.tile_n % LANES or plan.tile_n < 2 * LANES:
         return None
     split = round_up(plan.tile_n // 2, LANES)
@@ -377,7 +390,7 @@ def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fuse
         problem=problem, orientation=orientation, fused=plan_fused(problem, generation=generation) if fused else None,
         gate_up=gate_up_plan, forward_gate_up=gathered_plan(forward_gate_up, generation) or forward_gate_up,
         down=down_plan, forward_down=packed_down or down_plan,
-        combine=packed_down and plan_combine(problem.tokens, problem.top_k, hidden, problem.dtype, down_plan.tile_n,
+        combine=packed_down and plan_combine(problem.tokens, problem.top_k, hidden, problem.dtype, packed_down.tile_n,
                                              packed_down.out_split, generation),
         gate_up_backward=plan_ragged_dot_backward(gate_up, generation) if trains else None,
         down_backward=plan_ragged_dot_backward(down, generation) if trains else None,
