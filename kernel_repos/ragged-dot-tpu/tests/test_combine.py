@@ -28,6 +28,8 @@ CASES = {
     "partial-n-tile": (40, 3, 640, 256, 0.3),
     # ... of 64 columns, off the lanes (GPT-OSS's 2880 in tiles of 1024 ends in 832).
     "partial-n-tile-off-lanes": (40, 2, 320, 256, 0.3),
+    # Tiles of 256 tokens (nine, the last partial; on v5p's two cores, 128).
+    "long-tiles": (2100, 2, 256, 256, 0.3),
 }
 
 
@@ -67,6 +69,19 @@ def test_combine_sums_each_tokens_live_picks(kernel, interpret, to_jax, case, ge
     assert out.shape == (tokens, hidden)
     assert not out.isnan().any()
     assert (out.double() - expected).abs().max().item() <= 1e-2 * max(expected.abs().max().item(), 1.0)
+
+
+@pytest.mark.parametrize("tokens, top_k, hidden, generation, tile_t", [
+    (2048, 8, 2048, "v6e", 256),  # 512 would leave 4 tiles
+    (8192, 8, 2048, "v6e", 512),
+    (8192, 8, 2048, "v5p", 256),  # 512 passes half of v5p's budget
+    (8192, 8, 7168, "v6e", 128),  # DeepSeek-V3's rows under router masking: 256 would too
+    (300, 8, 2048, "v6e", 128),
+    (5, 8, 2048, "v6e", 8),
+])
+def test_the_token_tile_leaves_each_core_enough_tiles_and_fits_vmem(kernel, tokens, top_k, hidden, generation, tile_t):
+    plan = kernel.pallas_combine.plan_combine(tokens, top_k, hidden, "bfloat16", 2048, 1024, generation)
+    assert plan.tile_t == tile_t
 
 
 def test_packed_rows_round_to_bf16_and_unpack_exactly(kernel):

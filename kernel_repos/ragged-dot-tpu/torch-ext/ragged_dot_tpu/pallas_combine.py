@@ -37,11 +37,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._hardware import LANES, round_up, tpu_generation, vmem_limit_bytes
+from ._hardware import LANES, round_up, tpu_generation, vmem_budget_bytes, vmem_limit_bytes
 from .packed_rows import unpack_rows
 
-# Tokens per grid step: each step copies up to K x TOKEN_TILE rows, enough to keep the DMA engines busy.
-TOKEN_TILE = 128
+# Tokens per grid step, largest first: each step copies up to K x tile rows, and a longer tile pays fewer steps'
+# fixed cost. The first tile's copies wait before any sum (nothing overlaps them), so a core keeps at least
+# MIN_TILES_PER_CORE tiles: the exposed copies stay an eighth of its rows (modelled by `tpu-kernels bench
+# moe_layer` at 2048 and 8192 tokens: 256 and 512 were the best tiles there or within 1.3 us of it; 512 at
+# 2048 tokens, 4 tiles, was up to 2 % slower than 128).
+TOKEN_TILES = (512, 256, 128)
+MIN_TILES_PER_CORE = 8
 
 
 class CombinePlan(NamedTuple):
@@ -73,15 +78,24 @@ class CombinePlan(NamedTuple):
 
 def plan_combine(tokens: int, top_k: int, hidden: int, dtype: str, tile_n: int, split: int,
                  generation: str) -> CombinePlan:
-    tile_t = min(TOKEN_TILE, round_up(tokens, 8))
-    cores = min(tpu_generation(generation).cores_per_device, pl.cdiv(tokens, tile_t))
+    """The token tile: the largest of TOKEN_TILES that leaves each core MIN_TILES_PER_CORE tiles and takes at most
+    half of the generation's VMEM budget (the rest stays XLA's, around the kernel), else the smallest."""
+    chip_cores = tpu_generation(generation).cores_per_device
     words = pl.cdiv(hidden, tile_n) * split
-    working_set = (2 * top_k * tile_t * words * 4  # the two buffers of copied rows
-                   + 2 * 2 * tile_t * round_up(top_k, LANES) * 4  # routing weights and live flags, double-buffered
-                   + 2 * tile_t * hidden * jnp.dtype(dtype).itemsize  # the output block, double-buffered
-                   + 4 * tile_t * split * 4)  # one N tile's f32 parts and sums
+
+    def working_set(tile_t: int) -> int:
+        return (2 * top_k * tile_t * words * 4  # the two buffers of copied rows
+                + 2 * 2 * tile_t * round_up(top_k, LANES) * 4  # routing weights and live flags, double-buffered
+                + 2 * tile_t * hidden * jnp.dtype(dtype).itemsize  # the output block, double-buffered
+                + 4 * tile_t * split * 4)  # one N tile's f32 parts and sums
+
+    tile_t = next((tile for tile in TOKEN_TILES
+                   if pl.cdiv(tokens, tile) >= MIN_TILES_PER_CORE * chip_cores
+                   and working_set(tile) <= vmem_budget_bytes(generation) // 2),
+                  min(TOKEN_TILES[-1], round_up(tokens, 8)))
+    cores = min(chip_cores, pl.cdiv(tokens, tile_t))
     return CombinePlan(tokens, top_k, hidden, dtype, tile_t, tile_n, split, cores,
-                       vmem_limit_bytes(working_set, generation))
+                       vmem_limit_bytes(working_set(tile_t), generation))
 
 
 class CombineSchedule(NamedTuple):
