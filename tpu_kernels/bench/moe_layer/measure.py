@@ -50,13 +50,15 @@ def queue_ours(built, case: Case, cache: Cache, compiler: Compiler, generations,
     pending = {}
     for generation in generations:
         layer = ours_layer(built, case.model, generation)
-        pending[("ours", generation)] = (compiler.submit(layer, compile_avals, generation),
+        pending[("ours", generation)] = (compiler.submit(layer, compile_avals, generation,
+                                                         kind=f"ours' bf16 layers at {case.phase}"),
                                          replay(cache, layer, replay_args), None)
         if case.phase == "decode" or quantized_prefill:
             for scheme in quantized_schemes(built, generation):
                 layer = quantized_layer(built, case.model, generation)
                 pending[(f"ours_{scheme}", generation)] = (
-                    compiler.submit(layer, quantized_avals(built, case, scheme, False), generation),
+                    compiler.submit(layer, quantized_avals(built, case, scheme, False), generation,
+                                    kind=f"ours' quantized layers at {case.phase}"),
                     replay(cache, layer, quantized_avals(built, case, scheme, True)), None)
     return pending
 
@@ -80,7 +82,8 @@ def queue_rivals(case: Case, cache: Cache, compiler: Compiler, rivals: list[str]
             else:
                 tilings = None
             layer = rival_layer(rival, case.model, tilings or [None, None])
-            future = compiler.submit(layer, compile_avals, generation, rival.lowering_lock(), kernel_bodies=False)
+            future = compiler.submit(layer, compile_avals, generation, rival.lowering_lock(), kernel_bodies=False,
+                                     kind=f"rivals' layers at {case.phase}")
             pending[(name, generation)] = (future, replayed, tilings)
     if "tokamax" in rivals:
         compile_avals = case.avals(concrete_index=False)
@@ -90,7 +93,7 @@ def queue_rivals(case: Case, cache: Cache, compiler: Compiler, rivals: list[str]
             layer = rival_layer(RIVALS["tokamax"], case.model, tilings)
             pending[(TOKAMAX_DEFAULT, generation)] = (
                 compiler.submit(layer, compile_avals, generation, RIVALS["tokamax"].lowering_lock(),
-                                kernel_bodies=False),
+                                kernel_bodies=False, kind=f"rivals' layers at {case.phase}"),
                 joined(r for _, r in defaults), tilings)
     return tunings
 
@@ -123,7 +126,8 @@ def variant(built, case: Case, compiler: Compiler, name: str, generation: str, p
             refused.append({"tiling": list(tilings), "error": program["error"]})
             tilings, replayed = [t for t, _ in pair], joined(r for _, r in pair)
             program = compiler.submit(rival_layer(RIVALS[name], case.model, tilings), compile_avals,
-                                      generation, RIVALS[name].lowering_lock(), kernel_bodies=False).result()
+                                      generation, RIVALS[name].lowering_lock(), kernel_bodies=False,
+                                      kind=f"rivals' layers at {case.phase}").result()
             if not isinstance(program, dict):
                 break
     if isinstance(program, dict):

@@ -136,7 +136,8 @@ def layer_us(built, cache: Cache, compiler: Compiler, case: Case, generation: st
     """The layer's calibrated pipelined figure on `generation` with only `entries` tuned (inf if it fails)."""
     layer = ours_layer(built, case.model, generation)
     with tuned_as(built, entries):
-        program = compiler.submit(layer, case.avals(concrete_index=False), generation).result()
+        program = compiler.submit(layer, case.avals(concrete_index=False), generation,
+                                  kind="ours' layers in the tile search").result()
         replayed = replay(cache, layer, case.avals(concrete_index=True))
     if isinstance(program, dict):
         return float("inf")
