@@ -63,6 +63,8 @@ def test_each_op_moves_the_bytes_its_placement_implies(handmade):
     assert ops["relayout"].detail.startswith("relayout of wt")
     assert handmade.relayout_bytes == 2 * 2**20
     assert handmade.hbm_bytes == 64 + 16 * 256 * 2 + 262144 + 2 * 2**20
+    # The two prefetches into VMEM (ids and the weights' slice), which the model charges serially.
+    assert handmade.prefetch_bytes == 64 + 262144
 
 
 def test_a_copy_that_changes_the_minor_dimension_is_a_transpose(handmade):

@@ -138,6 +138,12 @@ class CompiledProgram:
         return sum(op.hbm_bytes for op in self.ops if op.detail.startswith(RELAYOUT))
 
     @property
+    def prefetch_bytes(self) -> int:
+        """HBM bytes of XLA's prefetches into VMEM (`copy-start`, sliced `async-start`): charged serially by
+        `model_program`, though on a chip such a copy may overlap the kernels XLA schedules before its done."""
+        return sum(op.hbm_bytes for op in self.ops if op.prefetch)
+
+    @property
     def transpose_ops(self) -> tuple[ProgramOp, ...]:
         """The copies that transpose: their result's minor dimension differs from their operand's.
 

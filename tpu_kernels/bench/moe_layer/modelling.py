@@ -71,6 +71,9 @@ def timings(program, replayed: perf.ProgramReplay, case: Case, generation: str) 
             "ops_without_xla_estimate": head.xla_ops_without_estimate,
             "relayout_hbm_bytes": program.relayout_bytes,
             "relayout_us": round(program.relayout_bytes / tpu_generation(generation).hbm_bytes_per_s * 1e6, 3),
+            "vmem_prefetch_hbm_bytes": program.prefetch_bytes,
+            "vmem_prefetch_us": round(program.prefetch_bytes / tpu_generation(generation).device_hbm_bytes_per_s
+                                      * 1e6, 3),
         },
         "hbm_bytes": head.hbm_bytes,
         "bytes_over_min": head.hbm_bytes / case.min_bytes,

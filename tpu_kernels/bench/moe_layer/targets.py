@@ -101,6 +101,10 @@ def where_time_goes(row: dict) -> dict:
         "ours_us": ours["headline_us"],
         "relayout_us": relayout,
         "other_xla_ops_us": round(ours["xla_ops"]["us"] - relayout, 3),
+        # Part of other_xla_ops_us: XLA's prefetches of weights into VMEM, charged serially (the model's
+        # "serial HBM"); on a chip they may overlap the kernel before them. None in raw rows written without it
+        # (`--retarget` reads those).
+        "of_which_vmem_prefetch_us": ours["xla_ops"].get("vmem_prefetch_us"),
         "kernels_us": kernels.get("us", 0.0),
         "kernels_hbm_us": kernels.get("hbm_us", 0.0),
         "kernels_mxu_us": kernels.get("mxu_us", 0.0),
