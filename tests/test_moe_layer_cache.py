@@ -30,13 +30,17 @@ def test_a_cached_compile_is_reanalysed_not_recompiled(tmp_path):
     def fn(x):
         return (x * 2).sum(axis=0)
 
+    from tpu_kernels.bench.moe_layer.cache import CLOCK
+
     first = moe_layer.Cache(tmp_path)
     compiler = moe_layer.Compiler(first, 1)
-    program = compiler.submit(fn, avals, "v5e").result()
+    program = compiler.submit(fn, avals, "v5e", kind="test layers").result()
     compiler.pool.shutdown()
     assert first.misses == 1 and first.hits == 0
+    # The run's facts say what the compile was of.
+    assert CLOCK.seconds["compile test layers with kernel bodies (summed over threads)"] > 0
     again = moe_layer.Cache(tmp_path)
-    cached = moe_layer.Compiler(again, 1).submit(fn, avals, "v5e").result()
+    cached = moe_layer.Compiler(again, 1).submit(fn, avals, "v5e", kind="test layers").result()
     assert again.hits == 1 and again.misses == 0
     assert type(cached) is type(program) and cached.ops == program.ops and cached.hbm_bytes == program.hbm_bytes
 

@@ -98,7 +98,7 @@ class Compiler:
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(jobs, 1))
 
     def submit(self, fn, avals, generation: str, lock=contextlib.nullcontext(), *,
-               kernel_bodies: bool = True, kind: str = "layers") -> concurrent.futures.Future:
+               kind: str, kernel_bodies: bool = True) -> concurrent.futures.Future:
         """A future of the `xla_program.CompiledProgram` of `fn` for `generation`, or of {"error": ...}.
 
         `kind` names what is compiled in the run's seconds by phase (e.g. "ours' quantized layers at decode"),
