@@ -18,7 +18,7 @@ KINDS_AND_REPOS = {"experts": "ragged-dot-tpu", "rmsnorm": "rmsnorm-tpu", "atten
 @pytest.mark.slow
 def test_demo_replaces_every_kind_and_exits_zero_with_identical_tokens():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-m", "tpu_kernels.cli", "demo", "--new-tokens", "8"],
+    result = subprocess.run([sys.executable, "-m", "tpu_kernels.cli", "demo", "--new-tokens", "4"],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for kind, repo in KINDS_AND_REPOS.items():

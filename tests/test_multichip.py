@@ -27,7 +27,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 MODES = ("tp", "ep_dispatch", "ep_router")
 TOKENS, TOP_K, EXPERTS, INTERMEDIATE = 10, 2, 8, 64  # prompt: 2 rows x 5 tokens
-NEW_TOKENS = 8
+# Three greedy steps: each step's attention has a new key length, compiled anew in every rank's interpret mode.
+NEW_TOKENS = 3
 LAUNCH_TIMEOUT_SECONDS = 1200
 
 # 8 query and 4 key/value heads: whole heads and the GQA ratio on every rank at tp_size 2 and 4.
@@ -40,7 +41,7 @@ CONFIGS = {
                                      num_experts_per_tok=TOP_K),
     "gpt_oss": lambda: GptOssConfig(**COMMON, intermediate_size=INTERMEDIATE, num_local_experts=EXPERTS,
                                     num_experts_per_tok=TOP_K, layer_types=["sliding_attention", "full_attention"],
-                                    sliding_window=8),
+                                    sliding_window=4),  # the 5-token prompt and every step slide
     # 6 query / 2 key/value heads: a 3:1 GQA ratio per rank at tp_size 2, heads cut apart at tp_size 4.
     "qwen3_moe_gqa3": lambda: Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": 1, "num_attention_heads": 6,
                                                 "num_key_value_heads": 2},
