@@ -3,6 +3,7 @@
 from pathlib import Path
 
 from tpu_kernels.bench import moe_layer
+from tpu_kernels.bench.moe_layer.cache import CLOCK
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,8 +30,6 @@ def test_a_cached_compile_is_reanalysed_not_recompiled(tmp_path):
 
     def fn(x):
         return (x * 2).sum(axis=0)
-
-    from tpu_kernels.bench.moe_layer.cache import CLOCK
 
     first = moe_layer.Cache(tmp_path)
     compiler = moe_layer.Compiler(first, 1)
