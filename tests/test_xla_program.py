@@ -1,12 +1,15 @@
 """XLA-op traffic from optimized HLO, and kernels joined with their grid replays, against hand counts."""
 
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 from tpu_kernels import perf
 from tpu_kernels.perf import hlo, xla_program
+from tpu_kernels.runtime.hardware import tpu_generation
 
 # A hand-written optimized module: a prefetch, a gather fusion, a sliced async prefetch, a relayout copy
 # of an argument and a Pallas kernel.
@@ -65,6 +68,18 @@ def test_each_op_moves_the_bytes_its_placement_implies(handmade):
     assert handmade.hbm_bytes == 64 + 16 * 256 * 2 + 262144 + 2 * 2**20
     # The two prefetches into VMEM (ids and the weights' slice), which the model charges serially.
     assert handmade.prefetch_bytes == 64 + 262144
+
+
+def test_relayouts_and_prefetches_are_timed_at_the_devices_bandwidth(handmade):
+    """The parts of the XLA ops' time the benchmark names apart, at the bandwidth every XLA op is charged at:
+    on v5p both TensorCores' (twice one core's)."""
+    program = dataclasses.replace(handmade, generation="v5p", kernels=())
+    modelled = xla_program.model_program(program, [])
+    device = tpu_generation("v5p").device_hbm_bytes_per_s
+    assert device == 2 * tpu_generation("v5p").hbm_bytes_per_s
+    assert modelled.xla_relayout_s == pytest.approx(2 * 2**20 / device)
+    assert modelled.xla_prefetch_s == pytest.approx((64 + 262144) / device)
+    assert modelled.xla_relayout_s + modelled.xla_prefetch_s < modelled.xla_s
 
 
 def test_a_copy_that_changes_the_minor_dimension_is_a_transpose(handmade):

@@ -493,6 +493,8 @@ class ProgramTime:
     xla_estimated_cycles: int
     xla_ops_without_estimate: int
     xla_transpose_s: float = 0.0  # the part of `xla_s`'s traffic that transposing copies move (at its HBM time)
+    xla_relayout_s: float = 0.0  # ... that relayouts of arguments move (`CompiledProgram.relayout_bytes`)
+    xla_prefetch_s: float = 0.0  # ... that XLA's prefetches into VMEM move (`CompiledProgram.prefetch_bytes`)
 
     @property
     def xla_estimated_s(self) -> float:
@@ -602,4 +604,6 @@ def model_program(
         xla_estimated_cycles=sum(op.estimated_cycles or 0 for op in moving),
         xla_ops_without_estimate=sum(op.estimated_cycles is None for op in moving),
         xla_transpose_s=sum(op.hbm_bytes for op in program.transpose_ops) / hbm_bandwidth,
+        xla_relayout_s=program.relayout_bytes / hbm_bandwidth,
+        xla_prefetch_s=program.prefetch_bytes / hbm_bandwidth,
     )

@@ -30,7 +30,6 @@ def timings(program, replayed: perf.ProgramReplay, case: Case, generation: str) 
         return {"modelled": False, "error": f"not modelled: {first_line(error)}"}
     kernels = head.kernels
     peak = tpu_generation(generation).device_bf16_flops_per_s  # on v5p both TensorCores
-    device_bandwidth = tpu_generation(generation).device_hbm_bytes_per_s
     placed = xla_program.kernels_as_placed(program, replayed.pallas_calls) if replayed.pallas_calls else []
     kernels_s = kernels.pipelined_time_s if kernels else 0.0
     band = calibration_bands.band({"pallas_ragged_dot": kernels_s, "xla_ragged_dot": head.ragged_dot_s},
@@ -71,10 +70,9 @@ def timings(program, replayed: perf.ProgramReplay, case: Case, generation: str) 
             "xla_estimated_us": round(head.xla_estimated_s * 1e6, 3),
             "ops_without_xla_estimate": head.xla_ops_without_estimate,
             "relayout_hbm_bytes": program.relayout_bytes,
-            # Both at the device's bandwidth, as `xla_program.model_program` charges every XLA op.
-            "relayout_us": round(program.relayout_bytes / device_bandwidth * 1e6, 3),
+            "relayout_us": round(head.xla_relayout_s * 1e6, 3),
             "vmem_prefetch_hbm_bytes": program.prefetch_bytes,
-            "vmem_prefetch_us": round(program.prefetch_bytes / device_bandwidth * 1e6, 3),
+            "vmem_prefetch_us": round(head.xla_prefetch_s * 1e6, 3),
         },
         "hbm_bytes": head.hbm_bytes,
         "bytes_over_min": head.hbm_bytes / case.min_bytes,
