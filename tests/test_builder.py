@@ -1,5 +1,6 @@
 """The builder: Hub kernel layout, metadata kernels accepts, digests, reproducibility, namespaces."""
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -8,13 +9,16 @@ from pathlib import Path
 import kernels
 import pytest
 import torch
-from kernels._rust import Digest, DigestAlgorithm, DigestValidationError, Metadata
+# Private, to check upstream behaviour: kernels' own digest of a variant (what its loader checks) agrees with ours.
+from kernels._rust import Digest, DigestAlgorithm, DigestValidationError
 
+from tpu_kernels.distribution.build_toml import BuildToml, BuildTomlError, read_build_toml
 from tpu_kernels.distribution.builder import KernelSource, build_kernel_repo
 
 from .conftest import REPO_ROOT
 
 REPO = REPO_ROOT / "kernel_repos" / "ragged-dot-tpu"
+KERNEL_NAMES = ("ragged-dot-tpu", "rmsnorm-tpu", "attention-tpu")
 
 
 def _tree_bytes(root: Path) -> dict[str, bytes]:
@@ -31,7 +35,7 @@ def test_layout_and_metadata(built):
     ids = set()
     for backend in ("cpu", "tpu"):
         variant = built / "build" / f"torch-{backend}"
-        metadata = Metadata.read_from_file(variant / "metadata.json")
+        metadata = kernels.Metadata.read_from_file(variant / "metadata.json")
         assert metadata.name.python_name == "ragged_dot_tpu" and metadata.version == 1
         assert str(metadata.backend.backend_type) == backend
         assert metadata.python_depends == []
@@ -50,7 +54,7 @@ def test_digest_catches_a_changed_byte(built, tmp_path):
     data = bytearray(pallas_gmm_py.read_bytes())
     data[100] ^= 1
     pallas_gmm_py.write_bytes(bytes(data))
-    metadata = Metadata.read_from_file(variant / "metadata.json")
+    metadata = kernels.Metadata.read_from_file(variant / "metadata.json")
     with pytest.raises(DigestValidationError, match="pallas_gmm.py"):
         metadata.digest.validate(Digest.hash_variant(DigestAlgorithm.SHA256, variant))
 
@@ -85,6 +89,75 @@ def test_not_a_kernel_repo_is_refused(tmp_path):
         KernelSource.open(tmp_path)
 
 
+@pytest.mark.parametrize("name", KERNEL_NAMES)
+def test_kernels_own_parser_takes_our_build_toml_without_a_warning(name, capfd):
+    # Upstream behaviour: kernels 0.19's build.toml parser is private (kernels._rust.Build), so the builder reads
+    # the file itself; this checks that kernel-builder's format, as kernels reads it, takes ours as it is. The
+    # parser prints its edition-upgrade warning from Rust, on file descriptor 2.
+    from kernels._rust import Backend, Build
+
+    source = KernelSource.open(REPO_ROOT / "kernel_repos" / name)
+    build = Build.open(source.root)
+    assert build.general.backends == [Backend.from_str(backend) for backend in source.backends]
+    assert capfd.readouterr() == ("", "")
+
+
+def test_kernels_parser_warns_on_edition_5_which_ours_refuses_saying_what_to_change(tmp_path, capfd):
+    from kernels._rust import Build  # upstream behaviour, as above: what an edition 5 file costs a user
+
+    repo = tmp_path / "old-kernel"
+    shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns("__pycache__"))
+    build_toml = repo / "build.toml"
+    build_toml.write_text(build_toml.read_text().replace("edition = 6", "edition = 5"))
+    Build.open(repo)
+    assert "edition 5 format; upgrading to edition 6" in capfd.readouterr().err
+    with pytest.raises(BuildTomlError, match=r"edition 5 is an older format: set `edition = 6` in \[general\]"):
+        KernelSource.open(repo)
+
+
+VALID_BUILD_TOML = """[general]
+edition = 6
+name = "my-kernel"
+version = 2
+license = "apache-2.0"
+backends = ["cpu", "tpu"]
+
+[general.hub]
+repo-id = "org/my-kernel"
+
+[torch-noarch]
+"""
+
+
+@pytest.mark.parametrize("change, error", [
+    (("edition = 6\n", ""), "has no `edition`: add `edition = 6`"),
+    (("edition = 6", "edition = 7"), "edition 7 is newer"),
+    (('license = "apache-2.0"\n', ""), "lacks `license`"),
+    (("version = 2", "version = true"), "version True is not a non-negative integer"),
+    (('name = "my-kernel"', 'name = "My_Kernel"'), "'My_Kernel' is not a kernel name"),
+    (('["cpu", "tpu"]', '["cpu", "cuda"]'), "backends 'cuda' not supported: tpu-kernels builds cpu and tpu"),
+    (('["cpu", "tpu"]', "[]"), "not a non-empty list"),
+    (('["cpu", "tpu"]', '["cpu", "cpu"]'), "names a backend twice"),
+    (('license = "apache-2.0"', 'license = "apache-2.0"\nupstream = "https://x"'), "unknown key in \\[general\\] 'upstream'"),
+    (('repo-id = "org/my-kernel"', 'repo-id = "org/my-kernel"\nbranch = "main"'), "unknown key in \\[general.hub\\] 'branch'"),
+    (('repo-id = "org/my-kernel"', 'repo-id = "my-kernel"'), "repo-id 'my-kernel' is not ORG/NAME"),
+    (("[torch-noarch]\n", ""), "no \\[torch-noarch\\] table"),
+    (("[torch-noarch]\n", '[torch-noarch]\npyext = ["py"]\n'), "takes no option"),
+    (("[torch-noarch]\n", "[torch-noarch]\n[torch]\n"), "unknown top-level table 'torch'"),
+    (("[general]", "[general"), "not valid TOML"),
+])
+def test_build_toml_is_checked_field_by_field(tmp_path, change, error):
+    assert read_build_toml(_write_build_toml(tmp_path, VALID_BUILD_TOML)) == BuildToml(
+        name="my-kernel", version=2, license="apache-2.0", backends=("cpu", "tpu"), repo_id="org/my-kernel")
+    with pytest.raises(BuildTomlError, match=error):
+        read_build_toml(_write_build_toml(tmp_path, VALID_BUILD_TOML.replace(*change)))
+
+
+def _write_build_toml(folder: Path, text: str) -> Path:
+    (folder / "build.toml").write_text(text)
+    return folder / "build.toml"
+
+
 @pytest.mark.multiprocess
 def test_builder_finds_the_binding_without_importing_it():
     """Importing the binding loads jax and torch and may switch jax to the CPU platform."""
@@ -92,3 +165,42 @@ def test_builder_finds_the_binding_without_importing_it():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+# The distribution modules that build and publish: they import kernels' public API only (kernels.__all__), and
+# no private module or name of any other library.
+BUILD_AND_PUBLISH_MODULES = ("build_toml", "builder", "digest", "publish")
+
+
+def private_imports(path: Path) -> list[str]:
+    """Imports in `path` of a private module or name of another library (a relative import is our own)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules = [(alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module != "__future__":
+            modules = [(node.module, alias.name) for alias in node.names]
+        else:
+            continue
+        for module, name in modules:
+            parts = module.split(".")
+            if (any(part.startswith("_") for part in parts) or (name or "").startswith("_")
+                    or (parts[0] == "kernels" and (len(parts) > 1 or (name is not None and name not in kernels.__all__)))):
+                found.append(f"{path.name}:{node.lineno}: {module}" + (f" import {name}" if name else ""))
+    return found
+
+
+def test_build_and_publish_import_no_private_name(tmp_path):
+    modules = [REPO_ROOT / "tpu_kernels" / "distribution" / f"{name}.py" for name in BUILD_AND_PUBLISH_MODULES]
+    assert [found for path in modules for found in private_imports(path)] == []
+    # The check finds what it is for, and passes what is allowed.
+    sample = tmp_path / "sample.py"
+    sample.write_text("from __future__ import annotations\nimport kernels\nfrom kernels import Metadata, get_kernel\n"
+                      "from huggingface_hub import HfApi\nfrom . import digest\nfrom ._private import x\n"
+                      "from kernels._rust import Build\nimport kernels._internals.digest\nfrom kernels import _rust\n"
+                      "from kernels.benchmark import Benchmark\nfrom huggingface_hub.utils._http import y\n"
+                      "from huggingface_hub.hf_api import _z\n")
+    assert private_imports(sample) == [
+        "sample.py:7: kernels._rust import Build", "sample.py:8: kernels._internals.digest",
+        "sample.py:9: kernels import _rust", "sample.py:10: kernels.benchmark import Benchmark",
+        "sample.py:11: huggingface_hub.utils._http import y", "sample.py:12: huggingface_hub.hf_api import _z"]

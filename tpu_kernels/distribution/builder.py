@@ -17,12 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels._rust import Build, Metadata
+from kernels import Metadata
 
+from .build_toml import read_build_toml
 from .digest import digest_field
 
 # Shared modules copied into every build, {name in the build: source file}: a
@@ -62,17 +62,15 @@ class KernelSource:
         build_toml = root / "build.toml"
         if not build_toml.is_file():
             raise FileNotFoundError(f"{root} is not a kernel repo: no build.toml")
-        # kernels' own parser validates the file the way kernel-builder would;
-        # it exposes only the backends, so the fields come from tomllib.
-        Build.open(root)
-        general = tomllib.loads(build_toml.read_text())["general"]
+        # Edition 6, checked here: kernels' parser is not public (a test checks that it takes ours).
+        fields = read_build_toml(build_toml)
         source = cls(
             root=root,
-            name=general["name"],
-            version=int(general["version"]),
-            license=general["license"],
-            backends=tuple(general["backends"]),
-            repo_id=general.get("hub", {}).get("repo-id"),
+            name=fields.name,
+            version=fields.version,
+            license=fields.license,
+            backends=fields.backends,
+            repo_id=fields.repo_id,
         )
         if not source.package_dir.is_dir():
             raise FileNotFoundError(f"{root}: expected the package at {source.package_dir}")

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, HfApi, RepoFile
 from huggingface_hub.errors import HfHubHTTPError, RevisionNotFoundError
-from kernels._rust import Metadata
+from kernels import Metadata
 
 from .digest import METADATA_FILE, KernelIntegrityError, git_blob_id, verify_variant
 
