@@ -15,6 +15,10 @@ requests carrying the token (a browser sends none: to it they do not exist).
 
 What a view costs beyond the repo's refs and file list is computed once: a card per content
 (card.CardCache), a version's build variants per commit. A HEAD request renders nothing.
+
+A page is sent as it is rendered, in pieces of about PAGE_CHUNK_BYTES (the template's output,
+the cached card's HTML a piece at a time), so a client that does not read holds at most a piece
+and what the connection buffers, never a whole page.
 """
 
 from __future__ import annotations
@@ -25,14 +29,15 @@ import hashlib
 import itertools
 import json
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
 import jinja2
-from starlette.responses import HTMLResponse, Response
+from starlette.responses import HTMLResponse, Response, StreamingResponse
 
-from .card import Card, CardCache
+from .card import CardCache
 from .blobs import FileEntry
 from .commits import Commit
 from .errors import HubError
@@ -44,6 +49,7 @@ HISTORY_SHOWN = 100
 FILES_SHOWN = 1000
 MAX_METADATA_BYTES = 1 << 20
 CARD_NAME = "README.md"
+PAGE_CHUNK_BYTES = 64 << 10
 _URL_PREFIXES = {"kernel": "kernels/", "model": ""}
 _TEMPLATES = Path(__file__).with_name("templates")
 _STYLESHEET = (_TEMPLATES / "hub.css").read_text()
@@ -69,6 +75,21 @@ _ENVIRONMENT = jinja2.Environment(
 
 def repo_page_path(repo_type: str, repo_id: str) -> str:
     return f"/{_URL_PREFIXES[repo_type]}{repo_id}"
+
+
+def _chunks(pieces: Iterable[str], size: int = PAGE_CHUNK_BYTES) -> Iterator[bytes]:
+    """UTF-8 bytes of the pieces, gathered into chunks of at least `size` bytes (the last one less)."""
+    buffer: list[bytes] = []
+    filled = 0
+    for piece in pieces:
+        data = piece.encode()
+        buffer.append(data)
+        filled += len(data)
+        if filled >= size:
+            yield b"".join(buffer)
+            buffer, filled = [], 0
+    if buffer:
+        yield b"".join(buffer)
 
 
 def _short_date(iso: str) -> str:
@@ -149,9 +170,10 @@ class Pages:
 
     # -- responses ------------------------------------------------------------------------------
 
-    def _page(self, template: str, status: int = 200, **context) -> HTMLResponse:
-        html = _ENVIRONMENT.get_template(template).render(stylesheet=_STYLESHEET, **context)
-        return HTMLResponse(html, status_code=status, headers=_PAGE_HEADERS)
+    def _page(self, template: str, status: int = 200, **context) -> Response:
+        """The page, rendered as it is sent (module docstring)."""
+        pieces = _ENVIRONMENT.get_template(template).generate(stylesheet=_STYLESHEET, **context)
+        return StreamingResponse(_chunks(pieces), status_code=status, headers=_PAGE_HEADERS, media_type="text/html")
 
     @staticmethod
     def _head() -> Response:
@@ -161,7 +183,9 @@ class Pages:
         return response
 
     def error(self, error: HubError) -> HTMLResponse:
-        return self._page("error.html", status=error.status, status_code=error.status, message=error.message)
+        html = _ENVIRONMENT.get_template("error.html").render(stylesheet=_STYLESHEET, status_code=error.status,
+                                                               message=error.message)
+        return HTMLResponse(html, status_code=error.status, headers=_PAGE_HEADERS)
 
     # -- front page -----------------------------------------------------------------------------
 
@@ -323,12 +347,15 @@ class Pages:
             return None
         return data if isinstance(data, dict) else None
 
-    def _card(self, repo_type: str, repo_id: str, commit: Commit) -> Card | None:
+    def _card(self, repo_type: str, repo_id: str, commit: Commit) -> Iterator[str] | None:
+        """The card's HTML in pieces, its relative links pointing at the commit's files; None without a card."""
         entry = commit.files.get(CARD_NAME)
         if entry is None:
             return None
-        return self._cards.card(entry.sha256, self.storage.blob_store.path(entry).read_bytes,
-                                f"{repo_page_path(repo_type, repo_id)}/resolve/{commit.id}/")
+        # At most FILES_URL_CHARS, as the card's bound counts it: a repo id has at most 193 characters.
+        files_url = f"{repo_page_path(repo_type, repo_id)}/resolve/{commit.id}/"
+        card = self._cards.card(entry.sha256, self.storage.blob_store.path(entry).read_bytes)
+        return card.pieces(files_url)
 
     def _snippet(self, repo_type: str, repo_id: str, base_url: str, version: VersionView | None, revision: str) -> str:
         endpoint = f"# HF_ENDPOINT={base_url} in the environment, before huggingface_hub is imported\n"
