@@ -166,3 +166,27 @@ def file_header(name: str, value: str, *, status: int | None = None) -> Lie:
                 exchange.body = b'{"error": "Entry not found"}'
 
     return lie
+
+
+def tree_files(edit: Callable[[dict], None]) -> Lie:
+    """Edit each file entry of the tree listings (`list_repo_tree`) under `build/`."""
+
+    def lie(exchange: Exchange) -> None:
+        if "/tree/" in exchange.path and exchange.status == 200:
+            entries = exchange.json()
+            for entry in entries:
+                if entry.get("type") == "file" and entry.get("path", "").startswith("build/"):
+                    edit(entry)
+            exchange.set_json(entries)
+
+    return lie
+
+
+def file_body(edit: Callable[[bytes], bytes]) -> Lie:
+    """Send each file (`/resolve/`) with its body edited, headers untouched (the real ETag)."""
+
+    def lie(exchange: Exchange) -> None:
+        if "/resolve/" in exchange.path and exchange.method == "GET" and exchange.status == 200:
+            exchange.body = edit(exchange.body)
+
+    return lie

@@ -13,9 +13,8 @@ import uuid
 from pathlib import Path
 
 from huggingface_hub import constants
-from kernels import resolver as kernels_resolver
-from kernels._rust import Digest, DigestAlgorithm
 
+from tpu_kernels.distribution.digest import digest_field
 from tpu_kernels.distribution.publish import upload_kernel
 
 TOKEN = "test-token-" + os.urandom(4).hex()
@@ -56,17 +55,17 @@ def make_build(
             "backend": {"type": backend},
         }
         if digest:
-            metadata["digest"] = {"algorithm": "sha256", "files": Digest.hash_variant(DigestAlgorithm.SHA256, variant).files}
+            metadata["digest"] = digest_field(variant)
         (variant / "metadata.json").write_text(json.dumps(metadata))
     return build
 
 
 def point_clients_at(monkeypatch, url: str, cache: Path) -> None:
-    """huggingface_hub and kernels in this process, as if HF_ENDPOINT=url and KERNELS_CACHE=cache."""
+    """huggingface_hub and kernels in this process, as if HF_ENDPOINT=url and KERNELS_CACHE=cache (kernels
+    reads KERNELS_CACHE at each call)."""
     monkeypatch.setattr(constants, "ENDPOINT", url)
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(kernels_resolver, "CACHE_DIR", str(cache))
     monkeypatch.setenv("KERNELS_CACHE", str(cache))
     monkeypatch.delenv("LOCAL_KERNELS", raising=False)
 

@@ -94,12 +94,13 @@ def test_only_trusted_publishers_load_without_trust_remote_code(hub, client, tmp
     assert get_kernel(REPO, version=1).answer() == 8
 
 
-def test_a_tampered_cache_is_refused_naming_the_file_and_a_forced_download_repairs_it(hub, client, tmp_path):
+def test_a_tampered_cache_is_refused_naming_the_file_and_dropped_so_the_next_load_repairs_it(hub, client, tmp_path):
     publication = publish(hub, make_build(tmp_path, answer=5))
     assert get_kernel(REPO, version=1).answer() == 5
     variant = cached_variant(client, publication.build_oid)
     value_file = variant / "_value.py"
     original = value_file.read_bytes()
+    blob = value_file.resolve()
 
     tampered = bytearray(original)
     tampered[-2] ^= 1  # "5" -> "4", written through the cache's link into its blob
@@ -107,8 +108,9 @@ def test_a_tampered_cache_is_refused_naming_the_file_and_a_forced_download_repai
     with pytest.raises(KernelIntegrityError, match="_value.py") as refused:
         get_kernel(REPO, version=1)
     assert refused.value.files == [value_file]
-    assert "force_download=True" in str(refused.value)
-    assert get_kernel(REPO, version=1, force_download=True).answer() == 5
+    assert "dropped from the cache" in str(refused.value)
+    assert not variant.exists() and not blob.exists()  # the refused bytes are gone: nothing refuses them again
+    assert get_kernel(REPO, version=1).answer() == 5
     assert value_file.read_bytes() == original
 
     value_file.unlink()  # replaced by a plain file, as `sed -i` would do
@@ -117,7 +119,7 @@ def test_a_tampered_cache_is_refused_naming_the_file_and_a_forced_download_repai
     with pytest.raises(KernelIntegrityError) as refused:
         get_kernel(REPO, version=1)
     assert refused.value.files == [variant / "_value.py", variant / "extra.py"]
-    get_kernel(REPO, version=1, force_download=True)
+    assert get_kernel(REPO, version=1, force_download=True).answer() == 5
     assert value_file.read_bytes() == original and not (variant / "extra.py").exists()
     verify_variant(variant)
 

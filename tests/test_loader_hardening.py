@@ -24,16 +24,13 @@ import time
 from importlib import _bootstrap_external
 from pathlib import Path
 
-import kernels.importer
 import pytest
 from huggingface_hub import constants
 from huggingface_hub.errors import HfHubHTTPError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kernels import resolver as kernels_resolver
-from kernels._rust import KernelDependency, KernelLock, KernelLocks, KernelVersion
 
-from tpu_kernels.distribution.digest import KernelIntegrityError
+from tpu_kernels.distribution.digest import KernelIntegrityError, blob_name_matches
 from tpu_kernels.distribution.loader import (
     HubUnreachableError,
     UnsafeIdError,
@@ -44,7 +41,15 @@ from tpu_kernels.distribution.loader import (
 )
 
 from .conftest import REPO_ROOT
-from .hostile_hub import branch_target, extra_branches, file_header, hostile_hub, revision_sha
+from .hostile_hub import (
+    branch_target,
+    extra_branches,
+    file_body,
+    file_header,
+    hostile_hub,
+    revision_sha,
+    tree_files,
+)
 from .loader_support import (
     FAST_SUBPROCESS_ENV,
     REPO,
@@ -63,17 +68,24 @@ UNTRUSTED = "someone/answer"
 
 def forget_loaded_kernels() -> None:
     """Make the next load of a test kernel (`make_build`'s "answer") import again: its entries in kernels'
-    registry of imported variants, and our copies of it. The project's kernels that other tests of this process
-    loaded stay imported: importing one again would register its torch ops a second time."""
-    forgotten = {path: loaded for path, loaded in kernels.importer._loaded_kernels.items()
+    registries of imported kernels, and our copies of it. The project's kernels that other tests of this process
+    loaded stay imported: importing one again would register its torch ops a second time.
+
+    kernels has no public way to unload a kernel, so this reaches its private registries (kernels 0.19's
+    `_internals.importer`): only to let one test process import the same build twice."""
+    from kernels._internals import importer
+
+    forgotten = {path: loaded for path, loaded in importer._loaded_kernels.items()
                  if loaded.metadata.name.python_name == "answer"}
     ids = {loaded.metadata.id for loaded in forgotten.values()}
     for name in [name for name in sys.modules if name.split(".")[0] in ids]:  # submodules too
         del sys.modules[name]
     for path in forgotten:
-        del kernels.importer._loaded_kernels[path]
+        del importer._loaded_kernels[path]
+    for kernel_id in ids:
+        importer._loaded_kernel_metadata.pop(kernel_id, None)
     for key, copy in list(private_copies._PRIVATE_COPIES.items()):
-        if copy in forgotten:
+        if any(path.is_relative_to(copy) for path in forgotten):
             del private_copies._PRIVATE_COPIES[key]
 
 
@@ -90,8 +102,8 @@ def files_outside(root: Path, *inside: Path) -> dict[str, bytes | None]:
 
 
 def lock_file(path: Path, repo_id: str, commit: str) -> Path:
-    locks = KernelLocks({KernelDependency(repo_id=repo_id, version=KernelVersion.Version(1)): KernelLock(commit)})
-    path.write_text(locks.to_json())
+    """A lock file in the format `kernels lock` writes (the test of that format runs the real CLI)."""
+    path.write_text(json.dumps([{"dependency": {"repo-id": repo_id, "version": 1}, "lock": {"commit": commit}}]))
     return path
 
 
@@ -131,15 +143,16 @@ def run_python_as_a_user(code: str, env: dict) -> dict:
 
 LOADS_FROM_A_PLANTED_CACHE = """
     import json, sys
-    import kernels.importer
+    from kernels._internals import importer  # no public way to unload: each load below must import anew
     import tpu_kernels.distribution.loader as loader
     from tpu_kernels.distribution.loader import private_copies
 
     def answer(load):
-        ids = {{loaded.metadata.id for loaded in kernels.importer._loaded_kernels.values()}}
+        ids = {{loaded.metadata.id for loaded in importer._loaded_kernels.values()}}
         for name in [name for name in sys.modules if name.split(".")[0] in ids]:
             del sys.modules[name]
-        kernels.importer._loaded_kernels.clear()
+        importer._loaded_kernels.clear()
+        importer._loaded_kernel_metadata.clear()
         private_copies._PRIVATE_COPIES.clear()
         try:
             return load().answer()
@@ -228,7 +241,7 @@ def test_a_loaded_kernel_runs_from_a_private_copy_without_bytecode(tmp_path):
     module = get_local_kernel(build, backend="cpu")
     copy = Path(module.__file__).parent
     assert copy.name == "torch-cpu" and not copy.is_relative_to(build)
-    root = copy.parents[1]
+    root = copy.parents[2]  # <root>/<copy>/build/torch-cpu
     assert root.name.startswith("tpu-kernels-verified-") and stat.S_IMODE(root.stat().st_mode) == 0o700
     assert sorted(path.name for path in copy.iterdir()) == ["__init__.py", "_value.py", "metadata.json"]
     assert get_local_kernel(build, backend="cpu") is module  # the same bytes: the same module
@@ -377,6 +390,17 @@ def lie_about_commits(make_lie, fake: str, commit: str):
     return make_lie(fake), {fake: commit}
 
 
+def _set(field: str, value):
+    def edit(entry: dict) -> None:
+        entry[field] = value
+    return edit
+
+
+def _altered(body: bytes) -> bytes:
+    """Same length, other code: what a man in the middle would send under the real ETag."""
+    return body.replace(b"5", b"6") if b"VALUE = 5" in body else body
+
+
 HOSTILE_CASES = {
     "revision sha with ../": (lambda commit: lie_about_commits(revision_sha, OUT, commit),
                               {"revision": "v1"}, UnsafeIdError, "revision 'v1'"),
@@ -388,16 +412,16 @@ HOSTILE_CASES = {
                                               {"version": 1, "force_download": True}, UnsafeIdError, "branch v1"),
     "targetCommit in capitals": (lambda commit: lie_about_commits(branch_target, commit.upper(), commit),
                                  {"version": 1}, UnsafeIdError, "branch v1"),
-    "ETag with ../": (lambda commit: (file_header("ETag", f'"{OUT}/planted"'), {}),
-                      {"version": 1}, UnsafeIdError, "ETag '../../../victim/planted'"),
-    "weak ETag with ../": (lambda commit: (file_header("ETag", f'W/"{OUT}/planted"'), {}),
-                           {"version": 1}, UnsafeIdError, "ETag"),
-    "X-Linked-Etag with ../": (lambda commit: (file_header("X-Linked-Etag", f"{OUT}/planted"), {}),
-                               {"version": 1}, UnsafeIdError, "ETag"),
-    "X-Repo-Commit with ../": (lambda commit: (file_header("X-Repo-Commit", OUT), {}),
-                               {"version": 1}, UnsafeIdError, "commit id '../../../victim'"),
-    "X-Repo-Commit of another commit": (lambda commit: (file_header("X-Repo-Commit", "0" * 40), {}),
-                                        {"version": 1}, UnsafeIdError, "answers for commit 0000"),
+    "tree oid with ../": (lambda commit: (tree_files(_set("oid", f"{OUT}/planted")), {}),
+                          {"version": 1}, UnsafeIdError, "blob id '../../../victim/planted'"),
+    "tree LFS oid with ../": (lambda commit: (tree_files(_set("lfs", {"oid": f"{OUT}/planted", "size": 10, "pointerSize": 130})), {}),
+                              {"version": 1}, UnsafeIdError, "blob id '../../../victim/planted'"),
+    "tree path with ../": (lambda commit: (tree_files(lambda entry: entry.update(path="build/torch-cpu/../" + OUT)), {}),
+                           {"version": 1}, UnsafeIdError, "not a plain relative path"),
+    "tree oid of other bytes": (lambda commit: (tree_files(_set("oid", "0" * 40)), {}),
+                                {"version": 1}, KernelIntegrityError, "are not blob 0000"),
+    "file bytes altered under the real ETag": (lambda commit: (file_body(_altered), {}),
+                                               {"version": 1}, KernelIntegrityError, "are not blob"),
     "X-Repo-Commit with ../ on a 404": (lambda commit: (file_header("X-Repo-Commit", OUT, status=404), {}),
                                         {"version": 1}, HfHubHTTPError, "404"),
 }
@@ -413,16 +437,38 @@ def test_ids_from_a_lying_hub_never_name_a_path(hub, hostile, tmp_path, case):
     with pytest.raises(error, match=message):
         get_kernel(REPO, **load)
     assert files_outside(tmp_path, cache, tmp_path / "hub") == outside
+    blobs = cache / "kernels--trusted-org--answer" / "blobs"
+    assert all(blob_name_matches(blob.name, blob.read_bytes()) for blob in blobs.glob("*"))  # no lie stays cached
     hostile.lie, hostile.aliases = None, {}
     forget_loaded_kernels()
     assert get_kernel(REPO, **load).answer() == 5  # told the truth, the same call loads
 
 
-def test_an_id_from_a_cached_tree_listing_never_names_a_path(hub, client, tmp_path):
-    """huggingface_hub skips the per-file request for a Xet file its cached tree listing describes, and
-    takes the ETag from that listing (which the server wrote): the same check applies."""
-    from huggingface_hub import hf_hub_download
+# Headers huggingface_hub would name cache files after; our downloads name them after checked ids only.
+IGNORED_HEADER_LIES = {
+    "ETag with ../": file_header("ETag", f'"{OUT}/planted"'),
+    "weak ETag with ../": file_header("ETag", f'W/"{OUT}/planted"'),
+    "X-Linked-Etag with ../": file_header("X-Linked-Etag", f"{OUT}/planted"),
+    "X-Repo-Commit with ../": file_header("X-Repo-Commit", OUT),
+    "X-Repo-Commit of another commit": file_header("X-Repo-Commit", "0" * 40),
+}
 
+
+@pytest.mark.parametrize("case", IGNORED_HEADER_LIES)
+def test_file_headers_name_nothing(hub, hostile, tmp_path, case):
+    publish(hub, make_build(tmp_path, answer=5))
+    cache = tmp_path / "cache"
+    outside = files_outside(tmp_path, cache, tmp_path / "hub")
+    hostile.lie = IGNORED_HEADER_LIES[case]
+    assert get_kernel(REPO, version=1).answer() == 5
+    assert files_outside(tmp_path, cache, tmp_path / "hub") == outside
+    names = {path.name for path in cache.rglob("*")}
+    assert not any("victim" in name or name == "0" * 40 for name in names)
+
+
+def test_a_tree_listing_planted_in_the_cache_is_never_read(hub, client, tmp_path):
+    """huggingface_hub takes ETags from a tree listing it cached (trees/<commit>.json, written from what a server
+    said); our downloads never read it."""
     publication = publish(hub, make_build(tmp_path, answer=5))
     trees = client / "kernels--trusted-org--answer" / "trees"
     trees.mkdir(parents=True)
@@ -430,9 +476,7 @@ def test_an_id_from_a_cached_tree_listing_never_names_a_path(hub, client, tmp_pa
         "size": 10, "blob_id": "0" * 40, "lfs_sha256": f"{OUT}/planted", "lfs_size": 10, "xet_hash": "a" * 64}}}
     (trees / f"{publication.build_oid}.json").write_text(json.dumps(listing))
     outside = files_outside(tmp_path, client, tmp_path / "hub")
-    with pytest.raises(UnsafeIdError, match="ETag '../../../victim/planted'"):
-        hf_hub_download(REPO, "build/torch-cpu/metadata.json", repo_type="kernel", revision=publication.build_oid,
-                        cache_dir=client)
+    assert get_kernel(REPO, version=1).answer() == 5
     assert files_outside(tmp_path, client, tmp_path / "hub") == outside
 
 
@@ -462,7 +506,7 @@ def test_refs_in_the_cache_are_checked_offline(hub, client, tmp_path, monkeypatc
     assert (refs / "v1").read_text() == publication.build_oid
     (refs / "v1").write_text(OUT)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(UnsafeIdError, match="The cache gives .*ref v1 the commit id '../../../victim'"):
+    with pytest.raises(UnsafeIdError, match="refs/v1 gives .*ref v1 the commit id '../../../victim'"):
         get_kernel(REPO, version=1)
     with pytest.raises(UnsafeIdError, match="refs/v1 gives .* the commit id '../../../victim'"):
         get_kernel(REPO, revision="v1")
@@ -536,9 +580,13 @@ json_ids = st.one_of(header_ids, st.text(max_size=80))
 LIES = {
     "sha": (lambda value: revision_sha(value), {"revision": "v1"}),
     "targetCommit": (lambda value: branch_target(value), {"version": 1}),
+    "tree oid": (lambda value: tree_files(_set("oid", value)), {"version": 1}),
+    "tree path": (lambda value: tree_files(lambda entry: entry.update(path="build/torch-cpu/" + value)), {"version": 1}),
     "ETag": (lambda value: file_header("ETag", f'"{value}"'), {"version": 1}),
     "X-Repo-Commit": (lambda value: file_header("X-Repo-Commit", value), {"version": 1}),
 }
+# Headers name nothing in our downloads: a load through them may succeed, with the true bytes.
+HARMLESS_LIES = {"ETag", "X-Repo-Commit"}
 
 
 @pytest.mark.slow
@@ -552,31 +600,33 @@ def test_ids_from_the_server_fuzzed(hub, hostile, tmp_path, monkeypatch):
     @settings(max_examples=100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(lie=st.sampled_from(sorted(LIES)), data=st.data())
     def load_through_a_lie(lie, data):
-        value = data.draw(json_ids if lie in ("sha", "targetCommit") else header_ids)
+        value = data.draw(header_ids if lie in HARMLESS_LIES else json_ids)
         make_lie, load = LIES[lie]
         cache = Path(tempfile.mkdtemp(dir=tmp_path / "caches"))
-        monkeypatch.setattr(kernels_resolver, "CACHE_DIR", str(cache))
         monkeypatch.setenv("KERNELS_CACHE", str(cache))
         hostile.lie, hostile.aliases = make_lie(value), {value: commit} if lie in ("sha", "targetCommit") else {}
         forget_loaded_kernels()
         try:
             answer = get_kernel(REPO, **load).answer()
-        except (UnsafeIdError, KernelIntegrityError) as error:  # an ETag that is a blob id, but not this file's
+        except (UnsafeIdError, KernelIntegrityError) as error:  # a blob id, but not this file's: integrity
             outcome = type(error).__name__
         else:
             outcome = f"loaded {answer}"
         examples.append((lie, value, outcome))
         assert files_outside(tmp_path, tmp_path / "hub", tmp_path / "caches") == outside
-        for folder, _, files in os.walk(cache):  # inside the cache, only names huggingface_hub gives ids
+        for folder, _, files in os.walk(cache):  # inside the cache, only names from checked ids
             for name in files:
                 assert ".." not in Path(folder, name).relative_to(cache).parts
+        blobs = cache / "kernels--trusted-org--answer" / "blobs"
+        assert all(blob_name_matches(blob.name, blob.read_bytes()) for blob in blobs.glob("*"))
 
     (tmp_path / "caches").mkdir()
     load_through_a_lie()
     elapsed = time.monotonic() - started
     outcomes = collections.Counter((lie, outcome) for lie, _, outcome in examples)
     print(f"{len(examples)} lies in {elapsed:.1f} s: {dict(sorted(outcomes.items()))}")
-    assert not [example for example in examples if example[2].startswith("loaded")]  # no lie loads
+    loaded = [example for example in examples if example[2].startswith("loaded")]
+    assert all(lie in HARMLESS_LIES and outcome == "loaded 5" for lie, _, outcome in loaded)  # no lie that counts loads
     assert elapsed < 40, elapsed
 
 

@@ -1,71 +1,73 @@
-"""`get_kernel` and lock-file loads: the `kernels` library's loader, with every id from the server checked
-and the digest checked on exactly the bytes that get imported.
+"""`get_kernel` and lock-file loads: `kernels`' semantics, with every id from the server checked and the digest
+checked on exactly the bytes that get imported. Built on the public APIs of `kernels` and huggingface_hub.
 
-Variant choice, metadata validators, download and import are `kernels` 0.17.2's own (its
-`resolve_hub_kernel`, validators, dependency tree and importer, used as `kernels.get_kernel` and
-`kernels.get_locked_kernel` wire them). What this module adds:
+From `kernels` (its public API): which variant this system takes (`kernels.get_kernel_variants` online; offline,
+`kernels.get_local_kernel` picks among the cached variants), the metadata validators, its own digest check,
+and the import (`kernels.get_local_kernel`, one module per kernel id). What this module adds:
 
 * ids are checked before they name a path. The commit to load is resolved here (the `v<N>` branch's
-  `targetCommit`, a revision's `sha`, a lock file's pin, a cached ref) and must be 40 lowercase hex
-  digits; kernels and huggingface_hub then only ever see that commit. For each file huggingface_hub
-  downloads from a kernel repo, the commit the server answers for (X-Repo-Commit) must be the one asked
-  for and the ETag a blob id (git blob id, or sha256), before huggingface_hub names cache files after
-  them (`hub_commits._guard_kernel_downloads`). Anything else raises `UnsafeIdError`, before any file is written;
-* publisher trust and versions are asked for here, in kernels' terms, through an HfApi that works
-  with HF_HUB_DISABLE_TELEMETRY=1 (kernels 0.17.2 then sends an empty user-agent extension that
-  huggingface_hub turns into a header httpx refuses). A Hub that cannot be reached raises
+  `targetCommit`, a revision's `sha`, a lock file's pin, a cached ref) and must be 40 lowercase hex digits;
+  the files of the variant come from the Hub's tree listing at that commit, each path a plain relative
+  path and each blob id a blob id (`hub_commits`), or UnsafeIdError before anything is written;
+* downloads are ours (`downloads`): every file must hash to the blob id it is stored under before it
+  enters the cache, so a Hub that sends other bytes than it lists leaves nothing behind;
+* publisher trust is asked here, in kernels' terms. A Hub that cannot be reached raises
   `HubUnreachableError` naming the endpoint and the network failure, never advice to trust the code;
-* the selected variant (and each kernel it depends on) is read once, checked against the digest of
-  its metadata.json with `tpu_kernels.distribution.digest` (every file listed with its sha256, no other file or
-  folder, no symbolic link but the cache's own file links into `blobs/`, a digest present; in the
-  cache metadata.json must be the blob whose id it links to, and online the blob the Hub serves for it
-  at that commit), and the very bytes checked are written to a private copy, a new folder (mode 0700)
-  of this process; the import reads that copy, with no bytecode: a file changed in the cache after
-  the check, or a `__pycache__` planted there (even in a read-only folder), is never read;
+* the variant is read once, checked against the digest of its metadata.json with
+  `tpu_kernels.distribution.digest` (every file listed with its sha256, no other file or folder, no symbolic
+  link but the cache's own file links into `blobs/`, a digest present; in the cache metadata.json must be the
+  blob whose id it links to, and online the blob the Hub lists for it at that commit), and the very bytes
+  checked are written to a private copy, a new folder (mode 0700) of this process; the import reads that
+  copy, with no bytecode: a file changed in the cache after the check, or a `__pycache__` planted there,
+  is never read. A refused variant is dropped from the cache, with every blob that is not what its name says;
 * `force_download=True` deletes, before downloading, the cached snapshot of the commit to load and every
-  blob of the repo that does not hold what its name (the Hub's ETag) says, making the folders of the
-  repo's cache that it must change writable first when they are ours (a cache restored read-only);
-* offline (HF_HUB_OFFLINE=1), the cached snapshot is checked for the selected variant only: `kernels`'
-  own offline resolver asks huggingface_hub for the whole snapshot, which huggingface_hub >= 1.22
-  refuses as incomplete when the repo has other variants (a download fetches only one);
+  blob of the repo that does not hold what its name says;
 * a load by `version=` (or by branch or tag) records `refs/<name>` in the cache, so the same call works
-  offline afterwards (`kernels` looks versions up there but never writes them);
+  offline afterwards;
 * no build variant for this system raises `VariantNotFoundError` (a FileNotFoundError), which
   `kernelize` reports as "this kernel cannot serve".
 
-The environment is read as huggingface_hub and kernels read it: HF_ENDPOINT, HF_HUB_OFFLINE,
-HF_HUB_DISABLE_TELEMETRY and KERNELS_CACHE (else HF_HUB_CACHE) when they are first imported, so set
-them before; HF_TOKEN and LOCAL_KERNELS at each call.
+The environment is read as huggingface_hub and kernels read it: HF_ENDPOINT, HF_HUB_OFFLINE and
+HF_HUB_DISABLE_TELEMETRY when huggingface_hub is first imported, so set them before; HF_TOKEN, KERNELS_CACHE
+(else HF_HUB_CACHE) and LOCAL_KERNELS at each call.
 
-This module wires the loads; ids.py checks ids, hub_commits.py asks the Hub, cache.py reads and
-clears the cache, private_copies.py verifies, copies and imports.
+This module wires the loads; ids.py checks ids, hub_commits.py asks the Hub, downloads.py fetches,
+cache.py reads and clears the cache, private_copies.py verifies, copies and imports.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import ModuleType
 
-import kernels
 from huggingface_hub import HfApi, constants
-from huggingface_hub.file_download import REGEX_COMMIT_HASH
-from kernels._rust import KernelDependency
-from kernels._versions import revision_or_version
-from kernels.deps import DepTreeNode, resolve_kernel_tree
-from kernels.hf_hub import _get_hf_api
-from kernels.load import _get_local_kernel_overrides
-from kernels.locking import get_locked_kernel_revision
-from kernels.resolver import LocalKernel, Resolver, SequentialResolver, resolve_local_kernel
-from kernels.validate import AllValidator, ArchValidator, MetadataValidator, default_metadata_validators
 
-from ..digest import KernelIntegrityError
-from .cache import CachedVariantResolver, CacheNotWritableError, remember_ref
-from .hub_commits import CheckedHubResolver, HubUnreachableError, network_failures_named
-from .ids import UnsafeIdError
-from .private_copies import import_verified, verified_copies, verify_variant
+from ..digest import METADATA_FILE, KernelIntegrityError
+from .cache import (
+    CacheNotWritableError,
+    cached_commit,
+    cached_variants,
+    clear_cached_commit,
+    drop_refused_variant,
+    remember_ref,
+    repo_folder,
+)
+from .downloads import download_variant
+from .hub_commits import (
+    HubUnreachableError,
+    VariantNotFoundError,
+    check_publisher_trust,
+    chosen_variant,
+    hub_commit,
+    network_failures_named,
+    variant_files,
+)
+from .ids import REGEX_COMMIT_HASH, UnsafeIdError, locked_commit
+from .private_copies import import_copy, verified_copy, verify_variant
 
-# How kernels 0.17.2 (and CachedVariantResolver) word "no variant for this system".
-_NO_VARIANT_MESSAGES = ("Cannot find a build variant for this system", "Cannot find a cached build variant")
+# How kernels words "no variant for this system" when get_local_kernel finds none.
+_NO_VARIANT_MESSAGE = "Cannot find a build variant for this system"
 
 __all__ = [
     "CacheNotWritableError",
@@ -79,10 +81,6 @@ __all__ = [
     "load_kernel",
     "verify_variant",
 ]
-
-
-class VariantNotFoundError(FileNotFoundError):
-    """The kernel has no build variant for this system (backend, torch, arch)."""
 
 
 def get_kernel(
@@ -100,35 +98,34 @@ def get_kernel(
         repo_id: `namespace/name` of the kernel repo.
         version: major version, served from branch `v<version>`. Exactly one of version/revision.
         revision: branch, tag or commit sha.
-        backend: `cpu`, `tpu`, ...; detected when None.
+        backend: `cpu`, `tpu`, ...; detected (by `kernels`) when None.
         trust_remote_code: True, or a list of repo ids allowed besides trusted publishers.
         force_download: clear the cached commit and download it again (repairs a damaged cache).
 
     Raises:
         KernelIntegrityError: the selected variant differs from its digest, or has none.
         VariantNotFoundError: the kernel has no build for this system.
-        UnsafeIdError: the Hub sent a commit id or ETag that is not one.
+        UnsafeIdError: the Hub sent a commit id, path or blob id that is not one.
         HubUnreachableError: the Hub cannot be reached (the message names it and why).
         ValueError: untrusted publisher, unknown version (the message lists the available ones),
             or both/neither of version and revision.
     """
-    kernel = KernelDependency(repo_id=repo_id, version=revision_or_version(revision=revision, version=version))
+    _one_of(version, revision)
+    override = _local_override(repo_id)
+    if override is not None:
+        return get_local_kernel(override, backend=backend)
     if _offline(force_download):
-        hub_resolver = CachedVariantResolver(trust_remote_code=trust_remote_code)
-    else:
-        hub_resolver = CheckedHubResolver(trust_remote_code=trust_remote_code, fresh=force_download)
-    installed = _install(
-        kernel,
-        SequentialResolver(resolvers=[_get_local_kernel_overrides(), hub_resolver]),
-        backend=backend,
-        validator=AllValidator(validators=[*default_metadata_validators(), ArchValidator()]),
-    )
-    origin = installed.location.origin
-    if origin is not None:
-        name = f"v{version}" if version is not None else revision
-        if not REGEX_COMMIT_HASH.fullmatch(name):
-            remember_ref(repo_id, name, origin.revision)
-    return import_verified(installed)
+        commit = cached_commit(repo_id, version=version, revision=revision)
+        return _load_cached(repo_id, commit, backend=backend)
+    api = _hub_api()
+    with network_failures_named(api.endpoint):
+        check_publisher_trust(api, repo_id, trust_remote_code)
+        commit = hub_commit(api, repo_id, version=version, revision=revision)
+        module = _load_from_hub(api, repo_id, commit, backend=backend, fresh=force_download)
+    name = f"v{version}" if version is not None else revision
+    if not REGEX_COMMIT_HASH.fullmatch(name):
+        remember_ref(repo_id, name, commit)
+    return module
 
 
 def get_locked_kernel(
@@ -145,14 +142,13 @@ def get_locked_kernel(
     cache when HF_HUB_OFFLINE is set. Raises as `get_kernel`, and ValueError if the lock
     file does not lock `repo_id`.
     """
-    locks, kernel = get_locked_kernel_revision(repo_id, Path(lockfile))
+    commit = locked_commit(Path(lockfile), repo_id)
     if _offline(force_download):
-        resolver = CachedVariantResolver(trust_remote_code=trust_remote_code, locks=locks)
-    else:
-        resolver = CheckedHubResolver(trust_remote_code=trust_remote_code, locks=locks, fresh=force_download)
-    installed = _install(
-        kernel, resolver, backend=backend, validator=AllValidator(validators=default_metadata_validators()))
-    return import_verified(installed)
+        return _load_cached(repo_id, commit, backend=backend)
+    api = _hub_api()
+    with network_failures_named(api.endpoint):
+        check_publisher_trust(api, repo_id, trust_remote_code)
+        return _load_from_hub(api, repo_id, commit, backend=backend, fresh=force_download)
 
 
 def load_kernel(repo_id: str, *, lockfile: str | Path, backend: str | None = None) -> ModuleType:
@@ -161,59 +157,109 @@ def load_kernel(repo_id: str, *, lockfile: str | Path, backend: str | None = Non
     `kernels.load_kernel` with a digest check, for kernels fetched beforehand (`kernels download`,
     or a `get_locked_kernel` call). FileNotFoundError if the variant is not cached.
     """
-    locks, kernel = get_locked_kernel_revision(repo_id, Path(lockfile))
-    installed = _install(
-        kernel, CachedVariantResolver(trust_remote_code=False, locks=locks), backend=backend,
-        validator=AllValidator(validators=default_metadata_validators()),
-    )
-    return import_verified(installed)
+    return _load_cached(repo_id, locked_commit(Path(lockfile), repo_id), backend=backend)
 
 
 def get_local_kernel(repo_path: str | Path, *, backend: str | None = None) -> ModuleType:
     """`kernels.get_local_kernel` (a build folder, or one variant of it), after checking its digests."""
+    path = Path(repo_path)
+    if (path / METADATA_FILE).is_file():
+        variants = [path]
+    else:
+        build = path / "build" if (path / "build").is_dir() else path
+        variants = sorted(entry for entry in build.iterdir() if entry.is_dir() and not entry.name.startswith("."))
+    copy = verified_copy(variants, source=f"local kernel {path}", remedy="Rebuild it.")
+    return _import(copy, backend, where=str(path))
+
+
+def _load_from_hub(api: HfApi, repo_id: str, commit: str, *, backend: str | None, fresh: bool) -> ModuleType:
+    """Download the variant kernels picks at `commit` into the cache, then verify, copy and import it."""
+    variant = chosen_variant(repo_id, commit, backend)
+    files = variant_files(api, repo_id, commit, variant)
+    if fresh:
+        clear_cached_commit(repo_id, commit)
+    repo = repo_folder(repo_id)
+    download_variant(api, repo, repo_id, commit, files)
+    metadata_blob = next(file.blob_id for file in files if file.path == f"build/{variant}/{METADATA_FILE}")
     try:
-        location = resolve_local_kernel(Path(repo_path), backend=backend)
+        copy = verified_copy(
+            [repo / "snapshots" / commit / "build" / variant],
+            source=f"{repo_id} (revision {commit})",
+            remedy=f"It was dropped from the cache; a new load downloads it again from {api.endpoint}.",
+            metadata_blob_ids={variant: metadata_blob},
+        )
+    except KernelIntegrityError:
+        drop_refused_variant(repo_id, commit, variant)
+        raise
+    return _import(copy, backend, where=f"{repo_id} (revision {commit})")
+
+
+def _load_cached(repo_id: str, commit: str, *, backend: str | None) -> ModuleType:
+    """Offline: verify and copy every variant the cache holds at `commit`; kernels picks among them."""
+    copy = verified_copy(
+        cached_variants(repo_id, commit),
+        source=f"cached kernel {repo_id} (revision {commit})",
+        remedy="Download it again, online: tpu_kernels.get_kernel(..., force_download=True).",
+    )
+    return _import(copy, backend, where=f"{repo_id} (revision {commit}) in the cache")
+
+
+def _import(copy: Path, backend: str | None, *, where: str) -> ModuleType:
+    _refuse_kernel_dependencies(copy, where)
+    try:
+        return import_copy(copy, backend=backend)
     except FileNotFoundError as error:
-        raise _name_missing_variant(error) from None
-    return import_verified(verified_copies(DepTreeNode(location=location, deps={}), api=None))
+        if str(error).startswith(_NO_VARIANT_MESSAGE):
+            raise VariantNotFoundError(str(error).replace(str(copy), where)) from None
+        raise
+
+
+def _refuse_kernel_dependencies(copy: Path, where: str) -> None:
+    """kernels would fetch a kernel's dependencies itself, past every check here: refuse such kernels clearly."""
+    import kernels
+
+    for variant in sorted((copy / "build").iterdir()):
+        depends = kernels.Metadata.read_from_file(variant / METADATA_FILE).kernel_depends
+        if depends:
+            raise ValueError(
+                f"{where} (variant {variant.name}) depends on other kernels ({', '.join(d.repo_id for d in depends)}); "
+                "tpu_kernels.get_kernel does not load kernel dependencies. Use kernels.get_kernel for it."
+            )
+
+
+def _one_of(version: int | None, revision: str | None) -> None:
+    """kernels' rule and words: exactly one of version and revision."""
+    if version is not None and revision is not None:
+        raise ValueError("Only one of `revision` or `version` must be specified.")
+    if version is None and revision is None:
+        raise ValueError(
+            "A kernel version or revision must be specified. Use `version=<major>` for a stable kernel API version "
+            "or `revision=<branch/tag/commit>` for an explicit Hub revision."
+        )
+
+
+def _local_override(repo_id: str) -> Path | None:
+    """The folder LOCAL_KERNELS (`repo_id=path:repo_id=path`, kernels' format) names for `repo_id`."""
+    overrides = os.environ.get("LOCAL_KERNELS")
+    if not overrides:
+        return None
+    for entry in overrides.split(":"):
+        name, separator, path = entry.partition("=")
+        if not separator:
+            raise ValueError(f"Invalid LOCAL_KERNELS entry: {entry}. Expected format: repo_id_1=path_1:repo_id_2=path_2")
+        if name == repo_id:
+            return Path(path)
+    return None
 
 
 def _offline(force_download: bool) -> bool:
-    offline = constants.HF_HUB_OFFLINE
+    offline = constants.is_offline_mode()
     if force_download and offline:
         raise ValueError("force_download=True needs the Hub, but HF_HUB_OFFLINE is set")
     return offline
 
 
-def _name_missing_variant(error: FileNotFoundError) -> FileNotFoundError:
-    if str(error).startswith(_NO_VARIANT_MESSAGES):
-        return VariantNotFoundError(str(error))
-    return error
-
-
 def _hub_api() -> HfApi:
-    """kernels' HfApi; with HF_HUB_DISABLE_TELEMETRY set, one without the user-agent extension kernels then
-    leaves empty (huggingface_hub appends it after "; ", and httpx refuses the header's trailing space)."""
-    if constants.HF_HUB_DISABLE_TELEMETRY:
-        return HfApi(library_name="kernels", library_version=kernels.__version__)
-    return _get_hf_api()
+    import kernels
 
-
-def _install(
-    kernel: KernelDependency,
-    resolver: Resolver,
-    *,
-    backend: str | None,
-    validator: MetadataValidator,
-) -> DepTreeNode[LocalKernel]:
-    """Resolve, validate and download the kernel and its dependencies; then a verified private copy of each."""
-    api = _hub_api()
-    with network_failures_named(api.endpoint):
-        try:
-            tree = resolve_kernel_tree(api=api, backend=backend, kernel=kernel, resolver=resolver)
-        except FileNotFoundError as error:
-            raise _name_missing_variant(error) from None
-        tree.validate_metadata(validator)
-        verified = verified_copies(tree.install(api=api), api)
-    verified.validate_metadata(validator)  # the metadata read from the copies, which is what gets imported
-    return verified
+    return HfApi(library_name="kernels", library_version=kernels.__version__)

@@ -1,11 +1,10 @@
-"""The download cache as the loader uses it: where it is, which variant folders are snapshots of it, the
-offline resolver that reads one variant from it, the refs it records for offline loads, and what
-`force_download=True` clears."""
+"""The download cache as the loader uses it: where it is, which variant folders are snapshots of it, what it
+holds for offline loads (refs, variants), the refs it records, and what a refused load and
+`force_download=True` clear. The layout is the one huggingface_hub documents for its cache."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import shutil
@@ -13,18 +12,10 @@ import stat
 import tempfile
 from pathlib import Path
 
-from huggingface_hub import HfApi, constants
-from huggingface_hub.errors import LocalEntryNotFoundError
-from huggingface_hub.file_download import REGEX_COMMIT_HASH, repo_folder_name
-from kernels import resolver as kernels_resolver
-from kernels._rust import KernelDependency, KernelLocks, KernelVersion, Metadata
-from kernels._versions import resolve_kernel_version
-from kernels.hf_hub import _check_trust_remote_code
-from kernels.resolver import LocalKernel
-from kernels.variants import get_variants_local, resolve_variant, variants_trace_str
+from huggingface_hub import constants
 
-from ..digest import METADATA_FILE, blob_name_matches
-from .ids import UnsafeIdError, checked_commit, is_ref_name, locked_commit
+from ..digest import blob_name_matches
+from .ids import REGEX_COMMIT_HASH, UnsafeIdError, checked_commit, is_ref_name
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +25,13 @@ class CacheNotWritableError(PermissionError):
 
 
 def download_cache() -> Path:
-    return Path(kernels_resolver.CACHE_DIR or constants.HF_HUB_CACHE).expanduser().resolve()
+    """Where kernels keep their downloads: KERNELS_CACHE (read at each call, as kernels does), else the Hub cache."""
+    return Path(os.environ.get("KERNELS_CACHE") or constants.HF_HUB_CACHE).expanduser().resolve()
+
+
+def repo_folder(repo_id: str) -> Path:
+    """`kernels--<org>--<name>`: the cache folder of a kernel repo."""
+    return download_cache() / ("kernels--" + repo_id.replace("/", "--"))
 
 
 def cache_blobs(variant_path: Path) -> Path | None:
@@ -54,65 +51,42 @@ def cache_blobs(variant_path: Path) -> Path | None:
     return None
 
 
-@dataclasses.dataclass
-class CachedVariantResolver:
-    """Offline loads from the cache (`kernels`' HubCacheResolver and LockedHubCacheResolver), for one variant.
-
-    The revision comes from `locks` when given (a lock file), else from the kernel's version or revision;
-    a ref read from the cache must hold a commit id.
-    """
-
-    trust_remote_code: bool | list[str]
-    locks: KernelLocks | None = None
-
-    def resolve(self, *, api: HfApi, backend: str | None, kernel: KernelDependency) -> LocalKernel:
-        _check_trust_remote_code(kernel.repo_id, local_files_only=True, trust_remote_code=self.trust_remote_code)
-        storage = download_cache() / repo_folder_name(repo_id=kernel.repo_id, repo_type="kernel")
-        if self.locks is not None:
-            revision = commit = locked_commit(self.locks, kernel)
-        elif isinstance(kernel.version, KernelVersion.Version):  # kernels reads refs/v<N> of the cache
-            revision = f"v{kernel.version.version}"
-            commit = checked_commit(resolve_kernel_version(kernel, local_files_only=True), "The cache",
-                                     f"{kernel.repo_id}'s ref {revision}")
-        else:
-            revision = kernel.version.revision
-            commit = _cached_commit(storage, revision, kernel.repo_id)
-        missing = FileNotFoundError(
-            f"Cannot find a local snapshot for {kernel.repo_id} (revision: {revision}). When Hugging Face Hub "
-            "is in offline mode the kernel must already be present in the local cache."
-        )
+def cached_commit(repo_id: str, *, version: int | None, revision: str | None) -> str:
+    """The commit a version or revision names in the cache (offline): a commit id as is, else what
+    `refs/v<N>` or `refs/<revision>` holds, which must be a commit id. FileNotFoundError if no such ref."""
+    if version is not None:
+        commit = _cached_ref(repo_id, f"v{version}")
         if commit is None:
-            raise missing
-        variant, trace = resolve_variant(get_variants_local(storage / "snapshots" / commit / "build"), backend)
-        if variant is None:
             raise FileNotFoundError(
-                f"Cannot find a cached build variant for this system in {kernel.repo_id} "
-                f"(revision: {revision}):\n\n{variants_trace_str(trace)}"
+                f"Version {version} of '{repo_id}' is not available in the local cache and Hugging Face Hub is in "
+                "offline mode. Load it once online first, or pass an explicit `revision=<commit>`."
             )
-        try:
-            snapshot = api.snapshot_download(
-                kernel.repo_id,
-                repo_type="kernel",
-                revision=commit,
-                cache_dir=kernels_resolver.CACHE_DIR,
-                allow_patterns=[f"build/{variant.variant_str}/*"],
-                ignore_patterns=kernels_resolver._BYTECODE_IGNORE_PATTERNS,
-                local_files_only=True,
-            )
-        except LocalEntryNotFoundError as error:
-            raise missing from error
-        variant_path = Path(snapshot) / "build" / variant.variant_str
-        return LocalKernel(variant_path=variant_path, metadata=Metadata.read_from_file(variant_path / METADATA_FILE))
+        return checked_commit(commit, "The cache", f"{repo_id}'s ref v{version}")
+    commit = revision if REGEX_COMMIT_HASH.fullmatch(revision) else _cached_ref(repo_id, revision)
+    if commit is None:
+        raise FileNotFoundError(
+            f"Cannot find a local snapshot for {repo_id} (revision: {revision}). When Hugging Face Hub is in offline "
+            "mode the kernel must already be present in the local cache."
+        )
+    return commit
 
 
-def _cached_commit(storage: Path, revision: str, repo_id: str) -> str | None:
-    """The commit `revision` names in the cache: itself if a commit id, else what refs/<revision> holds;
-    None if no such ref."""
-    if REGEX_COMMIT_HASH.fullmatch(revision):
-        return revision
+def cached_variants(repo_id: str, commit: str) -> list[Path]:
+    """The variant folders the cache holds for `commit` (real folders only; a link is left for the check)."""
+    build = repo_folder(repo_id) / "snapshots" / commit / "build"
+    if not build.is_dir():
+        raise FileNotFoundError(
+            f"Cannot find a local snapshot for {repo_id} (revision: {commit}). When Hugging Face Hub is in offline "
+            "mode the kernel must already be present in the local cache."
+        )
+    return sorted(entry for entry in build.iterdir() if not entry.name.startswith("."))
+
+
+def _cached_ref(repo_id: str, revision: str) -> str | None:
+    """What refs/<revision> holds in the cache (checked: a commit id), None if no such ref."""
     if not is_ref_name(revision):
         raise UnsafeIdError(f"{revision!r} is not a branch or tag name; refusing to read it as a path of the cache")
-    path = storage / "refs" / revision
+    path = repo_folder(repo_id) / "refs" / revision
     try:
         content = path.read_text().strip()
     except FileNotFoundError:
@@ -127,7 +101,7 @@ def remember_ref(repo_id: str, name: str, commit: str) -> None:
     """
     if not is_ref_name(name):
         return
-    ref = download_cache() / repo_folder_name(repo_id=repo_id, repo_type="kernel") / "refs" / name
+    ref = repo_folder(repo_id) / "refs" / name
     with contextlib.suppress(OSError):
         if ref.read_text() == commit:
             return
@@ -151,8 +125,8 @@ def clear_cached_commit(repo_id: str, commit: str) -> None:
     """
     commit = checked_commit(commit, "The caller", repo_id)
     cache = download_cache()
-    folder_name = repo_folder_name(repo_id=repo_id, repo_type="kernel")
-    repo = cache / folder_name
+    repo = repo_folder(repo_id)
+    folder_name = repo.name
     blobs = repo / "blobs"
     for path in (repo, blobs, repo / "snapshots", repo / "trees", repo / ".no_exist"):
         if path.is_symlink():  # drop a linked cache folder, never what it points to
@@ -166,6 +140,21 @@ def clear_cached_commit(repo_id: str, commit: str) -> None:
         for blob in blobs.iterdir():
             if blob.is_symlink() or not blob.is_file() or not blob_name_matches(blob.name, blob.read_bytes()):
                 _remove(blob)
+
+
+def drop_refused_variant(repo_id: str, commit: str, variant: str) -> None:
+    """After a refused load: the variant's snapshot folder and every blob of the repo that does not hold what its
+    name says go, so the next load downloads them again instead of refusing the same bytes forever. Blobs that
+    hold their own id are the Hub's bytes and stay (other snapshots may link to them)."""
+    repo = repo_folder(repo_id)
+    with contextlib.suppress(OSError):
+        _remove(repo / "snapshots" / checked_commit(commit, "The caller", repo_id) / "build" / variant)
+    blobs = repo / "blobs"
+    if blobs.is_dir() and not blobs.is_symlink():
+        for blob in blobs.iterdir():
+            with contextlib.suppress(OSError):
+                if blob.is_symlink() or not blob.is_file() or not blob_name_matches(blob.name, blob.read_bytes()):
+                    _remove(blob)
 
 
 def _make_writable(folder: Path) -> None:

@@ -1,29 +1,21 @@
-"""What the loader asks the Hub, in `kernels`' terms: publisher trust, the commit of a version (its `v<N>`
-branch) or revision, the blob of a variant's metadata.json; and, for each file huggingface_hub downloads
-from a kernel repo, the ids it names cache paths after. Network failures are named, never taken for an
-answer."""
+"""What the loader asks the Hub, through huggingface_hub's public API: publisher trust, the commit of a version
+(its `v<N>` branch) or revision, the variant `kernels` picks for this system, and the files of that variant.
+Every id is checked before it names anything; network failures are named, never taken for an answer."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import inspect
 import logging
 import re
 from collections.abc import Iterator
 
 import httpx2
-from huggingface_hub import HfApi, RepoFile, constants, file_download
+from huggingface_hub import HfApi, RepoFile, RepoFolder
 from huggingface_hub.errors import HfHubHTTPError
-from huggingface_hub.file_download import REGEX_COMMIT_HASH
-from huggingface_hub.hf_api import GitRefInfo
-from kernels._rust import KernelDependency, KernelLocks, KernelVersion
-from kernels.resolver import LocalKernel, RemoteKernel, resolve_hub_kernel
 
 from ..digest import METADATA_FILE, KernelIntegrityError, is_blob_id
-from .cache import clear_cached_commit
-from .ids import UnsafeIdError, checked_commit, locked_commit
+from .ids import REGEX_COMMIT_HASH, UnsafeIdError, checked_commit, checked_relative_path
 
 logger = logging.getLogger(__name__)
 
@@ -34,29 +26,21 @@ class HubUnreachableError(ConnectionError):
     """The Hub (HF_ENDPOINT) could not be reached; the message names it and the network failure."""
 
 
-@dataclasses.dataclass
-class CheckedHubResolver:
-    """kernels' HubResolver (or LockedHubResolver, with `locks`), with the commit resolved and checked here.
-
-    In this order: the publisher trust check; the commit (the lock file's pin, or the Hub's answer for the
-    version or revision), which must be a commit id; with `fresh` (force_download), the cache's copy of
-    that commit cleared; then kernels' `resolve_hub_kernel` at that commit. Every kernel of the dependency
-    tree goes through here.
-    """
-
-    trust_remote_code: bool | list[str]
-    locks: KernelLocks | None = None
-    fresh: bool = False
-
-    def resolve(self, *, api: HfApi, backend: str | None, kernel: KernelDependency) -> RemoteKernel:
-        _check_publisher_trust(api, kernel.repo_id, self.trust_remote_code)
-        commit = locked_commit(self.locks, kernel) if self.locks is not None else _hub_commit(api, kernel)
-        if self.fresh:
-            clear_cached_commit(kernel.repo_id, commit)
-        return resolve_hub_kernel(kernel.repo_id, api=api, revision=commit, backend=backend)
+class VariantNotFoundError(FileNotFoundError):
+    """The kernel has no build variant for this system (backend, torch, arch)."""
 
 
-def _check_publisher_trust(api: HfApi, repo_id: str, trust_remote_code: bool | list[str]) -> None:
+@dataclasses.dataclass(frozen=True)
+class HubFile:
+    """One file of a variant as the Hub lists it at a commit: its path in the repo, size and blob id (the git
+    blob id, or the sha256 of an LFS file), which names its blob in the cache."""
+
+    path: str
+    size: int
+    blob_id: str
+
+
+def check_publisher_trust(api: HfApi, repo_id: str, trust_remote_code: bool | list[str]) -> None:
     """kernels' rule: a publisher the Hub marks trustedKernelPublisher, or trust_remote_code True or listing
     the repo. Network failures propagate (`network_failures_named` names them): they are no verdict."""
     if trust_remote_code is True or (isinstance(trust_remote_code, list) and repo_id in trust_remote_code):
@@ -77,21 +61,19 @@ def _check_publisher_trust(api: HfApi, repo_id: str, trust_remote_code: bool | l
         raise untrusted
 
 
-def _hub_commit(api: HfApi, kernel: KernelDependency) -> str:
+def hub_commit(api: HfApi, repo_id: str, *, version: int | None, revision: str | None) -> str:
     """The commit id the Hub gives the kernel's version (its `v<N>` branch) or revision."""
-    if isinstance(kernel.version, KernelVersion.Version):
-        branch = _version_branch(api, kernel.repo_id, kernel.version.version)
-        return checked_commit(branch.target_commit, f"The Hub at {api.endpoint}",
-                               f"branch {branch.name} of {kernel.repo_id}")
-    revision = kernel.version.revision
+    if version is not None:
+        branch_name, target = _version_branch(api, repo_id, version)
+        return checked_commit(target, f"The Hub at {api.endpoint}", f"branch {branch_name} of {repo_id}")
     if REGEX_COMMIT_HASH.fullmatch(revision):
         return revision
-    info = api.repo_info(kernel.repo_id, repo_type="kernel", revision=revision)
-    return checked_commit(info.sha, f"The Hub at {api.endpoint}", f"revision {revision!r} of {kernel.repo_id}")
+    info = api.repo_info(repo_id, repo_type="kernel", revision=revision)
+    return checked_commit(info.sha, f"The Hub at {api.endpoint}", f"revision {revision!r} of {repo_id}")
 
 
-def _version_branch(api: HfApi, repo_id: str, version: int) -> GitRefInfo:
-    """The branch `v<version>`, as kernels' version lookup finds it, with the same messages.
+def _version_branch(api: HfApi, repo_id: str, version: int) -> tuple[str, object]:
+    """The branch `v<version>` and the commit it names, as kernels' version lookup finds it, with its messages.
 
     Only canonical names count (`v1`, not `v01` or `v+1`), so one version is one branch.
     """
@@ -102,19 +84,55 @@ def _version_branch(api: HfApi, repo_id: str, version: int) -> GitRefInfo:
     latest = max(branches)
     if version < latest:
         logger.warning("You are using version %d of '%s', but version %d is available.", version, repo_id, latest)
-    return branches[version]
+    return branches[version].name, branches[version].target_commit
 
 
-def hub_metadata_blob_id(api: HfApi, repo_id: str, kernel: LocalKernel) -> str:
-    """The blob the Hub serves as this variant's metadata.json at the commit of its snapshot."""
-    commit = kernel.variant_path.parents[1].name
-    path = f"build/{kernel.variant_str}/{METADATA_FILE}"
-    files = [info for info in api.get_paths_info(repo_id, [path], repo_type="kernel", revision=commit)
-             if isinstance(info, RepoFile)]
-    if len(files) != 1:
-        raise KernelIntegrityError(f"The Hub lists no file {path} in {repo_id} at {commit}", [kernel.variant_path])
-    (file,) = files
-    return file.lfs.sha256 if file.lfs is not None else file.blob_id
+def chosen_variant(repo_id: str, commit: str, backend: str | None) -> str:
+    """The variant `kernels` prefers for this system among those the Hub lists at `commit`.
+
+    `kernels.get_kernel_variants` decides (backend detection, noarch and arch rules, preference order);
+    VariantNotFoundError, with each variant's verdict, if it accepts none.
+    """
+    import kernels
+
+    decisions = kernels.get_kernel_variants(repo_id, revision=commit, backend=backend)
+    accepted = [decision.variant.variant_str for decision in decisions if isinstance(decision, kernels.VariantAccepted)]
+    if not accepted:
+        verdicts = "\n".join(f"{decision.variant.variant_str}: {decision.reason}" for decision in decisions)
+        raise VariantNotFoundError(
+            f"Cannot find a build variant for this system in {repo_id} (revision: {commit}):\n\n{verdicts or '(none)'}"
+        )
+    return checked_relative_path(accepted[0], "kernels", f"the variant of {repo_id}")
+
+
+def variant_files(api: HfApi, repo_id: str, commit: str, variant: str) -> list[HubFile]:
+    """Every file of `build/<variant>/` at `commit`, with the blob id the Hub lists for it.
+
+    Paths must be plain relative paths inside the variant and blob ids blob ids (UnsafeIdError otherwise);
+    the variant must hold metadata.json (KernelIntegrityError otherwise).
+    """
+    prefix = f"build/{variant}/"
+    source = f"The Hub at {api.endpoint}"
+    files = []
+    for entry in api.list_repo_tree(repo_id, path_in_repo=prefix.rstrip("/"), recursive=True, revision=commit,
+                                    repo_type="kernel"):
+        if isinstance(entry, RepoFolder):
+            continue
+        if not isinstance(entry, RepoFile) or not isinstance(entry.path, str) or not entry.path.startswith(prefix):
+            raise UnsafeIdError(f"{source} lists {getattr(entry, 'path', entry)!r} in {prefix} of {repo_id}")
+        checked_relative_path(entry.path, source, f"a file of {repo_id}")
+        blob_id = entry.lfs.sha256 if entry.lfs is not None else entry.blob_id
+        if not is_blob_id(blob_id):
+            raise UnsafeIdError(
+                f"{source} gives {entry.path} of {repo_id} the blob id {blob_id!r}, which is not one (40 or 64 "
+                "lowercase hex digits). Refusing to download it: a blob id names a file of the cache."
+            )
+        if not isinstance(entry.size, int) or entry.size < 0:
+            raise UnsafeIdError(f"{source} gives {entry.path} of {repo_id} the size {entry.size!r}")
+        files.append(HubFile(entry.path, entry.size, blob_id))
+    if prefix + METADATA_FILE not in {file.path for file in files}:
+        raise KernelIntegrityError(f"{source} lists no {prefix}{METADATA_FILE} in {repo_id} at {commit}", [])
+    return files
 
 
 @contextlib.contextmanager
@@ -142,61 +160,5 @@ def _network_failure(error: BaseException) -> httpx2.TransportError | None:
         if isinstance(error, httpx2.TransportError):
             return error
         seen.add(id(error))
-        error = error.__cause__
+        error = error.__cause__ or error.__context__
     return None
-
-
-def _guard_kernel_downloads() -> None:
-    """Have huggingface_hub check the ids of each kernel-repo file it downloads before it names paths after them.
-
-    huggingface_hub asks the server for a file's ETag and commit (X-Repo-Commit), or reads them from its
-    cached tree listing, in `file_download._get_metadata_or_catch_error`, and joins both into cache paths
-    unchecked (`blobs/<etag>`, `.locks/.../<etag>.lock`, `snapshots/<commit>/...`, and on a 404
-    `.no_exist/<commit>/...`). Wrapped here, for kernel repos only: the commit must be a commit id, and
-    the one asked for when a commit was asked for; the ETag a blob id; a 404 records no miss. Other repo
-    types are left as huggingface_hub handles them. Raises at import if huggingface_hub no longer has
-    that step in that shape: the loader would then not know its downloads are checked.
-    """
-    original = getattr(file_download, "_get_metadata_or_catch_error", None)
-    if getattr(original, "checks_kernel_ids", False):
-        return
-    parameters = inspect.signature(original).parameters if callable(original) else {}
-    if not {"repo_id", "repo_type", "revision", "filename", "storage_folder"} <= parameters.keys():
-        raise ImportError(
-            "tpu_kernels.distribution.loader cannot check the ids huggingface_hub turns into cache paths: "
-            "huggingface_hub.file_download._get_metadata_or_catch_error is missing or changed. "
-            "Install a huggingface_hub this package supports (see its requirements)."
-        )
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def checked(*args, **kwargs):
-        call = signature.bind(*args, **kwargs)
-        if call.arguments.get("repo_type") != "kernel":
-            return original(*args, **kwargs)
-        call.arguments["storage_folder"] = None  # on a 404, record no miss under the server's commit id
-        result = original(*call.args, **call.kwargs)
-        _url, etag, commit, _size, _xet, error = result
-        if error is None:
-            _check_file_ids(call.arguments, etag, commit)
-        return result
-
-    checked.checks_kernel_ids = True
-    file_download._get_metadata_or_catch_error = checked
-
-
-def _check_file_ids(call: dict, etag: object, commit: object) -> None:
-    source = f"The Hub at {call.get('endpoint') or constants.ENDPOINT}"
-    what = f"{call['filename']} of {call['repo_id']}"
-    requested = call["revision"]
-    checked_commit(commit, source, what)
-    if REGEX_COMMIT_HASH.fullmatch(requested) and commit != requested:
-        raise UnsafeIdError(f"{source} answers for commit {commit} when asked for {what} at commit {requested}")
-    if not is_blob_id(etag):
-        raise UnsafeIdError(
-            f"{source} gives {what} the ETag {etag!r}, which is not a blob id (40 or 64 lowercase hex digits). "
-            "Refusing to download it: the ETag names a file of the cache."
-        )
-
-
-_guard_kernel_downloads()

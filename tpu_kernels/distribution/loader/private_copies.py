@@ -1,12 +1,12 @@
-"""Verified private copies: each kernel variant is read once, checked against its digest, and the very
-bytes checked are written to a new folder of this process (mode 0700, on a path no other user can
-change), which is what gets imported, with no bytecode."""
+"""Verified private copies: each kernel variant is read once, checked against its digest, and the very bytes
+checked are written to a new folder of this process (mode 0700, on a path no other user can change). That
+copy is what `kernels.get_local_kernel` then picks from and imports, with no bytecode written."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
+import fcntl
 import hashlib
 import os
 import shutil
@@ -18,25 +18,27 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
-from huggingface_hub import HfApi
-from kernels._rust import Metadata
-from kernels.deps import DepTreeNode
-from kernels.resolver import LocalKernel
-
 from ..digest import METADATA_FILE, KernelIntegrityError, copy_verified_variant
 from ..digest import verify_variant as _verify_digest
 from .cache import cache_blobs
-from .hub_commits import hub_metadata_blob_id
 
-# Imports toggle the process-wide sys.dont_write_bytecode and fill kernels' module registry, and
-# private copies are registered by content: one at a time (re-entrant, for a kernel that loads
-# another on import).
+# Imports toggle the process-wide sys.dont_write_bytecode and fill kernels' module registry, and private
+# copies are registered by content: one at a time.
 _LOAD_LOCK = threading.RLock()
 _PRIVATE_FOLDER_PREFIX = "tpu-kernels-verified-"
+# Held (flock) by the process that owns a private root for as long as it lives: a root whose lock can be
+# taken belongs to a process that is gone (killed before its exit handler ran), and is removed.
+_OWNER_LOCK = ".owner.lock"
+# A digest of every verified metadata.json in a copy -> that copy. metadata.json lists every file with its
+# digest, so equal metadata means equal files: a kernel loaded again reuses its copy.
+_PRIVATE_COPIES: dict[str, Path] = {}
+_private_root: Path | None = None
+_owner_lock_handle = None
 
 
 def verify_variant(variant_path: Path, *, source: str | None = None) -> None:
-    """Check a variant folder against its metadata.json's digest (`tpu_kernels.distribution.digest`); KernelIntegrityError if not.
+    """Check a variant folder against its metadata.json's digest (`tpu_kernels.distribution.digest`);
+    KernelIntegrityError if not.
 
     A variant of a Hub cache snapshot (`<repo folder>/snapshots/<commit>/build/<variant>`) is
     checked as one (file links into the repo's `blobs/`, metadata.json against its blob id),
@@ -45,87 +47,84 @@ def verify_variant(variant_path: Path, *, source: str | None = None) -> None:
     _verify_digest(Path(variant_path), source=source, blobs=cache_blobs(Path(variant_path)))
 
 
-# (variant name, sha256 of its verified metadata.json) -> the private copy holding it. metadata.json lists
-# every file with its digest, so equal metadata means equal files: a kernel loaded again reuses its copy,
-# and kernels' importer, which caches modules by path, returns the module already imported.
-_PRIVATE_COPIES: dict[tuple[str, str], Path] = {}
-_private_root: Path | None = None
+def verified_copy(variants: list[Path], *, source: str, remedy: str, metadata_blob_ids: dict[str, str] | None = None
+                  ) -> Path:
+    """A private folder holding `build/<variant>` for each of `variants`, each exactly the bytes checked against
+    its digest; KernelIntegrityError (with `remedy`) if any variant does not match.
 
-
-def import_verified(tree: DepTreeNode[LocalKernel]) -> ModuleType:
-    with _LOAD_LOCK, _bytecode_writing_disabled():
-        return tree.load()
-
-
-def verified_copies(tree: DepTreeNode[LocalKernel], api: HfApi | None) -> DepTreeNode[LocalKernel]:
-    """The tree with each kernel's variant replaced by a private copy of exactly the bytes checked against
-    its digest, and its metadata read from that copy."""
-    deps = {repo_id: verified_copies(dep, api) for repo_id, dep in tree.deps.items()}
-    kernel = tree.location
-    copy = _verified_copy(kernel, api)
-    metadata = Metadata.read_from_file(copy / METADATA_FILE)
-    declared = sorted(dep.repo_id for dep in metadata.kernel_depends)
-    if declared != sorted(deps):
-        raise KernelIntegrityError(
-            f"Refusing to import {kernel.variant_path}: its verified metadata.json depends on {declared}, but "
-            f"{sorted(deps)} were resolved from the metadata.json read before (it changed during the load)",
-            [kernel.variant_path / METADATA_FILE],
-        )
-    return DepTreeNode(location=dataclasses.replace(kernel, variant_path=copy, metadata=metadata), deps=deps)
-
-
-def _verified_copy(kernel: LocalKernel, api: HfApi | None) -> Path:
-    origin = kernel.origin
-    blobs = cache_blobs(kernel.variant_path)
-    metadata_blob_id = None
-    if origin is not None:
-        source = f"{origin.repo_id} (revision {origin.revision}, variant {kernel.variant_str})"
-        remedy = f"Download it again: tpu_kernels.get_kernel({origin.repo_id!r}, ..., force_download=True)."
-        if blobs is None:
-            raise KernelIntegrityError(
-                f"Refusing to import {source}: {kernel.variant_path} is not in a Hub cache snapshot",
-                [kernel.variant_path],
-            )
-        metadata_blob_id = hub_metadata_blob_id(api, origin.repo_id, kernel)
-    elif blobs is not None:
-        source = f"cached kernel {kernel.variant_path}"
-        remedy = "Download it again, online: tpu_kernels.get_kernel(..., force_download=True)."
-    else:
-        source, remedy = f"local kernel {kernel.variant_path}", "Rebuild it."
+    `metadata_blob_ids`: per variant name, the blob id the Hub lists for its metadata.json, which the cached
+    metadata.json must link to.
+    """
     staging = Path(tempfile.mkdtemp(dir=_private_copies_root()))
-    copy = staging / kernel.variant_str
+    (staging / "build").mkdir(mode=0o700)
     try:
-        copy_verified_variant(kernel.variant_path, copy, source=source, blobs=blobs, metadata_blob_id=metadata_blob_id)
+        for variant in variants:
+            blob_id = (metadata_blob_ids or {}).get(variant.name)
+            copy_verified_variant(variant, staging / "build" / variant.name, source=f"{source}, variant {variant.name}",
+                                  blobs=cache_blobs(variant), metadata_blob_id=blob_id)
     except KernelIntegrityError as error:
         shutil.rmtree(staging)
         raise KernelIntegrityError(f"{error}\n{remedy}", error.files) from None
     except OSError as error:  # an entry vanished or changed kind while being read, or the copy failed
         shutil.rmtree(staging)
         raise KernelIntegrityError(
-            f"Refusing to import {source}: it could not be read and copied whole ({error}). {remedy}",
-            [kernel.variant_path],
+            f"Refusing to import {source}: it could not be read and copied whole ({error}). {remedy}", variants,
         ) from None
-    key = (kernel.variant_str, hashlib.sha256((copy / METADATA_FILE).read_bytes()).hexdigest())
+    key = hashlib.sha256(b"".join(
+        variant.name.encode() + b"\0" + (staging / "build" / variant.name / METADATA_FILE).read_bytes() + b"\0"
+        for variant in sorted(variants))).hexdigest()
     with _LOAD_LOCK:
-        existing = _PRIVATE_COPIES.setdefault(key, copy)
-    if existing != copy:
+        existing = _PRIVATE_COPIES.setdefault(key, staging)
+    if existing != staging:
         shutil.rmtree(staging)
     return existing
+
+
+def import_copy(copy: Path, *, backend: str | None) -> ModuleType:
+    """`kernels.get_local_kernel` on a verified copy: kernels picks the variant for this system, checks its
+    metadata and its digest again, and imports it (one module per kernel id, kept by kernels)."""
+    import kernels
+
+    with _LOAD_LOCK, _bytecode_writing_disabled():
+        return kernels.get_local_kernel(copy, backend=backend)
 
 
 def _private_copies_root() -> Path:
     """This process's folder of verified copies: new, mode 0700, ours, on a path no other user can change.
 
-    Removed at exit. KernelIntegrityError if the temporary folder does not give that (set TMPDIR).
+    Removed at exit; those of processes that died without exiting are removed when the next one is made.
+    KernelIntegrityError if the temporary folder does not give that (set TMPDIR).
     """
-    global _private_root
+    global _private_root, _owner_lock_handle
     with _LOAD_LOCK:
         if _private_root is None:
             root = Path(tempfile.mkdtemp(prefix=_PRIVATE_FOLDER_PREFIX)).resolve()
-            atexit.register(shutil.rmtree, root, True)
             _check_private(root)
+            handle = open(root / _OWNER_LOCK, "w")
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            atexit.register(shutil.rmtree, root, True)
+            _owner_lock_handle = handle
             _private_root = root
+            _remove_abandoned_roots(root.parent, keep=root)
         return _private_root
+
+
+def _remove_abandoned_roots(temporary: Path, keep: Path) -> None:
+    """Remove our private roots in `temporary` whose owner process is gone (its lock is free)."""
+    me = os.geteuid()
+    for root in temporary.glob(_PRIVATE_FOLDER_PREFIX + "*"):
+        if root == keep:
+            continue
+        with contextlib.suppress(OSError):
+            info = root.lstat()
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != me:
+                continue
+            fd = os.open(root / _OWNER_LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while the owner lives
+            finally:
+                os.close(fd)
+            shutil.rmtree(root)
 
 
 def _check_private(root: Path) -> None:
