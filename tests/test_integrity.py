@@ -7,6 +7,8 @@ snapshot folder that huggingface_hub filled, after a plain download and before t
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import re
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from huggingface_hub import HfApi, RepoFile
-from kernels._rust import Digest, DigestAlgorithm, Metadata
+from kernels import Metadata
 
 from tpu_kernels.distribution.digest import KernelIntegrityError, git_blob_id
 from tpu_kernels.distribution.loader import VariantNotFoundError, get_kernel, get_locked_kernel, load_kernel
@@ -37,6 +39,12 @@ def download(hub, cache: Path, commit: str, repo_id: str = REPO) -> Path:
     snapshot = HfApi(endpoint=hub.url).snapshot_download(
         repo_id, repo_type="kernel", revision=commit, cache_dir=cache, allow_patterns=[f"build/{CPU_VARIANT}/*"])
     return Path(snapshot) / "build" / CPU_VARIANT
+
+
+def digest_following_links(variant: Path) -> dict[str, str]:
+    """The digest's files mapping for `variant` as it reads through the cache's links (what a forger computes)."""
+    return {path.relative_to(variant).as_posix(): base64.b64encode(hashlib.sha256(path.read_bytes()).digest()).decode()
+            for path in sorted(variant.rglob("*")) if path.is_file() and path.name != "metadata.json"}
 
 
 def write_through_link(path: Path, text: str) -> None:
@@ -140,7 +148,7 @@ def forge_consistently(variant: Path) -> None:
     """Edit the code and metadata.json's digest of it together, in place: the digest check alone passes."""
     write_through_link(variant / "_value.py", "VALUE = 666\n")
     metadata = json.loads((variant / "metadata.json").read_text())
-    metadata["digest"]["files"] = Digest.hash_variant(DigestAlgorithm.SHA256, variant).files
+    metadata["digest"]["files"] = digest_following_links(variant)
     write_through_link(variant / "metadata.json", json.dumps(metadata))
 
 
@@ -150,11 +158,11 @@ def test_code_and_digest_edited_together_are_refused_online_and_offline(hub, cli
     assert get_kernel(REPO, version=1).answer() == 5  # also records refs/v1 for the offline load
     variant = client / "kernels--trusted-org--answer" / "snapshots" / publication.build_oid / "build" / CPU_VARIANT
     forge_consistently(variant)
+    # Upstream behaviour, through kernels' private digest type: its own check (what its loader runs) passes this.
+    from kernels._rust import Digest, DigestAlgorithm
+
     Metadata.read_from_file(variant / "metadata.json").digest.validate(
-        Digest.hash_variant(DigestAlgorithm.SHA256, variant))  # what kernels' own check concludes: fine
-    with pytest.raises(KernelIntegrityError, match="metadata.json was changed in the cache") as refused:
-        get_kernel(REPO, revision=publication.build_oid)
-    assert refused.value.files == [variant / "metadata.json"]
+        Digest.hash_variant(DigestAlgorithm.SHA256, variant))
 
     result = subprocess.run(
         [sys.executable, "-c", "from tpu_kernels.distribution.loader import get_kernel; "
@@ -165,6 +173,10 @@ def test_code_and_digest_edited_together_are_refused_online_and_offline(hub, cli
     assert result.returncode != 0
     assert "KernelIntegrityError" in result.stderr and "metadata.json was changed in the cache" in result.stderr
 
+    with pytest.raises(KernelIntegrityError, match="metadata.json was changed in the cache") as refused:
+        get_kernel(REPO, revision=publication.build_oid)
+    assert refused.value.files == [variant / "metadata.json"]
+
 
 def test_metadata_relinked_to_a_forged_blob_is_refused_online(hub, client, tmp_path):
     """A new blob named after its own content passes a content-vs-name check: the Hub's id does not."""
@@ -174,7 +186,7 @@ def test_metadata_relinked_to_a_forged_blob_is_refused_online(hub, client, tmp_p
     (variant / "_value.py").unlink()
     (variant / "_value.py").write_text("VALUE = 666\n")
     metadata = json.loads((variant / "metadata.json").read_text())
-    metadata["digest"]["files"] = Digest.hash_variant(DigestAlgorithm.SHA256, variant).files
+    metadata["digest"]["files"] = digest_following_links(variant)
     forged = json.dumps(metadata).encode()
     (blobs / git_blob_id(forged)).write_bytes(forged)
     (variant / "metadata.json").unlink()
@@ -199,13 +211,16 @@ def test_a_forced_download_leaves_what_a_first_download_leaves(hub, client, tmp_
     (tmp_path / "elsewhere" / "metadata.json").write_bytes((fresh / "metadata.json").read_bytes())
     with pytest.raises(KernelIntegrityError):
         get_kernel(REPO, version=1)
-    write_through_link(variant / "metadata.json", "{}")
-    with pytest.raises(ValueError, match="Cannot parse metadata"):  # kernels reads it before any check
-        get_kernel(REPO, version=1)
+    assert not variant.exists()  # dropped on refusal, the links in it removed, never followed
+    assert get_kernel(REPO, version=1).answer() == 5
+    assert tree_listing(variant) == tree_listing(fresh)
+    assert (elsewhere / "pkg" / "__init__.py").read_text() == "VALUE = 666\n"
 
+    write_through_link(variant / "metadata.json", "{}")
+    with pytest.raises(KernelIntegrityError, match="metadata.json was changed in the cache"):
+        get_kernel(REPO, version=1)
     assert get_kernel(REPO, version=1, force_download=True).answer() == 5
     assert tree_listing(variant) == tree_listing(fresh)
-    assert (elsewhere / "pkg" / "__init__.py").read_text() == "VALUE = 666\n"  # the link was not followed
 
 
 # -- lock files ----------------------------------------------------------------------------------
@@ -239,10 +254,6 @@ def test_a_lock_file_pins_the_commit_for_kernels_and_for_us(hub, client, tmp_pat
         import kernels
         lockfile = Path({str(lockfile)!r})
         online = kernels.get_locked_kernel({REPO!r}, lockfile=lockfile).answer()
-        # kernels.load_kernel asks huggingface_hub for the whole commit, which it calls
-        # incomplete unless every file of the repo was downloaded.
-        kernels.hf_hub._get_hf_api().snapshot_download(
-            {REPO!r}, repo_type="kernel", revision={locked.build_oid!r}, cache_dir=kernels.hf_hub.CACHE_DIR)
         cached = kernels.load_kernel({REPO!r}, lockfile=lockfile).answer()
         print(json.dumps([online, cached]))
     """, subprocess_env(hub, tmp_path / "unmodified-cache", tmp_path, **FAST_SUBPROCESS_ENV))
@@ -265,10 +276,11 @@ def test_our_lock_loads_check_digests(hub, client, tmp_path):
     variant = client / "kernels--trusted-org--answer" / "snapshots" / locked.build_oid / "build" / CPU_VARIANT
     forge_consistently(variant)
     with pytest.raises(KernelIntegrityError, match="metadata.json was changed in the cache"):
-        get_locked_kernel(REPO, lockfile=lockfile)
-    with pytest.raises(KernelIntegrityError, match="metadata.json was changed in the cache"):
         load_kernel(REPO, lockfile=lockfile)
-    assert get_locked_kernel(REPO, lockfile=lockfile, force_download=True).answer() == 1
+    with pytest.raises(KernelIntegrityError, match="metadata.json was changed in the cache"):
+        get_locked_kernel(REPO, lockfile=lockfile)
+    assert not variant.exists()  # an online refusal drops what it refused
+    assert get_locked_kernel(REPO, lockfile=lockfile).answer() == 1
 
 
 # -- uploads -------------------------------------------------------------------------------------
@@ -364,6 +376,10 @@ def test_a_build_with_an_extra_file_is_not_uploaded(hub, tmp_path):
 
 
 def test_the_digest_is_the_one_kernels_verify_reads(tmp_path):
+    # Checks upstream behaviour, so it reaches kernels' private digest type: kernels' own verification
+    # (`Digest.hash_variant` + `validate`, what its loader runs) must accept the digest our builder writes.
+    from kernels._rust import Digest, DigestAlgorithm
+
     from tpu_kernels.distribution.builder import build_kernel_repo
 
     built = build_kernel_repo(REPO_ROOT / "kernel_repos" / "rmsnorm-tpu", tmp_path)

@@ -74,12 +74,13 @@ def cached_commit(repo_id: str, *, version: int | None, revision: str | None) ->
 def cached_variants(repo_id: str, commit: str) -> list[Path]:
     """The variant folders the cache holds for `commit` (real folders only; a link is left for the check)."""
     build = repo_folder(repo_id) / "snapshots" / commit / "build"
-    if not build.is_dir():
+    variants = sorted(entry for entry in build.iterdir() if not entry.name.startswith(".")) if build.is_dir() else []
+    if not variants:
         raise FileNotFoundError(
             f"Cannot find a local snapshot for {repo_id} (revision: {commit}). When Hugging Face Hub is in offline "
             "mode the kernel must already be present in the local cache."
         )
-    return sorted(entry for entry in build.iterdir() if not entry.name.startswith("."))
+    return variants
 
 
 def _cached_ref(repo_id: str, revision: str) -> str | None:
