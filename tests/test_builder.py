@@ -41,21 +41,23 @@ def test_layout_and_metadata(built):
         assert metadata.python_depends == []
         # Every file is covered by the digest, and the digest matches the files.
         metadata.digest.validate(Digest.hash_variant(DigestAlgorithm.SHA256, variant))
-        assert {"__init__.py", "_ops.py", "_binding.py", "_hardware.py", "pallas_gmm.py"} <= set(metadata.digest.files)
+        assert {"__init__.py", "_ops.py", "_binding.py", "_hardware.py", "pallas_gmm.py", "symbols.json"} <= set(
+            metadata.digest.files)
         assert (variant / "_binding.py").read_bytes() == (REPO_ROOT / "tpu_kernels" / "runtime" / "binding.py").read_bytes()
         ids.add(metadata.id)
     assert len(ids) == 2, "each variant has its own op namespace"
 
 
-def test_digest_catches_a_changed_byte(built, tmp_path):
+@pytest.mark.parametrize("changed", ["pallas_gmm.py", "symbols.json"])
+def test_digest_catches_a_changed_byte(built, tmp_path, changed):
     variant = tmp_path / "torch-cpu"
     shutil.copytree(built / "build" / "torch-cpu", variant)
-    pallas_gmm_py = variant / "pallas_gmm.py"
-    data = bytearray(pallas_gmm_py.read_bytes())
+    path = variant / changed
+    data = bytearray(path.read_bytes())
     data[100] ^= 1
-    pallas_gmm_py.write_bytes(bytes(data))
+    path.write_bytes(bytes(data))
     metadata = kernels.Metadata.read_from_file(variant / "metadata.json")
-    with pytest.raises(DigestValidationError, match="pallas_gmm.py"):
+    with pytest.raises(DigestValidationError, match=changed):
         metadata.digest.validate(Digest.hash_variant(DigestAlgorithm.SHA256, variant))
 
 
@@ -169,7 +171,7 @@ def test_builder_finds_the_binding_without_importing_it():
 
 # The distribution modules that build and publish: they import kernels' public API only (kernels.__all__), and
 # no private module or name of any other library.
-BUILD_AND_PUBLISH_MODULES = ("build_toml", "builder", "digest", "publish")
+BUILD_AND_PUBLISH_MODULES = ("build_toml", "builder", "digest", "publish", "symbols")
 
 
 def private_imports(path: Path) -> list[str]:

@@ -3,7 +3,7 @@
 Output, for a source repo whose build.toml names `backends = ["tpu", "cpu"]`:
 
     build/<name>/README.md                  from CARD.md
-    build/<name>/build/torch-<backend>/     package files, _binding.py, _ops.py, metadata.json
+    build/<name>/build/torch-<backend>/     package files, _binding.py, _ops.py, symbols.json, metadata.json
     build/<name>/benchmarks/                copied if the source has one
 
 Both variants carry the same code: the torch op dispatches per device, so the
@@ -24,6 +24,7 @@ from kernels import Metadata
 
 from .build_toml import read_build_toml
 from .digest import digest_field
+from .symbols import SYMBOLS_FILE, symbols_json
 
 # Shared modules copied into every build, {name in the build: source file}: a
 # built kernel cannot import tpu_kernels. Found by path, not imported: importing
@@ -117,7 +118,7 @@ __all__ = ["NAMESPACE", "add_op_namespace_prefix", "jax_torch_op", "ops"]
 '''
 
 
-def _write_variant(source: KernelSource, backend: str, variant_dir: Path, hash_: str) -> None:
+def _write_variant(source: KernelSource, backend: str, variant_dir: Path, hash_: str, symbols: str) -> None:
     for path in _package_files(source.package_dir):
         target = variant_dir / path.relative_to(source.package_dir)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -126,6 +127,8 @@ def _write_variant(source: KernelSource, backend: str, variant_dir: Path, hash_:
     for name, path in SHIPPED_MODULES.items():
         (variant_dir / name).write_bytes(path.read_bytes())
     (variant_dir / "_ops.py").write_text(_ops_module(namespace))
+    # What `kernels describe-api` lists, read from the source (importing the package would load jax).
+    (variant_dir / SYMBOLS_FILE).write_text(symbols, encoding="utf-8")
     metadata = {
         "name": source.name,
         "id": namespace,
@@ -147,6 +150,9 @@ def build_kernel_repo(source_dir: Path, out: Path = Path("build")) -> Path:
     card = source.root / "CARD.md"
     if not card.is_file():
         raise FileNotFoundError(f"{source.root}: CARD.md is missing (it becomes the Hub README)")
+    if (source.package_dir / SYMBOLS_FILE).exists():
+        raise ValueError(f"{source.package_dir / SYMBOLS_FILE}: the build writes {SYMBOLS_FILE}; remove this one")
+    symbols = symbols_json(source.package_dir, source.python_name)
     target = Path(out).resolve() / source.name
     if target.exists():
         shutil.rmtree(target)
@@ -154,7 +160,7 @@ def build_kernel_repo(source_dir: Path, out: Path = Path("build")) -> Path:
     (target / "README.md").write_bytes(card.read_bytes())
     hash_ = source_hash(source)
     for backend in sorted(source.backends):
-        _write_variant(source, backend, target / "build" / f"torch-{backend}", hash_)
+        _write_variant(source, backend, target / "build" / f"torch-{backend}", hash_, symbols)
     benchmarks = source.root / "benchmarks"
     if benchmarks.is_dir():
         shutil.copytree(benchmarks, target / "benchmarks", ignore=shutil.ignore_patterns(*IGNORED_NAMES, "*.pyc"))
