@@ -30,6 +30,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -41,8 +42,11 @@ import textwrap
 import time
 from pathlib import Path
 
-import huggingface_hub
-import kernels
+# This process only publishes, to the local Hub; its first request headers would fetch huggingface_hub's agent
+# registry from huggingface.co: that lookup is telemetry. huggingface_hub reads the switch when first imported.
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import kernels  # noqa: E402 (after the telemetry switch)
 
 import tpu_kernels
 from tpu_kernels.bench import kernel_repo, require_kernel_repo, result_path
@@ -52,10 +56,6 @@ from tpu_kernels.distribution.hub import start_hub
 from tpu_kernels.distribution.hub.server import STATS_PATH
 from tpu_kernels.distribution.loader import verify_variant
 from tpu_kernels.distribution.publish import upload_kernel
-
-# This process only publishes, to the local Hub; its first request headers would
-# fetch huggingface_hub's agent registry from huggingface.co: that lookup is telemetry.
-huggingface_hub.constants.HF_HUB_DISABLE_TELEMETRY = True
 
 KERNEL_REPO = kernel_repo("ragged-dot-tpu")
 DEFAULT_OUT = result_path("loader.json")
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": args.runs,
         "environment": {
             "python": platform.python_version(),
-            "huggingface_hub": huggingface_hub.__version__,
+            "huggingface_hub": importlib.metadata.version("huggingface_hub"),
             "kernels": kernels.__version__,
             "cpus": os.cpu_count(),
             "note": "local Hub over loopback; times exclude importing torch and jax",

@@ -1,0 +1,103 @@
+"""Our code reaches kernels, huggingface_hub, transformers and torch through their public APIs only, and patches
+none of them: a private name (a module or name with a leading underscore, at any depth) or an assignment to
+an attribute of one of their modules fails here, naming the file and line. A new release that moves its
+internals then cannot break a user's install of ours."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO_ROOT
+
+LIBRARIES = ("kernels", "huggingface_hub", "transformers", "torch")
+CHECKED = [REPO_ROOT / "tpu_kernels", REPO_ROOT / "kernel_repos"]
+
+
+def _library(module: str | None) -> bool:
+    return module is not None and module.split(".")[0] in LIBRARIES
+
+
+def _private(dotted: str) -> bool:
+    return any(part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+               for part in dotted.split("."))
+
+
+def private_uses(source: str, filename: str) -> list[str]:
+    """Each place `source` imports, reaches or patches a private part of the libraries, as `file:line: what`."""
+    tree = ast.parse(source, filename)
+    bound: set[str] = set()  # local names bound to a module (or object) of the libraries
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if _library(alias.name):
+                    bound.add((alias.asname or alias.name).split(".")[0])
+                    if _private(alias.name):
+                        found.append(f"{filename}:{node.lineno}: import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and _library(node.module):
+            for alias in node.names:
+                bound.add(alias.asname or alias.name)
+                if _private(f"{node.module}.{alias.name}"):
+                    found.append(f"{filename}:{node.lineno}: from {node.module} import {alias.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _rooted_in(node, bound):
+            dotted = _dotted(node)
+            if dotted is not None and _private(dotted):
+                found.append(f"{filename}:{node.lineno}: {dotted}")
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            if isinstance(target, ast.Attribute) and _rooted_in(target, bound):
+                found.append(f"{filename}:{node.lineno}: assigns {_dotted(target)} (patches the library)")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
+                and node.args and isinstance(node.args[0], (ast.Name, ast.Attribute)) and _rooted_in(node.args[0], bound)):
+            found.append(f"{filename}:{node.lineno}: {node.func.id}({ast.unparse(node.args[0])}, ...) (patches the library)")
+    return sorted(set(found))
+
+
+def _rooted_in(node: ast.expr, bound: set[str]) -> bool:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return isinstance(node, ast.Name) and node.id in bound
+
+
+def _dotted(node: ast.expr) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def _python_files() -> list[Path]:
+    return sorted(path for root in CHECKED for path in root.rglob("*.py") if "__pycache__" not in path.parts)
+
+
+def test_our_code_uses_only_public_names_of_the_libraries():
+    found = [use for path in _python_files()
+             for use in private_uses(path.read_text(), str(path.relative_to(REPO_ROOT)))]
+    assert found == []
+
+
+@pytest.mark.parametrize("source", [
+    "from kernels._rust import Metadata",
+    "import kernels._internals.resolver",
+    "from huggingface_hub.file_download import _get_metadata_or_catch_error",
+    "import kernels\nkernels._internals.importer",
+    "from huggingface_hub import file_download\nfile_download.hf_hub_download = None",
+    "import torch\nsetattr(torch.library, 'x', 1)",
+    "import transformers.integrations as t\nt._private_helper()",
+])
+def test_the_check_catches_private_uses_and_patches(source):
+    assert private_uses(source, "example.py")
+
+
+def test_the_check_passes_public_uses():
+    source = ("import kernels\nfrom kernels import Metadata, get_kernel_variants\nimport torch\n"
+              "torch.library.custom_op\nfrom huggingface_hub import HfApi\nx = kernels.__version__\n")
+    assert private_uses(source, "example.py") == []
