@@ -8,17 +8,33 @@ measured (tracemalloc) or an internal bound is the point.
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import stat
 import tracemalloc
 from pathlib import Path
+from urllib.parse import quote, unquote
 
 import anyio
 import pytest
-from huggingface_hub import CommitOperationAdd
+from huggingface_hub import CommitOperationAdd, HfApi
 
 from tpu_kernels.distribution.hub import card as hub_card
+from tpu_kernels.distribution.hub import start_hub
 
 from .hub_support import module_hub
-from .test_hub_hardening import FAST, TOKEN, api, http, repo  # noqa: F401 - api and repo are fixtures
+from .test_hub_hardening import (  # noqa: F401 - api and repo are fixtures: they take this module's hub
+    FAST,
+    HEADER,
+    TOKEN,
+    api,
+    file_line,
+    http,
+    ndjson,
+    repo,
+    stored_state,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -143,3 +159,102 @@ def test_the_card_cache_bounds_each_card_to_a_share_of_the_whole():
     for index in range(6):
         cache.card(f"small-{index}", lambda: rendered.append(1) or b"")
     assert rendered == []
+
+
+# -- 5. NTFS aliases: streams and 8.3 short names of a file ------------------------------------------
+
+NTFS_ALIASES = ["README.md::$DATA", "README.md:$DATA", "config.json:evil", "CONFIG~1.JSO", "config~1.jso",
+                "c/D~1.TXT", "c/d.txt:Zone.Identifier", "CO1A2B~1.JSO", "README~1.MD.", "c:x/y"]
+NOT_ALIASES = ["notes~draft.md", "x~1.tar.gz", "ABCDEFG~1", "v~1a.json", "c/~x", "config.json.bak"]
+
+
+def _commit(hub, repo_id: str, body: bytes) -> tuple[int, bytes]:
+    return http("POST", f"{hub.url}/api/kernels/{repo_id}/commit/main", body, token=TOKEN,
+                headers={"Content-Type": "application/x-ndjson"})[::2]
+
+
+@pytest.mark.parametrize("path", NTFS_ALIASES)
+def test_ntfs_streams_and_short_names_of_a_file_are_refused_everywhere(hub, api, repo, path):
+    api.create_commit(repo, repo_type="kernel", commit_message="config", operations=[add("config.json", b"{}")])
+    before = stored_state(hub, repo)
+    status, answer = _commit(hub, repo, ndjson(HEADER, file_line(path, b"overwrites the file it aliases on NTFS")))
+    assert status == 400 and ("':'" in json.loads(answer)["error"] or "8.3 short name" in json.loads(answer)["error"])
+    status, _ = _commit(hub, repo, ndjson(HEADER, {"key": "deletedFile", "value": {"path": path}}))
+    assert status == 400
+    status, _, _ = http("POST", f"{hub.url}/api/kernels/{repo}/preupload/main", token=TOKEN,
+                        body=json.dumps({"files": [{"path": path, "size": 1, "sample": ""}]}).encode())
+    assert status == 400
+    assert http("GET", f"{hub.url}/kernels/{repo}/resolve/main/{quote(path)}")[0] == 400
+    assert stored_state(hub, repo) == before
+
+
+def test_names_that_only_look_like_short_names_are_fine(api, repo):
+    api.create_commit(repo, repo_type="kernel", commit_message="lookalikes",
+                      operations=[add(path, b"ok\n") for path in NOT_ALIASES])
+    assert set(NOT_ALIASES) <= set(api.list_repo_files(repo, repo_type="kernel"))
+
+
+# -- 6. a control character in a revision: a clean 4xx, nothing in the log --------------------------
+
+
+@pytest.fixture
+def errors_logged(caplog):
+    """The server's log records at ERROR and above (a traceback is one)."""
+    caplog.set_level(logging.WARNING)
+    return lambda: [record for record in caplog.records if record.levelno >= logging.ERROR]
+
+
+REVISION_ROUTES = [
+    ("GET", "/kernels/{repo}/resolve/{rev}/c/d.txt"), ("HEAD", "/kernels/{repo}/resolve/{rev}/c/d.txt"),
+    ("GET", "/api/kernels/{repo}/revision/{rev}"), ("GET", "/api/kernels/{repo}/tree/{rev}"),
+    ("GET", "/api/kernels/{repo}/tree/{rev}/c"), ("GET", "/api/kernels/{repo}/commits/{rev}"),
+    ("POST", "/api/kernels/{repo}/paths-info/{rev}"), ("GET", "/kernels/{repo}/tree/{rev}"),
+    ("POST", "/api/kernels/{repo}/commit/{rev}"), ("DELETE", "/api/kernels/{repo}/branch/{rev}"),
+    ("DELETE", "/api/kernels/{repo}/tag/{rev}"), ("POST", "/api/kernels/{repo}/tag/{rev}"),
+    ("POST", "/api/kernels/{repo}/branch/x"),
+]
+
+
+@pytest.mark.parametrize("revision", ["main%00", "main%00x", "%00", "ma%0D%0Ain", "main%01", "v1%7F"])
+@pytest.mark.parametrize("method, route", REVISION_ROUTES)
+def test_a_control_character_in_a_revision_is_a_clean_4xx(hub, repo, errors_logged, method, route, revision):
+    url = hub.url + route.format(repo=repo, rev=revision)
+    body = {"commit/": ndjson(HEADER), "paths-info/": b"paths=c", "/tag/": json.dumps({"tag": "t"}).encode(),
+            "/branch/x": json.dumps({"startingPoint": unquote(revision)}).encode()}
+    payload = next((value for key, value in body.items() if key in route and method == "POST"), b"")
+    headers = {"Content-Type": "application/x-ndjson" if "commit/" in route else
+               "application/x-www-form-urlencoded" if "paths-info" in route else "application/json"}
+    status, answer_headers, answer = http(method, url, payload, token=TOKEN, headers=headers)
+    assert 400 <= status < 500, (status, answer[:300])
+    assert all(" " <= char <= "~" for value in answer_headers.values() for char in value)
+    assert errors_logged() == []
+
+
+# -- 11. the server's folders are 0700, its files 0600 ----------------------------------------------
+
+
+def test_the_servers_folders_are_0700_and_its_files_0600(tmp_path):
+    root = tmp_path / "new-root"
+    with start_hub(root, token=TOKEN) as running:
+        api = HfApi(endpoint=running.url, token=TOKEN)
+        api.create_repo("secret-org/private-kernel", repo_type="kernel", private=True)
+        api.create_commit("secret-org/private-kernel", repo_type="kernel", commit_message="x",
+                          operations=[add("build/torch-cpu/x.py", b"x = 1\n")])
+        paths = [root, *root.rglob("*")]
+        modes = {path.relative_to(tmp_path).as_posix(): stat.S_IMODE(path.stat().st_mode) for path in paths}
+    folders = {path: mode for path, mode in modes.items() if (tmp_path / path).is_dir()}
+    files = {path: mode for path, mode in modes.items() if not (tmp_path / path).is_dir()}
+    assert any("secret-org" in path for path in folders) and any("commits" in path for path in folders)
+    assert set(folders.values()) == {0o700}, folders
+    assert set(files.values()) == {0o600}, files
+
+
+def test_a_root_an_earlier_server_left_open_is_closed_at_start(tmp_path):
+    root = tmp_path / "old-root"
+    for folder in ("blobs", "repos/kernel/org/k", "tmp"):
+        (root / folder).mkdir(parents=True)
+    for folder in ("blobs", "repos", "tmp"):
+        os.chmod(root / folder, 0o755)
+    with start_hub(root, token=TOKEN):
+        pass
+    assert {stat.S_IMODE((root / folder).stat().st_mode) for folder in ("blobs", "repos", "tmp")} == {0o700}

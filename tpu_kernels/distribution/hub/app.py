@@ -99,8 +99,13 @@ class RequestStats:
             return {"requests": self.total, "by_route": dict(self.by_route)}
 
 
+def _header_text(text: str) -> str:
+    """`text` as a header value h11 sends: runs of whitespace one space, anything but printable ASCII '?'."""
+    return "".join(char if " " <= char <= "~" else "?" for char in " ".join(text.split()))
+
+
 def _error_response(error: HubError) -> Response:
-    headers = {"X-Error-Message": " ".join(error.message.split()).encode("ascii", "replace").decode()}
+    headers = {"X-Error-Message": _header_text(error.message)}
     if error.code:
         headers["X-Error-Code"] = error.code
     if error.commit:

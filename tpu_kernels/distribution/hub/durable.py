@@ -17,14 +17,15 @@ def fsync_dir(path: Path) -> None:
 
 
 def make_dirs(path: Path) -> None:
-    """mkdir -p, fsyncing each parent that gains an entry, so new folders survive a power cut."""
+    """mkdir -p, fsyncing each parent that gains an entry, so new folders survive a power cut. New
+    folders are 0700: other users list no repo names or commit ids."""
     missing = []
     while not path.is_dir():
         missing.append(path)
         path = path.parent
     for folder in reversed(missing):
         with contextlib.suppress(FileExistsError):
-            folder.mkdir()
+            folder.mkdir(mode=0o700)
             fsync_dir(folder.parent)
 
 

@@ -13,6 +13,8 @@ MAIN_BRANCH = "main"
 RESERVED_NAMESPACES = frozenset({"api", "models", "kernels", "datasets", "spaces", "buckets", "resolve", "tmp"})
 MAX_PATH_CHARS = 1024
 MAX_REF_CHARS = 255
+# A revision: a branch or tag name, `refs/heads/` or `refs/tags/` and one, or a commit id.
+MAX_REVISION_CHARS = MAX_REF_CHARS + len("refs/heads/")
 
 _REPO_NAME_PART = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")
 _REF_CHARS = re.compile(r"[A-Za-z0-9._/-]+")
@@ -22,6 +24,10 @@ COMMIT_ID = re.compile(r"[0-9a-f]{40}")
 _REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 # The 8.3 short names Windows gives `.git` (GIT~1, or GIT~2... when names collide).
 _GIT_SHORT_NAME = re.compile(r"GIT~[0-9]+")
+# The form of an 8.3 short name NTFS gives a long name (CONFIG~1.JSO for config.json; after four
+# collisions a hash, CO1A2B~1.JSO): at most 8 characters ending in ~ and digits, and an extension
+# of at most 3. Opened on NTFS, such a name may be another file of the folder.
+_SHORT_NAME = re.compile(r"(?=[^.]{1,8}(?:\.|$))[^.]*~[0-9]+(?:\.[^.]{1,3})?")
 
 
 def validate_repo_type(repo_type: str) -> str:
@@ -53,7 +59,10 @@ def validate_path(path: str) -> str:
     Refused: control, format (bidi, zero-width), surrogate and line-separator characters; any
     part that git, or a file system folding case, dropping trailing dots and spaces or reading
     `name:stream` as a stream of `name`, would take for `.git` (`.GIT`, `.git.`, `.git `,
-    `.git::$INDEX_ALLOCATION`, and the 8.3 short name `GIT~1`).
+    `.git::$INDEX_ALLOCATION`, and the 8.3 short name `GIT~1`); and NTFS's other aliases of a
+    file: any `:` (`README.md::$DATA`, `README.md:$DATA` and `config.json:evil` are streams of
+    the file before the colon) and any part of the form of an 8.3 short name (`CONFIG~1.JSO` is
+    config.json), whatever the folder holds.
     """
     if not isinstance(path, str) or not path:
         raise HubError(400, "Invalid path: empty")
@@ -73,6 +82,13 @@ def validate_path(path: str) -> str:
     if any(_is_git_folder_alias(part) for part in parts):
         raise HubError(400, f"Invalid path {path!r}: '.git' folders are not allowed, in any case or spelling "
                             "a file system would read as '.git'")
+    if ":" in path:
+        raise HubError(400, f"Invalid path {path!r}: ':' is not allowed (on NTFS, 'name:stream' and "
+                            "'name::$DATA' are streams of the file 'name')")
+    short = next((part for part in parts if _SHORT_NAME.fullmatch(part.rstrip(". "))), None)
+    if short is not None:
+        raise HubError(400, f"Invalid path {path!r}: {short!r} has the form of a Windows 8.3 short name "
+                            "(like CONFIG~1.JSO), which NTFS may read as another file of its folder")
     return path
 
 
@@ -88,6 +104,21 @@ def name_key(path: str) -> str:
         unicodedata.normalize("NFD", unicodedata.normalize("NFD", part.rstrip(". ")).upper().casefold())
         for part in path.split("/")
     )
+
+
+def validate_revision(revision: str) -> str:
+    """A revision as a request gives it (a branch, tag, full ref name or commit id, checked against the
+    repo later): 400 if empty, too long, or holding a control or invisible character, which no branch,
+    tag or commit id has (a NUL would otherwise reach the error's header)."""
+    if not isinstance(revision, str) or not revision:
+        raise HubError(400, "Invalid revision: empty")
+    if len(revision) > MAX_REVISION_CHARS:
+        raise HubError(400, f"Invalid revision {revision[:80]!r}...: longer than {MAX_REVISION_CHARS} characters")
+    refused = next((char for char in revision if unicodedata.category(char) in _REFUSED_CATEGORIES), None)
+    if refused is not None:
+        raise HubError(400, f"Invalid revision {revision!r}: control, bidi, zero-width and other invisible "
+                            f"characters are not allowed (U+{ord(refused):04X})")
+    return revision
 
 
 def validate_ref_name(name: str) -> str:

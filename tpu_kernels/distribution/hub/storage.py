@@ -10,6 +10,9 @@ Layout under the root folder:
     tmp/                                    staging area, emptied when the server starts
     server.lock                             one server process per root
 
+Folders are created 0700 (blobs/, repos/ and tmp/ are made 0700 at each start) and files 0600:
+other users of the machine read nothing of a root, private repo names and commit ids included.
+
 Crash safety: every file is written to tmp/, fsynced and renamed into place
 (then its folder is fsynced), in the order blobs -> commit object -> refs.json.
 A branch moves only when refs.json is replaced, so a crash at any point leaves
@@ -62,6 +65,7 @@ from .names import (
     validate_ref_name,
     validate_repo_id,
     validate_repo_type,
+    validate_revision,
 )
 
 TREE_CACHE_COMMITS = 16
@@ -74,8 +78,8 @@ class Storage:
 
     def __init__(self, root: Path):
         self.root = Path(root).resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._server_lock = open(self.root / "server.lock", "a+")
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._server_lock = os.fdopen(os.open(self.root / "server.lock", os.O_RDWR | os.O_CREAT, 0o600), "a+")
         try:
             fcntl.flock(self._server_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -87,7 +91,10 @@ class Storage:
         # Leftovers of a crashed commit: never referenced, safe to drop now that we own the root.
         shutil.rmtree(self.tmp, ignore_errors=True)
         for folder in (self.blobs, self.repos, self.tmp):
-            folder.mkdir(exist_ok=True)
+            folder.mkdir(exist_ok=True, mode=0o700)
+            # Closed to other users even when an earlier server made it 0755: what is inside names
+            # private repos and their commits.
+            os.chmod(folder, 0o700)
         self._repo_locks: dict[tuple[str, str], threading.Lock] = {}
         self._repo_locks_guard = threading.Lock()
         self._read_commit_cached = functools.lru_cache(maxsize=4096)(self._read_commit)
@@ -272,6 +279,7 @@ class Storage:
     def resolve_revision(self, repo_type: str, repo_id: str, revision: str) -> Commit:
         """What the Hub accepts in `revision`: a branch, then a tag, then a full commit id; or a
         full ref name, `refs/heads/<branch>` or `refs/tags/<tag>`, which names only that kind."""
+        validate_revision(revision)
         refs = self.refs(repo_type, repo_id)
         kind, name = split_full_ref(revision)
         if kind is not None:
@@ -287,6 +295,7 @@ class Storage:
 
     def require_branch(self, repo_type: str, repo_id: str, branch: str) -> None:
         """404 unless `branch` (a name; see `branch_name` for `refs/heads/...`) is a branch."""
+        validate_revision(branch)
         if branch not in self.refs(repo_type, repo_id).branches:
             raise HubError(404, f"Invalid rev id: {branch} (commits go to an existing branch)", code="RevisionNotFound")
 
@@ -321,6 +330,7 @@ class Storage:
 
     def delete_ref(self, repo_type: str, repo_id: str, kind: str, name: str) -> None:
         """Delete branch or tag `name` (`kind` "branches" or "tags"; its full ref name works too)."""
+        validate_revision(name)
         full_kind, short = split_full_ref(name)
         if full_kind == kind:
             name = short
