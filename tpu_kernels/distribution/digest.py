@@ -44,6 +44,7 @@ BYTECODE_FOLDER = "__pycache__"
 _HASHES = {"sha256": hashlib.sha256, "sha512": hashlib.sha512}
 _GIT_BLOB_ID = re.compile(r"[0-9a-f]{40}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_NOARCH_VARIANT = re.compile(r"torch-([a-z]+)")
 
 
 class KernelIntegrityError(RuntimeError):
@@ -71,6 +72,21 @@ def blob_name_matches(name: str, data: bytes) -> bool:
     if _SHA256.fullmatch(name):
         return hashlib.sha256(data).hexdigest() == name
     return False
+
+
+def backend_mismatch(variant: Path) -> str | None:
+    """Why a noarch variant `torch-<backend>` does not hold a build for that backend (its metadata.json names
+    another), or None. Such a folder would be loaded as the backend its name says."""
+    match = _NOARCH_VARIANT.fullmatch(Path(variant).name)
+    if match is None:
+        return None
+    try:
+        backend = json.loads((Path(variant) / METADATA_FILE).read_bytes())["backend"]["type"]
+    except (OSError, ValueError, KeyError, TypeError):
+        backend = None
+    if backend == match.group(1):
+        return None
+    return f"its metadata.json says backend {backend!r}, not {match.group(1)!r} as the variant's name does"
 
 
 def digest_field(variant: Path) -> dict:

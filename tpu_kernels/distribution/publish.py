@@ -38,7 +38,7 @@ from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelet
 from huggingface_hub.errors import HfHubHTTPError, RevisionNotFoundError
 from kernels import Metadata
 
-from .digest import METADATA_FILE, KernelIntegrityError, git_blob_id, verify_variant
+from .digest import METADATA_FILE, KernelIntegrityError, backend_mismatch, git_blob_id, verify_variant
 
 PUBLISHED_FOLDERS = ("build", "benchmarks")
 CARD = "README.md"
@@ -82,6 +82,9 @@ class KernelBuild:
                 verify_variant(path)
             except KernelIntegrityError as error:
                 raise KernelIntegrityError(f"{error}\nRebuild before uploading.", error.files) from None
+            mismatch = backend_mismatch(path)
+            if mismatch is not None:
+                raise KernelIntegrityError(f"{path}: {mismatch}. Rebuild before uploading.", [path / METADATA_FILE])
         return cls(root=root, name=names.pop(), version=versions.pop(), variants=tuple(p.name for p in variant_dirs))
 
     def published_files(self) -> dict[str, Path]:

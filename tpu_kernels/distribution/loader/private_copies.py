@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
-from ..digest import METADATA_FILE, KernelIntegrityError, copy_verified_variant
+from ..digest import METADATA_FILE, KernelIntegrityError, backend_mismatch, copy_verified_variant
 from ..digest import verify_variant as _verify_digest
 from .cache import cache_blobs
 
@@ -62,6 +62,8 @@ def verified_copy(variants: list[Path], *, source: str, remedy: str, metadata_bl
             blob_id = (metadata_blob_ids or {}).get(variant.name)
             copy_verified_variant(variant, staging / "build" / variant.name, source=f"{source}, variant {variant.name}",
                                   blobs=cache_blobs(variant), metadata_blob_id=blob_id)
+        for variant in variants:
+            _check_backend(staging / "build" / variant.name, source)
     except KernelIntegrityError as error:
         shutil.rmtree(staging)
         raise KernelIntegrityError(f"{error}\n{remedy}", error.files) from None
@@ -78,6 +80,13 @@ def verified_copy(variants: list[Path], *, source: str, remedy: str, metadata_bl
     if existing != staging:
         shutil.rmtree(staging)
     return existing
+
+
+def _check_backend(variant: Path, source: str) -> None:
+    mismatch = backend_mismatch(variant)
+    if mismatch is not None:
+        raise KernelIntegrityError(f"Refusing to import {source}, variant {variant.name}: {mismatch}",
+                                   [variant / METADATA_FILE])
 
 
 def import_copy(copy: Path, *, backend: str | None) -> ModuleType:
@@ -99,7 +108,11 @@ def _private_copies_root() -> Path:
     with _LOAD_LOCK:
         if _private_root is None:
             root = Path(tempfile.mkdtemp(prefix=_PRIVATE_FOLDER_PREFIX)).resolve()
-            _check_private(root)
+            try:
+                _check_private(root)
+            except KernelIntegrityError:
+                shutil.rmtree(root)
+                raise
             handle = open(root / _OWNER_LOCK, "w")
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             atexit.register(shutil.rmtree, root, True)
