@@ -8,4 +8,6 @@ python3.11 -m venv .venv 2>/dev/null || python3 -m venv .venv
 # The exact CPU wheel first: a looser torch spec would pull a multi-GB CUDA build.
 .venv/bin/pip install -q "torch==2.13.0"
 .venv/bin/pip install -q -e ".[test]"
+# Every installed requirement satisfied (transformers 5.25 pins kernels >=0.19.1,<0.20): a conflict stops here.
+.venv/bin/pip check
 scripts/system-packages.sh
