@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import stat
 import tracemalloc
 from pathlib import Path
@@ -258,3 +259,78 @@ def test_a_root_an_earlier_server_left_open_is_closed_at_start(tmp_path):
     with start_hub(root, token=TOKEN):
         pass
     assert {stat.S_IMODE((root / folder).stat().st_mode) for folder in ("blobs", "repos", "tmp")} == {0o700}
+
+
+# -- 3. a symbolic link in a kernel source or a build is refused, never followed out -----------------
+
+KEY = b"-----BEGIN OPENSSH PRIVATE KEY-----\nnot a real key, but private\n-----END OPENSSH PRIVATE KEY-----\n"
+
+
+@pytest.fixture
+def private_key(tmp_path) -> Path:
+    secrets = tmp_path / "home" / ".ssh"
+    secrets.mkdir(parents=True)
+    (secrets / "id_ed25519").write_bytes(KEY)
+    return secrets / "id_ed25519"
+
+
+@pytest.fixture
+def kernel_source(tmp_path) -> Path:
+    source = tmp_path / "rmsnorm-tpu"
+    shutil.copytree(REPO_ROOT / "kernel_repos" / "rmsnorm-tpu", source,
+                    ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+    return source
+
+
+def _plant(source: Path, where: str, target: Path) -> Path:
+    """A link at `where` (relative to `source`) to `target`: a file, or for `benchmarks/data` its folder."""
+    link = source / where
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.exists():
+        link.unlink()
+    link.symlink_to(target.parent if where.endswith("data") else target)
+    return link
+
+
+def _files_holding(folder: Path, content: bytes) -> list[Path]:
+    return [path for path in folder.rglob("*") if path.is_file() and content in path.read_bytes()]
+
+
+@pytest.mark.parametrize("where", ["torch-ext/rmsnorm_tpu/keys.py", "benchmarks/data", "CARD.md",
+                                   "torch-ext/rmsnorm_tpu/sub/deeper/k.txt"])
+def test_build_refuses_a_symbolic_link_out_of_the_kernel_repo_and_names_it(tmp_path, kernel_source, private_key,
+                                                                           where, capsys):
+    from tpu_kernels import cli
+
+    link = _plant(kernel_source, where, private_key)
+    out = tmp_path / "build"
+    assert cli.main(["build", str(kernel_source), "--out", str(out)]) == 1
+    error = capsys.readouterr().err
+    assert str(link) in error and "symbolic link" in error and "Traceback" not in error
+    assert not out.exists() or _files_holding(out, b"PRIVATE KEY") == []
+
+
+def test_build_copies_a_link_to_a_file_inside_the_kernel_repo_as_that_file(tmp_path, kernel_source):
+    from tpu_kernels.distribution.builder import build_kernel_repo
+
+    (kernel_source / "benchmarks").mkdir()
+    (kernel_source / "benchmarks" / "notes.md").symlink_to(kernel_source / "CARD.md")
+    built = build_kernel_repo(kernel_source, tmp_path / "build")
+    copied = built / "benchmarks" / "notes.md"
+    assert not copied.is_symlink() and copied.read_bytes() == (kernel_source / "CARD.md").read_bytes()
+
+
+@pytest.mark.parametrize("where", ["README.md", "benchmarks/data", "build/torch-cpu/extra/key.txt"])
+def test_upload_refuses_a_symbolic_link_out_of_the_build_and_publishes_nothing(hub, tmp_path, kernel_source,
+                                                                              private_key, where):
+    from tpu_kernels.distribution.builder import build_kernel_repo
+    from tpu_kernels.distribution.publish import upload_kernel
+
+    built = build_kernel_repo(kernel_source, tmp_path / "build")
+    link = _plant(built, where, private_key)
+    repo_id = f"org/linked-{where.replace('/', '-').replace('.', '-')}"
+    with pytest.raises(ValueError) as refused:  # `tpu-kernels upload` prints it and exits 1
+        upload_kernel(built, repo_id, endpoint=hub.url, token=TOKEN)
+    assert refused.value.link == link and str(link) in str(refused.value)
+    assert not (hub.storage.root / "repos" / "kernel" / repo_id).exists()
+    assert _files_holding(hub.storage.root / "blobs", b"PRIVATE KEY") == []

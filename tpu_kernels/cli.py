@@ -14,9 +14,14 @@ DEFAULT_GENERATIONS = "v5e,v5p,v6e,tpu7x"
 
 def _build(args) -> int:
     from .distribution.builder import build_kernel_repo
+    from .distribution.links import LinkOutError
 
     for repo in args.repos:
-        print(build_kernel_repo(Path(repo), Path(args.out)))
+        try:
+            print(build_kernel_repo(Path(repo), Path(args.out)))
+        except LinkOutError as error:
+            print(f"tpu-kernels build: {error}", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -36,9 +41,14 @@ def _check(args) -> int:
 
     from .aot import DEFAULT_CACHE, compile_kernel, format_table
     from .distribution.builder import build_kernel_repo
+    from .distribution.links import LinkOutError
 
     repo = Path(args.repo)
-    built = build_kernel_repo(repo, Path(args.out))
+    try:
+        built = build_kernel_repo(repo, Path(args.out))
+    except LinkOutError as error:
+        print(f"tpu-kernels check: {error}", file=sys.stderr)
+        return 1
     print(f"built {built}")
     tests_status = 0 if args.skip_tests else _run_repo_tests(repo, built)
     generations = [g for g in args.tpu.split(",") if g]

@@ -24,6 +24,7 @@ from kernels import Metadata
 
 from .build_toml import read_build_toml
 from .digest import digest_field
+from .links import refuse_links_out
 from .symbols import SYMBOLS_FILE, symbols_json
 
 # Shared modules copied into every build, {name in the build: source file}: a
@@ -147,6 +148,8 @@ def _write_variant(source: KernelSource, backend: str, variant_dir: Path, hash_:
 def build_kernel_repo(source_dir: Path, out: Path = Path("build")) -> Path:
     """Build one kernel repo into `out/<name>` and return that folder."""
     source = KernelSource.open(source_dir)
+    refuse_links_out(source.root, ("build.toml", "CARD.md", source.package_dir.relative_to(source.root), "benchmarks"),
+                     "tpu-kernels build")
     card = source.root / "CARD.md"
     if not card.is_file():
         raise FileNotFoundError(f"{source.root}: CARD.md is missing (it becomes the Hub README)")

@@ -39,6 +39,7 @@ from huggingface_hub.errors import HfHubHTTPError, RevisionNotFoundError
 from kernels import Metadata
 
 from .digest import METADATA_FILE, KernelIntegrityError, backend_mismatch, git_blob_id, verify_variant
+from .links import refuse_links_out
 
 PUBLISHED_FOLDERS = ("build", "benchmarks")
 CARD = "README.md"
@@ -129,6 +130,7 @@ def upload_kernel(
     Raises:
         UploadConflictError: other uploads kept moving the branch (or main) for MAX_ATTEMPTS tries.
     """
+    refuse_links_out(Path(build_dir), (*PUBLISHED_FOLDERS, CARD), "tpu-kernels upload")
     build = KernelBuild.open(Path(build_dir))
     version = build.version if version is None else version
     if not isinstance(version, int) or isinstance(version, bool) or version < 0:
