@@ -5,7 +5,9 @@ that says so, never with a 404 a client reads as a missing repo, file or revisio
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -19,7 +21,9 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import get_session, hf_raise_for_status
 
-from .hub_support import KERNEL_NAMES, TOKEN, TRUSTED, cli_env, published_fixture, run_cli
+from tpu_kernels.distribution.publish import upload_kernel
+
+from .hub_support import BIN, CLI_TIMEOUT, KERNEL_NAMES, TOKEN, TRUSTED, cli_env, published_fixture, run_cli
 
 published = published_fixture("hub-clients")
 
@@ -49,24 +53,137 @@ def small_build(folder: Path, answer: int) -> Path:
     return folder
 
 
+def run_python(code: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`python -c code args` as a user of this Hub runs it; it must succeed."""
+    result = subprocess.run([str(BIN / "python"), "-c", code, *args], env=env, capture_output=True, text=True,
+                            timeout=CLI_TIMEOUT, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
 def local_files(folder: Path) -> dict[str, bytes]:
     return {path.relative_to(folder).as_posix(): path.read_bytes() for path in sorted(folder.rglob("*"))
             if path.is_file() and ".cache" not in path.parts}
 
 
-# -- the kernels CLI --------------------------------------------------------------------------------
+# -- the kernels CLI and API -----------------------------------------------------------------------
 
 
 @pytest.mark.multiprocess
-def test_kernels_versions_lists_each_version_with_its_variants(published, env, api):
+def test_kernels_variants_lists_each_version_with_its_variants(published, env, api):
     # It lists the tree at revision `refs/heads/v<N>`: this was a 404 "Invalid rev id".
     repo = f"{TRUSTED}/ragged-dot-tpu"
     api.create_branch(repo, repo_type="kernel", branch="v2", revision="v1")
-    out = run_cli("kernels", "versions", repo, env=env).stdout
     variants = ("torch-cpu compatible, preferred ✅\n"
                 "torch-tpu: backend (tpu) does not match system backend (cpu) and is not universal")
-    assert out.split() == f"Version 1:\n\n{variants}\nVersion 2:\n\n{variants}".split()
+    expected = f"Version 1:\n\n{variants}\nVersion 2:\n\n{variants}".split()
+    assert run_cli("kernels", "variants", "--all-versions", repo, env=env).stdout.split() == expected
+    # `kernels versions`, deprecated in kernels 0.19, still answers the same.
+    versions = run_cli("kernels", "versions", repo, env=env)
+    assert versions.stdout.split() == expected
+    assert "`kernels versions` is deprecated" in versions.stderr
     api.delete_branch(repo, repo_type="kernel", branch="v2")
+
+
+VARIANT_CHOICE = """
+import json, sys, types
+import kernels, torch
+
+def decisions(**kwargs):
+    return [[decision.variant.variant_str, isinstance(decision, kernels.VariantAccepted)]
+            for decision in kernels.get_kernel_variants(sys.argv[1], version=1, **kwargs)]
+
+choice = {"this host": decisions()}
+try:
+    decisions(backend="tpu")
+except ValueError as error:
+    choice["backend=tpu here"] = str(error)
+# What kernels 0.19 reads to detect a TPU host; torch_tpu sets it so on one.
+torch.accelerator.current_accelerator = lambda *args, **kwargs: types.SimpleNamespace(type="tpu")
+choice["a TPU host"] = decisions()
+print(json.dumps(choice))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_kernels_takes_the_cpu_variant_here_and_the_tpu_variant_on_a_tpu_host(published, env):
+    result = run_python(VARIANT_CHOICE, f"{TRUSTED}/attention-tpu", env=env)
+    assert json.loads(result.stdout) == {
+        "this host": [["torch-cpu", True], ["torch-tpu", False]],
+        # Off a TPU host kernels accepts no TPU backend, even asked for.
+        "backend=tpu here": "Invalid backend 'tpu', system supported backends: cpu",
+        "a TPU host": [["torch-tpu", True], ["torch-cpu", False]],
+    }
+
+
+GET_KERNEL = """
+import json, sys
+import kernels, torch
+
+repo = sys.argv[1]
+refused = []
+for trust in (False, ["someone/else"]):
+    try:
+        kernels.get_kernel(repo, version=1, trust_remote_code=trust)
+    except ValueError as error:
+        refused.append(str(error))
+kernel = kernels.get_kernel(repo, version=1, trust_remote_code=[repo])
+x, weight = torch.randn(4, 256), torch.randn(256)
+error = (kernel.rms_norm(x, weight, 1e-6) - kernel.reference.rms_norm(x, weight, 1e-6, 0.0)).abs().max()
+print(json.dumps({"refused": refused, "variant": kernel.__file__.split("/")[-2], "error": float(error)}))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_kernels_get_kernel_loads_an_allowed_repo_of_an_untrusted_publisher_quietly(published, env, tmp_path):
+    env = {**env, "KERNELS_CACHE": str(tmp_path / "kernels-cache")}
+    repo = "someone/rmsnorm-tpu"
+    upload_kernel(published.builds["rmsnorm-tpu"], repo, endpoint=published.url, token=TOKEN)
+    # The one notice left is torch_tpu's, when it is imported on a host without tcmalloc: its own message says
+    # to silence it so. No progress bars: they are not warnings.
+    quiet = {**env, "PYTHONWARNINGS": "ignore:<TorchTpu/Performance/TcMalloc/", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    result = run_python(GET_KERNEL, repo, env=quiet)
+    assert result.stderr == ""
+    loaded = json.loads(result.stdout)
+    untrusted = (f"Kernel repository '{repo}' is not from a trusted publisher. Set trust_remote_code=True or add the "
+                 "repository ID to the trust_remote_code allowlist to allow loading kernels from untrusted sources.")
+    assert loaded["refused"] == [untrusted, untrusted]
+    assert loaded["variant"] == "torch-cpu" and loaded["error"] < 1e-5
+
+    # The cache holds v1 of that repo with the one variant get_kernel fetched.
+    cached = json.loads(run_cli("kernels", "cache", "ls", "--json", env=env).stdout)
+    assert [(entry["repo_id"], [(version["version"], version["variants"]) for version in entry["versions"]])
+            for entry in cached["repos"]] == [(repo, [("v1", ["torch-cpu"])])]
+
+
+@pytest.mark.multiprocess
+def test_kernels_describe_api_lists_what_a_published_build_exports(published, env):
+    repo = f"{TRUSTED}/rmsnorm-tpu"
+    lines = [line for line in run_cli("kernels", "describe-api", repo, env=env).stdout.splitlines() if line.strip()]
+    assert lines == [f"Repository: {repo}", "Revision: v1", "Variant: torch-cpu", "Functions:", "  fused_add_rms_norm",
+                     "  rms_norm", "Layers:", "  RMSNorm  has_backward=True  can_torch_compile=True",
+                     "  RMSNormZeroCentered  has_backward=True  can_torch_compile=True"]
+
+    repo = f"{TRUSTED}/attention-tpu"
+    described = json.loads(run_cli("kernels", "describe-api", repo, "--version", "1", "--json", env=env).stdout)
+    symbols = json.loads((published.builds["attention-tpu"] / "build" / "torch-cpu" / "symbols.json").read_text())
+    assert described == {**symbols, "repo_id": repo, "revision": "v1", "variant": "torch-cpu"}
+    assert [function["name"] for function in described["functions"]] == [
+        "attention_forward", "attention_mask", "flash_attention"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_kernels_describe_api_of_an_untrusted_publisher_needs_trust_remote_code(published, env, api):
+    repo = "someone/attention-tpu"
+    upload_kernel(published.builds["attention-tpu"], repo, endpoint=published.url, token=TOKEN)
+    refused = run_cli("kernels", "describe-api", repo, env=env, returncode=1)
+    assert f"Kernel repository '{repo}' is not from a trusted publisher" in refused.stderr
+    trusted = run_cli("kernels", "describe-api", repo, "--trust-remote-code", "--json", env=env)
+    assert [function["name"] for function in json.loads(trusted.stdout)["functions"]] == [
+        "attention_forward", "attention_mask", "flash_attention"]
 
 
 @pytest.mark.multiprocess
@@ -99,19 +216,29 @@ def test_kernels_lock_then_download_pins_the_published_commits(published, env, t
                  for name in KERNEL_NAMES}
     for name, snapshot in snapshots.items():  # the variant for this machine
         assert local_files(snapshot / "torch-cpu") == local_files(published.builds[name] / "build" / "torch-cpu")
+    # `kernels lock` fetched every variant's metadata.json at v1: the cache lists v1 with both variants.
+    cached = json.loads(run_cli("kernels", "cache", "ls", "--json", env=env).stdout)
+    assert {entry["repo_id"]: [(version["version"], version["variants"]) for version in entry["versions"]]
+            for entry in cached["repos"]} == {
+        f"{TRUSTED}/{name}": [("v1", ["torch-cpu", "torch-tpu"])] for name in KERNEL_NAMES}
     run_cli("kernels", "download", str(project), "--all-variants", env=env)
     for name, snapshot in snapshots.items():
         assert local_files(snapshot) == local_files(published.builds[name] / "build")
 
 
 @pytest.mark.multiprocess
-def test_kernels_verify_signature_of_an_unsigned_kernel_is_a_clear_message(published, env):
+@pytest.mark.skipif(importlib.util.find_spec("sigstore") is not None,
+                    reason="kernels[sigstore] is installed: this checks the message of a venv without it")
+def test_kernels_verify_signature_without_sigstore_says_what_to_install(published, env):
     result = run_cli("kernels", "verify-signature", "--all-variants", f"{TRUSTED}/attention-tpu", "1",
                      env=env, returncode=1)
-    assert sorted(result.stdout.splitlines()) == [
-        "❌ torch-cpu: cannot verify kernel integrity, signature not found",
-        "❌ torch-tpu: cannot verify kernel integrity, signature not found",
-    ]
+    assert (result.stdout, result.stderr.strip()) == ("", "❌ Verifying signatures requires the `sigstore` package, "
+                                                          'install it with: pip install "kernels[sigstore]"')
+
+
+def test_kernels_check_has_moved_to_kernel_builder(env):
+    result = run_cli("kernels", "check", f"{TRUSTED}/rmsnorm-tpu", env=env, returncode=1)
+    assert result.stderr.strip() == "`kernels check` has moved to `kernel-builder check-abi`"
 
 
 # -- the hf CLI -------------------------------------------------------------------------------------

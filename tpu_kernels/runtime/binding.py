@@ -34,6 +34,7 @@ import inspect
 import os
 import types
 import typing
+import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -75,6 +76,9 @@ _JAX_TO_TORCH_DTYPE = {jnp.dtype(v): k for k, v in _TORCH_TO_JAX_DTYPE.items()}
 # become jax's (ml_dtypes) bfloat16 (float8_e4m3fn) again on the numpy side, still without a copy.
 _NUMPY_BITS_DTYPE = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
 _STATIC_TYPES = (bool, int, float, str)
+
+
+_JAX_OP_STAGE_NOTICE = r"<TorchTpu/ApiStage/ExperimentalApi/> jax_op is experimental"
 
 
 def _jax_op_registrar() -> Callable | None:
@@ -468,7 +472,11 @@ def _register(qualname: str, fn: Callable) -> tuple[torch.library.CustomOpDef, "
     jax_function = _JaxFunction(qualname, fn)
     jax_op = _jax_op_registrar()
     if jax_op is not None:
-        op = jax_op(qualname, fn)
+        with warnings.catch_warnings():
+            # torch_tpu's API-stage notice, at every registration: the binding is written against the pinned
+            # torch_tpu and tested with it, and a user of a kernel can do nothing about it.
+            warnings.filterwarnings("ignore", message=_JAX_OP_STAGE_NOTICE, category=UserWarning)
+            op = jax_op(qualname, fn)
     else:
         def placeholder(*args, **kwargs):
             raise RuntimeError(f"{qualname} runs on TPU only through torch_tpu, which is not installed")
