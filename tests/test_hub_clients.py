@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from huggingface_hub.hf_api import LFSFileInfo
 from huggingface_hub.utils import get_session, hf_raise_for_status
 
 from tpu_kernels.distribution.publish import upload_kernel
@@ -441,6 +443,16 @@ def _raw_unknown_api_calls(api: HfApi, repo: str):
     raise refused.value
 
 
+def _xet_token_calls(api: HfApi, repo: str):
+    for kind in ("read", "write"):
+        response = get_session().get(f"{api.endpoint}/api/kernels/{repo}/xet-{kind}-token/main",
+                                     headers={"Authorization": f"Bearer {TOKEN}"})
+        with pytest.raises(HfHubHTTPError) as refused:
+            hf_raise_for_status(response)
+        assert response.status_code == 400 and "Not supported by this local Hub: Xet storage" in str(refused.value)
+    raise refused.value
+
+
 REFUSED_CALLS = {
     "create_pull_request": lambda api, model, kernel: api.create_pull_request(model, title="change"),
     "get_repo_discussions": lambda api, model, kernel: list(api.get_repo_discussions(model)),
@@ -448,6 +460,10 @@ REFUSED_CALLS = {
         kernel, repo_type="kernel", operations=[CommitOperationAdd("x", b"x")], commit_message="x", create_pr=True),
     "super_squash_history": lambda api, model, kernel: api.super_squash_history(model),
     "list_lfs_files": lambda api, model, kernel: list(api.list_lfs_files(kernel, repo_type="kernel")),
+    "permanently_delete_lfs_files": lambda api, model, kernel: api.permanently_delete_lfs_files(
+        kernel, [LFSFileInfo(fileOid="0" * 64, filename="x", oid="0" * 64, pushedAt="2026-01-01T00:00:00.000Z",
+                             ref=None, size=1)], repo_type="kernel"),
+    "Xet tokens": lambda api, model, kernel: _xet_token_calls(api, kernel),
     "duplicate_repo": lambda api, model, kernel: api.duplicate_repo(model, "refused/copy"),
     "update_repo_settings(gated)": lambda api, model, kernel: api.update_repo_settings(model, gated="auto"),
     "list_user_repos": lambda api, model, kernel: list(api.list_user_repos(namespace="refused")),
@@ -467,3 +483,21 @@ def test_what_is_not_supported_is_a_400_saying_so_never_a_not_found(published, a
     assert not isinstance(refused.value, (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError))
     assert refused.value.response.status_code == 400
     assert "Not supported by this local Hub" in str(refused.value)
+
+
+def test_list_repo_tree_expand_answers_without_last_commit_and_security(published, api):
+    expanded = list(api.list_repo_tree(f"{TRUSTED}/rmsnorm-tpu", path_in_repo="build/torch-cpu", expand=True,
+                                       repo_type="kernel", revision="v1"))
+    plain = list(api.list_repo_tree(f"{TRUSTED}/rmsnorm-tpu", path_in_repo="build/torch-cpu", repo_type="kernel",
+                                    revision="v1"))
+    assert [(item.path, item.blob_id) for item in expanded] == [(item.path, item.blob_id) for item in plain]
+    assert {(item.last_commit, item.security) for item in expanded} == {(None, None)}
+
+
+@pytest.mark.multiprocess
+def test_git_clone_is_refused_with_a_400(published, api, tmp_path):
+    api.create_repo("git-clone/model", exist_ok=True)
+    for url in (f"{published.url}/git-clone/model", f"{published.url}/kernels/{TRUSTED}/rmsnorm-tpu"):
+        result = subprocess.run(["git", "clone", "-q", url, str(tmp_path / "clone")], capture_output=True, text=True,
+                                timeout=CLI_TIMEOUT, env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+        assert result.returncode != 0 and "The requested URL returned error: 400" in result.stderr, url
