@@ -118,7 +118,9 @@ def check_attention_args(query, key, value, attention: Attention) -> None:
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
         raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+    # A comparison, not math.isfinite: torch.compile may trace the scale as a symbolic float.
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not -math.inf < scale < math.inf):
         raise ValueError(f"scale must be a finite number or None, got {scale!r}")
 
 

@@ -42,7 +42,9 @@ def _check_tensor(name: str, value, like: torch.Tensor | None = None) -> None:
 def _check_number(name: str, value, *, positive: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
-    if not math.isfinite(value) or (positive and value <= 0):
+    # Comparisons, not math.isfinite: torch.compile traces a float attribute as a symbolic float, on which
+    # a comparison is a guard while math.isfinite breaks a fullgraph trace.
+    if not -math.inf < value < math.inf or (positive and value <= 0):
         raise ValueError(f"{name} must be a finite number{' > 0' if positive else ''}, got {value}")
     return float(value)
 
