@@ -13,6 +13,8 @@ import logging
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
 from urllib.parse import quote, unquote
@@ -263,14 +265,14 @@ def test_a_root_an_earlier_server_left_open_is_closed_at_start(tmp_path):
 
 # -- 3. a symbolic link in a kernel source or a build is refused, never followed out -----------------
 
-KEY = b"-----BEGIN OPENSSH PRIVATE KEY-----\nnot a real key, but private\n-----END OPENSSH PRIVATE KEY-----\n"
+PRIVATE_KEY = b"-----BEGIN OPENSSH PRIVATE KEY-----\nnot a real key, but private\n-----END OPENSSH PRIVATE KEY-----\n"
 
 
 @pytest.fixture
 def private_key(tmp_path) -> Path:
     secrets = tmp_path / "home" / ".ssh"
     secrets.mkdir(parents=True)
-    (secrets / "id_ed25519").write_bytes(KEY)
+    (secrets / "id_ed25519").write_bytes(PRIVATE_KEY)
     return secrets / "id_ed25519"
 
 
@@ -334,3 +336,213 @@ def test_upload_refuses_a_symbolic_link_out_of_the_build_and_publishes_nothing(h
     assert refused.value.link == link and str(link) in str(refused.value)
     assert not (hub.storage.root / "repos" / "kernel" / repo_id).exists()
     assert _files_holding(hub.storage.root / "blobs", b"PRIVATE KEY") == []
+
+
+# -- 4. the on-disk caches: nothing read runs code unless this user wrote it; private folders only ----
+
+
+class _Planted:
+    """Unpickled, it makes the folder `marker`: proof that reading the cache ran code."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch) -> Path:
+    """XDG_CACHE_HOME (and HOME) in the test's folder: the HMAC key and default caches go there."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    (tmp_path / "home").mkdir(mode=0o700)
+    return tmp_path / "xdg"
+
+
+def _cache_classes():
+    from tpu_kernels.bench.moe_layer.cache import Cache
+    from tpu_kernels.perf.calibration import AnalysisCache
+    from tpu_kernels.perf.disk_cache import DiskCache
+
+    return {"DiskCache (check's aot cache)": DiskCache, "calibration.AnalysisCache": AnalysisCache,
+            "moe_layer Cache": Cache}
+
+
+@pytest.mark.parametrize("kind", ["DiskCache (check's aot cache)", "calibration.AnalysisCache", "moe_layer Cache"])
+def test_a_pickle_planted_in_a_cache_is_a_miss_and_never_runs(tmp_path, cache_home, kind):
+    import pickle
+
+    folder = tmp_path / "cache"
+    folder.mkdir(mode=0o700)
+    marker = tmp_path / "code-ran"
+    (folder / "compile-planted.pkl").write_bytes(pickle.dumps(_Planted(marker)))
+    cache = _cache_classes()[kind](folder)
+    assert cache.get("compile-planted") is None and not marker.exists()
+    # An entry of this format under another key (copied or renamed), or with its bytes changed, is a miss too.
+    cache.put("compile-mine", {"flops": 1.0})
+    entry = (folder / "compile-mine.pkl").read_bytes()
+    (folder / "compile-copied.pkl").write_bytes(entry)
+    assert cache.get("compile-copied") is None
+    (folder / "compile-mine.pkl").write_bytes(entry[:-len(pickle.dumps({"flops": 1.0}))] +
+                                             pickle.dumps(_Planted(marker)))
+    assert cache.get("compile-mine") is None and not marker.exists()
+    assert cache.put("compile-new", [1, 2]) == [1, 2] and cache.get("compile-new") == [1, 2]
+    assert (cache.hits, cache.misses) == (1, 3)
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o757])
+def test_a_cache_folder_others_can_write_is_refused(tmp_path, cache_home, mode):
+    from tpu_kernels.perf.disk_cache import DiskCache
+
+    folder = tmp_path / "shared-cache"
+    folder.mkdir()
+    os.chmod(folder, mode)
+    with pytest.raises(RuntimeError, match="Refusing the cache folder .*other users can change it"):
+        DiskCache(folder)
+    below = tmp_path / "open-parent"
+    below.mkdir()
+    os.chmod(below, 0o777)
+    with pytest.raises(RuntimeError, match="above it can be changed by other users"):
+        DiskCache(below / "cache")
+    os.chmod(below, 0o1777)  # sticky: others cannot rename or replace what is ours
+    DiskCache(below / "cache-2")
+
+
+def test_calibrate_on_a_cache_folder_others_can_write_exits_2_with_a_message(tmp_path, cache_home, capsys):
+    from tpu_kernels import cli
+
+    folder = tmp_path / "shared-cache"
+    folder.mkdir()
+    os.chmod(folder, 0o777)
+    (tmp_path / "timings").mkdir()
+    assert cli.main(["calibrate", str(tmp_path / "timings"), "--out", str(tmp_path / "out.json"),
+                     "--cache-dir", str(folder)]) == 2
+    error = capsys.readouterr().err
+    assert "Refusing the cache folder" in error and "Traceback" not in error
+
+
+def test_the_hmac_key_is_made_0600_and_one_others_can_read_is_refused(tmp_path, cache_home):
+    from tpu_kernels.perf import disk_cache
+
+    disk_cache.DiskCache(tmp_path / "cache").put("k", 1)
+    key = cache_home / "tpu-kernels" / disk_cache.HMAC_KEY_FILE
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and len(key.read_bytes()) == 32
+    assert stat.S_IMODE((cache_home / "tpu-kernels").stat().st_mode) == 0o700
+    os.chmod(key, 0o644)
+    disk_cache._keys.clear()
+    with pytest.raises(disk_cache.UnsafeCacheError, match="only this user can read"):
+        disk_cache.DiskCache(tmp_path / "cache")
+
+
+# -- 8. one cache root, and it honours XDG_CACHE_HOME -------------------------------------------------
+
+
+def test_calibrate_keeps_its_cache_below_xdg_cache_home(tmp_path, cache_home):
+    from tpu_kernels import cli
+
+    (tmp_path / "timings").mkdir()
+    assert cli.main(["calibrate", str(tmp_path / "timings"), "--out", str(tmp_path / "out.json")]) == 0
+    assert (cache_home / "tpu-kernels" / "calibration").is_dir()
+    assert not (tmp_path / "home" / ".cache").exists()
+
+
+def test_every_cache_root_comes_from_one_function():
+    import ast
+
+    readers = []
+    for path in sorted((REPO_ROOT / "tpu_kernels").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in ("XDG_CACHE_HOME", ".cache"):
+                readers.append(path.relative_to(REPO_ROOT).as_posix())
+    assert sorted(set(readers)) == ["tpu_kernels/perf/disk_cache.py"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_default_cache_folders_are_below_xdg_cache_home(tmp_path):
+    # The defaults are read when the modules are imported: in a new process.
+    code = ("from tpu_kernels import aot; from tpu_kernels.bench.moe_layer import run, vllm_kernels; "
+            "from tpu_kernels.perf import calibration; "
+            "print([str(p) for p in (aot.DEFAULT_CACHE, calibration.DEFAULT_CACHE, run.DEFAULT_CACHE, "
+            "vllm_kernels.DEFAULT_FOLDER)])")
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "xdg"), JAX_PLATFORMS="cpu")
+    printed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert json.loads(printed.strip().replace("'", '"')) == [
+        str(tmp_path / "xdg" / "tpu-kernels" / name) for name in ("aot", "calibration", "moe_layer", "wheels")]
+
+
+# -- 7. calibrate on hostile JSON: exit 2 with a message, never a traceback ----------------------------
+
+RAGGED_CALL = {"lhs": "bf16[8,128]", "rhs": "bf16[2,128,128]", "group_sizes": [4, 4],
+               "ragged_dot_dimension_numbers": {"dot_dimension_numbers": [[[1], [1]], [[], []]],
+                                                "lhs_ragged_dimensions": [0], "rhs_group_dimensions": [0]},
+               "precision": ["DEFAULT", "DEFAULT"], "preferred_element_type": None, "return_residuals": False,
+               "activation": None}
+RAGGED_KEY = json.dumps(RAGGED_CALL)
+TIMED = {"evaluation_times_ms": [0.5, 0.4]}
+HOSTILE_TIMINGS = {
+    "a key that is not JSON": ("ragged_dot.json", json.dumps({"not json": {"{}": TIMED}})),
+    "configs as a list": ("ragged_dot.json", json.dumps({RAGGED_KEY: [1, 2]})),
+    "an int result": ("ragged_dot.json", json.dumps({RAGGED_KEY: {"{}": 3}})),
+    "string times": ("ragged_dot.json", json.dumps({RAGGED_KEY: {"{}": {"evaluation_times_ms": ["a", "b"]}}})),
+    "200k-deep nesting": ("ragged_dot.json", '{"a":' * 200_000 + "1" + "}" * 200_000),
+    "200k-deep nesting in a key": ("ragged_dot.json", json.dumps({"[" * 200_000 + "]" * 200_000: {"{}": TIMED}})),
+    "a negative tile": ("pallas_mosaic_tpu_ragged_dot.json",
+                        json.dumps({RAGGED_KEY: {json.dumps({"tile_m": -128, "tile_k": 128, "tile_n": 128}): TIMED}})),
+    "a huge group count": ("ragged_dot.json", json.dumps(
+        {json.dumps({**RAGGED_CALL, "group_sizes": {"num_groups": 10**12, "total_size": 10**12}}): {"{}": TIMED}})),
+    "a key without the call's fields": ("ragged_dot.json", json.dumps({json.dumps({"lhs": 3}): {"{}": TIMED}})),
+    "zero times": ("ragged_dot.json", json.dumps({RAGGED_KEY: {"{}": {"evaluation_times_ms": [0.0]}}})),
+    "not UTF-8": ("ragged_dot.json", b'{"\xff": 1}'),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_TIMINGS)
+def test_calibrate_on_hostile_timings_exits_2_with_a_message(tmp_path, cache_home, capsys, case):
+    from tpu_kernels import cli
+
+    name, content = HOSTILE_TIMINGS[case]
+    folder = tmp_path / "tpu_v5_lite"
+    folder.mkdir()
+    (folder / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    status = cli.main(["calibrate", str(folder), "--out", str(tmp_path / "out.json"), "--jobs", "1"])
+    error = capsys.readouterr().err
+    assert status == 2 and "tpu-kernels calibrate:" in error and str(folder / name) in error
+    assert "Traceback" not in error and not (tmp_path / "out.json").exists()
+
+
+ATTENTION_CALL = {"q": "bf16[2,256,4,128]", "k": "bf16[2,256,4,128]", "v": "bf16[2,256,4,128]",
+                  "logits_dtype": "float32", "logits_scale": 0.088, "mask": {"is_causal": True},
+                  "normalize_output": True, "return_residuals": False}
+
+
+@pytest.mark.parametrize("precision, expected", [
+    (["BF16_BF16_F32", "BF16_BF16_F32"], ("BF16_BF16_F32", "BF16_BF16_F32")),
+    ([["DEFAULT", "DEFAULT"], ["DEFAULT", "DEFAULT"]], ("BF16_BF16_F32", "BF16_BF16_F32")),  # newer tokamax files
+    ([["HIGHEST", "HIGHEST"], "BF16_BF16_F32_X3"], ("BF16_BF16_F32", "BF16_BF16_F32_X3")),  # bf16: as tokamax on TPU
+])
+def test_attention_precision_is_read_in_both_of_tokamaxs_forms(precision, expected):
+    pytest.importorskip("tokamax")
+    from jax import lax
+
+    from tpu_kernels.perf import tokamax_calls
+
+    arguments = tokamax_calls._attention_arguments({**ATTENTION_CALL, "precision": precision})
+    assert arguments["precision"] == tuple(lax.DotAlgorithmPreset[name] for name in expected)
+
+
+@pytest.mark.parametrize("kind, precision", [
+    ("flash_attention", [["DEFAULT", "HIGH"], ["DEFAULT", "DEFAULT"]]), ("flash_attention", [["NOPE", "NOPE"], "X"]),
+    ("flash_attention", "DEFAULT"), ("xla_ragged_dot", [["DEFAULT", "DEFAULT"], ["DEFAULT", "DEFAULT"]]),
+    ("xla_ragged_dot", ["FAST", "SLOW"]),
+])
+def test_an_entry_whose_precision_cannot_be_read_is_skipped_with_the_reason(tmp_path, cache_home, kind, precision):
+    pytest.importorskip("tokamax")
+    from tpu_kernels.perf import calibration
+
+    call = {**(ATTENTION_CALL if kind == "flash_attention" else RAGGED_CALL), "precision": precision}
+    config = {"block_q": 128, "block_kv": 128, "block_kv_compute": 128} if kind == "flash_attention" else {}
+    measurement = calibration.Measurement("v5e", kind, "f.json", call, config, (0.5,))
+    [analysed] = calibration.analyse_measurements([measurement], calibration.AnalysisCache(None), jobs=1)
+    assert analysed.program is None and analysed.reason.startswith("not rebuilt: precision"), analysed.reason

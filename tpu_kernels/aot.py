@@ -12,7 +12,7 @@ with the kernel, so a kernel from the Hub can be checked as well):
 where `avals` are `jax.ShapeDtypeStruct`s of `fn`'s array arguments.
 
 A compile that succeeded is remembered (`compile_kernel`'s `cache_dir`,
-default `~/.cache/tpu-kernels/aot`) under everything that decides what the
+default `cache_root("aot")`: `~/.cache/tpu-kernels/aot` or below XDG_CACHE_HOME) under everything that decides what the
 compiler is given and what it does with it: the built variant's content
 digest (its metadata.json: every file of the kernel, its compile targets
 included), the target's label, generation and argument shapes, this module's
@@ -36,11 +36,11 @@ from types import ModuleType
 
 import jax
 
-from .perf.disk_cache import DiskCache, library_versions
+from .perf.disk_cache import DiskCache, cache_root, library_versions
 
 # Compile-only topology names; libtpu knows "tpu7x:..." but not "v7x:...".
 TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:1x1", "v5p": "v5p:2x2x1", "v6e": "v6e:1x1", "tpu7x": "tpu7x:2x2x1"}
-DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tpu-kernels" / "aot"
+DEFAULT_CACHE = cache_root("aot")
 
 
 @dataclass(frozen=True)

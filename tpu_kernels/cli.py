@@ -39,9 +39,10 @@ def _run_repo_tests(repo: Path, built: Path) -> int:
 def _check(args) -> int:
     import kernels
 
-    from .aot import DEFAULT_CACHE, compile_kernel, format_table
+    from .aot import compile_kernel, format_table
     from .distribution.builder import build_kernel_repo
     from .distribution.links import LinkOutError
+    from .perf.disk_cache import UnsafeCacheError, cache_root
 
     repo = Path(args.repo)
     try:
@@ -53,8 +54,12 @@ def _check(args) -> int:
     tests_status = 0 if args.skip_tests else _run_repo_tests(repo, built)
     generations = [g for g in args.tpu.split(",") if g]
     module = kernels.get_local_kernel(built, backend="cpu")
-    cache_dir = None if args.no_cache else args.cache_dir or DEFAULT_CACHE
-    results = compile_kernel(module, built.name, generations, cache_dir=cache_dir)
+    cache_dir = None if args.no_cache else args.cache_dir or cache_root("aot")
+    try:
+        results = compile_kernel(module, built.name, generations, cache_dir=cache_dir)
+    except UnsafeCacheError as error:
+        print(f"tpu-kernels check: {error}", file=sys.stderr)
+        return 2
     print(format_table(results))
     compiled_all = all(r.compiled for r in results) and bool(results)
     tests_word = "skipped" if args.skip_tests else ("passed" if tests_status == 0 else "FAILED")
@@ -104,12 +109,17 @@ def _bench(argv: list[str]) -> int:
     if name in bench.MODELLED:
         # Modelled benchmarks compile for TPUs ahead of time from the CPU (set before jax is imported).
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from .perf.disk_cache import UnsafeCacheError
+
     module = importlib.import_module(f"{bench.__name__}.{name}")
     argv0 = sys.argv[0] if sys.argv else None
     try:
         # The benchmark's argparse names itself after sys.argv[0]: its usage lines then say how it was run.
         sys.argv[:1] = [f"tpu-kernels bench {name}"]
         status = module.main(extra)
+    except UnsafeCacheError as error:
+        print(f"tpu-kernels bench {name}: {error}", file=sys.stderr)
+        return 2
     except SystemExit as exit_:
         # argparse's errors and --help, and a benchmark's missing input (bench.MissingInput).
         if exit_.code is None or isinstance(exit_.code, int):
@@ -125,16 +135,17 @@ def _calibrate(args) -> int:
     from tqdm import tqdm
 
     from .perf import calibration
+    from .perf.disk_cache import UnsafeCacheError, cache_root
 
     try:
         report = calibration.calibrate(
             [Path(path) for path in args.paths],
             chip=args.chip,
-            cache_dir=None if args.no_cache else Path(args.cache_dir),
+            cache_dir=None if args.no_cache else Path(args.cache_dir) if args.cache_dir else cache_root("calibration"),
             jobs=args.jobs,
             progress=lambda items, description: tqdm(items, desc=description, unit="entry"),
         )
-    except calibration.CalibrationInputError as error:
+    except (calibration.CalibrationInputError, UnsafeCacheError) as error:
         print(f"tpu-kernels calibrate: {error}", file=sys.stderr)
         return 2
     calibration.write_report(report, Path(args.out))
@@ -186,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--out", default="build", help="output folder (default: build/)")
     check.add_argument("--skip-tests", action="store_true", help="only build and compile")
     check.add_argument("--cache-dir", type=Path, default=None,
-                       help="where compiles that succeeded are remembered (default: ~/.cache/tpu-kernels/aot)")
+                       help="where compiles that succeeded are remembered "
+                            "(default: $XDG_CACHE_HOME/tpu-kernels/aot, else ~/.cache/tpu-kernels/aot)")
     check.add_argument("--no-cache", action="store_true", help="compile every target, remembering nothing")
     check.set_defaults(run=_check)
 
@@ -197,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     calibrate.add_argument("--chip", help="v5e, v5p, v6e or tpu7x (default: from the folder name, e.g. tpu_v5_lite)")
     calibrate.add_argument("--out", default="benchmarks/results/calibration.json", help="report file")
     calibrate.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile threads")
-    calibrate.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "tpu-kernels" / "calibration"))
+    calibrate.add_argument("--cache-dir", default=None,
+                           help="compiles and replays kept between runs "
+                                "(default: $XDG_CACHE_HOME/tpu-kernels/calibration, else ~/.cache/tpu-kernels/calibration)")
     calibrate.add_argument("--no-cache", action="store_true", help="recompile and replay every entry")
     calibrate.set_defaults(run=_calibrate)
 

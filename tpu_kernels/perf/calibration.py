@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import os
 import statistics
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -33,7 +32,7 @@ import numpy as np
 
 from . import chip as chip_constants
 from . import program_replay, tokamax_calls, xla_program
-from .disk_cache import DiskCache, library_versions, source_fingerprint
+from .disk_cache import DiskCache, cache_root, library_versions, source_fingerprint
 from .program_replay import ProgramReplay
 from .tokamax_calls import (
     CHIP_FOLDERS,
@@ -48,7 +47,7 @@ from .tokamax_calls import (
 from ..runtime.hardware import tpu_generation
 
 DEFAULT_OUT = Path("benchmarks/results/calibration.json")
-DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tpu-kernels" / "calibration"
+DEFAULT_CACHE = cache_root("calibration")
 
 
 # ----------------------------------------------------------------------------- cache
@@ -191,6 +190,9 @@ def analyse_measurements(
             rebuilt = rebuild(measurement)
         except NotRebuilt as why:
             pending.append((measurement, None, f"not rebuilt: {why}"))
+            continue
+        except Exception as error:  # noqa: BLE001 - e.g. a config tokamax's own Config refuses: skipped, with why
+            pending.append((measurement, None, f"not rebuilt: {_first_line(error)}"))
             continue
         compiled = _submit_compile(pool, cache, measurement, rebuilt)
         replay = _replay(cache, measurement, rebuilt)

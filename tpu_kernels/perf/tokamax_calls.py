@@ -17,13 +17,25 @@ Reading the files:
   logs the error); that one defect is repaired, any other unreadable file is
   an error (`CalibrationInputError`);
 - an empty file holds no entry; an op with no rebuild here and an entry
-  without timings are listed in `skipped` with the reason.
+  without timings are listed in `skipped` with the reason;
+- a file that is not tokamax's shape is refused whole (`CalibrationInputError`,
+  naming the file and entry; `tpu-kernels calibrate` exits 2 with it): a key or
+  config that is not a JSON object, configs or a result that are not objects,
+  times that are not positive finite numbers, nesting too deep to parse, a
+  negative or huge config value or array dimension, more than MAX_GROUPS groups;
+- `precision` is read in both of tokamax's forms: per operand `lax.Precision`
+  names (`["DEFAULT", "DEFAULT"]`) or a `DotAlgorithmPreset` name; for attention,
+  one per dot, each a preset name or a pair of `lax.Precision` names (newer
+  files) mapped to the preset tokamax picks on TPU. An entry whose precision is
+  neither is skipped with the reason, as is any entry tokamax's own config
+  refuses.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -50,8 +62,14 @@ _DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32, "s32": 
            "s8": jnp.int8, "f8e4m3fn": jnp.float8_e4m3fn}
 
 
+# Bounds on what a timing file may ask for (tokamax's own files: at most 524,288 groups and rows).
+MAX_GROUPS = 1 << 20
+MAX_DIMENSION = 1 << 24
+MAX_CONFIG_VALUE = 1 << 24
+
+
 class CalibrationInputError(ValueError):
-    """A timing file that cannot be read (not JSON, even after the one known repair)."""
+    """A timing file that cannot be read (not JSON, even after the one known repair), or not in tokamax's shape."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,17 +108,19 @@ def read_timing_file(path: Path) -> dict:
     """The entries of one tokamax autotuning file ({} when empty); CalibrationInputError if unreadable."""
     try:
         text = path.read_text()
-    except OSError as error:
+    except (OSError, UnicodeDecodeError) as error:
         raise CalibrationInputError(f"{path}: cannot read: {error}") from None
     if not text.strip():
         return {}
     try:
         data = json.loads(text)
+    except RecursionError:
+        raise CalibrationInputError(f"{path}: not a tokamax autotuning file (nested too deep to read)") from None
     except json.JSONDecodeError as error:
         repaired = _UNESCAPED_GROUP_SIZES.sub(r'\1{\\"num_groups\\":\2,\\"total_size\\":\3}', text)
         try:
             data = json.loads(repaired)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             raise CalibrationInputError(f"{path}: not a tokamax autotuning file (JSON error: {error})") from None
     if not isinstance(data, dict):
         raise CalibrationInputError(f"{path}: not a tokamax autotuning file (top level is not an object)")
@@ -143,15 +163,86 @@ def read_measurements(paths: Iterable[Path], chip: str | None = None) -> tuple[l
                             "reason": f"no rebuild of tokamax op {path.stem!r} (rebuilt: {', '.join(KIND_FILES)})"})
             continue
         for key_text, configs in data.items():
-            call = json.loads(key_text)
-            timed = [(json.loads(config), result["evaluation_times_ms"])
-                     for config, result in (configs or {}).items() if result.get("evaluation_times_ms")]
+            call, timed = _read_entry(path, kind, key_text, configs)
             if not timed:
                 skipped.append({"file": str(path), "call": describe_call(kind, call), "reason": "no timing recorded"})
                 continue
             for config, times in timed:
-                measurements.append(Measurement(file_chip, kind, str(path), call, config, tuple(map(float, times))))
+                measurements.append(Measurement(file_chip, kind, str(path), call, config, times))
     return measurements, skipped
+
+
+def _read_entry(path: Path, kind: str, key_text: str, configs) -> tuple[dict, list[tuple[dict, tuple[float, ...]]]]:
+    """One entry of a timing file: its call and its timed configs; CalibrationInputError if not tokamax's shape."""
+    def refuse(problem: str):
+        shown = key_text if len(key_text) <= 200 else key_text[:200] + "..."
+        raise CalibrationInputError(f"{path}: entry {shown!r}: {problem}")
+
+    call = _json_object(key_text, "its key", refuse)
+    _check_call(kind, call, refuse)
+    try:
+        describe_call(kind, call)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
+        refuse(f"its call lacks what a {kind} call holds ({type(error).__name__}: {error})")
+    if configs is None:
+        return call, []
+    if not isinstance(configs, dict):
+        refuse(f"its configs are a JSON {type(configs).__name__}, not an object of config -> result")
+    timed = []
+    for config_text, result in configs.items():
+        config = _json_object(config_text, f"config {config_text[:80]!r}", refuse)
+        for name, value in config.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 <= value <= MAX_CONFIG_VALUE:
+                refuse(f"config value {name} = {value} is outside 0..{MAX_CONFIG_VALUE}")
+        if not isinstance(result, dict):
+            refuse(f"the result of config {config_text[:80]!r} is a JSON {type(result).__name__}, not an object")
+        times = result.get("evaluation_times_ms")
+        if not times:
+            continue
+        if not isinstance(times, list) or not all(
+                isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0 for t in times):
+            refuse(f"evaluation_times_ms of config {config_text[:80]!r} is not a list of positive numbers: "
+                   f"{str(times)[:80]}")
+        timed.append((config, tuple(float(t) for t in times)))
+    return call, timed
+
+
+def _json_object(text: str, what: str, refuse) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        refuse(f"{what} is not JSON ({error})")
+    except RecursionError:
+        refuse(f"{what} is nested too deep to read")
+    if not isinstance(value, dict):
+        refuse(f"{what} is a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def _check_call(kind: str, call: dict, refuse) -> None:
+    """Array dimensions and group counts within bounds (a rebuild allocates the group sizes, a replay walks the grid)."""
+    for name, value in call.items():
+        if isinstance(value, str) and (match := _ARRAY_TYPE.match(value)):
+            dims = [int(d) for d in match.group(2).split(",") if d]
+            if any(d > MAX_DIMENSION for d in dims):
+                refuse(f"{name} {value[:80]} has a dimension over {MAX_DIMENSION}")
+    sizes = call.get("group_sizes")
+    if kind not in ("pallas_ragged_dot", "xla_ragged_dot") or sizes is None:
+        return
+    if isinstance(sizes, dict):
+        groups, total = sizes.get("num_groups"), sizes.get("total_size")
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (groups, total)):
+            refuse(f"group_sizes {str(sizes)[:80]} lacks integer num_groups and total_size")
+        if not (1 <= groups <= MAX_GROUPS and 0 <= total <= MAX_DIMENSION):
+            refuse(f"group_sizes asks for {groups} groups of {total} rows in all: at most {MAX_GROUPS} groups and "
+                   f"{MAX_DIMENSION} rows")
+    elif isinstance(sizes, list):
+        if not 1 <= len(sizes) <= MAX_GROUPS:
+            refuse(f"group_sizes lists {len(sizes)} groups: 1 to {MAX_GROUPS}")
+        if not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_DIMENSION for n in sizes):
+            refuse(f"group_sizes holds something other than group sizes 0..{MAX_DIMENSION}")
+    else:
+        refuse(f"group_sizes is a JSON {type(sizes).__name__}, not a list or {{num_groups, total_size}}")
 
 
 def array_type(text: str) -> jax.ShapeDtypeStruct:
@@ -246,8 +337,7 @@ def _rebuild_ragged_dot(measurement: Measurement) -> Rebuilt:
     )
     lhs, rhs = array_type(call["lhs"]), array_type(call["rhs"])
     sizes = group_sizes_of(call)
-    names = call.get("precision") or ("DEFAULT", "DEFAULT")
-    precision = precision_lib.canonicalize_precision(tuple(lax.Precision[name] for name in names))
+    precision = _ragged_dot_precision(call.get("precision"))
     preferred = call.get("preferred_element_type")
     preferred = jnp.dtype(preferred) if preferred else None
     return_residuals = bool(call.get("return_residuals"))
@@ -282,8 +372,9 @@ def _attention_arguments(call: dict):
     mask = call.get("mask") or {}
     if any(mask.get(name) is not None for name in ("bool_mask", "q_start", "q_end", "k_start", "k_end")):
         raise NotRebuilt("array masks are not rebuilt (causal and full masks are)")
+    dtypes = [array_type(call[name]).dtype for name in ("q", "k", "v")]
     return {
-        "precision": _dot_algorithms(call["precision"]),
+        "precision": _dot_algorithms(call.get("precision"), dtypes),
         "logits_dtype": jnp.dtype(call["logits_dtype"]),
         "logits_scale": float(call["logits_scale"]),
         "bias": None,
@@ -298,10 +389,51 @@ def _attention_arguments(call: dict):
     }
 
 
-def _dot_algorithms(names: Sequence[str]):
+def _ragged_dot_precision(value):
+    """tokamax's canonical precision of a ragged dot entry: None (DEFAULT), a pair of `lax.Precision` names,
+    or one name (a `DotAlgorithmPreset` or a `lax.Precision`); NotRebuilt for anything else."""
+    from jax import lax
+    from tokamax._src import precision as precision_lib
+
+    if value is None:
+        value = ["DEFAULT", "DEFAULT"]
+    if isinstance(value, list) and len(value) == 2 and all(isinstance(name, str) for name in value):
+        if all(name in lax.Precision.__members__ for name in value):
+            return precision_lib.canonicalize_precision(tuple(lax.Precision[name] for name in value))
+    elif isinstance(value, str):
+        try:
+            return precision_lib.canonicalize_precision(value)
+        except ValueError:
+            pass
+    raise NotRebuilt(f"precision {str(value)[:80]} is none of tokamax's forms (a pair of lax.Precision names, "
+                     "or a DotAlgorithmPreset name)")
+
+
+# The preset tokamax's attention picks on TPU for a dot given as a pair of equal `lax.Precision`s
+# (`precision.to_dot_algorithm_preset` with TPU as the backend): bf16 operands always BF16_BF16_F32.
+_TPU_PRESETS = {"DEFAULT": "BF16_BF16_F32", "HIGH": "BF16_BF16_F32_X3", "HIGHEST": "BF16_BF16_F32_X6"}
+
+
+def _dot_algorithms(value, dtypes: Sequence) -> tuple:
+    """The two dots' `DotAlgorithmPreset`s (q.k, then p.v) of an attention entry's precision: per dot a preset
+    name, or (newer tokamax files) a pair of `lax.Precision` names; NotRebuilt for anything else."""
     from jax import lax
 
-    return tuple(lax.DotAlgorithmPreset[name] for name in names)
+    q, k, v = dtypes
+    if not isinstance(value, list) or len(value) != 2:
+        raise NotRebuilt(f"precision {str(value)[:80]} is not one precision per dot (two)")
+    presets = []
+    for item, operands in zip(value, ((q, k), (v, v))):
+        if isinstance(item, str) and item in lax.DotAlgorithmPreset.__members__:
+            presets.append(lax.DotAlgorithmPreset[item])
+        elif (isinstance(item, list) and len(item) == 2 and item[0] == item[1] and item[0] in _TPU_PRESETS
+              and all(jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16, jnp.float32) for dtype in operands)):
+            bf16 = jnp.result_type(*operands) == jnp.bfloat16
+            presets.append(lax.DotAlgorithmPreset["BF16_BF16_F32" if bf16 else _TPU_PRESETS[item[0]]])
+        else:
+            raise NotRebuilt(f"precision {str(item)[:80]} is neither a DotAlgorithmPreset name nor a pair of equal "
+                             "lax.Precision names on bf16, f16 or f32 operands")
+    return tuple(presets)
 
 
 def _rebuild_flash_attention(measurement: Measurement) -> Rebuilt:
@@ -359,5 +491,5 @@ def _no_context():
 
 # What decides the program a measurement compiles to, besides the lowering: a cache of compiles is keyed by
 # their source.
-REBUILD_FUNCTIONS = (rebuild, group_sizes_of, array_type, _rebuild_ragged_dot, _attention_arguments, _dot_algorithms,
-                     _rebuild_flash_attention, _rebuild_flash_attention_vjp)
+REBUILD_FUNCTIONS = (rebuild, group_sizes_of, array_type, _rebuild_ragged_dot, _ragged_dot_precision, _attention_arguments,
+                     _dot_algorithms, _rebuild_flash_attention, _rebuild_flash_attention_vjp)

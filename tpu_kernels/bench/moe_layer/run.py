@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from tpu_kernels.bench import kernel_repo, require_kernel_repo, result_path
+from tpu_kernels.perf.disk_cache import cache_root
 from tpu_kernels.runtime.hardware import SUPPORTED_GENERATIONS
 
 from .cache import CLOCK, Cache, Compiler
@@ -29,7 +30,7 @@ DEFAULT_REPO = kernel_repo("ragged-dot-tpu")
 DEFAULT_OUT = result_path("moe_layer.json")
 # Raw rows and the run's own facts (untracked: .gitignore).
 RAW_DIR = result_path("raw")
-DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tpu-kernels" / "moe_layer"
+DEFAULT_CACHE = cache_root("moe_layer")
 
 
 def priority(case: Case) -> tuple:

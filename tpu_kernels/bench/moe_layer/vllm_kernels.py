@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import subprocess
 import sys
 import types
 import zipfile
 from pathlib import Path
+
+from tpu_kernels.perf.disk_cache import cache_root, private_folder
 
 WHEEL_REQUIREMENT = "tpu-inference==0.32.0"
 WHEEL_NAME = "tpu_inference-0.32.0-py3-none-any.whl"
@@ -26,15 +27,15 @@ WHEEL_SHA256 = "7c25a3c76cefd383f06ef115a6ed4d7bed82c081f047046bfef55f5913ea06d4
 # Modules in import order: each imports only jax and the ones before it (and the logger).
 MODULES = ("tpu_inference.kernels.megablox.common", "tpu_inference.kernels.megablox.tuned_block_sizes",
            "tpu_inference.kernels.megablox.gmm")
-DEFAULT_FOLDER = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tpu-kernels" / "wheels"
+DEFAULT_FOLDER = cache_root("wheels")
 PACKAGES = ("tpu_inference", "tpu_inference.kernels", "tpu_inference.kernels.megablox")
 
 
 def wheel(folder: Path) -> Path:
     """The pinned wheel in `folder`, downloaded (without dependencies) if absent; refused unless its hash matches."""
+    folder = private_folder(folder)  # no other user can swap the wheel after its hash is checked
     path = folder / WHEEL_NAME
     if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
                         "--dest", str(folder), WHEEL_REQUIREMENT], check=True)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
