@@ -495,6 +495,9 @@ HOSTILE_TIMINGS = {
     "a key without the call's fields": ("ragged_dot.json", json.dumps({json.dumps({"lhs": 3}): {"{}": TIMED}})),
     "zero times": ("ragged_dot.json", json.dumps({RAGGED_KEY: {"{}": {"evaluation_times_ms": [0.0]}}})),
     "not UTF-8": ("ragged_dot.json", b'{"\xff": 1}'),
+    "a 5,000-digit number": ("ragged_dot.json", '{"a": ' + "9" * 5000 + "}"),
+    "a 5,000-digit dimension": ("ragged_dot.json", json.dumps(
+        {json.dumps({**RAGGED_CALL, "lhs": f"bf16[{'9' * 5000},128]"}): {"{}": TIMED}})),
 }
 
 

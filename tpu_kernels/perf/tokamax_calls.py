@@ -116,11 +116,11 @@ def read_timing_file(path: Path) -> dict:
         data = json.loads(text)
     except RecursionError:
         raise CalibrationInputError(f"{path}: not a tokamax autotuning file (nested too deep to read)") from None
-    except json.JSONDecodeError as error:
+    except ValueError as error:  # a JSON error, or an integer of more digits than Python converts
         repaired = _UNESCAPED_GROUP_SIZES.sub(r'\1{\\"num_groups\\":\2,\\"total_size\\":\3}', text)
         try:
             data = json.loads(repaired)
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):
             raise CalibrationInputError(f"{path}: not a tokamax autotuning file (JSON error: {error})") from None
     if not isinstance(data, dict):
         raise CalibrationInputError(f"{path}: not a tokamax autotuning file (top level is not an object)")
@@ -210,8 +210,8 @@ def _read_entry(path: Path, kind: str, key_text: str, configs) -> tuple[dict, li
 def _json_object(text: str, what: str, refuse) -> dict:
     try:
         value = json.loads(text)
-    except json.JSONDecodeError as error:
-        refuse(f"{what} is not JSON ({error})")
+    except ValueError as error:  # a JSON error, or an integer of more digits than Python converts
+        refuse(f"{what} is not JSON ({str(error)[:200]})")
     except RecursionError:
         refuse(f"{what} is nested too deep to read")
     if not isinstance(value, dict):
@@ -223,8 +223,8 @@ def _check_call(kind: str, call: dict, refuse) -> None:
     """Array dimensions and group counts within bounds (a rebuild allocates the group sizes, a replay walks the grid)."""
     for name, value in call.items():
         if isinstance(value, str) and (match := _ARRAY_TYPE.match(value)):
-            dims = [int(d) for d in match.group(2).split(",") if d]
-            if any(d > MAX_DIMENSION for d in dims):
+            digits = [d for d in match.group(2).split(",") if d]
+            if any(len(d) > 9 or int(d) > MAX_DIMENSION for d in digits):
                 refuse(f"{name} {value[:80]} has a dimension over {MAX_DIMENSION}")
     sizes = call.get("group_sizes")
     if kind not in ("pallas_ragged_dot", "xla_ragged_dot") or sizes is None:
