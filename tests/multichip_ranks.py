@@ -4,8 +4,8 @@ Launched by tests/test_multichip.py as
 
     python -m torch.distributed.run --standalone --nproc-per-node N tests/multichip_ranks.py SPEC.json
 
-SPEC (JSON): `repos` (kernel builds for kernelize), `models` (name -> checkpoint folder, router module
-name), `prompt`, `out` (a folder) and `runs`, each a mode ("tp", "ep_dispatch" or "ep_router"), a model,
+SPEC (JSON): `repos` (kernel builds for kernelize), `models` (name -> checkpoint folder),
+`prompt`, `out` (a folder) and `runs`, each a mode ("tp", "ep_dispatch" or "ep_router"), a model,
 optional `tp_plan` overrides and what to do:
 
 - "generate": kernelize, then the prompt's logits and greedy tokens, with what each call of the
@@ -34,15 +34,19 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from tpu_kernels import kernelize
 
 
-def distributed_config(mode: str, world_size: int, router: str, tp_plan: dict | None) -> DistributedConfig:
-    """transformers 5.22's three MoE layouts over `world_size` ranks; attention is tensor-parallel in all three."""
+def distributed_config(mode: str, world_size: int, tp_plan: dict | None) -> DistributedConfig:
+    """transformers 5.25's three MoE layouts over `world_size` ranks; attention is tensor-parallel in all three.
+
+    Both EP layouts use the model's own `ep_dispatch_experts` plan; `ep_implementation` says how tokens reach the
+    experts: exchanged by all-to-all ("ep_dispatch"), or every rank's experts on the shared batch with the other
+    ranks' picks masked, summed by an all-reduce ("ep_router", what the router-masking plan did before 5.25).
+    """
     if mode == "tp":
         return DistributedConfig(tp_size=world_size, tp_plan=tp_plan)
     if mode == "ep_dispatch":
-        return DistributedConfig(tp_size=world_size, tp_plan=tp_plan, ep_size=world_size)
+        return DistributedConfig(tp_size=world_size, tp_plan=tp_plan, ep_size=world_size, ep_implementation="all_to_all")
     if mode == "ep_router":
-        ep_plan = {f"model.layers.*.mlp.{router}": "ep_router", "model.layers.*.mlp.experts": "moe_tp_experts"}
-        return DistributedConfig(tp_size=world_size, tp_plan=tp_plan, ep_size=world_size, ep_plan=ep_plan)
+        return DistributedConfig(tp_size=world_size, tp_plan=tp_plan, ep_size=world_size, ep_implementation="all_reduce")
     raise ValueError(f"unknown mode {mode!r}")
 
 
@@ -139,7 +143,7 @@ def main(spec_path: str) -> int:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     for run in spec["runs"]:
         model_spec = spec["models"][run["model"]]
-        config = distributed_config(run["mode"], world_size, model_spec["router"], run.get("tp_plan"))
+        config = distributed_config(run["mode"], world_size, run.get("tp_plan"))
         model = AutoModelForCausalLM.from_pretrained(model_spec["path"], distributed_config=config, dtype=torch.float32)
         result = ACTIONS[run["action"]](model.eval(), run, spec)
         torch.save(result, os.path.join(spec["out"], f"{run['name']}.rank{rank}.pt"))

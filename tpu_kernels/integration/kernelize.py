@@ -257,7 +257,7 @@ def _kernelize_rmsnorm(model, spec: KernelSpec, kernel: ModuleType, mode: Mode, 
     matches = {}
     for name, module in model.named_modules():
         layer_name = kernel.layers.matching_layer_name(module)
-        if layer_name is not None and replacement_conflict(plan, name, mode) is None:
+        if layer_name is not None and replacement_conflict(plan, name, module, mode) is None:
             matches[name] = (module, layer_name)
     if not matches:
         return ReportEntry("rmsnorm", False, (), str(spec), "no RMSNorm modules the kernel computes exactly")

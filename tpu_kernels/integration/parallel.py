@@ -1,15 +1,16 @@
 """What transformers' tensor- and expert-parallel plans mean for kernelize.
 
 `from_pretrained(..., distributed_config=DistributedConfig(tp_size=N, ep_size=M, ep_plan=...))`
-shards a model over processes by a plan: a style per module name ("colwise", "moe_tp_experts",
-"ep_router", ...). Each style shards weights and may wrap the module's forward with transforms,
-collectives or gradient hooks. Two things follow for kernelize:
+shards a model over processes by a plan: a style per module name ("colwise", "rowwise",
+"ep_dispatch_experts", ...). Each style shards weights and may wrap the module's forward with transforms
+and collectives, or hook it (hooks stay when the forward is replaced). Two things follow for kernelize:
 
 * Attention under tensor parallelism sees this rank's heads only. That serves exactly when the
   query and key/value head counts both divide by tp_size (each rank keeps whole heads and the GQA
   ratio); otherwise the projections cut heads apart and no attention function can serve them.
-* Replacing a module's forward drops the plan's wrapper around it. That is exact only where the
-  wrapper does nothing in the pass being run.
+* Replacing a module's forward drops a wrapper the plan put around it. That is exact only where the
+  wrapper does nothing in the pass being run. (transformers 5.25 all-reduces the gradients of Qwen3's
+  q_norm/k_norm from a forward pre-hook, which a replaced forward keeps.)
 
 Experts need nothing here: the plans hand the experts function plain local tensors, and transformers
 selects it by name through the (wrapped) experts forward.
@@ -42,10 +43,15 @@ def applied_plan(model) -> dict[str, str]:
     return plan
 
 
-def replacement_conflict(plan: dict[str, str], module_name: str, mode: Mode) -> str | None:
-    """Why replacing `module_name`'s forward would lose what its plan style does in `mode`, or None."""
+def replacement_conflict(plan: dict[str, str], module_name: str, module, mode: Mode) -> str | None:
+    """Why replacing `module_name`'s forward would lose what its plan style does in `mode`, or None.
+
+    Only a style that wrapped the forward (an instance attribute `forward`) can be lost; hooks stay.
+    """
     from transformers.distributed.tensor_parallel import replace_layer_number_by_wildcard
 
+    if "forward" not in vars(module):
+        return None
     style = plan.get(replace_layer_number_by_wildcard(module_name))
     transparent = _TRANSPARENT_STYLES_IN_TRAINING if Mode.TRAINING in mode else _TRANSPARENT_STYLES_IN_INFERENCE
     if style is None or style in transparent:
