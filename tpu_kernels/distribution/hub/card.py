@@ -226,6 +226,9 @@ def render_card(content: bytes, base_url: str, *, max_html_chars: int = MAX_CARD
     The HTML holds at most `max_html_chars` characters once every `base_url` in it is counted as
     `base_url_chars` (default: its length); a card that would be longer is cut, and says so.
     """
+    if max_html_chars < _CUT_RESERVE_CHARS:
+        raise ValueError(f"max_html_chars {max_html_chars} leaves no room for the notice of a cut card "
+                         f"({_CUT_RESERVE_CHARS} characters)")
     if len(content) > MAX_CARD_BYTES:
         return Card(html=f"<p>The card is {len(content):,} bytes: too large to show here.</p>")
     body, metadata = _body_and_metadata(content.decode("utf-8", errors="replace"))
