@@ -206,3 +206,15 @@ def test_build_and_publish_import_no_private_name(tmp_path):
         "sample.py:7: kernels._rust import Build", "sample.py:8: kernels._internals.digest",
         "sample.py:9: kernels import _rust", "sample.py:10: kernels.benchmark import Benchmark",
         "sample.py:11: huggingface_hub.utils._http import y", "sample.py:12: huggingface_hub.hf_api import _z"]
+
+
+def test_the_build_command_says_what_is_wrong_with_build_toml_in_one_line(tmp_path, capsys):
+    from tpu_kernels.cli import main
+
+    repo = tmp_path / "rmsnorm-tpu"
+    shutil.copytree(REPO_ROOT / "kernel_repos" / "rmsnorm-tpu", repo)
+    build_toml = repo / "build.toml"
+    build_toml.write_text(build_toml.read_text().replace("edition = 6", "edition = 5"))
+    assert main(["build", str(repo), "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tpu-kernels build: ") and "set `edition = 6`" in err and "Traceback" not in err

@@ -12,14 +12,22 @@ from pathlib import Path
 DEFAULT_GENERATIONS = "v5e,v5p,v6e,tpu7x"
 
 
+def _build_errors() -> tuple[type[Exception], ...]:
+    """What `build_kernel_repo` raises about the kernel repo itself: said in one line, never a traceback."""
+    from .distribution.build_toml import BuildTomlError
+    from .distribution.links import LinkOutError
+    from .distribution.symbols import SymbolsError
+
+    return BuildTomlError, LinkOutError, SymbolsError, FileNotFoundError
+
+
 def _build(args) -> int:
     from .distribution.builder import build_kernel_repo
-    from .distribution.links import LinkOutError
 
     for repo in args.repos:
         try:
             print(build_kernel_repo(Path(repo), Path(args.out)))
-        except LinkOutError as error:
+        except _build_errors() as error:
             print(f"tpu-kernels build: {error}", file=sys.stderr)
             return 1
     return 0
@@ -41,13 +49,12 @@ def _check(args) -> int:
 
     from .aot import compile_kernel, format_table
     from .distribution.builder import build_kernel_repo
-    from .distribution.links import LinkOutError
     from .perf.disk_cache import UnsafeCacheError, cache_root
 
     repo = Path(args.repo)
     try:
         built = build_kernel_repo(repo, Path(args.out))
-    except LinkOutError as error:
+    except _build_errors() as error:
         print(f"tpu-kernels check: {error}", file=sys.stderr)
         return 1
     print(f"built {built}")
