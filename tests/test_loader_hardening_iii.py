@@ -71,3 +71,20 @@ def test_the_copies_of_a_killed_process_are_removed_by_the_next_load(tmp_path, p
 
         assert get_local_kernel(build, backend="cpu").answer() == 5
         assert not abandoned.exists() and live.exists()
+
+
+def test_a_later_private_root_keeps_the_earlier_one_locked(tmp_path, private_temp, monkeypatch):
+    """Copies made before a change of TMPDIR stay in use: their root must stay locked, or the next process's
+    clean-up would delete it under this one."""
+    build = make_build(tmp_path, answer=5)
+    assert get_local_kernel(build, backend="cpu").answer() == 5
+    (first,) = private_temp.glob("tpu-kernels-verified-*")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(elsewhere))
+    monkeypatch.setattr(private_copies, "_private_root", None)
+    get_local_kernel(make_build(tmp_path, answer=6), backend="cpu")
+    with open(first / ".owner.lock") as lock, pytest.raises(BlockingIOError):
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    private_copies._remove_abandoned_roots(private_temp, keep=None)
+    assert first.exists()

@@ -33,7 +33,9 @@ _OWNER_LOCK = ".owner.lock"
 # digest, so equal metadata means equal files: a kernel loaded again reuses its copy.
 _PRIVATE_COPIES: dict[str, Path] = {}
 _private_root: Path | None = None
-_owner_lock_handle = None
+# The open lock files of every root this process made, kept open (so locked) for the life of the process: a
+# root made later (a new TMPDIR) must not release an earlier one that copies still live in.
+_owner_locks: list = []
 
 
 def verify_variant(variant_path: Path, *, source: str | None = None) -> None:
@@ -104,7 +106,7 @@ def _private_copies_root() -> Path:
     Removed at exit; those of processes that died without exiting are removed when the next one is made.
     KernelIntegrityError if the temporary folder does not give that (set TMPDIR).
     """
-    global _private_root, _owner_lock_handle
+    global _private_root
     with _LOAD_LOCK:
         if _private_root is None:
             root = Path(tempfile.mkdtemp(prefix=_PRIVATE_FOLDER_PREFIX)).resolve()
@@ -116,7 +118,7 @@ def _private_copies_root() -> Path:
             handle = open(root / _OWNER_LOCK, "w")
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             atexit.register(shutil.rmtree, root, True)
-            _owner_lock_handle = handle
+            _owner_locks.append(handle)
             _private_root = root
             _remove_abandoned_roots(root.parent, keep=root)
         return _private_root
