@@ -1,6 +1,5 @@
 """The builder: Hub kernel layout, metadata kernels accepts, digests, reproducibility, namespaces."""
 
-import ast
 import shutil
 import subprocess
 import sys
@@ -167,45 +166,6 @@ def test_builder_finds_the_binding_without_importing_it():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
-
-
-# The distribution modules that build and publish: they import kernels' public API only (kernels.__all__), and
-# no private module or name of any other library.
-BUILD_AND_PUBLISH_MODULES = ("build_toml", "builder", "digest", "publish", "symbols")
-
-
-def private_imports(path: Path) -> list[str]:
-    """Imports in `path` of a private module or name of another library (a relative import is our own)."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            modules = [(alias.name, None) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module != "__future__":
-            modules = [(node.module, alias.name) for alias in node.names]
-        else:
-            continue
-        for module, name in modules:
-            parts = module.split(".")
-            if (any(part.startswith("_") for part in parts) or (name or "").startswith("_")
-                    or (parts[0] == "kernels" and (len(parts) > 1 or (name is not None and name not in kernels.__all__)))):
-                found.append(f"{path.name}:{node.lineno}: {module}" + (f" import {name}" if name else ""))
-    return found
-
-
-def test_build_and_publish_import_no_private_name(tmp_path):
-    modules = [REPO_ROOT / "tpu_kernels" / "distribution" / f"{name}.py" for name in BUILD_AND_PUBLISH_MODULES]
-    assert [found for path in modules for found in private_imports(path)] == []
-    # The check finds what it is for, and passes what is allowed.
-    sample = tmp_path / "sample.py"
-    sample.write_text("from __future__ import annotations\nimport kernels\nfrom kernels import Metadata, get_kernel\n"
-                      "from huggingface_hub import HfApi\nfrom . import digest\nfrom ._private import x\n"
-                      "from kernels._rust import Build\nimport kernels._internals.digest\nfrom kernels import _rust\n"
-                      "from kernels.benchmark import Benchmark\nfrom huggingface_hub.utils._http import y\n"
-                      "from huggingface_hub.hf_api import _z\n")
-    assert private_imports(sample) == [
-        "sample.py:7: kernels._rust import Build", "sample.py:8: kernels._internals.digest",
-        "sample.py:9: kernels import _rust", "sample.py:10: kernels.benchmark import Benchmark",
-        "sample.py:11: huggingface_hub.utils._http import y", "sample.py:12: huggingface_hub.hf_api import _z"]
 
 
 def test_the_build_command_says_what_is_wrong_with_build_toml_in_one_line(tmp_path, capsys):

@@ -25,6 +25,14 @@ def _private(dotted: str) -> bool:
                for part in dotted.split("."))
 
 
+def _outside_kernels_api(module: str, name: str | None) -> bool:
+    """kernels' public API is what `kernels/__init__.py` exports: no submodule, no name outside `__all__`."""
+    import kernels
+
+    parts = module.split(".")
+    return parts[0] == "kernels" and (len(parts) > 1 or (name is not None and name not in kernels.__all__))
+
+
 def private_uses(source: str, filename: str) -> list[str]:
     """Each place `source` imports, reaches or patches a private part of the libraries, as `file:line: what`."""
     tree = ast.parse(source, filename)
@@ -35,12 +43,12 @@ def private_uses(source: str, filename: str) -> list[str]:
             for alias in node.names:
                 if _library(alias.name):
                     bound.add((alias.asname or alias.name).split(".")[0])
-                    if _private(alias.name):
+                    if _private(alias.name) or _outside_kernels_api(alias.name, None):
                         found.append(f"{filename}:{node.lineno}: import {alias.name}")
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and _library(node.module):
             for alias in node.names:
                 bound.add(alias.asname or alias.name)
-                if _private(f"{node.module}.{alias.name}"):
+                if _private(f"{node.module}.{alias.name}") or _outside_kernels_api(node.module, alias.name):
                     found.append(f"{filename}:{node.lineno}: from {node.module} import {alias.name}")
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and _rooted_in(node, bound):
@@ -92,6 +100,9 @@ def test_our_code_uses_only_public_names_of_the_libraries():
     "from huggingface_hub import file_download\nfile_download.hf_hub_download = None",
     "import torch\nsetattr(torch.library, 'x', 1)",
     "import transformers.integrations as t\nt._private_helper()",
+    "from kernels.benchmark import Benchmark",
+    "from kernels import resolver",
+    "from huggingface_hub.utils._http import y",
 ])
 def test_the_check_catches_private_uses_and_patches(source):
     assert private_uses(source, "example.py")
