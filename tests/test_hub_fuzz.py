@@ -31,6 +31,9 @@ from .test_hub_hardening import http
 
 TOKEN = "fuzz-" + os.urandom(4).hex()
 REPO = "org/fuzzed"
+# The card test's own repo: the path fuzzing commits any path to REPO (a folder named README.md, say), which a
+# card commit to the same tree would then rightly be refused.
+CARD_REPO = "org/fuzzed-card"
 ANSWERS = {200, 400, 404, 409, 412, 413}
 
 # Names a file system, git or a terminal treats specially, and their near misses.
@@ -88,9 +91,10 @@ def test_an_accepted_path_is_never_git_nor_invisible_nor_escaping(path):
 def hub(tmp_path_factory):
     limits = Limits(header_timeout=2, idle_timeout=2, body_timeout=2, send_timeout=2)
     with start_hub(tmp_path_factory.mktemp("fuzz") / "hub", token=TOKEN, limits=limits) as running:
-        status, _, _ = http("POST", f"{running.url}/api/repos/create", token=TOKEN,
-                            body=json.dumps({"name": REPO.split("/")[1], "organization": "org", "type": "kernel"}).encode())
-        assert status == 200
+        for repo in (REPO, CARD_REPO):
+            status, _, _ = http("POST", f"{running.url}/api/repos/create", token=TOKEN, body=json.dumps(
+                {"name": repo.split("/")[1], "organization": "org", "type": "kernel"}).encode())
+            assert status == 200
         yield running
 
 
@@ -243,9 +247,9 @@ def test_no_card_gets_a_500_or_an_error_log_on_its_page(hub, errors, card, repea
                                      "encoding": "base64"}}
     body = b"\n".join([json.dumps({"key": "header", "value": {"summary": "card"}}).encode(),
                        json.dumps(line).encode()]) + b"\n"
-    status, _, answer = http("POST", f"{hub.url}/api/kernels/{REPO}/commit/main", body, token=TOKEN,
+    status, _, answer = http("POST", f"{hub.url}/api/kernels/{CARD_REPO}/commit/main", body, token=TOKEN,
                              headers={"Content-Type": "application/x-ndjson"})
     assert status == 200, answer[:300]
-    status, _, page = http("GET", f"{hub.url}/kernels/{REPO}/tree/main")
+    status, _, page = http("GET", f"{hub.url}/kernels/{CARD_REPO}/tree/main")
     assert status == 200 and len(page) < (1 << 20) + (64 << 10)
     assert errors == []
