@@ -4,7 +4,7 @@ import pickle
 import sys
 import types
 
-from tpu_kernels.perf.disk_cache import DiskCache
+from tpu_kernels.disk_cache import DiskCache
 
 
 def test_a_stored_value_comes_back_and_counts_as_a_hit(tmp_path):

@@ -363,7 +363,7 @@ def cache_home(tmp_path, monkeypatch) -> Path:
 def _cache_classes():
     from tpu_kernels.bench.moe_layer.cache import Cache
     from tpu_kernels.perf.calibration import AnalysisCache
-    from tpu_kernels.perf.disk_cache import DiskCache
+    from tpu_kernels.disk_cache import DiskCache
 
     return {"DiskCache (check's aot cache)": DiskCache, "calibration.AnalysisCache": AnalysisCache,
             "moe_layer Cache": Cache}
@@ -393,7 +393,7 @@ def test_a_pickle_planted_in_a_cache_is_a_miss_and_never_runs(tmp_path, cache_ho
 
 @pytest.mark.parametrize("mode", [0o777, 0o775, 0o757])
 def test_a_cache_folder_others_can_write_is_refused(tmp_path, cache_home, mode):
-    from tpu_kernels.perf.disk_cache import DiskCache
+    from tpu_kernels.disk_cache import DiskCache
 
     folder = tmp_path / "shared-cache"
     folder.mkdir()
@@ -423,7 +423,7 @@ def test_calibrate_on_a_cache_folder_others_can_write_exits_2_with_a_message(tmp
 
 
 def test_the_hmac_key_is_made_0600_and_one_others_can_read_is_refused(tmp_path, cache_home):
-    from tpu_kernels.perf import disk_cache
+    from tpu_kernels import disk_cache
 
     disk_cache.DiskCache(tmp_path / "cache").put("k", 1)
     key = cache_home / "tpu-kernels" / disk_cache.HMAC_KEY_FILE
@@ -455,7 +455,7 @@ def test_every_cache_root_comes_from_one_function():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and node.value in ("XDG_CACHE_HOME", ".cache"):
                 readers.append(path.relative_to(REPO_ROOT).as_posix())
-    assert sorted(set(readers)) == ["tpu_kernels/perf/disk_cache.py"]
+    assert sorted(set(readers)) == ["tpu_kernels/disk_cache.py"]
 
 
 @pytest.mark.multiprocess

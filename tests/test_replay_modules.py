@@ -35,7 +35,8 @@ def test_replay_modules_hold_everything_the_replay_imports_within_perf():
 
 
 def test_the_cache_key_of_a_replay_changes_with_the_replay_source(tmp_path, monkeypatch):
-    from tpu_kernels.perf import calibration, disk_cache
+    from tpu_kernels import disk_cache
+    from tpu_kernels.perf import calibration
 
     before = calibration.AnalysisCache(tmp_path).replay_code
     source_of = inspect.getsource

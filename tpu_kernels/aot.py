@@ -36,7 +36,7 @@ from types import ModuleType
 
 import jax
 
-from .perf.disk_cache import DiskCache, cache_root, library_versions
+from .disk_cache import DiskCache, cache_root, library_versions
 
 # Compile-only topology names; libtpu knows "tpu7x:..." but not "v7x:...".
 TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:1x1", "v5p": "v5p:2x2x1", "v6e": "v6e:1x1", "tpu7x": "tpu7x:2x2x1"}

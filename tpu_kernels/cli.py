@@ -49,7 +49,7 @@ def _check(args) -> int:
 
     from .aot import compile_kernel, format_table
     from .distribution.builder import build_kernel_repo
-    from .perf.disk_cache import UnsafeCacheError, cache_root
+    from .disk_cache import UnsafeCacheError, cache_root
 
     repo = Path(args.repo)
     try:
@@ -116,7 +116,7 @@ def _bench(argv: list[str]) -> int:
     if name in bench.MODELLED:
         # Modelled benchmarks compile for TPUs ahead of time from the CPU (set before jax is imported).
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from .perf.disk_cache import UnsafeCacheError
+    from .disk_cache import UnsafeCacheError
 
     module = importlib.import_module(f"{bench.__name__}.{name}")
     argv0 = sys.argv[0] if sys.argv else None
@@ -142,7 +142,7 @@ def _calibrate(args) -> int:
     from tqdm import tqdm
 
     from .perf import calibration
-    from .perf.disk_cache import UnsafeCacheError, cache_root
+    from .disk_cache import UnsafeCacheError, cache_root
 
     try:
         report = calibration.calibrate(

@@ -32,7 +32,7 @@ import numpy as np
 
 from . import chip as chip_constants
 from . import program_replay, tokamax_calls, xla_program
-from .disk_cache import DiskCache, cache_root, library_versions, source_fingerprint
+from ..disk_cache import DiskCache, cache_root, library_versions, source_fingerprint
 from .program_replay import ProgramReplay
 from .tokamax_calls import (
     CHIP_FOLDERS,

@@ -22,7 +22,7 @@ import numpy as np
 
 from tpu_kernels import perf
 from tpu_kernels.perf import calibration, xla_program
-from tpu_kernels.perf.disk_cache import DiskCache, library_versions, source_fingerprint
+from tpu_kernels.disk_cache import DiskCache, library_versions, source_fingerprint
 
 
 class Cache(DiskCache):

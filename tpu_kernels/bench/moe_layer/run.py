@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from tpu_kernels.bench import kernel_repo, require_kernel_repo, result_path
-from tpu_kernels.perf.disk_cache import cache_root
+from tpu_kernels.disk_cache import cache_root
 from tpu_kernels.runtime.hardware import SUPPORTED_GENERATIONS
 
 from .cache import CLOCK, Cache, Compiler

@@ -19,7 +19,7 @@ import types
 import zipfile
 from pathlib import Path
 
-from tpu_kernels.perf.disk_cache import cache_root, private_folder
+from tpu_kernels.disk_cache import cache_root, private_folder
 
 WHEEL_REQUIREMENT = "tpu-inference==0.32.0"
 WHEEL_NAME = "tpu_inference-0.32.0-py3-none-any.whl"
