@@ -1,7 +1,9 @@
 """Our code reaches kernels, huggingface_hub, transformers and torch through their public APIs only, and patches
 none of them: a private name (a module or name with a leading underscore, at any depth) or an assignment to
 an attribute of one of their modules fails here, naming the file and line. A new release that moves its
-internals then cannot break a user's install of ours."""
+internals then cannot break a user's install of ours. What a build ships (the runtime and the kernels'
+packages) holds jax to the same rule: a jax release that moved a private would break every built kernel,
+on TPU too. The performance model (tpu_kernels/perf) reads jax's internals on purpose and ships nowhere."""
 
 from __future__ import annotations
 
@@ -14,10 +16,8 @@ from .conftest import REPO_ROOT
 
 LIBRARIES = ("kernels", "huggingface_hub", "transformers", "torch")
 CHECKED = [REPO_ROOT / "tpu_kernels", REPO_ROOT / "kernel_repos"]
-
-
-def _library(module: str | None) -> bool:
-    return module is not None and module.split(".")[0] in LIBRARIES
+SHIPPED_LIBRARIES = (*LIBRARIES, "jax", "jaxlib")
+SHIPPED = [REPO_ROOT / "tpu_kernels" / "runtime", *(REPO_ROOT / "kernel_repos").glob("*/torch-ext")]
 
 
 def _private(dotted: str) -> bool:
@@ -33,8 +33,12 @@ def _outside_kernels_api(module: str, name: str | None) -> bool:
     return parts[0] == "kernels" and (len(parts) > 1 or (name is not None and name not in kernels.__all__))
 
 
-def private_uses(source: str, filename: str) -> list[str]:
-    """Each place `source` imports, reaches or patches a private part of the libraries, as `file:line: what`."""
+def private_uses(source: str, filename: str, libraries: tuple[str, ...] = LIBRARIES) -> list[str]:
+    """Each place `source` imports, reaches or patches a private part of `libraries`, as `file:line: what`."""
+
+    def _library(module: str | None) -> bool:
+        return module is not None and module.split(".")[0] in libraries
+
     tree = ast.parse(source, filename)
     bound: set[str] = set()  # local names bound to a module (or object) of the libraries
     found = []
@@ -82,14 +86,26 @@ def _dotted(node: ast.expr) -> str | None:
     return ".".join([node.id, *reversed(parts)])
 
 
-def _python_files() -> list[Path]:
-    return sorted(path for root in CHECKED for path in root.rglob("*.py") if "__pycache__" not in path.parts)
+def _python_files(roots: list[Path]) -> list[Path]:
+    return sorted(path for root in roots for path in root.rglob("*.py") if "__pycache__" not in path.parts)
 
 
 def test_our_code_uses_only_public_names_of_the_libraries():
-    found = [use for path in _python_files()
+    found = [use for path in _python_files(CHECKED)
              for use in private_uses(path.read_text(), str(path.relative_to(REPO_ROOT)))]
     assert found == []
+
+
+def test_shipped_code_uses_only_public_names_of_jax_too():
+    assert len(SHIPPED) == 4  # the runtime and three kernel packages: a moved folder must not empty the check
+    found = [use for path in _python_files(SHIPPED)
+             for use in private_uses(path.read_text(), str(path.relative_to(REPO_ROOT)), SHIPPED_LIBRARIES)]
+    assert found == []
+
+
+def test_the_shipped_check_catches_a_jax_private():
+    assert private_uses("from jax._src.pallas.mosaic.interpret import interpret_pallas_call", "example.py",
+                        SHIPPED_LIBRARIES)
 
 
 @pytest.mark.parametrize("source", [

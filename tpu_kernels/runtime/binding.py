@@ -28,10 +28,12 @@ outputs are not returned again: autograd keeps the tensors it already has.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import inspect
 import os
+import sys
 import types
 import typing
 import warnings
@@ -43,9 +45,6 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from jax.experimental.pallas import tpu as pltpu
-
-# Private: the interpreter's race state has no public accessor.
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interpreter
 
 RACE_DETECTION_ENV = "TPU_KERNELS_DETECT_RACES"
 
@@ -181,46 +180,32 @@ def _to_torch(array: jax.Array) -> torch.Tensor:
     return torch.from_dlpack(array)
 
 
-class _RaceRecordingParams(pltpu.InterpretParams):
-    """Interpret-mode settings that remember a race found by any kernel of an op.
+class _RaceWatch:
+    """Standard output while an op runs in interpret mode, passed on unchanged, noting a race report.
 
-    The interpreter keeps the race state of the kernel it runs in a module
-    global and replaces it when the next kernel starts, right after asking the
-    settings for the vector clock size. Looking at the state then, and once
-    more after the op, sees every kernel of an op that runs several
-    (jax exposes no public accessor for this state).
+    With `detect_races`, the interpreter prints a report starting "RACE DETECTED"
+    for every race it finds, in every kernel of the op (the behaviour
+    `pltpu.InterpretParams` documents); its race state itself has no public
+    accessor.
     """
 
-    def get_vector_clock_size(self, num_devices) -> int:
-        _races.record_finished_kernel()
-        return super().get_vector_clock_size(num_devices)
+    REPORT = "RACE DETECTED"
 
-
-class _RaceRecord:
-    """Whether a kernel of the op running now found a race."""
-
-    def __init__(self):
+    def __init__(self, stream):
+        self.stream = stream
         self.found = False
 
-    def start(self) -> None:
-        # Drops the race state of the last kernel of an earlier op.
-        pltpu.reset_tpu_interpret_mode_state()
-        self.found = False
+    def write(self, text: str) -> int:
+        self.found = self.found or self.REPORT in text
+        return self.stream.write(text)
 
-    def record_finished_kernel(self) -> None:
-        races = _interpreter.races
-        self.found = self.found or (races is not None and races.races_found)
-
-    def raise_if_found(self, qualname: str) -> None:
-        self.record_finished_kernel()
-        if self.found:
-            raise RuntimeError(f"{qualname}: the TPU interpreter detected a data race in the kernel")
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 
-_races = _RaceRecord()
 # Uninitialised memory is always NaN-filled so a kernel reading garbage shows it.
 _INTERPRET = pltpu.InterpretParams(uninitialized_memory="nan")
-_INTERPRET_DETECTING_RACES = _RaceRecordingParams(detect_races=True, uninitialized_memory="nan")
+_INTERPRET_DETECTING_RACES = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
 
 
 def interpret_params() -> pltpu.InterpretParams:
@@ -266,15 +251,15 @@ class _JaxFunction:
         host_args = [_map_tensors(a, _to_host_array) for a in args]
         host_kwargs = {k: _map_tensors(v, _to_host_array) for k, v in kwargs.items()}
         params = interpret_params()
-        if params.detect_races:
-            _races.start()
-        with pltpu.force_tpu_interpret_mode(params):
+        race_watch = _RaceWatch(sys.stdout)
+        with pltpu.force_tpu_interpret_mode(params), (
+                contextlib.redirect_stdout(race_watch) if params.detect_races else contextlib.nullcontext()):
             out = self.jitted(*host_args, **host_kwargs)
-        outputs = out if isinstance(out, (tuple, list)) else (out,)
-        for array in outputs:
-            array.block_until_ready()
-        if params.detect_races:
-            _races.raise_if_found(self.qualname)
+            outputs = out if isinstance(out, (tuple, list)) else (out,)
+            for array in outputs:
+                array.block_until_ready()
+        if race_watch.found:
+            raise RuntimeError(f"{self.qualname}: the TPU interpreter detected a data race in the kernel")
         if isinstance(out, list):
             return [_to_torch(o) for o in outputs]
         if self.returns_tuple:
