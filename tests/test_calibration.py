@@ -19,7 +19,7 @@ from tpu_kernels.perf import calibration, tokamax_calls
 tokamax = pytest.importorskip("tokamax")
 AUTOTUNING = Path(tokamax.__file__).parent / "data" / "autotuning"
 
-# (chip folder, file, call label, the largest |predicted / measured - 1| accepted): the bands of issue 22
+# (chip folder, file, call label, the largest |predicted / measured - 1| accepted): the accepted bands
 # (Pallas ragged dot: worst 20 %; XLA ragged dot: within 2x; flash attention: 30 %).
 PINNED = [
     ("tpu_v5_lite", "pallas_mosaic_tpu_ragged_dot.json", "fwd bf16[4096,4096] x bf16[8,4096,4096] G=8", 0.20),

@@ -1,4 +1,4 @@
-"""Issue 49's findings 1-8 and 11, each refused or bounded: cards that expand, the card cache, symlinks
+"""Hostile input to pages, builder and caches, each refused or bounded: cards that expand, the card cache, symlinks
 in a kernel source, the on-disk caches, NTFS aliases, control characters in a revision, hostile
 calibration input, the cache root, and the server's folder modes.
 

@@ -1,4 +1,5 @@
-"""The local Hub against issue 21's findings 6-13: each class refused or bounded, with variants.
+"""The local Hub against slow clients, huge listings, `.git` paths, orphans, big headers, smuggling, cards and names:
+each class refused or bounded, with variants.
 
 A real server on loopback, raw sockets for what no client would send; memory is measured
 on a server process. tests/test_hub_fuzz.py runs the bounded fuzz of the commit reader.

@@ -1,4 +1,4 @@
-"""What an attacker gets through the loader (issue 21): planted bytecode in a read-only cache, a blob
+"""What an attacker gets through the loader: planted bytecode in a read-only cache, a blob
 swapped between the digest check and the import, a Hub that lies about ids, and the errors users see
 when the Hub is out of reach or telemetry is off.
 

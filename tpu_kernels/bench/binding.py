@@ -51,7 +51,7 @@ from tpu_kernels.runtime import binding
 DEFAULT_OUT = result_path("binding.json")
 TARGET_US, STRETCH_US = 100.0, 50.0
 
-# Decode-step model (figures from issue 12): a 48-layer MoE, four kernel calls
+# Decode-step model (Hugging Face's figures): a 48-layer MoE, four kernel calls
 # per layer (two RMSNorms, attention, the fused experts), and the 26.5 ms step
 # Hugging Face measured for it at batch 1.
 LAYERS = 48
@@ -253,7 +253,7 @@ def measure_tpu_path_python(rounds: int, calls: int) -> dict:
         "JaxCallable), with the C++ launch (call_custom_kernel) stubbed out: a lower bound of the eager host cost",
         "per_call_us": times,
         "decode_step_model": {
-            "assumptions": f"{LAYERS} layers x {CALLS_PER_LAYER} kernel calls (issue 12); minimum per-call times "
+            "assumptions": f"{LAYERS} layers x {CALLS_PER_LAYER} kernel calls; minimum per-call times "
             "above; launch cost of call_custom_kernel and all non-kernel torch ops excluded",
             "kernel_calls_per_step": LAYERS * sum(CALLS_PER_LAYER.values()),
             "host_ms_per_step_lower_bound": step_ms,

@@ -46,7 +46,7 @@ constants and errors stand for it),
 each collective's bytes and time, per layer and per step at the central
 assumptions and across the band; the winner per batch; and the comparison
 with Hugging Face's 56.6 ms/step at batch 64 (kernels-community/ragged-dot-tpu,
-v6e-8; figure from issue 12).
+v6e-8, as Hugging Face reported it).
 
 Usage:
     tpu-kernels bench multichip [--out benchmarks/results/multichip.json]
@@ -304,7 +304,7 @@ def main(argv=None) -> int:
                 + f"; the attention and lm_head weights add a floor of {floor_ms:.2f} ms. The gap to 56.6 ms is what "
                 "this model leaves out: above all the host time of an eager step (README.md, 'Cost per call': at "
                 "least 6.7 ms of torch_tpu's Python per step for 192 kernel calls, before launches and every other "
-                "eager torch op) and the kernel HF ran (issue 13: 0.257 ms measured for one EP8 experts layer at "
+                "eager torch op) and the kernel HF ran (HF measured 0.257 ms for one EP8 experts layer at "
                 f"256 tokens, where this model gives our layer {router_256['experts_layer_us']['central']:.1f} us"
                 + hf_kernel_note() + ")."
             ),

@@ -27,10 +27,10 @@ query heads, 4 KV heads, head_dim 128, bf16) this
   records `cost_analysis()`, and the same for plain-jnp attention compiled by
   XLA as a baseline.
 
-Targets (issue 6): decode moves <= 1.1x the minimum bytes; prefill computes
+Targets: decode moves <= 1.1x the minimum bytes; prefill computes
 and fetches no fully masked block.
 
-Backward (issue 16), at training shapes of T = 8192 tokens per rank
+Backward, at training shapes of T = 8192 tokens per rank
 (Qwen3-30B-A3B causal, Gemma-4-26B-A4B's sliding layers, GPT-OSS-20B with
 sinks), per generation:
 

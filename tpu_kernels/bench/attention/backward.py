@@ -1,4 +1,4 @@
-"""The backward kernels (issue 16) at training shapes: each against its own roofline, the whole backward against
+"""The backward kernels at training shapes: each against its own roofline, the whole backward against
 the ideal one and the forward, and the tile sweep (the package docstring says how)."""
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""The local Hub server under hostile input and faults: the figures of issues 11 and 21, measured.
+"""The local Hub server under hostile input and faults, measured.
 
 Each case runs against `python -m tpu_kernels.distribution.hub` in its own process on loopback,
 with the server's default limits as deployed, unless the case names a flag.
 
-Issue 11 (`--issue 11`):
+Faults (`--group faults`):
 
     empty_token      TPU_KERNELS_HUB_TOKEN= : the banner's access line; an anonymous repo creation
     connections      620 connections (half idle, half with half-sent headers): open after 15 s,
@@ -20,28 +20,28 @@ Issue 11 (`--issue 11`):
     latency          1000 GETs of /refs on one kept-alive connection: median and p99 ms;
                      a 64 MiB download: MiB/s
 
-Issue 21 (`--issue 21`; found item numbers in brackets):
+Attacks (`--group attacks`, the default):
 
-    slow_body        [6] an anonymous body dripped at 1 byte per 1.5 s, --body-timeout 2: seconds
+    slow_body        an anonymous body dripped at 1 byte per 1.5 s, --body-timeout 2: seconds
                      until the server cuts it (30 s cap)
-    slots            [6] --max-connections 8: 8 clients that never read a 40 MiB download, then 8
+    slots            --max-connections 8: 8 clients that never read a 40 MiB download, then 8
                      that drip bodies; seconds until a new client is served again (30 s cap each)
-    body_memory      [6] 256 connections each sending a 4 MiB anonymous body (all but its last byte,
+    body_memory      256 connections each sending a 4 MiB anonymous body (all but its last byte,
                      then the rest): server RSS growth while held, peak growth after
-    response_memory  [6] 250 clients that never read a 40 MiB download: server RSS growth after 3 s
-    get_body         [6] a GET announcing a 4 MiB body and sending 1 KiB, --body-timeout 2: status,
+    response_memory  250 clients that never read a 40 MiB download: server RSS growth after 3 s
+    get_body         a GET announcing a 4 MiB body and sending 1 KiB, --body-timeout 2: status,
                      seconds until answered
-    tree_listing     [7] 8,000 and 25,000 one-file folders: seconds for the first page of the
+    tree_listing     8,000 and 25,000 one-file folders: seconds for the first page of the
                      listing and of the recursive listing, and for the whole recursive walk (as
                      snapshot_download does; stopped after 120 s)
-    dot_git          [8] commits of paths that are `.git` on some file system: statuses
-    orphans          [9] lone surrogates, a path given twice: statuses, blobs no commit references;
+    dot_git          commits of paths that are `.git` on some file system: statuses
+    orphans          lone surrogates, a path given twice: statuses, blobs no commit references;
                      the same after a restart with one more planted orphan
-    headers          [10] a 40 KiB and a 200 KiB header block, each in one write: status
-    smuggling        [11] Content-Length with Transfer-Encoding, a request pipelined behind:
+    headers          a 40 KiB and a 200 KiB header block, each in one write: status
+    smuggling        Content-Length with Transfer-Encoding, a request pipelined behind:
                      answers, connection closed or not
-    card             [12] a 512 KiB card of `![`: server CPU seconds for two GETs of the page, a HEAD
-    smaller          [13] Host: evil.example (DNS rebinding); RTL-override, control-character, NFC/NFD
+    card             a 512 KiB card of `![`: server CPU seconds for two GETs of the page, a HEAD
+    smaller          Host: evil.example (DNS rebinding); RTL-override, control-character, NFC/NFD
                      and case-twin names; HEAD on whoami: statuses
     latency          as above: what the new bounds cost a well-behaved client
 
@@ -49,13 +49,13 @@ Issue 21 (`--issue 21`; found item numbers in brackets):
 another commit: `git archive <commit> tpu_kernels | tar -x -C DIR`; by default the folder
 holding the tpu_kernels package this runs from); results merge into
 benchmarks/results/hub_server.json (relative to the current directory; `--out`) under the
-issue and the label.
+group and the label.
 
 Usage:
-    tpu-kernels bench hub_server --issue 21 [--code DIR --label before]
+    tpu-kernels bench hub_server [--group attacks|faults] [--code DIR --label before]
     (or python -m tpu_kernels.bench.hub_server ...)
-Modules: `client` (the server process, raw and HTTP clients), `issue11` and
-`issue21` (the cases), `run` (the command line and issue 21's table).
+Modules: `client` (the server process, raw and HTTP clients), `faults` and
+`attacks` (the cases), `run` (the command line and the attacks' before/after table).
 """
 
 from .run import DEFAULT_OUT, main

@@ -1,4 +1,4 @@
-"""The command line: one issue's cases (or some), against the code in --code, merged into --out under a label."""
+"""The command line: one group's cases (or some), against the code in --code, merged into --out under a label."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import tpu_kernels
 from tpu_kernels.bench import result_path
 
-from .issue11 import (clash, commit_memory, connections, empty_token, latency, malformed, parsing, private, ref_names,
+from .faults import (clash, commit_memory, connections, empty_token, latency, malformed, parsing, private, ref_names,
                       short_body, validate_yaml)
-from .issue21 import (DOT_GIT_PATHS, body_memory, card, dot_git, get_body, headers, orphans, response_memory, slots,
+from .attacks import (DOT_GIT_PATHS, body_memory, card, dot_git, get_body, headers, orphans, response_memory, slots,
                       slow_body, smaller, smuggling, tree_listing)
 
 
@@ -23,49 +23,49 @@ from .issue21 import (DOT_GIT_PATHS, body_memory, card, dot_git, get_body, heade
 PACKAGE_PARENT = Path(tpu_kernels.__file__).resolve().parents[1]
 DEFAULT_OUT = result_path("hub_server.json")
 GROUPS = {
-    "11": [empty_token, connections, short_body, parsing, validate_yaml, commit_memory, malformed, clash, ref_names,
+    "faults": [empty_token, connections, short_body, parsing, validate_yaml, commit_memory, malformed, clash, ref_names,
            private, latency],
-    "21": [slow_body, slots, body_memory, response_memory, get_body, tree_listing, dot_git, orphans, headers, smuggling, card, smaller,
+    "attacks": [slow_body, slots, body_memory, response_memory, get_body, tree_listing, dot_git, orphans, headers, smuggling, card, smaller,
            latency],
 }
-# Issue 21's before/after table: (finding, what is measured, case, fields of its result).
-TABLE_21 = [
-    ("6", "body dripped at 1 B / 1.5 s, --body-timeout 2: seconds held", "slow_body", ["held_s", "outcome"]),
-    ("6", "8 unread 40 MiB downloads on 8 slots: seconds until a new client is served (30 s cap)", "slots",
+# The attacks group's before/after table: (kind of attack, what is measured, case, fields of its result).
+ATTACKS_TABLE = [
+    ("slow clients", "body dripped at 1 B / 1.5 s, --body-timeout 2: seconds held", "slow_body", ["held_s", "outcome"]),
+    ("slow clients", "8 unread 40 MiB downloads on 8 slots: seconds until a new client is served (30 s cap)", "slots",
      ["unread_downloads_free_their_slots_after_s"]),
-    ("6", "8 dripped bodies on 8 slots: seconds until a new client is served (30 s cap)", "slots",
+    ("slow clients", "8 dripped bodies on 8 slots: seconds until a new client is served (30 s cap)", "slots",
      ["dripped_bodies_free_their_slots_after_s"]),
-    ("6", "256 connections x 4 MiB bodies: RSS growth held / peak, MiB", "body_memory",
+    ("slow clients", "256 connections x 4 MiB bodies: RSS growth held / peak, MiB", "body_memory",
      ["rss_growth_while_held_mib", "peak_rss_growth_mib"]),
-    ("6", "250 clients not reading a 40 MiB download: RSS growth after 3 s, MiB", "response_memory",
+    ("slow clients", "250 clients not reading a 40 MiB download: RSS growth after 3 s, MiB", "response_memory",
      ["rss_growth_mib"]),
-    ("6", "GET announcing a 4 MiB body, 1 KiB sent: answer / seconds", "get_body", ["outcome", "seconds"]),
-    ("7", "8,000 one-file folders: first page / whole recursive walk, s", "tree_listing",
+    ("slow clients", "GET announcing a 4 MiB body, 1 KiB sent: answer / seconds", "get_body", ["outcome", "seconds"]),
+    ("listings", "8,000 one-file folders: first page / whole recursive walk, s", "tree_listing",
      ["8000_folders.page_s", "8000_folders.recursive_walk_s"]),
-    ("7", "25,000 one-file folders: first page / whole recursive walk, s (walk stopped at 120 s)", "tree_listing",
+    ("listings", "25,000 one-file folders: first page / whole recursive walk, s (walk stopped at 120 s)", "tree_listing",
      ["25000_folders.page_s", "25000_folders.recursive_walk_s"]),
-    ("8", "commits of 9 spellings of .git (.GIT, a/.gIt, .git., '.git ', '.git.. ', GIT~1, git~1, .g<ZWNJ>it, "
+    (".git paths", "commits of 9 spellings of .git (.GIT, a/.gIt, .git., '.git ', '.git.. ', GIT~1, git~1, .g<ZWNJ>it, "
           ".git::$INDEX_ALLOCATION): statuses", "dot_git", list(DOT_GIT_PATHS)),
-    ("9", "lone surrogate in the summary: status / orphan blobs", "orphans",
+    ("orphans", "lone surrogate in the summary: status / orphan blobs", "orphans",
      ["lone_surrogate_in_summary.status", "lone_surrogate_in_summary.orphan_blobs"]),
-    ("9", "lone surrogate in a path: status / orphan blobs", "orphans",
+    ("orphans", "lone surrogate in a path: status / orphan blobs", "orphans",
      ["lone_surrogate_in_path.status", "lone_surrogate_in_path.orphan_blobs"]),
-    ("9", "a path twice in one commit: status / orphan blobs", "orphans",
+    ("orphans", "a path twice in one commit: status / orphan blobs", "orphans",
      ["same_path_twice.status", "same_path_twice.orphan_blobs"]),
-    ("9", "orphan blobs before / after a restart", "orphans",
+    ("orphans", "orphan blobs before / after a restart", "orphans",
      ["restart.orphan_blobs_before", "restart.orphan_blobs_after"]),
-    ("9", "tracebacks logged", "orphans", ["tracebacks_logged"]),
-    ("10", "40 KiB / 200 KiB header block in one write", "headers", ["40_kib_in_one_write", "200_kib_in_one_write"]),
-    ("11", "Content-Length + Transfer-Encoding, a GET pipelined behind: statuses / closed", "smuggling",
+    ("orphans", "tracebacks logged", "orphans", ["tracebacks_logged"]),
+    ("headers", "40 KiB / 200 KiB header block in one write", "headers", ["40_kib_in_one_write", "200_kib_in_one_write"]),
+    ("smuggling", "Content-Length + Transfer-Encoding, a GET pipelined behind: statuses / closed", "smuggling",
      ["statuses", "closed"]),
-    ("12", "512 KiB card of `![`: server CPU s, first GET / second GET / HEAD", "card",
+    ("cards", "512 KiB card of `![`: server CPU s, first GET / second GET / HEAD", "card",
      ["first_get_cpu_s", "second_get_cpu_s", "head_cpu_s"]),
-    ("13", "Host: evil.example / 127.0.0.1 / localhost", "smaller",
+    ("names and hosts", "Host: evil.example / 127.0.0.1 / localhost", "smaller",
      ["host_evil_example", "host_127_0_0_1", "host_localhost"]),
-    ("13", "names with an RTL override / DEL / NEL; NFC+NFD twins; case twins: statuses", "smaller",
+    ("names and hosts", "names with an RTL override / DEL / NEL; NFC+NFD twins; case twins: statuses", "smaller",
      ["rtl_override", "control_char", "c1_control", "nfc_nfd_twins", "case_twins"]),
-    ("13", "HEAD on whoami", "smaller", ["head_whoami"]),
-    ("-", "1000 GETs of /refs kept alive: median / p99 ms; 64 MiB download MiB/s", "latency",
+    ("names and hosts", "HEAD on whoami", "smaller", ["head_whoami"]),
+    ("latency", "1000 GETs of /refs kept alive: median / p99 ms; 64 MiB download MiB/s", "latency",
      ["refs_get_median_ms", "refs_get_p99_ms", "download_64_mib_mib_per_s"]),
 ]
 
@@ -81,13 +81,13 @@ def _field(result: dict, dotted: str) -> str:
     return "capped" if result is None else str(result)
 
 
-def table_21(issue: dict) -> list[list[str]]:
-    """[finding, measure, before, after] rows from the two runs' results."""
+def attacks_table(group: dict) -> list[list[str]]:
+    """[kind of attack, measure, before, after] rows from the two runs' results."""
     rows = []
-    for finding, measure, case, fields in TABLE_21:
-        values = [" / ".join(_field(issue[label].get(case, {}), field) for field in fields)
+    for kind, measure, case, fields in ATTACKS_TABLE:
+        values = [" / ".join(_field(group[label].get(case, {}), field) for field in fields)
                   for label in ("before", "after")]
-        rows.append([finding, measure, *values])
+        rows.append([kind, measure, *values])
     return rows
 
 
@@ -104,21 +104,21 @@ def run_group(code: Path, cases) -> dict:
 def main(argv: list[str] | None = None) -> int:
     what = sys.modules[__package__].__doc__.split("\n")[0]
     parser = argparse.ArgumentParser(description=what)
-    parser.add_argument("--issue", choices=sorted(GROUPS), default="21", help="which issue's cases to run")
+    parser.add_argument("--group", choices=sorted(GROUPS), default="attacks", help="which group of cases to run")
     parser.add_argument("--case", action="append", help="run only these cases (by name)")
     parser.add_argument("--code", type=Path, default=PACKAGE_PARENT,
                         help="folder holding the tpu_kernels package to measure (default: this one's)")
     parser.add_argument("--label", default="after", help="where the results go: before or after")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
-    cases = [case for case in GROUPS[args.issue] if not args.case or case.__name__ in args.case]
+    cases = [case for case in GROUPS[args.group] if not args.case or case.__name__ in args.case]
     report = json.loads(args.out.read_text()) if args.out.is_file() else {"what": what}
-    issue = report.setdefault(f"issue_{args.issue}", {})
-    issue.setdefault(args.label, {}).update(run_group(args.code.resolve(), cases))
-    issue.setdefault("machine", {})[args.label] = {"python": platform.python_version(), "cpus": os.cpu_count(),
+    group = report.setdefault(args.group, {})
+    group.setdefault(args.label, {}).update(run_group(args.code.resolve(), cases))
+    group.setdefault("machine", {})[args.label] = {"python": platform.python_version(), "cpus": os.cpu_count(),
                                                    "load_average_at_start": [round(x, 1) for x in os.getloadavg()]}
-    if args.issue == "21" and {"before", "after"} <= set(issue):
-        issue["table"] = table_21(issue)
+    if args.group == "attacks" and {"before", "after"} <= set(group):
+        group["table"] = attacks_table(group)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -139,7 +139,7 @@ def variant(built, case: Case, compiler: Compiler, name: str, generation: str, p
     if name.startswith("ours_"):
         scheme = name.removeprefix("ours_")
         minimum = quantized_min_bytes(built, case, scheme)
-        entry = {"extra_row": f"ours with {scheme} expert weights (issue 14); over_roofline is against "
+        entry = {"extra_row": f"ours with {scheme} expert weights; over_roofline is against "
                               "the bf16 roofline", **entry, "quantized_min_bytes": minimum}
         if "hbm_bytes" in entry:
             entry["bytes_over_quantized_min"] = entry["hbm_bytes"] / minimum

@@ -61,7 +61,7 @@ def ours_layer(built, model: Model, generation: str):
     )
 
 
-# Quantized expert weights (issues 14 and 25), ours only, decode shapes only: labelled extra variants, never
+# Quantized expert weights, ours only, decode shapes only: labelled extra variants, never
 # headlines. int4 is packed two per byte (uint8), on the generations the kernel serves it on.
 QUANTIZED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}
 

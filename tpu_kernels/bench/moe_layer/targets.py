@@ -11,14 +11,14 @@ from .ours import QUANTIZED
 from .shapes import ANCHOR, ANCHOR_DISPATCH, DECODE_TOKENS, PREFILL_TOKENS, SETTINGS, Case, make_case, projections
 
 
-# Issue 13: the anchor's time, decode against the roofline, v5e prefill's MXU use.
+# The anchor's time, decode against the roofline, v5e prefill's MXU use.
 ANCHOR_TARGET_US = 100.0
 DECODE_MAX_OVER_ROOFLINE = 1.08
 PREFILL_MIN_MXU_PCT = 85.0
-# Issue 14: one-byte expert weights.
+# One-byte expert weights: the anchor's time, and the bytes against the quantized minimum.
 QUANTIZED_ANCHOR_TARGET_US = {"int8": 55.0, "int4": 35.0}
 QUANTIZED_MAX_BYTES_OVER_MIN = 1.05
-# Issue 25, at the anchor's shape on each generation: bf16 against the roofline (TPU7x), quantized weights against
+# Per generation, at the anchor's shape: bf16 against the roofline (TPU7x), quantized weights against
 # our bf16 (fp8 on TPU7x, int4 on v6e).
 GENERATION_MAX_OVER_ROOFLINE = {"tpu7x": 1.08}
 GENERATION_MAX_OVER_BF16 = {("tpu7x", "fp8"): 0.6, ("v6e", "int4"): 0.35}
@@ -132,7 +132,7 @@ def chunked_mxu_floor_s(case: Case, generation: str) -> float:
 
 
 def check_targets(rows: list[dict]) -> dict:
-    """Issue 13's targets on the headline (calibrated pipelined) figure, each with its calibrated band."""
+    """The anchor's targets on the headline (calibrated pipelined) figure, each with its calibrated band."""
     def headline(row):
         return row.get("ours_us")
 
@@ -221,7 +221,7 @@ def check_targets(rows: list[dict]) -> dict:
 
 
 def generation_targets(rows: list[dict]) -> dict:
-    """Issue 25: per generation, the anchor's shape in both EP modes: ours against the roofline, and each
+    """Per generation, the anchor's shape in both EP modes: ours against the roofline, and each
     one-byte format against our bf16."""
     result = {}
     for row in rows:
@@ -246,7 +246,7 @@ def generation_targets(rows: list[dict]) -> dict:
 
 
 def quantized_targets(rows: list[dict]) -> dict:
-    """Issue 14's targets: the anchor with int8 weights, and every decode shape's bytes against the quantized minimum."""
+    """The one-byte weights' targets: the anchor with int8 weights, and every decode shape's bytes against the quantized minimum."""
     anchor = next((r for r in rows if (r["setting"], r["tokens"], r["generation"]) == ANCHOR), None)
     result = {"max_bytes_over_quantized_min": QUANTIZED_MAX_BYTES_OVER_MIN, "anchor": {}, "decode": []}
     for scheme in QUANTIZED:

@@ -1,4 +1,5 @@
-"""Issue 11's cases (the package docstring lists them)."""
+"""The `faults` group's cases: tokens, connection caps, malformed and conflicting requests, big commits, names,
+privacy and latency (the package docstring lists them)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Issue 21's cases (the package docstring lists them, with the findings' numbers)."""
+"""The `attacks` group's cases: slow clients, huge listings, `.git` paths, orphaned blobs, oversized headers,
+smuggling, costly cards, spoofed hosts and names (the package docstring lists them)."""
 
 from __future__ import annotations
 
