@@ -1,14 +1,14 @@
 """One Qwen3-30B-A3B decode step on a v6e-8 per MoE layout: experts-layer time per chip plus collectives, modelled.
 
 No TPU is needed. transformers 5.22 runs the model's MoE layers in three
-layouts (README.md, "Multi-chip"); attention is tensor-parallel in all three.
+layouts (docs/multichip.md); attention is tensor-parallel in all three.
 For batch B in {1, 8, 64, 256} decode tokens and each layout this models one
 MoE layer on the busiest chip and one whole step (48 layers):
 
 - **experts layer**: our kernel's whole experts layer on one chip, from
   `tpu_kernels.bench.moe_layer`'s model (its cases, compiles, replays and
   timings, reused as functions; same on-disk cache): what the experts
-  function receives in that layout (the table in README.md):
+  function receives in that layout (the table in docs/multichip.md):
   - `tp`: all B tokens, top-8 over all 128 experts, the intermediate dim
     split 8 ways (I = 96 per chip); every chip does the same work;
   - `ep_router`: moe_layer's "qwen3-30b-a3b EP8 router-masking" case (all
@@ -35,7 +35,7 @@ MoE layer on the busiest chip and one whole step (48 layers):
   all-reduce). Left out, the same in every layout: attention itself (its
   weights' HBM floor is given as `not_modelled`), the KV cache, norms, the
   router, embeddings, lm_head and sampling, and all host time of an eager
-  step (README.md "Cost per call": at least 6.7 ms of host Python per step
+  step (docs/binding.md, "Cost per call": at least 6.7 ms of host Python per step
   in eager mode). The per-step figure is a floor of the MoE part, not a
   prediction of a step.
 
@@ -302,7 +302,7 @@ def main(argv=None) -> int:
                 f"v6e-8, layout not stated). This model's MoE part at batch 64: "
                 + ", ".join(f"{m} {v['central']:.2f} ms ({v['low']:.2f}-{v['high']:.2f})" for m, v in at_64.items())
                 + f"; the attention and lm_head weights add a floor of {floor_ms:.2f} ms. The gap to 56.6 ms is what "
-                "this model leaves out: above all the host time of an eager step (README.md, 'Cost per call': at "
+                "this model leaves out: above all the host time of an eager step (docs/binding.md, 'Cost per call': at "
                 "least 6.7 ms of torch_tpu's Python per step for 192 kernel calls, before launches and every other "
                 "eager torch op) and the kernel HF ran (HF measured 0.257 ms for one EP8 experts layer at "
                 f"256 tokens, where this model gives our layer {router_256['experts_layer_us']['central']:.1f} us"
