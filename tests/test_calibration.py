@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tpu_kernels import perf
 from tpu_kernels.perf import calibration, tokamax_calls
 
 tokamax = pytest.importorskip("tokamax")
@@ -57,6 +58,19 @@ def test_pinned_entries_stay_inside_the_calibrated_bands(folder, file, label, ba
         assert 0.5 <= ratio <= 2.0, ratio
     else:
         assert abs(ratio - 1) <= band, ratio
+
+
+@pytest.mark.aot
+def test_constants_priced_with_are_passed_in_and_leave_the_fitted_pricing_alone(tmp_path):
+    [(folder, file, label, _)] = [p for p in PINNED if p[1] == "pallas_mosaic_tpu_flash_attention.json"]
+    measurement = _measurement(folder, file, label)
+    [analysed] = calibration.analyse_measurements([measurement], calibration.AnalysisCache(tmp_path), jobs=1)
+    assert calibration.ModelConstants().rates == perf.FITTED_RATES
+    fitted = analysed.price().pipelined_time_s
+    # Flash attention on TPU7x is vector-bound: slower vector units make it slower.
+    slower = calibration.ModelConstants(vector_elements_per_cycle=perf.FITTED_RATES.vector_elements_per_cycle / 4)
+    assert analysed.price(slower).pipelined_time_s > fitted
+    assert analysed.price().pipelined_time_s == fitted
 
 
 def test_group_sizes_given_as_a_count_expand_as_tokamax_expands_them():

@@ -12,17 +12,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tpu_kernels import perf
-from tpu_kernels.perf import chip
 from tpu_kernels.aot import compile_for
 
 BF16 = 2  # bytes
 V6E_STEP_S = perf.grid_step_s("v6e")  # the calibrated step cost the model charges by default
-
-
-@pytest.fixture
-def whole_weight_loads(monkeypatch):
-    """The scaling book's per-pass rule, a weights load never hidden by a short pass (the mechanism under test)."""
-    monkeypatch.setattr(chip, "MXU_WEIGHT_LOAD_FRACTION", 1.0)
+# The scaling book's per-pass rule, a weights load never hidden by a short pass (the mechanism under test).
+WHOLE_WEIGHT_LOADS = dataclasses.replace(perf.FITTED_RATES, mxu_weight_load_fraction=1.0)
 
 
 def _tiled_matmul_kernel(x_ref, y_ref, o_ref, acc_ref):
@@ -117,7 +112,7 @@ def test_roofline_is_max_of_hbm_and_mxu_time_plus_step_overhead(matmul_traffic):
     assert v5e.hbm_bound_s == pytest.approx(matmul_traffic.hbm_bytes / 8.2e11)
 
 
-def test_mxu_charges_each_weights_tile_at_least_the_mxu_size_in_rows(whole_weight_loads):
+def test_mxu_charges_each_weights_tile_at_least_the_mxu_size_in_rows():
     # 8 rows x (384 x 128): the weights are 3 tiles of 128 x 128 on v5e, 2 x 1 tiles of 256 x 256 on v6e
     # (k padded to 512, n to 256). Each pass loads one weights tile, which takes mxu_size cycles, so
     # 8 streamed rows cost as much as 128 (v5e) or 256 (v6e): per-pass model, perf's docstring.
@@ -129,8 +124,8 @@ def test_mxu_charges_each_weights_tile_at_least_the_mxu_size_in_rows(whole_weigh
     # The grid has 3 k-steps of one (8, 128) @ (128, 128) matmul each: one pass per step.
     assert [dot.mxu_passes(v5e) for dot in call.dots] == [3]
     assert [dot.mxu_passes(v6e) for dot in call.dots] == [3]
-    assert call.mxu_flops("v5e") == 3 * (2 * 128 * 128 * 128)
-    assert call.mxu_flops("v6e") == 3 * (2 * 256 * 256 * 256)
+    assert call.mxu_flops("v5e", WHOLE_WEIGHT_LOADS) == 3 * (2 * 128 * 128 * 128)
+    assert call.mxu_flops("v6e", WHOLE_WEIGHT_LOADS) == 3 * (2 * 256 * 256 * 256)
 
 
 def test_mxu_rows_past_the_mxu_size_stream_at_one_row_per_cycle_padded_to_sublanes():
@@ -144,15 +139,15 @@ def test_mxu_rows_past_the_mxu_size_stream_at_one_row_per_cycle_padded_to_sublan
     assert shape.mxu_flops(v6e) == 2 * (2 * 3) * (2 * 304 * 256 * 256)
 
 
-def test_row_chunks_below_the_mxu_size_cost_a_full_pass_each(whole_weight_loads):
+def test_row_chunks_below_the_mxu_size_cost_a_full_pass_each():
     # The same 256 rows as one matmul, or as eight 32-row chunks against the same weights tile:
     # each chunk reloads the weights, so on v6e chunking costs 8x the MXU time; on v5e 4x (128 / 32).
     whole = perf.DotShape(1, 256, 256, 256, "bfloat16", "bfloat16", "DEFAULT", count=1)
     chunks = perf.DotShape(1, 32, 256, 256, "bfloat16", "bfloat16", "DEFAULT", count=8)
     assert whole.flops == chunks.flops
     v5e, v6e = perf.tpu_generation("v5e"), perf.tpu_generation("v6e")
-    assert chunks.mxu_flops(v6e) == 8 * whole.mxu_flops(v6e)
-    assert chunks.mxu_flops(v5e) == 4 * whole.mxu_flops(v5e)
+    assert chunks.mxu_flops(v6e, WHOLE_WEIGHT_LOADS) == 8 * whole.mxu_flops(v6e, WHOLE_WEIGHT_LOADS)
+    assert chunks.mxu_flops(v5e, WHOLE_WEIGHT_LOADS) == 4 * whole.mxu_flops(v5e, WHOLE_WEIGHT_LOADS)
 
 
 def test_hbm_fraction_scales_only_the_transfer_time_and_is_checked(matmul_traffic):
@@ -366,10 +361,10 @@ def test_pl_when_on_scalar_prefetch_is_evaluated_at_every_step():
     assert call.inputs[0].transfers == call.inputs[1].transfers == 4
 
 
-def test_pipelined_time_charges_the_compute_no_transfer_hides(whole_weight_loads):
+def test_pipelined_time_charges_the_compute_no_transfer_hides():
     block_on = np.array([1, 0, 0, 1], np.int32)
     [call] = perf.model_pallas_traffic(_masked_matmul, block_on, MASK_X, MASK_Y)
-    modelled = perf.roofline(call, "v6e")
+    modelled = perf.roofline(call, "v6e", rates=WHOLE_WEIGHT_LOADS)
     # Per step: x and y blocks arrive for the next step; the f32 output leaves after the last.
     step_fetch = (128 * 128 + 128 * 256) * BF16
     assert call.hbm_bytes == block_on.nbytes + 4 * step_fetch + 128 * 256 * 4
@@ -567,8 +562,8 @@ def test_vector_work_counts_register_elements_and_leaves_mxu_accumulation_out():
     assert call.transcendental_per_step.tolist() == [16 * 128] * 4
     seconds = call.vector_seconds_per_step("v5e")
     clock = perf.core_clock_hz("v5e")
-    expected = 2 * 16 * 128 / (perf.VECTOR_ELEMENTS_PER_CYCLE * clock) + \
-        16 * 128 / (perf.TRANSCENDENTAL_ELEMENTS_PER_CYCLE * clock)
+    expected = 2 * 16 * 128 / (perf.FITTED_RATES.vector_elements_per_cycle * clock) + \
+        16 * 128 / (perf.FITTED_RATES.transcendental_elements_per_cycle * clock)
     assert seconds == pytest.approx([expected] * 4)
     # `acc += dot(...)` is the MXU's accumulation: the tiled matmul's only vector work is its f32 -> bf16 store.
     [matmul] = perf.model_pallas_traffic(MATMUL, X, Y)
@@ -579,12 +574,22 @@ def test_vector_work_counts_register_elements_and_leaves_mxu_accumulation_out():
     assert gk > 1
 
 
+def test_rates_are_a_value_passed_in_and_other_rates_leave_the_fitted_pricing_alone(matmul_traffic):
+    fitted = perf.roofline(matmul_traffic, "v6e")
+    # One register element per cycle makes the f32 -> bf16 store of each output tile outlast its matmuls.
+    slow_vector_unit = dataclasses.replace(perf.FITTED_RATES, vector_elements_per_cycle=1.0)
+    slower = perf.roofline(matmul_traffic, "v6e", rates=slow_vector_unit)
+    assert slower.compute_bound_s > fitted.compute_bound_s
+    assert slower.pipelined_time_s > fitted.pipelined_time_s
+    assert perf.roofline(matmul_traffic, "v6e") == fitted
+
+
 def test_the_calibrated_mxu_hides_most_of_a_weights_load_under_a_short_pass():
-    # The per-pass rule with a weights load hidden but for MXU_WEIGHT_LOAD_FRACTION of mxu_size cycles
+    # The per-pass rule with a weights load hidden but for mxu_weight_load_fraction of mxu_size cycles
     # (fitted on TPU7x's 128-row tiles): 8 rows on v6e cost max(8, 0.125 * 256) = 32 rows.
     shape = perf.DotShape(1, 8, 256, 256, "bfloat16", "bfloat16", "DEFAULT", count=1)
     v6e = perf.tpu_generation("v6e")
-    rows = max(8, math.ceil(perf.MXU_WEIGHT_LOAD_FRACTION * 256))
+    rows = max(8, math.ceil(perf.FITTED_RATES.mxu_weight_load_fraction * 256))
     assert shape.mxu_flops(v6e) == 2 * rows * 256 * 256
 
 

@@ -12,35 +12,29 @@ states its rules and their sources:
 - `kernel_dmas`: the copies a kernel makes itself of operands left in HBM, at each grid step;
 - `traffic`: the replayed call (`PallasCallTraffic`), MXU time per matmul, the pipeline's time;
 - `modelled_time`: `roofline`, the modelled time of replayed calls on one generation;
-- `chip`: the fitted constants (model_constants.json) and the clock they run at;
+- `chip`: the fitted constants (model_constants.json), the rates priced with (`ModelRates`) and their clock;
 - `host_eval`: the replay's small computations on the CPU;
 - `xla_program`, `hlo`, `xla_ragged_dot`: what XLA does around the kernels in a compiled program;
 - `calibration`, `tokamax_calls`, `tokamax_kernels`: the model against tokamax's
   measured TPU timings (`tpu-kernels calibrate`).
 
-The constants below are re-exported values: code that prices with other
-constants sets them on `chip`, which the model reads at call time.
+The MXU and vector rates are a value every pricing function takes as
+`rates`, by default the fitted `FITTED_RATES`; to price with others, pass a
+`ModelRates` of them.
 """
 
 from __future__ import annotations
 
 from ..runtime.hardware import tpu_generation
-from .chip import (
-    CONSTANTS,
-    MXU_WEIGHT_LOAD_FRACTION,
-    TRANSCENDENTAL_ELEMENTS_PER_CYCLE,
-    VECTOR_ELEMENTS_PER_CYCLE,
-    core_clock_hz,
-    grid_step_s,
-)
+from .chip import CONSTANTS, FITTED_RATES, ModelRates, core_clock_hz, grid_step_s
 from .grid_replay import ActiveStepsFn
 from .modelled_time import ModelledTime, roofline, with_operands_on_chip
 from .program_replay import REPLAY_MODULES, ProgramReplay, RaggedDotCall, model_pallas_traffic, replay_program
 from .traffic import DotShape, OperandTraffic, PallasCallTraffic, pipeline_seconds
 
 __all__ = [
-    "CONSTANTS", "MXU_WEIGHT_LOAD_FRACTION", "REPLAY_MODULES", "TRANSCENDENTAL_ELEMENTS_PER_CYCLE",
-    "VECTOR_ELEMENTS_PER_CYCLE", "ActiveStepsFn", "DotShape", "ModelledTime", "OperandTraffic", "PallasCallTraffic",
-    "ProgramReplay", "RaggedDotCall", "core_clock_hz", "grid_step_s", "model_pallas_traffic", "pipeline_seconds",
-    "replay_program", "roofline", "tpu_generation", "with_operands_on_chip",
+    "CONSTANTS", "FITTED_RATES", "REPLAY_MODULES", "ActiveStepsFn", "DotShape", "ModelRates", "ModelledTime",
+    "OperandTraffic", "PallasCallTraffic", "ProgramReplay", "RaggedDotCall", "core_clock_hz", "grid_step_s",
+    "model_pallas_traffic", "pipeline_seconds", "replay_program", "roofline", "tpu_generation",
+    "with_operands_on_chip",
 ]

@@ -18,21 +18,19 @@ model change reruns in seconds.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import hashlib
 import json
 import statistics
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from . import chip as chip_constants
 from . import program_replay, tokamax_calls, xla_program
 from ..disk_cache import DiskCache, cache_root, library_versions, source_fingerprint
+from .chip import FITTED_RATES, ModelRates
 from .program_replay import ProgramReplay
 from .tokamax_calls import (
     CHIP_FOLDERS,
@@ -116,10 +114,19 @@ class ModelConstants:
 
     grid_step_s: float | None = None  # None: the calibrated value of the entry's generation
     ragged_dot_step_s: float | None = None
-    vector_elements_per_cycle: float = chip_constants.VECTOR_ELEMENTS_PER_CYCLE
-    transcendental_elements_per_cycle: float = chip_constants.TRANSCENDENTAL_ELEMENTS_PER_CYCLE
-    mxu_weight_load_fraction: float = chip_constants.MXU_WEIGHT_LOAD_FRACTION
+    vector_elements_per_cycle: float = FITTED_RATES.vector_elements_per_cycle
+    transcendental_elements_per_cycle: float = FITTED_RATES.transcendental_elements_per_cycle
+    mxu_weight_load_fraction: float = FITTED_RATES.mxu_weight_load_fraction
     hbm_fraction: float = 1.0
+
+    @property
+    def rates(self) -> ModelRates:
+        """The MXU and vector rates among these constants, as the pricing functions take them."""
+        return ModelRates(
+            mxu_weight_load_fraction=self.mxu_weight_load_fraction,
+            vector_elements_per_cycle=self.vector_elements_per_cycle,
+            transcendental_elements_per_cycle=self.transcendental_elements_per_cycle,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,37 +139,11 @@ class Analysed:
     reason: str | None = None
 
     def price(self, constants: ModelConstants = ModelConstants()) -> xla_program.ProgramTime:
-        with _module_constants(constants):
-            return xla_program.model_program(
-                self.program, self.replay.pallas_calls, ragged_dots=self.replay.ragged_dots,
-                step_overhead_s=constants.grid_step_s, ragged_dot_step_s=constants.ragged_dot_step_s,
-                hbm_fraction=constants.hbm_fraction,
-            )
-
-
-_RATES_LOCK = threading.Lock()
-
-
-# The rates in `chip` that `ModelConstants` overrides for one pricing.
-_CHIP_CONSTANTS = {
-    "vector_elements_per_cycle": "VECTOR_ELEMENTS_PER_CYCLE",
-    "transcendental_elements_per_cycle": "TRANSCENDENTAL_ELEMENTS_PER_CYCLE",
-    "mxu_weight_load_fraction": "MXU_WEIGHT_LOAD_FRACTION",
-}
-
-
-@contextlib.contextmanager
-def _module_constants(constants: ModelConstants):
-    """The rates in `chip` set to `constants`' for one pricing."""
-    with _RATES_LOCK:
-        saved = {name: getattr(chip_constants, name) for name in _CHIP_CONSTANTS.values()}
-        for field, name in _CHIP_CONSTANTS.items():
-            setattr(chip_constants, name, getattr(constants, field))
-        try:
-            yield
-        finally:
-            for name, value in saved.items():
-                setattr(chip_constants, name, value)
+        return xla_program.model_program(
+            self.program, self.replay.pallas_calls, ragged_dots=self.replay.ragged_dots,
+            step_overhead_s=constants.grid_step_s, ragged_dot_step_s=constants.ragged_dot_step_s,
+            hbm_fraction=constants.hbm_fraction, rates=constants.rates,
+        )
 
 
 def _first_line(error: BaseException) -> str:

@@ -9,13 +9,17 @@ of each number it adds. The constants fitted to real-chip timings (the step
 cost per generation, the MXU weight-load share, the vector-unit rates) are
 data in model_constants.json, beside this module.
 
-`tpu_kernels.perf.calibration` prices with other constants by setting this
-module's attributes for one pricing: code elsewhere in the model reads them
-as `chip.NAME` at call time, never copies them.
+The fitted rates of the MXU and the vector unit are one frozen value,
+`ModelRates`; `FITTED_RATES` holds model_constants.json's. Every pricing
+function takes such a value as its `rates` parameter (default
+`FITTED_RATES`) and hands it down, so pricing with other rates
+(`tpu_kernels.perf.calibration.ModelConstants`) passes them in and changes
+nothing shared.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from importlib import resources
 
@@ -24,16 +28,6 @@ from ..runtime.hardware import GRID_STEP_OVERHEAD_S, TpuGeneration, tpu_generati
 # The model's fitted constants (tpu_kernels/perf/model_constants.json, written by `tpu-kernels bench calibration_fit`):
 # data, so that refitting them changes no code and re-prices cached replays without redoing them.
 CONSTANTS = json.loads(resources.files(__package__).joinpath("model_constants.json").read_text())
-# The cycles a weights tile takes to load into the MXU that a pass of fewer rows cannot hide, as a share of
-# `mxu_size` (the scaling book implies all of them, 1.0: a pass would cost max(rows, mxu_size) cycles).
-# Fitted on TPU7x, whose 128-row tiles on the 256-wide MXU cost what 128 rows cost, not 256; v5e's timings
-# (128-row tiles on a 128-wide MXU) cannot tell.
-MXU_WEIGHT_LOAD_FRACTION = CONSTANTS["mxu_weight_load_fraction"]
-# Vector-unit throughput per TensorCore cycle, in (8 x 128) register elements: VPU operations, and
-# operations through the transcendental unit. Fitted on TPU7x (the only chip with vector-bound timings:
-# flash attention); assumed the same per cycle on every generation, at the clock `core_clock_hz` implies.
-VECTOR_ELEMENTS_PER_CYCLE = CONSTANTS["vector_elements_per_cycle"]
-TRANSCENDENTAL_ELEMENTS_PER_CYCLE = CONSTANTS["transcendental_elements_per_cycle"]
 
 
 def grid_step_s(generation: str) -> float:
@@ -53,12 +47,34 @@ def core_clock_hz(generation: str | TpuGeneration) -> float:
     return gen.bf16_flops_per_s / (MXUS_PER_CORE * 2 * gen.mxu_size**2)
 
 
-def vector_elements_per_s(generation: str | TpuGeneration) -> float:
-    return VECTOR_ELEMENTS_PER_CYCLE * core_clock_hz(generation)
+@dataclasses.dataclass(frozen=True)
+class ModelRates:
+    """The MXU and vector-unit rates the model prices with (module docstring)."""
+
+    # The cycles a weights tile takes to load into the MXU that a pass of fewer rows cannot hide, as a share
+    # of `mxu_size` (the scaling book implies all of them, 1.0: a pass would cost max(rows, mxu_size)
+    # cycles). Fitted on TPU7x, whose 128-row tiles on the 256-wide MXU cost what 128 rows cost, not 256;
+    # v5e's timings (128-row tiles on a 128-wide MXU) cannot tell.
+    mxu_weight_load_fraction: float
+    # Vector-unit throughput per TensorCore cycle, in (8 x 128) register elements: VPU operations, and
+    # operations through the transcendental unit. Fitted on TPU7x (the only chip with vector-bound
+    # timings: flash attention); assumed the same per cycle on every generation, at the clock
+    # `core_clock_hz` implies.
+    vector_elements_per_cycle: float
+    transcendental_elements_per_cycle: float
+
+    def vector_elements_per_s(self, generation: str | TpuGeneration) -> float:
+        return self.vector_elements_per_cycle * core_clock_hz(generation)
+
+    def transcendental_elements_per_s(self, generation: str | TpuGeneration) -> float:
+        return self.transcendental_elements_per_cycle * core_clock_hz(generation)
 
 
-def transcendental_elements_per_s(generation: str | TpuGeneration) -> float:
-    return TRANSCENDENTAL_ELEMENTS_PER_CYCLE * core_clock_hz(generation)
+FITTED_RATES = ModelRates(
+    mxu_weight_load_fraction=CONSTANTS["mxu_weight_load_fraction"],
+    vector_elements_per_cycle=CONSTANTS["vector_elements_per_cycle"],
+    transcendental_elements_per_cycle=CONSTANTS["transcendental_elements_per_cycle"],
+)
 
 
 def as_generation(generation: str | TpuGeneration) -> TpuGeneration:

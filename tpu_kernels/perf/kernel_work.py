@@ -12,10 +12,10 @@ pipeline's DMAs run on every step regardless).
 
 Vector-unit work: every elementwise or reducing op of the kernel body on an
 array counts its (8 x 128) register elements (a [bq, 64] f32 block counts
-[bq, 128]) at every step it runs, at `chip.VECTOR_ELEMENTS_PER_CYCLE`, or at
-`chip.TRANSCENDENTAL_ELEMENTS_PER_CYCLE` for exp, log, div, rsqrt and the
-like; an add of a matmul's result into an accumulator is the MXU's, not
-counted.
+[bq, 128]) at every step it runs, priced at the `rates` the pricing is given
+(`chip.ModelRates.vector_elements_per_cycle`, or
+`transcendental_elements_per_cycle` for exp, log, div, rsqrt and the like);
+an add of a matmul's result into an accumulator is the MXU's, not counted.
 """
 
 from __future__ import annotations

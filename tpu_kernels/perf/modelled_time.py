@@ -4,7 +4,9 @@ Modelled time of one call on one generation (`roofline(...).time_s`) =
     max(HBM bytes / (HBM bandwidth * hbm_fraction), compute) + grid steps * step cost,
 with hbm_fraction the share of the peak bandwidth the DMAs reach (1.0 by
 default) and the step cost calibrated per generation (`chip.grid_step_s`,
-tpu_kernels/perf/model_constants.json; override it with `step_overhead_s`).
+tpu_kernels/perf/model_constants.json; override it with `step_overhead_s`);
+compute at the MXU and vector rates `rates` (default the fitted
+`chip.FITTED_RATES`).
 `pipelined_time_s` sums `PallasCallTraffic.pipelined_seconds`; it is never
 below `time_s`, and it is the figure `tpu-kernels calibrate` holds against
 real chips (its errors per chip and kind: benchmarks/results/calibration.json).
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from . import chip
+from .chip import FITTED_RATES, ModelRates
 from .traffic import PallasCallTraffic
 from ..runtime.hardware import TpuGeneration
 
@@ -68,6 +71,7 @@ def roofline(
     min_flops: int | None = None,
     step_overhead_s: float | None = None,
     hbm_fraction: float = 1.0,
+    rates: ModelRates = FITTED_RATES,
 ) -> ModelledTime:
     """Modelled time of `traffic` (one call or several run one after another).
 
@@ -93,14 +97,14 @@ def roofline(
                 "ANY) and the kernel copies them itself; the model cannot see those copies, so it cannot time "
                 "this kernel"
             )
-        call_hbm, call_compute, core_steps = call.core_bound_seconds(gen, hbm_fraction)
+        call_hbm, call_compute, core_steps = call.core_bound_seconds(gen, hbm_fraction, rates=rates)
         call_overhead = core_steps * step_overhead_s
         call_time = max(call_hbm, call_compute) + call_overhead
         hbm_s += call_hbm
         compute_s += call_compute
         overhead_s += call_overhead
         time_s += call_time
-        pipelined_s += call.pipelined_seconds(gen, step_overhead_s, hbm_fraction)
+        pipelined_s += call.pipelined_seconds(gen, step_overhead_s, hbm_fraction, rates=rates)
         per_call.append((call.name, call_time))
         limit = call.vmem_limit_bytes or gen.default_scoped_vmem_bytes or gen.vmem_capacity_bytes
         fits = fits and call.vmem_bytes <= limit
@@ -116,7 +120,7 @@ def roofline(
         compute_bound_s=compute_s,
         overhead_s=overhead_s,
         hbm_bytes=sum(c.hbm_bytes for c in calls),
-        mxu_flops=sum(c.mxu_flops(gen) for c in calls),
+        mxu_flops=sum(c.mxu_flops(gen, rates) for c in calls),
         steps=sum(c.steps for c in calls),
         roofline_s=roofline_s,
         pct_of_roofline=None if roofline_s is None else 100.0 * roofline_s / time_s,

@@ -16,7 +16,10 @@ mxu_size) cycles. Assumptions beyond the source: the next tile's load hides
 entirely behind a pass of at least `mxu_size` rows, passes spread evenly over
 the core's MXUs, and a matmul's rows are not split into several passes of the
 same weights tile. A 32-row chunk on v6e thus costs as much MXU time as 256
-rows: small row chunks are not free.
+rows: small row chunks are not free. The model charges a pass
+max(m rounded up to 8 sublanes, ceil(fraction x mxu_size)) cycles, with
+fraction the fitted share of a weights load a short pass cannot hide
+(`chip.ModelRates.mxu_weight_load_fraction`; 1.0 is the rule above).
 
 f32 matmuls are counted at the bf16 peak at DEFAULT precision (jax's Pallas
 TPU matmul guide states v5e has "197 TFLOP/s of bf16/f32 compute") and at
@@ -28,7 +31,9 @@ A step's compute is max(its MXU time, its vector time) (vector work:
 replays the double-buffered pipeline step by step: the first fetch and last
 write-back are not overlapped, and each step costs max(its compute, the DMAs
 of the neighbouring steps) + the step cost. DMA issue latency and HBM tile
-granularity are not modelled.
+granularity are not modelled. Every method that prices takes the MXU and
+vector rates as `rates` (`chip.ModelRates`, by default the fitted
+`chip.FITTED_RATES`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import numpy as np
 from jax._src.pallas import core as pallas_core
 
 from . import chip
+from .chip import FITTED_RATES, ModelRates
 from ..runtime.hardware import TpuGeneration, round_up
 
 # Six bf16 passes emulate an f32 matmul at HIGHEST precision.
@@ -63,10 +69,11 @@ class DotShape:
     def flops(self) -> int:
         return 2 * self.batch * self.m * self.k * self.n * self.count
 
-    def mxu_flops(self, generation: TpuGeneration) -> int:
-        """MXU time in FLOPs at peak: one pass per weights tile, each at least `mxu_size` rows (module docstring)."""
+    def mxu_flops(self, generation: TpuGeneration, rates: ModelRates = FITTED_RATES) -> int:
+        """MXU time in FLOPs at peak: one pass per weights tile, each of at least the rows a weights load
+        cannot hide behind (module docstring)."""
         mxu = generation.mxu_size
-        rows_per_pass = max(round_up(self.m, generation.sublanes), math.ceil(chip.MXU_WEIGHT_LOAD_FRACTION * mxu))
+        rows_per_pass = max(round_up(self.m, generation.sublanes), math.ceil(rates.mxu_weight_load_fraction * mxu))
         passes = math.ceil(self.k / mxu) * math.ceil(self.n / mxu)
         return 2 * self.batch * rows_per_pass * mxu * mxu * passes * self.count
 
@@ -197,16 +204,17 @@ class PallasCallTraffic:
         """MXU FLOPs on the block shapes over the whole grid (no MXU padding)."""
         return sum(dot.flops for dot in self.dots)
 
-    def mxu_flops(self, generation: str | TpuGeneration) -> int:
+    def mxu_flops(self, generation: str | TpuGeneration, rates: ModelRates = FITTED_RATES) -> int:
         gen = chip.as_generation(generation)
-        return sum(dot.mxu_flops(gen) for dot in self.dots)
-
-    def compute_seconds(self, generation: str | TpuGeneration) -> float:
-        gen = chip.as_generation(generation)
-        return sum(dot.mxu_flops(gen) / dot.peak_flops_per_s(gen) for dot in self.dots)
+        return sum(dot.mxu_flops(gen, rates) for dot in self.dots)
 
     def pipelined_seconds(
-        self, generation: str | TpuGeneration, step_overhead_s: float | None = None, hbm_fraction: float = 1.0
+        self,
+        generation: str | TpuGeneration,
+        step_overhead_s: float | None = None,
+        hbm_fraction: float = 1.0,
+        *,
+        rates: ModelRates = FITTED_RATES,
     ) -> float:
         """Time of a double-buffered pipeline: step t computes while step t+1's blocks arrive and t-1's leave.
 
@@ -218,7 +226,7 @@ class PallasCallTraffic:
         gen = chip.as_generation(generation)
         step_overhead_s = chip.grid_step_s(gen.name) if step_overhead_s is None else step_overhead_s
         prologue = sum(op.hbm_bytes for op in self.operands if op.role == "scalar_prefetch")
-        fetched, written, compute = self._per_step(gen)
+        fetched, written, compute = self._per_step(gen, rates)
         bandwidth = gen.hbm_bytes_per_s * hbm_fraction
         times = [
             pipeline_seconds(fetched[steps], written[steps], compute[steps], prologue_bytes=prologue,
@@ -234,7 +242,7 @@ class PallasCallTraffic:
             return [np.arange(self.steps)]
         return [np.flatnonzero(self.megacore_core == core) for core in range(gen.cores_per_device)]
 
-    def _per_step(self, gen: TpuGeneration) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _per_step(self, gen: TpuGeneration, rates: ModelRates) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """HBM bytes fetched for and written after each step, and its MXU seconds."""
         fetched = np.zeros(self.steps)
         written = np.zeros(self.steps)
@@ -245,23 +253,25 @@ class PallasCallTraffic:
         compute = np.zeros(self.steps)
         for key, counts in self.dots_per_step.items():
             one = DotShape(*key, count=1)
-            compute += counts * (one.mxu_flops(gen) / one.peak_flops_per_s(gen))
-        return fetched, written, np.maximum(compute, self.vector_seconds_per_step(gen))
+            compute += counts * (one.mxu_flops(gen, rates) / one.peak_flops_per_s(gen))
+        return fetched, written, np.maximum(compute, self.vector_seconds_per_step(gen, rates))
 
-    def vector_seconds_per_step(self, generation: str | TpuGeneration) -> np.ndarray:
-        """Vector-unit seconds of each step: its register elements at the generation's calibrated rates."""
+    def vector_seconds_per_step(self, generation: str | TpuGeneration, rates: ModelRates = FITTED_RATES) -> np.ndarray:
+        """Vector-unit seconds of each step: its register elements at `rates`, at the generation's clock."""
         gen = chip.as_generation(generation)
         seconds = np.zeros(self.steps)
         if self.vector_per_step is not None:
-            seconds += self.vector_per_step / chip.vector_elements_per_s(gen)
+            seconds += self.vector_per_step / rates.vector_elements_per_s(gen)
         if self.transcendental_per_step is not None:
-            seconds += self.transcendental_per_step / chip.transcendental_elements_per_s(gen)
+            seconds += self.transcendental_per_step / rates.transcendental_elements_per_s(gen)
         return seconds
 
-    def core_bound_seconds(self, generation: str | TpuGeneration, hbm_fraction: float = 1.0) -> tuple[float, float, int]:
+    def core_bound_seconds(
+        self, generation: str | TpuGeneration, hbm_fraction: float = 1.0, *, rates: ModelRates = FITTED_RATES
+    ) -> tuple[float, float, int]:
         """(HBM seconds, MXU seconds, steps) of the busiest core: a megacore split halves them only where it applies."""
         gen = chip.as_generation(generation)
-        fetched, written, compute = self._per_step(gen)
+        fetched, written, compute = self._per_step(gen, rates)
         prologue = sum(op.hbm_bytes for op in self.operands if op.role == "scalar_prefetch")
         bandwidth = gen.hbm_bytes_per_s * hbm_fraction
         per_core = [((prologue + fetched[steps].sum() + written[steps].sum()) / bandwidth, compute[steps].sum(),

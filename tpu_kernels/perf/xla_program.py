@@ -56,6 +56,7 @@ from pathlib import Path
 import jax
 
 from . import chip, hlo, xla_ragged_dot
+from .chip import FITTED_RATES, ModelRates
 from .modelled_time import ModelledTime, roofline, with_operands_on_chip
 from .program_replay import RaggedDotCall
 from .traffic import PallasCallTraffic
@@ -560,18 +561,21 @@ def model_program(
     step_overhead_s: float | None = None,
     ragged_dot_step_s: float | None = None,
     hbm_fraction: float = 1.0,
+    rates: ModelRates = FITTED_RATES,
 ) -> ProgramTime:
     """Modelled time of `program` whose Pallas kernels were replayed as `calls` (module docstring).
 
     `ragged_dots` are the program's `lax.ragged_dot_general`s as `perf.replay_program` found them, in
-    order: each is priced by replaying XLA's loop for it (`xla_ragged_dot`).
+    order: each is priced by replaying XLA's loop for it (`xla_ragged_dot`). Compute is priced at the MXU and
+    vector rates `rates`.
     """
     gen: TpuGeneration = tpu_generation(program.generation)
     step_overhead_s = chip.grid_step_s(gen.name) if step_overhead_s is None else step_overhead_s
     if ragged_dot_step_s is None:
         ragged_dot_step_s = XLA_RAGGED_DOT_STEP_S.get(gen.name, XLA_RAGGED_DOT_STEP_S["v5e"])
     placed = kernels_as_placed(program, calls)
-    kernels = roofline(placed, gen, step_overhead_s=step_overhead_s, hbm_fraction=hbm_fraction) if placed else None
+    kernels = (roofline(placed, gen, step_overhead_s=step_overhead_s, hbm_fraction=hbm_fraction, rates=rates)
+               if placed else None)
     hbm_bandwidth = gen.device_hbm_bytes_per_s * hbm_fraction
     vmem_bandwidth = gen.device_hbm_bytes_per_s * VMEM_BANDWIDTH_OVER_HBM
     looped = [op for op in program.ops if op.ragged_dot is not None]
@@ -581,7 +585,7 @@ def model_program(
             "replayed: pass perf.replay_program(...).ragged_dots"
         )
     ragged = [xla_ragged_dot.model(call, op.ragged_dot, gen, step_overhead_s=ragged_dot_step_s,
-                                   hbm_fraction=hbm_fraction) for op, call in zip(looped, ragged_dots)]
+                                   hbm_fraction=hbm_fraction, rates=rates) for op, call in zip(looped, ragged_dots)]
     transfer_s = sum(max(op.hbm_bytes / hbm_bandwidth, op.vmem_bytes / vmem_bandwidth)
                      for op in program.ops if op.ragged_dot is None)
     kernel_flops = sum(call.cost_estimate.flops for call in calls if call.cost_estimate is not None)

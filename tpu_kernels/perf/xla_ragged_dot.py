@@ -49,6 +49,7 @@ import re
 
 import numpy as np
 
+from .chip import FITTED_RATES, ModelRates
 from .program_replay import RaggedDotCall
 from .traffic import DotShape, pipeline_seconds
 from ..runtime.hardware import TpuGeneration
@@ -157,15 +158,17 @@ def model(
     *,
     step_overhead_s: float,
     hbm_fraction: float = 1.0,
+    rates: ModelRates = FITTED_RATES,
 ) -> Modelled:
     """Modelled time of one XLA ragged dot (module docstring)."""
     sizes = None if call.group_sizes is None else tuple(int(v) for v in call.group_sizes)
     key = (call.lhs_shape, call.rhs_shape, call.lhs_dtype, call.rhs_dtype, call.out_dtype,
            repr(call.dimension_numbers), sizes)
-    cache_key = (key, windows, generation.name, hbm_fraction)
+    cache_key = (key, windows, generation.name, hbm_fraction, rates)
     free = _WITHOUT_STEP_COST.get(cache_key)
     if free is None:
-        free = _WITHOUT_STEP_COST[cache_key] = _model(call, windows, generation, hbm_fraction=hbm_fraction)
+        free = _WITHOUT_STEP_COST[cache_key] = _model(call, windows, generation, hbm_fraction=hbm_fraction,
+                                                      rates=rates)
     # The pipeline's time is linear in the fixed cost per kept iteration.
     return dataclasses.replace(free, seconds=free.seconds + free.steps * step_overhead_s)
 
@@ -174,7 +177,9 @@ def model(
 _WITHOUT_STEP_COST: dict[tuple, Modelled] = {}
 
 
-def _model(call: RaggedDotCall, windows: Windows, generation: TpuGeneration, *, hbm_fraction: float) -> Modelled:
+def _model(
+    call: RaggedDotCall, windows: Windows, generation: TpuGeneration, *, hbm_fraction: float, rates: ModelRates
+) -> Modelled:
     shape = shape_of(call)
     rows = 8 * windows.output_window[1]
     cols = 128 * windows.output_window[2]
@@ -246,7 +251,7 @@ def _model(call: RaggedDotCall, windows: Windows, generation: TpuGeneration, *, 
     compute = np.zeros(len(steps))
     for key in set(zip(m.tolist(), k.tolist(), n.tolist())):
         dot = DotShape(1, key[0], key[1], key[2], shape.lhs_dtype, shape.rhs_dtype, "DEFAULT", 1)
-        seconds = dot.mxu_flops(generation) / dot.peak_flops_per_s(generation)
+        seconds = dot.mxu_flops(generation, rates) / dot.peak_flops_per_s(generation)
         compute[(m == key[0]) & (k == key[1]) & (n == key[2])] = seconds
     bandwidth = generation.device_hbm_bytes_per_s * hbm_fraction
     seconds = pipeline_seconds(fetched.astype(float), written.astype(float), compute / generation.cores_per_device,
