@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from tpu_kernels import perf
-from tpu_kernels.perf import hlo, xla_program
+from tpu_kernels.perf import hlo, program_time, xla_program
 from tpu_kernels.runtime.hardware import tpu_generation
 
 # A hand-written optimized module: a prefetch, a gather fusion, a sliced async prefetch, a relayout copy
@@ -74,7 +74,7 @@ def test_relayouts_and_prefetches_are_timed_at_the_devices_bandwidth(handmade):
     """The parts of the XLA ops' time the benchmark names apart, at the bandwidth every XLA op is charged at:
     on v5p both TensorCores' (twice one core's)."""
     program = dataclasses.replace(handmade, generation="v5p", kernels=())
-    modelled = xla_program.model_program(program, [])
+    modelled = program_time.model_program(program, [])
     device = tpu_generation("v5p").device_hbm_bytes_per_s
     assert device == 2 * tpu_generation("v5p").hbm_bytes_per_s
     assert modelled.xla_relayout_s == pytest.approx(2 * 2**20 / device)
@@ -143,14 +143,14 @@ def test_operands_placed_in_vmem_move_no_hbm_bytes_in_the_kernel():
         generation="v6e", ops=(), notes=(), cost_analysis={}, memory={},
         kernels=(xla_program.KernelCall("add", ("hbm", "vmem"), (2**19, 2**19), ("vmem",), (2**19,)),),
     )
-    [placed] = xla_program.kernels_as_placed(program, [call])
+    [placed] = program_time.kernels_as_placed(program, [call])
     x, y, out = (op.hbm_bytes for op in placed.operands)
     assert (x, y, out) == (512 * 256 * 4, 0, 0)
-    modelled = xla_program.model_program(program, [call])
+    modelled = program_time.model_program(program, [call])
     assert modelled.hbm_bytes == 512 * 256 * 4
     assert modelled.time_s == pytest.approx(512 * 256 * 4 / 1.64e12 + 4 * perf.grid_step_s("v6e"))
     with pytest.raises(ValueError, match="cannot be matched"):
-        xla_program.kernels_as_placed(program, [call, call])
+        program_time.kernels_as_placed(program, [call, call])
 
 
 def test_a_compiled_program_lists_its_kernel_and_xla_ops_and_models_them():
@@ -162,16 +162,16 @@ def test_a_compiled_program_lists_its_kernel_and_xla_ops_and_models_them():
     assert len(program.kernels) == len(calls) == 1
     assert program.moving_ops  # the scale, tanh and sum run as XLA ops
     assert program.memory["argument_size_in_bytes"] == 2 * 512 * 256 * 4
-    modelled = xla_program.model_program(program, calls, step_overhead_s=0.0)
+    modelled = program_time.model_program(program, calls, step_overhead_s=0.0)
     assert modelled.time_s == pytest.approx(modelled.kernels.time_s + modelled.xla_s)
     assert modelled.xla_s > 0
-    slower = xla_program.model_program(program, calls, step_overhead_s=0.0, hbm_fraction=0.85)
+    slower = program_time.model_program(program, calls, step_overhead_s=0.0, hbm_fraction=0.85)
     assert slower.time_s > modelled.time_s
 
 
 def test_clock_implied_by_the_peak_matches_the_published_v5e_clock():
-    assert xla_program.clock_hz("v5e") == pytest.approx(1.5e9, rel=0.01)
-    assert xla_program.clock_hz("v6e") == pytest.approx(1.75e9, rel=0.01)
+    assert program_time.clock_hz("v5e") == pytest.approx(1.5e9, rel=0.01)
+    assert program_time.clock_hz("v6e") == pytest.approx(1.75e9, rel=0.01)
 
 
 @pytest.mark.parametrize("shape", ["bf16[2,3]{1,0:T(8,128)(2,1)S(1)}", "(bf16[2,3]{1,0}, (s32[4]{0:S(2)}, f32[]))"])

@@ -7,7 +7,7 @@ import pytest
 from jax import lax
 
 from tpu_kernels import perf
-from tpu_kernels.perf import xla_program, xla_ragged_dot
+from tpu_kernels.perf import program_time, xla_program, xla_ragged_dot
 
 FORWARD = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((1,), (1,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
@@ -35,9 +35,9 @@ def test_the_compiled_loop_is_read_and_the_replay_finds_the_group_sizes(program)
     assert (call.lhs_shape, call.rhs_shape, call.group_sizes.tolist()) == ((M, K), (G, K, N), sizes.tolist())
     # XLA's cost analysis counts the dot densely over every group; the model prices the loop instead.
     assert program.cost_analysis["flops"] >= 2 * G * M * K * N
-    modelled = xla_program.model_program(program, replay.pallas_calls, ragged_dots=replay.ragged_dots)
+    modelled = program_time.model_program(program, replay.pallas_calls, ragged_dots=replay.ragged_dots)
     loop = xla_ragged_dot.model(call, windows, perf.tpu_generation("v5e"),
-                                step_overhead_s=xla_program.XLA_RAGGED_DOT_STEP_S["v5e"])
+                                step_overhead_s=program_time.XLA_RAGGED_DOT_STEP_S["v5e"])
     assert modelled.ragged_dot_s == pytest.approx(loop.seconds) and loop.steps > 0
     assert modelled.pipelined_time_s == pytest.approx(modelled.xla_s + loop.seconds)
     assert modelled.xla_flops < 2 * M * K * N  # the dense count is not charged again
@@ -54,7 +54,7 @@ def test_skipped_groups_cost_nothing_and_the_program_needs_the_replayed_dots(pro
     assert cost["half"].seconds == pytest.approx(cost["one"].seconds / 2, rel=0.1)
     assert cost["one"].steps <= cost["even"].steps  # one group: no window shared by two groups
     with pytest.raises(ValueError, match="ragged dot loops but 0 ragged dots were replayed"):
-        xla_program.model_program(program, [])
+        program_time.model_program(program, [])
 
 
 def test_a_loop_with_empty_bounds_is_refused_rather_than_guessed():

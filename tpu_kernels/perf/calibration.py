@@ -2,7 +2,7 @@
 
 `calibrate` reads every timed config of tokamax's autotuning files and
 rebuilds it as the program tokamax timed (`tokamax_calls`), compiles it ahead
-of time for the chip, models it with `xla_program.model_program` (Pallas
+of time for the chip, models it with `program_time.model_program` (Pallas
 kernels by `program_replay`'s grid replay, XLA ops by their traffic) and
 compares with the fastest measured run. The report gives each entry's
 predicted / measured ratio and, per chip and kind, the spread of the errors
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from . import program_replay, tokamax_calls, xla_program
+from . import program_replay, program_time, tokamax_calls, xla_program
 from ..disk_cache import DiskCache, cache_root, library_versions, source_fingerprint
 from .chip import FITTED_RATES, ModelRates
 from .program_replay import ProgramReplay
@@ -138,8 +138,8 @@ class Analysed:
     replay: ProgramReplay | None
     reason: str | None = None
 
-    def price(self, constants: ModelConstants = ModelConstants()) -> xla_program.ProgramTime:
-        return xla_program.model_program(
+    def price(self, constants: ModelConstants = ModelConstants()) -> program_time.ProgramTime:
+        return program_time.model_program(
             self.program, self.replay.pallas_calls, ragged_dots=self.replay.ragged_dots,
             step_overhead_s=constants.grid_step_s, ragged_dot_step_s=constants.ragged_dot_step_s,
             hbm_fraction=constants.hbm_fraction, rates=constants.rates,

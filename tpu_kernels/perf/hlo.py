@@ -1,12 +1,12 @@
 """The text of an optimized XLA HLO module read into computations of instructions, with their shapes' placement.
 
-What `tpu_kernels.perf.xla_program` prices, read from the module XLA dumps
-(`*.after_optimizations.txt`): each computation's instructions with their
-result shape, opcode, operands and attributes. A shape is a `Leaf` (one
-array) or a tuple of shapes; a leaf's memory space comes from its layout's
-`S(n)` annotation: none or S(0) = HBM, S(1) = VMEM, any other (SMEM, sync
-flags) small on-chip buffers. `estimated_cycles` reads the cycles XLA's TPU
-cost model annotated in the after-codegen text.
+What `tpu_kernels.perf.xla_program` reads of a compiled program, from the
+module XLA dumps (`*.after_optimizations.txt`): each computation's
+instructions with their result shape, opcode, operands and attributes. A
+shape is a `Leaf` (one array) or a tuple of shapes; a leaf's memory space
+comes from its layout's `S(n)` annotation: none or S(0) = HBM, S(1) = VMEM,
+any other (SMEM, sync flags) small on-chip buffers. `estimated_cycles` reads
+the cycles XLA's TPU cost model annotated in the after-codegen text.
 """
 
 from __future__ import annotations

@@ -20,27 +20,11 @@ computation becomes a `ProgramOp` with
 
 Pallas kernels (custom-call target `tpu_custom_call`) are listed apart as
 `KernelCall`s with the placement of their operands and results; their
-traffic is `tpu_kernels.perf`'s grid replay. `model_program` joins the two:
-kernel operands XLA placed in VMEM move no HBM bytes inside the kernel (the
-prefetch that brought them there is an XLA op), and
-
-    time = sum over kernels of perf.roofline time
-         + max(sum over XLA ops of max(HBM bytes / (HBM bandwidth * hbm_fraction),
-                                       VMEM bytes / VMEM bandwidth),
-               XLA FLOPs / bf16 peak)
-
-where XLA FLOPs are the compiled module's `cost_analysis()["flops"]` less
-the kernels' own `CostEstimate` FLOPs (XLA reports a Pallas call's estimate
-as its cost); per-op FLOPs are not available, hence the module-level max.
-
-with VMEM bandwidth = 22 x HBM bandwidth ("VMEM bandwidth is around 22x
-higher than HBM bandwidth": "How to Scale Your Model", part "How to Think
-About TPUs", jax-ml/scaling-book tpus.md). Not modelled: a fixed cost per XLA
-op (XLA's own estimates, reported as `estimated_cycles`, suggest ~2,100
-cycles for small ops touching HBM), vector-unit work beyond its VMEM
-traffic, sort networks' compute, overlap of prefetches with compute (every
-HBM byte is charged once, serially), while-loop bodies without a known trip
-count (counted once) and HBM tile padding.
+traffic is `tpu_kernels.perf`'s grid replay. An XLA ragged dot's loop is
+read from its fusion's backend config (`ProgramOp.ragged_dot`). A while
+loop's body counts once per known trip (once, with a note, when XLA states
+no trip count). `tpu_kernels.perf.program_time.model_program` prices the
+program read here.
 """
 
 from __future__ import annotations
@@ -55,18 +39,9 @@ from pathlib import Path
 
 import jax
 
-from . import chip, hlo, xla_ragged_dot
-from .chip import FITTED_RATES, ModelRates
-from .modelled_time import ModelledTime, roofline, with_operands_on_chip
-from .program_replay import RaggedDotCall
-from .traffic import PallasCallTraffic
+from . import hlo, xla_ragged_dot
 from ..aot import topology_device
-from ..runtime.hardware import TpuGeneration, tpu_generation
 
-VMEM_BANDWIDTH_OVER_HBM = 22.0
-# Fixed cost of one kept iteration of XLA's ragged dot loop (`xla_ragged_dot`), per generation, fitted to
-# tokamax's measured XLA ragged dots (model_constants.json).
-XLA_RAGGED_DOT_STEP_S = chip.CONSTANTS["xla_ragged_dot_step_s"]
 PALLAS_TARGET = "tpu_custom_call"
 # A copy of an entry parameter into another layout: XLA's default TPU layout of an argument differs from
 # the one a consumer (e.g. a Pallas kernel's operand layout constraint) needs, so every call rewrites it.
@@ -141,7 +116,8 @@ class CompiledProgram:
     @property
     def prefetch_bytes(self) -> int:
         """HBM bytes of XLA's prefetches into VMEM (`copy-start`, sliced `async-start`): charged serially by
-        `model_program`, though on a chip such a copy may overlap the kernels XLA schedules before its done."""
+        `program_time.model_program`, though on a chip such a copy may overlap the kernels XLA schedules before
+        its done."""
         return sum(op.hbm_bytes for op in self.ops if op.prefetch)
 
     @property
@@ -321,6 +297,47 @@ def _walk(computations, name, repeats, cycles, ops, kernels, notes):
         ops.append(dataclasses.replace(op, estimated_cycles=None if estimate is None else estimate * repeats))
 
 
+@dataclasses.dataclass
+class _Charges:
+    """The bytes one instruction reads from and writes to HBM, and those it touches in VMEM."""
+
+    hbm_read: int = 0
+    hbm_write: int = 0
+    vmem: int = 0
+
+    def read(self, leaf: hlo.Leaf, size: int | None = None) -> None:
+        size = leaf.bytes if size is None else size
+        if leaf.space == hlo.HBM:
+            self.hbm_read += size
+        elif leaf.space == hlo.VMEM:
+            self.vmem += size
+
+    def write(self, leaf: hlo.Leaf) -> None:
+        if leaf.space == hlo.HBM:
+            self.hbm_write += leaf.bytes
+        elif leaf.space == hlo.VMEM:
+            self.vmem += leaf.bytes
+
+    def read_all(self, shapes) -> None:
+        for shape in shapes:
+            for leaf in hlo.leaves(shape):
+                self.read(leaf)
+
+    def read_partially(self, shapes, partial: dict[int, int]) -> None:
+        """Operand `number` read only up to `partial[number]` bytes (the rest whole)."""
+        for number, shape in enumerate(shapes):
+            for leaf in hlo.leaves(shape):
+                self.read(leaf, min(leaf.bytes, partial[number]) if number in partial else None)
+
+    def write_all(self, leaves) -> None:
+        for leaf in leaves:
+            self.write(leaf)
+
+    @property
+    def moves_bytes(self) -> bool:
+        return bool(self.hbm_read or self.hbm_write or self.vmem)
+
+
 def _op_traffic(inst: hlo.Instruction, by_name, computations) -> ProgramOp | None:
     if inst.opcode in _FREE_OPCODES:
         return None
@@ -329,97 +346,84 @@ def _op_traffic(inst: hlo.Instruction, by_name, computations) -> ProgramOp | Non
     results = hlo.leaves(inst.shape)
     operand_shapes = [by_name[o].shape for o in inst.operands if o in by_name]
     detail = hlo.target(inst) or hlo.attribute(inst.attributes, "kind") or ""
-    reads = hbm_write = vmem = 0
+    charges = _Charges()
     prefetch = False
-
-    def charge_read(leaf: hlo.Leaf, size: int | None = None):
-        nonlocal reads, vmem
-        size = leaf.bytes if size is None else size
-        if leaf.space == hlo.HBM:
-            reads += size
-        elif leaf.space == hlo.VMEM:
-            vmem += size
-
-    def charge_write(leaf: hlo.Leaf):
-        nonlocal hbm_write, vmem
-        if leaf.space == hlo.HBM:
-            hbm_write += leaf.bytes
-        elif leaf.space == hlo.VMEM:
-            vmem += leaf.bytes
-
     if inst.opcode == "copy-start":
         # (destination, source, context): the copy reads the source and fills the destination.
         destination = hlo.leaves(inst.shape[0])
-        for shape in operand_shapes:
-            for leaf in hlo.leaves(shape):
-                charge_read(leaf)
-        for leaf in destination:
-            charge_write(leaf)
+        charges.read_all(operand_shapes)
+        charges.write_all(destination)
         prefetch = any(leaf.space == hlo.VMEM for leaf in destination)
         detail = _source(inst.operands[0], by_name) if inst.operands else detail
     elif inst.opcode == "async-start":
-        called = computations.get(hlo.attribute(inst.attributes, "calls"), [])
-        root = called[-1] if called else None
-        if root is not None and root.opcode in ("slice", "dynamic-slice", "copy"):
-            source = hlo.leaves(operand_shapes[0]) if operand_shapes else []
-            destination = hlo.leaves(root.shape)
-            for leaf in source:
-                charge_read(leaf, sum(d.bytes for d in destination))
-            for leaf in destination:
-                charge_write(leaf)
-            prefetch = any(leaf.space == hlo.VMEM for leaf in destination)
-            detail = f"{_source(inst.operands[0], by_name)} ({root.opcode})" if inst.operands else root.opcode
-        else:
-            for shape in operand_shapes:
-                for leaf in hlo.leaves(shape):
-                    charge_read(leaf)
-            if isinstance(inst.shape, tuple) and len(inst.shape) > 1:
-                for leaf in hlo.leaves(inst.shape[1]):
-                    charge_write(leaf)
+        detail, prefetch = _charge_async_start(inst, operand_shapes, by_name, computations, charges, detail)
     elif inst.opcode == "async-update":
-        # Offloaded gathers / scatters: the inputs arrive with the update; result element 1 is the output.
-        # A gather offloaded to the SparseCores (XLA names it `gather_offload...`) reads the rows it gathers,
-        # one per index (repeated rows again), not its whole table: its data operand is charged the output's
-        # bytes, its indices whole.
-        output = hlo.leaves(inst.shape[1]) if isinstance(inst.shape, tuple) and len(inst.shape) > 1 else []
-        gather = inst.name.startswith("gather_offload")
-        for number, shape in enumerate(operand_shapes[1:]):
-            for leaf in hlo.leaves(shape):
-                charge_read(leaf, sum(o.bytes for o in output) if gather and number == 0 else None)
-        for leaf in output:
-            charge_write(leaf)
+        _charge_async_update(inst, operand_shapes, charges)
     elif inst.opcode == "fusion":
         called = computations.get(hlo.attribute(inst.attributes, "calls"), [])
-        partial = _partially_read_parameters(called)
-        for number, shape in enumerate(operand_shapes):
-            for leaf in hlo.leaves(shape):
-                charge_read(leaf, min(leaf.bytes, partial[number]) if number in partial else None)
-        for leaf in results:
-            charge_write(leaf)
+        charges.read_partially(operand_shapes, _partially_read_parameters(called))
+        charges.write_all(results)
     elif inst.opcode in _SLICING_OPCODES:
-        produced = sum(leaf.bytes for leaf in results)
-        for number, shape in enumerate(operand_shapes):
-            for leaf in hlo.leaves(shape):
-                charge_read(leaf, min(leaf.bytes, produced) if number == 0 else None)
-        for leaf in results:
-            charge_write(leaf)
+        charges.read_partially(operand_shapes, {0: sum(leaf.bytes for leaf in results)})
+        charges.write_all(results)
     else:
-        for shape in operand_shapes:
-            for leaf in hlo.leaves(shape):
-                charge_read(leaf)
-        for leaf in results:
-            charge_write(leaf)
-    if not (reads or hbm_write or vmem):
+        charges.read_all(operand_shapes)
+        charges.write_all(results)
+    if not charges.moves_bytes:
         return None
-    if inst.opcode == "copy" and inst.operands and by_name.get(inst.operands[0]) is not None:
-        source = by_name[inst.operands[0]]
-        if source.opcode == "parameter" and isinstance(source.shape, hlo.Leaf) \
-                and isinstance(inst.shape, hlo.Leaf) \
-                and source.shape.layout != inst.shape.layout:
-            detail = f"{RELAYOUT} {source.name} ({source.shape.layout} -> {inst.shape.layout})"
     windows = _ragged_dot_windows(inst, computations) if inst.opcode == "fusion" else None
-    return ProgramOp(inst.name, inst.opcode, detail, reads, hbm_write, vmem, None, prefetch, windows,
-                     _transposes(inst, by_name))
+    return ProgramOp(inst.name, inst.opcode, _relayout(inst, by_name) or detail, charges.hbm_read,
+                     charges.hbm_write, charges.vmem, None, prefetch, windows, _transposes(inst, by_name))
+
+
+def _charge_async_start(
+    inst: hlo.Instruction, operand_shapes, by_name, computations, charges: _Charges, detail: str
+) -> tuple[str, bool]:
+    """An async op's traffic, and its detail and whether it prefetches into VMEM.
+
+    A sliced copy (a prefetch when it fills VMEM) reads only the slice it makes; any other async op reads
+    its operands and writes result element 1.
+    """
+    called = computations.get(hlo.attribute(inst.attributes, "calls"), [])
+    root = called[-1] if called else None
+    if root is not None and root.opcode in ("slice", "dynamic-slice", "copy"):
+        source = hlo.leaves(operand_shapes[0]) if operand_shapes else []
+        destination = hlo.leaves(root.shape)
+        for leaf in source:
+            charges.read(leaf, sum(d.bytes for d in destination))
+        charges.write_all(destination)
+        detail = f"{_source(inst.operands[0], by_name)} ({root.opcode})" if inst.operands else root.opcode
+        return detail, any(leaf.space == hlo.VMEM for leaf in destination)
+    charges.read_all(operand_shapes)
+    if isinstance(inst.shape, tuple) and len(inst.shape) > 1:
+        charges.write_all(hlo.leaves(inst.shape[1]))
+    return detail, False
+
+
+def _charge_async_update(inst: hlo.Instruction, operand_shapes, charges: _Charges) -> None:
+    """Offloaded gathers / scatters: the inputs arrive with the update; result element 1 is the output.
+
+    A gather offloaded to the SparseCores (XLA names it `gather_offload...`) reads the rows it gathers,
+    one per index (repeated rows again), not its whole table: its data operand is charged the output's
+    bytes, its indices whole.
+    """
+    output = hlo.leaves(inst.shape[1]) if isinstance(inst.shape, tuple) and len(inst.shape) > 1 else []
+    gather = inst.name.startswith("gather_offload")
+    for number, shape in enumerate(operand_shapes[1:]):
+        for leaf in hlo.leaves(shape):
+            charges.read(leaf, sum(o.bytes for o in output) if gather and number == 0 else None)
+    charges.write_all(output)
+
+
+def _relayout(inst: hlo.Instruction, by_name) -> str | None:
+    """The detail of a copy of an entry parameter into another layout (RELAYOUT), if `inst` is one."""
+    if inst.opcode != "copy" or not inst.operands or by_name.get(inst.operands[0]) is None:
+        return None
+    source = by_name[inst.operands[0]]
+    if source.opcode == "parameter" and isinstance(source.shape, hlo.Leaf) and isinstance(inst.shape, hlo.Leaf) \
+            and source.shape.layout != inst.shape.layout:
+        return f"{RELAYOUT} {source.name} ({source.shape.layout} -> {inst.shape.layout})"
+    return None
 
 
 def _transposes(inst: hlo.Instruction, by_name) -> bool:
@@ -473,141 +477,3 @@ def _partially_read_parameters(called: list[hlo.Instruction]) -> dict[int, int]:
         if users and all(user.opcode in _SLICING_OPCODES and user.operands[0] == name for user in users):
             partial[number] = sum(sum(leaf.bytes for leaf in hlo.leaves(user.shape)) for user in users)
     return partial
-
-# ----------------------------------------------------------------------------- the program's modelled time
-
-
-@dataclasses.dataclass(frozen=True)
-class ProgramTime:
-    """Modelled time of a compiled program: its Pallas kernels (grid replay) plus its XLA ops."""
-
-    generation: str
-    step_overhead_s: float
-    hbm_fraction: float
-    kernels: ModelledTime | None
-    xla_s: float
-    ragged_dot_s: float
-    xla_flops: float
-    xla_hbm_bytes: int
-    xla_vmem_bytes: int
-    xla_ops: int
-    xla_estimated_cycles: int
-    xla_ops_without_estimate: int
-    xla_transpose_s: float = 0.0  # the part of `xla_s`'s traffic that transposing copies move (at its HBM time)
-    xla_relayout_s: float = 0.0  # ... that relayouts of arguments move (`CompiledProgram.relayout_bytes`)
-    xla_prefetch_s: float = 0.0  # ... that XLA's prefetches into VMEM move (`CompiledProgram.prefetch_bytes`)
-
-    @property
-    def xla_estimated_s(self) -> float:
-        """XLA's own estimate for the ops it annotated, at `clock_hz` (no estimate for the rest)."""
-        return self.xla_estimated_cycles / clock_hz(self.generation)
-
-    @property
-    def time_s(self) -> float:
-        return (self.kernels.time_s if self.kernels else 0.0) + self.xla_s + self.ragged_dot_s
-
-    @property
-    def pipelined_time_s(self) -> float:
-        return (self.kernels.pipelined_time_s if self.kernels else 0.0) + self.xla_s + self.ragged_dot_s
-
-    @property
-    def hbm_bytes(self) -> int:
-        return (self.kernels.hbm_bytes if self.kernels else 0) + self.xla_hbm_bytes
-
-
-def _dense_flops(call: RaggedDotCall) -> float:
-    """The FLOPs XLA's cost analysis reports for a ragged dot: every row against every group's weights."""
-    shape = xla_ragged_dot.shape_of(call)
-    return 2.0 * shape.groups * shape.m * shape.k * shape.n
-
-
-def clock_hz(generation: str | TpuGeneration) -> float:
-    """TensorCore clock implied by the bf16 peak (`chip.core_clock_hz`)."""
-    return chip.core_clock_hz(generation)
-
-
-def kernels_as_placed(program: CompiledProgram, calls: Sequence[PallasCallTraffic]) -> list[PallasCallTraffic]:
-    """The replayed calls with the operands XLA placed in VMEM moving no HBM bytes.
-
-    Kernels and replays are matched in program order; a kernel's last
-    operands are its pipelined inputs (after dynamic grid sizes and scalar
-    prefetch), its results its outputs.
-    """
-    if len(program.kernels) != len(calls):
-        raise ValueError(
-            f"the compiled program has {len(program.kernels)} Pallas kernels but {len(calls)} were replayed: "
-            "they cannot be matched"
-        )
-    placed = []
-    for kernel, call in zip(program.kernels, calls):
-        inputs = [position for position, op in enumerate(call.operands) if op.role == "input"]
-        outputs = [position for position, op in enumerate(call.operands) if op.role == "output"]
-        input_spaces = kernel.operand_spaces[len(kernel.operand_spaces) - len(inputs):]
-        on_chip = [position for position, space in zip(inputs, input_spaces) if space == hlo.VMEM]
-        kept = [position for position, space in zip(outputs, kernel.result_spaces) if space == hlo.VMEM]
-        if on_chip:
-            call = with_operands_on_chip(call, on_chip, "XLA placed this operand in VMEM before the kernel")
-        if kept:
-            call = with_operands_on_chip(call, kept, "XLA keeps this result in VMEM")
-        placed.append(call)
-    return placed
-
-
-def model_program(
-    program: CompiledProgram,
-    calls: Sequence[PallasCallTraffic],
-    *,
-    ragged_dots: Sequence[RaggedDotCall] = (),
-    step_overhead_s: float | None = None,
-    ragged_dot_step_s: float | None = None,
-    hbm_fraction: float = 1.0,
-    rates: ModelRates = FITTED_RATES,
-) -> ProgramTime:
-    """Modelled time of `program` whose Pallas kernels were replayed as `calls` (module docstring).
-
-    `ragged_dots` are the program's `lax.ragged_dot_general`s as `perf.replay_program` found them, in
-    order: each is priced by replaying XLA's loop for it (`xla_ragged_dot`). Compute is priced at the MXU and
-    vector rates `rates`.
-    """
-    gen: TpuGeneration = tpu_generation(program.generation)
-    step_overhead_s = chip.grid_step_s(gen.name) if step_overhead_s is None else step_overhead_s
-    if ragged_dot_step_s is None:
-        ragged_dot_step_s = XLA_RAGGED_DOT_STEP_S.get(gen.name, XLA_RAGGED_DOT_STEP_S["v5e"])
-    placed = kernels_as_placed(program, calls)
-    kernels = (roofline(placed, gen, step_overhead_s=step_overhead_s, hbm_fraction=hbm_fraction, rates=rates)
-               if placed else None)
-    hbm_bandwidth = gen.device_hbm_bytes_per_s * hbm_fraction
-    vmem_bandwidth = gen.device_hbm_bytes_per_s * VMEM_BANDWIDTH_OVER_HBM
-    looped = [op for op in program.ops if op.ragged_dot is not None]
-    if len(looped) != len(ragged_dots):
-        raise ValueError(
-            f"the compiled program has {len(looped)} ragged dot loops but {len(ragged_dots)} ragged dots were "
-            "replayed: pass perf.replay_program(...).ragged_dots"
-        )
-    ragged = [xla_ragged_dot.model(call, op.ragged_dot, gen, step_overhead_s=ragged_dot_step_s,
-                                   hbm_fraction=hbm_fraction, rates=rates) for op, call in zip(looped, ragged_dots)]
-    transfer_s = sum(max(op.hbm_bytes / hbm_bandwidth, op.vmem_bytes / vmem_bandwidth)
-                     for op in program.ops if op.ragged_dot is None)
-    kernel_flops = sum(call.cost_estimate.flops for call in calls if call.cost_estimate is not None)
-    # XLA's cost analysis counts a ragged dot densely over every group; its loop is priced apart.
-    dense_ragged_flops = sum(_dense_flops(call) for call in ragged_dots)
-    xla_flops = max(program.cost_analysis.get("flops", 0.0) - kernel_flops - dense_ragged_flops, 0.0)
-    xla_s = max(transfer_s, xla_flops / gen.device_bf16_flops_per_s)
-    moving = program.moving_ops
-    return ProgramTime(
-        generation=program.generation,
-        step_overhead_s=step_overhead_s,
-        hbm_fraction=hbm_fraction,
-        kernels=kernels,
-        xla_s=xla_s,
-        ragged_dot_s=sum(r.seconds for r in ragged),
-        xla_flops=xla_flops,
-        xla_hbm_bytes=program.hbm_bytes,
-        xla_vmem_bytes=program.vmem_bytes,
-        xla_ops=len(moving),
-        xla_estimated_cycles=sum(op.estimated_cycles or 0 for op in moving),
-        xla_ops_without_estimate=sum(op.estimated_cycles is None for op in moving),
-        xla_transpose_s=sum(op.hbm_bytes for op in program.transpose_ops) / hbm_bandwidth,
-        xla_relayout_s=program.relayout_bytes / hbm_bandwidth,
-        xla_prefetch_s=program.prefetch_bytes / hbm_bandwidth,
-    )

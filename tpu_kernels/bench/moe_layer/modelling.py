@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from tpu_kernels import perf
 from tpu_kernels.bench import calibration_bands
-from tpu_kernels.perf import xla_program
+from tpu_kernels.perf import program_time
 from tpu_kernels.runtime.hardware import tpu_generation
 
 from .cache import first_line
 from .shapes import Case
 
 
-def price(program, replayed: perf.ProgramReplay, hbm_fraction: float = 1.0) -> xla_program.ProgramTime:
+def price(program, replayed: perf.ProgramReplay, hbm_fraction: float = 1.0) -> program_time.ProgramTime:
     """The layer under the calibrated model: Pallas kernels, XLA's ragged-dot loops and the other XLA ops."""
-    return xla_program.model_program(program, replayed.pallas_calls, ragged_dots=replayed.ragged_dots,
-                                     hbm_fraction=hbm_fraction)
+    return program_time.model_program(program, replayed.pallas_calls, ragged_dots=replayed.ragged_dots,
+                                      hbm_fraction=hbm_fraction)
 
 
 def timings(program, replayed: perf.ProgramReplay, case: Case, generation: str) -> dict:
@@ -30,7 +30,7 @@ def timings(program, replayed: perf.ProgramReplay, case: Case, generation: str) 
         return {"modelled": False, "error": f"not modelled: {first_line(error)}"}
     kernels = head.kernels
     peak = tpu_generation(generation).device_bf16_flops_per_s  # on v5p both TensorCores
-    placed = xla_program.kernels_as_placed(program, replayed.pallas_calls) if replayed.pallas_calls else []
+    placed = program_time.kernels_as_placed(program, replayed.pallas_calls) if replayed.pallas_calls else []
     kernels_s = kernels.pipelined_time_s if kernels else 0.0
     band = calibration_bands.band({"pallas_ragged_dot": kernels_s, "xla_ragged_dot": head.ragged_dot_s},
                                   generation, uncalibrated_s=head.xla_s)

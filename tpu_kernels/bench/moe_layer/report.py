@@ -151,7 +151,7 @@ def dump_compact(value, indent: int = 0) -> str:
 
 def method(args) -> dict:
     return {
-        "model": "tpu_kernels.perf.xla_program.model_program: Pallas kernels by tpu_kernels.perf grid replay, XLA's "
+        "model": "tpu_kernels.perf.program_time.model_program: Pallas kernels by tpu_kernels.perf grid replay, XLA's "
                  "ragged-dot loops by tpu_kernels.perf.xla_ragged_dot, other XLA ops from the optimized HLO's placement "
                  "(HBM bytes at HBM bandwidth, VMEM bytes at 22x it)",
         "headline": "us: the calibrated pipelined figure at peak HBM bandwidth (grid step "
