@@ -29,3 +29,16 @@ def test_race_detection_follows_the_pytest_configuration(tmp_path, options, expe
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert f"detect races: {expected}" in result.stdout
+
+
+def test_interpret_fails_on_a_data_race_and_passes_a_clean_kernel():
+    import jax.numpy as jnp
+
+    from tpu_kernels.testing import interpret
+
+    from .test_binding import clean, racy
+
+    x = jnp.ones((8, 128))
+    with pytest.raises(AssertionError, match="data race"):
+        interpret(lambda: racy(x))
+    assert (interpret(lambda: clean(x)) == 2).all()

@@ -13,17 +13,20 @@ configuration says `tpu_kernels_detect_races = true` (this project's
 pyproject.toml does; `tpu-kernels check` passes it on the command line).
 Installing the package changes no other project's test runs.
 
-Kernel repo tests also take helpers from here: `no_kernel_if` (an empty
-input must run no Pallas kernel), `assert_matches` (a result against the
-reference, relative to the reference's scale), `dimensions` (a hypothesis
-strategy of sizes that are often 0) and `tiny_transformers_model` (a small
-seeded transformers model to swap kernels into).
+Kernel repo tests also take helpers from here: `interpret` (a JAX function
+of the kernel in TPU interpret mode, failing on a data race), `no_kernel_if`
+(an empty input must run no Pallas kernel), `assert_matches` (a result
+against the reference, relative to the reference's scale), `dimensions` (a
+hypothesis strategy of sizes that are often 0) and `tiny_transformers_model`
+(a small seeded transformers model to swap kernels into).
 """
 
 from __future__ import annotations
 
+import io
 import os
-from contextlib import contextmanager
+import sys
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from unittest import mock
 
@@ -31,6 +34,9 @@ import pytest
 
 BUILT_ENV = "TPU_KERNELS_BUILT"
 DETECT_RACES_INI = "tpu_kernels_detect_races"
+# What the interpreter prints for each race it finds, as `pltpu.InterpretParams.detect_races` documents (its race
+# state has no public accessor).
+RACE_REPORT = "RACE DETECTED"
 
 
 def pytest_addoption(parser):
@@ -73,6 +79,22 @@ def kernel(request, _built_kernels, tmp_path_factory):
         else:
             _built_kernels[repo] = build_kernel_repo(repo, tmp_path_factory.mktemp("build"))
     return get_local_kernel(_built_kernels[repo], backend="cpu")
+
+
+def interpret(fn, cores: int = 1):
+    """`fn()`'s result, its JAX kernels run in Pallas' TPU interpret mode with race detection and NaN-filled
+    uninitialised memory, on `cores` TensorCores (v5p's megacore: 2, which split the grid's parallel dimensions).
+    Fails the test if the interpreter found a data race in any kernel it ran."""
+    import jax
+    from jax.experimental.pallas import tpu as pltpu
+
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan", num_cores_or_threads=cores)
+    printed = io.StringIO()
+    with pltpu.force_tpu_interpret_mode(params), redirect_stdout(printed):
+        out = jax.block_until_ready(fn())
+    sys.stdout.write(printed.getvalue())
+    assert RACE_REPORT not in printed.getvalue(), "the TPU interpreter found a data race"
+    return out
 
 
 @contextmanager

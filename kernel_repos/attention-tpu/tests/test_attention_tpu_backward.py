@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from tpu_kernels.testing import interpret
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 MIB = 2**20
@@ -147,7 +148,7 @@ BLOCK_CASES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(BLOCK_CASES))
-def test_multi_block_gradients_match_reference(kernel, interpret, convert, case):
+def test_multi_block_gradients_match_reference(kernel, convert, case):
     to_jax, to_torch = convert
     (batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype, sinks, options,
      forward_tiles, dq_tiles, dkv_tiles) = BLOCK_CASES[case]
@@ -175,7 +176,7 @@ def test_multi_block_gradients_match_reference(kernel, interpret, convert, case)
 
 
 @pytest.mark.slow
-def test_keys_past_lengths_may_hold_nan(kernel, interpret, convert):
+def test_keys_past_lengths_may_hold_nan(kernel, convert):
     """Keys and values past kv_lengths are NaN, blocks are ragged: every gradient is finite and those keys get zero."""
     to_jax, to_torch = convert
     tensors = _inputs(2, 4, 2, 140, 300, 64, torch.float32, sinks=False, seed=5)
@@ -199,7 +200,7 @@ def test_keys_past_lengths_may_hold_nan(kernel, interpret, convert):
     assert torch.equal(dv[1, :, 131:], torch.zeros_like(dv[1, :, 131:]))
 
 
-def test_log_sum_exp_of_the_forward(kernel, interpret, convert):
+def test_log_sum_exp_of_the_forward(kernel, convert):
     """The forward's second output: log of each row's softmax denominator (sink included), -inf for empty rows."""
     to_jax, to_torch = convert
     tensors = _inputs(2, 4, 2, 130, 130, 64, torch.float32, sinks=True, seed=6)

@@ -12,6 +12,7 @@ import dataclasses
 import jax.numpy as jnp
 import pytest
 import torch
+from tpu_kernels.testing import interpret
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -155,7 +156,7 @@ BLOCK_CASES = {
 
 
 @pytest.mark.parametrize("case", list(BLOCK_CASES))
-def test_multi_block_matches_reference(kernel, interpret, convert, case):
+def test_multi_block_matches_reference(kernel, convert, case):
     _jax, _torch = convert
     batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype, (block_q, block_kv, heads), options = BLOCK_CASES[case]
     q, k, v = _qkv(batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype, seed=len(case))
@@ -167,7 +168,7 @@ def test_multi_block_matches_reference(kernel, interpret, convert, case):
     assert _relative_error(_torch(out), expected) <= TOLERANCE[dtype]
 
 
-def test_multi_block_mask_with_padding(kernel, interpret, convert):
+def test_multi_block_mask_with_padding(kernel, convert):
     """An explicit mask over several blocks: left padding, a causal band and random holes.
 
     Also a non-causal window on top (keys after a query stay visible): the
@@ -201,7 +202,7 @@ def test_multi_block_mask_with_padding(kernel, interpret, convert):
     assert _relative_error(_torch(out), expected) <= 1e-5
 
 
-def test_blocks_outside_the_window_are_skipped(kernel, interpret, convert):
+def test_blocks_outside_the_window_are_skipped(kernel, convert):
     """K/V blocks no query can see are not computed: NaN there never shows.
 
     Queries 600..631 with a window of 64 see keys 537..631, so kv blocks 0-3

@@ -1,21 +1,15 @@
 """Helpers of this repo's tests: running a JAX function in TPU interpret mode, tensors to JAX arrays, random picks."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call
-from jax.experimental.pallas import tpu as pltpu
+from tpu_kernels import testing
 
 
 def _interpret(fn, cores: int = 1):
-    """Runs `fn` in TPU interpret mode with race detection and NaN-filled uninitialised memory, on `cores`
-    TensorCores (v5p's megacore: 2, which split the grid's parallel dimensions); f32 torch out."""
-    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan", num_cores_or_threads=cores)
-    with pltpu.force_tpu_interpret_mode(params):
-        out = jax.block_until_ready(fn())
-    assert not interpret_pallas_call.races.races_found, "the TPU interpreter found a data race"
+    """`testing.interpret(fn, cores)`'s result as a float32 torch tensor."""
+    out = testing.interpret(fn, cores)
     return torch.from_numpy(np.array(out.astype(jnp.float32)))
 
 

@@ -5,24 +5,14 @@ one; uninitialised memory is NaN, so a garbage row leaking into a valid output
 or into the weight gradient shows up as NaN.
 """
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call
-from jax.experimental.pallas import tpu as pltpu
+from tpu_kernels.testing import interpret
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
-
-
-@contextlib.contextmanager
-def tpu_interpreter():
-    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")):
-        yield
-    assert not interpret_pallas_call.races.races_found, "the TPU interpreter found a data race"
 
 
 def random_array(key: int, shape, dtype) -> jax.Array:
@@ -55,12 +45,10 @@ def test_forward_kernels_on_ragged_row_blocks(kernel, leading, hidden, dtype, bl
     x, residual = random_array(0, shape, dtype), random_array(1, shape, dtype)
     weight = random_array(2, (hidden,), dtype)
     eps = 1e-6
-    with tpu_interpreter():
-        y = kernel.pallas_rms_norm.rms_norm(x, weight, eps=eps, offset=offset, block_rows=block_rows)
-        fused_y, new_residual = kernel.pallas_rms_norm.fused_add_rms_norm(
-            x, residual, weight, eps=eps, offset=offset, block_rows=block_rows
-        )
-        jax.block_until_ready((y, fused_y, new_residual))
+    y = interpret(lambda: kernel.pallas_rms_norm.rms_norm(x, weight, eps=eps, offset=offset, block_rows=block_rows))
+    fused_y, new_residual = interpret(lambda: kernel.pallas_rms_norm.fused_add_rms_norm(
+        x, residual, weight, eps=eps, offset=offset, block_rows=block_rows
+    ))
     assert y.dtype == fused_y.dtype == new_residual.dtype == dtype and y.shape == shape
 
     assert_close(y, kernel.reference.rms_norm(as_torch(x), as_torch(weight), eps, offset), dtype)
@@ -83,12 +71,12 @@ def test_backward_kernels_on_ragged_row_blocks(kernel, leading, hidden, dtype, b
     x, grad, grad_residual = (random_array(k, shape, dtype) for k in (3, 4, 5))
     weight = random_array(6, (hidden,), dtype)
     eps = 1e-5
-    with tpu_interpreter():
-        dx, dweight = kernel.pallas_rms_norm.rms_norm_backward(grad, x, weight, eps=eps, offset=offset, block_rows=block_rows)
-        dsum, dweight_fused = kernel.pallas_rms_norm.fused_add_rms_norm_backward(
-            grad, grad_residual, x, weight, eps=eps, offset=offset, block_rows=block_rows
-        )
-        jax.block_until_ready((dx, dweight, dsum, dweight_fused))
+    dx, dweight = interpret(lambda: kernel.pallas_rms_norm.rms_norm_backward(
+        grad, x, weight, eps=eps, offset=offset, block_rows=block_rows
+    ))
+    dsum, dweight_fused = interpret(lambda: kernel.pallas_rms_norm.fused_add_rms_norm_backward(
+        grad, grad_residual, x, weight, eps=eps, offset=offset, block_rows=block_rows
+    ))
     assert dx.dtype == dsum.dtype == dtype and dweight.dtype == dweight_fused.dtype == dtype
 
     x_t = as_torch(x).requires_grad_()
