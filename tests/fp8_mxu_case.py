@@ -53,7 +53,7 @@ def matmuls(build: str, dump: Path) -> dict[str, dict[str, dict[str, int]]]:
             def layer(hidden, index, weights, gate_up, down, *rest, generation=generation,
                       fused=path.startswith("fused"), layout=layout):
                 biases = rest[:2] if len(rest) == 4 else (None, None)
-                return ragged_dot.moe.experts_layer(hidden, index, weights, gate_up, down, *biases, *rest[-2:],
+                return ragged_dot.experts_layer(hidden, index, weights, gate_up, down, *biases, *rest[-2:],
                                                    fused=fused, generation=generation, **layout)
 
             before = set(dump.iterdir()) if dump.exists() else set()

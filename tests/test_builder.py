@@ -40,14 +40,14 @@ def test_layout_and_metadata(built):
         assert metadata.python_depends == []
         # Every file is covered by the digest, and the digest matches the files.
         metadata.digest.validate(Digest.hash_variant(DigestAlgorithm.SHA256, variant))
-        assert {"__init__.py", "_ops.py", "_binding.py", "_hardware.py", "pallas_gmm.py", "symbols.json"} <= set(
+        assert {"__init__.py", "_ops.py", "_binding.py", "_hardware.py", "gmm/kernel.py", "symbols.json"} <= set(
             metadata.digest.files)
         assert (variant / "_binding.py").read_bytes() == (REPO_ROOT / "tpu_kernels" / "runtime" / "binding.py").read_bytes()
         ids.add(metadata.id)
     assert len(ids) == 2, "each variant has its own op namespace"
 
 
-@pytest.mark.parametrize("changed", ["pallas_gmm.py", "symbols.json"])
+@pytest.mark.parametrize("changed", ["gmm/kernel.py", "symbols.json"])
 def test_digest_catches_a_changed_byte(built, tmp_path, changed):
     variant = tmp_path / "torch-cpu"
     shutil.copytree(built / "build" / "torch-cpu", variant)

@@ -101,8 +101,8 @@ def test_rival_layer_computes_the_experts_layer(tmp_path):
 
 
 def test_quantized_variants_take_the_kernels_arguments_and_minimum(tmp_path):
-    """The one-byte variants: their arguments are what the kernel repo's quant.py expects, and their minimum
-    bytes count each active expert's one-byte weights and f32 scales once (the anchor, by hand)."""
+    """The one-byte variants: their arguments are what the kernel repo's common/quant.py expects, and their
+    minimum bytes count each active expert's one-byte weights and f32 scales once (the anchor, by hand)."""
     from tpu_kernels.distribution.builder import build_kernel_repo
     from tpu_kernels.distribution.loader import get_local_kernel
 
@@ -119,7 +119,7 @@ def test_quantized_variants_take_the_kernels_arguments_and_minimum(tmp_path):
         args = moe_layer.quantized_avals(built, case, scheme, concrete_index=False)
         assert [a.dtype for a in args[3:5]] == [dtype, dtype]
         assert [a.shape for a in args[5:]] == [
-            built.quant.expected_scales_shape(scheme, shape, 1) for shape in case.weight_shapes()]
+            built.expected_scales_shape(scheme, shape, 1) for shape in case.weight_shapes()]
 
 
 def test_the_kernel_is_built_at_the_same_path_on_every_cached_run(tmp_path):

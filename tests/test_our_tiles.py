@@ -2,30 +2,35 @@
 
 import json
 
+import pytest
+
 from tpu_kernels.bench.moe_layer import our_tiles
 
 
-def test_candidates_start_at_the_heuristic_and_all_run(ragged_dot_kernel):
-    config = ragged_dot_kernel.config
+@pytest.fixture
+def kernel(ragged_dot_kernel):
+    return ragged_dot_kernel
+
+
+def test_candidates_start_at_the_heuristic_and_all_run(kernel):
     # Qwen3-30B-A3B's gate_up at 2048 tokens on one chip: 16384 picks over 128 experts.
-    key = config.TunedKey("v6e", 16384, 2048, 1536, 128, "bfloat16", "bfloat16", True)
-    found = our_tiles.candidates(ragged_dot_kernel, key, "v6e")
-    heuristic = config.heuristic_config(key.m, key.k, key.n, key.dtype, "v6e", key.groups, key.rhs_dtype, True)
+    key = kernel.TunedKey("v6e", 16384, 2048, 1536, 128, "bfloat16", "bfloat16", True)
+    found = our_tiles.candidates(kernel, key, "v6e")
+    heuristic = kernel.heuristic_config(key.m, key.k, key.n, key.dtype, "v6e", key.groups, key.rhs_dtype, True)
     assert found[0] == heuristic and len(set(found)) == len(found) > 4
     assert {tiles.tile_m for tiles in found} >= {256, 512, 1024}
     # K whole (the heuristic's) and halved down to 512.
     assert {tiles.tile_k for tiles in found} == {2048, 1024, 512}
     for tiles in found:
-        config.check_config(tiles, key.m, key.k, key.n, key.dtype, key.rhs_dtype, True, generation="v6e")
+        kernel.check_config(tiles, key.m, key.k, key.n, key.dtype, key.rhs_dtype, True, generation="v6e")
 
 
-def test_the_table_is_sorted_data_the_kernel_reads(ragged_dot_kernel, tmp_path):
+def test_the_table_is_sorted_data_the_kernel_reads(kernel, tmp_path):
     """A search replaces the entries of the keys it searched (a winner, or none: back to the heuristic) and keeps
     every other."""
-    config = ragged_dot_kernel.config
-    keys = [config.TunedKey("v6e", 16384, 2048, 1536, 128, "bfloat16", "bfloat16", True),
-            config.TunedKey("v5e", 16384, 768, 2048, 128, "bfloat16", "bfloat16", True),
-            config.TunedKey("v5e", 2048, 768, 2048, 16, "bfloat16", "bfloat16", True)]
+    keys = [kernel.TunedKey("v6e", 16384, 2048, 1536, 128, "bfloat16", "bfloat16", True),
+            kernel.TunedKey("v5e", 16384, 768, 2048, 128, "bfloat16", "bfloat16", True),
+            kernel.TunedKey("v5e", 2048, 768, 2048, 16, "bfloat16", "bfloat16", True)]
     path = tmp_path / our_tiles.TABLE
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"entries": [{"key": key._asdict(), "tiles": [256, key.k, 256, None, 1]}
@@ -34,23 +39,22 @@ def test_the_table_is_sorted_data_the_kernel_reads(ragged_dot_kernel, tmp_path):
     our_tiles.write_table(tmp_path, entries, [key._asdict() for key in keys[:2]])
     written = json.loads(path.read_text())["entries"]
     assert [entry["key"]["generation"] for entry in written] == ["v5e", "v5e", "v6e"]
-    assert {config.TunedKey(**entry["key"]): config.TileConfig(*entry["tiles"]) for entry in written} == {
-        keys[0]: config.TileConfig(1024, 2048, 512, 256, 1), keys[1]: config.TileConfig(1024, 768, 512, 256, 1),
-        keys[2]: config.TileConfig(256, 768, 256, None, 1)}
+    assert {kernel.TunedKey(**entry["key"]): kernel.TileConfig(*entry["tiles"]) for entry in written} == {
+        keys[0]: kernel.TileConfig(1024, 2048, 512, 256, 1), keys[1]: kernel.TileConfig(1024, 768, 512, 256, 1),
+        keys[2]: kernel.TileConfig(256, 768, 256, None, 1)}
     our_tiles.write_table(tmp_path, [], [keys[2]._asdict()])
-    assert [config.TunedKey(**entry["key"]) for entry in json.loads(path.read_text())["entries"]] == keys[1::-1]
+    assert [kernel.TunedKey(**entry["key"]) for entry in json.loads(path.read_text())["entries"]] == keys[1::-1]
 
 
-def test_tuned_as_sets_exactly_the_entries_then_restores_the_shipped_table(ragged_dot_kernel):
-    config = ragged_dot_kernel.config
-    shipped = dict(config.TUNED_TILES)
-    key = config.TunedKey("v6e", 777, 2048, 1536, 5, "bfloat16", "bfloat16", True)
-    with our_tiles.tuned_as(ragged_dot_kernel, [{"key": key._asdict(), "tiles": [256, 2048, 512, None, 1]}]):
-        assert config.TUNED_TILES == {key: config.TileConfig(256, 2048, 512, None, 1)}
-    assert config.TUNED_TILES == shipped
-    with our_tiles.tuned_as(ragged_dot_kernel, []):
-        assert config.TUNED_TILES == {}
-    assert config.TUNED_TILES == shipped
+def test_tuned_as_sets_exactly_the_entries_then_restores_the_shipped_table(kernel):
+    shipped = dict(kernel.TUNED_TILES)
+    key = kernel.TunedKey("v6e", 777, 2048, 1536, 5, "bfloat16", "bfloat16", True)
+    with our_tiles.tuned_as(kernel, [{"key": key._asdict(), "tiles": [256, 2048, 512, None, 1]}]):
+        assert kernel.TUNED_TILES == {key: kernel.TileConfig(256, 2048, 512, None, 1)}
+    assert kernel.TUNED_TILES == shipped
+    with our_tiles.tuned_as(kernel, []):
+        assert kernel.TUNED_TILES == {}
+    assert kernel.TUNED_TILES == shipped
 
 
 def test_the_layer_keeps_only_the_entries_that_make_it_faster(monkeypatch):

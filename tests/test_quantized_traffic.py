@@ -50,22 +50,22 @@ def _layer(kernel, shape, weights_dtype):
     gate_up = (experts, hidden, 2 * intermediate) if transposed else (experts, 2 * intermediate, hidden)
     down = (experts, intermediate, hidden) if transposed else (experts, hidden, intermediate)
     index, weights = _routing(tokens, top_k, experts, ranks)
-    scheme = kernel.quant.scheme_of(weights_dtype)
+    scheme = kernel.scheme_of(weights_dtype)
     out_axis = 2 if transposed else 1
     scales = [] if scheme is None else [
-        S(kernel.quant.expected_scales_shape(scheme, w, out_axis), jnp.float32) for w in (gate_up, down)]
+        S(kernel.expected_scales_shape(scheme, w, out_axis), jnp.float32) for w in (gate_up, down)]
     bias = [S((experts, 2 * intermediate), jnp.bfloat16), S((experts, hidden), jnp.bfloat16)] if biases else []
     gate = dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0) if biases else dict(
         activation="silu")
-    fused = functools.partial(kernel.pallas_fused.fused_experts, weights_transposed=transposed, **gate)
+    fused = functools.partial(kernel.fused_experts, weights_transposed=transposed, **gate)
 
     def fn(hidden_states, index, weights, gate_up, down, *rest):
         return fused(hidden_states, index, weights, gate_up, down, *(rest if biases else (None, None, *rest)))
 
     def stored(shape):  # packed int4: two weights per byte along the kernel's packed axis
-        if scheme != kernel.quant.INT4:
+        if scheme != kernel.INT4:
             return shape
-        axis = kernel.quant.int4_packed_axis(shape)
+        axis = kernel.int4_packed_axis(shape)
         return tuple(d // 2 if i == axis else d for i, d in enumerate(shape))
 
     args = [S((tokens, hidden), jnp.bfloat16), index, weights, S(stored(gate_up), weights_dtype),

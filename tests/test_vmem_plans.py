@@ -31,8 +31,8 @@ def _replayed_vmem(fn, *args) -> int:
     return call.vmem_bytes
 
 
-def _planned_vmem(plan, config) -> int:
-    return config.buffers_bytes(plan.buffers)
+def _planned_vmem(kernel, plan) -> int:
+    return kernel.buffers_bytes(plan.buffers)
 
 
 MATMUL_CASES = {
@@ -54,34 +54,32 @@ BIASED = {"biased-int8-slots"}
 @pytest.mark.parametrize("case", list(MATMUL_CASES))
 def test_grouped_matmul_plan_counts_the_vmem_of_its_block_specs(kernel, case):
     m, k, n, groups, rhs_dtype, transpose_rhs, tiles, generation = MATMUL_CASES[case]
-    config = kernel.config
-    problem = kernel.problem.MatmulProblem(m, k, n, groups, "bfloat16" if rhs_dtype != "float32" else "float32",
-                                           rhs_dtype, transpose_rhs=transpose_rhs, bias=case in BIASED)
-    plan = kernel.plan.plan_ragged_dot(problem, generation, config.TileConfig(*tiles))
+    problem = kernel.MatmulProblem(m, k, n, groups, "bfloat16" if rhs_dtype != "float32" else "float32",
+                                   rhs_dtype, transpose_rhs=transpose_rhs, bias=case in BIASED)
+    plan = kernel.plan_ragged_dot(problem, generation, kernel.TileConfig(*tiles))
     assert plan.fp8_matmul == (case == "fp8-on-the-fp8-mxu")
     rhs_shape = (groups, n, k) if transpose_rhs else (groups, k, n)
-    scheme = kernel.quant.scheme_of(rhs_dtype)
-    scales = None if scheme is None else S(kernel.quant.expected_scales_shape(scheme, rhs_shape,
-                                                                             1 if transpose_rhs else 2), jnp.float32)
+    scheme = kernel.scheme_of(rhs_dtype)
+    scales = None if scheme is None else S(kernel.expected_scales_shape(scheme, rhs_shape,
+                                                                         1 if transpose_rhs else 2), jnp.float32)
     sizes = np.full(groups, m // groups, np.int32)
     bias = S((groups, n), jnp.bfloat16) if case in BIASED else None
 
     def fn(lhs, rhs, sizes, scales, bias):
-        return kernel.pallas_gmm.grouped_matmul(lhs, rhs, sizes, scales, plan, bias)
+        return kernel.grouped_matmul_call(lhs, rhs, sizes, scales, plan, bias)
 
     replayed = _replayed_vmem(fn, S((m, k), problem.dtype), S(rhs_shape, rhs_dtype), sizes, scales, bias)
-    assert _planned_vmem(plan, config) == replayed
+    assert _planned_vmem(kernel, plan) == replayed
 
 
 @pytest.mark.parametrize("tiles", [(64, 128, 256, 32, False), (64, 256, 128, 16, True), (512, 256, 256, 128, False)])
 def test_tgmm_plan_counts_the_vmem_of_its_block_specs(kernel, tiles):
     m, k, n, groups = 200, 256, 256, 5
-    config = kernel.config
-    problem = kernel.problem.TgmmProblem(m, k, n, groups, "bfloat16", "bfloat16")
-    plan = kernel.plan.plan_tgmm(problem, "v6e", config.TgmmConfig(*tiles))
+    problem = kernel.TgmmProblem(m, k, n, groups, "bfloat16", "bfloat16")
+    plan = kernel.plan_tgmm(problem, "v6e", kernel.TgmmConfig(*tiles))
     sizes = np.asarray([30, 0, 70, 60, 40], np.int32)
-    fn = functools.partial(kernel.pallas_tgmm.tgmm_call, plan=plan)
-    assert _planned_vmem(plan, config) == _replayed_vmem(fn, S((m, k), jnp.bfloat16), S((m, n), jnp.bfloat16), sizes)
+    fn = functools.partial(kernel.transposed_grouped_matmul_call, plan=plan)
+    assert _planned_vmem(kernel, plan) == _replayed_vmem(fn, S((m, k), jnp.bfloat16), S((m, n), jnp.bfloat16), sizes)
 
 
 FUSED_CASES = {
@@ -104,29 +102,28 @@ FUSED_CASES = {
 @pytest.mark.parametrize("case", list(FUSED_CASES))
 def test_fused_plan_counts_the_vmem_of_its_block_specs(kernel, case):
     tokens, hidden, intermediate, experts, weights_dtype, transposed, bias, gate, tiles, generation = FUSED_CASES[case]
-    config, problem_module = kernel.config, kernel.problem
     top_k = 2
     gate_up = (experts, hidden, 2 * intermediate) if transposed else (experts, 2 * intermediate, hidden)
     down = (experts, intermediate, hidden) if transposed else (experts, hidden, intermediate)
     weights = [S(gate_up, weights_dtype), S(down, weights_dtype)]
     weights += [S((experts, 2 * intermediate), jnp.bfloat16), S((experts, hidden), jnp.bfloat16)] if bias else [None,
                                                                                                                None]
-    scheme = kernel.quant.scheme_of(weights_dtype)
+    scheme = kernel.scheme_of(weights_dtype)
     if scheme is not None:
         out_axis = 2 if transposed else 1
-        weights += [S(kernel.quant.expected_scales_shape(scheme, shape, out_axis), jnp.float32) for shape in (gate_up,
-                                                                                                          down)]
-    expert_weights = problem_module.ExpertWeights(*weights)
+        weights += [S(kernel.expected_scales_shape(scheme, shape, out_axis), jnp.float32) for shape in (gate_up,
+                                                                                                      down)]
+    expert_weights = kernel.ExpertWeights(*weights)
     hidden_states = S((tokens, hidden), jnp.bfloat16)
     index = np.random.default_rng(0).integers(0, experts, (tokens, top_k)).astype(np.int32)
     routing = np.full((tokens, top_k), 0.5, np.float32)
-    problem = problem_module.ExpertsProblem.of(hidden_states, index, routing, expert_weights,
-                                               problem_module.Gate(**gate), weights_transposed=transposed)
-    plan = kernel.plan.plan_fused(problem, None if tiles is None else config.FusedConfig(*tiles), generation)
+    problem = kernel.ExpertsProblem.of(hidden_states, index, routing, expert_weights, kernel.Gate(**gate),
+                                       weights_transposed=transposed)
+    plan = kernel.plan_fused(problem, None if tiles is None else kernel.FusedConfig(*tiles), generation)
     assert plan.fp8_matmul == case.startswith("fp8-on-the-fp8-mxu")
 
     def run(hidden_states, index, routing, *weights):
-        read = problem_module.ExpertWeights(*weights).as_read(plan.orientation, weights_transposed=transposed)
-        return kernel.pallas_fused.fused_experts_call(plan, hidden_states, index, routing, read)
+        read = kernel.ExpertWeights(*weights).as_read(plan.orientation, weights_transposed=transposed)
+        return kernel.fused_experts_call(plan, hidden_states, index, routing, read)
 
-    assert _planned_vmem(plan, config) == _replayed_vmem(run, hidden_states, index, routing, *weights)
+    assert _planned_vmem(kernel, plan) == _replayed_vmem(run, hidden_states, index, routing, *weights)

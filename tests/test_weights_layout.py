@@ -33,14 +33,14 @@ def test_gemma4_experts_are_read_in_place(kernel, generation, fused, weights_dty
     gate_up, down = (EXPERTS, 2 * INTERMEDIATE, HIDDEN), (EXPERTS, HIDDEN, INTERMEDIATE)
     avals = [S((tokens, HIDDEN), jnp.bfloat16), S((tokens, TOP_K), jnp.int32), S((tokens, TOP_K), jnp.bfloat16),
              S(gate_up, weights_dtype), S(down, weights_dtype)]
-    scheme = kernel.quant.scheme_of(weights_dtype)
+    scheme = kernel.scheme_of(weights_dtype)
     if scheme is not None:
-        avals += [S(kernel.quant.expected_scales_shape(scheme, shape, 1), jnp.float32) for shape in (gate_up, down)]
+        avals += [S(kernel.expected_scales_shape(scheme, shape, 1), jnp.float32) for shape in (gate_up, down)]
 
     def layer(hidden_states, index, weights, gate_up_proj, down_proj, *scales):
-        return kernel.moe.experts_layer(hidden_states, index, weights, gate_up_proj, down_proj, None, None, *scales,
-                                        activation="gelu_tanh", weights_transposed=False, fused=fused,
-                                        generation=generation)
+        return kernel.experts_layer(hidden_states, index, weights, gate_up_proj, down_proj, None, None, *scales,
+                                    activation="gelu_tanh", weights_transposed=False, fused=fused,
+                                    generation=generation)
 
     program = xla_program.compile_program(layer, avals, generation)
     relayouts = [op.detail for op in program.ops if op.detail.startswith("relayout")]
@@ -60,8 +60,8 @@ def test_gemma4_experts_backward_reads_and_writes_the_weights_in_place(kernel):
              S(gate_up, jnp.bfloat16), S(down, jnp.bfloat16)]
 
     def loss(hidden_states, index, weights, gate_up_proj, down_proj):
-        out = kernel.moe.experts_layer(hidden_states, index, weights, gate_up_proj, down_proj,
-                                       activation="gelu_tanh", weights_transposed=False, generation="v6e")
+        out = kernel.experts_layer(hidden_states, index, weights, gate_up_proj, down_proj,
+                                   activation="gelu_tanh", weights_transposed=False, generation="v6e")
         return jnp.sum(out.astype(jnp.float32))
 
     program = xla_program.compile_program(jax.grad(loss, argnums=(0, 2, 3, 4)), avals, "v6e")

@@ -20,10 +20,10 @@ calibration) is kept as `overlap_time_us`:
   the last two dims swapped (Gemma 4's down_proj; the forward runs `x @ W[e]`):
   - d_lhs = `d_out[M, N] @ W[e]` per group: ours is the forward grouped matmul
     with the weights read the other way (tiles from
-    `config.select_d_lhs_config`, as `backward.py` runs it); megablox
+    `select_d_lhs_config`, as `backward.py` runs it); megablox
     `gmm` and tokamax `gmm` the same;
   - d_rhs, the weights' gradient in their stored order: `[E, N, K]` = per group
-    `d_out_g^T @ x_g` (ours `pallas_tgmm.tgmm(d_out, x)`), or `[E, K, N]` =
+    `d_out_g^T @ x_g` (ours `transposed_grouped_matmul(d_out, x)`), or `[E, K, N]` =
     `x_g^T @ d_out_g`; megablox and tokamax `tgmm` take the first operand
     transposed (`[N, M]` or `[K, M]`: an XLA transpose outside their kernel,
     which is not counted: in their favour);
@@ -166,10 +166,10 @@ def measure_projection(built, setting: str, projection: str, m: int, k: int, n: 
     forward_bytes = (active * k * n + m * k + m * n) * itemsize
     entry["kernels"]["forward"] = {"ours": {}}
     for generation in GENERATIONS:
-        fn = functools.partial(built.pallas_gmm.ragged_dot, transpose_rhs=not swapped, generation=generation)
+        fn = functools.partial(built.grouped_matmul, transpose_rhs=not swapped, generation=generation)
         result = _model(fn, (S((m, k), DTYPE), weights), sizes, forward_bytes, flops)[generation]
-        result["config"] = built.config.select_config(m, k, n, DTYPE, generation=generation,
-                                                      num_groups=experts)._asdict()
+        result["config"] = built.select_config(m, k, n, DTYPE, generation=generation,
+                                               num_groups=experts)._asdict()
         entry["kernels"]["forward"]["ours"][generation] = result
 
     # d_lhs[M, K] = d_out[M, N] @ W[e]: reads d_out, the active weights, writes d_lhs.
@@ -181,18 +181,18 @@ def measure_projection(built, setting: str, projection: str, m: int, k: int, n: 
     d_rhs_dims = (m, k, n) if swapped else (m, n, k)
 
     def d_lhs_config(generation):
-        return built.config.select_d_lhs_config(m, n, k, DTYPE, generation=generation, num_groups=experts)
+        return built.select_d_lhs_config(m, n, k, DTYPE, generation=generation, num_groups=experts)
 
     kinds = {
         "d_lhs": (d_lhs_bytes, (S((m, n), DTYPE), weights),
-                  lambda generation: functools.partial(built.pallas_gmm.ragged_dot, transpose_rhs=swapped,
+                  lambda generation: functools.partial(built.grouped_matmul, transpose_rhs=swapped,
                                                        config=d_lhs_config(generation)),
                   lambda generation: d_lhs_config(generation)._asdict(),
                   (S((m, n), DTYPE), weights), (m, n, k)),
         "d_rhs": (d_rhs_bytes, d_rhs_avals,
-                  lambda generation: functools.partial(built.pallas_tgmm.tgmm, generation=generation),
-                  lambda generation: built.config.select_tgmm_config(*d_rhs_dims, DTYPE, generation=generation,
-                                                                     num_groups=experts)._asdict(),
+                  lambda generation: functools.partial(built.transposed_grouped_matmul, generation=generation),
+                  lambda generation: built.select_tgmm_config(*d_rhs_dims, DTYPE, generation=generation,
+                                                              num_groups=experts)._asdict(),
                   (S((d_rhs_dims[1], m), DTYPE), d_rhs_avals[1]), d_rhs_dims),
     }
     for kind, (min_bytes, our_avals, our_fn, our_config, rival_avals, (rm, rk, rn)) in kinds.items():

@@ -338,7 +338,7 @@ def _quantize_experts(model, entry: ReportEntry | None, kernel: ModuleType | Non
     modules = dict(model.named_modules())
     for name in entry.modules:
         module = modules[name]
-        if kernel.experts.fused_gate(module) is None:
+        if kernel.fused_gate(module) is None:
             report.kept[name] = "a gate the fused experts op does not compute (its composed path takes float weights)"
         elif not module.gate_up_proj.dtype.is_floating_point or module.gate_up_proj.element_size() == 1:
             report.kept[name] = f"weights already {module.gate_up_proj.dtype}"
@@ -420,7 +420,7 @@ def kernelize(
         else:
             if kind == "experts" and quantize_experts is not None:
                 # Before the model changes: a format this chip is not served in is refused whole.
-                kernel.quant.check_scheme_served(quantize_experts)
+                kernel.check_scheme_served(quantize_experts)
             loaded[kind] = kernel
             entry = APPLIERS[kind](model, spec, kernel, mode, backend)
         if not entry.replaced and entry.modules and not use_fallback:

@@ -5,7 +5,7 @@ on each experts module the ragged-dot kernel's fused path serves. Its
 `gate_up_proj` and `down_proj` become int8, float8_e4m3fn or packed int4 (uint8) parameters, with
 float32 dequantization multipliers beside them under transformers' FP8 names,
 `gate_up_proj_scale_inv` and `down_proj_scale_inv` (weight = q x scale_inv),
-in the layouts ragged-dot-tpu reads (its `quant.py`); the float originals are
+in the layouts ragged-dot-tpu reads (its `common/quant.py`); the float originals are
 released. Biases, routers and shared experts (plain MLPs, not experts
 modules) are left alone.
 
@@ -17,9 +17,9 @@ modules) are left alone.
   the least squared error (4 bits leave 15 levels: clipping a channel's few
   largest weights gives all the others finer steps), q = round(w /
   scale_inv) clamped to [-7, 7], packed two per byte by the kernel's
-  own `int4.pack_int4` (its layout: ragged-dot-tpu's `quant.py`). A weight
+  own `pack_int4` (its layout: ragged-dot-tpu's `common/quant.py`). A weight
   whose packed dim is not a multiple of 64 rows stays float (the report
-  says so). Not served on TPU7x (the kernel's `quant.NOT_SERVED`: fp8 there).
+  says so). Not served on TPU7x (the kernel's `NOT_SERVED`: fp8 there).
 - fp8: 128 x 128 blocks over the weight's two stored dims, with transformers'
   own arithmetic (`integrations.finegrained_fp8.Fp8Quantize`): per block,
   scale = 448 / max|w| in float32, q = clamp(w x scale) as e4m3, scale_inv =
@@ -85,7 +85,7 @@ def quantize_int4(weight: torch.Tensor, out_axis: int, kernel) -> tuple[torch.Te
     """`weight[E, D1, D2]` -> (packed uint8 q, float32 scale_inv `[E, D_out]`), one scale per output channel,
     packed by `kernel` (ragged-dot-tpu) as it reads them."""
     q, scale_inv = int4_codes(weight, out_axis)
-    return kernel.int4.pack_int4(q), scale_inv
+    return kernel.pack_int4(q), scale_inv
 
 
 def int4_codes(weight: torch.Tensor, out_axis: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +149,7 @@ def why_not_quantized(module: torch.nn.Module, scheme: str, kernel) -> str | Non
     if scheme != INT4:
         return None
     for projection in PROJECTIONS:
-        why = kernel.quant.int4_packable(tuple(getattr(module, projection).shape))
+        why = kernel.int4_packable(tuple(getattr(module, projection).shape))
         if why is not None:
             return f"{projection}: {why}"
     return None

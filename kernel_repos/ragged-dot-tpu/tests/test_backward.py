@@ -49,8 +49,8 @@ def test_tgmm_matches_reference(kernel, interpret, to_jax, case, dtype):
     # Rows past the groups must contribute nothing, whatever they hold.
     lhs[rows:], rhs[rows:] = float("nan"), float("nan")
     sizes = torch.tensor(group_sizes, dtype=torch.int32)
-    config = None if config is None else kernel.config.TgmmConfig(*config)
-    out = interpret(lambda: kernel.pallas_tgmm.tgmm(to_jax(lhs), to_jax(rhs), to_jax(sizes), config=config))
+    config = None if config is None else kernel.TgmmConfig(*config)
+    out = interpret(lambda: kernel.transposed_grouped_matmul(to_jax(lhs), to_jax(rhs), to_jax(sizes), config=config))
     expected = kernel.reference.tgmm_reference(lhs, rhs, sizes)
     assert out.shape == (len(group_sizes), k, n)
     assert not torch.isnan(out).any()
@@ -64,17 +64,17 @@ def test_tgmm_matches_reference(kernel, interpret, to_jax, case, dtype):
 def test_tgmm_split_for_v5p_cores_matches_reference(kernel, interpret, to_jax, k, n):
     """v5p's heuristic cuts the one output block per group in two (N, or K when K is the larger), tails
     partial."""
-    config = kernel.config.select_tgmm_config(80, k, n, jnp.float32, generation="v5p", num_groups=3)
+    config = kernel.select_tgmm_config(80, k, n, jnp.float32, generation="v5p", num_groups=3)
     assert (-(-k // config.tile_k)) * (-(-n // config.tile_n)) == 2
     generator = torch.Generator().manual_seed(k)
     lhs, rhs = torch.randn(80, k, generator=generator), torch.randn(80, n, generator=generator)
     sizes = torch.tensor([30, 0, 41], dtype=torch.int32)
-    out = interpret(lambda: kernel.pallas_tgmm.tgmm(to_jax(lhs), to_jax(rhs), to_jax(sizes), generation="v5p"))
+    out = interpret(lambda: kernel.transposed_grouped_matmul(to_jax(lhs), to_jax(rhs), to_jax(sizes), generation="v5p"))
     assert _relative_error(out, kernel.reference.tgmm_reference(lhs, rhs, sizes)) <= 1e-5
 
 
 def test_tgmm_items_skip_rows_past_groups_and_fetch_nothing_for_empty_groups(kernel):
-    items = kernel.pallas_tgmm.make_tgmm_items(jnp.asarray([0, 20, 0, 45, 0], jnp.int32), 100, 32)
+    items = kernel.make_tgmm_items(jnp.asarray([0, 20, 0, 45, 0], jnp.int32), 100, 32)
     count = int(items.count[0])
     # Group 1 spans row tile 0; group 3 rows 20..64, tiles 0..2; empty groups one item each.
     assert count == 1 + 1 + 1 + 3 + 1
@@ -85,7 +85,7 @@ def test_tgmm_items_skip_rows_past_groups_and_fetch_nothing_for_empty_groups(ker
 
 def test_tgmm_group_chunks_start_at_group_starts(kernel):
     # Group 1: rows 5..40 (chunks of 16 from row 0: 0, 16, 32); group 2: rows 40..100 (from 40: 40, 56, 72, 88).
-    items = kernel.pallas_tgmm.make_tgmm_items(jnp.asarray([5, 35, 60], jnp.int32), 100, 32, chunk_m=16, align=8)
+    items = kernel.make_tgmm_items(jnp.asarray([5, 35, 60], jnp.int32), 100, 32, chunk_m=16, align=8)
     count = int(items.count[0])
     assert list(np.asarray(items.group[:count])) == [0, 1, 1, 2, 2, 2]
     assert list(np.asarray(items.row_tile[:count])) == [0, 0, 1, 1, 2, 3]
@@ -97,7 +97,7 @@ def test_tgmm_group_chunks_start_at_group_starts(kernel):
 
 def test_tgmm_heuristic_takes_group_chunks_where_the_mxu_bounds_it(kernel):
     """Training shapes: v5e's MXU bounds tgmm (group chunks halve the waste per group); v6e's HBM does."""
-    select = kernel.config.select_tgmm_config
+    select = kernel.select_tgmm_config
     assert select(65536, 1536, 2048, jnp.bfloat16, generation="v5e", num_groups=128).group_chunks
     assert not select(65536, 1536, 2048, jnp.bfloat16, generation="v6e", num_groups=128).group_chunks
 
@@ -142,7 +142,7 @@ def test_ragged_dot_gradient_in_jax(kernel, interpret, to_jax):
     sizes = torch.tensor([12, 0, 20, 8], dtype=torch.int32)
 
     def loss(lhs, rhs):
-        out = kernel.backward.differentiable_ragged_dot(lhs, rhs, to_jax(sizes), False, False, None)
+        out = kernel.differentiable_ragged_dot(lhs, rhs, to_jax(sizes), False, False, None)
         return jnp.sum(jnp.where(jnp.arange(45)[:, None] < 40, out, 0.0) * to_jax(d_out))
 
     d_rhs = interpret(lambda: jax.grad(loss, argnums=1)(to_jax(lhs), to_jax(rhs)))
@@ -160,7 +160,7 @@ EXPERTS_CASES = {
     "gpt-oss": ("clamped_swiglu", True, True, True, 1.702, 1.0),
 }
 # Shapes whose down_proj XLA stores with its last two dims swapped, read (and differentiated) as that view
-# (config.weights_orientation): Gemma 4's [E, H, I] with I off the lanes, and a transposed [E, I, H].
+# (weights_orientation): Gemma 4's [E, H, I] with I off the lanes, and a transposed [E, I, H].
 SWAPPED_DOWN_SHAPES = {"gelu-tanh-transposed": dict(hidden=40, intermediate=128),
                        "silu": dict(hidden=128, intermediate=24)}
 
@@ -197,7 +197,7 @@ def test_gated_experts_gradients_match_reference(kernel, case, dtype):
     activation, weights_transposed, interleaved, biases, alpha, limit = EXPERTS_CASES[name]
     shape = SWAPPED_DOWN_SHAPES[name] if case != name else {}
     if shape:
-        orientation = kernel.config.weights_orientation(**shape, weights_transposed=weights_transposed)
+        orientation = kernel.weights_orientation(**shape, weights_transposed=weights_transposed)
         assert orientation.down_transposed != weights_transposed, "the case must read down_proj swapped"
     index, tensors = _experts_inputs(dtype, weights_transposed=weights_transposed, biases=biases, **shape)
     if activation == "clamped_swiglu" and dtype == torch.bfloat16:
@@ -231,7 +231,7 @@ def test_gated_experts_gradients_match_reference(kernel, case, dtype):
 @pytest.mark.slow
 @pytest.mark.parametrize("fused", [True, False])
 def test_experts_layer_jax_gradient_on_either_forward_path(kernel, interpret, to_jax, fused):
-    """jax.grad of moe.experts_layer: the decode-sized call the rule would give the fused kernel, forced
+    """jax.grad of experts_layer: the decode-sized call the rule would give the fused kernel, forced
     either way, differentiates through the grouped formulation (GPT-OSS gate, biases, sentinels)."""
     index, tensors = _experts_inputs(torch.float32, tokens=5, weights_transposed=True, biases=True, sentinels=2)
     gate = dict(activation="clamped_swiglu", weights_transposed=True, interleaved=True, alpha=1.702, limit=1.0)
@@ -240,9 +240,9 @@ def test_experts_layer_jax_gradient_on_either_forward_path(kernel, interpret, to
 
     def loss(*arrays):
         args = dict(zip(names, arrays))
-        out = kernel.moe.experts_layer(args["hidden_states"], to_jax(index), args["top_k_weights"],
-                                       args["gate_up_proj"], args["down_proj"], args["gate_up_bias"],
-                                       args["down_bias"], **gate, fused=fused)
+        out = kernel.experts_layer(args["hidden_states"], to_jax(index), args["top_k_weights"],
+                                   args["gate_up_proj"], args["down_proj"], args["gate_up_bias"],
+                                   args["down_bias"], **gate, fused=fused)
         return jnp.sum(out * to_jax(d_out))
 
     arrays = [to_jax(tensor.detach()) for tensor in tensors.values()]
@@ -292,7 +292,7 @@ def test_experts_forward_gradients_match_eager(kernel, custom_gate, tokens, sent
     eager experts, with sentinels; on the composed path the unwritten sentinel rows must not reach the
     bias gradients through the gate's backward."""
     experts = _gpt_oss_experts(custom_gate)
-    assert (kernel.experts.fused_gate(experts) is None) == custom_gate
+    assert (kernel.fused_gate(experts) is None) == custom_gate
     index, tensors = _experts_inputs(torch.float32, tokens=tokens, sentinels=sentinels)
     hidden = tensors["hidden_states"].detach().requires_grad_()
     weights = tensors["top_k_weights"].detach().requires_grad_()

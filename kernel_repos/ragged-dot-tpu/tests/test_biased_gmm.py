@@ -43,9 +43,9 @@ def _reference(lhs, weights, scales, bias, sizes, transpose_rhs):
 def test_biased_schedules_match_reference(kernel, interpret, to_jax, case, transpose_rhs):
     m, k, n, group_sizes, tiles, weights_dtype = CASES[case]
     groups = len(group_sizes)
-    problem = kernel.problem.MatmulProblem(m, k, n, groups, "bfloat16", weights_dtype, transpose_rhs=transpose_rhs,
-                                           zero_rows_past_groups=False, bias=True)
-    plan = kernel.plan.plan_ragged_dot(problem, "v6e", kernel.config.TileConfig(*tiles))
+    problem = kernel.MatmulProblem(m, k, n, groups, "bfloat16", weights_dtype, transpose_rhs=transpose_rhs,
+                                   zero_rows_past_groups=False, bias=True)
+    plan = kernel.plan_ragged_dot(problem, "v6e", kernel.TileConfig(*tiles))
     generator = torch.Generator().manual_seed(len(case) + transpose_rhs)
     lhs = torch.randn(m, k, generator=generator).to(torch.bfloat16)
     shape = (groups, n, k) if transpose_rhs else (groups, k, n)
@@ -56,7 +56,7 @@ def test_biased_schedules_match_reference(kernel, interpret, to_jax, case, trans
     else:
         weights = (torch.randn(shape, generator=generator) * k**-0.5).to(torch.bfloat16)
     bias = (torch.randn(groups, n, generator=generator) + 2.0).to(torch.bfloat16)
-    out = interpret(lambda: kernel.pallas_gmm.grouped_matmul(
+    out = interpret(lambda: kernel.grouped_matmul_call(
         to_jax(lhs), to_jax(weights), jnp.asarray(group_sizes, jnp.int32),
         None if scales is None else to_jax(scales), plan, to_jax(bias)))
     rows = sum(group_sizes)
@@ -73,12 +73,12 @@ def test_biased_schedules_match_reference(kernel, interpret, to_jax, case, trans
 
 
 def test_a_bias_is_taken_only_by_a_plan_that_has_one(kernel, to_jax):
-    problem = kernel.problem.MatmulProblem(16, 128, 128, 2, "bfloat16", "bfloat16", transpose_rhs=False)
-    plan = kernel.plan.plan_ragged_dot(problem, "v6e")
+    problem = kernel.MatmulProblem(16, 128, 128, 2, "bfloat16", "bfloat16", transpose_rhs=False)
+    plan = kernel.plan_ragged_dot(problem, "v6e")
     lhs, rhs = jnp.ones((16, 128), jnp.bfloat16), jnp.ones((2, 128, 128), jnp.bfloat16)
     sizes = jnp.asarray([8, 8], jnp.int32)
     with pytest.raises(ValueError, match="has no bias, got one"):
-        kernel.pallas_gmm.grouped_matmul(lhs, rhs, sizes, None, plan, jnp.ones((2, 128), jnp.bfloat16))
-    biased = kernel.plan.plan_ragged_dot(problem._replace(bias=True), "v6e")
+        kernel.grouped_matmul_call(lhs, rhs, sizes, None, plan, jnp.ones((2, 128), jnp.bfloat16))
+    biased = kernel.plan_ragged_dot(problem._replace(bias=True), "v6e")
     with pytest.raises(ValueError, match="takes a bias, got none"):
-        kernel.pallas_gmm.grouped_matmul(lhs, rhs, sizes, None, biased)
+        kernel.grouped_matmul_call(lhs, rhs, sizes, None, biased)

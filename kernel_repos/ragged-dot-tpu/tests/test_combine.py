@@ -1,4 +1,4 @@
-"""The combine kernel (`pallas_combine`): each token's live picks' rows, weighted and summed, against float64.
+"""The combine kernel (`combine/kernel.py`): each token's live picks' rows, weighted and summed, against float64.
 
 In TPU interpret mode with race detection and NaN-filled uninitialised
 memory. The sorted rows a sentinel pick would name are NaN: a kernel that
@@ -37,7 +37,7 @@ CASES = {
 def _packed(kernel, rows, tile_n, split):
     """The second projection's rows as it writes them: each N tile packed in `split` words."""
     values = jnp.asarray(rows.numpy())
-    return jnp.concatenate([kernel.packed_rows.pack_rows(values[:, start : start + tile_n], split)
+    return jnp.concatenate([kernel.pack_rows(values[:, start : start + tile_n], split)
                             for start in range(0, values.shape[1], tile_n)], axis=1)
 
 
@@ -59,11 +59,11 @@ def test_combine_sums_each_tokens_live_picks(kernel, interpret, to_jax, case, ge
     weights = torch.rand(tokens, top_k, generator=generator)
     split = -(-tile_n // 256) * 128
     words = _packed(kernel, rows, tile_n, split)
-    plan = kernel.pallas_combine.plan_combine(tokens, top_k, hidden, "bfloat16", tile_n, split, generation)
+    plan = kernel.plan_combine(tokens, top_k, hidden, "bfloat16", tile_n, split, generation)
     assert words.shape == (picks, plan.words)
     # v5p's two cores split the token tiles, but a single tile is one core's.
     assert plan.cores == (2 if generation == "v5p" and tokens > plan.tile_t else 1)
-    out = interpret(lambda: kernel.pallas_combine.combine_picks(
+    out = interpret(lambda: kernel.combine_picks(
         words, to_jax(position), to_jax(weights), jnp.asarray(live.numpy()), plan), cores=plan.cores)
     expected = torch.einsum("tk,tkh->th", torch.where(live, weights, 0.0).double(),
                             torch.where(live[..., None], rows[position].double(), 0.0))
@@ -81,13 +81,13 @@ def test_combine_sums_each_tokens_live_picks(kernel, interpret, to_jax, case, ge
     (5, 8, 2048, "v6e", 8),
 ])
 def test_the_token_tile_leaves_each_core_enough_tiles_and_fits_vmem(kernel, tokens, top_k, hidden, generation, tile_t):
-    plan = kernel.pallas_combine.plan_combine(tokens, top_k, hidden, "bfloat16", 2048, 1024, generation)
+    plan = kernel.plan_combine(tokens, top_k, hidden, "bfloat16", 2048, 1024, generation)
     assert plan.tile_t == tile_t
 
 
 def test_packed_rows_round_to_bf16_and_unpack_exactly(kernel):
     values = jnp.asarray(torch.randn(16, 512).numpy())
-    first, second = kernel.packed_rows.unpack_rows(kernel.packed_rows.pack_rows(values))
+    first, second = kernel.unpack_rows(kernel.pack_rows(values))
     rounded = values.astype(jnp.bfloat16).astype(jnp.float32)
     assert (first == rounded[:, :256]).all() and (second == rounded[:, 256:]).all()
 
@@ -99,30 +99,30 @@ def test_packed_rows_round_to_bf16_and_unpack_exactly(kernel):
 def test_packed_plan_refuses_what_it_cannot_pack(kernel, change, why):
     fields = dict(m=64, k=128, n=512, groups=4, dtype="bfloat16", rhs_dtype="bfloat16", transpose_rhs=False,
                   zero_rows_past_groups=False) | change
-    problem = kernel.problem.MatmulProblem(**fields)
-    tiles = kernel.config.TileConfig(16, 128, fields["n"], None, 1)
-    assert kernel.plan.packed_plan(kernel.plan.plan_ragged_dot(problem, "v6e", tiles), "v6e") is None, why
+    problem = kernel.MatmulProblem(**fields)
+    tiles = kernel.TileConfig(16, 128, fields["n"], None, 1)
+    assert kernel.packed_plan(kernel.plan_ragged_dot(problem, "v6e", tiles), "v6e") is None, why
 
 
 def test_packed_plan_widens_one_n_tile_off_the_lanes(kernel):
     """GPT-OSS's down projection, one N tile of 2880 columns: packed as one partial tile of 2944 (1536 words), its
     blocks' VMEM counted at that width."""
-    problem = kernel.problem.MatmulProblem(256, 2880, 2880, 4, "bfloat16", "bfloat16", transpose_rhs=False,
-                                           zero_rows_past_groups=False)
-    tiles = kernel.config.TileConfig(128, 2880, 2880, None, 1)
-    plan = kernel.plan.plan_ragged_dot(problem, "v6e", tiles)
-    packed = kernel.plan.packed_plan(plan, "v6e")
+    problem = kernel.MatmulProblem(256, 2880, 2880, 4, "bfloat16", "bfloat16", transpose_rhs=False,
+                                   zero_rows_past_groups=False)
+    tiles = kernel.TileConfig(128, 2880, 2880, None, 1)
+    plan = kernel.plan_ragged_dot(problem, "v6e", tiles)
+    packed = kernel.packed_plan(plan, "v6e")
     assert (plan.tile_n, packed.tile_n, packed.out_split) == (2880, 2944, 1536)
-    widened = kernel.gmm_tiles.matmul_buffers(tiles._replace(tile_n=2944), 256, 2880, 2944, "bfloat16")
+    widened = kernel.matmul_buffers(tiles._replace(tile_n=2944), 256, 2880, 2944, "bfloat16")
     assert packed.buffers == widened and packed.vmem_limit_bytes > plan.vmem_limit_bytes
     assert packed.problem.n == 2880 and packed.problem.packed_out
 
 
 @pytest.mark.parametrize("generation, cores", [("v5e", 1), ("v6e", 1), ("tpu7x", 1), ("v5p", 2)])
 def test_the_combine_kernel_splits_its_tiles_over_the_cores(kernel, generation, cores):
-    problem = kernel.problem.ExpertsProblem(2048, 8, 2048, 768, 16, "bfloat16", "bfloat16", "float32", False, False,
-                                            kernel.problem.Gate("silu"))
-    plan = kernel.plan.plan_experts(problem, generation, fused=False)
+    problem = kernel.ExpertsProblem(2048, 8, 2048, 768, 16, "bfloat16", "bfloat16", "float32", False, False,
+                                    kernel.Gate("silu"))
+    plan = kernel.plan_experts(problem, generation, fused=False)
     assert plan.forward_down.problem.packed_out and plan.combine.cores == cores
 
 
@@ -130,9 +130,9 @@ def test_the_combine_kernel_splits_its_tiles_over_the_cores(kernel, generation, 
 def test_packed_plan_splits_each_n_tile_on_whole_lanes(kernel, n, tile_n, split):
     """Half the tile rounded up to 128 lanes: Gemma 4's down tiles of 1408 columns (v5p) in 768 words, 640 paired;
     GPT-OSS's 2880 in tiles of 1024, the last partial (v5e)."""
-    problem = kernel.problem.MatmulProblem(256, 128, n, 4, "bfloat16", "bfloat16", transpose_rhs=False,
-                                           zero_rows_past_groups=False)
-    plan = kernel.plan.plan_ragged_dot(problem, "v5e", kernel.config.TileConfig(128, 128, tile_n, None, 1))
-    packed = kernel.plan.packed_plan(plan, "v5e")
+    problem = kernel.MatmulProblem(256, 128, n, 4, "bfloat16", "bfloat16", transpose_rhs=False,
+                                   zero_rows_past_groups=False)
+    plan = kernel.plan_ragged_dot(problem, "v5e", kernel.TileConfig(128, 128, tile_n, None, 1))
+    packed = kernel.packed_plan(plan, "v5e")
     assert packed.out_split == split
     assert packed.vmem_limit_bytes - plan.vmem_limit_bytes == 2 * 128 * (4 * split - 2 * tile_n)

@@ -1,4 +1,5 @@
-"""Unit tests of config.py (tile selection) of the built variant: no kernel runs here."""
+"""Unit tests of the tile selection (each kernel's tiles.py) and of the rule that picks the experts layer's
+kernel (plan.py), in the built variant: no kernel runs here."""
 
 import itertools
 
@@ -8,39 +9,34 @@ import pytest
 MIB = 1 << 20
 
 
-@pytest.fixture
-def config(kernel):
-    return kernel.config
-
-
-def test_vmem_bytes_counts_double_buffered_padded_blocks_and_the_accumulator(config):
-    tiles = config.TileConfig(64, 128, 256)
+def test_vmem_bytes_counts_double_buffered_padded_blocks_and_the_accumulator(kernel):
+    tiles = kernel.TileConfig(64, 128, 256)
     # lhs, rhs and out double-buffered in bf16, the f32 accumulator once.
     expected = 2 * 64 * 128 * 2 + 2 * 128 * 256 * 2 + 2 * 64 * 256 * 2 + 64 * 256 * 4
-    assert config.vmem_bytes(tiles, 100, 300, 512, jnp.bfloat16) == expected
+    assert kernel.vmem_bytes(tiles, 100, 300, 512, jnp.bfloat16) == expected
     # Three group slots: three double-buffered rhs blocks.
-    slots = config.TileConfig(64, 128, 256, groups_per_step=3)
-    assert config.vmem_bytes(slots, 64, 300, 512, jnp.bfloat16) - expected == 2 * 2 * 128 * 256 * 2
+    slots = kernel.TileConfig(64, 128, 256, groups_per_step=3)
+    assert kernel.vmem_bytes(slots, 64, 300, 512, jnp.bfloat16) - expected == 2 * 2 * 128 * 256 * 2
     # An lhs block that is the whole array is single-buffered; 7 bf16 rows pad to 16.
-    resident = config.TileConfig(7, 300, 128)
+    resident = kernel.TileConfig(7, 300, 128)
     padded_lhs = 16 * 384 * 2
-    assert config.vmem_bytes(resident, 7, 300, 128, jnp.bfloat16) == (
+    assert kernel.vmem_bytes(resident, 7, 300, 128, jnp.bfloat16) == (
         padded_lhs + 2 * 304 * 128 * 2 + 2 * 16 * 128 * 2 + 16 * 128 * 4
     )
 
 
-def test_vmem_limit_adds_mosaic_scratch_within_bounds(config):
-    small = config.TileConfig(8, 128, 128)
-    assert config.vmem_limit(small, 8, 128, 128, jnp.float32) == 16 * MIB
-    large = config.TileConfig(1024, 2048, 2048, chunk_m=128)
-    needed = config.vmem_bytes(large, 1024, 2048, 2048, jnp.bfloat16)
+def test_vmem_limit_adds_mosaic_scratch_within_bounds(kernel):
+    small = kernel.TileConfig(8, 128, 128)
+    assert kernel.vmem_limit(small, 8, 128, 128, jnp.float32) == 16 * MIB
+    large = kernel.TileConfig(1024, 2048, 2048, chunk_m=128)
+    needed = kernel.vmem_bytes(large, 1024, 2048, 2048, jnp.bfloat16)
     assert needed > 12 * MIB
-    assert config.vmem_limit(large, 1024, 2048, 2048, jnp.bfloat16) == needed + 4 * MIB
+    assert kernel.vmem_limit(large, 1024, 2048, 2048, jnp.bfloat16) == needed + 4 * MIB
 
 
-def test_check_config_accepts_valid_tiles(config):
-    config.check_config(config.TileConfig(32, 128, 128, chunk_m=16, groups_per_step=1), 100, 300, 200, jnp.bfloat16)
-    config.check_config(config.TileConfig(40, 200, 160, groups_per_step=4), 40, 200, 160, jnp.float32)
+def test_check_config_accepts_valid_tiles(kernel):
+    kernel.check_config(kernel.TileConfig(32, 128, 128, chunk_m=16, groups_per_step=1), 100, 300, 200, jnp.bfloat16)
+    kernel.check_config(kernel.TileConfig(40, 200, 160, groups_per_step=4), 40, 200, 160, jnp.float32)
 
 
 @pytest.mark.parametrize(
@@ -59,171 +55,171 @@ def test_check_config_accepts_valid_tiles(config):
         ((16, 8192, 8192), 1024, 8192, 8192, jnp.float32, "MiB of VMEM"),
     ],
 )
-def test_check_config_refuses_what_cannot_run(config, tiles, m, k, n, dtype, match):
+def test_check_config_refuses_what_cannot_run(kernel, tiles, m, k, n, dtype, match):
     with pytest.raises(ValueError, match=match):
-        config.check_config(config.TileConfig(*tiles), m, k, n, dtype)
+        kernel.check_config(kernel.TileConfig(*tiles), m, k, n, dtype)
 
 
-def test_check_config_refuses_other_types(config):
+def test_check_config_refuses_other_types(kernel):
     with pytest.raises(TypeError, match="must be a TileConfig"):
-        config.check_config((32, 128, 128), 64, 128, 128, jnp.float32)
+        kernel.check_config((32, 128, 128), 64, 128, 128, jnp.float32)
 
 
-def test_ridge_rows_is_peak_flops_over_hbm_bandwidth(config):
-    assert config.ridge_rows("v5e") == 240
-    assert config.ridge_rows("v6e") == 560
+def test_ridge_rows_is_peak_flops_over_hbm_bandwidth(kernel):
+    assert kernel.ridge_rows("v5e") == 240
+    assert kernel.ridge_rows("v6e") == 560
 
 
-def test_heuristic_keeps_decode_rows_resident_and_tiles_prefill(config):
+def test_heuristic_keeps_decode_rows_resident_and_tiles_prefill(kernel):
     # Few rows per group (decode): one resident row tile in chunks of the MXU width (256 on v6e, 128 on v5e).
-    assert config.heuristic_config(512, 2048, 1536, jnp.bfloat16, "v6e", num_groups=128) == config.TileConfig(
+    assert kernel.heuristic_config(512, 2048, 1536, jnp.bfloat16, "v6e", num_groups=128) == kernel.TileConfig(
         512, 2048, 1536, 256
     )
-    assert config.heuristic_config(512, 2048, 1536, jnp.bfloat16, "v5e", num_groups=128).chunk_m == 128
+    assert kernel.heuristic_config(512, 2048, 1536, jnp.bfloat16, "v5e", num_groups=128).chunk_m == 128
     # Many rows per group: 512-row tiles.
-    assert config.heuristic_config(65536, 2048, 1536, jnp.bfloat16, "v6e", num_groups=16) == config.TileConfig(
+    assert kernel.heuristic_config(65536, 2048, 1536, jnp.bfloat16, "v6e", num_groups=16) == kernel.TileConfig(
         512, 2048, 1536, 256
     )
-    assert config.heuristic_config(65536, 2048, 1536, jnp.bfloat16, "v5e", num_groups=16) == config.TileConfig(
+    assert kernel.heuristic_config(65536, 2048, 1536, jnp.bfloat16, "v5e", num_groups=16) == kernel.TileConfig(
         512, 2048, 1536, 128
     )
     # Weights blocks stay within the generation's block budget (8 MiB on v5e): N is halved first.
-    big = config.heuristic_config(64, 4096, 8192, jnp.bfloat16, "v5e", num_groups=8)
-    assert big.tile_k * big.tile_n * 2 <= config.HEURISTIC_RHS_BLOCK_BYTES["v5e"]
+    big = kernel.heuristic_config(64, 4096, 8192, jnp.bfloat16, "v5e", num_groups=8)
+    assert big.tile_k * big.tile_n * 2 <= kernel.HEURISTIC_RHS_BLOCK_BYTES["v5e"]
     assert (big.tile_k, big.tile_n) == (4096, 1024)
 
 
-def test_heuristic_n_tiles_waste_no_mxu_pass_they_can_avoid(config):
+def test_heuristic_n_tiles_waste_no_mxu_pass_they_can_avoid(kernel):
     # GPT-OSS's gate_up (K 2880, N 5760) on v5e: halving N in multiples of 256 gave 8 tiles of 768, the last one
     # half empty (48 passes of 128 columns); 5 tiles of 1152 take the 45 that N needs, in fewer grid steps.
-    gate_up = config.heuristic_config(16384, 2880, 5760, jnp.bfloat16, "v5e", num_groups=32)
+    gate_up = kernel.heuristic_config(16384, 2880, 5760, jnp.bfloat16, "v5e", num_groups=32)
     assert gate_up.tile_n == 1152
     # down (N 2880 = 22.5 x 128): 24 passes is the least any fitting tiling takes; 3 tiles of 1024 instead of 4 of 768.
-    assert config.heuristic_config(16384, 2880, 2880, jnp.bfloat16, "v5e", num_groups=32).tile_n == 1024
+    assert kernel.heuristic_config(16384, 2880, 2880, jnp.bfloat16, "v5e", num_groups=32).tile_n == 1024
     # A whole N that fits the block budget stays whole, aligned or not.
-    assert config.heuristic_config(16384, 2880, 2880, jnp.bfloat16, "v6e", num_groups=32).tile_n == 2880
-    assert config.n_tile(1408, 4096, 128) == 1408
+    assert kernel.heuristic_config(16384, 2880, 2880, jnp.bfloat16, "v6e", num_groups=32).tile_n == 2880
+    assert kernel.n_tile(1408, 4096, 128) == 1408
 
 
 @pytest.mark.parametrize("n, max_cols, mxu", [(5760, 1456, 128), (2880, 1456, 128), (5760, 2912, 256), (7168, 2048, 128),
                                               (4096, 585, 128), (16384, 1024, 256)])
 @pytest.mark.parametrize("cores", [1, 2])
-def test_n_tile_takes_the_fewest_passes_of_the_tiles_it_considers(config, n, max_cols, mxu, cores):
+def test_n_tile_takes_the_fewest_passes_of_the_tiles_it_considers(kernel, n, max_cols, mxu, cores):
     """Passes on the busier core: with two cores, each takes whole N tiles, one of them the odd one."""
     def passes(tile):
         return -(-(-(-n // tile)) // cores) * -(-tile // mxu)
 
-    chosen = config.n_tile(n, max_cols, mxu, cores)
+    chosen = kernel.n_tile(n, max_cols, mxu, cores)
     widest = max(256, max_cols // 128 * 128)
     assert chosen % 128 == 0 and widest // 2 <= chosen <= widest
     assert passes(chosen) == min(passes(t) for t in range(128, widest + 1, 128) if t >= widest // 2)
 
 
-def test_megacore_n_tiles_balance_the_cores(config):
+def test_megacore_n_tiles_balance_the_cores(kernel):
     """GPT-OSS on v5p: 6 tiles of 1024 (3 per core, 24 passes each) for gate_up's 5760 columns, not 5 of 1152 (45
     passes in all, the fewest, but 27 on one core); 4 of 768 for down's 2880, not 3 of 1024."""
-    assert config.n_tile(5760, 1456, 128) == 1152
-    assert config.n_tile(5760, 1456, 128, cores=2) == 1024
-    assert config.heuristic_config(32768, 2880, 5760, jnp.bfloat16, "v5p", 32, jnp.bfloat16, True).tile_n == 1024
-    assert config.heuristic_config(32768, 2880, 2880, jnp.bfloat16, "v5p", 32, jnp.bfloat16, True).tile_n == 768
+    assert kernel.n_tile(5760, 1456, 128) == 1152
+    assert kernel.n_tile(5760, 1456, 128, cores=2) == 1024
+    assert kernel.heuristic_config(32768, 2880, 5760, jnp.bfloat16, "v5p", 32, jnp.bfloat16, True).tile_n == 1024
+    assert kernel.heuristic_config(32768, 2880, 2880, jnp.bfloat16, "v5p", 32, jnp.bfloat16, True).tile_n == 768
 
 
-def test_heuristic_always_fits(config):
+def test_heuristic_always_fits(kernel):
     for generation, dtype, (m, k, n) in itertools.product(
         ("v5e", "v6e"),
         (jnp.bfloat16, jnp.float32),
         itertools.product((1, 7, 300, 5000), (96, 2048, 7168, 16384), (200, 2816, 16384)),
     ):
-        tiles = config.heuristic_config(m, k, n, dtype, generation, num_groups=8)
-        config.check_config(tiles, m, k, n, dtype)
+        tiles = kernel.heuristic_config(m, k, n, dtype, generation, num_groups=8)
+        kernel.check_config(tiles, m, k, n, dtype)
 
 
-def test_select_config_is_the_heuristic_unless_the_shape_is_tuned(config, monkeypatch):
-    assert config.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16) == (
-        config.heuristic_config(80, 1000, 1000, jnp.bfloat16, "v5e", num_groups=16)
+def test_select_config_is_the_heuristic_unless_the_shape_is_tuned(kernel, monkeypatch):
+    assert kernel.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16) == (
+        kernel.heuristic_config(80, 1000, 1000, jnp.bfloat16, "v5e", num_groups=16)
     )
-    key = config.TunedKey("v5e", 80, 1000, 1000, 16, "bfloat16", "bfloat16", True)
-    tuned = config.TileConfig(80, 512, 256, 16)
-    monkeypatch.setitem(config.TUNED_TILES, key, tuned)
-    assert config.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16,
+    key = kernel.TunedKey("v5e", 80, 1000, 1000, 16, "bfloat16", "bfloat16", True)
+    tuned = kernel.TileConfig(80, 512, 256, 16)
+    monkeypatch.setitem(kernel.TUNED_TILES, key, tuned)
+    assert kernel.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16,
                                 transpose_rhs=True) == tuned
     # Another generation, orientation or shape keeps the heuristic; an entry that cannot run is refused.
-    assert config.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16) != tuned
-    monkeypatch.setitem(config.TUNED_TILES, key, config.TileConfig(80, 100, 256))
+    assert kernel.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16) != tuned
+    monkeypatch.setitem(kernel.TUNED_TILES, key, kernel.TileConfig(80, 100, 256))
     with pytest.raises(ValueError, match="tile_k=100 must be a multiple of 128"):
-        config.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16, transpose_rhs=True)
+        kernel.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16, transpose_rhs=True)
 
 
-def test_megacore_heuristic_tiles_give_each_core_an_n_tile(config):
+def test_megacore_heuristic_tiles_give_each_core_an_n_tile(kernel):
     """v5p's two cores split the grouped matmul's N tiles (its parallel axis): at least two where N allows."""
     for m, k, n in ((16384, 2048, 1536), (16384, 768, 2048), (16384, 704, 2816), (512, 256, 512)):
-        v5p = config.heuristic_config(m, k, n, jnp.bfloat16, "v5p", 128, jnp.bfloat16, True)
+        v5p = kernel.heuristic_config(m, k, n, jnp.bfloat16, "v5p", 128, jnp.bfloat16, True)
         assert -(-n // v5p.tile_n) >= 2, (m, k, n, v5p)
-        assert config.heuristic_config(m, k, n, jnp.bfloat16, "v5e", 128, jnp.bfloat16, True).tile_n >= v5p.tile_n
+        assert kernel.heuristic_config(m, k, n, jnp.bfloat16, "v5e", 128, jnp.bfloat16, True).tile_n >= v5p.tile_n
     # Up to 256 columns stay one tile (`n_tile`'s narrowest).
-    assert config.heuristic_config(512, 256, 256, jnp.bfloat16, "v5p", 8).tile_n == 256
+    assert kernel.heuristic_config(512, 256, 256, jnp.bfloat16, "v5p", 8).tile_n == 256
 
 
-def test_megacore_tgmm_tiles_give_each_core_an_output_block(config):
+def test_megacore_tgmm_tiles_give_each_core_an_output_block(kernel):
     """v5p's two cores split tgmm's parallel axes (N tiles, then K tiles): a weights' gradient that would be one
     output block per group is cut in two along the dimension whose re-read costs less (N re-reads lhs [m, k])."""
     for m, k, n in ((65536, 2048, 1536), (65536, 768, 2048), (65536, 2816, 1408), (65536, 704, 2816)):
-        v6e = config.select_tgmm_config(m, k, n, jnp.bfloat16, generation="v6e", num_groups=128)
-        v5p = config.select_tgmm_config(m, k, n, jnp.bfloat16, generation="v5p", num_groups=128)
+        v6e = kernel.select_tgmm_config(m, k, n, jnp.bfloat16, generation="v6e", num_groups=128)
+        v5p = kernel.select_tgmm_config(m, k, n, jnp.bfloat16, generation="v5p", num_groups=128)
         assert (v6e.tile_k, v6e.tile_n) == (k, n)
         blocks = (-(-k // v5p.tile_k), -(-n // v5p.tile_n))
         assert blocks == ((1, 2) if k <= n else (2, 1)), (m, k, n, v5p)
         assert v5p.tile_k % 128 == 0 or v5p.tile_k == k
     # 128 columns stay one block.
-    assert config.select_tgmm_config(4096, 128, 128, jnp.bfloat16, generation="v5p").tile_n == 128
+    assert kernel.select_tgmm_config(4096, 128, 128, jnp.bfloat16, generation="v5p").tile_n == 128
 
 
-def test_the_shipped_tuned_tiles_run_and_are_selected(config):
+def test_the_shipped_tuned_tiles_run_and_are_selected(kernel):
     """tuned_tiles.json (written by tpu-kernels' moe_layer --tune-ours): every entry is a legal config on its
     generation, differs from the heuristic and is what select_config returns for its shape."""
-    assert config.TUNED_TILES, "the package ships its tuned tiles"
-    for key, tiles in config.TUNED_TILES.items():
+    assert kernel.TUNED_TILES, "the package ships its tuned tiles"
+    for key, tiles in kernel.TUNED_TILES.items():
         shape = (key.m, key.k, key.n, jnp.dtype(key.dtype))
-        config.check_config(tiles, *shape, jnp.dtype(key.rhs_dtype), key.transpose_rhs, generation=key.generation)
-        assert tiles != config.heuristic_config(*shape, key.generation, key.groups, jnp.dtype(key.rhs_dtype),
+        kernel.check_config(tiles, *shape, jnp.dtype(key.rhs_dtype), key.transpose_rhs, generation=key.generation)
+        assert tiles != kernel.heuristic_config(*shape, key.generation, key.groups, jnp.dtype(key.rhs_dtype),
                                                 key.transpose_rhs)
-        assert config.select_config(*shape, generation=key.generation, num_groups=key.groups,
+        assert kernel.select_config(*shape, generation=key.generation, num_groups=key.groups,
                                     rhs_dtype=jnp.dtype(key.rhs_dtype), transpose_rhs=key.transpose_rhs) == tiles
 
 
-def test_select_config_uses_the_current_generation_and_refuses_unknown_ones(config, monkeypatch):
+def test_select_config_uses_the_current_generation_and_refuses_unknown_ones(kernel, monkeypatch):
     # Off TPU the kernels tile as for v6e; TPU_KERNELS_GENERATION picks another supported one.
     shape = (65536, 1000, 1000, jnp.bfloat16)
-    v6e = config.select_config(*shape, generation="v6e", num_groups=16)
-    v5e = config.select_config(*shape, generation="v5e", num_groups=16)
+    v6e = kernel.select_config(*shape, generation="v6e", num_groups=16)
+    v5e = kernel.select_config(*shape, generation="v5e", num_groups=16)
     assert (v5e.chunk_m, v6e.chunk_m) == (128, 256)
-    assert config.select_config(*shape, num_groups=16) == v6e
+    assert kernel.select_config(*shape, num_groups=16) == v6e
     monkeypatch.setenv("TPU_KERNELS_GENERATION", "v5e")
-    assert config.select_config(*shape, num_groups=16) == v5e
+    assert kernel.select_config(*shape, num_groups=16) == v5e
     with pytest.raises(ValueError, match=r"generation must be one of \('v5e', 'v5p', 'v6e', 'tpu7x'\), got 'v4'"):
-        config.select_config(80, 2048, 1536, jnp.bfloat16, generation="v4")
+        kernel.select_config(80, 2048, 1536, jnp.bfloat16, generation="v4")
     with pytest.raises(ValueError, match="generation must be one of"):
-        config.heuristic_config(80, 2048, 1536, jnp.bfloat16, "v4")
+        kernel.heuristic_config(80, 2048, 1536, jnp.bfloat16, "v4")
 
 
-def test_a_tile_over_all_rows_holds_whole_chunks(config):
+def test_a_tile_over_all_rows_holds_whole_chunks(kernel):
     # 129 rows in 128-row chunks: a 256-row tile (a partial edge block) of two chunks.
-    whole = config.TileConfig(4096, 256, 256, chunk_m=128)
-    assert config.row_tile_rows(whole, 129, jnp.bfloat16) == 256
-    assert config.row_chunks(whole, 129, jnp.bfloat16) == 2
+    whole = kernel.TileConfig(4096, 256, 256, chunk_m=128)
+    assert kernel.row_tile_rows(whole, 129, jnp.bfloat16) == 256
+    assert kernel.row_chunks(whole, 129, jnp.bfloat16) == 2
     # Without chunks: the rows rounded up to the sublane tile.
-    assert config.row_tile_rows(config.TileConfig(4096, 256, 256), 129, jnp.bfloat16) == 144
-    assert config.row_tile_rows(config.TileConfig(4096, 256, 256), 129, jnp.float32) == 136
+    assert kernel.row_tile_rows(kernel.TileConfig(4096, 256, 256), 129, jnp.bfloat16) == 144
+    assert kernel.row_tile_rows(kernel.TileConfig(4096, 256, 256), 129, jnp.float32) == 136
     # A fixed tile keeps its size; one chunk per tile without chunking.
-    assert config.row_tile_rows(config.TileConfig(64, 256, 256), 129, jnp.bfloat16) == 64
-    assert config.row_chunks(config.TileConfig(64, 256, 256), 129, jnp.bfloat16) == 1
-    assert config.row_chunks(config.TileConfig(512, 256, 256, 128), 4096, jnp.bfloat16) == 4
+    assert kernel.row_tile_rows(kernel.TileConfig(64, 256, 256), 129, jnp.bfloat16) == 64
+    assert kernel.row_chunks(kernel.TileConfig(64, 256, 256), 129, jnp.bfloat16) == 1
+    assert kernel.row_chunks(kernel.TileConfig(512, 256, 256, 128), 4096, jnp.bfloat16) == 4
 
 
-def test_expected_active_groups(config):
-    assert config.expected_active_groups(1, 128) == pytest.approx(1.0)
-    assert config.expected_active_groups(8, 128) == pytest.approx(128 * (1 - (127 / 128) ** 8))
-    assert config.expected_active_groups(100000, 16) == pytest.approx(16.0)
+def test_expected_active_groups(kernel):
+    assert kernel.expected_active_groups(1, 128) == pytest.approx(1.0)
+    assert kernel.expected_active_groups(8, 128) == pytest.approx(128 * (1 - (127 / 128) ** 8))
+    assert kernel.expected_active_groups(100000, 16) == pytest.approx(16.0)
 
 
 MODELS = {
@@ -234,60 +230,60 @@ MODELS = {
 }
 
 
-def test_fused_config_of_real_models(config):
+def test_fused_config_of_real_models(kernel):
     qwen3_h, qwen3_i, qwen3_e, qwen3 = MODELS["qwen3-30b-a3b"]
     # Rows: T on the sublane grid, in chunks of at most 64; I whole where the weights fit.
     # Qwen3 at EP8 (16 experts a rank), 256 tokens: two experts per step on v6e (experts_per_step_saving).
-    assert config.fused_config(256, qwen3_h, qwen3_i, 16, jnp.bfloat16, **qwen3) == config.FusedConfig(64, 768, 2)
-    assert config.fused_config(1, qwen3_h, qwen3_i, qwen3_e, jnp.bfloat16, **qwen3) == config.FusedConfig(16, 768)
-    assert config.fused_config(1, qwen3_h, qwen3_i, qwen3_e, jnp.float32, **qwen3) == config.FusedConfig(8, 768)
-    assert config.fused_config(100, qwen3_h, qwen3_i, qwen3_e, jnp.bfloat16, **qwen3) == config.FusedConfig(64, 768, 4)
+    assert kernel.fused_config(256, qwen3_h, qwen3_i, 16, jnp.bfloat16, **qwen3) == kernel.FusedConfig(64, 768, 2)
+    assert kernel.fused_config(1, qwen3_h, qwen3_i, qwen3_e, jnp.bfloat16, **qwen3) == kernel.FusedConfig(16, 768)
+    assert kernel.fused_config(1, qwen3_h, qwen3_i, qwen3_e, jnp.float32, **qwen3) == kernel.FusedConfig(8, 768)
+    assert kernel.fused_config(100, qwen3_h, qwen3_i, qwen3_e, jnp.bfloat16, **qwen3) == kernel.FusedConfig(64, 768, 4)
     # Beyond 16 chunks of 64 rows (a forced fused call of 2100 tokens), chunks grow.
-    assert config.fused_config(2100, qwen3_h, qwen3_i, 16, jnp.bfloat16, **qwen3).chunk_rows == 144
+    assert kernel.fused_config(2100, qwen3_h, qwen3_i, 16, jnp.bfloat16, **qwen3).chunk_rows == 144
     # GPT-OSS-20B: two 50 MB experts do not fit; I/2 = 1440 makes 2880-column gate_up blocks (not on the lane
     # grid), I/3 = 960 fits and is aligned.
     hidden, intermediate, experts, layout = MODELS["gpt-oss-20b"]
-    fused = config.fused_config(256, hidden, intermediate, experts, jnp.bfloat16, **layout)
-    assert fused == config.FusedConfig(64, 960)
-    assert config.fused_vmem_bytes(fused, 256, hidden, intermediate, experts, jnp.bfloat16, interleaved=True,
+    fused = kernel.fused_config(256, hidden, intermediate, experts, jnp.bfloat16, **layout)
+    assert fused == kernel.FusedConfig(64, 960)
+    assert kernel.fused_vmem_bytes(fused, 256, hidden, intermediate, experts, jnp.bfloat16, interleaved=True,
                                    has_bias=True) <= 96 * MIB  # v6e's budget: 100 MiB less Mosaic's scratch
     # Every generation: decode of every model fits the fused kernel (v5p: a 52 MiB budget, TPU7x 48).
     for generation in ("v5e", "v5p", "v6e", "tpu7x"):
         for name, (hidden, intermediate, experts, layout) in MODELS.items():
             for tokens in (1, 8, 64, 256):
-                fused = config.fused_config(tokens, hidden, intermediate, experts, jnp.bfloat16, **layout,
+                fused = kernel.fused_config(tokens, hidden, intermediate, experts, jnp.bfloat16, **layout,
                                             generation=generation)
                 assert fused is not None, (generation, name, tokens)
-                config.check_fused_config(fused, tokens, hidden, intermediate, experts, jnp.bfloat16, **layout,
+                kernel.check_fused_config(fused, tokens, hidden, intermediate, experts, jnp.bfloat16, **layout,
                                           generation=generation)
-                needed = config.fused_vmem_bytes(fused, tokens, hidden, intermediate, experts, jnp.bfloat16,
+                needed = kernel.fused_vmem_bytes(fused, tokens, hidden, intermediate, experts, jnp.bfloat16,
                                                  interleaved=layout["interleaved"], has_bias=layout["has_bias"],
                                                  weights_transposed=layout["weights_transposed"])
                 assert needed <= {"v5p": 52, "tpu7x": 48}.get(generation, 96) * MIB
 
 
-def test_experts_per_step_where_the_model_says_it_pays(config):
+def test_experts_per_step_where_the_model_says_it_pays(kernel):
     hidden, intermediate, _, layout = MODELS["qwen3-30b-a3b"]
     # Below MULTI_EXPERT_MIN_TOKENS an empty slot is likely (its first fetch wasted): one expert per step.
-    assert config.fused_config(config.MULTI_EXPERT_MIN_TOKENS - 1, hidden, intermediate, 16, jnp.bfloat16,
+    assert kernel.fused_config(kernel.MULTI_EXPERT_MIN_TOKENS - 1, hidden, intermediate, 16, jnp.bfloat16,
                                **layout).experts_per_step == 1
     # TPU7x: two of Qwen3's experts per step fit its 48 MiB budget at 256 tokens, three do not.
-    assert config.fused_config(256, hidden, intermediate, 16, jnp.bfloat16, **layout,
+    assert kernel.fused_config(256, hidden, intermediate, 16, jnp.bfloat16, **layout,
                                generation="tpu7x").experts_per_step == 2
-    assert config.fused_vmem_bytes(config.FusedConfig(64, intermediate, 3), 256, hidden, intermediate, 16,
+    assert kernel.fused_vmem_bytes(kernel.FusedConfig(64, intermediate, 3), 256, hidden, intermediate, 16,
                                    jnp.bfloat16, interleaved=False, has_bias=False) > 48 * MIB
     # v6e, Qwen3 at EP8, 256 tokens: each expert's 64-row chunk computes in 0.8 us against its 5.7 us fetch;
     # two experts per step save 8 steps (2.8 us) for one more chunk at the last step; four, which fit too, would
     # save 12 steps (4.2 us) for three more (2.4 us).
-    fused = config.FusedConfig(64, intermediate)
-    savings = [config.experts_per_step_saving(fused._replace(experts_per_step=n), 256, hidden, intermediate, 16,
+    fused = kernel.FusedConfig(64, intermediate)
+    savings = [kernel.experts_per_step_saving(fused._replace(experts_per_step=n), 256, hidden, intermediate, 16,
                                               jnp.bfloat16, "v6e") for n in (1, 2, 4)]
     assert savings[0] == 0.0 and savings[1] > savings[2] > 0
-    assert config.fused_config(256, hidden, intermediate, 16, jnp.bfloat16, **layout).experts_per_step == 2
+    assert kernel.fused_config(256, hidden, intermediate, 16, jnp.bfloat16, **layout).experts_per_step == 2
 
 
-def test_fused_vmem_bytes_counts_blocks_scratch_and_one_chunk(config):
-    fused = config.FusedConfig(16, 128)
+def test_fused_vmem_bytes_counts_blocks_scratch_and_one_chunk(kernel):
+    fused = kernel.FusedConfig(16, 128)
     f32 = 4
     expected = (
         2 * 8 * 256 * f32  # hidden and out, resident (one buffer each), T=5 rows padded to 8
@@ -299,10 +295,10 @@ def test_fused_vmem_bytes_counts_blocks_scratch_and_one_chunk(config):
         + 2 * 128 * 256 * f32  # down block
         + 16 * 256 * f32 + 16 * 256 * f32  # one chunk's gate_up and down values
     )
-    assert config.fused_vmem_bytes(fused, 5, 256, 128, 8, jnp.float32, interleaved=False, has_bias=False) == expected
-    with_bias = config.fused_vmem_bytes(fused, 5, 256, 128, 8, jnp.float32, interleaved=False, has_bias=True)
+    assert kernel.fused_vmem_bytes(fused, 5, 256, 128, 8, jnp.float32, interleaved=False, has_bias=False) == expected
+    with_bias = kernel.fused_vmem_bytes(fused, 5, 256, 128, 8, jnp.float32, interleaved=False, has_bias=True)
     assert with_bias - expected == 2 * (8 * 256 * f32 + 8 * 256 * f32)  # 8 experts' biases, double-buffered
-    interleaved = config.fused_vmem_bytes(fused, 5, 256, 128, 8, jnp.float32, interleaved=True, has_bias=False)
+    interleaved = kernel.fused_vmem_bytes(fused, 5, 256, 128, 8, jnp.float32, interleaved=True, has_bias=False)
     assert interleaved - expected == 256 * 128 * f32  # gate_up^T of one chunk, 16 lanes padded to 128
 
 
@@ -322,75 +318,83 @@ def test_fused_vmem_bytes_counts_blocks_scratch_and_one_chunk(config):
         ((16, 256, 1, 2), 16, dict(generation="v5p"), "cores_per_expert=2 needs at least as many I tiles"),
     ],
 )
-def test_check_fused_config_refuses_what_cannot_run(config, fused, tokens, layout, match):
+def test_check_fused_config_refuses_what_cannot_run(kernel, fused, tokens, layout, match):
     shape = dict(weights_transposed=False, interleaved=False, has_bias=False) | layout
     with pytest.raises(ValueError, match=match):
-        config.check_fused_config(config.FusedConfig(*fused), tokens, 512, 256, 8, jnp.bfloat16, **shape)
+        kernel.check_fused_config(kernel.FusedConfig(*fused), tokens, 512, 256, 8, jnp.bfloat16, **shape)
 
 
-def test_v5p_cores_share_experts_where_the_busier_core_saves(config):
+def test_v5p_cores_share_experts_where_the_busier_core_saves(kernel):
     """Split by experts, one active expert leaves a core idle and three put two on one core; shared, each core
     streams its I tiles of every expert. Sixteen active experts split evenly: the experts stay apart."""
     hidden, intermediate, experts, layout = MODELS["qwen3-30b-a3b"]
-    apart = config.FusedConfig(16, intermediate)
-    shared = config.FusedConfig(16, intermediate // 2, cores_per_expert=2)
+    apart = kernel.FusedConfig(16, intermediate)
+    shared = kernel.FusedConfig(16, intermediate // 2, cores_per_expert=2)
 
     def seconds(fused, tokens):
-        return config.busier_core_seconds(fused, tokens, hidden, intermediate, 16, jnp.bfloat16, "v5p")
+        return kernel.busier_core_seconds(fused, tokens, hidden, intermediate, 16, jnp.bfloat16, "v5p")
 
     assert seconds(shared, 1) < 0.6 * seconds(apart, 1)
     assert seconds(shared, 4) < seconds(apart, 4)
-    picked = config.fused_config(1, hidden, intermediate, 16, jnp.bfloat16, generation="v5p", **layout)
+    picked = kernel.fused_config(1, hidden, intermediate, 16, jnp.bfloat16, generation="v5p", **layout)
     assert picked.cores_per_expert == 2 and picked.tile_i == intermediate // 2
-    assert config.fused_config(256, hidden, intermediate, 16, jnp.bfloat16, generation="v5p",
+    assert kernel.fused_config(256, hidden, intermediate, 16, jnp.bfloat16, generation="v5p",
                                **layout).cores_per_expert == 1
-    assert config.fused_config(1, hidden, intermediate, 16, jnp.bfloat16, generation="v6e",
+    assert kernel.fused_config(1, hidden, intermediate, 16, jnp.bfloat16, generation="v6e",
                                **layout).cores_per_expert == 1
 
 
-def test_tile_i_alignment_per_layout(config):
+def test_tile_i_alignment_per_layout(kernel):
     shape = dict(weights_transposed=True, interleaved=True, has_bias=False)
     # Interleaved, transposed: gate_up [E, H, 2I] cut at 2 x 64 = 128 lanes, down [E, I, H] at 64 sublanes.
-    config.check_fused_config(config.FusedConfig(16, 64), 16, 512, 256, 8, jnp.bfloat16, **shape)
+    kernel.check_fused_config(kernel.FusedConfig(16, 64), 16, 512, 256, 8, jnp.bfloat16, **shape)
     # With biases, the gate_up bias [E, 2I] is cut on lanes too: still 128.
-    config.check_fused_config(config.FusedConfig(16, 64), 16, 512, 256, 8, jnp.bfloat16, **shape | dict(has_bias=True))
+    kernel.check_fused_config(kernel.FusedConfig(16, 64), 16, 512, 256, 8, jnp.bfloat16, **shape | dict(has_bias=True))
     # Concatenated, transposed, biases: gate and up bias blocks of 64 lanes are not aligned.
     with pytest.raises(ValueError, match="tile_i=64"):
-        config.check_fused_config(config.FusedConfig(16, 64), 16, 512, 256, 8, jnp.bfloat16,
+        kernel.check_fused_config(kernel.FusedConfig(16, 64), 16, 512, 256, 8, jnp.bfloat16,
                                   weights_transposed=True, interleaved=False, has_bias=True)
 
 
-def test_an_ep_dispatch_rank_at_decode_batch_256_takes_the_fused_kernel(config):
+def _experts_problem(kernel, tokens: int, hidden: int, intermediate: int, experts: int, dtype: str, layout: dict):
+    """One pick per token (a rank's call under EP dispatch holds one row per pick it received), a SiLU gate."""
+    return kernel.ExpertsProblem(tokens, 1, hidden, intermediate, experts, dtype, dtype, "float32",
+                                 layout["weights_transposed"], layout["has_bias"],
+                                 kernel.Gate("silu", layout["interleaved"]))
+
+
+def test_an_ep_dispatch_rank_at_decode_batch_256_takes_the_fused_kernel(kernel):
     # Qwen3-30B-A3B, batch 256, top-8 dispatched over 8 ranks: 256 rows per rank on average, 301 on the busiest.
     hidden, intermediate, experts, layout = MODELS["qwen3-30b-a3b"]
-    assert config.use_fused_experts(301, hidden, intermediate, experts // 8, jnp.bfloat16, **layout)
+    problem = _experts_problem(kernel, 301, hidden, intermediate, experts // 8, "bfloat16", layout)
+    assert kernel.fused_path_config(problem) is not None
 
 
-def test_use_fused_experts_is_for_decode_sized_calls_that_fit(config):
+def test_the_fused_path_is_for_decode_sized_calls_that_fit(kernel):
     hidden, intermediate, experts, layout = MODELS["qwen3-30b-a3b"]
-    assert config.use_fused_experts(config.FUSED_MAX_TOKENS, hidden, intermediate, experts, jnp.bfloat16, **layout)
-    assert not config.use_fused_experts(config.FUSED_MAX_TOKENS + 1, hidden, intermediate, experts, jnp.bfloat16,
-                                        **layout)
+    decode = _experts_problem(kernel, kernel.FUSED_MAX_TOKENS, hidden, intermediate, experts, "bfloat16", layout)
+    assert kernel.fused_path_config(decode) is not None
+    assert kernel.fused_path_config(decode._replace(tokens=kernel.FUSED_MAX_TOKENS + 1)) is None
     # An expert whose weights fit in no I tiling (I prime, 16384 x 16383 f32): the grouped matmuls.
-    assert config.fused_config(8, 16384, 16381, 4, jnp.float32, weights_transposed=False, interleaved=False,
+    assert kernel.fused_config(8, 16384, 16381, 4, jnp.float32, weights_transposed=False, interleaved=False,
                                has_bias=False) is None
-    assert not config.use_fused_experts(8, 16384, 16381, 4, jnp.float32, weights_transposed=False, interleaved=False,
-                                        has_bias=False)
+    layout = dict(weights_transposed=False, interleaved=False, has_bias=False)
+    assert kernel.fused_path_config(_experts_problem(kernel, 8, 16384, 16381, 4, "float32", layout)) is None
 
 
-def test_gpt_oss_fp8_on_tpu7x_takes_partial_i_tiles_of_whole_scale_blocks(config):
+def test_gpt_oss_fp8_on_tpu7x_takes_partial_i_tiles_of_whole_scale_blocks(kernel):
     """I = 2880 has no divisor on the 128-wide fp8 scale blocks and its whole fp8 expert does not fit TPU7x's
     budget double-buffered, so the fp8 MXU path cuts it in two tiles of 1536 (the last one 1344 columns); elsewhere,
     or in bf16, the tiles divide I (960) and fp8 is dequantized."""
     hidden, intermediate, experts, layout = MODELS["gpt-oss-20b"]
     fp8 = jnp.float8_e4m3fn
     for tokens in (1, 64, 256):
-        picked = config.fused_config(tokens, hidden, intermediate, experts, jnp.bfloat16, **layout, weights_dtype=fp8,
+        picked = kernel.fused_config(tokens, hidden, intermediate, experts, jnp.bfloat16, **layout, weights_dtype=fp8,
                                      generation="tpu7x")
-        assert picked.tile_i == 1536 and config.i_tiles(picked, intermediate) == 2
-        assert config.fused_feeds_fp8_mxu(picked, intermediate, fp8, generation="tpu7x")
+        assert picked.tile_i == 1536 and kernel.i_tiles(picked, intermediate) == 2
+        assert kernel.fused_feeds_fp8_mxu(picked, intermediate, fp8, generation="tpu7x")
         for generation, dtype in (("v6e", fp8), ("tpu7x", None)):
-            other = config.fused_config(tokens, hidden, intermediate, experts, jnp.bfloat16, **layout,
+            other = kernel.fused_config(tokens, hidden, intermediate, experts, jnp.bfloat16, **layout,
                                         weights_dtype=dtype, generation=generation)
             assert intermediate % other.tile_i == 0 and other.tile_i % 128
     shape = dict(weights_transposed=True, interleaved=True, has_bias=True)
@@ -398,8 +402,8 @@ def test_gpt_oss_fp8_on_tpu7x_takes_partial_i_tiles_of_whole_scale_blocks(config
     for refused in (dict(shape, interleaved=False, weights_dtype=fp8, generation="tpu7x"),
                     dict(shape, generation="tpu7x"), dict(shape, weights_dtype=fp8, generation="v6e")):
         with pytest.raises(ValueError, match=r"tile_i=1536 must be I=2880 or divide it"):
-            config.check_fused_config(config.FusedConfig(16, 1536), 1, hidden, intermediate, 4, jnp.bfloat16,
+            kernel.check_fused_config(kernel.FusedConfig(16, 1536), 1, hidden, intermediate, 4, jnp.bfloat16,
                                       **refused)
     with pytest.raises(ValueError, match=r"tile_i=1000 must be I=2880, a multiple of 128 below it,"):
-        config.check_fused_config(config.FusedConfig(16, 1000), 1, hidden, intermediate, 4, jnp.bfloat16, **shape,
+        kernel.check_fused_config(kernel.FusedConfig(16, 1000), 1, hidden, intermediate, 4, jnp.bfloat16, **shape,
                                   weights_dtype=fp8, generation="tpu7x")

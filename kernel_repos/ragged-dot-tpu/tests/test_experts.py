@@ -36,7 +36,7 @@ def _routing(tokens, top_k, seed, sentinels=0):
 @pytest.mark.parametrize("tokens,sentinels", [(1, 0), (13, 0), (13, 5)])
 def test_fused_path_matches_eager(kernel, tokens, sentinels):
     experts = _experts(torch.float32)
-    assert kernel.experts.fused_gate(experts) == dict(activation="silu", interleaved=False)
+    assert kernel.fused_gate(experts) == dict(activation="silu", interleaved=False)
     hidden = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
     index, weights = _routing(tokens, 3, seed=tokens, sentinels=sentinels)
     expected = experts(hidden, index, weights)
@@ -47,7 +47,7 @@ def test_fused_path_matches_eager(kernel, tokens, sentinels):
 def test_composed_path_matches_eager(kernel):
     """A gate the fused path does not know still gives the right answer."""
     experts = _experts(torch.float32, hidden_act="relu")
-    assert kernel.experts.fused_gate(experts) is None
+    assert kernel.fused_gate(experts) is None
     hidden = torch.randn(9, 64, generator=torch.Generator().manual_seed(2))
     index, weights = _routing(9, 3, seed=2, sentinels=4)
     experts._is_expert_parallel = True
@@ -82,7 +82,7 @@ def _gpt_oss_experts():
 def test_gpt_oss_fused_path_matches_eager(kernel, sentinels):
     """Transposed weights, biases, interleaved gate with GPT-OSS's own clamped SwiGLU."""
     experts = _gpt_oss_experts()
-    gate = kernel.experts.fused_gate(experts)
+    gate = kernel.fused_gate(experts)
     assert gate == dict(activation="clamped_swiglu", interleaved=True, alpha=experts.alpha, limit=experts.limit)
     hidden = torch.randn(10, 64, generator=torch.Generator().manual_seed(5)) * 4
     index, weights = _routing(10, 3, seed=5, sentinels=sentinels)
@@ -94,7 +94,7 @@ def test_gpt_oss_fused_path_matches_eager(kernel, sentinels):
     with torch.no_grad():
         expected = experts(hidden, eager_index, eager_weights)
         out = kernel.experts_forward(experts, hidden, index, weights)
-        composed = kernel.experts.composed_experts_forward(experts, hidden, index, weights)
+        composed = kernel.composed_experts_forward(experts, hidden, index, weights)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(composed, expected, rtol=1e-5, atol=1e-4)
 

@@ -1,9 +1,12 @@
-"""The fused experts kernel (pallas_fused.fused_experts) against the float64 reference and the grouped path.
+"""The fused experts kernel (fused/kernel.py's fused_experts) against the float64 reference and the grouped path.
 
 Every case runs in TPU interpret mode with race detection and NaN-filled
 uninitialised memory, through the built torch-cpu variant's JAX functions.
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -47,7 +50,7 @@ CASES = {
     "sentinels": (64, 64, 48, 16, 4, dict(transposed=False, bias=True, sentinels=0.8), dict(activation="silu")),
     # A few hundred tokens: 128-row chunks, several per expert.
     "three-hundred-tokens": (300, 64, 40, 4, 2, dict(transposed=False, bias=False), dict(activation="silu")),
-    # Weights XLA stores with their last two dims swapped (config.weights_orientation), read as that view:
+    # Weights XLA stores with their last two dims swapped (weights_orientation), read as that view:
     # Gemma 4's down_proj [E, H, I] with I off the 128 lanes; a transposed down_proj [E, I, H]; a gate_up.
     "swapped-down": (9, 256, 72, 6, 2, dict(transposed=False, bias=True), dict(activation="gelu_tanh")),
     "swapped-down-transposed": (9, 200, 128, 6, 2, dict(transposed=True, bias=True), dict(activation="silu")),
@@ -60,7 +63,7 @@ def test_swapped_cases_read_the_weights_swapped(kernel):
     """Each swapped case reads the projection it names in the order opposite to transformers' layout."""
     for case, expected in SWAPPED.items():
         tokens, hidden, intermediate, *_, options, _ = CASES[case]
-        orientation = kernel.config.weights_orientation(hidden, intermediate, weights_transposed=options["transposed"])
+        orientation = kernel.weights_orientation(hidden, intermediate, weights_transposed=options["transposed"])
         assert tuple(orientation) == expected, case
 
 
@@ -71,8 +74,8 @@ def test_fused_matches_reference_and_grouped_path(kernel, interpret, to_jax, cas
     layer = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, **options)
     gate = dict(weights_transposed=options["transposed"], **gate)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
-    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate))
-    grouped = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False))
+    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate))
+    grouped = interpret(lambda: kernel.experts_layer(*map(to_jax, layer), **gate, fused=False))
     assert not torch.isnan(fused).any()
     assert _relative_error(fused, expected) <= 1e-5
     assert _relative_error(fused, grouped.double()) <= 1e-5
@@ -107,9 +110,9 @@ def test_fused_tiled_schedules_match_reference(kernel, interpret, to_jax, case, 
     tokens, hidden, intermediate, experts, top_k, options, gate, tiles = TILED_CASES[case]
     layer = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, **options)
     gate = dict(weights_transposed=options["transposed"], **gate)
-    config = kernel.config.FusedConfig(*tiles)
+    config = kernel.FusedConfig(*tiles)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
-    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate, config=config))
+    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate, config=config))
     assert _relative_error(fused, expected) <= 1e-5
 
 
@@ -154,14 +157,14 @@ def test_megacore_split_matches_reference(kernel, interpret, to_jax, case, rando
     if case.startswith("shared-one-active"):
         layer[1] = torch.full_like(layer[1], 1)
     gate = dict(weights_transposed=options["transposed"], **gate)
-    config = None if tiles is None else kernel.config.FusedConfig(*tiles)
-    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
-    plan = kernel.plan.plan_fused(problem, config, "v5p")
+    config = None if tiles is None else kernel.FusedConfig(*tiles)
+    problem, _ = kernel.describe_experts(*map(to_jax, layer), **gate)
+    plan = kernel.plan_fused(problem, config, "v5p")
     assert plan.cores == 2 and plan.cores_per_expert == (2 if case.startswith("shared") else 1)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
     # Two simulated cores: each its own scratch and partial output, the grid's parallel axis split between them.
-    split = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate, config=config,
-                                                                generation="v5p"), cores=2)
+    split = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate, config=config,
+                                                   generation="v5p"), cores=2)
     assert not torch.isnan(split).any()
     assert _relative_error(split, expected) <= 1e-5
 
@@ -173,9 +176,9 @@ def test_fewer_active_experts_than_slots(kernel, interpret, to_jax, generation, 
     layer[1] = torch.full_like(layer[1], 4)
     gate = dict(activation="gelu_tanh", weights_transposed=True)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
-    config = kernel.config.FusedConfig(16, 48, 4)
-    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate, config=config,
-                                                                generation=generation))
+    config = kernel.FusedConfig(16, 48, 4)
+    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate, config=config,
+                                                   generation=generation))
     assert _relative_error(fused, expected) <= 1e-5
 
 
@@ -199,7 +202,7 @@ def test_bf16_activations_with_either_routing_weights(kernel, interpret, to_jax,
                    weights_dtype=weights_dtype)
     gate = dict(activation="silu", weights_transposed=False)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
-    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate))
+    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate))
     # bf16 weights and activations (8-bit mantissa), rounded once more at the output.
     assert _relative_error(fused, expected) < 2e-2
 
@@ -208,8 +211,8 @@ def test_bf16_activations_with_either_routing_weights(kernel, interpret, to_jax,
 def test_only_sentinel_picks_give_zeros(kernel, interpret, to_jax, tiles, random_picks):
     layer = _layer(random_picks, 6, 64, 256, 8, 2, transposed=False, bias=True, sentinels=1.0)
     assert bool((layer[1] == 8).all())
-    config = None if tiles is None else kernel.config.FusedConfig(*tiles)
-    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), activation="silu",
+    config = None if tiles is None else kernel.FusedConfig(*tiles)
+    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), activation="silu",
                                                                  weights_transposed=False, config=config))
     assert torch.equal(fused, torch.zeros_like(fused))
 
@@ -218,11 +221,11 @@ def test_expert_plan_lists_active_experts_only(kernel):
     # 3 tokens, top-2, 4 experts; sentinel id 4 (other ranks). Expert 2: two picks; expert 1: none;
     # token 1 picks expert 0 twice.
     index = jnp.asarray([[2, 4], [0, 0], [2, 3]], jnp.int32)
-    plan = kernel.routing.expert_plan(index, 4)
+    plan = kernel.expert_plan(index, 4)
     assert int(plan.count[0]) == 3
     assert np.asarray(plan.expert).tolist() == [0, 2, 3, 3]  # active experts, then the last repeated
     assert np.asarray(plan.rows).tolist() == [2, 2, 1, 0]  # picks (at least the rows), 0 past the count
-    empty = kernel.routing.expert_plan(jnp.full((3, 2), 4, jnp.int32), 4)
+    empty = kernel.expert_plan(jnp.full((3, 2), 4, jnp.int32), 4)
     assert int(empty.count[0]) == 1 and int(empty.rows[0]) == 0  # one empty item: the grid is never empty
 
 
@@ -231,24 +234,53 @@ def test_repeated_picks_of_one_expert_add_up(kernel, interpret, to_jax, random_p
     layer[1][:, 1] = layer[1][:, 0]  # every token picks its first expert twice
     gate = dict(activation="silu", weights_transposed=False)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
-    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate))
+    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate))
     assert _relative_error(fused, expected) <= 1e-5
 
 
-def test_experts_layer_takes_the_fused_kernel_for_decode_only(kernel, interpret, to_jax, monkeypatch, random_picks):
-    """moe.experts_layer follows config.use_fused_experts; both paths give the layer."""
-    taken = []
-    for name in ("fused_experts_call", "grouped_experts"):
-        original = getattr(kernel.moe, name)
-        monkeypatch.setattr(kernel.moe, name, lambda *a, _name=name, _fn=original, **kw: taken.append(_name) or _fn(*a, **kw))
-    monkeypatch.setattr(kernel.config, "FUSED_MAX_TOKENS", 8)
-    for tokens in (8, 9):
-        layer = _layer(random_picks, tokens, 64, 48, 4, 2, transposed=False, bias=False)
-        out = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), activation="silu",
-                                                          weights_transposed=False))
-        expected = kernel.reference.gated_experts_reference(*layer, activation="silu", weights_transposed=False)
+def _pallas_calls(fn, *args) -> list[str]:
+    """The names of the Pallas kernels `fn(*args)` runs, in order, read off its traced program (nested ones too)."""
+    names = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                names.append(str(eqn.params["name"]))
+            for param in eqn.params.values():
+                for value in param if isinstance(param, (list, tuple)) else (param,):
+                    inner = getattr(value, "jaxpr", value)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return names
+
+
+def test_experts_layer_takes_the_fused_kernel_for_decode_only(kernel):
+    """experts_layer follows the rule (`fused_path_config`): the fused kernel up to FUSED_MAX_TOKENS tokens, the
+    grouped matmuls past it."""
+    hidden, intermediate, experts, top_k = 64, 48, 4, 2
+
+    def kernels_run(tokens):
+        avals = (jax.ShapeDtypeStruct((tokens, hidden), jnp.float32), jax.ShapeDtypeStruct((tokens, top_k), jnp.int32),
+                 jax.ShapeDtypeStruct((tokens, top_k), jnp.float32),
+                 jax.ShapeDtypeStruct((experts, 2 * intermediate, hidden), jnp.float32),
+                 jax.ShapeDtypeStruct((experts, hidden, intermediate), jnp.float32))
+        layer = functools.partial(kernel.experts_layer, activation="silu", weights_transposed=False)
+        return _pallas_calls(layer, *avals)
+
+    assert kernels_run(kernel.FUSED_MAX_TOKENS) == ["fused_experts"]
+    grouped = kernels_run(kernel.FUSED_MAX_TOKENS + 1)
+    assert "fused_experts" not in grouped and grouped.count("ragged_dot") == 2
+
+
+def test_both_paths_of_the_experts_layer_give_the_layer(kernel, interpret, to_jax, random_picks):
+    layer = _layer(random_picks, 8, 64, 48, 4, 2, transposed=False, bias=False)
+    expected = kernel.reference.gated_experts_reference(*layer, activation="silu", weights_transposed=False)
+    for fused in (True, False):
+        out = interpret(lambda: kernel.experts_layer(*map(to_jax, layer), activation="silu", weights_transposed=False,
+                                                     fused=fused))
         assert _relative_error(out, expected) <= 1e-5
-    assert taken == ["fused_experts_call", "grouped_experts"]
 
 
 # (tokens, top_k, intermediate, cores, cores_per_expert) of GPT-OSS's layout on v5p.
@@ -267,11 +299,11 @@ SPLITS = {
 @pytest.mark.parametrize("case", list(SPLITS))
 def test_how_v5p_cores_split_few_picks(kernel, case):
     tokens, top_k, intermediate, cores, cores_per_expert = SPLITS[case]
-    problem = kernel.problem.ExpertsProblem(tokens, top_k, 2880, intermediate, 4, "bfloat16", "bfloat16", "float32",
-                                            True, True, kernel.problem.Gate("clamped_swiglu", True, 1.702, 7.0))
-    plan = kernel.plan.plan_fused(problem, generation="v5p")
+    problem = kernel.ExpertsProblem(tokens, top_k, 2880, intermediate, 4, "bfloat16", "bfloat16", "float32",
+                                    True, True, kernel.Gate("clamped_swiglu", True, 1.702, 7.0))
+    plan = kernel.plan_fused(problem, generation="v5p")
     assert (plan.cores, plan.cores_per_expert) == (cores, cores_per_expert)
     if cores_per_expert > 1:
         assert plan.i_tiles_per_core * cores >= plan.i_tiles > (plan.i_tiles_per_core - 1) * cores
-    on_v6e = kernel.plan.plan_fused(problem, generation="v6e")
+    on_v6e = kernel.plan_fused(problem, generation="v6e")
     assert (on_v6e.cores, on_v6e.cores_per_expert) == (1, 1)

@@ -65,11 +65,11 @@ def _gated_reference(lhs, rhs, sizes, transpose_rhs, activation, bias=None, alph
 
 def _gated(kernel, m, k, intermediate, groups, dtype, transpose_rhs, tiles, activation="silu", bias=False,
            **gate_options):
-    problem = kernel.problem.MatmulProblem(m, k, 2 * intermediate, groups, dtype, dtype, transpose_rhs=transpose_rhs,
-                                           zero_rows_past_groups=False, bias=bias)
+    problem = kernel.MatmulProblem(m, k, 2 * intermediate, groups, dtype, dtype, transpose_rhs=transpose_rhs,
+                                   zero_rows_past_groups=False, bias=bias)
     # v5e: its 128-wide MXU takes 128-column halves without padding.
-    plan = kernel.plan.plan_ragged_dot(problem, "v5e", kernel.config.TileConfig(*tiles))
-    return kernel.plan.gated_plan(plan, kernel.problem.Gate(activation, **gate_options), generation="v5e")
+    plan = kernel.plan_ragged_dot(problem, "v5e", kernel.TileConfig(*tiles))
+    return kernel.gated_plan(plan, kernel.Gate(activation, **gate_options), generation="v5e")
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
@@ -86,8 +86,8 @@ def test_gated_schedules_match_reference(kernel, interpret, to_jax, case, dtype,
     shape = (len(group_sizes), 2 * intermediate, k) if transpose_rhs else (len(group_sizes), k, 2 * intermediate)
     rhs = (torch.randn(shape, generator=generator) * k**-0.5).to(dtype)
     sizes = torch.tensor(group_sizes, dtype=torch.int32)
-    out = interpret(lambda: kernel.pallas_gmm.grouped_matmul(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()),
-                                                             None, plan))
+    out = interpret(lambda: kernel.grouped_matmul_call(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()),
+                                                       None, plan))
     rows = sum(group_sizes)
     assert out.shape == (m, intermediate)
     if rows:
@@ -139,8 +139,8 @@ def test_interleaved_gate_matches_reference(kernel, interpret, to_jax, case, dty
     rhs = (torch.randn(shape, generator=generator) * 4 * k**-0.5).to(dtype)
     bias = torch.randn(len(group_sizes), 2 * intermediate, generator=generator) * 3
     sizes = torch.tensor(group_sizes, dtype=torch.int32)
-    out = interpret(lambda: kernel.pallas_gmm.grouped_matmul(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()),
-                                                             None, plan, to_jax(bias)))
+    out = interpret(lambda: kernel.grouped_matmul_call(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()),
+                                                       None, plan, to_jax(bias)))
     rows = sum(group_sizes)
     assert out.shape == (m, intermediate)
     expected = _gated_reference(lhs, rhs, sizes, transpose_rhs, "clamped_swiglu", bias, interleaved=True,
@@ -170,8 +170,8 @@ def test_gated_with_biases_matches_reference(kernel, interpret, to_jax, case, tr
     rhs = torch.randn(shape, generator=generator) * 4 * k**-0.5
     bias = torch.randn(len(group_sizes), 2 * intermediate, generator=generator) * 3
     sizes = torch.tensor(group_sizes, dtype=torch.int32)
-    out = interpret(lambda: kernel.pallas_gmm.grouped_matmul(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()),
-                                                             None, plan, to_jax(bias)))
+    out = interpret(lambda: kernel.grouped_matmul_call(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()),
+                                                       None, plan, to_jax(bias)))
     rows = sum(group_sizes)
     expected = _gated_reference(lhs, rhs, sizes, transpose_rhs, "clamped_swiglu", bias, **{
         name: GPT_OSS_GATE[name] for name in ("alpha", "limit")})
@@ -185,14 +185,14 @@ def test_gated_with_biases_matches_reference(kernel, interpret, to_jax, case, tr
 def test_the_gate_stays_in_xla_where_the_epilogue_cannot_take_it(kernel):
     """gated_plan refuses one-byte weights in several N tiles; concatenated, halves that do not divide I, are off
     the 128 lanes or pad the MXU past the whole tile. Biases and interleaved columns it takes."""
-    gate = kernel.problem.Gate("silu")
+    gate = kernel.Gate("silu")
 
     def gate_up(n, tile_n, generation="v5e", bias=False):
-        problem = kernel.problem.MatmulProblem(64, 128, n, 4, "bfloat16", "bfloat16", transpose_rhs=False, bias=bias)
-        return kernel.plan.plan_ragged_dot(problem, generation, kernel.config.TileConfig(64, 128, tile_n, None, 1))
+        problem = kernel.MatmulProblem(64, 128, n, 4, "bfloat16", "bfloat16", transpose_rhs=False, bias=bias)
+        return kernel.plan_ragged_dot(problem, generation, kernel.TileConfig(64, 128, tile_n, None, 1))
 
     def gated(n, tile_n, generation="v5e", gate=gate, bias=False):
-        return kernel.plan.gated_plan(gate_up(n, tile_n, generation, bias), gate, generation)
+        return kernel.gated_plan(gate_up(n, tile_n, generation, bias), gate, generation)
 
     assert gated(512, 256).tile_n == 128  # two N tiles of I = 256
     interleaved = gate._replace(interleaved=True)
@@ -205,12 +205,12 @@ def test_the_gate_stays_in_xla_where_the_epilogue_cannot_take_it(kernel):
     assert gated(1024, 384, gate=interleaved).tile_n == 256
     int8 = gate_up(512, 256)
     int8 = int8._replace(problem=int8.problem._replace(rhs_dtype="int8"))
-    assert kernel.plan.gated_plan(int8, interleaved, "v5e") is None
+    assert kernel.gated_plan(int8, interleaved, "v5e") is None
     assert gated(512, 256, bias=True).tile_n == 128
     # One-byte weights: gated in one N tile (the block's scales whole), not in halves.
     for n, tile_n, expected in ((512, 256, None), (512, 512, 256)):
         int8 = gate_up(n, tile_n)
-        int8 = kernel.plan.gated_plan(int8._replace(problem=int8.problem._replace(rhs_dtype="int8")), gate, "v5e")
+        int8 = kernel.gated_plan(int8._replace(problem=int8.problem._replace(rhs_dtype="int8")), gate, "v5e")
         assert (int8 and int8.tile_n) == expected
     # Half of a 256-column tile does not divide I = 160 (2I = 320); a 192-column half of I = 384 is off the lanes.
     assert gated(320, 256) is None
@@ -232,9 +232,9 @@ def test_the_grouped_layer_gates_in_the_kernel_and_matches_the_reference(kernel,
              torch.randn(experts, 2 * intermediate, hidden, generator=generator) * 0.2,
              torch.randn(experts, hidden, intermediate, generator=generator) * 0.2)
     gate = dict(weights_transposed=False, **options)
-    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
-    assert kernel.plan.plan_experts(problem, "v6e", fused=False).forward_gate_up.problem.gate is not None
-    out = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False, generation="v6e"))
+    problem, _ = kernel.describe_experts(*map(to_jax, layer), **gate)
+    assert kernel.plan_experts(problem, "v6e", fused=False).forward_gate_up.problem.gate is not None
+    out = interpret(lambda: kernel.experts_layer(*map(to_jax, layer), **gate, fused=False, generation="v6e"))
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
     assert ((out.double() - expected).abs().max() / expected.abs().max()).item() <= 1e-5
 
@@ -259,10 +259,10 @@ def test_the_grouped_gpt_oss_layer_gates_its_biased_rows_in_the_kernel(kernel, i
              torch.randn(experts, 2 * intermediate, generator=generator) * 3,
              torch.randn(experts, hidden, generator=generator))
     gate = dict(weights_transposed=True, interleaved=interleaved, **GPT_OSS_GATE)
-    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
-    first = kernel.plan.plan_experts(problem, "v6e", fused=False).forward_gate_up
-    assert first.problem.gate == kernel.problem.Gate(interleaved=interleaved, **GPT_OSS_GATE) and first.problem.bias
-    out = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False, generation="v6e"))
+    problem, _ = kernel.describe_experts(*map(to_jax, layer), **gate)
+    first = kernel.plan_experts(problem, "v6e", fused=False).forward_gate_up
+    assert first.problem.gate == kernel.Gate(interleaved=interleaved, **GPT_OSS_GATE) and first.problem.bias
+    out = interpret(lambda: kernel.experts_layer(*map(to_jax, layer), **gate, fused=False, generation="v6e"))
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
     assert ((out.double() - expected).abs().max() / expected.abs().max()).item() <= 1e-5
 
@@ -277,6 +277,6 @@ def test_gpt_oss_20b_gates_in_its_first_kernel_in_whole_lanes(kernel, generation
               ((experts, 2 * intermediate), "bfloat16"), ((experts, hidden), "bfloat16")]
     layer = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in arrays]
     gate = dict(weights_transposed=True, interleaved=True, **GPT_OSS_GATE)
-    problem, _ = kernel.problem.describe_experts(*layer, **gate)
-    first = kernel.plan.plan_experts(problem, generation, fused=False).forward_gate_up
+    problem, _ = kernel.describe_experts(*layer, **gate)
+    first = kernel.plan_experts(problem, generation, fused=False).forward_gate_up
     assert first.problem.gate is not None and first.problem.n == intermediate and first.tile_n == tile_n

@@ -29,7 +29,7 @@ CASES = {
     "one-tile": (13, 96, 128, [4, 0, 9, 11], 6, (32, 96, 128, None, 1), "bfloat16"),
 }
 # K whose halves would take an MXU pass more than K whole: the row splits at the MXU width past half
-# (`plan.gathered_plan`), its words wider than half a row and its second part's columns off the lanes.
+# (`gmm.plan.gathered_plan`), its words wider than half a row and its second part's columns off the lanes.
 MXU_SPLITS = {
     # v5e's 128-wide MXU: halves of 144 take 2 + 2 passes, 256 + 32 columns 2 + 1.
     "v5e-288": ("v5e", 288, False, 256),
@@ -54,10 +54,10 @@ def _call(kernel, interpret, to_jax, case, transpose_rhs, *, bias=False, k=None,
     k = k or case_k
     groups, live = len(sizes), sum(sizes)
     m = live + past
-    problem = kernel.problem.MatmulProblem(m, k, n, groups, dtype, dtype, transpose_rhs=transpose_rhs,
-                                           zero_rows_past_groups=False, bias=bias)
-    tile_config = kernel.config.TileConfig(*tiles)._replace(tile_k=k)
-    plan = kernel.plan.gathered_plan(kernel.plan.plan_ragged_dot(problem, generation, tile_config), generation)
+    problem = kernel.MatmulProblem(m, k, n, groups, dtype, dtype, transpose_rhs=transpose_rhs,
+                                   zero_rows_past_groups=False, bias=bias)
+    tile_config = kernel.TileConfig(*tiles)._replace(tile_k=k)
+    plan = kernel.gathered_plan(kernel.plan_ragged_dot(problem, generation, tile_config), generation)
     assert plan is not None and plan.problem.gathered
     generator = torch.Generator().manual_seed(seed + len(case) + transpose_rhs)
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
@@ -69,7 +69,7 @@ def _call(kernel, interpret, to_jax, case, transpose_rhs, *, bias=False, k=None,
     shape = (groups, n, k) if transpose_rhs else (groups, k, n)
     weights = (torch.randn(shape, generator=generator) * k**-0.5).to(torch_dtype)
     bias_rows = (torch.randn(groups, n, generator=generator) + 2.0).to(torch_dtype) if bias else None
-    out = interpret(lambda: kernel.pallas_gmm.grouped_matmul(
+    out = interpret(lambda: kernel.grouped_matmul_call(
         to_jax(tokens), to_jax(weights), jnp.asarray(sizes, jnp.int32), None, plan, to_jax(bias_rows),
         to_jax(row_token)))
     assert out.shape == (m, n)
@@ -119,10 +119,10 @@ def test_rows_split_at_the_mxu_width_match_reference(kernel, interpret, to_jax, 
     ("v5e", 2816, False, 1408),  # ... 2 x 11 passes of 128, as 2816 whole
 ])
 def test_a_row_splits_where_its_parts_cost_no_mxu_pass(kernel, generation, k, transpose_rhs, split):
-    problem = kernel.problem.MatmulProblem(4096, k, 1536, 16, "bfloat16", "bfloat16", transpose_rhs=transpose_rhs,
-                                           zero_rows_past_groups=False)
-    plan = kernel.plan.plan_ragged_dot(problem, generation, kernel.config.TileConfig(256, k, 512, None, 1))
-    gathered = kernel.plan.gathered_plan(plan, generation)
+    problem = kernel.MatmulProblem(4096, k, 1536, 16, "bfloat16", "bfloat16", transpose_rhs=transpose_rhs,
+                                   zero_rows_past_groups=False)
+    plan = kernel.plan_ragged_dot(problem, generation, kernel.TileConfig(256, k, 512, None, 1))
+    gathered = kernel.gathered_plan(plan, generation)
     assert gathered.gather_split == split
     # The copies' two buffers of 256-row windows hold words wider than half a row by (split - K / 2) each.
     assert gathered.vmem_limit_bytes - plan.vmem_limit_bytes == 2 * 256 * 4 * (split - k // 2)
@@ -131,13 +131,13 @@ def test_a_row_splits_where_its_parts_cost_no_mxu_pass(kernel, generation, k, tr
 def test_token_rows_pack_into_words_and_back(kernel):
     """bf16 rows as words: column j in the low half, column K/2 + j in the high half, every bit kept."""
     tokens = jnp.asarray(torch.randn(5, 64).numpy(), jnp.bfloat16).at[0, 3].set(jnp.nan).at[1, 40].set(-0.0)
-    words = kernel.packed_rows.pack_rows(tokens)
+    words = kernel.pack_rows(tokens)
     assert words.shape == (5, 32) and words.dtype == jnp.int32
     bits = jnp.asarray(tokens).view(jnp.uint16).astype(jnp.int32)
     assert (words & 0xFFFF == bits[:, :32]).all()
     assert ((words >> 16) & 0xFFFF == bits[:, 32:]).all()
     # Split past half: the second part zero-padded to the first's width.
-    words = kernel.packed_rows.pack_rows(tokens, 40)
+    words = kernel.pack_rows(tokens, 40)
     assert words.shape == (5, 40)
     assert (words & 0xFFFF == bits[:, :40]).all()
     assert ((words[:, :24] >> 16) & 0xFFFF == bits[:, 40:]).all() and (words[:, 24:] >> 16 == 0).all()
@@ -152,20 +152,20 @@ def test_token_rows_pack_into_words_and_back(kernel):
 def test_gathered_plan_refuses_what_it_cannot_copy(kernel, change, why):
     fields = dict(m=64, k=96, n=128, groups=4, dtype="bfloat16", rhs_dtype="bfloat16", transpose_rhs=False,
                   zero_rows_past_groups=False) | change
-    problem = kernel.problem.MatmulProblem(**fields)
-    tiles = kernel.config.TileConfig(16, min(fields["k"], 128), 128, None, 1)
-    assert kernel.plan.gathered_plan(kernel.plan.plan_ragged_dot(problem, "v6e", tiles), "v6e") is None, why
+    problem = kernel.MatmulProblem(**fields)
+    tiles = kernel.TileConfig(16, min(fields["k"], 128), 128, None, 1)
+    assert kernel.gathered_plan(kernel.plan_ragged_dot(problem, "v6e", tiles), "v6e") is None, why
 
 
 def test_a_gathered_plan_takes_row_tokens_and_only_it(kernel):
-    problem = kernel.problem.MatmulProblem(64, 96, 128, 2, "bfloat16", "bfloat16", transpose_rhs=False)
-    plan = kernel.plan.plan_ragged_dot(problem, "v6e", kernel.config.TileConfig(16, 96, 128, None, 1))
-    gathered = kernel.plan.gathered_plan(plan, "v6e")
+    problem = kernel.MatmulProblem(64, 96, 128, 2, "bfloat16", "bfloat16", transpose_rhs=False)
+    plan = kernel.plan_ragged_dot(problem, "v6e", kernel.TileConfig(16, 96, 128, None, 1))
+    gathered = kernel.gathered_plan(plan, "v6e")
     tokens, weights, sizes = jnp.ones((8, 96), jnp.bfloat16), jnp.ones((2, 96, 128), jnp.bfloat16), jnp.array([3, 5])
     with pytest.raises(ValueError, match="gathers its rows"):
-        kernel.pallas_gmm.grouped_matmul(tokens, weights, sizes, None, gathered)
+        kernel.grouped_matmul_call(tokens, weights, sizes, None, gathered)
     with pytest.raises(ValueError, match="takes sorted rows"):
-        kernel.pallas_gmm.grouped_matmul(tokens, weights, sizes, None, plan, None, jnp.zeros(64, jnp.int32))
+        kernel.grouped_matmul_call(tokens, weights, sizes, None, plan, None, jnp.zeros(64, jnp.int32))
 
 
 @pytest.mark.parametrize("hidden", [256, 640, 2880])
@@ -193,15 +193,15 @@ def test_the_grouped_layer_copies_its_rows_in_the_kernels(kernel, interpret, to_
                torch.randn(experts, hidden, generator=generator)) if options.get("interleaved") else ())
     layer = (torch.randn(tokens, hidden, generator=generator).to(torch.bfloat16), index, weights,
              *(p.to(torch.bfloat16) for p in projections), *(b.to(torch.bfloat16) for b in biases))
-    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
-    plan = kernel.plan.plan_experts(problem, "v6e", fused=False)
+    problem, _ = kernel.describe_experts(*map(to_jax, layer), **gate)
+    plan = kernel.plan_experts(problem, "v6e", fused=False)
     assert plan.forward_gate_up.problem.gathered
     assert plan.forward_down.problem.packed_out and plan.combine is not None
     if hidden == 640:
         assert (plan.forward_gate_up.gather_split, plan.forward_down.out_split) == (512, 384)
     if hidden == 2880:
         assert (plan.forward_down.tile_n, plan.forward_down.out_split, plan.combine.tile_n) == (2944, 1536, 2944)
-    out = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False, generation="v6e"))
+    out = interpret(lambda: kernel.experts_layer(*map(to_jax, layer), **gate, fused=False, generation="v6e"))
     expected = kernel.reference.gated_experts_reference(*(t.float() if t.is_floating_point() else t for t in layer),
                                                         **gate)
     assert ((out.double() - expected).abs().max() / expected.abs().max()).item() <= 2e-2

@@ -21,7 +21,7 @@ def _quantized(kernel, shape, out_axis, generator, std=0.2):
     """(packed uint8 weights, their float32 scales [G, N], the int8 codes)."""
     codes = _codes(shape, generator)
     scales = (0.5 + torch.rand(shape[0], shape[out_axis], generator=generator)) * std / 4
-    return kernel.int4.pack_int4(codes), scales, codes
+    return kernel.pack_int4(codes), scales, codes
 
 
 def _relative_error(out, expected):
@@ -34,11 +34,11 @@ def test_pack_unpack_round_trip_and_nibble_layout(kernel, shape):
     along the packed axis (D2 where XLA swaps the last two dims: [1, 128, 64] and [2, 256, 192])."""
     generator = torch.Generator().manual_seed(sum(shape))
     codes = _codes(shape, generator)
-    packed = kernel.int4.pack_int4(codes)
-    axis = kernel.quant.int4_packed_axis(shape)
+    packed = kernel.pack_int4(codes)
+    axis = kernel.int4_packed_axis(shape)
     assert axis == (2 if shape[1] % 128 == 0 and shape[2] % 128 else 1)
     assert packed.dtype == torch.uint8 and packed.shape[axis] == shape[axis] // 2
-    assert torch.equal(kernel.int4.unpack_int4(packed, shape[3 - axis], 3 - axis), codes)
+    assert torch.equal(kernel.unpack_int4(packed, shape[3 - axis], 3 - axis), codes)
     first = packed.select(axis, 0).to(torch.int32)
     low, high = ((first & 0xF) ^ 8) - 8, ((first >> 4) ^ 8) - 8
     assert torch.equal(low, codes.select(axis, 0).to(torch.int32))
@@ -47,11 +47,11 @@ def test_pack_unpack_round_trip_and_nibble_layout(kernel, shape):
 
 def test_pack_refuses_what_it_cannot_pack(kernel):
     with pytest.raises(ValueError, match="multiple of 64"):
-        kernel.int4.pack_int4(torch.zeros(2, 96, 8, dtype=torch.int8))
+        kernel.pack_int4(torch.zeros(2, 96, 8, dtype=torch.int8))
     with pytest.raises(ValueError, match=r"\[-8, 7\]"):
-        kernel.int4.pack_int4(torch.full((1, 64, 8), 8, dtype=torch.int8))
+        kernel.pack_int4(torch.full((1, 64, 8), 8, dtype=torch.int8))
     with pytest.raises(ValueError, match="integer"):
-        kernel.int4.pack_int4(torch.zeros(1, 64, 8))
+        kernel.pack_int4(torch.zeros(1, 64, 8))
 
 
 RAGGED_CASES = {
@@ -75,11 +75,11 @@ def test_ragged_dot_matches_unpacked_reference(kernel, interpret, to_jax, case, 
     shape = (len(group_sizes), n, k) if transpose_rhs else (len(group_sizes), k, n)
     out_axis = 1 if transpose_rhs else 2
     rhs, scales, codes = _quantized(kernel, shape, out_axis, generator)
-    assert kernel.quant.int4_packed_axis(shape) == 1
+    assert kernel.int4_packed_axis(shape) == 1
     sizes = torch.tensor(group_sizes, dtype=torch.int32)
-    config = None if tiles is None else kernel.config.TileConfig(*tiles)
-    out = interpret(lambda: kernel.pallas_gmm.ragged_dot(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
-                                                         to_jax(scales), transpose_rhs=transpose_rhs, config=config))
+    config = None if tiles is None else kernel.TileConfig(*tiles)
+    out = interpret(lambda: kernel.grouped_matmul(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
+                                                  to_jax(scales), transpose_rhs=transpose_rhs, config=config))
     weights = codes.double() * scales.double().unsqueeze(3 - out_axis)
     assert torch.equal(kernel.reference.dequantize_reference(rhs, scales, out_axis=out_axis), weights)
     expected = kernel.reference.ragged_dot_reference(lhs.double(), weights, sizes, transpose_rhs=transpose_rhs)
@@ -96,9 +96,9 @@ def test_ragged_dot_reads_weights_packed_along_d2_swapped(kernel, interpret, to_
     shape, group_sizes = (3, 256, 192), [7, 0, 12]
     lhs = torch.randn(24, 192, generator=generator)
     rhs, scales, codes = _quantized(kernel, shape, 1, generator)
-    assert kernel.quant.int4_packed_axis(shape) == 2 and tuple(rhs.shape) == (3, 256, 96)
-    out = interpret(lambda: kernel.pallas_gmm.ragged_dot(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
-                                                         to_jax(scales), transpose_rhs=True))
+    assert kernel.int4_packed_axis(shape) == 2 and tuple(rhs.shape) == (3, 256, 96)
+    out = interpret(lambda: kernel.grouped_matmul(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
+                                                  to_jax(scales), transpose_rhs=True))
     expected = kernel.reference.ragged_dot_reference(lhs.double(), codes.double() * scales.double().unsqueeze(2),
                                                      torch.tensor(group_sizes), transpose_rhs=True)
     assert _relative_error(out[:19], expected[:19]) <= 1e-5
@@ -115,12 +115,12 @@ def test_gated_gate_up_takes_int4_weights_in_one_n_tile(kernel, interpret, to_ja
     shape = (len(group_sizes), 2 * intermediate, k) if transpose_rhs else (len(group_sizes), k, 2 * intermediate)
     out_axis = 1 if transpose_rhs else 2
     rhs, scales, _ = _quantized(kernel, shape, out_axis, generator)
-    problem = kernel.problem.MatmulProblem(m, k, 2 * intermediate, len(group_sizes), "float32", "uint8",
-                                           transpose_rhs=transpose_rhs, zero_rows_past_groups=False)
-    plan = kernel.plan.plan_ragged_dot(problem, "v6e", kernel.config.TileConfig(40, k, 2 * intermediate, None, 1))
-    plan = kernel.plan.gated_plan(plan, kernel.problem.Gate("silu"), generation="v6e")
+    problem = kernel.MatmulProblem(m, k, 2 * intermediate, len(group_sizes), "float32", "uint8",
+                                   transpose_rhs=transpose_rhs, zero_rows_past_groups=False)
+    plan = kernel.plan_ragged_dot(problem, "v6e", kernel.TileConfig(40, k, 2 * intermediate, None, 1))
+    plan = kernel.gated_plan(plan, kernel.Gate("silu"), generation="v6e")
     assert plan.tile_n == plan.problem.n == intermediate
-    out = interpret(lambda: kernel.pallas_gmm.grouped_matmul(
+    out = interpret(lambda: kernel.grouped_matmul_call(
         to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32), to_jax(scales), plan))
     weights = kernel.reference.dequantize_reference(rhs, scales, out_axis=out_axis)
     projected = kernel.reference.ragged_dot_reference(lhs.double(), weights, torch.tensor(group_sizes),
@@ -176,15 +176,15 @@ LAYER_CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(LAYER_CASES))
 def test_experts_layer_matches_unpacked_reference(kernel, interpret, to_jax, case, random_picks):
-    """Both paths of moe.experts_layer (the fused kernel and the grouped matmuls) against the float64 reference."""
+    """Both paths of experts_layer (the fused kernel and the grouped matmuls) against the float64 reference."""
     tokens, hidden, intermediate, experts, top_k, options, gate, tiles = LAYER_CASES[case]
     transposed = options["transposed"]
     layer = _layer(kernel, random_picks, tokens, hidden, intermediate, experts, top_k, **options)
     gate = dict(weights_transposed=transposed, **gate)
     expected = kernel.reference.gated_experts_reference(*_dequantized_layer(kernel, layer, transposed), **gate)
-    config = None if tiles is None else kernel.config.FusedConfig(*tiles)
-    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate, config=config))
-    grouped = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False))
+    config = None if tiles is None else kernel.FusedConfig(*tiles)
+    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate, config=config))
+    grouped = interpret(lambda: kernel.experts_layer(*map(to_jax, layer), **gate, fused=False))
     assert not torch.isnan(fused).any() and not torch.isnan(grouped).any()
     assert _relative_error(fused, expected) <= 1e-5
     assert _relative_error(grouped, expected) <= 1e-5
@@ -196,16 +196,16 @@ def test_v5p_cores_sharing_each_expert_unpack_their_own_i_tiles(kernel, interpre
     layer = _layer(kernel, random_picks, 20, 128, 256, 4, 2, transposed=False, bias=True)
     gate = dict(activation="silu", weights_transposed=False)
     expected = kernel.reference.gated_experts_reference(*_dequantized_layer(kernel, layer, False), **gate)
-    config = kernel.config.FusedConfig(16, 128, cores_per_expert=2)
-    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate, config=config,
-                                                                generation="v5p"), cores=2)
+    config = kernel.FusedConfig(16, 128, cores_per_expert=2)
+    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate, config=config,
+                                                   generation="v5p"), cores=2)
     assert not torch.isnan(fused).any()
     assert _relative_error(fused, expected) <= 1e-5
 
 
 def test_only_sentinel_picks_give_zeros(kernel, interpret, to_jax, random_picks):
     layer = _layer(kernel, random_picks, 6, 64, 128, 8, 2, transposed=False, bias=True, sentinels=1.0)
-    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), activation="silu",
+    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), activation="silu",
                                                                  weights_transposed=False))
     assert torch.equal(fused, torch.zeros_like(fused))
 
@@ -248,8 +248,8 @@ def test_torch_ops_refuse_int4_weights_packed_wrong(kernel):
                           rhs_scales=torch.ones(2, 200))
     hidden = torch.randn(4, 128)
     index, weights = torch.zeros(4, 1, dtype=torch.int64), torch.ones(4, 1)
-    gate_up = kernel.int4.pack_int4(torch.ones(2, 128, 128, dtype=torch.int8))
-    down = kernel.int4.pack_int4(torch.ones(2, 128, 64, dtype=torch.int8))
+    gate_up = kernel.pack_int4(torch.ones(2, 128, 128, dtype=torch.int8))
+    down = kernel.pack_int4(torch.ones(2, 128, 64, dtype=torch.int8))
     with pytest.raises(ValueError, match="no packing of its shape"):
         kernel.gated_experts(torch.randn(4, 64), index, weights, gate_up, down, activation="silu",
                              weights_transposed=False, gate_up_scales=torch.ones(2, 128),

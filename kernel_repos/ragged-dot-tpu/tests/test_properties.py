@@ -37,7 +37,8 @@ def random_tensor(generator: torch.Generator, shape, dtype=torch.float32, std: f
 
 
 def quantized_weights(generator, shape, scheme: str, out_axis: int, std: float = 0.3):
-    """Random one-byte weights `[G, D1, D2]` (never all zero) and their float32 scales (`quant.py`'s layout)."""
+    """Random one-byte weights `[G, D1, D2]` (never all zero) and their float32 scales (the layout of
+    `common/quant.py`)."""
     groups, rows, cols = shape
     if scheme == "int8":
         codes = torch.randint(-127, 128, shape, generator=generator).to(torch.int8)
@@ -281,9 +282,9 @@ def test_jax_ragged_dot_takes_any_integer_group_sizes(kernel, interpret, dtype):
     generator = torch.Generator().manual_seed(5)
     lhs, rhs = random_tensor(generator, (300, 8)), random_tensor(generator, (2, 8, 16))
     sizes = [200, 100]
-    out = interpret(lambda: kernel.pallas_gmm.ragged_dot(jnp.asarray(lhs.numpy()), jnp.asarray(rhs.numpy()),
+    out = interpret(lambda: kernel.grouped_matmul(jnp.asarray(lhs.numpy()), jnp.asarray(rhs.numpy()),
                                                         np.asarray(sizes, dtype)))
     expected = kernel.reference.ragged_dot_reference(lhs.double(), rhs.double(), torch.tensor(sizes))
     assert_matches(out, expected, TOLERANCE[torch.float32])
     with pytest.raises(TypeError, match="group_sizes must have an integer dtype"):
-        kernel.pallas_gmm.ragged_dot(jnp.asarray(lhs.numpy()), jnp.asarray(rhs.numpy()), jnp.asarray([2.0, 1.0]))
+        kernel.grouped_matmul(jnp.asarray(lhs.numpy()), jnp.asarray(rhs.numpy()), jnp.asarray([2.0, 1.0]))

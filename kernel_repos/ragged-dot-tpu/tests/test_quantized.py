@@ -58,9 +58,9 @@ def test_ragged_dot_matches_dequantized_reference(kernel, interpret, to_jax, cas
     shape = (len(group_sizes), n, k) if transpose_rhs else (len(group_sizes), k, n)
     rhs, scales = _quantized(shape, scheme, 1 if transpose_rhs else 2, generator)
     sizes = torch.tensor(group_sizes, dtype=torch.int32)
-    config = None if tiles is None else kernel.config.TileConfig(*tiles)
-    out = interpret(lambda: kernel.pallas_gmm.ragged_dot(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
-                                                         to_jax(scales), transpose_rhs=transpose_rhs, config=config))
+    config = None if tiles is None else kernel.TileConfig(*tiles)
+    out = interpret(lambda: kernel.grouped_matmul(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
+                                                  to_jax(scales), transpose_rhs=transpose_rhs, config=config))
     weights = kernel.reference.dequantize_reference(rhs, scales, out_axis=1 if transpose_rhs else 2)
     expected = kernel.reference.ragged_dot_reference(lhs.double(), weights, sizes, transpose_rhs=transpose_rhs)
     assert not torch.isnan(out).any()
@@ -80,15 +80,15 @@ def test_gated_gate_up_takes_one_byte_weights_in_one_n_tile(kernel, interpret, t
     lhs = torch.randn(m, k, generator=generator)
     shape = (len(group_sizes), 2 * intermediate, k) if transpose_rhs else (len(group_sizes), k, 2 * intermediate)
     rhs, scales = _quantized(shape, scheme, 1 if transpose_rhs else 2, generator)
-    problem = kernel.problem.MatmulProblem(m, k, 2 * intermediate, len(group_sizes), "float32",
-                                           jnp.dtype(to_jax(rhs).dtype).name, transpose_rhs=transpose_rhs,
-                                           zero_rows_past_groups=False)
-    plan = kernel.plan.plan_ragged_dot(problem, "v5e", kernel.config.TileConfig(40, k, 2 * intermediate, None, 1))
-    plan = kernel.plan.gated_plan(plan, kernel.problem.Gate("silu"), generation="v5e")
+    problem = kernel.MatmulProblem(m, k, 2 * intermediate, len(group_sizes), "float32",
+                                   jnp.dtype(to_jax(rhs).dtype).name, transpose_rhs=transpose_rhs,
+                                   zero_rows_past_groups=False)
+    plan = kernel.plan_ragged_dot(problem, "v5e", kernel.TileConfig(40, k, 2 * intermediate, None, 1))
+    plan = kernel.gated_plan(plan, kernel.Gate("silu"), generation="v5e")
     assert plan.tile_n == plan.problem.n == intermediate
-    out = interpret(lambda: kernel.pallas_gmm.grouped_matmul(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes,
+    out = interpret(lambda: kernel.grouped_matmul_call(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes,
                                                                                                     jnp.int32),
-                                                             to_jax(scales), plan))
+                                                       to_jax(scales), plan))
     weights = kernel.reference.dequantize_reference(rhs, scales, out_axis=1 if transpose_rhs else 2)
     projected = kernel.reference.ragged_dot_reference(lhs.double(), weights, torch.tensor(group_sizes, dtype=torch.int32),
                                                       transpose_rhs=transpose_rhs)
@@ -140,7 +140,7 @@ LAYER_CASES = {
     # Two experts per step, each slot with its own scales (int8) or scale grids (fp8), the fp8 scratch shared.
     "experts-per-step": (40, 136, 72, 5, 2, dict(transposed=False, bias=True), dict(activation="silu"), (16, 72, 2)),
     # Gemma 4's down_proj layout: [E, H, I] with I off the 128 lanes, which the kernels read swapped
-    # (config.weights_orientation), fp8 block scales swapped with it; gate_up [E, 2I, H] (H = 256) as given.
+    # (weights_orientation), fp8 block scales swapped with it; gate_up [E, 2I, H] (H = 256) as given.
     "swapped-down": (9, 256, 72, 6, 2, dict(transposed=False, bias=True), dict(activation="gelu_tanh"), None),
 }
 
@@ -149,15 +149,15 @@ LAYER_CASES = {
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("case", list(LAYER_CASES))
 def test_experts_layer_matches_dequantized_reference(kernel, interpret, to_jax, case, scheme, random_picks):
-    """Both paths of moe.experts_layer (the fused kernel and the grouped matmuls) against the float64 reference."""
+    """Both paths of experts_layer (the fused kernel and the grouped matmuls) against the float64 reference."""
     tokens, hidden, intermediate, experts, top_k, options, gate, tiles = LAYER_CASES[case]
     transposed = options["transposed"]
     layer = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, scheme, **options)
     gate = dict(weights_transposed=transposed, **gate)
     expected = kernel.reference.gated_experts_reference(*_dequantized_layer(kernel, layer, transposed), **gate)
-    config = None if tiles is None else kernel.config.FusedConfig(*tiles)
-    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate, config=config))
-    grouped = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False))
+    config = None if tiles is None else kernel.FusedConfig(*tiles)
+    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate, config=config))
+    grouped = interpret(lambda: kernel.experts_layer(*map(to_jax, layer), **gate, fused=False))
     assert not torch.isnan(fused).any() and not torch.isnan(grouped).any()
     assert _relative_error(fused, expected) <= 1e-5
     assert _relative_error(grouped, expected) <= 1e-5
@@ -173,9 +173,9 @@ def test_v5p_cores_sharing_each_expert_read_their_own_i_tiles(kernel, interpret,
     layer = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, scheme, **options)
     gate = dict(weights_transposed=transposed, **gate)
     expected = kernel.reference.gated_experts_reference(*_dequantized_layer(kernel, layer, transposed), **gate)
-    config = kernel.config.FusedConfig(chunk, tile_i, cores_per_expert=2)
-    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate, config=config,
-                                                                generation="v5p"), cores=2)
+    config = kernel.FusedConfig(chunk, tile_i, cores_per_expert=2)
+    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate, config=config,
+                                                   generation="v5p"), cores=2)
     assert not torch.isnan(fused).any()
     assert _relative_error(fused, expected) <= 1e-5
 
@@ -191,15 +191,15 @@ def test_fp8_bf16_layer_is_the_unquantized_kernel_on_transformers_dequantized_we
                    for w, s in ((gate_up, gate_up_scales), (down, down_scales))]
     gate = dict(activation="silu", weights_transposed=False)
     for fused in (True, False):
-        quantized = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=fused))
-        plain = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, (*front, *dequantized)), **gate, fused=fused))
+        quantized = interpret(lambda: kernel.experts_layer(*map(to_jax, layer), **gate, fused=fused))
+        plain = interpret(lambda: kernel.experts_layer(*map(to_jax, (*front, *dequantized)), **gate, fused=fused))
         assert torch.equal(quantized, plain), f"fused={fused}"
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_only_sentinel_picks_give_zeros(kernel, interpret, to_jax, scheme, random_picks):
     layer = _layer(random_picks, 6, 64, 256, 8, 2, scheme, transposed=False, bias=True, sentinels=1.0)
-    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), activation="silu",
+    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), activation="silu",
                                                                  weights_transposed=False))
     assert torch.equal(fused, torch.zeros_like(fused))
 
@@ -296,7 +296,7 @@ FP8_MXU_CASES = {"concatenated": True, "transposed-biases": True, "sentinels": T
                  "partial-i-tile": True, "partial-i-tile-wide": True, "gpt-oss-wide": True}
 FP8_MXU_LAYER_CASES = {
     **LAYER_CASES,
-    # GPT-OSS's layout in I tiles of whole scale blocks that do not divide I (fused_tiles.partial_i_tiles): 128,
+    # GPT-OSS's layout in I tiles of whole scale blocks that do not divide I (fused/tiles.py's partial_i_tiles): 128,
     # 128 and a last tile of 64 columns past which the weights and biases are garbage (NaN in the interpreter).
     "partial-i-tile": (20, 136, 320, 4, 2, dict(transposed=True, bias=True, std=0.6),
                        dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (16, 128)),
@@ -319,11 +319,11 @@ def test_fused_fp8_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, interpret, 
     transposed = options["transposed"]
     layer = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, "fp8", **options)
     gate = dict(weights_transposed=transposed, **gate)
-    config = None if tiles is None else kernel.config.FusedConfig(*tiles)
-    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
-    assert kernel.plan.plan_fused(problem, config, "tpu7x").fp8_matmul == FP8_MXU_CASES[case]
-    fused = interpret(lambda: kernel.pallas_fused.fused_experts(*map(to_jax, layer), **gate, config=config,
-                                                                generation="tpu7x"))
+    config = None if tiles is None else kernel.FusedConfig(*tiles)
+    problem, _ = kernel.describe_experts(*map(to_jax, layer), **gate)
+    assert kernel.plan_fused(problem, config, "tpu7x").fp8_matmul == FP8_MXU_CASES[case]
+    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate, config=config,
+                                                   generation="tpu7x"))
     dequantized = _dequantized_layer(kernel, layer, transposed)
     weights_only = kernel.reference.gated_experts_reference(*dequantized, **gate)
     assert not torch.isnan(fused).any()
@@ -347,13 +347,13 @@ def test_ragged_dot_fp8_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, interp
     shape = (len(group_sizes), n, k) if transpose_rhs else (len(group_sizes), k, n)
     rhs, scales = _quantized(shape, "fp8", 1 if transpose_rhs else 2, generator)
     sizes = torch.tensor(group_sizes, dtype=torch.int32)
-    config = None if tiles is None else kernel.config.TileConfig(*tiles)
-    problem = kernel.problem.MatmulProblem(m, k, n, len(group_sizes), "float32", "float8_e4m3fn",
-                                           transpose_rhs=transpose_rhs)
-    assert kernel.plan.plan_ragged_dot(problem, "tpu7x", config).fp8_matmul
-    out = interpret(lambda: kernel.pallas_gmm.ragged_dot(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
-                                                         to_jax(scales), transpose_rhs=transpose_rhs, config=config,
-                                                         generation="tpu7x"))
+    config = None if tiles is None else kernel.TileConfig(*tiles)
+    problem = kernel.MatmulProblem(m, k, n, len(group_sizes), "float32", "float8_e4m3fn",
+                                   transpose_rhs=transpose_rhs)
+    assert kernel.plan_ragged_dot(problem, "tpu7x", config).fp8_matmul
+    out = interpret(lambda: kernel.grouped_matmul(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
+                                                  to_jax(scales), transpose_rhs=transpose_rhs, config=config,
+                                                  generation="tpu7x"))
     weights = kernel.reference.dequantize_reference(rhs, scales, out_axis=1 if transpose_rhs else 2)
     fp8_rows = torch.stack([kernel.reference.fp8_rows_reference(row) for row in lhs])
     expected = kernel.reference.ragged_dot_reference(fp8_rows, weights, sizes, transpose_rhs=transpose_rhs)
@@ -375,11 +375,11 @@ def test_grouped_fp8_layer_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, int
     transposed = options["transposed"]
     layer = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, "fp8", **options)
     gate = dict(weights_transposed=transposed, **gate)
-    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
-    plan = kernel.plan.plan_experts(problem, "tpu7x", fused=False)
+    problem, _ = kernel.describe_experts(*map(to_jax, layer), **gate)
+    plan = kernel.plan_experts(problem, "tpu7x", fused=False)
     assert plan.gate_up.fp8_matmul and plan.down.fp8_matmul
-    grouped = interpret(lambda: kernel.moe.experts_layer(*map(to_jax, layer), **gate, fused=False,
-                                                         generation="tpu7x"))
+    grouped = interpret(lambda: kernel.experts_layer(*map(to_jax, layer), **gate, fused=False,
+                                                     generation="tpu7x"))
     dequantized = _dequantized_layer(kernel, layer, transposed)
     expected = kernel.reference.gated_experts_reference(*dequantized, **gate, fp8_activations=True)
     assert not torch.isnan(grouped).any()

@@ -5,7 +5,7 @@ generation this benchmark models one whole experts layer, as kernelize runs
 it and as a user would build it from each rival:
 
 - ours: the kernel repo's own JAX entry behind its fused torch op
-  (`LAYER_ENTRY`, today `moe.experts_layer`), loaded from the built kernel
+  (`LAYER_ENTRY`, today `experts_layer`), loaded from the built kernel
   (`tpu_kernels.distribution.builder.build_kernel_repo` + `kernels.get_local_kernel`), at
   the arguments transformers hands `experts_forward`: T tokens x top-k picks
   without expert parallelism; under EP router masking all T x top-k picks,

@@ -1,7 +1,7 @@
 """Ours tuned as the rivals are: a search over our grouped matmul's tiles at every prefill case, kept as data.
 
 `tpu-kernels bench moe_layer --tune-ours` replays ragged-dot's grouped
-matmul (`pallas_gmm.ragged_dot`) of each projection of each prefill case at
+matmul (`grouped_matmul`) of each projection of each prefill case at
 candidate tiles around its heuristic's (row tiles of 256 to 2048 rows, the
 heuristic's N tile and the whole N, chunks of one MXU width) and prices each
 standalone on the calibrated model per generation, as the rivals' search
@@ -10,7 +10,7 @@ by at least MIN_GAIN is then checked in the layer as kernelize installs it
 (compiled, with XLA's placements): bigger tiles ask for more VMEM, and XLA
 then keeps fewer of the layer's operands on chip, which standalone pricing
 cannot see. What also makes the layer faster goes into the kernel repo's
-`tuned_tiles.json`, which `gmm_tiles.select_config` takes over the heuristic
+`tuned_tiles.json`, which `select_config` takes over the heuristic
 at run time. The heuristic stays the fallback for every other shape. The
 table changes no kernel code.
 """
@@ -34,12 +34,12 @@ from .ours import ours_layer
 from .rivals import stored_order
 from .shapes import DTYPE, Case, projections
 
-# The file in ragged-dot's package that holds the table (`gmm_tiles.TUNED_TILES_FILE`).
-TABLE = Path("torch-ext/ragged_dot_tpu/tuned_tiles.json")
+# The file in ragged-dot's package that holds the table (`gmm/tiles.py`'s TUNED_TILES_FILE).
+TABLE = Path("torch-ext/ragged_dot_tpu/gmm/tuned_tiles.json")
 # An entry is kept only where the search beats the heuristic by this share: below it the model's own
 # error (p90 5.7 % on measured Pallas ragged dots) decides, and the heuristic is the simpler claim.
 MIN_GAIN = 0.01
-# The table's order: by the fields of ragged-dot's `gmm_tiles.TunedKey`, in its order.
+# The table's order: by the fields of ragged-dot's `TunedKey`, in its order.
 TUNED_KEY_ORDER = ("generation", "m", "k", "n", "groups", "dtype", "rhs_dtype", "transpose_rhs")
 ROW_TILES = (256, 512, 1024, 2048)
 
@@ -49,9 +49,8 @@ def candidates(built, key, generation: str) -> list:
     one MXU width, the heuristic's N tile and its half, the whole N, its half and quarter, the heuristic's K tile
     and its halves down to 512 (smaller blocks expose less of the pipeline's first fetch and last write where the
     weights stream); those `check_config` accepts on `generation`."""
-    config = built.config
-    heuristic = config.heuristic_config(key.m, key.k, key.n, key.dtype, generation, key.groups, key.rhs_dtype,
-                                        key.transpose_rhs)
+    heuristic = built.heuristic_config(key.m, key.k, key.n, key.dtype, generation, key.groups, key.rhs_dtype,
+                                       key.transpose_rhs)
     chunk = tpu_generation(generation).mxu_size
     tile_ns = {heuristic.tile_n, key.n}
     for tile_n in (heuristic.tile_n // 2, key.n // 2, key.n // 4):
@@ -63,10 +62,10 @@ def candidates(built, key, generation: str) -> list:
     found = [heuristic]
     for tile_m, tile_n, tile_k in itertools.product(ROW_TILES, sorted(tile_ns), sorted(tile_ks)):
         if tile_m < key.m:
-            candidate = config.TileConfig(tile_m, tile_k, tile_n, chunk if tile_m > chunk else None)
+            candidate = built.TileConfig(tile_m, tile_k, tile_n, chunk if tile_m > chunk else None)
             try:
-                config.check_config(candidate, key.m, key.k, key.n, key.dtype, key.rhs_dtype, key.transpose_rhs,
-                                    generation=generation)
+                built.check_config(candidate, key.m, key.k, key.n, key.dtype, key.rhs_dtype, key.transpose_rhs,
+                                   generation=generation)
             except ValueError:
                 continue
             if candidate not in found:
@@ -78,7 +77,7 @@ def _replay(built, cache: Cache, case: Case, key, tiles):
     experts = case.setting.local_experts
     lhs = jax.ShapeDtypeStruct((key.m, key.k), DTYPE)
     rhs = jax.ShapeDtypeStruct((experts, key.n, key.k) if key.transpose_rhs else (experts, key.k, key.n), DTYPE)
-    fn = functools.partial(built.pallas_gmm.ragged_dot, transpose_rhs=key.transpose_rhs, zero_rows_past_groups=False,
+    fn = functools.partial(built.grouped_matmul, transpose_rhs=key.transpose_rhs, zero_rows_past_groups=False,
                            config=tiles)
     return replay(cache, lambda x, w, s, fn=fn: fn(x, w, s), (lhs, rhs, case.group_sizes))
 
@@ -94,8 +93,8 @@ def tune_case(built, cache: Cache, compiler: Compiler, case: Case, generations: 
 def projection_keys(built, case: Case, generation: str) -> list[tuple[str, object]]:
     """(projection, `TunedKey`) of each grouped matmul of `case`'s layer on `generation`."""
     dtype = jnp.dtype(DTYPE).name
-    return [(projection, built.config.TunedKey(generation, case.picks, k, n, case.setting.local_experts, dtype, dtype,
-                                               stored_order(case.model, projection)[1]))
+    return [(projection, built.TunedKey(generation, case.picks, k, n, case.setting.local_experts, dtype, dtype,
+                                        stored_order(case.model, projection)[1]))
             for projection, k, n in projections(case)]
 
 
@@ -121,10 +120,10 @@ def standalone_winners(built, cache: Cache, case: Case, generation: str) -> list
 @contextlib.contextmanager
 def tuned_as(built, entries: list[dict]):
     """The built kernel's TUNED_TILES as exactly `entries` while in the block (select_config reads it per call)."""
-    table = built.config.TUNED_TILES
+    table = built.TUNED_TILES
     kept = dict(table)
     table.clear()
-    table.update({built.config.TunedKey(**e["key"]): built.config.TileConfig(*e["tiles"]) for e in entries})
+    table.update({built.TunedKey(**e["key"]): built.TileConfig(*e["tiles"]) for e in entries})
     try:
         yield
     finally:

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from .shapes import DTYPE, Case, Model
 
 
-# The JAX function behind the built kernel's fused experts op, as "module.function" of the built package.
-LAYER_ENTRY = "moe.experts_layer"
+# The JAX function behind the built kernel's fused experts op, by its name in the built package's face.
+LAYER_ENTRY = "experts_layer"
 
 
 @contextlib.contextmanager
@@ -43,10 +43,7 @@ def load_kernel(repo: Path, build_dir: Path):
 
 
 def layer_entry(built):
-    target = built
-    for part in LAYER_ENTRY.split("."):
-        target = getattr(target, part)
-    return target
+    return getattr(built, LAYER_ENTRY)
 
 
 def ours_layer(built, model: Model, generation: str):
@@ -67,15 +64,15 @@ QUANTIZED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}
 
 
 def quantized_schemes(built, generation: str) -> list[str]:
-    """The QUANTIZED schemes the kernel serves on `generation` (its quant.NOT_SERVED)."""
-    return [scheme for scheme in QUANTIZED if (scheme, generation) not in built.quant.NOT_SERVED]
+    """The QUANTIZED schemes the kernel serves on `generation` (its NOT_SERVED)."""
+    return [scheme for scheme in QUANTIZED if (scheme, generation) not in built.NOT_SERVED]
 
 
 def _stored_shape(built, shape: tuple[int, ...], scheme: str) -> tuple[int, ...]:
-    """A weight's array shape in `scheme`: int4 halves its packed axis (the kernel repo's quant.int4_packed_axis)."""
+    """A weight's array shape in `scheme`: int4 halves its packed axis (the kernel repo's int4_packed_axis)."""
     if scheme != "int4":
         return shape
-    axis = built.quant.int4_packed_axis(shape)
+    axis = built.int4_packed_axis(shape)
     return tuple(d // 2 if i == axis else d for i, d in enumerate(shape))
 
 
@@ -91,12 +88,13 @@ def quantized_layer(built, model: Model, generation: str):
 
 
 def quantized_avals(built, case: "Case", scheme: str, concrete_index: bool) -> list:
-    """`case.avals` with quantized weights, then their scales in the shapes the kernel repo's quant.py expects."""
+    """`case.avals` with quantized weights, then their scales in the shapes the kernel expects
+    (`expected_scales_shape`)."""
     args = case.avals(concrete_index)
     shapes = case.weight_shapes()
     args[3:5] = [jax.ShapeDtypeStruct(_stored_shape(built, shape, scheme), QUANTIZED[scheme]) for shape in shapes]
     out_axis = 2 if case.model.weights_transposed else 1
-    return args + [jax.ShapeDtypeStruct(built.quant.expected_scales_shape(scheme, shape, out_axis), jnp.float32)
+    return args + [jax.ShapeDtypeStruct(built.expected_scales_shape(scheme, shape, out_axis), jnp.float32)
                    for shape in shapes]
 
 
@@ -106,7 +104,7 @@ def quantized_min_bytes(built, case: "Case", scheme: str) -> int:
     model = case.model
     h, i = model.hidden, model.intermediate
     out_axis = 2 if model.weights_transposed else 1
-    scales = sum(math.prod(built.quant.expected_scales_shape(scheme, shape, out_axis)[1:]) * 4
+    scales = sum(math.prod(built.expected_scales_shape(scheme, shape, out_axis)[1:]) * 4
                  for shape in case.weight_shapes())
     itemsize = jnp.dtype(DTYPE).itemsize
     weight_bytes = 3 * h * i // 2 if scheme == "int4" else 3 * h * i

@@ -4,12 +4,12 @@ For `out = ragged_dot(lhs, rhs, group_sizes)`:
 - `d_lhs` is a grouped matmul of `d_out` against the same weights read the
   other way round (`transpose_rhs` flipped): no transposed copy of the
   weights is made;
-- `d_rhs` is the transposed grouped matmul (`pallas_tgmm.tgmm`), with its
+- `d_rhs` is the transposed grouped matmul (`tgmm.kernel.transposed_grouped_matmul`), with its
   operands swapped for the `[G, N, K]` layout.
 Rows past `sum(group_sizes)` get a zero `d_lhs` and their `d_out` is never
 read. `differentiable_ragged_dot` attaches this backward with `jax.custom_vjp`.
 
-`grouped_experts_backward` differentiates the experts layer of `moe.py` from
+`grouped_experts_backward` differentiates the experts layer of `layer.py` from
 the two projections' kernel outputs saved by its forward, so the backward
 runs four grouped matmuls (two `d_lhs`, two `tgmm`) and no forward one again.
 
@@ -25,12 +25,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from .common.gates import gated, split_gate_up
+from .common.routing import sort_by_expert
+from .gmm.kernel import grouped_matmul, grouped_matmul_call
 from .plan import ExpertsPlan, MatmulBackwardPlan, plan_ragged_dot_backward
-from .gates import gated, split_gate_up
-from .pallas_tgmm import tgmm_call
-from .pallas_gmm import grouped_matmul, ragged_dot
 from .problem import ExpertWeights, MatmulProblem
-from .routing import sort_by_expert
+from .tgmm.kernel import transposed_grouped_matmul_call
 
 
 QUANTIZED_BACKWARD_REFUSAL = (
@@ -60,7 +60,8 @@ def ragged_dot_backward(
     d_out: jax.Array, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool,
     generation: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """`(d_lhs[M, K], d_rhs)` of `ragged_dot(lhs, rhs, group_sizes, transpose_rhs=...)`; d_rhs has rhs's layout.
+    """`(d_lhs[M, K], d_rhs)` of `grouped_matmul(lhs, rhs, group_sizes, transpose_rhs=...)`; d_rhs has rhs's
+    layout.
 
     With an empty dimension both are zeros and no kernel runs.
     """
@@ -76,21 +77,28 @@ def matmul_backward(d_out: jax.Array, lhs: jax.Array, rhs: jax.Array, group_size
                     plan: MatmulBackwardPlan) -> tuple[jax.Array, jax.Array]:
     """`ragged_dot_backward` as `plan` says."""
     d_out = d_out.astype(lhs.dtype)
-    d_lhs = grouped_matmul(d_out, rhs, group_sizes, None, plan.d_lhs)
-    d_rhs = tgmm_call(d_out, lhs, group_sizes, plan.d_rhs) if plan.swapped else tgmm_call(lhs, d_out, group_sizes,
-                                                                                            plan.d_rhs)
+    d_lhs = grouped_matmul_call(d_out, rhs, group_sizes, None, plan.d_lhs)
+    operands = (d_out, lhs) if plan.swapped else (lhs, d_out)
+    d_rhs = transposed_grouped_matmul_call(*operands, group_sizes, plan.d_rhs)
     return d_lhs, d_rhs
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def differentiable_ragged_dot(lhs, rhs, group_sizes, transpose_rhs: bool, zero_rows_past_groups: bool,
                               generation: str | None):
-    return ragged_dot(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
-                      zero_rows_past_groups=zero_rows_past_groups, generation=generation)
+    """`grouped_matmul` whose gradient runs the backward kernels (`ragged_dot_backward`). A function around the
+    `jax.custom_vjp` object, as the package exports functions (its symbols are read as the source's defs)."""
+    return _differentiable_ragged_dot(lhs, rhs, group_sizes, transpose_rhs, zero_rows_past_groups, generation)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _differentiable_ragged_dot(lhs, rhs, group_sizes, transpose_rhs: bool, zero_rows_past_groups: bool,
+                               generation: str | None):
+    return grouped_matmul(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
+                          zero_rows_past_groups=zero_rows_past_groups, generation=generation)
 
 
 def _ragged_dot_vjp_forward(lhs, rhs, group_sizes, transpose_rhs, zero_rows_past_groups, generation):
-    out = differentiable_ragged_dot(lhs, rhs, group_sizes, transpose_rhs, zero_rows_past_groups, generation)
+    out = _differentiable_ragged_dot(lhs, rhs, group_sizes, transpose_rhs, zero_rows_past_groups, generation)
     return out, (lhs, rhs, group_sizes)
 
 
@@ -101,7 +109,7 @@ def _ragged_dot_vjp_backward(transpose_rhs, zero_rows_past_groups, generation, r
     return d_lhs, d_rhs, None
 
 
-differentiable_ragged_dot.defvjp(_ragged_dot_vjp_forward, _ragged_dot_vjp_backward)
+_differentiable_ragged_dot.defvjp(_ragged_dot_vjp_forward, _ragged_dot_vjp_backward)
 
 
 def grouped_experts_backward(
@@ -114,7 +122,7 @@ def grouped_experts_backward(
     gate_up_out: jax.Array,
     down_out: jax.Array,
 ) -> tuple[jax.Array, jax.Array, ExpertWeights]:
-    """Gradients of `moe.grouped_experts` from its saved kernel outputs.
+    """Gradients of `layer.grouped_experts` from its saved kernel outputs.
 
     `gate_up_out[M, 2I]` and `down_out[M, H]` are the two grouped matmuls'
     outputs of the forward (rows sorted by expert, rows past the groups

@@ -1,18 +1,18 @@
 """Shapes `tpu-kernels check` compiles ahead of time for each TPU generation.
 
-- The grouped matmul (`pallas_gmm.ragged_dot`) on one projection of one MoE
+- The grouped matmul (`gmm.kernel.grouped_matmul`) on one projection of one MoE
   layer: rows are token-expert picks (tokens x top-k), 512 for a decode
   batch; transformers' weight layout is `[E, out, in]` (`transpose_rhs=True`);
   rows past the groups left unwritten, as an experts layer runs it. A
   prefill chunk's 16384 rows are compiled inside Qwen3-30B-A3B's layer at
   T=2048 below (the same two calls, at the same tiles). The first
-  projection with the gate in its epilogue (`plan.gated_plan`) at those
+  projection with the gate in its epilogue (`gmm.plan.gated_plan`) at those
   16384 rows: all 2I columns as one block (Gemma 4's I = 704, off the 128
   lanes, split in VMEM), and Qwen3's in halves of 256 columns per N tile.
-- The whole experts layer (`moe.experts_layer`: the routing in XLA and the
+- The whole experts layer (`layer.experts_layer`: the routing in XLA and the
   kernels), which takes the fused kernel at decode sizes (T <= 256) and the
   grouped matmuls above, the first copying its rows from the tokens where it
-  can (`plan.gathered_plan`): Qwen3-30B-A3B (128 experts, H=2048, I=768, top-8)
+  can (`gmm.plan.gathered_plan`): Qwen3-30B-A3B (128 experts, H=2048, I=768, top-8)
   on one chip (EP1) and on one rank of eight (EP8: 16 local experts),
   Gemma-4-26B-A4B (128 experts, H=2816, I=704, top-8), GPT-OSS-20B (32
   experts, H=I=2880, top-4, transposed interleaved weights with biases,
@@ -28,7 +28,7 @@
   transformers' `[E, out, in]` layout). The whole layer's backward (these
   kernels and XLA's gather, scatter and gate around them) compiles too, but
   takes ~80 s per generation and shape, mostly XLA's: not part of the check.
-- The same with quantized weights (`quant.py`): int8 with per-output-channel
+- The same with quantized weights (`common/quant.py`): int8 with per-output-channel
   scales, fp8 (e4m3) with 128 x 128 block scales and int4 (packed two per
   byte) with per-output-channel scales, for the layers of Qwen3-30B-A3B (EP8
   decode: fused; EP1 prefill: grouped) and GPT-OSS-20B at EP8 decode (H = I =
@@ -38,9 +38,9 @@
   down projection as a grouped matmul at decode rows (`[E, H, I]` with I =
   704 off the lanes: XLA stores it swapped, so int4 packs I and the kernel
   reads the swapped view). int4 on every generation but TPU7x, which
-  refuses it (`quant.NOT_SERVED`). On TPU7x the fused fp8 layers (Qwen3's,
+  refuses it (`common.quant.NOT_SERVED`). On TPU7x the fused fp8 layers (Qwen3's,
   and GPT-OSS's with its interleaved gate/up) multiply fp8 activations on the
-  fp8 MXU (`plan.FusedPlan.fp8_matmul`).
+  fp8 MXU (`fused.plan.FusedPlan.fp8_matmul`).
 """
 
 import functools
@@ -48,9 +48,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import config, moe, pallas_gmm, pallas_tgmm, quant
-from .plan import gated_plan, plan_ragged_dot
-from .problem import Gate, MatmulProblem
+from .common.quant import INT4, NOT_SERVED, expected_scales_shape, int4_packed_axis
+from .gmm.kernel import grouped_matmul, grouped_matmul_call
+from .gmm.plan import gated_plan, plan_ragged_dot
+from .gmm.tiles import select_config, select_d_lhs_config
+from .layer import experts_layer
+from .plan import fused_path_config
+from .problem import ExpertsProblem, Gate, MatmulProblem
+from .tgmm.kernel import transposed_grouped_matmul
 
 GROUPED = {
     "qwen3-30b-a3b": dict(experts=128, hidden=2048, intermediate=768, rows=(512,)),
@@ -78,7 +83,7 @@ def _grouped_targets(generation, dtype):
         experts, hidden, intermediate = shape["experts"], shape["hidden"], shape["intermediate"]
         for rows in shape["rows"]:
             for projection, k, n in (("gate_up", hidden, 2 * intermediate), ("down", intermediate, hidden)):
-                fn = functools.partial(pallas_gmm.ragged_dot, transpose_rhs=True, zero_rows_past_groups=False,
+                fn = functools.partial(grouped_matmul, transpose_rhs=True, zero_rows_past_groups=False,
                                        generation=generation)
                 avals = (
                     jax.ShapeDtypeStruct((rows, k), dtype),
@@ -101,7 +106,7 @@ GATED_ROWS = 16384
 def _gated_target(model, experts, hidden, intermediate, tile_n, generation, dtype):
     problem = MatmulProblem(GATED_ROWS, hidden, 2 * intermediate, experts, jnp.dtype(dtype).name,
                             jnp.dtype(dtype).name, transpose_rhs=True, zero_rows_past_groups=False)
-    heuristic = config.select_config(GATED_ROWS, hidden, 2 * intermediate, dtype, generation=generation,
+    heuristic = select_config(GATED_ROWS, hidden, 2 * intermediate, dtype, generation=generation,
                                      num_groups=experts, transpose_rhs=True)
     ungated = plan_ragged_dot(problem, generation, heuristic._replace(tile_n=tile_n))
     plan = gated_plan(ungated, Gate("silu"), generation=generation)
@@ -112,7 +117,7 @@ def _gated_target(model, experts, hidden, intermediate, tile_n, generation, dtyp
              jax.ShapeDtypeStruct((experts,), jnp.int32))
     mode = "one block" if plan.tile_n == intermediate else f"halves of {plan.tile_n}"
     return (f"{model} gated gate_up M={GATED_ROWS} K={hidden} I={intermediate} E={experts} ({mode}) bf16",
-            lambda x, w, sizes: pallas_gmm.grouped_matmul(x, w, sizes, None, plan), avals)
+            lambda x, w, sizes: grouped_matmul_call(x, w, sizes, None, plan), avals)
 
 
 def _weight_shapes(experts, hidden, intermediate, transposed):
@@ -134,6 +139,10 @@ def _layer_avals(tokens, hidden, top_k, dtype, gate_up, down, weights_dtype, *re
     )
 
 
+def _path(problem, generation):
+    """Which kernel the layer runs for `problem` (`plan.fused_path_config`), for the target's label."""
+    return "grouped" if fused_path_config(problem, generation) is None else "fused"
+
 def _layer_targets(generation, dtype):
     targets = []
     for model, (experts, hidden, intermediate, top_k, layout, gate, token_counts) in LAYERS.items():
@@ -141,12 +150,12 @@ def _layer_targets(generation, dtype):
         gate_up, down = _weight_shapes(experts, hidden, intermediate, transposed)
         biases = ((experts, 2 * intermediate), (experts, hidden)) if gate.get("activation") == "clamped_swiglu" else ()
         for tokens in token_counts:
-            fn = functools.partial(moe.experts_layer, **layout, **gate, generation=generation)
+            fn = functools.partial(experts_layer, **layout, **gate, generation=generation)
             avals = _layer_avals(tokens, hidden, top_k, dtype, gate_up, down, dtype,
                                  *(jax.ShapeDtypeStruct(bias, dtype) for bias in biases))
-            path = "fused" if config.use_fused_experts(
-                tokens, hidden, intermediate, experts, dtype, interleaved=gate.get("interleaved", False),
-                has_bias=bool(biases), generation=generation, **layout) else "grouped"
+            path = _path(ExpertsProblem(tokens, top_k, hidden, intermediate, experts, jnp.dtype(dtype).name,
+                                        jnp.dtype(dtype).name, jnp.dtype(dtype).name, transposed, bool(biases),
+                                        Gate(**gate)), generation)
             targets.append((f"{model} experts layer T={tokens} top-{top_k} ({path}) bf16", fn, avals))
     return targets
 
@@ -166,13 +175,13 @@ def _backward_targets(generation, dtype):
         sizes = jax.ShapeDtypeStruct((experts,), jnp.int32)
         for projection, k, n in (("gate_up", hidden, 2 * intermediate), ("down", intermediate, hidden)):
             # The forward ran lhs[rows, k] x weights[E, n, k] (transpose_rhs=True).
-            d_lhs = functools.partial(pallas_gmm.ragged_dot, transpose_rhs=False, config=config.select_d_lhs_config(
+            d_lhs = functools.partial(grouped_matmul, transpose_rhs=False, config=select_d_lhs_config(
                 rows, n, k, dtype, generation=generation, num_groups=experts))
             targets.append((
                 f"{model} {projection} d_lhs M={rows} K={n} N={k} E={experts} bf16", d_lhs,
                 (jax.ShapeDtypeStruct((rows, n), dtype), jax.ShapeDtypeStruct((experts, n, k), dtype), sizes),
             ))
-            d_rhs = functools.partial(pallas_tgmm.tgmm, generation=generation)
+            d_rhs = functools.partial(transposed_grouped_matmul, generation=generation)
             targets.append((
                 f"{model} {projection} tgmm M={rows} -> [E={experts}, {n}, {k}] bf16", d_rhs,
                 (jax.ShapeDtypeStruct((rows, n), dtype), jax.ShapeDtypeStruct((rows, k), dtype), sizes),
@@ -188,28 +197,28 @@ SCHEMES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}
 
 
 def _scales(scheme, weight_shape, out_axis):
-    return jax.ShapeDtypeStruct(quant.expected_scales_shape(scheme, weight_shape, out_axis), jnp.float32)
+    return jax.ShapeDtypeStruct(expected_scales_shape(scheme, weight_shape, out_axis), jnp.float32)
 
 
 def _stored(scheme, weight_shape):
-    """The array shape of a `[G, D1, D2]` weight in `scheme`: int4 packed two per byte (`quant.int4_packed_axis`)."""
-    if scheme != quant.INT4:
+    """The array shape of a `[G, D1, D2]` weight in `scheme`: int4 packed two per byte (`int4_packed_axis`)."""
+    if scheme != INT4:
         return weight_shape
-    axis = quant.int4_packed_axis(weight_shape)
+    axis = int4_packed_axis(weight_shape)
     return tuple(d // 2 if i == axis else d for i, d in enumerate(weight_shape))
 
 
 def _quantized_targets(generation, dtype):
     targets = []
     for scheme, weights_dtype in SCHEMES.items():
-        if (scheme, generation) in quant.NOT_SERVED:
+        if (scheme, generation) in NOT_SERVED:
             continue
         for model, projection in SCHEME_PROJECTIONS.get(scheme, ()):
             shape = GROUPED[model]
             experts, hidden, intermediate = shape["experts"], shape["hidden"], shape["intermediate"]
             k, n = (hidden, 2 * intermediate) if projection == "gate_up" else (intermediate, hidden)
             rhs = (experts, n, k)
-            fn = functools.partial(pallas_gmm.ragged_dot, transpose_rhs=True, zero_rows_past_groups=False,
+            fn = functools.partial(grouped_matmul, transpose_rhs=True, zero_rows_past_groups=False,
                                    generation=generation)
             avals = (jax.ShapeDtypeStruct((512, k), dtype), jax.ShapeDtypeStruct(_stored(scheme, rhs), weights_dtype),
                      jax.ShapeDtypeStruct((experts,), jnp.int32), _scales(scheme, rhs, 1))
@@ -227,17 +236,17 @@ def _quantized_targets(generation, dtype):
                 def fn(hidden_states, index, weights, gate_up_proj, down_proj, *rest, _layout=layout, _gate=gate,
                        _bias=has_bias):
                     gate_up_bias, down_bias, gate_up_scales, down_scales = rest if _bias else (None, None, *rest)
-                    return moe.experts_layer(hidden_states, index, weights, gate_up_proj, down_proj,
-                                                    gate_up_bias, down_bias, gate_up_scales, down_scales, **_layout,
-                                                    **_gate, generation=generation)
+                    return experts_layer(hidden_states, index, weights, gate_up_proj, down_proj, gate_up_bias,
+                                         down_bias, gate_up_scales, down_scales, **_layout, **_gate,
+                                         generation=generation)
 
                 avals = _layer_avals(tokens, hidden, top_k, dtype, _stored(scheme, gate_up), _stored(scheme, down),
                                      weights_dtype,
                                      *(bias for bias in biases if bias is not None),
                                      _scales(scheme, gate_up, out_axis), _scales(scheme, down, out_axis))
-                path = "fused" if config.use_fused_experts(
-                    tokens, hidden, intermediate, experts, dtype, interleaved=gate.get("interleaved", False),
-                    has_bias=has_bias, weights_dtype=weights_dtype, generation=generation, **layout) else "grouped"
+                path = _path(ExpertsProblem(tokens, top_k, hidden, intermediate, experts, jnp.dtype(dtype).name,
+                                            jnp.dtype(weights_dtype).name, jnp.dtype(dtype).name, transposed,
+                                            has_bias, Gate(**gate)), generation)
                 targets.append((f"{model} experts layer T={tokens} top-{top_k} ({path}) {scheme}", fn, avals))
     return targets
 

@@ -6,7 +6,7 @@ experts whose gate we know (transformers' default gate with SiLU / GELU, and
 GPT-OSS's clamped SwiGLU; concatenated or interleaved, with or without
 biases, plain or transposed weights) run as one op, `ops.gated_experts`
 (the fused decode kernel, or two grouped matmuls for larger calls: see
-`moe.py`); every other layout (custom gates, no gate, post-expert norms)
+`layer.py`); every other layout (custom gates, no gate, post-expert norms)
 composes torch ops around the ragged_dot op, so any valid model gets the
 right answer.
 """

@@ -1,7 +1,7 @@
 """Torch ops of this kernel and the one place their inputs are checked.
 
 Every torch-facing entry checks its inputs here before any kernel runs; the
-JAX functions (`pallas_gmm.py`, `moe.py`) assume valid inputs. The checks
+JAX functions (`gmm/kernel.py`, `layer.py`) assume valid inputs. The checks
 that read values back to the host (group sizes) run once per public call;
 an experts layer that counts its own group sizes uses `routed_ragged_dot`,
 which checks shapes only (see there).
@@ -14,13 +14,15 @@ import functools
 import jax
 import torch
 
-from . import backward, moe, pallas_gmm, quant
-from .gates import GATES
-from .problem import ExpertWeights
+from . import backward, layer
 from ._ops import add_op_namespace_prefix, jax_torch_op
+from .common import quant
+from .common.gates import GATES
+from .gmm.kernel import grouped_matmul
+from .problem import ExpertWeights
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
-# uint8: int4 codes packed two per byte (`quant.py`; `int4.pack_int4` packs them).
+# uint8: int4 codes packed two per byte (`common/quant.py`; `common.quant.pack_int4` packs them).
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.uint8)
 _SCHEMES = {torch.int8: quant.INT8, torch.float8_e4m3fn: quant.FP8, torch.uint8: quant.INT4}
 _WEIGHT_DTYPES = "float32, bfloat16, int8, float8_e4m3fn or uint8 (packed int4)"
@@ -37,7 +39,7 @@ def _ragged_dot(
     zero_rows_past_groups: bool,
 ) -> jax.Array:
     if rhs_scales is not None:
-        quantized = functools.partial(pallas_gmm.ragged_dot, transpose_rhs=transpose_rhs,
+        quantized = functools.partial(grouped_matmul, transpose_rhs=transpose_rhs,
                                       zero_rows_past_groups=zero_rows_past_groups)
         return backward.without_gradient("ragged_dot", quantized, lhs, rhs, group_sizes, rhs_scales)
     return backward.differentiable_ragged_dot(lhs, rhs, group_sizes, transpose_rhs, zero_rows_past_groups, None)
@@ -60,7 +62,7 @@ def _gated_experts(
     alpha: float,
     limit: float,
 ) -> jax.Array:
-    return moe.experts_layer(
+    return layer.experts_layer(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up_scales,
         down_scales, activation=activation, weights_transposed=weights_transposed, interleaved=interleaved,
         alpha=alpha, limit=limit,
@@ -87,7 +89,7 @@ def weight_shape(name: str, weight: torch.Tensor, known_dim: int, known_axis: in
     if shape is None:
         raise ValueError(
             f"{name} is uint8, int4 packed two per byte along the dim the kernels read on sublanes "
-            f"(quant.int4_packed_axis; int4.pack_int4 packs it), but no packing of its shape {list(weight.shape)} "
+            f"(int4_packed_axis; pack_int4 packs it), but no packing of its shape {list(weight.shape)} "
             f"has dim {known_axis} = {known_dim} ({what})"
         )
     why = quant.int4_packable(shape)
@@ -99,7 +101,7 @@ def weight_shape(name: str, weight: torch.Tensor, known_dim: int, known_axis: in
 def check_scales(name: str, scales: torch.Tensor | None, weight_name: str, weight: torch.Tensor, out_axis: int,
                  shape: tuple[int, ...]) -> None:
     """`scales` of a `[G, D1, D2]` weight (`shape`, unpacked): required for quantized weights (with the shape of
-    `quant.py`'s layout: int8 and int4 per output channel, dim `out_axis`; fp8 per 128 x 128 block), refused for
+    `common/quant.py`'s layout: int8 and int4 per output channel, dim `out_axis`; fp8 per 128 x 128 block), refused for
     float weights."""
     if weight.dtype not in QUANTIZED_DTYPES:
         if scales is not None:
@@ -187,7 +189,7 @@ def ragged_dot(
     Accumulates in float32; returns `[M, N]` in the input dtype. An empty
     dimension (M, K, N or G zero) gives zeros without running a kernel.
     Quantized `rhs` (int8 or float8_e4m3fn, read as one byte per weight, or
-    int4 packed two per byte in uint8 by `int4.pack_int4`; dequantized in
+    int4 packed two per byte in uint8 by `common.quant.pack_int4`; dequantized in
     VMEM) needs float32 `rhs_scales`: `[G, N]` per output channel for int8
     and int4, `[G, ceil(D1/128), ceil(D2/128)]` per 128 x 128 block of rhs's
     own dims for fp8 (transformers' `weight_scale_inv`).
@@ -307,13 +309,13 @@ def gated_experts(
     gate_up_scales: torch.Tensor | None = None,
     down_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The experts layer as one op (see `moe.experts_layer`); biases come as a pair or not at all.
+    """The experts layer as one op (see `layer.experts_layer`); biases come as a pair or not at all.
 
     int8, float8_e4m3fn or packed int4 (uint8) weights need their float32
     scales (layouts as for `ragged_dot`'s `rhs_scales`, over each weight's own
     dims, unpacked); the output is in hidden_states' dtype.
 
-    Differentiable with float weights (`moe.experts_layer` says how); one-byte
+    Differentiable with float weights (`layer.experts_layer` says how); one-byte
     weights serve inference only.
     """
     weights = ExpertWeights(gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up_scales, down_scales)

@@ -1,248 +1,58 @@
-"""Plans: a call's problem (`problem.py`) goes in, the plan its kernels run comes out.
+"""The experts layer's plan: a call's problem (`problem.py`) goes in, the plan its kernels run comes out.
 
 A plan is made once per call and handed to the kernels, which take arrays
 and a plan and never come back for a decision. `plan_experts` decides the
 experts layer whole: the kernel (fused or grouped, by the rule
-`config.use_fused_experts`), the weights' orientation, and the tiles,
-buffers and VMEM limit of every kernel of its forward and backward.
-`plan_ragged_dot`, `plan_tgmm` and `plan_fused` plan one kernel call. The
-choices themselves (tiles, the rule, the VMEM each kernel holds) are
-`config.py`'s.
+`fused_path_config`), the weights' orientation (each projection read in the
+order XLA already stores it: `common/weights_layout.py`), and the tiles,
+buffers and VMEM limit of every kernel of its forward and backward
+(`plan_ragged_dot_backward`: a grouped matmul's d_lhs and d_rhs).
+
+Each kernel plans its own calls (`gmm/plan.py`, `tgmm/plan.py`,
+`fused/plan.py`, `combine/plan.py`) from its tiles (its `tiles.py`: a tuned
+table or a VMEM-aware heuristic), kept apart from the kernel code so that
+tuning changes data, not kernels. `common/vmem.py` holds the VMEM budget and
+the bounds on what a grid step unrolls; `_hardware.py` the TPU facts (VMEM,
+bandwidth, MXU peak, tiling).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from ._hardware import LANES, max_vmem_limit_bytes, resolve_generation, round_up, tpu_generation, vmem_limit_bytes
-from .config import use_fused_experts
-from .fused_tiles import (
-    FusedConfig, check_fused_config, fused_buffers, fused_chunks, fused_config, fused_cores, fused_feeds_fp8_mxu,
-    fused_vmem_bytes, i_tiles, i_tiles_per_core,
-)
-from .pallas_combine import CombinePlan, plan_combine
-from .gmm_tiles import (
-    TileConfig, check_config, expected_active_groups, matmul_buffers, matmul_feeds_fp8_mxu, row_chunks, row_tile_rows,
-    select_config, select_d_lhs_config, vmem_bytes, vmem_limit,
-)
-from .tgmm_tiles import TgmmConfig, check_tgmm_config, select_tgmm_config, tgmm_blocks, tgmm_buffers, tgmm_vmem_limit
-from .vmem import Buffer, check_vmem_fits
-from .weights_layout import WeightsOrientation, weights_orientation
-from .problem import ExpertsProblem, Gate, MatmulProblem, TgmmProblem
-from .quant import check_served, scheme_of
+from ._hardware import resolve_generation
+from .combine.plan import CombinePlan, plan_combine
+from .common.quant import check_served, scheme_of
+from .common.weights_layout import WeightsOrientation
+from .fused.plan import FusedPlan, experts_orientation, fused_shape, plan_fused
+from .fused.tiles import FusedConfig, fused_config
+from .gmm.plan import MatmulPlan, gated_plan, gathered_plan, packed_plan, plan_ragged_dot
+from .gmm.tiles import select_d_lhs_config
+from .problem import ExpertsProblem, MatmulProblem, TgmmProblem
+from .tgmm.plan import TgmmPlan, plan_tgmm
+
+# The fused experts kernel serves calls of at most this many tokens (decode
+# batches). It gathers an expert's rows and scatters its results with one-hot
+# matmuls against all T tokens: 2 x T x H multiply-adds per row on top of the
+# expert's 3 x I x H, so at T = 512 and the I of today's MoE models (704 to
+# 2880) at most 49 % more MXU work, which decode (rows per expert far below
+# `gmm.tiles.ridge_rows`, weight streaming the bound) hides; the work grows with T, and
+# prefill-sized calls take the two grouped matmuls. 512, not 256: under EP
+# token dispatch a rank's call holds the picks sent to it, one per row, and at
+# a decode batch of 256 the busiest rank gets more than 256 of them (Qwen3-30B-A3B
+# on 8 ranks: 301 in `tpu-kernels bench moe_layer`), which the grouped path served
+# at 1.28x its roofline on v6e, the fused kernel at 1.06x.
+FUSED_MAX_TOKENS = 512
 
 
-class MatmulPlan(NamedTuple):
-    """One grouped matmul as `pallas_gmm.grouped_matmul` runs it: blocks resolved for the problem's shape."""
-
-    problem: MatmulProblem
-    tile_m: int  # rows of a row tile (`row_tile_rows`)
-    tile_k: int
-    tile_n: int
-    chunk_m: int | None  # rows per MXU pass; None: the whole row tile
-    groups_per_step: int
-    buffers: tuple[Buffer, ...]  # what the pipeline holds in VMEM (`matmul_buffers`)
-    vmem_limit_bytes: int
-    active_groups: float  # expected, for the cost estimate (`expected_active_groups`)
-    fp8_matmul: bool  # fp8 weights multiplied on the fp8 MXU with fp8 activations (`gmm_tiles.matmul_feeds_fp8_mxu`)
-    # Gathered bf16 rows (`gathered_plan`): the K column where the second half of each copied word starts.
-    gather_split: int = 0
-    # Packed output (`packed_plan`): words per N tile, each holding one of the tile's columns before this and
-    # one from it.
-    out_split: int = 0
-
-
-def plan_ragged_dot(problem: MatmulProblem, generation: str | None = None,
-                    config: TileConfig | None = None) -> MatmulPlan:
-    """The plan of one grouped matmul on `generation` (default: this device's): `config`'s tiles (checked),
-    else `select_config`'s."""
-    generation = resolve_generation(generation)
-    m, k, n, dtype, rhs_dtype = problem.m, problem.k, problem.n, problem.dtype, problem.rhs_dtype
-    check_served(rhs_dtype, generation)
-    transpose_rhs = problem.transpose_rhs
-    if config is None:
-        config = select_config(m, k, n, dtype, generation=generation, num_groups=problem.groups, rhs_dtype=rhs_dtype,
-                               transpose_rhs=transpose_rhs)
-    check_config(config, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation, bias=problem.bias)
-    fp8_matmul = matmul_feeds_fp8_mxu(config, k, rhs_dtype, generation)
-    return MatmulPlan(
-        problem=problem, tile_m=row_tile_rows(config, m, dtype), tile_k=min(config.tile_k, k),
-        tile_n=min(config.tile_n, n), chunk_m=config.chunk_m if row_chunks(config, m, dtype) > 1 else None,
-        groups_per_step=config.groups_per_step,
-        buffers=matmul_buffers(config, m, k, n, dtype, rhs_dtype, transpose_rhs, fp8_matmul, problem.bias),
-        vmem_limit_bytes=vmem_limit(config, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation,
-                                    bias=problem.bias),
-        active_groups=expected_active_groups(m, problem.groups), fp8_matmul=fp8_matmul,
-    )
-
-
-def gated_plan(gate_up: MatmulPlan, gate: Gate, generation: str | None = None) -> MatmulPlan | None:
-    """The experts' first projection with the gate in its epilogue (`MatmulProblem.gate`) on `generation`
-    (default: this device's): `gate_up`'s tiles, its N tile counted in output columns (half as many), so the
-    weights blocks and accumulators take the VMEM gate_up's did (its `buffers` and VMEM limit, which the
-    halved output block only undercuts). With gate_up in one N tile the kernel reads all 2I columns as one
-    block; with several, each tile's gate and up halves apart.
-
-    GPT-OSS's interleaved columns (gate and up alternate) come as one block of the N tile's pairs
-    (`interleaved_gated_plan`). None where the gate stays in XLA: with several N tiles, one-byte weights
-    (their scales come per weights block); concatenated, also where the half tile does not divide the
-    intermediate size, is not a whole number of 128 lanes (the output block's, which Mosaic needs), or the
-    two halves would pad the MXU beyond the whole tile (Gemma 4's I = 704 on v5e's 128-wide MXU: 2 x 768
-    columns for 1408). Biases are added to each part before the gate.
-    """
-    problem = gate_up.problem
-    intermediate = problem.n // 2
-    if gate.interleaved:
-        return interleaved_gated_plan(gate_up, gate, generation)
-    if gate_up.tile_n % 2:
+def fused_path_config(problem: ExpertsProblem, generation: str | None = None) -> FusedConfig | None:
+    """The rule: the fused kernel's blocks for a decode-sized call (T <= FUSED_MAX_TOKENS) whose blocks fit the VMEM
+    of `generation` (default: this device's); None, the two grouped matmuls, otherwise (see FUSED_MAX_TOKENS for
+    why)."""
+    if problem.tokens > FUSED_MAX_TOKENS:
         return None
-    half = gate_up.tile_n // 2
-    gated = gate_up._replace(problem=problem._replace(n=intermediate, gate=gate), tile_n=half)
-    if half == intermediate:
-        return gated
-    if scheme_of(problem.rhs_dtype) is not None:
-        return None
-    mxu = tpu_generation(resolve_generation(generation)).mxu_size
-    if intermediate % half or 2 * round_up(half, mxu) > round_up(gate_up.tile_n, mxu):
-        return None
-    # The output block's lanes (and the weights block's lanes or, read transposed, sublanes).
-    return gated if half % LANES == 0 else None
-
-
-def interleaved_gated_plan(gate_up: MatmulPlan, gate: Gate, generation: str | None = None) -> MatmulPlan | None:
-    """`gated_plan` for interleaved gate and up columns: each N tile reads its pairs as one block, which the
-    kernel's epilogue de-interleaves (`pallas_gmm`). One N tile takes any I. With several, the output block's
-    columns (the half tile) must be whole 128 lanes: of gate_up's half tile rounded down and up to the lanes,
-    the one that computes the fewest columns (a partial last tile computes its whole width) and fits VMEM,
-    planned anew (`plan_ragged_dot`). None for one-byte weights in several N tiles (their scales come per
-    weights block) and where neither half fits."""
-    problem = gate_up.problem
-    intermediate = problem.n // 2
-    if gate_up.tile_n >= problem.n:
-        return gate_up._replace(problem=problem._replace(n=intermediate, gate=gate), tile_n=intermediate)
-    if scheme_of(problem.rhs_dtype) is not None:
-        return None
-    halves = sorted({max(gate_up.tile_n // 2 // LANES, 1) * LANES, round_up(gate_up.tile_n // 2, LANES)},
-                    key=lambda half: (-(-intermediate // half) * half, -half))
-    for half in halves:
-        half = min(half, intermediate)
-        config = TileConfig(gate_up.tile_m, gate_up.tile_k, 2 * half, gate_up.chunk_m, gate_up.groups_per_step)
-        try:
-            planned = plan_ragged_dot(problem, generation, config)
-        except ValueError:
-            continue
-        return planned._replace(problem=problem._replace(n=intermediate, gate=gate), tile_n=half)
-    return None
-
-
-def gathered_plan(plan: MatmulPlan, generation: str | None = None) -> MatmulPlan | None:
-    """`plan` with its rows copied in the kernel from their tokens (`MatmulProblem.gathered`) on `generation`
-    (default: this device's): the same tiles, the copies landing in two buffers of lhs's window, as the
-    pipeline's would, or in one for a single row tile.
-
-    A bf16 row is copied as 32-bit words, each holding one element of the row's first K columns and one of the
-    rest (`packed_rows.pack_rows`), and the kernel multiplies each part by its rows of the weights block.
-    Where the second part starts (`gather_split`) is half of K if that falls on the weights block's tiling (16
-    sublanes, or 128 lanes read transposed) and the two parts take no more MXU passes than K whole, else the
-    first multiple of the MXU width past half (GPT-OSS's K = 2880 on v5e's 128-wide MXU: 1536 + 1344 columns
-    in 12 + 11 passes, not 2 x 1440 in 2 x 12), whose words are wider than half a row (the VMEM limit grows
-    by the difference).
-
-    None where lhs stays an array of sorted rows: one-byte weights and fp8 on the MXU (their K blocks), rows
-    in several K tiles (a row is copied whole), and bf16 rows with no split of either kind.
-    """
-    problem = plan.problem
-    if problem.rhs_dtype != problem.dtype or problem.dtype not in ("bfloat16", "float32"):
-        return None
-    if plan.tile_k < problem.k:
-        return None
-    gathered = plan._replace(problem=problem._replace(gathered=True))
-    if problem.dtype == "float32":
-        return gathered
-    generation = resolve_generation(generation)
-    split = _gather_split(problem.k, problem.transpose_rhs, tpu_generation(generation).mxu_size)
-    if split is None:
-        return None
-    window_rows = plan.tile_m + (plan.chunk_m or 0)
-    copies = 1 if plan.tile_m >= problem.m else 2
-    wider_words = copies * window_rows * 4 * (split - problem.k // 2)
-    return gathered._replace(gather_split=split, vmem_limit_bytes=min(plan.vmem_limit_bytes + wider_words,
-                                                                      max_vmem_limit_bytes(generation)))
-
-
-def _gather_split(k: int, transpose_rhs: bool, mxu: int) -> int | None:
-    """`gathered_plan`'s split of a bf16 row of K columns: half, the MXU-aligned one, or None."""
-    def passes(columns):
-        return -(-columns // mxu)
-
-    half = k // 2 if k % 2 == 0 and (k // 2) % (LANES if transpose_rhs else 16) == 0 else None
-    aligned = round_up(-(-k // 2), mxu)
-    aligned = aligned if aligned < k else None
-    if half is not None and (aligned is None or 2 * passes(half) <= passes(k)):
-        return half
-    return aligned
-
-
-def packed_plan(plan: MatmulPlan, generation: str | None = None) -> MatmulPlan | None:
-    """`plan` with its output as packed words (`MatmulProblem.packed_out`) on `generation` (default: this
-    device's), for the combine kernel to copy by row: each N tile's columns in words of one column before
-    `out_split` (half the tile, rounded up to whole 128 lanes: the words' block and the combine kernel's
-    parts of each tile) and one from it; the rows' words are `out_split` per N tile, a partial last tile's
-    included. The VMEM limit grows by what the words' blocks take past the bf16 ones.
-
-    One N tile off the lanes (GPT-OSS's 2880) is planned anew as one tile of whole lanes: a partial tile, whose
-    columns past N the weights' copy never reads and the combine kernel never sums (the same MXU passes).
-
-    None unless the output is bf16 without a gate and the N tile is whole 128 lanes, at least 256.
-    """
-    problem = plan.problem
-    if problem.dtype != "bfloat16" or problem.gate is not None:
-        return None
-    if plan.tile_n == problem.n and problem.n % LANES:
-        widened = TileConfig(plan.tile_m, plan.tile_k, round_up(problem.n, LANES), plan.chunk_m, plan.groups_per_step)
-        shape = (problem.m, problem.k, widened.tile_n, problem.dtype, problem.rhs_dtype, problem.transpose_rhs)
-        try:
-            check_vmem_fits(widened, vmem_bytes(widened, *shape, plan.fp8_matmul, problem.bias), generation)
-        except ValueError:
-            return None
-        plan = plan._replace(tile_n=widened.tile_n,
-                             buffers=matmul_buffers(widened, *shape, plan.fp8_matmul, problem.bias),
-                             vmem_limit_bytes=vmem_limit(widened, *shape, generation=generation, bias=problem.bias))
-    if plan.tile_n % LANES or plan.tile_n < 2 * LANES:
-        return None
-    split = round_up(plan.tile_n // 2, LANES)
-    wider_words = 2 * plan.tile_m * (4 * split - 2 * plan.tile_n)
-    return plan._replace(problem=problem._replace(packed_out=True), out_split=split,
-                         vmem_limit_bytes=min(plan.vmem_limit_bytes + wider_words,
-                                              max_vmem_limit_bytes(resolve_generation(generation))))
-
-
-class TgmmPlan(NamedTuple):
-    """One weights' gradient as `pallas_tgmm.tgmm_call` runs it (blocks of `tgmm_blocks`)."""
-
-    problem: TgmmProblem
-    tile_m: int
-    tile_k: int
-    tile_n: int
-    chunk_m: int
-    group_chunks: bool  # chunks laid from each group's first row (only with more than one chunk per tile)
-    buffers: tuple[Buffer, ...]  # what the pipeline holds in VMEM (`tgmm_buffers`)
-    vmem_limit_bytes: int
-
-
-def plan_tgmm(problem: TgmmProblem, generation: str | None = None, config: TgmmConfig | None = None) -> TgmmPlan:
-    """The plan of one tgmm call on `generation` (default: this device's): `config`'s tiles (checked), else
-    `select_tgmm_config`'s."""
-    generation = resolve_generation(generation)
-    m, k, n, dtype, out_dtype = problem.m, problem.k, problem.n, problem.dtype, problem.out_dtype
-    if config is None:
-        config = select_tgmm_config(m, k, n, dtype, generation=generation, out_dtype=out_dtype,
-                                    num_groups=problem.groups)
-    check_tgmm_config(config, m, k, n, dtype, out_dtype, generation=generation)
-    tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, m, k, n, dtype)
-    return TgmmPlan(problem, tile_m, tile_k, tile_n, chunk_m, config.group_chunks and chunk_m < tile_m,
-                    tgmm_buffers(config, m, k, n, dtype, out_dtype),
-                    tgmm_vmem_limit(config, m, k, n, dtype, out_dtype, generation=generation))
+    shape = fused_shape(problem)
+    return fused_config(*shape.args, **shape.options, generation=generation, top_k=problem.top_k)
 
 
 class MatmulBackwardPlan(NamedTuple):
@@ -265,74 +75,6 @@ def plan_ragged_dot_backward(forward: MatmulProblem, generation: str | None = No
                               swapped=forward.transpose_rhs)
 
 
-class FusedPlan(NamedTuple):
-    """The fused experts kernel as `pallas_fused.fused_experts_call` runs it."""
-
-    problem: ExpertsProblem
-    orientation: WeightsOrientation
-    chunk_rows: int
-    chunks: int  # chunks of `chunk_rows` rows that hold an expert's rows
-    tile_i: int
-    i_tiles: int
-    gate_up_parts: int  # 2: gate and up blocks apart (concatenated, I tiled); 1: one block of both
-    experts_per_step: int  # active experts (items) each grid step runs, one per slot of blocks
-    cores: int  # TensorCores the kernel runs on (`fused_tiles.fused_cores`: 2 on v5p)
-    cores_per_expert: int  # 1: the cores split the items; `cores`: each core takes its I tiles of every item
-    i_tiles_per_core: int  # I tiles a core walks per item (`fused_tiles.i_tiles_per_core`)
-    buffers: tuple[Buffer, ...]  # what the pipeline holds in VMEM (`fused_buffers`)
-    vmem_limit_bytes: int
-    active_experts: float  # expected, for the cost estimate
-    fp8_matmul: bool  # fp8 weights multiplied on the fp8 MXU with fp8 activations (`fused_tiles.fused_feeds_fp8_mxu`)
-
-
-def plan_fused(problem: ExpertsProblem, config: FusedConfig | None = None, generation: str | None = None) -> FusedPlan:
-    """The fused kernel's plan on `generation` (default: this device's): `config`'s blocks (checked), else
-    `fused_config`'s; ValueError if none fits."""
-    generation = resolve_generation(generation)
-    check_served(problem.weights_dtype, generation)
-    shape = _fused_shape(problem)
-    if config is None:
-        config = fused_config(*shape.args, **shape.options, generation=generation, top_k=problem.top_k)
-        if config is None:
-            raise ValueError(f"fused_experts: no I tiling of T={problem.tokens}, H={problem.hidden}, "
-                             f"I={problem.intermediate} fits VMEM; use the grouped path")
-    check_fused_config(config, *shape.args, **shape.options, generation=generation)
-    tiles = i_tiles(config, problem.intermediate)
-    cores = fused_cores(generation, problem.picks, config.cores_per_expert)
-    fp8_matmul = fused_feeds_fp8_mxu(config, problem.intermediate, problem.weights_dtype, generation=generation)
-    options = dict(shape.options, top_k=problem.top_k, routing_dtype=problem.routing_dtype, cores=cores,
-                   fp8_matmul=fp8_matmul)
-    return FusedPlan(
-        problem=problem, orientation=_orientation(problem), chunk_rows=config.chunk_rows,
-        chunks=fused_chunks(config, problem.tokens), tile_i=config.tile_i, i_tiles=tiles,
-        gate_up_parts=2 if tiles > 1 and not problem.gate.interleaved else 1,
-        experts_per_step=config.experts_per_step, cores=cores, cores_per_expert=config.cores_per_expert,
-        i_tiles_per_core=i_tiles_per_core(config, problem.intermediate),
-        buffers=fused_buffers(config, *shape.args, **options),
-        vmem_limit_bytes=vmem_limit_bytes(fused_vmem_bytes(config, *shape.args, **options), generation),
-        active_experts=expected_active_groups(problem.picks, problem.num_experts),
-        fp8_matmul=fp8_matmul,
-    )
-
-
-class _FusedShape(NamedTuple):
-    args: tuple
-    options: dict
-
-
-def _fused_shape(problem: ExpertsProblem) -> _FusedShape:
-    """The arguments `fused_config` and its checks take for this problem."""
-    return _FusedShape(
-        (problem.tokens, problem.hidden, problem.intermediate, problem.num_experts, problem.dtype),
-        dict(weights_transposed=problem.weights_transposed, interleaved=problem.gate.interleaved,
-             has_bias=problem.has_bias, weights_dtype=problem.weights_dtype),
-    )
-
-
-def _orientation(problem: ExpertsProblem) -> WeightsOrientation:
-    return weights_orientation(problem.hidden, problem.intermediate, weights_transposed=problem.weights_transposed)
-
-
 class ExpertsPlan(NamedTuple):
     """Everything the experts layer's kernels need, decided once per call.
 
@@ -345,7 +87,7 @@ class ExpertsPlan(NamedTuple):
     tokens in the kernel (`gathered_plan`), each where it can;
     `forward_down` and `combine` the second projection and the per-token
     sum it runs: the projection's rows as packed words and the combine
-    kernel (`packed_plan`, `pallas_combine`) where it can (else `down` and
+    kernel (`packed_plan`, `combine/`) where it can (else `down` and
     None: the sum runs in XLA); `gate_up_backward` and
     `down_backward` plan the backward (None for one-byte weights, which have
     none).
@@ -366,13 +108,16 @@ class ExpertsPlan(NamedTuple):
 def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fused: bool | None = None) -> ExpertsPlan:
     """The plan of one experts call on `generation` (default: this device's).
 
-    `fused` forces a path; None takes the rule (`use_fused_experts`).
+    `fused` forces a path; None takes the rule (`fused_path_config`).
     """
     generation = resolve_generation(generation)
     check_served(problem.weights_dtype, generation)
-    orientation = _orientation(problem)
+    orientation = experts_orientation(problem)
     if fused is None:
-        fused = use_fused_experts(*_fused_shape(problem).args, **_fused_shape(problem).options, generation=generation)
+        config = fused_path_config(problem, generation)
+        fused_plan = None if config is None else plan_fused(problem, config, generation)
+    else:
+        fused_plan = plan_fused(problem, generation=generation) if fused else None
     picks, hidden, intermediate = problem.picks, problem.hidden, problem.intermediate
 
     def matmul(k: int, n: int, read_transposed: bool) -> MatmulProblem:
@@ -387,7 +132,7 @@ def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fuse
     down_plan = plan_ragged_dot(down, generation)
     packed_down = packed_plan(down_plan, generation)
     return ExpertsPlan(
-        problem=problem, orientation=orientation, fused=plan_fused(problem, generation=generation) if fused else None,
+        problem=problem, orientation=orientation, fused=fused_plan,
         gate_up=gate_up_plan, forward_gate_up=gathered_plan(forward_gate_up, generation) or forward_gate_up,
         down=down_plan, forward_down=packed_down or down_plan,
         combine=packed_down and plan_combine(problem.tokens, problem.top_k, hidden, problem.dtype, packed_down.tile_n,
@@ -395,3 +140,4 @@ def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fuse
         gate_up_backward=plan_ragged_dot_backward(gate_up, generation) if trains else None,
         down_backward=plan_ragged_dot_backward(down, generation) if trains else None,
     )
+

@@ -19,19 +19,19 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .quant import INT4, int4_unpacked_shape, scheme_of, swapped_minor_dims
+from .common.quant import INT4, int4_unpacked_shape, scheme_of, swapped_minor_dims
 
 
 def weight_shape(weight: jax.Array, known_dim: int, known_axis: int) -> tuple[int, ...]:
-    """The `[G, D1, D2]` shape of a weight as the layer uses it: packed int4 unpacked (`quant.py`), given that its
-    dim `known_axis` is `known_dim` (valid inputs: `ops.py` checks them)."""
+    """The `[G, D1, D2]` shape of a weight as the layer uses it: packed int4 unpacked (`common/quant.py`), given
+    that its dim `known_axis` is `known_dim` (valid inputs: `ops.py` checks them)."""
     if scheme_of(weight.dtype) != INT4:
         return tuple(weight.shape)
     return int4_unpacked_shape(tuple(weight.shape), known_dim, known_axis)
 
 
 class Gate(NamedTuple):
-    """The gated activation: `activation` (one of `gates.GATES`) of the gate half times the up half.
+    """The gated activation: `activation` (one of `common.gates.GATES`) of the gate half times the up half.
 
     The gate is the first half of the gate_up projection, or its even
     columns when `interleaved`; `alpha` and `limit` parametrise GPT-OSS's
@@ -50,7 +50,7 @@ class ExpertWeights(NamedTuple):
     `gate_up_proj[E, 2I, H]` and `down_proj[E, H, I]` (or `[E, H, 2I]` /
     `[E, I, H]` when transposed); optional `gate_up_bias[E, 2I]` and
     `down_bias[E, H]`; int8 or float8_e4m3fn projections come with their
-    float32 scales (`quant.py`).
+    float32 scales (`common/quant.py`).
     """
 
     gate_up_proj: jax.Array
@@ -66,7 +66,7 @@ class ExpertWeights(NamedTuple):
 
     def as_read(self, orientation, *, weights_transposed: bool) -> ExpertWeights:
         """The views of both projections (and their scales) that the kernels read: each in the order XLA stores
-        it (`orientation`, a `weights_layout.WeightsOrientation`); a swapped view is a bitcast."""
+        it (`orientation`, a `common.weights_layout.WeightsOrientation`); a swapped view is a bitcast."""
         gate_up, gate_up_scales, down, down_scales = (self.gate_up_proj, self.gate_up_scales, self.down_proj,
                                                       self.down_scales)
         if orientation.gate_up_transposed != weights_transposed:
@@ -119,13 +119,13 @@ class MatmulProblem(NamedTuple):
 
     With `gate`, rhs holds 2n columns (the gate projection's, then the up
     projection's) and the result is the gated intermediate `[m, n]`
-    (`pallas_gmm`'s module docstring). With `bias`, a `[groups, n]` bias
+    (`gmm/kernel.py`'s module docstring). With `bias`, a `[groups, n]` bias
     row is added to each of its group's rows (in f32, before the cast).
     With `gathered`, lhs is not the m sorted rows but the token rows they
     are picks of: the kernel copies each row it multiplies from its token
-    (`pallas_gmm`'s module docstring), so no `[m, k]` copy of the rows exists.
+    (`gmm/kernel.py`'s module docstring), so no `[m, k]` copy of the rows exists.
     With `packed_out` (bfloat16 only) the result leaves as int32 words, two
-    bf16 columns each, about half as many as columns (`plan.packed_plan`), a
+    bf16 columns each, about half as many as columns (`gmm.plan.packed_plan`), a
     form the combine kernel copies one row at a time.
     """
 
@@ -157,7 +157,7 @@ class TgmmProblem(NamedTuple):
 def describe_experts(hidden_states, top_k_index, top_k_weights, *weights, activation: str, weights_transposed: bool,
                      interleaved: bool = False, alpha: float = 1.0,
                      limit: float = float("inf")) -> tuple[ExpertsProblem, ExpertWeights]:
-    """An experts call's problem and arrays from the arguments of `moe.experts_layer`.
+    """An experts call's problem and arrays from the arguments of `layer.experts_layer`.
 
     `weights` are those of `ExpertWeights`, in its order (`gate_up_proj,
     down_proj`, then optionally the biases and the scales of one-byte

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .int4 import unpack_int4
+from .common.quant import unpack_int4
 from .problem import ExpertWeights
 
 
@@ -44,7 +44,7 @@ def gated_experts_reference(hidden_states: torch.Tensor, top_k_index: torch.Tens
 
     Differentiable with torch autograd (the gradient checks' oracle).
 
-    Layouts and arguments as `moe.experts_layer`: `weights` in `ExpertWeights`' order, float ones only
+    Layouts and arguments as `layer.experts_layer`: `weights` in `ExpertWeights`' order, float ones only
     (dequantize one-byte weights first).
     """
     layer = ExpertWeights(*weights)
@@ -85,7 +85,7 @@ def gated_experts_reference(hidden_states: torch.Tensor, top_k_index: torch.Tens
 
 
 def fp8_rows_reference(row: torch.Tensor) -> torch.Tensor:
-    """A row of activations as `quant.fp8_matmul` multiplies it, in float64: per 128-element block, in float32,
+    """A row of activations as `common.quant.fp8_matmul` multiplies it, in float64: per 128-element block, in float32,
     scaled by the power of two that brings its amax into (224, 448] (a normal float32 one), rounded to
     float8_e4m3fn, scaled back (all-zero blocks stay zero)."""
     out = torch.zeros(row.shape, dtype=torch.float64)
@@ -102,7 +102,7 @@ def fp8_rows_reference(row: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_reference(weight: torch.Tensor, scales: torch.Tensor, *, out_axis: int) -> torch.Tensor:
-    """Quantized `[G, D1, D2]` weights in float64 (layouts in `quant.py`).
+    """Quantized `[G, D1, D2]` weights in float64 (layouts in `common/quant.py`).
 
     int8: each weight times its output channel's scale (`scales[G, N]`, N the
     dim `out_axis`); packed int4 (uint8) unpacked, then as int8 (the result

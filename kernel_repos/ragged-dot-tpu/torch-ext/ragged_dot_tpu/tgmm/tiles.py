@@ -1,4 +1,5 @@
-"""Tiles of the weights' gradient (`pallas_tgmm.tgmm`): `TgmmConfig` and how one is chosen."""
+"""Tiles of the weights' gradient (`tgmm.kernel.transposed_grouped_matmul`): `TgmmConfig` and how one is
+chosen."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from ._hardware import (
+from .._hardware import (
     LANES, check_generation, padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, tpu_generation,
     vmem_budget_bytes, vmem_limit_bytes,
 )
-from .vmem import MAX_UNROLLED_MACS, MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, check_vmem_fits
+from ..common.vmem import MAX_UNROLLED_MACS, MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, check_vmem_fits
 
-# The weights' gradient (`pallas_tgmm.tgmm`): per group, lhs_g^T @ rhs_g -> [G, K, N].
+# The weights' gradient (`tgmm.kernel.transposed_grouped_matmul`): per group, lhs_g^T @ rhs_g -> [G, K, N].
 # Row tiles of the heuristic: large next to a chunk (fewer grid steps), small enough that a
 # step unrolls few chunks. Not tuned.
 TGMM_ROW_TILE = 512
@@ -34,7 +35,7 @@ class TgmmConfig(NamedTuple):
       group are skipped.
     - `group_chunks`: chunks laid from each group's first row rather than at
       fixed offsets of the row tile: about half a chunk less MXU work per
-      group for chunk_m / tile_m more row reads (`pallas_tgmm`).
+      group for chunk_m / tile_m more row reads (`tgmm/kernel.py`).
     """
 
     tile_m: int

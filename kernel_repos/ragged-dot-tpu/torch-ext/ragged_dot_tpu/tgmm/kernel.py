@@ -1,9 +1,9 @@
 """Transposed grouped matmul (`tgmm`) as a Pallas TPU kernel: the weights' gradient of a grouped matmul.
 
-`tgmm(lhs[M, K], rhs[M, N], group_sizes[G]) -> [G, K, N]`: per group g,
-`lhs_g^T @ rhs_g` over the group's rows `[offsets[g], offsets[g+1])`; an
-empty group gets zeros, rows past `sum(group_sizes)` contribute nothing
-(whatever they hold, NaN included). For `out = ragged_dot(x, w, ...)`,
+`transposed_grouped_matmul(lhs[M, K], rhs[M, N], group_sizes[G]) -> [G, K, N]`:
+per group g, `lhs_g^T @ rhs_g` over the group's rows `[offsets[g],
+offsets[g+1])`; an empty group gets zeros, rows past `sum(group_sizes)`
+contribute nothing (whatever they hold, NaN included). For `out = grouped_matmul(x, w, ...)`,
 `d_w = tgmm(x, d_out)` in the `[G, K, N]` layout and `tgmm(d_out, x)` in the
 transposed `[G, N, K]` one: the same kernel with its operands swapped.
 
@@ -27,9 +27,10 @@ under a `pl.when` that skips chunks outside the group. Two layouts
   the tile where it starts and is multiplied whole there, so the lhs and rhs
   blocks are windows of `tile_m + chunk_m` rows: chunk_m / tile_m more row
   reads. Worth it where the MXU, not HBM, bounds the kernel
-  (`tgmm_tiles.heuristic_tgmm_config` decides).
+  (`tgmm.tiles.heuristic_tgmm_config` decides).
 
-`tgmm` plans a call (`plan.plan_tgmm`); `tgmm_call` runs a plan.
+`transposed_grouped_matmul` plans a call (`tgmm.plan.plan_tgmm`);
+`transposed_grouped_matmul_call` runs a plan.
 """
 
 from __future__ import annotations
@@ -43,12 +44,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._hardware import sublane_multiple
-from .tgmm_tiles import TgmmConfig
-from .pallas_gmm import scheduled_matmul_call
+from .._hardware import sublane_multiple
+from ..common.routing import int32_group_sizes
+from ..gmm.kernel import scheduled_matmul_call
+from ..problem import TgmmProblem
 from .plan import TgmmPlan, plan_tgmm
-from .problem import TgmmProblem
-from .routing import int32_group_sizes
+from .tiles import TgmmConfig
 
 
 class TgmmItems(NamedTuple):
@@ -146,7 +147,7 @@ def _body(row_tile_ref, group_ref, row_start_ref, row_end_ref, chunk_start_ref, 
         out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
 
-def tgmm(
+def transposed_grouped_matmul(
     lhs: jax.Array,
     rhs: jax.Array,
     group_sizes: jax.Array,
@@ -170,11 +171,12 @@ def tgmm(
     if 0 in (m, k, n, num_groups):
         return jnp.zeros((num_groups, k, n), out_dtype)
     problem = TgmmProblem(m, k, n, num_groups, jnp.dtype(lhs.dtype).name, jnp.dtype(out_dtype).name)
-    return tgmm_call(lhs, rhs, group_sizes, plan_tgmm(problem, generation, config))
+    return transposed_grouped_matmul_call(lhs, rhs, group_sizes, plan_tgmm(problem, generation, config))
 
 
-def tgmm_call(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, plan: TgmmPlan) -> jax.Array:
-    """`tgmm` as `plan` says (inputs of the plan's non-empty problem, assumed valid)."""
+def transposed_grouped_matmul_call(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+                                   plan: TgmmPlan) -> jax.Array:
+    """`transposed_grouped_matmul` as `plan` says (inputs of the plan's non-empty problem, assumed valid)."""
     problem = plan.problem
     m, k, n, num_groups = problem.m, problem.k, problem.n, problem.groups
     tile_m, tile_k, tile_n, chunk_m, group_chunks = plan.tile_m, plan.tile_k, plan.tile_n, plan.chunk_m, plan.group_chunks

@@ -2,14 +2,14 @@
 
 `experts_layer` describes the call (`problem.ExpertsProblem`) and plans it
 once (`plan.plan_experts`); everything below runs that plan. Two ways to
-run it, picked by the plan (the rule is `config.use_fused_experts`):
-- decode-sized calls: one fused kernel (`pallas_fused.fused_experts`) that
+run it, picked by the plan (the rule is `plan.fused_path_config`):
+- decode-sized calls: one fused kernel (`fused.kernel.fused_experts`) that
   streams each active expert's weights once and keeps everything else in VMEM;
 - larger calls: sort the picks by expert, two grouped matmuls
-  (`pallas_gmm.grouped_matmul`, each adding its biases; the first copying
+  (`gmm.kernel.grouped_matmul_call`, each adding its biases; the first copying
   each pick's row from its token where it can) with the gate between them,
   then each token's picks weighted and summed in f32 (where it can, by the
-  combine kernel, `pallas_combine`, which copies only the live picks' rows).
+  combine kernel, `combine/kernel.py`, which copies only the live picks' rows).
 Either way, on a TPU this is one compiled program per layer instead of a
 chain of small torch ops, and expert-parallel sentinel picks
 (id == num_experts) get no kernel work.
@@ -32,13 +32,13 @@ import jax
 import jax.numpy as jnp
 
 from .backward import grouped_experts_backward, without_gradient
+from .combine.kernel import combine_picks
+from .common.gates import gated, split_gate_up
+from .common.routing import sort_by_expert
+from .fused.kernel import fused_experts_call
+from .gmm.kernel import grouped_matmul_call
 from .plan import ExpertsPlan, plan_experts
-from .gates import gated, split_gate_up
-from .pallas_combine import combine_picks
-from .pallas_fused import fused_experts_call
-from .pallas_gmm import grouped_matmul
 from .problem import ExpertsProblem, ExpertWeights, describe_experts
-from .routing import sort_by_expert
 
 
 def experts_layer(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array, *weights: jax.Array | None,
@@ -47,7 +47,7 @@ def experts_layer(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weight
 
     `weights` and `gate` (activation, weights_transposed, interleaved, alpha,
     limit) as `problem.describe_experts` takes them. `fused` forces one of
-    the two paths (None: the rule, `config.use_fused_experts`); `generation`
+    the two paths (None: the rule, `plan.fused_path_config`); `generation`
     picks the tiles (None: this device's). Differentiable in hidden_states,
     top_k_weights, the weights and biases (module docstring); sentinel picks
     get a zero routing-weight gradient. Without tokens, picks, hidden size or experts
@@ -146,11 +146,11 @@ def grouped_experts(
     first = plan.gate_up if return_residuals else plan.forward_gate_up
     row_token = (order // top_k).astype(jnp.int32)
     if first.problem.gathered:
-        first_out = grouped_matmul(hidden_states, read.gate_up_proj, group_sizes, read.gate_up_scales, first,
-                                   weights.gate_up_bias, row_token)
+        first_out = grouped_matmul_call(hidden_states, read.gate_up_proj, group_sizes, read.gate_up_scales, first,
+                                        weights.gate_up_bias, row_token)
     else:
-        first_out = grouped_matmul(hidden_states[row_token], read.gate_up_proj, group_sizes, read.gate_up_scales,
-                                   first, weights.gate_up_bias)
+        first_out = grouped_matmul_call(hidden_states[row_token], read.gate_up_proj, group_sizes,
+                                        read.gate_up_scales, first, weights.gate_up_bias)
     if first.problem.gate is not None:
         activated = first_out
     else:
@@ -163,7 +163,7 @@ def grouped_experts(
         activated = gated(jnp.where(live, gate_part, 0.0), jnp.where(live, up, 0.0), gate.activation,
                           alpha=gate.alpha, limit=gate.limit).astype(hidden_states.dtype)
     down = plan.down if return_residuals else plan.forward_down
-    down_out = grouped_matmul(activated, read.down_proj, group_sizes, read.down_scales, down, weights.down_bias)
+    down_out = grouped_matmul_call(activated, read.down_proj, group_sizes, read.down_scales, down, weights.down_bias)
     position, live = _pick_positions(order, group_sizes, problem)
     if down.problem.packed_out:
         return combine_picks(down_out, position, top_k_weights, live, plan.combine)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ._hardware import default_layout_swaps_minor_dims
+from .._hardware import default_layout_swaps_minor_dims
 
 
 class WeightsOrientation(NamedTuple):

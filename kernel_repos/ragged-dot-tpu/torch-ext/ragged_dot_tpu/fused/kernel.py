@@ -7,7 +7,7 @@ their routing weights and summed into the tokens' outputs, with every
 intermediate in VMEM.
 
 Schedule: the grid is (steps, I tiles); an item is one active expert
-(`routing.expert_plan`), and each step runs `plan.experts_per_step` items
+(`common.routing.expert_plan`), and each step runs `plan.experts_per_step` items
 one after the other, each from its own slot of weights blocks (several only
 with the whole I: a grid step has a fixed cost, which they then share). So:
 - an expert without picks has no grid step and its weights are never read;
@@ -27,7 +27,7 @@ contiguous half) or every item's I tiles (`plan.cores_per_expert` 2: each
 takes a contiguous run of them, the second core one fewer when they are
 odd, its last step then computing nothing). A slot past its core's items is
 empty and keeps the blocks of its last real item, which the pipeline does
-not fetch again (`_slot_item`), as does a step past the core's I tiles;
+not fetch again (`schedule.slot_item`), as does a step past the core's I tiles;
 only at a core's first step can a slot without any item fetch blocks it
 does not use.
 
@@ -42,27 +42,27 @@ tokens: exact), runs the expert, and scatters its results back with the
 one-hot scaled by the routing weights (exact for weights the activation
 dtype holds; f32 weights under bf16 activations go in two bf16 parts). The
 one-hot matmuls cost 2 x T x H multiply-adds per row, which decode hides
-under the weights' DMA (see config.FUSED_MAX_TOKENS).
+under the weights' DMA (see plan.FUSED_MAX_TOKENS).
 
 Interleaved gate/up columns (GPT-OSS) are split in the transposed
 orientation: the chunk's gate_up projection is computed as `[2 I, c]`, whose
 even and odd rows Mosaic reads with strided loads (lanes have no strided
 load); with fp8 on the fp8 MXU, in row orientation, by a 0/1 matmul per 256
-columns (`gates.deinterleaved_gated`), each giving the down projection one
-K block. Biases come in blocks of fused_tiles.BIAS_BLOCK_EXPERTS experts (int8's
+columns (`common.gates.deinterleaved_gated`), each giving the down projection one
+K block. Biases come in blocks of tiles.BIAS_BLOCK_EXPERTS experts (int8's
 and int4's scales in blocks of SCALE_BLOCK_EXPERTS) and the kernel selects
 its expert's row.
 
-Quantized weights (`quant.py`) are read as one byte each (int4: half a
+Quantized weights (`common/quant.py`) are read as one byte each (int4: half a
 byte): int8 blocks are cast to the activation dtype at each matmul; fp8 and
 int4 blocks are dequantized (int4: unpacked) once per step into VMEM scratch,
 which the matmuls read, except fp8 on a generation with an fp8 MXU
 (`plan.fp8_matmul`), whose matmuls take the fp8 blocks as they are and the
-rows quantized to fp8 (`quant.fp8_matmul`); int8's and int4's per-channel
+rows quantized to fp8 (`common.quant.fp8_matmul`); int8's and int4's per-channel
 scales multiply the matmul's result (as the biases, in blocks of
 SCALE_BLOCK_EXPERTS experts).
 
-`fused_experts` plans a call (`plan.plan_fused`); `fused_experts_call`
+`fused_experts` plans a call (`fused.plan.plan_fused`); `fused_experts_call`
 runs a plan. Inputs are assumed valid (`ops.py` checks them).
 """
 
@@ -77,23 +77,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .fused_tiles import BIAS_BLOCK_EXPERTS, SCALE_BLOCK_EXPERTS, FusedConfig
-from .plan import FusedPlan, plan_fused
-from .gates import DEINTERLEAVED_COLUMNS, deinterleaved_gated, gated
-from .problem import ExpertWeights, describe_experts
-from .quant import (
+from ..common.gates import DEINTERLEAVED_COLUMNS, deinterleaved_gated, gated
+from ..common.quant import (
     FP8, INT4, INT8, dequantize_fp8_block, dequantized_in_vmem, fp8_matmul, fp8_matmul_of_blocks, fp8_window_scales,
-    per_channel_scales, scheme_of, stored_rows, unpack_int4_block,
+    per_channel_scales, scheme_of, unpack_int4_block,
 )
-from .routing import expert_plan
-
-
-
-def _block_shift(block_experts: int) -> int:
-    """log2 of a per-expert block's experts (a power of two: the block index is the expert id shifted)."""
-    shift = block_experts.bit_length() - 1
-    assert 1 << shift == block_experts
-    return shift
+from ..common.routing import expert_plan
+from ..problem import ExpertWeights, describe_experts
+from .plan import FusedPlan, plan_fused
+from .schedule import block_shift, core_i_tile, grid_position, slot_item, slot_spec, weight_blocks
+from .tiles import BIAS_BLOCK_EXPERTS, SCALE_BLOCK_EXPERTS, FusedConfig
 
 
 def _dot(lhs, rhs, lhs_contract: int, rhs_contract: int, precision):
@@ -111,7 +104,7 @@ def _expert_bias(bias_ref, expert, block_experts: int = BIAS_BLOCK_EXPERTS):
     never selected, and `where` keeps a NaN there out of the sum.
     """
     block = bias_ref[...].astype(jnp.float32)
-    shift = _block_shift(block_experts)
+    shift = block_shift(block_experts)
     row = lax.broadcasted_iota(jnp.int32, block.shape, 0) + ((expert >> shift) << shift)
     return jnp.sum(jnp.where(row == expert, block, 0.0), axis=0, keepdims=True)
 
@@ -119,7 +112,7 @@ def _expert_bias(bias_ref, expert, block_experts: int = BIAS_BLOCK_EXPERTS):
 def _expert_bias_columns(bias_ref, expert, columns: int, block_experts: int = BIAS_BLOCK_EXPERTS):
     """This expert's bias (or scales) as `[n, columns]` (each column the bias), for the transposed orientation."""
     block = bias_ref[...].astype(jnp.float32)
-    shift = _block_shift(block_experts)
+    shift = block_shift(block_experts)
     row = lax.broadcasted_iota(jnp.int32, block.shape, 0) + ((expert >> shift) << shift)
     selected = jnp.where(row == expert, block, 0.0)
     ones = jnp.ones((block.shape[0], columns), jnp.float32)
@@ -212,7 +205,7 @@ def _dequantize_step(refs: _Refs, i_step, plan: FusedPlan) -> None:
 
 def _fp8_step_scales(refs: _Refs, i_step, plan: FusedPlan) -> tuple:
     """plan.fp8_matmul: the step's weights windows' scales per K block and output column
-    (`quant.fp8_window_scales`), once per step for all chunks: each gate_up part's, then down's."""
+    (`common.quant.fp8_window_scales`), once per step for all chunks: each gate_up part's, then down's."""
     gate_up_transposed, down_transposed = plan.orientation
     width = refs.gate_up[0].shape[1 if gate_up_transposed else 0]
     gate_up = [fp8_window_scales(refs.gate_up_scales[0][...], ref.shape, rhs_contract=0 if gate_up_transposed else 1,
@@ -231,8 +224,8 @@ class _Expert(NamedTuple):
     down: object
     dtype: object
     precision: object
-    fp8_scales: tuple  # plan.fp8_matmul: each gate_up part's, then down's `quant.fp8_window_scales`
-    valid_i: object | None  # partial I tiles (`fused_tiles.partial_i_tiles`): I's columns from this tile's start on
+    fp8_scales: tuple  # plan.fp8_matmul: each gate_up part's, then down's `common.quant.fp8_window_scales`
+    valid_i: object | None  # partial I tiles (`fused.tiles.partial_i_tiles`): I's columns from this tile's start on
 
 
 def _weights(ref, expert: _Expert, plan: FusedPlan):
@@ -295,12 +288,12 @@ def _expert_rows(rows, refs: _Refs, expert: _Expert, plan: FusedPlan):
 
 def _interleaved_fp8_rows(rows, refs: _Refs, expert: _Expert, plan: FusedPlan):
     """`_expert_rows` on the fp8 MXU with interleaved gate/up columns: the chunk's `[chunk, 2 ti]` projection,
-    biased, is de-interleaved and gated 256 columns at a time (`gates.deinterleaved_gated`, exact), each giving
+    biased, is de-interleaved and gated 256 columns at a time (`common.gates.deinterleaved_gated`, exact), each giving
     the next 128-wide K block of the down projection's input, which that matmul quantizes as it comes.
 
     In a partial last I tile the projection's columns past I (garbage weights and biases, possibly NaN) are
     zeroed before the de-interleaving matmul would spread them; they gate to zeros, and the down projection
-    zeroes its weights' rows past I (`quant.fp8_matmul_of_blocks`'s `k_bounds`).
+    zeroes its weights' rows past I (`common.quant.fp8_matmul_of_blocks`'s `k_bounds`).
     """
     gate = plan.problem.gate
     gate_up_transposed, down_transposed = plan.orientation
@@ -320,57 +313,6 @@ def _interleaved_fp8_rows(rows, refs: _Refs, expert: _Expert, plan: FusedPlan):
                                 rhs_contract=0 if down_transposed else 1, k_bounds=k_bounds)
 
 
-def _slot_item(core, step, slot: int, count, plan: FusedPlan):
-    """(the item `slot` runs at the core's `step`, an index into the expert table; whether it is a real one).
-
-    A core takes a contiguous share of the `count` items, `experts_per_step`
-    per step. A slot past its share keeps its last real item, whose blocks
-    the pipeline then does not fetch again; a slot without any (fewer items
-    than slots) takes the core's last item.
-    """
-    slots = plan.experts_per_step
-    if plan.cores_per_expert > 1:  # every core takes every item
-        core = 0
-    item_cores = plan.cores // plan.cores_per_expert
-    # lax.div: jnp's floor division lowers through sign(), whose Mosaic rule asks the attached device its
-    # generation (there is none in an ahead-of-time compile); both operands are >= 0, so truncation is floor.
-    per_core = lax.div(count + item_cores - 1, item_cores)
-    owned = jnp.clip(count - core * per_core, 0, per_core)
-    local = step * slots + slot
-    last_local = jnp.where(owned > slot, lax.div(jnp.maximum(owned - slot - 1, 0), slots) * slots + slot, owned - 1)
-    item = core * per_core + jnp.where(local < owned, local, last_local)
-    return jnp.clip(item, 0, plan.problem.num_experts - 1), local < owned
-
-
-def _grid_position(plan: FusedPlan):
-    """(core, step of the core, I tile step of the core, and the number of each) from the grid: (steps, I tiles)
-    on one core, (cores, steps per core, I tiles per core) on a megacore device."""
-    if plan.cores == 1:
-        return 0, pl.program_id(0), pl.program_id(1), pl.num_programs(0), pl.num_programs(1)
-    return pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.num_programs(1), pl.num_programs(2)
-
-
-def _i_tile(core, i_step, plan: FusedPlan):
-    """(the I tile a core's I step reads, whether it is one of the core's own): with the cores sharing each item,
-    the core's run of tiles starts at core x `plan.i_tiles_per_core`, and a step past the last tile (the second
-    core of an odd count) keeps the last one's blocks."""
-    if plan.cores_per_expert == 1:
-        return i_step, True
-    tile = core * plan.i_tiles_per_core + i_step
-    return jnp.minimum(tile, plan.i_tiles - 1), tile < plan.i_tiles
-
-
-def _slot_spec(spec: pl.BlockSpec, slot: int, plan: FusedPlan) -> pl.BlockSpec:
-    """`spec` (indexed by item and I tile) as the blocks of `slot`, indexed by the grid (`_grid_position`)."""
-    def index_map(*indices):
-        *position, i_step, expert, rows, count = indices
-        core, step = position if plan.cores > 1 else (0, position[0])
-        item = _slot_item(core, step, slot, count[0], plan)[0]
-        return spec.index_map(item, _i_tile(core, i_step, plan)[0], expert, rows, count)
-
-    return pl.BlockSpec(spec.block_shape, index_map, pipeline_mode=spec.pipeline_mode)
-
-
 def _expert_step(slot: int, refs: _Refs, expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref,
                  core, step, i_step, last_i, plan: FusedPlan) -> None:
     """One slot's expert at this grid step: its rows gathered, run through the I tile, weighted and added to
@@ -378,9 +320,9 @@ def _expert_step(slot: int, refs: _Refs, expert_ref, rows_ref, count_ref, hidden
     past the core's I tiles)."""
     problem, chunk = plan.problem, plan.chunk_rows
     dtype = hidden_ref.dtype
-    item, real = _slot_item(core, step, slot, count_ref[0], plan)
+    item, real = slot_item(core, step, slot, count_ref[0], plan)
     expert_id, picks = expert_ref[item], jnp.where(real, rows_ref[item], 0)
-    i_tile, own_tile = _i_tile(core, i_step, plan)
+    i_tile, own_tile = core_i_tile(core, i_step, plan)
     gate_up, down = refs.gate_up, refs.down
     if dequantized_in_vmem(scheme_of(problem.weights_dtype)) and not plan.fp8_matmul:
         pl.when(jnp.logical_and(picks > 0, own_tile))(lambda: _dequantize_step(refs, i_tile, plan))
@@ -428,7 +370,7 @@ def _expert_step(slot: int, refs: _Refs, expert_ref, rows_ref, count_ref, hidden
 def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *refs, plan: FusedPlan):
     slot_refs = _split_refs(refs, plan)
     shared = slot_refs[0]
-    core, step, i_step, steps, i_steps = _grid_position(plan)
+    core, step, i_step, steps, i_steps = grid_position(plan)
     last_i = i_steps - 1
 
     @pl.when(jnp.logical_and(step == 0, i_step == 0))
@@ -470,8 +412,8 @@ def fused_experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weight
                   config: FusedConfig | None = None, generation: str | None = None, **gate) -> jax.Array:
     """Gated experts per pick, weighted and summed per token, in one pallas_call (see the module docstring).
 
-    Arguments as `moe.experts_layer`; picks with id == E are sentinels.
-    Blocks: `config`, else the plan's on `generation` (`plan.plan_fused`). Inputs are
+    Arguments as `layer.experts_layer`; picks with id == E are sentinels.
+    Blocks: `config`, else the plan's on `generation` (`fused.plan.plan_fused`). Inputs are
     assumed valid (`ops.py`). Without tokens, picks, hidden size or experts
     there is nothing to compute: the result is zeros and no kernel runs.
     """
@@ -481,71 +423,6 @@ def fused_experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weight
     plan = plan_fused(problem, config, generation)
     read = weights.as_read(plan.orientation, weights_transposed=problem.weights_transposed)
     return fused_experts_call(plan, hidden_states, top_k_index, top_k_weights, read)
-
-
-class _Specs(NamedTuple):
-    in_specs: list
-    operands: list
-    scratch: list
-
-
-def _weight_specs(plan: FusedPlan, weights: ExpertWeights) -> _Specs:
-    """The experts' blocks: weights (and biases, and scales) of the item's expert and I tile.
-
-    Index maps get (item, I tile, *scalar prefetch). A gate_up part spans
-    `width` columns of 2I: gate and up apart (parts == 2: up starts
-    I / tile_i blocks later), or both in one block.
-    """
-    problem, orientation, parts, tile_i = plan.problem, plan.orientation, plan.gate_up_parts, plan.tile_i
-    hidden, i_tiles = problem.hidden, plan.i_tiles
-    width = tile_i if parts == 2 else 2 * tile_i
-    quantization = scheme_of(problem.weights_dtype)
-
-    def rows(count):  # of a weights block as stored: packed int4 holds two rows per byte
-        return stored_rows(count, quantization)
-
-    def gate_up_spec(block_offset):
-        if orientation.gate_up_transposed:  # [E, H, 2I]
-            return pl.BlockSpec((None, rows(hidden), width),
-                                lambda item, i, expert, *_: (expert[item], 0, block_offset + i))
-        return pl.BlockSpec((None, rows(width), hidden),
-                            lambda item, i, expert, *_: (expert[item], block_offset + i, 0))
-
-    if orientation.down_transposed:  # [E, I, H]
-        down_spec = pl.BlockSpec((None, rows(tile_i), hidden), lambda item, i, expert, *_: (expert[item], i, 0))
-    else:  # [E, H, I]
-        down_spec = pl.BlockSpec((None, rows(hidden), tile_i), lambda item, i, expert, *_: (expert[item], 0, i))
-    def per_expert_rows(columns, block_experts, block_offset=None):
-        """A [block_experts, columns] block holding the item's expert's row (biases, int8 and int4 scales): of
-        the I tile's columns (`block_offset`: where the part's tiles start), else of all `columns`."""
-        shift = _block_shift(block_experts)
-        return pl.BlockSpec((min(problem.num_experts, block_experts), columns),
-                            lambda item, i, expert, *_: (expert[item] >> shift,
-                                                         0 if block_offset is None else block_offset + i))
-
-    def per_expert_specs(block_experts=BIAS_BLOCK_EXPERTS):
-        return [*(per_expert_rows(width, block_experts, part * i_tiles) for part in range(parts)),
-                per_expert_rows(hidden, block_experts)]
-
-    in_specs = [*(gate_up_spec(part * i_tiles) for part in range(parts)), down_spec]
-    operands = [*([weights.gate_up_proj] * parts), weights.down_proj]
-    if problem.has_bias:
-        in_specs += per_expert_specs()
-        operands += [*([weights.gate_up_bias] * parts), weights.down_bias]
-    scratch = []
-    if per_channel_scales(quantization):  # [E, 2I] and [E, H], blocked as the biases (in f32's 8 rows)
-        in_specs += per_expert_specs(SCALE_BLOCK_EXPERTS)
-        operands += [*([weights.gate_up_scales] * parts), weights.down_scales]
-    elif quantization == FP8:
-        in_specs += [pl.BlockSpec((None, *scales.shape[1:]), lambda item, i, expert, *_: (expert[item], 0, 0))
-                     for scales in (weights.gate_up_scales, weights.down_scales)]
-        operands += [weights.gate_up_scales, weights.down_scales]
-    if dequantized_in_vmem(quantization) and not plan.fp8_matmul:
-        dtype = jnp.dtype(problem.dtype)
-        gate_up_block = (hidden, width) if orientation.gate_up_transposed else (width, hidden)
-        down_block = (tile_i, hidden) if orientation.down_transposed else (hidden, tile_i)
-        scratch = [*(pltpu.VMEM(gate_up_block, dtype) for _ in range(parts)), pltpu.VMEM(down_block, dtype)]
-    return _Specs(in_specs, operands, scratch)
 
 
 def _cost(plan: FusedPlan, weights: ExpertWeights) -> pl.CostEstimate:
@@ -577,7 +454,7 @@ def fused_experts_call(plan: FusedPlan, hidden_states: jax.Array, top_k_index: j
     def resident(shape):
         return pl.BlockSpec(shape, lambda *_: (0,) * len(shape), pipeline_mode=pl.Buffered(1))
 
-    specs = _weight_specs(plan, weights)
+    specs = weight_blocks(plan, weights)
     scratch = [pltpu.VMEM((tokens, hidden), jnp.float32)]
     if problem.gate.interleaved and not plan.fp8_matmul:
         scratch.append(pltpu.VMEM((2 * plan.tile_i, plan.chunk_rows), jnp.float32))
@@ -590,7 +467,7 @@ def fused_experts_call(plan: FusedPlan, hidden_states: jax.Array, top_k_index: j
     item_cores = plan.cores // plan.cores_per_expert
     per_core = (items.count[0] + item_cores - 1) // item_cores
     steps = (per_core + plan.experts_per_step - 1) // plan.experts_per_step
-    weight_specs = [_slot_spec(spec, slot, plan) for slot in range(plan.experts_per_step) for spec in specs.in_specs]
+    weight_specs = [slot_spec(spec, slot, plan) for slot in range(plan.experts_per_step) for spec in specs.in_specs]
     if plan.cores == 1:
         # Every step adds into the one resident output: no axis can be split.
         grid, semantics = (steps, i_grid), ("arbitrary", "arbitrary")

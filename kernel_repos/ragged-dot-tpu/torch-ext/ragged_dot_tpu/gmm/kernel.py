@@ -40,8 +40,8 @@ rows (element offsets), and the results of rows past the tile's end go to a
 carry buffer that the next row tile's accumulator starts from. (The window's
 extra rows cost chunk_m / tile_m more lhs reads.) Without chunks, an item
 multiplies its whole row tile, masked to its group's rows.
-`ragged_dot` plans a call (`plan.plan_ragged_dot`); `grouped_matmul` runs
-a plan.
+`grouped_matmul` plans a call (`gmm.plan.plan_ragged_dot`); `grouped_matmul_call`
+runs a plan.
 
 With a gate (`MatmulProblem.gate`, the experts layer's first projection),
 rhs holds 2N columns, the gate's then the up projection's, and the kernel
@@ -53,16 +53,16 @@ padding for an N off the MXU width); with several, the gate's and the up's
 blocks of its N tile (two views of rhs), each accumulated apart. GPT-OSS's
 interleaved columns (gate and up alternate) are one block of the N tile's
 pairs, de-interleaved when the output block is written by a matmul with a
-0/1 matrix per 256 columns (`gates.deinterleaved_gated`).
+0/1 matrix per 256 columns (`common.gates.deinterleaved_gated`).
 
-Quantized weights (`quant.py`) are read as one byte each (int4: half a
+Quantized weights (`common/quant.py`) are read as one byte each (int4: half a
 byte): an int8 block is cast to lhs's dtype at the matmul; fp8 and int4
 blocks are dequantized (int4: unpacked) once per step into VMEM scratch
 (under the slot's `pl.when`: only for a slot with rows in the tile); int8's
 and int4's per-output-column scales multiply the result. On a chip with an
 fp8 MXU (`plan.fp8_matmul`: TPU7x) fp8 blocks are not dequantized: the rows
 are quantized to fp8 per row and 128-wide K block and multiplied with them
-as they are (`quant.fp8_matmul`).
+as they are (`common.quant.fp8_matmul`).
 
 With a bias (`MatmulProblem.bias`: an experts layer's per-expert biases), each
 work item adds its group's bias row to its rows of the accumulator at its
@@ -83,19 +83,19 @@ cores). A row is copied whole (one K tile). Mosaic copies a bf16 row only in
 pairs of rows (its VMEM tiling packs two rows per 32-bit word), so bf16
 token rows travel as 32-bit words, each the bits of one element of the
 row's columns before `plan.gather_split` (half of K, or the MXU-aligned
-column past it) and one of the columns from it (`packed_rows.pack_rows`:
+column past it) and one of the columns from it (`common.packed_rows.pack_rows`:
 one XLA pass over the tokens); the kernel takes the parts apart with a
 shift and a mask and multiplies each by its rows of the weights block.
 
 With a packed output (`MatmulProblem.packed_out`: an experts layer's second
-projection, whose rows the combine kernel (`pallas_combine`) copies one at a
+projection, whose rows the combine kernel (`combine/kernel.py`) copies one at a
 time), each bf16 output block leaves as `plan.out_split` int32 words, word j
 of an N tile holding its column j (low half) and its column out_split + j
-(high half; nothing past the tile's columns) (`packed_rows.pack_rows`).
+(high half; nothing past the tile's columns) (`common.packed_rows.pack_rows`).
 
 The CostEstimate counts what the kernel reads: the rows, the weights of the
 groups expected active for M uniformly routed rows
-(`gmm_tiles.expected_active_groups`: the group sizes are data, unknown when
+(`gmm.tiles.expected_active_groups`: the group sizes are data, unknown when
 the call is traced) and the output.
 """
 
@@ -110,136 +110,40 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._hardware import sublane_multiple
-from .gates import DEINTERLEAVED_COLUMNS, deinterleaved_gated, gated
-from .gmm_tiles import TileConfig
-from .plan import MatmulPlan, plan_ragged_dot
-from .problem import MatmulProblem, weight_shape
-from .quant import (
+from .._hardware import sublane_multiple
+from ..common.gates import DEINTERLEAVED_COLUMNS, deinterleaved_gated, gated
+from ..common.packed_rows import pack_first_half, pack_rows, pack_second_half, unpack_rows
+from ..common.quant import (
     FP8, INT4, INT8, dequantize_fp8_block, dequantized_in_vmem, fp8_matmul, fp8_window_scales, int4_packed_axis,
-    per_channel_scales, scheme_of, stored_rows, unpack_int4_block,
+    per_channel_scales, scheme_of, unpack_int4_block,
 )
-from .packed_rows import pack_first_half, pack_rows, pack_second_half, unpack_rows
-from .routing import int32_group_sizes
+from ..common.routing import int32_group_sizes
+from ..problem import MatmulProblem, weight_shape
+from .plan import MatmulPlan, plan_ragged_dot
+from .schedule import WorkItems, block_specs, make_work_items, weights_parts
+from .tiles import TileConfig
 
 
 # Rows the epilogue packs at a time (`MatmulProblem.packed_out`).
 PACKED_ROWS = 128
 
 
-class WorkItems(NamedTuple):
-    """Scalar-prefetch arrays describing the work items of one call."""
-
-    row_tile: jax.Array  # [max_items] int32: output row tile of each item
-    lhs_tile: jax.Array  # [max_items] int32: lhs row tile fetched for it (a tail item keeps the previous one)
-    group: jax.Array  # [max_items] int32: rhs group of each item
-    row_start: jax.Array  # [max_items] int32: first row of the item's group (0 for a tail item)
-    row_end: jax.Array  # [max_items] int32: one past the item's group's last row (0 for a tail item)
-    chunk_start: jax.Array  # [max_items] int32: first row of the group's first chunk that starts in the item's tile
-    count: jax.Array  # [1] int32: number of real items, the size of the grid's work-item axis
-
-
-def max_work_items(m: int, num_groups: int, tile_m: int) -> int:
-    return pl.cdiv(m, tile_m) + num_groups - 1
-
-
-def make_work_items(
-    group_sizes: jax.Array, m: int, tile_m: int, zero_rows_past_groups: bool = True, chunk_m: int | None = None,
-    align: int = 8,
-) -> WorkItems:
-    """Work items of a call; `chunk_m` and `align` lay each group's chunks (module docstring)."""
-    num_groups = group_sizes.shape[0]
-    m_tiles = pl.cdiv(m, tile_m)
-    capacity = max_work_items(m, num_groups, tile_m)
-
-    ends = jnp.cumsum(group_sizes)
-    starts = ends - group_sizes
-    nonempty = group_sizes > 0
-    first_tile = starts // tile_m
-    last_tile = jnp.where(nonempty, (ends - 1) // tile_m, first_tile - 1)
-    tiles_per_group = jnp.where(nonempty, last_tile - first_tile + 1, 0)
-
-    total_rows = ends[-1]
-    first_untouched_tile = pl.cdiv(total_rows, tile_m)
-    untouched_tiles = m_tiles - first_untouched_tile
-
-    # Items are laid out group by group, then the untouched tail tiles.
-    group_item_end = jnp.cumsum(tiles_per_group)
-    group_items = group_item_end[-1]
-    # Without any item (no live row, tail not zeroed) the grid still runs one empty item.
-    count = jnp.maximum(group_items + untouched_tiles, 1) if zero_rows_past_groups else jnp.maximum(group_items, 1)
-
-    item = jnp.arange(capacity, dtype=jnp.int32)
-    in_groups = item < group_items
-    item_group = jnp.minimum(jnp.searchsorted(group_item_end, item, side="right"), num_groups - 1)
-    item_group_begin = group_item_end[item_group] - tiles_per_group[item_group]
-    group_tile = first_tile[item_group] + (item - item_group_begin)
-    tail_tile = first_untouched_tile + (item - group_items)
-
-    # A group's chunks start every chunk_m rows from its first row on the sublane grid; the item's
-    # first is the first of them at or past its tile's first row (tile-relative).
-    chunk = chunk_m or tile_m
-    chunk_base = starts[item_group] // align * align
-    tile_start = group_tile * tile_m
-    behind = tile_start - chunk_base
-    chunk_start = jnp.where(behind <= 0, -behind, (chunk - behind % chunk) % chunk)
-
-    # Tail items keep the lhs and rhs blocks of the last group item, so they fetch nothing new.
-    last_nonempty_group = jnp.max(jnp.where(nonempty, jnp.arange(num_groups), 0))
-    last_group_tile = jnp.where(group_items > 0, first_untouched_tile - 1, 0)
-    return WorkItems(
-        row_tile=jnp.where(in_groups, group_tile, tail_tile).astype(jnp.int32),
-        lhs_tile=jnp.where(in_groups, group_tile, last_group_tile).astype(jnp.int32),
-        group=jnp.where(in_groups, item_group, last_nonempty_group).astype(jnp.int32),
-        row_start=jnp.where(in_groups, starts[item_group], 0).astype(jnp.int32),
-        row_end=jnp.where(in_groups, ends[item_group], 0).astype(jnp.int32),
-        chunk_start=jnp.where(in_groups, chunk_start, 0).astype(jnp.int32),
-        count=count.astype(jnp.int32).reshape(1),
-    )
-
-
-def _step_item(step, slot: int, groups_per_step: int, count):
-    """The work item in `slot` of grid step `step`.
-
-    A slot past the last item repeats its item of the step before (so its
-    blocks do not move); in the first step, where there is none, it repeats
-    item 0.
-    """
-    item = step * groups_per_step + slot
-    if groups_per_step == 1:
-        return item
-    return jnp.where(item < count, item, jnp.maximum(item - groups_per_step, 0))
-
-
 class _StepRefs(NamedTuple):
     """The refs of one grid step of the kernel body, past the scalar prefetch."""
 
     lhs: object  # (start, rows) -> ((rows of lhs, the K range of rhs they meet, or None for all of it), ...)
-    rhs: tuple  # per group slot, per part (`_parts`): the weights blocks
+    rhs: tuple  # per group slot, per part (`schedule.weights_parts`): the weights blocks
     scales: tuple  # one per group slot (quantized weights), else empty
     bias: tuple  # per group slot, per part: a [1, block columns] f32 row (`MatmulProblem.bias`), else empty
     out: object
-    acc: tuple  # per part: [tile_m, block columns (`_block_columns`)] f32
+    acc: tuple  # per part: [tile_m, block columns] f32 (twice the N tile with a gate in one block)
     carry: tuple | None  # per part: [2 chunk_m, block columns] f32, rows [tile_m - chunk_m, tile_m + chunk_m)
     dequantized: tuple  # fp8 (unless plan.fp8_matmul) and int4: each slot's weights block, dequantized once per step
 
 
-def _parts(plan: MatmulPlan) -> int:
-    """Weights blocks per step: 2 (the N tile's gate and up columns apart) with a concatenated gate over several
-    N tiles, else 1 (interleaved: the N tile's pairs are one block)."""
-    gate = plan.problem.gate
-    return 2 if gate is not None and not gate.interleaved and plan.tile_n < plan.problem.n else 1
-
-
-def _block_columns(plan: MatmulPlan) -> int:
-    """Columns of a weights block and its accumulator: twice the N tile (gate and up) with a gate in one block,
-    else the N tile."""
-    return 2 * plan.tile_n if plan.problem.gate is not None and _parts(plan) == 1 else plan.tile_n
-
-
 def _step_refs(lhs_ref, refs, plan: MatmulPlan) -> _StepRefs:
     """The step's refs, with lhs read from `lhs_ref` (gathered rows: the caller swaps in the copies' buffer)."""
-    slots, parts = plan.groups_per_step, _parts(plan)
+    slots, parts = plan.groups_per_step, weights_parts(plan)
     quantized = scheme_of(plan.problem.rhs_dtype) is not None
     rhs, refs = refs[: slots * parts], refs[slots * parts :]
     rhs = tuple(tuple(rhs[slot * parts : (slot + 1) * parts]) for slot in range(slots))
@@ -273,7 +177,7 @@ def _store_interleaved_gated(out_ref, acc_ref, gate, valid_columns, *, exact: bo
     """The gated output of an accumulator of interleaved pairs (`[rows, 2 x out columns]` f32).
 
     Each chunk of 256 columns (128 pairs; the last may be narrower) is
-    de-interleaved on the MXU and gated (`gates.deinterleaved_gated`) and
+    de-interleaved on the MXU and gated (`common.gates.deinterleaved_gated`) and
     stored as 128 output lanes; `exact` as there: f32 problems at HIGHEST
     precision, bf16 ones in one bf16 pass, which rounds gate and up to bf16
     as the gate in XLA reads the kernel's bf16 output. The MXU work is 256 / K
@@ -294,7 +198,7 @@ def _store_interleaved_gated(out_ref, acc_ref, gate, valid_columns, *, exact: bo
 
 def _token_rows(words_ref, dtype: str, k: int, split: int, start, rows: int):
     """Copied token rows `[start, start + rows)` of one buffer, as `_lhs_rows` gives them: f32 rows as they are;
-    bf16 rows, copied as words (`packed_rows.pack_rows`), as their K columns before `split` and from it."""
+    bf16 rows, copied as words (`common.packed_rows.pack_rows`), as their K columns before `split` and from it."""
     words = words_ref[pl.ds(start, rows), :]
     if dtype == "float32":
         return ((words, None),)
@@ -374,7 +278,7 @@ def _multiply(refs: _StepRefs, slot: int, part: int, start, rows: int, keep, k_s
               window_scales):
     """lhs rows [start, start + rows) x the slot's weights (its `part`), with rows not `keep` taken as zero; `start`
     on the sublane grid. int8 and int4 weights reach the MXU as their integers; their per-column scales multiply
-    the result. With plan.fp8_matmul, fp8 weights meet the rows quantized to fp8 (`quant.fp8_matmul`), and
+    the result. With plan.fp8_matmul, fp8 weights meet the rows quantized to fp8 (`common.quant.fp8_matmul`), and
     `window_scales` are the slot's block scales over the step's window."""
     problem, tile_k = plan.problem, plan.tile_k
     quantization = scheme_of(problem.rhs_dtype)
@@ -571,7 +475,7 @@ def _body(*refs, plan: MatmulPlan):
             refs.out.dtype)
 
 
-def ragged_dot(
+def grouped_matmul(
     lhs: jax.Array,
     rhs: jax.Array,
     group_sizes: jax.Array,
@@ -587,10 +491,10 @@ def ragged_dot(
     Rows past `sum(group_sizes)` come out as zeros, or are left unwritten
     (whatever the output buffer held) with `zero_rows_past_groups=False`.
     Quantized `rhs` (int8, float8_e4m3fn, or int4 packed in uint8) comes
-    with `rhs_scales` (`quant.py`: `[G, N]` per output channel for int8 and
+    with `rhs_scales` (`common/quant.py`: `[G, N]` per output channel for int8 and
     int4; `[G, ceil(D1/128), ceil(D2/128)]` blocks over rhs's own dims for
     fp8); the output is in
-    lhs's dtype. Tiles: `config`, else the plan's (`plan.plan_ragged_dot`
+    lhs's dtype. Tiles: `config`, else the plan's (`gmm.plan.plan_ragged_dot`
     for `generation`, default this device's). Inputs are assumed valid: the
     torch ops check them (`ops.py`); `group_sizes` has an integer dtype and
     sums to at most M. With an empty dimension (M, K, N or G zero) there is
@@ -608,7 +512,7 @@ def ragged_dot(
         rhs, transpose_rhs = jnp.swapaxes(rhs, 1, 2), not transpose_rhs
     problem = MatmulProblem(m, k, n, num_groups, jnp.dtype(lhs.dtype).name, jnp.dtype(rhs.dtype).name,
                             transpose_rhs=bool(transpose_rhs), zero_rows_past_groups=bool(zero_rows_past_groups))
-    return grouped_matmul(lhs, rhs, group_sizes, rhs_scales, plan_ragged_dot(problem, generation, config))
+    return grouped_matmul_call(lhs, rhs, group_sizes, rhs_scales, plan_ragged_dot(problem, generation, config))
 
 
 def _prefetch_count(plan: MatmulPlan) -> int:
@@ -616,105 +520,9 @@ def _prefetch_count(plan: MatmulPlan) -> int:
     return len(WorkItems._fields) + (2 if plan.problem.gathered else 0)
 
 
-class _Specs(NamedTuple):
-    in_specs: list
-    out_spec: pl.BlockSpec
-    scratch: list
-    operands: list  # after lhs: rhs once per group slot, then the scales and the bias once per slot
-
-
-def _specs(plan: MatmulPlan, rhs, rhs_scales, bias, items: WorkItems) -> _Specs:
-    """Blocks, index maps and scratch of a call (module docstring: what each operand moves)."""
-    problem, tile_m, tile_k, tile_n, chunk_m = plan.problem, plan.tile_m, plan.tile_k, plan.tile_n, plan.chunk_m
-    slots, k_tiles, parts = plan.groups_per_step, pl.cdiv(problem.k, plan.tile_k), _parts(plan)
-    columns = _block_columns(plan)
-    quantization = scheme_of(problem.rhs_dtype)
-    # With a gate, the up projection's blocks start this many N blocks into rhs (`plan.gated_plan`: N is a
-    # multiple of tile_n then).
-    up_blocks = problem.n // tile_n
-
-    # An item without rows (a tail item, or an idle slot) pins the K block to
-    # the last one, where the item it repeats ended, so its blocks stay put.
-    def k_block(item, k_step, row_start, row_end):
-        return jnp.where(row_end[item] > row_start[item], k_step, k_tiles - 1)
-
-    def lhs_index(n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, chunk_start, count, *_):
-        item = step * slots
-        if chunk_m:  # element offsets of the window; with one K tile a literal 0, which Mosaic sees is aligned
-            k_offset = 0 if k_tiles == 1 else k_block(item, k_step, row_start, row_end) * tile_k
-            return lhs_tile[item] * tile_m, k_offset
-        return lhs_tile[item], k_block(item, k_step, row_start, row_end)
-
-    def rhs_index(slot, part, n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, chunk_start,
-                  count, *_):
-        item = _step_item(step, slot, slots, count[0])
-        k_index = k_block(item, k_step, row_start, row_end)
-        if slots > 1:
-            k_index = jnp.where(step * slots + slot < count[0], k_index, k_tiles - 1)
-        n_index = n_step + part * up_blocks
-        if problem.transpose_rhs:
-            return group[item], n_index, k_index
-        return group[item], k_index, n_index
-
-    def out_index(n_step, step, k_step, row_tile, lhs_tile, group, row_start, row_end, chunk_start, count, *_):
-        return row_tile[step * slots], n_step
-
-    if chunk_m:
-        # A window of the tile and the next chunk_m rows; past the array's end it is padding, never used.
-        lhs_block = (pl.Element(tile_m + chunk_m, (0, tile_m + chunk_m)), pl.Element(tile_k, (0, tile_k)))
-    else:
-        lhs_block = (tile_m, tile_k)
-    # The whole lhs as one block never moves: one buffer, not two.
-    resident = tile_m >= problem.m and tile_k == problem.k
-    if problem.gathered:  # copied by the kernel from the tokens (module docstring)
-        lhs_spec = pl.BlockSpec(memory_space=pl.ANY)
-    else:
-        lhs_spec = pl.BlockSpec(lhs_block, lhs_index, **(dict(pipeline_mode=pl.Buffered(1)) if resident else {}))
-    rhs_block = (None, columns, tile_k) if problem.transpose_rhs else (None, tile_k, columns)
-    stored_block = (None, stored_rows(rhs_block[1], quantization), rhs_block[2])
-    in_specs = [lhs_spec, *(pl.BlockSpec(stored_block, functools.partial(rhs_index, slot, part))
-                            for slot in range(slots) for part in range(parts))]
-    operands = [rhs] * (slots * parts)
-    scratch = ([pltpu.VMEM((tile_m, columns), jnp.float32) for _ in range(parts)]
-               + ([pltpu.VMEM((2 * chunk_m, columns), jnp.float32) for _ in range(parts)] if chunk_m else []))
-
-    def scale_index(slot, n_step, *grid_and_prefetch):
-        group = rhs_index(slot, 0, n_step, *grid_and_prefetch)[0]
-        # int8 and int4: the weights block's column scales, as a [1, columns] row; fp8: the group's whole (small)
-        # grid of block scales.
-        return (group, 0, n_step) if per_channel_scales(quantization) else (group, 0, 0)
-
-    def bias_index(slot, part, n_step, *grid_and_prefetch):
-        return rhs_index(slot, part, n_step, *grid_and_prefetch)[0], 0, n_step + part * up_blocks
-
-    if per_channel_scales(quantization):
-        in_specs += [pl.BlockSpec((None, 1, columns), functools.partial(scale_index, slot)) for slot in range(slots)]
-        operands += [rhs_scales.reshape(problem.groups, 1, rhs_scales.shape[-1])] * slots
-    elif quantization == FP8:
-        in_specs += [pl.BlockSpec((None, *rhs_scales.shape[1:]), functools.partial(scale_index, slot))
-                     for slot in range(slots)]
-        operands += [rhs_scales] * slots
-    if problem.bias:
-        in_specs += [pl.BlockSpec((None, 1, columns), functools.partial(bias_index, slot, part))
-                     for slot in range(slots) for part in range(parts)]
-        # In f32, as the accumulator adds it: a bias in a wider dtype than the rows keeps its precision. With a
-        # gate, its 2N columns (gate, then up).
-        operands += [bias.reshape(problem.groups, 1, bias.shape[-1]).astype(jnp.float32)] * (slots * parts)
-    if dequantized_in_vmem(quantization) and not plan.fp8_matmul:
-        scratch += [pltpu.VMEM(rhs_block[1:], jnp.dtype(problem.dtype)) for _ in range(slots)]
-    if problem.gathered:
-        words = (problem.k, jnp.float32) if problem.dtype == "float32" else (plan.gather_split, jnp.int32)
-        # One row tile never prefetches a next one: one buffer.
-        copies = 1 if tile_m >= problem.m else 2
-        scratch += [pltpu.VMEM((copies, tile_m + (chunk_m or 0), words[0]), words[1]),
-                    pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((1,), jnp.int32)]
-    out_columns = plan.out_split if problem.packed_out else tile_n
-    return _Specs(in_specs, pl.BlockSpec((tile_m, out_columns), out_index), scratch, operands)
-
-
-def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_scales: jax.Array | None,
+def grouped_matmul_call(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_scales: jax.Array | None,
                    plan: MatmulPlan, bias: jax.Array | None = None, row_token: jax.Array | None = None) -> jax.Array:
-    """`ragged_dot` as `plan` says (inputs of the plan's non-empty problem, assumed valid), with the plan's
+    """`grouped_matmul` as `plan` says (inputs of the plan's non-empty problem, assumed valid), with the plan's
     problem's `bias` (`[groups, n]`; with a gate `[groups, 2n]`, gate then up) when it has one. With gathered
     rows (`MatmulProblem.gathered`) lhs is the `[tokens, k]` token rows and `row_token[m]` each sorted row's
     token (its entries past the groups are never read)."""
@@ -734,7 +542,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_s
         prefetch += (row_token.astype(jnp.int32), jnp.sum(group_sizes).reshape(1))
         lhs = lhs if lhs.dtype == jnp.float32 else pack_rows(lhs, plan.gather_split)
     grid = (pl.cdiv(n, plan.tile_n), pl.cdiv(items.count[0], plan.groups_per_step), pl.cdiv(k, plan.tile_k))
-    specs = _specs(plan, rhs, rhs_scales, bias, items)
+    specs = block_specs(plan, rhs, rhs_scales, bias)
     itemsize = jnp.dtype(problem.dtype).itemsize
     # A resident lhs is read once; tiled, once per N tile (and chunk_m more rows per row tile).
     lhs_reads = 1 if tile_m >= m and plan.tile_k == k else grid[0] * (1 + (plan.chunk_m or 0) / tile_m)
@@ -761,8 +569,8 @@ def _out_shape(plan: MatmulPlan) -> jax.ShapeDtypeStruct:
 
 def scheduled_matmul_call(body, out_shape, grid_spec, semantics, vmem_limit_bytes: int, mkn, *, bytes_accessed: int,
                           name: str):
-    """The pallas_call of a matmul over a scalar-prefetched work schedule: ragged_dot's and tgmm's (pallas_tgmm)
-    differ only in these arguments. Its cost: 2 m k n flops, no transcendentals."""
+    """The pallas_call of a matmul over a scalar-prefetched work schedule: grouped_matmul's and tgmm's
+    (`tgmm/kernel.py`) differ only in these arguments. Its cost: 2 m k n flops, no transcendentals."""
     m, k, n = mkn
     return pl.pallas_call(
         body,

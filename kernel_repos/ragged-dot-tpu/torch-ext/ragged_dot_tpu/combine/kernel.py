@@ -1,12 +1,12 @@
 """Each token's picks, weighted and summed, as a Pallas TPU kernel that copies only the live picks' rows.
 
 The experts layer's second grouped matmul leaves one row per pick, sorted by
-expert (`[M, H]`, as packed words per N tile: `plan.packed_plan`). Summing each
+expert (`[M, H]`, as packed words per N tile: `gmm.plan.packed_plan`). Summing each
 token's picks in XLA reads all T x K rows of that array, the sentinel
 picks' too (another rank's experts, most picks under expert-parallel router
 masking), and XLA writes and rereads a `[T, H]` gather per pick slot.
 
-Here the grid runs over tiles of `tile_t` tokens, split in runs of
+Here the grid runs over tiles of `tile_t` tokens (`tiles.select_token_tile`), split in runs of
 consecutive tiles over the device's TensorCores (v5p's two: the grid's
 first dimension, parallel). Each step waits for its tile's live pick rows,
 copied one row per DMA from the sorted rows into one of two VMEM buffers
@@ -37,65 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._hardware import LANES, round_up, tpu_generation, vmem_budget_bytes, vmem_limit_bytes
-from .packed_rows import unpack_rows
-
-# Tokens per grid step, largest first: each step copies up to K x tile rows, and a longer tile pays fewer steps'
-# fixed cost. The first tile's copies wait before any sum (nothing overlaps them), so a core keeps at least
-# MIN_TILES_PER_CORE tiles: the exposed copies stay an eighth of its rows (modelled by `tpu-kernels bench
-# moe_layer` at 2048 and 8192 tokens: 256 and 512 were the best tiles there or within 1.3 us of it; 512 at
-# 2048 tokens, 4 tiles, was up to 2 % slower than 128).
-TOKEN_TILES = (512, 256, 128)
-MIN_TILES_PER_CORE = 8
-
-
-class CombinePlan(NamedTuple):
-    """The combine kernel of one experts call."""
-
-    tokens: int
-    top_k: int
-    hidden: int
-    dtype: str  # the layer's output's
-    tile_t: int
-    tile_n: int  # the second projection's N tile, packed in `split` words (`plan.packed_plan`)
-    split: int  # words per N tile: column j of the tile with column split + j
-    cores: int  # TensorCores the token tiles are split over
-    vmem_limit_bytes: int
-
-    @property
-    def words(self) -> int:
-        """Words of one row: `split` per N tile."""
-        return pl.cdiv(self.hidden, self.tile_n) * self.split
-
-    @property
-    def tiles(self) -> int:
-        return pl.cdiv(self.tokens, self.tile_t)
-
-    @property
-    def tiles_per_core(self) -> int:
-        return pl.cdiv(self.tiles, self.cores)
-
-
-def plan_combine(tokens: int, top_k: int, hidden: int, dtype: str, tile_n: int, split: int,
-                 generation: str) -> CombinePlan:
-    """The token tile: the largest of TOKEN_TILES that leaves each core MIN_TILES_PER_CORE tiles and takes at most
-    half of the generation's VMEM budget (the rest stays XLA's, around the kernel), else the smallest."""
-    chip_cores = tpu_generation(generation).cores_per_device
-    words = pl.cdiv(hidden, tile_n) * split
-
-    def working_set(tile_t: int) -> int:
-        return (2 * top_k * tile_t * words * 4  # the two buffers of copied rows
-                + 2 * 2 * tile_t * round_up(top_k, LANES) * 4  # routing weights and live flags, double-buffered
-                + 2 * tile_t * hidden * jnp.dtype(dtype).itemsize  # the output block, double-buffered
-                + 4 * tile_t * split * 4)  # one N tile's f32 parts and sums
-
-    tile_t = next((tile for tile in TOKEN_TILES
-                   if pl.cdiv(tokens, tile) >= MIN_TILES_PER_CORE * chip_cores
-                   and working_set(tile) <= vmem_budget_bytes(generation) // 2),
-                  min(TOKEN_TILES[-1], round_up(tokens, 8)))
-    cores = min(chip_cores, pl.cdiv(tokens, tile_t))
-    return CombinePlan(tokens, top_k, hidden, dtype, tile_t, tile_n, split, cores,
-                       vmem_limit_bytes(working_set(tile_t), generation))
+from ..common.packed_rows import unpack_rows
+from .plan import CombinePlan
 
 
 class CombineSchedule(NamedTuple):
@@ -127,7 +70,7 @@ def combine_picks(rows: jax.Array, position: jax.Array, top_k_weights: jax.Array
                   plan: CombinePlan) -> jax.Array:
     """`sum_k top_k_weights[t, k] * rows[position[t, k]]` over each token's live picks, in f32, as `plan.dtype`.
 
-    `rows` are the sorted rows as packed words (`[M, plan.words]` int32, `packed_rows.pack_rows` per N tile
+    `rows` are the sorted rows as packed words (`[M, plan.words]` int32, `common.packed_rows.pack_rows` per N tile
     of `plan.tile_n` in `plan.split` words); rows of picks not `live` are never read.
     """
     tile_t, top_k, hidden, tiles = plan.tile_t, plan.top_k, plan.hidden, plan.tiles

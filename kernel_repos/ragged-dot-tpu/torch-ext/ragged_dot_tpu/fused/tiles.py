@@ -1,8 +1,8 @@
-"""Tiles of the fused experts kernel (`pallas_fused.fused_experts`): `FusedConfig` and how one is chosen.
+"""Tiles of the fused experts kernel (`fused.kernel.fused_experts`): `FusedConfig` and how one is chosen.
 
 `fused_config` picks the blocks of a layer (I whole unless the expert's
 weights do not fit VMEM double-buffered); whether the fused kernel serves a
-call at all is the rule of `config.use_fused_experts`.
+call at all is the rule of `plan.fused_path_config`.
 """
 
 from __future__ import annotations
@@ -12,21 +12,22 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from ._hardware import (
+from .._hardware import (
     LANES, grid_step_overhead_s, padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, tpu_generation,
     vmem_budget_bytes,
 )
-from .gates import DEINTERLEAVED_COLUMNS
-from .gmm_tiles import expected_active_groups
-from .quant import (
+from ..common.gates import DEINTERLEAVED_COLUMNS
+from ..common.quant import (
     FP8, FP8_BLOCK, FP8_MXU_GENERATIONS, INT4, INT8, blocks, dequantized_in_vmem, per_channel_scales, scheme_of,
     stored_rows, weight_row_multiple,
 )
-from .vmem import (
+from ..common.vmem import (
     MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, check_vmem_fits, fp8_dequantize_vmem_bytes, fp8_matmul_vmem_bytes,
     fp8_window_scales_vmem_bytes, int4_unpack_vmem_bytes,
 )
-from .weights_layout import WeightsOrientation, weights_orientation
+from ..common.weights_layout import WeightsOrientation, weights_orientation
+from ..gmm.tiles import expected_active_groups
+
 
 # Rows per MXU pass of the fused kernel: T rounded to the native tile, at
 # most 128 (the v5e MXU's width); at most 64 where each expert expects few
@@ -105,7 +106,7 @@ def i_tiles_per_core(config: FusedConfig, intermediate: int) -> int:
 def partial_i_tiles(weights_dtype, *, interleaved: bool, generation: str) -> bool:
     """Whether I may be cut into FP8_BLOCK-aligned tiles with a partial last one: for fp8 weights on the fp8 MXU in
     the interleaved gate/up layout, whose kernel masks the last tile's columns past I
-    (`pallas_fused._interleaved_fp8_rows`). GPT-OSS's I = 2880 has no divisor that is a multiple of 128, and its
+    (`fused.kernel._interleaved_fp8_rows`). GPT-OSS's I = 2880 has no divisor that is a multiple of 128, and its
     whole I does not fit VMEM with double-buffered fp8 blocks. In the concatenated layout the up block's offset
     is counted in whole tiles, so the tiles must divide I there."""
     return (interleaved and weights_dtype is not None and scheme_of(weights_dtype) == FP8
@@ -145,10 +146,10 @@ def _tile_i_aligned(tile_i: int, intermediate: int, dtype, *, orientation: Weigh
 
 
 def fused_feeds_fp8_mxu(config: FusedConfig, intermediate: int, weights_dtype, *, generation: str) -> bool:
-    """Whether the fused kernel feeds fp8 weights to the fp8 MXU (`quant.fp8_matmul`) rather than dequantizing
+    """Whether the fused kernel feeds fp8 weights to the fp8 MXU (`common.quant.fp8_matmul`) rather than dequantizing
     them: on a generation that has one, with I whole or in tiles of whole scale blocks (the down projection's K
     offsets). Either gate/up layout: the interleaved one is de-interleaved on the MXU there, in row orientation
-    (`pallas_fused._interleaved_fp8_rows`)."""
+    (`fused.kernel._interleaved_fp8_rows`)."""
     return (weights_dtype is not None and scheme_of(weights_dtype) == FP8 and generation in FP8_MXU_GENERATIONS
             and (config.tile_i == intermediate or config.tile_i % FP8_BLOCK == 0))
 
@@ -226,7 +227,7 @@ def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate
     elif fp8_matmul:
         window_scales = fp8_window_scales_vmem_bytes(hidden, 2 * tile_i) + fp8_window_scales_vmem_bytes(tile_i, hidden)
         values += slots * window_scales + fp8_matmul_vmem_bytes(chunk, max(hidden, 2 * tile_i))
-        if interleaved:  # the de-interleaving 0/1 matrix and its product (`gates.deinterleaved_gated`)
+        if interleaved:  # the de-interleaving 0/1 matrix and its product (`common.gates.deinterleaved_gated`)
             values += (padded_vmem_bytes((DEINTERLEAVED_COLUMNS, DEINTERLEAVED_COLUMNS), f32)
                        + padded_vmem_bytes((chunk, DEINTERLEAVED_COLUMNS), f32))
     elif scheme_of(weights_dtype) is not None:

@@ -18,7 +18,7 @@ def pack_rows(values: jax.Array, split: int | None = None) -> jax.Array:
     """f32 or bf16 `[rows, cols]` rounded to bf16 and packed as int32 words `[rows, split]`: column j's bits in the
     low half, column split + j's (zero past the columns) in the high half (32-bit operations only: Mosaic's bf16
     values have no bitcast). `split` (default cols / 2) is at least half the columns: past half, the second
-    half's columns can start on an MXU pass (`plan.gathered_plan`)."""
+    half's columns can start on an MXU pass (`gmm.plan.gathered_plan`)."""
     split = values.shape[1] // 2 if split is None else split
     if values.shape[1] < 2 * split:
         values = jnp.pad(values, ((0, 0), (0, 2 * split - values.shape[1])))

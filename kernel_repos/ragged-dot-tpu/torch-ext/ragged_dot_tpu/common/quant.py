@@ -27,7 +27,9 @@ Three schemes, named by the weights' dtype; the scales are float32 multipliers
   on the vector unit and no relayout (`unpack_int4_block`); the kernels
   unpack each weights block once per grid step into VMEM scratch, in the
   activation dtype (exact: small integers), and multiply the scales into
-  the matmul's result columns as for int8.
+  the matmul's result columns as for int8. On the torch side `pack_int4`
+  packs a weight's integer codes in this layout and `unpack_int4` unpacks
+  them.
 
 int8 and int4 do not feed int8 or int4 operands to the MXU: that would need
 the activations quantized too (a different result), and decode is bound by
@@ -38,17 +40,18 @@ FP8_MXU_GENERATIONS): `fp8_matmul` quantizes the activations per row and
 with the scale amax / 448, and runs one fp8 x fp8 matmul per K block with f32
 results, which both scales then multiply; nothing is dequantized to the
 activation dtype. The fused kernel takes that path on those generations
-(`plan.FusedPlan.fp8_matmul`).
+(`fused.plan.FusedPlan.fp8_matmul`).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import torch
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ._hardware import default_layout_swaps_minor_dims, resolve_generation, sublane_multiple
+from .._hardware import default_layout_swaps_minor_dims, resolve_generation, sublane_multiple
 
 FP8_BLOCK = 128
 # `>>` rather than `//`: Mosaic lowers integer floor division through `sign`, which needs a TPU to look up.
@@ -62,6 +65,8 @@ SCHEMES = {jnp.dtype(jnp.int8): INT8, jnp.dtype(jnp.float8_e4m3fn): FP8, jnp.dty
 # Rows of one packed int4 block: two slabs of the uint8 native tile (32 sublanes), one per nibble.
 INT4_PACK_ROWS = 64
 _INT4_SLAB = INT4_PACK_ROWS // 2
+# The integer codes one int4 weight holds (two's complement nibbles).
+INT4_MIN, INT4_MAX = -8, 7
 
 
 # Mosaic lowers an fp8 x fp8 dot to the MXU's own fp8 matmul on TPU7x (its LLO: `vmatmul...f8e4m3fn`); on v5e,
@@ -146,6 +151,42 @@ def int4_unpacked_shape(packed_shape: tuple[int, ...], known_dim: int, known_axi
     return None
 
 
+
+# int4 on the torch side: `pack_int4` is what a checkpoint converter (or `kernelize(...,
+# quantize_experts="int4")`) calls on a weight's integer codes; the kernels read its output as they stream weights.
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Integer codes in [-8, 7] of a `[G, D1, D2]` weight (any integer dtype) -> its packed uint8 form: half as
+    long along `int4_packed_axis`, whose length must be a multiple of `INT4_PACK_ROWS`."""
+    if codes.dim() != 3 or codes.dtype.is_floating_point or codes.dtype == torch.bool:
+        raise ValueError(f"int4 codes must be an integer [G, D1, D2] tensor, got {codes.dtype} {list(codes.shape)}")
+    why = int4_packable(tuple(codes.shape))
+    if why is not None:
+        raise ValueError(f"cannot pack a {list(codes.shape)} weight as int4: {why}")
+    if codes.numel() and (codes.min() < INT4_MIN or codes.max() > INT4_MAX):
+        raise ValueError(f"int4 codes must lie in [{INT4_MIN}, {INT4_MAX}]")
+    axis = int4_packed_axis(tuple(codes.shape))
+    # [.., blocks, 2 (low / high nibble), INT4_PACK_ROWS / 2, ..] along the packed axis.
+    shape = list(codes.shape)
+    blocked = codes.to(torch.int32).unflatten(axis, (shape[axis] // INT4_PACK_ROWS, 2, INT4_PACK_ROWS // 2))
+    low, high = blocked.unbind(axis + 1)
+    packed = (low & 0xF) | ((high & 0xF) << 4)
+    return packed.flatten(axis, axis + 1).to(torch.uint8)
+
+
+def unpack_int4(packed: torch.Tensor, known_dim: int, known_axis: int) -> torch.Tensor:
+    """The int8 codes of a packed `[G, a, b]` uint8 weight whose dim `known_axis` (1 or 2) is `known_dim` unpacked
+    (`int4_unpacked_shape`)."""
+    shape = int4_unpacked_shape(tuple(packed.shape), known_dim, known_axis)
+    if shape is None:
+        raise ValueError(f"a packed int4 weight of shape {list(packed.shape)} cannot have dim {known_axis} = "
+                         f"{known_dim} unpacked")
+    axis = 1 if shape[1] != packed.shape[1] else 2
+    blocked = packed.to(torch.int32).unflatten(axis, (packed.shape[axis] // (INT4_PACK_ROWS // 2),
+                                                      INT4_PACK_ROWS // 2))
+    low = ((blocked & 0xF) ^ 8) - 8
+    high = ((blocked >> 4) ^ 8) - 8
+    return torch.stack([low, high], axis + 1).flatten(axis, axis + 2).to(torch.int8)
+
 def unpack_int4_block(q_ref, out_ref) -> None:
     """Writes a packed int4 window (`q_ref`, `[rows / 2, cols]` uint8, whole INT4_PACK_ROWS blocks) to `out_ref`
     (`[rows, cols]`, the activation dtype) as the integers it holds. Per block: the bytes as int32, each nibble
@@ -176,7 +217,7 @@ def expected_scales_shape(scheme: str, weight_shape: tuple[int, ...], out_axis: 
 
 def swapped_minor_dims(weights: jax.Array, scales: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
     """`weights[G, D1, D2]` as `[G, D2, D1]`, with its scales: an fp8 block grid swaps with it, int8's
-    per-output-channel scales do not depend on the order (`weights_layout.weights_orientation` says when)."""
+    per-output-channel scales do not depend on the order (`common.weights_layout.weights_orientation` says when)."""
     if scales is not None and scales.ndim == 3:
         scales = jnp.swapaxes(scales, 1, 2)
     return jnp.swapaxes(weights, 1, 2), scales

@@ -1,8 +1,8 @@
-"""Tiles of the grouped matmul (`pallas_gmm.ragged_dot`): `TileConfig` and how one is chosen.
+"""Tiles of the grouped matmul (`gmm.kernel.grouped_matmul`): `TileConfig` and how one is chosen.
 
 A config comes from `select_config`: the `TUNED_TILES` entry of the shape
 (tuned_tiles.json), else a VMEM-aware heuristic (`heuristic_config`); a caller who has tuned a
-shape passes its own (`ragged_dot(..., config=...)`). Five knobs:
+shape passes its own (`grouped_matmul(..., config=...)`). Five knobs:
 
 - `tile_m`, `tile_k`, `tile_n`: the lhs `(tile_m, tile_k)`, rhs `(tile_k,
   tile_n)` and out `(tile_m, tile_n)` blocks. `tile_m >= M` makes the whole
@@ -30,21 +30,21 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from ._hardware import (
+from .._hardware import (
     LANES, check_generation, padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, tpu_generation,
     vmem_limit_bytes,
 )
-from .quant import (
+from ..common.quant import (
     FP8, FP8_BLOCK, FP8_MXU_GENERATIONS, INT8, INT4, blocks, dequantized_in_vmem, per_channel_scales, scheme_of,
     stored_rows,
 )
-from .vmem import (
+from ..common.vmem import (
     MAX_UNROLLED_MACS, MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, check_vmem_fits, fp8_dequantize_vmem_bytes,
     fp8_matmul_vmem_bytes, fp8_window_scales_vmem_bytes, int4_unpack_vmem_bytes,
 )
 
 # Group slots one grid step may multiply: each slot's row chunks are matmuls unrolled in the kernel body
-# (bounded with them by `vmem.MAX_UNROLLED_MATMULS` and `vmem.MAX_UNROLLED_MACS`).
+# (bounded with them by `common.vmem.MAX_UNROLLED_MATMULS` and `common.vmem.MAX_UNROLLED_MACS`).
 MAX_GROUPS_PER_STEP = 4
 
 # Blocks of the heuristic: weights blocks of about this many bytes keep the
@@ -64,7 +64,7 @@ HEURISTIC_ROW_TILE = {"v5e": 512, "v5p": 512, "v6e": 512, "tpu7x": 512}
 
 
 class TileConfig(NamedTuple):
-    """Blocks of one ragged_dot call (the five knobs in the module docstring)."""
+    """Blocks of one grouped_matmul call (the five knobs in the module docstring)."""
 
     tile_m: int
     tile_k: int
@@ -101,7 +101,7 @@ TUNED_TILES: dict[TunedKey, TileConfig] = _tuned_tiles()
 
 
 def matmul_feeds_fp8_mxu(config: TileConfig, k: int, rhs_dtype, generation: str) -> bool:
-    """Whether the grouped matmul feeds fp8 weights to the fp8 MXU (`quant.fp8_matmul`) rather than dequantizing
+    """Whether the grouped matmul feeds fp8 weights to the fp8 MXU (`common.quant.fp8_matmul`) rather than dequantizing
     them: on a generation that has one, with K whole or in tiles of whole 128-wide scale blocks."""
     return (rhs_dtype is not None and scheme_of(rhs_dtype) == FP8 and generation in FP8_MXU_GENERATIONS
             and (config.tile_k >= k or config.tile_k % FP8_BLOCK == 0))
@@ -143,9 +143,9 @@ def vmem_bytes(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None
                fp8_matmul: bool = False, bias: bool = False) -> int:
     """VMEM of a grouped matmul with `config`: its buffers (`matmul_buffers`) and what dequantizing one-byte
     weights takes beside them: an int8 block cast to the activation dtype; fp8 blocks dequantized 128 rows at a
-    time through f32 (`quant.dequantize_fp8_block`), or with `fp8_matmul` each slot's block scales spread over
-    the columns and one 128-wide K block's product (`quant.fp8_matmul`); int4 blocks unpacked a packed block
-    (two 32-row slabs) at a time through int32 (`quant.unpack_int4_block`)."""
+    time through f32 (`common.quant.dequantize_fp8_block`), or with `fp8_matmul` each slot's block scales spread over
+    the columns and one 128-wide K block's product (`common.quant.fp8_matmul`); int4 blocks unpacked a packed block
+    (two 32-row slabs) at a time through int32 (`common.quant.unpack_int4_block`)."""
     buffers = matmul_buffers(config, m, k, n, dtype, rhs_dtype, transpose_rhs, fp8_matmul, bias)
     scheme = scheme_of(dtype if rhs_dtype is None else rhs_dtype)
     tile_k, tile_n = min(config.tile_k, k), min(config.tile_n, n)

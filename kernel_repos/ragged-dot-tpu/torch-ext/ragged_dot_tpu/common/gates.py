@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._hardware import LANES
+from .._hardware import LANES
 
 
 def _gelu_erf(x: jax.Array) -> jax.Array:

@@ -3,7 +3,7 @@
 The budget a config's blocks may take, the bounds on what one grid step
 unrolls (compile time), and `Buffer`: one VMEM buffer of a kernel's
 pipeline, padded as Mosaic lays it out. The tiles of each kernel
-(`gmm_tiles.py`, `tgmm_tiles.py`, `fused_tiles.py`) list their buffers in it.
+(`gmm/tiles.py`, `tgmm/tiles.py`, `fused/tiles.py`) list their buffers in it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from ._hardware import padded_vmem_bytes, resolve_generation, vmem_budget_bytes
+from .._hardware import padded_vmem_bytes, resolve_generation, vmem_budget_bytes
 from .quant import FP8_BLOCK, INT4_PACK_ROWS, blocks
 
 # Every (group slot, row chunk) pair is one matmul unrolled in the kernel
@@ -55,25 +55,25 @@ def buffers_bytes(buffers) -> int:
 
 
 def fp8_dequantize_vmem_bytes(cols: int) -> int:
-    """f32 values `quant.dequantize_fp8_block` keeps for a window `cols` wide (at most): the grid's scales spread
+    """f32 values `common.quant.dequantize_fp8_block` keeps for a window `cols` wide (at most): the grid's scales spread
     over the columns, one 128-row slab's scales, weights and product (at most 24 grid rows: H, I <= 3072)."""
     return 4 * padded_vmem_bytes((FP8_BLOCK, cols), jnp.float32)
 
 
 def fp8_matmul_vmem_bytes(rows: int, cols: int) -> int:
-    """f32 values `quant.fp8_matmul` keeps beside its running result for `rows` x `cols` outputs, per 128-wide K
+    """f32 values `common.quant.fp8_matmul` keeps beside its running result for `rows` x `cols` outputs, per 128-wide K
     block: the rows' f32 slice, the block's product and its scaled term. (The weights' scales spread over the
-    columns, `quant.fp8_window_scales`, are its caller's.)"""
+    columns, `common.quant.fp8_window_scales`, are its caller's.)"""
     return padded_vmem_bytes((rows, FP8_BLOCK), jnp.float32) + 2 * padded_vmem_bytes((rows, cols), jnp.float32)
 
 
 def fp8_window_scales_vmem_bytes(window_k: int, cols: int) -> int:
-    """The f32 scales `quant.fp8_window_scales` spreads over a weights window `window_k` deep and `cols` wide."""
+    """The f32 scales `common.quant.fp8_window_scales` spreads over a weights window `window_k` deep and `cols` wide."""
     return padded_vmem_bytes((blocks(window_k), cols), jnp.float32)
 
 
 def int4_unpack_vmem_bytes(cols: int) -> int:
-    """32-bit values `quant.unpack_int4_block` keeps for a window `cols` wide: one packed block's bytes as int32,
+    """32-bit values `common.quant.unpack_int4_block` keeps for a window `cols` wide: one packed block's bytes as int32,
     each nibble's two shifts and its conversion through f32: ten 32-row slabs in all (Mosaic's own count for
     GPT-OSS's 5760-wide gate_up on v5e passed six by 0.1 MiB; for its fused decode layer in 16-row chunks
     and whole I tiles on v5e and v6e, eight by 20 KiB with four experts, top-1, and by 0.75 MiB with 32,

@@ -1,0 +1,38 @@
+"""The combine kernel's token tile: how many tokens one grid step sums."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from .._hardware import LANES, round_up, tpu_generation, vmem_budget_bytes
+
+# Tokens per grid step, largest first: each step copies up to K x tile rows, and a longer tile pays fewer steps'
+# fixed cost. The first tile's copies wait before any sum (nothing overlaps them), so a core keeps at least
+# MIN_TILES_PER_CORE tiles: the exposed copies stay an eighth of its rows (modelled by `tpu-kernels bench
+# moe_layer` at 2048 and 8192 tokens: 256 and 512 were the best tiles there or within 1.3 us of it; 512 at
+# 2048 tokens, 4 tiles, was up to 2 % slower than 128).
+TOKEN_TILES = (512, 256, 128)
+MIN_TILES_PER_CORE = 8
+
+
+def combine_vmem_bytes(tile_t: int, top_k: int, hidden: int, dtype: str, tile_n: int, split: int) -> int:
+    """VMEM a grid step of `tile_t` tokens holds: rows of `hidden` columns as packed words, `split` per N tile of
+    `tile_n` columns (`combine.plan.CombinePlan`)."""
+    words = pl.cdiv(hidden, tile_n) * split
+    return (2 * top_k * tile_t * words * 4  # the two buffers of copied rows
+            + 2 * 2 * tile_t * round_up(top_k, LANES) * 4  # routing weights and live flags, double-buffered
+            + 2 * tile_t * hidden * jnp.dtype(dtype).itemsize  # the output block, double-buffered
+            + 4 * tile_t * split * 4)  # one N tile's f32 parts and sums
+
+
+def select_token_tile(tokens: int, top_k: int, hidden: int, dtype: str, tile_n: int, split: int,
+                      generation: str) -> int:
+    """The largest of TOKEN_TILES that leaves each core MIN_TILES_PER_CORE tiles and takes at most half of the
+    generation's VMEM budget (the rest stays XLA's, around the kernel), else the smallest."""
+    chip_cores = tpu_generation(generation).cores_per_device
+    return next((tile for tile in TOKEN_TILES
+                 if pl.cdiv(tokens, tile) >= MIN_TILES_PER_CORE * chip_cores
+                 and combine_vmem_bytes(tile, top_k, hidden, dtype, tile_n, split)
+                 <= vmem_budget_bytes(generation) // 2),
+                min(TOKEN_TILES[-1], round_up(tokens, 8)))

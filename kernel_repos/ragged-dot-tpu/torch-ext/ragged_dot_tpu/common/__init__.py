@@ -1,0 +1,3 @@
+"""What the kernels share: quantized weights (`quant.py`), the gated activations (`gates.py`), bf16 rows as
+32-bit words (`packed_rows.py`), the picks sorted by expert (`routing.py`), the VMEM budget and what blocks hold
+(`vmem.py`), and the order each projection's weights are read in (`weights_layout.py`)."""

@@ -1,0 +1,3 @@
+"""The grouped matmul (ragged dot) kernel: `kernel.py` runs it, `schedule.py` lays its work items and the blocks
+each operand moves, `plan.py` plans one call from the tiles `tiles.py` selects (`tuned_tiles.json`: the tuned
+table)."""

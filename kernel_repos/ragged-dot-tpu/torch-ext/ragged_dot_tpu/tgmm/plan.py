@@ -1,0 +1,39 @@
+"""The weights' gradient's plan: a `TgmmProblem` goes in, the `TgmmPlan` its kernel runs comes out."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .._hardware import resolve_generation
+from ..common.vmem import Buffer
+from ..problem import TgmmProblem
+from .tiles import TgmmConfig, check_tgmm_config, select_tgmm_config, tgmm_blocks, tgmm_buffers, tgmm_vmem_limit
+
+
+class TgmmPlan(NamedTuple):
+    """One weights' gradient as `tgmm.kernel.transposed_grouped_matmul_call` runs it (blocks of `tgmm_blocks`)."""
+
+    problem: TgmmProblem
+    tile_m: int
+    tile_k: int
+    tile_n: int
+    chunk_m: int
+    group_chunks: bool  # chunks laid from each group's first row (only with more than one chunk per tile)
+    buffers: tuple[Buffer, ...]  # what the pipeline holds in VMEM (`tgmm_buffers`)
+    vmem_limit_bytes: int
+
+
+def plan_tgmm(problem: TgmmProblem, generation: str | None = None, config: TgmmConfig | None = None) -> TgmmPlan:
+    """The plan of one tgmm call on `generation` (default: this device's): `config`'s tiles (checked), else
+    `select_tgmm_config`'s."""
+    generation = resolve_generation(generation)
+    m, k, n, dtype, out_dtype = problem.m, problem.k, problem.n, problem.dtype, problem.out_dtype
+    if config is None:
+        config = select_tgmm_config(m, k, n, dtype, generation=generation, out_dtype=out_dtype,
+                                    num_groups=problem.groups)
+    check_tgmm_config(config, m, k, n, dtype, out_dtype, generation=generation)
+    tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, m, k, n, dtype)
+    return TgmmPlan(problem, tile_m, tile_k, tile_n, chunk_m, config.group_chunks and chunk_m < tile_m,
+                    tgmm_buffers(config, m, k, n, dtype, out_dtype),
+                    tgmm_vmem_limit(config, m, k, n, dtype, out_dtype, generation=generation))
+
