@@ -117,7 +117,7 @@ def test_commit_page(chromium, served, tmp_path):
     commit = served.commits[repo]
     text = visible_text(render(chromium, f"{served.url}/kernels/{repo}/commit/{commit}", tmp_path / "commit.png"))
     assert f"Upload ragged-dot-tpu v1 (torch-cpu, torch-tpu) {commit}" in text
-    assert "added build/torch-cpu/pallas_gmm.py" in text and "added build/torch-tpu/pallas_gmm.py" in text
+    assert "added build/torch-cpu/gmm/kernel.py" in text and "added build/torch-tpu/gmm/kernel.py" in text
 
 
 def test_hostile_content_is_inert_text(chromium, served, tmp_path):

@@ -17,6 +17,7 @@ This module imports nothing heavy: the CLI lists the benchmarks from it.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 # name -> one line, in the order `tpu-kernels bench --help` lists them.
@@ -45,6 +46,14 @@ KERNEL_REPOS_DIR = Path("kernel_repos")
 
 class MissingInput(SystemExit):
     """A file or folder a benchmark reads is not where it looked: exits with the message (status 1)."""
+
+
+def write_json(path: Path | str, data, *, indent: int = 1, sort_keys: bool = False) -> Path:
+    """`data` as JSON at `path` (its folder made), one trailing newline; the path, for the message that says so."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=indent, sort_keys=sort_keys) + "\n")
+    return path
 
 
 def result_path(filename: str) -> Path:

@@ -32,20 +32,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import jax
 import torch
 from jax.experimental.pallas import tpu as pltpu
 
-from tpu_kernels.bench import result_path
+from tpu_kernels.bench import result_path, write_json
 from tpu_kernels.runtime import binding
 
 DEFAULT_OUT = result_path("binding.json")
@@ -300,9 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     model = tpu["decode_step_model"]
     print(f"decode step: {model['kernel_calls_per_step']} kernel calls, >= {model['host_ms_per_step_lower_bound']:.1f} ms "
           f"host Python in eager mode (HF step at batch 1: {HF_STEP_MS} ms)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    out = write_json(args.out, results, indent=2)
     print(f"wrote {out}")
     return 0
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tpu_kernels.bench import MissingInput, result_path
+from tpu_kernels.bench import MissingInput, result_path, write_json
 from tpu_kernels.perf import calibration
 
 # The checkout's source of the model's constants, relative to the current directory.
@@ -163,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         "vector_rates_per_cycle": VECTOR_RATES,
         "fits": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    write_json(args.out, report, sort_keys=True)
     if args.write_constants:
         write_constants(results, args.constants)
     print(json.dumps(results, indent=1, sort_keys=True))

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-from pathlib import Path
 
 import torch
 
-from tpu_kernels.bench import result_path
+from tpu_kernels.bench import result_path, write_json
 from tpu_kernels.bench.quantization_accuracy import EXPERT_WEIGHT_STD, _models, _run, _with_random_experts
 
 GROUP_SIZES = (128, 64, 32)
@@ -110,9 +108,7 @@ def main(argv=None) -> int:
             print(f"{name[:10]:<10} {variant:<20} greedy {error['greedy_tokens_equal']:>5}, logits max "
                   f"{error['logits_max_abs_error']:.3e} mean {error['logits_mean_abs_error']:.3e}", flush=True)
         results["models"][name] = rows
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    out = write_json(args.out, results, indent=2, sort_keys=True)
     print(f"wrote {out}")
     return 0
 

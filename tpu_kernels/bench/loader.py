@@ -49,7 +49,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 import kernels  # noqa: E402 (after the telemetry switch)
 
 import tpu_kernels
-from tpu_kernels.bench import kernel_repo, require_kernel_repo, result_path
+from tpu_kernels.bench import kernel_repo, require_kernel_repo, result_path, write_json
 from tpu_kernels.distribution.builder import build_kernel_repo
 from tpu_kernels.distribution.digest import copy_verified_variant
 from tpu_kernels.distribution.hub import start_hub
@@ -262,8 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         result[state]["ratio_of_min"] = result[state]["ours"]["min_s"] / result[state]["kernels"]["min_s"]
     result["repeat_in_process"]["ratio_ours_over_kernels"] = repeat["ours"]["median_s"] / repeat["kernels"]["median_s"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result, indent=2)
     print(json.dumps({state: {key: value for key, value in result[state].items() if "ratio" in key}
                       for state in ("cold", "warm", "repeat_in_process")}, indent=2))
     print(f"offline: ours {result['offline']['ours']}, kernels {result['offline']['kernels']}")

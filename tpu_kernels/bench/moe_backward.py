@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import platform
 import tempfile
 import time
@@ -67,7 +66,7 @@ from jax import lax
 
 from tpu_kernels import perf
 # moe_layer: the MoE-layer benchmark (models, routing, stored weights order).
-from tpu_kernels.bench import calibration_bands, moe_layer, require_kernel_repo, result_path
+from tpu_kernels.bench import calibration_bands, moe_layer, require_kernel_repo, result_path, write_json
 from tpu_kernels.perf import tokamax_kernels
 
 DEFAULT_OUT = result_path("moe_backward.json")
@@ -332,10 +331,8 @@ def main(argv=None) -> int:
         "targets": check_targets(entries, ratios),
     }
     run = {"platform": platform.platform(), "seconds": round(time.perf_counter() - started, 1)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(moe_layer.rounded(report), indent=1, sort_keys=True) + "\n")
-    moe_layer.RAW_DIR.mkdir(parents=True, exist_ok=True)
-    (moe_layer.RAW_DIR / f"{args.out.stem}.run.json").write_text(json.dumps(run, indent=1) + "\n")
+    write_json(args.out, moe_layer.rounded(report), sort_keys=True)
+    write_json(moe_layer.RAW_DIR / f"{args.out.stem}.run.json", run)
     if not args.no_plot:
         plot(entries, args.out.with_suffix(".png"))
     for row in ratios:

@@ -21,7 +21,6 @@ the same.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from tpu_kernels.bench import KERNEL_REPOS_DIR, require_kernel_repo, result_path
+from tpu_kernels.bench import KERNEL_REPOS_DIR, require_kernel_repo, result_path, write_json
 
 KINDS_TO_REPOS = {"experts": "ragged-dot-tpu", "rmsnorm": "rmsnorm-tpu", "attention": "attention-tpu"}
 
@@ -140,9 +139,7 @@ def main(argv=None) -> int:
                 print(f"{implementation:<11} batch {batch:>3}: {median * 1e3:9.2f} ms/step  {batch / median:9.1f} tok/s")
             results["implementations"][implementation] = rows
     results["load_average_at_end"] = os.getloadavg()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    out = write_json(args.out, results, indent=2)
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0

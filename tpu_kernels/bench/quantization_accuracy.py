@@ -40,13 +40,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import tempfile
 from pathlib import Path
 
 import torch
 
-from tpu_kernels.bench import kernel_repo, require_kernel_repo, result_path
+from tpu_kernels.bench import kernel_repo, require_kernel_repo, result_path, write_json
 
 KERNEL_REPO = kernel_repo("ragged-dot-tpu")
 SCHEMES = ("int8", "fp8", "int4")
@@ -183,9 +182,7 @@ def main(argv=None) -> int:
                       f"{row['kernel_vs_dequantized_reference_logits_max_abs_error']:.1e}, bytes "
                       f"{report.bytes_before} -> {report.bytes_after}", flush=True)
             results["models"][name] = rows
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    out = write_json(args.out, results, indent=2)
     print(f"wrote {out}")
     return 0
 

@@ -44,7 +44,7 @@ import kernels
 
 from tpu_kernels import perf
 from tpu_kernels.aot import compile_for
-from tpu_kernels.bench import kernel_repo, require_kernel_repo, result_path
+from tpu_kernels.bench import kernel_repo, require_kernel_repo, result_path, write_json
 from tpu_kernels.distribution.builder import build_kernel_repo
 
 KERNEL_REPO = kernel_repo("rmsnorm-tpu")
@@ -276,8 +276,7 @@ def main(argv=None) -> int:
             "results": layouts,
         },
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    write_json(args.out, report, sort_keys=True)
     print(json.dumps(report["summary"], indent=2))
     print(f"wrote {args.out}")
     return 0 if report["summary"]["meets_target_rows_ge_64"] else 1

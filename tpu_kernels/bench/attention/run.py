@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import kernels
 
 from tpu_kernels import perf
-from tpu_kernels.bench import calibration_bands, kernel_repo, require_kernel_repo, result_path
+from tpu_kernels.bench import calibration_bands, kernel_repo, require_kernel_repo, result_path, write_json
 from tpu_kernels.distribution.builder import build_kernel_repo
 
 from .backward import TRAINING_SHAPES, measure_backward, summarise_backward, sweep_backward
@@ -81,8 +81,7 @@ def main(argv=None) -> int:
         "results": results,
         "backward": {"summary": summarise_backward(backward), "results": backward},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    write_json(args.out, report, sort_keys=True)
     print(json.dumps(report["summary"], indent=2))
     print(f"wrote {args.out}")
     print(json.dumps(report["backward"]["summary"], indent=2))

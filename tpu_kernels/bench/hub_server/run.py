@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 import tpu_kernels
-from tpu_kernels.bench import result_path
+from tpu_kernels.bench import result_path, write_json
 
 from .faults import (clash, commit_memory, connections, empty_token, latency, malformed, parsing, private, ref_names,
                       short_body, validate_yaml)
@@ -119,7 +119,6 @@ def main(argv: list[str] | None = None) -> int:
                                                    "load_average_at_start": [round(x, 1) for x in os.getloadavg()]}
     if args.group == "attacks" and {"before", "after"} <= set(group):
         group["table"] = attacks_table(group)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(args.out, report)
     print(f"wrote {args.out}")
     return 0
