@@ -1,5 +1,6 @@
 """Code outside ragged-dot-tpu's package reaches the loaded kernel only through its face: the names its
-`__init__.py` lists in `__all__`. Read from the source with `ast`; nothing is imported or compiled.
+`__init__.py` lists in `__all__` (what a user calls) and `TOOLS` (what tools use besides). Read from the
+source with `ast`; nothing is imported or compiled.
 
 Outside is this project's tests, tpu_kernels (benchmarks, the performance model, integration) and the kernel
 repo's own tests. Two checks cover it:
@@ -63,11 +64,15 @@ def package_modules() -> dict[str, set[str]]:
     return modules
 
 
+FACE_LISTS = ("__all__", "TOOLS")  # what a user calls, and what tools use besides
+
+
 def face() -> list[str]:
+    """The names of `__init__.py`'s `__all__` and `TOOLS`, in that order."""
     tree = ast.parse((PACKAGE / "__init__.py").read_text())
-    [value] = [node.value for node in tree.body if isinstance(node, ast.Assign)
-               and any(isinstance(target, ast.Name) and target.id == "__all__" for target in node.targets)]
-    return ast.literal_eval(value)
+    lists = {target.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+             for target in node.targets if isinstance(target, ast.Name) and target.id in FACE_LISTS}
+    return [name for listed in FACE_LISTS for name in lists[listed]]
 
 
 def missing_from_the_package(names: list[str], modules: dict[str, set[str]]) -> list[str]:

@@ -239,20 +239,7 @@ def as_imported(described: dict) -> dict:
 
 
 EXPECTED_API = {
-    # ragged-dot-tpu's face (`__all__`): its torch ops and the JAX functions code outside the package uses.
-    "ragged-dot-tpu": ([
-        "composed_experts_forward", "experts_forward", "fused_gate", "gated_experts", "ragged_dot", "describe_experts",
-        "fused_path_config", "gated_plan", "gathered_plan", "packed_plan", "plan_combine", "plan_experts", "plan_fused",
-        "plan_ragged_dot", "plan_tgmm", "buffers_bytes", "busier_core_seconds", "check_config", "check_fused_config",
-        "expected_active_groups", "experts_per_step_saving", "fused_config", "fused_feeds_fp8_mxu", "fused_vmem_bytes",
-        "heuristic_config", "i_tiles", "matmul_buffers", "n_tile", "ridge_rows", "row_chunks", "row_tile_rows",
-        "select_config", "select_d_lhs_config", "select_tgmm_config", "vmem_bytes", "vmem_limit",
-        "weights_orientation", "combine_picks", "differentiable_ragged_dot", "experts_layer", "expert_plan",
-        "fused_experts", "fused_experts_call", "grouped_matmul", "grouped_matmul_call", "make_tgmm_items",
-        "make_work_items", "transposed_grouped_matmul", "transposed_grouped_matmul_call", "check_scheme_served",
-        "expected_scales_shape", "int4_packable", "int4_packed_axis", "pack_int4", "pack_rows", "scheme_of",
-        "unpack_int4", "unpack_rows",
-    ], []),
+    "ragged-dot-tpu": (["experts_forward", "gated_experts", "ragged_dot"], []),
     "rmsnorm-tpu": (["fused_add_rms_norm", "rms_norm"], ["RMSNorm", "RMSNormZeroCentered"]),
     "attention-tpu": (["attention_forward", "attention_mask", "flash_attention"], []),
 }

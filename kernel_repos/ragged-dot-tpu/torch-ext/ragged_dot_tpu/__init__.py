@@ -7,9 +7,10 @@ and CI).
 Each kernel is a subpackage (`gmm`, `tgmm`, `fused`, `combine`: its kernel,
 its plan and its tiles); `common` is what they share; `problem.py`,
 `plan.py` and `layer.py` describe, plan and run the experts layer. `__all__`
-is the one face code outside this package uses: the torch ops, the problem
-values, the plan makers, the tile selectors, each kernel's call, quantized
-weights and their packing, and the reference.
+is what a user calls (the torch ops and the reference); `TOOLS` is what
+benchmarks, the performance model and tests use besides: the problem values,
+the plan makers, the tile selectors, each kernel's call, quantized weights and
+their packing.
 """
 
 # Submodules are bound by name here, not only imported: `kernels` may load the
@@ -50,9 +51,15 @@ from .tgmm.kernel import make_tgmm_items, transposed_grouped_matmul, transposed_
 from .tgmm.plan import plan_tgmm
 from .tgmm.tiles import TgmmConfig, select_tgmm_config
 
-__all__ = [
-    # The torch ops, and transformers' experts entry point.
-    "composed_experts_forward", "experts_forward", "fused_gate", "gated_experts", "ops", "ragged_dot",
+# What a user of the loaded kernel calls (and what `kernels describe-api` lists, from symbols.json): the torch
+# ops, transformers' experts entry point, and the float64 reference the kernels are tested against.
+__all__ = ["experts_forward", "gated_experts", "ops", "ragged_dot", "reference"]
+
+# The one face code outside this package (benchmarks, the performance model, integration, tests) uses besides
+# `__all__`: tests/test_kernel_face.py holds every use to these names.
+TOOLS = [
+    # The composed experts forward, and the gate of the fused op.
+    "composed_experts_forward", "fused_gate",
     # What a call computes.
     "ExpertWeights", "ExpertsProblem", "Gate", "MatmulProblem", "TgmmProblem", "describe_experts",
     # The plan makers, and the rule that picks the experts layer's kernel.
@@ -71,6 +78,4 @@ __all__ = [
     # Quantized weights, and packing.
     "INT4", "NOT_SERVED", "check_scheme_served", "expected_scales_shape", "int4_packable", "int4_packed_axis",
     "pack_int4", "pack_rows", "scheme_of", "unpack_int4", "unpack_rows",
-    # The float64 reference the kernels are tested against.
-    "reference",
 ]
