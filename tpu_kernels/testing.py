@@ -34,9 +34,6 @@ import pytest
 
 BUILT_ENV = "TPU_KERNELS_BUILT"
 DETECT_RACES_INI = "tpu_kernels_detect_races"
-# What the interpreter prints for each race it finds, as `pltpu.InterpretParams.detect_races` documents (its race
-# state has no public accessor).
-RACE_REPORT = "RACE DETECTED"
 
 
 def pytest_addoption(parser):
@@ -87,6 +84,8 @@ def interpret(fn, cores: int = 1):
     Fails the test if the interpreter found a data race in any kernel it ran."""
     import jax
     from jax.experimental.pallas import tpu as pltpu
+
+    from .runtime.binding import RACE_REPORT
 
     params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan", num_cores_or_threads=cores)
     printed = io.StringIO()

@@ -47,6 +47,8 @@ import torch
 from jax.experimental.pallas import tpu as pltpu
 
 RACE_DETECTION_ENV = "TPU_KERNELS_DETECT_RACES"
+# How the interpreter's report of a race begins (printed once per race, as `pltpu.InterpretParams` documents).
+RACE_REPORT = "RACE DETECTED"
 
 
 @functools.cache
@@ -189,14 +191,12 @@ class _RaceWatch:
     accessor.
     """
 
-    REPORT = "RACE DETECTED"
-
     def __init__(self, stream):
         self.stream = stream
         self.found = False
 
     def write(self, text: str) -> int:
-        self.found = self.found or self.REPORT in text
+        self.found = self.found or RACE_REPORT in text
         return self.stream.write(text)
 
     def __getattr__(self, name):
