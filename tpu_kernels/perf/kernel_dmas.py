@@ -30,7 +30,7 @@ import numpy as np
 from jax._src import core as jax_core
 from jax._src.pallas.mosaic import primitives as mosaic_primitives
 
-from .kernel_work import values_at_each_step
+from .kernel_work import fori_trips, values_at_each_step
 
 
 def waited_bytes(kernel: jax_core.Jaxpr, refs, gm, grid, grid_indices: np.ndarray, prefetch) -> dict:
@@ -79,7 +79,7 @@ def waited_bytes(kernel: jax_core.Jaxpr, refs, gm, grid, grid_indices: np.ndarra
                 cond_consts, body_consts = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
                 body = eqn.params["body_jaxpr"].jaxpr
                 consts = operands[cond_consts : cond_consts + body_consts]
-                trips = _fori_trips(eqn, operands[cond_consts + body_consts :], value)
+                trips = fori_trips(eqn, lambda var: value(resolve(var) if isinstance(var, jax_core.Var) else var))
                 walk(body, _scope(body.invars[:body_consts], consts), None if times is None or trips is None
                      else times * trips)
             elif name == "scan":
@@ -105,21 +105,6 @@ def _scope(inner_vars, outer_values):
     literals), anything computed inside to None."""
     mapping = {var: outer for var, outer in zip(inner_vars, outer_values)}
     return lambda var: mapping.get(var)
-
-
-def _fori_trips(eqn, carry, value) -> np.ndarray | None:
-    """Trips of a `while` that counts its first carry up to its second (`lax.fori_loop`), at every step."""
-    cond = eqn.params["cond_jaxpr"].jaxpr
-    cond_consts = eqn.params["cond_nconsts"]
-    if len(cond.eqns) != 1 or cond.eqns[0].primitive.name != "lt" or len(carry) < 2:
-        return None
-    counter, bound = cond.invars[cond_consts], cond.invars[cond_consts + 1]
-    if list(cond.eqns[0].invars) != [counter, bound] or cond.outvars != cond.eqns[0].outvars:
-        return None
-    lower, upper = value(carry[0]), value(carry[1])
-    if lower is None or upper is None:
-        return None
-    return np.clip(upper - lower, 0, None)
 
 
 def _slice_bytes(transformed) -> int:

@@ -2,12 +2,13 @@
 
 MXU work is derived from the kernel body: every `dot_general` on the block
 shapes, times the loop trip counts around it, at every grid step (so padding
-rows inside a block are counted: the MXU computes them). A top-level `cond`
-(`pl.when`) whose predicate depends only on program ids and scalar-prefetch
-values is evaluated at every step, so compute a kernel skips (an empty group,
-a masked tile) costs nothing. Any other `cond` counts its most expensive
-branch and a `while` body counts once; `PallasCallTraffic.dots_exact` is
-False then, and the `active_steps` callback can say which steps compute (the
+rows inside a block are counted: the MXU computes them). A `cond`
+(`pl.when`) whose predicate, and a `fori_loop` whose bounds, depend only on
+program ids and scalar-prefetch values are evaluated at every step, so
+compute a kernel skips (an empty group, a masked tile, chunks past a group's
+rows) costs nothing. Any other `cond` counts its most expensive branch and
+any other `while` body counts once; `PallasCallTraffic.dots_exact` is False
+then, and the `active_steps` callback can say which steps compute (the
 pipeline's DMAs run on every step regardless).
 
 Vector-unit work: every elementwise or reducing op of the kernel body on an
@@ -36,34 +37,107 @@ from ..runtime.hardware import round_up
 def grid_dots(kernel, gm, grid, grid_indices: np.ndarray, prefetch: list[Any]) -> tuple[dict[tuple, np.ndarray], bool]:
     """How many times each matmul shape runs at every grid step, and whether that count is exact.
 
-    A top-level `cond` (e.g. `pl.when`) whose predicate depends only on
-    program ids and scalar-prefetch values is evaluated at every step, so
-    skipped compute costs nothing. Other conds count their most expensive
-    branch, a `while` body counts once; the count is then not exact.
+    A `cond` (e.g. `pl.when`) whose predicate, and a `fori_loop` whose
+    bounds, depend only on program ids and scalar-prefetch values are
+    evaluated at every step, also nested in each other, so skipped compute
+    costs nothing and a loop counts its trips. Other conds count their most
+    expensive branch, other `while` bodies count once; the count is then not
+    exact.
     """
     steps = grid_indices.shape[0]
     per_step: dict[tuple, np.ndarray] = {}
-    exact = True
+    top_level: dict = {}
 
-    def add(found: dict[tuple, int], times: np.ndarray):
-        for key, count in found.items():
-            per_step[key] = per_step.get(key, np.zeros(steps, np.int64)) + count * times
+    def top_level_value(var) -> np.ndarray | None:
+        if var not in top_level:
+            top_level[var] = values_at_each_step(kernel, var, gm, grid, grid_indices, prefetch)
+        return top_level[var]
 
-    every_step = np.ones(steps, np.int64)
-    products = _matmul_products(kernel)
-    for eqn in kernel.eqns:
-        if eqn.primitive.name == "cond" and _cond_has_dots(eqn):
-            branch = _branch_at_each_step(kernel, eqn, gm, grid, grid_indices, prefetch)
-            if branch is not None:
-                for number, body in enumerate(eqn.params["branches"]):
-                    found: dict[tuple, int] = {}
-                    exact &= _collect_dots(body.jaxpr, 1, found)
-                    add(found, (branch == number).astype(np.int64))
-                continue
-        found = {}
-        exact &= _collect_dots_of_eqn(eqn, 1, found, products)
-        add(found, every_step)
+    def walk(jaxpr, value, times: np.ndarray) -> bool:
+        exact = True
+        products = _matmul_products(jaxpr)
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if name == "cond" and _cond_has_dots(eqn):
+                branch = value(eqn.invars[0])
+                if branch is not None:
+                    branch = np.clip(branch, 0, len(eqn.params["branches"]) - 1)
+                    for number, body in enumerate(eqn.params["branches"]):
+                        inner = _scope_values(body.jaxpr, body.jaxpr.invars, eqn.invars[1:], value, steps)
+                        exact &= walk(body.jaxpr, inner, times * (branch == number))
+                    continue
+            if name == "while":
+                trips = fori_trips(eqn, value)
+                if trips is not None:
+                    body = eqn.params["body_jaxpr"].jaxpr
+                    consts = eqn.invars[eqn.params["cond_nconsts"] : eqn.params["cond_nconsts"] + eqn.params["body_nconsts"]]
+                    inner = _scope_values(body, body.invars[: len(consts)], consts, value, steps)
+                    exact &= walk(body, inner, times * trips)
+                    continue
+            found: dict[tuple, int] = {}
+            exact &= _collect_dots_of_eqn(eqn, 1, found, products)
+            for key, count in found.items():
+                per_step[key] = per_step.get(key, np.zeros(steps, np.int64)) + count * times
+        return exact
+
+    def top_value(var) -> np.ndarray | None:
+        return np.full(steps, int(var.val), np.int64) if isinstance(var, jax_core.Literal) else top_level_value(var)
+
+    exact = walk(kernel, top_value, np.ones(steps, np.int64))
     return per_step, exact
+
+
+def fori_trips(eqn, value) -> np.ndarray | None:
+    """Trips at every step of a `while` that counts its first carry up to its second (`lax.fori_loop`), if `value`
+    knows both bounds."""
+    cond = eqn.params["cond_jaxpr"].jaxpr
+    cond_consts, body_consts = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    carry = eqn.invars[cond_consts + body_consts :]
+    if len(cond.eqns) != 1 or cond.eqns[0].primitive.name != "lt" or len(carry) < 2:
+        return None
+    counter, bound = cond.invars[cond_consts], cond.invars[cond_consts + 1]
+    if list(cond.eqns[0].invars) != [counter, bound] or cond.outvars != cond.eqns[0].outvars:
+        return None
+    lower, upper = value(carry[0]), value(carry[1])
+    if lower is None or upper is None:
+        return None
+    return np.clip(upper - lower, 0, None)
+
+
+def _scope_values(jaxpr, inner_vars, outer_vars, outer_value, steps: int):
+    """The per-step values of a nested jaxpr's scalars: its inputs `inner_vars` are the enclosing scope's
+    `outer_vars` (constant over the nested scope's run, e.g. a loop's consts, not its carry), and a scalar it
+    computes from them by an elementwise operation (`pl.when`'s conversion of its predicate, a comparison) is
+    computed on the host. Anything else is None."""
+    sources = dict(zip(inner_vars, outer_vars))
+    producers = {var: eqn for eqn in jaxpr.eqns for var in eqn.outvars}
+    known: dict = {}
+
+    def value(var) -> np.ndarray | None:
+        if isinstance(var, jax_core.Literal):
+            return np.full(steps, var.val)
+        if var not in known:
+            known[var] = outer_value(sources[var]) if var in sources else _computed(producers.get(var))
+        return known[var]
+
+    def _computed(eqn) -> np.ndarray | None:
+        if (eqn is None or eqn.primitive.name not in _SCALAR_PRIMITIVES
+                or any(var.aval.shape for var in (*eqn.invars, *eqn.outvars))):
+            return None
+        args = [value(var) for var in eqn.invars]
+        if any(arg is None for arg in args):
+            return None
+        dtypes = [var.aval.dtype for var in eqn.invars]
+
+        def per_step(*columns):
+            return eqn.primitive.bind(*(column.astype(dtype) for column, dtype in zip(columns, dtypes)),
+                                      **eqn.params)
+
+        with jax.default_device(host_device()):
+            result = jax.vmap(per_step)(*(np.asarray(arg) for arg in args))
+        return np.asarray(result[0] if eqn.primitive.multiple_results else result).astype(np.int64)
+
+    return value
 
 
 def _cond_has_dots(eqn) -> bool:
@@ -78,12 +152,6 @@ def _cond_has_dots(eqn) -> bool:
 
 # Calls of a jitted function (jnp.clip, jnp.where, ...): pure, so a predicate may take them whole.
 _PURE_CALLS = ("pjit", "jit", "closed_call")
-
-
-def _branch_at_each_step(kernel, cond_eqn, gm, grid, grid_indices, prefetch) -> np.ndarray | None:
-    """The branch `cond_eqn` takes at every grid step, if its index depends only on program ids and scalar prefetch."""
-    taken = values_at_each_step(kernel, cond_eqn.invars[0], gm, grid, grid_indices, prefetch)
-    return None if taken is None else np.clip(taken, 0, len(cond_eqn.params["branches"]) - 1)
 
 
 def values_at_each_step(kernel, index, gm, grid, grid_indices, prefetch) -> np.ndarray | None:
@@ -180,6 +248,11 @@ _TRANSCENDENTAL_PRIMITIVES = frozenset({
     "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "erf", "erf_inv", "sin", "cos", "tan",
     "sqrt", "rsqrt", "cbrt", "div", "pow", "atan2",
 })
+
+
+# The elementwise operations `_scope_values` evaluates on scalars.
+_SCALAR_PRIMITIVES = _VECTOR_PRIMITIVES - {
+    "reduce_max", "reduce_min", "reduce_sum", "reduce_and", "reduce_or", "argmax", "argmin", "cumsum", "cummax"}
 
 
 def is_dot_key(key: tuple) -> bool:

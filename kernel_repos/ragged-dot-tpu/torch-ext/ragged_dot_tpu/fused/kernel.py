@@ -35,8 +35,8 @@ The routing (`top_k_index`, `top_k_weights`) is resident too. At each item
 the kernel sums each token's weights for the item's expert; the expert's
 rows are the tokens of nonzero weight, in token order (a row's rank is the
 count of such tokens before it, a matmul with a triangular matrix). Rows are
-worked in static chunks of `chunk_rows`, each under a `pl.when` that skips
-chunks past the expert's picks. A chunk gathers its rows from the resident
+worked in chunks of `chunk_rows`, by a loop over the chunks the expert's
+picks fill. A chunk gathers its rows from the resident
 hidden states with a one-hot matmul (`[T, c]` one-hot, contracted over the
 tokens: exact), runs the expert, and scatters its results back with the
 one-hot scaled by the routing weights (exact for weights the activation
@@ -316,8 +316,8 @@ def _interleaved_fp8_rows(rows, refs: _Refs, expert: _Expert, plan: FusedPlan):
 def _expert_step(slot: int, refs: _Refs, expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref,
                  core, step, i_step, last_i, plan: FusedPlan) -> None:
     """One slot's expert at this grid step: its rows gathered, run through the I tile, weighted and added to
-    their tokens' outputs (under `pl.when`s that skip chunks past its picks, a slot without an item, and a step
-    past the core's I tiles)."""
+    their tokens' outputs (a loop over the chunks its picks fill, none for a slot without an item; `pl.when`s skip
+    a step past the core's I tiles)."""
     problem, chunk = plan.problem, plan.chunk_rows
     dtype = hidden_ref.dtype
     item, real = slot_item(core, step, slot, count_ref[0], plan)
@@ -357,14 +357,19 @@ def _expert_step(slot: int, refs: _Refs, expert_ref, rows_ref, count_ref, hidden
             total = total + _dot(low, out_rows, 1, 0, precision)
         refs.out_acc[...] += total
 
-    for j in range(plan.chunks):
-        first = j * chunk
-        live = first < picks
-        if plan.i_tiles_per_core == 1:  # each core's I tile, if any, is its own: the second of two
-            pl.when(live)(functools.partial(lambda first: scatter(first, _expert_rows(gather(first), refs, expert,
-                                                                                      plan)), first))
-            continue
-        _chunk_over_i_tiles(first, live, own_tile, i_step, last_i, gather, scatter, refs, expert, plan)
+    # A loop over the expert's live chunks, not one `pl.when` per chunk unrolled: Mosaic's compile time grows
+    # with the matmuls the body holds (chunks x experts_per_step copies unrolled, experts_per_step looped),
+    # and the traffic model counts the loop's trips at each step from its bound.
+    live_chunks = lax.div(picks + chunk - 1, chunk)  # picks >= 0; `//` lowers `sign`, whose Mosaic rule needs a TPU device
+    if plan.i_tiles_per_core == 1:  # each core's I tile, if any, is its own: the second of two
+        def run_chunk(j, carry):
+            first = pl.multiple_of(j * chunk, chunk)
+            scatter(first, _expert_rows(gather(first), refs, expert, plan))
+            return carry
+
+        lax.fori_loop(0, live_chunks, run_chunk, ())
+        return
+    _chunks_over_i_tiles(live_chunks, own_tile, i_step, last_i, gather, scatter, refs, expert, plan)
 
 
 def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *refs, plan: FusedPlan):
@@ -386,26 +391,33 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *
         shared.out[...] = shared.out_acc[...].astype(shared.out.dtype)
 
 
-def _chunk_over_i_tiles(first, live, own_tile, i_step, last_i, gather, scatter, refs: _Refs, expert: _Expert,
-                        plan: FusedPlan) -> None:
+def _chunks_over_i_tiles(live_chunks, own_tile, i_step, last_i, gather, scatter, refs: _Refs, expert: _Expert,
+                         plan: FusedPlan) -> None:
     """I tiled: the rows are gathered at the core's first I step, the output summed over its own tiles and
-    scattered at its last step. Each phase is its own top-level pl.when, so that the traffic model evaluates which
-    steps run which matmuls."""
+    scattered at its last step. Each phase is a top-level `pl.when` around its loop over the live chunks, so that
+    the traffic model evaluates which steps run which matmuls, and how many times."""
     chunk = plan.chunk_rows
 
-    @pl.when(jnp.logical_and(live, i_step == 0))
-    def _():
-        refs.rows_cache[first : first + chunk, :] = gather(first)
+    def over_live_chunks(work):
+        def run_chunk(j, carry):
+            work(pl.ds(pl.multiple_of(j * chunk, chunk), chunk))
+            return carry
 
-    @pl.when(jnp.logical_and(live, own_tile))
-    def _():
-        part = _expert_rows(refs.rows_cache[first : first + chunk, :], refs, expert, plan)
-        earlier = refs.partial_out[first : first + chunk, :]
-        refs.partial_out[first : first + chunk, :] = jnp.where(i_step == 0, part, earlier + part)
+        def loop():
+            lax.fori_loop(0, live_chunks, run_chunk, ())
 
-    @pl.when(jnp.logical_and(live, i_step == last_i))
-    def _():
-        scatter(first, refs.partial_out[first : first + chunk, :])
+        return loop
+
+    def gather_rows(rows):
+        refs.rows_cache[rows, :] = gather(rows.start)
+
+    def add_tile(rows):
+        part = _expert_rows(refs.rows_cache[rows, :], refs, expert, plan)
+        refs.partial_out[rows, :] = jnp.where(i_step == 0, part, refs.partial_out[rows, :] + part)
+
+    pl.when(i_step == 0)(over_live_chunks(gather_rows))
+    pl.when(own_tile)(over_live_chunks(add_tile))
+    pl.when(i_step == last_i)(over_live_chunks(lambda rows: scatter(rows.start, refs.partial_out[rows, :])))
 
 
 def fused_experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array, *weights: jax.Array | None,
