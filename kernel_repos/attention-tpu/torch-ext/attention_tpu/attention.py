@@ -37,6 +37,24 @@ def attention_mask(*args, **kwargs):
 _UNSUPPORTED_KWARGS = {"position_bias": "additive position biases"}
 
 
+def _reject_unsupported(dropout: float, kwargs: dict) -> None:
+    """Raises ValueError for what the kernel does not compute: dropout, position biases, attention weights, paged
+    caches."""
+    if dropout:
+        raise ValueError(
+            f"attention dropout ({dropout}) is not supported by the TPU attention kernel. Set the model's "
+            "attention_dropout to 0 (or call model.eval() for inference)."
+        )
+    for name, what in _UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"the TPU attention kernel does not support {what} (got `{name}`)")
+    if kwargs.get("output_attentions"):
+        raise ValueError("the TPU attention kernel cannot return attention weights (output_attentions=True)")
+    cache = kwargs.get("cache")
+    if cache is not None:
+        raise ValueError(f"the TPU attention kernel does not support paged caches (got {type(cache).__name__})")
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -61,19 +79,7 @@ def attention_forward(
     means causal (upper-left aligned, as sdpa's `is_causal`) for more than one
     query, and every key for a single query.
     """
-    if dropout:
-        raise ValueError(
-            f"attention dropout ({dropout}) is not supported by the TPU attention kernel. Set the model's "
-            "attention_dropout to 0 (or call model.eval() for inference)."
-        )
-    for name, what in _UNSUPPORTED_KWARGS.items():
-        if kwargs.get(name) is not None:
-            raise ValueError(f"the TPU attention kernel does not support {what} (got `{name}`)")
-    if kwargs.get("output_attentions"):
-        raise ValueError("the TPU attention kernel cannot return attention weights (output_attentions=True)")
-    cache = kwargs.get("cache")
-    if cache is not None:
-        raise ValueError(f"the TPU attention kernel does not support paged caches (got {type(cache).__name__})")
+    _reject_unsupported(dropout, kwargs)
     sinks = kwargs.get("s_aux")
     if sinks is None:
         sinks = kwargs.get("sinks")

@@ -223,6 +223,74 @@ def _tiles(problem: Problem, config: AttentionConfig) -> _Tiles:
     )
 
 
+class _QueryLayout(NamedTuple):
+    """How the kernel sees q, its output and the log-sum-exp."""
+
+    q: jax.Array  # q as the kernel reads it; the output has its shape
+    q_spec: pl.BlockSpec  # q's and the output's
+    lse_shape: tuple[int, ...]
+    lse_spec: pl.BlockSpec
+    slices: int  # the softmax scratch is [slices, rows, ...]
+    rows: int
+
+
+def _query_layout(q, problem: Problem, tiles: _Tiles) -> _QueryLayout:
+    """q's, the output's and the log-sum-exp's layout: in decode a slice's rows are one KV head's group of query
+    heads, in prefill a query block of one of the group's heads."""
+    batch, _, q_len, head_dim = q.shape
+    kv_heads, group, block_q, heads_per_step = problem.kv_heads, problem.group, tiles.block_q, tiles.heads_per_step
+    if tiles.decode:
+
+        def q_index_map(b, h, qi, kv_step, *_):
+            return (b, h, 0, 0)
+
+        def lse_index_map(b, h, qi, kv_step, *_):
+            return (b, h, 0, 0)
+
+        return _QueryLayout(
+            # [B, Hq, 1, D] -> [B, Hkv, G, D] is free: each KV head's group of
+            # query heads becomes the rows of one slice.
+            q=q.reshape(batch, kv_heads, group, head_dim),
+            q_spec=pl.BlockSpec((None, heads_per_step, group, head_dim), q_index_map),
+            lse_shape=(batch, kv_heads, group, 1),
+            lse_spec=pl.BlockSpec((None, heads_per_step, group, 1), lse_index_map),
+            slices=heads_per_step,
+            rows=group,
+        )
+
+    def q_index_map(b, h, qi, kv_step, *_):
+        return (b, h, qi, 0)
+
+    def lse_index_map(b, h, qi, kv_step, *_):
+        return (b, h, 0, 0, qi)
+
+    return _QueryLayout(
+        q=q,
+        q_spec=pl.BlockSpec((None, group, block_q, head_dim), q_index_map),
+        # Query positions along lanes, one row per query head: what the backward kernels read.
+        lse_shape=(batch, kv_heads, group, 1, q_len),
+        lse_spec=pl.BlockSpec((None, None, group, 1, block_q), lse_index_map),
+        slices=group,
+        rows=block_q,
+    )
+
+
+def _cost_estimate(q, k, problem: Problem, tiles: _Tiles) -> pl.CostEstimate:
+    """The forward's cost for XLA's scheduler: the visible pairs' work, q and out moved once, K/V once per pass."""
+    batch, q_heads, q_len, head_dim = q.shape
+    itemsize = jnp.dtype(q.dtype).itemsize
+    visible_pairs = masking.static_visible_pairs(problem)
+    return pl.CostEstimate(
+        flops=int(4 * batch * q_heads * visible_pairs * head_dim),
+        transcendentals=int(batch * q_heads * visible_pairs),
+        bytes_accessed=int(
+            2 * q.size * itemsize
+            + 2 * k.size * itemsize * masking.static_kv_passes(problem, tiles.block_q, tiles.block_kv)
+            + batch * q_heads * q_len * 4
+        ),
+    )
+
+
 def _forward_call(q, k, v, problem: Problem, prepared: Prepared, config: AttentionConfig):
     tiles = _tiles(problem, config)
     batch, q_heads, q_len, head_dim = q.shape
@@ -234,42 +302,13 @@ def _forward_call(q, k, v, problem: Problem, prepared: Prepared, config: Attenti
         return (b, h, masking.block_of_step(lo_ref, hi_ref, b * nq + qi, kv_step), 0)
 
     grid = (batch, kv_heads // heads_per_step, nq, tiles.num_kv_steps)
-    if tiles.decode:
-        # [B, Hq, 1, D] -> [B, Hkv, G, D] is free: each KV head's group of
-        # query heads becomes the rows of one slice.
-        q_in = q.reshape(batch, kv_heads, group, head_dim)
-        q_block = (None, heads_per_step, group, head_dim)
-        lse_shape = (batch, kv_heads, group, 1)
-        lse_block = (None, heads_per_step, group, 1)
-
-        def q_index_map(b, h, qi, kv_step, *_):
-            return (b, h, 0, 0)
-
-        def lse_index_map(b, h, qi, kv_step, *_):
-            return (b, h, 0, 0)
-
-        slices, rows = heads_per_step, group
-    else:
-        q_in = q
-        q_block = (None, group, block_q, head_dim)
-        # Query positions along lanes, one row per query head: what the backward kernels read.
-        lse_shape = (batch, kv_heads, group, 1, q_len)
-        lse_block = (None, None, group, 1, block_q)
-
-        def q_index_map(b, h, qi, kv_step, *_):
-            return (b, h, qi, 0)
-
-        def lse_index_map(b, h, qi, kv_step, *_):
-            return (b, h, 0, 0, qi)
-
-        slices, rows = group, block_q
-
+    layout = _query_layout(q, problem, tiles)
     in_specs = [
-        pl.BlockSpec(q_block, q_index_map),
+        layout.q_spec,
         pl.BlockSpec((None, heads_per_step, block_kv, head_dim), kv_index_map),
         pl.BlockSpec((None, heads_per_step, block_kv, head_dim), kv_index_map),
     ]
-    operands = [q_in, k, v]
+    operands = [layout.q, k, v]
     if prepared.mask is not None:
         broadcast_batch = problem.mask_batch == 1
 
@@ -289,36 +328,25 @@ def _forward_call(q, k, v, problem: Problem, prepared: Prepared, config: Attenti
             in_specs.append(pl.BlockSpec((None, group, 1, 1), lambda b, h, *_: (h, 0, 0, 0)))
         operands.append(sinks)
 
-    itemsize = jnp.dtype(q.dtype).itemsize
-    visible_pairs = masking.static_visible_pairs(problem)
-    cost = pl.CostEstimate(
-        flops=int(4 * batch * q_heads * visible_pairs * head_dim),
-        transcendentals=int(batch * q_heads * visible_pairs),
-        bytes_accessed=int(
-            2 * q.size * itemsize
-            + 2 * k.size * itemsize * masking.static_kv_passes(problem, block_q, block_kv)
-            + batch * q_heads * q_len * 4
-        ),
-    )
     out, lse = pl.pallas_call(
         functools.partial(_forward_kernel, problem=problem, tiles=tiles),
-        out_shape=(jax.ShapeDtypeStruct(q_in.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)),
+        out_shape=(jax.ShapeDtypeStruct(layout.q.shape, q.dtype), jax.ShapeDtypeStruct(layout.lse_shape, jnp.float32)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=grid,
             in_specs=in_specs,
-            out_specs=(pl.BlockSpec(q_block, q_index_map), pl.BlockSpec(lse_block, lse_index_map)),
+            out_specs=(layout.q_spec, layout.lse_spec),
             scratch_shapes=[
-                pltpu.VMEM((slices, rows, 1), jnp.float32),
-                pltpu.VMEM((slices, rows, 1), jnp.float32),
-                pltpu.VMEM((slices, rows, head_dim), jnp.float32),
+                pltpu.VMEM((layout.slices, layout.rows, 1), jnp.float32),
+                pltpu.VMEM((layout.slices, layout.rows, 1), jnp.float32),
+                pltpu.VMEM((layout.slices, layout.rows, head_dim), jnp.float32),
             ],
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=config.vmem_limit_bytes,
         ),
-        cost_estimate=cost,
+        cost_estimate=_cost_estimate(q, k, problem, tiles),
         name="attention_tpu_flash",
     )(prepared.q_offset, prepared.kv_valid, block_lo, block_hi, *operands)
     return out.reshape(q.shape), lse.reshape(batch, q_heads, q_len)
