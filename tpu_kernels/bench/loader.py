@@ -30,6 +30,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -175,55 +176,78 @@ def digest_and_copy_times(variant: Path, copies: Path, attempts: int = 100) -> t
     return digest_times, copy_times
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=5, help="cold and warm loads per loader (default: 5)")
     parser.add_argument("--repeat-calls", type=int, default=200, help="in-process calls per loader (default: 200)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--repo", type=Path, default=KERNEL_REPO, help="the kernel repo to publish and load")
-    args = parser.parse_args(argv)
-    require_kernel_repo(args.repo)
+    return parser.parse_args(argv)
 
-    with tempfile.TemporaryDirectory(prefix="tpu-kernels-loader-bench-") as tmp:
-        work = Path(tmp)
-        built = build_kernel_repo(args.repo, work / "build")
-        repo = f"{ORG}/{built.name}"
-        with start_hub(work / "hub", token=TOKEN, trusted_orgs=[ORG]) as hub:
-            upload_kernel(built, repo, endpoint=hub.url, token=TOKEN)
-            hf_home = work / "hf-home"
-            # huggingface_hub's once-a-day registry lookup, out of the way of the measured loads.
-            load_in_fresh_process("kernels", repo, hub.url, work / "warm-up-cache", hf_home, offline=False)
 
-            runs: dict[str, dict[str, list[dict]]] = {loader: {"cold": [], "warm": []} for loader in LOADERS}
-            caches = {}
-            for index in range(args.runs):
-                # Alternate which loader goes first: the machine's load drifts.
-                for loader in list(LOADERS)[:: 1 if index % 2 == 0 else -1]:
-                    cache = caches[loader, index] = work / f"cache-{loader}-{index}"
-                    runs[loader]["cold"].append(load_in_fresh_process(loader, repo, hub.url, cache, hf_home, False))
-                    runs[loader]["warm"].append(load_in_fresh_process(loader, repo, hub.url, cache, hf_home, False))
-                    print(f"run {index}: {loader} cold {runs[loader]['cold'][-1]['load_s']:.3f}s "
-                          f"warm {runs[loader]['warm'][-1]['load_s']:.3f}s", flush=True)
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """Everything one run of the benchmark measured (`measure`)."""
 
-            requests_before_offline = hub.request_count
-            offline_ours = [load_in_fresh_process("ours", repo, hub.url, caches["ours", 0], hf_home, True)
-                            for _ in range(max(1, args.runs // 2))]
-            offline_kernels = load_in_fresh_process("kernels", repo, hub.url, caches["kernels", 0], hf_home, True)
-            offline_server_requests = hub.request_count - requests_before_offline
+    repo: str
+    runs: dict[str, dict[str, list[dict]]]  # loader -> "cold" / "warm" -> one fresh process's figures per run
+    offline_ours: list[dict]
+    offline_kernels: dict
+    offline_server_requests: int
+    repeat: dict  # loader -> the in-process calls' median and minimum seconds
+    variant: str
+    files_in_variant: int
+    digest_times: list[float]
+    copy_times: list[float]
 
-            repeat = run_script(REPEAT_SCRIPT.format(repo=repo, calls=args.repeat_calls),
-                                client_env(hub.url, caches["ours", 0], hf_home, offline=False))
 
-            # The loaded module ran from a private copy (gone with its process): time the cache's variant.
-            variant_name = Path(runs["ours"]["warm"][0]["file"]).parent.name
-            (variant,) = caches["ours", 0].glob(f"kernels--*/snapshots/*/build/{variant_name}")
-            files_in_variant = sum(1 for path in variant.rglob("*") if path.is_file())
-            digest_times, copy_times = digest_and_copy_times(variant, work / "copies")
+def measure(args: argparse.Namespace, work: Path) -> Measured:
+    """Builds and publishes the kernel repo to a local Hub in `work`, then loads it every way the module docstring
+    lists."""
+    built = build_kernel_repo(args.repo, work / "build")
+    repo = f"{ORG}/{built.name}"
+    with start_hub(work / "hub", token=TOKEN, trusted_orgs=[ORG]) as hub:
+        upload_kernel(built, repo, endpoint=hub.url, token=TOKEN)
+        hf_home = work / "hf-home"
+        # huggingface_hub's once-a-day registry lookup, out of the way of the measured loads.
+        load_in_fresh_process("kernels", repo, hub.url, work / "warm-up-cache", hf_home, offline=False)
 
+        runs: dict[str, dict[str, list[dict]]] = {loader: {"cold": [], "warm": []} for loader in LOADERS}
+        caches = {}
+        for index in range(args.runs):
+            # Alternate which loader goes first: the machine's load drifts.
+            for loader in list(LOADERS)[:: 1 if index % 2 == 0 else -1]:
+                cache = caches[loader, index] = work / f"cache-{loader}-{index}"
+                runs[loader]["cold"].append(load_in_fresh_process(loader, repo, hub.url, cache, hf_home, False))
+                runs[loader]["warm"].append(load_in_fresh_process(loader, repo, hub.url, cache, hf_home, False))
+                print(f"run {index}: {loader} cold {runs[loader]['cold'][-1]['load_s']:.3f}s "
+                      f"warm {runs[loader]['warm'][-1]['load_s']:.3f}s", flush=True)
+
+        requests_before_offline = hub.request_count
+        offline_ours = [load_in_fresh_process("ours", repo, hub.url, caches["ours", 0], hf_home, True)
+                        for _ in range(max(1, args.runs // 2))]
+        offline_kernels = load_in_fresh_process("kernels", repo, hub.url, caches["kernels", 0], hf_home, True)
+        offline_server_requests = hub.request_count - requests_before_offline
+
+        repeat = run_script(REPEAT_SCRIPT.format(repo=repo, calls=args.repeat_calls),
+                            client_env(hub.url, caches["ours", 0], hf_home, offline=False))
+
+        # The loaded module ran from a private copy (gone with its process): time the cache's variant.
+        variant_name = Path(runs["ours"]["warm"][0]["file"]).parent.name
+        (variant,) = caches["ours", 0].glob(f"kernels--*/snapshots/*/build/{variant_name}")
+        files_in_variant = sum(1 for path in variant.rglob("*") if path.is_file())
+        digest_times, copy_times = digest_and_copy_times(variant, work / "copies")
+    return Measured(repo, runs, offline_ours, offline_kernels, offline_server_requests, repeat, variant.name,
+                    files_in_variant, digest_times, copy_times)
+
+
+def report(args: argparse.Namespace, measured: Measured) -> dict:
+    """The JSON written: summaries of every kind of load, and ours over kernels' ratios."""
+    runs, repeat, offline_ours = measured.runs, measured.repeat, measured.offline_ours
     result = {
-        "kernel": repo,
-        "variant": variant.name,
-        "files_in_variant": files_in_variant,
+        "kernel": measured.repo,
+        "variant": measured.variant,
+        "files_in_variant": measured.files_in_variant,
         "runs": args.runs,
         "environment": {
             "python": platform.python_version(),
@@ -243,12 +267,12 @@ def main(argv: list[str] | None = None) -> int:
             "ours": {
                 "median_s": statistics.median(run["load_s"] for run in offline_ours),
                 "requests_per_load": statistics.median(total(run["load_requests"]) for run in offline_ours),
-                "server_requests_during_offline_loads": offline_server_requests,
+                "server_requests_during_offline_loads": measured.offline_server_requests,
             },
-            "kernels": offline_kernels.get("error") or {"median_s": offline_kernels["load_s"]},
+            "kernels": measured.offline_kernels.get("error") or {"median_s": measured.offline_kernels["load_s"]},
         },
-        "digest_check_median_s": statistics.median(digest_times),
-        "digest_check_and_private_copy_median_s": statistics.median(copy_times),
+        "digest_check_median_s": statistics.median(measured.digest_times),
+        "digest_check_and_private_copy_median_s": statistics.median(measured.copy_times),
         "target_warm_ratio": TARGET_WARM_RATIO,
     }
     for state in ("cold", "warm"):
@@ -262,13 +286,22 @@ def main(argv: list[str] | None = None) -> int:
         )
         result[state]["ratio_of_min"] = result[state]["ours"]["min_s"] / result[state]["kernels"]["min_s"]
     result["repeat_in_process"]["ratio_ours_over_kernels"] = repeat["ours"]["median_s"] / repeat["kernels"]["median_s"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    require_kernel_repo(args.repo)
+    with tempfile.TemporaryDirectory(prefix="tpu-kernels-loader-bench-") as tmp:
+        measured = measure(args, Path(tmp))
+    result = report(args, measured)
     write_json(args.out, result, indent=2)
     print(json.dumps({state: {key: value for key, value in result[state].items() if "ratio" in key}
                       for state in ("cold", "warm", "repeat_in_process")}, indent=2))
     print(f"offline: ours {result['offline']['ours']}, kernels {result['offline']['kernels']}")
     print(f"wrote {args.out}")
     warm_ok = result["warm"]["median_paired_ratio"] <= TARGET_WARM_RATIO
-    return 0 if warm_ok and offline_server_requests == 0 else 1
+    return 0 if warm_ok and measured.offline_server_requests == 0 else 1
 
 
 if __name__ == "__main__":

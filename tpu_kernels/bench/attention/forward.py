@@ -191,14 +191,97 @@ def active_steps_from_prefetch(num_q_blocks: int):
     return active
 
 
-def measure(built, shape: Shape, dtype) -> dict:
-    itemsize = jnp.dtype(dtype).itemsize
-    first, last = visible_key_ranges(built.reference, shape)
+@dataclasses.dataclass(frozen=True)
+class Visible:
+    """What the reference's mask lets a shape's queries see, and the least work and bytes that takes."""
+
+    first: np.ndarray  # [batch, q_len]: each query's first visible key
+    last: np.ndarray  # [batch, q_len]: its last (last < first: none)
+    pairs: int  # visible (query, key) pairs per head
+    keys: int  # keys some query sees, summed over the batch
+    min_bytes: int
+    useful_flops: int
+
+
+def visible_work(reference, shape: Shape, dtype) -> Visible:
+    """The shape's `Visible`, from the reference's own mask."""
+    first, last = visible_key_ranges(reference, shape)
     pairs = visible_pairs(first, last)
     keys = visible_keys(first, last)
-    min_bytes = minimum_bytes(shape, keys, itemsize)
-    useful_flops = 4 * shape.batch * shape.q_heads * pairs * shape.head_dim
-    lengths = live_lengths(shape).astype(np.int32)
+    return Visible(
+        first=first,
+        last=last,
+        pairs=pairs,
+        keys=keys,
+        min_bytes=minimum_bytes(shape, keys, jnp.dtype(dtype).itemsize),
+        useful_flops=4 * shape.batch * shape.q_heads * pairs * shape.head_dim,
+    )
+
+
+def measure_generation(built, shape: Shape, dtype, generation: str, visible: Visible) -> dict:
+    """The forward's tiles, grid, traffic and modelled time on one generation, against the visible work."""
+    itemsize = jnp.dtype(dtype).itemsize
+    min_bytes, useful_flops = visible.min_bytes, visible.useful_flops
+    config = built.config.select_config(
+        q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.q_len, kv_len=shape.kv_len,
+        head_dim=shape.head_dim, dtype=dtype, generation=generation,
+    )
+    block_q = 1 if shape.q_len == 1 else config.block_q
+    num_q_blocks = -(-shape.q_len // block_q)
+    calls = perf.model_pallas_traffic(
+        kernel_fn(built, shape, generation), *avals(shape, dtype), live_lengths(shape).astype(np.int32),
+        active_steps=active_steps_from_prefetch(num_q_blocks),
+    )
+    (call,) = calls
+    modelled = perf.roofline(calls, generation, min_bytes=min_bytes, min_flops=useful_flops)
+    tiles = needed_tiles(visible.first, visible.last, shape, block_q, config.block_kv)
+    # A decode step handles kv_heads_per_step KV heads at once.
+    head_steps = shape.kv_heads // (config.kv_heads_per_step if shape.kind == "decode" else 1)
+    needed_steps = int(tiles.sum()) * head_steps
+    # Inputs in order: q, k, v (after the four scalar-prefetch operands).
+    query_op, key_op, value_op = call.inputs
+    key_fetches = key_op.transfers
+    visible_kv_bytes = 2 * shape.kv_heads * visible.keys * shape.head_dim * itemsize
+    # A (b, h, q block) with nothing visible still holds one clamped block in the pipeline.
+    empty_rows = int((~tiles.any(axis=2)).sum()) * head_steps
+    return {
+        "block_q": block_q,
+        "block_kv": config.block_kv,
+        "kv_heads_per_step": config.kv_heads_per_step if shape.kind == "decode" else 1,
+        "vmem_limit_bytes": config.vmem_limit_bytes,
+        "grid": list(call.grid),
+        "grid_steps": call.steps,
+        "computed_steps": call.active_steps,
+        "needed_steps": needed_steps,
+        "skips_all_masked_blocks": call.active_steps == needed_steps,
+        "k_block_fetches": key_fetches,
+        "q_block_fetches": query_op.transfers,
+        # At most one fetch per needed tile (consecutive tiles of one block share a fetch), plus the one
+        # block a (b, h, q block) with nothing visible parks on: no fully masked block is fetched.
+        "fetches_only_needed_blocks": key_fetches <= needed_steps + empty_rows,
+        "hbm_read_bytes": call.hbm_read_bytes,
+        "hbm_write_bytes": call.hbm_write_bytes,
+        "hbm_bytes": call.hbm_bytes,
+        "bytes_ratio": call.hbm_bytes / min_bytes,
+        "kv_passes": (key_op.hbm_bytes + value_op.hbm_bytes) / visible_kv_bytes,
+        "mxu_flops": call.mxu_flops(generation),
+        "flops_ratio": call.mxu_flops(generation) / useful_flops,
+        "pipeline_buffers_vmem_bytes": call.vmem_bytes,
+        "fits_vmem": modelled.fits_vmem,
+        # Headline: the calibrated pipelined figure (module docstring).
+        "modelled_time_us": modelled.pipelined_time_s * 1e6,
+        "band_p90_us": calibration_bands.band({"flash_attention": modelled.pipelined_time_s},
+                                              generation)["p90_us"],
+        "overlap_time_us": modelled.time_s * 1e6,
+        "roofline_us": modelled.roofline_s * 1e6,
+        "pct_of_roofline": modelled.pipelined_pct_of_roofline,
+        "overlap_pct_of_roofline": modelled.pct_of_roofline,
+        "bound": modelled.bound,
+    }
+
+
+def measure(built, shape: Shape, dtype) -> dict:
+    visible = visible_work(built.reference, shape, dtype)
     entry = {
         "label": shape.label,
         "kind": shape.kind,
@@ -212,69 +295,14 @@ def measure(built, shape: Shape, dtype) -> dict:
         "sliding_window": shape.sliding_window,
         "kv_lengths": None if shape.kv_lengths is None else list(shape.kv_lengths),
         "dtype": jnp.dtype(dtype).name,
-        "visible_pairs_per_head": pairs,
-        "useful_flops": useful_flops,
-        "visible_keys": keys,
-        "min_bytes": min_bytes,
-        "per_generation": {},
+        "visible_pairs_per_head": visible.pairs,
+        "useful_flops": visible.useful_flops,
+        "visible_keys": visible.keys,
+        "min_bytes": visible.min_bytes,
+        "per_generation": {
+            generation: measure_generation(built, shape, dtype, generation, visible) for generation in GENERATIONS
+        },
     }
-    for generation in GENERATIONS:
-        config = built.config.select_config(
-            q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.q_len, kv_len=shape.kv_len,
-            head_dim=shape.head_dim, dtype=dtype, generation=generation,
-        )
-        block_q = 1 if shape.q_len == 1 else config.block_q
-        num_q_blocks = -(-shape.q_len // block_q)
-        calls = perf.model_pallas_traffic(
-            kernel_fn(built, shape, generation), *avals(shape, dtype), lengths,
-            active_steps=active_steps_from_prefetch(num_q_blocks),
-        )
-        (call,) = calls
-        modelled = perf.roofline(calls, generation, min_bytes=min_bytes, min_flops=useful_flops)
-        tiles = needed_tiles(first, last, shape, block_q, config.block_kv)
-        # A decode step handles kv_heads_per_step KV heads at once.
-        head_steps = shape.kv_heads // (config.kv_heads_per_step if shape.kind == "decode" else 1)
-        needed_steps = int(tiles.sum()) * head_steps
-        # Inputs in order: q, k, v (after the four scalar-prefetch operands).
-        query_op, key_op, value_op = call.inputs
-        key_fetches = key_op.transfers
-        visible_kv_bytes = 2 * shape.kv_heads * keys * shape.head_dim * itemsize
-        # A (b, h, q block) with nothing visible still holds one clamped block in the pipeline.
-        empty_rows = int((~tiles.any(axis=2)).sum()) * head_steps
-        entry["per_generation"][generation] = {
-            "block_q": block_q,
-            "block_kv": config.block_kv,
-            "kv_heads_per_step": config.kv_heads_per_step if shape.kind == "decode" else 1,
-            "vmem_limit_bytes": config.vmem_limit_bytes,
-            "grid": list(call.grid),
-            "grid_steps": call.steps,
-            "computed_steps": call.active_steps,
-            "needed_steps": needed_steps,
-            "skips_all_masked_blocks": call.active_steps == needed_steps,
-            "k_block_fetches": key_fetches,
-            "q_block_fetches": query_op.transfers,
-            # At most one fetch per needed tile (consecutive tiles of one block share a fetch), plus the one
-            # block a (b, h, q block) with nothing visible parks on: no fully masked block is fetched.
-            "fetches_only_needed_blocks": key_fetches <= needed_steps + empty_rows,
-            "hbm_read_bytes": call.hbm_read_bytes,
-            "hbm_write_bytes": call.hbm_write_bytes,
-            "hbm_bytes": call.hbm_bytes,
-            "bytes_ratio": call.hbm_bytes / min_bytes,
-            "kv_passes": (key_op.hbm_bytes + value_op.hbm_bytes) / visible_kv_bytes,
-            "mxu_flops": call.mxu_flops(generation),
-            "flops_ratio": call.mxu_flops(generation) / useful_flops,
-            "pipeline_buffers_vmem_bytes": call.vmem_bytes,
-            "fits_vmem": modelled.fits_vmem,
-            # Headline: the calibrated pipelined figure (module docstring).
-            "modelled_time_us": modelled.pipelined_time_s * 1e6,
-            "band_p90_us": calibration_bands.band({"flash_attention": modelled.pipelined_time_s},
-                                                  generation)["p90_us"],
-            "overlap_time_us": modelled.time_s * 1e6,
-            "roofline_us": modelled.roofline_s * 1e6,
-            "pct_of_roofline": modelled.pipelined_pct_of_roofline,
-            "overlap_pct_of_roofline": modelled.pct_of_roofline,
-            "bound": modelled.bound,
-        }
     args = [*avals(shape, dtype), jax.ShapeDtypeStruct((shape.batch,), jnp.int32)]
     compiled = compile_for(kernel_fn(built, shape, COST_GENERATION), args, COST_GENERATION)
     entry[f"{COST_GENERATION}_cost_analysis"] = cost_summary(compiled)
