@@ -8,6 +8,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tpu_kernels.bench import kernel_repo, require_kernel_repo, result_path
@@ -50,7 +51,9 @@ def priority(case: Case) -> tuple:
 LOOKAHEAD = 2
 
 
-def main(argv=None) -> int:
+def parse_args(argv) -> tuple[argparse.Namespace, list[Case]]:
+    """The options (generations in `SUPPORTED_GENERATIONS`' order, the results file resolved) and the cases they
+    select, in `priority` order."""
     parser = argparse.ArgumentParser(description=sys.modules[__package__].__doc__.splitlines()[0])
     parser.add_argument("--repo", type=Path, default=DEFAULT_REPO, help="kernel repo whose layer entry is ours")
     parser.add_argument("--out", type=Path, default=None,
@@ -81,19 +84,69 @@ def main(argv=None) -> int:
     settings = [s for s in SETTINGS if args.settings is None or s.label in args.settings]
     if not settings:
         parser.error(f"no setting matches {args.settings}; known: {[s.label for s in SETTINGS]}")
-    cases = sorted(make_cases(settings, args.tokens), key=priority)
+    return args, sorted(make_cases(settings, args.tokens), key=priority)
+
+
+def retarget(args: argparse.Namespace, cases: list[Case], cache: Cache) -> int:
+    """Rewrites the outputs from the last run's raw rows, their rival summaries and the targets recomputed."""
+    rows = json.loads((args.raw_dir / f"{args.out.stem}.rows.json").read_text())
+    for row in rows:
+        summarise(row, args.rivals)
+    previous = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    hf = hf_case(rows, cache) if "tokamax" in args.rivals else previous.get("hf_257us")
+    run = json.loads((args.raw_dir / f"{args.out.stem}.run.json").read_text())
+    write_outputs(args, rows, cases, hf, run)
+    return 0
+
+
+def tune_ours(args: argparse.Namespace, built, cases: list[Case], cache: Cache, compiler: Compiler,
+              started: float) -> int:
+    """Searches our grouped matmul's tiles at the prefill cases and writes them into the kernel repo's table."""
+    entries, searched = [], []
+    for case in cases:
+        if case.phase == "prefill":
+            entries += tune_case(built, cache, compiler, case, args.generations)
+            searched += [key._asdict() for generation in args.generations
+                         for _, key in projection_keys(built, case, generation)]
+            print(f"tuned {case.label:48s} entries {len(entries)} ({time.perf_counter() - started:.0f} s)",
+                  flush=True)
+    print(f"wrote {write_table(args.repo, entries, searched)}: {len(entries)} entries for the shapes searched")
+    return 0
+
+
+def measure_cases(args: argparse.Namespace, built, cases: list[Case], cache: Cache, compiler: Compiler,
+                  started: float, run_facts: Callable[[], dict]) -> list[dict]:
+    """Every case's rows, in order; up to `LOOKAHEAD` cases' replays queued ahead of the one being finished, and
+    the outputs rewritten after each case."""
+    rows = []
+    queued: list = []
+    upcoming = iter(cases)
+    while True:
+        for case in upcoming:
+            queued.append(measure_case(built, case, cache, compiler, args.rivals, args.generations,
+                                       args.quantized_prefill))
+            print(f"queued {case.label:48s} rows={case.rows:5d} picks={case.picks:6d} live={case.live_picks:6d} "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+            if len(queued) > LOOKAHEAD:
+                break
+        if not queued:
+            break
+        for row in queued.pop(0)():
+            rows.append(row)
+            ours = row["variants"].get("ours", {})
+            print(f"{row['label']:48s} {row['generation']}  ours {ours.get('headline_us', float('nan')):10.1f} us"
+                  f"  best rival {row.get('best_rival')} {row.get('best_rival_us', float('nan')):10.1f} us"
+                  f"  roofline {row['roofline_us']:10.1f} us  ({time.perf_counter() - started:.0f} s)", flush=True)
+        write_outputs(args, rows, cases, None, run_facts())
+    return rows
+
+
+def main(argv=None) -> int:
+    args, cases = parse_args(argv)
     cache = Cache(None if args.no_cache else args.cache_dir)
-    if not args.retarget:
-        require_kernel_repo(args.repo)
     if args.retarget:
-        rows = json.loads((args.raw_dir / f"{args.out.stem}.rows.json").read_text())
-        for row in rows:
-            summarise(row, args.rivals)
-        previous = json.loads(args.out.read_text()) if args.out.is_file() else {}
-        hf = hf_case(rows, cache) if "tokamax" in args.rivals else previous.get("hf_257us")
-        run = json.loads((args.raw_dir / f"{args.out.stem}.run.json").read_text())
-        write_outputs(args, rows, cases, hf, run)
-        return 0
+        return retarget(args, cases, cache)
+    require_kernel_repo(args.repo)
 
     started = time.perf_counter()
     load_at_start = os.getloadavg()
@@ -106,40 +159,11 @@ def main(argv=None) -> int:
                 "seconds_by_phase": {phase: round(t, 1) for phase, t in CLOCK.seconds.items()},
                 "seconds": round(time.perf_counter() - started, 1)}
 
-    rows = []
-    report = None
     with build_folder(None if args.no_cache else args.cache_dir) as build_dir:
         built = load_kernel(args.repo, build_dir)
         if args.tune_ours:
-            entries, searched = [], []
-            for case in cases:
-                if case.phase == "prefill":
-                    entries += tune_case(built, cache, compiler, case, args.generations)
-                    searched += [key._asdict() for generation in args.generations
-                                 for _, key in projection_keys(built, case, generation)]
-                    print(f"tuned {case.label:48s} entries {len(entries)} ({time.perf_counter() - started:.0f} s)",
-                          flush=True)
-            print(f"wrote {write_table(args.repo, entries, searched)}: {len(entries)} entries for the shapes searched")
-            return 0
-        queued: list = []
-        upcoming = iter(cases)
-        while True:
-            for case in upcoming:
-                queued.append(measure_case(built, case, cache, compiler, args.rivals, args.generations,
-                                           args.quantized_prefill))
-                print(f"queued {case.label:48s} rows={case.rows:5d} picks={case.picks:6d} live={case.live_picks:6d} "
-                      f"({time.perf_counter() - started:.0f} s)", flush=True)
-                if len(queued) > LOOKAHEAD:
-                    break
-            if not queued:
-                break
-            for row in queued.pop(0)():
-                rows.append(row)
-                ours = row["variants"].get("ours", {})
-                print(f"{row['label']:48s} {row['generation']}  ours {ours.get('headline_us', float('nan')):10.1f} us"
-                      f"  best rival {row.get('best_rival')} {row.get('best_rival_us', float('nan')):10.1f} us"
-                      f"  roofline {row['roofline_us']:10.1f} us  ({time.perf_counter() - started:.0f} s)", flush=True)
-            report = write_outputs(args, rows, cases, None, run_facts())
+            return tune_ours(args, built, cases, cache, compiler, started)
+        rows = measure_cases(args, built, cases, cache, compiler, started, run_facts)
         hf = hf_case(rows, cache) if "tokamax" in args.rivals else None
         report = write_outputs(args, rows, cases, hf, run_facts())
     compiler.pool.shutdown()
