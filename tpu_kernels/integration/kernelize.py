@@ -349,6 +349,23 @@ def _quantize_experts(model, entry: ReportEntry | None, kernel: ModuleType | Non
     return report
 
 
+def _check_arguments(mode: Mode, repos: dict[str, str | None] | None, quantize_experts: str | None) -> None:
+    """Raises ValueError for an unknown quantization scheme, quantized experts in TRAINING, or an unknown kind."""
+    from kernels import Mode
+
+    from .quantize import check_scheme
+
+    check_scheme(quantize_experts)
+    if quantize_experts is not None and Mode.TRAINING in mode:
+        raise ValueError(
+            f"kernelize: quantize_experts={quantize_experts!r} with Mode.TRAINING: one-byte expert weights serve "
+            "inference only (no gradient through them); train with float weights"
+        )
+    unknown = set(repos or ()) - set(KINDS)
+    if unknown:
+        raise ValueError(f"unknown kernel kind(s) {sorted(unknown)}; known: {', '.join(KINDS)}")
+
+
 def kernelize(
     model,
     *,
@@ -384,18 +401,9 @@ def kernelize(
     from kernels import Mode
 
     from ..distribution.loader import VariantNotFoundError
-    from .quantize import check_scheme
 
-    check_scheme(quantize_experts)
     mode = Mode.INFERENCE if mode is None else mode
-    if quantize_experts is not None and Mode.TRAINING in mode:
-        raise ValueError(
-            f"kernelize: quantize_experts={quantize_experts!r} with Mode.TRAINING: one-byte expert weights serve "
-            "inference only (no gradient through them); train with float weights"
-        )
-    unknown = set(repos or ()) - set(KINDS)
-    if unknown:
-        raise ValueError(f"unknown kernel kind(s) {sorted(unknown)}; known: {', '.join(KINDS)}")
+    _check_arguments(mode, repos, quantize_experts)
     specs = {**DEFAULT_REPOS, **(repos or {})}
     device = device or _model_device(model)
     backend = "tpu" if device == "tpu" else "cpu"
