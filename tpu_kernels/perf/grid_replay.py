@@ -81,6 +81,36 @@ def _memory_space_name(block_mapping: pallas_core.BlockMapping) -> str:
     return "vmem" if name == "default" else name
 
 
+def _grid(gm: pallas_core.GridMapping, dynamic_values: list[Any], call_name: str) -> tuple[int, ...]:
+    """The call's grid, each dynamic size read from its concrete value."""
+    grid = []
+    dynamic_sizes = iter(dynamic_values)
+    for axis, size in enumerate(gm.grid):
+        if pallas_core.is_dynamic_dim(size):
+            value = next(dynamic_sizes)
+            if is_unknown(value):
+                raise ValueError(
+                    f"pallas_call {call_name}: grid axis {axis} has a dynamic size computed from an argument "
+                    "given as ShapeDtypeStruct (or from a kernel output); pass that argument concretely"
+                )
+            grid.append(int(value.reshape(-1)[0]))
+        else:
+            grid.append(int(size))
+    return tuple(grid)
+
+
+def _active_steps(active_steps_fn: ActiveStepsFn | None, call_name: str, grid_indices: np.ndarray, prefetch: list[Any],
+                  steps: int) -> np.ndarray:
+    """bool[steps]: the grid steps that run their compute; all of them unless `active_steps_fn` says otherwise."""
+    active = np.ones(steps, dtype=bool)
+    if active_steps_fn is not None:
+        mask = active_steps_fn(call_name, grid_indices, tuple(prefetch))
+        if mask is not None:
+            active = np.asarray(mask, dtype=bool)
+            if active.shape != (steps,):
+                raise ValueError(f"active_steps must return a bool array of shape ({steps},), got {active.shape}")
+    return active
+
 
 def replay_pallas_call(eqn, small_operands: list[Any], active_steps_fn) -> PallasCallTraffic:
     """Replays one pallas_call given its dynamic grid sizes and scalar-prefetch operands."""
@@ -90,20 +120,7 @@ def replay_pallas_call(eqn, small_operands: list[Any], active_steps_fn) -> Palla
     dynamic_values = small_operands[: gm.num_dynamic_grid_bounds]
     prefetch = small_operands[gm.num_dynamic_grid_bounds :]
 
-    grid = []
-    dynamic_sizes = iter(dynamic_values)
-    for axis, size in enumerate(gm.grid):
-        if pallas_core.is_dynamic_dim(size):
-            value = next(dynamic_sizes)
-            if is_unknown(value):
-                raise ValueError(
-                    f"pallas_call {name}: grid axis {axis} has a dynamic size computed from an argument "
-                    "given as ShapeDtypeStruct (or from a kernel output); pass that argument concretely"
-                )
-            grid.append(int(value.reshape(-1)[0]))
-        else:
-            grid.append(int(size))
-    grid = tuple(grid)
+    grid = _grid(gm, dynamic_values, name)
     steps = math.prod(grid)
     # Row-major, last axis fastest: Mosaic's iteration order. A grid-less call runs once.
     grid_indices = np.indices(grid, dtype=np.int32).reshape(len(grid), steps).T
@@ -137,13 +154,7 @@ def replay_pallas_call(eqn, small_operands: list[Any], active_steps_fn) -> Palla
     if dimension_semantics is not None:
         dimension_semantics = tuple(str(s).lower().split(".")[-1] for s in dimension_semantics)
 
-    active = np.ones(steps, dtype=bool)
-    if active_steps_fn is not None:
-        mask = active_steps_fn(name, grid_indices, tuple(prefetch))
-        if mask is not None:
-            active = np.asarray(mask, dtype=bool)
-            if active.shape != (steps,):
-                raise ValueError(f"active_steps must return a bool array of shape ({steps},), got {active.shape}")
+    active = _active_steps(active_steps_fn, name, grid_indices, prefetch, steps)
     megacore_core = _megacore_split(grid, grid_indices, dimension_semantics)
     step_dots, dots_exact = grid_dots(params["jaxpr"], gm, grid, grid_indices, prefetch)
     work_per_step = {key: counts * active for key, counts in step_dots.items() if np.any(counts * active)}
@@ -293,11 +304,11 @@ def _used_vars(jaxpr: jax_core.Jaxpr) -> set:
     return used
 
 
-def _operand_traffic(block_mapping, role, space, block_indices) -> OperandTraffic:
+def _step_bytes(block_mapping, block_indices: np.ndarray) -> np.ndarray:
+    """int64[steps]: the bytes of each step's block, its window clipped to the array."""
     array_shape = tuple(int(d) for d in block_mapping.array_aval.shape)
-    dtype = block_mapping.array_aval.dtype
     steps = block_indices.shape[0]
-    itemsize = np.dtype(dtype).itemsize
+    itemsize = np.dtype(block_mapping.array_aval.dtype).itemsize
     starts, sizes = [], []
     for axis, block_dim in enumerate(block_mapping.block_shape):
         column = block_indices[:, axis]
@@ -318,7 +329,14 @@ def _operand_traffic(block_mapping, role, space, block_indices) -> OperandTraffi
     clipped = np.ones(steps, dtype=np.int64)
     for start, size, dim in zip(starts, sizes, array_shape):
         clipped *= np.clip(np.minimum(start + size, dim) - np.maximum(start, 0), 0, None)
-    step_bytes = clipped * itemsize
+    return clipped * itemsize
+
+
+def _operand_traffic(block_mapping, role, space, block_indices) -> OperandTraffic:
+    array_shape = tuple(int(d) for d in block_mapping.array_aval.shape)
+    dtype = block_mapping.array_aval.dtype
+    steps = block_indices.shape[0]
+    step_bytes = _step_bytes(block_mapping, block_indices)
 
     changed_from_previous = np.ones(steps, dtype=bool)
     if steps > 1:
