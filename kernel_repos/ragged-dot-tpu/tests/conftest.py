@@ -1,4 +1,5 @@
-"""Helpers of this repo's tests: running a JAX function in TPU interpret mode, tensors to JAX arrays, random picks."""
+"""Helpers of this repo's tests: running a JAX function in TPU interpret mode, tensors to JAX arrays, random picks,
+experts layers with quantized weights."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -51,3 +52,82 @@ def _random_picks(generator, tokens: int, experts: int, top_k: int, sentinels: f
 @pytest.fixture
 def random_picks():
     return _random_picks
+
+
+def _quantized_layer(quantize, tokens: int, hidden: int, intermediate: int, experts: int, top_k: int, *,
+                     transposed: bool, bias: bool, sentinels: float = 0.0, std: float = 0.2, seed: int = 0,
+                     dtype=torch.float32):
+    """One experts layer with quantized weights: (hidden, index, weights, gate_up, down, biases..., scales...).
+    `quantize(shape, out_axis, generator, std)` gives one projection's (weights, scales): the int8/fp8 or int4
+    tests' scheme."""
+    generator = torch.Generator().manual_seed(seed)
+    gate_up_shape = (experts, hidden, 2 * intermediate) if transposed else (experts, 2 * intermediate, hidden)
+    down_shape = (experts, intermediate, hidden) if transposed else (experts, hidden, intermediate)
+    out_axis = 2 if transposed else 1
+    gate_up, gate_up_scales = quantize(gate_up_shape, out_axis, generator, std)
+    down, down_scales = quantize(down_shape, out_axis, generator, std)
+    biases = (torch.randn(experts, 2 * intermediate, generator=generator).to(dtype) * 0.5,
+              torch.randn(experts, hidden, generator=generator).to(dtype) * 0.5) if bias else (None, None)
+    index, weights = _random_picks(generator, tokens, experts, top_k, sentinels)
+    hidden_states = torch.randn(tokens, hidden, generator=generator).to(dtype)
+    return hidden_states, index, weights.to(dtype), gate_up, down, *biases, gate_up_scales, down_scales
+
+
+@pytest.fixture
+def quantized_layer():
+    return _quantized_layer
+
+
+def _dequantized_layer(kernel, layer, transposed: bool):
+    """`layer` (a quantized_layer) with float64 weights: what the reference computes with."""
+    *front, gate_up, down, gate_up_bias, down_bias, gate_up_scales, down_scales = layer
+    out_axis = 2 if transposed else 1
+    return (*front, kernel.reference.dequantize_reference(gate_up, gate_up_scales, out_axis=out_axis),
+            kernel.reference.dequantize_reference(down, down_scales, out_axis=out_axis), gate_up_bias, down_bias)
+
+
+@pytest.fixture
+def dequantized_layer():
+    return _dequantized_layer
+
+
+def _layer_case(kernel, quantize, case):
+    """A LAYER_CASES row (tokens, hidden, intermediate, experts, top_k, layer options, gate, fused tiles) as (its
+    layer with `quantize`'s weights, the gate's options with the layer's orientation, the float64 reference output)."""
+    tokens, hidden, intermediate, experts, top_k, options, gate, _ = case
+    layer = _quantized_layer(quantize, tokens, hidden, intermediate, experts, top_k, **options)
+    gate = dict(weights_transposed=options["transposed"], **gate)
+    expected = kernel.reference.gated_experts_reference(*_dequantized_layer(kernel, layer, options["transposed"]),
+                                                        **gate)
+    return layer, gate, expected
+
+
+def _experts_layer_paths(kernel, quantize, case):
+    """A LAYER_CASES row's layer through both paths of experts_layer: (the fused kernel's output with the row's
+    tiles, None for fused_config's; the grouped matmuls' output; the float64 reference output)."""
+    layer, gate, expected = _layer_case(kernel, quantize, case)
+    tiles = case[-1]
+    config = None if tiles is None else kernel.FusedConfig(*tiles)
+    fused = _interpret(lambda: kernel.fused_experts(*map(_to_jax, layer), **gate, config=config))
+    grouped = _interpret(lambda: kernel.experts_layer(*map(_to_jax, layer), **gate, fused=False))
+    return fused, grouped, expected
+
+
+@pytest.fixture
+def experts_layer_paths():
+    return _experts_layer_paths
+
+
+def _fused_on_v5p_cores_sharing_experts(kernel, quantize, case):
+    """A LAYER_CASES row's layer through the fused kernel with the row's tiles and cores_per_expert 2, on two
+    simulated v5p cores: (its output, the float64 reference output)."""
+    layer, gate, expected = _layer_case(kernel, quantize, case)
+    config = kernel.FusedConfig(*case[-1], cores_per_expert=2)
+    fused = _interpret(lambda: kernel.fused_experts(*map(_to_jax, layer), **gate, config=config, generation="v5p"),
+                       cores=2)
+    return fused, expected
+
+
+@pytest.fixture
+def fused_on_v5p_cores_sharing_experts():
+    return _fused_on_v5p_cores_sharing_experts

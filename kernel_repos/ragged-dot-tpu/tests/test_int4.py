@@ -130,27 +130,9 @@ def test_gated_gate_up_takes_int4_weights_in_one_n_tile(kernel, interpret, to_ja
     assert _relative_error(out[:rows], (torch.nn.functional.silu(gate) * up)[:rows]) <= 1e-5
 
 
-def _layer(kernel, random_picks, tokens, hidden, intermediate, experts, top_k, *, transposed, bias, sentinels=0.0,
-           std=0.2, seed=0, dtype=torch.float32):
-    """One experts layer with int4 weights: (hidden, index, weights, gate_up, down, biases..., scales...)."""
-    generator = torch.Generator().manual_seed(seed)
-    gate_up_shape = (experts, hidden, 2 * intermediate) if transposed else (experts, 2 * intermediate, hidden)
-    down_shape = (experts, intermediate, hidden) if transposed else (experts, hidden, intermediate)
-    out_axis = 2 if transposed else 1
-    gate_up, gate_up_scales, _ = _quantized(kernel, gate_up_shape, out_axis, generator, std)
-    down, down_scales, _ = _quantized(kernel, down_shape, out_axis, generator, std)
-    biases = (torch.randn(experts, 2 * intermediate, generator=generator).to(dtype) * 0.5,
-              torch.randn(experts, hidden, generator=generator).to(dtype) * 0.5) if bias else (None, None)
-    index, weights = random_picks(generator, tokens, experts, top_k, sentinels)
-    hidden_states = torch.randn(tokens, hidden, generator=generator).to(dtype)
-    return hidden_states, index, weights.to(dtype), gate_up, down, *biases, gate_up_scales, down_scales
-
-
-def _dequantized_layer(kernel, layer, transposed):
-    *front, gate_up, down, gate_up_bias, down_bias, gate_up_scales, down_scales = layer
-    out_axis = 2 if transposed else 1
-    return (*front, kernel.reference.dequantize_reference(gate_up, gate_up_scales, out_axis=out_axis),
-            kernel.reference.dequantize_reference(down, down_scales, out_axis=out_axis), gate_up_bias, down_bias)
+def _int4_weights(kernel):
+    """conftest's quantized_layer's `quantize` for int4: (packed weights, scales)."""
+    return lambda shape, out_axis, generator, std: _quantized(kernel, shape, out_axis, generator, std)[:2]
 
 
 LAYER_CASES = {
@@ -175,42 +157,30 @@ LAYER_CASES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(LAYER_CASES))
-def test_experts_layer_matches_unpacked_reference(kernel, interpret, to_jax, case, random_picks):
+def test_experts_layer_matches_unpacked_reference(kernel, case, experts_layer_paths):
     """Both paths of experts_layer (the fused kernel and the grouped matmuls) against the float64 reference."""
-    tokens, hidden, intermediate, experts, top_k, options, gate, tiles = LAYER_CASES[case]
-    transposed = options["transposed"]
-    layer = _layer(kernel, random_picks, tokens, hidden, intermediate, experts, top_k, **options)
-    gate = dict(weights_transposed=transposed, **gate)
-    expected = kernel.reference.gated_experts_reference(*_dequantized_layer(kernel, layer, transposed), **gate)
-    config = None if tiles is None else kernel.FusedConfig(*tiles)
-    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate, config=config))
-    grouped = interpret(lambda: kernel.experts_layer(*map(to_jax, layer), **gate, fused=False))
+    fused, grouped, expected = experts_layer_paths(kernel, _int4_weights(kernel), LAYER_CASES[case])
     assert not torch.isnan(fused).any() and not torch.isnan(grouped).any()
     assert _relative_error(fused, expected) <= 1e-5
     assert _relative_error(grouped, expected) <= 1e-5
 
 
-def test_v5p_cores_sharing_each_expert_unpack_their_own_i_tiles(kernel, interpret, to_jax, random_picks):
+def test_v5p_cores_sharing_each_expert_unpack_their_own_i_tiles(kernel, fused_on_v5p_cores_sharing_experts):
     """cores_per_expert 2 on two simulated cores: each unpacks the I tiles it owns and scales them by their
     columns' scales."""
-    layer = _layer(kernel, random_picks, 20, 128, 256, 4, 2, transposed=False, bias=True)
-    gate = dict(activation="silu", weights_transposed=False)
-    expected = kernel.reference.gated_experts_reference(*_dequantized_layer(kernel, layer, False), **gate)
-    config = kernel.FusedConfig(16, 128, cores_per_expert=2)
-    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate, config=config,
-                                                   generation="v5p"), cores=2)
+    fused, expected = fused_on_v5p_cores_sharing_experts(kernel, _int4_weights(kernel), LAYER_CASES["i-tiles"])
     assert not torch.isnan(fused).any()
     assert _relative_error(fused, expected) <= 1e-5
 
 
-def test_only_sentinel_picks_give_zeros(kernel, interpret, to_jax, random_picks):
-    layer = _layer(kernel, random_picks, 6, 64, 128, 8, 2, transposed=False, bias=True, sentinels=1.0)
+def test_only_sentinel_picks_give_zeros(kernel, interpret, to_jax, quantized_layer):
+    layer = quantized_layer(_int4_weights(kernel), 6, 64, 128, 8, 2, transposed=False, bias=True, sentinels=1.0)
     fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), activation="silu",
                                                                  weights_transposed=False))
     assert torch.equal(fused, torch.zeros_like(fused))
 
 
-def test_torch_ops_take_int4_weights(kernel, random_picks):
+def test_torch_ops_take_int4_weights(kernel, quantized_layer, dequantized_layer):
     """The checked torch ops, end to end: ragged_dot and gated_experts with packed int4 weights and their scales."""
     generator = torch.Generator().manual_seed(3)
     lhs = torch.randn(12, 192, generator=generator).bfloat16()
@@ -221,11 +191,12 @@ def test_torch_ops_take_int4_weights(kernel, random_picks):
                                                      sizes)
     assert out.dtype == torch.bfloat16
     assert _relative_error(out.float(), expected) <= 1e-2
-    layer = _layer(kernel, random_picks, 5, 128, 64, 4, 2, transposed=False, bias=False, dtype=torch.bfloat16)
+    layer = quantized_layer(_int4_weights(kernel), 5, 128, 64, 4, 2, transposed=False, bias=False,
+                            dtype=torch.bfloat16)
     hidden, index, weights, gate_up, down, _, _, gate_up_scales, down_scales = layer
     out = kernel.gated_experts(hidden, index, weights, gate_up, down, activation="silu", weights_transposed=False,
                                gate_up_scales=gate_up_scales, down_scales=down_scales)
-    expected = kernel.reference.gated_experts_reference(*_dequantized_layer(kernel, layer, False), activation="silu",
+    expected = kernel.reference.gated_experts_reference(*dequantized_layer(kernel, layer, False), activation="silu",
                                                         weights_transposed=False)
     assert out.dtype == torch.bfloat16
     assert _relative_error(out.float(), expected) <= 2e-2

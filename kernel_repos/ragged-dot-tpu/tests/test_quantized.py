@@ -98,28 +98,9 @@ def test_gated_gate_up_takes_one_byte_weights_in_one_n_tile(kernel, interpret, t
     assert _relative_error(out[:rows], expected) <= 1e-5
 
 
-def _layer(random_picks, tokens, hidden, intermediate, experts, top_k, scheme, *, transposed, bias, dtype=torch.float32,
-           sentinels=0.0, seed=0, std=0.2):
-    """One experts layer with quantized weights: (hidden, index, weights, gate_up, down, biases..., scales...)."""
-    generator = torch.Generator().manual_seed(seed)
-    gate_up_shape = (experts, hidden, 2 * intermediate) if transposed else (experts, 2 * intermediate, hidden)
-    down_shape = (experts, intermediate, hidden) if transposed else (experts, hidden, intermediate)
-    out_axis = 2 if transposed else 1
-    gate_up, gate_up_scales = _quantized(gate_up_shape, scheme, out_axis, generator, std)
-    down, down_scales = _quantized(down_shape, scheme, out_axis, generator, std)
-    biases = (torch.randn(experts, 2 * intermediate, generator=generator).to(dtype) * 0.5,
-              torch.randn(experts, hidden, generator=generator).to(dtype) * 0.5) if bias else (None, None)
-    index, weights = random_picks(generator, tokens, experts, top_k, sentinels)
-    hidden_states = torch.randn(tokens, hidden, generator=generator).to(dtype)
-    return hidden_states, index, weights.to(dtype), gate_up, down, *biases, gate_up_scales, down_scales
-
-
-def _dequantized_layer(kernel, layer, transposed):
-    """The same layer with float64 weights: what the reference computes with."""
-    *front, gate_up, down, gate_up_bias, down_bias, gate_up_scales, down_scales = layer
-    out_axis = 2 if transposed else 1
-    return (*front, kernel.reference.dequantize_reference(gate_up, gate_up_scales, out_axis=out_axis),
-            kernel.reference.dequantize_reference(down, down_scales, out_axis=out_axis), gate_up_bias, down_bias)
+def _scheme_weights(scheme):
+    """conftest's quantized_layer's `quantize` for `scheme`: (weights, scales)."""
+    return lambda shape, out_axis, generator, std: _quantized(shape, scheme, out_axis, generator, std)
 
 
 LAYER_CASES = {
@@ -148,16 +129,9 @@ LAYER_CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("case", list(LAYER_CASES))
-def test_experts_layer_matches_dequantized_reference(kernel, interpret, to_jax, case, scheme, random_picks):
+def test_experts_layer_matches_dequantized_reference(kernel, case, scheme, experts_layer_paths):
     """Both paths of experts_layer (the fused kernel and the grouped matmuls) against the float64 reference."""
-    tokens, hidden, intermediate, experts, top_k, options, gate, tiles = LAYER_CASES[case]
-    transposed = options["transposed"]
-    layer = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, scheme, **options)
-    gate = dict(weights_transposed=transposed, **gate)
-    expected = kernel.reference.gated_experts_reference(*_dequantized_layer(kernel, layer, transposed), **gate)
-    config = None if tiles is None else kernel.FusedConfig(*tiles)
-    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate, config=config))
-    grouped = interpret(lambda: kernel.experts_layer(*map(to_jax, layer), **gate, fused=False))
+    fused, grouped, expected = experts_layer_paths(kernel, _scheme_weights(scheme), LAYER_CASES[case])
     assert not torch.isnan(fused).any() and not torch.isnan(grouped).any()
     assert _relative_error(fused, expected) <= 1e-5
     assert _relative_error(grouped, expected) <= 1e-5
@@ -165,27 +139,21 @@ def test_experts_layer_matches_dequantized_reference(kernel, interpret, to_jax, 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("case", ["i-tiles", "i-tiles-interleaved"])
-def test_v5p_cores_sharing_each_expert_read_their_own_i_tiles(kernel, interpret, to_jax, case, scheme, random_picks):
+def test_v5p_cores_sharing_each_expert_read_their_own_i_tiles(kernel, case, scheme, fused_on_v5p_cores_sharing_experts):
     """cores_per_expert 2 on two simulated cores: each dequantizes (fp8) or scales (int8) the I tiles it owns,
     at their offsets into the expert's scales; three tiles leave the second core an empty step."""
-    tokens, hidden, intermediate, experts, top_k, options, gate, (chunk, tile_i) = LAYER_CASES[case]
-    transposed = options["transposed"]
-    layer = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, scheme, **options)
-    gate = dict(weights_transposed=transposed, **gate)
-    expected = kernel.reference.gated_experts_reference(*_dequantized_layer(kernel, layer, transposed), **gate)
-    config = kernel.FusedConfig(chunk, tile_i, cores_per_expert=2)
-    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate, config=config,
-                                                   generation="v5p"), cores=2)
+    fused, expected = fused_on_v5p_cores_sharing_experts(kernel, _scheme_weights(scheme), LAYER_CASES[case])
     assert not torch.isnan(fused).any()
     assert _relative_error(fused, expected) <= 1e-5
 
 
 @pytest.mark.slow
 def test_fp8_bf16_layer_is_the_unquantized_kernel_on_transformers_dequantized_weights(kernel, interpret, to_jax,
-                                                                                     random_picks):
+                                                                                     quantized_layer):
     """bf16 activations: fp8 weights dequantized in VMEM as transformers does on load ((q.f32 * s).to(bf16))
     give the unquantized bf16 kernel's output on those weights, bit for bit, on both paths."""
-    layer = _layer(random_picks, 24, 136, 192, 8, 2, "fp8", transposed=False, bias=False, dtype=torch.bfloat16)
+    layer = quantized_layer(_scheme_weights("fp8"), 24, 136, 192, 8, 2, transposed=False, bias=False,
+                            dtype=torch.bfloat16)
     *front, gate_up, down, _, _, gate_up_scales, down_scales = layer
     dequantized = [kernel.reference.dequantize_reference(w, s, out_axis=1).to(torch.bfloat16)
                    for w, s in ((gate_up, gate_up_scales), (down, down_scales))]
@@ -197,15 +165,15 @@ def test_fp8_bf16_layer_is_the_unquantized_kernel_on_transformers_dequantized_we
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_only_sentinel_picks_give_zeros(kernel, interpret, to_jax, scheme, random_picks):
-    layer = _layer(random_picks, 6, 64, 256, 8, 2, scheme, transposed=False, bias=True, sentinels=1.0)
+def test_only_sentinel_picks_give_zeros(kernel, interpret, to_jax, scheme, quantized_layer):
+    layer = quantized_layer(_scheme_weights(scheme), 6, 64, 256, 8, 2, transposed=False, bias=True, sentinels=1.0)
     fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), activation="silu",
                                                                  weights_transposed=False))
     assert torch.equal(fused, torch.zeros_like(fused))
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_torch_ops_take_quantized_weights(kernel, scheme, random_picks):
+def test_torch_ops_take_quantized_weights(kernel, scheme, quantized_layer, dequantized_layer):
     """The checked torch ops, end to end: ragged_dot and gated_experts with int8 / fp8 weights and their scales."""
     generator = torch.Generator().manual_seed(3)
     lhs = torch.randn(12, 136, generator=generator).bfloat16()
@@ -217,11 +185,11 @@ def test_torch_ops_take_quantized_weights(kernel, scheme, random_picks):
     assert out.dtype == torch.bfloat16
     assert _relative_error(out, expected) < 2e-2  # bf16 activations and output
 
-    layer = _layer(random_picks, 5, 64, 48, 4, 2, scheme, transposed=False, bias=False)
+    layer = quantized_layer(_scheme_weights(scheme), 5, 64, 48, 4, 2, transposed=False, bias=False)
     hidden, index, routing, gate_up, down, _, _, gate_up_scales, down_scales = layer
     out = kernel.gated_experts(hidden, index, routing, gate_up, down, gate_up_scales=gate_up_scales,
                                down_scales=down_scales, activation="silu", weights_transposed=False)
-    expected = kernel.reference.gated_experts_reference(*_dequantized_layer(kernel, layer, False), activation="silu",
+    expected = kernel.reference.gated_experts_reference(*dequantized_layer(kernel, layer, False), activation="silu",
                                                         weights_transposed=False)
     assert _relative_error(out, expected) <= 1e-5
 
@@ -250,8 +218,8 @@ def test_bad_scales_are_refused(kernel, rhs_dtype):
         kernel.ragged_dot(**args | dict(rhs=rhs.to(torch.int16)), rhs_scales=torch.ones(2, 32))
 
 
-def test_gated_experts_refuses_bad_scales(kernel, random_picks):
-    layer = _layer(random_picks, 4, 64, 48, 4, 2, "fp8", transposed=False, bias=False)
+def test_gated_experts_refuses_bad_scales(kernel, quantized_layer):
+    layer = quantized_layer(_scheme_weights("fp8"), 4, 64, 48, 4, 2, transposed=False, bias=False)
     hidden, index, routing, gate_up, down, _, _, gate_up_scales, down_scales = layer
     args = dict(hidden_states=hidden, top_k_index=index, top_k_weights=routing, gate_up_proj=gate_up,
                 down_proj=down, gate_up_scales=gate_up_scales, down_scales=down_scales)
@@ -266,7 +234,7 @@ def test_gated_experts_refuses_bad_scales(kernel, random_picks):
             kernel.gated_experts(**args | change, activation="silu", weights_transposed=False)
 
 
-def test_quantized_weights_run_under_autograd_and_refuse_a_backward(kernel, random_picks):
+def test_quantized_weights_run_under_autograd_and_refuse_a_backward(kernel, quantized_layer):
     """A forward with gradients enabled (as a plain model call makes) runs; asking for a gradient through
     one-byte weights raises the refusal, never a wrong or silent gradient."""
     generator = torch.Generator().manual_seed(5)
@@ -276,8 +244,8 @@ def test_quantized_weights_run_under_autograd_and_refuse_a_backward(kernel, rand
     with pytest.raises(NotImplementedError, match="ragged_dot: no gradient through int8 / float8_e4m3fn / packed int4 weights"):
         out.sum().backward()
 
-    hidden, index, routing, gate_up, down, _, _, gate_up_scales, down_scales = _layer(random_picks, 
-        5, 64, 48, 4, 2, "fp8", transposed=False, bias=False)
+    hidden, index, routing, gate_up, down, _, _, gate_up_scales, down_scales = quantized_layer(
+        _scheme_weights("fp8"), 5, 64, 48, 4, 2, transposed=False, bias=False)
     hidden.requires_grad_(True)
     out = kernel.gated_experts(hidden, index, routing, gate_up, down, gate_up_scales=gate_up_scales,
                                down_scales=down_scales, activation="silu", weights_transposed=False)
@@ -311,20 +279,21 @@ FP8_MXU_LAYER_CASES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(FP8_MXU_CASES))
-def test_fused_fp8_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, interpret, to_jax, case, random_picks):
+def test_fused_fp8_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, interpret, to_jax, case, quantized_layer,
+                                                             dequantized_layer):
     """Against the reference that quantizes each matmul's activations per row and 128-wide K block as the kernel
     does; where the path is taken, the result differs from the dequantizing path's (the activations were
     quantized), else it is that path's."""
     tokens, hidden, intermediate, experts, top_k, options, gate, tiles = FP8_MXU_LAYER_CASES[case]
     transposed = options["transposed"]
-    layer = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, "fp8", **options)
+    layer = quantized_layer(_scheme_weights("fp8"), tokens, hidden, intermediate, experts, top_k, **options)
     gate = dict(weights_transposed=transposed, **gate)
     config = None if tiles is None else kernel.FusedConfig(*tiles)
     problem, _ = kernel.describe_experts(*map(to_jax, layer), **gate)
     assert kernel.plan_fused(problem, config, "tpu7x").fp8_matmul == FP8_MXU_CASES[case]
     fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate, config=config,
                                                    generation="tpu7x"))
-    dequantized = _dequantized_layer(kernel, layer, transposed)
+    dequantized = dequantized_layer(kernel, layer, transposed)
     weights_only = kernel.reference.gated_experts_reference(*dequantized, **gate)
     assert not torch.isnan(fused).any()
     if not FP8_MXU_CASES[case]:
@@ -367,20 +336,21 @@ def test_ragged_dot_fp8_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, interp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["concatenated", "transposed-biases", "gpt-oss", "sentinels", "swapped-down"])
-def test_grouped_fp8_layer_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, interpret, to_jax, case, random_picks):
+def test_grouped_fp8_layer_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, interpret, to_jax, case, quantized_layer,
+                                                                     dequantized_layer):
     """The grouped path of the experts layer on TPU7x (both projections on the fp8 MXU, GPT-OSS's interleaved
     layout too: its rows are quantized before the columns interleave) against the reference that quantizes each
     matmul's activations as the kernels do."""
     tokens, hidden, intermediate, experts, top_k, options, gate, _ = LAYER_CASES[case]
     transposed = options["transposed"]
-    layer = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, "fp8", **options)
+    layer = quantized_layer(_scheme_weights("fp8"), tokens, hidden, intermediate, experts, top_k, **options)
     gate = dict(weights_transposed=transposed, **gate)
     problem, _ = kernel.describe_experts(*map(to_jax, layer), **gate)
     plan = kernel.plan_experts(problem, "tpu7x", fused=False)
     assert plan.gate_up.fp8_matmul and plan.down.fp8_matmul
     grouped = interpret(lambda: kernel.experts_layer(*map(to_jax, layer), **gate, fused=False,
                                                      generation="tpu7x"))
-    dequantized = _dequantized_layer(kernel, layer, transposed)
+    dequantized = dequantized_layer(kernel, layer, transposed)
     expected = kernel.reference.gated_experts_reference(*dequantized, **gate, fp8_activations=True)
     assert not torch.isnan(grouped).any()
     assert _relative_error(grouped, expected) <= 1e-5
