@@ -111,21 +111,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .._hardware import sublane_multiple
-from ..common.gates import DEINTERLEAVED_COLUMNS, deinterleaved_gated, gated
-from ..common.packed_rows import pack_first_half, pack_rows, pack_second_half, unpack_rows
+from ..common.packed_rows import pack_rows
 from ..common.quant import (
     FP8, INT4, INT8, dequantize_fp8_block, dequantized_in_vmem, fp8_matmul, fp8_window_scales, int4_packed_axis,
     per_channel_scales, scheme_of, unpack_int4_block,
 )
 from ..common.routing import int32_group_sizes
 from ..problem import MatmulProblem, weight_shape
+from .epilogue import epilogue
+from .gathered_rows import Gather, gather_rows, token_rows
 from .plan import MatmulPlan, plan_ragged_dot
 from .schedule import WorkItems, block_specs, make_work_items, weights_parts
 from .tiles import TileConfig
-
-
-# Rows the epilogue packs at a time (`MatmulProblem.packed_out`).
-PACKED_ROWS = 128
 
 
 class _StepRefs(NamedTuple):
@@ -159,119 +156,6 @@ def _step_refs(lhs_ref, refs, plan: MatmulPlan) -> _StepRefs:
 
 def _lhs_rows(lhs_ref, start, rows: int):
     return ((lhs_ref[pl.ds(start, rows), :], None),)
-
-
-def _store_packed(out_ref, acc_ref, start, rows: int, split: int):
-    """Rows [start, start + rows) of the f32 accumulator as packed words (`packed_rows`): column j with column
-    split + j, the words past the tile's columns holding column j alone. Two stores, not a padded value: both
-    start on whole 128 lanes."""
-    acc = acc_ref[pl.ds(start, rows), :]
-    paired = acc.shape[1] - split
-    first = pack_first_half(acc[:, :split])
-    out_ref[pl.ds(start, rows), :paired] = first[:, :paired] | pack_second_half(acc[:, split:])
-    if paired < split:
-        out_ref[pl.ds(start, rows), paired:] = first[:, paired:]
-
-
-def _store_interleaved_gated(out_ref, acc_ref, gate, valid_columns, *, exact: bool) -> None:
-    """The gated output of an accumulator of interleaved pairs (`[rows, 2 x out columns]` f32).
-
-    Each chunk of 256 columns (128 pairs; the last may be narrower) is
-    de-interleaved on the MXU and gated (`common.gates.deinterleaved_gated`) and
-    stored as 128 output lanes; `exact` as there: f32 problems at HIGHEST
-    precision, bf16 ones in one bf16 pass, which rounds gate and up to bf16
-    as the gate in XLA reads the kernel's bf16 output. The MXU work is 256 / K
-    of the projection's. Columns from `valid_columns` on (a partial last N
-    tile's garbage, possibly NaN, which a matmul would spread to every lane)
-    are zeroed first.
-    """
-    columns = acc_ref.shape[1]
-    for start in range(0, columns, DEINTERLEAVED_COLUMNS):
-        width = min(DEINTERLEAVED_COLUMNS, columns - start)
-        chunk = acc_ref[:, start : start + width]
-        if valid_columns is not None:
-            column = start + lax.broadcasted_iota(jnp.int32, (1, width), 1)
-            chunk = jnp.where(column < valid_columns, chunk, 0.0)
-        activated = deinterleaved_gated(chunk, gate.activation, alpha=gate.alpha, limit=gate.limit, exact=exact)
-        out_ref[:, start // 2 : (start + width) // 2] = activated.astype(out_ref.dtype)
-
-
-def _token_rows(words_ref, dtype: str, k: int, split: int, start, rows: int):
-    """Copied token rows `[start, start + rows)` of one buffer, as `_lhs_rows` gives them: f32 rows as they are;
-    bf16 rows, copied as words (`common.packed_rows.pack_rows`), as their K columns before `split` and from it."""
-    words = words_ref[pl.ds(start, rows), :]
-    if dtype == "float32":
-        return ((words, None),)
-    # A bf16 value's bits are the top half of its f32 bits: both parts widen exactly, then narrow exactly.
-    first, second = (part.astype(jnp.bfloat16) for part in unpack_rows(words))
-    return ((first, slice(0, split)), (second[:, : k - split], slice(split, k)))
-
-
-class _Gather(NamedTuple):
-    """The refs gathered rows take: the tokens in HBM, their scalar-prefetched schedule, and two buffers."""
-
-    tokens: object  # HBM [T, K] (f32) or [T, K / 2] (packed bf16)
-    row_token: object  # SMEM [M]: each sorted row's token
-    live_rows: object  # SMEM [1]: rows in groups (sum of the group sizes); rows past them are never copied
-    buffers: object  # VMEM [2, window, ...]
-    semaphores: object  # DMA [2]
-    current: object  # SMEM [1]: which buffer holds this step's rows
-
-
-def _copies(gather: _Gather, buffer, start, stop, tile_start):
-    """Rows [start, stop) of a window starting at sorted row `tile_start`, each from its token into `buffer`."""
-    def copy(row):
-        return pltpu.make_async_copy(gather.tokens.at[pl.ds(gather.row_token[row], 1)],
-                                     gather.buffers.at[buffer, pl.ds(row - tile_start, 1)],
-                                     gather.semaphores.at[buffer])
-
-    def start_all():
-        lax.fori_loop(start, stop, lambda row, carry: (copy(row).start(), carry)[1], 0)
-
-    def wait_all():
-        lax.fori_loop(start, stop, lambda row, carry: (copy(row).wait(), carry)[1], 0)
-
-    return start_all, wait_all
-
-
-def _gather_rows(gather: _Gather, lhs_tile_ref, step, steps, plan: MatmulPlan):
-    """Copies this step's window of rows from their tokens (module docstring) and returns the buffer holding it.
-
-    The rows each copy loop runs over are computed here, outside the `pl.when`s: the traffic model evaluates
-    them per grid step from the program ids and the scalar prefetch.
-    """
-    slots, tile_m = plan.groups_per_step, plan.tile_m
-    window, last_item = gather.buffers.shape[1], lhs_tile_ref.shape[0] - 1
-    item = step * slots
-    tile = lhs_tile_ref[item]
-    first = step == 0
-    new_tile = jnp.logical_or(first, tile != lhs_tile_ref[jnp.maximum(item - slots, 0)])
-    next_tile = lhs_tile_ref[jnp.minimum(item + slots, last_item)]
-    prefetch = jnp.logical_and(step + 1 < steps, next_tile != tile)
-    live = gather.live_rows[0]
-    start, next_start = tile * tile_m, next_tile * tile_m
-    stop, next_stop = jnp.clip(live, start, start + window), jnp.clip(live, next_start, next_start + window)
-
-    @pl.when(first)
-    def _():
-        gather.current[0] = 0
-        _copies(gather, 0, start, stop, start)[0]()
-
-    @pl.when(jnp.logical_and(new_tile, jnp.logical_not(first)))
-    def _():
-        gather.current[0] = 1 - gather.current[0]
-
-    buffer = gather.current[0]
-
-    @pl.when(prefetch)
-    def _():
-        _copies(gather, 1 - buffer, next_start, next_stop, next_start)[0]()
-
-    @pl.when(new_tile)
-    def _():
-        _copies(gather, buffer, start, stop, start)[1]()
-
-    return buffer
 
 
 def _multiply(refs: _StepRefs, slot: int, part: int, start, rows: int, keep, k_step, plan: MatmulPlan,
@@ -346,31 +230,33 @@ def _accumulate_chunks(refs: _StepRefs, slot: int, tile_start, chunk_start, row_
                     carry[pl.ds(carry_start, chunk_m), :] += product
 
 
-def _body(*refs, plan: MatmulPlan):
-    prefetch, (lhs_ref, *refs) = refs[: _prefetch_count(plan)], refs[_prefetch_count(plan) :]
-    items = WorkItems(*prefetch[: len(WorkItems._fields)])
-    row_tile_ref, row_start_ref, row_end_ref, count_ref = items.row_tile, items.row_start, items.row_end, items.count
-    chunk_start_ref = items.chunk_start
-    step, steps, k_step = pl.program_id(1), pl.num_programs(1), pl.program_id(2)
-    if plan.problem.gathered:
-        *refs, buffers, semaphores, current = refs
-        gather = _Gather(lhs_ref, *prefetch[len(WorkItems._fields) :], buffers, semaphores, current)
-        buffer = _gather_rows(gather, items.lhs_tile, step, steps, plan)
-        refs = _step_refs(None, refs, plan)._replace(
-            lhs=functools.partial(_token_rows, buffers.at[buffer], plan.problem.dtype, plan.problem.k,
-                                  plan.gather_split))
-    else:
-        refs = _step_refs(lhs_ref, refs, plan)
-    tile_m, chunk_m, groups_per_step = plan.tile_m, plan.chunk_m, plan.groups_per_step
-    count = count_ref[0]
-    # Every slot of a step works on the same row tile (`make_work_items` lays them so).
-    first_item = step * groups_per_step
-    row_tile = row_tile_ref[first_item]
-    tile_start = row_tile * tile_m
-    starts_row_tile = jnp.logical_or(step == 0, row_tile != row_tile_ref[jnp.maximum(first_item - groups_per_step, 0)])
-    next_item = jnp.minimum(first_item + groups_per_step, count - 1)
-    ends_row_tile = jnp.logical_or(step == steps - 1, row_tile_ref[next_item] != row_tile)
+class _RowTile(NamedTuple):
+    """The row tile a grid step works on (every slot of a step works on the same one: `make_work_items` lays them
+    so), and whether the step is its first or last on it."""
 
+    count: object  # work items in the schedule
+    first_item: object
+    start: object  # its first row
+    starts: object
+    ends: object
+
+
+def _row_tile(items: WorkItems, step, steps, plan: MatmulPlan) -> _RowTile:
+    slots = plan.groups_per_step
+    count = items.count[0]
+    first_item = step * slots
+    row_tile = items.row_tile[first_item]
+    start = row_tile * plan.tile_m
+    starts = jnp.logical_or(step == 0, row_tile != items.row_tile[jnp.maximum(first_item - slots, 0)])
+    next_item = jnp.minimum(first_item + slots, count - 1)
+    ends = jnp.logical_or(step == steps - 1, items.row_tile[next_item] != row_tile)
+    return _RowTile(count, first_item, start, starts, ends)
+
+
+def _open_row_tile(refs: _StepRefs, tile: _RowTile, step, k_step, plan: MatmulPlan) -> None:
+    """The accumulators start from zeros at a row tile's first step, plus (chunked) the rows of the previous
+    tile's last chunks that ran into this one."""
+    chunk_m = plan.chunk_m
     if chunk_m:
 
         @pl.when(jnp.logical_and(k_step == 0, step == 0))
@@ -378,101 +264,117 @@ def _body(*refs, plan: MatmulPlan):
             for carry in refs.carry:
                 carry[...] = jnp.zeros_like(carry)
 
-    @pl.when(jnp.logical_and(k_step == 0, starts_row_tile))
+    @pl.when(jnp.logical_and(k_step == 0, tile.starts))
     def _():
         for part, acc in enumerate(refs.acc):
             acc[...] = jnp.zeros_like(acc)
             if chunk_m:
-                # Rows of the previous tile's last chunks that ran into this tile.
                 carry = refs.carry[part]
                 acc[:chunk_m, :] = carry[chunk_m:, :]
                 carry[...] = jnp.zeros_like(carry)
 
-    for slot in range(groups_per_step):
-        item = first_item + slot
-        # An idle slot (past the last item) and a tail item (rows past every
-        # group) have an empty row range, so no chunk of theirs computes.
-        # lax.select rather than jnp.where: jnp.where is a nested jit, which
-        # hides these predicates from the traffic model's per-step evaluation.
-        real = item < count
-        zero = jnp.int32(0)
-        last_real = jnp.minimum(item, count - 1)
-        row_start = lax.select(real, row_start_ref[last_real], zero)
-        row_end = lax.select(real, row_end_ref[last_real], zero)
-        rows_in_tile = jnp.logical_and(row_start < tile_start + tile_m, row_end > tile_start)
-        if refs.bias:
 
-            @pl.when(jnp.logical_and(k_step == 0, rows_in_tile))
-            def _(slot=slot, row_start=row_start, row_end=row_end):
-                # The accumulator rows of the tile that are the item's group's.
-                row = tile_start + lax.broadcasted_iota(jnp.int32, (tile_m, 1), 0)
-                group_rows = jnp.logical_and(row >= row_start, row < row_end)
-                for acc, bias in zip(refs.acc, refs.bias[slot]):
-                    acc[...] += jnp.where(group_rows, bias[...], 0.0)
+def _add_bias(refs: _StepRefs, slot: int, tile: _RowTile, row_start, row_end, rows_in_tile, k_step,
+              plan: MatmulPlan) -> None:
+    """The slot's group's bias row, added to its rows of the accumulators at the first K step."""
 
-        window_scales = None
-        if plan.fp8_matmul:
-            # Once per step, outside the chunks' branches: a few selects on the vector unit.
-            window_scales = fp8_window_scales(
-                refs.scales[slot][...], refs.rhs[slot][0].shape, rhs_contract=1 if plan.problem.transpose_rhs else 0,
-                k_offset=k_step * plan.tile_k, out_offset=pl.program_id(0) * plan.tile_n)
-        elif scheme_of(plan.problem.rhs_dtype) == FP8:
+    @pl.when(jnp.logical_and(k_step == 0, rows_in_tile))
+    def _():
+        row = tile.start + lax.broadcasted_iota(jnp.int32, (plan.tile_m, 1), 0)
+        group_rows = jnp.logical_and(row >= row_start, row < row_end)
+        for acc, bias in zip(refs.acc, refs.bias[slot]):
+            acc[...] += jnp.where(group_rows, bias[...], 0.0)
 
-            @pl.when(rows_in_tile)
-            def _(slot=slot):
-                n_offset, k_offset = pl.program_id(0) * plan.tile_n, k_step * plan.tile_k
-                offsets = (n_offset, k_offset) if plan.problem.transpose_rhs else (k_offset, n_offset)
-                dequantize_fp8_block(refs.rhs[slot][0], refs.scales[slot][...], *offsets, refs.dequantized[slot])
-        elif scheme_of(plan.problem.rhs_dtype) == INT4:
-            pl.when(rows_in_tile)(functools.partial(unpack_int4_block, refs.rhs[slot][0], refs.dequantized[slot]))
 
-        if chunk_m:
-            _accumulate_chunks(refs, slot, tile_start, chunk_start_ref[last_real], row_start, row_end, k_step, plan,
-                               window_scales)
-            continue
+def _decode_weights(refs: _StepRefs, slot: int, rows_in_tile, k_step, plan: MatmulPlan):
+    """The slot's weights made ready for `_multiply`, once per step: fp8 dequantized (int4 unpacked) into VMEM for
+    a slot with rows in the tile; on the fp8 MXU, the block scales over the step's window, returned (a few
+    selects, outside the chunks' branches). int8 and float weights need nothing."""
+    scheme = scheme_of(plan.problem.rhs_dtype)
+    if plan.fp8_matmul:
+        return fp8_window_scales(refs.scales[slot][...], refs.rhs[slot][0].shape,
+                                 rhs_contract=1 if plan.problem.transpose_rhs else 0, k_offset=k_step * plan.tile_k,
+                                 out_offset=pl.program_id(0) * plan.tile_n)
+    if scheme == FP8:
 
         @pl.when(rows_in_tile)
-        def _(slot=slot, row_start=row_start, row_end=row_end, window_scales=window_scales):
-            row = tile_start + lax.broadcasted_iota(jnp.int32, (tile_m, 1), 0)
-            keep = jnp.logical_and(row >= row_start, row < row_end)
-            for part, acc in enumerate(refs.acc):
-                acc[...] += _multiply(refs, slot, part, 0, tile_m, keep, k_step, plan, window_scales)
+        def _():
+            n_offset, k_offset = pl.program_id(0) * plan.tile_n, k_step * plan.tile_k
+            offsets = (n_offset, k_offset) if plan.problem.transpose_rhs else (k_offset, n_offset)
+            dequantize_fp8_block(refs.rhs[slot][0], refs.scales[slot][...], *offsets, refs.dequantized[slot])
+    elif scheme == INT4:
+        pl.when(rows_in_tile)(functools.partial(unpack_int4_block, refs.rhs[slot][0], refs.dequantized[slot]))
+    return None
 
-    # The output block is copied out only when the row tile changes, so it is
-    # filled once, at the last step on its row tile.
-    @pl.when(jnp.logical_and(k_step == pl.num_programs(2) - 1, ends_row_tile))
+
+def _accumulate_tile(refs: _StepRefs, slot: int, tile: _RowTile, row_start, row_end, rows_in_tile, k_step,
+                     plan: MatmulPlan, window_scales) -> None:
+    """Without chunks: the slot's group's rows of the whole row tile, the others masked."""
+
+    @pl.when(rows_in_tile)
     def _():
-        if chunk_m:
-            for acc, carry in zip(refs.acc, refs.carry):
-                acc[tile_m - chunk_m :, :] += carry[:chunk_m, :]
-        gate = plan.problem.gate
-        if gate is None and plan.problem.packed_out:
-            # A slice of rows at a time: packing the whole tile at once holds several f32 copies of it in VMEM.
-            rows = PACKED_ROWS if tile_m % PACKED_ROWS == 0 else tile_m
+        row = tile.start + lax.broadcasted_iota(jnp.int32, (plan.tile_m, 1), 0)
+        keep = jnp.logical_and(row >= row_start, row < row_end)
+        for part, acc in enumerate(refs.acc):
+            acc[...] += _multiply(refs, slot, part, 0, plan.tile_m, keep, k_step, plan, window_scales)
 
-            def pack(chunk, carry):
-                start = pl.multiple_of(chunk * rows, rows)
-                _store_packed(refs.out, refs.acc[0], start, rows, plan.out_split)
-                return carry
 
-            lax.fori_loop(0, tile_m // rows, pack, 0)
-            return
-        if gate is None:
-            refs.out[...] = refs.acc[0][...].astype(refs.out.dtype)
-            return
-        if gate.interleaved:
-            partial = plan.problem.n % plan.tile_n
-            # Columns of this N tile's block that hold pairs; past them a partial last block holds garbage.
-            valid = 2 * (plan.problem.n - pl.program_id(0) * plan.tile_n) if partial else None
-            _store_interleaved_gated(refs.out, refs.acc[0], gate, valid, exact=plan.problem.dtype == "float32")
-            return
-        if len(refs.acc) == 2:
-            gate_part, up = refs.acc[0][...], refs.acc[1][...]
-        else:
-            gate_part, up = refs.acc[0][:, : plan.tile_n], refs.acc[0][:, plan.tile_n :]
-        # Rows of the tile outside every group hold zeros: gated to zeros.
-        refs.out[...] = gated(gate_part, up, gate.activation, alpha=gate.alpha, limit=gate.limit).astype(
-            refs.out.dtype)
+def _run_slot(refs: _StepRefs, items: WorkItems, tile: _RowTile, slot: int, k_step, plan: MatmulPlan) -> None:
+    """The slot's work item on the step's row tile: its bias, its weights decoded, its rows multiplied."""
+    item, count = tile.first_item + slot, tile.count
+    # An idle slot (past the last item) and a tail item (rows past every
+    # group) have an empty row range, so no chunk of theirs computes.
+    # lax.select rather than jnp.where: jnp.where is a nested jit, which
+    # hides these predicates from the traffic model's per-step evaluation.
+    real = item < count
+    zero = jnp.int32(0)
+    last_real = jnp.minimum(item, count - 1)
+    row_start = lax.select(real, items.row_start[last_real], zero)
+    row_end = lax.select(real, items.row_end[last_real], zero)
+    rows_in_tile = jnp.logical_and(row_start < tile.start + plan.tile_m, row_end > tile.start)
+    if refs.bias:
+        _add_bias(refs, slot, tile, row_start, row_end, rows_in_tile, k_step, plan)
+    window_scales = _decode_weights(refs, slot, rows_in_tile, k_step, plan)
+    if plan.chunk_m:
+        _accumulate_chunks(refs, slot, tile.start, items.chunk_start[last_real], row_start, row_end, k_step, plan,
+                           window_scales)
+    else:
+        _accumulate_tile(refs, slot, tile, row_start, row_end, rows_in_tile, k_step, plan, window_scales)
+
+
+def _close_row_tile(refs: _StepRefs, plan: MatmulPlan) -> None:
+    """The output block, written once, at the last step on its row tile (it is copied out only when the row tile
+    changes): the carry's rows that belong to this tile added in, then the epilogue."""
+    chunk_m = plan.chunk_m
+    if chunk_m:
+        for acc, carry in zip(refs.acc, refs.carry):
+            acc[plan.tile_m - chunk_m :, :] += carry[:chunk_m, :]
+    epilogue(plan)(refs.out, refs.acc, plan)
+
+
+def _kernel_refs(lhs_ref, refs, prefetch, step, steps, plan: MatmulPlan) -> _StepRefs:
+    """The step's refs; with gathered rows, lhs reads the buffer this step's rows were copied into."""
+    if not plan.problem.gathered:
+        return _step_refs(lhs_ref, refs, plan)
+    *refs, buffers, semaphores, current = refs
+    gather = Gather(lhs_ref, *prefetch[len(WorkItems._fields) :], buffers, semaphores, current)
+    buffer = gather_rows(gather, WorkItems(*prefetch[: len(WorkItems._fields)]).lhs_tile, step, steps, plan)
+    return _step_refs(None, refs, plan)._replace(
+        lhs=functools.partial(token_rows, buffers.at[buffer], plan.problem.dtype, plan.problem.k, plan.gather_split))
+
+
+def _body(*refs, plan: MatmulPlan):
+    """Walks the step's work items (module docstring); what each does is the plan's choice of bias, weights
+    decoder, chunks and epilogue."""
+    prefetch, (lhs_ref, *refs) = refs[: _prefetch_count(plan)], refs[_prefetch_count(plan) :]
+    items = WorkItems(*prefetch[: len(WorkItems._fields)])
+    step, steps, k_step = pl.program_id(1), pl.num_programs(1), pl.program_id(2)
+    refs = _kernel_refs(lhs_ref, refs, prefetch, step, steps, plan)
+    tile = _row_tile(items, step, steps, plan)
+    _open_row_tile(refs, tile, step, k_step, plan)
+    for slot in range(plan.groups_per_step):
+        _run_slot(refs, items, tile, slot, k_step, plan)
+    pl.when(jnp.logical_and(k_step == pl.num_programs(2) - 1, tile.ends))(lambda: _close_row_tile(refs, plan))
 
 
 def grouped_matmul(
