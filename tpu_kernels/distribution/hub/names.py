@@ -64,14 +64,7 @@ def validate_path(path: str) -> str:
     the file before the colon) and any part of the form of an 8.3 short name (`CONFIG~1.JSO` is
     config.json), whatever the folder holds.
     """
-    if not isinstance(path, str) or not path:
-        raise HubError(400, "Invalid path: empty")
-    if len(path) > MAX_PATH_CHARS:
-        raise HubError(400, f"Invalid path {path[:80]!r}...: longer than {MAX_PATH_CHARS} characters")
-    refused = next((char for char in path if unicodedata.category(char) in _REFUSED_CATEGORIES), None)
-    if refused is not None:
-        raise HubError(400, f"Invalid path {path!r}: control, bidi, zero-width and other invisible characters "
-                            f"are not allowed (U+{ord(refused):04X})")
+    _check_visible_text("path", path, MAX_PATH_CHARS)
     if "\\" in path:
         raise HubError(400, f"Invalid path {path!r}: use '/' as the separator")
     if path.startswith("/"):
@@ -110,15 +103,21 @@ def validate_revision(revision: str) -> str:
     """A revision as a request gives it (a branch, tag, full ref name or commit id, checked against the
     repo later): 400 if empty, too long, or holding a control or invisible character, which no branch,
     tag or commit id has (a NUL would otherwise reach the error's header)."""
-    if not isinstance(revision, str) or not revision:
-        raise HubError(400, "Invalid revision: empty")
-    if len(revision) > MAX_REVISION_CHARS:
-        raise HubError(400, f"Invalid revision {revision[:80]!r}...: longer than {MAX_REVISION_CHARS} characters")
-    refused = next((char for char in revision if unicodedata.category(char) in _REFUSED_CATEGORIES), None)
-    if refused is not None:
-        raise HubError(400, f"Invalid revision {revision!r}: control, bidi, zero-width and other invisible "
-                            f"characters are not allowed (U+{ord(refused):04X})")
+    _check_visible_text("revision", revision, MAX_REVISION_CHARS)
     return revision
+
+
+def _check_visible_text(what: str, value: str, max_chars: int) -> None:
+    """400 unless `value`, a request's `what` ("path", "revision"), is a non-empty string of at most `max_chars`
+    characters, none of them a control or invisible one."""
+    if not isinstance(value, str) or not value:
+        raise HubError(400, f"Invalid {what}: empty")
+    if len(value) > max_chars:
+        raise HubError(400, f"Invalid {what} {value[:80]!r}...: longer than {max_chars} characters")
+    refused = next((char for char in value if unicodedata.category(char) in _REFUSED_CATEGORIES), None)
+    if refused is not None:
+        raise HubError(400, f"Invalid {what} {value!r}: control, bidi, zero-width and other invisible characters "
+                            f"are not allowed (U+{ord(refused):04X})")
 
 
 def validate_ref_name(name: str) -> str:
