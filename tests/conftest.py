@@ -1,3 +1,5 @@
+import itertools
+import logging
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,52 @@ def local_agent_registry(tmp_path):
 
     with loopback_only(tmp_path):
         yield
+
+
+@pytest.fixture
+def api(hub):
+    """huggingface_hub's client of the test module's `hub`, with its token."""
+    from huggingface_hub import HfApi
+
+    return HfApi(endpoint=hub.url, token=hub.token)
+
+
+_repo_names = itertools.count()
+
+
+@pytest.fixture
+def repo(api) -> str:
+    """A new kernel repo on the test module's `hub` whose main holds README.md and c/d.txt; its id."""
+    from .hub_support import add
+
+    repo_id = f"org/kernel-{next(_repo_names)}"
+    api.create_repo(repo_id, repo_type="kernel")
+    api.create_commit(repo_id, repo_type="kernel", commit_message="seed",
+                      operations=[add("README.md", b"# card\n"), add("c/d.txt", b"d")])
+    return repo_id
+
+
+@pytest.fixture
+def errors_logged(caplog):
+    """The server's log records at ERROR and above (a traceback is one)."""
+    caplog.set_level(logging.WARNING)
+    return lambda: [record for record in caplog.records if record.levelno >= logging.ERROR]
+
+
+@pytest.fixture
+def renders(monkeypatch):
+    """One item per card markdown-it parses."""
+    from tpu_kernels.distribution.hub import card
+
+    counted = []
+    parse = card._MARKDOWN.parse
+
+    def counting(*args, **kwargs):
+        counted.append(1)
+        return parse(*args, **kwargs)
+
+    monkeypatch.setattr(card._MARKDOWN, "parse", counting)
+    return counted
 
 
 @pytest.fixture(scope="session")

@@ -1,20 +1,25 @@
-"""Shared by the local-Hub client, page and browser tests: a Hub holding the three built kernel
-repos, and the real CLIs run against it in subprocesses."""
+"""Shared by the local-Hub tests: a Hub holding the three built kernel repos, and the real CLIs run
+against it in subprocesses (client, page and browser tests); raw HTTP and commit bodies (hardening tests)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import re
+import socket
 import struct
 import subprocess
 import sys
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
+from urllib.parse import quote, urlsplit
 
 import pytest
 from huggingface_hub import CommitOperationAdd, HfApi, constants
@@ -140,6 +145,123 @@ def run_cli(program: str, *args: str, env: dict[str, str], returncode: int = 0) 
     assert result.returncode == returncode, f"{program} {' '.join(args)} -> {result.returncode}\n{output[-4000:]}"
     assert "Traceback" not in output, output[-4000:]
     return result
+
+
+# -- raw HTTP and commit bodies, for the hardening tests ------------------------------------------------
+
+# Small timeouts: a hardening test of an idle or stalled connection ends within a second or two.
+FAST = Limits(header_timeout=0.5, idle_timeout=0.5, body_timeout=0.5, max_connections=64)
+# FAST with pace limits: a body or a response slower than 64 KiB/s on average is cut after a second.
+PACED = Limits(header_timeout=0.5, idle_timeout=0.5, body_timeout=0.5, send_timeout=1.0, min_rate=64 << 10,
+               max_connections=64)
+# The repo of a hardening test that starts a Hub of its own.
+REPO = "org/kernel-h"
+HEADER = {"key": "header", "value": {"summary": "hostile"}}
+
+
+def add(path: str, content: bytes) -> CommitOperationAdd:
+    return CommitOperationAdd(path_in_repo=path, path_or_fileobj=content)
+
+
+def address(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    return parts.hostname, parts.port
+
+
+def connect(url: str, receive_buffer: int | None = None) -> socket.socket:
+    """A socket connected to the Hub at `url`, with a 10 s timeout; `receive_buffer`: its SO_RCVBUF, set before
+    connecting (a small one makes a client that reads slowly)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if receive_buffer:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.settimeout(10)
+    sock.connect(address(url))
+    return sock
+
+
+def read_until_closed(sock: socket.socket, limit: float = 10) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and how long that took."""
+    start, received = time.monotonic(), b""
+    sock.settimeout(limit)
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            raise AssertionError(f"the server kept the connection open for {limit} s; got {received[:200]!r}")
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        received += chunk
+    return received, time.monotonic() - start
+
+
+def status_of(response: bytes) -> int:
+    match = re.match(rb"HTTP/1\.1 (\d{3}) ", response)
+    assert match, response[:200]
+    return int(match.group(1))
+
+
+def http(method: str, url: str, body: bytes = b"", headers: dict | None = None, token: str | None = None):
+    """One request on a fresh connection: (status, headers, body)."""
+    import http.client
+
+    host, port = address(url)
+    connection = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        sent = dict(headers or {})
+        if token is not None:
+            sent["Authorization"] = f"Bearer {token}"
+        connection.request(method, urlsplit(url).path + (f"?{urlsplit(url).query}" if urlsplit(url).query else ""),
+                           body=body, headers=sent)
+        response = connection.getresponse()
+        return response.status, response.headers, response.read()
+    finally:
+        connection.close()
+
+
+def ndjson(*lines) -> bytes:
+    return b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines)
+
+
+def file_line(path: str, content: bytes) -> dict:
+    return {"key": "file", "value": {"content": base64.b64encode(content).decode(), "path": path, "encoding": "base64"}}
+
+
+def commit_body(hub: RunningHub, repo_id: str, body: bytes) -> tuple[int, bytes]:
+    """POST `body` (NDJSON commit lines) as a commit to `repo_id`'s main: (status, answer)."""
+    return http("POST", f"{hub.url}/api/kernels/{repo_id}/commit/main", body, token=hub.token,
+                headers={"Content-Type": "application/x-ndjson"})[::2]
+
+
+def stored_state(hub: RunningHub, repo_id: str) -> tuple:
+    """Everything a failed request must leave as it was: refs, commits, blobs, and an empty staging area."""
+    root = hub.storage.root
+    files = sorted(str(path.relative_to(root)) for path in root.rglob("*") if path.is_file())
+    return files, (root / "repos" / "kernel" / repo_id / "refs.json").read_bytes()
+
+
+def assert_refused_everywhere(hub: RunningHub, repo_id: str, path: str, content: bytes) -> str:
+    """Assert that every way a client can name `path` in `repo_id` is a 400 that leaves the repo as it was: a
+    commit adding it (as `content`) or deleting it, a preupload, a download. Returns the adding commit's error,
+    for the caller to check the reason."""
+    before = stored_state(hub, repo_id)
+    status, answer = commit_body(hub, repo_id, ndjson(HEADER, file_line(path, content)))
+    assert status == 400, answer
+    status, _ = commit_body(hub, repo_id, ndjson(HEADER, {"key": "deletedFile", "value": {"path": path}}))
+    assert status == 400
+    status, _, _ = http("POST", f"{hub.url}/api/kernels/{repo_id}/preupload/main", token=hub.token,
+                        body=json.dumps({"files": [{"path": path, "size": 1, "sample": ""}]}).encode())
+    assert status == 400
+    assert http("GET", f"{hub.url}/kernels/{repo_id}/resolve/main/{quote(path)}")[0] == 400
+    assert stored_state(hub, repo_id) == before
+    return json.loads(answer)["error"]
+
+
+def peak_rss_kib(pid: int) -> int:
+    """The peak resident memory of process `pid` so far (Linux's VmHWM)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1))
 
 
 # -- hostile and private content, for the pages --------------------------------------------------------

@@ -9,7 +9,6 @@ measured (tracemalloc) or an internal bound is the point.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import stat
@@ -17,37 +16,20 @@ import subprocess
 import sys
 import tracemalloc
 from pathlib import Path
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
 
 import anyio
 import pytest
-from huggingface_hub import CommitOperationAdd, HfApi
+from huggingface_hub import HfApi
 
 from tpu_kernels.distribution.hub import card as hub_card
 from tpu_kernels.distribution.hub import start_hub
 
-from .hub_support import module_hub
-from .test_hub_hardening import (  # noqa: F401 - api and repo are fixtures: they take this module's hub
-    FAST,
-    HEADER,
-    TOKEN,
-    api,
-    file_line,
-    http,
-    ndjson,
-    repo,
-    stored_state,
-)
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from .hub_support import FAST, HEADER, REPO_ROOT, TOKEN, add, assert_refused_everywhere, http, module_hub, ndjson
 
 pytestmark = pytest.mark.usefixtures("local_agent_registry")
 
 hub = module_hub(TOKEN, FAST)
-
-
-def add(path: str, content: bytes) -> CommitOperationAdd:
-    return CommitOperationAdd(path_in_repo=path, path_or_fileobj=content)
 
 
 def amplified_card(url_bytes: int, uses: int) -> bytes:
@@ -55,20 +37,6 @@ def amplified_card(url_bytes: int, uses: int) -> bytes:
     markdown-it copies the URL into every use."""
     return b"---\nlicense: mit\n---\n# Amplified\n\n[r]: https://example.com/" + b"x" * url_bytes + b"\n\n" + \
         b"[a][r] " * uses + b"\n"
-
-
-@pytest.fixture
-def renders(monkeypatch):
-    """One item per card markdown-it parses."""
-    counted = []
-    parse = hub_card._MARKDOWN.parse
-
-    def counting(*args, **kwargs):
-        counted.append(1)
-        return parse(*args, **kwargs)
-
-    monkeypatch.setattr(hub_card._MARKDOWN, "parse", counting)
-    return counted
 
 
 # -- 1. a card whose references expand is cut, and says so; a view holds no whole page ---------------
@@ -171,24 +139,11 @@ NTFS_ALIASES = ["README.md::$DATA", "README.md:$DATA", "config.json:evil", "CONF
 NOT_ALIASES = ["notes~draft.md", "x~1.tar.gz", "ABCDEFG~1", "v~1a.json", "c/~x", "config.json.bak"]
 
 
-def _commit(hub, repo_id: str, body: bytes) -> tuple[int, bytes]:
-    return http("POST", f"{hub.url}/api/kernels/{repo_id}/commit/main", body, token=TOKEN,
-                headers={"Content-Type": "application/x-ndjson"})[::2]
-
-
 @pytest.mark.parametrize("path", NTFS_ALIASES)
 def test_ntfs_streams_and_short_names_of_a_file_are_refused_everywhere(hub, api, repo, path):
     api.create_commit(repo, repo_type="kernel", commit_message="config", operations=[add("config.json", b"{}")])
-    before = stored_state(hub, repo)
-    status, answer = _commit(hub, repo, ndjson(HEADER, file_line(path, b"overwrites the file it aliases on NTFS")))
-    assert status == 400 and ("':'" in json.loads(answer)["error"] or "8.3 short name" in json.loads(answer)["error"])
-    status, _ = _commit(hub, repo, ndjson(HEADER, {"key": "deletedFile", "value": {"path": path}}))
-    assert status == 400
-    status, _, _ = http("POST", f"{hub.url}/api/kernels/{repo}/preupload/main", token=TOKEN,
-                        body=json.dumps({"files": [{"path": path, "size": 1, "sample": ""}]}).encode())
-    assert status == 400
-    assert http("GET", f"{hub.url}/kernels/{repo}/resolve/main/{quote(path)}")[0] == 400
-    assert stored_state(hub, repo) == before
+    error = assert_refused_everywhere(hub, repo, path, b"overwrites the file it aliases on NTFS")
+    assert "':'" in error or "8.3 short name" in error
 
 
 def test_names_that_only_look_like_short_names_are_fine(api, repo):
@@ -198,13 +153,6 @@ def test_names_that_only_look_like_short_names_are_fine(api, repo):
 
 
 # -- 6. a control character in a revision: a clean 4xx, nothing in the log --------------------------
-
-
-@pytest.fixture
-def errors_logged(caplog):
-    """The server's log records at ERROR and above (a traceback is one)."""
-    caplog.set_level(logging.WARNING)
-    return lambda: [record for record in caplog.records if record.levelno >= logging.ERROR]
 
 
 REVISION_ROUTES = [

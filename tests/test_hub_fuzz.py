@@ -27,7 +27,7 @@ from tpu_kernels.distribution.hub.card import render_card
 from tpu_kernels.distribution.hub.errors import HubError
 from tpu_kernels.distribution.hub.names import name_key, validate_path
 
-from .test_hub_hardening import http
+from .hub_support import http
 
 TOKEN = "fuzz-" + os.urandom(4).hex()
 REPO = "org/fuzzed"
