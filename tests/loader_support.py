@@ -1,5 +1,6 @@
 """Shared by the loader tests (publish and load through a local Hub, integrity, hardening, kernelize): a
-synthetic built kernel, publishing it, and clients pointed at the Hub, in this process or in subprocesses.
+synthetic built kernel, publishing it, and clients pointed at the Hub, in this process or in subprocesses;
+and forgetting a loaded synthetic kernel, so that one process can load it again.
 The `hub` and `client` fixtures (conftest.py) are built from these."""
 
 from __future__ import annotations
@@ -92,3 +93,28 @@ def run_python(code: str, env: dict, timeout: float = 300) -> dict:
 def cached_variant(cache: Path, commit: str, repo_id: str = REPO, variant: str = "torch-cpu") -> Path:
     """Where huggingface_hub keeps a downloaded variant; loaded kernels run from a private copy of it."""
     return cache / f"kernels--{repo_id.replace('/', '--')}" / "snapshots" / commit / "build" / variant
+
+
+def forget_loaded_kernels() -> None:
+    """Make the next load of a test kernel (`make_build`'s "answer") import again: its entries in kernels'
+    registries of imported kernels, and our copies of it. The project's kernels that other tests of this process
+    loaded stay imported: importing one again would register its torch ops a second time.
+
+    kernels has no public way to unload a kernel, so this reaches its private registries (kernels 0.19's
+    `_internals.importer`): only to let one test process import the same build twice."""
+    from kernels._internals import importer
+
+    from tpu_kernels.distribution.loader import private_copies
+
+    forgotten = {path: loaded for path, loaded in importer._loaded_kernels.items()
+                 if loaded.metadata.name.python_name == "answer"}
+    ids = {loaded.metadata.id for loaded in forgotten.values()}
+    for name in [name for name in sys.modules if name.split(".")[0] in ids]:  # submodules too
+        del sys.modules[name]
+    for path in forgotten:
+        del importer._loaded_kernels[path]
+    for kernel_id in ids:
+        importer._loaded_kernel_metadata.pop(kernel_id, None)
+    for key, copy in list(private_copies._PRIVATE_COPIES.items()):
+        if any(path.is_relative_to(copy) for path in forgotten):
+            del private_copies._PRIVATE_COPIES[key]
