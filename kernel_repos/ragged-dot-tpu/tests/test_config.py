@@ -1,6 +1,7 @@
 """Unit tests of the tile selection (each kernel's tiles.py) and of the rule that picks the experts layer's
 kernel (plan.py), in the built variant: no kernel runs here."""
 
+import functools
 import itertools
 
 import jax.numpy as jnp
@@ -230,56 +231,64 @@ MODELS = {
 }
 
 
+def _experts_problem(kernel, tokens: int, hidden: int, intermediate: int, experts: int, dtype, layout: dict,
+                     weights_dtype=None):
+    """One pick per token (a rank's call under EP dispatch holds one row per pick it received), a SiLU gate."""
+    dtype = jnp.dtype(dtype).name
+    weights_dtype = dtype if weights_dtype is None else jnp.dtype(weights_dtype).name
+    return kernel.ExpertsProblem(tokens, 1, hidden, intermediate, experts, dtype, weights_dtype, "float32",
+                                 layout["weights_transposed"], layout["has_bias"],
+                                 kernel.Gate("silu", layout["interleaved"]))
+
+
+def _model_problem(kernel, name: str, tokens: int, dtype=jnp.bfloat16, experts: int | None = None, **layout):
+    hidden, intermediate, model_experts, model_layout = MODELS[name]
+    return _experts_problem(kernel, tokens, hidden, intermediate, experts or model_experts, dtype,
+                            model_layout | layout)
+
+
 def test_fused_config_of_real_models(kernel):
-    qwen3_h, qwen3_i, qwen3_e, qwen3 = MODELS["qwen3-30b-a3b"]
     # Rows: T on the sublane grid, in chunks of at most 64; I whole where the weights fit.
     # Qwen3 at EP8 (16 experts a rank), 256 tokens: two experts per step on v6e (experts_per_step_saving).
-    assert kernel.fused_config(256, qwen3_h, qwen3_i, 16, jnp.bfloat16, **qwen3) == kernel.FusedConfig(64, 768, 2)
-    assert kernel.fused_config(1, qwen3_h, qwen3_i, qwen3_e, jnp.bfloat16, **qwen3) == kernel.FusedConfig(16, 768)
-    assert kernel.fused_config(1, qwen3_h, qwen3_i, qwen3_e, jnp.float32, **qwen3) == kernel.FusedConfig(8, 768)
-    assert kernel.fused_config(100, qwen3_h, qwen3_i, qwen3_e, jnp.bfloat16, **qwen3) == kernel.FusedConfig(64, 768, 4)
-    # Beyond 16 chunks of 64 rows (a forced fused call of 2100 tokens), chunks grow.
-    assert kernel.fused_config(2100, qwen3_h, qwen3_i, 16, jnp.bfloat16, **qwen3).chunk_rows == 144
+    qwen3 = functools.partial(_model_problem, kernel, "qwen3-30b-a3b")
+    assert kernel.fused_config(qwen3(256, experts=16)) == kernel.FusedConfig(64, 768, 2)
+    assert kernel.fused_config(qwen3(1)) == kernel.FusedConfig(16, 768)
+    assert kernel.fused_config(qwen3(1, jnp.float32)) == kernel.FusedConfig(8, 768)
+    assert kernel.fused_config(qwen3(100)) == kernel.FusedConfig(64, 768, 4)
+    # A forced fused call of 2100 tokens keeps 128-row chunks: the kernel loops over as many as the rows fill.
+    assert kernel.fused_config(qwen3(2100, experts=16)).chunk_rows == 128
     # GPT-OSS-20B: two 50 MB experts do not fit; I/2 = 1440 makes 2880-column gate_up blocks (not on the lane
     # grid), I/3 = 960 fits and is aligned.
-    hidden, intermediate, experts, layout = MODELS["gpt-oss-20b"]
-    fused = kernel.fused_config(256, hidden, intermediate, experts, jnp.bfloat16, **layout)
+    gpt_oss = _model_problem(kernel, "gpt-oss-20b", 256)
+    fused = kernel.fused_config(gpt_oss)
     assert fused == kernel.FusedConfig(64, 960)
-    assert kernel.fused_vmem_bytes(fused, 256, hidden, intermediate, experts, jnp.bfloat16, interleaved=True,
-                                   has_bias=True) <= 96 * MIB  # v6e's budget: 100 MiB less Mosaic's scratch
+    assert kernel.fused_vmem_bytes(fused, gpt_oss) <= 96 * MIB  # v6e's budget: 100 MiB less Mosaic's scratch
     # Every generation: decode of every model fits the fused kernel (v5p: a 52 MiB budget, TPU7x 48).
     for generation in ("v5e", "v5p", "v6e", "tpu7x"):
-        for name, (hidden, intermediate, experts, layout) in MODELS.items():
+        for name in MODELS:
             for tokens in (1, 8, 64, 256):
-                fused = kernel.fused_config(tokens, hidden, intermediate, experts, jnp.bfloat16, **layout,
-                                            generation=generation)
+                problem = _model_problem(kernel, name, tokens)
+                fused = kernel.fused_config(problem, generation)
                 assert fused is not None, (generation, name, tokens)
-                kernel.check_fused_config(fused, tokens, hidden, intermediate, experts, jnp.bfloat16, **layout,
-                                          generation=generation)
-                needed = kernel.fused_vmem_bytes(fused, tokens, hidden, intermediate, experts, jnp.bfloat16,
-                                                 interleaved=layout["interleaved"], has_bias=layout["has_bias"],
-                                                 weights_transposed=layout["weights_transposed"])
-                assert needed <= {"v5p": 52, "tpu7x": 48}.get(generation, 96) * MIB
+                kernel.check_fused_config(fused, problem, generation)
+                assert kernel.fused_vmem_bytes(fused, problem) <= {"v5p": 52, "tpu7x": 48}.get(generation, 96) * MIB
 
 
 def test_experts_per_step_where_the_model_says_it_pays(kernel):
-    hidden, intermediate, _, layout = MODELS["qwen3-30b-a3b"]
+    qwen3 = functools.partial(_model_problem, kernel, "qwen3-30b-a3b", experts=16)
+    intermediate = MODELS["qwen3-30b-a3b"][1]
     # Below MULTI_EXPERT_MIN_TOKENS an empty slot is likely (its first fetch wasted): one expert per step.
-    assert kernel.fused_config(kernel.MULTI_EXPERT_MIN_TOKENS - 1, hidden, intermediate, 16, jnp.bfloat16,
-                               **layout).experts_per_step == 1
+    assert kernel.fused_config(qwen3(kernel.MULTI_EXPERT_MIN_TOKENS - 1)).experts_per_step == 1
     # TPU7x: two of Qwen3's experts per step fit its 48 MiB budget at 256 tokens, three do not.
-    assert kernel.fused_config(256, hidden, intermediate, 16, jnp.bfloat16, **layout,
-                               generation="tpu7x").experts_per_step == 2
-    assert kernel.fused_vmem_bytes(kernel.FusedConfig(64, intermediate, 3), 256, hidden, intermediate, 16,
-                                   jnp.bfloat16, interleaved=False, has_bias=False) > 48 * MIB
+    assert kernel.fused_config(qwen3(256), "tpu7x").experts_per_step == 2
+    assert kernel.fused_vmem_bytes(kernel.FusedConfig(64, intermediate, 3), qwen3(256)) > 48 * MIB
     # v6e, Qwen3 at EP8, 256 tokens: each expert's 64-row chunk computes in 0.8 us against its 5.7 us fetch;
     # two experts per step save 8 steps (2.8 us) for one more chunk at the last step; four, which fit too, would
     # save 12 steps (4.2 us) for three more (2.4 us).
     fused = kernel.FusedConfig(64, intermediate)
-    savings = [kernel.experts_per_step_saving(fused._replace(experts_per_step=n), 256, hidden, intermediate, 16,
-                                              jnp.bfloat16, "v6e") for n in (1, 2, 4)]
+    savings = [kernel.experts_per_step_saving(fused._replace(experts_per_step=n), qwen3(256), "v6e") for n in (1, 2, 4)]
     assert savings[0] == 0.0 and savings[1] > savings[2] > 0
-    assert kernel.fused_config(256, hidden, intermediate, 16, jnp.bfloat16, **layout).experts_per_step == 2
+    assert kernel.fused_config(qwen3(256)).experts_per_step == 2
 
 
 def test_fused_vmem_bytes_counts_blocks_scratch_and_one_chunk(kernel):
@@ -295,23 +304,31 @@ def test_fused_vmem_bytes_counts_blocks_scratch_and_one_chunk(kernel):
         + 2 * 128 * 256 * f32  # down block
         + 16 * 256 * f32 + 16 * 256 * f32  # one chunk's gate_up and down values
     )
-    assert kernel.fused_vmem_bytes(fused, 5, 256, 128, 8, jnp.float32, interleaved=False, has_bias=False) == expected
-    with_bias = kernel.fused_vmem_bytes(fused, 5, 256, 128, 8, jnp.float32, interleaved=False, has_bias=True)
-    assert with_bias - expected == 2 * (8 * 256 * f32 + 8 * 256 * f32)  # 8 experts' biases, double-buffered
-    interleaved = kernel.fused_vmem_bytes(fused, 5, 256, 128, 8, jnp.float32, interleaved=True, has_bias=False)
-    assert interleaved - expected == 256 * 128 * f32  # gate_up^T of one chunk, 16 lanes padded to 128
+    layout = dict(weights_transposed=False, interleaved=False, has_bias=False)
+
+    def vmem(**changed):
+        return kernel.fused_vmem_bytes(fused, _experts_problem(kernel, 5, 256, 128, 8, jnp.float32, layout | changed))
+
+    assert vmem() == expected
+    assert vmem(has_bias=True) - expected == 2 * (8 * 256 * f32 + 8 * 256 * f32)  # 8 experts' biases, twice
+    assert vmem(interleaved=True) - expected == 256 * 128 * f32  # gate_up^T of one chunk, 16 lanes padded to 128
+
+
+def _check_fused(kernel, fused, tokens: int, generation: str | None = None, hidden: int = 512,
+                 intermediate: int = 256, experts: int = 8, weights_dtype=None, **layout):
+    layout = dict(weights_transposed=False, interleaved=False, has_bias=False) | layout
+    problem = _experts_problem(kernel, tokens, hidden, intermediate, experts, jnp.bfloat16, layout, weights_dtype)
+    kernel.check_fused_config(kernel.FusedConfig(*fused), problem, generation)
 
 
 @pytest.mark.parametrize(
     "fused,tokens,layout,match",
     [
         ((12, 128), 16, {}, "chunk_rows=12 must be a multiple of 16"),
-        ((16, 128), 300, {}, "300 tokens of 1 experts make more than 16 chunks"),
         ((16, 64), 16, {}, "tile_i=64 must be I=256 or divide it"),  # down [E, H, I]: I tiles on lanes
         ((16, 64), 16, dict(weights_transposed=True), "tile_i=64 must be I=256"),  # gate_up [E, H, 2I]: lanes
         ((16, 0), 16, {}, "tile_i must be a positive int"),
         ((16, 128, 2), 16, {}, "experts_per_step=2 needs the whole I"),
-        ((16, 256, 4), 80, {}, "80 tokens of 4 experts make more than 16 chunks"),
         ((16, 256, 0), 16, {}, "experts_per_step must be a positive int"),
         ((16, 128, 1, 2), 16, dict(generation="v6e"), "cores_per_expert=2: v6e has 1 TensorCore"),
         ((16, 128, 1, 3), 16, dict(generation="v5p"), "cores_per_expert=3: v5p has 2 TensorCore"),
@@ -319,48 +336,44 @@ def test_fused_vmem_bytes_counts_blocks_scratch_and_one_chunk(kernel):
     ],
 )
 def test_check_fused_config_refuses_what_cannot_run(kernel, fused, tokens, layout, match):
-    shape = dict(weights_transposed=False, interleaved=False, has_bias=False) | layout
     with pytest.raises(ValueError, match=match):
-        kernel.check_fused_config(kernel.FusedConfig(*fused), tokens, 512, 256, 8, jnp.bfloat16, **shape)
+        _check_fused(kernel, fused, tokens, **layout)
+
+
+def test_fused_chunks_are_a_loop_not_a_bound(kernel):
+    """The kernel loops over an expert's chunks, so many chunks (300 tokens in 16-row chunks, of 4 experts a
+    step) are no reason to refuse a config."""
+    _check_fused(kernel, (16, 128), 300)
+    _check_fused(kernel, (16, 256, 4), 80)
 
 
 def test_v5p_cores_share_experts_where_the_busier_core_saves(kernel):
     """Split by experts, one active expert leaves a core idle and three put two on one core; shared, each core
     streams its I tiles of every expert. Sixteen active experts split evenly: the experts stay apart."""
-    hidden, intermediate, experts, layout = MODELS["qwen3-30b-a3b"]
+    intermediate = MODELS["qwen3-30b-a3b"][1]
+    qwen3 = functools.partial(_model_problem, kernel, "qwen3-30b-a3b", experts=16)
     apart = kernel.FusedConfig(16, intermediate)
     shared = kernel.FusedConfig(16, intermediate // 2, cores_per_expert=2)
 
     def seconds(fused, tokens):
-        return kernel.busier_core_seconds(fused, tokens, hidden, intermediate, 16, jnp.bfloat16, "v5p")
+        return kernel.busier_core_seconds(fused, qwen3(tokens), "v5p")
 
     assert seconds(shared, 1) < 0.6 * seconds(apart, 1)
     assert seconds(shared, 4) < seconds(apart, 4)
-    picked = kernel.fused_config(1, hidden, intermediate, 16, jnp.bfloat16, generation="v5p", **layout)
+    picked = kernel.fused_config(qwen3(1), "v5p")
     assert picked.cores_per_expert == 2 and picked.tile_i == intermediate // 2
-    assert kernel.fused_config(256, hidden, intermediate, 16, jnp.bfloat16, generation="v5p",
-                               **layout).cores_per_expert == 1
-    assert kernel.fused_config(1, hidden, intermediate, 16, jnp.bfloat16, generation="v6e",
-                               **layout).cores_per_expert == 1
+    assert kernel.fused_config(qwen3(256), "v5p").cores_per_expert == 1
+    assert kernel.fused_config(qwen3(1), "v6e").cores_per_expert == 1
 
 
 def test_tile_i_alignment_per_layout(kernel):
-    shape = dict(weights_transposed=True, interleaved=True, has_bias=False)
     # Interleaved, transposed: gate_up [E, H, 2I] cut at 2 x 64 = 128 lanes, down [E, I, H] at 64 sublanes.
-    kernel.check_fused_config(kernel.FusedConfig(16, 64), 16, 512, 256, 8, jnp.bfloat16, **shape)
+    _check_fused(kernel, (16, 64), 16, weights_transposed=True, interleaved=True)
     # With biases, the gate_up bias [E, 2I] is cut on lanes too: still 128.
-    kernel.check_fused_config(kernel.FusedConfig(16, 64), 16, 512, 256, 8, jnp.bfloat16, **shape | dict(has_bias=True))
+    _check_fused(kernel, (16, 64), 16, weights_transposed=True, interleaved=True, has_bias=True)
     # Concatenated, transposed, biases: gate and up bias blocks of 64 lanes are not aligned.
     with pytest.raises(ValueError, match="tile_i=64"):
-        kernel.check_fused_config(kernel.FusedConfig(16, 64), 16, 512, 256, 8, jnp.bfloat16,
-                                  weights_transposed=True, interleaved=False, has_bias=True)
-
-
-def _experts_problem(kernel, tokens: int, hidden: int, intermediate: int, experts: int, dtype: str, layout: dict):
-    """One pick per token (a rank's call under EP dispatch holds one row per pick it received), a SiLU gate."""
-    return kernel.ExpertsProblem(tokens, 1, hidden, intermediate, experts, dtype, dtype, "float32",
-                                 layout["weights_transposed"], layout["has_bias"],
-                                 kernel.Gate("silu", layout["interleaved"]))
+        _check_fused(kernel, (16, 64), 16, weights_transposed=True, has_bias=True)
 
 
 def test_an_ep_dispatch_rank_at_decode_batch_256_takes_the_fused_kernel(kernel):
@@ -376,34 +389,33 @@ def test_the_fused_path_is_for_decode_sized_calls_that_fit(kernel):
     assert kernel.fused_path_config(decode) is not None
     assert kernel.fused_path_config(decode._replace(tokens=kernel.FUSED_MAX_TOKENS + 1)) is None
     # An expert whose weights fit in no I tiling (I prime, 16384 x 16383 f32): the grouped matmuls.
-    assert kernel.fused_config(8, 16384, 16381, 4, jnp.float32, weights_transposed=False, interleaved=False,
-                               has_bias=False) is None
     layout = dict(weights_transposed=False, interleaved=False, has_bias=False)
-    assert kernel.fused_path_config(_experts_problem(kernel, 8, 16384, 16381, 4, "float32", layout)) is None
+    prime = _experts_problem(kernel, 8, 16384, 16381, 4, "float32", layout)
+    assert kernel.fused_config(prime) is None
+    assert kernel.fused_path_config(prime) is None
 
 
 def test_gpt_oss_fp8_on_tpu7x_takes_partial_i_tiles_of_whole_scale_blocks(kernel):
     """I = 2880 has no divisor on the 128-wide fp8 scale blocks and its whole fp8 expert does not fit TPU7x's
     budget double-buffered, so the fp8 MXU path cuts it in two tiles of 1536 (the last one 1344 columns); elsewhere,
     or in bf16, the tiles divide I (960) and fp8 is dequantized."""
-    hidden, intermediate, experts, layout = MODELS["gpt-oss-20b"]
+    hidden, intermediate = MODELS["gpt-oss-20b"][:2]
     fp8 = jnp.float8_e4m3fn
+    gpt_oss = functools.partial(_model_problem, kernel, "gpt-oss-20b")
     for tokens in (1, 64, 256):
-        picked = kernel.fused_config(tokens, hidden, intermediate, experts, jnp.bfloat16, **layout, weights_dtype=fp8,
-                                     generation="tpu7x")
+        problem = gpt_oss(tokens)._replace(weights_dtype=jnp.dtype(fp8).name)
+        picked = kernel.fused_config(problem, "tpu7x")
         assert picked.tile_i == 1536 and kernel.i_tiles(picked, intermediate) == 2
-        assert kernel.fused_feeds_fp8_mxu(picked, intermediate, fp8, generation="tpu7x")
-        for generation, dtype in (("v6e", fp8), ("tpu7x", None)):
-            other = kernel.fused_config(tokens, hidden, intermediate, experts, jnp.bfloat16, **layout,
-                                        weights_dtype=dtype, generation=generation)
+        assert kernel.fused_feeds_fp8_mxu(picked, problem, "tpu7x")
+        for generation, other_problem in (("v6e", problem), ("tpu7x", gpt_oss(tokens))):
+            other = kernel.fused_config(other_problem, generation)
             assert intermediate % other.tile_i == 0 and other.tile_i % 128
-    shape = dict(weights_transposed=True, interleaved=True, has_bias=True)
+    shape = dict(hidden=hidden, intermediate=intermediate, experts=4, weights_transposed=True, interleaved=True,
+                 has_bias=True)
     # Concatenated gate/up (the up block's offset counts whole tiles), bf16, and v6e keep tiles that divide I.
     for refused in (dict(shape, interleaved=False, weights_dtype=fp8, generation="tpu7x"),
                     dict(shape, generation="tpu7x"), dict(shape, weights_dtype=fp8, generation="v6e")):
         with pytest.raises(ValueError, match=r"tile_i=1536 must be I=2880 or divide it"):
-            kernel.check_fused_config(kernel.FusedConfig(16, 1536), 1, hidden, intermediate, 4, jnp.bfloat16,
-                                      **refused)
+            _check_fused(kernel, (16, 1536), 1, **refused)
     with pytest.raises(ValueError, match=r"tile_i=1000 must be I=2880, a multiple of 128 below it,"):
-        kernel.check_fused_config(kernel.FusedConfig(16, 1000), 1, hidden, intermediate, 4, jnp.bfloat16, **shape,
-                                  weights_dtype=fp8, generation="tpu7x")
+        _check_fused(kernel, (16, 1000), 1, **shape, weights_dtype=fp8, generation="tpu7x")

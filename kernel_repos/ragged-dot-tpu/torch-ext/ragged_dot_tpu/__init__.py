@@ -25,7 +25,7 @@ from .common.quant import (
     INT4, NOT_SERVED, check_scheme_served, expected_scales_shape, int4_packable, int4_packed_axis, pack_int4,
     scheme_of, unpack_int4,
 )
-from .common.routing import expert_plan
+from .common.routing import expected_active_groups, expert_plan
 from .common.vmem import buffers_bytes
 from .common.weights_layout import weights_orientation
 from .experts import composed_experts_forward, experts_forward, fused_gate
@@ -39,8 +39,8 @@ from .gmm.kernel import grouped_matmul, grouped_matmul_call
 from .gmm.plan import gated_plan, gathered_plan, packed_plan, plan_ragged_dot
 from .gmm.schedule import make_work_items
 from .gmm.tiles import (
-    HEURISTIC_RHS_BLOCK_BYTES, TUNED_TILES, TileConfig, TunedKey, check_config, expected_active_groups,
-    heuristic_config, matmul_buffers, n_tile, ridge_rows, row_chunks, row_tile_rows, select_config,
+    HEURISTIC_RHS_BLOCK_BYTES, TUNED_TILES, TileConfig, TunedKey, check_config, heuristic_config,
+    matmul_buffers, n_tile, ridge_rows, row_chunks, row_tile_rows, select_config,
     select_d_lhs_config, vmem_bytes, vmem_limit,
 )
 from .layer import experts_layer

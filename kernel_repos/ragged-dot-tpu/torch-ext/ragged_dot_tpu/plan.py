@@ -24,7 +24,7 @@ from ._hardware import resolve_generation
 from .combine.plan import CombinePlan, plan_combine
 from .common.quant import check_served, scheme_of
 from .common.weights_layout import WeightsOrientation
-from .fused.plan import FusedPlan, experts_orientation, fused_shape, plan_fused
+from .fused.plan import FusedPlan, plan_fused
 from .fused.tiles import FusedConfig, fused_config
 from .gmm.plan import MatmulPlan, gated_plan, gathered_plan, packed_plan, plan_ragged_dot
 from .gmm.tiles import select_d_lhs_config
@@ -51,8 +51,7 @@ def fused_path_config(problem: ExpertsProblem, generation: str | None = None) ->
     why)."""
     if problem.tokens > FUSED_MAX_TOKENS:
         return None
-    shape = fused_shape(problem)
-    return fused_config(*shape.args, **shape.options, generation=generation, top_k=problem.top_k)
+    return fused_config(problem, generation)
 
 
 class MatmulBackwardPlan(NamedTuple):
@@ -112,7 +111,7 @@ def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fuse
     """
     generation = resolve_generation(generation)
     check_served(problem.weights_dtype, generation)
-    orientation = experts_orientation(problem)
+    orientation = problem.orientation
     if fused is None:
         config = fused_path_config(problem, generation)
         fused_plan = None if config is None else plan_fused(problem, config, generation)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from .common.quant import INT4, int4_unpacked_shape, scheme_of, swapped_minor_dims
+from .common.weights_layout import WeightsOrientation, weights_orientation
 
 
 def weight_shape(weight: jax.Array, known_dim: int, known_axis: int) -> tuple[int, ...]:
@@ -107,6 +108,11 @@ class ExpertsProblem(NamedTuple):
     @property
     def picks(self) -> int:
         return self.tokens * self.top_k
+
+    @property
+    def orientation(self) -> WeightsOrientation:
+        """How the kernels read each projection's weights (`common.weights_layout.weights_orientation`)."""
+        return weights_orientation(self.hidden, self.intermediate, weights_transposed=self.weights_transposed)
 
     @property
     def empty(self) -> bool:

@@ -14,6 +14,17 @@ import jax
 import jax.numpy as jnp
 
 
+def expected_active_groups(rows: int, num_groups: int) -> float:
+    """Groups that receive at least one of `rows` rows routed uniformly at random: G (1 - (1 - 1/G)^rows).
+
+    What a kernel's cost estimate assumes for the weights it reads when the
+    group sizes are not known at trace time (they are data). It takes every
+    row as live: under expert-parallel router masking (most rows other ranks'
+    sentinels) it overestimates the weights read at small batches.
+    """
+    return num_groups * (1.0 - (1.0 - 1.0 / num_groups) ** rows)
+
+
 def int32_group_sizes(group_sizes: jax.Array) -> jax.Array:
     """Group sizes of any integer dtype as the int32 the kernels schedule with.
 

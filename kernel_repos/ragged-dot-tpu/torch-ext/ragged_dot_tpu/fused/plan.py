@@ -7,8 +7,8 @@ from typing import NamedTuple
 from .._hardware import resolve_generation, vmem_limit_bytes
 from ..common.quant import check_served
 from ..common.vmem import Buffer
-from ..common.weights_layout import WeightsOrientation, weights_orientation
-from ..gmm.tiles import expected_active_groups
+from ..common.routing import expected_active_groups
+from ..common.weights_layout import WeightsOrientation
 from ..problem import ExpertsProblem
 from .tiles import (
     FusedConfig, check_fused_config, fused_buffers, fused_chunks, fused_config, fused_cores, fused_feeds_fp8_mxu,
@@ -41,45 +41,24 @@ def plan_fused(problem: ExpertsProblem, config: FusedConfig | None = None, gener
     `fused_config`'s; ValueError if none fits."""
     generation = resolve_generation(generation)
     check_served(problem.weights_dtype, generation)
-    shape = fused_shape(problem)
     if config is None:
-        config = fused_config(*shape.args, **shape.options, generation=generation, top_k=problem.top_k)
+        config = fused_config(problem, generation)
         if config is None:
             raise ValueError(f"fused_experts: no I tiling of T={problem.tokens}, H={problem.hidden}, "
                              f"I={problem.intermediate} fits VMEM; use the grouped path")
-    check_fused_config(config, *shape.args, **shape.options, generation=generation)
+    check_fused_config(config, problem, generation)
     tiles = i_tiles(config, problem.intermediate)
     cores = fused_cores(generation, problem.picks, config.cores_per_expert)
-    fp8_matmul = fused_feeds_fp8_mxu(config, problem.intermediate, problem.weights_dtype, generation=generation)
-    options = dict(shape.options, top_k=problem.top_k, routing_dtype=problem.routing_dtype, cores=cores,
-                   fp8_matmul=fp8_matmul)
+    fp8_matmul = fused_feeds_fp8_mxu(config, problem, generation)
     return FusedPlan(
-        problem=problem, orientation=experts_orientation(problem), chunk_rows=config.chunk_rows,
+        problem=problem, orientation=problem.orientation, chunk_rows=config.chunk_rows,
         chunks=fused_chunks(config, problem.tokens), tile_i=config.tile_i, i_tiles=tiles,
         gate_up_parts=2 if tiles > 1 and not problem.gate.interleaved else 1,
         experts_per_step=config.experts_per_step, cores=cores, cores_per_expert=config.cores_per_expert,
         i_tiles_per_core=i_tiles_per_core(config, problem.intermediate),
-        buffers=fused_buffers(config, *shape.args, **options),
-        vmem_limit_bytes=vmem_limit_bytes(fused_vmem_bytes(config, *shape.args, **options), generation),
+        buffers=fused_buffers(config, problem, cores=cores, fp8_matmul=fp8_matmul),
+        vmem_limit_bytes=vmem_limit_bytes(fused_vmem_bytes(config, problem, cores=cores, fp8_matmul=fp8_matmul),
+                                          generation),
         active_experts=expected_active_groups(problem.picks, problem.num_experts),
         fp8_matmul=fp8_matmul,
     )
-
-
-class FusedShape(NamedTuple):
-    args: tuple
-    options: dict
-
-
-def fused_shape(problem: ExpertsProblem) -> FusedShape:
-    """The arguments `fused_config` and its checks take for this problem."""
-    return FusedShape(
-        (problem.tokens, problem.hidden, problem.intermediate, problem.num_experts, problem.dtype),
-        dict(weights_transposed=problem.weights_transposed, interleaved=problem.gate.interleaved,
-             has_bias=problem.has_bias, weights_dtype=problem.weights_dtype),
-    )
-
-
-def experts_orientation(problem: ExpertsProblem) -> WeightsOrientation:
-    return weights_orientation(problem.hidden, problem.intermediate, weights_transposed=problem.weights_transposed)
-

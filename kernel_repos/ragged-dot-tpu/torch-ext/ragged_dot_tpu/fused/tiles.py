@@ -22,11 +22,11 @@ from ..common.quant import (
     stored_rows, weight_row_multiple,
 )
 from ..common.vmem import (
-    MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, check_vmem_fits, fp8_dequantize_vmem_bytes, fp8_matmul_vmem_bytes,
+    Buffer, buffers_bytes, check_vmem_fits, fp8_dequantize_vmem_bytes, fp8_matmul_vmem_bytes,
     fp8_window_scales_vmem_bytes, int4_unpack_vmem_bytes,
 )
-from ..common.weights_layout import WeightsOrientation, weights_orientation
-from ..gmm.tiles import expected_active_groups
+from ..common.routing import expected_active_groups
+from ..problem import ExpertsProblem
 
 
 # Rows per MXU pass of the fused kernel: T rounded to the native tile, at
@@ -103,13 +103,13 @@ def i_tiles_per_core(config: FusedConfig, intermediate: int) -> int:
     return -(-i_tiles(config, intermediate) // config.cores_per_expert)
 
 
-def partial_i_tiles(weights_dtype, *, interleaved: bool, generation: str) -> bool:
+def partial_i_tiles(problem: ExpertsProblem, generation: str) -> bool:
     """Whether I may be cut into FP8_BLOCK-aligned tiles with a partial last one: for fp8 weights on the fp8 MXU in
     the interleaved gate/up layout, whose kernel masks the last tile's columns past I
     (`fused.kernel._interleaved_fp8_rows`). GPT-OSS's I = 2880 has no divisor that is a multiple of 128, and its
     whole I does not fit VMEM with double-buffered fp8 blocks. In the concatenated layout the up block's offset
     is counted in whole tiles, so the tiles must divide I there."""
-    return (interleaved and weights_dtype is not None and scheme_of(weights_dtype) == FP8
+    return (problem.gate.interleaved and scheme_of(problem.weights_dtype) == FP8
             and generation in FP8_MXU_GENERATIONS)
 
 
@@ -118,10 +118,9 @@ def fused_chunks(config: FusedConfig, tokens: int) -> int:
     return -(-tokens // config.chunk_rows)
 
 
-def _tile_i_aligned(tile_i: int, intermediate: int, dtype, *, orientation: WeightsOrientation, interleaved: bool,
-                    has_bias: bool, weights_dtype=None, partial: bool = False) -> bool:
+def _tile_i_aligned(tile_i: int, problem: ExpertsProblem, partial: bool = False) -> bool:
     """Whether I tiles of `tile_i` make legal blocks of the weights (and biases, and int8 and int4 scales) as the
-    kernel reads them (`orientation`).
+    kernel reads them (`ExpertsProblem.orientation`).
 
     The whole I always does (a block equal to its dimension). A part does if
     it divides I and each block's cut dimension is a multiple of its native
@@ -130,50 +129,50 @@ def _tile_i_aligned(tile_i: int, intermediate: int, dtype, *, orientation: Weigh
     packed block). With `partial` (`partial_i_tiles`) a multiple of
     FP8_BLOCK less than I does too, dividing it or not.
     """
+    intermediate, orientation = problem.intermediate, problem.orientation
     if tile_i == intermediate:
         return True
     if partial and tile_i < intermediate and tile_i % FP8_BLOCK == 0:
         return True
     if intermediate % tile_i:
         return False
-    sublanes = weight_row_multiple(dtype if weights_dtype is None else weights_dtype)
-    gate_up_cut = 2 * tile_i if interleaved else tile_i
+    sublanes = weight_row_multiple(problem.weights_dtype)
+    gate_up_cut = 2 * tile_i if problem.gate.interleaved else tile_i
     gate_up_multiple = LANES if orientation.gate_up_transposed else sublanes
     down_multiple = sublanes if orientation.down_transposed else LANES
     # Biases and int8 scales are [E, 2I] rows, cut along their lanes.
-    columns_ok = not (has_bias or per_channel_scales(scheme_of(weights_dtype or dtype))) or gate_up_cut % LANES == 0
+    columns_ok = (not (problem.has_bias or per_channel_scales(scheme_of(problem.weights_dtype)))
+                  or gate_up_cut % LANES == 0)
     return gate_up_cut % gate_up_multiple == 0 and tile_i % down_multiple == 0 and columns_ok
 
 
-def fused_feeds_fp8_mxu(config: FusedConfig, intermediate: int, weights_dtype, *, generation: str) -> bool:
+def fused_feeds_fp8_mxu(config: FusedConfig, problem: ExpertsProblem, generation: str) -> bool:
     """Whether the fused kernel feeds fp8 weights to the fp8 MXU (`common.quant.fp8_matmul`) rather than dequantizing
     them: on a generation that has one, with I whole or in tiles of whole scale blocks (the down projection's K
     offsets). Either gate/up layout: the interleaved one is de-interleaved on the MXU there, in row orientation
     (`fused.kernel._interleaved_fp8_rows`)."""
-    return (weights_dtype is not None and scheme_of(weights_dtype) == FP8 and generation in FP8_MXU_GENERATIONS
-            and (config.tile_i == intermediate or config.tile_i % FP8_BLOCK == 0))
+    return (scheme_of(problem.weights_dtype) == FP8 and generation in FP8_MXU_GENERATIONS
+            and (config.tile_i == problem.intermediate or config.tile_i % FP8_BLOCK == 0))
 
 
-def fused_buffers(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *,
-                  interleaved: bool, has_bias: bool, weights_dtype=None, weights_transposed: bool = False,
-                  top_k: int = 1, routing_dtype="float32", cores: int = 1, fp8_matmul: bool = False
+def fused_buffers(config: FusedConfig, problem: ExpertsProblem, *, cores: int = 1, fp8_matmul: bool = False
                   ) -> tuple[Buffer, ...]:
     """The fused kernel's blocks and scratch: the resident hidden states and routing, each gate_up part's and the
     down block (biases, scales) of each slot's expert and I tile, the resident output (each core's f32 partial when
     `cores` > 1), the f32 accumulator; scratch for interleaved gates, I tiles and int4 weights, and for fp8 weights
     unless `fp8_matmul` (`fused_feeds_fp8_mxu`) multiplies them as they are. Weights blocks in the order the kernel
-    reads them (`weights_orientation`), packed int4's with half the rows."""
-    dtype, f32 = jnp.dtype(dtype).name, "float32"
-    weights_dtype = dtype if weights_dtype is None else jnp.dtype(weights_dtype).name
+    reads them (`ExpertsProblem.orientation`), packed int4's with half the rows."""
+    tokens, hidden, intermediate = problem.tokens, problem.hidden, problem.intermediate
+    dtype, weights_dtype, interleaved, f32 = problem.dtype, problem.weights_dtype, problem.gate.interleaved, "float32"
     chunk, tile_i, slots = config.chunk_rows, config.tile_i, config.experts_per_step
     parts = 2 if i_tiles(config, intermediate) > 1 and not interleaved else 1
     width = tile_i if parts == 2 else 2 * tile_i
-    gate_up_transposed, down_transposed = weights_orientation(hidden, intermediate,
-                                                              weights_transposed=weights_transposed)
+    gate_up_transposed, down_transposed = problem.orientation
     gate_up_block = (hidden, width) if gate_up_transposed else (width, hidden)
     down_block = (tile_i, hidden) if down_transposed else (hidden, tile_i)
+
     def per_expert_rows(block_experts):
-        rows = min(num_experts, block_experts)
+        rows = min(problem.num_experts, block_experts)
         return [*[Buffer((rows, width), f32, 2)] * parts, Buffer((rows, hidden), f32, 2)]
 
     scheme = scheme_of(weights_dtype)
@@ -182,7 +181,7 @@ def fused_buffers(config: FusedConfig, tokens: int, hidden: int, intermediate: i
         return (stored_rows(block[0], scheme), block[1])
 
     slot = [*[Buffer(stored(gate_up_block), weights_dtype, 2)] * parts, Buffer(stored(down_block), weights_dtype, 2)]
-    if has_bias:
+    if problem.has_bias:
         slot += [b._replace(dtype=dtype) for b in per_expert_rows(BIAS_BLOCK_EXPERTS)]
     if per_channel_scales(scheme):
         slot += per_expert_rows(SCALE_BLOCK_EXPERTS)
@@ -190,8 +189,9 @@ def fused_buffers(config: FusedConfig, tokens: int, hidden: int, intermediate: i
         gate_up_stored = (hidden, 2 * intermediate) if gate_up_transposed else (2 * intermediate, hidden)
         down_stored = (intermediate, hidden) if down_transposed else (hidden, intermediate)
         slot += [Buffer(tuple(blocks(d) for d in stored), f32, 2) for stored in (gate_up_stored, down_stored)]
-    buffers = [Buffer((tokens, hidden), dtype), Buffer((tokens, top_k), "int32"), Buffer((tokens, top_k), routing_dtype),
-               *slot * slots]
+    top_k = problem.top_k
+    buffers = [Buffer((tokens, hidden), dtype), Buffer((tokens, top_k), "int32"),
+               Buffer((tokens, top_k), problem.routing_dtype), *slot * slots]
     # The output block never moves (on each core): Mosaic keeps one copy of it.
     buffers += [Buffer((tokens, hidden), dtype if cores == 1 else f32), Buffer((tokens, hidden), f32)]
     if interleaved and not fp8_matmul:
@@ -204,19 +204,16 @@ def fused_buffers(config: FusedConfig, tokens: int, hidden: int, intermediate: i
     return tuple(buffers)
 
 
-def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int, dtype,
-                     *, interleaved: bool, has_bias: bool, weights_dtype=None, weights_transposed: bool = False,
-                     top_k: int = 1, routing_dtype="float32", cores: int = 1, fp8_matmul: bool = False) -> int:
+def fused_vmem_bytes(config: FusedConfig, problem: ExpertsProblem, *, cores: int = 1, fp8_matmul: bool = False
+                     ) -> int:
     """VMEM of a fused experts call: its buffers (`fused_buffers`) and the f32 values Mosaic keeps beside them:
     the expert's weight and rank per token as columns, the triangle that counts the ranks, one chunk's gate_up
     and down results (the columns once per expert of the step); an int8 block cast to the activation dtype, what
     dequantizing fp8 or unpacking int4 blocks takes, or, for fp8 on the MXU (`fp8_matmul`), each slot's weight
     scales spread over the step's windows and one K block's product (interleaved: and the de-interleaving)."""
     f32 = jnp.float32
-    weights_dtype = dtype if weights_dtype is None else weights_dtype
-    buffers = fused_buffers(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
-                            has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed,
-                            top_k=top_k, routing_dtype=routing_dtype, cores=cores, fp8_matmul=fp8_matmul)
+    tokens, hidden, dtype, weights_dtype = problem.tokens, problem.hidden, problem.dtype, problem.weights_dtype
+    buffers = fused_buffers(config, problem, cores=cores, fp8_matmul=fp8_matmul)
     chunk, tile_i, slots = config.chunk_rows, config.tile_i, config.experts_per_step
     values = (2 * slots * padded_vmem_bytes((tokens, 1), f32) + padded_vmem_bytes((tokens, tokens), f32)
               + padded_vmem_bytes((chunk, 2 * tile_i), f32) + padded_vmem_bytes((chunk, hidden), f32))
@@ -227,7 +224,7 @@ def fused_vmem_bytes(config: FusedConfig, tokens: int, hidden: int, intermediate
     elif fp8_matmul:
         window_scales = fp8_window_scales_vmem_bytes(hidden, 2 * tile_i) + fp8_window_scales_vmem_bytes(tile_i, hidden)
         values += slots * window_scales + fp8_matmul_vmem_bytes(chunk, max(hidden, 2 * tile_i))
-        if interleaved:  # the de-interleaving 0/1 matrix and its product (`common.gates.deinterleaved_gated`)
+        if problem.gate.interleaved:  # the de-interleaving 0/1 matrix and its product (`common.gates.deinterleaved_gated`)
             values += (padded_vmem_bytes((DEINTERLEAVED_COLUMNS, DEINTERLEAVED_COLUMNS), f32)
                        + padded_vmem_bytes((chunk, DEINTERLEAVED_COLUMNS), f32))
     elif scheme_of(weights_dtype) is not None:
@@ -246,8 +243,7 @@ def fused_cores(generation: str, picks: int | None = None, cores_per_expert: int
     return max(1, min(cores, picks))
 
 
-def busier_core_seconds(config: FusedConfig, picks: int, hidden: int, intermediate: int, num_experts: int,
-                        weights_dtype, generation: str) -> float:
+def busier_core_seconds(config: FusedConfig, problem: ExpertsProblem, generation: str) -> float:
     """Modelled seconds of a call's busier TensorCore under `config`'s split: its share of the active experts'
     weights streamed at one core's HBM rate, and its grid steps at their fixed cost (`grid_step_overhead_s`).
 
@@ -261,10 +257,10 @@ def busier_core_seconds(config: FusedConfig, picks: int, hidden: int, intermedia
     first fetch are left out.
     """
     chip = tpu_generation(generation)
-    active = expected_active_groups(picks, num_experts)
+    intermediate = problem.intermediate
+    active = expected_active_groups(problem.picks, problem.num_experts)
     tiles = i_tiles(config, intermediate)
-    weight_bytes = 0.5 if scheme_of(weights_dtype) == INT4 else jnp.dtype(weights_dtype).itemsize
-    fetch = 3 * hidden * intermediate * weight_bytes / chip.hbm_bytes_per_s
+    fetch = _expert_fetch_seconds(problem, chip)
     if config.cores_per_expert > 1:
         share = i_tiles_per_core(config, intermediate)
         experts, steps = active * share / tiles, math.ceil(active) * share
@@ -274,8 +270,7 @@ def busier_core_seconds(config: FusedConfig, picks: int, hidden: int, intermedia
     return experts * fetch + steps * grid_step_overhead_s(generation)
 
 
-def experts_per_step_saving(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int,
-                            weights_dtype, generation: str) -> float:
+def experts_per_step_saving(config: FusedConfig, problem: ExpertsProblem, generation: str) -> float:
     """Seconds a call saves with `config.experts_per_step` experts per grid step rather than one (negative: loses).
 
     Each step saved saves its fixed cost (`grid_step_overhead_s`); what the
@@ -289,14 +284,20 @@ def experts_per_step_saving(config: FusedConfig, tokens: int, hidden: int, inter
     tokens; per-core HBM and bf16 MXU peaks.
     """
     chip = tpu_generation(generation)
-    active = expected_active_groups(tokens, num_experts)
+    tokens, hidden, intermediate = problem.tokens, problem.hidden, problem.intermediate
+    active = expected_active_groups(tokens, problem.num_experts)
     per_core = active / chip.cores_per_device
     steps_saved = math.ceil(per_core) - math.ceil(per_core / config.experts_per_step)
-    weight_bytes = 0.5 if scheme_of(weights_dtype) == INT4 else jnp.dtype(weights_dtype).itemsize
-    fetch = 3 * hidden * intermediate * weight_bytes / chip.hbm_bytes_per_s
+    fetch = _expert_fetch_seconds(problem, chip)
     mxu_rows = config.chunk_rows * math.ceil(tokens / active / config.chunk_rows)
     compute = 2 * mxu_rows * (3 * hidden * intermediate + 2 * tokens * hidden) / chip.bf16_flops_per_s
     return steps_saved * grid_step_overhead_s(generation) - (config.experts_per_step - 1) * min(fetch, compute)
+
+
+def _expert_fetch_seconds(problem: ExpertsProblem, chip) -> float:
+    """One expert's weights (both projections) at one core's HBM rate."""
+    weight_bytes = 0.5 if scheme_of(problem.weights_dtype) == INT4 else jnp.dtype(problem.weights_dtype).itemsize
+    return 3 * problem.hidden * problem.intermediate * weight_bytes / chip.hbm_bytes_per_s
 
 
 def _tile_i_candidates(intermediate: int, partial: bool) -> list[int]:
@@ -313,81 +314,64 @@ def _tile_i_candidates(intermediate: int, partial: bool) -> list[int]:
     return found
 
 
-def fused_config(tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *, weights_transposed: bool,
-                 interleaved: bool, has_bias: bool, weights_dtype=None, generation: str | None = None,
-                 top_k: int = 1) -> FusedConfig | None:
+def fused_config(problem: ExpertsProblem, generation: str | None = None) -> FusedConfig | None:
     """The fused kernel's blocks for this layer, or None if no I tiling fits VMEM.
 
     Rows: T (the most one expert can get) rounded to the native sublane tile,
     in chunks of at most FUSED_MAX_CHUNK_ROWS, or FEW_ROWS_CHUNK_ROWS where
-    each expert expects few rows (more if T needs more than
-    MAX_UNROLLED_MATMULS of them). I: whole, or I / n for the smallest n that is
-    aligned (`_tile_i_aligned`) and fits the VMEM budget of `generation`
+    each expert expects few rows. I: whole, or I / n for the smallest n that
+    is aligned (`_tile_i_aligned`) and fits the VMEM budget of `generation`
     (default: this device's); where `partial_i_tiles`, for each n first the
-    FP8_BLOCK multiple that covers I in n tiles (the fp8 MXU's). Experts per step: with the whole I and at least
-    MULTI_EXPERT_MIN_TOKENS tokens, of those that fit (up to
-    MAX_EXPERTS_PER_STEP and the experts), the one `experts_per_step_saving`
-    rates best. On a megacore device, that config or one whose cores share
-    every expert (`cores_per_expert`, any aligned I tiling that fits, at
-    least one tile per core) if `busier_core_seconds` rates it at least
-    SHARED_EXPERTS_MIN_GAIN faster for T x `top_k` picks.
+    FP8_BLOCK multiple that covers I in n tiles (the fp8 MXU's). Experts per
+    step: with the whole I and at least MULTI_EXPERT_MIN_TOKENS tokens, of
+    those that fit (up to MAX_EXPERTS_PER_STEP and the experts), the one
+    `experts_per_step_saving` rates best. On a megacore device, that config
+    or one whose cores share every expert (`cores_per_expert`, any aligned I
+    tiling that fits, at least one tile per core) if `busier_core_seconds`
+    rates it at least SHARED_EXPERTS_MIN_GAIN faster for the problem's picks.
     Not tuned per generation otherwise: decode streams each active expert's
     weights once whatever the tiles, so they only need to fit.
     """
-    sublanes = sublane_multiple(dtype)
-    few_rows = tokens / expected_active_groups(tokens, num_experts) <= FEW_ROWS_PER_EXPERT
-    chunk = max(min(round_up(tokens, sublanes), FEW_ROWS_CHUNK_ROWS if few_rows else FUSED_MAX_CHUNK_ROWS),
-                round_up(-(-tokens // MAX_UNROLLED_MATMULS), sublanes))
-    orientation = weights_orientation(hidden, intermediate, weights_transposed=weights_transposed)
+    tokens, intermediate = problem.tokens, problem.intermediate
+    few_rows = tokens / expected_active_groups(tokens, problem.num_experts) <= FEW_ROWS_PER_EXPERT
+    chunk = min(round_up(tokens, sublane_multiple(problem.dtype)),
+                FEW_ROWS_CHUNK_ROWS if few_rows else FUSED_MAX_CHUNK_ROWS)
     generation = resolve_generation(generation)
     budget, cores = vmem_budget_bytes(generation), fused_cores(generation)
-    weights = dtype if weights_dtype is None else weights_dtype
 
     def fits(config: FusedConfig) -> bool:
-        fp8_matmul = fused_feeds_fp8_mxu(config, intermediate, weights_dtype, generation=generation)
-        return fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
-                                has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed,
-                                cores=cores, fp8_matmul=fp8_matmul) <= budget
+        fp8_matmul = fused_feeds_fp8_mxu(config, problem, generation)
+        return fused_vmem_bytes(config, problem, cores=cores, fp8_matmul=fp8_matmul) <= budget
 
-    partial = partial_i_tiles(weights_dtype, interleaved=interleaved, generation=generation)
+    partial = partial_i_tiles(problem, generation)
     aligned = [FusedConfig(chunk, tile_i) for tile_i in _tile_i_candidates(intermediate, partial)
-               if _tile_i_aligned(tile_i, intermediate, dtype, orientation=orientation, interleaved=interleaved,
-                                  has_bias=has_bias, weights_dtype=weights_dtype, partial=partial)]
+               if _tile_i_aligned(tile_i, problem, partial)]
     by_experts = next((config for config in aligned if fits(config)), None)
     if by_experts is None:
         return None
     if by_experts.tile_i == intermediate and tokens >= MULTI_EXPERT_MIN_TOKENS:
-        most = min(MAX_EXPERTS_PER_STEP, num_experts, MAX_UNROLLED_MATMULS // fused_chunks(by_experts, tokens))
+        most = min(MAX_EXPERTS_PER_STEP, problem.num_experts)
         candidates = [c for c in (by_experts._replace(experts_per_step=n) for n in range(1, most + 1)) if fits(c)]
-        by_experts = max(candidates, key=lambda c: experts_per_step_saving(c, tokens, hidden, intermediate,
-                                                                           num_experts, weights, generation))
+        by_experts = max(candidates, key=lambda c: experts_per_step_saving(c, problem, generation))
     if cores == 1:
         return by_experts
-    def seconds(config):
-        return busier_core_seconds(config, tokens * top_k, hidden, intermediate, num_experts, weights, generation)
-
     shared = [c for c in (config._replace(cores_per_expert=cores) for config in aligned)
               if i_tiles(c, intermediate) >= cores and fits(c)]
-    fastest = min(shared, key=seconds, default=None)
-    if fastest is not None and seconds(fastest) < (1 - SHARED_EXPERTS_MIN_GAIN) * seconds(by_experts):
+    fastest = min(shared, key=lambda c: busier_core_seconds(c, problem, generation), default=None)
+    if fastest is not None and (busier_core_seconds(fastest, problem, generation)
+                                < (1 - SHARED_EXPERTS_MIN_GAIN) * busier_core_seconds(by_experts, problem, generation)):
         return fastest
     return by_experts
 
 
-def check_fused_config(config: FusedConfig, tokens: int, hidden: int, intermediate: int, num_experts: int, dtype, *,
-                       weights_transposed: bool, interleaved: bool, has_bias: bool, weights_dtype=None,
-                       generation: str | None = None) -> None:
+def check_fused_config(config: FusedConfig, problem: ExpertsProblem, generation: str | None = None) -> None:
     """Raises ValueError if `config` cannot run this fused experts layer."""
     if not isinstance(config, FusedConfig):
         raise TypeError(f"config must be a FusedConfig, got {type(config).__name__}")
     for name, value in config._asdict().items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"config.{name} must be a positive int, got {value!r}")
-    if fused_chunks(config, tokens) * config.experts_per_step > MAX_UNROLLED_MATMULS:
-        raise ValueError(
-            f"config: {tokens} tokens of {config.experts_per_step} experts make more than {MAX_UNROLLED_MATMULS} "
-            f"chunks of {config.chunk_rows} rows per step"
-        )
+    intermediate = problem.intermediate
     if config.experts_per_step > 1 and config.tile_i != intermediate:
         raise ValueError(f"config.experts_per_step={config.experts_per_step} needs the whole I per step "
                          f"(tile_i={intermediate}), got tile_i={config.tile_i}")
@@ -398,20 +382,17 @@ def check_fused_config(config: FusedConfig, tokens: int, hidden: int, intermedia
     if i_tiles(config, intermediate) < config.cores_per_expert:
         raise ValueError(f"config.cores_per_expert={config.cores_per_expert} needs at least as many I tiles, got "
                          f"tile_i={config.tile_i} of I={intermediate}")
-    if config.chunk_rows % sublane_multiple(dtype):
-        raise ValueError(f"config.chunk_rows={config.chunk_rows} must be a multiple of {sublane_multiple(dtype)}")
-    orientation = weights_orientation(hidden, intermediate, weights_transposed=weights_transposed)
-    partial = partial_i_tiles(weights_dtype, interleaved=interleaved, generation=generation)
-    if not _tile_i_aligned(config.tile_i, intermediate, dtype, orientation=orientation, interleaved=interleaved,
-                           has_bias=has_bias, weights_dtype=weights_dtype, partial=partial):
+    sublanes = sublane_multiple(problem.dtype)
+    if config.chunk_rows % sublanes:
+        raise ValueError(f"config.chunk_rows={config.chunk_rows} must be a multiple of {sublanes}")
+    partial = partial_i_tiles(problem, generation)
+    if not _tile_i_aligned(config.tile_i, problem, partial):
         raise ValueError(
             f"config.tile_i={config.tile_i} must be I={intermediate}"
             + (f", a multiple of {FP8_BLOCK} below it," if partial else "")
             + " or divide it into blocks aligned to the native tile of the weights as the kernel reads them "
-            "(weights_orientation)"
+            "(ExpertsProblem.orientation)"
         )
-    fp8_matmul = fused_feeds_fp8_mxu(config, intermediate, weights_dtype, generation=generation)
-    needed = fused_vmem_bytes(config, tokens, hidden, intermediate, num_experts, dtype, interleaved=interleaved,
-                              has_bias=has_bias, weights_dtype=weights_dtype, weights_transposed=weights_transposed,
-                              cores=fused_cores(generation), fp8_matmul=fp8_matmul)
-    check_vmem_fits(config, needed, generation)
+    fp8_matmul = fused_feeds_fp8_mxu(config, problem, generation)
+    check_vmem_fits(config, fused_vmem_bytes(config, problem, cores=fused_cores(generation), fp8_matmul=fp8_matmul),
+                    generation)

@@ -95,7 +95,7 @@ of an N tile holding its column j (low half) and its column out_split + j
 
 The CostEstimate counts what the kernel reads: the rows, the weights of the
 groups expected active for M uniformly routed rows
-(`gmm.tiles.expected_active_groups`: the group sizes are data, unknown when
+(`common.routing.expected_active_groups`: the group sizes are data, unknown when
 the call is traced) and the output.
 """
 

@@ -14,8 +14,9 @@ from .._hardware import LANES, max_vmem_limit_bytes, resolve_generation, round_u
 from ..common.quant import check_served, scheme_of
 from ..common.vmem import Buffer, check_vmem_fits
 from ..problem import Gate, MatmulProblem
+from ..common.routing import expected_active_groups
 from .tiles import (
-    TileConfig, check_config, expected_active_groups, matmul_buffers, matmul_feeds_fp8_mxu, row_chunks, row_tile_rows,
+    TileConfig, check_config, matmul_buffers, matmul_feeds_fp8_mxu, row_chunks, row_tile_rows,
     select_config, vmem_bytes, vmem_limit,
 )
 

@@ -360,17 +360,6 @@ def vmem_limit(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None
                                        matmul_feeds_fp8_mxu(config, k, rhs_dtype, generation), bias), generation)
 
 
-def expected_active_groups(rows: int, num_groups: int) -> float:
-    """Groups that receive at least one of `rows` rows routed uniformly at random: G (1 - (1 - 1/G)^rows).
-
-    What a kernel's cost estimate assumes for the weights it reads when the
-    group sizes are not known at trace time (they are data). It takes every
-    row as live: under expert-parallel router masking (most rows other ranks'
-    sentinels) it overestimates the weights read at small batches.
-    """
-    return num_groups * (1.0 - (1.0 - 1.0 / num_groups) ** rows)
-
-
 # The backward's d_lhs grouped matmul runs at training sizes, where the heuristic tiles rows
 # (HEURISTIC_ROW_TILE) in chunks and each row tile reads one chunk more of lhs rows: a longer row
 # tile halves that extra read (modelled by `tpu-kernels bench moe_backward`: Qwen3-30B-A3B's down
