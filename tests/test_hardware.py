@@ -54,6 +54,19 @@ def test_tiling_helpers():
     assert [hardware.vmem_budget_bytes(g) >> 20 for g in ("v5e", "v5p", "v6e", "tpu7x")] == [96, 52, 96, 48]
 
 
+@pytest.mark.parametrize("margin", [1.0, 1.25, 1.5])
+@pytest.mark.parametrize("generation", hardware.SUPPORTED_GENERATIONS)
+def test_the_vmem_policy_asks_for_a_working_set_within_its_budget_what_it_needs(generation, margin):
+    """The budget is the most whose limit, with the same margin and Mosaic's scratch, a kernel may ask for."""
+    budget = hardware.vmem_budget_bytes(generation, margin=margin)
+    needed = int(budget * margin) + hardware.mosaic_scratch_bytes(generation)
+    assert hardware.vmem_limit_bytes(budget, generation, margin=margin) == needed
+    assert hardware.max_vmem_limit_bytes(generation) - margin < needed <= hardware.max_vmem_limit_bytes(generation)
+    # A kernel's own bound only lowers it.
+    assert hardware.vmem_budget_bytes(generation, margin=margin, bound_bytes=8 * MIB) == 8 * MIB
+    assert hardware.vmem_budget_bytes(generation, margin=margin, bound_bytes=budget + 1) == budget
+
+
 def test_check_and_resolve_generation(monkeypatch):
     assert [hardware.check_generation(g) for g in ("v5e", "v5p", "v6e", "tpu7x")] == ["v5e", "v5p", "v6e", "tpu7x"]
     with pytest.raises(ValueError, match=r"generation must be one of \('v5e', 'v5p', 'v6e', 'tpu7x'\), got 'v4'"):

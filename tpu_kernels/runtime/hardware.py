@@ -273,18 +273,25 @@ def mosaic_scratch_bytes(generation: str) -> int:
     return MOSAIC_SCRATCH_BYTES.get(generation, DEFAULT_MOSAIC_SCRATCH_BYTES)
 
 
-def vmem_budget_bytes(generation: str) -> int:
-    """What a config's blocks and scratch may take on `generation`: the most a kernel asks for, less Mosaic's
-    own scratch."""
-    return max_vmem_limit_bytes(generation) - mosaic_scratch_bytes(generation)
+def vmem_budget_bytes(generation: str, *, margin: float = 1.0, bound_bytes: int | None = None) -> int:
+    """What a config's blocks and scratch, as its kernel estimates them, may take on `generation`: the most whose
+    limit (`vmem_limit_bytes` with the same `margin`) a kernel may ask for, or `bound_bytes` if less.
 
-
-def vmem_limit_bytes(working_set_bytes: int, generation: str) -> int:
-    """The scoped VMEM limit to request on `generation` for a kernel whose blocks and scratch take
-    `working_set_bytes`.
-
-    The working set plus Mosaic's own scratch, within [MIN_VMEM_LIMIT_BYTES,
-    max_vmem_limit_bytes(generation)].
+    The one VMEM policy of every kernel; a kernel states its reasons to depart from the defaults as values:
+    `margin`, the factor its estimate is taken by where the estimate may fall short of what Mosaic allocates (1:
+    an exact account of its buffers, padded as Mosaic lays them out); `bound_bytes`, a bound it keeps its tiles'
+    working set within, below what fits.
     """
-    return min(max(working_set_bytes + mosaic_scratch_bytes(generation), MIN_VMEM_LIMIT_BYTES),
+    most = int((max_vmem_limit_bytes(generation) - mosaic_scratch_bytes(generation)) / margin)
+    return most if bound_bytes is None else min(most, bound_bytes)
+
+
+def vmem_limit_bytes(working_set_bytes: int, generation: str, *, margin: float = 1.0) -> int:
+    """The scoped VMEM limit to request on `generation` for a kernel whose blocks and scratch take
+    `working_set_bytes` by its estimate.
+
+    The estimate taken by `margin` (`vmem_budget_bytes`), plus Mosaic's own scratch, within
+    [MIN_VMEM_LIMIT_BYTES, max_vmem_limit_bytes(generation)].
+    """
+    return min(max(int(working_set_bytes * margin) + mosaic_scratch_bytes(generation), MIN_VMEM_LIMIT_BYTES),
                max_vmem_limit_bytes(generation))
