@@ -5,6 +5,7 @@ import json
 import pytest
 
 from tpu_kernels.bench.moe_layer import our_tiles
+from tpu_kernels.runtime.tuning import tuned_tiles
 
 
 @pytest.fixture
@@ -33,13 +34,13 @@ def test_the_table_is_sorted_data_the_kernel_reads(kernel, tmp_path):
             kernel.TunedKey("v5e", 2048, 768, 2048, 16, "bfloat16", "bfloat16", True)]
     path = tmp_path / our_tiles.TABLE
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"entries": [{"key": key._asdict(), "tiles": [256, key.k, 256, None, 1]}
-                                            for key in keys[1:]]}))
-    entries = [{"key": key._asdict(), "tiles": [1024, key.k, 512, 256, 1]} for key in keys[:2]]
+    earlier = [{"key": key._asdict(), "tiles": kernel.TileConfig(256, key.k, 256)._asdict()} for key in keys[1:]]
+    path.write_text(json.dumps({"entries": earlier}))
+    entries = [{"key": key._asdict(), "tiles": kernel.TileConfig(1024, key.k, 512, 256)._asdict()} for key in keys[:2]]
     our_tiles.write_table(tmp_path, entries, [key._asdict() for key in keys[:2]])
     written = json.loads(path.read_text())["entries"]
     assert [entry["key"]["generation"] for entry in written] == ["v5e", "v5e", "v6e"]
-    assert {kernel.TunedKey(**entry["key"]): kernel.TileConfig(*entry["tiles"]) for entry in written} == {
+    assert tuned_tiles(written, kernel.TunedKey, kernel.TileConfig) == {
         keys[0]: kernel.TileConfig(1024, 2048, 512, 256, 1), keys[1]: kernel.TileConfig(1024, 768, 512, 256, 1),
         keys[2]: kernel.TileConfig(256, 768, 256, None, 1)}
     our_tiles.write_table(tmp_path, [], [keys[2]._asdict()])
@@ -49,7 +50,7 @@ def test_the_table_is_sorted_data_the_kernel_reads(kernel, tmp_path):
 def test_tuned_as_sets_exactly_the_entries_then_restores_the_shipped_table(kernel):
     shipped = dict(kernel.TUNED_TILES)
     key = kernel.TunedKey("v6e", 777, 2048, 1536, 5, "bfloat16", "bfloat16", True)
-    with our_tiles.tuned_as(kernel, [{"key": key._asdict(), "tiles": [256, 2048, 512, None, 1]}]):
+    with our_tiles.tuned_as(kernel, [{"key": key._asdict(), "tiles": kernel.TileConfig(256, 2048, 512)._asdict()}]):
         assert kernel.TUNED_TILES == {key: kernel.TileConfig(256, 2048, 512, None, 1)}
     assert kernel.TUNED_TILES == shipped
     with our_tiles.tuned_as(kernel, []):

@@ -34,6 +34,7 @@ RUNTIME = Path(__file__).resolve().parents[1] / "runtime"
 SHIPPED_MODULES = {
     "_binding.py": RUNTIME / "binding.py",
     "_hardware.py": RUNTIME / "hardware.py",
+    "_tuning.py": RUNTIME / "tuning.py",
 }
 SOURCE_HASH_CHARS = 10
 IGNORED_NAMES = {"__pycache__", ".pytest_cache"}

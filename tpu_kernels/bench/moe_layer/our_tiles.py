@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from tpu_kernels.runtime.hardware import LANES, round_up, tpu_generation
+from tpu_kernels.runtime.tuning import tuned_tiles
 
 from .cache import Cache, Compiler, replay
 from .modelling import standalone, timings
@@ -34,7 +35,8 @@ from .ours import ours_layer
 from .rivals import stored_order
 from .shapes import DTYPE, Case, projections
 
-# The file in ragged-dot's package that holds the table (`gmm/tiles.py`'s TUNED_TILES_FILE).
+# The file in ragged-dot's package that holds the table (`gmm/tiles.py`'s TUNED_TILES_FILE), in the form of
+# `tpu_kernels.runtime.tuning`.
 TABLE = Path("torch-ext/ragged_dot_tpu/gmm/tuned_tiles.json")
 # An entry is kept only where the search beats the heuristic by this share: below it the model's own
 # error (p90 5.7 % on measured Pallas ragged dots) decides, and the heuristic is the simpler claim.
@@ -110,10 +112,10 @@ def standalone_winners(built, cache: Cache, case: Case, generation: str) -> list
         heuristic_s, heuristic = priced[0]
         best_s, best = min(priced, key=lambda item: item[0])
         if best != heuristic and best_s <= (1 - MIN_GAIN) * heuristic_s:
-            entries.append({"key": key._asdict(), "tiles": list(best), "label": f"{case.label} {projection}",
+            entries.append({"key": key._asdict(), "tiles": best._asdict(), "label": f"{case.label} {projection}",
                             "standalone_us": round(best_s * 1e6, 2),
                             "standalone_heuristic_us": round(heuristic_s * 1e6, 2),
-                            "heuristic_tiles": list(heuristic)})
+                            "heuristic_tiles": heuristic._asdict()})
     return entries
 
 
@@ -123,7 +125,7 @@ def tuned_as(built, entries: list[dict]):
     table = built.TUNED_TILES
     kept = dict(table)
     table.clear()
-    table.update({built.TunedKey(**e["key"]): built.TileConfig(*e["tiles"]) for e in entries})
+    table.update(tuned_tiles(entries, built.TunedKey, built.TileConfig))
     try:
         yield
     finally:

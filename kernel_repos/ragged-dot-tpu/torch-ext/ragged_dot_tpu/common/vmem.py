@@ -4,6 +4,12 @@ The budget a config's blocks may take, the bounds on what one grid step
 unrolls (compile time), and `Buffer`: one VMEM buffer of a kernel's
 pipeline, padded as Mosaic lays it out. The tiles of each kernel
 (`gmm/tiles.py`, `tgmm/tiles.py`, `fused/tiles.py`) list their buffers in it.
+
+Budgets and limits come from the VMEM policy every tpu-kernels build shares
+(`_hardware.vmem_budget_bytes`, `_hardware.vmem_limit_bytes`), with no
+margin: these accounts of buffers and temporaries are padded as Mosaic lays
+them out. Heuristics that keep some blocks smaller (tgmm's output blocks,
+combine's token tiles) take a share of that budget.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ The backward's d_lhs grouped matmul takes these tiles with longer row tiles
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import NamedTuple
 
@@ -34,6 +33,7 @@ from .._hardware import (
     LANES, check_generation, padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, tpu_generation,
     vmem_limit_bytes,
 )
+from .._tuning import read_tuned_tiles
 from ..common.quant import (
     FP8, FP8_BLOCK, FP8_MXU_GENERATIONS, INT8, INT4, blocks, dequantized_in_vmem, per_channel_scales, scheme_of,
     stored_rows,
@@ -87,17 +87,10 @@ class TunedKey(NamedTuple):
 
 
 # Tiles tuned per shape, taken over the heuristic by `select_config`: data in tuned_tiles.json beside this
-# module, written by tpu-kernels' `bench moe_layer --tune-ours` (a search on its calibrated model, as its
-# rivals get; not measured on a TPU). A shape not in it takes the heuristic.
+# module (`_tuning`'s form), written by tpu-kernels' `bench moe_layer --tune-ours` (a search on its calibrated
+# model, as its rivals get; not measured on a TPU). A shape not in it takes the heuristic.
 TUNED_TILES_FILE = Path(__file__).with_name("tuned_tiles.json")
-
-
-def _tuned_tiles() -> dict[TunedKey, TileConfig]:
-    entries = json.loads(TUNED_TILES_FILE.read_text())["entries"]
-    return {TunedKey(**entry["key"]): TileConfig(*entry["tiles"]) for entry in entries}
-
-
-TUNED_TILES: dict[TunedKey, TileConfig] = _tuned_tiles()
+TUNED_TILES: dict[TunedKey, TileConfig] = read_tuned_tiles(TUNED_TILES_FILE, TunedKey, TileConfig)
 
 
 def matmul_feeds_fp8_mxu(config: TileConfig, k: int, rhs_dtype, generation: str) -> bool:
