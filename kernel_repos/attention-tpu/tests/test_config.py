@@ -39,6 +39,11 @@ def test_vmem_limit_takes_the_margin_and_mosaic_scratch_within_bounds(config):
     assert config.vmem_limit(40 * MIB, "v5p") == 56 * MIB
 
 
+def test_vmem_budget_bounds_tile_size_below_what_fits(config):
+    # What fits with the margin: (100 - 4) / 1.5 MiB on v5e and v6e, (56 - 4) / 1.5 on v5p, (56 - 8) / 1.5 on TPU7x.
+    assert [config.vmem_budget(g) >> 20 for g in ("v5e", "v5p", "v6e", "tpu7x")] == [24, 24, 32, 24]
+
+
 def test_is_decode(config):
     assert config.is_decode(1) and not config.is_decode(2)
 
@@ -77,7 +82,7 @@ def test_heuristic_working_set_fits_the_budget_and_sets_the_limit(config):
                 decode=False, group=8, block_q=chosen.block_q, block_kv=chosen.block_kv, kv_heads_per_step=1,
                 head_dim=128, itemsize=2, mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize,
             )
-            assert working_set <= config.VMEM_BUDGET_BYTES[generation]
+            assert working_set <= config.vmem_budget(generation)
             assert chosen.vmem_limit_bytes == config.vmem_limit(working_set, generation)
 
 
@@ -97,15 +102,18 @@ def test_check_config(config):
     config.check_config(config.AttentionConfig(12, 128, 16 * MIB), q_len=1, kv_len=1000, kv_heads=2)
 
 
-def test_tuned_configs_override_the_heuristic_and_are_checked(config, monkeypatch):
+def test_tuned_tiles_override_the_heuristic_and_are_checked(config, monkeypatch):
     shape = dict(kv_len=4096, mask_dtype=None, **QWEN3_DECODE)
-    key = ("v6e", 32, 4, 1, 4096, 128, "bfloat16", None)
+    key = config.TunedKey("v6e", 32, 4, 1, 4096, 128, "bfloat16", None)
     assert config.tuned_config(**shape, generation="v6e") is None
-    tuned = config.AttentionConfig(block_q=1, block_kv=2048, vmem_limit_bytes=24 * MIB, kv_heads_per_step=2)
-    monkeypatch.setitem(config.TUNED_CONFIGS, key, tuned)
+    monkeypatch.setitem(config.TUNED_TILES, key, config.ForwardTiles(block_q=1, block_kv=2048, kv_heads_per_step=2))
+    # The tiles are the table's; the VMEM limit follows from them.
+    working_set = config.vmem_bytes(decode=True, group=8, block_q=1, block_kv=2048, kv_heads_per_step=2, head_dim=128,
+                                    itemsize=2, mask_itemsize=0)
+    tuned = config.AttentionConfig(1, 2048, config.vmem_limit(working_set, "v6e"), kv_heads_per_step=2)
     assert config.select_config(**shape, generation="v6e") == tuned
     assert config.select_config(**shape, generation="v5e") != tuned
-    monkeypatch.setitem(config.TUNED_CONFIGS, key, config.AttentionConfig(1, 2048, 24 * MIB, kv_heads_per_step=3))
+    monkeypatch.setitem(config.TUNED_TILES, key, config.ForwardTiles(1, 2048, kv_heads_per_step=3))
     with pytest.raises(ValueError, match="kv_heads_per_step"):
         config.select_config(**shape, generation="v6e")
 
@@ -147,14 +155,14 @@ def test_backward_tiles_fit_the_budget(config, model):
                     )
 
                 heads = tiles.kv_heads_per_step
-                assert working_set(heads) <= config.VMEM_BUDGET_BYTES[generation], (generation, kernel_name, tiles)
+                assert working_set(heads) <= config.vmem_budget(generation), (generation, kernel_name, tiles)
                 assert tiles.vmem_limit_bytes == config.vmem_limit(working_set(heads), generation)
                 # Enough KV heads per step that the step outweighs its overhead, or as many as fit.
                 seconds = config.backward_step_seconds(kernel_name, kv_heads_per_step=heads, generation=generation,
                                                        **step)
                 more = [h for h in range(heads + 1, shape["kv_heads"] + 1) if shape["kv_heads"] % h == 0]
                 assert (seconds >= config.STEP_OVERHEAD_MULTIPLE * 0.35e-6 or not more
-                        or working_set(more[0]) > config.VMEM_BUDGET_BYTES[generation]), (generation, kernel_name, tiles)
+                        or working_set(more[0]) > config.vmem_budget(generation)), (generation, kernel_name, tiles)
     plain = config.select_backward_config(q_len=8192, kv_len=8192, dtype=jnp.bfloat16, generation="v6e",
                                           **TRAINING_SHAPES["qwen3-30b-a3b"])
     preferred = config.PREFERRED_BACKWARD_TILES["v6e"]

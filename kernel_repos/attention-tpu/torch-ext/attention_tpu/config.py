@@ -1,34 +1,39 @@
 """Tile sizes per shape and TPU generation, apart from the kernels.
 
-`select_config` (forward) takes a tuned config from TUNED_CONFIGS when it
-holds the shape, else the heuristic (`heuristic_config`): preferred tiles per
-generation, shrunk until the working set fits the generation's VMEM budget;
-decode steps span as many KV heads as fit DECODE_STEP_BYTES.
+`select_config` (forward) takes the tiles of TUNED_TILES (tuned_tiles.json)
+when it holds the shape, else the heuristic (`heuristic_config`): preferred
+tiles per generation, shrunk until the working set fits the VMEM budget
+(`vmem_budget`); decode steps span as many KV heads as fit DECODE_STEP_BYTES.
 `select_backward_config` does the same for the two backward kernels (dq, and
 dk/dv) from their own preferred tiles and working sets. Each kernel then asks
-Mosaic for a scoped VMEM limit from its working set (`vmem_limit`). TPU facts
-(tiling, VMEM limits) come from `_hardware.py`.
+Mosaic for a scoped VMEM limit from its working set (`vmem_limit`). Budget and
+limit are the VMEM policy every tpu-kernels build shares (`_hardware.py`,
+with this kernel's WORKING_SET_MARGIN and WORKING_SET_BOUND_BYTES), as are the
+TPU facts (tiling, VMEM limits); the tuned table has the form every kernel's
+has (`_tuning.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+from typing import NamedTuple
 
 import jax.numpy as jnp
 
 from ._hardware import (
     LANES, MIB, SUBLANES, check_generation, grid_step_overhead_s, resolve_generation, round_up, sublane_multiple,
-    tpu_generation, vmem_limit_bytes,
+    tpu_generation, vmem_budget_bytes, vmem_limit_bytes,
 )
+from ._tuning import read_tuned_tiles
 
-# Working sets the heuristic stays within. The kernel raises the scoped limit
-# to what a config needs, so these bound tile size rather than what fits:
-# v6e's is its default scoped limit (32 MiB), v5e's half again its default
-# (16 MiB). Chosen with the preferred tiles below, not measured separately.
-# v5p and TPU7x have 64 MiB per core: 24 MiB each, whose limit with
-# WORKING_SET_MARGIN and Mosaic's scratch (40 MiB, 44 on TPU7x) stays under
-# the 56 MiB a kernel may ask for there (_hardware.max_vmem_limit_bytes).
-VMEM_BUDGET_BYTES = {"v5e": 24 * MIB, "v5p": 24 * MIB, "v6e": 32 * MIB, "tpu7x": 24 * MIB}
+# Working sets the heuristic stays within (the policy's `bound_bytes`). The
+# kernel raises the scoped limit to what a config needs, so these bound tile
+# size rather than what fits: v6e's is its default scoped limit (32 MiB),
+# v5e's half again its default (16 MiB). Chosen with the preferred tiles
+# below, not measured separately. v5p and TPU7x have 64 MiB per core: 24 MiB
+# each, within what fits there with WORKING_SET_MARGIN.
+WORKING_SET_BOUND_BYTES = {"v5e": 24 * MIB, "v5p": 24 * MIB, "v6e": 32 * MIB, "tpu7x": 24 * MIB}
 # Preferred tiles (query positions per prefill block, keys per prefill block,
 # keys per decode block), chosen with the grid-replay model of
 # tpu_kernels.perf on Qwen3-30B-A3B shapes (`tpu-kernels bench attention`): at
@@ -44,9 +49,9 @@ PREFERRED_TILES = {"v5e": (512, 512, 2048), "v5p": (512, 512, 2048), "v6e": (512
 DECODE_STEP_BYTES = {"v5e": 4 * MIB, "v5p": 4 * MIB, "v6e": 8 * MIB, "tpu7x": 8 * MIB}
 # The VMEM estimate counts the pipeline buffers, the scratch and one slice's
 # softmax temporaries; Mosaic's relayouts of the logits come on top. A 1.5x
-# margin on the estimate covers them; every compile target also compiles
-# without it (libtpu compile-only, v5e and v6e), so the margin is for shapes
-# outside those targets.
+# margin on the estimate (the policy's `margin`) covers them; every compile
+# target also compiles without it (libtpu compile-only, v5e and v6e), so the
+# margin is for shapes outside those targets.
 WORKING_SET_MARGIN = 1.5
 # Query blocks are multiples of 128 (or the whole query length): the
 # log-sum-exp rows the forward writes and the backward kernels read put query
@@ -102,10 +107,33 @@ class AttentionConfig:
     kv_heads_per_step: int = 1
 
 
-# Searched configs, keyed (generation, q_heads, kv_heads, q_len, kv_len,
-# head_dim, dtype name, mask dtype name or None). None so far: the preferred
-# tiles come from the model sweep above.
-TUNED_CONFIGS: dict[tuple, AttentionConfig] = {}
+class TunedKey(NamedTuple):
+    """The shape a forward's tiles were tuned at."""
+
+    generation: str
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    dtype: str
+    mask_dtype: str | None
+
+
+class ForwardTiles(NamedTuple):
+    """A forward's tiles, as a tuned table holds them: an AttentionConfig's but the VMEM limit, which follows from
+    them (`vmem_limit`)."""
+
+    block_q: int
+    block_kv: int
+    kv_heads_per_step: int = 1
+
+
+# Forward tiles tuned per shape, taken over the heuristic by `select_config`:
+# data in tuned_tiles.json beside this module. None so far: the preferred tiles
+# come from the model sweep above.
+TUNED_TILES_FILE = Path(__file__).with_name("tuned_tiles.json")
+TUNED_TILES: dict[TunedKey, ForwardTiles] = read_tuned_tiles(TUNED_TILES_FILE, TunedKey, ForwardTiles)
 
 
 def is_decode(q_len: int) -> bool:
@@ -129,10 +157,24 @@ def vmem_bytes(*, decode, group, block_q, block_kv, kv_heads_per_step, head_dim,
     return q_and_out + scratch + kv + temporaries + mask + lse
 
 
+def forward_vmem_bytes(tiles: ForwardTiles, *, q_heads: int, kv_heads: int, q_len: int, head_dim: int, dtype,
+                       mask_dtype) -> int:
+    """`vmem_bytes` of the forward with `tiles` at one shape."""
+    return vmem_bytes(decode=is_decode(q_len), group=q_heads // kv_heads, block_q=tiles.block_q,
+                      block_kv=tiles.block_kv, kv_heads_per_step=tiles.kv_heads_per_step, head_dim=head_dim,
+                      itemsize=jnp.dtype(dtype).itemsize,
+                      mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize)
+
+
+def vmem_budget(generation: str) -> int:
+    """What a config's working set may take on `generation`: the shared policy's budget with WORKING_SET_MARGIN,
+    within WORKING_SET_BOUND_BYTES."""
+    return vmem_budget_bytes(generation, margin=WORKING_SET_MARGIN, bound_bytes=WORKING_SET_BOUND_BYTES[generation])
+
+
 def vmem_limit(working_set_bytes: int, generation: str) -> int:
-    """The scoped VMEM limit asked for a working set on `generation`: with WORKING_SET_MARGIN and Mosaic's
-    scratch."""
-    return vmem_limit_bytes(int(working_set_bytes * WORKING_SET_MARGIN), generation)
+    """The scoped VMEM limit asked for a working set on `generation`: the shared policy's, with WORKING_SET_MARGIN."""
+    return vmem_limit_bytes(working_set_bytes, generation, margin=WORKING_SET_MARGIN)
 
 
 def _shrink(block: int, *, multiple: int) -> int:
@@ -149,20 +191,16 @@ def heuristic_config(
     multiple of LANES (query blocks: of Q_BLOCK_MULTIPLE).
     """
     generation = check_generation(generation)
-    group = q_heads // kv_heads
     decode = is_decode(q_len)
     preferred_q, preferred_kv_prefill, preferred_kv_decode = PREFERRED_TILES[generation]
     block_q = 1 if decode else min(q_len, preferred_q)
     block_kv = min(kv_len, preferred_kv_decode if decode else preferred_kv_prefill)
     itemsize = jnp.dtype(dtype).itemsize
-    budget = VMEM_BUDGET_BYTES[generation]
-
-    # What the working set depends on besides the tiles, as backward_tiles binds it.
-    shape = dict(decode=decode, group=group, head_dim=head_dim, itemsize=itemsize,
-                 mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize)
+    budget = vmem_budget(generation)
 
     def working_set(bq, bkv, heads):
-        return vmem_bytes(block_q=bq, block_kv=bkv, kv_heads_per_step=heads, **shape)
+        return forward_vmem_bytes(ForwardTiles(bq, bkv, heads), q_heads=q_heads, kv_heads=kv_heads, q_len=q_len,
+                                  head_dim=head_dim, dtype=dtype, mask_dtype=mask_dtype)
 
     while working_set(block_q, block_kv, 1) > budget:
         if block_kv > 4 * LANES or (block_kv > LANES and (decode or block_q <= Q_BLOCK_MULTIPLE)):
@@ -208,14 +246,18 @@ def check_config(config: AttentionConfig, *, q_len: int, kv_len: int, kv_heads: 
 def tuned_config(
     *, q_heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype, mask_dtype, generation: str
 ) -> AttentionConfig | None:
-    """The TUNED_CONFIGS entry for this shape, if there is one; checked like an explicit config."""
-    key = (
-        check_generation(generation), q_heads, kv_heads, q_len, kv_len, head_dim, jnp.dtype(dtype).name,
-        None if mask_dtype is None else jnp.dtype(mask_dtype).name,
-    )
-    config = TUNED_CONFIGS.get(key)
-    if config is not None:
-        check_config(config, q_len=q_len, kv_len=kv_len, kv_heads=kv_heads)
+    """The config of the TUNED_TILES entry for this shape, if there is one: its tiles, checked like an explicit
+    config, and the VMEM limit they need."""
+    key = TunedKey(check_generation(generation), q_heads, kv_heads, q_len, kv_len, head_dim, jnp.dtype(dtype).name,
+                   None if mask_dtype is None else jnp.dtype(mask_dtype).name)
+    tiles = TUNED_TILES.get(key)
+    if tiles is None:
+        return None
+    working_set = forward_vmem_bytes(tiles, q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, head_dim=head_dim,
+                                     dtype=dtype, mask_dtype=mask_dtype)
+    config = AttentionConfig(tiles.block_q, tiles.block_kv, vmem_limit(working_set, generation),
+                             tiles.kv_heads_per_step)
+    check_config(config, q_len=q_len, kv_len=kv_len, kv_heads=kv_heads)
     return config
 
 
@@ -293,7 +335,7 @@ def backward_tiles(kernel, *, block_q, block_kv, group, kv_heads, head_dim, item
         return backward_vmem_bytes(kernel=kernel, kv_heads_per_step=heads, itemsize=itemsize,
                                    mask_itemsize=mask_itemsize, **shape)
 
-    fitting = [h for h in range(1, kv_heads + 1) if kv_heads % h == 0 and working_set(h) <= VMEM_BUDGET_BYTES[generation]]
+    fitting = [h for h in range(1, kv_heads + 1) if kv_heads % h == 0 and working_set(h) <= vmem_budget(generation)]
     if not fitting:
         return None
     target = STEP_OVERHEAD_MULTIPLE * grid_step_overhead_s(generation)
