@@ -23,9 +23,8 @@ def test_vmem_bytes_counts_padded_double_buffered_rows_temporaries_and_vectors(c
 
 @pytest.mark.parametrize("generation", ["v5e", "v5p", "v6e", "tpu7x"])
 @pytest.mark.parametrize("op", OPS)
-def test_heuristic_aligns_blocks_and_fits_scoped_vmem(config, generation, op):
-    scoped, explicit_limit = config.scoped_vmem(generation)
-    budget = scoped * config.VMEM_BUDGET_FRACTION
+def test_heuristic_aligns_blocks_fits_the_budget_and_asks_for_its_limit(config, generation, op):
+    budget = config.vmem_budget(generation)
     for rows in (1, 7, 64, 1000, 8192, 100_003):
         for hidden in (96, 200, 2048, 2816, 4096, 5120, 7168):
             for dtype in (jnp.float32, jnp.bfloat16):
@@ -33,8 +32,9 @@ def test_heuristic_aligns_blocks_and_fits_scoped_vmem(config, generation, op):
                 align = 8 if dtype == jnp.float32 else 16
                 assert chosen.block_rows == rows or chosen.block_rows % align == 0
                 assert 1 <= chosen.block_rows <= rows
-                assert chosen.vmem_limit_bytes == explicit_limit
-                assert config.vmem_bytes(chosen.block_rows, hidden, dtype, op) <= budget
+                working_set = config.vmem_bytes(chosen.block_rows, hidden, dtype, op)
+                assert working_set <= budget
+                assert chosen.vmem_limit_bytes == config.vmem_limit(working_set, generation)
                 # Equal blocks: the ragged last block wastes less than one alignment unit per block.
                 blocks = math.ceil(rows / chosen.block_rows)
                 assert blocks * chosen.block_rows - rows < blocks * align
@@ -49,12 +49,13 @@ def test_heuristic_balances_steps_against_traffic(config):
     assert v5e.block_rows < v6e.block_rows
 
 
-def test_blocks_are_sized_for_the_default_scoped_vmem_or_ask_for_their_limit(config):
-    assert config.scoped_vmem("v5e") == (16 * MIB, None)
-    assert config.scoped_vmem("v5p") == (16 * MIB, None)
-    assert config.scoped_vmem("v6e") == (32 * MIB, None)
-    # TPU7x's default scoped limit is not known (_hardware's docstring): the kernel asks for its limit.
-    assert config.scoped_vmem("tpu7x") == (32 * MIB, 32 * MIB)
+def test_blocks_stay_within_what_the_default_scoped_vmem_holds_with_the_margin(config):
+    # 16 MiB on v5e and v5p, 32 on v6e; TPU7x's default is not known (_hardware's docstring): v6e's is taken.
+    assert [config.vmem_budget(g) for g in ("v5e", "v5p", "v6e", "tpu7x")] == [
+        int(16 * MIB * 0.8), int(16 * MIB * 0.8), int(32 * MIB * 0.8), int(32 * MIB * 0.8)]
+    # The limit asked for: the working set with the margin, and Mosaic's own scratch (4 MiB, 8 on TPU7x).
+    assert config.vmem_limit(12 * MIB, "v5e") == 15 * MIB + 4 * MIB
+    assert config.vmem_limit(24 * MIB, "tpu7x") == 30 * MIB + 8 * MIB
 
 
 def test_heuristic_raises_the_vmem_limit_for_huge_rows_and_refuses_beyond_capacity(config):
@@ -62,9 +63,10 @@ def test_heuristic_raises_the_vmem_limit_for_huge_rows_and_refuses_beyond_capaci
     assert chosen.block_rows == 8 and 16 * MIB < chosen.vmem_limit_bytes <= 96 * MIB
     with pytest.raises(ValueError, match="hidden=262144 is too large for fused_add_rms_norm on v5e"):
         config.heuristic_config(64, 262_144, jnp.float32, "v5e", op="fused_add_rms_norm")
-    # 64 MiB of VMEM per core: what fits v5e's 96 MiB is refused past 48 MiB on v5p.
+    # 64 MiB of VMEM per core: at most 56 MiB asked for on v5p (its working set with the margin and 4 MiB of
+    # Mosaic's scratch).
     chosen = config.heuristic_config(64, 65_536, jnp.float32, "v5p", op="fused_add_rms_norm")
-    assert chosen.block_rows == 8 and 16 * MIB < chosen.vmem_limit_bytes <= 48 * MIB
+    assert chosen.block_rows == 8 and 16 * MIB < chosen.vmem_limit_bytes <= 56 * MIB
     with pytest.raises(ValueError, match="hidden=131072 is too large for fused_add_rms_norm on v5p"):
         config.heuristic_config(64, 131_072, jnp.float32, "v5p", op="fused_add_rms_norm")
 
@@ -78,15 +80,18 @@ def test_check_block_rows(config):
             config.check_block_rows(block_rows, 40, jnp.bfloat16)
 
 
-def test_tuned_configs_override_the_heuristic_and_are_checked(config, monkeypatch):
+def test_tuned_tiles_override_the_heuristic_and_are_checked(config, monkeypatch):
     heuristic = config.heuristic_config(8192, 4096, jnp.bfloat16, "v6e")
     assert config.tuned_config(8192, 4096, jnp.bfloat16, "v6e") is None
     assert config.select_config(8192, 4096, jnp.bfloat16, "v6e") == heuristic
-    tuned = config.RowBlockConfig(block_rows=1024)
-    monkeypatch.setitem(config.TUNED_CONFIGS, ("v6e", "rms_norm", 8192, 4096, "bfloat16"), tuned)
+    key = config.TunedKey("v6e", "rms_norm", 8192, 4096, "bfloat16")
+    monkeypatch.setitem(config.TUNED_TILES, key, config.RowBlockTiles(block_rows=1024))
+    # The block is the table's; the VMEM limit follows from it.
+    working_set = config.vmem_bytes(1024, 4096, jnp.bfloat16, "rms_norm")
+    tuned = config.RowBlockConfig(1024, config.vmem_limit(working_set, "v6e"))
     assert config.select_config(8192, 4096, jnp.bfloat16, "v6e") == tuned
     assert config.select_config(8192, 4096, jnp.bfloat16, "v6e", op="fused_add_rms_norm") != tuned
-    monkeypatch.setitem(config.TUNED_CONFIGS, ("v6e", "rms_norm", 8192, 4096, "bfloat16"), config.RowBlockConfig(100))
+    monkeypatch.setitem(config.TUNED_TILES, key, config.RowBlockTiles(100))
     with pytest.raises(ValueError, match="block_rows must be a multiple of 16"):
         config.select_config(8192, 4096, jnp.bfloat16, "v6e")
 

@@ -1,39 +1,50 @@
 """Row blocks per shape, op and TPU generation, apart from the kernels.
 
 Every op streams [rows, hidden] arrays in row blocks `(block_rows, hidden)`.
-`select_config` takes a tuned block size from TUNED_CONFIGS when it holds the
-shape, else the heuristic (`heuristic_config`): it fits the pipelined
-buffers into the generation's default scoped VMEM and picks the number of
-grid steps that balances the per-step cost against the unoverlapped first
-load and last store of the pipeline. TPU facts (HBM bandwidth, VMEM, scoped
-defaults, tiling, per-step cost) come from `_hardware.py`.
+`select_config` takes the block of TUNED_TILES (tuned_tiles.json) when it
+holds the shape, else the heuristic (`heuristic_config`): it picks the number
+of grid steps that balances the per-step cost against the unoverlapped first
+load and last store of the pipeline, within the VMEM budget (`vmem_budget`).
+Each call asks Mosaic for a scoped VMEM limit from its working set
+(`vmem_limit`). Budget and limit are the VMEM policy every tpu-kernels build
+shares (`_hardware.py`, with this kernel's WORKING_SET_MARGIN and
+WORKING_SET_BOUND_BYTES), as are the TPU facts (HBM bandwidth, VMEM, scoped
+defaults, tiling, per-step cost); the tuned table has the form every kernel's
+has (`_tuning.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
+from typing import NamedTuple
 
 import jax.numpy as jnp
 
 from ._hardware import (
-    LANES, MIB, SUBLANES, check_generation, grid_step_overhead_s, max_vmem_limit_bytes, resolve_generation, round_up,
-    sublane_multiple, tpu_generation,
+    LANES, MIB, SUBLANES, SUPPORTED_GENERATIONS, check_generation, grid_step_overhead_s, resolve_generation,
+    round_up, sublane_multiple, tpu_generation, vmem_budget_bytes, vmem_limit_bytes,
 )
+from ._tuning import read_tuned_tiles
 
-# Share of the scoped VMEM limit the pipelined blocks may take; the rest is
-# left to Mosaic's internal scratch. Chosen with margin: the f32 temporaries
-# below are estimates calibrated against Mosaic's VMEM reports.
-VMEM_BUDGET_FRACTION = 0.8
-# Beyond this share of physical VMEM a block of the fewest rows is refused
-# rather than the limit raised: 96 of the 128 MiB of v5e and v6e, 48 of the
-# 64 MiB of v5p and TPU7x, below the most any of our kernels asks for
-# (_hardware.max_vmem_limit_bytes: 100 and 56 MiB).
-VMEM_CAPACITY_FRACTION = 0.75
-# The scoped limit blocks are sized for on a generation whose default is not
-# known (TPU7x: _hardware's docstring): the kernel asks for it explicitly.
-# v6e's default, on a chip with as much VMEM per core as v5p.
-EXPLICIT_SCOPED_VMEM_BYTES = 32 * MIB
+# The policy's `margin` on the VMEM estimate (`vmem_bytes`): the blocks take at
+# most 80% of what is asked for them. Its f32 temporaries are estimates,
+# calibrated against Mosaic's VMEM reports.
+WORKING_SET_MARGIN = 1.25
+# The default scoped VMEM taken where none is known (TPU7x: _hardware's
+# docstring): v6e's, on a chip with as much VMEM per core as v5p.
+ASSUMED_DEFAULT_SCOPED_VMEM_BYTES = 32 * MIB
+# Working sets the heuristic stays within (the policy's `bound_bytes`): what
+# the generation's default scoped VMEM holds with the margin. Blocks are sized
+# by the step count (`heuristic_config`); this bound caps them at the largest
+# row counts to blocks of the size the estimate's temporaries were calibrated
+# at (Mosaic's reports of blocks overflowing those defaults on v5e and v6e).
+WORKING_SET_BOUND_BYTES = {
+    generation: int((tpu_generation(generation).default_scoped_vmem_bytes or ASSUMED_DEFAULT_SCOPED_VMEM_BYTES)
+                    / WORKING_SET_MARGIN)
+    for generation in SUPPORTED_GENERATIONS
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,17 +80,35 @@ OPS = {
 
 @dataclasses.dataclass(frozen=True)
 class RowBlockConfig:
-    """Tiling of one kernel call: rows per block, and a VMEM limit when the default is too small."""
+    """Tiling of one kernel call: rows per block, and the scoped VMEM limit asked for (None: Mosaic's default)."""
 
     block_rows: int
     vmem_limit_bytes: int | None = None
 
 
-# Searched block sizes, keyed (generation, op, rows, hidden, dtype name). None
-# so far: at 64 rows and more the heuristic's blocks move within 1.4% of the
-# minimum HBM bytes and model at 91-94% of the HBM roofline at 8192 rows on
-# v6e (`tpu-kernels bench rmsnorm`), leaving a search little to win.
-TUNED_CONFIGS: dict[tuple[str, str, int, int, str], RowBlockConfig] = {}
+class TunedKey(NamedTuple):
+    """The shape an op's row block was tuned at."""
+
+    generation: str
+    op: str
+    rows: int
+    hidden: int
+    dtype: str
+
+
+class RowBlockTiles(NamedTuple):
+    """A tuned row block: a RowBlockConfig's but the VMEM limit, which follows from it (`vmem_limit`)."""
+
+    block_rows: int
+
+
+# Row blocks tuned per shape, taken over the heuristic by `select_config`: data
+# in tuned_tiles.json beside this module. None so far: at 64 rows and more the
+# heuristic's blocks move within 1.4% of the minimum HBM bytes and model at
+# 91-94% of the HBM roofline at 8192 rows on v6e (`tpu-kernels bench
+# rmsnorm`), leaving a search little to win.
+TUNED_TILES_FILE = Path(__file__).with_name("tuned_tiles.json")
+TUNED_TILES: dict[TunedKey, RowBlockTiles] = read_tuned_tiles(TUNED_TILES_FILE, TunedKey, RowBlockTiles)
 
 
 def vmem_bytes(block_rows: int, hidden: int, dtype, op: str) -> int:
@@ -91,6 +120,17 @@ def vmem_bytes(block_rows: int, hidden: int, dtype, op: str) -> int:
     # The weight block and the weight-gradient partials: a few sublanes of f32 each, double-buffered.
     vectors = 2 * 2 * SUBLANES * padded_hidden * 4
     return round_up(block_rows, sublane_multiple(dtype)) * per_row + vectors
+
+
+def vmem_budget(generation: str) -> int:
+    """What a block's working set may take on `generation`: the shared policy's budget with WORKING_SET_MARGIN,
+    within WORKING_SET_BOUND_BYTES."""
+    return vmem_budget_bytes(generation, margin=WORKING_SET_MARGIN, bound_bytes=WORKING_SET_BOUND_BYTES[generation])
+
+
+def vmem_limit(working_set_bytes: int, generation: str) -> int:
+    """The scoped VMEM limit asked for a working set on `generation`: the shared policy's, with WORKING_SET_MARGIN."""
+    return vmem_limit_bytes(working_set_bytes, generation, margin=WORKING_SET_MARGIN)
 
 
 def _check_op(op: str) -> None:
@@ -107,15 +147,8 @@ def check_block_rows(block_rows: int, rows: int, dtype) -> None:
         )
 
 
-def scoped_vmem(generation: str) -> tuple[int, int | None]:
-    """The scoped VMEM limit blocks are sized for on `generation`, and the limit a kernel asks for to get it
-    (None: the default is that limit)."""
-    default = tpu_generation(generation).default_scoped_vmem_bytes
-    return (default, None) if default else (EXPLICIT_SCOPED_VMEM_BYTES, EXPLICIT_SCOPED_VMEM_BYTES)
-
-
 def heuristic_config(rows: int, hidden: int, dtype, generation: str, *, op: str = "rms_norm") -> RowBlockConfig:
-    """Rows per block from the traffic time, the per-step cost and the scoped VMEM.
+    """Rows per block from the traffic time, the per-step cost and the VMEM budget.
 
     The pipeline overlaps the DMA of block i+1 (and the write-back of block
     i-1) with the compute of block i, but not the first block's fetch nor the
@@ -123,11 +156,10 @@ def heuristic_config(rows: int, hidden: int, dtype, generation: str, *, op: str 
     time T is exposed (the vector work per byte is of the order of the HBM time
     per byte here), while each step costs a fixed overhead c. n* = sqrt(T / c)
     minimises T/n + n*c; blocks are then made equal (so a ragged last block
-    wastes little), aligned to the sublane multiple, and capped by what fits
-    VMEM_BUDGET_FRACTION of the default scoped VMEM (of
-    EXPLICIT_SCOPED_VMEM_BYTES, asked for, where the default is not known).
-    Rows so wide that the fewest rows overflow it get a raised limit, up to
-    VMEM_CAPACITY_FRACTION of physical VMEM.
+    wastes little), aligned to the sublane multiple, and capped by the VMEM
+    budget (`vmem_budget`). Rows so wide that the fewest rows pass it take
+    the fewest rows, if they fit what a kernel may ask for at all (the
+    policy's budget without WORKING_SET_BOUND_BYTES).
     """
     generation = check_generation(generation)
     _check_op(op)
@@ -140,16 +172,12 @@ def heuristic_config(rows: int, hidden: int, dtype, generation: str, *, op: str 
     traffic_seconds = rows * hidden * dtype.itemsize * OPS[op].row_arrays / facts.hbm_bytes_per_s
     steps = max(1, round(math.sqrt(traffic_seconds / grid_step_overhead_s(generation))))
 
-    scoped, vmem_limit_bytes = scoped_vmem(generation)
-    budget = int(scoped * VMEM_BUDGET_FRACTION)
     fixed_bytes = vmem_bytes(0, hidden, dtype, op)
     bytes_per_aligned_rows = vmem_bytes(align, hidden, dtype, op) - fixed_bytes
-    fitting_rows = max(0, budget - fixed_bytes) // bytes_per_aligned_rows * align
+    fitting_rows = max(0, vmem_budget(generation) - fixed_bytes) // bytes_per_aligned_rows * align
     if fitting_rows < align:
-        # Even the smallest aligned block overflows the default: ask for more VMEM.
         needed = vmem_bytes(align, hidden, dtype, op)
-        vmem_limit_bytes = round_up(int(needed / VMEM_BUDGET_FRACTION), MIB)
-        if vmem_limit_bytes > min(facts.vmem_capacity_bytes * VMEM_CAPACITY_FRACTION, max_vmem_limit_bytes(generation)):
+        if needed > vmem_budget_bytes(generation, margin=WORKING_SET_MARGIN):
             raise ValueError(
                 f"hidden={hidden} is too large for {op} on {generation}: one block of {align} rows "
                 f"needs {needed / MIB:.1f} MiB of VMEM"
@@ -160,15 +188,17 @@ def heuristic_config(rows: int, hidden: int, dtype, generation: str, *, op: str 
     if block_rows >= rows:
         # One block covering every row: a block dim equal to the array dim needs no alignment.
         block_rows = rows
-    return RowBlockConfig(block_rows=block_rows, vmem_limit_bytes=vmem_limit_bytes)
+    return RowBlockConfig(block_rows, vmem_limit(vmem_bytes(block_rows, hidden, dtype, op), generation))
 
 
 def tuned_config(rows: int, hidden: int, dtype, generation: str, *, op: str = "rms_norm") -> RowBlockConfig | None:
-    """The TUNED_CONFIGS entry for this shape, if there is one; checked like an explicit block size."""
-    config = TUNED_CONFIGS.get((check_generation(generation), op, rows, hidden, jnp.dtype(dtype).name))
-    if config is not None:
-        check_block_rows(config.block_rows, rows, dtype)
-    return config
+    """The config of the TUNED_TILES entry for this shape, if there is one: its block, checked like an explicit
+    block size, and the VMEM limit it needs."""
+    tiles = TUNED_TILES.get(TunedKey(check_generation(generation), op, rows, hidden, jnp.dtype(dtype).name))
+    if tiles is None:
+        return None
+    check_block_rows(tiles.block_rows, rows, dtype)
+    return RowBlockConfig(tiles.block_rows, vmem_limit(vmem_bytes(tiles.block_rows, hidden, dtype, op), generation))
 
 
 def select_config(rows: int, hidden: int, dtype, generation: str | None = None, *, op: str = "rms_norm") -> RowBlockConfig:
