@@ -12,12 +12,16 @@ import torch
 from kernels._rust import Digest, DigestAlgorithm, DigestValidationError
 
 from tpu_kernels.distribution.build_toml import BuildToml, BuildTomlError, read_build_toml
-from tpu_kernels.distribution.builder import KernelSource, build_kernel_repo
+from tpu_kernels.distribution.builder import SHIPPED_MODULES, KernelSource, build_kernel_repo
+from tpu_kernels.distribution.digest import verify_variant
 
 from .conftest import REPO_ROOT
 
 REPO = REPO_ROOT / "kernel_repos" / "ragged-dot-tpu"
 KERNEL_NAMES = ("ragged-dot-tpu", "rmsnorm-tpu", "attention-tpu")
+# Each kernel's table of tuned tiles (tpu_kernels/runtime/tuning.py), in its package.
+TUNED_TABLES = {"ragged-dot-tpu": "gmm/tuned_tiles.json", "rmsnorm-tpu": "tuned_tiles.json",
+                "attention-tpu": "tuned_tiles.json"}
 
 
 def _tree_bytes(root: Path) -> dict[str, bytes]:
@@ -40,11 +44,23 @@ def test_layout_and_metadata(built):
         assert metadata.python_depends == []
         # Every file is covered by the digest, and the digest matches the files.
         metadata.digest.validate(Digest.hash_variant(DigestAlgorithm.SHA256, variant))
-        assert {"__init__.py", "_ops.py", "_binding.py", "_hardware.py", "gmm/kernel.py", "symbols.json"} <= set(
-            metadata.digest.files)
+        assert {"__init__.py", "_ops.py", "_binding.py", "_hardware.py", "_tuning.py", "gmm/kernel.py",
+                "symbols.json"} <= set(metadata.digest.files)
         assert (variant / "_binding.py").read_bytes() == (REPO_ROOT / "tpu_kernels" / "runtime" / "binding.py").read_bytes()
         ids.add(metadata.id)
     assert len(ids) == 2, "each variant has its own op namespace"
+
+
+@pytest.mark.parametrize("name", KERNEL_NAMES)
+def test_every_build_carries_its_tuned_table_and_the_shared_modules_under_its_digest(name, tmp_path):
+    source = KernelSource.open(REPO_ROOT / "kernel_repos" / name)
+    built = build_kernel_repo(source.root, tmp_path)
+    table = TUNED_TABLES[name]
+    for backend in ("cpu", "tpu"):
+        variant = built / "build" / f"torch-{backend}"
+        assert (variant / table).read_bytes() == (source.package_dir / table).read_bytes()
+        assert {table, *SHIPPED_MODULES} <= set(kernels.Metadata.read_from_file(variant / "metadata.json").digest.files)
+        verify_variant(variant)  # what publish and the loader check
 
 
 @pytest.mark.parametrize("changed", ["gmm/kernel.py", "symbols.json"])

@@ -1,0 +1,84 @@
+"""The three kernel repos size VMEM by one policy and take tuned tiles from tables of one form.
+
+The policy is `_hardware`'s (`vmem_budget_bytes`, `vmem_limit_bytes`: tpu_kernels/runtime/hardware.py); where a
+kernel departs from its defaults, it says so in values (attention's and rmsnorm's WORKING_SET_MARGIN and
+WORKING_SET_BOUND_BYTES). The tables are `_tuning`'s (tpu_kernels/runtime/tuning.py): one JSON file per kernel,
+beside the code that reads it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import pytest
+
+from tpu_kernels.distribution.loader import get_local_kernel
+from tpu_kernels.runtime import hardware, tuning
+
+from .test_builder import TUNED_TABLES
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def configs(kernel_builds):
+    """The config modules of attention-tpu and rmsnorm-tpu, as loaded."""
+    return {name: get_local_kernel(kernel_builds[name], backend="cpu").config
+            for name in ("attention-tpu", "rmsnorm-tpu")}
+
+
+@pytest.mark.parametrize("generation", hardware.SUPPORTED_GENERATIONS)
+def test_every_kernel_sizes_vmem_by_the_one_policy(ragged_dot_kernel, configs, generation):
+    for config in configs.values():
+        assert config.vmem_budget(generation) == hardware.vmem_budget_bytes(
+            generation, margin=config.WORKING_SET_MARGIN, bound_bytes=config.WORKING_SET_BOUND_BYTES[generation])
+        for working_set in (MIB, 20 * MIB, 60 * MIB):
+            assert config.vmem_limit(working_set, generation) == hardware.vmem_limit_bytes(
+                working_set, generation, margin=config.WORKING_SET_MARGIN)
+    # ragged-dot takes the policy's defaults.
+    shape = (16384, 2048, 1536, jnp.bfloat16)
+    tiles = ragged_dot_kernel.TileConfig(512, 2048, 1536, 256)
+    assert ragged_dot_kernel.vmem_limit(tiles, *shape, generation=generation) == hardware.vmem_limit_bytes(
+        ragged_dot_kernel.vmem_bytes(tiles, *shape), generation)
+    budget = hardware.vmem_budget_bytes(generation)
+    with pytest.raises(ValueError, match=f"past the {budget >> 20} MiB budget on {generation}"):
+        # Double-buffered weights blocks of 64 MiB.
+        ragged_dot_kernel.check_config(ragged_dot_kernel.TileConfig(16, 8192, 4096), 64, 8192, 4096, jnp.bfloat16,
+                                       generation=generation)
+
+
+def test_every_kernel_takes_the_tuned_tiles_of_its_table(kernel_builds, ragged_dot_kernel, configs):
+    """Each table has the one form, loads as the kernel's TUNED_TILES, and every entry passes its kernel's check
+    and is what it selects for the entry's shape."""
+    attention, rmsnorm = configs["attention-tpu"], configs["rmsnorm-tpu"]
+
+    def ragged_dot_selects(key):
+        return ragged_dot_kernel.select_config(key.m, key.k, key.n, jnp.dtype(key.dtype), generation=key.generation,
+                                               num_groups=key.groups, rhs_dtype=jnp.dtype(key.rhs_dtype),
+                                               transpose_rhs=key.transpose_rhs)
+
+    def attention_selects(key):
+        chosen = attention.select_config(**key._asdict())
+        return attention.ForwardTiles(chosen.block_q, chosen.block_kv, chosen.kv_heads_per_step)
+
+    def rmsnorm_selects(key):
+        return rmsnorm.RowBlockTiles(rmsnorm.select_config(key.rows, key.hidden, key.dtype, key.generation,
+                                                           op=key.op).block_rows)
+
+    kernels = {  # name: (the loaded table, its key type, its tiles type, what the kernel selects for a key)
+        "ragged-dot-tpu": (ragged_dot_kernel.TUNED_TILES, ragged_dot_kernel.TunedKey, ragged_dot_kernel.TileConfig,
+                           ragged_dot_selects),
+        "attention-tpu": (attention.TUNED_TILES, attention.TunedKey, attention.ForwardTiles, attention_selects),
+        "rmsnorm-tpu": (rmsnorm.TUNED_TILES, rmsnorm.TunedKey, rmsnorm.RowBlockTiles, rmsnorm_selects),
+    }
+    assert set(kernels) == set(TUNED_TABLES) == set(kernel_builds)
+    for name, (loaded, key_type, tiles_type, selects) in kernels.items():
+        path = kernel_builds[name] / "build" / "torch-cpu" / TUNED_TABLES[name]
+        table = json.loads(path.read_text())
+        assert set(table) == {"what", "entries"}, name
+        for entry in table["entries"]:
+            assert set(entry["key"]) == set(key_type._fields) and set(entry["tiles"]) <= set(tiles_type._fields)
+        assert tuning.read_tuned_tiles(path, key_type, tiles_type) == loaded
+        for key, tiles in loaded.items():
+            assert selects(key) == tiles, (name, key)
