@@ -89,7 +89,7 @@ def cases(kernels: dict) -> dict[str, tuple]:
         "rms_norm": (functools.partial(rmsnorm.pallas_rms_norm.rms_norm, eps=1e-6, generation=GENERATION, block_rows=256),
                      (normal(1024, 1024), normal(1024)), "rms_norm"),
         "flash attention forward": (
-            functools.partial(attention.pallas_flash.flash_attention_forward, causal=True, generation=GENERATION),
+            functools.partial(attention.flash_attention_forward, causal=True, generation=GENERATION),
             (q, k, v), "attention_tpu_flash"),
     }
 

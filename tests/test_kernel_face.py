@@ -1,17 +1,18 @@
-"""Code outside ragged-dot-tpu's package reaches the loaded kernel only through its face: the names its
-`__init__.py` lists in `__all__` (what a user calls) and `TOOLS` (what tools use besides). Read from the
-source with `ast`; nothing is imported or compiled.
+"""Code outside a kernel's package reaches the loaded kernel only through its face: the names its `__init__.py`
+lists in `__all__` (what a user calls) and `TOOLS` (what tools use besides). Read from the source with `ast`;
+nothing is imported or compiled. The kernels held to their faces: ragged-dot-tpu and attention-tpu.
 
 Outside is this project's tests, tpu_kernels (benchmarks, the performance model, integration) and the kernel
 repo's own tests. Two checks cover it:
 
-- on the names that hold the loaded kernel (the `kernel` fixture in the kernel repo's tests, the
-  `ragged_dot_kernel` fixture here, `kernels["ragged-dot-tpu"]`, a kernel loaded from a ragged-dot build, and
-  the names these are assigned or returned to): every attribute, `getattr` and `setattr` is a name of the
-  face, and under a face module (`reference`, `ops`) a name that module binds;
+- on the names that hold the loaded kernel (the `kernel` fixture in the kernel repo's tests, a fixture here
+  such as `ragged_dot_kernel`, `kernels["ragged-dot-tpu"]`, a kernel loaded from one of its builds, and the
+  names these are assigned or returned to): every attribute, `getattr` and `setattr` is a name of the face,
+  and under a face module (`reference`, `ops`) a name that module binds;
 - on any name at all (tpu_kernels passes the loaded kernel around under names of its own): no attribute chain
   goes through a module of the package that is not in the face to a name that module binds (`x.gmm.kernel`,
-  `x.plan.plan_experts`), and no string names such a pair ("layer.experts_layer", as a `getattr` path would).
+  `x.plan.plan_experts`, `x.flash.kernel`), and no string names such a pair ("layer.experts_layer", as a
+  `getattr` path would).
 
 Imports of the package itself (`from ragged_dot_tpu.gmm import ...`) take only face names from the package.
 """
@@ -19,20 +20,43 @@ Imports of the package itself (`from ragged_dot_tpu.gmm import ...`) take only f
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from .conftest import REPO_ROOT
 
-KERNEL_REPO = REPO_ROOT / "kernel_repos" / "ragged-dot-tpu"
-PACKAGE = KERNEL_REPO / "torch-ext" / "ragged_dot_tpu"
-PACKAGE_NAME = "ragged_dot_tpu"
-OUTSIDE = [REPO_ROOT / "tests", REPO_ROOT / "tpu_kernels", KERNEL_REPO / "tests"]
-# Names that hold the loaded kernel wherever they appear, and in the kernel repo's own tests.
-HANDLE_NAMES = {"ragged_dot_kernel"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """A kernel repo whose package has a face, and how code outside names its loaded kernel."""
+
+    repo_name: str  # its folder under kernel_repos/, as `kernels[...]` and the builds name it
+    package_name: str
+    handle_names: frozenset[str]  # names that hold the loaded kernel wherever they appear (this project's fixtures)
+    build_name_part: str  # a name with this in it, given to a loader, holds one of its builds (`ragged_dot_build`)
+
+    @property
+    def repo(self) -> Path:
+        return REPO_ROOT / "kernel_repos" / self.repo_name
+
+    @property
+    def package(self) -> Path:
+        return self.repo / "torch-ext" / self.package_name
+
+    @property
+    def outside(self) -> list[Path]:
+        return [REPO_ROOT / "tests", REPO_ROOT / "tpu_kernels", self.repo / "tests"]
+
+
+RAGGED_DOT = Kernel("ragged-dot-tpu", "ragged_dot_tpu", frozenset({"ragged_dot_kernel"}), "ragged_dot")
+ATTENTION = Kernel("attention-tpu", "attention_tpu", frozenset(), "attention_build")
+KERNELS = [RAGGED_DOT, ATTENTION]
+# Names that hold the loaded kernel in the kernel repo's own tests.
 KERNEL_TESTS_HANDLE_NAMES = {"kernel"}
-# Calls that load a kernel: one of ragged-dot's when an argument names its repo or build.
+# Calls that load a kernel: one of a kernel's when an argument names its repo or build.
 LOADERS = {"get_local_kernel", "get_kernel", "load_kernel"}
 
 
@@ -50,11 +74,11 @@ def _bound_names(tree: ast.Module) -> set[str]:
     return names
 
 
-def package_modules() -> dict[str, set[str]]:
+def package_modules(kernel: Kernel) -> dict[str, set[str]]:
     """{dotted module path under the package ("" for the package): the names it binds, and its child modules}."""
     modules = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(PACKAGE).with_suffix("").parts
+    for path in sorted(kernel.package.rglob("*.py")):
+        parts = path.relative_to(kernel.package).with_suffix("").parts
         dotted = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         modules[dotted] = _bound_names(ast.parse(path.read_text()))
     for dotted in list(modules):
@@ -67,17 +91,17 @@ def package_modules() -> dict[str, set[str]]:
 FACE_LISTS = ("__all__", "TOOLS")  # what a user calls, and what tools use besides
 
 
-def face() -> list[str]:
+def face(kernel: Kernel) -> list[str]:
     """The names of `__init__.py`'s `__all__` and `TOOLS`, in that order."""
-    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    tree = ast.parse((kernel.package / "__init__.py").read_text())
     lists = {target.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
              for target in node.targets if isinstance(target, ast.Name) and target.id in FACE_LISTS}
     return [name for listed in FACE_LISTS for name in lists[listed]]
 
 
-def missing_from_the_package(names: list[str], modules: dict[str, set[str]]) -> list[str]:
+def missing_from_the_package(kernel: Kernel, names: list[str], modules: dict[str, set[str]]) -> list[str]:
     """The names of `names` that `__init__.py` does not import, or imports from a module that does not bind them."""
-    init = ast.parse((PACKAGE / "__init__.py").read_text())
+    init = ast.parse((kernel.package / "__init__.py").read_text())
     sources = {alias.asname or alias.name: (node.module or "", alias.name) for node in init.body
                if isinstance(node, ast.ImportFrom) and node.level == 1 for alias in node.names}
     return [name for name in names
@@ -85,10 +109,11 @@ def missing_from_the_package(names: list[str], modules: dict[str, set[str]]) -> 
 
 
 class _Handles(ast.NodeVisitor):
-    """The names of one file that hold the loaded ragged-dot kernel, grown from its seeds to a fixed point."""
+    """The names of one file that hold one kernel's loaded module, grown from its seeds to a fixed point."""
 
-    def __init__(self, tree: ast.Module, seeds: set[str]):
+    def __init__(self, tree: ast.Module, seeds: set[str], kernel: Kernel):
         self.names = set(seeds)
+        self.kernel = kernel
         while True:
             before = len(self.names)
             self.visit(tree)
@@ -99,11 +124,11 @@ class _Handles(ast.NodeVisitor):
         if isinstance(node, ast.Name):
             return node.id in self.names
         if isinstance(node, ast.Subscript):
-            return isinstance(node.slice, ast.Constant) and node.slice.value == "ragged-dot-tpu"
+            return isinstance(node.slice, ast.Constant) and node.slice.value == self.kernel.repo_name
         if isinstance(node, ast.Call):
             function = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
             if function in LOADERS:
-                return any(_names_ragged_dot(argument) for argument in [*node.args, *node.keywords])
+                return any(_names_kernel(argument, self.kernel) for argument in [*node.args, *node.keywords])
             return isinstance(node.func, ast.Name) and node.func.id in self.names  # a fixture called
         return False
 
@@ -123,10 +148,10 @@ class _Handles(ast.NodeVisitor):
         self.generic_visit(node)
 
 
-def _names_ragged_dot(node: ast.AST) -> bool:
-    """Whether an expression mentions ragged-dot's repo by a string or by a name (`ragged_dot_build`)."""
-    return any((isinstance(part, ast.Constant) and isinstance(part.value, str) and "ragged-dot-tpu" in part.value)
-               or (isinstance(part, ast.Name) and "ragged_dot" in part.id) for part in ast.walk(node))
+def _names_kernel(node: ast.AST, kernel: Kernel) -> bool:
+    """Whether an expression mentions the kernel's repo by a string or by a name (`ragged_dot_build`)."""
+    return any((isinstance(part, ast.Constant) and isinstance(part.value, str) and kernel.repo_name in part.value)
+               or (isinstance(part, ast.Name) and kernel.build_name_part in part.id) for part in ast.walk(node))
 
 
 def _chain(node: ast.Attribute) -> tuple[ast.AST, list[str], list[ast.Attribute]]:
@@ -157,14 +182,14 @@ def _attribute_steps(tree: ast.Module) -> list[tuple[int, ast.AST, list[str]]]:
     return steps
 
 
-def face_violations(source: str, filename: str, kernel_tests: bool, names: list[str],
+def face_violations(source: str, filename: str, kernel_tests: bool, kernel: Kernel, names: list[str],
                     modules: dict[str, set[str]]) -> list[str]:
     """Each place `source` reaches the kernel outside its face, as `file:line: what`."""
     tree = ast.parse(source, filename)
     allowed = set(names)
     outside_face = {dotted for dotted in modules if dotted and "." not in dotted} - allowed
-    handles = _Handles(tree, HANDLE_NAMES | (KERNEL_TESTS_HANDLE_NAMES if kernel_tests else set()))
-    found = [f"{filename}:{line}: {what}" for line, what in _import_violations(tree, allowed)]
+    handles = _Handles(tree, kernel.handle_names | (KERNEL_TESTS_HANDLE_NAMES if kernel_tests else set()), kernel)
+    found = [f"{filename}:{line}: {what}" for line, what in _import_violations(tree, allowed, kernel.package_name)]
     for line, root, chain in _attribute_steps(tree):
         if handles.holds_kernel(root) and chain and not chain[0].startswith("__"):
             if chain[0] not in allowed:
@@ -182,33 +207,39 @@ def face_violations(source: str, filename: str, kernel_tests: bool, names: list[
     return sorted(set(found))
 
 
-def _import_violations(tree: ast.Module, allowed: set[str]) -> list[tuple[int, str]]:
+def _import_violations(tree: ast.Module, allowed: set[str], package_name: str) -> list[tuple[int, str]]:
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [(node.lineno, f"import {alias.name}") for alias in node.names
-                      if alias.name.split(".")[0] == PACKAGE_NAME and alias.name != PACKAGE_NAME]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == PACKAGE_NAME:
+                      if alias.name.split(".")[0] == package_name and alias.name != package_name]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == package_name:
             found += [(node.lineno, f"from {node.module} import {alias.name}") for alias in node.names
-                      if node.module != PACKAGE_NAME or alias.name not in allowed]
+                      if node.module != package_name or alias.name not in allowed]
     return found
 
 
-def _outside_files() -> list[Path]:
-    return sorted(path for root in OUTSIDE for path in root.rglob("*.py") if "__pycache__" not in path.parts)
+def _outside_files(kernel: Kernel) -> list[Path]:
+    return sorted(path for root in kernel.outside for path in root.rglob("*.py") if "__pycache__" not in path.parts)
 
 
-def test_the_face_names_only_what_the_package_binds():
-    modules = package_modules()
-    assert missing_from_the_package(face(), modules) == []
-    assert len(face()) == len(set(face()))
+def _violations(kernel: Kernel, source: str, kernel_tests: bool) -> list[str]:
+    return face_violations(source, "example.py", kernel_tests, kernel, face(kernel), package_modules(kernel))
 
 
-def test_code_outside_the_kernel_uses_only_its_face():
-    names, modules = face(), package_modules()
-    found = [violation for path in _outside_files()
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda kernel: kernel.repo_name)
+def test_the_face_names_only_what_the_package_binds(kernel):
+    modules = package_modules(kernel)
+    assert missing_from_the_package(kernel, face(kernel), modules) == []
+    assert len(face(kernel)) == len(set(face(kernel)))
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda kernel: kernel.repo_name)
+def test_code_outside_the_kernel_uses_only_its_face(kernel):
+    names, modules = face(kernel), package_modules(kernel)
+    found = [violation for path in _outside_files(kernel)
              for violation in face_violations(path.read_text(), str(path.relative_to(REPO_ROOT)),
-                                              KERNEL_REPO in path.parents, names, modules)]
+                                              kernel.repo in path.parents, kernel, names, modules)]
     assert found == []
 
 
@@ -227,13 +258,37 @@ def test_code_outside_the_kernel_uses_only_its_face():
     ("ENTRY = 'layer.experts_layer'", False),
     ("from ragged_dot_tpu.gmm.kernel import grouped_matmul", False),
 ])
-def test_the_check_catches_reaching_past_the_face(source, kernel_tests):
-    assert face_violations(source, "example.py", kernel_tests, face(), package_modules())
+def test_the_check_catches_reaching_past_ragged_dots_face(source, kernel_tests):
+    assert _violations(RAGGED_DOT, source, kernel_tests)
 
 
-def test_the_check_passes_the_face():
+@pytest.mark.parametrize(("source", "kernel_tests"), [
+    ("def test(kernel):\n    kernel.flash.kernel.attention_forward(q, k, v, attention)", True),
+    ("def test(kernel):\n    kernel.flash_backward.tiles.backward_tiles('dq')", True),
+    ("def test(kernel):\n    kernel.common.masking.prepare(q, k, options)", True),
+    ("def test(kernel):\n    kernel.pallas_flash.flash_attention(q, k, v)", True),
+    ("def f(built):\n    return built.flash.tiles.select_config(**shape)", False),
+    ("attention = kernels['attention-tpu']\nattention.config", False),
+    ("k = get_local_kernel(attention_build, backend='cpu')\nk.no_such_name", False),
+    ("ENTRY = 'attention.attention_forward'", False),
+    ("from attention_tpu.flash.kernel import differentiable_flash_attention", False),
+])
+def test_the_check_catches_reaching_past_attentions_face(source, kernel_tests):
+    assert _violations(ATTENTION, source, kernel_tests)
+
+
+def test_the_check_passes_ragged_dots_face():
     source = ("def test(kernel, monkeypatch):\n    kernel.grouped_matmul(x, config=kernel.TileConfig(8, 128, 128))\n"
               "    kernel.reference.ragged_dot_reference(x)\n    kernel.TUNED_TILES.clear()\n"
               "    monkeypatch.setattr(kernel.ops, 'check_group_sizes', None)\n"
               "def other(model, kernel):\n    return model.config.vocab_size, kernel.__name__\n")
-    assert face_violations(source, "example.py", True, face(), package_modules()) == []
+    assert _violations(RAGGED_DOT, source, True) == []
+
+
+def test_the_check_passes_attentions_face():
+    source = ("def test(kernel, monkeypatch):\n    kernel.differentiable_flash_attention(q, k, v, "
+              "config=kernel.AttentionConfig(128, 128, 1 << 25))\n"
+              "    kernel.reference.reference_attention(q, k, v)\n    kernel.select_backward_config(**shape)\n"
+              "    monkeypatch.setitem(kernel.TUNED_TILES, key, kernel.ForwardTiles(1, 2048))\n"
+              "def other(model, kernel):\n    return model.config.vocab_size, kernel.__name__\n")
+    assert _violations(ATTENTION, source, True) == []

@@ -23,9 +23,10 @@ MIB = 1 << 20
 
 @pytest.fixture(scope="module")
 def configs(kernel_builds):
-    """The config modules of attention-tpu and rmsnorm-tpu, as loaded."""
-    return {name: get_local_kernel(kernel_builds[name], backend="cpu").config
-            for name in ("attention-tpu", "rmsnorm-tpu")}
+    """Where attention-tpu and rmsnorm-tpu size VMEM and select tiles, as loaded: attention-tpu's face, rmsnorm-tpu's
+    config module."""
+    return {"attention-tpu": get_local_kernel(kernel_builds["attention-tpu"], backend="cpu"),
+            "rmsnorm-tpu": get_local_kernel(kernel_builds["rmsnorm-tpu"], backend="cpu").config}
 
 
 @pytest.mark.parametrize("generation", hardware.SUPPORTED_GENERATIONS)

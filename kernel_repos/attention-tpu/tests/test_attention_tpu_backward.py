@@ -155,18 +155,17 @@ def test_multi_block_gradients_match_reference(kernel, convert, case):
     tensors = _inputs(batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype, sinks=sinks, seed=len(case))
     torch_options = _resolve_masks(_options(options, lambda x: torch.tensor(x, dtype=torch.int32)), batch, q_len, kv_len)
     jax_options = {n: jnp.asarray(x.numpy()) if isinstance(x, torch.Tensor) else x for n, x in torch_options.items()}
-    config = kernel.config
     tiles = dict(
-        config=config.AttentionConfig(*forward_tiles, 32 * MIB),
-        backward_config=config.BackwardConfig(dq=config.AttentionConfig(*dq_tiles[:2], 32 * MIB, *dq_tiles[2:]),
-                                              dkv=config.AttentionConfig(*dkv_tiles[:2], 32 * MIB, *dkv_tiles[2:])),
+        config=kernel.AttentionConfig(*forward_tiles, 32 * MIB),
+        backward_config=kernel.BackwardConfig(dq=kernel.AttentionConfig(*dq_tiles[:2], 32 * MIB, *dq_tiles[2:]),
+                                              dkv=kernel.AttentionConfig(*dkv_tiles[:2], 32 * MIB, *dkv_tiles[2:])),
     )
     names = [n for n in ("q", "k", "v", "sinks") if n in tensors]
 
     def attention(*arrays):
         named = dict(zip(names, arrays))
-        return kernel.pallas_flash.flash_attention(named["q"], named["k"], named["v"], sinks=named.get("sinks"),
-                                                 **tiles, **jax_options)
+        return kernel.differentiable_flash_attention(named["q"], named["k"], named["v"], sinks=named.get("sinks"),
+                                                     **tiles, **jax_options)
 
     out, vjp = interpret(lambda: jax.vjp(attention, *[to_jax(tensors[n]) for n in names]))
     grads = interpret(lambda: vjp(to_jax(tensors["d_out"])))
@@ -183,12 +182,12 @@ def test_keys_past_lengths_may_hold_nan(kernel, convert):
     lengths = [300, 131]
     for name in ("k", "v"):
         tensors[name][1, :, 131:] = float("nan")
-    tiles = kernel.config.AttentionConfig(128, 128, 32 * MIB)
-    backward = kernel.config.BackwardConfig(dq=tiles, dkv=tiles)
+    tiles = kernel.AttentionConfig(128, 128, 32 * MIB)
+    backward = kernel.BackwardConfig(dq=tiles, dkv=tiles)
 
     def attention(q, k, v):
-        return kernel.pallas_flash.flash_attention(q, k, v, kv_lengths=jnp.asarray(lengths, jnp.int32), config=tiles,
-                                                 backward_config=backward)
+        return kernel.differentiable_flash_attention(q, k, v, kv_lengths=jnp.asarray(lengths, jnp.int32),
+                                                     config=tiles, backward_config=backward)
 
     _, vjp = interpret(lambda: jax.vjp(attention, *[to_jax(tensors[n]) for n in ("q", "k", "v")]))
     dq, dk, dv = (to_torch(g) for g in interpret(lambda: vjp(to_jax(tensors["d_out"]))))
@@ -205,8 +204,8 @@ def test_log_sum_exp_of_the_forward(kernel, convert):
     to_jax, to_torch = convert
     tensors = _inputs(2, 4, 2, 130, 130, 64, torch.float32, sinks=True, seed=6)
     lengths = [130, 0]
-    tiles = kernel.config.AttentionConfig(128, 128, 32 * MIB)
-    out, lse = interpret(lambda: kernel.pallas_flash.flash_attention_forward(
+    tiles = kernel.AttentionConfig(128, 128, 32 * MIB)
+    out, lse = interpret(lambda: kernel.flash_attention_forward(
         to_jax(tensors["q"]), to_jax(tensors["k"]), to_jax(tensors["v"]), kv_lengths=jnp.asarray(lengths, jnp.int32),
         sinks=to_jax(tensors["sinks"]), config=tiles))
     logits = torch.einsum("bhqd,bhkd->bhqk", tensors["q"].double(),
@@ -217,7 +216,7 @@ def test_log_sum_exp_of_the_forward(kernel, convert):
     expected = torch.logsumexp(torch.cat([logits, sink], dim=-1), dim=-1)
     np.testing.assert_allclose(np.array(lse), expected.numpy(), rtol=1e-6, atol=1e-6)
     # Without sinks a row that sees nothing has lse = -inf.
-    _, lse = interpret(lambda: kernel.pallas_flash.flash_attention_forward(
+    _, lse = interpret(lambda: kernel.flash_attention_forward(
         to_jax(tensors["q"]), to_jax(tensors["k"]), to_jax(tensors["v"]), kv_lengths=jnp.asarray(lengths, jnp.int32),
         config=tiles))
     assert np.all(np.array(lse)[1] == -np.inf) and np.all(np.isfinite(np.array(lse)[0]))
@@ -225,9 +224,9 @@ def test_log_sum_exp_of_the_forward(kernel, convert):
 
 def test_backward_config_is_checked(kernel):
     q = jnp.zeros((1, 2, 300, 64), jnp.float32)
-    good = kernel.config.AttentionConfig(128, 128, 16 * MIB)
-    bad = kernel.config.AttentionConfig(64, 128, 16 * MIB)
+    good = kernel.AttentionConfig(128, 128, 16 * MIB)
+    bad = kernel.AttentionConfig(64, 128, 16 * MIB)
     lse = jnp.zeros((1, 2, 300), jnp.float32)
     with pytest.raises(ValueError, match="config.dkv.block_q must be a multiple of 128"):
-        kernel.pallas_flash_backward.flash_attention_backward(
-            q, q, q, q, q, lse, config=kernel.config.BackwardConfig(dq=good, dkv=bad))
+        kernel.flash_attention_backward(
+            q, q, q, q, q, lse, config=kernel.BackwardConfig(dq=good, dkv=bad))

@@ -162,8 +162,9 @@ def test_multi_block_matches_reference(kernel, convert, case):
     q, k, v = _qkv(batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype, seed=len(case))
     torch_options = {n: torch.tensor(x, dtype=torch.int32) if isinstance(x, list) else x for n, x in options.items()}
     jax_options = {n: jnp.asarray(x, jnp.int32) if isinstance(x, list) else x for n, x in options.items()}
-    config = kernel.config.AttentionConfig(block_q, block_kv, 32 * 2**20, kv_heads_per_step=heads)
-    out = interpret(lambda: kernel.pallas_flash.flash_attention(_jax(q), _jax(k), _jax(v), config=config, **jax_options))
+    config = kernel.AttentionConfig(block_q, block_kv, 32 * 2**20, kv_heads_per_step=heads)
+    out = interpret(lambda: kernel.differentiable_flash_attention(_jax(q), _jax(k), _jax(v), config=config,
+                                                                  **jax_options))
     expected = kernel.reference.reference_attention(q, k, v, **torch_options)
     assert _relative_error(_torch(out), expected) <= TOLERANCE[dtype]
 
@@ -183,9 +184,9 @@ def test_multi_block_mask_with_padding(kernel, convert):
     left_pad = torch.tensor([0, 150])
     mask = (key_pos <= query_pos) & (torch.rand(batch, q_len, kv_len, generator=generator) > 0.2)
     mask = (mask & (key_pos >= left_pad[:, None, None]))[:, None]
-    config = kernel.config.AttentionConfig(block_q=128, block_kv=128, vmem_limit_bytes=32 * 2**20)
+    config = kernel.AttentionConfig(block_q=128, block_kv=128, vmem_limit_bytes=32 * 2**20)
     out = interpret(
-        lambda: kernel.pallas_flash.flash_attention(
+        lambda: kernel.differentiable_flash_attention(
             _jax(q), _jax(k), _jax(v), causal=False, attention_mask=jnp.asarray(mask.numpy()), config=config
         )
     )
@@ -193,7 +194,7 @@ def test_multi_block_mask_with_padding(kernel, convert):
     assert _relative_error(_torch(out), expected) <= 1e-5
     window_options = dict(causal=False, sliding_window=50, q_offset=jnp.asarray([0, 150], jnp.int32))
     out = interpret(
-        lambda: kernel.pallas_flash.flash_attention(
+        lambda: kernel.differentiable_flash_attention(
             _jax(q), _jax(k), _jax(v), attention_mask=jnp.asarray(mask.numpy()), config=config, **window_options
         )
     )
@@ -213,9 +214,9 @@ def test_blocks_outside_the_window_are_skipped(kernel, convert):
     q, k, v = _qkv(1, 2, 1, 32, 700, 64, torch.float32, seed=8)
     k[:, :, :512] = float("nan")
     v[:, :, :512] = float("nan")
-    config = kernel.config.AttentionConfig(block_q=32, block_kv=128, vmem_limit_bytes=32 * 2**20)  # block_q = Sq
+    config = kernel.AttentionConfig(block_q=32, block_kv=128, vmem_limit_bytes=32 * 2**20)  # block_q = Sq
     out = interpret(
-        lambda: kernel.pallas_flash.flash_attention(
+        lambda: kernel.differentiable_flash_attention(
             _jax(q), _jax(k), _jax(v), q_offset=600, sliding_window=64, config=config
         )
     )
@@ -227,24 +228,23 @@ def test_bad_config_raises(kernel):
     q = jnp.zeros((1, 4, 1, 64), jnp.float32)
     k = jnp.zeros((1, 2, 300, 64), jnp.float32)
     for config, match in [
-        (kernel.config.AttentionConfig(1, 100, 16 * 2**20), "block_kv"),
-        (kernel.config.AttentionConfig(1, 128, 16 * 2**20, kv_heads_per_step=3), "kv_heads_per_step"),
+        (kernel.AttentionConfig(1, 100, 16 * 2**20), "block_kv"),
+        (kernel.AttentionConfig(1, 128, 16 * 2**20, kv_heads_per_step=3), "kv_heads_per_step"),
     ]:
         with pytest.raises(ValueError, match=match):
-            kernel.pallas_flash.flash_attention(q, k, k, config=config)
+            kernel.differentiable_flash_attention(q, k, k, config=config)
 
 
 def test_grid_lengths_are_exact_with_a_static_offset(kernel):
     """Gemma-4-like window of 1024 at 512-blocks: a query block sees 3 KV blocks (and a KV block 3 query
     blocks); with the offset only known at run time the grid must allow a 4th (misaligned offsets)."""
-    masking = kernel.masking
     q = jnp.zeros((1, 2, 8192, 64), jnp.bfloat16)
-    window = masking.Attention(sliding_window=1024)
-    static, _ = masking.prepare(q, q, window)
-    dynamic, _ = masking.prepare(q, q, dataclasses.replace(window, q_offset=jnp.zeros((1,), jnp.int32)))
+    window = kernel.Attention(sliding_window=1024)
+    static, _ = kernel.prepare(q, q, window)
+    dynamic, _ = kernel.prepare(q, q, dataclasses.replace(window, q_offset=jnp.zeros((1,), jnp.int32)))
     assert static.static_q_offset == 0 and dynamic.static_q_offset is None
-    assert masking.kv_steps(static, 16, 512, 512) == 3 and masking.kv_steps(dynamic, 16, 512, 512) == 4
-    assert masking.q_steps(static, 16, 512, 512) == 3 and masking.q_steps(dynamic, 16, 512, 512) == 4
+    assert kernel.kv_steps(static, 16, 512, 512) == 3 and kernel.kv_steps(dynamic, 16, 512, 512) == 4
+    assert kernel.q_steps(static, 16, 512, 512) == 3 and kernel.q_steps(dynamic, 16, 512, 512) == 4
     # Without a window every block of the other axis may be needed.
-    plain, _ = masking.prepare(q, q, masking.Attention())
-    assert masking.kv_steps(plain, 16, 512, 512) == 16 and masking.q_steps(plain, 16, 512, 512) == 16
+    plain, _ = kernel.prepare(q, q, kernel.Attention())
+    assert kernel.kv_steps(plain, 16, 512, 512) == 16 and kernel.q_steps(plain, 16, 512, 512) == 16

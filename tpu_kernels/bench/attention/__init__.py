@@ -51,8 +51,9 @@ sinks), per generation:
   the HBM bandwidth; against the ideal 5-matmul backward (10 * pairs * D), and
   as a ratio to the modelled forward time at the same shape.
 - `--sweep` replays a grid of (block_q, block_kv) per kernel and generation
-  and prints the best, which is where config.PREFERRED_BACKWARD_TILES come
-  from; every swept tile must also fit the VMEM budget.
+  and prints the best, which is where PREFERRED_BACKWARD_TILES
+  (flash_backward/tiles.py) come from; every swept tile must also fit the
+  VMEM budget.
 
 Usage:
     tpu-kernels bench attention [--out benchmarks/results/attention.json] [--repo kernel_repos/attention-tpu]

@@ -52,7 +52,7 @@ SWEEP_BLOCKS = {"block_q": (128, 256, 512, 1024), "block_kv": (128, 256, 512, 10
 
 def backward_fn(built, shape: TrainingShape, generation: str, config=None):
     def backward(d_out, q, key, value, out, lse, kv_lengths, sinks):
-        return built.pallas_flash_backward.flash_attention_backward(
+        return built.flash_attention_backward(
             d_out, q, key, value, out, lse, sliding_window=shape.sliding_window, kv_lengths=kv_lengths,
             sinks=sinks if shape.sinks else None, config=config, generation=generation,
         )
@@ -150,8 +150,8 @@ def model_backward(built, shape: TrainingShape, dtype, generation: str, config) 
 def forward_time_us(built, shape: TrainingShape, dtype, generation: str) -> float:
     """Modelled (pipelined) time of the forward kernel at the same shape, for the backward/forward ratio."""
     plain = shape.as_shape()
-    config = built.config.select_config(q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.seq,
-                                        kv_len=shape.seq, head_dim=shape.head_dim, dtype=dtype, generation=generation)
+    config = built.select_config(q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.seq,
+                                 kv_len=shape.seq, head_dim=shape.head_dim, dtype=dtype, generation=generation)
     lengths = live_lengths(plain).astype(np.int32)
     calls = perf.model_pallas_traffic(kernel_fn(built, plain, generation), *avals(plain, dtype), lengths,
                                       active_steps=active_steps_from_prefetch(-(-shape.seq // config.block_q)))
@@ -163,7 +163,7 @@ def measure_backward(built, shape: TrainingShape, dtype) -> dict:
              "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "sliding_window": shape.sliding_window,
              "sinks": shape.sinks, "dtype": jnp.dtype(dtype).name, "per_generation": {}}
     for generation in GENERATIONS:
-        config = built.config.select_backward_config(
+        config = built.select_backward_config(
             q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.seq, kv_len=shape.seq,
             head_dim=shape.head_dim, dtype=dtype, sliding_window=shape.sliding_window, generation=generation,
         )
@@ -177,12 +177,11 @@ def measure_backward(built, shape: TrainingShape, dtype) -> dict:
 def sweep_backward(built, shape: TrainingShape, dtype, generation: str) -> dict:
     """Pipelined time of every (block_q, block_kv) per kernel that fits the VMEM budget, with the KV heads per
     step the heuristic gives those blocks; the best of each kernel."""
-    config_module = built.config
     best, rows = {}, []
     for block_q in SWEEP_BLOCKS["block_q"]:
         for block_kv in SWEEP_BLOCKS["block_kv"]:
             tiles = {
-                name: config_module.backward_tiles(
+                name: built.backward_tiles(
                     name, block_q=block_q, block_kv=block_kv, group=shape.q_heads // shape.kv_heads,
                     kv_heads=shape.kv_heads, head_dim=shape.head_dim, itemsize=jnp.dtype(dtype).itemsize,
                     mask_itemsize=0, generation=generation)
@@ -190,7 +189,7 @@ def sweep_backward(built, shape: TrainingShape, dtype, generation: str) -> dict:
             }
             if any(t is None for t in tiles.values()):
                 continue
-            result = model_backward(built, shape, dtype, generation, config_module.BackwardConfig(**tiles))
+            result = model_backward(built, shape, dtype, generation, built.BackwardConfig(**tiles))
             for name, kernel in result["kernels"].items():
                 rows.append({"kernel": name, "block_q": block_q, "block_kv": block_kv,
                              "kv_heads_per_step": tiles[name].kv_heads_per_step,

@@ -135,7 +135,7 @@ def minimum_bytes(shape: Shape, keys: int, itemsize: int) -> int:
 
 def kernel_fn(built, shape: Shape, generation: str):
     def attention(q, key, value, kv_lengths):
-        return built.pallas_flash.flash_attention(
+        return built.differentiable_flash_attention(
             q, key, value, causal=shape.causal, sliding_window=shape.sliding_window,
             kv_lengths=kv_lengths, generation=generation,
         )
@@ -222,7 +222,7 @@ def measure_generation(built, shape: Shape, dtype, generation: str, visible: Vis
     """The forward's tiles, grid, traffic and modelled time on one generation, against the visible work."""
     itemsize = jnp.dtype(dtype).itemsize
     min_bytes, useful_flops = visible.min_bytes, visible.useful_flops
-    config = built.config.select_config(
+    config = built.select_config(
         q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.q_len, kv_len=shape.kv_len,
         head_dim=shape.head_dim, dtype=dtype, generation=generation,
     )

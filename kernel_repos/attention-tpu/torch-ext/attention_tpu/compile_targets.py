@@ -15,12 +15,15 @@ global layers have head_dim 512, which the kernels do not support), GPT-OSS-20B
 with sinks, a padded batch with a boolean mask and a soft-cap, and float32.
 """
 
+from __future__ import annotations
+
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from . import pallas_flash, pallas_flash_backward
+from .flash.kernel import differentiable_flash_attention
+from .flash_backward.kernel import flash_attention_backward
 
 QWEN3_30B_A3B = dict(q_heads=32, kv_heads=4, head_dim=128)
 GEMMA_4_SLIDING = dict(q_heads=16, kv_heads=8, head_dim=256)
@@ -43,8 +46,8 @@ def _backward_avals(batch, seq, *, q_heads, kv_heads, head_dim, dtype=jnp.bfloat
 
 
 def compile_targets(generation):
-    flash_attention = functools.partial(pallas_flash.flash_attention, generation=generation)
-    backward = functools.partial(pallas_flash_backward.flash_attention_backward, generation=generation)
+    flash_attention = functools.partial(differentiable_flash_attention, generation=generation)
+    backward = functools.partial(flash_attention_backward, generation=generation)
     lengths = jax.ShapeDtypeStruct((8,), jnp.int32)
     gpt_oss_sinks = jax.ShapeDtypeStruct((GPT_OSS_20B["q_heads"],), jnp.bfloat16)
 
@@ -92,7 +95,8 @@ def compile_targets(generation):
             windowed,
             _qkv(1, 8192, 8192, q_heads=16, kv_heads=8, head_dim=256),
         ),
-        ("qwen3-30b-a3b prefill B=1 S=1000 causal f32", flash_attention, _qkv(1, 1000, 1000, dtype=jnp.float32, **QWEN3_30B_A3B)),
+        ("qwen3-30b-a3b prefill B=1 S=1000 causal f32", flash_attention,
+         _qkv(1, 1000, 1000, dtype=jnp.float32, **QWEN3_30B_A3B)),
         (
             f"gpt-oss-20b prefill B=1 S={tokens} window=128 sinks bf16",
             with_sinks,

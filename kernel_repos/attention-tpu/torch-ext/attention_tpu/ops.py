@@ -1,8 +1,8 @@
 """The torch op of the attention kernel and the one place its inputs are checked.
 
-The JAX functions (`pallas_flash.py`, `pallas_flash_backward.py`) assume valid
-inputs. The op's gradients are those of `pallas_flash.flash_attention` (a
-`jax.custom_vjp`), which the binding hands to torch autograd.
+The JAX functions (`flash/kernel.py`, `flash_backward/kernel.py`) assume valid
+inputs. The op's gradients are those of `flash.kernel.differentiable_flash_attention`
+(a `jax.custom_vjp`), which the binding hands to torch autograd.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import math
 import jax
 import torch
 
-from . import pallas_flash
 from ._ops import add_op_namespace_prefix, jax_torch_op
-from .masking import Attention
+from .common.masking import Attention
+from .flash.kernel import SUPPORTED_HEAD_DIMS, differentiable_flash_attention
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -33,10 +33,11 @@ def _flash_attention(
     sliding_window: int | None,
     softcap: float | None,
 ) -> jax.Array:
-    """q_offset None: the default, Skv - Sq. Differentiable in q, k, v and the sinks (`pallas_flash.flash_attention`)."""
-    return pallas_flash.flash_attention(q, k, v, scale=scale, causal=causal, q_offset=q_offset, kv_lengths=kv_lengths,
-                                      sliding_window=sliding_window, softcap=softcap, attention_mask=attention_mask,
-                                      sinks=sinks)
+    """q_offset None: the default, Skv - Sq. Differentiable in q, k, v and the sinks
+    (`flash.kernel.differentiable_flash_attention`)."""
+    return differentiable_flash_attention(q, k, v, scale=scale, causal=causal, q_offset=q_offset,
+                                          kv_lengths=kv_lengths, sliding_window=sliding_window, softcap=softcap,
+                                          attention_mask=attention_mask, sinks=sinks)
 
 
 def _check_tensor(name: str, value) -> None:
@@ -66,8 +67,8 @@ def check_attention_args(query, key, value, attention: Attention) -> None:
         raise ValueError(f"query and key must have the same batch size, got {batch} and {kv_batch}")
     if kv_head_dim != head_dim:
         raise ValueError(f"query and key must have the same head_dim, got {head_dim} and {kv_head_dim}")
-    if head_dim not in pallas_flash.SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {pallas_flash.SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     if kv_heads == 0 or q_heads % kv_heads:
         raise ValueError(
             f"the number of query heads ({q_heads}) must be a multiple of the number of key/value heads ({kv_heads})"
@@ -100,9 +101,11 @@ def check_attention_args(query, key, value, attention: Attention) -> None:
         if len(shape) != 4 or shape[0] not in (1, batch) or shape[1] != 1 or shape[2:] != (q_len, kv_len):
             raise ValueError(f"attention_mask must have shape ({batch} or 1, 1, {q_len}, {kv_len}), got {shape}")
         if attention_mask.dtype != torch.bool and not attention_mask.dtype.is_floating_point:
-            raise TypeError(f"attention_mask must be bool (True = attend) or floating (additive), got {attention_mask.dtype}")
+            raise TypeError(
+                f"attention_mask must be bool (True = attend) or floating (additive), got {attention_mask.dtype}")
         if attention_mask.requires_grad:
-            raise ValueError("attention_mask must not require grad: the kernel does not differentiate the additive mask")
+            raise ValueError(
+                "attention_mask must not require grad: the kernel does not differentiate the additive mask")
         devices.add(attention_mask.device)
     if sinks is not None:
         _check_tensor("sinks", sinks)
@@ -114,7 +117,8 @@ def check_attention_args(query, key, value, attention: Attention) -> None:
         devices.add(sinks.device)
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1):
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
         raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")

@@ -1,6 +1,6 @@
 """Plain attention in float64 with a materialised mask: the tests' oracle, forward and backward.
 
-Same semantics as ``pallas_flash.flash_attention`` (see its docstring), computed
+Same semantics as ``flash.kernel.differentiable_flash_attention`` (see its docstring), computed
 the obvious way so that it can be trusted by reading it. It is differentiable
 (torch autograd in float64): its gradients are the oracle of the backward kernels.
 """

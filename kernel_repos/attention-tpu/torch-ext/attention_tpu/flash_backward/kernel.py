@@ -25,16 +25,17 @@ inside lse), with delta = rowsum(d_out * out) precomputed once:
   compute masked pairs in proportion to their size.
 * Sinks: p_sink = exp(sink - lse) per row, d_sink = -sum over rows of
   p_sink * delta (plain JAX on [B, Hq, Sq] arrays, outside the kernels).
-* Masking is the forward's (`masking.py`); tiles entirely inside the visible
+* Masking is the forward's (`common/masking.py`); tiles entirely inside the visible
   region skip it. Where a tile mixes rows (dq: key rows in dS K; dk/dv: query
   rows in P^T d_out and dS^T q) rows past the valid lengths are zeroed first,
   so NaN past an array's end never reaches a gradient, and a query row that
   sees nothing (lse = -inf) gets zero probabilities, not NaN.
+
+Each kernel's grid comes from `plan.py`, its tiles from `tiles.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -42,21 +43,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import masking
-from .config import AttentionConfig, BackwardConfig, check_backward_config, select_backward_config
-from .masking import Attention, Prepared, Problem
+from ..common import masking
+from ..common.heads import loop_over_heads
+from ..common.masking import Attention, Prepared, Problem
+from ..common.tiles import AttentionConfig
+from .plan import BackwardPlan, plan_backward
+from .tiles import BackwardConfig, check_backward_config, select_backward_config
 
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
 NN = (((1,), (0,)), ((), ()))  # a @ b
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tiles:
-    block_q: int
-    block_kv: int
-    num_q_blocks: int
-    num_kv_blocks: int
-    num_steps: int  # grid length of the walked axis (KV blocks for dq, query blocks for dk/dv)
 
 
 def _dot(a, b, dims, problem: Problem):
@@ -75,19 +70,6 @@ def _kv_head(s, group: int):
     return jax.lax.div(s, group)
 
 
-def loop_over_heads(num_heads: int, head) -> None:
-    """head(s) for every query head s of a kernel step (its KV head is s // group); no loop for one head."""
-    if num_heads == 1:
-        head(0)
-        return
-
-    def body(s, carry):
-        head(s)
-        return carry
-
-    jax.lax.fori_loop(0, num_heads, body, None)
-
-
 def _grid_step(q_offset_ref, kv_valid_ref, block_lo_ref, num_outer_blocks: int):
     """(outer block, step, slot, walked block, q_offset, kv_valid) of this step of a grid (batch, kv_head block,
     outer block, step): the walked range of the slot (batch, outer block) starts at block_lo_ref[slot]."""
@@ -97,39 +79,39 @@ def _grid_step(q_offset_ref, kv_valid_ref, block_lo_ref, num_outer_blocks: int):
     return outer, step, slot, walked, q_offset_ref[b], kv_valid_ref[b]
 
 
-def _tile_mask(problem: Problem, tiles: _Tiles, q_offset, kv_valid, qi, kv_block):
+def _tile_mask(problem: Problem, plan: BackwardPlan, q_offset, kv_valid, qi, kv_block):
     """(first key position, first query position, whether element masks are needed) of tile (qi, kv_block)."""
-    key_start = kv_block * tiles.block_kv
-    q_first, q_last = masking.query_block_positions(problem, q_offset, qi, tiles.block_q)
+    key_start = kv_block * plan.block_kv
+    q_first, q_last = masking.query_block_positions(problem, q_offset, qi, plan.block_q)
     needs_mask = masking.tile_needs_mask(
-        problem, key_start=key_start, block_kv=tiles.block_kv, kv_valid=kv_valid, q_first=q_first, q_last=q_last
+        problem, key_start=key_start, block_kv=plan.block_kv, kv_valid=kv_valid, q_first=q_first, q_last=q_last
     )
     return key_start, q_first, needs_mask
 
 
-def _walk_tile(in_range, needs_mask, step, walk_step, tiles: _Tiles, finalize) -> None:
+def _walk_tile(in_range, needs_mask, step, walk_step, plan: BackwardPlan, finalize) -> None:
     """step(apply_mask) on this grid step's tile if it is in the walked range, then, on the walk's last step,
     finalize() (write the float32 accumulators out)."""
     masking.run_tile(in_range, needs_mask, step)
-    pl.when(walk_step == tiles.num_steps - 1)(finalize)
+    pl.when(walk_step == plan.num_steps - 1)(finalize)
 
 
 def _dq_kernel(
     q_offset_ref, kv_valid_ref, block_lo_ref, block_hi_ref,
     q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *rest,
-    problem: Problem, tiles: _Tiles,
+    problem: Problem, plan: BackwardPlan,
 ):
     mask_ref = rest[0] if problem.mask_kind is not None else None
     dq_ref, acc_ref = rest[-2:]
     qi, kv_step, slot, kv_block, q_offset, kv_valid = _grid_step(
-        q_offset_ref, kv_valid_ref, block_lo_ref, tiles.num_q_blocks)
-    block_q, block_kv, head_dim = tiles.block_q, tiles.block_kv, problem.head_dim
+        q_offset_ref, kv_valid_ref, block_lo_ref, plan.num_q_blocks)
+    block_q, block_kv, head_dim = plan.block_q, plan.block_kv, problem.head_dim
 
     @pl.when(kv_step == 0)
     def _init():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    key_start, q_first, needs_mask = _tile_mask(problem, tiles, q_offset, kv_valid, qi, kv_block)
+    key_start, q_first, needs_mask = _tile_mask(problem, plan, q_offset, kv_valid, qi, kv_block)
 
     def step(apply_mask: bool):
         visible = bias = key_rows = None
@@ -166,25 +148,25 @@ def _dq_kernel(
     def finalize():
         dq_ref[...] = (acc_ref[...] * problem.scale).astype(dq_ref.dtype)
 
-    _walk_tile(kv_block <= block_hi_ref[slot], needs_mask, step, kv_step, tiles, finalize)
+    _walk_tile(kv_block <= block_hi_ref[slot], needs_mask, step, kv_step, plan, finalize)
 
 
 def _dkv_kernel(
     q_offset_ref, kv_valid_ref, block_lo_ref, block_hi_ref,
     q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *rest,
-    problem: Problem, tiles: _Tiles,
+    problem: Problem, plan: BackwardPlan,
 ):
     mask_ref = rest[0] if problem.mask_kind is not None else None
     dk_ref, dv_ref, dk_acc_ref, dv_acc_ref = rest[-4:]
-    kj, q_step, slot, qi, q_offset, kv_valid = _grid_step(q_offset_ref, kv_valid_ref, block_lo_ref, tiles.num_kv_blocks)
-    block_q, block_kv, head_dim = tiles.block_q, tiles.block_kv, problem.head_dim
+    kj, q_step, slot, qi, q_offset, kv_valid = _grid_step(q_offset_ref, kv_valid_ref, block_lo_ref, plan.num_kv_blocks)
+    block_q, block_kv, head_dim = plan.block_q, plan.block_kv, problem.head_dim
 
     @pl.when(q_step == 0)
     def _init():
         dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)
         dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)
 
-    key_start, _, needs_mask = _tile_mask(problem, tiles, q_offset, kv_valid, qi, kj)
+    key_start, _, needs_mask = _tile_mask(problem, plan, q_offset, kv_valid, qi, kj)
     if needs_mask is not True:
         # Also a ragged last query block: its rows past the query length mix into dk and dv.
         needs_mask = needs_mask | ((qi + 1) * block_q > problem.q_len)
@@ -230,7 +212,7 @@ def _dkv_kernel(
         dk_ref[...] = (dk_acc_ref[...] * problem.scale).astype(dk_ref.dtype)
         dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)
 
-    _walk_tile(qi <= block_hi_ref[slot], needs_mask, step, q_step, tiles, finalize)
+    _walk_tile(qi <= block_hi_ref[slot], needs_mask, step, q_step, plan, finalize)
 
 
 def _cost(problem: Problem, matmuls: int, bytes_accessed: int) -> pl.CostEstimate:
@@ -259,14 +241,10 @@ def _backward_call(q, k, v, d_out, lse, delta, problem: Problem, prepared: Prepa
     dq, query blocks for dk/dv).
     """
     batch, q_heads, q_len, head_dim = q.shape
-    block_q, block_kv = config.block_q, config.block_kv
-    nq, nkv = pl.cdiv(q_len, block_q), pl.cdiv(problem.kv_len, block_kv)
-    if for_dq:
-        tiles = _Tiles(block_q, block_kv, nq, nkv, masking.kv_steps(problem, nkv, block_q, block_kv))
-        block_lo, block_hi = masking.kv_block_ranges(problem, prepared, block_q, block_kv)
-    else:
-        tiles = _Tiles(block_q, block_kv, nq, nkv, masking.q_steps(problem, nq, block_q, block_kv))
-        block_lo, block_hi = masking.q_block_ranges(problem, prepared, block_q, block_kv)
+    plan = plan_backward(problem, config, for_dq=for_dq)
+    block_q, block_kv, nq, nkv = plan.block_q, plan.block_kv, plan.num_q_blocks, plan.num_kv_blocks
+    block_ranges = masking.kv_block_ranges if for_dq else masking.q_block_ranges
+    block_lo, block_hi = block_ranges(problem, prepared, block_q, block_kv)
 
     # The walked block comes from the prefetched ranges; the outer block is the grid index itself.
     def q_block(b, outer, step, lo_ref, hi_ref):
@@ -312,11 +290,11 @@ def _backward_call(q, k, v, d_out, lse, delta, problem: Problem, prepared: Prepa
         out_shape, out_specs = (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, (kv_spec, kv_spec)
         scratch_shapes = [pltpu.VMEM((heads, block_kv, head_dim), jnp.float32)] * 2
     return pl.pallas_call(
-        functools.partial(kernel, problem=problem, tiles=tiles),
+        functools.partial(kernel, problem=problem, plan=plan),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
-            grid=(batch, problem.kv_heads // heads, outer_blocks, tiles.num_steps),
+            grid=(batch, problem.kv_heads // heads, outer_blocks, plan.num_steps),
             in_specs=in_specs,
             out_specs=out_specs,
             scratch_shapes=scratch_shapes,
@@ -339,8 +317,8 @@ def flash_attention_backward(
     generation: str | None = None,
     **options,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """(dq, dk, dv, d_sinks or None) of `pallas_flash.flash_attention` given d_out = dL/d out; `options` those of
-    `masking.Attention`."""
+    """(dq, dk, dv, d_sinks or None) of `flash.kernel.differentiable_flash_attention` given d_out = dL/d out;
+    `options` those of `masking.Attention`."""
     return attention_backward(d_out, q, k, v, out, lse, Attention(**options), config, generation)
 
 
@@ -350,7 +328,7 @@ def attention_backward(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """`flash_attention_backward` of an `Attention` value.
 
-    `out` and `lse` are what `pallas_flash.attention_forward` returned for the
+    `out` and `lse` are what `flash.kernel.attention_forward` returned for the
     same inputs. Keys past kv_lengths get zero gradients; so do the rows of
     queries that see nothing. Without a batch, a query head, a query or a key
     every gradient is zero and no kernel runs.

@@ -101,7 +101,8 @@ class Prepared:
 
 def prepare(q: jax.Array, k: jax.Array, attention: Attention) -> tuple[Problem, Prepared]:
     """The Problem and the prepared arrays of one call (inputs assumed valid)."""
-    scale, causal, sliding_window, softcap = attention.scale, attention.causal, attention.sliding_window, attention.softcap
+    scale, causal, sliding_window, softcap = (attention.scale, attention.causal, attention.sliding_window,
+                                              attention.softcap)
     q_offset, kv_lengths, attention_mask, sinks = (attention.q_offset, attention.kv_lengths, attention.attention_mask,
                                                    attention.sinks)
     batch, q_heads, q_len, head_dim = q.shape
@@ -243,7 +244,8 @@ def kv_steps(problem: Problem, num_kv_blocks: int, block_q: int, block_kv: int) 
         key_first = np.zeros_like(q_first)
         if problem.sliding_window is not None:
             key_first = np.maximum(key_first, q_first - problem.sliding_window + 1)
-        key_last = np.minimum(q_last, problem.kv_len - 1) if problem.causal else np.full_like(q_last, problem.kv_len - 1)
+        last_key = problem.kv_len - 1
+        key_last = np.minimum(q_last, last_key) if problem.causal else np.full_like(q_last, last_key)
         return min(num_kv_blocks, _blocks_spanned(key_first, key_last, block_kv))
     if problem.sliding_window is None or not problem.causal:
         return num_kv_blocks

@@ -11,7 +11,7 @@ One forward kernel serves prefill, chunked prefill and decode:
   head that joins the softmax denominator and attends to nothing, as in
   GPT-OSS) start the running max and sum: max = sink, sum = 1.
 * For every (batch, q_block) the range of KV blocks that hold at least one
-  visible key is computed up front (`masking.kv_block_ranges`) and handed to
+  visible key is computed up front (`common.masking.kv_block_ranges`) and handed to
   the kernel by scalar prefetch. KV blocks outside that range are neither
   computed (``pl.when``) nor fetched: the K/V index maps clamp the block index
   into the range, so the pipeline sees an unchanged block index and issues no DMA.
@@ -25,16 +25,16 @@ One forward kernel serves prefill, chunked prefill and decode:
   reaches the result.
 * Besides the output the kernel writes the log-sum-exp of every query row
   (float32 [B, Hq, Sq]; -inf for a row that sees no key and has no sink), which
-  the backward kernels (`pallas_flash_backward.py`) read instead of recomputing
+  the backward kernels (`flash_backward/kernel.py`) read instead of recomputing
   the softmax statistics.
 
-Semantics: see `masking.py`. Rows that see no key come out as zeros.
+Semantics: see `common/masking.py`. Rows that see no key come out as zeros.
 
-`flash_attention` is differentiable (a `jax.custom_vjp` whose backward runs
-the Pallas kernels of `pallas_flash_backward.py`) with respect to q, k, v and
-the sinks. Tile sizes come from `config.select_config` and
-`config.select_backward_config`. Inputs are assumed valid: the torch op checks
-them (`ops.py`).
+`differentiable_flash_attention` is differentiable (a `jax.custom_vjp` whose
+backward runs the Pallas kernels of `flash_backward/kernel.py`) with respect
+to q, k, v and the sinks. Tile sizes come from `tiles.select_config` (the grid
+they give: `plan.py`) and `flash_backward.tiles.select_backward_config`.
+Inputs are assumed valid: the torch op checks them (`ops.py`).
 """
 
 from __future__ import annotations
@@ -48,25 +48,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import masking
-from .config import AttentionConfig, BackwardConfig, check_config, is_decode, select_config
-from .masking import Attention, Prepared, Problem
-from .pallas_flash_backward import attention_backward, loop_over_heads
+from ..common import masking
+from ..common.heads import loop_over_heads
+from ..common.masking import Attention, Prepared, Problem
+from ..common.tiles import AttentionConfig
+from ..flash_backward.kernel import attention_backward
+from ..flash_backward.tiles import BackwardConfig
+from .plan import ForwardPlan, plan_forward
+from .tiles import check_config, select_config
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tiles:
-    """The forward kernel's tiling of one call."""
-
-    decode: bool
-    block_q: int  # 1 in decode, where a step's rows are the group's query heads
-    block_kv: int
-    heads_per_step: int  # KV heads per step (decode; prefill steps handle one)
-    num_q_blocks: int
-    num_kv_blocks: int
-    num_kv_steps: int  # grid steps along the KV axis: at most num_kv_blocks
 
 
 class _ForwardRefs(NamedTuple):
@@ -91,11 +82,11 @@ class _Position(NamedTuple):
     kv_valid: object
 
 
-def _visibility(refs: _ForwardRefs, at: _Position, problem: Problem, tiles: _Tiles):
+def _visibility(refs: _ForwardRefs, at: _Position, problem: Problem, plan: ForwardPlan):
     """(visible, bias or None, valid value rows) of a tile that needs element masks."""
-    rows, block_kv = problem.group if tiles.decode else tiles.block_q, tiles.block_kv
+    rows, block_kv = problem.group if plan.decode else plan.block_q, plan.block_kv
     key_pos = at.key_start + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
-    if tiles.decode:
+    if plan.decode:
         query_pos = at.q_offset
     else:
         query_pos = at.q_first + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0)
@@ -110,7 +101,7 @@ def _visibility(refs: _ForwardRefs, at: _Position, problem: Problem, tiles: _Til
     return visible, bias, value_pos < at.kv_valid
 
 
-def _attend_block(refs: _ForwardRefs, at: _Position, problem: Problem, tiles: _Tiles, apply_mask: bool) -> None:
+def _attend_block(refs: _ForwardRefs, at: _Position, problem: Problem, plan: ForwardPlan, apply_mask: bool) -> None:
     """The online softmax over one KV block for every slice of the step.
 
     k and v refs are [kv heads of this step, block_kv, D]: one KV head shared
@@ -119,7 +110,7 @@ def _attend_block(refs: _ForwardRefs, at: _Position, problem: Problem, tiles: _T
     """
     visible = bias = value_valid = None
     if apply_mask:
-        visible, bias, value_valid = _visibility(refs, at, problem, tiles)
+        visible, bias, value_valid = _visibility(refs, at, problem, plan)
 
     def load_kv(head):
         k, v = refs.k[head], refs.v[head]
@@ -150,22 +141,22 @@ def _attend_block(refs: _ForwardRefs, at: _Position, problem: Problem, tiles: _T
         )
         refs.max[s] = max_next
 
-    shared_kv = None if tiles.decode else load_kv(0)
+    shared_kv = None if plan.decode else load_kv(0)
 
     def attend_slice(s):
-        attend(s, *(load_kv(s) if tiles.decode else shared_kv))
+        attend(s, *(load_kv(s) if plan.decode else shared_kv))
 
     loop_over_heads(refs.max.shape[0], attend_slice)
 
 
 def _forward_kernel(q_offset_ref, kv_valid_ref, block_lo_ref, block_hi_ref, q_ref, k_ref, v_ref, *rest,
-                    problem: Problem, tiles: _Tiles):
+                    problem: Problem, plan: ForwardPlan):
     rest = list(rest)
     mask_ref = rest.pop(0) if problem.mask_kind is not None else None
     sinks_ref = rest.pop(0) if problem.has_sinks else None
     refs = _ForwardRefs(q_ref, k_ref, v_ref, mask_ref, sinks_ref, *rest)
     b, qi, kv_step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    slot = b * tiles.num_q_blocks + qi
+    slot = b * plan.num_q_blocks + qi
     # The KV steps of a query block walk its range of KV blocks from the first.
     kv_block = block_lo_ref[slot] + kv_step
 
@@ -181,19 +172,19 @@ def _forward_kernel(q_offset_ref, kv_valid_ref, block_lo_ref, block_hi_ref, q_re
         refs.acc[...] = jnp.zeros(refs.acc.shape, jnp.float32)
 
     q_offset, kv_valid = q_offset_ref[b], kv_valid_ref[b]
-    key_start = kv_block * tiles.block_kv
-    if tiles.decode:
+    key_start = kv_block * plan.block_kv
+    if plan.decode:
         q_first = q_last = q_offset
     else:
-        q_first, q_last = masking.query_block_positions(problem, q_offset, qi, tiles.block_q)
+        q_first, q_last = masking.query_block_positions(problem, q_offset, qi, plan.block_q)
     needs_mask = masking.tile_needs_mask(
-        problem, key_start=key_start, block_kv=tiles.block_kv, kv_valid=kv_valid, q_first=q_first, q_last=q_last
+        problem, key_start=key_start, block_kv=plan.block_kv, kv_valid=kv_valid, q_first=q_first, q_last=q_last
     )
     at = _Position(key_start, q_first, q_offset, kv_valid)
     masking.run_tile(kv_block <= block_hi_ref[slot], needs_mask,
-                     lambda apply_mask: _attend_block(refs, at, problem, tiles, apply_mask))
+                     lambda apply_mask: _attend_block(refs, at, problem, plan, apply_mask))
 
-    @pl.when(kv_step == tiles.num_kv_steps - 1)
+    @pl.when(kv_step == plan.num_kv_steps - 1)
     def _finalize():
         total = refs.sum[...]
         safe_total = jnp.where(total == 0.0, 1.0, total)
@@ -201,26 +192,11 @@ def _forward_kernel(q_offset_ref, kv_valid_ref, block_lo_ref, block_hi_ref, q_re
         refs.out[...] = out.astype(refs.out.dtype)
         # log(0) = -inf for a row that saw nothing (its max is -inf too: the sum stays -inf).
         lse = refs.max[...] + jnp.log(total)
-        if tiles.decode:
+        if plan.decode:
             refs.lse[...] = lse
         else:
             # [group, block_q, 1] -> [group, 1, block_q]: query positions along lanes.
             refs.lse[...] = lse.reshape(refs.lse.shape)
-
-
-def _tiles(problem: Problem, config: AttentionConfig) -> _Tiles:
-    decode = is_decode(problem.q_len)
-    block_q = 1 if decode else config.block_q
-    num_kv_blocks = pl.cdiv(problem.kv_len, config.block_kv)
-    return _Tiles(
-        decode=decode,
-        block_q=block_q,
-        block_kv=config.block_kv,
-        heads_per_step=config.kv_heads_per_step if decode else 1,
-        num_q_blocks=pl.cdiv(problem.q_len, block_q),
-        num_kv_blocks=num_kv_blocks,
-        num_kv_steps=masking.kv_steps(problem, num_kv_blocks, block_q, config.block_kv),
-    )
 
 
 class _QueryLayout(NamedTuple):
@@ -234,12 +210,12 @@ class _QueryLayout(NamedTuple):
     rows: int
 
 
-def _query_layout(q, problem: Problem, tiles: _Tiles) -> _QueryLayout:
+def _query_layout(q, problem: Problem, plan: ForwardPlan) -> _QueryLayout:
     """q's, the output's and the log-sum-exp's layout: in decode a slice's rows are one KV head's group of query
     heads, in prefill a query block of one of the group's heads."""
     batch, _, q_len, head_dim = q.shape
-    kv_heads, group, block_q, heads_per_step = problem.kv_heads, problem.group, tiles.block_q, tiles.heads_per_step
-    if tiles.decode:
+    kv_heads, group, block_q, heads_per_step = problem.kv_heads, problem.group, plan.block_q, plan.heads_per_step
+    if plan.decode:
 
         def q_index_map(b, h, qi, kv_step, *_):
             return (b, h, 0, 0)
@@ -275,7 +251,7 @@ def _query_layout(q, problem: Problem, tiles: _Tiles) -> _QueryLayout:
     )
 
 
-def _cost_estimate(q, k, problem: Problem, tiles: _Tiles) -> pl.CostEstimate:
+def _cost_estimate(q, k, problem: Problem, plan: ForwardPlan) -> pl.CostEstimate:
     """The forward's cost for XLA's scheduler: the visible pairs' work, q and out moved once, K/V once per pass."""
     batch, q_heads, q_len, head_dim = q.shape
     itemsize = jnp.dtype(q.dtype).itemsize
@@ -285,24 +261,24 @@ def _cost_estimate(q, k, problem: Problem, tiles: _Tiles) -> pl.CostEstimate:
         transcendentals=int(batch * q_heads * visible_pairs),
         bytes_accessed=int(
             2 * q.size * itemsize
-            + 2 * k.size * itemsize * masking.static_kv_passes(problem, tiles.block_q, tiles.block_kv)
+            + 2 * k.size * itemsize * masking.static_kv_passes(problem, plan.block_q, plan.block_kv)
             + batch * q_heads * q_len * 4
         ),
     )
 
 
 def _forward_call(q, k, v, problem: Problem, prepared: Prepared, config: AttentionConfig):
-    tiles = _tiles(problem, config)
+    plan = plan_forward(problem, config)
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, group = problem.kv_heads, problem.group
-    block_q, block_kv, nq, heads_per_step = tiles.block_q, tiles.block_kv, tiles.num_q_blocks, tiles.heads_per_step
+    block_q, block_kv, nq, heads_per_step = plan.block_q, plan.block_kv, plan.num_q_blocks, plan.heads_per_step
     block_lo, block_hi = masking.kv_block_ranges(problem, prepared, block_q, block_kv)
 
     def kv_index_map(b, h, qi, kv_step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
         return (b, h, masking.block_of_step(lo_ref, hi_ref, b * nq + qi, kv_step), 0)
 
-    grid = (batch, kv_heads // heads_per_step, nq, tiles.num_kv_steps)
-    layout = _query_layout(q, problem, tiles)
+    grid = (batch, kv_heads // heads_per_step, nq, plan.num_kv_steps)
+    layout = _query_layout(q, problem, plan)
     in_specs = [
         layout.q_spec,
         pl.BlockSpec((None, heads_per_step, block_kv, head_dim), kv_index_map),
@@ -320,7 +296,7 @@ def _forward_call(q, k, v, problem: Problem, prepared: Prepared, config: Attenti
         operands.append(prepared.mask)
     if prepared.sinks is not None:
         # Laid out to broadcast onto the running max: [slices, rows, 1].
-        if tiles.decode:
+        if plan.decode:
             sinks = prepared.sinks.reshape(kv_heads, group, 1)
             in_specs.append(pl.BlockSpec((heads_per_step, group, 1), lambda b, h, *_: (h, 0, 0)))
         else:
@@ -329,7 +305,7 @@ def _forward_call(q, k, v, problem: Problem, prepared: Prepared, config: Attenti
         operands.append(sinks)
 
     out, lse = pl.pallas_call(
-        functools.partial(_forward_kernel, problem=problem, tiles=tiles),
+        functools.partial(_forward_kernel, problem=problem, plan=plan),
         out_shape=(jax.ShapeDtypeStruct(layout.q.shape, q.dtype), jax.ShapeDtypeStruct(layout.lse_shape, jnp.float32)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
@@ -346,7 +322,7 @@ def _forward_call(q, k, v, problem: Problem, prepared: Prepared, config: Attenti
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=config.vmem_limit_bytes,
         ),
-        cost_estimate=_cost_estimate(q, k, problem, tiles),
+        cost_estimate=_cost_estimate(q, k, problem, plan),
         name="attention_tpu_flash",
     )(prepared.q_offset, prepared.kv_valid, block_lo, block_hi, *operands)
     return out.reshape(q.shape), lse.reshape(batch, q_heads, q_len)
@@ -361,13 +337,14 @@ def flash_attention_forward(
     generation: str | None = None,
     **options,
 ) -> tuple[jax.Array, jax.Array]:
-    """(out [B, Hq, Sq, D], log-sum-exp float32 [B, Hq, Sq]) of `flash_attention`; `options` those of
-    `masking.Attention`."""
+    """(out [B, Hq, Sq, D], log-sum-exp float32 [B, Hq, Sq]) of `differentiable_flash_attention`; `options` those
+    of `masking.Attention`."""
     return attention_forward(q, k, v, Attention(**options), config, generation)
 
 
 def attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, attention: Attention,
-                      config: AttentionConfig | None = None, generation: str | None = None) -> tuple[jax.Array, jax.Array]:
+                      config: AttentionConfig | None = None,
+                      generation: str | None = None) -> tuple[jax.Array, jax.Array]:
     """`flash_attention_forward` of an `Attention` value.
 
     The log-sum-exp is that of each row's softmax denominator, the sink
@@ -428,7 +405,7 @@ def _attention_vjp_backward(tiling: _Tiling, residuals, d_out):
 _differentiable_attention.defvjp(_attention_vjp_forward, _attention_vjp_backward)
 
 
-def flash_attention(
+def differentiable_flash_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
@@ -442,10 +419,10 @@ def flash_attention(
 
     `options` are those of `masking.Attention` (scale, causal, q_offset,
     kv_lengths, sliding_window, softcap, attention_mask, sinks). Tiles:
-    `config` and `backward_config`, else those of `config.select_config`
-    and `config.select_backward_config` for `generation` (default this
-    device's). jax.grad/jax.vjp run the backward Pallas kernels
-    (`pallas_flash_backward.attention_backward`) for q, k, v and sinks;
+    `config` and `backward_config`, else those of `tiles.select_config`
+    and `flash_backward.tiles.select_backward_config` for `generation`
+    (default this device's). jax.grad/jax.vjp run the backward Pallas kernels
+    (`flash_backward.kernel.attention_backward`) for q, k, v and sinks;
     offsets, lengths and the mask get no gradient. Inputs are assumed valid
     (see the module docstring).
     """

@@ -1,0 +1,3 @@
+"""What the forward and backward kernels share: the call's options, the problem and which pairs are visible
+(`masking.py`), the tiles' type and block rules (`tiles.py`), the VMEM policy as this kernel takes it (`vmem.py`),
+and running a step's query heads (`heads.py`)."""

@@ -1,0 +1,201 @@
+"""Tiles of the forward kernel (`flash.kernel`) per shape and TPU generation.
+
+`select_config` takes the tiles of TUNED_TILES (tuned_tiles.json, beside this
+module) when it holds the shape, else the heuristic (`heuristic_config`):
+preferred tiles per generation, shrunk until the working set fits the VMEM
+budget (`common.vmem.vmem_budget`); decode steps span as many KV heads as fit
+DECODE_STEP_BYTES. The kernel then asks Mosaic for a scoped VMEM limit from
+its working set (`common.vmem.vmem_limit`). Budget and limit are the VMEM
+policy every tpu-kernels build shares (`_hardware.py`), as are the TPU facts
+(tiling, VMEM limits); the tuned table has the form every kernel's has
+(`_tuning.py`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+from .._hardware import LANES, MIB, SUBLANES, check_generation, resolve_generation, round_up
+from .._tuning import read_tuned_tiles
+from ..common.tiles import MASK_ROWS, Q_BLOCK_MULTIPLE, AttentionConfig, shrink_block
+from ..common.vmem import vmem_budget, vmem_limit
+
+# Preferred tiles (query positions per prefill block, keys per prefill block,
+# keys per decode block), chosen with the grid-replay model of
+# tpu_kernels.perf on Qwen3-30B-A3B shapes (`tpu-kernels bench attention`): at
+# S=4096-8192, (512, 512) on v5e and (512, 1024) on v6e come within ~3% of the
+# best modelled time, 10-20% faster than (256, 512). Decode streams K/V, so its
+# blocks are long and span several KV heads, to amortise the per-step overhead
+# (~0.35 us) against the DMA time: a decode step moves up to
+# DECODE_STEP_BYTES of K and V (4 MiB take 5 us on v5e, 8 MiB 5 us on v6e).
+# v5p takes v5e's tiles and TPU7x v6e's, by MXU width (128 and 256; not
+# searched on them): 4 MiB take 3.4 us on v5p, 8 MiB 2.3 us on TPU7x.
+PREFERRED_TILES = {"v5e": (512, 512, 2048), "v5p": (512, 512, 2048), "v6e": (512, 1024, 4096),
+                   "tpu7x": (512, 1024, 4096)}
+DECODE_STEP_BYTES = {"v5e": 4 * MIB, "v5p": 4 * MIB, "v6e": 8 * MIB, "tpu7x": 8 * MIB}
+
+
+class TunedKey(NamedTuple):
+    """The shape a forward's tiles were tuned at."""
+
+    generation: str
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    dtype: str
+    mask_dtype: str | None
+
+
+class ForwardTiles(NamedTuple):
+    """A forward's tiles, as a tuned table holds them: an AttentionConfig's but the VMEM limit, which follows from
+    them (`vmem_limit`)."""
+
+    block_q: int
+    block_kv: int
+    kv_heads_per_step: int = 1
+
+
+# Forward tiles tuned per shape, taken over the heuristic by `select_config`:
+# data in tuned_tiles.json beside this module. None so far: the preferred tiles
+# come from the model sweep above.
+TUNED_TILES_FILE = Path(__file__).with_name("tuned_tiles.json")
+TUNED_TILES: dict[TunedKey, ForwardTiles] = read_tuned_tiles(TUNED_TILES_FILE, TunedKey, ForwardTiles)
+
+
+def is_decode(q_len: int) -> bool:
+    return q_len == 1
+
+
+def vmem_bytes(*, decode, group, block_q, block_kv, kv_heads_per_step, head_dim, itemsize, mask_itemsize) -> int:
+    """Estimated VMEM working set of one configuration (pipeline buffers, scratch, temporaries)."""
+    # A step holds `slices` row blocks of `rows` query rows: the group's heads
+    # (prefill), or one block of `group` rows per KV head (decode).
+    slices, rows = (kv_heads_per_step, group) if decode else (group, block_q)
+    padded_rows = round_up(rows, SUBLANES)
+    q_and_out = 2 * 2 * slices * padded_rows * head_dim * itemsize  # double-buffered q and out blocks
+    scratch = slices * padded_rows * (head_dim + 2 * LANES) * 4  # acc, running max and sum (lane padded)
+    kv = 2 * 2 * kv_heads_per_step * block_kv * head_dim * itemsize  # double-buffered k and v blocks
+    temporaries = 4 * padded_rows * round_up(block_kv, LANES) * 4  # logits, probabilities, masks of one slice
+    mask_rows = MASK_ROWS if decode else round_up(block_q, MASK_ROWS)
+    mask = 2 * mask_rows * round_up(block_kv, LANES) * mask_itemsize
+    # Double-buffered log-sum-exp block: [group, 1, block_q] (prefill) or [KV heads, group, 1] (decode).
+    if decode:
+        lse = 2 * kv_heads_per_step * round_up(group, SUBLANES) * LANES * 4
+    else:
+        lse = 2 * group * SUBLANES * round_up(block_q, LANES) * 4
+    return q_and_out + scratch + kv + temporaries + mask + lse
+
+
+def forward_vmem_bytes(tiles: ForwardTiles, *, q_heads: int, kv_heads: int, q_len: int, head_dim: int, dtype,
+                       mask_dtype) -> int:
+    """`vmem_bytes` of the forward with `tiles` at one shape."""
+    return vmem_bytes(decode=is_decode(q_len), group=q_heads // kv_heads, block_q=tiles.block_q,
+                      block_kv=tiles.block_kv, kv_heads_per_step=tiles.kv_heads_per_step, head_dim=head_dim,
+                      itemsize=jnp.dtype(dtype).itemsize,
+                      mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize)
+
+
+def heuristic_config(
+    *, q_heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype, mask_dtype, generation: str
+) -> AttentionConfig:
+    """Preferred tiles shrunk to the VMEM budget; decode steps take as many KV heads as fit DECODE_STEP_BYTES.
+
+    Block sizes are either the full extent of their axis (always legal) or a
+    multiple of LANES (query blocks: of Q_BLOCK_MULTIPLE).
+    """
+    generation = check_generation(generation)
+    decode = is_decode(q_len)
+    preferred_q, preferred_kv_prefill, preferred_kv_decode = PREFERRED_TILES[generation]
+    block_q = 1 if decode else min(q_len, preferred_q)
+    block_kv = min(kv_len, preferred_kv_decode if decode else preferred_kv_prefill)
+    itemsize = jnp.dtype(dtype).itemsize
+    budget = vmem_budget(generation)
+
+    def working_set(bq, bkv, heads):
+        return forward_vmem_bytes(ForwardTiles(bq, bkv, heads), q_heads=q_heads, kv_heads=kv_heads, q_len=q_len,
+                                  head_dim=head_dim, dtype=dtype, mask_dtype=mask_dtype)
+
+    while working_set(block_q, block_kv, 1) > budget:
+        if block_kv > 4 * LANES or (block_kv > LANES and (decode or block_q <= Q_BLOCK_MULTIPLE)):
+            block_kv = shrink_block(block_kv, multiple=LANES)
+        elif not decode and block_q > Q_BLOCK_MULTIPLE:
+            block_q = shrink_block(block_q, multiple=Q_BLOCK_MULTIPLE)
+        else:
+            break
+    heads_per_step = 1
+    if decode:
+        step_bytes = 2 * block_kv * head_dim * itemsize
+        for heads in range(kv_heads, 0, -1):
+            fits = heads * step_bytes <= DECODE_STEP_BYTES[generation]
+            if kv_heads % heads == 0 and fits and working_set(block_q, block_kv, heads) <= budget:
+                heads_per_step = heads
+                break
+    return AttentionConfig(
+        block_q=block_q,
+        block_kv=block_kv,
+        vmem_limit_bytes=vmem_limit(working_set(block_q, block_kv, heads_per_step), generation),
+        kv_heads_per_step=heads_per_step,
+    )
+
+
+def check_config(config: AttentionConfig, *, q_len: int, kv_len: int, kv_heads: int) -> None:
+    """Raises ValueError if `config`'s blocks are not legal for these lengths and heads."""
+
+    def aligned(block, extent, multiple):
+        return block == extent or (block > 0 and block % multiple == 0)
+
+    if not is_decode(q_len) and not aligned(config.block_q, q_len, Q_BLOCK_MULTIPLE):
+        raise ValueError(
+            f"config.block_q must be a multiple of {Q_BLOCK_MULTIPLE} or the query length {q_len}, got {config.block_q}"
+        )
+    if not aligned(config.block_kv, kv_len, LANES):
+        raise ValueError(
+            f"config.block_kv must be a multiple of {LANES} or the key length {kv_len}, got {config.block_kv}"
+        )
+    if config.kv_heads_per_step < 1 or kv_heads % config.kv_heads_per_step:
+        raise ValueError(
+            f"config.kv_heads_per_step must divide the number of KV heads ({kv_heads}), got {config.kv_heads_per_step}"
+        )
+
+
+def tuned_config(
+    *, q_heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype, mask_dtype, generation: str
+) -> AttentionConfig | None:
+    """The config of the TUNED_TILES entry for this shape, if there is one: its tiles, checked like an explicit
+    config, and the VMEM limit they need."""
+    key = TunedKey(check_generation(generation), q_heads, kv_heads, q_len, kv_len, head_dim, jnp.dtype(dtype).name,
+                   None if mask_dtype is None else jnp.dtype(mask_dtype).name)
+    tiles = TUNED_TILES.get(key)
+    if tiles is None:
+        return None
+    working_set = forward_vmem_bytes(tiles, q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, head_dim=head_dim,
+                                     dtype=dtype, mask_dtype=mask_dtype)
+    config = AttentionConfig(tiles.block_q, tiles.block_kv, vmem_limit(working_set, generation),
+                             tiles.kv_heads_per_step)
+    check_config(config, q_len=q_len, kv_len=kv_len, kv_heads=kv_heads)
+    return config
+
+
+def select_config(
+    *,
+    q_heads: int,
+    kv_heads: int,
+    q_len: int,
+    kv_len: int,
+    head_dim: int,
+    dtype,
+    mask_dtype=None,
+    generation: str | None = None,
+) -> AttentionConfig:
+    """Tile sizes for one shape on `generation` (default: the current one): tuned if known, else the heuristic."""
+    shape = dict(
+        q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, head_dim=head_dim, dtype=dtype,
+        mask_dtype=mask_dtype, generation=resolve_generation(generation),
+    )
+    config = tuned_config(**shape)
+    return config if config is not None else heuristic_config(**shape)

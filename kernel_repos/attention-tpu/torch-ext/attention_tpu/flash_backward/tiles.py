@@ -1,0 +1,175 @@
+"""Tiles of the two backward kernels (`flash_backward.kernel`: dq, and dk/dv) per shape and TPU generation.
+
+`select_backward_config` takes each kernel's preferred tiles (capped for short
+causal windows), shrinks them to the VMEM budget (`common.vmem.vmem_budget`)
+by their own working sets, and spans as many KV heads per step as make a
+step's MXU work outweigh its overhead; each kernel then asks Mosaic for a
+scoped VMEM limit from its working set (`common.vmem.vmem_limit`). There is no
+tuned table for the backward yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from .._hardware import LANES, SUBLANES, grid_step_overhead_s, resolve_generation, round_up, tpu_generation
+from ..common.tiles import MASK_ROWS, Q_BLOCK_MULTIPLE, AttentionConfig, shrink_block
+from ..common.vmem import vmem_budget, vmem_limit
+
+# Preferred backward tiles per kernel, (block_q, block_kv): dq walks KV blocks
+# per query block, dk/dv walks query blocks per KV block. Chosen with the
+# grid-replay model of tpu_kernels.perf (`tpu-kernels bench attention --sweep`,
+# blocks 128-1024, KV heads per step from `backward_tiles`) at training shapes
+# of 8192 tokens: the best tile of Qwen3-30B-A3B (causal) and of Gemma-4's
+# sliding layers on both generations, except v6e's dk/dv at Qwen3 (512 x 512 is
+# 1 % slower than its best, 256 x 512, and the best for Gemma-4). v5p takes
+# v5e's and TPU7x v6e's, by MXU width (not searched on them).
+PREFERRED_BACKWARD_TILES = {
+    "v5e": {"dq": (256, 256), "dkv": (256, 256)},
+    "v5p": {"dq": (256, 256), "dkv": (256, 256)},
+    "v6e": {"dq": (512, 512), "dkv": (512, 512)},
+    "tpu7x": {"dq": (512, 512), "dkv": (512, 512)},
+}
+# Element-wise float32 temporaries of one (query block x KV block) tile held at
+# once by a backward step: logits, probabilities, dP, dS, the soft-cap slope
+# and the visibility mask.
+BACKWARD_TILE_TEMPORARIES = 6
+# A backward step spans enough KV heads that its MXU time is at least this many
+# times the per-step overhead (16: the overhead stays near 6 %).
+STEP_OVERHEAD_MULTIPLE = 16
+# Under a causal sliding window w, backward blocks are at most this many times
+# w (rounded up to 128): each tile straddling the window's edges computes up to
+# half its pairs masked. From the sweep at GPT-OSS-20B's window of 128: 128 x
+# 128 is the best tile on v5e; 256 x 256 is within 11 % (dq) and 24 % (dk/dv)
+# of v6e's best, where 128-wide tiles fill half of the 256-wide MXU. By MXU
+# width on v5p (128) and TPU7x (256).
+WINDOW_BLOCK_FACTOR = {"v5e": 1, "v5p": 1, "v6e": 2, "tpu7x": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    """Tiles of the two backward kernels: dq, and dk/dv (each may span several KV heads per step)."""
+
+    dq: AttentionConfig
+    dkv: AttentionConfig
+
+
+def backward_vmem_bytes(*, kernel, group, kv_heads_per_step, block_q, block_kv, head_dim, itemsize,
+                        mask_itemsize) -> int:
+    """Estimated VMEM working set of one backward kernel ("dq" or "dkv") at these tiles."""
+    heads = kv_heads_per_step
+    padded_q = round_up(block_q, SUBLANES)
+    q_lanes = round_up(block_q, LANES)
+    lanes_d = round_up(head_dim, LANES)  # a head_dim of 64 still fills 128 lanes
+    rows = 2 * 2 * heads * group * SUBLANES * q_lanes * 4  # double-buffered lse and delta rows [heads, 1, block_q]
+    kv = 2 * 2 * heads * block_kv * lanes_d * itemsize  # double-buffered k and v blocks
+    mask = 2 * round_up(block_q, MASK_ROWS) * round_up(block_kv, LANES) * mask_itemsize
+    # Element-wise temporaries are per query head: the heads of a step run one after the other.
+    if kernel == "dq":
+        q_side = 3 * 2 * heads * group * padded_q * lanes_d * itemsize  # q, d_out in, dq out
+        scratch = heads * group * padded_q * lanes_d * 4
+        temporaries = BACKWARD_TILE_TEMPORARIES * padded_q * round_up(block_kv, LANES) * 4
+    else:
+        q_side = 2 * 2 * heads * group * padded_q * lanes_d * itemsize  # q, d_out in
+        kv = 2 * kv  # dk, dv out beside k, v in
+        scratch = 2 * heads * round_up(block_kv, SUBLANES) * lanes_d * 4
+        # The mask tile is transposed in the kernel: one more tile.
+        temporaries = (BACKWARD_TILE_TEMPORARIES + (mask_itemsize > 0)) * round_up(block_kv, SUBLANES) * q_lanes * 4
+    return q_side + rows + kv + mask + scratch + temporaries
+
+
+def backward_step_seconds(kernel, *, group, kv_heads_per_step, block_q, block_kv, head_dim, generation) -> float:
+    """MXU time of one backward grid step at the bf16 peak, with dims padded to the MXU as it computes them."""
+    facts = tpu_generation(generation)
+    mxu = facts.mxu_size
+    if kernel == "dq":  # S = q K^T, dP = dO V^T (contract D); dS K (contract block_kv, out D)
+        flops = 2 * (2 * block_q * round_up(head_dim, mxu) * round_up(block_kv, mxu)
+                     + block_q * round_up(block_kv, mxu) * round_up(head_dim, mxu))
+    else:  # S^T, dP^T (contract D); P^T dO, dS^T q (contract block_q, out D)
+        flops = 2 * 2 * (block_kv * round_up(head_dim, mxu) * round_up(block_q, mxu)
+                         + block_kv * round_up(block_q, mxu) * round_up(head_dim, mxu))
+    return kv_heads_per_step * group * flops / facts.bf16_flops_per_s
+
+
+def backward_tiles(kernel, *, block_q, block_kv, group, kv_heads, head_dim, itemsize, mask_itemsize, generation):
+    """Heads per step for these blocks: the fewest whose step outweighs the step overhead
+    STEP_OVERHEAD_MULTIPLE times and whose working set fits the budget; else the most that fit."""
+    shape = dict(group=group, block_q=block_q, block_kv=block_kv, head_dim=head_dim)
+
+    def working_set(heads):
+        return backward_vmem_bytes(kernel=kernel, kv_heads_per_step=heads, itemsize=itemsize,
+                                   mask_itemsize=mask_itemsize, **shape)
+
+    fitting = [h for h in range(1, kv_heads + 1) if kv_heads % h == 0 and working_set(h) <= vmem_budget(generation)]
+    if not fitting:
+        return None
+    target = STEP_OVERHEAD_MULTIPLE * grid_step_overhead_s(generation)
+    enough = [h for h in fitting if backward_step_seconds(kernel, kv_heads_per_step=h, generation=generation, **shape)
+              >= target]
+    heads = enough[0] if enough else fitting[-1]
+    return AttentionConfig(block_q=block_q, block_kv=block_kv,
+                           vmem_limit_bytes=vmem_limit(working_set(heads), generation), kv_heads_per_step=heads)
+
+
+def _heuristic_backward_tiles(kernel, *, group, kv_heads, q_len, kv_len, head_dim, itemsize, mask_itemsize, generation,
+                              block_cap):
+    preferred_q, preferred_kv = PREFERRED_BACKWARD_TILES[generation][kernel]
+    block_q, block_kv = min(q_len, preferred_q, block_cap), min(kv_len, preferred_kv, block_cap)
+    shape = dict(group=group, kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize, mask_itemsize=mask_itemsize,
+                 generation=generation)
+    # Shrink the streamed axis' block first: it costs re-reads of the other axis, not passes over this one.
+    streamed_first = kernel == "dq"
+    while (tiles := backward_tiles(kernel, block_q=block_q, block_kv=block_kv, **shape)) is None:
+        can_shrink_kv, can_shrink_q = block_kv > LANES, block_q > Q_BLOCK_MULTIPLE
+        if can_shrink_kv and (streamed_first or not can_shrink_q):
+            block_kv = shrink_block(block_kv, multiple=LANES)
+        elif can_shrink_q:
+            block_q = shrink_block(block_q, multiple=Q_BLOCK_MULTIPLE)
+        else:
+            return AttentionConfig(block_q, block_kv, vmem_limit(backward_vmem_bytes(
+                kernel=kernel, kv_heads_per_step=1, group=group, block_q=block_q, block_kv=block_kv,
+                head_dim=head_dim, itemsize=itemsize, mask_itemsize=mask_itemsize), generation))
+    return tiles
+
+
+def window_block_cap(sliding_window: int | None, causal: bool, generation: str) -> int | None:
+    """Largest backward block for a causal sliding window: tiles straddling its edges compute masked pairs."""
+    if sliding_window is None or not causal:
+        return None
+    return max(LANES, WINDOW_BLOCK_FACTOR[generation] * round_up(sliding_window, LANES))
+
+
+def check_backward_config(config: BackwardConfig, *, q_len: int, kv_len: int, kv_heads: int) -> None:
+    """Raises ValueError if a backward kernel's blocks are not legal for these lengths and heads."""
+    for name, tiles in (("dq", config.dq), ("dkv", config.dkv)):
+        if not (tiles.block_q == q_len or (tiles.block_q > 0 and tiles.block_q % Q_BLOCK_MULTIPLE == 0)):
+            raise ValueError(f"config.{name}.block_q must be a multiple of {Q_BLOCK_MULTIPLE} or the query length "
+                             f"{q_len}, got {tiles.block_q}")
+        if not (tiles.block_kv == kv_len or (tiles.block_kv > 0 and tiles.block_kv % LANES == 0)):
+            raise ValueError(f"config.{name}.block_kv must be a multiple of {LANES} or the key length {kv_len}, "
+                             f"got {tiles.block_kv}")
+        if tiles.kv_heads_per_step < 1 or kv_heads % tiles.kv_heads_per_step:
+            raise ValueError(f"config.{name}.kv_heads_per_step must divide the number of KV heads ({kv_heads}), "
+                             f"got {tiles.kv_heads_per_step}")
+
+
+def select_backward_config(
+    *, q_heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype, mask_dtype=None,
+    sliding_window: int | None = None, causal: bool = True, generation: str | None = None,
+) -> BackwardConfig:
+    """Tiles of the dq and dk/dv kernels for one shape on `generation` (default: the current one).
+
+    Preferred tiles (capped for short causal windows) shrunk to the VMEM
+    budget, with as many KV heads per step as make a step's MXU work outweigh
+    its overhead; there is no tuned table for the backward yet.
+    """
+    generation = resolve_generation(generation)
+    cap = window_block_cap(sliding_window, causal, generation)
+    shape = dict(
+        group=q_heads // kv_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
+        itemsize=jnp.dtype(dtype).itemsize, mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize,
+        generation=generation, block_cap=q_len + kv_len if cap is None else cap,
+    )
+    return BackwardConfig(dq=_heuristic_backward_tiles("dq", **shape), dkv=_heuristic_backward_tiles("dkv", **shape))
