@@ -70,7 +70,8 @@ def grid_dots(kernel, gm, grid, grid_indices: np.ndarray, prefetch: list[Any]) -
                 trips = fori_trips(eqn, value)
                 if trips is not None:
                     body = eqn.params["body_jaxpr"].jaxpr
-                    consts = eqn.invars[eqn.params["cond_nconsts"] : eqn.params["cond_nconsts"] + eqn.params["body_nconsts"]]
+                    first_const = eqn.params["cond_nconsts"]
+                    consts = eqn.invars[first_const : first_const + eqn.params["body_nconsts"]]
                     inner = _scope_values(body, body.invars[: len(consts)], consts, value, steps)
                     exact &= walk(body, inner, times * trips)
                     continue

@@ -360,7 +360,8 @@ def _expert_step(slot: int, refs: _Refs, expert_ref, rows_ref, count_ref, hidden
     # A loop over the expert's live chunks, not one `pl.when` per chunk unrolled: Mosaic's compile time grows
     # with the matmuls the body holds (chunks x experts_per_step copies unrolled, experts_per_step looped),
     # and the traffic model counts the loop's trips at each step from its bound.
-    live_chunks = lax.div(picks + chunk - 1, chunk)  # picks >= 0; `//` lowers `sign`, whose Mosaic rule needs a TPU device
+    # picks >= 0, so truncating division; `//` lowers `sign`, whose Mosaic rule needs a TPU device.
+    live_chunks = lax.div(picks + chunk - 1, chunk)
     if plan.i_tiles_per_core == 1:  # each core's I tile, if any, is its own: the second of two
         def run_chunk(j, carry):
             first = pl.multiple_of(j * chunk, chunk)
