@@ -156,6 +156,7 @@ def measure_projection(built, setting: str, projection: str, m: int, k: int, n: 
     active = int((sizes > 0).sum())
     itemsize = jnp.dtype(DTYPE).itemsize
     flops = 2 * m * k * n
+    dtype = jnp.dtype(DTYPE).name
     weights = S((experts, k, n) if swapped else (experts, n, k), DTYPE)
     entry = {"setting": setting, "projection": projection, "m": m, "k": k, "n": n, "experts": experts,
              "weights_read_as": "[E, K, N] (swapped view)" if swapped else "[E, N, K]",
@@ -190,8 +191,8 @@ def measure_projection(built, setting: str, projection: str, m: int, k: int, n: 
                   (S((m, n), DTYPE), weights), (m, n, k)),
         "d_rhs": (d_rhs_bytes, d_rhs_avals,
                   lambda generation: functools.partial(built.transposed_grouped_matmul, generation=generation),
-                  lambda generation: built.select_tgmm_config(*d_rhs_dims, DTYPE, generation=generation,
-                                                              num_groups=experts)._asdict(),
+                  lambda generation: built.select_tgmm_config(built.TgmmProblem(*d_rhs_dims, experts, dtype, dtype),
+                                                              generation)._asdict(),
                   (S((d_rhs_dims[1], m), DTYPE), d_rhs_avals[1]), d_rhs_dims),
     }
     for kind, (min_bytes, our_avals, our_fn, our_config, rival_avals, (rm, rk, rn)) in kinds.items():

@@ -64,7 +64,7 @@ def test_tgmm_matches_reference(kernel, interpret, to_jax, case, dtype):
 def test_tgmm_split_for_v5p_cores_matches_reference(kernel, interpret, to_jax, k, n):
     """v5p's heuristic cuts the one output block per group in two (N, or K when K is the larger), tails
     partial."""
-    config = kernel.select_tgmm_config(80, k, n, jnp.float32, generation="v5p", num_groups=3)
+    config = kernel.select_tgmm_config(kernel.TgmmProblem(80, k, n, 3, "float32", "float32"), "v5p")
     assert (-(-k // config.tile_k)) * (-(-n // config.tile_n)) == 2
     generator = torch.Generator().manual_seed(k)
     lhs, rhs = torch.randn(80, k, generator=generator), torch.randn(80, n, generator=generator)
@@ -97,9 +97,9 @@ def test_tgmm_group_chunks_start_at_group_starts(kernel):
 
 def test_tgmm_heuristic_takes_group_chunks_where_the_mxu_bounds_it(kernel):
     """Training shapes: v5e's MXU bounds tgmm (group chunks halve the waste per group); v6e's HBM does."""
-    select = kernel.select_tgmm_config
-    assert select(65536, 1536, 2048, jnp.bfloat16, generation="v5e", num_groups=128).group_chunks
-    assert not select(65536, 1536, 2048, jnp.bfloat16, generation="v6e", num_groups=128).group_chunks
+    problem = kernel.TgmmProblem(65536, 1536, 2048, 128, "bfloat16", "bfloat16")
+    assert kernel.select_tgmm_config(problem, "v5e").group_chunks
+    assert not kernel.select_tgmm_config(problem, "v6e").group_chunks
 
 
 RAGGED_DOT_CASES = [

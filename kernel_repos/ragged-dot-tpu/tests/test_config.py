@@ -161,18 +161,23 @@ def test_megacore_heuristic_tiles_give_each_core_an_n_tile(kernel):
     assert kernel.heuristic_config(512, 256, 256, jnp.bfloat16, "v5p", 8).tile_n == 256
 
 
+def _tgmm(kernel, m: int, k: int, n: int, groups: int = 1):
+    """The weights' gradient of `lhs[m, k]`, `rhs[m, n]` in bf16, as a `TgmmProblem`."""
+    return kernel.TgmmProblem(m, k, n, groups, "bfloat16", "bfloat16")
+
+
 def test_megacore_tgmm_tiles_give_each_core_an_output_block(kernel):
     """v5p's two cores split tgmm's parallel axes (N tiles, then K tiles): a weights' gradient that would be one
     output block per group is cut in two along the dimension whose re-read costs less (N re-reads lhs [m, k])."""
     for m, k, n in ((65536, 2048, 1536), (65536, 768, 2048), (65536, 2816, 1408), (65536, 704, 2816)):
-        v6e = kernel.select_tgmm_config(m, k, n, jnp.bfloat16, generation="v6e", num_groups=128)
-        v5p = kernel.select_tgmm_config(m, k, n, jnp.bfloat16, generation="v5p", num_groups=128)
+        v6e = kernel.select_tgmm_config(_tgmm(kernel, m, k, n, groups=128), "v6e")
+        v5p = kernel.select_tgmm_config(_tgmm(kernel, m, k, n, groups=128), "v5p")
         assert (v6e.tile_k, v6e.tile_n) == (k, n)
         blocks = (-(-k // v5p.tile_k), -(-n // v5p.tile_n))
         assert blocks == ((1, 2) if k <= n else (2, 1)), (m, k, n, v5p)
         assert v5p.tile_k % 128 == 0 or v5p.tile_k == k
     # 128 columns stay one block.
-    assert kernel.select_tgmm_config(4096, 128, 128, jnp.bfloat16, generation="v5p").tile_n == 128
+    assert kernel.select_tgmm_config(_tgmm(kernel, 4096, 128, 128), "v5p").tile_n == 128
 
 
 def test_the_shipped_tuned_tiles_run_and_are_selected(kernel):

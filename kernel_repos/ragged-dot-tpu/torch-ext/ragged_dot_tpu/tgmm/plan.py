@@ -27,13 +27,9 @@ def plan_tgmm(problem: TgmmProblem, generation: str | None = None, config: TgmmC
     """The plan of one tgmm call on `generation` (default: this device's): `config`'s tiles (checked), else
     `select_tgmm_config`'s."""
     generation = resolve_generation(generation)
-    m, k, n, dtype, out_dtype = problem.m, problem.k, problem.n, problem.dtype, problem.out_dtype
     if config is None:
-        config = select_tgmm_config(m, k, n, dtype, generation=generation, out_dtype=out_dtype,
-                                    num_groups=problem.groups)
-    check_tgmm_config(config, m, k, n, dtype, out_dtype, generation=generation)
-    tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, m, k, n, dtype)
+        config = select_tgmm_config(problem, generation)
+    check_tgmm_config(config, problem, generation)
+    tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, problem)
     return TgmmPlan(problem, tile_m, tile_k, tile_n, chunk_m, config.group_chunks and chunk_m < tile_m,
-                    tgmm_buffers(config, m, k, n, dtype, out_dtype),
-                    tgmm_vmem_limit(config, m, k, n, dtype, out_dtype, generation=generation))
-
+                    tgmm_buffers(config, problem), tgmm_vmem_limit(config, problem, generation))

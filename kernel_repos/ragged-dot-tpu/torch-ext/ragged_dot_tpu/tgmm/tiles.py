@@ -12,6 +12,7 @@ from .._hardware import (
     vmem_budget_bytes, vmem_limit_bytes,
 )
 from ..common.vmem import MAX_UNROLLED_MACS, MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, check_vmem_fits
+from ..problem import TgmmProblem
 
 # The weights' gradient (`tgmm.kernel.transposed_grouped_matmul`): per group, lhs_g^T @ rhs_g -> [G, K, N].
 # Row tiles of the heuristic: large next to a chunk (fewer grid steps), small enough that a
@@ -45,39 +46,37 @@ class TgmmConfig(NamedTuple):
     group_chunks: bool = False
 
 
-def tgmm_blocks(config: TgmmConfig, m: int, k: int, n: int, dtype) -> tuple[int, int, int, int]:
-    """(tile_m, tile_k, tile_n, chunk_m) the kernel runs `config` with, for `lhs[m,k]`, `rhs[m,n]`.
+def tgmm_blocks(config: TgmmConfig, problem: TgmmProblem) -> tuple[int, int, int, int]:
+    """(tile_m, tile_k, tile_n, chunk_m) the kernel runs `config` with for `problem`.
 
     A chunk of more rows than M (rounded to the sublane tile) shrinks to them; one row tile over all
     M rows is M rounded up to whole chunks (a partial edge block whose extra rows the kernel masks).
     """
-    chunk_m = min(config.chunk_m, round_up(m, sublane_multiple(dtype)))
+    m = problem.m
+    chunk_m = min(config.chunk_m, round_up(m, sublane_multiple(problem.dtype)))
     tile_m = config.tile_m if config.tile_m < m else round_up(m, chunk_m)
-    return tile_m, min(config.tile_k, k), min(config.tile_n, n), chunk_m
+    return tile_m, min(config.tile_k, problem.k), min(config.tile_n, problem.n), chunk_m
 
 
-def tgmm_buffers(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype=None) -> tuple[Buffer, ...]:
+def tgmm_buffers(config: TgmmConfig, problem: TgmmProblem) -> tuple[Buffer, ...]:
     """tgmm's blocks and scratch: double-buffered lhs and rhs row blocks (windows with group chunks) and output
     block, the f32 accumulator."""
-    dtype = jnp.dtype(dtype).name
-    out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype).name
-    tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, m, k, n, dtype)
+    dtype = problem.dtype
+    tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, problem)
     rows = tile_m + chunk_m if config.group_chunks and chunk_m < tile_m else tile_m  # windows with group chunks
-    return (Buffer((rows, tile_k), dtype, 2), Buffer((rows, tile_n), dtype, 2), Buffer((tile_k, tile_n), out_dtype, 2),
-            Buffer((tile_k, tile_n), "float32"))
+    return (Buffer((rows, tile_k), dtype, 2), Buffer((rows, tile_n), dtype, 2),
+            Buffer((tile_k, tile_n), problem.out_dtype, 2), Buffer((tile_k, tile_n), "float32"))
 
 
-def tgmm_vmem_bytes(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype=None) -> int:
+def tgmm_vmem_bytes(config: TgmmConfig, problem: TgmmProblem) -> int:
     """VMEM of a tgmm call: its buffers (`tgmm_buffers`) and one chunk's masked operands beside them."""
-    _, tile_k, tile_n, chunk_m = tgmm_blocks(config, m, k, n, dtype)
-    return buffers_bytes(tgmm_buffers(config, m, k, n, dtype, out_dtype)) + padded_vmem_bytes(
-        (chunk_m, tile_k), dtype) + padded_vmem_bytes((chunk_m, tile_n), dtype)
+    _, tile_k, tile_n, chunk_m = tgmm_blocks(config, problem)
+    return buffers_bytes(tgmm_buffers(config, problem)) + padded_vmem_bytes(
+        (chunk_m, tile_k), problem.dtype) + padded_vmem_bytes((chunk_m, tile_n), problem.dtype)
 
 
-def check_tgmm_config(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype=None, *,
-                      generation: str | None = None) -> None:
-    """Raises ValueError if `config` cannot run tgmm of `lhs[m,k]`, `rhs[m,n]` in `dtype` on `generation`
-    (default: this device's)."""
+def check_tgmm_config(config: TgmmConfig, problem: TgmmProblem, generation: str | None = None) -> None:
+    """Raises ValueError if `config` cannot run `problem` on `generation` (default: this device's)."""
     if not isinstance(config, TgmmConfig):
         raise TypeError(f"config must be a TgmmConfig, got {type(config).__name__}")
     for name in ("tile_m", "tile_k", "tile_n", "chunk_m"):
@@ -86,13 +85,14 @@ def check_tgmm_config(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dty
             raise ValueError(f"config.{name} must be a positive int, got {value!r}")
     if not isinstance(config.group_chunks, bool):
         raise ValueError(f"config.group_chunks must be a bool, got {config.group_chunks!r}")
-    sublanes = sublane_multiple(dtype)
-    tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, m, k, n, dtype)
+    sublanes = sublane_multiple(problem.dtype)
+    tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, problem)
     if chunk_m % sublanes:
         raise ValueError(f"config.chunk_m={config.chunk_m} must be a multiple of {sublanes}")
     if tile_m % chunk_m:
-        raise ValueError(f"config.tile_m={config.tile_m} must be a multiple of chunk_m={chunk_m} or cover all {m} rows")
-    for name, value, dim in (("tile_k", tile_k, k), ("tile_n", tile_n, n)):
+        raise ValueError(f"config.tile_m={config.tile_m} must be a multiple of chunk_m={chunk_m} or cover all "
+                         f"{problem.m} rows")
+    for name, value, dim in (("tile_k", tile_k, problem.k), ("tile_n", tile_n, problem.n)):
         if value < dim and value % LANES:
             raise ValueError(f"config.{name}={value} must be a multiple of {LANES} or cover the whole dimension {dim}")
     if tile_m // chunk_m > MAX_UNROLLED_MATMULS:
@@ -103,44 +103,42 @@ def check_tgmm_config(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dty
             f"config {tuple(config)}: one grid step unrolls {macs / 2**30:.1f} Gi multiply-adds, past the "
             f"{MAX_UNROLLED_MACS / 2**30:.0f} Gi bound on kernel size (compile time)"
         )
-    check_vmem_fits(config, tgmm_vmem_bytes(config, m, k, n, dtype, out_dtype), generation)
+    check_vmem_fits(config, tgmm_vmem_bytes(config, problem), generation)
 
 
-def heuristic_tgmm_config(m: int, k: int, n: int, dtype, generation: str, out_dtype=None,
-                          num_groups: int = 1) -> TgmmConfig:
+def heuristic_tgmm_config(problem: TgmmProblem, generation: str) -> TgmmConfig:
     """Whole K and N when the output block fits TGMM_OUTPUT_SHARE of the budget (every row read once),
     else N, then K, halved in multiples of 256; on a megacore device (v5p) at least one output block per
     core (`_split_for_cores`); chunks of one MXU width (the contraction of a pass); TGMM_ROW_TILE rows,
     halved until a step fits the unrolling and VMEM bounds; group chunks where `_group_chunks_pay` says
     so."""
     generation = check_generation(generation)
-    out_dtype = dtype if out_dtype is None else out_dtype
-    out_bytes = 4 + 2 * jnp.dtype(out_dtype).itemsize
-    tile_k, tile_n = k, n
+    out_bytes = 4 + 2 * jnp.dtype(problem.out_dtype).itemsize
+    tile_k, tile_n = problem.k, problem.n
     output_budget = TGMM_OUTPUT_SHARE * vmem_budget_bytes(generation)
     while tile_k * tile_n * out_bytes > output_budget and tile_n > 256:
         tile_n = max(256, round_up(tile_n // 2, 256))
     while tile_k * tile_n * out_bytes > output_budget and tile_k > 256:
         tile_k = max(256, round_up(tile_k // 2, 256))
-    tile_k, tile_n = _split_for_cores(k, n, tile_k, tile_n, tpu_generation(generation).cores_per_device)
+    tile_k, tile_n = _split_for_cores(problem, tile_k, tile_n, tpu_generation(generation).cores_per_device)
     chunk = tpu_generation(generation).mxu_size
     config = TgmmConfig(TGMM_ROW_TILE, tile_k, tile_n, chunk)
-    while config.tile_m > chunk and not _tgmm_fits(config, m, k, n, dtype, out_dtype, generation):
+    while config.tile_m > chunk and not _tgmm_fits(config, problem, generation):
         config = config._replace(tile_m=config.tile_m // 2)
-    while not _tgmm_fits(config, m, k, n, dtype, out_dtype, generation) and config.tile_n > LANES:
+    while not _tgmm_fits(config, problem, generation) and config.tile_n > LANES:
         config = config._replace(tile_n=max(LANES, round_up(config.tile_n // 2, LANES)))
     grouped = config._replace(group_chunks=True)
-    if _group_chunks_pay(config, m, k, n, dtype, generation, num_groups) and _tgmm_fits(grouped, m, k, n, dtype,
-                                                                                       out_dtype, generation):
+    if _group_chunks_pay(config, problem, generation) and _tgmm_fits(grouped, problem, generation):
         return grouped
     return config
 
 
-def _split_for_cores(k: int, n: int, tile_k: int, tile_n: int, cores: int) -> tuple[int, int]:
+def _split_for_cores(problem: TgmmProblem, tile_k: int, tile_n: int, cores: int) -> tuple[int, int]:
     """(tile_k, tile_n) with at least `cores` output blocks where the output is one block: a megacore device
     splits the grid's parallel axes (N tiles, then K tiles) over its cores, and one block leaves all but one
     idle. The split dimension is the one whose re-read costs less: N re-reads lhs ([m, k]) per N tile, K
     re-reads rhs ([m, n]) per K tile. Blocks stay multiples of the 128 lanes (a tail block is partial)."""
+    k, n = problem.k, problem.n
     if cores == 1 or tile_k < k or tile_n < n:
         return tile_k, tile_n
     split_n = k <= n
@@ -151,42 +149,40 @@ def _split_for_cores(k: int, n: int, tile_k: int, tile_n: int, cores: int) -> tu
     return (tile_k, part) if split_n else (part, tile_n)
 
 
-def _group_chunks_pay(config: TgmmConfig, m: int, k: int, n: int, dtype, generation: str, num_groups: int) -> bool:
+def _group_chunks_pay(config: TgmmConfig, problem: TgmmProblem, generation: str) -> bool:
     """Whether chunks from each group's first row make a tgmm call faster: the larger of its MXU and HBM
     times, with about one extra chunk per group at fixed offsets against half a chunk laid from group
     starts (which read chunk_m / tile_m more rows). bf16 peak; the output written once either way."""
     facts = tpu_generation(generation)
-    itemsize = jnp.dtype(dtype).itemsize
-    tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, m, k, n, dtype)
+    m, k, n, groups = problem.m, problem.k, problem.n, problem.groups
+    itemsize = jnp.dtype(problem.dtype).itemsize
+    tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, problem)
     if chunk_m >= tile_m:
         return False
     row_bytes = m * (k * -(-n // tile_n) + n * -(-k // tile_k)) * itemsize
-    out_bytes = num_groups * k * n * itemsize
+    out_bytes = groups * k * n * itemsize
 
     def seconds(wasted_chunks_per_group: float, row_read_factor: float) -> float:
-        flops = 2 * (m + wasted_chunks_per_group * num_groups * chunk_m) * k * n
+        flops = 2 * (m + wasted_chunks_per_group * groups * chunk_m) * k * n
         return max(flops / facts.bf16_flops_per_s, (row_bytes * row_read_factor + out_bytes) / facts.hbm_bytes_per_s)
 
     return seconds(0.5, 1 + chunk_m / tile_m) < seconds(1.0, 1.0)
 
 
-def _tgmm_fits(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype, generation: str) -> bool:
+def _tgmm_fits(config: TgmmConfig, problem: TgmmProblem, generation: str) -> bool:
     try:
-        check_tgmm_config(config, m, k, n, dtype, out_dtype, generation=generation)
+        check_tgmm_config(config, problem, generation)
     except ValueError:
         return False
     return True
 
 
-def select_tgmm_config(m: int, k: int, n: int, dtype, *, generation: str | None = None, out_dtype=None,
-                       num_groups: int = 1) -> TgmmConfig:
-    """Tiles for tgmm of `lhs[m,k]`, `rhs[m,n]` into `num_groups` groups on `generation` (default: the
-    current device's)."""
-    return heuristic_tgmm_config(m, k, n, dtype, resolve_generation(generation), out_dtype, num_groups)
+def select_tgmm_config(problem: TgmmProblem, generation: str | None = None) -> TgmmConfig:
+    """Tiles for `problem` on `generation` (default: the current device's)."""
+    return heuristic_tgmm_config(problem, resolve_generation(generation))
 
 
-def tgmm_vmem_limit(config: TgmmConfig, m: int, k: int, n: int, dtype, out_dtype=None, *,
-                    generation: str | None = None) -> int:
+def tgmm_vmem_limit(config: TgmmConfig, problem: TgmmProblem, generation: str | None = None) -> int:
     """The scoped VMEM limit the tgmm kernel asks Mosaic for with `config` on `generation` (default: this
     device's)."""
-    return vmem_limit_bytes(tgmm_vmem_bytes(config, m, k, n, dtype, out_dtype), resolve_generation(generation))
+    return vmem_limit_bytes(tgmm_vmem_bytes(config, problem), resolve_generation(generation))
