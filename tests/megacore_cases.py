@@ -55,8 +55,8 @@ def cases(kernels: dict) -> dict[str, tuple]:
     q, k, v = (normal(1, 4, 512, 128) for _ in range(3))
     # The combine kernel over 256 tokens (two tiles of 128), two picks each: one sorted row per pick, as words.
     combine_tokens = 256
-    combine = ragged_dot.plan_combine(combine_tokens, top_k, hidden, "bfloat16", hidden, hidden // 2,
-                                      GENERATION)
+    combine = ragged_dot.plan_combine(ragged_dot.CombineProblem(combine_tokens, top_k, hidden, "bfloat16", hidden,
+                                                                hidden // 2), GENERATION)
     position = rng.permutation(combine_tokens * top_k).reshape(combine_tokens, top_k).astype(np.int32)
     combine_args = (rng.integers(-2**31, 2**31, (combine_tokens * top_k, hidden // 2), dtype=np.int32), position,
                     normal(combine_tokens, top_k, dtype=jnp.float32), np.ones((combine_tokens, top_k), bool))

@@ -59,8 +59,8 @@ def test_combine_sums_each_tokens_live_picks(kernel, interpret, to_jax, case, ge
     weights = torch.rand(tokens, top_k, generator=generator)
     split = -(-tile_n // 256) * 128
     words = _packed(kernel, rows, tile_n, split)
-    plan = kernel.plan_combine(tokens, top_k, hidden, "bfloat16", tile_n, split, generation)
-    assert words.shape == (picks, plan.words)
+    plan = kernel.plan_combine(kernel.CombineProblem(tokens, top_k, hidden, "bfloat16", tile_n, split), generation)
+    assert words.shape == (picks, plan.problem.words)
     # v5p's two cores split the token tiles, but a single tile is one core's.
     assert plan.cores == (2 if generation == "v5p" and tokens > plan.tile_t else 1)
     out = interpret(lambda: kernel.combine_picks(
@@ -81,7 +81,7 @@ def test_combine_sums_each_tokens_live_picks(kernel, interpret, to_jax, case, ge
     (5, 8, 2048, "v6e", 8),
 ])
 def test_the_token_tile_leaves_each_core_enough_tiles_and_fits_vmem(kernel, tokens, top_k, hidden, generation, tile_t):
-    plan = kernel.plan_combine(tokens, top_k, hidden, "bfloat16", 2048, 1024, generation)
+    plan = kernel.plan_combine(kernel.CombineProblem(tokens, top_k, hidden, "bfloat16", 2048, 1024), generation)
     assert plan.tile_t == tile_t
 
 

@@ -46,7 +46,9 @@ from .gmm.tiles import (
 from .layer import experts_layer
 from .ops import gated_experts, ragged_dot
 from .plan import FUSED_MAX_TOKENS, fused_path_config, plan_experts
-from .problem import ExpertsProblem, ExpertWeights, Gate, MatmulProblem, TgmmProblem, describe_experts
+from .problem import (
+    CombineProblem, ExpertsProblem, ExpertWeights, Gate, MatmulProblem, TgmmProblem, describe_experts,
+)
 from .tgmm.kernel import make_tgmm_items, transposed_grouped_matmul, transposed_grouped_matmul_call
 from .tgmm.plan import plan_tgmm
 from .tgmm.tiles import TgmmConfig, select_tgmm_config
@@ -61,7 +63,7 @@ TOOLS = [
     # The composed experts forward, and the gate of the fused op.
     "composed_experts_forward", "fused_gate",
     # What a call computes.
-    "ExpertWeights", "ExpertsProblem", "Gate", "MatmulProblem", "TgmmProblem", "describe_experts",
+    "CombineProblem", "ExpertWeights", "ExpertsProblem", "Gate", "MatmulProblem", "TgmmProblem", "describe_experts",
     # The plan makers, and the rule that picks the experts layer's kernel.
     "FUSED_MAX_TOKENS", "fused_path_config", "gated_plan", "gathered_plan", "packed_plan", "plan_combine",
     "plan_experts", "plan_fused", "plan_ragged_dot", "plan_tgmm",

@@ -28,7 +28,7 @@ from .fused.plan import FusedPlan, plan_fused
 from .fused.tiles import FusedConfig, fused_config
 from .gmm.plan import MatmulPlan, gated_plan, gathered_plan, packed_plan, plan_ragged_dot
 from .gmm.tiles import select_d_lhs_config
-from .problem import ExpertsProblem, MatmulProblem, TgmmProblem
+from .problem import CombineProblem, ExpertsProblem, MatmulProblem, TgmmProblem
 from .tgmm.plan import TgmmPlan, plan_tgmm
 
 # The fused experts kernel serves calls of at most this many tokens (decode
@@ -134,8 +134,8 @@ def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fuse
         problem=problem, orientation=orientation, fused=fused_plan,
         gate_up=gate_up_plan, forward_gate_up=gathered_plan(forward_gate_up, generation) or forward_gate_up,
         down=down_plan, forward_down=packed_down or down_plan,
-        combine=packed_down and plan_combine(problem.tokens, problem.top_k, hidden, problem.dtype, packed_down.tile_n,
-                                             packed_down.out_split, generation),
+        combine=packed_down and plan_combine(CombineProblem(problem.tokens, problem.top_k, hidden, problem.dtype,
+                                                            packed_down.tile_n, packed_down.out_split), generation),
         gate_up_backward=plan_ragged_dot_backward(gate_up, generation) if trains else None,
         down_backward=plan_ragged_dot_backward(down, generation) if trains else None,
     )

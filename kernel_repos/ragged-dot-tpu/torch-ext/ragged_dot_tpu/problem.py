@@ -7,6 +7,7 @@
   dtypes, gate, weight orientation, quantization, biases); hashable, so it
   can be a static argument of jit and custom_vjp.
 - `MatmulProblem` / `TgmmProblem`: one grouped matmul, one weights' gradient.
+- `CombineProblem`: the per-token sum of an experts call's picks (the combine kernel).
 
 `plan.plan_experts(problem, generation)` turns a problem into the plan the
 kernels run; the kernels take arrays and a plan.
@@ -158,6 +159,26 @@ class TgmmProblem(NamedTuple):
     groups: int
     dtype: str
     out_dtype: str
+
+
+class CombineProblem(NamedTuple):
+    """Each of `tokens` tokens' sum of its `top_k` picks' rows of `hidden` columns, weighted, in `dtype`.
+
+    The rows arrive as the second projection writes them (`gmm.plan.packed_plan`): each N tile of `tile_n`
+    columns in `split` int32 words, column j of the tile with column split + j.
+    """
+
+    tokens: int
+    top_k: int
+    hidden: int
+    dtype: str  # the layer's output's
+    tile_n: int
+    split: int
+
+    @property
+    def words(self) -> int:
+        """Words of one row: `split` per N tile."""
+        return -(-self.hidden // self.tile_n) * self.split
 
 
 def describe_experts(hidden_states, top_k_index, top_k_weights, *weights, activation: str, weights_transposed: bool,

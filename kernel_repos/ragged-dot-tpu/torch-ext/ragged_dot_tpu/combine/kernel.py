@@ -51,8 +51,8 @@ class CombineSchedule(NamedTuple):
 
 def combine_schedule(position: jax.Array, live: jax.Array, plan: CombinePlan) -> CombineSchedule:
     """The copies of each token tile from `position[T, K]` (each pick's sorted row) and `live[T, K]`."""
-    tile_t, top_k, tiles = plan.tile_t, plan.top_k, plan.tiles
-    pad = tiles * tile_t - plan.tokens
+    tile_t, top_k, tiles = plan.tile_t, plan.problem.top_k, plan.tiles
+    pad = tiles * tile_t - plan.problem.tokens
     position = jnp.pad(position, ((0, pad), (0, 0)))
     live = jnp.pad(live, ((0, pad), (0, 0)))
 
@@ -68,14 +68,16 @@ def combine_schedule(position: jax.Array, live: jax.Array, plan: CombinePlan) ->
 
 def combine_picks(rows: jax.Array, position: jax.Array, top_k_weights: jax.Array, live: jax.Array,
                   plan: CombinePlan) -> jax.Array:
-    """`sum_k top_k_weights[t, k] * rows[position[t, k]]` over each token's live picks, in f32, as `plan.dtype`.
+    """`sum_k top_k_weights[t, k] * rows[position[t, k]]` over each token's live picks, in f32, as the problem's
+    dtype.
 
-    `rows` are the sorted rows as packed words (`[M, plan.words]` int32, `common.packed_rows.pack_rows` per N tile
-    of `plan.tile_n` in `plan.split` words); rows of picks not `live` are never read.
+    `rows` are the sorted rows as packed words (`[M, words]` int32, `common.packed_rows.pack_rows` per N tile
+    of the problem's `tile_n` in `split` words: `problem.CombineProblem`); rows of picks not `live` are never read.
     """
-    tile_t, top_k, hidden, tiles = plan.tile_t, plan.top_k, plan.hidden, plan.tiles
+    problem, tile_t, tiles = plan.problem, plan.tile_t, plan.tiles
+    tokens, top_k, hidden = problem.tokens, problem.top_k, problem.hidden
     schedule = combine_schedule(position, live, plan)
-    pad = ((0, tiles * tile_t - plan.tokens), (0, 0))
+    pad = ((0, tiles * tile_t - tokens), (0, 0))
     weights = jnp.pad(jnp.where(live, top_k_weights.astype(jnp.float32), 0.0), pad)
     live_flags = jnp.pad(live.astype(jnp.int32), pad)
 
@@ -89,18 +91,18 @@ def combine_picks(rows: jax.Array, position: jax.Array, top_k_weights: jax.Array
                   pl.BlockSpec((tile_t, top_k), by_tile),
                   pl.BlockSpec((tile_t, top_k), by_tile)],
         out_specs=pl.BlockSpec((tile_t, hidden), by_tile),
-        scratch_shapes=[pltpu.VMEM((2, top_k * tile_t, plan.words), jnp.int32), pltpu.SemaphoreType.DMA((2,))],
+        scratch_shapes=[pltpu.VMEM((2, top_k * tile_t, problem.words), jnp.int32), pltpu.SemaphoreType.DMA((2,))],
     )
     return pl.pallas_call(
         functools.partial(_body, plan=plan),
         # The last tile's block is partial: its rows past the tokens are never written back.
-        out_shape=jax.ShapeDtypeStruct((plan.tokens, hidden), jnp.dtype(plan.dtype)),
+        out_shape=jax.ShapeDtypeStruct((tokens, hidden), jnp.dtype(problem.dtype)),
         grid_spec=grid_spec,
         # Each core walks its tiles in order: each step's copies were started by the step before.
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=plan.vmem_limit_bytes),
-        cost_estimate=pl.CostEstimate(flops=2 * plan.tokens * top_k * hidden, transcendentals=0,
-                                      bytes_accessed=plan.tokens * top_k * hidden * 2 + plan.tokens * hidden * 2),
+        cost_estimate=pl.CostEstimate(flops=2 * tokens * top_k * hidden, transcendentals=0,
+                                      bytes_accessed=tokens * top_k * hidden * 2 + tokens * hidden * 2),
         name="combine_picks",
     )(*schedule, rows, weights, live_flags)
 
@@ -114,7 +116,8 @@ def _tile(core, step, plan: CombinePlan):
 def _body(source_ref, slot_ref, copies_ref, rows_ref, weights_ref, live_ref, out_ref, buffers, semaphores, *,
           plan: CombinePlan):
     core, step, steps = pl.program_id(0), pl.program_id(1), pl.num_programs(1)
-    per_tile = plan.top_k * plan.tile_t
+    problem = plan.problem
+    per_tile = problem.top_k * plan.tile_t
     buffer = step % 2
     tile, next_tile = _tile(core, step, plan), _tile(core, step + 1, plan)
 
@@ -132,17 +135,17 @@ def _body(source_ref, slot_ref, copies_ref, rows_ref, weights_ref, live_ref, out
     pl.when(step + 1 < steps)(functools.partial(start_tile, next_tile, 1 - buffer, next_count))
     lax.fori_loop(0, count, lambda entry, carry: (copy(tile, buffer, entry).wait(), carry)[1], 0)
 
-    tile_t, split = plan.tile_t, plan.split
+    tile_t, split = plan.tile_t, problem.split
     weights, live = weights_ref[...], live_ref[...] > 0
-    for n_tile in range(pl.cdiv(plan.hidden, plan.tile_n)):
+    for n_tile in range(pl.cdiv(problem.hidden, problem.tile_n)):
         sums = [jnp.zeros((tile_t, split), jnp.float32) for _ in range(2)]
-        for k in range(plan.top_k):
+        for k in range(problem.top_k):
             words = buffers[buffer, pl.ds(k * tile_t, tile_t), pl.ds(n_tile * split, split)]
             # Rows of picks not live were never copied: selected away, whatever they hold.
             for part, values in enumerate(unpack_rows(words)):
                 sums[part] = sums[part] + jnp.where(live[:, k : k + 1], weights[:, k : k + 1] * values, 0.0)
-        tile_start = n_tile * plan.tile_n
-        tile_end = min(tile_start + plan.tile_n, plan.hidden)
+        tile_start = n_tile * problem.tile_n
+        tile_end = min(tile_start + problem.tile_n, problem.hidden)
         for part, (start, end) in enumerate(((tile_start, min(tile_start + split, tile_end)),
                                              (tile_start + split, tile_end))):
             if end > start:  # a partial last tile's second part may hold no column

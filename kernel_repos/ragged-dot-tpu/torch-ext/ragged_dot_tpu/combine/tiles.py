@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .._hardware import LANES, round_up, tpu_generation, vmem_budget_bytes
+from ..problem import CombineProblem
 
 # Tokens per grid step, largest first: each step copies up to K x tile rows, and a longer tile pays fewer steps'
 # fixed cost. The first tile's copies wait before any sum (nothing overlaps them), so a core keeps at least
@@ -16,23 +17,20 @@ TOKEN_TILES = (512, 256, 128)
 MIN_TILES_PER_CORE = 8
 
 
-def combine_vmem_bytes(tile_t: int, top_k: int, hidden: int, dtype: str, tile_n: int, split: int) -> int:
-    """VMEM a grid step of `tile_t` tokens holds: rows of `hidden` columns as packed words, `split` per N tile of
-    `tile_n` columns (`combine.plan.CombinePlan`)."""
-    words = pl.cdiv(hidden, tile_n) * split
-    return (2 * top_k * tile_t * words * 4  # the two buffers of copied rows
-            + 2 * 2 * tile_t * round_up(top_k, LANES) * 4  # routing weights and live flags, double-buffered
-            + 2 * tile_t * hidden * jnp.dtype(dtype).itemsize  # the output block, double-buffered
-            + 4 * tile_t * split * 4)  # one N tile's f32 parts and sums
+def combine_vmem_bytes(tile_t: int, problem: CombineProblem) -> int:
+    """VMEM a grid step of `tile_t` tokens holds: its tokens' picks' rows as packed words
+    (`CombineProblem.words`), their routing, its output block and one N tile's sums."""
+    return (2 * problem.top_k * tile_t * problem.words * 4  # the two buffers of copied rows
+            + 2 * 2 * tile_t * round_up(problem.top_k, LANES) * 4  # routing weights and live flags, double-buffered
+            + 2 * tile_t * problem.hidden * jnp.dtype(problem.dtype).itemsize  # the output block, double-buffered
+            + 4 * tile_t * problem.split * 4)  # one N tile's f32 parts and sums
 
 
-def select_token_tile(tokens: int, top_k: int, hidden: int, dtype: str, tile_n: int, split: int,
-                      generation: str) -> int:
+def select_token_tile(problem: CombineProblem, generation: str) -> int:
     """The largest of TOKEN_TILES that leaves each core MIN_TILES_PER_CORE tiles and takes at most half of the
     generation's VMEM budget (the rest stays XLA's, around the kernel), else the smallest."""
     chip_cores = tpu_generation(generation).cores_per_device
     return next((tile for tile in TOKEN_TILES
-                 if pl.cdiv(tokens, tile) >= MIN_TILES_PER_CORE * chip_cores
-                 and combine_vmem_bytes(tile, top_k, hidden, dtype, tile_n, split)
-                 <= vmem_budget_bytes(generation) // 2),
-                min(TOKEN_TILES[-1], round_up(tokens, 8)))
+                 if pl.cdiv(problem.tokens, tile) >= MIN_TILES_PER_CORE * chip_cores
+                 and combine_vmem_bytes(tile, problem) <= vmem_budget_bytes(generation) // 2),
+                min(TOKEN_TILES[-1], round_up(problem.tokens, 8)))
