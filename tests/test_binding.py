@@ -417,3 +417,15 @@ def test_gradient_ops_lower_for_tpu(tpu_runtime):
     grads = op.gradient_ops.backward._init_fn(x, w, None, 0.5, forward[:1], forward[1:], [torch.randn(8, 128)], "x,w")
     assert [tuple(t.shape) for t in grads] == [(8, 128), (1, 128)]
     assert len(set(runtime.registered)) == 2
+
+
+def test_the_cpu_path_compiles_with_the_options_the_compiler_knows_and_leaves_out_the_rest(monkeypatch):
+    """A jaxlib that drops one of CPU_COMPILE_OPTIONS must not break every CPU call: the option is left out."""
+    known = binding.cpu_compile_options()
+    assert known == binding.CPU_COMPILE_OPTIONS  # this environment's jaxlib knows them all
+    monkeypatch.setattr(binding, "CPU_COMPILE_OPTIONS", {**binding.CPU_COMPILE_OPTIONS, "xla_no_such_option": 1})
+    binding.cpu_compile_options.cache_clear()
+    try:
+        assert binding.cpu_compile_options() == known
+    finally:
+        binding.cpu_compile_options.cache_clear()

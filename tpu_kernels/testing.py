@@ -81,16 +81,18 @@ def kernel(request, _built_kernels, tmp_path_factory):
 def interpret(fn, cores: int = 1):
     """`fn()`'s result, its JAX kernels run in Pallas' TPU interpret mode with race detection and NaN-filled
     uninitialised memory, on `cores` TensorCores (v5p's megacore: 2, which split the grid's parallel dimensions).
-    Fails the test if the interpreter found a data race in any kernel it ran."""
+    `fn` is traced and compiled as one program, with the compile options of the binding's CPU path
+    (`runtime.binding.cpu_compile_options`). Fails the test if the interpreter found a data race in any kernel
+    it ran."""
     import jax
     from jax.experimental.pallas import tpu as pltpu
 
-    from .runtime.binding import RACE_REPORT
+    from .runtime.binding import RACE_REPORT, cpu_compile_options
 
     params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan", num_cores_or_threads=cores)
     printed = io.StringIO()
     with pltpu.force_tpu_interpret_mode(params), redirect_stdout(printed):
-        out = jax.block_until_ready(fn())
+        out = jax.block_until_ready(jax.jit(fn, compiler_options=cpu_compile_options())())
     sys.stdout.write(printed.getvalue())
     assert RACE_REPORT not in printed.getvalue(), "the TPU interpreter found a data race"
     return out

@@ -137,7 +137,7 @@ def measure_cpu_path(rounds: int, calls: int) -> dict:
     x, y = torch.randn(8, 128), torch.randn(8, 128)
     xa, ya = jax.numpy.asarray(x.numpy()), jax.numpy.asarray(y.numpy())
     params = binding.interpret_params()
-    jitted = jax.jit(add)
+    jitted = jax.jit(add, compiler_options=binding.cpu_compile_options())
     out = kernel.jitted(xa, ya)
 
     def bare_jit():

@@ -203,6 +203,27 @@ class _RaceWatch:
         return getattr(self.stream, name)
 
 
+# The CPU path compiles interpret-mode programs (the kernel's grid as loops of host callbacks), each run a few
+# times: XLA's CPU fusion emitters and LLVM optimisation cost more compile time than they save in running.
+CPU_COMPILE_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0,
+                       "xla_llvm_disable_expensive_passes": True}
+
+
+@functools.cache
+def cpu_compile_options() -> dict:
+    """CPU_COMPILE_OPTIONS less those the compiler of JAX's default backend does not know: a jaxlib release may
+    drop one, and a host with a TPU compiles this path for it. They make compiling faster, never change what a
+    program computes, so an unknown one is left out rather than failing every call."""
+    _use_cpu_platform_off_tpu()
+    known = {}
+    for name, value in CPU_COMPILE_OPTIONS.items():
+        try:
+            jax.jit(lambda: 0, compiler_options={name: value}).lower().compile()
+        except jax.errors.JaxRuntimeError:
+            continue
+        known[name] = value
+    return known
+
 # Uninitialised memory is always NaN-filled so a kernel reading garbage shows it.
 _INTERPRET = pltpu.InterpretParams(uninitialized_memory="nan")
 _INTERPRET_DETECTING_RACES = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
@@ -235,8 +256,13 @@ class _JaxFunction:
         # Re-wrapping jax.jit on every call costs hundreds of microseconds; one
         # jitted function caches a compilation per static-argument combination
         # (and per optional tensor present or absent).
-        static_names = tuple(p.name for p in parameters if not _is_tensor(p.annotation))
-        self.jitted = jax.jit(fn, static_argnames=static_names)
+        self.static_names = tuple(p.name for p in parameters if not _is_tensor(p.annotation))
+
+    @functools.cached_property
+    def jitted(self):
+        """`fn` jitted for the CPU path; made at the first call, not at registration: its compile options are
+        probed on the backend then (`cpu_compile_options`)."""
+        return jax.jit(self.fn, static_argnames=self.static_names, compiler_options=cpu_compile_options())
 
     def _complete(self, args: Sequence, kwargs: dict) -> tuple[Sequence, dict]:
         """Positional and keyword-only arguments with defaults filled in."""
