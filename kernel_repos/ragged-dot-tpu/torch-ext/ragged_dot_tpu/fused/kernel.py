@@ -60,7 +60,10 @@ which the matmuls read, except fp8 on a generation with an fp8 MXU
 (`plan.fp8_matmul`), whose matmuls take the fp8 blocks as they are and the
 rows quantized to fp8 (`common.quant.fp8_matmul`); int8's and int4's per-channel
 scales multiply the matmul's result (as the biases, in blocks of
-SCALE_BLOCK_EXPERTS experts).
+SCALE_BLOCK_EXPERTS experts). The plan picks these once (`fused/expert.py`):
+the weights' decoder (`weights_decoder`: how blocks are made ready each step
+and multiplied) and the gate's layout (`expert_rows_of`: gate-then-up,
+interleaved, interleaved on the fp8 MXU); the body only walks items and chunks.
 
 `fused_experts` plans a call (`fused.plan.plan_fused`); `fused_experts_call`
 runs a plan. Inputs are assumed valid (`ops.py` checks them).
@@ -69,7 +72,6 @@ runs a plan. Inputs are assumed valid (`ops.py` checks them).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,47 +79,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common.gates import DEINTERLEAVED_COLUMNS, deinterleaved_gated, gated
-from ..common.quant import (
-    FP8, INT4, INT8, dequantize_fp8_block, dequantized_in_vmem, fp8_matmul, fp8_matmul_of_blocks, fp8_window_scales,
-    per_channel_scales, scheme_of, unpack_int4_block,
-)
+from ..common.quant import INT4, scheme_of
 from ..common.routing import expert_plan
 from ..problem import ExpertWeights, describe_experts
+from .expert import Expert, SlotRefs, dot, expert_bias, expert_rows_of, split_refs, weights_decoder
 from .plan import FusedPlan, plan_fused
-from .schedule import block_shift, core_i_tile, grid_position, slot_item, slot_spec, weight_blocks
-from .tiles import BIAS_BLOCK_EXPERTS, SCALE_BLOCK_EXPERTS, FusedConfig
-
-
-def _dot(lhs, rhs, lhs_contract: int, rhs_contract: int, precision):
-    return lax.dot_general(
-        lhs, rhs, (((lhs_contract,), (rhs_contract,)), ((), ())), preferred_element_type=jnp.float32,
-        precision=precision,
-    )
-
-
-def _expert_bias(bias_ref, expert, block_experts: int = BIAS_BLOCK_EXPERTS):
-    """This expert's row of a `[block_experts, n]` block (biases; scales: SCALE_BLOCK_EXPERTS), as a `[1, n]` f32
-    row.
-
-    Rows past the last expert (a partial last block) hold garbage; they are
-    never selected, and `where` keeps a NaN there out of the sum.
-    """
-    block = bias_ref[...].astype(jnp.float32)
-    shift = block_shift(block_experts)
-    row = lax.broadcasted_iota(jnp.int32, block.shape, 0) + ((expert >> shift) << shift)
-    return jnp.sum(jnp.where(row == expert, block, 0.0), axis=0, keepdims=True)
-
-
-def _expert_bias_columns(bias_ref, expert, columns: int, block_experts: int = BIAS_BLOCK_EXPERTS):
-    """This expert's bias (or scales) as `[n, columns]` (each column the bias), for the transposed orientation."""
-    block = bias_ref[...].astype(jnp.float32)
-    shift = block_shift(block_experts)
-    row = lax.broadcasted_iota(jnp.int32, block.shape, 0) + ((expert >> shift) << shift)
-    selected = jnp.where(row == expert, block, 0.0)
-    ones = jnp.ones((block.shape[0], columns), jnp.float32)
-    # A transposed-lhs matmul turns the selected row into columns; one nonzero term per sum: exact.
-    return _dot(selected, ones, 0, 0, lax.Precision.HIGHEST)
+from .schedule import core_i_tile, grid_position, slot_item, slot_spec, weight_blocks
+from .tiles import FusedConfig
 
 
 def _token_columns(index_ref, weights_ref, expert, tokens: int):
@@ -133,187 +101,11 @@ def _token_columns(index_ref, weights_ref, expert, tokens: int):
     row = lax.broadcasted_iota(jnp.int32, (tokens, tokens), 0)
     col = lax.broadcasted_iota(jnp.int32, (tokens, tokens), 1)
     picked = (weights != 0.0).astype(jnp.float32)
-    rank = _dot((col < row).astype(jnp.float32), picked, 1, 0, lax.Precision.DEFAULT)
+    rank = dot((col < row).astype(jnp.float32), picked, 1, 0, lax.Precision.DEFAULT)
     return weights, rank
 
 
-class _Refs(NamedTuple):
-    """The kernel body's refs past the routing that one slot of experts uses, by role (each tuple one per gate_up
-    part): its own blocks, then the output and scratch all slots share."""
-
-    gate_up: tuple
-    down: object
-    gate_up_bias: tuple  # empty without biases
-    down_bias: object | None
-    gate_up_scales: tuple  # int8, int4: [SCALE_BLOCK_EXPERTS, n] blocks, as the biases; fp8: one whole grid
-    down_scales: object | None
-    out: object
-    out_acc: object
-    gate_up_t: object | None  # interleaved but not fp8_matmul: the chunk's gate_up projection, transposed, to split
-    rows_cache: object | None  # I tiled: the expert's gathered rows
-    partial_out: object | None  # I tiled: the expert's output summed over the I tiles
-    dequantized: tuple  # fp8, int4: the step's gate_up part(s), then down, dequantized
-
-
-def _split_refs(refs, plan: FusedPlan) -> tuple[_Refs, ...]:
-    """The body's refs past the routing, one `_Refs` per slot of experts: each its own weights blocks (biases,
-    scales), all sharing the output, accumulator and scratch."""
-    parts, problem = plan.gate_up_parts, plan.problem
-    quantization = scheme_of(problem.weights_dtype)
-
-    def take(count):
-        nonlocal refs
-        taken, refs = tuple(refs[:count]), refs[count:]
-        return taken
-
-    def slot_refs():
-        gate_up, (down,) = take(parts), take(1)
-        gate_up_bias, down_bias = (take(parts), take(1)[0]) if problem.has_bias else ((), None)
-        if per_channel_scales(quantization):
-            gate_up_scales, down_scales = take(parts), take(1)[0]
-        elif quantization == FP8:
-            gate_up_scales, (down_scales,) = take(1), take(1)
-        else:
-            gate_up_scales, down_scales = (), None
-        return gate_up, down, gate_up_bias, down_bias, gate_up_scales, down_scales
-
-    slots = [slot_refs() for _ in range(plan.experts_per_step)]
-    out, out_acc, *scratch = refs
-    gate_up_t = scratch.pop(0) if problem.gate.interleaved and not plan.fp8_matmul else None
-    rows_cache, partial_out = (scratch.pop(0), scratch.pop(0)) if plan.i_tiles_per_core > 1 else (None, None)
-    return tuple(_Refs(*slot, out, out_acc, gate_up_t, rows_cache, partial_out, tuple(scratch)) for slot in slots)
-
-
-def _dequantize_step(refs: _Refs, i_step, plan: FusedPlan) -> None:
-    """fp8, int4: the step's weights blocks dequantized once (not per chunk) into scratch, which the matmuls
-    read."""
-    gate_up_transposed, down_transposed = plan.orientation
-    parts = plan.gate_up_parts
-    if scheme_of(plan.problem.weights_dtype) == INT4:
-        for ref, unpacked in zip((*refs.gate_up, refs.down), refs.dequantized):
-            unpack_int4_block(ref, unpacked)
-        return
-    width = refs.gate_up[0].shape[1 if gate_up_transposed else 0]
-    for part, (ref, dequantized) in enumerate(zip(refs.gate_up, refs.dequantized[:parts])):
-        offset = (part * plan.i_tiles + i_step) * width  # along 2I
-        offsets = (0, offset) if gate_up_transposed else (offset, 0)
-        dequantize_fp8_block(ref, refs.gate_up_scales[0][...], *offsets, dequantized)
-    offset = i_step * plan.tile_i  # along I
-    offsets = (offset, 0) if down_transposed else (0, offset)
-    dequantize_fp8_block(refs.down, refs.down_scales[...], *offsets, refs.dequantized[parts])
-
-
-def _fp8_step_scales(refs: _Refs, i_step, plan: FusedPlan) -> tuple:
-    """plan.fp8_matmul: the step's weights windows' scales per K block and output column
-    (`common.quant.fp8_window_scales`), once per step for all chunks: each gate_up part's, then down's."""
-    gate_up_transposed, down_transposed = plan.orientation
-    width = refs.gate_up[0].shape[1 if gate_up_transposed else 0]
-    gate_up = [fp8_window_scales(refs.gate_up_scales[0][...], ref.shape, rhs_contract=0 if gate_up_transposed else 1,
-                                 k_offset=0, out_offset=(part * plan.i_tiles + i_step) * width)
-               for part, ref in enumerate(refs.gate_up)]
-    down = fp8_window_scales(refs.down_scales[...], refs.down.shape, rhs_contract=0 if down_transposed else 1,
-                             k_offset=i_step * plan.tile_i, out_offset=0)
-    return (*gate_up, down)
-
-
-class _Expert(NamedTuple):
-    """One item's expert and the I tile's weights the matmuls read."""
-
-    index: object  # the expert id
-    gate_up: tuple  # refs
-    down: object
-    dtype: object
-    precision: object
-    fp8_scales: tuple  # plan.fp8_matmul: each gate_up part's, then down's `common.quant.fp8_window_scales`
-    valid_i: object | None  # partial I tiles (`fused.tiles.partial_i_tiles`): I's columns from this tile's start on
-
-
-def _weights(ref, expert: _Expert, plan: FusedPlan):
-    """A weights block in the activation dtype; int8 as its integers (the scales come after the dot), fp8 and
-    int4 as `_dequantize_step` left it."""
-    return ref[...].astype(expert.dtype) if scheme_of(plan.problem.weights_dtype) == INT8 else ref[...]
-
-
-def _scaled(projection, scale_ref, expert: _Expert, plan: FusedPlan, columns: bool = False):
-    """int8, int4: the projection's output channels times their scales (as a column when the channels are
-    rows)."""
-    if not per_channel_scales(scheme_of(plan.problem.weights_dtype)):
-        return projection
-    if columns:
-        return projection * _expert_bias_columns(scale_ref, expert.index, projection.shape[1], SCALE_BLOCK_EXPERTS)
-    return projection * _expert_bias(scale_ref, expert.index, SCALE_BLOCK_EXPERTS)
-
-
-def _expert_rows(rows, refs: _Refs, expert: _Expert, plan: FusedPlan):
-    """[chunk, H] f32: this I tile's share of the expert's output for `rows`."""
-    gate = plan.problem.gate
-    gate_up_transposed, down_transposed = plan.orientation
-    precision = expert.precision
-    per_channel = per_channel_scales(scheme_of(plan.problem.weights_dtype))
-    scales = refs.gate_up_scales if per_channel else (None,) * plan.gate_up_parts
-    down_scales = refs.down_scales if per_channel else None
-    if gate.interleaved and plan.fp8_matmul:
-        return _interleaved_fp8_rows(rows, refs, expert, plan)
-    if gate.interleaved:
-        # gate_up^T [2 ti, chunk]: weights [2 ti, H] (or [H, 2 ti] transposed) against rows [chunk, H].
-        gate_up_t = _scaled(_dot(_weights(expert.gate_up[0], expert, plan), rows, 0 if gate_up_transposed else 1, 1,
-                                 precision), scales[0], expert, plan, columns=True)
-        if refs.gate_up_bias:
-            gate_up_t = gate_up_t + _expert_bias_columns(refs.gate_up_bias[0], expert.index, rows.shape[0])
-        refs.gate_up_t[...] = gate_up_t
-        gate_t = refs.gate_up_t[pl.ds(0, plan.tile_i, stride=2), :]
-        up_t = refs.gate_up_t[pl.ds(1, plan.tile_i, stride=2), :]
-        hidden_t = gated(gate_t, up_t, gate.activation, alpha=gate.alpha, limit=gate.limit).astype(expert.dtype)
-        # down [ti, H] (transposed) or [H, ti] against hidden^T [ti, chunk].
-        return _scaled(_dot(hidden_t, _weights(expert.down, expert, plan), 0, 0 if down_transposed else 1, precision),
-                       down_scales, expert, plan)
-    if plan.fp8_matmul:
-        projections = [fp8_matmul(rows, ref, scales, rhs_contract=0 if gate_up_transposed else 1)
-                       for ref, scales in zip(expert.gate_up, expert.fp8_scales)]
-    else:
-        projections = [_scaled(_dot(rows, _weights(ref, expert, plan), 1, 0 if gate_up_transposed else 1, precision),
-                               scale_ref, expert, plan) for ref, scale_ref in zip(expert.gate_up, scales)]
-    if refs.gate_up_bias:
-        projections = [p + _expert_bias(ref, expert.index) for p, ref in zip(projections, refs.gate_up_bias)]
-    if plan.gate_up_parts == 2:
-        gate_part, up = projections
-    else:
-        gate_part, up = projections[0][:, : plan.tile_i], projections[0][:, plan.tile_i :]
-    hidden_rows = gated(gate_part, up, gate.activation, alpha=gate.alpha, limit=gate.limit).astype(expert.dtype)
-    if plan.fp8_matmul:
-        return fp8_matmul(hidden_rows, expert.down, expert.fp8_scales[-1], rhs_contract=0 if down_transposed else 1)
-    return _scaled(_dot(hidden_rows, _weights(expert.down, expert, plan), 1, 0 if down_transposed else 1, precision),
-                   down_scales, expert, plan)
-
-
-def _interleaved_fp8_rows(rows, refs: _Refs, expert: _Expert, plan: FusedPlan):
-    """`_expert_rows` on the fp8 MXU with interleaved gate/up columns: the chunk's `[chunk, 2 ti]` projection,
-    biased, is de-interleaved and gated 256 columns at a time (`common.gates.deinterleaved_gated`, exact), each giving
-    the next 128-wide K block of the down projection's input, which that matmul quantizes as it comes.
-
-    In a partial last I tile the projection's columns past I (garbage weights and biases, possibly NaN) are
-    zeroed before the de-interleaving matmul would spread them; they gate to zeros, and the down projection
-    zeroes its weights' rows past I (`common.quant.fp8_matmul_of_blocks`'s `k_bounds`).
-    """
-    gate = plan.problem.gate
-    gate_up_transposed, down_transposed = plan.orientation
-    projection = fp8_matmul(rows, expert.gate_up[0], expert.fp8_scales[0], rhs_contract=0 if gate_up_transposed else 1)
-    if refs.gate_up_bias:
-        projection = projection + _expert_bias(refs.gate_up_bias[0], expert.index)
-    k_bounds = None
-    if expert.valid_i is not None:
-        column = lax.broadcasted_iota(jnp.int32, projection.shape, 1)
-        projection = jnp.where(column < 2 * expert.valid_i, projection, 0.0)
-        k_bounds = (expert.valid_i, plan.problem.intermediate - (plan.i_tiles - 1) * plan.tile_i)
-    hidden_blocks = (
-        deinterleaved_gated(projection[:, start : start + DEINTERLEAVED_COLUMNS], gate.activation, alpha=gate.alpha,
-                            limit=gate.limit, exact=True).astype(expert.dtype)
-        for start in range(0, projection.shape[1], DEINTERLEAVED_COLUMNS))
-    return fp8_matmul_of_blocks(hidden_blocks, expert.down, expert.fp8_scales[-1],
-                                rhs_contract=0 if down_transposed else 1, k_bounds=k_bounds)
-
-
-def _expert_step(slot: int, refs: _Refs, expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref,
+def _expert_step(slot: int, refs: SlotRefs, expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref,
                  core, step, i_step, last_i, plan: FusedPlan) -> None:
     """One slot's expert at this grid step: its rows gathered, run through the I tile, weighted and added to
     their tokens' outputs (a loop over the chunks its picks fill, none for a slot without an item; `pl.when`s skip
@@ -323,14 +115,11 @@ def _expert_step(slot: int, refs: _Refs, expert_ref, rows_ref, count_ref, hidden
     item, real = slot_item(core, step, slot, count_ref[0], plan)
     expert_id, picks = expert_ref[item], jnp.where(real, rows_ref[item], 0)
     i_tile, own_tile = core_i_tile(core, i_step, plan)
-    gate_up, down = refs.gate_up, refs.down
-    if dequantized_in_vmem(scheme_of(problem.weights_dtype)) and not plan.fp8_matmul:
-        pl.when(jnp.logical_and(picks > 0, own_tile))(lambda: _dequantize_step(refs, i_tile, plan))
-        gate_up, down = refs.dequantized[: plan.gate_up_parts], refs.dequantized[plan.gate_up_parts]
+    decoder = weights_decoder(plan)
+    blocks = decoder.ready(refs, picks, own_tile, i_tile, plan)
     precision = lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
-    expert = _Expert(expert_id, gate_up, down, dtype, precision,
-                     _fp8_step_scales(refs, i_tile, plan) if plan.fp8_matmul else (),
-                     problem.intermediate - i_tile * plan.tile_i if problem.intermediate % plan.tile_i else None)
+    valid_i = problem.intermediate - i_tile * plan.tile_i if problem.intermediate % plan.tile_i else None
+    expert = Expert(expert_id, decoder, *blocks, dtype, precision, valid_i)
     weight_column, rank_column = _token_columns(index_ref, weights_ref, expert_id, problem.tokens)
 
     def one_hot(first):
@@ -339,22 +128,22 @@ def _expert_step(slot: int, refs: _Refs, expert_ref, rows_ref, count_ref, hidden
         return jnp.logical_and(weight_column != 0.0, rank_column == slot_rows)
 
     def gather(first):
-        return _dot(one_hot(first).astype(dtype), hidden_ref[...], 0, 0, precision).astype(dtype)
+        return dot(one_hot(first).astype(dtype), hidden_ref[...], 0, 0, precision).astype(dtype)
 
     def scatter(first, out_rows):
         """Adds the chunk's rows, times their routing weights, to their tokens' outputs."""
         if refs.down_bias is not None:
-            bias = _expert_bias(refs.down_bias, expert_id)
+            bias = expert_bias(refs.down_bias, expert_id)
             # Cores sharing the expert each scatter a partial sum over their I tiles: the bias goes in one.
             out_rows = out_rows + (bias if plan.cores_per_expert == 1 else jnp.where(core == 0, bias, 0.0))
         out_rows = out_rows.astype(dtype)
         weighted = jnp.where(one_hot(first), weight_column, 0.0)  # [T, chunk] f32
         high = weighted.astype(dtype)
-        total = _dot(high, out_rows, 1, 0, precision)
+        total = dot(high, out_rows, 1, 0, precision)
         if jnp.dtype(problem.routing_dtype).itemsize > jnp.dtype(problem.dtype).itemsize:
             # f32 routing weights under narrower activations: scattered in two parts, exact.
             low = (weighted - high.astype(jnp.float32)).astype(dtype)
-            total = total + _dot(low, out_rows, 1, 0, precision)
+            total = total + dot(low, out_rows, 1, 0, precision)
         refs.out_acc[...] += total
 
     # A loop over the expert's live chunks, not one `pl.when` per chunk unrolled: Mosaic's compile time grows
@@ -365,7 +154,7 @@ def _expert_step(slot: int, refs: _Refs, expert_ref, rows_ref, count_ref, hidden
     if plan.i_tiles_per_core == 1:  # each core's I tile, if any, is its own: the second of two
         def run_chunk(j, carry):
             first = pl.multiple_of(j * chunk, chunk)
-            scatter(first, _expert_rows(gather(first), refs, expert, plan))
+            scatter(first, expert_rows_of(plan)(gather(first), refs, expert, plan))
             return carry
 
         lax.fori_loop(0, live_chunks, run_chunk, ())
@@ -374,7 +163,7 @@ def _expert_step(slot: int, refs: _Refs, expert_ref, rows_ref, count_ref, hidden
 
 
 def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *refs, plan: FusedPlan):
-    slot_refs = _split_refs(refs, plan)
+    slot_refs = split_refs(refs, plan)
     shared = slot_refs[0]
     core, step, i_step, steps, i_steps = grid_position(plan)
     last_i = i_steps - 1
@@ -392,7 +181,7 @@ def _body(expert_ref, rows_ref, count_ref, hidden_ref, index_ref, weights_ref, *
         shared.out[...] = shared.out_acc[...].astype(shared.out.dtype)
 
 
-def _chunks_over_i_tiles(live_chunks, own_tile, i_step, last_i, gather, scatter, refs: _Refs, expert: _Expert,
+def _chunks_over_i_tiles(live_chunks, own_tile, i_step, last_i, gather, scatter, refs: SlotRefs, expert: Expert,
                          plan: FusedPlan) -> None:
     """I tiled: the rows are gathered at the core's first I step, the output summed over its own tiles and
     scattered at its last step. Each phase is a top-level `pl.when` around its loop over the live chunks, so that
@@ -413,7 +202,7 @@ def _chunks_over_i_tiles(live_chunks, own_tile, i_step, last_i, gather, scatter,
         refs.rows_cache[rows, :] = gather(rows.start)
 
     def add_tile(rows):
-        part = _expert_rows(refs.rows_cache[rows, :], refs, expert, plan)
+        part = expert_rows_of(plan)(refs.rows_cache[rows, :], refs, expert, plan)
         refs.partial_out[rows, :] = jnp.where(i_step == 0, part, refs.partial_out[rows, :] + part)
 
     pl.when(i_step == 0)(over_live_chunks(gather_rows))
