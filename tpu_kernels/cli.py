@@ -78,8 +78,9 @@ def _check(args) -> int:
 def _bench_usage() -> str:
     from . import bench
 
-    width = max(map(len, bench.BENCHMARKS))
+    width = max(map(len, [*bench.BENCHMARKS, *bench.TOOLS]))
     listed = "\n".join(f"  {name:<{width}}  {line}" for name, line in bench.BENCHMARKS.items())
+    tools = "\n".join(f"  {name:<{width}}  {line}" for name, line in bench.TOOLS.items())
     repos = ", ".join(f"{repo} -> {name}" for repo, name in bench.KERNEL_REPO_BENCHMARKS.items())
     return (
         "usage: tpu-kernels bench NAME [args...]        run benchmark NAME (NAME --help: its own options)\n"
@@ -88,7 +89,7 @@ def _bench_usage() -> str:
         "Runs in this process, like `python -m tpu_kernels.bench.NAME [args...]`. Paths are relative to the current\n"
         "directory: results go to benchmarks/results/ (--out), kernel repos come from kernel_repos/ (--repo); run\n"
         "from a checkout of the tpu-kernels project or pass them.\n"
-        f"\nbenchmarks:\n{listed}\n\nkernel repos: {repos}\n"
+        f"\nbenchmarks:\n{listed}\n\ntools:\n{tools}\n\nkernel repos: {repos}\n"
     )
 
 
@@ -99,7 +100,7 @@ def _bench(argv: list[str]) -> int:
         print(_bench_usage(), end="", file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     target, extra = argv[0], argv[1:]
-    if target in bench.BENCHMARKS:
+    if target in bench.BENCHMARKS or target in bench.TOOLS:
         name = target
     elif Path(target).is_dir() or "/" in target or os.sep in target:
         # A kernel repo: its modelled benchmark, with --repo.

@@ -35,6 +35,10 @@ BENCHMARKS = {
     "loader": "loading a kernel from a local Hub: tpu_kernels.get_kernel vs kernels.get_kernel",
     "hub_server": "the local Hub server under hostile input and faults",
 }
+# Tools beside the benchmarks, run the same way (`tpu-kernels bench NAME [args]`), listed apart: they measure nothing.
+TOOLS = {
+    "report": "rewrite the docs' generated blocks from benchmarks/results/ (--check: list the stale ones, exit 1)",
+}
 # The benchmarks that model a TPU from the CPU: `tpu-kernels bench` runs them with JAX_PLATFORMS=cpu unless set.
 MODELLED = frozenset({"moe_layer", "multichip", "moe_backward", "attention", "rmsnorm", "calibration_fit"})
 # A kernel repo's modelled benchmark: `tpu-kernels bench kernel_repos/<name> [args]` runs it with --repo.

@@ -1,0 +1,120 @@
+"""`tpu-kernels bench report`: the docs' generated blocks come from benchmarks/results/, never retyped."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tpu_kernels import cli
+from tpu_kernels.bench import report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TABLE = "| shape | us |\n| --- | ---: |\n| a | 1.0 |\n"
+SECTIONED = "## first\n\n| x |\n| --- |\n| 1 |\n\n## second\n\n| y |\n| --- |\n| 2 |\n"
+
+
+@pytest.fixture
+def checkout(tmp_path, monkeypatch):
+    """A checkout with one results table, one sectioned results file, and no derived tables to render."""
+    monkeypatch.setattr(report, "DERIVED_TABLES", {})
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    (results / "layer.md").write_text(TABLE)
+    (results / "two.md").write_text(SECTIONED)
+    return tmp_path
+
+
+def write_doc(root: Path, text: str) -> Path:
+    path = root / "README.md"
+    path.write_text(text)
+    return path
+
+
+def test_a_block_is_rewritten_from_its_source_indented_as_its_marker(checkout):
+    doc = write_doc(checkout, "intro\n\n- item:\n\n  <!-- generated: benchmarks/results/layer.md -->\n"
+                              "  | shape | us |\n  | a | 9.9 |\n  <!-- end generated -->\n\nafter\n")
+    assert report.problems(checkout) == ["README.md:5: block differs from its source benchmarks/results/layer.md"]
+    written, unreadable = report.refresh(checkout)
+    assert written == [doc] and unreadable == []
+    assert doc.read_text() == ("intro\n\n- item:\n\n  <!-- generated: benchmarks/results/layer.md -->\n"
+                               "  | shape | us |\n  | --- | ---: |\n  | a | 1.0 |\n  <!-- end generated -->\n\nafter\n")
+    assert report.problems(checkout) == []
+
+
+def test_a_block_names_one_section_of_a_results_file(checkout):
+    doc = write_doc(checkout, "<!-- generated: benchmarks/results/two.md#second -->\n<!-- end generated -->\n")
+    report.refresh(checkout)
+    assert doc.read_text() == ("<!-- generated: benchmarks/results/two.md#second -->\n| y |\n| --- |\n| 2 |\n"
+                               "<!-- end generated -->\n")
+
+
+def test_check_fails_on_a_changed_block(checkout, capsys):
+    write_doc(checkout, f"<!-- generated: benchmarks/results/layer.md -->\n{TABLE}<!-- end generated -->\n")
+    assert report.main(["--check", "--root", str(checkout)]) == 0
+    (checkout / "benchmarks" / "results" / "layer.md").write_text(TABLE.replace("1.0", "1.1"))
+    assert report.main(["--check", "--root", str(checkout)]) == 1
+    assert "README.md:1: block differs from its source benchmarks/results/layer.md" in capsys.readouterr().err
+
+
+def test_check_lists_every_missing_source(checkout, capsys):
+    cards = checkout / "kernel_repos" / "some-tpu"
+    cards.mkdir(parents=True)
+    (cards / "CARD.md").write_text("<!-- generated: benchmarks/results/gone.md -->\nold\n<!-- end generated -->\n"
+                                   "<!-- generated: benchmarks/results/two.md#third -->\n<!-- end generated -->\n"
+                                   "<!-- generated: docs/other.md -->\n<!-- end generated -->\n")
+    write_doc(checkout, "<!-- generated: benchmarks/results/layer.md -->\nno end marker\n")
+    before = (cards / "CARD.md").read_text()
+    assert report.main(["--check", "--root", str(checkout)]) == 1
+    err = capsys.readouterr().err
+    assert "CARD.md:1: missing source: benchmarks/results/gone.md does not exist" in err
+    assert "CARD.md:4: missing source: benchmarks/results/two.md#third has no section `## third`" in err
+    assert "CARD.md:6: missing source: docs/other.md is not a markdown file in benchmarks/results/" in err
+    assert "README.md:1: block from benchmarks/results/layer.md has no `<!-- end generated -->`" in err
+    # Without --check it still says so, and leaves blocks it cannot fill as they were.
+    assert report.main(["--root", str(checkout)]) == 1
+    assert (cards / "CARD.md").read_text() == before
+
+
+def test_a_derived_table_is_rendered_from_its_json_and_checked_against_it(checkout, monkeypatch):
+    figures = checkout / "benchmarks" / "results" / "figures.json"
+    figures.write_text('{"us": 2.0}')
+
+    def render(root: Path) -> str:
+        import json
+
+        return f"| us |\n| --- |\n| {json.loads((root / 'benchmarks/results/figures.json').read_text())['us']} |\n"
+
+    monkeypatch.setattr(report, "DERIVED_TABLES", {"benchmarks/results/figures.md": render})
+    write_doc(checkout, "<!-- generated: benchmarks/results/figures.md -->\n<!-- end generated -->\n")
+    stale = "benchmarks/results/figures.md differs from its rendering from the benchmark's JSON"
+    assert stale in report.problems(checkout)
+    report.refresh(checkout)
+    assert (checkout / "benchmarks" / "results" / "figures.md").read_text() == "| us |\n| --- |\n| 2.0 |\n"
+    assert report.problems(checkout) == []
+    figures.write_text('{"us": 3.0}')  # the benchmark ran again: the .md on disk and the block are both stale
+    assert len(report.problems(checkout)) == 2
+
+
+def test_the_repos_tracked_docs_match_their_sources():
+    """What keeps the docs honest: every committed block equals what the benchmarks' results render."""
+    assert report.problems(ROOT) == []
+
+
+def test_the_ragged_dot_card_takes_its_format_tables_from_moe_layer():
+    card = (ROOT / "kernel_repos" / "ragged-dot-tpu" / "CARD.md").read_text()
+    blocks, _ = report.find_blocks("CARD.md", card)
+    assert {block.source for block in blocks} >= {"benchmarks/results/moe_layer_formats.md#decode-v6e",
+                                                  "benchmarks/results/moe_layer_formats.md#per-chip"}
+
+
+def test_cli_runs_report_as_a_bench_tool(tmp_path, monkeypatch, capsys):
+    for path in ("README.md", "benchmarks/results/moe_layer.json", "benchmarks/results/moe_layer_v5p_tpu7x.json"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / path, tmp_path / path)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "report", "--check"]) == 1  # the derived table is not written yet
+    assert cli.main(["bench", "report"]) == 0
+    assert cli.main(["bench", "report", "--check"]) == 0
+    assert cli.main(["bench", "--help"]) == 0
+    assert "report" in capsys.readouterr().out

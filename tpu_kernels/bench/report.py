@@ -1,0 +1,268 @@
+"""The docs' figures, generated from what the benchmarks wrote: `tpu-kernels bench report [--check]`.
+
+A figure typed into a doc drifts from the benchmark that produced it. So the
+tracked docs (`DOCS`) hold generated blocks instead:
+
+    <!-- generated: benchmarks/results/moe_layer.md -->
+    | shape | gen | ... |
+    <!-- end generated -->
+
+The opening marker names the source, a markdown file the benchmarks write in
+`benchmarks/results/`; `benchmarks/results/NAME.md#SECTION` names the part of
+it under the heading `## SECTION`, for a results file that holds several
+tables. A block's body is the source's text, each line indented as the
+opening marker is (a table inside a list item stays inside it).
+
+Some tables exist only as JSON: `DERIVED_TABLES` renders their .md from the
+benchmark's JSON here, so no results .md is typed either.
+
+`refresh` rewrites the derived tables and every block from its source;
+`problems` lists every block (or derived table) that differs from its source,
+and every marker whose source is missing, without writing anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+# The tracked docs that may hold generated blocks, as globs relative to the project's root.
+DOCS = ("README.md", "docs/*.md", "benchmarks/README.md", "kernel_repos/*/CARD.md")
+# Sources live beside the benchmarks' JSON: a block never includes another doc or any file outside the results.
+SOURCES_DIR = "benchmarks/results"
+
+OPENING = re.compile(r"^(?P<indent>[ \t]*)<!-- generated: (?P<source>\S+) -->[ \t]*$", re.MULTILINE)
+CLOSING = re.compile(r"^[ \t]*<!-- end generated -->[ \t]*$", re.MULTILINE)
+CLOSING_TEXT = "<!-- end generated -->"
+
+
+class MissingSource(Exception):
+    """A block's source (file, section, or a figure its JSON should hold) is not there: the message says what."""
+
+
+@dataclass(frozen=True)
+class Block:
+    """One generated block of a doc: `start`..`end` spans the text from the opening marker to the closing one."""
+
+    doc: str
+    line: int
+    source: str
+    indent: str
+    start: int
+    end: int
+
+
+def find_blocks(doc: str, text: str) -> tuple[list[Block], list[str]]:
+    """The generated blocks of `text` (doc `doc`), and the markers that open no well-formed block."""
+    blocks, malformed = [], []
+    position = 0
+    while (opening := OPENING.search(text, position)) is not None:
+        line = text.count("\n", 0, opening.start()) + 1
+        closing = CLOSING.search(text, opening.end())
+        following = OPENING.search(text, opening.end())
+        if closing is None or (following is not None and following.start() < closing.start()):
+            malformed.append(f"{doc}:{line}: block from {opening['source']} has no `{CLOSING_TEXT}` "
+                             "before the next block")
+            position = opening.end()
+            continue
+        blocks.append(Block(doc, line, opening["source"], opening["indent"], opening.start(), closing.end()))
+        position = closing.end()
+    return blocks, malformed
+
+
+def section(text: str, name: str, source: str) -> str:
+    """The part of `text` under its heading `## name`, up to the next `## ` heading."""
+    lines = text.splitlines()
+    try:
+        first = lines.index(f"## {name}") + 1
+    except ValueError:
+        raise MissingSource(f"{source} has no section `## {name}`") from None
+    last = next((i for i in range(first, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return "\n".join(lines[first:last])
+
+
+def block_text(block: Block, body: str) -> str:
+    """The block as it should read: opening marker, the body indented as the marker, closing marker."""
+    lines = [block.indent + line if line.strip() else "" for line in body.strip("\n").splitlines()]
+    opening = f"{block.indent}<!-- generated: {block.source} -->"
+    return "\n".join([opening, *lines, block.indent + CLOSING_TEXT])
+
+
+def doc_paths(root: Path) -> list[Path]:
+    """The tracked docs under `root` that may hold generated blocks, in a stable order."""
+    found = {path for pattern in DOCS for path in root.glob(pattern) if path.is_file()}
+    return sorted(found)
+
+
+class Sources:
+    """Reads blocks' sources under `root`; a derived table reads as its fresh rendering, not as the file on disk."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.rendered: dict[str, str] = {}
+        self.unrenderable: dict[str, str] = {}
+        for path, render in DERIVED_TABLES.items():
+            try:
+                self.rendered[path] = render(root)
+            except (OSError, MissingSource, KeyError, ValueError) as error:
+                self.unrenderable[path] = f"{path} cannot be rendered from its JSON: {error}"
+
+    def body(self, source: str) -> str:
+        path, _, name = source.partition("#")
+        if not path.startswith(f"{SOURCES_DIR}/") or not path.endswith(".md") or ".." in Path(path).parts:
+            raise MissingSource(f"{source} is not a markdown file in {SOURCES_DIR}/")
+        if path in self.unrenderable:
+            raise MissingSource(self.unrenderable[path])
+        if path in self.rendered:
+            text = self.rendered[path]
+        elif (self.root / path).is_file():
+            text = (self.root / path).read_text()
+        else:
+            raise MissingSource(f"{path} does not exist")
+        return section(text, name, source) if name else text
+
+
+def stale_derived_tables(sources: Sources) -> list[str]:
+    """Derived tables on disk that differ from their rendering (or cannot be rendered)."""
+    stale = list(sources.unrenderable.values())
+    for path, text in sources.rendered.items():
+        on_disk = sources.root / path
+        if not on_disk.is_file() or on_disk.read_text() != text:
+            stale.append(f"{path} differs from its rendering from the benchmark's JSON")
+    return stale
+
+
+def updated_docs(sources: Sources) -> tuple[dict[Path, str], list[str], list[str]]:
+    """Every doc whose blocks would change, with its new text; the blocks that differ; those that cannot be read."""
+    changed, differing, unreadable = {}, [], []
+    for path in doc_paths(sources.root):
+        doc = path.relative_to(sources.root).as_posix()
+        text = path.read_text()
+        blocks, malformed = find_blocks(doc, text)
+        unreadable += malformed
+        pieces, position = [], 0
+        for block in blocks:
+            current = text[block.start:block.end]
+            try:
+                wanted = block_text(block, sources.body(block.source))
+            except MissingSource as error:
+                unreadable.append(f"{doc}:{block.line}: missing source: {error}")
+                wanted = current  # left as it is: nothing to rewrite it from
+            if wanted != current:
+                differing.append(f"{doc}:{block.line}: block differs from its source {block.source}")
+            pieces += [text[position:block.start], wanted]
+            position = block.end
+        new_text = "".join(pieces) + text[position:]
+        if new_text != text:
+            changed[path] = new_text
+    return changed, differing, unreadable
+
+
+def problems(root: Path) -> list[str]:
+    """Everything `--check` reports: stale derived tables, blocks that differ from their source, missing sources."""
+    sources = Sources(root)
+    _, differing, unreadable = updated_docs(sources)
+    return stale_derived_tables(sources) + differing + unreadable
+
+
+def refresh(root: Path) -> tuple[list[Path], list[str]]:
+    """Writes the derived tables and every block from its source; the files written and what could not be read."""
+    sources = Sources(root)
+    written = []
+    for path, text in sources.rendered.items():
+        target = root / path
+        if not target.is_file() or target.read_text() != text:
+            target.write_text(text)
+            written.append(target)
+    changed, _, unreadable = updated_docs(sources)
+    for path, text in changed.items():
+        path.write_text(text)
+    return written + list(changed), list(sources.unrenderable.values()) + unreadable
+
+
+# --- Tables rendered from JSON (their benchmark writes no markdown for them) ---------------------------------------
+
+# moe_layer's settings as the ragged-dot card names them.
+QWEN3_EP8_256 = ("qwen3-30b-a3b EP8 router-masking T=256", "Qwen3-30B-A3B, EP8 rank, 256 tokens")
+QWEN3_ONE_CHIP_1 = ("qwen3-30b-a3b T=1", "Qwen3-30B-A3B, one chip, 1 token")
+GPT_OSS_EP8_64 = ("gpt-oss-20b EP8 dispatch T=64", "GPT-OSS-20B, EP8 rank, 64 tokens")
+DEEPSEEK_EP32_256 = ("deepseek-v3 EP32 dispatch T=256", "DeepSeek-V3, EP32 rank, 256 tokens")
+# The weights' formats, as moe_layer names its variants.
+FORMATS = {"bf16": "ours", "int8": "ours_int8", "fp8": "ours_fp8", "int4": "ours_int4"}
+# v5e and v6e come from moe_layer's default run, v5p and TPU7x from its `--generations v5p tpu7x` run.
+MOE_LAYER_RUNS = ("moe_layer.json", "moe_layer_v5p_tpu7x.json")
+
+
+def moe_layer_variants(root: Path) -> dict[tuple[str, str, str], dict]:
+    """moe_layer's variant lines from its runs, by (generation, setting label, variant)."""
+    lines = {}
+    for name in MOE_LAYER_RUNS:
+        data = json.loads((root / SOURCES_DIR / name).read_text())
+        lines.update({(line["generation"], line["label"], line["variant"]): line for line in data["variants"]})
+    return lines
+
+
+def moe_layer_formats(root: Path) -> str:
+    """benchmarks/results/moe_layer_formats.md: our experts layer per weights format, from moe_layer's JSON."""
+    lines = moe_layer_variants(root)
+
+    def line(generation: str, label: str, variant: str) -> dict:
+        try:
+            return lines[generation, label, variant]
+        except KeyError:
+            runs = ", ".join(MOE_LAYER_RUNS)
+            raise MissingSource(f"no {variant} line for {label} on {generation} in {runs}") from None
+
+    decode = ["| one experts layer, decode, v6e | bf16 | int8 | fp8 | int4 |", "| --- | ---: | ---: | ---: | ---: |"]
+    for label, name in (QWEN3_EP8_256, QWEN3_ONE_CHIP_1, GPT_OSS_EP8_64):
+        cells = [line("v6e", label, variant) for variant in FORMATS.values()]
+        figures = (f"{cell['hbm_bytes'] / 1e6:.1f} MB, {cell['us']:.1f} µs" for cell in cells)
+        decode.append(f"| {name} | " + " | ".join(figures) + " |")
+
+    chips = {"v5e": "v5e", "v5p": "v5p", "v6e": "v6e", "tpu7x": "TPU7x"}
+    per_chip = ["| shape | " + " | ".join(chips.values()) + " |", "| --- |" + " --- |" * len(chips)]
+    for label, name in (QWEN3_ONE_CHIP_1, QWEN3_EP8_256, GPT_OSS_EP8_64, DEEPSEEK_EP32_256):
+        cells = [" / ".join(f"{line(generation, label, FORMATS[f])['us']:.1f}" for f in ("bf16", "int8", "fp8"))
+                 for generation in chips]
+        per_chip.append(f"| {name} | " + " | ".join(cells) + " |")
+
+    return "\n".join([
+        f"<!-- written by `tpu-kernels bench report` from {' and '.join(MOE_LAYER_RUNS)}: do not edit -->",
+        "", "## decode-v6e", "", *decode,
+        "", "## per-chip", "", *per_chip, "",
+    ])
+
+
+# results .md (relative to the root) -> its renderer from the benchmark's JSON.
+DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
+    f"{SOURCES_DIR}/moe_layer_formats.md": moe_layer_formats,
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Rewrite the docs' generated blocks from benchmarks/results/.")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 listing every block that differs from its source or lacks one")
+    parser.add_argument("--root", type=Path, default=Path("."), help="the tpu-kernels checkout (default: here)")
+    args = parser.parse_args(argv)
+    if args.check:
+        found = problems(args.root)
+        for problem in found:
+            print(problem, file=sys.stderr)
+        print(f"{len(found)} generated block(s) or table(s) out of date" if found else "generated blocks up to date")
+        return 1 if found else 0
+    written, unreadable = refresh(args.root)
+    for path in written:
+        print(f"wrote {path}")
+    for problem in unreadable:
+        print(problem, file=sys.stderr)
+    return 1 if unreadable else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
