@@ -238,9 +238,47 @@ def moe_layer_formats(root: Path) -> str:
     ])
 
 
+# moe_backward's kernels as the card names them: d_rhs is the transposed grouped matmul, tgmm.
+BACKWARD_KERNELS = {"d_lhs": "d_lhs", "d_rhs": "tgmm"}
+BACKWARD_GENERATIONS = ("v5e", "v6e")
+
+
+def moe_backward_tables(root: Path) -> str:
+    """benchmarks/results/moe_backward.md: each backward kernel, and the layer's backward over its forward."""
+    data = json.loads((root / SOURCES_DIR / "moe_backward.json").read_text())
+
+    def with_pct(figures: dict) -> str:
+        return f"{figures['modelled_time_us']:.0f} ({figures['pct_of_roofline']:.1f})"
+
+    kernels = ["| layer, projection | kernel | gen | ours µs (p90 band) | ours % roofline | megablox µs (%) "
+               "| tokamax µs (%) |", "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    for entry in data["entries"]:
+        for kernel, name in BACKWARD_KERNELS.items():
+            for generation in BACKWARD_GENERATIONS:
+                ours, megablox, tokamax = (entry["kernels"][kernel][variant][generation]
+                                           for variant in ("ours", "megablox", "tokamax"))
+                low, high = ours["band_p90_us"]
+                kernels.append(f"| {entry['setting']} {entry['projection']} | {name} | {generation} "
+                               f"| {ours['modelled_time_us']:.0f} ({low:.0f}-{high:.0f}) "
+                               f"| {ours['pct_of_roofline']:.1f} | {with_pct(megablox)} | {with_pct(tokamax)} |")
+
+    layer = ["| layer | gen | forward µs | backward µs | ratio | megablox backward µs | tokamax backward µs |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for ratio in data["layer_ratios"]:
+        layer.append(f"| {ratio['setting']} | {ratio['generation']} | {ratio['forward_us']:.0f} "
+                     f"| {ratio['ours_backward_us']:.0f} | {ratio['ours_backward_over_our_forward']:.2f} "
+                     f"| {ratio['megablox_backward_us']:.0f} | {ratio['tokamax_backward_us']:.0f} |")
+
+    return "\n".join([
+        "<!-- written by `tpu-kernels bench report` from moe_backward.json: do not edit -->",
+        "", "## kernels", "", *kernels, "", "## layer", "", *layer, "",
+    ])
+
+
 # results .md (relative to the root) -> its renderer from the benchmark's JSON.
 DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
     f"{SOURCES_DIR}/moe_layer_formats.md": moe_layer_formats,
+    f"{SOURCES_DIR}/moe_backward.md": moe_backward_tables,
 }
 
 
