@@ -86,7 +86,7 @@ def cases(kernels: dict) -> dict[str, tuple]:
         # Two token tiles, one per core.
         "combine picks, two token tiles": (functools.partial(ragged_dot.combine_picks, plan=combine),
                                            combine_args, "combine_picks"),
-        "rms_norm": (functools.partial(rmsnorm.pallas_rms_norm.rms_norm, eps=1e-6, generation=GENERATION, block_rows=256),
+        "rms_norm": (functools.partial(rmsnorm.rms_norm_forward, eps=1e-6, generation=GENERATION, block_rows=256),
                      (normal(1024, 1024), normal(1024)), "rms_norm"),
         "flash attention forward": (
             functools.partial(attention.flash_attention_forward, causal=True, generation=GENERATION),

@@ -20,7 +20,7 @@ from .conftest import REPO_ROOT
 REPO = REPO_ROOT / "kernel_repos" / "ragged-dot-tpu"
 KERNEL_NAMES = ("ragged-dot-tpu", "rmsnorm-tpu", "attention-tpu")
 # Each kernel's table of tuned tiles (tpu_kernels/runtime/tuning.py), in its package.
-TUNED_TABLES = {"ragged-dot-tpu": "gmm/tuned_tiles.json", "rmsnorm-tpu": "tuned_tiles.json",
+TUNED_TABLES = {"ragged-dot-tpu": "gmm/tuned_tiles.json", "rmsnorm-tpu": "norm/tuned_tiles.json",
                 "attention-tpu": "flash/tuned_tiles.json"}
 
 

@@ -23,10 +23,8 @@ MIB = 1 << 20
 
 @pytest.fixture(scope="module")
 def configs(kernel_builds):
-    """Where attention-tpu and rmsnorm-tpu size VMEM and select tiles, as loaded: attention-tpu's face, rmsnorm-tpu's
-    config module."""
-    return {"attention-tpu": get_local_kernel(kernel_builds["attention-tpu"], backend="cpu"),
-            "rmsnorm-tpu": get_local_kernel(kernel_builds["rmsnorm-tpu"], backend="cpu").config}
+    """Where attention-tpu and rmsnorm-tpu size VMEM and select tiles, as loaded: each one's face."""
+    return {name: get_local_kernel(kernel_builds[name], backend="cpu") for name in ("attention-tpu", "rmsnorm-tpu")}
 
 
 @pytest.mark.parametrize("generation", hardware.SUPPORTED_GENERATIONS)

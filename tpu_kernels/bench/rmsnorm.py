@@ -64,6 +64,13 @@ MINIMUM_ROW_ARRAYS = {
     "fused_add_rms_norm_backward": (3, 1),
 }
 ARITY = {name: inputs for name, (inputs, _) in MINIMUM_ROW_ARRAYS.items()}
+# kernel name -> its JAX function in the built kernel's face.
+JAX_FUNCTIONS = {
+    "rms_norm": "rms_norm_forward",
+    "fused_add_rms_norm": "fused_add_rms_norm_forward",
+    "rms_norm_backward": "rms_norm_backward",
+    "fused_add_rms_norm_backward": "fused_add_rms_norm_backward",
+}
 
 
 def minimum_bytes(kernel_name: str, rows: int, hidden: int, dtype) -> tuple[int, int]:
@@ -76,7 +83,7 @@ def minimum_bytes(kernel_name: str, rows: int, hidden: int, dtype) -> tuple[int,
 
 
 def kernel_fn(built, kernel_name: str, generation: str):
-    return functools.partial(getattr(built.pallas_rms_norm, kernel_name), eps=EPS, generation=generation)
+    return functools.partial(getattr(built, JAX_FUNCTIONS[kernel_name]), eps=EPS, generation=generation)
 
 
 def avals(kernel_name: str, rows: int, hidden: int, dtype) -> list[jax.ShapeDtypeStruct]:
@@ -122,7 +129,7 @@ def measure(built, kernel_name: str, rows: int, hidden: int, dtype) -> dict:
         "per_generation": {},
     }
     for generation in GENERATIONS:
-        config = built.config.select_config(rows, hidden, dtype, generation, op=kernel_name)
+        config = built.select_config(rows, hidden, dtype, generation, op=kernel_name)
         calls = perf.model_pallas_traffic(kernel_fn(built, kernel_name, generation), *args)
         (call,) = calls
         modelled = perf.roofline(calls, generation, min_bytes=row_min)

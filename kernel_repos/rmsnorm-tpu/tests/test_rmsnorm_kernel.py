@@ -1,4 +1,5 @@
-"""The Pallas kernels themselves (pallas_rms_norm.py of the built variant), in TPU interpret mode.
+"""The Pallas kernels themselves (norm/kernel.py of the built variant, through its JAX functions), in TPU
+interpret mode.
 
 Small blocks are forced so every case has several row blocks and a ragged last
 one; uninitialised memory is NaN, so a garbage row leaking into a valid output
@@ -45,8 +46,8 @@ def test_forward_kernels_on_ragged_row_blocks(kernel, leading, hidden, dtype, bl
     x, residual = random_array(0, shape, dtype), random_array(1, shape, dtype)
     weight = random_array(2, (hidden,), dtype)
     eps = 1e-6
-    y = interpret(lambda: kernel.pallas_rms_norm.rms_norm(x, weight, eps=eps, offset=offset, block_rows=block_rows))
-    fused_y, new_residual = interpret(lambda: kernel.pallas_rms_norm.fused_add_rms_norm(
+    y = interpret(lambda: kernel.rms_norm_forward(x, weight, eps=eps, offset=offset, block_rows=block_rows))
+    fused_y, new_residual = interpret(lambda: kernel.fused_add_rms_norm_forward(
         x, residual, weight, eps=eps, offset=offset, block_rows=block_rows
     ))
     assert y.dtype == fused_y.dtype == new_residual.dtype == dtype and y.shape == shape
@@ -71,10 +72,10 @@ def test_backward_kernels_on_ragged_row_blocks(kernel, leading, hidden, dtype, b
     x, grad, grad_residual = (random_array(k, shape, dtype) for k in (3, 4, 5))
     weight = random_array(6, (hidden,), dtype)
     eps = 1e-5
-    dx, dweight = interpret(lambda: kernel.pallas_rms_norm.rms_norm_backward(
+    dx, dweight = interpret(lambda: kernel.rms_norm_backward(
         grad, x, weight, eps=eps, offset=offset, block_rows=block_rows
     ))
-    dsum, dweight_fused = interpret(lambda: kernel.pallas_rms_norm.fused_add_rms_norm_backward(
+    dsum, dweight_fused = interpret(lambda: kernel.fused_add_rms_norm_backward(
         grad, grad_residual, x, weight, eps=eps, offset=offset, block_rows=block_rows
     ))
     assert dx.dtype == dsum.dtype == dtype and dweight.dtype == dweight_fused.dtype == dtype
@@ -91,5 +92,5 @@ def test_backward_kernels_on_ragged_row_blocks(kernel, leading, hidden, dtype, b
 
 def test_explicit_block_rows_are_checked(kernel):
     with pytest.raises(ValueError, match="block_rows must be a multiple of 16"):
-        kernel.pallas_rms_norm.rms_norm(jnp.ones((40, 128), jnp.bfloat16), jnp.ones((128,), jnp.bfloat16), eps=1e-6,
+        kernel.rms_norm_forward(jnp.ones((40, 128), jnp.bfloat16), jnp.ones((128,), jnp.bfloat16), eps=1e-6,
                                    block_rows=8)

@@ -9,7 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import pallas_rms_norm
+from .norm.kernel import fused_add_rms_norm_backward, fused_add_rms_norm_forward, rms_norm_backward, rms_norm_forward
 
 HIDDEN_SIZES = (2048, 2816, 4096, 7168)
 ROW_COUNTS = (1, 64, 8192)
@@ -26,10 +26,10 @@ def _targets_of(kernel_fn, arity: int, name: str, rows: int, hidden: int, dtype,
 
 
 def compile_targets(generation: str):
-    forward = (("rms_norm", pallas_rms_norm.rms_norm, 1), ("fused_add_rms_norm", pallas_rms_norm.fused_add_rms_norm, 2))
+    forward = (("rms_norm", rms_norm_forward, 1), ("fused_add_rms_norm", fused_add_rms_norm_forward, 2))
     backward = (
-        ("rms_norm_backward", pallas_rms_norm.rms_norm_backward, 2),
-        ("fused_add_rms_norm_backward", pallas_rms_norm.fused_add_rms_norm_backward, 3),
+        ("rms_norm_backward", rms_norm_backward, 2),
+        ("fused_add_rms_norm_backward", fused_add_rms_norm_backward, 3),
     )
     targets = []
     for name, fn, arity in forward:
@@ -46,6 +46,6 @@ def compile_targets(generation: str):
         for dtype in (jnp.bfloat16, jnp.float32):
             targets.append(_targets_of(fn, arity, name, 8192, 7168, dtype, generation))
         targets.append(_targets_of(fn, arity, name, 1000, 200, jnp.bfloat16, generation))
-    # Rows so wide that even 8 of them pass the kernel's bound on its blocks (config.WORKING_SET_BOUND_BYTES).
-    targets.append(_targets_of(pallas_rms_norm.rms_norm, 1, "rms_norm", 64, 65536, jnp.float32, generation))
+    # Rows so wide that even 8 of them pass the kernel's bound on its blocks (norm.tiles.WORKING_SET_BOUND_BYTES).
+    targets.append(_targets_of(rms_norm_forward, 1, "rms_norm", 64, 65536, jnp.float32, generation))
     return targets

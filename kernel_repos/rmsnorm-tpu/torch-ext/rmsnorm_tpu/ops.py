@@ -1,6 +1,6 @@
 """Torch ops over the Pallas kernels and the public functions: the one place inputs are checked.
 
-The JAX functions (`pallas_rms_norm.py`) assume valid inputs; the ops' gradients
+The JAX functions (`norm/kernel.py`) assume valid inputs; the ops' gradients
 are those of its `jax.custom_vjp` functions, which the binding hands to torch
 autograd.
 """
@@ -12,22 +12,22 @@ import math
 import jax
 import torch
 
-from . import pallas_rms_norm
 from ._ops import add_op_namespace_prefix, jax_torch_op
+from .norm.kernel import differentiable_fused_add_rms_norm, differentiable_rms_norm
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @jax_torch_op(add_op_namespace_prefix("rms_norm"))
 def _rms_norm_op(x: jax.Array, weight: jax.Array, eps: float, offset: float) -> jax.Array:
-    return pallas_rms_norm.differentiable_rms_norm(x, weight, eps, offset)
+    return differentiable_rms_norm(x, weight, eps, offset)
 
 
 @jax_torch_op(add_op_namespace_prefix("fused_add_rms_norm"))
 def _fused_add_rms_norm_op(
     x: jax.Array, residual: jax.Array, weight: jax.Array, eps: float, offset: float
 ) -> tuple[jax.Array, jax.Array]:
-    return pallas_rms_norm.differentiable_fused_add_rms_norm(x, residual, weight, eps, offset)
+    return differentiable_fused_add_rms_norm(x, residual, weight, eps, offset)
 
 
 def _check_tensor(name: str, value, like: torch.Tensor | None = None) -> None:

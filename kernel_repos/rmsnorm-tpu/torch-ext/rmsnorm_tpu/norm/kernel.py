@@ -13,10 +13,14 @@ rows explicitly.
 
 Math is in float32 whatever the input dtype; outputs take the input dtype.
 
-The block size comes from `config.select_config(rows, hidden, dtype,
-generation, op=...)`. The four public functions take the same keyword options
-(eps, offset, generation, block_rows; see `_row_norm`). Inputs are assumed
-valid: the torch ops check them (`ops.py`).
+The block size comes from `tiles.select_config(rows, hidden, dtype,
+generation, op=...)`, the grid it gives from `plan.plan_rows`. The four JAX
+functions (`rms_norm_forward`, `fused_add_rms_norm_forward`,
+`rms_norm_backward`, `fused_add_rms_norm_backward`) take the same keyword
+options (eps, offset, generation, block_rows; see `_row_norm`);
+`differentiable_rms_norm` and `differentiable_fused_add_rms_norm` join each
+forward to its backward (a `jax.custom_vjp`), for the torch ops. Inputs are
+assumed valid: the torch ops check them (`ops.py`).
 """
 
 from __future__ import annotations
@@ -24,39 +28,31 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .config import OPS, RowBlockConfig, check_block_rows, select_config
+from .plan import RowPlan, plan_rows
+from .tiles import OPS, RowBlockConfig, check_block_rows, select_config
 
 
-@dataclasses.dataclass(frozen=True)
-class RowKernelLayout:
-    """Grid, BlockSpecs and operand shapes of one kernel call."""
+class _RowBlocks(NamedTuple):
+    """BlockSpecs and operand shapes of one kernel call: the row inputs and the weight, then the outputs."""
 
-    grid: tuple[int]
     in_specs: tuple[pl.BlockSpec, ...]
     out_specs: tuple[pl.BlockSpec, ...]
     in_shapes: tuple[jax.ShapeDtypeStruct, ...]
     out_shapes: tuple[jax.ShapeDtypeStruct, ...]
-    config: RowBlockConfig
 
 
-def row_kernel_layout(
-    op: str, rows: int, hidden: int, dtype, weight_dtype, generation: str | None, block_rows: int | None = None
-) -> RowKernelLayout:
-    """The grid and blocks `op` uses for [rows, hidden] inputs; `block_rows` overrides select_config."""
-    config = select_config(rows, hidden, dtype, generation, op=op)
-    if block_rows is not None:
-        check_block_rows(block_rows, rows, dtype)
-        config = dataclasses.replace(config, block_rows=min(block_rows, rows))
-    shape = OPS[op]
-    num_blocks = pl.cdiv(rows, config.block_rows)
-    row_spec = pl.BlockSpec((config.block_rows, hidden), lambda i: (i, 0))
-    row = jax.ShapeDtypeStruct((rows, hidden), dtype)
+def _row_blocks(plan: RowPlan, dtype, weight_dtype) -> _RowBlocks:
+    """The blocks `plan`'s grid moves, for row arrays of `dtype` and a weight of `weight_dtype`."""
+    shape, hidden = plan.shape, plan.hidden
+    row_spec = pl.BlockSpec((plan.block_rows, hidden), lambda i: (i, 0))
+    row = jax.ShapeDtypeStruct((plan.rows, hidden), dtype)
     # Same block index on every step: the pipeline fetches the weight once.
     in_specs = (row_spec,) * shape.row_inputs + (pl.BlockSpec((1, hidden), lambda i: (0, 0)),)
     in_shapes = (row,) * shape.row_inputs + (jax.ShapeDtypeStruct((1, hidden), weight_dtype),)
@@ -64,8 +60,8 @@ def row_kernel_layout(
     if shape.weight_gradient:
         # One float32 partial weight gradient per row block, summed outside the kernel.
         out_specs += (pl.BlockSpec((None, 1, hidden), lambda i: (i, 0, 0)),)
-        out_shapes += (jax.ShapeDtypeStruct((num_blocks, 1, hidden), jnp.float32),)
-    return RowKernelLayout((num_blocks,), in_specs, out_specs, in_shapes, out_shapes, config)
+        out_shapes += (jax.ShapeDtypeStruct((plan.num_blocks, 1, hidden), jnp.float32),)
+    return _RowBlocks(in_specs, out_specs, in_shapes, out_shapes)
 
 
 def _inverse_rms(x, eps: float):
@@ -91,7 +87,9 @@ def _fused_add_rms_norm_body(x_ref, residual_ref, weight_ref, y_ref, new_residua
     y_ref[...] = (total * _inverse_rms(total, eps) * _scale(weight_ref, offset)).astype(y_ref.dtype)
 
 
-def _backward_body(*refs, eps: float, offset: float, rows: int, block_rows: int, with_residual_grad: bool):
+def _backward_body(*refs, eps: float, offset: float, plan: RowPlan):
+    # The fused op's backward also takes the new residual's gradient, which passes straight to dx.
+    with_residual_grad = plan.op == "fused_add_rms_norm_backward"
     if with_residual_grad:
         grad_ref, residual_grad_ref, x_ref, weight_ref, dx_ref, weight_grad_ref = refs
     else:
@@ -108,10 +106,10 @@ def _backward_body(*refs, eps: float, offset: float, rows: int, block_rows: int,
     dx_ref[...] = dx.astype(dx_ref.dtype)
 
     weight_grad_terms = grad * normed
-    if rows % block_rows:
+    if plan.rows % plan.block_rows:
         # The ragged last block holds uninitialised rows; this sum over rows must not see them.
-        row_ids = pl.program_id(0) * block_rows + jax.lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
-        weight_grad_terms = jnp.where(row_ids < rows, weight_grad_terms, 0.0)
+        row_ids = pl.program_id(0) * plan.block_rows + jax.lax.broadcasted_iota(jnp.int32, (plan.block_rows, 1), 0)
+        weight_grad_terms = jnp.where(row_ids < plan.rows, weight_grad_terms, 0.0)
     weight_grad_ref[...] = jnp.sum(weight_grad_terms, axis=0, keepdims=True)
 
 
@@ -119,46 +117,53 @@ def _backward_body(*refs, eps: float, offset: float, rows: int, block_rows: int,
 FLOPS_PER_ELEMENT = {"rms_norm": 4, "fused_add_rms_norm": 5, "rms_norm_backward": 10, "fused_add_rms_norm_backward": 11}
 
 
-def _run(op: str, make_body, row_arrays, weight, generation: str | None, block_rows: int | None):
-    """Run `op`'s kernel on arrays [..., hidden] viewed as [rows, hidden]; make_body(layout) gives its body.
-
-    Returns the kernel's outputs as a tuple, one output or several.
-    """
-    hidden = row_arrays[0].shape[-1]
-    as_rows = [a.reshape(-1, hidden) for a in row_arrays]
-    rows = as_rows[0].shape[0]
-    layout = row_kernel_layout(
-        op, rows, hidden, as_rows[0].dtype, weight.dtype, generation, block_rows
-    )
-    bytes_accessed = sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in layout.in_shapes + layout.out_shapes)
-    single_output = len(layout.out_shapes) == 1
-    call = pl.pallas_call(
-        make_body(layout),
-        grid=layout.grid,
-        in_specs=list(layout.in_specs),
-        out_specs=layout.out_specs[0] if single_output else list(layout.out_specs),
-        out_shape=layout.out_shapes[0] if single_output else list(layout.out_shapes),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel",), vmem_limit_bytes=layout.config.vmem_limit_bytes
-        ),
-        cost_estimate=pl.CostEstimate(
-            flops=FLOPS_PER_ELEMENT[op] * rows * hidden, transcendentals=rows, bytes_accessed=bytes_accessed
-        ),
-        name=op,
-    )
-    outputs = call(*as_rows, weight.reshape(1, hidden))
-    return (outputs,) if single_output else tuple(outputs)
-
-
 _STATIC = ("eps", "offset", "generation", "block_rows")
 
-# Each op's kernel body; the backward ops share one, told apart by their number of row inputs.
+# Each op's kernel body; the backward ops share one, told apart by the plan's op.
 _BODIES = {
     "rms_norm": _rms_norm_body,
     "fused_add_rms_norm": _fused_add_rms_norm_body,
     "rms_norm_backward": _backward_body,
     "fused_add_rms_norm_backward": _backward_body,
 }
+
+
+def _call(plan: RowPlan, as_rows: list[jax.Array], weight: jax.Array, *, eps: float,
+          offset: float) -> tuple[jax.Array, ...]:
+    """`plan`'s kernel on [rows, hidden] arrays and the [hidden] weight; its outputs as a tuple, one or several."""
+    blocks = _row_blocks(plan, as_rows[0].dtype, weight.dtype)
+    bytes_accessed = sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in blocks.in_shapes + blocks.out_shapes)
+    single_output = len(blocks.out_shapes) == 1
+    options = dict(eps=eps, offset=offset)
+    if plan.shape.weight_gradient:
+        options["plan"] = plan  # the backward body masks the rows past the end of a ragged last block
+    call = pl.pallas_call(
+        functools.partial(_BODIES[plan.op], **options),
+        grid=(plan.num_blocks,),
+        in_specs=list(blocks.in_specs),
+        out_specs=blocks.out_specs[0] if single_output else list(blocks.out_specs),
+        out_shape=blocks.out_shapes[0] if single_output else list(blocks.out_shapes),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",), vmem_limit_bytes=plan.vmem_limit_bytes
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=FLOPS_PER_ELEMENT[plan.op] * plan.rows * plan.hidden, transcendentals=plan.rows,
+            bytes_accessed=bytes_accessed,
+        ),
+        name=plan.op,
+    )
+    outputs = call(*as_rows, weight.reshape(1, plan.hidden))
+    return (outputs,) if single_output else tuple(outputs)
+
+
+def _config(op: str, rows: int, hidden: int, dtype, generation: str | None, block_rows: int | None) -> RowBlockConfig:
+    """`select_config`'s row block for `op`, or the caller's `block_rows` (checked, at most all rows) under the
+    VMEM limit of the selected one."""
+    config = select_config(rows, hidden, dtype, generation, op=op)
+    if block_rows is None:
+        return config
+    check_block_rows(block_rows, rows, dtype)
+    return dataclasses.replace(config, block_rows=min(block_rows, rows))
 
 
 def _row_norm(
@@ -186,17 +191,12 @@ def _row_norm(
             empty += (jnp.zeros(weight.shape, weight.dtype),)
         return empty
 
-    def make_body(layout: RowKernelLayout):
-        extra = {}
-        if shape.weight_gradient:
-            extra = dict(
-                rows=layout.in_shapes[0].shape[0],
-                block_rows=layout.config.block_rows,
-                with_residual_grad=shape.row_inputs == 3,
-            )
-        return functools.partial(_BODIES[op], eps=float(eps), offset=float(offset), **extra)
-
-    outputs = _run(op, make_body, row_arrays, weight, generation, block_rows)
+    # Leading dimensions flattened: the kernels see [rows, hidden].
+    hidden = x.shape[-1]
+    as_rows = [a.reshape(-1, hidden) for a in row_arrays]
+    rows = as_rows[0].shape[0]
+    plan = plan_rows(op, rows, hidden, _config(op, rows, hidden, as_rows[0].dtype, generation, block_rows))
+    outputs = _call(plan, as_rows, weight, eps=float(eps), offset=float(offset))
     results = tuple(output.reshape(x.shape) for output in outputs[: shape.row_outputs])
     if shape.weight_gradient:
         # Sum the per-block float32 partials the kernel wrote.
@@ -205,21 +205,22 @@ def _row_norm(
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def rms_norm(x: jax.Array, weight: jax.Array, **options) -> jax.Array:
+def rms_norm_forward(x: jax.Array, weight: jax.Array, **options) -> jax.Array:
     """y = x / sqrt(mean(x^2, -1) + eps) * (offset + weight), over the last axis of x."""
     (y,) = _row_norm("rms_norm", (x,), weight, **options)
     return y
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def fused_add_rms_norm(x: jax.Array, residual: jax.Array, weight: jax.Array, **options) -> tuple[jax.Array, jax.Array]:
+def fused_add_rms_norm_forward(x: jax.Array, residual: jax.Array, weight: jax.Array,
+                               **options) -> tuple[jax.Array, jax.Array]:
     """(rms_norm(x + residual), x + residual) in one pass over memory; the sum is rounded to x's dtype."""
     return _row_norm("fused_add_rms_norm", (x, residual), weight, **options)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def rms_norm_backward(grad: jax.Array, x: jax.Array, weight: jax.Array, **options) -> tuple[jax.Array, jax.Array]:
-    """(dL/dx, dL/dweight) of rms_norm given dL/dy = grad."""
+    """(dL/dx, dL/dweight) of rms_norm_forward given dL/dy = grad."""
     return _row_norm("rms_norm_backward", (grad, x), weight, **options)
 
 
@@ -227,18 +228,18 @@ def rms_norm_backward(grad: jax.Array, x: jax.Array, weight: jax.Array, **option
 def fused_add_rms_norm_backward(
     grad_y: jax.Array, grad_new_residual: jax.Array, new_residual: jax.Array, weight: jax.Array, **options
 ) -> tuple[jax.Array, jax.Array]:
-    """(dL/d(x + residual), dL/dweight) of fused_add_rms_norm; dL/dx and dL/dresidual both equal the first."""
+    """(dL/d(x + residual), dL/dweight) of fused_add_rms_norm_forward; dL/dx and dL/dresidual both equal the first."""
     return _row_norm("fused_add_rms_norm_backward", (grad_y, grad_new_residual, new_residual), weight, **options)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def differentiable_rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float) -> jax.Array:
-    """`rms_norm`, whose gradients run `rms_norm_backward`."""
-    return rms_norm(x, weight, eps=eps, offset=offset)
+    """`rms_norm_forward`, whose gradients run `rms_norm_backward`."""
+    return rms_norm_forward(x, weight, eps=eps, offset=offset)
 
 
 def _rms_norm_vjp_forward(x, weight, eps, offset):
-    return rms_norm(x, weight, eps=eps, offset=offset), (x, weight)
+    return rms_norm_forward(x, weight, eps=eps, offset=offset), (x, weight)
 
 
 def _rms_norm_vjp_backward(eps, offset, residuals, grad):
@@ -252,12 +253,12 @@ differentiable_rms_norm.defvjp(_rms_norm_vjp_forward, _rms_norm_vjp_backward)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def differentiable_fused_add_rms_norm(x: jax.Array, residual: jax.Array, weight: jax.Array, eps: float,
                                       offset: float) -> tuple[jax.Array, jax.Array]:
-    """`fused_add_rms_norm`, whose gradients run `fused_add_rms_norm_backward`."""
-    return fused_add_rms_norm(x, residual, weight, eps=eps, offset=offset)
+    """`fused_add_rms_norm_forward`, whose gradients run `fused_add_rms_norm_backward`."""
+    return fused_add_rms_norm_forward(x, residual, weight, eps=eps, offset=offset)
 
 
 def _fused_vjp_forward(x, residual, weight, eps, offset):
-    y, new_residual = fused_add_rms_norm(x, residual, weight, eps=eps, offset=offset)
+    y, new_residual = fused_add_rms_norm_forward(x, residual, weight, eps=eps, offset=offset)
     # The norm's input is the new residual: keeping it (an output) spares keeping x and residual.
     return (y, new_residual), (new_residual, weight)
 

@@ -1,13 +1,14 @@
-"""Row blocks per shape, op and TPU generation, apart from the kernels.
+"""Row blocks of the kernels (`kernel.py`) per shape, op and TPU generation.
 
-Every op streams [rows, hidden] arrays in row blocks `(block_rows, hidden)`.
-`select_config` takes the block of TUNED_TILES (tuned_tiles.json) when it
-holds the shape, else the heuristic (`heuristic_config`): it picks the number
-of grid steps that balances the per-step cost against the unoverlapped first
-load and last store of the pipeline, within the VMEM budget (`vmem_budget`).
-Each call asks Mosaic for a scoped VMEM limit from its working set
-(`vmem_limit`). Budget and limit are the VMEM policy every tpu-kernels build
-shares (`_hardware.py`, with this kernel's WORKING_SET_MARGIN and
+Every op streams [rows, hidden] arrays in row blocks `(block_rows, hidden)`;
+what each op streams, and the VMEM it takes per row, is its `OpShape` (OPS).
+`select_config` takes the block of TUNED_TILES (tuned_tiles.json, beside this
+module) when it holds the shape, else the heuristic (`heuristic_config`): it
+picks the number of grid steps that balances the per-step cost against the
+unoverlapped first load and last store of the pipeline, within the VMEM budget
+(`vmem_budget`). Each call asks Mosaic for a scoped VMEM limit from its working
+set (`vmem_limit`). Budget and limit are the VMEM policy every tpu-kernels
+build shares (`_hardware.py`, with this kernel's WORKING_SET_MARGIN and
 WORKING_SET_BOUND_BYTES), as are the TPU facts (HBM bandwidth, VMEM, scoped
 defaults, tiling, per-step cost); the tuned table has the form every kernel's
 has (`_tuning.py`).
@@ -22,11 +23,11 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from ._hardware import (
+from .._hardware import (
     LANES, MIB, SUBLANES, SUPPORTED_GENERATIONS, check_generation, grid_step_overhead_s, resolve_generation,
     round_up, sublane_multiple, tpu_generation, vmem_budget_bytes, vmem_limit_bytes,
 )
-from ._tuning import read_tuned_tiles
+from .._tuning import read_tuned_tiles
 
 # The policy's `margin` on the VMEM estimate (`vmem_bytes`): the blocks take at
 # most 80% of what is asked for them. Its f32 temporaries are estimates,
@@ -112,7 +113,8 @@ TUNED_TILES: dict[TunedKey, RowBlockTiles] = read_tuned_tiles(TUNED_TILES_FILE, 
 
 
 def vmem_bytes(block_rows: int, hidden: int, dtype, op: str) -> int:
-    """VMEM one call of `op` holds with `block_rows`-row blocks: double-buffered row blocks, f32 temporaries, vectors."""
+    """VMEM one call of `op` holds with `block_rows`-row blocks: double-buffered row blocks, f32 temporaries,
+    vectors."""
     shape = OPS[op]
     padded_hidden = round_up(hidden, LANES)
     itemsize = jnp.dtype(dtype).itemsize
@@ -201,7 +203,8 @@ def tuned_config(rows: int, hidden: int, dtype, generation: str, *, op: str = "r
     return RowBlockConfig(tiles.block_rows, vmem_limit(vmem_bytes(tiles.block_rows, hidden, dtype, op), generation))
 
 
-def select_config(rows: int, hidden: int, dtype, generation: str | None = None, *, op: str = "rms_norm") -> RowBlockConfig:
+def select_config(rows: int, hidden: int, dtype, generation: str | None = None, *,
+                  op: str = "rms_norm") -> RowBlockConfig:
     """Rows per block for `op` on [rows, hidden] arrays of `dtype` on `generation` (default: the current one)."""
     generation = resolve_generation(generation)
     _check_op(op)
