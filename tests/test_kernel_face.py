@@ -1,6 +1,6 @@
 """Code outside a kernel's package reaches the loaded kernel only through its face: the names its `__init__.py`
 lists in `__all__` (what a user calls) and `TOOLS` (what tools use besides). Read from the source with `ast`;
-nothing is imported or compiled. The kernels held to their faces: ragged-dot-tpu and attention-tpu.
+nothing is imported or compiled. The kernels held to their faces: ragged-dot-tpu, attention-tpu and rmsnorm-tpu.
 
 Outside is this project's tests, tpu_kernels (benchmarks, the performance model, integration) and the kernel
 repo's own tests. Two checks cover it:
@@ -53,11 +53,14 @@ class Kernel:
 
 RAGGED_DOT = Kernel("ragged-dot-tpu", "ragged_dot_tpu", frozenset({"ragged_dot_kernel"}), "ragged_dot")
 ATTENTION = Kernel("attention-tpu", "attention_tpu", frozenset(), "attention_build")
-KERNELS = [RAGGED_DOT, ATTENTION]
+RMSNORM = Kernel("rmsnorm-tpu", "rmsnorm_tpu", frozenset(), "rmsnorm_build")
+KERNELS = [RAGGED_DOT, ATTENTION, RMSNORM]
 # Names that hold the loaded kernel in the kernel repo's own tests.
 KERNEL_TESTS_HANDLE_NAMES = {"kernel"}
 # Calls that load a kernel: one of a kernel's when an argument names its repo or build.
 LOADERS = {"get_local_kernel", "get_kernel", "load_kernel"}
+# In the name of a mapping from kernel repo names to build folders (`kernel_builds`, `published.builds`).
+BUILD_FOLDERS_NAME_PART = "builds"
 
 
 def _bound_names(tree: ast.Module) -> set[str]:
@@ -124,7 +127,10 @@ class _Handles(ast.NodeVisitor):
         if isinstance(node, ast.Name):
             return node.id in self.names
         if isinstance(node, ast.Subscript):
-            return isinstance(node.slice, ast.Constant) and node.slice.value == self.kernel.repo_name
+            # `kernels["rmsnorm-tpu"]` holds the loaded kernel; `kernel_builds["rmsnorm-tpu"]` (or
+            # `published.builds[...]`) its build folder, a kernel only once given to a loader.
+            return (isinstance(node.slice, ast.Constant) and node.slice.value == self.kernel.repo_name
+                    and BUILD_FOLDERS_NAME_PART not in _last_name(node.value))
         if isinstance(node, ast.Call):
             function = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
             if function in LOADERS:
@@ -152,6 +158,11 @@ def _names_kernel(node: ast.AST, kernel: Kernel) -> bool:
     """Whether an expression mentions the kernel's repo by a string or by a name (`ragged_dot_build`)."""
     return any((isinstance(part, ast.Constant) and isinstance(part.value, str) and kernel.repo_name in part.value)
                or (isinstance(part, ast.Name) and kernel.build_name_part in part.id) for part in ast.walk(node))
+
+
+def _last_name(node: ast.AST) -> str:
+    """The name an expression ends in: `b` of `a.b` and of `b`; "" for anything else."""
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
 
 
 def _chain(node: ast.Attribute) -> tuple[ast.AST, list[str], list[ast.Attribute]]:
@@ -277,6 +288,22 @@ def test_the_check_catches_reaching_past_attentions_face(source, kernel_tests):
     assert _violations(ATTENTION, source, kernel_tests)
 
 
+@pytest.mark.parametrize(("source", "kernel_tests"), [
+    ("def test(kernel):\n    kernel.norm.kernel.rms_norm_forward(x, weight, eps=1e-6)", True),
+    ("def test(kernel):\n    kernel.norm.tiles.select_config(8, 128, dtype)", True),
+    ("def test(kernel):\n    kernel.pallas_rms_norm.rms_norm(x, weight, eps=1e-6)", True),
+    ("def test(kernel):\n    kernel.config.select_config(8, 128, dtype)", True),
+    ("def f(built):\n    return built.norm.plan.plan_rows('rms_norm', 8, 128, config)", False),
+    ("rmsnorm = kernels['rmsnorm-tpu']\nrmsnorm.OPS", False),
+    ("k = get_local_kernel(rmsnorm_build, backend='cpu')\nk.no_such_name", False),
+    ("k = get_local_kernel(kernel_builds['rmsnorm-tpu'], backend='cpu')\nk.OPS", False),
+    ("ENTRY = 'norm.kernel'", False),
+    ("from rmsnorm_tpu.norm.tiles import select_config", False),
+])
+def test_the_check_catches_reaching_past_rmsnorms_face(source, kernel_tests):
+    assert _violations(RMSNORM, source, kernel_tests)
+
+
 def test_the_check_passes_ragged_dots_face():
     source = ("def test(kernel, monkeypatch):\n    kernel.grouped_matmul(x, config=kernel.TileConfig(8, 128, 128))\n"
               "    kernel.reference.ragged_dot_reference(x)\n    kernel.TUNED_TILES.clear()\n"
@@ -292,3 +319,14 @@ def test_the_check_passes_attentions_face():
               "    monkeypatch.setitem(kernel.TUNED_TILES, key, kernel.ForwardTiles(1, 2048))\n"
               "def other(model, kernel):\n    return model.config.vocab_size, kernel.__name__\n")
     assert _violations(ATTENTION, source, True) == []
+
+
+def test_the_check_passes_rmsnorms_face():
+    source = ("def test(kernel, monkeypatch):\n    kernel.rms_norm(x, weight, 1e-6)\n"
+              "    kernel.rms_norm_forward(x, weight, eps=1e-6, block_rows=16)\n"
+              "    kernel.reference.fused_add_rms_norm(x, residual, weight, 1e-6)\n"
+              "    kernel.layers.matching_layer_name(module)\n"
+              "    monkeypatch.setitem(kernel.TUNED_TILES, key, kernel.RowBlockTiles(1024))\n"
+              "def folder(published):\n    build = published.builds['rmsnorm-tpu']\n    return build.rglob('*')\n"
+              "def other(model, kernel):\n    return model.config.vocab_size, kernel.__name__\n")
+    assert _violations(RMSNORM, source, True) == []
