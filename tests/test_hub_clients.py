@@ -20,7 +20,7 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from huggingface_hub.hf_api import LFSFileInfo
+from huggingface_hub.hf_api import LFSFileInfo, RepoFile
 from huggingface_hub.utils import get_session, hf_raise_for_status
 
 from tpu_kernels.distribution.publish import upload_kernel
@@ -490,8 +490,15 @@ def test_list_repo_tree_expand_answers_without_last_commit_and_security(publishe
                                        repo_type="kernel", revision="v1"))
     plain = list(api.list_repo_tree(f"{TRUSTED}/rmsnorm-tpu", path_in_repo="build/torch-cpu", repo_type="kernel",
                                     revision="v1"))
-    assert [(item.path, item.blob_id) for item in expanded] == [(item.path, item.blob_id) for item in plain]
-    assert {(item.last_commit, item.security) for item in expanded} == {(None, None)}
+
+    def entries(items):
+        # Files by their blob id, folders (a kernel's subpackages) by their tree id.
+        return [(item.path, item.blob_id if isinstance(item, RepoFile) else item.tree_id) for item in items]
+
+    assert entries(expanded) == entries(plain)
+    assert any(not isinstance(item, RepoFile) for item in expanded)
+    assert {item.last_commit for item in expanded} == {None}
+    assert {item.security for item in expanded if isinstance(item, RepoFile)} == {None}
 
 
 @pytest.mark.multiprocess
