@@ -17,13 +17,14 @@ def test_candidates_start_at_the_heuristic_and_all_run(kernel):
     # Qwen3-30B-A3B's gate_up at 2048 tokens on one chip: 16384 picks over 128 experts.
     key = kernel.TunedKey("v6e", 16384, 2048, 1536, 128, "bfloat16", "bfloat16", True)
     found = our_tiles.candidates(kernel, key, "v6e")
-    heuristic = kernel.heuristic_config(key.m, key.k, key.n, key.dtype, "v6e", key.groups, key.rhs_dtype, True)
+    problem = kernel.MatmulProblem(key.m, key.k, key.n, key.groups, key.dtype, key.rhs_dtype, key.transpose_rhs)
+    heuristic = kernel.heuristic_config(problem, "v6e")
     assert found[0] == heuristic and len(set(found)) == len(found) > 4
     assert {tiles.tile_m for tiles in found} >= {256, 512, 1024}
     # K whole (the heuristic's) and halved down to 512.
     assert {tiles.tile_k for tiles in found} == {2048, 1024, 512}
     for tiles in found:
-        kernel.check_config(tiles, key.m, key.k, key.n, key.dtype, key.rhs_dtype, True, generation="v6e")
+        kernel.check_config(tiles, problem, "v6e")
 
 
 def test_the_table_is_sorted_data_the_kernel_reads(kernel, tmp_path):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 
-import jax.numpy as jnp
 import pytest
 
 from tpu_kernels.distribution.loader import get_local_kernel
@@ -36,15 +35,15 @@ def test_every_kernel_sizes_vmem_by_the_one_policy(ragged_dot_kernel, configs, g
             assert config.vmem_limit(working_set, generation) == hardware.vmem_limit_bytes(
                 working_set, generation, margin=config.WORKING_SET_MARGIN)
     # ragged-dot takes the policy's defaults.
-    shape = (16384, 2048, 1536, jnp.bfloat16)
+    problem = ragged_dot_kernel.MatmulProblem(16384, 2048, 1536, 128, "bfloat16", "bfloat16", False)
     tiles = ragged_dot_kernel.TileConfig(512, 2048, 1536, 256)
-    assert ragged_dot_kernel.vmem_limit(tiles, *shape, generation=generation) == hardware.vmem_limit_bytes(
-        ragged_dot_kernel.vmem_bytes(tiles, *shape), generation)
+    assert ragged_dot_kernel.vmem_limit(tiles, problem, generation) == hardware.vmem_limit_bytes(
+        ragged_dot_kernel.vmem_bytes(tiles, problem), generation)
     budget = hardware.vmem_budget_bytes(generation)
     with pytest.raises(ValueError, match=f"past the {budget >> 20} MiB budget on {generation}"):
         # Double-buffered weights blocks of 64 MiB.
-        ragged_dot_kernel.check_config(ragged_dot_kernel.TileConfig(16, 8192, 4096), 64, 8192, 4096, jnp.bfloat16,
-                                       generation=generation)
+        ragged_dot_kernel.check_config(ragged_dot_kernel.TileConfig(16, 8192, 4096), problem._replace(
+            m=64, k=8192, n=4096), generation)
 
 
 def test_every_kernel_takes_the_tuned_tiles_of_its_table(kernel_builds, ragged_dot_kernel, configs):
@@ -53,9 +52,9 @@ def test_every_kernel_takes_the_tuned_tiles_of_its_table(kernel_builds, ragged_d
     attention, rmsnorm = configs["attention-tpu"], configs["rmsnorm-tpu"]
 
     def ragged_dot_selects(key):
-        return ragged_dot_kernel.select_config(key.m, key.k, key.n, jnp.dtype(key.dtype), generation=key.generation,
-                                               num_groups=key.groups, rhs_dtype=jnp.dtype(key.rhs_dtype),
-                                               transpose_rhs=key.transpose_rhs)
+        problem = ragged_dot_kernel.MatmulProblem(key.m, key.k, key.n, key.groups, key.dtype, key.rhs_dtype,
+                                                  key.transpose_rhs)
+        return ragged_dot_kernel.select_config(problem, key.generation)
 
     def attention_selects(key):
         chosen = attention.select_config(**key._asdict())

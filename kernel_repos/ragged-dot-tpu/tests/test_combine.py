@@ -113,7 +113,7 @@ def test_packed_plan_widens_one_n_tile_off_the_lanes(kernel):
     plan = kernel.plan_ragged_dot(problem, "v6e", tiles)
     packed = kernel.packed_plan(plan, "v6e")
     assert (plan.tile_n, packed.tile_n, packed.out_split) == (2880, 2944, 1536)
-    widened = kernel.matmul_buffers(tiles._replace(tile_n=2944), 256, 2880, 2944, "bfloat16")
+    widened = kernel.matmul_buffers(tiles._replace(tile_n=2944), problem._replace(n=2944))
     assert packed.buffers == widened and packed.vmem_limit_bytes > plan.vmem_limit_bytes
     assert packed.problem.n == 2880 and packed.problem.packed_out
 

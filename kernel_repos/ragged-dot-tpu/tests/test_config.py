@@ -10,34 +10,42 @@ import pytest
 MIB = 1 << 20
 
 
+def _matmul(kernel, m: int, k: int, n: int, dtype=jnp.bfloat16, groups: int = 1, rhs_dtype=None,
+            transpose_rhs: bool = False):
+    """`lhs[m, k] x rhs[groups, k, n]` in `dtype` (weights too unless `rhs_dtype`), as a `MatmulProblem`."""
+    dtype = jnp.dtype(dtype).name
+    rhs_dtype = dtype if rhs_dtype is None else jnp.dtype(rhs_dtype).name
+    return kernel.MatmulProblem(m, k, n, groups, dtype, rhs_dtype, transpose_rhs)
+
+
 def test_vmem_bytes_counts_double_buffered_padded_blocks_and_the_accumulator(kernel):
     tiles = kernel.TileConfig(64, 128, 256)
     # lhs, rhs and out double-buffered in bf16, the f32 accumulator once.
     expected = 2 * 64 * 128 * 2 + 2 * 128 * 256 * 2 + 2 * 64 * 256 * 2 + 64 * 256 * 4
-    assert kernel.vmem_bytes(tiles, 100, 300, 512, jnp.bfloat16) == expected
+    assert kernel.vmem_bytes(tiles, _matmul(kernel, 100, 300, 512)) == expected
     # Three group slots: three double-buffered rhs blocks.
     slots = kernel.TileConfig(64, 128, 256, groups_per_step=3)
-    assert kernel.vmem_bytes(slots, 64, 300, 512, jnp.bfloat16) - expected == 2 * 2 * 128 * 256 * 2
+    assert kernel.vmem_bytes(slots, _matmul(kernel, 64, 300, 512)) - expected == 2 * 2 * 128 * 256 * 2
     # An lhs block that is the whole array is single-buffered; 7 bf16 rows pad to 16.
     resident = kernel.TileConfig(7, 300, 128)
     padded_lhs = 16 * 384 * 2
-    assert kernel.vmem_bytes(resident, 7, 300, 128, jnp.bfloat16) == (
+    assert kernel.vmem_bytes(resident, _matmul(kernel, 7, 300, 128)) == (
         padded_lhs + 2 * 304 * 128 * 2 + 2 * 16 * 128 * 2 + 16 * 128 * 4
     )
 
 
 def test_vmem_limit_adds_mosaic_scratch_within_bounds(kernel):
     small = kernel.TileConfig(8, 128, 128)
-    assert kernel.vmem_limit(small, 8, 128, 128, jnp.float32) == 16 * MIB
+    assert kernel.vmem_limit(small, _matmul(kernel, 8, 128, 128, jnp.float32)) == 16 * MIB
     large = kernel.TileConfig(1024, 2048, 2048, chunk_m=128)
-    needed = kernel.vmem_bytes(large, 1024, 2048, 2048, jnp.bfloat16)
+    needed = kernel.vmem_bytes(large, _matmul(kernel, 1024, 2048, 2048))
     assert needed > 12 * MIB
-    assert kernel.vmem_limit(large, 1024, 2048, 2048, jnp.bfloat16) == needed + 4 * MIB
+    assert kernel.vmem_limit(large, _matmul(kernel, 1024, 2048, 2048)) == needed + 4 * MIB
 
 
 def test_check_config_accepts_valid_tiles(kernel):
-    kernel.check_config(kernel.TileConfig(32, 128, 128, chunk_m=16, groups_per_step=1), 100, 300, 200, jnp.bfloat16)
-    kernel.check_config(kernel.TileConfig(40, 200, 160, groups_per_step=4), 40, 200, 160, jnp.float32)
+    kernel.check_config(kernel.TileConfig(32, 128, 128, chunk_m=16, groups_per_step=1), _matmul(kernel, 100, 300, 200))
+    kernel.check_config(kernel.TileConfig(40, 200, 160, groups_per_step=4), _matmul(kernel, 40, 200, 160, jnp.float32))
 
 
 @pytest.mark.parametrize(
@@ -58,12 +66,12 @@ def test_check_config_accepts_valid_tiles(kernel):
 )
 def test_check_config_refuses_what_cannot_run(kernel, tiles, m, k, n, dtype, match):
     with pytest.raises(ValueError, match=match):
-        kernel.check_config(kernel.TileConfig(*tiles), m, k, n, dtype)
+        kernel.check_config(kernel.TileConfig(*tiles), _matmul(kernel, m, k, n, dtype))
 
 
 def test_check_config_refuses_other_types(kernel):
     with pytest.raises(TypeError, match="must be a TileConfig"):
-        kernel.check_config((32, 128, 128), 64, 128, 128, jnp.float32)
+        kernel.check_config((32, 128, 128), _matmul(kernel, 64, 128, 128, jnp.float32))
 
 
 def test_ridge_rows_is_peak_flops_over_hbm_bandwidth(kernel):
@@ -73,19 +81,15 @@ def test_ridge_rows_is_peak_flops_over_hbm_bandwidth(kernel):
 
 def test_heuristic_keeps_decode_rows_resident_and_tiles_prefill(kernel):
     # Few rows per group (decode): one resident row tile in chunks of the MXU width (256 on v6e, 128 on v5e).
-    assert kernel.heuristic_config(512, 2048, 1536, jnp.bfloat16, "v6e", num_groups=128) == kernel.TileConfig(
-        512, 2048, 1536, 256
-    )
-    assert kernel.heuristic_config(512, 2048, 1536, jnp.bfloat16, "v5e", num_groups=128).chunk_m == 128
+    decode = _matmul(kernel, 512, 2048, 1536, groups=128)
+    assert kernel.heuristic_config(decode, "v6e") == kernel.TileConfig(512, 2048, 1536, 256)
+    assert kernel.heuristic_config(decode, "v5e").chunk_m == 128
     # Many rows per group: 512-row tiles.
-    assert kernel.heuristic_config(65536, 2048, 1536, jnp.bfloat16, "v6e", num_groups=16) == kernel.TileConfig(
-        512, 2048, 1536, 256
-    )
-    assert kernel.heuristic_config(65536, 2048, 1536, jnp.bfloat16, "v5e", num_groups=16) == kernel.TileConfig(
-        512, 2048, 1536, 128
-    )
+    prefill = _matmul(kernel, 65536, 2048, 1536, groups=16)
+    assert kernel.heuristic_config(prefill, "v6e") == kernel.TileConfig(512, 2048, 1536, 256)
+    assert kernel.heuristic_config(prefill, "v5e") == kernel.TileConfig(512, 2048, 1536, 128)
     # Weights blocks stay within the generation's block budget (8 MiB on v5e): N is halved first.
-    big = kernel.heuristic_config(64, 4096, 8192, jnp.bfloat16, "v5e", num_groups=8)
+    big = kernel.heuristic_config(_matmul(kernel, 64, 4096, 8192, groups=8), "v5e")
     assert big.tile_k * big.tile_n * 2 <= kernel.HEURISTIC_RHS_BLOCK_BYTES["v5e"]
     assert (big.tile_k, big.tile_n) == (4096, 1024)
 
@@ -93,12 +97,13 @@ def test_heuristic_keeps_decode_rows_resident_and_tiles_prefill(kernel):
 def test_heuristic_n_tiles_waste_no_mxu_pass_they_can_avoid(kernel):
     # GPT-OSS's gate_up (K 2880, N 5760) on v5e: halving N in multiples of 256 gave 8 tiles of 768, the last one
     # half empty (48 passes of 128 columns); 5 tiles of 1152 take the 45 that N needs, in fewer grid steps.
-    gate_up = kernel.heuristic_config(16384, 2880, 5760, jnp.bfloat16, "v5e", num_groups=32)
+    gate_up = kernel.heuristic_config(_matmul(kernel, 16384, 2880, 5760, groups=32), "v5e")
     assert gate_up.tile_n == 1152
     # down (N 2880 = 22.5 x 128): 24 passes is the least any fitting tiling takes; 3 tiles of 1024 instead of 4 of 768.
-    assert kernel.heuristic_config(16384, 2880, 2880, jnp.bfloat16, "v5e", num_groups=32).tile_n == 1024
+    down = _matmul(kernel, 16384, 2880, 2880, groups=32)
+    assert kernel.heuristic_config(down, "v5e").tile_n == 1024
     # A whole N that fits the block budget stays whole, aligned or not.
-    assert kernel.heuristic_config(16384, 2880, 2880, jnp.bfloat16, "v6e", num_groups=32).tile_n == 2880
+    assert kernel.heuristic_config(down, "v6e").tile_n == 2880
     assert kernel.n_tile(1408, 4096, 128) == 1408
 
 
@@ -121,8 +126,9 @@ def test_megacore_n_tiles_balance_the_cores(kernel):
     passes in all, the fewest, but 27 on one core); 4 of 768 for down's 2880, not 3 of 1024."""
     assert kernel.n_tile(5760, 1456, 128) == 1152
     assert kernel.n_tile(5760, 1456, 128, cores=2) == 1024
-    assert kernel.heuristic_config(32768, 2880, 5760, jnp.bfloat16, "v5p", 32, jnp.bfloat16, True).tile_n == 1024
-    assert kernel.heuristic_config(32768, 2880, 2880, jnp.bfloat16, "v5p", 32, jnp.bfloat16, True).tile_n == 768
+    gate_up = _matmul(kernel, 32768, 2880, 5760, groups=32, transpose_rhs=True)
+    assert kernel.heuristic_config(gate_up, "v5p").tile_n == 1024
+    assert kernel.heuristic_config(gate_up._replace(n=2880), "v5p").tile_n == 768
 
 
 def test_heuristic_always_fits(kernel):
@@ -131,34 +137,34 @@ def test_heuristic_always_fits(kernel):
         (jnp.bfloat16, jnp.float32),
         itertools.product((1, 7, 300, 5000), (96, 2048, 7168, 16384), (200, 2816, 16384)),
     ):
-        tiles = kernel.heuristic_config(m, k, n, dtype, generation, num_groups=8)
-        kernel.check_config(tiles, m, k, n, dtype)
+        problem = _matmul(kernel, m, k, n, dtype, groups=8)
+        kernel.check_config(kernel.heuristic_config(problem, generation), problem)
 
 
 def test_select_config_is_the_heuristic_unless_the_shape_is_tuned(kernel, monkeypatch):
-    assert kernel.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16) == (
-        kernel.heuristic_config(80, 1000, 1000, jnp.bfloat16, "v5e", num_groups=16)
-    )
+    problem = _matmul(kernel, 80, 1000, 1000, groups=16)
+    assert kernel.select_config(problem, "v5e") == kernel.heuristic_config(problem, "v5e")
     key = kernel.TunedKey("v5e", 80, 1000, 1000, 16, "bfloat16", "bfloat16", True)
     tuned = kernel.TileConfig(80, 512, 256, 16)
     monkeypatch.setitem(kernel.TUNED_TILES, key, tuned)
-    assert kernel.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16,
-                                transpose_rhs=True) == tuned
+    transposed = problem._replace(transpose_rhs=True)
+    assert kernel.select_config(transposed, "v5e") == tuned
     # Another generation, orientation or shape keeps the heuristic; an entry that cannot run is refused.
-    assert kernel.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16) != tuned
+    assert kernel.select_config(problem, "v5e") != tuned
     monkeypatch.setitem(kernel.TUNED_TILES, key, kernel.TileConfig(80, 100, 256))
     with pytest.raises(ValueError, match="tile_k=100 must be a multiple of 128"):
-        kernel.select_config(80, 1000, 1000, jnp.bfloat16, generation="v5e", num_groups=16, transpose_rhs=True)
+        kernel.select_config(transposed, "v5e")
 
 
 def test_megacore_heuristic_tiles_give_each_core_an_n_tile(kernel):
     """v5p's two cores split the grouped matmul's N tiles (its parallel axis): at least two where N allows."""
     for m, k, n in ((16384, 2048, 1536), (16384, 768, 2048), (16384, 704, 2816), (512, 256, 512)):
-        v5p = kernel.heuristic_config(m, k, n, jnp.bfloat16, "v5p", 128, jnp.bfloat16, True)
+        problem = _matmul(kernel, m, k, n, groups=128, transpose_rhs=True)
+        v5p = kernel.heuristic_config(problem, "v5p")
         assert -(-n // v5p.tile_n) >= 2, (m, k, n, v5p)
-        assert kernel.heuristic_config(m, k, n, jnp.bfloat16, "v5e", 128, jnp.bfloat16, True).tile_n >= v5p.tile_n
+        assert kernel.heuristic_config(problem, "v5e").tile_n >= v5p.tile_n
     # Up to 256 columns stay one tile (`n_tile`'s narrowest).
-    assert kernel.heuristic_config(512, 256, 256, jnp.bfloat16, "v5p", 8).tile_n == 256
+    assert kernel.heuristic_config(_matmul(kernel, 512, 256, 256, groups=8), "v5p").tile_n == 256
 
 
 def _tgmm(kernel, m: int, k: int, n: int, groups: int = 1):
@@ -185,41 +191,40 @@ def test_the_shipped_tuned_tiles_run_and_are_selected(kernel):
     generation, differs from the heuristic and is what select_config returns for its shape."""
     assert kernel.TUNED_TILES, "the package ships its tuned tiles"
     for key, tiles in kernel.TUNED_TILES.items():
-        shape = (key.m, key.k, key.n, jnp.dtype(key.dtype))
-        kernel.check_config(tiles, *shape, jnp.dtype(key.rhs_dtype), key.transpose_rhs, generation=key.generation)
-        assert tiles != kernel.heuristic_config(*shape, key.generation, key.groups, jnp.dtype(key.rhs_dtype),
-                                                key.transpose_rhs)
-        assert kernel.select_config(*shape, generation=key.generation, num_groups=key.groups,
-                                    rhs_dtype=jnp.dtype(key.rhs_dtype), transpose_rhs=key.transpose_rhs) == tiles
+        problem = kernel.MatmulProblem(key.m, key.k, key.n, key.groups, key.dtype, key.rhs_dtype, key.transpose_rhs)
+        kernel.check_config(tiles, problem, key.generation)
+        assert tiles != kernel.heuristic_config(problem, key.generation)
+        assert kernel.select_config(problem, key.generation) == tiles
 
 
 def test_select_config_uses_the_current_generation_and_refuses_unknown_ones(kernel, monkeypatch):
     # Off TPU the kernels tile as for v6e; TPU_KERNELS_GENERATION picks another supported one.
-    shape = (65536, 1000, 1000, jnp.bfloat16)
-    v6e = kernel.select_config(*shape, generation="v6e", num_groups=16)
-    v5e = kernel.select_config(*shape, generation="v5e", num_groups=16)
+    problem = _matmul(kernel, 65536, 1000, 1000, groups=16)
+    v6e = kernel.select_config(problem, "v6e")
+    v5e = kernel.select_config(problem, "v5e")
     assert (v5e.chunk_m, v6e.chunk_m) == (128, 256)
-    assert kernel.select_config(*shape, num_groups=16) == v6e
+    assert kernel.select_config(problem) == v6e
     monkeypatch.setenv("TPU_KERNELS_GENERATION", "v5e")
-    assert kernel.select_config(*shape, num_groups=16) == v5e
+    assert kernel.select_config(problem) == v5e
     with pytest.raises(ValueError, match=r"generation must be one of \('v5e', 'v5p', 'v6e', 'tpu7x'\), got 'v4'"):
-        kernel.select_config(80, 2048, 1536, jnp.bfloat16, generation="v4")
+        kernel.select_config(_matmul(kernel, 80, 2048, 1536), "v4")
     with pytest.raises(ValueError, match="generation must be one of"):
-        kernel.heuristic_config(80, 2048, 1536, jnp.bfloat16, "v4")
+        kernel.heuristic_config(_matmul(kernel, 80, 2048, 1536), "v4")
 
 
 def test_a_tile_over_all_rows_holds_whole_chunks(kernel):
     # 129 rows in 128-row chunks: a 256-row tile (a partial edge block) of two chunks.
+    rows = _matmul(kernel, 129, 256, 256)
     whole = kernel.TileConfig(4096, 256, 256, chunk_m=128)
-    assert kernel.row_tile_rows(whole, 129, jnp.bfloat16) == 256
-    assert kernel.row_chunks(whole, 129, jnp.bfloat16) == 2
+    assert kernel.row_tile_rows(whole, rows) == 256
+    assert kernel.row_chunks(whole, rows) == 2
     # Without chunks: the rows rounded up to the sublane tile.
-    assert kernel.row_tile_rows(kernel.TileConfig(4096, 256, 256), 129, jnp.bfloat16) == 144
-    assert kernel.row_tile_rows(kernel.TileConfig(4096, 256, 256), 129, jnp.float32) == 136
+    assert kernel.row_tile_rows(kernel.TileConfig(4096, 256, 256), rows) == 144
+    assert kernel.row_tile_rows(kernel.TileConfig(4096, 256, 256), _matmul(kernel, 129, 256, 256, jnp.float32)) == 136
     # A fixed tile keeps its size; one chunk per tile without chunking.
-    assert kernel.row_tile_rows(kernel.TileConfig(64, 256, 256), 129, jnp.bfloat16) == 64
-    assert kernel.row_chunks(kernel.TileConfig(64, 256, 256), 129, jnp.bfloat16) == 1
-    assert kernel.row_chunks(kernel.TileConfig(512, 256, 256, 128), 4096, jnp.bfloat16) == 4
+    assert kernel.row_tile_rows(kernel.TileConfig(64, 256, 256), rows) == 64
+    assert kernel.row_chunks(kernel.TileConfig(64, 256, 256), rows) == 1
+    assert kernel.row_chunks(kernel.TileConfig(512, 256, 256, 128), _matmul(kernel, 4096, 256, 256)) == 4
 
 
 def test_expected_active_groups(kernel):

@@ -108,7 +108,7 @@ def test_schedule_cases_cover_what_they_name(kernel):
     seen = set()
     for m, k, n, group_sizes, tiles in SCHEDULE_CASES.values():
         config = kernel.TileConfig(*tiles)
-        kernel.check_config(config, m, k, n, jnp.bfloat16)
+        kernel.check_config(config, kernel.MatmulProblem(m, k, n, len(group_sizes), "bfloat16", "bfloat16", False))
         items = make_work_items(jnp.asarray(group_sizes, jnp.int32), m, config.tile_m)
         count = int(items.count[0])
         tail_items = int(jnp.sum(items.row_end[:count] == 0))

@@ -51,8 +51,8 @@ def candidates(built, key, generation: str) -> list:
     one MXU width, the heuristic's N tile and its half, the whole N, its half and quarter, the heuristic's K tile
     and its halves down to 512 (smaller blocks expose less of the pipeline's first fetch and last write where the
     weights stream); those `check_config` accepts on `generation`."""
-    heuristic = built.heuristic_config(key.m, key.k, key.n, key.dtype, generation, key.groups, key.rhs_dtype,
-                                       key.transpose_rhs)
+    problem = built.MatmulProblem(key.m, key.k, key.n, key.groups, key.dtype, key.rhs_dtype, key.transpose_rhs)
+    heuristic = built.heuristic_config(problem, generation)
     chunk = tpu_generation(generation).mxu_size
     tile_ns = {heuristic.tile_n, key.n}
     for tile_n in (heuristic.tile_n // 2, key.n // 2, key.n // 4):
@@ -66,8 +66,7 @@ def candidates(built, key, generation: str) -> list:
         if tile_m < key.m:
             candidate = built.TileConfig(tile_m, tile_k, tile_n, chunk if tile_m > chunk else None)
             try:
-                built.check_config(candidate, key.m, key.k, key.n, key.dtype, key.rhs_dtype, key.transpose_rhs,
-                                   generation=generation)
+                built.check_config(candidate, problem, generation)
             except ValueError:
                 continue
             if candidate not in found:

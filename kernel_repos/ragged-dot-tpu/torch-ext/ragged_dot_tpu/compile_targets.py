@@ -106,8 +106,7 @@ GATED_ROWS = 16384
 def _gated_target(model, experts, hidden, intermediate, tile_n, generation, dtype):
     problem = MatmulProblem(GATED_ROWS, hidden, 2 * intermediate, experts, jnp.dtype(dtype).name,
                             jnp.dtype(dtype).name, transpose_rhs=True, zero_rows_past_groups=False)
-    heuristic = select_config(GATED_ROWS, hidden, 2 * intermediate, dtype, generation=generation,
-                                     num_groups=experts, transpose_rhs=True)
+    heuristic = select_config(problem, generation)
     ungated = plan_ragged_dot(problem, generation, heuristic._replace(tile_n=tile_n))
     plan = gated_plan(ungated, Gate("silu"), generation=generation)
     if plan is None:
@@ -175,8 +174,10 @@ def _backward_targets(generation, dtype):
         sizes = jax.ShapeDtypeStruct((experts,), jnp.int32)
         for projection, k, n in (("gate_up", hidden, 2 * intermediate), ("down", intermediate, hidden)):
             # The forward ran lhs[rows, k] x weights[E, n, k] (transpose_rhs=True).
-            d_lhs = functools.partial(grouped_matmul, transpose_rhs=False, config=select_d_lhs_config(
-                rows, n, k, dtype, generation=generation, num_groups=experts))
+            d_lhs_problem = MatmulProblem(rows, n, k, experts, jnp.dtype(dtype).name, jnp.dtype(dtype).name,
+                                          transpose_rhs=False)
+            d_lhs = functools.partial(grouped_matmul, transpose_rhs=False,
+                                      config=select_d_lhs_config(d_lhs_problem, generation))
             targets.append((
                 f"{model} {projection} d_lhs M={rows} K={n} N={k} E={experts} bf16", d_lhs,
                 (jax.ShapeDtypeStruct((rows, n), dtype), jax.ShapeDtypeStruct((experts, n, k), dtype), sizes),

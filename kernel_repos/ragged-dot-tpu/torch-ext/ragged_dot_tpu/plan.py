@@ -67,7 +67,7 @@ def plan_ragged_dot_backward(forward: MatmulProblem, generation: str | None = No
     """The backward of `forward`: d_lhs tiles of `select_d_lhs_config`, d_rhs of `select_tgmm_config`."""
     m, k, n, groups, dtype = forward.m, forward.k, forward.n, forward.groups, forward.dtype
     d_lhs = MatmulProblem(m, n, k, groups, dtype, dtype, transpose_rhs=not forward.transpose_rhs)
-    d_lhs_config = select_d_lhs_config(m, n, k, dtype, generation=generation, num_groups=groups)
+    d_lhs_config = select_d_lhs_config(d_lhs, generation)
     d_rhs = TgmmProblem(m, n, k, groups, dtype, dtype) if forward.transpose_rhs else TgmmProblem(m, k, n, groups,
                                                                                                   dtype, dtype)
     return MatmulBackwardPlan(plan_ragged_dot(d_lhs, generation, d_lhs_config), plan_tgmm(d_rhs, generation),

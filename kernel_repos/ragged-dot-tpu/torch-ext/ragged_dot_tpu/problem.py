@@ -149,6 +149,15 @@ class MatmulProblem(NamedTuple):
     gathered: bool = False
     packed_out: bool = False
 
+    @property
+    def rhs_scheme(self) -> str | None:
+        """The weights' quantization scheme (`common.quant.scheme_of`), None for weights of lhs's dtype."""
+        return scheme_of(self.rhs_dtype)
+
+    def in_rhs_order(self, k_extent: int, n_extent: int) -> tuple[int, int]:
+        """A block's (K, N) extents in the order one group's weights hold them: (N, K) with `transpose_rhs`."""
+        return (n_extent, k_extent) if self.transpose_rhs else (k_extent, n_extent)
+
 
 class TgmmProblem(NamedTuple):
     """Per group `lhs_g^T @ rhs_g`: `lhs[m, k], rhs[m, n] -> [groups, k, n]` in `out_dtype`."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .._hardware import LANES, max_vmem_limit_bytes, resolve_generation, round_up, tpu_generation
-from ..common.quant import check_served, scheme_of
+from ..common.quant import check_served
 from ..common.vmem import Buffer, check_vmem_fits
 from ..problem import Gate, MatmulProblem
 from ..common.routing import expected_active_groups
@@ -46,22 +46,17 @@ def plan_ragged_dot(problem: MatmulProblem, generation: str | None = None,
     """The plan of one grouped matmul on `generation` (default: this device's): `config`'s tiles (checked),
     else `select_config`'s."""
     generation = resolve_generation(generation)
-    m, k, n, dtype, rhs_dtype = problem.m, problem.k, problem.n, problem.dtype, problem.rhs_dtype
-    check_served(rhs_dtype, generation)
-    transpose_rhs = problem.transpose_rhs
+    check_served(problem.rhs_dtype, generation)
     if config is None:
-        config = select_config(m, k, n, dtype, generation=generation, num_groups=problem.groups, rhs_dtype=rhs_dtype,
-                               transpose_rhs=transpose_rhs)
-    check_config(config, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation, bias=problem.bias)
-    fp8_matmul = matmul_feeds_fp8_mxu(config, k, rhs_dtype, generation)
+        config = select_config(problem, generation)
+    check_config(config, problem, generation)
+    fp8_matmul = matmul_feeds_fp8_mxu(config, problem, generation)
     return MatmulPlan(
-        problem=problem, tile_m=row_tile_rows(config, m, dtype), tile_k=min(config.tile_k, k),
-        tile_n=min(config.tile_n, n), chunk_m=config.chunk_m if row_chunks(config, m, dtype) > 1 else None,
-        groups_per_step=config.groups_per_step,
-        buffers=matmul_buffers(config, m, k, n, dtype, rhs_dtype, transpose_rhs, fp8_matmul, problem.bias),
-        vmem_limit_bytes=vmem_limit(config, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation,
-                                    bias=problem.bias),
-        active_groups=expected_active_groups(m, problem.groups), fp8_matmul=fp8_matmul,
+        problem=problem, tile_m=row_tile_rows(config, problem), tile_k=min(config.tile_k, problem.k),
+        tile_n=min(config.tile_n, problem.n), chunk_m=config.chunk_m if row_chunks(config, problem) > 1 else None,
+        groups_per_step=config.groups_per_step, buffers=matmul_buffers(config, problem, fp8_matmul=fp8_matmul),
+        vmem_limit_bytes=vmem_limit(config, problem, generation),
+        active_groups=expected_active_groups(problem.m, problem.groups), fp8_matmul=fp8_matmul,
     )
 
 
@@ -89,7 +84,7 @@ def gated_plan(gate_up: MatmulPlan, gate: Gate, generation: str | None = None) -
     gated = gate_up._replace(problem=problem._replace(n=intermediate, gate=gate), tile_n=half)
     if half == intermediate:
         return gated
-    if scheme_of(problem.rhs_dtype) is not None:
+    if problem.rhs_scheme is not None:
         return None
     mxu = tpu_generation(resolve_generation(generation)).mxu_size
     if intermediate % half or 2 * round_up(half, mxu) > round_up(gate_up.tile_n, mxu):
@@ -109,7 +104,7 @@ def interleaved_gated_plan(gate_up: MatmulPlan, gate: Gate, generation: str | No
     intermediate = problem.n // 2
     if gate_up.tile_n >= problem.n:
         return gate_up._replace(problem=problem._replace(n=intermediate, gate=gate), tile_n=intermediate)
-    if scheme_of(problem.rhs_dtype) is not None:
+    if problem.rhs_scheme is not None:
         return None
     halves = sorted({max(gate_up.tile_n // 2 // LANES, 1) * LANES, round_up(gate_up.tile_n // 2, LANES)},
                     key=lambda half: (-(-intermediate // half) * half, -half))
@@ -189,14 +184,15 @@ def packed_plan(plan: MatmulPlan, generation: str | None = None) -> MatmulPlan |
         return None
     if plan.tile_n == problem.n and problem.n % LANES:
         widened = TileConfig(plan.tile_m, plan.tile_k, round_up(problem.n, LANES), plan.chunk_m, plan.groups_per_step)
-        shape = (problem.m, problem.k, widened.tile_n, problem.dtype, problem.rhs_dtype, problem.transpose_rhs)
+        # Its blocks and VMEM as for N of the widened tile's columns.
+        widened_problem = problem._replace(n=widened.tile_n)
         try:
-            check_vmem_fits(widened, vmem_bytes(widened, *shape, plan.fp8_matmul, problem.bias), generation)
+            check_vmem_fits(widened, vmem_bytes(widened, widened_problem, fp8_matmul=plan.fp8_matmul), generation)
         except ValueError:
             return None
         plan = plan._replace(tile_n=widened.tile_n,
-                             buffers=matmul_buffers(widened, *shape, plan.fp8_matmul, problem.bias),
-                             vmem_limit_bytes=vmem_limit(widened, *shape, generation=generation, bias=problem.bias))
+                             buffers=matmul_buffers(widened, widened_problem, fp8_matmul=plan.fp8_matmul),
+                             vmem_limit_bytes=vmem_limit(widened, widened_problem, generation))
     if plan.tile_n % LANES or plan.tile_n < 2 * LANES:
         return None
     split = round_up(plan.tile_n // 2, LANES)

@@ -35,13 +35,13 @@ from .._hardware import (
 )
 from .._tuning import read_tuned_tiles
 from ..common.quant import (
-    FP8, FP8_BLOCK, FP8_MXU_GENERATIONS, INT8, INT4, blocks, dequantized_in_vmem, per_channel_scales, scheme_of,
-    stored_rows,
+    FP8, FP8_BLOCK, FP8_MXU_GENERATIONS, INT8, INT4, blocks, dequantized_in_vmem, per_channel_scales, stored_rows,
 )
 from ..common.vmem import (
     MAX_UNROLLED_MACS, MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, check_vmem_fits, fp8_dequantize_vmem_bytes,
     fp8_matmul_vmem_bytes, fp8_window_scales_vmem_bytes, int4_unpack_vmem_bytes,
 )
+from ..problem import MatmulProblem
 
 # Group slots one grid step may multiply: each slot's row chunks are matmuls unrolled in the kernel body
 # (bounded with them by `common.vmem.MAX_UNROLLED_MATMULS` and `common.vmem.MAX_UNROLLED_MACS`).
@@ -80,7 +80,7 @@ class TunedKey(NamedTuple):
     m: int  # rows (picks, in an experts layer)
     k: int
     n: int
-    groups: int | None
+    groups: int
     dtype: str
     rhs_dtype: str
     transpose_rhs: bool
@@ -93,15 +93,14 @@ TUNED_TILES_FILE = Path(__file__).with_name("tuned_tiles.json")
 TUNED_TILES: dict[TunedKey, TileConfig] = read_tuned_tiles(TUNED_TILES_FILE, TunedKey, TileConfig)
 
 
-def matmul_feeds_fp8_mxu(config: TileConfig, k: int, rhs_dtype, generation: str) -> bool:
+def matmul_feeds_fp8_mxu(config: TileConfig, problem: MatmulProblem, generation: str) -> bool:
     """Whether the grouped matmul feeds fp8 weights to the fp8 MXU (`common.quant.fp8_matmul`) rather than dequantizing
     them: on a generation that has one, with K whole or in tiles of whole 128-wide scale blocks."""
-    return (rhs_dtype is not None and scheme_of(rhs_dtype) == FP8 and generation in FP8_MXU_GENERATIONS
-            and (config.tile_k >= k or config.tile_k % FP8_BLOCK == 0))
+    return (problem.rhs_scheme == FP8 and generation in FP8_MXU_GENERATIONS
+            and (config.tile_k >= problem.k or config.tile_k % FP8_BLOCK == 0))
 
 
-def matmul_buffers(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None,
-                   transpose_rhs: bool = False, fp8_matmul: bool = False, bias: bool = False) -> tuple[Buffer, ...]:
+def matmul_buffers(config: TileConfig, problem: MatmulProblem, *, fp8_matmul: bool = False) -> tuple[Buffer, ...]:
     """The grouped matmul's blocks and scratch with `config`: lhs, rhs (scales, bias) per group slot, out, the f32
     accumulator (and with chunks the carry across tiles; int4 weights, and fp8 ones unless `fp8_matmul`
     (`matmul_feeds_fp8_mxu`) multiplies them as they are: a dequantized block per slot).
@@ -110,21 +109,20 @@ def matmul_buffers(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=
     (Mosaic keeps one copy of a block that never moves); with chunks the lhs
     block is a window of the tile and one more chunk.
     """
-    dtype, rhs_dtype = jnp.dtype(dtype).name, jnp.dtype(dtype if rhs_dtype is None else rhs_dtype).name
+    m, k, n, dtype, rhs_dtype = problem.m, problem.k, problem.n, problem.dtype, problem.rhs_dtype
     f32, slots = "float32", config.groups_per_step
-    tile_m, tile_k, tile_n = row_tile_rows(config, m, dtype), min(config.tile_k, k), min(config.tile_n, n)
-    chunk = config.chunk_m if _chunked(config, m, dtype) else 0
-    rhs_block = (tile_n, tile_k) if transpose_rhs else (tile_k, tile_n)
-    scheme = scheme_of(rhs_dtype)
+    tile_m, tile_k, tile_n = row_tile_rows(config, problem), min(config.tile_k, k), min(config.tile_n, n)
+    chunk = config.chunk_m if _chunked(config, problem) else 0
+    rhs_block = problem.in_rhs_order(tile_k, tile_n)
+    scheme = problem.rhs_scheme
     stored_block = (stored_rows(rhs_block[0], scheme), rhs_block[1])
     buffers = [Buffer((tile_m + chunk, tile_k), dtype, 1 if tile_m >= m and tile_k == k else 2),
                *[Buffer(stored_block, rhs_dtype, 2)] * slots]
     if per_channel_scales(scheme):
         buffers += [Buffer((1, tile_n), f32, 2)] * slots
     elif scheme == FP8:  # the group's whole grid of block scales over rhs's own dims
-        grid = (blocks(n), blocks(k)) if transpose_rhs else (blocks(k), blocks(n))
-        buffers += [Buffer(grid, f32, 2)] * slots
-    if bias:
+        buffers += [Buffer(problem.in_rhs_order(blocks(k), blocks(n)), f32, 2)] * slots
+    if problem.bias:
         buffers += [Buffer((1, tile_n), f32, 2)] * slots
     if dequantized_in_vmem(scheme) and not fp8_matmul:
         buffers += [Buffer(rhs_block, dtype)] * slots
@@ -132,35 +130,35 @@ def matmul_buffers(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=
     return tuple(buffers + ([Buffer((2 * chunk, tile_n), f32)] if chunk else []))
 
 
-def vmem_bytes(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False,
-               fp8_matmul: bool = False, bias: bool = False) -> int:
+def vmem_bytes(config: TileConfig, problem: MatmulProblem, *, fp8_matmul: bool = False) -> int:
     """VMEM of a grouped matmul with `config`: its buffers (`matmul_buffers`) and what dequantizing one-byte
     weights takes beside them: an int8 block cast to the activation dtype; fp8 blocks dequantized 128 rows at a
     time through f32 (`common.quant.dequantize_fp8_block`), or with `fp8_matmul` each slot's block scales spread over
     the columns and one 128-wide K block's product (`common.quant.fp8_matmul`); int4 blocks unpacked a packed block
     (two 32-row slabs) at a time through int32 (`common.quant.unpack_int4_block`)."""
-    buffers = matmul_buffers(config, m, k, n, dtype, rhs_dtype, transpose_rhs, fp8_matmul, bias)
-    scheme = scheme_of(dtype if rhs_dtype is None else rhs_dtype)
-    tile_k, tile_n = min(config.tile_k, k), min(config.tile_n, n)
+    buffers_held = buffers_bytes(matmul_buffers(config, problem, fp8_matmul=fp8_matmul))
+    scheme = problem.rhs_scheme
+    tile_k, tile_n = min(config.tile_k, problem.k), min(config.tile_n, problem.n)
+    rhs_block = problem.in_rhs_order(tile_k, tile_n)
     if fp8_matmul:
-        rows = config.chunk_m if _chunked(config, m, dtype) else row_tile_rows(config, m, dtype)
-        return (buffers_bytes(buffers) + config.groups_per_step * fp8_window_scales_vmem_bytes(tile_k, tile_n)
+        rows = config.chunk_m if _chunked(config, problem) else row_tile_rows(config, problem)
+        return (buffers_held + config.groups_per_step * fp8_window_scales_vmem_bytes(tile_k, tile_n)
                 + fp8_matmul_vmem_bytes(rows, tile_n))
     if scheme == INT8:
-        return buffers_bytes(buffers) + padded_vmem_bytes((tile_n, tile_k) if transpose_rhs else (tile_k, tile_n),
-                                                          dtype)
+        return buffers_held + padded_vmem_bytes(rhs_block, problem.dtype)
     if scheme == INT4:
-        return buffers_bytes(buffers) + int4_unpack_vmem_bytes(tile_k if transpose_rhs else tile_n)
+        return buffers_held + int4_unpack_vmem_bytes(rhs_block[1])  # the stored block's lanes
     if scheme is not None:
-        return buffers_bytes(buffers) + fp8_dequantize_vmem_bytes(max(tile_k, tile_n))
-    return buffers_bytes(buffers)
+        return buffers_held + fp8_dequantize_vmem_bytes(max(tile_k, tile_n))
+    return buffers_held
 
 
-def _chunked(config: TileConfig, m: int, dtype) -> bool:
-    return config.chunk_m is not None and config.chunk_m < round_up(min(config.tile_m, m), sublane_multiple(dtype))
+def _chunked(config: TileConfig, problem: MatmulProblem) -> bool:
+    return config.chunk_m is not None and config.chunk_m < round_up(min(config.tile_m, problem.m),
+                                                                    sublane_multiple(problem.dtype))
 
 
-def row_tile_rows(config: TileConfig, m: int, dtype) -> int:
+def row_tile_rows(config: TileConfig, problem: MatmulProblem) -> int:
     """Rows of the kernel's row tile: `tile_m`, or, for one tile over all M rows, M rounded up.
 
     Rounded up to the sublane tile, or with chunks to a whole number of
@@ -168,26 +166,25 @@ def row_tile_rows(config: TileConfig, m: int, dtype) -> int:
     Mosaic can slice VMEM). The rounded-up block is a partial edge block,
     whose extra rows the kernel masks out.
     """
-    if config.tile_m < m:
+    if config.tile_m < problem.m:
         return config.tile_m
-    return round_up(m, config.chunk_m if _chunked(config, m, dtype) else sublane_multiple(dtype))
+    return round_up(problem.m, config.chunk_m if _chunked(config, problem) else sublane_multiple(problem.dtype))
 
 
-def row_chunks(config: TileConfig, m: int, dtype) -> int:
+def row_chunks(config: TileConfig, problem: MatmulProblem) -> int:
     """Chunks of a row tile: the matmuls one group slot unrolls per grid step."""
-    if not _chunked(config, m, dtype):
+    if not _chunked(config, problem):
         return 1
-    return row_tile_rows(config, m, dtype) // config.chunk_m
+    return row_tile_rows(config, problem) // config.chunk_m
 
 
-def check_config(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False, *,
-                 generation: str | None = None, bias: bool = False) -> None:
-    """Raises ValueError if `config` cannot run `lhs[m,k] x rhs[.,k,n]` (`[., n, k]` with `transpose_rhs`) of
-    `dtype` (weights of `rhs_dtype`: the same, or int8 / fp8 / packed int4; with `bias`, a bias row per group) on
-    `generation` (default: this device's)."""
+def check_config(config: TileConfig, problem: MatmulProblem, generation: str | None = None) -> None:
+    """Raises ValueError if `config` cannot run `problem` (its shape, dtypes, layout and bias) on `generation`
+    (default: this device's)."""
     if not isinstance(config, TileConfig):
         raise TypeError(f"config must be a TileConfig, got {type(config).__name__}")
-    sublanes = sublane_multiple(dtype)
+    m, k, n = problem.m, problem.k, problem.n
+    sublanes = sublane_multiple(problem.dtype)
     for name in ("tile_m", "tile_k", "tile_n", "groups_per_step"):
         value = getattr(config, name)
         if not isinstance(value, int) or value < 1:
@@ -208,7 +205,7 @@ def check_config(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=No
             raise ValueError(f"config.tile_m={config.tile_m} must be a multiple of chunk_m={config.chunk_m}")
     if config.groups_per_step > MAX_GROUPS_PER_STEP:
         raise ValueError(f"config.groups_per_step must be at most {MAX_GROUPS_PER_STEP}, got {config.groups_per_step}")
-    chunks = row_chunks(config, m, dtype)
+    chunks = row_chunks(config, problem)
     if chunks * config.groups_per_step > MAX_UNROLLED_MATMULS:
         raise ValueError(
             f"config: {config.groups_per_step} group slots x {chunks} row chunks of {config.chunk_m} is more than "
@@ -225,8 +222,8 @@ def check_config(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=No
             f"{MAX_UNROLLED_MACS / 2**30:.0f} Gi bound on kernel size (compile time)"
         )
     generation = resolve_generation(generation)
-    check_vmem_fits(config, vmem_bytes(config, m, k, n, dtype, rhs_dtype, transpose_rhs,
-                                       matmul_feeds_fp8_mxu(config, k, rhs_dtype, generation), bias), generation)
+    fp8_matmul = matmul_feeds_fp8_mxu(config, problem, generation)
+    check_vmem_fits(config, vmem_bytes(config, problem, fp8_matmul=fp8_matmul), generation)
 
 
 def ridge_rows(generation: str) -> int:
@@ -266,9 +263,8 @@ def n_tile(n: int, max_cols: int, mxu: int, cores: int = 1) -> int:
     return min(candidates, key=cost)
 
 
-def heuristic_config(m: int, k: int, n: int, dtype, generation: str, num_groups: int | None = None,
-                     rhs_dtype=None, transpose_rhs: bool = False) -> TileConfig:
-    """Tiles that fit VMEM, from the shape and the generation.
+def heuristic_config(problem: MatmulProblem, generation: str) -> TileConfig:
+    """Tiles that fit VMEM, from the problem and the generation.
 
     Weights blocks are as large as HEURISTIC_RHS_BLOCK_BYTES allows (K whole
     if it fits, else halved down to 512; N whole or the tile of `n_tile`,
@@ -279,7 +275,8 @@ def heuristic_config(m: int, k: int, n: int, dtype, generation: str, num_groups:
     else HEURISTIC_ROW_TILE rows, else one chunk of rows; the first that fits.
     """
     generation = check_generation(generation)
-    itemsize = jnp.dtype(dtype).itemsize
+    m, k, n = problem.m, problem.k, problem.n
+    itemsize = jnp.dtype(problem.dtype).itemsize
     rhs_block_bytes = HEURISTIC_RHS_BLOCK_BYTES[generation]
 
     tile_k = k
@@ -292,7 +289,7 @@ def heuristic_config(m: int, k: int, n: int, dtype, generation: str, num_groups:
     while tile_k * tile_n * itemsize > rhs_block_bytes and tile_k > 512:
         tile_k = max(512, round_up(tile_k // 2, 256))
 
-    rows_per_group = m / max(num_groups or 1, 1)
+    rows_per_group = m / max(problem.groups, 1)
     chunk = tpu_generation(generation).mxu_size
     tiled_m = min(HEURISTIC_ROW_TILE[generation], m)
     candidates = []
@@ -301,56 +298,43 @@ def heuristic_config(m: int, k: int, n: int, dtype, generation: str, num_groups:
     candidates.append(TileConfig(tiled_m, tile_k, tile_n, chunk if tiled_m > chunk else None))
     candidates.append(TileConfig(min(chunk, m), tile_k, tile_n))
     for config in candidates:
-        if _fits(config, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation):
+        if _fits(config, problem, generation):
             return config
     # Shrink the weights block until the smallest row tile fits.
     config = candidates[-1]
-    while not _fits(config, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation) and config.tile_n > LANES:
+    while not _fits(config, problem, generation) and config.tile_n > LANES:
         config = config._replace(tile_n=max(LANES, round_up(config.tile_n // 2, LANES)))
-    while not _fits(config, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation) and config.tile_k > LANES:
+    while not _fits(config, problem, generation) and config.tile_k > LANES:
         config = config._replace(tile_k=max(LANES, round_up(config.tile_k // 2, LANES)))
     return config
 
 
-def _fits(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False, *,
-          generation: str) -> bool:
+def _fits(config: TileConfig, problem: MatmulProblem, generation: str) -> bool:
     try:
-        check_config(config, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation)
+        check_config(config, problem, generation)
     except ValueError:
         return False
     return True
 
 
-def select_config(
-    m: int,
-    k: int,
-    n: int,
-    dtype,
-    *,
-    generation: str | None = None,
-    num_groups: int | None = None,
-    rhs_dtype=None,
-    transpose_rhs: bool = False,
-) -> TileConfig:
-    """Tiles for `lhs[m,k] x rhs[num_groups,k,n]` on `generation` (default: the current device's): the
-    TUNED_TILES entry of the shape (checked like an explicit config), else the heuristic."""
+def select_config(problem: MatmulProblem, generation: str | None = None) -> TileConfig:
+    """Tiles for `problem` on `generation` (default: the current device's): the TUNED_TILES entry of its shape
+    (checked like an explicit config), else the heuristic."""
     generation = resolve_generation(generation)
-    rhs_dtype = dtype if rhs_dtype is None else rhs_dtype
-    key = TunedKey(generation, m, k, n, num_groups, jnp.dtype(dtype).name, jnp.dtype(rhs_dtype).name,
-                   bool(transpose_rhs))
+    key = TunedKey(generation, problem.m, problem.k, problem.n, problem.groups, problem.dtype, problem.rhs_dtype,
+                   problem.transpose_rhs)
     tuned = TUNED_TILES.get(key)
     if tuned is None:
-        return heuristic_config(m, k, n, dtype, generation, num_groups, rhs_dtype, transpose_rhs)
-    check_config(tuned, m, k, n, dtype, rhs_dtype, transpose_rhs, generation=generation)
+        return heuristic_config(problem, generation)
+    check_config(tuned, problem, generation)
     return tuned
 
 
-def vmem_limit(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None, transpose_rhs: bool = False, *,
-               generation: str | None = None, bias: bool = False) -> int:
+def vmem_limit(config: TileConfig, problem: MatmulProblem, generation: str | None = None) -> int:
     """The scoped VMEM limit the kernel asks Mosaic for with `config` on `generation` (default: this device's)."""
     generation = resolve_generation(generation)
-    return vmem_limit_bytes(vmem_bytes(config, m, k, n, dtype, rhs_dtype, transpose_rhs,
-                                       matmul_feeds_fp8_mxu(config, k, rhs_dtype, generation), bias), generation)
+    fp8_matmul = matmul_feeds_fp8_mxu(config, problem, generation)
+    return vmem_limit_bytes(vmem_bytes(config, problem, fp8_matmul=fp8_matmul), generation)
 
 
 # The backward's d_lhs grouped matmul runs at training sizes, where the heuristic tiles rows
@@ -360,12 +344,16 @@ def vmem_limit(config: TileConfig, m: int, k: int, n: int, dtype, rhs_dtype=None
 D_LHS_ROW_TILE = 1024
 
 
-def select_d_lhs_config(m: int, k: int, n: int, dtype, *, generation: str | None = None,
-                        num_groups: int | None = None) -> TileConfig:
-    """Tiles of the backward's d_lhs grouped matmul `d_out[m,k] x rhs[.,k,n]`: `select_config`'s,
-    with row tiles of D_LHS_ROW_TILE rows where they fit."""
-    config = select_config(m, k, n, dtype, generation=generation, num_groups=num_groups)
-    longer = config._replace(tile_m=min(D_LHS_ROW_TILE, m))
-    if config.tile_m < longer.tile_m and _fits(longer, m, k, n, dtype, generation=resolve_generation(generation)):
+def select_d_lhs_config(problem: MatmulProblem, generation: str | None = None) -> TileConfig:
+    """Tiles of the backward's d_lhs grouped matmul `problem` (`d_out[m, k] x rhs[groups, k, n]`: the forward's
+    weights read the other way round, K and N swapped): `select_config`'s, with row tiles of D_LHS_ROW_TILE rows
+    where they fit. Both are chosen for the weights read in (K, N) order, whichever order `problem` reads them
+    in: the tiles the backward has always run (read transposed, GPT-OSS's 2880-wide down projection on v5e
+    would take others, which no benchmark has rated)."""
+    generation = resolve_generation(generation)
+    as_chosen = problem._replace(transpose_rhs=False)
+    config = select_config(as_chosen, generation)
+    longer = config._replace(tile_m=min(D_LHS_ROW_TILE, problem.m))
+    if config.tile_m < longer.tile_m and _fits(longer, as_chosen, generation):
         return longer
     return config
