@@ -7,6 +7,7 @@ import pytest
 
 from tpu_kernels import cli
 from tpu_kernels.bench import report
+from tpu_kernels.bench.tables import binding as binding_tables
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,11 +111,54 @@ def test_the_ragged_dot_card_takes_its_tables_from_moe_layer_and_moe_backward():
                                                   "benchmarks/results/moe_backward.md#layer"}
 
 
+def test_a_benchmarks_sections_make_one_derived_table(checkout, monkeypatch):
+    (checkout / "benchmarks" / "results" / "figures.json").write_text('{"us": 2.0}')
+    def render_markdown(data: dict) -> dict[str, str]:
+        return {"one": f"| us |\n| {data['us']} |\n", "two": "| x |"}
+
+    render = report.sectioned_tables("figures.json", render_markdown)
+    monkeypatch.setattr(report, "DERIVED_TABLES", {"benchmarks/results/figures.md": render})
+    assert render(checkout) == ("<!-- written by `tpu-kernels bench report` from figures.json: do not edit -->\n\n"
+                                "## one\n\n| us |\n| 2.0 |\n\n## two\n\n| x |\n")
+    doc = write_doc(checkout, "<!-- generated: benchmarks/results/figures.md#two -->\n<!-- end generated -->\n")
+    report.refresh(checkout)
+    assert doc.read_text() == "<!-- generated: benchmarks/results/figures.md#two -->\n| x |\n<!-- end generated -->\n"
+
+
+def test_binding_cost_per_call_table_from_its_json():
+    part = {"part": "torch_tpu's normalisation", "us": 2.46, "also_on_tpu_path": True}
+    cpu = {"per_call_us": {"bare_jit": {"min_us": 15.77}, "op": {"min_us": 124.26}}, "target_us": 100.0,
+           "stretch_target_us": 50.0, "overhead_us": 108.49, "breakdown_unaccounted_us": 47.4,
+           "breakdown_us": [part, {"part": "result -> torch", "us": 4.61, "also_on_tpu_path": False}],
+           "race_detection_extra_us": 0.62}
+    tables = binding_tables.render_markdown({"cpu_path": cpu, "load_average_at_start": [0.95, 1.8], "cpu_count": 2})
+    assert tables == {"cost-per-call": "\n".join([
+        "| per call, CPU, minimum over rounds (load average 0.9 on 2 cores) | µs | also on the TPU path |",
+        "| --- | ---: | --- |",
+        "| bare jitted call (JAX arrays, interpret mode) | 15.8 | |",
+        "| **op through the binding** | **124.3** | |",
+        "| **overhead** (target ≤ 100, stretch ≤ 50) | **108.5** | |",
+        "| torch\\_tpu's normalisation | 2.5 | yes |",
+        "| result -> torch | 4.6 | no |",
+        "| unaccounted (noise, call glue) | 47.4 | |",
+        "| with race detection on (our tests): watching standard output | 0.6 | no |",
+    ])}
+
+
+def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
+    sources = set()
+    for doc in ("docs/binding.md",):
+        blocks, _ = report.find_blocks(doc, (ROOT / doc).read_text())
+        sources |= {block.source for block in blocks}
+    assert sources >= {"benchmarks/results/binding.md#cost-per-call"}
+
+
 def test_cli_runs_report_as_a_bench_tool(tmp_path, monkeypatch, capsys):
-    for path in ("README.md", "benchmarks/results/moe_layer.json", "benchmarks/results/moe_layer_v5p_tpu7x.json",
-                 "benchmarks/results/moe_backward.json"):
-        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(ROOT / path, tmp_path / path)
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    for path in (ROOT / "benchmarks" / "results").glob("*.json"):  # what the derived tables are rendered from
+        shutil.copy(path, results / path.name)
     monkeypatch.chdir(tmp_path)
     assert cli.main(["bench", "report", "--check"]) == 1  # the derived tables are not written yet
     assert cli.main(["bench", "report"]) == 0

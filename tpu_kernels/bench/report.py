@@ -14,7 +14,9 @@ tables. A block's body is the source's text, each line indented as the
 opening marker is (a table inside a list item stays inside it).
 
 Some tables exist only as JSON: `DERIVED_TABLES` renders their .md from the
-benchmark's JSON here, so no results .md is typed either.
+benchmark's JSON, so no results .md is typed either: most through their
+benchmark's `tpu_kernels.bench.tables.<benchmark>.render_markdown`, the MoE
+layer's and backward's here.
 
 `refresh` rewrites the derived tables and every block from its source;
 `problems` lists every block (or derived table) that differs from its source,
@@ -30,6 +32,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from tpu_kernels.bench.tables import binding as binding_tables
 
 # The tracked docs that may hold generated blocks, as globs relative to the project's root.
 DOCS = ("README.md", "docs/*.md", "benchmarks/README.md", "kernel_repos/*/CARD.md")
@@ -275,10 +279,24 @@ def moe_backward_tables(root: Path) -> str:
     ])
 
 
+def sectioned_tables(json_name: str, render_markdown: Callable[[dict], dict[str, str]]) -> Callable[[Path], str]:
+    """A derived table's renderer from a benchmark's `render_markdown(json) -> {section: table}`."""
+
+    def render(root: Path) -> str:
+        sections = render_markdown(json.loads((root / SOURCES_DIR / json_name).read_text()))
+        lines = [f"<!-- written by `tpu-kernels bench report` from {json_name}: do not edit -->"]
+        for name, table in sections.items():
+            lines += ["", f"## {name}", "", table.strip("\n")]
+        return "\n".join(lines) + "\n"
+
+    return render
+
+
 # results .md (relative to the root) -> its renderer from the benchmark's JSON.
 DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
     f"{SOURCES_DIR}/moe_layer_formats.md": moe_layer_formats,
     f"{SOURCES_DIR}/moe_backward.md": moe_backward_tables,
+    f"{SOURCES_DIR}/binding.md": sectioned_tables("binding.json", binding_tables.render_markdown),
 }
 
 
