@@ -7,6 +7,7 @@ import pytest
 
 from tpu_kernels import cli
 from tpu_kernels.bench import report
+from tpu_kernels.bench.tables import attention as attention_tables
 from tpu_kernels.bench.tables import binding as binding_tables
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,12 +146,49 @@ def test_binding_cost_per_call_table_from_its_json():
     ])}
 
 
+def test_attention_forward_and_backward_tables_from_its_json(monkeypatch):
+    monkeypatch.setattr(attention_tables, "FORWARD_SHAPES", {"decode B=8": "decode B=8", "prefill": "prefill S=8"})
+    monkeypatch.setattr(attention_tables, "BACKWARD_SETTINGS", {"gpt-oss": "GPT-OSS-20B"})
+
+    def forward(bytes_ratio: float, us: float, bound: str) -> dict:
+        return {"bytes_ratio": bytes_ratio, "band_p90_us": [0.8 * us, 1.2 * us], "modelled_time_us": us,
+                "pct_of_roofline": 93.4, "bound": bound}
+
+    def kernel(block: int, heads: int, us: float, pct: float) -> dict:
+        return {"block_q": block, "block_kv": block, "kv_heads_per_step": heads, "modelled_pipelined_time_us": us,
+                "pipelined_pct_of_roofline": pct}
+
+    def backward(dq: dict, dkv: dict, ratio: float) -> dict:
+        return {"kernels": {"dq": dq, "dkv": dkv}, "backward_over_forward": ratio}
+
+    results = [{"label": "prefill", "per_generation": {"v5e": forward(1.3816, 573, "compute"),
+                                                       "v6e": forward(1.3964, 573, "compute")}},
+               {"label": "decode B=8", "per_generation": {"v5e": forward(1.0, 88, "hbm"),
+                                                          "v6e": forward(1.0, 44, "hbm")}}]
+    gpt_oss = {"label": "gpt-oss", "q_heads": 64, "kv_heads": 8, "head_dim": 64, "per_generation": {
+        "v5e": backward(kernel(128, 8, 4853.5, 86.3), kernel(128, 8, 739.0, 28.4), 1.0),
+        "v6e": backward(kernel(256, 4, 489.4, 27.7), kernel(256, 8, 613.3, 17.1), 0.87)}}
+    tables = attention_tables.render_markdown({"results": results, "backward": {
+        "results": [gpt_oss], "summary": {"target_pct_of_roofline_per_kernel": 80.0}}})
+    assert tables["forward"] == "\n".join([
+        "| shape | HBM bytes / minimum (v5e, v6e) | modelled v6e time (p90 band) |", "|---|---|---|",
+        "| decode B=8 | 1.000, 1.000 | 44 µs (35–53; 93% of the HBM roofline) |",
+        "| prefill S=8 | 1.382, 1.396 | 573 µs (458–688; compute-bound) |"])
+    assert tables["backward"] == "\n".join([
+        "| shape | gen | tiles (q, kv, KV heads/step) | dq | dk/dv | backward / forward |", "|---|---|---|---|---|---|",
+        "| GPT-OSS-20B (64/8 heads, D=64) | v5e | 128, 128, 8 | 4854 µs, **86 %** | 739 µs, 28 % | 1.0x |",
+        "| | v6e | 256, 256, 4 (dq) / 256, 256, 8 (dk/dv) | 489 µs, 28 % | 613 µs, 17 % | 0.9x |"])
+    with pytest.raises(KeyError, match="no result labelled prefill"):
+        attention_tables.render_markdown({"results": results[1:], "backward": {}})
+
+
 def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
     sources = set()
-    for doc in ("docs/binding.md",):
+    for doc in ("docs/binding.md", "kernel_repos/attention-tpu/CARD.md"):
         blocks, _ = report.find_blocks(doc, (ROOT / doc).read_text())
         sources |= {block.source for block in blocks}
-    assert sources >= {"benchmarks/results/binding.md#cost-per-call"}
+    assert sources >= {"benchmarks/results/binding.md#cost-per-call", "benchmarks/results/attention.md#forward",
+                       "benchmarks/results/attention.md#backward"}
 
 
 def test_cli_runs_report_as_a_bench_tool(tmp_path, monkeypatch, capsys):

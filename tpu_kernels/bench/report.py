@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tpu_kernels.bench.tables import attention as attention_tables
 from tpu_kernels.bench.tables import binding as binding_tables
 
 # The tracked docs that may hold generated blocks, as globs relative to the project's root.
@@ -297,6 +298,7 @@ DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
     f"{SOURCES_DIR}/moe_layer_formats.md": moe_layer_formats,
     f"{SOURCES_DIR}/moe_backward.md": moe_backward_tables,
     f"{SOURCES_DIR}/binding.md": sectioned_tables("binding.json", binding_tables.render_markdown),
+    f"{SOURCES_DIR}/attention.md": sectioned_tables("attention.json", attention_tables.render_markdown),
 }
 
 

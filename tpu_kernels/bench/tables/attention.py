@@ -1,0 +1,74 @@
+"""attention.json -> attention-tpu's card tables: the forward's bytes and v6e time, the backward per kernel."""
+
+from __future__ import annotations
+
+# The forward shapes the card shows, by the benchmark's label -> the card's name.
+FORWARD_SHAPES = {
+    "decode B=8 cache=4096": "decode B=8, cache 4096",
+    "decode B=8 cache=32768": "decode B=8, cache 32768",
+    "decode B=8 static cache=32768, lengths 1k..32k": "decode B=8, static cache 32768, lengths 1k–32k",
+    "prefill B=1 S=4096": "prefill B=1, S=4096, causal",
+}
+# The backward's training shapes, by the benchmark's label -> the card's name (heads and D come from the JSON).
+BACKWARD_SETTINGS = {
+    "qwen3-30b-a3b B=1 S=8192 causal": "Qwen3-30B-A3B, causal",
+    "gemma-4-26b-a4b sliding layer B=1 S=8192 window=1024 D=256": "Gemma-4-26B-A4B sliding layer, window 1024",
+    "gpt-oss-20b B=1 S=8192 window=128 sinks D=64": "GPT-OSS-20B, window 128, sinks",
+}
+BACKWARD_GENERATIONS = ("v5e", "v6e")
+
+
+def by_label(results: list[dict], names: dict[str, str]) -> list[tuple[str, dict]]:
+    """(card name, result) for each label in `names`, in the card's order; a label the JSON lacks is a KeyError."""
+    found = {result["label"]: result for result in results}
+    missing = [label for label in names if label not in found]
+    if missing:
+        raise KeyError(f"attention.json has no result labelled {', '.join(missing)}")
+    return [(name, found[label]) for label, name in names.items()]
+
+
+def forward(results: list[dict]) -> str:
+    """Per shape: HBM bytes over the minimum on v5e and v6e, and v6e's modelled time with its band and roofline."""
+    rows = ["| shape | HBM bytes / minimum (v5e, v6e) | modelled v6e time (p90 band) |", "|---|---|---|"]
+    for name, result in by_label(results, FORWARD_SHAPES):
+        v5e, v6e = result["per_generation"]["v5e"], result["per_generation"]["v6e"]
+        low, high = v6e["band_p90_us"]
+        # A compute-bound shape's percentage is of the MXU roofline, which the column does not name: say the bound.
+        bound = f"{v6e['pct_of_roofline']:.0f}% of the HBM roofline" if v6e["bound"] == "hbm" else "compute-bound"
+        rows.append(f"| {name} | {v5e['bytes_ratio']:.3f}, {v6e['bytes_ratio']:.3f} "
+                    f"| {v6e['modelled_time_us']:.0f} µs ({low:.0f}–{high:.0f}; {bound}) |")
+    return "\n".join(rows)
+
+
+def tiles(kernel: dict) -> str:
+    """A backward kernel's tiles as the card writes them: q block, kv block, KV heads per grid step."""
+    return f"{kernel['block_q']}, {kernel['block_kv']}, {kernel['kv_heads_per_step']}"
+
+
+def backward(backward_run: dict) -> str:
+    """Per training shape and generation: each kernel's tiles, time and % of its roofline, backward over forward."""
+    target = backward_run["summary"]["target_pct_of_roofline_per_kernel"]
+
+    def kernel_cell(kernel: dict) -> str:
+        pct = f"{kernel['pipelined_pct_of_roofline']:.0f} %"
+        if kernel["pipelined_pct_of_roofline"] >= target:
+            pct = f"**{pct}**"  # bold: the kernel meets the target
+        return f"{kernel['modelled_pipelined_time_us']:.0f} µs, {pct}"
+
+    rows = ["| shape | gen | tiles (q, kv, KV heads/step) | dq | dk/dv | backward / forward |",
+            "|---|---|---|---|---|---|"]
+    for name, result in by_label(backward_run["results"], BACKWARD_SETTINGS):
+        shape = f"{name} ({result['q_heads']}/{result['kv_heads']} heads, D={result['head_dim']})"
+        for generation in BACKWARD_GENERATIONS:
+            figures = result["per_generation"][generation]
+            dq, dkv = figures["kernels"]["dq"], figures["kernels"]["dkv"]
+            tile_cell = tiles(dq) if tiles(dq) == tiles(dkv) else f"{tiles(dq)} (dq) / {tiles(dkv)} (dk/dv)"
+            shape_cell = f"| {shape} |" if generation == BACKWARD_GENERATIONS[0] else "| |"  # named once per shape
+            rows.append(f"{shape_cell} {generation} | {tile_cell} | {kernel_cell(dq)} | {kernel_cell(dkv)} "
+                        f"| {figures['backward_over_forward']:.1f}x |")
+    return "\n".join(rows)
+
+
+def render_markdown(data: dict) -> dict[str, str]:
+    """attention.json's tables by section."""
+    return {"forward": forward(data["results"]), "backward": backward(data["backward"])}
