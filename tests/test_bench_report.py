@@ -183,29 +183,35 @@ def test_attention_forward_and_backward_tables_from_its_json(monkeypatch):
         attention_tables.render_markdown({"results": results[1:], "backward": {}})
 
 
-def test_multichip_step_table_from_its_json():
+def test_multichip_step_tables_from_its_json():
     def entry(mode: str, batch: int, central: float) -> dict:
-        bounds = {"central": central, "low": central / 2, "high": 2 * central}
-        return {"mode": mode, "batch": batch, "per_step_ms": bounds}
+        step_ms = {"central": central, "low": central / 2, "high": 2 * central}
+        return {"mode": mode, "batch": batch, "per_step_ms": step_ms,
+                "experts_layer_us": {"central": 10 * central}, "collectives_us_per_layer": {"central": central}}
 
     entries = [entry(mode, batch, ms) for mode, batch, ms in (
         ("tp", 8, 3.296), ("ep_router", 8, 3.157), ("ep_dispatch", 8, 5.0),
         ("tp", 1, 1.186), ("ep_router", 1, 1.961), ("ep_dispatch", 1, 3.817))]
     winners = {"1": {"mode": "tp"}, "8": {"mode": "ep_router"}}
     tables = multichip_tables.render_markdown({"entries": entries, "winner_per_batch": winners})
-    assert tables == {"step-ms": "\n".join([
+    assert tables["step-ms"] == "\n".join([
         "| batch | `tp` | `ep_router` | `ep_dispatch` |", "| ---: | ---: | ---: | ---: |",
         "| 1 | **1.19** (0.59-2.37) | 1.96 (0.98-3.92) | 3.82 (1.91-7.63) |",
-        "| 8 | 3.30 (1.65-6.59) | **3.16** (1.58-6.31) | 5.00 (2.50-10.00) |"])}
+        "| 8 | 3.30 (1.65-6.59) | **3.16** (1.58-6.31) | 5.00 (2.50-10.00) |"])
+    assert tables["step-ms-and-layer-parts"].splitlines()[0::2] == [
+        "| batch | `tp` | `ep_router` | `ep_dispatch` | experts layer us (tp / router / dispatch) "
+        "| collectives us per layer (tp / router / dispatch) |",
+        "| 1 | **1.19** (0.59-2.37) | 1.96 (0.98-3.92) | 3.82 (1.91-7.63) | 11.9 / 19.6 / 38.2 | 1.2 / 2.0 / 3.8 |"]
 
 
 def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
     sources = set()
-    for doc in ("docs/binding.md", "kernel_repos/attention-tpu/CARD.md", "docs/multichip.md"):
+    for doc in ("docs/binding.md", "kernel_repos/attention-tpu/CARD.md", "docs/multichip.md", "benchmarks/README.md"):
         blocks, _ = report.find_blocks(doc, (ROOT / doc).read_text())
         sources |= {block.source for block in blocks}
     assert sources >= {"benchmarks/results/binding.md#cost-per-call", "benchmarks/results/attention.md#forward",
-                       "benchmarks/results/attention.md#backward", "benchmarks/results/multichip.md#step-ms"}
+                       "benchmarks/results/attention.md#backward", "benchmarks/results/multichip.md#step-ms",
+                       "benchmarks/results/multichip.md#step-ms-and-layer-parts"}
 
 
 def test_cli_runs_report_as_a_bench_tool(tmp_path, monkeypatch, capsys):

@@ -1,28 +1,37 @@
-"""multichip.json -> docs/multichip.md's table: ms per decode step per layout and batch, the winner in bold."""
+"""multichip.json -> the tables of docs/multichip.md and benchmarks/README.md: ms per decode step per layout."""
 
 from __future__ import annotations
 
-# The layouts in the doc's column order.
+# The layouts in the docs' column order.
 LAYOUTS = ("tp", "ep_router", "ep_dispatch")
 
 
-def step_times(data: dict) -> str:
-    """Per batch, each layout's modelled ms per step (its low-high bounds in brackets); the batch's winner bold."""
-    steps = {(entry["mode"], entry["batch"]): entry["per_step_ms"] for entry in data["entries"]}
-    batches = sorted({batch for _, batch in steps})
-    rows = ["| batch | " + " | ".join(f"`{layout}`" for layout in LAYOUTS) + " |",
-            "| ---: |" + " ---: |" * len(LAYOUTS)]
-    for batch in batches:
+def step_times(data: dict, with_layer_parts: bool) -> str:
+    """Per batch, each layout's modelled ms per step (its low-high bounds in brackets), the batch's winner bold;
+    `with_layer_parts` adds the columns of what one layer spends in the experts layer and in collectives."""
+    entries = {(entry["mode"], entry["batch"]): entry for entry in data["entries"]}
+    header = "| batch | " + " | ".join(f"`{layout}`" for layout in LAYOUTS) + " |"
+    rule = "| ---: |" + " ---: |" * len(LAYOUTS)
+    if with_layer_parts:
+        header += " experts layer us (tp / router / dispatch) | collectives us per layer (tp / router / dispatch) |"
+        rule += " --- | --- |"
+    rows = [header, rule]
+    for batch in sorted({batch for _, batch in entries}):
         winner = data["winner_per_batch"][str(batch)]["mode"]
+        layouts = [entries[layout, batch] for layout in LAYOUTS]
         cells = []
-        for layout in LAYOUTS:
-            ms = steps[layout, batch]
+        for layout, entry in zip(LAYOUTS, layouts):
+            ms = entry["per_step_ms"]
             central = f"**{ms['central']:.2f}**" if layout == winner else f"{ms['central']:.2f}"
             cells.append(f"{central} ({ms['low']:.2f}-{ms['high']:.2f})")
+        if with_layer_parts:
+            cells.append(" / ".join(f"{entry['experts_layer_us']['central']:.1f}" for entry in layouts))
+            cells.append(" / ".join(f"{entry['collectives_us_per_layer']['central']:.1f}" for entry in layouts))
         rows.append(f"| {batch} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
 def render_markdown(data: dict) -> dict[str, str]:
-    """multichip.json's tables by section."""
-    return {"step-ms": step_times(data)}
+    """multichip.json's tables by section: the step times, and with each layer's parts."""
+    return {"step-ms": step_times(data, with_layer_parts=False),
+            "step-ms-and-layer-parts": step_times(data, with_layer_parts=True)}
