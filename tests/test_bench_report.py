@@ -9,6 +9,7 @@ from tpu_kernels import cli
 from tpu_kernels.bench import report
 from tpu_kernels.bench.tables import attention as attention_tables
 from tpu_kernels.bench.tables import binding as binding_tables
+from tpu_kernels.bench.tables import int4_granularity as int4_granularity_tables
 from tpu_kernels.bench.tables import multichip as multichip_tables
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,6 +205,20 @@ def test_multichip_step_tables_from_its_json():
         "| 1 | **1.19** (0.59-2.37) | 1.96 (0.98-3.92) | 3.82 (1.91-7.63) | 11.9 / 19.6 / 38.2 | 1.2 / 2.0 / 3.8 |"]
 
 
+def test_int4_granularity_table_from_its_json():
+    def tokens(*equal: str) -> dict:
+        return {scheme: {"greedy_tokens_equal": kept} for scheme, kept in zip(int4_granularity_tables.SCHEMES, equal)}
+
+    models = {"gpt_oss (H=128)": tokens("64/64", "20/64", "20/64", "7/64", "30/64"),
+              "qwen3_moe (H=128)": tokens(*["64/64"] * 5), "mixtral (H=128)": tokens(*["1/64"] * 5)}
+    assert int4_granularity_tables.render_markdown({"models": models}) == {"greedy-tokens": "\n".join([
+        "| model | int8 | int4 per channel | groups of 128 | of 64 | of 32 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| Qwen3-MoE | 64/64 | 64/64 | 64/64 | 64/64 | 64/64 |",
+        "| Mixtral | 1/64 | 1/64 | 1/64 | 1/64 | 1/64 |",
+        "| GPT-OSS | 64/64 | 20/64 | 20/64 | 7/64 | 30/64 |"])}
+
+
 def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
     sources = set()
     for doc in ("docs/binding.md", "kernel_repos/attention-tpu/CARD.md", "docs/multichip.md", "benchmarks/README.md"):
@@ -211,7 +226,8 @@ def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
         sources |= {block.source for block in blocks}
     assert sources >= {"benchmarks/results/binding.md#cost-per-call", "benchmarks/results/attention.md#forward",
                        "benchmarks/results/attention.md#backward", "benchmarks/results/multichip.md#step-ms",
-                       "benchmarks/results/multichip.md#step-ms-and-layer-parts"}
+                       "benchmarks/results/multichip.md#step-ms-and-layer-parts",
+                       "benchmarks/results/int4_granularity.md#greedy-tokens"}
 
 
 def test_cli_runs_report_as_a_bench_tool(tmp_path, monkeypatch, capsys):

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from tpu_kernels.bench.tables import attention as attention_tables
 from tpu_kernels.bench.tables import binding as binding_tables
+from tpu_kernels.bench.tables import int4_granularity as int4_granularity_tables
 from tpu_kernels.bench.tables import multichip as multichip_tables
 
 # The tracked docs that may hold generated blocks, as globs relative to the project's root.
@@ -301,6 +302,8 @@ DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
     f"{SOURCES_DIR}/binding.md": sectioned_tables("binding.json", binding_tables.render_markdown),
     f"{SOURCES_DIR}/attention.md": sectioned_tables("attention.json", attention_tables.render_markdown),
     f"{SOURCES_DIR}/multichip.md": sectioned_tables("multichip.json", multichip_tables.render_markdown),
+    f"{SOURCES_DIR}/int4_granularity.md": sectioned_tables("int4_granularity.json",
+                                                           int4_granularity_tables.render_markdown),
 }
 
 
