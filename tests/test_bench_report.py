@@ -10,6 +10,7 @@ from tpu_kernels.bench import report
 from tpu_kernels.bench.tables import attention as attention_tables
 from tpu_kernels.bench.tables import binding as binding_tables
 from tpu_kernels.bench.tables import int4_granularity as int4_granularity_tables
+from tpu_kernels.bench.tables import moe_layer as moe_layer_tables
 from tpu_kernels.bench.tables import multichip as multichip_tables
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -219,6 +220,33 @@ def test_int4_granularity_table_from_its_json():
         "| GPT-OSS | 64/64 | 20/64 | 20/64 | 7/64 | 30/64 |"])}
 
 
+def moe_layer_shape(label: str, generation: str, ours_us: float) -> dict:
+    return {"label": label, "generation": generation, "ours_us": ours_us,
+            "ours_band_p90_us": [ours_us - 5, ours_us + 5], "best_rival_us": 2 * ours_us, "best_rival": "megablox", "roofline_us": ours_us / 2}
+
+
+def test_moe_layer_headline_table_from_its_json():
+    shapes = [moe_layer_shape(label, generation, us) for label, generation, us in (
+        ("b T=8", "v5e", 100.0), ("b T=8", "v6e", 50.0), ("a T=1", "v6e", 10.0), ("a T=1", "v5e", 20.0))]
+    assert moe_layer_tables.render_markdown({"shapes": shapes}) == {"headline": "\n".join([
+        "| shape | v5e | v6e |", "| --- | --- | --- |",
+        "| b T=8 | 100.0 (95-105) / 200.0 (megablox) / 50.0 | 50.0 (45-55) / 100.0 (megablox) / 25.0 |",
+        "| a T=1 | 20.0 (15-25) / 40.0 (megablox) / 10.0 | 10.0 (5-15) / 20.0 (megablox) / 5.0 |"])}
+
+
+def test_moe_layer_v5p_tpu7x_table_adds_the_quantized_formats(monkeypatch):
+    monkeypatch.setattr(moe_layer_tables, "V5P_TPU7X_SHAPES", ("a T=1",))
+    shapes = [moe_layer_shape("a T=1", "v5p", 30.0), moe_layer_shape("a T=1", "tpu7x", 20.0)]
+    variants = [{"generation": generation, "label": "a T=1", "variant": f"ours_{fmt}", "us": us}
+                for generation, fmt, us in (("v5p", "int8", 17.8), ("v5p", "fp8", 18.2), ("v5p", "int4", 10.2),
+                                            ("tpu7x", "int8", 16.8), ("tpu7x", "fp8", 16.4))]
+    tables = moe_layer_tables.render_v5p_tpu7x_markdown({"shapes": shapes, "variants": variants})
+    assert tables == {"headline-and-quantized": "\n".join([
+        "| shape | v5p | int8 / fp8 / int4 | TPU7x | int8 / fp8 |", "| --- | --- | --- | --- | --- |",
+        "| a T=1 | 30.0 (25-35) / 60.0 (megablox) / 15.0 | 17.8 / 18.2 / 10.2 "
+        "| 20.0 (15-25) / 40.0 (megablox) / 10.0 | 16.8 / 16.4 |"])}
+
+
 def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
     sources = set()
     for doc in ("docs/binding.md", "kernel_repos/attention-tpu/CARD.md", "docs/multichip.md", "benchmarks/README.md"):
@@ -227,7 +255,9 @@ def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
     assert sources >= {"benchmarks/results/binding.md#cost-per-call", "benchmarks/results/attention.md#forward",
                        "benchmarks/results/attention.md#backward", "benchmarks/results/multichip.md#step-ms",
                        "benchmarks/results/multichip.md#step-ms-and-layer-parts",
-                       "benchmarks/results/int4_granularity.md#greedy-tokens"}
+                       "benchmarks/results/int4_granularity.md#greedy-tokens",
+                       "benchmarks/results/moe_layer_headline.md#headline",
+                       "benchmarks/results/moe_layer_v5p_tpu7x_headline.md#headline-and-quantized"}
 
 
 def test_cli_runs_report_as_a_bench_tool(tmp_path, monkeypatch, capsys):
