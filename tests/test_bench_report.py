@@ -222,7 +222,8 @@ def test_int4_granularity_table_from_its_json():
 
 def moe_layer_shape(label: str, generation: str, ours_us: float) -> dict:
     return {"label": label, "generation": generation, "ours_us": ours_us,
-            "ours_band_p90_us": [ours_us - 5, ours_us + 5], "best_rival_us": 2 * ours_us, "best_rival": "megablox", "roofline_us": ours_us / 2}
+            "ours_band_p90_us": [ours_us - 5, ours_us + 5], "best_rival_us": 2 * ours_us, "best_rival": "megablox",
+            "roofline_us": ours_us / 2}
 
 
 def test_moe_layer_headline_table_from_its_json():
