@@ -254,79 +254,65 @@ def test_code_outside_the_kernel_uses_only_its_face(kernel):
     assert found == []
 
 
-@pytest.mark.parametrize(("source", "kernel_tests"), [
-    ("def test(kernel):\n    kernel.gmm.kernel.grouped_matmul(x)", True),
-    ("def test(kernel):\n    kernel.plan.plan_experts(problem)", True),
-    ("def test(ragged_dot_kernel):\n    ragged_dot_kernel.layer", False),
-    ("def f(built):\n    return built.common.quant.NOT_SERVED", False),
-    ("def test(monkeypatch, kernel):\n    monkeypatch.setattr(kernel.plan, 'FUSED_MAX_TOKENS', 8)", True),
-    ("def test(kernel):\n    getattr(kernel, 'schedule')", True),
-    ("def test(kernel):\n    kernel.reference.no_such_reference", True),
-    ("ragged = kernels['ragged-dot-tpu']\nragged.tiles", False),
-    ("k = get_local_kernel(ragged_dot_build, backend='cpu')\nk.no_such_name", False),
-    ("import pytest\n@pytest.fixture\ndef kernel(ragged_dot_kernel):\n    return ragged_dot_kernel\n"
+@pytest.mark.parametrize(("kernel", "source", "kernel_tests"), [
+    (RAGGED_DOT, "def test(kernel):\n    kernel.gmm.kernel.grouped_matmul(x)", True),
+    (RAGGED_DOT, "def test(kernel):\n    kernel.plan.plan_experts(problem)", True),
+    (RAGGED_DOT, "def test(ragged_dot_kernel):\n    ragged_dot_kernel.layer", False),
+    (RAGGED_DOT, "def f(built):\n    return built.common.quant.NOT_SERVED", False),
+    (RAGGED_DOT, "def test(monkeypatch, kernel):\n    monkeypatch.setattr(kernel.plan, 'FUSED_MAX_TOKENS', 8)", True),
+    (RAGGED_DOT, "def test(kernel):\n    getattr(kernel, 'schedule')", True),
+    (RAGGED_DOT, "def test(kernel):\n    kernel.reference.no_such_reference", True),
+    (RAGGED_DOT, "ragged = kernels['ragged-dot-tpu']\nragged.tiles", False),
+    (RAGGED_DOT, "k = get_local_kernel(ragged_dot_build, backend='cpu')\nk.no_such_name", False),
+    (RAGGED_DOT, "import pytest\n@pytest.fixture\ndef kernel(ragged_dot_kernel):\n    return ragged_dot_kernel\n"
      "def test(kernel):\n    kernel.no_such_name", False),
-    ("ENTRY = 'layer.experts_layer'", False),
-    ("from ragged_dot_tpu.gmm.kernel import grouped_matmul", False),
-])
-def test_the_check_catches_reaching_past_ragged_dots_face(source, kernel_tests):
-    assert _violations(RAGGED_DOT, source, kernel_tests)
+    (RAGGED_DOT, "ENTRY = 'layer.experts_layer'", False),
+    (RAGGED_DOT, "from ragged_dot_tpu.gmm.kernel import grouped_matmul", False),
+    (ATTENTION, "def test(kernel):\n    kernel.flash.kernel.attention_forward(q, k, v, attention)", True),
+    (ATTENTION, "def test(kernel):\n    kernel.flash_backward.tiles.backward_tiles('dq')", True),
+    (ATTENTION, "def test(kernel):\n    kernel.common.masking.prepare(q, k, options)", True),
+    (ATTENTION, "def test(kernel):\n    kernel.pallas_flash.flash_attention(q, k, v)", True),
+    (ATTENTION, "def f(built):\n    return built.flash.tiles.select_config(**shape)", False),
+    (ATTENTION, "attention = kernels['attention-tpu']\nattention.config", False),
+    (ATTENTION, "k = get_local_kernel(attention_build, backend='cpu')\nk.no_such_name", False),
+    (ATTENTION, "ENTRY = 'attention.attention_forward'", False),
+    (ATTENTION, "from attention_tpu.flash.kernel import differentiable_flash_attention", False),
+    (RMSNORM, "def test(kernel):\n    kernel.norm.kernel.rms_norm_forward(x, weight, eps=1e-6)", True),
+    (RMSNORM, "def test(kernel):\n    kernel.norm.tiles.select_config(8, 128, dtype)", True),
+    (RMSNORM, "def test(kernel):\n    kernel.pallas_rms_norm.rms_norm(x, weight, eps=1e-6)", True),
+    (RMSNORM, "def test(kernel):\n    kernel.config.select_config(8, 128, dtype)", True),
+    (RMSNORM, "def f(built):\n    return built.norm.plan.plan_rows('rms_norm', 8, 128, config)", False),
+    (RMSNORM, "rmsnorm = kernels['rmsnorm-tpu']\nrmsnorm.OPS", False),
+    (RMSNORM, "k = get_local_kernel(rmsnorm_build, backend='cpu')\nk.no_such_name", False),
+    (RMSNORM, "k = get_local_kernel(kernel_builds['rmsnorm-tpu'], backend='cpu')\nk.OPS", False),
+    (RMSNORM, "ENTRY = 'norm.kernel'", False),
+    (RMSNORM, "from rmsnorm_tpu.norm.tiles import select_config", False),
+], ids=lambda value: value.repo_name if isinstance(value, Kernel) else None)
+def test_the_check_catches_reaching_past_the_face(kernel, source, kernel_tests):
+    assert _violations(kernel, source, kernel_tests)
 
 
-@pytest.mark.parametrize(("source", "kernel_tests"), [
-    ("def test(kernel):\n    kernel.flash.kernel.attention_forward(q, k, v, attention)", True),
-    ("def test(kernel):\n    kernel.flash_backward.tiles.backward_tiles('dq')", True),
-    ("def test(kernel):\n    kernel.common.masking.prepare(q, k, options)", True),
-    ("def test(kernel):\n    kernel.pallas_flash.flash_attention(q, k, v)", True),
-    ("def f(built):\n    return built.flash.tiles.select_config(**shape)", False),
-    ("attention = kernels['attention-tpu']\nattention.config", False),
-    ("k = get_local_kernel(attention_build, backend='cpu')\nk.no_such_name", False),
-    ("ENTRY = 'attention.attention_forward'", False),
-    ("from attention_tpu.flash.kernel import differentiable_flash_attention", False),
-])
-def test_the_check_catches_reaching_past_attentions_face(source, kernel_tests):
-    assert _violations(ATTENTION, source, kernel_tests)
-
-
-@pytest.mark.parametrize(("source", "kernel_tests"), [
-    ("def test(kernel):\n    kernel.norm.kernel.rms_norm_forward(x, weight, eps=1e-6)", True),
-    ("def test(kernel):\n    kernel.norm.tiles.select_config(8, 128, dtype)", True),
-    ("def test(kernel):\n    kernel.pallas_rms_norm.rms_norm(x, weight, eps=1e-6)", True),
-    ("def test(kernel):\n    kernel.config.select_config(8, 128, dtype)", True),
-    ("def f(built):\n    return built.norm.plan.plan_rows('rms_norm', 8, 128, config)", False),
-    ("rmsnorm = kernels['rmsnorm-tpu']\nrmsnorm.OPS", False),
-    ("k = get_local_kernel(rmsnorm_build, backend='cpu')\nk.no_such_name", False),
-    ("k = get_local_kernel(kernel_builds['rmsnorm-tpu'], backend='cpu')\nk.OPS", False),
-    ("ENTRY = 'norm.kernel'", False),
-    ("from rmsnorm_tpu.norm.tiles import select_config", False),
-])
-def test_the_check_catches_reaching_past_rmsnorms_face(source, kernel_tests):
-    assert _violations(RMSNORM, source, kernel_tests)
-
-
-def test_the_check_passes_ragged_dots_face():
-    source = ("def test(kernel, monkeypatch):\n    kernel.grouped_matmul(x, config=kernel.TileConfig(8, 128, 128))\n"
-              "    kernel.reference.ragged_dot_reference(x)\n    kernel.TUNED_TILES.clear()\n"
-              "    monkeypatch.setattr(kernel.ops, 'check_group_sizes', None)\n"
-              "def other(model, kernel):\n    return model.config.vocab_size, kernel.__name__\n")
-    assert _violations(RAGGED_DOT, source, True) == []
-
-
-def test_the_check_passes_attentions_face():
-    source = ("def test(kernel, monkeypatch):\n    kernel.differentiable_flash_attention(q, k, v, "
-              "config=kernel.AttentionConfig(128, 128, 1 << 25))\n"
-              "    kernel.reference.reference_attention(q, k, v)\n    kernel.select_backward_config(**shape)\n"
-              "    monkeypatch.setitem(kernel.TUNED_TILES, key, kernel.ForwardTiles(1, 2048))\n"
-              "def other(model, kernel):\n    return model.config.vocab_size, kernel.__name__\n")
-    assert _violations(ATTENTION, source, True) == []
-
-
-def test_the_check_passes_rmsnorms_face():
-    source = ("def test(kernel, monkeypatch):\n    kernel.rms_norm(x, weight, 1e-6)\n"
+# Code that stays within each face, in a kernel repo's tests.
+WITHIN_THE_FACE = {
+    RAGGED_DOT: ("def test(kernel, monkeypatch):\n    kernel.grouped_matmul(x, config=kernel.TileConfig(8, 128, 128))\n"
+                 "    kernel.reference.ragged_dot_reference(x)\n    kernel.TUNED_TILES.clear()\n"
+                 "    monkeypatch.setattr(kernel.ops, 'check_group_sizes', None)\n"
+                 "def other(model, kernel):\n    return model.config.vocab_size, kernel.__name__\n"),
+    ATTENTION: ("def test(kernel, monkeypatch):\n    kernel.differentiable_flash_attention(q, k, v, "
+                "config=kernel.AttentionConfig(128, 128, 1 << 25))\n"
+                "    kernel.reference.reference_attention(q, k, v)\n    kernel.select_backward_config(**shape)\n"
+                "    monkeypatch.setitem(kernel.TUNED_TILES, key, kernel.ForwardTiles(1, 2048))\n"
+                "def other(model, kernel):\n    return model.config.vocab_size, kernel.__name__\n"),
+    RMSNORM: ("def test(kernel, monkeypatch):\n    kernel.rms_norm(x, weight, 1e-6)\n"
               "    kernel.rms_norm_forward(x, weight, eps=1e-6, block_rows=16)\n"
               "    kernel.reference.fused_add_rms_norm(x, residual, weight, 1e-6)\n"
               "    kernel.layers.matching_layer_name(module)\n"
               "    monkeypatch.setitem(kernel.TUNED_TILES, key, kernel.RowBlockTiles(1024))\n"
               "def folder(published):\n    build = published.builds['rmsnorm-tpu']\n    return build.rglob('*')\n"
-              "def other(model, kernel):\n    return model.config.vocab_size, kernel.__name__\n")
-    assert _violations(RMSNORM, source, True) == []
+              "def other(model, kernel):\n    return model.config.vocab_size, kernel.__name__\n"),
+}
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda kernel: kernel.repo_name)
+def test_the_check_passes_code_within_the_face(kernel):
+    assert _violations(kernel, WITHIN_THE_FACE[kernel], True) == []

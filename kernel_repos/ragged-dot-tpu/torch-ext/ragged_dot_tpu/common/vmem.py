@@ -14,6 +14,7 @@ combine's token tiles) take a share of that budget.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -42,6 +43,15 @@ class Buffer(NamedTuple):
     @property
     def bytes(self) -> int:
         return self.count * padded_vmem_bytes(self.shape, self.dtype)
+
+
+def accepts(check: Callable[..., None], *arguments) -> bool:
+    """Whether `check(*arguments)` passes: the tile checks raise ValueError on a config that does not fit."""
+    try:
+        check(*arguments)
+    except ValueError:
+        return False
+    return True
 
 
 def check_vmem_fits(config, needed: int, generation: str | None) -> None:

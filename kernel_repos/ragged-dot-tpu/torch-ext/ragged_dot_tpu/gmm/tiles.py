@@ -38,7 +38,7 @@ from ..common.quant import (
     FP8, FP8_BLOCK, FP8_MXU_GENERATIONS, INT8, INT4, blocks, dequantized_in_vmem, per_channel_scales, stored_rows,
 )
 from ..common.vmem import (
-    MAX_UNROLLED_MACS, MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, check_vmem_fits, fp8_dequantize_vmem_bytes,
+    MAX_UNROLLED_MACS, MAX_UNROLLED_MATMULS, Buffer, accepts, buffers_bytes, check_vmem_fits, fp8_dequantize_vmem_bytes,
     fp8_matmul_vmem_bytes, fp8_window_scales_vmem_bytes, int4_unpack_vmem_bytes,
 )
 from ..problem import MatmulProblem
@@ -298,23 +298,16 @@ def heuristic_config(problem: MatmulProblem, generation: str) -> TileConfig:
     candidates.append(TileConfig(tiled_m, tile_k, tile_n, chunk if tiled_m > chunk else None))
     candidates.append(TileConfig(min(chunk, m), tile_k, tile_n))
     for config in candidates:
-        if _fits(config, problem, generation):
+        if accepts(check_config, config, problem, generation):
             return config
     # Shrink the weights block until the smallest row tile fits.
     config = candidates[-1]
-    while not _fits(config, problem, generation) and config.tile_n > LANES:
+    while not accepts(check_config, config, problem, generation) and config.tile_n > LANES:
         config = config._replace(tile_n=max(LANES, round_up(config.tile_n // 2, LANES)))
-    while not _fits(config, problem, generation) and config.tile_k > LANES:
+    while not accepts(check_config, config, problem, generation) and config.tile_k > LANES:
         config = config._replace(tile_k=max(LANES, round_up(config.tile_k // 2, LANES)))
     return config
 
-
-def _fits(config: TileConfig, problem: MatmulProblem, generation: str) -> bool:
-    try:
-        check_config(config, problem, generation)
-    except ValueError:
-        return False
-    return True
 
 
 def select_config(problem: MatmulProblem, generation: str | None = None) -> TileConfig:
@@ -354,6 +347,6 @@ def select_d_lhs_config(problem: MatmulProblem, generation: str | None = None) -
     as_chosen = problem._replace(transpose_rhs=False)
     config = select_config(as_chosen, generation)
     longer = config._replace(tile_m=min(D_LHS_ROW_TILE, problem.m))
-    if config.tile_m < longer.tile_m and _fits(longer, as_chosen, generation):
+    if config.tile_m < longer.tile_m and accepts(check_config, longer, as_chosen, generation):
         return longer
     return config

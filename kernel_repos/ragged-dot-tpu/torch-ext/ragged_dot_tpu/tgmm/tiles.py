@@ -11,7 +11,7 @@ from .._hardware import (
     LANES, check_generation, padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, tpu_generation,
     vmem_budget_bytes, vmem_limit_bytes,
 )
-from ..common.vmem import MAX_UNROLLED_MACS, MAX_UNROLLED_MATMULS, Buffer, buffers_bytes, check_vmem_fits
+from ..common.vmem import MAX_UNROLLED_MACS, MAX_UNROLLED_MATMULS, Buffer, accepts, buffers_bytes, check_vmem_fits
 from ..problem import TgmmProblem
 
 # The weights' gradient (`tgmm.kernel.transposed_grouped_matmul`): per group, lhs_g^T @ rhs_g -> [G, K, N].
@@ -123,12 +123,12 @@ def heuristic_tgmm_config(problem: TgmmProblem, generation: str) -> TgmmConfig:
     tile_k, tile_n = _split_for_cores(problem, tile_k, tile_n, tpu_generation(generation).cores_per_device)
     chunk = tpu_generation(generation).mxu_size
     config = TgmmConfig(TGMM_ROW_TILE, tile_k, tile_n, chunk)
-    while config.tile_m > chunk and not _tgmm_fits(config, problem, generation):
+    while config.tile_m > chunk and not accepts(check_tgmm_config, config, problem, generation):
         config = config._replace(tile_m=config.tile_m // 2)
-    while not _tgmm_fits(config, problem, generation) and config.tile_n > LANES:
+    while not accepts(check_tgmm_config, config, problem, generation) and config.tile_n > LANES:
         config = config._replace(tile_n=max(LANES, round_up(config.tile_n // 2, LANES)))
     grouped = config._replace(group_chunks=True)
-    if _group_chunks_pay(config, problem, generation) and _tgmm_fits(grouped, problem, generation):
+    if _group_chunks_pay(config, problem, generation) and accepts(check_tgmm_config, grouped, problem, generation):
         return grouped
     return config
 
@@ -168,13 +168,6 @@ def _group_chunks_pay(config: TgmmConfig, problem: TgmmProblem, generation: str)
 
     return seconds(0.5, 1 + chunk_m / tile_m) < seconds(1.0, 1.0)
 
-
-def _tgmm_fits(config: TgmmConfig, problem: TgmmProblem, generation: str) -> bool:
-    try:
-        check_tgmm_config(config, problem, generation)
-    except ValueError:
-        return False
-    return True
 
 
 def select_tgmm_config(problem: TgmmProblem, generation: str | None = None) -> TgmmConfig:
