@@ -102,8 +102,9 @@ def make_tgmm_items(group_sizes: jax.Array, m: int, tile_m: int, chunk_m: int | 
 
 
 def _body(row_tile_ref, group_ref, row_start_ref, row_end_ref, chunk_start_ref, count_ref, lhs_ref, rhs_ref, out_ref,
-          acc_ref, *, tile_m: int, chunk_m: int, group_chunks: bool, align: int, precision):
+          acc_ref, *, plan: TgmmPlan, align: int, precision):
     del count_ref  # the grid's item axis has that length
+    tile_m, chunk_m, group_chunks = plan.tile_m, plan.chunk_m, plan.group_chunks
     item = pl.program_id(2)
     items = pl.num_programs(2)
     group = group_ref[item]
@@ -216,8 +217,7 @@ def transposed_grouped_matmul_call(lhs: jax.Array, rhs: jax.Array, group_sizes: 
     window_reads = 1 + (chunk_m / tile_m if group_chunks else 0)
     bytes_accessed = int((m * k * n_tiles + m * n * k_tiles) * window_reads * itemsize
                          + num_groups * k * n * out_dtype.itemsize)
-    body = functools.partial(_body, tile_m=tile_m, chunk_m=chunk_m, group_chunks=group_chunks, align=align,
-                             precision=precision)
+    body = functools.partial(_body, plan=plan, align=align, precision=precision)
     call = scheduled_matmul_call(body, jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), grid_spec,
                                  ("parallel", "parallel", "arbitrary"), plan.vmem_limit_bytes, (m, k, n),
                                  bytes_accessed=bytes_accessed, name="tgmm")
