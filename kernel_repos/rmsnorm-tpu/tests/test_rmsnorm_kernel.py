@@ -94,3 +94,16 @@ def test_explicit_block_rows_are_checked(kernel):
     with pytest.raises(ValueError, match="block_rows must be a multiple of 16"):
         kernel.rms_norm_forward(jnp.ones((40, 128), jnp.bfloat16), jnp.ones((128,), jnp.bfloat16), eps=1e-6,
                                    block_rows=8)
+
+
+@pytest.mark.parametrize("block_rows", [16, 1024])
+def test_explicit_block_rows_ask_for_the_vmem_limit_they_need(kernel, block_rows):
+    """A caller's row block, larger or smaller than the selected one, gets its own block's limit, as a tuned
+    entry does: a larger block under the selected block's limit would overflow it on the chip."""
+    rows, hidden, dtype = 4096, 2048, jnp.bfloat16
+    x, weight = jnp.ones((rows, hidden), dtype), jnp.ones((hidden,), dtype)
+    jaxpr = str(jax.make_jaxpr(lambda x, weight: kernel.rms_norm_forward(
+        x, weight, eps=1e-6, generation="v6e", block_rows=block_rows))(x, weight))
+    needed = kernel.vmem_limit(kernel.vmem_bytes(block_rows, hidden, dtype, "rms_norm"), "v6e")
+    assert kernel.select_config(rows, hidden, dtype, "v6e").block_rows not in (16, 1024)
+    assert f"vmem_limit_bytes={needed}" in jaxpr

@@ -25,7 +25,6 @@ assumed valid: the torch ops check them (`ops.py`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -36,7 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .plan import RowPlan, plan_rows
-from .tiles import OPS, RowBlockConfig, check_block_rows, select_config
+from .._hardware import resolve_generation
+from .tiles import OPS, RowBlockConfig, check_block_rows, select_config, vmem_bytes, vmem_limit
 
 
 class _RowBlocks(NamedTuple):
@@ -157,13 +157,14 @@ def _call(plan: RowPlan, as_rows: list[jax.Array], weight: jax.Array, *, eps: fl
 
 
 def _config(op: str, rows: int, hidden: int, dtype, generation: str | None, block_rows: int | None) -> RowBlockConfig:
-    """`select_config`'s row block for `op`, or the caller's `block_rows` (checked, at most all rows) under the
-    VMEM limit of the selected one."""
-    config = select_config(rows, hidden, dtype, generation, op=op)
+    """`select_config`'s row block for `op`, or the caller's `block_rows` (checked, at most all rows) with the VMEM
+    limit that block needs, as a tuned entry gets (`tiles.tuned_config`)."""
     if block_rows is None:
-        return config
+        return select_config(rows, hidden, dtype, generation, op=op)
     check_block_rows(block_rows, rows, dtype)
-    return dataclasses.replace(config, block_rows=min(block_rows, rows))
+    block_rows = min(block_rows, rows)
+    needed = vmem_bytes(block_rows, hidden, dtype, op)
+    return RowBlockConfig(block_rows, vmem_limit(needed, resolve_generation(generation)))
 
 
 def _row_norm(
