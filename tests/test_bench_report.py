@@ -9,6 +9,7 @@ from tpu_kernels import cli
 from tpu_kernels.bench import report
 from tpu_kernels.bench.tables import attention as attention_tables
 from tpu_kernels.bench.tables import binding as binding_tables
+from tpu_kernels.bench.tables import calibration as calibration_tables
 from tpu_kernels.bench.tables import int4_granularity as int4_granularity_tables
 from tpu_kernels.bench.tables import moe_layer as moe_layer_tables
 from tpu_kernels.bench.tables import multichip as multichip_tables
@@ -195,7 +196,11 @@ def test_multichip_step_tables_from_its_json():
         ("tp", 8, 3.296), ("ep_router", 8, 3.157), ("ep_dispatch", 8, 5.0),
         ("tp", 1, 1.186), ("ep_router", 1, 1.961), ("ep_dispatch", 1, 3.817))]
     winners = {"1": {"mode": "tp"}, "8": {"mode": "ep_router"}}
-    tables = multichip_tables.render_markdown({"entries": entries, "winner_per_batch": winners})
+    method = {"formulas": {"all-reduce": "2 (N-1)/N S / (2 W)"}, "host_sync_us": {"central": 30.0, "low": 10.0, "high": 100.0},
+              "ici": {"diameter_hops": 4, "hop_latency_us": {"central": 1.0, "low": 0.5, "high": 2.0},
+                      "link_bytes_per_s_one_way": 1e11, "mesh": {"rows": 2, "cols": 4}, "sources": "the book"},
+              "left_out": "attention"}
+    tables = multichip_tables.render_markdown({"entries": entries, "winner_per_batch": winners, "method": method})
     assert tables["step-ms"] == "\n".join([
         "| batch | `tp` | `ep_router` | `ep_dispatch` |", "| ---: | ---: | ---: | ---: |",
         "| 1 | **1.19** (0.59-2.37) | 1.96 (0.98-3.92) | 3.82 (1.91-7.63) |",
@@ -204,6 +209,11 @@ def test_multichip_step_tables_from_its_json():
         "| batch | `tp` | `ep_router` | `ep_dispatch` | experts layer us (tp / router / dispatch) "
         "| collectives us per layer (tp / router / dispatch) |",
         "| 1 | **1.19** (0.59-2.37) | 1.96 (0.98-3.92) | 3.82 (1.91-7.63) | 11.9 / 19.6 / 38.2 | 1.2 / 2.0 / 3.8 |"]
+    assert tables["assumptions"].splitlines()[2:7] == [
+        "| all-reduce | 2 (N-1)/N S / (2 W) | | |", "| mesh | 2x4, 4 hops across | | |",
+        "| W, one link one way | 100 GB/s | | |", "| latency per hop | 1 µs | 0.5 µs | 2 µs |",
+        "| host sync (`ep_dispatch`) | 30 µs | 10 µs | 100 µs |"]
+    assert "Sources: the book." in tables["assumptions"]
 
 
 def test_int4_granularity_table_from_its_json():
@@ -229,10 +239,55 @@ def moe_layer_shape(label: str, generation: str, ours_us: float) -> dict:
 def test_moe_layer_headline_table_from_its_json():
     shapes = [moe_layer_shape(label, generation, us) for label, generation, us in (
         ("b T=8", "v5e", 100.0), ("b T=8", "v6e", 50.0), ("a T=1", "v6e", 10.0), ("a T=1", "v5e", 20.0))]
-    assert moe_layer_tables.render_markdown({"shapes": shapes}) == {"headline": "\n".join([
+    assert moe_layer_tables.headline({"shapes": shapes}, ("v5e", "v6e")) == "\n".join([
         "| shape | v5e | v6e |", "| --- | --- | --- |",
         "| b T=8 | 100.0 (95-105) / 200.0 (megablox) / 50.0 | 50.0 (45-55) / 100.0 (megablox) / 25.0 |",
-        "| a T=1 | 20.0 (15-25) / 40.0 (megablox) / 10.0 | 10.0 (5-15) / 20.0 (megablox) / 5.0 |"])}
+        "| a T=1 | 20.0 (15-25) / 40.0 (megablox) / 10.0 | 10.0 (5-15) / 20.0 (megablox) / 5.0 |"])
+
+
+def test_moe_layer_targets_tables_from_its_json():
+    anchor = {"ours_us": 98.2, "ours_band_p90_us": [92.6, 103.8], "target_us": 100.0, "meets": True,
+              "meets_across_p90_band": False, "best_rival_us": 117.1, "best_rival": "megablox", "roofline_us": 93.4}
+    targets = {
+        "anchor": {"a 256 v6e": anchor},
+        "decode": [{"label": "a T=1", "generation": "v6e", "meets": True, "ours_over_roofline": 1.05},
+                   {"label": "b T=1", "generation": "v5e", "meets": False, "ours_over_roofline": 1.18}],
+        "decode_max_over_roofline": 1.08, "decode_meets": 1, "decode_shapes": 2,
+        "quantized": {"max_bytes_over_quantized_min": 1.05, "decode_meets": 6, "decode_shapes": 6},
+        "rival_wins": [],
+    }
+    data = {"targets": targets}
+    assert moe_layer_tables.anchor(data).splitlines()[2] == (
+        "| a 256 v6e | 98.2 (92.6-103.8) | 100 | yes | no | 117.1 (megablox) | 93.4 |")
+    assert moe_layer_tables.decode_targets(data).splitlines() == [
+        "| decode target | met |", "| --- | --- |", "| bf16 within 1.08x of the roofline | 1 of 2 |",
+        "| int8 / fp8 / int4 bytes within 1.05x of the quantized minimum | 6 of 6 |", "",
+        "| missed: shape | gen | ours / roofline |", "| --- | --- | ---: |", "| b T=1 | v5e | 1.180 |"]
+    assert moe_layer_tables.rival_wins(data) == "No tuned rival is faster than ours at any shape."
+    targets["rival_wins"] = [{"label": "c T=2048", "generation": "v6e", "rival": "megablox", "rival_wins_by_pct": 2.14,
+                              "why": "grouped-matmul us"}]
+    assert moe_layer_tables.rival_wins(data).splitlines()[2] == "| c T=2048 | v6e | megablox | 2.1 | grouped-matmul us |"
+
+
+def test_calibration_tables_count_refusals_per_chip_and_kind_but_not_missing_timings():
+    stats = {"count": 16, "median_abs_error": 0.0198, "p90_abs_error": 0.0568, "worst": {"ratio": 0.8979}}
+    summary = {"v5e": {"pallas_ragged_dot": {"all": stats, "fit": {"median_abs_error": 0.0219},
+                                             "holdout": {"median_abs_error": 0.0147}}}}
+    folder = "site-packages/tokamax/data/autotuning/tpu_v5_lite"
+    skipped = [{"file": f"{folder}/pallas_mosaic_tpu_ragged_dot.json", "reason": "inconsistent inputs: the tiles"},
+               {"file": f"{folder}/pallas_mosaic_tpu_ragged_dot.json", "reason": "inconsistent inputs: other"},
+               {"file": f"{folder}/pallas_mosaic_tpu_ragged_dot.json", "reason": "no timing recorded"},
+               {"file": f"{folder}/ragged_dot.json", "reason": "not modelled: empty bounds"}]
+    constants = {"what": "x", "grid_step_s": {"v5e": 3.4e-7, "v6e": 3.4e-7, "v5p": 3.4e-7, "tpu7x": 7.2e-7},
+                 "grid_step_s_note": "v5e and TPU7x fitted", "mxu_weight_load_fraction": 0.125}
+    tables = calibration_tables.render_markdown({"summary": summary, "skipped": skipped}, constants)
+    assert tables["error"].splitlines()[2] == (
+        "| v5e | pallas_ragged_dot | 16 | 2 inconsistent inputs | 2.0 % | 5.7 % | 0.90 | 2.2 % / 1.5 % |")
+    rows = tables["constants"].splitlines()
+    assert rows[0] == "| per device | v5e | v6e | v5p | tpu7x | source |"
+    assert "| `grid_step_s` | 0.34 µs | 0.34 µs | 0.34 µs | 0.72 µs | v5e and TPU7x fitted |" in rows
+    assert "| `mxu_weight_load_fraction` | 0.125 | 0.125 | 0.125 | 0.125 |  |" in rows
+    assert not any("what" in row for row in rows)
 
 
 def test_moe_layer_v5p_tpu7x_table_adds_the_quantized_formats(monkeypatch):
@@ -258,6 +313,10 @@ def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
                        "benchmarks/results/multichip.md#step-ms-and-layer-parts",
                        "benchmarks/results/int4_granularity.md#greedy-tokens",
                        "benchmarks/results/moe_layer_headline.md#headline",
+                       "benchmarks/results/moe_layer_headline.md#anchor",
+                       "benchmarks/results/moe_layer_headline.md#hf-257us",
+                       "benchmarks/results/calibration.md#error", "benchmarks/results/calibration.md#constants",
+                       "benchmarks/results/multichip.md#assumptions",
                        "benchmarks/results/moe_layer_v5p_tpu7x_headline.md#headline-and-quantized"}
 
 

@@ -35,9 +35,11 @@ from pathlib import Path
 
 from tpu_kernels.bench.tables import attention as attention_tables
 from tpu_kernels.bench.tables import binding as binding_tables
+from tpu_kernels.bench.tables import calibration as calibration_tables
 from tpu_kernels.bench.tables import int4_granularity as int4_granularity_tables
 from tpu_kernels.bench.tables import moe_layer as moe_layer_tables
 from tpu_kernels.bench.tables import multichip as multichip_tables
+from tpu_kernels.perf.chip import CONSTANTS as MODEL_CONSTANTS
 
 # The tracked docs that may hold generated blocks, as globs relative to the project's root.
 DOCS = ("README.md", "docs/*.md", "benchmarks/README.md", "kernel_repos/*/CARD.md")
@@ -283,6 +285,16 @@ def moe_backward_tables(root: Path) -> str:
     ])
 
 
+def calibration_tables_md(root: Path) -> str:
+    """benchmarks/results/calibration.md: the model's error per chip and kind, and the constants it prices with."""
+    report_json = json.loads((root / SOURCES_DIR / "calibration.json").read_text())
+    lines = ["<!-- written by `tpu-kernels bench report` from calibration.json and the performance model's constants "
+             "(tpu_kernels/perf/model_constants.json): do not edit -->"]
+    for name, table in calibration_tables.render_markdown(report_json, MODEL_CONSTANTS).items():
+        lines += ["", f"## {name}", "", table]
+    return "\n".join(lines) + "\n"
+
+
 def sectioned_tables(json_name: str, render_markdown: Callable[[dict], dict[str, str]]) -> Callable[[Path], str]:
     """A derived table's renderer from a benchmark's `render_markdown(json) -> {section: table}`."""
 
@@ -300,6 +312,7 @@ def sectioned_tables(json_name: str, render_markdown: Callable[[dict], dict[str,
 DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
     f"{SOURCES_DIR}/moe_layer_formats.md": moe_layer_formats,
     f"{SOURCES_DIR}/moe_backward.md": moe_backward_tables,
+    f"{SOURCES_DIR}/calibration.md": calibration_tables_md,
     f"{SOURCES_DIR}/binding.md": sectioned_tables("binding.json", binding_tables.render_markdown),
     f"{SOURCES_DIR}/attention.md": sectioned_tables("attention.json", attention_tables.render_markdown),
     f"{SOURCES_DIR}/multichip.md": sectioned_tables("multichip.json", multichip_tables.render_markdown),

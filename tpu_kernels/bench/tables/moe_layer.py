@@ -58,9 +58,112 @@ def headline_and_quantized(data: dict) -> str:
 
 def render_markdown(data: dict) -> dict[str, str]:
     """moe_layer.json's tables by section (its default run models v5e and v6e)."""
-    return {"headline": headline(data, ("v5e", "v6e"))}
+    return {"headline": headline(data, ("v5e", "v6e")), "anchor": anchor(data), "anchor-formats": anchor_formats(data),
+            "decode-targets": decode_targets(data), "prefill-targets": prefill_targets(data),
+            "rival-wins": rival_wins(data), "hf-257us": hf_257us(data)}
 
 
 def render_v5p_tpu7x_markdown(data: dict) -> dict[str, str]:
     """moe_layer_v5p_tpu7x.json's tables by section."""
     return {"headline-and-quantized": headline_and_quantized(data)}
+
+
+def band(figures: dict, key: str = "ours_band_p90_us") -> str:
+    low, high = figures[key]
+    return f"{low:.1f}-{high:.1f}"
+
+
+def yes_no(value: bool | None) -> str:
+    return {True: "yes", False: "no", None: "no target"}[value]
+
+
+def anchor(data: dict) -> str:
+    """The anchor target per EP mode: ours against the target, across its band, beside the best rival."""
+    rows = ["| anchor | ours µs (p90 band) | target µs | met | met across the band | best tuned rival µs | roofline µs |",
+            "| --- | ---: | ---: | --- | --- | ---: | ---: |"]
+    for name, figures in sorted(data["targets"]["anchor"].items()):
+        rows.append(f"| {name} | {figures['ours_us']:.1f} ({band(figures)}) | {figures['target_us']:.0f} "
+                    f"| {yes_no(figures['meets'])} | {yes_no(figures['meets_across_p90_band'])} "
+                    f"| {figures['best_rival_us']:.1f} ({figures['best_rival']}) | {figures['roofline_us']:.1f} |")
+    return "\n".join(rows)
+
+
+def anchor_formats(data: dict) -> str:
+    """The anchor's shapes per generation: bf16 over the roofline, and each quantized format's time over bf16's."""
+    formats = ("int8", "fp8", "int4")
+    rows = ["| anchor shape, gen | bf16 µs | bf16 / roofline | " + " | ".join(f"{f} µs (/ bf16)" for f in formats) + " |",
+            "| --- | ---: | ---: |" + " ---: |" * len(formats)]
+    for name, figures in sorted(data["targets"]["per_generation_anchor"].items()):
+        cells = [f"{figures[f]['us']:.1f} ({figures[f]['over_bf16']:.2f})" for f in formats]
+        rows.append(f"| {name} | {figures['ours_us']:.1f} | {figures['ours_over_roofline']:.3f} | "
+                    + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def decode_targets(data: dict) -> str:
+    """How many decode rows are within the target's share of the roofline, and every row that is not."""
+    targets = data["targets"]
+    quantized = targets["quantized"]
+    rows = ["| decode target | met |", "| --- | --- |",
+            f"| bf16 within {targets['decode_max_over_roofline']}x of the roofline "
+            f"| {targets['decode_meets']} of {targets['decode_shapes']} |",
+            f"| int8 / fp8 / int4 bytes within {quantized['max_bytes_over_quantized_min']}x of the quantized minimum "
+            f"| {quantized['decode_meets']} of {quantized['decode_shapes']} |"]
+    misses = [row for row in targets["decode"] if not row["meets"]]
+    if misses:
+        rows += ["", "| missed: shape | gen | ours / roofline |", "| --- | --- | ---: |"]
+        rows += [f"| {row['label']} | {row['generation']} | {row['ours_over_roofline']:.3f} |" for row in misses]
+    return "\n".join(rows)
+
+
+def prefill_targets(data: dict) -> str:
+    """v5e's compute-bound prefill rows against the MXU-share target, with what bounds each."""
+    targets = data["targets"]
+    share = targets["prefill_v5e_compute_bound_min_mxu_pct"]
+    rows = [f"| compute-bound prefill, v5e | gen | MXU % of peak (target {share:.0f}) | static-chunk ceiling % "
+            "| kernels' MXU passes and steps, % of the target's time | MXU work / useful | met |",
+            "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    for row in targets["prefill"]:
+        rows.append(f"| {row['label']} | {row['generation']} | {row['mxu_utilisation_pct']:.1f} "
+                    f"| {row['static_chunk_ceiling_pct']:.1f} | {row['kernels_mxu_and_steps_pct_of_target_time']:.1f} "
+                    f"| {row['kernels_mxu_flops_over_useful']:.2f} | {yes_no(row['meets'])} |")
+    return "\n".join(rows)
+
+
+def rival_wins(data: dict) -> str:
+    """Every (shape, generation) where a tuned rival is faster than ours, and the model's term that differs."""
+    wins = data["targets"]["rival_wins"]
+    if not wins:
+        return "No tuned rival is faster than ours at any shape."
+    rows = ["| shape | gen | rival | faster by % | why (the model's terms) |", "| --- | --- | --- | ---: | --- |"]
+    rows += [f"| {win['label']} | {win['generation']} | {win['rival']} | {win['rival_wins_by_pct']:.1f} | {win['why']} |"
+             for win in wins]
+    return "\n".join(rows)
+
+
+def hf_257us(data: dict) -> str:
+    """Hugging Face's measured 257 µs layer against the model of the kernel they ran, at its own default tiles."""
+    hf = data["hf_257us"]
+    measured = hf["measured_us"]
+    rows = [f"| {hf['generation']}, kernels-community's tokamax kernel at tokamax's default tiles | predicted µs "
+            "(p90 band) | grid steps x fitted cost = µs | without step cost µs | predicted / measured "
+            "| step cost that gives the measured µs | tokamax tuned µs | ours µs |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, shape in sorted(hf["shapes"].items()):
+        low, high = shape["band_p90_us"]
+        per_step = shape["grid_step_cost_us"] / shape["grid_steps"]
+        rows.append(f"| {name} | {shape['predicted_us']:.0f} ({low:.0f}-{high:.0f}) "
+                    f"| {shape['grid_steps']} x {per_step:.2f} = {shape['grid_step_cost_us']:.0f} "
+                    f"| {shape['without_step_cost_us']:.1f} | {shape['predicted_us'] / measured:.1f}x "
+                    f"| {shape['step_cost_that_gives_measured_us']:.3f} | {shape['tokamax_tuned_us']:.1f} "
+                    f"| {shape['ours_us']:.1f} |")
+    first = next(iter(sorted(hf["shapes"].items())))[1]
+    rows += ["", "| the same layer's two grouped matmuls at other tiles (m, k, n) | grid steps | modelled µs |",
+             "| --- | ---: | ---: |"]
+    rows += [f"| {tuple(other['tiles'])} | {other['grid_steps']} | {other['grouped_matmuls_alone_us']:.1f} |"
+             for other in first["other_tiles"]]
+    rows += ["", "| the measured Pallas ragged dot with the largest share of grid-step cost | chip | share | grid steps "
+             "| predicted / measured |", "| --- | --- | ---: | ---: | ---: |"]
+    rows += [f"| `{entry['call']}` | {chip} | {entry['share']:.2f} | {entry['steps']} | {entry['ratio']:.2f} |"
+             for chip, entry in sorted(hf["largest_step_share_in_calibration"].items())]
+    return "\n".join(rows)

@@ -31,7 +31,23 @@ def step_times(data: dict, with_layer_parts: bool) -> str:
     return "\n".join(rows)
 
 
+def assumptions(data: dict) -> str:
+    """The collectives' formulas and the interconnect and host figures they are priced with, with their sources."""
+    method = data["method"]
+    ici = method["ici"]
+    hop, host = ici["hop_latency_us"], method["host_sync_us"]
+    rows = ["| assumption | central | low | high |", "| --- | --- | --- | --- |"]
+    rows += [f"| {name} | {formula} | | |" for name, formula in sorted(method["formulas"].items())]
+    rows += [f"| mesh | {ici['mesh']['rows']}x{ici['mesh']['cols']}, {ici['diameter_hops']} hops across | | |",
+             f"| W, one link one way | {ici['link_bytes_per_s_one_way'] / 1e9:.0f} GB/s | | |",
+             f"| latency per hop | {hop['central']:g} µs | {hop['low']:g} µs | {hop['high']:g} µs |",
+             f"| host sync (`ep_dispatch`) | {host['central']:g} µs | {host['low']:g} µs | {host['high']:g} µs |",
+             "", f"Sources: {ici['sources']}.", "", f"Left out: {method['left_out']}."]
+    return "\n".join(rows)
+
+
 def render_markdown(data: dict) -> dict[str, str]:
-    """multichip.json's tables by section: the step times, and with each layer's parts."""
+    """multichip.json's tables by section: the step times, with each layer's parts, and the assumptions."""
     return {"step-ms": step_times(data, with_layer_parts=False),
-            "step-ms-and-layer-parts": step_times(data, with_layer_parts=True)}
+            "step-ms-and-layer-parts": step_times(data, with_layer_parts=True),
+            "assumptions": assumptions(data)}
