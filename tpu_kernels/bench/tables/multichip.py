@@ -6,15 +6,13 @@ from __future__ import annotations
 LAYOUTS = ("tp", "ep_router", "ep_dispatch")
 
 
-def step_times(data: dict, with_layer_parts: bool) -> str:
-    """Per batch, each layout's modelled ms per step (its low-high bounds in brackets), the batch's winner bold;
-    `with_layer_parts` adds the columns of what one layer spends in the experts layer and in collectives."""
+def step_times(data: dict) -> str:
+    """Per batch, each layout's modelled ms per step (its low-high bounds in brackets), the batch's winner bold,
+    then what one layer spends in the experts layer and in collectives."""
     entries = {(entry["mode"], entry["batch"]): entry for entry in data["entries"]}
-    header = "| batch | " + " | ".join(f"`{layout}`" for layout in LAYOUTS) + " |"
-    rule = "| ---: |" + " ---: |" * len(LAYOUTS)
-    if with_layer_parts:
-        header += " experts layer us (tp / router / dispatch) | collectives us per layer (tp / router / dispatch) |"
-        rule += " --- | --- |"
+    header = ("| batch | " + " | ".join(f"`{layout}`" for layout in LAYOUTS)
+              + " | experts layer us (tp / router / dispatch) | collectives us per layer (tp / router / dispatch) |")
+    rule = "| ---: |" + " ---: |" * len(LAYOUTS) + " --- | --- |"
     rows = [header, rule]
     for batch in sorted({batch for _, batch in entries}):
         winner = data["winner_per_batch"][str(batch)]["mode"]
@@ -24,9 +22,8 @@ def step_times(data: dict, with_layer_parts: bool) -> str:
             ms = entry["per_step_ms"]
             central = f"**{ms['central']:.2f}**" if layout == winner else f"{ms['central']:.2f}"
             cells.append(f"{central} ({ms['low']:.2f}-{ms['high']:.2f})")
-        if with_layer_parts:
-            cells.append(" / ".join(f"{entry['experts_layer_us']['central']:.1f}" for entry in layouts))
-            cells.append(" / ".join(f"{entry['collectives_us_per_layer']['central']:.1f}" for entry in layouts))
+        cells.append(" / ".join(f"{entry['experts_layer_us']['central']:.1f}" for entry in layouts))
+        cells.append(" / ".join(f"{entry['collectives_us_per_layer']['central']:.1f}" for entry in layouts))
         rows.append(f"| {batch} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -47,7 +44,6 @@ def assumptions(data: dict) -> str:
 
 
 def render_markdown(data: dict) -> dict[str, str]:
-    """multichip.json's tables by section: the step times, with each layer's parts, and the assumptions."""
-    return {"step-ms": step_times(data, with_layer_parts=False),
-            "step-ms-and-layer-parts": step_times(data, with_layer_parts=True),
+    """multichip.json's tables by section: the step times with each layer's parts, and the assumptions."""
+    return {"step-ms-and-layer-parts": step_times(data),
             "assumptions": assumptions(data)}
