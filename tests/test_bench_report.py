@@ -136,8 +136,17 @@ def test_binding_cost_per_call_table_from_its_json():
            "stretch_target_us": 50.0, "overhead_us": 108.49, "breakdown_unaccounted_us": 47.4,
            "breakdown_us": [part, {"part": "result -> torch", "us": 4.61, "also_on_tpu_path": False}],
            "race_detection_extra_us": 0.62}
-    tables = binding_tables.render_markdown({"cpu_path": cpu, "load_average_at_start": [0.95, 1.8], "cpu_count": 2})
-    assert tables == {"cost-per-call": "\n".join([
+    step = {"assumptions": "48 layers", "kernel_calls_per_step": 192, "host_ms_per_step_lower_bound": 8.137,
+            "hf_step_ms_batch_1": 26.5, "share_of_hf_step": 0.307}
+    tpu = {"per_call_us": {"add": {"min_us": 19.21}, "gated_experts": {"min_us": 57.61}}, "decode_step_model": step}
+    tables = binding_tables.render_markdown({"cpu_path": cpu, "load_average_at_start": [0.95, 1.8], "cpu_count": 2,
+                                             "tpu_path_python": tpu})
+    assert tables["tpu-path"].splitlines() == [
+        "| host Python per call on TPU tensors (launch stubbed out), minimum | µs |", "| --- | ---: |",
+        "| `add` | 19.2 |", "| `gated_experts` | 57.6 |", "", "| decode step, eager | |", "| --- | ---: |",
+        "| kernel calls (48 layers) | 192 |", "| host Python, lower bound, ms | 8.1 |",
+        "| Hugging Face's measured step at batch 1, ms | 26.5 |", "| share of that step | 31 % |"]
+    assert tables["cost-per-call"] == "\n".join([
         "| per call, CPU, minimum over rounds (load average 0.9 on 2 cores) | µs | also on the TPU path |",
         "| --- | ---: | --- |",
         "| bare jitted call (JAX arrays, interpret mode) | 15.8 | |",
@@ -147,7 +156,7 @@ def test_binding_cost_per_call_table_from_its_json():
         "| result -> torch | 4.6 | no |",
         "| unaccounted (noise, call glue) | 47.4 | |",
         "| with race detection on (our tests): watching standard output | 0.6 | no |",
-    ])}
+    ])
 
 
 def test_attention_forward_and_backward_tables_from_its_json(monkeypatch):
@@ -306,7 +315,8 @@ def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
     for doc in ("docs/binding.md", "kernel_repos/attention-tpu/CARD.md", "docs/multichip.md", "benchmarks/README.md"):
         blocks, _ = report.find_blocks(doc, (ROOT / doc).read_text())
         sources |= {block.source for block in blocks}
-    assert sources >= {"benchmarks/results/binding.md#cost-per-call", "benchmarks/results/attention.md#forward",
+    assert sources >= {"benchmarks/results/binding.md#cost-per-call",
+                       "benchmarks/results/binding.md#tpu-path", "benchmarks/results/attention.md#forward",
                        "benchmarks/results/attention.md#backward",
                        "benchmarks/results/multichip.md#step-ms-and-layer-parts",
                        "benchmarks/results/int4_granularity.md#greedy-tokens",

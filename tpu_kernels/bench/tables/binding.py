@@ -30,6 +30,21 @@ def cost_per_call(cpu: dict, load_average: float, cores: int) -> str:
     return "\n".join(rows)
 
 
+def tpu_path_python(tpu: dict) -> str:
+    """The Python each op's call runs on TPU tensors (the launch stubbed out), and what it adds up to in a decode
+    step, beside Hugging Face's measured step."""
+    rows = ["| host Python per call on TPU tensors (launch stubbed out), minimum | µs |", "| --- | ---: |"]
+    rows += [f"| `{op}` | {figures['min_us']:.1f} |" for op, figures in tpu["per_call_us"].items()]
+    step = tpu["decode_step_model"]
+    rows += ["", "| decode step, eager | |", "| --- | ---: |",
+             f"| kernel calls ({step['assumptions']}) | {step['kernel_calls_per_step']} |",
+             f"| host Python, lower bound, ms | {step['host_ms_per_step_lower_bound']:.1f} |",
+             f"| Hugging Face's measured step at batch 1, ms | {step['hf_step_ms_batch_1']:g} |",
+             f"| share of that step | {100 * step['share_of_hf_step']:.0f} % |"]
+    return "\n".join(rows)
+
+
 def render_markdown(data: dict) -> dict[str, str]:
     """binding.json's tables by section."""
-    return {"cost-per-call": cost_per_call(data["cpu_path"], data["load_average_at_start"][0], data["cpu_count"])}
+    return {"cost-per-call": cost_per_call(data["cpu_path"], data["load_average_at_start"][0], data["cpu_count"]),
+            "tpu-path": tpu_path_python(data["tpu_path_python"])}
