@@ -13,6 +13,7 @@ from tpu_kernels.bench.tables import calibration as calibration_tables
 from tpu_kernels.bench.tables import int4_granularity as int4_granularity_tables
 from tpu_kernels.bench.tables import moe_layer as moe_layer_tables
 from tpu_kernels.bench.tables import multichip as multichip_tables
+from tpu_kernels.bench.tables import quantization_accuracy as quantization_accuracy_tables
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -223,6 +224,13 @@ def test_multichip_step_tables_from_its_json():
     assert "Sources: the book." in tables["assumptions"]
 
 
+def test_quantization_accuracy_table_from_its_json():
+    figures = {"logits_max_abs_error": 0.02391, "logits_mean_abs_error": 0.00422, "greedy_tokens_equal": "36/64",
+               "teacher_forced_tokens_equal": "57/64", "reference_median_margin": 0.033431}
+    tables = quantization_accuracy_tables.render_markdown({"models": {"mixtral (H=128)": {"int4": figures}}})
+    assert tables["errors"].splitlines()[2] == "| mixtral (H=128) | int4 | 2.4e-02 / 4.2e-03 | 36/64 | 57/64 | 0.033 |"
+
+
 def test_int4_granularity_table_from_its_json():
     def tokens(*equal: str) -> dict:
         return {scheme: {"greedy_tokens_equal": kept} for scheme, kept in zip(int4_granularity_tables.SCHEMES, equal)}
@@ -312,7 +320,8 @@ def test_moe_layer_v5p_tpu7x_table_adds_the_quantized_formats(monkeypatch):
 
 def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
     sources = set()
-    for doc in ("docs/binding.md", "kernel_repos/attention-tpu/CARD.md", "docs/multichip.md", "benchmarks/README.md"):
+    for doc in ("docs/binding.md", "kernel_repos/attention-tpu/CARD.md", "docs/multichip.md", "benchmarks/README.md",
+                "docs/kernelize.md"):
         blocks, _ = report.find_blocks(doc, (ROOT / doc).read_text())
         sources |= {block.source for block in blocks}
     assert sources >= {"benchmarks/results/binding.md#cost-per-call",
@@ -325,6 +334,9 @@ def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
                        "benchmarks/results/moe_layer_headline.md#hf-257us",
                        "benchmarks/results/calibration.md#error", "benchmarks/results/calibration.md#constants",
                        "benchmarks/results/multichip.md#assumptions",
+                       "benchmarks/results/quantization_accuracy.md#errors",
+                       "benchmarks/results/quantization_accuracy_tpu7x.md#errors",
+                       "benchmarks/results/moe_layer_formats.md#per-chip",
                        "benchmarks/results/moe_layer_v5p_tpu7x_headline.md#headline-and-quantized"}
 
 

@@ -39,6 +39,7 @@ from tpu_kernels.bench.tables import calibration as calibration_tables
 from tpu_kernels.bench.tables import int4_granularity as int4_granularity_tables
 from tpu_kernels.bench.tables import moe_layer as moe_layer_tables
 from tpu_kernels.bench.tables import multichip as multichip_tables
+from tpu_kernels.bench.tables import quantization_accuracy as quantization_accuracy_tables
 from tpu_kernels.perf.chip import CONSTANTS as MODEL_CONSTANTS
 
 # The tracked docs that may hold generated blocks, as globs relative to the project's root.
@@ -320,6 +321,10 @@ DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
     f"{SOURCES_DIR}/moe_layer_headline.md": sectioned_tables("moe_layer.json", moe_layer_tables.render_markdown),
     f"{SOURCES_DIR}/moe_layer_v5p_tpu7x_headline.md": sectioned_tables(
         "moe_layer_v5p_tpu7x.json", moe_layer_tables.render_v5p_tpu7x_markdown),
+    f"{SOURCES_DIR}/quantization_accuracy.md": sectioned_tables("quantization_accuracy.json",
+                                                                quantization_accuracy_tables.render_markdown),
+    f"{SOURCES_DIR}/quantization_accuracy_tpu7x.md": sectioned_tables("quantization_accuracy_tpu7x.json",
+                                                                      quantization_accuracy_tables.render_markdown),
     f"{SOURCES_DIR}/int4_granularity.md": sectioned_tables("int4_granularity.json",
                                                            int4_granularity_tables.render_markdown),
 }
