@@ -58,6 +58,13 @@ lowered module's text and the library versions only, so a change of the
 model re-analyses and never recompiles; a grid replay by the traced jaxpr,
 its concrete arguments and the source of the `tpu_kernels.perf` package.
 
+What runs: by default the headline shapes (the anchor's rank in both EP
+modes, at its decode batch and at the larger prefill; `shapes.HEADLINE_*`),
+into benchmarks/results/moe_layer_headline_shapes.json; `--all` the full
+sweep into benchmarks/results/moe_layer.json, and a full sweep from an empty
+cache adds its wall time to benchmarks/results/moe_layer_cold_times.json;
+`--settings` / `--tokens` any subset (the full sweep's file unless `--out`).
+
 Output: `--out` (benchmarks/results/moe_layer.json, tracked) holds one line
 per (shape, generation) and per (shape, generation, variant), the targets and
 the Hugging Face 257 us case, with sorted keys and no run facts; the raw rows
@@ -65,7 +72,7 @@ the Hugging Face 257 us case, with sorted keys and no run facts; the raw rows
 cache hits, load) go to benchmarks/results/raw/ (untracked).
 
 Usage:
-    tpu-kernels bench moe_layer [--out benchmarks/results/moe_layer.json]
+    tpu-kernels bench moe_layer [--all] [--out benchmarks/results/moe_layer.json]
         [--repo kernel_repos/ragged-dot-tpu] [--settings LABEL ...] [--tokens T ...] [--jobs 2] [--no-cache]
         [--retarget]
     tpu-kernels bench kernel_repos/ragged-dot-tpu [...]        (the same, --repo from the path)

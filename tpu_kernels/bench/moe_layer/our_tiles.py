@@ -1,6 +1,6 @@
 """Ours tuned as the rivals are: a search over our grouped matmul's tiles at every prefill case, kept as data.
 
-`tpu-kernels bench moe_layer --tune-ours` replays ragged-dot's grouped
+`tpu-kernels bench moe_layer --all --tune-ours` replays ragged-dot's grouped
 matmul (`grouped_matmul`) of each projection of each prefill case at
 candidate tiles around its heuristic's (row tiles of 256 to 2048 rows, the
 heuristic's N tile and the whole N, chunks of one MXU width) and prices each
@@ -10,7 +10,7 @@ by at least MIN_GAIN is then checked in the layer as kernelize installs it
 (compiled, with XLA's placements): bigger tiles ask for more VMEM, and XLA
 then keeps fewer of the layer's operands on chip, which standalone pricing
 cannot see. What also makes the layer faster goes into the kernel repo's
-`tuned_tiles.json`, which `select_config` takes over the heuristic
+`tuned_tiles.json`, which `gmm.tiles.select` takes over the heuristic
 at run time. The heuristic stays the fallback for every other shape. The
 table changes no kernel code.
 """
@@ -52,7 +52,7 @@ def candidates(built, key, generation: str) -> list:
     and its halves down to 512 (smaller blocks expose less of the pipeline's first fetch and last write where the
     weights stream); those `check_config` accepts on `generation`."""
     problem = built.MatmulProblem(key.m, key.k, key.n, key.groups, key.dtype, key.rhs_dtype, key.transpose_rhs)
-    heuristic = built.heuristic_config(problem, generation)
+    heuristic = built.gmm.tiles.heuristic_config(problem, generation)
     chunk = tpu_generation(generation).mxu_size
     tile_ns = {heuristic.tile_n, key.n}
     for tile_n in (heuristic.tile_n // 2, key.n // 2, key.n // 4):
@@ -64,9 +64,9 @@ def candidates(built, key, generation: str) -> list:
     found = [heuristic]
     for tile_m, tile_n, tile_k in itertools.product(ROW_TILES, sorted(tile_ns), sorted(tile_ks)):
         if tile_m < key.m:
-            candidate = built.TileConfig(tile_m, tile_k, tile_n, chunk if tile_m > chunk else None)
+            candidate = built.gmm.tiles.TileConfig(tile_m, tile_k, tile_n, chunk if tile_m > chunk else None)
             try:
-                built.check_config(candidate, problem, generation)
+                built.gmm.tiles.check_config(candidate, problem, generation)
             except ValueError:
                 continue
             if candidate not in found:
@@ -78,8 +78,8 @@ def _replay(built, cache: Cache, case: Case, key, tiles):
     experts = case.setting.local_experts
     lhs = jax.ShapeDtypeStruct((key.m, key.k), DTYPE)
     rhs = jax.ShapeDtypeStruct((experts, key.n, key.k) if key.transpose_rhs else (experts, key.k, key.n), DTYPE)
-    fn = functools.partial(built.grouped_matmul, transpose_rhs=key.transpose_rhs, zero_rows_past_groups=False,
-                           config=tiles)
+    fn = functools.partial(built.gmm.kernel.grouped_matmul, transpose_rhs=key.transpose_rhs,
+                           zero_rows_past_groups=False, config=tiles)
     return replay(cache, lambda x, w, s, fn=fn: fn(x, w, s), (lhs, rhs, case.group_sizes))
 
 
@@ -94,8 +94,8 @@ def tune_case(built, cache: Cache, compiler: Compiler, case: Case, generations: 
 def projection_keys(built, case: Case, generation: str) -> list[tuple[str, object]]:
     """(projection, `TunedKey`) of each grouped matmul of `case`'s layer on `generation`."""
     dtype = jnp.dtype(DTYPE).name
-    return [(projection, built.TunedKey(generation, case.picks, k, n, case.setting.local_experts, dtype, dtype,
-                                        stored_order(case.model, projection)[1]))
+    return [(projection, built.gmm.tiles.TunedKey(generation, case.picks, k, n, case.setting.local_experts, dtype,
+                                                  dtype, stored_order(case.model, projection)[1]))
             for projection, k, n in projections(case)]
 
 
@@ -120,11 +120,11 @@ def standalone_winners(built, cache: Cache, case: Case, generation: str) -> list
 
 @contextlib.contextmanager
 def tuned_as(built, entries: list[dict]):
-    """The built kernel's TUNED_TILES as exactly `entries` while in the block (select_config reads it per call)."""
-    table = built.TUNED_TILES
+    """The built kernel's TUNED_TILES as exactly `entries` while in the block (gmm.tiles.select reads it per call)."""
+    table = built.gmm.tiles.TUNED_TILES
     kept = dict(table)
     table.clear()
-    table.update(tuned_tiles(entries, built.TunedKey, built.TileConfig))
+    table.update(tuned_tiles(entries, built.gmm.tiles.TunedKey, built.gmm.tiles.TileConfig))
     try:
         yield
     finally:

@@ -22,13 +22,20 @@ from .our_tiles import projection_keys, tune_case, write_table
 from .ours import build_folder, load_kernel
 from .report import write_outputs
 from .rivals import RIVALS
-from .shapes import ANCHOR, ANCHOR_DISPATCH, DECODE_TOKENS, GENERATIONS, PREFILL_TOKENS, SETTINGS, Case, make_cases
+from .shapes import (
+    ANCHOR, ANCHOR_DISPATCH, DECODE_TOKENS, GENERATIONS, HEADLINE_SETTINGS, HEADLINE_TOKENS, PREFILL_TOKENS, SETTINGS,
+    Case, make_cases,
+)
 from .targets import ANCHOR_TARGET_US, DECODE_MAX_OVER_ROOFLINE, summarise
 
 
 # Relative to the current directory (tpu_kernels.bench).
 DEFAULT_REPO = kernel_repo("ragged-dot-tpu")
 DEFAULT_OUT = result_path("moe_layer.json")
+# A run of the headline shapes only (no `--all`, no `--settings` or `--tokens`) writes here, not over the sweep.
+HEADLINE_OUT = result_path("moe_layer_headline_shapes.json")
+# The full sweep's wall time each time it ran with nothing in the cache (tracked: what `--all` costs a new user).
+COLD_TIMES = result_path("moe_layer_cold_times.json")
 # Raw rows and the run's own facts (untracked: .gitignore).
 RAW_DIR = result_path("raw")
 DEFAULT_CACHE = cache_root("moe_layer")
@@ -62,8 +69,11 @@ def parse_args(argv) -> tuple[argparse.Namespace, list[Case]]:
     parser.add_argument("--generations", nargs="*", default=list(GENERATIONS), choices=SUPPORTED_GENERATIONS,
                         help=f"TPU generations to model (default: {' '.join(GENERATIONS)})")
     parser.add_argument("--raw-dir", type=Path, default=RAW_DIR, help="raw rows and the run's facts (untracked)")
-    parser.add_argument("--settings", nargs="*", default=None, help="setting labels (default: all)")
-    parser.add_argument("--tokens", nargs="*", type=int, default=list(DECODE_TOKENS + PREFILL_TOKENS))
+    parser.add_argument("--all", action="store_true",
+                        help="the full sweep: every setting at every decode and prefill token count (default: the "
+                             f"headline shapes, {' and '.join(HEADLINE_SETTINGS)} at {HEADLINE_TOKENS} tokens)")
+    parser.add_argument("--settings", nargs="*", default=None, help="setting labels (default: see --all)")
+    parser.add_argument("--tokens", nargs="*", type=int, default=None, help="token counts (default: see --all)")
     parser.add_argument("--rivals", nargs="*", default=list(RIVALS), choices=list(RIVALS))
     parser.add_argument("--jobs", type=int, default=2, help="compiles run in parallel (threads)")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
@@ -78,13 +88,33 @@ def parse_args(argv) -> tuple[argparse.Namespace, list[Case]]:
                         help="only recompute the summary, targets, table and plot from the raw rows of the last run")
     args = parser.parse_args(argv)
     args.generations = tuple(g for g in SUPPORTED_GENERATIONS if g in args.generations)
+    args.headline_only = not args.all and args.settings is None and args.tokens is None
+    if args.headline_only:
+        args.settings, args.tokens = list(HEADLINE_SETTINGS), list(HEADLINE_TOKENS)
+    elif args.tokens is None:
+        args.tokens = list(DECODE_TOKENS + PREFILL_TOKENS)
     if args.out is None:
-        args.out = DEFAULT_OUT if args.generations == GENERATIONS else DEFAULT_OUT.with_name(
-            f"moe_layer_{'_'.join(args.generations)}.json")
+        out = HEADLINE_OUT if args.headline_only else DEFAULT_OUT
+        args.out = out if args.generations == GENERATIONS else out.with_name(
+            f"{out.stem}_{'_'.join(args.generations)}.json")
     settings = [s for s in SETTINGS if args.settings is None or s.label in args.settings]
     if not settings:
         parser.error(f"no setting matches {args.settings}; known: {[s.label for s in SETTINGS]}")
     return args, sorted(make_cases(settings, args.tokens), key=priority)
+
+
+def record_cold_time(args: argparse.Namespace, facts: dict, path: Path = COLD_TIMES) -> bool:
+    """Adds a full sweep's wall time to the tracked record when nothing came from the cache; True if it did."""
+    if not args.all or facts["cache"]["hits"]:
+        return False
+    record = json.loads(path.read_text()) if path.is_file() else {
+        "what": "wall time of `tpu-kernels bench moe_layer --all` from an empty cache, one entry per such run"}
+    record.setdefault("runs", []).append({
+        "generations": list(args.generations), "seconds": facts["seconds"], "cpus": facts["cpus"],
+        "jobs": facts["jobs"], "versions": facts["versions"], "load_average_1_5_15_min": facts["load_average_1_5_15_min"],
+        "compiles_and_replays": facts["cache"]["misses"]})
+    path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    return True
 
 
 def retarget(args: argparse.Namespace, cases: list[Case], cache: Cache) -> int:
@@ -165,8 +195,11 @@ def main(argv=None) -> int:
             return tune_ours(args, built, cases, cache, compiler, started)
         rows = measure_cases(args, built, cases, cache, compiler, started, run_facts)
         hf = hf_case(rows, cache) if "tokamax" in args.rivals else None
-        report = write_outputs(args, rows, cases, hf, run_facts())
+        facts = run_facts()
+        report = write_outputs(args, rows, cases, hf, facts)
     compiler.pool.shutdown()
+    if record_cold_time(args, facts):
+        print(f"recorded this cold run's {facts['seconds']:.0f} s in {COLD_TIMES}")
     targets = report["targets"]
     anchor = targets["anchor"][" ".join(map(str, ANCHOR))]
     print(f"wrote {args.out} in {time.perf_counter() - started:.0f} s (cache hits {cache.hits}, misses "
