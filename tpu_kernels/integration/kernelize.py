@@ -289,6 +289,22 @@ def _attention_dropout(modules: list) -> float:
     return max((float(getattr(m, "attention_dropout", 0.0) or 0.0) for m in modules), default=0.0)
 
 
+def head_dims_refusal(attention: dict, supported: tuple[int, ...]) -> str | None:
+    """Why the kernel cannot serve these attention modules' head dims, naming only what it cannot serve; None if it
+    serves them all. A module without a `head_dim` (latent attention, whose query and value dims differ) is named."""
+    without = [name for name, module in attention.items() if getattr(module, "head_dim", None) is None]
+    unserved = sorted({module.head_dim for module in attention.values()
+                       if getattr(module, "head_dim", None) is not None and module.head_dim not in supported})
+    reasons = []
+    if unserved:
+        reasons.append(f"head_dim {', '.join(map(str, unserved))} not served (the kernel serves "
+                       f"{', '.join(map(str, supported))})")
+    if without:
+        reasons.append(f"{len(without)} attention module(s) without a single head_dim, e.g. {without[0]} "
+                       f"({type(attention[without[0]]).__name__}: latent attention is not served)")
+    return "; ".join(reasons) or None
+
+
 def _kernelize_attention(model, spec: KernelSpec, kernel: ModuleType, mode: Mode, device: str) -> ReportEntry:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -308,10 +324,9 @@ def _kernelize_attention(model, spec: KernelSpec, kernel: ModuleType, mode: Mode
     uneven = uneven_attention_heads(model)
     if uneven:
         return ReportEntry("attention", False, modules, str(spec), uneven)
-    head_dims = {getattr(m, "head_dim", None) for m in attention.values()}
-    if not head_dims <= set(kernel.SUPPORTED_HEAD_DIMS):
-        return ReportEntry("attention", False, modules, str(spec),
-                           f"head_dim {sorted(map(str, head_dims))} not in {kernel.SUPPORTED_HEAD_DIMS}")
+    refused_head_dims = head_dims_refusal(attention, kernel.SUPPORTED_HEAD_DIMS)
+    if refused_head_dims:
+        return ReportEntry("attention", False, modules, str(spec), refused_head_dims)
     unsupported = _supports(kernel.attention_forward, mode)
     if unsupported:
         return ReportEntry("attention", False, modules, str(spec), unsupported)
