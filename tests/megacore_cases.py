@@ -33,20 +33,20 @@ def cases(kernels: dict) -> dict[str, tuple]:
     group_sizes = np.full(8, 128, np.int32)
 
     def gmm(tile_n):
-        config = ragged_dot.TileConfig(256, 512, tile_n)
-        return functools.partial(ragged_dot.grouped_matmul, config=config, generation=GENERATION)
+        config = ragged_dot.gmm.tiles.TileConfig(256, 512, tile_n)
+        return functools.partial(ragged_dot.gmm.kernel.grouped_matmul, config=config, generation=GENERATION)
 
     def tgmm(tile_k, tile_n):
-        config = ragged_dot.TgmmConfig(256, tile_k, tile_n, 256)
-        return functools.partial(ragged_dot.transposed_grouped_matmul, config=config, generation=GENERATION)
+        config = ragged_dot.tgmm.tiles.TgmmConfig(256, tile_k, tile_n, 256)
+        return functools.partial(ragged_dot.tgmm.kernel.transposed_grouped_matmul, config=config, generation=GENERATION)
 
     def gated(tile_n):
         """The experts' gate_up with the gate in its epilogue: rhs [8, 2 x 512, 512] read transposed."""
         problem = ragged_dot.MatmulProblem(1024, 512, 1024, 8, "bfloat16", "bfloat16", transpose_rhs=True,
                                            zero_rows_past_groups=False)
-        plan = ragged_dot.plan_ragged_dot(problem, GENERATION, ragged_dot.TileConfig(256, 512, tile_n))
-        plan = ragged_dot.gated_plan(plan, ragged_dot.Gate("silu"))
-        return lambda x, w, sizes: ragged_dot.grouped_matmul_call(x, w, sizes, None, plan)
+        plan = ragged_dot.gmm.plan.make(problem, GENERATION, ragged_dot.gmm.tiles.TileConfig(256, 512, tile_n))
+        plan = ragged_dot.gmm.plan.gated_plan(plan, ragged_dot.Gate("silu"))
+        return lambda x, w, sizes: ragged_dot.gmm.kernel.call(x, w, sizes, plan)
 
     tokens, hidden, intermediate, experts, top_k = 8, 512, 256, 8, 2
     top_k_index = (np.arange(tokens * top_k).reshape(tokens, top_k) % experts).astype(np.int32)
@@ -55,7 +55,7 @@ def cases(kernels: dict) -> dict[str, tuple]:
     q, k, v = (normal(1, 4, 512, 128) for _ in range(3))
     # The combine kernel over 256 tokens (two tiles of 128), two picks each: one sorted row per pick, as words.
     combine_tokens = 256
-    combine = ragged_dot.plan_combine(ragged_dot.CombineProblem(combine_tokens, top_k, hidden, "bfloat16", hidden,
+    combine = ragged_dot.combine.plan.make(ragged_dot.CombineProblem(combine_tokens, top_k, hidden, "bfloat16", hidden,
                                                                 hidden // 2), GENERATION)
     position = rng.permutation(combine_tokens * top_k).reshape(combine_tokens, top_k).astype(np.int32)
     combine_args = (rng.integers(-2**31, 2**31, (combine_tokens * top_k, hidden // 2), dtype=np.int32), position,
@@ -77,14 +77,14 @@ def cases(kernels: dict) -> dict[str, tuple]:
                                    layer, "fused_experts"),
         # One pick: both cores share its expert, each taking one of its two I tiles.
         "fused experts, one expert shared": (
-            functools.partial(ragged_dot.fused_experts, activation="silu", weights_transposed=False,
-                              config=ragged_dot.FusedConfig(16, intermediate // 2, cores_per_expert=2),
+            functools.partial(ragged_dot.fused.kernel.fused_experts, activation="silu", weights_transposed=False,
+                              config=ragged_dot.fused.tiles.FusedConfig(16, intermediate // 2, cores_per_expert=2),
                               generation=GENERATION),
             (normal(1, hidden), np.array([[3]], np.int32), normal(1, 1, dtype=jnp.float32),
              normal(experts, 2 * intermediate, hidden), normal(experts, hidden, intermediate)),
             "fused_experts"),
         # Two token tiles, one per core.
-        "combine picks, two token tiles": (functools.partial(ragged_dot.combine_picks, plan=combine),
+        "combine picks, two token tiles": (functools.partial(ragged_dot.combine.kernel.call, plan=combine),
                                            combine_args, "combine_picks"),
         "rms_norm": (functools.partial(rmsnorm.rms_norm_forward, eps=1e-6, generation=GENERATION, block_rows=256),
                      (normal(1024, 1024), normal(1024)), "rms_norm"),

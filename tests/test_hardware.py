@@ -144,7 +144,8 @@ def test_an_unsupported_tpu_gets_the_same_error_from_every_kernel(built_kernels,
     monkeypatch.delenv(hardware.GENERATION_ENV, raising=False)
     loaded = {name: get_local_kernel(built, backend="cpu") for name, built in built_kernels.items()}
     selects = {
-        "ragged-dot-tpu": lambda k: k.select_config(k.MatmulProblem(64, 2048, 1536, 1, "bfloat16", "bfloat16", False)),
+        "ragged-dot-tpu": lambda k: k.gmm.tiles.select(k.MatmulProblem(64, 2048, 1536, 1, "bfloat16", "bfloat16",
+                                                                       False)),
         "rmsnorm-tpu": lambda k: k.select_config(64, 2048, jnp.bfloat16),
         "attention-tpu": lambda k: k.select_config(
             q_heads=8, kv_heads=1, q_len=1, kv_len=128, head_dim=128, dtype=jnp.bfloat16

@@ -2,6 +2,10 @@
 lists in `__all__` (what a user calls) and `TOOLS` (what tools use besides). Read from the source with `ast`;
 nothing is imported or compiled. The kernels held to their faces: ragged-dot-tpu, attention-tpu and rmsnorm-tpu.
 
+A face name is a name the package binds (`MatmulProblem`) or a dotted path through the subpackages it binds to
+one name of a module (`gmm.plan.make`): each kernel's seams, `tiles.select`, `plan.make` and `kernel.call`, and
+the few names beside them the face lists. Through a dotted path only the names the face lists are reachable.
+
 Outside is this project's tests, tpu_kernels (benchmarks, the performance model, integration) and the kernel
 repo's own tests. Two checks cover it:
 
@@ -10,9 +14,10 @@ repo's own tests. Two checks cover it:
   names these are assigned or returned to): every attribute, `getattr` and `setattr` is a name of the face,
   and under a face module (`reference`, `ops`) a name that module binds;
 - on any name at all (tpu_kernels passes the loaded kernel around under names of its own): no attribute chain
-  goes through a module of the package that is not in the face to a name that module binds (`x.gmm.kernel`,
-  `x.plan.plan_experts`, `x.flash.kernel`), and no string names such a pair ("layer.experts_layer", as a
-  `getattr` path would).
+  goes through a module of the package that is not in the face to a name that module binds, unless the path
+  is (or leads to) a dotted face name (`x.gmm.kernel.scheduled_matmul_call`, `x.plan.plan_experts`,
+  `x.flash.kernel.attention_forward`), and no string names such a path ("layer.experts_layer", as a `getattr`
+  path would).
 
 Imports of the package itself (`from ragged_dot_tpu.gmm import ...`) take only face names from the package.
 """
@@ -103,12 +108,36 @@ def face(kernel: Kernel) -> list[str]:
 
 
 def missing_from_the_package(kernel: Kernel, names: list[str], modules: dict[str, set[str]]) -> list[str]:
-    """The names of `names` that `__init__.py` does not import, or imports from a module that does not bind them."""
+    """The names of `names` that `__init__.py` does not import, or imports from a module that does not bind them;
+    and the dotted ones whose modules are not each bound by name in their package's `__init__.py` (as `kernels`
+    needs: see ragged_dot_tpu's), or whose module does not bind their last name."""
     init = ast.parse((kernel.package / "__init__.py").read_text())
     sources = {alias.asname or alias.name: (node.module or "", alias.name) for node in init.body
                if isinstance(node, ast.ImportFrom) and node.level == 1 for alias in node.names}
-    return [name for name in names
-            if name not in sources or sources[name][1] not in modules.get(sources[name][0], set())]
+    missing = [name for name in names if "." not in name
+               and (name not in sources or sources[name][1] not in modules.get(sources[name][0], set()))]
+    for name in names:
+        parts = name.split(".")
+        if "." in name and not (all(_binds_module(kernel, parts[:end]) for end in range(1, len(parts)))
+                                and parts[-1] in modules.get(".".join(parts[:-1]), set())):
+            missing.append(name)
+    return missing
+
+
+def _binds_module(kernel: Kernel, parts: list[str]) -> bool:
+    """Whether the package `parts[:-1]` (under the kernel's) binds its module `parts[-1]` by an import."""
+    init = kernel.package.joinpath(*parts[:-1], "__init__.py")
+    return init.exists() and any(alias.name == parts[-1] and node.level == 1 and not node.module
+                                 for node in ast.parse(init.read_text()).body if isinstance(node, ast.ImportFrom)
+                                 for alias in node.names)
+
+
+SEAMS = ("tiles.select", "plan.make", "kernel.call")  # each kernel subpackage's, under its name
+
+
+def dotted_subpackages(names: list[str]) -> set[str]:
+    """The subpackages a face reaches into (`gmm` of `gmm.plan.make`)."""
+    return {name.split(".")[0] for name in names if "." in name}
 
 
 class _Handles(ast.NodeVisitor):
@@ -188,8 +217,9 @@ def _attribute_steps(tree: ast.Module) -> list[tuple[int, ast.AST, list[str]]]:
               and (getattr(node.func, "id", None) in ("getattr", "setattr")
                    or getattr(node.func, "attr", None) in ("setattr", "delattr"))):
             target = node.args[0]
-            root, names, _ = _chain(target) if isinstance(target, ast.Attribute) else (target, [], [])
+            root, names, spine = _chain(target) if isinstance(target, ast.Attribute) else (target, [], [])
             steps.append((node.lineno, root, [*names, node.args[1].value]))
+            inner.update(id(attribute) for attribute in spine)
     return steps
 
 
@@ -197,25 +227,49 @@ def face_violations(source: str, filename: str, kernel_tests: bool, kernel: Kern
                     modules: dict[str, set[str]]) -> list[str]:
     """Each place `source` reaches the kernel outside its face, as `file:line: what`."""
     tree = ast.parse(source, filename)
-    allowed = set(names)
-    outside_face = {dotted for dotted in modules if dotted and "." not in dotted} - allowed
+    allowed = {name for name in names if "." not in name}
+    dotted = {name for name in names if "." in name}
+    outside_face = {module for module in modules if module and "." not in module} - allowed
     handles = _Handles(tree, kernel.handle_names | (KERNEL_TESTS_HANDLE_NAMES if kernel_tests else set()), kernel)
     found = [f"{filename}:{line}: {what}" for line, what in _import_violations(tree, allowed, kernel.package_name)]
     for line, root, chain in _attribute_steps(tree):
         if handles.holds_kernel(root) and chain and not chain[0].startswith("__"):
-            if chain[0] not in allowed:
-                found.append(f"{filename}:{line}: {ast.unparse(root)}.{chain[0]} is not in the face")
-            elif len(chain) > 1 and chain[0] in modules and chain[1] not in modules[chain[0]]:
+            reaches_dotted = any(".".join(chain[:end]) in dotted for end in range(2, len(chain) + 1))
+            if chain[0] not in allowed and not reaches_dotted:
+                found.append(f"{filename}:{line}: {ast.unparse(root)}.{'.'.join(chain)} is not in the face")
+            elif chain[0] in allowed and len(chain) > 1 and chain[0] in modules and chain[1] not in modules[chain[0]]:
                 found.append(f"{filename}:{line}: {chain[0]}.{chain[1]} is not a name of the face module {chain[0]}")
-        for module, name in zip(chain, chain[1:]):
-            if module in outside_face and name in modules[module]:
-                found.append(f"{filename}:{line}: .{module}.{name} reaches into the kernel past its face")
+        start = 0
+        while start < len(chain):  # a path walked from one module is not walked again from its inner modules
+            past, walked = _past_the_face(chain[start:], outside_face, dotted, modules)
+            if past:
+                found.append(f"{filename}:{line}: .{past} reaches into the kernel past its face")
+            start += walked
     for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.count(".") == 1:
-            module, _, name = node.value.partition(".")
-            if module in outside_face and name in modules[module]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value:
+            past, _ = _past_the_face(node.value.split("."), outside_face, dotted, modules)
+            if past:
                 found.append(f"{filename}:{node.lineno}: {node.value!r} names a path into the kernel past its face")
     return sorted(set(found))
+
+
+def _past_the_face(chain: list[str], outside_face: set[str], dotted: set[str],
+                   modules: dict[str, set[str]]) -> tuple[str, int]:
+    """The path of `chain` (from a module of the package outside the face) to a name its module binds that is
+    neither a dotted face name nor on the way to one ("" where there is none), and how many names of `chain`
+    the walk took (at least one)."""
+    if not chain or chain[0] not in outside_face:
+        return "", 1
+    path = chain[0]
+    for walked, name in enumerate(chain[1:], start=2):
+        if name not in modules.get(path, set()):
+            return "", walked - 1
+        path = f"{path}.{name}"
+        if path in dotted:
+            return "", walked
+        if not any(face_name.startswith(path + ".") for face_name in dotted):
+            return path, walked
+    return "", len(chain)
 
 
 def _import_violations(tree: ast.Module, allowed: set[str], package_name: str) -> list[tuple[int, str]]:
@@ -246,6 +300,13 @@ def test_the_face_names_only_what_the_package_binds(kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda kernel: kernel.repo_name)
+def test_each_kernel_the_face_reaches_into_has_its_seams(kernel):
+    names = face(kernel)
+    assert [f"{package}.{seam}" for package in sorted(dotted_subpackages(names)) for seam in SEAMS
+            if f"{package}.{seam}" not in names] == []
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda kernel: kernel.repo_name)
 def test_code_outside_the_kernel_uses_only_its_face(kernel):
     names, modules = face(kernel), package_modules(kernel)
     found = [violation for path in _outside_files(kernel)
@@ -255,7 +316,17 @@ def test_code_outside_the_kernel_uses_only_its_face(kernel):
 
 
 @pytest.mark.parametrize(("kernel", "source", "kernel_tests"), [
-    (RAGGED_DOT, "def test(kernel):\n    kernel.gmm.kernel.grouped_matmul(x)", True),
+    (RAGGED_DOT, "def test(kernel):\n    kernel.gmm.kernel.scheduled_matmul_call(body)", True),
+    (RAGGED_DOT, "def test(kernel):\n    kernel.gmm.tiles.select_config(problem)", True),
+    (RAGGED_DOT, "def test(kernel):\n    plan = kernel.gmm.plan\n    plan.interleaved_gated_plan(plan, gate)", True),
+    (RAGGED_DOT, "def test(kernel):\n    kernel.gmm(x)", True),
+    (RAGGED_DOT, "def test(kernel):\n    getattr(kernel.fused.tiles, 'fused_buffers')", True),
+    (RAGGED_DOT, "def test(monkeypatch, kernel):\n    monkeypatch.setattr(kernel.gmm.tiles, 'D_LHS_ROW_TILE', 8)",
+     True),
+    (RAGGED_DOT, "def f(built):\n    return built.gmm.plan.interleaved_gated_plan(plan, gate)", False),
+    (RAGGED_DOT, "def f(built):\n    return built.tgmm.kernel.max_tgmm_items(m, groups, rows)", False),
+    (RAGGED_DOT, "def f(built):\n    return built.combine.kernel.combine_schedule(position, live, plan)", False),
+    (RAGGED_DOT, "ENTRY = 'gmm.schedule.block_specs'", False),
     (RAGGED_DOT, "def test(kernel):\n    kernel.plan.plan_experts(problem)", True),
     (RAGGED_DOT, "def test(ragged_dot_kernel):\n    ragged_dot_kernel.layer", False),
     (RAGGED_DOT, "def f(built):\n    return built.common.quant.NOT_SERVED", False),
@@ -294,10 +365,15 @@ def test_the_check_catches_reaching_past_the_face(kernel, source, kernel_tests):
 
 # Code that stays within each face, in a kernel repo's tests.
 WITHIN_THE_FACE = {
-    RAGGED_DOT: ("def test(kernel, monkeypatch):\n    kernel.grouped_matmul(x, config=kernel.TileConfig(8, 128, 128))\n"
-                 "    kernel.reference.ragged_dot_reference(x)\n    kernel.TUNED_TILES.clear()\n"
+    RAGGED_DOT: ("def test(kernel, monkeypatch):\n    config = kernel.gmm.tiles.TileConfig(8, 128, 128)\n"
+                 "    plan = kernel.gmm.plan.make(kernel.MatmulProblem(8), config=config)\n"
+                 "    kernel.gmm.kernel.call(x, w, sizes, plan)\n"
+                 "    kernel.reference.ragged_dot_reference(x)\n    kernel.gmm.tiles.TUNED_TILES.clear()\n"
+                 "    getattr(kernel.fused.tiles, 'select')(problem)\n"
                  "    monkeypatch.setattr(kernel.ops, 'check_group_sizes', None)\n"
-                 "def other(model, kernel):\n    return model.config.vocab_size, kernel.__name__\n"),
+                 "def other(model, kernel):\n    return model.config.vocab_size, kernel.__name__\n"
+                 "def tool(built, plan):\n    return built.combine.plan.make(problem), plan.combine.tiles, built.gmm\n"
+                 "ENTRY = 'tgmm.tiles.select'\n"),
     ATTENTION: ("def test(kernel, monkeypatch):\n    kernel.differentiable_flash_attention(q, k, v, "
                 "config=kernel.AttentionConfig(128, 128, 1 << 25))\n"
                 "    kernel.reference.reference_attention(q, k, v)\n    kernel.select_backward_config(**shape)\n"

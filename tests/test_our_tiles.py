@@ -15,48 +15,53 @@ def kernel(ragged_dot_kernel):
 
 def test_candidates_start_at_the_heuristic_and_all_run(kernel):
     # Qwen3-30B-A3B's gate_up at 2048 tokens on one chip: 16384 picks over 128 experts.
-    key = kernel.TunedKey("v6e", 16384, 2048, 1536, 128, "bfloat16", "bfloat16", True)
+    key = kernel.gmm.tiles.TunedKey("v6e", 16384, 2048, 1536, 128, "bfloat16", "bfloat16", True)
     found = our_tiles.candidates(kernel, key, "v6e")
     problem = kernel.MatmulProblem(key.m, key.k, key.n, key.groups, key.dtype, key.rhs_dtype, key.transpose_rhs)
-    heuristic = kernel.heuristic_config(problem, "v6e")
+    heuristic = kernel.gmm.tiles.heuristic_config(problem, "v6e")
     assert found[0] == heuristic and len(set(found)) == len(found) > 4
     assert {tiles.tile_m for tiles in found} >= {256, 512, 1024}
     # K whole (the heuristic's) and halved down to 512.
     assert {tiles.tile_k for tiles in found} == {2048, 1024, 512}
     for tiles in found:
-        kernel.check_config(tiles, problem, "v6e")
+        kernel.gmm.tiles.check_config(tiles, problem, "v6e")
 
 
 def test_the_table_is_sorted_data_the_kernel_reads(kernel, tmp_path):
     """A search replaces the entries of the keys it searched (a winner, or none: back to the heuristic) and keeps
     every other."""
-    keys = [kernel.TunedKey("v6e", 16384, 2048, 1536, 128, "bfloat16", "bfloat16", True),
-            kernel.TunedKey("v5e", 16384, 768, 2048, 128, "bfloat16", "bfloat16", True),
-            kernel.TunedKey("v5e", 2048, 768, 2048, 16, "bfloat16", "bfloat16", True)]
+    keys = [kernel.gmm.tiles.TunedKey("v6e", 16384, 2048, 1536, 128, "bfloat16", "bfloat16", True),
+            kernel.gmm.tiles.TunedKey("v5e", 16384, 768, 2048, 128, "bfloat16", "bfloat16", True),
+            kernel.gmm.tiles.TunedKey("v5e", 2048, 768, 2048, 16, "bfloat16", "bfloat16", True)]
     path = tmp_path / our_tiles.TABLE
     path.parent.mkdir(parents=True)
-    earlier = [{"key": key._asdict(), "tiles": kernel.TileConfig(256, key.k, 256)._asdict()} for key in keys[1:]]
+    earlier = [{"key": key._asdict(), "tiles": kernel.gmm.tiles.TileConfig(256, key.k, 256)._asdict()}
+               for key in keys[1:]]
     path.write_text(json.dumps({"entries": earlier}))
-    entries = [{"key": key._asdict(), "tiles": kernel.TileConfig(1024, key.k, 512, 256)._asdict()} for key in keys[:2]]
+    entries = [{"key": key._asdict(), "tiles": kernel.gmm.tiles.TileConfig(1024, key.k, 512, 256)._asdict()}
+               for key in keys[:2]]
     our_tiles.write_table(tmp_path, entries, [key._asdict() for key in keys[:2]])
     written = json.loads(path.read_text())["entries"]
     assert [entry["key"]["generation"] for entry in written] == ["v5e", "v5e", "v6e"]
-    assert tuned_tiles(written, kernel.TunedKey, kernel.TileConfig) == {
-        keys[0]: kernel.TileConfig(1024, 2048, 512, 256, 1), keys[1]: kernel.TileConfig(1024, 768, 512, 256, 1),
-        keys[2]: kernel.TileConfig(256, 768, 256, None, 1)}
+    assert tuned_tiles(written, kernel.gmm.tiles.TunedKey, kernel.gmm.tiles.TileConfig) == {
+        keys[0]: kernel.gmm.tiles.TileConfig(1024, 2048, 512, 256, 1),
+        keys[1]: kernel.gmm.tiles.TileConfig(1024, 768, 512, 256, 1),
+        keys[2]: kernel.gmm.tiles.TileConfig(256, 768, 256, None, 1)}
     our_tiles.write_table(tmp_path, [], [keys[2]._asdict()])
-    assert [kernel.TunedKey(**entry["key"]) for entry in json.loads(path.read_text())["entries"]] == keys[1::-1]
+    assert [kernel.gmm.tiles.TunedKey(**entry["key"])
+            for entry in json.loads(path.read_text())["entries"]] == keys[1::-1]
 
 
 def test_tuned_as_sets_exactly_the_entries_then_restores_the_shipped_table(kernel):
-    shipped = dict(kernel.TUNED_TILES)
-    key = kernel.TunedKey("v6e", 777, 2048, 1536, 5, "bfloat16", "bfloat16", True)
-    with our_tiles.tuned_as(kernel, [{"key": key._asdict(), "tiles": kernel.TileConfig(256, 2048, 512)._asdict()}]):
-        assert kernel.TUNED_TILES == {key: kernel.TileConfig(256, 2048, 512, None, 1)}
-    assert kernel.TUNED_TILES == shipped
+    shipped = dict(kernel.gmm.tiles.TUNED_TILES)
+    key = kernel.gmm.tiles.TunedKey("v6e", 777, 2048, 1536, 5, "bfloat16", "bfloat16", True)
+    tiles = kernel.gmm.tiles.TileConfig(256, 2048, 512)
+    with our_tiles.tuned_as(kernel, [{"key": key._asdict(), "tiles": tiles._asdict()}]):
+        assert kernel.gmm.tiles.TUNED_TILES == {key: kernel.gmm.tiles.TileConfig(256, 2048, 512, None, 1)}
+    assert kernel.gmm.tiles.TUNED_TILES == shipped
     with our_tiles.tuned_as(kernel, []):
-        assert kernel.TUNED_TILES == {}
-    assert kernel.TUNED_TILES == shipped
+        assert kernel.gmm.tiles.TUNED_TILES == {}
+    assert kernel.gmm.tiles.TUNED_TILES == shipped
 
 
 def test_the_layer_keeps_only_the_entries_that_make_it_faster(monkeypatch):

@@ -57,7 +57,7 @@ def _layer(kernel, shape, weights_dtype):
     bias = [S((experts, 2 * intermediate), jnp.bfloat16), S((experts, hidden), jnp.bfloat16)] if biases else []
     gate = dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0) if biases else dict(
         activation="silu")
-    fused = functools.partial(kernel.fused_experts, weights_transposed=transposed, **gate)
+    fused = functools.partial(kernel.fused.kernel.fused_experts, weights_transposed=transposed, **gate)
 
     def fn(hidden_states, index, weights, gate_up, down, *rest):
         return fused(hidden_states, index, weights, gate_up, down, *(rest if biases else (None, None, *rest)))

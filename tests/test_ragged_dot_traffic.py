@@ -39,7 +39,7 @@ def _picks(tokens, top_k, experts, live_experts, seed=0):
 def _fused_traffic(kernel, tokens, hidden, intermediate, experts, index, weights, *, config=None, transposed=False):
     gate_up = (experts, hidden, 2 * intermediate) if transposed else (experts, 2 * intermediate, hidden)
     down = (experts, intermediate, hidden) if transposed else (experts, hidden, intermediate)
-    fn = functools.partial(kernel.fused_experts, activation="silu", weights_transposed=transposed,
+    fn = functools.partial(kernel.fused.kernel.fused_experts, activation="silu", weights_transposed=transposed,
                            config=config)
     [call] = perf.model_pallas_traffic(fn, S((tokens, hidden), jnp.bfloat16), index, weights,
                                        S(gate_up, jnp.bfloat16), S(down, jnp.bfloat16))
@@ -100,7 +100,7 @@ def test_fused_with_i_tiles_still_reads_each_weight_once(kernel):
     tokens, hidden, intermediate, experts = 8, 256, 256, 8
     index, weights = _picks(tokens, 2, experts, live_experts=5, seed=2)
     active = len(np.unique(index[index < experts]))
-    config = kernel.FusedConfig(16, 128)
+    config = kernel.fused.tiles.FusedConfig(16, 128)
     call = _fused_traffic(kernel, tokens, hidden, intermediate, experts, index, weights, config=config)
     assert call.steps == 2 * active
     assert _weights_read(call, experts, hidden, intermediate) == active * 3 * intermediate * hidden * BF16
@@ -114,7 +114,7 @@ def test_fused_with_several_experts_per_step_reads_each_weight_once_in_fewer_ste
     active = len(np.unique(index[index < experts]))
     assert active % slots
     call = _fused_traffic(kernel, tokens, hidden, intermediate, experts, index, weights,
-                          config=kernel.FusedConfig(16, intermediate, slots))
+                          config=kernel.fused.tiles.FusedConfig(16, intermediate, slots))
     assert call.steps == -(-active // slots)
     assert _weights_read(call, experts, hidden, intermediate) == active * 3 * intermediate * hidden * BF16
 
@@ -126,7 +126,7 @@ def test_fused_slots_without_an_active_expert_read_one_expert_each_at_the_first_
     index[:, 0] = 5
     weights = np.where(index < experts, 0.5, 0.0).astype(np.float32)
     call = _fused_traffic(kernel, tokens, hidden, intermediate, experts, index, weights,
-                          config=kernel.FusedConfig(16, intermediate, 4))
+                          config=kernel.fused.tiles.FusedConfig(16, intermediate, 4))
     assert call.steps == 1
     assert _weights_read(call, experts, hidden, intermediate) == 4 * 3 * intermediate * hidden * BF16
 
@@ -137,7 +137,7 @@ def test_fused_without_live_picks_runs_one_empty_step(kernel, tile_i):
     tokens, hidden, intermediate, experts = 4, 256, 256, 8
     index = np.full((tokens, 2), experts, np.int32)
     call = _fused_traffic(kernel, tokens, hidden, intermediate, experts, index, np.zeros((tokens, 2), np.float32),
-                          config=kernel.FusedConfig(16, tile_i), transposed=True)
+                          config=kernel.fused.tiles.FusedConfig(16, tile_i), transposed=True)
     assert call.steps == 1
     assert _weights_read(call, experts, hidden, intermediate, transposed=True) == 3 * tile_i * hidden * BF16
     # Only the per-step [T, T] x [T, 1] matmuls that turn the weights row into columns; no pass over weights.
@@ -145,7 +145,7 @@ def test_fused_without_live_picks_runs_one_empty_step(kernel, tile_i):
 
 
 def _grouped_traffic(kernel, m, k, n, group_sizes, config, zero_rows_past_groups=True):
-    fn = functools.partial(kernel.grouped_matmul, config=config, zero_rows_past_groups=zero_rows_past_groups)
+    fn = functools.partial(kernel.gmm.kernel.grouped_matmul, config=config, zero_rows_past_groups=zero_rows_past_groups)
     [call] = perf.model_pallas_traffic(fn, S((m, k), jnp.bfloat16), S((len(group_sizes), k, n), jnp.bfloat16),
                                        np.asarray(group_sizes, np.int32))
     return call
@@ -154,7 +154,7 @@ def _grouped_traffic(kernel, m, k, n, group_sizes, config, zero_rows_past_groups
 def test_grouped_rows_past_the_groups_cost_nothing_when_left_unwritten(kernel):
     # 512 rows, of which 100 live (the rest other ranks' sentinels), in 64-row tiles.
     m, k, n = 512, 256, 256
-    config = kernel.TileConfig(64, 256, 256, 32)
+    config = kernel.gmm.tiles.TileConfig(64, 256, 256, 32)
     sizes = [30, 0, 50, 20]
     zeroed = _grouped_traffic(kernel, m, k, n, sizes, config)
     skipped = _grouped_traffic(kernel, m, k, n, sizes, config, zero_rows_past_groups=False)
@@ -177,7 +177,7 @@ def test_grouped_chunks_follow_group_starts(kernel, tile_m):
     at rows 48..127 crosses a tile end and is still multiplied once.
     """
     m, k, n = 224, 256, 256
-    call = _grouped_traffic(kernel, m, k, n, [48, 80, 32, 64], kernel.TileConfig(tile_m, 256, 256, 64))
+    call = _grouped_traffic(kernel, m, k, n, [48, 80, 32, 64], kernel.gmm.tiles.TileConfig(tile_m, 256, 256, 64))
     assert call.dots_exact
     assert {(dot.m, dot.k, dot.n) for dot in call.dots} == {(64, k, n)}
     assert sum(dot.count for dot in call.dots) == 5

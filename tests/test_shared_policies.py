@@ -36,14 +36,14 @@ def test_every_kernel_sizes_vmem_by_the_one_policy(ragged_dot_kernel, configs, g
                 working_set, generation, margin=config.WORKING_SET_MARGIN)
     # ragged-dot takes the policy's defaults.
     problem = ragged_dot_kernel.MatmulProblem(16384, 2048, 1536, 128, "bfloat16", "bfloat16", False)
-    tiles = ragged_dot_kernel.TileConfig(512, 2048, 1536, 256)
-    assert ragged_dot_kernel.vmem_limit(tiles, problem, generation) == hardware.vmem_limit_bytes(
-        ragged_dot_kernel.vmem_bytes(tiles, problem), generation)
+    tiles = ragged_dot_kernel.gmm.tiles.TileConfig(512, 2048, 1536, 256)
+    assert ragged_dot_kernel.gmm.tiles.vmem_limit(tiles, problem, generation) == hardware.vmem_limit_bytes(
+        ragged_dot_kernel.gmm.tiles.vmem_bytes(tiles, problem), generation)
     budget = hardware.vmem_budget_bytes(generation)
     with pytest.raises(ValueError, match=f"past the {budget >> 20} MiB budget on {generation}"):
         # Double-buffered weights blocks of 64 MiB.
-        ragged_dot_kernel.check_config(ragged_dot_kernel.TileConfig(16, 8192, 4096), problem._replace(
-            m=64, k=8192, n=4096), generation)
+        ragged_dot_kernel.gmm.tiles.check_config(ragged_dot_kernel.gmm.tiles.TileConfig(16, 8192, 4096),
+                                                 problem._replace(m=64, k=8192, n=4096), generation)
 
 
 def test_every_kernel_takes_the_tuned_tiles_of_its_table(kernel_builds, ragged_dot_kernel, configs):
@@ -54,7 +54,7 @@ def test_every_kernel_takes_the_tuned_tiles_of_its_table(kernel_builds, ragged_d
     def ragged_dot_selects(key):
         problem = ragged_dot_kernel.MatmulProblem(key.m, key.k, key.n, key.groups, key.dtype, key.rhs_dtype,
                                                   key.transpose_rhs)
-        return ragged_dot_kernel.select_config(problem, key.generation)
+        return ragged_dot_kernel.gmm.tiles.select(problem, key.generation)
 
     def attention_selects(key):
         chosen = attention.select_config(**key._asdict())
@@ -65,8 +65,8 @@ def test_every_kernel_takes_the_tuned_tiles_of_its_table(kernel_builds, ragged_d
                                                            op=key.op).block_rows)
 
     kernels = {  # name: (the loaded table, its key type, its tiles type, what the kernel selects for a key)
-        "ragged-dot-tpu": (ragged_dot_kernel.TUNED_TILES, ragged_dot_kernel.TunedKey, ragged_dot_kernel.TileConfig,
-                           ragged_dot_selects),
+        "ragged-dot-tpu": (ragged_dot_kernel.gmm.tiles.TUNED_TILES, ragged_dot_kernel.gmm.tiles.TunedKey,
+                           ragged_dot_kernel.gmm.tiles.TileConfig, ragged_dot_selects),
         "attention-tpu": (attention.TUNED_TILES, attention.TunedKey, attention.ForwardTiles, attention_selects),
         "rmsnorm-tpu": (rmsnorm.TUNED_TILES, rmsnorm.TunedKey, rmsnorm.RowBlockTiles, rmsnorm_selects),
     }

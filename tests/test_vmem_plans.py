@@ -56,7 +56,7 @@ def test_grouped_matmul_plan_counts_the_vmem_of_its_block_specs(kernel, case):
     m, k, n, groups, rhs_dtype, transpose_rhs, tiles, generation = MATMUL_CASES[case]
     problem = kernel.MatmulProblem(m, k, n, groups, "bfloat16" if rhs_dtype != "float32" else "float32",
                                    rhs_dtype, transpose_rhs=transpose_rhs, bias=case in BIASED)
-    plan = kernel.plan_ragged_dot(problem, generation, kernel.TileConfig(*tiles))
+    plan = kernel.gmm.plan.make(problem, generation, kernel.gmm.tiles.TileConfig(*tiles))
     assert plan.fp8_matmul == (case == "fp8-on-the-fp8-mxu")
     rhs_shape = (groups, n, k) if transpose_rhs else (groups, k, n)
     scheme = kernel.scheme_of(rhs_dtype)
@@ -66,7 +66,7 @@ def test_grouped_matmul_plan_counts_the_vmem_of_its_block_specs(kernel, case):
     bias = S((groups, n), jnp.bfloat16) if case in BIASED else None
 
     def fn(lhs, rhs, sizes, scales, bias):
-        return kernel.grouped_matmul_call(lhs, rhs, sizes, scales, plan, bias)
+        return kernel.gmm.kernel.call(lhs, rhs, sizes, plan, scales, bias)
 
     replayed = _replayed_vmem(fn, S((m, k), problem.dtype), S(rhs_shape, rhs_dtype), sizes, scales, bias)
     assert _planned_vmem(kernel, plan) == replayed
@@ -76,9 +76,9 @@ def test_grouped_matmul_plan_counts_the_vmem_of_its_block_specs(kernel, case):
 def test_tgmm_plan_counts_the_vmem_of_its_block_specs(kernel, tiles):
     m, k, n, groups = 200, 256, 256, 5
     problem = kernel.TgmmProblem(m, k, n, groups, "bfloat16", "bfloat16")
-    plan = kernel.plan_tgmm(problem, "v6e", kernel.TgmmConfig(*tiles))
+    plan = kernel.tgmm.plan.make(problem, "v6e", kernel.tgmm.tiles.TgmmConfig(*tiles))
     sizes = np.asarray([30, 0, 70, 60, 40], np.int32)
-    fn = functools.partial(kernel.transposed_grouped_matmul_call, plan=plan)
+    fn = functools.partial(kernel.tgmm.kernel.call, plan=plan)
     assert _planned_vmem(kernel, plan) == _replayed_vmem(fn, S((m, k), jnp.bfloat16), S((m, n), jnp.bfloat16), sizes)
 
 
@@ -119,11 +119,12 @@ def test_fused_plan_counts_the_vmem_of_its_block_specs(kernel, case):
     routing = np.full((tokens, top_k), 0.5, np.float32)
     problem = kernel.ExpertsProblem.of(hidden_states, index, routing, expert_weights, kernel.Gate(**gate),
                                        weights_transposed=transposed)
-    plan = kernel.plan_fused(problem, None if tiles is None else kernel.FusedConfig(*tiles), generation)
+    config = None if tiles is None else kernel.fused.tiles.FusedConfig(*tiles)
+    plan = kernel.fused.plan.make(problem, generation, config)
     assert plan.fp8_matmul == case.startswith("fp8-on-the-fp8-mxu")
 
     def run(hidden_states, index, routing, *weights):
         read = kernel.ExpertWeights(*weights).as_read(plan.orientation, weights_transposed=transposed)
-        return kernel.fused_experts_call(plan, hidden_states, index, routing, read)
+        return kernel.fused.kernel.call(hidden_states, index, routing, read, plan)
 
     assert _planned_vmem(kernel, plan) == _replayed_vmem(run, hidden_states, index, routing, *weights)

@@ -20,7 +20,7 @@ calibration) is kept as `overlap_time_us`:
   the last two dims swapped (Gemma 4's down_proj; the forward runs `x @ W[e]`):
   - d_lhs = `d_out[M, N] @ W[e]` per group: ours is the forward grouped matmul
     with the weights read the other way (tiles from
-    `select_d_lhs_config`, as `backward.py` runs it); megablox
+    `gmm.tiles.select_d_lhs`, as `backward.py` runs it); megablox
     `gmm` and tokamax `gmm` the same;
   - d_rhs, the weights' gradient in their stored order: `[E, N, K]` = per group
     `d_out_g^T @ x_g` (ours `transposed_grouped_matmul(d_out, x)`), or `[E, K, N]` =
@@ -37,7 +37,7 @@ calibration) is kept as `overlap_time_us`:
   of K and N tiles that divide the dimension (they refuse others) or cover
   it, the best modelled time whose VMEM fits (`--no-sweep`: their defaults);
 - the layer's backward / forward ratio: the four backward kernels against the
-  two forward grouped matmuls (ours, `select_config`). XLA's gather,
+  two forward grouped matmuls (ours, `gmm.tiles.select`). XLA's gather,
   scatter-add, gate and its vjp around them are not modelled (the backward
   has more of them: the d_hidden scatter-add over all picks and the gate's vjp).
 
@@ -166,12 +166,12 @@ def measure_projection(built, setting: str, projection: str, m: int, k: int, n: 
     forward_bytes = (active * k * n + m * k + m * n) * itemsize
     entry["kernels"]["forward"] = {"ours": {}}
     for generation in GENERATIONS:
-        fn = functools.partial(built.grouped_matmul, transpose_rhs=not swapped, generation=generation)
+        fn = functools.partial(built.gmm.kernel.grouped_matmul, transpose_rhs=not swapped, generation=generation)
         result = _model(fn, (S((m, k), DTYPE), weights), sizes, forward_bytes, flops)[generation]
         # Recorded for the weights read in (K, N) order, as this benchmark always has (the call above reads them
         # as `swapped` says; at tuned shapes its tiles can differ).
-        result["config"] = built.select_config(built.MatmulProblem(m, k, n, experts, dtype, dtype, transpose_rhs=False),
-                                               generation)._asdict()
+        problem = built.MatmulProblem(m, k, n, experts, dtype, dtype, transpose_rhs=False)
+        result["config"] = built.gmm.tiles.select(problem, generation)._asdict()
         entry["kernels"]["forward"]["ours"][generation] = result
 
     # d_lhs[M, K] = d_out[M, N] @ W[e]: reads d_out, the active weights, writes d_lhs.
@@ -184,18 +184,19 @@ def measure_projection(built, setting: str, projection: str, m: int, k: int, n: 
 
     def d_lhs_config(generation):
         problem = built.MatmulProblem(m, n, k, experts, dtype, dtype, transpose_rhs=swapped)
-        return built.select_d_lhs_config(problem, generation)
+        return built.gmm.tiles.select_d_lhs(problem, generation)
 
     kinds = {
         "d_lhs": (d_lhs_bytes, (S((m, n), DTYPE), weights),
-                  lambda generation: functools.partial(built.grouped_matmul, transpose_rhs=swapped,
+                  lambda generation: functools.partial(built.gmm.kernel.grouped_matmul, transpose_rhs=swapped,
                                                        config=d_lhs_config(generation)),
                   lambda generation: d_lhs_config(generation)._asdict(),
                   (S((m, n), DTYPE), weights), (m, n, k)),
         "d_rhs": (d_rhs_bytes, d_rhs_avals,
-                  lambda generation: functools.partial(built.transposed_grouped_matmul, generation=generation),
-                  lambda generation: built.select_tgmm_config(built.TgmmProblem(*d_rhs_dims, experts, dtype, dtype),
-                                                              generation)._asdict(),
+                  lambda generation: functools.partial(built.tgmm.kernel.transposed_grouped_matmul,
+                                                       generation=generation),
+                  lambda generation: built.tgmm.tiles.select(built.TgmmProblem(*d_rhs_dims, experts, dtype, dtype),
+                                                             generation)._asdict(),
                   (S((d_rhs_dims[1], m), DTYPE), d_rhs_avals[1]), d_rhs_dims),
     }
     for kind, (min_bytes, our_avals, our_fn, our_config, rival_avals, (rm, rk, rn)) in kinds.items():

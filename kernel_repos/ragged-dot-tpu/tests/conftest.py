@@ -104,11 +104,11 @@ def _layer_case(kernel, quantize, case):
 
 def _experts_layer_paths(kernel, quantize, case):
     """A LAYER_CASES row's layer through both paths of experts_layer: (the fused kernel's output with the row's
-    tiles, None for fused_config's; the grouped matmuls' output; the float64 reference output)."""
+    tiles, None for fused.tiles.select's; the grouped matmuls' output; the float64 reference output)."""
     layer, gate, expected = _layer_case(kernel, quantize, case)
     tiles = case[-1]
-    config = None if tiles is None else kernel.FusedConfig(*tiles)
-    fused = _interpret(lambda: kernel.fused_experts(*map(_to_jax, layer), **gate, config=config))
+    config = None if tiles is None else kernel.fused.tiles.FusedConfig(*tiles)
+    fused = _interpret(lambda: kernel.fused.kernel.fused_experts(*map(_to_jax, layer), **gate, config=config))
     grouped = _interpret(lambda: kernel.experts_layer(*map(_to_jax, layer), **gate, fused=False))
     return fused, grouped, expected
 
@@ -122,9 +122,9 @@ def _fused_on_v5p_cores_sharing_experts(kernel, quantize, case):
     """A LAYER_CASES row's layer through the fused kernel with the row's tiles and cores_per_expert 2, on two
     simulated v5p cores: (its output, the float64 reference output)."""
     layer, gate, expected = _layer_case(kernel, quantize, case)
-    config = kernel.FusedConfig(*case[-1], cores_per_expert=2)
-    fused = _interpret(lambda: kernel.fused_experts(*map(_to_jax, layer), **gate, config=config, generation="v5p"),
-                       cores=2)
+    config = kernel.fused.tiles.FusedConfig(*case[-1], cores_per_expert=2)
+    fused = _interpret(lambda: kernel.fused.kernel.fused_experts(*map(_to_jax, layer), **gate, config=config,
+                                                                 generation="v5p"), cores=2)
     return fused, expected
 
 

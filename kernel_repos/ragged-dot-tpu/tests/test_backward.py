@@ -49,8 +49,9 @@ def test_tgmm_matches_reference(kernel, interpret, to_jax, case, dtype):
     # Rows past the groups must contribute nothing, whatever they hold.
     lhs[rows:], rhs[rows:] = float("nan"), float("nan")
     sizes = torch.tensor(group_sizes, dtype=torch.int32)
-    config = None if config is None else kernel.TgmmConfig(*config)
-    out = interpret(lambda: kernel.transposed_grouped_matmul(to_jax(lhs), to_jax(rhs), to_jax(sizes), config=config))
+    config = None if config is None else kernel.tgmm.tiles.TgmmConfig(*config)
+    out = interpret(lambda: kernel.tgmm.kernel.transposed_grouped_matmul(to_jax(lhs), to_jax(rhs), to_jax(sizes),
+                                                                         config=config))
     expected = kernel.reference.tgmm_reference(lhs, rhs, sizes)
     assert out.shape == (len(group_sizes), k, n)
     assert not torch.isnan(out).any()
@@ -64,17 +65,18 @@ def test_tgmm_matches_reference(kernel, interpret, to_jax, case, dtype):
 def test_tgmm_split_for_v5p_cores_matches_reference(kernel, interpret, to_jax, k, n):
     """v5p's heuristic cuts the one output block per group in two (N, or K when K is the larger), tails
     partial."""
-    config = kernel.select_tgmm_config(kernel.TgmmProblem(80, k, n, 3, "float32", "float32"), "v5p")
+    config = kernel.tgmm.tiles.select(kernel.TgmmProblem(80, k, n, 3, "float32", "float32"), "v5p")
     assert (-(-k // config.tile_k)) * (-(-n // config.tile_n)) == 2
     generator = torch.Generator().manual_seed(k)
     lhs, rhs = torch.randn(80, k, generator=generator), torch.randn(80, n, generator=generator)
     sizes = torch.tensor([30, 0, 41], dtype=torch.int32)
-    out = interpret(lambda: kernel.transposed_grouped_matmul(to_jax(lhs), to_jax(rhs), to_jax(sizes), generation="v5p"))
+    out = interpret(lambda: kernel.tgmm.kernel.transposed_grouped_matmul(to_jax(lhs), to_jax(rhs), to_jax(sizes),
+                                                                         generation="v5p"))
     assert _relative_error(out, kernel.reference.tgmm_reference(lhs, rhs, sizes)) <= 1e-5
 
 
 def test_tgmm_items_skip_rows_past_groups_and_fetch_nothing_for_empty_groups(kernel):
-    items = kernel.make_tgmm_items(jnp.asarray([0, 20, 0, 45, 0], jnp.int32), 100, 32)
+    items = kernel.tgmm.kernel.make_tgmm_items(jnp.asarray([0, 20, 0, 45, 0], jnp.int32), 100, 32)
     count = int(items.count[0])
     # Group 1 spans row tile 0; group 3 rows 20..64, tiles 0..2; empty groups one item each.
     assert count == 1 + 1 + 1 + 3 + 1
@@ -85,7 +87,7 @@ def test_tgmm_items_skip_rows_past_groups_and_fetch_nothing_for_empty_groups(ker
 
 def test_tgmm_group_chunks_start_at_group_starts(kernel):
     # Group 1: rows 5..40 (chunks of 16 from row 0: 0, 16, 32); group 2: rows 40..100 (from 40: 40, 56, 72, 88).
-    items = kernel.make_tgmm_items(jnp.asarray([5, 35, 60], jnp.int32), 100, 32, chunk_m=16, align=8)
+    items = kernel.tgmm.kernel.make_tgmm_items(jnp.asarray([5, 35, 60], jnp.int32), 100, 32, chunk_m=16, align=8)
     count = int(items.count[0])
     assert list(np.asarray(items.group[:count])) == [0, 1, 1, 2, 2, 2]
     assert list(np.asarray(items.row_tile[:count])) == [0, 0, 1, 1, 2, 3]
@@ -98,8 +100,8 @@ def test_tgmm_group_chunks_start_at_group_starts(kernel):
 def test_tgmm_heuristic_takes_group_chunks_where_the_mxu_bounds_it(kernel):
     """Training shapes: v5e's MXU bounds tgmm (group chunks halve the waste per group); v6e's HBM does."""
     problem = kernel.TgmmProblem(65536, 1536, 2048, 128, "bfloat16", "bfloat16")
-    assert kernel.select_tgmm_config(problem, "v5e").group_chunks
-    assert not kernel.select_tgmm_config(problem, "v6e").group_chunks
+    assert kernel.tgmm.tiles.select(problem, "v5e").group_chunks
+    assert not kernel.tgmm.tiles.select(problem, "v6e").group_chunks
 
 
 RAGGED_DOT_CASES = [

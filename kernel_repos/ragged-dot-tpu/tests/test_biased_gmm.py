@@ -45,7 +45,7 @@ def test_biased_schedules_match_reference(kernel, interpret, to_jax, case, trans
     groups = len(group_sizes)
     problem = kernel.MatmulProblem(m, k, n, groups, "bfloat16", weights_dtype, transpose_rhs=transpose_rhs,
                                    zero_rows_past_groups=False, bias=True)
-    plan = kernel.plan_ragged_dot(problem, "v6e", kernel.TileConfig(*tiles))
+    plan = kernel.gmm.plan.make(problem, "v6e", kernel.gmm.tiles.TileConfig(*tiles))
     generator = torch.Generator().manual_seed(len(case) + transpose_rhs)
     lhs = torch.randn(m, k, generator=generator).to(torch.bfloat16)
     shape = (groups, n, k) if transpose_rhs else (groups, k, n)
@@ -56,9 +56,9 @@ def test_biased_schedules_match_reference(kernel, interpret, to_jax, case, trans
     else:
         weights = (torch.randn(shape, generator=generator) * k**-0.5).to(torch.bfloat16)
     bias = (torch.randn(groups, n, generator=generator) + 2.0).to(torch.bfloat16)
-    out = interpret(lambda: kernel.grouped_matmul_call(
-        to_jax(lhs), to_jax(weights), jnp.asarray(group_sizes, jnp.int32),
-        None if scales is None else to_jax(scales), plan, to_jax(bias)))
+    out = interpret(lambda: kernel.gmm.kernel.call(
+        to_jax(lhs), to_jax(weights), jnp.asarray(group_sizes, jnp.int32), plan,
+        None if scales is None else to_jax(scales), to_jax(bias)))
     rows = sum(group_sizes)
     assert out.shape == (m, n)
     if rows:
@@ -74,11 +74,11 @@ def test_biased_schedules_match_reference(kernel, interpret, to_jax, case, trans
 
 def test_a_bias_is_taken_only_by_a_plan_that_has_one(kernel, to_jax):
     problem = kernel.MatmulProblem(16, 128, 128, 2, "bfloat16", "bfloat16", transpose_rhs=False)
-    plan = kernel.plan_ragged_dot(problem, "v6e")
+    plan = kernel.gmm.plan.make(problem, "v6e")
     lhs, rhs = jnp.ones((16, 128), jnp.bfloat16), jnp.ones((2, 128, 128), jnp.bfloat16)
     sizes = jnp.asarray([8, 8], jnp.int32)
     with pytest.raises(ValueError, match="has no bias, got one"):
-        kernel.grouped_matmul_call(lhs, rhs, sizes, None, plan, jnp.ones((2, 128), jnp.bfloat16))
-    biased = kernel.plan_ragged_dot(problem._replace(bias=True), "v6e")
+        kernel.gmm.kernel.call(lhs, rhs, sizes, plan, bias=jnp.ones((2, 128), jnp.bfloat16))
+    biased = kernel.gmm.plan.make(problem._replace(bias=True), "v6e")
     with pytest.raises(ValueError, match="takes a bias, got none"):
-        kernel.grouped_matmul_call(lhs, rhs, sizes, None, biased)
+        kernel.gmm.kernel.call(lhs, rhs, sizes, biased)

@@ -59,11 +59,11 @@ def test_combine_sums_each_tokens_live_picks(kernel, interpret, to_jax, case, ge
     weights = torch.rand(tokens, top_k, generator=generator)
     split = -(-tile_n // 256) * 128
     words = _packed(kernel, rows, tile_n, split)
-    plan = kernel.plan_combine(kernel.CombineProblem(tokens, top_k, hidden, "bfloat16", tile_n, split), generation)
+    plan = kernel.combine.plan.make(kernel.CombineProblem(tokens, top_k, hidden, "bfloat16", tile_n, split), generation)
     assert words.shape == (picks, plan.problem.words)
     # v5p's two cores split the token tiles, but a single tile is one core's.
     assert plan.cores == (2 if generation == "v5p" and tokens > plan.tile_t else 1)
-    out = interpret(lambda: kernel.combine_picks(
+    out = interpret(lambda: kernel.combine.kernel.call(
         words, to_jax(position), to_jax(weights), jnp.asarray(live.numpy()), plan), cores=plan.cores)
     expected = torch.einsum("tk,tkh->th", torch.where(live, weights, 0.0).double(),
                             torch.where(live[..., None], rows[position].double(), 0.0))
@@ -81,7 +81,7 @@ def test_combine_sums_each_tokens_live_picks(kernel, interpret, to_jax, case, ge
     (5, 8, 2048, "v6e", 8),
 ])
 def test_the_token_tile_leaves_each_core_enough_tiles_and_fits_vmem(kernel, tokens, top_k, hidden, generation, tile_t):
-    plan = kernel.plan_combine(kernel.CombineProblem(tokens, top_k, hidden, "bfloat16", 2048, 1024), generation)
+    plan = kernel.combine.plan.make(kernel.CombineProblem(tokens, top_k, hidden, "bfloat16", 2048, 1024), generation)
     assert plan.tile_t == tile_t
 
 
@@ -100,8 +100,8 @@ def test_packed_plan_refuses_what_it_cannot_pack(kernel, change, why):
     fields = dict(m=64, k=128, n=512, groups=4, dtype="bfloat16", rhs_dtype="bfloat16", transpose_rhs=False,
                   zero_rows_past_groups=False) | change
     problem = kernel.MatmulProblem(**fields)
-    tiles = kernel.TileConfig(16, 128, fields["n"], None, 1)
-    assert kernel.packed_plan(kernel.plan_ragged_dot(problem, "v6e", tiles), "v6e") is None, why
+    tiles = kernel.gmm.tiles.TileConfig(16, 128, fields["n"], None, 1)
+    assert kernel.gmm.plan.packed_plan(kernel.gmm.plan.make(problem, "v6e", tiles), "v6e") is None, why
 
 
 def test_packed_plan_widens_one_n_tile_off_the_lanes(kernel):
@@ -109,11 +109,11 @@ def test_packed_plan_widens_one_n_tile_off_the_lanes(kernel):
     blocks' VMEM counted at that width."""
     problem = kernel.MatmulProblem(256, 2880, 2880, 4, "bfloat16", "bfloat16", transpose_rhs=False,
                                    zero_rows_past_groups=False)
-    tiles = kernel.TileConfig(128, 2880, 2880, None, 1)
-    plan = kernel.plan_ragged_dot(problem, "v6e", tiles)
-    packed = kernel.packed_plan(plan, "v6e")
+    tiles = kernel.gmm.tiles.TileConfig(128, 2880, 2880, None, 1)
+    plan = kernel.gmm.plan.make(problem, "v6e", tiles)
+    packed = kernel.gmm.plan.packed_plan(plan, "v6e")
     assert (plan.tile_n, packed.tile_n, packed.out_split) == (2880, 2944, 1536)
-    widened = kernel.matmul_buffers(tiles._replace(tile_n=2944), problem._replace(n=2944))
+    widened = kernel.gmm.tiles.matmul_buffers(tiles._replace(tile_n=2944), problem._replace(n=2944))
     assert packed.buffers == widened and packed.vmem_limit_bytes > plan.vmem_limit_bytes
     assert packed.problem.n == 2880 and packed.problem.packed_out
 
@@ -132,7 +132,7 @@ def test_packed_plan_splits_each_n_tile_on_whole_lanes(kernel, n, tile_n, split)
     GPT-OSS's 2880 in tiles of 1024, the last partial (v5e)."""
     problem = kernel.MatmulProblem(256, 128, n, 4, "bfloat16", "bfloat16", transpose_rhs=False,
                                    zero_rows_past_groups=False)
-    plan = kernel.plan_ragged_dot(problem, "v5e", kernel.TileConfig(128, 128, tile_n, None, 1))
-    packed = kernel.packed_plan(plan, "v5e")
+    plan = kernel.gmm.plan.make(problem, "v5e", kernel.gmm.tiles.TileConfig(128, 128, tile_n, None, 1))
+    packed = kernel.gmm.plan.packed_plan(plan, "v5e")
     assert packed.out_split == split
     assert packed.vmem_limit_bytes - plan.vmem_limit_bytes == 2 * 128 * (4 * split - 2 * tile_n)

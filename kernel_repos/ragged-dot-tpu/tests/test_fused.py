@@ -74,7 +74,7 @@ def test_fused_matches_reference_and_grouped_path(kernel, interpret, to_jax, cas
     layer = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, **options)
     gate = dict(weights_transposed=options["transposed"], **gate)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
-    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate))
+    fused = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), **gate))
     grouped = interpret(lambda: kernel.experts_layer(*map(to_jax, layer), **gate, fused=False))
     assert not torch.isnan(fused).any()
     assert _relative_error(fused, expected) <= 1e-5
@@ -110,9 +110,9 @@ def test_fused_tiled_schedules_match_reference(kernel, interpret, to_jax, case, 
     tokens, hidden, intermediate, experts, top_k, options, gate, tiles = TILED_CASES[case]
     layer = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, **options)
     gate = dict(weights_transposed=options["transposed"], **gate)
-    config = kernel.FusedConfig(*tiles)
+    config = kernel.fused.tiles.FusedConfig(*tiles)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
-    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate, config=config))
+    fused = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), **gate, config=config))
     assert _relative_error(fused, expected) <= 1e-5
 
 
@@ -157,13 +157,13 @@ def test_megacore_split_matches_reference(kernel, interpret, to_jax, case, rando
     if case.startswith("shared-one-active"):
         layer[1] = torch.full_like(layer[1], 1)
     gate = dict(weights_transposed=options["transposed"], **gate)
-    config = None if tiles is None else kernel.FusedConfig(*tiles)
+    config = None if tiles is None else kernel.fused.tiles.FusedConfig(*tiles)
     problem, _ = kernel.describe_experts(*map(to_jax, layer), **gate)
-    plan = kernel.plan_fused(problem, config, "v5p")
+    plan = kernel.fused.plan.make(problem, "v5p", config)
     assert plan.cores == 2 and plan.cores_per_expert == (2 if case.startswith("shared") else 1)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
     # Two simulated cores: each its own scratch and partial output, the grid's parallel axis split between them.
-    split = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate, config=config,
+    split = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), **gate, config=config,
                                                    generation="v5p"), cores=2)
     assert not torch.isnan(split).any()
     assert _relative_error(split, expected) <= 1e-5
@@ -176,8 +176,8 @@ def test_fewer_active_experts_than_slots(kernel, interpret, to_jax, generation, 
     layer[1] = torch.full_like(layer[1], 4)
     gate = dict(activation="gelu_tanh", weights_transposed=True)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
-    config = kernel.FusedConfig(16, 48, 4)
-    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate, config=config,
+    config = kernel.fused.tiles.FusedConfig(16, 48, 4)
+    fused = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), **gate, config=config,
                                                    generation=generation))
     assert _relative_error(fused, expected) <= 1e-5
 
@@ -202,7 +202,7 @@ def test_bf16_activations_with_either_routing_weights(kernel, interpret, to_jax,
                    weights_dtype=weights_dtype)
     gate = dict(activation="silu", weights_transposed=False)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
-    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate))
+    fused = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), **gate))
     # bf16 weights and activations (8-bit mantissa), rounded once more at the output.
     assert _relative_error(fused, expected) < 2e-2
 
@@ -211,8 +211,8 @@ def test_bf16_activations_with_either_routing_weights(kernel, interpret, to_jax,
 def test_only_sentinel_picks_give_zeros(kernel, interpret, to_jax, tiles, random_picks):
     layer = _layer(random_picks, 6, 64, 256, 8, 2, transposed=False, bias=True, sentinels=1.0)
     assert bool((layer[1] == 8).all())
-    config = None if tiles is None else kernel.FusedConfig(*tiles)
-    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), activation="silu",
+    config = None if tiles is None else kernel.fused.tiles.FusedConfig(*tiles)
+    fused = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), activation="silu",
                                                                  weights_transposed=False, config=config))
     assert torch.equal(fused, torch.zeros_like(fused))
 
@@ -234,7 +234,7 @@ def test_repeated_picks_of_one_expert_add_up(kernel, interpret, to_jax, random_p
     layer[1][:, 1] = layer[1][:, 0]  # every token picks its first expert twice
     gate = dict(activation="silu", weights_transposed=False)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
-    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate))
+    fused = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), **gate))
     assert _relative_error(fused, expected) <= 1e-5
 
 
@@ -301,9 +301,9 @@ def test_how_v5p_cores_split_few_picks(kernel, case):
     tokens, top_k, intermediate, cores, cores_per_expert = SPLITS[case]
     problem = kernel.ExpertsProblem(tokens, top_k, 2880, intermediate, 4, "bfloat16", "bfloat16", "float32",
                                     True, True, kernel.Gate("clamped_swiglu", True, 1.702, 7.0))
-    plan = kernel.plan_fused(problem, generation="v5p")
+    plan = kernel.fused.plan.make(problem, "v5p")
     assert (plan.cores, plan.cores_per_expert) == (cores, cores_per_expert)
     if cores_per_expert > 1:
         assert plan.i_tiles_per_core * cores >= plan.i_tiles > (plan.i_tiles_per_core - 1) * cores
-    on_v6e = kernel.plan_fused(problem, generation="v6e")
+    on_v6e = kernel.fused.plan.make(problem, "v6e")
     assert (on_v6e.cores, on_v6e.cores_per_expert) == (1, 1)

@@ -68,8 +68,8 @@ def _gated(kernel, m, k, intermediate, groups, dtype, transpose_rhs, tiles, acti
     problem = kernel.MatmulProblem(m, k, 2 * intermediate, groups, dtype, dtype, transpose_rhs=transpose_rhs,
                                    zero_rows_past_groups=False, bias=bias)
     # v5e: its 128-wide MXU takes 128-column halves without padding.
-    plan = kernel.plan_ragged_dot(problem, "v5e", kernel.TileConfig(*tiles))
-    return kernel.gated_plan(plan, kernel.Gate(activation, **gate_options), generation="v5e")
+    plan = kernel.gmm.plan.make(problem, "v5e", kernel.gmm.tiles.TileConfig(*tiles))
+    return kernel.gmm.plan.gated_plan(plan, kernel.Gate(activation, **gate_options), generation="v5e")
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
@@ -86,8 +86,7 @@ def test_gated_schedules_match_reference(kernel, interpret, to_jax, case, dtype,
     shape = (len(group_sizes), 2 * intermediate, k) if transpose_rhs else (len(group_sizes), k, 2 * intermediate)
     rhs = (torch.randn(shape, generator=generator) * k**-0.5).to(dtype)
     sizes = torch.tensor(group_sizes, dtype=torch.int32)
-    out = interpret(lambda: kernel.grouped_matmul_call(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()),
-                                                       None, plan))
+    out = interpret(lambda: kernel.gmm.kernel.call(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()), plan))
     rows = sum(group_sizes)
     assert out.shape == (m, intermediate)
     if rows:
@@ -139,8 +138,8 @@ def test_interleaved_gate_matches_reference(kernel, interpret, to_jax, case, dty
     rhs = (torch.randn(shape, generator=generator) * 4 * k**-0.5).to(dtype)
     bias = torch.randn(len(group_sizes), 2 * intermediate, generator=generator) * 3
     sizes = torch.tensor(group_sizes, dtype=torch.int32)
-    out = interpret(lambda: kernel.grouped_matmul_call(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()),
-                                                       None, plan, to_jax(bias)))
+    out = interpret(lambda: kernel.gmm.kernel.call(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()), plan,
+                                                   bias=to_jax(bias)))
     rows = sum(group_sizes)
     assert out.shape == (m, intermediate)
     expected = _gated_reference(lhs, rhs, sizes, transpose_rhs, "clamped_swiglu", bias, interleaved=True,
@@ -170,8 +169,8 @@ def test_gated_with_biases_matches_reference(kernel, interpret, to_jax, case, tr
     rhs = torch.randn(shape, generator=generator) * 4 * k**-0.5
     bias = torch.randn(len(group_sizes), 2 * intermediate, generator=generator) * 3
     sizes = torch.tensor(group_sizes, dtype=torch.int32)
-    out = interpret(lambda: kernel.grouped_matmul_call(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()),
-                                                       None, plan, to_jax(bias)))
+    out = interpret(lambda: kernel.gmm.kernel.call(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()), plan,
+                                                   bias=to_jax(bias)))
     rows = sum(group_sizes)
     expected = _gated_reference(lhs, rhs, sizes, transpose_rhs, "clamped_swiglu", bias, **{
         name: GPT_OSS_GATE[name] for name in ("alpha", "limit")})
@@ -189,10 +188,10 @@ def test_the_gate_stays_in_xla_where_the_epilogue_cannot_take_it(kernel):
 
     def gate_up(n, tile_n, generation="v5e", bias=False):
         problem = kernel.MatmulProblem(64, 128, n, 4, "bfloat16", "bfloat16", transpose_rhs=False, bias=bias)
-        return kernel.plan_ragged_dot(problem, generation, kernel.TileConfig(64, 128, tile_n, None, 1))
+        return kernel.gmm.plan.make(problem, generation, kernel.gmm.tiles.TileConfig(64, 128, tile_n, None, 1))
 
     def gated(n, tile_n, generation="v5e", gate=gate, bias=False):
-        return kernel.gated_plan(gate_up(n, tile_n, generation, bias), gate, generation)
+        return kernel.gmm.plan.gated_plan(gate_up(n, tile_n, generation, bias), gate, generation)
 
     assert gated(512, 256).tile_n == 128  # two N tiles of I = 256
     interleaved = gate._replace(interleaved=True)
@@ -205,12 +204,12 @@ def test_the_gate_stays_in_xla_where_the_epilogue_cannot_take_it(kernel):
     assert gated(1024, 384, gate=interleaved).tile_n == 256
     int8 = gate_up(512, 256)
     int8 = int8._replace(problem=int8.problem._replace(rhs_dtype="int8"))
-    assert kernel.gated_plan(int8, interleaved, "v5e") is None
+    assert kernel.gmm.plan.gated_plan(int8, interleaved, "v5e") is None
     assert gated(512, 256, bias=True).tile_n == 128
     # One-byte weights: gated in one N tile (the block's scales whole), not in halves.
     for n, tile_n, expected in ((512, 256, None), (512, 512, 256)):
         int8 = gate_up(n, tile_n)
-        int8 = kernel.gated_plan(int8._replace(problem=int8.problem._replace(rhs_dtype="int8")), gate, "v5e")
+        int8 = kernel.gmm.plan.gated_plan(int8._replace(problem=int8.problem._replace(rhs_dtype="int8")), gate, "v5e")
         assert (int8 and int8.tile_n) == expected
     # Half of a 256-column tile does not divide I = 160 (2I = 320); a 192-column half of I = 384 is off the lanes.
     assert gated(320, 256) is None

@@ -56,8 +56,8 @@ def _call(kernel, interpret, to_jax, case, transpose_rhs, *, bias=False, k=None,
     m = live + past
     problem = kernel.MatmulProblem(m, k, n, groups, dtype, dtype, transpose_rhs=transpose_rhs,
                                    zero_rows_past_groups=False, bias=bias)
-    tile_config = kernel.TileConfig(*tiles)._replace(tile_k=k)
-    plan = kernel.gathered_plan(kernel.plan_ragged_dot(problem, generation, tile_config), generation)
+    tile_config = kernel.gmm.tiles.TileConfig(*tiles)._replace(tile_k=k)
+    plan = kernel.gmm.plan.gathered_plan(kernel.gmm.plan.make(problem, generation, tile_config), generation)
     assert plan is not None and plan.problem.gathered
     generator = torch.Generator().manual_seed(seed + len(case) + transpose_rhs)
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
@@ -69,9 +69,9 @@ def _call(kernel, interpret, to_jax, case, transpose_rhs, *, bias=False, k=None,
     shape = (groups, n, k) if transpose_rhs else (groups, k, n)
     weights = (torch.randn(shape, generator=generator) * k**-0.5).to(torch_dtype)
     bias_rows = (torch.randn(groups, n, generator=generator) + 2.0).to(torch_dtype) if bias else None
-    out = interpret(lambda: kernel.grouped_matmul_call(
-        to_jax(tokens), to_jax(weights), jnp.asarray(sizes, jnp.int32), None, plan, to_jax(bias_rows),
-        to_jax(row_token)))
+    out = interpret(lambda: kernel.gmm.kernel.call(
+        to_jax(tokens), to_jax(weights), jnp.asarray(sizes, jnp.int32), plan, bias=to_jax(bias_rows),
+        row_token=to_jax(row_token)))
     assert out.shape == (m, n)
     expected = _reference(tokens, row_token, weights, sizes, transpose_rhs, bias_rows)
     return out, expected, live, plan
@@ -121,8 +121,8 @@ def test_rows_split_at_the_mxu_width_match_reference(kernel, interpret, to_jax, 
 def test_a_row_splits_where_its_parts_cost_no_mxu_pass(kernel, generation, k, transpose_rhs, split):
     problem = kernel.MatmulProblem(4096, k, 1536, 16, "bfloat16", "bfloat16", transpose_rhs=transpose_rhs,
                                    zero_rows_past_groups=False)
-    plan = kernel.plan_ragged_dot(problem, generation, kernel.TileConfig(256, k, 512, None, 1))
-    gathered = kernel.gathered_plan(plan, generation)
+    plan = kernel.gmm.plan.make(problem, generation, kernel.gmm.tiles.TileConfig(256, k, 512, None, 1))
+    gathered = kernel.gmm.plan.gathered_plan(plan, generation)
     assert gathered.gather_split == split
     # The copies' two buffers of 256-row windows hold words wider than half a row by (split - K / 2) each.
     assert gathered.vmem_limit_bytes - plan.vmem_limit_bytes == 2 * 256 * 4 * (split - k // 2)
@@ -153,19 +153,19 @@ def test_gathered_plan_refuses_what_it_cannot_copy(kernel, change, why):
     fields = dict(m=64, k=96, n=128, groups=4, dtype="bfloat16", rhs_dtype="bfloat16", transpose_rhs=False,
                   zero_rows_past_groups=False) | change
     problem = kernel.MatmulProblem(**fields)
-    tiles = kernel.TileConfig(16, min(fields["k"], 128), 128, None, 1)
-    assert kernel.gathered_plan(kernel.plan_ragged_dot(problem, "v6e", tiles), "v6e") is None, why
+    tiles = kernel.gmm.tiles.TileConfig(16, min(fields["k"], 128), 128, None, 1)
+    assert kernel.gmm.plan.gathered_plan(kernel.gmm.plan.make(problem, "v6e", tiles), "v6e") is None, why
 
 
 def test_a_gathered_plan_takes_row_tokens_and_only_it(kernel):
     problem = kernel.MatmulProblem(64, 96, 128, 2, "bfloat16", "bfloat16", transpose_rhs=False)
-    plan = kernel.plan_ragged_dot(problem, "v6e", kernel.TileConfig(16, 96, 128, None, 1))
-    gathered = kernel.gathered_plan(plan, "v6e")
+    plan = kernel.gmm.plan.make(problem, "v6e", kernel.gmm.tiles.TileConfig(16, 96, 128, None, 1))
+    gathered = kernel.gmm.plan.gathered_plan(plan, "v6e")
     tokens, weights, sizes = jnp.ones((8, 96), jnp.bfloat16), jnp.ones((2, 96, 128), jnp.bfloat16), jnp.array([3, 5])
     with pytest.raises(ValueError, match="gathers its rows"):
-        kernel.grouped_matmul_call(tokens, weights, sizes, None, gathered)
+        kernel.gmm.kernel.call(tokens, weights, sizes, gathered)
     with pytest.raises(ValueError, match="takes sorted rows"):
-        kernel.grouped_matmul_call(tokens, weights, sizes, None, plan, None, jnp.zeros(64, jnp.int32))
+        kernel.gmm.kernel.call(tokens, weights, sizes, plan, row_token=jnp.zeros(64, jnp.int32))
 
 
 @pytest.mark.parametrize("hidden", [256, 640, 2880])

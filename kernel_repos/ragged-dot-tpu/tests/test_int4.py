@@ -77,9 +77,10 @@ def test_ragged_dot_matches_unpacked_reference(kernel, interpret, to_jax, case, 
     rhs, scales, codes = _quantized(kernel, shape, out_axis, generator)
     assert kernel.int4_packed_axis(shape) == 1
     sizes = torch.tensor(group_sizes, dtype=torch.int32)
-    config = None if tiles is None else kernel.TileConfig(*tiles)
-    out = interpret(lambda: kernel.grouped_matmul(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
-                                                  to_jax(scales), transpose_rhs=transpose_rhs, config=config))
+    config = None if tiles is None else kernel.gmm.tiles.TileConfig(*tiles)
+    out = interpret(lambda: kernel.gmm.kernel.grouped_matmul(to_jax(lhs), to_jax(rhs),
+                                                             jnp.asarray(group_sizes, jnp.int32), to_jax(scales),
+                                                             transpose_rhs=transpose_rhs, config=config))
     weights = codes.double() * scales.double().unsqueeze(3 - out_axis)
     assert torch.equal(kernel.reference.dequantize_reference(rhs, scales, out_axis=out_axis), weights)
     expected = kernel.reference.ragged_dot_reference(lhs.double(), weights, sizes, transpose_rhs=transpose_rhs)
@@ -97,8 +98,9 @@ def test_ragged_dot_reads_weights_packed_along_d2_swapped(kernel, interpret, to_
     lhs = torch.randn(24, 192, generator=generator)
     rhs, scales, codes = _quantized(kernel, shape, 1, generator)
     assert kernel.int4_packed_axis(shape) == 2 and tuple(rhs.shape) == (3, 256, 96)
-    out = interpret(lambda: kernel.grouped_matmul(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
-                                                  to_jax(scales), transpose_rhs=True))
+    out = interpret(lambda: kernel.gmm.kernel.grouped_matmul(to_jax(lhs), to_jax(rhs),
+                                                             jnp.asarray(group_sizes, jnp.int32), to_jax(scales),
+                                                             transpose_rhs=True))
     expected = kernel.reference.ragged_dot_reference(lhs.double(), codes.double() * scales.double().unsqueeze(2),
                                                      torch.tensor(group_sizes), transpose_rhs=True)
     assert _relative_error(out[:19], expected[:19]) <= 1e-5
@@ -117,11 +119,11 @@ def test_gated_gate_up_takes_int4_weights_in_one_n_tile(kernel, interpret, to_ja
     rhs, scales, _ = _quantized(kernel, shape, out_axis, generator)
     problem = kernel.MatmulProblem(m, k, 2 * intermediate, len(group_sizes), "float32", "uint8",
                                    transpose_rhs=transpose_rhs, zero_rows_past_groups=False)
-    plan = kernel.plan_ragged_dot(problem, "v6e", kernel.TileConfig(40, k, 2 * intermediate, None, 1))
-    plan = kernel.gated_plan(plan, kernel.Gate("silu"), generation="v6e")
+    plan = kernel.gmm.plan.make(problem, "v6e", kernel.gmm.tiles.TileConfig(40, k, 2 * intermediate, None, 1))
+    plan = kernel.gmm.plan.gated_plan(plan, kernel.Gate("silu"), generation="v6e")
     assert plan.tile_n == plan.problem.n == intermediate
-    out = interpret(lambda: kernel.grouped_matmul_call(
-        to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32), to_jax(scales), plan))
+    out = interpret(lambda: kernel.gmm.kernel.call(
+        to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32), plan, to_jax(scales)))
     weights = kernel.reference.dequantize_reference(rhs, scales, out_axis=out_axis)
     projected = kernel.reference.ragged_dot_reference(lhs.double(), weights, torch.tensor(group_sizes),
                                                       transpose_rhs=transpose_rhs)
@@ -136,7 +138,7 @@ def _int4_weights(kernel):
 
 
 LAYER_CASES = {
-    # tokens, hidden, intermediate, experts, top_k, layer options, gate, fused tiles (None: fused_config's)
+    # tokens, hidden, intermediate, experts, top_k, layer options, gate, fused tiles (None: fused.tiles.select's)
     # GPT-OSS: transposed, interleaved, clamped SwiGLU, biases.
     "gpt-oss": (11, 128, 64, 8, 3, dict(transposed=True, bias=True, std=0.6),
                 dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), None),
@@ -175,7 +177,7 @@ def test_v5p_cores_sharing_each_expert_unpack_their_own_i_tiles(kernel, fused_on
 
 def test_only_sentinel_picks_give_zeros(kernel, interpret, to_jax, quantized_layer):
     layer = quantized_layer(_int4_weights(kernel), 6, 64, 128, 8, 2, transposed=False, bias=True, sentinels=1.0)
-    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), activation="silu",
+    fused = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), activation="silu",
                                                                  weights_transposed=False))
     assert torch.equal(fused, torch.zeros_like(fused))
 

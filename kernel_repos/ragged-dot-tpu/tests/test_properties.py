@@ -282,9 +282,9 @@ def test_jax_ragged_dot_takes_any_integer_group_sizes(kernel, interpret, dtype):
     generator = torch.Generator().manual_seed(5)
     lhs, rhs = random_tensor(generator, (300, 8)), random_tensor(generator, (2, 8, 16))
     sizes = [200, 100]
-    out = interpret(lambda: kernel.grouped_matmul(jnp.asarray(lhs.numpy()), jnp.asarray(rhs.numpy()),
+    out = interpret(lambda: kernel.gmm.kernel.grouped_matmul(jnp.asarray(lhs.numpy()), jnp.asarray(rhs.numpy()),
                                                         np.asarray(sizes, dtype)))
     expected = kernel.reference.ragged_dot_reference(lhs.double(), rhs.double(), torch.tensor(sizes))
     assert_matches(out, expected, TOLERANCE[torch.float32])
     with pytest.raises(TypeError, match="group_sizes must have an integer dtype"):
-        kernel.grouped_matmul(jnp.asarray(lhs.numpy()), jnp.asarray(rhs.numpy()), jnp.asarray([2.0, 1.0]))
+        kernel.gmm.kernel.grouped_matmul(jnp.asarray(lhs.numpy()), jnp.asarray(rhs.numpy()), jnp.asarray([2.0, 1.0]))

@@ -58,9 +58,10 @@ def test_ragged_dot_matches_dequantized_reference(kernel, interpret, to_jax, cas
     shape = (len(group_sizes), n, k) if transpose_rhs else (len(group_sizes), k, n)
     rhs, scales = _quantized(shape, scheme, 1 if transpose_rhs else 2, generator)
     sizes = torch.tensor(group_sizes, dtype=torch.int32)
-    config = None if tiles is None else kernel.TileConfig(*tiles)
-    out = interpret(lambda: kernel.grouped_matmul(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
-                                                  to_jax(scales), transpose_rhs=transpose_rhs, config=config))
+    config = None if tiles is None else kernel.gmm.tiles.TileConfig(*tiles)
+    out = interpret(lambda: kernel.gmm.kernel.grouped_matmul(to_jax(lhs), to_jax(rhs),
+                                                             jnp.asarray(group_sizes, jnp.int32), to_jax(scales),
+                                                             transpose_rhs=transpose_rhs, config=config))
     weights = kernel.reference.dequantize_reference(rhs, scales, out_axis=1 if transpose_rhs else 2)
     expected = kernel.reference.ragged_dot_reference(lhs.double(), weights, sizes, transpose_rhs=transpose_rhs)
     assert not torch.isnan(out).any()
@@ -83,12 +84,11 @@ def test_gated_gate_up_takes_one_byte_weights_in_one_n_tile(kernel, interpret, t
     problem = kernel.MatmulProblem(m, k, 2 * intermediate, len(group_sizes), "float32",
                                    jnp.dtype(to_jax(rhs).dtype).name, transpose_rhs=transpose_rhs,
                                    zero_rows_past_groups=False)
-    plan = kernel.plan_ragged_dot(problem, "v5e", kernel.TileConfig(40, k, 2 * intermediate, None, 1))
-    plan = kernel.gated_plan(plan, kernel.Gate("silu"), generation="v5e")
+    plan = kernel.gmm.plan.make(problem, "v5e", kernel.gmm.tiles.TileConfig(40, k, 2 * intermediate, None, 1))
+    plan = kernel.gmm.plan.gated_plan(plan, kernel.Gate("silu"), generation="v5e")
     assert plan.tile_n == plan.problem.n == intermediate
-    out = interpret(lambda: kernel.grouped_matmul_call(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes,
-                                                                                                    jnp.int32),
-                                                       to_jax(scales), plan))
+    out = interpret(lambda: kernel.gmm.kernel.call(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
+                                                   plan, to_jax(scales)))
     weights = kernel.reference.dequantize_reference(rhs, scales, out_axis=1 if transpose_rhs else 2)
     projected = kernel.reference.ragged_dot_reference(lhs.double(), weights, torch.tensor(group_sizes, dtype=torch.int32),
                                                       transpose_rhs=transpose_rhs)
@@ -104,7 +104,7 @@ def _scheme_weights(scheme):
 
 
 LAYER_CASES = {
-    # tokens, hidden, intermediate, experts, top_k, layer options, gate, fused tiles (None: fused_config's)
+    # tokens, hidden, intermediate, experts, top_k, layer options, gate, fused tiles (None: fused.tiles.select's)
     # Qwen3-MoE / Mixtral layout, H and 2I past one 128 block with partial last blocks; some experts without picks.
     "concatenated": (9, 200, 136, 8, 2, dict(transposed=False, bias=False), dict(activation="silu"), None),
     # Transposed weights with biases.
@@ -167,7 +167,7 @@ def test_fp8_bf16_layer_is_the_unquantized_kernel_on_transformers_dequantized_we
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_only_sentinel_picks_give_zeros(kernel, interpret, to_jax, scheme, quantized_layer):
     layer = quantized_layer(_scheme_weights(scheme), 6, 64, 256, 8, 2, transposed=False, bias=True, sentinels=1.0)
-    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), activation="silu",
+    fused = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), activation="silu",
                                                                  weights_transposed=False))
     assert torch.equal(fused, torch.zeros_like(fused))
 
@@ -288,10 +288,10 @@ def test_fused_fp8_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, interpret, 
     transposed = options["transposed"]
     layer = quantized_layer(_scheme_weights("fp8"), tokens, hidden, intermediate, experts, top_k, **options)
     gate = dict(weights_transposed=transposed, **gate)
-    config = None if tiles is None else kernel.FusedConfig(*tiles)
+    config = None if tiles is None else kernel.fused.tiles.FusedConfig(*tiles)
     problem, _ = kernel.describe_experts(*map(to_jax, layer), **gate)
-    assert kernel.plan_fused(problem, config, "tpu7x").fp8_matmul == FP8_MXU_CASES[case]
-    fused = interpret(lambda: kernel.fused_experts(*map(to_jax, layer), **gate, config=config,
+    assert kernel.fused.plan.make(problem, "tpu7x", config).fp8_matmul == FP8_MXU_CASES[case]
+    fused = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), **gate, config=config,
                                                    generation="tpu7x"))
     dequantized = dequantized_layer(kernel, layer, transposed)
     weights_only = kernel.reference.gated_experts_reference(*dequantized, **gate)
@@ -316,13 +316,14 @@ def test_ragged_dot_fp8_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, interp
     shape = (len(group_sizes), n, k) if transpose_rhs else (len(group_sizes), k, n)
     rhs, scales = _quantized(shape, "fp8", 1 if transpose_rhs else 2, generator)
     sizes = torch.tensor(group_sizes, dtype=torch.int32)
-    config = None if tiles is None else kernel.TileConfig(*tiles)
+    config = None if tiles is None else kernel.gmm.tiles.TileConfig(*tiles)
     problem = kernel.MatmulProblem(m, k, n, len(group_sizes), "float32", "float8_e4m3fn",
                                    transpose_rhs=transpose_rhs)
-    assert kernel.plan_ragged_dot(problem, "tpu7x", config).fp8_matmul
-    out = interpret(lambda: kernel.grouped_matmul(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
-                                                  to_jax(scales), transpose_rhs=transpose_rhs, config=config,
-                                                  generation="tpu7x"))
+    assert kernel.gmm.plan.make(problem, "tpu7x", config).fp8_matmul
+    out = interpret(lambda: kernel.gmm.kernel.grouped_matmul(to_jax(lhs), to_jax(rhs),
+                                                             jnp.asarray(group_sizes, jnp.int32), to_jax(scales),
+                                                             transpose_rhs=transpose_rhs, config=config,
+                                                             generation="tpu7x"))
     weights = kernel.reference.dequantize_reference(rhs, scales, out_axis=1 if transpose_rhs else 2)
     fp8_rows = torch.stack([kernel.reference.fp8_rows_reference(row) for row in lhs])
     expected = kernel.reference.ragged_dot_reference(fp8_rows, weights, sizes, transpose_rhs=transpose_rhs)

@@ -87,10 +87,10 @@ SCHEDULE_CASES = {
 @pytest.mark.parametrize("case", list(SCHEDULE_CASES))
 def test_multi_tile_schedules_match_reference(kernel, interpret, to_jax, case, dtype, transpose_rhs):
     m, k, n, group_sizes, tiles = SCHEDULE_CASES[case]
-    config = kernel.TileConfig(*tiles)
+    config = kernel.gmm.tiles.TileConfig(*tiles)
     lhs, rhs, sizes = _random_inputs(m, k, n, group_sizes, transpose_rhs, dtype, seed=len(case))
     out = interpret(
-        lambda: kernel.grouped_matmul(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()),
+        lambda: kernel.gmm.kernel.grouped_matmul(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()),
                                       transpose_rhs=transpose_rhs, config=config)
     )
     expected = kernel.reference.ragged_dot_reference(lhs.double(), rhs.double(), sizes, transpose_rhs=transpose_rhs)
@@ -104,11 +104,12 @@ def test_multi_tile_schedules_match_reference(kernel, interpret, to_jax, case, d
 @pytest.mark.slow
 def test_schedule_cases_cover_what_they_name(kernel):
     """The schedule cases above really run several tiles, tails, slots and chunks."""
-    make_work_items = kernel.make_work_items
+    make_work_items = kernel.gmm.schedule.make_work_items
     seen = set()
     for m, k, n, group_sizes, tiles in SCHEDULE_CASES.values():
-        config = kernel.TileConfig(*tiles)
-        kernel.check_config(config, kernel.MatmulProblem(m, k, n, len(group_sizes), "bfloat16", "bfloat16", False))
+        config = kernel.gmm.tiles.TileConfig(*tiles)
+        kernel.gmm.tiles.check_config(config, kernel.MatmulProblem(m, k, n, len(group_sizes), "bfloat16", "bfloat16",
+                                                                    False))
         items = make_work_items(jnp.asarray(group_sizes, jnp.int32), m, config.tile_m)
         count = int(items.count[0])
         tail_items = int(jnp.sum(items.row_end[:count] == 0))
@@ -152,10 +153,10 @@ def _chunk_crosses_a_tile(group_sizes, config):
 def test_rows_past_the_groups_can_be_left_unwritten(kernel, interpret, to_jax, case):
     """zero_rows_past_groups=False: the live rows are the same; row tiles past the groups are never written."""
     m, k, n, group_sizes, tiles = SCHEDULE_CASES[case]
-    config = kernel.TileConfig(*tiles)
+    config = kernel.gmm.tiles.TileConfig(*tiles)
     lhs, rhs, sizes = _random_inputs(m, k, n, group_sizes, False, torch.float32, seed=3)
     out = interpret(
-        lambda: kernel.grouped_matmul(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()), config=config,
+        lambda: kernel.gmm.kernel.grouped_matmul(to_jax(lhs), to_jax(rhs), jnp.asarray(sizes.numpy()), config=config,
                                       zero_rows_past_groups=False)
     )
     expected = kernel.reference.ragged_dot_reference(lhs.double(), rhs.double(), sizes)

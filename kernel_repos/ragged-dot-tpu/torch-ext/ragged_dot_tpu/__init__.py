@@ -4,13 +4,16 @@ On TPU tensors the ops run the Mosaic-compiled kernel; on CPU tensors they run
 the same kernel in Pallas' TPU interpret mode (exact, slow: for development
 and CI).
 
-Each kernel is a subpackage (`gmm`, `tgmm`, `fused`, `combine`: its kernel,
-its plan and its tiles); `common` is what they share; `problem.py`,
-`plan.py` and `layer.py` describe, plan and run the experts layer. `__all__`
-is what a user calls (the torch ops and the reference); `TOOLS` is what
-benchmarks, the performance model and tests use besides: the problem values,
-the plan makers, the tile selectors, each kernel's call, quantized weights and
-their packing.
+Each kernel is a subpackage (`gmm`, `tgmm`, `fused`, `combine`) with three
+seams: `tiles.select(problem, generation)` picks its blocks, `plan.make(problem,
+generation, config=None)` derives its buffers and VMEM limit once, and
+`kernel.call(arrays..., plan)` runs it; `common` is what they share;
+`problem.py`, `plan.py` and `layer.py` describe, plan and run the experts
+layer. `__all__` is what a user calls (the torch ops and the reference);
+`TOOLS` is what benchmarks, the performance model and tests use besides: the
+problem values, the quantized weights and their packing, the experts layer,
+and each kernel's seams (dotted: `gmm.plan.make`) with the few decisions
+beside them that tools weigh.
 """
 
 # Submodules are bound by name here, not only imported: `kernels` may load the
@@ -18,8 +21,6 @@ their packing.
 # cached submodules without setting them as attributes of the new package.
 from . import combine, common, fused, gmm, ops, reference, tgmm
 from .backward import differentiable_ragged_dot
-from .combine.kernel import combine_picks
-from .combine.plan import plan_combine
 from .common.packed_rows import pack_rows, unpack_rows
 from .common.quant import (
     INT4, NOT_SERVED, check_scheme_served, expected_scales_shape, int4_packable, int4_packed_axis, pack_int4,
@@ -29,55 +30,50 @@ from .common.routing import expected_active_groups, expert_plan
 from .common.vmem import buffers_bytes
 from .common.weights_layout import weights_orientation
 from .experts import composed_experts_forward, experts_forward, fused_gate
-from .fused.kernel import fused_experts, fused_experts_call
-from .fused.plan import plan_fused
-from .fused.tiles import (
-    MULTI_EXPERT_MIN_TOKENS, FusedConfig, busier_core_seconds, check_fused_config, experts_per_step_saving,
-    fused_config, fused_feeds_fp8_mxu, fused_vmem_bytes, i_tiles,
-)
-from .gmm.kernel import grouped_matmul, grouped_matmul_call
-from .gmm.plan import gated_plan, gathered_plan, packed_plan, plan_ragged_dot
-from .gmm.schedule import make_work_items
-from .gmm.tiles import (
-    HEURISTIC_RHS_BLOCK_BYTES, TUNED_TILES, TileConfig, TunedKey, check_config, heuristic_config,
-    matmul_buffers, n_tile, ridge_rows, row_chunks, row_tile_rows, select_config,
-    select_d_lhs_config, vmem_bytes, vmem_limit,
-)
 from .layer import experts_layer
 from .ops import gated_experts, ragged_dot
 from .plan import FUSED_MAX_TOKENS, fused_path_config, plan_experts
 from .problem import (
     CombineProblem, ExpertsProblem, ExpertWeights, Gate, MatmulProblem, TgmmProblem, describe_experts,
 )
-from .tgmm.kernel import make_tgmm_items, transposed_grouped_matmul, transposed_grouped_matmul_call
-from .tgmm.plan import plan_tgmm
-from .tgmm.tiles import TgmmConfig, select_tgmm_config
 
 # What a user of the loaded kernel calls (and what `kernels describe-api` lists, from symbols.json): the torch
 # ops, transformers' experts entry point, and the float64 reference the kernels are tested against.
 __all__ = ["experts_forward", "gated_experts", "ops", "ragged_dot", "reference"]
 
 # The one face code outside this package (benchmarks, the performance model, integration, tests) uses besides
-# `__all__`: tests/test_kernel_face.py holds every use to these names.
+# `__all__`: tests/test_kernel_face.py holds every use to these names. A dotted name is reached through the
+# subpackages bound above (`gmm.plan.make`), and only that name of its module is.
 TOOLS = [
-    # The composed experts forward, and the gate of the fused op.
-    "composed_experts_forward", "fused_gate",
     # What a call computes.
     "CombineProblem", "ExpertWeights", "ExpertsProblem", "Gate", "MatmulProblem", "TgmmProblem", "describe_experts",
-    # The plan makers, and the rule that picks the experts layer's kernel.
-    "FUSED_MAX_TOKENS", "fused_path_config", "gated_plan", "gathered_plan", "packed_plan", "plan_combine",
-    "plan_experts", "plan_fused", "plan_ragged_dot", "plan_tgmm",
-    # The tile selectors, and what they weigh.
-    "HEURISTIC_RHS_BLOCK_BYTES", "MULTI_EXPERT_MIN_TOKENS", "TUNED_TILES", "FusedConfig", "TgmmConfig", "TileConfig",
-    "TunedKey", "buffers_bytes", "busier_core_seconds", "check_config", "check_fused_config", "expected_active_groups",
-    "experts_per_step_saving", "fused_config", "fused_feeds_fp8_mxu", "fused_vmem_bytes", "heuristic_config",
-    "i_tiles", "matmul_buffers", "n_tile", "ridge_rows", "row_chunks", "row_tile_rows", "select_config",
-    "select_d_lhs_config", "select_tgmm_config", "vmem_bytes", "vmem_limit", "weights_orientation",
-    # Each kernel's call (planning its own, and running a plan), and the schedules they run.
-    "combine_picks", "differentiable_ragged_dot", "experts_layer", "expert_plan", "fused_experts",
-    "fused_experts_call", "grouped_matmul", "grouped_matmul_call", "make_tgmm_items", "make_work_items",
-    "transposed_grouped_matmul", "transposed_grouped_matmul_call",
     # Quantized weights, and packing.
     "INT4", "NOT_SERVED", "check_scheme_served", "expected_scales_shape", "int4_packable", "int4_packed_axis",
     "pack_int4", "pack_rows", "scheme_of", "unpack_int4", "unpack_rows",
+    # The experts layer: its plan, the rule that picks its kernel, its calls; the routing, weights order and VMEM
+    # its kernels share.
+    "FUSED_MAX_TOKENS", "composed_experts_forward", "differentiable_ragged_dot", "expected_active_groups",
+    "expert_plan", "experts_layer", "buffers_bytes", "fused_gate", "fused_path_config", "plan_experts",
+    "weights_orientation",
+    # Each kernel's seams.
+    "gmm.tiles.select", "gmm.plan.make", "gmm.kernel.call",
+    "tgmm.tiles.select", "tgmm.plan.make", "tgmm.kernel.call",
+    "fused.tiles.select", "fused.plan.make", "fused.kernel.call",
+    "combine.tiles.select", "combine.plan.make", "combine.kernel.call",
+    # Beside them: the configs a caller hands `make`, and each kernel's call that plans its own.
+    "gmm.tiles.TileConfig", "tgmm.tiles.TgmmConfig", "fused.tiles.FusedConfig",
+    "gmm.kernel.grouped_matmul", "tgmm.kernel.transposed_grouped_matmul", "fused.kernel.fused_experts",
+    # The grouped matmul's other decisions: the backward's d_lhs tiles, the experts layer's variants of a plan,
+    # the tuned table and the heuristic it overrides, and what a config's blocks take (rows, N tile, VMEM).
+    "gmm.tiles.select_d_lhs", "gmm.plan.gated_plan", "gmm.plan.gathered_plan", "gmm.plan.packed_plan",
+    "gmm.tiles.TUNED_TILES", "gmm.tiles.TunedKey", "gmm.tiles.heuristic_config", "gmm.tiles.HEURISTIC_RHS_BLOCK_BYTES",
+    "gmm.tiles.check_config", "gmm.tiles.ridge_rows", "gmm.tiles.n_tile", "gmm.tiles.row_tile_rows",
+    "gmm.tiles.row_chunks", "gmm.tiles.matmul_buffers", "gmm.tiles.vmem_bytes", "gmm.tiles.vmem_limit",
+    # The fused kernel's: when it runs several experts per step, how it splits them over cores, its I tiles,
+    # fp8 on the MXU, its VMEM.
+    "fused.tiles.MULTI_EXPERT_MIN_TOKENS", "fused.tiles.experts_per_step_saving", "fused.tiles.busier_core_seconds",
+    "fused.tiles.check_fused_config", "fused.tiles.i_tiles", "fused.tiles.fused_feeds_fp8_mxu",
+    "fused.tiles.fused_vmem_bytes",
+    # The work schedules the grouped matmuls run.
+    "gmm.schedule.make_work_items", "tgmm.kernel.make_tgmm_items",
 ]

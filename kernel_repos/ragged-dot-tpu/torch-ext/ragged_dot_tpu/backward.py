@@ -27,10 +27,11 @@ import jax.numpy as jnp
 
 from .common.gates import gated, split_gate_up
 from .common.routing import sort_by_expert
-from .gmm.kernel import grouped_matmul, grouped_matmul_call
+from .gmm import kernel as gmm_kernel
+from .gmm.kernel import grouped_matmul
 from .plan import ExpertsPlan, MatmulBackwardPlan, plan_ragged_dot_backward
 from .problem import ExpertWeights, MatmulProblem
-from .tgmm.kernel import transposed_grouped_matmul_call
+from .tgmm import kernel as tgmm_kernel
 
 
 QUANTIZED_BACKWARD_REFUSAL = (
@@ -77,9 +78,9 @@ def matmul_backward(d_out: jax.Array, lhs: jax.Array, rhs: jax.Array, group_size
                     plan: MatmulBackwardPlan) -> tuple[jax.Array, jax.Array]:
     """`ragged_dot_backward` as `plan` says."""
     d_out = d_out.astype(lhs.dtype)
-    d_lhs = grouped_matmul_call(d_out, rhs, group_sizes, None, plan.d_lhs)
+    d_lhs = gmm_kernel.call(d_out, rhs, group_sizes, plan.d_lhs)
     operands = (d_out, lhs) if plan.swapped else (lhs, d_out)
-    d_rhs = transposed_grouped_matmul_call(*operands, group_sizes, plan.d_rhs)
+    d_rhs = tgmm_kernel.call(*operands, group_sizes, plan.d_rhs)
     return d_lhs, d_rhs
 
 

@@ -49,9 +49,9 @@ import jax
 import jax.numpy as jnp
 
 from .common.quant import INT4, NOT_SERVED, expected_scales_shape, int4_packed_axis
-from .gmm.kernel import grouped_matmul, grouped_matmul_call
-from .gmm.plan import gated_plan, plan_ragged_dot
-from .gmm.tiles import select_config, select_d_lhs_config
+from .gmm import kernel as gmm_kernel, plan as gmm_plan, tiles as gmm_tiles
+from .gmm.kernel import grouped_matmul
+from .gmm.plan import gated_plan
 from .layer import experts_layer
 from .plan import fused_path_config
 from .problem import ExpertsProblem, Gate, MatmulProblem
@@ -106,8 +106,8 @@ GATED_ROWS = 16384
 def _gated_target(model, experts, hidden, intermediate, tile_n, generation, dtype):
     problem = MatmulProblem(GATED_ROWS, hidden, 2 * intermediate, experts, jnp.dtype(dtype).name,
                             jnp.dtype(dtype).name, transpose_rhs=True, zero_rows_past_groups=False)
-    heuristic = select_config(problem, generation)
-    ungated = plan_ragged_dot(problem, generation, heuristic._replace(tile_n=tile_n))
+    heuristic = gmm_tiles.select(problem, generation)
+    ungated = gmm_plan.make(problem, generation, heuristic._replace(tile_n=tile_n))
     plan = gated_plan(ungated, Gate("silu"), generation=generation)
     if plan is None:
         raise ValueError(f"{model}: no gated plan at tile_n={tile_n} on {generation}")
@@ -116,7 +116,7 @@ def _gated_target(model, experts, hidden, intermediate, tile_n, generation, dtyp
              jax.ShapeDtypeStruct((experts,), jnp.int32))
     mode = "one block" if plan.tile_n == intermediate else f"halves of {plan.tile_n}"
     return (f"{model} gated gate_up M={GATED_ROWS} K={hidden} I={intermediate} E={experts} ({mode}) bf16",
-            lambda x, w, sizes: grouped_matmul_call(x, w, sizes, None, plan), avals)
+            lambda x, w, sizes: gmm_kernel.call(x, w, sizes, plan), avals)
 
 
 def _weight_shapes(experts, hidden, intermediate, transposed):
@@ -177,7 +177,7 @@ def _backward_targets(generation, dtype):
             d_lhs_problem = MatmulProblem(rows, n, k, experts, jnp.dtype(dtype).name, jnp.dtype(dtype).name,
                                           transpose_rhs=False)
             d_lhs = functools.partial(grouped_matmul, transpose_rhs=False,
-                                      config=select_d_lhs_config(d_lhs_problem, generation))
+                                      config=gmm_tiles.select_d_lhs(d_lhs_problem, generation))
             targets.append((
                 f"{model} {projection} d_lhs M={rows} K={n} N={k} E={experts} bf16", d_lhs,
                 (jax.ShapeDtypeStruct((rows, n), dtype), jax.ShapeDtypeStruct((experts, n, k), dtype), sizes),

@@ -6,7 +6,7 @@ run it, picked by the plan (the rule is `plan.fused_path_config`):
 - decode-sized calls: one fused kernel (`fused.kernel.fused_experts`) that
   streams each active expert's weights once and keeps everything else in VMEM;
 - larger calls: sort the picks by expert, two grouped matmuls
-  (`gmm.kernel.grouped_matmul_call`, each adding its biases; the first copying
+  (`gmm.kernel.call`, each adding its biases; the first copying
   each pick's row from its token where it can) with the gate between them,
   then each token's picks weighted and summed in f32 (where it can, by the
   combine kernel, `combine/kernel.py`, which copies only the live picks' rows).
@@ -32,11 +32,11 @@ import jax
 import jax.numpy as jnp
 
 from .backward import grouped_experts_backward, without_gradient
-from .combine.kernel import combine_picks
+from .combine import kernel as combine_kernel
 from .common.gates import gated, split_gate_up
 from .common.routing import sort_by_expert
-from .fused.kernel import fused_experts_call
-from .gmm.kernel import grouped_matmul_call
+from .fused import kernel as fused_kernel
+from .gmm import kernel as gmm_kernel
 from .plan import ExpertsPlan, plan_experts
 from .problem import ExpertsProblem, ExpertWeights, describe_experts
 
@@ -85,7 +85,7 @@ def planned_experts(plan: ExpertsPlan, hidden_states: jax.Array, top_k_index: ja
 def _experts_forward(plan: ExpertsPlan, hidden_states, top_k_index, top_k_weights, weights: ExpertWeights):
     if plan.fused is not None:
         read = weights.as_read(plan.orientation, weights_transposed=plan.problem.weights_transposed)
-        return fused_experts_call(plan.fused, hidden_states, top_k_index, top_k_weights, read)
+        return fused_kernel.call(hidden_states, top_k_index, top_k_weights, read, plan.fused)
     return grouped_experts(plan, hidden_states, top_k_index, top_k_weights, weights)
 
 
@@ -146,11 +146,11 @@ def grouped_experts(
     first = plan.gate_up if return_residuals else plan.forward_gate_up
     row_token = (order // top_k).astype(jnp.int32)
     if first.problem.gathered:
-        first_out = grouped_matmul_call(hidden_states, read.gate_up_proj, group_sizes, read.gate_up_scales, first,
-                                        weights.gate_up_bias, row_token)
+        first_out = gmm_kernel.call(hidden_states, read.gate_up_proj, group_sizes, first, read.gate_up_scales,
+                                    weights.gate_up_bias, row_token)
     else:
-        first_out = grouped_matmul_call(hidden_states[row_token], read.gate_up_proj, group_sizes,
-                                        read.gate_up_scales, first, weights.gate_up_bias)
+        first_out = gmm_kernel.call(hidden_states[row_token], read.gate_up_proj, group_sizes, first,
+                                    read.gate_up_scales, weights.gate_up_bias)
     if first.problem.gate is not None:
         activated = first_out
     else:
@@ -163,10 +163,10 @@ def grouped_experts(
         activated = gated(jnp.where(live, gate_part, 0.0), jnp.where(live, up, 0.0), gate.activation,
                           alpha=gate.alpha, limit=gate.limit).astype(hidden_states.dtype)
     down = plan.down if return_residuals else plan.forward_down
-    down_out = grouped_matmul_call(activated, read.down_proj, group_sizes, read.down_scales, down, weights.down_bias)
+    down_out = gmm_kernel.call(activated, read.down_proj, group_sizes, down, read.down_scales, weights.down_bias)
     position, live = _pick_positions(order, group_sizes, problem)
     if down.problem.packed_out:
-        return combine_picks(down_out, position, top_k_weights, live, plan.combine)
+        return combine_kernel.call(down_out, position, top_k_weights, live, plan.combine)
     result = _weighted_sum_per_token(down_out, position, live, top_k_weights, problem).astype(hidden_states.dtype)
     return (result, (first_out, down_out)) if return_residuals else result
 

@@ -21,15 +21,18 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ._hardware import resolve_generation
-from .combine.plan import CombinePlan, plan_combine
+from .combine import plan as combine_plan
+from .combine.plan import CombinePlan
 from .common.quant import check_served, scheme_of
 from .common.weights_layout import WeightsOrientation
-from .fused.plan import FusedPlan, plan_fused
-from .fused.tiles import FusedConfig, fused_config
-from .gmm.plan import MatmulPlan, gated_plan, gathered_plan, packed_plan, plan_ragged_dot
-from .gmm.tiles import select_d_lhs_config
+from .fused import plan as fused_plan, tiles as fused_tiles
+from .fused.plan import FusedPlan
+from .fused.tiles import FusedConfig
+from .gmm import plan as gmm_plan, tiles as gmm_tiles
+from .gmm.plan import MatmulPlan, gated_plan, gathered_plan, packed_plan
 from .problem import CombineProblem, ExpertsProblem, MatmulProblem, TgmmProblem
-from .tgmm.plan import TgmmPlan, plan_tgmm
+from .tgmm import plan as tgmm_plan
+from .tgmm.plan import TgmmPlan
 
 # The fused experts kernel serves calls of at most this many tokens (decode
 # batches). It gathers an expert's rows and scatters its results with one-hot
@@ -51,7 +54,7 @@ def fused_path_config(problem: ExpertsProblem, generation: str | None = None) ->
     why)."""
     if problem.tokens > FUSED_MAX_TOKENS:
         return None
-    return fused_config(problem, generation)
+    return fused_tiles.select(problem, generation)
 
 
 class MatmulBackwardPlan(NamedTuple):
@@ -64,13 +67,13 @@ class MatmulBackwardPlan(NamedTuple):
 
 
 def plan_ragged_dot_backward(forward: MatmulProblem, generation: str | None = None) -> MatmulBackwardPlan:
-    """The backward of `forward`: d_lhs tiles of `select_d_lhs_config`, d_rhs of `select_tgmm_config`."""
+    """The backward of `forward`: d_lhs tiles of `gmm.tiles.select_d_lhs`, d_rhs of `tgmm.tiles.select`."""
     m, k, n, groups, dtype = forward.m, forward.k, forward.n, forward.groups, forward.dtype
     d_lhs = MatmulProblem(m, n, k, groups, dtype, dtype, transpose_rhs=not forward.transpose_rhs)
-    d_lhs_config = select_d_lhs_config(d_lhs, generation)
+    d_lhs_config = gmm_tiles.select_d_lhs(d_lhs, generation)
     d_rhs = TgmmProblem(m, n, k, groups, dtype, dtype) if forward.transpose_rhs else TgmmProblem(m, k, n, groups,
                                                                                                   dtype, dtype)
-    return MatmulBackwardPlan(plan_ragged_dot(d_lhs, generation, d_lhs_config), plan_tgmm(d_rhs, generation),
+    return MatmulBackwardPlan(gmm_plan.make(d_lhs, generation, d_lhs_config), tgmm_plan.make(d_rhs, generation),
                               swapped=forward.transpose_rhs)
 
 
@@ -114,9 +117,9 @@ def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fuse
     orientation = problem.orientation
     if fused is None:
         config = fused_path_config(problem, generation)
-        fused_plan = None if config is None else plan_fused(problem, config, generation)
+        fused_call = None if config is None else fused_plan.make(problem, generation, config)
     else:
-        fused_plan = plan_fused(problem, generation=generation) if fused else None
+        fused_call = fused_plan.make(problem, generation) if fused else None
     picks, hidden, intermediate = problem.picks, problem.hidden, problem.intermediate
 
     def matmul(k: int, n: int, read_transposed: bool) -> MatmulProblem:
@@ -126,15 +129,15 @@ def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fuse
     gate_up = matmul(hidden, 2 * intermediate, orientation.gate_up_transposed)
     down = matmul(intermediate, hidden, orientation.down_transposed)
     trains = scheme_of(problem.weights_dtype) is None
-    gate_up_plan = plan_ragged_dot(gate_up, generation)
+    gate_up_plan = gmm_plan.make(gate_up, generation)
     forward_gate_up = gated_plan(gate_up_plan, problem.gate, generation) or gate_up_plan
-    down_plan = plan_ragged_dot(down, generation)
+    down_plan = gmm_plan.make(down, generation)
     packed_down = packed_plan(down_plan, generation)
     return ExpertsPlan(
-        problem=problem, orientation=orientation, fused=fused_plan,
+        problem=problem, orientation=orientation, fused=fused_call,
         gate_up=gate_up_plan, forward_gate_up=gathered_plan(forward_gate_up, generation) or forward_gate_up,
         down=down_plan, forward_down=packed_down or down_plan,
-        combine=packed_down and plan_combine(CombineProblem(problem.tokens, problem.top_k, hidden, problem.dtype,
+        combine=packed_down and combine_plan.make(CombineProblem(problem.tokens, problem.top_k, hidden, problem.dtype,
                                                             packed_down.tile_n, packed_down.out_split), generation),
         gate_up_backward=plan_ragged_dot_backward(gate_up, generation) if trains else None,
         down_backward=plan_ragged_dot_backward(down, generation) if trains else None,

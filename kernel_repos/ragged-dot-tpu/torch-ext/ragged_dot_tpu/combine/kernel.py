@@ -6,7 +6,7 @@ token's picks in XLA reads all T x K rows of that array, the sentinel
 picks' too (another rank's experts, most picks under expert-parallel router
 masking), and XLA writes and rereads a `[T, H]` gather per pick slot.
 
-Here the grid runs over tiles of `tile_t` tokens (`tiles.select_token_tile`), split in runs of
+Here the grid runs over tiles of `tile_t` tokens (`tiles.select`), split in runs of
 consecutive tiles over the device's TensorCores (v5p's two: the grid's
 first dimension, parallel). Each step waits for its tile's live pick rows,
 copied one row per DMA from the sorted rows into one of two VMEM buffers
@@ -66,7 +66,7 @@ def combine_schedule(position: jax.Array, live: jax.Array, plan: CombinePlan) ->
                            slot=first_live.reshape(-1), copies=jnp.sum(live, axis=1, dtype=jnp.int32))
 
 
-def combine_picks(rows: jax.Array, position: jax.Array, top_k_weights: jax.Array, live: jax.Array,
+def call(rows: jax.Array, position: jax.Array, top_k_weights: jax.Array, live: jax.Array,
                   plan: CombinePlan) -> jax.Array:
     """`sum_k top_k_weights[t, k] * rows[position[t, k]]` over each token's live picks, in f32, as the problem's
     dtype.

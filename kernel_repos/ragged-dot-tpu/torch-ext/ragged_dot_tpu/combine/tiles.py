@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .._hardware import LANES, round_up, tpu_generation, vmem_budget_bytes
+from .._hardware import LANES, resolve_generation, round_up, tpu_generation, vmem_budget_bytes
 from ..problem import CombineProblem
 
 # Tokens per grid step, largest first: each step copies up to K x tile rows, and a longer tile pays fewer steps'
@@ -26,9 +26,11 @@ def combine_vmem_bytes(tile_t: int, problem: CombineProblem) -> int:
             + 4 * tile_t * problem.split * 4)  # one N tile's f32 parts and sums
 
 
-def select_token_tile(problem: CombineProblem, generation: str) -> int:
-    """The largest of TOKEN_TILES that leaves each core MIN_TILES_PER_CORE tiles and takes at most half of the
-    generation's VMEM budget (the rest stays XLA's, around the kernel), else the smallest."""
+def select(problem: CombineProblem, generation: str | None = None) -> int:
+    """The token tile: the largest of TOKEN_TILES that leaves each core MIN_TILES_PER_CORE tiles and takes at most
+    half of the VMEM budget of `generation` (default: this device's; the rest stays XLA's, around the kernel),
+    else the smallest."""
+    generation = resolve_generation(generation)
     chip_cores = tpu_generation(generation).cores_per_device
     return next((tile for tile in TOKEN_TILES
                  if pl.cdiv(problem.tokens, tile) >= MIN_TILES_PER_CORE * chip_cores

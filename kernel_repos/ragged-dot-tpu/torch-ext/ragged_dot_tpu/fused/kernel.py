@@ -65,8 +65,8 @@ the weights' decoder (`weights_decoder`: how blocks are made ready each step
 and multiplied) and the gate's layout (`expert_rows_of`: gate-then-up,
 interleaved, interleaved on the fp8 MXU); the body only walks items and chunks.
 
-`fused_experts` plans a call (`fused.plan.plan_fused`); `fused_experts_call`
-runs a plan. Inputs are assumed valid (`ops.py` checks them).
+`fused_experts` plans a call (`plan.make`); `call` runs a
+plan. Inputs are assumed valid (`ops.py` checks them).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ from ..common.quant import INT4, scheme_of
 from ..common.routing import expert_plan
 from ..problem import ExpertWeights, describe_experts
 from .expert import Expert, SlotRefs, dot, expert_bias, expert_rows_of, split_refs, weights_decoder
-from .plan import FusedPlan, plan_fused
+from .plan import FusedPlan, make
 from .schedule import core_i_tile, grid_position, slot_item, slot_spec, weight_blocks
 from .tiles import FusedConfig
 
@@ -215,16 +215,16 @@ def fused_experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weight
     """Gated experts per pick, weighted and summed per token, in one pallas_call (see the module docstring).
 
     Arguments as `layer.experts_layer`; picks with id == E are sentinels.
-    Blocks: `config`, else the plan's on `generation` (`fused.plan.plan_fused`). Inputs are
+    Blocks: `config`, else the plan's on `generation` (`fused.plan.make`). Inputs are
     assumed valid (`ops.py`). Without tokens, picks, hidden size or experts
     there is nothing to compute: the result is zeros and no kernel runs.
     """
     problem, weights = describe_experts(hidden_states, top_k_index, top_k_weights, *weights, **gate)
     if problem.empty:
         return jnp.zeros(hidden_states.shape, hidden_states.dtype)
-    plan = plan_fused(problem, config, generation)
+    plan = make(problem, generation, config)
     read = weights.as_read(plan.orientation, weights_transposed=problem.weights_transposed)
-    return fused_experts_call(plan, hidden_states, top_k_index, top_k_weights, read)
+    return call(hidden_states, top_k_index, top_k_weights, read, plan)
 
 
 def _cost(plan: FusedPlan, weights: ExpertWeights) -> pl.CostEstimate:
@@ -246,8 +246,8 @@ def _cost(plan: FusedPlan, weights: ExpertWeights) -> pl.CostEstimate:
     )
 
 
-def fused_experts_call(plan: FusedPlan, hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array,
-                       weights: ExpertWeights) -> jax.Array:
+def call(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array, weights: ExpertWeights,
+         plan: FusedPlan) -> jax.Array:
     """`fused_experts` as `plan` says, with `weights` as the kernel reads them (`ExpertWeights.as_read`)."""
     problem = plan.problem
     tokens, hidden, top_k, dtype = problem.tokens, problem.hidden, problem.top_k, hidden_states.dtype
@@ -279,7 +279,7 @@ def fused_experts_call(plan: FusedPlan, hidden_states: jax.Array, top_k_index: j
         grid, semantics = (plan.cores, steps, i_grid), ("parallel", "arbitrary", "arbitrary")
         out_shape = jax.ShapeDtypeStruct((plan.cores, tokens, hidden), jnp.float32)
         out_spec = pl.BlockSpec((None, tokens, hidden), lambda core, *_: (core, 0, 0))
-    call = pl.pallas_call(
+    run = pl.pallas_call(
         functools.partial(_body, plan=plan),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -295,5 +295,5 @@ def fused_experts_call(plan: FusedPlan, hidden_states: jax.Array, top_k_index: j
         name="fused_experts",
     )
     operands = specs.operands * plan.experts_per_step
-    out = call(items.expert, items.rows, items.count, hidden_states, top_k_index, top_k_weights, *operands)
+    out = run(items.expert, items.rows, items.count, hidden_states, top_k_index, top_k_weights, *operands)
     return out if plan.cores == 1 else jnp.sum(out, axis=0).astype(dtype)

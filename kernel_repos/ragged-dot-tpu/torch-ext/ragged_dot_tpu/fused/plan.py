@@ -11,13 +11,13 @@ from ..common.routing import expected_active_groups
 from ..common.weights_layout import WeightsOrientation
 from ..problem import ExpertsProblem
 from .tiles import (
-    FusedConfig, check_fused_config, fused_buffers, fused_chunks, fused_config, fused_cores, fused_feeds_fp8_mxu,
-    fused_vmem_bytes, i_tiles, i_tiles_per_core,
+    FusedConfig, check_fused_config, fused_buffers, fused_chunks, fused_cores, fused_feeds_fp8_mxu, fused_vmem_bytes,
+    i_tiles, i_tiles_per_core, select,
 )
 
 
 class FusedPlan(NamedTuple):
-    """The fused experts kernel as `fused.kernel.fused_experts_call` runs it."""
+    """The fused experts kernel as `fused.kernel.call` runs it."""
 
     problem: ExpertsProblem
     orientation: WeightsOrientation
@@ -36,13 +36,13 @@ class FusedPlan(NamedTuple):
     fp8_matmul: bool  # fp8 weights multiplied on the fp8 MXU with fp8 activations (`fused.tiles.fused_feeds_fp8_mxu`)
 
 
-def plan_fused(problem: ExpertsProblem, config: FusedConfig | None = None, generation: str | None = None) -> FusedPlan:
+def make(problem: ExpertsProblem, generation: str | None = None, config: FusedConfig | None = None) -> FusedPlan:
     """The fused kernel's plan on `generation` (default: this device's): `config`'s blocks (checked), else
-    `fused_config`'s; ValueError if none fits."""
+    `select`'s; ValueError if none fits."""
     generation = resolve_generation(generation)
     check_served(problem.weights_dtype, generation)
     if config is None:
-        config = fused_config(problem, generation)
+        config = select(problem, generation)
         if config is None:
             raise ValueError(f"fused_experts: no I tiling of T={problem.tokens}, H={problem.hidden}, "
                              f"I={problem.intermediate} fits VMEM; use the grouped path")

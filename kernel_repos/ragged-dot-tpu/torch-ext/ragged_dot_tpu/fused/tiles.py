@@ -1,6 +1,6 @@
 """Tiles of the fused experts kernel (`fused.kernel.fused_experts`): `FusedConfig` and how one is chosen.
 
-`fused_config` picks the blocks of a layer (I whole unless the expert's
+`select` picks the blocks of a layer (I whole unless the expert's
 weights do not fit VMEM double-buffered); whether the fused kernel serves a
 call at all is the rule of `plan.fused_path_config`.
 """
@@ -314,7 +314,7 @@ def _tile_i_candidates(intermediate: int, partial: bool) -> list[int]:
     return found
 
 
-def fused_config(problem: ExpertsProblem, generation: str | None = None) -> FusedConfig | None:
+def select(problem: ExpertsProblem, generation: str | None = None) -> FusedConfig | None:
     """The fused kernel's blocks for this layer, or None if no I tiling fits VMEM.
 
     Rows: T (the most one expert can get) rounded to the native sublane tile,

@@ -40,8 +40,7 @@ rows (element offsets), and the results of rows past the tile's end go to a
 carry buffer that the next row tile's accumulator starts from. (The window's
 extra rows cost chunk_m / tile_m more lhs reads.) Without chunks, an item
 multiplies its whole row tile, masked to its group's rows.
-`grouped_matmul` plans a call (`gmm.plan.plan_ragged_dot`); `grouped_matmul_call`
-runs a plan.
+`grouped_matmul` plans a call (`plan.make`); `call` runs a plan.
 
 With a gate (`MatmulProblem.gate`, the experts layer's first projection),
 rhs holds 2N columns, the gate's then the up projection's, and the kernel
@@ -120,7 +119,7 @@ from ..common.routing import int32_group_sizes
 from ..problem import MatmulProblem, weight_shape
 from .epilogue import epilogue
 from .gathered_rows import Gather, gather_rows, token_rows
-from .plan import MatmulPlan, plan_ragged_dot
+from .plan import MatmulPlan, make
 from .schedule import WorkItems, block_specs, make_work_items, weights_parts
 from .tiles import TileConfig
 
@@ -396,7 +395,7 @@ def grouped_matmul(
     with `rhs_scales` (`common/quant.py`: `[G, N]` per output channel for int8 and
     int4; `[G, ceil(D1/128), ceil(D2/128)]` blocks over rhs's own dims for
     fp8); the output is in
-    lhs's dtype. Tiles: `config`, else the plan's (`gmm.plan.plan_ragged_dot`
+    lhs's dtype. Tiles: `config`, else the plan's (`gmm.plan.make`
     for `generation`, default this device's). Inputs are assumed valid: the
     torch ops check them (`ops.py`); `group_sizes` has an integer dtype and
     sums to at most M. With an empty dimension (M, K, N or G zero) there is
@@ -414,7 +413,7 @@ def grouped_matmul(
         rhs, transpose_rhs = jnp.swapaxes(rhs, 1, 2), not transpose_rhs
     problem = MatmulProblem(m, k, n, num_groups, jnp.dtype(lhs.dtype).name, jnp.dtype(rhs.dtype).name,
                             transpose_rhs=bool(transpose_rhs), zero_rows_past_groups=bool(zero_rows_past_groups))
-    return grouped_matmul_call(lhs, rhs, group_sizes, rhs_scales, plan_ragged_dot(problem, generation, config))
+    return call(lhs, rhs, group_sizes, make(problem, generation, config), rhs_scales)
 
 
 def _prefetch_count(plan: MatmulPlan) -> int:
@@ -422,12 +421,13 @@ def _prefetch_count(plan: MatmulPlan) -> int:
     return len(WorkItems._fields) + (2 if plan.problem.gathered else 0)
 
 
-def grouped_matmul_call(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_scales: jax.Array | None,
-                   plan: MatmulPlan, bias: jax.Array | None = None, row_token: jax.Array | None = None) -> jax.Array:
-    """`grouped_matmul` as `plan` says (inputs of the plan's non-empty problem, assumed valid), with the plan's
-    problem's `bias` (`[groups, n]`; with a gate `[groups, 2n]`, gate then up) when it has one. With gathered
-    rows (`MatmulProblem.gathered`) lhs is the `[tokens, k]` token rows and `row_token[m]` each sorted row's
-    token (its entries past the groups are never read)."""
+def call(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, plan: MatmulPlan,
+         rhs_scales: jax.Array | None = None, bias: jax.Array | None = None,
+         row_token: jax.Array | None = None) -> jax.Array:
+    """`grouped_matmul` as `plan` says (inputs of the plan's non-empty problem, assumed valid): quantized weights
+    with their `rhs_scales`, and the plan's problem's `bias` (`[groups, n]`; with a gate `[groups, 2n]`, gate then
+    up) when it has one. With gathered rows (`MatmulProblem.gathered`) lhs is the `[tokens, k]` token rows and
+    `row_token[m]` each sorted row's token (its entries past the groups are never read)."""
     problem, tile_m = plan.problem, plan.tile_m
     if (bias is not None) != problem.bias:
         raise ValueError(f"the plan {'takes a' if problem.bias else 'has no'} bias, got "
@@ -454,12 +454,12 @@ def grouped_matmul_call(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, 
                    + (0 if rhs_scales is None else grid[0] * rhs_scales[0].size * 4)
                    + (read_n * 4 if problem.bias else 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(len(prefetch), grid, specs.in_specs, specs.out_spec, specs.scratch)
-    call = scheduled_matmul_call(
+    run = scheduled_matmul_call(
         functools.partial(_body, plan=plan), _out_shape(plan), grid_spec,
         ("parallel", "arbitrary", "arbitrary"), plan.vmem_limit_bytes, (m, k, read_n),
         bytes_accessed=int((m * k * lhs_reads + m * n) * itemsize + plan.active_groups * group_bytes),
         name="ragged_dot")
-    return call(*prefetch, lhs, *specs.operands)
+    return run(*prefetch, lhs, *specs.operands)
 
 
 def _out_shape(plan: MatmulPlan) -> jax.ShapeDtypeStruct:

@@ -1,6 +1,6 @@
 """The grouped matmul's plan: a `MatmulProblem` goes in, the `MatmulPlan` its kernel runs comes out.
 
-`plan_ragged_dot` resolves the tiles (`tiles.py`) for the problem's shape;
+`make` resolves the tiles (`tiles.py`) for the problem's shape;
 `gated_plan`, `gathered_plan` and `packed_plan` turn a plan into the
 experts layer's variants of the kernel (the gate in the epilogue, rows
 copied from their tokens, the output as packed words), or say it cannot.
@@ -16,13 +16,13 @@ from ..common.vmem import Buffer, check_vmem_fits
 from ..problem import Gate, MatmulProblem
 from ..common.routing import expected_active_groups
 from .tiles import (
-    TileConfig, check_config, matmul_buffers, matmul_feeds_fp8_mxu, row_chunks, row_tile_rows,
-    select_config, vmem_bytes, vmem_limit,
+    TileConfig, check_config, matmul_buffers, matmul_feeds_fp8_mxu, row_chunks, row_tile_rows, select, vmem_bytes,
+    vmem_limit,
 )
 
 
 class MatmulPlan(NamedTuple):
-    """One grouped matmul as `gmm.kernel.grouped_matmul_call` runs it: blocks resolved for the problem's shape."""
+    """One grouped matmul as `gmm.kernel.call` runs it: blocks resolved for the problem's shape."""
 
     problem: MatmulProblem
     tile_m: int  # rows of a row tile (`row_tile_rows`)
@@ -41,14 +41,14 @@ class MatmulPlan(NamedTuple):
     out_split: int = 0
 
 
-def plan_ragged_dot(problem: MatmulProblem, generation: str | None = None,
+def make(problem: MatmulProblem, generation: str | None = None,
                     config: TileConfig | None = None) -> MatmulPlan:
     """The plan of one grouped matmul on `generation` (default: this device's): `config`'s tiles (checked),
-    else `select_config`'s."""
+    else `select`'s."""
     generation = resolve_generation(generation)
     check_served(problem.rhs_dtype, generation)
     if config is None:
-        config = select_config(problem, generation)
+        config = select(problem, generation)
     check_config(config, problem, generation)
     fp8_matmul = matmul_feeds_fp8_mxu(config, problem, generation)
     return MatmulPlan(
@@ -98,7 +98,7 @@ def interleaved_gated_plan(gate_up: MatmulPlan, gate: Gate, generation: str | No
     kernel's epilogue de-interleaves (`gmm/kernel.py`). One N tile takes any I. With several, the output block's
     columns (the half tile) must be whole 128 lanes: of gate_up's half tile rounded down and up to the lanes,
     the one that computes the fewest columns (a partial last tile computes its whole width) and fits VMEM,
-    planned anew (`plan_ragged_dot`). None for one-byte weights in several N tiles (their scales come per
+    planned anew (`make`). None for one-byte weights in several N tiles (their scales come per
     weights block) and where neither half fits."""
     problem = gate_up.problem
     intermediate = problem.n // 2
@@ -112,7 +112,7 @@ def interleaved_gated_plan(gate_up: MatmulPlan, gate: Gate, generation: str | No
         half = min(half, intermediate)
         config = TileConfig(gate_up.tile_m, gate_up.tile_k, 2 * half, gate_up.chunk_m, gate_up.groups_per_step)
         try:
-            planned = plan_ragged_dot(problem, generation, config)
+            planned = make(problem, generation, config)
         except ValueError:
             continue
         return planned._replace(problem=problem._replace(n=intermediate, gate=gate), tile_n=half)

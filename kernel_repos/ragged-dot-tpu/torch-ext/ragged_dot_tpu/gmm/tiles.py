@@ -1,6 +1,6 @@
 """Tiles of the grouped matmul (`gmm.kernel.grouped_matmul`): `TileConfig` and how one is chosen.
 
-A config comes from `select_config`: the `TUNED_TILES` entry of the shape
+A config comes from `select`: the `TUNED_TILES` entry of the shape
 (tuned_tiles.json), else a VMEM-aware heuristic (`heuristic_config`); a caller who has tuned a
 shape passes its own (`grouped_matmul(..., config=...)`). Five knobs:
 
@@ -19,7 +19,7 @@ shape passes its own (`grouped_matmul(..., config=...)`). Five knobs:
   block each in the first step.
 
 The backward's d_lhs grouped matmul takes these tiles with longer row tiles
-(`select_d_lhs_config`).
+(`select_d_lhs`).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class TunedKey(NamedTuple):
     transpose_rhs: bool
 
 
-# Tiles tuned per shape, taken over the heuristic by `select_config`: data in tuned_tiles.json beside this
+# Tiles tuned per shape, taken over the heuristic by `select`: data in tuned_tiles.json beside this
 # module (`_tuning`'s form), written by tpu-kernels' `bench moe_layer --tune-ours` (a search on its calibrated
 # model, as its rivals get; not measured on a TPU). A shape not in it takes the heuristic.
 TUNED_TILES_FILE = Path(__file__).with_name("tuned_tiles.json")
@@ -310,7 +310,7 @@ def heuristic_config(problem: MatmulProblem, generation: str) -> TileConfig:
 
 
 
-def select_config(problem: MatmulProblem, generation: str | None = None) -> TileConfig:
+def select(problem: MatmulProblem, generation: str | None = None) -> TileConfig:
     """Tiles for `problem` on `generation` (default: the current device's): the TUNED_TILES entry of its shape
     (checked like an explicit config), else the heuristic."""
     generation = resolve_generation(generation)
@@ -337,15 +337,15 @@ def vmem_limit(config: TileConfig, problem: MatmulProblem, generation: str | Non
 D_LHS_ROW_TILE = 1024
 
 
-def select_d_lhs_config(problem: MatmulProblem, generation: str | None = None) -> TileConfig:
+def select_d_lhs(problem: MatmulProblem, generation: str | None = None) -> TileConfig:
     """Tiles of the backward's d_lhs grouped matmul `problem` (`d_out[m, k] x rhs[groups, k, n]`: the forward's
-    weights read the other way round, K and N swapped): `select_config`'s, with row tiles of D_LHS_ROW_TILE rows
+    weights read the other way round, K and N swapped): `select`'s, with row tiles of D_LHS_ROW_TILE rows
     where they fit. Both are chosen for the weights read in (K, N) order, whichever order `problem` reads them
     in: the tiles the backward has always run (read transposed, GPT-OSS's 2880-wide down projection on v5e
     would take others, which no benchmark has rated)."""
     generation = resolve_generation(generation)
     as_chosen = problem._replace(transpose_rhs=False)
-    config = select_config(as_chosen, generation)
+    config = select(as_chosen, generation)
     longer = config._replace(tile_m=min(D_LHS_ROW_TILE, problem.m))
     if config.tile_m < longer.tile_m and accepts(check_config, longer, as_chosen, generation):
         return longer

@@ -29,8 +29,7 @@ under a `pl.when` that skips chunks outside the group. Two layouts
   reads. Worth it where the MXU, not HBM, bounds the kernel
   (`tgmm.tiles.heuristic_tgmm_config` decides).
 
-`transposed_grouped_matmul` plans a call (`tgmm.plan.plan_tgmm`);
-`transposed_grouped_matmul_call` runs a plan.
+`transposed_grouped_matmul` plans a call (`plan.make`); `call` runs a plan.
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ from .._hardware import sublane_multiple
 from ..common.routing import int32_group_sizes
 from ..gmm.kernel import scheduled_matmul_call
 from ..problem import TgmmProblem
-from .plan import TgmmPlan, plan_tgmm
+from .plan import TgmmPlan, make
 from .tiles import TgmmConfig
 
 
@@ -172,10 +171,10 @@ def transposed_grouped_matmul(
     if 0 in (m, k, n, num_groups):
         return jnp.zeros((num_groups, k, n), out_dtype)
     problem = TgmmProblem(m, k, n, num_groups, jnp.dtype(lhs.dtype).name, jnp.dtype(out_dtype).name)
-    return transposed_grouped_matmul_call(lhs, rhs, group_sizes, plan_tgmm(problem, generation, config))
+    return call(lhs, rhs, group_sizes, make(problem, generation, config))
 
 
-def transposed_grouped_matmul_call(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+def call(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
                                    plan: TgmmPlan) -> jax.Array:
     """`transposed_grouped_matmul` as `plan` says (inputs of the plan's non-empty problem, assumed valid)."""
     problem = plan.problem
@@ -218,7 +217,7 @@ def transposed_grouped_matmul_call(lhs: jax.Array, rhs: jax.Array, group_sizes: 
     bytes_accessed = int((m * k * n_tiles + m * n * k_tiles) * window_reads * itemsize
                          + num_groups * k * n * out_dtype.itemsize)
     body = functools.partial(_body, plan=plan, align=align, precision=precision)
-    call = scheduled_matmul_call(body, jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), grid_spec,
-                                 ("parallel", "parallel", "arbitrary"), plan.vmem_limit_bytes, (m, k, n),
-                                 bytes_accessed=bytes_accessed, name="tgmm")
-    return call(*items, lhs, rhs)
+    run = scheduled_matmul_call(body, jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), grid_spec,
+                                ("parallel", "parallel", "arbitrary"), plan.vmem_limit_bytes, (m, k, n),
+                                bytes_accessed=bytes_accessed, name="tgmm")
+    return run(*items, lhs, rhs)

@@ -7,11 +7,11 @@ from typing import NamedTuple
 from .._hardware import resolve_generation
 from ..common.vmem import Buffer
 from ..problem import TgmmProblem
-from .tiles import TgmmConfig, check_tgmm_config, select_tgmm_config, tgmm_blocks, tgmm_buffers, tgmm_vmem_limit
+from .tiles import TgmmConfig, check_tgmm_config, select, tgmm_blocks, tgmm_buffers, tgmm_vmem_limit
 
 
 class TgmmPlan(NamedTuple):
-    """One weights' gradient as `tgmm.kernel.transposed_grouped_matmul_call` runs it (blocks of `tgmm_blocks`)."""
+    """One weights' gradient as `tgmm.kernel.call` runs it (blocks of `tgmm_blocks`)."""
 
     problem: TgmmProblem
     tile_m: int
@@ -23,12 +23,12 @@ class TgmmPlan(NamedTuple):
     vmem_limit_bytes: int
 
 
-def plan_tgmm(problem: TgmmProblem, generation: str | None = None, config: TgmmConfig | None = None) -> TgmmPlan:
+def make(problem: TgmmProblem, generation: str | None = None, config: TgmmConfig | None = None) -> TgmmPlan:
     """The plan of one tgmm call on `generation` (default: this device's): `config`'s tiles (checked), else
-    `select_tgmm_config`'s."""
+    `select`'s."""
     generation = resolve_generation(generation)
     if config is None:
-        config = select_tgmm_config(problem, generation)
+        config = select(problem, generation)
     check_tgmm_config(config, problem, generation)
     tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, problem)
     return TgmmPlan(problem, tile_m, tile_k, tile_n, chunk_m, config.group_chunks and chunk_m < tile_m,

@@ -170,7 +170,7 @@ def _group_chunks_pay(config: TgmmConfig, problem: TgmmProblem, generation: str)
 
 
 
-def select_tgmm_config(problem: TgmmProblem, generation: str | None = None) -> TgmmConfig:
+def select(problem: TgmmProblem, generation: str | None = None) -> TgmmConfig:
     """Tiles for `problem` on `generation` (default: the current device's)."""
     return heuristic_tgmm_config(problem, resolve_generation(generation))
 
