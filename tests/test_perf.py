@@ -118,7 +118,7 @@ def test_row_chunks_below_the_mxu_size_cost_a_full_pass_each():
 
 
 def test_hbm_fraction_scales_only_the_transfer_time_and_is_checked(matmul_traffic):
-    full = perf.roofline(matmul_traffic, "v6e", min_bytes=1000)
+    full = perf.roofline(matmul_traffic, "v6e", min_bytes=1000, hbm_fraction=1.0)
     slower = perf.roofline(matmul_traffic, "v6e", min_bytes=1000, hbm_fraction=0.85)
     assert slower.hbm_bound_s == pytest.approx(full.hbm_bound_s / 0.85)
     assert slower.compute_bound_s == full.compute_bound_s

@@ -9,14 +9,20 @@ loop. This script analyses every entry `tpu-kernels calibrate` can rebuild
 in turn (and the unhidden share of an MXU weights load), pricing the "fit" half of the entries (`calibration.holdout`) and
 keeping the value with the smallest median |log(predicted / measured)|; the
 "holdout" half is priced only at the chosen values, and its errors are the
-ones to quote. Writes benchmarks/results/calibration_fit.json.
+ones to quote. Then, per generation, the share of the peak HBM bandwidth its
+copies reach, on the entries bound by weight streaming (`hbm_fraction_fit`: its
+docstring defines them), from PATH's entries and those of `--hbm-paths` (timing
+files used for that fit only, e.g. a later tokamax's). Writes
+benchmarks/results/calibration_fit.json.
 
 Usage:
-    tpu-kernels bench calibration_fit [PATH ...] [--out FILE] [--write-constants [--constants FILE]]
+    tpu-kernels bench calibration_fit [PATH ...] [--hbm-paths PATH ...] [--out FILE]
+        [--write-constants [--constants FILE] [--hbm-fractions FILE]]
     (or JAX_PLATFORMS=cpu python -m tpu_kernels.bench.calibration_fit)
 (PATH defaults to the installed tokamax's autotuning folders of TPU chips; --out to
-benchmarks/results/calibration_fit.json and --constants to tpu_kernels/perf/model_constants.json, both
-relative to the current directory: the project's checkout.)
+benchmarks/results/calibration_fit.json, --constants to tpu_kernels/perf/model_constants.json and
+--hbm-fractions to tpu_kernels/perf/hbm_fractions.json, all relative to the current directory: the project's
+checkout.)
 """
 
 from __future__ import annotations
@@ -31,11 +37,12 @@ from pathlib import Path
 
 import numpy as np
 
-from tpu_kernels.bench import MissingInput, result_path, write_json
+from tpu_kernels.bench import MissingInput, hbm_fraction_fit, result_path, write_json
 from tpu_kernels.perf import calibration
 
 # The checkout's source of the model's constants, relative to the current directory.
 CONSTANTS = Path("tpu_kernels") / "perf" / "model_constants.json"
+HBM_FRACTIONS = Path("tpu_kernels") / "perf" / "hbm_fractions.json"
 
 # Scanned step costs (seconds): 0 to 2 us in 0.01 us steps; vector rates (register elements per cycle):
 # powers of two from 64 to 16384.
@@ -140,9 +147,34 @@ def write_constants(results: dict, path: Path = CONSTANTS) -> None:
     path.write_text(json.dumps(constants, indent=1) + "\n")
 
 
+def write_hbm_fractions(fits: dict, sources: list[str], path: Path = HBM_FRACTIONS) -> None:
+    """The fitted (or borrowed) share of the peak HBM bandwidth per generation into hbm_fractions.json."""
+    shares = hbm_fraction_fit.fractions(fits)
+    notes = {chip: found["derived"] for chip, found in sorted(fits.items()) if chip in shares}
+    data = {"what": "the share of the peak HBM bandwidth (jax's TPU table) each generation's copies reach, fitted "
+                    "by `tpu-kernels bench calibration_fit` on the measured entries bound by weight streaming "
+                    "(tpu_kernels/bench/hbm_fraction_fit.py; the entries: benchmarks/results/calibration_fit.json)",
+            "hbm_fraction": shares, "hbm_fraction_note": notes, "sources": sources}
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def hbm_fits(analysed, results: dict) -> dict:
+    """The HBM share per generation (`hbm_fraction_fit`), each chip priced at its fitted constants."""
+    by_chip = {}
+    for chip, fitted in results.items():
+        values = dict(fitted["constants"], hbm_fraction=None)
+        values["hbm_fractions"] = tuple(tuple(pair) for pair in values["hbm_fractions"])
+        by_chip[chip] = calibration.ModelConstants(**values)
+    return hbm_fraction_fit.fit_hbm_fractions(analysed, by_chip)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="*", type=Path)
+    parser.add_argument("--hbm-paths", nargs="*", type=Path, default=[],
+                        help="more timing files for the HBM share fit only (e.g. a later tokamax's autotuning folders)")
+    parser.add_argument("--hbm-fractions", type=Path, default=HBM_FRACTIONS,
+                        help=f"the hbm_fractions.json --write-constants updates (default: {HBM_FRACTIONS})")
     parser.add_argument("--out", type=Path, default=result_path("calibration_fit.json"))
     parser.add_argument("--write-constants", action="store_true",
                         help="write the fitted constants to --constants (per-chip steps; the vector rates and MXU "
@@ -153,21 +185,37 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_constants and not args.constants.is_file():
         raise MissingInput(f"no model constants at {args.constants} (relative to {Path.cwd()}): run from a checkout "
                            "of the tpu-kernels project, or pass --constants FILE")
-    analysed, _ = calibration.analyse(args.paths or installed_paths())
+    paths = args.paths or installed_paths()
+    analysed, _ = calibration.analyse(paths)
     results = main_fits(analysed)
+    more, _ = calibration.analyse(args.hbm_paths) if args.hbm_paths else ([], [])
+    streaming = hbm_fits(analysed + more, results)
+    sources = [_shown(path) for path in [*paths, *args.hbm_paths]]
     report = {
         "what": "constants fitted per chip on the 'fit' half (median |log ratio|): the grid step and vector rates "
                 "on all Pallas entries, then XLA's ragged dot loop step; errors per kind on both halves and all "
-                "entries, as |predicted / measured - 1|",
+                "entries, as |predicted / measured - 1|; hbm_fraction: per generation, the share of the peak HBM "
+                "bandwidth on the entries bound by weight streaming (hbm_fraction_method; the timing files: "
+                "hbm_fraction_sources, tokamax-<commit> naming a later openxla/tokamax's data folder)",
         "grid_us": [GRID[0] * 1e6, GRID[-1] * 1e6, 0.01],
         "vector_rates_per_cycle": VECTOR_RATES,
         "fits": results,
+        "hbm_fraction": streaming,
+        "hbm_fraction_method": hbm_fraction_fit.__doc__.split("\n\n", 1)[1].strip(),
+        "hbm_fraction_sources": sources,
     }
     write_json(args.out, report, sort_keys=True)
     if args.write_constants:
         write_constants(results, args.constants)
+        write_hbm_fractions(streaming, sources, args.hbm_fractions)
     print(json.dumps(results, indent=1, sort_keys=True))
     return 0
+
+
+def _shown(path: Path) -> str:
+    """A timing folder or file as the record shows it: from site-packages on, else its last three parts."""
+    parts = Path(path).resolve().parts
+    return "/".join(parts[parts.index("site-packages"):] if "site-packages" in parts else parts[-3:])
 
 
 if __name__ == "__main__":

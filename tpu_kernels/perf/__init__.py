@@ -19,9 +19,9 @@ states its rules and their sources:
 - `calibration`, `tokamax_calls`, `tokamax_kernels`: the model against tokamax's
   measured TPU timings (`tpu-kernels calibrate`).
 
-The MXU and vector rates are a value every pricing function takes as
-`rates`, by default the fitted `FITTED_RATES`; to price with others, pass a
-`ModelRates` of them.
+The MXU and vector rates and each generation's share of the peak HBM
+bandwidth are a value every pricing function takes as `rates`, by default the
+fitted `FITTED_RATES`; to price with others, pass a `ModelRates` of them.
 """
 
 from __future__ import annotations

@@ -117,15 +117,17 @@ class ModelConstants:
     vector_elements_per_cycle: float = FITTED_RATES.vector_elements_per_cycle
     transcendental_elements_per_cycle: float = FITTED_RATES.transcendental_elements_per_cycle
     mxu_weight_load_fraction: float = FITTED_RATES.mxu_weight_load_fraction
-    hbm_fraction: float = 1.0
+    hbm_fraction: float | None = None  # None: the entry's generation's share in `hbm_fractions`
+    hbm_fractions: tuple[tuple[str, float], ...] = FITTED_RATES.hbm_fractions  # per generation (chip.ModelRates)
 
     @property
     def rates(self) -> ModelRates:
-        """The MXU and vector rates among these constants, as the pricing functions take them."""
+        """The MXU, vector and HBM rates among these constants, as the pricing functions take them."""
         return ModelRates(
             mxu_weight_load_fraction=self.mxu_weight_load_fraction,
             vector_elements_per_cycle=self.vector_elements_per_cycle,
             transcendental_elements_per_cycle=self.transcendental_elements_per_cycle,
+            hbm_fractions=self.hbm_fractions,
         )
 
 

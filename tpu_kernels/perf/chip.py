@@ -7,10 +7,14 @@ limits and the default per-grid-step cost come from
 (`jax.experimental.pallas.tpu.get_tpu_info_for_chip`) and names the source
 of each number it adds. The constants fitted to real-chip timings (the step
 cost per generation, the MXU weight-load share, the vector-unit rates) are
-data in model_constants.json, beside this module.
+data in model_constants.json, beside this module; the share of the peak HBM
+bandwidth each generation's copies reach is data in hbm_fractions.json (fitted
+on the timings bound by weight streaming: `tpu-kernels bench calibration_fit`;
+a file of its own for now, as every key of model_constants.json becomes a row
+of the generated constants table in benchmarks/README.md).
 
-The fitted rates of the MXU and the vector unit are one frozen value,
-`ModelRates`; `FITTED_RATES` holds model_constants.json's. Every pricing
+The fitted rates of the MXU, the vector unit and HBM are one frozen value,
+`ModelRates`; `FITTED_RATES` holds the fitted ones. Every pricing
 function takes such a value as its `rates` parameter (default
 `FITTED_RATES`) and hands it down, so pricing with other rates
 (`tpu_kernels.perf.calibration.ModelConstants`) passes them in and changes
@@ -62,6 +66,15 @@ class ModelRates:
     # `core_clock_hz` implies.
     vector_elements_per_cycle: float
     transcendental_elements_per_cycle: float
+    # The share of the peak HBM bandwidth (jax's table) the copies reach, per generation, as (name, share)
+    # pairs: fitted on the timings bound by weight streaming (hbm_fractions.json says on which, and which
+    # generations borrow another's). A generation not named streams at the peak.
+    hbm_fractions: tuple[tuple[str, float], ...] = ()
+
+    def hbm_fraction(self, generation: str | TpuGeneration) -> float:
+        """The share of `generation`'s peak HBM bandwidth its copies reach (1.0 when not given)."""
+        name = generation.name if isinstance(generation, TpuGeneration) else generation
+        return dict(self.hbm_fractions).get(name, 1.0)
 
     def vector_elements_per_s(self, generation: str | TpuGeneration) -> float:
         return self.vector_elements_per_cycle * core_clock_hz(generation)
@@ -70,10 +83,17 @@ class ModelRates:
         return self.transcendental_elements_per_cycle * core_clock_hz(generation)
 
 
+def read_hbm_fractions() -> tuple[tuple[str, float], ...]:
+    """hbm_fractions.json's share of the peak HBM bandwidth per generation (written by the same fit), as pairs."""
+    data = json.loads(resources.files(__package__).joinpath("hbm_fractions.json").read_text())
+    return tuple(sorted((name, float(share)) for name, share in data["hbm_fraction"].items()))
+
+
 FITTED_RATES = ModelRates(
     mxu_weight_load_fraction=CONSTANTS["mxu_weight_load_fraction"],
     vector_elements_per_cycle=CONSTANTS["vector_elements_per_cycle"],
     transcendental_elements_per_cycle=CONSTANTS["transcendental_elements_per_cycle"],
+    hbm_fractions=read_hbm_fractions(),
 )
 
 

@@ -2,8 +2,8 @@
 
 Modelled time of one call on one generation (`roofline(...).time_s`) =
     max(HBM bytes / (HBM bandwidth * hbm_fraction), compute) + grid steps * step cost,
-with hbm_fraction the share of the peak bandwidth the DMAs reach (1.0 by
-default) and the step cost calibrated per generation (`chip.grid_step_s`,
+with hbm_fraction the share of the peak bandwidth the DMAs reach (by default
+the generation's fitted share, `rates.hbm_fraction`) and the step cost calibrated per generation (`chip.grid_step_s`,
 tpu_kernels/perf/model_constants.json; override it with `step_overhead_s`);
 compute at the MXU and vector rates `rates` (default the fitted
 `chip.FITTED_RATES`).
@@ -70,13 +70,13 @@ def roofline(
     min_bytes: int | None = None,
     min_flops: int | None = None,
     step_overhead_s: float | None = None,
-    hbm_fraction: float = 1.0,
+    hbm_fraction: float | None = None,
     rates: ModelRates = FITTED_RATES,
 ) -> ModelledTime:
     """Modelled time of `traffic` (one call or several run one after another).
 
-    `hbm_fraction` is the share of the peak HBM bandwidth the DMAs reach; the
-    roofline (`min_bytes`, `min_flops`) is always taken at the peak.
+    `hbm_fraction` is the share of the peak HBM bandwidth the DMAs reach (None: the generation's share in
+    `rates`); the roofline (`min_bytes`, `min_flops`) is always taken at the peak.
     """
     calls = [traffic] if isinstance(traffic, PallasCallTraffic) else list(traffic)
     if not calls:
@@ -85,6 +85,7 @@ def roofline(
     step_overhead_s = chip.grid_step_s(gen.name) if step_overhead_s is None else step_overhead_s
     if step_overhead_s < 0:
         raise ValueError(f"step_overhead_s must be >= 0, got {step_overhead_s}")
+    hbm_fraction = rates.hbm_fraction(gen) if hbm_fraction is None else hbm_fraction
     if not 0 < hbm_fraction <= 1:
         raise ValueError(f"hbm_fraction must be in (0, 1], got {hbm_fraction}")
     time_s = pipelined_s = hbm_s = compute_s = overhead_s = 0.0

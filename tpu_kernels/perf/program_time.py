@@ -65,6 +65,9 @@ class ProgramTime:
     xla_transpose_s: float = 0.0  # the part of `xla_s`'s traffic that transposing copies move (at its HBM time)
     xla_relayout_s: float = 0.0  # ... that relayouts of arguments move (`CompiledProgram.relayout_bytes`)
     xla_prefetch_s: float = 0.0  # ... that XLA's prefetches into VMEM move (`CompiledProgram.prefetch_bytes`)
+    ragged_dot_hbm_bytes: int = 0  # what XLA's ragged dot loops copy (`xla_ragged_dot.Modelled.hbm_bytes`)
+    ragged_dot_mxu_s: float = 0.0  # ... their matmuls' MXU time, over the device's cores
+    ragged_dot_steps: int = 0  # ... their kept iterations (each costs the fitted step cost)
 
     @property
     def xla_estimated_s(self) -> float:
@@ -129,16 +132,18 @@ def model_program(
     ragged_dots: Sequence[RaggedDotCall] = (),
     step_overhead_s: float | None = None,
     ragged_dot_step_s: float | None = None,
-    hbm_fraction: float = 1.0,
+    hbm_fraction: float | None = None,
     rates: ModelRates = FITTED_RATES,
 ) -> ProgramTime:
     """Modelled time of `program` whose Pallas kernels were replayed as `calls` (module docstring).
 
     `ragged_dots` are the program's `lax.ragged_dot_general`s as `perf.replay_program` found them, in
     order: each is priced by replaying XLA's loop for it (`xla_ragged_dot`). Compute is priced at the MXU and
-    vector rates `rates`.
+    vector rates `rates`, copies at `hbm_fraction` of the peak HBM bandwidth (None: the generation's share in
+    `rates`).
     """
     gen: TpuGeneration = tpu_generation(program.generation)
+    hbm_fraction = rates.hbm_fraction(gen) if hbm_fraction is None else hbm_fraction
     step_overhead_s = chip.grid_step_s(gen.name) if step_overhead_s is None else step_overhead_s
     if ragged_dot_step_s is None:
         ragged_dot_step_s = XLA_RAGGED_DOT_STEP_S.get(gen.name, XLA_RAGGED_DOT_STEP_S["v5e"])
@@ -179,4 +184,7 @@ def model_program(
         xla_transpose_s=sum(op.hbm_bytes for op in program.transpose_ops) / hbm_bandwidth,
         xla_relayout_s=program.relayout_bytes / hbm_bandwidth,
         xla_prefetch_s=program.prefetch_bytes / hbm_bandwidth,
+        ragged_dot_hbm_bytes=sum(r.hbm_bytes for r in ragged),
+        ragged_dot_mxu_s=sum(r.mxu_seconds for r in ragged) / gen.cores_per_device,
+        ragged_dot_steps=sum(r.steps for r in ragged),
     )

@@ -157,10 +157,12 @@ def model(
     generation: TpuGeneration,
     *,
     step_overhead_s: float,
-    hbm_fraction: float = 1.0,
+    hbm_fraction: float | None = None,
     rates: ModelRates = FITTED_RATES,
 ) -> Modelled:
-    """Modelled time of one XLA ragged dot (module docstring)."""
+    """Modelled time of one XLA ragged dot (module docstring); copies at `hbm_fraction` of the peak HBM
+    bandwidth (None: the generation's share in `rates`)."""
+    hbm_fraction = rates.hbm_fraction(generation) if hbm_fraction is None else hbm_fraction
     sizes = None if call.group_sizes is None else tuple(int(v) for v in call.group_sizes)
     key = (call.lhs_shape, call.rhs_shape, call.lhs_dtype, call.rhs_dtype, call.out_dtype,
            repr(call.dimension_numbers), sizes)
