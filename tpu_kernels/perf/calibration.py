@@ -11,7 +11,7 @@ on the entries that fit the constants and on those held out (`holdout`).
 Compiles and grid replays are cached on disk (`AnalysisCache`): a compile by
 the call, config, chip, library versions and the source of the code that
 rebuilds and lowers it; a replay also by the replay's source
-(`program_replay.REPLAY_MODULES`). Re-analysing cached HLO is cheap, so a
+(`program_replay.REPLAY_MODULES` and `tokamax_kernels`). Re-analysing cached HLO is cheap, so a
 model change reruns in seconds.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from . import program_replay, program_time, tokamax_calls, xla_program
+from . import program_replay, program_time, tokamax_calls, tokamax_kernels, xla_program
 from ..disk_cache import DiskCache, cache_root, library_versions, source_fingerprint
 from .chip import FITTED_RATES, ModelRates
 from .program_replay import ProgramReplay
@@ -67,7 +67,7 @@ class AnalysisCache(DiskCache):
         super().__init__(folder)
         self.versions = library_versions()
         self.rebuild_code = source_fingerprint(*_rebuild_code())
-        self.replay_code = source_fingerprint(*program_replay.REPLAY_MODULES)
+        self.replay_code = source_fingerprint(*program_replay.REPLAY_MODULES, tokamax_kernels)
 
     def key(self, what: str, measurement: Measurement) -> str:
         parts = [what, self.versions, self.rebuild_code, measurement.identity]
