@@ -86,7 +86,8 @@ def cases(kernels: dict) -> dict[str, tuple]:
         # Two token tiles, one per core.
         "combine picks, two token tiles": (functools.partial(ragged_dot.combine.kernel.call, plan=combine),
                                            combine_args, "combine_picks"),
-        "rms_norm": (functools.partial(rmsnorm.rms_norm_forward, eps=1e-6, generation=GENERATION, block_rows=256),
+        "rms_norm": (functools.partial(rmsnorm.norm.kernel.rms_norm_forward, eps=1e-6, generation=GENERATION,
+                                       block_rows=256),
                      (normal(1024, 1024), normal(1024)), "rms_norm"),
         "flash attention forward": (
             functools.partial(attention.flash_attention_forward, causal=True, generation=GENERATION),

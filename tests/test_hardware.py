@@ -146,7 +146,7 @@ def test_an_unsupported_tpu_gets_the_same_error_from_every_kernel(built_kernels,
     selects = {
         "ragged-dot-tpu": lambda k: k.gmm.tiles.select(k.MatmulProblem(64, 2048, 1536, 1, "bfloat16", "bfloat16",
                                                                        False)),
-        "rmsnorm-tpu": lambda k: k.select_config(64, 2048, jnp.bfloat16),
+        "rmsnorm-tpu": lambda k: k.norm.tiles.select(k.NormProblem("rms_norm", 64, 2048, "bfloat16")),
         "attention-tpu": lambda k: k.select_config(
             q_heads=8, kv_heads=1, q_len=1, kv_len=128, head_dim=128, dtype=jnp.bfloat16
         ),

@@ -348,15 +348,17 @@ def test_code_outside_the_kernel_uses_only_its_face(kernel):
     (ATTENTION, "k = get_local_kernel(attention_build, backend='cpu')\nk.no_such_name", False),
     (ATTENTION, "ENTRY = 'attention.attention_forward'", False),
     (ATTENTION, "from attention_tpu.flash.kernel import differentiable_flash_attention", False),
-    (RMSNORM, "def test(kernel):\n    kernel.norm.kernel.rms_norm_forward(x, weight, eps=1e-6)", True),
+    (RMSNORM, "def test(kernel):\n    kernel.norm.kernel.differentiable_rms_norm(x, weight, 1e-6, 0.0)", True),
+    (RMSNORM, "def test(kernel):\n    kernel.rms_norm_forward(x, weight, eps=1e-6)", True),
+    (RMSNORM, "def test(kernel):\n    kernel.norm.tiles.OPS['rms_norm']", True),
     (RMSNORM, "def test(kernel):\n    kernel.norm.tiles.select_config(8, 128, dtype)", True),
     (RMSNORM, "def test(kernel):\n    kernel.pallas_rms_norm.rms_norm(x, weight, eps=1e-6)", True),
     (RMSNORM, "def test(kernel):\n    kernel.config.select_config(8, 128, dtype)", True),
-    (RMSNORM, "def f(built):\n    return built.norm.plan.plan_rows('rms_norm', 8, 128, config)", False),
+    (RMSNORM, "def f(built):\n    return built.norm.plan.RowPlan('rms_norm', 8, 128, 8, 1, None)", False),
     (RMSNORM, "rmsnorm = kernels['rmsnorm-tpu']\nrmsnorm.OPS", False),
     (RMSNORM, "k = get_local_kernel(rmsnorm_build, backend='cpu')\nk.no_such_name", False),
     (RMSNORM, "k = get_local_kernel(kernel_builds['rmsnorm-tpu'], backend='cpu')\nk.OPS", False),
-    (RMSNORM, "ENTRY = 'norm.kernel'", False),
+    (RMSNORM, "ENTRY = 'norm.kernel._row_norm'", False),
     (RMSNORM, "from rmsnorm_tpu.norm.tiles import select_config", False),
 ], ids=lambda value: value.repo_name if isinstance(value, Kernel) else None)
 def test_the_check_catches_reaching_past_the_face(kernel, source, kernel_tests):
@@ -380,10 +382,12 @@ WITHIN_THE_FACE = {
                 "    monkeypatch.setitem(kernel.TUNED_TILES, key, kernel.ForwardTiles(1, 2048))\n"
                 "def other(model, kernel):\n    return model.config.vocab_size, kernel.__name__\n"),
     RMSNORM: ("def test(kernel, monkeypatch):\n    kernel.rms_norm(x, weight, 1e-6)\n"
-              "    kernel.rms_norm_forward(x, weight, eps=1e-6, block_rows=16)\n"
+              "    kernel.norm.kernel.rms_norm_forward(x, weight, eps=1e-6, block_rows=16)\n"
+              "    problem = kernel.NormProblem('rms_norm', 8, 128, 'float32')\n"
+              "    kernel.norm.kernel.call([x], weight, kernel.norm.plan.make(problem), eps=1e-6)\n"
               "    kernel.reference.fused_add_rms_norm(x, residual, weight, 1e-6)\n"
               "    kernel.layers.matching_layer_name(module)\n"
-              "    monkeypatch.setitem(kernel.TUNED_TILES, key, kernel.RowBlockTiles(1024))\n"
+              "    monkeypatch.setitem(kernel.norm.tiles.TUNED_TILES, key, kernel.norm.tiles.RowBlockTiles(1024))\n"
               "def folder(published):\n    build = published.builds['rmsnorm-tpu']\n    return build.rglob('*')\n"
               "def other(model, kernel):\n    return model.config.vocab_size, kernel.__name__\n"),
 }

@@ -28,12 +28,13 @@ def configs(kernel_builds):
 
 @pytest.mark.parametrize("generation", hardware.SUPPORTED_GENERATIONS)
 def test_every_kernel_sizes_vmem_by_the_one_policy(ragged_dot_kernel, configs, generation):
-    for config in configs.values():
-        assert config.vmem_budget(generation) == hardware.vmem_budget_bytes(
-            generation, margin=config.WORKING_SET_MARGIN, bound_bytes=config.WORKING_SET_BOUND_BYTES[generation])
+    for name, config in configs.items():
+        policy = config.norm.tiles if name == "rmsnorm-tpu" else config  # rmsnorm-tpu's: its row blocks' tiles
+        assert policy.vmem_budget(generation) == hardware.vmem_budget_bytes(
+            generation, margin=policy.WORKING_SET_MARGIN, bound_bytes=policy.WORKING_SET_BOUND_BYTES[generation])
         for working_set in (MIB, 20 * MIB, 60 * MIB):
-            assert config.vmem_limit(working_set, generation) == hardware.vmem_limit_bytes(
-                working_set, generation, margin=config.WORKING_SET_MARGIN)
+            assert policy.vmem_limit(working_set, generation) == hardware.vmem_limit_bytes(
+                working_set, generation, margin=policy.WORKING_SET_MARGIN)
     # ragged-dot takes the policy's defaults.
     problem = ragged_dot_kernel.MatmulProblem(16384, 2048, 1536, 128, "bfloat16", "bfloat16", False)
     tiles = ragged_dot_kernel.gmm.tiles.TileConfig(512, 2048, 1536, 256)
@@ -61,14 +62,15 @@ def test_every_kernel_takes_the_tuned_tiles_of_its_table(kernel_builds, ragged_d
         return attention.ForwardTiles(chosen.block_q, chosen.block_kv, chosen.kv_heads_per_step)
 
     def rmsnorm_selects(key):
-        return rmsnorm.RowBlockTiles(rmsnorm.select_config(key.rows, key.hidden, key.dtype, key.generation,
-                                                           op=key.op).block_rows)
+        problem = rmsnorm.NormProblem(key.op, key.rows, key.hidden, key.dtype)
+        return rmsnorm.norm.tiles.RowBlockTiles(rmsnorm.norm.tiles.select(problem, key.generation).block_rows)
 
     kernels = {  # name: (the loaded table, its key type, its tiles type, what the kernel selects for a key)
         "ragged-dot-tpu": (ragged_dot_kernel.gmm.tiles.TUNED_TILES, ragged_dot_kernel.gmm.tiles.TunedKey,
                            ragged_dot_kernel.gmm.tiles.TileConfig, ragged_dot_selects),
         "attention-tpu": (attention.TUNED_TILES, attention.TunedKey, attention.ForwardTiles, attention_selects),
-        "rmsnorm-tpu": (rmsnorm.TUNED_TILES, rmsnorm.TunedKey, rmsnorm.RowBlockTiles, rmsnorm_selects),
+        "rmsnorm-tpu": (rmsnorm.norm.tiles.TUNED_TILES, rmsnorm.norm.tiles.TunedKey, rmsnorm.norm.tiles.RowBlockTiles,
+                        rmsnorm_selects),
     }
     assert set(kernels) == set(TUNED_TABLES) == set(kernel_builds)
     for name, (loaded, key_type, tiles_type, selects) in kernels.items():

@@ -64,7 +64,7 @@ MINIMUM_ROW_ARRAYS = {
     "fused_add_rms_norm_backward": (3, 1),
 }
 ARITY = {name: inputs for name, (inputs, _) in MINIMUM_ROW_ARRAYS.items()}
-# kernel name -> its JAX function in the built kernel's face.
+# kernel name -> its JAX function in the built kernel's face (`norm.kernel`).
 JAX_FUNCTIONS = {
     "rms_norm": "rms_norm_forward",
     "fused_add_rms_norm": "fused_add_rms_norm_forward",
@@ -83,7 +83,8 @@ def minimum_bytes(kernel_name: str, rows: int, hidden: int, dtype) -> tuple[int,
 
 
 def kernel_fn(built, kernel_name: str, generation: str):
-    return functools.partial(getattr(built, JAX_FUNCTIONS[kernel_name]), eps=EPS, generation=generation)
+    function = getattr(built.norm.kernel, JAX_FUNCTIONS[kernel_name])
+    return functools.partial(function, eps=EPS, generation=generation)
 
 
 def avals(kernel_name: str, rows: int, hidden: int, dtype) -> list[jax.ShapeDtypeStruct]:
@@ -129,7 +130,8 @@ def measure(built, kernel_name: str, rows: int, hidden: int, dtype) -> dict:
         "per_generation": {},
     }
     for generation in GENERATIONS:
-        config = built.select_config(rows, hidden, dtype, generation, op=kernel_name)
+        problem = built.NormProblem(kernel_name, rows, hidden, jnp.dtype(dtype).name)
+        config = built.norm.tiles.select(problem, generation)
         calls = perf.model_pallas_traffic(kernel_fn(built, kernel_name, generation), *args)
         (call,) = calls
         modelled = perf.roofline(calls, generation, min_bytes=row_min)

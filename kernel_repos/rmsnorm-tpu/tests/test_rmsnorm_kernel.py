@@ -46,8 +46,8 @@ def test_forward_kernels_on_ragged_row_blocks(kernel, leading, hidden, dtype, bl
     x, residual = random_array(0, shape, dtype), random_array(1, shape, dtype)
     weight = random_array(2, (hidden,), dtype)
     eps = 1e-6
-    y = interpret(lambda: kernel.rms_norm_forward(x, weight, eps=eps, offset=offset, block_rows=block_rows))
-    fused_y, new_residual = interpret(lambda: kernel.fused_add_rms_norm_forward(
+    y = interpret(lambda: kernel.norm.kernel.rms_norm_forward(x, weight, eps=eps, offset=offset, block_rows=block_rows))
+    fused_y, new_residual = interpret(lambda: kernel.norm.kernel.fused_add_rms_norm_forward(
         x, residual, weight, eps=eps, offset=offset, block_rows=block_rows
     ))
     assert y.dtype == fused_y.dtype == new_residual.dtype == dtype and y.shape == shape
@@ -72,10 +72,10 @@ def test_backward_kernels_on_ragged_row_blocks(kernel, leading, hidden, dtype, b
     x, grad, grad_residual = (random_array(k, shape, dtype) for k in (3, 4, 5))
     weight = random_array(6, (hidden,), dtype)
     eps = 1e-5
-    dx, dweight = interpret(lambda: kernel.rms_norm_backward(
+    dx, dweight = interpret(lambda: kernel.norm.kernel.rms_norm_backward(
         grad, x, weight, eps=eps, offset=offset, block_rows=block_rows
     ))
-    dsum, dweight_fused = interpret(lambda: kernel.fused_add_rms_norm_backward(
+    dsum, dweight_fused = interpret(lambda: kernel.norm.kernel.fused_add_rms_norm_backward(
         grad, grad_residual, x, weight, eps=eps, offset=offset, block_rows=block_rows
     ))
     assert dx.dtype == dsum.dtype == dtype and dweight.dtype == dweight_fused.dtype == dtype
@@ -92,7 +92,7 @@ def test_backward_kernels_on_ragged_row_blocks(kernel, leading, hidden, dtype, b
 
 def test_explicit_block_rows_are_checked(kernel):
     with pytest.raises(ValueError, match="block_rows must be a multiple of 16"):
-        kernel.rms_norm_forward(jnp.ones((40, 128), jnp.bfloat16), jnp.ones((128,), jnp.bfloat16), eps=1e-6,
+        kernel.norm.kernel.rms_norm_forward(jnp.ones((40, 128), jnp.bfloat16), jnp.ones((128,), jnp.bfloat16), eps=1e-6,
                                    block_rows=8)
 
 
@@ -102,8 +102,9 @@ def test_explicit_block_rows_ask_for_the_vmem_limit_they_need(kernel, block_rows
     entry does: a larger block under the selected block's limit would overflow it on the chip."""
     rows, hidden, dtype = 4096, 2048, jnp.bfloat16
     x, weight = jnp.ones((rows, hidden), dtype), jnp.ones((hidden,), dtype)
-    jaxpr = str(jax.make_jaxpr(lambda x, weight: kernel.rms_norm_forward(
+    jaxpr = str(jax.make_jaxpr(lambda x, weight: kernel.norm.kernel.rms_norm_forward(
         x, weight, eps=1e-6, generation="v6e", block_rows=block_rows))(x, weight))
-    needed = kernel.vmem_limit(kernel.vmem_bytes(block_rows, hidden, dtype, "rms_norm"), "v6e")
-    assert kernel.select_config(rows, hidden, dtype, "v6e").block_rows not in (16, 1024)
+    needed = kernel.norm.tiles.vmem_limit(kernel.norm.tiles.vmem_bytes(block_rows, hidden, dtype, "rms_norm"), "v6e")
+    selected = kernel.norm.tiles.select(kernel.NormProblem("rms_norm", rows, hidden, "bfloat16"), "v6e")
+    assert selected.block_rows not in (16, 1024)
     assert f"vmem_limit_bytes={needed}" in jaxpr

@@ -13,8 +13,10 @@ rows explicitly.
 
 Math is in float32 whatever the input dtype; outputs take the input dtype.
 
-The block size comes from `tiles.select_config(rows, hidden, dtype,
-generation, op=...)`, the grid it gives from `plan.plan_rows`. The four JAX
+A call is a `NormProblem` (the op, rows, hidden and dtype): its block size
+comes from `tiles.select(problem, generation)`, the grid it gives from
+`plan.make(problem, generation, config=None)`, and `call(rows, weight, plan)`
+runs it. The four JAX
 functions (`rms_norm_forward`, `fused_add_rms_norm_forward`,
 `rms_norm_backward`, `fused_add_rms_norm_backward`) take the same keyword
 options (eps, offset, generation, block_rows; see `_row_norm`);
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -34,9 +37,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .plan import RowPlan, plan_rows
 from .._hardware import resolve_generation
-from .tiles import OPS, RowBlockConfig, check_block_rows, select_config, vmem_bytes, vmem_limit
+from ..problem import NormProblem
+from .plan import RowPlan, make
+from .tiles import OPS, RowBlockConfig, check_block_rows, vmem_bytes, vmem_limit
 
 
 class _RowBlocks(NamedTuple):
@@ -128,8 +132,8 @@ _BODIES = {
 }
 
 
-def _call(plan: RowPlan, as_rows: list[jax.Array], weight: jax.Array, *, eps: float,
-          offset: float) -> tuple[jax.Array, ...]:
+def call(as_rows: Sequence[jax.Array], weight: jax.Array, plan: RowPlan, *, eps: float,
+         offset: float = 0.0) -> tuple[jax.Array, ...]:
     """`plan`'s kernel on [rows, hidden] arrays and the [hidden] weight; its outputs as a tuple, one or several."""
     blocks = _row_blocks(plan, as_rows[0].dtype, weight.dtype)
     bytes_accessed = sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in blocks.in_shapes + blocks.out_shapes)
@@ -137,7 +141,7 @@ def _call(plan: RowPlan, as_rows: list[jax.Array], weight: jax.Array, *, eps: fl
     options = dict(eps=eps, offset=offset)
     if plan.shape.weight_gradient:
         options["plan"] = plan  # the backward body masks the rows past the end of a ragged last block
-    call = pl.pallas_call(
+    run = pl.pallas_call(
         functools.partial(_BODIES[plan.op], **options),
         grid=(plan.num_blocks,),
         in_specs=list(blocks.in_specs),
@@ -152,18 +156,18 @@ def _call(plan: RowPlan, as_rows: list[jax.Array], weight: jax.Array, *, eps: fl
         ),
         name=plan.op,
     )
-    outputs = call(*as_rows, weight.reshape(1, plan.hidden))
+    outputs = run(*as_rows, weight.reshape(1, plan.hidden))
     return (outputs,) if single_output else tuple(outputs)
 
 
-def _config(op: str, rows: int, hidden: int, dtype, generation: str | None, block_rows: int | None) -> RowBlockConfig:
-    """`select_config`'s row block for `op`, or the caller's `block_rows` (checked, at most all rows) with the VMEM
-    limit that block needs, as a tuned entry gets (`tiles.tuned_config`)."""
+def _callers_config(problem: NormProblem, generation: str | None, block_rows: int | None) -> RowBlockConfig | None:
+    """The caller's `block_rows` (checked, at most all rows) with the VMEM limit that block needs, as a tuned entry
+    gets (`tiles.tuned_config`); None without one (the plan's `tiles.select`)."""
     if block_rows is None:
-        return select_config(rows, hidden, dtype, generation, op=op)
-    check_block_rows(block_rows, rows, dtype)
-    block_rows = min(block_rows, rows)
-    needed = vmem_bytes(block_rows, hidden, dtype, op)
+        return None
+    check_block_rows(block_rows, problem.rows, problem.dtype)
+    block_rows = min(block_rows, problem.rows)
+    needed = vmem_bytes(block_rows, problem.hidden, problem.dtype, problem.op)
     return RowBlockConfig(block_rows, vmem_limit(needed, resolve_generation(generation)))
 
 
@@ -180,8 +184,8 @@ def _row_norm(
     """`op`'s outputs: its row outputs shaped like the row inputs, then dL/dweight for a backward op.
 
     The one signature of the keyword options the public functions pass through: eps is added to
-    mean(x^2), the scale is offset + weight, generation picks the tiling (None: select_config's
-    default), block_rows overrides the selected row block.
+    mean(x^2), the scale is offset + weight, generation picks the tiling (None: this device's), block_rows
+    overrides the selected row block.
     """
     shape = OPS[op]
     x = row_arrays[0]
@@ -196,8 +200,9 @@ def _row_norm(
     hidden = x.shape[-1]
     as_rows = [a.reshape(-1, hidden) for a in row_arrays]
     rows = as_rows[0].shape[0]
-    plan = plan_rows(op, rows, hidden, _config(op, rows, hidden, as_rows[0].dtype, generation, block_rows))
-    outputs = _call(plan, as_rows, weight, eps=float(eps), offset=float(offset))
+    problem = NormProblem(op, rows, hidden, jnp.dtype(as_rows[0].dtype).name)
+    plan = make(problem, generation, _callers_config(problem, generation, block_rows))
+    outputs = call(as_rows, weight, plan, eps=float(eps), offset=float(offset))
     results = tuple(output.reshape(x.shape) for output in outputs[: shape.row_outputs])
     if shape.weight_gradient:
         # Sum the per-block float32 partials the kernel wrote.

@@ -1,5 +1,5 @@
-"""A call's plan: the op, the [rows, hidden] it streams and its row block (a `RowBlockConfig`) go in, the grid the
-kernel walks comes out."""
+"""A call's plan: its `NormProblem` (the op and the [rows, hidden] it streams) and its row block (a
+`RowBlockConfig`, by default `tiles.select`'s) go in, the grid the kernel walks comes out."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import dataclasses
 
 from jax.experimental import pallas as pl
 
-from .tiles import OPS, OpShape, RowBlockConfig
+from ..problem import NormProblem
+from .tiles import OPS, OpShape, RowBlockConfig, select
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,10 @@ class RowPlan:
         return OPS[self.op]
 
 
-def plan_rows(op: str, rows: int, hidden: int, config: RowBlockConfig) -> RowPlan:
-    """The grid of `op` over [rows, hidden] at `config`'s row block: one step per row block."""
-    return RowPlan(op, rows, hidden, config.block_rows, pl.cdiv(rows, config.block_rows), config.vmem_limit_bytes)
+def make(problem: NormProblem, generation: str | None = None, config: RowBlockConfig | None = None) -> RowPlan:
+    """The grid of `problem`'s op over its [rows, hidden] at `config`'s row block, else `select`'s on `generation`
+    (default: this device's): one step per row block."""
+    if config is None:
+        config = select(problem, generation)
+    return RowPlan(problem.op, problem.rows, problem.hidden, config.block_rows,
+                   pl.cdiv(problem.rows, config.block_rows), config.vmem_limit_bytes)

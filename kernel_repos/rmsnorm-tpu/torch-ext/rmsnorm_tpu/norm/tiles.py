@@ -2,7 +2,7 @@
 
 Every op streams [rows, hidden] arrays in row blocks `(block_rows, hidden)`;
 what each op streams, and the VMEM it takes per row, is its `OpShape` (OPS).
-`select_config` takes the block of TUNED_TILES (tuned_tiles.json, beside this
+`select` takes the block of TUNED_TILES (tuned_tiles.json, beside this
 module) when it holds the shape, else the heuristic (`heuristic_config`): it
 picks the number of grid steps that balances the per-step cost against the
 unoverlapped first load and last store of the pipeline, within the VMEM budget
@@ -28,6 +28,7 @@ from .._hardware import (
     round_up, sublane_multiple, tpu_generation, vmem_budget_bytes, vmem_limit_bytes,
 )
 from .._tuning import read_tuned_tiles
+from ..problem import NormProblem
 
 # The policy's `margin` on the VMEM estimate (`vmem_bytes`): the blocks take at
 # most 80% of what is asked for them. Its f32 temporaries are estimates,
@@ -103,7 +104,7 @@ class RowBlockTiles(NamedTuple):
     block_rows: int
 
 
-# Row blocks tuned per shape, taken over the heuristic by `select_config`: data
+# Row blocks tuned per shape, taken over the heuristic by `select`: data
 # in tuned_tiles.json beside this module. None so far: at 64 rows and more the
 # heuristic's blocks move within 1.4% of the minimum HBM bytes and model at
 # 91-94% of the HBM roofline at 8192 rows on v6e (`tpu-kernels bench
@@ -149,8 +150,8 @@ def check_block_rows(block_rows: int, rows: int, dtype) -> None:
         )
 
 
-def heuristic_config(rows: int, hidden: int, dtype, generation: str, *, op: str = "rms_norm") -> RowBlockConfig:
-    """Rows per block from the traffic time, the per-step cost and the VMEM budget.
+def heuristic_config(problem: NormProblem, generation: str) -> RowBlockConfig:
+    """Rows per block of `problem` from the traffic time, the per-step cost and the VMEM budget.
 
     The pipeline overlaps the DMA of block i+1 (and the write-back of block
     i-1) with the compute of block i, but not the first block's fetch nor the
@@ -164,6 +165,7 @@ def heuristic_config(rows: int, hidden: int, dtype, generation: str, *, op: str 
     policy's budget without WORKING_SET_BOUND_BYTES).
     """
     generation = check_generation(generation)
+    op, rows, hidden, dtype = problem
     _check_op(op)
     if rows < 1 or hidden < 1:
         raise ValueError(f"rows and hidden must be >= 1, got rows={rows}, hidden={hidden}")
@@ -193,9 +195,10 @@ def heuristic_config(rows: int, hidden: int, dtype, generation: str, *, op: str 
     return RowBlockConfig(block_rows, vmem_limit(vmem_bytes(block_rows, hidden, dtype, op), generation))
 
 
-def tuned_config(rows: int, hidden: int, dtype, generation: str, *, op: str = "rms_norm") -> RowBlockConfig | None:
-    """The config of the TUNED_TILES entry for this shape, if there is one: its block, checked like an explicit
-    block size, and the VMEM limit it needs."""
+def tuned_config(problem: NormProblem, generation: str) -> RowBlockConfig | None:
+    """The config of the TUNED_TILES entry for `problem`'s shape, if there is one: its block, checked like an
+    explicit block size, and the VMEM limit it needs."""
+    op, rows, hidden, dtype = problem
     tiles = TUNED_TILES.get(TunedKey(check_generation(generation), op, rows, hidden, jnp.dtype(dtype).name))
     if tiles is None:
         return None
@@ -203,10 +206,10 @@ def tuned_config(rows: int, hidden: int, dtype, generation: str, *, op: str = "r
     return RowBlockConfig(tiles.block_rows, vmem_limit(vmem_bytes(tiles.block_rows, hidden, dtype, op), generation))
 
 
-def select_config(rows: int, hidden: int, dtype, generation: str | None = None, *,
-                  op: str = "rms_norm") -> RowBlockConfig:
-    """Rows per block for `op` on [rows, hidden] arrays of `dtype` on `generation` (default: the current one)."""
+def select(problem: NormProblem, generation: str | None = None) -> RowBlockConfig:
+    """Rows per block for `problem` on `generation` (default: the current one): the tuned entry of its shape, else
+    the heuristic's."""
     generation = resolve_generation(generation)
-    _check_op(op)
-    config = tuned_config(rows, hidden, dtype, generation, op=op)
-    return config if config is not None else heuristic_config(rows, hidden, dtype, generation, op=op)
+    _check_op(problem.op)
+    config = tuned_config(problem, generation)
+    return config if config is not None else heuristic_config(problem, generation)
