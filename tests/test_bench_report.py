@@ -295,7 +295,8 @@ def test_calibration_tables_count_refusals_per_chip_and_kind_but_not_missing_tim
                {"file": f"{folder}/ragged_dot.json", "reason": "not modelled: empty bounds"}]
     constants = {"what": "x", "grid_step_s": {"v5e": 3.4e-7, "v6e": 3.4e-7, "v5p": 3.4e-7, "tpu7x": 7.2e-7},
                  "grid_step_s_note": "v5e and TPU7x fitted", "mxu_weight_load_fraction": 0.125}
-    tables = calibration_tables.render_markdown({"summary": summary, "skipped": skipped}, constants)
+    hbm = {"hbm_fraction": {"v5e": 0.9, "v6e": 0.9}, "hbm_fraction_note": {"v5e": "fitted", "v6e": "borrowed from v5e"}}
+    tables = calibration_tables.render_markdown({"summary": summary, "skipped": skipped}, constants, hbm)
     assert tables["error"].splitlines()[2] == (
         "| v5e | pallas_ragged_dot | 16 | 2 inconsistent inputs | 2.0 % | 5.7 % | 0.90 | 2.2 % / 1.5 % |")
     rows = tables["constants"].splitlines()
@@ -303,6 +304,8 @@ def test_calibration_tables_count_refusals_per_chip_and_kind_but_not_missing_tim
     assert "| `grid_step_s` | 0.34 µs | 0.34 µs | 0.34 µs | 0.72 µs | v5e and TPU7x fitted |" in rows
     assert "| `mxu_weight_load_fraction` | 0.125 | 0.125 | 0.125 | 0.125 |  |" in rows
     assert not any("what" in row for row in rows)
+    assert "| `hbm_fraction` | 0.9 | 0.9 | none | none | fitted: see below |" in rows
+    assert rows[-2:] == ["- `hbm_fraction`, v5e: fitted", "- `hbm_fraction`, v6e: borrowed from v5e"]
 
 
 def test_moe_layer_v5p_tpu7x_table_adds_the_quantized_formats(monkeypatch):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from importlib import resources
 import re
 import sys
 from collections.abc import Callable
@@ -290,8 +291,9 @@ def calibration_tables_md(root: Path) -> str:
     """benchmarks/results/calibration.md: the model's error per chip and kind, and the constants it prices with."""
     report_json = json.loads((root / SOURCES_DIR / "calibration.json").read_text())
     lines = ["<!-- written by `tpu-kernels bench report` from calibration.json and the performance model's constants "
-             "(tpu_kernels/perf/model_constants.json): do not edit -->"]
-    for name, table in calibration_tables.render_markdown(report_json, MODEL_CONSTANTS).items():
+             "(tpu_kernels/perf/model_constants.json, hbm_fractions.json): do not edit -->"]
+    hbm_fractions = json.loads(resources.files("tpu_kernels.perf").joinpath("hbm_fractions.json").read_text())
+    for name, table in calibration_tables.render_markdown(report_json, MODEL_CONSTANTS, hbm_fractions).items():
         lines += ["", f"## {name}", "", table]
     return "\n".join(lines) + "\n"
 

@@ -11,8 +11,9 @@ from .cache import first_line
 from .shapes import Case
 
 
-def price(program, replayed: perf.ProgramReplay, hbm_fraction: float = 1.0) -> program_time.ProgramTime:
-    """The layer under the calibrated model: Pallas kernels, XLA's ragged-dot loops and the other XLA ops."""
+def price(program, replayed: perf.ProgramReplay, hbm_fraction: float | None = None) -> program_time.ProgramTime:
+    """The layer under the calibrated model: Pallas kernels, XLA's ragged-dot loops and the other XLA ops, their
+    copies at `hbm_fraction` of the peak HBM bandwidth (None: the generation's fitted share)."""
     return program_time.model_program(program, replayed.pallas_calls, ragged_dots=replayed.ragged_dots,
                                       hbm_fraction=hbm_fraction)
 

@@ -59,9 +59,10 @@ def percent(share: float | None) -> str:
     return "none" if share is None else f"{100 * share:.1f} %"
 
 
-def constants(model_constants: dict) -> str:
-    """Per generation: the chip's peaks from jax's table, then every fitted constant (per generation or one for
-    all), with the note model_constants.json gives for it."""
+def constants(model_constants: dict, hbm_fractions: dict) -> str:
+    """Per generation: the chip's peaks from jax's table, the fitted share of the HBM peak its copies reach, then
+    every other fitted constant (per generation or one for all), with the note model_constants.json gives for it;
+    under the table, how each generation's HBM share was found."""
     rows = ["| per device | " + " | ".join(GENERATIONS) + " | source |", "| --- |" + " ---: |" * len(GENERATIONS) + " --- |"]
     chips = [tpu_generation(generation) for generation in GENERATIONS]
     rows.append("| HBM bandwidth, GB/s | " + " | ".join(f"{chip.device_hbm_bytes_per_s / 1e9:.0f}" for chip in chips)
@@ -69,6 +70,9 @@ def constants(model_constants: dict) -> str:
     rows.append("| bf16 MXU peak, TFLOP/s | "
                 + " | ".join(f"{chip.device_bf16_flops_per_s / 1e12:.0f}" for chip in chips) + " | jax's TPU table |")
     rows.append("| TensorCores | " + " | ".join(str(chip.cores_per_device) for chip in chips) + " | jax's TPU table |")
+    shares = hbm_fractions["hbm_fraction"]
+    rows.append("| `hbm_fraction` | " + " | ".join(format_constant("hbm_fraction", shares.get(generation))
+                                                  for generation in GENERATIONS) + " | fitted: see below |")
     for name, value in model_constants.items():
         if name == "what" or name.endswith("_note"):
             continue
@@ -78,6 +82,8 @@ def constants(model_constants: dict) -> str:
         else:
             cells = [format_constant(name, value)] * len(GENERATIONS)
         rows.append(f"| `{name}` | " + " | ".join(cells) + f" | {note} |")
+    rows.append("")
+    rows += [f"- `hbm_fraction`, {generation}: {note}" for generation, note in sorted(hbm_fractions["hbm_fraction_note"].items())]
     return "\n".join(rows)
 
 
@@ -89,6 +95,6 @@ def format_constant(name: str, value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def render_markdown(report: dict, model_constants: dict) -> dict[str, str]:
+def render_markdown(report: dict, model_constants: dict, hbm_fractions: dict) -> dict[str, str]:
     """The calibration tables by section: the model's error per chip and kind, and the constants it prices with."""
-    return {"error": error(report), "constants": constants(model_constants)}
+    return {"error": error(report), "constants": constants(model_constants, hbm_fractions)}
