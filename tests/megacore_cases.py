@@ -90,7 +90,7 @@ def cases(kernels: dict) -> dict[str, tuple]:
                                        block_rows=256),
                      (normal(1024, 1024), normal(1024)), "rms_norm"),
         "flash attention forward": (
-            functools.partial(attention.flash_attention_forward, causal=True, generation=GENERATION),
+            functools.partial(attention.flash.kernel.flash_attention_forward, causal=True, generation=GENERATION),
             (q, k, v), "attention_tpu_flash"),
     }
 

@@ -147,9 +147,9 @@ def test_an_unsupported_tpu_gets_the_same_error_from_every_kernel(built_kernels,
         "ragged-dot-tpu": lambda k: k.gmm.tiles.select(k.MatmulProblem(64, 2048, 1536, 1, "bfloat16", "bfloat16",
                                                                        False)),
         "rmsnorm-tpu": lambda k: k.norm.tiles.select(k.NormProblem("rms_norm", 64, 2048, "bfloat16")),
-        "attention-tpu": lambda k: k.select_config(
+        "attention-tpu": lambda k: k.flash.tiles.select(k.Problem.of_shape(
             q_heads=8, kv_heads=1, q_len=1, kv_len=128, head_dim=128, dtype=jnp.bfloat16
-        ),
+        )),
     }
     off_tpu = {name: select(loaded[name]) for name, select in selects.items()}
     _on_a_tpu(monkeypatch, "TPU v6 lite", "v6e")

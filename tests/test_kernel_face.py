@@ -340,10 +340,13 @@ def test_code_outside_the_kernel_uses_only_its_face(kernel):
     (RAGGED_DOT, "ENTRY = 'layer.experts_layer'", False),
     (RAGGED_DOT, "from ragged_dot_tpu.gmm.kernel import grouped_matmul", False),
     (ATTENTION, "def test(kernel):\n    kernel.flash.kernel.attention_forward(q, k, v, attention)", True),
-    (ATTENTION, "def test(kernel):\n    kernel.flash_backward.tiles.backward_tiles('dq')", True),
+    (ATTENTION, "def test(kernel):\n    kernel.flash_backward.tiles.window_block_cap(128, True, 'v6e')", True),
     (ATTENTION, "def test(kernel):\n    kernel.common.masking.prepare(q, k, options)", True),
     (ATTENTION, "def test(kernel):\n    kernel.pallas_flash.flash_attention(q, k, v)", True),
-    (ATTENTION, "def f(built):\n    return built.flash.tiles.select_config(**shape)", False),
+    (ATTENTION, "def test(kernel):\n    kernel.flash.tiles.select_config(**shape)", True),
+    (ATTENTION, "def f(built):\n    return built.flash.tiles.forward_vmem_bytes(tiles, **shape)", False),
+    (ATTENTION, "def test(kernel):\n    kernel.flash_backward.plan.BackwardPlans(problem, dq, dkv)", True),
+    (ATTENTION, "def test(kernel):\n    kernel.select_config(**shape)", True),
     (ATTENTION, "attention = kernels['attention-tpu']\nattention.config", False),
     (ATTENTION, "k = get_local_kernel(attention_build, backend='cpu')\nk.no_such_name", False),
     (ATTENTION, "ENTRY = 'attention.attention_forward'", False),
@@ -376,10 +379,14 @@ WITHIN_THE_FACE = {
                  "def other(model, kernel):\n    return model.config.vocab_size, kernel.__name__\n"
                  "def tool(built, plan):\n    return built.combine.plan.make(problem), plan.combine.tiles, built.gmm\n"
                  "ENTRY = 'tgmm.tiles.select'\n"),
-    ATTENTION: ("def test(kernel, monkeypatch):\n    kernel.differentiable_flash_attention(q, k, v, "
+    ATTENTION: ("def test(kernel, monkeypatch):\n    kernel.flash.kernel.differentiable_flash_attention(q, k, v, "
                 "config=kernel.AttentionConfig(128, 128, 1 << 25))\n"
-                "    kernel.reference.reference_attention(q, k, v)\n    kernel.select_backward_config(**shape)\n"
-                "    monkeypatch.setitem(kernel.TUNED_TILES, key, kernel.ForwardTiles(1, 2048))\n"
+                "    kernel.reference.reference_attention(q, k, v)\n"
+                "    kernel.flash_backward.tiles.select(kernel.Problem.of_shape(**shape))\n"
+                "    problem, prepared = kernel.prepare(q, k, kernel.Attention())\n"
+                "    kernel.flash.kernel.call(q, k, v, prepared, kernel.flash.plan.make(problem))\n"
+                "    tiles = kernel.flash.tiles.ForwardTiles(1, 2048)\n"
+                "    monkeypatch.setitem(kernel.flash.tiles.TUNED_TILES, key, tiles)\n"
                 "def other(model, kernel):\n    return model.config.vocab_size, kernel.__name__\n"),
     RMSNORM: ("def test(kernel, monkeypatch):\n    kernel.rms_norm(x, weight, 1e-6)\n"
               "    kernel.norm.kernel.rms_norm_forward(x, weight, eps=1e-6, block_rows=16)\n"

@@ -58,8 +58,10 @@ def test_every_kernel_takes_the_tuned_tiles_of_its_table(kernel_builds, ragged_d
         return ragged_dot_kernel.gmm.tiles.select(problem, key.generation)
 
     def attention_selects(key):
-        chosen = attention.select_config(**key._asdict())
-        return attention.ForwardTiles(chosen.block_q, chosen.block_kv, chosen.kv_heads_per_step)
+        shape = key._asdict()
+        generation = shape.pop("generation")
+        chosen = attention.flash.tiles.select(attention.Problem.of_shape(**shape), generation)
+        return attention.flash.tiles.ForwardTiles(chosen.block_q, chosen.block_kv, chosen.kv_heads_per_step)
 
     def rmsnorm_selects(key):
         problem = rmsnorm.NormProblem(key.op, key.rows, key.hidden, key.dtype)
@@ -68,7 +70,8 @@ def test_every_kernel_takes_the_tuned_tiles_of_its_table(kernel_builds, ragged_d
     kernels = {  # name: (the loaded table, its key type, its tiles type, what the kernel selects for a key)
         "ragged-dot-tpu": (ragged_dot_kernel.gmm.tiles.TUNED_TILES, ragged_dot_kernel.gmm.tiles.TunedKey,
                            ragged_dot_kernel.gmm.tiles.TileConfig, ragged_dot_selects),
-        "attention-tpu": (attention.TUNED_TILES, attention.TunedKey, attention.ForwardTiles, attention_selects),
+        "attention-tpu": (attention.flash.tiles.TUNED_TILES, attention.flash.tiles.TunedKey,
+                          attention.flash.tiles.ForwardTiles, attention_selects),
         "rmsnorm-tpu": (rmsnorm.norm.tiles.TUNED_TILES, rmsnorm.norm.tiles.TunedKey, rmsnorm.norm.tiles.RowBlockTiles,
                         rmsnorm_selects),
     }

@@ -1,8 +1,8 @@
 """Gradients of flash_attention against the float64 reference's autograd, in TPU interpret mode.
 
 The torch-level cases go through the op's autograd (the binding runs the
-JAX custom_vjp: the dq and dk/dv Pallas kernels) at the tiles select_config
-picks; the multi-block cases differentiate the JAX function (custom_vjp) with
+JAX custom_vjp: the dq and dk/dv Pallas kernels) at the tiles the seams'
+`tiles.select` pick; the multi-block cases differentiate the JAX function (custom_vjp) with
 small explicit tiles, so ragged edge blocks, skipped blocks, clamped fetches
 and blocks walked per KV block all occur. Race detection and NaN-filled
 uninitialised memory are on. Tolerance: max |error| / max |expected| per
@@ -157,15 +157,16 @@ def test_multi_block_gradients_match_reference(kernel, convert, case):
     jax_options = {n: jnp.asarray(x.numpy()) if isinstance(x, torch.Tensor) else x for n, x in torch_options.items()}
     tiles = dict(
         config=kernel.AttentionConfig(*forward_tiles, 32 * MIB),
-        backward_config=kernel.BackwardConfig(dq=kernel.AttentionConfig(*dq_tiles[:2], 32 * MIB, *dq_tiles[2:]),
-                                              dkv=kernel.AttentionConfig(*dkv_tiles[:2], 32 * MIB, *dkv_tiles[2:])),
+        backward_config=kernel.flash_backward.tiles.BackwardConfig(
+            dq=kernel.AttentionConfig(*dq_tiles[:2], 32 * MIB, *dq_tiles[2:]),
+            dkv=kernel.AttentionConfig(*dkv_tiles[:2], 32 * MIB, *dkv_tiles[2:])),
     )
     names = [n for n in ("q", "k", "v", "sinks") if n in tensors]
 
     def attention(*arrays):
         named = dict(zip(names, arrays))
-        return kernel.differentiable_flash_attention(named["q"], named["k"], named["v"], sinks=named.get("sinks"),
-                                                     **tiles, **jax_options)
+        return kernel.flash.kernel.differentiable_flash_attention(named["q"], named["k"], named["v"],
+                                                                  sinks=named.get("sinks"), **tiles, **jax_options)
 
     out, vjp = interpret(lambda: jax.vjp(attention, *[to_jax(tensors[n]) for n in names]))
     grads = interpret(lambda: vjp(to_jax(tensors["d_out"])))
@@ -183,10 +184,10 @@ def test_keys_past_lengths_may_hold_nan(kernel, convert):
     for name in ("k", "v"):
         tensors[name][1, :, 131:] = float("nan")
     tiles = kernel.AttentionConfig(128, 128, 32 * MIB)
-    backward = kernel.BackwardConfig(dq=tiles, dkv=tiles)
+    backward = kernel.flash_backward.tiles.BackwardConfig(dq=tiles, dkv=tiles)
 
     def attention(q, k, v):
-        return kernel.differentiable_flash_attention(q, k, v, kv_lengths=jnp.asarray(lengths, jnp.int32),
+        return kernel.flash.kernel.differentiable_flash_attention(q, k, v, kv_lengths=jnp.asarray(lengths, jnp.int32),
                                                      config=tiles, backward_config=backward)
 
     _, vjp = interpret(lambda: jax.vjp(attention, *[to_jax(tensors[n]) for n in ("q", "k", "v")]))
@@ -205,7 +206,7 @@ def test_log_sum_exp_of_the_forward(kernel, convert):
     tensors = _inputs(2, 4, 2, 130, 130, 64, torch.float32, sinks=True, seed=6)
     lengths = [130, 0]
     tiles = kernel.AttentionConfig(128, 128, 32 * MIB)
-    out, lse = interpret(lambda: kernel.flash_attention_forward(
+    out, lse = interpret(lambda: kernel.flash.kernel.flash_attention_forward(
         to_jax(tensors["q"]), to_jax(tensors["k"]), to_jax(tensors["v"]), kv_lengths=jnp.asarray(lengths, jnp.int32),
         sinks=to_jax(tensors["sinks"]), config=tiles))
     logits = torch.einsum("bhqd,bhkd->bhqk", tensors["q"].double(),
@@ -216,7 +217,7 @@ def test_log_sum_exp_of_the_forward(kernel, convert):
     expected = torch.logsumexp(torch.cat([logits, sink], dim=-1), dim=-1)
     np.testing.assert_allclose(np.array(lse), expected.numpy(), rtol=1e-6, atol=1e-6)
     # Without sinks a row that sees nothing has lse = -inf.
-    _, lse = interpret(lambda: kernel.flash_attention_forward(
+    _, lse = interpret(lambda: kernel.flash.kernel.flash_attention_forward(
         to_jax(tensors["q"]), to_jax(tensors["k"]), to_jax(tensors["v"]), kv_lengths=jnp.asarray(lengths, jnp.int32),
         config=tiles))
     assert np.all(np.array(lse)[1] == -np.inf) and np.all(np.isfinite(np.array(lse)[0]))
@@ -228,5 +229,5 @@ def test_backward_config_is_checked(kernel):
     bad = kernel.AttentionConfig(64, 128, 16 * MIB)
     lse = jnp.zeros((1, 2, 300), jnp.float32)
     with pytest.raises(ValueError, match="config.dkv.block_q must be a multiple of 128"):
-        kernel.flash_attention_backward(
-            q, q, q, q, q, lse, config=kernel.BackwardConfig(dq=good, dkv=bad))
+        kernel.flash_backward.kernel.flash_attention_backward(
+            q, q, q, q, q, lse, config=kernel.flash_backward.tiles.BackwardConfig(dq=good, dkv=bad))

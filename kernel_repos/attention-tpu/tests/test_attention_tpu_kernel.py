@@ -3,7 +3,7 @@
 Everything runs against the built torch-cpu variant (`kernel` fixture). Race
 detection and NaN-filled uninitialised memory are on, so a kernel that reads
 past an array's end into its result, or races, fails here. The torch-level
-cases use the tile sizes `select_config` picks; the multi-block cases call the
+cases use the tile sizes `flash.tiles.select` picks; the multi-block cases call the
 JAX function with small explicit tiles so that ragged edge blocks, skipped
 blocks and clamped fetches all occur at affordable sizes.
 """
@@ -163,7 +163,7 @@ def test_multi_block_matches_reference(kernel, convert, case):
     torch_options = {n: torch.tensor(x, dtype=torch.int32) if isinstance(x, list) else x for n, x in options.items()}
     jax_options = {n: jnp.asarray(x, jnp.int32) if isinstance(x, list) else x for n, x in options.items()}
     config = kernel.AttentionConfig(block_q, block_kv, 32 * 2**20, kv_heads_per_step=heads)
-    out = interpret(lambda: kernel.differentiable_flash_attention(_jax(q), _jax(k), _jax(v), config=config,
+    out = interpret(lambda: kernel.flash.kernel.differentiable_flash_attention(_jax(q), _jax(k), _jax(v), config=config,
                                                                   **jax_options))
     expected = kernel.reference.reference_attention(q, k, v, **torch_options)
     assert _relative_error(_torch(out), expected) <= TOLERANCE[dtype]
@@ -186,7 +186,7 @@ def test_multi_block_mask_with_padding(kernel, convert):
     mask = (mask & (key_pos >= left_pad[:, None, None]))[:, None]
     config = kernel.AttentionConfig(block_q=128, block_kv=128, vmem_limit_bytes=32 * 2**20)
     out = interpret(
-        lambda: kernel.differentiable_flash_attention(
+        lambda: kernel.flash.kernel.differentiable_flash_attention(
             _jax(q), _jax(k), _jax(v), causal=False, attention_mask=jnp.asarray(mask.numpy()), config=config
         )
     )
@@ -194,7 +194,7 @@ def test_multi_block_mask_with_padding(kernel, convert):
     assert _relative_error(_torch(out), expected) <= 1e-5
     window_options = dict(causal=False, sliding_window=50, q_offset=jnp.asarray([0, 150], jnp.int32))
     out = interpret(
-        lambda: kernel.differentiable_flash_attention(
+        lambda: kernel.flash.kernel.differentiable_flash_attention(
             _jax(q), _jax(k), _jax(v), attention_mask=jnp.asarray(mask.numpy()), config=config, **window_options
         )
     )
@@ -216,7 +216,7 @@ def test_blocks_outside_the_window_are_skipped(kernel, convert):
     v[:, :, :512] = float("nan")
     config = kernel.AttentionConfig(block_q=32, block_kv=128, vmem_limit_bytes=32 * 2**20)  # block_q = Sq
     out = interpret(
-        lambda: kernel.differentiable_flash_attention(
+        lambda: kernel.flash.kernel.differentiable_flash_attention(
             _jax(q), _jax(k), _jax(v), q_offset=600, sliding_window=64, config=config
         )
     )
@@ -232,7 +232,7 @@ def test_bad_config_raises(kernel):
         (kernel.AttentionConfig(1, 128, 16 * 2**20, kv_heads_per_step=3), "kv_heads_per_step"),
     ]:
         with pytest.raises(ValueError, match=match):
-            kernel.differentiable_flash_attention(q, k, k, config=config)
+            kernel.flash.kernel.differentiable_flash_attention(q, k, k, config=config)
 
 
 def test_grid_lengths_are_exact_with_a_static_offset(kernel):

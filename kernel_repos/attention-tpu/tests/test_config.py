@@ -10,8 +10,8 @@ QWEN3_DECODE = dict(q_heads=32, kv_heads=4, q_len=1, head_dim=128, dtype=jnp.bfl
 
 def test_vmem_bytes_of_a_prefill_and_a_decode_step(kernel):
     # Prefill: 2 query heads x 64 rows, block_kv 200 (lanes pad to 256), f32, a bool (int8) mask.
-    prefill = kernel.vmem_bytes(decode=False, group=2, block_q=64, block_kv=200, kv_heads_per_step=1, head_dim=64,
-                                itemsize=4, mask_itemsize=1)
+    prefill = kernel.flash.tiles.vmem_bytes(decode=False, group=2, block_q=64, block_kv=200, kv_heads_per_step=1,
+                                            head_dim=64, itemsize=4, mask_itemsize=1)
     q_and_out = 2 * 2 * 2 * 64 * 64 * 4
     scratch = 2 * 64 * (64 + 256) * 4
     kv = 2 * 2 * 200 * 64 * 4
@@ -20,8 +20,8 @@ def test_vmem_bytes_of_a_prefill_and_a_decode_step(kernel):
     lse = 2 * 2 * 8 * 128 * 4  # [group, 1, block_q] rows: 1 pads to 8 sublanes, 64 to 128 lanes
     assert prefill == q_and_out + scratch + kv + temporaries + mask + lse
     # Decode: the group's 4 query rows pad to 8 sublanes; two KV heads per step; no mask.
-    decode = kernel.vmem_bytes(decode=True, group=4, block_q=1, block_kv=1024, kv_heads_per_step=2, head_dim=128,
-                               itemsize=2, mask_itemsize=0)
+    decode = kernel.flash.tiles.vmem_bytes(decode=True, group=4, block_q=1, block_kv=1024, kv_heads_per_step=2,
+                                           head_dim=128, itemsize=2, mask_itemsize=0)
     lse = 2 * 2 * 8 * 128 * 4  # [KV heads, group, 1]
     assert decode == (2 * 2 * 2 * 8 * 128 * 2) + 2 * 8 * (128 + 256) * 4 + 2 * 2 * 2 * 1024 * 128 * 2 + 4 * 8 * 1024 * 4 + lse
 
@@ -41,40 +41,40 @@ def test_vmem_budget_bounds_tile_size_below_what_fits(kernel):
 
 
 def test_is_decode(kernel):
-    assert kernel.is_decode(1) and not kernel.is_decode(2)
+    assert kernel.flash.tiles.is_decode(1) and not kernel.flash.tiles.is_decode(2)
 
 
 def test_heuristic_respects_limits(kernel):
     """Tiles are full-extent or aligned, decode steps span KV heads, oversized shapes shrink."""
     for generation in ("v5e", "v5p", "v6e", "tpu7x"):
         shape = dict(mask_dtype=None, generation=generation)
-        prefill = kernel.heuristic_config(q_heads=8, kv_heads=1, q_len=300, kv_len=1000, head_dim=64,
+        prefill = kernel.flash.tiles.heuristic_config(q_heads=8, kv_heads=1, q_len=300, kv_len=1000, head_dim=64,
                                           dtype=jnp.float32, **shape)
         assert prefill.block_q == 300 and (prefill.block_kv == 1000 or prefill.block_kv % 128 == 0)
         assert prefill.kv_heads_per_step == 1
-        decode = kernel.heuristic_config(kv_len=1000, **QWEN3_DECODE, **shape)
+        decode = kernel.flash.tiles.heuristic_config(kv_len=1000, **QWEN3_DECODE, **shape)
         assert (decode.block_q, decode.block_kv, decode.kv_heads_per_step) == (1, 1000, 4)
-        long_decode = kernel.heuristic_config(kv_len=32768, **QWEN3_DECODE, **shape)
-        assert long_decode.block_kv == kernel.PREFERRED_TILES[generation][2]
+        long_decode = kernel.flash.tiles.heuristic_config(kv_len=32768, **QWEN3_DECODE, **shape)
+        assert long_decode.block_kv == kernel.flash.tiles.PREFERRED_TILES[generation][2]
         # A step moves at most DECODE_STEP_BYTES of K and V.
         step_bytes = 2 * long_decode.kv_heads_per_step * long_decode.block_kv * 128 * 2
-        assert step_bytes <= kernel.DECODE_STEP_BYTES[generation] and 4 % long_decode.kv_heads_per_step == 0
+        assert step_bytes <= kernel.flash.tiles.DECODE_STEP_BYTES[generation] and 4 % long_decode.kv_heads_per_step == 0
     # 16 query heads per KV head, D=256, float32: v5e's smaller budget forces smaller query blocks.
-    large = kernel.heuristic_config(q_heads=64, kv_heads=4, q_len=8192, kv_len=8192, head_dim=256, dtype=jnp.float32,
-                                    mask_dtype=None, generation="v5e")
+    large = kernel.flash.tiles.heuristic_config(q_heads=64, kv_heads=4, q_len=8192, kv_len=8192, head_dim=256,
+                                                dtype=jnp.float32, mask_dtype=None, generation="v5e")
     assert large.block_q in (128, 256) and large.block_kv % 128 == 0
-    plain = kernel.heuristic_config(q_heads=8, kv_heads=1, q_len=8192, kv_len=8192, head_dim=128,
-                                    dtype=jnp.bfloat16, mask_dtype=None, generation="v5e")
-    assert (plain.block_q, plain.block_kv) == kernel.PREFERRED_TILES["v5e"][:2]
+    plain = kernel.flash.tiles.heuristic_config(q_heads=8, kv_heads=1, q_len=8192, kv_len=8192, head_dim=128,
+                                                dtype=jnp.bfloat16, mask_dtype=None, generation="v5e")
+    assert (plain.block_q, plain.block_kv) == kernel.flash.tiles.PREFERRED_TILES["v5e"][:2]
     assert large.block_q < plain.block_q
 
 
 def test_heuristic_working_set_fits_the_budget_and_sets_the_limit(kernel):
     for generation in ("v5e", "v5p", "v6e", "tpu7x"):
         for mask_dtype in (None, jnp.int8, jnp.float32):
-            chosen = kernel.heuristic_config(q_heads=32, kv_heads=4, q_len=4096, kv_len=4096, head_dim=128,
+            chosen = kernel.flash.tiles.heuristic_config(q_heads=32, kv_heads=4, q_len=4096, kv_len=4096, head_dim=128,
                                              dtype=jnp.bfloat16, mask_dtype=mask_dtype, generation=generation)
-            working_set = kernel.vmem_bytes(
+            working_set = kernel.flash.tiles.vmem_bytes(
                 decode=False, group=8, block_q=chosen.block_q, block_kv=chosen.block_kv, kv_heads_per_step=1,
                 head_dim=128, itemsize=2, mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize,
             )
@@ -83,8 +83,8 @@ def test_heuristic_working_set_fits_the_budget_and_sets_the_limit(kernel):
 
 
 def test_check_config(kernel):
-    kernel.check_config(kernel.AttentionConfig(128, 128, 16 * MIB), q_len=300, kv_len=1000, kv_heads=2)
-    kernel.check_config(kernel.AttentionConfig(300, 1000, 16 * MIB), q_len=300, kv_len=1000, kv_heads=2)
+    kernel.flash.tiles.check_config(kernel.AttentionConfig(128, 128, 16 * MIB), q_len=300, kv_len=1000, kv_heads=2)
+    kernel.flash.tiles.check_config(kernel.AttentionConfig(300, 1000, 16 * MIB), q_len=300, kv_len=1000, kv_heads=2)
     for bad, match in [
         # Query blocks hold the log-sum-exp rows with positions along lanes: multiples of 128.
         (kernel.AttentionConfig(64, 128, 16 * MIB), "block_q must be a multiple of 128"),
@@ -93,36 +93,38 @@ def test_check_config(kernel):
         (kernel.AttentionConfig(128, 128, 16 * MIB, kv_heads_per_step=0), "kv_heads_per_step must divide"),
     ]:
         with pytest.raises(ValueError, match=match):
-            kernel.check_config(bad, q_len=300, kv_len=1000, kv_heads=2)
+            kernel.flash.tiles.check_config(bad, q_len=300, kv_len=1000, kv_heads=2)
     # Decode ignores block_q (the rows of a step are query heads).
-    kernel.check_config(kernel.AttentionConfig(12, 128, 16 * MIB), q_len=1, kv_len=1000, kv_heads=2)
+    kernel.flash.tiles.check_config(kernel.AttentionConfig(12, 128, 16 * MIB), q_len=1, kv_len=1000, kv_heads=2)
 
 
 def test_tuned_tiles_override_the_heuristic_and_are_checked(kernel, monkeypatch):
     shape = dict(kv_len=4096, mask_dtype=None, **QWEN3_DECODE)
-    key = kernel.TunedKey("v6e", 32, 4, 1, 4096, 128, "bfloat16", None)
-    assert kernel.tuned_config(**shape, generation="v6e") is None
-    monkeypatch.setitem(kernel.TUNED_TILES, key, kernel.ForwardTiles(block_q=1, block_kv=2048, kv_heads_per_step=2))
+    key = kernel.flash.tiles.TunedKey("v6e", 32, 4, 1, 4096, 128, "bfloat16", None)
+    assert kernel.flash.tiles.tuned_config(**shape, generation="v6e") is None
+    monkeypatch.setitem(kernel.flash.tiles.TUNED_TILES, key,
+                        kernel.flash.tiles.ForwardTiles(block_q=1, block_kv=2048, kv_heads_per_step=2))
     # The tiles are the table's; the VMEM limit follows from them.
-    working_set = kernel.vmem_bytes(decode=True, group=8, block_q=1, block_kv=2048, kv_heads_per_step=2, head_dim=128,
-                                    itemsize=2, mask_itemsize=0)
+    working_set = kernel.flash.tiles.vmem_bytes(decode=True, group=8, block_q=1, block_kv=2048, kv_heads_per_step=2,
+                                                head_dim=128, itemsize=2, mask_itemsize=0)
     tuned = kernel.AttentionConfig(1, 2048, kernel.vmem_limit(working_set, "v6e"), kv_heads_per_step=2)
-    assert kernel.select_config(**shape, generation="v6e") == tuned
-    assert kernel.select_config(**shape, generation="v5e") != tuned
-    monkeypatch.setitem(kernel.TUNED_TILES, key, kernel.ForwardTiles(1, 2048, kv_heads_per_step=3))
+    assert kernel.flash.tiles.select(kernel.Problem.of_shape(**shape), "v6e") == tuned
+    assert kernel.flash.tiles.select(kernel.Problem.of_shape(**shape), "v5e") != tuned
+    monkeypatch.setitem(kernel.flash.tiles.TUNED_TILES, key, kernel.flash.tiles.ForwardTiles(1, 2048,
+                                                                                             kv_heads_per_step=3))
     with pytest.raises(ValueError, match="kv_heads_per_step"):
-        kernel.select_config(**shape, generation="v6e")
+        kernel.flash.tiles.select(kernel.Problem.of_shape(**shape), "v6e")
 
 
-def test_select_config_uses_the_current_generation_and_refuses_unknown_ones(kernel, monkeypatch):
+def test_select_uses_the_current_generation_and_refuses_unknown_ones(kernel, monkeypatch):
     shape = dict(q_heads=8, kv_heads=1, q_len=8192, kv_len=8192, head_dim=128, dtype=jnp.bfloat16)
-    v5e, v6e = (kernel.select_config(**shape, generation=g) for g in ("v5e", "v6e"))
+    v5e, v6e = (kernel.flash.tiles.select(kernel.Problem.of_shape(**shape), g) for g in ("v5e", "v6e"))
     assert v5e != v6e
-    assert kernel.select_config(**shape) == v6e  # off TPU: v6e's tiles
+    assert kernel.flash.tiles.select(kernel.Problem.of_shape(**shape)) == v6e  # off TPU: v6e's tiles
     monkeypatch.setenv("TPU_KERNELS_GENERATION", "v5e")
-    assert kernel.select_config(**shape) == v5e
+    assert kernel.flash.tiles.select(kernel.Problem.of_shape(**shape)) == v5e
     with pytest.raises(ValueError, match=r"generation must be one of \('v5e', 'v5p', 'v6e', 'tpu7x'\), got 'v2'"):
-        kernel.select_config(**shape, generation="v2")
+        kernel.flash.tiles.select(kernel.Problem.of_shape(**shape), "v2")
 
 
 TRAINING_SHAPES = {
@@ -137,15 +139,16 @@ def test_backward_tiles_fit_the_budget(kernel, model):
     shape = TRAINING_SHAPES[model]
     for generation in ("v5e", "v5p", "v6e", "tpu7x"):
         for dtype, mask_dtype in ((jnp.bfloat16, None), (jnp.bfloat16, jnp.int8), (jnp.float32, jnp.float32)):
-            chosen = kernel.select_backward_config(q_len=8192, kv_len=8192, dtype=dtype, mask_dtype=mask_dtype,
-                                                   generation=generation, **shape)
-            kernel.check_backward_config(chosen, q_len=8192, kv_len=8192, kv_heads=shape["kv_heads"])
+            problem = kernel.Problem.of_shape(q_len=8192, kv_len=8192, dtype=dtype, mask_dtype=mask_dtype, **shape)
+            chosen = kernel.flash_backward.tiles.select(problem, generation)
+            kernel.flash_backward.tiles.check_backward_config(chosen, q_len=8192, kv_len=8192,
+                                                              kv_heads=shape["kv_heads"])
             for kernel_name, tiles in (("dq", chosen.dq), ("dkv", chosen.dkv)):
                 step = dict(group=shape["q_heads"] // shape["kv_heads"], block_q=tiles.block_q,
                             block_kv=tiles.block_kv, head_dim=shape["head_dim"])
 
                 def working_set(heads):
-                    return kernel.backward_vmem_bytes(
+                    return kernel.flash_backward.tiles.backward_vmem_bytes(
                         kernel=kernel_name, kv_heads_per_step=heads, itemsize=jnp.dtype(dtype).itemsize,
                         mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize, **step,
                     )
@@ -154,14 +157,14 @@ def test_backward_tiles_fit_the_budget(kernel, model):
                 assert working_set(heads) <= kernel.vmem_budget(generation), (generation, kernel_name, tiles)
                 assert tiles.vmem_limit_bytes == kernel.vmem_limit(working_set(heads), generation)
                 # Enough KV heads per step that the step outweighs its overhead, or as many as fit.
-                seconds = kernel.backward_step_seconds(kernel_name, kv_heads_per_step=heads, generation=generation,
-                                                       **step)
+                seconds = kernel.flash_backward.tiles.backward_step_seconds(kernel_name, kv_heads_per_step=heads,
+                                                                            generation=generation, **step)
                 more = [h for h in range(heads + 1, shape["kv_heads"] + 1) if shape["kv_heads"] % h == 0]
-                assert (seconds >= kernel.STEP_OVERHEAD_MULTIPLE * 0.35e-6 or not more
+                assert (seconds >= kernel.flash_backward.tiles.STEP_OVERHEAD_MULTIPLE * 0.35e-6 or not more
                         or working_set(more[0]) > kernel.vmem_budget(generation)), (generation, kernel_name, tiles)
-    plain = kernel.select_backward_config(q_len=8192, kv_len=8192, dtype=jnp.bfloat16, generation="v6e",
-                                          **TRAINING_SHAPES["qwen3-30b-a3b"])
-    preferred = kernel.PREFERRED_BACKWARD_TILES["v6e"]
+    qwen3 = kernel.Problem.of_shape(q_len=8192, kv_len=8192, dtype=jnp.bfloat16, **TRAINING_SHAPES["qwen3-30b-a3b"])
+    plain = kernel.flash_backward.tiles.select(qwen3, "v6e")
+    preferred = kernel.flash_backward.tiles.PREFERRED_BACKWARD_TILES["v6e"]
     assert (plain.dq.block_q, plain.dq.block_kv) == preferred["dq"]
     assert (plain.dkv.block_q, plain.dkv.block_kv) == preferred["dkv"]
 
@@ -170,30 +173,33 @@ def test_backward_tiles_shrink_for_short_windows(kernel):
     """GPT-OSS's window of 128: blocks past a few windows would mostly compute masked pairs."""
     gpt_oss = dict(q_heads=64, kv_heads=8, q_len=8192, kv_len=8192, head_dim=64, dtype=jnp.bfloat16)
     for generation in ("v5e", "v5p", "v6e", "tpu7x"):
-        chosen = kernel.select_backward_config(sliding_window=128, generation=generation, **gpt_oss)
-        cap = kernel.WINDOW_BLOCK_FACTOR[generation] * 128
+        chosen = kernel.flash_backward.tiles.select(kernel.Problem.of_shape(sliding_window=128, **gpt_oss), generation)
+        cap = kernel.flash_backward.tiles.WINDOW_BLOCK_FACTOR[generation] * 128
         assert max(chosen.dq.block_q, chosen.dq.block_kv, chosen.dkv.block_q, chosen.dkv.block_kv) <= cap
         # Non-causal windows see keys on both sides without bound: no cap.
-        without_window = kernel.select_backward_config(generation=generation, **gpt_oss)
-        assert kernel.select_backward_config(sliding_window=128, causal=False, generation=generation,
-                                             **gpt_oss) == without_window
+        without_window = kernel.flash_backward.tiles.select(kernel.Problem.of_shape(**gpt_oss), generation)
+        both_sides = kernel.Problem.of_shape(sliding_window=128, causal=False, **gpt_oss)
+        assert kernel.flash_backward.tiles.select(both_sides, generation) == without_window
 
 
 def test_backward_tiles_of_short_sequences_are_whole(kernel):
-    chosen = kernel.select_backward_config(q_heads=4, kv_heads=2, q_len=45, kv_len=300, head_dim=64,
-                                           dtype=jnp.float32, generation="v5e")
+    problem = kernel.Problem.of_shape(q_heads=4, kv_heads=2, q_len=45, kv_len=300, head_dim=64, dtype=jnp.float32)
+    chosen = kernel.flash_backward.tiles.select(problem, "v5e")
     assert (chosen.dq.block_q, chosen.dkv.block_q) == (45, 45)
     assert chosen.dq.block_kv in (300, 256) and chosen.dkv.block_kv in (300, 256)
 
 
 def test_check_backward_config(kernel):
     good = kernel.AttentionConfig(128, 256, 16 * MIB, kv_heads_per_step=2)
-    kernel.check_backward_config(kernel.BackwardConfig(dq=good, dkv=good), q_len=300, kv_len=1000, kv_heads=4)
+    kernel.flash_backward.tiles.check_backward_config(kernel.flash_backward.tiles.BackwardConfig(dq=good, dkv=good),
+                                                      q_len=300, kv_len=1000, kv_heads=4)
     for bad, match in [
-        (kernel.BackwardConfig(dq=kernel.AttentionConfig(100, 256, MIB), dkv=good), "dq.block_q must be a multiple"),
-        (kernel.BackwardConfig(dq=good, dkv=kernel.AttentionConfig(128, 200, MIB)), "dkv.block_kv must be a multiple"),
-        (kernel.BackwardConfig(dq=good, dkv=kernel.AttentionConfig(128, 256, MIB, 3)),
+        (kernel.flash_backward.tiles.BackwardConfig(dq=kernel.AttentionConfig(100, 256, MIB), dkv=good),
+         "dq.block_q must be a multiple"),
+        (kernel.flash_backward.tiles.BackwardConfig(dq=good, dkv=kernel.AttentionConfig(128, 200, MIB)),
+         "dkv.block_kv must be a multiple"),
+        (kernel.flash_backward.tiles.BackwardConfig(dq=good, dkv=kernel.AttentionConfig(128, 256, MIB, 3)),
          "dkv.kv_heads_per_step must divide"),
     ]:
         with pytest.raises(ValueError, match=match):
-            kernel.check_backward_config(bad, q_len=300, kv_len=1000, kv_heads=4)
+            kernel.flash_backward.tiles.check_backward_config(bad, q_len=300, kv_len=1000, kv_heads=4)

@@ -52,7 +52,7 @@ SWEEP_BLOCKS = {"block_q": (128, 256, 512, 1024), "block_kv": (128, 256, 512, 10
 
 def backward_fn(built, shape: TrainingShape, generation: str, config=None):
     def backward(d_out, q, key, value, out, lse, kv_lengths, sinks):
-        return built.flash_attention_backward(
+        return built.flash_backward.kernel.flash_attention_backward(
             d_out, q, key, value, out, lse, sliding_window=shape.sliding_window, kv_lengths=kv_lengths,
             sinks=sinks if shape.sinks else None, config=config, generation=generation,
         )
@@ -150,8 +150,9 @@ def model_backward(built, shape: TrainingShape, dtype, generation: str, config) 
 def forward_time_us(built, shape: TrainingShape, dtype, generation: str) -> float:
     """Modelled (pipelined) time of the forward kernel at the same shape, for the backward/forward ratio."""
     plain = shape.as_shape()
-    config = built.select_config(q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.seq,
-                                 kv_len=shape.seq, head_dim=shape.head_dim, dtype=dtype, generation=generation)
+    problem = built.Problem.of_shape(q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.seq,
+                                     kv_len=shape.seq, head_dim=shape.head_dim, dtype=dtype)
+    config = built.flash.tiles.select(problem, generation)
     lengths = live_lengths(plain).astype(np.int32)
     calls = perf.model_pallas_traffic(kernel_fn(built, plain, generation), *avals(plain, dtype), lengths,
                                       active_steps=active_steps_from_prefetch(-(-shape.seq // config.block_q)))
@@ -163,10 +164,11 @@ def measure_backward(built, shape: TrainingShape, dtype) -> dict:
              "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "sliding_window": shape.sliding_window,
              "sinks": shape.sinks, "dtype": jnp.dtype(dtype).name, "per_generation": {}}
     for generation in GENERATIONS:
-        config = built.select_backward_config(
+        problem = built.Problem.of_shape(
             q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.seq, kv_len=shape.seq,
-            head_dim=shape.head_dim, dtype=dtype, sliding_window=shape.sliding_window, generation=generation,
+            head_dim=shape.head_dim, dtype=dtype, sliding_window=shape.sliding_window,
         )
+        config = built.flash_backward.tiles.select(problem, generation)
         result = model_backward(built, shape, dtype, generation, config)
         result["forward_modelled_us"] = forward_time_us(built, shape, dtype, generation)
         result["backward_over_forward"] = result["total_modelled_us"] / result["forward_modelled_us"]
@@ -181,7 +183,7 @@ def sweep_backward(built, shape: TrainingShape, dtype, generation: str) -> dict:
     for block_q in SWEEP_BLOCKS["block_q"]:
         for block_kv in SWEEP_BLOCKS["block_kv"]:
             tiles = {
-                name: built.backward_tiles(
+                name: built.flash_backward.tiles.backward_tiles(
                     name, block_q=block_q, block_kv=block_kv, group=shape.q_heads // shape.kv_heads,
                     kv_heads=shape.kv_heads, head_dim=shape.head_dim, itemsize=jnp.dtype(dtype).itemsize,
                     mask_itemsize=0, generation=generation)
@@ -189,7 +191,8 @@ def sweep_backward(built, shape: TrainingShape, dtype, generation: str) -> dict:
             }
             if any(t is None for t in tiles.values()):
                 continue
-            result = model_backward(built, shape, dtype, generation, built.BackwardConfig(**tiles))
+            config = built.flash_backward.tiles.BackwardConfig(**tiles)
+            result = model_backward(built, shape, dtype, generation, config)
             for name, kernel in result["kernels"].items():
                 rows.append({"kernel": name, "block_q": block_q, "block_kv": block_kv,
                              "kv_heads_per_step": tiles[name].kv_heads_per_step,

@@ -135,7 +135,7 @@ def minimum_bytes(shape: Shape, keys: int, itemsize: int) -> int:
 
 def kernel_fn(built, shape: Shape, generation: str):
     def attention(q, key, value, kv_lengths):
-        return built.differentiable_flash_attention(
+        return built.flash.kernel.differentiable_flash_attention(
             q, key, value, causal=shape.causal, sliding_window=shape.sliding_window,
             kv_lengths=kv_lengths, generation=generation,
         )
@@ -222,10 +222,11 @@ def measure_generation(built, shape: Shape, dtype, generation: str, visible: Vis
     """The forward's tiles, grid, traffic and modelled time on one generation, against the visible work."""
     itemsize = jnp.dtype(dtype).itemsize
     min_bytes, useful_flops = visible.min_bytes, visible.useful_flops
-    config = built.select_config(
+    problem = built.Problem.of_shape(
         q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.q_len, kv_len=shape.kv_len,
-        head_dim=shape.head_dim, dtype=dtype, generation=generation,
+        head_dim=shape.head_dim, dtype=dtype,
     )
+    config = built.flash.tiles.select(problem, generation)
     block_q = 1 if shape.q_len == 1 else config.block_q
     num_q_blocks = -(-shape.q_len // block_q)
     calls = perf.model_pallas_traffic(

@@ -83,6 +83,24 @@ class Problem:
     def group(self) -> int:
         return self.q_heads // self.kv_heads
 
+    @classmethod
+    def of_shape(cls, *, q_heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype, mask_dtype=None,
+                 sliding_window: int | None = None, causal: bool = True, batch: int = 1) -> Problem:
+        """The problem of a call of this shape, as `prepare` makes it (default scale, no softcap or sinks, the
+        queries last in the keys), with a mask of `mask_dtype` (a float one adds, any other selects) if given."""
+        mask_kind = None if mask_dtype is None else "bias" if jnp.issubdtype(mask_dtype, jnp.floating) else "bool"
+        floor = float(jnp.finfo(mask_dtype).min) if mask_kind == "bias" else 0.0
+        return cls(batch=batch, q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
+                   scale=float(head_dim**-0.5), causal=bool(causal),
+                   sliding_window=None if sliding_window is None else int(sliding_window), softcap=None,
+                   mask_kind=mask_kind, mask_floor=floor, mask_batch=1, has_sinks=False, dtype=jnp.dtype(dtype).name,
+                   static_q_offset=kv_len - q_len)
+
+    @property
+    def mask_dtype(self) -> str | None:
+        """The mask's dtype as the kernels read it (`prepare`): int8 for a "bool" mask, float32 for a "bias"."""
+        return {None: None, "bool": "int8", "bias": "float32"}[self.mask_kind]
+
     @property
     def precision(self) -> jax.lax.Precision | None:
         # float32 inputs multiply at float32 precision; bfloat16 ones in one MXU pass.

@@ -32,8 +32,9 @@ Semantics: see `common/masking.py`. Rows that see no key come out as zeros.
 
 `differentiable_flash_attention` is differentiable (a `jax.custom_vjp` whose
 backward runs the Pallas kernels of `flash_backward/kernel.py`) with respect
-to q, k, v and the sinks. Tile sizes come from `tiles.select_config` (the grid
-they give: `plan.py`) and `flash_backward.tiles.select_backward_config`.
+to q, k, v and the sinks. A call's `Problem` (`common.masking.prepare`) gets its
+tiles from `tiles.select`, its plan (the grid) from `plan.make`, and `call`
+runs it; the backward's seams are `flash_backward`'s.
 Inputs are assumed valid: the torch op checks them (`ops.py`).
 """
 
@@ -54,8 +55,7 @@ from ..common.masking import Attention, Prepared, Problem
 from ..common.tiles import AttentionConfig
 from ..flash_backward.kernel import attention_backward
 from ..flash_backward.tiles import BackwardConfig
-from .plan import ForwardPlan, plan_forward
-from .tiles import check_config, select_config
+from .plan import ForwardPlan, make
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
@@ -267,8 +267,11 @@ def _cost_estimate(q, k, problem: Problem, plan: ForwardPlan) -> pl.CostEstimate
     )
 
 
-def _forward_call(q, k, v, problem: Problem, prepared: Prepared, config: AttentionConfig):
-    plan = plan_forward(problem, config)
+def call(q: jax.Array, k: jax.Array, v: jax.Array, prepared: Prepared,
+         plan: ForwardPlan) -> tuple[jax.Array, jax.Array]:
+    """The forward kernel as `plan` says, on q, k, v and the arrays `prepare` made of the call's options: (out, the
+    log-sum-exp [B, Hq, Sq]) (inputs of the plan's non-empty problem, assumed valid)."""
+    problem = plan.problem
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, group = problem.kv_heads, problem.group
     block_q, block_kv, nq, heads_per_step = plan.block_q, plan.block_kv, plan.num_q_blocks, plan.heads_per_step
@@ -320,7 +323,7 @@ def _forward_call(q, k, v, problem: Problem, prepared: Prepared, config: Attenti
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=config.vmem_limit_bytes,
+            vmem_limit_bytes=plan.vmem_limit_bytes,
         ),
         cost_estimate=_cost_estimate(q, k, problem, plan),
         name="attention_tpu_flash",
@@ -358,20 +361,7 @@ def attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, attention: Atten
         no_key = jnp.full((q_heads,), -jnp.inf, jnp.float32) if sinks is None else sinks.astype(jnp.float32)
         return jnp.zeros(q.shape, q.dtype), jnp.broadcast_to(no_key[None, :, None], (batch, q_heads, q_len))
     problem, prepared = masking.prepare(q, k, attention)
-    if config is not None:
-        check_config(config, q_len=problem.q_len, kv_len=problem.kv_len, kv_heads=problem.kv_heads)
-    else:
-        config = select_config(
-            q_heads=problem.q_heads,
-            kv_heads=problem.kv_heads,
-            q_len=problem.q_len,
-            kv_len=problem.kv_len,
-            head_dim=problem.head_dim,
-            dtype=q.dtype,
-            mask_dtype=None if prepared.mask is None else prepared.mask.dtype,
-            generation=generation,
-        )
-    return _forward_call(q, k, v, problem, prepared, config)
+    return call(q, k, v, prepared, make(problem, generation, config))
 
 
 class _Tiling(NamedTuple):
@@ -419,8 +409,8 @@ def differentiable_flash_attention(
 
     `options` are those of `masking.Attention` (scale, causal, q_offset,
     kv_lengths, sliding_window, softcap, attention_mask, sinks). Tiles:
-    `config` and `backward_config`, else those of `tiles.select_config`
-    and `flash_backward.tiles.select_backward_config` for `generation`
+    `config` and `backward_config`, else those of `tiles.select` and
+    `flash_backward.tiles.select` for `generation`
     (default this device's). jax.grad/jax.vjp run the backward Pallas kernels
     (`flash_backward.kernel.attention_backward`) for q, k, v and sinks;
     offsets, lengths and the mask get no gradient. Inputs are assumed valid

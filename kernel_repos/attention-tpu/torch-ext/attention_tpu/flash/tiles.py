@@ -1,6 +1,6 @@
 """Tiles of the forward kernel (`flash.kernel`) per shape and TPU generation.
 
-`select_config` takes the tiles of TUNED_TILES (tuned_tiles.json, beside this
+`select` takes the tiles of TUNED_TILES (tuned_tiles.json, beside this
 module) when it holds the shape, else the heuristic (`heuristic_config`):
 preferred tiles per generation, shrunk until the working set fits the VMEM
 budget (`common.vmem.vmem_budget`); decode steps span as many KV heads as fit
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from .._hardware import LANES, MIB, SUBLANES, check_generation, resolve_generation, round_up
 from .._tuning import read_tuned_tiles
+from ..common.masking import Problem
 from ..common.tiles import MASK_ROWS, Q_BLOCK_MULTIPLE, AttentionConfig, shrink_block
 from ..common.vmem import vmem_budget, vmem_limit
 
@@ -60,7 +61,7 @@ class ForwardTiles(NamedTuple):
     kv_heads_per_step: int = 1
 
 
-# Forward tiles tuned per shape, taken over the heuristic by `select_config`:
+# Forward tiles tuned per shape, taken over the heuristic by `select`:
 # data in tuned_tiles.json beside this module. None so far: the preferred tiles
 # come from the model sweep above.
 TUNED_TILES_FILE = Path(__file__).with_name("tuned_tiles.json")
@@ -181,21 +182,13 @@ def tuned_config(
     return config
 
 
-def select_config(
-    *,
-    q_heads: int,
-    kv_heads: int,
-    q_len: int,
-    kv_len: int,
-    head_dim: int,
-    dtype,
-    mask_dtype=None,
-    generation: str | None = None,
-) -> AttentionConfig:
-    """Tile sizes for one shape on `generation` (default: the current one): tuned if known, else the heuristic."""
+def select(problem: Problem, generation: str | None = None) -> AttentionConfig:
+    """Tile sizes for `problem`'s shape on `generation` (default: the current one): tuned if known, else the
+    heuristic."""
     shape = dict(
-        q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, head_dim=head_dim, dtype=dtype,
-        mask_dtype=mask_dtype, generation=resolve_generation(generation),
+        q_heads=problem.q_heads, kv_heads=problem.kv_heads, q_len=problem.q_len, kv_len=problem.kv_len,
+        head_dim=problem.head_dim, dtype=problem.dtype, mask_dtype=problem.mask_dtype,
+        generation=resolve_generation(generation),
     )
     config = tuned_config(**shape)
     return config if config is not None else heuristic_config(**shape)

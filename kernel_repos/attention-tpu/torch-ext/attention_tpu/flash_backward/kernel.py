@@ -31,7 +31,7 @@ inside lse), with delta = rowsum(d_out * out) precomputed once:
   so NaN past an array's end never reaches a gradient, and a query row that
   sees nothing (lse = -inf) gets zero probabilities, not NaN.
 
-Each kernel's grid comes from `plan.py`, its tiles from `tiles.py`.
+Each kernel's tiles come from `tiles.select`, its grid from `plan.make`; `call` runs both kernels.
 """
 
 from __future__ import annotations
@@ -46,9 +46,8 @@ from jax.experimental.pallas import tpu as pltpu
 from ..common import masking
 from ..common.heads import loop_over_heads
 from ..common.masking import Attention, Prepared, Problem
-from ..common.tiles import AttentionConfig
-from .plan import BackwardPlan, plan_backward
-from .tiles import BackwardConfig, check_backward_config, select_backward_config
+from .plan import BackwardPlan, BackwardPlans, make
+from .tiles import BackwardConfig
 
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
 NN = (((1,), (0,)), ((), ()))  # a @ b
@@ -224,15 +223,15 @@ def _cost(problem: Problem, matmuls: int, bytes_accessed: int) -> pl.CostEstimat
     )
 
 
-def _compiler_params(config: AttentionConfig):
+def _compiler_params(plan: BackwardPlan):
     return pltpu.CompilerParams(
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-        vmem_limit_bytes=config.vmem_limit_bytes,
+        vmem_limit_bytes=plan.vmem_limit_bytes,
     )
 
 
-def _backward_call(q, k, v, d_out, lse, delta, problem: Problem, prepared: Prepared, config: AttentionConfig, *,
-                   for_dq: bool):
+def _kernel_call(q, k, v, d_out, lse, delta, prepared: Prepared, problem: Problem, plan: BackwardPlan, *,
+                 for_dq: bool):
     """The dq call (for_dq) or the dk/dv call.
 
     Both read (q, k, v, d_out, lse, delta[, mask]) in the same blocks, with the query offsets, valid key lengths
@@ -241,7 +240,6 @@ def _backward_call(q, k, v, d_out, lse, delta, problem: Problem, prepared: Prepa
     dq, query blocks for dk/dv).
     """
     batch, q_heads, q_len, head_dim = q.shape
-    plan = plan_backward(problem, config, for_dq=for_dq)
     block_q, block_kv, nq, nkv = plan.block_q, plan.block_kv, plan.num_q_blocks, plan.num_kv_blocks
     block_ranges = masking.kv_block_ranges if for_dq else masking.q_block_ranges
     block_lo, block_hi = block_ranges(problem, prepared, block_q, block_kv)
@@ -262,7 +260,7 @@ def _backward_call(q, k, v, d_out, lse, delta, problem: Problem, prepared: Prepa
     def kv_index_map(b, h, outer, step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
         return (b, h, kv_block(b, outer, step, lo_ref, hi_ref), 0)
 
-    heads = config.kv_heads_per_step
+    heads = plan.kv_heads_per_step
     q_spec = pl.BlockSpec((None, heads * problem.group, block_q, head_dim), q_index_map)
     row_spec = pl.BlockSpec((None, heads * problem.group, 1, block_q), row_index_map)
     kv_spec = pl.BlockSpec((None, heads, block_kv, head_dim), kv_index_map)
@@ -299,7 +297,7 @@ def _backward_call(q, k, v, d_out, lse, delta, problem: Problem, prepared: Prepa
             out_specs=out_specs,
             scratch_shapes=scratch_shapes,
         ),
-        compiler_params=_compiler_params(config),
+        compiler_params=_compiler_params(plan),
         cost_estimate=_cost(problem, matmuls, bytes_accessed),
         name=name,
     )(prepared.q_offset, prepared.kv_valid, block_lo, block_hi, *operands)
@@ -338,22 +336,23 @@ def attention_backward(
         d_sinks = None if sinks is None else jnp.zeros(sinks.shape, sinks.dtype)
         return jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype), d_sinks
     problem, prepared = masking.prepare(q, k, attention)
-    if config is not None:
-        check_backward_config(config, q_len=problem.q_len, kv_len=problem.kv_len, kv_heads=problem.kv_heads)
-    else:
-        config = select_backward_config(
-            q_heads=problem.q_heads, kv_heads=problem.kv_heads, q_len=problem.q_len, kv_len=problem.kv_len,
-            head_dim=problem.head_dim, dtype=q.dtype, mask_dtype=None if prepared.mask is None else prepared.mask.dtype,
-            sliding_window=problem.sliding_window, causal=problem.causal, generation=generation,
-        )
+    return call(d_out, q, k, v, out, lse, prepared, make(problem, generation, config), sinks)
+
+
+def call(d_out: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array,
+         prepared: Prepared, plan: BackwardPlans,
+         sinks: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """The dq and dk/dv kernels as `plan` says (inputs of the plan's non-empty problem, assumed valid, `prepared`
+    as `prepare` made it): (dq, dk, dv, d_sinks in the dtype of the call's `sinks`, or None without)."""
+    problem = plan.problem
     batch, q_heads, q_len, _ = q.shape
     delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)  # [B, Hq, Sq]
     # [B, Hq, Sq] -> [B, Hq, 1, Sq]: a row of query positions per query head.
     rows = (batch, q_heads, 1, q_len)
     lse_rows, delta_rows = lse.reshape(rows), delta.reshape(rows)
     d_out = d_out.astype(q.dtype)
-    dq = _backward_call(q, k, v, d_out, lse_rows, delta_rows, problem, prepared, config.dq, for_dq=True)
-    dk, dv = _backward_call(q, k, v, d_out, lse_rows, delta_rows, problem, prepared, config.dkv, for_dq=False)
+    dq = _kernel_call(q, k, v, d_out, lse_rows, delta_rows, prepared, problem, plan.dq, for_dq=True)
+    dk, dv = _kernel_call(q, k, v, d_out, lse_rows, delta_rows, prepared, problem, plan.dkv, for_dq=False)
     d_sinks = None
     if sinks is not None:
         # d out / d sink = -p_sink * out, so dL/d sink = -sum over rows of p_sink * delta.

@@ -1,5 +1,5 @@
-"""A backward kernel's plan: a `Problem` and the kernel's tiles (an `AttentionConfig`) go in, the grid it walks
-comes out."""
+"""The backward's plan: a `Problem` and the two kernels' tiles (a `BackwardConfig`, by default `tiles.select`'s) go
+in, the grid each kernel walks comes out."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from jax.experimental import pallas as pl
 from ..common import masking
 from ..common.masking import Problem
 from ..common.tiles import AttentionConfig
+from .tiles import BackwardConfig, check_backward_config, select
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,9 +23,31 @@ class BackwardPlan:
     num_q_blocks: int
     num_kv_blocks: int
     num_steps: int  # grid length of the walked axis (KV blocks for dq, query blocks for dk/dv)
+    kv_heads_per_step: int
+    vmem_limit_bytes: int
 
 
-def plan_backward(problem: Problem, config: AttentionConfig, *, for_dq: bool) -> BackwardPlan:
+@dataclasses.dataclass(frozen=True)
+class BackwardPlans:
+    """The backward of one call: its problem, and the plans of its dq and dk/dv kernels."""
+
+    problem: Problem
+    dq: BackwardPlan
+    dkv: BackwardPlan
+
+
+def make(problem: Problem, generation: str | None = None, config: BackwardConfig | None = None) -> BackwardPlans:
+    """The backward's kernels for `problem` at `config`'s tiles (checked), else `select`'s on `generation`
+    (default: this device's)."""
+    if config is None:
+        config = select(problem, generation)
+    else:
+        check_backward_config(config, q_len=problem.q_len, kv_len=problem.kv_len, kv_heads=problem.kv_heads)
+    return BackwardPlans(problem, _kernel_plan(problem, config.dq, for_dq=True),
+                         _kernel_plan(problem, config.dkv, for_dq=False))
+
+
+def _kernel_plan(problem: Problem, config: AttentionConfig, *, for_dq: bool) -> BackwardPlan:
     """The grid of the dq kernel (for_dq) or the dk/dv kernel for `problem` at `config`'s tiles: the walked axis only
     as long as the visible pairs of one block of the other axis span (`masking.kv_steps`, `masking.q_steps`)."""
     block_q, block_kv = config.block_q, config.block_kv
@@ -33,4 +56,4 @@ def plan_backward(problem: Problem, config: AttentionConfig, *, for_dq: bool) ->
         steps = masking.kv_steps(problem, nkv, block_q, block_kv)
     else:
         steps = masking.q_steps(problem, nq, block_q, block_kv)
-    return BackwardPlan(block_q, block_kv, nq, nkv, steps)
+    return BackwardPlan(block_q, block_kv, nq, nkv, steps, config.kv_heads_per_step, config.vmem_limit_bytes)

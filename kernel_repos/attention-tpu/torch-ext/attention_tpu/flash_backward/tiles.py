@@ -1,6 +1,6 @@
 """Tiles of the two backward kernels (`flash_backward.kernel`: dq, and dk/dv) per shape and TPU generation.
 
-`select_backward_config` takes each kernel's preferred tiles (capped for short
+`select` takes each kernel's preferred tiles (capped for short
 causal windows), shrinks them to the VMEM budget (`common.vmem.vmem_budget`)
 by their own working sets, and spans as many KV heads per step as make a
 step's MXU work outweigh its overhead; each kernel then asks Mosaic for a
@@ -15,6 +15,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from .._hardware import LANES, SUBLANES, grid_step_overhead_s, resolve_generation, round_up, tpu_generation
+from ..common.masking import Problem
 from ..common.tiles import MASK_ROWS, Q_BLOCK_MULTIPLE, AttentionConfig, shrink_block
 from ..common.vmem import vmem_budget, vmem_limit
 
@@ -155,21 +156,20 @@ def check_backward_config(config: BackwardConfig, *, q_len: int, kv_len: int, kv
                              f"got {tiles.kv_heads_per_step}")
 
 
-def select_backward_config(
-    *, q_heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype, mask_dtype=None,
-    sliding_window: int | None = None, causal: bool = True, generation: str | None = None,
-) -> BackwardConfig:
-    """Tiles of the dq and dk/dv kernels for one shape on `generation` (default: the current one).
+def select(problem: Problem, generation: str | None = None) -> BackwardConfig:
+    """Tiles of the dq and dk/dv kernels for `problem` on `generation` (default: the current one).
 
     Preferred tiles (capped for short causal windows) shrunk to the VMEM
     budget, with as many KV heads per step as make a step's MXU work outweigh
     its overhead; there is no tuned table for the backward yet.
     """
     generation = resolve_generation(generation)
-    cap = window_block_cap(sliding_window, causal, generation)
+    cap = window_block_cap(problem.sliding_window, problem.causal, generation)
+    q_len, kv_len, mask_dtype = problem.q_len, problem.kv_len, problem.mask_dtype
     shape = dict(
-        group=q_heads // kv_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
-        itemsize=jnp.dtype(dtype).itemsize, mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize,
+        group=problem.group, kv_heads=problem.kv_heads, q_len=q_len, kv_len=kv_len, head_dim=problem.head_dim,
+        itemsize=jnp.dtype(problem.dtype).itemsize,
+        mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize,
         generation=generation, block_cap=q_len + kv_len if cap is None else cap,
     )
     return BackwardConfig(dq=_heuristic_backward_tiles("dq", **shape), dkv=_heuristic_backward_tiles("dkv", **shape))
