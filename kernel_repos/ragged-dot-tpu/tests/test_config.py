@@ -143,7 +143,7 @@ def test_heuristic_always_fits(kernel):
         kernel.gmm.tiles.check_config(kernel.gmm.tiles.heuristic_config(problem, generation), problem)
 
 
-def test_select_config_is_the_heuristic_unless_the_shape_is_tuned(kernel, monkeypatch):
+def test_select_is_the_heuristic_unless_the_shape_is_tuned(kernel, monkeypatch):
     problem = _matmul(kernel, 80, 1000, 1000, groups=16)
     assert kernel.gmm.tiles.select(problem, "v5e") == kernel.gmm.tiles.heuristic_config(problem, "v5e")
     key = kernel.gmm.tiles.TunedKey("v5e", 80, 1000, 1000, 16, "bfloat16", "bfloat16", True)
@@ -199,7 +199,7 @@ def test_the_shipped_tuned_tiles_run_and_are_selected(kernel):
         assert kernel.gmm.tiles.select(problem, key.generation) == tiles
 
 
-def test_select_config_uses_the_current_generation_and_refuses_unknown_ones(kernel, monkeypatch):
+def test_select_uses_the_current_generation_and_refuses_unknown_ones(kernel, monkeypatch):
     # Off TPU the kernels tile as for v6e; TPU_KERNELS_GENERATION picks another supported one.
     problem = _matmul(kernel, 65536, 1000, 1000, groups=16)
     v6e = kernel.gmm.tiles.select(problem, "v6e")
