@@ -32,3 +32,23 @@ def test_tokamax_ragged_dot_replays_on_one_tensorcore_of_a_v5p():
     assert set(call.dimension_semantics) == {"arbitrary"} and call.megacore_core is None
     [steps] = call.core_steps(perf.tpu_generation("v5p"))  # every step on one core
     assert len(steps) == call.steps
+
+
+DLHS = {**CALL, "lhs": "bf16[512,512]", "ragged_dot_dimension_numbers": {
+    "dot_dimension_numbers": [[[1], [2]], [[], []]], "lhs_ragged_dimensions": [0], "rhs_group_dimensions": [0]}}
+
+
+@pytest.mark.parametrize("call, swapped", [
+    ({**DLHS, "zero_initialize": True}, True),  # a key from tokamax of 2026-07-14 on: tiles named the other way
+    (DLHS, False),  # tokamax 0.0.12's key: tiles as named
+    ({**CALL, "zero_initialize": True}, False),  # forward: tiles as named in both
+])
+def test_an_lhs_gradient_timed_by_a_later_tokamax_is_rebuilt_with_the_tiles_it_ran(call, swapped):
+    pytest.importorskip("tokamax")
+    from tpu_kernels.perf import calibration, tokamax_calls
+
+    config = {**CONFIG, "tile_k": 512, "tile_n": 256}
+    measurement = calibration.Measurement("v5p", "pallas_ragged_dot", "f.json", call, config, (0.1,))
+    tiles = tokamax_calls.timed_tiles(measurement)
+    assert (tiles["tile_k"], tiles["tile_n"]) == ((256, 512) if swapped else (512, 256))
+    assert tiles["tile_m"] == config["tile_m"] and measurement.config == config  # the entry's own config is kept

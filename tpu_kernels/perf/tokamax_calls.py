@@ -28,7 +28,16 @@ Reading the files:
   one per dot, each a preset name or a pair of `lax.Precision` names (newer
   files) mapped to the preset tokamax picks on TPU. An entry whose precision is
   neither is skipped with the reason, as is any entry tokamax's own config
-  refuses.
+  refuses;
+- a Pallas lhs-gradient entry timed by tokamax from 2026-07-14 on (openxla/
+  tokamax e919cdc) names its tiles the other way round: that kernel reads
+  `tile_n` as the contracting tile and `tile_k` as the output's, where
+  tokamax 0.0.12 reads them as named. Such an entry's key carries
+  `zero_initialize` (a call field tokamax added the same day, hours before);
+  `timed_tiles` swaps the two back for an installed tokamax that reads them
+  as named, so the rebuild runs the tiles that were timed (on tokamax's v5p
+  files of 2026-07-21 the 25 lhs-gradient timings are then priced at 0.92 to
+  1.20 of measured, where 13 were refused as faster than the chip's peak).
 """
 
 from __future__ import annotations
@@ -315,9 +324,26 @@ def group_sizes_of(call: dict) -> np.ndarray:
     return np.asarray(sizes, np.int32)
 
 
+def timed_tiles(measurement: Measurement) -> dict:
+    """The config to rebuild a Pallas ragged dot entry with: its own, with `tile_k` and `tile_n` swapped for an
+    lhs-gradient entry whose tokamax read them swapped while the installed one reads them as named (module
+    docstring)."""
+    import inspect
+
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu as tokamax_pallas
+
+    config = dict(measurement.config)
+    dims = measurement.call["ragged_dot_dimension_numbers"]["dot_dimension_numbers"]
+    if _RAGGED_MODES.get(_dims_key(dims)) != "dlhs" or "zero_initialize" not in measurement.call:
+        return config
+    installed_swaps = "tiling=(config.tile_m, config.tile_n, config.tile_k)" in inspect.getsource(tokamax_pallas)
+    if not installed_swaps and "tile_k" in config and "tile_n" in config:
+        config["tile_k"], config["tile_n"] = config["tile_n"], config["tile_k"]
+    return config
+
+
 def _rebuild_ragged_dot(measurement: Measurement) -> Rebuilt:
     from jax import lax
-    from tokamax._src import precision as precision_lib
     from tokamax._src.ops.ragged_dot import base as ragged_base
     from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu as tokamax_pallas
 
@@ -343,7 +369,7 @@ def _rebuild_ragged_dot(measurement: Measurement) -> Rebuilt:
     return_residuals = bool(call.get("return_residuals"))
     if measurement.kind == "pallas_ragged_dot":
         op = tokamax_pallas.PallasMosaicTpuRaggedDot()
-        config = tokamax_pallas.Config(**measurement.config)
+        config = tokamax_pallas.Config(**timed_tiles(measurement))
         context = grid_as_pallas_call
     else:
         op = ragged_base.RaggedDot()
@@ -491,5 +517,5 @@ def _no_context():
 
 # What decides the program a measurement compiles to, besides the lowering: a cache of compiles is keyed by
 # their source.
-REBUILD_FUNCTIONS = (rebuild, group_sizes_of, array_type, _rebuild_ragged_dot, _ragged_dot_precision, _attention_arguments,
-                     _dot_algorithms, _rebuild_flash_attention, _rebuild_flash_attention_vjp)
+REBUILD_FUNCTIONS = (rebuild, group_sizes_of, array_type, timed_tiles, _rebuild_ragged_dot, _ragged_dot_precision,
+                     _attention_arguments, _dot_algorithms, _rebuild_flash_attention, _rebuild_flash_attention_vjp)
