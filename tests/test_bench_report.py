@@ -163,6 +163,8 @@ def test_binding_cost_per_call_table_from_its_json():
 def test_attention_forward_and_backward_tables_from_its_json(monkeypatch):
     monkeypatch.setattr(attention_tables, "FORWARD_SHAPES", {"decode B=8": "decode B=8", "prefill": "prefill S=8"})
     monkeypatch.setattr(attention_tables, "BACKWARD_SETTINGS", {"gpt-oss": "GPT-OSS-20B"})
+    monkeypatch.setattr(attention_tables, "PER_GENERATION_SHAPES", {"decode B=8": "decode B=8"})
+    monkeypatch.setattr(attention_tables, "GENERATIONS", ("v5e", "v6e"))
 
     def forward(bytes_ratio: float, us: float, bound: str) -> dict:
         return {"bytes_ratio": bytes_ratio, "band_p90_us": [0.8 * us, 1.2 * us], "modelled_time_us": us,
@@ -194,6 +196,15 @@ def test_attention_forward_and_backward_tables_from_its_json(monkeypatch):
         "| | v6e | 256, 256, 4 (dq) / 256, 256, 8 (dk/dv) | 489 µs, 28 % | 613 µs, 17 % | 0.9x |"])
     with pytest.raises(KeyError, match="no result labelled prefill"):
         attention_tables.render_markdown({"results": results[1:], "backward": {}})
+
+
+def test_attention_per_generation_table_names_the_bound(monkeypatch):
+    monkeypatch.setattr(attention_tables, "PER_GENERATION_SHAPES", {"decode B=8": "decode B=8"})
+    monkeypatch.setattr(attention_tables, "GENERATIONS", ("v5e", "tpu7x"))
+    per_generation = {"v5e": {"modelled_time_us": 88.4, "pct_of_roofline": 93.2, "bound": "hbm"},
+                      "tpu7x": {"modelled_time_us": 506.0, "pct_of_roofline": 24.4, "bound": "compute"}}
+    table = attention_tables.per_generation([{"label": "decode B=8", "per_generation": per_generation}])
+    assert table.splitlines()[2] == "| decode B=8 | 88 µs (93 % of the HBM roofline) | 506 µs (24 % of the MXU roofline) |"
 
 
 def test_multichip_step_tables_from_its_json():
@@ -330,6 +341,7 @@ def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
     assert sources >= {"benchmarks/results/binding.md#cost-per-call",
                        "benchmarks/results/binding.md#tpu-path", "benchmarks/results/attention.md#forward",
                        "benchmarks/results/attention.md#backward",
+                       "benchmarks/results/attention.md#per-generation",
                        "benchmarks/results/multichip.md#step-ms-and-layer-parts",
                        "benchmarks/results/int4_granularity.md#greedy-tokens",
                        "benchmarks/results/moe_layer_headline.md#headline",

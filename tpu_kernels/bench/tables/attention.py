@@ -16,6 +16,15 @@ BACKWARD_SETTINGS = {
     "gpt-oss-20b B=1 S=8192 window=128 sinks D=64": "GPT-OSS-20B, window 128, sinks",
 }
 BACKWARD_GENERATIONS = ("v5e", "v6e")
+# The forward shapes the card shows on every generation.
+PER_GENERATION_SHAPES = {
+    "decode B=1 cache=4096": "decode B=1, cache 4096",
+    "decode B=8 cache=4096": "decode B=8, cache 4096",
+    "decode B=8 cache=32768": "decode B=8, cache 32768",
+    "prefill B=1 S=4096": "prefill B=1, S=4096, causal",
+    "prefill B=1 S=8192": "prefill B=1, S=8192, causal",
+}
+GENERATIONS = ("v5e", "v6e", "v5p", "tpu7x")
 
 
 def by_label(results: list[dict], names: dict[str, str]) -> list[tuple[str, dict]]:
@@ -37,6 +46,20 @@ def forward(results: list[dict]) -> str:
         bound = f"{v6e['pct_of_roofline']:.0f}% of the HBM roofline" if v6e["bound"] == "hbm" else "compute-bound"
         rows.append(f"| {name} | {v5e['bytes_ratio']:.3f}, {v6e['bytes_ratio']:.3f} "
                     f"| {v6e['modelled_time_us']:.0f} µs ({low:.0f}–{high:.0f}; {bound}) |")
+    return "\n".join(rows)
+
+
+def per_generation(results: list[dict]) -> str:
+    """Per shape and generation: the modelled time, and its share of the roofline with what bounds it."""
+    rows = ["| shape | " + " | ".join(GENERATIONS) + " |", "|---|" + "---|" * len(GENERATIONS)]
+    for name, result in by_label(results, PER_GENERATION_SHAPES):
+        cells = []
+        for generation in GENERATIONS:
+            figures = result["per_generation"][generation]
+            bound = "HBM" if figures["bound"] == "hbm" else "MXU"
+            cells.append(f"{figures['modelled_time_us']:.0f} µs ({figures['pct_of_roofline']:.0f} % of the {bound} "
+                         "roofline)")
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -71,4 +94,5 @@ def backward(backward_run: dict) -> str:
 
 def render_markdown(data: dict) -> dict[str, str]:
     """attention.json's tables by section."""
-    return {"forward": forward(data["results"]), "backward": backward(data["backward"])}
+    return {"forward": forward(data["results"]), "per-generation": per_generation(data["results"]),
+            "backward": backward(data["backward"])}
