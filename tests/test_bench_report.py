@@ -11,6 +11,7 @@ from tpu_kernels.bench.tables import attention as attention_tables
 from tpu_kernels.bench.tables import binding as binding_tables
 from tpu_kernels.bench.tables import calibration as calibration_tables
 from tpu_kernels.bench.tables import int4_granularity as int4_granularity_tables
+from tpu_kernels.bench.tables import loader as loader_tables
 from tpu_kernels.bench.tables import moe_layer as moe_layer_tables
 from tpu_kernels.bench.tables import multichip as multichip_tables
 from tpu_kernels.bench.tables import quantization_accuracy as quantization_accuracy_tables
@@ -242,6 +243,27 @@ def test_quantization_accuracy_table_from_its_json():
     assert tables["errors"].splitlines()[2] == "| mixtral (H=128) | int4 | 2.4e-02 / 4.2e-03 | 36/64 | 57/64 | 0.033 |"
 
 
+def test_loader_table_from_its_json():
+    def load(ours_s: float, theirs_s: float, ours_requests: int, theirs_requests: int) -> dict:
+        return {"ours": {"median_s": ours_s, "requests_per_load": ours_requests},
+                "kernels": {"median_s": theirs_s, "requests_per_load": theirs_requests},
+                "median_paired_ratio": 0.71}
+
+    data = {"kernel": "org/ragged-dot-tpu", "variant": "torch-cpu", "files_in_variant": 44, "runs": 15,
+            "environment": {"kernels": "0.19.1", "huggingface_hub": "2.4.0", "cpus": 2},
+            "cold": load(0.2663, 0.3699, 48, 92), "warm": load(0.1655, 0.1775, 4, 3),
+            "repeat_in_process": {"calls_per_loader": 200, "ours": {"median_s": 0.017}, "kernels": {"median_s": 0.0175},
+                                  "ratio_ours_over_kernels": 0.97,
+                                  "requests_per_load": {"ours": {"requests": 4}, "kernels": {"requests": 3}}},
+            "offline": {"ours": {"median_s": 0.147, "requests_per_load": 0},
+                        "kernels": "ValueError: Version 1 is not available in the local cache"},
+            "digest_check_median_s": 0.0025, "digest_check_and_private_copy_median_s": 0.004}
+    rows = loader_tables.render_markdown(data)["loads"].splitlines()
+    assert rows[2] == "| cold: empty cache, new process | 266.3 | 369.9 | 0.71 | 48 / 92 |"
+    assert rows[5] == "| offline (`HF_HUB_OFFLINE=1`, cached) | 147.0 | refuses: ValueError | | 0 / not counted |"
+    assert rows[7] == "| of which: digest check and private copy | 4.0 | | | |"
+
+
 def test_int4_granularity_table_from_its_json():
     def tokens(*equal: str) -> dict:
         return {scheme: {"greedy_tokens_equal": kept} for scheme, kept in zip(int4_granularity_tables.SCHEMES, equal)}
@@ -335,7 +357,7 @@ def test_moe_layer_v5p_tpu7x_table_adds_the_quantized_formats(monkeypatch):
 def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
     sources = set()
     for doc in ("docs/binding.md", "kernel_repos/attention-tpu/CARD.md", "docs/multichip.md", "benchmarks/README.md",
-                "docs/kernelize.md"):
+                "docs/kernelize.md", "docs/hub.md"):
         blocks, _ = report.find_blocks(doc, (ROOT / doc).read_text())
         sources |= {block.source for block in blocks}
     assert sources >= {"benchmarks/results/binding.md#cost-per-call",
@@ -348,7 +370,7 @@ def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
                        "benchmarks/results/moe_layer_headline.md#anchor",
                        "benchmarks/results/moe_layer_headline.md#hf-257us",
                        "benchmarks/results/calibration.md#error", "benchmarks/results/calibration.md#constants",
-                       "benchmarks/results/multichip.md#assumptions",
+                       "benchmarks/results/multichip.md#assumptions", "benchmarks/results/loader.md#loads",
                        "benchmarks/results/quantization_accuracy.md#errors",
                        "benchmarks/results/quantization_accuracy_tpu7x.md#errors",
                        "benchmarks/results/moe_layer_formats.md#per-chip",
