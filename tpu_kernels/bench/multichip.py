@@ -145,8 +145,9 @@ def step_entry(mode: str, batch: int, layer_row: dict) -> dict:
         return {"mode": mode, "batch": batch, "error": ours.get("error", "not compiled")}
     if not moe_layer.modelled(ours):
         return {"mode": mode, "batch": batch, "error": ours.get("error", "not modelled")}
-    # Central: the calibrated pipelined figure; low / high: its p90 calibrated band.
-    low, high = ours["band"]["p90_us"]
+    # Central: the calibrated pipelined figure; low / high: its p90 calibrated band (the central figure where the
+    # layer has no band: `experts_band` says why).
+    low, high = ours["band"]["p90_us"] or (ours["headline_us"], ours["headline_us"])
     experts = {"central": ours["headline_us"], "low": low, "high": high}
     per_layer, collectives = {}, {}
     for bound in ("low", "central", "high"):
@@ -163,6 +164,7 @@ def step_entry(mode: str, batch: int, layer_row: dict) -> dict:
         "experts_live_picks": layer_row["live_picks"],
         "experts_active": layer_row["active_experts"],
         "experts_layer_us": experts,
+        "experts_band": ours["band"].get("no_band", f"p90 calibrated band, {ours['band']['regime']} regime"),
         "experts_roofline_us": layer_row["roofline_us"],
         "experts_grid_steps": (ours.get("kernels") or {}).get("grid_steps"),
         "collectives_per_layer": [

@@ -19,8 +19,7 @@ from .tuning import TOKAMAX_DEFAULT
 
 def band_text(variant: dict) -> str:
     """"lo-hi us" of a variant's p90 band."""
-    lo, hi = variant["band"]["p90_us"]
-    return f"{lo:.1f}-{hi:.1f}"
+    return calibration_bands.span(variant["band"]["p90_us"], 1)
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -60,9 +59,10 @@ def plot(rows: list[dict], path: Path) -> None:
         x = np.arange(len(selected))
         ours = [r["ours_over_roofline"] for r in selected]
         rival = [r["best_rival_us"] / r["roofline_us"] for r in selected]
-        # The p90 calibrated band of ours (calibration_bands).
+        # The p90 calibrated band of ours (calibration_bands); none where ours has no band.
         errors = np.array([[value - r["ours_band_p90_us"][0] / r["roofline_us"],
-                            r["ours_band_p90_us"][1] / r["roofline_us"] - value] for value, r in zip(ours, selected)])
+                            r["ours_band_p90_us"][1] / r["roofline_us"] - value] if r["ours_band_p90_us"] else [0, 0]
+                           for value, r in zip(ours, selected)])
         ax.bar(x - 0.2, ours, 0.4, color="#1b7837", label="ours (bar: p90 calibrated band)",
                yerr=errors.T if len(errors) else None, error_kw={"linewidth": 0.6})
         ax.bar(x + 0.2, rival, 0.4, color="#762a83", label="best tuned rival (name above bar)")
@@ -159,7 +159,9 @@ def method(args) -> dict:
                     + "".join(f"; {g} has no measurements and takes {calibration_bands.MEASURED_ON[g]}'s constants"
                               for g in args.generations if calibration_bands.MEASURED_ON[g] != g) + ")",
         "bands": "band_p90_us / band_median_us: the Pallas kernels' time at the Pallas ragged-dot error and XLA's "
-                 "ragged-dot loops at theirs (benchmarks/results/calibration.json); uncalibrated_us (other XLA ops) "
+                 "ragged-dot loops at theirs, both in the variant's regime (streaming where its copies take longer "
+                 "than its matmuls, else compute_bound; benchmarks/results/calibration.json); None, with no_band "
+                 "saying why, where a term's kind has no timing in that regime; uncalibrated_us (other XLA ops) "
                  "carries no band",
         "calibrated_errors": calibration_bands.bands_used(args.generations, ("pallas_ragged_dot", "xla_ragged_dot")),
         "also": "overlap_us: each kernel's MXU work fully overlapping its copies (the headline before calibration); "

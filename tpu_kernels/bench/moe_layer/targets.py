@@ -149,7 +149,9 @@ def anchor_targets(rows: list[dict]) -> dict:
             "best_rival": None if anchor is None else anchor.get("best_rival"),
             "best_rival_us": None if anchor is None else anchor.get("best_rival_us"),
             "meets": anchor is not None and headline(anchor) is not None and headline(anchor) <= ANCHOR_TARGET_US,
-            "meets_across_p90_band": modelled(ours) and ours["band"]["p90_us"][1] <= ANCHOR_TARGET_US,
+            # None where ours carries no band (no calibrated timing in its regime): the band cannot say.
+            "meets_across_p90_band": (ours["band"]["p90_us"][1] <= ANCHOR_TARGET_US
+                                      if modelled(ours) and ours["band"]["p90_us"] else None),
         }
     return anchors
 
