@@ -40,9 +40,9 @@ MoE layer on the busiest chip and one whole step (48 layers):
   prediction of a step.
 
 Reported: per layout and batch, the experts layer (headline: moe_layer's
-calibrated pipelined figure at peak HBM bandwidth; band: its p90 calibrated
-error band, `calibration_bands`; v6e has no measurements, so v5e's fitted
-constants and errors stand for it),
+calibrated pipelined figure at the fitted HBM share; band: its p90 calibrated
+error band in its regime, `calibration_bands`; v6e has no measurements, so
+v5e's fitted constants and errors stand for it),
 each collective's bytes and time, per layer and per step at the central
 assumptions and across the band; the winner per batch; and the comparison
 with Hugging Face's 56.6 ms/step at batch 64 (kernels-community/ragged-dot-tpu,
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
             "what": f"one {MODEL.name} decode step on v6e-8 ({V6E_8.rows}x{V6E_8.cols}), per MoE layout: {LAYERS} x "
                     "(our experts layer on the busiest chip + the layer's collectives + attention's all-reduce)",
             "experts_layer": f"tpu_kernels.bench.moe_layer's model of our layer ({moe_layer.LAYER_ENTRY}), {GENERATION}; "
-                             "central: the calibrated pipelined figure at peak HBM bandwidth; low / high: its p90 "
+                             "central: the calibrated pipelined figure at the fitted HBM share; low / high: its p90 "
                              "calibrated band (" + calibration_bands.describe("pallas_ragged_dot", GENERATION) + ")",
             "ici": {"link_bytes_per_s_one_way": ICI_LINK_BYTES_PER_S, "hop_latency_us":
                     {k: v * 1e6 for k, v in HOP_LATENCY_S.items()}, "mesh": dataclasses.asdict(V6E_8),

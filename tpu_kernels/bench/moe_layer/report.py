@@ -74,7 +74,7 @@ def plot(rows: list[dict], path: Path) -> None:
                    label=f"decode target {DECODE_MAX_OVER_ROOFLINE}x")
         ax.set_yscale("log")
         ax.set_ylabel("modelled time / roofline")
-        ax.set_title(f"{generation}: one experts layer, calibrated pipelined model, peak HBM bandwidth"
+        ax.set_title(f"{generation}: one experts layer, calibrated pipelined model, fitted HBM share"
                      + (" (v5e's constants: no v6e measurements)" if generation == "v6e" else ""))
         ax.set_xticks(x, [f"{r['setting']} T={r['tokens']}" for r in selected], rotation=90, fontsize=7)
         ax.legend(loc="upper left", fontsize=8)
@@ -154,7 +154,8 @@ def method(args) -> dict:
         "model": "tpu_kernels.perf.program_time.model_program: Pallas kernels by tpu_kernels.perf grid replay, XLA's "
                  "ragged-dot loops by tpu_kernels.perf.xla_ragged_dot, other XLA ops from the optimized HLO's placement "
                  "(HBM bytes at HBM bandwidth, VMEM bytes at 22x it)",
-        "headline": "us: the calibrated pipelined figure at peak HBM bandwidth (grid step "
+        "headline": "us: the calibrated pipelined figure, copies at the generation's fitted share of the peak HBM "
+                    "bandwidth (tpu_kernels/perf/hbm_fractions.json) (grid step "
                     + ", ".join(f"{g} {grid_step_s(g) * 1e6:.2f} us" for g in args.generations)
                     + "".join(f"; {g} has no measurements and takes {calibration_bands.MEASURED_ON[g]}'s constants"
                               for g in args.generations if calibration_bands.MEASURED_ON[g] != g) + ")",
