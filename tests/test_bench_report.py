@@ -389,3 +389,40 @@ def test_cli_runs_report_as_a_bench_tool(tmp_path, monkeypatch, capsys):
     assert cli.main(["bench", "report", "--check"]) == 0
     assert cli.main(["bench", "--help"]) == 0
     assert "report" in capsys.readouterr().out
+
+
+def test_decode_step_tables_from_its_json():
+    from tpu_kernels.bench.tables import decode_step as decode_step_tables
+
+    def term(name: str, ms: float, kind: str = "uncalibrated") -> dict:
+        return {"term": name, "ms_per_step": ms, "priced_by": "XLA program", "error_kind": kind}
+
+    paths = {"transformers_default": {"terms": [term("batched_mm: gather", 97.2), term("cache append", 7.86),
+                                                term("router", 0.02)],
+                                      "total": {"ms": 303.7, "band_ms": [303.5, 304.1]}},
+             "kernelized": {"terms": [term("experts: ours", 4.66, "pallas_ragged_dot"), term("cache append", 7.86),
+                                      term("router", 0.02), term("norm", 0.05)],
+                            "total": {"ms": 19.76, "band_ms": [18.3, 21.42]}}}
+    comparison = {"modelled_ratio": 15.37, "modelled_ratio_band": [14.17, 16.62], "hf_measured_ratio": 21.5,
+                  "kernelized_vs_hf": {"modelled_device_ms": 19.76, "hf_measured_ms": 56.6}}
+    model = {"model": {"name": "Qwen3-30B-A3B", "parameters_b": 30.53, "active_parameters_b": 3.35,
+                       "source": "config.json"},
+             "paths": paths, "comparison": comparison, "without_cache_append": {"ratio": 24.85},
+             "explanation": ["the gap is host time"],
+             "hf_kernel_check": {"tokamax_default_us": 1687.4, "tokamax_default_grid_steps": 4608,
+                                 "kernelized_step_with_it_ms": 96.1, "hf_measured_step_ms": 56.6,
+                                 "grid_step_cost_bound_us": 0.1614, "grid_step_cost_bound_with_host_us": 0.1109}}
+    method = {"context_tokens": 1024, "context_source": "assumed", "plan": "EP8", "cache": "dynamic",
+              "priced": "compiled", "eager": "one op each", "errors": {"a": "p90 6 %"}, "error_note": "note",
+              "left_out": "host time"}
+    tables = decode_step_tables.render_markdown({"method": method, "models": {"qwen3-30b-a3b": model}})
+    assert tables["step"].splitlines()[2] == (
+        "| Qwen3-30B-A3B | 303.7 (303.5-304.1) | 19.8 (18.3-21.4) | 15.4x (14.2-16.6) | 21.5x | 24.9x "
+        "| 19.8 ms of device time vs 56.6 ms measured |")
+    lines = tables["terms"].splitlines()
+    assert lines[2].startswith("| Qwen3-30B-A3B | batched_mm: gather | 97.20 |  | XLA program |")
+    assert lines[3].startswith("| Qwen3-30B-A3B | cache append | 7.86 | 7.86 |")
+    assert lines[-1].startswith("| Qwen3-30B-A3B | 2 terms under 0.1 ms each") and "| 0.02 | 0.07 |" in lines[-1]
+    assert tables["gaps"].splitlines() == ["- **Qwen3-30B-A3B**", "  - the gap is host time."]
+    assert tables["hf-kernel"].splitlines()[2] == "| Qwen3-30B-A3B | 1687 (4608) | 96.1 | 56.6 | 0.1614 (0.1109) |"
+    assert "| context | 1024 tokens per request: assumed |" in tables["assumptions"]
