@@ -357,7 +357,7 @@ def test_moe_layer_v5p_tpu7x_table_adds_the_quantized_formats(monkeypatch):
 def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
     sources = set()
     for doc in ("docs/binding.md", "kernel_repos/attention-tpu/CARD.md", "docs/multichip.md", "benchmarks/README.md",
-                "docs/kernelize.md", "docs/hub.md"):
+                "docs/kernelize.md", "docs/hub.md", "README.md"):
         blocks, _ = report.find_blocks(doc, (ROOT / doc).read_text())
         sources |= {block.source for block in blocks}
     assert sources >= {"benchmarks/results/binding.md#cost-per-call",
@@ -374,7 +374,10 @@ def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
                        "benchmarks/results/quantization_accuracy.md#errors",
                        "benchmarks/results/quantization_accuracy_tpu7x.md#errors",
                        "benchmarks/results/moe_layer_formats.md#per-chip",
-                       "benchmarks/results/moe_layer_v5p_tpu7x_headline.md#headline-and-quantized"}
+                       "benchmarks/results/moe_layer_v5p_tpu7x_headline.md#headline-and-quantized",
+                       "benchmarks/results/decode_step.md#step", "benchmarks/results/decode_step.md#terms",
+                       "benchmarks/results/decode_step.md#gaps", "benchmarks/results/decode_step.md#hf-kernel",
+                       "benchmarks/results/decode_step.md#assumptions"}
 
 
 def test_cli_runs_report_as_a_bench_tool(tmp_path, monkeypatch, capsys):
