@@ -38,6 +38,7 @@ def _transformers_experts(gate_up, down, local_experts):
     return module
 
 
+@pytest.mark.slow  # imports transformers' MoE integration
 def test_batched_mm_programs_compute_what_transformers_batched_mm_does():
     from transformers.integrations.moe import batched_mm_experts_forward
 
@@ -92,46 +93,85 @@ def test_collective_term_is_the_all_reduce_formula():
     assert found["per_step"] == 48
 
 
-def _paths(default_append=3.0, kernel_append=3.0):
-    default = [term("batched_mm: bmm", 1000.0, 10, priced_by="p"),
-               term("full attention: KV cache append (K and V)", 300.0, 10, priced_by="p")]
-    kernelized = [term("experts: ours", 100.0, 10, priced_by="p", band_us=[90.0, 110.0], kind="pallas_ragged_dot"),
-                  term("full attention: KV cache append (K and V)", 300.0, 10, priced_by="p")]
-    return {"transformers_default": {"terms": default, "total": step.total(default)},
-            "kernelized": {"terms": kernelized, "total": step.total(kernelized)}}
+def _paths():
+    append = term("full attention: KV cache append (K and V)", 300.0, 10, priced_by="p")
+    ours = term("experts: ours", 100.0, 10, priced_by="p", band_us=[90.0, 110.0], kind="pallas_ragged_dot")
+    terms = {"transformers_default": [term("batched_mm: bmm", 1000.0, 10, priced_by="p"),
+                                      term("sdpa", 50.0, 10, priced_by="p"), append],
+             "kernelized_experts": [term("sdpa", 50.0, 10, priced_by="p"), ours, append],
+             "kernelized": [term("flash", 40.0, 10, priced_by="p"), ours, append]}
+    return {name: {"terms": found, "total": step.total(found)} for name, found in terms.items()}
 
 
-def test_totals_ratio_and_the_cache_sensitivity():
+def test_totals_ratios_and_the_cache_sensitivity():
     paths = _paths()
-    assert paths["kernelized"]["total"]["ms"] == pytest.approx(4.0)
-    assert paths["kernelized"]["total"]["band_ms"] == [pytest.approx(3.9), pytest.approx(4.1)]
-    found = step.compare("qwen3-30b-a3b", models.QWEN3, paths, host={"ms": 1.5})
-    assert found["modelled_ratio"] == pytest.approx(13.0 / 4.0, abs=0.01)
-    assert found["batched_mm_share_of_default"] == pytest.approx(10 / 13, abs=1e-4)
-    assert found["kernelized_vs_hf"]["unexplained_ms"] == pytest.approx(56.6 - 4.0)
-    assert [r["term"] for r in found["ratio_terms"]] == ["batched_mm: bmm", "experts: ours"]
-    assert step.without_cache_append(paths)["ratio"] == pytest.approx(10.0)
+    assert paths["kernelized_experts"]["total"]["ms"] == pytest.approx(4.5)
+    assert paths["kernelized_experts"]["total"]["band_ms"] == [pytest.approx(4.4), pytest.approx(4.6)]
+    found = step.compare("qwen3-30b-a3b", models.QWEN3, paths, host=None)
+    assert found["kernelized_experts"]["modelled_ratio"] == pytest.approx(13.5 / 4.5, abs=0.01)
+    assert found["kernelized"]["modelled_ratio"] == pytest.approx(13.5 / 4.4, abs=0.01)
+    assert found["batched_mm_share_of_default"] == pytest.approx(10 / 13.5, abs=1e-4)
+    # HF's measured step is compared with HF's configuration: the experts kernelized only.
+    assert found["kernelized_vs_hf"]["unexplained_ms"] == pytest.approx(56.6 - 4.5)
+    assert [r["term"] for r in found["kernelized_experts"]["ratio_terms"]] == ["batched_mm: bmm", "experts: ours"]
+    assert step.without_cache_append(paths)["ratio"] == {"kernelized_experts": pytest.approx(10.5 / 1.5, abs=0.01),
+                                                         "kernelized": pytest.approx(10.5 / 1.4, abs=0.01)}
     unpriced = [term("x", float("nan"), 1, priced_by="not priced")]
     assert step.total(unpriced)["complete"] is False
+
+
+def test_eager_host_closes_the_measured_step_and_prices_the_ratio():
+    host = {"kernel_calls_per_step": {"rms_norm": 20, "flash_attention": 10, "gated_experts": 10},
+            "per_call_min_us": {"rms_norm": 30.0, "flash_attention": 50.0, "gated_experts": 60.0}}
+    ops = {"per_step": {"ops": 1000, "rmsnorm": 200, "attention": 30, "experts": 170}}
+    eager = step.eager_host(ops, host)
+    assert eager["transformers_default"] == {"other_ops": 1000, "kernel_calls": 0, "kernel_calls_host_ms": 0.0}
+    assert eager["kernelized_experts"] == {"other_ops": 830, "kernel_calls": 10, "kernel_calls_host_ms": 0.6}
+    assert eager["kernelized"] == {"other_ops": 600, "kernel_calls": 40, "kernel_calls_host_ms": 1.7}
+    cost = step.implied_op_cost(10.0, 4.5, eager["kernelized_experts"])
+    assert cost == {"serial": pytest.approx((10.0 - 4.5 - 0.6) * 1e3 / 830, abs=1e-3),
+                    "overlapped": pytest.approx((10.0 - 0.6) * 1e3 / 830, abs=1e-3)}
+    at = step.with_host(_paths(), eager, cost)
+    assert at["serial"]["ms"]["kernelized_experts"] == pytest.approx(10.0, abs=0.01)
+    assert at["overlapped"]["ms"]["kernelized_experts"] == pytest.approx(10.0, abs=0.01)
+    assert at["overlapped"]["ms"]["transformers_default"] == pytest.approx(13.5)  # device longer than host
+    assert at["serial"]["ratio"]["kernelized_experts"] == pytest.approx((13.5 + 1000 * cost["serial"] / 1e3) / 10.0,
+                                                                        abs=0.01)
 
 
 def test_hf_kernel_check_bounds_the_grid_step_cost():
     kernelized = {"ms": 20.0}
     experts = {"us_per_call": 100.0}
     tokamax = {"label": "l", "us": 1700.0, "grid_steps": 4608, "step_cost_us": 1567.0}
-    found = step.hf_kernel_check("qwen3-30b-a3b", models.QWEN3, kernelized, experts, tokamax, host={"ms": 10.0})
+    host = {"kernel_calls_per_step": {"gated_experts": 48}, "per_call_min_us": {"gated_experts": 50.0}}
+    found = step.hf_kernel_check("qwen3-30b-a3b", models.QWEN3, kernelized, experts, tokamax, host=host)
     swapped = 20.0 + 48 * 1.6
     assert found["kernelized_step_with_it_ms"] == pytest.approx(swapped)
     assert found["exceeds_measured_step"] is True
     others = swapped - 48 * 1.567
     assert found["grid_step_cost_bound_us"] == pytest.approx((56.6 - others) * 1e3 / (48 * 4608), abs=1e-4)
     assert found["grid_step_cost_bound_with_host_us"] == pytest.approx(
-        (56.6 - others - 10.0) * 1e3 / (48 * 4608), abs=1e-4)
+        (56.6 - others - 48 * 50.0 / 1e3) * 1e3 / (48 * 4608), abs=1e-4)
     assert step.hf_kernel_check("gemma-4-26b-a4b", models.GEMMA4, kernelized, experts, None) is None
 
 
 def test_kernel_calls_and_host_bound_from_binding():
     assert step.kernel_calls(models.QWEN3) == {"rms_norm": 97 + 96, "flash_attention": 48, "gated_experts": 48}
     binding = {"tpu_path_python": {"per_call_us": {k: {"min_us": 10.0} for k in step.HOST_CALL_KINDS}}}
-    assert step.host_lower_bound(models.QWEN3, binding)["ms"] == pytest.approx((193 + 96) * 10.0 / 1e3)
+    bound = step.host_lower_bound(models.QWEN3, binding)
+    assert bound["ms"] == pytest.approx((193 + 96) * 10.0 / 1e3)
+    assert bound["per_call_min_us"] == dict.fromkeys(step.HOST_CALL_KINDS, 10.0)
     assert step.host_lower_bound(models.QWEN3, None) is None
+
+
+@pytest.mark.slow
+def test_host_ops_counts_one_decode_step_and_what_kernelize_replaces():
+    from tpu_kernels.bench.decode_step import host_ops
+
+    found = host_ops.count("qwen3-30b-a3b", {"full_attention": 3})
+    layer = found["per_layer"]["full_attention"]
+    # Each layer runs its two RMSNorms and q/k norms, attention and the experts in eager ops of their own.
+    assert layer["ops"] > layer["rmsnorm"] + layer["attention"] + layer["experts"]
+    assert min(layer["rmsnorm"], layer["attention"], layer["experts"]) > 0
+    assert found["per_step"]["ops"] == found["per_step_fixed"]["ops"] + 3 * layer["ops"]
+    assert found["per_step_fixed"]["experts"] == 0  # the step's own ops (embedding, lm_head) hold no experts

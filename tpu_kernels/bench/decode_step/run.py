@@ -12,7 +12,7 @@ from pathlib import Path
 from tpu_kernels.bench import kernel_repo, moe_layer, require_kernel_repo, result_path
 from tpu_kernels.perf.collectives import HOP_LATENCY_S, ICI_LINK_BYTES_PER_S
 
-from . import programs, step
+from . import host_ops, programs, step
 from .models import HF_KERNELIZED_STEP_MS, HF_SPEEDUP, MODELS, PLAN, PLAN_SOURCE, SOURCES, DecodeModel
 from .pricing import GENERATION, XlaPricer, attention_term, bands_used, experts_term, norm_term
 
@@ -46,7 +46,11 @@ def price_model(model: DecodeModel, batch: int, context: int, built: dict, price
     ours += [norm_term(built["rmsnorm"], what, rows, width, count)
              for what, rows, width, count in programs.norm_shapes(model, batch)]
     ours.append(experts)
-    paths = {"transformers_default": [priced[p.name] for p in default_only] + shared_terms,
+    default = [priced[p.name] for p in default_only]
+    paths = {"transformers_default": default + shared_terms,
+             # HF's configuration: the experts kernelized, attention and norms as transformers runs them.
+             "kernelized_experts": [t for t in default if not t["term"].startswith("batched_mm")] + [experts]
+             + shared_terms,
              "kernelized": ours + shared_terms}
     return {name: {"terms": terms, "total": step.total(terms)} for name, terms in paths.items()}, experts_row
 
@@ -57,6 +61,31 @@ def tokamax_default_row(model: DecodeModel, batch: int, moe_layer_json: dict) ->
     return next((v for v in moe_layer_json.get("variants", [])
                  if v.get("label") == label and v.get("generation") == GENERATION
                  and v.get("variant") == "tokamax_default"), None)
+
+
+def eager_layer_kinds(model: DecodeModel) -> dict[str, int]:
+    """transformers' layer types of `model`'s attention kinds, with their layer counts."""
+    return {("sliding_attention" if kind.window else "full_attention"): kind.layers for kind in model.attention}
+
+
+def host_closure(results: dict) -> None:
+    """If Qwen3's unexplained time in HF's configuration is host time: the per-op host cost it implies, and every
+    model's steps and ratios with that cost on every path (`eager_host.with_implied_op_cost`)."""
+    anchor = next((r for r in results.values() if "kernelized_vs_hf" in r["comparison"] and "eager_host" in r), None)
+    if anchor is None:
+        return
+    versus = anchor["comparison"]["kernelized_vs_hf"]
+    op_cost = step.implied_op_cost(versus["hf_measured_ms"], versus["modelled_device_ms"],
+                                   anchor["eager_host"][step.HF_PATH])
+    for result in results.values():
+        if "eager_host" in result:
+            result["eager_host"]["implied_op_cost_us"] = op_cost
+            result["eager_host"]["implied_from"] = (
+                f"{anchor['model']['name']}'s measured step in HF's configuration ({step.HF_PATH}): the host cost per "
+                "eager op that makes its modelled device time plus host time (serial), or the longer of the two "
+                "(overlapped), equal the measurement")
+            result["eager_host"]["with_implied_op_cost"] = step.with_host(result["paths"], result["eager_host"],
+                                                                          op_cost)
 
 
 def hf_257us_facts(moe_layer_json: dict) -> dict:
@@ -103,50 +132,61 @@ def method(batch: int, context: int) -> dict:
 
 def explain(result: dict) -> list[str]:
     """Which term explains each gap between the model and HF's measurements, in words from the figures."""
-    found = result["comparison"]
-    default, kernelized = result["paths"]["transformers_default"], result["paths"]["kernelized"]
+    found, paths = result["comparison"], result["paths"]
 
-    def top(path: dict) -> str:
-        return ", ".join(f"{t['term']} {t['ms_per_step']:.1f} ms" for t in step.largest(path["terms"]))
+    def top(name: str) -> str:
+        return ", ".join(f"{t['term']} {t['ms_per_step']:.1f} ms" for t in step.largest(paths[name]["terms"]))
 
-    without = result["without_cache_append"]
+    hf_path, without = found[step.HF_PATH], result["without_cache_append"]
     notes = [
-        f"default path {default['total']['ms']:.1f} ms of device time: {top(default)}; batched_mm's ops are "
-        f"{100 * found['batched_mm_share_of_default']:.0f} % of it (XLA programs priced by their bytes at the HBM "
-        "rate: no measured XLA gather or batched matvec calibrates them)",
-        f"kernelized path {kernelized['total']['ms']:.1f} ms: {top(kernelized)}",
-        f"ratio {found['modelled_ratio']:.1f}x (band {found['modelled_ratio_band'][0]:.1f}-"
-        f"{found['modelled_ratio_band'][1]:.1f}) against HF's {found['hf_measured_ratio']}x. The ratio is set by "
-        "the default's batched_mm terms over the kernelized step, and the terms both paths share dilute it: above "
-        f"all DynamicCache's concatenation of the whole cache every layer. With an in-place cache update instead "
-        f"the model gives {without['ratio']:.1f}x ({without['ms']['transformers_default']:.1f} / "
-        f"{without['ms']['kernelized']:.1f} ms): the cache HF's generate used, which the repo does not record, "
-        "moves the modelled ratio across HF's"]
+        f"default path {paths[step.DEFAULT]['total']['ms']:.1f} ms of device time: {top(step.DEFAULT)}; batched_mm's "
+        f"ops are {100 * found['batched_mm_share_of_default']:.0f} % of it (XLA programs priced by their bytes at "
+        "the HBM rate: no measured XLA gather or batched matvec calibrates them)",
+        f"HF's configuration, the experts kernelized: {paths[step.HF_PATH]['total']['ms']:.1f} ms: {top(step.HF_PATH)}"
+        f"; with our attention and RMSNorm too: {paths['kernelized']['total']['ms']:.1f} ms",
+        f"ratio in HF's configuration {hf_path['modelled_ratio']:.1f}x (band {hf_path['modelled_ratio_band'][0]:.1f}-"
+        f"{hf_path['modelled_ratio_band'][1]:.1f}) against HF's {found['hf_measured_ratio']}x. It is the default's "
+        "batched_mm terms over the kernelized step, diluted by the terms both paths share: above all DynamicCache's "
+        "concatenation of the whole cache in every layer, and attention. With an in-place cache update instead the "
+        f"model gives {without['ratio'][step.HF_PATH]:.1f}x: the cache HF's generate used (not recorded) moves the "
+        "modelled ratio by that much"]
     if "kernelized_vs_hf" in found:
         gap = found["kernelized_vs_hf"]
         notes.append(
-            f"HF's kernelized step, {gap['hf_measured_ms']} ms, against {gap['modelled_device_ms']:.1f} ms of modelled "
-            f"device time ({gap['modelled_device_band_ms'][0]:.1f}-{gap['modelled_device_band_ms'][1]:.1f}): "
-            f"{gap['unexplained_ms']:.1f} ms the device model does not hold. The term is the eager step's host "
-            f"time, which the model leaves out: the kernel calls' host Python alone is at least "
-            f"{gap['host_kernel_calls_lower_bound_ms']:.1f} ms (binding.json), and every other eager torch op "
-            "(projections, cache, router, residuals: several per layer) adds its own")
+            f"HF's measured step, {gap['hf_measured_ms']} ms, against {gap['modelled_device_ms']:.1f} ms of modelled "
+            f"device time in its configuration ({gap['modelled_device_band_ms'][0]:.1f}-"
+            f"{gap['modelled_device_band_ms'][1]:.1f}): {gap['unexplained_ms']:.1f} ms the device model does not hold. "
+            "The term is the eager step's host time, which the device model leaves out (next note)")
         notes.append(
             f"HF's default step implied by its ratio is {gap['hf_implied_default_ms']:.0f} ms, "
-            f"{1 / gap['default_modelled_over_implied']:.1f}x the modelled default device time: the term that "
-            "would have to carry it is batched_mm's gathers and batched matvecs, priced at the HBM rate by their "
-            "bytes; eager host time is of the same order on both paths and cannot make up a gap of this size")
+            f"{1 / gap['default_modelled_over_implied']:.1f}x the modelled default device time: the term that would "
+            "have to carry it is batched_mm's gathers and batched matvecs, priced at the HBM rate by their bytes; "
+            "no TPU timing of an XLA gather of whole expert weights checks that rate")
+    eager = result.get("eager_host")
+    if eager and "with_implied_op_cost" in eager:
+        cost, at = eager["implied_op_cost_us"], eager["with_implied_op_cost"]
+        smallest = min(result["host_kernel_calls_lower_bound"]["per_call_min_us"].values())
+        notes.append(
+            f"eager host dispatches per step (aten ops counted on the CPU, host_ops): {eager[step.DEFAULT]['other_ops']} "
+            f"on the default path, {eager[step.HF_PATH]['other_ops']} plus {eager[step.HF_PATH]['kernel_calls']} "
+            f"kernel calls in HF's configuration. Were Qwen3's unexplained time host time, an op would cost "
+            f"{cost['serial']} us (host and device time adding up) or {cost['overlapped']} us (the longer of the two "
+            f"setting the step; the cheapest kernel call binding.json times, RMSNorm's, costs {smallest} us of host "
+            "Python). At that cost "
+            f"on both paths the ratio in HF's configuration is {at['serial']['ratio'][step.HF_PATH]}x or "
+            f"{at['overlapped']['ratio'][step.HF_PATH]}x: host time can explain HF's kernelized step, not its ratio, "
+            "which needs the default path far slower than modelled")
     check = result.get("hf_kernel_check")
     if check and check.get("exceeds_measured_step"):
         bound = check.get("grid_step_cost_bound_with_host_us", check["grid_step_cost_bound_us"])
         notes.append(
             f"HF's own experts kernel (tokamax's, at its default tiles) as moe_layer prices it at this case, "
             f"{check['tokamax_default_us']:.0f} us per layer over {check['tokamax_default_grid_steps']} grid steps, "
-            f"would make the kernelized step {check['kernelized_step_with_it_ms']:.1f} ms of device time alone, above "
-            f"HF's measured {check['hf_measured_step_ms']} ms. For that measurement one grid step of that kernel can "
-            f"cost at most {check['grid_step_cost_bound_us']} us ({bound} us with the kernel calls' host Python "
-            f"spent), against the fitted {check['fitted_grid_step_us']} us: the same term, the cost of near-empty "
-            "grid steps on v6e, is what puts moe_layer's figure for HF's 257 us layer at "
+            f"would make HF's configuration take {check['kernelized_step_with_it_ms']:.1f} ms of device time alone, "
+            f"above HF's measured {check['hf_measured_step_ms']} ms. For that measurement one grid step of that kernel "
+            f"can cost at most {check['grid_step_cost_bound_us']} us ({bound} us with the kernel calls' host Python "
+            f"spent), against the fitted {check['fitted_grid_step_us']} us: the same term, the cost of near-empty grid "
+            "steps on v6e, is what puts moe_layer's figure for HF's 257 us layer at "
             f"{check['hf_257us_predicted_over_measured']}x the measurement (unless HF ran other tiles); the step "
             "measurement says that price is too high, but no v6e timing says by how much")
     return notes
@@ -182,37 +222,13 @@ def main(argv=None) -> int:
                  "attention": load_built(args.attention_repo, Path(other_dir) / "attention"),
                  "rmsnorm": load_built(args.rmsnorm_repo, Path(other_dir) / "rmsnorm")}
         for key in args.models:
-            model = MODELS[key]
-            paths, _ = price_model(model, args.batch, args.context, built, pricer, cache, compiler)
-            host = step.host_lower_bound(model, binding)
-            experts = next(t for t in paths["kernelized"]["terms"] if t["term"].startswith("experts: our"))
-            result = {
-                "model": {"name": model.name, "source": SOURCES[key], "layers": model.layers, "hidden": model.hidden,
-                          "vocab": model.vocab, "experts": model.experts, "top_k": model.top_k,
-                          "expert_intermediate": model.expert_intermediate,
-                          "dense_mlp_intermediate": model.dense_mlp_intermediate,
-                          "attention": [vars(k) for k in model.attention],
-                          "parameters_b": round(model.parameters / 1e9, 2),
-                          "active_parameters_b": round(model.active_parameters / 1e9, 2),
-                          "kv_cache_kib_per_token": model.kv_cache_bytes_per_token() / 1024},
-                "plan": step.plan_facts(model),
-                "hf": {"speedup": HF_SPEEDUP[key], "kernelized_step_ms": HF_KERNELIZED_STEP_MS.get(key)},
-                "paths": paths,
-                "host_kernel_calls_lower_bound": host,
-            }
-            if args.batch == BATCH:
-                result["hf_kernel_check"] = step.hf_kernel_check(
-                    key, model, paths["kernelized"]["total"], experts,
-                    tokamax_default_row(model, args.batch, moe_layer_json or {}), host)
-            result["without_cache_append"] = step.without_cache_append(paths)
-            if result["hf_kernel_check"]:
-                result["hf_kernel_check"].update(hf_257us_facts(moe_layer_json or {}))
-            result["comparison"] = step.compare(key, model, paths, host)
-            result["explanation"] = explain(result)
-            results[key] = result
-            print(f"{model.name}: default {paths['transformers_default']['total']['ms']:.2f} ms, kernelized "
-                  f"{paths['kernelized']['total']['ms']:.2f} ms, ratio {result['comparison']['modelled_ratio']}x "
-                  f"(HF {HF_SPEEDUP[key]}x)", flush=True)
+            paths = price_model(MODELS[key], args.batch, args.context, built, pricer, cache, compiler)[0]
+            results[key] = model_result(key, paths, args.batch, binding, moe_layer_json or {})
+            print(f"{MODELS[key].name}: " + ", ".join(f"{name} {path['total']['ms']:.2f} ms"
+                                                      for name, path in paths.items()), flush=True)
+    host_closure(results)
+    for result in results.values():
+        result["explanation"] = explain(result)
     compiler.pool.shutdown()
     report = {"method": method(args.batch, args.context), "models": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -222,6 +238,37 @@ def main(argv=None) -> int:
     (moe_layer.RAW_DIR / f"{args.out.stem}.run.json").write_text(json.dumps(run) + "\n")
     print(f"wrote {args.out} in {run['seconds']:.0f} s")
     return 0
+
+
+def model_result(key: str, paths: dict, batch: int, binding: dict | None, moe_layer_json: dict) -> dict:
+    """One model's entry of the JSON: its sizes and sources, both paths, and the comparisons with HF's figures."""
+    model = MODELS[key]
+    host = step.host_lower_bound(model, binding)
+    experts = next(t for t in paths["kernelized"]["terms"] if t["term"].startswith("experts: our"))
+    result = {
+        "model": {"name": model.name, "source": SOURCES[key], "layers": model.layers, "hidden": model.hidden,
+                  "vocab": model.vocab, "experts": model.experts, "top_k": model.top_k,
+                  "expert_intermediate": model.expert_intermediate,
+                  "dense_mlp_intermediate": model.dense_mlp_intermediate,
+                  "attention": [vars(k) for k in model.attention],
+                  "parameters_b": round(model.parameters / 1e9, 2),
+                  "active_parameters_b": round(model.active_parameters / 1e9, 2),
+                  "kv_cache_kib_per_token": model.kv_cache_bytes_per_token() / 1024},
+        "plan": step.plan_facts(model),
+        "hf": {"speedup": HF_SPEEDUP[key], "kernelized_step_ms": HF_KERNELIZED_STEP_MS.get(key)},
+        "paths": paths,
+        "host_kernel_calls_lower_bound": host,
+        "without_cache_append": step.without_cache_append(paths),
+        "comparison": step.compare(key, model, paths, host),
+        "hf_kernel_check": None,
+    }
+    if batch == BATCH:  # moe_layer.json holds HF's kernel at this batch
+        check = step.hf_kernel_check(key, model, paths[step.HF_PATH]["total"], experts,
+                                     tokamax_default_row(model, batch, moe_layer_json), host)
+        result["hf_kernel_check"] = check and {**check, **hf_257us_facts(moe_layer_json)}
+    if host:
+        result["eager_host"] = step.eager_host(host_ops.count(key, eager_layer_kinds(model)), host)
+    return result
 
 
 def _read_json(path: Path) -> dict | None:

@@ -11,6 +11,15 @@ from .models import HF_KERNELIZED_STEP_MS, HF_SPEEDUP, PLAN, DecodeModel
 from .pricing import term
 
 BYTES_PER_ACTIVATION = 2
+DEFAULT = "transformers_default"
+# The kernelized path as Hugging Face ran it (the experts only, kernels-community/ragged-dot-tpu), with our
+# experts layer; and with every kernel kernelize installs (experts, attention, RMSNorm).
+HF_PATH = "kernelized_experts"
+KERNELIZED = (HF_PATH, "kernelized")
+# The aten ops each kernelized path hands to kernels (host_ops.REPLACED kinds).
+REPLACED_BY_PATH = {HF_PATH: ("experts",), "kernelized": ("rmsnorm", "attention", "experts")}
+CALL_KIND = {"rms_norm": "rmsnorm", "flash_attention": "attention", "gated_experts": "experts"}
+CACHE_APPEND = "KV cache append"
 # binding.json's kernel names -> the kernel calls of one decode step (eager: one host call each).
 HOST_CALL_KINDS = ("rms_norm", "flash_attention", "gated_experts")
 
@@ -57,7 +66,7 @@ def differing_terms(default: list[dict], kernelized: list[dict]) -> list[dict]:
 
 
 def host_lower_bound(model: DecodeModel, binding: dict | None) -> dict | None:
-    """Host Python of the kernelized step's kernel calls in eager mode (binding.json's minimum per call, launch
+    """Host Python of the fully kernelized step's kernel calls in eager mode (binding.json's minimum per call, launch
     stubbed out), a lower bound: every other eager torch op adds its own host cost, not measured here."""
     if not binding:
         return None
@@ -65,6 +74,8 @@ def host_lower_bound(model: DecodeModel, binding: dict | None) -> dict | None:
     calls = kernel_calls(model)
     ms = sum(calls[k] * per_call[k]["min_us"] for k in HOST_CALL_KINDS) / 1e3
     return {"kernel_calls_per_step": calls, "ms": round(ms, 3),
+            "per_call_min_us": {k: round(per_call[k]["min_us"], 2) for k in HOST_CALL_KINDS},
+            "smallest_call_us": round(min(v["min_us"] for v in per_call.values()), 2),
             "source": "benchmarks/results/binding.json tpu_path_python.per_call_us (min): host Python per call on "
                       "TPU tensors with the launch stubbed out, measured on this project's CPU host"}
 
@@ -98,47 +109,46 @@ def hf_kernel_check(model_key: str, model: DecodeModel, kernelized: dict, expert
         found["hf_measured_step_ms"] = measured
         found["exceeds_measured_step"] = swapped_ms > measured
         found["grid_step_cost_bound_us"] = round(max(measured - other_ms, 0.0) * 1e3 / steps, 4)
-        if host:
+        if host:  # the experts' kernel calls only: HF's configuration makes no other
+            calls_ms = host["kernel_calls_per_step"]["gated_experts"] * host["per_call_min_us"]["gated_experts"] / 1e3
             found["grid_step_cost_bound_with_host_us"] = round(
-                max(measured - other_ms - host["ms"], 0.0) * 1e3 / steps, 4)
+                max(measured - other_ms - calls_ms, 0.0) * 1e3 / steps, 4)
     return found
 
 
 def compare(model_key: str, model: DecodeModel, paths: dict[str, dict], host: dict | None) -> dict:
-    """Both paths' device times against HF's ratio and (Qwen3) HF's kernelized step; which terms explain gaps."""
-    default, kernelized = paths["transformers_default"]["total"], paths["kernelized"]["total"]
-    ratio = default["ms"] / kernelized["ms"]
-    # The ratio's spread: each path's band, the default's low against the kernelized high and the reverse.
-    spread = [default["band_ms"][0] / kernelized["band_ms"][1], default["band_ms"][1] / kernelized["band_ms"][0]]
+    """Device times against HF's ratio and (Qwen3) HF's kernelized step, per kernelized path; HF's configuration
+    (`HF_PATH`) is the one its figures compare with."""
+    default = paths[DEFAULT]["total"]
     hf = HF_SPEEDUP[model_key]
-    found = {"modelled_ratio": round(ratio, 2), "batched_mm_share_of_default": round(
-                 share(paths["transformers_default"]["terms"], "batched_mm"), 4), "modelled_ratio_band": [round(v, 2) for v in spread],
-             "hf_measured_ratio": hf, "modelled_over_hf_ratio": round(ratio / hf, 3),
-             "ratio_terms": differing_terms(paths["transformers_default"]["terms"], paths["kernelized"]["terms"])}
+    found = {"hf_measured_ratio": hf, "hf_path": HF_PATH,
+             "batched_mm_share_of_default": round(share(paths[DEFAULT]["terms"], "batched_mm"), 4)}
+    for name in KERNELIZED:
+        kernelized = paths[name]["total"]
+        ratio = default["ms"] / kernelized["ms"]
+        # The ratio's spread: the default's low against the kernelized high, and the reverse.
+        spread = [default["band_ms"][0] / kernelized["band_ms"][1], default["band_ms"][1] / kernelized["band_ms"][0]]
+        found[name] = {"modelled_ratio": round(ratio, 2), "modelled_ratio_band": [round(v, 2) for v in spread],
+                       "modelled_over_hf_ratio": round(ratio / hf, 3),
+                       "ratio_terms": differing_terms(paths[DEFAULT]["terms"], paths[name]["terms"])}
     measured = HF_KERNELIZED_STEP_MS.get(model_key)
     if measured:
-        gap = measured - kernelized["ms"]
+        kernelized = paths[HF_PATH]["total"]
         implied_default = measured * hf
         found["kernelized_vs_hf"] = {
             "hf_measured_ms": measured, "modelled_device_ms": kernelized["ms"],
-            "modelled_device_band_ms": kernelized["band_ms"], "unexplained_ms": round(gap, 3),
-            "host_kernel_calls_lower_bound_ms": host["ms"] if host else None,
-            "hf_implied_default_ms": round(implied_default, 1),
-            "modelled_default_device_ms": default["ms"],
+            "modelled_device_band_ms": kernelized["band_ms"], "unexplained_ms": round(measured - kernelized["ms"], 3),
+            "hf_implied_default_ms": round(implied_default, 1), "modelled_default_device_ms": default["ms"],
             "default_modelled_over_implied": round(default["ms"] / implied_default, 3)}
     return found
 
 
-CACHE_APPEND = "KV cache append"
-
-
 def without_cache_append(paths: dict[str, dict]) -> dict:
-    """Both paths and their ratio with DynamicCache's concatenation taken out, as an in-place cache update (a
+    """Every path and the ratios with DynamicCache's concatenation taken out, as an in-place cache update (a
     static cache in a compiled step with donated buffers) would leave them: the cache assumption's weight."""
-    totals = {name: total([t for t in path["terms"] if CACHE_APPEND not in t["term"]])
+    totals = {name: total([t for t in path["terms"] if CACHE_APPEND not in t["term"]])["ms"]
               for name, path in paths.items()}
-    return {"ms": {name: found["ms"] for name, found in totals.items()},
-            "ratio": round(totals["transformers_default"]["ms"] / totals["kernelized"]["ms"], 2)}
+    return {"ms": totals, "ratio": {name: round(totals[DEFAULT] / totals[name], 2) for name in KERNELIZED}}
 
 
 def share(terms: list[dict], prefix: str) -> float:
@@ -150,3 +160,42 @@ def share(terms: list[dict], prefix: str) -> float:
 def plan_facts(model: DecodeModel) -> dict:
     return {"chips": PLAN.chips, "expert_parallel": PLAN.expert_parallel,
             "local_experts": PLAN.local_experts(model), "collective": PLAN.experts_collective}
+
+
+def eager_host(ops: dict, host: dict) -> dict:
+    """The eager step's host dispatches per path (`host_ops.count`'s per-step counts): the default's aten ops;
+    a kernelized path's aten ops outside what it replaces, plus one kernel call per replaced module (whose host
+    Python binding.json bounds)."""
+    per_step = ops["per_step"]
+    calls, per_call_us = host["kernel_calls_per_step"], host["per_call_min_us"]
+    found = {"aten_ops_per_step": per_step,
+             DEFAULT: {"other_ops": per_step["ops"], "kernel_calls": 0, "kernel_calls_host_ms": 0.0}}
+    for name, replaced in REPLACED_BY_PATH.items():
+        kept = [k for k in calls if CALL_KIND[k] in replaced]
+        found[name] = {"other_ops": per_step["ops"] - sum(per_step[k] for k in replaced),
+                       "kernel_calls": sum(calls[k] for k in kept),
+                       "kernel_calls_host_ms": round(sum(calls[k] * per_call_us[k] for k in kept) / 1e3, 3)}
+    return found
+
+
+def implied_op_cost(measured_ms: float, device_ms: float, eager_path: dict) -> dict:
+    """The host cost per eager op that makes a kernelized step take `measured_ms`: if host and device time add up
+    (`serial`), or if the device runs behind the host and the longer sets the step (`overlapped`)."""
+    spare = {"serial": measured_ms - device_ms - eager_path["kernel_calls_host_ms"],
+             "overlapped": measured_ms - eager_path["kernel_calls_host_ms"]}
+    return {how: round(max(ms, 0.0) * 1e3 / eager_path["other_ops"], 3) for how, ms in spare.items()}
+
+
+def with_host(paths: dict[str, dict], eager: dict, op_cost_us: dict) -> dict:
+    """Every path's step and the ratios with the host time at `op_cost_us` per eager op, per way of combining."""
+    found = {}
+    for how, us in op_cost_us.items():
+        def combine(a: float, b: float) -> float:
+            return a + b if how == "serial" else max(a, b)
+
+        steps = {name: combine(paths[name]["total"]["ms"],
+                               eager[name]["other_ops"] * us / 1e3 + eager[name]["kernel_calls_host_ms"])
+                 for name in paths}
+        found[how] = {"ms": {name: round(ms, 2) for name, ms in steps.items()},
+                      "ratio": {name: round(steps[DEFAULT] / steps[name], 2) for name in KERNELIZED}}
+    return found
