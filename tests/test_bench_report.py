@@ -357,7 +357,7 @@ def test_moe_layer_v5p_tpu7x_table_adds_the_quantized_formats(monkeypatch):
 def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
     sources = set()
     for doc in ("docs/binding.md", "kernel_repos/attention-tpu/CARD.md", "docs/multichip.md", "benchmarks/README.md",
-                "docs/kernelize.md", "docs/hub.md"):
+                "docs/kernelize.md", "docs/hub.md", "README.md"):
         blocks, _ = report.find_blocks(doc, (ROOT / doc).read_text())
         sources |= {block.source for block in blocks}
     assert sources >= {"benchmarks/results/binding.md#cost-per-call",
@@ -374,7 +374,11 @@ def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
                        "benchmarks/results/quantization_accuracy.md#errors",
                        "benchmarks/results/quantization_accuracy_tpu7x.md#errors",
                        "benchmarks/results/moe_layer_formats.md#per-chip",
-                       "benchmarks/results/moe_layer_v5p_tpu7x_headline.md#headline-and-quantized"}
+                       "benchmarks/results/moe_layer_v5p_tpu7x_headline.md#headline-and-quantized",
+                       "benchmarks/results/decode_step.md#step", "benchmarks/results/decode_step.md#terms",
+                       "benchmarks/results/decode_step.md#gaps", "benchmarks/results/decode_step.md#hf-kernel",
+                       "benchmarks/results/decode_step.md#host",
+                       "benchmarks/results/decode_step.md#assumptions"}
 
 
 def test_cli_runs_report_as_a_bench_tool(tmp_path, monkeypatch, capsys):
@@ -389,3 +393,54 @@ def test_cli_runs_report_as_a_bench_tool(tmp_path, monkeypatch, capsys):
     assert cli.main(["bench", "report", "--check"]) == 0
     assert cli.main(["bench", "--help"]) == 0
     assert "report" in capsys.readouterr().out
+
+
+def test_decode_step_tables_from_its_json():
+    from tpu_kernels.bench.tables import decode_step as decode_step_tables
+
+    def term(name: str, ms: float, kind: str = "uncalibrated") -> dict:
+        return {"term": name, "ms_per_step": ms, "priced_by": "XLA program", "error_kind": kind}
+
+    def path(terms: list[dict], ms: float, band: list[float]) -> dict:
+        return {"terms": terms, "total": {"ms": ms, "band_ms": band}}
+
+    append, router = term("cache append", 7.86), term("router", 0.02)
+    ours = term("experts: ours", 4.66, "pallas_ragged_dot")
+    paths = {"transformers_default": path([term("batched_mm: gather", 97.2), term("sdpa", 6.03), append, router],
+                                          303.7, [303.5, 304.1]),
+             "kernelized_experts": path([term("sdpa", 6.03), ours, append, router], 20.71, [20.3, 21.4]),
+             "kernelized": path([term("flash", 5.01), ours, append, router, term("norm", 0.05)], 19.76, [18.3, 21.42])}
+    ratio = {"modelled_ratio_band": [14.17, 16.62]}
+    comparison = {"hf_measured_ratio": 21.5, "kernelized_experts": {**ratio, "modelled_ratio": 14.67},
+                  "kernelized": {**ratio, "modelled_ratio": 15.37},
+                  "kernelized_vs_hf": {"modelled_device_ms": 20.71, "hf_measured_ms": 56.6}}
+    at = {"ms": {"transformers_default": 345.8, "kernelized_experts": 56.6, "kernelized": 52.5},
+          "ratio": {"kernelized_experts": 6.11, "kernelized": 6.59}}
+    eager = {name: {"other_ops": ops, "kernel_calls": calls} for name, ops, calls in (
+        ("transformers_default", 4747, 0), ("kernelized_experts", 3739, 48), ("kernelized", 2437, 289))}
+    eager.update(implied_op_cost_us={"serial": 8.859, "overlapped": 14.398},
+                 with_implied_op_cost={"serial": at, "overlapped": at})
+    model = {"model": {"name": "Qwen3-30B-A3B", "parameters_b": 30.53, "active_parameters_b": 3.35,
+                       "source": "config.json"},
+             "paths": paths, "comparison": comparison, "eager_host": eager,
+             "without_cache_append": {"ratio": {"kernelized_experts": 23.0, "kernelized": 24.85}},
+             "explanation": ["the gap is host time"],
+             "hf_kernel_check": {"tokamax_default_us": 1687.4, "tokamax_default_grid_steps": 4608,
+                                 "kernelized_step_with_it_ms": 97.0, "hf_measured_step_ms": 56.6,
+                                 "grid_step_cost_bound_us": 0.1571, "grid_step_cost_bound_with_host_us": 0.1446}}
+    method = {"context_tokens": 1024, "context_source": "assumed", "plan": "EP8", "cache": "dynamic",
+              "priced": "compiled", "eager": "one op each", "errors": {"a": "p90 6 %"}, "error_note": "note",
+              "left_out": "host time"}
+    tables = decode_step_tables.render_markdown({"method": method, "models": {"qwen3-30b-a3b": model}})
+    assert tables["step"].splitlines()[2] == (
+        "| Qwen3-30B-A3B | 303.7 (303.5-304.1) | 20.7 (20.3-21.4) | 19.8 (18.3-21.4) | 14.7x (14.2-16.6) | 21.5x "
+        "| 15.4x (14.2-16.6) | 23.0x / 24.9x | 56.6 ms |")
+    lines = tables["terms"].splitlines()
+    assert lines[2].startswith("| Qwen3-30B-A3B | batched_mm: gather | 97.20 |  |  | XLA program |")
+    assert lines[3].startswith("| Qwen3-30B-A3B | cache append | 7.86 | 7.86 | 7.86 |")
+    assert lines[-1].startswith("| Qwen3-30B-A3B | 2 terms under 0.1 ms each") and "| 0.02 | 0.02 | 0.07 |" in lines[-1]
+    assert tables["host"].splitlines()[3] == "| Qwen3-30B-A3B | kernelized_experts | 3739 + 48 | 56.6 / 56.6 | 6.1x / 6.1x |"
+    assert "8.859 µs (host and device time add up) or 14.398 µs" in tables["host"]
+    assert tables["gaps"].splitlines() == ["- **Qwen3-30B-A3B**", "  - the gap is host time."]
+    assert tables["hf-kernel"].splitlines()[2] == "| Qwen3-30B-A3B | 1687 (4608) | 97.0 | 56.6 | 0.1571 (0.1446) |"
+    assert "| context | 1024 tokens per request: assumed |" in tables["assumptions"]
