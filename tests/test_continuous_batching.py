@@ -167,3 +167,34 @@ def test_continuous_batching_on_our_attention_matches_eager(name, attention_on_h
     model.set_attn_implementation(CB_NAME)
     assert generate_batch(model, requests, 4, **CB_OPTIONS) == expected
     assert varlen_calls.saw_every_kind_of_step(), varlen_calls.lengths
+
+
+@pytest.mark.slow
+def test_kernelize_from_a_hub_serves_generate_and_continuous_batching(attention_on_hub, builds, varlen_calls):
+    """One kernelize call (experts, RMSNorm and attention) and both generate and generate_batch run on the kernels."""
+    model = tiny_model("qwen3_moe")
+    requests = prompts([3, 40, 1, 9])
+    expected = eager_tokens(model, requests, 4)
+    kernelize(model, repos={"experts": str(builds["ragged-dot-tpu"]), "rmsnorm": str(builds["rmsnorm-tpu"]),
+                            "attention": f"{attention_on_hub}@1"})
+    report = model.tpu_kernels_report
+    assert {e.kind for e in report.entries if e.replaced} == {"experts", "rmsnorm", "attention"}, repr(report)
+    assert model.config._attn_implementation == f"{attention_on_hub}@v1:flash_attn_varlen_func"
+    assert "generate and generate_batch" in repr(report)
+    assert eager_tokens(model, requests, 4) == expected
+    assert generate_batch(model, requests, 4, max_batch_tokens=16, max_requests_per_batch=2, page_size=16,
+                          num_blocks=32) == expected
+    assert varlen_calls.lengths
+
+
+@pytest.mark.slow
+def test_kernelize_says_when_generate_batch_is_unavailable(attention_on_hub, builds):
+    """GPT-OSS replaces foreign flash kernels: kernelize serves its attention through attention_forward, says
+    generate_batch is unavailable, and transformers refuses it."""
+    model = tiny_model("gpt_oss")
+    kernelize(model, repos={"experts": None, "rmsnorm": None, "attention": f"{attention_on_hub}@1"})
+    (entry,) = model.tpu_kernels_report.replaced("attention")
+    assert "generate_batch unavailable" in entry.note and "kernels-community/vllm-flash-attn3" in entry.note
+    assert "flash" not in model.config._attn_implementation
+    with pytest.raises(ValueError, match="not supported for continuous batching"):
+        model.init_continuous_batching()
