@@ -347,6 +347,23 @@ def flash_implementation(spec: KernelSpec) -> str:
     return f"{spec.repo}@v{spec.version}:{FLASH_FUNCTION}"
 
 
+class _NoticesWithoutAction(logging.Filter):
+    """transformers' flash-path notices that name nothing a user of this kernel can act on: that the kernel has no
+    block-table function (transformers 5.25 takes that path on CUDA and XPU only), and a cast of float32 inputs
+    "back to torch.float32" (a float32 model's: no cast happens)."""
+
+    MESSAGES = ("does not support block tables", "Casting fp32 inputs back to torch.float32 ")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(message in record.getMessage() for message in self.MESSAGES)
+
+
+def _quiet_flash_notices() -> None:
+    flash_logger = logging.getLogger("transformers.modeling_flash_attention_utils")
+    if not any(isinstance(f, _NoticesWithoutAction) for f in flash_logger.filters):
+        flash_logger.addFilter(_NoticesWithoutAction())
+
+
 def _kernelize_attention(model, spec: KernelSpec, kernel: ModuleType, mode: Mode, device: str) -> ReportEntry:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -376,6 +393,7 @@ def _kernelize_attention(model, spec: KernelSpec, kernel: ModuleType, mode: Mode
     if no_flash_route is None:
         # transformers loads the kernel again by this name, through `kernels`: the same build that was loaded and
         # checked above, from a repo the caller's trust settings have just admitted (hence allow_all_kernels).
+        _quiet_flash_notices()
         model.set_attn_implementation(flash_implementation(spec), allow_all_kernels=True)
         return ReportEntry("attention", True, modules, str(spec),
                            note="through transformers' flash path: generate and generate_batch")
