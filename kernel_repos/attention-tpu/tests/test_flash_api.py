@@ -181,3 +181,9 @@ def test_transformers_reads_the_arguments_it_needs(kernel):
             assert name in parameters, (function.__name__, name)
     assert {"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"} <= set(
         inspect.signature(kernel.flash_attn_varlen_func).parameters)
+
+
+def test_attention_forward_points_a_paged_cache_at_the_flash_api(kernel):
+    q, k, v = _tensors([(1, 2, 3, 64)] * 3, torch.float32, seed=9)
+    with pytest.raises(ValueError, match='attn_implementation="<org>/attention-tpu:flash_attn_varlen_func"'):
+        kernel.attention_forward(torch.nn.Module(), q, k, v, None, cache=object())

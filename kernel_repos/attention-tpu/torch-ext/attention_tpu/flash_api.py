@@ -150,20 +150,36 @@ def _pad_sequences(packed: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int)
     return packed[rows].transpose(1, 2)
 
 
+def _bucket(size: int) -> int:
+    """The power of two at or above `size` (at least 1)."""
+    return 1 << max(size - 1, 0).bit_length()
+
+
+def _with_empty_sequences(cu_seqlens: torch.Tensor, batch: int) -> torch.Tensor:
+    """`cu_seqlens` extended by empty sequences to `batch` of them."""
+    extra = batch + 1 - cu_seqlens.shape[0]
+    return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(extra)]) if extra else cu_seqlens
+
+
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, **options):
     """The kernel call of `flash_attn_varlen_func` (inputs checked): packed q, k, v -> packed [total_q, Hq, D].
 
-    Each sequence is padded to the longest one; the flash kernel masks the
-    padded keys by length and places each sequence's queries at its last
-    positions; rows past `cu_seqlens_q[-1]` come out zero.
+    Each sequence is padded to a common length; the flash kernel masks the
+    padded keys by length (and skips key blocks past every length) and places
+    each sequence's queries at its last positions; rows past
+    `cu_seqlens_q[-1]` come out zero. The batch and both lengths are rounded
+    up to powers of two: continuous batching changes them at every step, and
+    each new shape compiles the kernel anew.
     """
     total_q = q.shape[0]
     if total_q == 0 or cu_seqlens_q.shape[0] == 1 or k.shape[0] == 0:
         return q.new_zeros(q.shape)
-    q_lengths, kv_lengths = cu_seqlens_q.diff(), cu_seqlens_k.diff()
-    out = flash_attention(_pad_sequences(q, cu_seqlens_q, max(max_seqlen_q, 1)),
-                          _pad_sequences(k, cu_seqlens_k, max(max_seqlen_k, 1)),
-                          _pad_sequences(v, cu_seqlens_k, max(max_seqlen_k, 1)),
+    batch = _bucket(cu_seqlens_q.shape[0] - 1)
+    padded_q, padded_k = _with_empty_sequences(cu_seqlens_q, batch), _with_empty_sequences(cu_seqlens_k, batch)
+    q_lengths, kv_lengths = padded_q.diff(), padded_k.diff()
+    query_rows, key_rows = _bucket(max_seqlen_q), _bucket(max_seqlen_k)
+    out = flash_attention(_pad_sequences(q, padded_q, query_rows), _pad_sequences(k, padded_k, key_rows),
+                          _pad_sequences(v, padded_k, key_rows),
                           q_offset=(kv_lengths - q_lengths).to(torch.int32), kv_lengths=kv_lengths.to(torch.int32),
                           **options)
     # Each packed row: its sequence and its index in it.
@@ -171,7 +187,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     sequence = torch.bucketize(token, cu_seqlens_q[1:].to(torch.int64), right=True)
     inside = sequence < cu_seqlens_q.shape[0] - 1
     sequence = sequence.clamp(max=cu_seqlens_q.shape[0] - 2)
-    index = (token - cu_seqlens_q[sequence].to(torch.int64)).clamp(0, out.shape[2] - 1)
+    index = (token - cu_seqlens_q[sequence].to(torch.int64)).clamp(0, query_rows - 1)
     return torch.where(inside[:, None, None], out[sequence, :, index], 0)
 
 
