@@ -15,6 +15,8 @@ Each case compares greedy tokens with eager attention, per request.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 import transformers
@@ -119,15 +121,31 @@ CB_OPTIONS = dict(max_batch_tokens=32, max_requests_per_batch=3, page_size=16, n
 LENGTHS = [1, 5, 300, 17, 2, 64]
 
 
-class VarlenCalls:
-    """Records each call of the kernel's varlen attention: (query lengths, key lengths) per sequence."""
+class VarlenSteps:
+    """Watches what transformers' flash path is handed under one implementation name (each call's query and key
+    lengths per sequence), and checks that the varlen function it calls is the kernel's."""
 
-    def __init__(self, function):
-        self.function, self.lengths = function, []
+    def __init__(self, kernel):
+        self.kernel, self.lengths = kernel, []
 
-    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs):
-        self.lengths.append(list(zip(cu_seqlens_q.diff().tolist(), cu_seqlens_k.diff().tolist())))
-        return self.function(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs)
+    @contextmanager
+    def watching(self, name: str):
+        from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
+
+        assert lazy_import_flash_attention(name)[0][1] is self.kernel.flash_attn_varlen_func
+        flash_forward = transformers.AttentionInterface._global_mapping[name]
+
+        def recorded(module, query, key, value, attention_mask, **kwargs):
+            if kwargs.get("cu_seq_lens_q") is not None:
+                self.lengths.append(list(zip(kwargs["cu_seq_lens_q"].diff().tolist(),
+                                             kwargs["cu_seq_lens_k"].diff().tolist())))
+            return flash_forward(module, query, key, value, attention_mask, **kwargs)
+
+        transformers.AttentionInterface.register(name, recorded)
+        try:
+            yield self
+        finally:
+            transformers.AttentionInterface.register(name, flash_forward)
 
     def saw_every_kind_of_step(self) -> bool:
         """Several sequences in one call, prefills, chunks of a prompt against its cache, and decodes."""
@@ -137,13 +155,10 @@ class VarlenCalls:
 
 
 @pytest.fixture
-def varlen_calls(attention_on_hub, monkeypatch):
+def varlen_steps(attention_on_hub):
     import kernels
 
-    kernel = kernels.get_kernel(attention_on_hub, version=1)
-    calls = VarlenCalls(kernel.flash_api.varlen_attention)
-    monkeypatch.setattr(kernel.flash_api, "varlen_attention", calls)
-    return calls
+    return VarlenSteps(kernels.get_kernel(attention_on_hub, version=1))
 
 
 def accept_our_flash_name(model) -> None:
@@ -155,7 +170,7 @@ def accept_our_flash_name(model) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_continuous_batching_on_our_attention_matches_eager(name, attention_on_hub, builds, varlen_calls):
+def test_continuous_batching_on_our_attention_matches_eager(name, attention_on_hub, builds, varlen_steps):
     model = tiny_model(name)
     requests = prompts(LENGTHS)
     expected = eager_tokens(model, requests, 4)
@@ -165,12 +180,13 @@ def test_continuous_batching_on_our_attention_matches_eager(name, attention_on_h
     if getattr(model, "_compatible_flash_implementations", None) is not None:
         accept_our_flash_name(model)
     model.set_attn_implementation(CB_NAME)
-    assert generate_batch(model, requests, 4, **CB_OPTIONS) == expected
-    assert varlen_calls.saw_every_kind_of_step(), varlen_calls.lengths
+    with varlen_steps.watching(CB_NAME):
+        assert generate_batch(model, requests, 4, **CB_OPTIONS) == expected
+    assert varlen_steps.saw_every_kind_of_step(), varlen_steps.lengths
 
 
 @pytest.mark.slow
-def test_kernelize_from_a_hub_serves_generate_and_continuous_batching(attention_on_hub, builds, varlen_calls):
+def test_kernelize_from_a_hub_serves_generate_and_continuous_batching(attention_on_hub, builds, varlen_steps):
     """One kernelize call (experts, RMSNorm and attention) and both generate and generate_batch run on the kernels."""
     model = tiny_model("qwen3_moe")
     requests = prompts([3, 40, 1, 9])
@@ -182,9 +198,10 @@ def test_kernelize_from_a_hub_serves_generate_and_continuous_batching(attention_
     assert model.config._attn_implementation == f"{attention_on_hub}@v1:flash_attn_varlen_func"
     assert "generate and generate_batch" in repr(report)
     assert eager_tokens(model, requests, 4) == expected
-    assert generate_batch(model, requests, 4, max_batch_tokens=16, max_requests_per_batch=2, page_size=16,
-                          num_blocks=32) == expected
-    assert varlen_calls.lengths
+    with varlen_steps.watching(model.config._attn_implementation):
+        assert generate_batch(model, requests, 4, max_batch_tokens=16, max_requests_per_batch=2, page_size=16,
+                              num_blocks=32) == expected
+    assert varlen_steps.saw_every_kind_of_step(), varlen_steps.lengths
 
 
 @pytest.mark.slow
