@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, GptOssConfig, MixtralConfig, Qwen
 
 from tpu_kernels import kernelize
 from tpu_kernels.distribution.builder import build_kernel_repo
-from tpu_kernels.integration.kernelize import experts_modules, head_dims_refusal
+from tpu_kernels.integration.kernelize import KernelSpec, experts_modules, flash_route_refusal, head_dims_refusal
 
 from .conftest import REPO_ROOT
 from .loader_support import TRUSTED, publish
@@ -345,3 +345,28 @@ def test_the_attention_refusal_names_only_what_the_kernel_cannot_serve():
     reason = head_dims_refusal(attention, (64, 128, 256))
     assert reason.startswith("1 attention module(s) without a single head_dim, e.g. model.layers.0.self_attn (")
     assert "latent attention is not served" in reason and "None" not in reason
+
+
+def test_which_attention_route_kernelize_takes(all_builds, tmp_path):
+    """transformers' flash path (and with it generate_batch) for a Hub kernel in inference, for a model that takes a
+    flash kernel from the Hub; attention_forward otherwise, for a reason the report gives."""
+    from tpu_kernels.distribution.loader import get_local_kernel
+
+    kernel = get_local_kernel(all_builds["attention"], backend="cpu")
+    hub = KernelSpec.parse("tpu-kernels/attention-tpu@2")
+    local = KernelSpec.parse(all_builds["attention"])
+    qwen, gpt_oss = _tiny_model("qwen3_moe"), _tiny_model("gpt_oss")
+    assert flash_route_refusal(qwen, hub, kernel, Mode.INFERENCE) is None
+    assert "local build folder" in flash_route_refusal(qwen, local, kernel, Mode.INFERENCE)
+    assert "TRAINING or TORCH_COMPILE" in flash_route_refusal(qwen, hub, kernel, Mode.TRAINING)
+    assert "TRAINING or TORCH_COMPILE" in flash_route_refusal(qwen, hub, kernel, Mode.INFERENCE | Mode.TORCH_COMPILE)
+    assert "accepts only the flash kernels" in flash_route_refusal(gpt_oss, hub, kernel, Mode.INFERENCE)
+    without_function = type("OldKernel", (), {})()
+    assert "no flash_attn_varlen_func" in flash_route_refusal(qwen, hub, without_function, Mode.INFERENCE)
+    no_flash = type("NoFlashModel", (), {"_supports_flash_attn": False})()
+    assert "NoFlashModel does not support flash attention" in flash_route_refusal(no_flash, hub, kernel, Mode.INFERENCE)
+
+    kernelize(qwen, repos={**all_builds, "experts": None, "rmsnorm": None})
+    (entry,) = qwen.tpu_kernels_report.replaced("attention")
+    assert entry.note.startswith("through attention_forward: generate_batch unavailable (a local build folder")
+    assert "generate_batch unavailable" in repr(qwen.tpu_kernels_report)

@@ -13,11 +13,22 @@ Kinds of layer and how each is replaced:
   does not decorate (Gemma's, ...). The kernel decides the match
   (`layers.matching_layer_name`) by running the module's forward on a small
   probe, so gated or other norms keep theirs.
-* attention: the attention kernel's `attention_forward` and its mask function
-  are registered under one name in `AttentionInterface` *and*
-  `AttentionMaskInterface` (without the mask registration transformers hands
-  an unknown implementation no padding mask at all), then selected with
-  `model.set_attn_implementation`.
+* attention, one of two routes (the report says which):
+  - from a Hub, in inference, for a model transformers lets use a flash
+    kernel: `model.set_attn_implementation("<org>/<name>@v<N>:flash_attn_varlen_func")`.
+    transformers loads the kernel by that name (the same build, already
+    verified here) and runs its own flash-attention path on the kernel's
+    `flash_attn_func` / `flash_attn_varlen_func`. The name holds "flash",
+    which continuous batching (`model.generate_batch`) asks for, so both
+    `generate` and `generate_batch` run on the kernel.
+  - otherwise (a local build folder, TRAINING or TORCH_COMPILE, a model
+    without flash support or one that replaces foreign flash names, as
+    GPT-OSS does): the kernel's `attention_forward` and its mask function
+    are registered under one name in `AttentionInterface` *and*
+    `AttentionMaskInterface` (without the mask registration transformers
+    hands an unknown implementation no padding mask at all), then selected
+    with `model.set_attn_implementation`. `generate` runs on the kernel,
+    `generate_batch` refuses the name (it holds no "flash").
 
 kernelize changes only the model it is given. transformers reads the experts
 and attention implementations from the model's config, and models built from
@@ -109,6 +120,7 @@ class ReportEntry:
     modules: tuple[str, ...]
     source: str
     reason: str = ""
+    note: str = ""  # how a replaced kind is served, when that matters to the user
 
 
 @dataclass
@@ -156,6 +168,8 @@ class KernelizeReport:
             where = f"{len(e.modules)} module(s)" if e.modules else "no modules"
             detail = f" by {e.source}" if e.replaced else f": {e.reason}"
             lines.append(f"  {e.kind:<9} {status}{detail} ({where})")
+            if e.note:
+                lines.append(f"            {e.note}")
         if self.own_config:
             lines.append("  config    the model's own copy: the experts and attention implementations are set on it, "
                          "not on the config object the model was built from")
@@ -305,6 +319,51 @@ def head_dims_refusal(attention: dict, supported: tuple[int, ...]) -> str | None
     return "; ".join(reasons) or None
 
 
+FLASH_FUNCTION = "flash_attn_varlen_func"
+
+
+def flash_route_refusal(model, spec: KernelSpec, kernel: ModuleType, mode: Mode) -> str | None:
+    """Why the attention kernel cannot serve `model` through transformers' flash path (so neither can continuous
+    batching); None if it can."""
+    from kernels import Mode
+
+    if not hasattr(kernel, FLASH_FUNCTION):
+        return f"this version of the kernel has no {FLASH_FUNCTION}"
+    if spec.local_path is not None:
+        return "a local build folder, which transformers cannot load by name (publish it to a Hub)"
+    if Mode.TRAINING in mode or Mode.TORCH_COMPILE in mode:
+        return "TRAINING or TORCH_COMPILE, which kernelize serves through attention_forward"
+    if not getattr(model, "_supports_flash_attn", False):
+        return f"{type(model).__name__} does not support flash attention in transformers"
+    accepted = getattr(model, "_compatible_flash_implementations", None)
+    if accepted is not None and flash_implementation(spec) not in accepted:
+        return (f"{type(model).__name__} accepts only the flash kernels {accepted}: transformers would replace ours "
+                f"with {accepted[0]}")
+    return None
+
+
+def flash_implementation(spec: KernelSpec) -> str:
+    """The attn_implementation name that makes transformers load the kernel of `spec` as a flash kernel."""
+    return f"{spec.repo}@v{spec.version}:{FLASH_FUNCTION}"
+
+
+class _NoticesWithoutAction(logging.Filter):
+    """transformers' flash-path notices that name nothing a user of this kernel can act on: that the kernel has no
+    block-table function (transformers 5.25 takes that path on CUDA and XPU only), and a cast of float32 inputs
+    "back to torch.float32" (a float32 model's: no cast happens)."""
+
+    MESSAGES = ("does not support block tables", "Casting fp32 inputs back to torch.float32 ")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(message in record.getMessage() for message in self.MESSAGES)
+
+
+def _quiet_flash_notices() -> None:
+    flash_logger = logging.getLogger("transformers.modeling_flash_attention_utils")
+    if not any(isinstance(f, _NoticesWithoutAction) for f in flash_logger.filters):
+        flash_logger.addFilter(_NoticesWithoutAction())
+
+
 def _kernelize_attention(model, spec: KernelSpec, kernel: ModuleType, mode: Mode, device: str) -> ReportEntry:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -330,12 +389,21 @@ def _kernelize_attention(model, spec: KernelSpec, kernel: ModuleType, mode: Mode
     unsupported = _supports(kernel.attention_forward, mode)
     if unsupported:
         return ReportEntry("attention", False, modules, str(spec), unsupported)
+    no_flash_route = flash_route_refusal(model, spec, kernel, mode)
+    if no_flash_route is None:
+        # transformers loads the kernel again by this name, through `kernels`: the same build that was loaded and
+        # checked above, from a repo the caller's trust settings have just admitted (hence allow_all_kernels).
+        _quiet_flash_notices()
+        model.set_attn_implementation(flash_implementation(spec), allow_all_kernels=True)
+        return ReportEntry("attention", True, modules, str(spec),
+                           note="through transformers' flash path: generate and generate_batch")
     # transformers treats any name containing "flash" as FlashAttention (2-D masks): avoid it.
     name = f"tpu_kernels_{kernel.__name__.lstrip('_')}"
     AttentionInterface.register(name, kernel.attention_forward)
     AttentionMaskInterface.register(name, kernel.attention_mask)
     model.set_attn_implementation(name)
-    return ReportEntry("attention", True, modules, str(spec))
+    return ReportEntry("attention", True, modules, str(spec),
+                       note=f"through attention_forward: generate_batch unavailable ({no_flash_route})")
 
 
 APPLIERS = {"experts": _kernelize_experts, "rmsnorm": _kernelize_rmsnorm, "attention": _kernelize_attention}

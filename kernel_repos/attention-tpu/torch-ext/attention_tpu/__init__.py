@@ -19,17 +19,20 @@ tests use besides: the call's options and problem, the seams (dotted:
 # Submodules are bound by name here, not only imported: `kernels` may load the
 # same build (same module id) from a second path, and then Python reuses the
 # cached submodules without setting them as attributes of the new package.
-from . import common, flash, flash_backward, ops, reference
+from . import common, flash, flash_api, flash_backward, ops, reference
 from .attention import attention_forward, attention_mask
 from .common.masking import Attention, Problem, kv_steps, prepare, q_steps
 from .common.tiles import AttentionConfig
 from .common.vmem import WORKING_SET_BOUND_BYTES, WORKING_SET_MARGIN, vmem_budget, vmem_limit
 from .flash.kernel import SUPPORTED_HEAD_DIMS
+from .flash_api import flash_attn_func, flash_attn_varlen_func
 from .ops import flash_attention
 
 # What a user of the loaded kernel calls (and what `kernels describe-api` lists, from symbols.json): the torch
-# op, transformers' attention and mask functions, and the float64 reference the kernels are tested against.
-__all__ = ["SUPPORTED_HEAD_DIMS", "attention_forward", "attention_mask", "flash_attention", "ops", "reference"]
+# op, transformers' attention and mask functions, the flash-attn 2 API (`flash_api`: what transformers calls when
+# `attn_implementation` names this repo) and the float64 reference the kernels are tested against.
+__all__ = ["SUPPORTED_HEAD_DIMS", "attention_forward", "attention_mask", "flash_attention", "ops", "reference",
+           "flash_attn_func", "flash_attn_varlen_func"]
 
 # The one face code outside this package (benchmarks, the performance model, integration, tests) uses besides
 # `__all__`: tests/test_kernel_face.py holds every use to these names. A dotted name is reached through the

@@ -52,7 +52,9 @@ def _reject_unsupported(dropout: float, kwargs: dict) -> None:
         raise ValueError("the TPU attention kernel cannot return attention weights (output_attentions=True)")
     cache = kwargs.get("cache")
     if cache is not None:
-        raise ValueError(f"the TPU attention kernel does not support paged caches (got {type(cache).__name__})")
+        raise ValueError(
+            f"attention_forward does not read paged caches (got {type(cache).__name__}): for continuous batching "
+            "select the kernel's flash-attn API, attn_implementation=\"<org>/attention-tpu:flash_attn_varlen_func\"")
 
 
 def attention_forward(

@@ -1,0 +1,232 @@
+"""The flash-attn 2 API over the Pallas flash kernel: `flash_attn_func` and `flash_attn_varlen_func`.
+
+transformers calls these when a model's `attn_implementation` names this
+kernel repo on the Hub (`"<org>/attention-tpu"`; with `":flash_attn_varlen_func"`
+appended the name also holds "flash", which continuous batching asks for).
+transformers decides which keyword arguments to pass by reading the
+functions' parameter names, so every name here is one it knows, and one this
+kernel either computes or refuses with a ValueError naming it.
+
+Layouts are flash-attn's: q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D]; the
+varlen form packs the sequences, q [total_q, Hq, D] and k, v [total_k, Hkv, D],
+sequence b spanning rows cu_seqlens[b]:cu_seqlens[b + 1]. With causal (and
+windows), query i of a sequence sits at key position i + Sk - Sq (aligned
+bottom-right, as flash-attn >= 2.1), so a query whose position is negative
+sees no key and its row is zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ops import FLOAT_DTYPES, flash_attention
+
+
+def _window_options(window_size, causal: bool, kv_len: int) -> tuple[bool, int | None]:
+    """flash-attn's (left, right) window, -1 = unbounded, as the kernel's (causal, sliding_window).
+
+    As flash-attn does: causal sets right to 0, a side at least `kv_len` long is
+    unbounded, and (-1, 0) is causal. The kernel's window bounds the left side
+    only, so a right side between 0 and kv_len (non-causal) is refused.
+    """
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(s, int) and not isinstance(s, bool) and s >= -1 for s in window_size)):
+        raise ValueError(f"window_size must be a pair of ints >= -1 (left, right; -1 = unbounded), got {window_size!r}")
+    left, right = window_size
+    if left >= kv_len:
+        left = -1
+    if right >= kv_len:
+        right = -1
+    if causal or right == 0:
+        return True, None if left < 0 else left + 1
+    if right > 0:
+        raise ValueError(
+            f"window_size={tuple(window_size)}: the TPU attention kernel bounds a window on the left only; a right "
+            "side other than 0 (causal) or -1 (unbounded) is not supported"
+        )
+    return False, None if left < 0 else left + 1
+
+
+def _sinks(s_aux, learnable_sink):
+    if s_aux is not None and learnable_sink is not None:
+        raise ValueError("pass attention sinks as s_aux or as learnable_sink, not both")
+    return s_aux if learnable_sink is None else learnable_sink
+
+
+def _refuse_unsupported(dropout_p, alibi_slopes, return_attn_probs, softcap) -> float | None:
+    """ValueError for what the kernel does not compute; returns the softcap as the kernel takes it (0 = none)."""
+    if dropout_p:
+        raise ValueError(f"dropout_p={dropout_p}: the TPU attention kernel has no dropout (use dropout_p=0.0)")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes: the TPU attention kernel does not add ALiBi biases")
+    if return_attn_probs:
+        raise ValueError("return_attn_probs=True: the TPU attention kernel does not return attention probabilities")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap < 0:
+        raise ValueError(f"softcap must be a number >= 0 (0 = none), got {softcap!r}")
+    return float(softcap) if softcap > 0 else None
+
+
+def _check_layout(name: str, tensor, rank: int, layout: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != rank:
+        raise ValueError(f"{name} must be {rank}-D {layout}, got shape {tuple(tensor.shape)}")
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    s_aux: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """flash-attn 2's `flash_attn_func`: q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D] -> [B, Sq, Hq, D].
+
+    Hq a multiple of Hkv (grouped-query attention); D one of the kernel's
+    head dims; float32 or bfloat16. softmax_scale defaults to D ** -0.5.
+    window_size (left, right) with -1 unbounded; softcap > 0 caps the logits;
+    s_aux (or learnable_sink) [Hq] is one sink logit per query head. The
+    kernel is deterministic, so `deterministic` asks for nothing more.
+    Refused (ValueError): dropout_p > 0, alibi_slopes, return_attn_probs, a
+    right window side the kernel cannot bound. Differentiable in q, k, v and
+    the sinks.
+    """
+    softcap = _refuse_unsupported(dropout_p, alibi_slopes, return_attn_probs, softcap)
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        _check_layout(name, tensor, 4, "[batch, seqlen, heads, head_dim]")
+    causal, sliding_window = _window_options(window_size, bool(causal), k.shape[1])
+    out = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=softmax_scale,
+                          causal=causal, sliding_window=sliding_window, softcap=softcap,
+                          sinks=_sinks(s_aux, learnable_sink))
+    return out.transpose(1, 2)
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple[int, int]:
+    """Layouts and cumulative lengths of a varlen call; returns the maximum lengths as ints."""
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        _check_layout(name, tensor, 3, "[total_tokens, heads, head_dim]")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _check_layout(name, cu, 1, "[batch + 1]")
+        if cu.dtype not in (torch.int32, torch.int64) or cu.shape[0] < 1:
+            raise ValueError(f"{name} must be an int32/int64 tensor [batch + 1], got {cu.dtype} {tuple(cu.shape)}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must give one batch, got shapes "
+                         f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
+    maxima = []
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_floating_point:
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        maxima.append(value)
+    # Checked where it costs no device sync: on CPU tensors (off TPU) and outside torch.compile.
+    if cu_seqlens_q.device.type == "cpu" and cu_seqlens_k.device.type == "cpu" and not torch.compiler.is_compiling():
+        for name, cu, total, longest in (("q", cu_seqlens_q, q.shape[0], maxima[0]),
+                                         ("k", cu_seqlens_k, k.shape[0], maxima[1])):
+            lengths = cu.diff()
+            if int(cu[0]) != 0 or bool((lengths < 0).any()) or int(cu[-1]) > total:
+                raise ValueError(f"cu_seqlens_{name} must start at 0, never decrease and end at most at {name}'s "
+                                 f"{total} rows, got {cu.tolist()}")
+            if lengths.numel() and int(lengths.max()) > longest:
+                raise ValueError(f"max_seqlen_{name}={longest} is less than the longest sequence "
+                                 f"({int(lengths.max())})")
+    return maxima[0], maxima[1]
+
+
+def _pad_sequences(packed: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Packed [total, H, D] -> [B, H, max_len, D]; rows past a sequence's end repeat a valid row (masked later)."""
+    starts = cu_seqlens[:-1].to(torch.int64)
+    rows = (starts[:, None] + torch.arange(max_len, device=packed.device)[None, :]).clamp(0, packed.shape[0] - 1)
+    return packed[rows].transpose(1, 2)
+
+
+def _bucket(size: int) -> int:
+    """The power of two at or above `size` (at least 1)."""
+    return 1 << max(size - 1, 0).bit_length()
+
+
+def _with_empty_sequences(cu_seqlens: torch.Tensor, batch: int) -> torch.Tensor:
+    """`cu_seqlens` extended by empty sequences to `batch` of them."""
+    extra = batch + 1 - cu_seqlens.shape[0]
+    return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(extra)]) if extra else cu_seqlens
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, **options):
+    """The kernel call of `flash_attn_varlen_func` (inputs checked): packed q, k, v -> packed [total_q, Hq, D].
+
+    Each sequence is padded to a common length; the flash kernel masks the
+    padded keys by length (and skips key blocks past every length) and places
+    each sequence's queries at its last positions; rows past
+    `cu_seqlens_q[-1]` come out zero. The batch and both lengths are rounded
+    up to powers of two: continuous batching changes them at every step, and
+    each new shape compiles the kernel anew.
+    """
+    total_q = q.shape[0]
+    if total_q == 0 or cu_seqlens_q.shape[0] == 1 or k.shape[0] == 0:
+        return q.new_zeros(q.shape)
+    batch = _bucket(cu_seqlens_q.shape[0] - 1)
+    padded_q, padded_k = _with_empty_sequences(cu_seqlens_q, batch), _with_empty_sequences(cu_seqlens_k, batch)
+    q_lengths, kv_lengths = padded_q.diff(), padded_k.diff()
+    query_rows, key_rows = _bucket(max_seqlen_q), _bucket(max_seqlen_k)
+    out = flash_attention(_pad_sequences(q, padded_q, query_rows), _pad_sequences(k, padded_k, key_rows),
+                          _pad_sequences(v, padded_k, key_rows),
+                          q_offset=(kv_lengths - q_lengths).to(torch.int32), kv_lengths=kv_lengths.to(torch.int32),
+                          **options)
+    # Each packed row: its sequence and its index in it.
+    token = torch.arange(total_q, device=q.device)
+    sequence = torch.bucketize(token, cu_seqlens_q[1:].to(torch.int64), right=True)
+    inside = sequence < cu_seqlens_q.shape[0] - 1
+    sequence = sequence.clamp(max=cu_seqlens_q.shape[0] - 2)
+    index = (token - cu_seqlens_q[sequence].to(torch.int64)).clamp(0, query_rows - 1)
+    return torch.where(inside[:, None, None], out[sequence, :, index], 0)
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """flash-attn 2's `flash_attn_varlen_func`: packed q [total_q, Hq, D], k and v [total_k, Hkv, D] ->
+    [total_q, Hq, D].
+
+    Sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] against
+    k, v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]; max_seqlen_q/k bound those
+    lengths (ints, or one-element integer tensors). The options are those of
+    `flash_attn_func`, and so are the refusals; `block_table` (a paged cache)
+    is refused too. Rows of q past cu_seqlens_q[-1] come out zero.
+    """
+    softcap = _refuse_unsupported(dropout_p, alibi_slopes, return_attn_probs, softcap)
+    if block_table is not None:
+        raise ValueError("block_table: flash_attn_varlen_func of the TPU attention kernel reads no paged cache")
+    max_seqlen_q, max_seqlen_k = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if q.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"q must be float32 or bfloat16, got {q.dtype}")
+    causal, sliding_window = _window_options(window_size, bool(causal), max_seqlen_k)
+    return varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
+                            causal=causal, sliding_window=sliding_window, softcap=softcap,
+                            sinks=_sinks(s_aux, learnable_sink))
