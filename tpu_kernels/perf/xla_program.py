@@ -11,7 +11,8 @@ computation becomes a `ProgramOp` with
   flags) small on-chip buffers;
 - the HBM bytes it reads and writes and the VMEM bytes it touches. A fused
   operand read only through gather / slice / dynamic-slice counts the bytes
-  those ops produce, not the whole operand. Prefetches (`copy-start`, sliced
+  those ops produce, not the whole operand (a gather's repeated rows again:
+  more than the operand when indices repeat). Prefetches (`copy-start`, sliced
   `async-start`) count their copy; `*-done`, bitcasts, tuples and parameters
   move nothing. Bytes are logical: HBM tile padding is ignored;
 - the cycles XLA's own TPU cost model estimated for it, where the backend
@@ -324,10 +325,12 @@ class _Charges:
                 self.read(leaf)
 
     def read_partially(self, shapes, partial: dict[int, int]) -> None:
-        """Operand `number` read only up to `partial[number]` bytes (the rest whole)."""
+        """Operand `number` read as `partial[number]` bytes (the rest whole): what the gathers and slices reading
+        it produce, which is more than the operand where a gather takes a row more than once (nothing caches
+        the rows an index repeats)."""
         for number, shape in enumerate(shapes):
             for leaf in hlo.leaves(shape):
-                self.read(leaf, min(leaf.bytes, partial[number]) if number in partial else None)
+                self.read(leaf, partial.get(number))
 
     def write_all(self, leaves) -> None:
         for leaf in leaves:
