@@ -19,9 +19,10 @@ tests use besides: the call's options and problem, the seams (dotted:
 # Submodules are bound by name here, not only imported: `kernels` may load the
 # same build (same module id) from a second path, and then Python reuses the
 # cached submodules without setting them as attributes of the new package.
-from . import common, flash, flash_backward, ops, reference
+from . import common, flash, flash_backward, ops, paged, reference
 from .attention import attention_forward, attention_mask
 from .common.masking import Attention, Problem, kv_steps, prepare, q_steps
+from .common.paged import PagedProblem, paged_problem
 from .common.tiles import AttentionConfig
 from .common.vmem import WORKING_SET_BOUND_BYTES, WORKING_SET_MARGIN, vmem_budget, vmem_limit
 from .flash.kernel import SUPPORTED_HEAD_DIMS
@@ -57,4 +58,8 @@ TOOLS = [
     "flash_backward.tiles.check_backward_config",
     # The VMEM policy both take: this kernel's margin and bound.
     "WORKING_SET_BOUND_BYTES", "WORKING_SET_MARGIN", "vmem_budget", "vmem_limit",
+    # Ragged paged attention: its problem, seams, JAX function, config and what its tile selector weighs.
+    "PagedProblem", "paged_problem", "paged.tiles.select", "paged.plan.make", "paged.kernel.call",
+    "paged.kernel.ragged_paged_attention", "paged.kernel.SUPPORTED_HEAD_DIMS", "paged.tiles.PagedConfig",
+    "paged.tiles.PREFERRED_TILES", "paged.tiles.vmem_bytes",
 ]
