@@ -77,6 +77,11 @@ class _Span(NamedTuple):
         return self.last_block >= self.first_block
 
 
+def _div(value, divisor: int):
+    """value // divisor for a non-negative value (Mosaic lowers floor division of signed scalars only on a TPU)."""
+    return jax.lax.div(value, jnp.int32(divisor))
+
+
 def _key_range(problem: PagedProblem, first_position, last_position, kv_len):
     """First and last key seen by queries at positions [first_position, last_position] (last < first: none)."""
     last_key = kv_len - 1
@@ -96,8 +101,8 @@ def _span(refs: _Refs, problem: PagedProblem, plan: PagedPlan, seq, block_start)
     to_position = kv_len - q_end
     first_key, last_key = _key_range(problem, row_first + to_position, row_last + to_position, kv_len)
     has_keys = (row_last >= row_first) & (last_key >= first_key)
-    first_block = jnp.maximum(first_key, 0) // plan.block_kv
-    last_block = jnp.where(has_keys, last_key // plan.block_kv, first_block - 1)
+    first_block = _div(jnp.maximum(first_key, 0), plan.block_kv)
+    last_block = jnp.where(has_keys, _div(jnp.maximum(last_key, 0), plan.block_kv), first_block - 1)
     return _Span(seq, row_first, row_last, to_position, kv_len, first_block, last_block)
 
 
@@ -106,9 +111,9 @@ def _chunk_copies(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Sp
     copies = []
     for c in range(plan.chunks_per_block):
         token = block * plan.block_kv + c * plan.chunk
-        column = jnp.minimum(token // problem.page_size, problem.pages_per_seq - 1)
+        column = jnp.minimum(_div(token, problem.page_size), problem.pages_per_seq - 1)
         page = jnp.clip(refs.table[span.seq * problem.pages_per_seq + column], 0, problem.num_pages - 1)
-        rows = pl.ds(token % problem.page_size, plan.chunk) if plan.chunk < problem.page_size else slice(None)
+        rows = pl.ds(jax.lax.rem(token, problem.page_size), plan.chunk) if plan.chunk < problem.page_size else slice(None)
         k_copy = pltpu.make_async_copy(refs.k_hbm.at[page, rows], refs.k_buf.at[slot, c], refs.sems.at[0, slot])
         v_copy = pltpu.make_async_copy(refs.v_hbm.at[page, rows], refs.v_buf.at[slot, c], refs.sems.at[1, slot])
         copies.append((token < span.kv_len, k_copy, v_copy))
@@ -187,8 +192,8 @@ def _attend_block(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Sp
     """Every KV head's row tiles of the sequence over one K/V block (in VMEM slot `slot`)."""
     key_start = block * plan.block_kv
     value_valid = key_start + jax.lax.broadcasted_iota(jnp.int32, (plan.block_kv, problem.head_dim), 0) < span.kv_len
-    first_tile = (span.row_first - block_start) // plan.tile_q
-    last_tile = (span.row_last - block_start) // plan.tile_q
+    first_tile = _div(span.row_first - block_start, plan.tile_q)
+    last_tile = _div(span.row_last - block_start, plan.tile_q)
     for head in range(problem.kv_heads):
         k = refs.k_buf[slot, :, :, head, :].reshape(plan.block_kv, problem.head_dim)
         v = refs.v_buf[slot, :, :, head, :].reshape(plan.block_kv, problem.head_dim)
