@@ -19,18 +19,22 @@ tests use besides: the call's options and problem, the seams (dotted:
 # Submodules are bound by name here, not only imported: `kernels` may load the
 # same build (same module id) from a second path, and then Python reuses the
 # cached submodules without setting them as attributes of the new package.
-from . import common, flash, flash_backward, ops, paged, reference
+from . import common, flash, flash_backward, kvcache, ops, paged, paged_ops, reference
 from .attention import attention_forward, attention_mask
 from .common.masking import Attention, Problem, kv_steps, prepare, q_steps
 from .common.paged import PagedProblem, paged_problem
 from .common.tiles import AttentionConfig
 from .common.vmem import WORKING_SET_BOUND_BYTES, WORKING_SET_MARGIN, vmem_budget, vmem_limit
 from .flash.kernel import SUPPORTED_HEAD_DIMS
+from .kvcache import flash_attn_with_kvcache
 from .ops import flash_attention
+from .paged_ops import ragged_paged_attention
 
 # What a user of the loaded kernel calls (and what `kernels describe-api` lists, from symbols.json): the torch
 # op, transformers' attention and mask functions, and the float64 reference the kernels are tested against.
 __all__ = ["SUPPORTED_HEAD_DIMS", "attention_forward", "attention_mask", "flash_attention", "ops", "reference"]
+# The paged kernel's: its torch op and flash-attn's `flash_attn_with_kvcache` on it (transformers' paged cache).
+__all__ += ["flash_attn_with_kvcache", "ragged_paged_attention"]
 
 # The one face code outside this package (benchmarks, the performance model, integration, tests) uses besides
 # `__all__`: tests/test_kernel_face.py holds every use to these names. A dotted name is reached through the
