@@ -128,3 +128,134 @@ def test_selected_tiles(kernel, convert):
     """The tiles `paged.tiles.select` picks: a block of many pages, most of them past the sequences' keys."""
     batch = paged_batch([2, 1, 40, 1], [9, 70, 45, 1], q_heads=8, kv_heads=1, head_dim=128, page_size=64, seed=6)
     check_paged(kernel, convert, batch)
+
+
+# The torch face: the op, flash_attn_with_kvcache as transformers calls it, and the errors of bad input.
+
+
+@pytest.mark.slow
+def test_torch_op_matches_reference(kernel):
+    batch = paged_batch([5, 1, 0, 1], [12, 7, 3, 1], q_heads=4, kv_heads=2, head_dim=64, page_size=4, seed=7)
+    cu_q_lens, kv_lens, page_table = (x.to(torch.int64) for x in batch[3:])
+    out = kernel.ragged_paged_attention(*batch[:3], cu_q_lens, kv_lens, page_table, sliding_window=6)
+    assert out.shape == batch[0].shape and out.dtype == batch[0].dtype
+    assert_matches(out, kernel.reference.reference_paged_attention(*batch, sliding_window=6), 1e-5)
+
+
+def _decode_step(kernel, *, q_heads=8, kv_heads=2, head_dim=64, page_size=8, dtype=torch.float32, seed=8):
+    """What transformers hands flash_attn_with_kvcache in a decode step: q, k, v [B, 1, H, D], the cache, the
+    lengths before this step, the block table (unused entries -1)."""
+    cache_lengths = [0, 7, 8, 20]
+    batch = paged_batch([1] * 4, [n + 1 for n in cache_lengths], q_heads=q_heads, kv_heads=kv_heads,
+                        head_dim=head_dim, page_size=page_size, dtype=dtype, seed=seed)
+    q, k_cache, v_cache, _, kv_lens, page_table = batch
+    generator = torch.Generator().manual_seed(seed + 1)
+    k_new = torch.randn(4, 1, kv_heads, head_dim, generator=generator).to(dtype)
+    v_new = torch.randn(4, 1, kv_heads, head_dim, generator=generator).to(dtype)
+    block_table = torch.cat([page_table, torch.full((4, 2), -1, dtype=torch.int32)], dim=1)
+    return (q[:, None], k_cache, v_cache, k_new, v_new, torch.tensor(cache_lengths, dtype=torch.int32),
+            block_table, kv_lens)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [dict(), dict(window_size=(4, 4), softcap=3.0, s_aux=True)])
+def test_flash_attn_with_kvcache_writes_the_cache_and_attends(kernel, options):
+    q, k_cache, v_cache, k_new, v_new, cache_lengths, block_table, kv_lens = _decode_step(kernel)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(2)) if options.pop("s_aux", False) else None
+    out = kernel.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_lengths,
+                                         block_table=block_table, causal=True, s_aux=sinks, **options)
+    for seq, position in enumerate(cache_lengths.tolist()):
+        page = block_table[seq, position // 8]
+        assert torch.equal(k_cache[page, position % 8], k_new[seq, 0])
+        assert torch.equal(v_cache[page, position % 8], v_new[seq, 0])
+    window = options.get("window_size", (-1, -1))[0] + 1 or None
+    expected = kernel.reference.reference_paged_attention(
+        q[:, 0], k_cache, v_cache, torch.arange(5, dtype=torch.int32), kv_lens, block_table, sinks=sinks,
+        sliding_window=window, softcap=options.get("softcap"))
+    assert out.shape == q.shape
+    assert_matches(out[:, 0], expected, 1e-5)
+
+
+@pytest.mark.slow
+def test_flash_attn_with_kvcache_on_a_contiguous_cache(kernel):
+    """No block table: k_cache [B_cache, S_max, Hkv, D], rows chosen by cache_batch_idx; a 3-token chunk each."""
+    generator = torch.Generator().manual_seed(11)
+    k_cache, v_cache = (torch.randn(3, 24, 1, 128, generator=generator) for _ in range(2))
+    q = torch.randn(2, 3, 2, 128, generator=generator)
+    rows, lengths = torch.tensor([2, 0]), torch.tensor([10, 21])
+    out = kernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=rows,
+                                         causal=True)
+    expected = kernel.reference.reference_paged_attention(
+        q.flatten(0, 1), k_cache, v_cache, torch.tensor([0, 3, 6]), lengths, rows[:, None])
+    assert_matches(out.flatten(0, 1), expected, 1e-5)
+
+
+def test_transformers_hands_over_the_paged_arguments(kernel):
+    """transformers reads the parameter names: it must pass the block table, lengths, window, softcap and sinks."""
+    from transformers.modeling_flash_attention_utils import _lazy_define_process_function
+
+    process = _lazy_define_process_function(kernel.flash_attn_with_kvcache)
+    sinks, table, lengths = torch.zeros(4), torch.zeros(2, 3, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    kwargs = process(query_length=1, key_length=300, is_causal=True, sliding_window=128, softcap=5.0, s_aux=sinks,
+                     block_table=table, cache_seqlens=lengths)
+    assert kwargs["block_table"] is table and kwargs["cache_seqlens"] is lengths and kwargs["s_aux"] is sinks
+    assert kwargs["window_size"] == (127, 127) and kwargs["softcap"] == 5.0 and kwargs["causal"] is True
+
+
+def _valid_call():
+    batch = paged_batch([2, 1], [5, 3], q_heads=4, kv_heads=2, head_dim=64, page_size=4, seed=12)
+    return dict(zip(("q", "k_cache", "v_cache", "cu_q_lens", "kv_lens", "page_table"), batch))
+
+
+BAD_PAGED_CALLS = {
+    "q-rank": (lambda a: a.update(q=a["q"][None]), ValueError, "q must be 3-D"),
+    "cache-shapes": (lambda a: a.update(v_cache=a["v_cache"][:, :2]), ValueError, "k_cache and v_cache"),
+    "head-dim": (lambda a: a.update(q=a["q"][..., :32]), ValueError, "head_dim"),
+    "unsupported-head-dim": (lambda a: a.update(q=a["q"][..., :32], k_cache=a["k_cache"][..., :32],
+                                                v_cache=a["v_cache"][..., :32]), ValueError, "head_dim must be one of"),
+    "groups": (lambda a: a.update(q=a["q"][:, :3]), ValueError, "multiple of the number of key/value heads"),
+    "dtype": (lambda a: a.update(q=a["q"].half()), TypeError, "q must be float32 or bfloat16"),
+    "cache-dtype": (lambda a: a.update(k_cache=a["k_cache"].bfloat16()), TypeError, "share one dtype"),
+    "cu_q_lens": (lambda a: a.update(cu_q_lens=a["cu_q_lens"][:2]), ValueError, "cu_q_lens must be"),
+    "kv_lens": (lambda a: a.update(kv_lens=a["kv_lens"].float()), ValueError, "kv_lens must be"),
+    "page_table": (lambda a: a.update(page_table=a["page_table"][0]), ValueError, "page_table must be 2-D"),
+    "sinks": (lambda a: a.update(sinks=torch.zeros(3)), ValueError, "sinks must be"),
+    "window": (lambda a: a.update(sliding_window=0), ValueError, "sliding_window"),
+    "softcap": (lambda a: a.update(softcap=-1.0), ValueError, "softcap"),
+    "max_q_len": (lambda a: a.update(max_q_len=0), ValueError, "max_q_len"),
+    "grad": (lambda a: a.update(q=a["q"].requires_grad_()), ValueError, "inference-only"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PAGED_CALLS))
+def test_bad_paged_input_raises_naming_the_argument(kernel, case):
+    change, error, match = BAD_PAGED_CALLS[case]
+    arguments = _valid_call()
+    change(arguments)
+    with pytest.raises(error, match=match):
+        kernel.ragged_paged_attention(**arguments)
+
+
+BAD_KVCACHE_CALLS = {
+    "rotary": (dict(rotary_cos=torch.ones(1)), "rotary_cos"),
+    "leftpad": (dict(cache_leftpad=torch.zeros(4, dtype=torch.int32)), "cache_leftpad"),
+    "alibi": (dict(alibi_slopes=torch.ones(8)), "alibi_slopes"),
+    "lse": (dict(return_softmax_lse=True), "return_softmax_lse"),
+    "splits": (dict(num_splits=4), "num_splits"),
+    "batch-index": (dict(cache_batch_idx=torch.arange(4)), "cache_batch_idx"),
+    "two-tables": (dict(page_table=torch.zeros(4, 1, dtype=torch.int32)), "block_table or page_table"),
+    "two-sinks": (dict(s_aux=torch.zeros(8), learnable_sink=torch.zeros(8)), "s_aux or learnable_sink"),
+    "right-window": (dict(causal=False, window_size=(3, 2)), "window_size"),
+    "no-lengths": (dict(cache_seqlens=None), "cache_seqlens is required"),
+    "k-without-v": (dict(v=None), "k and v together"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_KVCACHE_CALLS))
+def test_bad_kvcache_input_raises_naming_the_argument(kernel, case):
+    q, k_cache, v_cache, k_new, v_new, cache_lengths, block_table, _ = _decode_step(kernel)
+    arguments = dict(k=k_new, v=v_new, cache_seqlens=cache_lengths, block_table=block_table, causal=True)
+    overrides, match = BAD_KVCACHE_CALLS[case]
+    arguments.update(overrides)
+    with pytest.raises(ValueError, match=match):
+        kernel.flash_attn_with_kvcache(q, k_cache, v_cache, **arguments)
