@@ -43,18 +43,18 @@ def paged_batch(q_lens, kv_lens, *, q_heads, kv_heads, head_dim, page_size, dtyp
             torch.tensor(kv_lens, dtype=torch.int32), page_table)
 
 
-def run_paged(kernel, convert, batch, config=None, **options):
+def run_paged(kernel, convert, batch, config=None, cores=1, **options):
     to_jax, to_torch = convert
     arrays = [to_jax(x) for x in batch]
     if options.get("sinks") is not None:
         options["sinks"] = to_jax(options["sinks"])
-    out = interpret(lambda: kernel.paged.kernel.ragged_paged_attention(*arrays, config=config, **options))
+    out = interpret(lambda: kernel.paged.kernel.ragged_paged_attention(*arrays, config=config, **options), cores)
     return to_torch(out)
 
 
-def check_paged(kernel, convert, batch, config=None, **options):
+def check_paged(kernel, convert, batch, config=None, cores=1, **options):
     q = batch[0]
-    out = run_paged(kernel, convert, batch, config, **options)
+    out = run_paged(kernel, convert, batch, config, cores, **options)
     expected = kernel.reference.reference_paged_attention(*batch, **options)
     assert_matches(out, expected, TOLERANCE[q.dtype])
 
@@ -70,6 +70,14 @@ def test_mixed_prefill_and_decode(kernel, convert):
     batch = paged_batch([5, 1, 0, 1, 19, 1], [37, 16, 9, 1, 19, 50], q_heads=4, kv_heads=2, head_dim=64,
                         page_size=8)
     check_paged(kernel, convert, batch, config(kernel, 16, 16, 16))
+
+
+@pytest.mark.slow
+def test_two_cores_split_the_steps(kernel, convert):
+    """The grid is parallel: on v5p's megacore two TensorCores take its steps, each with its own DMAs and scratch."""
+    batch = paged_batch([9, 1, 1, 14, 1], [9, 30, 2, 20, 17], q_heads=4, kv_heads=2, head_dim=64, page_size=8,
+                        seed=13)
+    check_paged(kernel, convert, batch, config(kernel, 16, 16, 8), cores=2)
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 `compile_targets`).
 
 Real model attention over a paged cache of transformers' default page size (256 tokens) and of 16 and 64 token
-pages (vLLM's and flash-attn's common ones), bf16: a decode batch of 64 sequences with mixed context lengths
+pages (vLLM's and flash-attn's common ones), bf16 (and one float32 decode batch): a decode batch of 64 sequences with mixed context lengths
 (page tables for up to 32768 tokens), and a mixed batch of one 960-token prefill chunk and 64 decode rows.
 Models: Qwen3-30B-A3B (32 query heads, 4 KV heads, head_dim 128), GPT-OSS-20B's sliding layer (64 / 8, head_dim
 64, window 128, sinks), Gemma 4 26B-A4B's sliding layers (16 / 8, head_dim 256, window 1024) and its global
@@ -64,4 +64,7 @@ def paged_compile_targets(generation):
                             functools.partial(attend, max_q_len=None),
                             _avals(PREFILL_CHUNK + DECODE_BATCH, DECODE_BATCH + 1, page_size=page_size, sinks=sinks,
                                    **shape)))
+    targets.append((f"paged qwen3-30b-a3b page=16 f32 decode B={DECODE_BATCH}",
+                    functools.partial(ragged_paged_attention, max_q_len=1, generation=generation),
+                    _avals(DECODE_BATCH, DECODE_BATCH, page_size=16, dtype=jnp.float32, **QWEN3_30B_A3B)))
     return targets
