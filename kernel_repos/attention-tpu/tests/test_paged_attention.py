@@ -6,7 +6,6 @@ all occur at affordable sizes. Unused cache pages hold NaN: a kernel that reads 
 or a key past a sequence's length, into its result fails here.
 """
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -150,7 +149,7 @@ def test_torch_op_matches_reference(kernel):
     assert_matches(out, kernel.reference.reference_paged_attention(*batch, sliding_window=6), 1e-5)
 
 
-def _decode_step(kernel, *, q_heads=8, kv_heads=2, head_dim=64, page_size=8, dtype=torch.float32, seed=8):
+def _decode_step(*, q_heads=8, kv_heads=2, head_dim=64, page_size=8, dtype=torch.float32, seed=8):
     """What transformers hands flash_attn_with_kvcache in a decode step: q, k, v [B, 1, H, D], the cache, the
     lengths before this step, the block table (unused entries -1)."""
     cache_lengths = [0, 7, 8, 20]
@@ -168,7 +167,7 @@ def _decode_step(kernel, *, q_heads=8, kv_heads=2, head_dim=64, page_size=8, dty
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [dict(), dict(window_size=(4, 4), softcap=3.0, s_aux=True)])
 def test_flash_attn_with_kvcache_writes_the_cache_and_attends(kernel, options):
-    q, k_cache, v_cache, k_new, v_new, cache_lengths, block_table, kv_lens = _decode_step(kernel)
+    q, k_cache, v_cache, k_new, v_new, cache_lengths, block_table, kv_lens = _decode_step()
     sinks = torch.randn(8, generator=torch.Generator().manual_seed(2)) if options.pop("s_aux", False) else None
     out = kernel.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_lengths,
                                          block_table=block_table, causal=True, s_aux=sinks, **options)
@@ -261,7 +260,7 @@ BAD_KVCACHE_CALLS = {
 
 @pytest.mark.parametrize("case", list(BAD_KVCACHE_CALLS))
 def test_bad_kvcache_input_raises_naming_the_argument(kernel, case):
-    q, k_cache, v_cache, k_new, v_new, cache_lengths, block_table, _ = _decode_step(kernel)
+    q, k_cache, v_cache, k_new, v_new, cache_lengths, block_table, _ = _decode_step()
     arguments = dict(k=k_new, v=v_new, cache_seqlens=cache_lengths, block_table=block_table, causal=True)
     overrides, match = BAD_KVCACHE_CALLS[case]
     arguments.update(overrides)

@@ -2,8 +2,9 @@
 `compile_targets`).
 
 Real model attention over a paged cache of transformers' default page size (256 tokens) and of 16 and 64 token
-pages (vLLM's and flash-attn's common ones), bf16 (and one float32 decode batch): a decode batch of 64 sequences with mixed context lengths
-(page tables for up to 32768 tokens), and a mixed batch of one 960-token prefill chunk and 64 decode rows.
+pages (vLLM's and flash-attn's common ones), bf16 (and one float32 decode batch): a decode batch of 64 sequences
+with mixed context lengths (page tables for up to 32768 tokens), and a mixed batch of one 960-token prefill chunk
+and 64 decode rows.
 Models: Qwen3-30B-A3B (32 query heads, 4 KV heads, head_dim 128), GPT-OSS-20B's sliding layer (64 / 8, head_dim
 64, window 128, sinks), Gemma 4 26B-A4B's sliding layers (16 / 8, head_dim 256, window 1024) and its global
 layers (16 / 2, head_dim 512).

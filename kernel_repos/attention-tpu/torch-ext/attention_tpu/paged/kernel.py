@@ -113,7 +113,8 @@ def _chunk_copies(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Sp
         token = block * plan.block_kv + c * plan.chunk
         column = jnp.minimum(_div(token, problem.page_size), problem.pages_per_seq - 1)
         page = jnp.clip(refs.table[span.seq * problem.pages_per_seq + column], 0, problem.num_pages - 1)
-        rows = pl.ds(jax.lax.rem(token, problem.page_size), plan.chunk) if plan.chunk < problem.page_size else slice(None)
+        whole_page = plan.chunk == problem.page_size
+        rows = slice(None) if whole_page else pl.ds(jax.lax.rem(token, problem.page_size), plan.chunk)
         k_copy = pltpu.make_async_copy(refs.k_hbm.at[page, rows], refs.k_buf.at[slot, c], refs.sems.at[0, slot])
         v_copy = pltpu.make_async_copy(refs.v_hbm.at[page, rows], refs.v_buf.at[slot, c], refs.sems.at[1, slot])
         copies.append((token < span.kv_len, k_copy, v_copy))
