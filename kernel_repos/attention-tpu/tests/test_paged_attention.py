@@ -137,6 +137,33 @@ def test_selected_tiles(kernel, convert):
     check_paged(kernel, convert, batch)
 
 
+def varlen_batch(q_lens, kv_lens, *, q_heads, kv_heads, head_dim, seed):
+    """(q, k, v, cu_q_lens, cu_k_lens): packed queries and packed contiguous keys and values."""
+    generator = torch.Generator().manual_seed(seed)
+    total_k = sum(kv_lens)
+    q = torch.randn(sum(q_lens), q_heads, head_dim, generator=generator)
+    k, v = (torch.randn(total_k, kv_heads, head_dim, generator=generator) for _ in range(2))
+    cumulative = [torch.tensor(np.concatenate([[0], np.cumsum(n)]), dtype=torch.int32) for n in (q_lens, kv_lens)]
+    return q, k, v, *cumulative
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_kv, options", [(8, dict()), (16, dict(sliding_window=6, sinks=True)), (None, {})])
+def test_contiguous_varlen_keys(kernel, convert, block_kv, options):
+    """Keys packed as flash_attn_varlen_func gets them, read in place; blocks start mid-row-range, the last ones
+    read the array's last rows (47 of them, no multiple of a block) and mask what the previous block held."""
+    to_jax, to_torch = convert
+    batch = varlen_batch([7, 1, 0, 3, 1], [7, 13, 2, 20, 5], q_heads=4, kv_heads=2, head_dim=64, seed=14)
+    if options.pop("sinks", False):
+        options["sinks"] = torch.randn(4, generator=torch.Generator().manual_seed(15))
+    tiles = None if block_kv is None else config(kernel, 16, 16, block_kv)
+    jax_options = {name: to_jax(value) if isinstance(value, torch.Tensor) else value for name, value in options.items()}
+    out = interpret(lambda: kernel.paged.kernel.ragged_varlen_attention(*(to_jax(x) for x in batch), config=tiles,
+                                                                        **jax_options))
+    expected = kernel.reference.reference_varlen_attention(*batch, **options)
+    assert_matches(to_torch(out), expected, 1e-5)
+
+
 # The torch face: the op, flash_attn_with_kvcache as transformers calls it, and the errors of bad input.
 
 
@@ -147,6 +174,24 @@ def test_torch_op_matches_reference(kernel):
     out = kernel.ragged_paged_attention(*batch[:3], cu_q_lens, kv_lens, page_table, sliding_window=6)
     assert out.shape == batch[0].shape and out.dtype == batch[0].dtype
     assert_matches(out, kernel.reference.reference_paged_attention(*batch, sliding_window=6), 1e-5)
+
+
+@pytest.mark.slow
+def test_torch_varlen_op_matches_reference(kernel):
+    q, k, v, cu_q_lens, cu_k_lens = varlen_batch([3, 1, 5], [9, 1, 5], q_heads=8, kv_heads=1, head_dim=128, seed=16)
+    out = kernel.ragged_varlen_attention(q, k, v, cu_q_lens.long(), cu_k_lens.long(), softcap=2.0)
+    expected = kernel.reference.reference_varlen_attention(q, k, v, cu_q_lens, cu_k_lens, softcap=2.0)
+    assert_matches(out, expected, 1e-5)
+
+
+def test_bad_varlen_input_raises_naming_the_argument(kernel):
+    q, k, v, cu_q_lens, cu_k_lens = varlen_batch([3, 1], [4, 1], q_heads=2, kv_heads=1, head_dim=64, seed=17)
+    with pytest.raises(ValueError, match="cu_k_lens must be"):
+        kernel.ragged_varlen_attention(q, k, v, cu_q_lens, cu_k_lens.float())
+    with pytest.raises(ValueError, match="k must be 3-D"):
+        kernel.ragged_varlen_attention(q, k[None], v, cu_q_lens, cu_k_lens)
+    with pytest.raises(ValueError, match="cu_q_lens must be"):
+        kernel.ragged_varlen_attention(q, k, v, cu_q_lens[:2], cu_k_lens)
 
 
 def _decode_step(*, q_heads=8, kv_heads=2, head_dim=64, page_size=8, dtype=torch.float32, seed=8):

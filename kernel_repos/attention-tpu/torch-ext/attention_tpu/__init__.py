@@ -28,13 +28,13 @@ from .common.vmem import WORKING_SET_BOUND_BYTES, WORKING_SET_MARGIN, vmem_budge
 from .flash.kernel import SUPPORTED_HEAD_DIMS
 from .kvcache import flash_attn_with_kvcache
 from .ops import flash_attention
-from .paged_ops import ragged_paged_attention
+from .paged_ops import ragged_paged_attention, ragged_varlen_attention
 
 # What a user of the loaded kernel calls (and what `kernels describe-api` lists, from symbols.json): the torch
 # op, transformers' attention and mask functions, and the float64 reference the kernels are tested against.
 __all__ = ["SUPPORTED_HEAD_DIMS", "attention_forward", "attention_mask", "flash_attention", "ops", "reference",
            # The paged kernel's torch op, and flash-attn's `flash_attn_with_kvcache` on it (transformers' paged cache).
-           "flash_attn_with_kvcache", "ragged_paged_attention"]
+           "flash_attn_with_kvcache", "ragged_paged_attention", "ragged_varlen_attention"]
 
 # The one face code outside this package (benchmarks, the performance model, integration, tests) uses besides
 # `__all__`: tests/test_kernel_face.py holds every use to these names. A dotted name is reached through the
@@ -64,6 +64,6 @@ TOOLS = [
     "WORKING_SET_BOUND_BYTES", "WORKING_SET_MARGIN", "vmem_budget", "vmem_limit",
     # Ragged paged attention: its problem, seams, JAX function, config and what its tile selector weighs.
     "PagedProblem", "paged_problem", "paged.tiles.select", "paged.plan.make", "paged.kernel.call",
-    "paged.kernel.ragged_paged_attention", "paged.kernel.SUPPORTED_HEAD_DIMS", "paged.tiles.PagedConfig",
-    "paged.tiles.PREFERRED_TILES", "paged.tiles.vmem_bytes",
+    "paged.kernel.ragged_paged_attention", "paged.kernel.ragged_varlen_attention", "paged.kernel.SUPPORTED_HEAD_DIMS",
+    "paged.tiles.PagedConfig", "paged.tiles.PREFERRED_TILES", "paged.tiles.vmem_bytes",
 ]

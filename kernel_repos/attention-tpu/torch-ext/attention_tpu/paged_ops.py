@@ -13,6 +13,7 @@ import torch
 from ._ops import add_op_namespace_prefix, jax_torch_op
 from .paged.kernel import SUPPORTED_HEAD_DIMS
 from .paged.kernel import ragged_paged_attention as _jax_ragged_paged_attention
+from .paged.kernel import ragged_varlen_attention as _jax_ragged_varlen_attention
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -35,6 +36,24 @@ def _ragged_paged_attention(
     return _jax_ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, sinks=sinks, scale=scale,
                                        causal=causal, sliding_window=sliding_window, softcap=softcap,
                                        max_q_len=max_q_len)
+
+
+@jax_torch_op(add_op_namespace_prefix("ragged_varlen_attention"))
+def _ragged_varlen_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_q_lens: jax.Array,
+    cu_k_lens: jax.Array,
+    sinks: jax.Array | None,
+    scale: float,
+    causal: bool,
+    sliding_window: int | None,
+    softcap: float | None,
+    max_q_len: int | None,
+) -> jax.Array:
+    return _jax_ragged_varlen_attention(q, k, v, cu_q_lens, cu_k_lens, sinks=sinks, scale=scale, causal=causal,
+                                        sliding_window=sliding_window, softcap=softcap, max_q_len=max_q_len)
 
 
 def _is_integer_dtype(dtype: torch.dtype) -> bool:
@@ -132,3 +151,27 @@ def ragged_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return _ragged_paged_attention(q, k_cache, v_cache, cu_q_lens.to(torch.int32), kv_lens,
                                    page_table.to(torch.int32), sinks, scale, bool(causal), sliding_window,
                                    None if softcap is None else float(softcap), max_q_len)
+
+
+def ragged_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q_lens: torch.Tensor,
+                            cu_k_lens: torch.Tensor, *, scale: float | None = None, causal: bool = True,
+                            sliding_window: int | None = None, softcap: float | None = None,
+                            sinks: torch.Tensor | None = None, max_q_len: int | None = None) -> torch.Tensor:
+    """`ragged_paged_attention` over contiguous (varlen) keys and values k, v[total_k, Hkv, D], read in place:
+    sequence s owns key rows cu_k_lens[s]:cu_k_lens[s + 1] (non-decreasing, within [0, total_k]) and query rows
+    cu_q_lens[s]:cu_q_lens[s + 1], its queries its last positions. Inference only."""
+    for name, tensor in (("k", k), ("v", v)):
+        _check_tensor(name, tensor, 3, "[total_k, kv_heads, head_dim]")
+    _check_tensor("cu_k_lens", cu_k_lens, 1, "[num_seqs + 1]")
+    num_seqs = cu_k_lens.shape[0] - 1
+    if num_seqs < 0 or not _is_integer_dtype(cu_k_lens.dtype):
+        raise ValueError(f"cu_k_lens must be an integer tensor [num_seqs + 1], got {cu_k_lens.dtype} "
+                         f"{tuple(cu_k_lens.shape)}")
+    # The checks of the paged call, on the views the kernel reads (one page of total_k rows).
+    first_rows = cu_k_lens[:-1, None]
+    check_paged_args(q, k[None], v[None], cu_q_lens, cu_k_lens[1:], first_rows, scale=scale,
+                     sliding_window=sliding_window, softcap=softcap, sinks=sinks, max_q_len=max_q_len)
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    cu_k_lens = cu_k_lens.to(torch.int64).clamp(0, k.shape[0]).to(torch.int32)
+    return _ragged_varlen_attention(q, k, v, cu_q_lens.to(torch.int32), cu_k_lens, sinks, scale, bool(causal),
+                                    sliding_window, None if softcap is None else float(softcap), max_q_len)

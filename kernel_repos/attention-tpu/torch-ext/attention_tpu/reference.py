@@ -134,3 +134,17 @@ def reference_paged_attention(
             softcap=softcap, sinks=sinks,
         )[0].transpose(0, 1)
     return out
+
+
+def reference_varlen_attention(q, k, v, cu_q_lens, cu_k_lens, **options) -> torch.Tensor:
+    """`reference_paged_attention` over contiguous k, v[total_k, Hkv, D] (sequence s owns rows
+    cu_k_lens[s]:cu_k_lens[s + 1]), each sequence's keys copied into pages of their own."""
+    kv_lens = cu_k_lens[1:] - cu_k_lens[:-1]
+    longest = max(1, int(kv_lens.max()) if kv_lens.numel() else 1)
+    k_cache = torch.zeros(len(kv_lens), longest, *k.shape[1:], dtype=k.dtype)
+    v_cache = torch.zeros(len(kv_lens), longest, *v.shape[1:], dtype=v.dtype)
+    for seq, (start, end) in enumerate(zip(cu_k_lens[:-1].tolist(), cu_k_lens[1:].tolist())):
+        k_cache[seq, : end - start] = k[start:end]
+        v_cache[seq, : end - start] = v[start:end]
+    page_table = torch.arange(len(kv_lens))[:, None]
+    return reference_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, **options)

@@ -10,6 +10,11 @@ Layout (transformers' paged cache, `continuous_batching/cache_allocators/full_at
   sequence s sits in page ``page_table[s, j // page_size]`` at row ``j % page_size``.
 * kv_lens: int32 [num_seqs], the keys of each sequence (its queries included).
 
+Contiguous (varlen) K/V, as `flash_attn_varlen_func` receives them, are the same problem with `contiguous` set:
+k, v [total_k, Hkv, D] are read as one page of total_k rows ([1, total_k, Hkv, D], a free reshape) and the page
+table's one column holds each sequence's first row (cu_k_lens[:-1]); key j of sequence s is row
+``page_table[s, 0] + j``.
+
 Positions are bottom-right aligned: query i of sequence s (of q_len queries) sits at position
 ``kv_lens[s] - q_len + i``. Key j is visible to a query at position p when ``j < kv_lens[s]``, ``j <= p``
 (causal) and ``j > p - sliding_window`` (window). Softcap, scale and sinks act as in `masking.Attention`.
@@ -43,6 +48,7 @@ class PagedProblem:
     dtype: str
     # The most queries any one sequence has, when the caller knows it (1: a decode batch); None: up to total_q.
     max_q_len: int | None = None
+    contiguous: bool = False  # one page holding every sequence's keys, from the row the page table names
 
     @property
     def group(self) -> int:
@@ -61,19 +67,20 @@ class PagedProblem:
     def of_shape(cls, *, total_q: int, num_seqs: int, q_heads: int, kv_heads: int, head_dim: int, page_size: int,
                  num_pages: int, pages_per_seq: int, dtype, sliding_window: int | None = None,
                  softcap: float | None = None, has_sinks: bool = False, max_q_len: int | None = None,
-                 causal: bool = True) -> PagedProblem:
+                 causal: bool = True, contiguous: bool = False) -> PagedProblem:
         """The problem of a call of this shape with the default scale."""
         return cls(total_q=total_q, num_seqs=num_seqs, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
                    page_size=page_size, num_pages=num_pages, pages_per_seq=pages_per_seq,
                    scale=float(head_dim**-0.5), causal=bool(causal),
                    sliding_window=None if sliding_window is None else int(sliding_window),
                    softcap=None if softcap is None else float(softcap), has_sinks=has_sinks,
-                   dtype=jnp.dtype(dtype).name, max_q_len=max_q_len)
+                   dtype=jnp.dtype(dtype).name, max_q_len=max_q_len, contiguous=contiguous)
 
 
 def paged_problem(q: jax.Array, k_cache: jax.Array, page_table: jax.Array, *, scale: float | None = None,
                   causal: bool = True, sliding_window: int | None = None, softcap: float | None = None,
-                  sinks: jax.Array | None = None, max_q_len: int | None = None) -> PagedProblem:
+                  sinks: jax.Array | None = None, max_q_len: int | None = None,
+                  contiguous: bool = False) -> PagedProblem:
     """The PagedProblem of one call (inputs assumed valid)."""
     total_q, q_heads, head_dim = q.shape
     num_pages, page_size, kv_heads, _ = k_cache.shape
@@ -84,5 +91,5 @@ def paged_problem(q: jax.Array, k_cache: jax.Array, page_table: jax.Array, *, sc
         scale=float(head_dim**-0.5 if scale is None else scale), causal=bool(causal),
         sliding_window=None if sliding_window is None else int(sliding_window),
         softcap=None if softcap is None else float(softcap), has_sinks=sinks is not None,
-        dtype=jnp.dtype(q.dtype).name, max_q_len=max_q_len,
+        dtype=jnp.dtype(q.dtype).name, max_q_len=max_q_len, contiguous=contiguous,
     )

@@ -4,7 +4,7 @@
 Real model attention over a paged cache of transformers' default page size (256 tokens) and of 16 and 64 token
 pages (vLLM's and flash-attn's common ones), bf16 (and one float32 decode batch): a decode batch of 64 sequences
 with mixed context lengths (page tables for up to 32768 tokens), and a mixed batch of one 960-token prefill chunk
-and 64 decode rows.
+and 64 decode rows; and the contiguous (varlen) keys of a packed 4096-token prefill.
 Models: Qwen3-30B-A3B (32 query heads, 4 KV heads, head_dim 128), GPT-OSS-20B's sliding layer (64 / 8, head_dim
 64, window 128, sinks), Gemma 4 26B-A4B's sliding layers (16 / 8, head_dim 256, window 1024) and its global
 layers (16 / 2, head_dim 512).
@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .kernel import ragged_paged_attention
+from .kernel import ragged_paged_attention, ragged_varlen_attention
 
 QWEN3_30B_A3B = dict(q_heads=32, kv_heads=4, head_dim=128)
 GPT_OSS_20B = dict(q_heads=64, kv_heads=8, head_dim=64, sliding_window=128, sinks=True)
@@ -68,4 +68,10 @@ def paged_compile_targets(generation):
     targets.append((f"paged qwen3-30b-a3b page=16 f32 decode B={DECODE_BATCH}",
                     functools.partial(ragged_paged_attention, max_q_len=1, generation=generation),
                     _avals(DECODE_BATCH, DECODE_BATCH, page_size=16, dtype=jnp.float32, **QWEN3_30B_A3B)))
+    # Contiguous (varlen) keys, as flash_attn_varlen_func gets them: a packed prefill of 4 prompts, 4096 tokens.
+    varlen = jax.ShapeDtypeStruct((4096, QWEN3_30B_A3B["kv_heads"], QWEN3_30B_A3B["head_dim"]), jnp.bfloat16)
+    targets.append(("varlen qwen3-30b-a3b prefill 4 sequences T=4096 bf16",
+                    functools.partial(ragged_varlen_attention, generation=generation),
+                    (jax.ShapeDtypeStruct((4096, QWEN3_30B_A3B["q_heads"], QWEN3_30B_A3B["head_dim"]), jnp.bfloat16),
+                     varlen, varlen, jax.ShapeDtypeStruct((5,), jnp.int32), jax.ShapeDtypeStruct((5,), jnp.int32))))
     return targets

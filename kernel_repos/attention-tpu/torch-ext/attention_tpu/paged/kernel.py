@@ -106,15 +106,27 @@ def _span(refs: _Refs, problem: PagedProblem, plan: PagedPlan, seq, block_start)
     return _Span(seq, row_first, row_last, to_position, kv_len, first_block, last_block)
 
 
+def _contiguous_rows(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block):
+    """Contiguous keys: (the first row a block's one DMA reads, how many rows before the block's first key it is).
+
+    A DMA reading past the keys' last row would leave the array: the last blocks read the last block_kv rows."""
+    first = jnp.clip(refs.table[span.seq], 0, problem.page_size - 1) + block * plan.block_kv
+    start = jnp.minimum(first, problem.page_size - plan.block_kv)
+    return start, first - start
+
+
 def _chunk_copies(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block, slot):
     """(whether the chunk holds a key of the sequence, its K and V copy descriptors), per chunk of a block."""
     copies = []
     for c in range(plan.chunks_per_block):
         token = block * plan.block_kv + c * plan.chunk
-        column = jnp.minimum(_div(token, problem.page_size), problem.pages_per_seq - 1)
-        page = jnp.clip(refs.table[span.seq * problem.pages_per_seq + column], 0, problem.num_pages - 1)
-        whole_page = plan.chunk == problem.page_size
-        rows = slice(None) if whole_page else pl.ds(jax.lax.rem(token, problem.page_size), plan.chunk)
+        if problem.contiguous:
+            page, rows = 0, pl.ds(_contiguous_rows(refs, problem, plan, span, block)[0], plan.chunk)
+        else:
+            column = jnp.minimum(_div(token, problem.page_size), problem.pages_per_seq - 1)
+            page = jnp.clip(refs.table[span.seq * problem.pages_per_seq + column], 0, problem.num_pages - 1)
+            whole_page = plan.chunk == problem.page_size
+            rows = slice(None) if whole_page else pl.ds(jax.lax.rem(token, problem.page_size), plan.chunk)
         k_copy = pltpu.make_async_copy(refs.k_hbm.at[page, rows], refs.k_buf.at[slot, c], refs.sems.at[0, slot])
         v_copy = pltpu.make_async_copy(refs.v_hbm.at[page, rows], refs.v_buf.at[slot, c], refs.sems.at[1, slot])
         copies.append((token < span.kv_len, k_copy, v_copy))
@@ -147,15 +159,18 @@ def _row_tokens(shape, group: int):
 
 
 def _attend_tile(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, head: int, tile, block_start,
-                 key_start, k, v) -> None:
-    """The online softmax of one row tile of one KV head over one K/V block."""
+                 key_start, buffer_start, k, v) -> None:
+    """The online softmax of one row tile of one KV head over one K/V block (its buffer's first row holds key
+    buffer_start; keys before key_start belong to the previous block)."""
     rows = plan.tile_q * problem.group
     shape = (rows, plan.block_kv)
     row0 = pl.multiple_of(tile * rows, rows)
     token = block_start + tile * plan.tile_q + _row_tokens(shape, problem.group)
     position = token + span.to_position
-    key_pos = key_start + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    key_pos = buffer_start + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
     visible = (token >= span.row_first) & (token <= span.row_last) & (key_pos < span.kv_len)
+    if problem.contiguous:
+        visible = visible & (key_pos >= key_start)
     if problem.causal:
         visible = visible & (key_pos <= position)
     if problem.sliding_window is not None:
@@ -191,8 +206,11 @@ def _tile_sees_block(problem: PagedProblem, plan: PagedPlan, span: _Span, tile, 
 def _attend_block(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block, slot,
                   block_start) -> None:
     """Every KV head's row tiles of the sequence over one K/V block (in VMEM slot `slot`)."""
-    key_start = block * plan.block_kv
-    value_valid = key_start + jax.lax.broadcasted_iota(jnp.int32, (plan.block_kv, problem.head_dim), 0) < span.kv_len
+    key_start = buffer_start = block * plan.block_kv
+    if problem.contiguous:
+        buffer_start = key_start - _contiguous_rows(refs, problem, plan, span, block)[1]
+    value_pos = buffer_start + jax.lax.broadcasted_iota(jnp.int32, (plan.block_kv, problem.head_dim), 0)
+    value_valid = (value_pos >= key_start) & (value_pos < span.kv_len)
     first_tile = _div(span.row_first - block_start, plan.tile_q)
     last_tile = _div(span.row_last - block_start, plan.tile_q)
     for head in range(problem.kv_heads):
@@ -203,7 +221,8 @@ def _attend_block(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Sp
 
         def tile_body(tile, carry, head=head, k=k, v=v):
             pl.when(_tile_sees_block(problem, plan, span, tile, block_start, key_start))(
-                lambda: _attend_tile(refs, problem, plan, span, head, tile, block_start, key_start, k, v))
+                lambda: _attend_tile(refs, problem, plan, span, head, tile, block_start, key_start, buffer_start,
+                                     k, v))
             return carry
 
         jax.lax.fori_loop(first_tile, last_tile + 1, tile_body, 0)
@@ -329,6 +348,24 @@ def call(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cu_q_lens: jax.Ar
       seq_first, seq_last, *operands)
     out = out.reshape(kv_heads, padded, group, head_dim).transpose(1, 0, 2, 3)
     return out.reshape(padded, kv_heads * group, head_dim)[:total_q]
+
+
+def ragged_varlen_attention(q: jax.Array, k: jax.Array, v: jax.Array, cu_q_lens: jax.Array, cu_k_lens: jax.Array, *,
+                            sinks: jax.Array | None = None, scale: float | None = None, causal: bool = True,
+                            sliding_window: int | None = None, softcap: float | None = None,
+                            max_q_len: int | None = None, config: PagedConfig | None = None,
+                            generation: str | None = None) -> jax.Array:
+    """`ragged_paged_attention` over contiguous (varlen) keys and values k, v[total_k, Hkv, D], sequence s owning
+    rows cu_k_lens[s]:cu_k_lens[s + 1] (as `flash_attn_varlen_func` receives them), read in place: the same
+    kernel, the keys one page of total_k rows whose page table names each sequence's first row."""
+    if 0 in (q.shape[0], q.shape[1], k.shape[0], cu_k_lens.shape[0] - 1):
+        return jnp.zeros(q.shape, q.dtype)
+    cu_k_lens = cu_k_lens.astype(jnp.int32)
+    k_pages, v_pages, first_rows = k[None], v[None], cu_k_lens[:-1, None]
+    problem = paged_problem(q, k_pages, first_rows, scale=scale, causal=causal, sliding_window=sliding_window,
+                            softcap=softcap, sinks=sinks, max_q_len=max_q_len, contiguous=True)
+    return call(q, k_pages, v_pages, cu_q_lens, cu_k_lens[1:] - cu_k_lens[:-1], first_rows,
+                make(problem, generation, config), sinks=sinks)
 
 
 def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cu_q_lens: jax.Array,

@@ -64,7 +64,9 @@ def _page_part(page_size: int, most: int) -> int:
     return (aligned or divisors)[-1]
 
 
-def _shrink_kv(block_kv: int, page_size: int) -> int:
+def _shrink_kv(block_kv: int, page_size: int, contiguous: bool) -> int:
+    if contiguous:
+        return max(min(8, block_kv), block_kv // 2 // 8 * 8)
     if block_kv > page_size:
         return max(page_size, block_kv // 2 // page_size * page_size)
     return _page_part(page_size, block_kv // 2) if block_kv > 1 else block_kv
@@ -79,22 +81,28 @@ def heuristic_config(problem: PagedProblem, generation: str) -> PagedConfig:
     packed = round_up(max(1, problem.total_q), tile_q)
     block_q = min(packed, DECODE_BLOCK_Q if longest <= TILE_Q_MULTIPLE else preferred_q)
     block_q = max(tile_q, block_q // tile_q * tile_q)
-    page = problem.page_size
-    block_kv = max(1, preferred_kv // page) * page if page <= preferred_kv else _page_part(page, preferred_kv)
+    page, contiguous = problem.page_size, problem.contiguous
+    if contiguous:
+        # Any block up to the keys' rows: its DMA starts at a sequence's row, not at a page.
+        block_kv = min(preferred_kv, page)
+    elif page <= preferred_kv:
+        block_kv = max(1, preferred_kv // page) * page
+    else:
+        block_kv = _page_part(page, preferred_kv)
     budget = vmem_budget(generation)
 
     def working_set(bq, tq, bkv):
         return vmem_bytes(problem, block_q=bq, tile_q=tq, block_kv=bkv)
 
     while working_set(block_q, tile_q, block_kv) > budget:
-        if block_kv > 128 and _shrink_kv(block_kv, page) < block_kv:
-            block_kv = _shrink_kv(block_kv, page)
+        if block_kv > 128 and _shrink_kv(block_kv, page, contiguous) < block_kv:
+            block_kv = _shrink_kv(block_kv, page, contiguous)
         elif block_q > tile_q:
             block_q = max(tile_q, block_q // 2 // tile_q * tile_q)
         elif tile_q > TILE_Q_MULTIPLE:
             tile_q = block_q = max(TILE_Q_MULTIPLE, tile_q // 2 // TILE_Q_MULTIPLE * TILE_Q_MULTIPLE)
-        elif _shrink_kv(block_kv, page) < block_kv:
-            block_kv = _shrink_kv(block_kv, page)
+        elif _shrink_kv(block_kv, page, contiguous) < block_kv:
+            block_kv = _shrink_kv(block_kv, page, contiguous)
         else:
             break
     return PagedConfig(block_q, tile_q, block_kv, vmem_limit(working_set(block_q, tile_q, block_kv), generation))
@@ -108,6 +116,11 @@ def check_config(config: PagedConfig, problem: PagedProblem) -> None:
         raise ValueError(f"config.block_q must be a positive multiple of tile_q ({config.tile_q}), "
                          f"got {config.block_q}")
     page = problem.page_size
+    if problem.contiguous:
+        if not 0 < config.block_kv <= page:
+            raise ValueError(f"config.block_kv must be in [1, {page}] (the contiguous keys' rows), "
+                             f"got {config.block_kv}")
+        return
     whole_pages = config.block_kv >= page and config.block_kv % page == 0
     page_part = 0 < config.block_kv < page and page % config.block_kv == 0
     if not (whole_pages or page_part):
