@@ -6,12 +6,13 @@ the same kernels in Pallas' TPU interpret mode (exact, slow: for development
 and CI). `attention_forward` and `attention_mask` plug it into transformers.
 
 Each kernel is a subpackage (`flash`: the forward; `flash_backward`: dq and
-dk/dv) with three seams: `tiles.select(problem, generation)` picks its tiles,
+dk/dv; `paged`: ragged paged attention over a paged or contiguous KV cache,
+inference only) with three seams: `tiles.select(problem, generation)` picks its tiles,
 `plan.make(problem, generation, config=None)` lays its grid and VMEM limit,
 and `kernel.call(arrays..., plan)` runs it; `common` is what they share (the
-call's options, its `Problem` and masking, the tiles' type, the VMEM policy).
-`__all__` is what a user calls (the torch op, the transformers entry points
-and the reference); `TOOLS` is what benchmarks, the performance model and
+call's options, its `Problem` and masking, the paged kernel's `PagedProblem`,
+the tiles' type, the VMEM policy). `__all__` is what a user calls (the torch
+ops, the transformers entry points, the flash-attn 2 API and the reference); `TOOLS` is what benchmarks, the performance model and
 tests use besides: the call's options and problem, the seams (dotted:
 `flash.plan.make`), the JAX functions, and what the tile selectors weigh.
 """
@@ -19,20 +20,25 @@ tests use besides: the call's options and problem, the seams (dotted:
 # Submodules are bound by name here, not only imported: `kernels` may load the
 # same build (same module id) from a second path, and then Python reuses the
 # cached submodules without setting them as attributes of the new package.
-from . import common, flash, flash_api, flash_backward, ops, reference
+from . import common, flash, flash_api, flash_backward, kvcache, ops, paged, paged_ops, reference
 from .attention import attention_forward, attention_mask
 from .common.masking import Attention, Problem, kv_steps, prepare, q_steps
+from .common.paged import PagedProblem, paged_problem
 from .common.tiles import AttentionConfig
 from .common.vmem import WORKING_SET_BOUND_BYTES, WORKING_SET_MARGIN, vmem_budget, vmem_limit
 from .flash.kernel import SUPPORTED_HEAD_DIMS
 from .flash_api import flash_attn_func, flash_attn_varlen_func
+from .kvcache import flash_attn_with_kvcache
 from .ops import flash_attention
+from .paged_ops import ragged_paged_attention, ragged_varlen_attention
 
 # What a user of the loaded kernel calls (and what `kernels describe-api` lists, from symbols.json): the torch
-# op, transformers' attention and mask functions, the flash-attn 2 API (`flash_api`: what transformers calls when
-# `attn_implementation` names this repo) and the float64 reference the kernels are tested against.
+# op, transformers' attention and mask functions, the flash-attn 2 API (`flash_api`, and `kvcache` on the paged
+# kernel: what transformers calls when `attn_implementation` names this repo), the paged kernel's torch ops and the
+# float64 reference the kernels are tested against.
 __all__ = ["SUPPORTED_HEAD_DIMS", "attention_forward", "attention_mask", "flash_attention", "ops", "reference",
-           "flash_attn_func", "flash_attn_varlen_func"]
+           "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "ragged_paged_attention",
+           "ragged_varlen_attention"]
 
 # The one face code outside this package (benchmarks, the performance model, integration, tests) uses besides
 # `__all__`: tests/test_kernel_face.py holds every use to these names. A dotted name is reached through the
@@ -62,4 +68,8 @@ TOOLS = [
     "flash_backward.tiles.check_backward_config",
     # The VMEM policy both take: this kernel's margin and bound.
     "WORKING_SET_BOUND_BYTES", "WORKING_SET_MARGIN", "vmem_budget", "vmem_limit",
+    # Ragged paged attention: its problem, seams, JAX function, config and what its tile selector weighs.
+    "PagedProblem", "paged_problem", "paged.tiles.select", "paged.plan.make", "paged.kernel.call",
+    "paged.kernel.ragged_paged_attention", "paged.kernel.ragged_varlen_attention", "paged.kernel.SUPPORTED_HEAD_DIMS",
+    "paged.tiles.PagedConfig", "paged.tiles.PREFERRED_TILES", "paged.tiles.vmem_bytes",
 ]

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from .flash.kernel import differentiable_flash_attention
 from .flash_backward.kernel import flash_attention_backward
+from .paged.compile_targets import paged_compile_targets
 
 QWEN3_30B_A3B = dict(q_heads=32, kv_heads=4, head_dim=128)
 GEMMA_4_SLIDING = dict(q_heads=16, kv_heads=8, head_dim=256)
@@ -131,4 +132,6 @@ def compile_targets(generation):
         ),
         ("backward qwen3-30b-a3b B=1 S=1000 causal softcap f32", backward_f32,
          _backward_avals(1, 1000, dtype=jnp.float32, **QWEN3_30B_A3B)),
+        # Ragged paged attention (its shapes: `paged/compile_targets.py`).
+        *paged_compile_targets(generation),
     ]

@@ -97,3 +97,54 @@ def reference_attention(
         weights = torch.softmax(torch.where(any_visible, logits, 0.0), dim=-1)
     weights = torch.where(visible, weights, 0.0)
     return weights @ v64
+
+
+def reference_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    kv_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Ragged paged attention (`paged.kernel.ragged_paged_attention`) -> float64 [T, Hq, D], one sequence at a time:
+    its keys gathered page by page from the page table, then `reference_attention` with its queries last.
+
+    q[T, Hq, D] packed (sequence s owns rows cu_q_lens[s]:cu_q_lens[s + 1]); k_cache, v_cache[num_pages,
+    page_size, Hkv, D]; kv_lens [S]; page_table [S, pages_per_seq]. Rows no sequence owns are 0.
+    """
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    page_size = k_cache.shape[1]
+    for seq in range(kv_lens.shape[0]):
+        q_start, q_end, kv_len = int(cu_q_lens[seq]), int(cu_q_lens[seq + 1]), int(kv_lens[seq])
+        if q_end == q_start:
+            continue
+        pages = page_table[seq, : -(-kv_len // page_size)].long()
+        keys = k_cache[pages].flatten(0, 1)[:kv_len]  # [kv_len, Hkv, D]
+        values = v_cache[pages].flatten(0, 1)[:kv_len]
+        out[q_start:q_end] = reference_attention(
+            q[None, q_start:q_end].transpose(1, 2), keys[None].transpose(1, 2), values[None].transpose(1, 2),
+            scale=scale, causal=causal, q_offset=kv_len - (q_end - q_start), sliding_window=sliding_window,
+            softcap=softcap, sinks=sinks,
+        )[0].transpose(0, 1)
+    return out
+
+
+def reference_varlen_attention(q, k, v, cu_q_lens, cu_k_lens, **options) -> torch.Tensor:
+    """`reference_paged_attention` over contiguous k, v[total_k, Hkv, D] (sequence s owns rows
+    cu_k_lens[s]:cu_k_lens[s + 1]), each sequence's keys copied into pages of their own."""
+    kv_lens = cu_k_lens[1:] - cu_k_lens[:-1]
+    longest = max(1, int(kv_lens.max()) if kv_lens.numel() else 1)
+    k_cache = torch.zeros(len(kv_lens), longest, *k.shape[1:], dtype=k.dtype)
+    v_cache = torch.zeros(len(kv_lens), longest, *v.shape[1:], dtype=v.dtype)
+    for seq, (start, end) in enumerate(zip(cu_k_lens[:-1].tolist(), cu_k_lens[1:].tolist())):
+        k_cache[seq, : end - start] = k[start:end]
+        v_cache[seq, : end - start] = v[start:end]
+    page_table = torch.arange(len(kv_lens))[:, None]
+    return reference_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, **options)

@@ -1,0 +1,313 @@
+"""Ragged paged attention against the float64 reference, in TPU interpret mode with race detection.
+
+The JAX function runs with small explicit tiles (`paged.tiles.PagedConfig`) so that several grid steps, K/V
+blocks of whole pages and of parts of a page, prefetches across sequences and row tiles shared by decode rows
+all occur at affordable sizes. Unused cache pages hold NaN: a kernel that reads a page the table does not name,
+or a key past a sequence's length, into its result fails here.
+"""
+
+import numpy as np
+import pytest
+import torch
+from tpu_kernels.testing import assert_matches, interpret
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def paged_batch(q_lens, kv_lens, *, q_heads, kv_heads, head_dim, page_size, dtype=torch.float32, seed=0,
+                spare_pages=3, extra_rows=0):
+    """(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table) for sequences of these query and key counts, their
+    pages scattered over a cache whose other pages (and the rows past each sequence's keys) hold NaN."""
+    generator = torch.Generator().manual_seed(seed)
+    pages_needed = [-(-kv // page_size) for kv in kv_lens]
+    pages_per_seq = max(1, max(pages_needed, default=1))
+    num_pages = sum(pages_needed) + spare_pages
+    order = torch.randperm(num_pages, generator=generator)
+    k_cache = torch.full((num_pages, page_size, kv_heads, head_dim), float("nan"))
+    v_cache = torch.full((num_pages, page_size, kv_heads, head_dim), float("nan"))
+    page_table = torch.full((len(kv_lens), pages_per_seq), num_pages - 1, dtype=torch.int32)
+    used = 0
+    for seq, (kv, pages) in enumerate(zip(kv_lens, pages_needed)):
+        for column in range(pages):
+            page = int(order[used])
+            used += 1
+            page_table[seq, column] = page
+            rows = min(page_size, kv - column * page_size)
+            k_cache[page, :rows] = torch.randn(rows, kv_heads, head_dim, generator=generator)
+            v_cache[page, :rows] = torch.randn(rows, kv_heads, head_dim, generator=generator)
+    total_q = sum(q_lens) + extra_rows  # rows past cu_q_lens[-1] belong to no sequence
+    q = torch.randn(total_q, q_heads, head_dim, generator=generator)
+    cu_q_lens = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
+    return (q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), cu_q_lens,
+            torch.tensor(kv_lens, dtype=torch.int32), page_table)
+
+
+def run_paged(kernel, convert, batch, config=None, cores=1, **options):
+    to_jax, to_torch = convert
+    arrays = [to_jax(x) for x in batch]
+    if options.get("sinks") is not None:
+        options["sinks"] = to_jax(options["sinks"])
+    out = interpret(lambda: kernel.paged.kernel.ragged_paged_attention(*arrays, config=config, **options), cores)
+    return to_torch(out)
+
+
+def check_paged(kernel, convert, batch, config=None, cores=1, **options):
+    q = batch[0]
+    out = run_paged(kernel, convert, batch, config, cores, **options)
+    expected = kernel.reference.reference_paged_attention(*batch, **options)
+    assert_matches(out, expected, TOLERANCE[q.dtype])
+
+
+def config(kernel, block_q, tile_q, block_kv):
+    return kernel.paged.tiles.PagedConfig(block_q=block_q, tile_q=tile_q, block_kv=block_kv,
+                                          vmem_limit_bytes=32 << 20)
+
+
+@pytest.mark.slow
+def test_mixed_prefill_and_decode(kernel, convert):
+    """A prefill chunk, decode rows, a one-token request, an empty decode row; 3 steps, 2 pages per block."""
+    batch = paged_batch([5, 1, 0, 1, 19, 1], [37, 16, 9, 1, 19, 50], q_heads=4, kv_heads=2, head_dim=64,
+                        page_size=8)
+    check_paged(kernel, convert, batch, config(kernel, 16, 16, 16))
+
+
+@pytest.mark.slow
+def test_two_cores_split_the_steps(kernel, convert):
+    """The grid is parallel: on v5p's megacore two TensorCores take its steps, each with its own DMAs and scratch."""
+    batch = paged_batch([9, 1, 1, 14, 1], [9, 30, 2, 20, 17], q_heads=4, kv_heads=2, head_dim=64, page_size=8,
+                        seed=13)
+    check_paged(kernel, convert, batch, config(kernel, 16, 16, 8), cores=2)
+
+
+@pytest.mark.slow
+def test_a_page_boundary_at_every_offset(kernel, convert):
+    """Decode rows whose last key sits at every offset of a page, and 3-token chunks crossing page boundaries."""
+    page = 8
+    kv_lens = list(range(1, 2 * page + 2)) + [page + offset for offset in range(0, page, 3)]
+    q_lens = [1] * (2 * page + 1) + [3] * len(range(0, page, 3))
+    batch = paged_batch(q_lens, kv_lens, q_heads=8, kv_heads=2, head_dim=128, page_size=page, seed=1)
+    check_paged(kernel, convert, batch, config(kernel, 32, 16, 2 * page))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [3, 8, 13])
+def test_sliding_windows_shorter_and_longer_than_a_page(kernel, convert, window):
+    batch = paged_batch([20, 1, 7, 1], [40, 33, 7, 9], q_heads=4, kv_heads=1, head_dim=64, page_size=8, seed=window)
+    check_paged(kernel, convert, batch, config(kernel, 16, 16, 8), sliding_window=window)
+
+
+@pytest.mark.slow
+def test_sinks_softcap_scale_and_empty_rows(kernel, convert):
+    """GPT-OSS-style sinks with a window; a decode row with no keys (zero despite its sink), a sequence without
+    queries, rows past cu_q_lens[-1]."""
+    batch = paged_batch([6, 1, 0, 1, 9], [6, 0, 12, 30, 21], q_heads=6, kv_heads=2, head_dim=64, page_size=4,
+                        seed=3, extra_rows=5)
+    sinks = torch.randn(6, generator=torch.Generator().manual_seed(4))
+    out = run_paged(kernel, convert, batch, config(kernel, 16, 16, 8), sinks=sinks, sliding_window=5, softcap=4.0,
+                    scale=0.3)
+    expected = kernel.reference.reference_paged_attention(*batch, sinks=sinks, sliding_window=5, softcap=4.0,
+                                                          scale=0.3)
+    assert_matches(out, expected, TOLERANCE[torch.float32])
+    assert out[6].abs().max() == 0 and out[-5:].abs().max() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim, q_heads, kv_heads, dtype, page_size, block_kv", [
+    (64, 3, 3, torch.float32, 4, 8),  # MHA; blocks of two pages
+    (128, 6, 2, torch.bfloat16, 16, 8),  # a group of 3 (no power of two); blocks of half a page
+    (256, 4, 1, torch.bfloat16, 8, 8),
+    (512, 4, 2, torch.float32, 16, 16),
+])
+def test_each_head_dim(kernel, convert, head_dim, q_heads, kv_heads, dtype, page_size, block_kv):
+    batch = paged_batch([3, 1, 18], [11, 5, 20], q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                        page_size=page_size, dtype=dtype, seed=head_dim)
+    check_paged(kernel, convert, batch, config(kernel, 32, 16, block_kv))
+
+
+@pytest.mark.slow
+def test_not_causal(kernel, convert):
+    batch = paged_batch([4, 1, 2], [9, 6, 2], q_heads=4, kv_heads=2, head_dim=64, page_size=4, seed=5)
+    check_paged(kernel, convert, batch, config(kernel, 16, 16, 4), causal=False)
+
+
+@pytest.mark.slow
+def test_selected_tiles(kernel, convert):
+    """The tiles `paged.tiles.select` picks: a block of many pages, most of them past the sequences' keys."""
+    batch = paged_batch([2, 1, 40, 1], [9, 70, 45, 1], q_heads=8, kv_heads=1, head_dim=128, page_size=64, seed=6)
+    check_paged(kernel, convert, batch)
+
+
+def varlen_batch(q_lens, kv_lens, *, q_heads, kv_heads, head_dim, seed):
+    """(q, k, v, cu_q_lens, cu_k_lens): packed queries and packed contiguous keys and values."""
+    generator = torch.Generator().manual_seed(seed)
+    total_k = sum(kv_lens)
+    q = torch.randn(sum(q_lens), q_heads, head_dim, generator=generator)
+    k, v = (torch.randn(total_k, kv_heads, head_dim, generator=generator) for _ in range(2))
+    cumulative = [torch.tensor(np.concatenate([[0], np.cumsum(n)]), dtype=torch.int32) for n in (q_lens, kv_lens)]
+    return q, k, v, *cumulative
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_kv, options", [(8, dict()), (16, dict(sliding_window=6, sinks=True)), (None, {})])
+def test_contiguous_varlen_keys(kernel, convert, block_kv, options):
+    """Keys packed as flash_attn_varlen_func gets them, read in place; blocks start mid-row-range, the last ones
+    read the array's last rows (47 of them, no multiple of a block) and mask what the previous block held."""
+    to_jax, to_torch = convert
+    batch = varlen_batch([7, 1, 0, 3, 1], [7, 13, 2, 20, 5], q_heads=4, kv_heads=2, head_dim=64, seed=14)
+    if options.pop("sinks", False):
+        options["sinks"] = torch.randn(4, generator=torch.Generator().manual_seed(15))
+    tiles = None if block_kv is None else config(kernel, 16, 16, block_kv)
+    jax_options = {name: to_jax(value) if isinstance(value, torch.Tensor) else value for name, value in options.items()}
+    out = interpret(lambda: kernel.paged.kernel.ragged_varlen_attention(*(to_jax(x) for x in batch), config=tiles,
+                                                                        **jax_options))
+    expected = kernel.reference.reference_varlen_attention(*batch, **options)
+    assert_matches(to_torch(out), expected, 1e-5)
+
+
+# The torch face: the op, flash_attn_with_kvcache as transformers calls it, and the errors of bad input.
+
+
+@pytest.mark.slow
+def test_torch_op_matches_reference(kernel):
+    batch = paged_batch([5, 1, 0, 1], [12, 7, 3, 1], q_heads=4, kv_heads=2, head_dim=64, page_size=4, seed=7)
+    cu_q_lens, kv_lens, page_table = (x.to(torch.int64) for x in batch[3:])
+    out = kernel.ragged_paged_attention(*batch[:3], cu_q_lens, kv_lens, page_table, sliding_window=6)
+    assert out.shape == batch[0].shape and out.dtype == batch[0].dtype
+    assert_matches(out, kernel.reference.reference_paged_attention(*batch, sliding_window=6), 1e-5)
+
+
+@pytest.mark.slow
+def test_torch_varlen_op_matches_reference(kernel):
+    q, k, v, cu_q_lens, cu_k_lens = varlen_batch([3, 1, 5], [9, 1, 5], q_heads=8, kv_heads=1, head_dim=128, seed=16)
+    out = kernel.ragged_varlen_attention(q, k, v, cu_q_lens.long(), cu_k_lens.long(), softcap=2.0)
+    expected = kernel.reference.reference_varlen_attention(q, k, v, cu_q_lens, cu_k_lens, softcap=2.0)
+    assert_matches(out, expected, 1e-5)
+
+
+def test_bad_varlen_input_raises_naming_the_argument(kernel):
+    q, k, v, cu_q_lens, cu_k_lens = varlen_batch([3, 1], [4, 1], q_heads=2, kv_heads=1, head_dim=64, seed=17)
+    with pytest.raises(ValueError, match="cu_k_lens must be"):
+        kernel.ragged_varlen_attention(q, k, v, cu_q_lens, cu_k_lens.float())
+    with pytest.raises(ValueError, match="k must be 3-D"):
+        kernel.ragged_varlen_attention(q, k[None], v, cu_q_lens, cu_k_lens)
+    with pytest.raises(ValueError, match="cu_q_lens must be"):
+        kernel.ragged_varlen_attention(q, k, v, cu_q_lens[:2], cu_k_lens)
+
+
+def _decode_step(*, q_heads=8, kv_heads=2, head_dim=64, page_size=8, dtype=torch.float32, seed=8):
+    """What transformers hands flash_attn_with_kvcache in a decode step: q, k, v [B, 1, H, D], the cache, the
+    lengths before this step, the block table (unused entries -1)."""
+    cache_lengths = [0, 7, 8, 20]
+    batch = paged_batch([1] * 4, [n + 1 for n in cache_lengths], q_heads=q_heads, kv_heads=kv_heads,
+                        head_dim=head_dim, page_size=page_size, dtype=dtype, seed=seed)
+    q, k_cache, v_cache, _, kv_lens, page_table = batch
+    generator = torch.Generator().manual_seed(seed + 1)
+    k_new = torch.randn(4, 1, kv_heads, head_dim, generator=generator).to(dtype)
+    v_new = torch.randn(4, 1, kv_heads, head_dim, generator=generator).to(dtype)
+    block_table = torch.cat([page_table, torch.full((4, 2), -1, dtype=torch.int32)], dim=1)
+    return (q[:, None], k_cache, v_cache, k_new, v_new, torch.tensor(cache_lengths, dtype=torch.int32),
+            block_table, kv_lens)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [dict(), dict(window_size=(4, 4), softcap=3.0, s_aux=True)])
+def test_flash_attn_with_kvcache_writes_the_cache_and_attends(kernel, options):
+    q, k_cache, v_cache, k_new, v_new, cache_lengths, block_table, kv_lens = _decode_step()
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(2)) if options.pop("s_aux", False) else None
+    out = kernel.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_lengths,
+                                         block_table=block_table, causal=True, s_aux=sinks, **options)
+    for seq, position in enumerate(cache_lengths.tolist()):
+        page = block_table[seq, position // 8]
+        assert torch.equal(k_cache[page, position % 8], k_new[seq, 0])
+        assert torch.equal(v_cache[page, position % 8], v_new[seq, 0])
+    window = options.get("window_size", (-1, -1))[0] + 1 or None
+    expected = kernel.reference.reference_paged_attention(
+        q[:, 0], k_cache, v_cache, torch.arange(5, dtype=torch.int32), kv_lens, block_table, sinks=sinks,
+        sliding_window=window, softcap=options.get("softcap"))
+    assert out.shape == q.shape
+    assert_matches(out[:, 0], expected, 1e-5)
+
+
+@pytest.mark.slow
+def test_flash_attn_with_kvcache_on_a_contiguous_cache(kernel):
+    """No block table: k_cache [B_cache, S_max, Hkv, D], rows chosen by cache_batch_idx; a 3-token chunk each."""
+    generator = torch.Generator().manual_seed(11)
+    k_cache, v_cache = (torch.randn(3, 24, 1, 128, generator=generator) for _ in range(2))
+    q = torch.randn(2, 3, 2, 128, generator=generator)
+    rows, lengths = torch.tensor([2, 0]), torch.tensor([10, 21])
+    out = kernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=rows,
+                                         causal=True)
+    expected = kernel.reference.reference_paged_attention(
+        q.flatten(0, 1), k_cache, v_cache, torch.tensor([0, 3, 6]), lengths, rows[:, None])
+    assert_matches(out.flatten(0, 1), expected, 1e-5)
+
+
+def test_transformers_hands_over_the_paged_arguments(kernel):
+    """transformers reads the parameter names: it must pass the block table, lengths, window, softcap and sinks."""
+    from transformers.modeling_flash_attention_utils import _lazy_define_process_function
+
+    process = _lazy_define_process_function(kernel.flash_attn_with_kvcache)
+    sinks, table, lengths = torch.zeros(4), torch.zeros(2, 3, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    kwargs = process(query_length=1, key_length=300, is_causal=True, sliding_window=128, softcap=5.0, s_aux=sinks,
+                     block_table=table, cache_seqlens=lengths)
+    assert kwargs["block_table"] is table and kwargs["cache_seqlens"] is lengths and kwargs["s_aux"] is sinks
+    assert kwargs["window_size"] == (127, 127) and kwargs["softcap"] == 5.0 and kwargs["causal"] is True
+
+
+def _valid_call():
+    batch = paged_batch([2, 1], [5, 3], q_heads=4, kv_heads=2, head_dim=64, page_size=4, seed=12)
+    return dict(zip(("q", "k_cache", "v_cache", "cu_q_lens", "kv_lens", "page_table"), batch))
+
+
+BAD_PAGED_CALLS = {
+    "q-rank": (lambda a: a.update(q=a["q"][None]), ValueError, "q must be 3-D"),
+    "cache-shapes": (lambda a: a.update(v_cache=a["v_cache"][:, :2]), ValueError, "k_cache and v_cache"),
+    "head-dim": (lambda a: a.update(q=a["q"][..., :32]), ValueError, "head_dim"),
+    "unsupported-head-dim": (lambda a: a.update(q=a["q"][..., :32], k_cache=a["k_cache"][..., :32],
+                                                v_cache=a["v_cache"][..., :32]), ValueError, "head_dim must be one of"),
+    "groups": (lambda a: a.update(q=a["q"][:, :3]), ValueError, "multiple of the number of key/value heads"),
+    "dtype": (lambda a: a.update(q=a["q"].half()), TypeError, "q must be float32 or bfloat16"),
+    "cache-dtype": (lambda a: a.update(k_cache=a["k_cache"].bfloat16()), TypeError, "share one dtype"),
+    "cu_q_lens": (lambda a: a.update(cu_q_lens=a["cu_q_lens"][:2]), ValueError, "cu_q_lens must be"),
+    "kv_lens": (lambda a: a.update(kv_lens=a["kv_lens"].float()), ValueError, "kv_lens must be"),
+    "page_table": (lambda a: a.update(page_table=a["page_table"][0]), ValueError, "page_table must be 2-D"),
+    "sinks": (lambda a: a.update(sinks=torch.zeros(3)), ValueError, "sinks must be"),
+    "window": (lambda a: a.update(sliding_window=0), ValueError, "sliding_window"),
+    "softcap": (lambda a: a.update(softcap=-1.0), ValueError, "softcap"),
+    "max_q_len": (lambda a: a.update(max_q_len=0), ValueError, "max_q_len"),
+    "grad": (lambda a: a.update(q=a["q"].requires_grad_()), ValueError, "inference-only"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PAGED_CALLS))
+def test_bad_paged_input_raises_naming_the_argument(kernel, case):
+    change, error, match = BAD_PAGED_CALLS[case]
+    arguments = _valid_call()
+    change(arguments)
+    with pytest.raises(error, match=match):
+        kernel.ragged_paged_attention(**arguments)
+
+
+BAD_KVCACHE_CALLS = {
+    "rotary": (dict(rotary_cos=torch.ones(1)), "rotary_cos"),
+    "leftpad": (dict(cache_leftpad=torch.zeros(4, dtype=torch.int32)), "cache_leftpad"),
+    "alibi": (dict(alibi_slopes=torch.ones(8)), "alibi_slopes"),
+    "lse": (dict(return_softmax_lse=True), "return_softmax_lse"),
+    "splits": (dict(num_splits=4), "num_splits"),
+    "batch-index": (dict(cache_batch_idx=torch.arange(4)), "cache_batch_idx"),
+    "two-tables": (dict(page_table=torch.zeros(4, 1, dtype=torch.int32)), "block_table or page_table"),
+    "two-sinks": (dict(s_aux=torch.zeros(8), learnable_sink=torch.zeros(8)), "s_aux or learnable_sink"),
+    "right-window": (dict(causal=False, window_size=(3, 2)), "window_size"),
+    "no-lengths": (dict(cache_seqlens=None), "cache_seqlens is required"),
+    "k-without-v": (dict(v=None), "k and v together"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_KVCACHE_CALLS))
+def test_bad_kvcache_input_raises_naming_the_argument(kernel, case):
+    q, k_cache, v_cache, k_new, v_new, cache_lengths, block_table, _ = _decode_step()
+    arguments = dict(k=k_new, v=v_new, cache_seqlens=cache_lengths, block_table=block_table, causal=True)
+    overrides, match = BAD_KVCACHE_CALLS[case]
+    arguments.update(overrides)
+    with pytest.raises(ValueError, match=match):
+        kernel.flash_attn_with_kvcache(q, k_cache, v_cache, **arguments)

@@ -1,0 +1,95 @@
+"""The problem value of ragged paged attention (`paged/`): one call over a batch of sequences whose queries are packed
+and whose keys and values sit in the pages of a paged KV cache.
+
+Layout (transformers' paged cache, `continuous_batching/cache_allocators/full_attention.py`, and flash-attn's
+`flash_attn_with_kvcache`):
+
+* q: [total_q, Hq, D], the sequences' queries one after another; sequence s owns rows
+  ``cu_q_lens[s]:cu_q_lens[s + 1]``. Rows past ``cu_q_lens[-1]`` belong to no sequence (their output is 0).
+* k_cache, v_cache: [num_pages, page_size, Hkv, D]; page_table: int32 [num_seqs, pages_per_seq]; key j of
+  sequence s sits in page ``page_table[s, j // page_size]`` at row ``j % page_size``.
+* kv_lens: int32 [num_seqs], the keys of each sequence (its queries included).
+
+Contiguous (varlen) K/V, as `flash_attn_varlen_func` receives them, are the same problem with `contiguous` set:
+k, v [total_k, Hkv, D] are read as one page of total_k rows ([1, total_k, Hkv, D], a free reshape) and the page
+table's one column holds each sequence's first row (cu_k_lens[:-1]); key j of sequence s is row
+``page_table[s, 0] + j``.
+
+Positions are bottom-right aligned: query i of sequence s (of q_len queries) sits at position
+``kv_lens[s] - q_len + i``. Key j is visible to a query at position p when ``j < kv_lens[s]``, ``j <= p``
+(causal) and ``j > p - sliding_window`` (window). Softcap, scale and sinks act as in `masking.Attention`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedProblem:
+    """The static description of one ragged paged attention call (shapes and options; no tile sizes)."""
+
+    total_q: int  # packed query rows
+    num_seqs: int  # rows of the page table
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    num_pages: int  # pages in the cache
+    pages_per_seq: int  # columns of the page table
+    scale: float
+    causal: bool
+    sliding_window: int | None
+    softcap: float | None
+    has_sinks: bool
+    dtype: str
+    # The most queries any one sequence has, when the caller knows it (1: a decode batch); None: up to total_q.
+    max_q_len: int | None = None
+    contiguous: bool = False  # one page holding every sequence's keys, from the row the page table names
+
+    @property
+    def group(self) -> int:
+        return self.q_heads // self.kv_heads
+
+    @property
+    def precision(self) -> jax.lax.Precision | None:
+        # float32 inputs multiply at float32 precision; bfloat16 ones in one MXU pass.
+        return jax.lax.Precision.HIGHEST if self.dtype == "float32" else None
+
+    @property
+    def longest_query(self) -> int:
+        return self.total_q if self.max_q_len is None else min(self.max_q_len, self.total_q)
+
+    @classmethod
+    def of_shape(cls, *, total_q: int, num_seqs: int, q_heads: int, kv_heads: int, head_dim: int, page_size: int,
+                 num_pages: int, pages_per_seq: int, dtype, sliding_window: int | None = None,
+                 softcap: float | None = None, has_sinks: bool = False, max_q_len: int | None = None,
+                 causal: bool = True, contiguous: bool = False) -> PagedProblem:
+        """The problem of a call of this shape with the default scale."""
+        return cls(total_q=total_q, num_seqs=num_seqs, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                   page_size=page_size, num_pages=num_pages, pages_per_seq=pages_per_seq,
+                   scale=float(head_dim**-0.5), causal=bool(causal),
+                   sliding_window=None if sliding_window is None else int(sliding_window),
+                   softcap=None if softcap is None else float(softcap), has_sinks=has_sinks,
+                   dtype=jnp.dtype(dtype).name, max_q_len=max_q_len, contiguous=contiguous)
+
+
+def paged_problem(q: jax.Array, k_cache: jax.Array, page_table: jax.Array, *, scale: float | None = None,
+                  causal: bool = True, sliding_window: int | None = None, softcap: float | None = None,
+                  sinks: jax.Array | None = None, max_q_len: int | None = None,
+                  contiguous: bool = False) -> PagedProblem:
+    """The PagedProblem of one call (inputs assumed valid)."""
+    total_q, q_heads, head_dim = q.shape
+    num_pages, page_size, kv_heads, _ = k_cache.shape
+    num_seqs, pages_per_seq = page_table.shape
+    return PagedProblem(
+        total_q=total_q, num_seqs=num_seqs, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+        page_size=page_size, num_pages=num_pages, pages_per_seq=pages_per_seq,
+        scale=float(head_dim**-0.5 if scale is None else scale), causal=bool(causal),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        softcap=None if softcap is None else float(softcap), has_sinks=sinks is not None,
+        dtype=jnp.dtype(q.dtype).name, max_q_len=max_q_len, contiguous=contiguous,
+    )

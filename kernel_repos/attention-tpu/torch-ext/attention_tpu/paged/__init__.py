@@ -1,0 +1,7 @@
+"""Ragged paged attention (mixed prefill chunks and decode rows over a paged KV cache): `kernel.py` runs it,
+`plan.py` lays its grid from the tiles `tiles.py` selects."""
+
+# Its seams (`tiles.select`, `plan.make`, `kernel.call`), bound by name (the package's `__init__.py` says why).
+from . import kernel, plan, tiles
+
+__all__ = ["kernel", "plan", "tiles"]

@@ -1,0 +1,388 @@
+"""Ragged paged attention for TPU, written in Pallas (pure JAX, no torch): one call over a batch that mixes prefill
+chunks and decode rows, reading K/V from the pages of a paged cache in place.
+
+Layout and semantics: `common/paged.py`.
+
+* The grid is one step per block of `block_q` packed query rows. q is laid out per KV head, its rows being
+  (token, query head of the group) pairs: [Hkv, tokens * group, D] (a copy of q, never of the cache), so one
+  step's block of q, its output and its softmax state are plain 2-D tiles per KV head.
+* Scalar prefetch hands the kernel cu_q_lens, kv_lens, the page table (flattened) and, per step, the first
+  and last sequence owning one of its query rows.
+* The K and V caches stay in HBM (`pl.ANY`). A step walks its sequences in order and, per sequence, the K/V
+  blocks of `block_kv` keys its queries see (causality and the window bound the range). Each block is one DMA
+  per page (or per part of a page, when a block is smaller than a page) straight from the cache page the page
+  table names into a double-buffered VMEM buffer of the cache's [tokens, Hkv, D] layout; the next block (of
+  the same sequence, or the next sequence's first) is in flight while the current one is computed. Chunks
+  past a sequence's keys are not fetched.
+* Per block and KV head, every row tile (`tile_q` tokens) of the sequence that sees a key of the block runs
+  one (rows, D) x (D, block_kv) matmul and the online softmax (float32 state in VMEM scratch). Rows of other
+  sequences in a tile are masked out, which leaves their state unchanged; decode rows of several sequences
+  thus share a tile. Sinks start a row's running max and sum (max = sink, sum = 1).
+* V rows past a sequence's keys are zeroed before the PV matmul and invalid logits are replaced before the
+  exponential, so stale pages or NaN never reach the result. Page table entries are clamped into the cache.
+
+Rows that see no key, and rows past cu_q_lens[-1], come out as zeros. Inputs are assumed valid: the torch op
+checks them (`paged_ops.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ..common import masking
+from ..common.paged import PagedProblem, paged_problem
+from .plan import PagedPlan, make
+from .tiles import PagedConfig
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)
+
+
+class _Refs(NamedTuple):
+    cu_q: object  # SMEM [S + 1]
+    kv_lens: object  # SMEM [S]
+    table: object  # SMEM [S * pages_per_seq]
+    q: object  # [Hkv, block rows, D]
+    k_hbm: object  # [num_pages, page_size, Hkv, D]
+    v_hbm: object
+    sinks: object | None  # [Hkv, block rows, 1] f32
+    out: object
+    k_buf: object  # [2, chunks per block, chunk, Hkv, D]
+    v_buf: object
+    sems: object  # DMA [2 (K, V), 2 (slot)]
+    max: object  # [Hkv, block rows, 1] f32
+    sum: object
+    acc: object  # [Hkv, block rows, D] f32
+
+
+class _Span(NamedTuple):
+    """One sequence within one grid step: its packed rows [row_first, row_last] there, the offset from a packed row
+    to its position, its keys, and the K/V blocks its rows see."""
+
+    seq: object
+    row_first: object
+    row_last: object
+    to_position: object
+    kv_len: object
+    first_block: object
+    last_block: object
+
+    @property
+    def has_blocks(self):
+        return self.last_block >= self.first_block
+
+
+def _div(value, divisor: int):
+    """value // divisor for a non-negative value (Mosaic lowers floor division of signed scalars only on a TPU)."""
+    return jax.lax.div(value, jnp.int32(divisor))
+
+
+def _key_range(problem: PagedProblem, first_position, last_position, kv_len):
+    """First and last key seen by queries at positions [first_position, last_position] (last < first: none)."""
+    last_key = kv_len - 1
+    if problem.causal:
+        last_key = jnp.minimum(last_key, last_position)
+    first_key = jnp.int32(0)
+    if problem.sliding_window is not None:
+        first_key = jnp.maximum(first_key, first_position - problem.sliding_window + 1)
+    return first_key, last_key
+
+
+def _span(refs: _Refs, problem: PagedProblem, plan: PagedPlan, seq, block_start) -> _Span:
+    q_start, q_end, kv_len = refs.cu_q[seq], refs.cu_q[seq + 1], refs.kv_lens[seq]
+    row_first = jnp.maximum(q_start, block_start)
+    row_last = jnp.minimum(jnp.minimum(q_end, block_start + plan.block_q), problem.total_q) - 1
+    # Bottom-right alignment: the sequence's last query sits at its last key, kv_len - 1.
+    to_position = kv_len - q_end
+    first_key, last_key = _key_range(problem, row_first + to_position, row_last + to_position, kv_len)
+    has_keys = (row_last >= row_first) & (last_key >= first_key)
+    first_block = _div(jnp.maximum(first_key, 0), plan.block_kv)
+    last_block = jnp.where(has_keys, _div(jnp.maximum(last_key, 0), plan.block_kv), first_block - 1)
+    return _Span(seq, row_first, row_last, to_position, kv_len, first_block, last_block)
+
+
+def _contiguous_rows(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block):
+    """Contiguous keys: (the first row a block's one DMA reads, how many rows before the block's first key it is).
+
+    A DMA reading past the keys' last row would leave the array: the last blocks read the last block_kv rows."""
+    first = jnp.clip(refs.table[span.seq], 0, problem.page_size - 1) + block * plan.block_kv
+    start = jnp.minimum(first, problem.page_size - plan.block_kv)
+    return start, first - start
+
+
+def _chunk_copies(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block, slot):
+    """(whether the chunk holds a key of the sequence, its K and V copy descriptors), per chunk of a block."""
+    copies = []
+    for c in range(plan.chunks_per_block):
+        token = block * plan.block_kv + c * plan.chunk
+        if problem.contiguous:
+            page, rows = 0, pl.ds(_contiguous_rows(refs, problem, plan, span, block)[0], plan.chunk)
+        else:
+            column = jnp.minimum(_div(token, problem.page_size), problem.pages_per_seq - 1)
+            page = jnp.clip(refs.table[span.seq * problem.pages_per_seq + column], 0, problem.num_pages - 1)
+            whole_page = plan.chunk == problem.page_size
+            rows = slice(None) if whole_page else pl.ds(jax.lax.rem(token, problem.page_size), plan.chunk)
+        k_copy = pltpu.make_async_copy(refs.k_hbm.at[page, rows], refs.k_buf.at[slot, c], refs.sems.at[0, slot])
+        v_copy = pltpu.make_async_copy(refs.v_hbm.at[page, rows], refs.v_buf.at[slot, c], refs.sems.at[1, slot])
+        copies.append((token < span.kv_len, k_copy, v_copy))
+    return copies
+
+
+def _start_block(refs, problem, plan, span: _Span, block, slot) -> None:
+    for needed, k_copy, v_copy in _chunk_copies(refs, problem, plan, span, block, slot):
+        @pl.when(needed)
+        def _start():
+            k_copy.start()
+            v_copy.start()
+
+
+def _wait_block(refs, problem, plan, span: _Span, block, slot) -> None:
+    for needed, k_copy, v_copy in _chunk_copies(refs, problem, plan, span, block, slot):
+        @pl.when(needed)
+        def _wait():
+            k_copy.wait()
+            v_copy.wait()
+
+
+def _row_tokens(shape, group: int):
+    """The token (row // group) of each row of a tile, broadcast along axis 1."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    if group & (group - 1) == 0:
+        return rows >> (group.bit_length() - 1)
+    # Exact for any row count a tile has: (row + 0.5) / group is never within rounding of an integer.
+    return ((rows.astype(jnp.float32) + 0.5) * (1.0 / group)).astype(jnp.int32)
+
+
+def _attend_tile(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, head: int, tile, block_start,
+                 key_start, buffer_start, k, v) -> None:
+    """The online softmax of one row tile of one KV head over one K/V block (its buffer's first row holds key
+    buffer_start; keys before key_start belong to the previous block)."""
+    rows = plan.tile_q * problem.group
+    shape = (rows, plan.block_kv)
+    row0 = pl.multiple_of(tile * rows, rows)
+    token = block_start + tile * plan.tile_q + _row_tokens(shape, problem.group)
+    position = token + span.to_position
+    key_pos = buffer_start + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    visible = (token >= span.row_first) & (token <= span.row_last) & (key_pos < span.kv_len)
+    if problem.contiguous:
+        visible = visible & (key_pos >= key_start)
+    if problem.causal:
+        visible = visible & (key_pos <= position)
+    if problem.sliding_window is not None:
+        visible = visible & (key_pos > position - problem.sliding_window)
+    q = refs.q[head, pl.ds(row0, rows), :]
+    raw = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                              precision=problem.precision)
+    logits = jnp.where(visible, masking.capped_logits(problem, raw), -jnp.inf)
+    state = (head, pl.ds(row0, rows), slice(None))
+    max_prev = refs.max[state]
+    max_next = jnp.maximum(max_prev, jnp.max(logits, axis=1, keepdims=True))
+    # A row with no visible key yet keeps max -inf: shift by 0 so that exp() gives 0, not NaN.
+    shift = jnp.where(max_next == -jnp.inf, 0.0, max_next)
+    probs = jnp.exp(logits - shift)
+    rescale = jnp.exp(max_prev - shift)
+    refs.sum[state] = rescale * refs.sum[state] + jnp.sum(probs, axis=1, keepdims=True)
+    refs.acc[state] = rescale * refs.acc[state] + jax.lax.dot_general(
+        probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+        precision=problem.precision)
+    refs.max[state] = max_next
+
+
+def _tile_sees_block(problem: PagedProblem, plan: PagedPlan, span: _Span, tile, block_start, key_start):
+    """Whether some row of the tile that belongs to the sequence sees a key of the block."""
+    first = jnp.maximum(span.row_first, block_start + tile * plan.tile_q)
+    last = jnp.minimum(span.row_last, block_start + (tile + 1) * plan.tile_q - 1)
+    first_key, last_key = _key_range(problem, first + span.to_position, last + span.to_position, span.kv_len)
+    last_key = jnp.minimum(last_key, key_start + plan.block_kv - 1)
+    first_key = jnp.maximum(first_key, key_start)
+    return (last >= first) & (last_key >= first_key)
+
+
+def _attend_block(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block, slot,
+                  block_start) -> None:
+    """Every KV head's row tiles of the sequence over one K/V block (in VMEM slot `slot`)."""
+    key_start = buffer_start = block * plan.block_kv
+    if problem.contiguous:
+        buffer_start = key_start - _contiguous_rows(refs, problem, plan, span, block)[1]
+    value_pos = buffer_start + jax.lax.broadcasted_iota(jnp.int32, (plan.block_kv, problem.head_dim), 0)
+    value_valid = (value_pos >= key_start) & (value_pos < span.kv_len)
+    first_tile = _div(span.row_first - block_start, plan.tile_q)
+    last_tile = _div(span.row_last - block_start, plan.tile_q)
+    for head in range(problem.kv_heads):
+        k = refs.k_buf[slot, :, :, head, :].reshape(plan.block_kv, problem.head_dim)
+        v = refs.v_buf[slot, :, :, head, :].reshape(plan.block_kv, problem.head_dim)
+        # p is 0 past the keys, but 0 * NaN (a stale or unfetched row) is NaN.
+        v = jnp.where(value_valid, v, jnp.zeros_like(v))
+
+        def tile_body(tile, carry, head=head, k=k, v=v):
+            pl.when(_tile_sees_block(problem, plan, span, tile, block_start, key_start))(
+                lambda: _attend_tile(refs, problem, plan, span, head, tile, block_start, key_start, buffer_start,
+                                     k, v))
+            return carry
+
+        jax.lax.fori_loop(first_tile, last_tile + 1, tile_body, 0)
+
+
+def _paged_kernel(cu_q_ref, kv_lens_ref, table_ref, seq_first_ref, seq_last_ref, q_ref, k_hbm, v_hbm, *rest,
+                  problem: PagedProblem, plan: PagedPlan):
+    rest = list(rest)
+    sinks_ref = rest.pop(0) if problem.has_sinks else None
+    refs = _Refs(cu_q_ref, kv_lens_ref, table_ref, q_ref, k_hbm, v_hbm, sinks_ref, *rest)
+    step = pl.program_id(0)
+    block_start = step * plan.block_q
+    if sinks_ref is None:
+        refs.max[...] = jnp.full(refs.max.shape, -jnp.inf, jnp.float32)
+        refs.sum[...] = jnp.zeros(refs.sum.shape, jnp.float32)
+    else:
+        # The sink is one more logit in every row's softmax, over a zero value: exp(sink - max) = 1.
+        refs.max[...] = sinks_ref[...]
+        refs.sum[...] = jnp.ones(refs.sum.shape, jnp.float32)
+    refs.acc[...] = jnp.zeros(refs.acc.shape, jnp.float32)
+    last_seq = seq_last_ref[step]
+
+    def seq_body(seq, carry):
+        slot, in_flight = carry  # in_flight: this sequence's first block is already on its way into `slot`
+        span = _span(refs, problem, plan, seq, block_start)
+        pl.when(span.has_blocks & (in_flight == 0))(
+            lambda: _start_block(refs, problem, plan, span, span.first_block, slot))
+        has_next = seq < last_seq
+        following = _span(refs, problem, plan, jnp.minimum(seq + 1, last_seq), block_start)
+        prefetch_next = has_next & following.has_blocks
+
+        def block_body(block, slot):
+            other = 1 - slot
+
+            @pl.when(block < span.last_block)
+            def _next_of_this_sequence():
+                _start_block(refs, problem, plan, span, block + 1, other)
+
+            @pl.when((block == span.last_block) & prefetch_next)
+            def _first_of_the_next():
+                _start_block(refs, problem, plan, following, following.first_block, other)
+
+            _wait_block(refs, problem, plan, span, block, slot)
+            _attend_block(refs, problem, plan, span, block, slot, block_start)
+            return other
+
+        slot = jax.lax.fori_loop(span.first_block, span.last_block + 1, block_body, slot)
+        return slot, (span.has_blocks & prefetch_next).astype(jnp.int32)
+
+    jax.lax.fori_loop(seq_first_ref[step], last_seq + 1, seq_body, (jnp.int32(0), jnp.int32(0)))
+    total = refs.sum[...]
+    out = jnp.where(total == 0.0, 0.0, refs.acc[...] / jnp.where(total == 0.0, 1.0, total))
+    refs.out[...] = out.astype(refs.out.dtype)
+
+
+def _sequence_ranges(cu_q_lens, plan: PagedPlan):
+    """First and last sequence owning a packed row of each grid step (last < first: none)."""
+    problem = plan.problem
+    starts = jnp.arange(plan.num_q_blocks, dtype=jnp.int32) * plan.block_q
+    ends = jnp.minimum(starts + plan.block_q, problem.total_q) - 1
+    q_ends = cu_q_lens[1:]
+    first = jnp.searchsorted(q_ends, starts, side="right").astype(jnp.int32)
+    last = jnp.minimum(jnp.searchsorted(q_ends, ends, side="right"), problem.num_seqs - 1).astype(jnp.int32)
+    return first, last
+
+
+def _cost_estimate(q, k_cache, problem: PagedProblem) -> pl.CostEstimate:
+    """An upper bound for XLA's scheduler: every query against a full page-table row (or its window)."""
+    keys = problem.pages_per_seq * problem.page_size
+    if problem.sliding_window is not None:
+        keys = min(keys, problem.sliding_window)
+    itemsize = jnp.dtype(q.dtype).itemsize
+    kv_bytes = min(problem.num_seqs * problem.pages_per_seq, problem.num_pages) * problem.page_size * (
+        problem.kv_heads * problem.head_dim * itemsize)
+    return pl.CostEstimate(
+        flops=int(4 * problem.total_q * problem.q_heads * keys * problem.head_dim),
+        transcendentals=int(problem.total_q * problem.q_heads * keys),
+        bytes_accessed=int(2 * q.size * itemsize + 2 * kv_bytes),
+    )
+
+
+def call(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cu_q_lens: jax.Array, kv_lens: jax.Array,
+         page_table: jax.Array, plan: PagedPlan, sinks: jax.Array | None = None) -> jax.Array:
+    """The kernel as `plan` says: q[T, Hq, D] over the cache pages -> [T, Hq, D] (inputs of the plan's problem,
+    with at least one sequence and one query; assumed valid)."""
+    problem = plan.problem
+    total_q, _, head_dim = q.shape
+    kv_heads, group = problem.kv_heads, problem.group
+    padded = plan.num_q_blocks * plan.block_q
+    step_rows = plan.block_q * group
+    # [T, Hq, D] -> [Hkv, T * group, D]: each KV head's rows are (token, query head of its group).
+    q_rows = jnp.pad(q, ((0, padded - total_q), (0, 0), (0, 0))).reshape(padded, kv_heads, group, head_dim)
+    q_rows = q_rows.transpose(1, 0, 2, 3).reshape(kv_heads, padded * group, head_dim)
+    seq_first, seq_last = _sequence_ranges(cu_q_lens.astype(jnp.int32), plan)
+    row_spec = pl.BlockSpec((kv_heads, step_rows, head_dim), lambda i, *_: (0, i, 0))
+    in_specs = [row_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
+    operands = [q_rows, k_cache, v_cache]
+    if sinks is not None:
+        # Each row's sink, in the rows' (token, head) order: one block serves every step.
+        sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(kv_heads, 1, group), (1, plan.block_q, 1))
+        in_specs.append(pl.BlockSpec((kv_heads, step_rows, 1), lambda i, *_: (0, 0, 0)))
+        operands.append(sink_rows.reshape(kv_heads, step_rows, 1))
+    buffer = pltpu.VMEM((2, plan.chunks_per_block, plan.chunk, kv_heads, head_dim), k_cache.dtype)
+    out = pl.pallas_call(
+        functools.partial(_paged_kernel, problem=problem, plan=plan),
+        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(plan.num_q_blocks,),
+            in_specs=in_specs,
+            out_specs=row_spec,
+            scratch_shapes=[
+                buffer, buffer, pltpu.SemaphoreType.DMA((2, 2)),
+                pltpu.VMEM((kv_heads, step_rows, 1), jnp.float32),
+                pltpu.VMEM((kv_heads, step_rows, 1), jnp.float32),
+                pltpu.VMEM((kv_heads, step_rows, head_dim), jnp.float32),
+            ],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
+                                             vmem_limit_bytes=plan.vmem_limit_bytes),
+        cost_estimate=_cost_estimate(q, k_cache, problem),
+    )(cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32), page_table.astype(jnp.int32).reshape(-1),
+      seq_first, seq_last, *operands)
+    out = out.reshape(kv_heads, padded, group, head_dim).transpose(1, 0, 2, 3)
+    return out.reshape(padded, kv_heads * group, head_dim)[:total_q]
+
+
+def ragged_varlen_attention(q: jax.Array, k: jax.Array, v: jax.Array, cu_q_lens: jax.Array, cu_k_lens: jax.Array, *,
+                            sinks: jax.Array | None = None, scale: float | None = None, causal: bool = True,
+                            sliding_window: int | None = None, softcap: float | None = None,
+                            max_q_len: int | None = None, config: PagedConfig | None = None,
+                            generation: str | None = None) -> jax.Array:
+    """`ragged_paged_attention` over contiguous (varlen) keys and values k, v[total_k, Hkv, D], sequence s owning
+    rows cu_k_lens[s]:cu_k_lens[s + 1] (as `flash_attn_varlen_func` receives them), read in place: the same
+    kernel, the keys one page of total_k rows whose page table names each sequence's first row."""
+    if 0 in (q.shape[0], q.shape[1], k.shape[0], cu_k_lens.shape[0] - 1):
+        return jnp.zeros(q.shape, q.dtype)
+    cu_k_lens = cu_k_lens.astype(jnp.int32)
+    k_pages, v_pages, first_rows = k[None], v[None], cu_k_lens[:-1, None]
+    problem = paged_problem(q, k_pages, first_rows, scale=scale, causal=causal, sliding_window=sliding_window,
+                            softcap=softcap, sinks=sinks, max_q_len=max_q_len, contiguous=True)
+    return call(q, k_pages, v_pages, cu_q_lens, cu_k_lens[1:] - cu_k_lens[:-1], first_rows,
+                make(problem, generation, config), sinks=sinks)
+
+
+def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cu_q_lens: jax.Array,
+                           kv_lens: jax.Array, page_table: jax.Array, *, sinks: jax.Array | None = None,
+                           scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
+                           softcap: float | None = None, max_q_len: int | None = None,
+                           config: PagedConfig | None = None, generation: str | None = None) -> jax.Array:
+    """Attention of packed q[T, Hq, D] over the paged cache k_cache, v_cache[num_pages, page_size, Hkv, D]
+    -> [T, Hq, D] (layout and semantics: `common/paged.py`).
+
+    cu_q_lens int [S + 1], kv_lens int [S], page_table int [S, pages_per_seq]; sinks [Hq] (a logit per query
+    head joining every row's softmax, attending to nothing); max_q_len, if given, bounds every sequence's
+    queries (1: decode) and only shapes the tiles. Tiles: `config`, else `tiles.select`'s for `generation`
+    (default this device's). Without a query row, a query head or a sequence no kernel runs.
+    """
+    if 0 in (q.shape[0], q.shape[1], *page_table.shape, k_cache.shape[0]):
+        return jnp.zeros(q.shape, q.dtype)
+    problem = paged_problem(q, k_cache, page_table, scale=scale, causal=causal, sliding_window=sliding_window,
+                            softcap=softcap, sinks=sinks, max_q_len=max_q_len)
+    return call(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, make(problem, generation, config), sinks=sinks)

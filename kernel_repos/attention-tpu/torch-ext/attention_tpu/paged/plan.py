@@ -1,0 +1,50 @@
+"""The plan of ragged paged attention: a `PagedProblem` and its tiles (a `PagedConfig`, by default `tiles.select`'s)
+go in, the grid and the K/V blocks' DMAs come out."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.experimental import pallas as pl
+
+from ..common.paged import PagedProblem
+from .tiles import PagedConfig, check_config, chunk_tokens, select
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedPlan:
+    """The kernel's tiling of one call."""
+
+    problem: PagedProblem
+    block_q: int  # packed query rows per grid step
+    tile_q: int  # query rows per matmul
+    block_kv: int  # keys per K/V block
+    chunk: int  # keys per DMA: a page, or a part of one
+    num_q_blocks: int  # grid length
+    vmem_limit_bytes: int
+
+    @property
+    def chunks_per_block(self) -> int:
+        return self.block_kv // self.chunk
+
+    @property
+    def tiles_per_block(self) -> int:
+        return self.block_q // self.tile_q
+
+
+def make(problem: PagedProblem, generation: str | None = None, config: PagedConfig | None = None) -> PagedPlan:
+    """The grid for `problem` at `config`'s tiles (checked), else `select`'s on `generation` (default: this
+    device's): one step per block of packed query rows."""
+    if config is None:
+        config = select(problem, generation)
+    else:
+        check_config(config, problem)
+    return PagedPlan(
+        problem=problem,
+        block_q=config.block_q,
+        tile_q=config.tile_q,
+        block_kv=config.block_kv,
+        chunk=chunk_tokens(config.block_kv, problem.page_size),
+        num_q_blocks=max(1, pl.cdiv(problem.total_q, config.block_q)),
+        vmem_limit_bytes=config.vmem_limit_bytes,
+    )

@@ -1,0 +1,133 @@
+"""Tiles of ragged paged attention (`paged.kernel`) per shape and TPU generation.
+
+Three sizes, in tokens: `block_q` query rows per grid step, `tile_q` query rows per matmul (a step's sequences
+each run the row tiles they own), `block_kv` keys per K/V block (whole pages, or an equal part of one page). The
+heuristic starts from PREFERRED_TILES and halves the largest term of the working set until it fits the VMEM
+budget (`common.vmem.vmem_budget`); the kernel then asks Mosaic for the limit its working set needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from .._hardware import LANES, check_generation, resolve_generation, round_up, sublane_multiple
+from ..common.paged import PagedProblem
+from ..common.vmem import vmem_budget, vmem_limit
+
+# Row tiles are multiples of 16 tokens, so that a tile's rows (tokens x the query heads of one KV head) start on a
+# native tile of every dtype; a tile aims at TILE_ROWS rows (an MXU-sized matmul) when the sequences are long.
+TILE_Q_MULTIPLE = 16
+TILE_ROWS = 256
+# Preferred (query rows per step, keys per K/V block): decode-sized steps hold a few row tiles; keys as the
+# forward's (`flash.tiles.PREFERRED_TILES`). Not tuned on hardware.
+PREFERRED_TILES = {"v5e": (128, 512), "v5p": (128, 512), "v6e": (128, 1024), "tpu7x": (128, 1024)}
+DECODE_BLOCK_Q = 32  # query rows per step when no sequence has more than TILE_Q_MULTIPLE queries
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedConfig:
+    """Tile sizes of one ragged paged attention call (tokens; see the module docstring)."""
+
+    block_q: int
+    tile_q: int
+    block_kv: int
+    vmem_limit_bytes: int
+
+
+def chunk_tokens(block_kv: int, page_size: int) -> int:
+    """Tokens of one K/V DMA: a whole page, or the part of one a block holds."""
+    return min(block_kv, page_size)
+
+
+def vmem_bytes(problem: PagedProblem, *, block_q: int, tile_q: int, block_kv: int) -> int:
+    """Estimated VMEM working set (pipeline buffers, scratch, one tile's temporaries), padded to native tiles."""
+    dtype = jnp.dtype(problem.dtype)
+    itemsize, rows_multiple = dtype.itemsize, sublane_multiple(dtype)
+    kv_heads, head_dim, group = problem.kv_heads, problem.head_dim, problem.group
+    step_rows = block_q * group
+    # K and V pages keep the cache's [tokens, Hkv, D] layout in VMEM: Hkv is padded to a native tile.
+    kv_buffers = 2 * 2 * block_kv * round_up(kv_heads, rows_multiple) * head_dim * itemsize
+    q_and_out = 2 * 2 * kv_heads * round_up(step_rows, rows_multiple) * head_dim * itemsize
+    scratch = kv_heads * step_rows * (head_dim + 2 * LANES) * 4  # acc, running max and sum (lane padded)
+    sinks = 2 * kv_heads * step_rows * LANES * 4 if problem.has_sinks else 0
+    tile_rows = tile_q * group
+    temporaries = 4 * tile_rows * round_up(block_kv, LANES) * 4 + 3 * block_kv * head_dim * 4
+    return kv_buffers + q_and_out + scratch + sinks + temporaries
+
+
+def _page_part(page_size: int, most: int) -> int:
+    """The largest part of a page (a divisor of page_size) of at most `most` tokens, a multiple of 8 if any is."""
+    divisors = [d for d in range(1, min(page_size, most) + 1) if page_size % d == 0]
+    aligned = [d for d in divisors if d % 8 == 0]
+    return (aligned or divisors)[-1]
+
+
+def _shrink_kv(block_kv: int, page_size: int, contiguous: bool) -> int:
+    if contiguous:
+        return max(min(8, block_kv), block_kv // 2 // 8 * 8)
+    if block_kv > page_size:
+        return max(page_size, block_kv // 2 // page_size * page_size)
+    return _page_part(page_size, block_kv // 2) if block_kv > 1 else block_kv
+
+
+def heuristic_config(problem: PagedProblem, generation: str) -> PagedConfig:
+    """Preferred tiles, the query ones no longer than the longest sequence's queries, shrunk to the VMEM budget."""
+    generation = check_generation(generation)
+    preferred_q, preferred_kv = PREFERRED_TILES[generation]
+    longest = max(1, problem.longest_query)
+    tile_q = min(round_up(max(1, TILE_ROWS // problem.group), TILE_Q_MULTIPLE), round_up(longest, TILE_Q_MULTIPLE))
+    packed = round_up(max(1, problem.total_q), tile_q)
+    block_q = min(packed, DECODE_BLOCK_Q if longest <= TILE_Q_MULTIPLE else preferred_q)
+    block_q = max(tile_q, block_q // tile_q * tile_q)
+    page, contiguous = problem.page_size, problem.contiguous
+    if contiguous:
+        # Any block up to the keys' rows: its DMA starts at a sequence's row, not at a page.
+        block_kv = min(preferred_kv, page)
+    elif page <= preferred_kv:
+        block_kv = max(1, preferred_kv // page) * page
+    else:
+        block_kv = _page_part(page, preferred_kv)
+    budget = vmem_budget(generation)
+
+    def working_set(bq, tq, bkv):
+        return vmem_bytes(problem, block_q=bq, tile_q=tq, block_kv=bkv)
+
+    while working_set(block_q, tile_q, block_kv) > budget:
+        if block_kv > 128 and _shrink_kv(block_kv, page, contiguous) < block_kv:
+            block_kv = _shrink_kv(block_kv, page, contiguous)
+        elif block_q > tile_q:
+            block_q = max(tile_q, block_q // 2 // tile_q * tile_q)
+        elif tile_q > TILE_Q_MULTIPLE:
+            tile_q = block_q = max(TILE_Q_MULTIPLE, tile_q // 2 // TILE_Q_MULTIPLE * TILE_Q_MULTIPLE)
+        elif _shrink_kv(block_kv, page, contiguous) < block_kv:
+            block_kv = _shrink_kv(block_kv, page, contiguous)
+        else:
+            break
+    return PagedConfig(block_q, tile_q, block_kv, vmem_limit(working_set(block_q, tile_q, block_kv), generation))
+
+
+def check_config(config: PagedConfig, problem: PagedProblem) -> None:
+    """Raises ValueError if `config`'s tiles are not legal for `problem`."""
+    if config.tile_q < 1 or config.tile_q % TILE_Q_MULTIPLE:
+        raise ValueError(f"config.tile_q must be a positive multiple of {TILE_Q_MULTIPLE}, got {config.tile_q}")
+    if config.block_q < 1 or config.block_q % config.tile_q:
+        raise ValueError(f"config.block_q must be a positive multiple of tile_q ({config.tile_q}), "
+                         f"got {config.block_q}")
+    page = problem.page_size
+    if problem.contiguous:
+        if not 0 < config.block_kv <= page:
+            raise ValueError(f"config.block_kv must be in [1, {page}] (the contiguous keys' rows), "
+                             f"got {config.block_kv}")
+        return
+    whole_pages = config.block_kv >= page and config.block_kv % page == 0
+    page_part = 0 < config.block_kv < page and page % config.block_kv == 0
+    if not (whole_pages or page_part):
+        raise ValueError(f"config.block_kv must be a multiple or a divisor of the page size ({page}), "
+                         f"got {config.block_kv}")
+
+
+def select(problem: PagedProblem, generation: str | None = None) -> PagedConfig:
+    """Tile sizes for `problem` on `generation` (default: the current one): the heuristic (no tuned table yet)."""
+    return heuristic_config(problem, resolve_generation(generation))

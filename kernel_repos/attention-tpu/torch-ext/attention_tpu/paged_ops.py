@@ -1,0 +1,177 @@
+"""The torch op of ragged paged attention (`paged/kernel.py`) and the one place its inputs are checked.
+
+Inference only: the kernel has no backward, so the op refuses inputs that would need one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import torch
+
+from ._ops import add_op_namespace_prefix, jax_torch_op
+from .paged.kernel import SUPPORTED_HEAD_DIMS
+from .paged.kernel import ragged_paged_attention as _jax_ragged_paged_attention
+from .paged.kernel import ragged_varlen_attention as _jax_ragged_varlen_attention
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@jax_torch_op(add_op_namespace_prefix("ragged_paged_attention"))
+def _ragged_paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    cu_q_lens: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    sinks: jax.Array | None,
+    scale: float,
+    causal: bool,
+    sliding_window: int | None,
+    softcap: float | None,
+    max_q_len: int | None,
+) -> jax.Array:
+    return _jax_ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, sinks=sinks, scale=scale,
+                                       causal=causal, sliding_window=sliding_window, softcap=softcap,
+                                       max_q_len=max_q_len)
+
+
+@jax_torch_op(add_op_namespace_prefix("ragged_varlen_attention"))
+def _ragged_varlen_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_q_lens: jax.Array,
+    cu_k_lens: jax.Array,
+    sinks: jax.Array | None,
+    scale: float,
+    causal: bool,
+    sliding_window: int | None,
+    softcap: float | None,
+    max_q_len: int | None,
+) -> jax.Array:
+    return _jax_ragged_varlen_attention(q, k, v, cu_q_lens, cu_k_lens, sinks=sinks, scale=scale, causal=causal,
+                                        sliding_window=sliding_window, softcap=softcap, max_q_len=max_q_len)
+
+
+def _is_integer_dtype(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _check_tensor(name: str, value, dims: int, what: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D {what}, got shape {tuple(value.shape)}")
+
+
+def _check_integer(name: str, value, shape: tuple[int, ...]) -> None:
+    _check_tensor(name, value, len(shape), str(list(shape)))
+    if tuple(value.shape) != shape or not _is_integer_dtype(value.dtype):
+        raise ValueError(f"{name} must be an integer tensor of shape {shape}, got {value.dtype} {tuple(value.shape)}")
+
+
+def check_positive_int(name: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+def check_paged_args(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, *, scale, sliding_window, softcap, sinks,
+                     max_q_len) -> None:
+    """Types, shapes, dtypes and devices of a ragged paged attention call, in torch terms."""
+    _check_tensor("q", q, 3, "[total_q, q_heads, head_dim]")
+    _check_tensor("k_cache", k_cache, 4, "[num_pages, page_size, kv_heads, head_dim]")
+    _check_tensor("v_cache", v_cache, 4, "[num_pages, page_size, kv_heads, head_dim]")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    _, q_heads, head_dim = q.shape
+    _, _, kv_heads, kv_head_dim = k_cache.shape
+    if kv_head_dim != head_dim:
+        raise ValueError(f"q and k_cache must have the same head_dim, got {head_dim} and {kv_head_dim}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if kv_heads == 0 or q_heads % kv_heads:
+        raise ValueError(f"the number of query heads ({q_heads}) must be a multiple of the number of key/value heads "
+                         f"({kv_heads})")
+    if q.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"q must be float32 or bfloat16, got {q.dtype}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"q, k_cache and v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, "
+                        f"{v_cache.dtype}")
+    _check_tensor("page_table", page_table, 2, "[num_seqs, pages_per_seq]")
+    if not _is_integer_dtype(page_table.dtype):
+        raise ValueError(f"page_table must be an integer tensor, got {page_table.dtype}")
+    num_seqs = page_table.shape[0]
+    _check_integer("cu_q_lens", cu_q_lens, (num_seqs + 1,))
+    _check_integer("kv_lens", kv_lens, (num_seqs,))
+    devices = {t.device for t in (q, k_cache, v_cache, cu_q_lens, kv_lens, page_table)}
+    if sinks is not None:
+        _check_tensor("sinks", sinks, 1, f"[{q_heads}]")
+        if tuple(sinks.shape) != (q_heads,) or sinks.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"sinks must be a float32/bfloat16 tensor of shape ({q_heads},) (one per query head), "
+                             f"got {sinks.dtype} {tuple(sinks.shape)}")
+        devices.add(sinks.device)
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, sinks)):
+        raise ValueError("ragged paged attention is inference-only: q, k_cache, v_cache and sinks must not require "
+                         "grad (or run under torch.no_grad())")
+    check_positive_int("sliding_window", sliding_window)
+    check_positive_int("max_q_len", max_q_len)
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not -math.inf < scale < math.inf):
+        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+
+
+def ragged_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_q_lens: torch.Tensor,
+                           kv_lens: torch.Tensor, page_table: torch.Tensor, *, scale: float | None = None,
+                           causal: bool = True, sliding_window: int | None = None, softcap: float | None = None,
+                           sinks: torch.Tensor | None = None, max_q_len: int | None = None) -> torch.Tensor:
+    """Attention of packed q[total_q, Hq, D] over a paged KV cache -> [total_q, Hq, D] (inference only).
+
+    k_cache, v_cache [num_pages, page_size, Hkv, D] (transformers' paged cache layout, read in place);
+    page_table int [num_seqs, pages_per_seq] (key j of sequence s in page page_table[s, j // page_size]);
+    cu_q_lens int [num_seqs + 1] (sequence s owns q rows cu_q_lens[s]:cu_q_lens[s + 1]; sequences may own none);
+    kv_lens int [num_seqs] (keys of each sequence, its new ones included: its queries are its last tokens).
+    Causal (default) with bottom-right alignment; sliding_window w: a query sees its last w keys; softcap;
+    scale (default D ** -0.5); sinks [Hq]; GQA (Hq a multiple of Hkv); D 64, 128, 256 or 512; float32 or
+    bfloat16. max_q_len, if given, must bound every sequence's query count; it only shapes the tiles.
+    Rows that see no key and rows past cu_q_lens[-1] come out as zeros.
+    """
+    check_paged_args(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, scale=scale,
+                     sliding_window=sliding_window, softcap=softcap, sinks=sinks, max_q_len=max_q_len)
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    # Clamped as int64: torch clamps no unsigned dtype wider than uint8.
+    kv_lens = kv_lens.to(torch.int64).clamp(0, page_table.shape[1] * k_cache.shape[1]).to(torch.int32)
+    return _ragged_paged_attention(q, k_cache, v_cache, cu_q_lens.to(torch.int32), kv_lens,
+                                   page_table.to(torch.int32), sinks, scale, bool(causal), sliding_window,
+                                   None if softcap is None else float(softcap), max_q_len)
+
+
+def ragged_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q_lens: torch.Tensor,
+                            cu_k_lens: torch.Tensor, *, scale: float | None = None, causal: bool = True,
+                            sliding_window: int | None = None, softcap: float | None = None,
+                            sinks: torch.Tensor | None = None, max_q_len: int | None = None) -> torch.Tensor:
+    """`ragged_paged_attention` over contiguous (varlen) keys and values k, v[total_k, Hkv, D], read in place:
+    sequence s owns key rows cu_k_lens[s]:cu_k_lens[s + 1] (non-decreasing, within [0, total_k]) and query rows
+    cu_q_lens[s]:cu_q_lens[s + 1], its queries its last positions. Inference only."""
+    for name, tensor in (("k", k), ("v", v)):
+        _check_tensor(name, tensor, 3, "[total_k, kv_heads, head_dim]")
+    _check_tensor("cu_k_lens", cu_k_lens, 1, "[num_seqs + 1]")
+    num_seqs = cu_k_lens.shape[0] - 1
+    if num_seqs < 0 or not _is_integer_dtype(cu_k_lens.dtype):
+        raise ValueError(f"cu_k_lens must be an integer tensor [num_seqs + 1], got {cu_k_lens.dtype} "
+                         f"{tuple(cu_k_lens.shape)}")
+    # The checks of the paged call, on the views the kernel reads (one page of total_k rows).
+    first_rows = cu_k_lens[:-1, None]
+    check_paged_args(q, k[None], v[None], cu_q_lens, cu_k_lens[1:], first_rows, scale=scale,
+                     sliding_window=sliding_window, softcap=softcap, sinks=sinks, max_q_len=max_q_len)
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    cu_k_lens = cu_k_lens.to(torch.int64).clamp(0, k.shape[0]).to(torch.int32)
+    return _ragged_varlen_attention(q, k, v, cu_q_lens.to(torch.int32), cu_k_lens, sinks, scale, bool(causal),
+                                    sliding_window, None if softcap is None else float(softcap), max_q_len)
