@@ -148,3 +148,21 @@ def test_an_ep8_row_is_compiled_with_its_body_and_says_what_it_leaves_out(tmp_pa
     (line,) = variant_lines([row])
     assert line["block_sizes"]["bt"] == 8 and "cannot be priced" in line["not_priced"]
     assert line["remote_rows"] == entry["remote_rows"] > 0
+
+
+def test_a_fused_win_says_what_its_figure_leaves_out():
+    """Where vLLM's fused kernel is the faster rival, the row's account of its lead names the parts it is not
+    priced for."""
+    from tpu_kernels.bench.moe_layer.targets import summarise
+
+    def variant(us, **facts):
+        return {"compiled": True, "headline_us": us, "band": {"p90_us": [us * 0.9, us * 1.1]}, "over_roofline": 1.0,
+                "xla_ops": {"us": 0.0, "hbm_bytes": 0}, "hbm_bytes": 1, **facts}
+
+    row = {"generation": "v6e", "variants": {
+        "ours": variant(500.0, kernels={"us": 480.0, "step_cost_us": 20.0, "hbm_bytes": 1, "mxu_us": 1.0}),
+        vllm_fused.FUSED: variant(480.0, kernels={"us": 480.0, "step_cost_us": 5.0, "hbm_bytes": 1, "mxu_us": 1.0},
+                                  not_priced=vllm_fused.NOT_PRICED["ep"], remote_rows=3, dma_descriptors=7)}}
+    summarise(row, ["megablox", vllm_fused.FUSED])
+    assert row["best_rival"] == vllm_fused.FUSED
+    assert "leaves out its 3 rows exchanged with other ranks, its 7 copy descriptors" in row["why_rival_wins"]

@@ -57,7 +57,7 @@ from tpu_kernels import perf
 from tpu_kernels.runtime.hardware import round_up
 
 from .shapes import DTYPE, SEED, Case, Model, global_picks
-from .vllm_kernels import DEFAULT_FOLDER, load_fused_moe
+from .vllm_kernels import DEFAULT_FOLDER, load_fused_moe, load_fused_moe_tuning
 
 FUSED = "vllm_fused_ep_moe"
 PAD_TO = 256  # vLLM pads both dimensions to this at load time for this kernel
@@ -82,11 +82,11 @@ def padded_dims(model: Model) -> tuple[int, int]:
 
 def block_sizes(model: Model, tokens: int, ep: int) -> tuple[dict, str]:
     """vLLM's block sizes for the call, after the kernel's overrides, and where they came from."""
-    tuned = load_fused_moe(DEFAULT_FOLDER).get_tuned_block_sizes.__globals__
+    tuning = load_fused_moe_tuning(DEFAULT_FOLDER)
     hidden, intermediate = padded_dims(model)
     key = (hidden, intermediate, model.experts, model.top_k, 2, 2, tokens, ep)  # bf16 tokens and weights
-    source = "tuned table" if key in tuned["TUNED_BLOCK_SIZES"] else "default formula (not in its tuned table)"
-    sizes = dict(zip(BLOCK_NAMES, tuned["get_tuned_block_sizes"](*key)))
+    source = "tuned table" if key in tuning.TUNED_BLOCK_SIZES else "default formula (not in its tuned table)"
+    sizes = dict(zip(BLOCK_NAMES, tuning.get_tuned_block_sizes(*key)))
     local = tokens // ep
     # The kernel's own overrides: a small token count is one block; no block exceeds the tokens.
     if local <= 2 * 8:

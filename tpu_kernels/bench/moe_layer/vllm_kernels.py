@@ -66,9 +66,13 @@ def load_gmm(folder: Path):
 
 
 def load_fused_moe(folder: Path):
-    """vLLM's fused MoE module (`fused_ep_moe`, and `get_tuned_block_sizes` as the kernel calls it), from the
-    pinned wheel in `folder`."""
+    """vLLM's fused MoE kernel module (`fused_ep_moe`, its reference `ref_moe`), from the pinned wheel in `folder`."""
     return load_modules(folder, FUSED_MOE_MODULES)
+
+
+def load_fused_moe_tuning(folder: Path):
+    """The fused kernel's block-size module (`TUNED_BLOCK_SIZES`, `get_tuned_block_sizes`), from the same wheel."""
+    return load_modules(folder, FUSED_MOE_MODULES[:1])
 
 
 def load_modules(folder: Path, modules: tuple[str, ...]) -> types.ModuleType:
