@@ -20,6 +20,11 @@ it and as a user would build it from each rival:
   picks' rows (rows past the groups masked), weights and sums them, the glue
   ours uses; every layer reads each projection's weights in the order XLA
   stores them (`stored_order`);
+- vLLM's fused MoE kernel (`vllm_fused_ep_moe`), as vLLM's FUSED_MOE layer
+  runs it: router logits in, routing, all-to-all, both matmuls and the
+  combine in one kernel, at vLLM's own block sizes, its schedule counted at
+  the shape's routing and priced by the same model (`vllm_fused`; what its
+  figure leaves out is in each row's `not_priced`);
 - labelled extra rows (never headlines): tokamax's kernel at tokamax
   0.0.12's own untuned pick (`tokamax_default`, the kernel Hugging Face's
   ragged-dot-tpu ships), and at decode shapes ours with int8 and fp8 expert
@@ -83,8 +88,10 @@ Paths are relative to the current directory: run from the project's checkout.
 
 Modules, by concern: `shapes` (models, EP settings, routing), `ours` (the
 built kernel's layer, quantized variants), `rivals` (the user's layer around
-megablox / tokamax / XLA, their searched configs), `cache` (compiles and
-replays on disk, the compile pool), `modelling` (a compiled layer's time),
+megablox / tokamax / XLA, their searched configs), `vllm_kernels` (vLLM's
+kernels from its pinned wheel), `vllm_fused` (vLLM's fused kernel: its layer,
+block sizes and counted schedule), `cache` (compiles and replays on disk, the
+compile pool), `modelling` (a compiled layer's time),
 `tuning` (each rival's best config), `measure` (one case's rows), `targets`
 (ours against the rivals and the issues' targets), `hf` (the 257 us case),
 `report` (JSON, table, plot), `run` (the command line). This package

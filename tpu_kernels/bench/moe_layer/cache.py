@@ -98,15 +98,17 @@ class Compiler:
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(jobs, 1))
 
     def submit(self, fn, avals, generation: str, lock=contextlib.nullcontext(), *,
-               kind: str, kernel_bodies: bool = True) -> concurrent.futures.Future:
+               kind: str, kernel_bodies: bool = True, lower=None) -> concurrent.futures.Future:
         """A future of the `xla_program.CompiledProgram` of `fn` for `generation`, or of {"error": ...}.
 
         `kind` names what is compiled in the run's seconds by phase (e.g. "ours' quantized layers at decode"),
-        so a cold run says which compiles its time went to.
+        so a cold run says which compiles its time went to. `lower` (no arguments, returns the lowered
+        program) replaces lowering `fn` at `avals` on one device, for a layer lowered on a mesh of its own.
         """
         try:
             with lock, CLOCK("lower"):
-                lowered = xla_program.lower_program(fn, avals, generation, kernel_bodies=kernel_bodies)
+                lowered = lower() if lower is not None else xla_program.lower_program(
+                    fn, avals, generation, kernel_bodies=kernel_bodies)
         except Exception as error:  # noqa: BLE001 - a layer that does not lower is a result
             return _resolved({"error": f"lowering failed: {first_line(error)}"})
         with CLOCK("lowered text"):

@@ -94,6 +94,8 @@ def rounded(value):
     return value
 
 
+# vLLM's fused kernel's own facts (`vllm_fused.replay`): its block sizes, what its figure leaves out.
+FUSED_FACTS = ("block_sizes", "block_sizes_from", "not_priced", "remote_rows", "dma_descriptors", "weight_passes")
 SHAPE_FIELDS = ("label", "generation", "phase", "rows", "live_picks", "active_experts", "roofline_us",
                 "roofline_bound", "ours_us", "ours_band_p90_us", "ours_over_roofline", "best_rival", "best_rival_us",
                 "ours_over_best_rival", "rival_wins_by_pct", "why_rival_wins", "rivals_not_modelled")
@@ -126,7 +128,7 @@ def variant_lines(rows: list[dict]) -> list[dict]:
                 "bytes_over_min": v["bytes_over_min"], "over_roofline": v["over_roofline"],
                 "mxu_pct": v["mxu_utilisation_pct"],
             })
-            for key in ("tiling", "standalone_best_tiling", "bytes_over_quantized_min"):
+            for key in ("tiling", "standalone_best_tiling", "bytes_over_quantized_min", *FUSED_FACTS):
                 if key in v:
                     line[key] = v[key]
             if v.get("refused_tilings"):
@@ -177,6 +179,13 @@ def method(args) -> dict:
                   "lax.ragged_dot (weights [E, K, N] too: its transposed read leaves XLA's loop bounds empty, "
                   "which the model cannot price); all inside user_layer, "
                   "compiled with empty kernel bodies (lower_program(kernel_bodies=False))",
+        "vllm_fused_ep_moe": "vLLM's fused_ep_moe (tpu-inference 0.32.0's fused_moe/v1/kernel.py, from its wheel) "
+                             "as its FUSED_MOE layer runs it (dimensions padded to 256, router logits in, routing, "
+                             "all-to-all, both matmuls and the combine in one kernel, tokens split over the EP "
+                             "ranks) at its own block sizes (block_sizes, block_sizes_from); compiled with its body "
+                             "on a compile-only mesh of the EP rank count; its copies and matmuls counted from its "
+                             "schedule at the shape's global routing (the busiest rank) and priced by the same "
+                             "model; not_priced says what the figure leaves out (its cross-device part at EP > 1)",
         "extra_rows": "tokamax_default: tokamax's kernel at tokamax's own untuned pick; ours_int8 / ours_fp8 "
                       "(/ ours_int4 where served) at decode"
                       + (" and prefill (--quantized-prefill)" if args.quantized_prefill else ""),

@@ -22,6 +22,7 @@ from .our_tiles import projection_keys, tune_case, write_table
 from .ours import build_folder, load_kernel
 from .report import write_outputs
 from .rivals import RIVALS
+from .vllm_fused import FUSED
 from .shapes import (
     ANCHOR, ANCHOR_DISPATCH, DECODE_TOKENS, GENERATIONS, HEADLINE_SETTINGS, HEADLINE_TOKENS, PREFILL_TOKENS, SETTINGS,
     Case, make_cases,
@@ -74,7 +75,7 @@ def parse_args(argv) -> tuple[argparse.Namespace, list[Case]]:
                              f"headline shapes, {' and '.join(HEADLINE_SETTINGS)} at {HEADLINE_TOKENS} tokens)")
     parser.add_argument("--settings", nargs="*", default=None, help="setting labels (default: see --all)")
     parser.add_argument("--tokens", nargs="*", type=int, default=None, help="token counts (default: see --all)")
-    parser.add_argument("--rivals", nargs="*", default=list(RIVALS), choices=list(RIVALS))
+    parser.add_argument("--rivals", nargs="*", default=[*RIVALS, FUSED], choices=[*RIVALS, FUSED])
     parser.add_argument("--jobs", type=int, default=2, help="compiles run in parallel (threads)")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--no-cache", action="store_true", help="recompute every compile and replay")

@@ -57,6 +57,10 @@ def summarise(row: dict, rivals: list[str]) -> None:
                     f"fixed cost per op (Pallas kernels pay {grid_step_s(row['generation']) * 1e6:.2f} us per "
                     f"grid step); at XLA's own cycle estimates for those ops the XLA layer takes "
                     f"{rival['with_xla_estimate_us']:.1f} us and ours {ours['with_xla_estimate_us']:.1f} us")
+        if "not_priced" in row["variants"][best]:  # vLLM's fused kernel: what its figure leaves out
+            rival = row["variants"][best]
+            why += (f"; caveat: its figure leaves out its {rival['remote_rows']} rows exchanged with other ranks, "
+                    f"its {rival['dma_descriptors']} copy descriptors and its vector work (not_priced)")
         row["why_rival_wins"] = why
 
 

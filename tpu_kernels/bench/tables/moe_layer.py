@@ -61,7 +61,7 @@ def render_markdown(data: dict) -> dict[str, str]:
     """moe_layer.json's tables by section (its default run models v5e and v6e)."""
     return {"headline": headline(data, ("v5e", "v6e")), "anchor": anchor(data), "anchor-formats": anchor_formats(data),
             "decode-targets": decode_targets(data), "prefill-ceilings": prefill_ceilings(data),
-            "rival-wins": rival_wins(data), "hf-257us": hf_257us(data)}
+            "rival-wins": rival_wins(data), "hf-257us": hf_257us(data), "vllm-fused": vllm_fused(data)}
 
 
 def render_v5p_tpu7x_markdown(data: dict) -> dict[str, str]:
@@ -136,6 +136,34 @@ def rival_wins(data: dict) -> str:
     rows = ["| shape | gen | rival | faster by % | why (the model's terms) |", "| --- | --- | --- | ---: | --- |"]
     rows += [f"| {win['label']} | {win['generation']} | {win['rival']} | {win['rival_wins_by_pct']:.1f} | {win['why']} |"
              for win in wins]
+    return "\n".join(rows)
+
+
+FUSED = "vllm_fused_ep_moe"
+
+
+def fused_cell(line: dict | None, ours: dict | None) -> str:
+    """vLLM's fused kernel: its us and ours over it, or why it has no figure."""
+    if line is None:
+        return "not run"
+    if "us" not in line:
+        return f"no figure: {line.get('error')}"
+    cell = f"{line['us']:.1f} ({ours['us'] / line['us']:.2f})" if ours and "us" in ours else f"{line['us']:.1f}"
+    sizes = line["block_sizes"]
+    return cell + f", bt {sizes['bt']}/{sizes['btc']}, bf {sizes['bf']}, bd {sizes['bd1']}/{sizes['bd2']}"
+
+
+def vllm_fused(data: dict) -> str:
+    """Per shape and generation: vLLM's fused_ep_moe at its own block sizes, µs (ours / it), or its refusal."""
+    variants = {(line["generation"], line["label"], line["variant"]): line for line in data["variants"]}
+    if not any(name == FUSED for _, _, name in variants):
+        return f"This run did not model {FUSED}."
+    generations = sorted({line["generation"] for line in data["variants"]})
+    rows = ["| shape | " + " | ".join(f"{g}: µs (ours / it), blocks" for g in generations) + " |",
+            "| --- |" + " --- |" * len(generations)]
+    for label in shapes_by_label(data):
+        rows.append(f"| {label} | " + " | ".join(
+            fused_cell(variants.get((g, label, FUSED)), variants.get((g, label, "ours"))) for g in generations) + " |")
     return "\n".join(rows)
 
 
