@@ -166,12 +166,6 @@ def explain(result: dict) -> list[str]:
             f"{1 / gap['default_modelled_over_implied']:.1f}x the modelled default device time: the term that would "
             "have to carry it is batched_mm's gathers and batched matvecs, priced at the HBM rate by their bytes; "
             "no TPU timing of an XLA gather of whole expert weights checks that rate")
-    rows = result["gathered_rows_read"]
-    notes.append(
-        "a known undercount in the default path: the model charges the gate_up gather its operand once, where "
-        "the gather reads every gathered row (each expert's once per pick of it); with those reads (a formula, "
-        f"gathered_rows_read) the default step is {rows['default_ms']:.0f} ms and the ratio in HF's configuration "
-        f"{rows['ratio'][step.HF_PATH]:.1f}x")
     attention = {name: sum(t["ms_per_step"] for t in paths[name]["terms"]
                            if "softmax attention" in t["term"] or "flash attention" in t["term"])
                  for name in (step.DEFAULT, "kernelized")}
@@ -259,14 +253,6 @@ def main(argv=None) -> int:
     return 0
 
 
-def hbm_rate() -> float:
-    """v6e's HBM bytes per second at the fitted share, the rate the model prices copies at."""
-    from tpu_kernels.perf.chip import FITTED_RATES
-    from tpu_kernels.runtime.hardware import tpu_generation
-
-    generation = tpu_generation(GENERATION)
-    return generation.device_hbm_bytes_per_s * FITTED_RATES.hbm_fraction(generation)
-
 
 def model_result(key: str, paths: dict, batch: int, binding: dict | None, moe_layer_json: dict) -> dict:
     """One model's entry of the JSON: its sizes and sources, both paths, and the comparisons with HF's figures."""
@@ -287,7 +273,6 @@ def model_result(key: str, paths: dict, batch: int, binding: dict | None, moe_la
         "paths": paths,
         "host_kernel_calls_lower_bound": host,
         "without_cache_append": step.without_cache_append(paths),
-        "gathered_rows_read": step.gathered_rows_read(model, batch, paths, hbm_rate()),
         "comparison": step.compare(key, model, paths, host),
         "hf_kernel_check": None,
     }

@@ -199,23 +199,3 @@ def with_host(paths: dict[str, dict], eager: dict, op_cost_us: dict) -> dict:
         found[how] = {"ms": {name: round(ms, 2) for name, ms in steps.items()},
                       "ratio": {name: round(steps[DEFAULT] / steps[name], 2) for name in KERNELIZED}}
     return found
-
-
-GATHER_TERM = "batched_mm: gate_up_proj[expert_ids] gather"
-
-
-def gathered_rows_read(model: DecodeModel, batch: int, paths: dict[str, dict], hbm_bytes_per_s: float) -> dict:
-    """The default path if batched_mm's gate_up gather read every gathered row from HBM (a formula).
-
-    The model charges that compiled gather its whole [local experts, 2I, H] operand once, read from HBM (XLA
-    keeps no copy of it in VMEM, as it does down_proj's smaller one), plus the gathered array written: but a
-    gather moves each gathered row, and each expert's rows are gathered once per pick of it. At batch x top-k
-    picks that is the written bytes read too, less the operand already charged, at `hbm_bytes_per_s`."""
-    gathered = batch * model.top_k * 2 * model.expert_intermediate * model.hidden * BYTES_PER_ACTIVATION
-    operand = PLAN.local_experts(model) * 2 * model.expert_intermediate * model.hidden * BYTES_PER_ACTIVATION
-    extra_ms = model.layers * (gathered - operand) / hbm_bytes_per_s * 1e3
-    default = paths[DEFAULT]["total"]["ms"] + extra_ms
-    return {"term": GATHER_TERM, "gathered_bytes": gathered, "operand_bytes_charged": operand,
-            "extra_ms_per_step": round(extra_ms, 3), "default_ms": round(default, 3),
-            "ratio": {name: round(default / paths[name]["total"]["ms"], 2) for name in KERNELIZED},
-            "priced_by": "formula: (gathered bytes - operand bytes) / (HBM bandwidth x fitted share), per layer"}
