@@ -192,6 +192,33 @@ def test_all_kinds_replaced_and_tokens_match(all_builds):
     assert torch.equal(tokens, eager_tokens)
 
 
+@pytest.mark.slow
+def test_gemma4_attention_replaced_in_every_layer_and_tokens_match(all_builds):
+    """Gemma 4's MoE model: sliding layers (head_dim 64, window 4) and global ones (head_dim 512, one KV head,
+    values from the key projection, attention_k_eq_v) all run the attention kernel; greedy tokens as eager."""
+    torch.manual_seed(0)
+    config = transformers.Gemma4TextConfig(
+        **{**SMALL, "num_hidden_layers": 3}, intermediate_size=96, enable_moe_block=True, num_experts=8,
+        top_k_experts=2, moe_intermediate_size=32, head_dim=64, global_head_dim=512, num_global_key_value_heads=1,
+        attention_k_eq_v=True, sliding_window=4, layer_types=["sliding_attention", "full_attention", "full_attention"])
+    model = _model_of(config)
+    attention = {name: m for name, m in model.named_modules() if name.endswith("self_attn")}
+    assert sorted(m.head_dim for m in attention.values()) == [64, 512, 512]
+    assert all(m.v_proj is None for m in attention.values() if m.head_dim == 512)
+    prompt = _prompt()
+    with torch.no_grad():
+        eager_logits = model(prompt).logits
+        eager_tokens = model.generate(prompt, max_new_tokens=8, do_sample=False)
+        kernelize(model, repos=all_builds)
+        logits = model(prompt).logits
+        tokens = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    (entry,) = model.tpu_kernels_report.replaced("attention")
+    assert entry.modules == tuple(attention), repr(model.tpu_kernels_report)
+    assert model.config._attn_implementation.startswith("tpu_kernels_")
+    assert (logits - eager_logits).abs().max().item() <= 1e-4
+    assert torch.equal(tokens, eager_tokens)
+
+
 def test_norms_alone_go_through_kernels_kernelize(all_builds, caplog):
     """The model's other labelled layers (SiLU, rotary_pos_emb) are not kernels' business here: no warning that
     they have no mapping, and a forward set on one of them (as a parallel plan's wrapper is) stays."""

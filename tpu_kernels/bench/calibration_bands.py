@@ -10,6 +10,13 @@ measurement covers. `band` applies each calibrated term's error to that term
 and leaves the uncalibrated terms as they are, so a band says how far the
 measured figures of that kind stray, not how far the whole layer can.
 
+The error is taken in the regime of the figure (`perf.modelled_time.regime`): a
+`streaming` (decode-like) figure takes the error of the measured calls whose
+copies were the longer term, a `compute_bound` one that of the calls whose
+matmuls were. Where the chip standing for a generation has no measured call of
+that kind in that regime, the figure carries no band (`band` returns None for
+it, with the reason): the other regime's error is not evidence.
+
 Which measurements apply to a generation (`MEASURED_ON`): v5e's and TPU7x's
 own; v6e and v5p have none, their model constants are v5e's, and so are their
 bands (every v6e figure says so, `measured_on`).
@@ -25,6 +32,7 @@ import json
 from pathlib import Path
 
 from tpu_kernels.bench import MissingInput, result_path
+from tpu_kernels.perf.modelled_time import REGIMES
 
 CALIBRATION = result_path("calibration.json")
 # The chip whose measurements stand for each generation's.
@@ -44,22 +52,31 @@ def _summary() -> dict:
     return _read(CALIBRATION.absolute())
 
 
-def error(kind: str, generation: str) -> dict | None:
-    """The calibrated error of `kind` for `generation` (None where no chip measured that kind)."""
+def error(kind: str, generation: str, regime: str, summary: dict | None = None) -> dict | None:
+    """The calibrated error of `kind` in `regime` for `generation`; None where the chip that stands for it has
+    no call of that kind in that regime (or no chip measured that kind). `summary`: a calibration report's
+    (default: CALIBRATION's)."""
     if kind not in KINDS:
         raise ValueError(f"kind: {kind!r} is not a calibrated kind ({', '.join(KINDS)})")
+    if regime not in REGIMES:
+        raise ValueError(f"regime: {regime!r} is not one of {', '.join(REGIMES)}")
+    summary = _summary() if summary is None else summary
     chip = MEASURED_ON.get(generation)
-    stats = _summary().get(chip, {}).get(kind, {}).get("all") if chip else None
-    if stats is None:
+    block = summary.get(chip, {}).get(kind) if chip else None
+    if block is None:
         # Measured on no chip that stands for this generation: the nearest evidence is another chip's.
-        for other, kinds in sorted(_summary().items()):
+        for other, kinds in sorted(summary.items()):
             if kind in kinds:
-                stats, chip = kinds[kind]["all"], other
+                block, chip = kinds[kind], other
                 break
         else:
             return None
+    stats = block.get("regimes", {}).get(regime)
+    if stats is None:
+        return None
     return {
         "kind": kind,
+        "regime": regime,
         "measured_on": chip,
         "own_measurements": chip == generation,
         "count": stats["count"],
@@ -69,32 +86,63 @@ def error(kind: str, generation: str) -> dict | None:
     }
 
 
-def band(terms_s: dict[str, float], generation: str, *, uncalibrated_s: float = 0.0) -> dict:
-    """Band around sum(terms_s) + uncalibrated_s: each calibrated term at its median and p90 error.
+def band(terms_s: dict[str, float], generation: str, regime: str, *, uncalibrated_s: float = 0.0) -> dict:
+    """Band around sum(terms_s) + uncalibrated_s: each calibrated term at its median and p90 error in `regime`.
 
-    `terms_s` maps a calibrated kind to the seconds of the modelled time priced as that kind.
+    `terms_s` maps a calibrated kind to the seconds of the modelled time priced as that kind. Where a term's kind
+    has no calibrated error in that regime, the band is None and `no_band` says why.
     """
     total = sum(terms_s.values()) + uncalibrated_s
-    median = sum(s * error(kind, generation)["median"] for kind, s in terms_s.items() if s)
-    p90 = sum(s * error(kind, generation)["p90"] for kind, s in terms_s.items() if s)
+    errors = {kind: error(kind, generation, regime) for kind, s in terms_s.items() if s}
+    missing = sorted(kind for kind, found in errors.items() if found is None)
+    if missing:
+        chip = MEASURED_ON.get(generation, generation)
+        return {"regime": regime, "median_us": None, "p90_us": None, "uncalibrated_us": round(1e6 * uncalibrated_s, 2),
+                "no_band": f"no {' or '.join(missing)} timing in the {regime} regime on {chip} (the chip whose "
+                           f"timings stand for {generation}): no calibrated error for this figure"}
+    median = sum(terms_s[kind] * found["median"] for kind, found in errors.items())
+    p90 = sum(terms_s[kind] * found["p90"] for kind, found in errors.items())
     return {
+        "regime": regime,
         "median_us": [round(1e6 * (total - median), 2), round(1e6 * (total + median), 2)],
         "p90_us": [round(1e6 * (total - p90), 2), round(1e6 * (total + p90), 2)],
         "uncalibrated_us": round(1e6 * uncalibrated_s, 2),
     }
 
 
-def describe(kind: str, generation: str) -> str:
-    """One line: the error of `kind` on `generation`, and whose measurements it rests on."""
-    found = error(kind, generation)
+def span(p90_us: list[float] | None, digits: int = 0, dash: str = "-") -> str:
+    """A band as a table shows it: "low-high", or "no band" where the figure has none (`band`)."""
+    if p90_us is None:
+        return "no band"
+    low, high = p90_us
+    return f"{low:.{digits}f}{dash}{high:.{digits}f}"
+
+
+def p90_fields(found: dict) -> dict:
+    """A band as a benchmark row carries it: `band_p90_us` (None without a band), its regime, and why there is
+    no band."""
+    fields = {"band_p90_us": found["p90_us"], "band_regime": found["regime"]}
+    if "no_band" in found:
+        fields["no_band"] = found["no_band"]
+    return fields
+
+
+def describe(kind: str, generation: str, regime: str | None = None) -> str:
+    """One line: the error of `kind` in `regime` (None: in each regime) on `generation`, and whose measurements it
+    rests on."""
+    if regime is None:
+        return "; ".join(describe(kind, generation, each) for each in REGIMES)
+    found = error(kind, generation, regime)
     if found is None:
-        return f"{kind}: no measurement on any chip"
+        return f"{kind}, {regime}: no timing in this regime on {MEASURED_ON.get(generation, generation)}: no band"
     where = ("" if found["own_measurements"] else
              f"; {generation} has no measurements: {found['measured_on']}'s constants and error")
-    return (f"{kind} on {found['measured_on']} ({found['count']} entries): median {100 * found['median']:.1f} %, "
-            f"p90 {100 * found['p90']:.1f} %, worst ratio {found['worst_ratio']:.2f}{where}")
+    return (f"{kind}, {regime}, on {found['measured_on']} ({found['count']} entries): median "
+            f"{100 * found['median']:.1f} %, p90 {100 * found['p90']:.1f} %, worst ratio {found['worst_ratio']:.2f}"
+            f"{where}")
 
 
 def bands_used(generations, kinds) -> dict:
-    """The error table a benchmark's JSON carries: per generation and kind."""
-    return {generation: {kind: error(kind, generation) for kind in kinds} for generation in generations}
+    """The error table a benchmark's JSON carries: per generation, kind and regime."""
+    return {generation: {kind: {regime: error(kind, generation, regime) for regime in REGIMES} for kind in kinds}
+            for generation in generations}

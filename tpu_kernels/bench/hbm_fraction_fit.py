@@ -78,9 +78,7 @@ def streaming_terms(entry: calibration.Analysed, constants: calibration.ModelCon
     loop_step_s = constants.ragged_dot_step_s
     if loop_step_s is None:
         loop_step_s = program_time.XLA_RAGGED_DOT_STEP_S.get(generation.name, program_time.XLA_RAGGED_DOT_STEP_S["v5e"])
-    hbm = ((kernels.hbm_bound_s if kernels else 0.0) + program.xla_s
-           + program.ragged_dot_hbm_bytes / generation.device_hbm_bytes_per_s)
-    compute = (kernels.compute_bound_s if kernels else 0.0) + program.ragged_dot_mxu_s
+    hbm, compute = program.copies_s, program.matmuls_s
     fixed = (kernels.overhead_s if kernels else 0.0) + program.ragged_dot_steps * loop_step_s
     weights = weights_bytes(entry.measurement) / generation.device_hbm_bytes_per_s
     return {"hbm_us": round(1e6 * float(hbm), 3), "weights_us": round(1e6 * weights, 3),

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tpu_kernels.bench import calibration_bands
 from tpu_kernels.bench.tables import attention as attention_tables
 from tpu_kernels.bench.tables import binding as binding_tables
 from tpu_kernels.bench.tables import calibration as calibration_tables
@@ -270,9 +271,8 @@ def moe_backward_tables(root: Path) -> str:
             for generation in BACKWARD_GENERATIONS:
                 ours, megablox, tokamax = (entry["kernels"][kernel][variant][generation]
                                            for variant in ("ours", "megablox", "tokamax"))
-                low, high = ours["band_p90_us"]
                 kernels.append(f"| {entry['setting']} {entry['projection']} | {name} | {generation} "
-                               f"| {ours['modelled_time_us']:.0f} ({low:.0f}-{high:.0f}) "
+                               f"| {ours['modelled_time_us']:.0f} ({calibration_bands.span(ours['band_p90_us'])}) "
                                f"| {ours['pct_of_roofline']:.1f} | {with_pct(megablox)} | {with_pct(tokamax)} |")
 
     layer = ["| layer | gen | forward µs | backward µs | ratio | megablox backward µs | tokamax backward µs |",

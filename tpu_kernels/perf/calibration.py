@@ -6,7 +6,11 @@ of time for the chip, models it with `program_time.model_program` (Pallas
 kernels by `program_replay`'s grid replay, XLA ops by their traffic) and
 compares with the fastest measured run. The report gives each entry's
 predicted / measured ratio and, per chip and kind, the spread of the errors
-on the entries that fit the constants and on those held out (`holdout`).
+on the entries that fit the constants and on those held out (`holdout`), and
+per regime: each entry is `streaming` (decode-like: its copies, priced by the
+model, take longer than its matmuls) or `compute_bound`
+(`modelled_time.regime`), since the model's error in one regime
+says little about the other.
 
 Compiles and grid replays are cached on disk (`AnalysisCache`): a compile by
 the call, config, chip, library versions and the source of the code that
@@ -28,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from . import program_replay, program_time, tokamax_calls, tokamax_kernels, xla_program
+from . import modelled_time, program_replay, program_time, tokamax_calls, tokamax_kernels, xla_program
 from ..disk_cache import DiskCache, cache_root, library_versions, source_fingerprint
 from .chip import FITTED_RATES, ModelRates
 from .program_replay import ProgramReplay
@@ -260,6 +264,7 @@ def entry_record(analysed: Analysed, constants: ModelConstants) -> dict:
         "split": "holdout" if holdout(m) else "fit",
         "predicted_us": round(predicted_us, 2),
         "ratio": round(predicted_us / m.measured_us, 4),
+        "regime": program.regime,
         "terms_us": {
             "kernels": round(1e6 * kernels.pipelined_time_s, 2) if kernels else 0.0,
             "kernels_hbm": round(1e6 * kernels.hbm_bound_s, 2) if kernels else 0.0,
@@ -274,7 +279,8 @@ def entry_record(analysed: Analysed, constants: ModelConstants) -> dict:
 
 
 def summarize(records: Sequence[dict]) -> dict:
-    """Per chip and kind (and split): count, median and 90th percentile of |ratio - 1|, and the worst entry."""
+    """Per chip and kind (and split, and regime): count, median and 90th percentile of |ratio - 1|, and the worst
+    entry. A regime (`modelled_time.REGIMES`) without entries on that chip and kind is absent."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for record in records:
         groups.setdefault((record["chip"], record["kind"]), []).append(record)
@@ -285,6 +291,8 @@ def summarize(records: Sequence[dict]) -> dict:
             chosen = [r for r in members if r["split"] == split]
             if chosen:
                 block[split] = _error_stats(chosen)
+        block["regimes"] = {regime: _error_stats(chosen) for regime in modelled_time.REGIMES
+                            if (chosen := [r for r in members if r["regime"] == regime])}
         summary.setdefault(chip, {})[kind] = block
     return summary
 

@@ -26,6 +26,15 @@ from .chip import FITTED_RATES, ModelRates
 from .traffic import PallasCallTraffic
 from ..runtime.hardware import TpuGeneration
 
+# The regimes the model's calibrated error is given for (`regime`).
+REGIMES = ("streaming", "compute_bound")
+
+
+def regime(copies_s: float, matmuls_s: float) -> str:
+    """`streaming` (decode-like: the copies are the longer term, as when a decode step streams weights or a KV
+    cache) or `compute_bound` (the matmuls are)."""
+    return "streaming" if copies_s >= matmuls_s else "compute_bound"
+
 @dataclasses.dataclass(frozen=True)
 class ModelledTime:
     """Modelled run time of one or more pallas_calls on one TPU generation.
@@ -57,6 +66,10 @@ class ModelledTime:
     @property
     def bound(self) -> str:
         return "hbm" if self.hbm_bound_s >= self.compute_bound_s else "compute"
+
+    @property
+    def regime(self) -> str:
+        return regime(self.hbm_bound_s, self.compute_bound_s)
 
     @property
     def pipelined_pct_of_roofline(self) -> float | None:

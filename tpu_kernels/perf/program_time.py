@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 from . import chip, hlo, xla_ragged_dot
 from .chip import FITTED_RATES, ModelRates
-from .modelled_time import ModelledTime, roofline, with_operands_on_chip
+from .modelled_time import ModelledTime, regime, roofline, with_operands_on_chip
 from .program_replay import RaggedDotCall
 from .traffic import PallasCallTraffic
 from .xla_program import CompiledProgram
@@ -85,6 +85,23 @@ class ProgramTime:
     @property
     def hbm_bytes(self) -> int:
         return (self.kernels.hbm_bytes if self.kernels else 0) + self.xla_hbm_bytes
+
+    @property
+    def copies_s(self) -> float:
+        """The copies' time: the kernels' HBM time, the XLA ops' (all traffic) and XLA's ragged-dot loops' bytes at
+        the priced share of the HBM bandwidth."""
+        bandwidth = tpu_generation(self.generation).device_hbm_bytes_per_s * self.hbm_fraction
+        return ((self.kernels.hbm_bound_s if self.kernels else 0.0) + self.xla_s
+                + self.ragged_dot_hbm_bytes / bandwidth)
+
+    @property
+    def matmuls_s(self) -> float:
+        """The matmuls' MXU time: the kernels' and XLA's ragged-dot loops'."""
+        return (self.kernels.compute_bound_s if self.kernels else 0.0) + self.ragged_dot_mxu_s
+
+    @property
+    def regime(self) -> str:
+        return regime(self.copies_s, self.matmuls_s)
 
 
 def _dense_flops(call: RaggedDotCall) -> float:

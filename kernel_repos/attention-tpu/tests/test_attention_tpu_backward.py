@@ -91,6 +91,10 @@ CASES = {
     "bool-mask-left-padding-sinks-bf16": (2, 4, 2, 24, 24, 64, torch.bfloat16, True, dict(causal=False, mask=(0, 9))),
     "bias-mask-19-d256": (1, 2, 1, 19, 19, 256, torch.float32, False, dict(bias=True)),
     "decode-50-sinks-lengths": (2, 8, 2, 1, 50, 64, torch.float32, True, dict(kv_lengths=[50, 13])),
+    # Gemma-4's global layers: head_dim 512.
+    "gqa4-33-d512-window-softcap-sinks": (1, 4, 1, 33, 33, 512, torch.float32, True,
+                                          dict(sliding_window=9, softcap=5.0, scale=1.0)),
+    "decode-40-d512-lengths-bf16": (2, 4, 2, 1, 40, 512, torch.bfloat16, False, dict(kv_lengths=[40, 17])),
 }
 
 
@@ -143,6 +147,9 @@ BLOCK_CASES = {
     "bias-window-noncausal-d256-sinks": (1, 4, 2, 150, 260, 256, torch.float32, True,
                                          dict(causal=False, sliding_window=60, bias=True, q_offset=[40]),
                                          (128, 128), (128, 128), (150, 128, 2)),
+    # head_dim 512, GQA 4, a causal window over ragged blocks; dq steps span both KV heads.
+    "causal-260-gqa4-d512-window": (1, 8, 2, 260, 260, 512, torch.float32, False, dict(sliding_window=150),
+                                    (128, 128), (128, 128, 2), (128, 128)),
 }
 
 

@@ -45,6 +45,11 @@ CASES = {
     # GPT-OSS-style sinks; in decode batch 1 sees no key at all (its rows are zero despite the sink).
     "prefill-45-gqa3-sinks-window": (1, 6, 2, 45, 45, 64, torch.float32, dict(sliding_window=7, sinks=True)),
     "decode-300-sinks-lengths-bf16": (2, 8, 2, 1, 300, 128, torch.bfloat16, dict(kv_lengths=[300, 0], sinks=True)),
+    # Gemma-4's global layers (head_dim 512) at the tiles `select` picks there: two ragged query blocks.
+    "prefill-300-gqa2-bf16-d512": (1, 2, 1, 300, 300, 512, torch.bfloat16, dict()),
+    "prefill-45-gqa4-d512-window-softcap-sinks": (1, 4, 1, 45, 45, 512, torch.float32,
+                                                  dict(sliding_window=20, softcap=5.0, scale=1.0, sinks=True)),
+    "decode-300-gqa8-d512-lengths-bf16": (2, 8, 1, 1, 300, 512, torch.bfloat16, dict(kv_lengths=[300, 77])),
 }
 
 
@@ -116,6 +121,7 @@ def test_additive_float_mask(kernel):
     [
         (dict(q_heads=6, kv_heads=4), ValueError, "multiple of the number of key/value heads"),
         (dict(head_dim=96), ValueError, "head_dim must be one of"),
+        (dict(head_dim=1024), ValueError, r"head_dim must be one of \(64, 128, 256, 512\), got 1024"),
         (dict(k_dtype=torch.bfloat16), TypeError, "share one dtype"),
         (dict(q_dtype=torch.float16, k_dtype=torch.float16), TypeError, "float32 or bfloat16"),
         (dict(kv_lengths=torch.tensor([3.0, 4.0])), ValueError, "kv_lengths must be"),
@@ -152,6 +158,11 @@ BLOCK_CASES = {
     "decode-1000-window": (2, 8, 2, 1, 1000, 128, torch.float32, (1, 256, 1), dict(kv_lengths=[1000, 700], sliding_window=300)),
     # Chunked prefill at per-batch offsets, non-square blocks.
     "chunk-200-of-300": (2, 2, 2, 200, 300, 64, torch.float32, (128, 256, 1), dict(q_offset=[100, 40], sliding_window=64)),
+    # head_dim 512: a soft-capped window over ragged blocks of both axes, GQA 2; decode over 3 KV blocks with
+    # both KV heads in one step.
+    "prefill-300-d512-window-softcap": (1, 4, 2, 300, 300, 512, torch.float32, (128, 128, 1),
+                                        dict(sliding_window=100, softcap=5.0)),
+    "decode-700-d512-lengths": (2, 4, 2, 1, 700, 512, torch.bfloat16, (1, 256, 2), dict(kv_lengths=[700, 300])),
 }
 
 

@@ -82,6 +82,29 @@ def test_heuristic_working_set_fits_the_budget_and_sets_the_limit(kernel):
             assert chosen.vmem_limit_bytes == kernel.vmem_limit(working_set, generation)
 
 
+def test_head_dim_512_takes_its_own_preferred_tiles_within_the_budget(kernel):
+    """Gemma-4's global layers: prefill and both backward kernels take the head_dim-512 tiles, decode the usual
+    ones; every working set fits the budget."""
+    gemma_4_global = dict(q_heads=16, kv_heads=2, head_dim=512)
+    for generation in ("v5e", "v5p", "v6e", "tpu7x"):
+        preferred = kernel.flash.tiles.PREFERRED_TILES_BY_HEAD_DIM[512][generation]
+        for q_len, blocks in ((8192, preferred[:2]), (1, (1, preferred[2]))):
+            problem = kernel.Problem.of_shape(q_len=q_len, kv_len=32768, dtype=jnp.bfloat16, batch=64,
+                                              **gemma_4_global)
+            chosen = kernel.flash.tiles.select(problem, generation)
+            assert (chosen.block_q, chosen.block_kv) == blocks
+            working_set = kernel.flash.tiles.vmem_bytes(
+                decode=q_len == 1, group=8, block_q=chosen.block_q, block_kv=chosen.block_kv,
+                kv_heads_per_step=chosen.kv_heads_per_step, head_dim=512, itemsize=2, mask_itemsize=0)
+            assert working_set <= kernel.vmem_budget(generation)
+        assert preferred[2] == kernel.flash.tiles.PREFERRED_TILES[generation][2]
+        training = kernel.Problem.of_shape(q_len=8192, kv_len=8192, dtype=jnp.bfloat16, **gemma_4_global)
+        backward = kernel.flash_backward.tiles.select(training, generation)
+        preferred_backward = kernel.flash_backward.tiles.PREFERRED_BACKWARD_TILES_BY_HEAD_DIM[512][generation]
+        assert (backward.dq.block_q, backward.dq.block_kv) == preferred_backward["dq"]
+        assert (backward.dkv.block_q, backward.dkv.block_kv) == preferred_backward["dkv"]
+
+
 def test_check_config(kernel):
     kernel.flash.tiles.check_config(kernel.AttentionConfig(128, 128, 16 * MIB), q_len=300, kv_len=1000, kv_heads=2)
     kernel.flash.tiles.check_config(kernel.AttentionConfig(300, 1000, 16 * MIB), q_len=300, kv_len=1000, kv_heads=2)
@@ -131,6 +154,7 @@ TRAINING_SHAPES = {
     "qwen3-30b-a3b": dict(q_heads=32, kv_heads=4, head_dim=128),
     "gemma-4 sliding": dict(q_heads=16, kv_heads=8, head_dim=256),
     "gpt-oss": dict(q_heads=64, kv_heads=8, head_dim=64),
+    "gemma-4 global": dict(q_heads=16, kv_heads=2, head_dim=512),
 }
 
 

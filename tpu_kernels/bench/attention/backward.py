@@ -122,8 +122,8 @@ def model_backward(built, shape: TrainingShape, dtype, generation: str, config) 
             "fits_vmem": modelled.fits_vmem,
             "overlap_time_us": modelled.time_s * 1e6,
             "modelled_pipelined_time_us": modelled.pipelined_time_s * 1e6,
-            "band_p90_us": calibration_bands.band({"flash_attention_vjp": modelled.pipelined_time_s},
-                                                  generation)["p90_us"],
+            **calibration_bands.p90_fields(calibration_bands.band(
+                {"flash_attention_vjp": modelled.pipelined_time_s}, generation, modelled.regime)),
             "roofline_us": modelled.roofline_s * 1e6,
             "overlap_pct_of_roofline": modelled.pct_of_roofline,
             "pipelined_pct_of_roofline": modelled.pipelined_pct_of_roofline,

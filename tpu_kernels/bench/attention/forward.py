@@ -271,8 +271,8 @@ def measure_generation(built, shape: Shape, dtype, generation: str, visible: Vis
         "fits_vmem": modelled.fits_vmem,
         # Headline: the calibrated pipelined figure (module docstring).
         "modelled_time_us": modelled.pipelined_time_s * 1e6,
-        "band_p90_us": calibration_bands.band({"flash_attention": modelled.pipelined_time_s},
-                                              generation)["p90_us"],
+        **calibration_bands.p90_fields(calibration_bands.band({"flash_attention": modelled.pipelined_time_s},
+                                                              generation, modelled.regime)),
         "overlap_time_us": modelled.time_s * 1e6,
         "roofline_us": modelled.roofline_s * 1e6,
         "pct_of_roofline": modelled.pipelined_pct_of_roofline,

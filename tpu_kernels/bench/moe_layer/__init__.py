@@ -40,8 +40,10 @@ The headline is the calibrated pipelined figure (`pipelined_time_s`: each
 grid step max(its compute, its neighbours' copies) + the fitted per-step cost
 of the generation, `perf.grid_step_s`), the figure `tpu-kernels
 calibrate` holds against real chips. Every time carries the calibrated error
-band of its terms (`calibration_bands`: Pallas kernels at the Pallas
-ragged-dot error, XLA ragged-dot loops at theirs, other XLA ops uncalibrated).
+band of its terms in its regime (`calibration_bands`: Pallas kernels at the
+Pallas ragged-dot error, XLA ragged-dot loops at theirs, both from the
+measured calls of the layer's regime, streaming or compute-bound; other XLA
+ops uncalibrated), or no band where that regime has no timing.
 v6e has no measurements: its constants and bands are v5e's. The roofline of a
 shape is max(minimum bytes / peak bandwidth, useful FLOPs / bf16 peak),
 minimum bytes = the rows in, the routing, each active expert's weights (and

@@ -34,7 +34,7 @@ def timings(program, replayed: perf.ProgramReplay, case: Case, generation: str) 
     placed = program_time.kernels_as_placed(program, replayed.pallas_calls) if replayed.pallas_calls else []
     kernels_s = kernels.pipelined_time_s if kernels else 0.0
     band = calibration_bands.band({"pallas_ragged_dot": kernels_s, "xla_ragged_dot": head.ragged_dot_s},
-                                  generation, uncalibrated_s=head.xla_s)
+                                  generation, head.regime, uncalibrated_s=head.xla_s)
     return {
         "headline_us": round(head.pipelined_time_s * 1e6, 3),
         "band": band,

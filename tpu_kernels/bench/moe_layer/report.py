@@ -19,8 +19,7 @@ from .tuning import TOKAMAX_DEFAULT
 
 def band_text(variant: dict) -> str:
     """"lo-hi us" of a variant's p90 band."""
-    lo, hi = variant["band"]["p90_us"]
-    return f"{lo:.1f}-{hi:.1f}"
+    return calibration_bands.span(variant["band"]["p90_us"], 1)
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -60,9 +59,10 @@ def plot(rows: list[dict], path: Path) -> None:
         x = np.arange(len(selected))
         ours = [r["ours_over_roofline"] for r in selected]
         rival = [r["best_rival_us"] / r["roofline_us"] for r in selected]
-        # The p90 calibrated band of ours (calibration_bands).
+        # The p90 calibrated band of ours (calibration_bands); none where ours has no band.
         errors = np.array([[value - r["ours_band_p90_us"][0] / r["roofline_us"],
-                            r["ours_band_p90_us"][1] / r["roofline_us"] - value] for value, r in zip(ours, selected)])
+                            r["ours_band_p90_us"][1] / r["roofline_us"] - value] if r["ours_band_p90_us"] else [0, 0]
+                           for value, r in zip(ours, selected)])
         ax.bar(x - 0.2, ours, 0.4, color="#1b7837", label="ours (bar: p90 calibrated band)",
                yerr=errors.T if len(errors) else None, error_kw={"linewidth": 0.6})
         ax.bar(x + 0.2, rival, 0.4, color="#762a83", label="best tuned rival (name above bar)")
@@ -74,7 +74,7 @@ def plot(rows: list[dict], path: Path) -> None:
                    label=f"decode target {DECODE_MAX_OVER_ROOFLINE}x")
         ax.set_yscale("log")
         ax.set_ylabel("modelled time / roofline")
-        ax.set_title(f"{generation}: one experts layer, calibrated pipelined model, peak HBM bandwidth"
+        ax.set_title(f"{generation}: one experts layer, calibrated pipelined model, fitted HBM share"
                      + (" (v5e's constants: no v6e measurements)" if generation == "v6e" else ""))
         ax.set_xticks(x, [f"{r['setting']} T={r['tokens']}" for r in selected], rotation=90, fontsize=7)
         ax.legend(loc="upper left", fontsize=8)
@@ -154,12 +154,15 @@ def method(args) -> dict:
         "model": "tpu_kernels.perf.program_time.model_program: Pallas kernels by tpu_kernels.perf grid replay, XLA's "
                  "ragged-dot loops by tpu_kernels.perf.xla_ragged_dot, other XLA ops from the optimized HLO's placement "
                  "(HBM bytes at HBM bandwidth, VMEM bytes at 22x it)",
-        "headline": "us: the calibrated pipelined figure at peak HBM bandwidth (grid step "
+        "headline": "us: the calibrated pipelined figure, copies at the generation's fitted share of the peak HBM "
+                    "bandwidth (tpu_kernels/perf/hbm_fractions.json) (grid step "
                     + ", ".join(f"{g} {grid_step_s(g) * 1e6:.2f} us" for g in args.generations)
                     + "".join(f"; {g} has no measurements and takes {calibration_bands.MEASURED_ON[g]}'s constants"
                               for g in args.generations if calibration_bands.MEASURED_ON[g] != g) + ")",
         "bands": "band_p90_us / band_median_us: the Pallas kernels' time at the Pallas ragged-dot error and XLA's "
-                 "ragged-dot loops at theirs (benchmarks/results/calibration.json); uncalibrated_us (other XLA ops) "
+                 "ragged-dot loops at theirs, both in the variant's regime (streaming where its copies take longer "
+                 "than its matmuls, else compute_bound; benchmarks/results/calibration.json); None, with no_band "
+                 "saying why, where a term's kind has no timing in that regime; uncalibrated_us (other XLA ops) "
                  "carries no band",
         "calibrated_errors": calibration_bands.bands_used(args.generations, ("pallas_ragged_dot", "xla_ragged_dot")),
         "also": "overlap_us: each kernel's MXU work fully overlapping its copies (the headline before calibration); "

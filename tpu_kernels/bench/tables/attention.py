@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tpu_kernels.bench.calibration_bands import span
+
 # The forward shapes the card shows, by the benchmark's label -> the card's name.
 FORWARD_SHAPES = {
     "decode B=8 cache=4096": "decode B=8, cache 4096",
@@ -41,11 +43,10 @@ def forward(results: list[dict]) -> str:
     rows = ["| shape | HBM bytes / minimum (v5e, v6e) | modelled v6e time (p90 band) |", "|---|---|---|"]
     for name, result in by_label(results, FORWARD_SHAPES):
         v5e, v6e = result["per_generation"]["v5e"], result["per_generation"]["v6e"]
-        low, high = v6e["band_p90_us"]
         # A compute-bound shape's percentage is of the MXU roofline, which the column does not name: say the bound.
         bound = f"{v6e['pct_of_roofline']:.0f}% of the HBM roofline" if v6e["bound"] == "hbm" else "compute-bound"
         rows.append(f"| {name} | {v5e['bytes_ratio']:.3f}, {v6e['bytes_ratio']:.3f} "
-                    f"| {v6e['modelled_time_us']:.0f} µs ({low:.0f}–{high:.0f}; {bound}) |")
+                    f"| {v6e['modelled_time_us']:.0f} µs ({span(v6e['band_p90_us'], dash='–')}; {bound}) |")
     return "\n".join(rows)
 
 

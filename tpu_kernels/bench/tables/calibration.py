@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import PurePosixPath
 
+from tpu_kernels.bench import calibration_bands
+from tpu_kernels.perf.modelled_time import REGIMES
 from tpu_kernels.perf.tokamax_calls import CHIP_FOLDERS, KIND_FILES
 from tpu_kernels.runtime.hardware import tpu_generation
 
@@ -52,6 +54,22 @@ def error(report: dict) -> str:
             rows.append(f"| {chip} | {kind} | {stats['count']} | {reasons or 'none'} "
                         f"| {100 * stats['median_abs_error']:.1f} % | {100 * stats['p90_abs_error']:.1f} % "
                         f"| {stats['worst']['ratio']:.2f} | {percent(fitted)} / {percent(held_out)} |")
+    return "\n".join(rows)
+
+
+def bands(report: dict) -> str:
+    """Per generation and kind, the p90 error a figure takes in each regime, the chip and the number of timings it
+    rests on; "no band" where that chip timed no such call in that regime."""
+    rows = ["| generation | kind | " + " | ".join(f"{regime} p90 (timings, chip)" for regime in REGIMES) + " |",
+            "| --- | --- |" + " ---: |" * len(REGIMES)]
+    for generation in GENERATIONS:
+        for kind in calibration_bands.KINDS:
+            cells = []
+            for regime in REGIMES:
+                found = calibration_bands.error(kind, generation, regime, report["summary"])
+                cells.append("no band" if found is None else
+                             f"{100 * found['p90']:.1f} % ({found['count']}, {found['measured_on']})")
+            rows.append(f"| {generation} | {kind} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -96,5 +114,6 @@ def format_constant(name: str, value) -> str:
 
 
 def render_markdown(report: dict, model_constants: dict, hbm_fractions: dict) -> dict[str, str]:
-    """The calibration tables by section: the model's error per chip and kind, and the constants it prices with."""
-    return {"error": error(report), "constants": constants(model_constants, hbm_fractions)}
+    """The calibration tables by section: the model's error per chip and kind, the band a figure takes per
+    generation and regime, and the constants the model prices with."""
+    return {"error": error(report), "bands": bands(report), "constants": constants(model_constants, hbm_fractions)}

@@ -7,6 +7,8 @@ weights at a few decode shapes.
 
 from __future__ import annotations
 
+from tpu_kernels.bench.calibration_bands import span
+
 # The v5p / TPU7x table's shapes, in the README's order.
 V5P_TPU7X_SHAPES = (
     "qwen3-30b-a3b EP8 router-masking T=256", "qwen3-30b-a3b EP8 dispatch T=256", "qwen3-30b-a3b T=1",
@@ -19,8 +21,7 @@ QUANTIZED = {"v5p": ("int8", "fp8", "int4"), "tpu7x": ("int8", "fp8")}
 
 def headline_cell(shape: dict) -> str:
     """Ours (its p90 calibrated band) / the best tuned rival (which) / the roofline, in us."""
-    low, high = shape["ours_band_p90_us"]
-    return (f"{shape['ours_us']:.1f} ({low:.0f}-{high:.0f}) / {shape['best_rival_us']:.1f} ({shape['best_rival']}) "
+    return (f"{shape['ours_us']:.1f} ({span(shape['ours_band_p90_us'])}) / {shape['best_rival_us']:.1f} ({shape['best_rival']}) "
             f"/ {shape['roofline_us']:.1f}")
 
 
@@ -69,8 +70,7 @@ def render_v5p_tpu7x_markdown(data: dict) -> dict[str, str]:
 
 
 def band(figures: dict, key: str = "ours_band_p90_us") -> str:
-    low, high = figures[key]
-    return f"{low:.1f}-{high:.1f}"
+    return span(figures[key], 1)
 
 
 def yes_no(value: bool | None) -> str:
@@ -119,11 +119,11 @@ def decode_targets(data: dict) -> str:
 def prefill_ceilings(data: dict) -> str:
     """v5e's compute-bound prefill rows: the share of the MXU peak modelled, and the ceilings that bound it."""
     rows = ["| compute-bound prefill | gen | MXU % of peak | static-chunk ceiling % "
-            "| kernels' MXU passes and steps, % of the time at the old 85 % target | MXU work / useful |",
+            "| MXU passes and steps ceiling % | MXU work / useful |",
             "| --- | --- | ---: | ---: | ---: | ---: |"]
     for row in data["targets"]["prefill"]:
         rows.append(f"| {row['label']} | {row['generation']} | {row['mxu_utilisation_pct']:.1f} "
-                    f"| {row['static_chunk_ceiling_pct']:.1f} | {row['kernels_mxu_and_steps_pct_of_target_time']:.1f} "
+                    f"| {row['static_chunk_ceiling_pct']:.1f} | {row['passes_and_steps_ceiling_pct']:.1f} "
                     f"| {row['kernels_mxu_flops_over_useful']:.2f} |")
     return "\n".join(rows)
 
@@ -148,9 +148,8 @@ def hf_257us(data: dict) -> str:
             "| step cost that gives the measured µs | tokamax tuned µs | ours µs |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, shape in sorted(hf["shapes"].items()):
-        low, high = shape["band_p90_us"]
         per_step = shape["grid_step_cost_us"] / shape["grid_steps"]
-        rows.append(f"| {name} | {shape['predicted_us']:.0f} ({low:.0f}-{high:.0f}) "
+        rows.append(f"| {name} | {shape['predicted_us']:.0f} ({span(shape['band_p90_us'])}) "
                     f"| {shape['grid_steps']} x {per_step:.2f} = {shape['grid_step_cost_us']:.0f} "
                     f"| {shape['without_step_cost_us']:.1f} | {shape['predicted_us'] / measured:.1f}x "
                     f"| {shape['step_cost_that_gives_measured_us']:.3f} | {shape['tokamax_tuned_us']:.1f} "

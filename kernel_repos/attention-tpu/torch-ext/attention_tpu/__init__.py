@@ -52,11 +52,13 @@ TOOLS = [
     # The configs a caller hands `make`.
     "AttentionConfig", "flash_backward.tiles.BackwardConfig",
     # What the forward's tile selector weighs.
-    "flash.tiles.DECODE_STEP_BYTES", "flash.tiles.PREFERRED_TILES", "flash.tiles.TUNED_TILES",
+    "flash.tiles.DECODE_STEP_BYTES", "flash.tiles.PREFERRED_TILES", "flash.tiles.PREFERRED_TILES_BY_HEAD_DIM",
+    "flash.tiles.TUNED_TILES",
     "flash.tiles.ForwardTiles", "flash.tiles.TunedKey", "flash.tiles.check_config", "flash.tiles.heuristic_config",
     "flash.tiles.is_decode", "flash.tiles.tuned_config", "flash.tiles.vmem_bytes",
     # What the backward's weighs.
-    "flash_backward.tiles.PREFERRED_BACKWARD_TILES", "flash_backward.tiles.STEP_OVERHEAD_MULTIPLE",
+    "flash_backward.tiles.PREFERRED_BACKWARD_TILES", "flash_backward.tiles.PREFERRED_BACKWARD_TILES_BY_HEAD_DIM",
+    "flash_backward.tiles.STEP_OVERHEAD_MULTIPLE",
     "flash_backward.tiles.WINDOW_BLOCK_FACTOR", "flash_backward.tiles.backward_step_seconds",
     "flash_backward.tiles.backward_tiles", "flash_backward.tiles.backward_vmem_bytes",
     "flash_backward.tiles.check_backward_config",

@@ -5,14 +5,17 @@ KV heads, head_dim 128, bf16): prefill of 4096 tokens (causal), decode steps
 of a batch of 8 against 4096 and 32768 cached tokens (with per-sequence cache
 lengths, as a static cache has them), the explicit-mask path (a left-padded
 prefill batch, as transformers builds it), the sliding-window / soft-capping
-path of Gemma-2-style layers, float32, and GPT-OSS-20B's sliding layer with
-attention sinks (64 query heads, 8 KV heads, head_dim 64, window 128).
+path of Gemma-2-style layers, float32, GPT-OSS-20B's sliding layer with
+attention sinks (64 query heads, 8 KV heads, head_dim 64, window 128), and
+Gemma-4-26B-A4B's global layers (16 query heads, 2 KV heads, head_dim 512):
+prefill of 8192 tokens (causal) and decode steps of a batch of 64 against
+8192 cached tokens.
 
 Backward (both kernels, dq and dk/dv, and the sink gradient) at training
 shapes of T = 8192 tokens per rank: Qwen3-30B-A3B (causal), Gemma-4-26B-A4B's
-sliding layers (16 query heads, 8 KV heads, head_dim 256, window 1024; its
-global layers have head_dim 512, which the kernels do not support), GPT-OSS-20B
-with sinks, a padded batch with a boolean mask and a soft-cap, and float32.
+sliding layers (16 query heads, 8 KV heads, head_dim 256, window 1024) and
+global layers (causal, head_dim 512), GPT-OSS-20B with sinks, a padded batch
+with a boolean mask and a soft-cap, and float32.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from .paged.compile_targets import paged_compile_targets
 
 QWEN3_30B_A3B = dict(q_heads=32, kv_heads=4, head_dim=128)
 GEMMA_4_SLIDING = dict(q_heads=16, kv_heads=8, head_dim=256)
+GEMMA_4_GLOBAL = dict(q_heads=16, kv_heads=2, head_dim=512)
 GPT_OSS_20B = dict(q_heads=64, kv_heads=8, head_dim=64)
 TOKENS_PER_RANK = 8192
 
@@ -50,6 +54,7 @@ def compile_targets(generation):
     flash_attention = functools.partial(differentiable_flash_attention, generation=generation)
     backward = functools.partial(flash_attention_backward, generation=generation)
     lengths = jax.ShapeDtypeStruct((8,), jnp.int32)
+    lengths_of_64 = jax.ShapeDtypeStruct((64,), jnp.int32)
     gpt_oss_sinks = jax.ShapeDtypeStruct((GPT_OSS_20B["q_heads"],), jnp.bfloat16)
 
     def with_lengths(q, k, v, kv_lengths):
@@ -103,7 +108,13 @@ def compile_targets(generation):
             with_sinks,
             (*_qkv(1, tokens, tokens, **GPT_OSS_20B), gpt_oss_sinks),
         ),
+        (f"gemma-4-26b-a4b global layer prefill B=1 S={tokens} causal D=512 bf16", flash_attention,
+         _qkv(1, tokens, tokens, **GEMMA_4_GLOBAL)),
+        (f"gemma-4-26b-a4b global layer decode B=64 cache={tokens} D=512 bf16", with_lengths,
+         (*_qkv(64, 1, tokens, **GEMMA_4_GLOBAL), lengths_of_64)),
         (f"backward qwen3-30b-a3b B=1 S={tokens} causal bf16", backward, _backward_avals(1, tokens, **QWEN3_30B_A3B)),
+        (f"backward gemma-4-26b-a4b global layer B=1 S={tokens} causal D=512 bf16", backward,
+         _backward_avals(1, tokens, **GEMMA_4_GLOBAL)),
         (
             f"backward gemma-4-26b-a4b sliding layer B=1 S={tokens} window=1024 D=256 bf16",
             backward_windowed,

@@ -132,7 +132,7 @@ def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """Attention of query[B, Hq, Sq, D] over key, value[B, Hkv, Skv, D] -> [B, Hq, Sq, D]; differentiable.
 
     Hq must be a multiple of Hkv (query head h uses KV head h // (Hq // Hkv));
-    D is 64, 128 or 256; dtypes float32 or bfloat16 (one for all three).
+    D is 64, 128, 256 or 512; dtypes float32 or bfloat16 (one for all three).
 
     `options` are those of `masking.Attention`, with tensors for its arrays:
     scale, causal (default True), q_offset (an int or an integer tensor [B]),

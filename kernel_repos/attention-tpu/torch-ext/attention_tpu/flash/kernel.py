@@ -57,7 +57,7 @@ from ..flash_backward.kernel import attention_backward
 from ..flash_backward.tiles import BackwardConfig
 from .plan import ForwardPlan, make
 
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)
 
 
 class _ForwardRefs(NamedTuple):

@@ -1,0 +1,88 @@
+"""The calibrated error band a benchmark figure carries: taken in the figure's regime, or none where that regime has
+no timing."""
+
+import pytest
+
+from tpu_kernels.bench import calibration_bands
+from tpu_kernels.bench.tables import calibration as calibration_tables
+from tpu_kernels.perf import calibration, modelled_time
+
+
+def stats(count: int, median: float, p90: float) -> dict:
+    return {"count": count, "median_abs_error": median, "p90_abs_error": p90, "worst": {"ratio": 1 + p90}}
+
+
+# v5e timed Pallas ragged dots in both regimes, XLA's only streaming; TPU7x timed flash attention only.
+SUMMARY = {
+    "v5e": {"pallas_ragged_dot": {"all": stats(16, 0.02, 0.06),
+                                  "regimes": {"streaming": stats(2, 0.1, 0.2), "compute_bound": stats(14, 0.01, 0.05)}},
+            "xla_ragged_dot": {"all": stats(5, 0.1, 0.3), "regimes": {"streaming": stats(5, 0.1, 0.3)}}},
+    "tpu7x": {"flash_attention": {"all": stats(3, 0.1, 0.2), "regimes": {"compute_bound": stats(3, 0.1, 0.2)}}},
+}
+
+
+@pytest.fixture
+def summary(monkeypatch):
+    monkeypatch.setattr(calibration_bands, "_summary", lambda: SUMMARY)
+
+
+def test_regime_is_the_longer_of_copies_and_matmuls():
+    assert modelled_time.regime(2.0, 1.0) == "streaming"
+    assert modelled_time.regime(1.0, 2.0) == "compute_bound"
+    assert set(modelled_time.REGIMES) == {"streaming", "compute_bound"}
+
+
+def test_band_takes_the_error_of_the_figures_regime(summary):
+    streaming = calibration_bands.band({"pallas_ragged_dot": 100e-6}, "v6e", "streaming")
+    compute = calibration_bands.band({"pallas_ragged_dot": 100e-6}, "v6e", "compute_bound")
+    assert streaming["p90_us"] == [80.0, 120.0] and streaming["regime"] == "streaming"
+    assert compute["p90_us"] == [95.0, 105.0] and compute["median_us"] == [99.0, 101.0]
+
+
+def test_a_regime_without_timings_gives_no_band_and_says_why(summary):
+    found = calibration_bands.band({"pallas_ragged_dot": 50e-6, "xla_ragged_dot": 50e-6}, "v5e", "compute_bound",
+                                   uncalibrated_s=10e-6)
+    assert found["p90_us"] is None and found["median_us"] is None and found["uncalibrated_us"] == 10.0
+    assert "xla_ragged_dot" in found["no_band"] and "compute_bound" in found["no_band"]
+    assert "pallas_ragged_dot" not in found["no_band"]
+    assert calibration_bands.p90_fields(found)["no_band"] == found["no_band"]
+    assert calibration_bands.span(found["p90_us"]) == "no band"
+    # A term of zero seconds asks for no error.
+    assert calibration_bands.band({"pallas_ragged_dot": 50e-6, "xla_ragged_dot": 0.0}, "v5e",
+                                  "compute_bound")["p90_us"] == [47.5, 52.5]
+
+
+def test_a_kind_no_standing_chip_timed_takes_another_chips_in_the_same_regime(summary):
+    found = calibration_bands.error("flash_attention", "v6e", "compute_bound")
+    assert found["measured_on"] == "tpu7x" and not found["own_measurements"] and found["count"] == 3
+    assert calibration_bands.error("flash_attention", "v6e", "streaming") is None
+    assert "no band" in calibration_bands.describe("flash_attention", "v6e")
+
+
+def test_unknown_kind_or_regime_is_refused(summary):
+    with pytest.raises(ValueError, match="regime"):
+        calibration_bands.error("pallas_ragged_dot", "v5e", "decode")
+    with pytest.raises(ValueError, match="kind"):
+        calibration_bands.error("matmul", "v5e", "streaming")
+
+
+def test_calibration_summary_splits_each_chip_and_kind_by_regime():
+    def record(ratio: float, regime: str, split: str = "fit") -> dict:
+        return {"chip": "v5e", "kind": "pallas_ragged_dot", "call": f"c{ratio}", "config": {}, "ratio": ratio,
+                "regime": regime, "split": split}
+
+    summary = calibration.summarize([record(1.1, "streaming"), record(1.3, "streaming", "holdout"),
+                                     record(0.99, "compute_bound")])
+    block = summary["v5e"]["pallas_ragged_dot"]
+    assert block["all"]["count"] == 3
+    assert block["regimes"]["streaming"]["count"] == 2
+    assert block["regimes"]["streaming"]["median_abs_error"] == pytest.approx(0.2)
+    assert block["regimes"]["compute_bound"]["count"] == 1
+
+
+def test_bands_table_names_the_chip_and_count_or_no_band():
+    table = calibration_tables.bands({"summary": SUMMARY}).splitlines()
+    assert table[0] == ("| generation | kind | streaming p90 (timings, chip) | compute_bound p90 (timings, chip) |")
+    assert "| v6e | pallas_ragged_dot | 20.0 % (2, v5e) | 5.0 % (14, v5e) |" in table
+    assert "| v5e | xla_ragged_dot | 30.0 % (5, v5e) | no band |" in table
+    assert "| tpu7x | flash_attention | no band | 20.0 % (3, tpu7x) |" in table
