@@ -32,9 +32,9 @@ from .paged_ops import ragged_paged_attention
 
 # What a user of the loaded kernel calls (and what `kernels describe-api` lists, from symbols.json): the torch
 # op, transformers' attention and mask functions, and the float64 reference the kernels are tested against.
-__all__ = ["SUPPORTED_HEAD_DIMS", "attention_forward", "attention_mask", "flash_attention", "ops", "reference"]
-# The paged kernel's: its torch op and flash-attn's `flash_attn_with_kvcache` on it (transformers' paged cache).
-__all__ += ["flash_attn_with_kvcache", "ragged_paged_attention"]
+__all__ = ["SUPPORTED_HEAD_DIMS", "attention_forward", "attention_mask", "flash_attention", "ops", "reference",
+           # The paged kernel's torch op, and flash-attn's `flash_attn_with_kvcache` on it (transformers' paged cache).
+           "flash_attn_with_kvcache", "ragged_paged_attention"]
 
 # The one face code outside this package (benchmarks, the performance model, integration, tests) uses besides
 # `__all__`: tests/test_kernel_face.py holds every use to these names. A dotted name is reached through the
