@@ -254,6 +254,7 @@ class _StepRunner:
 
     def _dma_wait(self, eqn, ins):
         src, dst, *_ = mosaic_primitives._dma_unflatten(eqn.params["tree"], eqn.invars)
+        values = mosaic_primitives._dma_unflatten(eqn.params["tree"], ins)
         for position, transformed in enumerate((src, dst)):
             var = getattr(transformed, "ref", transformed)
             ref = next((value for atom, value in zip(eqn.invars, ins) if atom is var), None)
@@ -264,8 +265,31 @@ class _StepRunner:
                 phase = Phase(self.step)
                 self.phases.append(phase)
             counts = phase.read if position == 0 else phase.written
-            counts[ref.hbm] = counts.get(ref.hbm, 0) + _slice_bytes(transformed)
+            counts[ref.hbm] = counts.get(ref.hbm, 0) + _copy_bytes(transformed, values[position])
         return []
+
+
+def _copy_bytes(transformed, values) -> int:
+    """Bytes of a copy's slice; a slice of dynamic size (`pl.ds(start, size)` with a traced size) at its known size."""
+    try:
+        return _slice_bytes(transformed)
+    except TypeError:
+        pass
+    aval = transformed.ref.aval
+    shape = list(aval.shape)
+    for transform in getattr(values, "transforms", ()):
+        if not isinstance(transform, indexing.NDIndexer):
+            raise Unresolved(f"a copy through a {type(transform).__name__} of dynamic size")
+        sizes = []
+        for dim, extent in zip(transform.indices, shape):
+            if isinstance(dim, indexing.Slice):
+                if dim.size is _UNKNOWN:
+                    raise Unresolved("a copy whose size depends on a value in VMEM")
+                sizes.append(int(dim.size))
+            elif np.ndim(dim) > 0:
+                sizes.append(int(np.size(dim)))
+        shape = sizes + shape[len(transform.indices):]
+    return int(np.prod(shape)) * np.dtype(aval.dtype).itemsize
 
 
 # Per jaxpr (by id, kept with the jaxpr so that a reused id is not mistaken for it): its plan, a list of
