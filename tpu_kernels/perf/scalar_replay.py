@@ -104,15 +104,17 @@ def replay_steps(kernel: jax_core.Jaxpr, gm, grid, grid_indices: np.ndarray, pre
     num_prefetch = gm.num_index_operands
     operand_vars = kernel.invars[num_prefetch : num_prefetch + len(gm.block_mappings)]
     scratch_vars = kernel.invars[num_prefetch + len(gm.block_mappings) :]
+    # SMEM (scalar prefetch, scratch) and the DMA semaphores keep their state from one grid step to the next.
+    env: dict = {}
+    for var, values in zip(kernel.invars[:num_prefetch], prefetch):
+        env[var] = _Ref(values=np.array(values).reshape(var.aval.shape))
+    for var in operand_vars:
+        env[var] = _Ref(hbm=var if var in hbm_refs else None)
+    for var, space in zip(scratch_vars, scratch_spaces):
+        env[var] = _new_ref(var.aval, space)
+    in_flight: dict = {}
     for step in range(grid_indices.shape[0]):
-        env: dict = {}
-        for var, values in zip(kernel.invars[:num_prefetch], prefetch):
-            env[var] = _Ref(values=np.array(values).reshape(var.aval.shape))
-        for var in operand_vars:
-            env[var] = _Ref(hbm=var if var in hbm_refs else None)
-        for var, space in zip(scratch_vars, scratch_spaces):
-            env[var] = _new_ref(var.aval, space)
-        runner = _StepRunner(step, grid, grid_indices[step], set(hbm_refs))
+        runner = _StepRunner(step, grid, grid_indices[step], in_flight)
         runner.run(kernel, env)
         phases.extend(runner.phases)
     return _flatten(phases, hbm_refs)
@@ -136,8 +138,11 @@ def _new_ref(aval, space: str) -> _Ref:
 
 
 class _StepRunner:
-    def __init__(self, step: int, grid, indices: np.ndarray, hbm_refs: set):
-        self.step, self.grid, self.indices, self.hbm_refs = step, grid, indices, hbm_refs
+    def __init__(self, step: int, grid, indices: np.ndarray, in_flight: dict):
+        self.step, self.grid, self.indices = step, grid, indices
+        # Per DMA semaphore: the copies started on it and not yet waited for, [top-level HBM ref or None, direction
+        # (0 read, 1 write), bytes], oldest first.
+        self.in_flight = in_flight
         self.phases = [Phase(step)]
 
     def run(self, jaxpr: jax_core.Jaxpr, env: dict, consts=(), args=None) -> list:
@@ -252,21 +257,52 @@ class _StepRunner:
             ref.values[index] += value
         return []
 
-    def _dma_wait(self, eqn, ins):
-        src, dst, *_ = mosaic_primitives._dma_unflatten(eqn.params["tree"], eqn.invars)
+    def _dma_start(self, eqn, ins):
+        src, dst, sem, *_ = mosaic_primitives._dma_unflatten(eqn.params["tree"], eqn.invars)
         values = mosaic_primitives._dma_unflatten(eqn.params["tree"], ins)
-        for position, transformed in enumerate((src, dst)):
-            var = getattr(transformed, "ref", transformed)
-            ref = next((value for atom, value in zip(eqn.invars, ins) if atom is var), None)
-            if not isinstance(ref, _Ref) or ref.hbm is None:
-                continue
-            phase = self.phases[-1]
-            if phase.has_work:
-                phase = Phase(self.step)
-                self.phases.append(phase)
-            counts = phase.read if position == 0 else phase.written
-            counts[ref.hbm] = counts.get(ref.hbm, 0) + _copy_bytes(transformed, values[position])
+        size = _copy_bytes(src, values[0])
+        hbm, direction = None, 0
+        for position in (0, 1):
+            ref = values[position].ref if hasattr(values[position], "ref") else values[position]
+            if isinstance(ref, _Ref) and ref.hbm is not None:
+                hbm, direction = ref.hbm, position
+        self.in_flight.setdefault(_semaphore(values[2]), []).append([hbm, direction, size])
         return []
+
+    def _dma_wait(self, eqn, ins):
+        """A wait takes its descriptor's bytes off its semaphore: the copies started on it, oldest first, land in
+        this phase (a kernel may wait once, on a descriptor of its own, for several copies it started)."""
+        src, _, _, *_ = mosaic_primitives._dma_unflatten(eqn.params["tree"], eqn.invars)
+        values = mosaic_primitives._dma_unflatten(eqn.params["tree"], ins)
+        remaining = _copy_bytes(src, values[0])
+        pending = self.in_flight.get(_semaphore(values[2]), [])
+        phase = self.phases[-1]
+        if phase.has_work:
+            phase = Phase(self.step)
+            self.phases.append(phase)
+        while remaining > 0 and pending:
+            copy = pending[0]
+            taken = min(remaining, copy[2])
+            if copy[0] is not None:
+                counts = phase.read if copy[1] == 0 else phase.written
+                counts[copy[0]] = counts.get(copy[0], 0) + taken
+            copy[2] -= taken
+            remaining -= taken
+            if copy[2] == 0:
+                pending.pop(0)
+        return []
+
+
+def _semaphore(transformed) -> tuple:
+    """A DMA semaphore's identity: its ref and its (known) index."""
+    ref = transformed.ref if hasattr(transformed, "ref") else transformed
+    index = []
+    for transform in getattr(transformed, "transforms", ()):
+        for dim in getattr(transform, "indices", ()):
+            if dim is _UNKNOWN or isinstance(dim, indexing.Slice):
+                raise Unresolved("a DMA semaphore picked by a value the replay does not know")
+            index.append(int(dim))
+    return id(ref), tuple(index)
 
 
 def _copy_bytes(transformed, values) -> int:
@@ -277,9 +313,10 @@ def _copy_bytes(transformed, values) -> int:
         pass
     aval = transformed.ref.aval
     shape = list(aval.shape)
-    for transform in getattr(values, "transforms", ()):
+    for static, transform in zip(transformed.transforms, getattr(values, "transforms", ())):
         if not isinstance(transform, indexing.NDIndexer):
-            raise Unresolved(f"a copy through a {type(transform).__name__} of dynamic size")
+            shape = list(static.transform_type(jax_core.ShapedArray(tuple(shape), aval.dtype)).shape)
+            continue
         sizes = []
         for dim, extent in zip(transform.indices, shape):
             if isinstance(dim, indexing.Slice):

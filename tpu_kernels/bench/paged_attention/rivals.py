@@ -139,6 +139,9 @@ def rpa_v3(batch: Batch, model: Model, page_size: int, folder: Path) -> dict:
                 replays[key] = perf.model_pallas_traffic(attend, q, kv, kv, cache, kv_lens, table.reshape(-1), cu,
                                                          distribution)
             calls = replays[key]
+            refused = [note for call in calls for note in call.notes if "could not be replayed" in note]
+            if refused:
+                raise ValueError("; ".join(refused))
             priced = price(calls, batch, model, generation)
             if priced["bytes_ratio"] < 1:
                 # Fewer bytes than the K/V rows it must read: some of its copies escape the replay.
