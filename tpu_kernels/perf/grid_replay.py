@@ -146,7 +146,7 @@ def replay_pallas_call(eqn, small_operands: list[Any], active_steps_fn) -> Palla
         phases = _scalar_replay(kernel, gm, grid, grid_indices, prefetch, unpipelined, notes)
     if phases is not None:
         copied = {ref: (phases.per_step(phases.read[ref], steps), phases.per_step(phases.written[ref], steps))
-                  for ref in unpipelined}
+                  for ref in unpipelined if ref in phases.copied}
     for block_mapping, role, space in kept:
         if space in _UNPIPELINED_MEMORY_SPACES and operand_refs[id(block_mapping)] in copied:
             read, written = copied[operand_refs[id(block_mapping)]]

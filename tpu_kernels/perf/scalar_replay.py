@@ -90,6 +90,7 @@ class StepPhases:
     read: dict  # top-level ref var -> [phases] bytes
     written: dict
     work: dict  # kernel_work key -> [phases]
+    copied: frozenset  # the HBM refs some copy started from or to (others the kernel reads in a way not seen here)
 
     def per_step(self, values: np.ndarray, steps: int) -> np.ndarray:
         return np.bincount(self.step, weights=values, minlength=steps).astype(np.int64)
@@ -117,16 +118,18 @@ def replay_steps(kernel: jax_core.Jaxpr, gm, grid, grid_indices: np.ndarray, pre
         runner = _StepRunner(step, grid, grid_indices[step], in_flight)
         runner.run(kernel, env)
         phases.extend(runner.phases)
-    return _flatten(phases, hbm_refs)
+    copied = frozenset(copy_[0] for copies in in_flight.values() for copy_ in copies if copy_[0] is not None)
+    return _flatten(phases, hbm_refs, copied | frozenset(ref for phase in phases for ref in (*phase.read, *phase.written)))
 
 
-def _flatten(phases: list[Phase], hbm_refs) -> StepPhases:
+def _flatten(phases: list[Phase], hbm_refs, copied: frozenset) -> StepPhases:
     keys = {key for phase in phases for key in phase.work}
     return StepPhases(
         step=np.array([p.step for p in phases], np.int64),
         read={ref: np.array([p.read.get(ref, 0) for p in phases], np.int64) for ref in hbm_refs},
         written={ref: np.array([p.written.get(ref, 0) for p in phases], np.int64) for ref in hbm_refs},
         work={key: np.array([p.work.get(key, 0) for p in phases], np.int64) for key in keys},
+        copied=copied,
     )
 
 
