@@ -261,24 +261,21 @@ class _StepRunner:
         return []
 
     def _dma_start(self, eqn, ins):
-        src, dst, sem, *_ = mosaic_primitives._dma_unflatten(eqn.params["tree"], eqn.invars)
-        values = mosaic_primitives._dma_unflatten(eqn.params["tree"], ins)
-        size = _copy_bytes(src, values[0])
+        dma = _dma_plan(eqn)
         hbm, direction = None, 0
-        for position in (0, 1):
-            ref = values[position].ref if hasattr(values[position], "ref") else values[position]
+        for position, root in enumerate((dma.src_root, dma.dst_root)):
+            ref = ins[root]
             if isinstance(ref, _Ref) and ref.hbm is not None:
                 hbm, direction = ref.hbm, position
-        self.in_flight.setdefault(_semaphore(values[2]), []).append([hbm, direction, size])
+        self.in_flight.setdefault(dma.semaphore(ins), []).append([hbm, direction, dma.bytes(eqn, ins)])
         return []
 
     def _dma_wait(self, eqn, ins):
         """A wait takes its descriptor's bytes off its semaphore: the copies started on it, oldest first, land in
         this phase (a kernel may wait once, on a descriptor of its own, for several copies it started)."""
-        src, _, _, *_ = mosaic_primitives._dma_unflatten(eqn.params["tree"], eqn.invars)
-        values = mosaic_primitives._dma_unflatten(eqn.params["tree"], ins)
-        remaining = _copy_bytes(src, values[0])
-        pending = self.in_flight.get(_semaphore(values[2]), [])
+        dma = _dma_plan(eqn)
+        remaining = dma.bytes(eqn, ins)
+        pending = self.in_flight.get(dma.semaphore(ins), [])
         phase = self.phases[-1]
         if phase.has_work:
             phase = Phase(self.step)
@@ -296,16 +293,68 @@ class _StepRunner:
         return []
 
 
-def _semaphore(transformed) -> tuple:
-    """A DMA semaphore's identity: its ref and its (known) index."""
-    ref = transformed.ref if hasattr(transformed, "ref") else transformed
-    index = []
-    for transform in getattr(transformed, "transforms", ()):
-        for dim in getattr(transform, "indices", ()):
-            if dim is _UNKNOWN or isinstance(dim, indexing.Slice):
+@dataclasses.dataclass(frozen=True)
+class _Dma:
+    """What the replay needs of a dma_start or dma_wait, worked out once per equation: where its source, destination
+    and semaphore refs sit among its operands, its semaphore's index, and its bytes when its slice is static."""
+
+    src: Any
+    src_root: int
+    dst_root: int
+    semaphore_root: int
+    semaphore_index: tuple  # per index: ("literal", value) or ("operand", position)
+    static_bytes: int | None
+
+    def semaphore(self, ins) -> tuple:
+        """The semaphore's identity: its ref and its (known) index."""
+        index = []
+        for kind, value in self.semaphore_index:
+            if kind == "literal":
+                index.append(value)
+                continue
+            known = ins[value]
+            if known is _UNKNOWN:
                 raise Unresolved("a DMA semaphore picked by a value the replay does not know")
-            index.append(int(dim))
-    return id(ref), tuple(index)
+            index.append(int(known))
+        return id(ins[self.semaphore_root]), tuple(index)
+
+    def bytes(self, eqn, ins) -> int:
+        if self.static_bytes is not None:
+            return self.static_bytes
+        return _copy_bytes(self.src, mosaic_primitives._dma_unflatten(eqn.params["tree"], ins)[0])
+
+
+_DMAS: dict[int, tuple[Any, _Dma]] = {}
+
+
+def _dma_plan(eqn) -> _Dma:
+    cached = _DMAS.get(id(eqn))
+    if cached is not None and cached[0] is eqn:
+        return cached[1]
+    src, dst, semaphore, *_ = mosaic_primitives._dma_unflatten(eqn.params["tree"], eqn.invars)
+    positions = {id(var): number for number, var in enumerate(eqn.invars)}
+
+    def root(transformed) -> int:
+        return positions[id(getattr(transformed, "ref", transformed))]
+
+    index = []
+    for transform in getattr(semaphore, "transforms", ()):
+        for dim in getattr(transform, "indices", ()):
+            if isinstance(dim, indexing.Slice):
+                raise Unresolved("a DMA semaphore taken by a slice")
+            if isinstance(dim, jax_core.Literal):
+                index.append(("literal", int(dim.val)))
+            elif isinstance(dim, jax_core.Var):
+                index.append(("operand", positions[id(dim)]))
+            else:
+                index.append(("literal", int(dim)))
+    try:
+        static_bytes = _slice_bytes(src)
+    except TypeError:  # a slice of traced size
+        static_bytes = None
+    dma = _Dma(src, root(src), root(dst), root(semaphore), tuple(index), static_bytes)
+    _DMAS[id(eqn)] = (eqn, dma)
+    return dma
 
 
 def _copy_bytes(transformed, values) -> int:

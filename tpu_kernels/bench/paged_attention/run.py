@@ -56,6 +56,7 @@ def main(argv=None) -> int:
                    "rivals": {"jax_paged_attention": rivals.jax_paged_attention(batch, model, page_size),
                               "vllm_rpa_v3": rivals.rpa_v3(batch, model, page_size, args.wheels)}}
             rows.append(row)
+            write_json(args.out.with_suffix(".partial.json"), rows)  # a long run keeps what it has measured
             print(f"{model.name:24s} {batch.label:44s} page {page_size:4d}  " + "  ".join(
                 f"{g} {row['ours'][g]['pct_of_hbm_roofline_peak']:.0f}%" for g in GENERATIONS), flush=True)
     report = {
