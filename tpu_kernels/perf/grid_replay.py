@@ -145,8 +145,9 @@ def replay_pallas_call(eqn, small_operands: list[Any], active_steps_fn) -> Palla
     if set(unpipelined) - set(copied) and not any(is_unknown(value) for value in prefetch):
         phases = _scalar_replay(kernel, gm, grid, grid_indices, prefetch, unpipelined, notes)
     if phases is not None:
+        # The replay ran every equation that touches these operands: what no copy moved, nothing moved.
         copied = {ref: (phases.per_step(phases.read[ref], steps), phases.per_step(phases.written[ref], steps))
-                  for ref in unpipelined if ref in phases.copied}
+                  for ref in unpipelined}
     for block_mapping, role, space in kept:
         if space in _UNPIPELINED_MEMORY_SPACES and operand_refs[id(block_mapping)] in copied:
             read, written = copied[operand_refs[id(block_mapping)]]

@@ -13,8 +13,12 @@ every grid step, with the concrete scalar-prefetch values:
   computed; every array value in VMEM or vector registers stays unknown;
 - a `cond` takes the branch its (known) index names, a `while` runs as many
   trips as its (known) predicate allows, a `scan` its length;
-- each `dma_wait` whose source or destination is one of the operands left in
-  HBM adds the bytes of that copy's slice (read from or written to HBM);
+- each `dma_start` puts its copy's bytes on its semaphore; each `dma_wait`
+  takes its descriptor's bytes off that semaphore, oldest copy first, and
+  the copies it completes that read or write an operand left in HBM count
+  there (a kernel may wait once, on a descriptor of its own, for several);
+- an operand left in HBM is moved by copies only: an equation that takes one
+  otherwise makes the replay give up; one no copy touches moves no bytes;
 - every `dot_general` and every vector-unit operation that runs counts as in
   `kernel_work` (its matmul shape; its register elements).
 
@@ -90,7 +94,6 @@ class StepPhases:
     read: dict  # top-level ref var -> [phases] bytes
     written: dict
     work: dict  # kernel_work key -> [phases]
-    copied: frozenset  # the HBM refs some copy started from or to (others the kernel reads in a way not seen here)
 
     def per_step(self, values: np.ndarray, steps: int) -> np.ndarray:
         return np.bincount(self.step, weights=values, minlength=steps).astype(np.int64)
@@ -118,18 +121,16 @@ def replay_steps(kernel: jax_core.Jaxpr, gm, grid, grid_indices: np.ndarray, pre
         runner = _StepRunner(step, grid, grid_indices[step], in_flight)
         runner.run(kernel, env)
         phases.extend(runner.phases)
-    copied = frozenset(copy_[0] for copies in in_flight.values() for copy_ in copies if copy_[0] is not None)
-    return _flatten(phases, hbm_refs, copied | frozenset(ref for phase in phases for ref in (*phase.read, *phase.written)))
+    return _flatten(phases, hbm_refs)
 
 
-def _flatten(phases: list[Phase], hbm_refs, copied: frozenset) -> StepPhases:
+def _flatten(phases: list[Phase], hbm_refs) -> StepPhases:
     keys = {key for phase in phases for key in phase.work}
     return StepPhases(
         step=np.array([p.step for p in phases], np.int64),
         read={ref: np.array([p.read.get(ref, 0) for p in phases], np.int64) for ref in hbm_refs},
         written={ref: np.array([p.written.get(ref, 0) for p in phases], np.int64) for ref in hbm_refs},
         work={key: np.array([p.work.get(key, 0) for p in phases], np.int64) for key in keys},
-        copied=copied,
     )
 
 
@@ -162,6 +163,8 @@ class _StepRunner:
                     work[key] = work.get(key, 0) + amount
                 continue
             ins = [_read(env, var) for var in item.invars]
+            if kind == "hbm_use":
+                raise Unresolved(f"{item.primitive.name} takes an operand left in HBM, not through a copy")
             if kind == "scalar":
                 outs = _evaluate(item, ins)
             else:
@@ -397,6 +400,10 @@ def _plan(jaxpr: jax_core.Jaxpr) -> list:
     work: dict = {}
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
+        if name not in _PASSES_REFS and any(_in_hbm(var) for var in eqn.invars):
+            # Only copies move an HBM operand; anything else that takes one does what the replay cannot count.
+            plan.append(("hbm_use", eqn))
+            continue
         if hasattr(_StepRunner, "_" + name):
             if work:
                 plan.append(("work", work))
@@ -423,6 +430,16 @@ def _plan(jaxpr: jax_core.Jaxpr) -> list:
     plan = _live(plan, jaxpr.outvars)
     _PLANS[id(jaxpr)] = (jaxpr, plan)
     return plan
+
+
+# Equations that hand refs on (control flow, calls) or copy them: the replay follows those.
+_PASSES_REFS = frozenset({"cond", "while", "scan", "pjit", "jit", "closed_call", "custom_jvp_call", "run_scoped",
+                          "dma_start", "dma_wait"})
+
+
+def _in_hbm(var) -> bool:
+    space = str(getattr(getattr(var, "aval", None), "memory_space", "") or "").lower()
+    return space in ("any", "hbm") or space.endswith((".any", ".hbm"))
 
 
 def _live(plan: list, outvars) -> list:
