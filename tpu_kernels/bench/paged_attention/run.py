@@ -77,6 +77,7 @@ def main(argv=None) -> int:
         "results": rows,
     }
     write_json(args.out, report, sort_keys=True)
+    args.out.with_suffix(".partial.json").unlink(missing_ok=True)
     plot(rows, args.out.with_suffix(".png"))
     print(f"wrote {args.out}")
     return 0
