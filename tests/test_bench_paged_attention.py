@@ -67,7 +67,9 @@ def test_summary_says_by_how_much_a_rival_is_faster_and_which_term_differs():
     assert not found["no_rival_faster"]
     faster = found["rivals_faster"]
     assert {f["generation"] for f in faster} == set(shapes.GENERATIONS)
-    assert faster[0]["ours_over_rival"] == 1.25 and faster[0]["why"].startswith("vector_us 2.0 vs 0.5")
+    assert faster[0]["ours_over_rival"] == 1.25 and faster[0]["material"]
+    assert "largest gap vector_us 2.0 vs 0.5" in faster[0]["why"]
+    assert found["rivals_materially_faster"] == len(faster)
 
 
 def test_card_tables_from_the_json():
