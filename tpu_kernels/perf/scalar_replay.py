@@ -43,7 +43,7 @@ from jax._src.pallas.mosaic import primitives as mosaic_primitives
 from jax._src.state import indexing
 
 from .kernel_dmas import _slice_bytes
-from .kernel_work import _dot_key, _matmul_products, _vector_work, TRANSCENDENTAL_KEY, VECTOR_KEY
+from .kernel_work import _dot_key, _matmul_products, _vector_work
 
 # A known array value is kept only up to this many elements (scalars and small SMEM slices); larger ones are vector
 # work whose values the replay has no use for.
