@@ -66,7 +66,7 @@ _UNKNOWN = _Unknown()
 
 @dataclasses.dataclass
 class _Ref:
-    """A ref of the kernel: an SMEM array the replay tracks (`values`), or an opaque one (`name` for HBM operands)."""
+    """A ref of the kernel: an SMEM array the replay tracks (`values`), or an opaque one (`hbm`: the operand it is, if left in HBM)."""
 
     values: np.ndarray | None = None
     hbm: Any = None  # the kernel's top-level ref var of an HBM operand
