@@ -147,7 +147,7 @@ def test_whole_array_blocks_are_fetched_once_and_any_space_operands_are_flagged(
     [call] = perf.model_pallas_traffic(scale, w, table, x)
     weights, hbm_table, rows, _ = call.operands
     assert (weights.transfers, weights.hbm_bytes, weights.buffer_count) == (1, 8 * 128 * 4, 1)
-    assert (hbm_table.pipelined, hbm_table.hbm_bytes) == (False, 0)
+    assert (hbm_table.memory_space, hbm_table.hbm_bytes) == ("any", 0)  # no copy touches it
     assert any("memory space any" in note for note in call.notes)
     assert rows.hbm_bytes == 64 * 128 * 4
 
@@ -243,10 +243,11 @@ def test_group_sizes_given_abstractly_are_refused_and_so_is_a_call_under_cond():
         perf.model_pallas_traffic(maybe_matmul, True, X, Y)
 
 
-def test_roofline_refuses_a_kernel_whose_own_copies_it_cannot_see():
+def _table_then_rows(read_table: bool):
+    """x's rows copied through; with `read_table` the kernel also loads from the table left in HBM (not a copy)."""
     def gather_rows(table, x):
         def kernel(table_ref, x_ref, o_ref):
-            o_ref[...] = x_ref[...]
+            o_ref[...] = x_ref[...] + (table_ref[pl.ds(0, 8), :] if read_table else 0.0)
 
         return pl.pallas_call(
             kernel, grid=(x.shape[0] // 8,),
@@ -255,10 +256,23 @@ def test_roofline_refuses_a_kernel_whose_own_copies_it_cannot_see():
             out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         )(table, x)
 
+    return gather_rows
+
+
+def test_an_operand_left_in_hbm_that_no_copy_touches_moves_no_bytes():
     table = jax.ShapeDtypeStruct((1024, 128), jnp.float32)
     x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
-    [call] = perf.model_pallas_traffic(gather_rows, table, x)
+    [call] = perf.model_pallas_traffic(_table_then_rows(False), table, x)
+    assert not call.unmodelled_dmas and call.operands[0].hbm_bytes == 0
+    perf.roofline(call, "v6e")
+
+
+def test_roofline_refuses_a_kernel_that_uses_an_operand_in_hbm_other_than_by_copies():
+    table = jax.ShapeDtypeStruct((1024, 128), jnp.float32)
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    [call] = perf.model_pallas_traffic(_table_then_rows(True), table, x)
     assert call.unmodelled_dmas == (call.operands[0].origin,)
+    assert any("not through a copy" in note for note in call.notes)
     with pytest.raises(ValueError, match="memory space ANY.*cannot time this kernel"):
         perf.roofline(call, "v6e")
 

@@ -43,6 +43,7 @@ from tpu_kernels.bench.tables import int4_granularity as int4_granularity_tables
 from tpu_kernels.bench.tables import loader as loader_tables
 from tpu_kernels.bench.tables import moe_layer as moe_layer_tables
 from tpu_kernels.bench.tables import multichip as multichip_tables
+from tpu_kernels.bench.tables import paged_attention as paged_attention_tables
 from tpu_kernels.bench.tables import quantization_accuracy as quantization_accuracy_tables
 from tpu_kernels.perf.chip import CONSTANTS as MODEL_CONSTANTS
 
@@ -322,6 +323,8 @@ DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
     f"{SOURCES_DIR}/attention.md": sectioned_tables("attention.json", attention_tables.render_markdown),
     f"{SOURCES_DIR}/multichip.md": sectioned_tables("multichip.json", multichip_tables.render_markdown),
     f"{SOURCES_DIR}/decode_step.md": sectioned_tables("decode_step.json", decode_step_tables.render_markdown),
+    f"{SOURCES_DIR}/paged_attention.md": sectioned_tables("paged_attention.json",
+                                                          paged_attention_tables.render_markdown),
     # moe_layer writes its own moe_layer.md and moe_layer_v5p_tpu7x.md (the full tables): these are the headlines.
     f"{SOURCES_DIR}/moe_layer_headline.md": sectioned_tables("moe_layer.json", moe_layer_tables.render_markdown),
     f"{SOURCES_DIR}/moe_layer_v5p_tpu7x_headline.md": sectioned_tables(

@@ -29,7 +29,9 @@
 - Operands in memory space ANY/HBM are not windowed: the kernel copies them
   itself. The replay counts those copies from the kernel body where it can
   (`kernel_dmas`: each wait's bytes at the steps it runs, as bytes fetched
-  for, or written after, that step). Where it cannot, it lists the operand
+  for, or written after, that step), else by running the kernel's scalar
+  program at every step (`scalar_replay`, which also cuts each step into
+  phases at its waits). Where neither can, it lists the operand
   (`unmodelled_dmas`, and the call's `notes`); `roofline` refuses to time
   such a call rather than call its copies free. Scalar-prefetch operands are
   copied to SMEM once before the grid starts and count as HBM reads. Scratch
@@ -55,6 +57,7 @@ from jax._src.state import discharge as state_discharge
 from .host_eval import host_device, is_unknown, run_on_host
 from .kernel_dmas import waited_bytes
 from .kernel_work import TRANSCENDENTAL_KEY, VECTOR_KEY, grid_dots, is_dot_key
+from .scalar_replay import StepPhases, Unresolved, replay_steps
 from .traffic import DotShape, OperandTraffic, PallasCallTraffic, dtype_name
 from ..runtime.hardware import padded_vmem_bytes
 
@@ -138,6 +141,13 @@ def replay_pallas_call(eqn, small_operands: list[Any], active_steps_fn) -> Palla
     operand_refs = {id(bm): kernel.invars[gm.num_index_operands + number] for number, bm in enumerate(gm.block_mappings)}
     unpipelined = [operand_refs[id(bm)] for bm, _, space in kept if space in _UNPIPELINED_MEMORY_SPACES]
     copied = waited_bytes(kernel, unpipelined, gm, grid, grid_indices, prefetch) if unpipelined else {}
+    phases = None
+    if set(unpipelined) - set(copied) and not any(is_unknown(value) for value in prefetch):
+        phases = _scalar_replay(kernel, gm, grid, grid_indices, prefetch, unpipelined, notes)
+    if phases is not None:
+        # The replay ran every equation that touches these operands: what no copy moved, nothing moved.
+        copied = {ref: (phases.per_step(phases.read[ref], steps), phases.per_step(phases.written[ref], steps))
+                  for ref in unpipelined}
     for block_mapping, role, space in kept:
         if space in _UNPIPELINED_MEMORY_SPACES and operand_refs[id(block_mapping)] in copied:
             read, written = copied[operand_refs[id(block_mapping)]]
@@ -156,7 +166,11 @@ def replay_pallas_call(eqn, small_operands: list[Any], active_steps_fn) -> Palla
 
     active = _active_steps(active_steps_fn, name, grid_indices, prefetch, steps)
     megacore_core = _megacore_split(grid, grid_indices, dimension_semantics)
-    step_dots, dots_exact = grid_dots(params["jaxpr"], gm, grid, grid_indices, prefetch)
+    if phases is None:
+        step_dots, dots_exact = grid_dots(params["jaxpr"], gm, grid, grid_indices, prefetch)
+    else:
+        step_dots = {key: phases.per_step(counts, steps) for key, counts in phases.work.items()}
+        dots_exact = True
     work_per_step = {key: counts * active for key, counts in step_dots.items() if np.any(counts * active)}
     dots_per_step = {key: counts for key, counts in work_per_step.items() if is_dot_key(key)}
     dots = tuple(DotShape(*key, count=int(counts.sum())) for key, counts in dots_per_step.items())
@@ -179,7 +193,21 @@ def replay_pallas_call(eqn, small_operands: list[Any], active_steps_fn) -> Palla
         vector_per_step=work_per_step.get(VECTOR_KEY, no_work),
         transcendental_per_step=work_per_step.get(TRANSCENDENTAL_KEY, no_work),
         megacore_core=megacore_core,
+        phases=phases,
     )
+
+
+def _scalar_replay(kernel, gm, grid, grid_indices, prefetch, unpipelined, notes: list) -> StepPhases | None:
+    """The kernel's own copies and work, phase by phase, from running its scalar program (`scalar_replay`); None,
+    with the reason in `notes`, where its control flow depends on a value in VMEM."""
+    spaces = [str(getattr(aval, "memory_space", "") or "").lower() for aval in gm.scratch_avals]
+    try:
+        phases = replay_steps(kernel, gm, grid, grid_indices, [np.asarray(v) for v in prefetch], unpipelined, spaces)
+    except Unresolved as why:
+        notes.append(f"the kernel's scalar program could not be replayed: {why}")
+        return None
+    notes.append("the kernel's own copies and work counted by running its scalar program at every step")
+    return phases
 
 
 def _megacore_split(grid, grid_indices: np.ndarray, dimension_semantics) -> np.ndarray | None:

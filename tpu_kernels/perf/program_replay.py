@@ -25,14 +25,14 @@ import jax
 import numpy as np
 from jax._src import core as jax_core
 
-from . import grid_replay, host_eval, kernel_dmas, kernel_work, traffic
+from . import grid_replay, host_eval, kernel_dmas, kernel_work, scalar_replay, traffic
 from .grid_replay import ActiveStepsFn, replay_pallas_call
 from .host_eval import UNKNOWN, host_device, is_unknown, run_on_host
 from .traffic import PallasCallTraffic, dtype_name
 
 # The modules whose code makes a replay (the objects `replay_program` returns): a cache of replays is keyed
 # by their source, so that a change to any of them replays again.
-REPLAY_MODULES = (traffic, host_eval, kernel_work, kernel_dmas, grid_replay, sys.modules[__name__])
+REPLAY_MODULES = (traffic, host_eval, kernel_work, kernel_dmas, scalar_replay, grid_replay, sys.modules[__name__])
 
 
 @dataclasses.dataclass(frozen=True)

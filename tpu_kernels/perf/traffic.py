@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 from jax._src.pallas import core as pallas_core
@@ -173,6 +174,9 @@ class PallasCallTraffic:
     # through the transcendental unit (exp, div, rsqrt, ...).
     vector_per_step: np.ndarray | None = dataclasses.field(compare=False, repr=False, default=None)
     transcendental_per_step: np.ndarray | None = dataclasses.field(compare=False, repr=False, default=None)
+    # A kernel that copies its HBM operands itself, replayed on its scalars (`scalar_replay`): each step's phases,
+    # the copies of one wait (or run of waits) and the work after it, which its own double buffering overlaps.
+    phases: Any = dataclasses.field(compare=False, repr=False, default=None)
 
     @property
     def unmodelled_dmas(self) -> tuple[str, ...]:
@@ -226,13 +230,49 @@ class PallasCallTraffic:
         gen = chip.as_generation(generation)
         step_overhead_s = chip.grid_step_s(gen.name) if step_overhead_s is None else step_overhead_s
         prologue = sum(op.hbm_bytes for op in self.operands if op.role == "scalar_prefetch")
-        fetched, written, compute = self._per_step(gen, rates)
         bandwidth = gen.hbm_bytes_per_s * hbm_fraction
+        if self.phases is not None:
+            return self._phased_seconds(gen, step_overhead_s, prologue, bandwidth, rates)
+        fetched, written, compute = self._per_step(gen, rates)
         times = [
             pipeline_seconds(fetched[steps], written[steps], compute[steps], prologue_bytes=prologue,
                              bandwidth=bandwidth, step_overhead_s=step_overhead_s)
             for steps in self.core_steps(gen)
         ]
+        return max(times)
+
+    def _phased_seconds(self, gen: TpuGeneration, step_overhead_s: float, prologue: float, bandwidth: float,
+                        rates: ModelRates) -> float:
+        """The pipeline run phase by phase (`phases`): each phase's work overlaps the next phase's copies; the
+        pipelined blocks of a step arrive with its first phase and leave after its last; overhead per grid step."""
+        phase_step = self.phases.step
+        fetched = sum(self.phases.read.values(), np.zeros(len(phase_step)))
+        written = sum(self.phases.written.values(), np.zeros(len(phase_step)))
+        first = np.searchsorted(phase_step, np.arange(self.steps))
+        last = np.searchsorted(phase_step, np.arange(self.steps), side="right") - 1
+        for op in self.operands:
+            # The kernel's own copies are in the phases already; the pipeline's blocks are not.
+            if op.memory_space not in ("any", "hbm", "host") and op.fetched_per_step is not None:
+                np.add.at(fetched, first, op.fetched_per_step)
+                np.add.at(written, last, op.written_per_step)
+        compute = np.zeros(len(phase_step))
+        vector = np.zeros(len(phase_step))
+        for key, counts in self.phases.work.items():
+            # kernel_work's keys: ("vector",), ("transcendental",), or a matmul's shape.
+            if key == ("vector",):
+                vector += counts / rates.vector_elements_per_s(gen)
+            elif key == ("transcendental",):
+                vector += counts / rates.transcendental_elements_per_s(gen)
+            else:
+                one = DotShape(*key, count=1)
+                compute += counts * (one.mxu_flops(gen, rates) / one.peak_flops_per_s(gen))
+        compute = np.maximum(compute, vector)
+        times = []
+        for steps in self.core_steps(gen):
+            on_core = np.isin(phase_step, steps)
+            times.append(pipeline_seconds(fetched[on_core], written[on_core], compute[on_core],
+                                          prologue_bytes=prologue, bandwidth=bandwidth, step_overhead_s=0.0)
+                         + len(steps) * step_overhead_s)
         return max(times)
 
     def core_steps(self, generation: str | TpuGeneration) -> list[np.ndarray]:

@@ -1,0 +1,95 @@
+"""The paged attention benchmark's fast pieces: the roofline's bytes and FLOPs, the summary's targets and rival
+comparisons, and the card tables rendered from its JSON."""
+
+import pytest
+
+from tpu_kernels.bench.paged_attention import shapes, summary
+from tpu_kernels.bench.tables import paged_attention as tables
+
+QWEN3 = shapes.MODELS[0]
+GPT_OSS = shapes.MODELS[1]
+
+
+def test_minimum_bytes_read_each_visible_key_once_and_q_and_out_once():
+    batch = shapes.Batch("b", "decode", (1, 1), (100, 7))
+    per_token = 2 * QWEN3.kv_heads * QWEN3.head_dim * 2  # K and V rows, bf16
+    q_and_out = 2 * 2 * QWEN3.q_heads * QWEN3.head_dim * 2
+    assert shapes.minimum_bytes(batch, QWEN3) == 107 * per_token + q_and_out
+
+
+def test_a_window_bounds_the_keys_and_pairs_of_a_prefill_chunk():
+    batch = shapes.Batch("b", "mixed", (3, 1), (200, 50))
+    window = GPT_OSS.sliding_window
+    # Queries at 197, 198, 199 see [max(0, p - window + 1), p]: window keys each, 130 distinct keys; decode: window.
+    assert shapes.visible_keys(batch, GPT_OSS) == [(window + 2, 3 * window), (50, 50)]
+    assert shapes.useful_flops(batch, GPT_OSS) == 4 * (3 * window + 50) * GPT_OSS.q_heads * GPT_OSS.head_dim
+
+
+def test_the_mixed_length_batch_is_fixed_and_in_range():
+    first, again = shapes.decode_batches()[0], shapes.decode_batches()[0]
+    assert first == again and len(first.kv_lens) == shapes.DECODE_BATCH
+    assert all(shapes.MIXED_RANGE[0] <= n <= shapes.MIXED_RANGE[1] for n in first.kv_lens)
+    mixed = shapes.mixed_batch()
+    assert mixed.q_lens[0] == shapes.PREFILL_CHUNK and mixed.total_q == shapes.PREFILL_CHUNK + shapes.DECODE_BATCH
+
+
+def _figures(pct, time_us, *, bound="hbm", hbm=10.0, mxu=1.0, vector=2.0):
+    return {"pct_of_hbm_roofline_peak": pct, "pct_of_mxu_peak": pct / 10, "modelled_time_us": time_us,
+            "bound": bound, "hbm_term_us": hbm, "mxu_us": mxu, "vector_us": vector, "step_overhead_us": 0.5,
+            "hbm_roofline_us": time_us * pct / 100, "band_p90_us": None}
+
+
+def _row(context, kind="decode", page=128, ours=90.0, rival_time=None, rival_error=None):
+    per = {g: _figures(ours, 100.0) for g in shapes.GENERATIONS}
+    rival = {"error": "decode only (one query per sequence)"}
+    if rival_time is not None:
+        rival = {"per_generation": {g: _figures(95.0, rival_time, vector=0.5) for g in shapes.GENERATIONS}}
+    if rival_error is not None:
+        rival = {"per_generation": {g: {"config": {}, "error": rival_error} for g in shapes.GENERATIONS}}
+    label = f"decode length {context}" if context else ("mixed" if kind == "mixed" else "decode lengths")
+    return {"model": "M", "batch": label, "kind": kind, "context": context, "page_size": page,
+            "ours": per, "rivals": {"jax_paged_attention": rival, "vllm_rpa_v3": {"error": "no attention sinks"}}}
+
+
+def test_summary_names_each_miss_from_1024_tokens_and_its_terms():
+    rows = [_row(256, ours=50.0), _row(1024, ours=80.0), _row(4096, ours=90.0)]
+    found = summary.summarise(rows)
+    assert not found["meets_decode_target"]
+    assert {(m["where"].split(" | ")[1], m["generation"]) for m in found["decode_target_misses"]} == {
+        ("decode length 1024", g) for g in shapes.GENERATIONS}
+    miss = found["decode_target_misses"][0]
+    assert (miss["bound"], miss["hbm_term_us"], miss["vector_us"]) == ("hbm", 10.0, 2.0)
+    assert found["no_rival_faster"]
+
+
+def test_summary_says_by_how_much_a_rival_is_faster_and_which_term_differs():
+    found = summary.summarise([_row(4096, rival_time=80.0), _row(8192, rival_error="not counted")])
+    assert not found["no_rival_faster"]
+    faster = found["rivals_faster"]
+    assert {f["generation"] for f in faster} == set(shapes.GENERATIONS)
+    assert faster[0]["ours_over_rival"] == 1.25 and faster[0]["material"]
+    assert "largest gap vector_us 2.0 vs 0.5" in faster[0]["why"]
+    assert found["rivals_materially_faster"] == len(faster)
+
+
+def test_card_tables_from_the_json():
+    rows = [_row(None, page=16), _row(None), _row(4096, rival_time=80.0), _row(None, kind="mixed",
+                                                                              rival_error="not counted")]
+    rendered = tables.render_markdown({"results": rows})
+    assert set(rendered) == {"decode", "context", "mixed", "rivals"}
+    assert rendered["decode"].splitlines()[2] == "| M | 16 | " + " | ".join(
+        ["90 % (100 µs, HBM)"] * 3) + " |"
+    assert rendered["context"].splitlines()[2] == "| M | 4096 | 90 % | 90 % | 90 % |"
+    assert rendered["mixed"].splitlines()[2] == "| M | " + " | ".join(["9 % MXU, 90 % HBM (100 µs)"] * 3) + " |"
+    rivals = rendered["rivals"].splitlines()
+    # Page 128 only: the mixed-length decode (rival n/a), the 4096 point (priced) and the mixed batch (not priced).
+    assert len(rivals) == 2 + 3 * 3
+    assert "| M | decode length 4096 | v5e | 100 | 80 | n/a |" in rivals
+    assert "| M | mixed | tpu7x | 100 | not priced | n/a |" in rivals
+
+
+def test_a_row_without_a_generation_is_a_key_error():
+    row = _row(None)
+    del row["ours"]["tpu7x"]
+    with pytest.raises(KeyError):
+        tables.decode([row])

@@ -1,0 +1,83 @@
+"""The command line: every model, batch and page size; ours and the rivals per generation; the JSON and the figure."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import kernels
+
+from tpu_kernels import perf
+from tpu_kernels.bench import calibration_bands, kernel_repo, require_kernel_repo, result_path, write_json
+from tpu_kernels.bench.moe_layer.vllm_kernels import DEFAULT_FOLDER
+from tpu_kernels.distribution.builder import build_kernel_repo
+
+from . import ours, rivals
+from .shapes import (GENERATIONS, MODELS, PAGE_SIZES, PLOT_PAGE_SIZE, ROOFLINE_TARGET_PCT, TARGET_FROM_CONTEXT,
+                     decode_batches, minimum_bytes, mixed_batch)
+from .summary import plot, summarise
+
+KERNEL_REPO = kernel_repo("attention-tpu")
+DEFAULT_OUT = result_path("paged_attention.json")
+
+
+def cases(quick: bool):
+    """(model, batch, page size): the mixed-length decode batch at every page size, the per-length decode points and
+    the mixed prefill + decode batch at PLOT_PAGE_SIZE."""
+    decode = decode_batches()
+    for model in MODELS[:1] if quick else MODELS:
+        for page_size in PAGE_SIZES:
+            yield model, decode[0], page_size
+        for batch in decode[1:]:
+            yield model, batch, PLOT_PAGE_SIZE
+        yield model, mixed_batch(), PLOT_PAGE_SIZE
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=sys.modules[__package__].__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--repo", type=Path, default=KERNEL_REPO, help="the attention kernel repo")
+    parser.add_argument("--wheels", type=Path, default=DEFAULT_FOLDER, help="where the pinned vLLM wheel is kept")
+    parser.add_argument("--quick", action="store_true", help="Qwen3-30B-A3B only")
+    args = parser.parse_args(argv)
+    require_kernel_repo(args.repo)
+    rows = []
+    with tempfile.TemporaryDirectory() as build_dir:
+        built = kernels.get_local_kernel(build_kernel_repo(args.repo, Path(build_dir)), backend="cpu")
+        for model, batch, page_size in cases(args.quick):
+            row = {"model": model.name, "batch": batch.label, "kind": batch.kind, "context": batch.context,
+                   "page_size": page_size, "q_heads": model.q_heads, "kv_heads": model.kv_heads,
+                   "head_dim": model.head_dim, "sliding_window": model.sliding_window, "sinks": model.sinks,
+                   "min_bytes": minimum_bytes(batch, model), "ours": ours.measure(built, batch, model, page_size),
+                   "rivals": {"jax_paged_attention": rivals.jax_paged_attention(batch, model, page_size),
+                              "vllm_rpa_v3": rivals.rpa_v3(batch, model, page_size, args.wheels)}}
+            rows.append(row)
+            write_json(args.out.with_suffix(".partial.json"), rows)  # a long run keeps what it has measured
+            print(f"{model.name:24s} {batch.label:44s} page {page_size:4d}  " + "  ".join(
+                f"{g} {row['ours'][g]['pct_of_hbm_roofline_peak']:.0f}%" for g in GENERATIONS), flush=True)
+    report = {
+        "benchmark": "tpu_kernels.bench.paged_attention",
+        "kernel_repo": args.repo.as_posix(),
+        "dtype": "bfloat16",
+        "model": "tpu_kernels.perf: grid replay, the kernels' own K/V copies and work counted by running their "
+                 "scalar programs (perf.scalar_replay), priced phase by phase (the calibrated pipelined figure); "
+                 "grid step " + ", ".join(f"{g} {perf.grid_step_s(g) * 1e6:.2f} us" for g in GENERATIONS),
+        "hbm_fraction": {g: perf.FITTED_RATES.hbm_fraction(g) for g in GENERATIONS},
+        "calibrated_errors": {g: calibration_bands.describe("flash_attention", g) for g in GENERATIONS},
+        "page_sizes": {"16": "vLLM's default block size", "128": "vLLM TPU's usual block size",
+                       "256": "transformers' paged cache default"},
+        "targets": {"decode_pct_of_hbm_roofline": ROOFLINE_TARGET_PCT, "from_context": TARGET_FROM_CONTEXT,
+                    "published_rpa_v3_tpu7x_pct": 86, "no_rival_faster": True},
+        "environment": {"jax": jax.__version__, "tpu": "none (model only)"},
+        "summary": summarise(rows),
+        "results": rows,
+    }
+    write_json(args.out, report, sort_keys=True)
+    args.out.with_suffix(".partial.json").unlink(missing_ok=True)
+    plot(rows, args.out.with_suffix(".png"))
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,94 @@
+"""The shapes: real models' attention over a paged KV cache, decode batches and mixed prefill + decode batches."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+GENERATIONS = ("v5e", "v6e", "tpu7x")
+DECODE_BATCH = 64
+# Context lengths of the per-length decode points (every sequence of the batch at that length), and the mixed
+# batch's range (lengths drawn uniformly, seed 0).
+CONTEXT_LENGTHS = (256, 1024, 4096, 8192)
+MIXED_RANGE = (256, 8192)
+# vLLM's default block size (16) and its TPU backend's usual 128; transformers' paged cache default (256).
+PAGE_SIZES = (16, 128, 256)
+# The page size of the per-length points and of the mixed prefill + decode batch.
+PLOT_PAGE_SIZE = 128
+# A mixed batch: one prefill chunk of PREFILL_CHUNK new tokens over PREFILL_CACHED cached ones, and the decode rows.
+PREFILL_CHUNK, PREFILL_CACHED = 1024, 3072
+ROOFLINE_TARGET_PCT = 85.0
+TARGET_FROM_CONTEXT = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    name: str
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+    sinks: bool = False
+
+
+MODELS = (
+    Model("Qwen3-30B-A3B", 32, 4, 128),
+    Model("GPT-OSS-20B sliding", 64, 8, 64, sliding_window=128, sinks=True),
+    # Gemma4TextConfig: 16 query heads; global layers num_global_key_value_heads=2, global_head_dim=512.
+    Model("Gemma-4-26B-A4B global", 16, 2, 512),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One call: each sequence's new queries and its keys (queries included)."""
+
+    label: str
+    kind: str  # "decode" | "mixed"
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    context: int | None = None  # the per-length decode points' length
+
+    @property
+    def total_q(self) -> int:
+        return sum(self.q_lens)
+
+
+def decode_batches() -> list[Batch]:
+    rng = np.random.default_rng(0)
+    mixed = tuple(int(n) for n in rng.integers(MIXED_RANGE[0], MIXED_RANGE[1] + 1, DECODE_BATCH))
+    batches = [Batch(f"decode B={DECODE_BATCH} lengths {MIXED_RANGE[0]}..{MIXED_RANGE[1]}", "decode",
+                     (1,) * DECODE_BATCH, mixed)]
+    batches += [Batch(f"decode B={DECODE_BATCH} length {n}", "decode", (1,) * DECODE_BATCH, (n,) * DECODE_BATCH,
+                      context=n) for n in CONTEXT_LENGTHS]
+    return batches
+
+
+def mixed_batch() -> Batch:
+    decode = decode_batches()[0]
+    return Batch(f"prefill {PREFILL_CHUNK} (+{PREFILL_CACHED} cached) + decode B={DECODE_BATCH}", "mixed",
+                 (PREFILL_CHUNK, *decode.q_lens), (PREFILL_CHUNK + PREFILL_CACHED, *decode.kv_lens))
+
+
+def visible_keys(batch: Batch, model: Model) -> list[tuple[int, int]]:
+    """Per sequence: (keys some query sees, visible (query, key) pairs), bottom-right aligned and causal."""
+    out = []
+    for q_len, kv_len in zip(batch.q_lens, batch.kv_lens):
+        positions = np.arange(kv_len - q_len, kv_len)
+        first = np.zeros_like(positions) if model.sliding_window is None else np.maximum(
+            0, positions - model.sliding_window + 1)
+        pairs = int((positions - first + 1).sum())
+        out.append((int(kv_len - first.min()), pairs))
+    return out
+
+
+def minimum_bytes(batch: Batch, model: Model, itemsize: int = 2) -> int:
+    """K and V rows some query sees read once, q read once, out written once."""
+    keys = sum(k for k, _ in visible_keys(batch, model))
+    return (2 * keys * model.kv_heads * model.head_dim + 2 * batch.total_q * model.q_heads * model.head_dim) * itemsize
+
+
+def useful_flops(batch: Batch, model: Model) -> int:
+    pairs = sum(p for _, p in visible_keys(batch, model))
+    return 4 * pairs * model.q_heads * model.head_dim
