@@ -137,6 +137,26 @@ def test_selected_tiles(kernel, convert):
     check_paged(kernel, convert, batch)
 
 
+def test_key_blocks_no_longer_than_the_keys_a_window_lets_a_sequence_see(kernel):
+    """A block is fetched whole: under GPT-OSS's 128-key window a decode batch takes 128-key blocks, not the
+    generation's preferred 1024 (8x the keys each step); without a window the preferred block stays."""
+    shape = dict(total_q=64, num_seqs=64, q_heads=64, kv_heads=8, head_dim=64, page_size=16, num_pages=4096,
+                 pages_per_seq=512, dtype="bfloat16", has_sinks=True, max_q_len=1)
+    windowed = kernel.PagedProblem.of_shape(**shape, sliding_window=128)
+    assert kernel.paged.tiles.select(windowed, "v6e").block_kv == 128
+    assert kernel.paged.tiles.select(kernel.PagedProblem.of_shape(**shape), "v6e").block_kv == 1024
+    # A page larger than the window: a part of a page.
+    assert kernel.paged.tiles.select(kernel.PagedProblem.of_shape(**{**shape, "page_size": 256, "pages_per_seq": 32},
+                                                                  sliding_window=128), "v6e").block_kv == 128
+
+
+@pytest.mark.slow
+def test_selected_tiles_under_a_window(kernel, convert):
+    """The selected tiles with a window shorter than the block they would take without it."""
+    batch = paged_batch([1, 1, 3], [200, 90, 130], q_heads=4, kv_heads=2, head_dim=64, page_size=16, seed=9)
+    check_paged(kernel, convert, batch, sliding_window=20)
+
+
 def varlen_batch(q_lens, kv_lens, *, q_heads, kv_heads, head_dim, seed):
     """(q, k, v, cu_q_lens, cu_k_lens): packed queries and packed contiguous keys and values."""
     generator = torch.Generator().manual_seed(seed)

@@ -72,10 +72,22 @@ def _shrink_kv(block_kv: int, page_size: int, contiguous: bool) -> int:
     return _page_part(page_size, block_kv // 2) if block_kv > 1 else block_kv
 
 
+def visible_keys(problem: PagedProblem) -> int:
+    """The most keys one sequence's queries see: its page table's tokens, and under a causal window the window
+    and the sequence's queries."""
+    keys = problem.page_size if problem.contiguous else problem.pages_per_seq * problem.page_size
+    if problem.causal and problem.sliding_window is not None:
+        keys = min(keys, problem.sliding_window + problem.longest_query - 1)
+    return keys
+
+
 def heuristic_config(problem: PagedProblem, generation: str) -> PagedConfig:
-    """Preferred tiles, the query ones no longer than the longest sequence's queries, shrunk to the VMEM budget."""
+    """Preferred tiles, the query ones no longer than the longest sequence's queries and the key blocks no longer
+    than the keys a sequence sees (a block is fetched whole: a 1024-key block under a 128-key window fetches 8x
+    the keys), shrunk to the VMEM budget."""
     generation = check_generation(generation)
     preferred_q, preferred_kv = PREFERRED_TILES[generation]
+    preferred_kv = min(preferred_kv, round_up(visible_keys(problem), LANES))
     longest = max(1, problem.longest_query)
     tile_q = min(round_up(max(1, TILE_ROWS // problem.group), TILE_Q_MULTIPLE), round_up(longest, TILE_Q_MULTIPLE))
     packed = round_up(max(1, problem.total_q), tile_q)
