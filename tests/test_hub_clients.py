@@ -160,6 +160,12 @@ def test_kernels_get_kernel_loads_an_allowed_repo_of_an_untrusted_publisher_quie
             for entry in cached["repos"]] == [(repo, [("v1", ["torch-cpu"])])]
 
 
+# What attention-tpu's build exports (its `__all__` functions), as `kernels describe-api` lists them.
+ATTENTION_FUNCTIONS = ["attention_forward", "attention_mask", "flash_attention", "flash_attn_func",
+                       "flash_attn_varlen_func", "flash_attn_with_kvcache", "ragged_paged_attention",
+                       "ragged_varlen_attention"]
+
+
 @pytest.mark.multiprocess
 def test_kernels_describe_api_lists_what_a_published_build_exports(published, env):
     repo = f"{TRUSTED}/rmsnorm-tpu"
@@ -172,8 +178,7 @@ def test_kernels_describe_api_lists_what_a_published_build_exports(published, en
     described = json.loads(run_cli("kernels", "describe-api", repo, "--version", "1", "--json", env=env).stdout)
     symbols = json.loads((published.builds["attention-tpu"] / "build" / "torch-cpu" / "symbols.json").read_text())
     assert described == {**symbols, "repo_id": repo, "revision": "v1", "variant": "torch-cpu"}
-    assert [function["name"] for function in described["functions"]] == [
-        "attention_forward", "attention_mask", "flash_attention"]
+    assert [function["name"] for function in described["functions"]] == ATTENTION_FUNCTIONS
 
 
 @pytest.mark.multiprocess
@@ -184,8 +189,7 @@ def test_kernels_describe_api_of_an_untrusted_publisher_needs_trust_remote_code(
     refused = run_cli("kernels", "describe-api", repo, env=env, returncode=1)
     assert f"Kernel repository '{repo}' is not from a trusted publisher" in refused.stderr
     trusted = run_cli("kernels", "describe-api", repo, "--trust-remote-code", "--json", env=env)
-    assert [function["name"] for function in json.loads(trusted.stdout)["functions"]] == [
-        "attention_forward", "attention_mask", "flash_attention"]
+    assert [function["name"] for function in json.loads(trusted.stdout)["functions"]] == ATTENTION_FUNCTIONS
 
 
 @pytest.mark.multiprocess

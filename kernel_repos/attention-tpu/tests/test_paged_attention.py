@@ -262,16 +262,15 @@ def test_flash_attn_with_kvcache_on_a_contiguous_cache(kernel):
     assert_matches(out.flatten(0, 1), expected, 1e-5)
 
 
-def test_transformers_hands_over_the_paged_arguments(kernel):
-    """transformers reads the parameter names: it must pass the block table, lengths, window, softcap and sinks."""
-    from transformers.modeling_flash_attention_utils import _lazy_define_process_function
+def test_the_parameters_transformers_looks_up_by_name(kernel):
+    """transformers passes an option only if the function has a parameter of its flash-attn name (it reads the
+    signature): the block table under either name, the lengths, window, softcap, scale and sinks under either."""
+    import inspect
 
-    process = _lazy_define_process_function(kernel.flash_attn_with_kvcache)
-    sinks, table, lengths = torch.zeros(4), torch.zeros(2, 3, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
-    kwargs = process(query_length=1, key_length=300, is_causal=True, sliding_window=128, softcap=5.0, s_aux=sinks,
-                     block_table=table, cache_seqlens=lengths)
-    assert kwargs["block_table"] is table and kwargs["cache_seqlens"] is lengths and kwargs["s_aux"] is sinks
-    assert kwargs["window_size"] == (127, 127) and kwargs["softcap"] == 5.0 and kwargs["causal"] is True
+    parameters = inspect.signature(kernel.flash_attn_with_kvcache).parameters
+    for name in ("block_table", "page_table", "cache_seqlens", "causal", "window_size", "softcap", "softmax_scale",
+                 "s_aux", "learnable_sink"):
+        assert name in parameters, name
 
 
 def _valid_call():

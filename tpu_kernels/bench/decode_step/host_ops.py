@@ -3,8 +3,9 @@
 The device model leaves the eager step's host time out. Its size is the number of torch ops a step
 dispatches times each op's host cost. The count does not depend on the device or the sizes, only on the
 model's code: this module builds each model's structure at tiny sizes from its transformers config class,
-runs `generate` on the CPU with `batched_mm` experts (what `generate` runs on a TPU) and counts the aten ops
-one more decode step adds (a TorchDispatchMode), per decoder layer of each attention kind and for the rest of
+runs `generate` on the CPU with `batched_mm` experts (what `generate` runs on a TPU) and counts the torch
+calls one more decode step makes from Python (a `torch.overrides.TorchFunctionMode`: each torch function or
+tensor method call, the unit eager torch dispatches from the host), per decoder layer of each attention kind and for the rest of
 the step, and which of them run inside what kernelize replaces (RMSNorm modules, the experts module, the
 attention function): on the kernelized path those become one kernel call each. Expert-parallel wrappers
 (masking, the all-reduce) add a few ops per layer that are not counted.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 
 ATTENTION_NAME = "decode_step_counted_sdpa"
 
@@ -24,8 +25,8 @@ ATTENTION_NAME = "decode_step_counted_sdpa"
 REPLACED = ("rmsnorm", "attention", "experts")
 
 
-class _Counter(TorchDispatchMode):
-    """Counts aten ops, and apart those dispatched inside each replaced kind of module (the outermost one)."""
+class _Counter(TorchFunctionMode):
+    """Counts torch calls, and apart those made inside each replaced kind of module (the outermost one)."""
 
     def __init__(self):
         super().__init__()
@@ -33,7 +34,7 @@ class _Counter(TorchDispatchMode):
         self.inside = dict.fromkeys(REPLACED, 0)
         self.stack: list[str] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         self.ops += 1
         if self.stack:
             self.inside[self.stack[0]] += 1
@@ -125,7 +126,7 @@ def _minus(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
 
 
 def step_ops(key: str, layer_types: list[str]) -> dict[str, int]:
-    """The aten ops one more decode step of `generate` adds (`ops`), and of them those inside each REPLACED kind."""
+    """The torch calls one more decode step of `generate` makes (`ops`), and of them those inside each REPLACED kind."""
     return _minus(_generate_ops(key, layer_types, 4), _generate_ops(key, layer_types, 3))
 
 

@@ -180,7 +180,7 @@ def explain(result: dict) -> list[str]:
         cost, at = eager["implied_op_cost_us"], eager["with_implied_op_cost"]
         smallest = min(result["host_kernel_calls_lower_bound"]["per_call_min_us"].values())
         notes.append(
-            f"eager host dispatches per step (aten ops counted on the CPU, host_ops): {eager[step.DEFAULT]['other_ops']} "
+            f"eager host dispatches per step (torch calls counted on the CPU, host_ops): {eager[step.DEFAULT]['other_ops']} "
             f"on the default path, {eager[step.HF_PATH]['other_ops']} plus {eager[step.HF_PATH]['kernel_calls']} "
             f"kernel calls in HF's configuration. Were Qwen3's unexplained time host time, an op would cost "
             f"{cost['serial']} us (host and device time adding up) or {cost['overlapped']} us (the longer of the two "

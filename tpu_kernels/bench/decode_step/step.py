@@ -16,7 +16,7 @@ DEFAULT = "transformers_default"
 # experts layer; and with every kernel kernelize installs (experts, attention, RMSNorm).
 HF_PATH = "kernelized_experts"
 KERNELIZED = (HF_PATH, "kernelized")
-# The aten ops each kernelized path hands to kernels (host_ops.REPLACED kinds).
+# The torch calls each kernelized path hands to kernels (host_ops.REPLACED kinds).
 REPLACED_BY_PATH = {HF_PATH: ("experts",), "kernelized": ("rmsnorm", "attention", "experts")}
 CALL_KIND = {"rms_norm": "rmsnorm", "flash_attention": "attention", "gated_experts": "experts"}
 CACHE_APPEND = "KV cache append"
@@ -163,12 +163,12 @@ def plan_facts(model: DecodeModel) -> dict:
 
 
 def eager_host(ops: dict, host: dict) -> dict:
-    """The eager step's host dispatches per path (`host_ops.count`'s per-step counts): the default's aten ops;
-    a kernelized path's aten ops outside what it replaces, plus one kernel call per replaced module (whose host
+    """The eager step's host dispatches per path (`host_ops.count`'s per-step counts): the default's torch calls;
+    a kernelized path's torch calls outside what it replaces, plus one kernel call per replaced module (whose host
     Python binding.json bounds)."""
     per_step = ops["per_step"]
     calls, per_call_us = host["kernel_calls_per_step"], host["per_call_min_us"]
-    found = {"aten_ops_per_step": per_step,
+    found = {"torch_calls_per_step": per_step,
              DEFAULT: {"other_ops": per_step["ops"], "kernel_calls": 0, "kernel_calls_host_ms": 0.0}}
     for name, replaced in REPLACED_BY_PATH.items():
         kept = [k for k in calls if CALL_KIND[k] in replaced]

@@ -64,7 +64,7 @@ def terms(data: dict) -> str:
 def host(data: dict) -> str:
     """Per model and path: the eager step's host dispatches, and the steps and ratio at the per-op host cost that
     closes HF's measured step."""
-    rows = ["| model | path | eager aten ops + kernel calls per step | step ms, host + device / the longer "
+    rows = ["| model | path | eager torch calls + kernel calls per step | step ms, host + device / the longer "
             "| ratio to default, host + device / the longer |", "| --- | --- | ---: | ---: | ---: |"]
     for model in data["models"].values():
         eager = model.get("eager_host")
