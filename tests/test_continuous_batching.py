@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 import transformers
+from huggingface_hub import HfApi
 from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
 from tpu_kernels import kernelize
@@ -195,7 +196,9 @@ def test_kernelize_from_a_hub_serves_generate_and_continuous_batching(attention_
                             "attention": f"{attention_on_hub}@1"})
     report = model.tpu_kernels_report
     assert {e.kind for e in report.entries if e.replaced} == {"experts", "rmsnorm", "attention"}, repr(report)
-    assert model.config._attn_implementation == f"{attention_on_hub}@v1:flash_attn_varlen_func"
+    # Pinned to the commit kernelize verified, not to the v1 branch, which may move before transformers loads it.
+    verified = HfApi().repo_info(attention_on_hub, repo_type="kernel", revision="v1").sha
+    assert model.config._attn_implementation == f"{attention_on_hub}@{verified}:flash_attn_varlen_func"
     assert "generate and generate_batch" in repr(report)
     assert eager_tokens(model, requests, 4) == expected
     with varlen_steps.watching(model.config._attn_implementation):

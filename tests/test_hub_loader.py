@@ -24,7 +24,7 @@ import torch
 from huggingface_hub import HfApi
 
 import tpu_kernels
-from tpu_kernels.distribution.loader import KernelIntegrityError, get_kernel, verify_variant
+from tpu_kernels.distribution.loader import KernelIntegrityError, get_kernel, loaded_commit, verify_variant
 from tpu_kernels.distribution.publish import upload_main
 
 from .loader_support import (
@@ -79,6 +79,20 @@ def test_versions_load_side_by_side_and_by_revision(hub, client, tmp_path):
         get_kernel(REPO, version=3)
     with pytest.raises(ValueError, match="Only one of"):
         get_kernel(REPO, version=1, revision="v1")
+
+
+def test_a_loaded_kernel_names_the_commit_it_was_verified_at_even_after_its_branch_moves(
+    hub, client, tmp_path, monkeypatch
+):
+    first = publish(hub, make_build(tmp_path, answer=1))
+    kernel = get_kernel(REPO, version=1)
+    second = publish(hub, make_build(tmp_path, answer=2))
+    assert second.build_commit.oid != first.build_commit.oid
+    assert loaded_commit(kernel) == first.build_commit.oid
+    assert loaded_commit(get_kernel(REPO, version=1)) == second.build_commit.oid
+    assert get_kernel(REPO, revision=loaded_commit(kernel)).answer() == 1
+    monkeypatch.setenv("LOCAL_KERNELS", f"{REPO}={make_build(tmp_path, answer=3)}")
+    assert loaded_commit(get_kernel(REPO, version=1)) is None
 
 
 def test_only_trusted_publishers_load_without_trust_remote_code(hub, client, tmp_path):

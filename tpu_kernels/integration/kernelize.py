@@ -15,12 +15,12 @@ Kinds of layer and how each is replaced:
   probe, so gated or other norms keep theirs.
 * attention, one of two routes (the report says which):
   - from a Hub, in inference, for a model transformers lets use a flash
-    kernel: `model.set_attn_implementation("<org>/<name>@v<N>:flash_attn_varlen_func")`.
-    transformers loads the kernel by that name (the same build, already
-    verified here) and runs its own flash-attention path on the kernel's
-    `flash_attn_func` / `flash_attn_varlen_func`. The name holds "flash",
-    which continuous batching (`model.generate_batch`) asks for, so both
-    `generate` and `generate_batch` run on the kernel.
+    kernel: `model.set_attn_implementation("<org>/<name>@<commit>:flash_attn_varlen_func")`.
+    transformers loads the kernel by that name (the commit verified here,
+    not the `v<N>` branch, which may move) and runs its own flash-attention
+    path on the kernel's `flash_attn_func` / `flash_attn_varlen_func`. The
+    name holds "flash", which continuous batching (`model.generate_batch`)
+    asks for, so both `generate` and `generate_batch` run on the kernel.
   - otherwise (a local build folder, TRAINING or TORCH_COMPILE, a model
     without flash support or one that replaces foreign flash names, as
     GPT-OSS does): the kernel's `attention_forward` and its mask function
@@ -336,15 +336,22 @@ def flash_route_refusal(model, spec: KernelSpec, kernel: ModuleType, mode: Mode)
     if not getattr(model, "_supports_flash_attn", False):
         return f"{type(model).__name__} does not support flash attention in transformers"
     accepted = getattr(model, "_compatible_flash_implementations", None)
-    if accepted is not None and flash_implementation(spec) not in accepted:
+    if accepted is not None and flash_implementation(spec, kernel) not in accepted:
         return (f"{type(model).__name__} accepts only the flash kernels {accepted}: transformers would replace ours "
                 f"with {accepted[0]}")
     return None
 
 
-def flash_implementation(spec: KernelSpec) -> str:
-    """The attn_implementation name that makes transformers load the kernel of `spec` as a flash kernel."""
-    return f"{spec.repo}@v{spec.version}:{FLASH_FUNCTION}"
+def flash_implementation(spec: KernelSpec, kernel: ModuleType) -> str:
+    """The attn_implementation name that makes transformers load `kernel` (loaded by `spec`) as a flash kernel.
+
+    The name pins the commit verified here: transformers loads the kernel again by name, and the `v<N>` branch may
+    have moved in between. A kernel without a commit (LOCAL_KERNELS names its folder, which transformers' loader
+    reads as well) keeps the branch."""
+    from ..distribution.loader import loaded_commit
+
+    commit = loaded_commit(kernel)
+    return f"{spec.repo}@{commit or f'v{spec.version}'}:{FLASH_FUNCTION}"
 
 
 class _NoticesWithoutAction(logging.Filter):
@@ -391,10 +398,10 @@ def _kernelize_attention(model, spec: KernelSpec, kernel: ModuleType, mode: Mode
         return ReportEntry("attention", False, modules, str(spec), unsupported)
     no_flash_route = flash_route_refusal(model, spec, kernel, mode)
     if no_flash_route is None:
-        # transformers loads the kernel again by this name, through `kernels`: the same build that was loaded and
+        # transformers loads the kernel again by this name, through `kernels`: the commit that was loaded and
         # checked above, from a repo the caller's trust settings have just admitted (hence allow_all_kernels).
         _quiet_flash_notices()
-        model.set_attn_implementation(flash_implementation(spec), allow_all_kernels=True)
+        model.set_attn_implementation(flash_implementation(spec, kernel), allow_all_kernels=True)
         return ReportEntry("attention", True, modules, str(spec),
                            note="through transformers' flash path: generate and generate_batch")
     # transformers treats any name containing "flash" as FlashAttention (2-D masks): avoid it.

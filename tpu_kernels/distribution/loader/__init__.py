@@ -38,6 +38,7 @@ cache.py reads and clears the cache, private_copies.py verifies, copies and impo
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 from types import ModuleType
 
@@ -79,8 +80,19 @@ __all__ = [
     "get_local_kernel",
     "get_locked_kernel",
     "load_kernel",
+    "loaded_commit",
     "verify_variant",
 ]
+
+# The Hub commit each module loaded here came from: a caller that hands the kernel's name to another loader
+# (transformers loads attention kernels by name) pins that commit, not a branch that may have moved since.
+_COMMITS: weakref.WeakKeyDictionary[ModuleType, str] = weakref.WeakKeyDictionary()
+
+
+def loaded_commit(module: ModuleType) -> str | None:
+    """The commit `module` was verified and imported at by `get_kernel`, `get_locked_kernel` or `load_kernel`;
+    None for a local build folder (`get_local_kernel`, or LOCAL_KERNELS) and for modules not loaded here."""
+    return _COMMITS.get(module)
 
 
 def get_kernel(
@@ -191,7 +203,7 @@ def _load_from_hub(api: HfApi, repo_id: str, commit: str, *, backend: str | None
     except KernelIntegrityError:
         drop_refused_variant(repo_id, commit, variant)
         raise
-    return _import(copy, backend, where=f"{repo_id} (revision {commit})")
+    return _remember_commit(_import(copy, backend, where=f"{repo_id} (revision {commit})"), commit)
 
 
 def _load_cached(repo_id: str, commit: str, *, backend: str | None) -> ModuleType:
@@ -201,7 +213,12 @@ def _load_cached(repo_id: str, commit: str, *, backend: str | None) -> ModuleTyp
         source=f"cached kernel {repo_id} (revision {commit})",
         remedy="Download it again, online: tpu_kernels.get_kernel(..., force_download=True).",
     )
-    return _import(copy, backend, where=f"{repo_id} (revision {commit}) in the cache")
+    return _remember_commit(_import(copy, backend, where=f"{repo_id} (revision {commit}) in the cache"), commit)
+
+
+def _remember_commit(module: ModuleType, commit: str) -> ModuleType:
+    _COMMITS[module] = commit
+    return module
 
 
 def _import(copy: Path, backend: str | None, *, where: str) -> ModuleType:
