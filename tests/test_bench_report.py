@@ -10,6 +10,7 @@ from tpu_kernels.bench import report
 from tpu_kernels.bench.tables import attention as attention_tables
 from tpu_kernels.bench.tables import binding as binding_tables
 from tpu_kernels.bench.tables import calibration as calibration_tables
+from tpu_kernels.bench.tables import hub_server as hub_server_tables
 from tpu_kernels.bench.tables import int4_granularity as int4_granularity_tables
 from tpu_kernels.bench.tables import loader as loader_tables
 from tpu_kernels.bench.tables import moe_layer as moe_layer_tables
@@ -264,6 +265,27 @@ def test_loader_table_from_its_json():
     assert rows[7] == "| of which: digest check and private copy | 4.0 | | | |"
 
 
+def test_hub_server_tables_put_each_round_before_and_after_and_say_capped():
+    def round_of(body_memory: dict, tree_listing: dict) -> dict:
+        return {"body_memory": body_memory, "tree_listing": tree_listing, "slow_body": {"held_s": 2.0, "outcome": "408"}}
+
+    data = {"attacks": {"before": round_of({"rss_growth_while_held_mib": 1050.3, "peak_rss_growth_mib": 1507.9},
+                                           {"25000_folders": {"page_s": 84.33, "recursive_walk_s": None}}),
+                        "after": round_of({"rss_growth_while_held_mib": 20.9, "peak_rss_growth_mib": 23.0},
+                                          {"25000_folders": {"page_s": 0.14, "recursive_walk_s": 0.15}})},
+            "faults": {"before": {"commit_memory": {"64_mib": {"server_peak_rss_growth_mib": 280.4},
+                                                    "256_mib": {"server_peak_rss_growth_mib": 1240.7}}},
+                       "after": {"commit_memory": {"64_mib": {"server_peak_rss_growth_mib": 0.0},
+                                                   "256_mib": {"server_peak_rss_growth_mib": 0.5}}}}}
+    tables = hub_server_tables.render_markdown(data)
+    memory = tables["slow-clients-and-memory"].splitlines()
+    assert memory[0] == "| measured | group | before | after |"
+    assert memory[3].endswith("| attacks | 1050.3 / 1507.9 | 20.9 / 23.0 |")
+    assert memory[5] == ("| one-file commits of 64 / 256 MiB: server peak RSS growth, MiB | faults "
+                         "| 280.4 / 1240.7 | 0.0 / 0.5 |")
+    assert "| attacks | 84.33 / capped | 0.14 / 0.15 |" in tables["listings-and-cards"]
+
+
 def test_int4_granularity_table_from_its_json():
     def tokens(*equal: str) -> dict:
         return {scheme: {"greedy_tokens_equal": kept} for scheme, kept in zip(int4_granularity_tables.SCHEMES, equal)}
@@ -378,7 +400,9 @@ def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
                        "benchmarks/results/decode_step.md#step", "benchmarks/results/decode_step.md#terms",
                        "benchmarks/results/decode_step.md#gaps", "benchmarks/results/decode_step.md#hf-kernel",
                        "benchmarks/results/decode_step.md#host",
-                       "benchmarks/results/decode_step.md#assumptions"}
+                       "benchmarks/results/decode_step.md#assumptions",
+                       "benchmarks/results/hub_server.md#slow-clients-and-memory",
+                       "benchmarks/results/hub_server.md#listings-and-cards"}
 
 
 def test_cli_runs_report_as_a_bench_tool(tmp_path, monkeypatch, capsys):

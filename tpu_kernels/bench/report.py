@@ -39,6 +39,7 @@ from tpu_kernels.bench.tables import attention as attention_tables
 from tpu_kernels.bench.tables import binding as binding_tables
 from tpu_kernels.bench.tables import calibration as calibration_tables
 from tpu_kernels.bench.tables import decode_step as decode_step_tables
+from tpu_kernels.bench.tables import hub_server as hub_server_tables
 from tpu_kernels.bench.tables import int4_granularity as int4_granularity_tables
 from tpu_kernels.bench.tables import loader as loader_tables
 from tpu_kernels.bench.tables import moe_layer as moe_layer_tables
@@ -330,6 +331,7 @@ DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
     f"{SOURCES_DIR}/moe_layer_v5p_tpu7x_headline.md": sectioned_tables(
         "moe_layer_v5p_tpu7x.json", moe_layer_tables.render_v5p_tpu7x_markdown),
     f"{SOURCES_DIR}/loader.md": sectioned_tables("loader.json", loader_tables.render_markdown),
+    f"{SOURCES_DIR}/hub_server.md": sectioned_tables("hub_server.json", hub_server_tables.render_markdown),
     f"{SOURCES_DIR}/quantization_accuracy.md": sectioned_tables("quantization_accuracy.json",
                                                                 quantization_accuracy_tables.render_markdown),
     f"{SOURCES_DIR}/quantization_accuracy_tpu7x.md": sectioned_tables("quantization_accuracy_tpu7x.json",
