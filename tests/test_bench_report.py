@@ -172,9 +172,11 @@ def test_attention_forward_and_backward_tables_from_its_json(monkeypatch):
         return {"bytes_ratio": bytes_ratio, "band_p90_us": [0.8 * us, 1.2 * us], "modelled_time_us": us,
                 "pct_of_roofline": 93.4, "bound": bound}
 
-    def kernel(block: int, heads: int, us: float, pct: float) -> dict:
+    def kernel(block: int, heads: int, us: float, pct: float, padding_efficiency: float = 0.5,
+               computed_flops: float = 2.0) -> dict:
         return {"block_q": block, "block_kv": block, "kv_heads_per_step": heads, "modelled_pipelined_time_us": us,
-                "pipelined_pct_of_roofline": pct}
+                "pipelined_pct_of_roofline": pct, "mxu_padding_efficiency": padding_efficiency,
+                "block_flops": computed_flops, "necessary_flops": 1.0}
 
     def backward(dq: dict, dkv: dict, ratio: float) -> dict:
         return {"kernels": {"dq": dq, "dkv": dkv}, "backward_over_forward": ratio}
@@ -185,7 +187,7 @@ def test_attention_forward_and_backward_tables_from_its_json(monkeypatch):
                                                           "v6e": forward(1.0, 44, "hbm")}}]
     gpt_oss = {"label": "gpt-oss", "q_heads": 64, "kv_heads": 8, "head_dim": 64, "per_generation": {
         "v5e": backward(kernel(128, 8, 4853.5, 86.3), kernel(128, 8, 739.0, 28.4), 1.0),
-        "v6e": backward(kernel(256, 4, 489.4, 27.7), kernel(256, 8, 613.3, 17.1), 0.87)}}
+        "v6e": backward(kernel(256, 4, 489.4, 27.7, 0.25, 3.968), kernel(256, 8, 613.3, 17.1, 0.25, 3.9), 0.87)}}
     tables = attention_tables.render_markdown({"results": results, "backward": {
         "results": [gpt_oss], "summary": {"target_pct_of_roofline_per_kernel": 80.0}}})
     assert tables["forward"] == "\n".join([
@@ -196,6 +198,10 @@ def test_attention_forward_and_backward_tables_from_its_json(monkeypatch):
         "| shape | gen | tiles (q, kv, KV heads/step) | dq | dk/dv | backward / forward |", "|---|---|---|---|---|---|",
         "| GPT-OSS-20B (64/8 heads, D=64) | v5e | 128, 128, 8 | 4854 µs, **86 %** | 739 µs, 28 % | 1.0x |",
         "| | v6e | 256, 256, 4 (dq) / 256, 256, 8 (dk/dv) | 489 µs, 28 % | 613 µs, 17 % | 0.9x |"])
+    assert tables["backward-mxu-work"] == "\n".join([
+        "| shape | gen | MXU work on padding | computed / visible pairs |", "|---|---|---|---|",
+        "| GPT-OSS-20B | v5e | 50 % | 2.00x |",
+        "| | v6e | 75 % | 3.97x (dq) / 3.90x (dk/dv) |"])
     with pytest.raises(KeyError, match="no result labelled prefill"):
         attention_tables.render_markdown({"results": results[1:], "backward": {}})
 
@@ -386,6 +392,7 @@ def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
                        "benchmarks/results/binding.md#tpu-path", "benchmarks/results/attention.md#forward",
                        "benchmarks/results/attention.md#backward",
                        "benchmarks/results/attention.md#per-generation",
+                       "benchmarks/results/attention.md#backward-mxu-work",
                        "benchmarks/results/multichip.md#step-ms-and-layer-parts",
                        "benchmarks/results/int4_granularity.md#greedy-tokens",
                        "benchmarks/results/moe_layer_headline.md#headline",
