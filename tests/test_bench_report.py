@@ -16,6 +16,7 @@ from tpu_kernels.bench.tables import loader as loader_tables
 from tpu_kernels.bench.tables import moe_layer as moe_layer_tables
 from tpu_kernels.bench.tables import multichip as multichip_tables
 from tpu_kernels.bench.tables import quantization_accuracy as quantization_accuracy_tables
+from tpu_kernels.bench.tables import rmsnorm as rmsnorm_tables
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -292,6 +293,30 @@ def test_hub_server_tables_put_each_round_before_and_after_and_say_capped():
     assert "| attacks | 84.33 / capped | 0.14 / 0.15 |" in tables["listings-and-cards"]
 
 
+def test_rmsnorm_tables_take_the_worst_ratio_over_sizes_and_generations(monkeypatch):
+    monkeypatch.setattr(rmsnorm_tables, "KERNELS", {"rms_norm": "RMSNorm", "rms_norm_backward": "RMSNorm backward"})
+
+    def result(kernel: str, hidden: int, rows: int, v5e_ratio: float, v6e_ratio: float, v6e_pct: float) -> dict:
+        return {"kernel": kernel, "hidden": hidden, "rows": rows,
+                "per_generation": {"v5e": {"bytes_ratio": v5e_ratio, "pct_of_roofline": 50.0},
+                                   "v6e": {"bytes_ratio": v6e_ratio, "pct_of_roofline": v6e_pct}}}
+
+    results = [result("rms_norm", 2048, 1, 1.5, 1.5, 1.4), result("rms_norm", 2048, 64, 1.0078, 1.0078, 45.1),
+               result("rms_norm", 2048, 8192, 1.0001, 1.0001, 91.6),
+               result("rms_norm", 7168, 8192, 1.0001, 1.0001, 93.6),
+               result("rms_norm_backward", 7168, 8192, 1.014, 1.0052, 90.4)]
+    layouts = {"results": [{"shape": [8, 128, 4096], "dtype": "bfloat16", "relayout_copies": 0,
+                            "bytes_accessed_over_min": 1.002},
+                           {"shape": [2, 7, 4096], "dtype": "float32", "relayout_copies": 2,
+                            "bytes_accessed_over_min": 5.616}]}
+    tables = rmsnorm_tables.render_markdown({"results": results, "v6e_nd_input_layouts": layouts})
+    assert tables["traffic"].splitlines()[2:] == ["| RMSNorm | 1.500x | 1.008x | 92–94 % |",
+                                                  "| RMSNorm backward | not run | 1.014x | 90 % |"]
+    assert tables["relayouts"].splitlines()[2:] == ["| (2, 7, 4096) | float32 | 2 | 5.6x |"]
+    with pytest.raises(KeyError, match="no result for rms_norm_backward"):
+        rmsnorm_tables.render_markdown({"results": results[:1], "v6e_nd_input_layouts": layouts})
+
+
 def test_int4_granularity_table_from_its_json():
     def tokens(*equal: str) -> dict:
         return {scheme: {"greedy_tokens_equal": kept} for scheme, kept in zip(int4_granularity_tables.SCHEMES, equal)}
@@ -385,7 +410,7 @@ def test_moe_layer_v5p_tpu7x_table_adds_the_quantized_formats(monkeypatch):
 def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
     sources = set()
     for doc in ("docs/binding.md", "kernel_repos/attention-tpu/CARD.md", "docs/multichip.md", "benchmarks/README.md",
-                "docs/kernelize.md", "docs/hub.md", "README.md"):
+                "docs/kernelize.md", "docs/hub.md", "README.md", "kernel_repos/rmsnorm-tpu/CARD.md"):
         blocks, _ = report.find_blocks(doc, (ROOT / doc).read_text())
         sources |= {block.source for block in blocks}
     assert sources >= {"benchmarks/results/binding.md#cost-per-call",
@@ -409,7 +434,8 @@ def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
                        "benchmarks/results/decode_step.md#host",
                        "benchmarks/results/decode_step.md#assumptions",
                        "benchmarks/results/hub_server.md#slow-clients-and-memory",
-                       "benchmarks/results/hub_server.md#listings-and-cards"}
+                       "benchmarks/results/hub_server.md#listings-and-cards",
+                       "benchmarks/results/rmsnorm.md#traffic", "benchmarks/results/rmsnorm.md#relayouts"}
 
 
 def test_cli_runs_report_as_a_bench_tool(tmp_path, monkeypatch, capsys):

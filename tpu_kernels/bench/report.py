@@ -46,6 +46,7 @@ from tpu_kernels.bench.tables import moe_layer as moe_layer_tables
 from tpu_kernels.bench.tables import multichip as multichip_tables
 from tpu_kernels.bench.tables import paged_attention as paged_attention_tables
 from tpu_kernels.bench.tables import quantization_accuracy as quantization_accuracy_tables
+from tpu_kernels.bench.tables import rmsnorm as rmsnorm_tables
 from tpu_kernels.perf.chip import CONSTANTS as MODEL_CONSTANTS
 
 # The tracked docs that may hold generated blocks, as globs relative to the project's root.
@@ -333,6 +334,7 @@ DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
         "moe_layer_v5p_tpu7x.json", moe_layer_tables.render_v5p_tpu7x_markdown),
     f"{SOURCES_DIR}/loader.md": sectioned_tables("loader.json", loader_tables.render_markdown),
     f"{SOURCES_DIR}/hub_server.md": sectioned_tables("hub_server.json", hub_server_tables.render_markdown),
+    f"{SOURCES_DIR}/rmsnorm.md": sectioned_tables("rmsnorm.json", rmsnorm_tables.render_markdown),
     f"{SOURCES_DIR}/quantization_accuracy.md": sectioned_tables("quantization_accuracy.json",
                                                                 quantization_accuracy_tables.render_markdown),
     f"{SOURCES_DIR}/quantization_accuracy_tpu7x.md": sectioned_tables("quantization_accuracy_tpu7x.json",
