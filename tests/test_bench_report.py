@@ -283,14 +283,16 @@ def test_hub_server_tables_put_each_round_before_and_after_and_say_capped():
             "faults": {"before": {"commit_memory": {"64_mib": {"server_peak_rss_growth_mib": 280.4},
                                                     "256_mib": {"server_peak_rss_growth_mib": 1240.7}}},
                        "after": {"commit_memory": {"64_mib": {"server_peak_rss_growth_mib": 0.0},
-                                                   "256_mib": {"server_peak_rss_growth_mib": 0.5}}}}}
+                                                   "256_mib": {"server_peak_rss_growth_mib": 0.5}}}},
+            "cards": {"before": {"card_page": {"page_mb": 205.09}}, "after": {"card_page": {"page_mb": 1.03}}}}
     tables = hub_server_tables.render_markdown(data)
     memory = tables["slow-clients-and-memory"].splitlines()
     assert memory[0] == "| measured | group | before | after |"
     assert memory[3].endswith("| attacks | 1050.3 / 1507.9 | 20.9 / 23.0 |")
     assert memory[5] == ("| one-file commits of 64 / 256 MiB: server peak RSS growth, MiB | faults "
                          "| 280.4 / 1240.7 | 0.0 / 0.5 |")
-    assert "| attacks | 84.33 / capped | 0.14 / 0.15 |" in tables["listings-and-cards"]
+    assert "| attacks | 84.33 / capped | 0.14 / 0.15 |" in tables["listings"]
+    assert "| cards | 205.09 | 1.03 |" in tables["cards"]
 
 
 def test_rmsnorm_tables_take_the_worst_ratio_over_sizes_and_generations(monkeypatch):
@@ -410,7 +412,8 @@ def test_moe_layer_v5p_tpu7x_table_adds_the_quantized_formats(monkeypatch):
 def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
     sources = set()
     for doc in ("docs/binding.md", "kernel_repos/attention-tpu/CARD.md", "docs/multichip.md", "benchmarks/README.md",
-                "docs/kernelize.md", "docs/hub.md", "README.md", "kernel_repos/rmsnorm-tpu/CARD.md"):
+                "docs/kernelize.md", "docs/hub.md", "README.md", "kernel_repos/rmsnorm-tpu/CARD.md",
+                "docs/security.md"):
         blocks, _ = report.find_blocks(doc, (ROOT / doc).read_text())
         sources |= {block.source for block in blocks}
     assert sources >= {"benchmarks/results/binding.md#cost-per-call",
@@ -434,7 +437,7 @@ def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
                        "benchmarks/results/decode_step.md#host",
                        "benchmarks/results/decode_step.md#assumptions",
                        "benchmarks/results/hub_server.md#slow-clients-and-memory",
-                       "benchmarks/results/hub_server.md#listings-and-cards",
+                       "benchmarks/results/hub_server.md#listings", "benchmarks/results/hub_server.md#cards",
                        "benchmarks/results/rmsnorm.md#traffic", "benchmarks/results/rmsnorm.md#relayouts"}
 
 

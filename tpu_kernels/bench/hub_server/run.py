@@ -16,8 +16,8 @@ from tpu_kernels.bench.tables.hub_server import before_and_after
 
 from .faults import (clash, commit_memory, connections, empty_token, latency, malformed, parsing, private, ref_names,
                       short_body, validate_yaml)
-from .attacks import (DOT_GIT_PATHS, body_memory, card, dot_git, get_body, headers, orphans, response_memory, slots,
-                      slow_body, smaller, smuggling, tree_listing)
+from .attacks import (DOT_GIT_PATHS, body_memory, card, card_page, dot_git, get_body, headers, orphans, response_memory,
+                      slots, slow_body, smaller, smuggling, tree_listing)
 
 
 # The folder holding the tpu_kernels package this runs from (a checkout or site-packages): the default --code.
@@ -28,6 +28,7 @@ GROUPS = {
            private, latency],
     "attacks": [slow_body, slots, body_memory, response_memory, get_body, tree_listing, dot_git, orphans, headers, smuggling, card, smaller,
            latency],
+    "cards": [card_page],
 }
 # The attacks group's before/after table: (kind of attack, what is measured, case, fields of its result).
 ATTACKS_TABLE = [

@@ -1,6 +1,6 @@
 """hub_server.json -> docs/hub.md's tables: the local Hub server before and after each round of hardening.
 
-The benchmark runs two groups of cases (`--group faults`, `--group attacks`), each against the code
+The benchmark runs groups of cases (`--group faults`, `attacks`, `cards`), each against the code
 before a round of hardening (`--label before`) and after it; a row names its group, so a reader
 knows which earlier code its "before" is.
 """
@@ -19,13 +19,19 @@ SECTIONS = {
         ("one-file commits of 64 / 256 MiB: server peak RSS growth, MiB", "faults", "commit_memory",
          ["64_mib.server_peak_rss_growth_mib", "256_mib.server_peak_rss_growth_mib"]),
     ],
-    "listings-and-cards": [
+    "listings": [
         ("8,000 one-file folders: first page / whole recursive walk, s", "attacks", "tree_listing",
          ["8000_folders.page_s", "8000_folders.recursive_walk_s"]),
         ("25,000 one-file folders: first page / whole recursive walk, s (walk stopped at 120 s)", "attacks",
          "tree_listing", ["25000_folders.page_s", "25000_folders.recursive_walk_s"]),
+    ],
+    "cards": [
         ("a 512 KiB card of `![`: server CPU s, first GET / second GET / HEAD of its page", "attacks", "card",
          ["first_get_cpu_s", "second_get_cpu_s", "head_cpu_s"]),
+        ("a 79 KB card of one 50 KiB reference link used 4,000 times: its page, MB", "cards", "card_page",
+         ["page_mb"]),
+        ("the same: server RSS after one view / with 8 more clients not reading the page, MiB", "cards", "card_page",
+         ["rss_after_one_view_mib", "rss_with_8_unread_views_mib"]),
     ],
 }
 LABELS = ("before", "after")
