@@ -10,11 +10,13 @@ from tpu_kernels.bench import report
 from tpu_kernels.bench.tables import attention as attention_tables
 from tpu_kernels.bench.tables import binding as binding_tables
 from tpu_kernels.bench.tables import calibration as calibration_tables
+from tpu_kernels.bench.tables import hub_server as hub_server_tables
 from tpu_kernels.bench.tables import int4_granularity as int4_granularity_tables
 from tpu_kernels.bench.tables import loader as loader_tables
 from tpu_kernels.bench.tables import moe_layer as moe_layer_tables
 from tpu_kernels.bench.tables import multichip as multichip_tables
 from tpu_kernels.bench.tables import quantization_accuracy as quantization_accuracy_tables
+from tpu_kernels.bench.tables import rmsnorm as rmsnorm_tables
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -171,9 +173,11 @@ def test_attention_forward_and_backward_tables_from_its_json(monkeypatch):
         return {"bytes_ratio": bytes_ratio, "band_p90_us": [0.8 * us, 1.2 * us], "modelled_time_us": us,
                 "pct_of_roofline": 93.4, "bound": bound}
 
-    def kernel(block: int, heads: int, us: float, pct: float) -> dict:
+    def kernel(block: int, heads: int, us: float, pct: float, padding_efficiency: float = 0.5,
+               computed_flops: float = 2.0) -> dict:
         return {"block_q": block, "block_kv": block, "kv_heads_per_step": heads, "modelled_pipelined_time_us": us,
-                "pipelined_pct_of_roofline": pct}
+                "pipelined_pct_of_roofline": pct, "mxu_padding_efficiency": padding_efficiency,
+                "block_flops": computed_flops, "necessary_flops": 1.0}
 
     def backward(dq: dict, dkv: dict, ratio: float) -> dict:
         return {"kernels": {"dq": dq, "dkv": dkv}, "backward_over_forward": ratio}
@@ -184,7 +188,7 @@ def test_attention_forward_and_backward_tables_from_its_json(monkeypatch):
                                                           "v6e": forward(1.0, 44, "hbm")}}]
     gpt_oss = {"label": "gpt-oss", "q_heads": 64, "kv_heads": 8, "head_dim": 64, "per_generation": {
         "v5e": backward(kernel(128, 8, 4853.5, 86.3), kernel(128, 8, 739.0, 28.4), 1.0),
-        "v6e": backward(kernel(256, 4, 489.4, 27.7), kernel(256, 8, 613.3, 17.1), 0.87)}}
+        "v6e": backward(kernel(256, 4, 489.4, 27.7, 0.25, 3.968), kernel(256, 8, 613.3, 17.1, 0.25, 3.9), 0.87)}}
     tables = attention_tables.render_markdown({"results": results, "backward": {
         "results": [gpt_oss], "summary": {"target_pct_of_roofline_per_kernel": 80.0}}})
     assert tables["forward"] == "\n".join([
@@ -195,6 +199,10 @@ def test_attention_forward_and_backward_tables_from_its_json(monkeypatch):
         "| shape | gen | tiles (q, kv, KV heads/step) | dq | dk/dv | backward / forward |", "|---|---|---|---|---|---|",
         "| GPT-OSS-20B (64/8 heads, D=64) | v5e | 128, 128, 8 | 4854 µs, **86 %** | 739 µs, 28 % | 1.0x |",
         "| | v6e | 256, 256, 4 (dq) / 256, 256, 8 (dk/dv) | 489 µs, 28 % | 613 µs, 17 % | 0.9x |"])
+    assert tables["backward-mxu-work"] == "\n".join([
+        "| shape | gen | MXU work on padding | computed / visible pairs |", "|---|---|---|---|",
+        "| GPT-OSS-20B | v5e | 50 % | 2.00x |",
+        "| | v6e | 75 % | 3.97x (dq) / 3.90x (dk/dv) |"])
     with pytest.raises(KeyError, match="no result labelled prefill"):
         attention_tables.render_markdown({"results": results[1:], "backward": {}})
 
@@ -262,6 +270,53 @@ def test_loader_table_from_its_json():
     assert rows[2] == "| cold: empty cache, new process | 266.3 | 369.9 | 0.71 | 48 / 92 |"
     assert rows[5] == "| offline (`HF_HUB_OFFLINE=1`, cached) | 147.0 | refuses: ValueError | | 0 / not counted |"
     assert rows[7] == "| of which: digest check and private copy | 4.0 | | | |"
+
+
+def test_hub_server_tables_put_each_round_before_and_after_and_say_capped():
+    def round_of(body_memory: dict, tree_listing: dict) -> dict:
+        return {"body_memory": body_memory, "tree_listing": tree_listing, "slow_body": {"held_s": 2.0, "outcome": "408"}}
+
+    data = {"attacks": {"before": round_of({"rss_growth_while_held_mib": 1050.3, "peak_rss_growth_mib": 1507.9},
+                                           {"25000_folders": {"page_s": 84.33, "recursive_walk_s": None}}),
+                        "after": round_of({"rss_growth_while_held_mib": 20.9, "peak_rss_growth_mib": 23.0},
+                                          {"25000_folders": {"page_s": 0.14, "recursive_walk_s": 0.15}})},
+            "faults": {"before": {"commit_memory": {"64_mib": {"server_peak_rss_growth_mib": 280.4},
+                                                    "256_mib": {"server_peak_rss_growth_mib": 1240.7}}},
+                       "after": {"commit_memory": {"64_mib": {"server_peak_rss_growth_mib": 0.0},
+                                                   "256_mib": {"server_peak_rss_growth_mib": 0.5}}}},
+            "cards": {"before": {"card_page": {"page_mb": 205.09}}, "after": {"card_page": {"page_mb": 1.03}}}}
+    tables = hub_server_tables.render_markdown(data)
+    memory = tables["slow-clients-and-memory"].splitlines()
+    assert memory[0] == "| measured | group | before | after |"
+    assert memory[3].endswith("| attacks | 1050.3 / 1507.9 | 20.9 / 23.0 |")
+    assert memory[5] == ("| one-file commits of 64 / 256 MiB: server peak RSS growth, MiB | faults "
+                         "| 280.4 / 1240.7 | 0.0 / 0.5 |")
+    assert "| attacks | 84.33 / capped | 0.14 / 0.15 |" in tables["listings"]
+    assert "| cards | 205.09 | 1.03 |" in tables["cards"]
+
+
+def test_rmsnorm_tables_take_the_worst_ratio_over_sizes_and_generations(monkeypatch):
+    monkeypatch.setattr(rmsnorm_tables, "KERNELS", {"rms_norm": "RMSNorm", "rms_norm_backward": "RMSNorm backward"})
+
+    def result(kernel: str, hidden: int, rows: int, v5e_ratio: float, v6e_ratio: float, v6e_pct: float) -> dict:
+        return {"kernel": kernel, "hidden": hidden, "rows": rows,
+                "per_generation": {"v5e": {"bytes_ratio": v5e_ratio, "pct_of_roofline": 50.0},
+                                   "v6e": {"bytes_ratio": v6e_ratio, "pct_of_roofline": v6e_pct}}}
+
+    results = [result("rms_norm", 2048, 1, 1.5, 1.5, 1.4), result("rms_norm", 2048, 64, 1.0078, 1.0078, 45.1),
+               result("rms_norm", 2048, 8192, 1.0001, 1.0001, 91.6),
+               result("rms_norm", 7168, 8192, 1.0001, 1.0001, 93.6),
+               result("rms_norm_backward", 7168, 8192, 1.014, 1.0052, 90.4)]
+    layouts = {"results": [{"shape": [8, 128, 4096], "dtype": "bfloat16", "relayout_copies": 0,
+                            "bytes_accessed_over_min": 1.002},
+                           {"shape": [2, 7, 4096], "dtype": "float32", "relayout_copies": 2,
+                            "bytes_accessed_over_min": 5.616}]}
+    tables = rmsnorm_tables.render_markdown({"results": results, "v6e_nd_input_layouts": layouts})
+    assert tables["traffic"].splitlines()[2:] == ["| RMSNorm | 1.500x | 1.008x | 92–94 % |",
+                                                  "| RMSNorm backward | not run | 1.014x | 90 % |"]
+    assert tables["relayouts"].splitlines()[2:] == ["| (2, 7, 4096) | float32 | 2 | 5.6x |"]
+    with pytest.raises(KeyError, match="no result for rms_norm_backward"):
+        rmsnorm_tables.render_markdown({"results": results[:1], "v6e_nd_input_layouts": layouts})
 
 
 def test_int4_granularity_table_from_its_json():
@@ -357,13 +412,15 @@ def test_moe_layer_v5p_tpu7x_table_adds_the_quantized_formats(monkeypatch):
 def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
     sources = set()
     for doc in ("docs/binding.md", "kernel_repos/attention-tpu/CARD.md", "docs/multichip.md", "benchmarks/README.md",
-                "docs/kernelize.md", "docs/hub.md", "README.md"):
+                "docs/kernelize.md", "docs/hub.md", "README.md", "kernel_repos/rmsnorm-tpu/CARD.md",
+                "docs/security.md"):
         blocks, _ = report.find_blocks(doc, (ROOT / doc).read_text())
         sources |= {block.source for block in blocks}
     assert sources >= {"benchmarks/results/binding.md#cost-per-call",
                        "benchmarks/results/binding.md#tpu-path", "benchmarks/results/attention.md#forward",
                        "benchmarks/results/attention.md#backward",
                        "benchmarks/results/attention.md#per-generation",
+                       "benchmarks/results/attention.md#backward-mxu-work",
                        "benchmarks/results/multichip.md#step-ms-and-layer-parts",
                        "benchmarks/results/int4_granularity.md#greedy-tokens",
                        "benchmarks/results/moe_layer_headline.md#headline",
@@ -378,7 +435,10 @@ def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
                        "benchmarks/results/decode_step.md#step", "benchmarks/results/decode_step.md#terms",
                        "benchmarks/results/decode_step.md#gaps", "benchmarks/results/decode_step.md#hf-kernel",
                        "benchmarks/results/decode_step.md#host",
-                       "benchmarks/results/decode_step.md#assumptions"}
+                       "benchmarks/results/decode_step.md#assumptions",
+                       "benchmarks/results/hub_server.md#slow-clients-and-memory",
+                       "benchmarks/results/hub_server.md#listings", "benchmarks/results/hub_server.md#cards",
+                       "benchmarks/results/rmsnorm.md#traffic", "benchmarks/results/rmsnorm.md#relayouts"}
 
 
 def test_cli_runs_report_as_a_bench_tool(tmp_path, monkeypatch, capsys):

@@ -39,12 +39,14 @@ from tpu_kernels.bench.tables import attention as attention_tables
 from tpu_kernels.bench.tables import binding as binding_tables
 from tpu_kernels.bench.tables import calibration as calibration_tables
 from tpu_kernels.bench.tables import decode_step as decode_step_tables
+from tpu_kernels.bench.tables import hub_server as hub_server_tables
 from tpu_kernels.bench.tables import int4_granularity as int4_granularity_tables
 from tpu_kernels.bench.tables import loader as loader_tables
 from tpu_kernels.bench.tables import moe_layer as moe_layer_tables
 from tpu_kernels.bench.tables import multichip as multichip_tables
 from tpu_kernels.bench.tables import paged_attention as paged_attention_tables
 from tpu_kernels.bench.tables import quantization_accuracy as quantization_accuracy_tables
+from tpu_kernels.bench.tables import rmsnorm as rmsnorm_tables
 from tpu_kernels.perf.chip import CONSTANTS as MODEL_CONSTANTS
 
 # The tracked docs that may hold generated blocks, as globs relative to the project's root.
@@ -266,8 +268,8 @@ def moe_backward_tables(root: Path) -> str:
     def with_pct(figures: dict) -> str:
         return f"{figures['modelled_time_us']:.0f} ({figures['pct_of_roofline']:.1f})"
 
-    kernels = ["| layer, projection | kernel | gen | ours µs (p90 band) | ours % roofline | megablox µs (%) "
-               "| tokamax µs (%) |", "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    kernels = ["| layer, projection | kernel | gen | ours µs (p90 band) | ours % roofline | ours %, copies overlapped "
+               "| megablox µs (%) | tokamax µs (%) |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for entry in data["entries"]:
         for kernel, name in BACKWARD_KERNELS.items():
             for generation in BACKWARD_GENERATIONS:
@@ -275,7 +277,8 @@ def moe_backward_tables(root: Path) -> str:
                                            for variant in ("ours", "megablox", "tokamax"))
                 kernels.append(f"| {entry['setting']} {entry['projection']} | {name} | {generation} "
                                f"| {ours['modelled_time_us']:.0f} ({calibration_bands.span(ours['band_p90_us'])}) "
-                               f"| {ours['pct_of_roofline']:.1f} | {with_pct(megablox)} | {with_pct(tokamax)} |")
+                               f"| {ours['pct_of_roofline']:.1f} | {ours['overlap_pct_of_roofline']:.1f} "
+                               f"| {with_pct(megablox)} | {with_pct(tokamax)} |")
 
     layer = ["| layer | gen | forward µs | backward µs | ratio | megablox backward µs | tokamax backward µs |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -330,6 +333,8 @@ DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
     f"{SOURCES_DIR}/moe_layer_v5p_tpu7x_headline.md": sectioned_tables(
         "moe_layer_v5p_tpu7x.json", moe_layer_tables.render_v5p_tpu7x_markdown),
     f"{SOURCES_DIR}/loader.md": sectioned_tables("loader.json", loader_tables.render_markdown),
+    f"{SOURCES_DIR}/hub_server.md": sectioned_tables("hub_server.json", hub_server_tables.render_markdown),
+    f"{SOURCES_DIR}/rmsnorm.md": sectioned_tables("rmsnorm.json", rmsnorm_tables.render_markdown),
     f"{SOURCES_DIR}/quantization_accuracy.md": sectioned_tables("quantization_accuracy.json",
                                                                 quantization_accuracy_tables.render_markdown),
     f"{SOURCES_DIR}/quantization_accuracy_tpu7x.md": sectioned_tables("quantization_accuracy_tpu7x.json",

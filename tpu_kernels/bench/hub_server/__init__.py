@@ -45,6 +45,11 @@ Attacks (`--group attacks`, the default):
                      and case-twin names; HEAD on whoami: statuses
     latency          as above: what the new bounds cost a well-behaved client
 
+Cards (`--group cards`):
+
+    card_page        a 79 KB card of one 50 KiB reference link used 4,000 times: its page's bytes, the
+                     server's RSS after one view and with 8 more clients that never read the page
+
 `--code DIR --label before` runs a group against the package in DIR (e.g. an export of
 another commit: `git archive <commit> tpu_kernels | tar -x -C DIR`; by default the folder
 holding the tpu_kernels package this runs from); results merge into
@@ -52,7 +57,7 @@ benchmarks/results/hub_server.json (relative to the current directory; `--out`) 
 group and the label.
 
 Usage:
-    tpu-kernels bench hub_server [--group attacks|faults] [--code DIR --label before]
+    tpu-kernels bench hub_server [--group attacks|faults|cards] [--code DIR --label before]
     (or python -m tpu_kernels.bench.hub_server ...)
 Modules: `client` (the server process, raw and HTTP clients), `faults` and
 `attacks` (the cases), `run` (the command line and the attacks' before/after table).

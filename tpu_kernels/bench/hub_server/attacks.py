@@ -274,6 +274,36 @@ def card(code: Path, work: Path) -> dict:
         return results
 
 
+# A card defining one reference link with a 50 KiB URL and using it 4,000 times: markdown-it copies the URL
+# into every use, so the card's HTML is thousands of times the card.
+AMPLIFIED_CARD = (b"---\nlicense: mit\n---\n# Amplified\n\n[r]: https://example.com/" + b"x" * (50 << 10) + b"\n\n"
+                  + b"[a][r] " * 4000 + b"\n")
+
+
+def card_page(code: Path, work: Path) -> dict:
+    """The page of a card whose reference links expand: its bytes, and the server's RSS after one view and
+    after 8 more clients that ask for it and never read."""
+    with server(code, work, "card-page") as srv:
+        create_repo(srv)
+        commit(srv, [HEADER, file_line("README.md", AMPLIFIED_CARD)])
+        status, page = request(srv, "GET", f"/kernels/{REPO}", token=None)
+        after_one_view = srv.status("VmRSS") / 1024
+        clients = []
+        for _ in range(8):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((srv.host, srv.port))
+            sock.sendall(f"GET /kernels/{REPO} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+            clients.append(sock)
+        time.sleep(3)
+        after_clients = srv.status("VmRSS") / 1024
+        for sock in clients:
+            sock.close()
+        return {"card_kb": round(len(AMPLIFIED_CARD) / 1e3), "status": status, "page_mb": round(len(page) / 1e6, 2),
+                "rss_after_one_view_mib": round(after_one_view, 1),
+                "rss_with_8_unread_views_mib": round(after_clients, 1)}
+
+
 def smaller(code: Path, work: Path) -> dict:
     with server(code, work, "smaller") as srv:
         create_repo(srv)

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import tpu_kernels
 from tpu_kernels.bench import result_path, write_json
+from tpu_kernels.bench.tables.hub_server import before_and_after
 
 from .faults import (clash, commit_memory, connections, empty_token, latency, malformed, parsing, private, ref_names,
                       short_body, validate_yaml)
-from .attacks import (DOT_GIT_PATHS, body_memory, card, dot_git, get_body, headers, orphans, response_memory, slots,
-                      slow_body, smaller, smuggling, tree_listing)
+from .attacks import (DOT_GIT_PATHS, body_memory, card, card_page, dot_git, get_body, headers, orphans, response_memory,
+                      slots, slow_body, smaller, smuggling, tree_listing)
 
 
 # The folder holding the tpu_kernels package this runs from (a checkout or site-packages): the default --code.
@@ -27,6 +28,7 @@ GROUPS = {
            private, latency],
     "attacks": [slow_body, slots, body_memory, response_memory, get_body, tree_listing, dot_git, orphans, headers, smuggling, card, smaller,
            latency],
+    "cards": [card_page],
 }
 # The attacks group's before/after table: (kind of attack, what is measured, case, fields of its result).
 ATTACKS_TABLE = [
@@ -70,25 +72,9 @@ ATTACKS_TABLE = [
 ]
 
 
-def _field(result: dict, dotted: str) -> str:
-    """result["a"]["b"] for "a.b" (a key holding dots is tried whole first); "capped" for a measure
-    stopped at its cap (None)."""
-    if dotted in result:
-        result = result[dotted]
-    else:
-        for key in dotted.split("."):
-            result = result.get(key) if isinstance(result, dict) else None
-    return "capped" if result is None else str(result)
-
-
 def attacks_table(group: dict) -> list[list[str]]:
     """[kind of attack, measure, before, after] rows from the two runs' results."""
-    rows = []
-    for kind, measure, case, fields in ATTACKS_TABLE:
-        values = [" / ".join(_field(group[label].get(case, {}), field) for field in fields)
-                  for label in ("before", "after")]
-        rows.append([kind, measure, *values])
-    return rows
+    return [[kind, measure, *before_and_after(group, case, fields)] for kind, measure, case, fields in ATTACKS_TABLE]
 
 
 def run_group(code: Path, cases) -> dict:

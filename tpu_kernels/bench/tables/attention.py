@@ -86,14 +86,33 @@ def backward(backward_run: dict) -> str:
         for generation in BACKWARD_GENERATIONS:
             figures = result["per_generation"][generation]
             dq, dkv = figures["kernels"]["dq"], figures["kernels"]["dkv"]
-            tile_cell = tiles(dq) if tiles(dq) == tiles(dkv) else f"{tiles(dq)} (dq) / {tiles(dkv)} (dk/dv)"
+            tile_cell = per_kernel(tiles(dq), tiles(dkv))
             shape_cell = f"| {shape} |" if generation == BACKWARD_GENERATIONS[0] else "| |"  # named once per shape
             rows.append(f"{shape_cell} {generation} | {tile_cell} | {kernel_cell(dq)} | {kernel_cell(dkv)} "
                         f"| {figures['backward_over_forward']:.1f}x |")
     return "\n".join(rows)
 
 
+def per_kernel(dq: str, dkv: str) -> str:
+    """One figure for both backward kernels when they agree, else each named."""
+    return dq if dq == dkv else f"{dq} (dq) / {dkv} (dk/dv)"
+
+
+def backward_mxu_work(backward_run: dict) -> str:
+    """Per training shape and generation: the backward kernels' MXU work spent on padding (a head_dim narrower
+    than the MXU), and the (query, key) pairs their tiles compute over the visible ones (tiles straddling a mask)."""
+    rows = ["| shape | gen | MXU work on padding | computed / visible pairs |", "|---|---|---|---|"]
+    for name, result in by_label(backward_run["results"], BACKWARD_SETTINGS):
+        for generation in BACKWARD_GENERATIONS:
+            kernels = result["per_generation"][generation]["kernels"]
+            padding = [f"{100 * (1 - kernels[k]['mxu_padding_efficiency']):.0f} %" for k in ("dq", "dkv")]
+            pairs = [f"{kernels[k]['block_flops'] / kernels[k]['necessary_flops']:.2f}x" for k in ("dq", "dkv")]
+            shape_cell = f"| {name} |" if generation == BACKWARD_GENERATIONS[0] else "| |"
+            rows.append(f"{shape_cell} {generation} | {per_kernel(*padding)} | {per_kernel(*pairs)} |")
+    return "\n".join(rows)
+
+
 def render_markdown(data: dict) -> dict[str, str]:
     """attention.json's tables by section."""
     return {"forward": forward(data["results"]), "per-generation": per_generation(data["results"]),
-            "backward": backward(data["backward"])}
+            "backward": backward(data["backward"]), "backward-mxu-work": backward_mxu_work(data["backward"])}
