@@ -20,7 +20,8 @@ layer's and backward's here.
 
 `refresh` rewrites the derived tables and every block from its source;
 `problems` lists every block (or derived table) that differs from its source,
-and every marker whose source is missing, without writing anything.
+every marker whose source is missing, and every figure typed into the docs'
+prose outside the blocks (`prose_figures`), without writing anything.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpu_kernels.bench import calibration_bands
+from tpu_kernels.bench import calibration_bands, prose_figures
 from tpu_kernels.bench.tables import attention as attention_tables
 from tpu_kernels.bench.tables import binding as binding_tables
 from tpu_kernels.bench.tables import calibration as calibration_tables
@@ -181,11 +182,22 @@ def updated_docs(sources: Sources) -> tuple[dict[Path, str], list[str], list[str
     return changed, differing, unreadable
 
 
+def typed_figures(root: Path) -> list[str]:
+    """The figures typed into the docs' prose (outside their generated blocks) that are not allowed facts."""
+    docs = []
+    for path in doc_paths(root):
+        doc, text = path.relative_to(root).as_posix(), path.read_text()
+        blocks, _ = find_blocks(doc, text)
+        docs.append(prose_figures.Doc(doc, text, tuple((block.start, block.end) for block in blocks)))
+    return prose_figures.problems(root, docs)
+
+
 def problems(root: Path) -> list[str]:
-    """Everything `--check` reports: stale derived tables, blocks that differ from their source, missing sources."""
+    """Everything `--check` reports: stale derived tables, blocks that differ from their source, missing sources,
+    figures typed into prose."""
     sources = Sources(root)
     _, differing, unreadable = updated_docs(sources)
-    return stale_derived_tables(sources) + differing + unreadable
+    return stale_derived_tables(sources) + differing + unreadable + typed_figures(root)
 
 
 def refresh(root: Path) -> tuple[list[Path], list[str]]:
@@ -347,14 +359,16 @@ DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Rewrite the docs' generated blocks from benchmarks/results/.")
     parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 listing every block that differs from its source or lacks one")
+                        help="write nothing; exit 1 listing every block that differs from its source or lacks one, "
+                             "and every figure typed into the docs' prose")
     parser.add_argument("--root", type=Path, default=Path("."), help="the tpu-kernels checkout (default: here)")
     args = parser.parse_args(argv)
     if args.check:
         found = problems(args.root)
         for problem in found:
             print(problem, file=sys.stderr)
-        print(f"{len(found)} generated block(s) or table(s) out of date" if found else "generated blocks up to date")
+        print(f"{len(found)} problem(s): generated blocks or tables out of date, or figures typed in prose" if found
+              else "generated blocks up to date, no figure typed in prose")
         return 1 if found else 0
     written, unreadable = refresh(args.root)
     for path in written:
