@@ -536,7 +536,8 @@ def test_check_fails_on_a_figure_typed_in_prose_naming_file_and_line(checkout, c
                         "\nOurs takes 12.5 µs,\nthat is 1.3x faster than theirs.\n")
     assert report.main(["--check", "--root", str(checkout)]) == 1
     err = capsys.readouterr().err
-    assert "README.md:9: figure `12.5 µs` typed in prose" in err and "README.md:10: figure `1.3x` typed in prose" in err
+    assert "README.md:9: figure `12.5 µs` typed in prose" in err
+    assert "README.md:10: figure `1.3x` typed in prose" in err
     assert len(report.problems(checkout)) == 2
 
 
@@ -559,6 +560,12 @@ def test_an_allowed_fact_passes_but_a_figure_typed_beside_it_fails(checkout):
     write_doc(checkout, "Headers must arrive within\n10 s of connecting (in 2.1 ms); VMEM is 64 MiB.\n")
     assert report.problems(checkout) == ["README.md:2: figure `2.1 ms` typed in prose: include it from a generated "
                                          f"block, reword, or allow it as a fact in {prose_figures.FACTS}"]
+    # A phrase allows only the figures wholly inside it.
+    write_facts(checkout, {"README.md": {"arrive within 10 s of": "the header timeout's default",
+                                         "VMEM is 64": "cuts the figure"}})
+    assert [problem.partition(" typed")[0] for problem in report.problems(checkout)] == [
+        f"README.md: the fact `VMEM is 64` ({prose_figures.FACTS}) holds no figure: drop it",
+        "README.md:2: figure `2.1 ms`", "README.md:2: figure `64 MiB`"]
 
 
 def test_a_fact_that_no_prose_holds_fails(checkout):

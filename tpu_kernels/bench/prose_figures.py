@@ -74,38 +74,44 @@ def outside(spans: list[tuple[int, int]], start: int, end: int) -> bool:
     return all(end <= first or start >= last for first, last in spans)
 
 
-def figures(doc: Doc) -> list[re.Match]:
-    """The figures in `doc`'s prose."""
-    skipped = [*doc.blocks, *fenced_code(doc.text)]
+def inside(spans: list[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether `start`..`end` lies within one of `spans`."""
+    return any(first <= start and end <= last for first, last in spans)
+
+
+def not_prose(doc: Doc) -> list[tuple[int, int]]:
+    """The spans of `doc` that are not prose: its generated blocks and its fenced code."""
+    return [*doc.blocks, *fenced_code(doc.text)]
+
+
+def figures(doc: Doc, skipped: list[tuple[int, int]]) -> list[re.Match]:
+    """The figures in `doc` outside `skipped`."""
     return [found for found in FIGURE.finditer(doc.text) if outside(skipped, found.start(), found.end())]
 
 
-def occurrences(doc: Doc, phrase: str) -> list[tuple[int, int]]:
-    """The spans of `phrase` in `doc`'s prose, any run of whitespace in it matching any run in the doc."""
+def occurrences(doc: Doc, phrase: str, skipped: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The spans of `phrase` in `doc` outside `skipped`, any run of whitespace in it matching any run in the doc."""
     pattern = re.compile(r"\s+".join(re.escape(word) for word in phrase.split()))
-    skipped = [*doc.blocks, *fenced_code(doc.text)]
     return [found.span() for found in pattern.finditer(doc.text) if outside(skipped, *found.span())]
-
-
-def line_of(text: str, offset: int) -> int:
-    return text.count("\n", 0, offset) + 1
 
 
 def doc_problems(doc: Doc, facts: dict[str, str]) -> list[str]:
     """Each figure typed into `doc`'s prose that no fact allows, and each of its facts that allows nothing."""
-    found = figures(doc)
+    skipped = not_prose(doc)
+    found = figures(doc, skipped)
     allowed, problems = [], []
     for phrase in facts:
-        spans = occurrences(doc, phrase)
+        spans = occurrences(doc, phrase, skipped)
         allowed += spans
         if not spans:
             problems.append(f"{doc.name}: the fact `{phrase}` ({FACTS}) is no longer in its prose: drop or fix it")
-        elif not any(not outside(spans, figure.start(), figure.end()) for figure in found):
+        elif not any(inside(spans, figure.start(), figure.end()) for figure in found):
             problems.append(f"{doc.name}: the fact `{phrase}` ({FACTS}) holds no figure: drop it")
     for figure in found:
-        if outside(allowed, figure.start(), figure.end()):
-            problems.append(f"{doc.name}:{line_of(doc.text, figure.start())}: figure `{figure.group()}` typed in "
-                            f"prose: include it from a generated block, reword, or allow it as a fact in {FACTS}")
+        if not inside(allowed, figure.start(), figure.end()):
+            line = doc.text.count("\n", 0, figure.start()) + 1
+            problems.append(f"{doc.name}:{line}: figure `{figure.group()}` typed in prose: include it from a "
+                            f"generated block, reword, or allow it as a fact in {FACTS}")
     return problems
 
 
