@@ -213,10 +213,12 @@ def padded_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
     return torch.where(inside[:, None, None], out[sequence, :, index], 0)
 
 
-# The fewest rows the ragged kernel is handed: one row tile of queries (16 tokens) and one lane-wide key block;
-# below them a shape change would compile anew for no saving.
+# The fewest rows and sequences the ragged kernel is handed: one row tile of queries (16 tokens), one lane-wide
+# key block, and as many sequences as that tile holds decode rows (a sequence of no rows costs the kernel a few
+# scalar steps); below them a shape change would compile anew for next to no saving.
 RAGGED_QUERY_ROWS_FLOOR = 16
 RAGGED_KEY_ROWS_FLOOR = 128
+RAGGED_SEQUENCES_FLOOR = 16
 
 
 def _query_length_bound(max_seqlen_q: int, query_rows: int) -> int:
@@ -243,7 +245,7 @@ def ragged_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
     total_q, num_seqs = q.shape[0], cu_seqlens_q.shape[0] - 1
     if total_q == 0 or num_seqs == 0 or k.shape[0] == 0:
         return q.new_zeros(q.shape)
-    sequences = _bucket(num_seqs)
+    sequences = _bucket(num_seqs, RAGGED_SEQUENCES_FLOOR)
     query_rows = _bucket(total_q, RAGGED_QUERY_ROWS_FLOOR)
     key_rows = _bucket(k.shape[0], RAGGED_KEY_ROWS_FLOOR)
     out = paged_ops.ragged_varlen_attention(
