@@ -70,7 +70,8 @@ CASES = {
                             dict(causal=True), dict(causal=True)),
     # transformers' sliding window (w - 1, w - 1) with causal, and GPT-OSS's sinks.
     "window-sinks": ([1, 9, 1], [40, 9, 3], 4, 2, 64, torch.float32,
-                     dict(causal=True, window_size=(5, 5), s_aux=True), dict(causal=True, sliding_window=6, sinks=True)),
+                     dict(causal=True, window_size=(5, 5), s_aux=True),
+                     dict(causal=True, sliding_window=6, sinks=True)),
     "noncausal-left-window-learnable-sink": ([5, 2], [12, 2], 2, 1, 64, torch.float32,
                                              dict(window_size=(3, -1), learnable_sink=True),
                                              dict(causal=False, sliding_window=4, sinks=True)),
@@ -129,6 +130,21 @@ def test_nothing_to_attend_gives_zeros_without_a_kernel(kernel, q_lengths, kv_le
         out = kernel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(q_lengths, default=0),
                                             max(kv_lengths, default=0), causal=True)
     assert ops.calls == [] and out.shape == q.shape and not out.any()
+
+
+def test_q_k_v_that_do_not_fit_are_refused_naming_them(kernel):
+    """Heads, head_dim and dtypes are checked before either kernel's path, in flash-attn's names."""
+    q, k, v, cu_q, cu_k = packed([2, 1], [3, 1], q_heads=4, kv_heads=2, head_dim=64, seed=27, spare_rows=0)
+    cases = [
+        (dict(k=k[..., :32], v=v[..., :32]), ValueError, "q and k must have the same head_dim"),
+        (dict(k=k.repeat(1, 2, 1)[:, :3], v=v.repeat(1, 2, 1)[:, :3]), ValueError, "multiple of the number"),
+        (dict(v=v.to(torch.bfloat16), k=k.to(torch.bfloat16)), TypeError, "q, k and v must share one dtype"),
+        (dict(q=q.double()), TypeError, "q must be float32 or bfloat16"),
+    ]
+    for change, error, message in cases:
+        arguments = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=2, max_seqlen_k=3)
+        with pytest.raises(error, match=message):
+            kernel.flash_attn_varlen_func(**(arguments | change))
 
 
 @pytest.mark.slow
