@@ -206,9 +206,9 @@ def _is_power_of_two(value: int) -> bool:
 
 
 def test_a_serving_run_compiles_few_kernel_shapes(kernel):
-    """A continuous batching run of 40 requests (250 steps, nearly each of its own composition) reaches the
+    """A continuous batching run of 30 requests (200 steps, each of its own composition) reaches the
     ragged op (not run here) with few distinct argument lists: each one a compilation of the kernel."""
-    steps = serving_steps(40, seed=25)
+    steps = serving_steps(30, seed=25)
     generator = torch.Generator().manual_seed(26)
     queries = torch.randn(64, 2, 64, generator=generator)
     keys = torch.randn(sum(max(kv) for _, kv in steps), 1, 64, generator=generator)
@@ -224,4 +224,4 @@ def test_a_serving_run_compiles_few_kernel_shapes(kernel):
         (q_rows, _, _), (k_rows, _, _), _, (cu_rows,), _ = arguments[:5]
         assert all(_is_power_of_two(n) for n in (q_rows, k_rows, cu_rows - 1, arguments[-1])), arguments
     # q rows 16, 32 or 64; k rows 128 to 2048; 16 sequences; a query bound of 1, 16, 32 or 64; few combinations.
-    assert len(compositions) > 240 and len(shapes) <= 16, (len(compositions), sorted(shapes))
+    assert len(compositions) == len(steps) > 190 and len(shapes) <= 16, (len(compositions), sorted(shapes))
