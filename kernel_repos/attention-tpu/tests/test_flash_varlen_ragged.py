@@ -65,6 +65,7 @@ CASES = {
                                    dict(causal=True), dict(causal=True)),
     "one-token-requests-gqa8": ([1, 1, 1, 1, 1], [1, 7, 33, 2, 16], 8, 1, 128, torch.float32,
                                 dict(causal=True), dict(causal=True)),
+    "gqa3-chunks": ([4, 1, 2], [9, 1, 6], 6, 2, 64, torch.float32, dict(causal=True), dict(causal=True)),
     # Keys without queries (a sequence of no query rows), odd lengths, more queries than keys (rows that see none).
     "empty-q-odd-lengths": ([3, 0, 7, 6], [5, 11, 7, 3], 2, 2, 64, torch.float32,
                             dict(causal=True), dict(causal=True)),

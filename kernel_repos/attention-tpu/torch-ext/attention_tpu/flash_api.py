@@ -180,7 +180,7 @@ def _with_empty_sequences(cu_seqlens: torch.Tensor, batch: int) -> torch.Tensor:
 def _with_rows(packed: torch.Tensor, rows: int) -> torch.Tensor:
     """`packed` [total, H, D] extended by zero rows to `rows` of them."""
     extra = rows - packed.shape[0]
-    return torch.cat([packed, packed.new_zeros(extra, *packed.shape[1:])]) if extra else packed
+    return torch.nn.functional.pad(packed, (0, 0, 0, 0, 0, extra)) if extra else packed
 
 
 def padded_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, **options):
