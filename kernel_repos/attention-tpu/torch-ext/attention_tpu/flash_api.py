@@ -1,4 +1,9 @@
-"""The flash-attn 2 API over the Pallas flash kernel: `flash_attn_func` and `flash_attn_varlen_func`.
+"""The flash-attn 2 API over the Pallas kernels: `flash_attn_func` and `flash_attn_varlen_func`.
+
+`flash_attn_func` runs the flash kernel. `flash_attn_varlen_func` runs it too
+when a gradient is to be computed (the flash kernel has a backward), padding
+the sequences to one length; otherwise (inference, continuous batching) it
+runs the ragged paged kernel, which reads the packed sequences in place.
 
 transformers calls these when a model's `attn_implementation` names this
 kernel repo on the Hub (`"<org>/attention-tpu"`; with `":flash_attn_varlen_func"`
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from . import paged_ops
 from .ops import FLOAT_DTYPES, flash_attention
 
 
@@ -115,6 +121,16 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         _check_layout(name, tensor, 3, "[total_tokens, heads, head_dim]")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    # Checked here so that both kernels' paths name the arguments alike.
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k must have the same head_dim, got {q.shape[2]} and {k.shape[2]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"the number of query heads ({q.shape[1]}) must be a multiple of the number of key/value "
+                         f"heads ({k.shape[1]})")
+    if q.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"q must be float32 or bfloat16, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _check_layout(name, cu, 1, "[batch + 1]")
         if cu.dtype not in (torch.int32, torch.int64) or cu.shape[0] < 1:
@@ -150,9 +166,9 @@ def _pad_sequences(packed: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int)
     return packed[rows].transpose(1, 2)
 
 
-def _bucket(size: int) -> int:
-    """The power of two at or above `size` (at least 1)."""
-    return 1 << max(size - 1, 0).bit_length()
+def _bucket(size: int, floor: int = 1) -> int:
+    """The power of two at or above `size`, and at least `floor` (a power of two)."""
+    return max(floor, 1 << max(size - 1, 0).bit_length())
 
 
 def _with_empty_sequences(cu_seqlens: torch.Tensor, batch: int) -> torch.Tensor:
@@ -161,15 +177,21 @@ def _with_empty_sequences(cu_seqlens: torch.Tensor, batch: int) -> torch.Tensor:
     return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(extra)]) if extra else cu_seqlens
 
 
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, **options):
-    """The kernel call of `flash_attn_varlen_func` (inputs checked): packed q, k, v -> packed [total_q, Hq, D].
+def _with_rows(packed: torch.Tensor, rows: int) -> torch.Tensor:
+    """`packed` [total, H, D] extended by zero rows to `rows` of them."""
+    extra = rows - packed.shape[0]
+    return torch.nn.functional.pad(packed, (0, 0, 0, 0, 0, extra)) if extra else packed
+
+
+def padded_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, **options):
+    """`flash_attn_varlen_func` on the flash kernel, which has a backward (inputs checked): packed q, k, v ->
+    packed [total_q, Hq, D].
 
     Each sequence is padded to a common length; the flash kernel masks the
     padded keys by length (and skips key blocks past every length) and places
     each sequence's queries at its last positions; rows past
     `cu_seqlens_q[-1]` come out zero. The batch and both lengths are rounded
-    up to powers of two: continuous batching changes them at every step, and
-    each new shape compiles the kernel anew.
+    up to powers of two: each new shape compiles the kernel anew.
     """
     total_q = q.shape[0]
     if total_q == 0 or cu_seqlens_q.shape[0] == 1 or k.shape[0] == 0:
@@ -189,6 +211,53 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     sequence = sequence.clamp(max=cu_seqlens_q.shape[0] - 2)
     index = (token - cu_seqlens_q[sequence].to(torch.int64)).clamp(0, query_rows - 1)
     return torch.where(inside[:, None, None], out[sequence, :, index], 0)
+
+
+# The fewest rows and sequences the ragged kernel is handed: one row tile of queries (16 tokens), one lane-wide
+# key block, and as many sequences as that tile holds decode rows (a sequence of no rows costs the kernel a few
+# scalar steps); below them a shape change would compile anew for next to no saving.
+RAGGED_QUERY_ROWS_FLOOR = 16
+RAGGED_KEY_ROWS_FLOOR = 128
+RAGGED_SEQUENCES_FLOOR = 16
+
+
+def _query_length_bound(max_seqlen_q: int, query_rows: int) -> int:
+    """The bound on any sequence's queries the ragged kernel is told (it only shapes its tiles): 1 for a decode
+    batch, else a power of two of at least one row tile, and no more than the rows."""
+    if max_seqlen_q <= 1:
+        return 1
+    return min(_bucket(max_seqlen_q, RAGGED_QUERY_ROWS_FLOOR), query_rows)
+
+
+def ragged_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *, scale, causal: bool,
+                            sliding_window: int | None, softcap: float | None, sinks) -> torch.Tensor:
+    """`flash_attn_varlen_func` on the ragged paged kernel, inference only (inputs checked): packed q, k, v ->
+    packed [total_q, Hq, D].
+
+    The kernel reads each sequence's queries and keys where they lie, so a
+    decode row costs one query's work whatever the other sequences' lengths.
+    Continuous batching changes the batch at every step and each new shape
+    compiles the kernel anew, so the rows of q and of k, v and the number of
+    sequences are rounded up to powers of two (zero rows past the last
+    sequence, which no sequence owns and no key range reaches; sequences of
+    no queries and no keys), and so is the query-length bound.
+    """
+    total_q, num_seqs = q.shape[0], cu_seqlens_q.shape[0] - 1
+    if total_q == 0 or num_seqs == 0 or k.shape[0] == 0:
+        return q.new_zeros(q.shape)
+    sequences = _bucket(num_seqs, RAGGED_SEQUENCES_FLOOR)
+    query_rows = _bucket(total_q, RAGGED_QUERY_ROWS_FLOOR)
+    key_rows = _bucket(k.shape[0], RAGGED_KEY_ROWS_FLOOR)
+    out = paged_ops.ragged_varlen_attention(
+        _with_rows(q, query_rows), _with_rows(k, key_rows), _with_rows(v, key_rows),
+        _with_empty_sequences(cu_seqlens_q, sequences), _with_empty_sequences(cu_seqlens_k, sequences),
+        scale=scale, causal=causal, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+        max_q_len=_query_length_bound(max_seqlen_q, query_rows))
+    return out[:total_q]
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def flash_attn_varlen_func(
@@ -219,14 +288,21 @@ def flash_attn_varlen_func(
     lengths (ints, or one-element integer tensors). The options are those of
     `flash_attn_func`, and so are the refusals; `block_table` (a paged cache)
     is refused too. Rows of q past cu_seqlens_q[-1] come out zero.
+
+    With a gradient to compute (grad mode on and q, k, v or the sinks
+    requiring grad) the sequences are padded for the flash kernel, which has
+    a backward (`padded_varlen_attention`); otherwise the ragged paged kernel
+    reads them in place (`ragged_varlen_attention`).
     """
     softcap = _refuse_unsupported(dropout_p, alibi_slopes, return_attn_probs, softcap)
     if block_table is not None:
         raise ValueError("block_table: flash_attn_varlen_func of the TPU attention kernel reads no paged cache")
     max_seqlen_q, max_seqlen_k = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if q.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"q must be float32 or bfloat16, got {q.dtype}")
     causal, sliding_window = _window_options(window_size, bool(causal), max_seqlen_k)
-    return varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
-                            causal=causal, sliding_window=sliding_window, softcap=softcap,
-                            sinks=_sinks(s_aux, learnable_sink))
+    sinks = _sinks(s_aux, learnable_sink)
+    if _needs_grad(q, k, v, sinks):
+        return padded_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                       scale=softmax_scale, causal=causal, sliding_window=sliding_window,
+                                       softcap=softcap, sinks=sinks)
+    return ragged_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale=softmax_scale,
+                                   causal=causal, sliding_window=sliding_window, softcap=softcap, sinks=sinks)

@@ -4,7 +4,8 @@
 Real model attention in bf16 over a paged cache of transformers' default page size (256 tokens) or of 16-token
 pages (vLLM's and flash-attn's common size): a decode batch of 64 sequences with mixed context lengths (page
 tables for up to 32768 tokens), or a mixed batch of one 960-token prefill chunk and 64 decode rows; and the
-contiguous (varlen) keys of a packed 4096-token prefill. Each model and each feature (small and large pages,
+contiguous (varlen) keys of a packed 4096-token prefill and of a continuous batching decode step as
+`flash_attn_varlen_func` hands it to the kernel. Each model and each feature (small and large pages,
 decode and mixed batches, window, sinks, head_dim 512) compiles once per generation: every target costs the
 test suite a compile on each of four generations. Models: Qwen3-30B-A3B (32 query heads, 4 KV heads, head_dim
 128), GPT-OSS-20B's sliding layer (64 / 8, head_dim 64, window 128, sinks), Gemma 4 26B-A4B's sliding layers
@@ -76,4 +77,23 @@ def paged_compile_targets(generation):
                     functools.partial(ragged_varlen_attention, generation=generation),
                     (jax.ShapeDtypeStruct((4096, QWEN3_30B_A3B["q_heads"], QWEN3_30B_A3B["head_dim"]), jnp.bfloat16),
                      varlen, varlen, jax.ShapeDtypeStruct((5,), jnp.int32), jax.ShapeDtypeStruct((5,), jnp.int32))))
+    targets.append(_varlen_decode_target(generation))
     return targets
+
+
+def _varlen_decode_target(generation):
+    """A continuous batching decode step of GPT-OSS's sliding layer as `flash_attn_varlen_func` hands it over (its
+    rows and sequences rounded up to powers of two): 64 one-token rows over the keys of 64 contexts of up to 2048
+    tokens gathered from the paged cache, one query each (max_q_len=1)."""
+    q_heads, kv_heads, head_dim = (GPT_OSS_20B[key] for key in ("q_heads", "kv_heads", "head_dim"))
+    keys = DECODE_BATCH * 2048
+    kv = jax.ShapeDtypeStruct((keys, kv_heads, head_dim), jnp.bfloat16)
+    cumulative = jax.ShapeDtypeStruct((DECODE_BATCH + 1,), jnp.int32)
+
+    def decode(q, k, v, cu_q_lens, cu_k_lens, sinks):
+        return ragged_varlen_attention(q, k, v, cu_q_lens, cu_k_lens, sinks=sinks, max_q_len=1,
+                                       sliding_window=GPT_OSS_20B["sliding_window"], generation=generation)
+
+    return (f"varlen gpt-oss-20b sliding decode {DECODE_BATCH} sequences keys={keys} window=128 sinks bf16", decode,
+            (jax.ShapeDtypeStruct((DECODE_BATCH, q_heads, head_dim), jnp.bfloat16), kv, kv, cumulative, cumulative,
+             jax.ShapeDtypeStruct((q_heads,), jnp.float32)))
