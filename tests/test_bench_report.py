@@ -397,17 +397,28 @@ def test_calibration_tables_count_refusals_per_chip_and_kind_but_not_missing_tim
     assert rows[-2:] == ["- `hbm_fraction`, v5e: fitted", "- `hbm_fraction`, v6e: borrowed from v5e"]
 
 
-def test_moe_layer_v5p_tpu7x_table_adds_the_quantized_formats(monkeypatch):
+def test_moe_layer_v5p_tpu7x_table_adds_the_quantized_formats_and_the_fused_rival(monkeypatch):
     monkeypatch.setattr(moe_layer_tables, "V5P_TPU7X_SHAPES", ("a T=1",))
     shapes = [moe_layer_shape("a T=1", "v5p", 30.0), moe_layer_shape("a T=1", "tpu7x", 20.0)]
     variants = [{"generation": generation, "label": "a T=1", "variant": f"ours_{fmt}", "us": us}
                 for generation, fmt, us in (("v5p", "int8", 17.8), ("v5p", "fp8", 18.2), ("v5p", "int4", 10.2),
                                             ("tpu7x", "int8", 16.8), ("tpu7x", "fp8", 16.4))]
+    sizes = {"bt": 8, "btc": 8, "bf": 384, "bd1": 1024, "bd2": 1024}
+    variants += [{"generation": "tpu7x", "label": "a T=1", "variant": "vllm_fused_ep_moe", "compiled": False,
+                  "error": "lowering failed: Expected num_tokens=1 to be aligned to ep_size=8."},
+                 {"generation": "v5p", "label": "a T=1", "variant": "ours", "us": 30.0},
+                 {"generation": "v5p", "label": "a T=1", "variant": "vllm_fused_ep_moe", "us": 40.0,
+                  "block_sizes": sizes}]
     tables = moe_layer_tables.render_v5p_tpu7x_markdown({"shapes": shapes, "variants": variants})
     assert tables == {"headline-and-quantized": "\n".join([
         "| shape | v5p | int8 / fp8 / int4 | TPU7x | int8 / fp8 |", "| --- | --- | --- | --- | --- |",
         "| a T=1 | 30.0 (25-35) / 60.0 (megablox) / 15.0 | 17.8 / 18.2 / 10.2 "
-        "| 20.0 (15-25) / 40.0 (megablox) / 10.0 | 16.8 / 16.4 |"])}
+        "| 20.0 (15-25) / 40.0 (megablox) / 10.0 | 16.8 / 16.4 |"]), "vllm-fused": "\n".join([
+        "| shape | v5p: µs (ours / it), blocks | tpu7x: µs (ours / it), blocks |", "| --- | --- | --- |",
+        "| a T=1 | 40.0 (0.75), bt 8/8, bf 384, bd 1024/1024 "
+        "| no figure: lowering failed: Expected num_tokens=1 to be aligned to ep_size=8. |"])}
+    assert moe_layer_tables.render_v5p_markdown({"shapes": shapes, "variants": variants}) == {
+        "vllm-fused": tables["vllm-fused"]}
 
 
 def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
@@ -433,6 +444,8 @@ def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
                        "benchmarks/results/quantization_accuracy_tpu7x.md#errors",
                        "benchmarks/results/moe_layer_formats.md#per-chip",
                        "benchmarks/results/moe_layer_v5p_tpu7x_headline.md#headline-and-quantized",
+                       "benchmarks/results/moe_layer_v5p_tpu7x_headline.md#vllm-fused",
+                       "benchmarks/results/moe_layer_v5p_headline.md#vllm-fused",
                        "benchmarks/results/decode_step.md#step", "benchmarks/results/decode_step.md#terms",
                        "benchmarks/results/decode_step.md#gaps", "benchmarks/results/decode_step.md#hf-kernel",
                        "benchmarks/results/decode_step.md#host",

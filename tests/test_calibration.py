@@ -155,3 +155,41 @@ def test_a_timing_faster_than_the_peak_allows_for_its_recorded_inputs_is_left_ou
     fine = _measurement("tpu_v5_lite", "pallas_mosaic_tpu_ragged_dot.json", "fwd bf16[4096,4096] x bf16[8,4096,4096] G=8")
     [analysed] = calibration.analyse_measurements([fine], calibration.AnalysisCache(tmp_path), jobs=1)
     assert calibration.inconsistent_with_peak(analysed) is None
+
+
+def test_a_compile_the_compiler_refuses_is_kept_until_what_decides_it_changes(tmp_path, monkeypatch):
+    """The compiler's refusal (here: over the scoped VMEM limit) is cached like a compiled program, so the next run
+    does not compile it again; other libtpu flags or library versions compile it again; a failure of this host
+    (a full disk) is not kept."""
+    import jax
+
+    measurement = _measurement("tpu_v5_lite", "ragged_dot.json", "fwd bf16[8,4096] x bf16[8,4096,4096] G=8")
+    compiles = []
+
+    def refuse(lowered):
+        compiles.append(lowered)
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:\nmore lines")
+
+    def reason_and_compiles() -> tuple[str, int]:
+        [analysed] = calibration.analyse_measurements([measurement], calibration.AnalysisCache(tmp_path), jobs=1)
+        return analysed.reason, len(compiles)
+
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+    monkeypatch.setattr(calibration, "compile_text", refuse)
+    refused = "compile failed: RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:"
+    assert reason_and_compiles() == (refused, 1)
+    assert reason_and_compiles() == (refused, 1)
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_scoped_vmem_limit_kib=65536")
+    assert reason_and_compiles() == (refused, 2)
+    assert reason_and_compiles() == (refused, 2)
+    monkeypatch.setattr(calibration, "library_versions", lambda: "jax=0.10.3;jaxlib=0.10.3;libtpu=0.0.53")
+    assert reason_and_compiles() == (refused, 3)
+
+    def disk_full(lowered):
+        compiles.append(lowered)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(calibration, "compile_text", disk_full)
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_scoped_vmem_limit_kib=32768")
+    assert reason_and_compiles() == ("compile failed: [Errno 28] No space left on device", 4)
+    assert reason_and_compiles() == ("compile failed: [Errno 28] No space left on device", 5)

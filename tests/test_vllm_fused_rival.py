@@ -127,10 +127,26 @@ def test_a_shape_the_kernel_refuses_is_a_row_with_its_reason(tmp_path):
     assert entry["compiled"] is False and "aligned to ep_size=8" in entry["error"]
 
 
+def test_every_generation_has_a_mesh_of_each_ep_rank_count():
+    """The rival runs wherever ours does: each supported generation has a compile-only mesh of one rank and of every
+    EP setting's rank count, of distinct devices (on TPU7x a rank is one of a chip's two cores)."""
+    from tpu_kernels.runtime.hardware import SUPPORTED_GENERATIONS
+
+    for generation in SUPPORTED_GENERATIONS:
+        for ep in sorted({1} | {setting.ep for setting in shapes.SETTINGS}):
+            mesh = vllm_fused.mesh_for(generation, ep)
+            assert mesh.shape == {"data": 1, "model": ep}
+            assert len({device.id for device in mesh.devices.flat}) == ep
+            assert mesh.devices.flat[0].platform == "tpu"
+    with pytest.raises(ValueError, match="no compile-only topology of 16 v6e chips"):
+        vllm_fused.mesh_for("v6e", 16)
+
+
 @pytest.mark.aot
-def test_an_ep8_row_is_compiled_with_its_body_and_says_what_it_leaves_out(tmp_path):
-    """Qwen3's EP8 rank at 64 tokens: compiled for v6e on an eight-chip compile-only mesh, priced, and its
-    JSON line carries its block sizes and the reason its cross-device part is not priced."""
+@pytest.mark.parametrize("generation", ["v6e", "v5p", "tpu7x"])
+def test_an_ep8_row_is_compiled_with_its_body_and_says_what_it_leaves_out(tmp_path, generation):
+    """Qwen3's EP8 rank at 64 tokens: compiled on an eight-rank compile-only mesh (v5p's megacore chips, TPU7x's
+    cores), priced, and its JSON line carries its block sizes and the reason its cross-device part is not priced."""
     from tpu_kernels.bench.moe_layer.cache import Cache, Compiler
     from tpu_kernels.bench.moe_layer.measure import fused_variant, queue_fused, row_facts
     from tpu_kernels.bench.moe_layer.report import variant_lines
@@ -138,13 +154,13 @@ def test_an_ep8_row_is_compiled_with_its_body_and_says_what_it_leaves_out(tmp_pa
     case = shapes.make_case(EP8_DISPATCH, 64)
     compiler = Compiler(Cache(tmp_path), 1)
     pending = {}
-    queue_fused(case, compiler, ("v6e",), pending)
-    future, counted, _ = pending[(vllm_fused.FUSED, "v6e")]
-    entry = fused_variant(case, "v6e", future.result(), counted)
+    queue_fused(case, compiler, (generation,), pending)
+    future, counted, _ = pending[(vllm_fused.FUSED, generation)]
+    entry = fused_variant(case, generation, future.result(), counted)
     compiler.pool.shutdown()
-    assert entry["compiled"] is True and entry["headline_us"] > case.roofline_s("v6e") * 1e6
+    assert entry["compiled"] is True and entry["headline_us"] > case.roofline_s(generation) * 1e6
     assert entry["kernels"]["calls"][0]["name"] == vllm_fused.FUSED
-    row = {**row_facts(case, "v6e"), "variants": {vllm_fused.FUSED: entry}}
+    row = {**row_facts(case, generation), "variants": {vllm_fused.FUSED: entry}}
     (line,) = variant_lines([row])
     assert line["block_sizes"]["bt"] == 8 and "cannot be priced" in line["not_priced"]
     assert line["remote_rows"] == entry["remote_rows"] > 0

@@ -340,10 +340,13 @@ DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
     f"{SOURCES_DIR}/decode_step.md": sectioned_tables("decode_step.json", decode_step_tables.render_markdown),
     f"{SOURCES_DIR}/paged_attention.md": sectioned_tables("paged_attention.json",
                                                           paged_attention_tables.render_markdown),
-    # moe_layer writes its own moe_layer.md and moe_layer_v5p_tpu7x.md (the full tables): these are the headlines.
+    # moe_layer writes its own moe_layer.md, moe_layer_v5p_tpu7x.md and moe_layer_v5p.md (the full tables): these
+    # are the headlines.
     f"{SOURCES_DIR}/moe_layer_headline.md": sectioned_tables("moe_layer.json", moe_layer_tables.render_markdown),
     f"{SOURCES_DIR}/moe_layer_v5p_tpu7x_headline.md": sectioned_tables(
         "moe_layer_v5p_tpu7x.json", moe_layer_tables.render_v5p_tpu7x_markdown),
+    f"{SOURCES_DIR}/moe_layer_v5p_headline.md": sectioned_tables("moe_layer_v5p.json",
+                                                                 moe_layer_tables.render_v5p_markdown),
     f"{SOURCES_DIR}/loader.md": sectioned_tables("loader.json", loader_tables.render_markdown),
     f"{SOURCES_DIR}/hub_server.md": sectioned_tables("hub_server.json", hub_server_tables.render_markdown),
     f"{SOURCES_DIR}/rmsnorm.md": sectioned_tables("rmsnorm.json", rmsnorm_tables.render_markdown),

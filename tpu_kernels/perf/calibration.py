@@ -13,10 +13,13 @@ model, take longer than its matmuls) or `compute_bound`
 says little about the other.
 
 Compiles and grid replays are cached on disk (`AnalysisCache`): a compile by
-the call, config, chip, library versions and the source of the code that
-rebuilds and lowers it; a replay also by the replay's source
-(`program_replay.REPLAY_MODULES` and `tokamax_kernels`). Re-analysing cached HLO is cheap, so a
-model change reruns in seconds.
+the call, config, chip, library versions, libtpu's flags and the source of the
+code that rebuilds and lowers it; a replay also by the replay's source
+(`program_replay.REPLAY_MODULES` and `tokamax_kernels`). The compiler's
+refusal of a program (`CompileRefused`, e.g. over the chip's scoped VMEM) is
+cached the same way, so a rerun does not compile it again; a failure of this
+host (memory, disk) is not kept. Re-analysing cached HLO is cheap, so a model
+change reruns in seconds.
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import json
+import os
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from . import modelled_time, program_replay, program_time, tokamax_calls, tokamax_kernels, xla_program
@@ -57,7 +62,7 @@ DEFAULT_CACHE = cache_root("calibration")
 
 def _rebuild_code() -> tuple:
     """What decides the program a measurement compiles to: the rebuilders and the lowering."""
-    return (*tokamax_calls.REBUILD_FUNCTIONS, _submit_compile, xla_program.lower_program)
+    return (*tokamax_calls.REBUILD_FUNCTIONS, _lower, xla_program.lower_program)
 
 
 class AnalysisCache(DiskCache):
@@ -74,7 +79,8 @@ class AnalysisCache(DiskCache):
         self.replay_code = source_fingerprint(*program_replay.REPLAY_MODULES, tokamax_kernels)
 
     def key(self, what: str, measurement: Measurement) -> str:
-        parts = [what, self.versions, self.rebuild_code, measurement.identity]
+        # libtpu's flags decide a compile's outcome too (a scoped VMEM limit, say), as in `aot`'s keys.
+        parts = [what, self.versions, self.rebuild_code, measurement.identity, os.environ.get("LIBTPU_INIT_ARGS", "")]
         if what == "replay":
             parts.append(self.replay_code)
         return f"{what}-{hashlib.sha256('|'.join(parts).encode()).hexdigest()[:32]}"
@@ -92,6 +98,13 @@ class CompiledText:
     def analyse(self, generation: str) -> xla_program.CompiledProgram:
         return xla_program.analyse_hlo(self.hlo, generation, codegen_text=self.codegen,
                                        cost_analysis=self.cost_analysis, memory=self.memory)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileRefused:
+    """The compiler's refusal of a measurement's program, cached like a compile: the same inputs get it again."""
+
+    reason: str
 
 
 def compile_text(lowered) -> CompiledText:
@@ -203,21 +216,28 @@ def analyse_measurements(
     return results
 
 
+def _lower(measurement: Measurement, rebuilt: Rebuilt):
+    # The kernels' time is the replay's; the compile is for the XLA program around them.
+    return xla_program.lower_program(rebuilt.fn, rebuilt.avals, measurement.chip, kernel_bodies=False)
+
+
 def _submit_compile(pool, cache: AnalysisCache, measurement: Measurement, rebuilt: Rebuilt):
+    """A future of the measurement's `CompiledText`, or of why there is none (a string)."""
     key = cache.key("compile", measurement)
     found = cache.get(key)
     if found is not None:
-        return _done(found)
+        return _done(f"compile failed: {found.reason}" if isinstance(found, CompileRefused) else found)
     try:
-        # The kernels' time is the replay's; the compile is for the XLA program around them.
-        lowered = xla_program.lower_program(rebuilt.fn, rebuilt.avals, measurement.chip, kernel_bodies=False)
+        lowered = _lower(measurement, rebuilt)
     except Exception as error:  # noqa: BLE001
         return _done(f"lowering failed: {_first_line(error)}")
 
     def compile_and_store():
         try:
             return cache.put(key, compile_text(lowered))
-        except Exception as error:  # noqa: BLE001 - e.g. a config the compiler refuses for this chip
+        except jax.errors.JaxRuntimeError as error:  # the compiler's refusal, e.g. a config over the chip's VMEM
+            return f"compile failed: {cache.put(key, CompileRefused(_first_line(error))).reason}"
+        except Exception as error:  # noqa: BLE001 - this host's trouble (memory, disk): not kept, tried again
             return f"compile failed: {_first_line(error)}"
 
     return pool.submit(compile_and_store)

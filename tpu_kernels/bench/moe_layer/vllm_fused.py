@@ -14,8 +14,11 @@ formula (`block_sizes`; none of our models is in the table), with the
 kernel's own overrides.
 
 It compiles ahead of time per generation with its real body (Mosaic's check
-is part of the result) on a compile-only mesh of the EP rank count; a shape
-the kernel refuses (its ValueError) or the compiler refuses is the row's error.
+is part of the result) on a compile-only mesh of the EP rank count
+(`MESH_TOPOLOGIES`, on every supported generation); a shape the kernel refuses
+(its ValueError) or the compiler refuses is the row's error. Its one step has
+no parallel grid dimension and no core axis, so on v5p it runs on one of the
+megacore device's two cores, and is priced so (`perf`: no megacore split).
 
 Why perf's grid replay cannot count it: the kernel has no grid (one step)
 and no block specs; it copies everything itself and waits on descriptors
@@ -61,8 +64,13 @@ from .vllm_kernels import DEFAULT_FOLDER, load_fused_moe, load_fused_moe_tuning
 
 FUSED = "vllm_fused_ep_moe"
 PAD_TO = 256  # vLLM pads both dimensions to this at load time for this kernel
-# The compile-only mesh of an EP rank count, per generation (aot.TOPOLOGIES gives the one-device ones).
-MESH_TOPOLOGIES = {("v5e", 8): "v5e:2x4", ("v6e", 8): "v6e:2x4", ("v5e", 32): "v5e:4x8", ("v6e", 32): "v6e:4x8"}
+# The compile-only mesh of an EP rank count, per generation (aot.TOPOLOGIES gives the one-device ones). A rank is
+# one jax device: a chip on v5e, v6e and v5p (its two cores one megacore device), one of a chip's two cores on
+# TPU7x (so eight ranks are four TPU7x chips).
+MESH_TOPOLOGIES = {
+    ("v5e", 8): "v5e:2x4", ("v5e", 32): "v5e:4x8", ("v6e", 8): "v6e:2x4", ("v6e", 32): "v6e:4x8",
+    ("v5p", 8): "v5p:2x2x2", ("v5p", 32): "v5p:2x4x4", ("tpu7x", 8): "tpu7x:2x2x1", ("tpu7x", 32): "tpu7x:2x2x4",
+}
 ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu", "clamped_swiglu": "swigluoai"}
 NOT_PRICED_ON_CHIP = ("not priced: the scalar core issuing copy descriptors (dma_descriptors) and the vector work "
                       "(softmax, top-k, the activation per w2 chunk)")

@@ -1,8 +1,9 @@
 """moe_layer's JSON -> benchmarks/README.md's headline tables: ours / best tuned rival / roofline per shape.
 
-moe_layer writes one JSON per run: the default run (v5e, v6e, every shape)
-and the `--generations v5p tpu7x` run, whose table adds ours with quantized
-weights at a few decode shapes.
+moe_layer writes one JSON per run: the default run (v5e, v6e, every shape),
+the `--generations v5p tpu7x` run, whose table adds ours with quantized
+weights at a few decode shapes, and the v5p prefill run; each has vLLM's
+fused kernel per shape (`vllm-fused`).
 """
 
 from __future__ import annotations
@@ -66,7 +67,12 @@ def render_markdown(data: dict) -> dict[str, str]:
 
 def render_v5p_tpu7x_markdown(data: dict) -> dict[str, str]:
     """moe_layer_v5p_tpu7x.json's tables by section."""
-    return {"headline-and-quantized": headline_and_quantized(data)}
+    return {"headline-and-quantized": headline_and_quantized(data), "vllm-fused": vllm_fused(data)}
+
+
+def render_v5p_markdown(data: dict) -> dict[str, str]:
+    """moe_layer_v5p.json's (v5p prefill) tables by section; its full table is the run's own moe_layer_v5p.md."""
+    return {"vllm-fused": vllm_fused(data)}
 
 
 def band(figures: dict, key: str = "ours_band_p90_us") -> str:
@@ -158,7 +164,7 @@ def vllm_fused(data: dict) -> str:
     variants = {(line["generation"], line["label"], line["variant"]): line for line in data["variants"]}
     if not any(name == FUSED for _, _, name in variants):
         return f"This run did not model {FUSED}."
-    generations = sorted({line["generation"] for line in data["variants"]})
+    generations = list(dict.fromkeys(shape["generation"] for shape in data["shapes"]))  # the run's order
     rows = ["| shape | " + " | ".join(f"{g}: µs (ours / it), blocks" for g in generations) + " |",
             "| --- |" + " --- |" * len(generations)]
     for label in shapes_by_label(data):
