@@ -62,13 +62,14 @@ class _Refs(NamedTuple):
 
 class _Span(NamedTuple):
     """One sequence within one grid step: its packed rows [row_first, row_last] there, the offset from a packed row
-    to its position, its keys, and the K/V blocks its rows see."""
+    to its position, its keys, the first key one of its rows there sees and the K/V blocks its rows see."""
 
     seq: object
     row_first: object
     row_last: object
     to_position: object
     kv_len: object
+    first_key: object
     first_block: object
     last_block: object
 
@@ -103,7 +104,7 @@ def _span(refs: _Refs, problem: PagedProblem, plan: PagedPlan, seq, block_start)
     has_keys = (row_last >= row_first) & (last_key >= first_key)
     first_block = _div(jnp.maximum(first_key, 0), plan.block_kv)
     last_block = jnp.where(has_keys, _div(jnp.maximum(last_key, 0), plan.block_kv), first_block - 1)
-    return _Span(seq, row_first, row_last, to_position, kv_len, first_block, last_block)
+    return _Span(seq, row_first, row_last, to_position, kv_len, first_key, first_block, last_block)
 
 
 def _contiguous_rows(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block):
@@ -129,7 +130,8 @@ def _chunk_copies(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Sp
             rows = slice(None) if whole_page else pl.ds(jax.lax.rem(token, problem.page_size), plan.chunk)
         k_copy = pltpu.make_async_copy(refs.k_hbm.at[page, rows], refs.k_buf.at[slot, c], refs.sems.at[0, slot])
         v_copy = pltpu.make_async_copy(refs.v_hbm.at[page, rows], refs.v_buf.at[slot, c], refs.sems.at[1, slot])
-        copies.append((token < span.kv_len, k_copy, v_copy))
+        # Chunks past the keys, or wholly before the first key a row sees (a window), are not fetched.
+        copies.append(((token < span.kv_len) & (token + plan.chunk > span.first_key), k_copy, v_copy))
     return copies
 
 
@@ -158,14 +160,14 @@ def _row_tokens(shape, group: int):
     return ((rows.astype(jnp.float32) + 0.5) * (1.0 / group)).astype(jnp.int32)
 
 
-def _attend_tile(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, head: int, tile, block_start,
-                 key_start, buffer_start, k, v) -> None:
-    """The online softmax of one row tile of one KV head over one K/V block (its buffer's first row holds key
-    buffer_start; keys before key_start belong to the previous block)."""
-    rows = plan.tile_q * problem.group
+def _attend_tile(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, head: int, tile_q: int, tile,
+                 block_start, key_start, buffer_start, k, v) -> None:
+    """The online softmax of row tile `tile` (of tile_q tokens) of one KV head over one K/V block (its buffer's
+    first row holds key buffer_start; keys before key_start belong to the previous block)."""
+    rows = tile_q * problem.group
     shape = (rows, plan.block_kv)
     row0 = pl.multiple_of(tile * rows, rows)
-    token = block_start + tile * plan.tile_q + _row_tokens(shape, problem.group)
+    token = block_start + tile * tile_q + _row_tokens(shape, problem.group)
     position = token + span.to_position
     key_pos = buffer_start + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
     visible = (token >= span.row_first) & (token <= span.row_last) & (key_pos < span.kv_len)
@@ -193,39 +195,70 @@ def _attend_tile(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Spa
     refs.max[state] = max_next
 
 
-def _tile_sees_block(problem: PagedProblem, plan: PagedPlan, span: _Span, tile, block_start, key_start):
-    """Whether some row of the tile that belongs to the sequence sees a key of the block."""
-    first = jnp.maximum(span.row_first, block_start + tile * plan.tile_q)
-    last = jnp.minimum(span.row_last, block_start + (tile + 1) * plan.tile_q - 1)
+def _tile_sees_block(problem: PagedProblem, plan: PagedPlan, span: _Span, tile_q: int, tile, block_start, key_start):
+    """Whether some row of the tile (of tile_q tokens) that belongs to the sequence sees a key of the block."""
+    first = jnp.maximum(span.row_first, block_start + tile * tile_q)
+    last = jnp.minimum(span.row_last, block_start + (tile + 1) * tile_q - 1)
     first_key, last_key = _key_range(problem, first + span.to_position, last + span.to_position, span.kv_len)
     last_key = jnp.minimum(last_key, key_start + plan.block_kv - 1)
     first_key = jnp.maximum(first_key, key_start)
     return (last >= first) & (last_key >= first_key)
 
 
+def _tile_range(span: _Span, tile_q: int, block_start):
+    """The first and last row tile (of tile_q tokens) of the step holding a row of the sequence."""
+    return _div(span.row_first - block_start, tile_q), _div(span.row_last - block_start, tile_q)
+
+
+def _small_tiles_are_fewer_rows(plan: PagedPlan, span: _Span, block_start):
+    """Whether the sequence's rows in the step span fewer rows in tiles of min_tile_q tokens than of tile_q (a
+    decode row: 2 tokens' rows instead of tile_q tokens'; a long prefill chunk: never fewer)."""
+    small_first, small_last = _tile_range(span, plan.min_tile_q, block_start)
+    first, last = _tile_range(span, plan.tile_q, block_start)
+    return (small_last - small_first + 1) * plan.min_tile_q < (last - first + 1) * plan.tile_q
+
+
 def _attend_block(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block, slot,
                   block_start) -> None:
-    """Every KV head's row tiles of the sequence over one K/V block (in VMEM slot `slot`)."""
+    """Every KV head's row tiles of the sequence over one K/V block (in VMEM slot `slot`), in tiles of tile_q
+    tokens or, when those are fewer rows, of min_tile_q."""
     key_start = buffer_start = block * plan.block_kv
     if problem.contiguous:
         buffer_start = key_start - _contiguous_rows(refs, problem, plan, span, block)[1]
-    value_pos = buffer_start + jax.lax.broadcasted_iota(jnp.int32, (plan.block_kv, problem.head_dim), 0)
-    value_valid = (value_pos >= key_start) & (value_pos < span.kv_len)
-    first_tile = _div(span.row_first - block_start, plan.tile_q)
-    last_tile = _div(span.row_last - block_start, plan.tile_q)
-    for head in range(problem.kv_heads):
-        k = refs.k_buf[slot, :, :, head, :].reshape(plan.block_kv, problem.head_dim)
+    # Buffer rows before the first key a row sees (not fetched under a window, or the previous block's keys) or past
+    # the sequence's keys may be stale or NaN: p is 0 there, but 0 * NaN is NaN. Only a block holding some is masked.
+    first_valid = jnp.maximum(key_start, span.first_key)
+    needs_mask = (buffer_start < first_valid) | (buffer_start + plan.block_kv > span.kv_len)
+
+    def values(head):
         v = refs.v_buf[slot, :, :, head, :].reshape(plan.block_kv, problem.head_dim)
-        # p is 0 past the keys, but 0 * NaN (a stale or unfetched row) is NaN.
-        v = jnp.where(value_valid, v, jnp.zeros_like(v))
 
-        def tile_body(tile, carry, head=head, k=k, v=v):
-            pl.when(_tile_sees_block(problem, plan, span, tile, block_start, key_start))(
-                lambda: _attend_tile(refs, problem, plan, span, head, tile, block_start, key_start, buffer_start,
-                                     k, v))
-            return carry
+        def masked():
+            value_pos = buffer_start + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
+            return jnp.where((value_pos >= first_valid) & (value_pos < span.kv_len), v, jnp.zeros_like(v))
 
-        jax.lax.fori_loop(first_tile, last_tile + 1, tile_body, 0)
+        return jax.lax.cond(needs_mask, masked, lambda: v)
+
+    def run_tiles(tile_q: int):
+        first_tile, last_tile = _tile_range(span, tile_q, block_start)
+        for head in range(problem.kv_heads):
+            k = refs.k_buf[slot, :, :, head, :].reshape(plan.block_kv, problem.head_dim)
+            v = values(head)
+
+            def tile_body(tile, carry, head=head, k=k, v=v):
+                pl.when(_tile_sees_block(problem, plan, span, tile_q, tile, block_start, key_start))(
+                    lambda: _attend_tile(refs, problem, plan, span, head, tile_q, tile, block_start, key_start,
+                                         buffer_start, k, v))
+                return carry
+
+            jax.lax.fori_loop(first_tile, last_tile + 1, tile_body, 0)
+
+    if plan.min_tile_q == plan.tile_q:
+        run_tiles(plan.tile_q)
+        return
+    small = _small_tiles_are_fewer_rows(plan, span, block_start)
+    pl.when(small)(lambda: run_tiles(plan.min_tile_q))
+    pl.when(jnp.logical_not(small))(lambda: run_tiles(plan.tile_q))
 
 
 def _paged_kernel(cu_q_ref, kv_lens_ref, table_ref, seq_first_ref, seq_last_ref, q_ref, k_hbm, v_hbm, *rest,

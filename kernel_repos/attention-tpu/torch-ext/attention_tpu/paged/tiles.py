@@ -1,7 +1,9 @@
 """Tiles of ragged paged attention (`paged.kernel`) per shape and TPU generation.
 
 Three sizes, in tokens: `block_q` query rows per grid step, `tile_q` query rows per matmul (a step's sequences
-each run the row tiles they own), `block_kv` keys per K/V block (whole pages, or an equal part of one page). The
+each run the row tiles they own), `block_kv` keys per K/V block (whole pages, or an equal part of one page).
+Besides `tile_q`, the kernel has the smallest legal row tile (`min_tile_q`): a sequence whose rows in a step are
+fewer in small tiles (a decode row: one token, `group` rows) runs those, not a whole `tile_q` tile. The
 heuristic starts from PREFERRED_TILES and halves the largest term of the working set until it fits the VMEM
 budget (`common.vmem.vmem_budget`); the kernel then asks Mosaic for the limit its working set needs.
 """
@@ -9,21 +11,23 @@ budget (`common.vmem.vmem_budget`); the kernel then asks Mosaic for the limit it
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 
-from .._hardware import LANES, check_generation, resolve_generation, round_up, sublane_multiple
+from .._hardware import LANES, MEGACORE_GENERATIONS, check_generation, resolve_generation, round_up, sublane_multiple
 from ..common.paged import PagedProblem
 from ..common.vmem import vmem_budget, vmem_limit
 
-# Row tiles are multiples of 16 tokens, so that a tile's rows (tokens x the query heads of one KV head) start on a
-# native tile of every dtype; a tile aims at TILE_ROWS rows (an MXU-sized matmul) when the sequences are long.
-TILE_Q_MULTIPLE = 16
+# A row tile's rows (tokens x the query heads of one KV head) are a multiple of the dtype's native tile rows
+# (`min_tile_q`); a tile aims at TILE_ROWS rows (an MXU-sized matmul) when the sequences are long.
 TILE_ROWS = 256
 # Preferred (query rows per step, keys per K/V block): decode-sized steps hold a few row tiles; keys as the
-# forward's (`flash.tiles.PREFERRED_TILES`). Not tuned on hardware.
+# forward's (`flash.tiles.PREFERRED_TILES`). Not tuned on hardware. A batch of sequences of at most DECODE_MAX_Q
+# queries takes the preferred steps too, but on a megacore device (v5p) no more than half its rows, so that both
+# TensorCores get a step.
 PREFERRED_TILES = {"v5e": (128, 512), "v5p": (128, 512), "v6e": (128, 1024), "tpu7x": (128, 1024)}
-DECODE_BLOCK_Q = 32  # query rows per step when no sequence has more than TILE_Q_MULTIPLE queries
+DECODE_MAX_Q = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,9 +40,29 @@ class PagedConfig:
     vmem_limit_bytes: int
 
 
-def chunk_tokens(block_kv: int, page_size: int) -> int:
-    """Tokens of one K/V DMA: a whole page, or the part of one a block holds."""
-    return min(block_kv, page_size)
+def min_tile_q(problem: PagedProblem) -> int:
+    """The fewest tokens of a row tile: their rows (tokens x group) fill whole native tiles of the dtype (8 rows of
+    float32, 16 of bfloat16), so that every tile starts on one. A group of 8 in bfloat16: 2 tokens, 16 rows."""
+    rows = sublane_multiple(jnp.dtype(problem.dtype))
+    return rows // math.gcd(rows, problem.group)
+
+
+# Under a window a sequence's first visible key sits anywhere in a block, and chunks wholly before it are not
+# fetched: a chunk is at most 1 / WINDOW_CHUNKS of the window (and at least WINDOW_MIN_CHUNK tokens, when a page
+# part that small exists), so that a window costs at most ~2 / WINDOW_CHUNKS more keys than it holds.
+WINDOW_CHUNKS = 8
+WINDOW_MIN_CHUNK = 16
+
+
+def chunk_tokens(problem: PagedProblem, block_kv: int) -> int:
+    """Tokens of one K/V DMA: a whole page, or the part of one a block holds; under a window no more than its
+    WINDOW_CHUNKS-th part (contiguous keys: the block, whose DMA starts at any row)."""
+    if problem.contiguous:
+        return block_kv
+    chunk = min(block_kv, problem.page_size)
+    if problem.sliding_window is not None:
+        chunk = _page_part(chunk, max(WINDOW_MIN_CHUNK, problem.sliding_window // WINDOW_CHUNKS))
+    return chunk
 
 
 def vmem_bytes(problem: PagedProblem, *, block_q: int, tile_q: int, block_kv: int) -> int:
@@ -89,9 +113,12 @@ def heuristic_config(problem: PagedProblem, generation: str) -> PagedConfig:
     preferred_q, preferred_kv = PREFERRED_TILES[generation]
     preferred_kv = min(preferred_kv, round_up(visible_keys(problem), LANES))
     longest = max(1, problem.longest_query)
-    tile_q = min(round_up(max(1, TILE_ROWS // problem.group), TILE_Q_MULTIPLE), round_up(longest, TILE_Q_MULTIPLE))
+    multiple = min_tile_q(problem)
+    tile_q = min(round_up(max(1, TILE_ROWS // problem.group), multiple), round_up(longest, multiple))
     packed = round_up(max(1, problem.total_q), tile_q)
-    block_q = min(packed, DECODE_BLOCK_Q if longest <= TILE_Q_MULTIPLE else preferred_q)
+    block_q = min(packed, preferred_q)
+    if longest <= DECODE_MAX_Q and generation in MEGACORE_GENERATIONS:
+        block_q = min(block_q, round_up(-(-packed // 2), tile_q))
     block_q = max(tile_q, block_q // tile_q * tile_q)
     page, contiguous = problem.page_size, problem.contiguous
     if contiguous:
@@ -111,8 +138,8 @@ def heuristic_config(problem: PagedProblem, generation: str) -> PagedConfig:
             block_kv = _shrink_kv(block_kv, page, contiguous)
         elif block_q > tile_q:
             block_q = max(tile_q, block_q // 2 // tile_q * tile_q)
-        elif tile_q > TILE_Q_MULTIPLE:
-            tile_q = block_q = max(TILE_Q_MULTIPLE, tile_q // 2 // TILE_Q_MULTIPLE * TILE_Q_MULTIPLE)
+        elif tile_q > multiple:
+            tile_q = block_q = max(multiple, tile_q // 2 // multiple * multiple)
         elif _shrink_kv(block_kv, page, contiguous) < block_kv:
             block_kv = _shrink_kv(block_kv, page, contiguous)
         else:
@@ -122,8 +149,10 @@ def heuristic_config(problem: PagedProblem, generation: str) -> PagedConfig:
 
 def check_config(config: PagedConfig, problem: PagedProblem) -> None:
     """Raises ValueError if `config`'s tiles are not legal for `problem`."""
-    if config.tile_q < 1 or config.tile_q % TILE_Q_MULTIPLE:
-        raise ValueError(f"config.tile_q must be a positive multiple of {TILE_Q_MULTIPLE}, got {config.tile_q}")
+    multiple = min_tile_q(problem)
+    if config.tile_q < 1 or config.tile_q % multiple:
+        raise ValueError(f"config.tile_q must be a positive multiple of {multiple} (rows of whole native tiles for "
+                         f"a group of {problem.group} in {problem.dtype}), got {config.tile_q}")
     if config.block_q < 1 or config.block_q % config.tile_q:
         raise ValueError(f"config.block_q must be a positive multiple of tile_q ({config.tile_q}), "
                          f"got {config.block_q}")
