@@ -159,9 +159,10 @@ def test_decode_rows_in_tiles_of_the_native_rows(kernel, convert, q_heads, kv_he
 
 @pytest.mark.slow
 @pytest.mark.parametrize("window", [5, 20])
-def test_window_chunks_before_the_first_visible_key_not_fetched(kernel, convert, window):
-    """32-key pages and blocks under a window: 16-key chunks, the ones before a row's window not fetched, their
-    buffer rows stale (NaN from the previous sequence's rows past its keys) and masked."""
+def test_window_blocks_start_at_the_chunk_of_the_first_visible_key(kernel, convert, window):
+    """32-key pages and blocks under a window: 16-key chunks, a sequence's blocks starting at the chunk its first
+    visible key sits in (mid-page), chunks past its keys not fetched, their buffer rows stale (NaN from the previous
+    sequence's rows past its keys) and zeroed."""
     batch = paged_batch([1, 1, 1, 2, 1, 1], [70, 37, 50, 64, 18, 33], q_heads=4, kv_heads=2, head_dim=64,
                         page_size=32, seed=window + 20)
     problem = kernel.paged_problem(*(convert[0](x) for x in (batch[0], batch[1], batch[5])), sliding_window=window)
@@ -186,16 +187,17 @@ def test_decode_tiles_and_window_chunks_selected(kernel):
 
 
 def test_key_blocks_no_longer_than_the_keys_a_window_lets_a_sequence_see(kernel):
-    """A block is fetched whole: under GPT-OSS's 128-key window a decode batch takes 128-key blocks, not the
-    generation's preferred 1024 (8x the keys each step); without a window the preferred block stays."""
+    """A block is computed whole: under GPT-OSS's 128-key window a decode batch takes 256-key blocks (the window
+    and the 16-key chunk its first key sits in, in lanes), not the generation's preferred 1024; without a window
+    the preferred block stays."""
     shape = dict(total_q=64, num_seqs=64, q_heads=64, kv_heads=8, head_dim=64, page_size=16, num_pages=4096,
                  pages_per_seq=512, dtype="bfloat16", has_sinks=True, max_q_len=1)
     windowed = kernel.PagedProblem.of_shape(**shape, sliding_window=128)
-    assert kernel.paged.tiles.select(windowed, "v6e").block_kv == 128
+    assert kernel.paged.tiles.select(windowed, "v6e").block_kv == 256
     assert kernel.paged.tiles.select(kernel.PagedProblem.of_shape(**shape), "v6e").block_kv == 1024
     # A page larger than the window: a part of a page.
-    assert kernel.paged.tiles.select(kernel.PagedProblem.of_shape(**{**shape, "page_size": 256, "pages_per_seq": 32},
-                                                                  sliding_window=128), "v6e").block_kv == 128
+    assert kernel.paged.tiles.select(kernel.PagedProblem.of_shape(**{**shape, "page_size": 512, "pages_per_seq": 16},
+                                                                  sliding_window=128), "v6e").block_kv == 256
 
 
 @pytest.mark.slow

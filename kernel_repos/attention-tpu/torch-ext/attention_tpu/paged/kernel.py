@@ -62,20 +62,21 @@ class _Refs(NamedTuple):
 
 class _Span(NamedTuple):
     """One sequence within one grid step: its packed rows [row_first, row_last] there, the offset from a packed row
-    to its position, its keys, the first key one of its rows there sees and the K/V blocks its rows see."""
+    to its position, its keys, and the K/V blocks its rows see: blocks 0..last_block of block_kv keys from
+    key_origin, the start of the chunk holding the first key a row sees (under a window a sequence's keys start
+    anywhere: a window of block_kv - chunk keys is one block)."""
 
     seq: object
     row_first: object
     row_last: object
     to_position: object
     kv_len: object
-    first_key: object
-    first_block: object
+    key_origin: object
     last_block: object
 
     @property
     def has_blocks(self):
-        return self.last_block >= self.first_block
+        return self.last_block >= 0
 
 
 def _div(value, divisor: int):
@@ -102,16 +103,21 @@ def _span(refs: _Refs, problem: PagedProblem, plan: PagedPlan, seq, block_start)
     to_position = kv_len - q_end
     first_key, last_key = _key_range(problem, row_first + to_position, row_last + to_position, kv_len)
     has_keys = (row_last >= row_first) & (last_key >= first_key)
-    first_block = _div(jnp.maximum(first_key, 0), plan.block_kv)
-    last_block = jnp.where(has_keys, _div(jnp.maximum(last_key, 0), plan.block_kv), first_block - 1)
-    return _Span(seq, row_first, row_last, to_position, kv_len, first_key, first_block, last_block)
+    key_origin = _div(first_key, plan.chunk) * plan.chunk
+    last_block = jnp.where(has_keys, _div(jnp.maximum(last_key - key_origin, 0), plan.block_kv), -1)
+    return _Span(seq, row_first, row_last, to_position, kv_len, key_origin, last_block)
+
+
+def _block_key(plan: PagedPlan, span: _Span, block):
+    """The first key of one of the sequence's K/V blocks."""
+    return span.key_origin + block * plan.block_kv
 
 
 def _contiguous_rows(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block):
     """Contiguous keys: (the first row a block's one DMA reads, how many rows before the block's first key it is).
 
     A DMA reading past the keys' last row would leave the array: the last blocks read the last block_kv rows."""
-    first = jnp.clip(refs.table[span.seq], 0, problem.page_size - 1) + block * plan.block_kv
+    first = jnp.clip(refs.table[span.seq], 0, problem.page_size - 1) + _block_key(plan, span, block)
     start = jnp.minimum(first, problem.page_size - plan.block_kv)
     return start, first - start
 
@@ -120,7 +126,7 @@ def _chunk_copies(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Sp
     """(whether the chunk holds a key of the sequence, its K and V copy descriptors), per chunk of a block."""
     copies = []
     for c in range(plan.chunks_per_block):
-        token = block * plan.block_kv + c * plan.chunk
+        token = _block_key(plan, span, block) + c * plan.chunk
         if problem.contiguous:
             page, rows = 0, pl.ds(_contiguous_rows(refs, problem, plan, span, block)[0], plan.chunk)
         else:
@@ -130,8 +136,7 @@ def _chunk_copies(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Sp
             rows = slice(None) if whole_page else pl.ds(jax.lax.rem(token, problem.page_size), plan.chunk)
         k_copy = pltpu.make_async_copy(refs.k_hbm.at[page, rows], refs.k_buf.at[slot, c], refs.sems.at[0, slot])
         v_copy = pltpu.make_async_copy(refs.v_hbm.at[page, rows], refs.v_buf.at[slot, c], refs.sems.at[1, slot])
-        # Chunks past the keys, or wholly before the first key a row sees (a window), are not fetched.
-        copies.append(((token < span.kv_len) & (token + plan.chunk > span.first_key), k_copy, v_copy))
+        copies.append((token < span.kv_len, k_copy, v_copy))  # chunks past the keys are not fetched
     return copies
 
 
@@ -149,6 +154,26 @@ def _wait_block(refs, problem, plan, span: _Span, block, slot) -> None:
         def _wait():
             k_copy.wait()
             v_copy.wait()
+
+
+def _clear_values_past_keys(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block, slot) -> None:
+    """Zeroes a block's V rows past the sequence's keys: chunks not fetched (stale) and a page's rows past them
+    (whatever the cache holds). p is 0 there, but 0 * NaN is NaN; a K row's logits are replaced instead."""
+    zeros = jnp.zeros(refs.v_buf.shape[2:], refs.v_buf.dtype)
+    for c in range(plan.chunks_per_block):
+        keys = span.kv_len - (_block_key(plan, span, block) + c * plan.chunk)  # the sequence's keys in the chunk
+
+        @pl.when(keys <= 0)
+        def _not_fetched(c=c):
+            refs.v_buf[slot, c] = zeros
+
+        @pl.when((keys > 0) & (keys < plan.chunk))
+        def _rows_past_the_keys(c=c, keys=keys):
+            def zero_row(row, carry):
+                refs.v_buf[slot, c, row] = zeros[0]
+                return carry
+
+            jax.lax.fori_loop(keys, plan.chunk, zero_row, 0)
 
 
 def _row_tokens(shape, group: int):
@@ -222,20 +247,22 @@ def _attend_block(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Sp
                   block_start) -> None:
     """Every KV head's row tiles of the sequence over one K/V block (in VMEM slot `slot`), in tiles of tile_q
     tokens or, when those are fewer rows, of min_tile_q."""
-    key_start = buffer_start = block * plan.block_kv
+    key_start = buffer_start = _block_key(plan, span, block)
     if problem.contiguous:
         buffer_start = key_start - _contiguous_rows(refs, problem, plan, span, block)[1]
-    # Buffer rows before the first key a row sees (not fetched under a window, or the previous block's keys) or past
-    # the sequence's keys may be stale or NaN: p is 0 there, but 0 * NaN is NaN. Only a block holding some is masked.
-    first_valid = jnp.maximum(key_start, span.first_key)
-    needs_mask = (buffer_start < first_valid) | (buffer_start + plan.block_kv > span.kv_len)
+    # Contiguous keys: a block's rows before its first key or past the sequence's keys are other rows of the
+    # array, which past cu_k_lens[-1] may hold NaN: p is 0 there, but 0 * NaN is NaN. Only a block holding some is
+    # masked. (Pages: `_clear_values_past_keys` zeroed those rows.)
+    needs_mask = (buffer_start < key_start) | (buffer_start + plan.block_kv > span.kv_len)
 
     def values(head):
         v = refs.v_buf[slot, :, :, head, :].reshape(plan.block_kv, problem.head_dim)
+        if not problem.contiguous:
+            return v
 
         def masked():
             value_pos = buffer_start + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
-            return jnp.where((value_pos >= first_valid) & (value_pos < span.kv_len), v, jnp.zeros_like(v))
+            return jnp.where((value_pos >= key_start) & (value_pos < span.kv_len), v, jnp.zeros_like(v))
 
         return jax.lax.cond(needs_mask, masked, lambda: v)
 
@@ -282,7 +309,7 @@ def _paged_kernel(cu_q_ref, kv_lens_ref, table_ref, seq_first_ref, seq_last_ref,
         slot, in_flight = carry  # in_flight: this sequence's first block is already on its way into `slot`
         span = _span(refs, problem, plan, seq, block_start)
         pl.when(span.has_blocks & (in_flight == 0))(
-            lambda: _start_block(refs, problem, plan, span, span.first_block, slot))
+            lambda: _start_block(refs, problem, plan, span, 0, slot))
         has_next = seq < last_seq
         following = _span(refs, problem, plan, jnp.minimum(seq + 1, last_seq), block_start)
         prefetch_next = has_next & following.has_blocks
@@ -296,13 +323,15 @@ def _paged_kernel(cu_q_ref, kv_lens_ref, table_ref, seq_first_ref, seq_last_ref,
 
             @pl.when((block == span.last_block) & prefetch_next)
             def _first_of_the_next():
-                _start_block(refs, problem, plan, following, following.first_block, other)
+                _start_block(refs, problem, plan, following, 0, other)
 
             _wait_block(refs, problem, plan, span, block, slot)
+            if not problem.contiguous:
+                _clear_values_past_keys(refs, problem, plan, span, block, slot)
             _attend_block(refs, problem, plan, span, block, slot, block_start)
             return other
 
-        slot = jax.lax.fori_loop(span.first_block, span.last_block + 1, block_body, slot)
+        slot = jax.lax.fori_loop(0, span.last_block + 1, block_body, slot)
         return slot, (span.has_blocks & prefetch_next).astype(jnp.int32)
 
     jax.lax.fori_loop(seq_first_ref[step], last_seq + 1, seq_body, (jnp.int32(0), jnp.int32(0)))

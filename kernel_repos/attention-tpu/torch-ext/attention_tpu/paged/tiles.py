@@ -47,11 +47,15 @@ def min_tile_q(problem: PagedProblem) -> int:
     return rows // math.gcd(rows, problem.group)
 
 
-# Under a window a sequence's first visible key sits anywhere in a block, and chunks wholly before it are not
-# fetched: a chunk is at most 1 / WINDOW_CHUNKS of the window (and at least WINDOW_MIN_CHUNK tokens, when a page
-# part that small exists), so that a window costs at most ~2 / WINDOW_CHUNKS more keys than it holds.
+# Under a window a sequence's first visible key sits anywhere in a page, and its blocks start at the chunk holding
+# it: a chunk is at most 1 / WINDOW_CHUNKS of the window (and at least WINDOW_MIN_CHUNK tokens, when a page part that
+# small exists), so that a window costs at most ~2 / WINDOW_CHUNKS more keys than it holds.
 WINDOW_CHUNKS = 8
 WINDOW_MIN_CHUNK = 16
+
+
+def _window_chunk_bound(window: int) -> int:
+    return max(WINDOW_MIN_CHUNK, window // WINDOW_CHUNKS)
 
 
 def chunk_tokens(problem: PagedProblem, block_kv: int) -> int:
@@ -61,7 +65,7 @@ def chunk_tokens(problem: PagedProblem, block_kv: int) -> int:
         return block_kv
     chunk = min(block_kv, problem.page_size)
     if problem.sliding_window is not None:
-        chunk = _page_part(chunk, max(WINDOW_MIN_CHUNK, problem.sliding_window // WINDOW_CHUNKS))
+        chunk = _page_part(chunk, _window_chunk_bound(problem.sliding_window))
     return chunk
 
 
@@ -107,11 +111,14 @@ def visible_keys(problem: PagedProblem) -> int:
 
 def heuristic_config(problem: PagedProblem, generation: str) -> PagedConfig:
     """Preferred tiles, the query ones no longer than the longest sequence's queries and the key blocks no longer
-    than the keys a sequence sees (a block is fetched whole: a 1024-key block under a 128-key window fetches 8x
-    the keys), shrunk to the VMEM budget."""
+    than the keys a sequence sees (and the chunk before them a block starts at: a block is computed whole, and a
+    1024-key block under a 128-key window would compute 8x its keys), shrunk to the VMEM budget."""
     generation = check_generation(generation)
     preferred_q, preferred_kv = PREFERRED_TILES[generation]
-    preferred_kv = min(preferred_kv, round_up(visible_keys(problem), LANES))
+    keys = visible_keys(problem)
+    if problem.sliding_window is not None and not problem.contiguous:
+        keys += _window_chunk_bound(problem.sliding_window) - 1  # blocks start at the first visible key's chunk
+    preferred_kv = min(preferred_kv, round_up(keys, LANES))
     longest = max(1, problem.longest_query)
     multiple = min_tile_q(problem)
     tile_q = min(round_up(max(1, TILE_ROWS // problem.group), multiple), round_up(longest, multiple))
