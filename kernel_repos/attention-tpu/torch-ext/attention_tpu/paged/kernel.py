@@ -9,17 +9,21 @@ Layout and semantics: `common/paged.py`.
 * Scalar prefetch hands the kernel cu_q_lens, kv_lens, the page table (flattened) and, per step, the first
   and last sequence owning one of its query rows.
 * The K and V caches stay in HBM (`pl.ANY`). A step walks its sequences in order and, per sequence, the K/V
-  blocks of `block_kv` keys its queries see (causality and the window bound the range). Each block is one DMA
-  per page (or per part of a page, when a block is smaller than a page) straight from the cache page the page
-  table names into a double-buffered VMEM buffer of the cache's [tokens, Hkv, D] layout; the next block (of
-  the same sequence, or the next sequence's first) is in flight while the current one is computed. Chunks
-  past a sequence's keys are not fetched.
-* Per block and KV head, every row tile (`tile_q` tokens) of the sequence that sees a key of the block runs
-  one (rows, D) x (D, block_kv) matmul and the online softmax (float32 state in VMEM scratch). Rows of other
-  sequences in a tile are masked out, which leaves their state unchanged; decode rows of several sequences
-  thus share a tile. Sinks start a row's running max and sum (max = sink, sum = 1).
-* V rows past a sequence's keys are zeroed before the PV matmul and invalid logits are replaced before the
-  exponential, so stale pages or NaN never reach the result. Page table entries are clamped into the cache.
+  blocks of `block_kv` keys its queries see (causality and the window bound the range), counted from the chunk
+  holding the first key one of its rows sees (without a window, key 0). Each block is one DMA per chunk: a page,
+  or a part of one (when a block is smaller than a page, and under a window at most an eighth of it), straight
+  from the cache page the page table names into a double-buffered VMEM buffer of the cache's [tokens, Hkv, D]
+  layout; the next block (of the same sequence, or the next sequence's first) is in flight while the current one
+  is computed. Chunks past a sequence's keys are not fetched.
+* Per block and KV head, every row tile of the sequence that sees a key of the block runs one (rows, D) x
+  (D, block_kv) matmul and the online softmax (float32 state in VMEM scratch). A sequence's tiles are of `tile_q`
+  tokens, or of `min_tile_q` (rows of the dtype's native tile) when those cover its rows in fewer rows: a decode
+  row of a group of 8 in bfloat16 runs a 16-row tile, not a 128-row one. Rows of other sequences in a tile are
+  masked out, which leaves their state unchanged; decode rows of several sequences thus share a tile. Sinks
+  start a row's running max and sum (max = sink, sum = 1).
+* V rows past a sequence's keys are zeroed in the buffer (contiguous keys: masked per head) before the PV
+  matmul and invalid logits are replaced before the exponential, so stale pages or NaN never reach the result.
+  Page table entries are clamped into the cache.
 
 Rows that see no key, and rows past cu_q_lens[-1], come out as zeros. Inputs are assumed valid: the torch op
 checks them (`paged_ops.py`).
