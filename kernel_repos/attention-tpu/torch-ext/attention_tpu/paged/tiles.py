@@ -113,28 +113,28 @@ def _shrink_kv(block_kv: int, page_size: int, contiguous: bool) -> int:
     return _page_part(page_size, block_kv // 2) if block_kv > 1 else block_kv
 
 
-def visible_keys(problem: PagedProblem) -> int:
-    """The most keys one sequence's queries see: its page table's tokens, and under a causal window the window
-    and the sequence's queries."""
+def visible_keys(problem: PagedProblem, tile_q: int) -> int:
+    """The most keys one row tile (of tile_q tokens) sees: its sequence's page table's tokens, and under a causal
+    window the window and the tile's queries."""
     keys = problem.page_size if problem.contiguous else problem.pages_per_seq * problem.page_size
     if problem.causal and problem.sliding_window is not None:
-        keys = min(keys, problem.sliding_window + problem.longest_query - 1)
+        keys = min(keys, problem.sliding_window + min(tile_q, problem.longest_query) - 1)
     return keys
 
 
 def heuristic_config(problem: PagedProblem, generation: str) -> PagedConfig:
     """Preferred tiles, the query ones no longer than the longest sequence's queries and the key blocks no longer
-    than the keys a sequence sees (and the chunk before them a block starts at: a block is computed whole, and a
-    1024-key block under a 128-key window would compute 8x its keys), shrunk to the VMEM budget."""
+    than the keys a row tile sees (and the chunk before them a block starts at: a tile computes a block whole, and
+    a 1024-key block under a 128-key window would compute 8x its keys), shrunk to the VMEM budget."""
     generation = check_generation(generation)
     preferred_q, preferred_kv = PREFERRED_TILES[generation]
-    keys = visible_keys(problem)
-    if problem.sliding_window is not None and not problem.contiguous:
-        keys += _window_chunk_bound(problem.sliding_window) - 1  # blocks start at the first visible key's chunk
-    preferred_kv = min(preferred_kv, round_up(keys, LANES))
     longest = max(1, problem.longest_query)
     multiple = min_tile_q(problem)
     tile_q = min(round_up(max(1, TILE_ROWS // problem.group), multiple), round_up(longest, multiple))
+    keys = visible_keys(problem, tile_q)
+    if problem.sliding_window is not None and not problem.contiguous:
+        keys += _window_chunk_bound(problem.sliding_window) - 1  # blocks start at the first visible key's chunk
+    preferred_kv = min(preferred_kv, round_up(keys, LANES))
     packed = round_up(max(1, problem.total_q), tile_q)
     block_q = min(packed, preferred_q)
     if longest <= DECODE_MAX_Q and generation in MEGACORE_GENERATIONS:
