@@ -59,6 +59,9 @@ def test_summary_names_each_miss_from_1024_tokens_and_its_terms():
         ("decode length 1024", g) for g in shapes.GENERATIONS}
     miss = found["decode_target_misses"][0]
     assert (miss["bound"], miss["hbm_term_us"], miss["vector_us"]) == ("hbm", 10.0, 2.0)
+    # 80 % of the roofline in 100 us: 94.1 us would be 85 %; the grid steps and the rest not overlapped named.
+    assert (miss["modelled_time_us"], miss["time_for_target_us"], miss["step_overhead_us"]) == (100.0, 94.1, 0.5)
+    assert "+ 0.5 grid steps + 89.5 not overlapped" in miss["why"]
     assert found["no_rival_faster"]
 
 

@@ -137,17 +137,67 @@ def test_selected_tiles(kernel, convert):
     check_paged(kernel, convert, batch)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("q_heads, kv_heads, dtype", [
+    (2, 2, torch.bfloat16),  # a group of 1: 16 decode rows share a 16-row tile
+    (4, 2, torch.float32),  # a group of 2: 4 decode rows share an 8-row tile
+    (8, 1, torch.bfloat16),  # a group of 8: 2 decode rows share a 16-row tile
+    (8, 1, torch.float32),  # a group of 8 in float32: a decode row's 8 rows are a tile of their own
+])
+def test_decode_rows_in_tiles_of_the_native_rows(kernel, convert, q_heads, kv_heads, dtype):
+    """Decode rows (odd key counts, an empty row, one without keys) run tiles of the dtype's native rows, each
+    against its own keys, next to a 5-token chunk that runs the 16-token tiles; blocks of 2 pages."""
+    kv_lens = [13, 1, 0, 9, 21, 5, 17, 30, 3, 11]
+    q_lens = [1, 1, 0, 1, 5, 1, 1, 1, 1, 1]
+    batch = paged_batch(q_lens, kv_lens, q_heads=q_heads, kv_heads=kv_heads, head_dim=64, page_size=4, dtype=dtype,
+                        seed=q_heads + kv_heads)
+    problem = kernel.paged_problem(*(convert[0](x) for x in (batch[0], batch[1], batch[5])))
+    assert kernel.paged.plan.make(problem, config=config(kernel, 16, 16, 8)).min_tile_q == (
+        16 // q_heads * kv_heads if dtype == torch.bfloat16 else 8 // q_heads * kv_heads)
+    check_paged(kernel, convert, batch, config(kernel, 16, 16, 8))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [5, 20])
+def test_window_blocks_start_at_the_chunk_of_the_first_visible_key(kernel, convert, window):
+    """32-key pages and blocks under a window: 16-key chunks, a sequence's blocks starting at the chunk its first
+    visible key sits in (mid-page), chunks past its keys not fetched, their buffer rows stale (NaN from the previous
+    sequence's rows past its keys) and zeroed."""
+    batch = paged_batch([1, 1, 1, 2, 1, 1], [70, 37, 50, 64, 18, 33], q_heads=4, kv_heads=2, head_dim=64,
+                        page_size=32, seed=window + 20)
+    problem = kernel.paged_problem(*(convert[0](x) for x in (batch[0], batch[1], batch[5])), sliding_window=window)
+    assert kernel.paged.plan.make(problem, config=config(kernel, 16, 16, 32)).chunk == 16
+    check_paged(kernel, convert, batch, config(kernel, 16, 16, 32), sliding_window=window)
+
+
+def test_decode_tiles_and_window_chunks_selected(kernel):
+    """A decode batch of Qwen3-30B-A3B (group 8) in bfloat16 takes 2-token (16-row) tiles and one step of the
+    preferred 128 rows (two on v5p's megacore); GPT-OSS's 128-key window 16-key chunks, even on 256-key pages."""
+    shape = dict(total_q=64, num_seqs=64, q_heads=32, kv_heads=4, head_dim=128, page_size=256, num_pages=4096,
+                 pages_per_seq=32, dtype="bfloat16", max_q_len=1)
+    qwen = kernel.PagedProblem.of_shape(**shape)
+    assert kernel.paged.tiles.select(qwen, "tpu7x").tile_q == 2
+    assert kernel.paged.plan.make(qwen, "tpu7x").num_q_blocks == 1
+    assert kernel.paged.plan.make(qwen, "v5p").num_q_blocks == 2
+    gpt_oss = kernel.PagedProblem.of_shape(**{**shape, "q_heads": 64, "kv_heads": 8, "head_dim": 64},
+                                           sliding_window=128, has_sinks=True)
+    assert kernel.paged.plan.make(gpt_oss, "v6e").chunk == 16
+    with pytest.raises(ValueError, match="tile_q must be a positive multiple of 2"):
+        kernel.paged.plan.make(qwen, config=config(kernel, 3, 3, 256))
+
+
 def test_key_blocks_no_longer_than_the_keys_a_window_lets_a_sequence_see(kernel):
-    """A block is fetched whole: under GPT-OSS's 128-key window a decode batch takes 128-key blocks, not the
-    generation's preferred 1024 (8x the keys each step); without a window the preferred block stays."""
+    """A block is computed whole: under GPT-OSS's 128-key window a decode batch takes 256-key blocks (the window
+    and the 16-key chunk its first key sits in, in lanes), not the generation's preferred 1024; without a window
+    the preferred block stays."""
     shape = dict(total_q=64, num_seqs=64, q_heads=64, kv_heads=8, head_dim=64, page_size=16, num_pages=4096,
                  pages_per_seq=512, dtype="bfloat16", has_sinks=True, max_q_len=1)
     windowed = kernel.PagedProblem.of_shape(**shape, sliding_window=128)
-    assert kernel.paged.tiles.select(windowed, "v6e").block_kv == 128
+    assert kernel.paged.tiles.select(windowed, "v6e").block_kv == 256
     assert kernel.paged.tiles.select(kernel.PagedProblem.of_shape(**shape), "v6e").block_kv == 1024
     # A page larger than the window: a part of a page.
-    assert kernel.paged.tiles.select(kernel.PagedProblem.of_shape(**{**shape, "page_size": 256, "pages_per_seq": 32},
-                                                                  sliding_window=128), "v6e").block_kv == 128
+    assert kernel.paged.tiles.select(kernel.PagedProblem.of_shape(**{**shape, "page_size": 512, "pages_per_seq": 16},
+                                                                  sliding_window=128), "v6e").block_kv == 256
 
 
 @pytest.mark.slow

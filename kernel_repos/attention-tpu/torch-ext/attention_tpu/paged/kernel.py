@@ -9,17 +9,21 @@ Layout and semantics: `common/paged.py`.
 * Scalar prefetch hands the kernel cu_q_lens, kv_lens, the page table (flattened) and, per step, the first
   and last sequence owning one of its query rows.
 * The K and V caches stay in HBM (`pl.ANY`). A step walks its sequences in order and, per sequence, the K/V
-  blocks of `block_kv` keys its queries see (causality and the window bound the range). Each block is one DMA
-  per page (or per part of a page, when a block is smaller than a page) straight from the cache page the page
-  table names into a double-buffered VMEM buffer of the cache's [tokens, Hkv, D] layout; the next block (of
-  the same sequence, or the next sequence's first) is in flight while the current one is computed. Chunks
-  past a sequence's keys are not fetched.
-* Per block and KV head, every row tile (`tile_q` tokens) of the sequence that sees a key of the block runs
-  one (rows, D) x (D, block_kv) matmul and the online softmax (float32 state in VMEM scratch). Rows of other
-  sequences in a tile are masked out, which leaves their state unchanged; decode rows of several sequences
-  thus share a tile. Sinks start a row's running max and sum (max = sink, sum = 1).
-* V rows past a sequence's keys are zeroed before the PV matmul and invalid logits are replaced before the
-  exponential, so stale pages or NaN never reach the result. Page table entries are clamped into the cache.
+  blocks of `block_kv` keys its queries see (causality and the window bound the range), counted from the chunk
+  holding the first key one of its rows sees (without a window, key 0). Each block is one DMA per chunk: a page,
+  or a part of one (when a block is smaller than a page, and under a window at most an eighth of it), straight
+  from the cache page the page table names into a double-buffered VMEM buffer of the cache's [tokens, Hkv, D]
+  layout; the next block (of the same sequence, or the next sequence's first) is in flight while the current one
+  is computed. Chunks past a sequence's keys are not fetched.
+* Per block and KV head, every row tile of the sequence that sees a key of the block runs one (rows, D) x
+  (D, block_kv) matmul and the online softmax (float32 state in VMEM scratch). A sequence's tiles are of `tile_q`
+  tokens, or of `min_tile_q` (rows of the dtype's native tile) when those cover its rows in fewer rows: a decode
+  row of a group of 8 in bfloat16 runs a 16-row tile, not a 128-row one. Rows of other sequences in a tile are
+  masked out, which leaves their state unchanged; decode rows of several sequences thus share a tile. Sinks
+  start a row's running max and sum (max = sink, sum = 1).
+* V rows past a sequence's keys are zeroed in the buffer (contiguous keys: masked per head) before the PV
+  matmul and invalid logits are replaced before the exponential, so stale pages or NaN never reach the result.
+  Page table entries are clamped into the cache.
 
 Rows that see no key, and rows past cu_q_lens[-1], come out as zeros. Inputs are assumed valid: the torch op
 checks them (`paged_ops.py`).
@@ -38,7 +42,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ..common import masking
 from ..common.paged import PagedProblem, paged_problem
 from .plan import PagedPlan, make
-from .tiles import PagedConfig
+from .tiles import PagedConfig, kv_row_shape
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)
 
@@ -48,11 +52,11 @@ class _Refs(NamedTuple):
     kv_lens: object  # SMEM [S]
     table: object  # SMEM [S * pages_per_seq]
     q: object  # [Hkv, block rows, D]
-    k_hbm: object  # [num_pages, page_size, Hkv, D]
+    k_hbm: object  # [num_pages, page_size, *kv_row_shape]
     v_hbm: object
     sinks: object | None  # [Hkv, block rows, 1] f32
     out: object
-    k_buf: object  # [2, chunks per block, chunk, Hkv, D]
+    k_buf: object  # [2, chunks per block, chunk, *kv_row_shape]
     v_buf: object
     sems: object  # DMA [2 (K, V), 2 (slot)]
     max: object  # [Hkv, block rows, 1] f32
@@ -62,19 +66,21 @@ class _Refs(NamedTuple):
 
 class _Span(NamedTuple):
     """One sequence within one grid step: its packed rows [row_first, row_last] there, the offset from a packed row
-    to its position, its keys, and the K/V blocks its rows see."""
+    to its position, its keys, and the K/V blocks its rows see: blocks 0..last_block of block_kv keys from
+    key_origin, the start of the chunk holding the first key a row sees (under a window a sequence's keys start
+    anywhere: a window of block_kv - chunk keys is one block)."""
 
     seq: object
     row_first: object
     row_last: object
     to_position: object
     kv_len: object
-    first_block: object
+    key_origin: object
     last_block: object
 
     @property
     def has_blocks(self):
-        return self.last_block >= self.first_block
+        return self.last_block >= 0
 
 
 def _div(value, divisor: int):
@@ -101,16 +107,21 @@ def _span(refs: _Refs, problem: PagedProblem, plan: PagedPlan, seq, block_start)
     to_position = kv_len - q_end
     first_key, last_key = _key_range(problem, row_first + to_position, row_last + to_position, kv_len)
     has_keys = (row_last >= row_first) & (last_key >= first_key)
-    first_block = _div(jnp.maximum(first_key, 0), plan.block_kv)
-    last_block = jnp.where(has_keys, _div(jnp.maximum(last_key, 0), plan.block_kv), first_block - 1)
-    return _Span(seq, row_first, row_last, to_position, kv_len, first_block, last_block)
+    key_origin = _div(first_key, plan.chunk) * plan.chunk
+    last_block = jnp.where(has_keys, _div(jnp.maximum(last_key - key_origin, 0), plan.block_kv), -1)
+    return _Span(seq, row_first, row_last, to_position, kv_len, key_origin, last_block)
+
+
+def _block_key(plan: PagedPlan, span: _Span, block):
+    """The first key of one of the sequence's K/V blocks."""
+    return span.key_origin + block * plan.block_kv
 
 
 def _contiguous_rows(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block):
     """Contiguous keys: (the first row a block's one DMA reads, how many rows before the block's first key it is).
 
     A DMA reading past the keys' last row would leave the array: the last blocks read the last block_kv rows."""
-    first = jnp.clip(refs.table[span.seq], 0, problem.page_size - 1) + block * plan.block_kv
+    first = jnp.clip(refs.table[span.seq], 0, problem.page_size - 1) + _block_key(plan, span, block)
     start = jnp.minimum(first, problem.page_size - plan.block_kv)
     return start, first - start
 
@@ -119,17 +130,18 @@ def _chunk_copies(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Sp
     """(whether the chunk holds a key of the sequence, its K and V copy descriptors), per chunk of a block."""
     copies = []
     for c in range(plan.chunks_per_block):
-        token = block * plan.block_kv + c * plan.chunk
+        token = _block_key(plan, span, block) + c * plan.chunk
         if problem.contiguous:
             page, rows = 0, pl.ds(_contiguous_rows(refs, problem, plan, span, block)[0], plan.chunk)
         else:
             column = jnp.minimum(_div(token, problem.page_size), problem.pages_per_seq - 1)
             page = jnp.clip(refs.table[span.seq * problem.pages_per_seq + column], 0, problem.num_pages - 1)
             whole_page = plan.chunk == problem.page_size
-            rows = slice(None) if whole_page else pl.ds(jax.lax.rem(token, problem.page_size), plan.chunk)
+            first_row = pl.multiple_of(jax.lax.rem(token, problem.page_size), plan.chunk)  # tokens: chunk-aligned
+            rows = slice(None) if whole_page else pl.ds(first_row, plan.chunk)
         k_copy = pltpu.make_async_copy(refs.k_hbm.at[page, rows], refs.k_buf.at[slot, c], refs.sems.at[0, slot])
         v_copy = pltpu.make_async_copy(refs.v_hbm.at[page, rows], refs.v_buf.at[slot, c], refs.sems.at[1, slot])
-        copies.append((token < span.kv_len, k_copy, v_copy))
+        copies.append((token < span.kv_len, k_copy, v_copy))  # chunks past the keys are not fetched
     return copies
 
 
@@ -149,6 +161,32 @@ def _wait_block(refs, problem, plan, span: _Span, block, slot) -> None:
             v_copy.wait()
 
 
+def _clear_values_past_keys(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block, slot) -> None:
+    """Zeroes a block's V rows past the sequence's keys: chunks not fetched (stale) and a page's rows past them
+    (whatever the cache holds). p is 0 there, but 0 * NaN is NaN; a K row's logits are replaced instead."""
+    shape = refs.v_buf.shape[2:]
+    for c in range(plan.chunks_per_block):
+        keys = span.kv_len - (_block_key(plan, span, block) + c * plan.chunk)  # the sequence's keys in the chunk
+
+        @pl.when(keys <= 0)
+        def _not_fetched(c=c):
+            refs.v_buf[slot, c] = jnp.zeros(shape, refs.v_buf.dtype)
+
+        @pl.when((keys > 0) & (keys < plan.chunk))
+        def _rows_past_the_keys(c=c, keys=keys):
+            rows = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+            refs.v_buf[slot, c] = jnp.where(rows < keys, refs.v_buf[slot, c], jnp.zeros(shape, refs.v_buf.dtype))
+
+
+def _head(buffer, problem: PagedProblem, plan: PagedPlan, slot, head: int):
+    """One KV head's keys (or values) of a block, [block_kv, D]: its lanes of the buffer's rows (pages), or its
+    rows of the buffer's [tokens, Hkv, D] (contiguous keys)."""
+    if problem.contiguous:
+        return buffer[slot, :, :, head, :].reshape(plan.block_kv, problem.head_dim)
+    columns = pl.ds(head * problem.head_dim, problem.head_dim)
+    return buffer[slot, :, :, columns].reshape(plan.block_kv, problem.head_dim)
+
+
 def _row_tokens(shape, group: int):
     """The token (row // group) of each row of a tile, broadcast along axis 1."""
     rows = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
@@ -158,14 +196,14 @@ def _row_tokens(shape, group: int):
     return ((rows.astype(jnp.float32) + 0.5) * (1.0 / group)).astype(jnp.int32)
 
 
-def _attend_tile(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, head: int, tile, block_start,
-                 key_start, buffer_start, k, v) -> None:
-    """The online softmax of one row tile of one KV head over one K/V block (its buffer's first row holds key
-    buffer_start; keys before key_start belong to the previous block)."""
-    rows = plan.tile_q * problem.group
+def _attend_tile(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, head: int, tile_q: int, tile,
+                 block_start, key_start, buffer_start, k, v) -> None:
+    """The online softmax of row tile `tile` (of tile_q tokens) of one KV head over one K/V block (its buffer's
+    first row holds key buffer_start; keys before key_start belong to the previous block)."""
+    rows = tile_q * problem.group
     shape = (rows, plan.block_kv)
     row0 = pl.multiple_of(tile * rows, rows)
-    token = block_start + tile * plan.tile_q + _row_tokens(shape, problem.group)
+    token = block_start + tile * tile_q + _row_tokens(shape, problem.group)
     position = token + span.to_position
     key_pos = buffer_start + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
     visible = (token >= span.row_first) & (token <= span.row_last) & (key_pos < span.kv_len)
@@ -193,39 +231,72 @@ def _attend_tile(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Spa
     refs.max[state] = max_next
 
 
-def _tile_sees_block(problem: PagedProblem, plan: PagedPlan, span: _Span, tile, block_start, key_start):
-    """Whether some row of the tile that belongs to the sequence sees a key of the block."""
-    first = jnp.maximum(span.row_first, block_start + tile * plan.tile_q)
-    last = jnp.minimum(span.row_last, block_start + (tile + 1) * plan.tile_q - 1)
+def _tile_sees_block(problem: PagedProblem, plan: PagedPlan, span: _Span, tile_q: int, tile, block_start, key_start):
+    """Whether some row of the tile (of tile_q tokens) that belongs to the sequence sees a key of the block."""
+    first = jnp.maximum(span.row_first, block_start + tile * tile_q)
+    last = jnp.minimum(span.row_last, block_start + (tile + 1) * tile_q - 1)
     first_key, last_key = _key_range(problem, first + span.to_position, last + span.to_position, span.kv_len)
     last_key = jnp.minimum(last_key, key_start + plan.block_kv - 1)
     first_key = jnp.maximum(first_key, key_start)
     return (last >= first) & (last_key >= first_key)
 
 
+def _tile_range(span: _Span, tile_q: int, block_start):
+    """The first and last row tile (of tile_q tokens) of the step holding a row of the sequence."""
+    return _div(span.row_first - block_start, tile_q), _div(span.row_last - block_start, tile_q)
+
+
+def _small_tiles_are_fewer_rows(plan: PagedPlan, span: _Span, block_start):
+    """Whether the sequence's rows in the step span fewer rows in tiles of min_tile_q tokens than of tile_q (a
+    decode row: 2 tokens' rows instead of tile_q tokens'; a long prefill chunk: never fewer)."""
+    small_first, small_last = _tile_range(span, plan.min_tile_q, block_start)
+    first, last = _tile_range(span, plan.tile_q, block_start)
+    return (small_last - small_first + 1) * plan.min_tile_q < (last - first + 1) * plan.tile_q
+
+
 def _attend_block(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block, slot,
                   block_start) -> None:
-    """Every KV head's row tiles of the sequence over one K/V block (in VMEM slot `slot`)."""
-    key_start = buffer_start = block * plan.block_kv
+    """Every KV head's row tiles of the sequence over one K/V block (in VMEM slot `slot`), in tiles of tile_q
+    tokens or, when those are fewer rows, of min_tile_q."""
+    key_start = buffer_start = _block_key(plan, span, block)
     if problem.contiguous:
         buffer_start = key_start - _contiguous_rows(refs, problem, plan, span, block)[1]
-    value_pos = buffer_start + jax.lax.broadcasted_iota(jnp.int32, (plan.block_kv, problem.head_dim), 0)
-    value_valid = (value_pos >= key_start) & (value_pos < span.kv_len)
-    first_tile = _div(span.row_first - block_start, plan.tile_q)
-    last_tile = _div(span.row_last - block_start, plan.tile_q)
-    for head in range(problem.kv_heads):
-        k = refs.k_buf[slot, :, :, head, :].reshape(plan.block_kv, problem.head_dim)
-        v = refs.v_buf[slot, :, :, head, :].reshape(plan.block_kv, problem.head_dim)
-        # p is 0 past the keys, but 0 * NaN (a stale or unfetched row) is NaN.
-        v = jnp.where(value_valid, v, jnp.zeros_like(v))
+    # Contiguous keys: a block's rows before its first key or past the sequence's keys are other rows of the
+    # array, which past cu_k_lens[-1] may hold NaN: p is 0 there, but 0 * NaN is NaN. Only a block holding some is
+    # masked. (Pages: `_clear_values_past_keys` zeroed those rows.)
+    needs_mask = (buffer_start < key_start) | (buffer_start + plan.block_kv > span.kv_len)
 
-        def tile_body(tile, carry, head=head, k=k, v=v):
-            pl.when(_tile_sees_block(problem, plan, span, tile, block_start, key_start))(
-                lambda: _attend_tile(refs, problem, plan, span, head, tile, block_start, key_start, buffer_start,
-                                     k, v))
-            return carry
+    def values(head):
+        v = _head(refs.v_buf, problem, plan, slot, head)
+        if not problem.contiguous:
+            return v
 
-        jax.lax.fori_loop(first_tile, last_tile + 1, tile_body, 0)
+        def masked():
+            value_pos = buffer_start + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
+            return jnp.where((value_pos >= key_start) & (value_pos < span.kv_len), v, jnp.zeros_like(v))
+
+        return jax.lax.cond(needs_mask, masked, lambda: v)
+
+    def run_tiles(tile_q: int):
+        first_tile, last_tile = _tile_range(span, tile_q, block_start)
+        for head in range(problem.kv_heads):
+            k = _head(refs.k_buf, problem, plan, slot, head)
+            v = values(head)
+
+            def tile_body(tile, carry, head=head, k=k, v=v):
+                pl.when(_tile_sees_block(problem, plan, span, tile_q, tile, block_start, key_start))(
+                    lambda: _attend_tile(refs, problem, plan, span, head, tile_q, tile, block_start, key_start,
+                                         buffer_start, k, v))
+                return carry
+
+            jax.lax.fori_loop(first_tile, last_tile + 1, tile_body, 0)
+
+    if plan.min_tile_q == plan.tile_q:
+        run_tiles(plan.tile_q)
+        return
+    small = _small_tiles_are_fewer_rows(plan, span, block_start)
+    pl.when(small)(lambda: run_tiles(plan.min_tile_q))
+    pl.when(jnp.logical_not(small))(lambda: run_tiles(plan.tile_q))
 
 
 def _paged_kernel(cu_q_ref, kv_lens_ref, table_ref, seq_first_ref, seq_last_ref, q_ref, k_hbm, v_hbm, *rest,
@@ -249,7 +320,7 @@ def _paged_kernel(cu_q_ref, kv_lens_ref, table_ref, seq_first_ref, seq_last_ref,
         slot, in_flight = carry  # in_flight: this sequence's first block is already on its way into `slot`
         span = _span(refs, problem, plan, seq, block_start)
         pl.when(span.has_blocks & (in_flight == 0))(
-            lambda: _start_block(refs, problem, plan, span, span.first_block, slot))
+            lambda: _start_block(refs, problem, plan, span, 0, slot))
         has_next = seq < last_seq
         following = _span(refs, problem, plan, jnp.minimum(seq + 1, last_seq), block_start)
         prefetch_next = has_next & following.has_blocks
@@ -263,13 +334,15 @@ def _paged_kernel(cu_q_ref, kv_lens_ref, table_ref, seq_first_ref, seq_last_ref,
 
             @pl.when((block == span.last_block) & prefetch_next)
             def _first_of_the_next():
-                _start_block(refs, problem, plan, following, following.first_block, other)
+                _start_block(refs, problem, plan, following, 0, other)
 
             _wait_block(refs, problem, plan, span, block, slot)
+            if not problem.contiguous:
+                _clear_values_past_keys(refs, problem, plan, span, block, slot)
             _attend_block(refs, problem, plan, span, block, slot, block_start)
             return other
 
-        slot = jax.lax.fori_loop(span.first_block, span.last_block + 1, block_body, slot)
+        slot = jax.lax.fori_loop(0, span.last_block + 1, block_body, slot)
         return slot, (span.has_blocks & prefetch_next).astype(jnp.int32)
 
     jax.lax.fori_loop(seq_first_ref[step], last_seq + 1, seq_body, (jnp.int32(0), jnp.int32(0)))
@@ -319,13 +392,13 @@ def call(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cu_q_lens: jax.Ar
     seq_first, seq_last = _sequence_ranges(cu_q_lens.astype(jnp.int32), plan)
     row_spec = pl.BlockSpec((kv_heads, step_rows, head_dim), lambda i, *_: (0, i, 0))
     in_specs = [row_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
-    operands = [q_rows, k_cache, v_cache]
+    operands = [q_rows, *(cache.reshape(*cache.shape[:2], *kv_row_shape(problem)) for cache in (k_cache, v_cache))]
     if sinks is not None:
         # Each row's sink, in the rows' (token, head) order: one block serves every step.
         sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(kv_heads, 1, group), (1, plan.block_q, 1))
         in_specs.append(pl.BlockSpec((kv_heads, step_rows, 1), lambda i, *_: (0, 0, 0)))
         operands.append(sink_rows.reshape(kv_heads, step_rows, 1))
-    buffer = pltpu.VMEM((2, plan.chunks_per_block, plan.chunk, kv_heads, head_dim), k_cache.dtype)
+    buffer = pltpu.VMEM((2, plan.chunks_per_block, plan.chunk, *kv_row_shape(problem)), k_cache.dtype)
     out = pl.pallas_call(
         functools.partial(_paged_kernel, problem=problem, plan=plan),
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),

@@ -8,7 +8,7 @@ import dataclasses
 from jax.experimental import pallas as pl
 
 from ..common.paged import PagedProblem
-from .tiles import PagedConfig, check_config, chunk_tokens, select
+from .tiles import PagedConfig, check_config, chunk_tokens, min_tile_q, select
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,6 +18,7 @@ class PagedPlan:
     problem: PagedProblem
     block_q: int  # packed query rows per grid step
     tile_q: int  # query rows per matmul
+    min_tile_q: int  # query rows per matmul of a sequence with fewer rows in tiles this small (a decode row)
     block_kv: int  # keys per K/V block
     chunk: int  # keys per DMA: a page, or a part of one
     num_q_blocks: int  # grid length
@@ -43,8 +44,9 @@ def make(problem: PagedProblem, generation: str | None = None, config: PagedConf
         problem=problem,
         block_q=config.block_q,
         tile_q=config.tile_q,
+        min_tile_q=min_tile_q(problem),
         block_kv=config.block_kv,
-        chunk=chunk_tokens(config.block_kv, problem.page_size),
+        chunk=chunk_tokens(problem, config.block_kv),
         num_q_blocks=max(1, pl.cdiv(problem.total_q, config.block_q)),
         vmem_limit_bytes=config.vmem_limit_bytes,
     )

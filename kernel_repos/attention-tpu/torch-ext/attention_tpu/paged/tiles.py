@@ -1,7 +1,9 @@
 """Tiles of ragged paged attention (`paged.kernel`) per shape and TPU generation.
 
 Three sizes, in tokens: `block_q` query rows per grid step, `tile_q` query rows per matmul (a step's sequences
-each run the row tiles they own), `block_kv` keys per K/V block (whole pages, or an equal part of one page). The
+each run the row tiles they own), `block_kv` keys per K/V block (whole pages, or an equal part of one page).
+Besides `tile_q`, the kernel has the smallest legal row tile (`min_tile_q`): a sequence whose rows in a step are
+fewer in small tiles (a decode row: one token, `group` rows) runs those, not a whole `tile_q` tile. The
 heuristic starts from PREFERRED_TILES and halves the largest term of the working set until it fits the VMEM
 budget (`common.vmem.vmem_budget`); the kernel then asks Mosaic for the limit its working set needs.
 """
@@ -9,21 +11,23 @@ budget (`common.vmem.vmem_budget`); the kernel then asks Mosaic for the limit it
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 
-from .._hardware import LANES, check_generation, resolve_generation, round_up, sublane_multiple
+from .._hardware import LANES, MEGACORE_GENERATIONS, check_generation, resolve_generation, round_up, sublane_multiple
 from ..common.paged import PagedProblem
 from ..common.vmem import vmem_budget, vmem_limit
 
-# Row tiles are multiples of 16 tokens, so that a tile's rows (tokens x the query heads of one KV head) start on a
-# native tile of every dtype; a tile aims at TILE_ROWS rows (an MXU-sized matmul) when the sequences are long.
-TILE_Q_MULTIPLE = 16
+# A row tile's rows (tokens x the query heads of one KV head) are a multiple of the dtype's native tile rows
+# (`min_tile_q`); a tile aims at TILE_ROWS rows (an MXU-sized matmul) when the sequences are long.
 TILE_ROWS = 256
 # Preferred (query rows per step, keys per K/V block): decode-sized steps hold a few row tiles; keys as the
-# forward's (`flash.tiles.PREFERRED_TILES`). Not tuned on hardware.
+# forward's (`flash.tiles.PREFERRED_TILES`). Not tuned on hardware. A batch of sequences of at most DECODE_MAX_Q
+# queries takes the preferred steps too, but on a megacore device (v5p) no more than half its rows, so that both
+# TensorCores get a step.
 PREFERRED_TILES = {"v5e": (128, 512), "v5p": (128, 512), "v6e": (128, 1024), "tpu7x": (128, 1024)}
-DECODE_BLOCK_Q = 32  # query rows per step when no sequence has more than TILE_Q_MULTIPLE queries
+DECODE_MAX_Q = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,9 +40,43 @@ class PagedConfig:
     vmem_limit_bytes: int
 
 
-def chunk_tokens(block_kv: int, page_size: int) -> int:
-    """Tokens of one K/V DMA: a whole page, or the part of one a block holds."""
-    return min(block_kv, page_size)
+def kv_row_shape(problem: PagedProblem) -> tuple[int, ...]:
+    """The shape of one token's K (or V) row in HBM and in the kernel's VMEM blocks. Pages: [Hkv * D], every head
+    side by side in lanes (a free reshape of the cache; a head's keys are lanes, no KV head padded to a native
+    tile's rows). Contiguous keys: [Hkv, D], whose blocks start at any row (a DMA starts on a native tile of the
+    two minor dimensions, and the token dimension is not one of them)."""
+    if problem.contiguous:
+        return (problem.kv_heads, problem.head_dim)
+    return (problem.kv_heads * problem.head_dim,)
+
+
+def min_tile_q(problem: PagedProblem) -> int:
+    """The fewest tokens of a row tile: their rows (tokens x group) fill whole native tiles of the dtype (8 rows of
+    float32, 16 of bfloat16), so that every tile starts on one. A group of 8 in bfloat16: 2 tokens, 16 rows."""
+    rows = sublane_multiple(jnp.dtype(problem.dtype))
+    return rows // math.gcd(rows, problem.group)
+
+
+# Under a window a sequence's first visible key sits anywhere in a page, and its blocks start at the chunk holding
+# it: a chunk is at most 1 / WINDOW_CHUNKS of the window (and at least WINDOW_MIN_CHUNK tokens, when a page part that
+# small exists), so that a window costs at most ~2 / WINDOW_CHUNKS more keys than it holds.
+WINDOW_CHUNKS = 8
+WINDOW_MIN_CHUNK = 16
+
+
+def _window_chunk_bound(window: int) -> int:
+    return max(WINDOW_MIN_CHUNK, window // WINDOW_CHUNKS)
+
+
+def chunk_tokens(problem: PagedProblem, block_kv: int) -> int:
+    """Tokens of one K/V DMA: a whole page, or the part of one a block holds; under a window no more than its
+    WINDOW_CHUNKS-th part (contiguous keys: the block, whose DMA starts at any row)."""
+    if problem.contiguous:
+        return block_kv
+    chunk = min(block_kv, problem.page_size)
+    if problem.sliding_window is not None:
+        chunk = _page_part(chunk, _window_chunk_bound(problem.sliding_window))
+    return chunk
 
 
 def vmem_bytes(problem: PagedProblem, *, block_q: int, tile_q: int, block_kv: int) -> int:
@@ -47,8 +85,11 @@ def vmem_bytes(problem: PagedProblem, *, block_q: int, tile_q: int, block_kv: in
     itemsize, rows_multiple = dtype.itemsize, sublane_multiple(dtype)
     kv_heads, head_dim, group = problem.kv_heads, problem.head_dim, problem.group
     step_rows = block_q * group
-    # K and V pages keep the cache's [tokens, Hkv, D] layout in VMEM: Hkv is padded to a native tile.
-    kv_buffers = 2 * 2 * block_kv * round_up(kv_heads, rows_multiple) * head_dim * itemsize
+    if problem.contiguous:  # a token's [Hkv, D]: Hkv padded to a native tile's rows
+        kv_row_bytes = round_up(kv_heads, rows_multiple) * head_dim * itemsize
+    else:  # a token's [Hkv * D] lanes
+        kv_row_bytes = round_up(kv_heads * head_dim, LANES) * itemsize
+    kv_buffers = 2 * 2 * block_kv * kv_row_bytes
     q_and_out = 2 * 2 * kv_heads * round_up(step_rows, rows_multiple) * head_dim * itemsize
     scratch = kv_heads * step_rows * (head_dim + 2 * LANES) * 4  # acc, running max and sum (lane padded)
     sinks = 2 * kv_heads * step_rows * LANES * 4 if problem.has_sinks else 0
@@ -72,26 +113,32 @@ def _shrink_kv(block_kv: int, page_size: int, contiguous: bool) -> int:
     return _page_part(page_size, block_kv // 2) if block_kv > 1 else block_kv
 
 
-def visible_keys(problem: PagedProblem) -> int:
-    """The most keys one sequence's queries see: its page table's tokens, and under a causal window the window
-    and the sequence's queries."""
+def visible_keys(problem: PagedProblem, tile_q: int) -> int:
+    """The most keys one row tile (of tile_q tokens) sees: its sequence's page table's tokens, and under a causal
+    window the window and the tile's queries."""
     keys = problem.page_size if problem.contiguous else problem.pages_per_seq * problem.page_size
     if problem.causal and problem.sliding_window is not None:
-        keys = min(keys, problem.sliding_window + problem.longest_query - 1)
+        keys = min(keys, problem.sliding_window + min(tile_q, problem.longest_query) - 1)
     return keys
 
 
 def heuristic_config(problem: PagedProblem, generation: str) -> PagedConfig:
     """Preferred tiles, the query ones no longer than the longest sequence's queries and the key blocks no longer
-    than the keys a sequence sees (a block is fetched whole: a 1024-key block under a 128-key window fetches 8x
-    the keys), shrunk to the VMEM budget."""
+    than the keys a row tile sees (and the chunk before them a block starts at: a tile computes a block whole, and
+    a 1024-key block under a 128-key window would compute 8x its keys), shrunk to the VMEM budget."""
     generation = check_generation(generation)
     preferred_q, preferred_kv = PREFERRED_TILES[generation]
-    preferred_kv = min(preferred_kv, round_up(visible_keys(problem), LANES))
     longest = max(1, problem.longest_query)
-    tile_q = min(round_up(max(1, TILE_ROWS // problem.group), TILE_Q_MULTIPLE), round_up(longest, TILE_Q_MULTIPLE))
+    multiple = min_tile_q(problem)
+    tile_q = min(round_up(max(1, TILE_ROWS // problem.group), multiple), round_up(longest, multiple))
+    keys = visible_keys(problem, tile_q)
+    if problem.sliding_window is not None and not problem.contiguous:
+        keys += _window_chunk_bound(problem.sliding_window) - 1  # blocks start at the first visible key's chunk
+    preferred_kv = min(preferred_kv, round_up(keys, LANES))
     packed = round_up(max(1, problem.total_q), tile_q)
-    block_q = min(packed, DECODE_BLOCK_Q if longest <= TILE_Q_MULTIPLE else preferred_q)
+    block_q = min(packed, preferred_q)
+    if longest <= DECODE_MAX_Q and generation in MEGACORE_GENERATIONS:
+        block_q = min(block_q, round_up(-(-packed // 2), tile_q))
     block_q = max(tile_q, block_q // tile_q * tile_q)
     page, contiguous = problem.page_size, problem.contiguous
     if contiguous:
@@ -111,8 +158,8 @@ def heuristic_config(problem: PagedProblem, generation: str) -> PagedConfig:
             block_kv = _shrink_kv(block_kv, page, contiguous)
         elif block_q > tile_q:
             block_q = max(tile_q, block_q // 2 // tile_q * tile_q)
-        elif tile_q > TILE_Q_MULTIPLE:
-            tile_q = block_q = max(TILE_Q_MULTIPLE, tile_q // 2 // TILE_Q_MULTIPLE * TILE_Q_MULTIPLE)
+        elif tile_q > multiple:
+            tile_q = block_q = max(multiple, tile_q // 2 // multiple * multiple)
         elif _shrink_kv(block_kv, page, contiguous) < block_kv:
             block_kv = _shrink_kv(block_kv, page, contiguous)
         else:
@@ -122,8 +169,10 @@ def heuristic_config(problem: PagedProblem, generation: str) -> PagedConfig:
 
 def check_config(config: PagedConfig, problem: PagedProblem) -> None:
     """Raises ValueError if `config`'s tiles are not legal for `problem`."""
-    if config.tile_q < 1 or config.tile_q % TILE_Q_MULTIPLE:
-        raise ValueError(f"config.tile_q must be a positive multiple of {TILE_Q_MULTIPLE}, got {config.tile_q}")
+    multiple = min_tile_q(problem)
+    if config.tile_q < 1 or config.tile_q % multiple:
+        raise ValueError(f"config.tile_q must be a positive multiple of {multiple} (rows of whole native tiles for "
+                         f"a group of {problem.group} in {problem.dtype}), got {config.tile_q}")
     if config.block_q < 1 or config.block_q % config.tile_q:
         raise ValueError(f"config.block_q must be a positive multiple of tile_q ({config.tile_q}), "
                          f"got {config.block_q}")
