@@ -28,6 +28,7 @@ BENCHMARKS = {
     "moe_backward": "MoE experts backward: our grouped matmuls vs megablox's and tokamax's, in the traffic model",
     "attention": "attention kernels: HBM bytes and MXU work vs the minimum, skipped blocks, v6e compile-only cost",
     "paged_attention": "ragged paged attention: modelled share of the HBM roofline and MXU peak, ours vs rivals",
+    "cb_step": "a continuous-batching attention step as transformers runs it: gather + pad + kernel vs in place",
     "rmsnorm": "RMSNorm kernels: HBM bytes vs the minimum, modelled time, v6e compile-only cost",
     "moe_decode": "per-step decode time of a MoE model: kernelized vs eager vs grouped_mm (a TPU VM harness)",
     "quantization_accuracy": "quantization error of int8 / fp8 / int4 expert weights against the float model",
@@ -43,7 +44,7 @@ TOOLS = {
 }
 # The benchmarks that model a TPU from the CPU: `tpu-kernels bench` runs them with JAX_PLATFORMS=cpu unless set.
 MODELLED = frozenset({"moe_layer", "multichip", "decode_step", "moe_backward", "attention", "paged_attention",
-                      "rmsnorm", "calibration_fit"})
+                      "cb_step", "rmsnorm", "calibration_fit"})
 # A kernel repo's modelled benchmark: `tpu-kernels bench kernel_repos/<name> [args]` runs it with --repo.
 KERNEL_REPO_BENCHMARKS = {"ragged-dot-tpu": "moe_layer", "attention-tpu": "attention", "rmsnorm-tpu": "rmsnorm"}
 
