@@ -39,6 +39,7 @@ from tpu_kernels.bench import calibration_bands, prose_figures
 from tpu_kernels.bench.tables import attention as attention_tables
 from tpu_kernels.bench.tables import binding as binding_tables
 from tpu_kernels.bench.tables import calibration as calibration_tables
+from tpu_kernels.bench.tables import cb_step as cb_step_tables
 from tpu_kernels.bench.tables import decode_step as decode_step_tables
 from tpu_kernels.bench.tables import hub_server as hub_server_tables
 from tpu_kernels.bench.tables import int4_granularity as int4_granularity_tables
@@ -340,6 +341,7 @@ DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
     f"{SOURCES_DIR}/decode_step.md": sectioned_tables("decode_step.json", decode_step_tables.render_markdown),
     f"{SOURCES_DIR}/paged_attention.md": sectioned_tables("paged_attention.json",
                                                           paged_attention_tables.render_markdown),
+    f"{SOURCES_DIR}/cb_step.md": sectioned_tables("cb_step.json", cb_step_tables.render_markdown),
     # moe_layer writes its own moe_layer.md, moe_layer_v5p_tpu7x.md and moe_layer_v5p.md (the full tables): these
     # are the headlines.
     f"{SOURCES_DIR}/moe_layer_headline.md": sectioned_tables("moe_layer.json", moe_layer_tables.render_markdown),
