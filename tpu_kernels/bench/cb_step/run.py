@@ -11,7 +11,7 @@ import jax
 import kernels
 
 from tpu_kernels import perf
-from tpu_kernels.bench import calibration_bands, kernel_repo, moe_layer, require_kernel_repo, result_path, write_json
+from tpu_kernels.bench import calibration_bands, kernel_repo, moe_layer, require_kernel_repo, result_path
 from tpu_kernels.bench.moe_layer.vllm_kernels import DEFAULT_FOLDER
 from tpu_kernels.distribution.builder import build_kernel_repo
 
@@ -93,7 +93,8 @@ def main(argv=None) -> int:
         "summary": summarise(rows),
         "results": rows,
     }
-    write_json(args.out, report, sort_keys=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(moe_layer.dump_compact(moe_layer.rounded(report)) + "\n")
     print(f"wrote {args.out}")
     return 0
 
