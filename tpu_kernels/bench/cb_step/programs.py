@@ -8,6 +8,7 @@ every path that runs our paged kernel).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from tpu_kernels.bench.decode_step.programs import Program, spec
@@ -37,9 +38,13 @@ def pad_rows(packed, rows: int):
 
 
 def pad_sequences(packed, rows):
-    """flash_api's `_pad_sequences`: packed[rows].transpose(1, 2), [B, H, L, D] (one copy: a lower bound on
-    eager torch, whose transpose is a view the kernel's binding may copy again)."""
-    return jnp.take(packed, rows, axis=0, mode="clip").transpose(0, 2, 1, 3)
+    """flash_api's `_pad_sequences`, its first op: packed[rows], [B, L, H, D] (the rows are clamped in range)."""
+    return jnp.take(packed, rows, axis=0, mode="clip")
+
+
+def heads_first(padded):
+    """Its second: `.transpose(1, 2)` to [B, H, L, D], a view in torch that the kernel's call makes contiguous."""
+    return padded.transpose(0, 2, 1, 3)
 
 
 def unpad_output(out, sequence, index, inside):
@@ -78,17 +83,18 @@ def padded_programs(model: Model, found: Sizes) -> list[Program]:
     return [
         Program("pad: K and V, every sequence to one length", pad_sequences,
                 (spec(found.total_k, model.kv_heads, d), spec(b, found.padded_key_rows, dtype=INDEX)), 2),
+        Program("pad: K and V to heads first", heads_first,
+                (spec(b, found.padded_key_rows, model.kv_heads, d),), 2),
         Program("pad: q, every sequence to one length", pad_sequences,
                 (spec(found.total_q, model.q_heads, d), spec(b, found.padded_query_rows, dtype=INDEX)), 1),
+        Program("pad: q to heads first", heads_first, (spec(b, found.padded_query_rows, model.q_heads, d),), 1),
         Program("unpad: the output back to packed rows", unpad_output,
                 (spec(b, model.q_heads, found.padded_query_rows, d), spec(found.total_q, dtype=INDEX),
                  spec(found.total_q, dtype=INDEX), spec(found.total_q, dtype=jnp.bool_)), 1),
     ]
 
 
-def copied_bytes(program: Program, itemsize: int = 2) -> int:
+def copied_bytes(program: Program) -> int:
     """The bytes a copy program writes per call (its output), for the gather's check against transformers'."""
-    import jax
-
     out = jax.eval_shape(program.fn, *program.avals)
     return int(out.size) * out.dtype.itemsize

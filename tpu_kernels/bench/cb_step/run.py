@@ -102,14 +102,18 @@ def main(argv=None) -> int:
 def assumptions() -> dict:
     return {
         "gather": "transformers 5.25 continuous batching off CUDA/XPU (no block table): per layer torch.index_select "
-                  "of K and of V by the read index, the batch's true rows (no CUDA-graph padding); sliding layers "
-                  "read min(past, window - 1) cached rows + the new ones and fill those by masked_scatter_; each "
-                  "eager op its own XLA program",
+                  "of K and of V by the read index, the batch's true rows (inputs are padded only under accelerator "
+                  "graphs or torch.compile, and transformers has no graph backend on TPU); sliding layers read "
+                  "min(past, window - 1) cached rows + the new ones and fill those by masked_scatter_; each eager op "
+                  "its own XLA program",
         "pad": "flash_api.py as it stands: without a gradient q rows, K/V rows and sequences rounded up to powers "
                f"of two (floors {steps.RAGGED_QUERY_ROWS_FLOOR}, {steps.RAGGED_KEY_ROWS_FLOOR}, "
                f"{steps.RAGGED_SEQUENCES_FLOOR}) by torch.nn.functional.pad; with one, the batch and each "
-               "sequence's query and key length rounded up and every sequence padded to them (one copy each for "
-               "K, V, q; the output gathered back)",
+               "sequence's query and key length rounded up and every sequence padded to them (K, V and q each "
+               "gathered per sequence, then made heads first, each an eager op; the output gathered back)",
+        "granularity": "a gather moves rows of Hkv * D elements (a few KiB or less) and is priced at the "
+                       "streaming HBM rate with no cost per row, as every copy here: if anything, the copies' "
+                       "figures are low",
         "left_out": "the cache write (index_copy_ of the new rows: the same on every path, vLLM's included), the "
                     "kernel's own reshapes of q and out, the host's dispatch of each eager op",
         "copies_priced_by": "each copy's XLA program compiled for the generation's compile-only topology, priced by "

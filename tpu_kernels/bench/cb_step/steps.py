@@ -9,7 +9,8 @@ from the paged cache by `torch.index_select` into packed K and V [total_k, Hkv, 
 - a sliding layer reads at most window - 1 cached tokens, then new-token slots that `masked_scatter_` fills
   with the new keys and values (`SlidingAttentionCacheAllocator`: min(past, window - 1) + new rows).
 
-The read index is the batch's true rows (`use_padding` pads it only for CUDA graphs). Then our
+The read index is the batch's true rows (`ModelRunner.pad_inputs` pads it only under accelerator graphs or
+torch.compile, and TPU has no graph backend in transformers). Then our
 `flash_attn_varlen_func` (kernel_repos/attention-tpu, `flash_api.py`) rounds sizes up to powers of two:
 without a gradient (`ragged_varlen_attention`) the rows of q and of K, V and the number of sequences; with one
 (`padded_varlen_attention`) the batch and each sequence's query and key length, every sequence padded to them.
