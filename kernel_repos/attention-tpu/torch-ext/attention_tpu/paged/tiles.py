@@ -40,16 +40,6 @@ class PagedConfig:
     vmem_limit_bytes: int
 
 
-def kv_row_shape(problem: PagedProblem) -> tuple[int, ...]:
-    """The shape of one token's K (or V) row in HBM and in the kernel's VMEM blocks. Pages: [Hkv * D], every head
-    side by side in lanes (a free reshape of the cache; a head's keys are lanes, no KV head padded to a native
-    tile's rows). Contiguous keys: [Hkv, D], whose blocks start at any row (a DMA starts on a native tile of the
-    two minor dimensions, and the token dimension is not one of them)."""
-    if problem.contiguous:
-        return (problem.kv_heads, problem.head_dim)
-    return (problem.kv_heads * problem.head_dim,)
-
-
 def min_tile_q(problem: PagedProblem) -> int:
     """The fewest tokens of a row tile: their rows (tokens x group) fill whole native tiles of the dtype (8 rows of
     float32, 16 of bfloat16), so that every tile starts on one. A group of 8 in bfloat16: 2 tokens, 16 rows."""
@@ -85,11 +75,8 @@ def vmem_bytes(problem: PagedProblem, *, block_q: int, tile_q: int, block_kv: in
     itemsize, rows_multiple = dtype.itemsize, sublane_multiple(dtype)
     kv_heads, head_dim, group = problem.kv_heads, problem.head_dim, problem.group
     step_rows = block_q * group
-    if problem.contiguous:  # a token's [Hkv, D]: Hkv padded to a native tile's rows
-        kv_row_bytes = round_up(kv_heads, rows_multiple) * head_dim * itemsize
-    else:  # a token's [Hkv * D] lanes
-        kv_row_bytes = round_up(kv_heads * head_dim, LANES) * itemsize
-    kv_buffers = 2 * 2 * block_kv * kv_row_bytes
+    # K and V pages keep the cache's [tokens, Hkv, D] layout in VMEM: Hkv is padded to a native tile.
+    kv_buffers = 2 * 2 * block_kv * round_up(kv_heads, rows_multiple) * head_dim * itemsize
     q_and_out = 2 * 2 * kv_heads * round_up(step_rows, rows_multiple) * head_dim * itemsize
     scratch = kv_heads * step_rows * (head_dim + 2 * LANES) * 4  # acc, running max and sum (lane padded)
     sinks = 2 * kv_heads * step_rows * LANES * 4 if problem.has_sinks else 0
