@@ -17,8 +17,8 @@ Layout and semantics: `common/paged.py`.
   is computed. Chunks past a sequence's keys are not fetched.
 * Per block and KV head, every row tile of the sequence that sees a key of the block runs one (rows, D) x
   (D, block_kv) matmul and the online softmax (float32 state in VMEM scratch). A sequence's tiles are of `tile_q`
-  tokens, or of `min_tile_q` (rows of the dtype's native tile) when those cover its rows in fewer rows: a decode
-  row of a group of 8 in bfloat16 runs a 16-row tile, not a 128-row one. Rows of other sequences in a tile are
+  tokens, or of `min_tile_q` (rows of the dtype's native tile) when those cover its rows in at most half the rows:
+  a decode row of a group of 8 in bfloat16 runs a 16-row tile, not a 128-row one. Rows of other sequences in a tile are
   masked out, which leaves their state unchanged; decode rows of several sequences thus share a tile. Sinks
   start a row's running max and sum (max = sink, sum = 1).
 * V rows past a sequence's keys are zeroed in the buffer (contiguous keys: masked per head) before the PV
@@ -240,17 +240,19 @@ def _tile_range(span: _Span, tile_q: int, block_start):
 
 
 def _small_tiles_are_fewer_rows(plan: PagedPlan, span: _Span, block_start):
-    """Whether the sequence's rows in the step span fewer rows in tiles of min_tile_q tokens than of tile_q (a
-    decode row: 2 tokens' rows instead of tile_q tokens'; a long prefill chunk: never fewer)."""
+    """Whether the sequence's rows in the step span at most half the rows in tiles of min_tile_q tokens that they
+    span in tiles of tile_q (a decode row: 2 tokens' rows instead of tile_q tokens'). A longer chunk runs the
+    large tiles: many small matmuls cost more than the rows they save (an MXU pass has a floor of rows, each tile
+    its loop and softmax bookkeeping)."""
     small_first, small_last = _tile_range(span, plan.min_tile_q, block_start)
     first, last = _tile_range(span, plan.tile_q, block_start)
-    return (small_last - small_first + 1) * plan.min_tile_q < (last - first + 1) * plan.tile_q
+    return 2 * (small_last - small_first + 1) * plan.min_tile_q <= (last - first + 1) * plan.tile_q
 
 
 def _attend_block(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block, slot,
                   block_start) -> None:
     """Every KV head's row tiles of the sequence over one K/V block (in VMEM slot `slot`), in tiles of tile_q
-    tokens or, when those are fewer rows, of min_tile_q."""
+    tokens or, when those are at most half the rows, of min_tile_q."""
     key_start = buffer_start = _block_key(plan, span, block)
     if problem.contiguous:
         buffer_start = key_start - _contiguous_rows(refs, problem, plan, span, block)[1]

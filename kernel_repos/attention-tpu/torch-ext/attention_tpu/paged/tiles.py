@@ -3,7 +3,7 @@
 Three sizes, in tokens: `block_q` query rows per grid step, `tile_q` query rows per matmul (a step's sequences
 each run the row tiles they own), `block_kv` keys per K/V block (whole pages, or an equal part of one page).
 Besides `tile_q`, the kernel has the smallest legal row tile (`min_tile_q`): a sequence whose rows in a step are
-fewer in small tiles (a decode row: one token, `group` rows) runs those, not a whole `tile_q` tile. The
+at most half as many in small tiles (a decode row: one token, `group` rows) runs those, not a whole `tile_q` tile. The
 heuristic starts from PREFERRED_TILES and halves the largest term of the working set until it fits the VMEM
 budget (`common.vmem.vmem_budget`); the kernel then asks Mosaic for the limit its working set needs.
 """
