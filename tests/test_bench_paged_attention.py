@@ -96,3 +96,26 @@ def test_a_row_without_a_generation_is_a_key_error():
     del row["ours"]["tpu7x"]
     with pytest.raises(KeyError):
         tables.decode([row])
+
+
+def test_the_replay_counts_small_tiles_for_decode_rows_and_large_ones_for_a_long_chunk(kernel_builds):
+    """The priced replay of our kernel: Qwen3-30B-A3B decode rows (group 8, bfloat16) run 16-row matmuls, a ragged
+    1000-token chunk 256-row ones (small tiles would save too few rows), each decode row once per key block."""
+    import numpy as np
+
+    from tpu_kernels import perf
+    from tpu_kernels.bench.paged_attention import ours
+    from tpu_kernels.distribution.loader import get_local_kernel
+
+    built = get_local_kernel(kernel_builds["attention-tpu"], backend="cpu")
+    batch = shapes.Batch("b", "mixed", (1000, 1, 1, 1), (1000, 300, 700, 1500))
+    calls = perf.model_pallas_traffic(ours.kernel_fn(built, batch, QWEN3, "v6e"), *ours.paged_inputs(batch, QWEN3, 128))
+    counts = {}
+    for call in calls:
+        for key, per_phase in call.phases.work.items():
+            if len(key) > 1:  # a matmul's (batch, m, k, n, ...) shape
+                counts[key[1]] = counts.get(key[1], 0) + int(np.sum(per_phase))
+    block_kv = ours.tiles(built, batch, QWEN3, 128, "v6e").block_kv
+    decode_blocks = sum(-(-n // block_kv) for n in batch.kv_lens[1:])
+    assert set(counts) == {16, 256}
+    assert counts[16] == 2 * QWEN3.kv_heads * decode_blocks  # QK and PV per KV head and block

@@ -17,8 +17,8 @@ Layout and semantics: `common/paged.py`.
   is computed. Chunks past a sequence's keys are not fetched.
 * Per block and KV head, every row tile of the sequence that sees a key of the block runs one (rows, D) x
   (D, block_kv) matmul and the online softmax (float32 state in VMEM scratch). A sequence's tiles are of `tile_q`
-  tokens, or of `min_tile_q` (rows of the dtype's native tile) when those cover its rows in fewer rows: a decode
-  row of a group of 8 in bfloat16 runs a 16-row tile, not a 128-row one. Rows of other sequences in a tile are
+  tokens, or of `min_tile_q` (rows of the dtype's native tile) when those cover its rows in at most half the rows:
+  a decode row of a group of 8 in bfloat16 runs a 16-row tile, not a 128-row one. Rows of other sequences in a tile are
   masked out, which leaves their state unchanged; decode rows of several sequences thus share a tile. Sinks
   start a row's running max and sum (max = sink, sum = 1).
 * V rows past a sequence's keys are zeroed in the buffer (contiguous keys: masked per head) before the PV
@@ -42,7 +42,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ..common import masking
 from ..common.paged import PagedProblem, paged_problem
 from .plan import PagedPlan, make
-from .tiles import PagedConfig, kv_row_shape
+from .tiles import PagedConfig
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)
 
@@ -52,11 +52,11 @@ class _Refs(NamedTuple):
     kv_lens: object  # SMEM [S]
     table: object  # SMEM [S * pages_per_seq]
     q: object  # [Hkv, block rows, D]
-    k_hbm: object  # [num_pages, page_size, *kv_row_shape]
+    k_hbm: object  # [num_pages, page_size, Hkv, D]
     v_hbm: object
     sinks: object | None  # [Hkv, block rows, 1] f32
     out: object
-    k_buf: object  # [2, chunks per block, chunk, *kv_row_shape]
+    k_buf: object  # [2, chunks per block, chunk, Hkv, D]
     v_buf: object
     sems: object  # DMA [2 (K, V), 2 (slot)]
     max: object  # [Hkv, block rows, 1] f32
@@ -137,8 +137,7 @@ def _chunk_copies(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Sp
             column = jnp.minimum(_div(token, problem.page_size), problem.pages_per_seq - 1)
             page = jnp.clip(refs.table[span.seq * problem.pages_per_seq + column], 0, problem.num_pages - 1)
             whole_page = plan.chunk == problem.page_size
-            first_row = pl.multiple_of(jax.lax.rem(token, problem.page_size), plan.chunk)  # tokens: chunk-aligned
-            rows = slice(None) if whole_page else pl.ds(first_row, plan.chunk)
+            rows = slice(None) if whole_page else pl.ds(jax.lax.rem(token, problem.page_size), plan.chunk)
         k_copy = pltpu.make_async_copy(refs.k_hbm.at[page, rows], refs.k_buf.at[slot, c], refs.sems.at[0, slot])
         v_copy = pltpu.make_async_copy(refs.v_hbm.at[page, rows], refs.v_buf.at[slot, c], refs.sems.at[1, slot])
         copies.append((token < span.kv_len, k_copy, v_copy))  # chunks past the keys are not fetched
@@ -164,27 +163,21 @@ def _wait_block(refs, problem, plan, span: _Span, block, slot) -> None:
 def _clear_values_past_keys(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block, slot) -> None:
     """Zeroes a block's V rows past the sequence's keys: chunks not fetched (stale) and a page's rows past them
     (whatever the cache holds). p is 0 there, but 0 * NaN is NaN; a K row's logits are replaced instead."""
-    shape = refs.v_buf.shape[2:]
+    zeros = jnp.zeros(refs.v_buf.shape[2:], refs.v_buf.dtype)
     for c in range(plan.chunks_per_block):
         keys = span.kv_len - (_block_key(plan, span, block) + c * plan.chunk)  # the sequence's keys in the chunk
 
         @pl.when(keys <= 0)
         def _not_fetched(c=c):
-            refs.v_buf[slot, c] = jnp.zeros(shape, refs.v_buf.dtype)
+            refs.v_buf[slot, c] = zeros
 
         @pl.when((keys > 0) & (keys < plan.chunk))
         def _rows_past_the_keys(c=c, keys=keys):
-            rows = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-            refs.v_buf[slot, c] = jnp.where(rows < keys, refs.v_buf[slot, c], jnp.zeros(shape, refs.v_buf.dtype))
+            def zero_row(row, carry):
+                refs.v_buf[slot, c, row] = zeros[0]
+                return carry
 
-
-def _head(buffer, problem: PagedProblem, plan: PagedPlan, slot, head: int):
-    """One KV head's keys (or values) of a block, [block_kv, D]: its lanes of the buffer's rows (pages), or its
-    rows of the buffer's [tokens, Hkv, D] (contiguous keys)."""
-    if problem.contiguous:
-        return buffer[slot, :, :, head, :].reshape(plan.block_kv, problem.head_dim)
-    columns = pl.ds(head * problem.head_dim, problem.head_dim)
-    return buffer[slot, :, :, columns].reshape(plan.block_kv, problem.head_dim)
+            jax.lax.fori_loop(keys, plan.chunk, zero_row, 0)
 
 
 def _row_tokens(shape, group: int):
@@ -247,17 +240,19 @@ def _tile_range(span: _Span, tile_q: int, block_start):
 
 
 def _small_tiles_are_fewer_rows(plan: PagedPlan, span: _Span, block_start):
-    """Whether the sequence's rows in the step span fewer rows in tiles of min_tile_q tokens than of tile_q (a
-    decode row: 2 tokens' rows instead of tile_q tokens'; a long prefill chunk: never fewer)."""
+    """Whether the sequence's rows in the step span at most half the rows in tiles of min_tile_q tokens that they
+    span in tiles of tile_q (a decode row: 2 tokens' rows instead of tile_q tokens'). A longer chunk runs the
+    large tiles: many small matmuls cost more than the rows they save (an MXU pass has a floor of rows, each tile
+    its loop and softmax bookkeeping)."""
     small_first, small_last = _tile_range(span, plan.min_tile_q, block_start)
     first, last = _tile_range(span, plan.tile_q, block_start)
-    return (small_last - small_first + 1) * plan.min_tile_q < (last - first + 1) * plan.tile_q
+    return 2 * (small_last - small_first + 1) * plan.min_tile_q <= (last - first + 1) * plan.tile_q
 
 
 def _attend_block(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block, slot,
                   block_start) -> None:
     """Every KV head's row tiles of the sequence over one K/V block (in VMEM slot `slot`), in tiles of tile_q
-    tokens or, when those are fewer rows, of min_tile_q."""
+    tokens or, when those are at most half the rows, of min_tile_q."""
     key_start = buffer_start = _block_key(plan, span, block)
     if problem.contiguous:
         buffer_start = key_start - _contiguous_rows(refs, problem, plan, span, block)[1]
@@ -267,7 +262,7 @@ def _attend_block(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Sp
     needs_mask = (buffer_start < key_start) | (buffer_start + plan.block_kv > span.kv_len)
 
     def values(head):
-        v = _head(refs.v_buf, problem, plan, slot, head)
+        v = refs.v_buf[slot, :, :, head, :].reshape(plan.block_kv, problem.head_dim)
         if not problem.contiguous:
             return v
 
@@ -280,7 +275,7 @@ def _attend_block(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Sp
     def run_tiles(tile_q: int):
         first_tile, last_tile = _tile_range(span, tile_q, block_start)
         for head in range(problem.kv_heads):
-            k = _head(refs.k_buf, problem, plan, slot, head)
+            k = refs.k_buf[slot, :, :, head, :].reshape(plan.block_kv, problem.head_dim)
             v = values(head)
 
             def tile_body(tile, carry, head=head, k=k, v=v):
@@ -392,13 +387,13 @@ def call(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cu_q_lens: jax.Ar
     seq_first, seq_last = _sequence_ranges(cu_q_lens.astype(jnp.int32), plan)
     row_spec = pl.BlockSpec((kv_heads, step_rows, head_dim), lambda i, *_: (0, i, 0))
     in_specs = [row_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
-    operands = [q_rows, *(cache.reshape(*cache.shape[:2], *kv_row_shape(problem)) for cache in (k_cache, v_cache))]
+    operands = [q_rows, k_cache, v_cache]
     if sinks is not None:
         # Each row's sink, in the rows' (token, head) order: one block serves every step.
         sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(kv_heads, 1, group), (1, plan.block_q, 1))
         in_specs.append(pl.BlockSpec((kv_heads, step_rows, 1), lambda i, *_: (0, 0, 0)))
         operands.append(sink_rows.reshape(kv_heads, step_rows, 1))
-    buffer = pltpu.VMEM((2, plan.chunks_per_block, plan.chunk, *kv_row_shape(problem)), k_cache.dtype)
+    buffer = pltpu.VMEM((2, plan.chunks_per_block, plan.chunk, kv_heads, head_dim), k_cache.dtype)
     out = pl.pallas_call(
         functools.partial(_paged_kernel, problem=problem, plan=plan),
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),

@@ -3,7 +3,7 @@
 Three sizes, in tokens: `block_q` query rows per grid step, `tile_q` query rows per matmul (a step's sequences
 each run the row tiles they own), `block_kv` keys per K/V block (whole pages, or an equal part of one page).
 Besides `tile_q`, the kernel has the smallest legal row tile (`min_tile_q`): a sequence whose rows in a step are
-fewer in small tiles (a decode row: one token, `group` rows) runs those, not a whole `tile_q` tile. The
+at most half as many in small tiles (a decode row: one token, `group` rows) runs those, not a whole `tile_q` tile. The
 heuristic starts from PREFERRED_TILES and halves the largest term of the working set until it fits the VMEM
 budget (`common.vmem.vmem_budget`); the kernel then asks Mosaic for the limit its working set needs.
 """
@@ -38,16 +38,6 @@ class PagedConfig:
     tile_q: int
     block_kv: int
     vmem_limit_bytes: int
-
-
-def kv_row_shape(problem: PagedProblem) -> tuple[int, ...]:
-    """The shape of one token's K (or V) row in HBM and in the kernel's VMEM blocks. Pages: [Hkv * D], every head
-    side by side in lanes (a free reshape of the cache; a head's keys are lanes, no KV head padded to a native
-    tile's rows). Contiguous keys: [Hkv, D], whose blocks start at any row (a DMA starts on a native tile of the
-    two minor dimensions, and the token dimension is not one of them)."""
-    if problem.contiguous:
-        return (problem.kv_heads, problem.head_dim)
-    return (problem.kv_heads * problem.head_dim,)
 
 
 def min_tile_q(problem: PagedProblem) -> int:
@@ -85,11 +75,8 @@ def vmem_bytes(problem: PagedProblem, *, block_q: int, tile_q: int, block_kv: in
     itemsize, rows_multiple = dtype.itemsize, sublane_multiple(dtype)
     kv_heads, head_dim, group = problem.kv_heads, problem.head_dim, problem.group
     step_rows = block_q * group
-    if problem.contiguous:  # a token's [Hkv, D]: Hkv padded to a native tile's rows
-        kv_row_bytes = round_up(kv_heads, rows_multiple) * head_dim * itemsize
-    else:  # a token's [Hkv * D] lanes
-        kv_row_bytes = round_up(kv_heads * head_dim, LANES) * itemsize
-    kv_buffers = 2 * 2 * block_kv * kv_row_bytes
+    # K and V pages keep the cache's [tokens, Hkv, D] layout in VMEM: Hkv is padded to a native tile.
+    kv_buffers = 2 * 2 * block_kv * round_up(kv_heads, rows_multiple) * head_dim * itemsize
     q_and_out = 2 * 2 * kv_heads * round_up(step_rows, rows_multiple) * head_dim * itemsize
     scratch = kv_heads * step_rows * (head_dim + 2 * LANES) * 4  # acc, running max and sum (lane padded)
     sinks = 2 * kv_heads * step_rows * LANES * 4 if problem.has_sinks else 0
