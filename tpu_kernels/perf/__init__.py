@@ -15,6 +15,7 @@ states its rules and their sources:
 - `chip`: the fitted constants (model_constants.json), the rates priced with (`ModelRates`) and their clock;
 - `host_eval`: the replay's small computations on the CPU;
 - `xla_program`, `hlo`, `xla_ragged_dot`: what XLA does around the kernels in a compiled program;
+- `argument_layouts`: the layout XLA gives each argument and the copies into other layouts it makes per call;
 - `program_time`: the modelled time of a compiled program, its kernels replayed and its XLA ops by traffic;
 - `calibration`, `tokamax_calls`, `tokamax_kernels`: the model against tokamax's
   measured TPU timings (`tpu-kernels calibrate`).

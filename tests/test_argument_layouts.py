@@ -1,0 +1,74 @@
+"""Argument layouts and the copies XLA makes of them: a hand-written module, and the paged attention kernel's
+K/V cache compiled for each generation (head_dim 64 copied whole, head_dim 128 read as given)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tpu_kernels.distribution.loader import get_local_kernel
+from tpu_kernels.perf import argument_layouts
+from tpu_kernels.runtime.hardware import SUPPORTED_GENERATIONS
+
+# A cache stored pages-minor, copied row-major through a bitcast; an argument prefetched into VMEM (not a copy
+# into another layout); a row-major argument read as given.
+HLO = """HloModule handmade
+
+ENTRY %main (cache: bf16[4,128,8,64], ids: s32[16], q: bf16[16,64]) -> bf16[16,64] {
+  %cache = bf16[4,128,8,64]{1,3,2,0:T(8,128)(2,1)} parameter(0)
+  %ids = s32[16]{0:T(128)} parameter(1)
+  %q = bf16[16,64]{1,0:T(8,128)(2,1)} parameter(2)
+  %copy-start = (s32[16]{0:T(128)S(1)}, s32[16]{0:T(128)}, u32[]{:S(2)}) copy-start(%ids)
+  %copy-done = s32[16]{0:T(128)S(1)} copy-done(%copy-start)
+  %bitcast.1 = bf16[4,128,8,64]{1,3,2,0:T(8,128)(2,1)} bitcast(%cache)
+  %copy.1 = bf16[4,128,8,64]{3,2,1,0:T(8,128)(2,1)} copy(%bitcast.1)
+  ROOT %kernel = bf16[16,64]{1,0:T(8,128)(2,1)} custom-call(%copy.1, %copy-done, %q), custom_call_target="tpu_custom_call"
+}
+"""
+
+
+def test_a_copy_into_another_layout_is_charged_to_its_argument_through_bitcasts():
+    (cache, ids, q), result_copies = argument_layouts.argument_layouts(HLO)
+    cache_bytes = 4 * 128 * 8 * 64 * 2
+    assert (cache.number, cache.dims, cache.minor_to_major, cache.row_major) == (0, (4, 128, 8, 64), (1, 3, 2, 0),
+                                                                                 False)
+    assert cache.copies == (argument_layouts.Copy("copy.1", "copy", (3, 2, 1, 0), "hbm", cache_bytes,
+                                                  2 * cache_bytes),)
+    assert (cache.copied_bytes, cache.hbm_bytes) == (cache_bytes, 2 * cache_bytes)
+    assert (ids.copies, ids.copied_bytes, ids.row_major) == ((), 0, True)
+    assert (q.copies, q.copied_bytes, q.row_major) == ((), 0, True)
+    assert result_copies == ()
+    probe = argument_layouts.LayoutProbe("v6e", (cache, ids, q), result_copies)
+    assert (probe.copied_bytes, probe.hbm_bytes) == (cache_bytes, 2 * cache_bytes)
+
+
+@pytest.fixture(scope="module")
+def attention(kernel_builds):
+    return get_local_kernel(kernel_builds["attention-tpu"], backend="cpu")
+
+
+def _paged_call(attention, generation, *, head_dim, kv_heads, page_size, num_pages):
+    cache = jax.ShapeDtypeStruct((num_pages, page_size, kv_heads, head_dim), jnp.bfloat16)
+    avals = (jax.ShapeDtypeStruct((8, 8 * kv_heads, head_dim), jnp.bfloat16), cache, cache,
+             jax.ShapeDtypeStruct((9,), jnp.int32), jax.ShapeDtypeStruct((8,), jnp.int32),
+             jax.ShapeDtypeStruct((8, 16), jnp.int32))
+    return functools.partial(attention.paged.kernel.ragged_paged_attention, max_q_len=1, generation=generation), avals
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("generation", SUPPORTED_GENERATIONS)
+def test_the_paged_kernel_makes_xla_copy_a_head_dim_64_cache_whole_and_reads_head_dim_128_as_given(
+        attention, generation):
+    """GPT-OSS's cache [pages, 128, 8, 64] is stored page-rows minor ({1,3,2,0}); the kernel reads it row-major,
+    so every call copies K and V whole. A 128-wide head is stored row-major: no copy."""
+    fn, avals = _paged_call(attention, generation, head_dim=64, kv_heads=8, page_size=128, num_pages=1024)
+    found = argument_layouts.probe(fn, avals, generation)
+    cache_bytes = 1024 * 128 * 8 * 64 * 2  # 128 MiB: too large for XLA to copy into VMEM
+    for number in (1, 2):
+        assert found.argument(number).minor_to_major == (1, 3, 2, 0)
+        assert (found.argument(number).copied_bytes, found.argument(number).hbm_bytes) == (cache_bytes,
+                                                                                          2 * cache_bytes)
+    fn, avals = _paged_call(attention, generation, head_dim=128, kv_heads=4, page_size=128, num_pages=1024)
+    found = argument_layouts.probe(fn, avals, generation)
+    assert all(found.argument(number).row_major and not found.argument(number).copies for number in (1, 2))

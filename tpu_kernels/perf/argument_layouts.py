@@ -1,0 +1,147 @@
+"""The layout XLA gives each argument of a compiled program, and the copies it makes of an argument per call.
+
+XLA picks a jitted function's argument layouts itself (`runtime.hardware.default_layout_swaps_minor_dims`
+states the rule we know). A Pallas kernel reads its operands row-major, so where XLA stores an argument in
+another order and hands it to a kernel, every call first copies the whole argument into a row-major
+temporary: for a paged KV cache, the whole cache, K and V, at every attention layer of every step.
+
+`probe(fn, avals, generation)` compiles `fn` for a generation's compile-only topology (kernel bodies left empty:
+the program around the kernels, their operands' layouts and the copies are what a real compile gives, in a
+second) and reads, from the optimized module, each entry parameter's layout and the copies and transposes
+of it (looking through bitcasts, e.g. `k[None]`) with their HBM bytes (read + written).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from collections.abc import Sequence
+
+import jax
+
+from . import hlo, xla_program
+
+# Opcodes that rewrite their operand into a new buffer (a prefetch into VMEM, `copy-start`, or a slice is not
+# one: it keeps the layout).
+_REWRITES = frozenset({"copy", "transpose"})
+# What passes an argument on unchanged in layout: re-descriptions and prefetches (the argument sliced into VMEM,
+# its slices joined again).
+_PASSES_ON = frozenset({"bitcast", "async-start", "async-done", "copy-start", "copy-done", "get-tuple-element"})
+_JOINS = frozenset({"ConcatBitcast"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    """One copy of an argument (or of a result) into another layout."""
+
+    name: str
+    opcode: str
+    minor_to_major: tuple[int, ...]  # the copy's layout
+    space: str  # where XLA put the copy: hlo.HBM or hlo.VMEM
+    bytes: int  # the array rewritten
+    hbm_bytes: int  # HBM bytes the copy reads and writes
+
+    def describe(self) -> str:
+        order = ",".join(map(str, self.minor_to_major))
+        return f"{self.name}: {self.opcode} into {{{order}}} in {self.space}, {self.bytes / 2**20:.1f} MiB"
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgumentLayout:
+    """One entry parameter of a compiled program and the copies XLA makes of it on every call."""
+
+    number: int
+    name: str
+    dtype: str
+    dims: tuple[int, ...]
+    minor_to_major: tuple[int, ...]  # XLA's layout, e.g. (1, 3, 2, 0): dimension 1 is the minor one
+    copies: tuple[Copy, ...]
+
+    @property
+    def row_major(self) -> bool:
+        return self.minor_to_major == tuple(reversed(range(len(self.dims))))
+
+    @property
+    def copied_bytes(self) -> int:
+        """Bytes XLA rewrites into another layout per call (in HBM or VMEM)."""
+        return sum(copy.bytes for copy in self.copies)
+
+    @property
+    def hbm_bytes(self) -> int:
+        """HBM bytes those copies read and write per call."""
+        return sum(copy.hbm_bytes for copy in self.copies)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutProbe:
+    generation: str
+    arguments: tuple[ArgumentLayout, ...]
+    result_copies: tuple[Copy, ...]  # the kernels' results copied into the program result's layout
+
+    @property
+    def copied_bytes(self) -> int:
+        """Bytes XLA rewrites per call, arguments into the kernels' layouts and results back."""
+        return sum(argument.copied_bytes for argument in self.arguments) + sum(c.bytes for c in self.result_copies)
+
+    @property
+    def hbm_bytes(self) -> int:
+        """HBM bytes those copies read and write per call."""
+        return sum(argument.hbm_bytes for argument in self.arguments) + sum(c.hbm_bytes for c in self.result_copies)
+
+    def argument(self, number: int) -> ArgumentLayout:
+        return next(argument for argument in self.arguments if argument.number == number)
+
+
+def argument_layouts(text: str) -> tuple[tuple[ArgumentLayout, ...], tuple[Copy, ...]]:
+    """Each entry parameter of an optimized HLO module's text, in parameter order, with its copies; and the
+    copies that make the module's result."""
+    computations, entry = hlo.parse_module(text)
+    instructions = computations[entry]
+    by_name = {inst.name: inst for inst in instructions}
+    found = []
+    for inst in instructions:
+        if inst.opcode != "parameter" or not isinstance(inst.shape, hlo.Leaf):
+            continue
+        copies = [_copy(other, by_name) for other in instructions
+                  if other.opcode in _REWRITES and other.operands and _source(other.operands[0], by_name) == inst.name]
+        found.append(ArgumentLayout(number=int(inst.arguments.strip()), name=inst.name, dtype=inst.shape.dtype,
+                                    dims=inst.shape.dims, minor_to_major=_minor_to_major(inst.shape.layout),
+                                    copies=tuple(copies)))
+    root = instructions[-1]
+    made = [by_name[name] for name in root.operands if name in by_name] if root.opcode == "tuple" else [root]
+    result_copies = tuple(_copy(inst, by_name) for inst in made
+                          if inst.opcode in _REWRITES and by_name.get(_source(inst.operands[0], by_name)) is not None
+                          and by_name[_source(inst.operands[0], by_name)].opcode != "parameter")
+    return tuple(sorted(found, key=lambda argument: argument.number)), result_copies
+
+
+def probe(fn, avals: Sequence[jax.ShapeDtypeStruct], generation: str) -> LayoutProbe:
+    """`fn` compiled at `avals` for `generation` (empty kernel bodies) and its arguments' layouts and copies."""
+    lowered = xla_program.lower_program(fn, avals, generation, kernel_bodies=False)
+    with tempfile.TemporaryDirectory(prefix="xla_dump_") as dump:
+        lowered.compile({"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
+        text = xla_program.dumped_module(dump, "after_optimizations.txt").read_text()
+    return LayoutProbe(generation, *argument_layouts(text))
+
+
+def _source(name: str, by_name) -> str:
+    """The buffer `name` holds in another guise: through re-descriptions, prefetches and joined slices."""
+    while name in by_name and by_name[name].operands:
+        inst = by_name[name]
+        if inst.opcode in _PASSES_ON or (inst.opcode == "custom-call" and hlo.target(inst) in _JOINS):
+            name = inst.operands[0]
+        else:
+            break
+    return name
+
+
+def _copy(inst: hlo.Instruction, by_name) -> Copy:
+    result = hlo.leaves(inst.shape)[0]
+    read = [leaf for leaf in hlo.leaves(by_name[inst.operands[0]].shape) if leaf.space == hlo.HBM]
+    hbm = sum(leaf.bytes for leaf in read) + (result.bytes if result.space == hlo.HBM else 0)
+    return Copy(inst.name, inst.opcode, _minor_to_major(result.layout), result.space, result.bytes, hbm)
+
+
+def _minor_to_major(layout: str) -> tuple[int, ...]:
+    order = layout.split(":")[0]
+    return tuple(int(d) for d in order.split(",") if d.strip())
