@@ -9,7 +9,7 @@ import pytest
 
 from tpu_kernels.distribution.loader import get_local_kernel
 from tpu_kernels.perf import argument_layouts
-from tpu_kernels.runtime.hardware import SUPPORTED_GENERATIONS
+from tpu_kernels.runtime.hardware import SUPPORTED_GENERATIONS, tpu_generation
 
 # A cache stored pages-minor, copied row-major through a bitcast; an argument prefetched into VMEM (not a copy
 # into another layout); a row-major argument read as given.
@@ -34,13 +34,16 @@ def test_a_copy_into_another_layout_is_charged_to_its_argument_through_bitcasts(
     assert (cache.number, cache.dims, cache.minor_to_major, cache.row_major) == (0, (4, 128, 8, 64), (1, 3, 2, 0),
                                                                                  False)
     assert cache.copies == (argument_layouts.Copy("copy.1", "copy", (3, 2, 1, 0), "hbm", cache_bytes,
-                                                  2 * cache_bytes),)
+                                                  2 * cache_bytes, 0),)
     assert (cache.copied_bytes, cache.hbm_bytes) == (cache_bytes, 2 * cache_bytes)
     assert (ids.copies, ids.copied_bytes, ids.row_major) == ((), 0, True)
     assert (q.copies, q.copied_bytes, q.row_major) == ((), 0, True)
     assert result_copies == ()
     probe = argument_layouts.LayoutProbe("v6e", (cache, ids, q), result_copies)
     assert (probe.copied_bytes, probe.hbm_bytes) == (cache_bytes, 2 * cache_bytes)
+    # Priced as an XLA copy: its HBM bytes at the given share of v6e's peak bandwidth.
+    v6e = tpu_generation("v6e")
+    assert probe.seconds(hbm_fraction=0.5) == pytest.approx(2 * cache_bytes / (0.5 * v6e.device_hbm_bytes_per_s))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,10 @@ from collections.abc import Sequence
 
 import jax
 
+from ..runtime.hardware import tpu_generation
 from . import hlo, xla_program
+from .chip import FITTED_RATES, ModelRates
+from .program_time import VMEM_BANDWIDTH_OVER_HBM
 
 # Opcodes that rewrite their operand into a new buffer (a prefetch into VMEM, `copy-start`, or a slice is not
 # one: it keeps the layout).
@@ -40,6 +43,7 @@ class Copy:
     space: str  # where XLA put the copy: hlo.HBM or hlo.VMEM
     bytes: int  # the array rewritten
     hbm_bytes: int  # HBM bytes the copy reads and writes
+    vmem_bytes: int = 0  # VMEM bytes it reads and writes
 
     def describe(self) -> str:
         order = ",".join(map(str, self.minor_to_major))
@@ -88,8 +92,21 @@ class LayoutProbe:
         """HBM bytes those copies read and write per call."""
         return sum(argument.hbm_bytes for argument in self.arguments) + sum(c.hbm_bytes for c in self.result_copies)
 
+    @property
+    def copies(self) -> tuple[Copy, ...]:
+        return tuple(copy for argument in self.arguments for copy in argument.copies) + self.result_copies
+
     def argument(self, number: int) -> ArgumentLayout:
         return next(argument for argument in self.arguments if argument.number == number)
+
+    def seconds(self, hbm_fraction: float | None = None, rates: ModelRates = FITTED_RATES) -> float:
+        """The copies priced as `program_time` prices an XLA op: the slower of its HBM bytes at `hbm_fraction`
+        of the device's peak bandwidth (None: the generation's fitted share) and its VMEM bytes at VMEM's."""
+        gen = tpu_generation(self.generation)
+        fraction = rates.hbm_fraction(gen) if hbm_fraction is None else hbm_fraction
+        hbm_bandwidth = gen.device_hbm_bytes_per_s * fraction
+        vmem_bandwidth = gen.device_hbm_bytes_per_s * VMEM_BANDWIDTH_OVER_HBM
+        return sum(max(copy.hbm_bytes / hbm_bandwidth, copy.vmem_bytes / vmem_bandwidth) for copy in self.copies)
 
 
 def argument_layouts(text: str) -> tuple[tuple[ArgumentLayout, ...], tuple[Copy, ...]]:
@@ -137,9 +154,9 @@ def _source(name: str, by_name) -> str:
 
 def _copy(inst: hlo.Instruction, by_name) -> Copy:
     result = hlo.leaves(inst.shape)[0]
-    read = [leaf for leaf in hlo.leaves(by_name[inst.operands[0]].shape) if leaf.space == hlo.HBM]
-    hbm = sum(leaf.bytes for leaf in read) + (result.bytes if result.space == hlo.HBM else 0)
-    return Copy(inst.name, inst.opcode, _minor_to_major(result.layout), result.space, result.bytes, hbm)
+    touched = [*hlo.leaves(by_name[inst.operands[0]].shape), result]
+    hbm, vmem = (sum(leaf.bytes for leaf in touched if leaf.space == space) for space in (hlo.HBM, hlo.VMEM))
+    return Copy(inst.name, inst.opcode, _minor_to_major(result.layout), result.space, result.bytes, hbm, vmem)
 
 
 def _minor_to_major(layout: str) -> tuple[int, ...]:

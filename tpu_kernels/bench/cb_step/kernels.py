@@ -20,7 +20,7 @@ from tpu_kernels.bench import calibration_bands
 from tpu_kernels.bench.attention.forward import active_steps_from_prefetch
 from tpu_kernels.bench.paged_attention import ours as paged_ours
 from tpu_kernels.bench.paged_attention import rivals as paged_rivals
-from tpu_kernels.bench.paged_attention.pricing import BAND_KIND, price, terms
+from tpu_kernels.bench.paged_attention.pricing import BAND_KIND, price, relayout_fields, relayouts, terms
 from tpu_kernels.bench.paged_attention.shapes import minimum_bytes, useful_flops
 
 from .steps import GENERATIONS, TRANSFORMERS_PAGE_SIZE, VLLM_PAGE_SIZE, Batch, Model, Sizes, cu_lens, gathered_rows
@@ -34,7 +34,8 @@ def _sinks(model: Model) -> list:
 
 def _kernel_row(modelled: dict) -> dict:
     """What a path keeps of a priced kernel: its time and band, bound, bytes, steps and the model's terms."""
-    keep = ("modelled_time_us", "hbm_roofline_us", "band_p90_us", "band_regime", "no_band", "bound", "hbm_bytes",
+    keep = ("modelled_time_us", "kernel_time_us", "relayout_us", "relayout_hbm_bytes", "relayouts", "relayout_missing",
+            "hbm_roofline_us", "band_p90_us", "band_regime", "no_band", "bound", "hbm_bytes",
             "bytes_ratio", "grid_steps", "hbm_term_us", "mxu_us", "vector_us", "step_overhead_us", "tiles", "config",
             "error")
     return {key: modelled[key] for key in keep if key in modelled}
@@ -60,7 +61,8 @@ def ragged_contiguous(built, batch: Batch, model: Model, found: Sizes) -> dict:
         if jaxpr not in replays:
             replays[jaxpr] = perf.model_pallas_traffic(attend, *inputs)
         calls = replays[jaxpr]
-        out[generation] = _kernel_row({**price(calls, batch, model, generation), **terms(calls, generation)})
+        copies = relayouts(attend, inputs, generation)
+        out[generation] = _kernel_row({**price(calls, batch, model, generation, copies), **terms(calls, generation)})
     return out
 
 
@@ -94,14 +96,18 @@ def padded_flash(built, batch: Batch, model: Model, found: Sizes) -> dict:
             out[generation] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
             continue
         fitted = perf.roofline(calls, generation, min_bytes=min_bytes, min_flops=flops)
-        time_s = fitted.pipelined_time_s
+        charged = relayout_fields(relayouts(attend, [q, kv, kv, keys - q_lens, keys, *_sinks(model)], generation))
+        relayout_s = (charged["relayout_us"] or 0.0) * 1e-6
+        time_s = fitted.pipelined_time_s + relayout_s
         out[generation] = _kernel_row({
-            "modelled_time_us": time_s * 1e6, "hbm_roofline_us": fitted.roofline_s * 1e6, "bound": fitted.bound,
+            "modelled_time_us": time_s * 1e6, "kernel_time_us": fitted.pipelined_time_s * 1e6, **charged,
+            "hbm_roofline_us": fitted.roofline_s * 1e6, "bound": fitted.bound,
             "hbm_bytes": fitted.hbm_bytes, "bytes_ratio": fitted.hbm_bytes / min_bytes, "grid_steps": fitted.steps,
             "hbm_term_us": fitted.hbm_bound_s * 1e6, "step_overhead_us": fitted.overhead_s * 1e6,
             "tiles": {"block_q": block_q, "block_kv": config.block_kv},
             **terms(calls, generation),
-            **calibration_bands.p90_fields(calibration_bands.band({BAND_KIND: time_s}, generation, fitted.regime))})
+            **calibration_bands.p90_fields(calibration_bands.band({BAND_KIND: fitted.pipelined_time_s}, generation,
+                                                                  fitted.regime, uncalibrated_s=relayout_s))})
     return out
 
 

@@ -18,7 +18,8 @@ COPY_KINDS = ("gather", "pad", "unpad")
 
 
 def path(copies: list[dict], kernel: dict, generation: str) -> dict:
-    """A path's figures: copies (XLA programs, uncalibrated) + the kernel (calibrated band in its regime)."""
+    """A path's figures: copies (XLA programs, uncalibrated) + the copies XLA makes of the kernel's arguments into
+    its layout in the kernel's own program (`relayout`, uncalibrated) + the kernel (calibrated band in its regime)."""
     if "modelled_time_us" not in kernel:
         return {"error": kernel.get("error", "the kernel is not priced")}
     failed = [term for term in copies if "error" in term]
@@ -26,24 +27,30 @@ def path(copies: list[dict], kernel: dict, generation: str) -> dict:
         return {"error": "; ".join(f"{t['term']}: {t['error']}" for t in failed)}
     gather = sum(t["us"] for t in copies if t["term"].startswith("gather"))
     pad = sum(t["us"] for t in copies if not t["term"].startswith("gather"))
-    kernel_us = kernel["modelled_time_us"]
-    total = gather + pad + kernel_us
+    relayout = kernel.get("relayout_us") or 0.0
+    kernel_us = kernel.get("kernel_time_us", kernel["modelled_time_us"])
+    total = gather + pad + relayout + kernel_us
     band = None
     if kernel.get("band_regime"):
         found = calibration_bands.band({"flash_attention": kernel_us * 1e-6}, generation, kernel["band_regime"],
-                                       uncalibrated_s=(gather + pad) * 1e-6)
+                                       uncalibrated_s=(gather + pad + relayout) * 1e-6)
         band = found["p90_us"]
     return {
         "total_us": round(total, 2),
         "band_p90_us": band and [round(band[0], 2), round(band[1], 2)],
         "gather_us": round(gather, 2),
         "pad_us": round(pad, 2),
+        "relayout_us": round(relayout, 2),
+        **({"relayout_missing": kernel["relayout_missing"]} if "relayout_missing" in kernel else {}),
         "kernel_us": round(kernel_us, 2),
-        "copies_share_pct": round(100.0 * (gather + pad) / total, 1),
-        "copies_bytes": sum(t.get("hbm_bytes_per_call", 0) * t["calls"] for t in copies),
+        "copies_share_pct": round(100.0 * (gather + pad + relayout) / total, 1),
+        "copies_bytes": sum(t.get("hbm_bytes_per_call", 0) * t["calls"] for t in copies)
+                        + (kernel.get("relayout_hbm_bytes") or 0),
         "kernel_hbm_bytes": kernel.get("hbm_bytes"),
         "kernel_bound": kernel.get("bound"),
         "kernel_tiles": kernel.get("tiles") or kernel.get("config"),
         "terms": [{"term": t["term"], "calls": t["calls"], "us": t["us"]} for t in copies]
+                 + ([{"term": "relayout: XLA copies the kernel's arguments into its layout", "calls": 1,
+                      "us": round(relayout, 2)}] if relayout else [])
                  + [{"term": "kernel", "calls": 1, "us": round(kernel_us, 2)}],
     }

@@ -11,7 +11,8 @@ DOMINANT_SHARE_PCT = 50.0
 
 
 def _figures(found: dict) -> dict:
-    keep = ("total_us", "band_p90_us", "gather_us", "pad_us", "kernel_us", "copies_share_pct", "error")
+    keep = ("total_us", "band_p90_us", "gather_us", "pad_us", "relayout_us", "relayout_missing", "kernel_us",
+            "copies_share_pct", "error")
     return {key: found[key] for key in keep if key in found}
 
 
@@ -27,9 +28,10 @@ def summarise(rows: list[dict]) -> dict:
             if "total_us" in ours and "total_us" in in_place:
                 ratios.append(ours["total_us"] / in_place["total_us"])
                 if ours["copies_share_pct"] > DOMINANT_SHARE_PCT:
+                    copies = ours["gather_us"] + ours["pad_us"] + ours.get("relayout_us", 0.0)
                     dominated.append(f"{row['model']} | {row['step']} | {generation}: copies "
-                                     f"{ours['gather_us'] + ours['pad_us']:.0f} us (gather {ours['gather_us']:.0f}, "
-                                     f"pad {ours['pad_us']:.0f}) of {ours['total_us']:.0f} us "
+                                     f"{copies:.0f} us (gather {ours['gather_us']:.0f}, pad {ours['pad_us']:.0f}, "
+                                     f"relayout {ours.get('relayout_us', 0.0):.0f}) of {ours['total_us']:.0f} us "
                                      f"({ours['copies_share_pct']:.0f} %), kernel {ours['kernel_us']:.0f} us; in "
                                      f"place {in_place['total_us']:.0f} us")
     return {
@@ -53,6 +55,11 @@ def notes(dominated: list[str]) -> list[str]:
         "would hand our ragged paged kernel the pages to read in place (the ours_in_place path); or, short of it, "
         "a kernel entry taking K/V of a fixed capacity with the valid rows given by cu_seqlens_k, which removes the "
         "pad (transformers would still gather). flash_api.py's behaviour is unchanged by this benchmark.",
+        "At head_dim 64 (GPT-OSS) XLA's default layout of K and V (and of the flash kernel's q and output) is not "
+        "row-major: each kernel's own program first copies them whole into row-major temporaries (`relayout_us`, "
+        "perf.argument_layouts), the paged cache included, so the in-place paths pay for a copy of the whole "
+        "cache (here the batch's pages; a serving cache is larger) on every call. head_dim 128 and up have no such "
+        "copy.",
         "transformers_padded is what a gradient-enabled call runs: every sequence padded to the longest (and, with "
         "a prefill chunk, every sequence's queries to the chunk's), so its copies and kernel grow with the batch "
         "times the longest sequence.",

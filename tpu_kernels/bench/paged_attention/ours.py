@@ -8,7 +8,7 @@ import numpy as np
 
 from tpu_kernels import perf
 
-from .pricing import price, terms
+from .pricing import price, relayouts, terms
 from .shapes import GENERATIONS, Batch, Model
 
 DTYPE = jnp.bfloat16
@@ -52,7 +52,8 @@ def tiles(built, batch: Batch, model: Model, page_size: int, generation: str):
 
 
 def measure(built, batch: Batch, model: Model, page_size: int) -> dict:
-    """Per generation: the kernel's tiles and its priced replay. Generations with the same tiles share a replay."""
+    """Per generation: the kernel's tiles and its priced replay, charged the copies XLA makes of K/V around it.
+    Generations with the same tiles share a replay."""
     replays: dict = {}
     per_generation = {}
     for generation in GENERATIONS:
@@ -62,8 +63,10 @@ def measure(built, batch: Batch, model: Model, page_size: int) -> dict:
             replays[key] = perf.model_pallas_traffic(kernel_fn(built, batch, model, generation),
                                                      *paged_inputs(batch, model, page_size))
         calls = replays[key]
+        copies = relayouts(kernel_fn(built, batch, model, generation), paged_inputs(batch, model, page_size),
+                           generation)
         per_generation[generation] = {
             "tiles": {"block_q": config.block_q, "tile_q": config.tile_q, "block_kv": config.block_kv},
-            **price(calls, batch, model, generation), **terms(calls, generation),
+            **price(calls, batch, model, generation, copies), **terms(calls, generation),
         }
     return per_generation

@@ -18,7 +18,7 @@ import numpy as np
 from tpu_kernels import perf
 from tpu_kernels.bench.moe_layer import vllm_kernels
 
-from .pricing import price, terms
+from .pricing import price, relayouts, terms
 from .shapes import GENERATIONS, Batch, Model
 
 DTYPE = jnp.bfloat16
@@ -66,17 +66,19 @@ def jax_paged_attention(batch: Batch, model: Model, page_size: int) -> dict:
             return paged_attention(q, k, v, lengths, table, pages_per_compute_block=per_block)
 
         try:
-            tried[per_block] = perf.model_pallas_traffic(attend, q, pages, pages, lengths, table)
+            tried[per_block] = (perf.model_pallas_traffic(attend, q, pages, pages, lengths, table), attend,
+                                (q, pages, pages, lengths, table))
         except Exception as error:  # noqa: BLE001 - recorded per configuration
             errors[per_block] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
     if not tried:
         return {"error": "; ".join(f"pages_per_compute_block={k}: {v}" for k, v in errors.items())}
     out = {}
     for generation in GENERATIONS:
-        priced = {k: price(calls, batch, model, generation) for k, calls in tried.items()}
+        priced = {k: price(calls, batch, model, generation, relayouts(attend, inputs, generation))
+                  for k, (calls, attend, inputs) in tried.items()}
         best = min(priced, key=lambda k: priced[k]["modelled_time_us"])
         out[generation] = {"config": {"pages_per_compute_block": best}, **priced[best],
-                           **terms(tried[best], generation)}
+                           **terms(tried[best][0], generation)}
     return {"per_generation": out, "configs_tried": sorted(tried), "config_errors": errors}
 
 
@@ -183,7 +185,7 @@ def rpa_v3(batch: Batch, model: Model, page_size: int, folder: Path) -> dict:
             refused = [note for call in calls for note in call.notes if "could not be replayed" in note]
             if refused:
                 raise ValueError("; ".join(refused))
-            priced = price(calls, batch, model, generation)
+            priced = price(calls, batch, model, generation, relayouts(attend, args, generation))
             if priced["bytes_ratio"] < 1:
                 # Fewer bytes than the K/V rows it must read: some of its copies escape the replay.
                 raise ValueError(f"the replay counts {priced['bytes_ratio']:.2f}x the minimum bytes: some of its "

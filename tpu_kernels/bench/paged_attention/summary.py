@@ -26,15 +26,18 @@ def _why(ours: dict, rival: dict) -> str:
 def _miss(ours: dict) -> dict:
     """A decode point under the target: by how much (the time that would meet it) and what its time is made of."""
     time, overhead = ours["modelled_time_us"], ours["step_overhead_us"]
+    relayout = ours.get("relayout_us") or 0.0
     busy = max(ours["hbm_term_us"], ours["mxu_us"], ours["vector_us"])
     target = ours["hbm_roofline_us"] * 100.0 / ROOFLINE_TARGET_PCT
     return {"pct_of_hbm_roofline": round(ours["pct_of_hbm_roofline_peak"], 1), "bound": ours["bound"],
             "hbm_term_us": round(ours["hbm_term_us"], 1), "mxu_us": round(ours["mxu_us"], 1),
             "vector_us": round(ours["vector_us"], 1), "step_overhead_us": round(overhead, 1),
-            "modelled_time_us": round(time, 1), "time_for_target_us": round(target, 1),
+            "modelled_time_us": round(time, 1), "relayout_us": round(relayout, 1),
+            "time_for_target_us": round(target, 1),
             "why": (f"{ours['bound']}-bound: {time:.1f} us = the slower of copies ({ours['hbm_term_us']:.1f}) and "
                     f"compute (MXU {ours['mxu_us']:.1f}, vector {ours['vector_us']:.1f}) + {overhead:.1f} grid steps + "
-                    f"{time - busy - overhead:.1f} not overlapped (first copies, last work, unbalanced phases); "
+                    f"{time - busy - overhead - relayout:.1f} not overlapped (first copies, last work, unbalanced "
+                    f"phases) + {relayout:.1f} XLA's relayout of K/V before the kernel; "
                     f"the target needs {target:.1f} us")}
 
 
