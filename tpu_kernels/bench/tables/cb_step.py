@@ -14,14 +14,15 @@ def _total(found: dict) -> str:
 
 
 def step(data: dict) -> str:
-    """One row per (model, step, generation): transformers' path with our ragged kernel (its gather, pad and
-    kernel, the copies' share), the same with a gradient, and the kernels reading the pages in place."""
-    rows = ["| model | step | gen | transformers + ours, µs (p90 band) | gather / pad / kernel, µs | copies | "
+    """One row per (model, step, generation): transformers' path with our ragged kernel (its gather, pad, XLA's
+    relayout of the kernel's arguments and kernel, the copies' share), the same with a gradient, and the kernels reading the pages in place."""
+    rows = ["| model | step | gen | transformers + ours, µs (p90 band) | gather / pad / relayout / kernel, µs | copies | "
             "with a gradient, µs (copies) | ours in place, µs | vLLM RPA v3 in place, µs |",
             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for entry in data["summary"]["table"]:
         ours, padded = entry["transformers_ragged"], entry["transformers_padded"]
-        parts = (f"{ours['gather_us']:.0f} / {ours['pad_us']:.0f} / {ours['kernel_us']:.0f}"
+        parts = (f"{ours['gather_us']:.0f} / {ours['pad_us']:.0f} / {ours.get('relayout_us', 0.0):.0f} / "
+                 f"{ours['kernel_us']:.0f}"
                  if "total_us" in ours else "")
         share = f"{ours['copies_share_pct']:.0f} %" if "total_us" in ours else ""
         gradient = (f"{padded['total_us']:.0f} ({padded['copies_share_pct']:.0f} %)" if "total_us" in padded

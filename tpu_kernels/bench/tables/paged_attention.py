@@ -9,9 +9,15 @@ RIVALS = {"jax_paged_attention": "jax paged_attention", "vllm_rpa_v3": "vLLM RPA
 RIVAL_PAGE_SIZE = 128
 
 
+def _relayout(figures: dict) -> str:
+    """The part of a time that is XLA's copy of K/V into the kernel's layout, where there is one."""
+    found = figures.get("relayout_us")
+    return f", {found:.0f} of them XLA's relayout of K/V" if found and found >= 0.5 else ""
+
+
 def _cell_pct(figures: dict, key: str) -> str:
     bound = "HBM" if figures["bound"] == "hbm" else "compute"
-    return f"{figures[key]:.0f} % ({figures['modelled_time_us']:.0f} µs, {bound})"
+    return f"{figures[key]:.0f} % ({figures['modelled_time_us']:.0f} µs{_relayout(figures)}, {bound})"
 
 
 def decode(results: list[dict]) -> str:
@@ -40,7 +46,8 @@ def mixed(results: list[dict]) -> str:
     for row in results:
         if row["kind"] == "mixed":
             cells = [f"{row['ours'][g]['pct_of_mxu_peak']:.0f} % MXU, {row['ours'][g]['pct_of_hbm_roofline_peak']:.0f} "
-                     f"% HBM ({row['ours'][g]['modelled_time_us']:.0f} µs)" for g in GENERATIONS]
+                     f"% HBM ({row['ours'][g]['modelled_time_us']:.0f} µs{_relayout(row['ours'][g])})"
+                     for g in GENERATIONS]
             rows.append(f"| {row['model']} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -51,11 +58,18 @@ def _rival_cell(rival: dict, generation: str) -> str:
         return "n/a"
     if "error" in figures:
         return "not priced"
-    return f"{figures['modelled_time_us']:.0f}"
+    return _time(figures)
+
+
+def _time(figures: dict) -> str:
+    found = figures.get("relayout_us")
+    relayout = f" (relayout {found:.0f})" if found and found >= 0.5 else ""
+    return f"{figures['modelled_time_us']:.0f}{relayout}"
 
 
 def rivals(results: list[dict]) -> str:
-    """Modelled µs of ours and of each rival (at its best configuration) per generation, at page RIVAL_PAGE_SIZE.
+    """Modelled µs of ours and of each rival (at its best configuration) per generation, at page RIVAL_PAGE_SIZE,
+    each with the copies XLA makes of its arguments into its layout ("relayout", where there are any).
     "n/a": the rival cannot run the shape; "not priced": the model could not replay it (the JSON says why)."""
     names = ["ours", *RIVALS.values()]
     rows = ["| model | batch | gen | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
@@ -63,7 +77,7 @@ def rivals(results: list[dict]) -> str:
         if row["page_size"] != RIVAL_PAGE_SIZE or (row["context"] is not None and row["context"] != 4096):
             continue
         for generation in GENERATIONS:
-            ours = f"{row['ours'][generation]['modelled_time_us']:.0f}"
+            ours = _time(row["ours"][generation])
             cells = [ours, *(_rival_cell(row["rivals"][key], generation) for key in RIVALS)]
             rows.append(f"| {row['model']} | {row['batch']} | {generation} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
