@@ -109,6 +109,13 @@ def test_a_paths_terms_add_up():
     assert found["copies_share_pct"] == pytest.approx(100 * 501.5 / 751.5, abs=0.05)
     assert sum(t["us"] for t in found["terms"]) == pytest.approx(found["total_us"])
     assert found["copies_bytes"] == 500
+    # XLA's copy of the kernel's arguments into its layout is a copy of the path, outside the kernel's band.
+    relaid = paths.path(copies, {**kernel, "modelled_time_us": 290.0, "kernel_time_us": 250.0, "relayout_us": 40.0,
+                                 "relayout_hbm_bytes": 64}, "v5e")
+    assert (relaid["total_us"], relaid["relayout_us"], relaid["kernel_us"]) == (pytest.approx(791.5), 40.0, 250.0)
+    assert relaid["copies_share_pct"] == pytest.approx(100 * 541.5 / 791.5, abs=0.05)
+    assert relaid["copies_bytes"] == 564 and sum(t["us"] for t in relaid["terms"]) == pytest.approx(791.5)
+    assert relaid["band_p90_us"][1] - relaid["total_us"] == pytest.approx(found["band_p90_us"][1] - 751.5, abs=0.02)
     assert paths.path([], {"error": "no"}, "v5e") == {"error": "no"}
     assert "error" in paths.path([{"term": "gather", "error": "OOM", "calls": 2, "us": 0}], kernel, "v5e")
 
@@ -144,7 +151,7 @@ def test_the_table_renders_every_case_and_path():
     table = tables.render_markdown(data)["step"]
     lines = table.splitlines()
     assert len(lines) == 2 + len(steps.GENERATIONS)
-    assert "| Qwen3-30B-A3B | decode B=64 | v5e | 752 (700-800) | 300 / 202 / 250 | 67 % | not priced | 250 (700-800) "\
-           "| 260 |" in lines
+    assert "| Qwen3-30B-A3B | decode B=64 | v5e | 752 (700-800) | 300 / 202 / 0 / 250 | 67 % | not priced | "\
+           "250 (700-800) | 260 |" in lines
     assert data["summary"]["copies_dominate"] and len(data["summary"]["dominated"]) == len(steps.GENERATIONS)
     assert data["summary"]["transformers_ragged_over_in_place"] == {"min": 3.01, "max": 3.01}
