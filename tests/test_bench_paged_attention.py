@@ -130,6 +130,6 @@ def test_a_relayout_is_charged_at_its_bytes_or_the_row_says_why_not():
     probe = argument_layouts.LayoutProbe("v6e", (cache,), ())
     found = pricing.relayout_fields(probe)
     assert found["relayout_us"] == pytest.approx(probe.seconds() * 1e6) and found["relayout_hbm_bytes"] == 2 << 30
-    assert found["relayout_at_peak_bw_us"] < found["relayout_us"] and found["relayouts"] == [copy.describe()]
+    assert found["relayout_at_peak_bw_us"] <= found["relayout_us"] and found["relayouts"] == [copy.describe()]
     missing = pricing.relayout_fields({"error": "VMEM OOM"})
     assert missing["relayout_us"] is None and "did not compile: VMEM OOM" in missing["relayout_missing"]
