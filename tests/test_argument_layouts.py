@@ -75,3 +75,20 @@ def test_the_paged_kernel_makes_xla_copy_a_head_dim_64_cache_whole_and_reads_hea
     fn, avals = _paged_call(attention, generation, head_dim=128, kv_heads=4, page_size=128, num_pages=1024)
     found = argument_layouts.probe(fn, avals, generation)
     assert all(found.argument(number).row_major and not found.argument(number).copies for number in (1, 2))
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("generation", SUPPORTED_GENERATIONS)
+@pytest.mark.parametrize("page_size", [16, 128])
+def test_a_head_dim_64_cache_kept_row_major_is_read_with_no_copy(attention, generation, page_size):
+    """XLA's default layout of [pages, page, 8, 64] puts the pages (page 16, 2048 pages) or the page's rows (page
+    128) minor, which no kernel reading a page's rows can take as a view; a caller that keeps the cache row-major
+    (its jit's argument layout pinned) gets no copy."""
+    num_pages = 128 * 1024 // page_size
+    fn, avals = _paged_call(attention, generation, head_dim=64, kv_heads=8, page_size=page_size, num_pages=num_pages)
+    default = argument_layouts.probe(fn, avals, generation)
+    assert default.argument(1).minor_to_major == ((0, 3, 2, 1) if page_size == 16 else (1, 3, 2, 0))
+    assert default.argument(1).copies and default.argument(2).copies
+    row_major = (None, (0, 1, 2, 3), (0, 1, 2, 3), None, None, None)
+    pinned = argument_layouts.probe(fn, avals, generation, major_to_minor=row_major)
+    assert all(pinned.argument(number).row_major and not pinned.argument(number).copies for number in (1, 2))

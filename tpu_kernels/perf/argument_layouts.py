@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import jax
 
+from ..aot import topology_device
 from ..runtime.hardware import tpu_generation
 from . import hlo, xla_program
 from .chip import FITTED_RATES, ModelRates
@@ -132,13 +133,33 @@ def argument_layouts(text: str) -> tuple[tuple[ArgumentLayout, ...], tuple[Copy,
     return tuple(sorted(found, key=lambda argument: argument.number)), result_copies
 
 
-def probe(fn, avals: Sequence[jax.ShapeDtypeStruct], generation: str) -> LayoutProbe:
-    """`fn` compiled at `avals` for `generation` (empty kernel bodies) and its arguments' layouts and copies."""
-    lowered = xla_program.lower_program(fn, avals, generation, kernel_bodies=False)
+def probe(fn, avals: Sequence[jax.ShapeDtypeStruct], generation: str,
+          major_to_minor: Sequence[tuple[int, ...] | None] | None = None) -> LayoutProbe:
+    """`fn` compiled at `avals` for `generation` (empty kernel bodies) and its arguments' layouts and copies.
+
+    `major_to_minor` pins argument i's layout where its entry is not None (as a caller that keeps the array in
+    that layout would, `jax.jit(in_shardings=Format(Layout(...)))`); None: XLA picks every layout.
+    """
+    if major_to_minor is None:
+        lowered = xla_program.lower_program(fn, avals, generation, kernel_bodies=False)
+    else:
+        lowered = _lower_pinned(fn, avals, generation, major_to_minor)
     with tempfile.TemporaryDirectory(prefix="xla_dump_") as dump:
         lowered.compile({"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
         text = xla_program.dumped_module(dump, "after_optimizations.txt").read_text()
     return LayoutProbe(generation, *argument_layouts(text))
+
+
+def _lower_pinned(fn, avals, generation: str, major_to_minor):
+    from jax.experimental.layout import Format, Layout
+
+    device = topology_device(generation)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in avals]
+    formats = [sharding if order is None else Format(Layout(major_to_minor=tuple(order)), sharding)
+               for order in major_to_minor]
+    with jax.default_device(device), xla_program._empty_kernel_bodies():
+        return jax.jit(fn, in_shardings=tuple(formats)).lower(*placed)
 
 
 def _source(name: str, by_name) -> str:
