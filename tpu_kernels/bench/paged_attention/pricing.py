@@ -31,9 +31,17 @@ def relayout_fields(found) -> dict:
             "relayout_hbm_bytes": found.hbm_bytes, "relayouts": [copy.describe() for copy in found.copies]}
 
 
-def price(calls, batch: Batch, model: Model, generation: str, relayout=None) -> dict:
+# Rivals run at their best configuration: in the serving systems they come from, the cache is allocated in jax by
+# the code that calls the kernel, which can keep it in the kernel's layout.
+RIVAL_RELAYOUT = ("not charged: a rival at its best configuration (its serving system allocates the cache and can keep "
+                  "it in the kernel's layout); relayout_if_default_layout_us is what a call on a cache in XLA's "
+                  "default layout would add")
+
+
+def price(calls, batch: Batch, model: Model, generation: str, relayout=None, charge_relayout: bool = True) -> dict:
     """Modelled time (calibrated pipelined figure, at the fitted HBM share and at the peak) against the rooflines:
-    the kernel's, plus the relayout copies XLA makes around it (`relayouts`, None: not probed, said in the row)."""
+    the kernel's, plus the relayout copies XLA makes around it (`relayouts`, None: not probed, said in the row;
+    `charge_relayout=False`: a rival's, recorded beside its time, not in it)."""
     min_bytes, flops = minimum_bytes(batch, model), useful_flops(batch, model)
     fitted = perf.roofline(calls, generation, min_bytes=min_bytes)
     at_peak = perf.roofline(calls, generation, min_bytes=min_bytes, hbm_fraction=1.0)
@@ -42,6 +50,9 @@ def price(calls, batch: Batch, model: Model, generation: str, relayout=None) -> 
     mxu_floor_s = flops / gen.device_bf16_flops_per_s
     charged = relayout_fields(relayout) if relayout is not None else {
         "relayout_us": None, "relayout_missing": "not charged: the program around the kernel was not probed"}
+    if not charge_relayout:
+        charged = {"relayout_us": None, "relayout_missing": RIVAL_RELAYOUT,
+                   "relayout_if_default_layout_us": charged["relayout_us"]}
     relayout_s = (charged["relayout_us"] or 0.0) * 1e-6
     relayout_peak_s = charged.get("relayout_at_peak_bw_us", 0.0) * 1e-6
     time_s = fitted.pipelined_time_s + relayout_s

@@ -74,7 +74,8 @@ def jax_paged_attention(batch: Batch, model: Model, page_size: int) -> dict:
         return {"error": "; ".join(f"pages_per_compute_block={k}: {v}" for k, v in errors.items())}
     out = {}
     for generation in GENERATIONS:
-        priced = {k: price(calls, batch, model, generation, relayouts(attend, inputs, generation))
+        priced = {k: price(calls, batch, model, generation, relayouts(attend, inputs, generation),
+                           charge_relayout=False)
                   for k, (calls, attend, inputs) in tried.items()}
         best = min(priced, key=lambda k: priced[k]["modelled_time_us"])
         out[generation] = {"config": {"pages_per_compute_block": best}, **priced[best],
@@ -185,7 +186,8 @@ def rpa_v3(batch: Batch, model: Model, page_size: int, folder: Path) -> dict:
             refused = [note for call in calls for note in call.notes if "could not be replayed" in note]
             if refused:
                 raise ValueError("; ".join(refused))
-            priced = price(calls, batch, model, generation, relayouts(attend, args, generation))
+            priced = price(calls, batch, model, generation, relayouts(attend, args, generation),
+                           charge_relayout=False)
             if priced["bytes_ratio"] < 1:
                 # Fewer bytes than the K/V rows it must read: some of its copies escape the replay.
                 raise ValueError(f"the replay counts {priced['bytes_ratio']:.2f}x the minimum bytes: some of its "

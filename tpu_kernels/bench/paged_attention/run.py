@@ -66,14 +66,16 @@ def main(argv=None) -> int:
         "model": "tpu_kernels.perf: grid replay, the kernels' own K/V copies and work counted by running their "
                  "scalar programs (perf.scalar_replay), priced phase by phase (the calibrated pipelined figure); "
                  "grid step " + ", ".join(f"{g} {perf.grid_step_s(g) * 1e6:.2f} us" for g in GENERATIONS),
-        "relayout": "each kernel's time (ours and the rivals') includes the copies XLA makes of its arguments into "
+        "relayout": "our kernel's time includes the copies XLA makes of its arguments into "
                     "the kernel's layout when the call is jitted as it is made, the arguments in XLA's default "
                     "layouts (perf.argument_layouts; `relayout_us`, uncalibrated, at the fitted HBM share): at "
                     "head_dim 64 XLA stores our [pages, page, Hkv, 64] cache with the page rows (or the pages) "
                     "minor, and RPA v3's [pages, page, Hkv*2/2, 2, 128] cache not row-major either, so the call "
                     "copies the whole cache (here the batch's pages; a serving cache is larger). A caller that keeps "
                     "the cache in the kernel's layout (its jit's argument layout pinned) has no such copy: that is "
-                    "not what a plain jitted call gets, and not modelled",
+                    "not what a plain jitted call gets. The rivals run at their best configuration, in serving "
+                    "systems that allocate their cache in jax and can keep it in the kernel's layout: their copy is "
+                    "recorded (relayout_if_default_layout_us), not added to their time",
         "hbm_fraction": {g: perf.FITTED_RATES.hbm_fraction(g) for g in GENERATIONS},
         "calibrated_errors": {g: calibration_bands.describe("flash_attention", g) for g in GENERATIONS},
         "page_sizes": {"16": "vLLM's default block size", "128": "vLLM TPU's usual block size",
