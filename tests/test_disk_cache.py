@@ -46,3 +46,12 @@ def test_without_a_folder_nothing_is_kept(tmp_path):
     cache = DiskCache(None)
     assert cache.put("k", 1) == 1
     assert cache.get("k") is None
+
+
+def test_a_cache_is_empty_until_it_holds_an_entry(tmp_path):
+    assert DiskCache(None).is_empty()
+    cache = DiskCache(tmp_path / "c")
+    assert cache.is_empty()
+    cache.put("k", 1)
+    assert not cache.is_empty()
+    assert not DiskCache(tmp_path / "c").is_empty()

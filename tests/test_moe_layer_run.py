@@ -34,8 +34,9 @@ def test_a_chosen_subset_runs_as_asked_and_names_other_generations():
     assert args.out == run.DEFAULT_OUT
 
 
-def facts(hits: int) -> dict:
-    return {"cache": {"hits": hits, "misses": 2000}, "seconds": 2400.0, "cpus": 2, "jobs": 2,
+def facts(empty_at_start: bool, hits: int = 112) -> dict:
+    return {"cache": {"hits": hits, "misses": 2000, "empty_at_start": empty_at_start}, "seconds": 2400.0, "cpus": 2,
+            "jobs": 2,
             "versions": "jax=0.10.2", "load_average_1_5_15_min": {"start": [0.1, 0.1, 0.1], "end": [2, 2, 2]}}
 
 
@@ -43,11 +44,12 @@ def test_only_a_full_sweep_from_an_empty_cache_records_its_time(tmp_path):
     record = tmp_path / "moe_layer_cold_times.json"
     headline, _ = run.parse_args([])
     full, _ = run.parse_args(["--all"])
-    assert not run.record_cold_time(headline, facts(hits=0), record)
-    assert not run.record_cold_time(full, facts(hits=1), record)
+    assert not run.record_cold_time(headline, facts(empty_at_start=True), record)
+    assert not run.record_cold_time(full, facts(empty_at_start=False), record)
     assert not record.exists()
-    assert run.record_cold_time(full, facts(hits=0), record)
-    assert run.record_cold_time(full, facts(hits=0), record)
+    assert run.record_cold_time(full, facts(empty_at_start=True), record)
+    assert run.record_cold_time(full, facts(empty_at_start=True, hits=0), record)
     runs = json.loads(record.read_text())["runs"]
     assert [entry["seconds"] for entry in runs] == [2400.0, 2400.0]
     assert runs[0]["generations"] == ["v5e", "v6e"] and runs[0]["compiles_and_replays"] == 2000
+    assert runs[0]["reused_within_the_run"] == 112

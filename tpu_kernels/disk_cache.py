@@ -155,6 +155,10 @@ class DiskCache:
         self.hits = self.misses = 0
         self._lock = threading.Lock()
 
+    def is_empty(self) -> bool:
+        """Whether the cache holds no entry (always, without a folder): a run starting so is a cold one."""
+        return self.folder is None or not any(self.folder.glob("*.pkl"))
+
     def _mac(self, key: str, payload: bytes) -> bytes:
         return hmac.new(self._key, key.encode() + b"\0" + payload, hashlib.sha256).digest()
 

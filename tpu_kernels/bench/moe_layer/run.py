@@ -105,15 +105,16 @@ def parse_args(argv) -> tuple[argparse.Namespace, list[Case]]:
 
 
 def record_cold_time(args: argparse.Namespace, facts: dict, path: Path = COLD_TIMES) -> bool:
-    """Adds a full sweep's wall time to the tracked record when nothing came from the cache; True if it did."""
-    if not args.all or facts["cache"]["hits"]:
+    """Adds a full sweep's wall time to the tracked record when it started from an empty cache; True if it did.
+    (A cold run still hits its cache: programs shared by several shapes compile once.)"""
+    if not args.all or not facts["cache"]["empty_at_start"]:
         return False
     record = json.loads(path.read_text()) if path.is_file() else {
         "what": "wall time of `tpu-kernels bench moe_layer --all` from an empty cache, one entry per such run"}
     record.setdefault("runs", []).append({
         "generations": list(args.generations), "seconds": facts["seconds"], "cpus": facts["cpus"],
         "jobs": facts["jobs"], "versions": facts["versions"], "load_average_1_5_15_min": facts["load_average_1_5_15_min"],
-        "compiles_and_replays": facts["cache"]["misses"]})
+        "compiles_and_replays": facts["cache"]["misses"], "reused_within_the_run": facts["cache"]["hits"]})
     path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     return True
 
@@ -181,11 +182,13 @@ def main(argv=None) -> int:
 
     started = time.perf_counter()
     load_at_start = os.getloadavg()
+    empty_at_start = cache.is_empty()
     compiler = Compiler(cache, args.jobs)
 
     def run_facts() -> dict:
         return {"python": platform.python_version(), "versions": cache.versions,
-                "cache": {"hits": cache.hits, "misses": cache.misses}, "cpus": os.cpu_count(), "jobs": args.jobs,
+                "cache": {"hits": cache.hits, "misses": cache.misses, "empty_at_start": empty_at_start},
+                "cpus": os.cpu_count(), "jobs": args.jobs,
                 "load_average_1_5_15_min": {"start": load_at_start, "end": os.getloadavg()},
                 "seconds_by_phase": {phase: round(t, 1) for phase, t in CLOCK.seconds.items()},
                 "seconds": round(time.perf_counter() - started, 1)}
