@@ -40,16 +40,20 @@ def facts(empty_at_start: bool, hits: int = 112) -> dict:
             "versions": "jax=0.10.2", "load_average_1_5_15_min": {"start": [0.1, 0.1, 0.1], "end": [2, 2, 2]}}
 
 
-def test_only_a_full_sweep_from_an_empty_cache_records_its_time(tmp_path):
+def test_only_a_full_sweep_or_the_default_run_from_an_empty_cache_records_its_time(tmp_path):
     record = tmp_path / "moe_layer_cold_times.json"
     headline, _ = run.parse_args([])
     full, _ = run.parse_args(["--all"])
-    assert not run.record_cold_time(headline, facts(empty_at_start=True), record)
+    subset, _ = run.parse_args(["--tokens", "256"])
+    assert not run.record_cold_time(subset, facts(empty_at_start=True), record)
     assert not run.record_cold_time(full, facts(empty_at_start=False), record)
+    assert not run.record_cold_time(headline, facts(empty_at_start=False), record)
     assert not record.exists()
     assert run.record_cold_time(full, facts(empty_at_start=True), record)
     assert run.record_cold_time(full, facts(empty_at_start=True, hits=0), record)
+    assert run.record_cold_time(headline, facts(empty_at_start=True), record)
     runs = json.loads(record.read_text())["runs"]
-    assert [entry["seconds"] for entry in runs] == [2400.0, 2400.0]
+    assert [entry["seconds"] for entry in runs] == [2400.0, 2400.0, 2400.0]
+    assert [entry["run"] for entry in runs] == ["--all", "--all", "default (headline shapes)"]
     assert runs[0]["generations"] == ["v5e", "v6e"] and runs[0]["compiles_and_replays"] == 2000
     assert runs[0]["reused_within_the_run"] == 112

@@ -68,8 +68,8 @@ its concrete arguments and the source of the `tpu_kernels.perf` package.
 What runs: by default the headline shapes (the anchor's rank in both EP
 modes, at its decode batch and at the larger prefill; `shapes.HEADLINE_*`),
 into benchmarks/results/moe_layer_headline_shapes.json (untracked); `--all` the full
-sweep into benchmarks/results/moe_layer.json, and a full sweep from an empty
-cache adds its wall time to benchmarks/results/moe_layer_cold_times.json;
+sweep into benchmarks/results/moe_layer.json; either, from an empty cache,
+adds its wall time to benchmarks/results/moe_layer_cold_times.json;
 `--settings` / `--tokens` any subset (the full sweep's file unless `--out`).
 
 Output: `--out` (benchmarks/results/moe_layer.json, tracked) holds one line

@@ -37,6 +37,8 @@ DEFAULT_OUT = result_path("moe_layer.json")
 HEADLINE_OUT = result_path("moe_layer_headline_shapes.json")
 # The full sweep's wall time each time it ran with nothing in the cache (tracked: what `--all` costs a new user).
 COLD_TIMES = result_path("moe_layer_cold_times.json")
+COLD_TIMES_WHAT = ("wall time of `tpu-kernels bench moe_layer` (the default run, or --all) from an empty cache, one "
+                   "entry per such run")
 # Raw rows and the run's own facts (untracked: .gitignore).
 RAW_DIR = result_path("raw")
 DEFAULT_CACHE = cache_root("moe_layer")
@@ -105,14 +107,15 @@ def parse_args(argv) -> tuple[argparse.Namespace, list[Case]]:
 
 
 def record_cold_time(args: argparse.Namespace, facts: dict, path: Path = COLD_TIMES) -> bool:
-    """Adds a full sweep's wall time to the tracked record when it started from an empty cache; True if it did.
-    (A cold run still hits its cache: programs shared by several shapes compile once.)"""
-    if not args.all or not facts["cache"]["empty_at_start"]:
+    """Adds the wall time of a full sweep or of the default run (the headline shapes) to the tracked record when it
+    started from an empty cache; True if it did. (A cold run still hits its cache: programs shared by several
+    shapes compile once.)"""
+    if not (args.all or args.headline_only) or not facts["cache"]["empty_at_start"]:
         return False
-    record = json.loads(path.read_text()) if path.is_file() else {
-        "what": "wall time of `tpu-kernels bench moe_layer --all` from an empty cache, one entry per such run"}
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    record["what"] = COLD_TIMES_WHAT
     record.setdefault("runs", []).append({
-        "generations": list(args.generations), "seconds": facts["seconds"], "cpus": facts["cpus"],
+        "run": "--all" if args.all else "default (headline shapes)", "generations": list(args.generations), "seconds": facts["seconds"], "cpus": facts["cpus"],
         "jobs": facts["jobs"], "versions": facts["versions"], "load_average_1_5_15_min": facts["load_average_1_5_15_min"],
         "compiles_and_replays": facts["cache"]["misses"], "reused_within_the_run": facts["cache"]["hits"]})
     path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
