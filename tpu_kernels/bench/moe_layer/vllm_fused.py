@@ -49,7 +49,6 @@ recomputed per w2 chunk).
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 
 import jax
