@@ -37,8 +37,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax.core
+import jax.extend.core as jax_core
 import numpy as np
-from jax._src import core as jax_core
+from jax.experimental import pallas as pl
+# No public API exposes a DMA's flattened operands or the state indexer type: the replay reads them from jax's
+# internals (the rest of this package does likewise for the kernels it replays).
 from jax._src.pallas.mosaic import primitives as mosaic_primitives
 from jax._src.state import indexing
 
@@ -343,7 +347,7 @@ def _dma_plan(eqn) -> _Dma:
     index = []
     for transform in getattr(semaphore, "transforms", ()):
         for dim in getattr(transform, "indices", ()):
-            if isinstance(dim, indexing.Slice):
+            if isinstance(dim, pl.Slice):
                 raise Unresolved("a DMA semaphore taken by a slice")
             if isinstance(dim, jax_core.Literal):
                 index.append(("literal", int(dim.val)))
@@ -370,11 +374,11 @@ def _copy_bytes(transformed, values) -> int:
     shape = list(aval.shape)
     for static, transform in zip(transformed.transforms, getattr(values, "transforms", ())):
         if not isinstance(transform, indexing.NDIndexer):
-            shape = list(static.transform_type(jax_core.ShapedArray(tuple(shape), aval.dtype)).shape)
+            shape = list(static.transform_type(jax.core.ShapedArray(tuple(shape), aval.dtype)).shape)
             continue
         sizes = []
         for dim, extent in zip(transform.indices, shape):
-            if isinstance(dim, indexing.Slice):
+            if isinstance(dim, pl.Slice):
                 if dim.size is _UNKNOWN:
                     raise Unresolved("a copy whose size depends on a value in VMEM")
                 sizes.append(int(dim.size))
@@ -484,7 +488,7 @@ def _index(eqn, index_values):
             return None  # a second indexer: not a pattern of scalar code
         parts = []
         for dim in transform.indices:
-            if isinstance(dim, indexing.Slice):
+            if isinstance(dim, pl.Slice):
                 start, size, stride = dim.start, dim.size, dim.stride
                 if start is _UNKNOWN or size is _UNKNOWN:
                     return None
