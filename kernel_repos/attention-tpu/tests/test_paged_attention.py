@@ -111,6 +111,31 @@ def test_sinks_softcap_scale_and_empty_rows(kernel, convert):
     assert out[6].abs().max() == 0 and out[-5:].abs().max() == 0
 
 
+@pytest.mark.parametrize("page_size, block_kv, window", [
+    (128, 256, None),  # blocks of two whole pages
+    (128, 128, 50),  # a window shorter than a page
+    (128, 256, 200),  # and one longer
+    (256, 256, 100),  # blocks starting at the 128-key half of a page holding a window's first key
+])
+def test_a_head_dim_64_cache_read_keys_minor(kernel, convert, page_size, block_kv, window):
+    """Head_dim 64 over pages of a multiple of 128 tokens: the kernel reads the cache as [pages, Hkv, D, page] (XLA's
+    default layout of it) in chunks of 128 or more keys. Odd lengths, one-token requests, a sequence without queries,
+    a decode row without keys, rows past cu_q_lens[-1], sinks and softcap; the lanes past a sequence's keys (NaN in
+    the cache, stale in the buffer) never reach the result."""
+    batch = paged_batch([5, 1, 0, 1, 19, 1, 1], [37, 130, 9, 1, 19, 300, 0], q_heads=4, kv_heads=2, head_dim=64,
+                        page_size=page_size, seed=page_size + (window or 0), extra_rows=3)
+    problem = kernel.paged_problem(*(convert[0](x) for x in (batch[0], batch[1], batch[5])), sliding_window=window)
+    assert problem.keys_minor
+    assert kernel.paged.plan.make(problem, config=config(kernel, 16, 16, block_kv)).chunk == (
+        128 if window else page_size)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(4))
+    options = dict(sinks=sinks, sliding_window=window, softcap=4.0)
+    out = run_paged(kernel, convert, batch, config(kernel, 16, 16, block_kv), **options)
+    expected = kernel.reference.reference_paged_attention(*batch, **options)
+    assert_matches(out, expected, TOLERANCE[torch.float32])
+    assert out[27].abs().max() == 0 and out[-3:].abs().max() == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("head_dim, q_heads, kv_heads, dtype, page_size, block_kv", [
     (64, 3, 3, torch.float32, 4, 8),  # MHA; blocks of two pages
@@ -172,7 +197,8 @@ def test_window_blocks_start_at_the_chunk_of_the_first_visible_key(kernel, conve
 
 def test_decode_tiles_and_window_chunks_selected(kernel):
     """A decode batch of Qwen3-30B-A3B (group 8) in bfloat16 takes 2-token (16-row) tiles and one step of the
-    preferred 128 rows (two on v5p's megacore); GPT-OSS's 128-key window 16-key chunks, even on 256-key pages."""
+    preferred 128 rows (two on v5p's megacore); GPT-OSS's 128-key window 16-key chunks on 16-key pages, and 128-key
+    ones on 256-key pages (read keys-minor, in whole lanes), where blocks must be multiples of 128 keys."""
     shape = dict(total_q=64, num_seqs=64, q_heads=32, kv_heads=4, head_dim=128, page_size=256, num_pages=4096,
                  pages_per_seq=32, dtype="bfloat16", max_q_len=1)
     qwen = kernel.PagedProblem.of_shape(**shape)
@@ -181,7 +207,12 @@ def test_decode_tiles_and_window_chunks_selected(kernel):
     assert kernel.paged.plan.make(qwen, "v5p").num_q_blocks == 2
     gpt_oss = kernel.PagedProblem.of_shape(**{**shape, "q_heads": 64, "kv_heads": 8, "head_dim": 64},
                                            sliding_window=128, has_sinks=True)
-    assert kernel.paged.plan.make(gpt_oss, "v6e").chunk == 16
+    assert gpt_oss.keys_minor and kernel.paged.plan.make(gpt_oss, "v6e").chunk == 128
+    with pytest.raises(ValueError, match="block_kv must be a multiple of 128 where the cache is read keys-minor"):
+        kernel.paged.plan.make(gpt_oss, config=config(kernel, 16, 16, 64))
+    small_pages = kernel.PagedProblem.of_shape(**{**shape, "q_heads": 64, "kv_heads": 8, "head_dim": 64,
+                                                  "page_size": 16, "pages_per_seq": 512}, sliding_window=128)
+    assert not small_pages.keys_minor and kernel.paged.plan.make(small_pages, "v6e").chunk == 16
     with pytest.raises(ValueError, match="tile_q must be a positive multiple of 2"):
         kernel.paged.plan.make(qwen, config=config(kernel, 3, 3, 256))
 

@@ -10,6 +10,10 @@ Layout (transformers' paged cache, `continuous_batching/cache_allocators/full_at
   sequence s sits in page ``page_table[s, j // page_size]`` at row ``j % page_size``.
 * kv_lens: int32 [num_seqs], the keys of each sequence (its queries included).
 
+Where XLA stores such a cache keys-minor (`cache_stored_keys_minor`: a head_dim that is no multiple of 128 over
+pages that are one), the kernel reads it as ``cache.transpose(0, 2, 3, 1)``, [num_pages, Hkv, D, page_size]: a
+free view of that layout, in which each page holds K^T and V^T per KV head (`PagedProblem.keys_minor`).
+
 Contiguous (varlen) K/V, as `flash_attn_varlen_func` receives them, are the same problem with `contiguous` set:
 k, v [total_k, Hkv, D] are read as one page of total_k rows ([1, total_k, Hkv, D], a free reshape) and the page
 table's one column holds each sequence's first row (cu_k_lens[:-1]); key j of sequence s is row
@@ -26,6 +30,25 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from .._hardware import LANES
+
+
+def cache_stored_keys_minor(page_size: int, head_dim: int) -> bool:
+    """Whether XLA's default TPU layout of a cache [num_pages, page_size, Hkv, head_dim] stores, per page and KV
+    head, the page's keys minor: minor_to_major {1,3,2,0}, physically [num_pages, Hkv, head_dim, page_size], of
+    which ``cache.transpose(0, 2, 3, 1)`` is a free bitcast.
+
+    XLA picks that layout for a jitted function's arguments (and torch-tpu for its device tensors) where head_dim is
+    no multiple of 128 lanes and page_size is one. Probed with libtpu's compile-only topologies, bfloat16 on v6e and
+    TPU7x for head_dim 32, 64, 80, 96 and 128, 1 to 16 KV heads and pages of 16 to 512 tokens (and spot checks in
+    float32, on v5e and v5p, and of 1 to 33 pages): such caches are stored {1,3,2,0}; over pages of 16, 32 or 64
+    tokens (thousands of pages) XLA makes the page index minor ({0,3,2,1}), which no kernel reading a page at a time
+    can take as a view; a head_dim of 128 (or a multiple) stays row-major. Correctness never depends on this answer:
+    where XLA's layout differs from the one the kernel reads, XLA copies the cache into it before every call
+    (tests/test_argument_layouts.py checks the rule against the compiler).
+    """
+    return head_dim % LANES != 0 and page_size % LANES == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +81,12 @@ class PagedProblem:
     def precision(self) -> jax.lax.Precision | None:
         # float32 inputs multiply at float32 precision; bfloat16 ones in one MXU pass.
         return jax.lax.Precision.HIGHEST if self.dtype == "float32" else None
+
+    @property
+    def keys_minor(self) -> bool:
+        """Whether the kernel reads the cache as [num_pages, Hkv, D, page_size] (`cache_stored_keys_minor`): K^T and
+        V^T chunks of whole lanes. Contiguous keys start at any row, not on a lane: they stay row-major."""
+        return not self.contiguous and cache_stored_keys_minor(self.page_size, self.head_dim)
 
     @property
     def longest_query(self) -> int:

@@ -15,14 +15,18 @@ Layout and semantics: `common/paged.py`.
   from the cache page the page table names into a double-buffered VMEM buffer of the cache's [tokens, Hkv, D]
   layout; the next block (of the same sequence, or the next sequence's first) is in flight while the current one
   is computed. Chunks past a sequence's keys are not fetched.
+* Keys-minor (`PagedProblem.keys_minor`: a head_dim of 64 over pages of a multiple of 128 tokens, which XLA stores
+  [pages, Hkv, D, page] by default): the kernel reads the cache as `cache.transpose(0, 2, 3, 1)`, a free view of
+  that layout, and each chunk (a multiple of 128 keys; under a window 128) lands in a [Hkv, D, block_kv] buffer, so
+  each KV head's K^T and V^T are plain [D, block_kv] tiles. A cache of any other layout is copied by XLA first.
 * Per block and KV head, every row tile of the sequence that sees a key of the block runs one (rows, D) x
   (D, block_kv) matmul and the online softmax (float32 state in VMEM scratch). A sequence's tiles are of `tile_q`
   tokens, or of `min_tile_q` (rows of the dtype's native tile) when those cover its rows in at most half the rows:
   a decode row of a group of 8 in bfloat16 runs a 16-row tile, not a 128-row one. Rows of other sequences in a tile are
   masked out, which leaves their state unchanged; decode rows of several sequences thus share a tile. Sinks
   start a row's running max and sum (max = sink, sum = 1).
-* V rows past a sequence's keys are zeroed in the buffer (contiguous keys: masked per head) before the PV
-  matmul and invalid logits are replaced before the exponential, so stale pages or NaN never reach the result.
+* V rows past a sequence's keys are zeroed in the buffer (contiguous keys and keys-minor: masked per head) before
+  the PV matmul and invalid logits are replaced before the exponential, so stale pages or NaN never reach the result.
   Page table entries are clamped into the cache.
 
 Rows that see no key, and rows past cu_q_lens[-1], come out as zeros. Inputs are assumed valid: the torch op
@@ -52,11 +56,11 @@ class _Refs(NamedTuple):
     kv_lens: object  # SMEM [S]
     table: object  # SMEM [S * pages_per_seq]
     q: object  # [Hkv, block rows, D]
-    k_hbm: object  # [num_pages, page_size, Hkv, D]
+    k_hbm: object  # [num_pages, page_size, Hkv, D]; keys-minor [num_pages, Hkv, D, page_size]
     v_hbm: object
     sinks: object | None  # [Hkv, block rows, 1] f32
     out: object
-    k_buf: object  # [2, chunks per block, chunk, Hkv, D]
+    k_buf: object  # [2, chunks per block, chunk, Hkv, D]; keys-minor [2, Hkv, D, block_kv]
     v_buf: object
     sems: object  # DMA [2 (K, V), 2 (slot)]
     max: object  # [Hkv, block rows, 1] f32
@@ -129,17 +133,20 @@ def _contiguous_rows(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: 
 def _chunk_copies(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block, slot):
     """(whether the chunk holds a key of the sequence, its K and V copy descriptors), per chunk of a block."""
     copies = []
+    every = slice(None)
     for c in range(plan.chunks_per_block):
         token = _block_key(plan, span, block) + c * plan.chunk
         if problem.contiguous:
-            page, rows = 0, pl.ds(_contiguous_rows(refs, problem, plan, span, block)[0], plan.chunk)
+            source = (0, pl.ds(_contiguous_rows(refs, problem, plan, span, block)[0], plan.chunk))
         else:
             column = jnp.minimum(_div(token, problem.page_size), problem.pages_per_seq - 1)
             page = jnp.clip(refs.table[span.seq * problem.pages_per_seq + column], 0, problem.num_pages - 1)
             whole_page = plan.chunk == problem.page_size
-            rows = slice(None) if whole_page else pl.ds(jax.lax.rem(token, problem.page_size), plan.chunk)
-        k_copy = pltpu.make_async_copy(refs.k_hbm.at[page, rows], refs.k_buf.at[slot, c], refs.sems.at[0, slot])
-        v_copy = pltpu.make_async_copy(refs.v_hbm.at[page, rows], refs.v_buf.at[slot, c], refs.sems.at[1, slot])
+            rows = every if whole_page else pl.ds(jax.lax.rem(token, problem.page_size), plan.chunk)
+            source = (page, every, every, rows) if problem.keys_minor else (page, rows)
+        target = (slot, every, every, pl.ds(c * plan.chunk, plan.chunk)) if problem.keys_minor else (slot, c)
+        k_copy = pltpu.make_async_copy(refs.k_hbm.at[source], refs.k_buf.at[target], refs.sems.at[0, slot])
+        v_copy = pltpu.make_async_copy(refs.v_hbm.at[source], refs.v_buf.at[target], refs.sems.at[1, slot])
         copies.append((token < span.kv_len, k_copy, v_copy))  # chunks past the keys are not fetched
     return copies
 
@@ -192,7 +199,8 @@ def _row_tokens(shape, group: int):
 def _attend_tile(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, head: int, tile_q: int, tile,
                  block_start, key_start, buffer_start, k, v) -> None:
     """The online softmax of row tile `tile` (of tile_q tokens) of one KV head over one K/V block (its buffer's
-    first row holds key buffer_start; keys before key_start belong to the previous block)."""
+    first key is key buffer_start; keys before key_start belong to the previous block): k, v [block_kv, D], or
+    keys-minor k^T, v^T [D, block_kv]."""
     rows = tile_q * problem.group
     shape = (rows, plan.block_kv)
     row0 = pl.multiple_of(tile * rows, rows)
@@ -207,7 +215,8 @@ def _attend_tile(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Spa
     if problem.sliding_window is not None:
         visible = visible & (key_pos > position - problem.sliding_window)
     q = refs.q[head, pl.ds(row0, rows), :]
-    raw = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+    key_axis = 1 if problem.keys_minor else 0
+    raw = jax.lax.dot_general(q, k, (((1,), (1 - key_axis,)), ((), ())), preferred_element_type=jnp.float32,
                               precision=problem.precision)
     logits = jnp.where(visible, masking.capped_logits(problem, raw), -jnp.inf)
     state = (head, pl.ds(row0, rows), slice(None))
@@ -219,7 +228,7 @@ def _attend_tile(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Spa
     rescale = jnp.exp(max_prev - shift)
     refs.sum[state] = rescale * refs.sum[state] + jnp.sum(probs, axis=1, keepdims=True)
     refs.acc[state] = rescale * refs.acc[state] + jax.lax.dot_general(
-        probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+        probs.astype(v.dtype), v, (((1,), (key_axis,)), ((), ())), preferred_element_type=jnp.float32,
         precision=problem.precision)
     refs.max[state] = max_next
 
@@ -249,6 +258,31 @@ def _small_tiles_are_fewer_rows(plan: PagedPlan, span: _Span, block_start):
     return 2 * (small_last - small_first + 1) * plan.min_tile_q <= (last - first + 1) * plan.tile_q
 
 
+def _head_keys_and_values(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, slot, head: int,
+                          key_start, buffer_start):
+    """One KV head's keys and values of the block in slot `slot`: [block_kv, D] each, keys-minor [D, block_kv].
+
+    A block's values that are not the sequence's keys are zeroed: p is 0 there, but 0 * NaN is NaN (a key's logits
+    are replaced instead). Contiguous keys: rows before the block's first key or past the sequence's keys are other
+    rows of the array, which past cu_k_lens[-1] may hold NaN; keys-minor: lanes past the sequence's keys (chunks not
+    fetched, a page's lanes past them). Only a block holding some is masked. (Row-major pages:
+    `_clear_values_past_keys` zeroed those rows in the buffer.)"""
+    if problem.keys_minor:
+        k, v = refs.k_buf[slot, head], refs.v_buf[slot, head]
+    else:
+        k, v = (buf[slot, :, :, head, :].reshape(plan.block_kv, problem.head_dim) for buf in (refs.k_buf, refs.v_buf))
+    if not (problem.contiguous or problem.keys_minor):
+        return k, v
+    key_axis = 1 if problem.keys_minor else 0
+    needs_mask = (buffer_start < key_start) | (buffer_start + plan.block_kv > span.kv_len)
+
+    def masked():
+        value_pos = buffer_start + jax.lax.broadcasted_iota(jnp.int32, v.shape, key_axis)
+        return jnp.where((value_pos >= key_start) & (value_pos < span.kv_len), v, jnp.zeros_like(v))
+
+    return k, jax.lax.cond(needs_mask, masked, lambda: v)
+
+
 def _attend_block(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block, slot,
                   block_start) -> None:
     """Every KV head's row tiles of the sequence over one K/V block (in VMEM slot `slot`), in tiles of tile_q
@@ -256,27 +290,11 @@ def _attend_block(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Sp
     key_start = buffer_start = _block_key(plan, span, block)
     if problem.contiguous:
         buffer_start = key_start - _contiguous_rows(refs, problem, plan, span, block)[1]
-    # Contiguous keys: a block's rows before its first key or past the sequence's keys are other rows of the
-    # array, which past cu_k_lens[-1] may hold NaN: p is 0 there, but 0 * NaN is NaN. Only a block holding some is
-    # masked. (Pages: `_clear_values_past_keys` zeroed those rows.)
-    needs_mask = (buffer_start < key_start) | (buffer_start + plan.block_kv > span.kv_len)
-
-    def values(head):
-        v = refs.v_buf[slot, :, :, head, :].reshape(plan.block_kv, problem.head_dim)
-        if not problem.contiguous:
-            return v
-
-        def masked():
-            value_pos = buffer_start + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
-            return jnp.where((value_pos >= key_start) & (value_pos < span.kv_len), v, jnp.zeros_like(v))
-
-        return jax.lax.cond(needs_mask, masked, lambda: v)
 
     def run_tiles(tile_q: int):
         first_tile, last_tile = _tile_range(span, tile_q, block_start)
         for head in range(problem.kv_heads):
-            k = refs.k_buf[slot, :, :, head, :].reshape(plan.block_kv, problem.head_dim)
-            v = values(head)
+            k, v = _head_keys_and_values(refs, problem, plan, span, slot, head, key_start, buffer_start)
 
             def tile_body(tile, carry, head=head, k=k, v=v):
                 pl.when(_tile_sees_block(problem, plan, span, tile_q, tile, block_start, key_start))(
@@ -332,7 +350,7 @@ def _paged_kernel(cu_q_ref, kv_lens_ref, table_ref, seq_first_ref, seq_last_ref,
                 _start_block(refs, problem, plan, following, 0, other)
 
             _wait_block(refs, problem, plan, span, block, slot)
-            if not problem.contiguous:
+            if not (problem.contiguous or problem.keys_minor):
                 _clear_values_past_keys(refs, problem, plan, span, block, slot)
             _attend_block(refs, problem, plan, span, block, slot, block_start)
             return other
@@ -393,7 +411,11 @@ def call(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cu_q_lens: jax.Ar
         sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(kv_heads, 1, group), (1, plan.block_q, 1))
         in_specs.append(pl.BlockSpec((kv_heads, step_rows, 1), lambda i, *_: (0, 0, 0)))
         operands.append(sink_rows.reshape(kv_heads, step_rows, 1))
-    buffer = pltpu.VMEM((2, plan.chunks_per_block, plan.chunk, kv_heads, head_dim), k_cache.dtype)
+    if problem.keys_minor:  # a free view of XLA's default layout of such a cache (`cache_stored_keys_minor`)
+        operands[1:3] = [cache.transpose(0, 2, 3, 1) for cache in (k_cache, v_cache)]
+        buffer = pltpu.VMEM((2, kv_heads, head_dim, plan.block_kv), k_cache.dtype)
+    else:
+        buffer = pltpu.VMEM((2, plan.chunks_per_block, plan.chunk, kv_heads, head_dim), k_cache.dtype)
     out = pl.pallas_call(
         functools.partial(_paged_kernel, problem=problem, plan=plan),
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),

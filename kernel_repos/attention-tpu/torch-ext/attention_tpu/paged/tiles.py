@@ -1,7 +1,8 @@
 """Tiles of ragged paged attention (`paged.kernel`) per shape and TPU generation.
 
 Three sizes, in tokens: `block_q` query rows per grid step, `tile_q` query rows per matmul (a step's sequences
-each run the row tiles they own), `block_kv` keys per K/V block (whole pages, or an equal part of one page).
+each run the row tiles they own), `block_kv` keys per K/V block (whole pages, or an equal part of one page; a
+multiple of 128 lanes where the kernel reads the cache keys-minor, `PagedProblem.keys_minor`).
 Besides `tile_q`, the kernel has the smallest legal row tile (`min_tile_q`): a sequence whose rows in a step are
 at most half as many in small tiles (a decode row: one token, `group` rows) runs those, not a whole `tile_q` tile. The
 heuristic starts from PREFERRED_TILES and halves the largest term of the working set until it fits the VMEM
@@ -49,23 +50,34 @@ def min_tile_q(problem: PagedProblem) -> int:
 
 # Under a window a sequence's first visible key sits anywhere in a page, and its blocks start at the chunk holding
 # it: a chunk is at most 1 / WINDOW_CHUNKS of the window (and at least WINDOW_MIN_CHUNK tokens, when a page part that
-# small exists), so that a window costs at most ~2 / WINDOW_CHUNKS more keys than it holds.
+# small exists), so that a window costs at most ~2 / WINDOW_CHUNKS more keys than it holds. A cache read keys-minor
+# is read in chunks of whole lanes (LANES keys): a decode row under GPT-OSS's 128-key window then reads the two
+# 128-key chunks its window spans (256 keys) where 16-key chunks read 144, 16 / 9 of the K/V bytes; the row-major
+# read would cost XLA a copy of the whole cache instead.
 WINDOW_CHUNKS = 8
 WINDOW_MIN_CHUNK = 16
 
 
-def _window_chunk_bound(window: int) -> int:
-    return max(WINDOW_MIN_CHUNK, window // WINDOW_CHUNKS)
+def _window_chunk_bound(problem: PagedProblem) -> int:
+    if problem.keys_minor:
+        return LANES
+    return max(WINDOW_MIN_CHUNK, problem.sliding_window // WINDOW_CHUNKS)
+
+
+def _key_multiple(problem: PagedProblem) -> int:
+    """What a page part (a chunk, a block within a page) is a multiple of, where the page has such parts: whole
+    lanes of a cache read keys-minor, else 8 rows."""
+    return LANES if problem.keys_minor else 8
 
 
 def chunk_tokens(problem: PagedProblem, block_kv: int) -> int:
     """Tokens of one K/V DMA: a whole page, or the part of one a block holds; under a window no more than its
-    WINDOW_CHUNKS-th part (contiguous keys: the block, whose DMA starts at any row)."""
+    WINDOW_CHUNKS-th part, or one lane width keys-minor (contiguous keys: the block, whose DMA starts at any row)."""
     if problem.contiguous:
         return block_kv
     chunk = min(block_kv, problem.page_size)
     if problem.sliding_window is not None:
-        chunk = _page_part(chunk, _window_chunk_bound(problem.sliding_window))
+        chunk = _page_part(chunk, _window_chunk_bound(problem), _key_multiple(problem))
     return chunk
 
 
@@ -75,8 +87,10 @@ def vmem_bytes(problem: PagedProblem, *, block_q: int, tile_q: int, block_kv: in
     itemsize, rows_multiple = dtype.itemsize, sublane_multiple(dtype)
     kv_heads, head_dim, group = problem.kv_heads, problem.head_dim, problem.group
     step_rows = block_q * group
-    # K and V pages keep the cache's [tokens, Hkv, D] layout in VMEM: Hkv is padded to a native tile.
-    kv_buffers = 2 * 2 * block_kv * round_up(kv_heads, rows_multiple) * head_dim * itemsize
+    if problem.keys_minor:  # K^T and V^T per KV head, [Hkv, D, block_kv]
+        kv_buffers = 2 * 2 * kv_heads * round_up(head_dim, rows_multiple) * round_up(block_kv, LANES) * itemsize
+    else:  # K and V pages keep the cache's [tokens, Hkv, D] layout in VMEM: Hkv is padded to a native tile.
+        kv_buffers = 2 * 2 * block_kv * round_up(kv_heads, rows_multiple) * head_dim * itemsize
     q_and_out = 2 * 2 * kv_heads * round_up(step_rows, rows_multiple) * head_dim * itemsize
     scratch = kv_heads * step_rows * (head_dim + 2 * LANES) * 4  # acc, running max and sum (lane padded)
     sinks = 2 * kv_heads * step_rows * LANES * 4 if problem.has_sinks else 0
@@ -85,18 +99,22 @@ def vmem_bytes(problem: PagedProblem, *, block_q: int, tile_q: int, block_kv: in
     return kv_buffers + q_and_out + scratch + sinks + temporaries
 
 
-def _page_part(page_size: int, most: int) -> int:
-    """The largest part of a page (a divisor of page_size) of at most `most` tokens, a multiple of 8 if any is."""
+def _page_part(page_size: int, most: int, multiple: int = 8) -> int:
+    """The largest part of a page (a divisor of page_size) of at most `most` tokens, a multiple of `multiple` if any
+    is."""
     divisors = [d for d in range(1, min(page_size, most) + 1) if page_size % d == 0]
-    aligned = [d for d in divisors if d % 8 == 0]
+    aligned = [d for d in divisors if d % multiple == 0]
     return (aligned or divisors)[-1]
 
 
-def _shrink_kv(block_kv: int, page_size: int, contiguous: bool) -> int:
-    if contiguous:
+def _shrink_kv(block_kv: int, problem: PagedProblem) -> int:
+    page_size = problem.page_size
+    if problem.contiguous:
         return max(min(8, block_kv), block_kv // 2 // 8 * 8)
     if block_kv > page_size:
         return max(page_size, block_kv // 2 // page_size * page_size)
+    if problem.keys_minor:  # no part of a page below one lane width
+        return _page_part(page_size, max(LANES, block_kv // 2), LANES)
     return _page_part(page_size, block_kv // 2) if block_kv > 1 else block_kv
 
 
@@ -120,35 +138,35 @@ def heuristic_config(problem: PagedProblem, generation: str) -> PagedConfig:
     tile_q = min(round_up(max(1, TILE_ROWS // problem.group), multiple), round_up(longest, multiple))
     keys = visible_keys(problem, tile_q)
     if problem.sliding_window is not None and not problem.contiguous:
-        keys += _window_chunk_bound(problem.sliding_window) - 1  # blocks start at the first visible key's chunk
+        keys += _window_chunk_bound(problem) - 1  # blocks start at the first visible key's chunk
     preferred_kv = min(preferred_kv, round_up(keys, LANES))
     packed = round_up(max(1, problem.total_q), tile_q)
     block_q = min(packed, preferred_q)
     if longest <= DECODE_MAX_Q and generation in MEGACORE_GENERATIONS:
         block_q = min(block_q, round_up(-(-packed // 2), tile_q))
     block_q = max(tile_q, block_q // tile_q * tile_q)
-    page, contiguous = problem.page_size, problem.contiguous
-    if contiguous:
+    page = problem.page_size
+    if problem.contiguous:
         # Any block up to the keys' rows: its DMA starts at a sequence's row, not at a page.
         block_kv = min(preferred_kv, page)
     elif page <= preferred_kv:
         block_kv = max(1, preferred_kv // page) * page
     else:
-        block_kv = _page_part(page, preferred_kv)
+        block_kv = _page_part(page, preferred_kv, _key_multiple(problem))
     budget = vmem_budget(generation)
 
     def working_set(bq, tq, bkv):
         return vmem_bytes(problem, block_q=bq, tile_q=tq, block_kv=bkv)
 
     while working_set(block_q, tile_q, block_kv) > budget:
-        if block_kv > 128 and _shrink_kv(block_kv, page, contiguous) < block_kv:
-            block_kv = _shrink_kv(block_kv, page, contiguous)
+        if block_kv > 128 and _shrink_kv(block_kv, problem) < block_kv:
+            block_kv = _shrink_kv(block_kv, problem)
         elif block_q > tile_q:
             block_q = max(tile_q, block_q // 2 // tile_q * tile_q)
         elif tile_q > multiple:
             tile_q = block_q = max(multiple, tile_q // 2 // multiple * multiple)
-        elif _shrink_kv(block_kv, page, contiguous) < block_kv:
-            block_kv = _shrink_kv(block_kv, page, contiguous)
+        elif _shrink_kv(block_kv, problem) < block_kv:
+            block_kv = _shrink_kv(block_kv, problem)
         else:
             break
     return PagedConfig(block_q, tile_q, block_kv, vmem_limit(working_set(block_q, tile_q, block_kv), generation))
@@ -174,6 +192,9 @@ def check_config(config: PagedConfig, problem: PagedProblem) -> None:
     if not (whole_pages or page_part):
         raise ValueError(f"config.block_kv must be a multiple or a divisor of the page size ({page}), "
                          f"got {config.block_kv}")
+    if problem.keys_minor and config.block_kv % LANES:
+        raise ValueError(f"config.block_kv must be a multiple of {LANES} where the cache is read keys-minor "
+                         f"(head_dim {problem.head_dim} over pages of {page}), got {config.block_kv}")
 
 
 def select(problem: PagedProblem, generation: str | None = None) -> PagedConfig:
