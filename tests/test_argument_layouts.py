@@ -1,5 +1,6 @@
 """Argument layouts and the copies XLA makes of them: a hand-written module, and the paged attention kernel's
-K/V cache compiled for each generation (head_dim 64 copied whole, head_dim 128 read as given)."""
+K/V cache compiled for each generation (head_dim 64 over pages of a multiple of 128 tokens and head_dim 128 read as
+given, head_dim 64 over 16-token pages copied whole)."""
 
 import functools
 
@@ -61,15 +62,22 @@ def _paged_call(attention, generation, *, head_dim, kv_heads, page_size, num_pag
 
 @pytest.mark.aot
 @pytest.mark.parametrize("generation", SUPPORTED_GENERATIONS)
-def test_the_paged_kernel_makes_xla_copy_a_head_dim_64_cache_whole_and_reads_head_dim_128_as_given(
-        attention, generation):
-    """GPT-OSS's cache [pages, 128, 8, 64] is stored page-rows minor ({1,3,2,0}); the kernel reads it row-major,
-    so every call copies K and V whole. A 128-wide head is stored row-major: no copy."""
-    fn, avals = _paged_call(attention, generation, head_dim=64, kv_heads=8, page_size=128, num_pages=1024)
+def test_the_paged_kernel_reads_a_head_dim_64_cache_over_pages_of_128_or_256_as_given(attention, generation):
+    """GPT-OSS's cache [pages, 128 or 256, 8, 64] is stored page-rows minor ({1,3,2,0}); the kernel reads it keys-minor,
+    a view of that layout: no copy. Over 16-token pages XLA stores the pages minor ({0,3,2,1}), which the kernel
+    cannot read a page of: every call copies K and V whole. A 128-wide head is stored row-major: no copy."""
+    for page_size in (128, 256):
+        fn, avals = _paged_call(attention, generation, head_dim=64, kv_heads=8, page_size=page_size,
+                                num_pages=128 * 1024 // page_size)
+        found = argument_layouts.probe(fn, avals, generation)
+        for number in (1, 2):
+            assert found.argument(number).minor_to_major == (1, 3, 2, 0)
+            assert not found.argument(number).copies, [copy.describe() for copy in found.argument(number).copies]
+    fn, avals = _paged_call(attention, generation, head_dim=64, kv_heads=8, page_size=16, num_pages=8192)
     found = argument_layouts.probe(fn, avals, generation)
-    cache_bytes = 1024 * 128 * 8 * 64 * 2  # 128 MiB: too large for XLA to copy into VMEM
+    cache_bytes = 8192 * 16 * 8 * 64 * 2  # 128 MiB: too large for XLA to copy into VMEM
     for number in (1, 2):
-        assert found.argument(number).minor_to_major == (1, 3, 2, 0)
+        assert found.argument(number).minor_to_major == (0, 3, 2, 1)
         assert (found.argument(number).copied_bytes, found.argument(number).hbm_bytes) == (cache_bytes,
                                                                                           2 * cache_bytes)
     fn, avals = _paged_call(attention, generation, head_dim=128, kv_heads=4, page_size=128, num_pages=1024)
@@ -78,17 +86,24 @@ def test_the_paged_kernel_makes_xla_copy_a_head_dim_64_cache_whole_and_reads_hea
 
 
 @pytest.mark.aot
+@pytest.mark.parametrize("generation", ["v5e", "tpu7x"])
+def test_the_keys_minor_predicate_agrees_with_the_compiler(attention, generation):
+    """`cache_stored_keys_minor` against the layout XLA gives a cache argument, [pages, page, Hkv, D] in bfloat16 and
+    float32: {1,3,2,0} exactly where it answers True."""
+    shapes = [(64, 8, 16), (64, 8, 128), (64, 1, 256), (64, 4, 512), (128, 8, 128), (256, 2, 256), (64, 8, 64)]
+    for (head_dim, kv_heads, page_size), dtype in zip(shapes, [jnp.bfloat16, jnp.float32] * len(shapes)):
+        cache = jax.ShapeDtypeStruct((64 * 1024 // page_size, page_size, kv_heads, head_dim), dtype)
+        layout = argument_layouts.probe(lambda c: c[:1] * 2, [cache], generation).argument(0).minor_to_major
+        keys_minor = attention.cache_stored_keys_minor(page_size, head_dim)
+        assert (layout == (1, 3, 2, 0)) == keys_minor, (cache, layout)
+
+
+@pytest.mark.aot
 @pytest.mark.parametrize("generation", SUPPORTED_GENERATIONS)
-@pytest.mark.parametrize("page_size", [16, 128])
-def test_a_head_dim_64_cache_kept_row_major_is_read_with_no_copy(attention, generation, page_size):
-    """XLA's default layout of [pages, page, 8, 64] puts the pages (page 16, 2048 pages) or the page's rows (page
-    128) minor, which no kernel reading a page's rows can take as a view; a caller that keeps the cache row-major
-    (its jit's argument layout pinned) gets no copy."""
-    num_pages = 128 * 1024 // page_size
-    fn, avals = _paged_call(attention, generation, head_dim=64, kv_heads=8, page_size=page_size, num_pages=num_pages)
-    default = argument_layouts.probe(fn, avals, generation)
-    assert default.argument(1).minor_to_major == ((0, 3, 2, 1) if page_size == 16 else (1, 3, 2, 0))
-    assert default.argument(1).copies and default.argument(2).copies
+def test_a_head_dim_64_cache_of_small_pages_kept_row_major_is_read_with_no_copy(attention, generation):
+    """XLA's default layout of [pages, 16, 8, 64] puts the pages minor, which no kernel reading a page's rows can take
+    as a view; a caller that keeps the cache row-major (its jit's argument layout pinned) gets no copy."""
+    fn, avals = _paged_call(attention, generation, head_dim=64, kv_heads=8, page_size=16, num_pages=8192)
     row_major = (None, (0, 1, 2, 3), (0, 1, 2, 3), None, None, None)
     pinned = argument_layouts.probe(fn, avals, generation, major_to_minor=row_major)
     assert all(pinned.argument(number).row_major and not pinned.argument(number).copies for number in (1, 2))

@@ -2,15 +2,16 @@
 `compile_targets`).
 
 Real model attention in bf16 over a paged cache of transformers' default page size (256 tokens) or of 16-token
-pages (vLLM's and flash-attn's common size), and 128-token ones (vLLM TPU's) where a window's blocks start
-mid-page: a decode batch of 64 sequences with mixed context lengths (page
-tables for up to 32768 tokens), or a mixed batch of one 960-token prefill chunk and 64 decode rows; and the
-contiguous (varlen) keys of a packed 4096-token prefill and of a continuous batching decode step as
-`flash_attn_varlen_func` hands it to the kernel. Each model and each feature (small and large pages,
-decode and mixed batches, window, sinks, head_dim 512) compiles once per generation: every target costs the
-test suite a compile on each of four generations. Models: Qwen3-30B-A3B (32 query heads, 4 KV heads, head_dim
-128), GPT-OSS-20B's sliding layer (64 / 8, head_dim 64, window 128, sinks), Gemma 4 26B-A4B's sliding layers
-(16 / 8, head_dim 256, window 1024) and its global layers (16 / 2, head_dim 512).
+pages (vLLM's and flash-attn's common size), and 128-token ones (vLLM TPU's); GPT-OSS's head_dim 64 over pages of
+128 and 256 tokens is read keys-minor (`PagedProblem.keys_minor`), its window's blocks starting mid-page in the
+latter: a decode batch of 64 sequences with mixed context lengths (page tables for up to 32768 tokens), or a mixed
+batch of one 960-token prefill chunk and 64 decode rows; and the contiguous (varlen) keys of a packed 4096-token
+prefill and of a continuous batching decode step as `flash_attn_varlen_func` hands it to the kernel. Each model and
+each feature (small and large pages, keys-minor, decode and mixed batches, window, sinks, head_dim 512) compiles
+once per generation: every target costs the test suite a compile on each of four generations. Models:
+Qwen3-30B-A3B (32 query heads, 4 KV heads, head_dim 128), GPT-OSS-20B's sliding layer (64 / 8, head_dim 64, window
+128, sinks), Gemma 4 26B-A4B's sliding layers (16 / 8, head_dim 256, window 1024) and its global layers (16 / 2,
+head_dim 512).
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ def paged_compile_targets(generation):
     # (name, model, page size, batches): "decode" (64 one-token rows) and / or "mixed" (a prefill chunk + decode).
     models = [("qwen3-30b-a3b", QWEN3_30B_A3B, 16, ("decode",)), ("qwen3-30b-a3b", QWEN3_30B_A3B, 256, ("mixed",)),
               ("gpt-oss-20b sliding", GPT_OSS_20B, 16, ("mixed",)),
-              # Its window's blocks start mid-page, in 16-key parts of 128-key pages.
+              # Read keys-minor: 128-key chunks, whole pages of 128 keys, halves of 256-key pages.
               ("gpt-oss-20b sliding", GPT_OSS_20B, 128, ("decode",)),
+              ("gpt-oss-20b sliding", GPT_OSS_20B, 256, ("mixed",)),
               ("gemma-4-26b-a4b sliding", GEMMA_4_SLIDING, 256, ("decode",)),
               ("gemma-4-26b-a4b global", GEMMA_4_GLOBAL, 256, ("decode",))]
     for name, model, page_size, batches in models:
