@@ -116,8 +116,9 @@ def assumptions() -> dict:
                        "figures are low",
         "relayout": "each kernel's own program (flash_attn_varlen_func's and the in-place paths' jitted call) is "
                     "charged the copies XLA makes of its arguments into the kernel's layout (perf.argument_layouts, "
-                    "uncalibrated): at head_dim 64 K and V (and the flash kernel's q and output) are not stored "
-                    "row-major by default, so they are copied whole on every call, the paged cache included",
+                    "uncalibrated): at head_dim 64 the packed K and V (and the flash kernel's q and output) are not "
+                    "stored row-major by default, so they are copied whole on every call; the paged cache over "
+                    "transformers' pages is read in XLA's layout of it (keys-minor), with no copy",
         "left_out": "the cache write (index_copy_ of the new rows: the same on every path, vLLM's included), the "
                     "kernel's own reshapes of q and out, the host's dispatch of each eager op",
         "copies_priced_by": "each copy's XLA program compiled for the generation's compile-only topology, priced by "
