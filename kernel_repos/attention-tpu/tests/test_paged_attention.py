@@ -311,16 +311,19 @@ def _decode_step(*, q_heads=8, kv_heads=2, head_dim=64, page_size=8, dtype=torch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [dict(), dict(window_size=(4, 4), softcap=3.0, s_aux=True)])
-def test_flash_attn_with_kvcache_writes_the_cache_and_attends(kernel, options):
-    q, k_cache, v_cache, k_new, v_new, cache_lengths, block_table, kv_lens = _decode_step()
+@pytest.mark.parametrize("page_size, options", [
+    (8, dict()),
+    (128, dict(window_size=(4, 4), softcap=3.0, s_aux=True)),  # head_dim 64 over 128-token pages: read keys-minor
+])
+def test_flash_attn_with_kvcache_writes_the_cache_and_attends(kernel, page_size, options):
+    q, k_cache, v_cache, k_new, v_new, cache_lengths, block_table, kv_lens = _decode_step(page_size=page_size)
     sinks = torch.randn(8, generator=torch.Generator().manual_seed(2)) if options.pop("s_aux", False) else None
     out = kernel.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_lengths,
                                          block_table=block_table, causal=True, s_aux=sinks, **options)
     for seq, position in enumerate(cache_lengths.tolist()):
-        page = block_table[seq, position // 8]
-        assert torch.equal(k_cache[page, position % 8], k_new[seq, 0])
-        assert torch.equal(v_cache[page, position % 8], v_new[seq, 0])
+        page = block_table[seq, position // page_size]
+        assert torch.equal(k_cache[page, position % page_size], k_new[seq, 0])
+        assert torch.equal(v_cache[page, position % page_size], v_new[seq, 0])
     window = options.get("window_size", (-1, -1))[0] + 1 or None
     expected = kernel.reference.reference_paged_attention(
         q[:, 0], k_cache, v_cache, torch.arange(5, dtype=torch.int32), kv_lens, block_table, sinks=sinks,
