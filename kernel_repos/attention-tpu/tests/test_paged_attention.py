@@ -208,7 +208,7 @@ def test_decode_tiles_and_window_chunks_selected(kernel):
     gpt_oss = kernel.PagedProblem.of_shape(**{**shape, "q_heads": 64, "kv_heads": 8, "head_dim": 64},
                                            sliding_window=128, has_sinks=True)
     assert gpt_oss.keys_minor and kernel.paged.plan.make(gpt_oss, "v6e").chunk == 128
-    with pytest.raises(ValueError, match="block_kv must be a multiple of 128 where the cache is read keys-minor"):
+    with pytest.raises(ValueError, match="block_kv must be a multiple of 128 where the keys are read keys-minor"):
         kernel.paged.plan.make(gpt_oss, config=config(kernel, 16, 16, 64))
     small_pages = kernel.PagedProblem.of_shape(**{**shape, "q_heads": 64, "kv_heads": 8, "head_dim": 64,
                                                   "page_size": 16, "pages_per_seq": 512}, sliding_window=128)
@@ -238,12 +238,14 @@ def test_selected_tiles_under_a_window(kernel, convert):
     check_paged(kernel, convert, batch, sliding_window=20)
 
 
-def varlen_batch(q_lens, kv_lens, *, q_heads, kv_heads, head_dim, seed):
-    """(q, k, v, cu_q_lens, cu_k_lens): packed queries and packed contiguous keys and values."""
+def varlen_batch(q_lens, kv_lens, *, q_heads, kv_heads, head_dim, seed, nan_rows=0):
+    """(q, k, v, cu_q_lens, cu_k_lens): packed queries and packed contiguous keys and values (and `nan_rows` rows of
+    NaN past cu_k_lens[-1])."""
     generator = torch.Generator().manual_seed(seed)
     total_k = sum(kv_lens)
     q = torch.randn(sum(q_lens), q_heads, head_dim, generator=generator)
-    k, v = (torch.randn(total_k, kv_heads, head_dim, generator=generator) for _ in range(2))
+    k, v = (torch.cat([torch.randn(total_k, kv_heads, head_dim, generator=generator),
+                       torch.full((nan_rows, kv_heads, head_dim), float("nan"))]) for _ in range(2))
     cumulative = [torch.tensor(np.concatenate([[0], np.cumsum(n)]), dtype=torch.int32) for n in (q_lens, kv_lens)]
     return q, k, v, *cumulative
 
@@ -261,6 +263,27 @@ def test_contiguous_varlen_keys(kernel, convert, block_kv, options):
     jax_options = {name: to_jax(value) if isinstance(value, torch.Tensor) else value for name, value in options.items()}
     out = interpret(lambda: kernel.paged.kernel.ragged_varlen_attention(*(to_jax(x) for x in batch), config=tiles,
                                                                         **jax_options))
+    expected = kernel.reference.reference_varlen_attention(*batch, **options)
+    assert_matches(to_torch(out), expected, 1e-5)
+
+
+@pytest.mark.parametrize("block_kv, window", [(128, None), (256, 100)])
+def test_contiguous_head_dim_64_keys_read_keys_minor(kernel, convert, block_kv, window):
+    """Packed keys at head_dim 64, their rows a multiple of 128 (flash_attn_varlen_func pads them to a power of two),
+    are read as [Hkv, D, total_k] (XLA's default layout of them): a sequence's blocks start at the 128-row tile of
+    its first visible key, on rows of the sequences before it (masked), the last blocks read the array's last rows
+    (an earlier block's again), and the rows past cu_k_lens[-1] hold NaN. Sinks and softcap."""
+    to_jax, to_torch = convert
+    batch = varlen_batch([7, 1, 0, 3, 1, 2], [100, 13, 2, 140, 1, 60], q_heads=4, kv_heads=2, head_dim=64,
+                         seed=block_kv, nan_rows=68)
+    problem = kernel.paged_problem(to_jax(batch[0]), to_jax(batch[1][None]), to_jax(batch[4][:-1, None]),
+                                   contiguous=True)
+    assert problem.keys_minor
+    options = dict(sinks=torch.randn(4, generator=torch.Generator().manual_seed(15)), softcap=4.0,
+                   sliding_window=window)
+    jax_options = {name: to_jax(value) if isinstance(value, torch.Tensor) else value for name, value in options.items()}
+    out = interpret(lambda: kernel.paged.kernel.ragged_varlen_attention(
+        *(to_jax(x) for x in batch), config=config(kernel, 16, 16, block_kv), **jax_options))
     expected = kernel.reference.reference_varlen_attention(*batch, **options)
     assert_matches(to_torch(out), expected, 1e-5)
 

@@ -23,7 +23,7 @@ tests use besides: the call's options and problem, the seams (dotted:
 from . import common, flash, flash_api, flash_backward, kvcache, ops, paged, paged_ops, reference
 from .attention import attention_forward, attention_mask
 from .common.masking import Attention, Problem, kv_steps, prepare, q_steps
-from .common.paged import PagedProblem, cache_stored_keys_minor, paged_problem
+from .common.paged import PagedProblem, cache_stored_keys_minor, packed_keys_stored_minor, paged_problem
 from .common.tiles import AttentionConfig
 from .common.vmem import WORKING_SET_BOUND_BYTES, WORKING_SET_MARGIN, vmem_budget, vmem_limit
 from .flash.kernel import SUPPORTED_HEAD_DIMS
@@ -69,8 +69,8 @@ TOOLS = [
     # The VMEM policy both take: this kernel's margin and bound.
     "WORKING_SET_BOUND_BYTES", "WORKING_SET_MARGIN", "vmem_budget", "vmem_limit",
     # Ragged paged attention: its problem, seams, JAX function, config and what its tile selector weighs.
-    "PagedProblem", "paged_problem", "cache_stored_keys_minor", "paged.tiles.select", "paged.plan.make",
-    "paged.kernel.call",
+    "PagedProblem", "paged_problem", "cache_stored_keys_minor", "packed_keys_stored_minor", "paged.tiles.select",
+    "paged.plan.make", "paged.kernel.call",
     "paged.kernel.ragged_paged_attention", "paged.kernel.ragged_varlen_attention", "paged.kernel.SUPPORTED_HEAD_DIMS",
     "paged.tiles.PagedConfig", "paged.tiles.PREFERRED_TILES", "paged.tiles.vmem_bytes",
 ]

@@ -12,7 +12,9 @@ Layout (transformers' paged cache, `continuous_batching/cache_allocators/full_at
 
 Where XLA stores such a cache keys-minor (`cache_stored_keys_minor`: a head_dim that is no multiple of 128 over
 pages that are one), the kernel reads it as ``cache.transpose(0, 2, 3, 1)``, [num_pages, Hkv, D, page_size]: a
-free view of that layout, in which each page holds K^T and V^T per KV head (`PagedProblem.keys_minor`).
+free view of that layout, in which each page holds K^T and V^T per KV head (`PagedProblem.keys_minor`). So are
+contiguous keys at such a head_dim (`packed_keys_stored_minor`), as [1, Hkv, D, total_k], when total_k is a multiple
+of 128.
 
 Contiguous (varlen) K/V, as `flash_attn_varlen_func` receives them, are the same problem with `contiguous` set:
 k, v [total_k, Hkv, D] are read as one page of total_k rows ([1, total_k, Hkv, D], a free reshape) and the page
@@ -51,6 +53,15 @@ def cache_stored_keys_minor(page_size: int, head_dim: int) -> bool:
     return head_dim % LANES != 0 and page_size % LANES == 0
 
 
+def packed_keys_stored_minor(head_dim: int) -> bool:
+    """Whether XLA's default TPU layout of packed (varlen) keys or values [total_k, Hkv, head_dim] stores the rows
+    minor: minor_to_major {0,2,1}, physically [Hkv, head_dim, total_k], of which ``k.transpose(1, 2, 0)`` is a free
+    bitcast. Probed as `cache_stored_keys_minor` (v5e, v5p, v6e and TPU7x; bfloat16 and float32; 128 to 131072 rows,
+    a multiple of 128 or not; 1 to 8 KV heads): so wherever head_dim is no multiple of 128; row-major at 128. The
+    same caveat: a wrong answer costs XLA's copy, never a wrong result."""
+    return head_dim % LANES != 0
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedProblem:
     """The static description of one ragged paged attention call (shapes and options; no tile sizes)."""
@@ -85,8 +96,11 @@ class PagedProblem:
     @property
     def keys_minor(self) -> bool:
         """Whether the kernel reads the cache as [num_pages, Hkv, D, page_size] (`cache_stored_keys_minor`): K^T and
-        V^T chunks of whole lanes. Contiguous keys start at any row, not on a lane: they stay row-major."""
-        return not self.contiguous and cache_stored_keys_minor(self.page_size, self.head_dim)
+        V^T chunks of whole lanes. Contiguous keys ([1, Hkv, D, total_k], `packed_keys_stored_minor`) only when
+        total_k is a multiple of 128, so that every block, starting on a 128-row tile, lies within the array."""
+        if self.contiguous:
+            return packed_keys_stored_minor(self.head_dim) and self.page_size % LANES == 0
+        return cache_stored_keys_minor(self.page_size, self.head_dim)
 
     @property
     def longest_query(self) -> int:

@@ -19,6 +19,8 @@ Layout and semantics: `common/paged.py`.
   [pages, Hkv, D, page] by default): the kernel reads the cache as `cache.transpose(0, 2, 3, 1)`, a free view of
   that layout, and each chunk (a multiple of 128 keys; under a window 128) lands in a [Hkv, D, block_kv] buffer, so
   each KV head's K^T and V^T are plain [D, block_kv] tiles. A cache of any other layout is copied by XLA first.
+  Contiguous keys at head_dim 64 (XLA stores [total_k, Hkv, 64] as [Hkv, 64, total_k]) are read so too when total_k
+  is a multiple of 128: a sequence's blocks then start at the 128-row tile holding its first key.
 * Per block and KV head, every row tile of the sequence that sees a key of the block runs one (rows, D) x
   (D, block_kv) matmul and the online softmax (float32 state in VMEM scratch). A sequence's tiles are of `tile_q`
   tokens, or of `min_tile_q` (rows of the dtype's native tile) when those cover its rows in at most half the rows:
@@ -44,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..common import masking
+from .._hardware import LANES
 from ..common.paged import PagedProblem, paged_problem
 from .plan import PagedPlan, make
 from .tiles import PagedConfig
@@ -111,13 +114,18 @@ def _span(refs: _Refs, problem: PagedProblem, plan: PagedPlan, seq, block_start)
     to_position = kv_len - q_end
     first_key, last_key = _key_range(problem, row_first + to_position, row_last + to_position, kv_len)
     has_keys = (row_last >= row_first) & (last_key >= first_key)
-    key_origin = _div(first_key, plan.chunk) * plan.chunk
+    if problem.contiguous and problem.keys_minor:  # blocks on whole lanes of the array: from the tile of the first key
+        first_row = jnp.clip(refs.table[seq], 0, problem.page_size - 1)
+        key_origin = _div(first_row + first_key, LANES) * LANES - first_row
+    else:
+        key_origin = _div(first_key, plan.chunk) * plan.chunk
     last_block = jnp.where(has_keys, _div(jnp.maximum(last_key - key_origin, 0), plan.block_kv), -1)
     return _Span(seq, row_first, row_last, to_position, kv_len, key_origin, last_block)
 
 
 def _block_key(plan: PagedPlan, span: _Span, block):
-    """The first key of one of the sequence's K/V blocks."""
+    """The first key of one of the sequence's K/V blocks (contiguous keys read keys-minor: negative where the block
+    starts on rows of the sequences before)."""
     return span.key_origin + block * plan.block_kv
 
 
@@ -137,13 +145,13 @@ def _chunk_copies(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Sp
     for c in range(plan.chunks_per_block):
         token = _block_key(plan, span, block) + c * plan.chunk
         if problem.contiguous:
-            source = (0, pl.ds(_contiguous_rows(refs, problem, plan, span, block)[0], plan.chunk))
+            page, rows = 0, pl.ds(_contiguous_rows(refs, problem, plan, span, block)[0], plan.chunk)
         else:
             column = jnp.minimum(_div(token, problem.page_size), problem.pages_per_seq - 1)
             page = jnp.clip(refs.table[span.seq * problem.pages_per_seq + column], 0, problem.num_pages - 1)
             whole_page = plan.chunk == problem.page_size
             rows = every if whole_page else pl.ds(jax.lax.rem(token, problem.page_size), plan.chunk)
-            source = (page, every, every, rows) if problem.keys_minor else (page, rows)
+        source = (page, every, every, rows) if problem.keys_minor else (page, rows)
         target = (slot, every, every, pl.ds(c * plan.chunk, plan.chunk)) if problem.keys_minor else (slot, c)
         k_copy = pltpu.make_async_copy(refs.k_hbm.at[source], refs.k_buf.at[target], refs.sems.at[0, slot])
         v_copy = pltpu.make_async_copy(refs.v_hbm.at[source], refs.v_buf.at[target], refs.sems.at[1, slot])
@@ -208,8 +216,8 @@ def _attend_tile(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Spa
     position = token + span.to_position
     key_pos = buffer_start + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
     visible = (token >= span.row_first) & (token <= span.row_last) & (key_pos < span.kv_len)
-    if problem.contiguous:
-        visible = visible & (key_pos >= key_start)
+    if problem.contiguous:  # a block's keys from key_start (keys-minor: from 0, rows before are other sequences')
+        visible = visible & (key_pos >= jnp.maximum(key_start, 0))
     if problem.causal:
         visible = visible & (key_pos <= position)
     if problem.sliding_window is not None:
@@ -264,8 +272,9 @@ def _head_keys_and_values(refs: _Refs, problem: PagedProblem, plan: PagedPlan, s
 
     A block's values that are not the sequence's keys are zeroed: p is 0 there, but 0 * NaN is NaN (a key's logits
     are replaced instead). Contiguous keys: rows before the block's first key or past the sequence's keys are other
-    rows of the array, which past cu_k_lens[-1] may hold NaN; keys-minor: lanes past the sequence's keys (chunks not
-    fetched, a page's lanes past them). Only a block holding some is masked. (Row-major pages:
+    rows of the array, which past cu_k_lens[-1] may hold NaN (keys-minor, a block may start on the rows before the
+    sequence's); pages read keys-minor: lanes past the sequence's keys (chunks not fetched, a page's lanes past
+    them). Only a block holding some is masked. (Row-major pages:
     `_clear_values_past_keys` zeroed those rows in the buffer.)"""
     if problem.keys_minor:
         k, v = refs.k_buf[slot, head], refs.v_buf[slot, head]
@@ -274,11 +283,12 @@ def _head_keys_and_values(refs: _Refs, problem: PagedProblem, plan: PagedPlan, s
     if not (problem.contiguous or problem.keys_minor):
         return k, v
     key_axis = 1 if problem.keys_minor else 0
-    needs_mask = (buffer_start < key_start) | (buffer_start + plan.block_kv > span.kv_len)
+    first_key = jnp.maximum(key_start, 0)
+    needs_mask = (buffer_start < first_key) | (buffer_start + plan.block_kv > span.kv_len)
 
     def masked():
         value_pos = buffer_start + jax.lax.broadcasted_iota(jnp.int32, v.shape, key_axis)
-        return jnp.where((value_pos >= key_start) & (value_pos < span.kv_len), v, jnp.zeros_like(v))
+        return jnp.where((value_pos >= first_key) & (value_pos < span.kv_len), v, jnp.zeros_like(v))
 
     return k, jax.lax.cond(needs_mask, masked, lambda: v)
 

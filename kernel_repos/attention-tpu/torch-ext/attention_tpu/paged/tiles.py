@@ -110,7 +110,8 @@ def _page_part(page_size: int, most: int, multiple: int = 8) -> int:
 def _shrink_kv(block_kv: int, problem: PagedProblem) -> int:
     page_size = problem.page_size
     if problem.contiguous:
-        return max(min(8, block_kv), block_kv // 2 // 8 * 8)
+        multiple = LANES if problem.keys_minor else 8
+        return max(min(multiple, block_kv), block_kv // 2 // multiple * multiple)
     if block_kv > page_size:
         return max(page_size, block_kv // 2 // page_size * page_size)
     if problem.keys_minor:  # no part of a page below one lane width
@@ -139,6 +140,8 @@ def heuristic_config(problem: PagedProblem, generation: str) -> PagedConfig:
     keys = visible_keys(problem, tile_q)
     if problem.sliding_window is not None and not problem.contiguous:
         keys += _window_chunk_bound(problem) - 1  # blocks start at the first visible key's chunk
+    elif problem.contiguous and problem.keys_minor:
+        keys += LANES - 1  # blocks start at the 128-row tile holding the first visible key
     preferred_kv = min(preferred_kv, round_up(keys, LANES))
     packed = round_up(max(1, problem.total_q), tile_q)
     block_q = min(packed, preferred_q)
@@ -182,6 +185,9 @@ def check_config(config: PagedConfig, problem: PagedProblem) -> None:
         raise ValueError(f"config.block_q must be a positive multiple of tile_q ({config.tile_q}), "
                          f"got {config.block_q}")
     page = problem.page_size
+    if problem.keys_minor and config.block_kv % LANES:
+        raise ValueError(f"config.block_kv must be a multiple of {LANES} where the keys are read keys-minor "
+                         f"(head_dim {problem.head_dim} over pages of {page}), got {config.block_kv}")
     if problem.contiguous:
         if not 0 < config.block_kv <= page:
             raise ValueError(f"config.block_kv must be in [1, {page}] (the contiguous keys' rows), "
@@ -192,9 +198,6 @@ def check_config(config: PagedConfig, problem: PagedProblem) -> None:
     if not (whole_pages or page_part):
         raise ValueError(f"config.block_kv must be a multiple or a divisor of the page size ({page}), "
                          f"got {config.block_kv}")
-    if problem.keys_minor and config.block_kv % LANES:
-        raise ValueError(f"config.block_kv must be a multiple of {LANES} where the cache is read keys-minor "
-                         f"(head_dim {problem.head_dim} over pages of {page}), got {config.block_kv}")
 
 
 def select(problem: PagedProblem, generation: str | None = None) -> PagedConfig:
