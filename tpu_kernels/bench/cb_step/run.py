@@ -116,9 +116,11 @@ def assumptions() -> dict:
                        "figures are low",
         "relayout": "each kernel's own program (flash_attn_varlen_func's and the in-place paths' jitted call) is "
                     "charged the copies XLA makes of its arguments into the kernel's layout (perf.argument_layouts, "
-                    "uncalibrated): at head_dim 64 the packed K and V (and the flash kernel's q and output) are not "
-                    "stored row-major by default, so they are copied whole on every call; the paged cache over "
-                    "transformers' pages is read in XLA's layout of it (keys-minor), with no copy",
+                    "uncalibrated): at head_dim 64 XLA stores neither the packed K and V nor the paged cache "
+                    "row-major by default; the ragged kernel reads both in XLA's layout (keys-minor: packed rows "
+                    "a multiple of 128, as flash_api's power-of-two padding makes them, and pages of a multiple of "
+                    "128 tokens), with no copy, while the flash kernel's q, K, V and output are copied whole on "
+                    "every call",
         "left_out": "the cache write (index_copy_ of the new rows: the same on every path, vLLM's included), the "
                     "kernel's own reshapes of q and out, the host's dispatch of each eager op",
         "copies_priced_by": "each copy's XLA program compiled for the generation's compile-only topology, priced by "

@@ -55,12 +55,12 @@ def notes(dominated: list[str]) -> list[str]:
         "would hand our ragged paged kernel the pages to read in place (the ours_in_place path); or, short of it, "
         "a kernel entry taking K/V of a fixed capacity with the valid rows given by cu_seqlens_k, which removes the "
         "pad (transformers would still gather). flash_api.py's behaviour is unchanged by this benchmark.",
-        "At head_dim 64 (GPT-OSS) XLA's default layout of the packed K and V (and of the flash kernel's q and output) "
-        "is not row-major: the varlen and flash kernels' programs first copy them whole into row-major temporaries "
-        "(`relayout_us`, perf.argument_layouts). Our in-place path reads the paged cache over transformers' pages "
-        "in XLA's layout of it (keys-minor: a head_dim-64 cache over pages of a multiple of 128 tokens), with no "
-        "copy; over smaller pages XLA would copy the whole cache on every call. head_dim 128 and up have no such "
-        "copy.",
+        "At head_dim 64 (GPT-OSS) XLA's default layout of the packed K and V, of the paged cache and of the flash "
+        "kernel's q and output is not row-major. The ragged kernel reads packed K and V whose rows are a multiple of "
+        "128 (flash_api pads them to a power of two) and a cache over pages of a multiple of 128 tokens "
+        "(transformers' pages) in that layout (keys-minor), with no copy; over smaller pages XLA would copy the "
+        "whole cache on every call. The flash kernel's program (the gradient path) first copies its arguments whole "
+        "into row-major temporaries (`relayout_us`, perf.argument_layouts). head_dim 128 and up have no such copy.",
         "transformers_padded is what a gradient-enabled call runs: every sequence padded to the longest (and, with "
         "a prefill chunk, every sequence's queries to the chunk's), so its copies and kernel grow with the batch "
         "times the longest sequence.",
