@@ -270,9 +270,9 @@ def test_contiguous_varlen_keys(kernel, convert, block_kv, options):
 @pytest.mark.parametrize("block_kv, window", [(128, None), (256, 100)])
 def test_contiguous_head_dim_64_keys_read_keys_minor(kernel, convert, block_kv, window):
     """Packed keys at head_dim 64, their rows a multiple of 128 (flash_attn_varlen_func pads them to a power of two),
-    are read as [Hkv, D, total_k] (XLA's default layout of them): a sequence's blocks start at the 128-row tile of
-    its first visible key, on rows of the sequences before it (masked), the last blocks read the array's last rows
-    (an earlier block's again), and the rows past cu_k_lens[-1] hold NaN. Sinks and softcap."""
+    are read as [Hkv, D, total_k] (XLA's default layout of them) a 128-row tile per DMA: a sequence's blocks start at
+    the tile of its first visible key, on rows of the sequences before it (masked), tiles past its keys are not
+    fetched (their buffer lanes stale), and the rows past cu_k_lens[-1] hold NaN. Sinks and softcap."""
     to_jax, to_torch = convert
     batch = varlen_batch([7, 1, 0, 3, 1, 2], [100, 13, 2, 140, 1, 60], q_heads=4, kv_heads=2, head_dim=64,
                          seed=block_kv, nan_rows=68)

@@ -130,10 +130,14 @@ def _block_key(plan: PagedPlan, span: _Span, block):
 
 
 def _contiguous_rows(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block):
-    """Contiguous keys: (the first row a block's one DMA reads, how many rows before the block's first key it is).
+    """Contiguous keys: (the first row a block's DMAs read, how many rows before the block's first key it is).
 
-    A DMA reading past the keys' last row would leave the array: the last blocks read the last block_kv rows."""
+    Row-major, one DMA per block: one reading past the keys' last row would leave the array, so the last blocks
+    read the last block_kv rows. Keys-minor, a DMA per 128-row tile (chunk) holding a key of the sequence: such a
+    tile lies within the array (its rows are a multiple of 128), and the others are not fetched."""
     first = jnp.clip(refs.table[span.seq], 0, problem.page_size - 1) + _block_key(plan, span, block)
+    if problem.keys_minor:
+        return first, 0
     start = jnp.minimum(first, problem.page_size - plan.block_kv)
     return start, first - start
 
@@ -145,12 +149,15 @@ def _chunk_copies(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Sp
     for c in range(plan.chunks_per_block):
         token = _block_key(plan, span, block) + c * plan.chunk
         if problem.contiguous:
-            page, rows = 0, pl.ds(_contiguous_rows(refs, problem, plan, span, block)[0], plan.chunk)
+            page, first = 0, _contiguous_rows(refs, problem, plan, span, block)[0] + c * plan.chunk
         else:
             column = jnp.minimum(_div(token, problem.page_size), problem.pages_per_seq - 1)
             page = jnp.clip(refs.table[span.seq * problem.pages_per_seq + column], 0, problem.num_pages - 1)
-            whole_page = plan.chunk == problem.page_size
-            rows = every if whole_page else pl.ds(jax.lax.rem(token, problem.page_size), plan.chunk)
+            first = jax.lax.rem(token, problem.page_size)
+        if problem.keys_minor:  # on a lane tile (so are a block's origin and its chunks): Mosaic's DMA needs it known
+            first = pl.multiple_of(first, plan.chunk)
+        whole_page = not problem.contiguous and plan.chunk == problem.page_size
+        rows = every if whole_page else pl.ds(first, plan.chunk)
         source = (page, every, every, rows) if problem.keys_minor else (page, rows)
         target = (slot, every, every, pl.ds(c * plan.chunk, plan.chunk)) if problem.keys_minor else (slot, c)
         k_copy = pltpu.make_async_copy(refs.k_hbm.at[source], refs.k_buf.at[target], refs.sems.at[0, slot])

@@ -72,9 +72,10 @@ def _key_multiple(problem: PagedProblem) -> int:
 
 def chunk_tokens(problem: PagedProblem, block_kv: int) -> int:
     """Tokens of one K/V DMA: a whole page, or the part of one a block holds; under a window no more than its
-    WINDOW_CHUNKS-th part, or one lane width keys-minor (contiguous keys: the block, whose DMA starts at any row)."""
+    WINDOW_CHUNKS-th part, or one lane width keys-minor (contiguous keys: the block, whose DMA starts at any row;
+    keys-minor, a 128-row tile, so that tiles past a sequence's keys are not fetched)."""
     if problem.contiguous:
-        return block_kv
+        return LANES if problem.keys_minor else block_kv
     chunk = min(block_kv, problem.page_size)
     if problem.sliding_window is not None:
         chunk = _page_part(chunk, _window_chunk_bound(problem), _key_multiple(problem))
