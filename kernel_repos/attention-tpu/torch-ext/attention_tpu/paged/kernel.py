@@ -20,7 +20,8 @@ Layout and semantics: `common/paged.py`.
   that layout, and each chunk (a multiple of 128 keys; under a window 128) lands in a [Hkv, D, block_kv] buffer, so
   each KV head's K^T and V^T are plain [D, block_kv] tiles. A cache of any other layout is copied by XLA first.
   Contiguous keys at head_dim 64 (XLA stores [total_k, Hkv, 64] as [Hkv, 64, total_k]) are read so too when total_k
-  is a multiple of 128: a sequence's blocks then start at the 128-row tile holding its first key.
+  is a multiple of 128: a sequence's blocks then start at the 128-row tile holding its first key, a DMA per tile
+  holding one of its keys.
 * Per block and KV head, every row tile of the sequence that sees a key of the block runs one (rows, D) x
   (D, block_kv) matmul and the online softmax (float32 state in VMEM scratch). A sequence's tiles are of `tile_q`
   tokens, or of `min_tile_q` (rows of the dtype's native tile) when those cover its rows in at most half the rows:
