@@ -22,7 +22,8 @@ DECODE_TARGET_RATIO = 1.1
 QWEN3 = dict(q_heads=32, kv_heads=4, head_dim=128)
 GPT_OSS = dict(q_heads=64, kv_heads=8, head_dim=64)  # GPT-OSS-20B; its sliding layers' window is 128
 NOT_PROBED = "not charged: the program around the kernel was not probed"
-# A relayout below this many µs is the kernel's scalar operands staged into SMEM, not a copy of an activation.
+# Below this many µs a relayout rounds to 0 µs in the tables and is left out of them and of the summary: at head_dim
+# 128 and up the only copies are the kernel's scalar operands staged into SMEM (nanoseconds).
 RELAYOUT_SHOWN_FROM_US = 0.5
 
 
@@ -371,8 +372,8 @@ def summarise(results: list[dict]) -> dict:
 
 
 def relayouts_shown(results: list[dict]) -> dict:
-    """{label: {generation: relayout µs}} of the shapes whose program copies an activation (a relayout of at least
-    RELAYOUT_SHOWN_FROM_US on some generation)."""
+    """{label: {generation: relayout µs}} of the shapes whose relayout reaches RELAYOUT_SHOWN_FROM_US on some
+    generation (at these sizes: the shapes whose program copies an activation)."""
     found = {}
     for entry in results:
         charged = {g: round(entry["per_generation"][g]["relayout_us"] or 0.0, 1) for g in GENERATIONS}

@@ -31,8 +31,8 @@ PER_GENERATION_SHAPES = {
     "prefill B=1 S=4096 window=128 D=64 (gpt-oss-like)": "GPT-OSS-20B: prefill B=1, S=4096, window 128",
 }
 GENERATIONS = ("v5e", "v6e", "v5p", "tpu7x")
-# A relayout below this many µs is the kernel's scalar operands staged into SMEM (as the benchmark's
-# RELAYOUT_SHOWN_FROM_US): the tables show none.
+# Below this many µs a relayout rounds to 0 µs and is not shown (the benchmark's RELAYOUT_SHOWN_FROM_US): at head_dim
+# 128 and up the only copies are the kernel's scalar operands staged into SMEM (nanoseconds).
 RELAYOUT_SHOWN_FROM_US = 0.5
 
 
