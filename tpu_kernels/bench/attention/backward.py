@@ -11,9 +11,8 @@ import numpy as np
 
 from tpu_kernels import perf
 from tpu_kernels.bench import calibration_bands
-from tpu_kernels.runtime.hardware import tpu_generation
-
 from tpu_kernels.bench.paged_attention.pricing import relayouts
+from tpu_kernels.runtime.hardware import tpu_generation
 
 from .forward import (GENERATIONS, GPT_OSS, QWEN3, RELAYOUT_SHOWN_FROM_US, Shape, active_steps_from_prefetch, avals,
                       kernel_fn, live_lengths, program_avals, relayout_charge, visible_key_ranges, visible_keys,
@@ -259,8 +258,9 @@ def summarise_backward(results: list[dict]) -> dict:
             "model's p90 error on tokamax's measured flash attention vjp (" +
             calibration_bands.describe("flash_attention_vjp", "v5e") + "). At head_dim 128 v6e's 256-wide MXU "
             "pads every backward matmul 2x (mxu_padding_efficiency 0.5), capping those kernels near 50 %. "
-            "relayout_charged_us: the copies XLA makes of the backward's arguments (d_out, q, k, v, out) into the "
-            "kernels' layout and of dq, dk, dv back, and the forward's, per shape and generation where any are made: "
-            "in total_modelled_us and forward_modelled_us, not in the per-kernel times."
+            "relayout_charged_us: the copies XLA makes of the backward's arguments into the kernels' layout (d_out, "
+            "q, k, v; out meets only XLA's delta, which reads it as given) and of dq, dk, dv back, and the forward's, "
+            "per shape and generation where any are made: in total_modelled_us and forward_modelled_us, not in the "
+            "per-kernel times."
         ),
     }

@@ -30,9 +30,10 @@ RELAYOUT_ASSUMPTION = (
     "left empty) are added to the time (`relayout_us`, in modelled_time_us, total_modelled_us and "
     "forward_modelled_us, not in the per-kernel backward times), priced as XLA copies at the fitted XLA streaming "
     "share of HBM bandwidth (`hbm_fraction`; `relayout_at_peak_bw_us` at the peak); they carry no calibrated band "
-    "(band_p90_us spreads only the kernel's calibrated error; the copies add at their priced value). At head_dim 64 XLA stores "
-    "[B, H, S, 64] with S minor (S a multiple of 128), so q, k, v and the results are copied whole at every call; "
-    "head_dim 128 and up are read as given. The activations come from the model's projections: no caller allocates "
+    "(band_p90_us spreads only the kernel's calibrated error; the copies add at their priced value). At head_dim 64 "
+    "XLA stores [B, H, S, 64] with S minor, so every such argument and result is copied whole at every call (q, k, v "
+    "and out; at decode, one query per sequence, K and V: the whole cache); head_dim 128 and up are read as given. "
+    "The activations come from the model's projections: no caller allocates "
     "them in the kernel's layout. No rival here is a kernel: the XLA reference's cost_analysis is of XLA's own "
     "program, whose layouts XLA picks, so it holds whatever copies XLA makes")
 
