@@ -159,3 +159,13 @@ def test_the_backward_table_has_a_relayout_column_only_where_a_row_has_one(monke
     run["results"] = run["results"][1:]
     monkeypatch.setattr(tables, "BACKWARD_SETTINGS", {"d128": "D=128"})
     assert "relayout" not in tables.backward(run)
+
+
+def test_the_useful_work_counts_each_sequence_of_a_batch_once(attention):
+    """Visible (query, key) pairs are summed over the batch: the useful FLOPs, and with them the roofline, count each
+    sequence's keys once (a batch counted twice put decode B=64 rows at twice their roofline)."""
+    lengths = (37, 200, 256)
+    shape = forward.Shape("decode B=3 cache=256", 3, 1, 256, kv_lengths=lengths)
+    visible = forward.visible_work(attention.reference, shape, DTYPE)
+    assert visible.pairs == sum(lengths)
+    assert visible.useful_flops == 4 * shape.q_heads * sum(lengths) * shape.head_dim

@@ -100,8 +100,8 @@ def model_backward(built, shape: TrainingShape, dtype, generation: str, config, 
     kv_bytes = 2 * shape.kv_heads * keys * shape.head_dim * itemsize
     rows_bytes = 2 * shape.batch * shape.q_heads * shape.seq * 4  # lse and delta
     min_bytes = {"dq": 3 * q_bytes + kv_bytes + rows_bytes, "dkv": 2 * q_bytes + 2 * kv_bytes + rows_bytes}
-    per_head_pairs = shape.batch * shape.q_heads * pairs
-    necessary = {k: 2 * m * per_head_pairs * shape.head_dim for k, m in NECESSARY_MATMULS.items()}
+    head_pairs = shape.q_heads * pairs  # (query, key) pairs of every query head; pairs is summed over the batch
+    necessary = {k: 2 * m * head_pairs * shape.head_dim for k, m in NECESSARY_MATMULS.items()}
     num_outer = {
         "attention_tpu_flash_dq": -(-shape.seq // config.dq.block_q),
         "attention_tpu_flash_dkv": -(-shape.seq // config.dkv.block_kv),
@@ -146,7 +146,7 @@ def model_backward(built, shape: TrainingShape, dtype, generation: str, config, 
     # delta = rowsum(d_out * out): XLA reads both once and writes a float32 row per query.
     delta_bytes = 2 * q_bytes + shape.batch * shape.q_heads * shape.seq * 4
     delta_us = delta_bytes / gen.device_hbm_bytes_per_s * 1e6  # an XLA op: both of v5p's cores
-    ideal_flops = 2 * IDEAL_BACKWARD_MATMULS * per_head_pairs * shape.head_dim
+    ideal_flops = 2 * IDEAL_BACKWARD_MATMULS * head_pairs * shape.head_dim
     charged = relayout_charge(relayout)
     total_us = sum(k["modelled_pipelined_time_us"] for k in kernels_out.values()) + delta_us
     total_us += charged["relayout_us"] or 0.0

@@ -235,7 +235,8 @@ def visible_work(reference, shape: Shape, dtype) -> Visible:
         pairs=pairs,
         keys=keys,
         min_bytes=minimum_bytes(shape, keys, jnp.dtype(dtype).itemsize),
-        useful_flops=4 * shape.batch * shape.q_heads * pairs * shape.head_dim,
+        # pairs is summed over the batch already.
+        useful_flops=4 * shape.q_heads * pairs * shape.head_dim,
     )
 
 
