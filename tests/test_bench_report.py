@@ -68,6 +68,17 @@ def test_check_fails_on_a_changed_block(checkout, capsys):
     assert "README.md:1: block differs from its source benchmarks/results/layer.md" in capsys.readouterr().err
 
 
+def test_check_fails_on_a_share_of_a_roofline_above_100_pct(checkout, capsys):
+    results = checkout / "benchmarks" / "results"
+    (results / "kernel.json").write_text(json.dumps(
+        {"rows": [{"pct_of_roofline": 99.99, "pct_of_hbm_roofline_peak": 100.02, "over_roofline": 0.5},
+                  {"per_generation": {"v5e": {"pct_of_roofline": 199.4}}}]}))
+    assert report.main(["--check", "--root", str(checkout)]) == 1
+    err = capsys.readouterr().err
+    assert "benchmarks/results/kernel.json:/rows[1]/per_generation/v5e/pct_of_roofline = 199.4 %" in err
+    assert err.count("of a roofline") == 1  # within the rounding slack; a ratio that is not a share is not checked
+
+
 def test_check_lists_every_missing_source(checkout, capsys):
     cards = checkout / "kernel_repos" / "some-tpu"
     cards.mkdir(parents=True)

@@ -193,12 +193,41 @@ def typed_figures(root: Path) -> list[str]:
     return prose_figures.problems(root, docs)
 
 
+# A modelled time below its roofline is a model or accounting error (the roofline is the least time the work
+# can take at the chip's peaks), so no share of one may exceed 100 %; the rounding slack is for figures the
+# benchmarks round.
+ROOFLINE_SHARE = re.compile(r"pct_of_(\w*_)?roofline")
+ROOFLINE_SHARE_SLACK_PCT = 0.05
+
+
+def impossible_roofline_shares(root: Path) -> list[str]:
+    """Every share of a roofline above 100 % in benchmarks/results/*.json, as file:path = value."""
+    found = []
+
+    def walk(value, path: str, name: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if (ROOFLINE_SHARE.fullmatch(key) and isinstance(item, (int, float)) and not isinstance(item, bool)
+                        and item > 100.0 + ROOFLINE_SHARE_SLACK_PCT):
+                    found.append(f"{name}:{path}/{key} = {item:.1f} % of a roofline (a time below its roofline)")
+                else:
+                    walk(item, f"{path}/{key}", name)
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                walk(item, f"{path}[{index}]", name)
+
+    for path in sorted((root / "benchmarks" / "results").glob("*.json")):
+        walk(json.loads(path.read_text()), "", path.relative_to(root).as_posix())
+    return found
+
+
 def problems(root: Path) -> list[str]:
     """Everything `--check` reports: stale derived tables, blocks that differ from their source, missing sources,
-    figures typed into prose."""
+    figures typed into prose, shares of a roofline above 100 %."""
     sources = Sources(root)
     _, differing, unreadable = updated_docs(sources)
-    return stale_derived_tables(sources) + differing + unreadable + typed_figures(root)
+    return (stale_derived_tables(sources) + differing + unreadable + typed_figures(root)
+            + impossible_roofline_shares(root))
 
 
 def refresh(root: Path) -> tuple[list[Path], list[str]]:
@@ -365,7 +394,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Rewrite the docs' generated blocks from benchmarks/results/.")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 listing every block that differs from its source or lacks one, "
-                             "and every figure typed into the docs' prose")
+                             "every figure typed into the docs' prose and every share of a roofline above 100 %%")
     parser.add_argument("--root", type=Path, default=Path("."), help="the tpu-kernels checkout (default: here)")
     args = parser.parse_args(argv)
     if args.check:

@@ -42,8 +42,9 @@ CASES = {
     "prefill-128-window-softcap": (2, 4, 2, 128, 128, 128, torch.float32, dict(sliding_window=33, softcap=5.0, scale=0.3)),
     "decode-1000-window-bf16": (1, 8, 1, 1, 1000, 64, torch.bfloat16, dict(sliding_window=100)),
     "chunk-17-of-300-offsets": (2, 4, 1, 17, 300, 64, torch.float32, dict(q_offset=[40, 283], kv_lengths=[60, 300])),
-    # GPT-OSS-style sinks; in decode batch 1 sees no key at all (its rows are zero despite the sink).
-    "prefill-45-gqa3-sinks-window": (1, 6, 2, 45, 45, 64, torch.float32, dict(sliding_window=7, sinks=True)),
+    # GPT-OSS-style sinks (its head_dim: K and V read keys-minor); in decode batch 1 sees no key at all (its rows
+    # are zero despite the sink).
+    "chunk-45-of-130-gqa3-sinks-window": (1, 6, 2, 45, 130, 64, torch.float32, dict(sliding_window=7, sinks=True)),
     "decode-300-sinks-lengths-bf16": (2, 8, 2, 1, 300, 128, torch.bfloat16, dict(kv_lengths=[300, 0], sinks=True)),
     # Gemma-4's global layers (head_dim 512) at the tiles `select` picks there: two ragged query blocks.
     "prefill-300-gqa2-bf16-d512": (1, 2, 1, 300, 300, 512, torch.bfloat16, dict()),
@@ -150,10 +151,13 @@ def test_bad_input_raises(kernel, change, error, match):
 
 
 BLOCK_CASES = {
-    # Causal prefill with a window: 3 ragged q blocks x 3 ragged kv blocks.
-    "prefill-300-window": (1, 4, 1, 300, 300, 64, torch.float32, (128, 128, 1), dict(sliding_window=100)),
-    # Decode over 4 kv blocks, the last ragged, both KV heads in one step; batch 1 stops after its length.
-    "decode-1000-lengths": (2, 8, 2, 1, 1000, 128, torch.bfloat16, (1, 256, 2), dict(kv_lengths=[1000, 300])),
+    # Causal soft-capped prefill with a window: 3 ragged q blocks x 3 ragged kv blocks (head_dim 64: K and V read
+    # keys-minor, as XLA stores them).
+    "prefill-300-window-softcap": (1, 4, 1, 300, 300, 64, torch.float32, (128, 128, 1),
+                                   dict(sliding_window=100, softcap=5.0)),
+    # Decode over 4 kv blocks, the last ragged, both KV heads in one step, K and V keys-minor; batch 1 stops after
+    # its length.
+    "decode-1000-lengths-d64": (2, 8, 2, 1, 1000, 64, torch.bfloat16, (1, 256, 2), dict(kv_lengths=[1000, 300])),
     # A window of 300 keys: the KV grid axis shrinks to 3 steps of the 4 blocks.
     "decode-1000-window": (2, 8, 2, 1, 1000, 128, torch.float32, (1, 256, 1), dict(kv_lengths=[1000, 700], sliding_window=300)),
     # Chunked prefill at per-batch offsets, non-square blocks.

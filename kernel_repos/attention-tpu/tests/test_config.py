@@ -105,6 +105,26 @@ def test_head_dim_512_takes_its_own_preferred_tiles_within_the_budget(kernel):
         assert (backward.dkv.block_q, backward.dkv.block_kv) == preferred_backward["dkv"]
 
 
+def test_head_dim_64_over_more_than_64_keys_reads_k_and_v_keys_minor_in_whole_lane_tiles(kernel):
+    """Where XLA stores K and V keys-minor (`flash.layout`), the forward reads them so, its KV blocks multiples of
+    128 (past the keys' end where the keys are fewer); a config whose block is the whole shorter key length reads
+    them row-major, as do head_dim 128 and 64 keys or fewer."""
+    keys_minor = kernel.flash.layout.keys_minor_by_default
+    assert keys_minor(65, 64) and keys_minor(1000, 64) and keys_minor(4097, 64) and keys_minor(32768, 64)
+    assert not (keys_minor(64, 64) or keys_minor(17, 64) or keys_minor(4096, 128) or keys_minor(100, 256))
+    gpt_oss = dict(q_heads=64, kv_heads=8, head_dim=64, dtype=jnp.bfloat16)
+    for generation in ("v5e", "v5p", "v6e", "tpu7x"):
+        for q_len, kv_len in ((1, 4096), (1, 1000), (4096, 4096), (300, 300)):
+            plan = kernel.flash.plan.make(kernel.Problem.of_shape(q_len=q_len, kv_len=kv_len, **gpt_oss), generation)
+            assert plan.keys_minor and plan.block_kv % 128 == 0, (generation, q_len, kv_len, plan)
+        assert not kernel.flash.plan.make(kernel.Problem.of_shape(q_len=1, kv_len=64, **gpt_oss), generation).keys_minor
+    problem = kernel.Problem.of_shape(q_len=1, kv_len=300, **gpt_oss)
+    assert kernel.flash.plan.make(problem, config=kernel.AttentionConfig(1, 128, 16 * MIB)).keys_minor
+    assert not kernel.flash.plan.make(problem, config=kernel.AttentionConfig(1, 300, 16 * MIB)).keys_minor
+    qwen3 = kernel.Problem.of_shape(kv_len=4096, **QWEN3_DECODE)
+    assert not kernel.flash.plan.make(qwen3, "v6e").keys_minor
+
+
 def test_check_config(kernel):
     kernel.flash.tiles.check_config(kernel.AttentionConfig(128, 128, 16 * MIB), q_len=300, kv_len=1000, kv_heads=2)
     kernel.flash.tiles.check_config(kernel.AttentionConfig(300, 1000, 16 * MIB), q_len=300, kv_len=1000, kv_heads=2)

@@ -23,9 +23,22 @@ query heads, 4 KV heads, head_dim 128, bf16) this
   on TPU7x only: its TPU7x figures are the calibrated ones; v5e, v5p and v6e
   have no attention measurements, the band is TPU7x's); `overlap_time_us` is the figure in which MXU work fully overlaps
   the copies (the headline before calibration);
+- charges the copies XLA makes around the kernel in a user's call: each priced
+  program (the forward's call, the backward's pullback) is compiled as
+  kernelize's binding runs it, its arguments in XLA's default layouts
+  (`perf.argument_layouts`, kernel bodies empty: about a second each); at
+  head_dim 64 XLA stores [B, H, S, 64] with S minor: the forward kernel reads
+  K and V so (their swapped view), but q row-major, so q is copied into that
+  layout and the result back at every call (a prefill's: at decode nothing),
+  and the backward's kernels read everything row-major. Rows carry
+  `relayout_us` (in `modelled_time_us`, uncalibrated, at the fitted HBM share),
+  `relayout_at_peak_bw_us`, `relayout_hbm_bytes` and `relayouts`, or
+  `relayout_missing` with the reason; `kernel_time_us` is the kernel alone.
+  There are no kernel rivals here to charge;
 - compiles the kernel ahead of time for v6e (libtpu compile-only topology),
   records `cost_analysis()`, and the same for plain-jnp attention compiled by
-  XLA as a baseline.
+  XLA as a baseline (XLA picks its own program's layouts: whatever it copies is
+  in its cost).
 
 Targets: decode moves <= 1.1x the minimum bytes; prefill computes
 and fetches no fully masked block.
@@ -49,7 +62,9 @@ sinks), per generation:
 - the whole backward: both kernels plus delta = rowsum(d_out * out) (and the
   sink gradient), plain XLA outside the kernels, counted as its HBM bytes at
   the HBM bandwidth; against the ideal 5-matmul backward (10 * pairs * D), and
-  as a ratio to the modelled forward time at the same shape.
+  as a ratio to the modelled forward time at the same shape; both totals
+  include XLA's relayout copies around the call (above), the per-kernel times
+  do not.
 - `--sweep` replays a grid of (block_q, block_kv) per kernel and generation
   and prints the best, which is where PREFERRED_BACKWARD_TILES
   (flash_backward/tiles.py) come from; every swept tile must also fit the

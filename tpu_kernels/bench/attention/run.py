@@ -22,6 +22,22 @@ from .forward import GENERATIONS, QUICK, SHAPES, measure, summarise
 
 KERNEL_REPO = kernel_repo("attention-tpu")
 DEFAULT_OUT = result_path("attention.json")
+RELAYOUT_ASSUMPTION = (
+    "each priced program is compiled as a user's jitted call makes it (kernelize's binding hands torch-tpu's device "
+    "tensors over in XLA's default layouts): the forward kernel's call (q, k, v, lengths) and the backward's pullback "
+    "(d_out and the residuals q, k, v, out, lse; dq, dk/dv, delta and the sinks' gradient). The copies XLA makes of "
+    "the arguments into the kernels' layouts and of the results back (perf.argument_layouts, kernel bodies "
+    "left empty) are added to the time (`relayout_us`, in modelled_time_us, total_modelled_us and "
+    "forward_modelled_us, not in the per-kernel backward times), priced as XLA copies at the fitted XLA streaming "
+    "share of HBM bandwidth (`hbm_fraction`; `relayout_at_peak_bw_us` at the peak); they carry no calibrated band "
+    "(band_p90_us spreads only the kernel's calibrated error; the copies add at their priced value). At head_dim 64 "
+    "XLA stores [B, H, S, 64] with S minor: the forward kernel reads K and V so, but q and out row-major, so XLA "
+    "copies those whole at every call (a prefill's; at decode, one query per sequence, nothing), and the backward's "
+    "kernels read every argument row-major, so XLA copies d_out, q, k, v and dq, dk, dv whole at every call; "
+    "head_dim 128 and up are read as given. "
+    "The activations come from the model's projections: no caller allocates "
+    "them in the kernel's layout. No rival here is a kernel: the XLA reference's cost_analysis is of XLA's own "
+    "program, whose layouts XLA picks, so it holds whatever copies XLA makes")
 
 
 def main(argv=None) -> int:
@@ -74,6 +90,8 @@ def main(argv=None) -> int:
         "traffic_model": "tpu_kernels.perf.model_pallas_traffic (grid replay of the kernel's BlockSpecs); times: the "
                          "calibrated pipelined figure (grid step " + ", ".join(
                              f"{g} {perf.grid_step_s(g) * 1e6:.2f} us" for g in GENERATIONS) + "), v5p and v6e on v5e's constants",
+        "relayout": RELAYOUT_ASSUMPTION,
+        "hbm_fraction": {g: perf.FITTED_RATES.hbm_fraction(g) for g in GENERATIONS},
         "calibrated_errors": {g: {kind: calibration_bands.describe(kind, g) for kind in ("flash_attention",
                               "flash_attention_vjp")} for g in GENERATIONS},
         "environment": {"jax": jax.__version__, "tpu": "none (model + compile-only)"},

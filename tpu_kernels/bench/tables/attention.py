@@ -10,6 +10,8 @@ FORWARD_SHAPES = {
     "decode B=8 cache=32768": "decode B=8, cache 32768",
     "decode B=8 static cache=32768, lengths 1k..32k": "decode B=8, static cache 32768, lengths 1k–32k",
     "prefill B=1 S=4096": "prefill B=1, S=4096, causal",
+    "decode B=8 cache=4096 D=64 (gpt-oss-like)": "GPT-OSS-20B: decode B=8, cache 4096",
+    "prefill B=1 S=4096 window=128 D=64 (gpt-oss-like)": "GPT-OSS-20B: prefill B=1, S=4096, window 128",
 }
 # The backward's training shapes, by the benchmark's label -> the card's name (heads and D come from the JSON).
 BACKWARD_SETTINGS = {
@@ -25,8 +27,25 @@ PER_GENERATION_SHAPES = {
     "decode B=8 cache=32768": "decode B=8, cache 32768",
     "prefill B=1 S=4096": "prefill B=1, S=4096, causal",
     "prefill B=1 S=8192": "prefill B=1, S=8192, causal",
+    "decode B=8 cache=4096 D=64 (gpt-oss-like)": "GPT-OSS-20B: decode B=8, cache 4096",
+    "prefill B=1 S=4096 window=128 D=64 (gpt-oss-like)": "GPT-OSS-20B: prefill B=1, S=4096, window 128",
 }
 GENERATIONS = ("v5e", "v6e", "v5p", "tpu7x")
+# Below this many µs a relayout rounds to 0 µs and is not shown (the benchmark's RELAYOUT_SHOWN_FROM_US): at head_dim
+# 128 and up the only copies are the kernel's scalar operands staged into SMEM (nanoseconds).
+RELAYOUT_SHOWN_FROM_US = 0.5
+
+
+def relayout_us(figures: dict, prefix: str = "") -> float:
+    """The µs of XLA's relayout copies a figure includes, 0 where none are shown (or the row was not probed)."""
+    found = figures.get(f"{prefix}relayout_us") or 0.0
+    return found if found >= RELAYOUT_SHOWN_FROM_US else 0.0
+
+
+def relayout_note(figures: dict) -> str:
+    """"; N µs of it XLA's relayout" where the time includes one, else nothing."""
+    found = relayout_us(figures)
+    return f"; {found:.0f} µs of it XLA's relayout" if found else ""
 
 
 def by_label(results: list[dict], names: dict[str, str]) -> list[tuple[str, dict]]:
@@ -39,19 +58,22 @@ def by_label(results: list[dict], names: dict[str, str]) -> list[tuple[str, dict
 
 
 def forward(results: list[dict]) -> str:
-    """Per shape: HBM bytes over the minimum on v5e and v6e, and v6e's modelled time with its band and roofline."""
+    """Per shape: HBM bytes over the minimum on v5e and v6e, and v6e's modelled time with its band and roofline,
+    and the part of it that is XLA's relayout of the kernel's arguments and result, where there is one."""
     rows = ["| shape | HBM bytes / minimum (v5e, v6e) | modelled v6e time (p90 band) |", "|---|---|---|"]
     for name, result in by_label(results, FORWARD_SHAPES):
         v5e, v6e = result["per_generation"]["v5e"], result["per_generation"]["v6e"]
         # A compute-bound shape's percentage is of the MXU roofline, which the column does not name: say the bound.
         bound = f"{v6e['pct_of_roofline']:.0f}% of the HBM roofline" if v6e["bound"] == "hbm" else "compute-bound"
         rows.append(f"| {name} | {v5e['bytes_ratio']:.3f}, {v6e['bytes_ratio']:.3f} "
-                    f"| {v6e['modelled_time_us']:.0f} µs ({span(v6e['band_p90_us'], dash='–')}; {bound}) |")
+                    f"| {v6e['modelled_time_us']:.0f} µs ({span(v6e['band_p90_us'], dash='–')}; {bound}"
+                    f"{relayout_note(v6e)}) |")
     return "\n".join(rows)
 
 
 def per_generation(results: list[dict]) -> str:
-    """Per shape and generation: the modelled time, and its share of the roofline with what bounds it."""
+    """Per shape and generation: the modelled time, and its share of the roofline with what bounds it (and
+    XLA's relayout in it, where there is one)."""
     rows = ["| shape | " + " | ".join(GENERATIONS) + " |", "|---|" + "---|" * len(GENERATIONS)]
     for name, result in by_label(results, PER_GENERATION_SHAPES):
         cells = []
@@ -59,7 +81,7 @@ def per_generation(results: list[dict]) -> str:
             figures = result["per_generation"][generation]
             bound = "HBM" if figures["bound"] == "hbm" else "MXU"
             cells.append(f"{figures['modelled_time_us']:.0f} µs ({figures['pct_of_roofline']:.0f} % of the {bound} "
-                         "roofline)")
+                         f"roofline{relayout_note(figures)})")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -79,17 +101,28 @@ def backward(backward_run: dict) -> str:
             pct = f"**{pct}**"  # bold: the kernel meets the target
         return f"{kernel['modelled_pipelined_time_us']:.0f} µs, {pct}"
 
-    rows = ["| shape | gen | tiles (q, kv, KV heads/step) | dq | dk/dv | backward / forward |",
-            "|---|---|---|---|---|---|"]
-    for name, result in by_label(backward_run["results"], BACKWARD_SETTINGS):
+    def relayout_cell(figures: dict) -> str:
+        backward_us, forward_us = relayout_us(figures), relayout_us(figures, "forward_")
+        return f" {backward_us:.0f} µs, {forward_us:.0f} µs |" if backward_us or forward_us else " none |"
+
+    shown = by_label(backward_run["results"], BACKWARD_SETTINGS)
+    # The relayout column only where some row has a relayout.
+    with_relayout = any(relayout_us(figures) or relayout_us(figures, "forward_")
+                        for _, result in shown for generation, figures in result["per_generation"].items()
+                        if generation in BACKWARD_GENERATIONS)
+    rows = ["| shape | gen | tiles (q, kv, KV heads/step) | dq | dk/dv |"
+            + (" XLA's relayout (backward, forward) |" if with_relayout else "") + " backward / forward |",
+            "|---|---|---|---|---|" + ("---|" if with_relayout else "") + "---|"]
+    for name, result in shown:
         shape = f"{name} ({result['q_heads']}/{result['kv_heads']} heads, D={result['head_dim']})"
         for generation in BACKWARD_GENERATIONS:
             figures = result["per_generation"][generation]
             dq, dkv = figures["kernels"]["dq"], figures["kernels"]["dkv"]
             tile_cell = per_kernel(tiles(dq), tiles(dkv))
             shape_cell = f"| {shape} |" if generation == BACKWARD_GENERATIONS[0] else "| |"  # named once per shape
-            rows.append(f"{shape_cell} {generation} | {tile_cell} | {kernel_cell(dq)} | {kernel_cell(dkv)} "
-                        f"| {figures['backward_over_forward']:.1f}x |")
+            rows.append(f"{shape_cell} {generation} | {tile_cell} | {kernel_cell(dq)} | {kernel_cell(dkv)} |"
+                        + (relayout_cell(figures) if with_relayout else "")
+                        + f" {figures['backward_over_forward']:.1f}x |")
     return "\n".join(rows)
 
 

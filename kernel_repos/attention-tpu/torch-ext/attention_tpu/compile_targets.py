@@ -6,7 +6,9 @@ of a batch of 8 against 4096 and 32768 cached tokens (with per-sequence cache
 lengths, as a static cache has them), the explicit-mask path (a left-padded
 prefill batch, as transformers builds it), the sliding-window / soft-capping
 path of Gemma-2-style layers, float32, GPT-OSS-20B's sliding layer with
-attention sinks (64 query heads, 8 KV heads, head_dim 64, window 128), and
+attention sinks (64 query heads, 8 KV heads, head_dim 64, window 128) and a
+decode step of its full layers (batch 8 against 4096 cached tokens, per-sequence
+lengths, sinks; K and V read keys-minor, as XLA stores them at head_dim 64), and
 Gemma-4-26B-A4B's global layers (16 query heads, 2 KV heads, head_dim 512):
 prefill of 8192 tokens (causal) and decode steps of a batch of 64 against
 8192 cached tokens.
@@ -69,6 +71,9 @@ def compile_targets(generation):
     def with_sinks(q, k, v, sinks):
         return flash_attention(q, k, v, sliding_window=128, sinks=sinks)
 
+    def decode_with_sinks(q, k, v, kv_lengths, sinks):
+        return flash_attention(q, k, v, kv_lengths=kv_lengths, sinks=sinks)
+
     def backward_windowed(*arrays):
         return backward(*arrays, sliding_window=1024)
 
@@ -108,6 +113,8 @@ def compile_targets(generation):
             with_sinks,
             (*_qkv(1, tokens, tokens, **GPT_OSS_20B), gpt_oss_sinks),
         ),
+        ("gpt-oss-20b decode B=8 cache=4096 sinks bf16", decode_with_sinks,
+         (*_qkv(8, 1, 4096, **GPT_OSS_20B), lengths, gpt_oss_sinks)),
         (f"gemma-4-26b-a4b global layer prefill B=1 S={tokens} causal D=512 bf16", flash_attention,
          _qkv(1, tokens, tokens, **GEMMA_4_GLOBAL)),
         (f"gemma-4-26b-a4b global layer decode B=64 cache={tokens} D=512 bf16", with_lengths,

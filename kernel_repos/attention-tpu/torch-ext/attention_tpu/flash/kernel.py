@@ -19,10 +19,18 @@ One forward kernel serves prefill, chunked prefill and decode:
   the rows of one block, so a decode step is one (group, D) x (D, block_kv)
   matmul per KV head and reads each KV block exactly once; one step spans
   several KV heads so that its DMA outweighs the per-step overhead.
+* K and V are read in the layout XLA stores them in by default: row-major
+  [B, Hkv, Skv, D], or where XLA stores them keys-minor (head_dim 64 over more
+  than 64 keys, `layout.keys_minor_by_default`) as their swapped view
+  [B, Hkv, D, Skv], a free bitcast, in [D, block_kv] tiles: the logits are
+  then q [rows, D] @ k^T [D, block_kv] and the PV product contracts the keys,
+  the lanes of p and of v^T. Reading them row-major there would make XLA copy
+  both on every call (at decode the whole cache). q and the output stay
+  row-major: XLA copies those at head_dim 64 (q is tiny at decode).
 * No padding copies: ragged edge blocks are masked with ``jnp.where`` before the
-  exponential and the V rows past the valid length are zeroed before the PV
-  matmul, so whatever lies past the arrays' ends (NaN in interpret mode) never
-  reaches the result.
+  exponential and the values past the valid length (V rows, or keys-minor
+  lanes) are zeroed before the PV matmul, so whatever lies past the arrays'
+  ends (NaN in interpret mode) never reaches the result.
 * Besides the output the kernel writes the log-sum-exp of every query row
   (float32 [B, Hq, Sq]; -inf for a row that sees no key and has no sink), which
   the backward kernels (`flash_backward/kernel.py`) read instead of recomputing
@@ -83,7 +91,7 @@ class _Position(NamedTuple):
 
 
 def _visibility(refs: _ForwardRefs, at: _Position, problem: Problem, plan: ForwardPlan):
-    """(visible, bias or None, valid value rows) of a tile that needs element masks."""
+    """(visible, bias or None, valid values of the V tile) of a tile that needs element masks."""
     rows, block_kv = problem.group if plan.decode else plan.block_q, plan.block_kv
     key_pos = at.key_start + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
     if plan.decode:
@@ -97,30 +105,41 @@ def _visibility(refs: _ForwardRefs, at: _Position, problem: Problem, plan: Forwa
         visible = visible & jnp.broadcast_to(allowed, (rows, block_kv))
         if bias is not None:
             bias = jnp.broadcast_to(bias, (rows, block_kv))
-    value_pos = at.key_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv, problem.head_dim), 0)
+    key_axis = _key_axis(plan)
+    tile = (problem.head_dim, block_kv) if plan.keys_minor else (block_kv, problem.head_dim)
+    value_pos = at.key_start + jax.lax.broadcasted_iota(jnp.int32, tile, key_axis)
     return visible, bias, value_pos < at.kv_valid
+
+
+def _key_axis(plan: ForwardPlan) -> int:
+    """The axis of a K or V tile the keys run along: [block_kv, D] row-major, [D, block_kv] keys-minor."""
+    return 1 if plan.keys_minor else 0
 
 
 def _attend_block(refs: _ForwardRefs, at: _Position, problem: Problem, plan: ForwardPlan, apply_mask: bool) -> None:
     """The online softmax over one KV block for every slice of the step.
 
-    k and v refs are [kv heads of this step, block_kv, D]: one KV head shared
-    by every slice (prefill: the group's query heads), or one per slice
-    (decode: a slice is one KV head's group of query rows).
+    k and v refs are [kv heads of this step, block_kv, D] (keys-minor: [...,
+    D, block_kv]): one KV head shared by every slice (prefill: the group's
+    query heads), or one per slice (decode: a slice is one KV head's group of
+    query rows).
     """
     visible = bias = value_valid = None
     if apply_mask:
         visible, bias, value_valid = _visibility(refs, at, problem, plan)
+    # Logits q [rows, D] . k over D; the PV product p [rows, block_kv] . v over the keys.
+    key_axis = _key_axis(plan)
+    qk_dims, pv_dims = (((1,), (1 - key_axis,)), ((), ())), (((1,), (key_axis,)), ((), ()))
 
     def load_kv(head):
         k, v = refs.k[head], refs.v[head]
         if value_valid is not None:
-            # Zero V rows past the valid length: p is 0 there, but 0 * NaN is NaN.
+            # Zero the values past the valid length (rows, or keys-minor lanes): p is 0 there, but 0 * NaN is NaN.
             v = jnp.where(value_valid, v, jnp.zeros_like(v))
         return k, v
 
     def attend(s, k, v):
-        raw = jax.lax.dot_general(refs.q[s], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+        raw = jax.lax.dot_general(refs.q[s], k, qk_dims, preferred_element_type=jnp.float32,
                                   precision=problem.precision)
         logits = masking.capped_logits(problem, raw)
         if bias is not None:
@@ -136,8 +155,7 @@ def _attend_block(refs: _ForwardRefs, at: _Position, problem: Problem, plan: For
         rescale = jnp.exp(max_prev - shift)
         refs.sum[s] = rescale * refs.sum[s] + jnp.sum(probs, axis=1, keepdims=True)
         refs.acc[s] = rescale * refs.acc[s] + jax.lax.dot_general(
-            probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
-            precision=problem.precision,
+            probs.astype(v.dtype), v, pv_dims, preferred_element_type=jnp.float32, precision=problem.precision,
         )
         refs.max[s] = max_next
 
@@ -251,6 +269,28 @@ def _query_layout(q, problem: Problem, plan: ForwardPlan) -> _QueryLayout:
     )
 
 
+def _kv_layout(k, v, plan: ForwardPlan):
+    """(the K/V BlockSpec, k and v as the kernel reads them): [B, Hkv, Skv, D] row-major, or where XLA stores them
+    keys-minor (`plan.keys_minor`) their swapped view [B, Hkv, D, Skv], a bitcast of that layout."""
+    nq, heads_per_step, block_kv, head_dim = plan.num_q_blocks, plan.heads_per_step, plan.block_kv, k.shape[3]
+
+    def kv_block(b, qi, kv_step, lo_ref, hi_ref):
+        return masking.block_of_step(lo_ref, hi_ref, b * nq + qi, kv_step)
+
+    if plan.keys_minor:
+
+        def keys_minor_index_map(b, h, qi, kv_step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
+            return (b, h, 0, kv_block(b, qi, kv_step, lo_ref, hi_ref))
+
+        spec = pl.BlockSpec((None, heads_per_step, head_dim, block_kv), keys_minor_index_map)
+        return spec, jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3)
+
+    def index_map(b, h, qi, kv_step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
+        return (b, h, kv_block(b, qi, kv_step, lo_ref, hi_ref), 0)
+
+    return pl.BlockSpec((None, heads_per_step, block_kv, head_dim), index_map), k, v
+
+
 def _cost_estimate(q, k, problem: Problem, plan: ForwardPlan) -> pl.CostEstimate:
     """The forward's cost for XLA's scheduler: the visible pairs' work, q and out moved once, K/V once per pass."""
     batch, q_heads, q_len, head_dim = q.shape
@@ -277,16 +317,10 @@ def call(q: jax.Array, k: jax.Array, v: jax.Array, prepared: Prepared,
     block_q, block_kv, nq, heads_per_step = plan.block_q, plan.block_kv, plan.num_q_blocks, plan.heads_per_step
     block_lo, block_hi = masking.kv_block_ranges(problem, prepared, block_q, block_kv)
 
-    def kv_index_map(b, h, qi, kv_step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
-        return (b, h, masking.block_of_step(lo_ref, hi_ref, b * nq + qi, kv_step), 0)
-
     grid = (batch, kv_heads // heads_per_step, nq, plan.num_kv_steps)
     layout = _query_layout(q, problem, plan)
-    in_specs = [
-        layout.q_spec,
-        pl.BlockSpec((None, heads_per_step, block_kv, head_dim), kv_index_map),
-        pl.BlockSpec((None, heads_per_step, block_kv, head_dim), kv_index_map),
-    ]
+    kv_spec, k, v = _kv_layout(k, v, plan)
+    in_specs = [layout.q_spec, kv_spec, kv_spec]
     operands = [layout.q, k, v]
     if prepared.mask is not None:
         broadcast_batch = problem.mask_batch == 1

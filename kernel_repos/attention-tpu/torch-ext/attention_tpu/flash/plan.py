@@ -7,9 +7,11 @@ import dataclasses
 
 from jax.experimental import pallas as pl
 
+from .._hardware import LANES
 from ..common import masking
 from ..common.masking import Problem
 from ..common.tiles import AttentionConfig
+from .layout import keys_minor_by_default
 from .tiles import check_config, is_decode, select
 
 
@@ -26,11 +28,16 @@ class ForwardPlan:
     num_kv_blocks: int
     num_kv_steps: int  # grid steps along the KV axis: at most num_kv_blocks
     vmem_limit_bytes: int
+    # K and V read as XLA stores them by default when that is keys-minor (`layout.keys_minor_by_default`):
+    # [B, Hkv, D, Skv] blocks of [D, block_kv], block_kv a multiple of 128.
+    keys_minor: bool
 
 
 def make(problem: Problem, generation: str | None = None, config: AttentionConfig | None = None) -> ForwardPlan:
     """The forward's grid for `problem` at `config`'s tiles (checked), else `select`'s on `generation` (default:
-    this device's): the KV axis only as long as a query block's visible keys span (`masking.kv_steps`)."""
+    this device's): the KV axis only as long as a query block's visible keys span (`masking.kv_steps`). K and V
+    are read keys-minor where XLA stores them so and the KV blocks are whole lane tiles (a config whose block_kv
+    is the whole, shorter key length reads them row-major: XLA copies them then)."""
     if config is None:
         config = select(problem, generation)
     else:
@@ -48,4 +55,5 @@ def make(problem: Problem, generation: str | None = None, config: AttentionConfi
         num_kv_blocks=num_kv_blocks,
         num_kv_steps=masking.kv_steps(problem, num_kv_blocks, block_q, config.block_kv),
         vmem_limit_bytes=config.vmem_limit_bytes,
+        keys_minor=keys_minor_by_default(problem.kv_len, problem.head_dim) and config.block_kv % LANES == 0,
     )

@@ -23,6 +23,7 @@ from .._tuning import read_tuned_tiles
 from ..common.masking import Problem
 from ..common.tiles import MASK_ROWS, Q_BLOCK_MULTIPLE, AttentionConfig, shrink_block
 from ..common.vmem import vmem_budget, vmem_limit
+from .layout import keys_minor_by_default
 
 # Preferred tiles (query positions per prefill block, keys per prefill block,
 # keys per decode block), chosen with the grid-replay model of
@@ -119,7 +120,9 @@ def heuristic_config(
     """Preferred tiles shrunk to the VMEM budget; decode steps take as many KV heads as fit DECODE_STEP_BYTES.
 
     Block sizes are either the full extent of their axis (always legal) or a
-    multiple of LANES (query blocks: of Q_BLOCK_MULTIPLE).
+    multiple of LANES (query blocks: of Q_BLOCK_MULTIPLE); KV blocks of K and V
+    that XLA stores keys-minor are a multiple of LANES, the last block past
+    the keys' end where the keys are fewer.
     """
     generation = check_generation(generation)
     decode = is_decode(q_len)
@@ -127,6 +130,9 @@ def heuristic_config(
         head_dim, PREFERRED_TILES)[generation]
     block_q = 1 if decode else min(q_len, preferred_q)
     block_kv = min(kv_len, preferred_kv_decode if decode else preferred_kv_prefill)
+    if keys_minor_by_default(kv_len, head_dim):
+        # Keys along lanes: whole lane tiles, so that the kernel reads K and V as XLA stores them (`plan.make`).
+        block_kv = round_up(block_kv, LANES)
     itemsize = jnp.dtype(dtype).itemsize
     budget = vmem_budget(generation)
 

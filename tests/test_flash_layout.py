@@ -1,0 +1,39 @@
+"""The flash forward's rule for the order XLA stores K and V in (`flash.layout.keys_minor_by_default`) against
+the compiler: the layout libtpu's compile-only topologies give the arguments of a jitted function."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tpu_kernels.aot import topology_device
+from tpu_kernels.distribution.loader import get_local_kernel
+
+# [B, H, kv_len, head_dim] on both sides of the rule: the supported head dims and a few others, key lengths at,
+# below and above the head dim and 128, not multiples of 8 or of 128, and several batch and head counts.
+_HEAD_DIMS = (32, 64, 80, 128, 192, 256, 512)
+_KV_LENS = (1, 16, 63, 64, 65, 100, 129, 200, 1000, 4097)
+_BATCH_HEADS = ((1, 1), (3, 5), (8, 8))
+_KEYS_MINOR = (0, 1, 3, 2)  # major to minor: physically [B, H, head_dim, kv_len]
+
+
+@pytest.fixture(scope="module")
+def attention(kernel_builds):
+    return get_local_kernel(kernel_builds["attention-tpu"], backend="cpu")
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+@pytest.mark.parametrize("generation", ["v5e", "v5p", "v6e", "tpu7x"])
+def test_keys_minor_rule_matches_the_compiler(attention, generation):
+    sharding = jax.sharding.SingleDeviceSharding(topology_device(generation))
+    shapes = [(batch, heads, kv_len, head_dim) for head_dim in _HEAD_DIMS for kv_len in _KV_LENS
+              for batch, heads in _BATCH_HEADS]
+    for dtype in (jnp.bfloat16, jnp.float32):
+        # One program takes every shape: XLA picks each parameter's layout on its own.
+        args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape in shapes]
+        compiled = jax.jit(lambda *arrays: [a + 1 for a in arrays]).lower(*args).compile()
+        found = {shape: fmt.layout.major_to_minor == _KEYS_MINOR
+                 for shape, fmt in zip(shapes, compiled.input_formats[0])}
+        predicted = {shape: attention.flash.layout.keys_minor_by_default(shape[2], shape[3]) for shape in shapes}
+        assert found == predicted, jnp.dtype(dtype).name
+    assert any(predicted.values()) and not all(predicted.values())
