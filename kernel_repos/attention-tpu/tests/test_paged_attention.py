@@ -7,6 +7,8 @@ or a key past a sequence's length, into its result fails here.
 """
 
 import numpy as np
+import warnings
+
 import pytest
 import torch
 from tpu_kernels.testing import assert_matches, interpret
@@ -341,8 +343,13 @@ def _decode_step(*, q_heads=8, kv_heads=2, head_dim=64, page_size=8, dtype=torch
 def test_flash_attn_with_kvcache_writes_the_cache_and_attends(kernel, page_size, options):
     q, k_cache, v_cache, k_new, v_new, cache_lengths, block_table, kv_lens = _decode_step(page_size=page_size)
     sinks = torch.randn(8, generator=torch.Generator().manual_seed(2)) if options.pop("s_aux", False) else None
-    out = kernel.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_lengths,
-                                         block_table=block_table, causal=True, s_aux=sinks, **options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = kernel.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_lengths,
+                                             block_table=block_table, causal=True, s_aux=sinks, **options)
+    # Over 8-token pages XLA would copy this head_dim-64 cache whole at every call on a TPU: the user is told.
+    told = [w for w in caught if "allocate pages of a multiple of 128 tokens" in str(w.message)]
+    assert len(told) == (1 if page_size == 8 else 0), [str(w.message) for w in caught]
     for seq, position in enumerate(cache_lengths.tolist()):
         page = block_table[seq, position // page_size]
         assert torch.equal(k_cache[page, position % page_size], k_new[seq, 0])

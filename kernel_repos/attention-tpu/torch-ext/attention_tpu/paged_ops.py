@@ -6,11 +6,13 @@ Inference only: the kernel has no backward, so the op refuses inputs that would 
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax
 import torch
 
 from ._ops import add_op_namespace_prefix, jax_torch_op
+from .common.paged import cache_copied_whole_per_call
 from .paged.kernel import SUPPORTED_HEAD_DIMS
 from .paged.kernel import ragged_paged_attention as _jax_ragged_paged_attention
 from .paged.kernel import ragged_varlen_attention as _jax_ragged_varlen_attention
@@ -145,6 +147,12 @@ def ragged_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     check_paged_args(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, scale=scale,
                      sliding_window=sliding_window, softcap=softcap, sinks=sinks, max_q_len=max_q_len)
+    page_size, head_dim = k_cache.shape[1], k_cache.shape[-1]
+    if cache_copied_whole_per_call(page_size, head_dim):
+        warnings.warn(f"a paged cache of head_dim {head_dim} over pages of {page_size} tokens is stored by XLA with "
+                      "the page index minor on a TPU, so every call copies K and V whole before the kernel reads "
+                      "them; allocate pages of a multiple of 128 tokens (transformers' default 256 is one), which "
+                      "the kernel reads in place", stacklevel=2)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     # Clamped as int64: torch clamps no unsigned dtype wider than uint8.
     kv_lens = kv_lens.to(torch.int64).clamp(0, page_table.shape[1] * k_cache.shape[1]).to(torch.int32)

@@ -53,6 +53,13 @@ def cache_stored_keys_minor(page_size: int, head_dim: int) -> bool:
     return head_dim % LANES != 0 and page_size % LANES == 0
 
 
+def cache_copied_whole_per_call(page_size: int, head_dim: int) -> bool:
+    """Whether XLA copies a cache [num_pages, page_size, Hkv, head_dim] whole before every call of the kernel: where
+    head_dim is no multiple of 128 and neither is page_size, its default layout puts the page index minor
+    (`cache_stored_keys_minor`), which the kernel cannot read a page at a time."""
+    return head_dim % LANES != 0 and page_size % LANES != 0
+
+
 def packed_keys_stored_minor(head_dim: int) -> bool:
     """Whether XLA's default TPU layout of packed (varlen) keys or values [total_k, Hkv, head_dim] stores the rows
     minor: minor_to_major {0,2,1}, physically [Hkv, head_dim, total_k], of which ``k.transpose(1, 2, 0)`` is a free
