@@ -24,7 +24,7 @@ def attention(kernel_builds):
 @pytest.mark.aot
 @pytest.mark.slow
 @pytest.mark.parametrize("generation", ["v5e", "v5p", "v6e", "tpu7x"])
-def test_keys_minor_rule_matches_the_compiler(attention, generation):
+def test_sequence_minor_rule_matches_the_compiler(attention, generation):
     sharding = jax.sharding.SingleDeviceSharding(topology_device(generation))
     shapes = [(batch, heads, kv_len, head_dim) for head_dim in _HEAD_DIMS for kv_len in _KV_LENS
               for batch, heads in _BATCH_HEADS]
