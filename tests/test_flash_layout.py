@@ -1,4 +1,4 @@
-"""The flash forward's rule for the order XLA stores K and V in (`flash.layout.keys_minor_by_default`) against
+"""The flash forward's rule for the order XLA stores q, K and V in (`flash.layout.sequence_minor_by_default`) against
 the compiler: the layout libtpu's compile-only topologies give the arguments of a jitted function."""
 
 import jax
@@ -24,7 +24,7 @@ def attention(kernel_builds):
 @pytest.mark.aot
 @pytest.mark.slow
 @pytest.mark.parametrize("generation", ["v5e", "v5p", "v6e", "tpu7x"])
-def test_keys_minor_rule_matches_the_compiler(attention, generation):
+def test_sequence_minor_rule_matches_the_compiler(attention, generation):
     sharding = jax.sharding.SingleDeviceSharding(topology_device(generation))
     shapes = [(batch, heads, kv_len, head_dim) for head_dim in _HEAD_DIMS for kv_len in _KV_LENS
               for batch, heads in _BATCH_HEADS]
@@ -34,6 +34,6 @@ def test_keys_minor_rule_matches_the_compiler(attention, generation):
         compiled = jax.jit(lambda *arrays: [a + 1 for a in arrays]).lower(*args).compile()
         found = {shape: fmt.layout.major_to_minor == _KEYS_MINOR
                  for shape, fmt in zip(shapes, compiled.input_formats[0])}
-        predicted = {shape: attention.flash.layout.keys_minor_by_default(shape[2], shape[3]) for shape in shapes}
+        predicted = {shape: attention.flash.layout.sequence_minor_by_default(shape[2], shape[3]) for shape in shapes}
         assert found == predicted, jnp.dtype(dtype).name
     assert any(predicted.values()) and not all(predicted.values())

@@ -42,9 +42,10 @@ CASES = {
     "prefill-128-window-softcap": (2, 4, 2, 128, 128, 128, torch.float32, dict(sliding_window=33, softcap=5.0, scale=0.3)),
     "decode-1000-window-bf16": (1, 8, 1, 1, 1000, 64, torch.bfloat16, dict(sliding_window=100)),
     "chunk-17-of-300-offsets": (2, 4, 1, 17, 300, 64, torch.float32, dict(q_offset=[40, 283], kv_lengths=[60, 300])),
-    # GPT-OSS-style sinks (its head_dim: K and V read keys-minor); in decode batch 1 sees no key at all (its rows
-    # are zero despite the sink).
-    "chunk-45-of-130-gqa3-sinks-window": (1, 6, 2, 45, 130, 64, torch.float32, dict(sliding_window=7, sinks=True)),
+    # GPT-OSS-style sinks (its head_dim: q, K and V read sequence-minor, the query block past the queries' end);
+    # in decode batch 1 sees no key at all (its rows are zero despite the sink).
+    "chunk-100-of-230-gqa3-sinks-window-bf16": (1, 6, 2, 100, 230, 64, torch.bfloat16,
+                                                dict(sliding_window=7, sinks=True)),
     "decode-300-sinks-lengths-bf16": (2, 8, 2, 1, 300, 128, torch.bfloat16, dict(kv_lengths=[300, 0], sinks=True)),
     # Gemma-4's global layers (head_dim 512) at the tiles `select` picks there: two ragged query blocks.
     "prefill-300-gqa2-bf16-d512": (1, 2, 1, 300, 300, 512, torch.bfloat16, dict()),
@@ -70,9 +71,11 @@ def test_matches_reference(kernel, case):
     assert _relative_error(out, expected) <= TOLERANCE[dtype]
 
 
-def test_padded_keys_may_hold_anything(kernel):
-    """Keys and values past kv_lengths are NaN: they must not reach any output."""
-    q, k, v = _qkv(3, 4, 2, 1, 300, 64, torch.float32, seed=1)
+@pytest.mark.parametrize("q_len", [1, 130])
+def test_padded_keys_may_hold_anything(kernel, q_len):
+    """Keys and values past kv_lengths are NaN: they must not reach any output (decode, and a prefill whose q, K
+    and V are read sequence-minor)."""
+    q, k, v = _qkv(3, 4, 2, q_len, 300, 64, torch.float32, seed=1)
     lengths = torch.tensor([300, 1, 131], dtype=torch.int32)
     for b, length in enumerate(lengths.tolist()):
         k[b, :, length:] = float("nan")

@@ -24,6 +24,12 @@ def test_vmem_bytes_of_a_prefill_and_a_decode_step(kernel):
                                            head_dim=128, itemsize=2, mask_itemsize=0)
     lse = 2 * 2 * 8 * 128 * 4  # [KV heads, group, 1]
     assert decode == (2 * 2 * 2 * 8 * 128 * 2) + 2 * 8 * (128 + 256) * 4 + 2 * 2 * 2 * 1024 * 128 * 2 + 4 * 8 * 1024 * 4 + lse
+    # q read queries-minor: the group's query blocks transposed into a scratch of rows.
+    queries_minor = kernel.flash.tiles.vmem_bytes(decode=False, group=2, block_q=128, block_kv=256, kv_heads_per_step=1,
+                                                  head_dim=64, itemsize=2, mask_itemsize=0, queries_minor=True)
+    row_major = kernel.flash.tiles.vmem_bytes(decode=False, group=2, block_q=128, block_kv=256, kv_heads_per_step=1,
+                                              head_dim=64, itemsize=2, mask_itemsize=0)
+    assert queries_minor - row_major == 2 * 128 * 64 * 2
 
 
 def test_vmem_limit_takes_the_margin_and_mosaic_scratch_within_bounds(kernel):
@@ -48,7 +54,7 @@ def test_heuristic_respects_limits(kernel):
     """Tiles are full-extent or aligned, decode steps span KV heads, oversized shapes shrink."""
     for generation in ("v5e", "v5p", "v6e", "tpu7x"):
         shape = dict(mask_dtype=None, generation=generation)
-        prefill = kernel.flash.tiles.heuristic_config(q_heads=8, kv_heads=1, q_len=300, kv_len=1000, head_dim=64,
+        prefill = kernel.flash.tiles.heuristic_config(q_heads=8, kv_heads=1, q_len=300, kv_len=1000, head_dim=128,
                                           dtype=jnp.float32, **shape)
         assert prefill.block_q == 300 and (prefill.block_kv == 1000 or prefill.block_kv % 128 == 0)
         assert prefill.kv_heads_per_step == 1
@@ -105,24 +111,34 @@ def test_head_dim_512_takes_its_own_preferred_tiles_within_the_budget(kernel):
         assert (backward.dkv.block_q, backward.dkv.block_kv) == preferred_backward["dkv"]
 
 
-def test_head_dim_64_over_more_than_64_keys_reads_k_and_v_keys_minor_in_whole_lane_tiles(kernel):
+def test_head_dim_64_over_more_than_64_positions_reads_q_k_v_sequence_minor_in_whole_lane_tiles(kernel):
     """Where XLA stores K and V keys-minor (`flash.layout`), the forward reads them so, its KV blocks multiples of
     128 (past the keys' end where the keys are fewer); a config whose block is the whole shorter key length reads
-    them row-major, as do head_dim 128 and 64 keys or fewer."""
-    keys_minor = kernel.flash.layout.keys_minor_by_default
-    assert keys_minor(65, 64) and keys_minor(1000, 64) and keys_minor(4097, 64) and keys_minor(32768, 64)
-    assert not (keys_minor(64, 64) or keys_minor(17, 64) or keys_minor(4096, 128) or keys_minor(100, 256))
+    them row-major, as do head_dim 128 and 64 keys or fewer. Likewise a prefill's q (and its output) by its query
+    blocks; decode reads q row-major."""
+    sequence_minor = kernel.flash.layout.sequence_minor_by_default
+    assert sequence_minor(65, 64) and sequence_minor(1000, 64) and sequence_minor(4097, 64)
+    assert sequence_minor(32768, 64)
+    assert not (sequence_minor(64, 64) or sequence_minor(17, 64) or sequence_minor(4096, 128)
+                or sequence_minor(100, 256))
     gpt_oss = dict(q_heads=64, kv_heads=8, head_dim=64, dtype=jnp.bfloat16)
     for generation in ("v5e", "v5p", "v6e", "tpu7x"):
-        for q_len, kv_len in ((1, 4096), (1, 1000), (4096, 4096), (300, 300)):
+        for q_len, kv_len in ((1, 4096), (1, 1000), (4096, 4096), (300, 300), (65, 1000)):
             plan = kernel.flash.plan.make(kernel.Problem.of_shape(q_len=q_len, kv_len=kv_len, **gpt_oss), generation)
             assert plan.keys_minor and plan.block_kv % 128 == 0, (generation, q_len, kv_len, plan)
-        assert not kernel.flash.plan.make(kernel.Problem.of_shape(q_len=1, kv_len=64, **gpt_oss), generation).keys_minor
+            assert plan.queries_minor == (q_len > 1) and plan.block_q % 128 == (q_len == 1), plan
+        short = kernel.flash.plan.make(kernel.Problem.of_shape(q_len=64, kv_len=64, **gpt_oss), generation)
+        assert not (short.keys_minor or short.queries_minor)
     problem = kernel.Problem.of_shape(q_len=1, kv_len=300, **gpt_oss)
     assert kernel.flash.plan.make(problem, config=kernel.AttentionConfig(1, 128, 16 * MIB)).keys_minor
     assert not kernel.flash.plan.make(problem, config=kernel.AttentionConfig(1, 300, 16 * MIB)).keys_minor
+    prefill = kernel.Problem.of_shape(q_len=300, kv_len=300, **gpt_oss)
+    assert kernel.flash.plan.make(prefill, config=kernel.AttentionConfig(128, 128, 16 * MIB)).queries_minor
+    assert not kernel.flash.plan.make(prefill, config=kernel.AttentionConfig(300, 128, 16 * MIB)).queries_minor
     qwen3 = kernel.Problem.of_shape(kv_len=4096, **QWEN3_DECODE)
     assert not kernel.flash.plan.make(qwen3, "v6e").keys_minor
+    qwen3_prefill = kernel.Problem.of_shape(**dict(QWEN3_DECODE, q_len=4096), kv_len=4096)
+    assert not kernel.flash.plan.make(qwen3_prefill, "v6e").queries_minor
 
 
 def test_check_config(kernel):

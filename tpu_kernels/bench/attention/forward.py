@@ -366,9 +366,9 @@ def summarise(results: list[dict]) -> dict:
             "is above 1 and its time is MXU-bound. needed_steps counts tiles with a visible pair from the "
             "float64 reference's mask; computed_steps mirrors the kernel's pl.when on its scalar-prefetched "
             "block ranges; k_block_fetches comes from replaying the clamped index maps. relayout_charged_us: the "
-            "copies XLA makes of the kernel's arguments into its layout and of out back (at head_dim 64: q and out; "
-            "K and V are read keys-minor, as XLA stores them), per shape and generation, where any are made "
-            "(included in modelled_time_us)."
+            "copies XLA makes of the kernel's arguments into its layout and of out back (at head_dim 64 none: q, "
+            "K, V and out are read and written sequence-minor, as XLA stores them), per shape and generation, where "
+            "any are made (included in modelled_time_us)."
         ),
     }
 

@@ -60,8 +60,8 @@ TOOLS = [
     "flash.tiles.TUNED_TILES",
     "flash.tiles.ForwardTiles", "flash.tiles.TunedKey", "flash.tiles.check_config", "flash.tiles.heuristic_config",
     "flash.tiles.is_decode", "flash.tiles.tuned_config", "flash.tiles.vmem_bytes",
-    # The order the forward reads K and V in: XLA's default layout's.
-    "flash.layout.keys_minor_by_default",
+    # The order the forward reads q, K and V in and writes its output in: XLA's default layout's.
+    "flash.layout.sequence_minor_by_default",
     # What the backward's weighs.
     "flash_backward.tiles.PREFERRED_BACKWARD_TILES", "flash_backward.tiles.PREFERRED_BACKWARD_TILES_BY_HEAD_DIM",
     "flash_backward.tiles.STEP_OVERHEAD_MULTIPLE",

@@ -6,9 +6,10 @@ of a batch of 8 against 4096 and 32768 cached tokens (with per-sequence cache
 lengths, as a static cache has them), the explicit-mask path (a left-padded
 prefill batch, as transformers builds it), the sliding-window / soft-capping
 path of Gemma-2-style layers, float32, GPT-OSS-20B's sliding layer with
-attention sinks (64 query heads, 8 KV heads, head_dim 64, window 128) and a
-decode step of its full layers (batch 8 against 4096 cached tokens, per-sequence
-lengths, sinks; K and V read keys-minor, as XLA stores them at head_dim 64), and
+attention sinks (64 query heads, 8 KV heads, head_dim 64, window 128; q, K, V
+and the output read and written sequence-minor, as XLA stores them at head_dim
+64) and a decode step of its full layers (batch 8 against 4096 cached tokens,
+per-sequence lengths, sinks; K and V read keys-minor), and
 Gemma-4-26B-A4B's global layers (16 query heads, 2 KV heads, head_dim 512):
 prefill of 8192 tokens (causal) and decode steps of a batch of 64 against
 8192 cached tokens.

@@ -19,14 +19,19 @@ One forward kernel serves prefill, chunked prefill and decode:
   the rows of one block, so a decode step is one (group, D) x (D, block_kv)
   matmul per KV head and reads each KV block exactly once; one step spans
   several KV heads so that its DMA outweighs the per-step overhead.
-* K and V are read in the layout XLA stores them in by default: row-major
-  [B, Hkv, Skv, D], or where XLA stores them keys-minor (head_dim 64 over more
-  than 64 keys, `layout.keys_minor_by_default`) as their swapped view
-  [B, Hkv, D, Skv], a free bitcast, in [D, block_kv] tiles: the logits are
-  then q [rows, D] @ k^T [D, block_kv] and the PV product contracts the keys,
-  the lanes of p and of v^T. Reading them row-major there would make XLA copy
-  both on every call (at decode the whole cache). q and the output stay
-  row-major: XLA copies those at head_dim 64 (q is tiny at decode).
+* q, K, V and the output are read and written in the layout XLA stores them
+  in by default: row-major [B, H, S, D], or where XLA stores them
+  sequence-minor (head_dim 64 over more than 64 positions,
+  `layout.sequence_minor_by_default`) as their swapped view [B, H, D, S], a
+  free bitcast. K and V then come in [D, block_kv] tiles: the logits are
+  q [rows, D] @ k^T [D, block_kv] and the PV product contracts the keys, the
+  lanes of p and of v^T. A prefill's q then comes in [group, D, block_q]
+  tiles, transposed once per query block (at its first KV step) into a
+  scratch of rows that every KV step multiplies, and the output block is the
+  finished accumulator transposed back: XLU work of the order of one q tile
+  per query block, against the block's matmuls. Reading them row-major there
+  would make XLA copy each on every call (at decode the whole cache), and
+  the output back. Decode reads q row-major: one position is stored so.
 * No padding copies: ragged edge blocks are masked with ``jnp.where`` before the
   exponential and the values past the valid length (V rows, or keys-minor
   lanes) are zeroed before the PV matmul, so whatever lies past the arrays'
@@ -79,6 +84,7 @@ class _ForwardRefs(NamedTuple):
     max: object  # [slices, rows, 1] f32: running max of each row's logits
     sum: object  # [slices, rows, 1] f32: running sum of each row's exponentials
     acc: object  # [slices, rows, D] f32
+    q_rows: object | None = None  # [slices, rows, D]: q read queries-minor, transposed once per query block
 
 
 class _Position(NamedTuple):
@@ -138,8 +144,10 @@ def _attend_block(refs: _ForwardRefs, at: _Position, problem: Problem, plan: For
             v = jnp.where(value_valid, v, jnp.zeros_like(v))
         return k, v
 
+    queries = refs.q if refs.q_rows is None else refs.q_rows
+
     def attend(s, k, v):
-        raw = jax.lax.dot_general(refs.q[s], k, qk_dims, preferred_element_type=jnp.float32,
+        raw = jax.lax.dot_general(queries[s], k, qk_dims, preferred_element_type=jnp.float32,
                                   precision=problem.precision)
         logits = masking.capped_logits(problem, raw)
         if bias is not None:
@@ -188,6 +196,12 @@ def _forward_kernel(q_offset_ref, kv_valid_ref, block_lo_ref, block_hi_ref, q_re
             refs.max[...] = jnp.broadcast_to(sinks_ref[...], refs.max.shape)
             refs.sum[...] = jnp.ones(refs.sum.shape, jnp.float32)
         refs.acc[...] = jnp.zeros(refs.acc.shape, jnp.float32)
+        if refs.q_rows is not None:
+            # q^T [D, block_q] -> [block_q, D] once per query block, so that every KV step multiplies row-major q.
+            def transpose_query(s):
+                refs.q_rows[s] = refs.q[s].T
+
+            loop_over_heads(refs.q_rows.shape[0], transpose_query)
 
     q_offset, kv_valid = q_offset_ref[b], kv_valid_ref[b]
     key_start = kv_block * plan.block_kv
@@ -204,17 +218,32 @@ def _forward_kernel(q_offset_ref, kv_valid_ref, block_lo_ref, block_hi_ref, q_re
 
     @pl.when(kv_step == plan.num_kv_steps - 1)
     def _finalize():
-        total = refs.sum[...]
-        safe_total = jnp.where(total == 0.0, 1.0, total)
-        out = jnp.where(total == 0.0, 0.0, refs.acc[...] / safe_total)
-        refs.out[...] = out.astype(refs.out.dtype)
+        _store_output(refs)
         # log(0) = -inf for a row that saw nothing (its max is -inf too: the sum stays -inf).
-        lse = refs.max[...] + jnp.log(total)
+        lse = refs.max[...] + jnp.log(refs.sum[...])
         if plan.decode:
             refs.lse[...] = lse
         else:
             # [group, block_q, 1] -> [group, 1, block_q]: query positions along lanes.
             refs.lse[...] = lse.reshape(refs.lse.shape)
+
+
+def _store_output(refs: _ForwardRefs) -> None:
+    """The accumulator over the softmax sum into the output block: [slices, rows, D], or queries-minor [slices, D,
+    rows] (each slice transposed)."""
+
+    def normalized(index):
+        total = refs.sum[index]
+        return jnp.where(total == 0.0, 0.0, refs.acc[index] / jnp.where(total == 0.0, 1.0, total))
+
+    if refs.q_rows is None:
+        refs.out[...] = normalized(...).astype(refs.out.dtype)
+        return
+
+    def store_transposed(s):
+        refs.out[s] = normalized(s).T.astype(refs.out.dtype)
+
+    loop_over_heads(refs.acc.shape[0], store_transposed)
 
 
 class _QueryLayout(NamedTuple):
@@ -252,15 +281,25 @@ def _query_layout(q, problem: Problem, plan: ForwardPlan) -> _QueryLayout:
             rows=group,
         )
 
-    def q_index_map(b, h, qi, kv_step, *_):
-        return (b, h, qi, 0)
-
     def lse_index_map(b, h, qi, kv_step, *_):
         return (b, h, 0, 0, qi)
 
+    if plan.queries_minor:
+
+        def queries_minor_index_map(b, h, qi, kv_step, *_):
+            return (b, h, 0, qi)
+
+        # q's swapped view [B, Hq, D, Sq], a bitcast of XLA's layout; the output is written so.
+        q, q_spec = jnp.swapaxes(q, 2, 3), pl.BlockSpec((None, group, head_dim, block_q), queries_minor_index_map)
+    else:
+
+        def q_index_map(b, h, qi, kv_step, *_):
+            return (b, h, qi, 0)
+
+        q_spec = pl.BlockSpec((None, group, block_q, head_dim), q_index_map)
     return _QueryLayout(
         q=q,
-        q_spec=pl.BlockSpec((None, group, block_q, head_dim), q_index_map),
+        q_spec=q_spec,
         # Query positions along lanes, one row per query head: what the backward kernels read.
         lse_shape=(batch, kv_heads, group, 1, q_len),
         lse_spec=pl.BlockSpec((None, None, group, 1, block_q), lse_index_map),
@@ -353,6 +392,7 @@ def call(q: jax.Array, k: jax.Array, v: jax.Array, prepared: Prepared,
                 pltpu.VMEM((layout.slices, layout.rows, 1), jnp.float32),
                 pltpu.VMEM((layout.slices, layout.rows, 1), jnp.float32),
                 pltpu.VMEM((layout.slices, layout.rows, head_dim), jnp.float32),
+                *([pltpu.VMEM((layout.slices, layout.rows, head_dim), q.dtype)] if plan.queries_minor else []),
             ],
         ),
         compiler_params=pltpu.CompilerParams(
@@ -362,7 +402,8 @@ def call(q: jax.Array, k: jax.Array, v: jax.Array, prepared: Prepared,
         cost_estimate=_cost_estimate(q, k, problem, plan),
         name="attention_tpu_flash",
     )(prepared.q_offset, prepared.kv_valid, block_lo, block_hi, *operands)
-    return out.reshape(q.shape), lse.reshape(batch, q_heads, q_len)
+    out = jnp.swapaxes(out, 2, 3) if plan.queries_minor else out.reshape(q.shape)
+    return out, lse.reshape(batch, q_heads, q_len)
 
 
 def flash_attention_forward(

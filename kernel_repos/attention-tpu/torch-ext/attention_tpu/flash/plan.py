@@ -11,7 +11,7 @@ from .._hardware import LANES
 from ..common import masking
 from ..common.masking import Problem
 from ..common.tiles import AttentionConfig
-from .layout import keys_minor_by_default
+from .layout import sequence_minor_by_default
 from .tiles import check_config, is_decode, select
 
 
@@ -28,16 +28,20 @@ class ForwardPlan:
     num_kv_blocks: int
     num_kv_steps: int  # grid steps along the KV axis: at most num_kv_blocks
     vmem_limit_bytes: int
-    # K and V read as XLA stores them by default when that is keys-minor (`layout.keys_minor_by_default`):
+    # K and V read as XLA stores them by default when that is keys-minor (`layout.sequence_minor_by_default`):
     # [B, Hkv, D, Skv] blocks of [D, block_kv], block_kv a multiple of 128.
     keys_minor: bool
+    # Likewise q read, and the output written, queries-minor in prefill: [B, Hq, D, Sq] blocks of [group, D,
+    # block_q], block_q a multiple of 128.
+    queries_minor: bool
 
 
 def make(problem: Problem, generation: str | None = None, config: AttentionConfig | None = None) -> ForwardPlan:
     """The forward's grid for `problem` at `config`'s tiles (checked), else `select`'s on `generation` (default:
     this device's): the KV axis only as long as a query block's visible keys span (`masking.kv_steps`). K and V
     are read keys-minor where XLA stores them so and the KV blocks are whole lane tiles (a config whose block_kv
-    is the whole, shorter key length reads them row-major: XLA copies them then)."""
+    is the whole, shorter key length reads them row-major: XLA copies them then); q and the output of a prefill
+    likewise queries-minor, by its query blocks."""
     if config is None:
         config = select(problem, generation)
     else:
@@ -55,5 +59,7 @@ def make(problem: Problem, generation: str | None = None, config: AttentionConfi
         num_kv_blocks=num_kv_blocks,
         num_kv_steps=masking.kv_steps(problem, num_kv_blocks, block_q, config.block_kv),
         vmem_limit_bytes=config.vmem_limit_bytes,
-        keys_minor=keys_minor_by_default(problem.kv_len, problem.head_dim) and config.block_kv % LANES == 0,
+        keys_minor=sequence_minor_by_default(problem.kv_len, problem.head_dim) and config.block_kv % LANES == 0,
+        queries_minor=(not decode and sequence_minor_by_default(problem.q_len, problem.head_dim)
+                       and block_q % LANES == 0),
     )

@@ -23,7 +23,7 @@ from .._tuning import read_tuned_tiles
 from ..common.masking import Problem
 from ..common.tiles import MASK_ROWS, Q_BLOCK_MULTIPLE, AttentionConfig, shrink_block
 from ..common.vmem import vmem_budget, vmem_limit
-from .layout import keys_minor_by_default
+from .layout import sequence_minor_by_default
 
 # Preferred tiles (query positions per prefill block, keys per prefill block,
 # keys per decode block), chosen with the grid-replay model of
@@ -85,8 +85,10 @@ def is_decode(q_len: int) -> bool:
     return q_len == 1
 
 
-def vmem_bytes(*, decode, group, block_q, block_kv, kv_heads_per_step, head_dim, itemsize, mask_itemsize) -> int:
-    """Estimated VMEM working set of one configuration (pipeline buffers, scratch, temporaries)."""
+def vmem_bytes(*, decode, group, block_q, block_kv, kv_heads_per_step, head_dim, itemsize, mask_itemsize,
+               queries_minor=False) -> int:
+    """Estimated VMEM working set of one configuration (pipeline buffers, scratch, temporaries); `queries_minor`: q
+    read queries-minor (`plan.ForwardPlan`), so transposed into a scratch of its rows."""
     # A step holds `slices` row blocks of `rows` query rows: the group's heads
     # (prefill), or one block of `group` rows per KV head (decode).
     slices, rows = (kv_heads_per_step, group) if decode else (group, block_q)
@@ -102,16 +104,20 @@ def vmem_bytes(*, decode, group, block_q, block_kv, kv_heads_per_step, head_dim,
         lse = 2 * kv_heads_per_step * round_up(group, SUBLANES) * LANES * 4
     else:
         lse = 2 * group * SUBLANES * round_up(block_q, LANES) * 4
-    return q_and_out + scratch + kv + temporaries + mask + lse
+    q_rows = slices * padded_rows * head_dim * itemsize if queries_minor else 0
+    return q_and_out + scratch + kv + temporaries + mask + lse + q_rows
 
 
 def forward_vmem_bytes(tiles: ForwardTiles, *, q_heads: int, kv_heads: int, q_len: int, head_dim: int, dtype,
                        mask_dtype) -> int:
     """`vmem_bytes` of the forward with `tiles` at one shape."""
-    return vmem_bytes(decode=is_decode(q_len), group=q_heads // kv_heads, block_q=tiles.block_q,
+    decode = is_decode(q_len)
+    queries_minor = not decode and sequence_minor_by_default(q_len, head_dim) and tiles.block_q % LANES == 0
+    return vmem_bytes(decode=decode, group=q_heads // kv_heads, block_q=tiles.block_q,
                       block_kv=tiles.block_kv, kv_heads_per_step=tiles.kv_heads_per_step, head_dim=head_dim,
                       itemsize=jnp.dtype(dtype).itemsize,
-                      mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize)
+                      mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize,
+                      queries_minor=queries_minor)
 
 
 def heuristic_config(
@@ -122,7 +128,8 @@ def heuristic_config(
     Block sizes are either the full extent of their axis (always legal) or a
     multiple of LANES (query blocks: of Q_BLOCK_MULTIPLE); KV blocks of K and V
     that XLA stores keys-minor are a multiple of LANES, the last block past
-    the keys' end where the keys are fewer.
+    the keys' end where the keys are fewer, and so are the query blocks of a
+    prefill whose q XLA stores queries-minor.
     """
     generation = check_generation(generation)
     decode = is_decode(q_len)
@@ -130,9 +137,12 @@ def heuristic_config(
         head_dim, PREFERRED_TILES)[generation]
     block_q = 1 if decode else min(q_len, preferred_q)
     block_kv = min(kv_len, preferred_kv_decode if decode else preferred_kv_prefill)
-    if keys_minor_by_default(kv_len, head_dim):
-        # Keys along lanes: whole lane tiles, so that the kernel reads K and V as XLA stores them (`plan.make`).
+    # Keys (queries) along lanes: whole lane tiles, so that the kernel reads K and V (q, and writes the output) as
+    # XLA stores them (`plan.make`).
+    if sequence_minor_by_default(kv_len, head_dim):
         block_kv = round_up(block_kv, LANES)
+    if not decode and sequence_minor_by_default(q_len, head_dim):
+        block_q = round_up(block_q, LANES)
     itemsize = jnp.dtype(dtype).itemsize
     budget = vmem_budget(generation)
 
