@@ -119,8 +119,8 @@ def assumptions() -> dict:
                     "uncalibrated): at head_dim 64 XLA stores neither the packed K and V nor the paged cache "
                     "row-major by default; the ragged kernel reads both in XLA's layout (keys-minor: packed rows "
                     "a multiple of 128, as flash_api's power-of-two padding makes them, and pages of a multiple of "
-                    "128 tokens), with no copy; the flash kernel reads K and V so too, and its q and output are "
-                    "copied whole on every call with more than one query per sequence",
+                    "128 tokens), with no copy; the flash kernel (the gradient path) reads q, K and V and writes its "
+                    "output in XLA's layout too",
         "left_out": "the cache write (index_copy_ of the new rows: the same on every path, vLLM's included), the "
                     "kernel's own reshapes of q and out, the host's dispatch of each eager op",
         "copies_priced_by": "each copy's XLA program compiled for the generation's compile-only topology, priced by "

@@ -59,9 +59,9 @@ def notes(dominated: list[str]) -> list[str]:
         "kernel's q and output is not row-major. The ragged kernel reads packed K and V whose rows are a multiple of "
         "128 (flash_api pads them to a power of two) and a cache over pages of a multiple of 128 tokens "
         "(transformers' pages) in that layout (keys-minor), with no copy; over smaller pages XLA would copy the "
-        "whole cache on every call. The flash kernel (the gradient path) reads K and V so too; its program copies q "
-        "and the output whole into and out of row-major temporaries when sequences have more than one query "
-        "(`relayout_us`, perf.argument_layouts). head_dim 128 and up have no such copy.",
+        "whole cache on every call. The flash kernel (the gradient path) reads q, K and V and writes its output in "
+        "XLA's layout too (`relayout_us`, perf.argument_layouts, finds no copy). head_dim 128 and up are stored "
+        "row-major.",
         "transformers_padded is what a gradient-enabled call runs: every sequence padded to the longest (and, with "
         "a prefill chunk, every sequence's queries to the chunk's), so its copies and kernel grow with the batch "
         "times the longest sequence.",
