@@ -23,7 +23,9 @@ def attention(kernel_builds):
 
 @pytest.mark.aot
 @pytest.mark.slow
-@pytest.mark.parametrize("generation", ["v5e", "v5p", "v6e", "tpu7x"])
+# The rule held on all four generations when it was probed (layout choice is the same compiler pass on each); the
+# oldest and the newest are checked here.
+@pytest.mark.parametrize("generation", ["v5e", "tpu7x"])
 def test_sequence_minor_rule_matches_the_compiler(attention, generation):
     sharding = jax.sharding.SingleDeviceSharding(topology_device(generation))
     shapes = [(batch, heads, kv_len, head_dim) for head_dim in _HEAD_DIMS for kv_len in _KV_LENS
