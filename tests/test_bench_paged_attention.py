@@ -36,7 +36,7 @@ def test_the_mixed_length_batch_is_fixed_and_in_range():
 def _figures(pct, time_us, *, bound="hbm", hbm=10.0, mxu=1.0, vector=2.0):
     return {"pct_of_hbm_roofline_peak": pct, "pct_of_mxu_peak": pct / 10, "modelled_time_us": time_us,
             "bound": bound, "hbm_term_us": hbm, "mxu_us": mxu, "vector_us": vector, "step_overhead_us": 0.5,
-            "hbm_roofline_us": time_us * pct / 100, "band_p90_us": None}
+            "hbm_roofline_us": time_us * pct / 100, "band_p90_us": None, "bytes_ratio": 1.93}
 
 
 def _row(context, kind="decode", page=128, ours=90.0, rival_time=None, rival_error=None):
@@ -62,6 +62,8 @@ def test_summary_names_each_miss_from_1024_tokens_and_its_terms():
     # 80 % of the roofline in 100 us: 94.1 us would be 85 %; the grid steps and the rest not overlapped named.
     assert (miss["modelled_time_us"], miss["time_for_target_us"], miss["step_overhead_us"]) == (100.0, 94.1, 0.5)
     assert "+ 0.5 grid steps + 89.5 not overlapped" in miss["why"]
+    # The bytes moved over the minimum are named: a miss of the streaming kind says whether it reads too much.
+    assert miss["bytes_over_min"] == 1.93 and "copies (10.0, 1.93x the minimum bytes)" in miss["why"]
     assert found["no_rival_faster"]
 
 

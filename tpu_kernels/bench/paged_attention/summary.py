@@ -33,8 +33,9 @@ def _miss(ours: dict) -> dict:
             "hbm_term_us": round(ours["hbm_term_us"], 1), "mxu_us": round(ours["mxu_us"], 1),
             "vector_us": round(ours["vector_us"], 1), "step_overhead_us": round(overhead, 1),
             "modelled_time_us": round(time, 1), "relayout_us": round(relayout, 1),
-            "time_for_target_us": round(target, 1),
-            "why": (f"{ours['bound']}-bound: {time:.1f} us = the slower of copies ({ours['hbm_term_us']:.1f}) and "
+            "time_for_target_us": round(target, 1), "bytes_over_min": round(ours["bytes_ratio"], 2),
+            "why": (f"{ours['bound']}-bound: {time:.1f} us = the slower of copies ({ours['hbm_term_us']:.1f}, "
+                    f"{ours['bytes_ratio']:.2f}x the minimum bytes) and "
                     f"compute (MXU {ours['mxu_us']:.1f}, vector {ours['vector_us']:.1f}) + {overhead:.1f} grid steps + "
                     f"{time - busy - overhead - relayout:.1f} not overlapped (first copies, last work, unbalanced "
                     f"phases) + {relayout:.1f} XLA's relayout of K/V before the kernel; "
@@ -71,7 +72,10 @@ def summarise(rows: list[dict]) -> dict:
         "rivals_faster": faster,
         "note": "pct_of_hbm_roofline = (K/V rows some query sees, read once, + q + out) at the peak HBM bandwidth / "
                 "the modelled time (pct_of_hbm_roofline_fitted: at the fitted share, the JSON's hbm_fraction). A miss names the model's terms: hbm_term_us (copies), mxu_us, "
-                "vector_us (softmax work); the slower is what bounds the kernel. A rival faster by less than "
+                "vector_us (softmax work); the slower is what bounds the kernel; bytes_over_min, the bytes the kernel "
+                "moves over that minimum. At head_dim 64 over pages of a multiple of 128 tokens the cache is read "
+                "as XLA stores it, keys minor, where a DMA moves whole 128-key tiles: a 128-key window (GPT-OSS) "
+                "mostly straddles two, which no kernel reading that layout avoids. A rival faster by less than "
                 f"{MATERIAL_RATIO}x is listed with material false: within the model's resolution.",
     }
 
