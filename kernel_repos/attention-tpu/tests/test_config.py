@@ -75,6 +75,25 @@ def test_heuristic_respects_limits(kernel):
     assert large.block_q < plain.block_q
 
 
+def test_prefill_blocks_under_a_sliding_window_span_at_most_two_windows(kernel):
+    """GPT-OSS-20B's window of 128: (256, 256) blocks, not the preferred (512, 512|1024); a window of 1024 keeps the
+    preferred tiles; decode keeps its long key blocks; `select` passes the problem's window."""
+    gpt_oss = dict(q_heads=64, kv_heads=8, q_len=4096, kv_len=4096, head_dim=64, dtype=jnp.bfloat16, mask_dtype=None)
+    for generation in ("v5e", "v5p", "v6e", "tpu7x"):
+        windowed = kernel.flash.tiles.heuristic_config(**gpt_oss, generation=generation, sliding_window=128)
+        assert (windowed.block_q, windowed.block_kv) == (256, 256)
+        wide = kernel.flash.tiles.heuristic_config(**gpt_oss, generation=generation, sliding_window=1024)
+        unbounded = kernel.flash.tiles.heuristic_config(**gpt_oss, generation=generation)
+        assert (wide.block_q, wide.block_kv) == (unbounded.block_q, unbounded.block_kv)
+        decode = kernel.flash.tiles.heuristic_config(**{**gpt_oss, "q_len": 1}, generation=generation,
+                                                     sliding_window=128)
+        assert decode.block_kv == kernel.flash.tiles.PREFERRED_TILES[generation][2]
+        problem = kernel.Problem.of_shape(**{k: v for k, v in gpt_oss.items() if k != "mask_dtype"},
+                                          sliding_window=100)
+        selected = kernel.flash.tiles.select(problem, generation)
+        assert (selected.block_q, selected.block_kv) == (256, 256)
+
+
 def test_heuristic_working_set_fits_the_budget_and_sets_the_limit(kernel):
     for generation in ("v5e", "v5p", "v6e", "tpu7x"):
         for mask_dtype in (None, jnp.int8, jnp.float32):

@@ -167,7 +167,8 @@ def forward_time(built, shape: TrainingShape, dtype, generation: str) -> dict:
     time plus the copies XLA makes around it in a user's call (`forward_relayout_*`)."""
     plain = shape.as_shape()
     problem = built.Problem.of_shape(q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.seq,
-                                     kv_len=shape.seq, head_dim=shape.head_dim, dtype=dtype)
+                                     kv_len=shape.seq, head_dim=shape.head_dim, dtype=dtype,
+                                     sliding_window=shape.sliding_window)
     config = built.flash.tiles.select(problem, generation)
     lengths = live_lengths(plain).astype(np.int32)
     calls = perf.model_pallas_traffic(kernel_fn(built, plain, generation), *avals(plain, dtype), lengths,

@@ -250,7 +250,7 @@ def measure_generation(built, shape: Shape, dtype, generation: str, visible: Vis
     min_bytes, useful_flops = visible.min_bytes, visible.useful_flops
     problem = built.Problem.of_shape(
         q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.q_len, kv_len=shape.kv_len,
-        head_dim=shape.head_dim, dtype=dtype,
+        head_dim=shape.head_dim, dtype=dtype, sliding_window=shape.sliding_window,
     )
     config = built.flash.tiles.select(problem, generation)
     block_q = 1 if shape.q_len == 1 else config.block_q
