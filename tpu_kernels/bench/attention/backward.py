@@ -206,7 +206,10 @@ def sweep_backward(built, shape: TrainingShape, dtype, generation: str) -> dict:
                 name: built.flash_backward.tiles.backward_tiles(
                     name, block_q=block_q, block_kv=block_kv, group=shape.q_heads // shape.kv_heads,
                     kv_heads=shape.kv_heads, head_dim=shape.head_dim, itemsize=jnp.dtype(dtype).itemsize,
-                    mask_itemsize=0, generation=generation)
+                    mask_itemsize=0, generation=generation,
+                    sequence_minor=built.flash_backward.tiles.reads_sequence_minor(
+                        q_len=shape.seq, kv_len=shape.seq, head_dim=shape.head_dim, block_q=block_q,
+                        block_kv=block_kv))
                 for name in NECESSARY_MATMULS
             }
             if any(t is None for t in tiles.values()):
