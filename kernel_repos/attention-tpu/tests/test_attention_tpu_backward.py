@@ -82,8 +82,10 @@ def _bias(q_len, kv_len, *, seed):
 # batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype, sinks, options
 CASES = {
     "mha-17-d64": (2, 2, 2, 17, 17, 64, torch.float32, False, dict()),
-    "gqa3-45-sinks-window-softcap": (1, 6, 2, 45, 45, 64, torch.float32, True,
-                                     dict(sliding_window=7, softcap=5.0, scale=0.3)),
+    # Default tiles at head_dim 64 over more than 64 positions: one 128-wide block past the arrays' ends, read and
+    # written sequence-minor.
+    "gqa3-100-sinks-window-softcap": (1, 6, 2, 100, 100, 64, torch.float32, True,
+                                      dict(sliding_window=7, softcap=5.0, scale=0.3)),
     "gqa8-40-noncausal-bf16-d128": (1, 8, 1, 40, 40, 128, torch.bfloat16, False, dict(causal=False)),
     # Batch 1 sees no key at all and batch 0's first rows sit before key 0: their gradients are zero, not NaN.
     "gqa4-20-of-50-offsets-lengths": (2, 4, 1, 20, 50, 64, torch.float32, False,

@@ -5,7 +5,10 @@ causal windows), shrinks them to the VMEM budget (`common.vmem.vmem_budget`)
 by their own working sets, and spans as many KV heads per step as make a
 step's MXU work outweigh its overhead; each kernel then asks Mosaic for a
 scoped VMEM limit from its working set (`common.vmem.vmem_limit`). There is no
-tuned table for the backward yet.
+tuned table for the backward yet. Where XLA stores q, k and v sequence-minor
+(head_dim 64 over more than 64 positions) both blocks are whole lane tiles, so
+that the kernels read and write them so (`reads_sequence_minor`), and the
+working set counts the scratch their transposed blocks take.
 """
 
 from __future__ import annotations
