@@ -1,8 +1,9 @@
 """The attention benchmark's charge for XLA's relayout copies around the flash kernels: what a row says with and
 without a probe, the card tables' relayout, and (aot) the flash kernel's forward and backward programs at head_dim
 64, where XLA stores q, k, v and the output sequence-minor: the forward reads and writes them so (XLA copies
-nothing, prefill or decode; a caller that keeps q row-major pays its copy), the backward's kernels read all
-row-major and XLA copies them; at head_dim 128 every kernel reads its arguments as given."""
+nothing, prefill or decode; a caller that keeps q row-major pays its copy), and so do the backward's kernels
+(blocks of no multiple of 128 read row-major and XLA copies); at head_dim 128 every kernel reads its arguments as
+given."""
 
 import jax.numpy as jnp
 import pytest
@@ -95,22 +96,34 @@ def test_a_row_pays_the_relayout_its_probe_finds_in_its_time(attention):
 
 
 @pytest.mark.aot
+@pytest.mark.parametrize("generation", forward.GENERATIONS)
+def test_the_backward_program_copies_neither_its_arguments_nor_its_gradients_at_head_dim_64(attention, generation):
+    """The backward's kernels read d_out, q, k and v and write dq, dk and dv as XLA stores them at head_dim 64
+    (sequence-minor; out only meets XLA's delta, which reads it as given): the pullback's program copies none of
+    them (only the kernels' few scalar operands, staged into SMEM)."""
+    found = argument_layouts.probe(backward.backward_fn(attention, SMALL_TRAINING_D64, generation),
+                                   backward.backward_program_avals(SMALL_TRAINING_D64, DTYPE), generation)
+    # d_out, q, k, v, out: arguments 0 to 4.
+    assert not any(found.argument(number).copies for number in range(5))
+    assert found.copied_bytes < 1024 and not found.result_copies
+
+
+@pytest.mark.aot
 def test_the_backward_total_pays_its_programs_relayout_and_the_kernels_times_do_not(attention):
-    """The pullback's program copies d_out, q, k and v into the kernels' layout (out only meets XLA's delta, which
-    reads it as given) and dq, dk, dv back; the forward at the same shape pays its own, so both sides of
-    backward / forward carry theirs."""
-    shape, generation = SMALL_TRAINING_D64, "v6e"
-    found = argument_layouts.probe(backward.backward_fn(attention, shape, generation),
+    """Blocks that are the whole sequence and no multiple of 128 read row-major: the pullback's program copies
+    d_out, q, k and v into the kernels' layout and dq, dk, dv back, the row's total pays that and its kernels'
+    times do not; the forward at the same shape pays its own, so both sides of backward / forward carry theirs."""
+    shape, generation = backward.TrainingShape("ragged training D=64", 1, 200, q_heads=4, kv_heads=2, head_dim=64,
+                                               sliding_window=128, sinks=True), "v6e"
+    whole = attention.AttentionConfig(shape.seq, shape.seq, 32 * 2**20)
+    config = attention.flash_backward.tiles.BackwardConfig(dq=whole, dkv=whole)
+    found = argument_layouts.probe(backward.backward_fn(attention, shape, generation, config),
                                    backward.backward_program_avals(shape, DTYPE), generation)
     plain = shape.as_shape()
     q_bytes, kv_bytes = _bytes(plain, shape.q_heads, shape.seq), _bytes(plain, shape.kv_heads, shape.seq)
     # d_out, q, k, v, out: arguments 0 to 4.
     assert [found.argument(n).copied_bytes for n in range(5)] == [q_bytes, q_bytes, kv_bytes, kv_bytes, 0]
     assert sorted(copy.bytes for copy in found.result_copies) == sorted([q_bytes, kv_bytes, kv_bytes])
-    problem = attention.Problem.of_shape(q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.seq,
-                                         kv_len=shape.seq, head_dim=shape.head_dim, dtype=DTYPE,
-                                         sliding_window=shape.sliding_window)
-    config = attention.flash_backward.tiles.select(problem, generation)
     charged = backward.model_backward(attention, shape, DTYPE, generation, config, found)
     uncharged = backward.model_backward(attention, shape, DTYPE, generation, config)
     assert charged["relayout_us"] == pytest.approx(found.seconds() * 1e6) and charged["relayout_us"] > 0

@@ -82,8 +82,10 @@ def _bias(q_len, kv_len, *, seed):
 # batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype, sinks, options
 CASES = {
     "mha-17-d64": (2, 2, 2, 17, 17, 64, torch.float32, False, dict()),
-    "gqa3-45-sinks-window-softcap": (1, 6, 2, 45, 45, 64, torch.float32, True,
-                                     dict(sliding_window=7, softcap=5.0, scale=0.3)),
+    # Default tiles at head_dim 64 over more than 64 positions: one 128-wide block past the arrays' ends, read and
+    # written sequence-minor.
+    "gqa3-100-sinks-window-softcap": (1, 6, 2, 100, 100, 64, torch.float32, True,
+                                      dict(sliding_window=7, softcap=5.0, scale=0.3)),
     "gqa8-40-noncausal-bf16-d128": (1, 8, 1, 40, 40, 128, torch.bfloat16, False, dict(causal=False)),
     # Batch 1 sees no key at all and batch 0's first rows sit before key 0: their gradients are zero, not NaN.
     "gqa4-20-of-50-offsets-lengths": (2, 4, 1, 20, 50, 64, torch.float32, False,
@@ -134,11 +136,11 @@ BLOCK_CASES = {
     # Causal with a window: 3 ragged query blocks; dk/dv walks at most 3 of them per KV block.
     "causal-300-gqa4-window-sinks": (1, 4, 1, 300, 300, 64, torch.float32, True, dict(sliding_window=100),
                                      (128, 128), (128, 128), (128, 256)),
-    # Chunked prefill at offsets with lengths: KV blocks past a length get zero dk/dv; soft-capped; dq steps
-    # span both KV heads.
+    # Chunked prefill at offsets with lengths: KV blocks past a length get zero dk/dv; soft-capped; steps of both
+    # kernels span both KV heads. At head_dim 64 with blocks of 128s both kernels read and write sequence-minor.
     "chunk-200-of-300-offsets-lengths-softcap": (2, 4, 2, 200, 300, 64, torch.float32, False,
                                                  dict(q_offset=[100, 40], kv_lengths=[300, 170], softcap=3.0),
-                                                 (128, 128), (128, 256, 2), (128, 128)),
+                                                 (128, 128), (128, 256, 2), (128, 128, 2)),
     # An explicit mask with left padding and holes, across blocks of both axes; bf16, D=128.
     "mask-200-of-300-bf16": (2, 2, 2, 200, 300, 128, torch.bfloat16, False, dict(causal=False, mask=(0, 150)),
                              (128, 128), (128, 128), (128, 128)),

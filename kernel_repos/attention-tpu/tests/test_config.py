@@ -225,11 +225,16 @@ def test_backward_tiles_fit_the_budget(kernel, model):
             for kernel_name, tiles in (("dq", chosen.dq), ("dkv", chosen.dkv)):
                 step = dict(group=shape["q_heads"] // shape["kv_heads"], block_q=tiles.block_q,
                             block_kv=tiles.block_kv, head_dim=shape["head_dim"])
+                sequence_minor = kernel.flash_backward.tiles.reads_sequence_minor(
+                    q_len=8192, kv_len=8192, head_dim=shape["head_dim"], block_q=tiles.block_q,
+                    block_kv=tiles.block_kv)
+                assert sequence_minor == (shape["head_dim"] == 64), (generation, kernel_name, tiles)
 
                 def working_set(heads):
                     return kernel.flash_backward.tiles.backward_vmem_bytes(
                         kernel=kernel_name, kv_heads_per_step=heads, itemsize=jnp.dtype(dtype).itemsize,
-                        mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize, **step,
+                        mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize,
+                        sequence_minor=sequence_minor, **step,
                     )
 
                 heads = tiles.kv_heads_per_step

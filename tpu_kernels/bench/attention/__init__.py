@@ -28,9 +28,10 @@ query heads, 4 KV heads, head_dim 128, bf16) this
   kernelize's binding runs it, its arguments in XLA's default layouts
   (`perf.argument_layouts`, kernel bodies empty: about a second each); at
   head_dim 64 XLA stores [B, H, S, 64] with S minor: the forward kernel reads
-  q, K and V so (their swapped views) and writes its output so, and nothing
-  is copied, while the backward's kernels read everything row-major, so its
-  arguments are copied into that layout and its gradients back. Rows carry
+  q, K and V so (their swapped views) and writes its output so, and the
+  backward's kernels read d_out, q, k and v and write dq, dk and dv so, and
+  nothing is copied (a config whose blocks are no multiple of 128 reads them
+  row-major, and then XLA copies them). Rows carry
   `relayout_us` (in `modelled_time_us`, uncalibrated, at the fitted HBM share),
   `relayout_at_peak_bw_us`, `relayout_hbm_bytes` and `relayouts`, or
   `relayout_missing` with the reason; `kernel_time_us` is the kernel alone.

@@ -207,7 +207,10 @@ def sweep_backward(built, shape: TrainingShape, dtype, generation: str) -> dict:
                 name: built.flash_backward.tiles.backward_tiles(
                     name, block_q=block_q, block_kv=block_kv, group=shape.q_heads // shape.kv_heads,
                     kv_heads=shape.kv_heads, head_dim=shape.head_dim, itemsize=jnp.dtype(dtype).itemsize,
-                    mask_itemsize=0, generation=generation)
+                    mask_itemsize=0, generation=generation,
+                    sequence_minor=built.flash_backward.tiles.reads_sequence_minor(
+                        q_len=shape.seq, kv_len=shape.seq, head_dim=shape.head_dim, block_q=block_q,
+                        block_kv=block_kv))
                 for name in NECESSARY_MATMULS
             }
             if any(t is None for t in tiles.values()):
@@ -262,6 +265,7 @@ def summarise_backward(results: list[dict]) -> dict:
             "relayout_charged_us: the copies XLA makes of the backward's arguments into the kernels' layout (d_out, "
             "q, k, v; out meets only XLA's delta, which reads it as given) and of dq, dk, dv back, and the forward's, "
             "per shape and generation where any are made: in total_modelled_us and forward_modelled_us, not in the "
-            "per-kernel times."
+            "per-kernel times. The kernels read and write every array in XLA's default layout (at head_dim 64 "
+            "sequence-minor) where their blocks are multiples of 128, as the selected tiles are."
         ),
     }

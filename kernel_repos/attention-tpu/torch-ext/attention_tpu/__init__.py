@@ -67,7 +67,7 @@ TOOLS = [
     "flash_backward.tiles.STEP_OVERHEAD_MULTIPLE",
     "flash_backward.tiles.WINDOW_BLOCK_FACTOR", "flash_backward.tiles.backward_step_seconds",
     "flash_backward.tiles.backward_tiles", "flash_backward.tiles.backward_vmem_bytes",
-    "flash_backward.tiles.check_backward_config",
+    "flash_backward.tiles.check_backward_config", "flash_backward.tiles.reads_sequence_minor",
     # The VMEM policy both take: this kernel's margin and bound.
     "WORKING_SET_BOUND_BYTES", "WORKING_SET_MARGIN", "vmem_budget", "vmem_limit",
     # Ragged paged attention: its problem, seams, JAX function, config and what its tile selector weighs.

@@ -17,8 +17,10 @@ prefill of 8192 tokens (causal) and decode steps of a batch of 64 against
 Backward (both kernels, dq and dk/dv, and the sink gradient) at training
 shapes of T = 8192 tokens per rank: Qwen3-30B-A3B (causal), Gemma-4-26B-A4B's
 sliding layers (16 query heads, 8 KV heads, head_dim 256, window 1024) and
-global layers (causal, head_dim 512), GPT-OSS-20B with sinks, a padded batch
-with a boolean mask and a soft-cap, and float32.
+global layers (causal, head_dim 512), GPT-OSS-20B with sinks (through
+jax.grad: forward and backward in one program, every array read and written
+sequence-minor), a padded batch with a boolean mask and a soft-cap, and
+float32.
 """
 
 from __future__ import annotations
@@ -78,8 +80,14 @@ def compile_targets(generation):
     def backward_windowed(*arrays):
         return backward(*arrays, sliding_window=1024)
 
-    def backward_with_sinks(*arrays, sinks):
-        return backward(*arrays, sliding_window=128, sinks=sinks)
+    def training_gradients_with_sinks(q, k, v, d_out, sinks):
+        """The gradients jax.grad takes through the forward and both backward kernels, in one program."""
+
+        def loss(q, k, v, sinks):
+            out = with_sinks(q, k, v, sinks)
+            return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, sinks)
 
     def backward_with_mask(*arrays, attention_mask):
         return backward(*arrays, causal=False, attention_mask=attention_mask, softcap=30.0)
@@ -129,9 +137,9 @@ def compile_targets(generation):
             _backward_avals(1, tokens, **GEMMA_4_SLIDING),
         ),
         (
-            f"backward gpt-oss-20b B=1 S={tokens} window=128 sinks bf16",
-            keyword_last(backward_with_sinks, "sinks"),
-            (*_backward_avals(1, tokens, **GPT_OSS_20B), gpt_oss_sinks),
+            f"jax.grad gpt-oss-20b B=1 S={tokens} window=128 sinks bf16",
+            training_gradients_with_sinks,
+            (*_qkv(1, tokens, tokens, **GPT_OSS_20B), _qkv(1, tokens, tokens, **GPT_OSS_20B)[0], gpt_oss_sinks),
         ),
         (
             f"backward qwen3-30b-a3b B=2 S={tokens // 2} bool padding mask softcap bf16",

@@ -23,11 +23,22 @@ inside lse), with delta = rowsum(d_out * out) precomputed once:
   overhead when groups are small (Gemma-4: 2 query heads per KV head), which
   lets windowed layers use small tiles: tiles straddling a window's edges
   compute masked pairs in proportion to their size.
+* q, d_out, k and v are read, and dq, dk and dv written, in the layout XLA
+  stores them in by default: row-major [B, H, S, D], or where XLA stores
+  them sequence-minor (head_dim 64 over more than 64 positions, blocks of
+  whole lane tiles: `tiles.reads_sequence_minor`) as their swapped views
+  [B, H, D, S], free bitcasts. Each kernel then transposes the blocks it
+  holds across its walk once, at the walk's first step, into scratch of
+  rows (dq: q and d_out; dk/dv: k and v), multiplies the walked blocks as
+  read ([D, block]: a plain matmul where it contracted D, right-transposed
+  where it contracted the walked sequence), and transposes its accumulators
+  at the walk's end. Reading them row-major there would make XLA copy each
+  in, and each gradient out, on every call.
 * Sinks: p_sink = exp(sink - lse) per row, d_sink = -sum over rows of
   p_sink * delta (plain JAX on [B, Hq, Sq] arrays, outside the kernels).
 * Masking is the forward's (`common/masking.py`); tiles entirely inside the visible
   region skip it. Where a tile mixes rows (dq: key rows in dS K; dk/dv: query
-  rows in P^T d_out and dS^T q) rows past the valid lengths are zeroed first,
+  rows in P^T d_out and dS^T q) rows (sequence-minor: lanes) past the valid lengths are zeroed first,
   so NaN past an array's end never reaches a gradient, and a query row that
   sees nothing (lse = -inf) gets zero probabilities, not NaN.
 
@@ -95,25 +106,67 @@ def _walk_tile(in_range, needs_mask, step, walk_step, plan: BackwardPlan, finali
     pl.when(walk_step == plan.num_steps - 1)(finalize)
 
 
+def _transpose_heads(rows_ref, minor_ref) -> None:
+    """Each head's block [D, block] of a sequence-minor ref into its rows [block, D] of a scratch: once per block
+    held across the walk, so that every step multiplies it as a plain or right-transposed matmul."""
+
+    def transpose(s):
+        rows_ref[s] = minor_ref[s].T
+
+    loop_over_heads(rows_ref.shape[0], transpose)
+
+
+def _store_scaled(out_ref, acc_ref, scale, plan: BackwardPlan) -> None:
+    """The float32 accumulator [heads, block, D] times `scale` into the output block: as is, or each head transposed
+    to [D, block] (sequence-minor)."""
+    if not plan.sequence_minor:
+        out_ref[...] = (acc_ref[...] * scale).astype(out_ref.dtype)
+        return
+
+    def store(s):
+        out_ref[s] = (acc_ref[s] * scale).T.astype(out_ref.dtype)
+
+    loop_over_heads(acc_ref.shape[0], store)
+
+
+def _walked_dims(plan: BackwardPlan):
+    """(contract D, contract the walked sequence) of a row tile [block, D] against a tile of the walked axis: [block,
+    D] row-major (a @ b.T, a @ b), [D, block] sequence-minor (a @ b, a @ b.T)."""
+    return (NN, NT) if plan.sequence_minor else (NT, NN)
+
+
+def _sequence_valid(plan: BackwardPlan, head_dim: int, block: int, first, valid):
+    """Which entries of a walked tile ([block, D], or [D, block] sequence-minor) lie before position `valid`."""
+    axis = 1 if plan.sequence_minor else 0
+    shape = (head_dim, block) if plan.sequence_minor else (block, head_dim)
+    return first + jax.lax.broadcasted_iota(jnp.int32, shape, axis) < valid
+
+
 def _dq_kernel(
     q_offset_ref, kv_valid_ref, block_lo_ref, block_hi_ref,
     q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *rest,
     problem: Problem, plan: BackwardPlan,
 ):
-    mask_ref = rest[0] if problem.mask_kind is not None else None
-    dq_ref, acc_ref = rest[-2:]
+    rest = list(rest)
+    mask_ref = rest.pop(0) if problem.mask_kind is not None else None
+    dq_ref, acc_ref, *row_refs = rest
+    q_rows_ref, d_out_rows_ref = row_refs if plan.sequence_minor else (q_ref, d_out_ref)
     qi, kv_step, slot, kv_block, q_offset, kv_valid = _grid_step(
         q_offset_ref, kv_valid_ref, block_lo_ref, plan.num_q_blocks)
-    block_q, block_kv, head_dim = plan.block_q, plan.block_kv, problem.head_dim
+    block_q, block_kv = plan.block_q, plan.block_kv
+    contract_d, contract_keys = _walked_dims(plan)
 
     @pl.when(kv_step == 0)
     def _init():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        if plan.sequence_minor:
+            _transpose_heads(q_rows_ref, q_ref)
+            _transpose_heads(d_out_rows_ref, d_out_ref)
 
     key_start, q_first, needs_mask = _tile_mask(problem, plan, q_offset, kv_valid, qi, kv_block)
 
     def step(apply_mask: bool):
-        visible = bias = key_rows = None
+        visible = bias = key_valid = None
         if apply_mask:
             key_pos = key_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1)
             query_pos = q_first + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 0)
@@ -121,31 +174,31 @@ def _dq_kernel(
             if mask_ref is not None:
                 allowed, bias = masking.explicit_mask(problem, mask_ref[...])
                 visible = visible & allowed
-            key_rows = key_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0) < kv_valid
+            key_valid = _sequence_valid(plan, problem.head_dim, block_kv, key_start, kv_valid)
 
         def head(s):
             kv_head = _kv_head(s, problem.group)
             k, v = k_ref[kv_head], v_ref[kv_head]
-            if key_rows is not None:
-                # dS K mixes key rows: rows past the valid keys (anything, NaN included) must be zero.
-                k = jnp.where(key_rows, k, jnp.zeros_like(k))
-                v = jnp.where(key_rows, v, jnp.zeros_like(v))
-            capped = masking.capped_logits(problem, _dot(q_ref[s], k, NT, problem))
+            if key_valid is not None:
+                # dS K mixes keys: keys past the valid length (anything, NaN included) must be zero.
+                k = jnp.where(key_valid, k, jnp.zeros_like(k))
+                v = jnp.where(key_valid, v, jnp.zeros_like(v))
+            capped = masking.capped_logits(problem, _dot(q_rows_ref[s], k, contract_d, problem))
             logits = capped if bias is None else capped + bias
             lse = _finite_lse(lse_ref[s].reshape(block_q, 1))
             p = jnp.exp(logits - lse)
             if visible is not None:
                 p = jnp.where(visible, p, 0.0)
-            dp = _dot(d_out_ref[s], v, NT, problem)
+            dp = _dot(d_out_rows_ref[s], v, contract_d, problem)
             ds = p * (dp - delta_ref[s].reshape(block_q, 1))
             if problem.softcap is not None:
                 ds = ds * masking.softcap_slope(problem, capped)
-            acc_ref[s] += _dot(ds.astype(k.dtype), k, NN, problem)
+            acc_ref[s] += _dot(ds.astype(k.dtype), k, contract_keys, problem)
 
         loop_over_heads(acc_ref.shape[0], head)
 
     def finalize():
-        dq_ref[...] = (acc_ref[...] * problem.scale).astype(dq_ref.dtype)
+        _store_scaled(dq_ref, acc_ref, problem.scale, plan)
 
     _walk_tile(kv_block <= block_hi_ref[slot], needs_mask, step, kv_step, plan, finalize)
 
@@ -155,15 +208,21 @@ def _dkv_kernel(
     q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *rest,
     problem: Problem, plan: BackwardPlan,
 ):
-    mask_ref = rest[0] if problem.mask_kind is not None else None
-    dk_ref, dv_ref, dk_acc_ref, dv_acc_ref = rest[-4:]
+    rest = list(rest)
+    mask_ref = rest.pop(0) if problem.mask_kind is not None else None
+    dk_ref, dv_ref, dk_acc_ref, dv_acc_ref, *row_refs = rest
+    k_rows_ref, v_rows_ref = row_refs if plan.sequence_minor else (k_ref, v_ref)
     kj, q_step, slot, qi, q_offset, kv_valid = _grid_step(q_offset_ref, kv_valid_ref, block_lo_ref, plan.num_kv_blocks)
-    block_q, block_kv, head_dim = plan.block_q, plan.block_kv, problem.head_dim
+    block_q, block_kv = plan.block_q, plan.block_kv
+    contract_d, contract_queries = _walked_dims(plan)
 
     @pl.when(q_step == 0)
     def _init():
         dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)
         dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)
+        if plan.sequence_minor:
+            _transpose_heads(k_rows_ref, k_ref)
+            _transpose_heads(v_rows_ref, v_ref)
 
     key_start, _, needs_mask = _tile_mask(problem, plan, q_offset, kv_valid, qi, kj)
     if needs_mask is not True:
@@ -171,7 +230,7 @@ def _dkv_kernel(
         needs_mask = needs_mask | ((qi + 1) * block_q > problem.q_len)
 
     def step(apply_mask: bool):
-        visible = bias = query_rows = None
+        visible = bias = query_valid = None
         if apply_mask:
             # Tiles are [block_kv, block_q]: keys along sublanes, queries along lanes.
             key_pos = key_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv, block_q), 0)
@@ -181,35 +240,35 @@ def _dkv_kernel(
             if mask_ref is not None:
                 allowed, bias = masking.explicit_mask(problem, mask_ref[...].T)
                 visible = visible & allowed
-            query_rows = qi * block_q + jax.lax.broadcasted_iota(jnp.int32, (block_q, head_dim), 0) < problem.q_len
+            query_valid = _sequence_valid(plan, problem.head_dim, block_q, qi * block_q, problem.q_len)
 
         def head(s):
             kv_head = _kv_head(s, problem.group)
-            k, v = k_ref[kv_head], v_ref[kv_head]
+            k, v = k_rows_ref[kv_head], v_rows_ref[kv_head]
             q, d_out = q_ref[s], d_out_ref[s]
-            if query_rows is not None:
-                # P^T d_out and dS^T q mix query rows: rows past the query length must be zero.
-                q = jnp.where(query_rows, q, jnp.zeros_like(q))
-                d_out = jnp.where(query_rows, d_out, jnp.zeros_like(d_out))
-            capped = masking.capped_logits(problem, _dot(k, q, NT, problem))
+            if query_valid is not None:
+                # P^T d_out and dS^T q mix queries: queries past the query length must be zero.
+                q = jnp.where(query_valid, q, jnp.zeros_like(q))
+                d_out = jnp.where(query_valid, d_out, jnp.zeros_like(d_out))
+            capped = masking.capped_logits(problem, _dot(k, q, contract_d, problem))
             logits = capped if bias is None else capped + bias
             p = jnp.exp(logits - _finite_lse(lse_ref[s]))
             if visible is not None:
                 p = jnp.where(visible, p, 0.0)
-            dv_acc_ref[kv_head] += _dot(p.astype(d_out.dtype), d_out, NN, problem)
-            ds = p * (_dot(v, d_out, NT, problem) - delta_ref[s])
+            dv_acc_ref[kv_head] += _dot(p.astype(d_out.dtype), d_out, contract_queries, problem)
+            ds = p * (_dot(v, d_out, contract_d, problem) - delta_ref[s])
             if problem.softcap is not None:
                 ds = ds * masking.softcap_slope(problem, capped)
             if visible is not None:
                 # Keys past the valid length may hold NaN (so do their dP rows and slopes): 0 * NaN is NaN.
                 ds = jnp.where(visible, ds, 0.0)
-            dk_acc_ref[kv_head] += _dot(ds.astype(q.dtype), q, NN, problem)
+            dk_acc_ref[kv_head] += _dot(ds.astype(q.dtype), q, contract_queries, problem)
 
         loop_over_heads(q_ref.shape[0], head)
 
     def finalize():
-        dk_ref[...] = (dk_acc_ref[...] * problem.scale).astype(dk_ref.dtype)
-        dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)
+        _store_scaled(dk_ref, dk_acc_ref, problem.scale, plan)
+        _store_scaled(dv_ref, dv_acc_ref, 1.0, plan)
 
     _walk_tile(qi <= block_hi_ref[slot], needs_mask, step, q_step, plan, finalize)
 
@@ -228,6 +287,19 @@ def _compiler_params(plan: BackwardPlan):
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
         vmem_limit_bytes=plan.vmem_limit_bytes,
     )
+
+
+def _sequence_spec(heads: int, block: int, head_dim: int, block_index, plan: BackwardPlan) -> pl.BlockSpec:
+    """The BlockSpec of [B, H, S, D] arrays (q, d_out, dq; or k, v, dk, dv) in blocks of `heads` heads: [block, D],
+    or [D, block] of the swapped view where the plan reads them sequence-minor. block_index(b, outer, step, lo_ref,
+    hi_ref) is the sequence block of a grid step."""
+
+    def index_map(b, h, outer, step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
+        index = block_index(b, outer, step, lo_ref, hi_ref)
+        return (b, h, 0, index) if plan.sequence_minor else (b, h, index, 0)
+
+    shape = (head_dim, block) if plan.sequence_minor else (block, head_dim)
+    return pl.BlockSpec((None, heads, *shape), index_map)
 
 
 def _kernel_call(q, k, v, d_out, lse, delta, prepared: Prepared, problem: Problem, plan: BackwardPlan, *,
@@ -251,19 +323,16 @@ def _kernel_call(q, k, v, d_out, lse, delta, prepared: Prepared, problem: Proble
     def kv_block(b, outer, step, lo_ref, hi_ref):
         return masking.block_of_step(lo_ref, hi_ref, b * nq + outer, step) if for_dq else outer
 
-    def q_index_map(b, h, outer, step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
-        return (b, h, q_block(b, outer, step, lo_ref, hi_ref), 0)
-
     def row_index_map(b, h, outer, step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
         return (b, h, 0, q_block(b, outer, step, lo_ref, hi_ref))
 
-    def kv_index_map(b, h, outer, step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
-        return (b, h, kv_block(b, outer, step, lo_ref, hi_ref), 0)
-
     heads = plan.kv_heads_per_step
-    q_spec = pl.BlockSpec((None, heads * problem.group, block_q, head_dim), q_index_map)
+    q_spec = _sequence_spec(heads * problem.group, block_q, head_dim, q_block, plan)
     row_spec = pl.BlockSpec((None, heads * problem.group, 1, block_q), row_index_map)
-    kv_spec = pl.BlockSpec((None, heads, block_kv, head_dim), kv_index_map)
+    kv_spec = _sequence_spec(heads, block_kv, head_dim, kv_block, plan)
+    if plan.sequence_minor:
+        # The swapped views [B, H, D, S]: bitcasts of XLA's layout; the gradients are written so.
+        q, k, v, d_out = (jnp.swapaxes(x, 2, 3) for x in (q, k, v, d_out))
     in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
     operands = [q, k, v, d_out, lse, delta]
     if prepared.mask is not None:
@@ -281,13 +350,16 @@ def _kernel_call(q, k, v, d_out, lse, delta, prepared: Prepared, problem: Proble
         bytes_accessed = 3 * q.size * itemsize + 2 * k.size * itemsize * passes + 2 * lse.size * 4
         kernel, name, matmuls, outer_blocks = _dq_kernel, "attention_tpu_flash_dq", 3, nq
         out_shape, out_specs = jax.ShapeDtypeStruct(q.shape, q.dtype), q_spec
-        scratch_shapes = [pltpu.VMEM((heads * problem.group, block_q, head_dim), jnp.float32)]
+        rows = pltpu.VMEM((heads * problem.group, block_q, head_dim), q.dtype)  # q, d_out transposed
+        scratch_shapes = [pltpu.VMEM((heads * problem.group, block_q, head_dim), jnp.float32),
+                          *([rows] * 2 * plan.sequence_minor)]
     else:
         bytes_accessed = 2 * q.size * itemsize * passes + 4 * k.size * itemsize + 2 * lse.size * 4 * passes
         kernel, name, matmuls, outer_blocks = _dkv_kernel, "attention_tpu_flash_dkv", 4, nkv
         out_shape, out_specs = (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, (kv_spec, kv_spec)
-        scratch_shapes = [pltpu.VMEM((heads, block_kv, head_dim), jnp.float32)] * 2
-    return pl.pallas_call(
+        rows = pltpu.VMEM((heads, block_kv, head_dim), k.dtype)  # k, v transposed
+        scratch_shapes = [pltpu.VMEM((heads, block_kv, head_dim), jnp.float32)] * 2 + [rows] * 2 * plan.sequence_minor
+    results = pl.pallas_call(
         functools.partial(kernel, problem=problem, plan=plan),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -301,6 +373,9 @@ def _kernel_call(q, k, v, d_out, lse, delta, prepared: Prepared, problem: Proble
         cost_estimate=_cost(problem, matmuls, bytes_accessed),
         name=name,
     )(prepared.q_offset, prepared.kv_valid, block_lo, block_hi, *operands)
+    if not plan.sequence_minor:
+        return results
+    return jnp.swapaxes(results, 2, 3) if for_dq else tuple(jnp.swapaxes(x, 2, 3) for x in results)
 
 
 def flash_attention_backward(

@@ -10,7 +10,7 @@ from jax.experimental import pallas as pl
 from ..common import masking
 from ..common.masking import Problem
 from ..common.tiles import AttentionConfig
-from .tiles import BackwardConfig, check_backward_config, select
+from .tiles import BackwardConfig, check_backward_config, reads_sequence_minor, select
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +25,9 @@ class BackwardPlan:
     num_steps: int  # grid length of the walked axis (KV blocks for dq, query blocks for dk/dv)
     kv_heads_per_step: int
     vmem_limit_bytes: int
+    # q, d_out, dq and k, v, dk, dv read and written as XLA stores them by default when that is sequence-minor
+    # (`tiles.reads_sequence_minor`): their swapped views [B, H, D, S], in blocks of [D, block].
+    sequence_minor: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,4 +59,7 @@ def _kernel_plan(problem: Problem, config: AttentionConfig, *, for_dq: bool) -> 
         steps = masking.kv_steps(problem, nkv, block_q, block_kv)
     else:
         steps = masking.q_steps(problem, nq, block_q, block_kv)
-    return BackwardPlan(block_q, block_kv, nq, nkv, steps, config.kv_heads_per_step, config.vmem_limit_bytes)
+    sequence_minor = reads_sequence_minor(q_len=problem.q_len, kv_len=problem.kv_len, head_dim=problem.head_dim,
+                                          block_q=block_q, block_kv=block_kv)
+    return BackwardPlan(block_q, block_kv, nq, nkv, steps, config.kv_heads_per_step, config.vmem_limit_bytes,
+                        sequence_minor)

@@ -5,7 +5,10 @@ causal windows), shrinks them to the VMEM budget (`common.vmem.vmem_budget`)
 by their own working sets, and spans as many KV heads per step as make a
 step's MXU work outweigh its overhead; each kernel then asks Mosaic for a
 scoped VMEM limit from its working set (`common.vmem.vmem_limit`). There is no
-tuned table for the backward yet.
+tuned table for the backward yet. Where XLA stores q, k and v sequence-minor
+(head_dim 64 over more than 64 positions) both blocks are whole lane tiles, so
+that the kernels read and write them so (`reads_sequence_minor`), and the
+working set counts the scratch their transposed blocks take.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from .._hardware import LANES, SUBLANES, grid_step_overhead_s, resolve_generatio
 from ..common.masking import Problem
 from ..common.tiles import MASK_ROWS, Q_BLOCK_MULTIPLE, AttentionConfig, shrink_block
 from ..common.vmem import vmem_budget, vmem_limit
+from ..flash.layout import sequence_minor_by_default
 
 # Preferred backward tiles per kernel, (block_q, block_kv): dq walks KV blocks
 # per query block, dk/dv walks query blocks per KV block. Chosen with the
@@ -68,9 +72,19 @@ class BackwardConfig:
     dkv: AttentionConfig
 
 
+def reads_sequence_minor(*, q_len: int, kv_len: int, head_dim: int, block_q: int, block_kv: int) -> bool:
+    """Whether a backward kernel at these blocks reads q, d_out, k, v (and writes dq, dk, dv) sequence-minor, as XLA
+    stores them by default (`flash.layout.sequence_minor_by_default`) when it stores both lengths so: blocks of whole
+    lane tiles only. Otherwise it reads them row-major, and where XLA stores them otherwise XLA copies them."""
+    return (sequence_minor_by_default(q_len, head_dim) and sequence_minor_by_default(kv_len, head_dim)
+            and block_q % LANES == 0 and block_kv % LANES == 0)
+
+
 def backward_vmem_bytes(*, kernel, group, kv_heads_per_step, block_q, block_kv, head_dim, itemsize,
-                        mask_itemsize) -> int:
-    """Estimated VMEM working set of one backward kernel ("dq" or "dkv") at these tiles."""
+                        mask_itemsize, sequence_minor=False) -> int:
+    """Estimated VMEM working set of one backward kernel ("dq" or "dkv") at these tiles; `sequence_minor`: the
+    kernel reads its arrays sequence-minor (`plan.BackwardPlan`), so transposes the blocks it holds across its walk
+    into scratch of their rows."""
     heads = kv_heads_per_step
     padded_q = round_up(block_q, SUBLANES)
     q_lanes = round_up(block_q, LANES)
@@ -81,12 +95,13 @@ def backward_vmem_bytes(*, kernel, group, kv_heads_per_step, block_q, block_kv, 
     # Element-wise temporaries are per query head: the heads of a step run one after the other.
     if kernel == "dq":
         q_side = 3 * 2 * heads * group * padded_q * lanes_d * itemsize  # q, d_out in, dq out
-        scratch = heads * group * padded_q * lanes_d * 4
+        scratch = heads * group * padded_q * lanes_d * (4 + 2 * itemsize * sequence_minor)  # dq; q, d_out rows
         temporaries = BACKWARD_TILE_TEMPORARIES * padded_q * round_up(block_kv, LANES) * 4
     else:
         q_side = 2 * 2 * heads * group * padded_q * lanes_d * itemsize  # q, d_out in
         kv = 2 * kv  # dk, dv out beside k, v in
-        scratch = 2 * heads * round_up(block_kv, SUBLANES) * lanes_d * 4
+        # dk, dv; k, v rows
+        scratch = 2 * heads * round_up(block_kv, SUBLANES) * lanes_d * (4 + itemsize * sequence_minor)
         # The mask tile is transposed in the kernel: one more tile.
         temporaries = (BACKWARD_TILE_TEMPORARIES + (mask_itemsize > 0)) * round_up(block_kv, SUBLANES) * q_lanes * 4
     return q_side + rows + kv + mask + scratch + temporaries
@@ -105,14 +120,15 @@ def backward_step_seconds(kernel, *, group, kv_heads_per_step, block_q, block_kv
     return kv_heads_per_step * group * flops / facts.bf16_flops_per_s
 
 
-def backward_tiles(kernel, *, block_q, block_kv, group, kv_heads, head_dim, itemsize, mask_itemsize, generation):
+def backward_tiles(kernel, *, block_q, block_kv, group, kv_heads, head_dim, itemsize, mask_itemsize, generation,
+                   sequence_minor=False):
     """Heads per step for these blocks: the fewest whose step outweighs the step overhead
     STEP_OVERHEAD_MULTIPLE times and whose working set fits the budget; else the most that fit."""
     shape = dict(group=group, block_q=block_q, block_kv=block_kv, head_dim=head_dim)
 
     def working_set(heads):
         return backward_vmem_bytes(kernel=kernel, kv_heads_per_step=heads, itemsize=itemsize,
-                                   mask_itemsize=mask_itemsize, **shape)
+                                   mask_itemsize=mask_itemsize, sequence_minor=sequence_minor, **shape)
 
     fitting = [h for h in range(1, kv_heads + 1) if kv_heads % h == 0 and working_set(h) <= vmem_budget(generation)]
     if not fitting:
@@ -130,8 +146,15 @@ def _heuristic_backward_tiles(kernel, *, group, kv_heads, q_len, kv_len, head_di
     preferred_q, preferred_kv = PREFERRED_BACKWARD_TILES_BY_HEAD_DIM.get(
         head_dim, PREFERRED_BACKWARD_TILES)[generation][kernel]
     block_q, block_kv = min(q_len, preferred_q, block_cap), min(kv_len, preferred_kv, block_cap)
+    # Sequences along lanes: whole lane tiles, so that the kernel reads and writes its arrays as XLA stores them
+    # (`plan.make`).
+    if sequence_minor_by_default(q_len, head_dim) and sequence_minor_by_default(kv_len, head_dim):
+        block_q, block_kv = round_up(block_q, LANES), round_up(block_kv, LANES)
+    # Shrinking keeps blocks of whole lane tiles.
+    sequence_minor = reads_sequence_minor(q_len=q_len, kv_len=kv_len, head_dim=head_dim, block_q=block_q,
+                                          block_kv=block_kv)
     shape = dict(group=group, kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize, mask_itemsize=mask_itemsize,
-                 generation=generation)
+                 generation=generation, sequence_minor=sequence_minor)
     # Shrink the streamed axis' block first: it costs re-reads of the other axis, not passes over this one.
     streamed_first = kernel == "dq"
     while (tiles := backward_tiles(kernel, block_q=block_q, block_kv=block_kv, **shape)) is None:
@@ -143,7 +166,8 @@ def _heuristic_backward_tiles(kernel, *, group, kv_heads, q_len, kv_len, head_di
         else:
             return AttentionConfig(block_q, block_kv, vmem_limit(backward_vmem_bytes(
                 kernel=kernel, kv_heads_per_step=1, group=group, block_q=block_q, block_kv=block_kv,
-                head_dim=head_dim, itemsize=itemsize, mask_itemsize=mask_itemsize), generation))
+                head_dim=head_dim, itemsize=itemsize, mask_itemsize=mask_itemsize, sequence_minor=sequence_minor),
+                generation))
     return tiles
 
 
