@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from tpu_kernels.bench.attention import backward, forward
-from tpu_kernels.bench.paged_attention.pricing import relayouts
+from tpu_kernels.bench.relayouts import relayouts
 from tpu_kernels.bench.tables import attention as tables
 from tpu_kernels.distribution.loader import get_local_kernel
 from tpu_kernels.perf import argument_layouts

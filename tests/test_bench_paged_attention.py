@@ -124,14 +124,15 @@ def test_the_replay_counts_small_tiles_for_decode_rows_and_large_ones_for_a_long
 
 
 def test_a_relayout_is_charged_at_its_bytes_or_the_row_says_why_not():
-    from tpu_kernels.bench.paged_attention import pricing
+    from tpu_kernels.bench import relayouts
     from tpu_kernels.perf import argument_layouts
 
     copy = argument_layouts.Copy("copy.1", "copy", (3, 2, 1, 0), "hbm", 1 << 30, 2 << 30)
     cache = argument_layouts.ArgumentLayout(1, "k_cache", "bf16", (8192, 128, 8, 64), (1, 3, 2, 0), (copy,))
     probe = argument_layouts.LayoutProbe("v6e", (cache,), ())
-    found = pricing.relayout_fields(probe)
+    found = relayouts.relayout_fields(probe)
     assert found["relayout_us"] == pytest.approx(probe.seconds() * 1e6) and found["relayout_hbm_bytes"] == 2 << 30
     assert found["relayout_at_peak_bw_us"] <= found["relayout_us"] and found["relayouts"] == [copy.describe()]
-    missing = pricing.relayout_fields({"error": "VMEM OOM"})
+    missing = relayouts.relayout_fields({"error": "VMEM OOM"})
     assert missing["relayout_us"] is None and "did not compile: VMEM OOM" in missing["relayout_missing"]
+    assert relayouts.relayout_fields(None) == {"relayout_us": None, "relayout_missing": relayouts.NOT_PROBED}

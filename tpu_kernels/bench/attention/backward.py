@@ -11,11 +11,11 @@ import numpy as np
 
 from tpu_kernels import perf
 from tpu_kernels.bench import calibration_bands
-from tpu_kernels.bench.paged_attention.pricing import relayouts
+from tpu_kernels.bench.relayouts import relayout_fields, relayouts
 from tpu_kernels.runtime.hardware import tpu_generation
 
 from .forward import (GENERATIONS, GPT_OSS, QWEN3, RELAYOUT_SHOWN_FROM_US, Shape, active_steps_from_prefetch, avals,
-                      kernel_fn, live_lengths, program_avals, relayout_charge, visible_key_ranges, visible_keys,
+                      kernel_fn, live_lengths, program_avals, visible_key_ranges, visible_keys,
                       visible_pairs)
 
 
@@ -147,7 +147,7 @@ def model_backward(built, shape: TrainingShape, dtype, generation: str, config, 
     delta_bytes = 2 * q_bytes + shape.batch * shape.q_heads * shape.seq * 4
     delta_us = delta_bytes / gen.device_hbm_bytes_per_s * 1e6  # an XLA op: both of v5p's cores
     ideal_flops = 2 * IDEAL_BACKWARD_MATMULS * head_pairs * shape.head_dim
-    charged = relayout_charge(relayout)
+    charged = relayout_fields(relayout)
     total_us = sum(k["modelled_pipelined_time_us"] for k in kernels_out.values()) + delta_us
     total_us += charged["relayout_us"] or 0.0
     return {
@@ -174,7 +174,7 @@ def forward_time(built, shape: TrainingShape, dtype, generation: str) -> dict:
     calls = perf.model_pallas_traffic(kernel_fn(built, plain, generation), *avals(plain, dtype), lengths,
                                       active_steps=active_steps_from_prefetch(-(-shape.seq // config.block_q)))
     kernel_us = perf.roofline(calls, generation).pipelined_time_s * 1e6
-    charged = relayout_charge(relayouts(kernel_fn(built, plain, generation), program_avals(plain, dtype), generation))
+    charged = relayout_fields(relayouts(kernel_fn(built, plain, generation), program_avals(plain, dtype), generation))
     return {"forward_modelled_us": kernel_us + (charged["relayout_us"] or 0.0), "forward_kernel_us": kernel_us,
             **{f"forward_{name}": value for name, value in charged.items()}}
 

@@ -13,7 +13,7 @@ import torch
 from tpu_kernels import perf
 from tpu_kernels.aot import compile_for
 from tpu_kernels.bench import calibration_bands
-from tpu_kernels.bench.paged_attention.pricing import relayout_fields, relayouts
+from tpu_kernels.bench.relayouts import relayout_fields, relayouts
 
 
 GENERATIONS = ("v5e", "v5p", "v6e", "tpu7x")
@@ -21,7 +21,6 @@ COST_GENERATION = "v6e"
 DECODE_TARGET_RATIO = 1.1
 QWEN3 = dict(q_heads=32, kv_heads=4, head_dim=128)
 GPT_OSS = dict(q_heads=64, kv_heads=8, head_dim=64)  # GPT-OSS-20B; its sliding layers' window is 128
-NOT_PROBED = "not charged: the program around the kernel was not probed"
 # Below this many µs a relayout rounds to 0 µs in the tables and is left out of them and of the summary: at head_dim
 # 128 and up the only copies are the kernel's scalar operands staged into SMEM (nanoseconds).
 RELAYOUT_SHOWN_FROM_US = 0.5
@@ -183,14 +182,6 @@ def program_avals(shape: Shape, dtype):
     return [*avals(shape, dtype), jax.ShapeDtypeStruct((shape.batch,), jnp.int32)]
 
 
-def relayout_charge(relayout) -> dict:
-    """What a row says of the copies XLA makes of a program's arguments into its kernels' layout and back
-    (`paged_attention.pricing.relayout_fields` of a probe or of {"error": why}); None: not probed, and why."""
-    if relayout is None:
-        return {"relayout_us": None, "relayout_missing": NOT_PROBED}
-    return relayout_fields(relayout)
-
-
 def cost_summary(compiled) -> dict:
     cost = compiled.cost_analysis() or {}
     keep = {"flops": "flops", "transcendentals": "transcendentals", "bytes accessed": "bytes_accessed"}
@@ -243,7 +234,7 @@ def visible_work(reference, shape: Shape, dtype) -> Visible:
 def measure_generation(built, shape: Shape, dtype, generation: str, visible: Visible, relayout=None) -> dict:
     """The forward's tiles, grid, traffic and modelled time on one generation, against the visible work.
 
-    `relayout`: the probe (`paged_attention.pricing.relayouts`) of the program a user's call compiles around the
+    `relayout`: the probe (`bench.relayouts.relayouts`) of the program a user's call compiles around the
     kernel; its copies are added to the time, outside the calibrated band. None: not probed, said in the row.
     """
     itemsize = jnp.dtype(dtype).itemsize
@@ -271,7 +262,7 @@ def measure_generation(built, shape: Shape, dtype, generation: str, visible: Vis
     visible_kv_bytes = 2 * shape.kv_heads * visible.keys * shape.head_dim * itemsize
     # A (b, h, q block) with nothing visible still holds one clamped block in the pipeline.
     empty_rows = int((~tiles.any(axis=2)).sum()) * head_steps
-    charged = relayout_charge(relayout)
+    charged = relayout_fields(relayout)
     relayout_s = (charged["relayout_us"] or 0.0) * 1e-6
     time_s = modelled.pipelined_time_s + relayout_s
     return {

@@ -20,7 +20,8 @@ from tpu_kernels.bench import calibration_bands
 from tpu_kernels.bench.attention.forward import active_steps_from_prefetch
 from tpu_kernels.bench.paged_attention import ours as paged_ours
 from tpu_kernels.bench.paged_attention import rivals as paged_rivals
-from tpu_kernels.bench.paged_attention.pricing import BAND_KIND, price, relayout_fields, relayouts, terms
+from tpu_kernels.bench.paged_attention.pricing import BAND_KIND, price, terms
+from tpu_kernels.bench.relayouts import relayout_fields, relayouts
 from tpu_kernels.bench.paged_attention.shapes import minimum_bytes, useful_flops
 
 from .steps import GENERATIONS, TRANSFORMERS_PAGE_SIZE, VLLM_PAGE_SIZE, Batch, Model, Sizes, cu_lens, gathered_rows

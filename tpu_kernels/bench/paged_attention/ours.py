@@ -8,7 +8,9 @@ import numpy as np
 
 from tpu_kernels import perf
 
-from .pricing import price, relayouts, terms
+from tpu_kernels.bench.relayouts import relayouts
+
+from .pricing import price, terms
 from .shapes import GENERATIONS, Batch, Model
 
 DTYPE = jnp.bfloat16

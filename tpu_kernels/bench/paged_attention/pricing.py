@@ -1,34 +1,17 @@
 """One kernel call's replay priced on one generation against the HBM roofline and the MXU peak, with the copies
-XLA makes of its arguments in the program a user compiles around it (`relayouts`)."""
+XLA makes of its arguments in the program a user compiles around it (`bench.relayouts`)."""
 
 from __future__ import annotations
 
 from tpu_kernels import perf
 from tpu_kernels.bench import calibration_bands
-from tpu_kernels.perf import argument_layouts
 from tpu_kernels.perf.chip import as_generation
+from tpu_kernels.bench.relayouts import relayout_fields
 
 from .shapes import Batch, Model, minimum_bytes, useful_flops
 
 # The calibration kind whose measured error stands for these kernels' (the forward attention kernels').
 BAND_KIND = "flash_attention"
-
-
-def relayouts(fn, inputs, generation: str) -> argument_layouts.LayoutProbe | dict:
-    """The copies into other layouts XLA makes of `fn`'s arguments and results when a user jits it as it is
-    called (arguments in XLA's default layouts), or {"error": why} if it does not compile."""
-    try:
-        return argument_layouts.probe(fn, inputs, generation)
-    except Exception as error:  # noqa: BLE001 - a program that does not compile is a row with the reason
-        return {"error": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"}
-
-
-def relayout_fields(found) -> dict:
-    """What a row says of the relayout copies: their µs at the fitted share and at the peak, bytes, and which."""
-    if isinstance(found, dict):
-        return {"relayout_us": None, "relayout_missing": f"not charged: the program did not compile: {found['error']}"}
-    return {"relayout_us": found.seconds() * 1e6, "relayout_at_peak_bw_us": found.seconds(hbm_fraction=1.0) * 1e6,
-            "relayout_hbm_bytes": found.hbm_bytes, "relayouts": [copy.describe() for copy in found.copies]}
 
 
 # Rivals run at their best configuration: in the serving systems they come from, the cache is allocated in jax by
@@ -40,7 +23,7 @@ RIVAL_RELAYOUT = ("not charged: a rival at its best configuration (its serving s
 
 def price(calls, batch: Batch, model: Model, generation: str, relayout=None, charge_relayout: bool = True) -> dict:
     """Modelled time (calibrated pipelined figure, at the fitted HBM share and at the peak) against the rooflines:
-    the kernel's, plus the relayout copies XLA makes around it (`relayouts`, None: not probed, said in the row;
+    the kernel's, plus the relayout copies XLA makes around it (`bench.relayouts`, None: not probed, said in the row;
     `charge_relayout=False`: a rival's, recorded beside its time, not in it)."""
     min_bytes, flops = minimum_bytes(batch, model), useful_flops(batch, model)
     fitted = perf.roofline(calls, generation, min_bytes=min_bytes)
@@ -48,8 +31,7 @@ def price(calls, batch: Batch, model: Model, generation: str, relayout=None, cha
     fraction = perf.FITTED_RATES.hbm_fraction(generation)
     gen = as_generation(generation)
     mxu_floor_s = flops / gen.device_bf16_flops_per_s
-    charged = relayout_fields(relayout) if relayout is not None else {
-        "relayout_us": None, "relayout_missing": "not charged: the program around the kernel was not probed"}
+    charged = relayout_fields(relayout)
     if not charge_relayout:
         charged = {"relayout_us": None, "relayout_missing": RIVAL_RELAYOUT,
                    "relayout_if_default_layout_us": charged["relayout_us"]}

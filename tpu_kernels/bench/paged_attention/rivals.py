@@ -18,7 +18,9 @@ import numpy as np
 from tpu_kernels import perf
 from tpu_kernels.bench.moe_layer import vllm_kernels
 
-from .pricing import price, relayouts, terms
+from tpu_kernels.bench.relayouts import relayouts
+
+from .pricing import price, terms
 from .shapes import GENERATIONS, Batch, Model
 
 DTYPE = jnp.bfloat16
