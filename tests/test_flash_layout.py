@@ -23,19 +23,17 @@ def attention(kernel_builds):
 
 @pytest.mark.aot
 @pytest.mark.slow
-# The rule held on all four generations when it was probed (layout choice is the same compiler pass on each); the
-# oldest and the newest are checked here.
-@pytest.mark.parametrize("generation", ["v5e", "tpu7x"])
-def test_sequence_minor_rule_matches_the_compiler(attention, generation):
+# The rule held on all four generations and in both dtypes when it was probed (layout choice is the same compiler
+# pass on each); the oldest and the newest generation are checked here, one dtype each.
+@pytest.mark.parametrize("generation, dtype", [("v5e", jnp.bfloat16), ("tpu7x", jnp.float32)])
+def test_sequence_minor_rule_matches_the_compiler(attention, generation, dtype):
     sharding = jax.sharding.SingleDeviceSharding(topology_device(generation))
     shapes = [(batch, heads, kv_len, head_dim) for head_dim in _HEAD_DIMS for kv_len in _KV_LENS
               for batch, heads in _BATCH_HEADS]
-    for dtype in (jnp.bfloat16, jnp.float32):
-        # One program takes every shape: XLA picks each parameter's layout on its own.
-        args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape in shapes]
-        compiled = jax.jit(lambda *arrays: [a + 1 for a in arrays]).lower(*args).compile()
-        found = {shape: fmt.layout.major_to_minor == _KEYS_MINOR
-                 for shape, fmt in zip(shapes, compiled.input_formats[0])}
-        predicted = {shape: attention.flash.layout.sequence_minor_by_default(shape[2], shape[3]) for shape in shapes}
-        assert found == predicted, jnp.dtype(dtype).name
+    # One program takes every shape: XLA picks each parameter's layout on its own.
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape in shapes]
+    compiled = jax.jit(lambda *arrays: [a + 1 for a in arrays]).lower(*args).compile()
+    found = {shape: fmt.layout.major_to_minor == _KEYS_MINOR for shape, fmt in zip(shapes, compiled.input_formats[0])}
+    predicted = {shape: attention.flash.layout.sequence_minor_by_default(shape[2], shape[3]) for shape in shapes}
+    assert found == predicted
     assert any(predicted.values()) and not all(predicted.values())
