@@ -117,23 +117,30 @@ def body_memory(code: Path, work: Path) -> dict:
                 "peak_rss_growth_mib": round((srv.status("VmHWM") - baseline) / 1024, 1), "answers": dict(statuses)}
 
 
+def rss_with_unread_clients(srv, path: str, count: int) -> int:
+    """The server's RSS (KiB) while `count` clients with small receive buffers have asked for `path` and read
+    nothing of the answer (the server holds what it could not send)."""
+    clients = []
+    for _ in range(count):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((srv.host, srv.port))
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        clients.append(sock)
+    time.sleep(3)
+    rss = srv.status("VmRSS")
+    for sock in clients:
+        sock.close()
+    return rss
+
+
 def response_memory(code: Path, work: Path) -> dict:
     with server(code, work, "response-memory") as srv:
         create_repo(srv)
         stream_commit(srv, "big.bin", 40 << 20, seed=5)
         request(srv, "GET", f"/kernels/{REPO}/resolve/main/big.bin")
         baseline = srv.status("VmRSS")
-        clients = []
-        for _ in range(250):
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.connect((srv.host, srv.port))
-            sock.sendall(f"GET /kernels/{REPO}/resolve/main/big.bin HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
-            clients.append(sock)
-        time.sleep(3)
-        growth = (srv.status("VmRSS") - baseline) / 1024
-        for sock in clients:
-            sock.close()
+        growth = (rss_with_unread_clients(srv, f"/kernels/{REPO}/resolve/main/big.bin", 250) - baseline) / 1024
         return {"clients": 250, "rss_growth_mib": round(growth, 1)}
 
 
@@ -288,17 +295,7 @@ def card_page(code: Path, work: Path) -> dict:
         commit(srv, [HEADER, file_line("README.md", AMPLIFIED_CARD)])
         status, page = request(srv, "GET", f"/kernels/{REPO}", token=None)
         after_one_view = srv.status("VmRSS") / 1024
-        clients = []
-        for _ in range(8):
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.connect((srv.host, srv.port))
-            sock.sendall(f"GET /kernels/{REPO} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
-            clients.append(sock)
-        time.sleep(3)
-        after_clients = srv.status("VmRSS") / 1024
-        for sock in clients:
-            sock.close()
+        after_clients = rss_with_unread_clients(srv, f"/kernels/{REPO}", 8) / 1024
         return {"card_kb": round(len(AMPLIFIED_CARD) / 1e3), "status": status, "page_mb": round(len(page) / 1e6, 2),
                 "rss_after_one_view_mib": round(after_one_view, 1),
                 "rss_with_8_unread_views_mib": round(after_clients, 1)}
