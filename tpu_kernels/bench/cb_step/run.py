@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-import sys
 import tempfile
 from pathlib import Path
 
@@ -11,8 +9,8 @@ import jax
 import kernels
 
 from tpu_kernels import perf
-from tpu_kernels.bench import calibration_bands, kernel_repo, moe_layer, require_kernel_repo, result_path
-from tpu_kernels.bench.moe_layer.vllm_kernels import DEFAULT_FOLDER
+from tpu_kernels.bench import calibration_bands, moe_layer, require_kernel_repo, result_path
+from tpu_kernels.bench.paged_attention.run import attention_arguments
 from tpu_kernels.distribution.builder import build_kernel_repo
 
 from . import kernels as step_kernels
@@ -21,7 +19,6 @@ from .paths import PATHS, path
 from .summary import summarise
 from .xla import XlaPricer
 
-KERNEL_REPO = kernel_repo("attention-tpu")
 DEFAULT_OUT = result_path("cb_step.json")
 
 
@@ -56,14 +53,9 @@ def price_case(built, batch, model, pricer: XlaPricer, wheels: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=sys.modules[__package__].__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--repo", type=Path, default=KERNEL_REPO, help="the attention kernel repo")
-    parser.add_argument("--wheels", type=Path, default=DEFAULT_FOLDER, help="where the pinned vLLM wheel is kept")
+    parser = attention_arguments(__package__, DEFAULT_OUT)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--cache-dir", type=Path, default=moe_layer.DEFAULT_CACHE)
-    parser.add_argument("--quick", action="store_true", help="Qwen3-30B-A3B only")
     args = parser.parse_args(argv)
     require_kernel_repo(args.repo)
     cache = moe_layer.Cache(args.cache_dir)

@@ -36,14 +36,19 @@ def cases(quick: bool):
         yield model, mixed_batch(), PLOT_PAGE_SIZE
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=sys.modules[__package__].__doc__,
+def attention_arguments(package: str, default_out: Path) -> argparse.ArgumentParser:
+    """The options of a benchmark of the attention kernel against vLLM's (this one and cb_step)."""
+    parser = argparse.ArgumentParser(description=sys.modules[package].__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=default_out)
     parser.add_argument("--repo", type=Path, default=KERNEL_REPO, help="the attention kernel repo")
     parser.add_argument("--wheels", type=Path, default=DEFAULT_FOLDER, help="where the pinned vLLM wheel is kept")
     parser.add_argument("--quick", action="store_true", help="Qwen3-30B-A3B only")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = attention_arguments(__package__, DEFAULT_OUT).parse_args(argv)
     require_kernel_repo(args.repo)
     rows = []
     with tempfile.TemporaryDirectory() as build_dir:
