@@ -304,6 +304,48 @@ def measure_generation(built, shape: Shape, dtype, generation: str, visible: Vis
     }
 
 
+# The prefill tiles the forward sweep replays (`sweep_forward`): the windowed shapes' candidates.
+SWEEP_BLOCKS = {"block_q": (128, 256, 512), "block_kv": (128, 256, 512, 1024)}
+
+
+def sweep_forward(built, shape: Shape, dtype, generation: str) -> dict:
+    """Pipelined time of every (block_q, block_kv) of SWEEP_BLOCKS whose working set fits the VMEM budget at a
+    prefill shape; the best, and the tiles `select` picks for the shape, with their time."""
+    problem = built.Problem.of_shape(q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.q_len,
+                                     kv_len=shape.kv_len, head_dim=shape.head_dim, dtype=dtype,
+                                     sliding_window=shape.sliding_window)
+    selected = built.flash.tiles.select(problem, generation)
+    rows = []
+    for block_q in SWEEP_BLOCKS["block_q"]:
+        for block_kv in SWEEP_BLOCKS["block_kv"]:
+            working_set = built.flash.tiles.vmem_bytes(
+                decode=False, group=shape.q_heads // shape.kv_heads, block_q=block_q, block_kv=block_kv,
+                kv_heads_per_step=1, head_dim=shape.head_dim, itemsize=jnp.dtype(dtype).itemsize, mask_itemsize=0,
+                queries_minor=built.flash.layout.sequence_minor_by_default(shape.q_len, shape.head_dim))
+            if working_set > built.vmem_budget(generation):
+                continue
+            config = built.AttentionConfig(block_q=block_q, block_kv=block_kv,
+                                           vmem_limit_bytes=built.vmem_limit(working_set, generation))
+            rows.append({"block_q": block_q, "block_kv": block_kv,
+                         "pipelined_us": round(_pipelined_us(built, shape, dtype, generation, config), 1)})
+    best = min(rows, key=lambda row: row["pipelined_us"])
+    chosen = {"block_q": selected.block_q, "block_kv": selected.block_kv,
+              "pipelined_us": round(_pipelined_us(built, shape, dtype, generation, selected), 1)}
+    return {"best": best, "selected": chosen, "selected_over_best": round(chosen["pipelined_us"] / best["pipelined_us"], 3),
+            "rows": rows}
+
+
+def _pipelined_us(built, shape: Shape, dtype, generation: str, config) -> float:
+    def attention(q, key, value, kv_lengths):
+        return built.flash.kernel.differentiable_flash_attention(
+            q, key, value, causal=shape.causal, sliding_window=shape.sliding_window, kv_lengths=kv_lengths,
+            generation=generation, config=config)
+
+    calls = perf.model_pallas_traffic(attention, *avals(shape, dtype), live_lengths(shape).astype(np.int32),
+                                      active_steps=active_steps_from_prefetch(-(-shape.q_len // config.block_q)))
+    return perf.roofline(calls, generation).pipelined_time_s * 1e6
+
+
 def measure(built, shape: Shape, dtype) -> dict:
     visible = visible_work(built.reference, shape, dtype)
     entry = {

@@ -17,7 +17,7 @@ from tpu_kernels.bench import calibration_bands, kernel_repo, require_kernel_rep
 from tpu_kernels.distribution.builder import build_kernel_repo
 
 from .backward import TRAINING_SHAPES, measure_backward, summarise_backward, sweep_backward
-from .forward import GENERATIONS, QUICK, SHAPES, measure, summarise
+from .forward import GENERATIONS, QUICK, SHAPES, measure, summarise, sweep_forward
 
 
 KERNEL_REPO = kernel_repo("attention-tpu")
@@ -45,7 +45,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--repo", type=Path, default=KERNEL_REPO, help="the attention kernel repo")
     parser.add_argument("--quick", action="store_true", help="four forward shapes only")
-    parser.add_argument("--sweep", action="store_true", help="sweep the backward tiles at the training shapes")
+    parser.add_argument("--sweep", action="store_true",
+                        help="sweep the backward tiles at the training shapes and the forward's at the windowed "
+                             "prefill shapes")
     args = parser.parse_args(argv)
     require_kernel_repo(args.repo)
 
@@ -60,6 +62,17 @@ def main(argv=None) -> int:
                     print(shape.label, generation, json.dumps(sweep["best"]), flush=True)
             out = args.out.with_name(args.out.stem + "_backward_sweep.json")
             out.write_text(json.dumps(sweeps, indent=2) + "\n")
+            print(f"wrote {out}")
+            forward_sweeps = {}
+            for shape in SHAPES:
+                if shape.sliding_window is None or shape.q_len == 1:
+                    continue
+                for generation in GENERATIONS:
+                    sweep = sweep_forward(built, shape, jnp.bfloat16, generation)
+                    forward_sweeps[f"{shape.label} {generation}"] = sweep
+                    print(shape.label, generation, json.dumps({k: sweep[k] for k in ("best", "selected")}), flush=True)
+            out = args.out.with_name(args.out.stem + "_forward_sweep.json")
+            write_json(out, forward_sweeps)
             print(f"wrote {out}")
             return 0
         backward = []
