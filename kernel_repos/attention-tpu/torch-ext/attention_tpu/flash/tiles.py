@@ -54,10 +54,10 @@ PREFERRED_TILES_BY_HEAD_DIM = {
 
 # A prefill query block under a sliding window sees its own rows and the window before them: blocks much wider than
 # the window compute mostly masked pairs (GPT-OSS-20B's window of 128 at (512, 1024) tiles: 45x the visible work).
-# By the grid-replay model at GPT-OSS-20B's sliding layer (S=4096 and 8192, window 128, head_dim 64), blocks of at
-# most two windows (rounded to lanes) are within 5 % of the best tiles swept ((128..512) x (128..1024)) on v5e, v6e
-# and TPU7x and 20-35 % faster than the preferred ones; at Gemma 4's window of 1024 the preferred tiles are narrower
-# than that already.
+# By the grid-replay model at GPT-OSS-20B's sliding layer (S=4096, window 128, head_dim 64), blocks of at most two
+# windows (rounded to lanes) are within 6 % of the best tiles swept ((128..512) x (128..1024)) on every generation
+# (`tpu-kernels bench attention --sweep`, attention_forward_sweep.json) and faster than the preferred ones; at
+# Gemma 4's window of 1024 the preferred tiles are narrower than that already.
 WINDOW_BLOCK_SPAN = 2
 
 
