@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from tpu_kernels.distribution.loader import get_local_kernel
-from tpu_kernels.perf import argument_layouts
+from benchmarks.perf import argument_layouts
 from tpu_kernels.runtime.hardware import SUPPORTED_GENERATIONS, tpu_generation
 
 # A cache stored pages-minor, copied row-major through a bitcast; an argument prefetched into VMEM (not a copy

@@ -8,11 +8,11 @@ given."""
 import jax.numpy as jnp
 import pytest
 
-from tpu_kernels.bench.attention import backward, forward
-from tpu_kernels.bench.relayouts import relayouts
-from tpu_kernels.bench.tables import attention as tables
+from benchmarks.studies.attention import backward, forward
+from benchmarks.studies.relayouts import relayouts
+from benchmarks.studies.tables import attention as tables
 from tpu_kernels.distribution.loader import get_local_kernel
-from tpu_kernels.perf import argument_layouts
+from benchmarks.perf import argument_layouts
 
 # Small but real: S past 64 (XLA's default layout of [B, H, S, 64] puts S minor then), GQA.
 SMALL_D64 = forward.Shape("small D=64", 2, 256, 256, q_heads=4, kv_heads=2, head_dim=64)

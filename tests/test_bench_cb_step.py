@@ -15,8 +15,8 @@ from transformers.generation.continuous_batching.cache_allocators.full_attention
 from transformers.generation.continuous_batching.cache_allocators.sliding_attention import (
     SlidingAttentionCacheAllocator)
 
-from tpu_kernels.bench.cb_step import paths, programs, steps, summary
-from tpu_kernels.bench.tables import cb_step as tables
+from benchmarks.studies.cb_step import paths, programs, steps, summary
+from benchmarks.studies.tables import cb_step as tables
 
 from .conftest import REPO_ROOT
 

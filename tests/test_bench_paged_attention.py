@@ -3,8 +3,8 @@ comparisons, and the card tables rendered from its JSON."""
 
 import pytest
 
-from tpu_kernels.bench.paged_attention import shapes, summary
-from tpu_kernels.bench.tables import paged_attention as tables
+from benchmarks.studies.paged_attention import shapes, summary
+from benchmarks.studies.tables import paged_attention as tables
 
 QWEN3 = shapes.MODELS[0]
 GPT_OSS = shapes.MODELS[1]
@@ -105,8 +105,8 @@ def test_the_replay_counts_small_tiles_for_decode_rows_and_large_ones_for_a_long
     1000-token chunk 256-row ones (small tiles would save too few rows), each decode row once per key block."""
     import numpy as np
 
-    from tpu_kernels import perf
-    from tpu_kernels.bench.paged_attention import ours
+    from benchmarks import perf
+    from benchmarks.studies.paged_attention import ours
     from tpu_kernels.distribution.loader import get_local_kernel
 
     built = get_local_kernel(kernel_builds["attention-tpu"], backend="cpu")
@@ -124,8 +124,8 @@ def test_the_replay_counts_small_tiles_for_decode_rows_and_large_ones_for_a_long
 
 
 def test_a_relayout_is_charged_at_its_bytes_or_the_row_says_why_not():
-    from tpu_kernels.bench import relayouts
-    from tpu_kernels.perf import argument_layouts
+    from benchmarks.studies import relayouts
+    from benchmarks.perf import argument_layouts
 
     copy = argument_layouts.Copy("copy.1", "copy", (3, 2, 1, 0), "hbm", 1 << 30, 2 << 30)
     cache = argument_layouts.ArgumentLayout(1, "k_cache", "bf16", (8192, 128, 8, 64), (1, 3, 2, 0), (copy,))

@@ -7,17 +7,17 @@ from pathlib import Path
 import pytest
 
 from tpu_kernels import cli
-from tpu_kernels.bench import prose_figures, report
-from tpu_kernels.bench.tables import attention as attention_tables
-from tpu_kernels.bench.tables import binding as binding_tables
-from tpu_kernels.bench.tables import calibration as calibration_tables
-from tpu_kernels.bench.tables import hub_server as hub_server_tables
-from tpu_kernels.bench.tables import int4_granularity as int4_granularity_tables
-from tpu_kernels.bench.tables import loader as loader_tables
-from tpu_kernels.bench.tables import moe_layer as moe_layer_tables
-from tpu_kernels.bench.tables import multichip as multichip_tables
-from tpu_kernels.bench.tables import quantization_accuracy as quantization_accuracy_tables
-from tpu_kernels.bench.tables import rmsnorm as rmsnorm_tables
+from benchmarks.studies import prose_figures, report
+from benchmarks.studies.tables import attention as attention_tables
+from benchmarks.studies.tables import binding as binding_tables
+from benchmarks.studies.tables import calibration as calibration_tables
+from benchmarks.studies.tables import hub_server as hub_server_tables
+from benchmarks.studies.tables import int4_granularity as int4_granularity_tables
+from benchmarks.studies.tables import loader as loader_tables
+from benchmarks.studies.tables import moe_layer as moe_layer_tables
+from benchmarks.studies.tables import multichip as multichip_tables
+from benchmarks.studies.tables import quantization_accuracy as quantization_accuracy_tables
+from benchmarks.studies.tables import rmsnorm as rmsnorm_tables
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -484,7 +484,7 @@ def test_cli_runs_report_as_a_bench_tool(tmp_path, monkeypatch, capsys):
 
 
 def test_decode_step_tables_from_its_json():
-    from tpu_kernels.bench.tables import decode_step as decode_step_tables
+    from benchmarks.studies.tables import decode_step as decode_step_tables
 
     def term(name: str, ms: float, kind: str = "uncalibrated") -> dict:
         return {"term": name, "ms_per_step": ms, "priced_by": "XLA program", "error_kind": kind}

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tpu_kernels import perf
-from tpu_kernels.perf import calibration, tokamax_calls
+from benchmarks import perf
+from benchmarks.perf import calibration, tokamax_calls
 
 tokamax = pytest.importorskip("tokamax")
 AUTOTUNING = Path(tokamax.__file__).parent / "data" / "autotuning"

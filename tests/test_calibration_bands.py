@@ -3,9 +3,9 @@ no timing."""
 
 import pytest
 
-from tpu_kernels.bench import calibration_bands
-from tpu_kernels.bench.tables import calibration as calibration_tables
-from tpu_kernels.perf import calibration, modelled_time
+from benchmarks.studies import calibration_bands
+from benchmarks.studies.tables import calibration as calibration_tables
+from benchmarks.perf import calibration, modelled_time
 
 
 def stats(count: int, median: float, p90: float) -> dict:

@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from tpu_kernels import perf
-from tpu_kernels.bench import hbm_fraction_fit
-from tpu_kernels.perf import calibration, program_time
+from benchmarks import perf
+from benchmarks.studies import hbm_fraction_fit
+from benchmarks.perf import calibration, program_time
 from tpu_kernels.runtime.hardware import tpu_generation
 
 from .perf_kernels import MATMUL, X, Y

@@ -20,8 +20,8 @@ CONFIG = {"tile_m": 128, "tile_k": 256, "tile_n": 128, "input_buffer_count": 2, 
 
 def test_tokamax_ragged_dot_replays_on_one_tensorcore_of_a_v5p():
     pytest.importorskip("tokamax")
-    from tpu_kernels import perf
-    from tpu_kernels.perf import calibration, program_replay, tokamax_calls
+    from benchmarks import perf
+    from benchmarks.perf import calibration, program_replay, tokamax_calls
 
     measurement = calibration.Measurement("v5p", "pallas_ragged_dot", "f.json", CALL, CONFIG, (0.1,))
     rebuilt = tokamax_calls.rebuild(measurement)
@@ -45,7 +45,7 @@ DLHS = {**CALL, "lhs": "bf16[512,512]", "ragged_dot_dimension_numbers": {
 ])
 def test_an_lhs_gradient_timed_by_a_later_tokamax_is_rebuilt_with_the_tiles_it_ran(call, swapped):
     pytest.importorskip("tokamax")
-    from tpu_kernels.perf import calibration, tokamax_calls
+    from benchmarks.perf import calibration, tokamax_calls
 
     config = {**CONFIG, "tile_k": 512, "tile_n": 256}
     measurement = calibration.Measurement("v5p", "pallas_ragged_dot", "f.json", call, config, (0.1,))

@@ -1,11 +1,12 @@
-"""`tpu-kernels bench` runs the project's benchmarks (tpu_kernels.bench) by name or by kernel repo."""
+"""`tpu-kernels bench` runs the project's benchmarks (benchmarks.studies) by name or by kernel repo."""
 
 from pathlib import Path
 
 import pytest
 
-from tpu_kernels import bench, cli
-from tpu_kernels.bench import moe_layer, rmsnorm
+from benchmarks import studies as bench
+from tpu_kernels import cli
+from benchmarks.studies import moe_layer, rmsnorm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,7 +54,7 @@ def test_every_listed_benchmark_is_a_module_with_a_main():
 
     assert set(bench.KERNEL_REPO_BENCHMARKS.values()) <= set(bench.BENCHMARKS) and bench.MODELLED <= set(bench.BENCHMARKS)
     for name in ("moe_layer", "multichip", "attention", "rmsnorm", "moe_backward"):
-        assert callable(importlib.import_module(f"tpu_kernels.bench.{name}").main)
+        assert callable(importlib.import_module(f"benchmarks.studies.{name}").main)
 
 
 def test_bench_help_and_an_unknown_name_list_the_benchmarks(capsys):

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from tpu_kernels.bench.decode_step import models, programs, step
-from tpu_kernels.bench.decode_step.pricing import term
+from benchmarks.studies.decode_step import models, programs, step
+from benchmarks.studies.decode_step.pricing import term
 
 
 def test_model_sizes_reproduce_the_published_totals():
@@ -166,7 +166,7 @@ def test_kernel_calls_and_host_bound_from_binding():
 
 @pytest.mark.slow
 def test_host_ops_counts_one_decode_step_and_what_kernelize_replaces():
-    from tpu_kernels.bench.decode_step import host_ops
+    from benchmarks.studies.decode_step import host_ops
 
     found = host_ops.count("qwen3-30b-a3b", {"full_attention": 3})
     layer = found["per_layer"]["full_attention"]

@@ -309,8 +309,8 @@ def cache_home(tmp_path, monkeypatch) -> Path:
 
 
 def _cache_classes():
-    from tpu_kernels.bench.moe_layer.cache import Cache
-    from tpu_kernels.perf.calibration import AnalysisCache
+    from benchmarks.studies.moe_layer.cache import Cache
+    from benchmarks.perf.calibration import AnalysisCache
     from tpu_kernels.disk_cache import DiskCache
 
     return {"DiskCache (check's aot cache)": DiskCache, "calibration.AnalysisCache": AnalysisCache,
@@ -410,8 +410,8 @@ def test_every_cache_root_comes_from_one_function():
 @pytest.mark.slow
 def test_the_default_cache_folders_are_below_xdg_cache_home(tmp_path):
     # The defaults are read when the modules are imported: in a new process.
-    code = ("from tpu_kernels import aot; from tpu_kernels.bench.moe_layer import run, vllm_kernels; "
-            "from tpu_kernels.perf import calibration; "
+    code = ("from tpu_kernels import aot; from benchmarks.studies.moe_layer import run, vllm_kernels; "
+            "from benchmarks.perf import calibration; "
             "print([str(p) for p in (aot.DEFAULT_CACHE, calibration.DEFAULT_CACHE, run.DEFAULT_CACHE, "
             "vllm_kernels.DEFAULT_FOLDER)])")
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "xdg"), JAX_PLATFORMS="cpu")
@@ -477,7 +477,7 @@ def test_attention_precision_is_read_in_both_of_tokamaxs_forms(precision, expect
     pytest.importorskip("tokamax")
     from jax import lax
 
-    from tpu_kernels.perf import tokamax_calls
+    from benchmarks.perf import tokamax_calls
 
     arguments = tokamax_calls._attention_arguments({**ATTENTION_CALL, "precision": precision})
     assert arguments["precision"] == tuple(lax.DotAlgorithmPreset[name] for name in expected)
@@ -490,7 +490,7 @@ def test_attention_precision_is_read_in_both_of_tokamaxs_forms(precision, expect
 ])
 def test_an_entry_whose_precision_cannot_be_read_is_skipped_with_the_reason(tmp_path, cache_home, kind, precision):
     pytest.importorskip("tokamax")
-    from tpu_kernels.perf import calibration
+    from benchmarks.perf import calibration
 
     call = {**(ATTENTION_CALL if kind == "flash_attention" else RAGGED_CALL), "precision": precision}
     config = {"block_q": 128, "block_kv": 128, "block_kv_compute": 128} if kind == "flash_attention" else {}

@@ -193,7 +193,7 @@ def test_default_layout_rule_matches_the_compiler(generation):
 
 
 def test_kernels_tile_by_the_calibrated_step_cost_where_one_was_fitted():
-    from tpu_kernels import perf
+    from benchmarks import perf
 
     assert hardware.grid_step_overhead_s("tpu7x") == perf.grid_step_s("tpu7x") == 0.72e-6
     # v5e's fit (0.34 us) is within the rule of thumb's rounding; v5p and v6e have no timings.

@@ -1,10 +1,10 @@
-"""The int4 round trip the granularity report uses (tpu_kernels/bench/int4_granularity.py): per channel it is
+"""The int4 round trip the granularity report uses (benchmarks/studies/int4_granularity.py): per channel it is
 what the kernels dequantize; a group is a channel's run of consecutive weights along the contraction."""
 
 import pytest
 import torch
 
-from tpu_kernels.bench.int4_granularity import int4_round_trip
+from benchmarks.studies.int4_granularity import int4_round_trip
 from tpu_kernels.distribution.loader import get_local_kernel
 from tpu_kernels.integration.quantize import quantize_int4
 

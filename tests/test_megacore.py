@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tpu_kernels import perf
+from benchmarks import perf
 from tpu_kernels.distribution.loader import get_local_kernel
 
 from .megacore_cases import GENERATION, cases

@@ -1,9 +1,9 @@
-"""tpu_kernels.bench.moe_layer's on-disk cache: an analysis cached before the model changed is not reused."""
+"""benchmarks.studies.moe_layer's on-disk cache: an analysis cached before the model changed is not reused."""
 
 from pathlib import Path
 
-from tpu_kernels.bench import moe_layer
-from tpu_kernels.bench.moe_layer.cache import CLOCK
+from benchmarks.studies import moe_layer
+from benchmarks.studies.moe_layer.cache import CLOCK
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,7 +136,7 @@ def test_the_kernel_is_built_at_the_same_path_on_every_cached_run(tmp_path):
 def test_rivals_are_searched_under_each_generations_scoped_vmem():
     """Each generation gets the largest blocks under its default scoped limit; TPU7x, which has no fixed one,
     under v6e's 32 MiB (rivals.TPU7X_SCOPED_VMEM_BYTES)."""
-    from tpu_kernels.bench.moe_layer.rivals import RIVALS, block_vmem_bytes, candidate_tilings
+    from benchmarks.studies.moe_layer.rivals import RIVALS, block_vmem_bytes, candidate_tilings
 
     megablox = RIVALS["megablox"]
     shape = (2048, 2048, 1536)  # Qwen3-30B-A3B's gate_up at 256 tokens x top-8

@@ -2,8 +2,8 @@
 
 import json
 
-from tpu_kernels.bench.moe_layer import run
-from tpu_kernels.bench.moe_layer.shapes import ANCHOR, ANCHOR_DISPATCH, DECODE_TOKENS, PREFILL_TOKENS, SETTINGS
+from benchmarks.studies.moe_layer import run
+from benchmarks.studies.moe_layer.shapes import ANCHOR, ANCHOR_DISPATCH, DECODE_TOKENS, PREFILL_TOKENS, SETTINGS
 
 
 def shapes(cases) -> set[tuple[str, int]]:

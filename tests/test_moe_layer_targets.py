@@ -2,7 +2,7 @@
 
 import pytest
 
-from tpu_kernels.bench.moe_layer.targets import check_targets
+from benchmarks.studies.moe_layer.targets import check_targets
 from tpu_kernels.runtime.hardware import tpu_generation
 
 USEFUL_FLOPS = 7.0e11

@@ -1,4 +1,4 @@
-"""The collective model (tpu_kernels.perf.collectives) and the multichip benchmark's use of it.
+"""The collective model (benchmarks.perf.collectives) and the multichip benchmark's use of it.
 
 Bytes are checked against counts made by hand; times by the properties the
 formulas must have (units, what grows with what), not by pinned figures.
@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from tpu_kernels.perf import collectives
-from tpu_kernels.perf.collectives import Ici, Mesh
+from benchmarks.perf import collectives
+from benchmarks.perf.collectives import Ici, Mesh
 
 ICI = Ici(link_bytes_per_s=1e11, hop_latency_s=1e-6)
 MESHES = [Mesh(1, 2), Mesh(2, 2), Mesh(2, 4), Mesh(4, 4), Mesh(4, 8)]
@@ -107,7 +107,7 @@ def test_tp_and_router_masking_issue_one_all_reduce_besides_attention():
 
 
 def test_the_benchmark_prices_qwen3_on_the_model_from_perf():
-    from tpu_kernels.bench import multichip
+    from benchmarks.studies import multichip
 
     assert multichip.Collective is collectives.Collective and multichip.V6E_8 is collectives.V6E_8
     assert (multichip.MODEL.hidden, multichip.MODEL.experts, multichip.MODEL.top_k) == tuple(QWEN.values())
@@ -116,7 +116,7 @@ def test_the_benchmark_prices_qwen3_on_the_model_from_perf():
 
 
 def test_tp_shard_splits_the_intermediate_dim():
-    from tpu_kernels.bench import multichip
+    from benchmarks.studies import multichip
 
     setting = multichip.tp_setting()
     assert setting.model.intermediate == 96 and setting.local_experts == 128 and setting.ep == 1

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tpu_kernels.bench.moe_layer import our_tiles
+from benchmarks.studies.moe_layer import our_tiles
 from tpu_kernels.runtime.tuning import tuned_tiles
 
 

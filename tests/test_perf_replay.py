@@ -13,7 +13,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpu_kernels import perf
+from benchmarks import perf
 
 from .perf_kernels import BF16, BLOCK_FLOPS, MASK_X, MASK_Y, MATMUL, K, M, N, X, Y, masked_matmul
 

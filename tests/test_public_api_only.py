@@ -3,7 +3,7 @@ none of them: a private name (a module or name with a leading underscore, at any
 an attribute of one of their modules fails here, naming the file and line. A new release that moves its
 internals then cannot break a user's install of ours. What a build ships (the runtime and the kernels'
 packages) holds jax to the same rule: a jax release that moved a private would break every built kernel,
-on TPU too. The performance model (tpu_kernels/perf) reads jax's internals on purpose and ships nowhere."""
+on TPU too. The performance model (benchmarks/perf) reads jax's internals on purpose and ships nowhere."""
 
 from __future__ import annotations
 

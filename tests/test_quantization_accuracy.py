@@ -1,8 +1,8 @@
-"""The accuracy report's teacher-forced count (tpu_kernels/bench/quantization_accuracy.py)."""
+"""The accuracy report's teacher-forced count (benchmarks/studies/quantization_accuracy.py)."""
 
 import torch
 
-from tpu_kernels.bench.quantization_accuracy import teacher_forced_agreement
+from benchmarks.studies.quantization_accuracy import teacher_forced_agreement
 
 
 def test_teacher_forced_counts_each_new_position_and_the_margin_where_they_differ():

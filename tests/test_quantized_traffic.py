@@ -1,4 +1,4 @@
-"""What the quantized fused experts kernel moves at real decode shapes, by tpu_kernels.perf's grid replay.
+"""What the quantized fused experts kernel moves at real decode shapes, by benchmarks.perf's grid replay.
 
 The claim checked: with quantized weights the fused kernel's HBM traffic stays
 within 5 % of the quantized minimum (each active expert's one-byte (int4:
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpu_kernels import perf
+from benchmarks import perf
 
 S = jax.ShapeDtypeStruct
 SCHEMES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}

@@ -1,4 +1,4 @@
-"""What ragged-dot-tpu's kernels move and compute, by tpu_kernels.perf's grid replay (no TPU needed).
+"""What ragged-dot-tpu's kernels move and compute, by benchmarks.perf's grid replay (no TPU needed).
 
 The claims checked: the fused experts kernel reads each active expert's
 weights once and nothing of the others, in one grid step per active expert
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpu_kernels import perf
+from benchmarks import perf
 
 BF16 = 2
 S = jax.ShapeDtypeStruct

@@ -4,18 +4,18 @@ import ast
 import importlib
 import inspect
 
-from tpu_kernels import perf
-from tpu_kernels.perf import program_replay
+from benchmarks import perf
+from benchmarks.perf import program_replay
 
 
 def _perf_modules_imported_by(module) -> set[str]:
-    """Modules of tpu_kernels.perf that `module` imports at its top level."""
+    """Modules of benchmarks.perf that `module` imports at its top level."""
     found = set()
     for node in ast.parse(inspect.getsource(module)).body:
         if isinstance(node, ast.ImportFrom) and node.level == 1:
             names = [node.module] if node.module else [alias.name for alias in node.names]
-            found.update(f"tpu_kernels.perf.{name}" for name in names)
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tpu_kernels.perf."):
+            found.update(f"benchmarks.perf.{name}" for name in names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks.perf."):
             found.add(node.module)
     return found
 
@@ -31,12 +31,12 @@ def test_replay_modules_hold_everything_the_replay_imports_within_perf():
         reached.add(name)
         frontier.extend(_perf_modules_imported_by(importlib.import_module(name)))
     # chip holds the fitted constants, read when a replay is priced, never while it runs.
-    assert reached - {"tpu_kernels.perf.chip"} <= listed, reached - listed
+    assert reached - {"benchmarks.perf.chip"} <= listed, reached - listed
 
 
 def test_the_cache_key_of_a_replay_changes_with_the_replay_source(tmp_path, monkeypatch):
     from tpu_kernels import disk_cache
-    from tpu_kernels.perf import calibration
+    from benchmarks.perf import calibration
 
     before = calibration.AnalysisCache(tmp_path).replay_code
     source_of = inspect.getsource

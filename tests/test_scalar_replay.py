@@ -8,7 +8,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpu_kernels import perf
+from benchmarks import perf
 
 ROW = 128 * 4  # one float32 row of the table
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpu_kernels.bench.moe_layer import shapes, vllm_fused, vllm_kernels
+from benchmarks.studies.moe_layer import shapes, vllm_fused, vllm_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3 = shapes.MODELS["qwen3-30b-a3b"]
@@ -114,8 +114,8 @@ def test_the_counted_schedule_is_the_busiest_ranks_work():
 
 def test_a_shape_the_kernel_refuses_is_a_row_with_its_reason(tmp_path):
     """One token over eight ranks: the kernel's own ValueError is the row's error, not a dropped rival."""
-    from tpu_kernels.bench.moe_layer.cache import Cache, Compiler
-    from tpu_kernels.bench.moe_layer.measure import fused_variant, queue_fused
+    from benchmarks.studies.moe_layer.cache import Cache, Compiler
+    from benchmarks.studies.moe_layer.measure import fused_variant, queue_fused
 
     case = shapes.make_case(EP8_DISPATCH, 1)
     compiler = Compiler(Cache(tmp_path), 1)
@@ -147,9 +147,9 @@ def test_every_generation_has_a_mesh_of_each_ep_rank_count():
 def test_an_ep8_row_is_compiled_with_its_body_and_says_what_it_leaves_out(tmp_path, generation):
     """Qwen3's EP8 rank at 64 tokens: compiled on an eight-rank compile-only mesh (v5p's megacore chips, TPU7x's
     cores), priced, and its JSON line carries its block sizes and the reason its cross-device part is not priced."""
-    from tpu_kernels.bench.moe_layer.cache import Cache, Compiler
-    from tpu_kernels.bench.moe_layer.measure import fused_variant, queue_fused, row_facts
-    from tpu_kernels.bench.moe_layer.report import variant_lines
+    from benchmarks.studies.moe_layer.cache import Cache, Compiler
+    from benchmarks.studies.moe_layer.measure import fused_variant, queue_fused, row_facts
+    from benchmarks.studies.moe_layer.report import variant_lines
 
     case = shapes.make_case(EP8_DISPATCH, 64)
     compiler = Compiler(Cache(tmp_path), 1)
@@ -169,7 +169,7 @@ def test_an_ep8_row_is_compiled_with_its_body_and_says_what_it_leaves_out(tmp_pa
 def test_a_fused_win_says_what_its_figure_leaves_out():
     """Where vLLM's fused kernel is the faster rival, the row's account of its lead names the parts it is not
     priced for."""
-    from tpu_kernels.bench.moe_layer.targets import summarise
+    from benchmarks.studies.moe_layer.targets import summarise
 
     def variant(us, **facts):
         return {"compiled": True, "headline_us": us, "band": {"p90_us": [us * 0.9, us * 1.1]}, "over_roofline": 1.0,

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpu_kernels import perf
-from tpu_kernels.bench.moe_layer import shapes, vllm_kernels
-from tpu_kernels.bench.moe_layer.rivals import RIVALS, rival_layer
+from benchmarks import perf
+from benchmarks.studies.moe_layer import shapes, vllm_kernels
+from benchmarks.studies.moe_layer.rivals import RIVALS, rival_layer
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_the_vllm_layer_reads_its_weights_as_k_by_n_and_the_model_prices_it(vllm
 def test_vllm_is_searched_over_k_blocks_its_gmm_keeps():
     """vLLM's gmm takes the whole K unless the K block divides it: GPT-OSS's K = 2880 (not a multiple of 128) is
     searched whole, with N blocks narrow enough to fit v5e's 16 MiB scoped VMEM."""
-    from tpu_kernels.bench.moe_layer.rivals import block_vmem_bytes, candidate_tilings
+    from benchmarks.studies.moe_layer.rivals import block_vmem_bytes, candidate_tilings
 
     for k, n in ((2880, 5760), (2880, 2880), (2048, 1536), (768, 2048)):
         found = candidate_tilings(RIVALS["vllm_gmm"], 8, k, n, ("v5e",))

@@ -1,4 +1,4 @@
-"""ragged-dot-tpu's plans count the VMEM its kernels' block specs and scratch hold, as tpu_kernels.perf derives it.
+"""ragged-dot-tpu's plans count the VMEM its kernels' block specs and scratch hold, as benchmarks.perf derives it.
 
 Each kernel's plan lists its buffers (`config.Buffer`: block shapes, dtypes,
 buffer counts); the VMEM limit a kernel asks for is their sum plus the values
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpu_kernels import perf
+from benchmarks import perf
 
 S = jax.ShapeDtypeStruct
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tpu_kernels.perf import xla_program
+from benchmarks.perf import xla_program
 
 S = jax.ShapeDtypeStruct
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 16, 2816, 704, 8  # Gemma-4-26B-A4B, one of 8 expert-parallel ranks

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tpu_kernels import perf
-from tpu_kernels.perf import hlo, program_time, xla_program
+from benchmarks import perf
+from benchmarks.perf import hlo, program_time, xla_program
 from tpu_kernels.runtime.hardware import tpu_generation
 
 # A hand-written optimized module: a prefetch, a gather fusion, a sliced async prefetch, a relayout copy

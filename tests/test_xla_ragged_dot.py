@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from jax import lax
 
-from tpu_kernels import perf
-from tpu_kernels.perf import program_time, xla_program, xla_ragged_dot
+from benchmarks import perf
+from benchmarks.perf import program_time, xla_program, xla_ragged_dot
 
 FORWARD = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((1,), (1,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))

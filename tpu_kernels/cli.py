@@ -10,6 +10,35 @@ import sys
 from pathlib import Path
 
 DEFAULT_GENERATIONS = "v5e,v5p,v6e,tpu7x"
+# The performance lab (the model, the studies, calibrate) lives in the project's checkout, not in the wheel.
+LAB_MISSING = ("the performance lab is not installed with the package: run this from a checkout of the tpu-kernels "
+               "project (git clone it, run scripts/setup.sh, then this command from its root)")
+
+
+class LabMissing(Exception):
+    """`bench` or `calibrate` run where no checkout's benchmarks/ folder can be found."""
+
+
+def _is_checkout(root: Path) -> bool:
+    pyproject = root / "pyproject.toml"
+    return ((root / "benchmarks" / "__init__.py").is_file() and pyproject.is_file()
+            and 'name = "tpu-kernels"' in pyproject.read_text(errors="replace"))
+
+
+def _import_lab(module: str):
+    """`module` of the lab (`benchmarks.…`) from the checkout this package was installed from (editable), else from
+    the current directory when it is such a checkout; LabMissing when neither is."""
+    for root in (Path(__file__).resolve().parents[1], Path.cwd()):
+        if _is_checkout(root):
+            if str(root) not in sys.path:
+                sys.path.insert(0, str(root))
+            break
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        if error.name == "benchmarks" or (error.name or "").startswith("benchmarks."):
+            raise LabMissing(LAB_MISSING) from None
+        raise
 
 
 def _build_errors() -> tuple[type[Exception], ...]:
@@ -75,9 +104,7 @@ def _check(args) -> int:
     return 0 if tests_status == 0 and compiled_all else 1
 
 
-def _bench_usage() -> str:
-    from . import bench
-
+def _bench_usage(bench) -> str:
     width = max(map(len, [*bench.BENCHMARKS, *bench.TOOLS]))
     listed = "\n".join(f"  {name:<{width}}  {line}" for name, line in bench.BENCHMARKS.items())
     tools = "\n".join(f"  {name:<{width}}  {line}" for name, line in bench.TOOLS.items())
@@ -86,18 +113,21 @@ def _bench_usage() -> str:
         "usage: tpu-kernels bench NAME [args...]        run benchmark NAME (NAME --help: its own options)\n"
         "       tpu-kernels bench KERNEL_REPO [args...]  run a kernel repo's modelled benchmark with --repo KERNEL_REPO\n"
         "\n"
-        "Runs in this process, like `python -m tpu_kernels.bench.NAME [args...]`. Paths are relative to the current\n"
-        "directory: results go to benchmarks/results/ (--out), kernel repos come from kernel_repos/ (--repo); run\n"
-        "from a checkout of the tpu-kernels project or pass them.\n"
+        "Runs in this process, like `python -m benchmarks.studies.NAME [args...]` from the checkout's root. Paths are\n"
+        "relative to the current directory: results go to benchmarks/results/ (--out), kernel repos come from\n"
+        "kernel_repos/ (--repo); run from the checkout's root or pass them.\n"
         f"\nbenchmarks:\n{listed}\n\ntools:\n{tools}\n\nkernel repos: {repos}\n"
     )
 
 
 def _bench(argv: list[str]) -> int:
-    from . import bench
-
+    try:
+        bench = _import_lab("benchmarks.studies")
+    except LabMissing as error:
+        print(f"tpu-kernels bench: {error}", file=sys.stderr)
+        return 2
     if not argv or argv[0] in ("-h", "--help"):
-        print(_bench_usage(), end="", file=sys.stdout if argv else sys.stderr)
+        print(_bench_usage(bench), end="", file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     target, extra = argv[0], argv[1:]
     if target in bench.BENCHMARKS or target in bench.TOOLS:
@@ -112,7 +142,7 @@ def _bench(argv: list[str]) -> int:
             return 2
         extra = ["--repo", target, *extra]
     else:
-        print(f"tpu-kernels bench: unknown benchmark {target!r}\n\n{_bench_usage()}", end="", file=sys.stderr)
+        print(f"tpu-kernels bench: unknown benchmark {target!r}\n\n{_bench_usage(bench)}", end="", file=sys.stderr)
         return 2
     if name in bench.MODELLED:
         # Modelled benchmarks compile for TPUs ahead of time from the CPU (set before jax is imported).
@@ -142,8 +172,13 @@ def _bench(argv: list[str]) -> int:
 def _calibrate(args) -> int:
     from tqdm import tqdm
 
-    from .perf import calibration
     from .disk_cache import UnsafeCacheError, cache_root
+
+    try:
+        calibration = _import_lab("benchmarks.perf.calibration")
+    except LabMissing as error:
+        print(f"tpu-kernels calibrate: {error}", file=sys.stderr)
+        return 2
 
     try:
         report = calibration.calibrate(

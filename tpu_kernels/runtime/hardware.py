@@ -24,7 +24,7 @@ Where the numbers come from:
   guides do not state it (jax's docs/pallas/tpu, whole history up to commit
   cec06d1, 2026-08); fitted to real-chip timings it is 0.34 us on v5e and
   0.72 us on TPU7x (the performance model's calibrated values:
-  tpu_kernels/perf/model_constants.json; v5p and v6e have no timings).
+  benchmarks/perf/model_constants.json; v5p and v6e have no timings).
 
 Generations: kernels are tuned and compiled ahead of time for
 SUPPORTED_GENERATIONS only: v5e, v5p, v6e and TPU7x (Ironwood). The device
@@ -63,7 +63,7 @@ GENERATION_ENV = "TPU_KERNELS_GENERATION"
 
 # Measured with libtpu's compile-only topologies (module docstring).
 DEFAULT_SCOPED_VMEM_BYTES = {"v5e": 16 * MIB, "v5p": 16 * MIB, "v6e": 32 * MIB}
-# The rule of thumb kernels tile by (the performance model's calibrated values: tpu_kernels/perf/model_constants.json).
+# The rule of thumb kernels tile by (the performance model's calibrated values: benchmarks/perf/model_constants.json).
 GRID_STEP_OVERHEAD_S = 0.35e-6
 GRID_STEP_OVERHEAD_S_BY_GENERATION = {"tpu7x": 0.72e-6}
 

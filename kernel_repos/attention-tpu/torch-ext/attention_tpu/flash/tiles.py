@@ -27,7 +27,7 @@ from .layout import sequence_minor_by_default
 
 # Preferred tiles (query positions per prefill block, keys per prefill block,
 # keys per decode block), chosen with the grid-replay model of
-# tpu_kernels.perf on Qwen3-30B-A3B shapes (`tpu-kernels bench attention`): at
+# benchmarks.perf on Qwen3-30B-A3B shapes (`tpu-kernels bench attention`): at
 # S=4096-8192, (512, 512) on v5e and (512, 1024) on v6e come within ~3% of the
 # best modelled time, 10-20% faster than (256, 512). Decode streams K/V, so its
 # blocks are long and span several KV heads, to amortise the per-step overhead

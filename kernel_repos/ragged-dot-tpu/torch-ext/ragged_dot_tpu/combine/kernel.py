@@ -23,7 +23,7 @@ What each step copies is scheduled in XLA over the `[T, K]` picks (not their
 rows): per tile, its live picks' sorted positions and buffer slots first,
 and their count (`combine_schedule`), scalar-prefetched, so the kernel's
 copy loops have no branch and the traffic model counts them per step
-(`tpu_kernels.perf.kernel_dmas`).
+(`benchmarks.perf.kernel_dmas`).
 """
 
 from __future__ import annotations

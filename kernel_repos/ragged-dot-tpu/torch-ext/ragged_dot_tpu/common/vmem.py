@@ -65,7 +65,7 @@ def check_vmem_fits(config, needed: int, generation: str | None) -> None:
 
 
 def buffers_bytes(buffers) -> int:
-    """VMEM of `buffers`, each padded to the native (sublane, 128) tile: what `tpu_kernels.perf` derives from the
+    """VMEM of `buffers`, each padded to the native (sublane, 128) tile: what `benchmarks.perf` derives from the
     kernel's block specs and scratch."""
     return sum(buffer.bytes for buffer in buffers)
 

@@ -1,0 +1,74 @@
+"""Our ragged paged attention (attention-tpu's `paged` kernel) at its own tile selection, replayed and priced."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import perf
+
+from benchmarks.studies.relayouts import relayouts
+
+from .pricing import price, terms
+from .shapes import GENERATIONS, Batch, Model
+
+DTYPE = jnp.bfloat16
+
+
+def paged_inputs(batch: Batch, model: Model, page_size: int, dtype=DTYPE) -> tuple:
+    """(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table[, sinks]): arrays as ShapeDtypeStructs, the small
+    int32 ones concrete; every sequence on pages of its own, in order."""
+    seqs = len(batch.q_lens)
+    pages_per_seq = -(-max(batch.kv_lens) // page_size)
+    cache = jax.ShapeDtypeStruct((seqs * pages_per_seq, page_size, model.kv_heads, model.head_dim), dtype)
+    inputs = [
+        jax.ShapeDtypeStruct((batch.total_q, model.q_heads, model.head_dim), dtype), cache, cache,
+        np.concatenate([[0], np.cumsum(batch.q_lens)]).astype(np.int32),
+        np.asarray(batch.kv_lens, np.int32),
+        np.arange(seqs * pages_per_seq, dtype=np.int32).reshape(seqs, pages_per_seq),
+    ]
+    if model.sinks:
+        inputs.append(jax.ShapeDtypeStruct((model.q_heads,), jnp.float32))
+    return tuple(inputs)
+
+
+def kernel_fn(built, batch: Batch, model: Model, generation: str):
+    max_q_len = max(batch.q_lens)
+
+    def attend(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, sinks=None):
+        return built.paged.kernel.ragged_paged_attention(
+            q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, sinks=sinks, sliding_window=model.sliding_window,
+            max_q_len=max_q_len, generation=generation)
+
+    return attend
+
+
+def tiles(built, batch: Batch, model: Model, page_size: int, generation: str):
+    inputs = paged_inputs(batch, model, page_size)
+    problem = built.PagedProblem.of_shape(
+        total_q=batch.total_q, num_seqs=len(batch.q_lens), q_heads=model.q_heads, kv_heads=model.kv_heads,
+        head_dim=model.head_dim, page_size=page_size, num_pages=inputs[1].shape[0], pages_per_seq=inputs[5].shape[1],
+        dtype=DTYPE, sliding_window=model.sliding_window, has_sinks=model.sinks, max_q_len=max(batch.q_lens))
+    return built.paged.tiles.select(problem, generation)
+
+
+def measure(built, batch: Batch, model: Model, page_size: int) -> dict:
+    """Per generation: the kernel's tiles and its priced replay, charged the copies XLA makes of K/V around it.
+    Generations with the same tiles share a replay."""
+    replays: dict = {}
+    per_generation = {}
+    for generation in GENERATIONS:
+        config = tiles(built, batch, model, page_size, generation)
+        key = (config.block_q, config.tile_q, config.block_kv)
+        if key not in replays:
+            replays[key] = perf.model_pallas_traffic(kernel_fn(built, batch, model, generation),
+                                                     *paged_inputs(batch, model, page_size))
+        calls = replays[key]
+        copies = relayouts(kernel_fn(built, batch, model, generation), paged_inputs(batch, model, page_size),
+                           generation)
+        per_generation[generation] = {
+            "tiles": {"block_q": config.block_q, "tile_q": config.tile_q, "block_kv": config.block_kv},
+            **price(calls, batch, model, generation, copies), **terms(calls, generation),
+        }
+    return per_generation
