@@ -1,5 +1,5 @@
-"""The code's size limits, over the whole repo: no module over 600 lines, no function over 80 lines (a table of
-shapes is data, not a function: it sits at a module's top level)."""
+"""The size limits, over the whole repo: no module over 600 lines, no function over 80 lines (a table of
+shapes is data, not a function: it sits at a module's top level), a README of at most 250 lines."""
 
 import ast
 from pathlib import Path
@@ -44,3 +44,10 @@ def test_the_limits_are_found_at_one_line_past_them():
     module = "x = 1\n" * MODULE_LINES
     assert over_the_limits(module, "ok.py") == []
     assert over_the_limits(module + "y = 2", "long.py") == [f"long.py: {MODULE_LINES + 1} lines"]
+
+
+README_LINES = 250
+
+
+def test_the_readme_is_at_most_250_lines():
+    assert len((REPO_ROOT / "README.md").read_text().splitlines()) <= README_LINES
