@@ -94,7 +94,7 @@ def test_gpt_oss_fused_path_matches_eager(kernel, sentinels):
     with torch.no_grad():
         expected = experts(hidden, eager_index, eager_weights)
         out = kernel.experts_forward(experts, hidden, index, weights)
-        composed = kernel.composed_experts_forward(experts, hidden, index, weights)
+        composed = kernel.experts.composed_experts_forward(experts, hidden, index, weights)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(composed, expected, rtol=1e-5, atol=1e-4)
 

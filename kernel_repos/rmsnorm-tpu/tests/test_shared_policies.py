@@ -1,0 +1,28 @@
+"""The norm kernels size VMEM by the project's one policy and take their tuned row blocks from a table of the one
+form, as every kernel repo's kernels do: the policy is `_hardware`'s (the build's copy of
+tpu_kernels/runtime/hardware.py), at this kernel's margin and bound (`norm.tiles`); the table is `_tuning`'s, one
+JSON file beside the code that reads it."""
+
+from pathlib import Path
+
+import pytest
+from tpu_kernels import testing
+from tpu_kernels.runtime import hardware
+
+
+@pytest.mark.parametrize("generation", hardware.SUPPORTED_GENERATIONS)
+def test_rmsnorm_sizes_vmem_by_the_one_policy(kernel, generation):
+    tiles = kernel.norm.tiles
+    testing.assert_vmem_policy(tiles.vmem_budget, tiles.vmem_limit, tiles.WORKING_SET_MARGIN,
+                               tiles.WORKING_SET_BOUND_BYTES, generation)
+
+
+def test_rmsnorm_takes_the_tuned_row_blocks_of_its_table(kernel):
+    tiles = kernel.norm.tiles
+
+    def selects(key):
+        problem = kernel.NormProblem(key.op, key.rows, key.hidden, key.dtype)
+        return tiles.RowBlockTiles(tiles.select(problem, key.generation).block_rows)
+
+    testing.assert_tuned_table(Path(kernel.__file__).parent / "norm" / "tuned_tiles.json", tiles.TUNED_TILES,
+                               tiles.TunedKey, tiles.RowBlockTiles, selects)
