@@ -170,16 +170,21 @@ def test_training_mode_keeps_original_or_raises(ragged_dot_build, monkeypatch):
         kernelize(model, mode=Mode.TRAINING, repos=_experts_only(ragged_dot_build), use_fallback=False)
 
 
-@pytest.mark.slow
-def test_all_kinds_replaced_and_tokens_match(all_builds):
-    model = _tiny_model("qwen3_moe")
+def _eager_then_kernelized(model, builds) -> tuple[torch.Tensor, ...]:
+    """(eager logits, eager greedy tokens, the same after `kernelize(model, repos=builds)`) on `_prompt()`."""
     prompt = _prompt()
     with torch.no_grad():
         eager_logits = model(prompt).logits
         eager_tokens = model.generate(prompt, max_new_tokens=8, do_sample=False)
-        kernelize(model, repos=all_builds)
-        logits = model(prompt).logits
-        tokens = model.generate(prompt, max_new_tokens=8, do_sample=False)
+        kernelize(model, repos=builds)
+        return eager_logits, eager_tokens, model(prompt).logits, model.generate(prompt, max_new_tokens=8,
+                                                                                do_sample=False)
+
+
+@pytest.mark.slow
+def test_all_kinds_replaced_and_tokens_match(all_builds):
+    model = _tiny_model("qwen3_moe")
+    eager_logits, eager_tokens, logits, tokens = _eager_then_kernelized(model, all_builds)
     report = model.tpu_kernels_report
     assert {e.kind for e in report.entries if e.replaced} == {"experts", "rmsnorm", "attention"}, repr(report)
     # q/k norms and the layer norms: 2 layers x (input, post-attention, q, k) + the final norm.
@@ -205,13 +210,7 @@ def test_gemma4_attention_replaced_in_every_layer_and_tokens_match(all_builds):
     attention = {name: m for name, m in model.named_modules() if name.endswith("self_attn")}
     assert sorted(m.head_dim for m in attention.values()) == [64, 512, 512]
     assert all(m.v_proj is None for m in attention.values() if m.head_dim == 512)
-    prompt = _prompt()
-    with torch.no_grad():
-        eager_logits = model(prompt).logits
-        eager_tokens = model.generate(prompt, max_new_tokens=8, do_sample=False)
-        kernelize(model, repos=all_builds)
-        logits = model(prompt).logits
-        tokens = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    eager_logits, eager_tokens, logits, tokens = _eager_then_kernelized(model, all_builds)
     (entry,) = model.tpu_kernels_report.replaced("attention")
     assert entry.modules == tuple(attention), repr(model.tpu_kernels_report)
     assert model.config._attn_implementation.startswith("tpu_kernels_")

@@ -69,6 +69,11 @@ def result_path(filename: str) -> Path:
     return RESULTS_DIR / filename
 
 
+def report_header(study: str, repo: Path | str) -> dict:
+    """The first fields of a kernel study's JSON: which study wrote it, the kernel repo it built, the dtype it ran."""
+    return {"benchmark": f"benchmarks.studies.{study}", "kernel_repo": Path(repo).as_posix(), "dtype": "bfloat16"}
+
+
 def kernel_repo(name: str) -> Path:
     """The default source of kernel repo `name`: kernel_repos/<name>, relative to the current directory."""
     return KERNEL_REPOS_DIR / name

@@ -9,7 +9,7 @@ import jax
 import kernels
 
 from benchmarks import perf
-from benchmarks.studies import calibration_bands, moe_layer, require_kernel_repo, result_path
+from benchmarks.studies import calibration_bands, moe_layer, report_header, require_kernel_repo, result_path
 from benchmarks.studies.paged_attention.run import attention_arguments
 from tpu_kernels.distribution.builder import build_kernel_repo
 
@@ -73,9 +73,7 @@ def main(argv=None) -> int:
                     " copies)" for g in steps.GENERATIONS), flush=True)
     pricer.compiler.pool.shutdown()
     report = {
-        "benchmark": "benchmarks.studies.cb_step",
-        "kernel_repo": args.repo.as_posix(),
-        "dtype": "bfloat16",
+        **report_header("cb_step", args.repo),
         "per": "one attention layer, one continuous-batching step",
         "paths": PATHS,
         "assumptions": assumptions(),

@@ -7,14 +7,12 @@ from pathlib import Path
 
 import pytest
 from tpu_kernels import testing
-from tpu_kernels.runtime import hardware
+from tpu_kernels.runtime.hardware import SUPPORTED_GENERATIONS
 
 
-@pytest.mark.parametrize("generation", hardware.SUPPORTED_GENERATIONS)
+@pytest.mark.parametrize("generation", SUPPORTED_GENERATIONS)
 def test_attention_sizes_vmem_by_the_one_policy(kernel, generation):
-    vmem = kernel.common.vmem
-    testing.assert_vmem_policy(vmem.vmem_budget, vmem.vmem_limit, vmem.WORKING_SET_MARGIN,
-                               vmem.WORKING_SET_BOUND_BYTES, generation)
+    testing.assert_vmem_policy(kernel.common.vmem, generation)
 
 
 def test_the_forward_takes_the_tuned_tiles_of_its_table(kernel):

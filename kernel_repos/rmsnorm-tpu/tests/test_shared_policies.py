@@ -7,22 +7,17 @@ from pathlib import Path
 
 import pytest
 from tpu_kernels import testing
-from tpu_kernels.runtime import hardware
+from tpu_kernels.runtime.hardware import SUPPORTED_GENERATIONS
 
 
-@pytest.mark.parametrize("generation", hardware.SUPPORTED_GENERATIONS)
+@pytest.mark.parametrize("generation", SUPPORTED_GENERATIONS)
 def test_rmsnorm_sizes_vmem_by_the_one_policy(kernel, generation):
-    tiles = kernel.norm.tiles
-    testing.assert_vmem_policy(tiles.vmem_budget, tiles.vmem_limit, tiles.WORKING_SET_MARGIN,
-                               tiles.WORKING_SET_BOUND_BYTES, generation)
+    testing.assert_vmem_policy(kernel.norm.tiles, generation)
 
 
 def test_rmsnorm_takes_the_tuned_row_blocks_of_its_table(kernel):
     tiles = kernel.norm.tiles
-
-    def selects(key):
-        problem = kernel.NormProblem(key.op, key.rows, key.hidden, key.dtype)
-        return tiles.RowBlockTiles(tiles.select(problem, key.generation).block_rows)
-
-    testing.assert_tuned_table(Path(kernel.__file__).parent / "norm" / "tuned_tiles.json", tiles.TUNED_TILES,
-                               tiles.TunedKey, tiles.RowBlockTiles, selects)
+    table = Path(kernel.__file__).parent / "norm" / "tuned_tiles.json"
+    testing.assert_tuned_table(table, tiles.TUNED_TILES, tiles.TunedKey, tiles.RowBlockTiles, lambda key: (
+        tiles.RowBlockTiles(tiles.select(kernel.NormProblem(key.op, key.rows, key.hidden, key.dtype),
+                                         key.generation).block_rows)))
