@@ -1,0 +1,87 @@
+"""Hardening IV of the local Hub (issue 64): cards bounded by what they cost to parse, the card cache weighing
+what a render cost, repo pages bounded in versions, and ids folded as the file system folds them.
+
+In this process where an internal bound or memory (tracemalloc) is the point; a real server on loopback
+where a client would see the difference.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tpu_kernels.distribution.hub import card as hub_card
+
+from .hub_support import FAST, TOKEN, module_hub
+
+pytestmark = pytest.mark.usefixtures("local_agent_registry")
+
+hub = module_hub(TOKEN, FAST)
+
+
+def table_card(tables: int, columns: int = 182, rows: int = 362) -> bytes:
+    """The attacker's card: tables of one-character rows under a wide header, which markdown-it fills in
+    with empty cells (16 tables are 23 KB and 3.2M tokens, 1 GB, 16 s before)."""
+    one = "|a" * columns + "\n" + "|-" * columns + "\n" + "a\n" * rows + "\n"
+    return (one * tables).encode()
+
+
+# -- N2-W1: a card's parse is bounded by what it costs -------------------------------------------------
+
+
+def test_a_card_of_tables_that_fill_in_millions_of_cells_is_cut_by_its_parse_budget(monkeypatch):
+    content = table_card(16)
+    assert len(content) < 24_000
+    parsed = []
+    parse_card = hub_card.parse_card
+    monkeypatch.setattr(hub_card, "parse_card", lambda *args: parsed.append(parse_card(*args)) or parsed[-1])
+    card = hub_card.render_card(content, "/kernels/o/n/resolve/c/")
+    (tokens, reason), = parsed
+    # Cut by its tokens (about 40 MB of them), or sooner by its CPU seconds on a slow machine.
+    assert len(tokens) <= hub_card.MAX_CARD_TOKENS and reason is not None
+    assert card.cut and f"parsing it takes {reason}, more than a page spends on a card" in card.html
+    assert card.html.count("<table>") == card.html.count("</table>") >= 1  # what was parsed is shown, closed
+
+
+def test_the_parse_budget_counts_block_and_inline_tokens_and_cpu_seconds():
+    tokens, reason = hub_card.parse_card(table_card(2).decode(), max_tokens=5_000)
+    assert reason == "more than 5,000 Markdown tokens" and len(tokens) <= 5_000
+    prose = "*a* `b` [c](d) " * 2_000  # one paragraph of 10,000 inline tokens
+    tokens, reason = hub_card.parse_card(prose, max_tokens=5_000)
+    assert reason == "more than 5,000 Markdown tokens" and len(tokens[1].children) <= 5_000
+    _, reason = hub_card.parse_card("![" * 20_000, max_seconds=0.01)
+    assert reason == "more than 0.01 s of CPU"
+    tokens, reason = hub_card.parse_card("| a | b |\n|---|---|\n| 1 | 2 |\n\n> - *x*\n")
+    assert reason is None and [token.type for token in tokens][:2] == ["table_open", "thead_open"]
+
+
+def test_a_cut_or_failed_render_is_remembered_so_a_second_view_costs_nothing(renders, monkeypatch):
+    cache = hub_card.CardCache()
+    first = cache.card("tables", lambda: table_card(1))
+    assert first.cut and cache.card("tables", lambda: table_card(1)) is first
+    assert len(renders) == 1
+
+    def overflowing(*args, **kwargs):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(hub_card, "render_card", overflowing)
+    failed = cache.card("deep", lambda: b"> " * 10)
+    assert failed.cut and "could not be rendered" in failed.html
+    monkeypatch.setattr(hub_card, "render_card", pytest.fail)
+    assert cache.card("deep", lambda: b"") is failed
+
+
+# -- N2-W3: cheap cards cannot evict an expensive one -------------------------------------------------
+
+
+def test_many_cheap_cards_do_not_evict_the_card_that_cost_a_render_of_seconds(renders):
+    cache = hub_card.CardCache(max_chars=64 << 10)  # a card holds at most 8 KiB of it
+    expensive = cache.card("expensive", lambda: b"![" * 4_000)  # ~0.1 s of CPU, cut at 8 KiB
+    assert expensive.cut
+    for index in range(64):  # 4 times the cache: cards of 4 KiB of HTML, 0.2 ms of CPU each
+        cache.card(f"cheap-{index}", lambda index=index: f"```\n{index:04d}{'x' * 3_500}\n```\n".encode())
+    assert len(renders) == 65
+    assert cache.card("expensive", pytest.fail) is expensive  # evicted after 16 cheap ones before
+    again = []
+    for index in range(64):
+        cache.card(f"cheap-{index}", lambda index=index: again.append(index) or b"# again\n")
+    assert len(again) >= 48  # the cache holds at most 16 such cards: the cheap ones went
