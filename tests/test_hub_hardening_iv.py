@@ -7,11 +7,13 @@ where a client would see the difference.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tpu_kernels.distribution.hub import card as hub_card
 
-from .hub_support import FAST, TOKEN, module_hub
+from .hub_support import FAST, HEADER, TOKEN, add, commit_body, file_line, http, module_hub, ndjson, run_concurrently
 
 pytestmark = pytest.mark.usefixtures("local_agent_registry")
 
@@ -85,3 +87,44 @@ def test_many_cheap_cards_do_not_evict_the_card_that_cost_a_render_of_seconds(re
     for index in range(64):
         cache.card(f"cheap-{index}", lambda index=index: again.append(index) or b"# again\n")
     assert len(again) >= 48  # the cache holds at most 16 such cards: the cheap ones went
+
+
+# -- N2-A1: ids folded as the file system folds them ---------------------------------------------------
+
+
+def fold_case(hub, repo_type: str, namespace: str) -> str:
+    """Simulates a root that folds case (macOS, Windows) for one namespace: its upper-case spelling opens
+    the same folder. Returns that spelling."""
+    folded = namespace.upper()
+    (hub.storage.root / "repos" / repo_type / folded).symlink_to(namespace)
+    return folded
+
+
+def test_a_repo_made_private_under_one_spelling_is_private_under_every_spelling(hub, api):
+    api.create_repo("acme/secret2", repo_type="model")
+    api.create_commit("acme/secret2", repo_type="model", commit_message="weights", operations=[add("w.bin", b"w")])
+    upper = f"{fold_case(hub, 'model', 'acme')}/secret2"
+    assert http("GET", f"{hub.url}/api/models/{upper}")[0] == 200  # viewed anonymously while public
+    assert http("GET", f"{hub.url}/{upper}")[0] == 200
+    api.update_repo_settings("acme/secret2", repo_type="model", private=True)
+    api.create_commit("acme/secret2", repo_type="model", commit_message="after",
+                      operations=[add("later.bin", b"l")])
+    for spelling in ("acme/secret2", upper):
+        for path in (f"/api/models/{spelling}", f"/{spelling}", f"/{spelling}/resolve/main/w.bin",
+                     f"/{spelling}/resolve/main/later.bin"):
+            assert http("GET", hub.url + path)[0] == 404, path
+    assert b"secret2" not in http("GET", f"{hub.url}/")[2]
+    assert http("GET", f"{hub.url}/api/models/{upper}", token=TOKEN)[0] == 200
+
+
+def test_concurrent_commits_under_two_spellings_of_one_repo_lose_none(hub, api):
+    api.create_repo("race/race", repo_type="kernel")
+    spellings = ["race/race", f"{fold_case(hub, 'kernel', 'race')}/race"]
+
+    def commit(index: int) -> None:
+        status, answer = commit_body(hub, spellings[index % 2],
+                                     ndjson(HEADER, file_line(f"f{index}.txt", os.urandom(8))))
+        assert status == 200, answer
+
+    assert run_concurrently(commit, 24) == []
+    assert {f"f{index}.txt" for index in range(24)} <= set(api.list_repo_files("race/race", repo_type="kernel"))
