@@ -7,13 +7,16 @@ where a client would see the difference.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
 from tpu_kernels.distribution.hub import card as hub_card
+from tpu_kernels.distribution.hub import pages
 
-from .hub_support import FAST, HEADER, TOKEN, add, commit_body, file_line, http, module_hub, ndjson, run_concurrently
+from .hub_support import (FAST, HEADER, TOKEN, add, commit_body, file_line, http, module_hub, ndjson, run_concurrently,
+                          visible_text)
 
 pytestmark = pytest.mark.usefixtures("local_agent_registry")
 
@@ -128,3 +131,33 @@ def test_concurrent_commits_under_two_spellings_of_one_repo_lose_none(hub, api):
 
     assert run_concurrently(commit, 24) == []
     assert {f"f{index}.txt" for index in range(24)} <= set(api.list_repo_files("race/race", repo_type="kernel"))
+
+
+# -- N2-W4: a repo page reads the newest versions only, each metadata.json once ------------------------
+
+
+def test_a_repo_page_reads_the_newest_versions_only_and_each_metadata_blob_once(hub, api, monkeypatch):
+    repo_id = "org/many-versions"
+    api.create_repo(repo_id, repo_type="kernel")
+    metadata = json.dumps({"version": 1, "backend": {"type": "cpu"}, "digest": {"files": {"a.py": "x"}}}).encode()
+    api.create_commit(repo_id, repo_type="kernel", commit_message="build",
+                      operations=[add("build/torch-cpu/metadata.json", metadata)])
+    count = 24  # more than pages.VERSIONS_SHOWN
+    for number in range(1, count + 1):  # one commit per version, all holding the same metadata.json
+        api.create_commit(repo_id, repo_type="kernel", commit_message=f"v{number}",
+                          operations=[add("n.txt", str(number).encode())])
+        api.create_branch(repo_id, repo_type="kernel", branch=f"v{number}")
+    parsed = []
+    read_json = hub._app.pages._json
+    monkeypatch.setattr(hub._app.pages, "_json", lambda entry: parsed.append(entry) or read_json(entry))
+    status, _, page = http("GET", f"{hub.url}/kernels/{repo_id}")
+    assert status == 200 and len(parsed) == 1, len(parsed)  # one per version, every version, before
+    text = visible_text(page.decode())
+    shown = text[text.index("Versions"):text.index("Older versions")]
+    assert f"v{count} (metadata version 1) torch-cpu cpu, sha256 digest of 1 files" in shown
+    assert "v14 " not in shown and f"v{count - pages.VERSIONS_SHOWN} " not in shown
+    assert f"Older versions: v{count - pages.VERSIONS_SHOWN}, " in text and text.count(", v1.") == 1
+    assert f'href="/kernels/{repo_id}/tree/v1"'.encode() in page
+    status, _, page = http("GET", f"{hub.url}/kernels/{repo_id}/tree/v3")  # an older version's own page
+    assert status == 200 and f'get_kernel("{repo_id}", version=3,' in visible_text(page.decode())
+    assert len(parsed) == 1
