@@ -56,7 +56,7 @@ Pages (`--group pages`; "before" is the code before issue 64's bounds):
                      seconds and peak RSS growth of two views of its page
     card_eviction    a 512 KiB card of `![` viewed, then 40 cards amplified to the per-card bound
                      viewed once each: server CPU seconds of the first card's next view
-    versions_page    300 version branches, each at its own commit with its own 256 KiB
+    versions_page    300 version branches, each at its own commit with its own 0.9 MiB
                      metadata.json: server CPU seconds of two views of the repo page
 
 `--code DIR --label before` runs a group against the package in DIR (e.g. an export of

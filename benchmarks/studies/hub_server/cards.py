@@ -66,13 +66,14 @@ def card_eviction(code: Path, work: Path) -> dict:
 
 
 def versions_page(code: Path, work: Path) -> dict:
-    """A kernel repo of 300 version branches, each at its own commit with its own 256 KiB metadata.json: the
+    """A kernel repo of 300 version branches, each at its own commit with its own 0.9 MiB metadata.json: the
     server CPU seconds of two anonymous views of its page."""
     with server(code, work, "versions-page") as srv:
         create_repo(srv)
+        files = {f"f{index}": index for index in range(60_000)}  # costly to parse per byte, under the 1 MiB bound
         for number in range(1, VERSION_BRANCHES + 1):
-            files = {f"f{index}.py": f"{number:08d}{index:056d}" for index in range(3_400)}
-            metadata = json.dumps({"version": 1, "backend": {"type": "cpu"}, "digest": {"files": files}}).encode()
+            metadata = json.dumps({"version": 1, "build": number, "backend": {"type": "cpu"},
+                                   "digest": {"files": files}}).encode()
             commit(srv, [HEADER, file_line("build/torch-cpu/metadata.json", metadata)])
             request(srv, "POST", f"/api/kernels/{REPO}/branch/v{number}", json.dumps({"startingPoint": "main"}).encode(),
                     {"Content-Type": "application/json"})
