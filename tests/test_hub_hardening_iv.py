@@ -61,8 +61,9 @@ def test_the_parse_budget_counts_block_and_inline_tokens_and_cpu_seconds():
 
 def test_a_cut_or_failed_render_is_remembered_so_a_second_view_costs_nothing(renders, monkeypatch):
     cache = hub_card.CardCache()
-    first = cache.card("tables", lambda: table_card(1))
-    assert first.cut and cache.card("tables", lambda: table_card(1)) is first
+    amplified = b"[r]: https://e.com/" + b"x" * 8192 + b"\n\n" + b"[a][r] " * 200  # 1.6 MB of HTML: cut
+    first = cache.card("cut", lambda: amplified)
+    assert first.cut and cache.card("cut", pytest.fail) is first
     assert len(renders) == 1
 
     def overflowing(*args, **kwargs):
