@@ -1,0 +1,100 @@
+"""What every kernel repo's `benchmarks/benchmark.py` shares: byte-copied into each build as `benchmarks/_harness.py`
+(a build cannot import tpu_kernels), loaded there by path.
+
+A benchmark file lists its cases in tables, {Benchmark class name: {workload: case}}, and gives a mixin
+class (`KernelCase`'s subclass) that turns a case into CPU tensors (`inputs`), runs the kernel on them (`call`)
+and computes the kernel's float64 reference (`expected`); `define` makes one `kernels.Benchmark` class per table
+entry with the `setup_`, `benchmark_` and `verify_` methods `kernels benchmark` looks up by name. The same
+tables and `inputs` serve `tpu-kernels calibrate --from-benchmark`, which prices each case with the model.
+
+- On a TPU host (`ON_TPU`: the accelerator `kernels` picks too) each timing is `CALLS_PER_TIMING` calls issued
+  back to back, then waited for: `kernels`' timer synchronizes CUDA, XPU and MPS only, and a TPU call returns
+  before the chip has finished. Back-to-back calls keep the chip busy while the host dispatches the next one,
+  so a timing divided by the count approaches the device time of one call.
+- Without a TPU the file's interpret-mode tables run (small shapes, Pallas' TPU interpret mode), and the first
+  case says that their times mean nothing about a TPU.
+- The reference is computed once per workload, on the host, and handed back on the output's device and in its
+  dtype (the runner compares with `torch.allclose(out, expected, atol=1e-2)`); the runner's "Ref" column times
+  that cached result, not a rival.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import torch
+from kernels import Benchmark
+
+SEED = 0
+_ACCELERATOR = torch.accelerator.current_accelerator()
+ON_TPU = _ACCELERATOR is not None and _ACCELERATOR.type == "tpu"
+CALLS_PER_TIMING = 10 if ON_TPU else 1
+INTERPRET_MODE_NOTE = ("No TPU here: small shapes in Pallas TPU interpret mode. The kernels are checked against "
+                       "their reference; the times measure the interpreter and mean nothing about a TPU.")
+
+
+def compile_targets_of(kernel, submodule: str = "compile_targets"):
+    """The loaded kernel's module of modelled shapes (`tpu-kernels check` compiles the same)."""
+    return importlib.import_module(f"{kernel.__name__}.{submodule}")
+
+
+def on_device(inputs: dict, device: str) -> dict:
+    return {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in inputs.items()}
+
+
+def finished(result: torch.Tensor) -> torch.Tensor:
+    """`result` once the device has computed it."""
+    if result.device.type != "cpu":
+        torch.accelerator.synchronize()
+    return result
+
+
+class KernelCase:
+    """One workload. A mixin, no Benchmark itself (kernels runs every Benchmark subclass a script defines).
+
+    Subclasses give `inputs(case, generator)` (the case's arguments as CPU tensors, a dict), `call(inputs)` and
+    `expected(inputs)`; `targets(kernel)` is what `inputs` reads the modelled shapes from."""
+
+    seed = SEED
+    cases: dict = {}
+    noted = False
+
+    def targets(self, kernel):
+        return compile_targets_of(kernel)
+
+    def setup_workload(self, workload: str) -> None:
+        if not ON_TPU and not KernelCase.noted:
+            print(INTERPRET_MODE_NOTE, file=sys.stderr)
+            KernelCase.noted = True
+        self.host_inputs = self.inputs(self.cases[workload], self.targets(self.kernel),
+                                       torch.Generator().manual_seed(SEED))
+        self.device_inputs = on_device(self.host_inputs, self.device)
+        self.expected_out = None
+
+    def run(self) -> None:
+        for _ in range(CALLS_PER_TIMING):
+            self.out = self.call(self.device_inputs)
+        finished(self.out)
+
+    def verify(self) -> torch.Tensor:
+        if self.expected_out is None:
+            self.expected_out = self.expected(self.host_inputs).to(self.out.dtype).to(self.out.device)
+        return self.expected_out
+
+
+def _workload_methods(workload: str) -> dict:
+    return {f"setup_{workload}": lambda self: self.setup_workload(workload),
+            f"benchmark_{workload}": lambda self: self.run(),
+            f"verify_{workload}": lambda self: self.verify()}
+
+
+def define(namespace: dict, case_class: type, tables: dict) -> None:
+    """One Benchmark class per entry of `tables` ({class name: {workload: case}}), bound in `namespace` (the
+    benchmark script's globals: kernels runs the classes the script's module defines)."""
+    for class_name, cases in tables.items():
+        methods = {"cases": cases, "__module__": namespace["__name__"]}
+        for workload in cases:
+            methods |= _workload_methods(workload)
+        namespace[class_name] = type(class_name, (case_class, Benchmark), methods)
+
