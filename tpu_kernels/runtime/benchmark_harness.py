@@ -1,13 +1,14 @@
 """What every kernel repo's `benchmarks/benchmark.py` shares: byte-copied into each build as `benchmarks/_harness.py`
 (a build cannot import tpu_kernels), loaded there by path.
 
-A benchmark file lists its cases in tables, {Benchmark class name: {workload: case}}, and gives a mixin
-class (`KernelCase`'s subclass) that turns a case into CPU tensors (`inputs`), runs the kernel on them (`call`)
-and computes the kernel's float64 reference (`expected`); `define` makes one `kernels.Benchmark` class per table
-entry with the `setup_`, `benchmark_` and `verify_` methods `kernels benchmark` looks up by name. The same
-tables and `inputs` serve `tpu-kernels calibrate --from-benchmark`, which prices each case with the model.
+A benchmark file lists its `SUITES`: each a mixin class (`KernelCase`'s subclass) that turns a case into CPU
+tensors (`inputs`), runs the kernel on them (`call`) and computes the kernel's float64 reference (`expected`),
+with its tables of cases for a TPU host and for interpret mode, {Benchmark class name: {workload: case}}.
+`define` makes one `kernels.Benchmark` class per table entry with the `setup_`, `benchmark_` and `verify_`
+methods `kernels benchmark` looks up by name. The same suites and `inputs` serve `tpu-kernels calibrate
+--from-benchmark`, which prices each case with the model.
 
-- On a TPU host (`ON_TPU`: the accelerator `kernels` picks too) each timing is `CALLS_PER_TIMING` calls issued
+- On a TPU host (`ON_TPU`: the accelerator `kernels` picks too) each timing is `TPU_CALLS_PER_TIMING` calls issued
   back to back, then waited for: `kernels`' timer synchronizes CUDA, XPU and MPS only, and a TPU call returns
   before the chip has finished. Back-to-back calls keep the chip busy while the host dispatches the next one,
   so a timing divided by the count approaches the device time of one call.
@@ -29,7 +30,8 @@ from kernels import Benchmark
 SEED = 0
 _ACCELERATOR = torch.accelerator.current_accelerator()
 ON_TPU = _ACCELERATOR is not None and _ACCELERATOR.type == "tpu"
-CALLS_PER_TIMING = 10 if ON_TPU else 1
+TPU_CALLS_PER_TIMING = 10
+CALLS_PER_TIMING = TPU_CALLS_PER_TIMING if ON_TPU else 1
 INTERPRET_MODE_NOTE = ("No TPU here: small shapes in Pallas TPU interpret mode. The kernels are checked against "
                        "their reference; the times measure the interpreter and mean nothing about a TPU.")
 
@@ -89,12 +91,14 @@ def _workload_methods(workload: str) -> dict:
             f"verify_{workload}": lambda self: self.verify()}
 
 
-def define(namespace: dict, case_class: type, tables: dict) -> None:
-    """One Benchmark class per entry of `tables` ({class name: {workload: case}}), bound in `namespace` (the
-    benchmark script's globals: kernels runs the classes the script's module defines)."""
-    for class_name, cases in tables.items():
-        methods = {"cases": cases, "__module__": namespace["__name__"]}
-        for workload in cases:
-            methods |= _workload_methods(workload)
-        namespace[class_name] = type(class_name, (case_class, Benchmark), methods)
+def define(namespace: dict, suites) -> None:
+    """One Benchmark class per entry of each suite's table for this host, bound in `namespace` (the benchmark
+    script's globals: kernels runs the classes the script's module defines).
 
+    `suites`: (case class, TPU table, interpret-mode table), a table being {class name: {workload: case}}."""
+    for case_class, tpu_table, interpret_table in suites:
+        for class_name, cases in (tpu_table if ON_TPU else interpret_table).items():
+            methods = {"cases": cases, "__module__": namespace["__name__"]}
+            for workload in cases:
+                methods |= _workload_methods(workload)
+            namespace[class_name] = type(class_name, (case_class, Benchmark), methods)

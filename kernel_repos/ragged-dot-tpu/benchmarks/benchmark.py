@@ -120,9 +120,6 @@ class GroupedMatmulCase(harness.KernelCase):
                                                           transpose_rhs=True)
 
 
-if harness.ON_TPU:
-    harness.define(globals(), ExpertsLayerCase, LAYER_CASES)
-    harness.define(globals(), GroupedMatmulCase, MATMUL_CASES)
-else:
-    harness.define(globals(), ExpertsLayerCase, INTERPRET_LAYER_CASES)
-    harness.define(globals(), GroupedMatmulCase, INTERPRET_MATMUL_CASES)
+SUITES = [(ExpertsLayerCase, LAYER_CASES, INTERPRET_LAYER_CASES),
+          (GroupedMatmulCase, MATMUL_CASES, INTERPRET_MATMUL_CASES)]
+harness.define(globals(), SUITES)
