@@ -12,7 +12,7 @@ import torch
 from kernels._rust import Digest, DigestAlgorithm, DigestValidationError
 
 from tpu_kernels.distribution.build_toml import BuildToml, BuildTomlError, read_build_toml
-from tpu_kernels.distribution.builder import SHIPPED_MODULES, KernelSource, build_kernel_repo
+from tpu_kernels.distribution.builder import BENCHMARK_HARNESS, SHIPPED_MODULES, KernelSource, build_kernel_repo
 from tpu_kernels.distribution.digest import verify_variant
 
 from .conftest import REPO_ROOT
@@ -61,6 +61,20 @@ def test_every_build_carries_its_tuned_table_and_the_shared_modules_under_its_di
         assert (variant / table).read_bytes() == (source.package_dir / table).read_bytes()
         assert {table, *SHIPPED_MODULES} <= set(kernels.Metadata.read_from_file(variant / "metadata.json").digest.files)
         verify_variant(variant)  # what publish and the loader check
+
+
+def test_the_build_carries_the_benchmarks_with_the_shared_harness(built):
+    harness_name, harness = BENCHMARK_HARNESS
+    assert (built / "benchmarks" / "benchmark.py").read_bytes() == (REPO / "benchmarks" / "benchmark.py").read_bytes()
+    assert (built / "benchmarks" / harness_name).read_bytes() == harness.read_bytes()
+
+
+def test_a_source_harness_of_its_own_is_refused(tmp_path):
+    source = tmp_path / "ragged-dot-tpu"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns("__pycache__", "tests"))
+    (source / "benchmarks" / BENCHMARK_HARNESS[0]).write_text("ROUNDS = 1\n")
+    with pytest.raises(ValueError, match="the build writes _harness.py"):
+        build_kernel_repo(source, tmp_path / "out")
 
 
 @pytest.mark.parametrize("changed", ["gmm/kernel.py", "symbols.json"])
