@@ -1,0 +1,170 @@
+"""`kernels benchmark` on our three published repos, and `tpu-kernels calibrate --from-benchmark` on its JSON.
+
+The chain runs here end to end: the real `kernels benchmark` CLI against our local Hub (interpret mode on this
+CPU: every case checked against its reference), then `calibrate --from-benchmark` on its JSON. The fit is
+checked on a recorded TPU run: tests/tokamax_v5e_kernels_benchmark.json holds, in kernels benchmark's form,
+three of tokamax 0.0.12's own v5e timings of its Pallas ragged dot (tokamax/data/autotuning/tpu_v5_lite: each
+entry's `evaluation_times_ms` as the timings, named by `benchmark_cases.tokamax_workload`), so the model's
+figures and the constants the data moves are known: the model's are `calibrate`'s for the same entries, and
+timings made from the model at other constants must move exactly those.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .hub_support import CLI_TIMEOUT, KERNEL_NAMES, TRUSTED, cli_env, published_fixture, run_cli
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TOKAMAX_FIXTURE = Path(__file__).with_name("tokamax_v5e_kernels_benchmark.json")
+
+published = published_fixture("kernels-benchmark")
+
+
+def _benchmark_module(build: Path):
+    from benchmarks.studies import benchmark_cases
+
+    return benchmark_cases._load_script(build / "benchmarks" / "benchmark.py", f"_benchmark_{build.name}")
+
+
+def interpret_workloads(module) -> set[str]:
+    return {f"{class_name}.{workload}" for _, _, table in module.SUITES for class_name, cases in table.items()
+            for workload in cases}
+
+
+@pytest.fixture(scope="module")
+def benchmark_runs(published, tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """`kernels benchmark tpu-kernels/<name> --version 1` of each repo, as a user runs it: its JSON and its
+    printed output. One warm-up-free timing per case: the times here mean nothing."""
+    home = tmp_path_factory.mktemp("benchmark-user")
+    env = cli_env(published.url, home)
+    runs = {}
+    for name in KERNEL_NAMES:
+        out = home / f"{name}.json"
+        done = run_cli("kernels", "benchmark", f"{TRUSTED}/{name}", "--version", "1", "--warmup", "0",
+                       "--iterations", "1", "--output", str(out), env=env)
+        runs[name] = (out, done.stdout + done.stderr)
+    return runs
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_kernels_benchmark_runs_each_published_repo_and_every_check_passes(published, benchmark_runs):
+    for name, (out, printed) in benchmark_runs.items():
+        results = json.loads(out.read_text())["results"]
+        assert {r["workload"] for r in results} == interpret_workloads(_benchmark_module(published.builds[name]))
+        assert all(r["verified"] is True for r in results), name
+        assert "mean nothing about a TPU" in printed
+
+
+def _calibrate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tpu_kernels.cli", "calibrate", *args], cwd=REPO_ROOT,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                          timeout=CLI_TIMEOUT)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_calibrate_prices_every_benchmarked_case_and_fits_nothing_from_interpret_mode(benchmark_runs, tmp_path):
+    paths = [str(out) for out, _ in benchmark_runs.values()]
+    unknown = tmp_path / "unknown.json"
+    payload = json.loads(Path(paths[0]).read_text())
+    payload["results"] = [dict(payload["results"][0], workload="Elsewhere.kernel")]
+    unknown.write_text(json.dumps(payload))
+    report_path = tmp_path / "report.json"
+    done = _calibrate("--from-benchmark", *paths, str(unknown), "--chip", "v6e", "--out", str(report_path),
+                      "--cache-dir", str(tmp_path / "cache"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    measured = {r["workload"]: r for path in paths for r in json.loads(Path(path).read_text())["results"]}
+    assert {e["workload"] for e in report["entries"]} == set(measured)
+    for entry in report["entries"]:
+        assert entry["interpret_mode"] and entry["chip"] == "v6e" and entry["predicted_us"] > 0
+        assert entry["measured_us"] == pytest.approx(1e3 * measured[entry["workload"]]["timingResults"]["min_ms"],
+                                                     abs=0.01)
+        assert entry["terms_us"]["kernel_steps"] > 0
+    assert report["skipped"] == [{"workload": "Elsewhere.kernel", "reason": "no kernel repo's benchmark defines it"}]
+    assert report["moves"] == {} and report["summary"] == {}
+    assert "interpret mode: the time means nothing" in done.stdout and "no constant moves" in done.stdout
+
+
+def test_calibrate_takes_tokamax_files_or_benchmark_json_and_asks_for_the_chip(tmp_path, capsys):
+    from tpu_kernels.cli import main
+
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"results": [{"workload": "InterpretModeRMSNorm.rms_norm_h256_r16",
+                                                "timingResults": {"min_ms": 1.0, "mean_ms": 1.0, "iterations": 1},
+                                                "verified": True}]}))
+    not_json = tmp_path / "not.json"
+    not_json.write_text("timings: none")
+    for args, said in (((), "one of them"), ((str(tmp_path), "--from-benchmark", str(results)), "one of them"),
+                       (("--from-benchmark", str(results)), "name the chip"),
+                       (("--from-benchmark", str(results), "--chip", "v9"), "--chip v9"),
+                       (("--from-benchmark", str(not_json)), "not the JSON")):
+        assert main(["calibrate", *args]) == 2
+        assert said in capsys.readouterr().err, args
+
+
+@pytest.fixture(scope="module")
+def tokamax_analysis(tmp_path_factory):
+    from benchmarks.studies import from_benchmark
+
+    cache = tmp_path_factory.mktemp("calibration-cache")
+    return from_benchmark.analyse([TOKAMAX_FIXTURE], None, cache_dir=cache), cache
+
+
+def _with_times(analysis, constants, folder: Path) -> Path:
+    """The fixture with each workload's timing replaced by the model's figure at `constants`."""
+    priced = {analysis.workloads[a.measurement.identity][0]: a.price(constants).pipelined_time_s * 1e3
+              for a in analysis.analysed}
+    payload = json.loads(TOKAMAX_FIXTURE.read_text())
+    for result in payload["results"]:
+        result["timingResults"].update(min_ms=priced[result["workload"]], mean_ms=priced[result["workload"]])
+    path = folder / "priced.json"
+    path.write_text(json.dumps(payload))
+    return path
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+def test_a_recorded_tpu_run_is_priced_as_calibrate_prices_the_same_timings(tokamax_analysis, tmp_path):
+    from benchmarks.perf import calibration
+    from benchmarks.studies import benchmark_cases, calibration_fit, from_benchmark
+
+    analysis, cache = tokamax_analysis
+    assert len(analysis.analysed) == 3 and analysis.skipped == []
+    tokamax = benchmark_cases.tokamax_measurements(calibration_fit.installed_paths())
+    report = from_benchmark.make_report(analysis, [TOKAMAX_FIXTURE])
+    recorded = [tokamax[entry["workload"]] for entry in report["entries"]]
+    direct = calibration.analyse_measurements(recorded, calibration.AnalysisCache(cache), jobs=1)
+    for entry, measurement, same in zip(report["entries"], recorded, direct):
+        assert entry["measured_us"] == pytest.approx(measurement.measured_us)
+        assert entry["predicted_us"] == pytest.approx(same.price().pipelined_time_s * 1e6, abs=0.01)
+    assert report["summary"]["v5e"]["pallas_ragged_dot"]["all"]["count"] == 3
+    assert set(report["moves"]["v5e"]["constants"]) == set(from_benchmark.SCANS)
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+@pytest.mark.parametrize("name, value", [("grid_step_s", 0.6e-6), ("hbm_fraction", 0.8)])
+def test_timings_made_at_other_constants_move_exactly_those(tokamax_analysis, tmp_path, name, value):
+    from benchmarks.perf import calibration
+    from benchmarks.studies import from_benchmark
+
+    analysis, cache = tokamax_analysis
+    current = from_benchmark.current_values("v5e", calibration.ModelConstants())
+    pinned = {key: current[key] for key in ("grid_step_s", "ragged_dot_step_s", "hbm_fraction")}
+    at_current = _with_times(analysis, calibration.ModelConstants(**pinned), tmp_path)
+    found = from_benchmark.moves(from_benchmark.analyse([at_current], None, cache_dir=cache).analysed)["v5e"]
+    assert not any(constant["moves"] for constant in found["constants"].values())
+
+    moved = _with_times(analysis, calibration.ModelConstants(**dict(pinned, **{name: value})), tmp_path)
+    found = from_benchmark.moves(from_benchmark.analyse([moved], None, cache_dir=cache).analysed)["v5e"]
+    assert found["constants"][name]["fitted"] == pytest.approx(value)
+    assert found["constants"][name]["moves"] and found["constants"][name]["median_abs_error_fitted"] == 0
