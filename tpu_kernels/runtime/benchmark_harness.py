@@ -22,7 +22,9 @@ methods `kernels benchmark` looks up by name. The same suites and `inputs` serve
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
+from pathlib import Path
 
 import torch
 from kernels import Benchmark
@@ -39,6 +41,18 @@ INTERPRET_MODE_NOTE = ("No TPU here: small shapes in Pallas TPU interpret mode. 
 def compile_targets_of(kernel, submodule: str = "compile_targets"):
     """The loaded kernel's module of modelled shapes (`tpu-kernels check` compiles the same)."""
     return importlib.import_module(f"{kernel.__name__}.{submodule}")
+
+
+def torch_op(qualname: str, fn):
+    """The typed JAX function `fn` as the torch op `qualname`, through the kernels' binding (`_binding.py`, copied
+    beside this file): on a TPU compiled by Mosaic, elsewhere run in interpret mode. For the kernels a benchmark
+    defines itself."""
+    spec = importlib.util.spec_from_file_location("_kernel_benchmark_binding", Path(__file__).with_name("_binding.py"))
+    binding = sys.modules.get(spec.name)
+    if binding is None:
+        binding = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(binding)
+    return binding.jax_torch_op(qualname)(fn)
 
 
 def on_device(inputs: dict, device: str) -> dict:
