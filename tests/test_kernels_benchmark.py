@@ -27,15 +27,14 @@ TOKAMAX_FIXTURE = Path(__file__).with_name("tokamax_v5e_kernels_benchmark.json")
 published = published_fixture("kernels-benchmark")
 
 
-def _benchmark_module(build: Path):
+def interpret_workloads(build: Path) -> set[str]:
+    """The workloads the build's benchmark scripts run without a TPU."""
     from benchmarks.studies import benchmark_cases
 
-    return benchmark_cases._load_script(build / "benchmarks" / "benchmark.py", f"_benchmark_{build.name}")
-
-
-def interpret_workloads(module) -> set[str]:
-    return {f"{class_name}.{workload}" for _, _, table in module.SUITES for class_name, cases in table.items()
-            for workload in cases}
+    modules = [benchmark_cases._load_script(script, f"_test_{build.name}_{script.stem}".replace("-", "_"))
+               for script in sorted((build / "benchmarks").glob("benchmark*.py"))]
+    return {f"{class_name}.{workload}" for module in modules for _, _, table in module.SUITES
+            for class_name, cases in table.items() for workload in cases}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +57,7 @@ def benchmark_runs(published, tmp_path_factory) -> dict[str, tuple[Path, str]]:
 def test_kernels_benchmark_runs_each_published_repo_and_every_check_passes(published, benchmark_runs):
     for name, (out, printed) in benchmark_runs.items():
         results = json.loads(out.read_text())["results"]
-        assert {r["workload"] for r in results} == interpret_workloads(_benchmark_module(published.builds[name]))
+        assert {r["workload"] for r in results} == interpret_workloads(published.builds[name])
         assert all(r["verified"] is True for r in results), name
         assert "mean nothing about a TPU" in printed
 
@@ -83,14 +82,17 @@ def test_calibrate_prices_every_benchmarked_case_and_fits_nothing_from_interpret
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(report_path.read_text())
     measured = {r["workload"]: r for path in paths for r in json.loads(Path(path).read_text())["results"]}
-    assert {e["workload"] for e in report["entries"]} == set(measured)
+    constants = {p["workload"]: p for p in report["model_constant_points"]}
+    assert {e["workload"] for e in report["entries"]} | set(constants) == set(measured)
+    assert {p["term"] for p in constants.values()} == {"grid_step", "kernel_dma", "hbm_stream", "expert_gather"}
+    assert all(p["interpret_mode"] and p["seconds"] > 0 for p in constants.values())
     for entry in report["entries"]:
         assert entry["interpret_mode"] and entry["chip"] == "v6e" and entry["predicted_us"] > 0
         assert entry["measured_us"] == pytest.approx(1e3 * measured[entry["workload"]]["timingResults"]["min_ms"],
                                                      abs=0.01)
         assert entry["terms_us"]["kernel_steps"] > 0
     assert report["skipped"] == [{"workload": "Elsewhere.kernel", "reason": "no kernel repo's benchmark defines it"}]
-    assert report["moves"] == {} and report["summary"] == {}
+    assert report["moves"] == {} and report["summary"] == {} and report["model_constant_fits"] == {}
     assert "interpret mode: the time means nothing" in done.stdout and "no constant moves" in done.stdout
 
 
@@ -168,3 +170,50 @@ def test_timings_made_at_other_constants_move_exactly_those(tokamax_analysis, tm
     found = from_benchmark.moves(from_benchmark.analyse([moved], None, cache_dir=cache).analysed)["v5e"]
     assert found["constants"][name]["fitted"] == pytest.approx(value)
     assert found["constants"][name]["moves"] and found["constants"][name]["median_abs_error_fitted"] == 0
+
+
+# Lines a TPU run of the microbenchmarks could have measured (per call): fixed cost + x / rate.
+KNOWN_LINES = {"grid_step": (4e-6, 0.5e-6), "kernel_dma": (1.5e-6, 0.9), "hbm_stream": (10e-6, 0.8),
+               "expert_gather": (20e-6, 0.7)}
+
+
+def test_microbenchmark_timings_fit_their_terms_directly(tmp_path):
+    from benchmarks.studies import benchmark_cases, from_benchmark, model_constant_fits
+    from tpu_kernels.runtime.hardware import tpu_generation
+
+    script = REPO_ROOT / "kernel_repos" / "ragged-dot-tpu" / "benchmarks" / "benchmark_model_constants.py"
+    harness = REPO_ROOT / "tpu_kernels" / "runtime" / "benchmark_harness.py"
+    (tmp_path / "_harness.py").write_bytes(harness.read_bytes())
+    (tmp_path / "benchmark_model_constants.py").write_bytes(script.read_bytes())
+    module = benchmark_cases._load_script(tmp_path / "benchmark_model_constants.py", "_test_model_constants")
+    peak = tpu_generation("v6e").device_hbm_bytes_per_s
+    results = []
+    for class_name, cases in module.TPU_CASES.items():
+        for workload, case in cases.items():
+            term, x, _ = model_constant_fits.point(case, 1.0)
+            fixed, rate = KNOWN_LINES[term]
+            per_x = rate if term == "grid_step" else 1 / (rate * peak)
+            seconds = fixed + per_x * x
+            per_call = seconds * case.get("copies", 1) if term == "kernel_dma" else seconds
+            timing_ms = 1e3 * per_call * module.harness.TPU_CALLS_PER_TIMING
+            results.append({"workload": f"{class_name}.{workload}", "verified": True,
+                            "timingResults": {"min_ms": timing_ms, "mean_ms": timing_ms, "iterations": 5}})
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps({"results": results}))
+
+    report = from_benchmark.make_report(from_benchmark.analyse([measured], "v6e"), [measured])
+    fits = report["model_constant_fits"]["v6e"]
+    assert report["entries"] == [] and len(report["model_constant_points"]) == len(results)
+    assert fits["grid_step"]["fitted"] == pytest.approx(0.5e-6) and fits["grid_step"]["moves"]
+    assert fits["grid_step"]["intercept_s"] == pytest.approx(4e-6)
+    assert fits["kernel_dma"]["fixed_cost_per_copy_s"] == pytest.approx(1.5e-6)
+    for term in ("kernel_dma", "hbm_stream", "expert_gather"):
+        assert fits[term]["share_of_peak_hbm"] == pytest.approx(KNOWN_LINES[term][1]), term
+        assert fits[term]["constant"] == "hbm_fraction" and fits[term]["moves"], term
+
+
+def test_a_term_with_one_size_is_not_fitted():
+    from benchmarks.studies import model_constant_fits
+
+    found = model_constant_fits.term_fit("v5e", "grid_step", [(100.0, 1e-4), (100.0, 1.1e-4)])
+    assert found["fit"] is None and "two distinct" in found["why"]

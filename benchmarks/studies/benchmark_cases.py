@@ -2,7 +2,7 @@
 
 A workload of `kernels benchmark`'s JSON is `Class.workload`. Two families are known:
 
-- **ours**: a class of a kernel repo's `benchmarks/benchmark.py` (its `SUITES`: case class, TPU table,
+- **ours**: a class of a kernel repo's `benchmarks/benchmark*.py` (their `SUITES`: case class, TPU table,
   interpret-mode table). The repo is built from the checkout (the build adds the shared `_harness.py`), its
   benchmark module is loaded from the build by path, and the case's inputs are made exactly as the benchmark
   made them (the same builder and seed); the kernel's JAX function is then traced at those inputs: float
@@ -60,44 +60,56 @@ class Case:
     case_class: type
     case: object
     interpret_mode: bool
+    module: object  # the benchmark script that defines it
+
+    @property
+    def model_constant(self) -> bool:
+        """A microbenchmark of one of the model's constants (`benchmark_model_constants.py`): fitted directly."""
+        return self.case_class.__name__ == "ModelConstantCase"
 
 
 class OurBenchmarks:
-    """The three kernel repos built from the checkout, each loaded with its benchmark module."""
+    """The three kernel repos built from the checkout with their benchmark scripts loaded; each kernel is loaded
+    when a case of its first needs it."""
 
     def __init__(self, repos: Path | None = None):
-        import kernels
-
         from tpu_kernels.distribution.builder import build_kernel_repo
 
         self._folder = tempfile.TemporaryDirectory(prefix="from_benchmark_")
-        self.kernels, self.modules = {}, {}
+        self.builds, self.modules, self._kernels = {}, {}, {}
         for name in KERNEL_REPOS:
-            build = build_kernel_repo((repos / name) if repos else kernel_repo(name), Path(self._folder.name))
-            self.kernels[name] = kernels.get_local_kernel(build, backend="cpu")
-            self.modules[name] = _load_script(build / "benchmarks" / "benchmark.py", f"_benchmark_{name}")
+            build = self.builds[name] = build_kernel_repo((repos / name) if repos else kernel_repo(name),
+                                                          Path(self._folder.name))
+            self.modules[name] = [_load_script(script, f"_{name}_{script.stem}".replace("-", "_"))
+                                  for script in sorted((build / "benchmarks").glob("benchmark*.py"))]
 
     def find(self, workload: str) -> Case | None:
         class_name, _, method = workload.partition(".")
-        for repo, module in self.modules.items():
-            for case_class, tpu_table, interpret_table in module.SUITES:
-                for table, interpret_mode in ((tpu_table, False), (interpret_table, True)):
-                    if method in table.get(class_name, {}):
-                        return Case(repo, workload, case_class, table[class_name][method], interpret_mode)
+        for repo, modules in self.modules.items():
+            for module in modules:
+                for case_class, tpu_table, interpret_table in module.SUITES:
+                    for table, interpret_mode in ((tpu_table, False), (interpret_table, True)):
+                        if method in table.get(class_name, {}):
+                            return Case(repo, workload, case_class, table[class_name][method], interpret_mode,
+                                        module)
         return None
 
     def program_inputs(self, case: Case) -> tuple[dict, object]:
         """The case's inputs as the benchmark made them (CPU tensors), and the kernel they are for."""
-        kernel = self.kernels[case.repo]
+        if case.repo not in self._kernels:
+            import kernels
+
+            self._kernels[case.repo] = kernels.get_local_kernel(self.builds[case.repo], backend="cpu")
+        kernel = self._kernels[case.repo]
         instance = case.case_class()
         instance.kernel = kernel
-        harness = self.modules[case.repo].harness
+        harness = case.module.harness
         generator = torch.Generator().manual_seed(harness.SEED)
         return instance.inputs(case.case, instance.targets(kernel), generator), kernel
 
     def calls_per_timing(self, case: Case) -> int:
         """How many calls one timing of the case made on the host that ran it (a TPU one, or the interpreter)."""
-        return 1 if case.interpret_mode else self.modules[case.repo].harness.TPU_CALLS_PER_TIMING
+        return 1 if case.interpret_mode else case.module.harness.TPU_CALLS_PER_TIMING
 
 
 def _load_script(path: Path, name: str):

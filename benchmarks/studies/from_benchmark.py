@@ -29,7 +29,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks.perf import calibration, chip as chip_constants
-from benchmarks.studies import benchmark_cases, calibration_fit
+from benchmarks.studies import benchmark_cases, calibration_fit, model_constant_fits
 
 DEFAULT_OUT = Path("benchmarks/results/calibration_from_benchmark.json")
 CHIPS = ("v5e", "v5p", "v6e", "tpu7x")
@@ -77,6 +77,7 @@ class Analysis:
     analysed: list  # calibration.Analysed, priced
     workloads: dict  # measurement identity -> (workload, interpret mode)
     skipped: list
+    constant_points: list = dataclasses.field(default_factory=list)  # the microbenchmarks' (model_constant_fits)
 
 
 def analyse(paths, chip: str | None, *, repos: Path | None = None, tokamax_paths=None,
@@ -123,6 +124,11 @@ def _analyse_ours(result: Analysis, timed: list[Timed], chip: str, repos) -> Non
             result.skipped.append({"workload": t.workload, "reason": "no kernel repo's benchmark defines it"})
             continue
         calls = benchmarks.calls_per_timing(case)
+        if case.model_constant:
+            term, x, seconds = model_constant_fits.point(case.case, 1e-3 * t.min_ms / calls)
+            result.constant_points.append({"workload": t.workload, "chip": chip, "term": term, "x": x,
+                                           "seconds": seconds, "interpret_mode": case.interpret_mode})
+            continue
         measurement = benchmark_cases.WorkloadMeasurement(
             chip=chip, kind=f"{case.repo} {case.case_class.__name__}", source=t.source,
             call={"workload": t.workload}, config={"calls_per_timing": calls}, times_ms=(t.min_ms / calls,))
@@ -215,9 +221,20 @@ def make_report(analysis: Analysis, sources) -> dict:
         "constants": dataclasses.asdict(constants),
         "summary": calibration.summarize([record for record in records if not record["interpret_mode"]]),
         "moves": moves(fitting),
+        "model_constant_fits": model_constant_fits.fits(_points_by_term(analysis.constant_points)),
+        "model_constant_points": analysis.constant_points,
         "entries": records,
         "skipped": sorted(analysis.skipped, key=lambda skipped: skipped["workload"]),
     }
+
+
+def _points_by_term(points: list[dict]) -> dict:
+    """The microbenchmarks' points measured on a TPU, by (chip, term): interpret-mode ones are never fitted."""
+    found: dict = {}
+    for p in points:
+        if not p["interpret_mode"]:
+            found.setdefault((p["chip"], p["term"]), []).append((p["x"], p["seconds"]))
+    return found
 
 
 def printed(report: dict) -> str:
@@ -234,7 +251,11 @@ def printed(report: dict) -> str:
             verdict = "moves" if found["moves"] else "stays"
             lines.append(f"  {name:36} {verdict}: {found['current']:.4g} -> {found['fitted']:.4g} "
                          f"(median error {found['median_abs_error_now']:.1%} -> {found['median_abs_error_fitted']:.1%})")
-    if not report["moves"]:
+    for p in report["model_constant_points"]:
+        note = "  (interpret mode: the time means nothing)" if p["interpret_mode"] else ""
+        lines.append(f"{p['workload']:58} {p['chip']:6} {p['term']} at {p['x']:.4g}: {p['seconds'] * 1e6:.2f} us{note}")
+    lines += model_constant_fits.printed(report["model_constant_fits"])
+    if not report["moves"] and not report["model_constant_fits"]:
         lines.append("No entry measured on a TPU: no constant moves.")
     return "\n".join(lines)
 
