@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from .hub_support import CLI_TIMEOUT, KERNEL_NAMES, TRUSTED, cli_env, published_fixture, run_cli
+from .hub_support import BIN, CLI_TIMEOUT, KERNEL_NAMES, TOKEN, TRUSTED, cli_env, published_fixture, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKAMAX_FIXTURE = Path(__file__).with_name("tokamax_v5e_kernels_benchmark.json")
@@ -60,6 +60,38 @@ def test_kernels_benchmark_runs_each_published_repo_and_every_check_passes(publi
         assert {r["workload"] for r in results} == interpret_workloads(published.builds[name])
         assert all(r["verified"] is True for r in results), name
         assert "mean nothing about a TPU" in printed
+
+
+PROBE = """import os, pathlib
+from kernels import Benchmark
+pathlib.Path(os.environ["BENCHMARK_RAN"]).write_text("ran")
+
+
+class Probe(Benchmark):
+    def benchmark_probe(self):
+        pass
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_kernels_benchmark_runs_a_repos_code_before_refusing_its_untrusted_publisher(published, tmp_path):
+    """A fact of kernels 0.19.1 (docs/security.md): the benchmark scripts run before get_kernel's trust check."""
+    import shutil
+
+    from tpu_kernels.distribution.publish import upload_kernel
+
+    build = tmp_path / "rmsnorm-tpu"
+    shutil.copytree(published.builds["rmsnorm-tpu"], build)
+    (build / "benchmarks" / "benchmark.py").write_text(PROBE)
+    upload_kernel(build, "someone/rmsnorm-tpu", endpoint=published.url, token=TOKEN)
+    ran = tmp_path / "ran"
+    env = dict(cli_env(published.url, tmp_path), BENCHMARK_RAN=str(ran))
+    done = subprocess.run([str(BIN / "kernels"), "benchmark", "someone/rmsnorm-tpu",
+                           "--version", "1", "--warmup", "0", "--iterations", "1"], env=env, capture_output=True,
+                          text=True, timeout=CLI_TIMEOUT, stdin=subprocess.DEVNULL)
+    assert done.returncode == 1 and "is not from a trusted publisher" in done.stderr
+    assert ran.read_text() == "ran"
 
 
 def _calibrate(*args: str) -> subprocess.CompletedProcess:
