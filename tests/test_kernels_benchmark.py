@@ -249,3 +249,24 @@ def test_a_term_with_one_size_is_not_fitted():
 
     found = model_constant_fits.term_fit("v5e", "grid_step", [(100.0, 1e-4), (100.0, 1.1e-4)])
     assert found["fit"] is None and "two distinct" in found["why"]
+
+
+@pytest.mark.parametrize("name", KERNEL_NAMES)
+def test_every_tpu_case_resolves_against_the_kernels_compile_targets(name, kernel_builds):
+    """The TPU tables name shapes of compile_targets (checked here, where no TPU runs them)."""
+    from benchmarks.studies import benchmark_cases
+    from tpu_kernels.distribution.loader import get_local_kernel
+
+    kernel = get_local_kernel(kernel_builds[name], backend="cpu")
+    scripts = sorted((kernel_builds[name] / "benchmarks").glob("benchmark*.py"))
+    for script in scripts:
+        module = benchmark_cases._load_script(script, f"_resolve_{name}_{script.stem}".replace("-", "_"))
+        for case_class, tpu_table, _ in module.SUITES:
+            instance = case_class()
+            targets = instance.targets(kernel)
+            for cases in tpu_table.values():
+                for case in cases.values():
+                    instance.spec(case, targets)  # a name or shape compile_targets no longer has raises
+        if name == "rmsnorm-tpu":
+            with pytest.raises(ValueError, match="not among compile_targets' shapes"):
+                module.modelled("rms_norm", 3, 4096)(targets)

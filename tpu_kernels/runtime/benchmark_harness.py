@@ -69,8 +69,9 @@ def finished(result: torch.Tensor) -> torch.Tensor:
 class KernelCase:
     """One workload. A mixin, no Benchmark itself (kernels runs every Benchmark subclass a script defines).
 
-    Subclasses give `inputs(case, generator)` (the case's arguments as CPU tensors, a dict), `call(inputs)` and
-    `expected(inputs)`; `targets(kernel)` is what `inputs` reads the modelled shapes from."""
+    Subclasses give `make_inputs(spec, generator)` (the case's arguments as CPU tensors, a dict), `call(inputs)`
+    and `expected(inputs)`; `spec(case, targets)` resolves a table's case against the modelled shapes
+    (`targets(kernel)`: by default a case is a function of them)."""
 
     seed = SEED
     cases: dict = {}
@@ -78,6 +79,12 @@ class KernelCase:
 
     def targets(self, kernel):
         return compile_targets_of(kernel)
+
+    def spec(self, case, targets):
+        return case(targets)
+
+    def inputs(self, case, targets, generator: torch.Generator) -> dict:
+        return self.make_inputs(self.spec(case, targets), generator)
 
     def setup_workload(self, workload: str) -> None:
         if not ON_TPU and not KernelCase.noted:

@@ -113,8 +113,8 @@ class AttentionCase(harness.KernelCase):
 
 
 class FlashCase(AttentionCase):
-    def inputs(self, case, targets, generator):
-        return flash_inputs(case(targets), generator)
+    def make_inputs(self, spec, generator):
+        return flash_inputs(spec, generator)
 
     def call(self, inputs):
         return self.kernel.flash_attention(inputs["q"], inputs["k"], inputs["v"], **inputs["options"])
@@ -124,8 +124,8 @@ class FlashCase(AttentionCase):
 
 
 class PagedCase(AttentionCase):
-    def inputs(self, case, targets, generator):
-        return paged_inputs(case(targets), generator)
+    def make_inputs(self, spec, generator):
+        return paged_inputs(spec, generator)
 
     def call(self, inputs):
         return self.kernel.ragged_paged_attention(inputs["q"], inputs["k_cache"], inputs["v_cache"],

@@ -92,9 +92,12 @@ def matmul_inputs(shape: dict, projection: str, generator: torch.Generator) -> d
 
 
 class ExpertsLayerCase(harness.KernelCase):
-    def inputs(self, case, targets, generator):
+    def spec(self, case, targets):
         name, tokens = case
-        return layer_inputs(layer_shapes(targets)[name], tokens, generator)
+        return layer_shapes(targets)[name], tokens
+
+    def make_inputs(self, spec, generator):
+        return layer_inputs(*spec, generator)
 
     def call(self, inputs):
         return self.kernel.gated_experts(
@@ -108,9 +111,12 @@ class ExpertsLayerCase(harness.KernelCase):
 
 
 class GroupedMatmulCase(harness.KernelCase):
-    def inputs(self, case, targets, generator):
+    def spec(self, case, targets):
         model, projection = case
-        return matmul_inputs(grouped_shapes(targets)[model], projection, generator)
+        return grouped_shapes(targets)[model], projection
+
+    def make_inputs(self, spec, generator):
+        return matmul_inputs(*spec, generator)
 
     def call(self, inputs):
         return self.kernel.ragged_dot(inputs["lhs"], inputs["rhs"], inputs["group_sizes"], transpose_rhs=True)

@@ -47,9 +47,9 @@ TPU_CASES = {
     "ExpertGather": _cases("picks", (8, 32, 128), experts=16, rows=1536, columns=2048),
 }
 INTERPRET_CASES = {
-    "InterpretModeGridStep": _cases("steps", (1, 4)),
-    "InterpretModeKernelDma": _cases("bytes", (4 * KIB, 16 * KIB), copies=2),
-    "InterpretModeHbmStream": _cases("bytes", (MIB,), block_rows=256),
+    "InterpretModeGridStep": _cases("steps", (4,)),
+    "InterpretModeKernelDma": _cases("bytes", (4 * KIB,), copies=2),
+    "InterpretModeHbmStream": _cases("bytes", (MIB // 2,), block_rows=128),
     "InterpretModeExpertGather": _cases("picks", (2,), experts=4, rows=64, columns=128),
 }
 
@@ -124,8 +124,11 @@ def model_constant_inputs(case: dict, generator: torch.Generator) -> dict:
 
 
 class ModelConstantCase(harness.KernelCase):
-    def inputs(self, case, targets, generator):
-        return dict(model_constant_inputs(case, generator), case=case)
+    def spec(self, case, targets):
+        return case
+
+    def make_inputs(self, spec, generator):
+        return dict(model_constant_inputs(spec, generator), case=spec)
 
     def call(self, inputs):
         case = inputs["case"]

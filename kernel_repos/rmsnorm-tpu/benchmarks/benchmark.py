@@ -53,8 +53,8 @@ def norm_inputs(case: dict, generator: torch.Generator) -> dict:
 
 
 class NormCase(harness.KernelCase):
-    def inputs(self, case, targets, generator):
-        return norm_inputs(case(targets), generator)
+    def make_inputs(self, spec, generator):
+        return norm_inputs(spec, generator)
 
     def call(self, inputs):
         if inputs["kernel"] == "rms_norm":
