@@ -128,7 +128,7 @@ class Storage:
 
     def existing_repo_dir(self, repo_type: str, repo_id: str) -> Path:
         folder = self.repo_dir(repo_type, repo_id)
-        if not (folder / "refs.json").is_file():
+        if not self.repo_exists(repo_type, repo_id):
             raise HubError(404, f"Repository {repo_type}/{repo_id} not found", code="RepoNotFound")
         return folder
 
@@ -140,6 +140,9 @@ class Storage:
         except FileNotFoundError:  # deleted since
             raise HubError(404, f"Repository {folder.parent.name}/{folder.name} not found", code="RepoNotFound") from None
         return found.st_dev, found.st_ino
+
+    def repo_exists(self, repo_type: str, repo_id: str) -> bool:
+        return (self.repo_dir(repo_type, repo_id) / "refs.json").is_file()
 
     def is_private(self, repo_type: str, repo_id: str) -> bool:
         folder = self.existing_repo_dir(repo_type, repo_id)
