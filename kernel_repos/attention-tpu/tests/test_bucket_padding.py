@@ -73,3 +73,34 @@ def test_padded_attention_forward_gradients_are_the_unpadded_ones(kernel, kernel
     assert kernel_shapes == [(32, 128)]
     for name, grad, expected_grad in zip(("query", "key", "value", "sinks"), ours, expected):
         torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_flash_attn_func_pads_to_buckets_and_keeps_bottom_right_causality(kernel, kernel_shapes):
+    """flash-attn's layout and alignment: the queries are the last positions of the real keys, not of the padded."""
+    q, k, v = _random(10, 1, 5, 2, 64), _random(11, 1, 17, 1, 64), _random(12, 1, 17, 1, 64)
+    expected = kernel.flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                      causal=True).transpose(1, 2)
+    kernel_shapes.clear()
+    out = kernel.flash_attn_func(q, k, v, causal=True)
+    assert kernel_shapes == [(16, 128)]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_flash_attn_with_kvcache_pads_rows_and_sequences(kernel, monkeypatch):
+    """A 3-token chunk for each of 2 sequences: 6 query rows padded to 16, 2 sequences to 16 empty-padded ones."""
+    generator = torch.Generator().manual_seed(13)
+    k_cache, v_cache = (torch.randn(3, 24, 1, 128, generator=generator) for _ in range(2))
+    q = torch.randn(2, 3, 2, 128, generator=generator)
+    rows, lengths = torch.tensor([2, 0]), torch.tensor([10, 21])
+    seen = []
+    op = kernel.paged_ops._ragged_paged_attention
+    monkeypatch.setattr(kernel.paged_ops, "_ragged_paged_attention",
+                        lambda q, k, v, cu_q_lens, *args: seen.append((q.shape[0], cu_q_lens.shape[0] - 1)) or op(
+                            q, k, v, cu_q_lens, *args))
+    out = kernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=rows,
+                                         causal=True)
+    assert seen == [(16, 16)]
+    expected = kernel.reference.reference_paged_attention(
+        q.flatten(0, 1), k_cache, v_cache, torch.tensor([0, 3, 6]), lengths, rows[:, None])
+    torch.testing.assert_close(out.flatten(0, 1), expected.float(), rtol=1e-5, atol=1e-5)

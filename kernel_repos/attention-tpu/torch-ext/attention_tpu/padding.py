@@ -33,3 +33,29 @@ def padded(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     pads = [0, 0] * (tensor.dim() - dim % tensor.dim())
     pads[-1] = extra
     return torch.nn.functional.pad(tensor, pads)
+
+
+def power_of_two(size: int, floor: int = 1) -> int:
+    """The power of two at or above `size`, and at least `floor` (a power of two): the bucket of a number of
+    sequences."""
+    return max(floor, 1 << max(size - 1, 0).bit_length())
+
+
+# The fewest sequences the ragged kernel is handed: as many as the smallest token bucket (one row tile of queries)
+# holds decode rows (a sequence of no rows costs the kernel a few scalar steps); below it a shape change would
+# compile anew for next to no saving. Its fewest rows are the smallest buckets: 16 queries, 128 keys.
+RAGGED_SEQUENCES_FLOOR = 16
+
+
+def with_empty_sequences(cu_seqlens: torch.Tensor, batch: int) -> torch.Tensor:
+    """`cu_seqlens` extended by empty sequences to `batch` of them."""
+    extra = batch + 1 - cu_seqlens.shape[0]
+    return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(extra)]) if extra else cu_seqlens
+
+
+def query_length_bound(max_seqlen_q: int, rows: int) -> int:
+    """The bound on any sequence's queries the ragged kernel is told (it only shapes its tiles): 1 for a decode
+    batch, else the token bucket of the longest sequence's queries, and no more than the query rows."""
+    if max_seqlen_q <= 1:
+        return 1
+    return min(token_bucket(int(max_seqlen_q)), rows)
