@@ -116,7 +116,7 @@ def _padded_to_bucket(hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
                       num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The three inputs with zero tokens appended up to the token bucket, each picking only the sentinel expert."""
     tokens = hidden_states.shape[0]
-    extra = token_bucket(max(int(tokens), 1)) - tokens
+    extra = token_bucket(int(tokens)) - tokens if tokens else 0  # no tokens: no kernel runs, nothing to pad
     if extra == 0:
         return hidden_states, top_k_index, top_k_weights
     rows = (0, 0, 0, extra)
