@@ -82,8 +82,8 @@ def bucket_costs(model: dict, entry_point: str, buckets: list[int]) -> list[dict
         kernel_bytes = padded["worst"] * per_row["kernel"]
         copy_bytes = (real + bucket) * per_row["copy"]
         entry = dict(bucket=bucket, holds=[below + 1, bucket], padded_rows=padded, kernel_bytes=kernel_bytes,
-                     pad_copy_bytes=copy_bytes, real_bytes=real * per_row["real"], kernel_seconds=_seconds(kernel_bytes),
-                     pad_copy_seconds=_seconds(copy_bytes))
+                     pad_copy_bytes=copy_bytes, real_bytes=real * per_row["real"],
+                     kernel_seconds=_seconds(kernel_bytes), pad_copy_seconds=_seconds(copy_bytes))
         if entry_point == "attention_queries":
             # Padded queries against the real keys of a prefill of the worst size: QK^T and PV, 2 FLOPs a MAC.
             entry["query_flops"] = 4 * padded["worst"] * real * model["q_heads"] * model["head_dim"]
@@ -117,9 +117,10 @@ def main(argv=None) -> int:
     for name, model in results["models"].items():
         for entry, costs in model["entry_points"].items():
             worst = max(costs, key=lambda c: c["kernel_seconds"]["v6e"] + c["pad_copy_seconds"]["v6e"])
+            v6e_us = 1e6 * (worst["kernel_seconds"]["v6e"] + worst["pad_copy_seconds"]["v6e"])
             print(f"{name:16s} {entry:18s} worst bucket {worst['bucket']:6d}: {worst['padded_rows']['worst']} rows, "
                   f"kernel {worst['kernel_bytes'] / 2**20:.1f} MiB, pad copy {worst['pad_copy_bytes'] / 2**20:.1f} "
-                  f"MiB (real rows {worst['real_bytes'] / 2**20:.1f} MiB), v6e {1e6 * (worst['kernel_seconds']['v6e'] + worst['pad_copy_seconds']['v6e']):.1f} us")
+                  f"MiB (real rows {worst['real_bytes'] / 2**20:.1f} MiB), v6e {v6e_us:.1f} us")
     print(f"wrote {write_json(args.out, results)}")
     return 0
 

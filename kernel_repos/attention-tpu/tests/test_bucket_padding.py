@@ -84,27 +84,3 @@ def test_flash_attn_func_pads_to_buckets_and_keeps_bottom_right_causality(kernel
     out = kernel.flash_attn_func(q, k, v, causal=True)
     assert kernel_shapes == [(16, 128)]
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.slow
-def test_flash_attn_with_kvcache_pads_rows_and_sequences(kernel):
-    """A 3-token chunk for each of 2 sequences: 6 query rows padded to 16, 2 sequences to 16 empty-padded ones."""
-    generator = torch.Generator().manual_seed(13)
-    k_cache, v_cache = (torch.randn(3, 24, 1, 128, generator=generator) for _ in range(2))
-    q = torch.randn(2, 3, 2, 128, generator=generator)
-    rows, lengths = torch.tensor([2, 0]), torch.tensor([10, 21])
-    seen = []
-
-    class RecordingPagedCalls(torch.overrides.TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if "ragged_paged_attention" in str(func):
-                seen.append((args[0].shape[0], args[3].shape[0] - 1))  # q rows, sequences (cu_q_lens)
-            return func(*args, **(kwargs or {}))
-
-    with RecordingPagedCalls():
-        out = kernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=rows,
-                                             causal=True)
-    assert seen == [(16, 16)]
-    expected = kernel.reference.reference_paged_attention(
-        q.flatten(0, 1), k_cache, v_cache, torch.tensor([0, 3, 6]), lengths, rows[:, None])
-    torch.testing.assert_close(out.flatten(0, 1), expected.float(), rtol=1e-5, atol=1e-5)

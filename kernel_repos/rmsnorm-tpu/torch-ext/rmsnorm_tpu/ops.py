@@ -105,5 +105,5 @@ def fused_add_rms_norm(
             f"residual must match x: x is {x.dtype} {list(x.shape)}, "
             f"residual is {residual.dtype} {list(residual.shape)}"
         )
-    return _on_bucketed_rows(lambda rows, residual_rows: _fused_add_rms_norm_op(rows, residual_rows, weight, eps, offset),
-                             x, residual)
+    return _on_bucketed_rows(
+        lambda rows, residual_rows: _fused_add_rms_norm_op(rows, residual_rows, weight, eps, offset), x, residual)
