@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .ops import flash_attention
-from .padding import key_rows, padded, query_rows
+from .padding import batch_rows, key_rows, padded, query_rows
 
 
 def attention_mask(*args, **kwargs):
@@ -77,9 +77,10 @@ def attention_forward(
     (GPT-OSS passes its `sinks` parameter so) or `sinks`. Differentiable:
     gradients reach query, key, value and the sinks.
 
-    Query and key lengths are padded to their buckets (`padding.py`), so a
-    model compiles the kernel once per bucket, not once per prompt length or
-    generated token; the result is that of the unpadded call.
+    Query and key lengths are padded to their buckets and the batch to a power
+    of two (`padding.py`), so a model compiles the kernel once per bucket, not
+    once per prompt length, generated token or batch size; the result is that
+    of the unpadded call.
 
     The mask is what `attention_mask` (above) produced: a boolean or additive
     4-D mask carries padding, sliding windows and cache offsets itself; None
@@ -97,10 +98,12 @@ def attention_forward(
         is_causal = getattr(module, "is_causal", True)
     batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
-    # Padded to buckets (padding.py): the real key lengths hide the padded keys, the real offsets place the queries.
-    q_padded, kv_padded = query_rows(q_len), key_rows(kv_len)
-    query, key, value = padded(query, 2, q_padded), padded(key, 2, kv_padded), padded(value, 2, kv_padded)
-    kv_lengths = torch.full((batch,), kv_len, dtype=torch.int32, device=query.device)
+    # Padded to buckets (padding.py): the real key lengths hide the padded keys (and the padded sequences, which
+    # have none), the real offsets place the queries.
+    sequences, q_padded, kv_padded = batch_rows(batch), query_rows(q_len), key_rows(kv_len)
+    query = padded(padded(query, 2, q_padded), 0, sequences)
+    key, value = (padded(padded(tensor, 2, kv_padded), 0, sequences) for tensor in (key, value))
+    kv_lengths = padded(torch.full((batch,), kv_len, dtype=torch.int32, device=query.device), 0, sequences)
 
     if attention_mask is None:
         # sdpa's conventions for a skipped mask: `is_causal` only with more
@@ -135,11 +138,12 @@ def attention_forward(
             scale=scaling,
             causal=False,
             kv_lengths=kv_lengths,
-            attention_mask=padded(padded(attention_mask, 2, q_padded), 3, kv_padded),
+            attention_mask=padded(padded(padded(attention_mask, 2, q_padded), 3, kv_padded), 0,
+                                  sequences if attention_mask.shape[0] == batch else 1),
             softcap=softcap,
             sinks=sinks,
         )
-    out = out[:, :, :q_len]
+    out = out[:batch, :, :q_len]
     return out.transpose(1, 2).contiguous(), None
 
 

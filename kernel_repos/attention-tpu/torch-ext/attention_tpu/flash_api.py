@@ -33,7 +33,8 @@ from . import paged_ops
 from ._buckets import token_bucket
 from .ops import FLOAT_DTYPES, flash_attention
 from .padding import (
-    RAGGED_SEQUENCES_FLOOR, key_rows, padded, power_of_two, query_length_bound, query_rows, with_empty_sequences,
+    RAGGED_SEQUENCES_FLOOR, batch_rows, key_rows, padded, power_of_two, query_length_bound, query_rows,
+    with_empty_sequences,
 )
 
 
@@ -119,12 +120,13 @@ def flash_attn_func(
         _check_layout(name, tensor, 4, "[batch, seqlen, heads, head_dim]")
     batch, q_len, kv_len = q.shape[0], q.shape[1], k.shape[1]
     causal, sliding_window = _window_options(window_size, bool(causal), kv_len)
-    q_padded, kv_padded = query_rows(q_len), key_rows(kv_len)
-    out = flash_attention(padded(q, 1, q_padded).transpose(1, 2), padded(k, 1, kv_padded).transpose(1, 2),
-                          padded(v, 1, kv_padded).transpose(1, 2), scale=softmax_scale, causal=causal,
-                          q_offset=kv_len - q_len, kv_lengths=torch.full((batch,), kv_len, device=q.device),
+    sequences, q_padded, kv_padded = batch_rows(batch), query_rows(q_len), key_rows(kv_len)
+    q, k, v = (padded(padded(tensor, 1, rows), 0, sequences).transpose(1, 2)
+               for tensor, rows in ((q, q_padded), (k, kv_padded), (v, kv_padded)))
+    out = flash_attention(q, k, v, scale=softmax_scale, causal=causal, q_offset=kv_len - q_len,
+                          kv_lengths=padded(torch.full((batch,), kv_len, device=q.device), 0, sequences),
                           sliding_window=sliding_window, softcap=softcap, sinks=_sinks(s_aux, learnable_sink))
-    return out.transpose(1, 2)[:, :q_len]
+    return out.transpose(1, 2)[:batch, :q_len]
 
 
 def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple[int, int]:

@@ -3,7 +3,8 @@
 A kernel compiles once per shape it sees. Padding the query length to its token bucket and the key length to its
 key bucket (`_buckets`) bounds those shapes per model, whatever the prompt lengths and however many tokens are
 generated; the entry points pass the real key lengths (`kv_lengths`) and the real causal offsets, so the padded
-keys are never visible and the padded queries' rows are cut off. One query stays one query: the flash kernel
+keys are never visible and the padded queries' rows are cut off. The batch is padded to a power of two with
+sequences of no keys. One query stays one query: the flash kernel
 lays a single query out on its own (a decode step reads the keys once for all heads of a group), and a decode
 step is one shape already.
 """
@@ -33,6 +34,12 @@ def padded(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     pads = [0, 0] * (tensor.dim() - dim % tensor.dim())
     pads[-1] = extra
     return torch.nn.functional.pad(tensor, pads)
+
+
+def batch_rows(batch: int) -> int:
+    """The batch a kernel is handed for `batch` sequences: its power of two (no sequences stay none). The padded
+    sequences have no keys: the kernels skip them and their rows come out zero."""
+    return batch if batch == 0 else power_of_two(int(batch))
 
 
 def power_of_two(size: int, floor: int = 1) -> int:
