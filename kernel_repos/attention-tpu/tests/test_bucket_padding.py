@@ -38,7 +38,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case.startswith("prefill") else case
+                                  for case in CASES])
 def test_attention_forward_pads_to_buckets_and_keeps_the_result(kernel, kernel_shapes, case):
     batch, q_len, kv_len, expected_shapes, mask_kind = CASES[case]
     query = _random(1, batch, 2, q_len, 64)
@@ -61,8 +62,8 @@ def test_attention_forward_pads_to_buckets_and_keeps_the_result(kernel, kernel_s
 def test_padded_attention_forward_gradients_are_the_unpadded_ones(kernel, kernel_shapes):
     """Padded queries and sequences get a zero cotangent and padded keys are never visible: every gradient is the
     unpadded one."""
-    tensors = _random(5, 3, 2, 17, 64), _random(6, 3, 1, 17, 64), _random(7, 3, 1, 17, 64)
-    sinks, d_out = _random(8, 2), _random(9, 3, 17, 2, 64)
+    tensors = _random(5, 3, 2, 5, 64), _random(6, 3, 1, 5, 64), _random(7, 3, 1, 5, 64)
+    sinks, d_out = _random(8, 2), _random(9, 3, 5, 2, 64)
 
     def gradients(attention):
         leaves = [t.clone().requires_grad_() for t in (*tensors, sinks)]
@@ -72,7 +73,7 @@ def test_padded_attention_forward_gradients_are_the_unpadded_ones(kernel, kernel
     expected = gradients(lambda q, k, v, s: kernel.flash_attention(q, k, v, causal=True, sinks=s).transpose(1, 2))
     kernel_shapes.clear()
     ours = gradients(lambda q, k, v, s: kernel.attention_forward(_Attention(), q, k, v, None, s_aux=s)[0])
-    assert kernel_shapes == [(4, 32, 128)]
+    assert kernel_shapes == [(4, 16, 128)]
     for name, grad, expected_grad in zip(("query", "key", "value", "sinks"), ours, expected):
         torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-5, msg=name)
 
