@@ -111,18 +111,8 @@ def attention_forward(
         # transformers only skips to when that equals the bottom-right
         # alignment or the cache was empty.
         causal = bool(is_causal) and q_len > 1
-        out = flash_attention(
-            query,
-            key,
-            value,
-            scale=scaling,
-            causal=causal,
-            q_offset=0 if causal else kv_len - q_len,
-            kv_lengths=kv_lengths,
-            sliding_window=sliding_window if causal else None,
-            softcap=softcap,
-            sinks=sinks,
-        )
+        masking = dict(causal=causal, q_offset=0 if causal else kv_len - q_len,
+                       sliding_window=sliding_window if causal else None)
     else:
         if attention_mask.dim() != 4:
             raise ValueError(
@@ -131,18 +121,10 @@ def attention_forward(
             )
         # As eager attention does: masks built for a longer static cache are cut to the keys present.
         attention_mask = attention_mask[:, :, :, :kv_len]
-        out = flash_attention(
-            query,
-            key,
-            value,
-            scale=scaling,
-            causal=False,
-            kv_lengths=kv_lengths,
-            attention_mask=padded(padded(padded(attention_mask, 2, q_padded), 3, kv_padded), 0,
-                                  sequences if attention_mask.shape[0] == batch else 1),
-            softcap=softcap,
-            sinks=sinks,
-        )
+        masking = dict(causal=False, attention_mask=padded(padded(padded(attention_mask, 2, q_padded), 3, kv_padded),
+                                                           0, sequences if attention_mask.shape[0] == batch else 1))
+    out = flash_attention(query, key, value, scale=scaling, kv_lengths=kv_lengths, softcap=softcap, sinks=sinks,
+                          **masking)
     out = out[:batch, :, :q_len]
     return out.transpose(1, 2).contiguous(), None
 
