@@ -35,6 +35,7 @@ SHIPPED_MODULES = {
     "_binding.py": RUNTIME / "binding.py",
     "_hardware.py": RUNTIME / "hardware.py",
     "_tuning.py": RUNTIME / "tuning.py",
+    "_buckets.py": RUNTIME / "buckets.py",
 }
 # What every kernel repo's benchmarks/benchmark*.py shares (`kernels benchmark` runs them from the Hub repo), each
 # loaded there by path: the harness, and the binding for kernels a benchmark defines itself (microbenchmarks).
