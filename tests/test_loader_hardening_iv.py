@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
+import shutil
 import uuid
 
 import pytest
@@ -15,10 +17,11 @@ from huggingface_hub import HfApi
 from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
 
 from tpu_kernels import kernelize
-from tpu_kernels.distribution.digest import digest_field
-from tpu_kernels.distribution.loader import get_kernel, get_local_kernel, private_copies
+from tpu_kernels.distribution.digest import KernelIntegrityError, digest_field
+from tpu_kernels.distribution.loader import get_kernel, get_local_kernel, load_kernel, private_copies
 
-from .loader_support import TRUSTED, cached_variant, make_build, publish
+from .conftest import REPO_ROOT
+from .loader_support import REPO, TOKEN, TRUSTED, cached_variant, make_build, publish
 
 pytestmark = pytest.mark.usefixtures("local_agent_registry")
 
@@ -140,3 +143,77 @@ def test_a_concurrent_load_cannot_delete_a_root_not_yet_locked(tmp_path, private
     monkeypatch.setattr(fcntl, "flock", flock)
     with open(root / ".owner.lock") as lock, pytest.raises(BlockingIOError):
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+_DEEP_JSON = "[" * 5000 + "]" * 5000
+
+
+def test_a_deeply_nested_metadata_json_is_refused_and_dropped(hub, client, tmp_path):
+    """A Hub (or publisher) serving a metadata.json too deep for Python's parser: KernelIntegrityError, and the
+    variant leaves the cache, as any refused variant does."""
+    build = make_build(tmp_path, answer=3)
+    for variant in (build / "build").iterdir():
+        path = variant / "metadata.json"
+        path.write_text(path.read_text()[:-1] + f', "nested": {_DEEP_JSON}}}')
+    api = HfApi(endpoint=hub.url, token=TOKEN)
+    api.create_repo(REPO, repo_type="kernel")
+    api.create_branch(REPO, repo_type="kernel", branch="v1")
+    commit = api.upload_folder(repo_id=REPO, repo_type="kernel", folder_path=build, revision="v1").oid
+    with pytest.raises(KernelIntegrityError, match="nests too deeply"):
+        get_kernel(REPO, version=1)
+    assert not cached_variant(client, commit).exists()
+
+
+def test_a_deeply_nested_lock_file_is_refused_in_one_line(tmp_path):
+    lockfile = tmp_path / "kernels.lock"
+    lockfile.write_text(_DEEP_JSON)
+    with pytest.raises(ValueError, match="nests too deeply"):
+        load_kernel(REPO, lockfile=lockfile)
+
+
+@pytest.fixture
+def kernel_source(tmp_path):
+    source = tmp_path / "rmsnorm-tpu"
+    shutil.copytree(REPO_ROOT / "kernel_repos" / "rmsnorm-tpu", source,
+                    ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+    return source
+
+
+def _deepen_build_toml(source):
+    (source / "build.toml").write_text(f"nested = {_DEEP_JSON}\n" + (source / "build.toml").read_text())
+    return source / "build.toml"
+
+
+def _deepen_package(source):
+    init = source / "torch-ext" / "rmsnorm_tpu" / "__init__.py"
+    init.write_text(init.read_text() + "\nDEEP = 1" + " + 1" * 200_000 + "\n")
+    return init
+
+
+def _pipe_in_benchmarks(source):
+    (source / "benchmarks").mkdir(exist_ok=True)
+    os.mkfifo(source / "benchmarks" / "pipe")
+    return source / "benchmarks" / "pipe"
+
+
+@pytest.mark.parametrize("plant", [_deepen_build_toml, _deepen_package, _pipe_in_benchmarks])
+def test_build_refuses_deep_nesting_and_special_files_in_one_line(tmp_path, kernel_source, plant, capsys):
+    from tpu_kernels import cli
+
+    planted = plant(kernel_source)
+    assert cli.main(["build", str(kernel_source), "--out", str(tmp_path / "build")]) == 1
+    error = capsys.readouterr().err
+    assert str(planted) in error and "Traceback" not in error and len(error.strip().splitlines()) == 1
+
+
+def test_upload_refuses_a_named_pipe_and_publishes_nothing(hub, tmp_path, kernel_source):
+    from tpu_kernels.distribution.builder import build_kernel_repo
+    from tpu_kernels.distribution.links import SpecialFileError
+    from tpu_kernels.distribution.publish import upload_kernel
+
+    built = build_kernel_repo(kernel_source, tmp_path / "build")
+    pipe = _pipe_in_benchmarks(built)
+    with pytest.raises(SpecialFileError, match="named pipe") as refused:  # `tpu-kernels upload` prints it, exits 1
+        upload_kernel(built, "org/piped", endpoint=hub.url, token=TOKEN)
+    assert refused.value.path == pipe
+    assert not (hub.storage.root / "repos" / "kernel" / "org" / "piped").exists()
