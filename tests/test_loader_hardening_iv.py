@@ -13,7 +13,7 @@ import uuid
 import pytest
 import torch
 import transformers
-from huggingface_hub import HfApi
+from huggingface_hub import HfApi, get_session
 from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
 
 from tpu_kernels import kernelize
@@ -217,3 +217,24 @@ def test_upload_refuses_a_named_pipe_and_publishes_nothing(hub, tmp_path, kernel
         upload_kernel(built, "org/piped", endpoint=hub.url, token=TOKEN)
     assert refused.value.path == pipe
     assert not (hub.storage.root / "repos" / "kernel" / "org" / "piped").exists()
+
+
+def test_a_v01_branch_is_no_version_on_the_pages_nor_to_the_loader(hub, client, tmp_path):
+    """`v01` beside `v1`: the loader's version 1 is `v1`, so the pages list only `v1` as version 1, and the `v01`
+    page's snippet loads `v01` by name, the commit it shows."""
+    from .hub_support import visible_text
+
+    publish(hub, make_build(tmp_path, answer=1), version=1)
+    publish(hub, make_build(tmp_path, answer=2), version=2)
+    api = HfApi(endpoint=hub.url, token=TOKEN)
+    second = api.repo_info(REPO, repo_type="kernel", revision="v2").sha
+    api.create_branch(REPO, repo_type="kernel", branch="v01", revision=second)
+    api.delete_branch(REPO, repo_type="kernel", branch="v2")
+    assert get_kernel(REPO, version=1).answer() == 1
+    session = get_session()
+    front = visible_text(session.get(f"{hub.url}/").text)
+    assert f"{REPO} kernel v1 updated" in front and "v01" not in front
+    text = visible_text(session.get(f"{hub.url}/kernels/{REPO}/tree/v01").text)
+    assert f'get_kernel("{REPO}", revision="v01")' in text and f"at {second[:10]}" in text
+    versions = text[text.index("Versions"):text.index("Tags")]
+    assert "v01" not in versions and "v1" in versions

@@ -28,7 +28,6 @@ import functools
 import hashlib
 import itertools
 import json
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +42,8 @@ from .commits import Commit
 from .errors import HubError
 from .names import MAIN_BRANCH, branch_name
 from .storage import Storage
+from ..versions import VERSION_BRANCH
 
-VERSION_BRANCH = re.compile(r"v(\d+)")
 HISTORY_SHOWN = 100
 FILES_SHOWN = 1000
 MAX_METADATA_BYTES = 1 << 20
