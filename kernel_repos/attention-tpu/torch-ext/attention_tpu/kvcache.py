@@ -53,10 +53,12 @@ def _check_capacity(cache_seqlens, cache_lengths: torch.Tensor, new_len: int, ca
     """Each sequence's cached keys plus its new ones fit in its cache (its pages, or its row), as flash-attn
     requires. An int is checked always; a tensor where its values are on the host already (a CPU tensor, outside
     torch.compile): on a TPU, reading them would wait for the device at every call."""
-    if isinstance(cache_seqlens, torch.Tensor) and (
-            cache_lengths.device.type != "cpu" or torch.compiler.is_compiling()):
+    if not isinstance(cache_seqlens, torch.Tensor):
+        lengths = [cache_seqlens]
+    elif cache_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
+        lengths = cache_lengths.tolist()
+    else:
         return
-    lengths = cache_lengths.tolist()
     if any(length < 0 or length + new_len > capacity for length in lengths):
         raise ValueError(f"flash_attn_with_kvcache: cache_seqlens {lengths} plus {new_len} new keys (k) must fit in "
                          f"the cache's capacity of {capacity} keys per sequence, and cache_seqlens must be >= 0")
