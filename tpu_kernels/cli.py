@@ -44,10 +44,10 @@ def _import_lab(module: str):
 def _build_errors() -> tuple[type[Exception], ...]:
     """What `build_kernel_repo` raises about the kernel repo itself: said in one line, never a traceback."""
     from .distribution.build_toml import BuildTomlError
-    from .distribution.links import LinkOutError
+    from .distribution.links import LinkOutError, SpecialFileError
     from .distribution.symbols import SymbolsError
 
-    return BuildTomlError, LinkOutError, SymbolsError, FileNotFoundError
+    return BuildTomlError, LinkOutError, SpecialFileError, SymbolsError, FileNotFoundError
 
 
 def _build(args) -> int:

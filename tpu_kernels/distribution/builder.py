@@ -152,6 +152,7 @@ def _write_variant(source: KernelSource, backend: str, variant_dir: Path, hash_:
 
 def build_kernel_repo(source_dir: Path, out: Path = Path("build")) -> Path:
     """Build one kernel repo into `out/<name>` and return that folder."""
+    refuse_links_out(source_dir, ("build.toml",), "tpu-kernels build")  # read first, to learn the rest
     source = KernelSource.open(source_dir)
     refuse_links_out(source.root, ("build.toml", "CARD.md", source.package_dir.relative_to(source.root), "benchmarks"),
                      "tpu-kernels build")

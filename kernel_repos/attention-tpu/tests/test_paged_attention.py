@@ -457,3 +457,28 @@ def test_bad_kvcache_input_raises_naming_the_argument(kernel, case):
     arguments.update(overrides)
     with pytest.raises(ValueError, match=match):
         kernel.flash_attn_with_kvcache(q, k_cache, v_cache, **arguments)
+
+
+def test_cache_seqlens_past_the_capacity_raise_naming_them(kernel):
+    """As flash-attn: cached keys plus new ones past a sequence's pages (paged) or row (contiguous) are refused,
+    never clamped to the capacity."""
+    q, k_cache, v_cache, k_new, v_new, cache_lengths, block_table, _ = _decode_step()
+    capacity = block_table.shape[1] * k_cache.shape[1]
+    new_key_past_the_last_page = cache_lengths.clone()
+    new_key_past_the_last_page[2] = capacity
+    longer_than_the_pages = cache_lengths.clone()
+    longer_than_the_pages[1] = capacity + 1
+    paged = [(new_key_past_the_last_page, dict(k=k_new, v=v_new)), (longer_than_the_pages, {}),
+             (torch.tensor([0, -1, 3, 4]), {})]
+    for lengths, new_keys in paged:
+        with pytest.raises(ValueError, match=rf"cache_seqlens .* capacity of {capacity} keys"):
+            kernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=block_table,
+                                           causal=True, **new_keys)
+    generator = torch.Generator().manual_seed(13)
+    rows_cache = [torch.randn(3, 24, 1, 128, generator=generator) for _ in range(2)]
+    chunk = torch.randn(2, 2, 2, 128, generator=generator)
+    new_rows = [torch.randn(2, 2, 1, 128, generator=generator) for _ in range(2)]
+    contiguous = [(25, {}), (torch.tensor([10, 500]), {}), (23, dict(k=new_rows[0], v=new_rows[1]))]
+    for lengths, new_keys in contiguous:
+        with pytest.raises(ValueError, match=r"cache_seqlens .* capacity of 24 keys"):
+            kernel.flash_attn_with_kvcache(chunk, *rows_cache, cache_seqlens=lengths, causal=True, **new_keys)

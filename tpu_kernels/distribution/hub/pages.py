@@ -31,7 +31,6 @@ import functools
 import hashlib
 import itertools
 import json
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,8 +45,8 @@ from .commits import Commit
 from .errors import HubError
 from .names import MAIN_BRANCH, branch_name
 from .storage import Storage
+from ..versions import VERSION_BRANCH
 
-VERSION_BRANCH = re.compile(r"v(\d+)")
 HISTORY_SHOWN = 100
 # Versions shown with their build variants (each read from its metadata.json), newest first; the
 # next OLDER_VERSIONS_LISTED are listed by name, and every ref is in /api/<type>s/<id>/refs.

@@ -55,6 +55,21 @@ def _cache_lengths(cache_seqlens, batch: int, device) -> torch.Tensor:
     return cache_seqlens.to(torch.int64)
 
 
+def _check_capacity(cache_seqlens, cache_lengths: torch.Tensor, new_len: int, capacity: int) -> None:
+    """Each sequence's cached keys plus its new ones fit in its cache (its pages, or its row), as flash-attn
+    requires. An int is checked always; a tensor where its values are on the host already (a CPU tensor, outside
+    torch.compile): on a TPU, reading them would wait for the device at every call."""
+    if not isinstance(cache_seqlens, torch.Tensor):
+        lengths = [cache_seqlens]
+    elif cache_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
+        lengths = cache_lengths.tolist()
+    else:
+        return
+    if any(length < 0 or length + new_len > capacity for length in lengths):
+        raise ValueError(f"flash_attn_with_kvcache: cache_seqlens {lengths} plus {new_len} new keys (k) must fit in "
+                         f"the cache's capacity of {capacity} keys per sequence, and cache_seqlens must be >= 0")
+
+
 def _write_new_keys(k_cache, v_cache, k, v, page_table, cache_lengths) -> None:
     """k, v [B, S_new, Hkv, D] into the cache pages at positions cache_lengths[b] + i, in place."""
     page_size = k_cache.shape[1]
@@ -80,7 +95,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     last Sq positions (causal is bottom-right aligned). window_size (left, right): a causal query sees its last
     left + 1 keys. softcap 0 means none. s_aux / learnable_sink [Hq]: attention sinks (GPT-OSS).
 
-    Refused with a ValueError naming the argument: rotary_cos/rotary_sin, cache_leftpad, alibi_slopes,
+    Refused with a ValueError naming the argument: cache_seqlens (plus new keys) past a sequence's cache
+    capacity or negative (checked where the values are on the host: an int, or a CPU tensor), rotary_cos/rotary_sin, cache_leftpad, alibi_slopes,
     return_softmax_lse=True, num_splits other than 0 or 1, cache_batch_idx with a page table, a window bounded
     on the right without causal. rotary_interleaved only qualifies rotary, which is refused.
     """
@@ -129,6 +145,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if cache_seqlens is None:
             cache_seqlens = k_cache.shape[1] - new_len
     cache_lengths = _cache_lengths(cache_seqlens, batch, q.device)
+    _check_capacity(cache_seqlens, cache_lengths, new_len, capacity=table.shape[1] * k_cache.shape[1])
     if k is not None:
         _write_new_keys(k_cache, v_cache, k, v, table, cache_lengths)
     kv_lens = (cache_lengths + new_len).to(torch.int32)
