@@ -35,6 +35,7 @@ SHIPPED_MODULES = {
     "_binding.py": RUNTIME / "binding.py",
     "_hardware.py": RUNTIME / "hardware.py",
     "_tuning.py": RUNTIME / "tuning.py",
+    "_buckets.py": RUNTIME / "buckets.py",
 }
 SOURCE_HASH_CHARS = 10
 IGNORED_NAMES = {"__pycache__", ".pytest_cache"}
