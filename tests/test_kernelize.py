@@ -2,6 +2,7 @@
 
 import logging
 
+import jax
 import pytest
 import torch
 from kernels import Mode
@@ -190,6 +191,53 @@ def test_all_kinds_replaced_and_tokens_match(all_builds):
         assert forward.__qualname__ == "RMSNorm.forward" and forward.__module__.startswith("_rmsnorm_tpu_cpu_")
     assert (logits - eager_logits).abs().max().item() <= 1e-4
     assert torch.equal(tokens, eager_tokens)
+
+
+class _BackendCompiles:
+    """jax's backend compiles (XLA programs, the Mosaic kernels inside them on a TPU) counted while `counting`."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count, self.counting = 0, False
+        jax.monitoring.register_event_duration_secs_listener(self._record)
+
+    def _record(self, event, duration_secs, **kwargs):
+        self.count += self.counting and event == self.EVENT
+
+    def during(self, run):
+        before, self.counting = self.count, True
+        try:
+            result = run()
+        finally:
+            self.counting = False
+        return result, self.count - before
+
+
+@pytest.mark.slow
+def test_generate_compiles_once_per_bucket_with_either_cache(all_builds):
+    """Prompt lengths and numbers of new tokens within one bucket compile nothing after a first generate per cache
+    kind; the tokens are eager's. Prompts of 5 to 8 tokens share every bucket: rows of 16 for the experts and the
+    layer norms, 32 and 16 for the q and k norms (4 and 2 heads), queries of 16 against 128 keys."""
+    model = _tiny_model("qwen3_moe")
+    compiles = _BackendCompiles()
+    runs = {"warm-up dynamic": (5, 3, None), "warm-up static": (5, 3, "static"), "dynamic": (7, 16, None),
+            "static": (8, 16, "static")}
+
+    def generate(length, new_tokens, cache):
+        options = {} if cache is None else dict(cache_implementation=cache)
+        with torch.no_grad():
+            return model.generate(_prompt(batch=1, length=length), max_new_tokens=new_tokens, do_sample=False,
+                                  **options)
+
+    eager = {name: generate(*run) for name, run in runs.items()}
+    kernelize(model, repos=all_builds)
+    counted = {}
+    for name, run in runs.items():
+        tokens, counted[name] = compiles.during(lambda: generate(*run))
+        assert torch.equal(tokens, eager[name]), name
+    assert counted["warm-up dynamic"] > 0 and counted["warm-up static"] >= 0
+    assert (counted["dynamic"], counted["static"]) == (0, 0), counted
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ BENCHMARKS = {
     "paged_attention": "ragged paged attention: modelled share of the HBM roofline and MXU peak, ours vs rivals",
     "cb_step": "a continuous-batching attention step as transformers runs it: gather + pad + kernel vs in place",
     "rmsnorm": "RMSNorm kernels: HBM bytes vs the minimum, modelled time, v6e compile-only cost",
+    "padding": "what padding to shape buckets costs: padded rows and bytes per bucket, at HBM rate",
     "moe_decode": "per-step decode time of a MoE model: kernelized vs eager vs grouped_mm (a TPU VM harness)",
     "quantization_accuracy": "quantization error of int8 / fp8 / int4 expert weights against the float model",
     "int4_granularity": "int4 per-channel vs grouped scales on the accuracy report's models (float round trip)",
@@ -45,7 +46,7 @@ TOOLS = {
 }
 # The benchmarks that model a TPU from the CPU: `tpu-kernels bench` runs them with JAX_PLATFORMS=cpu unless set.
 MODELLED = frozenset({"moe_layer", "multichip", "decode_step", "moe_backward", "attention", "paged_attention",
-                      "cb_step", "rmsnorm", "calibration_fit", "compiles"})
+                      "cb_step", "rmsnorm", "padding", "calibration_fit", "compiles"})
 # A kernel repo's modelled benchmark: `tpu-kernels bench kernel_repos/<name> [args]` runs it with --repo.
 KERNEL_REPO_BENCHMARKS = {"ragged-dot-tpu": "moe_layer", "attention-tpu": "attention", "rmsnorm-tpu": "rmsnorm"}
 

@@ -364,13 +364,24 @@ def test_flash_attn_with_kvcache_writes_the_cache_and_attends(kernel, page_size,
 
 @pytest.mark.slow
 def test_flash_attn_with_kvcache_on_a_contiguous_cache(kernel):
-    """No block table: k_cache [B_cache, S_max, Hkv, D], rows chosen by cache_batch_idx; a 3-token chunk each."""
+    """No block table: k_cache [B_cache, S_max, Hkv, D], rows chosen by cache_batch_idx; a 3-token chunk each.
+    The kernel is handed the 6 query rows padded to their bucket of 16, and the 2 sequences padded to 16."""
     generator = torch.Generator().manual_seed(11)
     k_cache, v_cache = (torch.randn(3, 24, 1, 128, generator=generator) for _ in range(2))
     q = torch.randn(2, 3, 2, 128, generator=generator)
     rows, lengths = torch.tensor([2, 0]), torch.tensor([10, 21])
-    out = kernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=rows,
-                                         causal=True)
+    seen = []
+
+    class RecordingPagedCalls(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if "ragged_paged_attention" in str(func):
+                seen.append((args[0].shape[0], args[3].shape[0] - 1))  # q rows, sequences (cu_q_lens)
+            return func(*args, **(kwargs or {}))
+
+    with RecordingPagedCalls():
+        out = kernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=rows,
+                                             causal=True)
+    assert seen == [(16, 16)]
     expected = kernel.reference.reference_paged_attention(
         q.flatten(0, 1), k_cache, v_cache, torch.tensor([0, 3, 6]), lengths, rows[:, None])
     assert_matches(out.flatten(0, 1), expected, 1e-5)

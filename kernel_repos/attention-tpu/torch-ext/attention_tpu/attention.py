@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .ops import flash_attention
+from .padding import batch_rows, key_rows, padded, query_rows
 
 
 def attention_mask(*args, **kwargs):
@@ -76,6 +77,11 @@ def attention_forward(
     (GPT-OSS passes its `sinks` parameter so) or `sinks`. Differentiable:
     gradients reach query, key, value and the sinks.
 
+    Query and key lengths are padded to their buckets and the batch to a power
+    of two (`padding.py`), so a model compiles the kernel once per bucket, not
+    once per prompt length, generated token or batch size; the result is that
+    of the unpadded call.
+
     The mask is what `attention_mask` (above) produced: a boolean or additive
     4-D mask carries padding, sliding windows and cache offsets itself; None
     means causal (upper-left aligned, as sdpa's `is_causal`) for more than one
@@ -90,7 +96,14 @@ def attention_forward(
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    q_len, kv_len = query.shape[2], key.shape[2]
+    batch, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    # Padded to buckets (padding.py): the real key lengths hide the padded keys (and the padded sequences, which
+    # have none), the real offsets place the queries.
+    sequences, q_padded, kv_padded = batch_rows(batch), query_rows(q_len), key_rows(kv_len)
+    query = padded(padded(query, 2, q_padded), 0, sequences)
+    key, value = (padded(padded(tensor, 2, kv_padded), 0, sequences) for tensor in (key, value))
+    kv_lengths = padded(torch.full((batch,), kv_len, dtype=torch.int32, device=query.device), 0, sequences)
 
     if attention_mask is None:
         # sdpa's conventions for a skipped mask: `is_causal` only with more
@@ -105,6 +118,7 @@ def attention_forward(
             scale=scaling,
             causal=causal,
             q_offset=0 if causal else kv_len - q_len,
+            kv_lengths=kv_lengths,
             sliding_window=sliding_window if causal else None,
             softcap=softcap,
             sinks=sinks,
@@ -123,10 +137,13 @@ def attention_forward(
             value,
             scale=scaling,
             causal=False,
-            attention_mask=attention_mask,
+            kv_lengths=kv_lengths,
+            attention_mask=padded(padded(padded(attention_mask, 2, q_padded), 3, kv_padded), 0,
+                                  sequences if attention_mask.shape[0] == batch else 1),
             softcap=softcap,
             sinks=sinks,
         )
+    out = out[:batch, :, :q_len]
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -5,12 +5,18 @@ transformers reads this function's parameter names (`_process_flash_attention_kw
 `page_table`), `cache_seqlens`, `softmax_scale`, `causal`, `window_size`, `softcap` and `s_aux` (or
 `learnable_sink`) are the ones it hands over. Everything the kernel cannot do raises a ValueError naming the
 argument; nothing is ignored.
+
+The kernel is handed the query rows padded to their token bucket (rows past the last sequence, which no sequence
+owns) and the sequences to a power of two (empty ones: no queries, no keys), so that a model compiles it a bounded
+number of times whatever its prompts and batches (`padding.py`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ._buckets import token_bucket
+from .padding import RAGGED_SEQUENCES_FLOOR, padded, power_of_two, query_length_bound, with_empty_sequences
 from .paged_ops import ragged_paged_attention
 
 
@@ -126,10 +132,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if k is not None:
         _write_new_keys(k_cache, v_cache, k, v, table, cache_lengths)
     kv_lens = (cache_lengths + new_len).to(torch.int32)
+    rows, sequences = batch * q_len, power_of_two(batch, RAGGED_SEQUENCES_FLOOR)
+    q_rows = token_bucket(rows) if rows else 0
     cu_q_lens = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * q_len
     out = ragged_paged_attention(
-        q.reshape(batch * q_len, q_heads, head_dim), k_cache, v_cache, cu_q_lens, kv_lens, table,
+        padded(q.reshape(rows, q_heads, head_dim), 0, q_rows), k_cache, v_cache,
+        with_empty_sequences(cu_q_lens, sequences), padded(kv_lens, 0, sequences), padded(table, 0, sequences),
         scale=softmax_scale, causal=causal, sliding_window=_window(window_size, bool(causal)),
-        softcap=None if not softcap else softcap, sinks=sinks, max_q_len=max(1, q_len),
+        softcap=None if not softcap else softcap, sinks=sinks, max_q_len=query_length_bound(q_len, max(q_rows, 1)),
     )
-    return out.reshape(batch, q_len, q_heads, head_dim)
+    return out[:rows].reshape(batch, q_len, q_heads, head_dim)
