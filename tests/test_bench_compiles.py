@@ -11,6 +11,14 @@ from tpu_kernels.runtime.buckets import key_bucket
 QWEN3 = compiles.MODELS["Qwen3-30B-A3B"]
 
 
+@pytest.fixture(scope="module")
+def built(kernel_builds):
+    """The three kernels' torch-cpu variants, by the kinds the benchmark names them."""
+    return {kind: get_local_kernel(kernel_builds[repo], backend="cpu")
+            for kind, repo in (("rmsnorm", "rmsnorm-tpu"), ("experts", "ragged-dot-tpu"),
+                               ("attention", "attention-tpu"))}
+
+
 def test_a_generate_without_buckets_compiles_attention_at_every_key_length():
     (before,) = compiles.shapes_of(QWEN3, [compiles.calls_of_request(100, new_tokens=20)], bucketed=False)
     (after,) = compiles.shapes_of(QWEN3, [compiles.calls_of_request(100, new_tokens=20)], bucketed=True)
@@ -37,10 +45,7 @@ def test_sample_positions_keep_both_ends_and_all_of_a_small_group():
 
 
 @pytest.mark.aot
-def test_sampled_shapes_are_compiled_and_the_rest_interpolated(kernel_builds):
-    built = {kind: get_local_kernel(kernel_builds[repo], backend="cpu")
-             for kind, repo in (("rmsnorm", "rmsnorm-tpu"), ("experts", "ragged-dot-tpu"),
-                                ("attention", "attention-tpu"))}
+def test_sampled_shapes_are_compiled_and_the_rest_interpolated(built):
     shapes = {("rms_norm", rows, 256) for rows in (16, 24, 40)}
     priced = compiles.measure(compiles.Kernels(built), QWEN3, shapes, "v6e", sample=2, log=lambda line: None)
     low, middle, high = (priced[("rms_norm", rows, 256)] for rows in (16, 24, 40))
@@ -55,10 +60,7 @@ def test_sampled_shapes_are_compiled_and_the_rest_interpolated(kernel_builds):
     assert "| Qwen3-30B-A3B | generate | v6e | 3 | 3 |" in table["first-call"]
 
 
-def test_attention_targets_carry_sinks_and_windows(kernel_builds):
-    built = {kind: get_local_kernel(kernel_builds[repo], backend="cpu")
-             for kind, repo in (("rmsnorm", "rmsnorm-tpu"), ("experts", "ragged-dot-tpu"),
-                                ("attention", "attention-tpu"))}
+def test_attention_targets_carry_sinks_and_windows(built):
     gpt_oss = compiles.MODELS["GPT-OSS-20B"]
     sliding = gpt_oss.attention[0]
     fn, avals = compiles.Kernels(built).target(gpt_oss, ("attention", sliding, 1, 256), "v6e")
