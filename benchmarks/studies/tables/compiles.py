@@ -12,7 +12,8 @@ def seconds(summary: dict) -> str:
 
 
 def first_call(data: dict) -> str:
-    rows = ["| model | workload | gen | kernel shapes, no buckets | with buckets | compile s, no buckets "
+    load = f"wall seconds on {data['cpu_count']} cores at load average {data['load_average_at_start'][0]:.0f}"
+    rows = [f"| model | workload | gen | kernel shapes, no buckets | with buckets | compile s, no buckets ({load}) "
             "| with buckets | first request's compiles, s: no buckets / buckets |",
             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for model, generations in data["models"].items():
