@@ -1,4 +1,4 @@
-"""`tpu-kernels`: build | check | bench | calibrate | serve | upload | demo."""
+"""`tpu-kernels`: build | check | bench | calibrate | serve | upload | demo | precompile."""
 
 from __future__ import annotations
 
@@ -229,8 +229,14 @@ def _demo(argv: list[str]) -> int:
     return demo_main(argv)
 
 
+def _precompile(argv: list[str]) -> int:
+    from .integration.precompile import precompile_main
+
+    return precompile_main(argv)
+
+
 # Subcommands that own their argument parsing.
-DELEGATED = {"serve": _serve, "upload": _upload, "demo": _demo, "bench": _bench}
+DELEGATED = {"serve": _serve, "upload": _upload, "demo": _demo, "bench": _bench, "precompile": _precompile}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, help_ in (("bench", "run a benchmark: bench NAME [args] (moe_layer, multichip, attention, ...; "
                                   "`bench --help` lists them) or bench kernel_repos/<name> [args]"),
                         ("serve", "run a local Hub-compatible server"), ("upload", "publish a build to a Hub"),
-                        ("demo", "kernelize a tiny MoE model end to end")):
+                        ("demo", "kernelize a tiny MoE model end to end"),
+                        ("precompile", "compile every bucket of a model on the TPU host that serves it")):
         commands.add_parser(name, help=help_, add_help=False)
 
     args = parser.parse_args(argv)

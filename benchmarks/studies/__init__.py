@@ -35,6 +35,7 @@ BENCHMARKS = {
     "quantization_accuracy": "quantization error of int8 / fp8 / int4 expert weights against the float model",
     "int4_granularity": "int4 per-channel vs grouped scales on the accuracy report's models (float round trip)",
     "calibration_fit": "fit the performance model's constants to tokamax's measured TPU timings",
+    "compiles": "distinct kernel shapes and their real AOT compile seconds per workload, before and after buckets",
     "binding": "host cost of the JAX -> torch op binding",
     "loader": "loading a kernel from a local Hub: tpu_kernels.get_kernel vs kernels.get_kernel",
     "hub_server": "the local Hub server under hostile input and faults",
@@ -45,7 +46,7 @@ TOOLS = {
 }
 # The benchmarks that model a TPU from the CPU: `tpu-kernels bench` runs them with JAX_PLATFORMS=cpu unless set.
 MODELLED = frozenset({"moe_layer", "multichip", "decode_step", "moe_backward", "attention", "paged_attention",
-                      "cb_step", "rmsnorm", "padding", "calibration_fit"})
+                      "cb_step", "rmsnorm", "padding", "calibration_fit", "compiles"})
 # A kernel repo's modelled benchmark: `tpu-kernels bench kernel_repos/<name> [args]` runs it with --repo.
 KERNEL_REPO_BENCHMARKS = {"ragged-dot-tpu": "moe_layer", "attention-tpu": "attention", "rmsnorm-tpu": "rmsnorm"}
 

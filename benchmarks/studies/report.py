@@ -40,6 +40,7 @@ from benchmarks.studies.tables import attention as attention_tables
 from benchmarks.studies.tables import binding as binding_tables
 from benchmarks.studies.tables import calibration as calibration_tables
 from benchmarks.studies.tables import cb_step as cb_step_tables
+from benchmarks.studies.tables import compiles as compiles_tables
 from benchmarks.studies.tables import decode_step as decode_step_tables
 from benchmarks.studies.tables import hub_server as hub_server_tables
 from benchmarks.studies.tables import int4_granularity as int4_granularity_tables
@@ -387,6 +388,7 @@ DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
                                                                       quantization_accuracy_tables.render_markdown),
     f"{SOURCES_DIR}/int4_granularity.md": sectioned_tables("int4_granularity.json",
                                                            int4_granularity_tables.render_markdown),
+    f"{SOURCES_DIR}/compiles.md": sectioned_tables("compiles.json", compiles_tables.render_markdown),
 }
 
 

@@ -73,6 +73,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from ..compile_cache import CompileCaches, keep_compiled_programs
+
 if TYPE_CHECKING:
     import torch
     from kernels import Mode
@@ -161,6 +163,7 @@ class KernelizeReport:
     entries: list[ReportEntry] = field(default_factory=list)
     quantization: QuantizationReport | None = None
     own_config: bool = False  # the model was given its own copy of its config
+    compile_caches: CompileCaches | None = None  # where compiled kernels are kept for the next process
 
     def replaced(self, kind: str) -> list[ReportEntry]:
         return [e for e in self.entries if e.kind == kind and e.replaced]
@@ -179,6 +182,10 @@ class KernelizeReport:
                          "not on the config object the model was built from")
         if self.quantization is not None:
             lines.append(repr(self.quantization))
+        if self.compile_caches is not None:
+            kept = ", ".join(f"{name} in {folder}" for name, folder in (
+                ("torch_tpu", self.compile_caches.torch_tpu), ("jax", self.compile_caches.jax)) if folder)
+            lines.append(f"  compiles kept for the next process: {kept or 'nowhere (caches off)'}")
         return "\n".join(lines)
 
 
@@ -519,7 +526,7 @@ def kernelize(
     specs = {**DEFAULT_REPOS, **(repos or {})}
     device = device or _model_device(model)
     backend = "tpu" if device == "tpu" else "cpu"
-    report = KernelizeReport(mode=mode.name.replace("|", " | "))
+    report = KernelizeReport(mode=mode.name.replace("|", " | "), compile_caches=keep_compiled_programs())
     if specs["experts"] is not None or specs["attention"] is not None:
         report.own_config = give_own_config(model)
     loaded = {}
