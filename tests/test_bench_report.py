@@ -296,7 +296,11 @@ def test_hub_server_tables_put_each_round_before_and_after_and_say_capped():
                                                     "256_mib": {"server_peak_rss_growth_mib": 1240.7}}},
                        "after": {"commit_memory": {"64_mib": {"server_peak_rss_growth_mib": 0.0},
                                                    "256_mib": {"server_peak_rss_growth_mib": 0.5}}}},
-            "cards": {"before": {"card_page": {"page_mb": 205.09}}, "after": {"card_page": {"page_mb": 1.03}}}}
+            "cards": {"before": {"card_page": {"page_mb": 205.09}}, "after": {"card_page": {"page_mb": 1.03}}},
+            "pages": {"before": {"table_card": {"first_view": {"cpu_s": 14.31, "peak_rss_growth_mib": 1060.4},
+                                                "second_view": {"cpu_s": 0.0}}},
+                      "after": {"table_card": {"first_view": {"cpu_s": 0.79, "peak_rss_growth_mib": 47.9},
+                                               "second_view": {"cpu_s": 0.0}}}}}
     tables = hub_server_tables.render_markdown(data)
     memory = tables["slow-clients-and-memory"].splitlines()
     assert memory[0] == "| measured | group | before | after |"
@@ -305,6 +309,9 @@ def test_hub_server_tables_put_each_round_before_and_after_and_say_capped():
                          "| 280.4 / 1240.7 | 0.0 / 0.5 |")
     assert "| attacks | 84.33 / capped | 0.14 / 0.15 |" in tables["listings"]
     assert "| cards | 205.09 | 1.03 |" in tables["cards"]
+    # A case missing from a round's run reads as capped, never a KeyError.
+    assert "| pages | 14.31 / 1060.4 / 0.0 | 0.79 / 47.9 / 0.0 |" in tables["costly-pages"]
+    assert "| pages | capped / capped | capped / capped |" in tables["costly-pages"]
 
 
 def test_rmsnorm_tables_take_the_worst_ratio_over_sizes_and_generations(monkeypatch):
