@@ -100,7 +100,8 @@ def evaluate(claim: Claim) -> dict:
     by_constant, flips = {}, []
     for name, (centre, low, high) in claim.ranges.items():
         ends = {"low": claim.value({name: low}), "high": claim.value({name: high})}
-        entry = {"range": [low, high], "at_low": round(ends["low"], 4), "at_high": round(ends["high"], 4),
+        entry = {"fitted": centre, "range": [low, high], "at_low": round(ends["low"], 4),
+                 "at_high": round(ends["high"], 4),
                  "holds": all(claim.holds(v) for v in ends.values()), "flips_at": None}
         if claim.holds(fitted) and not entry["holds"]:
             end = low if not claim.holds(ends["low"]) else high
@@ -248,8 +249,8 @@ def decode_step_claims(step: dict, moe: dict) -> list[Claim]:
         low, high = published["modelled_ratio_band"]
         ranges = {HBM_SHARE: share_range("v6e"), **step_range("v6e")}
         for at_most, bound in ((False, low), (True, high)):
-            claims.append(Claim("decode step", f"{model}: the default step over HF's configuration's "
-                                f"{'at least' if not at_most else 'at most'} its band's {'low' if not at_most else 'high'} end",
+            side = "at most its band's high end" if at_most else "at least its band's low end"
+            claims.append(Claim("decode step", f"{model}: the default step over HF's configuration's {side}",
                                 "v6e", bound, at_most, ranges, ratio))
     return claims
 

@@ -7,18 +7,28 @@ from collections import Counter
 FAMILIES = ("moe_layer ranking", "anchor", "paged decode", "decode step")
 
 
+def nearest_flips(claims: list[dict]) -> dict[str, float]:
+    """Per constant, the value nearest its fitted one at which one of `claims` flips."""
+    flips: dict[str, float] = {}
+    for claim in claims:
+        for name, entry in claim["by_constant"].items():
+            if entry["flips_at"] is not None:
+                fitted = entry["fitted"]
+                if name not in flips or abs(entry["flips_at"] - fitted) < abs(flips[name] - fitted):
+                    flips[name] = entry["flips_at"]
+    return flips
+
+
 def summary(report: dict) -> str:
-    """Per family of claims and generation: how many hold across the ranges, how many flip, and the lowest flip."""
-    rows = ["| claims | gen | robust | fragile | what flips them (lowest value) |", "| --- | --- | ---: | ---: | --- |"]
+    """Per family of claims and generation: how many hold across the ranges, how many flip, and the flip nearest
+    the fitted constants."""
+    rows = ["| claims | gen | robust | fragile | what flips them (the value nearest the fitted one) |",
+            "| --- | --- | ---: | ---: | --- |"]
     counts = Counter((c["family"], c["generation"], c["verdict"]) for c in report["claims"])
     for family in FAMILIES:
         for generation in sorted({c["generation"] for c in report["claims"] if c["family"] == family}):
-            flips: dict[str, float] = {}
-            for c in report["claims"]:
-                if (c["family"], c["generation"]) == (family, generation):
-                    for name, entry in c["by_constant"].items():
-                        if entry["flips_at"] is not None:
-                            flips[name] = min(flips.get(name, entry["flips_at"]), entry["flips_at"])
+            flips = nearest_flips([c for c in report["claims"]
+                                   if (c["family"], c["generation"]) == (family, generation)])
             what = ", ".join(f"{name} at {value:g}" for name, value in sorted(flips.items())) or "nothing in range"
             rows.append(f"| {family} | {generation} | {counts[(family, generation, 'robust')]} | "
                         f"{counts[(family, generation, 'fragile')]} | {what} |")
@@ -27,12 +37,11 @@ def summary(report: dict) -> str:
 
 def fragile(report: dict) -> str:
     """Every fragile claim but the paged ones (summarised above): its figure, and where it flips."""
-    rows = ["| claim | gen | at the fitted constants | worst corner | flips at |", "| --- | --- | ---: | ---: | --- |"]
-    for c in report["claims"]:
-        if c["verdict"] == "fragile" and c["family"] != "paged decode":
-            rows.append(f"| {c['claim']} | {c['generation']} | {c['fitted']:g} | {c['worst_corner']['value']:g} | "
-                        f"{'; '.join(c['flips'])} |")
-    return "\n".join(rows)
+    header = ["| claim | gen | at the fitted constants | worst corner | flips at |",
+              "| --- | --- | ---: | ---: | --- |"]
+    shown = [c for c in report["claims"] if c["verdict"] == "fragile" and c["family"] != "paged decode"]
+    return "\n".join(header + [f"| {c['claim']} | {c['generation']} | {c['fitted']:g} | "
+                               f"{c['worst_corner']['value']:g} | {'; '.join(c['flips'])} |" for c in shown])
 
 
 def constants(report: dict) -> str:
@@ -62,8 +71,9 @@ def verdicts(report: dict) -> str:
         lines.append(f"- {family}: {robust} of {len(found)} claims robust"
                      + ("" if robust == len(found) else f"; fragile: {len(found) - robust} (benchmarks/README.md)"))
     for model, rests in report["decode_step_rests_on"].items():
-        lines.append(f"- {model} whole-step ratio {rests['ratio']:g}x: {100 * rests['uncalibrated_share_of_default']:.1f} %"
-                     f" of the default step and {100 * rests['uncalibrated_share_of_hf_configuration']:.1f} % of HF's "
+        lines.append(f"- {model} whole-step ratio {rests['ratio']:g}x: "
+                     f"{100 * rests['uncalibrated_share_of_default']:.1f} % of the default step and "
+                     f"{100 * rests['uncalibrated_share_of_hf_configuration']:.1f} % of HF's "
                      f"configuration are XLA programs no timing checks (batched_mm alone "
                      f"{100 * rests['batched_mm_share_of_default']:.0f} % of the default)"
                      + (f"; HF's ratio implies a {rests['hf_implied_default_ms']:g} ms default step, modelled "
