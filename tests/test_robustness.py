@@ -76,3 +76,27 @@ def test_re_pricing_at_the_fitted_constants_gives_the_recorded_figures():
         for generation, figures in row["ours"].items():
             assert robustness.paged_pct(figures, robustness.paged_copies(row), generation, {}) == pytest.approx(
                 figures["pct_of_hbm_roofline_fitted"])
+
+
+def test_the_step_and_share_rules_are_the_models_own():
+    """A figure re-priced at another v6e step cost, or (a kernel bound by its copies at every step) at another HBM
+    share, from its recorded terms equals the model's price there."""
+    from benchmarks import perf
+
+    from .perf_kernels import MATMUL, X, Y
+
+    [call] = perf.model_pallas_traffic(MATMUL, X, Y)
+
+    def priced(step_us: float, share: float) -> perf.ModelledTime:
+        return perf.roofline(call, "v6e", step_overhead_s=step_us * 1e-6, hbm_fraction=share)
+
+    fitted_us = perf.grid_step_s("v6e") * 1e6
+    line = {"us": priced(fitted_us, 1.0).pipelined_time_s * 1e6,
+            "hbm85_us": priced(fitted_us, robustness.MOE_SECOND_SHARE).pipelined_time_s * 1e6,
+            "step_cost_us": priced(fitted_us, 1.0).overhead_s * 1e6}
+    for step_us in robustness.V6E_STEP_RANGE_US:
+        assert robustness.moe_variant_us(line, "v6e", {robustness.GRID_STEP: step_us}) == pytest.approx(
+            priced(step_us, 1.0).pipelined_time_s * 1e6)
+    for share in (*robustness.SHARE_RANGE, 0.9):
+        assert robustness.moe_variant_us(line, "v6e", {robustness.HBM_SHARE: share}) == pytest.approx(
+            priced(fitted_us, share).pipelined_time_s * 1e6)
