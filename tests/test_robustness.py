@@ -24,7 +24,7 @@ def holds(claim: dict, value: float) -> bool:
 
 def test_each_verdict_follows_from_its_numbers(report):
     for claim in report["claims"]:
-        checks = [holds(claim, claim["fitted"]), holds(claim, claim["worst_corner"]["value"])]
+        checks = [holds(claim, claim["fitted"]), holds(claim, claim["worst_point"]["value"])]
         for entry in claim["by_constant"].values():
             ends = [holds(claim, entry["at_low"]), holds(claim, entry["at_high"])]
             assert entry["holds"] == all(ends), claim["claim"]

@@ -16,7 +16,7 @@ Three of the model's constants are not identified by a timing of their kind:
 For every claim the results publish (ours against the best rival per shape and generation in moe_layer.json and
 moe_layer_v5p_tpu7x.json (v5p's grid-step cost, borrowed from v5e too, is held: no v5p timing bounds it), the
 <= 100 us anchor, >= 85 % of the HBM roofline for paged decode, the whole-step ratio of decode_step.json) this
-re-prices the claim's figures over each constant's range, one at a time and at every corner of the ranges jointly,
+re-prices the claim's figures over each constant's range, one at a time and over the ranges jointly,
 and calls the claim robust (it holds everywhere) or fragile (it flips: at which value of which constant).
 
 The re-pricing works on the terms each study recorded, and follows how the model prices them: the grid-step cost
@@ -24,10 +24,12 @@ is a fixed cost per (core) step, so a time moves by its recorded step cost times
 issue cost adds per copy; the HBM share enters through the recorded price at 0.85 (moe_layer's `hbm85_us`,
 linear in 1/share through it and the fitted price), through the copies term (paged attention: the whole copies term
 and XLA's relayout scale with 1/share, an upper bound on the pipelined time), or (the decode step's XLA programs,
-priced by their bytes) the whole term scales with 1/share. Each figure is affine in the step cost, the copy cost and
-1/share, so a ratio of two is quasi-linear and its extremes over the ranges lie at their corners: checking the
-ends and the corners is checking the whole range. The rivals keep the tiling their search chose at the fitted
-constants (a cheaper step could make a smaller tiling faster still).
+priced by their bytes) the whole term scales with 1/share. Each time is affine in the step cost and 1/share (and,
+but for the paged kernel's overlap, in the copy cost), so a ratio of two is monotone in each constant and its
+extremes lie at the ranges' corners; a best rival that changes inside the ranges is why the joint worst point is
+sought on a grid that includes the corners. A claim flips at the value found by bisection between where it holds
+and where it does not. The rivals keep the tiling their search chose at the fitted constants (a cheaper step could
+make a smaller tiling faster still).
 
 Output: benchmarks/results/robustness.json (`--out`); `tpu-kernels bench report` renders robustness.md from it.
 """
@@ -41,6 +43,8 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 from benchmarks.perf import chip
 from benchmarks.studies import result_path, write_json
@@ -58,6 +62,8 @@ MOE_SECOND_SHARE = 0.85
 MOE_RIVALS = (*RIVALS, FUSED)
 ANCHOR_LABELS = tuple(f"{setting} T={tokens}" for setting, tokens, _ in (ANCHOR, ANCHOR_DISPATCH))
 KV_ITEMSIZE = 2  # bf16 caches
+# Values per constant of the joint grid the worst point is sought on (its ends are the ranges' corners).
+JOINT_GRID = 5
 
 
 def copy_cost_bound_us(generation: str) -> float:
@@ -96,7 +102,8 @@ def flip_point(claim: Claim, name: str, holding: float, failing: float, rounds: 
 
 
 def evaluate(claim: Claim) -> dict:
-    """The claim at the fitted constants, at each end of each range, and at the worst corner; its verdict."""
+    """The claim at the fitted constants, at each end of each range, and at the worst point of the ranges jointly
+    (`JOINT_GRID` values of each, ends included); its verdict."""
     fitted = claim.value({})
     by_constant, flips = {}, []
     for name, (centre, low, high) in claim.ranges.items():
@@ -109,9 +116,9 @@ def evaluate(claim: Claim) -> dict:
             entry["flips_at"] = round(flip_point(claim, name, centre, end), 4)
             flips.append(f"{name} {entry['flips_at']:g}")
         by_constant[name] = entry
-    corners = [dict(zip(claim.ranges, values)) for values in
-               itertools.product(*[(low, high) for _, low, high in claim.ranges.values()])]
-    worst_point = max(corners, key=lambda p: claim.value(p) * (1 if claim.at_most else -1), default={})
+    grid = [dict(zip(claim.ranges, values)) for values in
+            itertools.product(*[np.linspace(low, high, JOINT_GRID).tolist() for _, low, high in claim.ranges.values()])]
+    worst_point = max(grid, key=lambda p: claim.value(p) * (1 if claim.at_most else -1), default={})
     worst = claim.value(worst_point)
     robust = claim.holds(fitted) and all(e["holds"] for e in by_constant.values()) and claim.holds(worst)
     if claim.holds(fitted) and not flips and not claim.holds(worst):
@@ -119,7 +126,7 @@ def evaluate(claim: Claim) -> dict:
     return {"family": claim.family, "claim": claim.claim, "generation": claim.generation,
             "threshold": claim.threshold, "holds_if": "at_most" if claim.at_most else "at_least",
             "fitted": round(fitted, 4), "holds_at_fitted": claim.holds(fitted), "by_constant": by_constant,
-            "worst_corner": {"constants": worst_point, "value": round(worst, 4), "holds": claim.holds(worst)},
+            "worst_point": {"constants": {k: round(v, 4) for k, v in worst_point.items()}, "value": round(worst, 4), "holds": claim.holds(worst)},
             "verdict": "robust" if robust else "fragile", "flips": flips}
 
 

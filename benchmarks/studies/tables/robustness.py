@@ -37,11 +37,11 @@ def summary(report: dict) -> str:
 
 def fragile(report: dict) -> str:
     """Every fragile claim but the paged ones (summarised above): its figure, and where it flips."""
-    header = ["| claim | gen | at the fitted constants | worst corner | flips at |",
+    header = ["| claim | gen | at the fitted constants | worst point | flips at |",
               "| --- | --- | ---: | ---: | --- |"]
     shown = [c for c in report["claims"] if c["verdict"] == "fragile" and c["family"] != "paged decode"]
     return "\n".join(header + [f"| {c['claim']} | {c['generation']} | {c['fitted']:g} | "
-                               f"{c['worst_corner']['value']:g} | {'; '.join(c['flips'])} |" for c in shown])
+                               f"{c['worst_point']['value']:g} | {'; '.join(c['flips'])} |" for c in shown])
 
 
 def constants(report: dict) -> str:
