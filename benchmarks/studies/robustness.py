@@ -116,8 +116,8 @@ def evaluate(claim: Claim) -> dict:
             entry["flips_at"] = round(flip_point(claim, name, centre, end), 4)
             flips.append(f"{name} {entry['flips_at']:g}")
         by_constant[name] = entry
-    grid = [dict(zip(claim.ranges, values)) for values in
-            itertools.product(*[np.linspace(low, high, JOINT_GRID).tolist() for _, low, high in claim.ranges.values()])]
+    axes = [np.linspace(low, high, JOINT_GRID).tolist() for _, low, high in claim.ranges.values()]
+    grid = [dict(zip(claim.ranges, values)) for values in itertools.product(*axes)]
     worst_point = max(grid, key=lambda p: claim.value(p) * (1 if claim.at_most else -1), default={})
     worst = claim.value(worst_point)
     robust = claim.holds(fitted) and all(e["holds"] for e in by_constant.values()) and claim.holds(worst)
@@ -126,7 +126,8 @@ def evaluate(claim: Claim) -> dict:
     return {"family": claim.family, "claim": claim.claim, "generation": claim.generation,
             "threshold": claim.threshold, "holds_if": "at_most" if claim.at_most else "at_least",
             "fitted": round(fitted, 4), "holds_at_fitted": claim.holds(fitted), "by_constant": by_constant,
-            "worst_point": {"constants": {k: round(v, 4) for k, v in worst_point.items()}, "value": round(worst, 4), "holds": claim.holds(worst)},
+            "worst_point": {"constants": {k: round(v, 4) for k, v in worst_point.items()}, "value": round(worst, 4),
+                            "holds": claim.holds(worst)},
             "verdict": "robust" if robust else "fragile", "flips": flips}
 
 
