@@ -301,7 +301,8 @@ def study(results: Path) -> dict:
     other_generations = json.loads((results / "moe_layer_v5p_tpu7x.json").read_text())
     paged = json.loads((results / "paged_attention.json").read_text())
     step = json.loads((results / "decode_step.json").read_text())
-    claims = [evaluate(c) for c in (*moe_claims(moe), *moe_claims(other_generations), *paged_claims(paged), *decode_step_claims(step, moe))]
+    claims = [evaluate(c) for c in (*moe_claims(moe), *moe_claims(other_generations), *paged_claims(paged),
+                                    *decode_step_claims(step, moe))]
     return {
         "benchmark": "benchmarks.studies.robustness",
         "what": sys.modules[__name__].__doc__.split("\n\n")[1].replace("\n", " "),
