@@ -108,7 +108,7 @@ def evaluate(claim: Claim) -> dict:
     by_constant, flips = {}, []
     for name, (centre, low, high) in claim.ranges.items():
         ends = {"low": claim.value({name: low}), "high": claim.value({name: high})}
-        entry = {"fitted": centre, "range": [low, high], "at_low": round(ends["low"], 4),
+        entry = {"fitted": round(centre, 4), "range": [low, high], "at_low": round(ends["low"], 4),
                  "at_high": round(ends["high"], 4),
                  "holds": all(claim.holds(v) for v in ends.values()), "flips_at": None}
         if claim.holds(fitted) and not entry["holds"]:
