@@ -34,6 +34,7 @@ BENCHMARKS = {
     "moe_decode": "per-step decode time of a MoE model: kernelized vs eager vs grouped_mm (a TPU VM harness)",
     "quantization_accuracy": "quantization error of int8 / fp8 / int4 expert weights against the float model",
     "int4_granularity": "int4 per-channel vs grouped scales on the accuracy report's models (float round trip)",
+    "robustness": "every published claim re-priced over the constants no chip identifies: robust or fragile",
     "calibration_fit": "fit the performance model's constants to tokamax's measured TPU timings",
     "compiles": "distinct kernel shapes and their real AOT compile seconds per workload, before and after buckets",
     "binding": "host cost of the JAX -> torch op binding",

@@ -50,6 +50,7 @@ from benchmarks.studies.tables import multichip as multichip_tables
 from benchmarks.studies.tables import paged_attention as paged_attention_tables
 from benchmarks.studies.tables import quantization_accuracy as quantization_accuracy_tables
 from benchmarks.studies.tables import rmsnorm as rmsnorm_tables
+from benchmarks.studies.tables import robustness as robustness_tables
 from benchmarks.perf.chip import CONSTANTS as MODEL_CONSTANTS
 
 # The tracked docs that may hold generated blocks, as globs relative to the project's root.
@@ -382,6 +383,7 @@ DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
     f"{SOURCES_DIR}/loader.md": sectioned_tables("loader.json", loader_tables.render_markdown),
     f"{SOURCES_DIR}/hub_server.md": sectioned_tables("hub_server.json", hub_server_tables.render_markdown),
     f"{SOURCES_DIR}/rmsnorm.md": sectioned_tables("rmsnorm.json", rmsnorm_tables.render_markdown),
+    f"{SOURCES_DIR}/robustness.md": sectioned_tables("robustness.json", robustness_tables.render_markdown),
     f"{SOURCES_DIR}/quantization_accuracy.md": sectioned_tables("quantization_accuracy.json",
                                                                 quantization_accuracy_tables.render_markdown),
     f"{SOURCES_DIR}/quantization_accuracy_tpu7x.md": sectioned_tables("quantization_accuracy_tpu7x.json",
