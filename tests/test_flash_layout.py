@@ -1,4 +1,4 @@
-"""The flash forward's rule for the order XLA stores q, K and V in (`flash.layout.sequence_minor_by_default`) against
+"""The flash forward's rule for the order XLA stores q, K and V in (`sequence_minor_by_default`) against
 the compiler: the layout libtpu's compile-only topologies give the arguments of a jitted function."""
 
 import jax
@@ -34,6 +34,6 @@ def test_sequence_minor_rule_matches_the_compiler(attention, generation, dtype):
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape in shapes]
     compiled = jax.jit(lambda *arrays: [a + 1 for a in arrays]).lower(*args).compile()
     found = {shape: fmt.layout.major_to_minor == _KEYS_MINOR for shape, fmt in zip(shapes, compiled.input_formats[0])}
-    predicted = {shape: attention.flash.layout.sequence_minor_by_default(shape[2], shape[3]) for shape in shapes}
+    predicted = {shape: attention.sequence_minor_by_default(shape[2], shape[3]) for shape in shapes}
     assert found == predicted
     assert any(predicted.values()) and not all(predicted.values())

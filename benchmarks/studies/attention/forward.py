@@ -321,7 +321,7 @@ def sweep_forward(built, shape: Shape, dtype, generation: str) -> dict:
             working_set = built.flash.tiles.vmem_bytes(
                 decode=False, group=shape.q_heads // shape.kv_heads, block_q=block_q, block_kv=block_kv,
                 kv_heads_per_step=1, head_dim=shape.head_dim, itemsize=jnp.dtype(dtype).itemsize, mask_itemsize=0,
-                queries_minor=built.flash.layout.sequence_minor_by_default(shape.q_len, shape.head_dim))
+                queries_minor=built.sequence_minor_by_default(shape.q_len, shape.head_dim))
             if working_set > built.vmem_budget(generation):
                 continue
             config = built.AttentionConfig(block_q=block_q, block_kv=block_kv,

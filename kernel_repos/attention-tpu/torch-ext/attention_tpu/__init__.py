@@ -22,6 +22,7 @@ tests use besides: the call's options and problem, the seams (dotted:
 # cached submodules without setting them as attributes of the new package.
 from . import common, flash, flash_api, flash_backward, kvcache, ops, paged, paged_ops, reference
 from .attention import attention_forward, attention_mask
+from .common.layout import sequence_minor_by_default
 from .common.masking import Attention, Problem, kv_steps, prepare, q_steps
 from .common.paged import PagedProblem, cache_stored_keys_minor, packed_keys_stored_minor, paged_problem
 from .common.tiles import AttentionConfig
@@ -60,8 +61,8 @@ TOOLS = [
     "flash.tiles.TUNED_TILES",
     "flash.tiles.ForwardTiles", "flash.tiles.TunedKey", "flash.tiles.check_config", "flash.tiles.heuristic_config",
     "flash.tiles.is_decode", "flash.tiles.tuned_config", "flash.tiles.vmem_bytes",
-    # The order the forward reads q, K and V in and writes its output in: XLA's default layout's.
-    "flash.layout.sequence_minor_by_default",
+    # The order the forward and backward read q, K and V in and write their results in: XLA's default layout's.
+    "sequence_minor_by_default",
     # What the backward's weighs.
     "flash_backward.tiles.PREFERRED_BACKWARD_TILES", "flash_backward.tiles.PREFERRED_BACKWARD_TILES_BY_HEAD_DIM",
     "flash_backward.tiles.STEP_OVERHEAD_MULTIPLE",

@@ -22,7 +22,7 @@ One forward kernel serves prefill, chunked prefill and decode:
 * q, K, V and the output are read and written in the layout XLA stores them
   in by default: row-major [B, H, S, D], or where XLA stores them
   sequence-minor (head_dim 64 over more than 64 positions,
-  `layout.sequence_minor_by_default`) as their swapped view [B, H, D, S], a
+  `common.layout.sequence_minor_by_default`) as their swapped view [B, H, D, S], a
   free bitcast. K and V then come in [D, block_kv] tiles: the logits are
   q [rows, D] @ k^T [D, block_kv] and the PV product contracts the keys, the
   lanes of p and of v^T. A prefill's q then comes in [group, D, block_q]

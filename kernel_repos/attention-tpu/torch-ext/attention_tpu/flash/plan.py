@@ -11,7 +11,7 @@ from .._hardware import LANES
 from ..common import masking
 from ..common.masking import Problem
 from ..common.tiles import AttentionConfig
-from .layout import sequence_minor_by_default
+from ..common.layout import sequence_minor_by_default
 from .tiles import check_config, is_decode, select
 
 

@@ -23,7 +23,7 @@ from .._tuning import read_tuned_tiles
 from ..common.masking import Problem
 from ..common.tiles import MASK_ROWS, Q_BLOCK_MULTIPLE, AttentionConfig, shrink_block
 from ..common.vmem import vmem_budget, vmem_limit
-from .layout import sequence_minor_by_default
+from ..common.layout import sequence_minor_by_default
 
 # Preferred tiles (query positions per prefill block, keys per prefill block,
 # keys per decode block), chosen with the grid-replay model of

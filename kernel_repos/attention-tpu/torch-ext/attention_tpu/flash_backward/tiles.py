@@ -21,7 +21,7 @@ from .._hardware import LANES, SUBLANES, grid_step_overhead_s, resolve_generatio
 from ..common.masking import Problem
 from ..common.tiles import MASK_ROWS, Q_BLOCK_MULTIPLE, AttentionConfig, shrink_block
 from ..common.vmem import vmem_budget, vmem_limit
-from ..flash.layout import sequence_minor_by_default
+from ..common.layout import sequence_minor_by_default
 
 # Preferred backward tiles per kernel, (block_q, block_kv): dq walks KV blocks
 # per query block, dk/dv walks query blocks per KV block. Chosen with the
@@ -74,7 +74,7 @@ class BackwardConfig:
 
 def reads_sequence_minor(*, q_len: int, kv_len: int, head_dim: int, block_q: int, block_kv: int) -> bool:
     """Whether a backward kernel at these blocks reads q, d_out, k, v (and writes dq, dk, dv) sequence-minor, as XLA
-    stores them by default (`flash.layout.sequence_minor_by_default`) when it stores both lengths so: blocks of whole
+    stores them by default (`common.layout.sequence_minor_by_default`) when it stores both lengths so: blocks of whole
     lane tiles only. Otherwise it reads them row-major, and where XLA stores them otherwise XLA copies them."""
     return (sequence_minor_by_default(q_len, head_dim) and sequence_minor_by_default(kv_len, head_dim)
             and block_q % LANES == 0 and block_kv % LANES == 0)
