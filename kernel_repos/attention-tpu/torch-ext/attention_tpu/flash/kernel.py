@@ -62,7 +62,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common import masking
+from ..common import masking, softmax
 from ..common.heads import loop_over_heads
 from ..common.masking import Attention, Prepared, Problem
 from ..common.tiles import AttentionConfig
@@ -85,6 +85,10 @@ class _ForwardRefs(NamedTuple):
     sum: object  # [slices, rows, 1] f32: running sum of each row's exponentials
     acc: object  # [slices, rows, D] f32
     q_rows: object | None = None  # [slices, rows, D]: q read queries-minor, transposed once per query block
+
+    @property
+    def softmax(self) -> softmax.SoftmaxState:
+        return softmax.SoftmaxState(self.max, self.sum, self.acc)
 
 
 class _Position(NamedTuple):
@@ -133,9 +137,7 @@ def _attend_block(refs: _ForwardRefs, at: _Position, problem: Problem, plan: For
     visible = bias = value_valid = None
     if apply_mask:
         visible, bias, value_valid = _visibility(refs, at, problem, plan)
-    # Logits q [rows, D] . k over D; the PV product p [rows, block_kv] . v over the keys.
     key_axis = _key_axis(plan)
-    qk_dims, pv_dims = (((1,), (1 - key_axis,)), ((), ())), (((1,), (key_axis,)), ((), ()))
 
     def load_kv(head):
         k, v = refs.k[head], refs.v[head]
@@ -147,25 +149,13 @@ def _attend_block(refs: _ForwardRefs, at: _Position, problem: Problem, plan: For
     queries = refs.q if refs.q_rows is None else refs.q_rows
 
     def attend(s, k, v):
-        raw = jax.lax.dot_general(queries[s], k, qk_dims, preferred_element_type=jnp.float32,
-                                  precision=problem.precision)
+        raw = softmax.raw_logits(queries[s], k, key_axis=key_axis, precision=problem.precision)
         logits = masking.capped_logits(problem, raw)
         if bias is not None:
             logits = logits + bias
         if visible is not None:
             logits = jnp.where(visible, logits, -jnp.inf)
-        max_prev = refs.max[s]
-        max_next = jnp.maximum(max_prev, jnp.max(logits, axis=1, keepdims=True))
-        # A row that has seen no visible key yet keeps max -inf; shift by 0
-        # instead so exp() gives 0 rather than exp(-inf + inf) = NaN.
-        shift = jnp.where(max_next == -jnp.inf, 0.0, max_next)
-        probs = jnp.exp(logits - shift)
-        rescale = jnp.exp(max_prev - shift)
-        refs.sum[s] = rescale * refs.sum[s] + jnp.sum(probs, axis=1, keepdims=True)
-        refs.acc[s] = rescale * refs.acc[s] + jax.lax.dot_general(
-            probs.astype(v.dtype), v, pv_dims, preferred_element_type=jnp.float32, precision=problem.precision,
-        )
-        refs.max[s] = max_next
+        softmax.update(refs.softmax, s, logits, v, key_axis=key_axis, precision=problem.precision)
 
     shared_kv = None if plan.decode else load_kv(0)
 
@@ -188,14 +178,7 @@ def _forward_kernel(q_offset_ref, kv_valid_ref, block_lo_ref, block_hi_ref, q_re
 
     @pl.when(kv_step == 0)
     def _init():
-        if sinks_ref is None:
-            refs.max[...] = jnp.full(refs.max.shape, -jnp.inf, jnp.float32)
-            refs.sum[...] = jnp.zeros(refs.sum.shape, jnp.float32)
-        else:
-            # The sink is one more logit in every row's softmax, over a zero value: exp(sink - max) = 1.
-            refs.max[...] = jnp.broadcast_to(sinks_ref[...], refs.max.shape)
-            refs.sum[...] = jnp.ones(refs.sum.shape, jnp.float32)
-        refs.acc[...] = jnp.zeros(refs.acc.shape, jnp.float32)
+        softmax.start(refs.softmax, None if sinks_ref is None else sinks_ref[...])
         if refs.q_rows is not None:
             # q^T [D, block_q] -> [block_q, D] once per query block, so that every KV step multiplies row-major q.
             def transpose_query(s):
@@ -232,16 +215,12 @@ def _store_output(refs: _ForwardRefs) -> None:
     """The accumulator over the softmax sum into the output block: [slices, rows, D], or queries-minor [slices, D,
     rows] (each slice transposed)."""
 
-    def normalized(index):
-        total = refs.sum[index]
-        return jnp.where(total == 0.0, 0.0, refs.acc[index] / jnp.where(total == 0.0, 1.0, total))
-
     if refs.q_rows is None:
-        refs.out[...] = normalized(...).astype(refs.out.dtype)
+        refs.out[...] = softmax.normalized(refs.softmax, ...).astype(refs.out.dtype)
         return
 
     def store_transposed(s):
-        refs.out[s] = normalized(s).T.astype(refs.out.dtype)
+        refs.out[s] = softmax.normalized(refs.softmax, s).T.astype(refs.out.dtype)
 
     loop_over_heads(refs.acc.shape[0], store_transposed)
 

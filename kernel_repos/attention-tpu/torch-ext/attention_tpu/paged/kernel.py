@@ -46,8 +46,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common import masking
 from .._hardware import LANES
+from ..common import masking, softmax
 from ..common.paged import PagedProblem, paged_problem
 from .plan import PagedPlan, make
 from .tiles import PagedConfig
@@ -70,6 +70,10 @@ class _Refs(NamedTuple):
     max: object  # [Hkv, block rows, 1] f32
     sum: object
     acc: object  # [Hkv, block rows, D] f32
+
+    @property
+    def softmax(self) -> softmax.SoftmaxState:
+        return softmax.SoftmaxState(self.max, self.sum, self.acc)
 
 
 class _Span(NamedTuple):
@@ -232,21 +236,10 @@ def _attend_tile(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Spa
         visible = visible & (key_pos > position - problem.sliding_window)
     q = refs.q[head, pl.ds(row0, rows), :]
     key_axis = 1 if problem.keys_minor else 0
-    raw = jax.lax.dot_general(q, k, (((1,), (1 - key_axis,)), ((), ())), preferred_element_type=jnp.float32,
-                              precision=problem.precision)
+    raw = softmax.raw_logits(q, k, key_axis=key_axis, precision=problem.precision)
     logits = jnp.where(visible, masking.capped_logits(problem, raw), -jnp.inf)
-    state = (head, pl.ds(row0, rows), slice(None))
-    max_prev = refs.max[state]
-    max_next = jnp.maximum(max_prev, jnp.max(logits, axis=1, keepdims=True))
-    # A row with no visible key yet keeps max -inf: shift by 0 so that exp() gives 0, not NaN.
-    shift = jnp.where(max_next == -jnp.inf, 0.0, max_next)
-    probs = jnp.exp(logits - shift)
-    rescale = jnp.exp(max_prev - shift)
-    refs.sum[state] = rescale * refs.sum[state] + jnp.sum(probs, axis=1, keepdims=True)
-    refs.acc[state] = rescale * refs.acc[state] + jax.lax.dot_general(
-        probs.astype(v.dtype), v, (((1,), (key_axis,)), ((), ())), preferred_element_type=jnp.float32,
-        precision=problem.precision)
-    refs.max[state] = max_next
+    softmax.update(refs.softmax, (head, pl.ds(row0, rows), slice(None)), logits, v, key_axis=key_axis,
+                   precision=problem.precision)
 
 
 def _tile_sees_block(problem: PagedProblem, plan: PagedPlan, span: _Span, tile_q: int, tile, block_start, key_start):
@@ -337,14 +330,7 @@ def _paged_kernel(cu_q_ref, kv_lens_ref, table_ref, seq_first_ref, seq_last_ref,
     refs = _Refs(cu_q_ref, kv_lens_ref, table_ref, q_ref, k_hbm, v_hbm, sinks_ref, *rest)
     step = pl.program_id(0)
     block_start = step * plan.block_q
-    if sinks_ref is None:
-        refs.max[...] = jnp.full(refs.max.shape, -jnp.inf, jnp.float32)
-        refs.sum[...] = jnp.zeros(refs.sum.shape, jnp.float32)
-    else:
-        # The sink is one more logit in every row's softmax, over a zero value: exp(sink - max) = 1.
-        refs.max[...] = sinks_ref[...]
-        refs.sum[...] = jnp.ones(refs.sum.shape, jnp.float32)
-    refs.acc[...] = jnp.zeros(refs.acc.shape, jnp.float32)
+    softmax.start(refs.softmax, None if sinks_ref is None else sinks_ref[...])
     last_seq = seq_last_ref[step]
 
     def seq_body(seq, carry):
@@ -377,9 +363,7 @@ def _paged_kernel(cu_q_ref, kv_lens_ref, table_ref, seq_first_ref, seq_last_ref,
         return slot, (span.has_blocks & prefetch_next).astype(jnp.int32)
 
     jax.lax.fori_loop(seq_first_ref[step], last_seq + 1, seq_body, (jnp.int32(0), jnp.int32(0)))
-    total = refs.sum[...]
-    out = jnp.where(total == 0.0, 0.0, refs.acc[...] / jnp.where(total == 0.0, 1.0, total))
-    refs.out[...] = out.astype(refs.out.dtype)
+    refs.out[...] = softmax.normalized(refs.softmax, ...).astype(refs.out.dtype)
 
 
 def _sequence_ranges(cu_q_lens, plan: PagedPlan):
