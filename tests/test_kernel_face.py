@@ -344,7 +344,7 @@ def test_code_outside_the_kernel_uses_only_its_face(kernel):
     (ATTENTION, "def test(kernel):\n    kernel.common.masking.prepare(q, k, options)", True),
     (ATTENTION, "def test(kernel):\n    kernel.pallas_flash.flash_attention(q, k, v)", True),
     (ATTENTION, "def test(kernel):\n    kernel.flash.tiles.select_config(**shape)", True),
-    (ATTENTION, "def f(built):\n    return built.flash.tiles.forward_vmem_bytes(tiles, **shape)", False),
+    (ATTENTION, "def f(built):\n    return built.flash.tiles._preferred_blocks(problem, target)", False),
     (ATTENTION, "def test(kernel):\n    kernel.flash_backward.plan.BackwardPlans(problem, dq, dkv)", True),
     (ATTENTION, "def test(kernel):\n    kernel.select_config(**shape)", True),
     (ATTENTION, "attention = kernels['attention-tpu']\nattention.config", False),

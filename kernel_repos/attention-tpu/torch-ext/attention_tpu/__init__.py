@@ -7,11 +7,15 @@ and CI). `attention_forward` and `attention_mask` plug it into transformers.
 
 Each kernel is a subpackage (`flash`: the forward; `flash_backward`: dq and
 dk/dv; `paged`: ragged paged attention over a paged or contiguous KV cache,
-inference only) with three seams: `tiles.select(problem, generation)` picks its tiles,
-`plan.make(problem, generation, config=None)` lays its grid and VMEM limit,
-and `kernel.call(arrays..., plan)` runs it; `common` is what they share (the
-call's options, its `Problem` and masking, the paged kernel's `PagedProblem`,
-the tiles' type, the VMEM policy). `__all__` is what a user calls (the torch
+inference only) with three seams: `tiles.select(problem, target)` picks its tiles,
+`plan.make(problem, target, config=None)` lays its grid and VMEM limit,
+and `kernel.call(arrays..., plan)` runs it. The problem is a frozen value
+(`Problem`, `PagedProblem`) and so is the target, the TPU generation's facts
+(`_hardware.TpuGeneration`): each JAX function resolves its `generation` (a
+name, or None for this device's) once and hands both down to the tiles.
+`common` is what the kernels share (the call's options, its `Problem` and
+masking, the paged kernel's `PagedProblem`, the online softmax, the tiles'
+type, the VMEM policy, the layout rule). `__all__` is what a user calls (the torch
 ops, the transformers entry points, the flash-attn 2 API and the reference); `TOOLS` is what benchmarks, the performance model and
 tests use besides: the call's options and problem, the seams (dotted:
 `flash.plan.make`), the JAX functions, and what the tile selectors weigh.

@@ -62,6 +62,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .._hardware import TpuGeneration, resolve_target
 from ..common import masking, softmax
 from ..common.heads import loop_over_heads
 from ..common.masking import Attention, Prepared, Problem
@@ -391,18 +392,17 @@ def flash_attention_forward(
     v: jax.Array,
     *,
     config: AttentionConfig | None = None,
-    generation: str | None = None,
+    generation: str | TpuGeneration | None = None,
     **options,
 ) -> tuple[jax.Array, jax.Array]:
     """(out [B, Hq, Sq, D], log-sum-exp float32 [B, Hq, Sq]) of `differentiable_flash_attention`; `options` those
     of `masking.Attention`."""
-    return attention_forward(q, k, v, Attention(**options), config, generation)
+    return attention_forward(q, k, v, Attention(**options), resolve_target(generation), config)
 
 
-def attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, attention: Attention,
-                      config: AttentionConfig | None = None,
-                      generation: str | None = None) -> tuple[jax.Array, jax.Array]:
-    """`flash_attention_forward` of an `Attention` value.
+def attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, attention: Attention, target: TpuGeneration,
+                      config: AttentionConfig | None = None) -> tuple[jax.Array, jax.Array]:
+    """`flash_attention_forward` of an `Attention` value on `target` (a generation's facts, resolved once).
 
     The log-sum-exp is that of each row's softmax denominator, the sink
     included; -inf for a row that sees no key and has no sink.
@@ -415,7 +415,7 @@ def attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, attention: Atten
         no_key = jnp.full((q_heads,), -jnp.inf, jnp.float32) if sinks is None else sinks.astype(jnp.float32)
         return jnp.zeros(q.shape, q.dtype), jnp.broadcast_to(no_key[None, :, None], (batch, q_heads, q_len))
     problem, prepared = masking.prepare(q, k, attention)
-    return call(q, k, v, prepared, make(problem, generation, config))
+    return call(q, k, v, prepared, make(problem, target, config))
 
 
 class _Tiling(NamedTuple):
@@ -423,24 +423,24 @@ class _Tiling(NamedTuple):
 
     config: AttentionConfig | None
     backward_config: BackwardConfig | None
-    generation: str | None
+    target: TpuGeneration
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _differentiable_attention(tiling: _Tiling, q, k, v, attention: Attention):
-    out, _ = attention_forward(q, k, v, attention, tiling.config, tiling.generation)
+    out, _ = attention_forward(q, k, v, attention, tiling.target, tiling.config)
     return out
 
 
 def _attention_vjp_forward(tiling: _Tiling, q, k, v, attention: Attention):
-    out, lse = attention_forward(q, k, v, attention, tiling.config, tiling.generation)
+    out, lse = attention_forward(q, k, v, attention, tiling.target, tiling.config)
     return out, (q, k, v, attention, out, lse)
 
 
 def _attention_vjp_backward(tiling: _Tiling, residuals, d_out):
     q, k, v, attention, out, lse = residuals
-    dq, dk, dv, d_sinks = attention_backward(d_out, q, k, v, out, lse, attention, tiling.backward_config,
-                                             tiling.generation)
+    dq, dk, dv, d_sinks = attention_backward(d_out, q, k, v, out, lse, attention, tiling.target,
+                                             tiling.backward_config)
     # Offsets, lengths and the mask are not differentiated (None: a zero cotangent).
     no_gradient = dict(q_offset=None, kv_lengths=None, attention_mask=None)
     return dq, dk, dv, dataclasses.replace(attention, sinks=d_sinks, **no_gradient)
@@ -456,7 +456,7 @@ def differentiable_flash_attention(
     *,
     config: AttentionConfig | None = None,
     backward_config: BackwardConfig | None = None,
-    generation: str | None = None,
+    generation: str | TpuGeneration | None = None,
     **options,
 ) -> jax.Array:
     """Attention of q[B, Hq, Sq, D] over k, v[B, Hkv, Skv, D] -> [B, Hq, Sq, D]; differentiable.
@@ -464,10 +464,11 @@ def differentiable_flash_attention(
     `options` are those of `masking.Attention` (scale, causal, q_offset,
     kv_lengths, sliding_window, softcap, attention_mask, sinks). Tiles:
     `config` and `backward_config`, else those of `tiles.select` and
-    `flash_backward.tiles.select` for `generation`
-    (default this device's). jax.grad/jax.vjp run the backward Pallas kernels
+    `flash_backward.tiles.select` for `generation` (a name or its facts;
+    default this device's), resolved once here. jax.grad/jax.vjp run the backward Pallas kernels
     (`flash_backward.kernel.attention_backward`) for q, k, v and sinks;
     offsets, lengths and the mask get no gradient. Inputs are assumed valid
     (see the module docstring).
     """
-    return _differentiable_attention(_Tiling(config, backward_config, generation), q, k, v, Attention(**options))
+    tiling = _Tiling(config, backward_config, resolve_target(generation))
+    return _differentiable_attention(tiling, q, k, v, Attention(**options))

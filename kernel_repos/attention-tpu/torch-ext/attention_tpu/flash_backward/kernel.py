@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .._hardware import TpuGeneration, resolve_target
 from ..common import masking
 from ..common.heads import loop_over_heads
 from ..common.masking import Attention, Prepared, Problem
@@ -387,19 +388,20 @@ def flash_attention_backward(
     lse: jax.Array,
     *,
     config: BackwardConfig | None = None,
-    generation: str | None = None,
+    generation: str | TpuGeneration | None = None,
     **options,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """(dq, dk, dv, d_sinks or None) of `flash.kernel.differentiable_flash_attention` given d_out = dL/d out;
-    `options` those of `masking.Attention`."""
-    return attention_backward(d_out, q, k, v, out, lse, Attention(**options), config, generation)
+    `options` those of `masking.Attention`; `generation` a name or its facts (default this device's), resolved once
+    here."""
+    return attention_backward(d_out, q, k, v, out, lse, Attention(**options), resolve_target(generation), config)
 
 
 def attention_backward(
     d_out: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array, attention: Attention,
-    config: BackwardConfig | None = None, generation: str | None = None,
+    target: TpuGeneration, config: BackwardConfig | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """`flash_attention_backward` of an `Attention` value.
+    """`flash_attention_backward` of an `Attention` value on `target` (a generation's facts, resolved once).
 
     `out` and `lse` are what `flash.kernel.attention_forward` returned for the
     same inputs. Keys past kv_lengths get zero gradients; so do the rows of
@@ -411,7 +413,7 @@ def attention_backward(
         d_sinks = None if sinks is None else jnp.zeros(sinks.shape, sinks.dtype)
         return jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype), d_sinks
     problem, prepared = masking.prepare(q, k, attention)
-    return call(d_out, q, k, v, out, lse, prepared, make(problem, generation, config), sinks)
+    return call(d_out, q, k, v, out, lse, prepared, make(problem, target, config), sinks)
 
 
 def call(d_out: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array,
