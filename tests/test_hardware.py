@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import types
 from pathlib import Path
 
@@ -160,14 +161,20 @@ def test_an_unsupported_tpu_gets_the_same_error_from_every_kernel(built_kernels,
     monkeypatch.delenv(hardware.GENERATION_ENV, raising=False)
     loaded = {name: get_local_kernel(built, backend="cpu") for name, built in built_kernels.items()}
     q, kv = jax.ShapeDtypeStruct((1, 8, 1, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, 1, 128, 128), jnp.bfloat16)
+    rows, weight = jax.ShapeDtypeStruct((64, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((2048,), jnp.bfloat16)
+
+    def traced(function, *arrays):
+        """The program of a kernel's JAX function, which resolves its generation when it is traced: traced anew
+        (jax's caches cleared), so that no earlier trace answers."""
+        jax.clear_caches()
+        return str(jax.make_jaxpr(function)(*arrays))
+
     selects = {
         "ragged-dot-tpu": lambda k: k.gmm.tiles.select(k.MatmulProblem(64, 2048, 1536, 1, "bfloat16", "bfloat16",
                                                                        False)),
-        "rmsnorm-tpu": lambda k: k.norm.tiles.select(k.NormProblem("rms_norm", 64, 2048, "bfloat16")),
-        # Attention resolves the generation where a call enters it, its JAX function: the program it traces (a new
-        # function each time, so that no trace is reused).
-        "attention-tpu": lambda k: str(jax.make_jaxpr(lambda *arrays: k.flash.kernel.flash_attention_forward(
-            *arrays))(q, kv, kv)),
+        # rmsnorm and attention resolve the generation where a call enters them, their JAX functions.
+        "rmsnorm-tpu": lambda k: traced(functools.partial(k.norm.kernel.rms_norm_forward, eps=1e-6), rows, weight),
+        "attention-tpu": lambda k: traced(k.flash.kernel.flash_attention_forward, q, kv, kv),
     }
     off_tpu = {name: select(loaded[name]) for name, select in selects.items()}
     _on_a_tpu(monkeypatch, "TPU v6 lite", "v6e")

@@ -30,8 +30,8 @@ def configs(kernel_builds):
 def test_every_kernel_sizes_vmem_by_the_one_policy(ragged_dot_kernel, configs, generation):
     for name, config in configs.items():
         policy = config.norm.tiles if name == "rmsnorm-tpu" else config  # rmsnorm-tpu's: its row blocks' tiles
-        # Attention's takes the generation's facts, resolved once by its caller.
-        target = generation if name == "rmsnorm-tpu" else hardware.resolve_target(generation)
+        # It takes the generation's facts, resolved once by its caller.
+        target = hardware.resolve_target(generation)
         assert policy.vmem_budget(target) == hardware.vmem_budget_bytes(
             generation, margin=policy.WORKING_SET_MARGIN, bound_bytes=policy.WORKING_SET_BOUND_BYTES[generation])
         for working_set in (MIB, 20 * MIB, 60 * MIB):
@@ -67,7 +67,8 @@ def test_every_kernel_takes_the_tuned_tiles_of_its_table(kernel_builds, ragged_d
 
     def rmsnorm_selects(key):
         problem = rmsnorm.NormProblem(key.op, key.rows, key.hidden, key.dtype)
-        return rmsnorm.norm.tiles.RowBlockTiles(rmsnorm.norm.tiles.select(problem, key.generation).block_rows)
+        return rmsnorm.norm.tiles.RowBlockTiles(rmsnorm.norm.tiles.select(problem, hardware.resolve_target(
+            key.generation)).block_rows)
 
     kernels = {  # name: (the loaded table, its key type, its tiles type, what the kernel selects for a key)
         "ragged-dot-tpu": (ragged_dot_kernel.gmm.tiles.TUNED_TILES, ragged_dot_kernel.gmm.tiles.TunedKey,

@@ -143,15 +143,22 @@ def _sequence_valid(plan: BackwardPlan, head_dim: int, block: int, first, valid)
     return first + jax.lax.broadcasted_iota(jnp.int32, shape, axis) < valid
 
 
+def _split_refs(rest, problem: Problem, plan: BackwardPlan, count: int, held):
+    """A backward kernel's refs after its inputs: (the mask ref or None, its `count` output and accumulator refs,
+    the rows of the two blocks it holds across its walk: their transposed scratch where it reads them
+    sequence-minor, else `held` themselves)."""
+    rest = list(rest)
+    mask_ref = rest.pop(0) if problem.mask_kind is not None else None
+    return mask_ref, rest[:count], rest[count:] if plan.sequence_minor else held
+
+
 def _dq_kernel(
     q_offset_ref, kv_valid_ref, block_lo_ref, block_hi_ref,
     q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *rest,
     problem: Problem, plan: BackwardPlan,
 ):
-    rest = list(rest)
-    mask_ref = rest.pop(0) if problem.mask_kind is not None else None
-    dq_ref, acc_ref, *row_refs = rest
-    q_rows_ref, d_out_rows_ref = row_refs if plan.sequence_minor else (q_ref, d_out_ref)
+    mask_ref, (dq_ref, acc_ref), (q_rows_ref, d_out_rows_ref) = _split_refs(rest, problem, plan, 2,
+                                                                            (q_ref, d_out_ref))
     qi, kv_step, slot, kv_block, q_offset, kv_valid = _grid_step(
         q_offset_ref, kv_valid_ref, block_lo_ref, plan.num_q_blocks)
     block_q, block_kv = plan.block_q, plan.block_kv
@@ -209,10 +216,8 @@ def _dkv_kernel(
     q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *rest,
     problem: Problem, plan: BackwardPlan,
 ):
-    rest = list(rest)
-    mask_ref = rest.pop(0) if problem.mask_kind is not None else None
-    dk_ref, dv_ref, dk_acc_ref, dv_acc_ref, *row_refs = rest
-    k_rows_ref, v_rows_ref = row_refs if plan.sequence_minor else (k_ref, v_ref)
+    mask_ref, (dk_ref, dv_ref, dk_acc_ref, dv_acc_ref), (k_rows_ref, v_rows_ref) = _split_refs(
+        rest, problem, plan, 4, (k_ref, v_ref))
     kj, q_step, slot, qi, q_offset, kv_valid = _grid_step(q_offset_ref, kv_valid_ref, block_lo_ref, plan.num_kv_blocks)
     block_q, block_kv = plan.block_q, plan.block_kv
     contract_d, contract_queries = _walked_dims(plan)

@@ -171,20 +171,16 @@ def _chunk_copies(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Sp
     return copies
 
 
-def _start_block(refs, problem, plan, span: _Span, block, slot) -> None:
+def _copy_block(refs, problem, plan, span: _Span, block, slot, *, wait: bool) -> None:
+    """Starts the K and V copies of a block's chunks that hold keys of the sequence, or (wait) waits for them."""
     for needed, k_copy, v_copy in _chunk_copies(refs, problem, plan, span, block, slot):
         @pl.when(needed)
-        def _start():
-            k_copy.start()
-            v_copy.start()
-
-
-def _wait_block(refs, problem, plan, span: _Span, block, slot) -> None:
-    for needed, k_copy, v_copy in _chunk_copies(refs, problem, plan, span, block, slot):
-        @pl.when(needed)
-        def _wait():
-            k_copy.wait()
-            v_copy.wait()
+        def _copy():
+            for copy in (k_copy, v_copy):
+                if wait:
+                    copy.wait()
+                else:
+                    copy.start()
 
 
 def _clear_values_past_keys(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block, slot) -> None:
@@ -337,7 +333,7 @@ def _paged_kernel(cu_q_ref, kv_lens_ref, table_ref, seq_first_ref, seq_last_ref,
         slot, in_flight = carry  # in_flight: this sequence's first block is already on its way into `slot`
         span = _span(refs, problem, plan, seq, block_start)
         pl.when(span.has_blocks & (in_flight == 0))(
-            lambda: _start_block(refs, problem, plan, span, 0, slot))
+            lambda: _copy_block(refs, problem, plan, span, 0, slot, wait=False))
         has_next = seq < last_seq
         following = _span(refs, problem, plan, jnp.minimum(seq + 1, last_seq), block_start)
         prefetch_next = has_next & following.has_blocks
@@ -347,13 +343,13 @@ def _paged_kernel(cu_q_ref, kv_lens_ref, table_ref, seq_first_ref, seq_last_ref,
 
             @pl.when(block < span.last_block)
             def _next_of_this_sequence():
-                _start_block(refs, problem, plan, span, block + 1, other)
+                _copy_block(refs, problem, plan, span, block + 1, other, wait=False)
 
             @pl.when((block == span.last_block) & prefetch_next)
             def _first_of_the_next():
-                _start_block(refs, problem, plan, following, 0, other)
+                _copy_block(refs, problem, plan, following, 0, other, wait=False)
 
-            _wait_block(refs, problem, plan, span, block, slot)
+            _copy_block(refs, problem, plan, span, block, slot, wait=True)
             if not (problem.contiguous or problem.keys_minor):
                 _clear_values_past_keys(refs, problem, plan, span, block, slot)
             _attend_block(refs, problem, plan, span, block, slot, block_start)
