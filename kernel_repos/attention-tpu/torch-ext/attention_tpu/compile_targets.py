@@ -56,8 +56,13 @@ def _backward_avals(batch, seq, *, q_heads, kv_heads, head_dim, dtype=jnp.bfloat
 
 
 def compile_targets(generation):
+    return [*_forward_targets(generation), *_backward_targets(generation),
+            # Ragged paged attention (its shapes: `paged/compile_targets.py`).
+            *paged_compile_targets(generation)]
+
+
+def _forward_targets(generation):
     flash_attention = functools.partial(differentiable_flash_attention, generation=generation)
-    backward = functools.partial(flash_attention_backward, generation=generation)
     lengths = jax.ShapeDtypeStruct((8,), jnp.int32)
     lengths_of_64 = jax.ShapeDtypeStruct((64,), jnp.int32)
     gpt_oss_sinks = jax.ShapeDtypeStruct((GPT_OSS_20B["q_heads"],), jnp.bfloat16)
@@ -77,30 +82,7 @@ def compile_targets(generation):
     def decode_with_sinks(q, k, v, kv_lengths, sinks):
         return flash_attention(q, k, v, kv_lengths=kv_lengths, sinks=sinks)
 
-    def backward_windowed(*arrays):
-        return backward(*arrays, sliding_window=1024)
-
-    def training_gradients_with_sinks(q, k, v, d_out, sinks):
-        """The gradients jax.grad takes through the forward and both backward kernels, in one program."""
-
-        def loss(q, k, v, sinks):
-            out = with_sinks(q, k, v, sinks)
-            return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
-
-        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, sinks)
-
-    def backward_with_mask(*arrays, attention_mask):
-        return backward(*arrays, causal=False, attention_mask=attention_mask, softcap=30.0)
-
-    def backward_f32(*arrays):
-        return backward(*arrays, softcap=30.0)
-
-    def keyword_last(fn, name):
-        """fn taking its last positional array as keyword `name` (compile targets pass arrays positionally)."""
-        return lambda *arrays: fn(*arrays[:-1], **{name: arrays[-1]})
-
     tokens = TOKENS_PER_RANK
-    padding_mask = jax.ShapeDtypeStruct((2, 1, tokens // 2, tokens // 2), jnp.bool_)
     return [
         ("qwen3-30b-a3b prefill B=1 S=4096 causal bf16", flash_attention, _qkv(1, 4096, 4096, **QWEN3_30B_A3B)),
         ("qwen3-30b-a3b decode B=8 cache=4096 bf16", with_lengths, (*_qkv(8, 1, 4096, **QWEN3_30B_A3B), lengths)),
@@ -128,6 +110,39 @@ def compile_targets(generation):
          _qkv(1, tokens, tokens, **GEMMA_4_GLOBAL)),
         (f"gemma-4-26b-a4b global layer decode B=64 cache={tokens} D=512 bf16", with_lengths,
          (*_qkv(64, 1, tokens, **GEMMA_4_GLOBAL), lengths_of_64)),
+    ]
+
+
+def _backward_targets(generation):
+    flash_attention = functools.partial(differentiable_flash_attention, generation=generation)
+    backward = functools.partial(flash_attention_backward, generation=generation)
+    gpt_oss_sinks = jax.ShapeDtypeStruct((GPT_OSS_20B["q_heads"],), jnp.bfloat16)
+
+    def backward_windowed(*arrays):
+        return backward(*arrays, sliding_window=1024)
+
+    def training_gradients_with_sinks(q, k, v, d_out, sinks):
+        """The gradients jax.grad takes through the forward and both backward kernels, in one program."""
+
+        def loss(q, k, v, sinks):
+            out = flash_attention(q, k, v, sliding_window=128, sinks=sinks)
+            return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, sinks)
+
+    def backward_with_mask(*arrays, attention_mask):
+        return backward(*arrays, causal=False, attention_mask=attention_mask, softcap=30.0)
+
+    def backward_f32(*arrays):
+        return backward(*arrays, softcap=30.0)
+
+    def keyword_last(fn, name):
+        """fn taking its last positional array as keyword `name` (compile targets pass arrays positionally)."""
+        return lambda *arrays: fn(*arrays[:-1], **{name: arrays[-1]})
+
+    tokens = TOKENS_PER_RANK
+    padding_mask = jax.ShapeDtypeStruct((2, 1, tokens // 2, tokens // 2), jnp.bool_)
+    return [
         (f"backward qwen3-30b-a3b B=1 S={tokens} causal bf16", backward, _backward_avals(1, tokens, **QWEN3_30B_A3B)),
         (f"backward gemma-4-26b-a4b global layer B=1 S={tokens} causal D=512 bf16", backward,
          _backward_avals(1, tokens, **GEMMA_4_GLOBAL)),
@@ -148,6 +163,4 @@ def compile_targets(generation):
         ),
         ("backward qwen3-30b-a3b B=1 S=1000 causal softcap f32", backward_f32,
          _backward_avals(1, 1000, dtype=jnp.float32, **QWEN3_30B_A3B)),
-        # Ragged paged attention (its shapes: `paged/compile_targets.py`).
-        *paged_compile_targets(generation),
     ]
