@@ -11,10 +11,11 @@ import numpy as np
 
 from benchmarks import perf
 from benchmarks.studies import calibration_bands
+from benchmarks.studies.model_shapes import ATTENTION_WINDOWS
 from benchmarks.studies.relayouts import relayout_fields, relayouts
 from tpu_kernels.runtime.hardware import resolve_target, tpu_generation
 
-from .forward import (GENERATIONS, GPT_OSS, QWEN3, RELAYOUT_SHOWN_FROM_US, Shape, active_steps_from_prefetch, avals,
+from .forward import (GEMMA_4_SLIDING, GENERATIONS, GPT_OSS, QWEN3, RELAYOUT_SHOWN_FROM_US, Shape, active_steps_from_prefetch, avals,
                       kernel_fn, live_lengths, program_avals, visible_key_ranges, visible_keys,
                       visible_pairs)
 
@@ -38,12 +39,14 @@ class TrainingShape:
 
 
 TRAINING_TOKENS = 8192
+GEMMA_4_WINDOW, GPT_OSS_WINDOW = ATTENTION_WINDOWS["gemma-4-26b-a4b sliding"], ATTENTION_WINDOWS["gpt-oss-20b"]
 TRAINING_SHAPES = [
     TrainingShape(f"qwen3-30b-a3b B=1 S={TRAINING_TOKENS} causal", 1, TRAINING_TOKENS, **QWEN3),
-    TrainingShape(f"gemma-4-26b-a4b sliding layer B=1 S={TRAINING_TOKENS} window=1024 D=256", 1, TRAINING_TOKENS,
-                  q_heads=16, kv_heads=8, head_dim=256, sliding_window=1024),
-    TrainingShape(f"gpt-oss-20b B=1 S={TRAINING_TOKENS} window=128 sinks D=64", 1, TRAINING_TOKENS,
-                  **GPT_OSS, sliding_window=128, sinks=True),
+    TrainingShape(f"gemma-4-26b-a4b sliding layer B=1 S={TRAINING_TOKENS} window={GEMMA_4_WINDOW} "
+                  f"D={GEMMA_4_SLIDING['head_dim']}", 1, TRAINING_TOKENS, **GEMMA_4_SLIDING,
+                  sliding_window=GEMMA_4_WINDOW),
+    TrainingShape(f"gpt-oss-20b B=1 S={TRAINING_TOKENS} window={GPT_OSS_WINDOW} sinks D={GPT_OSS['head_dim']}", 1,
+                  TRAINING_TOKENS, **GPT_OSS, sliding_window=GPT_OSS_WINDOW, sinks=True),
 ]
 BACKWARD_TARGET_PCT = 80.0
 # Matmuls each backward kernel must run per visible (query, key) pair and head dim, x 2 FLOPs.

@@ -14,14 +14,16 @@ from benchmarks import perf
 from tpu_kernels.aot import compile_for
 from tpu_kernels.runtime.hardware import resolve_target
 from benchmarks.studies import calibration_bands
+from benchmarks.studies.model_shapes import ATTENTION_HEADS, ATTENTION_WINDOWS
 from benchmarks.studies.relayouts import relayout_fields, relayouts
 
 
 GENERATIONS = ("v5e", "v5p", "v6e", "tpu7x")
 COST_GENERATION = "v6e"
 DECODE_TARGET_RATIO = 1.1
-QWEN3 = dict(q_heads=32, kv_heads=4, head_dim=128)
-GPT_OSS = dict(q_heads=64, kv_heads=8, head_dim=64)  # GPT-OSS-20B; its sliding layers' window is 128
+QWEN3 = ATTENTION_HEADS["qwen3-30b-a3b"]
+GPT_OSS = ATTENTION_HEADS["gpt-oss-20b"]
+GEMMA_4_SLIDING = ATTENTION_HEADS["gemma-4-26b-a4b sliding"]
 # Below this many µs a relayout rounds to 0 µs in the tables and is left out of them and of the summary: at head_dim
 # 128 and up the only copies are the kernel's scalar operands staged into SMEM (nanoseconds).
 RELAYOUT_SHOWN_FROM_US = 0.5
@@ -52,8 +54,8 @@ SHAPES = [
     Shape("prefill B=1 S=4096 non-causal", 1, 4096, 4096, causal=False),
     Shape("prefill B=1 S=8192", 1, 8192, 8192),
     Shape("chunked prefill B=1 512 new vs 4096 cached", 1, 512, 4608),
-    Shape("prefill B=1 S=8192 window=1024 (gemma-like)", 1, 8192, 8192, q_heads=16, kv_heads=8, head_dim=256,
-          sliding_window=1024),
+    Shape(f"prefill B=1 S=8192 window={ATTENTION_WINDOWS['gemma-4-26b-a4b sliding']} (gemma-like)", 1, 8192, 8192,
+          sliding_window=ATTENTION_WINDOWS["gemma-4-26b-a4b sliding"], **GEMMA_4_SLIDING),
     Shape("decode B=1 cache=4096", 1, 1, 4096, decode_target=True),
     Shape("decode B=8 cache=4096", 8, 1, 4096, decode_target=True),
     Shape("decode B=64 cache=4096", 64, 1, 4096, decode_target=True),
@@ -62,8 +64,9 @@ SHAPES = [
     Shape("decode B=8 static cache=32768, lengths 1k..32k", 8, 1, 32768,
           kv_lengths=(1000, 4096, 7000, 12000, 16384, 20000, 30000, 32768)),
     Shape("decode B=8 cache=32768 window=4096", 8, 1, 32768, sliding_window=4096),
-    Shape("prefill B=1 S=4096 window=128 D=64 (gpt-oss-like)", 1, 4096, 4096, sliding_window=128, **GPT_OSS),
-    Shape("decode B=8 cache=4096 D=64 (gpt-oss-like)", 8, 1, 4096, **GPT_OSS),
+    Shape(f"prefill B=1 S=4096 window={ATTENTION_WINDOWS['gpt-oss-20b']} D={GPT_OSS['head_dim']} (gpt-oss-like)", 1,
+          4096, 4096, sliding_window=ATTENTION_WINDOWS["gpt-oss-20b"], **GPT_OSS),
+    Shape(f"decode B=8 cache=4096 D={GPT_OSS['head_dim']} (gpt-oss-like)", 8, 1, 4096, **GPT_OSS),
 ]
 QUICK = {"prefill B=1 S=4096", "decode B=8 cache=4096", "decode B=8 cache=32768",
          "decode B=8 static cache=32768, lengths 1k..32k"}

@@ -144,7 +144,7 @@ def test_head_dim_64_over_more_than_64_positions_reads_q_k_v_sequence_minor_in_w
     multiples of 128 (past the keys' end where the keys are fewer); a config whose block is the whole shorter key
     length reads them row-major, as do head_dim 128 and 64 keys or fewer. Likewise a prefill's q (and its output) by
     its query blocks; decode reads q row-major."""
-    sequence_minor = kernel.sequence_minor_by_default
+    sequence_minor = kernel.common.layout.sequence_minor_by_default
     assert sequence_minor(65, 64) and sequence_minor(1000, 64) and sequence_minor(4097, 64)
     assert sequence_minor(32768, 64)
     assert not (sequence_minor(64, 64) or sequence_minor(17, 64) or sequence_minor(4096, 128)

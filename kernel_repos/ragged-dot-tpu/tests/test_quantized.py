@@ -85,7 +85,7 @@ def test_gated_gate_up_takes_one_byte_weights_in_one_n_tile(kernel, interpret, t
                                    jnp.dtype(to_jax(rhs).dtype).name, transpose_rhs=transpose_rhs,
                                    zero_rows_past_groups=False)
     plan = kernel.gmm.plan.make(problem, "v5e", kernel.gmm.tiles.TileConfig(40, k, 2 * intermediate, None, 1))
-    plan = kernel.gmm.plan.gated_plan(plan, kernel.Gate("silu"), generation="v5e")
+    plan = kernel.gmm.plan.gated_plan(plan, kernel.problem.Gate("silu"), generation="v5e")
     assert plan.tile_n == plan.problem.n == intermediate
     out = interpret(lambda: kernel.gmm.kernel.call(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
                                                    plan, to_jax(scales)))
@@ -289,7 +289,7 @@ def test_fused_fp8_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, interpret, 
     layer = quantized_layer(_scheme_weights("fp8"), tokens, hidden, intermediate, experts, top_k, **options)
     gate = dict(weights_transposed=transposed, **gate)
     config = None if tiles is None else kernel.fused.tiles.FusedConfig(*tiles)
-    problem, _ = kernel.describe_experts(*map(to_jax, layer), **gate)
+    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
     assert kernel.fused.plan.make(problem, "tpu7x", config).fp8_matmul == FP8_MXU_CASES[case]
     fused = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), **gate, config=config,
                                                    generation="tpu7x"))
@@ -346,8 +346,8 @@ def test_grouped_fp8_layer_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, int
     transposed = options["transposed"]
     layer = quantized_layer(_scheme_weights("fp8"), tokens, hidden, intermediate, experts, top_k, **options)
     gate = dict(weights_transposed=transposed, **gate)
-    problem, _ = kernel.describe_experts(*map(to_jax, layer), **gate)
-    plan = kernel.plan_experts(problem, "tpu7x", fused=False)
+    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
+    plan = kernel.plan.plan_experts(problem, "tpu7x", fused=False)
     assert plan.gate_up.fp8_matmul and plan.down.fp8_matmul
     grouped = interpret(lambda: kernel.experts_layer(*map(to_jax, layer), **gate, fused=False,
                                                      generation="tpu7x"))
