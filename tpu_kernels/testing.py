@@ -161,17 +161,17 @@ def tiny_transformers_model(model_class, seed: int, **config):
 
 
 def assert_vmem_policy(policy, generation: str) -> None:
-    """A kernel's VMEM budget and limit (its module `policy`'s `vmem_budget(generation)` and
-    `vmem_limit(working_set, generation)`) are the one policy's (`runtime.hardware`) at the kernel's
-    `WORKING_SET_MARGIN` and `WORKING_SET_BOUND_BYTES` (by generation)."""
+    """A kernel's VMEM budget and limit (its module `policy`'s `vmem_budget(target)` and
+    `vmem_limit(working_set, target)`, on the generation's facts `resolve_target` gives) are the one policy's
+    (`runtime.hardware`) at the kernel's `WORKING_SET_MARGIN` and `WORKING_SET_BOUND_BYTES` (by generation)."""
     from .runtime import hardware
 
-    margin = policy.WORKING_SET_MARGIN
-    assert policy.vmem_budget(generation) == hardware.vmem_budget_bytes(
+    margin, target = policy.WORKING_SET_MARGIN, hardware.resolve_target(generation)
+    assert policy.vmem_budget(target) == hardware.vmem_budget_bytes(
         generation, margin=margin, bound_bytes=policy.WORKING_SET_BOUND_BYTES[generation])
     for working_set in (1 << 20, 20 << 20, 60 << 20):
-        assert policy.vmem_limit(working_set, generation) == hardware.vmem_limit_bytes(working_set, generation,
-                                                                                       margin=margin)
+        assert policy.vmem_limit(working_set, target) == hardware.vmem_limit_bytes(working_set, generation,
+                                                                                   margin=margin)
 
 
 def assert_tuned_table(path: Path, loaded: dict, key_type, tiles_type, selects) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from benchmarks import perf
 from tpu_kernels.aot import compile_for
+from tpu_kernels.runtime.hardware import resolve_target
 from benchmarks.studies import calibration_bands
 from benchmarks.studies.model_shapes import ATTENTION_HEADS, ATTENTION_WINDOWS
 from benchmarks.studies.relayouts import relayout_fields, relayouts
@@ -246,7 +247,7 @@ def measure_generation(built, shape: Shape, dtype, generation: str, visible: Vis
         q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.q_len, kv_len=shape.kv_len,
         head_dim=shape.head_dim, dtype=dtype, sliding_window=shape.sliding_window,
     )
-    config = built.flash.tiles.select(problem, generation)
+    config = built.flash.tiles.select(problem, resolve_target(generation))
     block_q = 1 if shape.q_len == 1 else config.block_q
     num_q_blocks = -(-shape.q_len // block_q)
     calls = perf.model_pallas_traffic(
@@ -317,18 +318,16 @@ def sweep_forward(built, shape: Shape, dtype, generation: str) -> dict:
     problem = built.Problem.of_shape(q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.q_len,
                                      kv_len=shape.kv_len, head_dim=shape.head_dim, dtype=dtype,
                                      sliding_window=shape.sliding_window)
-    selected = built.flash.tiles.select(problem, generation)
+    target = resolve_target(generation)
+    selected = built.flash.tiles.select(problem, target)
     rows = []
     for block_q in SWEEP_BLOCKS["block_q"]:
         for block_kv in SWEEP_BLOCKS["block_kv"]:
-            working_set = built.flash.tiles.vmem_bytes(
-                decode=False, group=shape.q_heads // shape.kv_heads, block_q=block_q, block_kv=block_kv,
-                kv_heads_per_step=1, head_dim=shape.head_dim, itemsize=jnp.dtype(dtype).itemsize, mask_itemsize=0,
-                queries_minor=built.flash.layout.sequence_minor_by_default(shape.q_len, shape.head_dim))
-            if working_set > built.vmem_budget(generation):
+            working_set = built.flash.tiles.vmem_bytes(problem, built.flash.tiles.ForwardTiles(block_q, block_kv))
+            if working_set > built.vmem_budget(target):
                 continue
             config = built.AttentionConfig(block_q=block_q, block_kv=block_kv,
-                                           vmem_limit_bytes=built.vmem_limit(working_set, generation))
+                                           vmem_limit_bytes=built.vmem_limit(working_set, target))
             rows.append({"block_q": block_q, "block_kv": block_kv,
                          "pipelined_us": round(_pipelined_us(built, shape, dtype, generation, config), 1)})
     best = min(rows, key=lambda row: row["pipelined_us"])

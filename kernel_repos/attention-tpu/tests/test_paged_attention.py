@@ -11,9 +11,11 @@ import warnings
 
 import pytest
 import torch
+from tpu_kernels.runtime.hardware import resolve_target
 from tpu_kernels.testing import assert_matches, interpret
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+V6E = resolve_target("v6e")
 
 
 def paged_batch(q_lens, kv_lens, *, q_heads, kv_heads, head_dim, page_size, dtype=torch.float32, seed=0,
@@ -129,7 +131,7 @@ def test_a_head_dim_64_cache_read_keys_minor(kernel, convert, page_size, block_k
     problem = kernel.common.paged.paged_problem(*(convert[0](x) for x in (batch[0], batch[1], batch[5])),
                                                 sliding_window=window)
     assert problem.keys_minor
-    assert kernel.paged.plan.make(problem, config=config(kernel, 16, 16, block_kv)).chunk == (
+    assert kernel.paged.plan.make(problem, V6E, config=config(kernel, 16, 16, block_kv)).chunk == (
         128 if window else page_size)
     sinks = torch.randn(4, generator=torch.Generator().manual_seed(4))
     options = dict(sinks=sinks, sliding_window=window, softcap=4.0)
@@ -180,7 +182,7 @@ def test_decode_rows_in_tiles_of_the_native_rows(kernel, convert, q_heads, kv_he
     batch = paged_batch(q_lens, kv_lens, q_heads=q_heads, kv_heads=kv_heads, head_dim=64, page_size=4, dtype=dtype,
                         seed=q_heads + kv_heads)
     problem = kernel.common.paged.paged_problem(*(convert[0](x) for x in (batch[0], batch[1], batch[5])))
-    assert kernel.paged.plan.make(problem, config=config(kernel, 16, 16, 8)).min_tile_q == (
+    assert kernel.paged.plan.make(problem, V6E, config=config(kernel, 16, 16, 8)).min_tile_q == (
         16 // q_heads * kv_heads if dtype == torch.bfloat16 else 8 // q_heads * kv_heads)
     check_paged(kernel, convert, batch, config(kernel, 16, 16, 8))
 
@@ -195,7 +197,7 @@ def test_window_blocks_start_at_the_chunk_of_the_first_visible_key(kernel, conve
                         page_size=32, seed=window + 20)
     problem = kernel.common.paged.paged_problem(*(convert[0](x) for x in (batch[0], batch[1], batch[5])),
                                                 sliding_window=window)
-    assert kernel.paged.plan.make(problem, config=config(kernel, 16, 16, 32)).chunk == 16
+    assert kernel.paged.plan.make(problem, V6E, config=config(kernel, 16, 16, 32)).chunk == 16
     check_paged(kernel, convert, batch, config(kernel, 16, 16, 32), sliding_window=window)
 
 
@@ -206,19 +208,19 @@ def test_decode_tiles_and_window_chunks_selected(kernel):
     shape = dict(total_q=64, num_seqs=64, q_heads=32, kv_heads=4, head_dim=128, page_size=256, num_pages=4096,
                  pages_per_seq=32, dtype="bfloat16", max_q_len=1)
     qwen = kernel.PagedProblem.of_shape(**shape)
-    assert kernel.paged.tiles.select(qwen, "tpu7x").tile_q == 2
-    assert kernel.paged.plan.make(qwen, "tpu7x").num_q_blocks == 1
-    assert kernel.paged.plan.make(qwen, "v5p").num_q_blocks == 2
+    assert kernel.paged.tiles.select(qwen, resolve_target("tpu7x")).tile_q == 2
+    assert kernel.paged.plan.make(qwen, resolve_target("tpu7x")).num_q_blocks == 1
+    assert kernel.paged.plan.make(qwen, resolve_target("v5p")).num_q_blocks == 2
     gpt_oss = kernel.PagedProblem.of_shape(**{**shape, "q_heads": 64, "kv_heads": 8, "head_dim": 64},
                                            sliding_window=128, has_sinks=True)
-    assert gpt_oss.keys_minor and kernel.paged.plan.make(gpt_oss, "v6e").chunk == 128
+    assert gpt_oss.keys_minor and kernel.paged.plan.make(gpt_oss, V6E).chunk == 128
     with pytest.raises(ValueError, match="block_kv must be a multiple of 128 where the keys are read keys-minor"):
-        kernel.paged.plan.make(gpt_oss, config=config(kernel, 16, 16, 64))
+        kernel.paged.plan.make(gpt_oss, V6E, config=config(kernel, 16, 16, 64))
     small_pages = kernel.PagedProblem.of_shape(**{**shape, "q_heads": 64, "kv_heads": 8, "head_dim": 64,
                                                   "page_size": 16, "pages_per_seq": 512}, sliding_window=128)
-    assert not small_pages.keys_minor and kernel.paged.plan.make(small_pages, "v6e").chunk == 16
+    assert not small_pages.keys_minor and kernel.paged.plan.make(small_pages, V6E).chunk == 16
     with pytest.raises(ValueError, match="tile_q must be a positive multiple of 2"):
-        kernel.paged.plan.make(qwen, config=config(kernel, 3, 3, 256))
+        kernel.paged.plan.make(qwen, V6E, config=config(kernel, 3, 3, 256))
 
 
 def test_key_blocks_no_longer_than_the_keys_a_window_lets_a_sequence_see(kernel):
@@ -228,11 +230,11 @@ def test_key_blocks_no_longer_than_the_keys_a_window_lets_a_sequence_see(kernel)
     shape = dict(total_q=64, num_seqs=64, q_heads=64, kv_heads=8, head_dim=64, page_size=16, num_pages=4096,
                  pages_per_seq=512, dtype="bfloat16", has_sinks=True, max_q_len=1)
     windowed = kernel.PagedProblem.of_shape(**shape, sliding_window=128)
-    assert kernel.paged.tiles.select(windowed, "v6e").block_kv == 256
-    assert kernel.paged.tiles.select(kernel.PagedProblem.of_shape(**shape), "v6e").block_kv == 1024
+    assert kernel.paged.tiles.select(windowed, V6E).block_kv == 256
+    assert kernel.paged.tiles.select(kernel.PagedProblem.of_shape(**shape), V6E).block_kv == 1024
     # A page larger than the window: a part of a page.
     assert kernel.paged.tiles.select(kernel.PagedProblem.of_shape(**{**shape, "page_size": 512, "pages_per_seq": 16},
-                                                                  sliding_window=128), "v6e").block_kv == 256
+                                                                  sliding_window=128), V6E).block_kv == 256
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from tpu_kernels import testing
-from tpu_kernels.runtime.hardware import SUPPORTED_GENERATIONS
+from tpu_kernels.runtime.hardware import SUPPORTED_GENERATIONS, resolve_target
 
 
 @pytest.mark.parametrize("generation", SUPPORTED_GENERATIONS)
@@ -21,7 +21,7 @@ def test_the_forward_takes_the_tuned_tiles_of_its_table(kernel):
     def selects(key):
         shape = key._asdict()
         generation = shape.pop("generation")
-        chosen = tiles.select(kernel.Problem.of_shape(**shape), generation)
+        chosen = tiles.select(kernel.Problem.of_shape(**shape), resolve_target(generation))
         return tiles.ForwardTiles(chosen.block_q, chosen.block_kv, chosen.kv_heads_per_step)
 
     testing.assert_tuned_table(Path(kernel.__file__).parent / "flash" / "tuned_tiles.json", tiles.TUNED_TILES,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from tpu_kernels import testing
-from tpu_kernels.runtime.hardware import SUPPORTED_GENERATIONS
+from tpu_kernels.runtime.hardware import SUPPORTED_GENERATIONS, resolve_target
 
 
 @pytest.mark.parametrize("generation", SUPPORTED_GENERATIONS)
@@ -20,4 +20,4 @@ def test_rmsnorm_takes_the_tuned_row_blocks_of_its_table(kernel):
     table = Path(kernel.__file__).parent / "norm" / "tuned_tiles.json"
     testing.assert_tuned_table(table, tiles.TUNED_TILES, tiles.TunedKey, tiles.RowBlockTiles, lambda key: (
         tiles.RowBlockTiles(tiles.select(kernel.NormProblem(key.op, key.rows, key.hidden, key.dtype),
-                                         key.generation).block_rows)))
+                                         resolve_target(key.generation)).block_rows)))

@@ -7,11 +7,15 @@ and CI). `attention_forward` and `attention_mask` plug it into transformers.
 
 Each kernel is a subpackage (`flash`: the forward; `flash_backward`: dq and
 dk/dv; `paged`: ragged paged attention over a paged or contiguous KV cache,
-inference only) with three seams: `tiles.select(problem, generation)` picks its tiles,
-`plan.make(problem, generation, config=None)` lays its grid and VMEM limit,
-and `kernel.call(arrays..., plan)` runs it; `common` is what they share (the
-call's options, its `Problem` and masking, the paged kernel's `PagedProblem`,
-the tiles' type, the VMEM policy). `__all__` is what a user calls (the torch
+inference only) with three seams: `tiles.select(problem, target)` picks its tiles,
+`plan.make(problem, target, config=None)` lays its grid and VMEM limit,
+and `kernel.call(arrays..., plan)` runs it. The problem is a frozen value
+(`Problem`, `PagedProblem`) and so is the target, the TPU generation's facts
+(`_hardware.TpuGeneration`): each JAX function resolves its `generation` (a
+name, or None for this device's) once and hands both down to the tiles.
+`common` is what the kernels share (the call's options, its `Problem` and
+masking, the paged kernel's `PagedProblem`, the online softmax, the tiles'
+type, the VMEM policy, the layout rule). `__all__` is what a user calls (the torch
 ops, the transformers entry points, the flash-attn 2 API and the reference);
 `TOOLS` is what this project's lab (benchmarks/) uses besides, and nothing
 more: the kernel's own tests reach its internals through the modules bound
@@ -55,8 +59,8 @@ TOOLS = [
     "flash.kernel.differentiable_flash_attention", "flash.kernel.flash_attention_forward",
     "flash_backward.kernel.flash_attention_backward", "paged.kernel.ragged_paged_attention",
     "paged.kernel.ragged_varlen_attention",
-    # What the lab weighs of the tiles: the VMEM they take and the policy's budget and limit, the backward's
-    # tiles, and the order each kernel reads its arrays in.
-    "flash.tiles.vmem_bytes", "vmem_budget", "vmem_limit", "flash_backward.tiles.backward_tiles",
-    "flash.layout.sequence_minor_by_default", "flash_backward.tiles.reads_sequence_minor",
+    # What the lab weighs of the tiles: the VMEM the forward's take (of its tiles' type) and the policy's budget and
+    # limit, and the backward's tiles.
+    "flash.tiles.vmem_bytes", "flash.tiles.ForwardTiles", "vmem_budget", "vmem_limit",
+    "flash_backward.tiles.backward_tiles",
 ]

@@ -5,8 +5,10 @@ the same kernels in Pallas' TPU interpret mode, which is for development and
 tests, not for speed. `layers` plugs them into transformers' RMSNorm modules.
 
 The kernels are one subpackage (`norm`: the four ops' kernels) with three
-seams: `tiles.select(problem, generation)` picks a call's row block,
-`plan.make(problem, generation, config=None)` lays its grid, and
+seams: `tiles.select(problem, target)` picks a call's row block,
+`plan.make(problem, target, config=None)` lays its grid (`target`: the TPU
+generation's facts, `_hardware.TpuGeneration`, that the JAX functions resolve
+once from their `generation`), and
 `kernel.call(rows, weight, plan)` runs it. `__all__` is what a user calls (the
 torch ops, the layers and the reference); `TOOLS` is what this project's lab
 (benchmarks/) uses besides, and nothing more: the kernel's own tests reach
