@@ -3,6 +3,8 @@ buckets, per model, workload and TPU generation."""
 
 from __future__ import annotations
 
+from . import markdown_table
+
 
 def seconds(summary: dict) -> str:
     """Compile seconds of a workload, with the share priced by interpolation rather than compiled."""
@@ -13,17 +15,18 @@ def seconds(summary: dict) -> str:
 
 def first_call(data: dict) -> str:
     load = f"wall seconds on {data['cpu_count']} cores at load average {data['load_average_at_start'][0]:.0f}"
-    rows = [f"| model | workload | gen | kernel shapes, no buckets | with buckets | compile s, no buckets ({load}) "
-            "| with buckets | first request's compiles, s: no buckets / buckets |",
-            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    rows = []
     for model, generations in data["models"].items():
         for generation, workloads in generations.items():
             for workload, modes in workloads.items():
                 before, after = modes["before"], modes["after"]
-                rows.append(f"| {model} | {workload} | {generation} | {before['distinct_shapes']:,} "
-                            f"| {after['distinct_shapes']:,} | {seconds(before)} | {seconds(after)} "
-                            f"| {before['first_call_s']:,.0f} / {after['first_call_s']:,.0f} |")
-    return "\n".join(rows)
+                rows.append([model, workload, generation, f"{before['distinct_shapes']:,}",
+                             f"{after['distinct_shapes']:,}", seconds(before), seconds(after),
+                             f"{before['first_call_s']:,.0f} / {after['first_call_s']:,.0f}"])
+    return markdown_table(["model", "workload", "gen", "kernel shapes, no buckets", "with buckets",
+                           f"compile s, no buckets ({load})", "with buckets",
+                           "first request's compiles, s: no buckets / buckets"],
+                          "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |", rows)
 
 
 def render_markdown(data: dict) -> dict[str, str]:
