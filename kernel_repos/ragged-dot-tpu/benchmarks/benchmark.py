@@ -91,6 +91,12 @@ def matmul_inputs(shape: dict, projection: str, generator: torch.Generator) -> d
                 group_sizes=torch.bincount(picks, minlength=experts).to(torch.int32))
 
 
+def _layer_arguments(inputs) -> tuple:
+    """The positional arguments the kernel's experts layer and its reference both take, in their order."""
+    return tuple(inputs[name] for name in ("hidden_states", "top_k_index", "top_k_weights", "gate_up_proj",
+                                           "down_proj", "gate_up_bias", "down_bias"))
+
+
 class ExpertsLayerCase(harness.KernelCase):
     def spec(self, case, targets):
         name, tokens = case
@@ -100,14 +106,10 @@ class ExpertsLayerCase(harness.KernelCase):
         return layer_inputs(*spec, generator)
 
     def call(self, inputs):
-        return self.kernel.gated_experts(
-            inputs["hidden_states"], inputs["top_k_index"], inputs["top_k_weights"], inputs["gate_up_proj"],
-            inputs["down_proj"], inputs["gate_up_bias"], inputs["down_bias"], **inputs["options"])
+        return self.kernel.gated_experts(*_layer_arguments(inputs), **inputs["options"])
 
     def expected(self, inputs):
-        return self.kernel.reference.gated_experts_reference(
-            inputs["hidden_states"], inputs["top_k_index"], inputs["top_k_weights"], inputs["gate_up_proj"],
-            inputs["down_proj"], inputs["gate_up_bias"], inputs["down_bias"], **inputs["options"])
+        return self.kernel.reference.gated_experts_reference(*_layer_arguments(inputs), **inputs["options"])
 
 
 class GroupedMatmulCase(harness.KernelCase):
