@@ -20,8 +20,8 @@ SMALL_D64 = forward.Shape("small D=64", 2, 256, 256, q_heads=4, kv_heads=2, head
 SMALL_RAGGED_D64 = forward.Shape("small chunk D=64", 1, 130, 300, q_heads=4, kv_heads=2, head_dim=64)
 SMALL_DECODE_D64 = forward.Shape("small decode D=64", 2, 1, 1000, q_heads=8, kv_heads=2, head_dim=64)
 SMALL_D128 = forward.Shape("small D=128", 2, 256, 256, q_heads=4, kv_heads=2, head_dim=128)
-SMALL_TRAINING_D64 = backward.TrainingShape("small training D=64", 1, 256, q_heads=4, kv_heads=2, head_dim=64,
-                                            sliding_window=128, sinks=True)
+SMALL_TRAINING_D64 = backward.TrainingShape(label="small training D=64", batch=1, seq=256, q_heads=4, kv_heads=2,
+                                            head_dim=64, sliding_window=128, sinks=True)
 DTYPE = jnp.bfloat16
 
 
@@ -113,8 +113,8 @@ def test_the_backward_total_pays_its_programs_relayout_and_the_kernels_times_do_
     """Blocks that are the whole sequence and no multiple of 128 read row-major: the pullback's program copies
     d_out, q, k and v into the kernels' layout and dq, dk, dv back, the row's total pays that and its kernels'
     times do not; the forward at the same shape pays its own, so both sides of backward / forward carry theirs."""
-    shape, generation = backward.TrainingShape("ragged training D=64", 1, 200, q_heads=4, kv_heads=2, head_dim=64,
-                                               sliding_window=128, sinks=True), "v6e"
+    shape, generation = backward.TrainingShape(label="ragged training D=64", batch=1, seq=200, q_heads=4,
+                                               kv_heads=2, head_dim=64, sliding_window=128, sinks=True), "v6e"
     whole = attention.AttentionConfig(shape.seq, shape.seq, 32 * 2**20)
     config = attention.flash_backward.tiles.BackwardConfig(dq=whole, dkv=whole)
     found = argument_layouts.probe(backward.backward_fn(attention, shape, generation, config),

@@ -21,3 +21,11 @@ def test_the_lab_reads_the_tables_the_built_kernel_compiles(kernel_builds, repo,
 def test_a_table_compile_targets_does_not_assign_is_refused():
     with pytest.raises(LookupError, match="assigns no NO_SUCH_TABLE"):
         model_shapes.compile_targets_literal("attention-tpu", "attention_tpu", "NO_SUCH_TABLE")
+
+
+@pytest.mark.parametrize("tag", list(model_shapes.ATTENTION_HEADS))
+def test_a_tagged_attention_layer_takes_its_heads_window_and_sinks_from_the_tables(tag):
+    layer = model_shapes.AttentionLayer.of_tag(tag)
+    assert (layer.q_heads, layer.kv_heads, layer.head_dim) == tuple(model_shapes.ATTENTION_HEADS[tag].values())
+    assert layer.sliding_window == model_shapes.ATTENTION_WINDOWS.get(tag)
+    assert layer.sinks == (tag in model_shapes.ATTENTION_SINKS)

@@ -8,6 +8,7 @@ and layer kind), `WINDOWS` and `SINKS`; ragged-dot-tpu's `MODELS` (each experts 
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 # The lab runs from the checkout, beside the kernel repos.
@@ -28,3 +29,21 @@ ATTENTION_HEADS: dict[str, dict[str, int]] = compile_targets_literal("attention-
 ATTENTION_WINDOWS: dict[str, int] = compile_targets_literal("attention-tpu", "attention_tpu", "WINDOWS")
 ATTENTION_SINKS: tuple[str, ...] = compile_targets_literal("attention-tpu", "attention_tpu", "SINKS")
 EXPERTS_MODELS: dict[str, dict] = compile_targets_literal("ragged-dot-tpu", "ragged_dot_tpu", "MODELS")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLayer:
+    """A model's attention layer: its heads, its window (None: every key) and whether it takes sinks. The studies'
+    shapes extend it (keyword-only fields) and take a model's layer from the tables by its tag (`of_tag`)."""
+
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+    sinks: bool = False
+
+    @classmethod
+    def of_tag(cls, tag: str, **fields):
+        """The layer `tag` names in attention-tpu's `HEADS`, with its `WINDOWS` and `SINKS`, and a shape's `fields`."""
+        return cls(**ATTENTION_HEADS[tag], sliding_window=ATTENTION_WINDOWS.get(tag), sinks=tag in ATTENTION_SINKS,
+                   **fields)

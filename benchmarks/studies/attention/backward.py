@@ -11,27 +11,22 @@ import numpy as np
 
 from benchmarks import perf
 from benchmarks.studies import calibration_bands
-from benchmarks.studies.model_shapes import ATTENTION_WINDOWS
+from benchmarks.studies.model_shapes import ATTENTION_WINDOWS, AttentionLayer
 from benchmarks.studies.relayouts import relayout_fields, relayouts
 from tpu_kernels.runtime.hardware import resolve_target, tpu_generation
 
-from .forward import (GEMMA_4_SLIDING, GENERATIONS, GPT_OSS, QWEN3, RELAYOUT_SHOWN_FROM_US, Shape, active_steps_from_prefetch, avals,
+from .forward import (GEMMA_4_SLIDING, GENERATIONS, GPT_OSS, RELAYOUT_SHOWN_FROM_US, Shape, active_steps_from_prefetch, avals,
                       kernel_fn, live_lengths, program_avals, visible_key_ranges, visible_keys,
                       visible_pairs)
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainingShape:
-    """Self-attention of one training sequence batch: B x S tokens per rank."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainingShape(AttentionLayer):
+    """Self-attention of one training sequence batch of a model's layer: B x S tokens per rank."""
 
     label: str
     batch: int
     seq: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    sliding_window: int | None = None
-    sinks: bool = False
 
     def as_shape(self) -> Shape:
         return Shape(self.label, self.batch, self.seq, self.seq, self.q_heads, self.kv_heads, self.head_dim,
@@ -41,12 +36,12 @@ class TrainingShape:
 TRAINING_TOKENS = 8192
 GEMMA_4_WINDOW, GPT_OSS_WINDOW = ATTENTION_WINDOWS["gemma-4-26b-a4b sliding"], ATTENTION_WINDOWS["gpt-oss-20b"]
 TRAINING_SHAPES = [
-    TrainingShape(f"qwen3-30b-a3b B=1 S={TRAINING_TOKENS} causal", 1, TRAINING_TOKENS, **QWEN3),
-    TrainingShape(f"gemma-4-26b-a4b sliding layer B=1 S={TRAINING_TOKENS} window={GEMMA_4_WINDOW} "
-                  f"D={GEMMA_4_SLIDING['head_dim']}", 1, TRAINING_TOKENS, **GEMMA_4_SLIDING,
-                  sliding_window=GEMMA_4_WINDOW),
-    TrainingShape(f"gpt-oss-20b B=1 S={TRAINING_TOKENS} window={GPT_OSS_WINDOW} sinks D={GPT_OSS['head_dim']}", 1,
-                  TRAINING_TOKENS, **GPT_OSS, sliding_window=GPT_OSS_WINDOW, sinks=True),
+    TrainingShape.of_tag("qwen3-30b-a3b", label=f"qwen3-30b-a3b B=1 S={TRAINING_TOKENS} causal", batch=1,
+                         seq=TRAINING_TOKENS),
+    TrainingShape.of_tag("gemma-4-26b-a4b sliding", label=f"gemma-4-26b-a4b sliding layer B=1 S={TRAINING_TOKENS} "
+                         f"window={GEMMA_4_WINDOW} D={GEMMA_4_SLIDING['head_dim']}", batch=1, seq=TRAINING_TOKENS),
+    TrainingShape.of_tag("gpt-oss-20b", label=f"gpt-oss-20b B=1 S={TRAINING_TOKENS} window={GPT_OSS_WINDOW} sinks "
+                         f"D={GPT_OSS['head_dim']}", batch=1, seq=TRAINING_TOKENS),
 ]
 BACKWARD_TARGET_PCT = 80.0
 # Matmuls each backward kernel must run per visible (query, key) pair and head dim, x 2 FLOPs.

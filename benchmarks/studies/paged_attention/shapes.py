@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from benchmarks.studies.model_shapes import ATTENTION_HEADS, ATTENTION_SINKS, ATTENTION_WINDOWS
+from benchmarks.studies.model_shapes import AttentionLayer
 
 GENERATIONS = ("v5e", "v6e", "tpu7x")
 DECODE_BATCH = 64
@@ -24,21 +24,17 @@ ROOFLINE_TARGET_PCT = 85.0
 TARGET_FROM_CONTEXT = 1024
 
 
-@dataclasses.dataclass(frozen=True)
-class Model:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Model(AttentionLayer):
+    """A model's attention layer, by the name the tables give it."""
+
     name: str
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    sliding_window: int | None = None
-    sinks: bool = False
 
 
 MODELS = (
-    Model("Qwen3-30B-A3B", **ATTENTION_HEADS["qwen3-30b-a3b"]),
-    Model("GPT-OSS-20B sliding", **ATTENTION_HEADS["gpt-oss-20b"], sliding_window=ATTENTION_WINDOWS["gpt-oss-20b"],
-          sinks="gpt-oss-20b" in ATTENTION_SINKS),
-    Model("Gemma-4-26B-A4B global", **ATTENTION_HEADS["gemma-4-26b-a4b global"]),
+    Model.of_tag("qwen3-30b-a3b", name="Qwen3-30B-A3B"),
+    Model.of_tag("gpt-oss-20b", name="GPT-OSS-20B sliding"),
+    Model.of_tag("gemma-4-26b-a4b global", name="Gemma-4-26B-A4B global"),
 )
 
 
