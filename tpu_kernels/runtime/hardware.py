@@ -304,3 +304,21 @@ def vmem_limit_bytes(working_set_bytes: int, generation: str, *, margin: float =
     """
     return min(max(int(working_set_bytes * margin) + mosaic_scratch_bytes(generation), MIN_VMEM_LIMIT_BYTES),
                max_vmem_limit_bytes(generation))
+
+
+@dataclasses.dataclass(frozen=True)
+class VmemPolicy:
+    """A kernel's departures from the one VMEM policy (`vmem_budget_bytes`, `vmem_limit_bytes`), as values: the
+    `margin` its estimates are taken by and, per generation, the `bound_bytes` it keeps its tiles' working set
+    within. Its budget and limit are the ones the kernel's tile selection and plans ask for."""
+
+    margin: float
+    bound_bytes: dict[str, int]
+
+    def budget(self, target: TpuGeneration) -> int:
+        """What a config's working set may take on `target`: the shared budget at this margin, within this bound."""
+        return vmem_budget_bytes(target.name, margin=self.margin, bound_bytes=self.bound_bytes[target.name])
+
+    def limit(self, working_set_bytes: int, target: TpuGeneration) -> int:
+        """The scoped VMEM limit asked for a working set on `target`: the shared one at this margin."""
+        return vmem_limit_bytes(working_set_bytes, target.name, margin=self.margin)

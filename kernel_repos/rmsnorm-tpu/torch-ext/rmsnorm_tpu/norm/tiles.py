@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from .._hardware import (
     LANES, MIB, SUBLANES, SUPPORTED_GENERATIONS, TpuGeneration, grid_step_overhead_s, round_up, sublane_multiple,
-    tpu_generation, vmem_budget_bytes, vmem_limit_bytes,
+    VmemPolicy, tpu_generation, vmem_budget_bytes,
 )
 from .._tuning import read_tuned_tiles
 from ..problem import NormProblem
@@ -126,16 +126,10 @@ def vmem_bytes(block_rows: int, hidden: int, dtype, op: str) -> int:
     return round_up(block_rows, sublane_multiple(dtype)) * per_row + vectors
 
 
-def vmem_budget(target: TpuGeneration) -> int:
-    """What a block's working set may take on `target`: the shared policy's budget with WORKING_SET_MARGIN, within
-    WORKING_SET_BOUND_BYTES."""
-    return vmem_budget_bytes(target.name, margin=WORKING_SET_MARGIN,
-                             bound_bytes=WORKING_SET_BOUND_BYTES[target.name])
-
-
-def vmem_limit(working_set_bytes: int, target: TpuGeneration) -> int:
-    """The scoped VMEM limit asked for a working set on `target`: the shared policy's, with WORKING_SET_MARGIN."""
-    return vmem_limit_bytes(working_set_bytes, target.name, margin=WORKING_SET_MARGIN)
+# The policy's budget (`vmem_budget(target)`) and limit (`vmem_limit(working_set_bytes, target)`) the blocks are
+# sized and asked for by.
+VMEM_POLICY = VmemPolicy(WORKING_SET_MARGIN, WORKING_SET_BOUND_BYTES)
+vmem_budget, vmem_limit = VMEM_POLICY.budget, VMEM_POLICY.limit
 
 
 def _check_op(op: str) -> None:
