@@ -15,11 +15,13 @@ from tpu_kernels.distribution.loader import get_local_kernel
 from benchmarks.perf import argument_layouts
 
 # Small but real: S past 64 (XLA's default layout of [B, H, S, 64] puts S minor then), GQA.
-SMALL_D64 = forward.Shape("small D=64", 2, 256, 256, q_heads=4, kv_heads=2, head_dim=64)
+SMALL_D64 = forward.Shape(label="small D=64", batch=2, q_len=256, kv_len=256, q_heads=4, kv_heads=2, head_dim=64)
 # A chunk of 130 new queries over 300 keys: the last query block and the KV blocks past the arrays' ends.
-SMALL_RAGGED_D64 = forward.Shape("small chunk D=64", 1, 130, 300, q_heads=4, kv_heads=2, head_dim=64)
-SMALL_DECODE_D64 = forward.Shape("small decode D=64", 2, 1, 1000, q_heads=8, kv_heads=2, head_dim=64)
-SMALL_D128 = forward.Shape("small D=128", 2, 256, 256, q_heads=4, kv_heads=2, head_dim=128)
+SMALL_RAGGED_D64 = forward.Shape(label="small chunk D=64", batch=1, q_len=130, kv_len=300, q_heads=4, kv_heads=2,
+                                 head_dim=64)
+SMALL_DECODE_D64 = forward.Shape(label="small decode D=64", batch=2, q_len=1, kv_len=1000, q_heads=8, kv_heads=2,
+                                 head_dim=64)
+SMALL_D128 = forward.Shape(label="small D=128", batch=2, q_len=256, kv_len=256, q_heads=4, kv_heads=2, head_dim=128)
 SMALL_TRAINING_D64 = backward.TrainingShape(label="small training D=64", batch=1, seq=256, q_heads=4, kv_heads=2,
                                             head_dim=64, sliding_window=128, sinks=True)
 DTYPE = jnp.bfloat16
@@ -191,7 +193,12 @@ def test_the_useful_work_counts_each_sequence_of_a_batch_once(attention):
     """Visible (query, key) pairs are summed over the batch: the useful FLOPs, and with them the roofline, count each
     sequence's keys once (a batch counted twice put decode B=64 rows at twice their roofline)."""
     lengths = (37, 200, 256)
-    shape = forward.Shape("decode B=3 cache=256", 3, 1, 256, kv_lengths=lengths)
+    shape = forward.qwen3_shape("decode B=3 cache=256", 3, 1, 256, kv_lengths=lengths)
     visible = forward.visible_work(attention.reference, shape, DTYPE)
     assert visible.pairs == sum(lengths)
     assert visible.useful_flops == 4 * shape.q_heads * sum(lengths) * shape.head_dim
+
+
+def test_a_forward_shape_with_sinks_is_refused():
+    with pytest.raises(ValueError, match="prices no attention sinks"):
+        forward.Shape(label="sinks", batch=1, q_len=8, kv_len=8, q_heads=4, kv_heads=2, head_dim=64, sinks=True)

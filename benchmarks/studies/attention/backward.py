@@ -29,8 +29,8 @@ class TrainingShape(AttentionLayer):
     seq: int
 
     def as_shape(self) -> Shape:
-        return Shape(self.label, self.batch, self.seq, self.seq, self.q_heads, self.kv_heads, self.head_dim,
-                     sliding_window=self.sliding_window)
+        return Shape(label=self.label, batch=self.batch, q_len=self.seq, kv_len=self.seq, q_heads=self.q_heads,
+                     kv_heads=self.kv_heads, head_dim=self.head_dim, sliding_window=self.sliding_window)
 
 
 TRAINING_TOKENS = 8192

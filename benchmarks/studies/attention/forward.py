@@ -14,7 +14,7 @@ from benchmarks import perf
 from tpu_kernels.aot import compile_for
 from tpu_kernels.runtime.hardware import resolve_target
 from benchmarks.studies import calibration_bands
-from benchmarks.studies.model_shapes import ATTENTION_HEADS, ATTENTION_WINDOWS
+from benchmarks.studies.model_shapes import ATTENTION_HEADS, ATTENTION_WINDOWS, AttentionLayer
 from benchmarks.studies.relayouts import relayout_fields, relayouts
 
 
@@ -29,44 +29,53 @@ GEMMA_4_SLIDING = ATTENTION_HEADS["gemma-4-26b-a4b sliding"]
 RELAYOUT_SHOWN_FROM_US = 0.5
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Shape(AttentionLayer):
+    """One forward call on a model's attention layer (`qwen3_shape`: the study's default model's)."""
+
     label: str
     batch: int
     q_len: int
     kv_len: int
-    q_heads: int = QWEN3["q_heads"]
-    kv_heads: int = QWEN3["kv_heads"]
-    head_dim: int = QWEN3["head_dim"]
     causal: bool = True
-    sliding_window: int | None = None
     kv_lengths: tuple[int, ...] | None = None
     decode_target: bool = False  # counts towards the <= 1.1x decode target
+
+    def __post_init__(self):
+        if self.sinks:
+            raise ValueError(f"{self.label}: the forward study prices no attention sinks")
 
     @property
     def kind(self) -> str:
         return "decode" if self.q_len == 1 else "prefill"
 
 
+def qwen3_shape(label: str, batch: int, q_len: int, kv_len: int, **options) -> Shape:
+    """A call on Qwen3-30B-A3B's attention layer, the study's default."""
+    return Shape(**QWEN3, label=label, batch=batch, q_len=q_len, kv_len=kv_len, **options)
+
+
 SHAPES = [
-    Shape("prefill B=1 S=1024", 1, 1024, 1024),
-    Shape("prefill B=1 S=4096", 1, 4096, 4096),
-    Shape("prefill B=1 S=4096 non-causal", 1, 4096, 4096, causal=False),
-    Shape("prefill B=1 S=8192", 1, 8192, 8192),
-    Shape("chunked prefill B=1 512 new vs 4096 cached", 1, 512, 4608),
-    Shape(f"prefill B=1 S=8192 window={ATTENTION_WINDOWS['gemma-4-26b-a4b sliding']} (gemma-like)", 1, 8192, 8192,
-          sliding_window=ATTENTION_WINDOWS["gemma-4-26b-a4b sliding"], **GEMMA_4_SLIDING),
-    Shape("decode B=1 cache=4096", 1, 1, 4096, decode_target=True),
-    Shape("decode B=8 cache=4096", 8, 1, 4096, decode_target=True),
-    Shape("decode B=64 cache=4096", 64, 1, 4096, decode_target=True),
-    Shape("decode B=1 cache=32768", 1, 1, 32768, decode_target=True),
-    Shape("decode B=8 cache=32768", 8, 1, 32768, decode_target=True),
-    Shape("decode B=8 static cache=32768, lengths 1k..32k", 8, 1, 32768,
-          kv_lengths=(1000, 4096, 7000, 12000, 16384, 20000, 30000, 32768)),
-    Shape("decode B=8 cache=32768 window=4096", 8, 1, 32768, sliding_window=4096),
-    Shape(f"prefill B=1 S=4096 window={ATTENTION_WINDOWS['gpt-oss-20b']} D={GPT_OSS['head_dim']} (gpt-oss-like)", 1,
-          4096, 4096, sliding_window=ATTENTION_WINDOWS["gpt-oss-20b"], **GPT_OSS),
-    Shape(f"decode B=8 cache=4096 D={GPT_OSS['head_dim']} (gpt-oss-like)", 8, 1, 4096, **GPT_OSS),
+    qwen3_shape("prefill B=1 S=1024", 1, 1024, 1024),
+    qwen3_shape("prefill B=1 S=4096", 1, 4096, 4096),
+    qwen3_shape("prefill B=1 S=4096 non-causal", 1, 4096, 4096, causal=False),
+    qwen3_shape("prefill B=1 S=8192", 1, 8192, 8192),
+    qwen3_shape("chunked prefill B=1 512 new vs 4096 cached", 1, 512, 4608),
+    Shape(**GEMMA_4_SLIDING, label=f"prefill B=1 S=8192 window={ATTENTION_WINDOWS['gemma-4-26b-a4b sliding']} "
+          "(gemma-like)", batch=1, q_len=8192, kv_len=8192,
+          sliding_window=ATTENTION_WINDOWS["gemma-4-26b-a4b sliding"]),
+    qwen3_shape("decode B=1 cache=4096", 1, 1, 4096, decode_target=True),
+    qwen3_shape("decode B=8 cache=4096", 8, 1, 4096, decode_target=True),
+    qwen3_shape("decode B=64 cache=4096", 64, 1, 4096, decode_target=True),
+    qwen3_shape("decode B=1 cache=32768", 1, 1, 32768, decode_target=True),
+    qwen3_shape("decode B=8 cache=32768", 8, 1, 32768, decode_target=True),
+    qwen3_shape("decode B=8 static cache=32768, lengths 1k..32k", 8, 1, 32768,
+                kv_lengths=(1000, 4096, 7000, 12000, 16384, 20000, 30000, 32768)),
+    qwen3_shape("decode B=8 cache=32768 window=4096", 8, 1, 32768, sliding_window=4096),
+    Shape(**GPT_OSS, label=f"prefill B=1 S=4096 window={ATTENTION_WINDOWS['gpt-oss-20b']} D={GPT_OSS['head_dim']} "
+          "(gpt-oss-like)", batch=1, q_len=4096, kv_len=4096, sliding_window=ATTENTION_WINDOWS["gpt-oss-20b"]),
+    Shape(**GPT_OSS, label=f"decode B=8 cache=4096 D={GPT_OSS['head_dim']} (gpt-oss-like)", batch=8, q_len=1,
+          kv_len=4096),
 ]
 QUICK = {"prefill B=1 S=4096", "decode B=8 cache=4096", "decode B=8 cache=32768",
          "decode B=8 static cache=32768, lengths 1k..32k"}
