@@ -35,18 +35,30 @@ FLASH_CASES = {"FlashAttention": {
     "gpt_oss_decode_b8_cache4096": lambda t: dict(t.flash.GPT_OSS_20B, batch=8, q_len=1, kv_len=4096, lengths=True,
                                                   sinks=True),
 }}
-# Ragged paged attention: the model (paged.compile_targets' dicts: heads, window, sinks), page size and batch.
+
+
+def paged_model(t, tag: str) -> dict:
+    """A model's paged-attention arguments from compile_targets' one list of shapes: its heads, window and sinks."""
+    model = dict(t.flash.HEADS[tag])
+    if tag in t.flash.WINDOWS:
+        model["sliding_window"] = t.flash.WINDOWS[tag]
+    if tag in t.flash.SINKS:
+        model["sinks"] = True
+    return model
+
+
+# Ragged paged attention: the model (compile_targets' heads, window, sinks), page size and batch.
 PAGED_CASES = {"PagedAttention": {
-    "qwen3_page16_decode_b64": lambda t: dict(t.paged.QWEN3_30B_A3B, page_size=16, decode_rows=t.paged.DECODE_BATCH,
+    "qwen3_page16_decode_b64": lambda t: dict(paged_model(t, "qwen3-30b-a3b"), page_size=16, decode_rows=t.paged.DECODE_BATCH,
                                               prefill_rows=0, max_context=t.paged.MAX_CONTEXT),
     "qwen3_page256_prefill960_decode64": lambda t: dict(
-        t.paged.QWEN3_30B_A3B, page_size=256, decode_rows=t.paged.DECODE_BATCH, prefill_rows=t.paged.PREFILL_CHUNK,
+        paged_model(t, "qwen3-30b-a3b"), page_size=256, decode_rows=t.paged.DECODE_BATCH, prefill_rows=t.paged.PREFILL_CHUNK,
         max_context=t.paged.MAX_CONTEXT),
     "gpt_oss_sliding_page128_decode_b64": lambda t: dict(
-        t.paged.GPT_OSS_20B, page_size=128, decode_rows=t.paged.DECODE_BATCH, prefill_rows=0,
+        paged_model(t, "gpt-oss-20b"), page_size=128, decode_rows=t.paged.DECODE_BATCH, prefill_rows=0,
         max_context=t.paged.MAX_CONTEXT),
     "gemma4_sliding_page256_decode_b64": lambda t: dict(
-        t.paged.GEMMA_4_SLIDING, page_size=256, decode_rows=t.paged.DECODE_BATCH, prefill_rows=0,
+        paged_model(t, "gemma-4-26b-a4b sliding"), page_size=256, decode_rows=t.paged.DECODE_BATCH, prefill_rows=0,
         max_context=t.paged.MAX_CONTEXT),
 }}
 SMALL_HEADS = dict(q_heads=4, kv_heads=2, head_dim=128)

@@ -54,7 +54,11 @@ def layer_shapes(compile_targets) -> dict:
 
 
 def grouped_shapes(compile_targets) -> dict:
-    return compile_targets.GROUPED | INTERPRET_GROUPED
+    """Every grouped matmul a case names: the models compile_targets runs it at, and the small interpret-mode one."""
+    modelled = {model: dict(experts=compile_targets.MODELS[model]["experts"], hidden=compile_targets.MODELS[model]["hidden"],
+                            intermediate=compile_targets.MODELS[model]["intermediate"], rows=compile_targets.GROUPED_ROWS)
+                for model in compile_targets.GROUPED}
+    return modelled | INTERPRET_GROUPED
 
 
 def layer_inputs(shape, tokens: int, generator: torch.Generator) -> dict:
