@@ -558,7 +558,7 @@ class _TpuKernel:
 
 
 class _Registered(NamedTuple):
-    op: torch._ops.OpOverload
+    op: Callable  # torch.ops.<namespace>.<name>.default
     jax_function: _JaxFunction
     tpu_kernel: Callable | None  # None without torch_tpu
     library: torch.library.Library  # the op's registrations last as long as it does

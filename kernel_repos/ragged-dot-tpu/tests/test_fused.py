@@ -200,7 +200,7 @@ def test_interleaved_body_loops_over_slabs_of_its_i_tile(kernel, interpret, to_j
     layer = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, **options)
     gate = dict(weights_transposed=options["transposed"], **gate)
     config = None if tiles is None else kernel.fused.tiles.FusedConfig(*tiles)
-    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
+    problem, _ = kernel.describe_experts(*map(to_jax, layer), **gate)
     plan = kernel.fused.plan.make(problem, None, config)
     assert plan.tile_i // plan.slab_i >= 2, f"{case} must take several slabs per I tile"
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
@@ -212,8 +212,8 @@ def test_interleaved_body_loops_over_slabs_of_its_i_tile(kernel, interpret, to_j
 def test_gpt_oss_whole_i_tiles_loop_over_slabs(kernel):
     """GPT-OSS's I = 2880 (whole, as int8 and int4 take it on v5e and v6e) and 960 (its bf16 tiles): slabs of 320."""
     for weights_dtype in ("bfloat16", "int8", "uint8"):
-        problem = kernel.problem.ExpertsProblem(64, 4, 2880, 2880, 4, "bfloat16", weights_dtype, "bfloat16", True,
-                                                True, kernel.problem.Gate("clamped_swiglu", True, 1.702, 7.0))
+        problem = kernel.ExpertsProblem(64, 4, 2880, 2880, 4, "bfloat16", weights_dtype, "bfloat16", True,
+                                                True, kernel.Gate("clamped_swiglu", True, 1.702, 7.0))
         assert kernel.fused.tiles.slab_i(2880, problem) == kernel.fused.tiles.slab_i(960, problem) == 320
 
 

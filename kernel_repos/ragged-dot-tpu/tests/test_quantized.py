@@ -147,7 +147,7 @@ def test_interleaved_body_slabs_take_their_scales_and_dequantized_blocks(kernel,
     tokens, _, _, experts, top_k, options, gate, _ = LAYER_CASES["gpt-oss"]
     layer = quantized_layer(_scheme_weights(scheme), tokens, 128, 256, experts, top_k, **options)
     gate = dict(weights_transposed=True, **gate)
-    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
+    problem, _ = kernel.describe_experts(*map(to_jax, layer), **gate)
     assert (kernel.fused.plan.make(problem).tile_i, kernel.fused.plan.make(problem).slab_i) == (256, 128)
     expected = kernel.reference.gated_experts_reference(*dequantized_layer(kernel, layer, True), **gate)
     fused = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), **gate))

@@ -69,11 +69,11 @@ TOOLS = [
     "gmm.tiles.TUNED_TILES", "gmm.tiles.TunedKey", "gmm.tiles.heuristic_config", "gmm.tiles.HEURISTIC_RHS_BLOCK_BYTES",
     "gmm.tiles.check_config", "gmm.tiles.ridge_rows", "gmm.tiles.n_tile", "gmm.tiles.row_tile_rows",
     "gmm.tiles.row_chunks", "gmm.tiles.matmul_buffers", "gmm.tiles.vmem_bytes", "gmm.tiles.vmem_limit",
-    # The fused kernel's: when it runs several experts per step, how it splits them over cores, its I tiles,
-    # fp8 on the MXU, its VMEM.
+    # The fused kernel's: when it runs several experts per step, how it splits them over cores, its I tiles and
+    # their slabs, fp8 on the MXU, its VMEM.
     "fused.tiles.MULTI_EXPERT_MIN_TOKENS", "fused.tiles.experts_per_step_saving", "fused.tiles.busier_core_seconds",
-    "fused.tiles.check_fused_config", "fused.tiles.i_tiles", "fused.tiles.fused_feeds_fp8_mxu",
-    "fused.tiles.fused_vmem_bytes",
+    "fused.tiles.check_fused_config", "fused.tiles.i_tiles", "fused.tiles.MAX_SLAB_I", "fused.tiles.slab_i",
+    "fused.tiles.fused_feeds_fp8_mxu", "fused.tiles.fused_vmem_bytes",
     # The work schedules the grouped matmuls run.
     "gmm.schedule.make_work_items", "tgmm.kernel.make_tgmm_items",
 ]
