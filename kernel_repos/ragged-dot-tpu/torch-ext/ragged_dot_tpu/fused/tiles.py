@@ -68,8 +68,10 @@ SCALE_BLOCK_EXPERTS = 8
 # in slabs of at most this many I columns, one trip of a rolled loop each: Mosaic compiles the loop body once,
 # where a whole I tile unrolls every vector op of its block. Compile time follows that block, not the grid
 # (#46: GPT-OSS's int8 layer at the whole I of 2880 compiled in 7.7 s a generation, 0.56 s at tiles of 320),
-# while the one DMA block per tile, and the grid's steps, stay as they are.
-MAX_SLAB_I = 384
+# while the one DMA block per tile, and the grid's steps, stay as they are. Smaller slabs compile faster still
+# but model slower: slabs of 320 cost GPT-OSS's quantized decode 1 to 2 % on v5e and v6e (more MXU passes, each
+# slab's K off the MXU's width), slabs of 960 nothing (moe_layer's model, EP8 dispatch at 64 tokens).
+MAX_SLAB_I = 960
 
 
 class FusedConfig(NamedTuple):
