@@ -99,3 +99,18 @@ def ragged_dot_kernel(kernel_builds):
     from tpu_kernels.distribution.loader import get_local_kernel
 
     return get_local_kernel(kernel_builds["ragged-dot-tpu"], backend="cpu")
+
+
+@pytest.fixture
+def private_temp(tmp_path, monkeypatch):
+    """A temporary folder of this test's own for the loader's private copies, and a fresh root in it."""
+    import tempfile
+
+    from tpu_kernels.distribution.loader import private_copies
+
+    folder = tmp_path / "tmp"
+    folder.mkdir(mode=0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    monkeypatch.setattr(private_copies, "_private_root", None)
+    monkeypatch.setattr(private_copies, "_PRIVATE_COPIES", {})
+    return folder

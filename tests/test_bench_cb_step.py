@@ -20,15 +20,15 @@ from benchmarks.studies.tables import cb_step as tables
 
 from .conftest import REPO_ROOT
 
-FLASH_API = REPO_ROOT / "kernel_repos" / "attention-tpu" / "torch-ext" / "attention_tpu" / "flash_api.py"
+PADDING = REPO_ROOT / "kernel_repos" / "attention-tpu" / "torch-ext" / "attention_tpu" / "padding.py"
 QWEN3, GPT_OSS, GEMMA4 = steps.MODELS
 # Odd sizes: a decode row at a page boundary, one under the window, a chunk over cached rows, a fresh prefill.
 SMALL = steps.Batch("small", "mixed", (1, 1, 7, 13), (257, 90, 300, 13))
 
 
 def test_floors_and_rounding_are_flash_apis():
-    source = FLASH_API.read_text()
-    for name in ("RAGGED_QUERY_ROWS_FLOOR", "RAGGED_KEY_ROWS_FLOOR", "RAGGED_SEQUENCES_FLOOR"):
+    source = PADDING.read_text()
+    for name in ("RAGGED_SEQUENCES_FLOOR",):
         assert int(re.search(rf"^{name} = (\d+)$", source, re.M).group(1)) == getattr(steps, name)
     assert [steps.bucket(n) for n in (0, 1, 2, 3, 64, 65)] == [1, 1, 2, 4, 64, 128]
     assert steps.bucket(5, 16) == 16
@@ -43,7 +43,7 @@ def test_sizes_of_the_decode_step():
     assert (found.padded_batch, found.padded_query_rows, found.padded_key_rows) == (64, 1, 8192)
     with_chunk = steps.sizes(mixed, QWEN3)
     assert (with_chunk.sequences, with_chunk.total_q, with_chunk.padded_batch) == (65, 1088, 128)
-    assert (with_chunk.ragged_query_rows, with_chunk.ragged_max_q_len, with_chunk.padded_query_rows) == (2048, 1024,
+    assert (with_chunk.ragged_query_rows, with_chunk.ragged_max_q_len, with_chunk.padded_query_rows) == (1536, 1024,
                                                                                                          1024)
 
 

@@ -12,7 +12,7 @@ import torch
 from kernels._rust import Digest, DigestAlgorithm, DigestValidationError
 
 from tpu_kernels.distribution.build_toml import BuildToml, BuildTomlError, read_build_toml
-from tpu_kernels.distribution.builder import SHIPPED_MODULES, KernelSource, build_kernel_repo
+from tpu_kernels.distribution.builder import BENCHMARK_MODULES, SHIPPED_MODULES, KernelSource, build_kernel_repo
 from tpu_kernels.distribution.digest import verify_variant
 
 from .conftest import REPO_ROOT
@@ -61,6 +61,21 @@ def test_every_build_carries_its_tuned_table_and_the_shared_modules_under_its_di
         assert (variant / table).read_bytes() == (source.package_dir / table).read_bytes()
         assert {table, *SHIPPED_MODULES} <= set(kernels.Metadata.read_from_file(variant / "metadata.json").digest.files)
         verify_variant(variant)  # what publish and the loader check
+
+
+def test_the_build_carries_the_benchmarks_with_the_shared_modules(built):
+    assert (built / "benchmarks" / "benchmark.py").read_bytes() == (REPO / "benchmarks" / "benchmark.py").read_bytes()
+    for name, shared in BENCHMARK_MODULES.items():
+        assert (built / "benchmarks" / name).read_bytes() == shared.read_bytes()
+
+
+@pytest.mark.parametrize("name", sorted(BENCHMARK_MODULES))
+def test_a_shared_benchmark_module_of_its_own_is_refused(tmp_path, name):
+    source = tmp_path / "ragged-dot-tpu"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns("__pycache__", "tests"))
+    (source / "benchmarks" / name).write_text("ROUNDS = 1\n")
+    with pytest.raises(ValueError, match=f"the build writes {name}"):
+        build_kernel_repo(source, tmp_path / "out")
 
 
 @pytest.mark.parametrize("changed", ["gmm/kernel.py", "symbols.json"])

@@ -263,7 +263,7 @@ def test_build_refuses_a_symbolic_link_out_of_the_kernel_repo_and_names_it(tmp_p
 def test_build_copies_a_link_to_a_file_inside_the_kernel_repo_as_that_file(tmp_path, kernel_source):
     from tpu_kernels.distribution.builder import build_kernel_repo
 
-    (kernel_source / "benchmarks").mkdir()
+    (kernel_source / "benchmarks").mkdir(exist_ok=True)
     (kernel_source / "benchmarks" / "notes.md").symlink_to(kernel_source / "CARD.md")
     built = build_kernel_repo(kernel_source, tmp_path / "build")
     copied = built / "benchmarks" / "notes.md"

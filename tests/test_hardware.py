@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import types
 from pathlib import Path
 
@@ -76,6 +77,22 @@ def test_check_and_resolve_generation(monkeypatch):
     assert hardware.resolve_generation("v5e") == "v5e"
 
 
+def test_resolve_target_gives_the_facts_of_a_supported_generation_once(monkeypatch):
+    """A name, the facts themselves (of this file or a build's copy: only their name is read) or None (this
+    device's) give the one cached value of that generation's facts; an unsupported name is refused."""
+    monkeypatch.delenv(hardware.GENERATION_ENV, raising=False)
+    v5e = hardware.resolve_target("v5e")
+    assert v5e is hardware.tpu_generation("v5e") and v5e.name == "v5e" and v5e.mxu_size == 128
+    assert hardware.resolve_target(v5e) is v5e
+    assert hardware.resolve_target(types.SimpleNamespace(name="v5e")) is v5e
+    assert hardware.resolve_target(None) is hardware.resolve_target("v6e")  # off TPU
+    monkeypatch.setenv(hardware.GENERATION_ENV, "tpu7x")
+    assert hardware.resolve_target() is hardware.tpu_generation("tpu7x")
+    for unsupported in ("v4", hardware.tpu_generation("v4")):
+        with pytest.raises(ValueError, match=r"generation must be one of \('v5e', 'v5p', 'v6e', 'tpu7x'\), got 'v4'"):
+            hardware.resolve_target(unsupported)
+
+
 def _on_a_tpu(monkeypatch, device_kind: str, chip: str | None):
     """Makes this process look like it runs on a TPU of `device_kind` that jax's table maps to `chip`."""
     device = types.SimpleNamespace(platform="tpu", device_kind=device_kind)
@@ -143,13 +160,21 @@ def test_kernel_repos_derive_no_hardware_facts_of_their_own():
 def test_an_unsupported_tpu_gets_the_same_error_from_every_kernel(built_kernels, monkeypatch):
     monkeypatch.delenv(hardware.GENERATION_ENV, raising=False)
     loaded = {name: get_local_kernel(built, backend="cpu") for name, built in built_kernels.items()}
+    q, kv = jax.ShapeDtypeStruct((1, 8, 1, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, 1, 128, 128), jnp.bfloat16)
+    rows, weight = jax.ShapeDtypeStruct((64, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((2048,), jnp.bfloat16)
+
+    def traced(function, *arrays):
+        """The program of a kernel's JAX function, which resolves its generation when it is traced: traced anew
+        (jax's caches cleared), so that no earlier trace answers."""
+        jax.clear_caches()
+        return str(jax.make_jaxpr(function)(*arrays))
+
     selects = {
         "ragged-dot-tpu": lambda k: k.gmm.tiles.select(k.MatmulProblem(64, 2048, 1536, 1, "bfloat16", "bfloat16",
                                                                        False)),
-        "rmsnorm-tpu": lambda k: k.norm.tiles.select(k.NormProblem("rms_norm", 64, 2048, "bfloat16")),
-        "attention-tpu": lambda k: k.flash.tiles.select(k.Problem.of_shape(
-            q_heads=8, kv_heads=1, q_len=1, kv_len=128, head_dim=128, dtype=jnp.bfloat16
-        )),
+        # rmsnorm and attention resolve the generation where a call enters them, their JAX functions.
+        "rmsnorm-tpu": lambda k: traced(functools.partial(k.norm.kernel.rms_norm_forward, eps=1e-6), rows, weight),
+        "attention-tpu": lambda k: traced(k.flash.kernel.flash_attention_forward, q, kv, kv),
     }
     off_tpu = {name: select(loaded[name]) for name, select in selects.items()}
     _on_a_tpu(monkeypatch, "TPU v6 lite", "v6e")

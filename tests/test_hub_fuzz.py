@@ -3,7 +3,7 @@
 Whatever a client sends, the answer is never a 500, the log holds no error (a traceback is
 one), nothing stays staged, and no blob is left that no commit references. A revision with
 control characters gets a 4xx with printable headers; a card of any text renders within its
-bound, with its tags closed. About 45 s in all on a 2-core machine; a failure prints the blob
+bound, with its tags closed, and a card of tables and nesting parses within its token budget. About 50 s in all on a 2-core machine; a failure prints the blob
 that replays it (@reproduce_failure).
 """
 
@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tpu_kernels.distribution.hub import Limits, start_hub
-from tpu_kernels.distribution.hub.card import render_card
+from tpu_kernels.distribution.hub.card import parse_card, render_card
 from tpu_kernels.distribution.hub.errors import HubError
 from tpu_kernels.distribution.hub.names import name_key, validate_path
 
@@ -201,7 +201,16 @@ CARD_PIECES = st.sampled_from([
     "[a][r] ", "[a][r]", "![i][r] ", "[r]: ", "[r]: x\n", "\n\n", "- ", "> ", "# ", "| a | b |\n|---|:-:|\n", "*", "**",
     "~~", "`", "```\n", "[", "](", ")", "![", "<script>", "&amp;", "\x00", "\x1b", "\u202e", "\ud800", "---\n",
     "tags: [*t, *t]\n", "x: &t ", "license: ", "http://e.com/", "../", "javascript:", "\\", "    ",
+    "|", "|-", "|:-:", "| x |\n", "|-|-|-|\n", "a|b\n", "-|-\n", "1. ", "> > > ", "- - - ", "   - ", "\t",
 ])
+# Tables (a header row, its delimiter, rows short of cells that markdown-it fills in) inside quotes and lists.
+TABLES = st.builds(
+    lambda columns, rows, cells, nesting: "".join(
+        nesting + line + "\n" for line in ["|a" * columns, "|-" * columns, *["|b" * cells] * rows]) + "\n",
+    st.integers(min_value=1, max_value=60), st.integers(min_value=0, max_value=80), st.integers(min_value=0, max_value=3),
+    st.lists(st.sampled_from(["> ", "- ", "1. ", "  ", "* > "]), max_size=30).map("".join))
+NESTED = st.lists(st.one_of(TABLES, CARD_PIECES, st.text(alphabet="|-:> *`[]()!\n ab", max_size=12)),
+                  max_size=12).map("".join)
 CARDS = st.lists(st.one_of(CARD_PIECES, st.text(max_size=8)), max_size=60).map("".join)
 TAGS = ("a", "em", "strong", "s", "code", "p", "ul", "ol", "li", "blockquote", "table", "thead", "tbody", "tr",
         "th", "td", "h1", "h2", "h3", "h4", "h5", "h6", "pre")
@@ -238,9 +247,27 @@ def test_a_card_of_any_text_renders_within_its_bound_with_its_tags_closed(card, 
     event("cut" if rendered.cut else "whole")
 
 
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(card=NESTED, repeat=st.integers(min_value=1, max_value=40), max_tokens=st.integers(min_value=1, max_value=3000))
+def test_a_card_of_tables_and_nesting_parses_within_its_token_budget(card, repeat, max_tokens):
+    body = (card * repeat)[:16 << 10]
+    tokens, reason = parse_card(body, max_tokens=max_tokens)
+    # Each phase within the budget: the blocks, then all the inline tokens together.
+    assert len(tokens) <= max_tokens and sum(len(token.children or ()) for token in tokens) <= max_tokens
+    assert reason is None or reason == f"more than {max_tokens:,} Markdown tokens"
+    rendered = render_card(body.encode("utf-8", errors="surrogatepass"), "/r/", max_tokens=max_tokens,
+                           max_html_chars=8192)
+    assert rendered.cut or reason is None  # a card cut by its budget says so (past 4 KiB, by its HTML bound first)
+    balance = _Balance()
+    balance.feed(rendered.html)
+    balance.close()
+    assert balance.balanced and balance.open == [], rendered.html[-500:]
+    event("cut by its budget" if reason else "parsed whole")
+
+
 @pytest.mark.slow
 @settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-@given(card=CARDS, repeat=st.integers(min_value=1, max_value=500))
+@given(card=st.one_of(CARDS, NESTED), repeat=st.integers(min_value=1, max_value=500))
 def test_no_card_gets_a_500_or_an_error_log_on_its_page(hub, errors, card, repeat):
     content = (card * repeat).encode("utf-8", errors="surrogatepass")[:32 << 10]
     line = {"key": "file", "value": {"path": "README.md", "content": base64.b64encode(content).decode(),

@@ -160,6 +160,25 @@ def test_model_repos_are_served_too(api, hub):
     assert api.model_info("org/tiny-model").siblings[0].rfilename == "config.json"
 
 
+def test_a_kernel_repo_is_read_as_a_model_repo_where_no_model_repo_has_its_id(api, hub, tmp_path):
+    # kernels 0.19's `kernels benchmark` downloads the kernel repo it benchmarks without a repo_type.
+    script = f"ROUNDS = {random.Random(5).randint(2, 9)}\n".encode()
+    api.create_repo("org/benchmarked", repo_type="kernel")
+    api.create_commit("org/benchmarked", repo_type="kernel", commit_message="bench",
+                      operations=[add("benchmarks/benchmark.py", script)])
+    folder = Path(api.snapshot_download("org/benchmarked", cache_dir=tmp_path / "as-model"))
+    assert (folder / "benchmarks" / "benchmark.py").read_bytes() == script
+
+    api.create_repo("org/benchmarked")  # a model repo of that id is the one read
+    api.create_commit("org/benchmarked", commit_message="model", operations=[add("config.json", b"{}")])
+    assert [s.rfilename for s in api.model_info("org/benchmarked").siblings] == ["config.json"]
+    api.create_repo("org/hidden", repo_type="kernel", private=True)
+    with pytest.raises(RepositoryNotFoundError):
+        HfApi(endpoint=hub.url, token=False).model_info("org/hidden")
+    with pytest.raises(RepositoryNotFoundError):  # writes never alias
+        api.create_commit("org/hidden", commit_message="x", operations=[add("a.txt", b"a")])
+
+
 def test_writes_without_the_token_are_401_and_change_nothing(api, hub):
     api.create_repo(REPO, repo_type="kernel")
     before = stored_files(hub.storage.root)

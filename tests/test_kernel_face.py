@@ -1,25 +1,19 @@
-"""Code outside a kernel's package reaches the loaded kernel only through its face: the names its `__init__.py`
-lists in `__all__` (what a user calls) and `TOOLS` (what tools use besides). Read from the source with `ast`;
-nothing is imported or compiled. The kernels held to their faces: ragged-dot-tpu, attention-tpu and rmsnorm-tpu.
+"""The kernels' faces: what code outside a kernel repo uses of a loaded kernel, and nothing past it.
 
-A face name is a name the package binds (`MatmulProblem`) or a dotted path through the subpackages it binds to
-one name of a module (`gmm.plan.make`): each kernel's seams, `tiles.select`, `plan.make` and `kernel.call`, and
-the few names beside them the face lists. Through a dotted path only the names the face lists are reachable.
+A kernel package's `__init__.py` lists its face: `__all__`, what a user calls, and `TOOLS`, what this project's
+package (tpu_kernels/) and its lab (benchmarks/) use besides. A face name is a name the package binds
+(`MatmulProblem`) or a dotted path through the subpackages it binds to one name of a module (`gmm.tiles.select`).
+Everything is read from the source with `ast`; nothing is imported. Checked, for ragged-dot-tpu, attention-tpu and
+rmsnorm-tpu:
 
-Outside is this project's tests, tpu_kernels (benchmarks, the performance model, integration) and the kernel
-repo's own tests. Two checks cover it:
-
-- on the names that hold the loaded kernel (the `kernel` fixture in the kernel repo's tests, a fixture here
-  such as `ragged_dot_kernel`, `kernels["ragged-dot-tpu"]`, a kernel loaded from one of its builds, and the
-  names these are assigned or returned to): every attribute, `getattr` and `setattr` is a name of the face,
-  and under a face module (`reference`, `ops`) a name that module binds;
-- on any name at all (tpu_kernels passes the loaded kernel around under names of its own): no attribute chain
-  goes through a module of the package that is not in the face to a name that module binds, unless the path
-  is (or leads to) a dotted face name (`x.gmm.kernel.scheduled_matmul_call`, `x.plan.plan_experts`,
-  `x.flash.kernel.attention_forward`), and no string names such a path ("layer.experts_layer", as a `getattr`
-  path would).
-
-Imports of the package itself (`from ragged_dot_tpu.gmm import ...`) take only face names from the package.
+- every face name exists (a dotted one through modules bound by name, as `kernels` needs: see ragged_dot_tpu's
+  `__init__.py`), and the package binds nothing at its top level but its face and its modules;
+- every TOOLS name is used by the package or the lab: an attribute chain through its path, or a string that names
+  it (its path, or its last name where the file reaches its module: `getattr(built.norm.kernel, name)`);
+- nothing outside the kernel repos (tpu_kernels/, benchmarks/, tests/) reaches past the face: no import of a kernel
+  package's modules or of a name outside its face, no attribute chain that goes through one of its modules outside
+  the face to a name that module binds (`x.gmm.tiles.row_chunks`, `x.plan.plan_experts`), unless the path is (or
+  leads to) a dotted face name, and no string that names such a path. The kernel's own tests reach its internals.
 """
 
 from __future__ import annotations
@@ -32,40 +26,33 @@ import pytest
 
 from .conftest import REPO_ROOT
 
+FACE_LISTS = ("__all__", "TOOLS")  # what a user calls, and what the package and the lab use besides
+USERS = ("tpu_kernels", "benchmarks")  # what TOOLS serves
+OUTSIDE = (*USERS, "tests")  # what may use only the face
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """A kernel repo whose package has a face, and how code outside names its loaded kernel."""
-
-    repo_name: str  # its folder under kernel_repos/, as `kernels[...]` and the builds name it
+    repo_name: str  # its folder under kernel_repos/
     package_name: str
-    handle_names: frozenset[str]  # names that hold the loaded kernel wherever they appear (this project's fixtures)
-    build_name_part: str  # a name with this in it, given to a loader, holds one of its builds (`ragged_dot_build`)
-
-    @property
-    def repo(self) -> Path:
-        return REPO_ROOT / "kernel_repos" / self.repo_name
 
     @property
     def package(self) -> Path:
-        return self.repo / "torch-ext" / self.package_name
+        return REPO_ROOT / "kernel_repos" / self.repo_name / "torch-ext" / self.package_name
 
     @property
-    def outside(self) -> list[Path]:
-        return [REPO_ROOT / "tests", REPO_ROOT / "tpu_kernels", self.repo / "tests"]
+    def init(self) -> ast.Module:
+        return ast.parse((self.package / "__init__.py").read_text())
+
+    def face(self, lists: tuple[str, ...] = FACE_LISTS) -> list[str]:
+        assigned = {target.id: ast.literal_eval(node.value) for node in self.init.body if isinstance(node, ast.Assign)
+                    for target in node.targets if isinstance(target, ast.Name) and target.id in FACE_LISTS}
+        return [name for listed in lists for name in assigned[listed]]
 
 
-RAGGED_DOT = Kernel("ragged-dot-tpu", "ragged_dot_tpu", frozenset({"ragged_dot_kernel"}), "ragged_dot")
-ATTENTION = Kernel("attention-tpu", "attention_tpu", frozenset(), "attention_build")
-RMSNORM = Kernel("rmsnorm-tpu", "rmsnorm_tpu", frozenset(), "rmsnorm_build")
-KERNELS = [RAGGED_DOT, ATTENTION, RMSNORM]
-# Names that hold the loaded kernel in the kernel repo's own tests.
-KERNEL_TESTS_HANDLE_NAMES = {"kernel"}
-# Calls that load a kernel: one of a kernel's when an argument names its repo or build.
-LOADERS = {"get_local_kernel", "get_kernel", "load_kernel"}
-# In the name of a mapping from kernel repo names to build folders (`kernel_builds`, `published.builds`).
-BUILD_FOLDERS_NAME_PART = "builds"
+KERNELS = [Kernel("ragged-dot-tpu", "ragged_dot_tpu"), Kernel("attention-tpu", "attention_tpu"),
+           Kernel("rmsnorm-tpu", "rmsnorm_tpu")]
+TOOLS_AT_MOST = 50  # names, over the three repos
 
 
 def _bound_names(tree: ast.Module) -> set[str]:
@@ -96,34 +83,6 @@ def package_modules(kernel: Kernel) -> dict[str, set[str]]:
     return modules
 
 
-FACE_LISTS = ("__all__", "TOOLS")  # what a user calls, and what tools use besides
-
-
-def face(kernel: Kernel) -> list[str]:
-    """The names of `__init__.py`'s `__all__` and `TOOLS`, in that order."""
-    tree = ast.parse((kernel.package / "__init__.py").read_text())
-    lists = {target.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
-             for target in node.targets if isinstance(target, ast.Name) and target.id in FACE_LISTS}
-    return [name for listed in FACE_LISTS for name in lists[listed]]
-
-
-def missing_from_the_package(kernel: Kernel, names: list[str], modules: dict[str, set[str]]) -> list[str]:
-    """The names of `names` that `__init__.py` does not import, or imports from a module that does not bind them;
-    and the dotted ones whose modules are not each bound by name in their package's `__init__.py` (as `kernels`
-    needs: see ragged_dot_tpu's), or whose module does not bind their last name."""
-    init = ast.parse((kernel.package / "__init__.py").read_text())
-    sources = {alias.asname or alias.name: (node.module or "", alias.name) for node in init.body
-               if isinstance(node, ast.ImportFrom) and node.level == 1 for alias in node.names}
-    missing = [name for name in names if "." not in name
-               and (name not in sources or sources[name][1] not in modules.get(sources[name][0], set()))]
-    for name in names:
-        parts = name.split(".")
-        if "." in name and not (all(_binds_module(kernel, parts[:end]) for end in range(1, len(parts)))
-                                and parts[-1] in modules.get(".".join(parts[:-1]), set())):
-            missing.append(name)
-    return missing
-
-
 def _binds_module(kernel: Kernel, parts: list[str]) -> bool:
     """Whether the package `parts[:-1]` (under the kernel's) binds its module `parts[-1]` by an import."""
     init = kernel.package.joinpath(*parts[:-1], "__init__.py")
@@ -132,129 +91,121 @@ def _binds_module(kernel: Kernel, parts: list[str]) -> bool:
                                  for alias in node.names)
 
 
-SEAMS = ("tiles.select", "plan.make", "kernel.call")  # each kernel subpackage's, under its name
+def missing_from_the_package(kernel: Kernel, modules: dict[str, set[str]]) -> list[str]:
+    """The face names the package does not bind: a plain one `__init__.py` does not import from a module that binds
+    it; a dotted one whose modules are not each bound by name in their package, or whose module does not bind it."""
+    sources = {alias.asname or alias.name: (node.module or "", alias.name) for node in kernel.init.body
+               if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module for alias in node.names}
+    missing = []
+    for name in kernel.face():
+        parts = name.split(".")
+        if len(parts) == 1:
+            found = name in sources and sources[name][1] in modules.get(sources[name][0], set())
+        else:
+            found = (all(_binds_module(kernel, parts[:end]) for end in range(1, len(parts)))
+                     and parts[-1] in modules.get(".".join(parts[:-1]), set()))
+        if not found and not (len(parts) == 1 and name in modules and _binds_module(kernel, parts)):
+            missing.append(name)
+    return missing
 
 
-def dotted_subpackages(names: list[str]) -> set[str]:
-    """The subpackages a face reaches into (`gmm` of `gmm.plan.make`)."""
-    return {name.split(".")[0] for name in names if "." in name}
+def bound_past_the_face(kernel: Kernel, modules: dict[str, set[str]]) -> set[str]:
+    """What the package's `__init__.py` binds at its top level besides its face and its modules."""
+    return _bound_names(kernel.init) - set(kernel.face()) - {name for name in modules if name and "." not in name} - {
+        "__all__", "TOOLS", "annotations"}
 
 
-class _Handles(ast.NodeVisitor):
-    """The names of one file that hold one kernel's loaded module, grown from its seeds to a fixed point."""
-
-    def __init__(self, tree: ast.Module, seeds: set[str], kernel: Kernel):
-        self.names = set(seeds)
-        self.kernel = kernel
-        while True:
-            before = len(self.names)
-            self.visit(tree)
-            if len(self.names) == before:
-                break
-
-    def holds_kernel(self, node: ast.AST | None) -> bool:
-        if isinstance(node, ast.Name):
-            return node.id in self.names
-        if isinstance(node, ast.Subscript):
-            # `kernels["rmsnorm-tpu"]` holds the loaded kernel; `kernel_builds["rmsnorm-tpu"]` (or
-            # `published.builds[...]`) its build folder, a kernel only once given to a loader.
-            return (isinstance(node.slice, ast.Constant) and node.slice.value == self.kernel.repo_name
-                    and BUILD_FOLDERS_NAME_PART not in _last_name(node.value))
-        if isinstance(node, ast.Call):
-            function = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
-            if function in LOADERS:
-                return any(_names_kernel(argument, self.kernel) for argument in [*node.args, *node.keywords])
-            return isinstance(node.func, ast.Name) and node.func.id in self.names  # a fixture called
-        return False
-
-    def visit_Assign(self, node: ast.Assign) -> None:
-        for target in node.targets:
-            pairs = (zip(target.elts, node.value.elts) if isinstance(target, ast.Tuple)
-                     and isinstance(node.value, ast.Tuple) else [(target, node.value)])
-            for name, value in pairs:
-                if isinstance(name, ast.Name) and self.holds_kernel(value):
-                    self.names.add(name.id)
-        self.generic_visit(node)
-
-    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
-        """A function returning the kernel (a fixture): its name, as a parameter elsewhere, holds the kernel."""
-        if any(isinstance(statement, ast.Return) and self.holds_kernel(statement.value) for statement in node.body):
-            self.names.add(node.name)
-        self.generic_visit(node)
-
-
-def _names_kernel(node: ast.AST, kernel: Kernel) -> bool:
-    """Whether an expression mentions the kernel's repo by a string or by a name (`ragged_dot_build`)."""
-    return any((isinstance(part, ast.Constant) and isinstance(part.value, str) and kernel.repo_name in part.value)
-               or (isinstance(part, ast.Name) and kernel.build_name_part in part.id) for part in ast.walk(node))
-
-
-def _last_name(node: ast.AST) -> str:
-    """The name an expression ends in: `b` of `a.b` and of `b`; "" for anything else."""
-    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
-
-
-def _chain(node: ast.Attribute) -> tuple[ast.AST, list[str], list[ast.Attribute]]:
-    """`a.b.c` as (the root expression `a`, ["b", "c"], the attribute nodes of the chain)."""
+def _spine(node: ast.Attribute) -> list[ast.Attribute]:
+    """The attributes of `a.b.c`, outermost first (a call or subscript at its root ends it)."""
     spine = []
     while isinstance(node, ast.Attribute):
         spine.append(node)
         node = node.value
-    return node, [attribute.attr for attribute in reversed(spine)], spine
+    return spine
 
 
-def _attribute_steps(tree: ast.Module) -> list[tuple[int, ast.AST, list[str]]]:
-    """Every attribute chain of a file as (line, root, names), `getattr(x, "a")` and `setattr(x, "a", ...)`
-    (also monkeypatch's) as `x.a`; only the longest chain of nested attributes."""
-    steps, inner = [], set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and id(node) not in inner:
-            root, names, spine = _chain(node)
-            steps.append((node.lineno, root, names))
-            inner.update(id(attribute) for attribute in spine)
-        elif (isinstance(node, ast.Call) and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
-              and isinstance(node.args[1].value, str)
-              and (getattr(node.func, "id", None) in ("getattr", "setattr")
-                   or getattr(node.func, "attr", None) in ("setattr", "delattr"))):
-            target = node.args[0]
-            root, names, spine = _chain(target) if isinstance(target, ast.Attribute) else (target, [], [])
-            steps.append((node.lineno, root, [*names, node.args[1].value]))
-            inner.update(id(attribute) for attribute in spine)
-    return steps
+def _chain(node: ast.Attribute) -> list[str]:
+    """`a.b.c` as ["b", "c"]."""
+    return [attribute.attr for attribute in reversed(_spine(node))]
 
 
-def face_violations(source: str, filename: str, kernel_tests: bool, kernel: Kernel, names: list[str],
-                    modules: dict[str, set[str]]) -> list[str]:
-    """Each place `source` reaches the kernel outside its face, as `file:line: what`."""
-    tree = ast.parse(source, filename)
-    allowed = {name for name in names if "." not in name}
-    dotted = {name for name in names if "." in name}
-    outside_face = {module for module in modules if module and "." not in module} - allowed
-    handles = _Handles(tree, kernel.handle_names | (KERNEL_TESTS_HANDLE_NAMES if kernel_tests else set()), kernel)
-    found = [f"{filename}:{line}: {what}" for line, what in _import_violations(tree, allowed, kernel.package_name)]
-    for line, root, chain in _attribute_steps(tree):
-        if handles.holds_kernel(root) and chain and not chain[0].startswith("__"):
-            reaches_dotted = any(".".join(chain[:end]) in dotted for end in range(2, len(chain) + 1))
-            if chain[0] not in allowed and not reaches_dotted:
-                found.append(f"{filename}:{line}: {ast.unparse(root)}.{'.'.join(chain)} is not in the face")
-            elif chain[0] in allowed and len(chain) > 1 and chain[0] in modules and chain[1] not in modules[chain[0]]:
-                found.append(f"{filename}:{line}: {chain[0]}.{chain[1]} is not a name of the face module {chain[0]}")
+@dataclasses.dataclass
+class Source:
+    """What one file says that may name a kernel's parts: its attribute chains (`getattr(x, "a")` and setattr's as
+    `x.a`), its strings, and its imports, each with its line."""
+
+    name: str
+    chains: list[tuple[int, list[str]]]
+    strings: list[tuple[int, str]]
+    imports: list[tuple[int, str, list[str]]]  # (line, module, names taken from it; [] for `import module`)
+
+    @classmethod
+    def parse(cls, text: str, name: str) -> Source:
+        tree = ast.parse(text, name)
+        chains, strings, imports, inner = [], [], [], set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and id(node) not in inner:
+                chains.append((node.lineno, _chain(node)))
+                inner.update(id(attribute) for attribute in _spine(node))
+            elif (isinstance(node, ast.Call) and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                  and isinstance(node.args[1].value, str)
+                  and (getattr(node.func, "id", None) in ("getattr", "setattr")
+                       or getattr(node.func, "attr", None) in ("setattr", "delattr"))):
+                root = _chain(node.args[0]) if isinstance(node.args[0], ast.Attribute) else []
+                chains.append((node.lineno, [*root, node.args[1].value]))
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                strings.append((node.lineno, node.value))
+            elif isinstance(node, ast.Import):
+                imports += [(node.lineno, alias.name, []) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imports.append((node.lineno, node.module, [alias.name for alias in node.names]))
+        return cls(name, chains, strings, imports)
+
+
+def _sources(folders: tuple[str, ...]) -> list[Source]:
+    return [Source.parse(path.read_text(), str(path.relative_to(REPO_ROOT))) for folder in folders
+            for path in sorted((REPO_ROOT / folder).rglob("*.py")) if "__pycache__" not in path.parts]
+
+
+def _holds(chain: list[str], parts: list[str]) -> bool:
+    return any(chain[start:start + len(parts)] == parts for start in range(len(chain) - len(parts) + 1))
+
+
+def uses(source: Source, name: str, package_name: str) -> bool:
+    """Whether `source` uses face name `name`: an attribute chain through its path, an import of it, a string of its
+    path, or a string of its last name where the file reaches its module (a `getattr` with a name it spells)."""
+    parts = name.split(".")
+    strings = {text for _, text in source.strings}
+    return (any(_holds(chain, parts) for _, chain in source.chains) or name in strings
+            or any(module == package_name and name in taken for _, module, taken in source.imports)
+            or (parts[-1] in strings and (len(parts) == 1 or any(_holds(chain, parts[:-1])
+                                                                   for _, chain in source.chains))))
+
+
+def past_the_face(source: Source, kernel: Kernel, modules: dict[str, set[str]]) -> list[str]:
+    """Each place `source` reaches the kernel past its face, as `file:line: what`."""
+    face = kernel.face()
+    plain, dotted = {name for name in face if "." not in name}, {name for name in face if "." in name}
+    outside_face = {module for module in modules if module and "." not in module} - plain
+    found = []
+    for line, module, taken in source.imports:
+        if module.split(".")[0] == kernel.package_name and (module != kernel.package_name
+                                                           or not taken or set(taken) - plain):
+            found.append(f"{source.name}:{line}: imports {module} {taken or ''}".rstrip())
+    walks = [(line, chain) for line, chain in source.chains]
+    walks += [(line, text.split(".")) for line, text in source.strings
+              if "." in text and all(part.isidentifier() for part in text.split("."))]
+    for line, chain in walks:
         start = 0
         while start < len(chain):  # a path walked from one module is not walked again from its inner modules
-            past, walked = _past_the_face(chain[start:], outside_face, dotted, modules)
+            past, walked = _walk(chain[start:], outside_face, dotted, modules)
             if past:
-                found.append(f"{filename}:{line}: .{past} reaches into the kernel past its face")
+                found.append(f"{source.name}:{line}: .{past} reaches into {kernel.repo_name} past its face")
             start += walked
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value:
-            past, _ = _past_the_face(node.value.split("."), outside_face, dotted, modules)
-            if past:
-                found.append(f"{filename}:{node.lineno}: {node.value!r} names a path into the kernel past its face")
-    return sorted(set(found))
+    return found
 
 
-def _past_the_face(chain: list[str], outside_face: set[str], dotted: set[str],
-                   modules: dict[str, set[str]]) -> tuple[str, int]:
+def _walk(chain: list[str], outside_face: set[str], dotted: set[str], modules: dict[str, set[str]]) -> tuple[str, int]:
     """The path of `chain` (from a module of the package outside the face) to a name its module binds that is
     neither a dotted face name nor on the way to one ("" where there is none), and how many names of `chain`
     the walk took (at least one)."""
@@ -272,134 +223,77 @@ def _past_the_face(chain: list[str], outside_face: set[str], dotted: set[str],
     return "", len(chain)
 
 
-def _import_violations(tree: ast.Module, allowed: set[str], package_name: str) -> list[tuple[int, str]]:
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, f"import {alias.name}") for alias in node.names
-                      if alias.name.split(".")[0] == package_name and alias.name != package_name]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == package_name:
-            found += [(node.lineno, f"from {node.module} import {alias.name}") for alias in node.names
-                      if node.module != package_name or alias.name not in allowed]
-    return found
-
-
-def _outside_files(kernel: Kernel) -> list[Path]:
-    return sorted(path for root in kernel.outside for path in root.rglob("*.py") if "__pycache__" not in path.parts)
-
-
-def _violations(kernel: Kernel, source: str, kernel_tests: bool) -> list[str]:
-    return face_violations(source, "example.py", kernel_tests, kernel, face(kernel), package_modules(kernel))
+@pytest.fixture(scope="module")
+def outside() -> list[Source]:
+    return _sources(OUTSIDE)
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda kernel: kernel.repo_name)
-def test_the_face_names_only_what_the_package_binds(kernel):
+def test_every_face_name_exists_and_the_package_binds_nothing_past_its_face(kernel):
     modules = package_modules(kernel)
-    assert missing_from_the_package(kernel, face(kernel), modules) == []
-    assert len(face(kernel)) == len(set(face(kernel)))
+    assert missing_from_the_package(kernel, modules) == []
+    assert len(kernel.face()) == len(set(kernel.face()))
+    assert bound_past_the_face(kernel, modules) == set()
+
+
+def test_the_tools_are_at_most_50_names():
+    assert sum(len(kernel.face(("TOOLS",))) for kernel in KERNELS) <= TOOLS_AT_MOST
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda kernel: kernel.repo_name)
-def test_each_kernel_the_face_reaches_into_has_its_seams(kernel):
-    names = face(kernel)
-    assert [f"{package}.{seam}" for package in sorted(dotted_subpackages(names)) for seam in SEAMS
-            if f"{package}.{seam}" not in names] == []
+def test_every_tool_is_used_by_the_package_or_the_lab(kernel, outside):
+    users = [source for source in outside if source.name.split("/")[0] in USERS]
+    assert [name for name in kernel.face(("TOOLS",))
+            if not any(uses(source, name, kernel.package_name) for source in users)] == []
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda kernel: kernel.repo_name)
-def test_code_outside_the_kernel_uses_only_its_face(kernel):
-    names, modules = face(kernel), package_modules(kernel)
-    found = [violation for path in _outside_files(kernel)
-             for violation in face_violations(path.read_text(), str(path.relative_to(REPO_ROOT)),
-                                              kernel.repo in path.parents, kernel, names, modules)]
-    assert found == []
+def test_nothing_outside_the_kernel_repos_reaches_past_the_face(kernel, outside):
+    modules = package_modules(kernel)
+    assert [found for source in outside for found in past_the_face(source, kernel, modules)] == []
 
 
-@pytest.mark.parametrize(("kernel", "source", "kernel_tests"), [
-    (RAGGED_DOT, "def test(kernel):\n    kernel.gmm.kernel.scheduled_matmul_call(body)", True),
-    (RAGGED_DOT, "def test(kernel):\n    kernel.gmm.tiles.select_config(problem)", True),
-    (RAGGED_DOT, "def test(kernel):\n    plan = kernel.gmm.plan\n    plan.interleaved_gated_plan(plan, gate)", True),
-    (RAGGED_DOT, "def test(kernel):\n    kernel.gmm(x)", True),
-    (RAGGED_DOT, "def test(kernel):\n    getattr(kernel.fused.tiles, 'fused_buffers')", True),
-    (RAGGED_DOT, "def test(monkeypatch, kernel):\n    monkeypatch.setattr(kernel.gmm.tiles, 'D_LHS_ROW_TILE', 8)",
-     True),
-    (RAGGED_DOT, "def f(built):\n    return built.gmm.plan.interleaved_gated_plan(plan, gate)", False),
-    (RAGGED_DOT, "def f(built):\n    return built.tgmm.kernel.max_tgmm_items(m, groups, rows)", False),
-    (RAGGED_DOT, "def f(built):\n    return built.combine.kernel.combine_schedule(position, live, plan)", False),
-    (RAGGED_DOT, "ENTRY = 'gmm.schedule.block_specs'", False),
-    (RAGGED_DOT, "def test(kernel):\n    kernel.plan.plan_experts(problem)", True),
-    (RAGGED_DOT, "def test(ragged_dot_kernel):\n    ragged_dot_kernel.layer", False),
-    (RAGGED_DOT, "def f(built):\n    return built.common.quant.NOT_SERVED", False),
-    (RAGGED_DOT, "def test(monkeypatch, kernel):\n    monkeypatch.setattr(kernel.plan, 'FUSED_MAX_TOKENS', 8)", True),
-    (RAGGED_DOT, "def test(kernel):\n    getattr(kernel, 'schedule')", True),
-    (RAGGED_DOT, "def test(kernel):\n    kernel.reference.no_such_reference", True),
-    (RAGGED_DOT, "ragged = kernels['ragged-dot-tpu']\nragged.tiles", False),
-    (RAGGED_DOT, "k = get_local_kernel(ragged_dot_build, backend='cpu')\nk.no_such_name", False),
-    (RAGGED_DOT, "import pytest\n@pytest.fixture\ndef kernel(ragged_dot_kernel):\n    return ragged_dot_kernel\n"
-     "def test(kernel):\n    kernel.no_such_name", False),
-    (RAGGED_DOT, "ENTRY = 'layer.experts_layer'", False),
-    (RAGGED_DOT, "from ragged_dot_tpu.gmm.kernel import grouped_matmul", False),
-    (ATTENTION, "def test(kernel):\n    kernel.flash.kernel.attention_forward(q, k, v, attention)", True),
-    (ATTENTION, "def test(kernel):\n    kernel.flash_backward.tiles.window_block_cap(128, True, 'v6e')", True),
-    (ATTENTION, "def test(kernel):\n    kernel.common.masking.prepare(q, k, options)", True),
-    (ATTENTION, "def test(kernel):\n    kernel.pallas_flash.flash_attention(q, k, v)", True),
-    (ATTENTION, "def test(kernel):\n    kernel.flash.tiles.select_config(**shape)", True),
-    (ATTENTION, "def f(built):\n    return built.flash.tiles.forward_vmem_bytes(tiles, **shape)", False),
-    (ATTENTION, "def test(kernel):\n    kernel.flash_backward.plan.BackwardPlans(problem, dq, dkv)", True),
-    (ATTENTION, "def test(kernel):\n    kernel.select_config(**shape)", True),
-    (ATTENTION, "attention = kernels['attention-tpu']\nattention.config", False),
-    (ATTENTION, "k = get_local_kernel(attention_build, backend='cpu')\nk.no_such_name", False),
-    (ATTENTION, "ENTRY = 'attention.attention_forward'", False),
-    (ATTENTION, "from attention_tpu.flash.kernel import differentiable_flash_attention", False),
-    (RMSNORM, "def test(kernel):\n    kernel.norm.kernel.differentiable_rms_norm(x, weight, 1e-6, 0.0)", True),
-    (RMSNORM, "def test(kernel):\n    kernel.rms_norm_forward(x, weight, eps=1e-6)", True),
-    (RMSNORM, "def test(kernel):\n    kernel.norm.tiles.OPS['rms_norm']", True),
-    (RMSNORM, "def test(kernel):\n    kernel.norm.tiles.select_config(8, 128, dtype)", True),
-    (RMSNORM, "def test(kernel):\n    kernel.pallas_rms_norm.rms_norm(x, weight, eps=1e-6)", True),
-    (RMSNORM, "def test(kernel):\n    kernel.config.select_config(8, 128, dtype)", True),
-    (RMSNORM, "def f(built):\n    return built.norm.plan.RowPlan('rms_norm', 8, 128, 8, 1, None)", False),
-    (RMSNORM, "rmsnorm = kernels['rmsnorm-tpu']\nrmsnorm.OPS", False),
-    (RMSNORM, "k = get_local_kernel(rmsnorm_build, backend='cpu')\nk.no_such_name", False),
-    (RMSNORM, "k = get_local_kernel(kernel_builds['rmsnorm-tpu'], backend='cpu')\nk.OPS", False),
-    (RMSNORM, "ENTRY = 'norm.kernel._row_norm'", False),
-    (RMSNORM, "from rmsnorm_tpu.norm.tiles import select_config", False),
+RAGGED_DOT, ATTENTION, RMSNORM = KERNELS
+
+
+@pytest.mark.parametrize(("kernel", "text"), [
+    (RAGGED_DOT, "built.gmm.tiles.row_chunks(rows)"),
+    (RAGGED_DOT, "built.plan.plan_experts(problem)"),
+    (RAGGED_DOT, "getattr(built.fused.tiles, 'fused_buffers')"),
+    (RAGGED_DOT, "monkeypatch.setattr(built.gmm.tiles, 'D_LHS_ROW_TILE', 8)"),
+    (RAGGED_DOT, "plan = built.gmm.plan\nplan.gated_plan(plan, gate)"),
+    (RAGGED_DOT, "ENTRY = 'gmm.schedule.make_work_items'"),
+    (RAGGED_DOT, "from ragged_dot_tpu.gmm.kernel import grouped_matmul"),
+    (RAGGED_DOT, "from ragged_dot_tpu import describe_experts"),
+    (RAGGED_DOT, "built.common.quant.scheme_of(dtype)"),
+    (ATTENTION, "built.flash.tiles.heuristic_config(problem)"),
+    (ATTENTION, "built.common.masking.prepare(q, k, options)"),
+    (ATTENTION, "ENTRY = 'paged.tiles.PagedConfig'"),
+    (RMSNORM, "built.norm.tiles.check_block_rows(8, problem)"),
+    (RMSNORM, "import rmsnorm_tpu.norm.kernel"),
 ], ids=lambda value: value.repo_name if isinstance(value, Kernel) else None)
-def test_the_check_catches_reaching_past_the_face(kernel, source, kernel_tests):
-    assert _violations(kernel, source, kernel_tests)
+def test_the_check_finds_a_reach_past_the_face(kernel, text):
+    assert past_the_face(Source.parse(text, "example.py"), kernel, package_modules(kernel))
 
 
-# Code that stays within each face, in a kernel repo's tests.
-WITHIN_THE_FACE = {
-    RAGGED_DOT: ("def test(kernel, monkeypatch):\n    config = kernel.gmm.tiles.TileConfig(8, 128, 128)\n"
-                 "    plan = kernel.gmm.plan.make(kernel.MatmulProblem(8), config=config)\n"
-                 "    kernel.gmm.kernel.call(x, w, sizes, plan)\n"
-                 "    kernel.reference.ragged_dot_reference(x)\n    kernel.gmm.tiles.TUNED_TILES.clear()\n"
-                 "    getattr(kernel.fused.tiles, 'select')(problem)\n"
-                 "    monkeypatch.setattr(kernel.ops, 'check_group_sizes', None)\n"
-                 "def other(model, kernel):\n    return model.config.vocab_size, kernel.__name__\n"
-                 "def tool(built, plan):\n    return built.combine.plan.make(problem), plan.combine.tiles, built.gmm\n"
-                 "ENTRY = 'tgmm.tiles.select'\n"),
-    ATTENTION: ("def test(kernel, monkeypatch):\n    kernel.flash.kernel.differentiable_flash_attention(q, k, v, "
-                "config=kernel.AttentionConfig(128, 128, 1 << 25))\n"
-                "    kernel.reference.reference_attention(q, k, v)\n"
-                "    kernel.flash_backward.tiles.select(kernel.Problem.of_shape(**shape))\n"
-                "    problem, prepared = kernel.prepare(q, k, kernel.Attention())\n"
-                "    kernel.flash.kernel.call(q, k, v, prepared, kernel.flash.plan.make(problem))\n"
-                "    tiles = kernel.flash.tiles.ForwardTiles(1, 2048)\n"
-                "    monkeypatch.setitem(kernel.flash.tiles.TUNED_TILES, key, tiles)\n"
-                "def other(model, kernel):\n    return model.config.vocab_size, kernel.__name__\n"),
-    RMSNORM: ("def test(kernel, monkeypatch):\n    kernel.rms_norm(x, weight, 1e-6)\n"
-              "    kernel.norm.kernel.rms_norm_forward(x, weight, eps=1e-6, block_rows=16)\n"
-              "    problem = kernel.NormProblem('rms_norm', 8, 128, 'float32')\n"
-              "    kernel.norm.kernel.call([x], weight, kernel.norm.plan.make(problem), eps=1e-6)\n"
-              "    kernel.reference.fused_add_rms_norm(x, residual, weight, 1e-6)\n"
-              "    kernel.layers.matching_layer_name(module)\n"
-              "    monkeypatch.setitem(kernel.norm.tiles.TUNED_TILES, key, kernel.norm.tiles.RowBlockTiles(1024))\n"
-              "def folder(published):\n    build = published.builds['rmsnorm-tpu']\n    return build.rglob('*')\n"
-              "def other(model, kernel):\n    return model.config.vocab_size, kernel.__name__\n"),
-}
+@pytest.mark.parametrize(("kernel", "text"), [
+    (RAGGED_DOT, "built.gmm.tiles.select(built.MatmulProblem(8, 128, 128, 2, 'bfloat16', 'bfloat16'), 'v6e')\n"
+                 "built.reference.ragged_dot_reference(x)\nbuilt.ops.ragged_dot(x)\ngetattr(built, 'experts_layer')\n"
+                 "ENTRY = 'tgmm.tiles.select'\nmodel.config.plan.make(problem)\n"
+                 "from ragged_dot_tpu import ragged_dot\n"),
+    (ATTENTION, "built.flash.kernel.flash_attention_forward(q, k, v)\nbuilt.Problem.of_shape(**shape)\n"
+                "row.paged.tiles\n"),
+    (RMSNORM, "getattr(built.norm.kernel, name)\nbuilt.norm.tiles.select(problem, 'v6e').block_rows\n"),
+], ids=lambda value: value.repo_name if isinstance(value, Kernel) else None)
+def test_the_check_passes_code_within_the_face(kernel, text):
+    assert past_the_face(Source.parse(text, "example.py"), kernel, package_modules(kernel)) == []
 
 
-@pytest.mark.parametrize("kernel", KERNELS, ids=lambda kernel: kernel.repo_name)
-def test_the_check_passes_code_within_the_face(kernel):
-    assert _violations(kernel, WITHIN_THE_FACE[kernel], True) == []
+def test_a_tool_is_used_through_its_path_an_import_or_a_named_getattr():
+    assert uses(Source.parse("built.gmm.tiles.select(problem)", "a.py"), "gmm.tiles.select", "ragged_dot_tpu")
+    assert uses(Source.parse("NAME = 'experts_layer'\ngetattr(built, NAME)", "a.py"), "experts_layer", "ragged_dot_tpu")
+    assert uses(Source.parse("NAMES = {'a': 'rms_norm_forward'}\ngetattr(built.norm.kernel, NAMES[a])", "a.py"),
+                "norm.kernel.rms_norm_forward", "rmsnorm_tpu")
+    assert not uses(Source.parse("NAMES = {'a': 'rms_norm_forward'}", "a.py"), "norm.kernel.rms_norm_forward",
+                    "rmsnorm_tpu")
+    assert not uses(Source.parse("built.tgmm.tiles.select(problem)", "a.py"), "gmm.tiles.select", "ragged_dot_tpu")

@@ -2,6 +2,7 @@
 
 import logging
 
+import jax
 import pytest
 import torch
 from kernels import Mode
@@ -170,16 +171,21 @@ def test_training_mode_keeps_original_or_raises(ragged_dot_build, monkeypatch):
         kernelize(model, mode=Mode.TRAINING, repos=_experts_only(ragged_dot_build), use_fallback=False)
 
 
-@pytest.mark.slow
-def test_all_kinds_replaced_and_tokens_match(all_builds):
-    model = _tiny_model("qwen3_moe")
+def _eager_then_kernelized(model, builds) -> tuple[torch.Tensor, ...]:
+    """(eager logits, eager greedy tokens, the same after `kernelize(model, repos=builds)`) on `_prompt()`."""
     prompt = _prompt()
     with torch.no_grad():
         eager_logits = model(prompt).logits
         eager_tokens = model.generate(prompt, max_new_tokens=8, do_sample=False)
-        kernelize(model, repos=all_builds)
-        logits = model(prompt).logits
-        tokens = model.generate(prompt, max_new_tokens=8, do_sample=False)
+        kernelize(model, repos=builds)
+        return eager_logits, eager_tokens, model(prompt).logits, model.generate(prompt, max_new_tokens=8,
+                                                                                do_sample=False)
+
+
+@pytest.mark.slow
+def test_all_kinds_replaced_and_tokens_match(all_builds):
+    model = _tiny_model("qwen3_moe")
+    eager_logits, eager_tokens, logits, tokens = _eager_then_kernelized(model, all_builds)
     report = model.tpu_kernels_report
     assert {e.kind for e in report.entries if e.replaced} == {"experts", "rmsnorm", "attention"}, repr(report)
     # q/k norms and the layer norms: 2 layers x (input, post-attention, q, k) + the final norm.
@@ -190,6 +196,53 @@ def test_all_kinds_replaced_and_tokens_match(all_builds):
         assert forward.__qualname__ == "RMSNorm.forward" and forward.__module__.startswith("_rmsnorm_tpu_cpu_")
     assert (logits - eager_logits).abs().max().item() <= 1e-4
     assert torch.equal(tokens, eager_tokens)
+
+
+class _BackendCompiles:
+    """jax's backend compiles (XLA programs, the Mosaic kernels inside them on a TPU) counted while `counting`."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count, self.counting = 0, False
+        jax.monitoring.register_event_duration_secs_listener(self._record)
+
+    def _record(self, event, duration_secs, **kwargs):
+        self.count += self.counting and event == self.EVENT
+
+    def during(self, run):
+        before, self.counting = self.count, True
+        try:
+            result = run()
+        finally:
+            self.counting = False
+        return result, self.count - before
+
+
+@pytest.mark.slow
+def test_generate_compiles_once_per_bucket_with_either_cache(all_builds):
+    """Prompt lengths and numbers of new tokens within one bucket compile nothing after a first generate per cache
+    kind; the tokens are eager's. Prompts of 5 to 8 tokens share every bucket: rows of 16 for the experts and the
+    layer norms, 32 and 16 for the q and k norms (4 and 2 heads), queries of 16 against 128 keys."""
+    model = _tiny_model("qwen3_moe")
+    compiles = _BackendCompiles()
+    runs = {"warm-up dynamic": (5, 3, None), "warm-up static": (5, 3, "static"), "dynamic": (7, 16, None),
+            "static": (8, 16, "static")}
+
+    def generate(length, new_tokens, cache):
+        options = {} if cache is None else dict(cache_implementation=cache)
+        with torch.no_grad():
+            return model.generate(_prompt(batch=1, length=length), max_new_tokens=new_tokens, do_sample=False,
+                                  **options)
+
+    eager = {name: generate(*run) for name, run in runs.items()}
+    kernelize(model, repos=all_builds)
+    counted = {}
+    for name, run in runs.items():
+        tokens, counted[name] = compiles.during(lambda: generate(*run))
+        assert torch.equal(tokens, eager[name]), name
+    assert counted["warm-up dynamic"] > 0 and counted["warm-up static"] >= 0
+    assert (counted["dynamic"], counted["static"]) == (0, 0), counted
 
 
 @pytest.mark.slow
@@ -205,13 +258,7 @@ def test_gemma4_attention_replaced_in_every_layer_and_tokens_match(all_builds):
     attention = {name: m for name, m in model.named_modules() if name.endswith("self_attn")}
     assert sorted(m.head_dim for m in attention.values()) == [64, 512, 512]
     assert all(m.v_proj is None for m in attention.values() if m.head_dim == 512)
-    prompt = _prompt()
-    with torch.no_grad():
-        eager_logits = model(prompt).logits
-        eager_tokens = model.generate(prompt, max_new_tokens=8, do_sample=False)
-        kernelize(model, repos=all_builds)
-        logits = model(prompt).logits
-        tokens = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    eager_logits, eager_tokens, logits, tokens = _eager_then_kernelized(model, all_builds)
     (entry,) = model.tpu_kernels_report.replaced("attention")
     assert entry.modules == tuple(attention), repr(model.tpu_kernels_report)
     assert model.config._attn_implementation.startswith("tpu_kernels_")

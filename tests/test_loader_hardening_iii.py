@@ -39,17 +39,6 @@ def test_a_cpu_variant_whose_metadata_names_another_backend_is_refused(tmp_path,
         get_local_kernel(build, backend="cpu")
 
 
-@pytest.fixture
-def private_temp(tmp_path, monkeypatch):
-    """A temporary folder of this test's own for the loader's private copies, and a fresh root in it."""
-    folder = tmp_path / "tmp"
-    folder.mkdir(mode=0o700)
-    monkeypatch.setattr(tempfile, "tempdir", str(folder))
-    monkeypatch.setattr(private_copies, "_private_root", None)
-    monkeypatch.setattr(private_copies, "_PRIVATE_COPIES", {})
-    return folder
-
-
 @pytest.mark.multiprocess
 def test_the_copies_of_a_killed_process_are_removed_by_the_next_load(tmp_path, private_temp):
     build = make_build(tmp_path, answer=5)

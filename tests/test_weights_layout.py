@@ -1,7 +1,7 @@
 """The MoE layer reads Gemma 4's experts without rewriting them: no per-call relayout in the compiled program.
 
-XLA's default TPU layout stores Gemma-4-26B-A4B's `down_proj[E, 2816, 704]`
-704-major (`hardware.default_layout_swaps_minor_dims`); a kernel that read it
+XLA's default TPU layout stores Gemma-4-26B-A4B's `down_proj[E, H, I]`
+I-major (`hardware.default_layout_swaps_minor_dims`); a kernel that read it
 row-major made XLA copy all of it on every call (968 MiB at EP1, 60.5 MiB on
 an EP8 rank: benchmarks/results/moe_layer.json before the fix). Compiled
 ahead of time for v5e and v6e on an EP8 rank (16 local experts), both paths
@@ -14,9 +14,12 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks.perf import xla_program
+from benchmarks.studies.model_shapes import EXPERTS_MODELS
 
 S = jax.ShapeDtypeStruct
-EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 16, 2816, 704, 8  # Gemma-4-26B-A4B, one of 8 expert-parallel ranks
+GEMMA_4 = EXPERTS_MODELS["gemma-4-26b-a4b"]
+# Gemma-4-26B-A4B, one of 8 expert-parallel ranks.
+EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = GEMMA_4["experts"] // 8, GEMMA_4["hidden"], GEMMA_4["intermediate"], GEMMA_4["top_k"]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,7 @@ def test_gemma4_experts_are_read_in_place(kernel, generation, fused, weights_dty
     gate_up, down = (EXPERTS, 2 * INTERMEDIATE, HIDDEN), (EXPERTS, HIDDEN, INTERMEDIATE)
     avals = [S((tokens, HIDDEN), jnp.bfloat16), S((tokens, TOP_K), jnp.int32), S((tokens, TOP_K), jnp.bfloat16),
              S(gate_up, weights_dtype), S(down, weights_dtype)]
-    scheme = kernel.scheme_of(weights_dtype)
+    scheme = "fp8" if weights_dtype == jnp.float8_e4m3fn else None
     if scheme is not None:
         avals += [S(kernel.expected_scales_shape(scheme, shape, 1), jnp.float32) for shape in (gate_up, down)]
 

@@ -16,6 +16,10 @@ def __getattr__(name):
         from .distribution import loader
 
         return getattr(loader, name)
+    if name == "precompile":
+        from .integration.precompile import precompile
+
+        return precompile
     if name == "jax_torch_op":
         from .runtime.binding import jax_torch_op
 
@@ -23,4 +27,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'tpu_kernels' has no attribute {name!r}")
 
 
-__all__ = ["KernelIntegrityError", "get_kernel", "get_local_kernel", "get_locked_kernel", "jax_torch_op", "kernelize", "load_kernel"]
+__all__ = ["KernelIntegrityError", "get_kernel", "get_local_kernel", "get_locked_kernel", "jax_torch_op", "kernelize", "load_kernel", "precompile"]

@@ -1,4 +1,4 @@
-"""`tpu-kernels`: build | check | bench | calibrate | serve | upload | demo."""
+"""`tpu-kernels`: build | check | bench | calibrate | serve | upload | demo | precompile."""
 
 from __future__ import annotations
 
@@ -44,10 +44,10 @@ def _import_lab(module: str):
 def _build_errors() -> tuple[type[Exception], ...]:
     """What `build_kernel_repo` raises about the kernel repo itself: said in one line, never a traceback."""
     from .distribution.build_toml import BuildTomlError
-    from .distribution.links import LinkOutError
+    from .distribution.links import LinkOutError, SpecialFileError
     from .distribution.symbols import SymbolsError
 
-    return BuildTomlError, LinkOutError, SymbolsError, FileNotFoundError
+    return BuildTomlError, LinkOutError, SpecialFileError, SymbolsError, FileNotFoundError
 
 
 def _build(args) -> int:
@@ -174,17 +174,31 @@ def _calibrate(args) -> int:
 
     from .disk_cache import UnsafeCacheError, cache_root
 
+    if bool(args.paths) == bool(args.from_benchmark):
+        print("tpu-kernels calibrate: give tokamax's timing files or --from-benchmark RESULTS_JSON (one of them)",
+              file=sys.stderr)
+        return 2
     try:
         calibration = _import_lab("benchmarks.perf.calibration")
+        from_benchmark = _import_lab("benchmarks.studies.from_benchmark") if args.from_benchmark else None
     except LabMissing as error:
         print(f"tpu-kernels calibrate: {error}", file=sys.stderr)
         return 2
-
+    cache_dir = None if args.no_cache else Path(args.cache_dir) if args.cache_dir else cache_root("calibration")
+    if from_benchmark is not None:
+        try:
+            from_benchmark.run([Path(path) for path in args.from_benchmark], args.chip, Path(args.out or from_benchmark.DEFAULT_OUT),
+                               cache_dir=cache_dir)
+        except (calibration.CalibrationInputError, UnsafeCacheError) as error:
+            print(f"tpu-kernels calibrate: {error}", file=sys.stderr)
+            return 2
+        return 0
+    args.out = args.out or "benchmarks/results/calibration.json"
     try:
         report = calibration.calibrate(
             [Path(path) for path in args.paths],
             chip=args.chip,
-            cache_dir=None if args.no_cache else Path(args.cache_dir) if args.cache_dir else cache_root("calibration"),
+            cache_dir=cache_dir,
             jobs=args.jobs,
             progress=lambda items, description: tqdm(items, desc=description, unit="entry"),
         )
@@ -215,8 +229,14 @@ def _demo(argv: list[str]) -> int:
     return demo_main(argv)
 
 
+def _precompile(argv: list[str]) -> int:
+    from .integration.precompile import precompile_main
+
+    return precompile_main(argv)
+
+
 # Subcommands that own their argument parsing.
-DELEGATED = {"serve": _serve, "upload": _upload, "demo": _demo, "bench": _bench}
+DELEGATED = {"serve": _serve, "upload": _upload, "demo": _demo, "bench": _bench, "precompile": _precompile}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,9 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     calibrate = commands.add_parser(
         "calibrate", help="model tokamax's measured TPU timings and compare (the performance model's error)"
     )
-    calibrate.add_argument("paths", nargs="+", help="tokamax autotuning JSON files or folders of them")
+    calibrate.add_argument("paths", nargs="*", help="tokamax autotuning JSON files or folders of them")
+    calibrate.add_argument("--from-benchmark", metavar="RESULTS_JSON", nargs="+",
+                           help="instead: the --output JSON files of `kernels benchmark ORG/REPO` run on a TPU "
+                                "(needs --chip)")
     calibrate.add_argument("--chip", help="v5e, v5p, v6e or tpu7x (default: from the folder name, e.g. tpu_v5_lite)")
-    calibrate.add_argument("--out", default="benchmarks/results/calibration.json", help="report file")
+    calibrate.add_argument("--out", default=None, help="report file (default: benchmarks/results/calibration.json, "
+                                                       "with --from-benchmark calibration_from_benchmark.json)")
     calibrate.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile threads")
     calibrate.add_argument("--cache-dir", default=None,
                            help="compiles and replays kept between runs "
@@ -261,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, help_ in (("bench", "run a benchmark: bench NAME [args] (moe_layer, multichip, attention, ...; "
                                   "`bench --help` lists them) or bench kernel_repos/<name> [args]"),
                         ("serve", "run a local Hub-compatible server"), ("upload", "publish a build to a Hub"),
-                        ("demo", "kernelize a tiny MoE model end to end")):
+                        ("demo", "kernelize a tiny MoE model end to end"),
+                        ("precompile", "compile every bucket of a model on the TPU host that serves it")):
         commands.add_parser(name, help=help_, add_help=False)
 
     args = parser.parse_args(argv)

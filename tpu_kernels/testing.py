@@ -17,8 +17,11 @@ Kernel repo tests also take helpers from here: `interpret` (a JAX function
 of the kernel in TPU interpret mode, failing on a data race), `no_kernel_if`
 (an empty input must run no Pallas kernel), `assert_matches` (a result
 against the reference, relative to the reference's scale), `dimensions` (a
-hypothesis strategy of sizes that are often 0) and `tiny_transformers_model`
-(a small seeded transformers model to swap kernels into).
+hypothesis strategy of sizes that are often 0), `tiny_transformers_model`
+(a small seeded transformers model to swap kernels into), and the checks that
+a kernel keeps the project's shared policies: `assert_vmem_policy` (its VMEM
+budget and limit are `runtime.hardware`'s) and `assert_tuned_table` (its tuned
+tiles table has `runtime.tuning`'s one form and is what it selects).
 """
 
 from __future__ import annotations
@@ -155,3 +158,33 @@ def tiny_transformers_model(model_class, seed: int, **config):
                  num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(seed)
     return model_class(model_class.config_class(**sizes | config))
+
+
+def assert_vmem_policy(policy, generation: str) -> None:
+    """A kernel's VMEM budget and limit (its module `policy`'s `vmem_budget(target)` and
+    `vmem_limit(working_set, target)`, on the generation's facts `resolve_target` gives) are the one policy's
+    (`runtime.hardware`) at the kernel's `WORKING_SET_MARGIN` and `WORKING_SET_BOUND_BYTES` (by generation)."""
+    from .runtime import hardware
+
+    margin, target = policy.WORKING_SET_MARGIN, hardware.resolve_target(generation)
+    assert policy.vmem_budget(target) == hardware.vmem_budget_bytes(
+        generation, margin=margin, bound_bytes=policy.WORKING_SET_BOUND_BYTES[generation])
+    for working_set in (1 << 20, 20 << 20, 60 << 20):
+        assert policy.vmem_limit(working_set, target) == hardware.vmem_limit_bytes(working_set, generation,
+                                                                                   margin=margin)
+
+
+def assert_tuned_table(path: Path, loaded: dict, key_type, tiles_type, selects) -> None:
+    """A kernel's tuned tiles table (the JSON file at `path`) has the one form (`runtime.tuning`), reads as `loaded`
+    (the kernel's TUNED_TILES), and for each entry's key the kernel `selects` the entry's tiles."""
+    import json
+
+    from .runtime import tuning
+
+    table = json.loads(Path(path).read_text())
+    assert set(table) == {"what", "entries"}
+    for entry in table["entries"]:
+        assert set(entry["key"]) == set(key_type._fields) and set(entry["tiles"]) <= set(tiles_type._fields)
+    assert tuning.read_tuned_tiles(path, key_type, tiles_type) == loaded
+    for key, tiles in loaded.items():
+        assert selects(key) == tiles, key

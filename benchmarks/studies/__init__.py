@@ -30,10 +30,13 @@ BENCHMARKS = {
     "paged_attention": "ragged paged attention: modelled share of the HBM roofline and MXU peak, ours vs rivals",
     "cb_step": "a continuous-batching attention step as transformers runs it: gather + pad + kernel vs in place",
     "rmsnorm": "RMSNorm kernels: HBM bytes vs the minimum, modelled time, v6e compile-only cost",
+    "padding": "what padding to shape buckets costs: padded rows and bytes per bucket, at HBM rate",
     "moe_decode": "per-step decode time of a MoE model: kernelized vs eager vs grouped_mm (a TPU VM harness)",
     "quantization_accuracy": "quantization error of int8 / fp8 / int4 expert weights against the float model",
     "int4_granularity": "int4 per-channel vs grouped scales on the accuracy report's models (float round trip)",
+    "robustness": "every published claim re-priced over the constants no chip identifies: robust or fragile",
     "calibration_fit": "fit the performance model's constants to tokamax's measured TPU timings",
+    "compiles": "distinct kernel shapes and their real AOT compile seconds per workload, before and after buckets",
     "binding": "host cost of the JAX -> torch op binding",
     "loader": "loading a kernel from a local Hub: tpu_kernels.get_kernel vs kernels.get_kernel",
     "hub_server": "the local Hub server under hostile input and faults",
@@ -44,7 +47,7 @@ TOOLS = {
 }
 # The benchmarks that model a TPU from the CPU: `tpu-kernels bench` runs them with JAX_PLATFORMS=cpu unless set.
 MODELLED = frozenset({"moe_layer", "multichip", "decode_step", "moe_backward", "attention", "paged_attention",
-                      "cb_step", "rmsnorm", "calibration_fit"})
+                      "cb_step", "rmsnorm", "padding", "calibration_fit", "compiles"})
 # A kernel repo's modelled benchmark: `tpu-kernels bench kernel_repos/<name> [args]` runs it with --repo.
 KERNEL_REPO_BENCHMARKS = {"ragged-dot-tpu": "moe_layer", "attention-tpu": "attention", "rmsnorm-tpu": "rmsnorm"}
 
@@ -67,6 +70,11 @@ def write_json(path: Path | str, data, *, indent: int = 1, sort_keys: bool = Fal
 def result_path(filename: str) -> Path:
     """benchmarks/results/<filename>, relative to the current directory (resolved when written)."""
     return RESULTS_DIR / filename
+
+
+def report_header(study: str, repo: Path | str) -> dict:
+    """The first fields of a kernel study's JSON: which study wrote it, the kernel repo it built, the dtype it ran."""
+    return {"benchmark": f"benchmarks.studies.{study}", "kernel_repo": Path(repo).as_posix(), "dtype": "bfloat16"}
 
 
 def kernel_repo(name: str) -> Path:

@@ -19,13 +19,14 @@ control. Writes benchmarks/results/int4_granularity.json (`--out`).
 
 from __future__ import annotations
 
-import argparse
 import copy
 
 import torch
 
-from benchmarks.studies import result_path, write_json
-from benchmarks.studies.quantization_accuracy import EXPERT_WEIGHT_STD, _models, _run, _with_random_experts
+from benchmarks.studies import write_json
+from benchmarks.studies.quantization_accuracy import (
+    EXPERT_WEIGHT_STD, _models, _run, _with_random_experts, accuracy_arguments,
+)
 
 GROUP_SIZES = (128, 64, 32)
 PROJECTIONS = ("gate_up_proj", "down_proj")
@@ -78,12 +79,7 @@ def variants() -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--prompt-len", type=int, default=8)
-    parser.add_argument("--out", default=str(result_path("int4_granularity.json")))
-    args = parser.parse_args(argv)
+    args = accuracy_arguments(__doc__, "int4_granularity.json").parse_args(argv)
 
     from tpu_kernels.integration.demo import quantization_error
 

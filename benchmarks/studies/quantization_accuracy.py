@@ -121,12 +121,18 @@ def _run(model, prompt, new_tokens):
     return logits, tokens
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def accuracy_arguments(description: str, results_file: str) -> argparse.ArgumentParser:
+    """The options of an accuracy report (this one, int4_granularity): the seeded prompts and where it writes."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=8)
-    parser.add_argument("--out", default=str(result_path("quantization_accuracy.json")))
+    parser.add_argument("--out", default=str(result_path(results_file)))
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = accuracy_arguments(__doc__, "quantization_accuracy.json")
     parser.add_argument("--repo", type=Path, default=KERNEL_REPO, help="the ragged-dot kernel repo")
     parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
     args = parser.parse_args(argv)

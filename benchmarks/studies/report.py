@@ -40,6 +40,7 @@ from benchmarks.studies.tables import attention as attention_tables
 from benchmarks.studies.tables import binding as binding_tables
 from benchmarks.studies.tables import calibration as calibration_tables
 from benchmarks.studies.tables import cb_step as cb_step_tables
+from benchmarks.studies.tables import compiles as compiles_tables
 from benchmarks.studies.tables import decode_step as decode_step_tables
 from benchmarks.studies.tables import hub_server as hub_server_tables
 from benchmarks.studies.tables import int4_granularity as int4_granularity_tables
@@ -49,6 +50,7 @@ from benchmarks.studies.tables import multichip as multichip_tables
 from benchmarks.studies.tables import paged_attention as paged_attention_tables
 from benchmarks.studies.tables import quantization_accuracy as quantization_accuracy_tables
 from benchmarks.studies.tables import rmsnorm as rmsnorm_tables
+from benchmarks.studies.tables import robustness as robustness_tables
 from benchmarks.perf.chip import CONSTANTS as MODEL_CONSTANTS
 
 # The tracked docs that may hold generated blocks, as globs relative to the project's root.
@@ -381,12 +383,14 @@ DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
     f"{SOURCES_DIR}/loader.md": sectioned_tables("loader.json", loader_tables.render_markdown),
     f"{SOURCES_DIR}/hub_server.md": sectioned_tables("hub_server.json", hub_server_tables.render_markdown),
     f"{SOURCES_DIR}/rmsnorm.md": sectioned_tables("rmsnorm.json", rmsnorm_tables.render_markdown),
+    f"{SOURCES_DIR}/robustness.md": sectioned_tables("robustness.json", robustness_tables.render_markdown),
     f"{SOURCES_DIR}/quantization_accuracy.md": sectioned_tables("quantization_accuracy.json",
                                                                 quantization_accuracy_tables.render_markdown),
     f"{SOURCES_DIR}/quantization_accuracy_tpu7x.md": sectioned_tables("quantization_accuracy_tpu7x.json",
                                                                       quantization_accuracy_tables.render_markdown),
     f"{SOURCES_DIR}/int4_granularity.md": sectioned_tables("int4_granularity.json",
                                                            int4_granularity_tables.render_markdown),
+    f"{SOURCES_DIR}/compiles.md": sectioned_tables("compiles.json", compiles_tables.render_markdown),
 }
 
 

@@ -44,8 +44,9 @@ import kernels
 
 from benchmarks import perf
 from tpu_kernels.aot import compile_for
-from benchmarks.studies import kernel_repo, require_kernel_repo, result_path, write_json
+from benchmarks.studies import kernel_repo, report_header, require_kernel_repo, result_path, write_json
 from tpu_kernels.distribution.builder import build_kernel_repo
+from tpu_kernels.runtime.hardware import resolve_target
 
 KERNEL_REPO = kernel_repo("rmsnorm-tpu")
 DEFAULT_OUT = result_path("rmsnorm.json")
@@ -131,7 +132,7 @@ def measure(built, kernel_name: str, rows: int, hidden: int, dtype) -> dict:
     }
     for generation in GENERATIONS:
         problem = built.NormProblem(kernel_name, rows, hidden, jnp.dtype(dtype).name)
-        config = built.norm.tiles.select(problem, generation)
+        config = built.norm.tiles.select(problem, resolve_target(generation))
         calls = perf.model_pallas_traffic(kernel_fn(built, kernel_name, generation), *args)
         (call,) = calls
         modelled = perf.roofline(calls, generation, min_bytes=row_min)
@@ -260,9 +261,7 @@ def main(argv=None) -> int:
                 f"bytes accessed / min {entry['bytes_accessed_over_min']:.2f}"
             )
     report = {
-        "benchmark": "benchmarks.studies.rmsnorm",
-        "kernel_repo": args.repo.as_posix(),
-        "dtype": "bfloat16",
+        **report_header("rmsnorm", args.repo),
         "traffic_model": "benchmarks.perf.model_pallas_traffic (grid replay of the kernel's BlockSpecs); "
                          "modelled_time_us: the calibrated pipelined figure (grid step " + ", ".join(
                              f"{g} {perf.grid_step_s(g) * 1e6:.2f} us" for g in GENERATIONS) + "; v6e on v5e's "

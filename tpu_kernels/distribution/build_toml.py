@@ -62,6 +62,8 @@ def read_build_toml(path: Path) -> BuildToml:
         document = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise BuildTomlError(f"{path}: not valid TOML: {error}") from None
+    except RecursionError:
+        raise BuildTomlError(f"{path}: nests too deeply to parse") from None
 
     def fail(message: str) -> BuildTomlError:
         return BuildTomlError(f"{path}: {message}")

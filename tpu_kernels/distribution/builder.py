@@ -4,7 +4,7 @@ Output, for a source repo whose build.toml names `backends = ["tpu", "cpu"]`:
 
     build/<name>/README.md                  from CARD.md
     build/<name>/build/torch-<backend>/     package files, _binding.py, _ops.py, symbols.json, metadata.json
-    build/<name>/benchmarks/                copied if the source has one
+    build/<name>/benchmarks/                copied if the source has one, with BENCHMARK_MODULES
 
 Both variants carry the same code: the torch op dispatches per device, so the
 torch-cpu variant (what `kernels` picks off-TPU) runs the Pallas kernel in
@@ -35,7 +35,11 @@ SHIPPED_MODULES = {
     "_binding.py": RUNTIME / "binding.py",
     "_hardware.py": RUNTIME / "hardware.py",
     "_tuning.py": RUNTIME / "tuning.py",
+    "_buckets.py": RUNTIME / "buckets.py",
 }
+# What every kernel repo's benchmarks/benchmark*.py shares (`kernels benchmark` runs them from the Hub repo), each
+# loaded there by path: the harness, and the binding for kernels a benchmark defines itself (microbenchmarks).
+BENCHMARK_MODULES = {"_harness.py": RUNTIME / "benchmark_harness.py", "_binding.py": RUNTIME / "binding.py"}
 SOURCE_HASH_CHARS = 10
 IGNORED_NAMES = {"__pycache__", ".pytest_cache"}
 
@@ -148,6 +152,7 @@ def _write_variant(source: KernelSource, backend: str, variant_dir: Path, hash_:
 
 def build_kernel_repo(source_dir: Path, out: Path = Path("build")) -> Path:
     """Build one kernel repo into `out/<name>` and return that folder."""
+    refuse_links_out(source_dir, ("build.toml",), "tpu-kernels build")  # read first, to learn the rest
     source = KernelSource.open(source_dir)
     refuse_links_out(source.root, ("build.toml", "CARD.md", source.package_dir.relative_to(source.root), "benchmarks"),
                      "tpu-kernels build")
@@ -167,5 +172,10 @@ def build_kernel_repo(source_dir: Path, out: Path = Path("build")) -> Path:
         _write_variant(source, backend, target / "build" / f"torch-{backend}", hash_, symbols)
     benchmarks = source.root / "benchmarks"
     if benchmarks.is_dir():
+        for name in BENCHMARK_MODULES:
+            if (benchmarks / name).exists():
+                raise ValueError(f"{benchmarks / name}: the build writes {name}; remove this one")
         shutil.copytree(benchmarks, target / "benchmarks", ignore=shutil.ignore_patterns(*IGNORED_NAMES, "*.pyc"))
+        for name, shared in BENCHMARK_MODULES.items():
+            shutil.copyfile(shared, target / "benchmarks" / name)
     return target

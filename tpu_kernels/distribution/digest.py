@@ -82,7 +82,7 @@ def backend_mismatch(variant: Path) -> str | None:
         return None
     try:
         backend = json.loads((Path(variant) / METADATA_FILE).read_bytes())["backend"]["type"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         backend = None
     if backend == match.group(1):
         return None
@@ -147,8 +147,9 @@ def _check_variant(
     metadata_bytes = _read_metadata(metadata_path, where, blobs, metadata_blob_id)
     try:
         digest = json.loads(metadata_bytes).get("digest")
-    except (ValueError, AttributeError):
-        raise KernelIntegrityError(f"Refusing to import {where}: {metadata_path} is not a JSON object", [metadata_path])
+    except (ValueError, AttributeError, RecursionError):
+        raise KernelIntegrityError(f"Refusing to import {where}: {metadata_path} is not a JSON object (or nests too "
+                                   "deeply to parse)", [metadata_path])
     if digest is None:
         raise KernelIntegrityError(
             f"Refusing to import {where}: {metadata_path} has no digest, so its files cannot be verified. "

@@ -108,6 +108,8 @@ class _Package:
             tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         except SyntaxError as error:
             raise SymbolsError(f"{path}: cannot be parsed: {error}") from None
+        except (RecursionError, MemoryError):
+            raise SymbolsError(f"{path}: cannot be parsed: it nests too deeply") from None
         module = _Module(parts, path, is_package)
         for statement in _top_level(tree.body):
             self._bind(module, statement)

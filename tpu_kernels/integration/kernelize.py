@@ -15,12 +15,16 @@ Kinds of layer and how each is replaced:
   probe, so gated or other norms keep theirs.
 * attention, one of two routes (the report says which):
   - from a Hub, in inference, for a model transformers lets use a flash
-    kernel: `model.set_attn_implementation("<org>/<name>@<commit>:flash_attn_varlen_func")`.
-    transformers loads the kernel by that name (the commit verified here,
-    not the `v<N>` branch, which may move) and runs its own flash-attention
-    path on the kernel's `flash_attn_func` / `flash_attn_varlen_func`. The
-    name holds "flash", which continuous batching (`model.generate_batch`)
-    asks for, so both `generate` and `generate_batch` run on the kernel.
+    kernel: `model.set_attn_implementation("<org>/<name>--<commit>--<kernel id>:flash_attn_varlen_func")`.
+    transformers loads the kernel by that name through plain `kernels`, at
+    this call and again whenever another implementation was loaded in
+    between; the name resolves, in this process, to the very module verified
+    here (`tpu_kernels.distribution.loader.kernels_name`: never kernels'
+    cache, the Hub or a newer version), and transformers runs its own
+    flash-attention path on the kernel's `flash_attn_func` /
+    `flash_attn_varlen_func`. The name holds "flash", which continuous
+    batching (`model.generate_batch`) asks for, so both `generate` and
+    `generate_batch` run on the kernel.
   - otherwise (a local build folder, TRAINING or TORCH_COMPILE, a model
     without flash support or one that replaces foreign flash names, as
     GPT-OSS does): the kernel's `attention_forward` and its mask function
@@ -68,6 +72,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
+
+from ..compile_cache import CompileCaches, keep_compiled_programs
 
 if TYPE_CHECKING:
     import torch
@@ -157,6 +163,7 @@ class KernelizeReport:
     entries: list[ReportEntry] = field(default_factory=list)
     quantization: QuantizationReport | None = None
     own_config: bool = False  # the model was given its own copy of its config
+    compile_caches: CompileCaches | None = None  # where compiled kernels are kept for the next process
 
     def replaced(self, kind: str) -> list[ReportEntry]:
         return [e for e in self.entries if e.kind == kind and e.replaced]
@@ -175,6 +182,10 @@ class KernelizeReport:
                          "not on the config object the model was built from")
         if self.quantization is not None:
             lines.append(repr(self.quantization))
+        if self.compile_caches is not None:
+            kept = ", ".join(f"{name} in {folder}" for name, folder in (
+                ("torch_tpu", self.compile_caches.torch_tpu), ("jax", self.compile_caches.jax)) if folder)
+            lines.append(f"  compiles kept for the next process: {kept or 'nowhere (caches off)'}")
         return "\n".join(lines)
 
 
@@ -335,23 +346,28 @@ def flash_route_refusal(model, spec: KernelSpec, kernel: ModuleType, mode: Mode)
         return "TRAINING or TORCH_COMPILE, which kernelize serves through attention_forward"
     if not getattr(model, "_supports_flash_attn", False):
         return f"{type(model).__name__} does not support flash attention in transformers"
+    from ..distribution.loader import NotServableByNameError
+
+    try:
+        name = flash_implementation(spec, kernel)
+    except NotServableByNameError as error:
+        return f"transformers cannot be pointed at the verified kernel: {error}"
     accepted = getattr(model, "_compatible_flash_implementations", None)
-    if accepted is not None and flash_implementation(spec, kernel) not in accepted:
+    if accepted is not None and name not in accepted:
         return (f"{type(model).__name__} accepts only the flash kernels {accepted}: transformers would replace ours "
                 f"with {accepted[0]}")
     return None
 
 
 def flash_implementation(spec: KernelSpec, kernel: ModuleType) -> str:
-    """The attn_implementation name that makes transformers load `kernel` (loaded by `spec`) as a flash kernel.
+    """The attn_implementation name under which transformers loads `kernel` (loaded by `spec`) as a flash kernel.
 
-    The name pins the commit verified here: transformers loads the kernel again by name, and the `v<N>` branch may
-    have moved in between. A kernel without a commit (LOCAL_KERNELS names its folder, which transformers' loader
-    reads as well) keeps the branch."""
-    from ..distribution.loader import loaded_commit
+    transformers loads it again by name, through plain `kernels`: the name resolves to this very module, verified
+    here, however kernels' cache changed since and whatever kernels' environment switches say
+    (NotServableByNameError where that cannot be arranged)."""
+    from ..distribution.loader import kernels_name
 
-    commit = loaded_commit(kernel)
-    return f"{spec.repo}@{commit or f'v{spec.version}'}:{FLASH_FUNCTION}"
+    return f"{kernels_name(kernel, spec.repo)}:{FLASH_FUNCTION}"
 
 
 class _NoticesWithoutAction(logging.Filter):
@@ -369,6 +385,17 @@ def _quiet_flash_notices() -> None:
     flash_logger = logging.getLogger("transformers.modeling_flash_attention_utils")
     if not any(isinstance(f, _NoticesWithoutAction) for f in flash_logger.filters):
         flash_logger.addFilter(_NoticesWithoutAction())
+
+
+def _check_flash_functions(name: str, kernel: ModuleType) -> None:
+    """Refuse to go on if transformers' flash path under `name` holds anything but `kernel`'s functions."""
+    from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
+
+    from ..distribution.digest import KernelIntegrityError
+
+    if lazy_import_flash_attention(name)[0][1] is not getattr(kernel, FLASH_FUNCTION):
+        raise KernelIntegrityError(f"transformers loaded another module than the verified {kernel.__name__} for "
+                                   f"{name}; refusing to run it", [])
 
 
 def _kernelize_attention(model, spec: KernelSpec, kernel: ModuleType, mode: Mode, device: str) -> ReportEntry:
@@ -398,10 +425,12 @@ def _kernelize_attention(model, spec: KernelSpec, kernel: ModuleType, mode: Mode
         return ReportEntry("attention", False, modules, str(spec), unsupported)
     no_flash_route = flash_route_refusal(model, spec, kernel, mode)
     if no_flash_route is None:
-        # transformers loads the kernel again by this name, through `kernels`: the commit that was loaded and
-        # checked above, from a repo the caller's trust settings have just admitted (hence allow_all_kernels).
+        # transformers loads the kernel again by this name, through `kernels`: the module loaded and checked above,
+        # from a repo the caller's trust settings have just admitted (hence allow_all_kernels).
         _quiet_flash_notices()
-        model.set_attn_implementation(flash_implementation(spec, kernel), allow_all_kernels=True)
+        name = flash_implementation(spec, kernel)
+        model.set_attn_implementation(name, allow_all_kernels=True)
+        _check_flash_functions(name, kernel)
         return ReportEntry("attention", True, modules, str(spec),
                            note="through transformers' flash path: generate and generate_batch")
     # transformers treats any name containing "flash" as FlashAttention (2-D masks): avoid it.
@@ -497,7 +526,7 @@ def kernelize(
     specs = {**DEFAULT_REPOS, **(repos or {})}
     device = device or _model_device(model)
     backend = "tpu" if device == "tpu" else "cpu"
-    report = KernelizeReport(mode=mode.name.replace("|", " | "))
+    report = KernelizeReport(mode=mode.name.replace("|", " | "), compile_caches=keep_compiled_programs())
     if specs["experts"] is not None or specs["attention"] is not None:
         report.own_config = give_own_config(model)
     loaded = {}

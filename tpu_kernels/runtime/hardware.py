@@ -198,6 +198,15 @@ def resolve_generation(generation: str | None) -> str:
     return current_generation() if generation is None else check_generation(generation)
 
 
+def resolve_target(generation: str | TpuGeneration | None = None) -> TpuGeneration:
+    """The facts of the supported generation one kernel call tiles for: resolved once, where the call enters a
+    kernel (its JAX function), and handed down to its tiles and plan. `generation` names it (or is its facts, from
+    this file or another build's copy of it); None: this process's (`current_generation`)."""
+    if generation is None:
+        generation = current_generation()
+    return tpu_generation(check_generation(generation if isinstance(generation, str) else generation.name))
+
+
 def _shared_by_supported(field: str) -> int:
     values = {getattr(tpu_generation(name), field) for name in SUPPORTED_GENERATIONS}
     if len(values) != 1:

@@ -11,10 +11,11 @@ import numpy as np
 
 from benchmarks import perf
 from benchmarks.studies import calibration_bands
+from benchmarks.studies.model_shapes import ATTENTION_WINDOWS
 from benchmarks.studies.relayouts import relayout_fields, relayouts
-from tpu_kernels.runtime.hardware import tpu_generation
+from tpu_kernels.runtime.hardware import resolve_target, tpu_generation
 
-from .forward import (GENERATIONS, GPT_OSS, QWEN3, RELAYOUT_SHOWN_FROM_US, Shape, active_steps_from_prefetch, avals,
+from .forward import (GEMMA_4_SLIDING, GENERATIONS, GPT_OSS, QWEN3, RELAYOUT_SHOWN_FROM_US, Shape, active_steps_from_prefetch, avals,
                       kernel_fn, live_lengths, program_avals, visible_key_ranges, visible_keys,
                       visible_pairs)
 
@@ -38,12 +39,14 @@ class TrainingShape:
 
 
 TRAINING_TOKENS = 8192
+GEMMA_4_WINDOW, GPT_OSS_WINDOW = ATTENTION_WINDOWS["gemma-4-26b-a4b sliding"], ATTENTION_WINDOWS["gpt-oss-20b"]
 TRAINING_SHAPES = [
     TrainingShape(f"qwen3-30b-a3b B=1 S={TRAINING_TOKENS} causal", 1, TRAINING_TOKENS, **QWEN3),
-    TrainingShape(f"gemma-4-26b-a4b sliding layer B=1 S={TRAINING_TOKENS} window=1024 D=256", 1, TRAINING_TOKENS,
-                  q_heads=16, kv_heads=8, head_dim=256, sliding_window=1024),
-    TrainingShape(f"gpt-oss-20b B=1 S={TRAINING_TOKENS} window=128 sinks D=64", 1, TRAINING_TOKENS,
-                  **GPT_OSS, sliding_window=128, sinks=True),
+    TrainingShape(f"gemma-4-26b-a4b sliding layer B=1 S={TRAINING_TOKENS} window={GEMMA_4_WINDOW} "
+                  f"D={GEMMA_4_SLIDING['head_dim']}", 1, TRAINING_TOKENS, **GEMMA_4_SLIDING,
+                  sliding_window=GEMMA_4_WINDOW),
+    TrainingShape(f"gpt-oss-20b B=1 S={TRAINING_TOKENS} window={GPT_OSS_WINDOW} sinks D={GPT_OSS['head_dim']}", 1,
+                  TRAINING_TOKENS, **GPT_OSS, sliding_window=GPT_OSS_WINDOW, sinks=True),
 ]
 BACKWARD_TARGET_PCT = 80.0
 # Matmuls each backward kernel must run per visible (query, key) pair and head dim, x 2 FLOPs.
@@ -169,7 +172,7 @@ def forward_time(built, shape: TrainingShape, dtype, generation: str) -> dict:
     problem = built.Problem.of_shape(q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.seq,
                                      kv_len=shape.seq, head_dim=shape.head_dim, dtype=dtype,
                                      sliding_window=shape.sliding_window)
-    config = built.flash.tiles.select(problem, generation)
+    config = built.flash.tiles.select(problem, resolve_target(generation))
     lengths = live_lengths(plain).astype(np.int32)
     calls = perf.model_pallas_traffic(kernel_fn(built, plain, generation), *avals(plain, dtype), lengths,
                                       active_steps=active_steps_from_prefetch(-(-shape.seq // config.block_q)))
@@ -188,7 +191,7 @@ def measure_backward(built, shape: TrainingShape, dtype) -> dict:
             q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.seq, kv_len=shape.seq,
             head_dim=shape.head_dim, dtype=dtype, sliding_window=shape.sliding_window,
         )
-        config = built.flash_backward.tiles.select(problem, generation)
+        config = built.flash_backward.tiles.select(problem, resolve_target(generation))
         relayout = relayouts(backward_fn(built, shape, generation), backward_program_avals(shape, dtype), generation)
         result = model_backward(built, shape, dtype, generation, config, relayout)
         result.update(forward_time(built, shape, dtype, generation))
@@ -201,18 +204,14 @@ def sweep_backward(built, shape: TrainingShape, dtype, generation: str) -> dict:
     """Pipelined time of every (block_q, block_kv) per kernel that fits the VMEM budget, with the KV heads per
     step the heuristic gives those blocks; the best of each kernel."""
     best, rows = {}, []
+    problem = built.Problem.of_shape(q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.seq,
+                                     kv_len=shape.seq, head_dim=shape.head_dim, dtype=dtype)
+    target = resolve_target(generation)
     for block_q in SWEEP_BLOCKS["block_q"]:
         for block_kv in SWEEP_BLOCKS["block_kv"]:
-            tiles = {
-                name: built.flash_backward.tiles.backward_tiles(
-                    name, block_q=block_q, block_kv=block_kv, group=shape.q_heads // shape.kv_heads,
-                    kv_heads=shape.kv_heads, head_dim=shape.head_dim, itemsize=jnp.dtype(dtype).itemsize,
-                    mask_itemsize=0, generation=generation,
-                    sequence_minor=built.flash_backward.tiles.reads_sequence_minor(
-                        q_len=shape.seq, kv_len=shape.seq, head_dim=shape.head_dim, block_q=block_q,
-                        block_kv=block_kv))
-                for name in NECESSARY_MATMULS
-            }
+            tiles = {name: built.flash_backward.tiles.backward_tiles(name, problem, target, block_q=block_q,
+                                                                     block_kv=block_kv)
+                     for name in NECESSARY_MATMULS}
             if any(t is None for t in tiles.values()):
                 continue
             config = built.flash_backward.tiles.BackwardConfig(**tiles)

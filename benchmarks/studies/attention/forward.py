@@ -12,15 +12,18 @@ import torch
 
 from benchmarks import perf
 from tpu_kernels.aot import compile_for
+from tpu_kernels.runtime.hardware import resolve_target
 from benchmarks.studies import calibration_bands
+from benchmarks.studies.model_shapes import ATTENTION_HEADS, ATTENTION_WINDOWS
 from benchmarks.studies.relayouts import relayout_fields, relayouts
 
 
 GENERATIONS = ("v5e", "v5p", "v6e", "tpu7x")
 COST_GENERATION = "v6e"
 DECODE_TARGET_RATIO = 1.1
-QWEN3 = dict(q_heads=32, kv_heads=4, head_dim=128)
-GPT_OSS = dict(q_heads=64, kv_heads=8, head_dim=64)  # GPT-OSS-20B; its sliding layers' window is 128
+QWEN3 = ATTENTION_HEADS["qwen3-30b-a3b"]
+GPT_OSS = ATTENTION_HEADS["gpt-oss-20b"]
+GEMMA_4_SLIDING = ATTENTION_HEADS["gemma-4-26b-a4b sliding"]
 # Below this many µs a relayout rounds to 0 µs in the tables and is left out of them and of the summary: at head_dim
 # 128 and up the only copies are the kernel's scalar operands staged into SMEM (nanoseconds).
 RELAYOUT_SHOWN_FROM_US = 0.5
@@ -51,8 +54,8 @@ SHAPES = [
     Shape("prefill B=1 S=4096 non-causal", 1, 4096, 4096, causal=False),
     Shape("prefill B=1 S=8192", 1, 8192, 8192),
     Shape("chunked prefill B=1 512 new vs 4096 cached", 1, 512, 4608),
-    Shape("prefill B=1 S=8192 window=1024 (gemma-like)", 1, 8192, 8192, q_heads=16, kv_heads=8, head_dim=256,
-          sliding_window=1024),
+    Shape(f"prefill B=1 S=8192 window={ATTENTION_WINDOWS['gemma-4-26b-a4b sliding']} (gemma-like)", 1, 8192, 8192,
+          sliding_window=ATTENTION_WINDOWS["gemma-4-26b-a4b sliding"], **GEMMA_4_SLIDING),
     Shape("decode B=1 cache=4096", 1, 1, 4096, decode_target=True),
     Shape("decode B=8 cache=4096", 8, 1, 4096, decode_target=True),
     Shape("decode B=64 cache=4096", 64, 1, 4096, decode_target=True),
@@ -61,8 +64,9 @@ SHAPES = [
     Shape("decode B=8 static cache=32768, lengths 1k..32k", 8, 1, 32768,
           kv_lengths=(1000, 4096, 7000, 12000, 16384, 20000, 30000, 32768)),
     Shape("decode B=8 cache=32768 window=4096", 8, 1, 32768, sliding_window=4096),
-    Shape("prefill B=1 S=4096 window=128 D=64 (gpt-oss-like)", 1, 4096, 4096, sliding_window=128, **GPT_OSS),
-    Shape("decode B=8 cache=4096 D=64 (gpt-oss-like)", 8, 1, 4096, **GPT_OSS),
+    Shape(f"prefill B=1 S=4096 window={ATTENTION_WINDOWS['gpt-oss-20b']} D={GPT_OSS['head_dim']} (gpt-oss-like)", 1,
+          4096, 4096, sliding_window=ATTENTION_WINDOWS["gpt-oss-20b"], **GPT_OSS),
+    Shape(f"decode B=8 cache=4096 D={GPT_OSS['head_dim']} (gpt-oss-like)", 8, 1, 4096, **GPT_OSS),
 ]
 QUICK = {"prefill B=1 S=4096", "decode B=8 cache=4096", "decode B=8 cache=32768",
          "decode B=8 static cache=32768, lengths 1k..32k"}
@@ -243,7 +247,7 @@ def measure_generation(built, shape: Shape, dtype, generation: str, visible: Vis
         q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.q_len, kv_len=shape.kv_len,
         head_dim=shape.head_dim, dtype=dtype, sliding_window=shape.sliding_window,
     )
-    config = built.flash.tiles.select(problem, generation)
+    config = built.flash.tiles.select(problem, resolve_target(generation))
     block_q = 1 if shape.q_len == 1 else config.block_q
     num_q_blocks = -(-shape.q_len // block_q)
     calls = perf.model_pallas_traffic(
@@ -314,18 +318,16 @@ def sweep_forward(built, shape: Shape, dtype, generation: str) -> dict:
     problem = built.Problem.of_shape(q_heads=shape.q_heads, kv_heads=shape.kv_heads, q_len=shape.q_len,
                                      kv_len=shape.kv_len, head_dim=shape.head_dim, dtype=dtype,
                                      sliding_window=shape.sliding_window)
-    selected = built.flash.tiles.select(problem, generation)
+    target = resolve_target(generation)
+    selected = built.flash.tiles.select(problem, target)
     rows = []
     for block_q in SWEEP_BLOCKS["block_q"]:
         for block_kv in SWEEP_BLOCKS["block_kv"]:
-            working_set = built.flash.tiles.vmem_bytes(
-                decode=False, group=shape.q_heads // shape.kv_heads, block_q=block_q, block_kv=block_kv,
-                kv_heads_per_step=1, head_dim=shape.head_dim, itemsize=jnp.dtype(dtype).itemsize, mask_itemsize=0,
-                queries_minor=built.flash.layout.sequence_minor_by_default(shape.q_len, shape.head_dim))
-            if working_set > built.vmem_budget(generation):
+            working_set = built.flash.tiles.vmem_bytes(problem, built.flash.tiles.ForwardTiles(block_q, block_kv))
+            if working_set > built.vmem_budget(target):
                 continue
             config = built.AttentionConfig(block_q=block_q, block_kv=block_kv,
-                                           vmem_limit_bytes=built.vmem_limit(working_set, generation))
+                                           vmem_limit_bytes=built.vmem_limit(working_set, target))
             rows.append({"block_q": block_q, "block_kv": block_kv,
                          "pipelined_us": round(_pipelined_us(built, shape, dtype, generation, config), 1)})
     best = min(rows, key=lambda row: row["pipelined_us"])

@@ -13,7 +13,9 @@ import jax.numpy as jnp
 import kernels
 
 from benchmarks import perf
-from benchmarks.studies import calibration_bands, kernel_repo, require_kernel_repo, result_path, write_json
+from benchmarks.studies import (
+    calibration_bands, kernel_repo, report_header, require_kernel_repo, result_path, write_json,
+)
 from tpu_kernels.distribution.builder import build_kernel_repo
 
 from .backward import TRAINING_SHAPES, measure_backward, summarise_backward, sweep_backward
@@ -97,9 +99,7 @@ def main(argv=None) -> int:
                 f"{g} {per[g]['modelled_time_us']:.1f} us ({per[g]['pct_of_roofline']:.0f}% of roofline, "
                 f"{per[g]['bound']})" for g in GENERATIONS), flush=True)
     report = {
-        "benchmark": "benchmarks.studies.attention",
-        "kernel_repo": args.repo.as_posix(),
-        "dtype": "bfloat16",
+        **report_header("attention", args.repo),
         "traffic_model": "benchmarks.perf.model_pallas_traffic (grid replay of the kernel's BlockSpecs); times: the "
                          "calibrated pipelined figure (grid step " + ", ".join(
                              f"{g} {perf.grid_step_s(g) * 1e6:.2f} us" for g in GENERATIONS) + "), v5p and v6e on v5e's constants",

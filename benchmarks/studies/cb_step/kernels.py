@@ -23,6 +23,7 @@ from benchmarks.studies.paged_attention import rivals as paged_rivals
 from benchmarks.studies.paged_attention.pricing import BAND_KIND, price, terms
 from benchmarks.studies.relayouts import relayout_fields, relayouts
 from benchmarks.studies.paged_attention.shapes import minimum_bytes, useful_flops
+from tpu_kernels.runtime.hardware import resolve_target
 
 from .steps import GENERATIONS, TRANSFORMERS_PAGE_SIZE, VLLM_PAGE_SIZE, Batch, Model, Sizes, cu_lens, gathered_rows
 
@@ -81,7 +82,7 @@ def padded_flash(built, batch: Batch, model: Model, found: Sizes) -> dict:
                                          q_len=found.padded_query_rows, kv_len=found.padded_key_rows,
                                          head_dim=model.head_dim, dtype=DTYPE, sliding_window=model.sliding_window,
                                          batch=found.padded_batch)
-        config = built.flash.tiles.select(problem, generation)
+        config = built.flash.tiles.select(problem, resolve_target(generation))
         block_q = 1 if found.padded_query_rows == 1 else config.block_q
 
         def attend(q, k, v, q_offset, kv_lengths, sinks=None, config=config, generation=generation):

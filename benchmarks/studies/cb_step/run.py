@@ -9,7 +9,7 @@ import jax
 import kernels
 
 from benchmarks import perf
-from benchmarks.studies import calibration_bands, moe_layer, require_kernel_repo, result_path
+from benchmarks.studies import calibration_bands, moe_layer, report_header, require_kernel_repo, result_path
 from benchmarks.studies.paged_attention.run import attention_arguments
 from tpu_kernels.distribution.builder import build_kernel_repo
 
@@ -73,9 +73,7 @@ def main(argv=None) -> int:
                     " copies)" for g in steps.GENERATIONS), flush=True)
     pricer.compiler.pool.shutdown()
     report = {
-        "benchmark": "benchmarks.studies.cb_step",
-        "kernel_repo": args.repo.as_posix(),
-        "dtype": "bfloat16",
+        **report_header("cb_step", args.repo),
         "per": "one attention layer, one continuous-batching step",
         "paths": PATHS,
         "assumptions": assumptions(),
@@ -98,10 +96,10 @@ def assumptions() -> dict:
                   "graphs or torch.compile, and transformers has no graph backend on TPU); sliding layers read "
                   "min(past, window - 1) cached rows + the new ones and fill those by masked_scatter_; each eager op "
                   "its own XLA program",
-        "pad": "flash_api.py as it stands: without a gradient q rows, K/V rows and sequences rounded up to powers "
-               f"of two (floors {steps.RAGGED_QUERY_ROWS_FLOOR}, {steps.RAGGED_KEY_ROWS_FLOOR}, "
-               f"{steps.RAGGED_SEQUENCES_FLOOR}) by torch.nn.functional.pad; with one, the batch and each "
-               "sequence's query and key length rounded up and every sequence padded to them (K, V and q each "
+        "pad": "flash_api.py as it stands: without a gradient q rows padded to their token bucket, K/V rows to "
+               "their key bucket (tpu_kernels.runtime.buckets) and sequences to a power of two (at least "
+               f"{steps.RAGGED_SEQUENCES_FLOOR}) by torch.nn.functional.pad; with one, the batch to a power of two, "
+               "each sequence's query and key length to its bucket and every sequence padded to them (K, V and q each "
                "gathered per sequence, then made heads first, each an eager op; the output gathered back)",
         "granularity": "a gather moves rows of Hkv * D elements (a few KiB or less) and is priced at the "
                        "streaming HBM rate with no cost per row, as every copy here: if anything, the copies' "

@@ -11,9 +11,11 @@ from the paged cache by `torch.index_select` into packed K and V [total_k, Hkv, 
 
 The read index is the batch's true rows (`ModelRunner.pad_inputs` pads it only under accelerator graphs or
 torch.compile, and TPU has no graph backend in transformers). Then our
-`flash_attn_varlen_func` (kernel_repos/attention-tpu, `flash_api.py`) rounds sizes up to powers of two:
-without a gradient (`ragged_varlen_attention`) the rows of q and of K, V and the number of sequences; with one
-(`padded_varlen_attention`) the batch and each sequence's query and key length, every sequence padded to them.
+`flash_attn_varlen_func` (kernel_repos/attention-tpu, `flash_api.py` and `padding.py`) pads sizes to buckets
+(`tpu_kernels.runtime.buckets`: token buckets for query rows and lengths, key buckets for key rows and lengths,
+powers of two for the number of sequences): without a gradient (`ragged_varlen_attention`) the rows of q and of
+K, V and the number of sequences; with one (`padded_varlen_attention`) the batch and each sequence's query and
+key length, every sequence padded to them.
 """
 
 from __future__ import annotations
@@ -23,12 +25,11 @@ import dataclasses
 import numpy as np
 
 from benchmarks.studies.paged_attention.shapes import GENERATIONS, MODELS, Batch, Model, decode_batches, mixed_batch
+from tpu_kernels.runtime.buckets import key_bucket, token_bucket
 
 __all__ = ["GENERATIONS", "MODELS", "Batch", "Model", "batches", "Sizes", "sizes", "gathered_rows", "bucket"]
 
-# flash_api.py's floors of the ragged path: rows of q, rows of K and V, sequences (tests hold these to the source).
-RAGGED_QUERY_ROWS_FLOOR = 16
-RAGGED_KEY_ROWS_FLOOR = 128
+# padding.py's fewest sequences of the ragged path (tests hold it to the source).
 RAGGED_SEQUENCES_FLOOR = 16
 # transformers' paged cache block size (ContinuousBatchingConfig's default), and vLLM TPU's usual one.
 TRANSFORMERS_PAGE_SIZE = 256
@@ -41,7 +42,7 @@ def batches() -> list[Batch]:
 
 
 def bucket(size: int, floor: int = 1) -> int:
-    """flash_api's rounding: the power of two at or above `size`, and at least `floor`."""
+    """padding.py's rounding of a number of sequences: the power of two at or above `size`, and at least `floor`."""
     return max(floor, 1 << max(size - 1, 0).bit_length())
 
 
@@ -74,12 +75,13 @@ def sizes(batch: Batch, model: Model) -> Sizes:
     keys = gathered_rows(batch, model)
     total_q, total_k = batch.total_q, sum(keys)
     max_q = max(batch.q_lens)
-    query_rows = bucket(total_q, RAGGED_QUERY_ROWS_FLOOR)
-    max_q_len = 1 if max_q <= 1 else min(bucket(max_q, RAGGED_QUERY_ROWS_FLOOR), query_rows)
+    query_rows = token_bucket(total_q)
+    max_q_len = 1 if max_q <= 1 else min(token_bucket(max_q), query_rows)
     return Sizes(sequences=len(keys), total_q=total_q, total_k=total_k, max_q=max_q, max_k=max(keys),
                  ragged_sequences=bucket(len(keys), RAGGED_SEQUENCES_FLOOR), ragged_query_rows=query_rows,
-                 ragged_key_rows=bucket(total_k, RAGGED_KEY_ROWS_FLOOR), ragged_max_q_len=max_q_len,
-                 padded_batch=bucket(len(keys)), padded_query_rows=bucket(max_q), padded_key_rows=bucket(max(keys)))
+                 ragged_key_rows=key_bucket(total_k), ragged_max_q_len=max_q_len,
+                 padded_batch=bucket(len(keys)), padded_query_rows=max_q if max_q <= 1 else token_bucket(max_q),
+                 padded_key_rows=key_bucket(max(keys)))
 
 
 def cache_rows(batch: Batch, model: Model, page_size: int = TRANSFORMERS_PAGE_SIZE) -> int:

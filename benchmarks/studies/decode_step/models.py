@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from benchmarks.studies.model_shapes import ATTENTION_HEADS, ATTENTION_WINDOWS, EXPERTS_MODELS
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionKind:
@@ -77,16 +79,22 @@ class DecodeModel:
         return sum(k.layers * 2 * k.kv_heads * k.head_dim * itemsize for k in self.attention)
 
 
+def experts_sizes(model: str) -> dict:
+    """The experts layer's sizes of `model` in the experts kernel's compile targets (`EXPERTS_MODELS`)."""
+    shape = EXPERTS_MODELS[model]
+    return dict(moe_layer_model=model, hidden=shape["hidden"], experts=shape["experts"], top_k=shape["top_k"],
+                expert_intermediate=shape["intermediate"], activation=shape["gate"]["activation"])
+
+
 QWEN3 = DecodeModel(
-    name="Qwen3-30B-A3B", moe_layer_model="qwen3-30b-a3b", layers=48, hidden=2048, vocab=151_936, experts=128,
-    top_k=8, expert_intermediate=768,
-    attention=(AttentionKind("full", 48, q_heads=32, kv_heads=4, head_dim=128),),
+    name="Qwen3-30B-A3B", layers=48, vocab=151_936, **experts_sizes("qwen3-30b-a3b"),
+    attention=(AttentionKind("full", 48, **ATTENTION_HEADS["qwen3-30b-a3b"]),),
 )
 GEMMA4 = DecodeModel(
-    name="Gemma-4-26B-A4B", moe_layer_model="gemma-4-26b-a4b", layers=30, hidden=2816, vocab=262_144, experts=128,
-    top_k=8, expert_intermediate=704, dense_mlp_intermediate=2112, activation="gelu_tanh",
-    attention=(AttentionKind("sliding", 25, q_heads=16, kv_heads=8, head_dim=256, window=1024, v_norm=True),
-               AttentionKind("full", 5, q_heads=16, kv_heads=2, head_dim=512, shared_kv=True, v_norm=True)),
+    name="Gemma-4-26B-A4B", layers=30, vocab=262_144, **experts_sizes("gemma-4-26b-a4b"), dense_mlp_intermediate=2112,
+    attention=(AttentionKind("sliding", 25, **ATTENTION_HEADS["gemma-4-26b-a4b sliding"],
+                             window=ATTENTION_WINDOWS["gemma-4-26b-a4b sliding"], v_norm=True),
+               AttentionKind("full", 5, **ATTENTION_HEADS["gemma-4-26b-a4b global"], shared_kv=True, v_norm=True)),
     hidden_norms_per_layer=7, router_norm=True, tied_embeddings=True, scaled_embeddings=True, logit_softcap=True,
 )
 MODELS = {"qwen3-30b-a3b": QWEN3, "gemma-4-26b-a4b": GEMMA4}

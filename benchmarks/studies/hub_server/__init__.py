@@ -50,6 +50,15 @@ Cards (`--group cards`):
     card_page        a 79 KB card of one 50 KiB reference link used 4,000 times: its page's bytes, the
                      server's RSS after one view and with 8 more clients that never read the page
 
+Pages (`--group pages`; "before" is the code before issue 64's bounds):
+
+    table_card       a 23 KB card of 16 tables that markdown-it fills in (3.2M tokens): server CPU
+                     seconds and peak RSS growth of two views of its page
+    card_eviction    a 512 KiB card of `![` viewed, then 40 cards amplified to the per-card bound
+                     viewed once each: server CPU seconds of the first card's next view
+    versions_page    300 version branches, each at its own commit with its own 0.9 MiB
+                     metadata.json: server CPU seconds of two views of the repo page
+
 `--code DIR --label before` runs a group against the package in DIR (e.g. an export of
 another commit: `git archive <commit> tpu_kernels | tar -x -C DIR`; by default the folder
 holding the tpu_kernels package this runs from); results merge into
@@ -57,10 +66,10 @@ benchmarks/results/hub_server.json (relative to the current directory; `--out`) 
 group and the label.
 
 Usage:
-    tpu-kernels bench hub_server [--group attacks|faults|cards] [--code DIR --label before]
+    tpu-kernels bench hub_server [--group attacks|faults|cards|pages] [--code DIR --label before]
     (or python -m benchmarks.studies.hub_server ...)
-Modules: `client` (the server process, raw and HTTP clients), `faults` and
-`attacks` (the cases), `run` (the command line and the attacks' before/after table).
+Modules: `client` (the server process, raw and HTTP clients), `faults`, `attacks` and
+`cards` (the cases), `run` (the command line and the attacks' before/after table).
 """
 
 from .run import DEFAULT_OUT, main

@@ -16,6 +16,7 @@ from benchmarks.studies.tables.hub_server import before_and_after
 
 from .faults import (clash, commit_memory, connections, empty_token, latency, malformed, parsing, private, ref_names,
                       short_body, validate_yaml)
+from .cards import card_eviction, table_card, versions_page
 from .attacks import (DOT_GIT_PATHS, body_memory, card, card_page, dot_git, get_body, headers, orphans, response_memory,
                       slots, slow_body, smaller, smuggling, tree_listing)
 
@@ -29,6 +30,7 @@ GROUPS = {
     "attacks": [slow_body, slots, body_memory, response_memory, get_body, tree_listing, dot_git, orphans, headers, smuggling, card, smaller,
            latency],
     "cards": [card_page],
+    "pages": [table_card, card_eviction, versions_page],
 }
 # The attacks group's before/after table: (kind of attack, what is measured, case, fields of its result).
 ATTACKS_TABLE = [

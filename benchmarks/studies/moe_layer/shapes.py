@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.studies.model_shapes import EXPERTS_MODELS
 from tpu_kernels.runtime.hardware import tpu_generation
 
 
@@ -49,13 +50,19 @@ class Model:
     limit: float = float("inf")
 
 
+def compiled_model(name: str) -> Model:
+    """Model `name` of the experts kernel's compile targets (`EXPERTS_MODELS`)."""
+    shape = EXPERTS_MODELS[name]
+    return Model(name, hidden=shape["hidden"], intermediate=shape["intermediate"], experts=shape["experts"],
+                 top_k=shape["top_k"], weights_transposed=shape["weights_transposed"], bias=shape["biases"],
+                 **shape["gate"])
+
+
 MODELS = {
     model.name: model
     for model in (
-        Model("qwen3-30b-a3b", hidden=2048, intermediate=768, experts=128, top_k=8, activation="silu"),
-        Model("gemma-4-26b-a4b", hidden=2816, intermediate=704, experts=128, top_k=8, activation="gelu_tanh"),
-        Model("gpt-oss-20b", hidden=2880, intermediate=2880, experts=32, top_k=4, activation="clamped_swiglu",
-              weights_transposed=True, interleaved=True, bias=True, alpha=1.702, limit=7.0),
+        *map(compiled_model, ("qwen3-30b-a3b", "gemma-4-26b-a4b", "gpt-oss-20b")),
+        # Benchmarked beside them, not compiled by `tpu-kernels check`.
         Model("deepseek-v3", hidden=7168, intermediate=2048, experts=256, top_k=8, activation="silu"),
     )
 }

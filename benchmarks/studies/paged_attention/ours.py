@@ -9,6 +9,7 @@ import numpy as np
 from benchmarks import perf
 
 from benchmarks.studies.relayouts import relayouts
+from tpu_kernels.runtime.hardware import resolve_target
 
 from .pricing import price, terms
 from .shapes import GENERATIONS, Batch, Model
@@ -50,7 +51,7 @@ def tiles(built, batch: Batch, model: Model, page_size: int, generation: str):
         total_q=batch.total_q, num_seqs=len(batch.q_lens), q_heads=model.q_heads, kv_heads=model.kv_heads,
         head_dim=model.head_dim, page_size=page_size, num_pages=inputs[1].shape[0], pages_per_seq=inputs[5].shape[1],
         dtype=DTYPE, sliding_window=model.sliding_window, has_sinks=model.sinks, max_q_len=max(batch.q_lens))
-    return built.paged.tiles.select(problem, generation)
+    return built.paged.tiles.select(problem, resolve_target(generation))
 
 
 def measure(built, batch: Batch, model: Model, page_size: int) -> dict:

@@ -11,7 +11,9 @@ import jax
 import kernels
 
 from benchmarks import perf
-from benchmarks.studies import calibration_bands, kernel_repo, require_kernel_repo, result_path, write_json
+from benchmarks.studies import (
+    calibration_bands, kernel_repo, report_header, require_kernel_repo, result_path, write_json,
+)
 from benchmarks.studies.moe_layer.vllm_kernels import DEFAULT_FOLDER
 from tpu_kernels.distribution.builder import build_kernel_repo
 
@@ -65,9 +67,7 @@ def main(argv=None) -> int:
             print(f"{model.name:24s} {batch.label:44s} page {page_size:4d}  " + "  ".join(
                 f"{g} {row['ours'][g]['pct_of_hbm_roofline_peak']:.0f}%" for g in GENERATIONS), flush=True)
     report = {
-        "benchmark": "benchmarks.studies.paged_attention",
-        "kernel_repo": args.repo.as_posix(),
-        "dtype": "bfloat16",
+        **report_header("paged_attention", args.repo),
         "model": "benchmarks.perf: grid replay, the kernels' own K/V copies and work counted by running their "
                  "scalar programs (perf.scalar_replay), priced phase by phase (the calibrated pipelined figure); "
                  "grid step " + ", ".join(f"{g} {perf.grid_step_s(g) * 1e6:.2f} us" for g in GENERATIONS),

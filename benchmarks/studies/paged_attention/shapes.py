@@ -6,6 +6,8 @@ import dataclasses
 
 import numpy as np
 
+from benchmarks.studies.model_shapes import ATTENTION_HEADS, ATTENTION_SINKS, ATTENTION_WINDOWS
+
 GENERATIONS = ("v5e", "v6e", "tpu7x")
 DECODE_BATCH = 64
 # Context lengths of the per-length decode points (every sequence of the batch at that length), and the mixed
@@ -33,10 +35,10 @@ class Model:
 
 
 MODELS = (
-    Model("Qwen3-30B-A3B", 32, 4, 128),
-    Model("GPT-OSS-20B sliding", 64, 8, 64, sliding_window=128, sinks=True),
-    # Gemma4TextConfig: 16 query heads; global layers num_global_key_value_heads=2, global_head_dim=512.
-    Model("Gemma-4-26B-A4B global", 16, 2, 512),
+    Model("Qwen3-30B-A3B", **ATTENTION_HEADS["qwen3-30b-a3b"]),
+    Model("GPT-OSS-20B sliding", **ATTENTION_HEADS["gpt-oss-20b"], sliding_window=ATTENTION_WINDOWS["gpt-oss-20b"],
+          sinks="gpt-oss-20b" in ATTENTION_SINKS),
+    Model("Gemma-4-26B-A4B global", **ATTENTION_HEADS["gemma-4-26b-a4b global"]),
 )
 
 

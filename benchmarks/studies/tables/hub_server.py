@@ -1,6 +1,6 @@
 """hub_server.json -> docs/hub.md's tables: the local Hub server before and after each round of hardening.
 
-The benchmark runs groups of cases (`--group faults`, `attacks`, `cards`), each against the code
+The benchmark runs groups of cases (`--group faults`, `attacks`, `cards`, `pages`), each against the code
 before a round of hardening (`--label before`) and after it; a row names its group, so a reader
 knows which earlier code its "before" is.
 """
@@ -32,6 +32,15 @@ SECTIONS = {
          ["page_mb"]),
         ("the same: server RSS after one view / with 8 more clients not reading the page, MiB", "cards", "card_page",
          ["rss_after_one_view_mib", "rss_with_8_unread_views_mib"]),
+    ],
+    "costly-pages": [
+        ("a 23 KB card of 16 tables that markdown-it fills in: server CPU s / peak RSS growth MiB of the first "
+         "view; CPU s of the second", "pages", "table_card",
+         ["first_view.cpu_s", "first_view.peak_rss_growth_mib", "second_view.cpu_s"]),
+        ("a 512 KiB card of `![`: server CPU s of its first view / of its view after 40 cards at the per-card "
+         "bound were viewed", "pages", "card_eviction", ["first_view_cpu_s", "view_after_cheap_cards_cpu_s"]),
+        ("300 version branches, each with its own 0.9 MiB metadata.json: server CPU s of the first / second view "
+         "of the repo page", "pages", "versions_page", ["first_view.cpu_s", "second_view.cpu_s"]),
     ],
 }
 LABELS = ("before", "after")

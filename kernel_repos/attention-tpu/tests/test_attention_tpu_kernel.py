@@ -257,12 +257,13 @@ def test_grid_lengths_are_exact_with_a_static_offset(kernel):
     """Gemma-4-like window of 1024 at 512-blocks: a query block sees 3 KV blocks (and a KV block 3 query
     blocks); with the offset only known at run time the grid must allow a 4th (misaligned offsets)."""
     q = jnp.zeros((1, 2, 8192, 64), jnp.bfloat16)
-    window = kernel.Attention(sliding_window=1024)
-    static, _ = kernel.prepare(q, q, window)
-    dynamic, _ = kernel.prepare(q, q, dataclasses.replace(window, q_offset=jnp.zeros((1,), jnp.int32)))
+    masking = kernel.common.masking
+    window = masking.Attention(sliding_window=1024)
+    static, _ = masking.prepare(q, q, window)
+    dynamic, _ = masking.prepare(q, q, dataclasses.replace(window, q_offset=jnp.zeros((1,), jnp.int32)))
     assert static.static_q_offset == 0 and dynamic.static_q_offset is None
-    assert kernel.kv_steps(static, 16, 512, 512) == 3 and kernel.kv_steps(dynamic, 16, 512, 512) == 4
-    assert kernel.q_steps(static, 16, 512, 512) == 3 and kernel.q_steps(dynamic, 16, 512, 512) == 4
+    assert masking.kv_steps(static, 16, 512, 512) == 3 and masking.kv_steps(dynamic, 16, 512, 512) == 4
+    assert masking.q_steps(static, 16, 512, 512) == 3 and masking.q_steps(dynamic, 16, 512, 512) == 4
     # Without a window every block of the other axis may be needed.
-    plain, _ = kernel.prepare(q, q, kernel.Attention())
-    assert kernel.kv_steps(plain, 16, 512, 512) == 16 and kernel.q_steps(plain, 16, 512, 512) == 16
+    plain, _ = masking.prepare(q, q, masking.Attention())
+    assert masking.kv_steps(plain, 16, 512, 512) == 16 and masking.q_steps(plain, 16, 512, 512) == 16

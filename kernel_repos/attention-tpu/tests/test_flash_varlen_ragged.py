@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from tpu_kernels.runtime.buckets import key_bucket, token_bucket
 from tpu_kernels.testing import assert_matches
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -224,6 +225,9 @@ def test_a_serving_run_compiles_few_kernel_shapes(kernel):
     compositions = {(sum(q), sum(kv), len(q), max(q)) for q, kv in steps}
     for arguments in shapes:
         (q_rows, _, _), (k_rows, _, _), _, (cu_rows,), _ = arguments[:5]
-        assert all(_is_power_of_two(n) for n in (q_rows, k_rows, cu_rows - 1, arguments[-1])), arguments
-    # q rows 16, 32 or 64; k rows 128 to 2048; 16 sequences; a query bound of 1, 16, 32 or 64; few combinations.
-    assert len(compositions) == len(steps) > 190 and len(shapes) <= 16, (len(compositions), sorted(shapes))
+        bound = arguments[-1]
+        assert q_rows == token_bucket(q_rows) and k_rows == key_bucket(k_rows), arguments
+        assert _is_power_of_two(cu_rows - 1) and bound in (1, token_bucket(bound)), arguments
+    # q rows 16, 32 or 64; k rows key buckets of 128 to 2048; 16 sequences; a query bound of 1, 16, 32 or 64; few
+    # combinations (the key buckets grow by half octaves: a few more than powers of two would give).
+    assert len(compositions) == len(steps) > 190 and len(shapes) <= 20, (len(compositions), sorted(shapes))

@@ -11,9 +11,11 @@ import warnings
 
 import pytest
 import torch
+from tpu_kernels.runtime.hardware import resolve_target
 from tpu_kernels.testing import assert_matches, interpret
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+V6E = resolve_target("v6e")
 
 
 def paged_batch(q_lens, kv_lens, *, q_heads, kv_heads, head_dim, page_size, dtype=torch.float32, seed=0,
@@ -126,9 +128,10 @@ def test_a_head_dim_64_cache_read_keys_minor(kernel, convert, page_size, block_k
     the cache, stale in the buffer) never reach the result."""
     batch = paged_batch([5, 1, 0, 1, 19, 1, 1], [37, 130, 9, 1, 19, 300, 0], q_heads=4, kv_heads=2, head_dim=64,
                         page_size=page_size, seed=page_size + (window or 0), extra_rows=3)
-    problem = kernel.paged_problem(*(convert[0](x) for x in (batch[0], batch[1], batch[5])), sliding_window=window)
+    problem = kernel.common.paged.paged_problem(*(convert[0](x) for x in (batch[0], batch[1], batch[5])),
+                                                sliding_window=window)
     assert problem.keys_minor
-    assert kernel.paged.plan.make(problem, config=config(kernel, 16, 16, block_kv)).chunk == (
+    assert kernel.paged.plan.make(problem, V6E, config=config(kernel, 16, 16, block_kv)).chunk == (
         128 if window else page_size)
     sinks = torch.randn(4, generator=torch.Generator().manual_seed(4))
     options = dict(sinks=sinks, sliding_window=window, softcap=4.0)
@@ -178,8 +181,8 @@ def test_decode_rows_in_tiles_of_the_native_rows(kernel, convert, q_heads, kv_he
     q_lens = [1, 1, 0, 1, 5, 1, 1, 1, 1, 1]
     batch = paged_batch(q_lens, kv_lens, q_heads=q_heads, kv_heads=kv_heads, head_dim=64, page_size=4, dtype=dtype,
                         seed=q_heads + kv_heads)
-    problem = kernel.paged_problem(*(convert[0](x) for x in (batch[0], batch[1], batch[5])))
-    assert kernel.paged.plan.make(problem, config=config(kernel, 16, 16, 8)).min_tile_q == (
+    problem = kernel.common.paged.paged_problem(*(convert[0](x) for x in (batch[0], batch[1], batch[5])))
+    assert kernel.paged.plan.make(problem, V6E, config=config(kernel, 16, 16, 8)).min_tile_q == (
         16 // q_heads * kv_heads if dtype == torch.bfloat16 else 8 // q_heads * kv_heads)
     check_paged(kernel, convert, batch, config(kernel, 16, 16, 8))
 
@@ -192,8 +195,9 @@ def test_window_blocks_start_at_the_chunk_of_the_first_visible_key(kernel, conve
     sequence's rows past its keys) and zeroed."""
     batch = paged_batch([1, 1, 1, 2, 1, 1], [70, 37, 50, 64, 18, 33], q_heads=4, kv_heads=2, head_dim=64,
                         page_size=32, seed=window + 20)
-    problem = kernel.paged_problem(*(convert[0](x) for x in (batch[0], batch[1], batch[5])), sliding_window=window)
-    assert kernel.paged.plan.make(problem, config=config(kernel, 16, 16, 32)).chunk == 16
+    problem = kernel.common.paged.paged_problem(*(convert[0](x) for x in (batch[0], batch[1], batch[5])),
+                                                sliding_window=window)
+    assert kernel.paged.plan.make(problem, V6E, config=config(kernel, 16, 16, 32)).chunk == 16
     check_paged(kernel, convert, batch, config(kernel, 16, 16, 32), sliding_window=window)
 
 
@@ -204,19 +208,19 @@ def test_decode_tiles_and_window_chunks_selected(kernel):
     shape = dict(total_q=64, num_seqs=64, q_heads=32, kv_heads=4, head_dim=128, page_size=256, num_pages=4096,
                  pages_per_seq=32, dtype="bfloat16", max_q_len=1)
     qwen = kernel.PagedProblem.of_shape(**shape)
-    assert kernel.paged.tiles.select(qwen, "tpu7x").tile_q == 2
-    assert kernel.paged.plan.make(qwen, "tpu7x").num_q_blocks == 1
-    assert kernel.paged.plan.make(qwen, "v5p").num_q_blocks == 2
+    assert kernel.paged.tiles.select(qwen, resolve_target("tpu7x")).tile_q == 2
+    assert kernel.paged.plan.make(qwen, resolve_target("tpu7x")).num_q_blocks == 1
+    assert kernel.paged.plan.make(qwen, resolve_target("v5p")).num_q_blocks == 2
     gpt_oss = kernel.PagedProblem.of_shape(**{**shape, "q_heads": 64, "kv_heads": 8, "head_dim": 64},
                                            sliding_window=128, has_sinks=True)
-    assert gpt_oss.keys_minor and kernel.paged.plan.make(gpt_oss, "v6e").chunk == 128
+    assert gpt_oss.keys_minor and kernel.paged.plan.make(gpt_oss, V6E).chunk == 128
     with pytest.raises(ValueError, match="block_kv must be a multiple of 128 where the keys are read keys-minor"):
-        kernel.paged.plan.make(gpt_oss, config=config(kernel, 16, 16, 64))
+        kernel.paged.plan.make(gpt_oss, V6E, config=config(kernel, 16, 16, 64))
     small_pages = kernel.PagedProblem.of_shape(**{**shape, "q_heads": 64, "kv_heads": 8, "head_dim": 64,
                                                   "page_size": 16, "pages_per_seq": 512}, sliding_window=128)
-    assert not small_pages.keys_minor and kernel.paged.plan.make(small_pages, "v6e").chunk == 16
+    assert not small_pages.keys_minor and kernel.paged.plan.make(small_pages, V6E).chunk == 16
     with pytest.raises(ValueError, match="tile_q must be a positive multiple of 2"):
-        kernel.paged.plan.make(qwen, config=config(kernel, 3, 3, 256))
+        kernel.paged.plan.make(qwen, V6E, config=config(kernel, 3, 3, 256))
 
 
 def test_key_blocks_no_longer_than_the_keys_a_window_lets_a_sequence_see(kernel):
@@ -226,11 +230,11 @@ def test_key_blocks_no_longer_than_the_keys_a_window_lets_a_sequence_see(kernel)
     shape = dict(total_q=64, num_seqs=64, q_heads=64, kv_heads=8, head_dim=64, page_size=16, num_pages=4096,
                  pages_per_seq=512, dtype="bfloat16", has_sinks=True, max_q_len=1)
     windowed = kernel.PagedProblem.of_shape(**shape, sliding_window=128)
-    assert kernel.paged.tiles.select(windowed, "v6e").block_kv == 256
-    assert kernel.paged.tiles.select(kernel.PagedProblem.of_shape(**shape), "v6e").block_kv == 1024
+    assert kernel.paged.tiles.select(windowed, V6E).block_kv == 256
+    assert kernel.paged.tiles.select(kernel.PagedProblem.of_shape(**shape), V6E).block_kv == 1024
     # A page larger than the window: a part of a page.
     assert kernel.paged.tiles.select(kernel.PagedProblem.of_shape(**{**shape, "page_size": 512, "pages_per_seq": 16},
-                                                                  sliding_window=128), "v6e").block_kv == 256
+                                                                  sliding_window=128), V6E).block_kv == 256
 
 
 @pytest.mark.slow
@@ -278,7 +282,7 @@ def test_contiguous_head_dim_64_keys_read_keys_minor(kernel, convert, block_kv, 
     to_jax, to_torch = convert
     batch = varlen_batch([7, 1, 0, 3, 1, 2], [100, 13, 2, 140, 1, 60], q_heads=4, kv_heads=2, head_dim=64,
                          seed=block_kv, nan_rows=68)
-    problem = kernel.paged_problem(to_jax(batch[0]), to_jax(batch[1][None]), to_jax(batch[4][:-1, None]),
+    problem = kernel.common.paged.paged_problem(to_jax(batch[0]), to_jax(batch[1][None]), to_jax(batch[4][:-1, None]),
                                    contiguous=True)
     assert problem.keys_minor
     options = dict(sinks=torch.randn(4, generator=torch.Generator().manual_seed(15)), softcap=4.0,
@@ -364,13 +368,24 @@ def test_flash_attn_with_kvcache_writes_the_cache_and_attends(kernel, page_size,
 
 @pytest.mark.slow
 def test_flash_attn_with_kvcache_on_a_contiguous_cache(kernel):
-    """No block table: k_cache [B_cache, S_max, Hkv, D], rows chosen by cache_batch_idx; a 3-token chunk each."""
+    """No block table: k_cache [B_cache, S_max, Hkv, D], rows chosen by cache_batch_idx; a 3-token chunk each.
+    The kernel is handed the 6 query rows padded to their bucket of 16, and the 2 sequences padded to 16."""
     generator = torch.Generator().manual_seed(11)
     k_cache, v_cache = (torch.randn(3, 24, 1, 128, generator=generator) for _ in range(2))
     q = torch.randn(2, 3, 2, 128, generator=generator)
     rows, lengths = torch.tensor([2, 0]), torch.tensor([10, 21])
-    out = kernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=rows,
-                                         causal=True)
+    seen = []
+
+    class RecordingPagedCalls(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if "ragged_paged_attention" in str(func):
+                seen.append((args[0].shape[0], args[3].shape[0] - 1))  # q rows, sequences (cu_q_lens)
+            return func(*args, **(kwargs or {}))
+
+    with RecordingPagedCalls():
+        out = kernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=rows,
+                                             causal=True)
+    assert seen == [(16, 16)]
     expected = kernel.reference.reference_paged_attention(
         q.flatten(0, 1), k_cache, v_cache, torch.tensor([0, 3, 6]), lengths, rows[:, None])
     assert_matches(out.flatten(0, 1), expected, 1e-5)
@@ -444,3 +459,28 @@ def test_bad_kvcache_input_raises_naming_the_argument(kernel, case):
     arguments.update(overrides)
     with pytest.raises(ValueError, match=match):
         kernel.flash_attn_with_kvcache(q, k_cache, v_cache, **arguments)
+
+
+def test_cache_seqlens_past_the_capacity_raise_naming_them(kernel):
+    """As flash-attn: cached keys plus new ones past a sequence's pages (paged) or row (contiguous) are refused,
+    never clamped to the capacity."""
+    q, k_cache, v_cache, k_new, v_new, cache_lengths, block_table, _ = _decode_step()
+    capacity = block_table.shape[1] * k_cache.shape[1]
+    new_key_past_the_last_page = cache_lengths.clone()
+    new_key_past_the_last_page[2] = capacity
+    longer_than_the_pages = cache_lengths.clone()
+    longer_than_the_pages[1] = capacity + 1
+    paged = [(new_key_past_the_last_page, dict(k=k_new, v=v_new)), (longer_than_the_pages, {}),
+             (torch.tensor([0, -1, 3, 4]), {})]
+    for lengths, new_keys in paged:
+        with pytest.raises(ValueError, match=rf"cache_seqlens .* capacity of {capacity} keys"):
+            kernel.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=block_table,
+                                           causal=True, **new_keys)
+    generator = torch.Generator().manual_seed(13)
+    rows_cache = [torch.randn(3, 24, 1, 128, generator=generator) for _ in range(2)]
+    chunk = torch.randn(2, 2, 2, 128, generator=generator)
+    new_rows = [torch.randn(2, 2, 1, 128, generator=generator) for _ in range(2)]
+    contiguous = [(25, {}), (torch.tensor([10, 500]), {}), (23, dict(k=new_rows[0], v=new_rows[1]))]
+    for lengths, new_keys in contiguous:
+        with pytest.raises(ValueError, match=r"cache_seqlens .* capacity of 24 keys"):
+            kernel.flash_attn_with_kvcache(chunk, *rows_cache, cache_seqlens=lengths, causal=True, **new_keys)

@@ -144,7 +144,7 @@ def test_ragged_dot_gradient_in_jax(kernel, interpret, to_jax):
     sizes = torch.tensor([12, 0, 20, 8], dtype=torch.int32)
 
     def loss(lhs, rhs):
-        out = kernel.differentiable_ragged_dot(lhs, rhs, to_jax(sizes), False, False, None)
+        out = kernel.backward.differentiable_ragged_dot(lhs, rhs, to_jax(sizes), False, False, None)
         return jnp.sum(jnp.where(jnp.arange(45)[:, None] < 40, out, 0.0) * to_jax(d_out))
 
     d_rhs = interpret(lambda: jax.grad(loss, argnums=1)(to_jax(lhs), to_jax(rhs)))
@@ -199,7 +199,7 @@ def test_gated_experts_gradients_match_reference(kernel, case, dtype):
     activation, weights_transposed, interleaved, biases, alpha, limit = EXPERTS_CASES[name]
     shape = SWAPPED_DOWN_SHAPES[name] if case != name else {}
     if shape:
-        orientation = kernel.weights_orientation(**shape, weights_transposed=weights_transposed)
+        orientation = kernel.common.weights_layout.weights_orientation(**shape, weights_transposed=weights_transposed)
         assert orientation.down_transposed != weights_transposed, "the case must read down_proj swapped"
     index, tensors = _experts_inputs(dtype, weights_transposed=weights_transposed, biases=biases, **shape)
     if activation == "clamped_swiglu" and dtype == torch.bfloat16:

@@ -37,7 +37,7 @@ CASES = {
 def _packed(kernel, rows, tile_n, split):
     """The second projection's rows as it writes them: each N tile packed in `split` words."""
     values = jnp.asarray(rows.numpy())
-    return jnp.concatenate([kernel.pack_rows(values[:, start : start + tile_n], split)
+    return jnp.concatenate([kernel.common.packed_rows.pack_rows(values[:, start : start + tile_n], split)
                             for start in range(0, values.shape[1], tile_n)], axis=1)
 
 
@@ -59,7 +59,8 @@ def test_combine_sums_each_tokens_live_picks(kernel, interpret, to_jax, case, ge
     weights = torch.rand(tokens, top_k, generator=generator)
     split = -(-tile_n // 256) * 128
     words = _packed(kernel, rows, tile_n, split)
-    plan = kernel.combine.plan.make(kernel.CombineProblem(tokens, top_k, hidden, "bfloat16", tile_n, split), generation)
+    problem = kernel.problem.CombineProblem(tokens, top_k, hidden, "bfloat16", tile_n, split)
+    plan = kernel.combine.plan.make(problem, generation)
     assert words.shape == (picks, plan.problem.words)
     # v5p's two cores split the token tiles, but a single tile is one core's.
     assert plan.cores == (2 if generation == "v5p" and tokens > plan.tile_t else 1)
@@ -81,13 +82,14 @@ def test_combine_sums_each_tokens_live_picks(kernel, interpret, to_jax, case, ge
     (5, 8, 2048, "v6e", 8),
 ])
 def test_the_token_tile_leaves_each_core_enough_tiles_and_fits_vmem(kernel, tokens, top_k, hidden, generation, tile_t):
-    plan = kernel.combine.plan.make(kernel.CombineProblem(tokens, top_k, hidden, "bfloat16", 2048, 1024), generation)
+    problem = kernel.problem.CombineProblem(tokens, top_k, hidden, "bfloat16", 2048, 1024)
+    plan = kernel.combine.plan.make(problem, generation)
     assert plan.tile_t == tile_t
 
 
 def test_packed_rows_round_to_bf16_and_unpack_exactly(kernel):
     values = jnp.asarray(torch.randn(16, 512).numpy())
-    first, second = kernel.unpack_rows(kernel.pack_rows(values))
+    first, second = kernel.common.packed_rows.unpack_rows(kernel.common.packed_rows.pack_rows(values))
     rounded = values.astype(jnp.bfloat16).astype(jnp.float32)
     assert (first == rounded[:, :256]).all() and (second == rounded[:, 256:]).all()
 
@@ -120,9 +122,9 @@ def test_packed_plan_widens_one_n_tile_off_the_lanes(kernel):
 
 @pytest.mark.parametrize("generation, cores", [("v5e", 1), ("v6e", 1), ("tpu7x", 1), ("v5p", 2)])
 def test_the_combine_kernel_splits_its_tiles_over_the_cores(kernel, generation, cores):
-    problem = kernel.ExpertsProblem(2048, 8, 2048, 768, 16, "bfloat16", "bfloat16", "float32", False, False,
-                                    kernel.Gate("silu"))
-    plan = kernel.plan_experts(problem, generation, fused=False)
+    problem = kernel.problem.ExpertsProblem(2048, 8, 2048, 768, 16, "bfloat16", "bfloat16", "float32", False, False,
+                                    kernel.problem.Gate("silu"))
+    plan = kernel.plan.plan_experts(problem, generation, fused=False)
     assert plan.forward_down.problem.packed_out and plan.combine.cores == cores
 
 

@@ -232,9 +232,9 @@ def test_a_tile_over_all_rows_holds_whole_chunks(kernel):
 
 
 def test_expected_active_groups(kernel):
-    assert kernel.expected_active_groups(1, 128) == pytest.approx(1.0)
-    assert kernel.expected_active_groups(8, 128) == pytest.approx(128 * (1 - (127 / 128) ** 8))
-    assert kernel.expected_active_groups(100000, 16) == pytest.approx(16.0)
+    assert kernel.common.routing.expected_active_groups(1, 128) == pytest.approx(1.0)
+    assert kernel.common.routing.expected_active_groups(8, 128) == pytest.approx(128 * (1 - (127 / 128) ** 8))
+    assert kernel.common.routing.expected_active_groups(100000, 16) == pytest.approx(16.0)
 
 
 MODELS = {
@@ -250,9 +250,9 @@ def _experts_problem(kernel, tokens: int, hidden: int, intermediate: int, expert
     """One pick per token (a rank's call under EP dispatch holds one row per pick it received), a SiLU gate."""
     dtype = jnp.dtype(dtype).name
     weights_dtype = dtype if weights_dtype is None else jnp.dtype(weights_dtype).name
-    return kernel.ExpertsProblem(tokens, 1, hidden, intermediate, experts, dtype, weights_dtype, "float32",
+    return kernel.problem.ExpertsProblem(tokens, 1, hidden, intermediate, experts, dtype, weights_dtype, "float32",
                                  layout["weights_transposed"], layout["has_bias"],
-                                 kernel.Gate("silu", layout["interleaved"]))
+                                 kernel.problem.Gate("silu", layout["interleaved"]))
 
 
 def _model_problem(kernel, name: str, tokens: int, dtype=jnp.bfloat16, experts: int | None = None, **layout):
@@ -399,19 +399,19 @@ def test_an_ep_dispatch_rank_at_decode_batch_256_takes_the_fused_kernel(kernel):
     # Qwen3-30B-A3B, batch 256, top-8 dispatched over 8 ranks: 256 rows per rank on average, 301 on the busiest.
     hidden, intermediate, experts, layout = MODELS["qwen3-30b-a3b"]
     problem = _experts_problem(kernel, 301, hidden, intermediate, experts // 8, "bfloat16", layout)
-    assert kernel.fused_path_config(problem) is not None
+    assert kernel.plan.fused_path_config(problem) is not None
 
 
 def test_the_fused_path_is_for_decode_sized_calls_that_fit(kernel):
     hidden, intermediate, experts, layout = MODELS["qwen3-30b-a3b"]
-    decode = _experts_problem(kernel, kernel.FUSED_MAX_TOKENS, hidden, intermediate, experts, "bfloat16", layout)
-    assert kernel.fused_path_config(decode) is not None
-    assert kernel.fused_path_config(decode._replace(tokens=kernel.FUSED_MAX_TOKENS + 1)) is None
+    decode = _experts_problem(kernel, kernel.plan.FUSED_MAX_TOKENS, hidden, intermediate, experts, "bfloat16", layout)
+    assert kernel.plan.fused_path_config(decode) is not None
+    assert kernel.plan.fused_path_config(decode._replace(tokens=kernel.plan.FUSED_MAX_TOKENS + 1)) is None
     # An expert whose weights fit in no I tiling (I prime, 16384 x 16383 f32): the grouped matmuls.
     layout = dict(weights_transposed=False, interleaved=False, has_bias=False)
     prime = _experts_problem(kernel, 8, 16384, 16381, 4, "float32", layout)
     assert kernel.fused.tiles.select(prime) is None
-    assert kernel.fused_path_config(prime) is None
+    assert kernel.plan.fused_path_config(prime) is None
 
 
 def test_gpt_oss_fp8_on_tpu7x_takes_partial_i_tiles_of_whole_scale_blocks(kernel):

@@ -94,7 +94,7 @@ def test_gpt_oss_fused_path_matches_eager(kernel, sentinels):
     with torch.no_grad():
         expected = experts(hidden, eager_index, eager_weights)
         out = kernel.experts_forward(experts, hidden, index, weights)
-        composed = kernel.composed_experts_forward(experts, hidden, index, weights)
+        composed = kernel.experts.composed_experts_forward(experts, hidden, index, weights)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(composed, expected, rtol=1e-5, atol=1e-4)
 
@@ -157,3 +157,64 @@ def test_composed_path_reads_no_group_sizes_back(kernel, monkeypatch):
                                rtol=1e-5, atol=1e-5)
     with pytest.raises(AssertionError, match="read back"):
         kernel.ragged_dot(hidden, torch.randn(2, 64, 32), torch.tensor([5, 0], dtype=torch.int32))
+
+
+
+def _padding_case(kernel, monkeypatch, tokens, hidden_act):
+    """The experts, inputs and an output gradient; the unpadded call of the op experts_forward runs; and the token
+    counts that op is handed once experts_forward runs, recorded."""
+    experts = _experts(torch.float32, hidden_act=hidden_act)
+    generator = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(tokens, 64, generator=generator)
+    index, weights = _routing(tokens, 3, seed=tokens)
+    d_out = torch.randn(tokens, 64, generator=generator)
+
+    def unpadded_call(hidden, weights):
+        if hidden_act == "relu":
+            return kernel.composed_experts_forward(experts, hidden, index, weights)
+        return kernel.gated_experts(hidden, index, weights, experts.gate_up_proj, experts.down_proj,
+                                    activation="silu", weights_transposed=False)
+
+    seen_rows = []
+    op_name = "routed_ragged_dot" if hidden_act == "relu" else "gated_experts"
+    op = getattr(kernel.ops, op_name)
+    return experts, (hidden, index, weights, d_out), unpadded_call, seen_rows, lambda: monkeypatch.setattr(
+        kernel.ops, op_name, lambda rows, *args, **kw: seen_rows.append(rows.shape[0]) or op(rows, *args, **kw))
+
+
+@pytest.mark.parametrize("tokens,bucket,hidden_act", [(1, 16, "silu"), (17, 32, "relu")], ids=["fused", "composed"])
+def test_experts_forward_pads_tokens_to_their_bucket_and_keeps_the_result(kernel, monkeypatch, tokens, bucket,
+                                                                          hidden_act):
+    """The op sees T padded to its bucket (zero rows picking the sentinel); the result is the unpadded call's."""
+    experts, (hidden, index, weights, _), unpadded_call, seen_rows, record = _padding_case(
+        kernel, monkeypatch, tokens, hidden_act)
+    with torch.no_grad():
+        expected = unpadded_call(hidden, weights)
+        record()
+        out = kernel.experts_forward(experts, hidden, index, weights)
+    assert set(seen_rows) == {bucket * 3 if hidden_act == "relu" else bucket}
+    assert out.shape == (tokens, 64)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hidden_act", ["silu", "relu"], ids=["fused", "composed"])
+def test_padded_experts_forward_gradients_are_the_unpadded_ones(kernel, monkeypatch, hidden_act):
+    """Padded rows get a zero cotangent: every gradient is the unpadded call's (one past a bucket edge)."""
+    experts, (hidden, index, weights, d_out), unpadded_call, seen_rows, record = _padding_case(
+        kernel, monkeypatch, 17, hidden_act)
+
+    def gradients(call):
+        leaves = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+        call(*leaves).backward(d_out)
+        grads = [leaf.grad for leaf in leaves] + [p.grad.clone() for p in experts.parameters()]
+        experts.zero_grad()
+        return grads
+
+    expected = gradients(unpadded_call)
+    record()
+    grads = gradients(lambda hidden, weights: kernel.experts_forward(experts, hidden, index, weights))
+    assert set(seen_rows) == {32 * 3 if hidden_act == "relu" else 32}
+    for grad, expected_grad in zip(grads, expected):
+        # The padded call may tile its grouped matmuls differently: float32 sums in another order.
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-5)

@@ -63,7 +63,8 @@ def test_swapped_cases_read_the_weights_swapped(kernel):
     """Each swapped case reads the projection it names in the order opposite to transformers' layout."""
     for case, expected in SWAPPED.items():
         tokens, hidden, intermediate, *_, options, _ = CASES[case]
-        orientation = kernel.weights_orientation(hidden, intermediate, weights_transposed=options["transposed"])
+        orientation = kernel.common.weights_layout.weights_orientation(hidden, intermediate,
+                                                                       weights_transposed=options["transposed"])
         assert tuple(orientation) == expected, case
 
 
@@ -158,7 +159,7 @@ def test_megacore_split_matches_reference(kernel, interpret, to_jax, case, rando
         layer[1] = torch.full_like(layer[1], 1)
     gate = dict(weights_transposed=options["transposed"], **gate)
     config = None if tiles is None else kernel.fused.tiles.FusedConfig(*tiles)
-    problem, _ = kernel.describe_experts(*map(to_jax, layer), **gate)
+    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
     plan = kernel.fused.plan.make(problem, "v5p", config)
     assert plan.cores == 2 and plan.cores_per_expert == (2 if case.startswith("shared") else 1)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
@@ -200,7 +201,7 @@ def test_interleaved_body_loops_over_slabs_of_its_i_tile(kernel, interpret, to_j
     layer = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, **options)
     gate = dict(weights_transposed=options["transposed"], **gate)
     config = None if tiles is None else kernel.fused.tiles.FusedConfig(*tiles)
-    problem, _ = kernel.describe_experts(*map(to_jax, layer), **gate)
+    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
     plan = kernel.fused.plan.make(problem, None, config)
     assert plan.tile_i // plan.slab_i >= 2, f"{case} must take several slabs per I tile"
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
@@ -213,8 +214,8 @@ def test_gpt_oss_whole_i_tiles_loop_over_slabs(kernel):
     """GPT-OSS's I = 2880 whole (as int8 and int4 take it on v5e and v6e): three slabs of 960; its tiles of 960 (bf16,
     fp8): one."""
     for weights_dtype in ("bfloat16", "int8", "uint8"):
-        problem = kernel.ExpertsProblem(64, 4, 2880, 2880, 4, "bfloat16", weights_dtype, "bfloat16", True,
-                                        True, kernel.Gate("clamped_swiglu", True, 1.702, 7.0))
+        problem = kernel.problem.ExpertsProblem(64, 4, 2880, 2880, 4, "bfloat16", weights_dtype, "bfloat16", True,
+                                        True, kernel.problem.Gate("clamped_swiglu", True, 1.702, 7.0))
         assert kernel.fused.tiles.slab_i(2880, problem) == kernel.fused.tiles.slab_i(960, problem) == 960
 
 
@@ -257,11 +258,11 @@ def test_expert_plan_lists_active_experts_only(kernel):
     # 3 tokens, top-2, 4 experts; sentinel id 4 (other ranks). Expert 2: two picks; expert 1: none;
     # token 1 picks expert 0 twice.
     index = jnp.asarray([[2, 4], [0, 0], [2, 3]], jnp.int32)
-    plan = kernel.expert_plan(index, 4)
+    plan = kernel.common.routing.expert_plan(index, 4)
     assert int(plan.count[0]) == 3
     assert np.asarray(plan.expert).tolist() == [0, 2, 3, 3]  # active experts, then the last repeated
     assert np.asarray(plan.rows).tolist() == [2, 2, 1, 0]  # picks (at least the rows), 0 past the count
-    empty = kernel.expert_plan(jnp.full((3, 2), 4, jnp.int32), 4)
+    empty = kernel.common.routing.expert_plan(jnp.full((3, 2), 4, jnp.int32), 4)
     assert int(empty.count[0]) == 1 and int(empty.rows[0]) == 0  # one empty item: the grid is never empty
 
 
@@ -305,8 +306,8 @@ def test_experts_layer_takes_the_fused_kernel_for_decode_only(kernel):
         layer = functools.partial(kernel.experts_layer, activation="silu", weights_transposed=False)
         return _pallas_calls(layer, *avals)
 
-    assert kernels_run(kernel.FUSED_MAX_TOKENS) == ["fused_experts"]
-    grouped = kernels_run(kernel.FUSED_MAX_TOKENS + 1)
+    assert kernels_run(kernel.plan.FUSED_MAX_TOKENS) == ["fused_experts"]
+    grouped = kernels_run(kernel.plan.FUSED_MAX_TOKENS + 1)
     assert "fused_experts" not in grouped and grouped.count("ragged_dot") == 2
 
 
@@ -335,8 +336,8 @@ SPLITS = {
 @pytest.mark.parametrize("case", list(SPLITS))
 def test_how_v5p_cores_split_few_picks(kernel, case):
     tokens, top_k, intermediate, cores, cores_per_expert = SPLITS[case]
-    problem = kernel.ExpertsProblem(tokens, top_k, 2880, intermediate, 4, "bfloat16", "bfloat16", "float32",
-                                    True, True, kernel.Gate("clamped_swiglu", True, 1.702, 7.0))
+    problem = kernel.problem.ExpertsProblem(tokens, top_k, 2880, intermediate, 4, "bfloat16", "bfloat16", "float32",
+                                    True, True, kernel.problem.Gate("clamped_swiglu", True, 1.702, 7.0))
     plan = kernel.fused.plan.make(problem, "v5p")
     assert (plan.cores, plan.cores_per_expert) == (cores, cores_per_expert)
     if cores_per_expert > 1:

@@ -69,7 +69,7 @@ def _gated(kernel, m, k, intermediate, groups, dtype, transpose_rhs, tiles, acti
                                    zero_rows_past_groups=False, bias=bias)
     # v5e: its 128-wide MXU takes 128-column halves without padding.
     plan = kernel.gmm.plan.make(problem, "v5e", kernel.gmm.tiles.TileConfig(*tiles))
-    return kernel.gmm.plan.gated_plan(plan, kernel.Gate(activation, **gate_options), generation="v5e")
+    return kernel.gmm.plan.gated_plan(plan, kernel.problem.Gate(activation, **gate_options), generation="v5e")
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
@@ -184,7 +184,7 @@ def test_gated_with_biases_matches_reference(kernel, interpret, to_jax, case, tr
 def test_the_gate_stays_in_xla_where_the_epilogue_cannot_take_it(kernel):
     """gated_plan refuses one-byte weights in several N tiles; concatenated, halves that do not divide I, are off
     the 128 lanes or pad the MXU past the whole tile. Biases and interleaved columns it takes."""
-    gate = kernel.Gate("silu")
+    gate = kernel.problem.Gate("silu")
 
     def gate_up(n, tile_n, generation="v5e", bias=False):
         problem = kernel.MatmulProblem(64, 128, n, 4, "bfloat16", "bfloat16", transpose_rhs=False, bias=bias)
@@ -231,8 +231,8 @@ def test_the_grouped_layer_gates_in_the_kernel_and_matches_the_reference(kernel,
              torch.randn(experts, 2 * intermediate, hidden, generator=generator) * 0.2,
              torch.randn(experts, hidden, intermediate, generator=generator) * 0.2)
     gate = dict(weights_transposed=False, **options)
-    problem, _ = kernel.describe_experts(*map(to_jax, layer), **gate)
-    assert kernel.plan_experts(problem, "v6e", fused=False).forward_gate_up.problem.gate is not None
+    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
+    assert kernel.plan.plan_experts(problem, "v6e", fused=False).forward_gate_up.problem.gate is not None
     out = interpret(lambda: kernel.experts_layer(*map(to_jax, layer), **gate, fused=False, generation="v6e"))
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
     assert ((out.double() - expected).abs().max() / expected.abs().max()).item() <= 1e-5
@@ -258,9 +258,9 @@ def test_the_grouped_gpt_oss_layer_gates_its_biased_rows_in_the_kernel(kernel, i
              torch.randn(experts, 2 * intermediate, generator=generator) * 3,
              torch.randn(experts, hidden, generator=generator))
     gate = dict(weights_transposed=True, interleaved=interleaved, **GPT_OSS_GATE)
-    problem, _ = kernel.describe_experts(*map(to_jax, layer), **gate)
-    first = kernel.plan_experts(problem, "v6e", fused=False).forward_gate_up
-    assert first.problem.gate == kernel.Gate(interleaved=interleaved, **GPT_OSS_GATE) and first.problem.bias
+    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
+    first = kernel.plan.plan_experts(problem, "v6e", fused=False).forward_gate_up
+    assert first.problem.gate == kernel.problem.Gate(interleaved=interleaved, **GPT_OSS_GATE) and first.problem.bias
     out = interpret(lambda: kernel.experts_layer(*map(to_jax, layer), **gate, fused=False, generation="v6e"))
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
     assert ((out.double() - expected).abs().max() / expected.abs().max()).item() <= 1e-5
@@ -276,6 +276,6 @@ def test_gpt_oss_20b_gates_in_its_first_kernel_in_whole_lanes(kernel, generation
               ((experts, 2 * intermediate), "bfloat16"), ((experts, hidden), "bfloat16")]
     layer = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in arrays]
     gate = dict(weights_transposed=True, interleaved=True, **GPT_OSS_GATE)
-    problem, _ = kernel.describe_experts(*layer, **gate)
-    first = kernel.plan_experts(problem, generation, fused=False).forward_gate_up
+    problem, _ = kernel.problem.describe_experts(*layer, **gate)
+    first = kernel.plan.plan_experts(problem, generation, fused=False).forward_gate_up
     assert first.problem.gate is not None and first.problem.n == intermediate and first.tile_n == tile_n

@@ -131,13 +131,13 @@ def test_a_row_splits_where_its_parts_cost_no_mxu_pass(kernel, generation, k, tr
 def test_token_rows_pack_into_words_and_back(kernel):
     """bf16 rows as words: column j in the low half, column K/2 + j in the high half, every bit kept."""
     tokens = jnp.asarray(torch.randn(5, 64).numpy(), jnp.bfloat16).at[0, 3].set(jnp.nan).at[1, 40].set(-0.0)
-    words = kernel.pack_rows(tokens)
+    words = kernel.common.packed_rows.pack_rows(tokens)
     assert words.shape == (5, 32) and words.dtype == jnp.int32
     bits = jnp.asarray(tokens).view(jnp.uint16).astype(jnp.int32)
     assert (words & 0xFFFF == bits[:, :32]).all()
     assert ((words >> 16) & 0xFFFF == bits[:, 32:]).all()
     # Split past half: the second part zero-padded to the first's width.
-    words = kernel.pack_rows(tokens, 40)
+    words = kernel.common.packed_rows.pack_rows(tokens, 40)
     assert words.shape == (5, 40)
     assert (words & 0xFFFF == bits[:, :40]).all()
     assert ((words[:, :24] >> 16) & 0xFFFF == bits[:, 40:]).all() and (words[:, 24:] >> 16 == 0).all()
@@ -193,8 +193,8 @@ def test_the_grouped_layer_copies_its_rows_in_the_kernels(kernel, interpret, to_
                torch.randn(experts, hidden, generator=generator)) if options.get("interleaved") else ())
     layer = (torch.randn(tokens, hidden, generator=generator).to(torch.bfloat16), index, weights,
              *(p.to(torch.bfloat16) for p in projections), *(b.to(torch.bfloat16) for b in biases))
-    problem, _ = kernel.describe_experts(*map(to_jax, layer), **gate)
-    plan = kernel.plan_experts(problem, "v6e", fused=False)
+    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
+    plan = kernel.plan.plan_experts(problem, "v6e", fused=False)
     assert plan.forward_gate_up.problem.gathered
     assert plan.forward_down.problem.packed_out and plan.combine is not None
     if hidden == 640:

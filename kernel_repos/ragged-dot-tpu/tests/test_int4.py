@@ -38,7 +38,7 @@ def test_pack_unpack_round_trip_and_nibble_layout(kernel, shape):
     axis = kernel.int4_packed_axis(shape)
     assert axis == (2 if shape[1] % 128 == 0 and shape[2] % 128 else 1)
     assert packed.dtype == torch.uint8 and packed.shape[axis] == shape[axis] // 2
-    assert torch.equal(kernel.unpack_int4(packed, shape[3 - axis], 3 - axis), codes)
+    assert torch.equal(kernel.common.quant.unpack_int4(packed, shape[3 - axis], 3 - axis), codes)
     first = packed.select(axis, 0).to(torch.int32)
     low, high = ((first & 0xF) ^ 8) - 8, ((first >> 4) ^ 8) - 8
     assert torch.equal(low, codes.select(axis, 0).to(torch.int32))
@@ -120,7 +120,7 @@ def test_gated_gate_up_takes_int4_weights_in_one_n_tile(kernel, interpret, to_ja
     problem = kernel.MatmulProblem(m, k, 2 * intermediate, len(group_sizes), "float32", "uint8",
                                    transpose_rhs=transpose_rhs, zero_rows_past_groups=False)
     plan = kernel.gmm.plan.make(problem, "v6e", kernel.gmm.tiles.TileConfig(40, k, 2 * intermediate, None, 1))
-    plan = kernel.gmm.plan.gated_plan(plan, kernel.Gate("silu"), generation="v6e")
+    plan = kernel.gmm.plan.gated_plan(plan, kernel.problem.Gate("silu"), generation="v6e")
     assert plan.tile_n == plan.problem.n == intermediate
     out = interpret(lambda: kernel.gmm.kernel.call(
         to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32), plan, to_jax(scales)))
@@ -175,7 +175,7 @@ def test_interleaved_body_slabs_read_their_unpacked_columns_and_scales(kernel, i
     tokens, hidden, _, experts, top_k, options, gate, _ = LAYER_CASES["gpt-oss"]
     layer = quantized_layer(_int4_weights(kernel), tokens, hidden, 256, experts, top_k, **options)
     gate = dict(weights_transposed=True, **gate)
-    plan = kernel.fused.plan.make(kernel.describe_experts(*map(to_jax, layer), **gate)[0])
+    plan = kernel.fused.plan.make(kernel.problem.describe_experts(*map(to_jax, layer), **gate)[0])
     assert (plan.tile_i, plan.slab_i) == (256, 128)
     expected = kernel.reference.gated_experts_reference(*dequantized_layer(kernel, layer, True), **gate)
     fused = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), **gate))

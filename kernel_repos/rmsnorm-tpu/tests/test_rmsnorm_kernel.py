@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from tpu_kernels.runtime.hardware import resolve_target
 from tpu_kernels.testing import interpret
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
@@ -104,7 +105,8 @@ def test_explicit_block_rows_ask_for_the_vmem_limit_they_need(kernel, block_rows
     x, weight = jnp.ones((rows, hidden), dtype), jnp.ones((hidden,), dtype)
     jaxpr = str(jax.make_jaxpr(lambda x, weight: kernel.norm.kernel.rms_norm_forward(
         x, weight, eps=1e-6, generation="v6e", block_rows=block_rows))(x, weight))
-    needed = kernel.norm.tiles.vmem_limit(kernel.norm.tiles.vmem_bytes(block_rows, hidden, dtype, "rms_norm"), "v6e")
-    selected = kernel.norm.tiles.select(kernel.NormProblem("rms_norm", rows, hidden, "bfloat16"), "v6e")
+    v6e = resolve_target("v6e")
+    needed = kernel.norm.tiles.vmem_limit(kernel.norm.tiles.vmem_bytes(block_rows, hidden, dtype, "rms_norm"), v6e)
+    selected = kernel.norm.tiles.select(kernel.NormProblem("rms_norm", rows, hidden, "bfloat16"), v6e)
     assert selected.block_rows not in (16, 1024)
     assert f"vmem_limit_bytes={needed}" in jaxpr

@@ -128,3 +128,31 @@ def _bad_calls():
 def test_bad_input_raises_a_clear_error(kernel, call, error, message):
     with pytest.raises(error, match=message):
         call(kernel)
+
+
+@pytest.mark.parametrize(("leading", "bucket"), [((1,), 16), ((2, 8), 16), ((17,), 32)])
+def test_rows_are_padded_to_their_bucket_without_changing_results_or_gradients(kernel, monkeypatch, leading, bucket):
+    shape, eps = (*leading, 128), 1e-6
+    inputs = [random_tensor(seed, s) for seed, s in ((17, shape), (18, shape), (19, shape[-1:]))]
+    grad_y, grad_residual = random_tensor(20, shape), random_tensor(21, shape)
+
+    def results_and_gradients(rms_norm, fused_add_rms_norm):
+        x, residual, weight = (t.clone().requires_grad_() for t in inputs)
+        y = rms_norm(x, weight, eps, offset=1.0)
+        fused_y, new_residual = fused_add_rms_norm(x, residual, weight, eps, offset=1.0)
+        outputs = (y, fused_y, new_residual)
+        return [t.detach() for t in outputs] + list(
+            torch.autograd.grad(outputs, (x, residual, weight), (grad_y, grad_y, grad_residual)))
+
+    expected = results_and_gradients(
+        lambda x, w, eps, offset: kernel.reference.rms_norm(x, w, eps, offset),
+        lambda x, r, w, eps, offset: kernel.reference.fused_add_rms_norm(x, r, w, eps, offset))
+    seen_rows = []
+    for name in ("_rms_norm_op", "_fused_add_rms_norm_op"):
+        op = getattr(kernel.ops, name)
+        monkeypatch.setattr(kernel.ops, name, lambda x, *args, op=op: seen_rows.append(x.shape) or op(x, *args))
+    actual = results_and_gradients(kernel.rms_norm, kernel.fused_add_rms_norm)
+    assert set(seen_rows) == {(bucket, 128)}
+    for name, a, e in zip(("y", "fused y", "residual", "dx", "dresidual", "dweight"), actual, expected):
+        assert a.shape == e.shape, name
+        assert relative_error(a, e) <= 1e-5, name

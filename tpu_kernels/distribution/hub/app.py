@@ -21,6 +21,7 @@ Routes (`{t}` is `kernels` or `models`; T: needs the token; every GET route answ
     POST|DELETE /api/{t}/{ns}/{name}/branch/{branch} T
     POST /api/{t}/{ns}/{name}/tag/{rev}, DELETE .../tag/{tag}   T
     GET|HEAD /{ns}/{name}/resolve/{rev}/{path}          model file (X-Repo-Commit, ETag, Range)
+    (a GET or HEAD of a model repo that does not exist reads the kernel repo of that id: `kernels benchmark` asks so)
     GET|HEAD /kernels/{ns}/{name}/resolve/{rev}/{path}
     GET  /api/tpu-kernels/stats                         request counters (not counted themselves)
     GET  /, /kernels/{ns}/{name}[/tree/{rev}|/commit/{id}], /{ns}/{name}[...]   web pages (pages.py)
@@ -237,7 +238,10 @@ class HubApp:
                 return await self._commit_streamed(request, params)
             if matched.reads_body:
                 await request.read_body(self.limits.max_json_bytes)
-            call = functools.partial(self._handle, matched.handler, request, params)
+            # kernels 0.19's `kernels benchmark` downloads a kernel repo as a model repo (no repo_type): a read of a
+            # model repo that does not exist is answered by the kernel repo of that id, if there is one.
+            kernel_alias = request.method in ("GET", "HEAD") and not matched.page and params.get("repo_type") == "model"
+            call = functools.partial(self._handle, matched.handler, request, params, kernel_alias)
             if request.body_in_memory:
                 return await anyio.to_thread.run_sync(call)
             if self._large_body_slots is None:
@@ -266,8 +270,11 @@ class HubApp:
             raise HubError(400, "A request may not carry both Content-Length and Transfer-Encoding (RFC 9112 6.1)")
         self.access.check_host(request)
 
-    def _handle(self, handler, request: HubRequest, params: dict) -> Response:
+    def _handle(self, handler, request: HubRequest, params: dict, kernel_alias: bool = False) -> Response:
         if "repo_id" in params:
+            if kernel_alias and not self.storage.repo_exists("model", params["repo_id"]) \
+                    and self.storage.repo_exists("kernel", params["repo_id"]):
+                params["repo_type"] = "kernel"
             self.access.check_visible(request, params["repo_type"], params["repo_id"])
         return handler(request, **params)
 

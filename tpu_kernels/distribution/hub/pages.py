@@ -13,8 +13,11 @@ pages carry no script, and their Content-Security-Policy allows none, nor any st
 their own stylesheet, nor images from other sites. Private repos are shown only to
 requests carrying the token (a browser sends none: to it they do not exist).
 
-What a view costs beyond the repo's refs and file list is computed once: a card per content
-(card.CardCache), a version's build variants per commit. A HEAD request renders nothing.
+What a view costs beyond the repo's refs and file list is bounded and computed once: a card
+per content (card.CardCache); the newest VERSIONS_SHOWN versions with at most VARIANTS_SHOWN
+build variants each, a variant's metadata.json parsed once per blob (older versions are listed
+by name, tags and other branches up to REFS_SHOWN, the rest in the refs API). A HEAD request
+renders nothing.
 
 A page is sent as it is rendered, in pieces of about PAGE_CHUNK_BYTES (the template's output,
 the cached card's HTML a piece at a time), so a client that does not read holds at most a piece
@@ -28,7 +31,6 @@ import functools
 import hashlib
 import itertools
 import json
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,14 +45,22 @@ from .commits import Commit
 from .errors import HubError
 from .names import MAIN_BRANCH, branch_name
 from .storage import Storage
+from ..versions import VERSION_BRANCH
 
-VERSION_BRANCH = re.compile(r"v(\d+)")
 HISTORY_SHOWN = 100
+# Versions shown with their build variants (each read from its metadata.json), newest first; the
+# next OLDER_VERSIONS_LISTED are listed by name, and every ref is in /api/<type>s/<id>/refs.
+VERSIONS_SHOWN = 10
+VARIANTS_SHOWN = 32
+OLDER_VERSIONS_LISTED = 200
+REFS_SHOWN = 100
+METADATA_CACHE_BLOBS = 4096
 FILES_SHOWN = 1000
 MAX_METADATA_BYTES = 1 << 20
 CARD_NAME = "README.md"
 PAGE_CHUNK_BYTES = 64 << 10
 _URL_PREFIXES = {"kernel": "kernels/", "model": ""}
+_API_TYPES = {"kernel": "kernels", "model": "models"}
 _TEMPLATES = Path(__file__).with_name("templates")
 _STYLESHEET = (_TEMPLATES / "hub.css").read_text()
 CONTENT_SECURITY_POLICY = (
@@ -131,6 +141,7 @@ class VersionView:
     commit: CommitView
     kernel_version: object
     variants: list[VariantView]
+    variants_hidden: int  # build variants beyond VARIANTS_SHOWN
 
     @property
     def backends(self) -> list[str]:
@@ -167,6 +178,7 @@ class Pages:
         self.trusted_orgs = trusted_orgs
         self._cards = CardCache()
         self._variants = functools.lru_cache(maxsize=256)(self._read_variants)
+        self._metadata = functools.lru_cache(maxsize=METADATA_CACHE_BLOBS)(self._read_metadata)
 
     # -- responses ------------------------------------------------------------------------------
 
@@ -224,26 +236,28 @@ class Pages:
                 self.storage.resolve_revision(repo_type, repo_id, revision)
             return self._head()
         page_url = repo_page_path(repo_type, repo_id)
-        versions = sorted(
-            (self._version(repo_type, repo_id, int(match[1]), name, commit_id)
-             for name, commit_id in refs.branches.items() if (match := VERSION_BRANCH.fullmatch(name))),
-            key=lambda version: version.number, reverse=True,
-        )
+        # (number, branch, commit id) of every version, newest first: only the newest are read.
+        version_refs = sorted(((int(match[1]), name, commit_id) for name, commit_id in refs.branches.items()
+                               if (match := VERSION_BRANCH.fullmatch(name))), reverse=True)
+        versions = [self._version(repo_type, repo_id, *ref) for ref in version_refs[:VERSIONS_SHOWN]]
         branches_at: dict[str, list[str]] = {}
-        for version in versions:
-            branches_at.setdefault(version.commit.id, []).append(version.branch)
-        tags = [self._ref(repo_type, repo_id, name, commit_id, branches_at) for name, commit_id in sorted(refs.tags.items())]
-        other_branches = [self._ref(repo_type, repo_id, name, commit_id, branches_at)
-                          for name, commit_id in sorted(refs.branches.items()) if not VERSION_BRANCH.fullmatch(name)]
+        for _, name, commit_id in version_refs:
+            branches_at.setdefault(commit_id, []).append(name)
+        tags = [self._ref(repo_type, repo_id, name, commit_id, branches_at)
+                for name, commit_id in sorted(refs.tags.items())[:REFS_SHOWN]]
+        other_names = sorted(name for name in refs.branches if not VERSION_BRANCH.fullmatch(name))
+        other_branches = [self._ref(repo_type, repo_id, name, refs.branches[name], branches_at)
+                          for name in other_names[:REFS_SHOWN]]
 
         chosen = revision is not None
         if revision is None:
-            revision = versions[0].branch if versions else MAIN_BRANCH
+            revision = version_refs[0][1] if version_refs else MAIN_BRANCH
         selected = self.storage.resolve_revision(repo_type, repo_id, revision)
         branch = branch_name(revision)
-        selected_version = next((version for version in versions if version.branch == branch), None)
+        selected_version = next((number for number, name, _ in version_refs if name == branch), None)
         # The snippet loads what the page shows: a version, else the chosen ref, else the latest version.
-        snippet_version = selected_version or (versions[0] if versions and not chosen else None)
+        if selected_version is None and version_refs and not chosen:
+            selected_version = version_refs[0][0]
         card_commit = selected if CARD_NAME in selected.files else self.storage.resolve_revision(repo_type, repo_id, MAIN_BRANCH)
         card = self._card(repo_type, repo_id, card_commit)
         history = list(itertools.islice(self.storage.history(repo_type, repo_id, selected.id), HISTORY_SHOWN + 1))
@@ -256,8 +270,14 @@ class Pages:
             private=self.storage.is_private(repo_type, repo_id),
             trusted=repo_id.split("/")[0] in self.trusted_orgs,
             versions=versions,
+            older_versions=[(name, self._tree_url(repo_type, repo_id, name))
+                            for _, name, _ in version_refs[VERSIONS_SHOWN:VERSIONS_SHOWN + OLDER_VERSIONS_LISTED]],
+            versions_unlisted=max(0, len(version_refs) - VERSIONS_SHOWN - OLDER_VERSIONS_LISTED),
             tags=tags,
+            tags_hidden=max(0, len(refs.tags) - REFS_SHOWN),
             other_branches=other_branches,
+            branches_hidden=max(0, len(other_names) - REFS_SHOWN),
+            refs_url=f"/api/{_API_TYPES[repo_type]}/{repo_id}/refs",
             revision=revision,
             selected=self._commit_view(repo_type, repo_id, selected),
             card=card,
@@ -265,7 +285,7 @@ class Pages:
             files_hidden=max(0, len(files) - FILES_SHOWN),
             history=[self._commit_view(repo_type, repo_id, commit) for commit in history[:HISTORY_SHOWN]],
             history_truncated=len(history) > HISTORY_SHOWN,
-            snippet=self._snippet(repo_type, repo_id, base_url, snippet_version, revision),
+            snippet=self._snippet(repo_type, repo_id, base_url, selected_version, revision),
         )
 
     def commit(self, repo_type: str, repo_id: str, commit_id: str, head: bool = False) -> Response:
@@ -301,45 +321,59 @@ class Pages:
         url = f"{repo_page_path(repo_type, repo_id)}/resolve/{commit.id}/{quote(path)}"
         return FileView(path, _size(entry.size), entry.sha256, url)
 
+    @staticmethod
+    def _tree_url(repo_type: str, repo_id: str, ref: str) -> str:
+        return f"{repo_page_path(repo_type, repo_id)}/tree/{quote(ref, safe='')}"
+
     def _ref(self, repo_type: str, repo_id: str, name: str, commit_id: str, branches_at: dict) -> RefView:
         commit = self.storage.commit(repo_type, repo_id, commit_id)
-        return RefView(name, f"{repo_page_path(repo_type, repo_id)}/tree/{quote(name, safe='')}",
-                       self._commit_view(repo_type, repo_id, commit), branches_at.get(commit_id, []))
+        return RefView(name, self._tree_url(repo_type, repo_id, name), self._commit_view(repo_type, repo_id, commit),
+                       branches_at.get(commit_id, []))
 
     def _version(self, repo_type: str, repo_id: str, number: int, branch: str, commit_id: str) -> VersionView:
         commit = self.storage.commit(repo_type, repo_id, commit_id)
-        variants, kernel_versions = self._variants(repo_type, repo_id, commit_id)
+        variants, hidden, kernel_versions = self._variants(repo_type, repo_id, commit_id)
         return VersionView(
             number=number,
             branch=branch,
-            url=f"{repo_page_path(repo_type, repo_id)}/tree/{quote(branch, safe='')}",
+            url=self._tree_url(repo_type, repo_id, branch),
             commit=self._commit_view(repo_type, repo_id, commit),
             kernel_version=kernel_versions,
             variants=variants,
+            variants_hidden=hidden,
         )
 
-    def _read_variants(self, repo_type: str, repo_id: str, commit_id: str) -> tuple[list[VariantView], str | None]:
-        """The build variants of a commit and the kernel version(s) their metadata.json give."""
+    def _read_variants(self, repo_type: str, repo_id: str, commit_id: str) -> tuple[list[VariantView], int, str | None]:
+        """The first VARIANTS_SHOWN build variants of a commit, how many more it has, and the kernel
+        version(s) their metadata.json give."""
         files = self.storage.commit(repo_type, repo_id, commit_id).files
         names = sorted({path.split("/")[1] for path in files if path.startswith("build/") and path.count("/") >= 2})
         variants, kernel_versions = [], set()
-        for name in names:
-            metadata = self._json(files.get(f"build/{name}/metadata.json"))
-            backend = metadata.get("backend") if metadata else None
-            backend_type = backend.get("type") if isinstance(backend, dict) else None
-            digest = metadata.get("digest") if metadata else None
-            digest_files = digest.get("files") if isinstance(digest, dict) else None
-            variants.append(VariantView(
-                name=name,
-                backend=backend_type if isinstance(backend_type, str) else "unknown (no readable metadata.json)",
-                digest_files=len(digest_files) if isinstance(digest_files, dict) else None,
-            ))
-            if metadata and isinstance(metadata.get("version"), int):
-                kernel_versions.add(metadata["version"])
-        return variants, ", ".join(map(str, sorted(kernel_versions))) or None
+        for name in names[:VARIANTS_SHOWN]:
+            entry = files.get(f"build/{name}/metadata.json")
+            backend, digest_files, kernel_version = self._metadata(entry) if entry else (None, None, None)
+            variants.append(VariantView(name, backend or "unknown (no readable metadata.json)", digest_files))
+            if kernel_version is not None:
+                kernel_versions.add(kernel_version)
+        return variants, max(0, len(names) - VARIANTS_SHOWN), ", ".join(map(str, sorted(kernel_versions))) or None
 
-    def _json(self, entry: FileEntry | None) -> dict | None:
-        if entry is None or entry.size > MAX_METADATA_BYTES:
+    def _read_metadata(self, entry: FileEntry) -> tuple[str | None, int | None, int | None]:
+        """What a page shows of a variant's metadata.json (cached per blob): its backend type, how many
+        files its digest covers, its kernel version; None for each it lacks."""
+        metadata = self._json(entry)
+        if metadata is None:
+            return None, None, None
+        backend = metadata.get("backend")
+        backend_type = backend.get("type") if isinstance(backend, dict) else None
+        digest = metadata.get("digest")
+        digest_files = digest.get("files") if isinstance(digest, dict) else None
+        version = metadata.get("version")
+        return (backend_type if isinstance(backend_type, str) else None,
+                len(digest_files) if isinstance(digest_files, dict) else None,
+                version if isinstance(version, int) else None)
+
+    def _json(self, entry: FileEntry) -> dict | None:
+        if entry.size > MAX_METADATA_BYTES:
             return None
         try:
             data = json.loads(self.storage.blob_store.path(entry).read_bytes())
@@ -357,10 +391,10 @@ class Pages:
         card = self._cards.card(entry.sha256, self.storage.blob_store.path(entry).read_bytes)
         return card.pieces(files_url)
 
-    def _snippet(self, repo_type: str, repo_id: str, base_url: str, version: VersionView | None, revision: str) -> str:
+    def _snippet(self, repo_type: str, repo_id: str, base_url: str, version: int | None, revision: str) -> str:
         endpoint = f"# HF_ENDPOINT={base_url} in the environment, before huggingface_hub is imported\n"
         if repo_type == "model":
             return endpoint + f'from huggingface_hub import snapshot_download\nsnapshot_download("{repo_id}", revision="{revision}")'
-        selector = f"version={version.number}" if version else f'revision="{revision}"'
+        selector = f"version={version}" if version is not None else f'revision="{revision}"'
         trust = "" if repo_id.split("/")[0] in self.trusted_orgs else f', trust_remote_code=["{repo_id}"]'
         return endpoint + f'from kernels import get_kernel\nkernel = get_kernel("{repo_id}", {selector}{trust})'

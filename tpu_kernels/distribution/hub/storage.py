@@ -19,6 +19,12 @@ A branch moves only when refs.json is replaced, so a crash at any point leaves
 every ref at a complete commit; what a crashed commit wrote before that is
 unreferenced and invisible. Commits to one repo are serialised by a lock.
 
+Ids folded as the file system folds them: on a root that folds case (macOS, Windows), `ACME/x`
+and `acme/x` open one folder. A repo's lock is keyed by its id in lower case (ids are ASCII, so
+this is how any such file system folds them; on a root that does not fold, two repos whose ids
+differ in case merely share a lock), and what is cached about a repo (its privacy) by the
+folder actually opened, its device and inode.
+
 Orphan blobs (no commit references them: a crashed commit's, a deleted repo's)
 are removed when the server starts, and a commit that fails removes the blobs it
 installed unless another commit relies on them (`BlobStore.installed`). A commit is
@@ -95,11 +101,11 @@ class Storage:
             # Closed to other users even when an earlier server made it 0755: what is inside names
             # private repos and their commits.
             os.chmod(folder, 0o700)
-        self._repo_locks: dict[tuple[str, str], threading.Lock] = {}
+        self._repo_locks: dict[tuple[str, str], threading.Lock] = {}  # by type and folded id
         self._repo_locks_guard = threading.Lock()
         self._read_commit_cached = functools.lru_cache(maxsize=4096)(self._read_commit)
-        # repo.json never changes once written: read each once.
-        self._privacy: dict[Path, bool] = {}
+        # repo.json changes only under the repo's lock: read each once, keyed by the folder opened.
+        self._privacy: dict[tuple[int, int], bool] = {}
         self._trees: collections.OrderedDict[str, Tree] = collections.OrderedDict()
         self._trees_guard = threading.Lock()
         self.blob_store = BlobStore(self.blobs, self.tmp)
@@ -122,15 +128,28 @@ class Storage:
 
     def existing_repo_dir(self, repo_type: str, repo_id: str) -> Path:
         folder = self.repo_dir(repo_type, repo_id)
-        if not (folder / "refs.json").is_file():
+        if not self.repo_exists(repo_type, repo_id):
             raise HubError(404, f"Repository {repo_type}/{repo_id} not found", code="RepoNotFound")
         return folder
 
+    @staticmethod
+    def _folder_key(folder: Path) -> tuple[int, int]:
+        """The folder a path opens, as (device, inode): one key for every spelling of it."""
+        try:
+            found = os.stat(folder)
+        except FileNotFoundError:  # deleted since
+            raise HubError(404, f"Repository {folder.parent.name}/{folder.name} not found", code="RepoNotFound") from None
+        return found.st_dev, found.st_ino
+
+    def repo_exists(self, repo_type: str, repo_id: str) -> bool:
+        return (self.repo_dir(repo_type, repo_id) / "refs.json").is_file()
+
     def is_private(self, repo_type: str, repo_id: str) -> bool:
         folder = self.existing_repo_dir(repo_type, repo_id)
-        private = self._privacy.get(folder)
+        key = self._folder_key(folder)
+        private = self._privacy.get(key)
         if private is None:
-            private = self._privacy[folder] = bool(json.loads((folder / "repo.json").read_text()).get("private"))
+            private = self._privacy[key] = bool(json.loads((folder / "repo.json").read_text()).get("private"))
         return private
 
     def repo_ids(self, repo_type: str, namespace: str = "*") -> Iterator[str]:
@@ -165,10 +184,14 @@ class Storage:
         return max(self._read_commit_cached(folder, head).date for head in self.refs(repo_type, repo_id).branches.values())
 
     @contextlib.contextmanager
-    def _repo_lock(self, repo_type: str, repo_id: str) -> Iterator[None]:
+    def _repo_lock(self, repo_type: str, *repo_ids: str) -> Iterator[None]:
+        """The locks of the repos, each taken once and always in one order: two opposite moves cannot deadlock."""
         with self._repo_locks_guard:
-            lock = self._repo_locks.setdefault((repo_type, repo_id), threading.Lock())
-        with lock:
+            locks = [self._repo_locks.setdefault((repo_type, folded), threading.Lock())
+                     for folded in sorted({repo_id.lower() for repo_id in repo_ids})]
+        with contextlib.ExitStack() as held:
+            for lock in locks:
+                held.enter_context(lock)
             yield
 
     def create_repo(self, repo_type: str, repo_id: str, author: str, private: bool = False) -> None:
@@ -184,7 +207,7 @@ class Storage:
             self._write_atomically(
                 folder / "repo.json", canonical_json({"type": repo_type, "id": repo_id, "createdAt": created_at, "private": private})
             )
-            self._privacy.pop(folder, None)
+            self._privacy.pop(self._folder_key(folder), None)
             initial, raw = new_commit(None, {}, "initial commit", "", "system", created_at)
             self._write_atomically(folder / "commits" / f"{initial.id}.json", raw)
             # refs.json last: its presence is what makes the repo exist.
@@ -198,10 +221,11 @@ class Storage:
         """
         with self._repo_lock(repo_type, repo_id):
             folder = self.existing_repo_dir(repo_type, repo_id)
+            key = self._folder_key(folder)
             doomed = Path(tempfile.mkdtemp(dir=self.tmp)) / "repo"
             os.rename(folder, doomed)
             fsync_dir(folder.parent)
-            self._forget(folder)
+            self._forget(key)
         shutil.rmtree(doomed.parent, ignore_errors=True)
 
     def move_repo(self, repo_type: str, repo_id: str, new_repo_id: str) -> None:
@@ -215,10 +239,9 @@ class Storage:
         target = self.repo_dir(repo_type, new_repo_id)
         if source == target:
             raise HubError(400, f"Cannot move {repo_type} repo {repo_id} onto itself")
-        # Both locks, always in one order: two opposite moves cannot deadlock.
-        first, second = sorted([repo_id, new_repo_id])
-        with self._repo_lock(repo_type, first), self._repo_lock(repo_type, second):
+        with self._repo_lock(repo_type, repo_id, new_repo_id):
             source = self.existing_repo_dir(repo_type, repo_id)
+            key = self._folder_key(source)
             if target.exists():
                 if (target / "refs.json").is_file():
                     raise HubError(409, f"A {repo_type} repo {new_repo_id} already exists")
@@ -230,8 +253,7 @@ class Storage:
             fsync_dir(source.parent)
             record = json.loads((target / "repo.json").read_text())
             self._write_atomically(target / "repo.json", canonical_json({**record, "id": new_repo_id}))
-            self._forget(source)
-            self._forget(target)
+            self._forget(key)
 
     def set_private(self, repo_type: str, repo_id: str, private: bool) -> None:
         """Make a repo private (invisible without the token) or public."""
@@ -239,11 +261,11 @@ class Storage:
             folder = self.existing_repo_dir(repo_type, repo_id)
             record = json.loads((folder / "repo.json").read_text())
             self._write_atomically(folder / "repo.json", canonical_json({**record, "private": private}))
-            self._privacy[folder] = private
+            self._privacy[self._folder_key(folder)] = private
 
-    def _forget(self, folder: Path) -> None:
-        """Drop what is cached about the repo that was at `folder` (deleted or moved away)."""
-        self._privacy.pop(folder, None)
+    def _forget(self, key: tuple[int, int]) -> None:
+        """Drop what is cached about the repo whose folder had `key` (deleted or moved away)."""
+        self._privacy.pop(key, None)
         self._read_commit_cached.cache_clear()
 
     # -- refs and commits -----------------------------------------------------------------------

@@ -25,7 +25,10 @@ and the import (`kernels.get_local_kernel`, one module per kernel id). What this
 * a load by `version=` (or by branch or tag) records `refs/<name>` in the cache, so the same call works
   offline afterwards;
 * no build variant for this system raises `VariantNotFoundError` (a FileNotFoundError), which
-  `kernelize` reports as "this kernel cannot serve".
+  `kernelize` reports as "this kernel cannot serve";
+* a module loaded here can be handed to a caller that loads kernels by name through plain `kernels`
+  (transformers' flash path): `kernels_name` gives a repo id that `kernels.get_kernel` resolves to that very
+  module, never to the cache or the Hub (`kernels_names`).
 
 The environment is read as huggingface_hub and kernels read it: HF_ENDPOINT, HF_HUB_OFFLINE and
 HF_HUB_DISABLE_TELEMETRY when huggingface_hub is first imported, so set them before; HF_TOKEN, KERNELS_CACHE
@@ -65,6 +68,7 @@ from .hub_commits import (
     variant_files,
 )
 from .ids import REGEX_COMMIT_HASH, UnsafeIdError, locked_commit
+from .kernels_names import NotServableByNameError, served_name
 from .private_copies import import_copy, verified_copy, verify_variant
 
 # How kernels words "no variant for this system" when get_local_kernel finds none.
@@ -74,11 +78,13 @@ __all__ = [
     "CacheNotWritableError",
     "HubUnreachableError",
     "KernelIntegrityError",
+    "NotServableByNameError",
     "UnsafeIdError",
     "VariantNotFoundError",
     "get_kernel",
     "get_local_kernel",
     "get_locked_kernel",
+    "kernels_name",
     "load_kernel",
     "loaded_commit",
     "verify_variant",
@@ -87,12 +93,24 @@ __all__ = [
 # The Hub commit each module loaded here came from: a caller that hands the kernel's name to another loader
 # (transformers loads attention kernels by name) pins that commit, not a branch that may have moved since.
 _COMMITS: weakref.WeakKeyDictionary[ModuleType, str] = weakref.WeakKeyDictionary()
+# The variant folder of the private copy each module loaded here was verified in and imported from.
+_VARIANTS: weakref.WeakKeyDictionary[ModuleType, Path] = weakref.WeakKeyDictionary()
 
 
 def loaded_commit(module: ModuleType) -> str | None:
     """The commit `module` was verified and imported at by `get_kernel`, `get_locked_kernel` or `load_kernel`;
     None for a local build folder (`get_local_kernel`, or LOCAL_KERNELS) and for modules not loaded here."""
     return _COMMITS.get(module)
+
+
+def kernels_name(module: ModuleType, repo_id: str) -> str:
+    """A repo id under which plain `kernels.get_kernel` (as transformers calls it) returns `module`, a kernel of
+    `repo_id` loaded here, in this process, whatever kernels' cache holds or kernels' environment switches say:
+    `<repo_id>--<commit>--<kernel id>`, recorded in LOCAL_KERNELS (`kernels_names`).
+
+    NotServableByNameError if `module` was not loaded here, or its copy's path cannot be named in LOCAL_KERNELS.
+    """
+    return served_name(module, repo_id, _COMMITS.get(module), _VARIANTS.get(module))
 
 
 def get_kernel(
@@ -224,11 +242,23 @@ def _remember_commit(module: ModuleType, commit: str) -> ModuleType:
 def _import(copy: Path, backend: str | None, *, where: str) -> ModuleType:
     _refuse_kernel_dependencies(copy, where)
     try:
-        return import_copy(copy, backend=backend)
+        module = import_copy(copy, backend=backend)
     except FileNotFoundError as error:
         if str(error).startswith(_NO_VARIANT_MESSAGE):
             raise VariantNotFoundError(str(error).replace(str(copy), where)) from None
         raise
+    variant = _imported_variant(copy, module)
+    if variant is not None:
+        _VARIANTS[module] = variant
+    return module
+
+
+def _imported_variant(copy: Path, module: ModuleType) -> Path | None:
+    """The variant of `copy` kernels imported `module` from: the one whose kernel id is the module's name."""
+    import kernels
+
+    return next((variant for variant in sorted((copy / "build").iterdir())
+                 if kernels.Metadata.read_from_file(variant / METADATA_FILE).id == module.__name__), None)
 
 
 def _refuse_kernel_dependencies(copy: Path, where: str) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import re
 from collections.abc import Iterator
 
 import httpx2
@@ -15,11 +14,11 @@ from huggingface_hub import HfApi, RepoFile, RepoFolder
 from huggingface_hub.errors import HfHubHTTPError
 
 from ..digest import METADATA_FILE, KernelIntegrityError, is_blob_id
+from ..versions import VERSION_BRANCH
 from .ids import REGEX_COMMIT_HASH, UnsafeIdError, checked_commit, checked_relative_path
 
 logger = logging.getLogger(__name__)
 
-_VERSION_BRANCH = re.compile(r"v(0|[1-9][0-9]*)")
 
 
 class HubUnreachableError(ConnectionError):
@@ -78,7 +77,7 @@ def _version_branch(api: HfApi, repo_id: str, version: int) -> tuple[str, object
     Only canonical names count (`v1`, not `v01` or `v+1`), so one version is one branch.
     """
     branches = {int(branch.name[1:]): branch for branch in api.list_repo_refs(repo_id, repo_type="kernel").branches
-                if isinstance(branch.name, str) and _VERSION_BRANCH.fullmatch(branch.name)}
+                if isinstance(branch.name, str) and VERSION_BRANCH.fullmatch(branch.name)}
     if version not in branches:
         raise ValueError(f"Version {version} not found, available versions: {', '.join(map(str, sorted(branches)))}")
     latest = max(branches)

@@ -52,6 +52,8 @@ def locked_commit(lockfile: Path, repo_id: str) -> str:
         entries = json.loads(Path(lockfile).read_text())
     except ValueError as error:
         raise ValueError(f"{lockfile} is not a kernels lock file (not JSON: {error})") from None
+    except RecursionError:
+        raise ValueError(f"{lockfile} is not a kernels lock file (it nests too deeply to parse)") from None
     if not isinstance(entries, list):
         raise ValueError(f"{lockfile} is not a kernels lock file (not a list of locks)")
     for entry in entries:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
@@ -26,6 +27,8 @@ from .cache import cache_blobs
 # copies are registered by content: one at a time.
 _LOAD_LOCK = threading.RLock()
 _PRIVATE_FOLDER_PREFIX = "tpu-kernels-verified-"
+# A root is made under this name and renamed once its owner holds its lock.
+_STAGING_PREFIX = ".tpu-kernels-staging-"
 # Held (flock) by the process that owns a private root for as long as it lives: a root whose lock can be
 # taken belongs to a process that is gone (killed before its exit handler ran), and is removed.
 _OWNER_LOCK = ".owner.lock"
@@ -109,19 +112,36 @@ def _private_copies_root() -> Path:
     global _private_root
     with _LOAD_LOCK:
         if _private_root is None:
-            root = Path(tempfile.mkdtemp(prefix=_PRIVATE_FOLDER_PREFIX)).resolve()
-            try:
-                _check_private(root)
-            except KernelIntegrityError:
-                shutil.rmtree(root)
-                raise
-            handle = open(root / _OWNER_LOCK, "w")
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            root, handle = _locked_root()
             atexit.register(shutil.rmtree, root, True)
             _owner_locks.append(handle)
             _private_root = root
             _remove_abandoned_roots(root.parent, keep=root)
         return _private_root
+
+
+def _locked_root() -> tuple[Path, object]:
+    """A new private root and its lock file, held: made under a name other loaders do not look at, locked, then
+    renamed to its own, so no other process ever sees it unlocked (and takes it for abandoned)."""
+    while True:
+        staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX)).resolve()
+        try:
+            _check_private(staging)
+            handle = open(staging / _OWNER_LOCK, "x")
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            shutil.rmtree(staging)
+            raise
+        root = staging.with_name(_PRIVATE_FOLDER_PREFIX + staging.name.removeprefix(_STAGING_PREFIX))
+        try:
+            os.rename(staging, root)  # refused if `root` exists: an earlier root of that name is never empty
+        except OSError as error:
+            handle.close()
+            shutil.rmtree(staging)
+            if error.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            continue
+        return root, handle
 
 
 def _remove_abandoned_roots(temporary: Path, keep: Path) -> None:

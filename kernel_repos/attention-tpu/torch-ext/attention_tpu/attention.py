@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .ops import flash_attention
+from .padding import batch_rows, key_rows, padded, query_rows
 
 
 def attention_mask(*args, **kwargs):
@@ -76,6 +77,11 @@ def attention_forward(
     (GPT-OSS passes its `sinks` parameter so) or `sinks`. Differentiable:
     gradients reach query, key, value and the sinks.
 
+    Query and key lengths are padded to their buckets and the batch to a power
+    of two (`padding.py`), so a model compiles the kernel once per bucket, not
+    once per prompt length, generated token or batch size; the result is that
+    of the unpadded call.
+
     The mask is what `attention_mask` (above) produced: a boolean or additive
     4-D mask carries padding, sliding windows and cache offsets itself; None
     means causal (upper-left aligned, as sdpa's `is_causal`) for more than one
@@ -90,7 +96,14 @@ def attention_forward(
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    q_len, kv_len = query.shape[2], key.shape[2]
+    batch, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    # Padded to buckets (padding.py): the real key lengths hide the padded keys (and the padded sequences, which
+    # have none), the real offsets place the queries.
+    sequences, q_padded, kv_padded = batch_rows(batch), query_rows(q_len), key_rows(kv_len)
+    query = padded(padded(query, 2, q_padded), 0, sequences)
+    key, value = (padded(padded(tensor, 2, kv_padded), 0, sequences) for tensor in (key, value))
+    kv_lengths = padded(torch.full((batch,), kv_len, dtype=torch.int32, device=query.device), 0, sequences)
 
     if attention_mask is None:
         # sdpa's conventions for a skipped mask: `is_causal` only with more
@@ -98,17 +111,8 @@ def attention_forward(
         # transformers only skips to when that equals the bottom-right
         # alignment or the cache was empty.
         causal = bool(is_causal) and q_len > 1
-        out = flash_attention(
-            query,
-            key,
-            value,
-            scale=scaling,
-            causal=causal,
-            q_offset=0 if causal else kv_len - q_len,
-            sliding_window=sliding_window if causal else None,
-            softcap=softcap,
-            sinks=sinks,
-        )
+        masking = dict(causal=causal, q_offset=0 if causal else kv_len - q_len,
+                       sliding_window=sliding_window if causal else None)
     else:
         if attention_mask.dim() != 4:
             raise ValueError(
@@ -117,16 +121,11 @@ def attention_forward(
             )
         # As eager attention does: masks built for a longer static cache are cut to the keys present.
         attention_mask = attention_mask[:, :, :, :kv_len]
-        out = flash_attention(
-            query,
-            key,
-            value,
-            scale=scaling,
-            causal=False,
-            attention_mask=attention_mask,
-            softcap=softcap,
-            sinks=sinks,
-        )
+        masking = dict(causal=False, attention_mask=padded(padded(padded(attention_mask, 2, q_padded), 3, kv_padded),
+                                                           0, sequences if attention_mask.shape[0] == batch else 1))
+    out = flash_attention(query, key, value, scale=scaling, kv_lengths=kv_lengths, softcap=softcap, sinks=sinks,
+                          **masking)
+    out = out[:batch, :, :q_len]
     return out.transpose(1, 2).contiguous(), None
 
 

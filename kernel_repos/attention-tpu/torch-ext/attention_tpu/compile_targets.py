@@ -1,23 +1,22 @@
 """Shapes `tpu-kernels check` compiles ahead of time for each TPU generation.
 
-Forward (inference and training): Qwen3-30B-A3B attention (32 query heads, 4
-KV heads, head_dim 128, bf16): prefill of 4096 tokens (causal), decode steps
-of a batch of 8 against 4096 and 32768 cached tokens (with per-sequence cache
-lengths, as a static cache has them), the explicit-mask path (a left-padded
-prefill batch, as transformers builds it), the sliding-window / soft-capping
-path of Gemma-2-style layers, float32, GPT-OSS-20B's sliding layer with
-attention sinks (64 query heads, 8 KV heads, head_dim 64, window 128; q, K, V
-and the output read and written sequence-minor, as XLA stores them at head_dim
-64) and a decode step of its full layers (batch 8 against 4096 cached tokens,
-per-sequence lengths, sinks; K and V read keys-minor), and
-Gemma-4-26B-A4B's global layers (16 query heads, 2 KV heads, head_dim 512):
-prefill of 8192 tokens (causal) and decode steps of a batch of 64 against
-8192 cached tokens.
+The models' heads are `HEADS` (with their `WINDOWS` and `SINKS`): the one list of them.
+
+Forward (inference and training): Qwen3-30B-A3B attention (bf16): prefill of
+4096 tokens (causal), decode steps of a batch of 8 against 4096 and 32768
+cached tokens (with per-sequence cache lengths, as a static cache has them),
+the explicit-mask path (a left-padded prefill batch, as transformers builds
+it), the sliding-window / soft-capping path of Gemma-2-style layers (Gemma 4's
+sliding heads, a window of 4096), float32, GPT-OSS-20B's sliding layer with
+attention sinks (q, K, V and the output read and written sequence-minor, as
+XLA stores them at head_dim 64) and a decode step of its full layers (batch 8
+against 4096 cached tokens, per-sequence lengths, sinks; K and V read
+keys-minor), and Gemma-4-26B-A4B's global layers: prefill of 8192 tokens
+(causal) and decode steps of a batch of 64 against 8192 cached tokens.
 
 Backward (both kernels, dq and dk/dv, and the sink gradient) at training
 shapes of T = 8192 tokens per rank: Qwen3-30B-A3B (causal), Gemma-4-26B-A4B's
-sliding layers (16 query heads, 8 KV heads, head_dim 256, window 1024) and
-global layers (causal, head_dim 512), GPT-OSS-20B with sinks (through
+sliding layers and global layers (causal), GPT-OSS-20B with sinks (through
 jax.grad: forward and backward in one program, every array read and written
 sequence-minor), a padded batch with a boolean mask and a soft-cap, and
 float32.
@@ -34,10 +33,23 @@ from .flash.kernel import differentiable_flash_attention
 from .flash_backward.kernel import flash_attention_backward
 from .paged.compile_targets import paged_compile_targets
 
-QWEN3_30B_A3B = dict(q_heads=32, kv_heads=4, head_dim=128)
-GEMMA_4_SLIDING = dict(q_heads=16, kv_heads=8, head_dim=256)
-GEMMA_4_GLOBAL = dict(q_heads=16, kv_heads=2, head_dim=512)
-GPT_OSS_20B = dict(q_heads=64, kv_heads=8, head_dim=64)
+# The one list of the models' attention shapes, by tag: "<model>" or "<model> <layer kind>" where its layers differ.
+# Plain literals: the paged targets take them from here, and the lab reads them from this file without importing the
+# kernel (benchmarks/studies/model_shapes.py).
+HEADS = {
+    "qwen3-30b-a3b": {"q_heads": 32, "kv_heads": 4, "head_dim": 128},
+    "gpt-oss-20b": {"q_heads": 64, "kv_heads": 8, "head_dim": 64},
+    "gemma-4-26b-a4b sliding": {"q_heads": 16, "kv_heads": 8, "head_dim": 256},
+    "gemma-4-26b-a4b global": {"q_heads": 16, "kv_heads": 2, "head_dim": 512},
+}
+# The windows of the sliding layers: GPT-OSS-20B's (every other layer) and Gemma 4's.
+WINDOWS = {"gpt-oss-20b": 128, "gemma-4-26b-a4b sliding": 1024}
+# The models whose layers all take attention sinks (one learned logit per query head).
+SINKS = ("gpt-oss-20b",)
+QWEN3_30B_A3B = HEADS["qwen3-30b-a3b"]
+GEMMA_4_SLIDING = HEADS["gemma-4-26b-a4b sliding"]
+GEMMA_4_GLOBAL = HEADS["gemma-4-26b-a4b global"]
+GPT_OSS_20B = HEADS["gpt-oss-20b"]
 TOKENS_PER_RANK = 8192
 
 
@@ -55,12 +67,12 @@ def _backward_avals(batch, seq, *, q_heads, kv_heads, head_dim, dtype=jnp.bfloat
     return (q, q, k, v, q, jax.ShapeDtypeStruct((batch, q_heads, seq), jnp.float32))
 
 
-def compile_targets(generation):
+def _forward_targets(generation):
     flash_attention = functools.partial(differentiable_flash_attention, generation=generation)
-    backward = functools.partial(flash_attention_backward, generation=generation)
     lengths = jax.ShapeDtypeStruct((8,), jnp.int32)
     lengths_of_64 = jax.ShapeDtypeStruct((64,), jnp.int32)
     gpt_oss_sinks = jax.ShapeDtypeStruct((GPT_OSS_20B["q_heads"],), jnp.bfloat16)
+    gpt_oss_window = WINDOWS["gpt-oss-20b"]
 
     def with_lengths(q, k, v, kv_lengths):
         return flash_attention(q, k, v, kv_lengths=kv_lengths)
@@ -72,19 +84,56 @@ def compile_targets(generation):
         return flash_attention(q, k, v, sliding_window=4096, softcap=50.0)
 
     def with_sinks(q, k, v, sinks):
-        return flash_attention(q, k, v, sliding_window=128, sinks=sinks)
+        return flash_attention(q, k, v, sliding_window=gpt_oss_window, sinks=sinks)
 
     def decode_with_sinks(q, k, v, kv_lengths, sinks):
         return flash_attention(q, k, v, kv_lengths=kv_lengths, sinks=sinks)
 
+    tokens = TOKENS_PER_RANK
+    return [
+        ("qwen3-30b-a3b prefill B=1 S=4096 causal bf16", flash_attention, _qkv(1, 4096, 4096, **QWEN3_30B_A3B)),
+        ("qwen3-30b-a3b decode B=8 cache=4096 bf16", with_lengths, (*_qkv(8, 1, 4096, **QWEN3_30B_A3B), lengths)),
+        ("qwen3-30b-a3b decode B=8 cache=32768 bf16", with_lengths, (*_qkv(8, 1, 32768, **QWEN3_30B_A3B), lengths)),
+        (
+            "qwen3-30b-a3b prefill B=2 S=2048 bool mask bf16",
+            with_mask,
+            (*_qkv(2, 2048, 2048, **QWEN3_30B_A3B), jax.ShapeDtypeStruct((2, 1, 2048, 2048), jnp.bool_)),
+        ),
+        (
+            f"gemma-2-9b-like prefill B=1 S=8192 window=4096 softcap D={GEMMA_4_SLIDING['head_dim']} bf16",
+            windowed,
+            _qkv(1, 8192, 8192, **GEMMA_4_SLIDING),
+        ),
+        ("qwen3-30b-a3b prefill B=1 S=1000 causal f32", flash_attention,
+         _qkv(1, 1000, 1000, dtype=jnp.float32, **QWEN3_30B_A3B)),
+        (
+            f"gpt-oss-20b prefill B=1 S={tokens} window={gpt_oss_window} sinks bf16",
+            with_sinks,
+            (*_qkv(1, tokens, tokens, **GPT_OSS_20B), gpt_oss_sinks),
+        ),
+        ("gpt-oss-20b decode B=8 cache=4096 sinks bf16", decode_with_sinks,
+         (*_qkv(8, 1, 4096, **GPT_OSS_20B), lengths, gpt_oss_sinks)),
+        (f"gemma-4-26b-a4b global layer prefill B=1 S={tokens} causal D={GEMMA_4_GLOBAL['head_dim']} bf16",
+         flash_attention, _qkv(1, tokens, tokens, **GEMMA_4_GLOBAL)),
+        (f"gemma-4-26b-a4b global layer decode B=64 cache={tokens} D={GEMMA_4_GLOBAL['head_dim']} bf16", with_lengths,
+         (*_qkv(64, 1, tokens, **GEMMA_4_GLOBAL), lengths_of_64)),
+    ]
+
+
+def _backward_targets(generation):
+    flash_attention = functools.partial(differentiable_flash_attention, generation=generation)
+    backward = functools.partial(flash_attention_backward, generation=generation)
+    gpt_oss_sinks = jax.ShapeDtypeStruct((GPT_OSS_20B["q_heads"],), jnp.bfloat16)
+    gpt_oss_window, gemma_window = WINDOWS["gpt-oss-20b"], WINDOWS["gemma-4-26b-a4b sliding"]
+
     def backward_windowed(*arrays):
-        return backward(*arrays, sliding_window=1024)
+        return backward(*arrays, sliding_window=gemma_window)
 
     def training_gradients_with_sinks(q, k, v, d_out, sinks):
         """The gradients jax.grad takes through the forward and both backward kernels, in one program."""
 
         def loss(q, k, v, sinks):
-            out = with_sinks(q, k, v, sinks)
+            out = flash_attention(q, k, v, sliding_window=gpt_oss_window, sinks=sinks)
             return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
 
         return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, sinks)
@@ -102,42 +151,17 @@ def compile_targets(generation):
     tokens = TOKENS_PER_RANK
     padding_mask = jax.ShapeDtypeStruct((2, 1, tokens // 2, tokens // 2), jnp.bool_)
     return [
-        ("qwen3-30b-a3b prefill B=1 S=4096 causal bf16", flash_attention, _qkv(1, 4096, 4096, **QWEN3_30B_A3B)),
-        ("qwen3-30b-a3b decode B=8 cache=4096 bf16", with_lengths, (*_qkv(8, 1, 4096, **QWEN3_30B_A3B), lengths)),
-        ("qwen3-30b-a3b decode B=8 cache=32768 bf16", with_lengths, (*_qkv(8, 1, 32768, **QWEN3_30B_A3B), lengths)),
-        (
-            "qwen3-30b-a3b prefill B=2 S=2048 bool mask bf16",
-            with_mask,
-            (*_qkv(2, 2048, 2048, **QWEN3_30B_A3B), jax.ShapeDtypeStruct((2, 1, 2048, 2048), jnp.bool_)),
-        ),
-        (
-            "gemma-2-9b-like prefill B=1 S=8192 window=4096 softcap D=256 bf16",
-            windowed,
-            _qkv(1, 8192, 8192, q_heads=16, kv_heads=8, head_dim=256),
-        ),
-        ("qwen3-30b-a3b prefill B=1 S=1000 causal f32", flash_attention,
-         _qkv(1, 1000, 1000, dtype=jnp.float32, **QWEN3_30B_A3B)),
-        (
-            f"gpt-oss-20b prefill B=1 S={tokens} window=128 sinks bf16",
-            with_sinks,
-            (*_qkv(1, tokens, tokens, **GPT_OSS_20B), gpt_oss_sinks),
-        ),
-        ("gpt-oss-20b decode B=8 cache=4096 sinks bf16", decode_with_sinks,
-         (*_qkv(8, 1, 4096, **GPT_OSS_20B), lengths, gpt_oss_sinks)),
-        (f"gemma-4-26b-a4b global layer prefill B=1 S={tokens} causal D=512 bf16", flash_attention,
-         _qkv(1, tokens, tokens, **GEMMA_4_GLOBAL)),
-        (f"gemma-4-26b-a4b global layer decode B=64 cache={tokens} D=512 bf16", with_lengths,
-         (*_qkv(64, 1, tokens, **GEMMA_4_GLOBAL), lengths_of_64)),
         (f"backward qwen3-30b-a3b B=1 S={tokens} causal bf16", backward, _backward_avals(1, tokens, **QWEN3_30B_A3B)),
-        (f"backward gemma-4-26b-a4b global layer B=1 S={tokens} causal D=512 bf16", backward,
-         _backward_avals(1, tokens, **GEMMA_4_GLOBAL)),
+        (f"backward gemma-4-26b-a4b global layer B=1 S={tokens} causal D={GEMMA_4_GLOBAL['head_dim']} bf16",
+         backward, _backward_avals(1, tokens, **GEMMA_4_GLOBAL)),
         (
-            f"backward gemma-4-26b-a4b sliding layer B=1 S={tokens} window=1024 D=256 bf16",
+            f"backward gemma-4-26b-a4b sliding layer B=1 S={tokens} window={gemma_window} "
+            f"D={GEMMA_4_SLIDING['head_dim']} bf16",
             backward_windowed,
             _backward_avals(1, tokens, **GEMMA_4_SLIDING),
         ),
         (
-            f"jax.grad gpt-oss-20b B=1 S={tokens} window=128 sinks bf16",
+            f"jax.grad gpt-oss-20b B=1 S={tokens} window={gpt_oss_window} sinks bf16",
             training_gradients_with_sinks,
             (*_qkv(1, tokens, tokens, **GPT_OSS_20B), _qkv(1, tokens, tokens, **GPT_OSS_20B)[0], gpt_oss_sinks),
         ),
@@ -148,6 +172,10 @@ def compile_targets(generation):
         ),
         ("backward qwen3-30b-a3b B=1 S=1000 causal softcap f32", backward_f32,
          _backward_avals(1, 1000, dtype=jnp.float32, **QWEN3_30B_A3B)),
-        # Ragged paged attention (its shapes: `paged/compile_targets.py`).
-        *paged_compile_targets(generation),
     ]
+
+
+def compile_targets(generation):
+    # Ragged paged attention's shapes: `paged/compile_targets.py`, at the heads above.
+    return [*_forward_targets(generation), *_backward_targets(generation),
+            *paged_compile_targets(generation, HEADS, WINDOWS, SINKS)]

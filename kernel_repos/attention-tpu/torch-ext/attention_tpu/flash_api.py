@@ -18,6 +18,11 @@ sequence b spanning rows cu_seqlens[b]:cu_seqlens[b + 1]. With causal (and
 windows), query i of a sequence sits at key position i + Sk - Sq (aligned
 bottom-right, as flash-attn >= 2.1), so a query whose position is negative
 sees no key and its row is zero.
+
+Every kernel call is handed lengths padded to buckets (`padding.py`: query
+lengths and rows to token buckets, key lengths and rows to key buckets,
+numbers of sequences to powers of two), with the real lengths and offsets, so
+a model compiles each kernel a bounded number of times whatever its prompts.
 """
 
 from __future__ import annotations
@@ -25,7 +30,12 @@ from __future__ import annotations
 import torch
 
 from . import paged_ops
+from ._buckets import token_bucket
 from .ops import FLOAT_DTYPES, flash_attention
+from .padding import (
+    RAGGED_SEQUENCES_FLOOR, batch_rows, key_rows, padded, power_of_two, query_length_bound, query_rows,
+    with_empty_sequences,
+)
 
 
 def _window_options(window_size, causal: bool, kv_len: int) -> tuple[bool, int | None]:
@@ -108,11 +118,15 @@ def flash_attn_func(
     softcap = _refuse_unsupported(dropout_p, alibi_slopes, return_attn_probs, softcap)
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         _check_layout(name, tensor, 4, "[batch, seqlen, heads, head_dim]")
-    causal, sliding_window = _window_options(window_size, bool(causal), k.shape[1])
-    out = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=softmax_scale,
-                          causal=causal, sliding_window=sliding_window, softcap=softcap,
-                          sinks=_sinks(s_aux, learnable_sink))
-    return out.transpose(1, 2)
+    batch, q_len, kv_len = q.shape[0], q.shape[1], k.shape[1]
+    causal, sliding_window = _window_options(window_size, bool(causal), kv_len)
+    sequences, q_padded, kv_padded = batch_rows(batch), query_rows(q_len), key_rows(kv_len)
+    q, k, v = (padded(padded(tensor, 1, rows), 0, sequences).transpose(1, 2)
+               for tensor, rows in ((q, q_padded), (k, kv_padded), (v, kv_padded)))
+    out = flash_attention(q, k, v, scale=softmax_scale, causal=causal, q_offset=kv_len - q_len,
+                          kv_lengths=padded(torch.full((batch,), kv_len, device=q.device), 0, sequences),
+                          sliding_window=sliding_window, softcap=softcap, sinks=_sinks(s_aux, learnable_sink))
+    return out.transpose(1, 2)[:batch, :q_len]
 
 
 def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple[int, int]:
@@ -166,23 +180,6 @@ def _pad_sequences(packed: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int)
     return packed[rows].transpose(1, 2)
 
 
-def _bucket(size: int, floor: int = 1) -> int:
-    """The power of two at or above `size`, and at least `floor` (a power of two)."""
-    return max(floor, 1 << max(size - 1, 0).bit_length())
-
-
-def _with_empty_sequences(cu_seqlens: torch.Tensor, batch: int) -> torch.Tensor:
-    """`cu_seqlens` extended by empty sequences to `batch` of them."""
-    extra = batch + 1 - cu_seqlens.shape[0]
-    return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(extra)]) if extra else cu_seqlens
-
-
-def _with_rows(packed: torch.Tensor, rows: int) -> torch.Tensor:
-    """`packed` [total, H, D] extended by zero rows to `rows` of them."""
-    extra = rows - packed.shape[0]
-    return torch.nn.functional.pad(packed, (0, 0, 0, 0, 0, extra)) if extra else packed
-
-
 def padded_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, **options):
     """`flash_attn_varlen_func` on the flash kernel, which has a backward (inputs checked): packed q, k, v ->
     packed [total_q, Hq, D].
@@ -190,18 +187,18 @@ def padded_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
     Each sequence is padded to a common length; the flash kernel masks the
     padded keys by length (and skips key blocks past every length) and places
     each sequence's queries at its last positions; rows past
-    `cu_seqlens_q[-1]` come out zero. The batch and both lengths are rounded
-    up to powers of two: each new shape compiles the kernel anew.
+    `cu_seqlens_q[-1]` come out zero. The batch is rounded up to a power of
+    two, the lengths to their buckets: each new shape compiles the kernel anew.
     """
     total_q = q.shape[0]
     if total_q == 0 or cu_seqlens_q.shape[0] == 1 or k.shape[0] == 0:
         return q.new_zeros(q.shape)
-    batch = _bucket(cu_seqlens_q.shape[0] - 1)
-    padded_q, padded_k = _with_empty_sequences(cu_seqlens_q, batch), _with_empty_sequences(cu_seqlens_k, batch)
+    batch = power_of_two(cu_seqlens_q.shape[0] - 1)
+    padded_q, padded_k = with_empty_sequences(cu_seqlens_q, batch), with_empty_sequences(cu_seqlens_k, batch)
     q_lengths, kv_lengths = padded_q.diff(), padded_k.diff()
-    query_rows, key_rows = _bucket(max_seqlen_q), _bucket(max_seqlen_k)
-    out = flash_attention(_pad_sequences(q, padded_q, query_rows), _pad_sequences(k, padded_k, key_rows),
-                          _pad_sequences(v, padded_k, key_rows),
+    q_rows, kv_rows = query_rows(max(max_seqlen_q, 1)), key_rows(max(max_seqlen_k, 1))
+    out = flash_attention(_pad_sequences(q, padded_q, q_rows), _pad_sequences(k, padded_k, kv_rows),
+                          _pad_sequences(v, padded_k, kv_rows),
                           q_offset=(kv_lengths - q_lengths).to(torch.int32), kv_lengths=kv_lengths.to(torch.int32),
                           **options)
     # Each packed row: its sequence and its index in it.
@@ -209,24 +206,8 @@ def padded_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
     sequence = torch.bucketize(token, cu_seqlens_q[1:].to(torch.int64), right=True)
     inside = sequence < cu_seqlens_q.shape[0] - 1
     sequence = sequence.clamp(max=cu_seqlens_q.shape[0] - 2)
-    index = (token - cu_seqlens_q[sequence].to(torch.int64)).clamp(0, query_rows - 1)
+    index = (token - cu_seqlens_q[sequence].to(torch.int64)).clamp(0, q_rows - 1)
     return torch.where(inside[:, None, None], out[sequence, :, index], 0)
-
-
-# The fewest rows and sequences the ragged kernel is handed: one row tile of queries (16 tokens), one lane-wide
-# key block, and as many sequences as that tile holds decode rows (a sequence of no rows costs the kernel a few
-# scalar steps); below them a shape change would compile anew for next to no saving.
-RAGGED_QUERY_ROWS_FLOOR = 16
-RAGGED_KEY_ROWS_FLOOR = 128
-RAGGED_SEQUENCES_FLOOR = 16
-
-
-def _query_length_bound(max_seqlen_q: int, query_rows: int) -> int:
-    """The bound on any sequence's queries the ragged kernel is told (it only shapes its tiles): 1 for a decode
-    batch, else a power of two of at least one row tile, and no more than the rows."""
-    if max_seqlen_q <= 1:
-        return 1
-    return min(_bucket(max_seqlen_q, RAGGED_QUERY_ROWS_FLOOR), query_rows)
 
 
 def ragged_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *, scale, causal: bool,
@@ -237,22 +218,22 @@ def ragged_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
     The kernel reads each sequence's queries and keys where they lie, so a
     decode row costs one query's work whatever the other sequences' lengths.
     Continuous batching changes the batch at every step and each new shape
-    compiles the kernel anew, so the rows of q and of k, v and the number of
-    sequences are rounded up to powers of two (zero rows past the last
-    sequence, which no sequence owns and no key range reaches; sequences of
-    no queries and no keys), and so is the query-length bound.
+    compiles the kernel anew, so the rows of q and of k, v are padded to their
+    token and key buckets and the number of sequences to a power of two (zero
+    rows past the last sequence, which no sequence owns and no key range
+    reaches; sequences of no queries and no keys), and the query-length bound
+    to its token bucket.
     """
     total_q, num_seqs = q.shape[0], cu_seqlens_q.shape[0] - 1
     if total_q == 0 or num_seqs == 0 or k.shape[0] == 0:
         return q.new_zeros(q.shape)
-    sequences = _bucket(num_seqs, RAGGED_SEQUENCES_FLOOR)
-    query_rows = _bucket(total_q, RAGGED_QUERY_ROWS_FLOOR)
-    key_rows = _bucket(k.shape[0], RAGGED_KEY_ROWS_FLOOR)
+    sequences = power_of_two(num_seqs, RAGGED_SEQUENCES_FLOOR)
+    q_rows, kv_rows = token_bucket(total_q), key_rows(k.shape[0])
     out = paged_ops.ragged_varlen_attention(
-        _with_rows(q, query_rows), _with_rows(k, key_rows), _with_rows(v, key_rows),
-        _with_empty_sequences(cu_seqlens_q, sequences), _with_empty_sequences(cu_seqlens_k, sequences),
+        padded(q, 0, q_rows), padded(k, 0, kv_rows), padded(v, 0, kv_rows),
+        with_empty_sequences(cu_seqlens_q, sequences), with_empty_sequences(cu_seqlens_k, sequences),
         scale=scale, causal=causal, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
-        max_q_len=_query_length_bound(max_seqlen_q, query_rows))
+        max_q_len=query_length_bound(max_seqlen_q, q_rows))
     return out[:total_q]
 
 

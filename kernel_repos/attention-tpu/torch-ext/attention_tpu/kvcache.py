@@ -5,12 +5,18 @@ transformers reads this function's parameter names (`_process_flash_attention_kw
 `page_table`), `cache_seqlens`, `softmax_scale`, `causal`, `window_size`, `softcap` and `s_aux` (or
 `learnable_sink`) are the ones it hands over. Everything the kernel cannot do raises a ValueError naming the
 argument; nothing is ignored.
+
+The kernel is handed the query rows padded to their token bucket (rows past the last sequence, which no sequence
+owns) and the sequences to a power of two (empty ones: no queries, no keys), so that a model compiles it a bounded
+number of times whatever its prompts and batches (`padding.py`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ._buckets import token_bucket
+from .padding import RAGGED_SEQUENCES_FLOOR, padded, power_of_two, query_length_bound, with_empty_sequences
 from .paged_ops import ragged_paged_attention
 
 
@@ -49,6 +55,21 @@ def _cache_lengths(cache_seqlens, batch: int, device) -> torch.Tensor:
     return cache_seqlens.to(torch.int64)
 
 
+def _check_capacity(cache_seqlens, cache_lengths: torch.Tensor, new_len: int, capacity: int) -> None:
+    """Each sequence's cached keys plus its new ones fit in its cache (its pages, or its row), as flash-attn
+    requires. An int is checked always; a tensor where its values are on the host already (a CPU tensor, outside
+    torch.compile): on a TPU, reading them would wait for the device at every call."""
+    if not isinstance(cache_seqlens, torch.Tensor):
+        lengths = [cache_seqlens]
+    elif cache_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
+        lengths = cache_lengths.tolist()
+    else:
+        return
+    if any(length < 0 or length + new_len > capacity for length in lengths):
+        raise ValueError(f"flash_attn_with_kvcache: cache_seqlens {lengths} plus {new_len} new keys (k) must fit in "
+                         f"the cache's capacity of {capacity} keys per sequence, and cache_seqlens must be >= 0")
+
+
 def _write_new_keys(k_cache, v_cache, k, v, page_table, cache_lengths) -> None:
     """k, v [B, S_new, Hkv, D] into the cache pages at positions cache_lengths[b] + i, in place."""
     page_size = k_cache.shape[1]
@@ -74,7 +95,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     last Sq positions (causal is bottom-right aligned). window_size (left, right): a causal query sees its last
     left + 1 keys. softcap 0 means none. s_aux / learnable_sink [Hq]: attention sinks (GPT-OSS).
 
-    Refused with a ValueError naming the argument: rotary_cos/rotary_sin, cache_leftpad, alibi_slopes,
+    Refused with a ValueError naming the argument: cache_seqlens (plus new keys) past a sequence's cache
+    capacity or negative (checked where the values are on the host: an int, or a CPU tensor), rotary_cos/rotary_sin, cache_leftpad, alibi_slopes,
     return_softmax_lse=True, num_splits other than 0 or 1, cache_batch_idx with a page table, a window bounded
     on the right without causal. rotary_interleaved only qualifies rotary, which is refused.
     """
@@ -123,13 +145,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if cache_seqlens is None:
             cache_seqlens = k_cache.shape[1] - new_len
     cache_lengths = _cache_lengths(cache_seqlens, batch, q.device)
+    _check_capacity(cache_seqlens, cache_lengths, new_len, capacity=table.shape[1] * k_cache.shape[1])
     if k is not None:
         _write_new_keys(k_cache, v_cache, k, v, table, cache_lengths)
     kv_lens = (cache_lengths + new_len).to(torch.int32)
+    rows, sequences = batch * q_len, power_of_two(batch, RAGGED_SEQUENCES_FLOOR)
+    q_rows = token_bucket(rows) if rows else 0
     cu_q_lens = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * q_len
     out = ragged_paged_attention(
-        q.reshape(batch * q_len, q_heads, head_dim), k_cache, v_cache, cu_q_lens, kv_lens, table,
+        padded(q.reshape(rows, q_heads, head_dim), 0, q_rows), k_cache, v_cache,
+        with_empty_sequences(cu_q_lens, sequences), padded(kv_lens, 0, sequences), padded(table, 0, sequences),
         scale=softmax_scale, causal=causal, sliding_window=_window(window_size, bool(causal)),
-        softcap=None if not softcap else softcap, sinks=sinks, max_q_len=max(1, q_len),
+        softcap=None if not softcap else softcap, sinks=sinks, max_q_len=query_length_bound(q_len, max(q_rows, 1)),
     )
-    return out.reshape(batch, q_len, q_heads, head_dim)
+    return out[:rows].reshape(batch, q_len, q_heads, head_dim)

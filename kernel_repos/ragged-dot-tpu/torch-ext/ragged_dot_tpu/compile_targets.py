@@ -1,4 +1,5 @@
-"""Shapes `tpu-kernels check` compiles ahead of time for each TPU generation.
+"""Shapes `tpu-kernels check` compiles ahead of time for each TPU generation, at the models of `MODELS` (the one
+list of their experts layers' sizes).
 
 - The grouped matmul (`gmm.kernel.grouped_matmul`) on one projection of one MoE
   layer: rows are token-expert picks (tokens x top-k), 512 for a decode
@@ -7,16 +8,15 @@
   prefill chunk's 16384 rows are compiled inside Qwen3-30B-A3B's layer at
   T=2048 below (the same two calls, at the same tiles). The first
   projection with the gate in its epilogue (`gmm.plan.gated_plan`) at those
-  16384 rows: all 2I columns as one block (Gemma 4's I = 704, off the 128
+  16384 rows: all 2I columns as one block (Gemma 4's I, off the 128
   lanes, split in VMEM), and Qwen3's in halves of 256 columns per N tile.
 - The whole experts layer (`layer.experts_layer`: the routing in XLA and the
   kernels), which takes the fused kernel at decode sizes (T <= 256) and the
   grouped matmuls above, the first copying its rows from the tokens where it
-  can (`gmm.plan.gathered_plan`): Qwen3-30B-A3B (128 experts, H=2048, I=768, top-8)
-  on one chip (EP1) and on one rank of eight (EP8: 16 local experts),
-  Gemma-4-26B-A4B (128 experts, H=2816, I=704, top-8), GPT-OSS-20B (32
-  experts, H=I=2880, top-4, transposed interleaved weights with biases,
-  clamped SwiGLU) on one chip and on one rank of eight (4 experts), and the
+  can (`gmm.plan.gathered_plan`): Qwen3-30B-A3B on one chip (EP1) and on
+  one rank of eight (EP8), Gemma-4-26B-A4B, GPT-OSS-20B (transposed
+  interleaved weights with biases, clamped SwiGLU) on one chip and on one
+  rank of eight, and the
   one pick such a rank receives under EP dispatch, whose expert v5p's two
   cores share (`FusedConfig.cores_per_expert`: nine I tiles of 320, five and four).
   GPT-OSS at T=1 takes 16-row chunks, whose relayouts need the most of
@@ -31,12 +31,12 @@
 - The same with quantized weights (`common/quant.py`): int8 with per-output-channel
   scales, fp8 (e4m3) with 128 x 128 block scales and int4 (packed two per
   byte) with per-output-channel scales, for the layers of Qwen3-30B-A3B (EP8
-  decode: fused; EP1 prefill: grouped) and GPT-OSS-20B at EP8 decode (H = I =
-  2880: partial fp8 scale blocks; 4 local experts) and at one token on one
-  chip (32 experts, top-4: 16-row chunks of whole I tiles, where unpacking
+  decode: fused; EP1 prefill: grouped) and GPT-OSS-20B at EP8 decode (H and I
+  off the fp8 scale blocks: partial ones) and at one token on one
+  chip (16-row chunks of whole I tiles, where unpacking
   int4 needs the most VMEM of Mosaic's own); int4 also Gemma 4's
-  down projection as a grouped matmul at decode rows (`[E, H, I]` with I =
-  704 off the lanes: XLA stores it swapped, so int4 packs I and the kernel
+  down projection as a grouped matmul at decode rows (`[E, H, I]` with I
+  off the lanes: XLA stores it swapped, so int4 packs I and the kernel
   reads the swapped view). int4 on every generation but TPU7x, which
   refuses it (`common.quant.NOT_SERVED`). On TPU7x the fused fp8 layers (Qwen3's,
   and GPT-OSS's with its interleaved gate/up) multiply fp8 activations on the
@@ -57,31 +57,46 @@ from .plan import fused_path_config
 from .problem import ExpertsProblem, Gate, MatmulProblem
 from .tgmm.kernel import transposed_grouped_matmul
 
-GROUPED = {
-    "qwen3-30b-a3b": dict(experts=128, hidden=2048, intermediate=768, rows=(512,)),
-    "gemma-4-26b-a4b": dict(experts=128, hidden=2816, intermediate=704, rows=(512,)),
+# The one list of the models' experts layers, by tag: experts, hidden size, each expert's intermediate size, top-k,
+# the gate (`Gate`'s fields), whether the weights are stored transposed (`[E, in, out]`) and carry biases. Plain
+# literals: the lab reads them from this file without importing the kernel (benchmarks/studies/model_shapes.py).
+MODELS = {
+    "qwen3-30b-a3b": {"experts": 128, "hidden": 2048, "intermediate": 768, "top_k": 8,
+                      "gate": {"activation": "silu"}, "weights_transposed": False, "biases": False},
+    "gemma-4-26b-a4b": {"experts": 128, "hidden": 2816, "intermediate": 704, "top_k": 8,
+                        "gate": {"activation": "gelu_tanh"}, "weights_transposed": False, "biases": False},
+    "gpt-oss-20b": {"experts": 32, "hidden": 2880, "intermediate": 2880, "top_k": 4,
+                    "gate": {"activation": "clamped_swiglu", "interleaved": True, "alpha": 1.702, "limit": 7.0},
+                    "weights_transposed": True, "biases": True},
 }
+# The grouped matmul alone: the models it runs, at the rows of a decode batch.
+GROUPED = ("qwen3-30b-a3b", "gemma-4-26b-a4b")
+GROUPED_ROWS = (512,)
+
+
+def _layer(model, ranks, token_counts, top_k=None):
+    """(experts on one of `ranks` expert-parallel ranks, hidden, intermediate, top-k, layout, gate, token counts)."""
+    shape = MODELS[model]
+    return (shape["experts"] // ranks, shape["hidden"], shape["intermediate"], top_k or shape["top_k"],
+            dict(weights_transposed=shape["weights_transposed"]), dict(shape["gate"]), token_counts)
+
 
 LAYERS = {
-    # name: (experts on this rank, hidden, intermediate, top-k, layout, gate, token counts)
-    "qwen3-30b-a3b EP1": (128, 2048, 768, 8, dict(weights_transposed=False), dict(activation="silu"), (1, 256, 2048)),
-    "qwen3-30b-a3b EP8": (16, 2048, 768, 8, dict(weights_transposed=False), dict(activation="silu"), (256,)),
-    "gemma-4-26b-a4b": (128, 2816, 704, 8, dict(weights_transposed=False), dict(activation="gelu_tanh"), (256,)),
-    "gpt-oss-20b EP1": (32, 2880, 2880, 4, dict(weights_transposed=True), dict(
-        activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (1, 256, 2048)),
-    "gpt-oss-20b EP8": (4, 2880, 2880, 4, dict(weights_transposed=True), dict(
-        activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (64,)),
+    "qwen3-30b-a3b EP1": _layer("qwen3-30b-a3b", 1, (1, 256, 2048)),
+    "qwen3-30b-a3b EP8": _layer("qwen3-30b-a3b", 8, (256,)),
+    "gemma-4-26b-a4b": _layer("gemma-4-26b-a4b", 1, (256,)),
+    "gpt-oss-20b EP1": _layer("gpt-oss-20b", 1, (1, 256, 2048)),
+    "gpt-oss-20b EP8": _layer("gpt-oss-20b", 8, (64,)),
     # A rank's one received pick under EP dispatch (rows of top-1): on v5p both cores share its expert.
-    "gpt-oss-20b EP8 dispatch": (4, 2880, 2880, 1, dict(weights_transposed=True), dict(
-        activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (1,)),
+    "gpt-oss-20b EP8 dispatch": _layer("gpt-oss-20b", 8, (1,), top_k=1),
 }
 
 
 def _grouped_targets(generation, dtype):
     targets = []
-    for model, shape in GROUPED.items():
-        experts, hidden, intermediate = shape["experts"], shape["hidden"], shape["intermediate"]
-        for rows in shape["rows"]:
+    for model in GROUPED:
+        experts, hidden, intermediate = (MODELS[model][key] for key in ("experts", "hidden", "intermediate"))
+        for rows in GROUPED_ROWS:
             for projection, k, n in (("gate_up", hidden, 2 * intermediate), ("down", intermediate, hidden)):
                 fn = functools.partial(grouped_matmul, transpose_rhs=True, zero_rows_past_groups=False,
                                        generation=generation)
@@ -92,14 +107,13 @@ def _grouped_targets(generation, dtype):
                 )
                 targets.append((f"{model} {projection} M={rows} K={k} N={n} E={experts} bf16", fn, avals))
     for model, tile_n in GATED.items():
-        experts, hidden, intermediate = GROUPED[model]["experts"], GROUPED[model]["hidden"], GROUPED[model][
-            "intermediate"]
+        experts, hidden, intermediate = (MODELS[model][key] for key in ("experts", "hidden", "intermediate"))
         targets.append(_gated_target(model, experts, hidden, intermediate, tile_n, generation, dtype))
     return targets
 
 
 # The gated gate_up's N tile (over 2I): whole (one block, split after the matmul), or halves per N tile.
-GATED = {"gemma-4-26b-a4b": 2 * 704, "qwen3-30b-a3b": 512}
+GATED = {"gemma-4-26b-a4b": 2 * MODELS["gemma-4-26b-a4b"]["intermediate"], "qwen3-30b-a3b": 512}
 GATED_ROWS = 16384
 
 
@@ -138,6 +152,11 @@ def _layer_avals(tokens, hidden, top_k, dtype, gate_up, down, weights_dtype, *re
     )
 
 
+def _has_biases(layer):
+    """Whether the model of the layer named `layer` ("<model> EP8 ...") carries biases."""
+    return MODELS[next(model for model in MODELS if layer.startswith(model))]["biases"]
+
+
 def _path(problem, generation):
     """Which kernel the layer runs for `problem` (`plan.fused_path_config`), for the target's label."""
     return "grouped" if fused_path_config(problem, generation) is None else "fused"
@@ -147,7 +166,7 @@ def _layer_targets(generation, dtype):
     for model, (experts, hidden, intermediate, top_k, layout, gate, token_counts) in LAYERS.items():
         transposed = layout["weights_transposed"]
         gate_up, down = _weight_shapes(experts, hidden, intermediate, transposed)
-        biases = ((experts, 2 * intermediate), (experts, hidden)) if gate.get("activation") == "clamped_swiglu" else ()
+        biases = ((experts, 2 * intermediate), (experts, hidden)) if _has_biases(model) else ()
         for tokens in token_counts:
             fn = functools.partial(experts_layer, **layout, **gate, generation=generation)
             avals = _layer_avals(tokens, hidden, top_k, dtype, gate_up, down, dtype,
@@ -159,11 +178,7 @@ def _layer_targets(generation, dtype):
     return targets
 
 
-TRAINING = {
-    # name: (experts on this rank, hidden, intermediate, top-k)
-    "qwen3-30b-a3b EP1": (128, 2048, 768, 8),
-    "gemma-4-26b-a4b": (128, 2816, 704, 8),
-}
+TRAINING = {name: LAYERS[name][:4] for name in ("qwen3-30b-a3b EP1", "gemma-4-26b-a4b")}
 TRAINING_TOKENS = 8192
 
 
@@ -215,8 +230,7 @@ def _quantized_targets(generation, dtype):
         if (scheme, generation) in NOT_SERVED:
             continue
         for model, projection in SCHEME_PROJECTIONS.get(scheme, ()):
-            shape = GROUPED[model]
-            experts, hidden, intermediate = shape["experts"], shape["hidden"], shape["intermediate"]
+            experts, hidden, intermediate = (MODELS[model][key] for key in ("experts", "hidden", "intermediate"))
             k, n = (hidden, 2 * intermediate) if projection == "gate_up" else (intermediate, hidden)
             rhs = (experts, n, k)
             fn = functools.partial(grouped_matmul, transpose_rhs=True, zero_rows_past_groups=False,
@@ -229,7 +243,7 @@ def _quantized_targets(generation, dtype):
             transposed = layout["weights_transposed"]
             gate_up, down = _weight_shapes(experts, hidden, intermediate, transposed)
             out_axis = 2 if transposed else 1
-            has_bias = gate.get("activation") == "clamped_swiglu"
+            has_bias = _has_biases(model)
             biases = (jax.ShapeDtypeStruct((experts, 2 * intermediate), dtype),
                       jax.ShapeDtypeStruct((experts, hidden), dtype)) if has_bias else (None, None)
             for tokens in token_counts:

@@ -9,6 +9,11 @@ biases, plain or transposed weights) run as one op, `ops.gated_experts`
 `layer.py`); every other layout (custom gates, no gate, post-expert norms)
 composes torch ops around the ragged_dot op, so any valid model gets the
 right answer.
+
+Both paths see the token count padded to its bucket (`_buckets.token_bucket`):
+the padded rows are zeros picking only the expert-parallel sentinel (weight 0,
+never computed), and the result is sliced back to the real tokens. A model then
+compiles the layer's kernels once per bucket, not once per prompt length.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
+from ._buckets import token_bucket
 
 # Activation modules of torch and transformers mapped to the fused path's names.
 _FUSED_ACTIVATIONS = {
@@ -106,6 +112,18 @@ def composed_experts_forward(
     return unsorted.view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
 
 
+def _padded_to_bucket(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                      num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three inputs with zero tokens appended up to the token bucket, each picking only the sentinel expert."""
+    tokens = hidden_states.shape[0]
+    extra = token_bucket(int(tokens)) - tokens if tokens else 0  # no tokens: no kernel runs, nothing to pad
+    if extra == 0:
+        return hidden_states, top_k_index, top_k_weights
+    rows = (0, 0, 0, extra)
+    return (torch.nn.functional.pad(hidden_states, rows), torch.nn.functional.pad(top_k_index, rows, value=num_experts),
+            torch.nn.functional.pad(top_k_weights, rows))
+
+
 def experts_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
@@ -113,8 +131,18 @@ def experts_forward(
 
     Picks with id == num_experts are expert-parallel sentinels: never computed,
     contributing zero. Inputs are checked once per call, by the op that runs
-    the layer (`ops.gated_experts`, or `ops.check_routing` on the composed path).
+    the layer (`ops.gated_experts`, or `ops.check_routing` on the composed path);
+    the routing's shapes also before T is padded to its bucket (module docstring).
     """
+    ops.check_routing(hidden_states, top_k_index, top_k_weights)  # before padding: errors name the caller's T
+    tokens = hidden_states.shape[0]
+    padded = _padded_to_bucket(hidden_states, top_k_index, top_k_weights, self.num_experts)
+    return _bucketed_experts_forward(self, *padded)[:tokens]
+
+
+def _bucketed_experts_forward(
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     gate = fused_gate(self)
     if gate is None:
         return composed_experts_forward(self, hidden_states, top_k_index, top_k_weights)

@@ -3,6 +3,12 @@
 The JAX functions (`norm/kernel.py`) assume valid inputs; the ops' gradients
 are those of its `jax.custom_vjp` functions, which the binding hands to torch
 autograd.
+
+The ops see the rows (every dimension of x but the last) padded with zero rows
+to their bucket (`_buckets.token_bucket`) and the results are cut back, so a
+model compiles each kernel once per bucket, not once per prompt length. A zero
+row normalises to zero and adds nothing to the weight's gradient; cutting the
+result gives the padded rows a zero cotangent.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import math
 import jax
 import torch
 
+from ._buckets import token_bucket
 from ._ops import add_op_namespace_prefix, jax_torch_op
 from .norm.kernel import differentiable_fused_add_rms_norm, differentiable_rms_norm
 
@@ -59,6 +66,19 @@ def _check_norm_inputs(x, weight, eps, offset) -> tuple[float, float]:
     return _check_number("eps", eps, positive=True), _check_number("offset", offset, positive=False)
 
 
+def _on_bucketed_rows(op, *row_tensors: torch.Tensor):
+    """`op` of the row tensors (one shape [..., H]) as [bucket rows, H], its results cut back to their shape."""
+    shape = row_tensors[0].shape
+    rows = math.prod(shape[:-1])
+    if rows == 0 or shape[-1] == 0:
+        return op(*row_tensors)
+    extra = token_bucket(int(rows)) - rows
+    results = op(*(torch.nn.functional.pad(t.reshape(rows, shape[-1]), (0, 0, 0, extra)) for t in row_tensors))
+    if isinstance(results, torch.Tensor):
+        return results[:rows].reshape(shape)
+    return tuple(result[:rows].reshape(shape) for result in results)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0) -> torch.Tensor:
     """x / sqrt(mean(x**2, -1) + eps) * (offset + weight), in float32, returned in x's dtype.
 
@@ -67,7 +87,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float
     0) gives an empty result without running a kernel.
     """
     eps, offset = _check_norm_inputs(x, weight, eps, offset)
-    return _rms_norm_op(x, weight, eps, offset)
+    return _on_bucketed_rows(lambda rows: _rms_norm_op(rows, weight, eps, offset), x)
 
 
 def fused_add_rms_norm(
@@ -85,4 +105,5 @@ def fused_add_rms_norm(
             f"residual must match x: x is {x.dtype} {list(x.shape)}, "
             f"residual is {residual.dtype} {list(residual.shape)}"
         )
-    return _fused_add_rms_norm_op(x, residual, weight, eps, offset)
+    return _on_bucketed_rows(
+        lambda rows, residual_rows: _fused_add_rms_norm_op(rows, residual_rows, weight, eps, offset), x, residual)

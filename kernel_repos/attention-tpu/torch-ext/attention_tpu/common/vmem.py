@@ -3,7 +3,7 @@ kernel's WORKING_SET_MARGIN on its VMEM estimates and its WORKING_SET_BOUND_BYTE
 
 from __future__ import annotations
 
-from .._hardware import MIB, vmem_budget_bytes, vmem_limit_bytes
+from .._hardware import MIB, TpuGeneration, vmem_budget_bytes, vmem_limit_bytes
 
 # Working sets the heuristics stay within (the policy's `bound_bytes`). The
 # kernels raise the scoped limit to what a config needs, so these bound tile
@@ -21,12 +21,13 @@ WORKING_SET_BOUND_BYTES = {"v5e": 24 * MIB, "v5p": 24 * MIB, "v6e": 32 * MIB, "t
 WORKING_SET_MARGIN = 1.5
 
 
-def vmem_budget(generation: str) -> int:
-    """What a config's working set may take on `generation`: the shared policy's budget with WORKING_SET_MARGIN,
-    within WORKING_SET_BOUND_BYTES."""
-    return vmem_budget_bytes(generation, margin=WORKING_SET_MARGIN, bound_bytes=WORKING_SET_BOUND_BYTES[generation])
+def vmem_budget(target: TpuGeneration) -> int:
+    """What a config's working set may take on `target`: the shared policy's budget with WORKING_SET_MARGIN, within
+    WORKING_SET_BOUND_BYTES."""
+    return vmem_budget_bytes(target.name, margin=WORKING_SET_MARGIN,
+                             bound_bytes=WORKING_SET_BOUND_BYTES[target.name])
 
 
-def vmem_limit(working_set_bytes: int, generation: str) -> int:
-    """The scoped VMEM limit asked for a working set on `generation`: the shared policy's, with WORKING_SET_MARGIN."""
-    return vmem_limit_bytes(working_set_bytes, generation, margin=WORKING_SET_MARGIN)
+def vmem_limit(working_set_bytes: int, target: TpuGeneration) -> int:
+    """The scoped VMEM limit asked for a working set on `target`: the shared policy's, with WORKING_SET_MARGIN."""
+    return vmem_limit_bytes(working_set_bytes, target.name, margin=WORKING_SET_MARGIN)

@@ -1,9 +1,8 @@
 """The forward kernel (prefill, chunked prefill and decode): `kernel.py` runs it (and joins it to the backward
 kernels as one differentiable function), `plan.py` lays its grid from the tiles `tiles.py` selects
-(`tuned_tiles.json`: the tuned table), `layout.py` says in which order XLA stores K and V, which the kernel reads
-them in."""
+(`tuned_tiles.json`: the tuned table)."""
 
 # Its seams (`tiles.select`, `plan.make`, `kernel.call`), bound by name (the package's `__init__.py` says why).
-from . import kernel, layout, plan, tiles
+from . import kernel, plan, tiles
 
-__all__ = ["kernel", "layout", "plan", "tiles"]
+__all__ = ["kernel", "plan", "tiles"]

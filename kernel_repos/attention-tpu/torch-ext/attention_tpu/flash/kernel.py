@@ -22,7 +22,7 @@ One forward kernel serves prefill, chunked prefill and decode:
 * q, K, V and the output are read and written in the layout XLA stores them
   in by default: row-major [B, H, S, D], or where XLA stores them
   sequence-minor (head_dim 64 over more than 64 positions,
-  `layout.sequence_minor_by_default`) as their swapped view [B, H, D, S], a
+  `common.layout.sequence_minor_by_default`) as their swapped view [B, H, D, S], a
   free bitcast. K and V then come in [D, block_kv] tiles: the logits are
   q [rows, D] @ k^T [D, block_kv] and the PV product contracts the keys, the
   lanes of p and of v^T. A prefill's q then comes in [group, D, block_q]
@@ -62,7 +62,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common import masking
+from .._hardware import TpuGeneration, resolve_target
+from ..common import masking, softmax
 from ..common.heads import loop_over_heads
 from ..common.masking import Attention, Prepared, Problem
 from ..common.tiles import AttentionConfig
@@ -85,6 +86,10 @@ class _ForwardRefs(NamedTuple):
     sum: object  # [slices, rows, 1] f32: running sum of each row's exponentials
     acc: object  # [slices, rows, D] f32
     q_rows: object | None = None  # [slices, rows, D]: q read queries-minor, transposed once per query block
+
+    @property
+    def softmax(self) -> softmax.SoftmaxState:
+        return softmax.SoftmaxState(self.max, self.sum, self.acc)
 
 
 class _Position(NamedTuple):
@@ -133,9 +138,7 @@ def _attend_block(refs: _ForwardRefs, at: _Position, problem: Problem, plan: For
     visible = bias = value_valid = None
     if apply_mask:
         visible, bias, value_valid = _visibility(refs, at, problem, plan)
-    # Logits q [rows, D] . k over D; the PV product p [rows, block_kv] . v over the keys.
     key_axis = _key_axis(plan)
-    qk_dims, pv_dims = (((1,), (1 - key_axis,)), ((), ())), (((1,), (key_axis,)), ((), ()))
 
     def load_kv(head):
         k, v = refs.k[head], refs.v[head]
@@ -147,25 +150,13 @@ def _attend_block(refs: _ForwardRefs, at: _Position, problem: Problem, plan: For
     queries = refs.q if refs.q_rows is None else refs.q_rows
 
     def attend(s, k, v):
-        raw = jax.lax.dot_general(queries[s], k, qk_dims, preferred_element_type=jnp.float32,
-                                  precision=problem.precision)
+        raw = softmax.raw_logits(queries[s], k, key_axis=key_axis, precision=problem.precision)
         logits = masking.capped_logits(problem, raw)
         if bias is not None:
             logits = logits + bias
         if visible is not None:
             logits = jnp.where(visible, logits, -jnp.inf)
-        max_prev = refs.max[s]
-        max_next = jnp.maximum(max_prev, jnp.max(logits, axis=1, keepdims=True))
-        # A row that has seen no visible key yet keeps max -inf; shift by 0
-        # instead so exp() gives 0 rather than exp(-inf + inf) = NaN.
-        shift = jnp.where(max_next == -jnp.inf, 0.0, max_next)
-        probs = jnp.exp(logits - shift)
-        rescale = jnp.exp(max_prev - shift)
-        refs.sum[s] = rescale * refs.sum[s] + jnp.sum(probs, axis=1, keepdims=True)
-        refs.acc[s] = rescale * refs.acc[s] + jax.lax.dot_general(
-            probs.astype(v.dtype), v, pv_dims, preferred_element_type=jnp.float32, precision=problem.precision,
-        )
-        refs.max[s] = max_next
+        softmax.update(refs.softmax, s, logits, v, key_axis=key_axis, precision=problem.precision)
 
     shared_kv = None if plan.decode else load_kv(0)
 
@@ -188,14 +179,7 @@ def _forward_kernel(q_offset_ref, kv_valid_ref, block_lo_ref, block_hi_ref, q_re
 
     @pl.when(kv_step == 0)
     def _init():
-        if sinks_ref is None:
-            refs.max[...] = jnp.full(refs.max.shape, -jnp.inf, jnp.float32)
-            refs.sum[...] = jnp.zeros(refs.sum.shape, jnp.float32)
-        else:
-            # The sink is one more logit in every row's softmax, over a zero value: exp(sink - max) = 1.
-            refs.max[...] = jnp.broadcast_to(sinks_ref[...], refs.max.shape)
-            refs.sum[...] = jnp.ones(refs.sum.shape, jnp.float32)
-        refs.acc[...] = jnp.zeros(refs.acc.shape, jnp.float32)
+        softmax.start(refs.softmax, None if sinks_ref is None else sinks_ref[...])
         if refs.q_rows is not None:
             # q^T [D, block_q] -> [block_q, D] once per query block, so that every KV step multiplies row-major q.
             def transpose_query(s):
@@ -232,16 +216,12 @@ def _store_output(refs: _ForwardRefs) -> None:
     """The accumulator over the softmax sum into the output block: [slices, rows, D], or queries-minor [slices, D,
     rows] (each slice transposed)."""
 
-    def normalized(index):
-        total = refs.sum[index]
-        return jnp.where(total == 0.0, 0.0, refs.acc[index] / jnp.where(total == 0.0, 1.0, total))
-
     if refs.q_rows is None:
-        refs.out[...] = normalized(...).astype(refs.out.dtype)
+        refs.out[...] = softmax.normalized(refs.softmax, ...).astype(refs.out.dtype)
         return
 
     def store_transposed(s):
-        refs.out[s] = normalized(s).T.astype(refs.out.dtype)
+        refs.out[s] = softmax.normalized(refs.softmax, s).T.astype(refs.out.dtype)
 
     loop_over_heads(refs.acc.shape[0], store_transposed)
 
@@ -412,18 +392,17 @@ def flash_attention_forward(
     v: jax.Array,
     *,
     config: AttentionConfig | None = None,
-    generation: str | None = None,
+    generation: str | TpuGeneration | None = None,
     **options,
 ) -> tuple[jax.Array, jax.Array]:
     """(out [B, Hq, Sq, D], log-sum-exp float32 [B, Hq, Sq]) of `differentiable_flash_attention`; `options` those
     of `masking.Attention`."""
-    return attention_forward(q, k, v, Attention(**options), config, generation)
+    return attention_forward(q, k, v, Attention(**options), resolve_target(generation), config)
 
 
-def attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, attention: Attention,
-                      config: AttentionConfig | None = None,
-                      generation: str | None = None) -> tuple[jax.Array, jax.Array]:
-    """`flash_attention_forward` of an `Attention` value.
+def attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, attention: Attention, target: TpuGeneration,
+                      config: AttentionConfig | None = None) -> tuple[jax.Array, jax.Array]:
+    """`flash_attention_forward` of an `Attention` value on `target` (a generation's facts, resolved once).
 
     The log-sum-exp is that of each row's softmax denominator, the sink
     included; -inf for a row that sees no key and has no sink.
@@ -436,7 +415,7 @@ def attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, attention: Atten
         no_key = jnp.full((q_heads,), -jnp.inf, jnp.float32) if sinks is None else sinks.astype(jnp.float32)
         return jnp.zeros(q.shape, q.dtype), jnp.broadcast_to(no_key[None, :, None], (batch, q_heads, q_len))
     problem, prepared = masking.prepare(q, k, attention)
-    return call(q, k, v, prepared, make(problem, generation, config))
+    return call(q, k, v, prepared, make(problem, target, config))
 
 
 class _Tiling(NamedTuple):
@@ -444,24 +423,24 @@ class _Tiling(NamedTuple):
 
     config: AttentionConfig | None
     backward_config: BackwardConfig | None
-    generation: str | None
+    target: TpuGeneration
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _differentiable_attention(tiling: _Tiling, q, k, v, attention: Attention):
-    out, _ = attention_forward(q, k, v, attention, tiling.config, tiling.generation)
+    out, _ = attention_forward(q, k, v, attention, tiling.target, tiling.config)
     return out
 
 
 def _attention_vjp_forward(tiling: _Tiling, q, k, v, attention: Attention):
-    out, lse = attention_forward(q, k, v, attention, tiling.config, tiling.generation)
+    out, lse = attention_forward(q, k, v, attention, tiling.target, tiling.config)
     return out, (q, k, v, attention, out, lse)
 
 
 def _attention_vjp_backward(tiling: _Tiling, residuals, d_out):
     q, k, v, attention, out, lse = residuals
-    dq, dk, dv, d_sinks = attention_backward(d_out, q, k, v, out, lse, attention, tiling.backward_config,
-                                             tiling.generation)
+    dq, dk, dv, d_sinks = attention_backward(d_out, q, k, v, out, lse, attention, tiling.target,
+                                             tiling.backward_config)
     # Offsets, lengths and the mask are not differentiated (None: a zero cotangent).
     no_gradient = dict(q_offset=None, kv_lengths=None, attention_mask=None)
     return dq, dk, dv, dataclasses.replace(attention, sinks=d_sinks, **no_gradient)
@@ -477,7 +456,7 @@ def differentiable_flash_attention(
     *,
     config: AttentionConfig | None = None,
     backward_config: BackwardConfig | None = None,
-    generation: str | None = None,
+    generation: str | TpuGeneration | None = None,
     **options,
 ) -> jax.Array:
     """Attention of q[B, Hq, Sq, D] over k, v[B, Hkv, Skv, D] -> [B, Hq, Sq, D]; differentiable.
@@ -485,10 +464,11 @@ def differentiable_flash_attention(
     `options` are those of `masking.Attention` (scale, causal, q_offset,
     kv_lengths, sliding_window, softcap, attention_mask, sinks). Tiles:
     `config` and `backward_config`, else those of `tiles.select` and
-    `flash_backward.tiles.select` for `generation`
-    (default this device's). jax.grad/jax.vjp run the backward Pallas kernels
+    `flash_backward.tiles.select` for `generation` (a name or its facts;
+    default this device's), resolved once here. jax.grad/jax.vjp run the backward Pallas kernels
     (`flash_backward.kernel.attention_backward`) for q, k, v and sinks;
     offsets, lengths and the mask get no gradient. Inputs are assumed valid
     (see the module docstring).
     """
-    return _differentiable_attention(_Tiling(config, backward_config, generation), q, k, v, Attention(**options))
+    tiling = _Tiling(config, backward_config, resolve_target(generation))
+    return _differentiable_attention(tiling, q, k, v, Attention(**options))

@@ -7,11 +7,11 @@ import dataclasses
 
 from jax.experimental import pallas as pl
 
-from .._hardware import LANES
+from .._hardware import LANES, TpuGeneration
 from ..common import masking
+from ..common.layout import sequence_minor_by_default
 from ..common.masking import Problem
 from ..common.tiles import AttentionConfig
-from .layout import sequence_minor_by_default
 from .tiles import check_config, is_decode, select
 
 
@@ -36,16 +36,16 @@ class ForwardPlan:
     queries_minor: bool
 
 
-def make(problem: Problem, generation: str | None = None, config: AttentionConfig | None = None) -> ForwardPlan:
-    """The forward's grid for `problem` at `config`'s tiles (checked), else `select`'s on `generation` (default:
-    this device's): the KV axis only as long as a query block's visible keys span (`masking.kv_steps`). K and V
-    are read keys-minor where XLA stores them so and the KV blocks are whole lane tiles (a config whose block_kv
-    is the whole, shorter key length reads them row-major: XLA copies them then); q and the output of a prefill
-    likewise queries-minor, by its query blocks."""
+def make(problem: Problem, target: TpuGeneration, config: AttentionConfig | None = None) -> ForwardPlan:
+    """The forward's grid for `problem` at `config`'s tiles (checked), else `select`'s on `target` (a generation's
+    facts, resolved once by the caller): the KV axis only as long as a query block's visible keys span
+    (`masking.kv_steps`). K and V are read keys-minor where XLA stores them so and the KV blocks are whole lane tiles
+    (a config whose block_kv is the whole, shorter key length reads them row-major: XLA copies them then); q and the
+    output of a prefill likewise queries-minor, by its query blocks."""
     if config is None:
-        config = select(problem, generation)
+        config = select(problem, target)
     else:
-        check_config(config, q_len=problem.q_len, kv_len=problem.kv_len, kv_heads=problem.kv_heads)
+        check_config(config, problem)
     decode = is_decode(problem.q_len)
     block_q = 1 if decode else config.block_q
     num_kv_blocks = pl.cdiv(problem.kv_len, config.block_kv)

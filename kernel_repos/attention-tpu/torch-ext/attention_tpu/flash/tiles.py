@@ -1,10 +1,12 @@
 """Tiles of the forward kernel (`flash.kernel`) per shape and TPU generation.
 
-`select` takes the tiles of TUNED_TILES (tuned_tiles.json, beside this
+`select(problem, target)` takes the tiles of TUNED_TILES (tuned_tiles.json, beside this
 module) when it holds the shape, else the heuristic (`heuristic_config`):
 preferred tiles per generation, shrunk until the working set fits the VMEM
 budget (`common.vmem.vmem_budget`); decode steps span as many KV heads as fit
-DECODE_STEP_BYTES. The kernel then asks Mosaic for a scoped VMEM limit from
+DECODE_STEP_BYTES. Every function here takes the call's `Problem` and the
+generation's facts (`target`, a `_hardware.TpuGeneration` its caller resolved
+once) rather than their fields. The kernel then asks Mosaic for a scoped VMEM limit from
 its working set (`common.vmem.vmem_limit`). Budget and limit are the VMEM
 policy every tpu-kernels build shares (`_hardware.py`), as are the TPU facts
 (tiling, VMEM limits); the tuned table has the form every kernel's has
@@ -18,12 +20,12 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from .._hardware import LANES, MIB, SUBLANES, check_generation, resolve_generation, round_up
+from .._hardware import LANES, MIB, SUBLANES, TpuGeneration, round_up
 from .._tuning import read_tuned_tiles
+from ..common.layout import sequence_minor_by_default
 from ..common.masking import Problem
 from ..common.tiles import MASK_ROWS, Q_BLOCK_MULTIPLE, AttentionConfig, shrink_block
 from ..common.vmem import vmem_budget, vmem_limit
-from .layout import sequence_minor_by_default
 
 # Preferred tiles (query positions per prefill block, keys per prefill block,
 # keys per decode block), chosen with the grid-replay model of
@@ -94,45 +96,56 @@ def is_decode(q_len: int) -> bool:
     return q_len == 1
 
 
-def vmem_bytes(*, decode, group, block_q, block_kv, kv_heads_per_step, head_dim, itemsize, mask_itemsize,
-               queries_minor=False) -> int:
-    """Estimated VMEM working set of one configuration (pipeline buffers, scratch, temporaries); `queries_minor`: q
-    read queries-minor (`plan.ForwardPlan`), so transposed into a scratch of its rows."""
+def vmem_bytes(problem: Problem, tiles: ForwardTiles) -> int:
+    """Estimated VMEM working set of the forward at `problem` with `tiles` (pipeline buffers, scratch,
+    temporaries); a prefill whose q is read queries-minor (`plan.ForwardPlan`) transposes it into a scratch of its
+    rows."""
+    decode = is_decode(problem.q_len)
+    group, head_dim, block_kv = problem.group, problem.head_dim, tiles.block_kv
+    itemsize = jnp.dtype(problem.dtype).itemsize
+    mask_itemsize = 0 if problem.mask_dtype is None else jnp.dtype(problem.mask_dtype).itemsize
     # A step holds `slices` row blocks of `rows` query rows: the group's heads
     # (prefill), or one block of `group` rows per KV head (decode).
-    slices, rows = (kv_heads_per_step, group) if decode else (group, block_q)
+    slices, rows = (tiles.kv_heads_per_step, group) if decode else (group, tiles.block_q)
     padded_rows = round_up(rows, SUBLANES)
     q_and_out = 2 * 2 * slices * padded_rows * head_dim * itemsize  # double-buffered q and out blocks
     scratch = slices * padded_rows * (head_dim + 2 * LANES) * 4  # acc, running max and sum (lane padded)
-    kv = 2 * 2 * kv_heads_per_step * block_kv * head_dim * itemsize  # double-buffered k and v blocks
+    kv = 2 * 2 * tiles.kv_heads_per_step * block_kv * head_dim * itemsize  # double-buffered k and v blocks
     temporaries = 4 * padded_rows * round_up(block_kv, LANES) * 4  # logits, probabilities, masks of one slice
-    mask_rows = MASK_ROWS if decode else round_up(block_q, MASK_ROWS)
+    mask_rows = MASK_ROWS if decode else round_up(tiles.block_q, MASK_ROWS)
     mask = 2 * mask_rows * round_up(block_kv, LANES) * mask_itemsize
     # Double-buffered log-sum-exp block: [group, 1, block_q] (prefill) or [KV heads, group, 1] (decode).
     if decode:
-        lse = 2 * kv_heads_per_step * round_up(group, SUBLANES) * LANES * 4
+        lse = 2 * tiles.kv_heads_per_step * round_up(group, SUBLANES) * LANES * 4
     else:
-        lse = 2 * group * SUBLANES * round_up(block_q, LANES) * 4
+        lse = 2 * group * SUBLANES * round_up(tiles.block_q, LANES) * 4
+    queries_minor = (not decode and sequence_minor_by_default(problem.q_len, head_dim)
+                     and tiles.block_q % LANES == 0)
     q_rows = slices * padded_rows * head_dim * itemsize if queries_minor else 0
     return q_and_out + scratch + kv + temporaries + mask + lse + q_rows
 
 
-def forward_vmem_bytes(tiles: ForwardTiles, *, q_heads: int, kv_heads: int, q_len: int, head_dim: int, dtype,
-                       mask_dtype) -> int:
-    """`vmem_bytes` of the forward with `tiles` at one shape."""
-    decode = is_decode(q_len)
-    queries_minor = not decode and sequence_minor_by_default(q_len, head_dim) and tiles.block_q % LANES == 0
-    return vmem_bytes(decode=decode, group=q_heads // kv_heads, block_q=tiles.block_q,
-                      block_kv=tiles.block_kv, kv_heads_per_step=tiles.kv_heads_per_step, head_dim=head_dim,
-                      itemsize=jnp.dtype(dtype).itemsize,
-                      mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize,
-                      queries_minor=queries_minor)
+def _preferred_blocks(problem: Problem, target: TpuGeneration) -> tuple[int, int]:
+    """(block_q, block_kv) of the preferred tiles for `problem`, within its lengths and, under a sliding window,
+    WINDOW_BLOCK_SPAN windows; whole lane tiles along an axis XLA stores sequence-minor."""
+    decode = is_decode(problem.q_len)
+    preferred_q, preferred_kv_prefill, preferred_kv_decode = PREFERRED_TILES_BY_HEAD_DIM.get(
+        problem.head_dim, PREFERRED_TILES)[target.name]
+    block_q = 1 if decode else min(problem.q_len, preferred_q)
+    block_kv = min(problem.kv_len, preferred_kv_decode if decode else preferred_kv_prefill)
+    if problem.sliding_window is not None and not decode:
+        widest = WINDOW_BLOCK_SPAN * round_up(problem.sliding_window, LANES)
+        block_q, block_kv = min(block_q, widest), min(block_kv, widest)
+    # Keys (queries) along lanes: whole lane tiles, so that the kernel reads K and V (q, and writes the output) as
+    # XLA stores them (`plan.make`).
+    if sequence_minor_by_default(problem.kv_len, problem.head_dim):
+        block_kv = round_up(block_kv, LANES)
+    if not decode and sequence_minor_by_default(problem.q_len, problem.head_dim):
+        block_q = round_up(block_q, LANES)
+    return block_q, block_kv
 
 
-def heuristic_config(
-    *, q_heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype, mask_dtype, generation: str,
-    sliding_window: int | None = None,
-) -> AttentionConfig:
+def heuristic_config(problem: Problem, target: TpuGeneration) -> AttentionConfig:
     """Preferred tiles shrunk to the VMEM budget; decode steps take as many KV heads as fit DECODE_STEP_BYTES.
     Under a sliding window, prefill blocks span at most WINDOW_BLOCK_SPAN windows.
 
@@ -142,27 +155,12 @@ def heuristic_config(
     the keys' end where the keys are fewer, and so are the query blocks of a
     prefill whose q XLA stores queries-minor.
     """
-    generation = check_generation(generation)
-    decode = is_decode(q_len)
-    preferred_q, preferred_kv_prefill, preferred_kv_decode = PREFERRED_TILES_BY_HEAD_DIM.get(
-        head_dim, PREFERRED_TILES)[generation]
-    block_q = 1 if decode else min(q_len, preferred_q)
-    block_kv = min(kv_len, preferred_kv_decode if decode else preferred_kv_prefill)
-    if sliding_window is not None and not decode:
-        widest = WINDOW_BLOCK_SPAN * round_up(sliding_window, LANES)
-        block_q, block_kv = min(block_q, widest), min(block_kv, widest)
-    # Keys (queries) along lanes: whole lane tiles, so that the kernel reads K and V (q, and writes the output) as
-    # XLA stores them (`plan.make`).
-    if sequence_minor_by_default(kv_len, head_dim):
-        block_kv = round_up(block_kv, LANES)
-    if not decode and sequence_minor_by_default(q_len, head_dim):
-        block_q = round_up(block_q, LANES)
-    itemsize = jnp.dtype(dtype).itemsize
-    budget = vmem_budget(generation)
+    decode = is_decode(problem.q_len)
+    block_q, block_kv = _preferred_blocks(problem, target)
+    budget = vmem_budget(target)
 
     def working_set(bq, bkv, heads):
-        return forward_vmem_bytes(ForwardTiles(bq, bkv, heads), q_heads=q_heads, kv_heads=kv_heads, q_len=q_len,
-                                  head_dim=head_dim, dtype=dtype, mask_dtype=mask_dtype)
+        return vmem_bytes(problem, ForwardTiles(bq, bkv, heads))
 
     while working_set(block_q, block_kv, 1) > budget:
         if block_kv > 4 * LANES or (block_kv > LANES and (decode or block_q <= Q_BLOCK_MULTIPLE)):
@@ -173,22 +171,23 @@ def heuristic_config(
             break
     heads_per_step = 1
     if decode:
-        step_bytes = 2 * block_kv * head_dim * itemsize
-        for heads in range(kv_heads, 0, -1):
-            fits = heads * step_bytes <= DECODE_STEP_BYTES[generation]
-            if kv_heads % heads == 0 and fits and working_set(block_q, block_kv, heads) <= budget:
+        step_bytes = 2 * block_kv * problem.head_dim * jnp.dtype(problem.dtype).itemsize
+        for heads in range(problem.kv_heads, 0, -1):
+            fits = heads * step_bytes <= DECODE_STEP_BYTES[target.name]
+            if problem.kv_heads % heads == 0 and fits and working_set(block_q, block_kv, heads) <= budget:
                 heads_per_step = heads
                 break
     return AttentionConfig(
         block_q=block_q,
         block_kv=block_kv,
-        vmem_limit_bytes=vmem_limit(working_set(block_q, block_kv, heads_per_step), generation),
+        vmem_limit_bytes=vmem_limit(working_set(block_q, block_kv, heads_per_step), target),
         kv_heads_per_step=heads_per_step,
     )
 
 
-def check_config(config: AttentionConfig, *, q_len: int, kv_len: int, kv_heads: int) -> None:
-    """Raises ValueError if `config`'s blocks are not legal for these lengths and heads."""
+def check_config(config: AttentionConfig, problem: Problem) -> None:
+    """Raises ValueError if `config`'s blocks are not legal for `problem`'s lengths and heads."""
+    q_len, kv_len, kv_heads = problem.q_len, problem.kv_len, problem.kv_heads
 
     def aligned(block, extent, multiple):
         return block == extent or (block > 0 and block % multiple == 0)
@@ -207,31 +206,20 @@ def check_config(config: AttentionConfig, *, q_len: int, kv_len: int, kv_heads: 
         )
 
 
-def tuned_config(
-    *, q_heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype, mask_dtype, generation: str
-) -> AttentionConfig | None:
-    """The config of the TUNED_TILES entry for this shape, if there is one: its tiles, checked like an explicit
-    config, and the VMEM limit they need."""
-    key = TunedKey(check_generation(generation), q_heads, kv_heads, q_len, kv_len, head_dim, jnp.dtype(dtype).name,
-                   None if mask_dtype is None else jnp.dtype(mask_dtype).name)
-    tiles = TUNED_TILES.get(key)
+def tuned_config(problem: Problem, target: TpuGeneration) -> AttentionConfig | None:
+    """The config of the TUNED_TILES entry for `problem`'s shape, if there is one: its tiles, checked like an
+    explicit config, and the VMEM limit they need."""
+    tiles = TUNED_TILES.get(TunedKey(target.name, problem.q_heads, problem.kv_heads, problem.q_len, problem.kv_len,
+                                     problem.head_dim, problem.dtype, problem.mask_dtype))
     if tiles is None:
         return None
-    working_set = forward_vmem_bytes(tiles, q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, head_dim=head_dim,
-                                     dtype=dtype, mask_dtype=mask_dtype)
-    config = AttentionConfig(tiles.block_q, tiles.block_kv, vmem_limit(working_set, generation),
+    config = AttentionConfig(tiles.block_q, tiles.block_kv, vmem_limit(vmem_bytes(problem, tiles), target),
                              tiles.kv_heads_per_step)
-    check_config(config, q_len=q_len, kv_len=kv_len, kv_heads=kv_heads)
+    check_config(config, problem)
     return config
 
 
-def select(problem: Problem, generation: str | None = None) -> AttentionConfig:
-    """Tile sizes for `problem`'s shape on `generation` (default: the current one): tuned if known, else the
-    heuristic."""
-    shape = dict(
-        q_heads=problem.q_heads, kv_heads=problem.kv_heads, q_len=problem.q_len, kv_len=problem.kv_len,
-        head_dim=problem.head_dim, dtype=problem.dtype, mask_dtype=problem.mask_dtype,
-        generation=resolve_generation(generation),
-    )
-    config = tuned_config(**shape)
-    return config if config is not None else heuristic_config(**shape, sliding_window=problem.sliding_window)
+def select(problem: Problem, target: TpuGeneration) -> AttentionConfig:
+    """Tile sizes for `problem` on `target`: tuned if known, else the heuristic."""
+    config = tuned_config(problem, target)
+    return config if config is not None else heuristic_config(problem, target)

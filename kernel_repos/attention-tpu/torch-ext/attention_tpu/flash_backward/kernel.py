@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .._hardware import TpuGeneration, resolve_target
 from ..common import masking
 from ..common.heads import loop_over_heads
 from ..common.masking import Attention, Prepared, Problem
@@ -142,15 +143,22 @@ def _sequence_valid(plan: BackwardPlan, head_dim: int, block: int, first, valid)
     return first + jax.lax.broadcasted_iota(jnp.int32, shape, axis) < valid
 
 
+def _split_refs(rest, problem: Problem, plan: BackwardPlan, count: int, held):
+    """A backward kernel's refs after its inputs: (the mask ref or None, its `count` output and accumulator refs,
+    the rows of the two blocks it holds across its walk: their transposed scratch where it reads them
+    sequence-minor, else `held` themselves)."""
+    rest = list(rest)
+    mask_ref = rest.pop(0) if problem.mask_kind is not None else None
+    return mask_ref, rest[:count], rest[count:] if plan.sequence_minor else held
+
+
 def _dq_kernel(
     q_offset_ref, kv_valid_ref, block_lo_ref, block_hi_ref,
     q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *rest,
     problem: Problem, plan: BackwardPlan,
 ):
-    rest = list(rest)
-    mask_ref = rest.pop(0) if problem.mask_kind is not None else None
-    dq_ref, acc_ref, *row_refs = rest
-    q_rows_ref, d_out_rows_ref = row_refs if plan.sequence_minor else (q_ref, d_out_ref)
+    mask_ref, (dq_ref, acc_ref), (q_rows_ref, d_out_rows_ref) = _split_refs(rest, problem, plan, 2,
+                                                                            (q_ref, d_out_ref))
     qi, kv_step, slot, kv_block, q_offset, kv_valid = _grid_step(
         q_offset_ref, kv_valid_ref, block_lo_ref, plan.num_q_blocks)
     block_q, block_kv = plan.block_q, plan.block_kv
@@ -208,10 +216,8 @@ def _dkv_kernel(
     q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *rest,
     problem: Problem, plan: BackwardPlan,
 ):
-    rest = list(rest)
-    mask_ref = rest.pop(0) if problem.mask_kind is not None else None
-    dk_ref, dv_ref, dk_acc_ref, dv_acc_ref, *row_refs = rest
-    k_rows_ref, v_rows_ref = row_refs if plan.sequence_minor else (k_ref, v_ref)
+    mask_ref, (dk_ref, dv_ref, dk_acc_ref, dv_acc_ref), (k_rows_ref, v_rows_ref) = _split_refs(
+        rest, problem, plan, 4, (k_ref, v_ref))
     kj, q_step, slot, qi, q_offset, kv_valid = _grid_step(q_offset_ref, kv_valid_ref, block_lo_ref, plan.num_kv_blocks)
     block_q, block_kv = plan.block_q, plan.block_kv
     contract_d, contract_queries = _walked_dims(plan)
@@ -387,19 +393,20 @@ def flash_attention_backward(
     lse: jax.Array,
     *,
     config: BackwardConfig | None = None,
-    generation: str | None = None,
+    generation: str | TpuGeneration | None = None,
     **options,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """(dq, dk, dv, d_sinks or None) of `flash.kernel.differentiable_flash_attention` given d_out = dL/d out;
-    `options` those of `masking.Attention`."""
-    return attention_backward(d_out, q, k, v, out, lse, Attention(**options), config, generation)
+    `options` those of `masking.Attention`; `generation` a name or its facts (default this device's), resolved once
+    here."""
+    return attention_backward(d_out, q, k, v, out, lse, Attention(**options), resolve_target(generation), config)
 
 
 def attention_backward(
     d_out: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array, attention: Attention,
-    config: BackwardConfig | None = None, generation: str | None = None,
+    target: TpuGeneration, config: BackwardConfig | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """`flash_attention_backward` of an `Attention` value.
+    """`flash_attention_backward` of an `Attention` value on `target` (a generation's facts, resolved once).
 
     `out` and `lse` are what `flash.kernel.attention_forward` returned for the
     same inputs. Keys past kv_lengths get zero gradients; so do the rows of
@@ -411,7 +418,7 @@ def attention_backward(
         d_sinks = None if sinks is None else jnp.zeros(sinks.shape, sinks.dtype)
         return jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype), d_sinks
     problem, prepared = masking.prepare(q, k, attention)
-    return call(d_out, q, k, v, out, lse, prepared, make(problem, generation, config), sinks)
+    return call(d_out, q, k, v, out, lse, prepared, make(problem, target, config), sinks)
 
 
 def call(d_out: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array,

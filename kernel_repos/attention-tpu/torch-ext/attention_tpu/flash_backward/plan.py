@@ -7,6 +7,7 @@ import dataclasses
 
 from jax.experimental import pallas as pl
 
+from .._hardware import TpuGeneration
 from ..common import masking
 from ..common.masking import Problem
 from ..common.tiles import AttentionConfig
@@ -39,13 +40,13 @@ class BackwardPlans:
     dkv: BackwardPlan
 
 
-def make(problem: Problem, generation: str | None = None, config: BackwardConfig | None = None) -> BackwardPlans:
-    """The backward's kernels for `problem` at `config`'s tiles (checked), else `select`'s on `generation`
-    (default: this device's)."""
+def make(problem: Problem, target: TpuGeneration, config: BackwardConfig | None = None) -> BackwardPlans:
+    """The backward's kernels for `problem` at `config`'s tiles (checked), else `select`'s on `target` (a
+    generation's facts, resolved once by the caller)."""
     if config is None:
-        config = select(problem, generation)
+        config = select(problem, target)
     else:
-        check_backward_config(config, q_len=problem.q_len, kv_len=problem.kv_len, kv_heads=problem.kv_heads)
+        check_backward_config(config, problem)
     return BackwardPlans(problem, _kernel_plan(problem, config.dq, for_dq=True),
                          _kernel_plan(problem, config.dkv, for_dq=False))
 
@@ -59,7 +60,6 @@ def _kernel_plan(problem: Problem, config: AttentionConfig, *, for_dq: bool) -> 
         steps = masking.kv_steps(problem, nkv, block_q, block_kv)
     else:
         steps = masking.q_steps(problem, nq, block_q, block_kv)
-    sequence_minor = reads_sequence_minor(q_len=problem.q_len, kv_len=problem.kv_len, head_dim=problem.head_dim,
-                                          block_q=block_q, block_kv=block_kv)
+    sequence_minor = reads_sequence_minor(problem, block_q, block_kv)
     return BackwardPlan(block_q, block_kv, nq, nkv, steps, config.kv_heads_per_step, config.vmem_limit_bytes,
                         sequence_minor)

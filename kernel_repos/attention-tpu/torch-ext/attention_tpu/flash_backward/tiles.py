@@ -8,7 +8,9 @@ scoped VMEM limit from its working set (`common.vmem.vmem_limit`). There is no
 tuned table for the backward yet. Where XLA stores q, k and v sequence-minor
 (head_dim 64 over more than 64 positions) both blocks are whole lane tiles, so
 that the kernels read and write them so (`reads_sequence_minor`), and the
-working set counts the scratch their transposed blocks take.
+working set counts the scratch their transposed blocks take. Every function
+here takes the call's `Problem` and the generation's facts (`target`, a
+`_hardware.TpuGeneration` its caller resolved once) rather than their fields.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from .._hardware import LANES, SUBLANES, grid_step_overhead_s, resolve_generation, round_up, tpu_generation
+from .._hardware import LANES, SUBLANES, TpuGeneration, grid_step_overhead_s, round_up
+from ..common.layout import sequence_minor_by_default
 from ..common.masking import Problem
 from ..common.tiles import MASK_ROWS, Q_BLOCK_MULTIPLE, AttentionConfig, shrink_block
 from ..common.vmem import vmem_budget, vmem_limit
-from ..flash.layout import sequence_minor_by_default
 
 # Preferred backward tiles per kernel, (block_q, block_kv): dq walks KV blocks
 # per query block, dk/dv walks query blocks per KV block. Chosen with the
@@ -72,23 +74,27 @@ class BackwardConfig:
     dkv: AttentionConfig
 
 
-def reads_sequence_minor(*, q_len: int, kv_len: int, head_dim: int, block_q: int, block_kv: int) -> bool:
+def reads_sequence_minor(problem: Problem, block_q: int, block_kv: int) -> bool:
     """Whether a backward kernel at these blocks reads q, d_out, k, v (and writes dq, dk, dv) sequence-minor, as XLA
-    stores them by default (`flash.layout.sequence_minor_by_default`) when it stores both lengths so: blocks of whole
-    lane tiles only. Otherwise it reads them row-major, and where XLA stores them otherwise XLA copies them."""
-    return (sequence_minor_by_default(q_len, head_dim) and sequence_minor_by_default(kv_len, head_dim)
+    stores them by default (`common.layout.sequence_minor_by_default`) when it stores both lengths so: blocks of
+    whole lane tiles only. Otherwise it reads them row-major, and where XLA stores them otherwise XLA copies them."""
+    return (sequence_minor_by_default(problem.q_len, problem.head_dim)
+            and sequence_minor_by_default(problem.kv_len, problem.head_dim)
             and block_q % LANES == 0 and block_kv % LANES == 0)
 
 
-def backward_vmem_bytes(*, kernel, group, kv_heads_per_step, block_q, block_kv, head_dim, itemsize,
-                        mask_itemsize, sequence_minor=False) -> int:
-    """Estimated VMEM working set of one backward kernel ("dq" or "dkv") at these tiles; `sequence_minor`: the
-    kernel reads its arrays sequence-minor (`plan.BackwardPlan`), so transposes the blocks it holds across its walk
-    into scratch of their rows."""
-    heads = kv_heads_per_step
+def backward_vmem_bytes(kernel: str, problem: Problem, *, block_q: int, block_kv: int,
+                        kv_heads_per_step: int) -> int:
+    """Estimated VMEM working set of one backward kernel ("dq" or "dkv") at these tiles; where it reads its arrays
+    sequence-minor (`reads_sequence_minor`) it transposes the blocks it holds across its walk into scratch of their
+    rows."""
+    heads, group = kv_heads_per_step, problem.group
+    itemsize = jnp.dtype(problem.dtype).itemsize
+    mask_itemsize = 0 if problem.mask_dtype is None else jnp.dtype(problem.mask_dtype).itemsize
+    sequence_minor = reads_sequence_minor(problem, block_q, block_kv)
     padded_q = round_up(block_q, SUBLANES)
     q_lanes = round_up(block_q, LANES)
-    lanes_d = round_up(head_dim, LANES)  # a head_dim of 64 still fills 128 lanes
+    lanes_d = round_up(problem.head_dim, LANES)  # a head_dim of 64 still fills 128 lanes
     rows = 2 * 2 * heads * group * SUBLANES * q_lanes * 4  # double-buffered lse and delta rows [heads, 1, block_q]
     kv = 2 * 2 * heads * block_kv * lanes_d * itemsize  # double-buffered k and v blocks
     mask = 2 * round_up(block_q, MASK_ROWS) * round_up(block_kv, LANES) * mask_itemsize
@@ -107,79 +113,77 @@ def backward_vmem_bytes(*, kernel, group, kv_heads_per_step, block_q, block_kv, 
     return q_side + rows + kv + mask + scratch + temporaries
 
 
-def backward_step_seconds(kernel, *, group, kv_heads_per_step, block_q, block_kv, head_dim, generation) -> float:
+def backward_step_seconds(kernel: str, problem: Problem, target: TpuGeneration, *, block_q: int, block_kv: int,
+                          kv_heads_per_step: int) -> float:
     """MXU time of one backward grid step at the bf16 peak, with dims padded to the MXU as it computes them."""
-    facts = tpu_generation(generation)
-    mxu = facts.mxu_size
+    mxu, head_dim = target.mxu_size, problem.head_dim
     if kernel == "dq":  # S = q K^T, dP = dO V^T (contract D); dS K (contract block_kv, out D)
         flops = 2 * (2 * block_q * round_up(head_dim, mxu) * round_up(block_kv, mxu)
                      + block_q * round_up(block_kv, mxu) * round_up(head_dim, mxu))
     else:  # S^T, dP^T (contract D); P^T dO, dS^T q (contract block_q, out D)
         flops = 2 * 2 * (block_kv * round_up(head_dim, mxu) * round_up(block_q, mxu)
                          + block_kv * round_up(block_q, mxu) * round_up(head_dim, mxu))
-    return kv_heads_per_step * group * flops / facts.bf16_flops_per_s
+    return kv_heads_per_step * problem.group * flops / target.bf16_flops_per_s
 
 
-def backward_tiles(kernel, *, block_q, block_kv, group, kv_heads, head_dim, itemsize, mask_itemsize, generation,
-                   sequence_minor=False):
+def backward_tiles(kernel: str, problem: Problem, target: TpuGeneration, *, block_q: int,
+                   block_kv: int) -> AttentionConfig | None:
     """Heads per step for these blocks: the fewest whose step outweighs the step overhead
-    STEP_OVERHEAD_MULTIPLE times and whose working set fits the budget; else the most that fit."""
-    shape = dict(group=group, block_q=block_q, block_kv=block_kv, head_dim=head_dim)
+    STEP_OVERHEAD_MULTIPLE times and whose working set fits the budget; else the most that fit (None: none
+    fits)."""
+    blocks = dict(block_q=block_q, block_kv=block_kv)
 
     def working_set(heads):
-        return backward_vmem_bytes(kernel=kernel, kv_heads_per_step=heads, itemsize=itemsize,
-                                   mask_itemsize=mask_itemsize, sequence_minor=sequence_minor, **shape)
+        return backward_vmem_bytes(kernel, problem, kv_heads_per_step=heads, **blocks)
 
-    fitting = [h for h in range(1, kv_heads + 1) if kv_heads % h == 0 and working_set(h) <= vmem_budget(generation)]
+    kv_heads = problem.kv_heads
+    fitting = [h for h in range(1, kv_heads + 1) if kv_heads % h == 0 and working_set(h) <= vmem_budget(target)]
     if not fitting:
         return None
-    target = STEP_OVERHEAD_MULTIPLE * grid_step_overhead_s(generation)
-    enough = [h for h in fitting if backward_step_seconds(kernel, kv_heads_per_step=h, generation=generation, **shape)
-              >= target]
+    least = STEP_OVERHEAD_MULTIPLE * grid_step_overhead_s(target.name)
+    enough = [h for h in fitting
+              if backward_step_seconds(kernel, problem, target, kv_heads_per_step=h, **blocks) >= least]
     heads = enough[0] if enough else fitting[-1]
     return AttentionConfig(block_q=block_q, block_kv=block_kv,
-                           vmem_limit_bytes=vmem_limit(working_set(heads), generation), kv_heads_per_step=heads)
+                           vmem_limit_bytes=vmem_limit(working_set(heads), target), kv_heads_per_step=heads)
 
 
-def _heuristic_backward_tiles(kernel, *, group, kv_heads, q_len, kv_len, head_dim, itemsize, mask_itemsize, generation,
-                              block_cap):
+def _heuristic_backward_tiles(kernel: str, problem: Problem, target: TpuGeneration) -> AttentionConfig:
+    q_len, kv_len, head_dim = problem.q_len, problem.kv_len, problem.head_dim
+    cap = window_block_cap(problem, target)
+    block_cap = q_len + kv_len if cap is None else cap
     preferred_q, preferred_kv = PREFERRED_BACKWARD_TILES_BY_HEAD_DIM.get(
-        head_dim, PREFERRED_BACKWARD_TILES)[generation][kernel]
+        head_dim, PREFERRED_BACKWARD_TILES)[target.name][kernel]
     block_q, block_kv = min(q_len, preferred_q, block_cap), min(kv_len, preferred_kv, block_cap)
     # Sequences along lanes: whole lane tiles, so that the kernel reads and writes its arrays as XLA stores them
-    # (`plan.make`).
+    # (`plan.make`); shrinking keeps blocks of whole lane tiles.
     if sequence_minor_by_default(q_len, head_dim) and sequence_minor_by_default(kv_len, head_dim):
         block_q, block_kv = round_up(block_q, LANES), round_up(block_kv, LANES)
-    # Shrinking keeps blocks of whole lane tiles.
-    sequence_minor = reads_sequence_minor(q_len=q_len, kv_len=kv_len, head_dim=head_dim, block_q=block_q,
-                                          block_kv=block_kv)
-    shape = dict(group=group, kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize, mask_itemsize=mask_itemsize,
-                 generation=generation, sequence_minor=sequence_minor)
     # Shrink the streamed axis' block first: it costs re-reads of the other axis, not passes over this one.
     streamed_first = kernel == "dq"
-    while (tiles := backward_tiles(kernel, block_q=block_q, block_kv=block_kv, **shape)) is None:
+    while (tiles := backward_tiles(kernel, problem, target, block_q=block_q, block_kv=block_kv)) is None:
         can_shrink_kv, can_shrink_q = block_kv > LANES, block_q > Q_BLOCK_MULTIPLE
         if can_shrink_kv and (streamed_first or not can_shrink_q):
             block_kv = shrink_block(block_kv, multiple=LANES)
         elif can_shrink_q:
             block_q = shrink_block(block_q, multiple=Q_BLOCK_MULTIPLE)
         else:
-            return AttentionConfig(block_q, block_kv, vmem_limit(backward_vmem_bytes(
-                kernel=kernel, kv_heads_per_step=1, group=group, block_q=block_q, block_kv=block_kv,
-                head_dim=head_dim, itemsize=itemsize, mask_itemsize=mask_itemsize, sequence_minor=sequence_minor),
-                generation))
+            working_set = backward_vmem_bytes(kernel, problem, block_q=block_q, block_kv=block_kv,
+                                              kv_heads_per_step=1)
+            return AttentionConfig(block_q, block_kv, vmem_limit(working_set, target))
     return tiles
 
 
-def window_block_cap(sliding_window: int | None, causal: bool, generation: str) -> int | None:
+def window_block_cap(problem: Problem, target: TpuGeneration) -> int | None:
     """Largest backward block for a causal sliding window: tiles straddling its edges compute masked pairs."""
-    if sliding_window is None or not causal:
+    if problem.sliding_window is None or not problem.causal:
         return None
-    return max(LANES, WINDOW_BLOCK_FACTOR[generation] * round_up(sliding_window, LANES))
+    return max(LANES, WINDOW_BLOCK_FACTOR[target.name] * round_up(problem.sliding_window, LANES))
 
 
-def check_backward_config(config: BackwardConfig, *, q_len: int, kv_len: int, kv_heads: int) -> None:
-    """Raises ValueError if a backward kernel's blocks are not legal for these lengths and heads."""
+def check_backward_config(config: BackwardConfig, problem: Problem) -> None:
+    """Raises ValueError if a backward kernel's blocks are not legal for `problem`'s lengths and heads."""
+    q_len, kv_len, kv_heads = problem.q_len, problem.kv_len, problem.kv_heads
     for name, tiles in (("dq", config.dq), ("dkv", config.dkv)):
         if not (tiles.block_q == q_len or (tiles.block_q > 0 and tiles.block_q % Q_BLOCK_MULTIPLE == 0)):
             raise ValueError(f"config.{name}.block_q must be a multiple of {Q_BLOCK_MULTIPLE} or the query length "
@@ -192,20 +196,13 @@ def check_backward_config(config: BackwardConfig, *, q_len: int, kv_len: int, kv
                              f"got {tiles.kv_heads_per_step}")
 
 
-def select(problem: Problem, generation: str | None = None) -> BackwardConfig:
-    """Tiles of the dq and dk/dv kernels for `problem` on `generation` (default: the current one).
+def select(problem: Problem, target: TpuGeneration) -> BackwardConfig:
+    """Tiles of the dq and dk/dv kernels for `problem` on `target` (a generation's facts, resolved once by the
+    caller).
 
     Preferred tiles (capped for short causal windows) shrunk to the VMEM
     budget, with as many KV heads per step as make a step's MXU work outweigh
     its overhead; there is no tuned table for the backward yet.
     """
-    generation = resolve_generation(generation)
-    cap = window_block_cap(problem.sliding_window, problem.causal, generation)
-    q_len, kv_len, mask_dtype = problem.q_len, problem.kv_len, problem.mask_dtype
-    shape = dict(
-        group=problem.group, kv_heads=problem.kv_heads, q_len=q_len, kv_len=kv_len, head_dim=problem.head_dim,
-        itemsize=jnp.dtype(problem.dtype).itemsize,
-        mask_itemsize=0 if mask_dtype is None else jnp.dtype(mask_dtype).itemsize,
-        generation=generation, block_cap=q_len + kv_len if cap is None else cap,
-    )
-    return BackwardConfig(dq=_heuristic_backward_tiles("dq", **shape), dkv=_heuristic_backward_tiles("dkv", **shape))
+    return BackwardConfig(dq=_heuristic_backward_tiles("dq", problem, target),
+                          dkv=_heuristic_backward_tiles("dkv", problem, target))

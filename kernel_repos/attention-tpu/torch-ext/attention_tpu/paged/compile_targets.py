@@ -8,10 +8,9 @@ latter: a decode batch of 64 sequences with mixed context lengths (page tables f
 batch of one 960-token prefill chunk and 64 decode rows; and the contiguous (varlen) keys of a packed 4096-token
 prefill and of a continuous batching decode step as `flash_attn_varlen_func` hands it to the kernel. Each model and
 each feature (small and large pages, keys-minor, decode and mixed batches, window, sinks, head_dim 512) compiles
-once per generation: every target costs the test suite a compile on each of four generations. Models:
-Qwen3-30B-A3B (32 query heads, 4 KV heads, head_dim 128), GPT-OSS-20B's sliding layer (64 / 8, head_dim 64, window
-128, sinks), Gemma 4 26B-A4B's sliding layers (16 / 8, head_dim 256, window 1024) and its global layers (16 / 2,
-head_dim 512).
+once per generation: every target costs the test suite a compile on each of four generations. Models (their heads,
+windows and sinks: the package's `compile_targets.HEADS`, `WINDOWS` and `SINKS`): Qwen3-30B-A3B, GPT-OSS-20B's
+sliding layer, Gemma 4 26B-A4B's sliding layers and its global layers.
 """
 
 from __future__ import annotations
@@ -23,10 +22,6 @@ import jax.numpy as jnp
 
 from .kernel import ragged_paged_attention, ragged_varlen_attention
 
-QWEN3_30B_A3B = dict(q_heads=32, kv_heads=4, head_dim=128)
-GPT_OSS_20B = dict(q_heads=64, kv_heads=8, head_dim=64, sliding_window=128, sinks=True)
-GEMMA_4_SLIDING = dict(q_heads=16, kv_heads=8, head_dim=256, sliding_window=1024)
-GEMMA_4_GLOBAL = dict(q_heads=16, kv_heads=2, head_dim=512)
 DECODE_BATCH = 64
 PREFILL_CHUNK = 960
 MAX_CONTEXT = 32768
@@ -48,20 +43,25 @@ def _avals(total_q, num_seqs, *, q_heads, kv_heads, head_dim, page_size, sinks=F
     return tuple(avals)
 
 
-def paged_compile_targets(generation):
+# (the heads' tag, the label's name, page size, batches): "decode" (64 one-token rows) and / or "mixed" (a prefill
+# chunk + decode). GPT-OSS-20B's are its sliding layers (with their window).
+PAGED_MODELS = [("qwen3-30b-a3b", "qwen3-30b-a3b", 16, ("decode",)), ("qwen3-30b-a3b", "qwen3-30b-a3b", 256, ("mixed",)),
+                ("gpt-oss-20b", "gpt-oss-20b sliding", 16, ("mixed",)),
+                # Read keys-minor: 128-key chunks, whole pages of 128 keys, halves of 256-key pages.
+                ("gpt-oss-20b", "gpt-oss-20b sliding", 128, ("decode",)),
+                ("gpt-oss-20b", "gpt-oss-20b sliding", 256, ("mixed",)),
+                ("gemma-4-26b-a4b sliding", "gemma-4-26b-a4b sliding", 256, ("decode",)),
+                ("gemma-4-26b-a4b global", "gemma-4-26b-a4b global", 256, ("decode",))]
+
+
+def paged_compile_targets(generation, heads, windows, sinks_of):
+    """The targets at the models' `heads` (by tag), their sliding `windows` and the tags whose layers take sinks
+    (`sinks_of`)."""
     targets = []
-    # (name, model, page size, batches): "decode" (64 one-token rows) and / or "mixed" (a prefill chunk + decode).
-    models = [("qwen3-30b-a3b", QWEN3_30B_A3B, 16, ("decode",)), ("qwen3-30b-a3b", QWEN3_30B_A3B, 256, ("mixed",)),
-              ("gpt-oss-20b sliding", GPT_OSS_20B, 16, ("mixed",)),
-              # Read keys-minor: 128-key chunks, whole pages of 128 keys, halves of 256-key pages.
-              ("gpt-oss-20b sliding", GPT_OSS_20B, 128, ("decode",)),
-              ("gpt-oss-20b sliding", GPT_OSS_20B, 256, ("mixed",)),
-              ("gemma-4-26b-a4b sliding", GEMMA_4_SLIDING, 256, ("decode",)),
-              ("gemma-4-26b-a4b global", GEMMA_4_GLOBAL, 256, ("decode",))]
-    for name, model, page_size, batches in models:
-        shape = {key: model[key] for key in ("q_heads", "kv_heads", "head_dim")}
-        options = dict(sliding_window=model.get("sliding_window"), generation=generation)
-        sinks = model.get("sinks", False)
+    for tag, name, page_size, batches in PAGED_MODELS:
+        shape = heads[tag]
+        options = dict(sliding_window=windows.get(tag), generation=generation)
+        sinks = tag in sinks_of
 
         def attend(*arrays, max_q_len, options=options, sinks=sinks):
             arrays, sink_logits = (arrays[:-1], arrays[-1]) if sinks else (arrays, None)
@@ -77,28 +77,29 @@ def paged_compile_targets(generation):
                             _avals(PREFILL_CHUNK + DECODE_BATCH, DECODE_BATCH + 1, page_size=page_size, sinks=sinks,
                                    **shape)))
     # Contiguous (varlen) keys, as flash_attn_varlen_func gets them: a packed prefill of 4 prompts, 4096 tokens.
-    varlen = jax.ShapeDtypeStruct((4096, QWEN3_30B_A3B["kv_heads"], QWEN3_30B_A3B["head_dim"]), jnp.bfloat16)
+    qwen3 = heads["qwen3-30b-a3b"]
+    varlen = jax.ShapeDtypeStruct((4096, qwen3["kv_heads"], qwen3["head_dim"]), jnp.bfloat16)
     targets.append(("varlen qwen3-30b-a3b prefill 4 sequences T=4096 bf16",
                     functools.partial(ragged_varlen_attention, generation=generation),
-                    (jax.ShapeDtypeStruct((4096, QWEN3_30B_A3B["q_heads"], QWEN3_30B_A3B["head_dim"]), jnp.bfloat16),
+                    (jax.ShapeDtypeStruct((4096, qwen3["q_heads"], qwen3["head_dim"]), jnp.bfloat16),
                      varlen, varlen, jax.ShapeDtypeStruct((5,), jnp.int32), jax.ShapeDtypeStruct((5,), jnp.int32))))
-    targets.append(_varlen_decode_target(generation))
+    targets.append(_varlen_decode_target(generation, heads["gpt-oss-20b"], windows["gpt-oss-20b"]))
     return targets
 
 
-def _varlen_decode_target(generation):
-    """A continuous batching decode step of GPT-OSS's sliding layer as `flash_attn_varlen_func` hands it over (its
-    rows and sequences rounded up to powers of two): 64 one-token rows over the keys of 64 contexts of up to 2048
-    tokens gathered from the paged cache, one query each (max_q_len=1)."""
-    q_heads, kv_heads, head_dim = (GPT_OSS_20B[key] for key in ("q_heads", "kv_heads", "head_dim"))
+def _varlen_decode_target(generation, gpt_oss, window):
+    """A continuous batching decode step of GPT-OSS's sliding layer (heads `gpt_oss`, its `window`) as
+    `flash_attn_varlen_func` hands it over (its rows and sequences rounded up to powers of two): 64 one-token rows
+    over the keys of 64 contexts of up to 2048 tokens gathered from the paged cache, one query each (max_q_len=1)."""
+    q_heads, kv_heads, head_dim = (gpt_oss[key] for key in ("q_heads", "kv_heads", "head_dim"))
     keys = DECODE_BATCH * 2048
     kv = jax.ShapeDtypeStruct((keys, kv_heads, head_dim), jnp.bfloat16)
     cumulative = jax.ShapeDtypeStruct((DECODE_BATCH + 1,), jnp.int32)
 
     def decode(q, k, v, cu_q_lens, cu_k_lens, sinks):
         return ragged_varlen_attention(q, k, v, cu_q_lens, cu_k_lens, sinks=sinks, max_q_len=1,
-                                       sliding_window=GPT_OSS_20B["sliding_window"], generation=generation)
+                                       sliding_window=window, generation=generation)
 
-    return (f"varlen gpt-oss-20b sliding decode {DECODE_BATCH} sequences keys={keys} window=128 sinks bf16", decode,
+    return (f"varlen gpt-oss-20b sliding decode {DECODE_BATCH} sequences keys={keys} window={window} sinks bf16", decode,
             (jax.ShapeDtypeStruct((DECODE_BATCH, q_heads, head_dim), jnp.bfloat16), kv, kv, cumulative, cumulative,
              jax.ShapeDtypeStruct((q_heads,), jnp.float32)))

@@ -46,8 +46,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..common import masking
-from .._hardware import LANES
+from .._hardware import LANES, TpuGeneration, resolve_target
+from ..common import masking, softmax
 from ..common.paged import PagedProblem, paged_problem
 from .plan import PagedPlan, make
 from .tiles import PagedConfig
@@ -70,6 +70,10 @@ class _Refs(NamedTuple):
     max: object  # [Hkv, block rows, 1] f32
     sum: object
     acc: object  # [Hkv, block rows, D] f32
+
+    @property
+    def softmax(self) -> softmax.SoftmaxState:
+        return softmax.SoftmaxState(self.max, self.sum, self.acc)
 
 
 class _Span(NamedTuple):
@@ -167,20 +171,16 @@ def _chunk_copies(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Sp
     return copies
 
 
-def _start_block(refs, problem, plan, span: _Span, block, slot) -> None:
+def _copy_block(refs, problem, plan, span: _Span, block, slot, *, wait: bool) -> None:
+    """Starts the K and V copies of a block's chunks that hold keys of the sequence, or (wait) waits for them."""
     for needed, k_copy, v_copy in _chunk_copies(refs, problem, plan, span, block, slot):
         @pl.when(needed)
-        def _start():
-            k_copy.start()
-            v_copy.start()
-
-
-def _wait_block(refs, problem, plan, span: _Span, block, slot) -> None:
-    for needed, k_copy, v_copy in _chunk_copies(refs, problem, plan, span, block, slot):
-        @pl.when(needed)
-        def _wait():
-            k_copy.wait()
-            v_copy.wait()
+        def _copy():
+            for copy in (k_copy, v_copy):
+                if wait:
+                    copy.wait()
+                else:
+                    copy.start()
 
 
 def _clear_values_past_keys(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block, slot) -> None:
@@ -232,21 +232,10 @@ def _attend_tile(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Spa
         visible = visible & (key_pos > position - problem.sliding_window)
     q = refs.q[head, pl.ds(row0, rows), :]
     key_axis = 1 if problem.keys_minor else 0
-    raw = jax.lax.dot_general(q, k, (((1,), (1 - key_axis,)), ((), ())), preferred_element_type=jnp.float32,
-                              precision=problem.precision)
+    raw = softmax.raw_logits(q, k, key_axis=key_axis, precision=problem.precision)
     logits = jnp.where(visible, masking.capped_logits(problem, raw), -jnp.inf)
-    state = (head, pl.ds(row0, rows), slice(None))
-    max_prev = refs.max[state]
-    max_next = jnp.maximum(max_prev, jnp.max(logits, axis=1, keepdims=True))
-    # A row with no visible key yet keeps max -inf: shift by 0 so that exp() gives 0, not NaN.
-    shift = jnp.where(max_next == -jnp.inf, 0.0, max_next)
-    probs = jnp.exp(logits - shift)
-    rescale = jnp.exp(max_prev - shift)
-    refs.sum[state] = rescale * refs.sum[state] + jnp.sum(probs, axis=1, keepdims=True)
-    refs.acc[state] = rescale * refs.acc[state] + jax.lax.dot_general(
-        probs.astype(v.dtype), v, (((1,), (key_axis,)), ((), ())), preferred_element_type=jnp.float32,
-        precision=problem.precision)
-    refs.max[state] = max_next
+    softmax.update(refs.softmax, (head, pl.ds(row0, rows), slice(None)), logits, v, key_axis=key_axis,
+                   precision=problem.precision)
 
 
 def _tile_sees_block(problem: PagedProblem, plan: PagedPlan, span: _Span, tile_q: int, tile, block_start, key_start):
@@ -337,21 +326,14 @@ def _paged_kernel(cu_q_ref, kv_lens_ref, table_ref, seq_first_ref, seq_last_ref,
     refs = _Refs(cu_q_ref, kv_lens_ref, table_ref, q_ref, k_hbm, v_hbm, sinks_ref, *rest)
     step = pl.program_id(0)
     block_start = step * plan.block_q
-    if sinks_ref is None:
-        refs.max[...] = jnp.full(refs.max.shape, -jnp.inf, jnp.float32)
-        refs.sum[...] = jnp.zeros(refs.sum.shape, jnp.float32)
-    else:
-        # The sink is one more logit in every row's softmax, over a zero value: exp(sink - max) = 1.
-        refs.max[...] = sinks_ref[...]
-        refs.sum[...] = jnp.ones(refs.sum.shape, jnp.float32)
-    refs.acc[...] = jnp.zeros(refs.acc.shape, jnp.float32)
+    softmax.start(refs.softmax, None if sinks_ref is None else sinks_ref[...])
     last_seq = seq_last_ref[step]
 
     def seq_body(seq, carry):
         slot, in_flight = carry  # in_flight: this sequence's first block is already on its way into `slot`
         span = _span(refs, problem, plan, seq, block_start)
         pl.when(span.has_blocks & (in_flight == 0))(
-            lambda: _start_block(refs, problem, plan, span, 0, slot))
+            lambda: _copy_block(refs, problem, plan, span, 0, slot, wait=False))
         has_next = seq < last_seq
         following = _span(refs, problem, plan, jnp.minimum(seq + 1, last_seq), block_start)
         prefetch_next = has_next & following.has_blocks
@@ -361,13 +343,13 @@ def _paged_kernel(cu_q_ref, kv_lens_ref, table_ref, seq_first_ref, seq_last_ref,
 
             @pl.when(block < span.last_block)
             def _next_of_this_sequence():
-                _start_block(refs, problem, plan, span, block + 1, other)
+                _copy_block(refs, problem, plan, span, block + 1, other, wait=False)
 
             @pl.when((block == span.last_block) & prefetch_next)
             def _first_of_the_next():
-                _start_block(refs, problem, plan, following, 0, other)
+                _copy_block(refs, problem, plan, following, 0, other, wait=False)
 
-            _wait_block(refs, problem, plan, span, block, slot)
+            _copy_block(refs, problem, plan, span, block, slot, wait=True)
             if not (problem.contiguous or problem.keys_minor):
                 _clear_values_past_keys(refs, problem, plan, span, block, slot)
             _attend_block(refs, problem, plan, span, block, slot, block_start)
@@ -377,9 +359,7 @@ def _paged_kernel(cu_q_ref, kv_lens_ref, table_ref, seq_first_ref, seq_last_ref,
         return slot, (span.has_blocks & prefetch_next).astype(jnp.int32)
 
     jax.lax.fori_loop(seq_first_ref[step], last_seq + 1, seq_body, (jnp.int32(0), jnp.int32(0)))
-    total = refs.sum[...]
-    out = jnp.where(total == 0.0, 0.0, refs.acc[...] / jnp.where(total == 0.0, 1.0, total))
-    refs.out[...] = out.astype(refs.out.dtype)
+    refs.out[...] = softmax.normalized(refs.softmax, ...).astype(refs.out.dtype)
 
 
 def _sequence_ranges(cu_q_lens, plan: PagedPlan):
@@ -462,7 +442,7 @@ def ragged_varlen_attention(q: jax.Array, k: jax.Array, v: jax.Array, cu_q_lens:
                             sinks: jax.Array | None = None, scale: float | None = None, causal: bool = True,
                             sliding_window: int | None = None, softcap: float | None = None,
                             max_q_len: int | None = None, config: PagedConfig | None = None,
-                            generation: str | None = None) -> jax.Array:
+                            generation: str | TpuGeneration | None = None) -> jax.Array:
     """`ragged_paged_attention` over contiguous (varlen) keys and values k, v[total_k, Hkv, D], sequence s owning
     rows cu_k_lens[s]:cu_k_lens[s + 1] (as `flash_attn_varlen_func` receives them), read in place: the same
     kernel, the keys one page of total_k rows whose page table names each sequence's first row."""
@@ -473,24 +453,27 @@ def ragged_varlen_attention(q: jax.Array, k: jax.Array, v: jax.Array, cu_q_lens:
     problem = paged_problem(q, k_pages, first_rows, scale=scale, causal=causal, sliding_window=sliding_window,
                             softcap=softcap, sinks=sinks, max_q_len=max_q_len, contiguous=True)
     return call(q, k_pages, v_pages, cu_q_lens, cu_k_lens[1:] - cu_k_lens[:-1], first_rows,
-                make(problem, generation, config), sinks=sinks)
+                make(problem, resolve_target(generation), config), sinks=sinks)
 
 
 def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cu_q_lens: jax.Array,
                            kv_lens: jax.Array, page_table: jax.Array, *, sinks: jax.Array | None = None,
                            scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
                            softcap: float | None = None, max_q_len: int | None = None,
-                           config: PagedConfig | None = None, generation: str | None = None) -> jax.Array:
+                           config: PagedConfig | None = None,
+                           generation: str | TpuGeneration | None = None) -> jax.Array:
     """Attention of packed q[T, Hq, D] over the paged cache k_cache, v_cache[num_pages, page_size, Hkv, D]
     -> [T, Hq, D] (layout and semantics: `common/paged.py`).
 
     cu_q_lens int [S + 1], kv_lens int [S], page_table int [S, pages_per_seq]; sinks [Hq] (a logit per query
     head joining every row's softmax, attending to nothing); max_q_len, if given, bounds every sequence's
     queries (1: decode) and only shapes the tiles. Tiles: `config`, else `tiles.select`'s for `generation`
-    (default this device's). Without a query row, a query head or a sequence no kernel runs.
+    (a name or its facts; default this device's, resolved once here). Without a query row, a query head or a
+    sequence no kernel runs.
     """
     if 0 in (q.shape[0], q.shape[1], *page_table.shape, k_cache.shape[0]):
         return jnp.zeros(q.shape, q.dtype)
     problem = paged_problem(q, k_cache, page_table, scale=scale, causal=causal, sliding_window=sliding_window,
                             softcap=softcap, sinks=sinks, max_q_len=max_q_len)
-    return call(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, make(problem, generation, config), sinks=sinks)
+    plan = make(problem, resolve_target(generation), config)
+    return call(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, plan, sinks=sinks)

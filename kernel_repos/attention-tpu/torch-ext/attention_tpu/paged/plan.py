@@ -7,6 +7,7 @@ import dataclasses
 
 from jax.experimental import pallas as pl
 
+from .._hardware import TpuGeneration
 from ..common.paged import PagedProblem
 from .tiles import PagedConfig, check_config, chunk_tokens, min_tile_q, select
 
@@ -33,11 +34,11 @@ class PagedPlan:
         return self.block_q // self.tile_q
 
 
-def make(problem: PagedProblem, generation: str | None = None, config: PagedConfig | None = None) -> PagedPlan:
-    """The grid for `problem` at `config`'s tiles (checked), else `select`'s on `generation` (default: this
-    device's): one step per block of packed query rows."""
+def make(problem: PagedProblem, target: TpuGeneration, config: PagedConfig | None = None) -> PagedPlan:
+    """The grid for `problem` at `config`'s tiles (checked), else `select`'s on `target` (a generation's facts,
+    resolved once by the caller): one step per block of packed query rows."""
     if config is None:
-        config = select(problem, generation)
+        config = select(problem, target)
     else:
         check_config(config, problem)
     return PagedPlan(

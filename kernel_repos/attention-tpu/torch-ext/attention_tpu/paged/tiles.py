@@ -16,7 +16,7 @@ import math
 
 import jax.numpy as jnp
 
-from .._hardware import LANES, MEGACORE_GENERATIONS, check_generation, resolve_generation, round_up, sublane_multiple
+from .._hardware import LANES, TpuGeneration, round_up, sublane_multiple
 from ..common.paged import PagedProblem
 from ..common.vmem import vmem_budget, vmem_limit
 
@@ -25,8 +25,8 @@ from ..common.vmem import vmem_budget, vmem_limit
 TILE_ROWS = 256
 # Preferred (query rows per step, keys per K/V block): decode-sized steps hold a few row tiles; keys as the
 # forward's (`flash.tiles.PREFERRED_TILES`). Not tuned on hardware. A batch of sequences of at most DECODE_MAX_Q
-# queries takes the preferred steps too, but on a megacore device (v5p) no more than half its rows, so that both
-# TensorCores get a step.
+# queries takes the preferred steps too, but on a megacore device (v5p: two TensorCores) no more than half its rows,
+# so that both TensorCores get a step.
 PREFERRED_TILES = {"v5e": (128, 512), "v5p": (128, 512), "v6e": (128, 1024), "tpu7x": (128, 1024)}
 DECODE_MAX_Q = 16
 
@@ -129,12 +129,11 @@ def visible_keys(problem: PagedProblem, tile_q: int) -> int:
     return keys
 
 
-def heuristic_config(problem: PagedProblem, generation: str) -> PagedConfig:
+def heuristic_config(problem: PagedProblem, target: TpuGeneration) -> PagedConfig:
     """Preferred tiles, the query ones no longer than the longest sequence's queries and the key blocks no longer
     than the keys a row tile sees (and the chunk before them a block starts at: a tile computes a block whole, and
     a 1024-key block under a 128-key window would compute 8x its keys), shrunk to the VMEM budget."""
-    generation = check_generation(generation)
-    preferred_q, preferred_kv = PREFERRED_TILES[generation]
+    preferred_q, preferred_kv = PREFERRED_TILES[target.name]
     longest = max(1, problem.longest_query)
     multiple = min_tile_q(problem)
     tile_q = min(round_up(max(1, TILE_ROWS // problem.group), multiple), round_up(longest, multiple))
@@ -146,7 +145,7 @@ def heuristic_config(problem: PagedProblem, generation: str) -> PagedConfig:
     preferred_kv = min(preferred_kv, round_up(keys, LANES))
     packed = round_up(max(1, problem.total_q), tile_q)
     block_q = min(packed, preferred_q)
-    if longest <= DECODE_MAX_Q and generation in MEGACORE_GENERATIONS:
+    if longest <= DECODE_MAX_Q and target.cores_per_device > 1:
         block_q = min(block_q, round_up(-(-packed // 2), tile_q))
     block_q = max(tile_q, block_q // tile_q * tile_q)
     page = problem.page_size
@@ -157,7 +156,7 @@ def heuristic_config(problem: PagedProblem, generation: str) -> PagedConfig:
         block_kv = max(1, preferred_kv // page) * page
     else:
         block_kv = _page_part(page, preferred_kv, _key_multiple(problem))
-    budget = vmem_budget(generation)
+    budget = vmem_budget(target)
 
     def working_set(bq, tq, bkv):
         return vmem_bytes(problem, block_q=bq, tile_q=tq, block_kv=bkv)
@@ -173,7 +172,7 @@ def heuristic_config(problem: PagedProblem, generation: str) -> PagedConfig:
             block_kv = _shrink_kv(block_kv, problem)
         else:
             break
-    return PagedConfig(block_q, tile_q, block_kv, vmem_limit(working_set(block_q, tile_q, block_kv), generation))
+    return PagedConfig(block_q, tile_q, block_kv, vmem_limit(working_set(block_q, tile_q, block_kv), target))
 
 
 def check_config(config: PagedConfig, problem: PagedProblem) -> None:
@@ -201,6 +200,7 @@ def check_config(config: PagedConfig, problem: PagedProblem) -> None:
                          f"got {config.block_kv}")
 
 
-def select(problem: PagedProblem, generation: str | None = None) -> PagedConfig:
-    """Tile sizes for `problem` on `generation` (default: the current one): the heuristic (no tuned table yet)."""
-    return heuristic_config(problem, resolve_generation(generation))
+def select(problem: PagedProblem, target: TpuGeneration) -> PagedConfig:
+    """Tile sizes for `problem` on `target` (a generation's facts, resolved once by the caller): the heuristic (no
+    tuned table yet)."""
+    return heuristic_config(problem, target)

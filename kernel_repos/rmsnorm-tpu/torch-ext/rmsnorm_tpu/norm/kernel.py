@@ -14,8 +14,8 @@ rows explicitly.
 Math is in float32 whatever the input dtype; outputs take the input dtype.
 
 A call is a `NormProblem` (the op, rows, hidden and dtype): its block size
-comes from `tiles.select(problem, generation)`, the grid it gives from
-`plan.make(problem, generation, config=None)`, and `call(rows, weight, plan)`
+comes from `tiles.select(problem, target)`, the grid it gives from
+`plan.make(problem, target, config=None)`, and `call(rows, weight, plan)`
 runs it. The four JAX
 functions (`rms_norm_forward`, `fused_add_rms_norm_forward`,
 `rms_norm_backward`, `fused_add_rms_norm_backward`) take the same keyword
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .._hardware import resolve_generation
+from .._hardware import TpuGeneration, resolve_target
 from ..problem import NormProblem
 from .plan import RowPlan, make
 from .tiles import OPS, RowBlockConfig, check_block_rows, vmem_bytes, vmem_limit
@@ -160,7 +160,7 @@ def call(as_rows: Sequence[jax.Array], weight: jax.Array, plan: RowPlan, *, eps:
     return (outputs,) if single_output else tuple(outputs)
 
 
-def _callers_config(problem: NormProblem, generation: str | None, block_rows: int | None) -> RowBlockConfig | None:
+def _callers_config(problem: NormProblem, target: TpuGeneration, block_rows: int | None) -> RowBlockConfig | None:
     """The caller's `block_rows` (checked, at most all rows) with the VMEM limit that block needs, as a tuned entry
     gets (`tiles.tuned_config`); None without one (the plan's `tiles.select`)."""
     if block_rows is None:
@@ -168,7 +168,7 @@ def _callers_config(problem: NormProblem, generation: str | None, block_rows: in
     check_block_rows(block_rows, problem.rows, problem.dtype)
     block_rows = min(block_rows, problem.rows)
     needed = vmem_bytes(block_rows, problem.hidden, problem.dtype, problem.op)
-    return RowBlockConfig(block_rows, vmem_limit(needed, resolve_generation(generation)))
+    return RowBlockConfig(block_rows, vmem_limit(needed, target))
 
 
 def _row_norm(
@@ -178,13 +178,14 @@ def _row_norm(
     *,
     eps: float,
     offset: float = 0.0,
-    generation: str | None = None,
+    generation: str | TpuGeneration | None = None,
     block_rows: int | None = None,
 ) -> tuple[jax.Array, ...]:
     """`op`'s outputs: its row outputs shaped like the row inputs, then dL/dweight for a backward op.
 
     The one signature of the keyword options the public functions pass through: eps is added to
-    mean(x^2), the scale is offset + weight, generation picks the tiling (None: this device's), block_rows
+    mean(x^2), the scale is offset + weight, generation picks the tiling (a name or its facts, resolved here once;
+    None: this device's), block_rows
     overrides the selected row block.
     """
     shape = OPS[op]
@@ -201,7 +202,8 @@ def _row_norm(
     as_rows = [a.reshape(-1, hidden) for a in row_arrays]
     rows = as_rows[0].shape[0]
     problem = NormProblem(op, rows, hidden, jnp.dtype(as_rows[0].dtype).name)
-    plan = make(problem, generation, _callers_config(problem, generation, block_rows))
+    target = resolve_target(generation)
+    plan = make(problem, target, _callers_config(problem, target, block_rows))
     outputs = call(as_rows, weight, plan, eps=float(eps), offset=float(offset))
     results = tuple(output.reshape(x.shape) for output in outputs[: shape.row_outputs])
     if shape.weight_gradient:

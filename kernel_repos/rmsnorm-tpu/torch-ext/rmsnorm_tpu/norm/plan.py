@@ -7,6 +7,7 @@ import dataclasses
 
 from jax.experimental import pallas as pl
 
+from .._hardware import TpuGeneration
 from ..problem import NormProblem
 from .tiles import OPS, OpShape, RowBlockConfig, select
 
@@ -29,10 +30,10 @@ class RowPlan:
         return OPS[self.op]
 
 
-def make(problem: NormProblem, generation: str | None = None, config: RowBlockConfig | None = None) -> RowPlan:
-    """The grid of `problem`'s op over its [rows, hidden] at `config`'s row block, else `select`'s on `generation`
-    (default: this device's): one step per row block."""
+def make(problem: NormProblem, target: TpuGeneration, config: RowBlockConfig | None = None) -> RowPlan:
+    """The grid of `problem`'s op over its [rows, hidden] at `config`'s row block, else `select`'s on `target` (a
+    generation's facts, resolved once by the caller): one step per row block."""
     if config is None:
-        config = select(problem, generation)
+        config = select(problem, target)
     return RowPlan(problem.op, problem.rows, problem.hidden, config.block_rows,
                    pl.cdiv(problem.rows, config.block_rows), config.vmem_limit_bytes)

@@ -11,7 +11,8 @@ set (`vmem_limit`). Budget and limit are the VMEM policy every tpu-kernels
 build shares (`_hardware.py`, with this kernel's WORKING_SET_MARGIN and
 WORKING_SET_BOUND_BYTES), as are the TPU facts (HBM bandwidth, VMEM, scoped
 defaults, tiling, per-step cost); the tuned table has the form every kernel's
-has (`_tuning.py`).
+has (`_tuning.py`). The functions here take the generation's facts (`target`,
+a `_hardware.TpuGeneration` its caller resolved once).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from .._hardware import (
-    LANES, MIB, SUBLANES, SUPPORTED_GENERATIONS, check_generation, grid_step_overhead_s, resolve_generation,
-    round_up, sublane_multiple, tpu_generation, vmem_budget_bytes, vmem_limit_bytes,
+    LANES, MIB, SUBLANES, SUPPORTED_GENERATIONS, TpuGeneration, grid_step_overhead_s, round_up, sublane_multiple,
+    tpu_generation, vmem_budget_bytes, vmem_limit_bytes,
 )
 from .._tuning import read_tuned_tiles
 from ..problem import NormProblem
@@ -125,15 +126,16 @@ def vmem_bytes(block_rows: int, hidden: int, dtype, op: str) -> int:
     return round_up(block_rows, sublane_multiple(dtype)) * per_row + vectors
 
 
-def vmem_budget(generation: str) -> int:
-    """What a block's working set may take on `generation`: the shared policy's budget with WORKING_SET_MARGIN,
-    within WORKING_SET_BOUND_BYTES."""
-    return vmem_budget_bytes(generation, margin=WORKING_SET_MARGIN, bound_bytes=WORKING_SET_BOUND_BYTES[generation])
+def vmem_budget(target: TpuGeneration) -> int:
+    """What a block's working set may take on `target`: the shared policy's budget with WORKING_SET_MARGIN, within
+    WORKING_SET_BOUND_BYTES."""
+    return vmem_budget_bytes(target.name, margin=WORKING_SET_MARGIN,
+                             bound_bytes=WORKING_SET_BOUND_BYTES[target.name])
 
 
-def vmem_limit(working_set_bytes: int, generation: str) -> int:
-    """The scoped VMEM limit asked for a working set on `generation`: the shared policy's, with WORKING_SET_MARGIN."""
-    return vmem_limit_bytes(working_set_bytes, generation, margin=WORKING_SET_MARGIN)
+def vmem_limit(working_set_bytes: int, target: TpuGeneration) -> int:
+    """The scoped VMEM limit asked for a working set on `target`: the shared policy's, with WORKING_SET_MARGIN."""
+    return vmem_limit_bytes(working_set_bytes, target.name, margin=WORKING_SET_MARGIN)
 
 
 def _check_op(op: str) -> None:
@@ -150,7 +152,7 @@ def check_block_rows(block_rows: int, rows: int, dtype) -> None:
         )
 
 
-def heuristic_config(problem: NormProblem, generation: str) -> RowBlockConfig:
+def heuristic_config(problem: NormProblem, target: TpuGeneration) -> RowBlockConfig:
     """Rows per block of `problem` from the traffic time, the per-step cost and the VMEM budget.
 
     The pipeline overlaps the DMA of block i+1 (and the write-back of block
@@ -164,26 +166,24 @@ def heuristic_config(problem: NormProblem, generation: str) -> RowBlockConfig:
     the fewest rows, if they fit what a kernel may ask for at all (the
     policy's budget without WORKING_SET_BOUND_BYTES).
     """
-    generation = check_generation(generation)
     op, rows, hidden, dtype = problem
     _check_op(op)
     if rows < 1 or hidden < 1:
         raise ValueError(f"rows and hidden must be >= 1, got rows={rows}, hidden={hidden}")
     dtype = jnp.dtype(dtype)
-    facts = tpu_generation(generation)
     align = sublane_multiple(dtype)
 
-    traffic_seconds = rows * hidden * dtype.itemsize * OPS[op].row_arrays / facts.hbm_bytes_per_s
-    steps = max(1, round(math.sqrt(traffic_seconds / grid_step_overhead_s(generation))))
+    traffic_seconds = rows * hidden * dtype.itemsize * OPS[op].row_arrays / target.hbm_bytes_per_s
+    steps = max(1, round(math.sqrt(traffic_seconds / grid_step_overhead_s(target.name))))
 
     fixed_bytes = vmem_bytes(0, hidden, dtype, op)
     bytes_per_aligned_rows = vmem_bytes(align, hidden, dtype, op) - fixed_bytes
-    fitting_rows = max(0, vmem_budget(generation) - fixed_bytes) // bytes_per_aligned_rows * align
+    fitting_rows = max(0, vmem_budget(target) - fixed_bytes) // bytes_per_aligned_rows * align
     if fitting_rows < align:
         needed = vmem_bytes(align, hidden, dtype, op)
-        if needed > vmem_budget_bytes(generation, margin=WORKING_SET_MARGIN):
+        if needed > vmem_budget_bytes(target.name, margin=WORKING_SET_MARGIN):
             raise ValueError(
-                f"hidden={hidden} is too large for {op} on {generation}: one block of {align} rows "
+                f"hidden={hidden} is too large for {op} on {target.name}: one block of {align} rows "
                 f"needs {needed / MIB:.1f} MiB of VMEM"
             )
         fitting_rows = align
@@ -192,24 +192,23 @@ def heuristic_config(problem: NormProblem, generation: str) -> RowBlockConfig:
     if block_rows >= rows:
         # One block covering every row: a block dim equal to the array dim needs no alignment.
         block_rows = rows
-    return RowBlockConfig(block_rows, vmem_limit(vmem_bytes(block_rows, hidden, dtype, op), generation))
+    return RowBlockConfig(block_rows, vmem_limit(vmem_bytes(block_rows, hidden, dtype, op), target))
 
 
-def tuned_config(problem: NormProblem, generation: str) -> RowBlockConfig | None:
+def tuned_config(problem: NormProblem, target: TpuGeneration) -> RowBlockConfig | None:
     """The config of the TUNED_TILES entry for `problem`'s shape, if there is one: its block, checked like an
     explicit block size, and the VMEM limit it needs."""
     op, rows, hidden, dtype = problem
-    tiles = TUNED_TILES.get(TunedKey(check_generation(generation), op, rows, hidden, jnp.dtype(dtype).name))
+    tiles = TUNED_TILES.get(TunedKey(target.name, op, rows, hidden, jnp.dtype(dtype).name))
     if tiles is None:
         return None
     check_block_rows(tiles.block_rows, rows, dtype)
-    return RowBlockConfig(tiles.block_rows, vmem_limit(vmem_bytes(tiles.block_rows, hidden, dtype, op), generation))
+    return RowBlockConfig(tiles.block_rows, vmem_limit(vmem_bytes(tiles.block_rows, hidden, dtype, op), target))
 
 
-def select(problem: NormProblem, generation: str | None = None) -> RowBlockConfig:
-    """Rows per block for `problem` on `generation` (default: the current one): the tuned entry of its shape, else
-    the heuristic's."""
-    generation = resolve_generation(generation)
+def select(problem: NormProblem, target: TpuGeneration) -> RowBlockConfig:
+    """Rows per block for `problem` on `target` (a generation's facts, resolved once by the caller): the tuned
+    entry of its shape, else the heuristic's."""
     _check_op(problem.op)
-    config = tuned_config(problem, generation)
-    return config if config is not None else heuristic_config(problem, generation)
+    config = tuned_config(problem, target)
+    return config if config is not None else heuristic_config(problem, target)

@@ -21,11 +21,6 @@ BF16 = 2
 S = jax.ShapeDtypeStruct
 
 
-@pytest.fixture(scope="module")
-def kernel(ragged_dot_kernel):
-    return ragged_dot_kernel
-
-
 def _picks(tokens, top_k, experts, live_experts, seed=0):
     """Router-masking picks of one rank: `experts` local ones of which `live_experts` are picked."""
     rng = np.random.default_rng(seed)
@@ -198,9 +193,9 @@ def test_the_layer_copies_only_live_picks_rows_in_and_out_of_its_grouped_matmuls
     row_bytes = hidden * BF16
     # The gate_up kernel's copies: the live rows of each row tile's window (the tile and one chunk more, as its
     # pipelined lhs block would read), once per N tile (one here); the combine's: each live pick's row once.
-    plan = kernel.plan_experts(kernel.ExpertsProblem(
+    plan = kernel.plan.plan_experts(kernel.problem.ExpertsProblem(
         tokens, top_k, hidden, intermediate, experts, "bfloat16", "bfloat16", "float32", False, False,
-        kernel.Gate("silu")), "v6e", fused=False).forward_gate_up
+        kernel.problem.Gate("silu")), "v6e", fused=False).forward_gate_up
     window = plan.tile_m + (plan.chunk_m or 0)
     copied = sum(min(live, start + window) - start for start in range(0, live, plan.tile_m))
     [token_rows] = [op for op in gate_up.operands if op.array_shape == (tokens, hidden // 2)]

@@ -21,18 +21,13 @@ from benchmarks import perf
 S = jax.ShapeDtypeStruct
 
 
-@pytest.fixture(scope="module")
-def kernel(ragged_dot_kernel):
-    return ragged_dot_kernel
-
-
 def _replayed_vmem(fn, *args) -> int:
     [call] = perf.model_pallas_traffic(fn, *args)
     return call.vmem_bytes
 
 
 def _planned_vmem(kernel, plan) -> int:
-    return kernel.buffers_bytes(plan.buffers)
+    return kernel.common.vmem.buffers_bytes(plan.buffers)
 
 
 MATMUL_CASES = {
@@ -59,7 +54,7 @@ def test_grouped_matmul_plan_counts_the_vmem_of_its_block_specs(kernel, case):
     plan = kernel.gmm.plan.make(problem, generation, kernel.gmm.tiles.TileConfig(*tiles))
     assert plan.fp8_matmul == (case == "fp8-on-the-fp8-mxu")
     rhs_shape = (groups, n, k) if transpose_rhs else (groups, k, n)
-    scheme = kernel.scheme_of(rhs_dtype)
+    scheme = kernel.common.quant.scheme_of(rhs_dtype)
     scales = None if scheme is None else S(kernel.expected_scales_shape(scheme, rhs_shape,
                                                                          1 if transpose_rhs else 2), jnp.float32)
     sizes = np.full(groups, m // groups, np.int32)
@@ -108,23 +103,23 @@ def test_fused_plan_counts_the_vmem_of_its_block_specs(kernel, case):
     weights = [S(gate_up, weights_dtype), S(down, weights_dtype)]
     weights += [S((experts, 2 * intermediate), jnp.bfloat16), S((experts, hidden), jnp.bfloat16)] if bias else [None,
                                                                                                                None]
-    scheme = kernel.scheme_of(weights_dtype)
+    scheme = kernel.common.quant.scheme_of(weights_dtype)
     if scheme is not None:
         out_axis = 2 if transposed else 1
         weights += [S(kernel.expected_scales_shape(scheme, shape, out_axis), jnp.float32) for shape in (gate_up,
                                                                                                       down)]
-    expert_weights = kernel.ExpertWeights(*weights)
+    expert_weights = kernel.problem.ExpertWeights(*weights)
     hidden_states = S((tokens, hidden), jnp.bfloat16)
     index = np.random.default_rng(0).integers(0, experts, (tokens, top_k)).astype(np.int32)
     routing = np.full((tokens, top_k), 0.5, np.float32)
-    problem = kernel.ExpertsProblem.of(hidden_states, index, routing, expert_weights, kernel.Gate(**gate),
-                                       weights_transposed=transposed)
+    problem = kernel.problem.ExpertsProblem.of(hidden_states, index, routing, expert_weights,
+                                               kernel.problem.Gate(**gate), weights_transposed=transposed)
     config = None if tiles is None else kernel.fused.tiles.FusedConfig(*tiles)
     plan = kernel.fused.plan.make(problem, generation, config)
     assert plan.fp8_matmul == case.startswith("fp8-on-the-fp8-mxu")
 
     def run(hidden_states, index, routing, *weights):
-        read = kernel.ExpertWeights(*weights).as_read(plan.orientation, weights_transposed=transposed)
+        read = kernel.problem.ExpertWeights(*weights).as_read(plan.orientation, weights_transposed=transposed)
         return kernel.fused.kernel.call(hidden_states, index, routing, read, plan)
 
     assert _planned_vmem(kernel, plan) == _replayed_vmem(run, hidden_states, index, routing, *weights)

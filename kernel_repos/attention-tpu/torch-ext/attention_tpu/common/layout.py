@@ -1,5 +1,5 @@
-"""The order in which the forward kernel reads q, K and V and writes its output: the order XLA's default TPU layout
-stores them in."""
+"""The order in which the forward and backward kernels read q, K and V (and d_out) and write their results: the order
+XLA's default TPU layout stores them in."""
 
 from __future__ import annotations
 

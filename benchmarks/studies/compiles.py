@@ -1,0 +1,281 @@
+"""Compiles a kernelized model meets: how many distinct kernel shapes, and the real seconds to compile them.
+
+On a TPU, every new shape a kernel op sees is a Mosaic compile on the host before the call can run. This
+counts the distinct shapes of our three kernels (RMSNorm, the experts layer, flash attention) that two
+workloads produce, at Qwen3-30B-A3B, GPT-OSS-20B and Gemma 4 26B-A4B shapes, batch 1, bf16, one chip:
+
+- `generate`: a default `generate` of 128 new tokens (the prefill, then 127 decode steps whose key
+  length grows by one each) at each of PROMPT_LENGTHS;
+- `serving trace`: 200 requests with prompt lengths drawn uniformly from 1 to 4096 (seed TRACE_SEED),
+  each run as `generate` runs one (a prefill and 127 decode steps at batch 1). The packed token batches
+  of `generate_batch` are not modelled: each request's calls are those a batch-1 server makes;
+
+each `before` (every token count and key length its own shape) and `after` (padded to the buckets of
+`tpu_kernels/runtime/buckets.py`, as the kernels' entry points pad them: rows and query lengths to
+`token_bucket`, a decode step's one query staying one, key lengths to `key_bucket`).
+
+Compile seconds are measured, not modelled: each distinct shape is compiled ahead of time for v6e and
+TPU7x (libtpu compile-only topologies) on this machine's CPU, where a TPU host would compile it too.
+Each distinct shape is compiled once and its seconds reused wherever it recurs. An op with more
+distinct shapes than `--sample` has an evenly spaced sample of them compiled (the smallest and the
+largest always among them), sorted by size, and the rest priced by linear interpolation between the
+measured shapes on either side (compile time grows with the blocks a shape gets): the JSON gives, per op, how many
+shapes were measured and how many extrapolated, and every total says how much of it is extrapolated.
+`first_call_s` is the compile time the workload's first request waits for in a cold process (its
+prefill's shapes and its decode steps'); `total_s` all the workload's compiles, one after another.
+
+Usage:
+    tpu-kernels bench compiles [--out benchmarks/results/compiles.json] [--sample 4] [--quick]
+    (or JAX_PLATFORMS=cpu python -m benchmarks.studies.compiles; paths relative to the current directory)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import kernels
+
+from benchmarks.studies import KERNEL_REPOS_DIR, require_kernel_repo, result_path, write_json
+from tpu_kernels.aot import compile_for
+from tpu_kernels.distribution.builder import build_kernel_repo
+from tpu_kernels.runtime.buckets import key_bucket, token_bucket
+
+GENERATIONS = ("v6e", "tpu7x")
+PROMPT_LENGTHS = (7, 100, 500, 1000, 3000)
+NEW_TOKENS = 128
+TRACE_REQUESTS = 200
+TRACE_MAX_PROMPT = 4096
+TRACE_SEED = 0
+BF16 = jnp.bfloat16
+
+
+@dataclass(frozen=True)
+class Attention:
+    """One kind of attention layer: KV heads, head_dim, sliding window (None: full), attention sinks."""
+
+    kv_heads: int
+    head_dim: int
+    window: int | None = None
+    sinks: bool = False
+
+
+@dataclass(frozen=True)
+class Model:
+    hidden: int
+    q_heads: int
+    attention: tuple[Attention, ...]
+    qk_norms: bool  # RMSNorm over each head's q and k (rows: tokens x heads)
+    experts: int
+    intermediate: int
+    top_k: int
+    gate: dict
+
+
+SILU = dict(activation="silu", weights_transposed=False)
+MODELS = {
+    "Qwen3-30B-A3B": Model(2048, 32, (Attention(4, 128),), True, 128, 768, 8, SILU),
+    "GPT-OSS-20B": Model(2880, 64, (Attention(8, 64, window=128, sinks=True), Attention(8, 64, sinks=True)), False,
+                         32, 2880, 4, dict(activation="clamped_swiglu", weights_transposed=True, interleaved=True,
+                                           alpha=1.702, limit=7.0)),
+    "Gemma 4 26B-A4B": Model(2816, 16, (Attention(8, 256, window=1024), Attention(2, 512)), True, 128, 704, 8,
+                             dict(activation="gelu_tanh", weights_transposed=False)),
+}
+
+
+def calls_of_request(prompt: int, new_tokens: int = NEW_TOKENS) -> list[tuple[int, int]]:
+    """(tokens, key length) of each forward a batch-1 `generate` makes: the prefill, then one token at a time."""
+    return [(prompt, prompt)] + [(1, prompt + step) for step in range(1, new_tokens)]
+
+
+def workloads() -> dict[str, list[list[tuple[int, int]]]]:
+    """Each workload as its requests, each request as its calls (tokens, key length)."""
+    lengths = random.Random(TRACE_SEED).choices(range(1, TRACE_MAX_PROMPT + 1), k=TRACE_REQUESTS)
+    return {"generate": [calls_of_request(p) for p in PROMPT_LENGTHS],
+            "serving trace": [calls_of_request(p) for p in lengths]}
+
+
+def op_shapes(model: Model, tokens: int, keys: int, bucketed: bool) -> set[tuple]:
+    """The kernel shapes one forward of `tokens` against `keys` keys compiles: (op, shape...) tuples."""
+    rows = token_bucket if bucketed else (lambda n: n)
+    queries = tokens if tokens == 1 or not bucketed else token_bucket(tokens)
+    key_length = key_bucket(keys) if bucketed else keys
+    shapes = {("rms_norm", rows(tokens), model.hidden), ("experts", rows(tokens))}
+    for kind in model.attention:
+        shapes.add(("attention", kind, queries, key_length))
+        if model.qk_norms:
+            shapes |= {("rms_norm", rows(tokens * model.q_heads), kind.head_dim),
+                       ("rms_norm", rows(tokens * kind.kv_heads), kind.head_dim)}
+    return shapes
+
+
+def shapes_of(model: Model, requests: list[list[tuple[int, int]]], bucketed: bool) -> list[set[tuple]]:
+    """Per request, the shapes its calls compile."""
+    return [set().union(*(op_shapes(model, t, k, bucketed) for t, k in calls)) for calls in requests]
+
+
+class Kernels:
+    """The three kernels' JAX functions from their builds, traced at a shape for one generation."""
+
+    def __init__(self, built: dict):
+        self.norm = importlib.import_module(f"{built['rmsnorm'].__name__}.norm.kernel").rms_norm_forward
+        self.layer = importlib.import_module(f"{built['experts'].__name__}.layer").experts_layer
+        self.flash = importlib.import_module(
+            f"{built['attention'].__name__}.flash.kernel").differentiable_flash_attention
+
+    def target(self, model: Model, shape: tuple, generation: str):
+        """(fn, avals) of one shape of `op_shapes`."""
+        op = shape[0]
+        if op == "rms_norm":
+            _, rows, width = shape
+            fn = lambda x, w: self.norm(x, w, eps=1e-6, generation=generation)  # noqa: E731
+            return fn, [jax.ShapeDtypeStruct((rows, width), BF16), jax.ShapeDtypeStruct((width,), BF16)]
+        if op == "experts":
+            return self._experts(model, shape[1], generation)
+        return self._attention(model, *shape[1:], generation)
+
+    def _experts(self, model: Model, tokens: int, generation: str):
+        e, h, i = model.experts, model.hidden, model.intermediate
+        transposed = model.gate["weights_transposed"]
+        weights = [(e, h, 2 * i), (e, i, h)] if transposed else [(e, 2 * i, h), (e, h, i)]
+        if model.gate["activation"] == "clamped_swiglu":
+            weights += [(e, 2 * i), (e, h)]
+        avals = [jax.ShapeDtypeStruct((tokens, h), BF16), jax.ShapeDtypeStruct((tokens, model.top_k), jnp.int32),
+                 jax.ShapeDtypeStruct((tokens, model.top_k), BF16), *(jax.ShapeDtypeStruct(w, BF16) for w in weights)]
+        return (lambda *arrays: self.layer(*arrays, generation=generation, **model.gate)), avals
+
+    def _attention(self, model: Model, kind: Attention, queries: int, keys: int, generation: str):
+        q = jax.ShapeDtypeStruct((1, model.q_heads, queries, kind.head_dim), BF16)
+        kv = jax.ShapeDtypeStruct((1, kind.kv_heads, keys, kind.head_dim), BF16)
+        avals = [q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32)]
+        if kind.sinks:
+            avals.append(jax.ShapeDtypeStruct((model.q_heads,), BF16))
+
+        def attend(q, k, v, kv_lengths, *sinks):
+            return self.flash(q, k, v, kv_lengths=kv_lengths, sliding_window=kind.window,
+                              sinks=sinks[0] if sinks else None, generation=generation)
+
+        return attend, avals
+
+
+def group_of(shape: tuple) -> str:
+    """The shapes whose compile times are alike: one op, one layer kind, prefill or decode."""
+    if shape[0] == "rms_norm":
+        return f"rms_norm width {shape[2]}"
+    if shape[0] == "experts":
+        return "experts"
+    kind, queries = shape[1], shape[2]
+    window = f" window {kind.window}" if kind.window else ""
+    step = "decode" if queries == 1 else "prefill"
+    return f"attention kv {kind.kv_heads} d {kind.head_dim}{window} {step}"
+
+
+def sizes(shape: tuple) -> list[int]:
+    return [x for x in shape if isinstance(x, int)]
+
+
+def sample_positions(count: int, sample: int) -> list[int]:
+    """At most `sample` evenly spaced positions of `count` sorted shapes, the first and the last always among them."""
+    if count <= sample:
+        return list(range(count))
+    return sorted({round(i * (count - 1) / (sample - 1)) for i in range(sample)})
+
+
+def measure(kernels_: Kernels, model: Model, shapes: set[tuple], generation: str, sample: int, log) -> dict:
+    """{shape: (seconds, measured)} for every shape: a sample compiled per group (sorted by size), the rest priced
+    by linear interpolation between the measured shapes on either side, by position in that order."""
+    groups: dict[str, list[tuple]] = {}
+    for shape in shapes:
+        groups.setdefault(group_of(shape), []).append(shape)
+    priced = {}
+    for name, members in sorted(groups.items()):
+        ordered = sorted(members, key=sizes)
+        positions = sample_positions(len(ordered), sample)
+        for position in positions:
+            fn, avals = kernels_.target(model, ordered[position], generation)
+            start = time.perf_counter()
+            compile_for(fn, avals, generation)
+            priced[ordered[position]] = (time.perf_counter() - start, True)
+            log(f"  {generation} {name} {avals[0].shape}: {priced[ordered[position]][0]:.2f} s")
+        for low, high in zip(positions, positions[1:]):
+            low_s, high_s = priced[ordered[low]][0], priced[ordered[high]][0]
+            for position in range(low + 1, high):
+                priced[ordered[position]] = (low_s + (high_s - low_s) * (position - low) / (high - low), False)
+    return priced
+
+
+def summary(requests: list[set[tuple]], priced: dict) -> dict:
+    every = set().union(*requests)
+    per_op: dict[str, dict] = {}
+    for shape in every:
+        entry = per_op.setdefault(group_of(shape), {"shapes": 0, "measured": 0, "seconds": 0.0})
+        entry["shapes"] += 1
+        entry["measured"] += priced[shape][1]
+        entry["seconds"] += priced[shape][0]
+    return {
+        "distinct_shapes": len(every),
+        "measured_shapes": sum(priced[s][1] for s in every),
+        "total_s": sum(priced[s][0] for s in every),
+        "extrapolated_s": sum(priced[s][0] for s in every if not priced[s][1]),
+        "first_call_s": sum(priced[s][0] for s in requests[0]),
+        "per_op": dict(sorted(per_op.items())),
+    }
+
+
+def study(kernels_: Kernels, models: dict, generations, sample: int, log) -> dict:
+    results = {}
+    for model_name, model in models.items():
+        requests = {(workload, mode): shapes_of(model, calls, mode == "after")
+                    for workload, calls in workloads().items() for mode in ("before", "after")}
+        every = set().union(*(set().union(*r) for r in requests.values()))
+        for generation in generations:
+            log(f"{model_name} {generation}: {len(every)} distinct shapes over both workloads")
+            priced = measure(kernels_, model, every, generation, sample, log)
+            for (workload, mode), shapes in requests.items():
+                results.setdefault(model_name, {}).setdefault(generation, {}).setdefault(workload, {})[mode] = (
+                    summary(shapes, priced))
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=result_path("compiles.json"))
+    parser.add_argument("--sample", type=int, default=4, help="shapes compiled per op group (default 4)")
+    parser.add_argument("--quick", action="store_true", help="Qwen3-30B-A3B on v6e only, 2 shapes per group")
+    parser.add_argument("--kernel-repos", type=Path, default=KERNEL_REPOS_DIR)
+    args = parser.parse_args(argv)
+    if args.sample < 2:
+        parser.error("--sample must be at least 2 (the smallest and the largest shape of a group)")
+    models = {"Qwen3-30B-A3B": MODELS["Qwen3-30B-A3B"]} if args.quick else MODELS
+    generations = GENERATIONS[:1] if args.quick else GENERATIONS
+    with tempfile.TemporaryDirectory() as build_dir:
+        built = {kind: kernels.get_local_kernel(build_kernel_repo(
+            require_kernel_repo(args.kernel_repos / repo, "--kernel-repos"), Path(build_dir)), backend="cpu")
+            for kind, repo in (("rmsnorm", "rmsnorm-tpu"), ("experts", "ragged-dot-tpu"),
+                               ("attention", "attention-tpu"))}
+        results = study(Kernels(built), models, generations, 2 if args.quick else args.sample, print)
+    data = {
+        "workloads": {"generate": {"prompt_lengths": list(PROMPT_LENGTHS), "new_tokens": NEW_TOKENS},
+                      "serving trace": {"requests": TRACE_REQUESTS, "prompt_lengths": f"uniform 1..{TRACE_MAX_PROMPT}",
+                                        "seed": TRACE_SEED, "new_tokens": NEW_TOKENS}},
+        "batch": 1, "dtype": "bfloat16",
+        "method": ("AOT compiles (libtpu compile-only topologies) on this CPU; per op group at most "
+                   f"{args.sample} shapes measured (sorted by size, evenly spaced, the smallest and largest among them), the "
+                   "rest interpolated between them (extrapolated_s)"),
+        "cpu_count": os.cpu_count(), "load_average_at_start": list(os.getloadavg()),
+        "models": results,
+    }
+    print(f"wrote {write_json(args.out, data)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,333 @@
+"""Which published claims survive the constants no chip of that kind has told us: `tpu-kernels bench robustness`.
+
+Three of the model's constants are not identified by a timing of their kind:
+
+- the share of the peak HBM bandwidth the copies reach (hbm_fractions.json: 1.0 everywhere, a clamp on v5e and
+  borrowed elsewhere), plausibly from 0.78 (TPU7x's weight-streaming calls) to 1.0;
+- v6e's cost per grid step (model_constants.json: v5e's 0.34 us, borrowed), from 0.02 us (below the 0.024 us that
+  Hugging Face's 257 us layer implies) to the borrowed value; HF's 56.6 ms step bounds it from above too
+  (decode_step.json's `hf_kernel_check`), both quoted in the JSON's `v6e_grid_step_data`;
+- a fixed cost per copy a kernel issues itself (none is priced: `perf.kernel_dmas`), from 0 to half the
+  generation's fitted grid-step cost: a pipelined grid step issues at least two copies (a block in, a block out),
+  and its fitted fixed cost covers issuing them, so one issue costs no more than half of it. Our paged kernel
+  issues one copy per page of K and of V; its issues overlap the copies in flight (its copies term becomes the
+  longer of the transfers and the issues); vLLM's fused MoE kernel's copy descriptors add to its time.
+
+For every claim the results publish (ours against the best rival per shape and generation in moe_layer.json and
+moe_layer_v5p_tpu7x.json (v5p's grid-step cost, borrowed from v5e too, is held: no v5p timing bounds it), the
+<= 100 us anchor, >= 85 % of the HBM roofline for paged decode, the whole-step ratio of decode_step.json) this
+re-prices the claim's figures over each constant's range, one at a time and over the ranges jointly,
+and calls the claim robust (it holds everywhere) or fragile (it flips: at which value of which constant).
+
+The re-pricing works on the terms each study recorded, and follows how the model prices them: the grid-step cost
+is a fixed cost per (core) step, so a time moves by its recorded step cost times the step cost's ratio; a copy's
+issue cost adds per copy; the HBM share enters through the recorded price at 0.85 (moe_layer's `hbm85_us`,
+linear in 1/share through it and the fitted price), through the copies term (paged attention: the whole copies term
+and XLA's relayout scale with 1/share, an upper bound on the pipelined time), or (the decode step's XLA programs,
+priced by their bytes) the whole term scales with 1/share. Each time is affine in the step cost and 1/share (and,
+but for the paged kernel's overlap, in the copy cost), so a ratio of two is monotone in each constant and its
+extremes lie at the ranges' corners; a best rival that changes inside the ranges is why the joint worst point is
+sought on a grid that includes the corners. A claim flips at the value found by bisection between where it holds
+and where it does not. The rivals keep the tiling their search chose at the fitted constants (a cheaper step could
+make a smaller tiling faster still).
+
+Output: benchmarks/results/robustness.json (`--out`); `tpu-kernels bench report` renders robustness.md from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.perf import chip
+from benchmarks.studies import result_path, write_json
+from benchmarks.studies.moe_layer.rivals import RIVALS
+from benchmarks.studies.moe_layer.shapes import ANCHOR, ANCHOR_DISPATCH
+from benchmarks.studies.moe_layer.targets import ANCHOR_TARGET_US
+from benchmarks.studies.moe_layer.vllm_fused import FUSED
+
+DEFAULT_OUT = result_path("robustness.json")
+HBM_SHARE, GRID_STEP, COPY_COST = "hbm_share", "v6e_grid_step_us", "copy_issue_us"
+SHARE_RANGE = (0.78, 1.0)
+V6E_STEP_RANGE_US = (0.02, 0.34)
+# The share moe_layer prices every variant at beside the fitted one (`hbm85_us`).
+MOE_SECOND_SHARE = 0.85
+MOE_RIVALS = (*RIVALS, FUSED)
+ANCHOR_LABELS = tuple(f"{setting} T={tokens}" for setting, tokens, _ in (ANCHOR, ANCHOR_DISPATCH))
+KV_ITEMSIZE = 2  # bf16 caches
+# Values per constant of the joint grid the worst point is sought on (its ends are the ranges' corners).
+JOINT_GRID = 5
+
+
+def copy_cost_bound_us(generation: str) -> float:
+    """Half the generation's fitted grid-step cost (v6e: v5e's, the fitted one it borrows): module docstring."""
+    fitted_from = "v5e" if generation in ("v5e", "v6e", "v5p") else generation
+    return chip.grid_step_s(fitted_from) * 1e6 / 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """One published claim: `value(point)` re-prices its figure at a point (constant name -> value; absent:
+    fitted); it holds while the figure is at most (`at_most`) or at least the threshold."""
+
+    family: str
+    claim: str
+    generation: str
+    threshold: float
+    at_most: bool
+    ranges: dict[str, tuple[float, float, float]]  # constant -> (fitted, low, high)
+    value: Callable[[dict], float]
+
+    def holds(self, figure: float) -> bool:
+        return figure <= self.threshold if self.at_most else figure >= self.threshold
+
+
+def flip_point(claim: Claim, name: str, holding: float, failing: float, rounds: int = 40) -> float:
+    """The value of constant `name` where the claim stops holding, between a value where it holds and one where it
+    does not (the figure is monotone in each constant: module docstring)."""
+    for _ in range(rounds):
+        middle = (holding + failing) / 2
+        if claim.holds(claim.value({name: middle})):
+            holding = middle
+        else:
+            failing = middle
+    return failing
+
+
+def evaluate(claim: Claim) -> dict:
+    """The claim at the fitted constants, at each end of each range, and at the worst point of the ranges jointly
+    (`JOINT_GRID` values of each, ends included); its verdict."""
+    fitted = claim.value({})
+    by_constant, flips = {}, []
+    for name, (centre, low, high) in claim.ranges.items():
+        ends = {"low": claim.value({name: low}), "high": claim.value({name: high})}
+        entry = {"fitted": round(centre, 4), "range": [low, high], "at_low": round(ends["low"], 4),
+                 "at_high": round(ends["high"], 4),
+                 "holds": all(claim.holds(v) for v in ends.values()), "flips_at": None}
+        if claim.holds(fitted) and not entry["holds"]:
+            end = low if not claim.holds(ends["low"]) else high
+            entry["flips_at"] = round(flip_point(claim, name, centre, end), 4)
+            flips.append(f"{name} {entry['flips_at']:g}")
+        by_constant[name] = entry
+    axes = [np.linspace(low, high, JOINT_GRID).tolist() for _, low, high in claim.ranges.values()]
+    grid = [dict(zip(claim.ranges, values)) for values in itertools.product(*axes)]
+    worst_point = max(grid, key=lambda p: claim.value(p) * (1 if claim.at_most else -1), default={})
+    worst = claim.value(worst_point)
+    robust = claim.holds(fitted) and all(e["holds"] for e in by_constant.values()) and claim.holds(worst)
+    if claim.holds(fitted) and not flips and not claim.holds(worst):
+        flips.append("only jointly: " + ", ".join(f"{k} {v:g}" for k, v in worst_point.items()))
+    return {"family": claim.family, "claim": claim.claim, "generation": claim.generation,
+            "threshold": claim.threshold, "holds_if": "at_most" if claim.at_most else "at_least",
+            "fitted": round(fitted, 4), "holds_at_fitted": claim.holds(fitted), "by_constant": by_constant,
+            "worst_point": {"constants": {k: round(v, 4) for k, v in worst_point.items()}, "value": round(worst, 4),
+                            "holds": claim.holds(worst)},
+            "verdict": "robust" if robust else "fragile", "flips": flips}
+
+
+def share_range(generation: str) -> tuple[float, float, float]:
+    return (chip.FITTED_RATES.hbm_fraction(generation), *SHARE_RANGE)
+
+
+def step_range(generation: str) -> dict:
+    """v6e's borrowed grid-step cost as a range; other generations' are fitted (v5e, TPU7x) or out of scope."""
+    return {GRID_STEP: (chip.grid_step_s("v6e") * 1e6, *V6E_STEP_RANGE_US)} if generation == "v6e" else {}
+
+
+def moe_variant_us(line: dict, generation: str, point: dict) -> float:
+    """A moe_layer variant's headline re-priced at `point` from its recorded terms (module docstring)."""
+    fitted_share = chip.FITTED_RATES.hbm_fraction(generation)
+    inverse = 1 / point.get(HBM_SHARE, fitted_share)
+    per_inverse = (line["hbm85_us"] - line["us"]) / (1 / MOE_SECOND_SHARE - 1 / fitted_share)
+    us = line["us"] + per_inverse * (inverse - 1 / fitted_share)
+    if GRID_STEP in point and generation == "v6e":
+        us += line["step_cost_us"] * (point[GRID_STEP] / (chip.grid_step_s("v6e") * 1e6) - 1)
+    return us + point.get(COPY_COST, 0.0) * line.get("dma_descriptors", 0)
+
+
+def moe_claims(moe: dict) -> list[Claim]:
+    """Per shape and generation: ours at most the best rival (or, where a rival wins, at least it); the anchor."""
+    variants = {}
+    for line in moe["variants"]:
+        if "us" in line:
+            variants.setdefault((line["label"], line["generation"]), {})[line["variant"]] = line
+    claims = []
+    for shape in moe["shapes"]:
+        if shape.get("best_rival") is None:
+            continue
+        generation, found = shape["generation"], variants[(shape["label"], shape["generation"])]
+        rivals = [found[name] for name in MOE_RIVALS if name in found]
+        ranges = {HBM_SHARE: share_range(generation), **step_range(generation)}
+        if any("dma_descriptors" in r for r in rivals):
+            ranges[COPY_COST] = (0.0, 0.0, copy_cost_bound_us(generation))
+
+        def ours_over_best(point, ours=found["ours"], rivals=rivals, generation=generation):
+            return (moe_variant_us(ours, generation, point)
+                    / min(moe_variant_us(r, generation, point) for r in rivals))
+
+        wins = shape["ours_over_best_rival"] <= 1.0
+        claims.append(Claim("moe_layer ranking", f"{shape['label']}: " + (
+            "ours at most the best tuned rival" if wins else f"{shape['best_rival']} beats ours"),
+            generation, 1.0, wins, ranges, ours_over_best))
+        if generation == "v6e" and shape["label"] in ANCHOR_LABELS:
+            claims.append(Claim("anchor", f"{shape['label']}: ours at most {ANCHOR_TARGET_US:g} us", generation,
+                                ANCHOR_TARGET_US, True, {HBM_SHARE: share_range(generation), **step_range(generation)},
+                                lambda point, ours=found["ours"], g=generation: moe_variant_us(ours, g, point)))
+    return claims
+
+
+def paged_copies(row: dict) -> float:
+    """The copies our paged kernel issues for a row: one per chunk of K and one of V (all KV heads), a chunk being
+    a page (the kernel's `_chunk_copies`), so the minimum bytes over a page's K (or V) bytes."""
+    return row["min_bytes"] / (row["page_size"] * row["kv_heads"] * row["head_dim"] * KV_ITEMSIZE)
+
+
+def paged_pct(figures: dict, copies: float, generation: str, point: dict) -> float:
+    """Our paged kernel's share of the HBM roofline at the share it streams at, re-priced at `point`."""
+    fitted_share = chip.FITTED_RATES.hbm_fraction(generation)
+    share = point.get(HBM_SHARE, fitted_share)
+    scale = fitted_share / share
+    copies_us = figures["hbm_term_us"] * scale
+    # Issued from the scalar core while earlier copies stream, the issues overlap the transfers: the copies term
+    # becomes the longer of the two.
+    time_us = (figures["kernel_time_us"] + copies_us - figures["hbm_term_us"] + (figures["relayout_us"] or 0.0)
+               * scale + max(0.0, point.get(COPY_COST, 0.0) * copies - copies_us))
+    if GRID_STEP in point and generation == "v6e":
+        time_us += figures["step_overhead_us"] * (point[GRID_STEP] / (chip.grid_step_s("v6e") * 1e6) - 1)
+    return 100.0 * figures["hbm_roofline_us"] / share / time_us
+
+
+def paged_claims(paged: dict) -> list[Claim]:
+    """Per decode row the target covers (mixed lengths, or a context from the target's) and generation where it
+    meets the target at the fitted constants: ours at least the target's share of the HBM roofline."""
+    target, from_context = paged["targets"]["decode_pct_of_hbm_roofline"], paged["targets"]["from_context"]
+    claims = []
+    for row in paged["results"]:
+        if row["kind"] != "decode" or (row["context"] is not None and row["context"] < from_context):
+            continue
+        for generation, figures in row["ours"].items():
+            if figures["pct_of_hbm_roofline_fitted"] < target:
+                continue
+            ranges = {HBM_SHARE: share_range(generation), **step_range(generation),
+                      COPY_COST: (0.0, 0.0, copy_cost_bound_us(generation))}
+            where = f"{row['model']} | {row['batch']} | page {row['page_size']}"
+            claims.append(Claim("paged decode", f"{where}: ours at least {target:g} % of the HBM roofline",
+                                generation, target, False, ranges,
+                                lambda point, f=figures, c=paged_copies(row), g=generation: paged_pct(f, c, g, point)))
+    return claims
+
+
+def step_path_ms(path: dict, experts_scale: float, share_scale: float) -> float:
+    """A decode-step path's total re-priced: its experts term by `experts_scale`, the formula-priced all-reduce as
+    is, every other term (XLA programs priced by their bytes, our kernels) by `share_scale`."""
+    total = 0.0
+    for term in path["terms"]:
+        if term["error_kind"] == "pallas_ragged_dot":
+            total += term["ms_per_step"] * experts_scale
+        elif term["error_kind"].startswith("formula"):
+            total += term["ms_per_step"]
+        else:
+            total += term["ms_per_step"] * share_scale
+    return total
+
+
+def decode_step_claims(step: dict, moe: dict) -> list[Claim]:
+    """Per model: the modelled ratio of the default step over HF's configuration stays within its published band."""
+    batch, claims = step["method"]["batch"], []
+    ours = {line["label"]: line for line in moe["variants"]
+            if line["variant"] == "ours" and line["generation"] == "v6e" and "us" in line}
+    for model, found in sorted(step["models"].items()):
+        comparison = found["comparison"]
+        published = comparison[comparison["hf_path"]]
+        experts = ours[f"{model} EP8 router-masking T={batch}"]
+        paths = found["paths"]
+
+        def ratio(point, paths=paths, hf_path=comparison["hf_path"], experts=experts):
+            fitted_share = chip.FITTED_RATES.hbm_fraction("v6e")
+            share_scale = fitted_share / point.get(HBM_SHARE, fitted_share)
+            experts_scale = moe_variant_us(experts, "v6e", point) / experts["us"]
+            return (step_path_ms(paths["transformers_default"], experts_scale, share_scale)
+                    / step_path_ms(paths[hf_path], experts_scale, share_scale))
+
+        low, high = published["modelled_ratio_band"]
+        ranges = {HBM_SHARE: share_range("v6e"), **step_range("v6e")}
+        for at_most, bound in ((False, low), (True, high)):
+            side = "at most its band's high end" if at_most else "at least its band's low end"
+            claims.append(Claim("decode step", f"{model}: the default step over HF's configuration's {side}",
+                                "v6e", bound, at_most, ranges, ratio))
+    return claims
+
+
+def rests_on(step: dict) -> dict:
+    """Per model, what the whole-step ratio stands on that no timing checks (decode_step.json's own figures)."""
+    found = {}
+    for model, entry in sorted(step["models"].items()):
+        comparison = entry["comparison"]
+        totals = {name: path["total"] for name, path in entry["paths"].items()}
+        found[model] = {
+            "ratio": comparison[comparison["hf_path"]]["modelled_ratio"],
+            "hf_measured_ratio": comparison["hf_measured_ratio"],
+            "uncalibrated_share_of_default": round(totals["transformers_default"]["ms_by_error_kind"]
+                                                   .get("uncalibrated", 0.0) / totals["transformers_default"]["ms"], 4),
+            "uncalibrated_share_of_hf_configuration": round(
+                totals[comparison["hf_path"]]["ms_by_error_kind"].get("uncalibrated", 0.0)
+                / totals[comparison["hf_path"]]["ms"], 4),
+            "batched_mm_share_of_default": comparison["batched_mm_share_of_default"],
+            **{key: comparison.get("kernelized_vs_hf", {}).get(key) for key in
+               ("hf_implied_default_ms", "modelled_default_device_ms", "hf_measured_ms", "modelled_device_ms")},
+        }
+    return found
+
+
+def v6e_grid_step_data(moe: dict, step: dict) -> dict:
+    """What v6e's own timings say of its grid-step cost: the step cost that makes HF's 257 us layer (a fit to one
+    timing, per EP mode) and the bound HF's measured step sets (decode_step's `hf_kernel_check`)."""
+    fits = {shape: entry["step_cost_that_gives_measured_us"] for shape, entry in moe["hf_257us"]["shapes"].items()}
+    bound = step["models"]["qwen3-30b-a3b"]["hf_kernel_check"]
+    return {"borrowed_us": round(chip.grid_step_s("v6e") * 1e6, 4), "fit_from_hf_257us_us": fits,
+            "bound_from_hf_step_us": bound["grid_step_cost_bound_us"],
+            "bound_from_hf_step_with_host_us": bound["grid_step_cost_bound_with_host_us"],
+            "range_priced_us": list(V6E_STEP_RANGE_US)}
+
+
+def study(results: Path) -> dict:
+    moe = json.loads((results / "moe_layer.json").read_text())
+    other_generations = json.loads((results / "moe_layer_v5p_tpu7x.json").read_text())
+    paged = json.loads((results / "paged_attention.json").read_text())
+    step = json.loads((results / "decode_step.json").read_text())
+    claims = [evaluate(c) for c in (*moe_claims(moe), *moe_claims(other_generations), *paged_claims(paged),
+                                    *decode_step_claims(step, moe))]
+    return {
+        "benchmark": "benchmarks.studies.robustness",
+        "what": sys.modules[__name__].__doc__.split("\n\n")[1].replace("\n", " "),
+        "constants": {
+            HBM_SHARE: {"range": list(SHARE_RANGE), "fitted": dict(chip.FITTED_RATES.hbm_fractions)},
+            GRID_STEP: {"range": list(V6E_STEP_RANGE_US), "fitted": round(chip.grid_step_s("v6e") * 1e6, 4)},
+            COPY_COST: {"range_high": {g: copy_cost_bound_us(g) for g in ("v5e", "v6e", "tpu7x")}, "fitted": 0.0},
+        },
+        "v6e_grid_step_data": v6e_grid_step_data(moe, step),
+        "decode_step_rests_on": rests_on(step),
+        "claims": claims,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=DEFAULT_OUT.parent, help="the studies' results to read")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    report = study(args.results)
+    verdicts = [c["verdict"] for c in report["claims"]]
+    print(f"wrote {write_json(args.out, report)}: {verdicts.count('robust')} robust, "
+          f"{verdicts.count('fragile')} fragile of {len(verdicts)} claims")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""compiles.json -> the first-call table: distinct kernel shapes and their compile seconds, before and after the
+buckets, per model, workload and TPU generation."""
+
+from __future__ import annotations
+
+
+def seconds(summary: dict) -> str:
+    """Compile seconds of a workload, with the share priced by interpolation rather than compiled."""
+    total = summary["total_s"]
+    share = summary["extrapolated_s"] / total if total else 0.0
+    return f"{total:,.0f}" + (f" ({100 * share:.0f} % interpolated)" if share >= 0.005 else "")
+
+
+def first_call(data: dict) -> str:
+    load = f"wall seconds on {data['cpu_count']} cores at load average {data['load_average_at_start'][0]:.0f}"
+    rows = [f"| model | workload | gen | kernel shapes, no buckets | with buckets | compile s, no buckets ({load}) "
+            "| with buckets | first request's compiles, s: no buckets / buckets |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for model, generations in data["models"].items():
+        for generation, workloads in generations.items():
+            for workload, modes in workloads.items():
+                before, after = modes["before"], modes["after"]
+                rows.append(f"| {model} | {workload} | {generation} | {before['distinct_shapes']:,} "
+                            f"| {after['distinct_shapes']:,} | {seconds(before)} | {seconds(after)} "
+                            f"| {before['first_call_s']:,.0f} / {after['first_call_s']:,.0f} |")
+    return "\n".join(rows)
+
+
+def render_markdown(data: dict) -> dict[str, str]:
+    """compiles.json's table by section."""
+    return {"first-call": first_call(data)}

@@ -1,0 +1,86 @@
+"""robustness.json -> benchmarks/README.md's robustness tables and README's one-line verdicts."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+FAMILIES = ("moe_layer ranking", "anchor", "paged decode", "decode step")
+
+
+def nearest_flips(claims: list[dict]) -> dict[str, float]:
+    """Per constant, the value nearest its fitted one at which one of `claims` flips."""
+    flips: dict[str, float] = {}
+    for claim in claims:
+        for name, entry in claim["by_constant"].items():
+            if entry["flips_at"] is not None:
+                fitted = entry["fitted"]
+                if name not in flips or abs(entry["flips_at"] - fitted) < abs(flips[name] - fitted):
+                    flips[name] = entry["flips_at"]
+    return flips
+
+
+def summary(report: dict) -> str:
+    """Per family of claims and generation: how many hold across the ranges, how many flip, and the flip nearest
+    the fitted constants."""
+    rows = ["| claims | gen | robust | fragile | what flips them (the value nearest the fitted one) |",
+            "| --- | --- | ---: | ---: | --- |"]
+    counts = Counter((c["family"], c["generation"], c["verdict"]) for c in report["claims"])
+    for family in FAMILIES:
+        for generation in sorted({c["generation"] for c in report["claims"] if c["family"] == family}):
+            flips = nearest_flips([c for c in report["claims"]
+                                   if (c["family"], c["generation"]) == (family, generation)])
+            what = ", ".join(f"{name} at {value:g}" for name, value in sorted(flips.items())) or "nothing in range"
+            rows.append(f"| {family} | {generation} | {counts[(family, generation, 'robust')]} | "
+                        f"{counts[(family, generation, 'fragile')]} | {what} |")
+    return "\n".join(rows)
+
+
+def fragile(report: dict) -> str:
+    """Every fragile claim but the paged ones (summarised above): its figure, and where it flips."""
+    header = ["| claim | gen | at the fitted constants | worst point | flips at |",
+              "| --- | --- | ---: | ---: | --- |"]
+    shown = [c for c in report["claims"] if c["verdict"] == "fragile" and c["family"] != "paged decode"]
+    return "\n".join(header + [f"| {c['claim']} | {c['generation']} | {c['fitted']:g} | "
+                               f"{c['worst_point']['value']:g} | {'; '.join(c['flips'])} |" for c in shown])
+
+
+def constants(report: dict) -> str:
+    """The ranges priced, and what v6e's own timings say of its grid-step cost."""
+    data = report["v6e_grid_step_data"]
+    c = report["constants"]
+    copy_high = ", ".join(f"{g} {v:g}" for g, v in c["copy_issue_us"]["range_high"].items())
+    fits = ", ".join(f"{v:g}" for v in data["fit_from_hf_257us_us"].values())
+    return "\n".join([
+        "| constant | priced at | range | v6e data |", "| --- | --- | --- | --- |",
+        f"| HBM share | {', '.join(f'{g} {v:g}' for g, v in c['hbm_share']['fitted'].items())} | "
+        f"{c['hbm_share']['range'][0]:g}-{c['hbm_share']['range'][1]:g} | none bound by weight streaming |",
+        f"| v6e grid step (us) | {data['borrowed_us']:g} (borrowed from v5e) | "
+        f"{data['range_priced_us'][0]:g}-{data['range_priced_us'][1]:g} | HF's layer fits {fits} (one timing); "
+        f"HF's step bounds it at {data['bound_from_hf_step_us']:g} ({data['bound_from_hf_step_with_host_us']:g} "
+        "with the host cost) |",
+        f"| cost per issued copy (us) | 0 | 0 to {copy_high} | none |",
+    ])
+
+
+def verdicts(report: dict) -> str:
+    """One line per family: README's speed section."""
+    lines = []
+    for family in FAMILIES:
+        found = [c for c in report["claims"] if c["family"] == family]
+        robust = sum(c["verdict"] == "robust" for c in found)
+        lines.append(f"- {family}: {robust} of {len(found)} claims robust"
+                     + ("" if robust == len(found) else f"; fragile: {len(found) - robust} (benchmarks/README.md)"))
+    for model, rests in report["decode_step_rests_on"].items():
+        lines.append(f"- {model} whole-step ratio {rests['ratio']:g}x: "
+                     f"{100 * rests['uncalibrated_share_of_default']:.1f} % of the default step and "
+                     f"{100 * rests['uncalibrated_share_of_hf_configuration']:.1f} % of HF's "
+                     f"configuration are XLA programs no timing checks (batched_mm alone "
+                     f"{100 * rests['batched_mm_share_of_default']:.0f} % of the default)"
+                     + (f"; HF's ratio implies a {rests['hf_implied_default_ms']:g} ms default step, modelled "
+                        f"{rests['modelled_default_device_ms']:g} ms" if rests["hf_implied_default_ms"] else ""))
+    return "\n".join(lines)
+
+
+def render_markdown(report: dict) -> dict[str, str]:
+    return {"verdicts": verdicts(report), "summary": summary(report), "constants": constants(report),
+            "fragile": fragile(report)}

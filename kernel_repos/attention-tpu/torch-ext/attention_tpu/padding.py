@@ -1,0 +1,68 @@
+"""The shapes the transformers-facing entry points hand the kernels: query and key lengths padded to buckets.
+
+A kernel compiles once per shape it sees. Padding the query length to its token bucket and the key length to its
+key bucket (`_buckets`) bounds those shapes per model, whatever the prompt lengths and however many tokens are
+generated; the entry points pass the real key lengths (`kv_lengths`) and the real causal offsets, so the padded
+keys are never visible and the padded queries' rows are cut off. The batch is padded to a power of two with
+sequences of no keys. One query stays one query: the flash kernel
+lays a single query out on its own (a decode step reads the keys once for all heads of a group), and a decode
+step is one shape already.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._buckets import key_bucket, token_bucket
+
+
+def query_rows(q_len: int) -> int:
+    """The query length a kernel is handed for `q_len` queries: 1 stays 1 (decode), any other its token bucket."""
+    return q_len if q_len <= 1 else token_bucket(int(q_len))
+
+
+def key_rows(kv_len: int) -> int:
+    """The key length a kernel is handed for `kv_len` keys: its key bucket (no keys stay no keys)."""
+    return kv_len if kv_len == 0 else key_bucket(int(kv_len))
+
+
+def padded(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """`tensor` with zeros (False for a bool mask) appended along `dim` up to `size`."""
+    extra = size - tensor.shape[dim]
+    if extra == 0:
+        return tensor
+    pads = [0, 0] * (tensor.dim() - dim % tensor.dim())
+    pads[-1] = extra
+    return torch.nn.functional.pad(tensor, pads)
+
+
+def batch_rows(batch: int) -> int:
+    """The batch a kernel is handed for `batch` sequences: its power of two (no sequences stay none). The padded
+    sequences have no keys: the kernels skip them and their rows come out zero."""
+    return batch if batch == 0 else power_of_two(int(batch))
+
+
+def power_of_two(size: int, floor: int = 1) -> int:
+    """The power of two at or above `size`, and at least `floor` (a power of two): the bucket of a number of
+    sequences."""
+    return max(floor, 1 << max(size - 1, 0).bit_length())
+
+
+# The fewest sequences the ragged kernel is handed: as many as the smallest token bucket (one row tile of queries)
+# holds decode rows (a sequence of no rows costs the kernel a few scalar steps); below it a shape change would
+# compile anew for next to no saving. Its fewest rows are the smallest buckets: 16 queries, 128 keys.
+RAGGED_SEQUENCES_FLOOR = 16
+
+
+def with_empty_sequences(cu_seqlens: torch.Tensor, batch: int) -> torch.Tensor:
+    """`cu_seqlens` extended by empty sequences to `batch` of them."""
+    extra = batch + 1 - cu_seqlens.shape[0]
+    return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(extra)]) if extra else cu_seqlens
+
+
+def query_length_bound(max_seqlen_q: int, rows: int) -> int:
+    """The bound on any sequence's queries the ragged kernel is told (it only shapes its tiles): 1 for a decode
+    batch, else the token bucket of the longest sequence's queries, and no more than the query rows."""
+    if max_seqlen_q <= 1:
+        return 1
+    return min(token_bucket(int(max_seqlen_q)), rows)

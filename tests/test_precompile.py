@@ -1,0 +1,78 @@
+"""precompile(model): every bucket a batch-1 generate meets, compiled before the first request."""
+
+import jax
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+from tpu_kernels import kernelize
+from tpu_kernels.integration.precompile import precompile, row_multiples_of, warm_up_prompts
+from tpu_kernels.runtime.buckets import key_bucket, key_buckets, token_bucket
+
+
+@pytest.mark.parametrize("max_tokens, max_keys, multiples", [(20, 64, (1, 2, 4)), (700, 1000, (1, 4, 32)),
+                                                            (1, 2, (1,))])
+def test_warm_up_prompts_meet_every_bucket_combination(max_tokens, max_keys, multiples):
+    prompts = warm_up_prompts(max_tokens, max_keys, multiples)
+
+    def buckets(prompt):
+        return (key_bucket(prompt), *(token_bucket(prompt * m) for m in multiples))
+
+    assert {buckets(p) for p in range(1, max_tokens + 1)} <= {buckets(p) for p in prompts}
+    # The first decode step after each prompt (prompt + 1 keys) reaches every key bucket up to max_keys.
+    assert {key_bucket(p + 1) for p in prompts} >= set(key_buckets(max_keys))
+    assert max(prompts) < max_keys and len(prompts) == len(set(prompts))
+
+
+def test_warm_up_prompts_refuse_a_cache_shorter_than_a_prompt_and_its_token():
+    with pytest.raises(ValueError, match="max_keys"):
+        warm_up_prompts(100, 100)
+
+
+def _tiny_qwen3_moe():
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+                            moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2, intermediate_size=96)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 3:  # expert weights start empty: random, never zero
+                parameter.normal_(std=0.1)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def test_row_multiples_are_the_tokens_and_the_heads():
+    assert row_multiples_of(_tiny_qwen3_moe().config) == (1, 2, 4)
+
+
+@pytest.mark.slow
+def test_after_precompile_generate_compiles_nothing(kernel_builds):
+    """A kernelized tiny Qwen3-MoE precompiled for prompts up to 8 tokens and 40 keys: generating from prompts
+    of 3 and 8 tokens, up to 40 keys, compiles no program (jax's compile events counted)."""
+    model = kernelize(_tiny_qwen3_moe(), repos={"experts": str(kernel_builds["ragged-dot-tpu"]),
+                                                "rmsnorm": str(kernel_builds["rmsnorm-tpu"]),
+                                                "attention": str(kernel_builds["attention-tpu"])})
+    assert precompile(model, max_tokens=8, max_keys=40, progress=False) == [4, 8, 39]
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **_: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
+        else None)
+    # No token is the pad id (0): generate would read it as padding and build a mask (another program).
+    prompts = torch.randint(1, 128, (1, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for length, new_tokens in ((3, 5), (8, 32)):
+            model.generate(prompts[:, :length], max_new_tokens=new_tokens, do_sample=False)
+    assert compiles == []
+
+
+def test_the_command_refuses_to_warm_a_machine_without_a_tpu(capsys, monkeypatch):
+    from tpu_kernels import cli
+    from tpu_kernels.integration import precompile as module
+
+    monkeypatch.setattr(module.glob, "glob", lambda pattern: [], raising=False)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["precompile", "some-org/some-model"])
+    assert exited.value.code == 2 and "fills no cache a TPU host reads" in capsys.readouterr().err

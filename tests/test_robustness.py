@@ -1,0 +1,102 @@
+"""The robustness table: its verdicts follow from its numbers, and a claim flips where the constant crosses its
+threshold."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.studies import robustness
+
+RESULTS = Path("benchmarks/results")
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    return json.loads((RESULTS / "robustness.json").read_text())
+
+
+def holds(claim: dict, value: float) -> bool:
+    return value <= claim["threshold"] if claim["holds_if"] == "at_most" else value >= claim["threshold"]
+
+
+def test_each_verdict_follows_from_its_numbers(report):
+    for claim in report["claims"]:
+        checks = [holds(claim, claim["fitted"]), holds(claim, claim["worst_point"]["value"])]
+        for entry in claim["by_constant"].values():
+            ends = [holds(claim, entry["at_low"]), holds(claim, entry["at_high"])]
+            assert entry["holds"] == all(ends), claim["claim"]
+            assert (entry["flips_at"] is not None) == (holds(claim, claim["fitted"]) and not all(ends))
+            checks += ends
+        assert claim["verdict"] == ("robust" if all(checks) else "fragile"), claim["claim"]
+
+
+def test_the_tracked_table_is_what_the_study_computes(report):
+    assert robustness.study(RESULTS)["claims"] == report["claims"]
+
+
+def test_a_claim_flips_where_its_constant_crosses_the_threshold():
+    moe = json.loads((RESULTS / "moe_layer.json").read_text())
+    anchor = next(c for c in robustness.moe_claims(moe) if c.family == "anchor")
+    flip = robustness.evaluate(anchor)["by_constant"][robustness.HBM_SHARE]["flips_at"]
+    assert anchor.holds(anchor.value({robustness.HBM_SHARE: flip + 1e-3}))
+    assert not anchor.holds(anchor.value({robustness.HBM_SHARE: flip - 1e-3}))
+    paged = json.loads((RESULTS / "paged_attention.json").read_text())
+    page = next(c for c in robustness.paged_claims(paged) if c.generation == "v6e")
+    flip = robustness.evaluate(page)["by_constant"][robustness.COPY_COST]["flips_at"]
+    assert page.holds(page.value({robustness.COPY_COST: flip * 0.99}))
+    assert not page.holds(page.value({robustness.COPY_COST: flip * 1.01}))
+
+
+def test_a_claim_robust_over_a_range_is_fragile_once_the_range_reaches_its_threshold():
+    claim = robustness.Claim("test", "time at most 10", "v6e", 10.0, True,
+                             {robustness.GRID_STEP: (0.34, 0.02, 0.34)},
+                             lambda point: 6.0 + 10.0 * point.get(robustness.GRID_STEP, 0.34))
+    assert robustness.evaluate(claim)["verdict"] == "robust"
+    wider = robustness.Claim(claim.family, claim.claim, claim.generation, claim.threshold, True,
+                             {robustness.GRID_STEP: (0.34, 0.02, 0.5)}, claim.value)
+    found = robustness.evaluate(wider)
+    assert found["verdict"] == "fragile"
+    assert found["by_constant"][robustness.GRID_STEP]["flips_at"] == pytest.approx(0.4, abs=1e-6)
+
+
+def test_re_pricing_at_the_fitted_constants_gives_the_recorded_figures():
+    moe = json.loads((RESULTS / "moe_layer.json").read_text())
+    for shape in moe["shapes"][:8]:
+        if shape.get("best_rival"):
+            line = next(v for v in moe["variants"] if (v["label"], v["generation"], v["variant"])
+                        == (shape["label"], shape["generation"], "ours"))
+            assert robustness.moe_variant_us(line, shape["generation"], {}) == pytest.approx(line["us"])
+            assert robustness.moe_variant_us(line, shape["generation"], {robustness.HBM_SHARE: 0.85}) == (
+                pytest.approx(line["hbm85_us"]))
+    paged = json.loads((RESULTS / "paged_attention.json").read_text())
+    for row in paged["results"][:4]:
+        for generation, figures in row["ours"].items():
+            assert robustness.paged_pct(figures, robustness.paged_copies(row), generation, {}) == pytest.approx(
+                figures["pct_of_hbm_roofline_fitted"])
+
+
+def test_the_step_and_share_rules_are_the_models_own():
+    """A figure re-priced at another v6e step cost, or (a kernel bound by its copies at every step) at another HBM
+    share, from its recorded terms equals the model's price there."""
+    from benchmarks import perf
+
+    from .perf_kernels import MATMUL, X, Y
+
+    [call] = perf.model_pallas_traffic(MATMUL, X, Y)
+
+    def priced(step_us: float, share: float) -> perf.ModelledTime:
+        return perf.roofline(call, "v6e", step_overhead_s=step_us * 1e-6, hbm_fraction=share)
+
+    fitted_us = perf.grid_step_s("v6e") * 1e6
+    line = {"us": priced(fitted_us, 1.0).pipelined_time_s * 1e6,
+            "hbm85_us": priced(fitted_us, robustness.MOE_SECOND_SHARE).pipelined_time_s * 1e6,
+            "step_cost_us": priced(fitted_us, 1.0).overhead_s * 1e6}
+    for step_us in robustness.V6E_STEP_RANGE_US:
+        assert robustness.moe_variant_us(line, "v6e", {robustness.GRID_STEP: step_us}) == pytest.approx(
+            priced(step_us, 1.0).pipelined_time_s * 1e6)
+    for share in (*robustness.SHARE_RANGE, 0.9):
+        assert robustness.moe_variant_us(line, "v6e", {robustness.HBM_SHARE: share}) == pytest.approx(
+            priced(fitted_us, share).pipelined_time_s * 1e6)
