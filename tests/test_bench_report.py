@@ -154,12 +154,15 @@ def test_binding_cost_per_call_table_from_its_json():
            "race_detection_extra_us": 0.62}
     step = {"assumptions": "48 layers", "kernel_calls_per_step": 192, "host_ms_per_step_lower_bound": 8.137,
             "hf_step_ms_batch_1": 26.5, "share_of_hf_step": 0.307}
-    tpu = {"per_call_us": {"add": {"min_us": 19.21}, "gated_experts": {"min_us": 57.61}}, "decode_step_model": step}
+    tpu = {"per_call_us": {"add": {"min_us": 5.31}, "gated_experts": {"min_us": 8.96}},
+           "per_call_us_through_jax_op": {"add": {"min_us": 19.21}, "gated_experts": {"min_us": 57.61}},
+           "decode_step_model": step}
     tables = binding_tables.render_markdown({"cpu_path": cpu, "load_average_at_start": [0.95, 1.8], "cpu_count": 2,
                                              "tpu_path_python": tpu})
     assert tables["tpu-path"].splitlines() == [
-        "| host Python per call on TPU tensors (launch stubbed out), minimum | µs |", "| --- | ---: |",
-        "| `add` | 19.2 |", "| `gated_experts` | 57.6 |", "", "| decode step, eager | |", "| --- | ---: |",
+        "| host Python per call on TPU tensors (launch stubbed out), minimum | µs | through `jax_op`, µs |",
+        "| --- | ---: | ---: |", "| `add` | 5.3 | 19.2 |", "| `gated_experts` | 9.0 | 57.6 |", "",
+        "| decode step, eager | |", "| --- | ---: |",
         "| kernel calls (48 layers) | 192 |", "| host Python, lower bound, ms | 8.1 |",
         "| Hugging Face's measured step at batch 1, ms | 26.5 |", "| share of that step | 31 % |"]
     assert tables["cost-per-call"] == "\n".join([

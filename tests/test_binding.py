@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -48,11 +49,11 @@ def expected_biased_add(x, y, bias, scale):
     return (x + y) * scale + (0 if bias is None else bias)
 
 
-def test_jax_op_registers_our_signature_on_cpu():
-    """torch_tpu is installed here: registration goes through torch.tpu.pallas.jax_op."""
-    assert binding._jax_op_registrar() is not None
+def test_torch_tpu_kernel_registers_our_signature_on_cpu():
+    """torch_tpu is installed here: TPU tensors reach its JaxCallable behind our launcher."""
+    assert binding._torch_tpu_pallas() is not None
     op = jax_torch_op("tk_test_jaxop::scale_add")(scale_add)
-    assert type(op.op).__module__.startswith("torch_tpu")
+    assert isinstance(op.registered.tpu_kernel, binding._TpuKernel)
     assert str(torch.ops.tk_test_jaxop.scale_add.default._schema) == (
         "tk_test_jaxop::scale_add(Tensor x, Tensor y, float scale) -> (Tensor, Tensor)"
     )
@@ -64,7 +65,7 @@ def test_jax_op_registers_our_signature_on_cpu():
 
 def test_optional_tensor_through_jax_op_on_cpu():
     op = jax_torch_op("tk_test_optional::biased_add")(biased_add)
-    assert type(op.op).__module__.startswith("torch_tpu")
+    assert isinstance(op.registered.tpu_kernel, binding._TpuKernel)
     assert str(torch.ops.tk_test_optional.biased_add.default._schema) == (
         "tk_test_optional::biased_add(Tensor x, Tensor y, Tensor? bias, float scale) -> Tensor"
     )
@@ -106,18 +107,68 @@ def test_jax_op_lowers_for_tpu_with_the_optional_tensor_present_and_absent(tpu_r
     """The TPU path up to the runtime: one Mosaic kernel per case, the absent tensor not passed."""
     runtime = tpu_runtime
     op = jax_torch_op("tk_test_optional_tpu::biased_add")(biased_add)
-    jax_callable = op.op._init_fn  # what jax_op registered for TPU tensors
+    tpu_kernel = op.registered.tpu_kernel  # what TPU tensors reach
     x, y, bias = torch.randn(8, 128), torch.randn(8, 128), torch.randn(128)
-    assert jax_callable(x, y, None, 2.0).shape == (8, 128)
-    assert jax_callable(x, y, bias, 2.0).shape == (8, 128)
+    assert tpu_kernel(x, y, None, 2.0).shape == (8, 128)
+    assert tpu_kernel(x, y, bias, 2.0).shape == (8, 128)
     assert len(set(runtime.registered)) == 2
     assert [shapes for _, shapes in runtime.launched] == [[(8, 128), (8, 128)], [(8, 128), (8, 128), (128,)]]
 
 
-def test_plain_custom_op_without_torch_tpu(monkeypatch):
-    monkeypatch.setattr(binding, "_jax_op_registrar", lambda: None)
+def test_tpu_kernel_launches_a_registered_kernel_without_jax_callable(tpu_runtime, monkeypatch):
+    """A signature's first call goes through torch_tpu's JaxCallable, which registers its kernel; later calls hand
+    the same kernel the same tensors directly. Keyword and defaulted arguments are keyed as given positionally."""
+    runtime = tpu_runtime
+
+    def scaled(x: jax.Array, shift: jax.Array | None = None, *, scale: float = 2.0) -> jax.Array:
+        return x * scale if shift is None else x * scale + shift
+
+    tpu_kernel = jax_torch_op("tk_test_launch::scaled")(scaled).registered.tpu_kernel
+    through_jax_callable = []
+    normalize = tpu_kernel.jax_callable._normalize_invocation_args
+    monkeypatch.setattr(tpu_kernel.jax_callable, "_normalize_invocation_args",
+                        lambda *a: through_jax_callable.append(a) or normalize(*a))
+    x, shift, wide = torch.randn(8, 128), torch.randn(8, 128), torch.randn(8, 256)
+    calls = [((x,), {}), ((x, shift), {}), ((x,), {}), ((x, shift), {"scale": 2.0}), ((x, None), {"scale": 2.0}),
+             ((x, shift), {"scale": 3.0}), ((wide,), {}), ((x, shift), {})]
+    outputs = [tpu_kernel(*args, **kwargs) for args, kwargs in calls]
+    assert [tuple(out.shape) for out in outputs] == [(8, 256) if args[0] is wide else (8, 128) for args, _ in calls]
+    assert len(runtime.registered) == 4  # x alone, with shift, with shift at scale 3, wide
+    first = dict(zip(["alone", "shift"], runtime.launched[:2]))
+    assert runtime.launched == [first["alone"], first["shift"], first["alone"], first["shift"], first["alone"],
+                                (runtime.registered[2], [(8, 128), (8, 128)]), (runtime.registered[3], [(8, 256)]),
+                                first["shift"]]
+    assert len(through_jax_callable) == 2 * 4  # JaxCallable's call and its key, once per kernel
+    runtime.registered.clear()  # a runtime that lost its kernels: JaxCallable registers them again
+    tpu_kernel(x)
+    assert len(runtime.registered) == 1 and len(through_jax_callable) == 2 * 5
+
+
+def test_tpu_kernel_leaves_other_tensors_and_other_torch_tpus_to_jax_callable(tpu_runtime, monkeypatch):
+    """A tensor subclass (torch_tpu's wrappers are one) goes through JaxCallable every time; so does every call
+    under a torch_tpu without what the launcher reads of 0.2.0 (here: its kernel key)."""
+
+    class Wrapped(torch.Tensor):
+        pass
+
+    tpu_kernel = jax_torch_op("tk_test_launch_other::biased_add")(biased_add).registered.tpu_kernel
+    calls = []
+    normalize = tpu_kernel.jax_callable._normalize_invocation_args
+    monkeypatch.setattr(tpu_kernel.jax_callable, "_normalize_invocation_args", lambda *a: calls.append(a) or normalize(*a))
+    x, y = torch.randn(8, 128), torch.randn(8, 128)
+    for _ in range(2):
+        assert tpu_kernel(x.as_subclass(Wrapped), y, None, 1.0).shape == (8, 128)
+    assert len(calls) == 2 and not tpu_kernel.launches
+    monkeypatch.setattr(tpu_kernel, "pallas", types.SimpleNamespace(tpu_torch_pallas=tpu_runtime))
+    for _ in range(2):
+        assert tpu_kernel(x, y, None, 1.0).shape == (8, 128)
+    assert len(calls) == 4 and not tpu_kernel.direct and len(tpu_runtime.launched) == 4
+
+
+def test_plain_op_without_torch_tpu(monkeypatch):
+    monkeypatch.setattr(binding, "_torch_tpu_pallas", lambda: None)
     op = jax_torch_op("tk_test_plain::scale_add")(scale_add)
-    assert isinstance(op.op, torch.library.CustomOpDef)
+    assert op.registered.tpu_kernel is None
     x, y = torch.randn(16, 128).bfloat16(), torch.randn(16, 128).bfloat16()
     out, _ = op(x, y, 2.0)
     assert out.dtype == torch.bfloat16
@@ -350,10 +401,10 @@ def _expected_scaled_tanh(x, w, rows, shift):
     return out if rows is None else out * rows[:, None].to(out.dtype)
 
 
-@pytest.mark.parametrize("registrar", ["jax_op", "custom_op"])
+@pytest.mark.parametrize("registrar", ["torch_tpu", "without_torch_tpu"])
 def test_gradients_come_from_the_jax_vjp(monkeypatch, registrar):
-    if registrar == "custom_op":
-        monkeypatch.setattr(binding, "_jax_op_registrar", lambda: None)
+    if registrar == "without_torch_tpu":
+        monkeypatch.setattr(binding, "_torch_tpu_pallas", lambda: None)
     op = jax_torch_op(f"tk_test_grad_{registrar}::scaled_tanh")(scaled_tanh)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(8, 128, generator=generator, requires_grad=True)
@@ -411,10 +462,11 @@ def test_gradient_ops_lower_for_tpu(tpu_runtime):
     runtime = tpu_runtime
     op = jax_torch_op("tk_test_grad_tpu::scaled_tanh")(scaled_tanh)
     x, w = torch.randn(8, 128), torch.randn(1, 128)
-    forward = op.gradient_ops.forward._init_fn(x, w, None, 0.5, "x,w")
+    forward_kernel, backward_kernel = (registered.tpu_kernel for registered in op.gradient_ops.registrations)
+    forward = forward_kernel(x, w, None, 0.5, "x,w")
     # The output and the kernel's output before the shift (x, w and the output itself are not returned again).
     assert [tuple(t.shape) for t in forward] == [(8, 128), (8, 128)]
-    grads = op.gradient_ops.backward._init_fn(x, w, None, 0.5, forward[:1], forward[1:], [torch.randn(8, 128)], "x,w")
+    grads = backward_kernel(x, w, None, 0.5, forward[:1], forward[1:], [torch.randn(8, 128)], "x,w")
     assert [tuple(t.shape) for t in grads] == [(8, 128), (1, 128)]
     assert len(set(runtime.registered)) == 2
 

@@ -3,9 +3,9 @@
 A kernel op compiles once per shape (per bucket, `runtime/buckets.py`), on the host: seconds per Mosaic
 kernel on a TPU. Two compilers do that work, and each has its own persistent cache:
 
-* On a TPU, the op runs through `torch.tpu.pallas.jax_op`, which exports the JAX function to StableHLO and
-  hands it to torch_tpu's runtime; torch_tpu compiles it (with every other program of the process) in its
-  own tiered compilation cache, never through jax's compiler. Its on-disk tier is off unless the variable
+* On a TPU, the op runs through torch_tpu's `JaxCallable` (what `torch.tpu.pallas.jax_op` registers), which
+  exports the JAX function to StableHLO and hands it to torch_tpu's runtime; torch_tpu compiles it (with
+  every other program of the process) in its own tiered compilation cache, never through jax's compiler. Its on-disk tier is off unless the variable
   TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT names a folder, which torch_tpu reads once, at its first compile.
 * On the CPU, the op runs jitted by jax; jax keeps a compiled program in `jax_compilation_cache_dir` when
   it took at least `jax_persistent_cache_min_compile_time_secs` (1 s by default) to compile, and never a

@@ -7,13 +7,15 @@ JAX arrays under the same interpret-mode settings. The difference is the
 binding's overhead. Each part of the call is then timed on its own, and
 marked with whether it also runs when the op gets TPU tensors.
 
-TPU path (no TPU here). For TPU tensors the op runs torch_tpu's `jax_op`
-wrapper, whose per-call work is Python (argument normalisation, a kernel
-cache key, a lookup) around one C++ launch, `call_custom_kernel`. That Python
-is timed by calling the op with torch_tpu's C++ kernel registry and launcher
-replaced by stubs that do nothing (the launch itself cannot be timed without a
-TPU), registered for CPU tensors the way jax_op registers its TPU kernel, so
-the dispatcher layers are the same. Signatures are those of our ops (rms_norm,
+TPU path (no TPU here). For TPU tensors the op runs the binding's TPU kernel
+(`binding._TpuKernel`): a key of the arguments and a lookup around one C++
+launch, torch_tpu's `call_custom_kernel`. That Python is timed by calling the
+op with torch_tpu's C++ kernel registry and launcher replaced by stubs that do
+nothing (the launch itself cannot be timed without a TPU), the TPU kernel
+registered for CPU tensors, so that the dispatcher layers are the same. The
+same ops registered through torch_tpu's `jax_op` (the binding's registration
+before, whose JaxCallable normalises and keys every call in Python behind
+custom_op's autograd layer) are timed beside them. Signatures are those of our ops (rms_norm,
 flash attention, the fused MoE experts, each with optional tensors where the
 collapsed op will have them); tensor sizes are small because the host work
 does not depend on them. A decode step is then modelled from these numbers.
@@ -37,6 +39,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -47,6 +50,8 @@ from benchmarks.studies import result_path, write_json
 from tpu_kernels.runtime import binding
 
 DEFAULT_OUT = result_path("binding.json")
+# torch_tpu's API-stage notice at every jax_op registration.
+JAX_OP_STAGE_NOTICE = r"<TorchTpu/ApiStage/ExperimentalApi/> jax_op is experimental"
 TARGET_US, STRETCH_US = 100.0, 50.0
 
 # Decode-step model (Hugging Face's figures): a 48-layer MoE, four kernel calls
@@ -181,8 +186,8 @@ def measure_cpu_path(rounds: int, calls: int) -> dict:
     overhead = best["op"] - best["bare_jit"]
     on_tpu_too, cpu_only = True, False
     breakdown = [
-        ("torch_tpu's argument normalisation (_JaxCustomOpDef.__call__)", best["op"] - best["op_overload"], on_tpu_too),
-        ("dispatcher and custom_op's autograd layer", best["op_overload"] - best["cpu_kernel"], on_tpu_too),
+        ("JaxTorchOp's autograd check", best["op"] - best["op_overload"], on_tpu_too),
+        ("dispatcher (no autograd kernel)", best["op_overload"] - best["cpu_kernel"], on_tpu_too),
         ("argument completion", best["complete_arguments"], cpu_only),
         ("2 tensors -> numpy views", best["to_host_arrays"], cpu_only),
         ("jax adopting the numpy views (in the jitted call)", best["jit_on_numpy_views"] - best["bare_jit"], cpu_only),
@@ -226,30 +231,40 @@ class _StubTpuRuntime:
 def measure_tpu_path_python(rounds: int, calls: int) -> dict:
     from torch_tpu._internal.pallas import pallas as torch_tpu_pallas
 
-    jax_op = binding._jax_op_registrar()
+    jax_op = torch_tpu_pallas.jax_op
     runtime, placeholder = torch_tpu_pallas.tpu_torch_pallas, torch_tpu_pallas.torch_placeholder
     torch_tpu_pallas.tpu_torch_pallas = _StubTpuRuntime()
     # Output placeholders are allocated on "tpu"; here they are CPU tensors.
     torch_tpu_pallas.torch_placeholder = lambda *a, **k: placeholder(*a, **{**k, "device": "cpu"})
     try:
-        candidates = {}
+        ours, previous = {}, {}
         arguments = {"add": (torch.randn(8, 128), torch.randn(8, 128)), **decode_arguments()}
         for name, fn in (("add", add), ("rms_norm", rms_norm), ("flash_attention", flash_attention),
                          ("gated_experts", gated_experts)):
-            op = jax_op(f"binding_bench_tpu::{name}", fn)
-            # For CPU tensors, through the same dispatcher layers as jax_op's TPU kernel.
-            op.register_kernel("cpu")(op._init_fn)
+            op = binding.jax_torch_op(f"binding_bench_tpu::{name}")(fn)
+            # For CPU tensors, through the same dispatcher layers as the TPU kernel.
+            op.registered.library.impl(name, op.registered.tpu_kernel, "CPU")
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=JAX_OP_STAGE_NOTICE, category=UserWarning)
+                jax_op_op = jax_op(f"binding_bench_jax_op::{name}", fn)
+            jax_op_op.register_kernel("cpu")(jax_op_op._init_fn)
             args = arguments[name]
-            candidates[name] = lambda op=op, args=args: op(*args)
-        times = timed(candidates, rounds, calls)
+            ours[name] = lambda op=op, args=args: op(*args)
+            previous[name] = lambda op=jax_op_op, args=args: op(*args)
+        timings = timed({**ours, **{f"jax_op {name}": call for name, call in previous.items()}}, rounds, calls)
+        times = {name: timings[name] for name in ours}
+        times_jax_op = {name: timings[f"jax_op {name}"] for name in previous}
     finally:
         torch_tpu_pallas.tpu_torch_pallas, torch_tpu_pallas.torch_placeholder = runtime, placeholder
     per_layer_us = sum(count * times[name]["min_us"] for name, count in CALLS_PER_LAYER.items())
     step_ms = LAYERS * per_layer_us / 1e3
     return {
-        "what": "Python host work per call of a jax_op op on TPU tensors (dispatch, torch_tpu's wrapper and "
-        "JaxCallable), with the C++ launch (call_custom_kernel) stubbed out: a lower bound of the eager host cost",
+        "what": "Python host work per call of a binding op on TPU tensors (JaxTorchOp, dispatch, the TPU kernel's "
+        "key and lookup), with the C++ launch (call_custom_kernel) stubbed out: a lower bound of the eager host cost",
         "per_call_us": times,
+        "per_call_us_through_jax_op": times_jax_op,
+        "through_jax_op": "the same functions registered with torch_tpu's jax_op, as the binding registered them "
+        "before: custom_op's autograd layer and JaxCallable's normalisation and key on every call",
         "decode_step_model": {
             "assumptions": f"{LAYERS} layers x {CALLS_PER_LAYER} kernel calls; minimum per-call times "
             "above; launch cost of call_custom_kernel and all non-kernel torch ops excluded",
@@ -294,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {cpu['breakdown_unaccounted_us']:6.1f} us  unaccounted (timing noise, call glue)")
     tpu = results["tpu_path_python"]
     for name, t in tpu["per_call_us"].items():
-        print(f"TPU path Python, {name:<16} {t['min_us']:6.1f} us/call")
+        print(f"TPU path Python, {name:<16} {t['min_us']:6.1f} us/call "
+              f"(through jax_op {tpu['per_call_us_through_jax_op'][name]['min_us']:6.1f})")
     model = tpu["decode_step_model"]
     print(f"decode step: {model['kernel_calls_per_step']} kernel calls, >= {model['host_ms_per_step_lower_bound']:.1f} ms "
           f"host Python in eager mode (HF step at batch 1: {HF_STEP_MS} ms)")

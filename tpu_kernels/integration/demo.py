@@ -103,8 +103,6 @@ def _silence_notices_a_demo_reader_cannot_act_on(args) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     # torch's own torch.utils.mkldnn, at `import torch`.
     warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated", category=DeprecationWarning)
-    # torch_tpu's API-stage notice when the binding registers an op; the version is pinned and the tests check it.
-    warnings.filterwarnings("ignore", message=r".*jax_op is experimental", category=UserWarning)
     if args.device == "cpu":
         # torch_tpu's advice for TPU hosts' allocator, on a CPU run where torch_tpu runs nothing.
         warnings.filterwarnings("ignore", message=r"<TorchTpu/Performance/TcMalloc/>", category=UserWarning)

@@ -6,8 +6,10 @@ import the standard library, numpy, torch and jax, nothing else.
 
 One op, two execution paths, chosen by torch's dispatcher per device:
 
-* TPU tensors: the op is registered through `torch.tpu.pallas.jax_op`, which
-  compiles the JAX function with Mosaic and runs it on the TPU.
+* TPU tensors: torch_tpu's `JaxCallable` (what `torch.tpu.pallas.jax_op`
+  registers) exports the JAX function for Mosaic and registers the kernel with
+  torch_tpu's runtime at the first call of each signature; later calls launch
+  that kernel directly (`_TpuKernel`), without its per-call Python.
 * CPU tensors: the same JAX function runs jitted under Pallas' TPU interpret
   mode. Tensors cross as numpy views that jax's CPU client adopts without a
   copy; results come back through DLPack. This path exists for development, CI
@@ -17,6 +19,11 @@ One op, two execution paths, chosen by torch's dispatcher per device:
 A parameter annotated `jax.Array | None` is an optional tensor (`Tensor?` in
 the op schema) on both paths: the JAX function receives None when the caller
 passes None, and each case is traced and compiled on its own.
+
+The op is a `torch.library.Library` op without an autograd kernel, so that
+a call runs no Python between the dispatcher and its kernel. Differentiate
+through the `JaxTorchOp`: a direct `torch.ops` call warns at backward, as
+torch does for any op without an autograd kernel.
 
 Gradients come from the JAX function itself (`jax.vjp`, so a `jax.custom_vjp`
 inside it decides how they are computed): when autograd needs a gradient of a
@@ -36,7 +43,6 @@ import os
 import sys
 import types
 import typing
-import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -63,14 +69,8 @@ def _use_cpu_platform_off_tpu() -> None:
     jax.config.update("jax_platforms", "cpu")
 
 _TORCH_TO_JAX_DTYPE = {
-    torch.float32: jnp.float32,
-    torch.bfloat16: jnp.bfloat16,
-    torch.float16: jnp.float16,
-    torch.int32: jnp.int32,
-    torch.int8: jnp.int8,
-    torch.uint8: jnp.uint8,
-    torch.float8_e4m3fn: jnp.float8_e4m3fn,
-    torch.bool: jnp.bool_,
+    torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16, torch.int32: jnp.int32,
+    torch.int8: jnp.int8, torch.uint8: jnp.uint8, torch.float8_e4m3fn: jnp.float8_e4m3fn, torch.bool: jnp.bool_,
 }
 _JAX_TO_TORCH_DTYPE = {jnp.dtype(v): k for k, v in _TORCH_TO_JAX_DTYPE.items()}
 # torch cannot view a bfloat16 (or float8) tensor as numpy: its bits cross as int16 (uint8) and
@@ -79,19 +79,13 @@ _NUMPY_BITS_DTYPE = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uin
 _STATIC_TYPES = (bool, int, float, str)
 
 
-_JAX_OP_STAGE_NOTICE = r"<TorchTpu/ApiStage/ExperimentalApi/> jax_op is experimental"
-
-
-def _jax_op_registrar() -> Callable | None:
-    """`torch.tpu.pallas.jax_op` when torch_tpu is installed, else None.
-
-    torch_tpu registers fine on a CPU-only machine; only execution needs a TPU.
-    """
+def _torch_tpu_pallas() -> types.ModuleType | None:
+    """torch_tpu's Pallas module (`JaxCallable`, its launcher), else None; it registers without a TPU."""
     try:
-        from torch_tpu._internal.pallas import jax_op
+        from torch_tpu._internal.pallas import pallas
     except ImportError:
         return None
-    return jax_op
+    return pallas
 
 
 def _optional_of(annotation):
@@ -423,9 +417,11 @@ class _GradientOps:
             [*parameters, *(parameter(name, _ARRAY_LIST) for name in self.EXTRA_PARAMETERS[:3]),
              parameter("differentiated", str)], return_annotation=_ARRAY_LIST)
         self.output_count = len(typing.get_args(jax_function.signature.return_annotation)) or 1
-        self.forward, _ = _register(f"{qualname}_vjp_forward", forward)
-        self.backward, _ = _register(f"{qualname}_vjp_backward", backward)
-        self.forward.register_autograd(self._backward_formula, setup_context=self._save_for_backward)
+        self.registrations = (_register(f"{qualname}_vjp_forward", forward),
+                              _register(f"{qualname}_vjp_backward", backward))
+        self.forward, self.backward = (registered.op for registered in self.registrations)
+        torch.library.register_autograd(f"{qualname}_vjp_forward", self._backward_formula,
+                                        setup_context=self._save_for_backward, lib=self.registrations[0].library)
 
     def _save_for_backward(self, ctx, inputs, output):
         *values, differentiated = inputs
@@ -456,8 +452,8 @@ class JaxTorchOp:
     whose backward hands the residuals to the JAX pullback.
     """
 
-    def __init__(self, qualname: str, op: torch.library.CustomOpDef, jax_function: "_JaxFunction"):
-        self.op = op
+    def __init__(self, qualname: str, registered: "_Registered"):
+        self.registered, self.op, jax_function = registered, registered.op, registered.jax_function
         self.returns_tuple = jax_function.returns_tuple
         # Registered with the op: torch.compile cannot trace a registration.
         self.gradient_ops = _GradientOps(qualname, jax_function)
@@ -478,31 +474,113 @@ class JaxTorchOp:
         return tuple(outputs) if self.returns_tuple else outputs[0]
 
 
-def _register(qualname: str, fn: Callable) -> tuple[torch.library.CustomOpDef, "_JaxFunction"]:
-    """`fn` as the torch op `qualname` on both paths (module docstring), and its CPU kernel and fake."""
-    jax_function = _JaxFunction(qualname, fn)
-    jax_op = _jax_op_registrar()
-    if jax_op is not None:
-        with warnings.catch_warnings():
-            # torch_tpu's API-stage notice, at every registration: the binding is written against the pinned
-            # torch_tpu and tested with it, and a user of a kernel can do nothing about it.
-            warnings.filterwarnings("ignore", message=_JAX_OP_STAGE_NOTICE, category=UserWarning)
-            op = jax_op(qualname, fn)
-    else:
-        def placeholder(*args, **kwargs):
-            raise RuntimeError(f"{qualname} runs on TPU only through torch_tpu, which is not installed")
+class _Launch(NamedTuple):
+    """What torch_tpu's runtime takes to launch a registered kernel again (JaxCallable made the rest)."""
 
-        placeholder.__signature__ = jax_function.torch_signature
-        op = torch.library.custom_op(qualname, placeholder, mutates_args=())
-    # Registered on the dispatcher's CPU key itself, not through
-    # op.register_kernel, whose wrappers (an aliasing check and a
-    # torch.compile guard) cost ~3 µs a call: outputs are always fresh
-    # buffers, and torch.compile traces the fake below, not this kernel.
-    torch.library.impl(qualname, "CPU", jax_function.run_on_cpu)
-    # jax_op's own fake lowers for the TPU platform; shapes from eval_shape
-    # are the same on every device and need no backend.
-    op.register_fake(jax_function.fake)
-    return op, jax_function
+    fingerprint: str
+    output_shapes: list
+    out_tree: jax.tree_util.PyTreeDef
+
+
+# Tensors the launcher takes as they are; any other (torch_tpu's `_elem` wrappers) goes through JaxCallable.
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+class _TpuKernel:
+    """The op's kernel for TPU tensors (module docstring).
+
+    torch_tpu's `JaxCallable` (as `jax_op` makes it) binds, normalises and
+    keys the arguments on every call, most of a call's host cost
+    (benchmarks/results/binding.json). It runs each signature's first call
+    (shapes, dtypes, static values, optional tensors present or not): it
+    registers the Mosaic kernel with the runtime, whose fingerprint and
+    output placeholders this kernel keeps. Later calls hand their tensors to
+    the runtime's launcher as JaxCallable would, after the same registry
+    check. JaxCallable runs again where that check fails, for tensors it
+    wraps, and always under a torch_tpu without what this reads of 0.2.0.
+    """
+
+    def __init__(self, pallas: types.ModuleType, jax_function: _JaxFunction, qualname: str):
+        self.pallas, self.signature = pallas, jax_function.signature
+        parameters = list(self.signature.parameters.values())
+        self.tensor_parameters = tuple(_is_tensor(p.annotation) for p in parameters)
+        static = [(i, p) for i, p in enumerate(parameters) if not _is_tensor(p.annotation)]
+        self.jax_callable = pallas.custom_jax_kernel(
+            jax_function.fn, qualname, warn_deprecated=False,
+            static_argnums=tuple(i for i, p in static if p.kind is not inspect.Parameter.KEYWORD_ONLY),
+            static_argnames=tuple(p.name for _, p in static if p.kind is inspect.Parameter.KEYWORD_ONLY))
+        self.launches: dict[tuple, _Launch] = {}
+        self.direct = True
+
+    def __call__(self, *args, **kwargs):
+        # The dispatcher passes trailing defaulted arguments only when they were given.
+        values = args if not kwargs and len(args) == len(self.tensor_parameters) else self._bound(args, kwargs)
+        key, tensors = [], []
+        for value, is_tensor in zip(values, self.tensor_parameters):
+            if not is_tensor or value is None:
+                key.append(value)
+            elif type(value) in _PLAIN_TENSORS:
+                key.append((value.shape, value.dtype))
+                tensors.append(value)
+            elif isinstance(value, list) and all(type(v) in _PLAIN_TENSORS for v in value):
+                key.append(tuple((v.shape, v.dtype) for v in value))
+                tensors.extend(value)
+            else:
+                return self.jax_callable(*args, **kwargs)
+        key = tuple(key)
+        launch = self.launches.get(key)
+        runtime = self.pallas.tpu_torch_pallas
+        if launch is None or not runtime.lookup_custom_kernel(self.jax_callable.name, launch.fingerprint):
+            return self._first_call(key, args, kwargs)
+        return launch.out_tree.unflatten(runtime.call_custom_kernel(
+            self.jax_callable.name, launch.fingerprint, inputs=tensors, output_shapes=launch.output_shapes,
+            donate_argnums=[], device_assignment=[]))
+
+    def _bound(self, args: tuple, kwargs: dict):
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.arguments.values()
+
+    def _first_call(self, key: tuple, args: tuple, kwargs: dict):
+        """JaxCallable's call, whose registered kernel is then kept under `key`."""
+        jax_callable = self.jax_callable
+        outputs = jax_callable(*args, **kwargs)
+        if self.direct:
+            try:
+                kernel_key = self.pallas._get_kernel_invocation_key(
+                    jax_callable.trace_key, *jax_callable._normalize_invocation_args(args, kwargs),
+                    jax_callable.static_argnums)
+                self.launches[key] = _Launch(jax_callable.kernel_key_to_mlir_fingerprint[kernel_key],
+                                             *jax_callable.output_shapes[kernel_key])
+            except (AttributeError, KeyError):
+                self.direct = False
+        return outputs
+
+
+class _Registered(NamedTuple):
+    op: Callable  # torch.ops.<namespace>.<name>.default
+    jax_function: _JaxFunction
+    tpu_kernel: Callable | None  # None without torch_tpu
+    library: torch.library.Library  # the op's registrations last as long as it does
+
+
+def _register(qualname: str, fn: Callable) -> _Registered:
+    """`fn` as the torch op `qualname` on both paths (module docstring), with its kernels and fake."""
+    jax_function = _JaxFunction(qualname, fn)
+    namespace, name = qualname.split("::")
+
+    def without_torch_tpu(*args, **kwargs):
+        raise RuntimeError(f"{qualname} runs on TPU only through torch_tpu, which is not installed")
+
+    without_torch_tpu.__signature__ = jax_function.torch_signature
+    library = torch.library.Library(namespace, "FRAGMENT")
+    library.define(name + torch.library.infer_schema(without_torch_tpu, mutates_args=()))
+    tpu_kernel = None if (pallas := _torch_tpu_pallas()) is None else _TpuKernel(pallas, jax_function, qualname)
+    library.impl(name, tpu_kernel or without_torch_tpu, "CompositeExplicitAutograd")
+    library.impl(name, jax_function.run_on_cpu, "CPU")
+    # eval_shape's shapes hold on every device (JaxCallable's fake lowers for TPU).
+    torch.library.register_fake(qualname, jax_function.fake, lib=library)
+    return _Registered(getattr(getattr(torch.ops, namespace), name).default, jax_function, tpu_kernel, library)
 
 
 def jax_torch_op(qualname: str) -> Callable[[Callable], JaxTorchOp]:
@@ -517,6 +595,6 @@ def jax_torch_op(qualname: str) -> Callable[[Callable], JaxTorchOp]:
     """
 
     def register(fn: Callable) -> JaxTorchOp:
-        return JaxTorchOp(qualname, *_register(qualname, fn))
+        return JaxTorchOp(qualname, _register(qualname, fn))
 
     return register

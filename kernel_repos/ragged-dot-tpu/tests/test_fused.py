@@ -183,6 +183,42 @@ def test_fewer_active_experts_than_slots(kernel, interpret, to_jax, generation, 
     assert _relative_error(fused, expected) <= 1e-5
 
 
+# The interleaved body's loop over slabs of its I tile (fused.tiles.MAX_SLAB_I, lowered here so that small I takes
+# several trips): GPT-OSS's layout with the whole I in three slabs; the plain layout, whose down slabs are lane
+# columns (whole 128-lane tiles), in two; two I tiles of two slabs each.
+SLAB_CASES = {
+    "whole-i-three-slabs": (CASES["gpt-oss"][:2] + (192,) + CASES["gpt-oss"][3:], None, 64),
+    "plain-layout-two-slabs": ((9, 64, 256, 5, 2, dict(transposed=False, bias=True),
+                                dict(activation="silu", interleaved=True)), None, 128),
+    "i-tiles-two-slabs-each": ((20, 128, 256, 8, 2) + TILED_CASES["i-tiles-interleaved"][5:7], (16, 128), 64),
+}
+
+
+@pytest.mark.parametrize("case", list(SLAB_CASES))
+def test_interleaved_body_loops_over_slabs_of_its_i_tile(kernel, interpret, to_jax, case, random_picks, monkeypatch):
+    (tokens, hidden, intermediate, experts, top_k, options, gate), tiles, most = SLAB_CASES[case]
+    monkeypatch.setattr(kernel.fused.tiles, "MAX_SLAB_I", most)
+    layer = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, **options)
+    gate = dict(weights_transposed=options["transposed"], **gate)
+    config = None if tiles is None else kernel.fused.tiles.FusedConfig(*tiles)
+    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
+    plan = kernel.fused.plan.make(problem, None, config)
+    assert plan.tile_i // plan.slab_i >= 2, f"{case} must take several slabs per I tile"
+    expected = kernel.reference.gated_experts_reference(*layer, **gate)
+    fused = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), **gate, config=config))
+    assert not torch.isnan(fused).any()
+    assert _relative_error(fused, expected) <= 1e-5
+
+
+def test_gpt_oss_whole_i_tiles_loop_over_slabs(kernel):
+    """GPT-OSS's I = 2880 whole (as int8 and int4 take it on v5e and v6e): three slabs of 960; its tiles of 960 (bf16,
+    fp8): one."""
+    for weights_dtype in ("bfloat16", "int8", "uint8"):
+        problem = kernel.problem.ExpertsProblem(64, 4, 2880, 2880, 4, "bfloat16", weights_dtype, "bfloat16", True,
+                                        True, kernel.problem.Gate("clamped_swiglu", True, 1.702, 7.0))
+        assert kernel.fused.tiles.slab_i(2880, problem) == kernel.fused.tiles.slab_i(960, problem) == 960
+
+
 def test_tiled_cases_run_what_they_name(kernel, random_picks):
     tokens, hidden, intermediate, experts, top_k, options, _, (chunk, _) = TILED_CASES["chunks-per-expert"]
     _, index, weights, *_ = _layer(random_picks, tokens, hidden, intermediate, experts, top_k, **options)

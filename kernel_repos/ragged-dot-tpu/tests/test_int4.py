@@ -167,6 +167,22 @@ def test_experts_layer_matches_unpacked_reference(kernel, case, experts_layer_pa
     assert _relative_error(grouped, expected) <= 1e-5
 
 
+def test_interleaved_body_slabs_read_their_unpacked_columns_and_scales(kernel, interpret, to_jax, quantized_layer,
+                                                                        dequantized_layer, monkeypatch):
+    """GPT-OSS's layout, the whole I in two slabs (fused.tiles.MAX_SLAB_I lowered): each slab reads its columns of
+    the unpacked blocks and of the per-channel scales."""
+    monkeypatch.setattr(kernel.fused.tiles, "MAX_SLAB_I", 128)
+    tokens, hidden, _, experts, top_k, options, gate, _ = LAYER_CASES["gpt-oss"]
+    layer = quantized_layer(_int4_weights(kernel), tokens, hidden, 256, experts, top_k, **options)
+    gate = dict(weights_transposed=True, **gate)
+    plan = kernel.fused.plan.make(kernel.problem.describe_experts(*map(to_jax, layer), **gate)[0])
+    assert (plan.tile_i, plan.slab_i) == (256, 128)
+    expected = kernel.reference.gated_experts_reference(*dequantized_layer(kernel, layer, True), **gate)
+    fused = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), **gate))
+    assert not torch.isnan(fused).any()
+    assert _relative_error(fused, expected) <= 1e-5
+
+
 def test_v5p_cores_sharing_each_expert_unpack_their_own_i_tiles(kernel, fused_on_v5p_cores_sharing_experts):
     """cores_per_expert 2 on two simulated cores: each unpacks the I tiles it owns and scales them by their
     columns' scales."""

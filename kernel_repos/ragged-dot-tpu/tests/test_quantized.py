@@ -138,6 +138,24 @@ def test_experts_layer_matches_dequantized_reference(kernel, case, scheme, exper
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
+def test_interleaved_body_slabs_take_their_scales_and_dequantized_blocks(kernel, interpret, to_jax, scheme,
+                                                                         quantized_layer, dequantized_layer,
+                                                                         monkeypatch):
+    """GPT-OSS's layout, the whole I in two slabs (fused.tiles.MAX_SLAB_I lowered): each slab reads its columns of
+    the int8 block and scales, or of the fp8 block dequantized in VMEM."""
+    monkeypatch.setattr(kernel.fused.tiles, "MAX_SLAB_I", 128)
+    tokens, _, _, experts, top_k, options, gate, _ = LAYER_CASES["gpt-oss"]
+    layer = quantized_layer(_scheme_weights(scheme), tokens, 128, 256, experts, top_k, **options)
+    gate = dict(weights_transposed=True, **gate)
+    problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
+    assert (kernel.fused.plan.make(problem).tile_i, kernel.fused.plan.make(problem).slab_i) == (256, 128)
+    expected = kernel.reference.gated_experts_reference(*dequantized_layer(kernel, layer, True), **gate)
+    fused = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), **gate))
+    assert not torch.isnan(fused).any()
+    assert _relative_error(fused, expected) <= 1e-5
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("case", ["i-tiles", "i-tiles-interleaved"])
 def test_v5p_cores_sharing_each_expert_read_their_own_i_tiles(kernel, case, scheme, fused_on_v5p_cores_sharing_experts):
     """cores_per_expert 2 on two simulated cores: each dequantizes (fp8) or scales (int8) the I tiles it owns,

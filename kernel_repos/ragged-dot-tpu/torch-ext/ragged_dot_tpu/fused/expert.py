@@ -261,21 +261,38 @@ def _gate_then_up_rows(rows, refs: SlotRefs, expert: Expert, plan: FusedPlan):
 
 
 def _interleaved_rows(rows, refs: SlotRefs, expert: Expert, plan: FusedPlan):
-    """`_gate_then_up_rows` with interleaved gate/up columns (GPT-OSS), split in the transposed orientation:
-    `gate_up^T` `[2 ti, chunk]` (weights `[2 ti, H]`, or `[H, 2 ti]` transposed, against rows `[chunk, H]`),
-    whose even and odd rows Mosaic reads with strided loads, gated, then `down` (`[ti, H]` transposed, or
-    `[H, ti]`) against `hidden^T` `[ti, chunk]`."""
+    """`_gate_then_up_rows` with interleaved gate/up columns (GPT-OSS), split in the transposed orientation, a
+    loop over the I tile's slabs of `plan.slab_i` columns (`fused.tiles.MAX_SLAB_I`: Mosaic compiles one slab's
+    body). Per slab: `gate_up^T` `[2 slab, chunk]` (weights `[2 slab, H]`, or `[H, 2 slab]` transposed, against
+    rows `[chunk, H]`), whose even and odd rows Mosaic reads with strided loads, gated, then the slab's `down`
+    rows (`[slab, H]` transposed, or columns of `[H, slab]`) against `hidden^T` `[slab, chunk]`, summed in f32."""
     gate = plan.problem.gate
     gate_up_transposed, down_transposed = plan.orientation
-    gate_up_t = expert.decoder.project_columns(expert.gate_up[0], rows, expert.gate_up_scales[0], expert,
-                                               0 if gate_up_transposed else 1)
-    if refs.gate_up_bias:
-        gate_up_t = gate_up_t + expert_bias_columns(refs.gate_up_bias[0], expert.index, rows.shape[0])
-    refs.gate_up_t[...] = gate_up_t
-    gate_t = refs.gate_up_t[pl.ds(0, plan.tile_i, stride=2), :]
-    up_t = refs.gate_up_t[pl.ds(1, plan.tile_i, stride=2), :]
-    hidden_t = gated(gate_t, up_t, gate.activation, alpha=gate.alpha, limit=gate.limit).astype(expert.dtype)
-    return expert.decoder.project(hidden_t, expert.down, expert.down_scales, expert, 0, 0 if down_transposed else 1)
+    slab = plan.slab_i
+
+    def columns(ref, start, width, transposed=True):
+        """The `width` slab columns (rows unless `transposed`) of a block from `start` on."""
+        return ref.at[:, pl.ds(start, width)] if transposed else ref.at[pl.ds(start, width), :]
+
+    def add_slab(index, total):
+        start = pl.multiple_of(index * slab, slab)
+        pair_start = pl.multiple_of(2 * start, 2 * slab)
+        scales = expert.gate_up_scales[0]
+        gate_up_t = expert.decoder.project_columns(
+            columns(expert.gate_up[0], pair_start, 2 * slab, gate_up_transposed), rows,
+            None if scales is None else columns(scales, pair_start, 2 * slab), expert, 0 if gate_up_transposed else 1)
+        if refs.gate_up_bias:
+            gate_up_t = gate_up_t + expert_bias_columns(columns(refs.gate_up_bias[0], pair_start, 2 * slab),
+                                                        expert.index, rows.shape[0])
+        refs.gate_up_t[pl.ds(0, 2 * slab), :] = gate_up_t
+        gate_t = refs.gate_up_t[pl.ds(0, slab, stride=2), :]
+        up_t = refs.gate_up_t[pl.ds(1, slab, stride=2), :]
+        hidden_t = gated(gate_t, up_t, gate.activation, alpha=gate.alpha, limit=gate.limit).astype(expert.dtype)
+        down = columns(expert.down, start, slab, not down_transposed)
+        return total + expert.decoder.project(hidden_t, down, expert.down_scales, expert, 0,
+                                              0 if down_transposed else 1)
+
+    return lax.fori_loop(0, plan.tile_i // slab, add_slab, jnp.zeros((rows.shape[0], plan.problem.hidden), jnp.float32))
 
 
 def _interleaved_fp8_rows(rows, refs: SlotRefs, expert: Expert, plan: FusedPlan):

@@ -12,7 +12,7 @@ from ..common.weights_layout import WeightsOrientation
 from ..problem import ExpertsProblem
 from .tiles import (
     FusedConfig, check_fused_config, fused_buffers, fused_chunks, fused_cores, fused_feeds_fp8_mxu, fused_vmem_bytes,
-    i_tiles, i_tiles_per_core, select,
+    i_tiles, i_tiles_per_core, select, slab_i,
 )
 
 
@@ -34,6 +34,7 @@ class FusedPlan(NamedTuple):
     vmem_limit_bytes: int
     active_experts: float  # expected, for the cost estimate
     fp8_matmul: bool  # fp8 weights multiplied on the fp8 MXU with fp8 activations (`fused.tiles.fused_feeds_fp8_mxu`)
+    slab_i: int  # I columns per trip of the interleaved body's loop over its I tile (`fused.tiles.slab_i`)
 
 
 def make(problem: ExpertsProblem, generation: str | None = None, config: FusedConfig | None = None) -> FusedPlan:
@@ -60,5 +61,5 @@ def make(problem: ExpertsProblem, generation: str | None = None, config: FusedCo
         vmem_limit_bytes=vmem_limit_bytes(fused_vmem_bytes(config, problem, cores=cores, fp8_matmul=fp8_matmul),
                                           generation),
         active_experts=expected_active_groups(problem.picks, problem.num_experts),
-        fp8_matmul=fp8_matmul,
+        fp8_matmul=fp8_matmul, slab_i=slab_i(config.tile_i, problem),
     )

@@ -64,6 +64,16 @@ BIAS_BLOCK_EXPERTS = 16
 SCALE_BLOCK_EXPERTS = 8
 
 
+# The interleaved gate/up body (`fused.expert._interleaved_rows`, unless fp8 feeds the fp8 MXU) works its I tile
+# in slabs of at most this many I columns, one trip of a rolled loop each: Mosaic compiles the loop body once,
+# where a whole I tile unrolls every vector op of its block. Compile time follows that block, not the grid
+# (#46: GPT-OSS's int8 layer at the whole I of 2880 compiled in 7.7 s a generation, 0.56 s at tiles of 320),
+# while the one DMA block per tile, and the grid's steps, stay as they are. Smaller slabs compile faster still
+# but model slower: slabs of 320 cost GPT-OSS's quantized decode 1 to 2 % on v5e and v6e (more MXU passes, each
+# slab's K off the MXU's width), slabs of 960 nothing (moe_layer's model, EP8 dispatch at 64 tokens).
+MAX_SLAB_I = 960
+
+
 class FusedConfig(NamedTuple):
     """Blocks of one fused experts call.
 
@@ -101,6 +111,18 @@ def i_tiles_per_core(config: FusedConfig, intermediate: int) -> int:
     """I tiles one core walks per expert: all of them, or its share when the cores share each expert (the first
     core's, the larger)."""
     return -(-i_tiles(config, intermediate) // config.cores_per_expert)
+
+
+def slab_i(tile_i: int, problem: ExpertsProblem) -> int:
+    """I columns per slab of an I tile in the interleaved body (MAX_SLAB_I): the largest divisor of `tile_i` at
+    most MAX_SLAB_I whose slices are aligned as the body cuts them (2 x slab gate/up columns and the biases' and
+    scales' lanes on whole 128-lane tiles; the down block's slab rows on whole sublane tiles of the weights' dtype,
+    or its lanes), else the whole tile."""
+    sublanes = weight_row_multiple(problem.weights_dtype)
+    down_multiple = sublanes if problem.orientation.down_transposed else LANES
+    aligned = [slab for slab in range(LANES // 2, min(tile_i, MAX_SLAB_I) + 1, LANES // 2)
+               if tile_i % slab == 0 and slab % down_multiple == 0]
+    return max(aligned, default=tile_i)
 
 
 def partial_i_tiles(problem: ExpertsProblem, generation: str) -> bool:
