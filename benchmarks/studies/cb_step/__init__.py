@@ -3,7 +3,7 @@
 No TPU is needed. transformers 5.25's continuous batching (`model.generate_batch`, `transformers serve
 --continuous-batching`) has a block-table path only on CUDA and XPU: on TPU each attention layer, at every step,
 gathers each sequence's K and V from the paged cache into packed tensors (`steps` says how), then calls our
-`flash_attn_varlen_func`, which pads them to powers of two for the ragged paged kernel (or, with a gradient, pads
+`flash_attn_varlen_func`, which pads them to their buckets for the ragged paged kernel (or, with a gradient, pads
 every sequence to one length for the flash kernel). Per attention layer of Qwen3-30B-A3B, GPT-OSS-20B's sliding
 layers and Gemma 4 26B-A4B's global layers, at two scheduler steps (64 decodes of mixed lengths; the same with a
 prefill chunk), on v5e, v6e and TPU7x, the paths priced:

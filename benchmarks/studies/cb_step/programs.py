@@ -69,10 +69,10 @@ def ragged_pad_programs(model: Model, found: Sizes) -> list[Program]:
     """Our ragged path's pads: K and V to the key-row bucket, q to the query-row bucket."""
     programs = []
     if found.ragged_key_rows > found.total_k:
-        programs.append(Program("pad: K and V rows to a power of two", lambda x: pad_rows(x, found.ragged_key_rows),
+        programs.append(Program("pad: K and V rows to their key bucket", lambda x: pad_rows(x, found.ragged_key_rows),
                                 (spec(found.total_k, model.kv_heads, model.head_dim),), 2))
     if found.ragged_query_rows > found.total_q:
-        programs.append(Program("pad: q rows to a power of two", lambda x: pad_rows(x, found.ragged_query_rows),
+        programs.append(Program("pad: q rows to their token bucket", lambda x: pad_rows(x, found.ragged_query_rows),
                                 (spec(found.total_q, model.q_heads, model.head_dim),), 1))
     return programs
 

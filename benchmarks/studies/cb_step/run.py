@@ -108,7 +108,7 @@ def assumptions() -> dict:
                     "charged the copies XLA makes of its arguments into the kernel's layout (perf.argument_layouts, "
                     "uncalibrated): at head_dim 64 XLA stores neither the packed K and V nor the paged cache "
                     "row-major by default; the ragged kernel reads both in XLA's layout (keys-minor: packed rows "
-                    "a multiple of 128, as flash_api's power-of-two padding makes them, and pages of a multiple of "
+                    "a multiple of 128, as the key buckets make them, and pages of a multiple of "
                     "128 tokens), with no copy; the flash kernel (the gradient path) reads q, K and V and writes its "
                     "output in XLA's layout too",
         "left_out": "the cache write (index_copy_ of the new rows: the same on every path, vLLM's included), the "

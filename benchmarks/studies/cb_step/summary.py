@@ -3,6 +3,8 @@ whether the copies dominate, by how much, and what would remove them."""
 
 from __future__ import annotations
 
+from tpu_kernels.runtime.buckets import KEY_BUCKET_LINEAR_UNTIL
+
 from .paths import PATHS
 from .steps import GENERATIONS
 
@@ -49,15 +51,16 @@ def notes(dominated: list[str]) -> list[str]:
              f"{len(dominated)} of the (model, step, generation) cases: " + "; ".join(dominated)] if dominated else []
     return found + [
         "The copies are transformers' gather of every sequence's K and V out of the paged cache (index_select, a "
-        "read and a write of every key row, each step and layer) and our pad of that packed copy to a power of two "
-        "(another read and write of it, up to twice its rows). What would remove them: transformers' block-table "
-        "path on TPU (flash_attn_with_kvcache with the paged cache and a block table, today CUDA/XPU only), which "
-        "would hand our ragged paged kernel the pages to read in place (the ours_in_place path); or, short of it, "
-        "a kernel entry taking K/V of a fixed capacity with the valid rows given by cu_seqlens_k, which removes the "
-        "pad (transformers would still gather). flash_api.py's behaviour is unchanged by this benchmark.",
+        "read and a write of every key row, each step and layer) and our pad of that packed copy to its key bucket "
+        f"(another read and write of it, past {KEY_BUCKET_LINEAR_UNTIL} rows at most half as many again). What would "
+        "remove them: transformers' block-table path on TPU (flash_attn_with_kvcache with the paged cache and a "
+        "block table, today CUDA/XPU only), which would hand our ragged paged kernel the pages to read in place (the "
+        "ours_in_place path); or, short of it, a kernel entry taking K/V of a fixed capacity with the valid rows "
+        "given by cu_seqlens_k, which removes the pad (transformers would still gather). flash_api.py's behaviour "
+        "is unchanged by this benchmark.",
         "At head_dim 64 (GPT-OSS) XLA's default layout of the packed K and V, of the paged cache and of the flash "
         "kernel's q and output is not row-major. The ragged kernel reads packed K and V whose rows are a multiple of "
-        "128 (flash_api pads them to a power of two) and a cache over pages of a multiple of 128 tokens "
+        "128 (flash_api pads them to a key bucket) and a cache over pages of a multiple of 128 tokens "
         "(transformers' pages) in that layout (keys-minor), with no copy; over smaller pages XLA would copy the "
         "whole cache on every call. The flash kernel (the gradient path) reads q, K and V and writes its output in "
         "XLA's layout too (`relayout_us`, perf.argument_layouts, finds no copy). head_dim 128 and up are stored "
