@@ -25,10 +25,20 @@ def test_a_generate_without_buckets_compiles_attention_at_every_key_length():
     decode_keys = {shape[3] for shape in before if shape[0] == "attention" and shape[2] == 1}
     assert decode_keys == set(range(101, 120))
     assert {shape[3] for shape in after if shape[0] == "attention"} == {key_bucket(100), key_bucket(119)} == {128}
-    # Rows: the prompt and one token, each for the layer norm, the 32 q heads and the 4 k heads.
-    assert sorted(shape[1] for shape in before if shape[0] == "rms_norm") == [1, 4, 32, 100, 400, 3200]
-    assert sorted(shape[1] for shape in after if shape[0] == "rms_norm") == [16, 16, 32, 128, 512, 3584]
+    # Rows: the prompt and one token, each for the layer norm, the 32 q heads and the 4 k heads; a per-head
+    # norm's bucket is its tokens' bucket times its heads (the 4 k heads of the prompt and the 32 q heads of
+    # the decode step share 512 rows).
+    assert sorted(shape[1:] for shape in before if shape[0] == "rms_norm") == [
+        (1, 2048), (4, 128), (32, 128), (100, 2048), (400, 128), (3200, 128)]
+    assert sorted(shape[1:] for shape in after if shape[0] == "rms_norm") == [
+        (16, 2048), (64, 128), (128, 2048), (512, 128), (4096, 128)]
     assert {shape[1] for shape in after if shape[0] == "experts"} == {16, 128}
+
+
+def test_per_head_norms_of_prompts_in_one_token_bucket_share_their_shapes():
+    prefills = [compiles.op_shapes(QWEN3, prompt, prompt, bucketed=True) for prompt in (1000, 1020)]
+    assert prefills[0] == prefills[1]
+    assert {shape[1] for shape in prefills[0] if shape[0] == "rms_norm" and shape[2] == 128} == {1024 * 32, 1024 * 4}
 
 
 def test_the_trace_is_seeded_and_spans_the_prompt_range():

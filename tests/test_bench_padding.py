@@ -17,6 +17,9 @@ def test_padding_costs_follow_the_buckets_and_the_row_sizes(tmp_path):
     assert norm_32["kernel_bytes"] == 15 * 2 * 2048 * 2
     assert norm_32["pad_copy_bytes"] == (17 + 32) * 2048 * 2
     assert norm_32["real_bytes"] == 17 * 2 * 2048 * 2
+    per_head_32 = qwen3["rms_norm_per_head"][1]  # 17 tokens padded to 32, each with 32 q and 4 k heads
+    assert per_head_32["padded_rows"]["worst"] == 15 and per_head_32["kernel_bytes"] == 15 * 2 * (32 + 4) * 128 * 2
+    assert "rms_norm_per_head" not in results["models"]["gpt-oss-20b"]["entry_points"]
     keys_768 = qwen3["attention_keys"][4]  # 513 keys padded to 768: K and V copied whole, no padded key read
     assert keys_768["kernel_bytes"] == 0 and keys_768["pad_copy_bytes"] == (513 + 768) * 2 * 4 * 128 * 2
     v6e = keys_768["pad_copy_seconds"]["v6e"]

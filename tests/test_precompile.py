@@ -6,17 +6,16 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from tpu_kernels import kernelize
-from tpu_kernels.integration.precompile import precompile, row_multiples_of, warm_up_prompts
+from tpu_kernels.integration.precompile import precompile, warm_up_prompts
 from tpu_kernels.runtime.buckets import key_bucket, key_buckets, token_bucket
 
 
-@pytest.mark.parametrize("max_tokens, max_keys, multiples", [(20, 64, (1, 2, 4)), (700, 1000, (1, 4, 32)),
-                                                            (1, 2, (1,))])
-def test_warm_up_prompts_meet_every_bucket_combination(max_tokens, max_keys, multiples):
-    prompts = warm_up_prompts(max_tokens, max_keys, multiples)
+@pytest.mark.parametrize("max_tokens, max_keys", [(20, 64), (700, 1000), (1, 2)])
+def test_warm_up_prompts_meet_every_bucket_combination(max_tokens, max_keys):
+    prompts = warm_up_prompts(max_tokens, max_keys)
 
     def buckets(prompt):
-        return (key_bucket(prompt), *(token_bucket(prompt * m) for m in multiples))
+        return key_bucket(prompt), token_bucket(prompt)
 
     assert {buckets(p) for p in range(1, max_tokens + 1)} <= {buckets(p) for p in prompts}
     # The first decode step after each prompt (prompt + 1 keys) reaches every key bucket up to max_keys.
@@ -44,10 +43,6 @@ def _tiny_qwen3_moe():
     return model
 
 
-def test_row_multiples_are_the_tokens_and_the_heads():
-    assert row_multiples_of(_tiny_qwen3_moe().config) == (1, 2, 4)
-
-
 @pytest.mark.slow
 def test_after_precompile_generate_compiles_nothing(kernel_builds):
     """A kernelized tiny Qwen3-MoE precompiled for prompts up to 8 tokens and 40 keys: generating from prompts
@@ -55,7 +50,7 @@ def test_after_precompile_generate_compiles_nothing(kernel_builds):
     model = kernelize(_tiny_qwen3_moe(), repos={"experts": str(kernel_builds["ragged-dot-tpu"]),
                                                 "rmsnorm": str(kernel_builds["rmsnorm-tpu"]),
                                                 "attention": str(kernel_builds["attention-tpu"])})
-    assert precompile(model, max_tokens=8, max_keys=40, progress=False) == [4, 8, 39]
+    assert precompile(model, max_tokens=8, max_keys=40, progress=False) == [8, 39]
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, _secs, **_: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"

@@ -12,7 +12,8 @@ workloads produce, at Qwen3-30B-A3B, GPT-OSS-20B and Gemma 4 26B-A4B shapes, bat
 
 each `before` (every token count and key length its own shape) and `after` (padded to the buckets of
 `tpu_kernels/runtime/buckets.py`, as the kernels' entry points pad them: rows and query lengths to
-`token_bucket`, a decode step's one query staying one, key lengths to `key_bucket`).
+`token_bucket`, a per-head norm's rows to `token_bucket(tokens)` times its heads, a decode step's one query
+staying one, key lengths to `key_bucket`).
 
 Compile seconds are measured, not modelled: each distinct shape is compiled ahead of time for v6e and
 TPU7x (libtpu compile-only topologies) on this machine's CPU, where a TPU host would compile it too.
@@ -73,7 +74,7 @@ class Model:
     hidden: int
     q_heads: int
     attention: tuple[Attention, ...]
-    qk_norms: bool  # RMSNorm over each head's q and k (rows: tokens x heads)
+    qk_norms: bool  # RMSNorm over each head's q and k ([tokens, heads, head_dim], rows: tokens x heads)
     experts: int
     intermediate: int
     top_k: int
@@ -112,8 +113,8 @@ def op_shapes(model: Model, tokens: int, keys: int, bucketed: bool) -> set[tuple
     for kind in model.attention:
         shapes.add(("attention", kind, queries, key_length))
         if model.qk_norms:
-            shapes |= {("rms_norm", rows(tokens * model.q_heads), kind.head_dim),
-                       ("rms_norm", rows(tokens * kind.kv_heads), kind.head_dim)}
+            shapes |= {("rms_norm", rows(tokens) * model.q_heads, kind.head_dim),
+                       ("rms_norm", rows(tokens) * kind.kv_heads, kind.head_dim)}
     return shapes
 
 

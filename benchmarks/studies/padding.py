@@ -1,16 +1,18 @@
 """What padding to shape buckets costs: rows and bytes per bucket for Qwen3-30B-A3B, GPT-OSS-20B and Gemma 4 26B-A4B.
 
 The kernels' transformers entry points pad sizes to buckets (`tpu_kernels/runtime/buckets.py`) so that a model
-compiles each kernel once per bucket: token counts (RMSNorm rows, experts tokens, attention query lengths) to
-token buckets, attention key lengths to key buckets. For each bucket, each entry point and each model (shapes as
-the kernel repos' `compile_targets.py` state them, bf16), per call of one layer:
+compiles each kernel once per bucket: token counts (RMSNorm rows, experts tokens, attention query lengths, and the
+tokens of the per-head q and k norms, whose rows are tokens x heads) to token buckets, attention key lengths to key
+buckets. For each bucket, each entry point and each model (shapes as the kernel repos' `compile_targets.py` state
+them, bf16), per call of one layer:
 
 - `padded_rows`: the rows padded at the worst size the bucket holds (one past the bucket below) and on average
-  over the sizes it holds;
+  over the sizes it holds (for `rms_norm_per_head`, tokens: each pads a row per q and k head);
 - `kernel_bytes`: the HBM bytes the kernel moves for the padded rows at the worst size: an RMSNorm reads and
-  writes each row; the experts kernels read a padded token's row and write its (zero) output row, and read no
-  weights for it (its picks are the sentinel); attention reads each padded query row and writes its output row,
-  and reads no padded key (the kernel skips key blocks past the real lengths, `kv_lengths`);
+  writes each row (`rms_norm_per_head`: a padded token's q and k heads, for the models that norm them); the
+  experts kernels read a padded token's row and write its (zero) output row, and read no weights for it (its
+  picks are the sentinel); attention reads each padded query row and writes its output row, and reads no padded
+  key (the kernel skips key blocks past the real lengths, `kv_lengths`);
 - `pad_copy_bytes`: the bytes `torch.nn.functional.pad` moves at the worst size: it reads the real rows and
   writes the padded tensor (for attention keys: K and V, the whole cache each call);
 - `real_bytes`: for scale, the bytes the kernel moves for the real rows at that size (their rows read and
@@ -39,11 +41,12 @@ INDEX_BYTES = 8  # router picks: int64 from torch.topk
 ROUTING_WEIGHT_BYTES = 4
 
 # compile_targets.py of each kernel repo: experts (ragged-dot-tpu), attention heads (attention-tpu; Gemma 4's
-# global layers, its largest head), hidden size (rmsnorm-tpu's HIDDEN_SIZES).
+# global layers, its largest head), hidden size (rmsnorm-tpu's HIDDEN_SIZES); qk_norms: an RMSNorm over each
+# q and k head.
 MODELS = {
-    "qwen3-30b-a3b": dict(hidden=2048, top_k=8, q_heads=32, kv_heads=4, head_dim=128),
-    "gpt-oss-20b": dict(hidden=2880, top_k=4, q_heads=64, kv_heads=8, head_dim=64),
-    "gemma-4-26b-a4b": dict(hidden=2816, top_k=8, q_heads=16, kv_heads=2, head_dim=512),
+    "qwen3-30b-a3b": dict(hidden=2048, top_k=8, q_heads=32, kv_heads=4, head_dim=128, qk_norms=True),
+    "gpt-oss-20b": dict(hidden=2880, top_k=4, q_heads=64, kv_heads=8, head_dim=64, qk_norms=False),
+    "gemma-4-26b-a4b": dict(hidden=2816, top_k=8, q_heads=16, kv_heads=2, head_dim=512, qk_norms=True),
 }
 
 
@@ -60,8 +63,10 @@ def _row_bytes(model: dict) -> dict:
     query_row = model["q_heads"] * model["head_dim"] * BF16
     key_row = 2 * model["kv_heads"] * model["head_dim"] * BF16  # K and V
     routing = top_k * (INDEX_BYTES + ROUTING_WEIGHT_BYTES)
+    heads_row = (model["q_heads"] + model["kv_heads"]) * model["head_dim"] * BF16  # a token's q and k heads
     return {
         "rms_norm": dict(kernel=2 * hidden * BF16, copy=hidden * BF16, real=2 * hidden * BF16),
+        "rms_norm_per_head": dict(kernel=2 * heads_row, copy=heads_row, real=2 * heads_row),
         "experts": dict(kernel=2 * hidden * BF16, copy=hidden * BF16 + routing, real=2 * hidden * BF16),
         "attention_queries": dict(kernel=2 * query_row, copy=query_row, real=2 * query_row),
         "attention_keys": dict(kernel=0, copy=key_row, real=key_row),
@@ -93,7 +98,8 @@ def bucket_costs(model: dict, entry_point: str, buckets: list[int]) -> list[dict
 
 def study(max_tokens: int, max_keys: int) -> dict:
     tokens, keys = token_buckets(max_tokens), key_buckets(max_keys)
-    ladders = dict(rms_norm=tokens, experts=tokens, attention_queries=tokens, attention_keys=keys)
+    ladders = dict(rms_norm=tokens, rms_norm_per_head=tokens, experts=tokens, attention_queries=tokens,
+                   attention_keys=keys)
     return {
         "method": __doc__.split("Usage:")[0].strip(),
         "token_buckets": tokens,
@@ -101,7 +107,8 @@ def study(max_tokens: int, max_keys: int) -> dict:
         "generations": list(GENERATIONS),
         "models": {
             name: dict(shapes=shapes, entry_points={
-                entry: bucket_costs(shapes, entry, ladder) for entry, ladder in ladders.items()})
+                entry: bucket_costs(shapes, entry, ladder) for entry, ladder in ladders.items()
+                if shapes["qk_norms"] or entry != "rms_norm_per_head"})
             for name, shapes in MODELS.items()
         },
     }

@@ -21,35 +21,26 @@ import glob
 from ..runtime.buckets import key_bucket, key_buckets, token_bucket
 
 
-def warm_up_prompts(max_tokens: int, max_keys: int, row_multiples: tuple[int, ...] = (1,)) -> list[int]:
+def warm_up_prompts(max_tokens: int, max_keys: int) -> list[int]:
     """Prompt lengths whose prefill and first decode step, together, meet every bucket a batch-1 `generate`
     of prompts up to `max_tokens` tokens and caches up to `max_keys` keys meets.
 
-    A prefill of P tokens compiles each kernel at the bucket of its rows, P times a multiple in
-    `row_multiples` (1 for the layer norms and the experts, the query and key heads for per-head norms), and
-    attention at (token_bucket(P), key_bucket(P)): the longest prompt of each combination of buckets
-    stands for all of them. A decode step against L keys compiles at key_bucket(L), and the step after a
-    prompt of L - 1 tokens is one; decode steps share every other shape (one token).
+    A prefill of P tokens compiles each kernel at token_bucket(P) (the rows of the layer norms and the
+    experts; the tokens of per-head norms, whose rows are that bucket times the heads) and attention at
+    (token_bucket(P), key_bucket(P)): the longest prompt of each combination of buckets stands for all of
+    them. A decode step against L keys compiles at key_bucket(L), and the step after a prompt of L - 1
+    tokens is one; decode steps share every other shape (one token).
     """
     if max_keys < max_tokens + 1:
         raise ValueError(f"max_keys ({max_keys}) must hold the longest prompt and a new token ({max_tokens + 1})")
 
-    def buckets(prompt: int) -> tuple[int, ...]:
-        return (key_bucket(prompt), *(token_bucket(prompt * multiple) for multiple in row_multiples))
+    def buckets(prompt: int) -> tuple[int, int]:
+        return key_bucket(prompt), token_bucket(prompt)
 
     prefills = {p for p in range(1, max_tokens + 1) if p == max_tokens or buckets(p) != buckets(p + 1)}
     # A decode step's bucket, reached from the longest prompt that the step's bucket holds with room for it.
     decodes = {min(bucket, max_keys) - 1 for bucket in key_buckets(max_keys)} - {0}
     return sorted(prefills | decodes)
-
-
-def row_multiples_of(config) -> tuple[int, ...]:
-    """The multiples of the token count a kernel's rows come in, at batch 1: the tokens, and the query and
-    key-value heads of per-head norms (every kind of attention layer the text config names)."""
-    text = config.get_text_config()
-    heads = {getattr(text, name, None) for name in
-             ("num_attention_heads", "num_key_value_heads", "num_global_key_value_heads")}
-    return tuple(sorted({1} | {h for h in heads if isinstance(h, int) and h > 0}))
 
 
 def precompile(model, *, max_tokens: int, max_keys: int, progress: bool = True) -> list[int]:
@@ -58,7 +49,7 @@ def precompile(model, *, max_tokens: int, max_keys: int, progress: bool = True) 
     import torch
     from tqdm.auto import tqdm
 
-    prompts = warm_up_prompts(max_tokens, max_keys, row_multiples_of(model.config))
+    prompts = warm_up_prompts(max_tokens, max_keys)
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.get_text_config().vocab_size

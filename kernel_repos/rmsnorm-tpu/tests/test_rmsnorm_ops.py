@@ -130,7 +130,10 @@ def test_bad_input_raises_a_clear_error(kernel, call, error, message):
         call(kernel)
 
 
-@pytest.mark.parametrize(("leading", "bucket"), [((1,), 16), ((2, 8), 16), ((17,), 32)])
+# A 3-dim x keeps the bucket of its rows ([2, 8, D]: 16, not 16 x 8). A 4-dim x is per-head ([B, tokens, heads,
+# D]): its tokens are bucketed, times its heads (3 heads: 16 tokens at the edge of their bucket, 17 past it).
+@pytest.mark.parametrize(("leading", "bucket"), [
+    ((1,), 16), ((2, 8), 16), ((17,), 32), ((1, 16, 3), 48), ((1, 17, 3), 96)])
 def test_rows_are_padded_to_their_bucket_without_changing_results_or_gradients(kernel, monkeypatch, leading, bucket):
     shape, eps = (*leading, 128), 1e-6
     inputs = [random_tensor(seed, s) for seed, s in ((17, shape), (18, shape), (19, shape[-1:]))]

@@ -9,6 +9,17 @@ to their bucket (`_buckets.token_bucket`) and the results are cut back, so a
 model compiles each kernel once per bucket, not once per prompt length. A zero
 row normalises to zero and adds nothing to the weight's gradient; cutting the
 result gives the padded rows a zero cotangent.
+
+An x of 4 or more dimensions is a per-head norm ([..., tokens, heads, D]: the
+q and k norms of Qwen3 and Gemma run on `q_proj(x).view(B, T, heads, D)`), and
+its rows are padded to `token_bucket(tokens) * heads`, the tokens bucketed as
+every other op buckets them. Bucketing its tokens x heads rows instead would
+start a new bucket every 512 / heads tokens past 512 rows (every 16 tokens at
+32 heads): most of a serving trace's distinct shapes. A transposed layout
+([..., heads, tokens, D], as Kolibri 1.1 normalises its q and k) reads as
+`tokens` heads of `heads` tokens: it compiles once per token count, as before
+bucketing; an x of fewer dimensions ([tokens, D], [B, T, D]) keeps the bucket
+of its rows.
 """
 
 from __future__ import annotations
@@ -66,13 +77,22 @@ def _check_norm_inputs(x, weight, eps, offset) -> tuple[float, float]:
     return _check_number("eps", eps, positive=True), _check_number("offset", offset, positive=False)
 
 
+def _bucket_rows(shape: torch.Size) -> int:
+    """The rows x of `shape` is padded to: its tokens' bucket times its heads if it is per-head (module docstring)."""
+    rows = int(math.prod(shape[:-1]))
+    if len(shape) < 4:
+        return token_bucket(rows)
+    heads = int(shape[-2])
+    return token_bucket(rows // heads) * heads
+
+
 def _on_bucketed_rows(op, *row_tensors: torch.Tensor):
     """`op` of the row tensors (one shape [..., H]) as [bucket rows, H], its results cut back to their shape."""
     shape = row_tensors[0].shape
     rows = math.prod(shape[:-1])
     if rows == 0 or shape[-1] == 0:
         return op(*row_tensors)
-    extra = token_bucket(int(rows)) - rows
+    extra = _bucket_rows(shape) - rows
     results = op(*(torch.nn.functional.pad(t.reshape(rows, shape[-1]), (0, 0, 0, extra)) for t in row_tensors))
     if isinstance(results, torch.Tensor):
         return results[:rows].reshape(shape)
