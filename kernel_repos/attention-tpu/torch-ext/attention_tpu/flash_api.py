@@ -31,7 +31,7 @@ import torch
 
 from . import paged_ops
 from ._buckets import token_bucket
-from .ops import FLOAT_DTYPES, flash_attention
+from .ops import FLOAT_DTYPES, check_tensor, flash_attention
 from .padding import (
     RAGGED_SEQUENCES_FLOOR, batch_rows, key_rows, padded, power_of_two, query_length_bound, query_rows,
     with_empty_sequences,
@@ -82,13 +82,6 @@ def _refuse_unsupported(dropout_p, alibi_slopes, return_attn_probs, softcap) -> 
     return float(softcap) if softcap > 0 else None
 
 
-def _check_layout(name: str, tensor, rank: int, layout: str) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dim() != rank:
-        raise ValueError(f"{name} must be {rank}-D {layout}, got shape {tuple(tensor.shape)}")
-
-
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -117,7 +110,7 @@ def flash_attn_func(
     """
     softcap = _refuse_unsupported(dropout_p, alibi_slopes, return_attn_probs, softcap)
     for name, tensor in (("q", q), ("k", k), ("v", v)):
-        _check_layout(name, tensor, 4, "[batch, seqlen, heads, head_dim]")
+        check_tensor(name, tensor, 4, "[batch, seqlen, heads, head_dim]")
     batch, q_len, kv_len = q.shape[0], q.shape[1], k.shape[1]
     causal, sliding_window = _window_options(window_size, bool(causal), kv_len)
     sequences, q_padded, kv_padded = batch_rows(batch), query_rows(q_len), key_rows(kv_len)
@@ -132,7 +125,7 @@ def flash_attn_func(
 def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple[int, int]:
     """Layouts and cumulative lengths of a varlen call; returns the maximum lengths as ints."""
     for name, tensor in (("q", q), ("k", k), ("v", v)):
-        _check_layout(name, tensor, 3, "[total_tokens, heads, head_dim]")
+        check_tensor(name, tensor, 3, "[total_tokens, heads, head_dim]")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     # Checked here so that both kernels' paths name the arguments alike.
@@ -146,7 +139,7 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        _check_layout(name, cu, 1, "[batch + 1]")
+        check_tensor(name, cu, 1, "[batch + 1]")
         if cu.dtype not in (torch.int32, torch.int64) or cu.shape[0] < 1:
             raise ValueError(f"{name} must be an int32/int64 tensor [batch + 1], got {cu.dtype} {tuple(cu.shape)}")
     if cu_seqlens_q.shape != cu_seqlens_k.shape:

@@ -40,12 +40,15 @@ def _flash_attention(
                                           attention_mask=attention_mask, sinks=sinks)
 
 
-def _check_tensor(name: str, value) -> None:
+def check_tensor(name: str, value, rank: int | None = None, layout: str = "") -> None:
+    """TypeError unless `value` is a torch.Tensor; ValueError unless it has `rank` dimensions (`layout`), if given."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if rank is not None and value.dim() != rank:
+        raise ValueError(f"{name} must be {rank}-D {layout}, got shape {tuple(value.shape)}")
 
 
-def _is_integer_dtype(dtype: torch.dtype) -> bool:
+def is_integer_dtype(dtype: torch.dtype) -> bool:
     """Any of torch's integer dtypes, signed or unsigned (bool is not one)."""
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
@@ -56,7 +59,7 @@ def check_attention_args(query, key, value, attention: Attention) -> None:
     sliding_window, softcap, attention_mask, sinks = (attention.sliding_window, attention.softcap,
                                                       attention.attention_mask, attention.sinks)
     for name, tensor in (("query", query), ("key", key), ("value", value)):
-        _check_tensor(name, tensor)
+        check_tensor(name, tensor)
         if tensor.dim() != 4:
             raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim], got shape {tuple(tensor.shape)}")
     if key.shape != value.shape:
@@ -79,7 +82,7 @@ def check_attention_args(query, key, value, attention: Attention) -> None:
         raise TypeError(f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
     devices = {query.device, key.device, value.device}
     if isinstance(q_offset, torch.Tensor):
-        if tuple(q_offset.shape) != (batch,) or not _is_integer_dtype(q_offset.dtype):
+        if tuple(q_offset.shape) != (batch,) or not is_integer_dtype(q_offset.dtype):
             raise ValueError(
                 f"q_offset must be an int or an integer tensor of shape ({batch},), "
                 f"got {q_offset.dtype} {tuple(q_offset.shape)}"
@@ -88,15 +91,15 @@ def check_attention_args(query, key, value, attention: Attention) -> None:
     elif q_offset is not None and (isinstance(q_offset, bool) or not isinstance(q_offset, int)):
         raise TypeError(f"q_offset must be an int, an integer tensor [batch] or None, got {type(q_offset).__name__}")
     if kv_lengths is not None:
-        _check_tensor("kv_lengths", kv_lengths)
-        if tuple(kv_lengths.shape) != (batch,) or not _is_integer_dtype(kv_lengths.dtype):
+        check_tensor("kv_lengths", kv_lengths)
+        if tuple(kv_lengths.shape) != (batch,) or not is_integer_dtype(kv_lengths.dtype):
             raise ValueError(
                 f"kv_lengths must be an integer tensor of shape ({batch},), "
                 f"got {kv_lengths.dtype} {tuple(kv_lengths.shape)}"
             )
         devices.add(kv_lengths.device)
     if attention_mask is not None:
-        _check_tensor("attention_mask", attention_mask)
+        check_tensor("attention_mask", attention_mask)
         shape = tuple(attention_mask.shape)
         if len(shape) != 4 or shape[0] not in (1, batch) or shape[1] != 1 or shape[2:] != (q_len, kv_len):
             raise ValueError(f"attention_mask must have shape ({batch} or 1, 1, {q_len}, {kv_len}), got {shape}")
@@ -108,7 +111,7 @@ def check_attention_args(query, key, value, attention: Attention) -> None:
                 "attention_mask must not require grad: the kernel does not differentiate the additive mask")
         devices.add(attention_mask.device)
     if sinks is not None:
-        _check_tensor("sinks", sinks)
+        check_tensor("sinks", sinks)
         if tuple(sinks.shape) != (q_heads,) or sinks.dtype not in FLOAT_DTYPES:
             raise ValueError(
                 f"sinks must be a float32/bfloat16 tensor of shape ({q_heads},) (one per query head), "

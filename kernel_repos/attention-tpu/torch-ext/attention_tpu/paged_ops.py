@@ -13,11 +13,10 @@ import torch
 
 from ._ops import add_op_namespace_prefix, jax_torch_op
 from .common.paged import cache_copied_whole_per_call
+from .ops import FLOAT_DTYPES, check_tensor, is_integer_dtype
 from .paged.kernel import SUPPORTED_HEAD_DIMS
 from .paged.kernel import ragged_paged_attention as _jax_ragged_paged_attention
 from .paged.kernel import ragged_varlen_attention as _jax_ragged_varlen_attention
-
-FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @jax_torch_op(add_op_namespace_prefix("ragged_paged_attention"))
@@ -58,20 +57,9 @@ def _ragged_varlen_attention(
                                         sliding_window=sliding_window, softcap=softcap, max_q_len=max_q_len)
 
 
-def _is_integer_dtype(dtype: torch.dtype) -> bool:
-    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
-
-
-def _check_tensor(name: str, value, dims: int, what: str) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if value.dim() != dims:
-        raise ValueError(f"{name} must be {dims}-D {what}, got shape {tuple(value.shape)}")
-
-
 def _check_integer(name: str, value, shape: tuple[int, ...]) -> None:
-    _check_tensor(name, value, len(shape), str(list(shape)))
-    if tuple(value.shape) != shape or not _is_integer_dtype(value.dtype):
+    check_tensor(name, value, len(shape), str(list(shape)))
+    if tuple(value.shape) != shape or not is_integer_dtype(value.dtype):
         raise ValueError(f"{name} must be an integer tensor of shape {shape}, got {value.dtype} {tuple(value.shape)}")
 
 
@@ -83,9 +71,9 @@ def check_positive_int(name: str, value) -> None:
 def check_paged_args(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, *, scale, sliding_window, softcap, sinks,
                      max_q_len) -> None:
     """Types, shapes, dtypes and devices of a ragged paged attention call, in torch terms."""
-    _check_tensor("q", q, 3, "[total_q, q_heads, head_dim]")
-    _check_tensor("k_cache", k_cache, 4, "[num_pages, page_size, kv_heads, head_dim]")
-    _check_tensor("v_cache", v_cache, 4, "[num_pages, page_size, kv_heads, head_dim]")
+    check_tensor("q", q, 3, "[total_q, q_heads, head_dim]")
+    check_tensor("k_cache", k_cache, 4, "[num_pages, page_size, kv_heads, head_dim]")
+    check_tensor("v_cache", v_cache, 4, "[num_pages, page_size, kv_heads, head_dim]")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")
@@ -103,15 +91,15 @@ def check_paged_args(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, *, sca
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise TypeError(f"q, k_cache and v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, "
                         f"{v_cache.dtype}")
-    _check_tensor("page_table", page_table, 2, "[num_seqs, pages_per_seq]")
-    if not _is_integer_dtype(page_table.dtype):
+    check_tensor("page_table", page_table, 2, "[num_seqs, pages_per_seq]")
+    if not is_integer_dtype(page_table.dtype):
         raise ValueError(f"page_table must be an integer tensor, got {page_table.dtype}")
     num_seqs = page_table.shape[0]
     _check_integer("cu_q_lens", cu_q_lens, (num_seqs + 1,))
     _check_integer("kv_lens", kv_lens, (num_seqs,))
     devices = {t.device for t in (q, k_cache, v_cache, cu_q_lens, kv_lens, page_table)}
     if sinks is not None:
-        _check_tensor("sinks", sinks, 1, f"[{q_heads}]")
+        check_tensor("sinks", sinks, 1, f"[{q_heads}]")
         if tuple(sinks.shape) != (q_heads,) or sinks.dtype not in FLOAT_DTYPES:
             raise ValueError(f"sinks must be a float32/bfloat16 tensor of shape ({q_heads},) (one per query head), "
                              f"got {sinks.dtype} {tuple(sinks.shape)}")
@@ -169,10 +157,10 @@ def ragged_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     sequence s owns key rows cu_k_lens[s]:cu_k_lens[s + 1] (non-decreasing, within [0, total_k]) and query rows
     cu_q_lens[s]:cu_q_lens[s + 1], its queries its last positions. Inference only."""
     for name, tensor in (("k", k), ("v", v)):
-        _check_tensor(name, tensor, 3, "[total_k, kv_heads, head_dim]")
-    _check_tensor("cu_k_lens", cu_k_lens, 1, "[num_seqs + 1]")
+        check_tensor(name, tensor, 3, "[total_k, kv_heads, head_dim]")
+    check_tensor("cu_k_lens", cu_k_lens, 1, "[num_seqs + 1]")
     num_seqs = cu_k_lens.shape[0] - 1
-    if num_seqs < 0 or not _is_integer_dtype(cu_k_lens.dtype):
+    if num_seqs < 0 or not is_integer_dtype(cu_k_lens.dtype):
         raise ValueError(f"cu_k_lens must be an integer tensor [num_seqs + 1], got {cu_k_lens.dtype} "
                          f"{tuple(cu_k_lens.shape)}")
     # The checks of the paged call, on the views the kernel reads (one page of total_k rows).
