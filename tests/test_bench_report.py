@@ -385,9 +385,12 @@ def test_moe_layer_targets_tables_from_its_json():
 
 
 def test_calibration_tables_count_refusals_per_chip_and_kind_but_not_missing_timings():
-    stats = {"count": 16, "median_abs_error": 0.0198, "p90_abs_error": 0.0568, "worst": {"ratio": 0.8979}}
-    summary = {"v5e": {"pallas_ragged_dot": {"all": stats, "fit": {"median_abs_error": 0.0219},
-                                             "holdout": {"median_abs_error": 0.0147}}}}
+    stats = {"count": 16, "median_abs_error": 0.0198, "p90_abs_error": 0.0568, "worst": {"ratio": 0.8979},
+             "median_signed_error": -0.0153, "mean_signed_error": -0.0241}
+    summary = {"v5e": {"pallas_ragged_dot": {"all": stats,
+                                             "fit": {"count": 7, "median_abs_error": 0.0219, "p90_abs_error": 0.05},
+                                             "holdout": {"count": 9, "median_abs_error": 0.0147,
+                                                         "p90_abs_error": 0.06}}}}
     folder = "site-packages/tokamax/data/autotuning/tpu_v5_lite"
     skipped = [{"file": f"{folder}/pallas_mosaic_tpu_ragged_dot.json", "reason": "inconsistent inputs: the tiles"},
                {"file": f"{folder}/pallas_mosaic_tpu_ragged_dot.json", "reason": "inconsistent inputs: other"},
@@ -398,7 +401,8 @@ def test_calibration_tables_count_refusals_per_chip_and_kind_but_not_missing_tim
     hbm = {"hbm_fraction": {"v5e": 0.9, "v6e": 0.9}, "hbm_fraction_note": {"v5e": "fitted", "v6e": "borrowed from v5e"}}
     tables = calibration_tables.render_markdown({"summary": summary, "skipped": skipped}, constants, hbm)
     assert tables["error"].splitlines()[2] == (
-        "| v5e | pallas_ragged_dot | 16 | 2 inconsistent inputs | 2.0 % | 5.7 % | 0.90 | 2.2 % / 1.5 % |")
+        "| v5e | pallas_ragged_dot | 16 | 2 inconsistent inputs | 2.0 % | 5.7 % | -1.5 % / -2.4 % | 0.90 "
+        "| 7, 2.2 % / 5.0 % | 9, 1.5 % / 6.0 % |")
     rows = tables["constants"].splitlines()
     assert rows[0] == "| per device | v5e | v6e | v5p | tpu7x | source |"
     assert "| `grid_step_s` | 0.34 µs | 0.34 µs | 0.34 µs | 0.72 µs | v5e and TPU7x fitted |" in rows
@@ -406,6 +410,41 @@ def test_calibration_tables_count_refusals_per_chip_and_kind_but_not_missing_tim
     assert not any("what" in row for row in rows)
     assert "| `hbm_fraction` | 0.9 | 0.9 | none | none | fitted: see below |" in rows
     assert rows[-2:] == ["- `hbm_fraction`, v5e: fitted", "- `hbm_fraction`, v6e: borrowed from v5e"]
+
+
+def _pallas_entry(chip: str, call: str, ratio: float, split: str, xla_us: float = 0.0) -> dict:
+    measured = 1000.0
+    return {"chip": chip, "kind": "pallas_ragged_dot", "call": call, "config": {"tile_m": 512, "tile_k": 2944,
+            "tile_n": 768}, "measured_us": measured, "predicted_us": measured * ratio, "ratio": ratio,
+            "regime": "compute_bound", "split": split,
+            "terms_us": {"kernels": measured * ratio - xla_us, "kernels_hbm": 100.0, "kernels_mxu": 400.0,
+                         "kernel_steps": 12, "xla_ops": xla_us}}
+
+
+def test_calibration_tables_add_a_checking_chips_report_and_explain_each_held_out_outlier():
+    stats = {"count": 2, "median_abs_error": 0.1, "p90_abs_error": 0.3, "worst": {"ratio": 0.7},
+             "median_signed_error": -0.1, "mean_signed_error": -0.2}
+    odd = "bf16[320,2880] x bf16[8,2880,2880] G=8"
+    report = {"summary": {"tpu7x": {"pallas_ragged_dot": {"all": stats}}}, "skipped": [],
+              "entries": [_pallas_entry("tpu7x", f"dlhs {odd}", 0.69, "holdout", xla_us=200.0),
+                          _pallas_entry("tpu7x", f"drhs {odd}", 0.7, "fit", xla_us=200.0),
+                          _pallas_entry("tpu7x", "fwd bf16[512,512] x bf16[8,512,512] G=8", 1.02, "holdout")]}
+    v5p = {"summary": {"v5p": {"pallas_ragged_dot": {"all": {**stats, "count": 1}}}}, "skipped": [],
+           "entries": [_pallas_entry("v5p", "fwd bf16[64,512] x bf16[8,512,512] G=8", 1.25, "holdout")]}
+    tables = calibration_tables.render_markdown(report, {"what": "x"}, {"hbm_fraction": {}, "hbm_fraction_note": {}},
+                                                (v5p,))
+    assert [row.split(" | ")[0] for row in tables["error"].splitlines()[2:]] == ["| tpu7x", "| v5p"]
+    # The bands stay the standing report's: v5p's timings check the model, they do not make its bands.
+    assert "(1, v5p)" not in tables["bands"]
+    rows = tables["outliers"].splitlines()[2:]
+    assert len(rows) == 2 and rows[0].startswith("| tpu7x | dlhs ") and rows[1].startswith("| v5p | fwd ")
+    assert f"{100 * 200 / 690:.0f} % of its predicted time" in rows[0]
+    assert f"{(1000 - 490) / 200:.1f}x their price" in rows[0]
+    assert "0.70 (drhs, fit): the miss follows the shape" in rows[0]
+    assert "not identified" in rows[1]
+    with pytest.raises(ValueError, match="overlap on tpu7x"):
+        calibration_tables.render_markdown(report, {"what": "x"}, {"hbm_fraction": {}, "hbm_fraction_note": {}},
+                                           (report,))
 
 
 def test_moe_layer_v5p_tpu7x_table_adds_the_quantized_formats_and_the_fused_rival(monkeypatch):

@@ -9,7 +9,9 @@ from benchmarks.perf import calibration, modelled_time
 
 
 def stats(count: int, median: float, p90: float) -> dict:
-    return {"count": count, "median_abs_error": median, "p90_abs_error": p90, "worst": {"ratio": 1 + p90}}
+    # The model faster than the chip: a signed bias below zero, its mean pulled further by the tail.
+    return {"count": count, "median_abs_error": median, "p90_abs_error": p90, "worst": {"ratio": 1 + p90},
+            "median_signed_error": -median, "mean_signed_error": -(median + p90) / 2}
 
 
 # v5e timed Pallas ragged dots in both regimes, XLA's only streaming; TPU7x timed flash attention only.
@@ -37,6 +39,19 @@ def test_band_takes_the_error_of_the_figures_regime(summary):
     compute = calibration_bands.band({"pallas_ragged_dot": 100e-6}, "v6e", "compute_bound")
     assert streaming["p90_us"] == [80.0, 120.0] and streaming["regime"] == "streaming"
     assert compute["p90_us"] == [95.0, 105.0] and compute["median_us"] == [99.0, 101.0]
+    # A band says how many timings it rests on, per kind.
+    assert streaming["points"] == {"pallas_ragged_dot": 2} and compute["points"] == {"pallas_ragged_dot": 14}
+
+
+def test_describe_gives_the_signed_bias_and_the_number_of_timings(summary):
+    line = calibration_bands.describe("pallas_ragged_dot", "v5e", "streaming")
+    assert line == ("pallas_ragged_dot, streaming, on v5e (2 entries): median 10.0 %, p90 20.0 %, signed bias "
+                    "-10.0 % (mean -15.0 %), worst ratio 1.20")
+    older = {"v5e": {"pallas_ragged_dot": {"regimes": {"streaming": {
+        k: v for k, v in stats(2, 0.1, 0.2).items() if "signed" not in k}}}}}
+    found = calibration_bands.error("pallas_ragged_dot", "v5e", "streaming", older)
+    assert found["median_signed"] is None and found["mean_signed"] is None
+    assert "bias not summarised" in calibration_tables.bands({"summary": older})
 
 
 def test_a_regime_without_timings_gives_no_band_and_says_why(summary):
@@ -78,11 +93,32 @@ def test_calibration_summary_splits_each_chip_and_kind_by_regime():
     assert block["regimes"]["streaming"]["count"] == 2
     assert block["regimes"]["streaming"]["median_abs_error"] == pytest.approx(0.2)
     assert block["regimes"]["compute_bound"]["count"] == 1
+    # Signed: the bias keeps the direction the absolute error loses.
+    assert block["all"]["median_signed_error"] == pytest.approx(0.1)
+    assert block["all"]["mean_signed_error"] == pytest.approx((0.1 + 0.3 - 0.01) / 3, abs=1e-4)
+    assert block["regimes"]["compute_bound"]["median_signed_error"] == pytest.approx(-0.01)
+
+
+def test_resummarize_rewrites_the_summary_from_the_reports_entries(tmp_path):
+    def record(ratio: float, split: str) -> dict:
+        return {"chip": "v5p", "kind": "pallas_ragged_dot", "call": f"c{ratio}", "config": {}, "ratio": ratio,
+                "regime": "compute_bound", "split": split}
+
+    entries = [record(0.8, "holdout"), record(0.9, "holdout"), record(1.05, "fit")]
+    path = tmp_path / "calibration.json"
+    calibration.write_report({"what": "w", "summary": {"stale": {}}, "entries": entries, "skipped": []}, path)
+    calibration.write_report(calibration.resummarize(path), path)
+    summary = calibration.json.loads(path.read_text())["summary"]
+    assert list(summary) == ["v5p"]
+    held_out = summary["v5p"]["pallas_ragged_dot"]["holdout"]
+    assert held_out["count"] == 2 and held_out["median_signed_error"] == pytest.approx(-0.15)
+    assert held_out["median_abs_error"] == pytest.approx(0.15)
 
 
 def test_bands_table_names_the_chip_and_count_or_no_band():
     table = calibration_tables.bands({"summary": SUMMARY}).splitlines()
-    assert table[0] == ("| generation | kind | streaming p90 (timings, chip) | compute_bound p90 (timings, chip) |")
-    assert "| v6e | pallas_ragged_dot | 20.0 % (2, v5e) | 5.0 % (14, v5e) |" in table
-    assert "| v5e | xla_ragged_dot | 30.0 % (5, v5e) | no band |" in table
-    assert "| tpu7x | flash_attention | no band | 20.0 % (3, tpu7x) |" in table
+    assert table[0] == ("| generation | kind | streaming p90, signed bias median / mean (timings, chip) "
+                        "| compute_bound p90, signed bias median / mean (timings, chip) |")
+    assert "| v6e | pallas_ragged_dot | 20.0 %, -10.0 / -15.0 % (2, v5e) | 5.0 %, -1.0 / -3.0 % (14, v5e) |" in table
+    assert "| v5e | xla_ragged_dot | 30.0 %, -10.0 / -20.0 % (5, v5e) | no band |" in table
+    assert "| tpu7x | flash_attention | no band | 20.0 %, -10.0 / -15.0 % (3, tpu7x) |" in table

@@ -180,6 +180,15 @@ def _calibrate(args) -> int:
         print(f"tpu-kernels calibrate: {error}", file=sys.stderr)
         return 2
 
+    if args.resummarize:
+        for path in args.resummarize:
+            calibration.write_report(calibration.resummarize(Path(path)), Path(path))
+            print(f"rewrote the summary of {path} from its entries")
+        return 0
+    if not args.paths:
+        print("tpu-kernels calibrate: give tokamax autotuning files or folders (or --resummarize REPORT)",
+              file=sys.stderr)
+        return 2
     try:
         report = calibration.calibrate(
             [Path(path) for path in args.paths],
@@ -248,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     calibrate = commands.add_parser(
         "calibrate", help="model tokamax's measured TPU timings and compare (the performance model's error)"
     )
-    calibrate.add_argument("paths", nargs="+", help="tokamax autotuning JSON files or folders of them")
+    calibrate.add_argument("paths", nargs="*", help="tokamax autotuning JSON files or folders of them")
+    calibrate.add_argument("--resummarize", nargs="+", metavar="REPORT",
+                           help="rewrite these reports' summaries from their entries, compiling nothing")
     calibrate.add_argument("--chip", help="v5e, v5p, v6e or tpu7x (default: from the folder name, e.g. tpu_v5_lite)")
     calibrate.add_argument("--out", default="benchmarks/results/calibration.json", help="report file")
     calibrate.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile threads")

@@ -82,6 +82,9 @@ def error(kind: str, generation: str, regime: str, summary: dict | None = None) 
         "count": stats["count"],
         "median": stats["median_abs_error"],
         "p90": stats["p90_abs_error"],
+        # Older reports (before the signed bias was summarised) have none: None, not a made-up zero.
+        "median_signed": stats.get("median_signed_error"),
+        "mean_signed": stats.get("mean_signed_error"),
         "worst_ratio": stats["worst"]["ratio"],
     }
 
@@ -107,6 +110,7 @@ def band(terms_s: dict[str, float], generation: str, regime: str, *, uncalibrate
         "median_us": [round(1e6 * (total - median), 2), round(1e6 * (total + median), 2)],
         "p90_us": [round(1e6 * (total - p90), 2), round(1e6 * (total + p90), 2)],
         "uncalibrated_us": round(1e6 * uncalibrated_s, 2),
+        "points": {kind: found["count"] for kind, found in errors.items()},
     }
 
 
@@ -137,9 +141,11 @@ def describe(kind: str, generation: str, regime: str | None = None) -> str:
         return f"{kind}, {regime}: no timing in this regime on {MEASURED_ON.get(generation, generation)}: no band"
     where = ("" if found["own_measurements"] else
              f"; {generation} has no measurements: {found['measured_on']}'s constants and error")
+    bias = ("" if found["median_signed"] is None else
+            f", signed bias {100 * found['median_signed']:+.1f} % (mean {100 * found['mean_signed']:+.1f} %)")
     return (f"{kind}, {regime}, on {found['measured_on']} ({found['count']} entries): median "
-            f"{100 * found['median']:.1f} %, p90 {100 * found['p90']:.1f} %, worst ratio {found['worst_ratio']:.2f}"
-            f"{where}")
+            f"{100 * found['median']:.1f} %, p90 {100 * found['p90']:.1f} %{bias}, worst ratio "
+            f"{found['worst_ratio']:.2f}{where}")
 
 
 def bands_used(generations, kinds) -> dict:
