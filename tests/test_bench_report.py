@@ -418,7 +418,7 @@ def _pallas_entry(chip: str, call: str, ratio: float, split: str, xla_us: float 
             "tile_n": 768}, "measured_us": measured, "predicted_us": measured * ratio, "ratio": ratio,
             "regime": "compute_bound", "split": split,
             "terms_us": {"kernels": measured * ratio - xla_us, "kernels_hbm": 100.0, "kernels_mxu": 400.0,
-                         "kernel_steps": 12, "xla_ops": xla_us}}
+                         "kernel_steps": 12, "xla_ops": xla_us + 5.0, "xla_transposes": xla_us}}
 
 
 def test_calibration_tables_add_a_checking_chips_report_and_explain_each_held_out_outlier():
@@ -436,11 +436,11 @@ def test_calibration_tables_add_a_checking_chips_report_and_explain_each_held_ou
     assert [row.split(" | ")[0] for row in tables["error"].splitlines()[2:]] == ["| tpu7x", "| v5p"]
     # The bands stay the standing report's: v5p's timings check the model, they do not make its bands.
     assert "(1, v5p)" not in tables["bands"]
-    rows = tables["outliers"].splitlines()[2:]
+    rows = tables["outliers"].splitlines()[4:]
     assert len(rows) == 2 and rows[0].startswith("| tpu7x | dlhs ") and rows[1].startswith("| v5p | fwd ")
-    assert f"{100 * 200 / 690:.0f} % of its predicted time" in rows[0]
-    assert f"{(1000 - 490) / 200:.1f}x their price" in rows[0]
-    assert "0.70 (drhs, fit): the miss follows the shape" in rows[0]
+    assert f"transposes around the kernel are {100 * 200 / 690:.0f} % of its predicted time" in rows[0]
+    assert f"{(1000 - 690 + 200) / 200:.1f}x their price" in rows[0]
+    assert "0.70 (drhs, fit): the miss follows the problem" in rows[0]
     assert "not identified" in rows[1]
     with pytest.raises(ValueError, match="overlap on tpu7x"):
         calibration_tables.render_markdown(report, {"what": "x"}, {"hbm_fraction": {}, "hbm_fraction_note": {}},
@@ -557,8 +557,23 @@ def test_decode_step_tables_from_its_json():
                                  "grid_step_cost_bound_us": 0.1571, "grid_step_cost_bound_with_host_us": 0.1446}}
     method = {"context_tokens": 1024, "context_source": "assumed", "plan": "EP8", "cache": "dynamic",
               "priced": "compiled", "eager": "one op each", "errors": {"a": "p90 6 %"}, "error_note": "note",
-              "left_out": "host time"}
+              "left_out": "host time",
+              "fitted_to": [{"assumption": "grid step", "value": "0.34 us", "fitted_to": "v5e's timings"}]}
+    alone = {"grid_step_us": [4.1, 15.0], "hbm_share": [4.1, 4.9], "batched_mm_scale": [4.1, 12.5]}
+    model["ratio_ranges"] = {
+        "ranges": {"grid_step_us": [0.02, 0.34], "hbm_share": [0.78, 1.0], "batched_mm_scale": [1.0, 3.169]},
+        "batched_mm_scale_from": "Qwen3's implied default",
+        "paths": {"ours": {"step_ms": 20.71, "step_ms_range": [20.6, 26.4], "ratio": 19.1, "ratio_all": [19.1, 59.2],
+                           "ratio_alone": alone},
+                  "hf_kernel": {"step_ms": 97.05, "step_ms_range": [26.3, 103.1], "ratio": 4.07,
+                                "ratio_all": [4.07, 48.3], "ratio_alone": alone}}}
     tables = decode_step_tables.render_markdown({"method": method, "models": {"qwen3-30b-a3b": model}})
+    ranges_rows = tables["ratio-ranges"].splitlines()
+    assert ranges_rows[0].startswith("| model | experts kernel in HF's configuration | device ms per step")
+    assert "ratio, grid step 0.02-0.34 µs | ratio, HBM share 0.78-1.0 | ratio, batched_mm x1.0-3.169" in ranges_rows[0]
+    assert ranges_rows[3] == ("| Qwen3-30B-A3B | HF's kernel (tokamax at its default tiles) | 97.0 (26.3-103.1) "
+                              "| 4.1x | 4.1-15.0x | 4.1-4.9x | 4.1-12.5x | 4.1-48.3x | 56.6 ms / 21.5x |")
+    assert tables["fitted-to"].splitlines()[2] == "| grid step | 0.34 us | v5e's timings |"
     assert tables["step"].splitlines()[2] == (
         "| Qwen3-30B-A3B | 303.7 (303.5-304.1) | 20.7 (20.3-21.4) | 19.8 (18.3-21.4) | 14.7x (14.2-16.6) | 21.5x "
         "| 15.4x (14.2-16.6) | 23.0x / 24.9x | 56.6 ms |")
@@ -571,3 +586,16 @@ def test_decode_step_tables_from_its_json():
     assert tables["gaps"].splitlines() == ["- **Qwen3-30B-A3B**", "  - the gap is host time."]
     assert tables["hf-kernel"].splitlines()[2] == "| Qwen3-30B-A3B | 1687 (4608) | 97.0 | 56.6 | 0.1571 (0.1446) |"
     assert "| context | 1024 tokens per request: assumed |" in tables["assumptions"]
+
+
+def test_an_outlier_whose_row_tile_is_biased_apart_says_so():
+    def entry(tile_m: int, ratio: float, split: str = "fit") -> dict:
+        found = _pallas_entry("v5p", f"fwd bf16[{tile_m},512] x bf16[8,512,512] G=8", ratio, split)
+        return {**found, "config": {**found["config"], "tile_m": tile_m}}
+
+    entries = [entry(128, 1.08), entry(128, 1.1), entry(128, 1.22, "holdout"), entry(256, 0.99), entry(512, 1.01)]
+    [reason] = calibration_tables.row_tile_reason(entries[2], entries)
+    assert "the 3 entries of v5p with its row tile (128) are priced at a median signed error of +10.0 %" in reason
+    assert "the 2 with other row tiles at +0.0 %" in reason
+    # A row tile priced like the others explains nothing.
+    assert calibration_tables.row_tile_reason(entries[3], entries[:2] + entries[3:]) == []

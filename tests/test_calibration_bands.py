@@ -122,3 +122,17 @@ def test_bands_table_names_the_chip_and_count_or_no_band():
     assert "| v6e | pallas_ragged_dot | 20.0 %, -10.0 / -15.0 % (2, v5e) | 5.0 %, -1.0 / -3.0 % (14, v5e) |" in table
     assert "| v5e | xla_ragged_dot | 30.0 %, -10.0 / -20.0 % (5, v5e) | no band |" in table
     assert "| tpu7x | flash_attention | no band | 20.0 %, -10.0 / -15.0 % (3, tpu7x) |" in table
+
+
+def test_cli_resummarizes_without_compiling_and_refuses_no_input(tmp_path, capsys):
+    from tpu_kernels import cli
+
+    entries = [{"chip": "v5p", "kind": "pallas_ragged_dot", "call": "c", "config": {}, "ratio": 1.07,
+                "regime": "streaming", "split": "holdout"}]
+    path = tmp_path / "calibration_v5p.json"
+    calibration.write_report({"summary": {}, "entries": entries, "skipped": []}, path)
+    assert cli.main(["calibrate", "--resummarize", str(path)]) == 0
+    stats = calibration.json.loads(path.read_text())["summary"]["v5p"]["pallas_ragged_dot"]["all"]
+    assert stats["median_signed_error"] == pytest.approx(0.07)
+    assert cli.main(["calibrate"]) == 2
+    assert "--resummarize" in capsys.readouterr().err

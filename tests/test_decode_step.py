@@ -230,3 +230,19 @@ def test_batched_mm_multiplier_meets_the_implied_default_step():
     assert scale == pytest.approx(3.0)
     assert ranges.path_ms(default, grid_step_us=0.34, fitted_step_us=0.34, share_scale=1.0,
                           batched_mm_scale=scale) == pytest.approx(310.5)
+
+
+def test_ratio_explanation_names_the_cancellation_only_where_ours_lands_near_hfs():
+    def result(ours: float, measured: float) -> dict:
+        at = {"ratio": 4.0, "ratio_all": [4.0, 40.0],
+              "ratio_alone": {"grid_step_us": [4.0, 15.0], "hbm_share": [4.0, 5.0], "batched_mm_scale": [4.0, 12.0]}}
+        return {"comparison": {"hf_measured_ratio": measured},
+                "ratio_ranges": {"paths": {"ours": {"ratio": ours, "ratio_all": [ours, 50.0]}, "hf_kernel": at}}}
+
+    [near] = ranges.explain(result(19.1, 21.5))
+    assert "cancellation" in near and "lands at 0.19 of it" in near
+    assert "no term alone brings it there (at most 15.0x); all of them at once can" in near
+    [apart] = ranges.explain(result(6.7, 12.8))
+    assert "cancellation" not in apart
+    assert apart.endswith("HF's measured one, the grid-step cost alone brings it there")
+    assert ranges.explain({"comparison": {}}) == []

@@ -30,6 +30,8 @@ HBM_SHARE_RANGE = (0.78, 1.0)
 BATCHED_MM = "batched_mm"
 ICI_KIND = "formula (ICI hop latency band)"
 OURS, HF_KERNEL = "ours", "hf_kernel"
+TERM_NAMES = {"grid_step_us": "the grid-step cost", "hbm_share": "the HBM share",
+              "batched_mm_scale": "batched_mm's multiplier"}
 
 
 def term_ms(term: dict, *, grid_step_us: float, fitted_step_us: float, share_scale: float,
@@ -98,3 +100,30 @@ def ratio_ranges(paths: dict, check: dict, layers: int, fitted_step_us: float, f
                                 "ratio": round(ratio(central), 2), "ratio_alone": alone,
                                 "ratio_all": [round(min(corners), 2), round(max(corners), 2)]}
     return found
+
+
+# Ours "lands near" HF's measured ratio within this share of it.
+NEAR = 0.25
+
+
+def explain(result: dict) -> list[str]:
+    """In words: the ratio with HF's own kernel beside ours', over the unidentified terms, against HF's measured."""
+    found = result.get("ratio_ranges")
+    if not found:
+        return []
+    ours, hf = found["paths"][OURS], found["paths"][HF_KERNEL]
+    measured = result["comparison"]["hf_measured_ratio"]
+    near = abs(ours["ratio"] / measured - 1) <= NEAR
+    alone = {name: bounds[1] for name, bounds in hf["ratio_alone"].items()}
+    reach = [name for name, high in alone.items() if high >= measured]
+    how = (f"{' or '.join(TERM_NAMES[name] for name in reach)} alone brings it there" if reach else
+           f"no term alone brings it there (at most {max(alone.values()):.1f}x); "
+           + ("all of them at once can" if hf["ratio_all"][1] >= measured else "nor do all of them at once"))
+    return [
+        f"HF measured its ratio with its own experts kernel. In the same modelled step that kernel (tokamax at its "
+        f"default tiles) gives {hf['ratio']:.1f}x ({hf['ratio_all'][0]:.1f}-{hf['ratio_all'][1]:.1f}x over the "
+        f"unidentified terms, `ranges`), ours {ours['ratio']:.1f}x ({ours['ratio_all'][0]:.1f}-"
+        f"{ours['ratio_all'][1]:.1f}x), against HF's {measured}x"
+        + (": our kernel's ratio lands near HF's measured one while HF's kernel, the one HF ran, lands at "
+           f"{hf['ratio'] / measured:.2f} of it, so the agreement is a cancellation, not a check" if near else "")
+        + f". For HF's kernel's ratio to meet HF's measured one, {how}"]

@@ -121,7 +121,8 @@ def fitted_to() -> list[dict]:
                       "kind); HF's v6e figures bound it lower (hf-kernel table), so the ratio is given over "
                       f"{ranges.GRID_STEP_RANGE_US[0]}-{ranges.GRID_STEP_RANGE_US[1]} us (ranges)"},
         {"assumption": "share of the peak HBM bandwidth", "value": f"{chip.FITTED_RATES.hbm_fraction(GENERATION):g}",
-         "fitted_to": f"{shares['hbm_fraction_note'][GENERATION]}; given over "
+         "fitted_to": f"{shares['hbm_fraction_note'][GENERATION]}; v5e's: {shares['hbm_fraction_note']['v5e']}; "
+                      "given over "
                       f"{ranges.HBM_SHARE_RANGE[0]}-{ranges.HBM_SHARE_RANGE[1]} (ranges)"},
         {"assumption": "batched_mm's gathers and batched matvecs, sdpa, the cache append, every XLA program",
          "value": "bytes at the HBM rate, no fixed cost per op",
@@ -300,7 +301,7 @@ def main(argv=None) -> int:
     host_closure(results)
     ratio_closure(results)
     for result in results.values():
-        result["explanation"] = explain(result)
+        result["explanation"] = explain(result) + ranges.explain(result)
     compiler.pool.shutdown()
     report = {"method": {**method(args.batch, args.context), "fitted_to": fitted_to()}, "models": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)

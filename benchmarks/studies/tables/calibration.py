@@ -9,6 +9,7 @@ peaks beside them are jax's TPU table's (`tpu_kernels.runtime.hardware`).
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 from pathlib import PurePosixPath
 
@@ -163,8 +164,9 @@ def outliers(report: dict) -> str:
     found = [e for e in entries if e["split"] == "holdout" and abs(e["ratio"] - 1) > OUTLIER_ERROR]
     if not found:
         return f"No held-out {OUTLIER_KIND} entry is priced more than {100 * OUTLIER_ERROR:.0f} % from its timing."
-    rows = ["| chip | call | tiles (m, k, n) | measured µs | predicted µs | ratio | regime | kernel µs: copies / "
-            "matmuls / grid steps | XLA ops µs | why the model misses it |",
+    rows = [f"Held-out {OUTLIER_KIND} entries priced more than {100 * OUTLIER_ERROR:.0f} % from their timing:", "",
+            "| chip | call | tiles (m, k, n) | measured µs | predicted µs | ratio | regime | kernel µs: copies / "
+            "matmuls / grid steps | XLA ops µs (of them transposes) | why the model misses it |",
             "| --- | --- | --- | ---: | ---: | ---: | --- | --- | ---: | --- |"]
     for entry in sorted(found, key=lambda e: abs(e["ratio"] - 1), reverse=True):
         terms, config = entry["terms_us"], entry["config"]
@@ -172,35 +174,61 @@ def outliers(report: dict) -> str:
         rows.append(f"| {entry['chip']} | {entry['call']} | {tiles} | {entry['measured_us']:.0f} "
                     f"| {entry['predicted_us']:.0f} | {entry['ratio']:.2f} | {entry['regime']} "
                     f"| {terms['kernels_hbm']:.0f} / {terms['kernels_mxu']:.0f} / {terms['kernel_steps']} "
-                    f"| {terms['xla_ops']:.0f} | {outlier_reason(entry, entries)} |")
+                    f"| {terms['xla_ops']:.0f} ({terms['xla_transposes']:.0f}) | {outlier_reason(entry, entries)} |")
     return "\n".join(rows)
 
 
 def outlier_reason(entry: dict, entries: list[dict]) -> str:
     """What sets an outlier apart from the well-priced entries of its chip and kind, from their recorded terms."""
-    shape = entry["call"].split(" ", 1)[1]
-    same_shape = [e for e in entries if e is not entry and e["chip"] == entry["chip"] and e["call"].endswith(shape)]
+    problem = problem_of(entry)
+    same_problem = [e for e in entries if e is not entry and e["chip"] == entry["chip"] and problem_of(e) == problem]
     peers = [e for e in entries if e["chip"] == entry["chip"] and abs(e["ratio"] - 1) <= OUTLIER_ERROR]
-    xla_share = entry["terms_us"]["xla_ops"] / entry["predicted_us"]
-    peers_with_xla = sum(1 for e in peers if e["terms_us"]["xla_ops"] / e["predicted_us"] > 0.05)
+    transposes = entry["terms_us"]["xla_transposes"]
     reasons = []
-    if xla_share > 0.05 and peers_with_xla == 0:
-        kernel = entry["terms_us"]["kernels"]
-        needed = (entry["measured_us"] - kernel) / entry["terms_us"]["xla_ops"]
+    if transposes > 0.05 * entry["predicted_us"] and not any(e["terms_us"]["xla_transposes"] for e in peers):
+        needed = (entry["measured_us"] - entry["predicted_us"] + transposes) / transposes
         reasons.append(
-            f"XLA ops around the kernel (pads and transposes of operands whose sizes are not multiples of its tiles) "
-            f"are {100 * xla_share:.0f} % of its predicted time, and none of the {len(peers)} well-priced entries "
-            f"of {entry['chip']} has such a term: priced by their bytes at the HBM rate, they are the one part of "
-            f"it no timing of the kind checks; for the measured time they would cost {needed:.1f}x their price")
-    if same_shape:
-        others = ", ".join(f"{e['ratio']:.2f} ({e['call'].split(' ', 1)[0]}, {e['split']})" for e in same_shape)
-        reasons.append(f"the other timings of this shape are priced at {others}: the miss follows the shape, not "
-                       "the tiles")
+            f"XLA transposes around the kernel are {100 * transposes / entry['predicted_us']:.0f} % of its predicted "
+            f"time, and none of the {len(peers)} well-priced entries of {entry['chip']} has any: priced by their "
+            "bytes at the HBM rate, they are the one part of it no timing of the kind checks; for the measured time "
+            f"they would cost {needed:.1f}x their price")
+    if same_problem:
+        others = ", ".join(f"{e['ratio']:.2f} ({e['call'].split(' ', 1)[0]}, {e['split']})" for e in same_problem)
+        reasons.append(f"the other timings of this problem are priced at {others}: the miss follows the problem, "
+                       "not the pass or the tiles")
+    reasons += row_tile_reason(entry, entries)
     if entry["regime"] == "compute_bound" and entry["ratio"] < 1 and not reasons:
         reasons.append("priced at the MXU peak of its tiles and nothing else sets it apart from the well-priced "
                        "entries: the kernel's matmuls run slower on the chip than the model's MXU rate, for a "
                        "reason no recorded term shows")
     return "; ".join(reasons) or "no recorded term sets it apart from the well-priced entries: not identified"
+
+
+# A row tile whose entries' median signed error stands this far from the other row tiles' sets the tile apart.
+ROW_TILE_BIAS = 0.05
+
+
+def problem_of(entry: dict) -> tuple[str, str]:
+    """An entry's problem, shared by its forward and gradient passes: the rows operand and the group count."""
+    operands = entry["call"].split(" ")
+    return operands[1], next((part for part in operands if part.startswith("G=")), "")
+
+
+def row_tile_reason(entry: dict, entries: list[dict]) -> list[str]:
+    """Whether the entries of the outlier's chip with its row tile (tile_m) are biased apart from the others."""
+    tile = entry["config"].get("tile_m")
+    same_chip = [e for e in entries if e["chip"] == entry["chip"] and "tile_m" in e["config"]]
+    alike = [e["ratio"] - 1 for e in same_chip if e["config"]["tile_m"] == tile]
+    others = [e["ratio"] - 1 for e in same_chip if e["config"]["tile_m"] != tile]
+    if tile is None or len(alike) < 2 or not others:
+        return []
+    bias, rest = statistics.median(alike), statistics.median(others)
+    if abs(bias - rest) <= ROW_TILE_BIAS:
+        return []
+    return [f"the {len(alike)} entries of {entry['chip']} with its row tile ({tile}) are priced at a median signed "
+            f"error of {100 * bias:+.1f} %, the {len(others)} with other row tiles at {100 * rest:+.1f} %: the miss "
+            "follows the row tile, which enters the price through the unhidden share of each MXU weights load "
+            "(`mxu_weight_load_fraction`, fitted on TPU7x and assumed on every generation)"]
 
 
 def render_markdown(report: dict, model_constants: dict, hbm_fractions: dict,
