@@ -412,41 +412,6 @@ def test_calibration_tables_count_refusals_per_chip_and_kind_but_not_missing_tim
     assert rows[-2:] == ["- `hbm_fraction`, v5e: fitted", "- `hbm_fraction`, v6e: borrowed from v5e"]
 
 
-def _pallas_entry(chip: str, call: str, ratio: float, split: str, xla_us: float = 0.0) -> dict:
-    measured = 1000.0
-    return {"chip": chip, "kind": "pallas_ragged_dot", "call": call, "config": {"tile_m": 512, "tile_k": 2944,
-            "tile_n": 768}, "measured_us": measured, "predicted_us": measured * ratio, "ratio": ratio,
-            "regime": "compute_bound", "split": split,
-            "terms_us": {"kernels": measured * ratio - xla_us, "kernels_hbm": 100.0, "kernels_mxu": 400.0,
-                         "kernel_steps": 12, "xla_ops": xla_us + 5.0, "xla_transposes": xla_us}}
-
-
-def test_calibration_tables_add_a_checking_chips_report_and_explain_each_held_out_outlier():
-    stats = {"count": 2, "median_abs_error": 0.1, "p90_abs_error": 0.3, "worst": {"ratio": 0.7},
-             "median_signed_error": -0.1, "mean_signed_error": -0.2}
-    odd = "bf16[320,2880] x bf16[8,2880,2880] G=8"
-    report = {"summary": {"tpu7x": {"pallas_ragged_dot": {"all": stats}}}, "skipped": [],
-              "entries": [_pallas_entry("tpu7x", f"dlhs {odd}", 0.69, "holdout", xla_us=200.0),
-                          _pallas_entry("tpu7x", f"drhs {odd}", 0.7, "fit", xla_us=200.0),
-                          _pallas_entry("tpu7x", "fwd bf16[512,512] x bf16[8,512,512] G=8", 1.02, "holdout")]}
-    v5p = {"summary": {"v5p": {"pallas_ragged_dot": {"all": {**stats, "count": 1}}}}, "skipped": [],
-           "entries": [_pallas_entry("v5p", "fwd bf16[64,512] x bf16[8,512,512] G=8", 1.25, "holdout")]}
-    tables = calibration_tables.render_markdown(report, {"what": "x"}, {"hbm_fraction": {}, "hbm_fraction_note": {}},
-                                                (v5p,))
-    assert [row.split(" | ")[0] for row in tables["error"].splitlines()[2:]] == ["| tpu7x", "| v5p"]
-    # The bands stay the standing report's: v5p's timings check the model, they do not make its bands.
-    assert "(1, v5p)" not in tables["bands"]
-    rows = tables["outliers"].splitlines()[4:]
-    assert len(rows) == 2 and rows[0].startswith("| tpu7x | dlhs ") and rows[1].startswith("| v5p | fwd ")
-    assert f"transposes around the kernel are {100 * 200 / 690:.0f} % of its predicted time" in rows[0]
-    assert f"{(1000 - 690 + 200) / 200:.1f}x their price" in rows[0]
-    assert "0.70 (drhs, fit): the miss follows the problem" in rows[0]
-    assert "not identified" in rows[1]
-    with pytest.raises(ValueError, match="overlap on tpu7x"):
-        calibration_tables.render_markdown(report, {"what": "x"}, {"hbm_fraction": {}, "hbm_fraction_note": {}},
-                                           (report,))
-
-
 def test_moe_layer_v5p_tpu7x_table_adds_the_quantized_formats_and_the_fused_rival(monkeypatch):
     monkeypatch.setattr(moe_layer_tables, "V5P_TPU7X_SHAPES", ("a T=1",))
     shapes = [moe_layer_shape("a T=1", "v5p", 30.0), moe_layer_shape("a T=1", "tpu7x", 20.0)]
@@ -586,16 +551,3 @@ def test_decode_step_tables_from_its_json():
     assert tables["gaps"].splitlines() == ["- **Qwen3-30B-A3B**", "  - the gap is host time."]
     assert tables["hf-kernel"].splitlines()[2] == "| Qwen3-30B-A3B | 1687 (4608) | 97.0 | 56.6 | 0.1571 (0.1446) |"
     assert "| context | 1024 tokens per request: assumed |" in tables["assumptions"]
-
-
-def test_an_outlier_whose_row_tile_is_biased_apart_says_so():
-    def entry(tile_m: int, ratio: float, split: str = "fit") -> dict:
-        found = _pallas_entry("v5p", f"fwd bf16[{tile_m},512] x bf16[8,512,512] G=8", ratio, split)
-        return {**found, "config": {**found["config"], "tile_m": tile_m}}
-
-    entries = [entry(128, 1.08), entry(128, 1.1), entry(128, 1.22, "holdout"), entry(256, 0.99), entry(512, 1.01)]
-    [reason] = calibration_tables.row_tile_reason(entries[2], entries)
-    assert "the 3 entries of v5p with its row tile (128) are priced at a median signed error of +10.0 %" in reason
-    assert "the 2 with other row tiles at +0.0 %" in reason
-    # A row tile priced like the others explains nothing.
-    assert calibration_tables.row_tile_reason(entries[3], entries[:2] + entries[3:]) == []
