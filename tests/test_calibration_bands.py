@@ -184,3 +184,13 @@ def test_an_outlier_whose_row_tile_is_biased_apart_says_so():
     assert "the 2 with other row tiles at +0.0 %" in reason
     # A row tile priced like the others explains nothing.
     assert calibration_tables.row_tile_reason(entries[3], entries[:2] + entries[3:]) == []
+
+
+def test_a_generation_whose_timings_only_check_says_so_for_the_kinds_they_cover(summary):
+    checked = calibration_bands.describe("pallas_ragged_dot", "v5p", "streaming")
+    assert checked.endswith("v5p's figures take v5e's constants and error; v5p's own timings of pallas_ragged_dot "
+                            "check them (benchmarks/results/calibration_v5p.json)")
+    assert calibration_bands.describe("flash_attention", "v5p", "compute_bound").endswith(
+        "v5p has no timing of flash_attention: tpu7x's constants and error")
+    assert calibration_bands.describe("pallas_ragged_dot", "v6e", "streaming").endswith(
+        "v6e has no measurements: v5e's constants and error")

@@ -39,8 +39,9 @@ CALIBRATION = result_path("calibration.json")
 # The chip whose measurements stand for each generation's.
 MEASURED_ON = {"v5e": "v5e", "v6e": "v5e", "v5p": "v5e", "tpu7x": "tpu7x"}
 KINDS = ("pallas_ragged_dot", "xla_ragged_dot", "flash_attention", "flash_attention_vjp")
-# Generations whose own timings check the model in a report of their own (not fitted, no bands of their own).
-CHECKS = {"v5p": "benchmarks/results/calibration_v5p.json"}
+# Generations whose own timings of some kinds check the model in a report of their own (not fitted, no bands of
+# their own): the kinds, and the report.
+CHECKS = {"v5p": (("pallas_ragged_dot",), "benchmarks/results/calibration_v5p.json")}
 
 
 @functools.cache
@@ -142,7 +143,7 @@ def describe(kind: str, generation: str, regime: str | None = None) -> str:
     found = error(kind, generation, regime)
     if found is None:
         return f"{kind}, {regime}: no timing in this regime on {MEASURED_ON.get(generation, generation)}: no band"
-    where = "" if found["own_measurements"] else f"; {borrowed(generation, found['measured_on'])}"
+    where = "" if found["own_measurements"] else f"; {borrowed(generation, found['measured_on'], kind)}"
     bias = ("" if found["median_signed"] is None else
             f", signed bias {100 * found['median_signed']:+.1f} % (mean {100 * found['mean_signed']:+.1f} %)")
     return (f"{kind}, {regime}, on {found['measured_on']} ({found['count']} entries): median "
@@ -150,11 +151,15 @@ def describe(kind: str, generation: str, regime: str | None = None) -> str:
             f"{found['worst_ratio']:.2f}{where}")
 
 
-def borrowed(generation: str, measured_on: str) -> str:
-    """Whose constants and error a generation's figures take, and whether its own timings check them."""
-    if generation in CHECKS:
-        return (f"{generation}'s figures take {measured_on}'s constants and error; {generation}'s own timings check "
-                f"them ({CHECKS[generation]})")
+def borrowed(generation: str, measured_on: str, kind: str | None = None) -> str:
+    """Whose constants and error a generation's figures (of `kind`, None: of any) take, and whether its own timings
+    check them."""
+    kinds, report = CHECKS.get(generation, ((), ""))
+    if kinds and (kind is None or kind in kinds):
+        return (f"{generation}'s figures take {measured_on}'s constants and error; {generation}'s own timings of "
+                f"{', '.join(kinds)} check them ({report})")
+    if kinds:
+        return f"{generation} has no timing of {kind}: {measured_on}'s constants and error"
     return f"{generation} has no measurements: {measured_on}'s constants and error"
 
 
