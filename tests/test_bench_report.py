@@ -395,9 +395,12 @@ def test_moe_layer_targets_tables_from_its_json():
 
 
 def test_calibration_tables_count_refusals_per_chip_and_kind_but_not_missing_timings():
-    stats = {"count": 16, "median_abs_error": 0.0198, "p90_abs_error": 0.0568, "worst": {"ratio": 0.8979}}
-    summary = {"v5e": {"pallas_ragged_dot": {"all": stats, "fit": {"median_abs_error": 0.0219},
-                                             "holdout": {"median_abs_error": 0.0147}}}}
+    stats = {"count": 16, "median_abs_error": 0.0198, "p90_abs_error": 0.0568, "worst": {"ratio": 0.8979},
+             "median_signed_error": -0.0153, "mean_signed_error": -0.0241}
+    summary = {"v5e": {"pallas_ragged_dot": {"all": stats,
+                                             "fit": {"count": 7, "median_abs_error": 0.0219, "p90_abs_error": 0.05},
+                                             "holdout": {"count": 9, "median_abs_error": 0.0147,
+                                                         "p90_abs_error": 0.06}}}}
     folder = "site-packages/tokamax/data/autotuning/tpu_v5_lite"
     skipped = [{"file": f"{folder}/pallas_mosaic_tpu_ragged_dot.json", "reason": "inconsistent inputs: the tiles"},
                {"file": f"{folder}/pallas_mosaic_tpu_ragged_dot.json", "reason": "inconsistent inputs: other"},
@@ -408,7 +411,8 @@ def test_calibration_tables_count_refusals_per_chip_and_kind_but_not_missing_tim
     hbm = {"hbm_fraction": {"v5e": 0.9, "v6e": 0.9}, "hbm_fraction_note": {"v5e": "fitted", "v6e": "borrowed from v5e"}}
     tables = calibration_tables.render_markdown({"summary": summary, "skipped": skipped}, constants, hbm)
     assert tables["error"].splitlines()[2] == (
-        "| v5e | pallas_ragged_dot | 16 | 2 inconsistent inputs | 2.0 % | 5.7 % | 0.90 | 2.2 % / 1.5 % |")
+        "| v5e | pallas_ragged_dot | 16 | 2 inconsistent inputs | 2.0 % | 5.7 % | -1.5 % / -2.4 % | 0.90 "
+        "| 7, 2.2 % / 5.0 % | 9, 1.5 % / 6.0 % |")
     rows = tables["constants"].splitlines()
     assert rows[0] == "| per device | v5e | v6e | v5p | tpu7x | source |"
     assert "| `grid_step_s` | 0.34 µs | 0.34 µs | 0.34 µs | 0.72 µs | v5e and TPU7x fitted |" in rows
@@ -528,8 +532,23 @@ def test_decode_step_tables_from_its_json():
                                  "grid_step_cost_bound_us": 0.1571, "grid_step_cost_bound_with_host_us": 0.1446}}
     method = {"context_tokens": 1024, "context_source": "assumed", "plan": "EP8", "cache": "dynamic",
               "priced": "compiled", "eager": "one op each", "errors": {"a": "p90 6 %"}, "error_note": "note",
-              "left_out": "host time"}
+              "left_out": "host time",
+              "fitted_to": [{"assumption": "grid step", "value": "0.34 us", "fitted_to": "v5e's timings"}]}
+    alone = {"grid_step_us": [4.1, 15.0], "hbm_share": [4.1, 4.9], "batched_mm_scale": [4.1, 12.5]}
+    model["ratio_ranges"] = {
+        "ranges": {"grid_step_us": [0.02, 0.34], "hbm_share": [0.78, 1.0], "batched_mm_scale": [1.0, 3.169]},
+        "batched_mm_scale_from": "Qwen3's implied default",
+        "paths": {"ours": {"step_ms": 20.71, "step_ms_range": [20.6, 26.4], "ratio": 19.1, "ratio_all": [19.1, 59.2],
+                           "ratio_alone": alone},
+                  "hf_kernel": {"step_ms": 97.05, "step_ms_range": [26.3, 103.1], "ratio": 4.07,
+                                "ratio_all": [4.07, 48.3], "ratio_alone": alone}}}
     tables = decode_step_tables.render_markdown({"method": method, "models": {"qwen3-30b-a3b": model}})
+    ranges_rows = tables["ratio-ranges"].splitlines()
+    assert ranges_rows[0].startswith("| model | experts kernel in HF's configuration | device ms per step")
+    assert "ratio, grid step 0.02-0.34 µs | ratio, HBM share 0.78-1.0 | ratio, batched_mm x1.0-3.169" in ranges_rows[0]
+    assert ranges_rows[3] == ("| Qwen3-30B-A3B | HF's kernel (tokamax at its default tiles) | 97.0 (26.3-103.1) "
+                              "| 4.1x | 4.1-15.0x | 4.1-4.9x | 4.1-12.5x | 4.1-48.3x | 56.6 ms / 21.5x |")
+    assert tables["fitted-to"].splitlines()[2] == "| grid step | 0.34 us | v5e's timings |"
     assert tables["step"].splitlines()[2] == (
         "| Qwen3-30B-A3B | 303.7 (303.5-304.1) | 20.7 (20.3-21.4) | 19.8 (18.3-21.4) | 14.7x (14.2-16.6) | 21.5x "
         "| 15.4x (14.2-16.6) | 23.0x / 24.9x | 56.6 ms |")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.studies.decode_step import models, programs, step
+from benchmarks.studies.decode_step import models, programs, ranges, step
 from benchmarks.studies.decode_step.pricing import term
 
 
@@ -175,3 +175,74 @@ def test_host_ops_counts_one_decode_step_and_what_kernelize_replaces():
     assert min(layer["rmsnorm"], layer["attention"], layer["experts"]) > 0
     assert found["per_step"]["ops"] == found["per_step_fixed"]["ops"] + 3 * layer["ops"]
     assert found["per_step_fixed"]["experts"] == 0  # the step's own ops (embedding, lm_head) hold no experts
+
+
+def _range_paths() -> dict:
+    """A default path of 100 ms of batched_mm and 10 ms shared; HF's configuration: the shared 10 ms, our experts
+    (20 grid steps a layer of 48) and a 0.5 ms all-reduce that no HBM share or step cost moves."""
+    shared = term("sdpa", 100.0, 100, priced_by="p")
+    reduce = term("all-reduce", 10.0, 50, priced_by="formula", kind=ranges.ICI_KIND)
+    experts = term("experts: our fused experts layer (busiest chip)", 60.0, 48, priced_by="p",
+                   kind="pallas_ragged_dot", grid_steps=20)
+    default = [term("batched_mm: gather", 1000.0, 100, priced_by="p"), shared, reduce]
+    return {"transformers_default": {"terms": default}, "kernelized_experts": {"terms": [shared, experts, reduce]}}
+
+
+def test_ratio_ranges_move_each_unidentified_term_alone_and_all_at_once():
+    paths = _range_paths()
+    check = {"tokamax_default_us": 1700.0, "tokamax_default_grid_steps": 4608}
+    found = ranges.ratio_ranges(paths, check, layers=48, fitted_step_us=0.34, fitted_share=1.0,
+                                batched_mm_upper=3.0)
+
+    def step_ms(grid_us, share, experts_us, steps):
+        rest = (experts_us - steps * 0.34) / share + steps * grid_us
+        return 10.0 / share + 48 * rest / 1e3 + 0.5
+
+    def default_ms(share, scale=1.0):
+        return (100.0 * scale + 10.0) / share + 0.5
+
+    ours = found["paths"]["ours"]
+    assert ours["step_ms"] == pytest.approx(step_ms(0.34, 1.0, 60.0, 20), abs=0.01)
+    assert ours["ratio"] == pytest.approx(default_ms(1.0) / step_ms(0.34, 1.0, 60.0, 20), abs=0.01)
+    low_step = default_ms(1.0) / step_ms(0.02, 1.0, 60.0, 20)
+    assert ours["ratio_alone"]["grid_step_us"] == [pytest.approx(ours["ratio"], abs=0.01),
+                                                   pytest.approx(low_step, abs=0.01)]
+    # HF's kernel: the experts term swapped for tokamax's at its default tiles, thousands of near-empty steps.
+    hf = found["paths"]["hf_kernel"]
+    assert hf["step_ms"] == pytest.approx(step_ms(0.34, 1.0, 1700.0, 4608), abs=0.01)
+    assert hf["ratio_alone"]["grid_step_us"][1] == pytest.approx(
+        default_ms(1.0) / step_ms(0.02, 1.0, 1700.0, 4608), abs=0.01)
+    # A lower share slows every term priced by its bytes, not the step costs or the all-reduce.
+    assert hf["ratio_alone"]["hbm_share"][1] == pytest.approx(
+        default_ms(0.78) / step_ms(0.34, 0.78, 1700.0, 4608), abs=0.01)
+    # batched_mm's multiplier moves the default only.
+    assert ours["ratio_alone"]["batched_mm_scale"][1] == pytest.approx(
+        default_ms(1.0, 3.0) / step_ms(0.34, 1.0, 60.0, 20), abs=0.01)
+    corners = [default_ms(s, m) / step_ms(g, s, 1700.0, 4608)
+               for g in (0.02, 0.34) for s in (0.78, 1.0) for m in (1.0, 3.0)]
+    assert hf["ratio_all"] == [pytest.approx(min(corners), abs=0.01), pytest.approx(max(corners), abs=0.01)]
+    assert found["ranges"]["batched_mm_scale"] == [1.0, 3.0]
+
+
+def test_batched_mm_multiplier_meets_the_implied_default_step():
+    default = _range_paths()["transformers_default"]["terms"]
+    scale = ranges.batched_mm_scale_implied(default, implied_default_ms=310.5, fitted_step_us=0.34)
+    assert scale == pytest.approx(3.0)
+    assert ranges.path_ms(default, grid_step_us=0.34, fitted_step_us=0.34, share_scale=1.0,
+                          batched_mm_scale=scale) == pytest.approx(310.5)
+
+
+def test_ratio_explanation_names_the_cancellation_only_where_ours_lands_near_hfs():
+    def result(ours: float, measured: float) -> dict:
+        at = {"ratio": 4.0, "ratio_all": [4.0, 40.0],
+              "ratio_alone": {"grid_step_us": [4.0, 15.0], "hbm_share": [4.0, 5.0], "batched_mm_scale": [4.0, 12.0]}}
+        return {"comparison": {"hf_measured_ratio": measured},
+                "ratio_ranges": {"paths": {"ours": {"ratio": ours, "ratio_all": [ours, 50.0]}, "hf_kernel": at}}}
+
+    [near] = ranges.explain(result(19.1, 21.5))
+    assert "cancellation" in near and "lands at 0.19 of it" in near
+    assert "no term alone brings it there (at most 15.0x); all of them at once can" in near
+    [apart] = ranges.explain(result(6.7, 12.8))
+    assert "cancellation" not in apart
+    assert apart.endswith("HF's measured one, the grid-step cost alone brings it there")
+    assert ranges.explain({"comparison": {}}) == []

@@ -174,9 +174,9 @@ def _calibrate(args) -> int:
 
     from .disk_cache import UnsafeCacheError, cache_root
 
-    if bool(args.paths) == bool(args.from_benchmark):
-        print("tpu-kernels calibrate: give tokamax's timing files or --from-benchmark RESULTS_JSON (one of them)",
-              file=sys.stderr)
+    if sum(map(bool, (args.paths, args.from_benchmark, args.resummarize))) != 1:
+        print("tpu-kernels calibrate: give one of tokamax's timing files, --from-benchmark RESULTS_JSON or "
+              "--resummarize REPORT", file=sys.stderr)
         return 2
     try:
         calibration = _import_lab("benchmarks.perf.calibration")
@@ -184,6 +184,11 @@ def _calibrate(args) -> int:
     except LabMissing as error:
         print(f"tpu-kernels calibrate: {error}", file=sys.stderr)
         return 2
+    if args.resummarize:
+        for path in args.resummarize:
+            calibration.write_report(calibration.resummarize(Path(path)), Path(path))
+            print(f"rewrote the summary of {path} from its entries")
+        return 0
     cache_dir = None if args.no_cache else Path(args.cache_dir) if args.cache_dir else cache_root("calibration")
     if from_benchmark is not None:
         try:
@@ -272,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     calibrate.add_argument("--from-benchmark", metavar="RESULTS_JSON", nargs="+",
                            help="instead: the --output JSON files of `kernels benchmark ORG/REPO` run on a TPU "
                                 "(needs --chip)")
+    calibrate.add_argument("--resummarize", nargs="+", metavar="REPORT",
+                           help="rewrite these reports' summaries from their entries, compiling nothing")
     calibrate.add_argument("--chip", help="v5e, v5p, v6e or tpu7x (default: from the folder name, e.g. tpu_v5_lite)")
     calibrate.add_argument("--out", default=None, help="report file (default: benchmarks/results/calibration.json, "
                                                        "with --from-benchmark calibration_from_benchmark.json)")

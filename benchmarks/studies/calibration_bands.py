@@ -18,8 +18,9 @@ that kind in that regime, the figure carries no band (`band` returns None for
 it, with the reason): the other regime's error is not evidence.
 
 Which measurements apply to a generation (`MEASURED_ON`): v5e's and TPU7x's
-own; v6e and v5p have none, their model constants are v5e's, and so are their
-bands (every v6e figure says so, `measured_on`).
+own; v6e has none, and v5p's (tokamax's Pallas ragged dot, from a later
+tokamax: `CHECKS`) check the model without being fitted or making bands: both
+take v5e's model constants and bands (every such figure says so, `measured_on`).
 
 The report is read from `CALIBRATION`, benchmarks/results/calibration.json
 relative to the current directory.
@@ -38,6 +39,9 @@ CALIBRATION = result_path("calibration.json")
 # The chip whose measurements stand for each generation's.
 MEASURED_ON = {"v5e": "v5e", "v6e": "v5e", "v5p": "v5e", "tpu7x": "tpu7x"}
 KINDS = ("pallas_ragged_dot", "xla_ragged_dot", "flash_attention", "flash_attention_vjp")
+# Generations whose own timings of some kinds check the model in a report of their own (not fitted, no bands of
+# their own): the kinds, and the report.
+CHECKS = {"v5p": (("pallas_ragged_dot",), "benchmarks/results/calibration_v5p.json")}
 
 
 @functools.cache
@@ -82,6 +86,9 @@ def error(kind: str, generation: str, regime: str, summary: dict | None = None) 
         "count": stats["count"],
         "median": stats["median_abs_error"],
         "p90": stats["p90_abs_error"],
+        # Older reports (before the signed bias was summarised) have none: None, not a made-up zero.
+        "median_signed": stats.get("median_signed_error"),
+        "mean_signed": stats.get("mean_signed_error"),
         "worst_ratio": stats["worst"]["ratio"],
     }
 
@@ -107,6 +114,7 @@ def band(terms_s: dict[str, float], generation: str, regime: str, *, uncalibrate
         "median_us": [round(1e6 * (total - median), 2), round(1e6 * (total + median), 2)],
         "p90_us": [round(1e6 * (total - p90), 2), round(1e6 * (total + p90), 2)],
         "uncalibrated_us": round(1e6 * uncalibrated_s, 2),
+        "points": {kind: found["count"] for kind, found in errors.items()},
     }
 
 
@@ -135,11 +143,24 @@ def describe(kind: str, generation: str, regime: str | None = None) -> str:
     found = error(kind, generation, regime)
     if found is None:
         return f"{kind}, {regime}: no timing in this regime on {MEASURED_ON.get(generation, generation)}: no band"
-    where = ("" if found["own_measurements"] else
-             f"; {generation} has no measurements: {found['measured_on']}'s constants and error")
+    where = "" if found["own_measurements"] else f"; {borrowed(generation, found['measured_on'], kind)}"
+    bias = ("" if found["median_signed"] is None else
+            f", signed bias {100 * found['median_signed']:+.1f} % (mean {100 * found['mean_signed']:+.1f} %)")
     return (f"{kind}, {regime}, on {found['measured_on']} ({found['count']} entries): median "
-            f"{100 * found['median']:.1f} %, p90 {100 * found['p90']:.1f} %, worst ratio {found['worst_ratio']:.2f}"
-            f"{where}")
+            f"{100 * found['median']:.1f} %, p90 {100 * found['p90']:.1f} %{bias}, worst ratio "
+            f"{found['worst_ratio']:.2f}{where}")
+
+
+def borrowed(generation: str, measured_on: str, kind: str | None = None) -> str:
+    """Whose constants and error a generation's figures (of `kind`, None: of any) take, and whether its own timings
+    check them."""
+    kinds, report = CHECKS.get(generation, ((), ""))
+    if kinds and (kind is None or kind in kinds):
+        return (f"{generation}'s figures take {measured_on}'s constants and error; {generation}'s own timings of "
+                f"{', '.join(kinds)} check them ({report})")
+    if kinds:
+        return f"{generation} has no timing of {kind}: {measured_on}'s constants and error"
+    return f"{generation} has no measurements: {measured_on}'s constants and error"
 
 
 def bands_used(generations, kinds) -> dict:

@@ -10,8 +10,9 @@ No TPU is needed. For each kernel and shape this
 - models the time on v5e, v5p, v6e and TPU7x (`perf.roofline`): the headline
   `modelled_time_us` is the calibrated pipelined figure (each grid step
   max(its vector work, its neighbours' copies) + the generation's fitted step
-  cost: 0.34 us on v5e, 0.72 us on TPU7x; v5p and v6e have no measurements
-  and take v5e's);
+  cost: 0.34 us on v5e, 0.72 us on TPU7x; v5p and v6e take v5e's: v6e has
+  no measurements, v5p's own timings check v5e's constants without refitting
+  them, `calibration_bands.CHECKS`);
   `overlap_time_us` the figure in which the work fully overlaps the copies.
   No calibrated kind covers a norm (tokamax ships no TPU RMSNorm timings), so
   these times carry no error band;

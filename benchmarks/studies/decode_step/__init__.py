@@ -28,7 +28,9 @@ kinds; the all-reduce by `benchmarks.perf.collectives`' formula. Each row of the
 Output, benchmarks/results/decode_step.json (tracked, compact): per model, every path's terms (µs per call,
 calls per step, ms per step, band, how priced), totals, the ratios beside HF's, HF's configuration beside
 HF's 56.6 ms, the step with HF's own experts kernel as moe_layer prices it (`hf_kernel_check`: the 257 µs
-question), the eager host counts (`eager_host`), and `explanation`: which term explains each gap.
+question), the ratio with that kernel beside ours over the terms no timing identifies (`ratio_ranges`: grid-step
+cost, HBM share, batched_mm's price), the eager host counts (`eager_host`), `explanation`: which term explains
+each gap, and `method.fitted_to`: the measured figure each assumption was fitted to, if any.
 `tpu-kernels bench report` renders benchmarks/results/decode_step.md from it
 (`benchmarks.studies.tables.decode_step`).
 
@@ -40,7 +42,8 @@ disk cache: from an empty one a run takes minutes (our experts layers compile wi
 on a loaded 2-core host), a warm one under a minute.
 
 Modules: `models` (sizes, sources, plan), `programs` (the XLA programs), `pricing` (each term priced),
-`host_ops` (eager ops per step), `step` (totals and comparisons), `run` (the command line).
+`host_ops` (eager ops per step), `step` (totals and comparisons), `ranges` (the ratio over the unidentified
+terms), `run` (the command line).
 """
 
 from .run import DEFAULT_OUT, main

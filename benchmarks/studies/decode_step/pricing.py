@@ -74,7 +74,7 @@ def experts_term(built_experts, model: DecodeModel, batch: int, cache, compiler)
                 priced_by=f"moe_layer's model of {moe_layer.LAYER_ENTRY} ({label}, T={batch}), compiled for v6e",
                 band_us=ours["band"]["p90_us"], kind="pallas_ragged_dot",
                 live_picks=row["live_picks"], active_experts=row["active_experts"],
-                roofline_us=row["roofline_us"]), row
+                grid_steps=ours["kernels"]["grid_steps"], roofline_us=row["roofline_us"]), row
 
 
 def attention_term(built_attention, kind: AttentionKind, batch: int, context: int) -> dict:
@@ -87,6 +87,7 @@ def attention_term(built_attention, kind: AttentionKind, batch: int, context: in
     return term(f"{kind.name} attention: our flash attention kernel", found["modelled_time_us"], kind.layers,
                 priced_by="attention benchmark's grid replay of the kernel (measure_generation), v6e",
                 band_us=found["band_p90_us"], kind="flash_attention", bytes_ratio=round(found["bytes_ratio"], 4),
+                grid_steps=found["grid_steps"],
                 roofline_us=round(found["roofline_us"], 3))
 
 
@@ -96,7 +97,8 @@ def norm_term(built_norm, what: str, rows: int, width: int, per_step: int) -> di
     calls = perf.model_pallas_traffic(fn, *_norm_avals(rows, width))
     modelled = perf.roofline(calls, GENERATION)
     return term(f"RMSNorm (our kernel): {what} [{rows}, {width}]", modelled.pipelined_time_s * 1e6, per_step,
-                priced_by="the rmsnorm kernel's grid replayed, perf.roofline (as the rmsnorm benchmark)")
+                priced_by="the rmsnorm kernel's grid replayed, perf.roofline (as the rmsnorm benchmark)",
+                grid_steps=sum(call.steps for call in calls))
 
 
 def _norm_avals(rows: int, width: int):

@@ -159,7 +159,7 @@ def method(args) -> dict:
         "headline": "us: the calibrated pipelined figure, copies at the generation's fitted share of the peak HBM "
                     "bandwidth (benchmarks/perf/hbm_fractions.json) (grid step "
                     + ", ".join(f"{g} {grid_step_s(g) * 1e6:.2f} us" for g in args.generations)
-                    + "".join(f"; {g} has no measurements and takes {calibration_bands.MEASURED_ON[g]}'s constants"
+                    + "".join(f"; {calibration_bands.borrowed(g, calibration_bands.MEASURED_ON[g])}"
                               for g in args.generations if calibration_bands.MEASURED_ON[g] != g) + ")",
         "bands": "band_p90_us / band_median_us: the Pallas kernels' time at the Pallas ragged-dot error and XLA's "
                  "ragged-dot loops at theirs, both in the variant's regime (streaming where its copies take longer "

@@ -109,6 +109,47 @@ def hf_kernel(data: dict) -> str:
     return "\n".join(rows)
 
 
+RANGE_TERMS = {"grid_step_us": "grid step {0}-{1} µs", "hbm_share": "HBM share {0}-{1}",
+               "batched_mm_scale": "batched_mm x{0}-{1}"}
+KERNEL_ROWS = {"ours": "our fused experts layer", "hf_kernel": "HF's kernel (tokamax at its default tiles)"}
+
+
+def ratio_ranges(data: dict) -> str:
+    """Per model, HF's configuration with our experts kernel and with HF's own beside it: the step, its ratio to the
+    default at the fitted constants, and the ratio over each unidentified term alone and over all at once."""
+    sample = next((m["ratio_ranges"] for m in data["models"].values() if "ratio_ranges" in m), None)
+    if sample is None:
+        return "No model has HF's kernel priced at this batch."
+    names = list(sample["ranges"])
+    heads = [RANGE_TERMS[name].format(*sample["ranges"][name]) for name in names]
+    rows = ["| model | experts kernel in HF's configuration | device ms per step (over grid step and HBM share) "
+            "| ratio to default | " + " | ".join(f"ratio, {head}" for head in heads)
+            + " | ratio, all at once | HF's measured step / ratio |",
+            "| --- | --- | ---: | ---: |" + " ---: |" * (len(names) + 2)]
+    for model in data["models"].values():
+        found = model.get("ratio_ranges")
+        if not found:
+            continue
+        versus = model["comparison"].get("kernelized_vs_hf")
+        measured = (f"{versus['hf_measured_ms']} ms / " if versus else "not measured / ") + \
+            f"{model['comparison']['hf_measured_ratio']}x"
+        for key, label in KERNEL_ROWS.items():
+            at = found["paths"][key]
+            cells = " | ".join(f"{_band(at['ratio_alone'][name])}x" for name in names)
+            rows.append(f"| {model['model']['name']} | {label} | {at['step_ms']:.1f} ({_band(at['step_ms_range'])}) "
+                        f"| {at['ratio']:.1f}x | {cells} | {_band(at['ratio_all'])}x | {measured} |")
+    rows += ["", f"batched_mm's upper multiplier: {sample['batched_mm_scale_from']}. Every range holds the other "
+                 "terms at their fitted values; \"all at once\" takes every corner."]
+    return "\n".join(rows)
+
+
+def fitted(data: dict) -> str:
+    """Each assumption, its value, and the measured figure it was fitted to."""
+    rows = ["| assumption | value | fitted to |", "| --- | --- | --- |"]
+    rows += [f"| {row['assumption']} | {row['value']} | {row['fitted_to']} |" for row in data["method"]["fitted_to"]]
+    return "\n".join(rows)
+
+
 def assumptions(data: dict) -> str:
     """What the step assumes and whence: context, plan, cache, model sizes, errors, what is left out."""
     method = data["method"]
@@ -129,5 +170,5 @@ def assumptions(data: dict) -> str:
 def render_markdown(data: dict) -> dict[str, str]:
     """decode_step.json's tables by section."""
     return {"step": step(data), "terms": terms(data), "host": host(data), "gaps": gaps(data),
-            "hf-kernel": hf_kernel(data),
+            "hf-kernel": hf_kernel(data), "ratio-ranges": ratio_ranges(data), "fitted-to": fitted(data),
             "assumptions": assumptions(data)}
