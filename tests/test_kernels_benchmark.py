@@ -137,7 +137,7 @@ def test_calibrate_takes_tokamax_files_or_benchmark_json_and_asks_for_the_chip(t
                                                 "verified": True}]}))
     not_json = tmp_path / "not.json"
     not_json.write_text("timings: none")
-    for args, said in (((), "one of them"), ((str(tmp_path), "--from-benchmark", str(results)), "one of them"),
+    for args, said in (((), "give one of"), ((str(tmp_path), "--from-benchmark", str(results)), "give one of"),
                        (("--from-benchmark", str(results)), "name the chip"),
                        (("--from-benchmark", str(results), "--chip", "v9"), "--chip v9"),
                        (("--from-benchmark", str(not_json)), "not the JSON")):
