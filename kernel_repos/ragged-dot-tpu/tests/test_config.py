@@ -4,6 +4,7 @@ kernel (plan.py), in the built variant: no kernel runs here."""
 import functools
 import itertools
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -205,19 +206,30 @@ def test_the_shipped_tuned_tiles_run_and_are_selected(kernel):
         assert kernel.gmm.tiles.select(problem, resolve_target(key.generation)) == tiles
 
 
-def test_select_tiles_for_the_resolved_current_generation_and_unknown_ones_are_refused(kernel, monkeypatch):
-    # Off TPU the kernels resolve v6e; TPU_KERNELS_GENERATION picks another supported one.
+def test_the_jax_functions_resolve_their_generation_once_and_refuse_unknown_ones(kernel, monkeypatch):
+    """A name, its facts (another build's copy of `_hardware` made them here) or None (this device's, or the
+    override's) give one program with that generation's tiles; an unknown name is refused. Traced, not run."""
     problem = _matmul(kernel, 65536, 1000, 1000, groups=16)
-    v6e = kernel.gmm.tiles.select(problem, V6E)
-    v5e = kernel.gmm.tiles.select(problem, V5E)
-    assert (v5e.chunk_m, v6e.chunk_m) == (128, 256)
-    assert kernel.gmm.tiles.select(problem, resolve_target()) == v6e
+    assert (kernel.gmm.tiles.select(problem, V5E).chunk_m, kernel.gmm.tiles.select(problem, V6E).chunk_m) == (128, 256)
+    arrays = (jax.ShapeDtypeStruct((problem.m, problem.k), jnp.bfloat16),
+              jax.ShapeDtypeStruct((problem.groups, problem.k, problem.n), jnp.bfloat16),
+              jax.ShapeDtypeStruct((problem.groups,), jnp.int32))
+
+    def program(function, generation):
+        return str(jax.make_jaxpr(functools.partial(function, generation=generation))(*arrays))
+
+    forward = kernel.gmm.kernel.grouped_matmul
+    differentiable = functools.partial(kernel.backward.differentiable_ragged_dot, transpose_rhs=False,
+                                       zero_rows_past_groups=True)
+    v5e, v6e = program(forward, "v5e"), program(forward, "v6e")
+    assert v5e != v6e and program(forward, V5E) == v5e
+    monkeypatch.delenv("TPU_KERNELS_GENERATION", raising=False)
+    assert program(forward, None) == v6e  # off TPU: v6e's tiles
     monkeypatch.setenv("TPU_KERNELS_GENERATION", "v5e")
-    assert kernel.gmm.tiles.select(problem, resolve_target()) == v5e
+    assert program(forward, None) == v5e
+    assert program(differentiable, None) == program(differentiable, "v5e") != program(differentiable, "v6e")
     with pytest.raises(ValueError, match=r"generation must be one of \('v5e', 'v5p', 'v6e', 'tpu7x'\), got 'v4'"):
-        kernel.gmm.tiles.select(_matmul(kernel, 80, 2048, 1536), resolve_target("v4"))
-    with pytest.raises(ValueError, match="generation must be one of"):
-        kernel.gmm.tiles.heuristic_config(_matmul(kernel, 80, 2048, 1536), resolve_target("v4"))
+        program(forward, "v4")
 
 
 def test_a_tile_over_all_rows_holds_whole_chunks(kernel):

@@ -339,8 +339,8 @@ def select(problem: ExpertsProblem, target: TpuGeneration) -> FusedConfig | None
     Rows: T (the most one expert can get) rounded to the native sublane tile,
     in chunks of at most FUSED_MAX_CHUNK_ROWS, or FEW_ROWS_CHUNK_ROWS where
     each expert expects few rows. I: whole, or I / n for the smallest n that
-    is aligned (`_tile_i_aligned`) and fits the VMEM budget of `target`
-    (default: this device's); where `partial_i_tiles`, for each n first the
+    is aligned (`_tile_i_aligned`) and fits the VMEM budget of `target`;
+    where `partial_i_tiles`, for each n first the
     FP8_BLOCK multiple that covers I in n tiles (the fp8 MXU's). Experts per
     step: with the whole I and at least MULTI_EXPERT_MIN_TOKENS tokens, of
     those that fit (up to MAX_EXPERTS_PER_STEP and the experts), the one

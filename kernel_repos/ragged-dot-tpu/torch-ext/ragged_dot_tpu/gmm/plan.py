@@ -60,8 +60,8 @@ def make(problem: MatmulProblem, target: TpuGeneration,
 
 
 def gated_plan(gate_up: MatmulPlan, gate: Gate, target: TpuGeneration) -> MatmulPlan | None:
-    """The experts' first projection with the gate in its epilogue (`MatmulProblem.gate`) on `target`
-    (default: this device's): `gate_up`'s tiles, its N tile counted in output columns (half as many), so the
+    """The experts' first projection with the gate in its epilogue (`MatmulProblem.gate`) on `target`:
+    `gate_up`'s tiles, its N tile counted in output columns (half as many), so the
     weights blocks and accumulators take the VMEM gate_up's did (its `buffers` and VMEM limit, which the
     halved output block only undercuts). With gate_up in one N tile the kernel reads all 2I columns as one
     block; with several, each tile's gate and up halves apart.
@@ -119,8 +119,8 @@ def interleaved_gated_plan(gate_up: MatmulPlan, gate: Gate, target: TpuGeneratio
 
 
 def gathered_plan(plan: MatmulPlan, target: TpuGeneration) -> MatmulPlan | None:
-    """`plan` with its rows copied in the kernel from their tokens (`MatmulProblem.gathered`) on `target`
-    (default: this device's): the same tiles, the copies landing in two buffers of lhs's window, as the
+    """`plan` with its rows copied in the kernel from their tokens (`MatmulProblem.gathered`) on `target`:
+    the same tiles, the copies landing in two buffers of lhs's window, as the
     pipeline's would, or in one for a single row tile.
 
     A bf16 row is copied as 32-bit words, each holding one element of the row's first K columns and one of the

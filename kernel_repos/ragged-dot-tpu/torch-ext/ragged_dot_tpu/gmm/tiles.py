@@ -176,8 +176,7 @@ def row_chunks(config: TileConfig, problem: MatmulProblem) -> int:
 
 
 def check_config(config: TileConfig, problem: MatmulProblem, target: TpuGeneration) -> None:
-    """Raises ValueError if `config` cannot run `problem` (its shape, dtypes, layout and bias) on `target`
-    (default: this device's)."""
+    """Raises ValueError if `config` cannot run `problem` (its shape, dtypes, layout and bias) on `target`."""
     if not isinstance(config, TileConfig):
         raise TypeError(f"config must be a TileConfig, got {type(config).__name__}")
     m, k, n = problem.m, problem.k, problem.n
