@@ -169,10 +169,10 @@ def test_an_unsupported_tpu_gets_the_same_error_from_every_kernel(built_kernels,
         jax.clear_caches()
         return str(jax.make_jaxpr(function)(*arrays))
 
+    experts = jax.ShapeDtypeStruct((1, 2048, 1536), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.int32)
     selects = {
-        "ragged-dot-tpu": lambda k: k.gmm.tiles.select(k.MatmulProblem(64, 2048, 1536, 1, "bfloat16", "bfloat16",
-                                                                       False)),
-        # rmsnorm and attention resolve the generation where a call enters them, their JAX functions.
+        # Each kernel resolves the generation where a call enters it, its JAX functions.
+        "ragged-dot-tpu": lambda k: traced(k.gmm.kernel.grouped_matmul, rows, *experts),
         "rmsnorm-tpu": lambda k: traced(functools.partial(k.norm.kernel.rms_norm_forward, eps=1e-6), rows, weight),
         "attention-tpu": lambda k: traced(k.flash.kernel.flash_attention_forward, q, kv, kv),
     }

@@ -5,6 +5,10 @@ import json
 import pytest
 
 from benchmarks.studies.moe_layer import our_tiles
+from tpu_kernels.runtime.hardware import resolve_target
+
+V6E = resolve_target("v6e")
+
 from tpu_kernels.runtime.tuning import tuned_tiles
 
 
@@ -18,13 +22,13 @@ def test_candidates_start_at_the_heuristic_and_all_run(kernel):
     key = kernel.gmm.tiles.TunedKey("v6e", 16384, 2048, 1536, 128, "bfloat16", "bfloat16", True)
     found = our_tiles.candidates(kernel, key, "v6e")
     problem = kernel.MatmulProblem(key.m, key.k, key.n, key.groups, key.dtype, key.rhs_dtype, key.transpose_rhs)
-    heuristic = kernel.gmm.tiles.heuristic_config(problem, "v6e")
+    heuristic = kernel.gmm.tiles.heuristic_config(problem, V6E)
     assert found[0] == heuristic and len(set(found)) == len(found) > 4
     assert {tiles.tile_m for tiles in found} >= {256, 512, 1024}
     # K whole (the heuristic's) and halved down to 512.
     assert {tiles.tile_k for tiles in found} == {2048, 1024, 512}
     for tiles in found:
-        kernel.gmm.tiles.check_config(tiles, problem, "v6e")
+        kernel.gmm.tiles.check_config(tiles, problem, V6E)
 
 
 def test_the_table_is_sorted_data_the_kernel_reads(kernel, tmp_path):

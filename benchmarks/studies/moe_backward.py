@@ -68,6 +68,7 @@ from benchmarks import perf
 # moe_layer: the MoE-layer benchmark (models, routing, stored weights order).
 from benchmarks.studies import calibration_bands, moe_layer, require_kernel_repo, result_path, write_json
 from benchmarks.perf import tokamax_kernels
+from tpu_kernels.runtime.hardware import resolve_target
 
 DEFAULT_OUT = result_path("moe_backward.json")
 GENERATIONS = ("v5e", "v6e")
@@ -171,7 +172,7 @@ def measure_projection(built, setting: str, projection: str, m: int, k: int, n: 
         # Recorded for the weights read in (K, N) order, as this benchmark always has (the call above reads them
         # as `swapped` says; at tuned shapes its tiles can differ).
         problem = built.MatmulProblem(m, k, n, experts, dtype, dtype, transpose_rhs=False)
-        result["config"] = built.gmm.tiles.select(problem, generation)._asdict()
+        result["config"] = built.gmm.tiles.select(problem, resolve_target(generation))._asdict()
         entry["kernels"]["forward"]["ours"][generation] = result
 
     # d_lhs[M, K] = d_out[M, N] @ W[e]: reads d_out, the active weights, writes d_lhs.
@@ -184,7 +185,7 @@ def measure_projection(built, setting: str, projection: str, m: int, k: int, n: 
 
     def d_lhs_config(generation):
         problem = built.MatmulProblem(m, n, k, experts, dtype, dtype, transpose_rhs=swapped)
-        return built.gmm.tiles.select_d_lhs(problem, generation)
+        return built.gmm.tiles.select_d_lhs(problem, resolve_target(generation))
 
     kinds = {
         "d_lhs": (d_lhs_bytes, (S((m, n), DTYPE), weights),
@@ -196,7 +197,7 @@ def measure_projection(built, setting: str, projection: str, m: int, k: int, n: 
                   lambda generation: functools.partial(built.tgmm.kernel.transposed_grouped_matmul,
                                                        generation=generation),
                   lambda generation: built.tgmm.tiles.select(built.TgmmProblem(*d_rhs_dims, experts, dtype, dtype),
-                                                             generation)._asdict(),
+                                                             resolve_target(generation))._asdict(),
                   (S((d_rhs_dims[1], m), DTYPE), d_rhs_avals[1]), d_rhs_dims),
     }
     for kind, (min_bytes, our_avals, our_fn, our_config, rival_avals, (rm, rk, rn)) in kinds.items():

@@ -26,7 +26,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from tpu_kernels.runtime.hardware import LANES, round_up, tpu_generation
+from tpu_kernels.runtime.hardware import LANES, resolve_target, round_up
 from tpu_kernels.runtime.tuning import tuned_tiles
 
 from .cache import Cache, Compiler, replay
@@ -52,8 +52,9 @@ def candidates(built, key, generation: str) -> list:
     and its halves down to 512 (smaller blocks expose less of the pipeline's first fetch and last write where the
     weights stream); those `check_config` accepts on `generation`."""
     problem = built.MatmulProblem(key.m, key.k, key.n, key.groups, key.dtype, key.rhs_dtype, key.transpose_rhs)
-    heuristic = built.gmm.tiles.heuristic_config(problem, generation)
-    chunk = tpu_generation(generation).mxu_size
+    target = resolve_target(generation)
+    heuristic = built.gmm.tiles.heuristic_config(problem, target)
+    chunk = target.mxu_size
     tile_ns = {heuristic.tile_n, key.n}
     for tile_n in (heuristic.tile_n // 2, key.n // 2, key.n // 4):
         if tile_n >= LANES and tile_n % LANES == 0:
@@ -66,7 +67,7 @@ def candidates(built, key, generation: str) -> list:
         if tile_m < key.m:
             candidate = built.gmm.tiles.TileConfig(tile_m, tile_k, tile_n, chunk if tile_m > chunk else None)
             try:
-                built.gmm.tiles.check_config(candidate, problem, generation)
+                built.gmm.tiles.check_config(candidate, problem, target)
             except ValueError:
                 continue
             if candidate not in found:

@@ -10,11 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.perf.megacore_dump import GENERATION
+from tpu_kernels.runtime.hardware import resolve_target
 
 
 def cases(kernels: dict) -> dict[str, tuple]:
     """{case: (fn, args, pallas_call name)}: args concrete (numpy), as the model replays them."""
     kernel = kernels["ragged-dot-tpu"]
+    target = resolve_target(GENERATION)
     rng = np.random.default_rng(0)
 
     def normal(*shape, dtype=jnp.bfloat16):
@@ -30,15 +32,15 @@ def cases(kernels: dict) -> dict[str, tuple]:
         """The experts' gate_up with the gate in its epilogue: rhs [8, 2 x 512, 512] read transposed."""
         problem = kernel.MatmulProblem(1024, 512, 1024, 8, "bfloat16", "bfloat16", transpose_rhs=True,
                                        zero_rows_past_groups=False)
-        plan = kernel.gmm.plan.make(problem, GENERATION, kernel.gmm.tiles.TileConfig(256, 512, tile_n))
-        plan = kernel.gmm.plan.gated_plan(plan, kernel.problem.Gate("silu"))
+        plan = kernel.gmm.plan.make(problem, target, kernel.gmm.tiles.TileConfig(256, 512, tile_n))
+        plan = kernel.gmm.plan.gated_plan(plan, kernel.problem.Gate("silu"), target)
         return lambda x, w, sizes: kernel.gmm.kernel.call(x, w, sizes, plan)
 
     hidden, intermediate, experts, top_k = 512, 256, 8, 2
     # The combine kernel over 256 tokens (two tiles of 128), two picks each: one sorted row per pick, as words.
     combine_tokens = 256
     combine = kernel.combine.plan.make(
-        kernel.problem.CombineProblem(combine_tokens, top_k, hidden, "bfloat16", hidden, hidden // 2), GENERATION)
+        kernel.problem.CombineProblem(combine_tokens, top_k, hidden, "bfloat16", hidden, hidden // 2), target)
     position = rng.permutation(combine_tokens * top_k).reshape(combine_tokens, top_k).astype(np.int32)
     combine_args = (rng.integers(-2**31, 2**31, (combine_tokens * top_k, hidden // 2), dtype=np.int32), position,
                     normal(combine_tokens, top_k, dtype=jnp.float32), np.ones((combine_tokens, top_k), bool))

@@ -11,6 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from tpu_kernels.runtime.hardware import resolve_target
+
+V5E, V5P, V6E = resolve_target("v5e"), resolve_target("v5p"), resolve_target("v6e")
+
 
 def _tolerance(dtype):
     return 1e-5 if dtype == torch.float32 else 2e-2
@@ -65,7 +69,7 @@ def test_tgmm_matches_reference(kernel, interpret, to_jax, case, dtype):
 def test_tgmm_split_for_v5p_cores_matches_reference(kernel, interpret, to_jax, k, n):
     """v5p's heuristic cuts the one output block per group in two (N, or K when K is the larger), tails
     partial."""
-    config = kernel.tgmm.tiles.select(kernel.TgmmProblem(80, k, n, 3, "float32", "float32"), "v5p")
+    config = kernel.tgmm.tiles.select(kernel.TgmmProblem(80, k, n, 3, "float32", "float32"), V5P)
     assert (-(-k // config.tile_k)) * (-(-n // config.tile_n)) == 2
     generator = torch.Generator().manual_seed(k)
     lhs, rhs = torch.randn(80, k, generator=generator), torch.randn(80, n, generator=generator)
@@ -100,8 +104,8 @@ def test_tgmm_group_chunks_start_at_group_starts(kernel):
 def test_tgmm_heuristic_takes_group_chunks_where_the_mxu_bounds_it(kernel):
     """Training shapes: v5e's MXU bounds tgmm (group chunks halve the waste per group); v6e's HBM does."""
     problem = kernel.TgmmProblem(65536, 1536, 2048, 128, "bfloat16", "bfloat16")
-    assert kernel.tgmm.tiles.select(problem, "v5e").group_chunks
-    assert not kernel.tgmm.tiles.select(problem, "v6e").group_chunks
+    assert kernel.tgmm.tiles.select(problem, V5E).group_chunks
+    assert not kernel.tgmm.tiles.select(problem, V6E).group_chunks
 
 
 RAGGED_DOT_CASES = [

@@ -10,6 +10,10 @@ import jax.numpy as jnp
 import pytest
 import torch
 
+from tpu_kernels.runtime.hardware import resolve_target
+
+V6E = resolve_target("v6e")
+
 # m, k, n, group sizes, tiles (tile_m, tile_k, tile_n, chunk_m, slots), weights
 CASES = {
     # One tile over odd K and N; an empty group; rows past the groups.
@@ -45,7 +49,7 @@ def test_biased_schedules_match_reference(kernel, interpret, to_jax, case, trans
     groups = len(group_sizes)
     problem = kernel.MatmulProblem(m, k, n, groups, "bfloat16", weights_dtype, transpose_rhs=transpose_rhs,
                                    zero_rows_past_groups=False, bias=True)
-    plan = kernel.gmm.plan.make(problem, "v6e", kernel.gmm.tiles.TileConfig(*tiles))
+    plan = kernel.gmm.plan.make(problem, V6E, kernel.gmm.tiles.TileConfig(*tiles))
     generator = torch.Generator().manual_seed(len(case) + transpose_rhs)
     lhs = torch.randn(m, k, generator=generator).to(torch.bfloat16)
     shape = (groups, n, k) if transpose_rhs else (groups, k, n)
@@ -74,11 +78,11 @@ def test_biased_schedules_match_reference(kernel, interpret, to_jax, case, trans
 
 def test_a_bias_is_taken_only_by_a_plan_that_has_one(kernel, to_jax):
     problem = kernel.MatmulProblem(16, 128, 128, 2, "bfloat16", "bfloat16", transpose_rhs=False)
-    plan = kernel.gmm.plan.make(problem, "v6e")
+    plan = kernel.gmm.plan.make(problem, V6E)
     lhs, rhs = jnp.ones((16, 128), jnp.bfloat16), jnp.ones((2, 128, 128), jnp.bfloat16)
     sizes = jnp.asarray([8, 8], jnp.int32)
     with pytest.raises(ValueError, match="has no bias, got one"):
         kernel.gmm.kernel.call(lhs, rhs, sizes, plan, bias=jnp.ones((2, 128), jnp.bfloat16))
-    biased = kernel.gmm.plan.make(problem._replace(bias=True), "v6e")
+    biased = kernel.gmm.plan.make(problem._replace(bias=True), V6E)
     with pytest.raises(ValueError, match="takes a bias, got none"):
         kernel.gmm.kernel.call(lhs, rhs, sizes, biased)

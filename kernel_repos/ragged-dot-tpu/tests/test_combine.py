@@ -10,6 +10,10 @@ import jax.numpy as jnp
 import pytest
 import torch
 
+from tpu_kernels.runtime.hardware import resolve_target
+
+V5E, V6E = resolve_target("v5e"), resolve_target("v6e")
+
 # tokens, top-k, hidden, the second projection's N tile, share of sentinel picks
 CASES = {
     # Three token tiles, the last partial; one N tile.
@@ -60,7 +64,7 @@ def test_combine_sums_each_tokens_live_picks(kernel, interpret, to_jax, case, ge
     split = -(-tile_n // 256) * 128
     words = _packed(kernel, rows, tile_n, split)
     problem = kernel.problem.CombineProblem(tokens, top_k, hidden, "bfloat16", tile_n, split)
-    plan = kernel.combine.plan.make(problem, generation)
+    plan = kernel.combine.plan.make(problem, resolve_target(generation))
     assert words.shape == (picks, plan.problem.words)
     # v5p's two cores split the token tiles, but a single tile is one core's.
     assert plan.cores == (2 if generation == "v5p" and tokens > plan.tile_t else 1)
@@ -83,7 +87,7 @@ def test_combine_sums_each_tokens_live_picks(kernel, interpret, to_jax, case, ge
 ])
 def test_the_token_tile_leaves_each_core_enough_tiles_and_fits_vmem(kernel, tokens, top_k, hidden, generation, tile_t):
     problem = kernel.problem.CombineProblem(tokens, top_k, hidden, "bfloat16", 2048, 1024)
-    plan = kernel.combine.plan.make(problem, generation)
+    plan = kernel.combine.plan.make(problem, resolve_target(generation))
     assert plan.tile_t == tile_t
 
 
@@ -103,7 +107,7 @@ def test_packed_plan_refuses_what_it_cannot_pack(kernel, change, why):
                   zero_rows_past_groups=False) | change
     problem = kernel.MatmulProblem(**fields)
     tiles = kernel.gmm.tiles.TileConfig(16, 128, fields["n"], None, 1)
-    assert kernel.gmm.plan.packed_plan(kernel.gmm.plan.make(problem, "v6e", tiles), "v6e") is None, why
+    assert kernel.gmm.plan.packed_plan(kernel.gmm.plan.make(problem, V6E, tiles), V6E) is None, why
 
 
 def test_packed_plan_widens_one_n_tile_off_the_lanes(kernel):
@@ -112,8 +116,8 @@ def test_packed_plan_widens_one_n_tile_off_the_lanes(kernel):
     problem = kernel.MatmulProblem(256, 2880, 2880, 4, "bfloat16", "bfloat16", transpose_rhs=False,
                                    zero_rows_past_groups=False)
     tiles = kernel.gmm.tiles.TileConfig(128, 2880, 2880, None, 1)
-    plan = kernel.gmm.plan.make(problem, "v6e", tiles)
-    packed = kernel.gmm.plan.packed_plan(plan, "v6e")
+    plan = kernel.gmm.plan.make(problem, V6E, tiles)
+    packed = kernel.gmm.plan.packed_plan(plan, V6E)
     assert (plan.tile_n, packed.tile_n, packed.out_split) == (2880, 2944, 1536)
     widened = kernel.gmm.tiles.matmul_buffers(tiles._replace(tile_n=2944), problem._replace(n=2944))
     assert packed.buffers == widened and packed.vmem_limit_bytes > plan.vmem_limit_bytes
@@ -124,7 +128,7 @@ def test_packed_plan_widens_one_n_tile_off_the_lanes(kernel):
 def test_the_combine_kernel_splits_its_tiles_over_the_cores(kernel, generation, cores):
     problem = kernel.problem.ExpertsProblem(2048, 8, 2048, 768, 16, "bfloat16", "bfloat16", "float32", False, False,
                                     kernel.problem.Gate("silu"))
-    plan = kernel.plan.plan_experts(problem, generation, fused=False)
+    plan = kernel.plan.plan_experts(problem, resolve_target(generation), fused=False)
     assert plan.forward_down.problem.packed_out and plan.combine.cores == cores
 
 
@@ -134,7 +138,7 @@ def test_packed_plan_splits_each_n_tile_on_whole_lanes(kernel, n, tile_n, split)
     GPT-OSS's 2880 in tiles of 1024, the last partial (v5e)."""
     problem = kernel.MatmulProblem(256, 128, n, 4, "bfloat16", "bfloat16", transpose_rhs=False,
                                    zero_rows_past_groups=False)
-    plan = kernel.gmm.plan.make(problem, "v5e", kernel.gmm.tiles.TileConfig(128, 128, tile_n, None, 1))
-    packed = kernel.gmm.plan.packed_plan(plan, "v5e")
+    plan = kernel.gmm.plan.make(problem, V5E, kernel.gmm.tiles.TileConfig(128, 128, tile_n, None, 1))
+    packed = kernel.gmm.plan.packed_plan(plan, V5E)
     assert packed.out_split == split
     assert packed.vmem_limit_bytes - plan.vmem_limit_bytes == 2 * 128 * (4 * split - 2 * tile_n)

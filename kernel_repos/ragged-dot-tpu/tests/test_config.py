@@ -4,8 +4,13 @@ kernel (plan.py), in the built variant: no kernel runs here."""
 import functools
 import itertools
 
+import jax
 import jax.numpy as jnp
 import pytest
+
+from tpu_kernels.runtime.hardware import resolve_target
+
+V5E, V5P, V6E, TPU7X = resolve_target("v5e"), resolve_target("v5p"), resolve_target("v6e"), resolve_target("tpu7x")
 
 MIB = 1 << 20
 
@@ -36,18 +41,18 @@ def test_vmem_bytes_counts_double_buffered_padded_blocks_and_the_accumulator(ker
 
 def test_vmem_limit_adds_mosaic_scratch_within_bounds(kernel):
     small = kernel.gmm.tiles.TileConfig(8, 128, 128)
-    assert kernel.gmm.tiles.vmem_limit(small, _matmul(kernel, 8, 128, 128, jnp.float32)) == 16 * MIB
+    assert kernel.gmm.tiles.vmem_limit(small, _matmul(kernel, 8, 128, 128, jnp.float32), V6E) == 16 * MIB
     large = kernel.gmm.tiles.TileConfig(1024, 2048, 2048, chunk_m=128)
     needed = kernel.gmm.tiles.vmem_bytes(large, _matmul(kernel, 1024, 2048, 2048))
     assert needed > 12 * MIB
-    assert kernel.gmm.tiles.vmem_limit(large, _matmul(kernel, 1024, 2048, 2048)) == needed + 4 * MIB
+    assert kernel.gmm.tiles.vmem_limit(large, _matmul(kernel, 1024, 2048, 2048), V6E) == needed + 4 * MIB
 
 
 def test_check_config_accepts_valid_tiles(kernel):
     kernel.gmm.tiles.check_config(kernel.gmm.tiles.TileConfig(32, 128, 128, chunk_m=16, groups_per_step=1),
-                                  _matmul(kernel, 100, 300, 200))
+                                  _matmul(kernel, 100, 300, 200), V6E)
     kernel.gmm.tiles.check_config(kernel.gmm.tiles.TileConfig(40, 200, 160, groups_per_step=4),
-                                  _matmul(kernel, 40, 200, 160, jnp.float32))
+                                  _matmul(kernel, 40, 200, 160, jnp.float32), V6E)
 
 
 @pytest.mark.parametrize(
@@ -68,30 +73,31 @@ def test_check_config_accepts_valid_tiles(kernel):
 )
 def test_check_config_refuses_what_cannot_run(kernel, tiles, m, k, n, dtype, match):
     with pytest.raises(ValueError, match=match):
-        kernel.gmm.tiles.check_config(kernel.gmm.tiles.TileConfig(*tiles), _matmul(kernel, m, k, n, dtype))
+        kernel.gmm.tiles.check_config(kernel.gmm.tiles.TileConfig(*tiles), _matmul(kernel, m, k, n, dtype),
+                                      V6E)
 
 
 def test_check_config_refuses_other_types(kernel):
     with pytest.raises(TypeError, match="must be a TileConfig"):
-        kernel.gmm.tiles.check_config((32, 128, 128), _matmul(kernel, 64, 128, 128, jnp.float32))
+        kernel.gmm.tiles.check_config((32, 128, 128), _matmul(kernel, 64, 128, 128, jnp.float32), V6E)
 
 
 def test_ridge_rows_is_peak_flops_over_hbm_bandwidth(kernel):
-    assert kernel.gmm.tiles.ridge_rows("v5e") == 240
-    assert kernel.gmm.tiles.ridge_rows("v6e") == 560
+    assert kernel.gmm.tiles.ridge_rows(V5E) == 240
+    assert kernel.gmm.tiles.ridge_rows(V6E) == 560
 
 
 def test_heuristic_keeps_decode_rows_resident_and_tiles_prefill(kernel):
     # Few rows per group (decode): one resident row tile in chunks of the MXU width (256 on v6e, 128 on v5e).
     decode = _matmul(kernel, 512, 2048, 1536, groups=128)
-    assert kernel.gmm.tiles.heuristic_config(decode, "v6e") == kernel.gmm.tiles.TileConfig(512, 2048, 1536, 256)
-    assert kernel.gmm.tiles.heuristic_config(decode, "v5e").chunk_m == 128
+    assert kernel.gmm.tiles.heuristic_config(decode, V6E) == kernel.gmm.tiles.TileConfig(512, 2048, 1536, 256)
+    assert kernel.gmm.tiles.heuristic_config(decode, V5E).chunk_m == 128
     # Many rows per group: 512-row tiles.
     prefill = _matmul(kernel, 65536, 2048, 1536, groups=16)
-    assert kernel.gmm.tiles.heuristic_config(prefill, "v6e") == kernel.gmm.tiles.TileConfig(512, 2048, 1536, 256)
-    assert kernel.gmm.tiles.heuristic_config(prefill, "v5e") == kernel.gmm.tiles.TileConfig(512, 2048, 1536, 128)
+    assert kernel.gmm.tiles.heuristic_config(prefill, V6E) == kernel.gmm.tiles.TileConfig(512, 2048, 1536, 256)
+    assert kernel.gmm.tiles.heuristic_config(prefill, V5E) == kernel.gmm.tiles.TileConfig(512, 2048, 1536, 128)
     # Weights blocks stay within the generation's block budget (8 MiB on v5e): N is halved first.
-    big = kernel.gmm.tiles.heuristic_config(_matmul(kernel, 64, 4096, 8192, groups=8), "v5e")
+    big = kernel.gmm.tiles.heuristic_config(_matmul(kernel, 64, 4096, 8192, groups=8), V5E)
     assert big.tile_k * big.tile_n * 2 <= kernel.gmm.tiles.HEURISTIC_RHS_BLOCK_BYTES["v5e"]
     assert (big.tile_k, big.tile_n) == (4096, 1024)
 
@@ -99,13 +105,13 @@ def test_heuristic_keeps_decode_rows_resident_and_tiles_prefill(kernel):
 def test_heuristic_n_tiles_waste_no_mxu_pass_they_can_avoid(kernel):
     # GPT-OSS's gate_up (K 2880, N 5760) on v5e: halving N in multiples of 256 gave 8 tiles of 768, the last one
     # half empty (48 passes of 128 columns); 5 tiles of 1152 take the 45 that N needs, in fewer grid steps.
-    gate_up = kernel.gmm.tiles.heuristic_config(_matmul(kernel, 16384, 2880, 5760, groups=32), "v5e")
+    gate_up = kernel.gmm.tiles.heuristic_config(_matmul(kernel, 16384, 2880, 5760, groups=32), V5E)
     assert gate_up.tile_n == 1152
     # down (N 2880 = 22.5 x 128): 24 passes is the least any fitting tiling takes; 3 tiles of 1024 instead of 4 of 768.
     down = _matmul(kernel, 16384, 2880, 2880, groups=32)
-    assert kernel.gmm.tiles.heuristic_config(down, "v5e").tile_n == 1024
+    assert kernel.gmm.tiles.heuristic_config(down, V5E).tile_n == 1024
     # A whole N that fits the block budget stays whole, aligned or not.
-    assert kernel.gmm.tiles.heuristic_config(down, "v6e").tile_n == 2880
+    assert kernel.gmm.tiles.heuristic_config(down, V6E).tile_n == 2880
     assert kernel.gmm.tiles.n_tile(1408, 4096, 128) == 1408
 
 
@@ -129,8 +135,8 @@ def test_megacore_n_tiles_balance_the_cores(kernel):
     assert kernel.gmm.tiles.n_tile(5760, 1456, 128) == 1152
     assert kernel.gmm.tiles.n_tile(5760, 1456, 128, cores=2) == 1024
     gate_up = _matmul(kernel, 32768, 2880, 5760, groups=32, transpose_rhs=True)
-    assert kernel.gmm.tiles.heuristic_config(gate_up, "v5p").tile_n == 1024
-    assert kernel.gmm.tiles.heuristic_config(gate_up._replace(n=2880), "v5p").tile_n == 768
+    assert kernel.gmm.tiles.heuristic_config(gate_up, V5P).tile_n == 1024
+    assert kernel.gmm.tiles.heuristic_config(gate_up._replace(n=2880), V5P).tile_n == 768
 
 
 def test_heuristic_always_fits(kernel):
@@ -140,33 +146,34 @@ def test_heuristic_always_fits(kernel):
         itertools.product((1, 7, 300, 5000), (96, 2048, 7168, 16384), (200, 2816, 16384)),
     ):
         problem = _matmul(kernel, m, k, n, dtype, groups=8)
-        kernel.gmm.tiles.check_config(kernel.gmm.tiles.heuristic_config(problem, generation), problem)
+        target = resolve_target(generation)
+        kernel.gmm.tiles.check_config(kernel.gmm.tiles.heuristic_config(problem, target), problem, target)
 
 
 def test_select_is_the_heuristic_unless_the_shape_is_tuned(kernel, monkeypatch):
     problem = _matmul(kernel, 80, 1000, 1000, groups=16)
-    assert kernel.gmm.tiles.select(problem, "v5e") == kernel.gmm.tiles.heuristic_config(problem, "v5e")
+    assert kernel.gmm.tiles.select(problem, V5E) == kernel.gmm.tiles.heuristic_config(problem, V5E)
     key = kernel.gmm.tiles.TunedKey("v5e", 80, 1000, 1000, 16, "bfloat16", "bfloat16", True)
     tuned = kernel.gmm.tiles.TileConfig(80, 512, 256, 16)
     monkeypatch.setitem(kernel.gmm.tiles.TUNED_TILES, key, tuned)
     transposed = problem._replace(transpose_rhs=True)
-    assert kernel.gmm.tiles.select(transposed, "v5e") == tuned
+    assert kernel.gmm.tiles.select(transposed, V5E) == tuned
     # Another generation, orientation or shape keeps the heuristic; an entry that cannot run is refused.
-    assert kernel.gmm.tiles.select(problem, "v5e") != tuned
+    assert kernel.gmm.tiles.select(problem, V5E) != tuned
     monkeypatch.setitem(kernel.gmm.tiles.TUNED_TILES, key, kernel.gmm.tiles.TileConfig(80, 100, 256))
     with pytest.raises(ValueError, match="tile_k=100 must be a multiple of 128"):
-        kernel.gmm.tiles.select(transposed, "v5e")
+        kernel.gmm.tiles.select(transposed, V5E)
 
 
 def test_megacore_heuristic_tiles_give_each_core_an_n_tile(kernel):
     """v5p's two cores split the grouped matmul's N tiles (its parallel axis): at least two where N allows."""
     for m, k, n in ((16384, 2048, 1536), (16384, 768, 2048), (16384, 704, 2816), (512, 256, 512)):
         problem = _matmul(kernel, m, k, n, groups=128, transpose_rhs=True)
-        v5p = kernel.gmm.tiles.heuristic_config(problem, "v5p")
+        v5p = kernel.gmm.tiles.heuristic_config(problem, V5P)
         assert -(-n // v5p.tile_n) >= 2, (m, k, n, v5p)
-        assert kernel.gmm.tiles.heuristic_config(problem, "v5e").tile_n >= v5p.tile_n
+        assert kernel.gmm.tiles.heuristic_config(problem, V5E).tile_n >= v5p.tile_n
     # Up to 256 columns stay one tile (`n_tile`'s narrowest).
-    assert kernel.gmm.tiles.heuristic_config(_matmul(kernel, 512, 256, 256, groups=8), "v5p").tile_n == 256
+    assert kernel.gmm.tiles.heuristic_config(_matmul(kernel, 512, 256, 256, groups=8), V5P).tile_n == 256
 
 
 def _tgmm(kernel, m: int, k: int, n: int, groups: int = 1):
@@ -178,14 +185,14 @@ def test_megacore_tgmm_tiles_give_each_core_an_output_block(kernel):
     """v5p's two cores split tgmm's parallel axes (N tiles, then K tiles): a weights' gradient that would be one
     output block per group is cut in two along the dimension whose re-read costs less (N re-reads lhs [m, k])."""
     for m, k, n in ((65536, 2048, 1536), (65536, 768, 2048), (65536, 2816, 1408), (65536, 704, 2816)):
-        v6e = kernel.tgmm.tiles.select(_tgmm(kernel, m, k, n, groups=128), "v6e")
-        v5p = kernel.tgmm.tiles.select(_tgmm(kernel, m, k, n, groups=128), "v5p")
+        v6e = kernel.tgmm.tiles.select(_tgmm(kernel, m, k, n, groups=128), V6E)
+        v5p = kernel.tgmm.tiles.select(_tgmm(kernel, m, k, n, groups=128), V5P)
         assert (v6e.tile_k, v6e.tile_n) == (k, n)
         blocks = (-(-k // v5p.tile_k), -(-n // v5p.tile_n))
         assert blocks == ((1, 2) if k <= n else (2, 1)), (m, k, n, v5p)
         assert v5p.tile_k % 128 == 0 or v5p.tile_k == k
     # 128 columns stay one block.
-    assert kernel.tgmm.tiles.select(_tgmm(kernel, 4096, 128, 128), "v5p").tile_n == 128
+    assert kernel.tgmm.tiles.select(_tgmm(kernel, 4096, 128, 128), V5P).tile_n == 128
 
 
 def test_the_shipped_tuned_tiles_run_and_are_selected(kernel):
@@ -194,24 +201,35 @@ def test_the_shipped_tuned_tiles_run_and_are_selected(kernel):
     assert kernel.gmm.tiles.TUNED_TILES, "the package ships its tuned tiles"
     for key, tiles in kernel.gmm.tiles.TUNED_TILES.items():
         problem = kernel.MatmulProblem(key.m, key.k, key.n, key.groups, key.dtype, key.rhs_dtype, key.transpose_rhs)
-        kernel.gmm.tiles.check_config(tiles, problem, key.generation)
-        assert tiles != kernel.gmm.tiles.heuristic_config(problem, key.generation)
-        assert kernel.gmm.tiles.select(problem, key.generation) == tiles
+        kernel.gmm.tiles.check_config(tiles, problem, resolve_target(key.generation))
+        assert tiles != kernel.gmm.tiles.heuristic_config(problem, resolve_target(key.generation))
+        assert kernel.gmm.tiles.select(problem, resolve_target(key.generation)) == tiles
 
 
-def test_select_uses_the_current_generation_and_refuses_unknown_ones(kernel, monkeypatch):
-    # Off TPU the kernels tile as for v6e; TPU_KERNELS_GENERATION picks another supported one.
+def test_the_jax_functions_resolve_their_generation_once_and_refuse_unknown_ones(kernel, monkeypatch):
+    """A name, its facts (another build's copy of `_hardware` made them here) or None (this device's, or the
+    override's) give one program with that generation's tiles; an unknown name is refused. Traced, not run."""
     problem = _matmul(kernel, 65536, 1000, 1000, groups=16)
-    v6e = kernel.gmm.tiles.select(problem, "v6e")
-    v5e = kernel.gmm.tiles.select(problem, "v5e")
-    assert (v5e.chunk_m, v6e.chunk_m) == (128, 256)
-    assert kernel.gmm.tiles.select(problem) == v6e
+    assert (kernel.gmm.tiles.select(problem, V5E).chunk_m, kernel.gmm.tiles.select(problem, V6E).chunk_m) == (128, 256)
+    arrays = (jax.ShapeDtypeStruct((problem.m, problem.k), jnp.bfloat16),
+              jax.ShapeDtypeStruct((problem.groups, problem.k, problem.n), jnp.bfloat16),
+              jax.ShapeDtypeStruct((problem.groups,), jnp.int32))
+
+    def program(function, generation):
+        return str(jax.make_jaxpr(functools.partial(function, generation=generation))(*arrays))
+
+    forward = kernel.gmm.kernel.grouped_matmul
+    differentiable = functools.partial(kernel.backward.differentiable_ragged_dot, transpose_rhs=False,
+                                       zero_rows_past_groups=True)
+    v5e, v6e = program(forward, "v5e"), program(forward, "v6e")
+    assert v5e != v6e and program(forward, V5E) == v5e
+    monkeypatch.delenv("TPU_KERNELS_GENERATION", raising=False)
+    assert program(forward, None) == v6e  # off TPU: v6e's tiles
     monkeypatch.setenv("TPU_KERNELS_GENERATION", "v5e")
-    assert kernel.gmm.tiles.select(problem) == v5e
+    assert program(forward, None) == v5e
+    assert program(differentiable, None) == program(differentiable, "v5e") != program(differentiable, "v6e")
     with pytest.raises(ValueError, match=r"generation must be one of \('v5e', 'v5p', 'v6e', 'tpu7x'\), got 'v4'"):
-        kernel.gmm.tiles.select(_matmul(kernel, 80, 2048, 1536), "v4")
-    with pytest.raises(ValueError, match="generation must be one of"):
-        kernel.gmm.tiles.heuristic_config(_matmul(kernel, 80, 2048, 1536), "v4")
+        program(forward, "v4")
 
 
 def test_a_tile_over_all_rows_holds_whole_chunks(kernel):
@@ -265,16 +283,16 @@ def test_fused_config_of_real_models(kernel):
     # Rows: T on the sublane grid, in chunks of at most 64; I whole where the weights fit.
     # Qwen3 at EP8 (16 experts a rank), 256 tokens: two experts per step on v6e (experts_per_step_saving).
     qwen3 = functools.partial(_model_problem, kernel, "qwen3-30b-a3b")
-    assert kernel.fused.tiles.select(qwen3(256, experts=16)) == kernel.fused.tiles.FusedConfig(64, 768, 2)
-    assert kernel.fused.tiles.select(qwen3(1)) == kernel.fused.tiles.FusedConfig(16, 768)
-    assert kernel.fused.tiles.select(qwen3(1, jnp.float32)) == kernel.fused.tiles.FusedConfig(8, 768)
-    assert kernel.fused.tiles.select(qwen3(100)) == kernel.fused.tiles.FusedConfig(64, 768, 4)
+    assert kernel.fused.tiles.select(qwen3(256, experts=16), V6E) == kernel.fused.tiles.FusedConfig(64, 768, 2)
+    assert kernel.fused.tiles.select(qwen3(1), V6E) == kernel.fused.tiles.FusedConfig(16, 768)
+    assert kernel.fused.tiles.select(qwen3(1, jnp.float32), V6E) == kernel.fused.tiles.FusedConfig(8, 768)
+    assert kernel.fused.tiles.select(qwen3(100), V6E) == kernel.fused.tiles.FusedConfig(64, 768, 4)
     # A forced fused call of 2100 tokens keeps 128-row chunks: the kernel loops over as many as the rows fill.
-    assert kernel.fused.tiles.select(qwen3(2100, experts=16)).chunk_rows == 128
+    assert kernel.fused.tiles.select(qwen3(2100, experts=16), V6E).chunk_rows == 128
     # GPT-OSS-20B: two 50 MB experts do not fit; I/2 = 1440 makes 2880-column gate_up blocks (not on the lane
     # grid), I/3 = 960 fits and is aligned.
     gpt_oss = _model_problem(kernel, "gpt-oss-20b", 256)
-    fused = kernel.fused.tiles.select(gpt_oss)
+    fused = kernel.fused.tiles.select(gpt_oss, V6E)
     assert fused == kernel.fused.tiles.FusedConfig(64, 960)
     # v6e's budget: 100 MiB less Mosaic's scratch.
     assert kernel.fused.tiles.fused_vmem_bytes(fused, gpt_oss) <= 96 * MIB
@@ -283,9 +301,9 @@ def test_fused_config_of_real_models(kernel):
         for name in MODELS:
             for tokens in (1, 8, 64, 256):
                 problem = _model_problem(kernel, name, tokens)
-                fused = kernel.fused.tiles.select(problem, generation)
+                fused = kernel.fused.tiles.select(problem, resolve_target(generation))
                 assert fused is not None, (generation, name, tokens)
-                kernel.fused.tiles.check_fused_config(fused, problem, generation)
+                kernel.fused.tiles.check_fused_config(fused, problem, resolve_target(generation))
                 budget = {"v5p": 52, "tpu7x": 48}.get(generation, 96) * MIB
                 assert kernel.fused.tiles.fused_vmem_bytes(fused, problem) <= budget
 
@@ -294,19 +312,19 @@ def test_experts_per_step_where_the_model_says_it_pays(kernel):
     qwen3 = functools.partial(_model_problem, kernel, "qwen3-30b-a3b", experts=16)
     intermediate = MODELS["qwen3-30b-a3b"][1]
     # Below MULTI_EXPERT_MIN_TOKENS an empty slot is likely (its first fetch wasted): one expert per step.
-    assert kernel.fused.tiles.select(qwen3(kernel.fused.tiles.MULTI_EXPERT_MIN_TOKENS - 1)).experts_per_step == 1
+    assert kernel.fused.tiles.select(qwen3(kernel.fused.tiles.MULTI_EXPERT_MIN_TOKENS - 1), V6E).experts_per_step == 1
     # TPU7x: two of Qwen3's experts per step fit its 48 MiB budget at 256 tokens, three do not.
-    assert kernel.fused.tiles.select(qwen3(256), "tpu7x").experts_per_step == 2
+    assert kernel.fused.tiles.select(qwen3(256), TPU7X).experts_per_step == 2
     three = kernel.fused.tiles.FusedConfig(64, intermediate, 3)
     assert kernel.fused.tiles.fused_vmem_bytes(three, qwen3(256)) > 48 * MIB
     # v6e, Qwen3 at EP8, 256 tokens: each expert's 64-row chunk computes in 0.8 us against its 5.7 us fetch;
     # two experts per step save 8 steps (2.8 us) for one more chunk at the last step; four, which fit too, would
     # save 12 steps (4.2 us) for three more (2.4 us).
     fused = kernel.fused.tiles.FusedConfig(64, intermediate)
-    savings = [kernel.fused.tiles.experts_per_step_saving(fused._replace(experts_per_step=n), qwen3(256), "v6e")
+    savings = [kernel.fused.tiles.experts_per_step_saving(fused._replace(experts_per_step=n), qwen3(256), V6E)
                for n in (1, 2, 4)]
     assert savings[0] == 0.0 and savings[1] > savings[2] > 0
-    assert kernel.fused.tiles.select(qwen3(256)).experts_per_step == 2
+    assert kernel.fused.tiles.select(qwen3(256), V6E).experts_per_step == 2
 
 
 def test_fused_vmem_bytes_counts_blocks_scratch_and_one_chunk(kernel):
@@ -337,7 +355,7 @@ def _check_fused(kernel, fused, tokens: int, generation: str | None = None, hidd
                  intermediate: int = 256, experts: int = 8, weights_dtype=None, **layout):
     layout = dict(weights_transposed=False, interleaved=False, has_bias=False) | layout
     problem = _experts_problem(kernel, tokens, hidden, intermediate, experts, jnp.bfloat16, layout, weights_dtype)
-    kernel.fused.tiles.check_fused_config(kernel.fused.tiles.FusedConfig(*fused), problem, generation)
+    kernel.fused.tiles.check_fused_config(kernel.fused.tiles.FusedConfig(*fused), problem, resolve_target(generation))
 
 
 @pytest.mark.parametrize(
@@ -375,14 +393,14 @@ def test_v5p_cores_share_experts_where_the_busier_core_saves(kernel):
     shared = kernel.fused.tiles.FusedConfig(16, intermediate // 2, cores_per_expert=2)
 
     def seconds(fused, tokens):
-        return kernel.fused.tiles.busier_core_seconds(fused, qwen3(tokens), "v5p")
+        return kernel.fused.tiles.busier_core_seconds(fused, qwen3(tokens), V5P)
 
     assert seconds(shared, 1) < 0.6 * seconds(apart, 1)
     assert seconds(shared, 4) < seconds(apart, 4)
-    picked = kernel.fused.tiles.select(qwen3(1), "v5p")
+    picked = kernel.fused.tiles.select(qwen3(1), V5P)
     assert picked.cores_per_expert == 2 and picked.tile_i == intermediate // 2
-    assert kernel.fused.tiles.select(qwen3(256), "v5p").cores_per_expert == 1
-    assert kernel.fused.tiles.select(qwen3(1), "v6e").cores_per_expert == 1
+    assert kernel.fused.tiles.select(qwen3(256), V5P).cores_per_expert == 1
+    assert kernel.fused.tiles.select(qwen3(1), V6E).cores_per_expert == 1
 
 
 def test_tile_i_alignment_per_layout(kernel):
@@ -399,19 +417,19 @@ def test_an_ep_dispatch_rank_at_decode_batch_256_takes_the_fused_kernel(kernel):
     # Qwen3-30B-A3B, batch 256, top-8 dispatched over 8 ranks: 256 rows per rank on average, 301 on the busiest.
     hidden, intermediate, experts, layout = MODELS["qwen3-30b-a3b"]
     problem = _experts_problem(kernel, 301, hidden, intermediate, experts // 8, "bfloat16", layout)
-    assert kernel.plan.fused_path_config(problem) is not None
+    assert kernel.plan.fused_path_config(problem, V6E) is not None
 
 
 def test_the_fused_path_is_for_decode_sized_calls_that_fit(kernel):
     hidden, intermediate, experts, layout = MODELS["qwen3-30b-a3b"]
     decode = _experts_problem(kernel, kernel.plan.FUSED_MAX_TOKENS, hidden, intermediate, experts, "bfloat16", layout)
-    assert kernel.plan.fused_path_config(decode) is not None
-    assert kernel.plan.fused_path_config(decode._replace(tokens=kernel.plan.FUSED_MAX_TOKENS + 1)) is None
+    assert kernel.plan.fused_path_config(decode, V6E) is not None
+    assert kernel.plan.fused_path_config(decode._replace(tokens=kernel.plan.FUSED_MAX_TOKENS + 1), V6E) is None
     # An expert whose weights fit in no I tiling (I prime, 16384 x 16383 f32): the grouped matmuls.
     layout = dict(weights_transposed=False, interleaved=False, has_bias=False)
     prime = _experts_problem(kernel, 8, 16384, 16381, 4, "float32", layout)
-    assert kernel.fused.tiles.select(prime) is None
-    assert kernel.plan.fused_path_config(prime) is None
+    assert kernel.fused.tiles.select(prime, V6E) is None
+    assert kernel.plan.fused_path_config(prime, V6E) is None
 
 
 def test_gpt_oss_fp8_on_tpu7x_takes_partial_i_tiles_of_whole_scale_blocks(kernel):
@@ -423,11 +441,11 @@ def test_gpt_oss_fp8_on_tpu7x_takes_partial_i_tiles_of_whole_scale_blocks(kernel
     gpt_oss = functools.partial(_model_problem, kernel, "gpt-oss-20b")
     for tokens in (1, 64, 256):
         problem = gpt_oss(tokens)._replace(weights_dtype=jnp.dtype(fp8).name)
-        picked = kernel.fused.tiles.select(problem, "tpu7x")
+        picked = kernel.fused.tiles.select(problem, TPU7X)
         assert picked.tile_i == 1536 and kernel.fused.tiles.i_tiles(picked, intermediate) == 2
-        assert kernel.fused.tiles.fused_feeds_fp8_mxu(picked, problem, "tpu7x")
+        assert kernel.fused.tiles.fused_feeds_fp8_mxu(picked, problem, TPU7X)
         for generation, other_problem in (("v6e", problem), ("tpu7x", gpt_oss(tokens))):
-            other = kernel.fused.tiles.select(other_problem, generation)
+            other = kernel.fused.tiles.select(other_problem, resolve_target(generation))
             assert intermediate % other.tile_i == 0 and other.tile_i % 128
     shape = dict(hidden=hidden, intermediate=intermediate, experts=4, weights_transposed=True, interleaved=True,
                  has_bias=True)

@@ -171,7 +171,7 @@ def _padding_case(kernel, monkeypatch, tokens, hidden_act):
 
     def unpadded_call(hidden, weights):
         if hidden_act == "relu":
-            return kernel.composed_experts_forward(experts, hidden, index, weights)
+            return kernel.experts.composed_experts_forward(experts, hidden, index, weights)
         return kernel.gated_experts(hidden, index, weights, experts.gate_up_proj, experts.down_proj,
                                     activation="silu", weights_transposed=False)
 

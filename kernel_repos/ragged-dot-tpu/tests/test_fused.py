@@ -12,6 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from tpu_kernels.runtime.hardware import resolve_target
+
+V5P, V6E = resolve_target("v5p"), resolve_target("v6e")
+
 
 def _layer(random_picks, tokens, hidden, intermediate, experts, top_k, *, transposed, bias, dtype=torch.float32,
            weights_dtype=None, sentinels=0.0, seed=0, scale=0.2):
@@ -160,7 +164,7 @@ def test_megacore_split_matches_reference(kernel, interpret, to_jax, case, rando
     gate = dict(weights_transposed=options["transposed"], **gate)
     config = None if tiles is None else kernel.fused.tiles.FusedConfig(*tiles)
     problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
-    plan = kernel.fused.plan.make(problem, "v5p", config)
+    plan = kernel.fused.plan.make(problem, V5P, config)
     assert plan.cores == 2 and plan.cores_per_expert == (2 if case.startswith("shared") else 1)
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
     # Two simulated cores: each its own scratch and partial output, the grid's parallel axis split between them.
@@ -202,7 +206,7 @@ def test_interleaved_body_loops_over_slabs_of_its_i_tile(kernel, interpret, to_j
     gate = dict(weights_transposed=options["transposed"], **gate)
     config = None if tiles is None else kernel.fused.tiles.FusedConfig(*tiles)
     problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
-    plan = kernel.fused.plan.make(problem, None, config)
+    plan = kernel.fused.plan.make(problem, resolve_target(), config)
     assert plan.tile_i // plan.slab_i >= 2, f"{case} must take several slabs per I tile"
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
     fused = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), **gate, config=config))
@@ -338,9 +342,9 @@ def test_how_v5p_cores_split_few_picks(kernel, case):
     tokens, top_k, intermediate, cores, cores_per_expert = SPLITS[case]
     problem = kernel.problem.ExpertsProblem(tokens, top_k, 2880, intermediate, 4, "bfloat16", "bfloat16", "float32",
                                     True, True, kernel.problem.Gate("clamped_swiglu", True, 1.702, 7.0))
-    plan = kernel.fused.plan.make(problem, "v5p")
+    plan = kernel.fused.plan.make(problem, V5P)
     assert (plan.cores, plan.cores_per_expert) == (cores, cores_per_expert)
     if cores_per_expert > 1:
         assert plan.i_tiles_per_core * cores >= plan.i_tiles > (plan.i_tiles_per_core - 1) * cores
-    on_v6e = kernel.fused.plan.make(problem, "v6e")
+    on_v6e = kernel.fused.plan.make(problem, V6E)
     assert (on_v6e.cores, on_v6e.cores_per_expert) == (1, 1)

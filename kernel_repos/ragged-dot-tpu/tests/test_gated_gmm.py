@@ -10,6 +10,10 @@ import jax.numpy as jnp
 import pytest
 import torch
 
+from tpu_kernels.runtime.hardware import resolve_target
+
+V5E, V6E = resolve_target("v5e"), resolve_target("v6e")
+
 ACTIVATIONS = {
     "silu": torch.nn.functional.silu,
     "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
@@ -68,8 +72,8 @@ def _gated(kernel, m, k, intermediate, groups, dtype, transpose_rhs, tiles, acti
     problem = kernel.MatmulProblem(m, k, 2 * intermediate, groups, dtype, dtype, transpose_rhs=transpose_rhs,
                                    zero_rows_past_groups=False, bias=bias)
     # v5e: its 128-wide MXU takes 128-column halves without padding.
-    plan = kernel.gmm.plan.make(problem, "v5e", kernel.gmm.tiles.TileConfig(*tiles))
-    return kernel.gmm.plan.gated_plan(plan, kernel.problem.Gate(activation, **gate_options), generation="v5e")
+    plan = kernel.gmm.plan.make(problem, V5E, kernel.gmm.tiles.TileConfig(*tiles))
+    return kernel.gmm.plan.gated_plan(plan, kernel.problem.Gate(activation, **gate_options), V5E)
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
@@ -188,10 +192,11 @@ def test_the_gate_stays_in_xla_where_the_epilogue_cannot_take_it(kernel):
 
     def gate_up(n, tile_n, generation="v5e", bias=False):
         problem = kernel.MatmulProblem(64, 128, n, 4, "bfloat16", "bfloat16", transpose_rhs=False, bias=bias)
-        return kernel.gmm.plan.make(problem, generation, kernel.gmm.tiles.TileConfig(64, 128, tile_n, None, 1))
+        tiles = kernel.gmm.tiles.TileConfig(64, 128, tile_n, None, 1)
+        return kernel.gmm.plan.make(problem, resolve_target(generation), tiles)
 
     def gated(n, tile_n, generation="v5e", gate=gate, bias=False):
-        return kernel.gmm.plan.gated_plan(gate_up(n, tile_n, generation, bias), gate, generation)
+        return kernel.gmm.plan.gated_plan(gate_up(n, tile_n, generation, bias), gate, resolve_target(generation))
 
     assert gated(512, 256).tile_n == 128  # two N tiles of I = 256
     interleaved = gate._replace(interleaved=True)
@@ -204,12 +209,12 @@ def test_the_gate_stays_in_xla_where_the_epilogue_cannot_take_it(kernel):
     assert gated(1024, 384, gate=interleaved).tile_n == 256
     int8 = gate_up(512, 256)
     int8 = int8._replace(problem=int8.problem._replace(rhs_dtype="int8"))
-    assert kernel.gmm.plan.gated_plan(int8, interleaved, "v5e") is None
+    assert kernel.gmm.plan.gated_plan(int8, interleaved, V5E) is None
     assert gated(512, 256, bias=True).tile_n == 128
     # One-byte weights: gated in one N tile (the block's scales whole), not in halves.
     for n, tile_n, expected in ((512, 256, None), (512, 512, 256)):
         int8 = gate_up(n, tile_n)
-        int8 = kernel.gmm.plan.gated_plan(int8._replace(problem=int8.problem._replace(rhs_dtype="int8")), gate, "v5e")
+        int8 = kernel.gmm.plan.gated_plan(int8._replace(problem=int8.problem._replace(rhs_dtype="int8")), gate, V5E)
         assert (int8 and int8.tile_n) == expected
     # Half of a 256-column tile does not divide I = 160 (2I = 320); a 192-column half of I = 384 is off the lanes.
     assert gated(320, 256) is None
@@ -232,7 +237,7 @@ def test_the_grouped_layer_gates_in_the_kernel_and_matches_the_reference(kernel,
              torch.randn(experts, hidden, intermediate, generator=generator) * 0.2)
     gate = dict(weights_transposed=False, **options)
     problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
-    assert kernel.plan.plan_experts(problem, "v6e", fused=False).forward_gate_up.problem.gate is not None
+    assert kernel.plan.plan_experts(problem, V6E, fused=False).forward_gate_up.problem.gate is not None
     out = interpret(lambda: kernel.experts_layer(*map(to_jax, layer), **gate, fused=False, generation="v6e"))
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
     assert ((out.double() - expected).abs().max() / expected.abs().max()).item() <= 1e-5
@@ -259,7 +264,7 @@ def test_the_grouped_gpt_oss_layer_gates_its_biased_rows_in_the_kernel(kernel, i
              torch.randn(experts, hidden, generator=generator))
     gate = dict(weights_transposed=True, interleaved=interleaved, **GPT_OSS_GATE)
     problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
-    first = kernel.plan.plan_experts(problem, "v6e", fused=False).forward_gate_up
+    first = kernel.plan.plan_experts(problem, V6E, fused=False).forward_gate_up
     assert first.problem.gate == kernel.problem.Gate(interleaved=interleaved, **GPT_OSS_GATE) and first.problem.bias
     out = interpret(lambda: kernel.experts_layer(*map(to_jax, layer), **gate, fused=False, generation="v6e"))
     expected = kernel.reference.gated_experts_reference(*layer, **gate)
@@ -277,5 +282,5 @@ def test_gpt_oss_20b_gates_in_its_first_kernel_in_whole_lanes(kernel, generation
     layer = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in arrays]
     gate = dict(weights_transposed=True, interleaved=True, **GPT_OSS_GATE)
     problem, _ = kernel.problem.describe_experts(*layer, **gate)
-    first = kernel.plan.plan_experts(problem, generation, fused=False).forward_gate_up
+    first = kernel.plan.plan_experts(problem, resolve_target(generation), fused=False).forward_gate_up
     assert first.problem.gate is not None and first.problem.n == intermediate and first.tile_n == tile_n

@@ -11,6 +11,10 @@ import jax.numpy as jnp
 import pytest
 import torch
 
+from tpu_kernels.runtime.hardware import resolve_target
+
+V6E = resolve_target("v6e")
+
 # tokens, k, n, group sizes, rows past the groups, tiles (tile_m, tile_k, tile_n, chunk_m, slots), dtype
 CASES = {
     # Row tiles shared by groups, an empty group, N in two tiles with a partial one (its rows copied again).
@@ -57,7 +61,8 @@ def _call(kernel, interpret, to_jax, case, transpose_rhs, *, bias=False, k=None,
     problem = kernel.MatmulProblem(m, k, n, groups, dtype, dtype, transpose_rhs=transpose_rhs,
                                    zero_rows_past_groups=False, bias=bias)
     tile_config = kernel.gmm.tiles.TileConfig(*tiles)._replace(tile_k=k)
-    plan = kernel.gmm.plan.gathered_plan(kernel.gmm.plan.make(problem, generation, tile_config), generation)
+    target = resolve_target(generation)
+    plan = kernel.gmm.plan.gathered_plan(kernel.gmm.plan.make(problem, target, tile_config), target)
     assert plan is not None and plan.problem.gathered
     generator = torch.Generator().manual_seed(seed + len(case) + transpose_rhs)
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
@@ -121,8 +126,8 @@ def test_rows_split_at_the_mxu_width_match_reference(kernel, interpret, to_jax, 
 def test_a_row_splits_where_its_parts_cost_no_mxu_pass(kernel, generation, k, transpose_rhs, split):
     problem = kernel.MatmulProblem(4096, k, 1536, 16, "bfloat16", "bfloat16", transpose_rhs=transpose_rhs,
                                    zero_rows_past_groups=False)
-    plan = kernel.gmm.plan.make(problem, generation, kernel.gmm.tiles.TileConfig(256, k, 512, None, 1))
-    gathered = kernel.gmm.plan.gathered_plan(plan, generation)
+    plan = kernel.gmm.plan.make(problem, resolve_target(generation), kernel.gmm.tiles.TileConfig(256, k, 512, None, 1))
+    gathered = kernel.gmm.plan.gathered_plan(plan, resolve_target(generation))
     assert gathered.gather_split == split
     # The copies' two buffers of 256-row windows hold words wider than half a row by (split - K / 2) each.
     assert gathered.vmem_limit_bytes - plan.vmem_limit_bytes == 2 * 256 * 4 * (split - k // 2)
@@ -154,13 +159,13 @@ def test_gathered_plan_refuses_what_it_cannot_copy(kernel, change, why):
                   zero_rows_past_groups=False) | change
     problem = kernel.MatmulProblem(**fields)
     tiles = kernel.gmm.tiles.TileConfig(16, min(fields["k"], 128), 128, None, 1)
-    assert kernel.gmm.plan.gathered_plan(kernel.gmm.plan.make(problem, "v6e", tiles), "v6e") is None, why
+    assert kernel.gmm.plan.gathered_plan(kernel.gmm.plan.make(problem, V6E, tiles), V6E) is None, why
 
 
 def test_a_gathered_plan_takes_row_tokens_and_only_it(kernel):
     problem = kernel.MatmulProblem(64, 96, 128, 2, "bfloat16", "bfloat16", transpose_rhs=False)
-    plan = kernel.gmm.plan.make(problem, "v6e", kernel.gmm.tiles.TileConfig(16, 96, 128, None, 1))
-    gathered = kernel.gmm.plan.gathered_plan(plan, "v6e")
+    plan = kernel.gmm.plan.make(problem, V6E, kernel.gmm.tiles.TileConfig(16, 96, 128, None, 1))
+    gathered = kernel.gmm.plan.gathered_plan(plan, V6E)
     tokens, weights, sizes = jnp.ones((8, 96), jnp.bfloat16), jnp.ones((2, 96, 128), jnp.bfloat16), jnp.array([3, 5])
     with pytest.raises(ValueError, match="gathers its rows"):
         kernel.gmm.kernel.call(tokens, weights, sizes, gathered)
@@ -194,7 +199,7 @@ def test_the_grouped_layer_copies_its_rows_in_the_kernels(kernel, interpret, to_
     layer = (torch.randn(tokens, hidden, generator=generator).to(torch.bfloat16), index, weights,
              *(p.to(torch.bfloat16) for p in projections), *(b.to(torch.bfloat16) for b in biases))
     problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
-    plan = kernel.plan.plan_experts(problem, "v6e", fused=False)
+    plan = kernel.plan.plan_experts(problem, V6E, fused=False)
     assert plan.forward_gate_up.problem.gathered
     assert plan.forward_down.problem.packed_out and plan.combine is not None
     if hidden == 640:

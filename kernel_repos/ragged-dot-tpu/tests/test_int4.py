@@ -11,6 +11,10 @@ import jax.numpy as jnp
 import pytest
 import torch
 
+from tpu_kernels.runtime.hardware import resolve_target
+
+V6E = resolve_target("v6e")
+
 
 def _codes(shape, generator):
     """Random int4 codes over the whole range [-8, 7], never all zero."""
@@ -119,8 +123,8 @@ def test_gated_gate_up_takes_int4_weights_in_one_n_tile(kernel, interpret, to_ja
     rhs, scales, _ = _quantized(kernel, shape, out_axis, generator)
     problem = kernel.MatmulProblem(m, k, 2 * intermediate, len(group_sizes), "float32", "uint8",
                                    transpose_rhs=transpose_rhs, zero_rows_past_groups=False)
-    plan = kernel.gmm.plan.make(problem, "v6e", kernel.gmm.tiles.TileConfig(40, k, 2 * intermediate, None, 1))
-    plan = kernel.gmm.plan.gated_plan(plan, kernel.problem.Gate("silu"), generation="v6e")
+    plan = kernel.gmm.plan.make(problem, V6E, kernel.gmm.tiles.TileConfig(40, k, 2 * intermediate, None, 1))
+    plan = kernel.gmm.plan.gated_plan(plan, kernel.problem.Gate("silu"), V6E)
     assert plan.tile_n == plan.problem.n == intermediate
     out = interpret(lambda: kernel.gmm.kernel.call(
         to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32), plan, to_jax(scales)))
@@ -175,7 +179,7 @@ def test_interleaved_body_slabs_read_their_unpacked_columns_and_scales(kernel, i
     tokens, hidden, _, experts, top_k, options, gate, _ = LAYER_CASES["gpt-oss"]
     layer = quantized_layer(_int4_weights(kernel), tokens, hidden, 256, experts, top_k, **options)
     gate = dict(weights_transposed=True, **gate)
-    plan = kernel.fused.plan.make(kernel.problem.describe_experts(*map(to_jax, layer), **gate)[0])
+    plan = kernel.fused.plan.make(kernel.problem.describe_experts(*map(to_jax, layer), **gate)[0], resolve_target())
     assert (plan.tile_i, plan.slab_i) == (256, 128)
     expected = kernel.reference.gated_experts_reference(*dequantized_layer(kernel, layer, True), **gate)
     fused = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), **gate))

@@ -9,6 +9,10 @@ import jax.numpy as jnp
 import pytest
 import torch
 
+from tpu_kernels.runtime.hardware import resolve_target
+
+V5E, TPU7X = resolve_target("v5e"), resolve_target("tpu7x")
+
 SCHEMES = ("int8", "fp8")
 
 
@@ -84,8 +88,8 @@ def test_gated_gate_up_takes_one_byte_weights_in_one_n_tile(kernel, interpret, t
     problem = kernel.MatmulProblem(m, k, 2 * intermediate, len(group_sizes), "float32",
                                    jnp.dtype(to_jax(rhs).dtype).name, transpose_rhs=transpose_rhs,
                                    zero_rows_past_groups=False)
-    plan = kernel.gmm.plan.make(problem, "v5e", kernel.gmm.tiles.TileConfig(40, k, 2 * intermediate, None, 1))
-    plan = kernel.gmm.plan.gated_plan(plan, kernel.problem.Gate("silu"), generation="v5e")
+    plan = kernel.gmm.plan.make(problem, V5E, kernel.gmm.tiles.TileConfig(40, k, 2 * intermediate, None, 1))
+    plan = kernel.gmm.plan.gated_plan(plan, kernel.problem.Gate("silu"), V5E)
     assert plan.tile_n == plan.problem.n == intermediate
     out = interpret(lambda: kernel.gmm.kernel.call(to_jax(lhs), to_jax(rhs), jnp.asarray(group_sizes, jnp.int32),
                                                    plan, to_jax(scales)))
@@ -148,7 +152,8 @@ def test_interleaved_body_slabs_take_their_scales_and_dequantized_blocks(kernel,
     layer = quantized_layer(_scheme_weights(scheme), tokens, 128, 256, experts, top_k, **options)
     gate = dict(weights_transposed=True, **gate)
     problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
-    assert (kernel.fused.plan.make(problem).tile_i, kernel.fused.plan.make(problem).slab_i) == (256, 128)
+    plan = kernel.fused.plan.make(problem, resolve_target())
+    assert (plan.tile_i, plan.slab_i) == (256, 128)
     expected = kernel.reference.gated_experts_reference(*dequantized_layer(kernel, layer, True), **gate)
     fused = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), **gate))
     assert not torch.isnan(fused).any()
@@ -308,7 +313,7 @@ def test_fused_fp8_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, interpret, 
     gate = dict(weights_transposed=transposed, **gate)
     config = None if tiles is None else kernel.fused.tiles.FusedConfig(*tiles)
     problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
-    assert kernel.fused.plan.make(problem, "tpu7x", config).fp8_matmul == FP8_MXU_CASES[case]
+    assert kernel.fused.plan.make(problem, TPU7X, config).fp8_matmul == FP8_MXU_CASES[case]
     fused = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), **gate, config=config,
                                                    generation="tpu7x"))
     dequantized = dequantized_layer(kernel, layer, transposed)
@@ -337,7 +342,7 @@ def test_ragged_dot_fp8_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, interp
     config = None if tiles is None else kernel.gmm.tiles.TileConfig(*tiles)
     problem = kernel.MatmulProblem(m, k, n, len(group_sizes), "float32", "float8_e4m3fn",
                                    transpose_rhs=transpose_rhs)
-    assert kernel.gmm.plan.make(problem, "tpu7x", config).fp8_matmul
+    assert kernel.gmm.plan.make(problem, TPU7X, config).fp8_matmul
     out = interpret(lambda: kernel.gmm.kernel.grouped_matmul(to_jax(lhs), to_jax(rhs),
                                                              jnp.asarray(group_sizes, jnp.int32), to_jax(scales),
                                                              transpose_rhs=transpose_rhs, config=config,
@@ -365,7 +370,7 @@ def test_grouped_fp8_layer_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, int
     layer = quantized_layer(_scheme_weights("fp8"), tokens, hidden, intermediate, experts, top_k, **options)
     gate = dict(weights_transposed=transposed, **gate)
     problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
-    plan = kernel.plan.plan_experts(problem, "tpu7x", fused=False)
+    plan = kernel.plan.plan_experts(problem, TPU7X, fused=False)
     assert plan.gate_up.fp8_matmul and plan.down.fp8_matmul
     grouped = interpret(lambda: kernel.experts_layer(*map(to_jax, layer), **gate, fused=False,
                                                      generation="tpu7x"))

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from tpu_kernels.runtime.hardware import resolve_target
+
 CASES = [
     # m, k, n, group_sizes, transpose_rhs
     (1, 96, 200, [1], False),
@@ -109,7 +111,7 @@ def test_schedule_cases_cover_what_they_name(kernel):
     for m, k, n, group_sizes, tiles in SCHEDULE_CASES.values():
         config = kernel.gmm.tiles.TileConfig(*tiles)
         kernel.gmm.tiles.check_config(config, kernel.MatmulProblem(m, k, n, len(group_sizes), "bfloat16", "bfloat16",
-                                                                    False))
+                                                                    False), resolve_target())
         items = make_work_items(jnp.asarray(group_sizes, jnp.int32), m, config.tile_m)
         count = int(items.count[0])
         tail_items = int(jnp.sum(items.row_end[:count] == 0))

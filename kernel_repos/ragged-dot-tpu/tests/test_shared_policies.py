@@ -13,13 +13,14 @@ from tpu_kernels.runtime import hardware
 def test_the_grouped_matmul_sizes_vmem_by_the_policys_defaults(kernel, generation):
     problem = kernel.MatmulProblem(16384, 2048, 1536, 128, "bfloat16", "bfloat16", False)
     tiles = kernel.gmm.tiles.TileConfig(512, 2048, 1536, 256)
-    assert kernel.gmm.tiles.vmem_limit(tiles, problem, generation) == hardware.vmem_limit_bytes(
+    target = hardware.resolve_target(generation)
+    assert kernel.gmm.tiles.vmem_limit(tiles, problem, target) == hardware.vmem_limit_bytes(
         kernel.gmm.tiles.vmem_bytes(tiles, problem), generation)
     budget = hardware.vmem_budget_bytes(generation)
     with pytest.raises(ValueError, match=f"past the {budget >> 20} MiB budget on {generation}"):
         # Double-buffered weights blocks of 64 MiB.
         kernel.gmm.tiles.check_config(kernel.gmm.tiles.TileConfig(16, 8192, 4096),
-                                      problem._replace(m=64, k=8192, n=4096), generation)
+                                      problem._replace(m=64, k=8192, n=4096), hardware.resolve_target(generation))
 
 
 def test_the_grouped_matmul_takes_the_tuned_tiles_of_its_table(kernel):
@@ -27,7 +28,7 @@ def test_the_grouped_matmul_takes_the_tuned_tiles_of_its_table(kernel):
 
     def selects(key):
         problem = kernel.MatmulProblem(key.m, key.k, key.n, key.groups, key.dtype, key.rhs_dtype, key.transpose_rhs)
-        return tiles.select(problem, key.generation)
+        return tiles.select(problem, hardware.resolve_target(key.generation))
 
     testing.assert_tuned_table(Path(kernel.__file__).parent / "gmm" / "tuned_tiles.json", tiles.TUNED_TILES,
                                tiles.TunedKey, tiles.TileConfig, selects)

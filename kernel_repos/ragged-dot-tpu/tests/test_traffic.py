@@ -16,6 +16,9 @@ import numpy as np
 import pytest
 
 from benchmarks import perf
+from tpu_kernels.runtime.hardware import resolve_target
+
+V6E = resolve_target("v6e")
 
 BF16 = 2
 S = jax.ShapeDtypeStruct
@@ -195,7 +198,7 @@ def test_the_layer_copies_only_live_picks_rows_in_and_out_of_its_grouped_matmuls
     # pipelined lhs block would read), once per N tile (one here); the combine's: each live pick's row once.
     plan = kernel.plan.plan_experts(kernel.problem.ExpertsProblem(
         tokens, top_k, hidden, intermediate, experts, "bfloat16", "bfloat16", "float32", False, False,
-        kernel.problem.Gate("silu")), "v6e", fused=False).forward_gate_up
+        kernel.problem.Gate("silu")), V6E, fused=False).forward_gate_up
     window = plan.tile_m + (plan.chunk_m or 0)
     copied = sum(min(live, start + window) - start for start in range(0, live, plan.tile_m))
     [token_rows] = [op for op in gate_up.operands if op.array_shape == (tokens, hidden // 2)]

@@ -17,6 +17,9 @@ import numpy as np
 import pytest
 
 from benchmarks import perf
+from tpu_kernels.runtime.hardware import resolve_target
+
+V6E = resolve_target("v6e")
 
 S = jax.ShapeDtypeStruct
 
@@ -51,7 +54,7 @@ def test_grouped_matmul_plan_counts_the_vmem_of_its_block_specs(kernel, case):
     m, k, n, groups, rhs_dtype, transpose_rhs, tiles, generation = MATMUL_CASES[case]
     problem = kernel.MatmulProblem(m, k, n, groups, "bfloat16" if rhs_dtype != "float32" else "float32",
                                    rhs_dtype, transpose_rhs=transpose_rhs, bias=case in BIASED)
-    plan = kernel.gmm.plan.make(problem, generation, kernel.gmm.tiles.TileConfig(*tiles))
+    plan = kernel.gmm.plan.make(problem, resolve_target(generation), kernel.gmm.tiles.TileConfig(*tiles))
     assert plan.fp8_matmul == (case == "fp8-on-the-fp8-mxu")
     rhs_shape = (groups, n, k) if transpose_rhs else (groups, k, n)
     scheme = kernel.common.quant.scheme_of(rhs_dtype)
@@ -71,7 +74,7 @@ def test_grouped_matmul_plan_counts_the_vmem_of_its_block_specs(kernel, case):
 def test_tgmm_plan_counts_the_vmem_of_its_block_specs(kernel, tiles):
     m, k, n, groups = 200, 256, 256, 5
     problem = kernel.TgmmProblem(m, k, n, groups, "bfloat16", "bfloat16")
-    plan = kernel.tgmm.plan.make(problem, "v6e", kernel.tgmm.tiles.TgmmConfig(*tiles))
+    plan = kernel.tgmm.plan.make(problem, V6E, kernel.tgmm.tiles.TgmmConfig(*tiles))
     sizes = np.asarray([30, 0, 70, 60, 40], np.int32)
     fn = functools.partial(kernel.tgmm.kernel.call, plan=plan)
     assert _planned_vmem(kernel, plan) == _replayed_vmem(fn, S((m, k), jnp.bfloat16), S((m, n), jnp.bfloat16), sizes)
@@ -115,7 +118,7 @@ def test_fused_plan_counts_the_vmem_of_its_block_specs(kernel, case):
     problem = kernel.problem.ExpertsProblem.of(hidden_states, index, routing, expert_weights,
                                                kernel.problem.Gate(**gate), weights_transposed=transposed)
     config = None if tiles is None else kernel.fused.tiles.FusedConfig(*tiles)
-    plan = kernel.fused.plan.make(problem, generation, config)
+    plan = kernel.fused.plan.make(problem, resolve_target(generation), config)
     assert plan.fp8_matmul == case.startswith("fp8-on-the-fp8-mxu")
 
     def run(hidden_states, index, routing, *weights):

@@ -5,9 +5,10 @@ the same kernel in Pallas' TPU interpret mode (exact, slow: for development
 and CI).
 
 Each kernel is a subpackage (`gmm`, `tgmm`, `fused`, `combine`) with three
-seams: `tiles.select(problem, generation)` picks its blocks, `plan.make(problem,
-generation, config=None)` derives its buffers and VMEM limit once, and
-`kernel.call(arrays..., plan)` runs it; `common` is what they share;
+seams: `tiles.select(problem, target)` picks its blocks, `plan.make(problem,
+target, config=None)` derives its buffers and VMEM limit once (`target`: the
+generation's facts, `_hardware.TpuGeneration`, resolved once by the JAX
+function a call enters), and `kernel.call(arrays..., plan)` runs it; `common` is what they share;
 `problem.py`, `plan.py` and `layer.py` describe, plan and run the experts
 layer. `__all__` is what a user calls (the torch ops and the reference);
 `TOOLS` is what this project's package (kernelize, quantize) and its lab

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from ._hardware import TpuGeneration, resolve_target
 from .common.gates import gated, split_gate_up
 from .common.routing import sort_by_expert
 from .gmm import kernel as gmm_kernel
@@ -59,7 +60,7 @@ def without_gradient(name: str, compute: Callable, *arrays):
 
 def ragged_dot_backward(
     d_out: jax.Array, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool,
-    generation: str | None = None,
+    generation: str | TpuGeneration | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`(d_lhs[M, K], d_rhs)` of `grouped_matmul(lhs, rhs, group_sizes, transpose_rhs=...)`; d_rhs has rhs's
     layout.
@@ -71,7 +72,8 @@ def ragged_dot_backward(
         return jnp.zeros(lhs.shape, lhs.dtype), jnp.zeros(rhs.shape, rhs.dtype)
     dtype = jnp.dtype(lhs.dtype).name
     forward = MatmulProblem(m, lhs.shape[1], n, rhs.shape[0], dtype, dtype, transpose_rhs=bool(transpose_rhs))
-    return matmul_backward(d_out, lhs, rhs, group_sizes, plan_ragged_dot_backward(forward, generation))
+    plan = plan_ragged_dot_backward(forward, resolve_target(generation))
+    return matmul_backward(d_out, lhs, rhs, group_sizes, plan)
 
 
 def matmul_backward(d_out: jax.Array, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
@@ -85,28 +87,30 @@ def matmul_backward(d_out: jax.Array, lhs: jax.Array, rhs: jax.Array, group_size
 
 
 def differentiable_ragged_dot(lhs, rhs, group_sizes, transpose_rhs: bool, zero_rows_past_groups: bool,
-                              generation: str | None):
-    """`grouped_matmul` whose gradient runs the backward kernels (`ragged_dot_backward`). A function around the
-    `jax.custom_vjp` object, as the package exports functions (its symbols are read as the source's defs)."""
-    return _differentiable_ragged_dot(lhs, rhs, group_sizes, transpose_rhs, zero_rows_past_groups, generation)
+                              generation: str | TpuGeneration | None):
+    """`grouped_matmul` whose gradient runs the backward kernels (`ragged_dot_backward`), both on `generation` (a
+    name or a target, resolved here). A function around the `jax.custom_vjp` object, as the package exports
+    functions (its symbols are read as the source's defs)."""
+    return _differentiable_ragged_dot(lhs, rhs, group_sizes, transpose_rhs, zero_rows_past_groups,
+                                      resolve_target(generation))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _differentiable_ragged_dot(lhs, rhs, group_sizes, transpose_rhs: bool, zero_rows_past_groups: bool,
-                               generation: str | None):
+                               target: TpuGeneration):
     return grouped_matmul(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
-                          zero_rows_past_groups=zero_rows_past_groups, generation=generation)
+                          zero_rows_past_groups=zero_rows_past_groups, generation=target)
 
 
-def _ragged_dot_vjp_forward(lhs, rhs, group_sizes, transpose_rhs, zero_rows_past_groups, generation):
-    out = _differentiable_ragged_dot(lhs, rhs, group_sizes, transpose_rhs, zero_rows_past_groups, generation)
+def _ragged_dot_vjp_forward(lhs, rhs, group_sizes, transpose_rhs, zero_rows_past_groups, target):
+    out = _differentiable_ragged_dot(lhs, rhs, group_sizes, transpose_rhs, zero_rows_past_groups, target)
     return out, (lhs, rhs, group_sizes)
 
 
-def _ragged_dot_vjp_backward(transpose_rhs, zero_rows_past_groups, generation, residuals, d_out):
+def _ragged_dot_vjp_backward(transpose_rhs, zero_rows_past_groups, target, residuals, d_out):
     lhs, rhs, group_sizes = residuals
     d_lhs, d_rhs = ragged_dot_backward(d_out, lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
-                                       generation=generation)
+                                       generation=target)
     return d_lhs, d_rhs, None
 
 

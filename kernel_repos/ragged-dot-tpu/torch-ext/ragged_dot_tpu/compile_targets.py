@@ -48,6 +48,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ._hardware import resolve_target
 from .common.quant import INT4, NOT_SERVED, expected_scales_shape, int4_packed_axis
 from .gmm import kernel as gmm_kernel, plan as gmm_plan, tiles as gmm_tiles
 from .gmm.kernel import grouped_matmul
@@ -92,14 +93,14 @@ LAYERS = {
 }
 
 
-def _grouped_targets(generation, dtype):
+def _grouped_targets(target, dtype):
     targets = []
     for model in GROUPED:
         experts, hidden, intermediate = (MODELS[model][key] for key in ("experts", "hidden", "intermediate"))
         for rows in GROUPED_ROWS:
             for projection, k, n in (("gate_up", hidden, 2 * intermediate), ("down", intermediate, hidden)):
                 fn = functools.partial(grouped_matmul, transpose_rhs=True, zero_rows_past_groups=False,
-                                       generation=generation)
+                                       generation=target)
                 avals = (
                     jax.ShapeDtypeStruct((rows, k), dtype),
                     jax.ShapeDtypeStruct((experts, n, k), dtype),
@@ -108,7 +109,7 @@ def _grouped_targets(generation, dtype):
                 targets.append((f"{model} {projection} M={rows} K={k} N={n} E={experts} bf16", fn, avals))
     for model, tile_n in GATED.items():
         experts, hidden, intermediate = (MODELS[model][key] for key in ("experts", "hidden", "intermediate"))
-        targets.append(_gated_target(model, experts, hidden, intermediate, tile_n, generation, dtype))
+        targets.append(_gated_target(model, experts, hidden, intermediate, tile_n, target, dtype))
     return targets
 
 
@@ -117,14 +118,14 @@ GATED = {"gemma-4-26b-a4b": 2 * MODELS["gemma-4-26b-a4b"]["intermediate"], "qwen
 GATED_ROWS = 16384
 
 
-def _gated_target(model, experts, hidden, intermediate, tile_n, generation, dtype):
+def _gated_target(model, experts, hidden, intermediate, tile_n, target, dtype):
     problem = MatmulProblem(GATED_ROWS, hidden, 2 * intermediate, experts, jnp.dtype(dtype).name,
                             jnp.dtype(dtype).name, transpose_rhs=True, zero_rows_past_groups=False)
-    heuristic = gmm_tiles.select(problem, generation)
-    ungated = gmm_plan.make(problem, generation, heuristic._replace(tile_n=tile_n))
-    plan = gated_plan(ungated, Gate("silu"), generation=generation)
+    heuristic = gmm_tiles.select(problem, target)
+    ungated = gmm_plan.make(problem, target, heuristic._replace(tile_n=tile_n))
+    plan = gated_plan(ungated, Gate("silu"), target)
     if plan is None:
-        raise ValueError(f"{model}: no gated plan at tile_n={tile_n} on {generation}")
+        raise ValueError(f"{model}: no gated plan at tile_n={tile_n} on {target.name}")
     avals = (jax.ShapeDtypeStruct((GATED_ROWS, hidden), dtype),
              jax.ShapeDtypeStruct((experts, 2 * intermediate, hidden), dtype),
              jax.ShapeDtypeStruct((experts,), jnp.int32))
@@ -157,23 +158,23 @@ def _has_biases(layer):
     return MODELS[next(model for model in MODELS if layer.startswith(model))]["biases"]
 
 
-def _path(problem, generation):
+def _path(problem, target):
     """Which kernel the layer runs for `problem` (`plan.fused_path_config`), for the target's label."""
-    return "grouped" if fused_path_config(problem, generation) is None else "fused"
+    return "grouped" if fused_path_config(problem, target) is None else "fused"
 
-def _layer_targets(generation, dtype):
+def _layer_targets(target, dtype):
     targets = []
     for model, (experts, hidden, intermediate, top_k, layout, gate, token_counts) in LAYERS.items():
         transposed = layout["weights_transposed"]
         gate_up, down = _weight_shapes(experts, hidden, intermediate, transposed)
         biases = ((experts, 2 * intermediate), (experts, hidden)) if _has_biases(model) else ()
         for tokens in token_counts:
-            fn = functools.partial(experts_layer, **layout, **gate, generation=generation)
+            fn = functools.partial(experts_layer, **layout, **gate, generation=target)
             avals = _layer_avals(tokens, hidden, top_k, dtype, gate_up, down, dtype,
                                  *(jax.ShapeDtypeStruct(bias, dtype) for bias in biases))
             path = _path(ExpertsProblem(tokens, top_k, hidden, intermediate, experts, jnp.dtype(dtype).name,
                                         jnp.dtype(dtype).name, jnp.dtype(dtype).name, transposed, bool(biases),
-                                        Gate(**gate)), generation)
+                                        Gate(**gate)), target)
             targets.append((f"{model} experts layer T={tokens} top-{top_k} ({path}) bf16", fn, avals))
     return targets
 
@@ -182,7 +183,7 @@ TRAINING = {name: LAYERS[name][:4] for name in ("qwen3-30b-a3b EP1", "gemma-4-26
 TRAINING_TOKENS = 8192
 
 
-def _backward_targets(generation, dtype):
+def _backward_targets(target, dtype):
     targets = []
     for model, (experts, hidden, intermediate, top_k) in TRAINING.items():
         rows = TRAINING_TOKENS * top_k
@@ -192,12 +193,12 @@ def _backward_targets(generation, dtype):
             d_lhs_problem = MatmulProblem(rows, n, k, experts, jnp.dtype(dtype).name, jnp.dtype(dtype).name,
                                           transpose_rhs=False)
             d_lhs = functools.partial(grouped_matmul, transpose_rhs=False,
-                                      config=gmm_tiles.select_d_lhs(d_lhs_problem, generation))
+                                      config=gmm_tiles.select_d_lhs(d_lhs_problem, target))
             targets.append((
                 f"{model} {projection} d_lhs M={rows} K={n} N={k} E={experts} bf16", d_lhs,
                 (jax.ShapeDtypeStruct((rows, n), dtype), jax.ShapeDtypeStruct((experts, n, k), dtype), sizes),
             ))
-            d_rhs = functools.partial(transposed_grouped_matmul, generation=generation)
+            d_rhs = functools.partial(transposed_grouped_matmul, generation=target)
             targets.append((
                 f"{model} {projection} tgmm M={rows} -> [E={experts}, {n}, {k}] bf16", d_rhs,
                 (jax.ShapeDtypeStruct((rows, n), dtype), jax.ShapeDtypeStruct((rows, k), dtype), sizes),
@@ -224,17 +225,17 @@ def _stored(scheme, weight_shape):
     return tuple(d // 2 if i == axis else d for i, d in enumerate(weight_shape))
 
 
-def _quantized_targets(generation, dtype):
+def _quantized_targets(target, dtype):
     targets = []
     for scheme, weights_dtype in SCHEMES.items():
-        if (scheme, generation) in NOT_SERVED:
+        if (scheme, target.name) in NOT_SERVED:
             continue
         for model, projection in SCHEME_PROJECTIONS.get(scheme, ()):
             experts, hidden, intermediate = (MODELS[model][key] for key in ("experts", "hidden", "intermediate"))
             k, n = (hidden, 2 * intermediate) if projection == "gate_up" else (intermediate, hidden)
             rhs = (experts, n, k)
             fn = functools.partial(grouped_matmul, transpose_rhs=True, zero_rows_past_groups=False,
-                                   generation=generation)
+                                   generation=target)
             avals = (jax.ShapeDtypeStruct((512, k), dtype), jax.ShapeDtypeStruct(_stored(scheme, rhs), weights_dtype),
                      jax.ShapeDtypeStruct((experts,), jnp.int32), _scales(scheme, rhs, 1))
             targets.append((f"{model} {projection} M=512 K={k} N={n} E={experts} {scheme}", fn, avals))
@@ -253,7 +254,7 @@ def _quantized_targets(generation, dtype):
                     gate_up_bias, down_bias, gate_up_scales, down_scales = rest if _bias else (None, None, *rest)
                     return experts_layer(hidden_states, index, weights, gate_up_proj, down_proj, gate_up_bias,
                                          down_bias, gate_up_scales, down_scales, **_layout, **_gate,
-                                         generation=generation)
+                                         generation=target)
 
                 avals = _layer_avals(tokens, hidden, top_k, dtype, _stored(scheme, gate_up), _stored(scheme, down),
                                      weights_dtype,
@@ -261,12 +262,12 @@ def _quantized_targets(generation, dtype):
                                      _scales(scheme, gate_up, out_axis), _scales(scheme, down, out_axis))
                 path = _path(ExpertsProblem(tokens, top_k, hidden, intermediate, experts, jnp.dtype(dtype).name,
                                             jnp.dtype(weights_dtype).name, jnp.dtype(dtype).name, transposed,
-                                            has_bias, Gate(**gate)), generation)
+                                            has_bias, Gate(**gate)), target)
                 targets.append((f"{model} experts layer T={tokens} top-{top_k} ({path}) {scheme}", fn, avals))
     return targets
 
 
 def compile_targets(generation):
-    dtype = jnp.bfloat16
-    return (_grouped_targets(generation, dtype) + _layer_targets(generation, dtype)
-            + _backward_targets(generation, dtype) + _quantized_targets(generation, dtype))
+    dtype, target = jnp.bfloat16, resolve_target(generation)
+    return (_grouped_targets(target, dtype) + _layer_targets(target, dtype)
+            + _backward_targets(target, dtype) + _quantized_targets(target, dtype))

@@ -31,6 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ._hardware import TpuGeneration, resolve_target
 from .backward import grouped_experts_backward, without_gradient
 from .combine import kernel as combine_kernel
 from .common.gates import gated, split_gate_up
@@ -42,13 +43,13 @@ from .problem import ExpertsProblem, ExpertWeights, describe_experts
 
 
 def experts_layer(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array, *weights: jax.Array | None,
-                  fused: bool | None = None, generation: str | None = None, **gate) -> jax.Array:
+                  fused: bool | None = None, generation: str | TpuGeneration | None = None, **gate) -> jax.Array:
     """Gated experts per pick, weighted and summed per token.
 
     `weights` and `gate` (activation, weights_transposed, interleaved, alpha,
     limit) as `problem.describe_experts` takes them. `fused` forces one of
     the two paths (None: the rule, `plan.fused_path_config`); `generation`
-    picks the tiles (None: this device's). Differentiable in hidden_states,
+    (a name or a target, resolved here) picks the tiles (None: this device's). Differentiable in hidden_states,
     top_k_weights, the weights and biases (module docstring); sentinel picks
     get a zero routing-weight gradient. Without tokens, picks, hidden size or experts
     the result is zeros and no kernel runs; without intermediate columns each pick
@@ -59,8 +60,8 @@ def experts_layer(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weight
         return jnp.zeros(hidden_states.shape, hidden_states.dtype)
     if problem.intermediate == 0:
         return _routed_down_bias(hidden_states, top_k_index, top_k_weights, weights.down_bias)
-    return planned_experts(plan_experts(problem, generation, fused=fused), hidden_states, top_k_index, top_k_weights,
-                           weights)
+    plan = plan_experts(problem, resolve_target(generation), fused=fused)
+    return planned_experts(plan, hidden_states, top_k_index, top_k_weights, weights)
 
 
 def _routed_down_bias(hidden_states, top_k_index, top_k_weights, down_bias) -> jax.Array:

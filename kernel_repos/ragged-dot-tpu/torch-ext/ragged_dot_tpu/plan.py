@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ._hardware import resolve_generation
+from ._hardware import TpuGeneration
 from .combine import plan as combine_plan
 from .combine.plan import CombinePlan
 from .common.quant import check_served, scheme_of
@@ -48,13 +48,13 @@ from .tgmm.plan import TgmmPlan
 FUSED_MAX_TOKENS = 512
 
 
-def fused_path_config(problem: ExpertsProblem, generation: str | None = None) -> FusedConfig | None:
+def fused_path_config(problem: ExpertsProblem, target: TpuGeneration) -> FusedConfig | None:
     """The rule: the fused kernel's blocks for a decode-sized call (T <= FUSED_MAX_TOKENS) whose blocks fit the VMEM
-    of `generation` (default: this device's); None, the two grouped matmuls, otherwise (see FUSED_MAX_TOKENS for
+    of `target`; None, the two grouped matmuls, otherwise (see FUSED_MAX_TOKENS for
     why)."""
     if problem.tokens > FUSED_MAX_TOKENS:
         return None
-    return fused_tiles.select(problem, generation)
+    return fused_tiles.select(problem, target)
 
 
 class MatmulBackwardPlan(NamedTuple):
@@ -66,14 +66,14 @@ class MatmulBackwardPlan(NamedTuple):
     swapped: bool
 
 
-def plan_ragged_dot_backward(forward: MatmulProblem, generation: str | None = None) -> MatmulBackwardPlan:
+def plan_ragged_dot_backward(forward: MatmulProblem, target: TpuGeneration) -> MatmulBackwardPlan:
     """The backward of `forward`: d_lhs tiles of `gmm.tiles.select_d_lhs`, d_rhs of `tgmm.tiles.select`."""
     m, k, n, groups, dtype = forward.m, forward.k, forward.n, forward.groups, forward.dtype
     d_lhs = MatmulProblem(m, n, k, groups, dtype, dtype, transpose_rhs=not forward.transpose_rhs)
-    d_lhs_config = gmm_tiles.select_d_lhs(d_lhs, generation)
+    d_lhs_config = gmm_tiles.select_d_lhs(d_lhs, target)
     d_rhs = TgmmProblem(m, n, k, groups, dtype, dtype) if forward.transpose_rhs else TgmmProblem(m, k, n, groups,
                                                                                                   dtype, dtype)
-    return MatmulBackwardPlan(gmm_plan.make(d_lhs, generation, d_lhs_config), tgmm_plan.make(d_rhs, generation),
+    return MatmulBackwardPlan(gmm_plan.make(d_lhs, target, d_lhs_config), tgmm_plan.make(d_rhs, target),
                               swapped=forward.transpose_rhs)
 
 
@@ -107,19 +107,18 @@ class ExpertsPlan(NamedTuple):
     down_backward: MatmulBackwardPlan | None
 
 
-def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fused: bool | None = None) -> ExpertsPlan:
-    """The plan of one experts call on `generation` (default: this device's).
+def plan_experts(problem: ExpertsProblem, target: TpuGeneration, *, fused: bool | None = None) -> ExpertsPlan:
+    """The plan of one experts call on `target`.
 
     `fused` forces a path; None takes the rule (`fused_path_config`).
     """
-    generation = resolve_generation(generation)
-    check_served(problem.weights_dtype, generation)
+    check_served(problem.weights_dtype, target)
     orientation = problem.orientation
     if fused is None:
-        config = fused_path_config(problem, generation)
-        fused_call = None if config is None else fused_plan.make(problem, generation, config)
+        config = fused_path_config(problem, target)
+        fused_call = None if config is None else fused_plan.make(problem, target, config)
     else:
-        fused_call = fused_plan.make(problem, generation) if fused else None
+        fused_call = fused_plan.make(problem, target) if fused else None
     picks, hidden, intermediate = problem.picks, problem.hidden, problem.intermediate
 
     def matmul(k: int, n: int, read_transposed: bool) -> MatmulProblem:
@@ -129,17 +128,17 @@ def plan_experts(problem: ExpertsProblem, generation: str | None = None, *, fuse
     gate_up = matmul(hidden, 2 * intermediate, orientation.gate_up_transposed)
     down = matmul(intermediate, hidden, orientation.down_transposed)
     trains = scheme_of(problem.weights_dtype) is None
-    gate_up_plan = gmm_plan.make(gate_up, generation)
-    forward_gate_up = gated_plan(gate_up_plan, problem.gate, generation) or gate_up_plan
-    down_plan = gmm_plan.make(down, generation)
-    packed_down = packed_plan(down_plan, generation)
+    gate_up_plan = gmm_plan.make(gate_up, target)
+    forward_gate_up = gated_plan(gate_up_plan, problem.gate, target) or gate_up_plan
+    down_plan = gmm_plan.make(down, target)
+    packed_down = packed_plan(down_plan, target)
     return ExpertsPlan(
         problem=problem, orientation=orientation, fused=fused_call,
-        gate_up=gate_up_plan, forward_gate_up=gathered_plan(forward_gate_up, generation) or forward_gate_up,
+        gate_up=gate_up_plan, forward_gate_up=gathered_plan(forward_gate_up, target) or forward_gate_up,
         down=down_plan, forward_down=packed_down or down_plan,
         combine=packed_down and combine_plan.make(CombineProblem(problem.tokens, problem.top_k, hidden, problem.dtype,
-                                                            packed_down.tile_n, packed_down.out_split), generation),
-        gate_up_backward=plan_ragged_dot_backward(gate_up, generation) if trains else None,
-        down_backward=plan_ragged_dot_backward(down, generation) if trains else None,
+                                                            packed_down.tile_n, packed_down.out_split), target),
+        gate_up_backward=plan_ragged_dot_backward(gate_up, target) if trains else None,
+        down_backward=plan_ragged_dot_backward(down, target) if trains else None,
     )
 

@@ -9,7 +9,7 @@
 - `MatmulProblem` / `TgmmProblem`: one grouped matmul, one weights' gradient.
 - `CombineProblem`: the per-token sum of an experts call's picks (the combine kernel).
 
-`plan.plan_experts(problem, generation)` turns a problem into the plan the
+`plan.plan_experts(problem, target)` turns a problem into the plan the
 kernels run; the kernels take arrays and a plan.
 """
 

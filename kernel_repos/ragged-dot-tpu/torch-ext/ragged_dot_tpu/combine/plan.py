@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 from jax.experimental import pallas as pl
 
-from .._hardware import resolve_generation, tpu_generation, vmem_limit_bytes
+from .._hardware import TpuGeneration, vmem_limit_bytes
 from ..problem import CombineProblem
 from .tiles import combine_vmem_bytes, select
 
@@ -28,10 +28,9 @@ class CombinePlan(NamedTuple):
         return pl.cdiv(self.tiles, self.cores)
 
 
-def make(problem: CombineProblem, generation: str | None = None, config: int | None = None) -> CombinePlan:
-    """The combine kernel's plan on `generation` (default: this device's): `config`'s token tile, else
+def make(problem: CombineProblem, target: TpuGeneration, config: int | None = None) -> CombinePlan:
+    """The combine kernel's plan on `target`: `config`'s token tile, else
     `select`'s, and the cores the tiles are split over (no more than the tiles)."""
-    generation = resolve_generation(generation)
-    tile_t = select(problem, generation) if config is None else config
-    cores = min(tpu_generation(generation).cores_per_device, pl.cdiv(problem.tokens, tile_t))
-    return CombinePlan(problem, tile_t, cores, vmem_limit_bytes(combine_vmem_bytes(tile_t, problem), generation))
+    tile_t = select(problem, target) if config is None else config
+    cores = min(target.cores_per_device, pl.cdiv(problem.tokens, tile_t))
+    return CombinePlan(problem, tile_t, cores, vmem_limit_bytes(combine_vmem_bytes(tile_t, problem), target.name))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .._hardware import LANES, resolve_generation, round_up, tpu_generation, vmem_budget_bytes
+from .._hardware import LANES, TpuGeneration, round_up, vmem_budget_bytes
 from ..problem import CombineProblem
 
 # Tokens per grid step, largest first: each step copies up to K x tile rows, and a longer tile pays fewer steps'
@@ -26,13 +26,12 @@ def combine_vmem_bytes(tile_t: int, problem: CombineProblem) -> int:
             + 4 * tile_t * problem.split * 4)  # one N tile's f32 parts and sums
 
 
-def select(problem: CombineProblem, generation: str | None = None) -> int:
+def select(problem: CombineProblem, target: TpuGeneration) -> int:
     """The token tile: the largest of TOKEN_TILES that leaves each core MIN_TILES_PER_CORE tiles and takes at most
-    half of the VMEM budget of `generation` (default: this device's; the rest stays XLA's, around the kernel),
+    half of the VMEM budget of `target` (the rest stays XLA's, around the kernel),
     else the smallest."""
-    generation = resolve_generation(generation)
-    chip_cores = tpu_generation(generation).cores_per_device
+    chip_cores = target.cores_per_device
     return next((tile for tile in TOKEN_TILES
                  if pl.cdiv(problem.tokens, tile) >= MIN_TILES_PER_CORE * chip_cores
-                 and combine_vmem_bytes(tile, problem) <= vmem_budget_bytes(generation) // 2),
+                 and combine_vmem_bytes(tile, problem) <= vmem_budget_bytes(target.name) // 2),
                 min(TOKEN_TILES[-1], round_up(problem.tokens, 8)))

@@ -51,7 +51,7 @@ import torch
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .._hardware import default_layout_swaps_minor_dims, resolve_generation, sublane_multiple
+from .._hardware import TpuGeneration, default_layout_swaps_minor_dims, resolve_target, sublane_multiple
 
 FP8_BLOCK = 128
 # `>>` rather than `//`: Mosaic lowers integer floor division through `sign`, which needs a TPU to look up.
@@ -85,18 +85,18 @@ NOT_SERVED = {(INT4, "tpu7x"): "TPU7x has no int4 MXU path and its fp8 MXU serve
                                "(kernelize(..., quantize_experts=\"fp8\"))"}
 
 
-def check_scheme_served(scheme: str | None, generation: str | None = None) -> None:
-    """Raises ValueError if `scheme` ("int8", "fp8", "int4") is not served on `generation` (default: this device's;
-    NOT_SERVED says why)."""
-    generation = resolve_generation(generation)
-    reason = NOT_SERVED.get((scheme, generation))
+def check_scheme_served(scheme: str | None, generation: str | TpuGeneration | None = None) -> None:
+    """Raises ValueError if `scheme` ("int8", "fp8", "int4") is not served on `generation` (a name or a target;
+    default: this device's; NOT_SERVED says why)."""
+    name = resolve_target(generation).name
+    reason = NOT_SERVED.get((scheme, name))
     if reason is not None:
-        raise ValueError(f"{scheme} expert weights are not served on {generation}: {reason}")
+        raise ValueError(f"{scheme} expert weights are not served on {name}: {reason}")
 
 
-def check_served(dtype, generation: str | None = None) -> None:
-    """`check_scheme_served` for weights of `dtype`."""
-    check_scheme_served(scheme_of(dtype), generation)
+def check_served(dtype, target: TpuGeneration) -> None:
+    """`check_scheme_served` for weights of `dtype` on `target`."""
+    check_scheme_served(scheme_of(dtype), target)
 
 
 def per_channel_scales(scheme: str | None) -> bool:

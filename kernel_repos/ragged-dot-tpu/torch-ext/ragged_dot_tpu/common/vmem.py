@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from .._hardware import padded_vmem_bytes, resolve_generation, vmem_budget_bytes
+from .._hardware import TpuGeneration, padded_vmem_bytes, vmem_budget_bytes
 from .quant import FP8_BLOCK, INT4_PACK_ROWS, blocks
 
 # Every (group slot, row chunk) pair is one matmul unrolled in the kernel
@@ -54,14 +54,13 @@ def accepts(check: Callable[..., None], *arguments) -> bool:
     return True
 
 
-def check_vmem_fits(config, needed: int, generation: str | None) -> None:
-    """Raises ValueError if `needed` bytes of VMEM pass the budget of `generation` (default: this device's):
+def check_vmem_fits(config, needed: int, target: TpuGeneration) -> None:
+    """Raises ValueError if `needed` bytes of VMEM pass the budget of `target`:
     `_hardware.vmem_budget_bytes`: 96 MiB on v5e and v6e, 52 MiB on v5p, 48 MiB on TPU7x."""
-    generation = resolve_generation(generation)
-    budget = vmem_budget_bytes(generation)
+    budget = vmem_budget_bytes(target.name)
     if needed > budget:
         raise ValueError(f"config {tuple(config)} needs {needed / 2**20:.1f} MiB of VMEM, past the {budget >> 20} MiB "
-                         f"budget on {generation}")
+                         f"budget on {target.name}")
 
 
 def buffers_bytes(buffers) -> int:

@@ -79,6 +79,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .._hardware import TpuGeneration, resolve_target
 from ..common.quant import INT4, scheme_of
 from ..common.routing import expert_plan
 from ..problem import ExpertWeights, describe_experts
@@ -211,18 +212,20 @@ def _chunks_over_i_tiles(live_chunks, own_tile, i_step, last_i, gather, scatter,
 
 
 def fused_experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array, *weights: jax.Array | None,
-                  config: FusedConfig | None = None, generation: str | None = None, **gate) -> jax.Array:
+                  config: FusedConfig | None = None, generation: str | TpuGeneration | None = None,
+                  **gate) -> jax.Array:
     """Gated experts per pick, weighted and summed per token, in one pallas_call (see the module docstring).
 
     Arguments as `layer.experts_layer`; picks with id == E are sentinels.
-    Blocks: `config`, else the plan's on `generation` (`fused.plan.make`). Inputs are
+    Blocks: `config`, else the plan's on `generation` (a name or a target, resolved here;
+    default this device's: `fused.plan.make`). Inputs are
     assumed valid (`ops.py`). Without tokens, picks, hidden size or experts
     there is nothing to compute: the result is zeros and no kernel runs.
     """
     problem, weights = describe_experts(hidden_states, top_k_index, top_k_weights, *weights, **gate)
     if problem.empty:
         return jnp.zeros(hidden_states.shape, hidden_states.dtype)
-    plan = make(problem, generation, config)
+    plan = make(problem, resolve_target(generation), config)
     read = weights.as_read(plan.orientation, weights_transposed=problem.weights_transposed)
     return call(hidden_states, top_k_index, top_k_weights, read, plan)
 

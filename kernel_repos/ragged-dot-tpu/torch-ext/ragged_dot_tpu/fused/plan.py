@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .._hardware import resolve_generation, vmem_limit_bytes
+from .._hardware import TpuGeneration, vmem_limit_bytes
 from ..common.quant import check_served
 from ..common.vmem import Buffer
 from ..common.routing import expected_active_groups
@@ -37,20 +37,19 @@ class FusedPlan(NamedTuple):
     slab_i: int  # I columns per trip of the interleaved body's loop over its I tile (`fused.tiles.slab_i`)
 
 
-def make(problem: ExpertsProblem, generation: str | None = None, config: FusedConfig | None = None) -> FusedPlan:
-    """The fused kernel's plan on `generation` (default: this device's): `config`'s blocks (checked), else
+def make(problem: ExpertsProblem, target: TpuGeneration, config: FusedConfig | None = None) -> FusedPlan:
+    """The fused kernel's plan on `target`: `config`'s blocks (checked), else
     `select`'s; ValueError if none fits."""
-    generation = resolve_generation(generation)
-    check_served(problem.weights_dtype, generation)
+    check_served(problem.weights_dtype, target)
     if config is None:
-        config = select(problem, generation)
+        config = select(problem, target)
         if config is None:
             raise ValueError(f"fused_experts: no I tiling of T={problem.tokens}, H={problem.hidden}, "
                              f"I={problem.intermediate} fits VMEM; use the grouped path")
-    check_fused_config(config, problem, generation)
+    check_fused_config(config, problem, target)
     tiles = i_tiles(config, problem.intermediate)
-    cores = fused_cores(generation, problem.picks, config.cores_per_expert)
-    fp8_matmul = fused_feeds_fp8_mxu(config, problem, generation)
+    cores = fused_cores(target, problem.picks, config.cores_per_expert)
+    fp8_matmul = fused_feeds_fp8_mxu(config, problem, target)
     return FusedPlan(
         problem=problem, orientation=problem.orientation, chunk_rows=config.chunk_rows,
         chunks=fused_chunks(config, problem.tokens), tile_i=config.tile_i, i_tiles=tiles,
@@ -59,7 +58,7 @@ def make(problem: ExpertsProblem, generation: str | None = None, config: FusedCo
         i_tiles_per_core=i_tiles_per_core(config, problem.intermediate),
         buffers=fused_buffers(config, problem, cores=cores, fp8_matmul=fp8_matmul),
         vmem_limit_bytes=vmem_limit_bytes(fused_vmem_bytes(config, problem, cores=cores, fp8_matmul=fp8_matmul),
-                                          generation),
+                                          target.name),
         active_experts=expected_active_groups(problem.picks, problem.num_experts),
         fp8_matmul=fp8_matmul, slab_i=slab_i(config.tile_i, problem),
     )

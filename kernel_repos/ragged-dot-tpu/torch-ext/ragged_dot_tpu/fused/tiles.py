@@ -13,8 +13,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from .._hardware import (
-    LANES, grid_step_overhead_s, padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, tpu_generation,
-    vmem_budget_bytes,
+    LANES, TpuGeneration, grid_step_overhead_s, padded_vmem_bytes, round_up, sublane_multiple, vmem_budget_bytes,
 )
 from ..common.gates import DEINTERLEAVED_COLUMNS
 from ..common.quant import (
@@ -125,14 +124,14 @@ def slab_i(tile_i: int, problem: ExpertsProblem) -> int:
     return max(aligned, default=tile_i)
 
 
-def partial_i_tiles(problem: ExpertsProblem, generation: str) -> bool:
+def partial_i_tiles(problem: ExpertsProblem, target: TpuGeneration) -> bool:
     """Whether I may be cut into FP8_BLOCK-aligned tiles with a partial last one: for fp8 weights on the fp8 MXU in
     the interleaved gate/up layout, whose kernel masks the last tile's columns past I
     (`fused.kernel._interleaved_fp8_rows`). GPT-OSS's I = 2880 has no divisor that is a multiple of 128, and its
     whole I does not fit VMEM with double-buffered fp8 blocks. In the concatenated layout the up block's offset
     is counted in whole tiles, so the tiles must divide I there."""
     return (problem.gate.interleaved and scheme_of(problem.weights_dtype) == FP8
-            and generation in FP8_MXU_GENERATIONS)
+            and target.name in FP8_MXU_GENERATIONS)
 
 
 def fused_chunks(config: FusedConfig, tokens: int) -> int:
@@ -168,12 +167,12 @@ def _tile_i_aligned(tile_i: int, problem: ExpertsProblem, partial: bool = False)
     return gate_up_cut % gate_up_multiple == 0 and tile_i % down_multiple == 0 and columns_ok
 
 
-def fused_feeds_fp8_mxu(config: FusedConfig, problem: ExpertsProblem, generation: str) -> bool:
+def fused_feeds_fp8_mxu(config: FusedConfig, problem: ExpertsProblem, target: TpuGeneration) -> bool:
     """Whether the fused kernel feeds fp8 weights to the fp8 MXU (`common.quant.fp8_matmul`) rather than dequantizing
     them: on a generation that has one, with I whole or in tiles of whole scale blocks (the down projection's K
     offsets). Either gate/up layout: the interleaved one is de-interleaved on the MXU there, in row orientation
     (`fused.kernel._interleaved_fp8_rows`)."""
-    return (scheme_of(problem.weights_dtype) == FP8 and generation in FP8_MXU_GENERATIONS
+    return (scheme_of(problem.weights_dtype) == FP8 and target.name in FP8_MXU_GENERATIONS
             and (config.tile_i == problem.intermediate or config.tile_i % FP8_BLOCK == 0))
 
 
@@ -254,18 +253,18 @@ def fused_vmem_bytes(config: FusedConfig, problem: ExpertsProblem, *, cores: int
     return buffers_bytes(buffers) + values
 
 
-def fused_cores(generation: str, picks: int | None = None, cores_per_expert: int = 1) -> int:
-    """TensorCores the fused kernel runs on on `generation`: both of a megacore device's (v5p), each summing its
+def fused_cores(target: TpuGeneration, picks: int | None = None, cores_per_expert: int = 1) -> int:
+    """TensorCores the fused kernel runs on on `target`: both of a megacore device's (v5p), each summing its
     experts (or its I tiles of every expert, `cores_per_expert`) into an f32 partial output of its own; one for a
     single pick split by experts (decode of one token under EP dispatch), where the second core would have no
     expert and still fetch a step's weights."""
-    cores = tpu_generation(generation).cores_per_device
+    cores = target.cores_per_device
     if picks is None or cores_per_expert > 1:
         return cores
     return max(1, min(cores, picks))
 
 
-def busier_core_seconds(config: FusedConfig, problem: ExpertsProblem, generation: str) -> float:
+def busier_core_seconds(config: FusedConfig, problem: ExpertsProblem, target: TpuGeneration) -> float:
     """Modelled seconds of a call's busier TensorCore under `config`'s split: its share of the active experts'
     weights streamed at one core's HBM rate, and its grid steps at their fixed cost (`grid_step_overhead_s`).
 
@@ -278,21 +277,20 @@ def busier_core_seconds(config: FusedConfig, problem: ExpertsProblem, generation
     the weights: MXU work, which splits as they do, and the pipeline's
     first fetch are left out.
     """
-    chip = tpu_generation(generation)
     intermediate = problem.intermediate
     active = expected_active_groups(problem.picks, problem.num_experts)
     tiles = i_tiles(config, intermediate)
-    fetch = _expert_fetch_seconds(problem, chip)
+    fetch = _expert_fetch_seconds(problem, target)
     if config.cores_per_expert > 1:
         share = i_tiles_per_core(config, intermediate)
         experts, steps = active * share / tiles, math.ceil(active) * share
     else:
-        experts = math.ceil(active / chip.cores_per_device)
+        experts = math.ceil(active / target.cores_per_device)
         steps = math.ceil(experts / config.experts_per_step) * tiles
-    return experts * fetch + steps * grid_step_overhead_s(generation)
+    return experts * fetch + steps * grid_step_overhead_s(target.name)
 
 
-def experts_per_step_saving(config: FusedConfig, problem: ExpertsProblem, generation: str) -> float:
+def experts_per_step_saving(config: FusedConfig, problem: ExpertsProblem, target: TpuGeneration) -> float:
     """Seconds a call saves with `config.experts_per_step` experts per grid step rather than one (negative: loses).
 
     Each step saved saves its fixed cost (`grid_step_overhead_s`); what the
@@ -305,15 +303,14 @@ def experts_per_step_saving(config: FusedConfig, problem: ExpertsProblem, genera
     the expert's matmuls and the one-hot gather and scatter over the T
     tokens; per-core HBM and bf16 MXU peaks.
     """
-    chip = tpu_generation(generation)
     tokens, hidden, intermediate = problem.tokens, problem.hidden, problem.intermediate
     active = expected_active_groups(tokens, problem.num_experts)
-    per_core = active / chip.cores_per_device
+    per_core = active / target.cores_per_device
     steps_saved = math.ceil(per_core) - math.ceil(per_core / config.experts_per_step)
-    fetch = _expert_fetch_seconds(problem, chip)
+    fetch = _expert_fetch_seconds(problem, target)
     mxu_rows = config.chunk_rows * math.ceil(tokens / active / config.chunk_rows)
-    compute = 2 * mxu_rows * (3 * hidden * intermediate + 2 * tokens * hidden) / chip.bf16_flops_per_s
-    return steps_saved * grid_step_overhead_s(generation) - (config.experts_per_step - 1) * min(fetch, compute)
+    compute = 2 * mxu_rows * (3 * hidden * intermediate + 2 * tokens * hidden) / target.bf16_flops_per_s
+    return steps_saved * grid_step_overhead_s(target.name) - (config.experts_per_step - 1) * min(fetch, compute)
 
 
 def _expert_fetch_seconds(problem: ExpertsProblem, chip) -> float:
@@ -336,14 +333,14 @@ def _tile_i_candidates(intermediate: int, partial: bool) -> list[int]:
     return found
 
 
-def select(problem: ExpertsProblem, generation: str | None = None) -> FusedConfig | None:
+def select(problem: ExpertsProblem, target: TpuGeneration) -> FusedConfig | None:
     """The fused kernel's blocks for this layer, or None if no I tiling fits VMEM.
 
     Rows: T (the most one expert can get) rounded to the native sublane tile,
     in chunks of at most FUSED_MAX_CHUNK_ROWS, or FEW_ROWS_CHUNK_ROWS where
     each expert expects few rows. I: whole, or I / n for the smallest n that
-    is aligned (`_tile_i_aligned`) and fits the VMEM budget of `generation`
-    (default: this device's); where `partial_i_tiles`, for each n first the
+    is aligned (`_tile_i_aligned`) and fits the VMEM budget of `target`;
+    where `partial_i_tiles`, for each n first the
     FP8_BLOCK multiple that covers I in n tiles (the fp8 MXU's). Experts per
     step: with the whole I and at least MULTI_EXPERT_MIN_TOKENS tokens, of
     those that fit (up to MAX_EXPERTS_PER_STEP and the experts), the one
@@ -358,14 +355,13 @@ def select(problem: ExpertsProblem, generation: str | None = None) -> FusedConfi
     few_rows = tokens / expected_active_groups(tokens, problem.num_experts) <= FEW_ROWS_PER_EXPERT
     chunk = min(round_up(tokens, sublane_multiple(problem.dtype)),
                 FEW_ROWS_CHUNK_ROWS if few_rows else FUSED_MAX_CHUNK_ROWS)
-    generation = resolve_generation(generation)
-    budget, cores = vmem_budget_bytes(generation), fused_cores(generation)
+    budget, cores = vmem_budget_bytes(target.name), fused_cores(target)
 
     def fits(config: FusedConfig) -> bool:
-        fp8_matmul = fused_feeds_fp8_mxu(config, problem, generation)
+        fp8_matmul = fused_feeds_fp8_mxu(config, problem, target)
         return fused_vmem_bytes(config, problem, cores=cores, fp8_matmul=fp8_matmul) <= budget
 
-    partial = partial_i_tiles(problem, generation)
+    partial = partial_i_tiles(problem, target)
     aligned = [FusedConfig(chunk, tile_i) for tile_i in _tile_i_candidates(intermediate, partial)
                if _tile_i_aligned(tile_i, problem, partial)]
     by_experts = next((config for config in aligned if fits(config)), None)
@@ -374,19 +370,19 @@ def select(problem: ExpertsProblem, generation: str | None = None) -> FusedConfi
     if by_experts.tile_i == intermediate and tokens >= MULTI_EXPERT_MIN_TOKENS:
         most = min(MAX_EXPERTS_PER_STEP, problem.num_experts)
         candidates = [c for c in (by_experts._replace(experts_per_step=n) for n in range(1, most + 1)) if fits(c)]
-        by_experts = max(candidates, key=lambda c: experts_per_step_saving(c, problem, generation))
+        by_experts = max(candidates, key=lambda c: experts_per_step_saving(c, problem, target))
     if cores == 1:
         return by_experts
     shared = [c for c in (config._replace(cores_per_expert=cores) for config in aligned)
               if i_tiles(c, intermediate) >= cores and fits(c)]
-    fastest = min(shared, key=lambda c: busier_core_seconds(c, problem, generation), default=None)
-    if fastest is not None and (busier_core_seconds(fastest, problem, generation)
-                                < (1 - SHARED_EXPERTS_MIN_GAIN) * busier_core_seconds(by_experts, problem, generation)):
+    fastest = min(shared, key=lambda c: busier_core_seconds(c, problem, target), default=None)
+    if fastest is not None and (busier_core_seconds(fastest, problem, target)
+                                < (1 - SHARED_EXPERTS_MIN_GAIN) * busier_core_seconds(by_experts, problem, target)):
         return fastest
     return by_experts
 
 
-def check_fused_config(config: FusedConfig, problem: ExpertsProblem, generation: str | None = None) -> None:
+def check_fused_config(config: FusedConfig, problem: ExpertsProblem, target: TpuGeneration) -> None:
     """Raises ValueError if `config` cannot run this fused experts layer."""
     if not isinstance(config, FusedConfig):
         raise TypeError(f"config must be a FusedConfig, got {type(config).__name__}")
@@ -397,17 +393,16 @@ def check_fused_config(config: FusedConfig, problem: ExpertsProblem, generation:
     if config.experts_per_step > 1 and config.tile_i != intermediate:
         raise ValueError(f"config.experts_per_step={config.experts_per_step} needs the whole I per step "
                          f"(tile_i={intermediate}), got tile_i={config.tile_i}")
-    generation = resolve_generation(generation)
-    if config.cores_per_expert not in (1, fused_cores(generation)):
-        raise ValueError(f"config.cores_per_expert={config.cores_per_expert}: {generation} has "
-                         f"{fused_cores(generation)} TensorCore(s) per device; take 1 or all of them")
+    if config.cores_per_expert not in (1, fused_cores(target)):
+        raise ValueError(f"config.cores_per_expert={config.cores_per_expert}: {target.name} has "
+                         f"{fused_cores(target)} TensorCore(s) per device; take 1 or all of them")
     if i_tiles(config, intermediate) < config.cores_per_expert:
         raise ValueError(f"config.cores_per_expert={config.cores_per_expert} needs at least as many I tiles, got "
                          f"tile_i={config.tile_i} of I={intermediate}")
     sublanes = sublane_multiple(problem.dtype)
     if config.chunk_rows % sublanes:
         raise ValueError(f"config.chunk_rows={config.chunk_rows} must be a multiple of {sublanes}")
-    partial = partial_i_tiles(problem, generation)
+    partial = partial_i_tiles(problem, target)
     if not _tile_i_aligned(config.tile_i, problem, partial):
         raise ValueError(
             f"config.tile_i={config.tile_i} must be I={intermediate}"
@@ -415,6 +410,6 @@ def check_fused_config(config: FusedConfig, problem: ExpertsProblem, generation:
             + " or divide it into blocks aligned to the native tile of the weights as the kernel reads them "
             "(ExpertsProblem.orientation)"
         )
-    fp8_matmul = fused_feeds_fp8_mxu(config, problem, generation)
-    check_vmem_fits(config, fused_vmem_bytes(config, problem, cores=fused_cores(generation), fp8_matmul=fp8_matmul),
-                    generation)
+    fp8_matmul = fused_feeds_fp8_mxu(config, problem, target)
+    check_vmem_fits(config, fused_vmem_bytes(config, problem, cores=fused_cores(target), fp8_matmul=fp8_matmul),
+                    target)

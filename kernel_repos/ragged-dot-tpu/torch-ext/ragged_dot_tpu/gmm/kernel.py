@@ -109,7 +109,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .._hardware import sublane_multiple
+from .._hardware import TpuGeneration, resolve_target, sublane_multiple
 from ..common.packed_rows import pack_rows
 from ..common.quant import (
     FP8, INT4, INT8, dequantize_fp8_block, dequantized_in_vmem, fp8_matmul, fp8_window_scales, int4_packed_axis,
@@ -385,7 +385,7 @@ def grouped_matmul(
     transpose_rhs: bool = False,
     zero_rows_past_groups: bool = True,
     config: TileConfig | None = None,
-    generation: str | None = None,
+    generation: str | TpuGeneration | None = None,
 ) -> jax.Array:
     """`lhs[M,K] x rhs[G,K,N] (or [G,N,K] with transpose_rhs) -> [M,N]` per row group.
 
@@ -396,7 +396,7 @@ def grouped_matmul(
     int4; `[G, ceil(D1/128), ceil(D2/128)]` blocks over rhs's own dims for
     fp8); the output is in
     lhs's dtype. Tiles: `config`, else the plan's (`gmm.plan.make`
-    for `generation`, default this device's). Inputs are assumed valid: the
+    for `generation`, a name or a target, resolved here; default this device's). Inputs are assumed valid: the
     torch ops check them (`ops.py`); `group_sizes` has an integer dtype and
     sums to at most M. With an empty dimension (M, K, N or G zero) there is
     nothing to multiply: the result is zeros and no kernel runs.
@@ -413,7 +413,7 @@ def grouped_matmul(
         rhs, transpose_rhs = jnp.swapaxes(rhs, 1, 2), not transpose_rhs
     problem = MatmulProblem(m, k, n, num_groups, jnp.dtype(lhs.dtype).name, jnp.dtype(rhs.dtype).name,
                             transpose_rhs=bool(transpose_rhs), zero_rows_past_groups=bool(zero_rows_past_groups))
-    return call(lhs, rhs, group_sizes, make(problem, generation, config), rhs_scales)
+    return call(lhs, rhs, group_sizes, make(problem, resolve_target(generation), config), rhs_scales)
 
 
 def _prefetch_count(plan: MatmulPlan) -> int:

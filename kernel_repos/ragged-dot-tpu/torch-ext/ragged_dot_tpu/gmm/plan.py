@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .._hardware import LANES, max_vmem_limit_bytes, resolve_generation, round_up, tpu_generation
+from .._hardware import LANES, TpuGeneration, max_vmem_limit_bytes, round_up
 from ..common.quant import check_served
 from ..common.vmem import Buffer, check_vmem_fits
 from ..problem import Gate, MatmulProblem
@@ -41,28 +41,27 @@ class MatmulPlan(NamedTuple):
     out_split: int = 0
 
 
-def make(problem: MatmulProblem, generation: str | None = None,
+def make(problem: MatmulProblem, target: TpuGeneration,
                     config: TileConfig | None = None) -> MatmulPlan:
-    """The plan of one grouped matmul on `generation` (default: this device's): `config`'s tiles (checked),
+    """The plan of one grouped matmul on `target`: `config`'s tiles (checked),
     else `select`'s."""
-    generation = resolve_generation(generation)
-    check_served(problem.rhs_dtype, generation)
+    check_served(problem.rhs_dtype, target)
     if config is None:
-        config = select(problem, generation)
-    check_config(config, problem, generation)
-    fp8_matmul = matmul_feeds_fp8_mxu(config, problem, generation)
+        config = select(problem, target)
+    check_config(config, problem, target)
+    fp8_matmul = matmul_feeds_fp8_mxu(config, problem, target)
     return MatmulPlan(
         problem=problem, tile_m=row_tile_rows(config, problem), tile_k=min(config.tile_k, problem.k),
         tile_n=min(config.tile_n, problem.n), chunk_m=config.chunk_m if row_chunks(config, problem) > 1 else None,
         groups_per_step=config.groups_per_step, buffers=matmul_buffers(config, problem, fp8_matmul=fp8_matmul),
-        vmem_limit_bytes=vmem_limit(config, problem, generation),
+        vmem_limit_bytes=vmem_limit(config, problem, target),
         active_groups=expected_active_groups(problem.m, problem.groups), fp8_matmul=fp8_matmul,
     )
 
 
-def gated_plan(gate_up: MatmulPlan, gate: Gate, generation: str | None = None) -> MatmulPlan | None:
-    """The experts' first projection with the gate in its epilogue (`MatmulProblem.gate`) on `generation`
-    (default: this device's): `gate_up`'s tiles, its N tile counted in output columns (half as many), so the
+def gated_plan(gate_up: MatmulPlan, gate: Gate, target: TpuGeneration) -> MatmulPlan | None:
+    """The experts' first projection with the gate in its epilogue (`MatmulProblem.gate`) on `target`:
+    `gate_up`'s tiles, its N tile counted in output columns (half as many), so the
     weights blocks and accumulators take the VMEM gate_up's did (its `buffers` and VMEM limit, which the
     halved output block only undercuts). With gate_up in one N tile the kernel reads all 2I columns as one
     block; with several, each tile's gate and up halves apart.
@@ -77,7 +76,7 @@ def gated_plan(gate_up: MatmulPlan, gate: Gate, generation: str | None = None) -
     problem = gate_up.problem
     intermediate = problem.n // 2
     if gate.interleaved:
-        return interleaved_gated_plan(gate_up, gate, generation)
+        return interleaved_gated_plan(gate_up, gate, target)
     if gate_up.tile_n % 2:
         return None
     half = gate_up.tile_n // 2
@@ -86,14 +85,14 @@ def gated_plan(gate_up: MatmulPlan, gate: Gate, generation: str | None = None) -
         return gated
     if problem.rhs_scheme is not None:
         return None
-    mxu = tpu_generation(resolve_generation(generation)).mxu_size
+    mxu = target.mxu_size
     if intermediate % half or 2 * round_up(half, mxu) > round_up(gate_up.tile_n, mxu):
         return None
     # The output block's lanes (and the weights block's lanes or, read transposed, sublanes).
     return gated if half % LANES == 0 else None
 
 
-def interleaved_gated_plan(gate_up: MatmulPlan, gate: Gate, generation: str | None = None) -> MatmulPlan | None:
+def interleaved_gated_plan(gate_up: MatmulPlan, gate: Gate, target: TpuGeneration) -> MatmulPlan | None:
     """`gated_plan` for interleaved gate and up columns: each N tile reads its pairs as one block, which the
     kernel's epilogue de-interleaves (`gmm/kernel.py`). One N tile takes any I. With several, the output block's
     columns (the half tile) must be whole 128 lanes: of gate_up's half tile rounded down and up to the lanes,
@@ -112,16 +111,16 @@ def interleaved_gated_plan(gate_up: MatmulPlan, gate: Gate, generation: str | No
         half = min(half, intermediate)
         config = TileConfig(gate_up.tile_m, gate_up.tile_k, 2 * half, gate_up.chunk_m, gate_up.groups_per_step)
         try:
-            planned = make(problem, generation, config)
+            planned = make(problem, target, config)
         except ValueError:
             continue
         return planned._replace(problem=problem._replace(n=intermediate, gate=gate), tile_n=half)
     return None
 
 
-def gathered_plan(plan: MatmulPlan, generation: str | None = None) -> MatmulPlan | None:
-    """`plan` with its rows copied in the kernel from their tokens (`MatmulProblem.gathered`) on `generation`
-    (default: this device's): the same tiles, the copies landing in two buffers of lhs's window, as the
+def gathered_plan(plan: MatmulPlan, target: TpuGeneration) -> MatmulPlan | None:
+    """`plan` with its rows copied in the kernel from their tokens (`MatmulProblem.gathered`) on `target`:
+    the same tiles, the copies landing in two buffers of lhs's window, as the
     pipeline's would, or in one for a single row tile.
 
     A bf16 row is copied as 32-bit words, each holding one element of the row's first K columns and one of the
@@ -143,15 +142,14 @@ def gathered_plan(plan: MatmulPlan, generation: str | None = None) -> MatmulPlan
     gathered = plan._replace(problem=problem._replace(gathered=True))
     if problem.dtype == "float32":
         return gathered
-    generation = resolve_generation(generation)
-    split = _gather_split(problem.k, problem.transpose_rhs, tpu_generation(generation).mxu_size)
+    split = _gather_split(problem.k, problem.transpose_rhs, target.mxu_size)
     if split is None:
         return None
     window_rows = plan.tile_m + (plan.chunk_m or 0)
     copies = 1 if plan.tile_m >= problem.m else 2
     wider_words = copies * window_rows * 4 * (split - problem.k // 2)
     return gathered._replace(gather_split=split, vmem_limit_bytes=min(plan.vmem_limit_bytes + wider_words,
-                                                                      max_vmem_limit_bytes(generation)))
+                                                                      max_vmem_limit_bytes(target.name)))
 
 
 def _gather_split(k: int, transpose_rhs: bool, mxu: int) -> int | None:
@@ -167,9 +165,9 @@ def _gather_split(k: int, transpose_rhs: bool, mxu: int) -> int | None:
     return aligned
 
 
-def packed_plan(plan: MatmulPlan, generation: str | None = None) -> MatmulPlan | None:
-    """`plan` with its output as packed words (`MatmulProblem.packed_out`) on `generation` (default: this
-    device's), for the combine kernel to copy by row: each N tile's columns in words of one column before
+def packed_plan(plan: MatmulPlan, target: TpuGeneration) -> MatmulPlan | None:
+    """`plan` with its output as packed words (`MatmulProblem.packed_out`) on `target`, for the combine kernel to
+    copy by row: each N tile's columns in words of one column before
     `out_split` (half the tile, rounded up to whole 128 lanes: the words' block and the combine kernel's
     parts of each tile) and one from it; the rows' words are `out_split` per N tile, a partial last tile's
     included. The VMEM limit grows by what the words' blocks take past the bf16 ones.
@@ -187,17 +185,17 @@ def packed_plan(plan: MatmulPlan, generation: str | None = None) -> MatmulPlan |
         # Its blocks and VMEM as for N of the widened tile's columns.
         widened_problem = problem._replace(n=widened.tile_n)
         try:
-            check_vmem_fits(widened, vmem_bytes(widened, widened_problem, fp8_matmul=plan.fp8_matmul), generation)
+            check_vmem_fits(widened, vmem_bytes(widened, widened_problem, fp8_matmul=plan.fp8_matmul), target)
         except ValueError:
             return None
         plan = plan._replace(tile_n=widened.tile_n,
                              buffers=matmul_buffers(widened, widened_problem, fp8_matmul=plan.fp8_matmul),
-                             vmem_limit_bytes=vmem_limit(widened, widened_problem, generation))
+                             vmem_limit_bytes=vmem_limit(widened, widened_problem, target))
     if plan.tile_n % LANES or plan.tile_n < 2 * LANES:
         return None
     split = round_up(plan.tile_n // 2, LANES)
     wider_words = 2 * plan.tile_m * (4 * split - 2 * plan.tile_n)
     return plan._replace(problem=problem._replace(packed_out=True), out_split=split,
                          vmem_limit_bytes=min(plan.vmem_limit_bytes + wider_words,
-                                              max_vmem_limit_bytes(resolve_generation(generation))))
+                                              max_vmem_limit_bytes(target.name)))
 

@@ -29,10 +29,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from .._hardware import (
-    LANES, check_generation, padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, tpu_generation,
-    vmem_limit_bytes,
-)
+from .._hardware import LANES, TpuGeneration, padded_vmem_bytes, round_up, sublane_multiple, vmem_limit_bytes
 from .._tuning import read_tuned_tiles
 from ..common.quant import (
     FP8, FP8_BLOCK, FP8_MXU_GENERATIONS, INT8, INT4, blocks, dequantized_in_vmem, per_channel_scales, stored_rows,
@@ -93,10 +90,10 @@ TUNED_TILES_FILE = Path(__file__).with_name("tuned_tiles.json")
 TUNED_TILES: dict[TunedKey, TileConfig] = read_tuned_tiles(TUNED_TILES_FILE, TunedKey, TileConfig)
 
 
-def matmul_feeds_fp8_mxu(config: TileConfig, problem: MatmulProblem, generation: str) -> bool:
+def matmul_feeds_fp8_mxu(config: TileConfig, problem: MatmulProblem, target: TpuGeneration) -> bool:
     """Whether the grouped matmul feeds fp8 weights to the fp8 MXU (`common.quant.fp8_matmul`) rather than dequantizing
     them: on a generation that has one, with K whole or in tiles of whole 128-wide scale blocks."""
-    return (problem.rhs_scheme == FP8 and generation in FP8_MXU_GENERATIONS
+    return (problem.rhs_scheme == FP8 and target.name in FP8_MXU_GENERATIONS
             and (config.tile_k >= problem.k or config.tile_k % FP8_BLOCK == 0))
 
 
@@ -178,9 +175,8 @@ def row_chunks(config: TileConfig, problem: MatmulProblem) -> int:
     return row_tile_rows(config, problem) // config.chunk_m
 
 
-def check_config(config: TileConfig, problem: MatmulProblem, generation: str | None = None) -> None:
-    """Raises ValueError if `config` cannot run `problem` (its shape, dtypes, layout and bias) on `generation`
-    (default: this device's)."""
+def check_config(config: TileConfig, problem: MatmulProblem, target: TpuGeneration) -> None:
+    """Raises ValueError if `config` cannot run `problem` (its shape, dtypes, layout and bias) on `target`."""
     if not isinstance(config, TileConfig):
         raise TypeError(f"config must be a TileConfig, got {type(config).__name__}")
     m, k, n = problem.m, problem.k, problem.n
@@ -221,19 +217,17 @@ def check_config(config: TileConfig, problem: MatmulProblem, generation: str | N
             f"config {tuple(config)}: one grid step unrolls {macs / 2**30:.1f} Gi multiply-adds, past the "
             f"{MAX_UNROLLED_MACS / 2**30:.0f} Gi bound on kernel size (compile time)"
         )
-    generation = resolve_generation(generation)
-    fp8_matmul = matmul_feeds_fp8_mxu(config, problem, generation)
-    check_vmem_fits(config, vmem_bytes(config, problem, fp8_matmul=fp8_matmul), generation)
+    fp8_matmul = matmul_feeds_fp8_mxu(config, problem, target)
+    check_vmem_fits(config, vmem_bytes(config, problem, fp8_matmul=fp8_matmul), target)
 
 
-def ridge_rows(generation: str) -> int:
+def ridge_rows(target: TpuGeneration) -> int:
     """Rows per MXU pass at which a step's matmul takes as long as streaming its weights.
 
     bf16 peak FLOP/s over HBM bytes/s (2 FLOPs per weight element of 2
     bytes): 240 on v5e, 186 on v5p, 560 on v6e, 312 on TPU7x. Below it, decode stays HBM-bound.
     """
-    facts = tpu_generation(generation)
-    return int(facts.bf16_flops_per_s / facts.hbm_bytes_per_s)
+    return int(target.bf16_flops_per_s / target.hbm_bytes_per_s)
 
 
 def n_tile(n: int, max_cols: int, mxu: int, cores: int = 1) -> int:
@@ -263,7 +257,7 @@ def n_tile(n: int, max_cols: int, mxu: int, cores: int = 1) -> int:
     return min(candidates, key=cost)
 
 
-def heuristic_config(problem: MatmulProblem, generation: str) -> TileConfig:
+def heuristic_config(problem: MatmulProblem, target: TpuGeneration) -> TileConfig:
     """Tiles that fit VMEM, from the problem and the generation.
 
     Weights blocks are as large as HEURISTIC_RHS_BLOCK_BYTES allows (K whole
@@ -274,60 +268,57 @@ def heuristic_config(problem: MatmulProblem, generation: str) -> TileConfig:
     chunks of the MXU width when the rows per group stay under `ridge_rows`,
     else HEURISTIC_ROW_TILE rows, else one chunk of rows; the first that fits.
     """
-    generation = check_generation(generation)
     m, k, n = problem.m, problem.k, problem.n
     itemsize = jnp.dtype(problem.dtype).itemsize
-    rhs_block_bytes = HEURISTIC_RHS_BLOCK_BYTES[generation]
+    rhs_block_bytes = HEURISTIC_RHS_BLOCK_BYTES[target.name]
 
     tile_k = k
     max_cols = rhs_block_bytes // (k * itemsize)
-    cores = tpu_generation(generation).cores_per_device
+    cores = target.cores_per_device
     if cores > 1:
         # A megacore device (v5p) splits the grid's first parallel axis, the N tiles: at least one per core.
         max_cols = min(max_cols, round_up(-(-n // cores), LANES))
-    tile_n = n_tile(n, max_cols, tpu_generation(generation).mxu_size, cores)
+    tile_n = n_tile(n, max_cols, target.mxu_size, cores)
     while tile_k * tile_n * itemsize > rhs_block_bytes and tile_k > 512:
         tile_k = max(512, round_up(tile_k // 2, 256))
 
     rows_per_group = m / max(problem.groups, 1)
-    chunk = tpu_generation(generation).mxu_size
-    tiled_m = min(HEURISTIC_ROW_TILE[generation], m)
+    chunk = target.mxu_size
+    tiled_m = min(HEURISTIC_ROW_TILE[target.name], m)
     candidates = []
-    if rows_per_group <= ridge_rows(generation):
+    if rows_per_group <= ridge_rows(target):
         candidates.append(TileConfig(m, tile_k, tile_n, chunk if m > chunk else None))
     candidates.append(TileConfig(tiled_m, tile_k, tile_n, chunk if tiled_m > chunk else None))
     candidates.append(TileConfig(min(chunk, m), tile_k, tile_n))
     for config in candidates:
-        if accepts(check_config, config, problem, generation):
+        if accepts(check_config, config, problem, target):
             return config
     # Shrink the weights block until the smallest row tile fits.
     config = candidates[-1]
-    while not accepts(check_config, config, problem, generation) and config.tile_n > LANES:
+    while not accepts(check_config, config, problem, target) and config.tile_n > LANES:
         config = config._replace(tile_n=max(LANES, round_up(config.tile_n // 2, LANES)))
-    while not accepts(check_config, config, problem, generation) and config.tile_k > LANES:
+    while not accepts(check_config, config, problem, target) and config.tile_k > LANES:
         config = config._replace(tile_k=max(LANES, round_up(config.tile_k // 2, LANES)))
     return config
 
 
 
-def select(problem: MatmulProblem, generation: str | None = None) -> TileConfig:
-    """Tiles for `problem` on `generation` (default: the current device's): the TUNED_TILES entry of its shape
+def select(problem: MatmulProblem, target: TpuGeneration) -> TileConfig:
+    """Tiles for `problem` on `target`: the TUNED_TILES entry of its shape
     (checked like an explicit config), else the heuristic."""
-    generation = resolve_generation(generation)
-    key = TunedKey(generation, problem.m, problem.k, problem.n, problem.groups, problem.dtype, problem.rhs_dtype,
+    key = TunedKey(target.name, problem.m, problem.k, problem.n, problem.groups, problem.dtype, problem.rhs_dtype,
                    problem.transpose_rhs)
     tuned = TUNED_TILES.get(key)
     if tuned is None:
-        return heuristic_config(problem, generation)
-    check_config(tuned, problem, generation)
+        return heuristic_config(problem, target)
+    check_config(tuned, problem, target)
     return tuned
 
 
-def vmem_limit(config: TileConfig, problem: MatmulProblem, generation: str | None = None) -> int:
-    """The scoped VMEM limit the kernel asks Mosaic for with `config` on `generation` (default: this device's)."""
-    generation = resolve_generation(generation)
-    fp8_matmul = matmul_feeds_fp8_mxu(config, problem, generation)
-    return vmem_limit_bytes(vmem_bytes(config, problem, fp8_matmul=fp8_matmul), generation)
+def vmem_limit(config: TileConfig, problem: MatmulProblem, target: TpuGeneration) -> int:
+    """The scoped VMEM limit the kernel asks Mosaic for with `config` on `target`."""
+    fp8_matmul = matmul_feeds_fp8_mxu(config, problem, target)
+    return vmem_limit_bytes(vmem_bytes(config, problem, fp8_matmul=fp8_matmul), target.name)
 
 
 # The backward's d_lhs grouped matmul runs at training sizes, where the heuristic tiles rows
@@ -337,16 +328,15 @@ def vmem_limit(config: TileConfig, problem: MatmulProblem, generation: str | Non
 D_LHS_ROW_TILE = 1024
 
 
-def select_d_lhs(problem: MatmulProblem, generation: str | None = None) -> TileConfig:
+def select_d_lhs(problem: MatmulProblem, target: TpuGeneration) -> TileConfig:
     """Tiles of the backward's d_lhs grouped matmul `problem` (`d_out[m, k] x rhs[groups, k, n]`: the forward's
     weights read the other way round, K and N swapped): `select`'s, with row tiles of D_LHS_ROW_TILE rows
     where they fit. Both are chosen for the weights read in (K, N) order, whichever order `problem` reads them
     in: the tiles the backward has always run (read transposed, GPT-OSS's 2880-wide down projection on v5e
     would take others, which no benchmark has rated)."""
-    generation = resolve_generation(generation)
     as_chosen = problem._replace(transpose_rhs=False)
-    config = select(as_chosen, generation)
+    config = select(as_chosen, target)
     longer = config._replace(tile_m=min(D_LHS_ROW_TILE, problem.m))
-    if config.tile_m < longer.tile_m and accepts(check_config, longer, as_chosen, generation):
+    if config.tile_m < longer.tile_m and accepts(check_config, longer, as_chosen, target):
         return longer
     return config

@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .._hardware import sublane_multiple
+from .._hardware import TpuGeneration, resolve_target, sublane_multiple
 from ..common.routing import int32_group_sizes
 from ..gmm.kernel import scheduled_matmul_call
 from ..problem import TgmmProblem
@@ -154,11 +154,12 @@ def transposed_grouped_matmul(
     *,
     out_dtype=None,
     config: TgmmConfig | None = None,
-    generation: str | None = None,
+    generation: str | TpuGeneration | None = None,
 ) -> jax.Array:
     """Per group, `lhs_g^T @ rhs_g`: `lhs[M, K], rhs[M, N] -> [G, K, N]` (f32 accumulation).
 
-    `G = group_sizes.shape[0]`; `out_dtype` defaults to lhs's. Inputs are
+    `G = group_sizes.shape[0]`; `out_dtype` defaults to lhs's; `generation` (a name or a target, resolved here;
+    default this device's) picks the tiles (`tgmm.plan.make`). Inputs are
     assumed valid (integer sizes summing to at most M; `ops.py` checks the
     torch entries). With an empty dimension the result is zeros and no kernel
     runs.
@@ -171,7 +172,7 @@ def transposed_grouped_matmul(
     if 0 in (m, k, n, num_groups):
         return jnp.zeros((num_groups, k, n), out_dtype)
     problem = TgmmProblem(m, k, n, num_groups, jnp.dtype(lhs.dtype).name, jnp.dtype(out_dtype).name)
-    return call(lhs, rhs, group_sizes, make(problem, generation, config))
+    return call(lhs, rhs, group_sizes, make(problem, resolve_target(generation), config))
 
 
 def call(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,

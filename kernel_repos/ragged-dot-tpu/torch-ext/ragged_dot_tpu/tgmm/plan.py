@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .._hardware import resolve_generation
+from .._hardware import TpuGeneration
 from ..common.vmem import Buffer
 from ..problem import TgmmProblem
 from .tiles import TgmmConfig, check_tgmm_config, select, tgmm_blocks, tgmm_buffers, tgmm_vmem_limit
@@ -23,13 +23,12 @@ class TgmmPlan(NamedTuple):
     vmem_limit_bytes: int
 
 
-def make(problem: TgmmProblem, generation: str | None = None, config: TgmmConfig | None = None) -> TgmmPlan:
-    """The plan of one tgmm call on `generation` (default: this device's): `config`'s tiles (checked), else
+def make(problem: TgmmProblem, target: TpuGeneration, config: TgmmConfig | None = None) -> TgmmPlan:
+    """The plan of one tgmm call on `target`: `config`'s tiles (checked), else
     `select`'s."""
-    generation = resolve_generation(generation)
     if config is None:
-        config = select(problem, generation)
-    check_tgmm_config(config, problem, generation)
+        config = select(problem, target)
+    check_tgmm_config(config, problem, target)
     tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, problem)
     return TgmmPlan(problem, tile_m, tile_k, tile_n, chunk_m, config.group_chunks and chunk_m < tile_m,
-                    tgmm_buffers(config, problem), tgmm_vmem_limit(config, problem, generation))
+                    tgmm_buffers(config, problem), tgmm_vmem_limit(config, problem, target))

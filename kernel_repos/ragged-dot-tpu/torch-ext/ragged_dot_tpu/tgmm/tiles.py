@@ -8,8 +8,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from .._hardware import (
-    LANES, check_generation, padded_vmem_bytes, resolve_generation, round_up, sublane_multiple, tpu_generation,
-    vmem_budget_bytes, vmem_limit_bytes,
+    LANES, TpuGeneration, padded_vmem_bytes, round_up, sublane_multiple, vmem_budget_bytes, vmem_limit_bytes,
 )
 from ..common.vmem import MAX_UNROLLED_MACS, MAX_UNROLLED_MATMULS, Buffer, accepts, buffers_bytes, check_vmem_fits
 from ..problem import TgmmProblem
@@ -75,8 +74,8 @@ def tgmm_vmem_bytes(config: TgmmConfig, problem: TgmmProblem) -> int:
         (chunk_m, tile_k), problem.dtype) + padded_vmem_bytes((chunk_m, tile_n), problem.dtype)
 
 
-def check_tgmm_config(config: TgmmConfig, problem: TgmmProblem, generation: str | None = None) -> None:
-    """Raises ValueError if `config` cannot run `problem` on `generation` (default: this device's)."""
+def check_tgmm_config(config: TgmmConfig, problem: TgmmProblem, target: TpuGeneration) -> None:
+    """Raises ValueError if `config` cannot run `problem` on `target`."""
     if not isinstance(config, TgmmConfig):
         raise TypeError(f"config must be a TgmmConfig, got {type(config).__name__}")
     for name in ("tile_m", "tile_k", "tile_n", "chunk_m"):
@@ -103,32 +102,31 @@ def check_tgmm_config(config: TgmmConfig, problem: TgmmProblem, generation: str 
             f"config {tuple(config)}: one grid step unrolls {macs / 2**30:.1f} Gi multiply-adds, past the "
             f"{MAX_UNROLLED_MACS / 2**30:.0f} Gi bound on kernel size (compile time)"
         )
-    check_vmem_fits(config, tgmm_vmem_bytes(config, problem), generation)
+    check_vmem_fits(config, tgmm_vmem_bytes(config, problem), target)
 
 
-def heuristic_tgmm_config(problem: TgmmProblem, generation: str) -> TgmmConfig:
+def heuristic_tgmm_config(problem: TgmmProblem, target: TpuGeneration) -> TgmmConfig:
     """Whole K and N when the output block fits TGMM_OUTPUT_SHARE of the budget (every row read once),
     else N, then K, halved in multiples of 256; on a megacore device (v5p) at least one output block per
     core (`_split_for_cores`); chunks of one MXU width (the contraction of a pass); TGMM_ROW_TILE rows,
     halved until a step fits the unrolling and VMEM bounds; group chunks where `_group_chunks_pay` says
     so."""
-    generation = check_generation(generation)
     out_bytes = 4 + 2 * jnp.dtype(problem.out_dtype).itemsize
     tile_k, tile_n = problem.k, problem.n
-    output_budget = TGMM_OUTPUT_SHARE * vmem_budget_bytes(generation)
+    output_budget = TGMM_OUTPUT_SHARE * vmem_budget_bytes(target.name)
     while tile_k * tile_n * out_bytes > output_budget and tile_n > 256:
         tile_n = max(256, round_up(tile_n // 2, 256))
     while tile_k * tile_n * out_bytes > output_budget and tile_k > 256:
         tile_k = max(256, round_up(tile_k // 2, 256))
-    tile_k, tile_n = _split_for_cores(problem, tile_k, tile_n, tpu_generation(generation).cores_per_device)
-    chunk = tpu_generation(generation).mxu_size
+    tile_k, tile_n = _split_for_cores(problem, tile_k, tile_n, target.cores_per_device)
+    chunk = target.mxu_size
     config = TgmmConfig(TGMM_ROW_TILE, tile_k, tile_n, chunk)
-    while config.tile_m > chunk and not accepts(check_tgmm_config, config, problem, generation):
+    while config.tile_m > chunk and not accepts(check_tgmm_config, config, problem, target):
         config = config._replace(tile_m=config.tile_m // 2)
-    while not accepts(check_tgmm_config, config, problem, generation) and config.tile_n > LANES:
+    while not accepts(check_tgmm_config, config, problem, target) and config.tile_n > LANES:
         config = config._replace(tile_n=max(LANES, round_up(config.tile_n // 2, LANES)))
     grouped = config._replace(group_chunks=True)
-    if _group_chunks_pay(config, problem, generation) and accepts(check_tgmm_config, grouped, problem, generation):
+    if _group_chunks_pay(config, problem, target) and accepts(check_tgmm_config, grouped, problem, target):
         return grouped
     return config
 
@@ -149,11 +147,10 @@ def _split_for_cores(problem: TgmmProblem, tile_k: int, tile_n: int, cores: int)
     return (tile_k, part) if split_n else (part, tile_n)
 
 
-def _group_chunks_pay(config: TgmmConfig, problem: TgmmProblem, generation: str) -> bool:
+def _group_chunks_pay(config: TgmmConfig, problem: TgmmProblem, target: TpuGeneration) -> bool:
     """Whether chunks from each group's first row make a tgmm call faster: the larger of its MXU and HBM
     times, with about one extra chunk per group at fixed offsets against half a chunk laid from group
     starts (which read chunk_m / tile_m more rows). bf16 peak; the output written once either way."""
-    facts = tpu_generation(generation)
     m, k, n, groups = problem.m, problem.k, problem.n, problem.groups
     itemsize = jnp.dtype(problem.dtype).itemsize
     tile_m, tile_k, tile_n, chunk_m = tgmm_blocks(config, problem)
@@ -164,18 +161,17 @@ def _group_chunks_pay(config: TgmmConfig, problem: TgmmProblem, generation: str)
 
     def seconds(wasted_chunks_per_group: float, row_read_factor: float) -> float:
         flops = 2 * (m + wasted_chunks_per_group * groups * chunk_m) * k * n
-        return max(flops / facts.bf16_flops_per_s, (row_bytes * row_read_factor + out_bytes) / facts.hbm_bytes_per_s)
+        return max(flops / target.bf16_flops_per_s, (row_bytes * row_read_factor + out_bytes) / target.hbm_bytes_per_s)
 
     return seconds(0.5, 1 + chunk_m / tile_m) < seconds(1.0, 1.0)
 
 
 
-def select(problem: TgmmProblem, generation: str | None = None) -> TgmmConfig:
-    """Tiles for `problem` on `generation` (default: the current device's)."""
-    return heuristic_tgmm_config(problem, resolve_generation(generation))
+def select(problem: TgmmProblem, target: TpuGeneration) -> TgmmConfig:
+    """Tiles for `problem` on `target`."""
+    return heuristic_tgmm_config(problem, target)
 
 
-def tgmm_vmem_limit(config: TgmmConfig, problem: TgmmProblem, generation: str | None = None) -> int:
-    """The scoped VMEM limit the tgmm kernel asks Mosaic for with `config` on `generation` (default: this
-    device's)."""
-    return vmem_limit_bytes(tgmm_vmem_bytes(config, problem), resolve_generation(generation))
+def tgmm_vmem_limit(config: TgmmConfig, problem: TgmmProblem, target: TpuGeneration) -> int:
+    """The scoped VMEM limit the tgmm kernel asks Mosaic for with `config` on `target`."""
+    return vmem_limit_bytes(tgmm_vmem_bytes(config, problem), target.name)
