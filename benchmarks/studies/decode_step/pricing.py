@@ -80,8 +80,9 @@ def experts_term(built_experts, model: DecodeModel, batch: int, cache, compiler)
 def attention_term(built_attention, kind: AttentionKind, batch: int, context: int) -> dict:
     """Our flash attention at decode over `kind`'s cache, as the attention benchmark prices it."""
     cached = kind.cached_tokens(context)
-    shape = attention_forward.Shape(f"{kind.name} decode B={batch} cache={cached}", batch, 1, cached,
-                                    q_heads=kind.q_heads, kv_heads=kind.kv_heads, head_dim=kind.head_dim)
+    shape = attention_forward.Shape(label=f"{kind.name} decode B={batch} cache={cached}", batch=batch, q_len=1,
+                                    kv_len=cached, q_heads=kind.q_heads, kv_heads=kind.kv_heads,
+                                    head_dim=kind.head_dim)
     visible = attention_forward.visible_work(built_attention.reference, shape, jnp.bfloat16)
     found = attention_forward.measure_generation(built_attention, shape, jnp.bfloat16, GENERATION, visible)
     return term(f"{kind.name} attention: our flash attention kernel", found["modelled_time_us"], kind.layers,
