@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import kernels
 
 from benchmarks.studies import KERNEL_REPOS_DIR, require_kernel_repo, result_path, write_json
+from benchmarks.studies.model_shapes import ATTENTION_HEADS, ATTENTION_SINKS, ATTENTION_WINDOWS, EXPERTS_MODELS
 from tpu_kernels.aot import compile_for
 from tpu_kernels.distribution.builder import build_kernel_repo
 from tpu_kernels.runtime.buckets import key_bucket, token_bucket
@@ -81,14 +82,26 @@ class Model:
     gate: dict
 
 
-SILU = dict(activation="silu", weights_transposed=False)
+def _model(experts_tag: str, attention: tuple[tuple[str, bool], ...], qk_norms: bool) -> Model:
+    """A model from the kernels' one list of shapes: its experts layer by tag, its kinds of attention layer as
+    (tag, whether the tag's window applies), and whether it norms each head's q and k (no kernel table says)."""
+    experts = EXPERTS_MODELS[experts_tag]
+    gate = experts["gate"]
+    kinds = tuple(Attention(ATTENTION_HEADS[tag]["kv_heads"], ATTENTION_HEADS[tag]["head_dim"],
+                            window=ATTENTION_WINDOWS.get(tag) if windowed else None, sinks=tag in ATTENTION_SINKS)
+                  for tag, windowed in attention)
+    return Model(experts["hidden"], ATTENTION_HEADS[attention[0][0]]["q_heads"], kinds, qk_norms, experts["experts"],
+                 experts["intermediate"], experts["top_k"],
+                 dict(activation=gate["activation"], weights_transposed=experts["weights_transposed"],
+                      **{name: value for name, value in gate.items() if name != "activation"}))
+
+
 MODELS = {
-    "Qwen3-30B-A3B": Model(2048, 32, (Attention(4, 128),), True, 128, 768, 8, SILU),
-    "GPT-OSS-20B": Model(2880, 64, (Attention(8, 64, window=128, sinks=True), Attention(8, 64, sinks=True)), False,
-                         32, 2880, 4, dict(activation="clamped_swiglu", weights_transposed=True, interleaved=True,
-                                           alpha=1.702, limit=7.0)),
-    "Gemma 4 26B-A4B": Model(2816, 16, (Attention(8, 256, window=1024), Attention(2, 512)), True, 128, 704, 8,
-                             dict(activation="gelu_tanh", weights_transposed=False)),
+    "Qwen3-30B-A3B": _model("qwen3-30b-a3b", (("qwen3-30b-a3b", True),), qk_norms=True),
+    # GPT-OSS alternates sliding-window and full layers, both with sinks.
+    "GPT-OSS-20B": _model("gpt-oss-20b", (("gpt-oss-20b", True), ("gpt-oss-20b", False)), qk_norms=False),
+    "Gemma 4 26B-A4B": _model("gemma-4-26b-a4b", (("gemma-4-26b-a4b sliding", True), ("gemma-4-26b-a4b global", True)),
+                              qk_norms=True),
 }
 
 
