@@ -9,9 +9,10 @@ the all-to-all of the picked rows to their experts' ranks, both matmuls, the
 all-to-all back and the weighted sum. Under expert parallelism the tokens are
 split over the ranks (mesh axis "model"); the kernel's EP is its own, the same
 whichever mode transformers would use, so an EP row prices vLLM at that
-rank count. Its block sizes are vLLM's own: its tuned table, else its default
-formula (`block_sizes`; none of our models is in the table), with the
-kernel's own overrides.
+rank count. Its block sizes are the fastest that fit VMEM (`fused_search`);
+vLLM's own pick (`block_sizes`: its tuned table, else its default formula,
+with the kernel's own overrides; none of our models is in the table) is
+priced beside them.
 
 It compiles ahead of time per generation with its real body (Mosaic's check
 is part of the result) on a compile-only mesh of the EP rank count
@@ -40,7 +41,8 @@ rows: both are boundary steps without compute. The result is a
 ops around it from the compiled program).
 
 Not priced (`NOT_PRICED`, with the counts in each row): the all-to-all rows
-to and from other ranks (ICI remote copies) and the barriers between ranks;
+to and from other ranks (ICI remote copies) and the barriers between ranks
+(the multichip study prices them: `benchmarks.studies.multichip_fused`);
 the scalar core's work, which issues two copy descriptors per (token, pick)
 for every local expert; the vector work (softmax, top-k, the activation
 recomputed per w2 chunk).
@@ -67,6 +69,7 @@ PAD_TO = 256  # vLLM pads both dimensions to this at load time for this kernel
 # one jax device: a chip on v5e, v6e and v5p (its two cores one megacore device), one of a chip's two cores on
 # TPU7x (so eight ranks are four TPU7x chips).
 MESH_TOPOLOGIES = {
+    ("v6e", 2): "v6e:2x2", ("v6e", 4): "v6e:2x2",  # multichip_fused's smaller EP meshes
     ("v5e", 8): "v5e:2x4", ("v5e", 32): "v5e:4x8", ("v6e", 8): "v6e:2x4", ("v6e", 32): "v6e:4x8",
     ("v5p", 8): "v5p:2x2x2", ("v5p", 32): "v5p:2x4x4", ("tpu7x", 8): "tpu7x:2x2x1", ("tpu7x", 32): "tpu7x:2x2x4",
 }
@@ -75,10 +78,11 @@ NOT_PRICED_ON_CHIP = ("not priced: the scalar core issuing copy descriptors (dma
                       "(softmax, top-k, the activation per w2 chunk)")
 NOT_PRICED = {
     "ep1": f"one rank, no cross-device copies; {NOT_PRICED_ON_CHIP}",
-    "ep": ("cannot be priced: the kernel's cross-device part, the all-to-all of picked rows to their experts' ranks "
-           "and back (remote copies over ICI: remote_rows) and the barriers between ranks (the model has no ICI "
-           "term for in-kernel remote copies); the figure is this rank's kernel without them (its local copies of "
-           f"those rows are priced); also {NOT_PRICED_ON_CHIP}"),
+    "ep": ("not priced here: the kernel's cross-device part, the all-to-all of picked rows to their experts' ranks "
+           "and back (remote copies over ICI: remote_rows) and the barriers between ranks; the figure is this "
+           "rank's kernel without them (its local copies of those rows are priced); the multichip study prices "
+           "them as it prices ours (multichip.json's fused_ep_moe: collectives.fused_ep_moe_collectives); also "
+           f"{NOT_PRICED_ON_CHIP}"),
 }
 BLOCK_NAMES = ("bt", "bf", "bd1", "bd2", "btc", "bfc", "bd1c", "bd2c")
 

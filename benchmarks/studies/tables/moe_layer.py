@@ -160,7 +160,8 @@ def fused_cell(line: dict | None, ours: dict | None) -> str:
 
 
 def vllm_fused(data: dict) -> str:
-    """Per shape and generation: vLLM's fused_ep_moe at its own block sizes, µs (ours / it), or its refusal."""
+    """Per shape and generation: vLLM's fused_ep_moe at the block sizes its row was priced at, µs (ours / it), or its
+    refusal."""
     variants = {(line["generation"], line["label"], line["variant"]): line for line in data["variants"]}
     if not any(name == FUSED for _, _, name in variants):
         return f"This run did not model {FUSED}."
