@@ -36,6 +36,12 @@ of transformers 5.22's MoE layouts (read from its
   the tokens: Shard(0));
 - every layout, for attention: one all-reduce of B x H after o_proj.
 
+`fused_ep_moe_collectives` lists what vLLM's fused_ep_moe kernel exchanges
+itself (its barriers: each the diameter's hops; its ring all-reduce of pick
+counts: one-hop copies; its rows out and back per token block: the
+all-to-all above) and the layer's output all-gather and attention's
+all-reduce around it.
+
 Times are in seconds, bandwidths in bytes per second.
 """
 

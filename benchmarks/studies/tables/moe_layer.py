@@ -156,7 +156,8 @@ def fused_cell(line: dict | None, ours: dict | None) -> str:
         return f"no figure: {line.get('error')}"
     cell = f"{line['us']:.1f} ({ours['us'] / line['us']:.2f})" if ours and "us" in ours else f"{line['us']:.1f}"
     sizes = line["block_sizes"]
-    return cell + f", bt {sizes['bt']}/{sizes['btc']}, bf {sizes['bf']}, bd {sizes['bd1']}/{sizes['bd2']}"
+    picked = "" if line.get("block_sizes_from") == "searched" else " (vLLM's pick)"
+    return cell + f", bt {sizes['bt']}/{sizes['btc']}, bf {sizes['bf']}, bd {sizes['bd1']}/{sizes['bd2']}{picked}"
 
 
 def vllm_fused(data: dict) -> str:
