@@ -12,7 +12,8 @@ def anchor(data: dict) -> str:
     found = data["anchor"]
     rows = [f"| {found['label']} | vLLM's pick µs | searched best µs | best bt/btc/bf/bd1/bd2 |",
             "| --- | ---: | ---: | --- |"]
-    for generation, layer in found["per_generation"].items():
+    generations = list(dict.fromkeys(entry["generation"] for entry in data["shapes"]))  # the run's order
+    for generation, layer in sorted(found["per_generation"].items(), key=lambda item: generations.index(item[0])):
         best = f"{layer['best_layer_us']:.1f}" if layer["best_layer_us"] is not None else f"none: {layer['error']}"
         vllm = f"{layer['vllm_layer_us']:.1f}" if layer["vllm_layer_us"] is not None else "refused"
         rows.append(f"| {generation} | {vllm} | {best} | {blocks(layer['best_block_sizes'])} |")
@@ -21,7 +22,7 @@ def anchor(data: dict) -> str:
 
 def cell(entry: dict) -> str:
     vllm = entry["vllm"]
-    before = (f"{vllm['standalone_us']:.1f}" + ("" if vllm["fits_vmem"] else " (over VMEM)")
+    before = (f"{vllm['standalone_us']:.1f}" + ("" if vllm["fits_vmem"] else " (over the VMEM budget)")
               if vllm["standalone_us"] is not None else "refused")
     if "best" not in entry:
         return f"{before} -> none fits"
