@@ -13,8 +13,8 @@ were priced. At the anchor shape both picks are also compiled as vLLM's layer
 layer (`layer_us`: the kernel and the XLA ops around it).
 
 Usage:
-    tpu-kernels bench fused_moe_search [--out benchmarks/results/fused_moe_search.json] [--jobs 1]
-        [--cache-dir DIR] [--no-cache]
+    tpu-kernels bench fused_moe_search [--out benchmarks/results/fused_moe_search.json] [--cache-dir DIR]
+        [--no-cache]
 """
 
 from __future__ import annotations
@@ -72,9 +72,8 @@ def anchor_layers(compiler) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--cache-dir", type=Path, default=moe_layer.DEFAULT_CACHE)
     parser.add_argument("--no-cache", action="store_true")
     args = parser.parse_args(argv)
@@ -85,7 +84,8 @@ def main(argv=None) -> int:
             case = moe_layer.make_case(setting, tokens)
             entries += [shape_entry(case, generation) for generation in SUPPORTED_GENERATIONS]
             print(f"searched {case.label} ({time.perf_counter() - started:.0f} s)", flush=True)
-    compiler = moe_layer.Compiler(moe_layer.Cache(None if args.no_cache else args.cache_dir), args.jobs)
+    # One compile at a time: each anchor layer waits for the one before (a refused pick's fallback is the next).
+    compiler = moe_layer.Compiler(moe_layer.Cache(None if args.no_cache else args.cache_dir), 1)
     anchor = anchor_layers(compiler)
     compiler.pool.shutdown()
     report = {"benchmark": "benchmarks.studies.fused_moe_search",
