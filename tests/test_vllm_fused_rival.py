@@ -226,3 +226,13 @@ def test_the_search_takes_only_what_the_kernel_accepts_and_fits_and_finds_the_fa
         assert best_s == pytest.approx(every) and best in fitting
         if result["vllm_standalone_us"] is not None:
             assert best_s * 1e6 <= result["vllm_standalone_us"] + 1e-6
+
+
+def test_the_token_block_stops_at_the_largest_in_vllms_table():
+    """Qwen3 on one chip at 2048 tokens: every even divisor of the tokens up to vLLM's largest tuned block (256),
+    none beyond it (the kernel's traced program grows with the block)."""
+    from benchmarks.studies.moe_layer import fused_search
+
+    assert fused_search.max_token_block() == 256
+    case = shapes.make_case(shapes.SETTINGS[0], 2048)
+    assert sorted({sizes["bt"] for sizes in fused_search.candidates(case)}) == [2, 4, 8, 16, 32, 64, 128, 256]

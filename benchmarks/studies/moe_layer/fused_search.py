@@ -8,7 +8,11 @@ them from its tuned table (two model shapes, none of ours) or its default
 formula (`vllm_fused.block_sizes`). The search here takes every size the
 kernel accepts (`vllm_fused.refusal`): `bt` any even divisor of the rank's
 tokens (the whole rank's tokens where they are at most 16, as the kernel
-forces), `btc` bt and its halvings down to 8 rows, `bf` every multiple of 128
+forces) up to the largest token block of vLLM's own tuned table
+(`max_token_block`: the kernel unrolls two copy descriptors per token and
+pick of a block into each expert's scatter when it is traced, so its program
+grows with `bt`; at 1024 tokens of top-8 one compile ran past 15 minutes),
+`btc` bt and its halvings down to 8 rows, `bf` every multiple of 128
 dividing the padded intermediate size, `bd1` and `bd2` every multiple of 256
 dividing the padded hidden size. The compute sizes equal their blocks: under
 the model a chunk's MXU passes round up per chunk (ceil(a / m) + ceil(b / m)
@@ -35,6 +39,7 @@ from tpu_kernels.runtime.hardware import tpu_generation, vmem_budget_bytes
 
 from .modelling import standalone, timings
 from .shapes import Case
+from .vllm_kernels import DEFAULT_FOLDER, load_fused_moe_tuning
 from . import vllm_fused
 
 SMALLEST_BTC = 8  # rows: one sublane tile of the packed 32-bit token rows
@@ -47,13 +52,18 @@ def divisors(total: int, step: int) -> list[int]:
     return [size for size in range(step, total + 1, step) if total % size == 0]
 
 
+def max_token_block() -> int:
+    """The largest token block `bt` in vLLM's tuned table (from the pinned wheel)."""
+    return max(sizes[0] for sizes in load_fused_moe_tuning(DEFAULT_FOLDER).TUNED_BLOCK_SIZES.values())
+
+
 def candidates(case: Case) -> list[dict]:
     """Every block-size config the kernel accepts for the case (module docstring), compute sizes = blocks."""
     local = case.tokens // case.setting.ep
     if case.tokens % case.setting.ep or local % 2:
         return []
     hidden, intermediate = vllm_fused.padded_dims(case.model)
-    token_blocks = [local] if local <= 16 else divisors(local, 2)
+    token_blocks = [local] if local <= 16 else [bt for bt in divisors(local, 2) if bt <= max_token_block()]
     found = []
     for bt in token_blocks:
         row_chunks = [bt] + [bt >> shift for shift in range(1, bt.bit_length())
