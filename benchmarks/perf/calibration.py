@@ -108,6 +108,10 @@ class CompileRefused:
 
 
 def compile_text(lowered) -> CompiledText:
+    """Compiles an `xla_program.lower_program` result with XLA's HLO dump on, keeping what `analyse_hlo` reads.
+
+    Thread-safe: the dump goes to a folder of its own, passed as a compile option.
+    """
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="xla_dump_") as dump:
