@@ -41,8 +41,8 @@ from benchmarks.studies import MissingInput, hbm_fraction_fit, result_path, writ
 from benchmarks.perf import calibration
 
 # The checkout's source of the model's constants, relative to the current directory.
-CONSTANTS = Path("tpu_kernels") / "perf" / "model_constants.json"
-HBM_FRACTIONS = Path("tpu_kernels") / "perf" / "hbm_fractions.json"
+CONSTANTS = Path("benchmarks") / "perf" / "model_constants.json"
+HBM_FRACTIONS = Path("benchmarks") / "perf" / "hbm_fractions.json"
 
 # Scanned step costs (seconds): 0 to 2 us in 0.01 us steps; vector rates (register elements per cycle):
 # powers of two from 64 to 16384.
