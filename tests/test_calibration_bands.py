@@ -193,4 +193,7 @@ def test_a_generation_whose_timings_only_check_says_so_for_the_kinds_they_cover(
     assert calibration_bands.describe("flash_attention", "v5p", "compute_bound").endswith(
         "v5p has no timing of flash_attention: tpu7x's constants and error")
     assert calibration_bands.describe("pallas_ragged_dot", "v6e", "streaming").endswith(
-        "v6e has no measurements: v5e's constants and error")
+        "v6e's figures take v5e's constants and error; v6e's own timings of pallas_ragged_dot, xla_ragged_dot, "
+        "flash_attention check them (benchmarks/results/calibration_v6e.json)")
+    assert (calibration_bands.borrowed("v6e", "tpu7x", "flash_attention_vjp")
+            == "v6e has no timing of flash_attention_vjp: tpu7x's constants and error")

@@ -165,8 +165,9 @@ def step_share_profile(analysed) -> dict:
 
 
 def write_constants(results: dict, path: Path = CONSTANTS) -> None:
-    """Fitted per-chip steps into model_constants.json; unmeasured chips keep v5e's; vector rates and the MXU
-    load share from TPU7x (no other chip's timings are vector-bound or use 128-row tiles on a 256-wide MXU)."""
+    """Fitted per-chip steps into model_constants.json; v5p and v6e keep v5e's (their timings do not identify their
+    own: `step_share_profile`, calibration_fit_v6e.json); vector rates and the MXU load share from TPU7x (no other
+    chip's timings are vector-bound or use 128-row tiles on a 256-wide MXU)."""
     constants = json.loads(path.read_text())
     for field, key in (("grid_step_s", "grid_step_s"), ("ragged_dot_step_s", "xla_ragged_dot_step_s")):
         for chip, fitted in results.items():
