@@ -194,9 +194,13 @@ def outlier_reason(entry: dict, entries: list[dict]) -> str:
             f"they would cost {needed:.1f}x their price")
     if same_problem:
         others = ", ".join(f"{e['ratio']:.2f} ({e['call'].split(' ', 1)[0]}, {e['split']})" for e in same_problem)
+        # The problem explains the miss only where its other timings miss the same way (by half the outlier error).
+        alike = all((e["ratio"] - 1) * (entry["ratio"] - 1) > 0 and abs(e["ratio"] - 1) > OUTLIER_ERROR / 2
+                    for e in same_problem)
         reasons.append(f"the other timings of this problem are priced at {others}: the miss follows the problem, "
-                       "not the pass or the tiles")
-    reasons += row_tile_reason(entry, entries)
+                       "not the pass or the tiles" if alike else
+                       f"the other timings of this problem are priced at {others}: the miss is not the problem's")
+    reasons += pass_reason(entry, entries) + row_tile_reason(entry, entries)
     if entry["regime"] == "compute_bound" and entry["ratio"] < 1 and not reasons:
         reasons.append("priced at the MXU peak of its tiles and nothing else sets it apart from the well-priced "
                        "entries: the kernel's matmuls run slower on the chip than the model's MXU rate, for a "
@@ -204,7 +208,7 @@ def outlier_reason(entry: dict, entries: list[dict]) -> str:
     return "; ".join(reasons) or "no recorded term sets it apart from the well-priced entries: not identified"
 
 
-# A row tile whose entries' median signed error stands this far from the other row tiles' sets the tile apart.
+# A row tile (or pass) whose entries' median signed error stands this far from the others' sets it apart.
 ROW_TILE_BIAS = 0.05
 
 
@@ -212,6 +216,23 @@ def problem_of(entry: dict) -> tuple[str, str]:
     """An entry's problem, shared by its forward and gradient passes: the rows operand and the group count."""
     operands = entry["call"].split(" ")
     return operands[1], next((part for part in operands if part.startswith("G=")), "")
+
+
+def pass_reason(entry: dict, entries: list[dict]) -> list[str]:
+    """Whether the entries of the outlier's chip of its pass (forward, lhs or rhs gradient) are biased apart from
+    the other passes'."""
+    kind = entry["call"].split(" ", 1)[0]
+    same_chip = [e for e in entries if e["chip"] == entry["chip"]]
+    alike = [e["ratio"] - 1 for e in same_chip if e["call"].split(" ", 1)[0] == kind]
+    others = [e["ratio"] - 1 for e in same_chip if e["call"].split(" ", 1)[0] != kind]
+    if len(alike) < 2 or not others:
+        return []
+    bias, rest = statistics.median(alike), statistics.median(others)
+    if abs(bias - rest) <= ROW_TILE_BIAS:
+        return []
+    return [f"the {len(alike)} {kind} entries of {entry['chip']} are priced at a median signed error of "
+            f"{100 * bias:+.1f} %, the {len(others)} of the other passes at {100 * rest:+.1f} %: the miss follows the "
+            "pass"]
 
 
 def row_tile_reason(entry: dict, entries: list[dict]) -> list[str]:
