@@ -60,6 +60,14 @@ def test_pinned_entries_stay_inside_the_calibrated_bands(folder, file, label, ba
         assert abs(ratio - 1) <= band, ratio
 
 
+def test_calibration_fit_writes_the_constant_files_the_model_reads():
+    from benchmarks.studies import calibration_fit
+
+    # Relative to the checkout (pytest runs from its root): `--write-constants` refuses a path that is no file.
+    assert calibration_fit.CONSTANTS.resolve() == (Path(perf.__file__).parent / "model_constants.json").resolve()
+    assert calibration_fit.HBM_FRACTIONS.resolve() == (Path(perf.__file__).parent / "hbm_fractions.json").resolve()
+
+
 @pytest.mark.aot
 def test_constants_priced_with_are_passed_in_and_leave_the_fitted_pricing_alone(tmp_path):
     [(folder, file, label, _)] = [p for p in PINNED if p[1] == "pallas_mosaic_tpu_flash_attention.json"]

@@ -32,7 +32,6 @@ BENCHMARKS = {
     "cb_step": "a continuous-batching attention step as transformers runs it: gather + pad + kernel vs in place",
     "rmsnorm": "RMSNorm kernels: HBM bytes vs the minimum, modelled time, v6e compile-only cost",
     "padding": "what padding to shape buckets costs: padded rows and bytes per bucket, at HBM rate",
-    "moe_decode": "per-step decode time of a MoE model: kernelized vs eager vs grouped_mm (a TPU VM harness)",
     "quantization_accuracy": "quantization error of int8 / fp8 / int4 expert weights against the float model",
     "int4_granularity": "int4 per-channel vs grouped scales on the accuracy report's models (float round trip)",
     "robustness": "every published claim re-priced over the constants no chip identifies: robust or fragile",

@@ -45,8 +45,8 @@ against ours in `ep_router` and `ep_dispatch` at the same chip count.
 
 Reported: per layout and batch, the experts layer (headline: moe_layer's
 calibrated pipelined figure at the fitted HBM share; band: its p90 calibrated
-error band in its regime, `calibration_bands`; v6e has no measurements, so
-v5e's fitted constants and errors stand for it),
+error band in its regime, `calibration_bands`; v6e's own timings check but do
+not fit the model, so v5e's fitted constants and errors stand for it),
 each collective's bytes and time, per layer and per step at the central
 assumptions and across the band; the winner per batch; and the comparison
 with Hugging Face's 56.6 ms/step at batch 64 (kernels-community/ragged-dot-tpu,

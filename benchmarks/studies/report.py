@@ -338,9 +338,9 @@ def moe_backward_tables(root: Path) -> str:
     ])
 
 
-# Calibration reports of chips whose timings check the model without standing for a generation's bands: v5p's
-# timings of tokamax's Pallas ragged dot from a later tokamax (benchmarks/README.md says how it is written).
-CALIBRATION_CHECKS = ("calibration_v5p.json",)
+# Calibration reports of chips whose timings check the model without standing for a generation's bands: v5p's and
+# v6e's timings from a later tokamax (benchmarks/README.md says how they are written).
+CALIBRATION_CHECKS = ("calibration_v5p.json", "calibration_v6e.json")
 
 
 def calibration_tables_md(root: Path) -> str:

@@ -75,7 +75,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_yscale("log")
         ax.set_ylabel("modelled time / roofline")
         ax.set_title(f"{generation}: one experts layer, calibrated pipelined model, fitted HBM share"
-                     + (" (v5e's constants: no v6e measurements)" if generation == "v6e" else ""))
+                     + (" (v5e's constants, checked by v6e's timings)" if generation == "v6e" else ""))
         ax.set_xticks(x, [f"{r['setting']} T={r['tokens']}" for r in selected], rotation=90, fontsize=7)
         ax.legend(loc="upper left", fontsize=8)
         ax.grid(axis="y", alpha=0.3)
