@@ -24,6 +24,8 @@ def test_race_detection_follows_the_pytest_configuration(tmp_path, options, expe
     )
     env = {k: v for k, v in os.environ.items() if k != RACE_DETECTION_ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    # The plugin's configuration imports torch; torch_tpu's autoload would double that start-up and tests nothing here.
+    env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-s", "-q", "-p", "no:cacheprovider", *options, "test_env.py"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
