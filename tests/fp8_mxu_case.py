@@ -2,9 +2,9 @@
 matmuls), compiled for TPU7x and v6e: which operands the kernels' matmuls take.
 
 Run as `python -m tests.fp8_mxu_case RAGGED_DOT_BUILD DUMP_DIR` with libtpu's
-LLO dump switched on (LIBTPU_INIT_ARGS="--xla_jf_dump_to=DUMP_DIR
---xla_jf_dump_llo_text=true", read once when libtpu starts: hence a process
-of its own). Prints, as JSON, {path: {generation: {matmul instruction:
+LLO dump switched on (LIBTPU_INIT_ARGS from
+`benchmarks.perf.megacore_dump.original_llo_dump_args(DUMP_DIR)`, read once
+when libtpu starts: hence a process of its own). Prints, as JSON, {path: {generation: {matmul instruction:
 count}}} of the path's kernels' programs as the LLO pipeline first sees them.
 """
 
@@ -18,6 +18,8 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+
+from benchmarks.perf.megacore_dump import ORIGINAL_PROGRAM
 
 GENERATIONS = ("tpu7x", "v6e")
 # The experts layer's paths: the pallas_call names of their kernels, and the layer's weights layout and gate.
@@ -59,7 +61,7 @@ def matmuls(build: str, dump: Path) -> dict[str, dict[str, dict[str, int]]]:
             before = set(dump.iterdir()) if dump.exists() else set()
             compile_for(layer, _layer_avals(layout), generation)
             programs = [p for p in set(dump.iterdir()) - before
-                        if p.name.split("-", 1)[1].startswith(kernel_name) and p.name.endswith("-02-original.txt")]
+                        if p.name.split("-", 1)[1].startswith(kernel_name) and p.name.endswith(ORIGINAL_PROGRAM)]
             assert programs, f"no {kernel_name} program dumped for {generation}"
             found[path][generation] = dict(sum((collections.Counter(_MATMUL.findall(p.read_text())) for p in programs),
                                                collections.Counter()))

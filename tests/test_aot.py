@@ -9,7 +9,7 @@ from tpu_kernels.distribution.loader import get_local_kernel
 import pytest
 from jax.experimental import pallas as pl
 
-from tpu_kernels.aot import compile_for, compile_kernel
+from tpu_kernels.aot import compile_for, compile_kernel, lower_for
 from tpu_kernels.runtime.hardware import SUPPORTED_GENERATIONS
 
 pytestmark = pytest.mark.aot
@@ -45,7 +45,8 @@ def test_an_oversized_block_fails_to_compile():
 
 
 def _fake_kernel(root: Path, digest: str):
-    """A built-variant-like package whose compile targets are one small program and one oversized block."""
+    """A built-variant-like package whose compile targets are: a small kernel inside an XLA program, the same kernel
+    in another program, a program that calls no kernel and an oversized block."""
     import importlib
     import sys
     import textwrap
@@ -59,15 +60,17 @@ def _fake_kernel(root: Path, digest: str):
         import jax.numpy as jnp
         from jax.experimental import pallas as pl
 
-        def too_big(x):
-            block = pl.BlockSpec((8192, 8192), lambda i: (i, 0))
+        def copy(x, rows):
+            block = pl.BlockSpec((rows, x.shape[1]), lambda i: (i, 0))
             return pl.pallas_call(lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...]),
-                                  out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(2,), in_specs=[block],
-                                  out_specs=block)(x)
+                                  out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(x.shape[0] // rows,),
+                                  in_specs=[block], out_specs=block)(x)
 
         def compile_targets(generation):
-            return [("small", lambda x: x * 2, (jax.ShapeDtypeStruct((8, 128), jnp.float32),)),
-                    ("too big", too_big, (jax.ShapeDtypeStruct((16384, 8192), jnp.float32),))]
+            small = (jax.ShapeDtypeStruct((8, 128), jnp.float32),)
+            return [("small", lambda x: copy(x * 2, 8), small), ("small again", lambda x: copy(x, 8) + 1, small),
+                    ("no kernel", lambda x: x * 2, small),
+                    ("too big", lambda x: copy(x, 8192), (jax.ShapeDtypeStruct((16384, 8192), jnp.float32),))]
     '''))
     sys.path.insert(0, str(root))
     try:
@@ -90,3 +93,45 @@ def test_a_compile_that_succeeded_is_remembered_and_a_failure_never(tmp_path):
     changed = _fake_kernel(tmp_path, "b" * 8)
     assert not compile_kernel(changed, "fake", ["v5e"], cache_dir=cache)[0].cached
     assert not compile_kernel(kernel, "fake", ["v5e"], cache_dir=None)[0].cached
+
+
+def test_each_kernel_compiles_alone_once_and_a_target_without_one_fails(tmp_path, monkeypatch):
+    from tpu_kernels import aot
+
+    compiled = []
+    compile_program = aot._compile_program
+    monkeypatch.setattr(aot, "_compile_program", lambda lowered: compiled.append(lowered) or compile_program(lowered))
+    results = {r.label: r for r in compile_kernel(_fake_kernel(tmp_path, "c" * 8), "fake", ["v5e"], cache_dir=None)}
+    # "small" and "small again" call one kernel (the XLA around it differs): one compile, and both targets compiled.
+    assert len(compiled) == 2 and "custom_call" in compiled[0].as_text() and "multiply" not in compiled[0].as_text()
+    assert results["small"].compiled and results["small again"].compiled
+    assert not results["no kernel"].compiled and "no Pallas kernel" in results["no kernel"].error
+    assert not results["too big"].compiled and results["too big"].error
+
+
+def test_the_kernels_of_a_program_are_found_under_jit_control_flow_and_derivatives():
+    from tpu_kernels.aot import pallas_kernels
+
+    def scale(x, factor):
+        return pl.pallas_call(lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] * factor),
+                              out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+    @jax.custom_vjp
+    def doubled(x):
+        return scale(x, 2.0)
+
+    doubled.defvjp(lambda x: (scale(x, 2.0), None), lambda _, g: (scale(g, 3.0),))
+
+    def program(x, flag):
+        y = jax.jit(lambda x: scale(x, 4.0))(x)
+        y = jax.lax.cond(flag, lambda y: scale(y, 5.0), lambda y: y, y)
+        return jax.value_and_grad(lambda x: doubled(x).sum())(y)
+
+    x = jax.ShapeDtypeStruct((16, 128), jnp.float32)
+    found = pallas_kernels(program, [x, jax.ShapeDtypeStruct((), jnp.bool_)])
+    assert len(found) == 4
+    # Each is the call alone, on its own operands: a program of one custom call.
+    for call, operands in found:
+        assert [(a.shape, a.dtype) for a in operands] == [(x.shape, x.dtype)]
+        text = lower_for(call, operands, "v5e").as_text()
+        assert text.count("tpu_custom_call") == 1 and "multiply" not in text

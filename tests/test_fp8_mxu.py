@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.perf.megacore_dump import original_llo_dump_args
+
 pytestmark = [pytest.mark.aot, pytest.mark.multiprocess]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,8 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def matmuls(kernel_builds, tmp_path_factory):
     """{path: {generation: {matmul instruction: count}}} of the fp8 layer's kernels."""
     dump = tmp_path_factory.mktemp("llo")
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               LIBTPU_INIT_ARGS=f"--xla_jf_dump_to={dump} --xla_jf_dump_llo_text=true")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", LIBTPU_INIT_ARGS=original_llo_dump_args(dump))
     run = subprocess.run([sys.executable, "-m", "tests.fp8_mxu_case", str(kernel_builds["ragged-dot-tpu"]),
                           str(dump)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -24,6 +24,14 @@ SHARED_MARKER = "BarrierMegacore"
 ONE_CORE_MARKER = "PrimaryCoreRegion"
 # The checkout, from which the process imports the lab.
 ROOT = Path(__file__).resolve().parents[2]
+# The name's end of a dumped program as the LLO pipeline first sees it (its "original" pass).
+ORIGINAL_PROGRAM = "-original.txt"
+
+
+def original_llo_dump_args(dump: Path) -> str:
+    """LIBTPU_INIT_ARGS that dump each compiled program's LLO as the pipeline first sees it into `dump`, and no
+    other pass: all of them (about 60 per kernel) take longer to write than the compile and fill ~100 MB a kernel."""
+    return f"--xla_jf_dump_to={dump} --xla_jf_dump_llo_text=true --xla_jf_dump_llo_pass_label_regex=original"
 
 
 def load_cases(cases_file: Path) -> ModuleType:
@@ -41,8 +49,7 @@ def loaded_kernels(build_folders: dict[str, Path]) -> dict[str, ModuleType]:
 
 def compiled_splits(cases_file: Path, build_folders: dict[str, Path], dump: Path) -> dict[str, bool]:
     """{case: whether its kernel's compiled program runs on both cores} for the cases of `cases_file`."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               LIBTPU_INIT_ARGS=f"--xla_jf_dump_to={dump} --xla_jf_dump_llo_text=true")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", LIBTPU_INIT_ARGS=original_llo_dump_args(dump))
     folders = json.dumps({name: str(folder) for name, folder in build_folders.items()})
     run = subprocess.run([sys.executable, "-m", __name__, str(cases_file), folders, str(dump)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
@@ -54,7 +61,7 @@ def compiled_splits(cases_file: Path, build_folders: dict[str, Path], dump: Path
     for case, files in added.items():
         # The kernel's program as the LLO pipeline first sees it, named after its pallas_call.
         programs = [f for f in files if f.split("-", 1)[1].startswith(f"{names[case]}.")
-                    and f.endswith("-02-original.txt")]
+                    and f.endswith(ORIGINAL_PROGRAM)]
         if len(programs) != 1:
             raise RuntimeError(f"{case}: not one program named {names[case]} in the dump: {files}")
         text = (dump / programs[0]).read_text()
