@@ -17,7 +17,7 @@ from benchmarks.studies import (
 from benchmarks.studies.moe_layer.vllm_kernels import DEFAULT_FOLDER
 from tpu_kernels.distribution.builder import build_kernel_repo
 
-from . import ours, rivals
+from . import ours, rivals, rpa_v3
 from .shapes import (GENERATIONS, MODELS, PAGE_SIZES, PLOT_PAGE_SIZE, ROOFLINE_TARGET_PCT, TARGET_FROM_CONTEXT,
                      decode_batches, minimum_bytes, mixed_batch)
 from .summary import plot, summarise
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
                    "head_dim": model.head_dim, "sliding_window": model.sliding_window, "sinks": model.sinks,
                    "min_bytes": minimum_bytes(batch, model), "ours": ours.measure(built, batch, model, page_size),
                    "rivals": {"jax_paged_attention": rivals.jax_paged_attention(batch, model, page_size),
-                              "vllm_rpa_v3": rivals.rpa_v3(batch, model, page_size, args.wheels)}}
+                              "vllm_rpa_v3": rpa_v3.rpa_v3(batch, model, page_size, args.wheels)}}
             rows.append(row)
             write_json(args.out.with_suffix(".partial.json"), rows)  # a long run keeps what it has measured
             print(f"{model.name:24s} {batch.label:44s} page {page_size:4d}  " + "  ".join(
