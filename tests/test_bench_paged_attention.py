@@ -89,8 +89,20 @@ def test_card_tables_from_the_json():
     rivals = rendered["rivals"].splitlines()
     # Page 128 only: the mixed-length decode (rival n/a), the 4096 point (priced) and the mixed batch (not priced).
     assert len(rivals) == 2 + 3 * 3
-    assert "| M | decode length 4096 | v5e | 100 | 80 | n/a |" in rivals
-    assert "| M | mixed | tpu7x | 100 | not priced | n/a |" in rivals
+    assert "| M | decode length 4096 | v5e | 100 | 80 | n/a | n/a |" in rivals
+    assert "| M | mixed | tpu7x | 100 | not priced | n/a | n/a |" in rivals
+
+
+def test_the_rivals_table_shows_rpa_v3_at_vllms_default_beside_its_best():
+    row = _row(4096)
+    defaults = {"v5e": {"modelled_time_us": 101.4}, "v6e": {"modelled_time_us": 90.0, "error": "does not fit"},
+                "tpu7x": {"error": "ValueError: refused"}}
+    row["rivals"]["vllm_rpa_v3"] = {"per_generation": {
+        g: {**_figures(95.0, 80.0), "vllm_default": {"config": {}, **defaults[g]}} for g in shapes.GENERATIONS}}
+    rivals = tables.render_markdown({"results": [row]})["rivals"].splitlines()
+    assert rivals[0].endswith("| vLLM RPA v3 | vLLM RPA v3 at vLLM's default |")
+    assert rivals[2:] == [f"| M | decode length 4096 | {g} | 100 | n/a | 80 | {cell} |"
+                          for g, cell in zip(shapes.GENERATIONS, ("101", "not priced", "not priced"))]
 
 
 def test_a_row_without_a_generation_is_a_key_error():
