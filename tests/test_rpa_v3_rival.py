@@ -25,8 +25,9 @@ def test_every_searched_block_holds_whole_pages_and_whole_compute_slices(page_si
     kv_limit = -(-max_kv // page_size) * page_size
     for (key, positions), values in axes.items():
         assert values and key in ("d_block_sizes", "m_block_sizes")
+        splits = rpa_v3.DECODE_CSZ_SPLITS if key == "d_block_sizes" else rpa_v3.CSZ_SPLITS
         for block, piece in values:
-            assert block % piece == 0 and block // piece in rpa_v3.CSZ_SPLITS
+            assert block % piece == 0 and block // piece in splits
             if positions == (1, 3):  # keys
                 assert block % page_size == 0 and piece % page_size == 0 and block <= kv_limit
             else:  # queries
@@ -47,15 +48,20 @@ class _Replays:
 
 
 def test_the_search_leaves_a_default_that_overflows_for_the_fastest_configuration_that_fits(monkeypatch):
-    # Blocks of more than 2048 keys overflow; among those that fit, 1024 keys in 512-key slices is fastest.
+    # Key blocks of more than 2048 keys overflow; among those that fit, the mixed call's 256 queries and 1024 keys in
+    # 512-key slices and the decode call's 512 keys are fastest.
     def time_s(config, batch, model, generation):
-        block, piece = config["d_block_sizes"][1], config["d_block_sizes"][3]
-        return math.inf if block > 2048 else abs(math.log2(block / 1024)) + (0 if block == 2 * piece else 0.5)
+        _, decode, _, _ = config["d_block_sizes"]
+        queries, block, _, piece = config["m_block_sizes"]
+        if max(decode, block) > 2048:
+            return math.inf
+        return (abs(math.log2(decode / 512)) + abs(math.log2(queries / 256)) + abs(math.log2(block / 1024))
+                + (0 if block == 2 * piece else 0.5))
 
     monkeypatch.setattr(rpa_v3, "_fitting_time_s", time_s)
-    start = {"d_block_sizes": [1, 8192, 1, 8192], "m_block_sizes": [32, 1024, 32, 512]}
-    best = rpa_v3.search(_call(), _Replays(), None, None, "v6e", start)
-    assert best == {"d_block_sizes": [1, 1024, 1, 512], "m_block_sizes": [32, 1024, 32, 512]}
+    start = {"d_block_sizes": [1, 8192, 1, 8192], "m_block_sizes": [256, 4096, 128, 2048]}
+    best = rpa_v3.search(_call(max_q=1024, mixed=True), _Replays(), None, None, "v6e", start)
+    assert best == {"d_block_sizes": [1, 512, 1, 512], "m_block_sizes": [256, 1024, 256, 512]}
 
 
 def test_vllms_default_is_run_with_its_query_slice_no_longer_than_its_query_block():
