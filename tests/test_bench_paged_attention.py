@@ -148,3 +148,17 @@ def test_a_relayout_is_charged_at_its_bytes_or_the_row_says_why_not():
     missing = relayouts.relayout_fields({"error": "VMEM OOM"})
     assert missing["relayout_us"] is None and "did not compile: VMEM OOM" in missing["relayout_missing"]
     assert relayouts.relayout_fields(None) == {"relayout_us": None, "relayout_missing": relayouts.NOT_PROBED}
+
+
+def test_the_cases_are_measured_in_order_and_kept_as_they_come(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from benchmarks.studies.paged_attention import run
+
+    monkeypatch.setattr(run, "_start_worker", lambda repo, wheels: None)
+    monkeypatch.setattr(run, "measure_case", lambda case: {"case": case})
+    args = SimpleNamespace(jobs=1, repo=None, wheels=None, out=tmp_path / "paged.json")
+    assert run._measure(["a", "b", "c"], args) == [{"case": "a"}, {"case": "b"}, {"case": "c"}]
+    assert (tmp_path / "paged.partial.json").exists()
+    with pytest.raises(SystemExit):
+        run.main(["--jobs", "0"])

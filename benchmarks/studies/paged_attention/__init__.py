@@ -30,7 +30,7 @@ the reason.
 
 Usage:
     tpu-kernels bench paged_attention [--out benchmarks/results/paged_attention.json] [--repo kernel_repos/attention-tpu]
-        [--wheels DIR] [--quick]
+        [--wheels DIR] [--jobs N] [--quick]
 Modules: `shapes`, `ours`, `rivals`, `rpa_v3`, `pricing`, `summary`, `run`.
 """
 
