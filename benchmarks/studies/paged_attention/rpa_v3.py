@@ -45,8 +45,9 @@ RPA_PACKAGES = ("tpu_inference", "tpu_inference.kernels", "tpu_inference.kernels
 # What tpu_inference.utils.get_device_name says on each generation (the hd64 kernel's tuned table is keyed by it).
 DEVICE_NAMES = {"v5e": "TPU v5e", "v6e": "TPU v6e", "tpu7x": "TPU v7"}
 TPU_VERSION = {"v5e": 5, "v6e": 6, "tpu7x": 7}
-# The version each generation's rows are replayed at: v5e's at 6, where the kernel differs only in a mask's integer
-# width (int16 from v6), which the model prices alike.
+# The version each generation's rows are replayed at: v5e's at 6, where the kernel differs only in its masks' integer
+# width (int16 from v6, int32 on v5e): the model prices a decode call alike, a mixed call's masks slightly apart
+# (Qwen3-30B-A3B's mixed batch at vLLM's default: 1197.1 us replayed at 6 against 1191.9 at 5 on v5e).
 REPLAY_VERSION = {"v5e": 6, "v6e": 6, "tpu7x": 7}
 ENTRY_POINTS = ("ragged_paged_attention", "ragged_paged_attention_hd64")
 # The VMEM limit vLLM's kernel asks for when given none (`pltpu.get_tpu_info().vmem_capacity_bytes`).
