@@ -245,7 +245,17 @@ def test_multichip_step_tables_from_its_json():
               "ici": {"diameter_hops": 4, "hop_latency_us": {"central": 1.0, "low": 0.5, "high": 2.0},
                       "link_bytes_per_s_one_way": 1e11, "mesh": {"rows": 2, "cols": 4}, "sources": "the book"},
               "left_out": "attention"}
-    tables = multichip_tables.render_markdown({"entries": entries, "winner_per_batch": winners, "method": method})
+    layer = {"layer_us": 50.0, "collectives_us": {"central": 12.0},
+             "per_layer_us": {"low": 55.0, "central": 62.0, "high": 80.0}}
+    fused = {"meshes": {"2": "1x2"}, "entries": [{"chips": 2, "batch": 8, "fastest": "ep_router", "layouts": {
+        "vllm_fused_ep_moe": {**layer, "block_sizes": {"bt": 4, "bf": 768, "bd1": 2048, "bd2": 1024}},
+        "ep_router": {**layer, "layer_us": 33.5, "per_layer_us": {"low": 40.0, "central": 45.5, "high": 51.0}},
+        "ep_dispatch": {"error": "lowering failed: no"}}}]}
+    tables = multichip_tables.render_markdown({"entries": entries, "winner_per_batch": winners, "method": method,
+                                               "fused_ep_moe": fused})
+    assert tables["fused-ep-moe-against-ours"].splitlines()[2] == (
+        "| 2 (1x2) | 8 | 62.0 (55.0-80.0) = 50.0 + 12.0 | **45.5 (40.0-51.0) = 33.5 + 12.0** | refused: no "
+        "| 4/768/2048/1024 |")
     assert tables["step-ms-and-layer-parts"].splitlines()[0::2] == [
         "| batch | `tp` | `ep_router` | `ep_dispatch` | experts layer us (tp / router / dispatch) "
         "| collectives us per layer (tp / router / dispatch) |",
@@ -433,7 +443,7 @@ def test_moe_layer_v5p_tpu7x_table_adds_the_quantized_formats_and_the_fused_riva
                   "error": "lowering failed: Expected num_tokens=1 to be aligned to ep_size=8."},
                  {"generation": "v5p", "label": "a T=1", "variant": "ours", "us": 30.0},
                  {"generation": "v5p", "label": "a T=1", "variant": "vllm_fused_ep_moe", "us": 40.0,
-                  "block_sizes": sizes}]
+                  "block_sizes": sizes, "block_sizes_from": "searched"}]
     tables = moe_layer_tables.render_v5p_tpu7x_markdown({"shapes": shapes, "variants": variants})
     assert tables == {"headline-and-quantized": "\n".join([
         "| shape | v5p | int8 / fp8 / int4 | TPU7x | int8 / fp8 |", "| --- | --- | --- | --- | --- |",
@@ -444,6 +454,10 @@ def test_moe_layer_v5p_tpu7x_table_adds_the_quantized_formats_and_the_fused_riva
         "| no figure: lowering failed: Expected num_tokens=1 to be aligned to ep_size=8. |"])}
     assert moe_layer_tables.render_v5p_markdown({"shapes": shapes, "variants": variants}) == {
         "vllm-fused": tables["vllm-fused"]}
+    # A row priced at vLLM's own block sizes (before the search, or where none fits) says so.
+    variants[-1] = {**variants[-1], "block_sizes_from": "default formula (not in its tuned table)"}
+    assert moe_layer_tables.render_v5p_markdown({"shapes": shapes, "variants": variants})["vllm-fused"].endswith(
+        "bd 1024/1024 (vLLM's pick) | no figure: lowering failed: Expected num_tokens=1 to be aligned to ep_size=8. |")
 
 
 def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():

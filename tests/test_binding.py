@@ -51,9 +51,11 @@ def expected_biased_add(x, y, bias, scale):
 
 def test_torch_tpu_kernel_registers_our_signature_on_cpu():
     """torch_tpu is installed here: TPU tensors reach its JaxCallable behind our launcher."""
-    assert binding._torch_tpu_pallas() is not None
+    assert binding._torch_tpu_installed()
     op = jax_torch_op("tk_test_jaxop::scale_add")(scale_add)
     assert isinstance(op.registered.tpu_kernel, binding._TpuKernel)
+    # Registering makes no JaxCallable (nor imports torch_tpu's Pallas module): the first TPU call does.
+    assert "jax_callable" not in vars(op.registered.tpu_kernel)
     assert str(torch.ops.tk_test_jaxop.scale_add.default._schema) == (
         "tk_test_jaxop::scale_add(Tensor x, Tensor y, float scale) -> (Tensor, Tensor)"
     )
@@ -159,14 +161,14 @@ def test_tpu_kernel_leaves_other_tensors_and_other_torch_tpus_to_jax_callable(tp
     for _ in range(2):
         assert tpu_kernel(x.as_subclass(Wrapped), y, None, 1.0).shape == (8, 128)
     assert len(calls) == 2 and not tpu_kernel.launches
-    monkeypatch.setattr(tpu_kernel, "pallas", types.SimpleNamespace(tpu_torch_pallas=tpu_runtime))
+    monkeypatch.setattr(binding, "_torch_tpu_pallas", lambda: types.SimpleNamespace(tpu_torch_pallas=tpu_runtime))
     for _ in range(2):
         assert tpu_kernel(x, y, None, 1.0).shape == (8, 128)
     assert len(calls) == 4 and not tpu_kernel.direct and len(tpu_runtime.launched) == 4
 
 
 def test_plain_op_without_torch_tpu(monkeypatch):
-    monkeypatch.setattr(binding, "_torch_tpu_pallas", lambda: None)
+    monkeypatch.setattr(binding, "_torch_tpu_installed", lambda: False)
     op = jax_torch_op("tk_test_plain::scale_add")(scale_add)
     assert op.registered.tpu_kernel is None
     x, y = torch.randn(16, 128).bfloat16(), torch.randn(16, 128).bfloat16()
@@ -404,7 +406,7 @@ def _expected_scaled_tanh(x, w, rows, shift):
 @pytest.mark.parametrize("registrar", ["torch_tpu", "without_torch_tpu"])
 def test_gradients_come_from_the_jax_vjp(monkeypatch, registrar):
     if registrar == "without_torch_tpu":
-        monkeypatch.setattr(binding, "_torch_tpu_pallas", lambda: None)
+        monkeypatch.setattr(binding, "_torch_tpu_installed", lambda: False)
     op = jax_torch_op(f"tk_test_grad_{registrar}::scaled_tanh")(scaled_tanh)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(8, 128, generator=generator, requires_grad=True)

@@ -7,9 +7,6 @@ as `tpu-kernels calibrate` does; a model change that moves them outside the issu
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -58,6 +55,14 @@ def test_pinned_entries_stay_inside_the_calibrated_bands(folder, file, label, ba
         assert 0.5 <= ratio <= 2.0, ratio
     else:
         assert abs(ratio - 1) <= band, ratio
+
+
+def test_calibration_fit_writes_the_constant_files_the_model_reads():
+    from benchmarks.studies import calibration_fit
+
+    # Relative to the checkout (pytest runs from its root): `--write-constants` refuses a path that is no file.
+    assert calibration_fit.CONSTANTS.resolve() == (Path(perf.__file__).parent / "model_constants.json").resolve()
+    assert calibration_fit.HBM_FRACTIONS.resolve() == (Path(perf.__file__).parent / "hbm_fractions.json").resolve()
 
 
 @pytest.mark.aot
@@ -122,28 +127,27 @@ def test_the_chip_comes_from_the_folder_and_unknown_ops_or_untimed_entries_are_l
     assert measurements[0].chip == "v5e"
 
 
-@pytest.mark.multiprocess
 @pytest.mark.slow
-def test_cli_writes_the_report_and_fails_only_on_a_file_it_cannot_read(tmp_path):
+def test_cli_writes_the_report_and_fails_only_on_a_file_it_cannot_read(tmp_path, capsys):
+    from tpu_kernels.cli import main
+
     source = tmp_path / "tpu_v5_lite"
     source.mkdir()
     entries = json.loads((AUTOTUNING / "tpu_v5_lite" / "ragged_dot.json").read_text())
     decode = {key: value for key, value in entries.items() if '"lhs":"bf16[8,4096]"' in key}
     (source / "ragged_dot.json").write_text(json.dumps(decode))
     out = tmp_path / "calibration.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    command = [sys.executable, "-m", "tpu_kernels.cli", "calibrate", str(source), "--out", str(out),
-               "--cache-dir", str(tmp_path / "cache"), "--jobs", "1"]
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
+    # The command through cli.main in this process: a process of its own would start torch and jax again.
+    command = ["calibrate", str(source), "--out", str(out), "--cache-dir", str(tmp_path / "cache"), "--jobs", "1"]
+    assert main(command) == 0, capsys.readouterr().err[-2000:]
     report = json.loads(out.read_text())
     assert {e["kind"] for e in report["entries"]} == {"xla_ragged_dot"} and len(report["entries"]) == 2
     assert report["summary"]["v5e"]["xla_ragged_dot"]["all"]["count"] == 2
     assert all(0.5 <= e["ratio"] <= 2 for e in report["entries"])
 
     (source / "ragged_dot.json").write_text("not json")
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    assert done.returncode == 2 and "not a tokamax autotuning file" in done.stderr
+    capsys.readouterr()
+    assert main(command) == 2 and "not a tokamax autotuning file" in capsys.readouterr().err
 
 
 def test_a_timing_faster_than_the_peak_allows_for_its_recorded_inputs_is_left_out(tmp_path):

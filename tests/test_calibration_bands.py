@@ -193,4 +193,21 @@ def test_a_generation_whose_timings_only_check_says_so_for_the_kinds_they_cover(
     assert calibration_bands.describe("flash_attention", "v5p", "compute_bound").endswith(
         "v5p has no timing of flash_attention: tpu7x's constants and error")
     assert calibration_bands.describe("pallas_ragged_dot", "v6e", "streaming").endswith(
-        "v6e has no measurements: v5e's constants and error")
+        "v6e's figures take v5e's constants and error; v6e's own timings of pallas_ragged_dot, xla_ragged_dot, "
+        "flash_attention check them (benchmarks/results/calibration_v6e.json)")
+    assert (calibration_bands.borrowed("v6e", "tpu7x", "flash_attention_vjp")
+            == "v6e has no timing of flash_attention_vjp: tpu7x's constants and error")
+
+
+def test_an_outlier_its_problem_does_not_explain_says_so_and_names_the_pass_biased_apart():
+    problem = "bf16[1024,512] x bf16[1024,512] G=8"
+    entries = [_pallas_entry("v6e", f"drhs {problem}", 1.23, "holdout"),
+               _pallas_entry("v6e", "drhs bf16[2048,512] x bf16[2048,512] G=8", 1.05, "fit"),
+               _pallas_entry("v6e", f"fwd {problem}", 0.84, "fit"), _pallas_entry("v6e", f"dlhs {problem}", 0.85, "fit"),
+               _pallas_entry("v6e", "fwd bf16[64,512] x bf16[8,512,512] G=8", 0.88, "fit")]
+    reason = calibration_tables.outlier_reason(entries[0], entries)
+    assert "0.84 (fwd, fit), 0.85 (dlhs, fit): the miss is not the problem's" in reason
+    assert ("the 2 drhs entries of v6e are priced at a median signed error of +14.0 %, the 3 of the other passes at "
+            "-15.0 %: the miss follows the pass") in reason
+    # Passes priced alike explain nothing.
+    assert calibration_tables.pass_reason(entries[2], entries[2:]) == []

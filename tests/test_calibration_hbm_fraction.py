@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 
 import numpy as np
 import pytest
@@ -116,3 +117,43 @@ def test_the_fitted_shares_are_the_data_the_model_reads():
     assert set(shares) == {"v5e", "v5p", "v6e", "tpu7x"}
     assert all(0.5 <= share <= 1.0 for share in shares.values())
     assert np.isclose(shares["v6e"], shares["v5e"])  # borrowed
+
+
+@dataclasses.dataclass(frozen=True)
+class StepsAndCopies:
+    """An analysed Pallas entry priced as its copies at the priced share plus its grid steps at the priced cost."""
+
+    measurement: calibration.Measurement
+    hbm_bytes: float
+    steps: int
+
+    def price(self, constants):
+        bandwidth = tpu_generation("v6e").device_hbm_bytes_per_s * constants.hbm_fraction
+        return types.SimpleNamespace(pipelined_time_s=self.hbm_bytes / bandwidth + self.steps * constants.grid_step_s)
+
+
+def steps_and_copies(sizes: list[tuple[float, int]], share: float, step_s: float) -> list[StepsAndCopies]:
+    """Entries measured as if the chip's copies ran at `share` of the peak and a grid step cost `step_s`."""
+    bandwidth = tpu_generation("v6e").device_hbm_bytes_per_s * share
+    return [StepsAndCopies(calibration.Measurement(
+        "v6e", "pallas_ragged_dot", "/data/tpu_v6_lite/pallas_mosaic_tpu_ragged_dot.json", CALL,
+        {"bytes": int(hbm_bytes), "steps": steps}, (1e3 * (hbm_bytes / bandwidth + steps * step_s),)),
+        hbm_bytes, steps) for hbm_bytes, steps in sizes]
+
+
+def test_the_step_share_profile_tells_an_identified_step_from_one_traded_against_the_share():
+    from benchmarks.studies import calibration_fit
+
+    varied = [(2.0e8 * (1 + i % 3), 500 * (1 + 2 * (i % 5))) for i in range(16)]
+    [identified] = calibration_fit.step_share_profile(steps_and_copies(varied, 0.9, 0.2e-6)).values()
+    best = min(identified, key=lambda row: row["fit_median_log_error"])
+    assert (best["grid_step_us"], best["best_hbm_fraction"]) == (0.2, 0.9) and best["holdout"]["median_abs_error"] < 1e-3
+    assert max(row["fit_median_log_error"] for row in identified) > 0.05
+    # Steps in proportion to bytes: every step cost up to 0.34 us has a share that prices the entries as well, a
+    # dearer step a higher share.
+    proportional = [(2.0e8 * (1 + i % 7), 80 * (1 + i % 7)) for i in range(16)]
+    [traded] = calibration_fit.step_share_profile(steps_and_copies(proportional, 0.9, 0.2e-6)).values()
+    within = [row for row in traded if row["grid_step_us"] <= 0.34]
+    assert len(within) == 7 and all(row["fit_median_log_error"] < 0.01 for row in within)
+    shares = [row["best_hbm_fraction"] for row in within]
+    assert shares == sorted(shares) and shares[0] < 0.85 < 0.95 < shares[-1]

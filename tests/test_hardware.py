@@ -221,5 +221,5 @@ def test_kernels_tile_by_the_calibrated_step_cost_where_one_was_fitted():
     from benchmarks import perf
 
     assert hardware.grid_step_overhead_s("tpu7x") == perf.grid_step_s("tpu7x") == 0.72e-6
-    # v5e's fit (0.34 us) is within the rule of thumb's rounding; v5p and v6e have no timings.
+    # v5e's fit (0.34 us) is within the rule of thumb's rounding; v5p's and v6e's timings fit no step of their own.
     assert [hardware.grid_step_overhead_s(g) for g in ("v5e", "v5p", "v6e")] == [0.35e-6] * 3

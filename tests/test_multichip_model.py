@@ -120,3 +120,25 @@ def test_tp_shard_splits_the_intermediate_dim():
 
     setting = multichip.tp_setting()
     assert setting.model.intermediate == 96 and setting.local_experts == 128 and setting.ep == 1
+
+
+def test_fused_ep_moe_exchanges_the_hand_counts():
+    """vLLM's fused kernel at batch 64 on a v6e-8 in token blocks of 4: 2 blocks of the chip's 8 tokens; per block
+    7 ring steps of the 128 padded int32 counts, 7 + 1 + 16 + 2 barriers, rows out and back of 4 x 8 / 8 picks per
+    ordered pair (hidden padded to 256); one barrier at the start; the layer's output all-gather and attention's
+    all-reduce."""
+    listed = collectives.fused_ep_moe_collectives(64, token_block=4, mesh=collectives.V6E_8, ici=ICI, **QWEN)
+    found = {c.kind + (" back" if "back" in c.name else ""): c for c in listed}
+    assert found["barrier"].name == "kernel barrier x 53"
+    assert found["barrier"].latency_s == pytest.approx(53 * 4 * 1e-6) and found["barrier"].bandwidth_s == 0
+    assert found["neighbour copy"].name == "pick counts ring step x 14" and found["neighbour copy"].bytes == 512
+    assert found["neighbour copy"].time_s == pytest.approx(14 * (1e-6 + 512 / 1e11))
+    assert found["all-to-all"].bytes == found["all-to-all back"].bytes == 4 * 2048 * 2
+    one = collectives.all_to_all("one", 4 * 2048 * 2, collectives.V6E_8, ICI)
+    assert found["all-to-all back"].time_s == pytest.approx(2 * one.time_s)
+    assert found["all-gather"].bytes == found["all-reduce"].bytes == 64 * 2048 * 2
+    # A hidden size off the 256 grid moves vLLM's padded rows; fewer, larger token blocks issue fewer barriers.
+    odd = collectives.fused_ep_moe_collectives(64, token_block=8, mesh=collectives.V6E_8, ici=ICI,
+                                               **{**QWEN, "hidden": 2880})
+    assert {c.kind: c for c in odd}["all-to-all"].bytes == 8 * 3072 * 2
+    assert {c.kind: c for c in odd}["barrier"].name == "kernel barrier x 27"

@@ -3,6 +3,7 @@ threshold."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -100,3 +101,41 @@ def test_the_step_and_share_rules_are_the_models_own():
     for share in (*robustness.SHARE_RANGE, 0.9):
         assert robustness.moe_variant_us(line, "v6e", {robustness.HBM_SHARE: share}) == pytest.approx(
             priced(fitted_us, share).pipelined_time_s * 1e6)
+
+
+def _tokamax_fit(share_entry: dict) -> dict:
+    """calibration_fit_v6e.json's shape: the share fit, the Pallas fit and its step-against-share profile."""
+    profile = [{"grid_step_us": step, "best_hbm_fraction": share, "fit_median_log_error": error}
+               for step, share, error in ((0.0, 0.7, 0.06), (0.02, 0.71, 0.05), (0.34, 0.8, 0.055), (1.0, 1.0, 0.07))]
+    return {"hbm_fraction_sources": ["tokamax-abc1234/tpu_v6_lite/ragged_dot.json"],
+            "hbm_fraction": {"v6e": share_entry}, "fits": {"v6e": {"constants": {"grid_step_s": 0.9e-6}}}, "step_share_profile": {"v6e": profile}}
+
+
+def test_v6e_claims_are_priced_at_the_share_v6e_timings_fit_and_only_there():
+    from benchmarks.studies.tables import robustness as tables
+
+    fitted = robustness.v6e_tokamax_data(_tokamax_fit({"hbm_fraction": 0.9, "entries": [{}, {}]}))
+    assert fitted["hbm_share"] == 0.9 and fitted["hbm_share_timings"] == 2
+    # Only the priced step range (0.02-0.34 us) says whether the step is identified.
+    assert fitted["best_share_across_step_range"] == [0.71, 0.8]
+    assert fitted["fit_error_across_step_range"] == [0.05, 0.055]
+    borrowed = robustness.v6e_tokamax_data(_tokamax_fit({"hbm_fraction": 1.0, "borrowed_from": "v5e", "entries": []}))
+    assert borrowed["hbm_share"] is None and robustness.v6e_data_point(borrowed) == {}
+    point = robustness.v6e_data_point(fitted)
+    claim = robustness.Claim("anchor", "time at most 10", "v6e", 10.0, True, {robustness.HBM_SHARE: (1.0, 0.78, 1.0)},
+                             lambda p: 9.5 / p.get(robustness.HBM_SHARE, 1.0))
+    found = robustness.evaluate(claim, point)
+    assert found["at_v6e_data"] == {"constants": {robustness.HBM_SHARE: 0.9}, "value": round(9.5 / 0.9, 4),
+                                    "holds": False}
+    other = robustness.Claim(*dataclasses.astuple(claim)[:2], "v5e", *dataclasses.astuple(claim)[3:6], claim.value)
+    assert "at_v6e_data" not in robustness.evaluate(other, point)
+    assert "at_v6e_data" not in robustness.evaluate(claim, {})
+    table = tables.at_v6e_data({"claims": [found]})
+    assert "(hbm_share 0.9; the rest as fitted)" in table
+    assert "| anchor | 0 | 1 | time at most 10, 9.5 -> 10.5556 |" in table
+
+
+def test_the_tracked_report_prices_every_v6e_claim_at_the_share_its_timings_fit(report):
+    fit = json.loads((RESULTS / "calibration_fit_v6e.json").read_text())
+    assert report["v6e_tokamax_data"]["hbm_share"] == fit["hbm_fraction"]["v6e"]["hbm_fraction"]
+    assert all(("at_v6e_data" in c) == (c["generation"] == "v6e") for c in report["claims"])

@@ -15,9 +15,6 @@ from kernels import Mode
 from transformers import AutoModelForCausalLM, GptOssConfig, Qwen3Config, Qwen3MoeConfig
 
 from tpu_kernels import kernelize
-from tpu_kernels.distribution.builder import build_kernel_repo
-
-from .conftest import REPO_ROOT
 
 STEPS = 3
 TOLERANCE = 1e-4
@@ -32,19 +29,26 @@ CONFIGS = {
     # MoE in every layer: 6 experts, top-2 of 24 tokens, so some experts get no token in some steps.
     "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, moe_intermediate_size=40, num_experts=6, num_experts_per_tok=2),
 }
-MOE = ("gpt_oss", "qwen3_moe")
+# Under torch.compile, where Inductor compiling a whole model is most of the time, one Qwen3-MoE whose first layer
+# is dense (Qwen3's MLP) and second MoE stands for both Qwen3 models: our ops get the same calls as in either
+# (RMSNorm with the q/k norms, attention with the padding mask, and the experts).
+COMPILED_CONFIGS = {
+    "gpt_oss": CONFIGS["gpt_oss"],
+    "qwen3_dense_and_moe": lambda: Qwen3MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=40,
+                                                  num_experts=6, num_experts_per_tok=2, mlp_only_layers=[0]),
+}
+MOE = ("gpt_oss", "qwen3_moe", "qwen3_dense_and_moe")
 
 
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory):
-    out = tmp_path_factory.mktemp("builds")
-    return {kind: str(build_kernel_repo(REPO_ROOT / "kernel_repos" / name, out))
+def builds(kernel_builds):
+    return {kind: str(kernel_builds[name])
             for kind, name in (("experts", "ragged-dot-tpu"), ("rmsnorm", "rmsnorm-tpu"), ("attention", "attention-tpu"))}
 
 
 def _model(name, experts_implementation=None):
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config((CONFIGS | COMPILED_CONFIGS)[name](), dtype=torch.float32)
     if experts_implementation is not None and name in MOE:
         model.set_experts_implementation(experts_implementation)
     with torch.no_grad():
@@ -111,13 +115,15 @@ def test_training_losses_match_eager(name, builds):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", sorted(COMPILED_CONFIGS))
 def test_training_under_torch_compile_fullgraph(name, builds):
     # The eager baseline: transformers' batched_mm experts (its default grouped_mm has data-dependent
     # shapes that fullgraph cannot trace); kernelize replaces them with ours either way.
     batch = _batch(name)
     expected = _losses(_model(name, "batched_mm"), batch)
     model = _kernelized(name, builds, Mode.TRAINING | Mode.TORCH_COMPILE, "batched_mm")
+    if name == "qwen3_dense_and_moe":  # Qwen3's dense layer is there, beside the MoE layer
+        assert [hasattr(layer.mlp, "experts") for layer in model.model.layers] == [False, True]
     losses = _losses(model, batch, forward=torch.compile(model, fullgraph=True))
     assert (losses - expected).abs().max().item() <= TOLERANCE, (losses, expected)
 

@@ -108,23 +108,24 @@ def test_the_counted_schedule_is_the_busiest_ranks_work():
     assert weights["output"] == 32 * h * 2
     mxu_rows = sum(dot.count * dot.m * dot.k * dot.n for dot in call.dots) / (3 * h * i)
     assert case.live_picks <= mxu_rows < case.live_picks + 16 * facts["block_sizes"]["btc"]
-    assert facts["remote_rows"] > 0 and "cannot be priced" in facts["not_priced"]
+    assert facts["remote_rows"] > 0 and "not priced here" in facts["not_priced"]
     assert not call.unmodelled_dmas
 
 
 def test_a_shape_the_kernel_refuses_is_a_row_with_its_reason(tmp_path):
     """One token over eight ranks: the kernel's own ValueError is the row's error, not a dropped rival."""
     from benchmarks.studies.moe_layer.cache import Cache, Compiler
-    from benchmarks.studies.moe_layer.measure import fused_variant, queue_fused
+    from benchmarks.studies.moe_layer.measure import queue_fused, variant
 
     case = shapes.make_case(EP8_DISPATCH, 1)
     compiler = Compiler(Cache(tmp_path), 1)
     pending = {}
     queue_fused(case, compiler, ("v6e",), pending)
-    future, counted, _ = pending[(vllm_fused.FUSED, "v6e")]
-    entry = fused_variant(case, "v6e", future.result(), counted)
+    future, sizes, found = pending[(vllm_fused.FUSED, "v6e")]
+    entry = variant(None, case, compiler, vllm_fused.FUSED, "v6e", future.result(), sizes, found, None)
     compiler.pool.shutdown()
     assert entry["compiled"] is False and "aligned to ep_size=8" in entry["error"]
+    assert entry["configs_searched"] == 0 and entry["refused_block_sizes"] == []
 
 
 def test_every_generation_has_a_mesh_of_each_ep_rank_count():
@@ -145,24 +146,27 @@ def test_every_generation_has_a_mesh_of_each_ep_rank_count():
 @pytest.mark.aot
 @pytest.mark.parametrize("generation", ["v6e", "v5p", "tpu7x"])
 def test_an_ep8_row_is_compiled_with_its_body_and_says_what_it_leaves_out(tmp_path, generation):
-    """Qwen3's EP8 rank at 64 tokens: compiled on an eight-rank compile-only mesh (v5p's megacore chips, TPU7x's
-    cores), priced, and its JSON line carries its block sizes and the reason its cross-device part is not priced."""
+    """Qwen3's EP8 rank at 64 tokens: compiled at its searched block sizes on an eight-rank compile-only mesh
+    (v5p's megacore chips, TPU7x's cores), priced no slower than vLLM's own pick, and its JSON line carries both
+    picks and the reason its cross-device part is not priced."""
     from benchmarks.studies.moe_layer.cache import Cache, Compiler
-    from benchmarks.studies.moe_layer.measure import fused_variant, queue_fused, row_facts
+    from benchmarks.studies.moe_layer.measure import queue_fused, row_facts, variant
     from benchmarks.studies.moe_layer.report import variant_lines
 
     case = shapes.make_case(EP8_DISPATCH, 64)
     compiler = Compiler(Cache(tmp_path), 1)
     pending = {}
     queue_fused(case, compiler, (generation,), pending)
-    future, counted, _ = pending[(vllm_fused.FUSED, generation)]
-    entry = fused_variant(case, generation, future.result(), counted)
+    future, sizes, found = pending[(vllm_fused.FUSED, generation)]
+    entry = variant(None, case, compiler, vllm_fused.FUSED, generation, future.result(), sizes, found, None)
     compiler.pool.shutdown()
     assert entry["compiled"] is True and entry["headline_us"] > case.roofline_s(generation) * 1e6
     assert entry["kernels"]["calls"][0]["name"] == vllm_fused.FUSED
     row = {**row_facts(case, generation), "variants": {vllm_fused.FUSED: entry}}
     (line,) = variant_lines([row])
-    assert line["block_sizes"]["bt"] == 8 and "cannot be priced" in line["not_priced"]
+    assert line["block_sizes"]["bt"] == 8 and "multichip study prices them" in line["not_priced"]
+    assert line["vllm_block_sizes"]["bf"] == 384 and line["block_sizes_from"] == "searched"
+    assert entry["kernels"]["us"] <= line["vllm_standalone_us"]
     assert line["remote_rows"] == entry["remote_rows"] > 0
 
 
@@ -182,3 +186,53 @@ def test_a_fused_win_says_what_its_figure_leaves_out():
     summarise(row, ["megablox", vllm_fused.FUSED])
     assert row["best_rival"] == vllm_fused.FUSED
     assert "leaves out its 3 rows exchanged with other ranks, its 7 copy descriptors" in row["why_rival_wins"]
+
+
+def test_the_kernels_own_checks_refuse_what_it_refuses():
+    """Gemma 4's hidden size 2816 (11 x 256) takes no 1024-wide w1 block nor 1408-wide w2 chunk: vLLM's default
+    formula picks both, so its own pick is refused there, and so are odd token blocks and blocks not dividing the
+    padded sizes."""
+    gemma = next(s for s in shapes.SETTINGS if s.label == "gemma-4-26b-a4b EP8 router-masking")
+    case = shapes.make_case(gemma, 256)
+    vllms, _ = vllm_fused.block_sizes(case.model, 256, 8)
+    assert (vllms["bd1"], vllms["bd2c"]) == (1024, 1408)
+    assert "bd1 one dividing 2816" in vllm_fused.refusal(case, vllms)
+    assert "bd2c must be a multiple of 256" in vllm_fused.refusal(case, {**vllms, "bd1": 256, "bd1c": 256})
+    assert vllm_fused.replay(case) is None
+    good = {"bt": 32, "bf": 768, "bd1": 2816, "bd2": 2816, "btc": 16, "bfc": 768, "bd1c": 2816, "bd2c": 2816}
+    assert vllm_fused.refusal(case, good) is None
+    assert "bt=6 must be even and divide" in vllm_fused.refusal(case, {**good, "bt": 6, "btc": 6})
+    assert "bf one dividing 768" in vllm_fused.refusal(case, {**good, "bf": 512, "bfc": 512})
+
+
+@pytest.mark.parametrize("label, tokens", [("qwen3-30b-a3b EP8 dispatch", 64), ("gpt-oss-20b EP8 dispatch", 64),
+                                           ("gemma-4-26b-a4b EP8 router-masking", 64)])
+def test_the_search_takes_only_what_the_kernel_accepts_and_fits_and_finds_the_fastest(label, tokens):
+    """Every candidate passes the kernel's checks; on each generation the kept ones fit its VMEM budget; the pick
+    is the fastest of every fitting candidate (the bound that cuts the search short cuts no faster one), and no
+    slower than vLLM's own pick where that is accepted."""
+    from benchmarks.studies.moe_layer import fused_search
+    from benchmarks.studies.moe_layer.modelling import standalone
+
+    case = shapes.make_case(next(s for s in shapes.SETTINGS if s.label == label), tokens)
+    found = fused_search.candidates(case)
+    assert found and all(vllm_fused.refusal(case, sizes) is None for sizes in found)
+    for generation in ("v5e", "tpu7x"):
+        result = fused_search.search(case, generation)
+        fitting = [sizes for sizes in found if fused_search.fits(case, sizes, generation)]
+        assert result["fitting"] == len(fitting) and result["priced"] <= len(fitting)
+        every = min(standalone(vllm_fused.replay(case, sizes)[0], generation).pipelined_time_s for sizes in fitting)
+        best_s, best = result["ranked"][0]
+        assert best_s == pytest.approx(every) and best in fitting
+        if result["vllm_standalone_us"] is not None:
+            assert best_s * 1e6 <= result["vllm_standalone_us"] + 1e-6
+
+
+def test_the_token_block_stops_at_the_largest_in_vllms_table():
+    """Qwen3 on one chip at 2048 tokens: every even divisor of the tokens up to vLLM's largest tuned block (256),
+    none beyond it (the kernel's traced program grows with the block)."""
+    from benchmarks.studies.moe_layer import fused_search
+
+    assert fused_search.max_token_block() == 256
+    case = shapes.make_case(shapes.SETTINGS[0], 2048)
+    assert sorted({sizes["bt"] for sizes in fused_search.candidates(case)}) == [2, 4, 8, 16, 32, 64, 128, 256]

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks.perf import xla_program
+from benchmarks.perf import calibration, xla_program
 from benchmarks.studies.model_shapes import EXPERTS_MODELS
 
 S = jax.ShapeDtypeStruct
@@ -45,7 +45,7 @@ def test_gemma4_experts_are_read_in_place(kernel, generation, fused, weights_dty
                                     activation="gelu_tanh", weights_transposed=False, fused=fused,
                                     generation=generation)
 
-    program = xla_program.compile_program(layer, avals, generation)
+    program = calibration.compile_text(xla_program.lower_program(layer, avals, generation)).analyse(generation)
     relayouts = [op.detail for op in program.ops if op.detail.startswith("relayout")]
     assert not [detail for detail in relayouts if "_proj" in detail], relayouts
     # fp8's small block-scale grids ([16, 11, 22] and [16, 22, 6] f32) may still be relaid out: ~24 KB a call.
@@ -67,7 +67,8 @@ def test_gemma4_experts_backward_reads_and_writes_the_weights_in_place(kernel):
                                    activation="gelu_tanh", weights_transposed=False, generation="v6e")
         return jnp.sum(out.astype(jnp.float32))
 
-    program = xla_program.compile_program(jax.grad(loss, argnums=(0, 2, 3, 4)), avals, "v6e")
+    lowered = xla_program.lower_program(jax.grad(loss, argnums=(0, 2, 3, 4)), avals, "v6e")
+    program = calibration.compile_text(lowered).analyse("v6e")
     relayouts = [op.detail for op in program.ops if op.detail.startswith("relayout")]
     assert not [detail for detail in relayouts if "_proj" in detail], relayouts
     weights_bytes = 3 * EXPERTS * HIDDEN * INTERMEDIATE * 2

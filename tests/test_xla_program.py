@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import perf
-from benchmarks.perf import hlo, program_time, xla_program
+from benchmarks.perf import calibration, hlo, program_time, xla_program
 from tpu_kernels.runtime.hardware import tpu_generation
 
 # A hand-written optimized module: a prefetch, a gather fusion, a sliced async prefetch, a relayout copy
@@ -157,7 +157,7 @@ def test_a_compiled_program_lists_its_kernel_and_xla_ops_and_models_them():
     def layer(x, y):
         return jnp.tanh(_add(x * 2.0, y)).sum(axis=0)
 
-    program = xla_program.compile_program(layer, [X, X], "v6e")
+    program = calibration.compile_text(xla_program.lower_program(layer, [X, X], "v6e")).analyse("v6e")
     calls = perf.model_pallas_traffic(layer, X, X)
     assert len(program.kernels) == len(calls) == 1
     assert program.moving_ops  # the scale, tanh and sum run as XLA ops

@@ -7,7 +7,7 @@ import pytest
 from jax import lax
 
 from benchmarks import perf
-from benchmarks.perf import program_time, xla_program, xla_ragged_dot
+from benchmarks.perf import calibration, program_time, xla_program, xla_ragged_dot
 
 FORWARD = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((1,), (1,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
@@ -22,7 +22,7 @@ def forward(lhs, rhs, sizes):
 
 @pytest.fixture(scope="module")
 def program():
-    return xla_program.compile_program(forward, AVALS, "v5e")
+    return calibration.compile_text(xla_program.lower_program(forward, AVALS, "v5e")).analyse("v5e")
 
 
 def test_the_compiled_loop_is_read_and_the_replay_finds_the_group_sizes(program):

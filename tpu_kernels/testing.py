@@ -20,8 +20,10 @@ against the reference, relative to the reference's scale), `dimensions` (a
 hypothesis strategy of sizes that are often 0), `tiny_transformers_model`
 (a small seeded transformers model to swap kernels into), and the checks that
 a kernel keeps the project's shared policies: `assert_vmem_policy` (its VMEM
-budget and limit are `runtime.hardware`'s) and `assert_tuned_table` (its tuned
-tiles table has `runtime.tuning`'s one form and is what it selects).
+budget and limit are `runtime.hardware`'s), `assert_tuned_table` (its tuned
+tiles table has `runtime.tuning`'s one form and is what it selects) and
+`assert_generation_resolved_once` (its JAX functions resolve their generation
+by `runtime.hardware`'s one rule).
 """
 
 from __future__ import annotations
@@ -188,3 +190,34 @@ def assert_tuned_table(path: Path, loaded: dict, key_type, tiles_type, selects) 
     assert tuning.read_tuned_tiles(path, key_type, tiles_type) == loaded
     for key, tiles in loaded.items():
         assert selects(key) == tiles, key
+
+
+def assert_generation_resolved_once(arrays, *functions) -> None:
+    """A kernel's JAX `functions` (each taking `generation=`, traced on `arrays`, shape-dtype structs; not run)
+    resolve their generation once, by `runtime.hardware`'s one rule: a name, its facts (made here by tpu_kernels'
+    copy of `_hardware`, not the build's) or None (TPU_KERNELS_GENERATION's, else this device's)
+    give one program with that generation's tiles, which differ between v5e and v6e at `arrays`; an unknown name
+    is refused."""
+    import functools
+    import re
+
+    import jax
+
+    from .runtime import hardware
+
+    def program(function, generation):
+        return str(jax.make_jaxpr(functools.partial(function, generation=generation))(*arrays))
+
+    unknown = re.escape(f"generation must be one of {hardware.SUPPORTED_GENERATIONS}, got 'v2'")
+    for function in functions:
+        v5e, v6e = program(function, "v5e"), program(function, "v6e")
+        assert v5e != v6e, "the programs of v5e and v6e are alike at these arrays: they cannot tell the generations"
+        assert program(function, hardware.resolve_target("v5e")) == v5e
+        with pytest.MonkeyPatch.context() as patch:
+            patch.delenv(hardware.GENERATION_ENV, raising=False)
+            this_device = hardware.current_generation()
+            assert program(function, None) == (v6e if this_device == "v6e" else program(function, this_device))
+            patch.setenv(hardware.GENERATION_ENV, "v5e")
+            assert program(function, None) == v5e
+        with pytest.raises(ValueError, match=unknown):
+            program(function, "v2")

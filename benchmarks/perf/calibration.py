@@ -108,6 +108,10 @@ class CompileRefused:
 
 
 def compile_text(lowered) -> CompiledText:
+    """Compiles an `xla_program.lower_program` result with XLA's HLO dump on, keeping what `analyse_hlo` reads.
+
+    Thread-safe: the dump goes to a folder of its own, passed as a compile option.
+    """
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="xla_dump_") as dump:
@@ -226,11 +230,11 @@ def _submit_compile(pool, cache: AnalysisCache, measurement: Measurement, rebuil
     key = cache.key("compile", measurement)
     found = cache.get(key)
     if found is not None:
-        return _done(f"compile failed: {found.reason}" if isinstance(found, CompileRefused) else found)
+        return resolved(f"compile failed: {found.reason}" if isinstance(found, CompileRefused) else found)
     try:
         lowered = _lower(measurement, rebuilt)
     except Exception as error:  # noqa: BLE001
-        return _done(f"lowering failed: {_first_line(error)}")
+        return resolved(f"lowering failed: {_first_line(error)}")
 
     def compile_and_store():
         try:
@@ -243,7 +247,8 @@ def _submit_compile(pool, cache: AnalysisCache, measurement: Measurement, rebuil
     return pool.submit(compile_and_store)
 
 
-def _done(value) -> concurrent.futures.Future:
+def resolved(value) -> concurrent.futures.Future:
+    """A future already holding `value`: what a cache hit or a refusal returns where a compile would be pending."""
     future = concurrent.futures.Future()
     future.set_result(value)
     return future

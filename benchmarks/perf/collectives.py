@@ -36,6 +36,12 @@ of transformers 5.22's MoE layouts (read from its
   the tokens: Shard(0));
 - every layout, for attention: one all-reduce of B x H after o_proj.
 
+`fused_ep_moe_collectives` lists what vLLM's fused_ep_moe kernel exchanges
+itself (its barriers: each the diameter's hops; its ring all-reduce of pick
+counts: one-hop copies; its rows out and back per token block: the
+all-to-all above) and the layer's output all-gather and attention's
+all-reduce around it.
+
 Times are in seconds, bandwidths in bytes per second.
 """
 
@@ -43,6 +49,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
+from tpu_kernels.runtime.hardware import round_up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,4 +148,49 @@ def moe_layer_collectives(mode: str, batch: int, *, hidden: int, experts: int, t
         all_to_all("results back all-to-all", tokens_per_pair, mesh, ici),
         all_gather("output all-gather", output, mesh, ici),
         attention,
+    ]
+
+
+def barrier(name: str, mesh: Mesh, ici: Ici) -> Collective:
+    """Every chip signals every chip and waits for all: the farthest signal's hops."""
+    return Collective(name, "barrier", 0, 0.0, mesh.diameter * ici.hop_latency_s)
+
+
+def neighbour_copy(name: str, nbytes: int, ici: Ici) -> Collective:
+    """One chip's copy to the next chip of a ring (one hop, one link)."""
+    return Collective(name, "neighbour copy", nbytes, nbytes / ici.link_bytes_per_s, ici.hop_latency_s)
+
+
+def repeated(collective: Collective, count: int) -> Collective:
+    """`collective` issued `count` times one after another."""
+    return dataclasses.replace(collective, name=f"{collective.name} x {count}",
+                               bandwidth_s=collective.bandwidth_s * count, latency_s=collective.latency_s * count)
+
+
+def fused_ep_moe_collectives(batch: int, *, hidden: int, experts: int, top_k: int, token_block: int, mesh: Mesh,
+                             ici: Ici, bytes_per_activation: int = 2) -> list[Collective]:
+    """What vLLM's fused_ep_moe (tpu-inference 0.32.0) exchanges between chips per layer, as the collectives above,
+    and the decoder layer's collectives around it.
+
+    Read from its kernel: one barrier at its start; per token block of `token_block` of the chip's B / N tokens,
+    a ring all-reduce of the per-expert pick counts (N - 1 rounds, each a barrier and one copy of the padded
+    int32 counts to the next chip), a barrier, per local expert its rows scattered to the expert's chip and
+    gathered back (one all-to-all each way per block, destinations spread evenly) and a barrier, then two
+    barriers. Its output stays split over the chips (Shard(0)), so the layer all-gathers it, as `ep_dispatch`
+    does; attention's all-reduce as in every layout. Nothing overlaps the kernel's own work: each barrier
+    stalls it.
+    """
+    n = mesh.chips
+    blocks = batch // n // token_block
+    rows_per_pair = math.ceil(token_block * top_k / n)
+    row_bytes = round_up(hidden, 256) * bytes_per_activation  # vLLM pads the hidden size to 256
+    output = batch * hidden * bytes_per_activation
+    barriers = 1 + blocks * (n - 1 + 1 + experts // n + 2)
+    return [
+        repeated(barrier("kernel barrier", mesh, ici), barriers),
+        repeated(neighbour_copy("pick counts ring step", round_up(experts, 128) * 4, ici), blocks * (n - 1)),
+        repeated(all_to_all("rows to the experts' chips all-to-all", rows_per_pair * row_bytes, mesh, ici), blocks),
+        repeated(all_to_all("rows back all-to-all", rows_per_pair * row_bytes, mesh, ici), blocks),
+        all_gather("output all-gather", output, mesh, ici),
+        all_reduce("attention o_proj all-reduce", output, mesh, ici),
     ]

@@ -78,11 +78,6 @@ class DotShape:
         passes = math.ceil(self.k / mxu) * math.ceil(self.n / mxu)
         return 2 * self.batch * rows_per_pass * mxu * mxu * passes * self.count
 
-    def mxu_passes(self, generation: TpuGeneration) -> int:
-        """Weights tiles loaded into the MXU over the whole grid."""
-        mxu = generation.mxu_size
-        return self.batch * math.ceil(self.k / mxu) * math.ceil(self.n / mxu) * self.count
-
     def peak_flops_per_s(self, generation: TpuGeneration) -> float:
         dtypes = {self.lhs_dtype, self.rhs_dtype}
         if dtypes <= {"int8", "uint8"} and generation.int8_ops_per_s:
@@ -323,10 +318,6 @@ class PallasCallTraffic:
         """VMEM held by the pipeline's buffers and the scratch operands."""
         blocks = sum(op.buffer_bytes for op in self.operands if op.memory_space == "vmem")
         return blocks + self.scratch_vmem_bytes
-
-    @property
-    def smem_bytes(self) -> int:
-        return sum(op.buffer_bytes for op in self.operands if op.memory_space == "smem")
 
 
 def dtype_name(dtype) -> str:

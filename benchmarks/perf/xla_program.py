@@ -1,9 +1,10 @@
 """What XLA does around Pallas kernels in a program compiled for a TPU: each op's HBM traffic and placement.
 
-`compile_program(fn, avals, generation)` compiles `fn` ahead of time for a
-TPU generation (libtpu compile-only topology, as `aot.compile_for`), with
-XLA's HLO dump switched on for that one compile, and reads the optimized
-module (`*.after_optimizations.txt`, read by `hlo`). Every instruction of the entry
+`lower_program(fn, avals, generation)` lowers `fn` for a TPU generation's
+compile-only device (libtpu compile-only topology, as `aot.compile_for`);
+`calibration.compile_text` compiles it with XLA's HLO dump switched on for
+that one compile, and `analyse_hlo` reads the optimized module
+(`*.after_optimizations.txt`, read by `hlo`). Every instruction of the entry
 computation becomes a `ProgramOp` with
 
 - the memory space XLA assigned to each operand and result: the layout's
@@ -33,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -160,7 +160,7 @@ class CompiledProgram:
 
 
 def lower_program(fn, avals: Sequence[jax.ShapeDtypeStruct], generation: str, *, kernel_bodies: bool = True):
-    """`fn` traced and lowered for `generation`'s compile-only device (cheap; compile it with `compile_lowered`).
+    """`fn` traced and lowered for `generation`'s compile-only device (cheap; `calibration.compile_text` compiles it).
 
     `kernel_bodies=False` lowers every `pl.pallas_call` with an empty body (same grid, specs and operands):
     the XLA program around the kernels, their operands' placement and layouts are unchanged, and Mosaic
@@ -199,29 +199,6 @@ def _empty_kernel_bodies():
             yield
         finally:
             pallas.pallas_call = original
-
-
-def compile_lowered(lowered, generation: str) -> CompiledProgram:
-    """Compiles a `lower_program` result with XLA's HLO dump on and analyses the optimized module.
-
-    Thread-safe: the dump goes to a folder of its own, passed as a compile option.
-    """
-    with tempfile.TemporaryDirectory(prefix="xla_dump_") as dump:
-        compiled = lowered.compile({"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
-        optimized = dumped_module(dump, "after_optimizations.txt")
-        codegen = dumped_module(dump, "after_codegen.txt", required=False)
-        return analyse_hlo(
-            optimized.read_text(),
-            generation,
-            codegen_text=codegen.read_text() if codegen else None,
-            cost_analysis=compiled.cost_analysis() or {},
-            memory=memory_stats(compiled),
-        )
-
-
-def compile_program(fn, avals: Sequence[jax.ShapeDtypeStruct], generation: str) -> CompiledProgram:
-    """Compiles `fn` at `avals` for `generation` and analyses the optimized module (module docstring)."""
-    return compile_lowered(lower_program(fn, avals, generation), generation)
 
 
 def dumped_module(folder: str, suffix: str, required: bool = True) -> Path | None:

@@ -24,6 +24,7 @@ from pathlib import Path
 BENCHMARKS = {
     "moe_layer": "one MoE experts layer as users run it: ours vs the best-tuned rivals vs the roofline (v5e, v6e)",
     "multichip": "one Qwen3-30B-A3B decode step on a v6e-8 per MoE layout: experts layer + collectives",
+    "fused_moe_search": "vLLM's fused_ep_moe at its own block sizes and at the best searched, per shape and generation",
     "decode_step": "a whole decode step of Qwen3-30B-A3B and Gemma 4 26B-A4B on v6e-8: transformers' default vs kernelized",
     "moe_backward": "MoE experts backward: our grouped matmuls vs megablox's and tokamax's, in the traffic model",
     "attention": "attention kernels: HBM bytes and MXU work vs the minimum, skipped blocks, v6e compile-only cost",
@@ -31,7 +32,6 @@ BENCHMARKS = {
     "cb_step": "a continuous-batching attention step as transformers runs it: gather + pad + kernel vs in place",
     "rmsnorm": "RMSNorm kernels: HBM bytes vs the minimum, modelled time, v6e compile-only cost",
     "padding": "what padding to shape buckets costs: padded rows and bytes per bucket, at HBM rate",
-    "moe_decode": "per-step decode time of a MoE model: kernelized vs eager vs grouped_mm (a TPU VM harness)",
     "quantization_accuracy": "quantization error of int8 / fp8 / int4 expert weights against the float model",
     "int4_granularity": "int4 per-channel vs grouped scales on the accuracy report's models (float round trip)",
     "robustness": "every published claim re-priced over the constants no chip identifies: robust or fragile",
@@ -46,7 +46,7 @@ TOOLS = {
     "report": "rewrite the docs' generated blocks from benchmarks/results/ (--check: list the stale ones, exit 1)",
 }
 # The benchmarks that model a TPU from the CPU: `tpu-kernels bench` runs them with JAX_PLATFORMS=cpu unless set.
-MODELLED = frozenset({"moe_layer", "multichip", "decode_step", "moe_backward", "attention", "paged_attention",
+MODELLED = frozenset({"moe_layer", "multichip", "fused_moe_search", "decode_step", "moe_backward", "attention", "paged_attention",
                       "cb_step", "rmsnorm", "padding", "calibration_fit", "compiles"})
 # A kernel repo's modelled benchmark: `tpu-kernels bench kernel_repos/<name> [args]` runs it with --repo.
 KERNEL_REPO_BENCHMARKS = {"ragged-dot-tpu": "moe_layer", "attention-tpu": "attention", "rmsnorm-tpu": "rmsnorm"}

@@ -15,10 +15,11 @@ nothing (the launch itself cannot be timed without a TPU), the TPU kernel
 registered for CPU tensors, so that the dispatcher layers are the same. The
 same ops registered through torch_tpu's `jax_op` (the binding's registration
 before, whose JaxCallable normalises and keys every call in Python behind
-custom_op's autograd layer) are timed beside them. Signatures are those of our ops (rms_norm,
-flash attention, the fused MoE experts, each with optional tensors where the
-collapsed op will have them); tensor sizes are small because the host work
-does not depend on them. A decode step is then modelled from these numbers.
+custom_op's autograd layer) are timed beside them. Signatures are our ops' own
+(rms_norm, flash attention, the fused MoE experts), read from the kernel
+repos' `ops.py` (`stand_in`), with bodies that cost nothing; tensor sizes are
+small because the host work does not depend on them. A decode step is then
+modelled from these numbers.
 
 Timing: every candidate runs `--calls` times per round, candidates interleaved,
 for `--rounds` rounds; the JSON keeps the minimum and median of the per-call
@@ -33,6 +34,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import os
 import platform
@@ -47,6 +49,7 @@ import torch
 from jax.experimental.pallas import tpu as pltpu
 
 from benchmarks.studies import result_path, write_json
+from benchmarks.studies.model_shapes import KERNEL_REPOS
 from tpu_kernels.runtime import binding
 
 DEFAULT_OUT = result_path("binding.json")
@@ -66,40 +69,31 @@ def add(x: jax.Array, y: jax.Array) -> jax.Array:
     return x + y
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float) -> jax.Array:
-    return x * weight
+# The ops of a decode step: {op: (kernel repo, its package)}.
+DECODE_OPS = {"rms_norm": ("rmsnorm-tpu", "rmsnorm_tpu"), "flash_attention": ("attention-tpu", "attention_tpu"),
+              "gated_experts": ("ragged-dot-tpu", "ragged_dot_tpu")}
 
 
-def flash_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    q_offset: jax.Array,
-    kv_lengths: jax.Array,
-    attention_mask: jax.Array | None,
-    scale: float,
-    causal: bool,
-    sliding_window: int | None,
-    softcap: float | None,
-) -> jax.Array:
-    return q * scale
+def _registers(decorator: ast.expr, op: str) -> bool:
+    """`decorator` is `jax_torch_op(add_op_namespace_prefix("<op>"))`."""
+    return (isinstance(decorator, ast.Call) and decorator.args and isinstance(decorator.args[0], ast.Call)
+            and any(isinstance(arg, ast.Constant) and arg.value == op for arg in decorator.args[0].args))
 
 
-def gated_experts(
-    hidden_states: jax.Array,
-    top_k_index: jax.Array,
-    top_k_weights: jax.Array,
-    gate_up_proj: jax.Array,
-    down_proj: jax.Array,
-    gate_up_bias: jax.Array | None,
-    down_bias: jax.Array | None,
-    activation: str,
-    weights_transposed: bool,
-    interleaved: bool,
-    alpha: float,
-    limit: float,
-) -> jax.Array:
-    return hidden_states * alpha
+def stand_in(op: str) -> Callable:
+    """A function with the signature of the JAX function its kernel repo registers as the torch op `op` (read from
+    the repo's source `ops.py`, not built), whose body returns its first argument: what the binding does around a
+    call depends on the signature, not on the kernel."""
+    repo, package = DECODE_OPS[op]
+    path = KERNEL_REPOS / repo / "torch-ext" / package / "ops.py"
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.FunctionDef) and any(_registers(d, op) for d in node.decorator_list):
+            node.name, node.decorator_list = op, []
+            node.body = [ast.Return(ast.Name(node.args.args[0].arg, ast.Load()))]
+            namespace = {"jax": jax}
+            exec(compile(ast.fix_missing_locations(ast.Module([node], [])), str(path), "exec"), namespace)
+            return namespace[op]
+    raise LookupError(f"{path} registers no torch op {op!r}")
 
 
 def decode_arguments() -> dict[str, tuple]:
@@ -111,11 +105,11 @@ def decode_arguments() -> dict[str, tuple]:
         "rms_norm": (hidden, torch.randn(256, dtype=bf16), 1e-6, 0.0),
         "flash_attention": (
             torch.randn(1, 8, 1, 128, dtype=bf16), torch.randn(1, 2, 64, 128, dtype=bf16),
-            torch.randn(1, 2, 64, 128, dtype=bf16), ones * 63, ones * 64, None, 0.088, True, None, None,
+            torch.randn(1, 2, 64, 128, dtype=bf16), ones * 63, ones * 64, None, None, 0.088, True, None, None,
         ),
         "gated_experts": (
             hidden, torch.zeros(1, 8, dtype=torch.int32), torch.rand(1, 8), torch.randn(16, 512, 256, dtype=bf16),
-            torch.randn(16, 256, 256, dtype=bf16), None, None, "silu", True, False, 1.0, float("inf"),
+            torch.randn(16, 256, 256, dtype=bf16), None, None, None, None, "silu", True, False, 1.0, float("inf"),
         ),
     }
 
@@ -239,8 +233,7 @@ def measure_tpu_path_python(rounds: int, calls: int) -> dict:
     try:
         ours, previous = {}, {}
         arguments = {"add": (torch.randn(8, 128), torch.randn(8, 128)), **decode_arguments()}
-        for name, fn in (("add", add), ("rms_norm", rms_norm), ("flash_attention", flash_attention),
-                         ("gated_experts", gated_experts)):
+        for name, fn in (("add", add), *((op, stand_in(op)) for op in DECODE_OPS)):
             op = binding.jax_torch_op(f"binding_bench_tpu::{name}")(fn)
             # For CPU tensors, through the same dispatcher layers as the TPU kernel.
             op.registered.library.impl(name, op.registered.tpu_kernel, "CPU")

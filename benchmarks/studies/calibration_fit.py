@@ -9,7 +9,9 @@ loop. This script analyses every entry `tpu-kernels calibrate` can rebuild
 in turn (and the unhidden share of an MXU weights load), pricing the "fit" half of the entries (`calibration.holdout`) and
 keeping the value with the smallest median |log(predicted / measured)|; the
 "holdout" half is priced only at the chosen values, and its errors are the
-ones to quote. Then, per generation, the share of the peak HBM bandwidth its
+ones to quote. Per chip, a profile of the grid step against the HBM share
+(`step_share_profile`) says whether its timings tell the two apart. Then, per
+generation, the share of the peak HBM bandwidth its
 copies reach, on the entries bound by weight streaming (`hbm_fraction_fit`: its
 docstring defines them), from PATH's entries and those of `--hbm-paths` (timing
 files used for that fit only, e.g. a later tokamax's). Writes
@@ -41,8 +43,8 @@ from benchmarks.studies import MissingInput, hbm_fraction_fit, result_path, writ
 from benchmarks.perf import calibration
 
 # The checkout's source of the model's constants, relative to the current directory.
-CONSTANTS = Path("tpu_kernels") / "perf" / "model_constants.json"
-HBM_FRACTIONS = Path("tpu_kernels") / "perf" / "hbm_fractions.json"
+CONSTANTS = Path("benchmarks") / "perf" / "model_constants.json"
+HBM_FRACTIONS = Path("benchmarks") / "perf" / "hbm_fractions.json"
 
 # Scanned step costs (seconds): 0 to 2 us in 0.01 us steps; vector rates (register elements per cycle):
 # powers of two from 64 to 16384.
@@ -50,6 +52,10 @@ GRID = [round(0.01e-6 * i, 10) for i in range(201)]
 VECTOR_RATES = [float(2**i) for i in range(6, 15)]
 # The unhidden share of an MXU weights load: 1/8 to 1 in eighths.
 LOAD_FRACTIONS = [i / 8 for i in range(1, 9)]
+# The step-against-share profile (`step_share_profile`): steps across and beyond the v6e range robustness prices,
+# shares of the peak HBM bandwidth in hundredths.
+PROFILE_STEPS_US = (0.0, 0.02, 0.05, 0.1, 0.157, 0.2, 0.34, 0.5, 0.75, 1.0)
+PROFILE_SHARES = tuple(round(0.6 + 0.01 * i, 2) for i in range(41))
 
 
 def installed_paths() -> list[Path]:
@@ -132,9 +138,36 @@ def main_fits(analysed) -> dict:
     return results
 
 
+def step_share_profile(analysed) -> dict:
+    """Per chip, whether its Pallas timings tell the grid step from the HBM share: at each step of PROFILE_STEPS_US,
+    the share of PROFILE_SHARES that fits the fit half best (the other constants at the model's), that median |log ratio|
+    and the held-out errors there. A flat profile is a step the timings do not identify: a cheaper step is made up
+    by a lower share at almost the same error."""
+    profiles = {}
+    for chip in sorted({a.measurement.chip for a in analysed}):
+        pallas = [a for a in analysed if a.measurement.chip == chip
+                  and a.measurement.kind in ("pallas_ragged_dot", "flash_attention", "flash_attention_vjp")]
+        fitting = [a for a in pallas if not calibration.holdout(a.measurement)]
+        held = [a for a in pallas if calibration.holdout(a.measurement)]
+        if not fitting:
+            continue
+        rows = []
+        for step_us in PROFILE_STEPS_US:
+            scored = []
+            for share in PROFILE_SHARES:
+                constants = calibration.ModelConstants(grid_step_s=step_us * 1e-6, hbm_fraction=share)
+                scored.append((statistics.median(errors(fitting, constants)), share, constants))
+            error, share, constants = min(scored, key=lambda found: found[:2])
+            rows.append({"grid_step_us": step_us, "best_hbm_fraction": share, "fit_median_log_error": round(error, 4),
+                         "holdout": stats(held, constants) if held else None})
+        profiles[chip] = rows
+    return profiles
+
+
 def write_constants(results: dict, path: Path = CONSTANTS) -> None:
-    """Fitted per-chip steps into model_constants.json; unmeasured chips keep v5e's; vector rates and the MXU
-    load share from TPU7x (no other chip's timings are vector-bound or use 128-row tiles on a 256-wide MXU)."""
+    """Fitted per-chip steps into model_constants.json; v5p and v6e keep v5e's (their timings do not identify their
+    own: `step_share_profile`, calibration_fit_v6e.json); vector rates and the MXU load share from TPU7x (no other
+    chip's timings are vector-bound or use 128-row tiles on a 256-wide MXU)."""
     constants = json.loads(path.read_text())
     for field, key in (("grid_step_s", "grid_step_s"), ("ragged_dot_step_s", "xla_ragged_dot_step_s")):
         for chip, fitted in results.items():
@@ -200,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         "grid_us": [GRID[0] * 1e6, GRID[-1] * 1e6, 0.01],
         "vector_rates_per_cycle": VECTOR_RATES,
         "fits": results,
+        "step_share_profile": step_share_profile(analysed),
         "hbm_fraction": streaming,
         "hbm_fraction_method": hbm_fraction_fit.__doc__.split("\n\n", 1)[1].strip(),
         "hbm_fraction_sources": sources,

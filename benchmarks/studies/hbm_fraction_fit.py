@@ -56,9 +56,10 @@ FIXED_SHARE = 0.2
 GENERATIONS = ("v5e", "v5p", "v6e", "tpu7x")
 # A generation without timings bound by weight streaming: the generation whose share it takes, and why.
 BORROWED = {
-    "v6e": ("v5e", "v6e has no timing bound by weight streaming (tokamax's v6e files time attention only); v5e is "
-                   "the nearer measured generation by HBM bandwidth per device (1.64 TB/s is 2.0x v5e's, 0.44x "
-                   "TPU7x's) and the one whose step costs v6e already takes"),
+    "v6e": ("v5e", "no v6e timing bound by weight streaming was given (the installed tokamax has none; a later "
+                   "tokamax's are fitted in benchmarks/results/calibration_fit_v6e.json); v5e is the nearer measured "
+                   "generation by HBM bandwidth per device (1.64 TB/s is 2.0x v5e's, 0.44x TPU7x's) and the one whose "
+                   "step costs v6e already takes"),
     "v5p": ("v5e", "v5p has no entry the model can price bound by weight streaming (its XLA ragged dots compile to "
                    "Mosaic kernels the replay does not see, so the model refuses them); v5e is the same generation's "
                    "other chip"),

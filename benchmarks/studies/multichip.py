@@ -39,10 +39,14 @@ MoE layer on the busiest chip and one whole step (48 layers):
   in eager mode). The per-step figure is a floor of the MoE part, not a
   prediction of a step.
 
+Beside them (`fused_ep_moe`, `benchmarks.studies.multichip_fused`): vLLM's
+fused_ep_moe at 2, 4 and 8 chips with what it exchanges between chips,
+against ours in `ep_router` and `ep_dispatch` at the same chip count.
+
 Reported: per layout and batch, the experts layer (headline: moe_layer's
 calibrated pipelined figure at the fitted HBM share; band: its p90 calibrated
-error band in its regime, `calibration_bands`; v6e has no measurements, so
-v5e's fitted constants and errors stand for it),
+error band in its regime, `calibration_bands`; v6e's own timings check but do
+not fit the model, so v5e's fitted constants and errors stand for it),
 each collective's bytes and time, per layer and per step at the central
 assumptions and across the band; the winner per batch; and the comparison
 with Hugging Face's 56.6 ms/step at batch 64 (kernels-community/ragged-dot-tpu,
@@ -65,7 +69,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.studies import calibration_bands, moe_layer, require_kernel_repo, result_path
+from benchmarks.studies import calibration_bands, moe_layer, multichip_fused, require_kernel_repo, result_path
 from benchmarks.perf.collectives import (
     HOP_LATENCY_S,
     HOST_SYNC_S,
@@ -269,6 +273,7 @@ def main(argv=None) -> int:
               f"step {entry['per_step_ms']['central']:7.2f} ms ({entry['per_step_ms']['low']:.2f}-"
               f"{entry['per_step_ms']['high']:.2f})", flush=True)
     found = winners(entries)
+    fused = multichip_fused.compare(MODEL, BATCHES, args.repo, None if args.no_cache else args.cache_dir, args.jobs)
     at_64 = {e["mode"]: e["per_step_ms"] for e in entries if e["batch"] == 64}
     floor_ms = non_expert_weights_floor_s() * 1e3
     router_256 = next(e for e in entries if e['mode'] == 'ep_router' and e['batch'] == 256)
@@ -295,6 +300,7 @@ def main(argv=None) -> int:
         },
         "entries": entries,
         "winner_per_batch": found,
+        "fused_ep_moe": fused,
         "not_modelled": {
             "attention_and_lm_head_weights_hbm_floor_ms_per_step": round(floor_ms, 3),
         },

@@ -42,6 +42,7 @@ from benchmarks.studies.tables import calibration as calibration_tables
 from benchmarks.studies.tables import cb_step as cb_step_tables
 from benchmarks.studies.tables import compiles as compiles_tables
 from benchmarks.studies.tables import decode_step as decode_step_tables
+from benchmarks.studies.tables import fused_moe_search as fused_moe_search_tables
 from benchmarks.studies.tables import hub_server as hub_server_tables
 from benchmarks.studies.tables import int4_granularity as int4_granularity_tables
 from benchmarks.studies.tables import loader as loader_tables
@@ -337,9 +338,9 @@ def moe_backward_tables(root: Path) -> str:
     ])
 
 
-# Calibration reports of chips whose timings check the model without standing for a generation's bands: v5p's
-# timings of tokamax's Pallas ragged dot from a later tokamax (benchmarks/README.md says how it is written).
-CALIBRATION_CHECKS = ("calibration_v5p.json",)
+# Calibration reports of chips whose timings check the model without standing for a generation's bands: v5p's and
+# v6e's timings from a later tokamax (benchmarks/README.md says how they are written).
+CALIBRATION_CHECKS = ("calibration_v5p.json", "calibration_v6e.json")
 
 
 def calibration_tables_md(root: Path) -> str:
@@ -377,6 +378,8 @@ DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
     f"{SOURCES_DIR}/binding.md": sectioned_tables("binding.json", binding_tables.render_markdown),
     f"{SOURCES_DIR}/attention.md": sectioned_tables("attention.json", attention_tables.render_markdown),
     f"{SOURCES_DIR}/multichip.md": sectioned_tables("multichip.json", multichip_tables.render_markdown),
+    f"{SOURCES_DIR}/fused_moe_search.md": sectioned_tables("fused_moe_search.json",
+                                                           fused_moe_search_tables.render_markdown),
     f"{SOURCES_DIR}/decode_step.md": sectioned_tables("decode_step.json", decode_step_tables.render_markdown),
     f"{SOURCES_DIR}/paged_attention.md": sectioned_tables("paged_attention.json",
                                                           paged_attention_tables.render_markdown),

@@ -3,7 +3,8 @@
 Three of the model's constants are not identified by a timing of their kind:
 
 - the share of the peak HBM bandwidth the copies reach (hbm_fractions.json: 1.0 everywhere, a clamp on v5e and
-  borrowed elsewhere), plausibly from 0.78 (TPU7x's weight-streaming calls) to 1.0;
+  borrowed elsewhere; v6e's own weight-streaming timings fit a share of their own, `v6e_tokamax_data`, not yet
+  adopted), plausibly from 0.78 (TPU7x's weight-streaming calls) to 1.0;
 - v6e's cost per grid step (model_constants.json: v5e's 0.34 us, borrowed), from 0.02 us (below the 0.024 us that
   Hugging Face's 257 us layer implies) to the borrowed value; HF's 56.6 ms step bounds it from above too
   (decode_step.json's `hf_kernel_check`), both quoted in the JSON's `v6e_grid_step_data`;
@@ -12,6 +13,9 @@ Three of the model's constants are not identified by a timing of their kind:
   and its fitted fixed cost covers issuing them, so one issue costs no more than half of it. Our paged kernel
   issues one copy per page of K and of V; its issues overlap the copies in flight (its copies term becomes the
   longer of the transfers and the issues); vLLM's fused MoE kernel's copy descriptors add to its time.
+
+tokamax's v6e timings (calibration_fit_v6e.json) fit v6e's HBM share from its weight-streaming calls; each v6e claim
+is also priced there (`at_v6e_data`), the grid step held: those Pallas timings do not identify it.
 
 For every claim the results publish (ours against the best rival per shape and generation in moe_layer.json and
 moe_layer_v5p_tpu7x.json (v5p's grid-step cost, borrowed from v5e too, is held: no v5p timing bounds it), the
@@ -101,9 +105,10 @@ def flip_point(claim: Claim, name: str, holding: float, failing: float, rounds: 
     return failing
 
 
-def evaluate(claim: Claim) -> dict:
+def evaluate(claim: Claim, v6e_point: dict | None = None) -> dict:
     """The claim at the fitted constants, at each end of each range, and at the worst point of the ranges jointly
-    (`JOINT_GRID` values of each, ends included); its verdict."""
+    (`JOINT_GRID` values of each, ends included); its verdict; a v6e claim also at `v6e_point`, the constants v6e's
+    own timings fit where they identify one (`v6e_data_point`)."""
     fitted = claim.value({})
     by_constant, flips = {}, []
     for name, (centre, low, high) in claim.ranges.items():
@@ -123,12 +128,16 @@ def evaluate(claim: Claim) -> dict:
     robust = claim.holds(fitted) and all(e["holds"] for e in by_constant.values()) and claim.holds(worst)
     if claim.holds(fitted) and not flips and not claim.holds(worst):
         flips.append("only jointly: " + ", ".join(f"{k} {v:g}" for k, v in worst_point.items()))
-    return {"family": claim.family, "claim": claim.claim, "generation": claim.generation,
-            "threshold": claim.threshold, "holds_if": "at_most" if claim.at_most else "at_least",
-            "fitted": round(fitted, 4), "holds_at_fitted": claim.holds(fitted), "by_constant": by_constant,
-            "worst_point": {"constants": {k: round(v, 4) for k, v in worst_point.items()}, "value": round(worst, 4),
-                            "holds": claim.holds(worst)},
-            "verdict": "robust" if robust else "fragile", "flips": flips}
+    found = {"family": claim.family, "claim": claim.claim, "generation": claim.generation,
+             "threshold": claim.threshold, "holds_if": "at_most" if claim.at_most else "at_least",
+             "fitted": round(fitted, 4), "holds_at_fitted": claim.holds(fitted), "by_constant": by_constant,
+             "worst_point": {"constants": {k: round(v, 4) for k, v in worst_point.items()}, "value": round(worst, 4),
+                             "holds": claim.holds(worst)},
+             "verdict": "robust" if robust else "fragile", "flips": flips}
+    if claim.generation == "v6e" and v6e_point:
+        value = claim.value(v6e_point)
+        found["at_v6e_data"] = {"constants": v6e_point, "value": round(value, 4), "holds": claim.holds(value)}
+    return found
 
 
 def share_range(generation: str) -> tuple[float, float, float]:
@@ -296,13 +305,38 @@ def v6e_grid_step_data(moe: dict, step: dict) -> dict:
             "range_priced_us": list(V6E_STEP_RANGE_US)}
 
 
+def v6e_tokamax_data(fit: dict) -> dict:
+    """What tokamax's v6e timings (calibration_fit_v6e.json) say of the two constants: the HBM share its weight-
+    streaming timings imply, the grid step its Pallas timings fit alone, and across the priced step range the share
+    that fits them best with the fit error there (a flat error: the step is not identified)."""
+    share = fit["hbm_fraction"].get("v6e", {})
+    in_range = [row for row in fit["step_share_profile"]["v6e"]
+                if V6E_STEP_RANGE_US[0] <= row["grid_step_us"] <= V6E_STEP_RANGE_US[1]]
+    return {"sources": fit["hbm_fraction_sources"],
+            "hbm_share": share.get("hbm_fraction") if "borrowed_from" not in share else None,
+            "hbm_share_timings": len(share.get("entries", [])),
+            "grid_step_fit_alone_us": round(fit["fits"]["v6e"]["constants"]["grid_step_s"] * 1e6, 4),
+            "best_share_across_step_range": [min(r["best_hbm_fraction"] for r in in_range),
+                                             max(r["best_hbm_fraction"] for r in in_range)],
+            "fit_error_across_step_range": [min(r["fit_median_log_error"] for r in in_range),
+                                            max(r["fit_median_log_error"] for r in in_range)]}
+
+
+def v6e_data_point(tokamax: dict) -> dict:
+    """The constants v6e's own timings identify: the HBM share of its weight-streaming timings (its grid step they do
+    not identify: it stays at the borrowed value)."""
+    return {HBM_SHARE: tokamax["hbm_share"]} if tokamax["hbm_share"] else {}
+
+
 def study(results: Path) -> dict:
     moe = json.loads((results / "moe_layer.json").read_text())
     other_generations = json.loads((results / "moe_layer_v5p_tpu7x.json").read_text())
     paged = json.loads((results / "paged_attention.json").read_text())
     step = json.loads((results / "decode_step.json").read_text())
-    claims = [evaluate(c) for c in (*moe_claims(moe), *moe_claims(other_generations), *paged_claims(paged),
-                                    *decode_step_claims(step, moe))]
+    tokamax = v6e_tokamax_data(json.loads((results / "calibration_fit_v6e.json").read_text()))
+    point = v6e_data_point(tokamax)
+    claims = [evaluate(c, point) for c in (*moe_claims(moe), *moe_claims(other_generations), *paged_claims(paged),
+                                           *decode_step_claims(step, moe))]
     return {
         "benchmark": "benchmarks.studies.robustness",
         "what": sys.modules[__name__].__doc__.split("\n\n")[1].replace("\n", " "),
@@ -312,6 +346,7 @@ def study(results: Path) -> dict:
             COPY_COST: {"range_high": {g: copy_cost_bound_us(g) for g in ("v5e", "v6e", "tpu7x")}, "fitted": 0.0},
         },
         "v6e_grid_step_data": v6e_grid_step_data(moe, step),
+        "v6e_tokamax_data": tokamax,
         "decode_step_rests_on": rests_on(step),
         "claims": claims,
     }

@@ -1,36 +1,29 @@
 """Turn a typed JAX function (Pallas inside) into a torch custom op.
 
-The builder copies this file verbatim into every built kernel as `_binding.py`,
-because a built kernel must load where only `kernels` is installed: it may
-import the standard library, numpy, torch and jax, nothing else.
+The builder copies this file verbatim into every built kernel as `_binding.py`, because a built kernel must load
+where only `kernels` is installed: it may import the standard library, numpy, torch and jax, nothing else.
 
 One op, two execution paths, chosen by torch's dispatcher per device:
 
-* TPU tensors: torch_tpu's `JaxCallable` (what `torch.tpu.pallas.jax_op`
-  registers) exports the JAX function for Mosaic and registers the kernel with
-  torch_tpu's runtime at the first call of each signature; later calls launch
+* TPU tensors: torch_tpu's `JaxCallable` (what `torch.tpu.pallas.jax_op` registers) exports the JAX function for
+  Mosaic and registers the kernel with torch_tpu's runtime at the first call of each signature; later calls launch
   that kernel directly (`_TpuKernel`), without its per-call Python.
-* CPU tensors: the same JAX function runs jitted under Pallas' TPU interpret
-  mode. Tensors cross as numpy views that jax's CPU client adopts without a
-  copy; results come back through DLPack. This path exists for development, CI
-  and correctness: it simulates the TPU kernel on the CPU and is orders of
-  magnitude slower than the real thing.
+* CPU tensors: the same JAX function runs jitted under Pallas' TPU interpret mode. Tensors cross as numpy views that
+  jax's CPU client adopts without a copy; results come back through DLPack. This path exists for development, CI and
+  correctness: it simulates the TPU kernel on the CPU and is orders of magnitude slower than the real thing.
 
-A parameter annotated `jax.Array | None` is an optional tensor (`Tensor?` in
-the op schema) on both paths: the JAX function receives None when the caller
-passes None, and each case is traced and compiled on its own.
+A parameter annotated `jax.Array | None` is an optional tensor (`Tensor?` in the op schema) on both paths: the JAX
+function receives None when the caller passes None, and each case is traced and compiled on its own.
 
-The op is a `torch.library.Library` op without an autograd kernel, so that
-a call runs no Python between the dispatcher and its kernel. Differentiate
-through the `JaxTorchOp`: a direct `torch.ops` call warns at backward, as
+The op is a `torch.library.Library` op without an autograd kernel, so that a call runs no Python between the
+dispatcher and its kernel. Differentiate through the `JaxTorchOp`: a direct `torch.ops` call warns at backward, as
 torch does for any op without an autograd kernel.
 
-Gradients come from the JAX function itself (`jax.vjp`, so a `jax.custom_vjp`
-inside it decides how they are computed): when autograd needs a gradient of a
-floating tensor argument, the call runs a second op that returns the outputs
-and the pullback's residuals as tensors, and torch autograd hands those to a
-third op that runs the pullback. Residuals that are the call's own inputs or
-outputs are not returned again: autograd keeps the tensors it already has.
+Gradients come from the JAX function itself (`jax.vjp`, so a `jax.custom_vjp` inside it decides how they are
+computed): when autograd needs a gradient of a floating tensor argument, the call runs a second op that returns the
+outputs and the pullback's residuals as tensors, and torch autograd hands those to a third op that runs the
+pullback. Residuals that are the call's own inputs or outputs are not returned again: autograd keeps the tensors it
+already has.
 """
 
 from __future__ import annotations
@@ -38,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import glob
+import importlib.util
 import inspect
 import os
 import sys
@@ -79,12 +73,16 @@ _NUMPY_BITS_DTYPE = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uin
 _STATIC_TYPES = (bool, int, float, str)
 
 
-def _torch_tpu_pallas() -> types.ModuleType | None:
-    """torch_tpu's Pallas module (`JaxCallable`, its launcher), else None; it registers without a TPU."""
-    try:
-        from torch_tpu._internal.pallas import pallas
-    except ImportError:
-        return None
+def _torch_tpu_installed() -> bool:
+    """Whether torch_tpu is installed, found without importing it: importing its Pallas module costs a process
+    about 3 s of CPU, which only a TPU call needs (`_torch_tpu_pallas`)."""
+    return importlib.util.find_spec("torch_tpu") is not None
+
+
+@functools.cache
+def _torch_tpu_pallas() -> types.ModuleType:
+    """torch_tpu's Pallas module (`JaxCallable`, its launcher); it registers without a TPU."""
+    from torch_tpu._internal.pallas import pallas
     return pallas
 
 
@@ -247,9 +245,7 @@ class _JaxFunction:
         )
         self.positional_count = sum(p.kind is not inspect.Parameter.KEYWORD_ONLY for p in parameters)
         self.returns_tuple = _returns_tuple(self.signature.return_annotation)
-        # Re-wrapping jax.jit on every call costs hundreds of microseconds; one
-        # jitted function caches a compilation per static-argument combination
-        # (and per optional tensor present or absent).
+        # One jitted function (`jitted`) caches a compilation per static-argument combination and optional tensor.
         self.static_names = tuple(p.name for p in parameters if not _is_tensor(p.annotation))
 
     @functools.cached_property
@@ -500,17 +496,20 @@ class _TpuKernel:
     wraps, and always under a torch_tpu without what this reads of 0.2.0.
     """
 
-    def __init__(self, pallas: types.ModuleType, jax_function: _JaxFunction, qualname: str):
-        self.pallas, self.signature = pallas, jax_function.signature
-        parameters = list(self.signature.parameters.values())
-        self.tensor_parameters = tuple(_is_tensor(p.annotation) for p in parameters)
-        static = [(i, p) for i, p in enumerate(parameters) if not _is_tensor(p.annotation)]
-        self.jax_callable = pallas.custom_jax_kernel(
-            jax_function.fn, qualname, warn_deprecated=False,
-            static_argnums=tuple(i for i, p in static if p.kind is not inspect.Parameter.KEYWORD_ONLY),
-            static_argnames=tuple(p.name for _, p in static if p.kind is inspect.Parameter.KEYWORD_ONLY))
+    def __init__(self, jax_function: _JaxFunction, qualname: str):
+        self.jax_function, self.qualname, self.signature = jax_function, qualname, jax_function.signature
+        self.tensor_parameters = tuple(_is_tensor(p.annotation) for p in self.signature.parameters.values())
         self.launches: dict[tuple, _Launch] = {}
         self.direct = True
+
+    @functools.cached_property
+    def jax_callable(self):
+        """torch_tpu's `JaxCallable` of the function, made at the first TPU call."""
+        static = [(i, p) for i, p in enumerate(self.signature.parameters.values()) if not _is_tensor(p.annotation)]
+        return _torch_tpu_pallas().custom_jax_kernel(
+            self.jax_function.fn, self.qualname, warn_deprecated=False,
+            static_argnums=tuple(i for i, p in static if p.kind is not inspect.Parameter.KEYWORD_ONLY),
+            static_argnames=tuple(p.name for _, p in static if p.kind is inspect.Parameter.KEYWORD_ONLY))
 
     def __call__(self, *args, **kwargs):
         # The dispatcher passes trailing defaulted arguments only when they were given.
@@ -529,7 +528,7 @@ class _TpuKernel:
                 return self.jax_callable(*args, **kwargs)
         key = tuple(key)
         launch = self.launches.get(key)
-        runtime = self.pallas.tpu_torch_pallas
+        runtime = _torch_tpu_pallas().tpu_torch_pallas
         if launch is None or not runtime.lookup_custom_kernel(self.jax_callable.name, launch.fingerprint):
             return self._first_call(key, args, kwargs)
         return launch.out_tree.unflatten(runtime.call_custom_kernel(
@@ -547,7 +546,7 @@ class _TpuKernel:
         outputs = jax_callable(*args, **kwargs)
         if self.direct:
             try:
-                kernel_key = self.pallas._get_kernel_invocation_key(
+                kernel_key = _torch_tpu_pallas()._get_kernel_invocation_key(
                     jax_callable.trace_key, *jax_callable._normalize_invocation_args(args, kwargs),
                     jax_callable.static_argnums)
                 self.launches[key] = _Launch(jax_callable.kernel_key_to_mlir_fingerprint[kernel_key],
@@ -575,7 +574,7 @@ def _register(qualname: str, fn: Callable) -> _Registered:
     without_torch_tpu.__signature__ = jax_function.torch_signature
     library = torch.library.Library(namespace, "FRAGMENT")
     library.define(name + torch.library.infer_schema(without_torch_tpu, mutates_args=()))
-    tpu_kernel = None if (pallas := _torch_tpu_pallas()) is None else _TpuKernel(pallas, jax_function, qualname)
+    tpu_kernel = _TpuKernel(jax_function, qualname) if _torch_tpu_installed() else None
     library.impl(name, tpu_kernel or without_torch_tpu, "CompositeExplicitAutograd")
     library.impl(name, jax_function.run_on_cpu, "CPU")
     # eval_shape's shapes hold on every device (JaxCallable's fake lowers for TPU).

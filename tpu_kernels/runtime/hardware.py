@@ -24,7 +24,8 @@ Where the numbers come from:
   guides do not state it (jax's docs/pallas/tpu, whole history up to commit
   cec06d1, 2026-08); fitted to real-chip timings it is 0.34 us on v5e and
   0.72 us on TPU7x (the performance model's calibrated values:
-  benchmarks/perf/model_constants.json; v5p and v6e have no timings).
+  benchmarks/perf/model_constants.json; v5p's and v6e's timings check the
+  model but do not fit a step cost of their own).
 
 Generations: kernels are tuned and compiled ahead of time for
 SUPPORTED_GENERATIONS only: v5e, v5p, v6e and TPU7x (Ironwood). The device

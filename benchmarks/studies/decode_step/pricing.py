@@ -109,5 +109,5 @@ def _norm_avals(rows: int, width: int):
 
 
 def bands_used() -> dict:
-    """The calibrated errors the terms carry (v6e has no measurements: v5e's; attention: TPU7x's)."""
+    """The calibrated errors the terms carry (v6e's timings check but make no bands: v5e's; attention: TPU7x's)."""
     return {kind: calibration_bands.describe(kind, GENERATION) for kind in ("pallas_ragged_dot", "flash_attention")}

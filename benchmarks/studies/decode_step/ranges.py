@@ -2,7 +2,9 @@
 
 Three terms of the modelled step rest on no measurement of their own kind on a v6e:
 
-- the cost of one Pallas grid step on v6e: v5e's fitted value, borrowed. HF's measured 257 us layer implies about
+- the cost of one Pallas grid step on v6e: v5e's fitted value, borrowed (tokamax's v6e timings of its Pallas ragged
+  dot trade it against the HBM share at almost the same error: calibration_fit_v6e.json). HF's measured 257 us
+  layer implies about
   0.024 us (moe_layer.json `hf_257us`) and HF's measured step allows at most the bound in `hf_kernel_check`, so
   the range runs from just under the first to the fitted value (`GRID_STEP_RANGE_US`);
 - the share of the peak HBM bandwidth the copies reach: clamped at 1 on v5e's two weight-streaming timings; the

@@ -117,8 +117,9 @@ def fitted_to() -> list[dict]:
     shares = json.loads(Path(chip.__file__).with_name("hbm_fractions.json").read_text())
     return [
         {"assumption": "v6e's cost per Pallas grid step", "value": f"{grid_step_s(GENERATION) * 1e6:.2f} us",
-         "fitted_to": "tokamax's v5e timings of its Pallas ragged dot (v5e's fit, borrowed: no v6e timing of that "
-                      "kind); HF's v6e figures bound it lower (hf-kernel table), so the ratio is given over "
+         "fitted_to": "tokamax's v5e timings of its Pallas ragged dot (v5e's fit, borrowed: tokamax's v6e timings "
+                      "of that kind do not identify it, calibration_fit_v6e.json); HF's v6e figures bound it lower "
+                      "(hf-kernel table), so the ratio is given over "
                       f"{ranges.GRID_STEP_RANGE_US[0]}-{ranges.GRID_STEP_RANGE_US[1]} us (ranges)"},
         {"assumption": "share of the peak HBM bandwidth", "value": f"{chip.FITTED_RATES.hbm_fraction(GENERATION):g}",
          "fitted_to": f"{shares['hbm_fraction_note'][GENERATION]}; v5e's: {shares['hbm_fraction_note']['v5e']}; "

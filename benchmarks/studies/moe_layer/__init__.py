@@ -49,7 +49,8 @@ band of its terms in its regime (`calibration_bands`: Pallas kernels at the
 Pallas ragged-dot error, XLA ragged-dot loops at theirs, both from the
 measured calls of the layer's regime, streaming or compute-bound; other XLA
 ops uncalibrated), or no band where that regime has no timing.
-v6e has no measurements: its constants and bands are v5e's. The roofline of a
+v6e's constants and bands are v5e's (v6e's own timings check them, not fit
+them: calibration_v6e.json). The roofline of a
 shape is max(minimum bytes / peak bandwidth, useful FLOPs / bf16 peak),
 minimum bytes = the rows in, the routing, each active expert's weights (and
 biases) once, the rows out.

@@ -110,12 +110,12 @@ class Compiler:
                 lowered = lower() if lower is not None else xla_program.lower_program(
                     fn, avals, generation, kernel_bodies=kernel_bodies)
         except Exception as error:  # noqa: BLE001 - a layer that does not lower is a result
-            return _resolved({"error": f"lowering failed: {first_line(error)}"})
+            return calibration.resolved({"error": f"lowering failed: {first_line(error)}"})
         with CLOCK("lowered text"):
             key = self.cache.key("compile", generation, lowered.as_text())
         found = self.cache.get(key)
         if found is not None:
-            return _resolved(_analysed(found, generation))
+            return calibration.resolved(_analysed(found, generation))
 
         def compile_and_store():
             try:
@@ -128,12 +128,6 @@ class Compiler:
             return _analysed(self.cache.put(key, text), generation)
 
         return self.pool.submit(compile_and_store)
-
-
-def _resolved(value) -> concurrent.futures.Future:
-    future = concurrent.futures.Future()
-    future.set_result(value)
-    return future
 
 
 def _analysed(text, generation: str):

@@ -31,7 +31,7 @@ def hf_case(rows: list[dict], cache: Cache) -> dict:
     # HF's layer is a decode layer: its copies are the longer term.
     calibrated = calibration_bands.error("pallas_ragged_dot", "v6e", "streaming")
     result = {"measured_us": HF_MEASURED_US, "generation": "v6e",
-              "constants": "v6e has no measurements: v5e's fitted constants (grid step "
+              "constants": "v5e's fitted constants, which v6e's timings check but do not fit (grid step "
                            f"{grid_step_s('v6e') * 1e6:.2f} us) and error in the streaming regime (median "
                            f"{100 * calibrated['median']:.1f} %, p90 {100 * calibrated['p90']:.1f} %, "
                            f"{calibrated['count']} timing(s))",

@@ -11,7 +11,7 @@ from .rivals import RIVALS, rival_layer
 from .shapes import GENERATIONS, Case
 from .targets import summarise
 from .tuning import TOKAMAX_DEFAULT, best_in_layer, tokamax_default, tune_rival
-from . import vllm_fused
+from . import fused_search, vllm_fused
 
 
 # A rival config Mosaic refuses to compile inside the layer is replaced by the next best, at most this many times.
@@ -104,12 +104,10 @@ def queue_rivals(case: Case, cache: Cache, compiler: Compiler, rivals: list[str]
 
 
 def queue_fused(case: Case, compiler: Compiler, generations, pending: dict) -> None:
-    """vLLM's fused kernel per generation: compiled with its body on the case's mesh, its schedule counted."""
-    counted = vllm_fused.replay(case)
-    for generation in generations:
-        future = compiler.submit(None, None, generation, lower=vllm_fused.lowering(case, generation),
-                                 kind=f"vLLM's fused kernel at {case.phase}")
-        pending[(vllm_fused.FUSED, generation)] = (future, counted, None)
+    """vLLM's fused kernel per generation at its searched block sizes: compiled with its body on the case's mesh,
+    its schedule counted (`fused_search`)."""
+    for generation, (future, sizes, found) in fused_search.queue(case, compiler, generations).items():
+        pending[(vllm_fused.FUSED, generation)] = (future, sizes, found)
 
 
 def row_facts(case: Case, generation: str) -> dict:
@@ -132,7 +130,7 @@ def variant(built, case: Case, compiler: Compiler, name: str, generation: str, p
             tuning: dict | None) -> dict:
     """One variant's entry in a row: its modelled time and terms, or why it has none."""
     if name == vllm_fused.FUSED:
-        return fused_variant(case, generation, program, replayed)
+        return fused_search.variant(case, generation, program, replayed, tilings, compiler)
     compile_avals = case.avals(concrete_index=False, weights_k_n=name in RIVALS and RIVALS[name].weights_k_n)
     refused = []
     if isinstance(program, dict) and tuning is not None:
@@ -178,12 +176,3 @@ def variant(built, case: Case, compiler: Compiler, name: str, generation: str, p
                      "standalone_best_tiling": {"gate_up": list(tilings[0]), "down": list(tilings[1])},
                      "standalone_best_us": entry["headline_us"]}
     return entry
-
-
-def fused_variant(case: Case, generation: str, program, counted) -> dict:
-    """vLLM's fused kernel's entry: its modelled time from its counted schedule, and what the figure leaves out."""
-    if isinstance(program, dict):
-        return {"compiled": False, **program}
-    replayed, facts = counted
-    return {"compiled": True, **timings(program, replayed, case, generation),
-            "kernel_bodies": "compiled with its body (Mosaic's check made)", **facts}

@@ -75,7 +75,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_yscale("log")
         ax.set_ylabel("modelled time / roofline")
         ax.set_title(f"{generation}: one experts layer, calibrated pipelined model, fitted HBM share"
-                     + (" (v5e's constants: no v6e measurements)" if generation == "v6e" else ""))
+                     + (" (v5e's constants, checked by v6e's timings)" if generation == "v6e" else ""))
         ax.set_xticks(x, [f"{r['setting']} T={r['tokens']}" for r in selected], rotation=90, fontsize=7)
         ax.legend(loc="upper left", fontsize=8)
         ax.grid(axis="y", alpha=0.3)
@@ -94,8 +94,11 @@ def rounded(value):
     return value
 
 
-# vLLM's fused kernel's own facts (`vllm_fused.replay`): its block sizes, what its figure leaves out.
-FUSED_FACTS = ("block_sizes", "block_sizes_from", "not_priced", "remote_rows", "dma_descriptors", "weight_passes")
+# vLLM's fused kernel's own facts (`vllm_fused.replay`, `fused_search.variant`): its block sizes and vLLM's own
+# pick, the search, what its figure leaves out.
+FUSED_FACTS = ("block_sizes", "block_sizes_from", "not_priced", "remote_rows", "dma_descriptors", "weight_passes",
+               "vllm_block_sizes", "vllm_standalone_us", "configs_searched", "configs_fitting_vmem",
+               "refused_block_sizes")
 SHAPE_FIELDS = ("label", "generation", "phase", "rows", "live_picks", "active_experts", "roofline_us",
                 "roofline_bound", "ours_us", "ours_band_p90_us", "ours_over_roofline", "best_rival", "best_rival_us",
                 "ours_over_best_rival", "rival_wins_by_pct", "why_rival_wins", "rivals_not_modelled")
@@ -182,7 +185,9 @@ def method(args) -> dict:
         "vllm_fused_ep_moe": "vLLM's fused_ep_moe (tpu-inference 0.32.0's fused_moe/v1/kernel.py, from its wheel) "
                              "as its FUSED_MOE layer runs it (dimensions padded to 256, router logits in, routing, "
                              "all-to-all, both matmuls and the combine in one kernel, tokens split over the EP "
-                             "ranks) at its own block sizes (block_sizes, block_sizes_from); compiled with its body "
+                             "ranks) at the fastest of its block sizes that fit VMEM (fused_search: every config the kernel "
+                             "accepts, priced standalone per generation; vLLM's own pick, vllm_block_sizes, "
+                             "beside it); compiled with its body "
                              "on a compile-only mesh of the EP rank count; its copies and matmuls counted from its "
                              "schedule at the shape's global routing (the busiest rank) and priced by the same "
                              "model; not_priced says what the figure leaves out (its cross-device part at EP > 1)",

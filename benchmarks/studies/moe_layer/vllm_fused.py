@@ -9,9 +9,10 @@ the all-to-all of the picked rows to their experts' ranks, both matmuls, the
 all-to-all back and the weighted sum. Under expert parallelism the tokens are
 split over the ranks (mesh axis "model"); the kernel's EP is its own, the same
 whichever mode transformers would use, so an EP row prices vLLM at that
-rank count. Its block sizes are vLLM's own: its tuned table, else its default
-formula (`block_sizes`; none of our models is in the table), with the
-kernel's own overrides.
+rank count. Its block sizes are the fastest that fit VMEM (`fused_search`);
+vLLM's own pick (`block_sizes`: its tuned table, else its default formula,
+with the kernel's own overrides; none of our models is in the table) is
+priced beside them.
 
 It compiles ahead of time per generation with its real body (Mosaic's check
 is part of the result) on a compile-only mesh of the EP rank count
@@ -40,7 +41,8 @@ rows: both are boundary steps without compute. The result is a
 ops around it from the compiled program).
 
 Not priced (`NOT_PRICED`, with the counts in each row): the all-to-all rows
-to and from other ranks (ICI remote copies) and the barriers between ranks;
+to and from other ranks (ICI remote copies) and the barriers between ranks
+(the multichip study prices them: `benchmarks.studies.multichip_fused`);
 the scalar core's work, which issues two copy descriptors per (token, pick)
 for every local expert; the vector work (softmax, top-k, the activation
 recomputed per w2 chunk).
@@ -67,6 +69,7 @@ PAD_TO = 256  # vLLM pads both dimensions to this at load time for this kernel
 # one jax device: a chip on v5e, v6e and v5p (its two cores one megacore device), one of a chip's two cores on
 # TPU7x (so eight ranks are four TPU7x chips).
 MESH_TOPOLOGIES = {
+    ("v6e", 2): "v6e:2x2", ("v6e", 4): "v6e:2x2",  # multichip_fused's smaller EP meshes
     ("v5e", 8): "v5e:2x4", ("v5e", 32): "v5e:4x8", ("v6e", 8): "v6e:2x4", ("v6e", 32): "v6e:4x8",
     ("v5p", 8): "v5p:2x2x2", ("v5p", 32): "v5p:2x4x4", ("tpu7x", 8): "tpu7x:2x2x1", ("tpu7x", 32): "tpu7x:2x2x4",
 }
@@ -75,10 +78,11 @@ NOT_PRICED_ON_CHIP = ("not priced: the scalar core issuing copy descriptors (dma
                       "(softmax, top-k, the activation per w2 chunk)")
 NOT_PRICED = {
     "ep1": f"one rank, no cross-device copies; {NOT_PRICED_ON_CHIP}",
-    "ep": ("cannot be priced: the kernel's cross-device part, the all-to-all of picked rows to their experts' ranks "
-           "and back (remote copies over ICI: remote_rows) and the barriers between ranks (the model has no ICI "
-           "term for in-kernel remote copies); the figure is this rank's kernel without them (its local copies of "
-           f"those rows are priced); also {NOT_PRICED_ON_CHIP}"),
+    "ep": ("not priced here: the kernel's cross-device part, the all-to-all of picked rows to their experts' ranks "
+           "and back (remote copies over ICI: remote_rows) and the barriers between ranks; the figure is this "
+           "rank's kernel without them (its local copies of those rows are priced); the multichip study prices "
+           "them as it prices ours (multichip.json's fused_ep_moe: collectives.fused_ep_moe_collectives); also "
+           f"{NOT_PRICED_ON_CHIP}"),
 }
 BLOCK_NAMES = ("bt", "bf", "bd1", "bd2", "btc", "bfc", "bd1c", "bd2c")
 
@@ -116,13 +120,14 @@ def mesh_for(generation: str, ep: int) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.array(devices[:ep]).reshape(1, ep), ("data", "model"))
 
 
-def layer(hidden, gating, w13, w2, b13=None, b2=None, *, mesh, model: Model):
-    """vLLM's FUSED_MOE layer: tokens padded to the padded hidden size, the kernel, the padding sliced off."""
+def layer(hidden, gating, w13, w2, b13=None, b2=None, *, mesh, model: Model, sizes: dict | None = None):
+    """vLLM's FUSED_MOE layer: tokens padded to the padded hidden size, the kernel at `sizes` (None: vLLM's own
+    pick), the padding sliced off."""
     padded_hidden, _ = padded_dims(model)
     x = jnp.pad(hidden, ((0, 0), (0, padded_hidden - hidden.shape[1])))
     out = load_fused_moe(DEFAULT_FOLDER).fused_ep_moe(
         mesh, x, w13, w2, gating, model.top_k, renormalize_topk_logits=True,
-        act_fn=ACTIVATIONS[model.activation], scoring_fn="softmax", b1=b13, b2=b2)
+        act_fn=ACTIVATIONS[model.activation], scoring_fn="softmax", b1=b13, b2=b2, **(sizes or {}))
     return out[:, : hidden.shape[1]]
 
 
@@ -137,12 +142,13 @@ def avals(model: Model, tokens: int, mesh: jax.sharding.Mesh) -> list:
     return [jax.ShapeDtypeStruct(shape, dtype, sharding=split) for shape, dtype in shapes]
 
 
-def lowering(case: Case, generation: str):
-    """A function lowering the case's layer for `generation` on its compile-only mesh (`Compiler.submit`)."""
+def lowering(case: Case, generation: str, sizes: dict | None = None):
+    """A function lowering the case's layer at `sizes` (None: vLLM's own pick) for `generation` on its compile-only
+    mesh (`Compiler.submit`)."""
     def lower():
         mesh = mesh_for(generation, case.setting.ep)
         with jax.default_device(mesh.devices.flat[0]):
-            return jax.jit(lambda *args: layer(*args, mesh=mesh, model=case.model)).lower(
+            return jax.jit(lambda *args: layer(*args, mesh=mesh, model=case.model, sizes=sizes)).lower(
                 *avals(case.model, case.tokens, mesh))
     return lower
 
@@ -176,58 +182,58 @@ def routing(case: Case, bt: int) -> Routing:
     return Routing(rank, expert_rows, own_rows, 2 * remote)
 
 
-class _Schedule:
-    """The kernel's steps in order, each with the bytes it needs fetched or leaves written and its matmuls."""
-
-    def __init__(self, operands: tuple[str, ...]):
-        self.operands = operands
-        self.fetched: list[dict] = []
-        self.written: list[dict] = []
-        self.dots: list[dict] = []
-
-    def step(self, fetched: dict | None = None, written: dict | None = None, dots: dict | None = None) -> None:
-        self.fetched.append(fetched or {})
-        self.written.append(written or {})
-        self.dots.append(dots or {})
-
-    def per_step(self, rows: list[dict], operand: str) -> np.ndarray:
-        return np.array([row.get(operand, 0) for row in rows], np.int64)
+def _per_step(body: np.ndarray, tail: np.ndarray) -> np.ndarray:
+    """One operand's bytes (or a dot's count) per step, in the kernel's order: per token block, its [experts, steps
+    of one expert] body, then its two tail steps."""
+    blocks = body.shape[0]
+    return np.concatenate([body.reshape(blocks, -1), tail], axis=1).ravel().astype(np.int64)
 
 
-def _schedule(case: Case, sizes: dict, routed: Routing) -> _Schedule:
+def _schedule(case: Case, sizes: dict, routed: Routing) -> tuple[dict, dict, dict]:
     """Per token block and local expert: a boundary step (the expert's first weight block, not prefetched), its
-    w1/w3 then w2 block steps; per token block, the wait for the gathered rows and the combine (module docstring)."""
+    w1/w3 then w2 block steps; per token block, the wait for the gathered rows and the combine (module docstring).
+    Returns per operand the bytes fetched for and written after each step, and per matmul shape its count."""
     model = case.model
     hidden, intermediate = padded_dims(model)
     row_bytes = hidden * jnp.dtype(DTYPE).itemsize
     bt, bf, bd1, bd2, btc = (sizes[name] for name in ("bt", "bf", "bd1", "bd2", "btc"))
-    w13_block = 2 * bd1 * bf * 2
-    w2_block = bf * bd2 * 2
+    blocks, experts = routed.expert_rows.shape
+    # One expert's steps: the boundary step, then per intermediate block its w1/w3 steps and its w2 steps.
+    per_bf = np.r_[np.ones(hidden // bd1, bool), np.zeros(hidden // bd2, bool)]
+    w13_step = np.r_[False, np.tile(per_bf, intermediate // bf)]
+    w2_step = np.r_[False, np.tile(~per_bf, intermediate // bf)]
+    first_w13 = np.r_[False, np.tile(np.arange(per_bf.size) == 0, intermediate // bf)]
+    first_bf_w2 = np.r_[False, ~per_bf, np.zeros(per_bf.size * (intermediate // bf - 1), bool)]
+    zeros = np.zeros((blocks, experts, w13_step.size), np.int64)
+    no_tail = np.zeros((blocks, 2), np.int64)
+    own_bytes = routed.own_rows * row_bytes
+    tokens, gathered_out = zeros.copy(), zeros.copy()
+    tokens[:, :, 0] = own_bytes
+    gathered_out[:, :, -1] = own_bytes
+    gating = zeros.copy()
+    gating[:, 0, 0] = bt * round_up(model.experts, 128) * 2
+    tail_in, tail_out = no_tail.copy(), no_tail.copy()
+    tail_in[:, 1] = bt * model.top_k * row_bytes
+    tail_out[:, 1] = bt * model.hidden * 2
+    fetched = {"tokens": _per_step(tokens, no_tail), "w13": _per_step(zeros + w13_step * (2 * bd1 * bf * 2), no_tail),
+               "w2": _per_step(zeros + w2_step * (bf * bd2 * 2), no_tail)}
+    if model.bias:
+        fetched["b13"] = _per_step(zeros + first_w13 * (2 * bf * 4), no_tail)
+        fetched["b2"] = _per_step(zeros + first_bf_w2 * (bd2 * 4), no_tail)
+    fetched |= {"gating": _per_step(gating, no_tail), "gathered": _per_step(zeros, tail_in),
+                "output": _per_step(zeros, no_tail)}
+    written = {name: np.zeros_like(steps) for name, steps in fetched.items()}
+    written["gathered"] = _per_step(gathered_out, no_tail)
+    written["output"] = _per_step(zeros, tail_out)
+    chunks = -(-routed.expert_rows // btc)[:, :, None]
     ffn1 = (1, btc, sizes["bd1c"] // 2, sizes["bfc"], "bfloat16", "bfloat16", "DEFAULT")
     ffn2 = (1, btc, sizes["bfc"], sizes["bd2c"] // 2, "bfloat16", "bfloat16", "DEFAULT")
     # Per chunk of btc rows: each packed half of a hidden chunk against each intermediate chunk (w1 and w3).
     ffn1_per_chunk = (bd1 // sizes["bd1c"]) * 2 * (bf // sizes["bfc"]) * 2
     ffn2_per_chunk = (bd2 // sizes["bd2c"]) * 2 * (bf // sizes["bfc"])
-    bias = model.bias
-    schedule = _Schedule(("tokens", "w13", "w2", *(("b13", "b2") if bias else ()), "gating", "gathered", "output"))
-    for block in range(routed.expert_rows.shape[0]):
-        for expert in range(routed.expert_rows.shape[1]):
-            chunks = -(-int(routed.expert_rows[block, expert]) // btc)
-            first = {"tokens": int(routed.own_rows[block, expert]) * row_bytes}
-            if expert == 0:
-                first["gating"] = bt * round_up(model.experts, 128) * 2
-            schedule.step(first)
-            for bf_id in range(intermediate // bf):
-                for _ in range(hidden // bd1):
-                    fetched = {"w13": w13_block, **({"b13": 2 * bf * 4} if bias and _ == 0 else {})}
-                    schedule.step(fetched, dots={ffn1: chunks * ffn1_per_chunk})
-                for bd2_id in range(hidden // bd2):
-                    fetched = {"w2": w2_block, **({"b2": bd2 * 4} if bias and bf_id == 0 else {})}
-                    schedule.step(fetched, dots={ffn2: chunks * ffn2_per_chunk})
-            schedule.written[-1] = {"gathered": int(routed.own_rows[block, expert]) * row_bytes}
-        schedule.step()  # waits for every gathered row of the block
-        schedule.step({"gathered": bt * model.top_k * row_bytes}, {"output": bt * model.hidden * 2})
-    return schedule
+    dots = {ffn1: _per_step(chunks * w13_step * ffn1_per_chunk, no_tail)}
+    dots[ffn2] = dots.get(ffn2, 0) + _per_step(chunks * w2_step * ffn2_per_chunk, no_tail)
+    return fetched, written, dots
 
 
 def scratch_bytes(case: Case, sizes: dict) -> int:
@@ -238,36 +244,46 @@ def scratch_bytes(case: Case, sizes: dict) -> int:
             * 2 + 2 * bt * hidden * 2 + 2 * 2 * sizes["bd1"] * bf * 2 + 2 * bf * sizes["bd2"] * 2 + 2 * bt * ep * bf * 4)
 
 
-def replay(case: Case) -> tuple[perf.ProgramReplay, dict] | None:
-    """The kernel's schedule at the case's routing as a replayed call, and the row's facts about it; None for a
-    case the kernel refuses (its error comes from the lowering)."""
+def refusal(case: Case, sizes: dict) -> str | None:
+    """Why the kernel refuses `sizes` for the case (its own checks, as fused_ep_moe makes them), or None."""
+    ep, local = case.setting.ep, case.tokens // case.setting.ep
+    hidden, intermediate = padded_dims(case.model)
+    if case.tokens % ep or case.model.experts % ep:
+        return f"tokens {case.tokens} or experts {case.model.experts} not a multiple of ep_size={ep}"
+    checks = [(local % 2 == 0 and sizes["bt"] % 2 == 0 and local % sizes["bt"] == 0,  # two bf16 tokens a row
+               f"bt={sizes['bt']} must be even and divide the rank's {local} tokens"),
+              (sizes["bt"] % sizes["btc"] == 0, "btc must divide bt"),
+              (sizes["bfc"] % 128 == 0 and sizes["bf"] % sizes["bfc"] == 0 and intermediate % sizes["bf"] == 0,
+               f"bfc must be a multiple of 128 dividing bf, bf one dividing {intermediate}")]
+    checks += [(sizes[c] % 256 == 0 and sizes[b] % sizes[c] == 0 and hidden % sizes[b] == 0,
+                f"{c} must be a multiple of 256 dividing {b}, {b} one dividing {hidden}")
+               for b, c in (("bd1", "bd1c"), ("bd2", "bd2c"))]
+    return next((why for ok, why in checks if not ok), None)
+
+
+def replay(case: Case, sizes: dict | None = None, source: str = "searched",
+           routed: Routing | None = None) -> tuple[perf.ProgramReplay, dict] | None:
+    """The kernel's schedule at the case's routing and `sizes` (default: vLLM's own pick) as a replayed call, and
+    the row's facts about it; None for sizes the kernel refuses (its error comes from the lowering)."""
     ep = case.setting.ep
-    if case.tokens % ep:
+    if sizes is None:
+        try:
+            sizes, source = block_sizes(case.model, case.tokens, ep)
+        except AssertionError:
+            return None
+    if refusal(case, sizes):
         return None
-    try:
-        sizes, source = block_sizes(case.model, case.tokens, ep)
-    except AssertionError:
-        return None
-    local = case.tokens // ep
-    if local % 2 or local % sizes["bt"]:  # the kernel packs two bf16 tokens per 32-bit row
-        return None
-    routed = routing(case, sizes["bt"])
-    schedule = _schedule(case, sizes, routed)
-    steps = len(schedule.fetched)
-    operands = []
-    for name in schedule.operands:
-        fetched, written = schedule.per_step(schedule.fetched, name), schedule.per_step(schedule.written, name)
-        role = "output" if name == "output" else "input"
-        operands.append(perf.OperandTraffic(
-            origin=name, role=role, memory_space="hbm", array_shape=(), dtype="bfloat16", block_shape=(),
-            buffer_count=0, transfers=int(np.count_nonzero(fetched + written)), distinct_blocks=0,
-            hbm_bytes=int(fetched.sum() + written.sum()), buffer_bytes=0, revisits=0, pipelined=True,
-            fetched_per_step=fetched, written_per_step=written))
-    keys = {key for row in schedule.dots for key in row}
-    dots_per_step = {key: np.array([row.get(key, 0) for row in schedule.dots], np.int64) for key in keys}
+    routed = routed or routing(case, sizes["bt"])
+    fetched, written, dots_per_step = _schedule(case, sizes, routed)
+    steps = len(fetched["w13"])
+    operands = tuple(perf.OperandTraffic(
+        origin=name, role="output" if name == "output" else "input", memory_space="hbm", array_shape=(),
+        dtype="bfloat16", block_shape=(), buffer_count=0,
+        transfers=int(np.count_nonzero(fetched[name] + written[name])), distinct_blocks=0,
+        hbm_bytes=int(fetched[name].sum() + written[name].sum()), buffer_bytes=0, revisits=0, pipelined=True,
+        fetched_per_step=fetched[name], written_per_step=written[name]) for name in fetched)
     call = perf.PallasCallTraffic(
-        name=FUSED, grid=(steps,), dimension_semantics=None, steps=steps, active_steps=steps,
-        operands=tuple(operands),
+        name=FUSED, grid=(steps,), dimension_semantics=None, steps=steps, active_steps=steps, operands=operands,
         dots=tuple(perf.DotShape(*key, count=int(counts.sum())) for key, counts in dots_per_step.items()),
         dots_exact=True, scratch_vmem_bytes=scratch_bytes(case, sizes), vmem_limit_bytes=100 << 20,
         cost_estimate=None, notes=("counted from the kernel's schedule at the case's routing (vllm_fused), not "

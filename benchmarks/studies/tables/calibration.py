@@ -194,9 +194,13 @@ def outlier_reason(entry: dict, entries: list[dict]) -> str:
             f"they would cost {needed:.1f}x their price")
     if same_problem:
         others = ", ".join(f"{e['ratio']:.2f} ({e['call'].split(' ', 1)[0]}, {e['split']})" for e in same_problem)
+        # The problem explains the miss only where its other timings miss the same way (by half the outlier error).
+        alike = all((e["ratio"] - 1) * (entry["ratio"] - 1) > 0 and abs(e["ratio"] - 1) > OUTLIER_ERROR / 2
+                    for e in same_problem)
         reasons.append(f"the other timings of this problem are priced at {others}: the miss follows the problem, "
-                       "not the pass or the tiles")
-    reasons += row_tile_reason(entry, entries)
+                       "not the pass or the tiles" if alike else
+                       f"the other timings of this problem are priced at {others}: the miss is not the problem's")
+    reasons += pass_reason(entry, entries) + row_tile_reason(entry, entries)
     if entry["regime"] == "compute_bound" and entry["ratio"] < 1 and not reasons:
         reasons.append("priced at the MXU peak of its tiles and nothing else sets it apart from the well-priced "
                        "entries: the kernel's matmuls run slower on the chip than the model's MXU rate, for a "
@@ -204,7 +208,7 @@ def outlier_reason(entry: dict, entries: list[dict]) -> str:
     return "; ".join(reasons) or "no recorded term sets it apart from the well-priced entries: not identified"
 
 
-# A row tile whose entries' median signed error stands this far from the other row tiles' sets the tile apart.
+# A row tile (or pass) whose entries' median signed error stands this far from the others' sets it apart.
 ROW_TILE_BIAS = 0.05
 
 
@@ -214,21 +218,42 @@ def problem_of(entry: dict) -> tuple[str, str]:
     return operands[1], next((part for part in operands if part.startswith("G=")), "")
 
 
+def biased_apart(entry: dict, entries: list[dict], group) -> tuple[int, float, int, float] | None:
+    """Among the entries of the outlier's chip that `group` (entry -> key, None: not grouped) places, the count and
+    median signed error of those in the outlier's group and of the rest, where the two medians stand more than
+    ROW_TILE_BIAS apart; None where they do not, or either side is too thin to say."""
+    key = group(entry)
+    placed = [e for e in entries if e["chip"] == entry["chip"] and group(e) is not None]
+    alike = [e["ratio"] - 1 for e in placed if group(e) == key]
+    others = [e["ratio"] - 1 for e in placed if group(e) != key]
+    if key is None or len(alike) < 2 or not others:
+        return None
+    bias, rest = statistics.median(alike), statistics.median(others)
+    return None if abs(bias - rest) <= ROW_TILE_BIAS else (len(alike), bias, len(others), rest)
+
+
+def pass_reason(entry: dict, entries: list[dict]) -> list[str]:
+    """Whether the entries of the outlier's chip of its pass (forward, lhs or rhs gradient) are biased apart from
+    the other passes'."""
+    kind = entry["call"].split(" ", 1)[0]
+    found = biased_apart(entry, entries, lambda e: e["call"].split(" ", 1)[0])
+    if found is None:
+        return []
+    count, bias, others, rest = found
+    return [f"the {count} {kind} entries of {entry['chip']} are priced at a median signed error of "
+            f"{100 * bias:+.1f} %, the {others} of the other passes at {100 * rest:+.1f} %: the miss follows the pass"]
+
+
 def row_tile_reason(entry: dict, entries: list[dict]) -> list[str]:
     """Whether the entries of the outlier's chip with its row tile (tile_m) are biased apart from the others."""
-    tile = entry["config"].get("tile_m")
-    same_chip = [e for e in entries if e["chip"] == entry["chip"] and "tile_m" in e["config"]]
-    alike = [e["ratio"] - 1 for e in same_chip if e["config"]["tile_m"] == tile]
-    others = [e["ratio"] - 1 for e in same_chip if e["config"]["tile_m"] != tile]
-    if tile is None or len(alike) < 2 or not others:
+    found = biased_apart(entry, entries, lambda e: e["config"].get("tile_m"))
+    if found is None:
         return []
-    bias, rest = statistics.median(alike), statistics.median(others)
-    if abs(bias - rest) <= ROW_TILE_BIAS:
-        return []
-    return [f"the {len(alike)} entries of {entry['chip']} with its row tile ({tile}) are priced at a median signed "
-            f"error of {100 * bias:+.1f} %, the {len(others)} with other row tiles at {100 * rest:+.1f} %: the miss "
-            "follows the row tile, which enters the price through the unhidden share of each MXU weights load "
-            "(`mxu_weight_load_fraction`, fitted on TPU7x and assumed on every generation)"]
+    count, bias, others, rest = found
+    return [f"the {count} entries of {entry['chip']} with its row tile ({entry['config']['tile_m']}) are priced at a "
+            f"median signed error of {100 * bias:+.1f} %, the {others} with other row tiles at {100 * rest:+.1f} %: "
+            "the miss follows the row tile, which enters the price through the unhidden share of each MXU weights "
+            "load (`mxu_weight_load_fraction`, fitted on TPU7x and assumed on every generation)"]
 
 
 def render_markdown(report: dict, model_constants: dict, hbm_fractions: dict,

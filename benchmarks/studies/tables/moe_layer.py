@@ -156,11 +156,13 @@ def fused_cell(line: dict | None, ours: dict | None) -> str:
         return f"no figure: {line.get('error')}"
     cell = f"{line['us']:.1f} ({ours['us'] / line['us']:.2f})" if ours and "us" in ours else f"{line['us']:.1f}"
     sizes = line["block_sizes"]
-    return cell + f", bt {sizes['bt']}/{sizes['btc']}, bf {sizes['bf']}, bd {sizes['bd1']}/{sizes['bd2']}"
+    picked = "" if line.get("block_sizes_from") == "searched" else " (vLLM's pick)"
+    return cell + f", bt {sizes['bt']}/{sizes['btc']}, bf {sizes['bf']}, bd {sizes['bd1']}/{sizes['bd2']}{picked}"
 
 
 def vllm_fused(data: dict) -> str:
-    """Per shape and generation: vLLM's fused_ep_moe at its own block sizes, µs (ours / it), or its refusal."""
+    """Per shape and generation: vLLM's fused_ep_moe at the block sizes its row was priced at, µs (ours / it), or its
+    refusal."""
     variants = {(line["generation"], line["label"], line["variant"]): line for line in data["variants"]}
     if not any(name == FUSED for _, _, name in variants):
         return f"This run did not model {FUSED}."

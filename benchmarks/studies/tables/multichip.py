@@ -43,7 +43,37 @@ def assumptions(data: dict) -> str:
     return "\n".join(rows)
 
 
+FUSED_LAYOUTS = ("vllm_fused_ep_moe", "ep_router", "ep_dispatch")
+
+
+def fused_cell(layout: dict) -> str:
+    if "error" in layout:
+        return "refused: " + layout["error"].removeprefix("lowering failed: ")
+    us = layout["per_layer_us"]
+    return (f"{us['central']:.1f} ({us['low']:.1f}-{us['high']:.1f}) = {layout['layer_us']:.1f} + "
+            f"{layout['collectives_us']['central']:.1f}")
+
+
+def fused_against_ours(data: dict) -> str:
+    """Per chip count and batch: vLLM's fused_ep_moe and ours in each EP layout, µs per MoE layer on the busiest
+    chip (low-high) = experts layer + collectives, the fastest bold, and the fused kernel's searched blocks."""
+    fused = data["fused_ep_moe"]
+    rows = ["| chips (mesh) | batch | " + " | ".join(f"`{name}` µs" for name in FUSED_LAYOUTS)
+            + " | fused blocks (bt / bf / bd1 / bd2) |", "| ---: | ---: |" + " ---: |" * len(FUSED_LAYOUTS) + " --- |"]
+    for entry in fused["entries"]:
+        layouts = entry["layouts"]
+        cells = [f"**{fused_cell(layouts[name])}**" if name == entry["fastest"] else fused_cell(layouts[name])
+                 for name in FUSED_LAYOUTS]
+        sizes = layouts["vllm_fused_ep_moe"].get("block_sizes")
+        blocks = "/".join(str(sizes[k]) for k in ("bt", "bf", "bd1", "bd2")) if sizes else ""
+        rows.append(f"| {entry['chips']} ({fused['meshes'][str(entry['chips'])]}) | {entry['batch']} | "
+                    + " | ".join(cells) + f" | {blocks} |")
+    return "\n".join(rows)
+
+
 def render_markdown(data: dict) -> dict[str, str]:
-    """multichip.json's tables by section: the step times with each layer's parts, and the assumptions."""
+    """multichip.json's tables by section: the step times with each layer's parts, the assumptions, and vLLM's
+    fused kernel across chips against ours."""
     return {"step-ms-and-layer-parts": step_times(data),
-            "assumptions": assumptions(data)}
+            "assumptions": assumptions(data),
+            "fused-ep-moe-against-ours": fused_against_ours(data)}

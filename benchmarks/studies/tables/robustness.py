@@ -50,16 +50,42 @@ def constants(report: dict) -> str:
     c = report["constants"]
     copy_high = ", ".join(f"{g} {v:g}" for g, v in c["copy_issue_us"]["range_high"].items())
     fits = ", ".join(f"{v:g}" for v in data["fit_from_hf_257us_us"].values())
+    tokamax = report["v6e_tokamax_data"]
+    share = (f"tokamax's v6e weight-streaming timings fit {tokamax['hbm_share']:g} ({tokamax['hbm_share_timings']} "
+             "timings)" if tokamax["hbm_share"] else "none bound by weight streaming")
+    lowest, highest = tokamax["best_share_across_step_range"]
     return "\n".join([
         "| constant | priced at | range | v6e data |", "| --- | --- | --- | --- |",
         f"| HBM share | {', '.join(f'{g} {v:g}' for g, v in c['hbm_share']['fitted'].items())} | "
-        f"{c['hbm_share']['range'][0]:g}-{c['hbm_share']['range'][1]:g} | none bound by weight streaming |",
+        f"{c['hbm_share']['range'][0]:g}-{c['hbm_share']['range'][1]:g} | {share} |",
         f"| v6e grid step (us) | {data['borrowed_us']:g} (borrowed from v5e) | "
         f"{data['range_priced_us'][0]:g}-{data['range_priced_us'][1]:g} | HF's layer fits {fits} (one timing); "
         f"HF's step bounds it at {data['bound_from_hf_step_us']:g} ({data['bound_from_hf_step_with_host_us']:g} "
-        "with the host cost) |",
+        f"with the host cost); tokamax's v6e Pallas timings fit {tokamax['grid_step_fit_alone_us']:g} alone, but "
+        f"across the range a share of {lowest:g}-{highest:g} fits them about as well (median log error "
+        f"{tokamax['fit_error_across_step_range'][0]:g}-{tokamax['fit_error_across_step_range'][1]:g}): not "
+        "identified |",
         f"| cost per issued copy (us) | 0 | 0 to {copy_high} | none |",
     ])
+
+
+def at_v6e_data(report: dict) -> str:
+    """Per family, how many v6e claims hold at the constants v6e's own timings fit, and each one that does not."""
+    claims = [c for c in report["claims"] if "at_v6e_data" in c]
+    if not claims:
+        return "No constant of v6e's is identified by its own timings: no claim is priced at them."
+    point = ", ".join(f"{name} {value:g}" for name, value in claims[0]["at_v6e_data"]["constants"].items())
+    rows = [f"v6e's claims at the constants v6e's own timings fit ({point}; the rest as fitted):", "",
+            "| claims | hold | fail | failing: claim, at the fitted constants -> at v6e's data |",
+            "| --- | ---: | ---: | --- |"]
+    for family in FAMILIES:
+        found = [c for c in claims if c["family"] == family]
+        if not found:
+            continue
+        failing = [c for c in found if not c["at_v6e_data"]["holds"]]
+        shown = "; ".join(f"{c['claim']}, {c['fitted']:g} -> {c['at_v6e_data']['value']:g}" for c in failing)
+        rows.append(f"| {family} | {len(found) - len(failing)} | {len(failing)} | {shown or 'none'} |")
+    return "\n".join(rows)
 
 
 def verdicts(report: dict) -> str:
@@ -83,4 +109,4 @@ def verdicts(report: dict) -> str:
 
 def render_markdown(report: dict) -> dict[str, str]:
     return {"verdicts": verdicts(report), "summary": summary(report), "constants": constants(report),
-            "fragile": fragile(report)}
+            "fragile": fragile(report), "at-v6e-data": at_v6e_data(report)}

@@ -16,7 +16,9 @@ from tpu_kernels.runtime.buckets import key_bucket, token_bucket
 from tpu_kernels.testing import assert_matches
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-RAGGED_OP, FLASH_OP = "ragged_varlen_attention", "flash_attention"
+RAGGED_OP, FLASH_OP = "ragged_paged_attention", "flash_attention"
+# The ragged op's arguments end (..., max_q_len, contiguous).
+MAX_Q_LEN = -2
 
 
 class KernelOps(TorchFunctionMode):
@@ -108,11 +110,11 @@ def test_shapes_reaching_the_ragged_kernel_are_rounded_and_padding_is_inert(kern
                                             causal=True)
     ((name, arguments),) = ops.calls
     assert name == RAGGED_OP
-    q_shape, k_shape, v_shape, cu_q_shape, cu_k_shape = arguments[:5]
-    # 19 query rows, 59 key rows and 3 sequences as 32, 128 and 16 (the fewest the kernel is handed).
-    assert (q_shape, k_shape, v_shape, cu_q_shape, cu_k_shape) == ((32, 2, 64), (128, 1, 64), (128, 1, 64), (17,),
-                                                                   (17,))
-    assert arguments[-1] == 32  # max_q_len: 17 rounded up
+    # 19 query rows, 59 key rows (one page of the keys as they are) and 3 sequences as 32, 128 and 16 (the fewest
+    # the kernel is handed): the keys' lengths and their first rows, the page table of that page.
+    assert arguments[:6] == ((32, 2, 64), (1, 128, 1, 64), (1, 128, 1, 64), (17,), (16,), (16, 1))
+    assert arguments[-1] is True  # contiguous
+    assert arguments[MAX_Q_LEN] == 32  # 17 rounded up
     assert_matches(out, kernel.reference.reference_varlen_attention(q, k, v, cu_q, cu_k), 1e-5)
 
 
@@ -120,7 +122,7 @@ def test_a_decode_batch_tells_the_kernel_one_query_per_sequence(kernel):
     q, k, v, cu_q, cu_k = packed([1, 1, 1], [9, 1, 4], q_heads=4, kv_heads=2, head_dim=64, seed=22)
     with KernelOps() as ops, torch.no_grad():
         out = kernel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 9, causal=True)
-    assert ops.calls[0][1][-1] == 1
+    assert ops.calls[0][1][MAX_Q_LEN] == 1
     assert_matches(out, kernel.reference.reference_varlen_attention(q, k, v, cu_q, cu_k), 1e-5)
 
 
@@ -224,8 +226,8 @@ def test_a_serving_run_compiles_few_kernel_shapes(kernel):
     shapes = {arguments for _, arguments in ops.calls}
     compositions = {(sum(q), sum(kv), len(q), max(q)) for q, kv in steps}
     for arguments in shapes:
-        (q_rows, _, _), (k_rows, _, _), _, (cu_rows,), _ = arguments[:5]
-        bound = arguments[-1]
+        (q_rows, _, _), (_, k_rows, _, _), _, (cu_rows,) = arguments[:4]
+        bound = arguments[MAX_Q_LEN]
         assert q_rows == token_bucket(q_rows) and k_rows == key_bucket(k_rows), arguments
         assert _is_power_of_two(cu_rows - 1) and bound in (1, token_bucket(bound)), arguments
     # q rows 16, 32 or 64; k rows key buckets of 128 to 2048; 16 sequences; a query bound of 1, 16, 32 or 64; few

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 from tpu_kernels.runtime.hardware import resolve_target
-from tpu_kernels.testing import assert_matches, interpret
+from tpu_kernels.testing import assert_matches, interpret, no_kernel_if
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 V6E = resolve_target("v6e")
@@ -435,6 +435,14 @@ def test_bad_paged_input_raises_naming_the_argument(kernel, case):
     with pytest.raises(error, match=match):
         kernel.ragged_paged_attention(**arguments)
 
+
+
+def test_pages_of_no_token_give_zeros_without_a_kernel(kernel):
+    arguments = _valid_call()
+    arguments.update(k_cache=arguments["k_cache"][:, :0], v_cache=arguments["v_cache"][:, :0])
+    with no_kernel_if(True):
+        out = kernel.ragged_paged_attention(**arguments)
+    assert out.shape == arguments["q"].shape and not out.any()
 
 BAD_KVCACHE_CALLS = {
     "rotary": (dict(rotary_cos=torch.ones(1)), "rotary_cos"),

@@ -7,7 +7,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 import pytest
-
+from tpu_kernels import testing
 from tpu_kernels.runtime.hardware import resolve_target
 
 V5E, V5P, V6E, TPU7X = resolve_target("v5e"), resolve_target("v5p"), resolve_target("v6e"), resolve_target("tpu7x")
@@ -206,30 +206,16 @@ def test_the_shipped_tuned_tiles_run_and_are_selected(kernel):
         assert kernel.gmm.tiles.select(problem, resolve_target(key.generation)) == tiles
 
 
-def test_the_jax_functions_resolve_their_generation_once_and_refuse_unknown_ones(kernel, monkeypatch):
-    """A name, its facts (another build's copy of `_hardware` made them here) or None (this device's, or the
-    override's) give one program with that generation's tiles; an unknown name is refused. Traced, not run."""
+def test_the_jax_functions_resolve_their_generation_once_and_refuse_unknown_ones(kernel):
+    """At 65536 rows in 16 groups the grouped matmul's row chunks differ between v5e and v6e."""
     problem = _matmul(kernel, 65536, 1000, 1000, groups=16)
     assert (kernel.gmm.tiles.select(problem, V5E).chunk_m, kernel.gmm.tiles.select(problem, V6E).chunk_m) == (128, 256)
     arrays = (jax.ShapeDtypeStruct((problem.m, problem.k), jnp.bfloat16),
               jax.ShapeDtypeStruct((problem.groups, problem.k, problem.n), jnp.bfloat16),
               jax.ShapeDtypeStruct((problem.groups,), jnp.int32))
-
-    def program(function, generation):
-        return str(jax.make_jaxpr(functools.partial(function, generation=generation))(*arrays))
-
-    forward = kernel.gmm.kernel.grouped_matmul
     differentiable = functools.partial(kernel.backward.differentiable_ragged_dot, transpose_rhs=False,
                                        zero_rows_past_groups=True)
-    v5e, v6e = program(forward, "v5e"), program(forward, "v6e")
-    assert v5e != v6e and program(forward, V5E) == v5e
-    monkeypatch.delenv("TPU_KERNELS_GENERATION", raising=False)
-    assert program(forward, None) == v6e  # off TPU: v6e's tiles
-    monkeypatch.setenv("TPU_KERNELS_GENERATION", "v5e")
-    assert program(forward, None) == v5e
-    assert program(differentiable, None) == program(differentiable, "v5e") != program(differentiable, "v6e")
-    with pytest.raises(ValueError, match=r"generation must be one of \('v5e', 'v5p', 'v6e', 'tpu7x'\), got 'v4'"):
-        program(forward, "v4")
+    testing.assert_generation_resolved_once(arrays, kernel.gmm.kernel.grouped_matmul, differentiable)
 
 
 def test_a_tile_over_all_rows_holds_whole_chunks(kernel):

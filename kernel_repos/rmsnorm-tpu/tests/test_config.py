@@ -1,12 +1,14 @@
 """Unit tests of the row blocks (norm/tiles.py) of the built variant, through its face: no kernel runs here. The
 selectors take a generation's facts, resolved once (`resolve_target`)."""
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+from tpu_kernels import testing
 from tpu_kernels.runtime.hardware import SUPPORTED_GENERATIONS, resolve_target
 
 MIB = 1 << 20
@@ -103,21 +105,13 @@ def test_tuned_tiles_override_the_heuristic_and_are_checked(kernel, monkeypatch)
         kernel.norm.tiles.select(_problem(kernel, 8192, 4096, jnp.bfloat16), V6E)
 
 
-def test_the_jax_functions_resolve_their_generation_once(kernel, monkeypatch):
-    """A name, its facts or None (this device's) give one program with that generation's row block; an unknown
-    name is refused. Traced, not run."""
+def test_the_jax_functions_resolve_their_generation_once(kernel):
+    """Each public JAX function resolves its generation at every call, not once per jit: traced, not run."""
     x, weight = jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((4096,), jnp.bfloat16)
-
-    def program(generation):
-        return str(jax.make_jaxpr(lambda x, weight: kernel.norm.kernel.rms_norm_forward(
-            x, weight, eps=1e-6, generation=generation))(x, weight))
-
-    v5e, v6e = program("v5e"), program("v6e")
-    assert v5e != v6e and program(V5E) == v5e
-    monkeypatch.delenv("TPU_KERNELS_GENERATION", raising=False)
-    assert program(None) == v6e  # off TPU: v6e's tiles
-    with pytest.raises(ValueError, match=r"generation must be one of \('v5e', 'v5p', 'v6e', 'tpu7x'\), got 'v3'"):
-        program("v3")
+    norm = kernel.norm.kernel
+    testing.assert_generation_resolved_once((x, weight), functools.partial(norm.rms_norm_forward, eps=1e-6))
+    testing.assert_generation_resolved_once((x, x, weight), functools.partial(norm.rms_norm_backward, eps=1e-6),
+                                            functools.partial(norm.fused_add_rms_norm_forward, eps=1e-6))
 
 
 def test_bad_arguments_are_refused(kernel):

@@ -1,4 +1,5 @@
-"""The torch op of ragged paged attention (`paged/kernel.py`) and the one place its inputs are checked.
+"""The torch op of ragged paged attention (`paged/kernel.py`), over a paged cache or varlen keys, and the one place
+its inputs are checked.
 
 Inference only: the kernel has no backward, so the op refuses inputs that would need one.
 """
@@ -16,7 +17,6 @@ from .common.paged import cache_copied_whole_per_call
 from .ops import FLOAT_DTYPES, check_tensor, is_integer_dtype
 from .paged.kernel import SUPPORTED_HEAD_DIMS
 from .paged.kernel import ragged_paged_attention as _jax_ragged_paged_attention
-from .paged.kernel import ragged_varlen_attention as _jax_ragged_varlen_attention
 
 
 @jax_torch_op(add_op_namespace_prefix("ragged_paged_attention"))
@@ -33,28 +33,12 @@ def _ragged_paged_attention(
     sliding_window: int | None,
     softcap: float | None,
     max_q_len: int | None,
+    contiguous: bool,
 ) -> jax.Array:
+    """The one op of the kernel, over a paged cache or (`contiguous`) varlen keys as one page."""
     return _jax_ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, sinks=sinks, scale=scale,
                                        causal=causal, sliding_window=sliding_window, softcap=softcap,
-                                       max_q_len=max_q_len)
-
-
-@jax_torch_op(add_op_namespace_prefix("ragged_varlen_attention"))
-def _ragged_varlen_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    cu_q_lens: jax.Array,
-    cu_k_lens: jax.Array,
-    sinks: jax.Array | None,
-    scale: float,
-    causal: bool,
-    sliding_window: int | None,
-    softcap: float | None,
-    max_q_len: int | None,
-) -> jax.Array:
-    return _jax_ragged_varlen_attention(q, k, v, cu_q_lens, cu_k_lens, sinks=sinks, scale=scale, causal=causal,
-                                        sliding_window=sliding_window, softcap=softcap, max_q_len=max_q_len)
+                                       max_q_len=max_q_len, contiguous=contiguous)
 
 
 def _check_integer(name: str, value, shape: tuple[int, ...]) -> None:
@@ -146,7 +130,7 @@ def ragged_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kv_lens = kv_lens.to(torch.int64).clamp(0, page_table.shape[1] * k_cache.shape[1]).to(torch.int32)
     return _ragged_paged_attention(q, k_cache, v_cache, cu_q_lens.to(torch.int32), kv_lens,
                                    page_table.to(torch.int32), sinks, scale, bool(causal), sliding_window,
-                                   None if softcap is None else float(softcap), max_q_len)
+                                   None if softcap is None else float(softcap), max_q_len, False)
 
 
 def ragged_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q_lens: torch.Tensor,
@@ -163,11 +147,12 @@ def ragged_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if num_seqs < 0 or not is_integer_dtype(cu_k_lens.dtype):
         raise ValueError(f"cu_k_lens must be an integer tensor [num_seqs + 1], got {cu_k_lens.dtype} "
                          f"{tuple(cu_k_lens.shape)}")
-    # The checks of the paged call, on the views the kernel reads (one page of total_k rows).
-    first_rows = cu_k_lens[:-1, None]
-    check_paged_args(q, k[None], v[None], cu_q_lens, cu_k_lens[1:], first_rows, scale=scale,
+    # The paged call on the views the kernel reads: one page of total_k rows, the page table each sequence's first
+    # row.
+    check_paged_args(q, k[None], v[None], cu_q_lens, cu_k_lens[1:], cu_k_lens[:-1, None], scale=scale,
                      sliding_window=sliding_window, softcap=softcap, sinks=sinks, max_q_len=max_q_len)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     cu_k_lens = cu_k_lens.to(torch.int64).clamp(0, k.shape[0]).to(torch.int32)
-    return _ragged_varlen_attention(q, k, v, cu_q_lens.to(torch.int32), cu_k_lens, sinks, scale, bool(causal),
-                                    sliding_window, None if softcap is None else float(softcap), max_q_len)
+    return _ragged_paged_attention(q, k[None], v[None], cu_q_lens.to(torch.int32), cu_k_lens[1:] - cu_k_lens[:-1],
+                                   cu_k_lens[:-1, None], sinks, scale, bool(causal), sliding_window,
+                                   None if softcap is None else float(softcap), max_q_len, True)

@@ -445,15 +445,12 @@ def ragged_varlen_attention(q: jax.Array, k: jax.Array, v: jax.Array, cu_q_lens:
                             generation: str | TpuGeneration | None = None) -> jax.Array:
     """`ragged_paged_attention` over contiguous (varlen) keys and values k, v[total_k, Hkv, D], sequence s owning
     rows cu_k_lens[s]:cu_k_lens[s + 1] (as `flash_attn_varlen_func` receives them), read in place: the same
-    kernel, the keys one page of total_k rows whose page table names each sequence's first row."""
-    if 0 in (q.shape[0], q.shape[1], k.shape[0], cu_k_lens.shape[0] - 1):
-        return jnp.zeros(q.shape, q.dtype)
+    kernel, the keys one page of total_k rows whose page table names each sequence's first row (`contiguous`)."""
     cu_k_lens = cu_k_lens.astype(jnp.int32)
-    k_pages, v_pages, first_rows = k[None], v[None], cu_k_lens[:-1, None]
-    problem = paged_problem(q, k_pages, first_rows, scale=scale, causal=causal, sliding_window=sliding_window,
-                            softcap=softcap, sinks=sinks, max_q_len=max_q_len, contiguous=True)
-    return call(q, k_pages, v_pages, cu_q_lens, cu_k_lens[1:] - cu_k_lens[:-1], first_rows,
-                make(problem, resolve_target(generation), config), sinks=sinks)
+    return ragged_paged_attention(q, k[None], v[None], cu_q_lens, cu_k_lens[1:] - cu_k_lens[:-1], cu_k_lens[:-1, None],
+                                  sinks=sinks, scale=scale, causal=causal, sliding_window=sliding_window,
+                                  softcap=softcap, max_q_len=max_q_len, config=config, generation=generation,
+                                  contiguous=True)
 
 
 def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cu_q_lens: jax.Array,
@@ -461,19 +458,20 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                            scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
                            softcap: float | None = None, max_q_len: int | None = None,
                            config: PagedConfig | None = None,
-                           generation: str | TpuGeneration | None = None) -> jax.Array:
+                           generation: str | TpuGeneration | None = None, contiguous: bool = False) -> jax.Array:
     """Attention of packed q[T, Hq, D] over the paged cache k_cache, v_cache[num_pages, page_size, Hkv, D]
     -> [T, Hq, D] (layout and semantics: `common/paged.py`).
 
     cu_q_lens int [S + 1], kv_lens int [S], page_table int [S, pages_per_seq]; sinks [Hq] (a logit per query
     head joining every row's softmax, attending to nothing); max_q_len, if given, bounds every sequence's
     queries (1: decode) and only shapes the tiles. Tiles: `config`, else `tiles.select`'s for `generation`
-    (a name or its facts; default this device's, resolved once here). Without a query row, a query head or a
-    sequence no kernel runs.
+    (a name or its facts; default this device's, resolved once here). `contiguous`: the cache is one page of
+    every sequence's keys, page_table [S, 1] each sequence's first row (`ragged_varlen_attention`). Without a
+    query row, a query head, a sequence or a key no kernel runs.
     """
-    if 0 in (q.shape[0], q.shape[1], *page_table.shape, k_cache.shape[0]):
+    if 0 in (q.shape[0], q.shape[1], *page_table.shape, *k_cache.shape[:2]):
         return jnp.zeros(q.shape, q.dtype)
     problem = paged_problem(q, k_cache, page_table, scale=scale, causal=causal, sliding_window=sliding_window,
-                            softcap=softcap, sinks=sinks, max_q_len=max_q_len)
+                            softcap=softcap, sinks=sinks, max_q_len=max_q_len, contiguous=contiguous)
     plan = make(problem, resolve_target(generation), config)
     return call(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, plan, sinks=sinks)

@@ -212,27 +212,39 @@ def _row_norm(
     return results
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+def _resolving_generation(function):
+    """`function` jitted, its `generation` resolved before the jit: a None that reached the jit as a static argument
+    would be cached as whatever it resolved to at the first call, and a later TPU_KERNELS_GENERATION ignored."""
+    jitted = jax.jit(function, static_argnames=_STATIC)
+
+    @functools.wraps(function)
+    def entry(*arrays, generation: str | TpuGeneration | None = None, **options):
+        return jitted(*arrays, generation=resolve_target(generation), **options)
+
+    return entry
+
+
+@_resolving_generation
 def rms_norm_forward(x: jax.Array, weight: jax.Array, **options) -> jax.Array:
     """y = x / sqrt(mean(x^2, -1) + eps) * (offset + weight), over the last axis of x."""
     (y,) = _row_norm("rms_norm", (x,), weight, **options)
     return y
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@_resolving_generation
 def fused_add_rms_norm_forward(x: jax.Array, residual: jax.Array, weight: jax.Array,
                                **options) -> tuple[jax.Array, jax.Array]:
     """(rms_norm(x + residual), x + residual) in one pass over memory; the sum is rounded to x's dtype."""
     return _row_norm("fused_add_rms_norm", (x, residual), weight, **options)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@_resolving_generation
 def rms_norm_backward(grad: jax.Array, x: jax.Array, weight: jax.Array, **options) -> tuple[jax.Array, jax.Array]:
     """(dL/dx, dL/dweight) of rms_norm_forward given dL/dy = grad."""
     return _row_norm("rms_norm_backward", (grad, x), weight, **options)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@_resolving_generation
 def fused_add_rms_norm_backward(
     grad_y: jax.Array, grad_new_residual: jax.Array, new_residual: jax.Array, weight: jax.Array, **options
 ) -> tuple[jax.Array, jax.Array]:

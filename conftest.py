@@ -1,0 +1,26 @@
+"""Settings of every test session in this checkout (tests/ and the kernel repos' tests).
+
+torch.compile's CPU backend (Inductor) compiles C++ for the tests that trace our ops under torch.compile. Two of
+its defaults cost the suite CPU time and test nothing of ours, on a CI machine of 2 cores that pytest-xdist
+already keeps busy:
+- a pool of compile processes per test process (each one imports torch): one compile at a time in the test's
+  own process instead;
+- probing the host's SIMD instruction sets by compiling and loading a C++ program per candidate, then
+  vectorised kernels that take longer to compile: scalar C++ instead. Our ops stay opaque calls either way; the
+  graph around them, the fake tensors and the backward Inductor builds are unchanged.
+The environment variables reach the subprocesses that tests start (a value already set is kept); the config
+covers a torch imported before this hook.
+"""
+
+import os
+
+INDUCTOR_ENVIRONMENT = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "TORCHINDUCTOR_VEC_ISA_OK": "0"}
+
+
+def pytest_configure(config):
+    for name, value in INDUCTOR_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    from torch._inductor import config as inductor
+
+    inductor.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
+    inductor.cpp.vec_isa_ok = os.environ["TORCHINDUCTOR_VEC_ISA_OK"] == "1"
