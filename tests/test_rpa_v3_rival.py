@@ -70,7 +70,6 @@ def test_vllms_default_is_run_with_its_query_slice_no_longer_than_its_query_bloc
                                                  "m_block_sizes": [32, 1024, 32, 512]}
 
 
-@pytest.mark.slow
 def test_the_head_dim_64_kernel_traces_under_our_jax_with_its_reciprocal_stood_in():
     """kernel_hd64 calls pltpu.reciprocal, which jax 0.10.2 lacks; pl.reciprocal (the same Mosaic op) stands in."""
     kernel = rpa_v3.load_rpa_v3(vllm_kernels.DEFAULT_FOLDER, "kernel_hd64")
