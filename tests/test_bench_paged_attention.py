@@ -89,8 +89,20 @@ def test_card_tables_from_the_json():
     rivals = rendered["rivals"].splitlines()
     # Page 128 only: the mixed-length decode (rival n/a), the 4096 point (priced) and the mixed batch (not priced).
     assert len(rivals) == 2 + 3 * 3
-    assert "| M | decode length 4096 | v5e | 100 | 80 | n/a |" in rivals
-    assert "| M | mixed | tpu7x | 100 | not priced | n/a |" in rivals
+    assert "| M | decode length 4096 | v5e | 100 | 80 | n/a | n/a |" in rivals
+    assert "| M | mixed | tpu7x | 100 | not priced | n/a | n/a |" in rivals
+
+
+def test_the_rivals_table_shows_rpa_v3_at_vllms_default_beside_its_best():
+    row = _row(4096)
+    defaults = {"v5e": {"modelled_time_us": 101.4}, "v6e": {"modelled_time_us": 90.0, "error": "does not fit"},
+                "tpu7x": {"error": "ValueError: refused"}}
+    row["rivals"]["vllm_rpa_v3"] = {"per_generation": {
+        g: {**_figures(95.0, 80.0), "vllm_default": {"config": {}, **defaults[g]}} for g in shapes.GENERATIONS}}
+    rivals = tables.render_markdown({"results": [row]})["rivals"].splitlines()
+    assert rivals[0].endswith("| vLLM RPA v3 | vLLM RPA v3 at vLLM's default |")
+    assert rivals[2:] == [f"| M | decode length 4096 | {g} | 100 | n/a | 80 | {cell} |"
+                          for g, cell in zip(shapes.GENERATIONS, ("101", "not priced", "not priced"))]
 
 
 def test_a_row_without_a_generation_is_a_key_error():
@@ -136,3 +148,17 @@ def test_a_relayout_is_charged_at_its_bytes_or_the_row_says_why_not():
     missing = relayouts.relayout_fields({"error": "VMEM OOM"})
     assert missing["relayout_us"] is None and "did not compile: VMEM OOM" in missing["relayout_missing"]
     assert relayouts.relayout_fields(None) == {"relayout_us": None, "relayout_missing": relayouts.NOT_PROBED}
+
+
+def test_the_cases_are_measured_in_order_and_kept_as_they_come(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from benchmarks.studies.paged_attention import run
+
+    monkeypatch.setattr(run, "_start_worker", lambda repo, wheels: None)
+    monkeypatch.setattr(run, "measure_case", lambda case: {"case": case})
+    args = SimpleNamespace(jobs=1, repo=None, wheels=None, out=tmp_path / "paged.json")
+    assert run._measure(["a", "b", "c"], args) == [{"case": "a"}, {"case": "b"}, {"case": "c"}]
+    assert (tmp_path / "paged.partial.json").exists()
+    with pytest.raises(SystemExit):
+        run.main(["--jobs", "0"])

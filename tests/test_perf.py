@@ -197,6 +197,47 @@ def test_vmem_fit_agrees_with_the_compiler_at_the_default_scoped_limit(generatio
             compile_for(kernel, [x], generation)
 
 
+def _packed_pairs_scratch(x, *, scratch_mib):
+    """A copy kernel with a bf16 scratch of [n, 2, 128] (two rows, as RPA v3 keeps its K/V pairs) of `scratch_mib`."""
+    pairs = scratch_mib * 2**20 // (2 * 128 * 2)
+
+    def kernel(x_ref, o_ref, scratch_ref):
+        scratch_ref[pairs - 1] = x_ref[0:2, :].astype(jnp.bfloat16)
+        o_ref[...] = x_ref[...] + scratch_ref[pairs - 1, 0:1, :].astype(jnp.float32)
+
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          scratch_shapes=[pltpu.VMEM((pairs, 2, 128), jnp.bfloat16)])(x)
+
+
+def test_scratch_with_fewer_rows_than_a_native_tile_is_padded_to_a_tile_of_its_own_height():
+    scratch = perf.grid_replay.scratch_vmem_bytes
+    # The compiler's allocation of RPA v3's K/V buffer: bf16[2,16384,5,2,128]{...:T(2,128)(2,1)}, 80 MiB.
+    assert scratch((2, 16384, 5, 2, 128), jnp.bfloat16) == 80 * 2**20
+    assert scratch((7, 3, 100), jnp.float32) == 7 * 4 * 128 * 4
+    assert scratch((12, 130), jnp.bfloat16) == 16 * 256 * 2  # two tiles of 8 rows
+    assert scratch((2, 128), jnp.int8) == 4 * 128  # one 32-bit word packs 4 rows
+    assert scratch((40, 130), jnp.bfloat16) == 48 * 256 * 2  # whole native tiles, as padded_vmem_bytes
+    [call] = perf.model_pallas_traffic(functools.partial(_packed_pairs_scratch, scratch_mib=3),
+                                       jax.ShapeDtypeStruct((8, 128), jnp.float32))
+    assert call.scratch_vmem_bytes == 3 * 2**20
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("scratch_mib, fits", [(24, True), (40, False)])
+def test_fit_of_a_scratch_of_two_row_tiles_agrees_with_the_compiler(scratch_mib, fits):
+    # v6e's default scoped limit is 32 MiB: 24 MiB of [n, 2, 128] bf16 compiles (padded to 16 rows it would be
+    # 192 MiB), 40 MiB does not.
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    kernel = functools.partial(_packed_pairs_scratch, scratch_mib=scratch_mib)
+    [call] = perf.model_pallas_traffic(kernel, x)
+    assert perf.roofline(call, "v6e").fits_vmem is fits
+    if fits:
+        compile_for(kernel, [x], "v6e")
+    else:
+        with pytest.raises(Exception, match="CompileTimeScopedVmemOom"):
+            compile_for(kernel, [x], "v6e")
+
+
 def test_megacore_splits_the_first_parallel_dimension_of_more_than_one_index():
     # v5p: one device is two TensorCores; the tiled matmul's grid (2, 3, 4) is parallel in its first two
     # dimensions, so each core runs one of the two row halves (12 steps each).

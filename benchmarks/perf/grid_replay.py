@@ -59,7 +59,7 @@ from .kernel_dmas import waited_bytes
 from .kernel_work import TRANSCENDENTAL_KEY, VECTOR_KEY, grid_dots, is_dot_key
 from .scalar_replay import StepPhases, Unresolved, replay_steps
 from .traffic import DotShape, OperandTraffic, PallasCallTraffic, dtype_name
-from tpu_kernels.runtime.hardware import padded_vmem_bytes
+from tpu_kernels.runtime.hardware import LANES, SUBLANES, padded_vmem_bytes, round_up, sublane_multiple
 
 _UNPIPELINED_MEMORY_SPACES = ("any", "hbm", "host")
 _SEMAPHORE_MEMORY_SPACES = ("semaphore_mem",)
@@ -273,12 +273,27 @@ def _copied_traffic(block_mapping, role: str, space: str, read: np.ndarray, writ
     )
 
 
+def scratch_vmem_bytes(shape: tuple[int, ...], dtype) -> int:
+    """Bytes Mosaic allocates for a VMEM scratch buffer of `shape`: rows (the second-minor dimension) at least a
+    native tile's are padded to whole native tiles (`padded_vmem_bytes`); fewer rows get a tile of their own
+    height, the smallest power of two that holds them (at most SUBLANES, at least the rows one 32-bit word packs).
+    The compiler reports `bf16[2,16384,5,2,128]` (RPA v3's K/V buffer) as tiled T(2,128)(2,1), 80 MiB, where
+    padding its 2 rows to bf16's 16 would count 640 MiB."""
+    itemsize = np.dtype(dtype).itemsize
+    if len(shape) < 2 or shape[-2] >= sublane_multiple(dtype):
+        return padded_vmem_bytes(shape, dtype)
+    *leading, rows, cols = shape
+    packing = max(1, 4 // itemsize)
+    tile_rows = max(packing, 1 << (min(rows, SUBLANES) - 1).bit_length())
+    return math.prod(leading) * round_up(rows, tile_rows) * round_up(cols, LANES) * itemsize
+
+
 def _scratch_vmem_bytes(aval) -> int:
     inner = getattr(aval, "inner_aval", aval)
     space = str(getattr(aval, "memory_space", "vmem")).lower()
     if space not in ("vmem", "default") or jax.dtypes.issubdtype(inner.dtype, jax.dtypes.extended):
         return 0
-    return padded_vmem_bytes(tuple(inner.shape), inner.dtype)
+    return scratch_vmem_bytes(tuple(inner.shape), inner.dtype)
 
 
 def _block_indices(block_mappings, grid_indices: np.ndarray, prefetch: list[Any], call_name: str) -> list[np.ndarray]:

@@ -6,7 +6,7 @@
   (`flash.kernel.flash_attention_forward` with per-sequence offsets and lengths, the arguments flash_api's
   `padded_varlen_attention` passes);
 - ours in place: the ragged paged kernel on transformers' paged cache (`paged_attention.ours.measure`);
-- vLLM RPA v3 in place: `paged_attention.rivals.rpa_v3` (vLLM's block size).
+- vLLM RPA v3 in place: `paged_attention.rpa_v3.rpa_v3` (its fastest modelled block sizes that fit VMEM).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from benchmarks import perf
 from benchmarks.studies import calibration_bands
 from benchmarks.studies.attention.forward import active_steps_from_prefetch
 from benchmarks.studies.paged_attention import ours as paged_ours
-from benchmarks.studies.paged_attention import rivals as paged_rivals
+from benchmarks.studies.paged_attention import rpa_v3 as paged_rpa_v3
 from benchmarks.studies.paged_attention.pricing import BAND_KIND, price, terms
 from benchmarks.studies.relayouts import relayout_fields, relayouts
 from benchmarks.studies.paged_attention.shapes import minimum_bytes, useful_flops
@@ -121,7 +121,7 @@ def in_place(built, batch: Batch, model: Model) -> dict:
 
 def vllm_in_place(batch: Batch, model: Model, wheels) -> dict:
     """Per generation: vLLM's RPA v3 reading its paged cache in place, as `paged_attention` prices it."""
-    found = paged_rivals.rpa_v3(batch, model, VLLM_PAGE_SIZE, wheels)
+    found = paged_rpa_v3.rpa_v3(batch, model, VLLM_PAGE_SIZE, wheels)
     if "per_generation" not in found:
         return {generation: {"error": found.get("error", "not priced")} for generation in GENERATIONS}
     return {generation: _kernel_row(row) for generation, row in found["per_generation"].items()}

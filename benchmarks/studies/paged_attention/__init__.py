@@ -22,14 +22,16 @@ written once, at the peak HBM bandwidth (and at the fitted share).
 
 Rivals at their own best configuration: jax's Pallas `paged_attention`
 (decode only; the fastest modelled pages_per_compute_block) and vLLM
-tpu-inference's RPA v3 (from the pinned wheel; its own block sizes for the
-shape and generation). A rival that cannot run a shape, or that the model
-cannot price, has a row with the reason.
+tpu-inference's RPA v3 (from the pinned wheel; `rpa_v3`: its fastest modelled
+block sizes that fit VMEM, by coordinate descent from vLLM's default, which
+each row keeps beside it; kernel_hd64 for head_dim 64, as vLLM runs it). A
+rival that cannot run a shape, or that the model cannot price, has a row with
+the reason.
 
 Usage:
     tpu-kernels bench paged_attention [--out benchmarks/results/paged_attention.json] [--repo kernel_repos/attention-tpu]
-        [--wheels DIR] [--quick]
-Modules: `shapes`, `ours`, `rivals`, `pricing`, `summary`, `run`.
+        [--wheels DIR] [--jobs N] [--quick]
+Modules: `shapes`, `ours`, `rivals`, `rpa_v3`, `pricing`, `summary`, `run`.
 """
 
 from .run import DEFAULT_OUT, main

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import multiprocessing
 import sys
 import tempfile
 from pathlib import Path
@@ -17,7 +19,7 @@ from benchmarks.studies import (
 from benchmarks.studies.moe_layer.vllm_kernels import DEFAULT_FOLDER
 from tpu_kernels.distribution.builder import build_kernel_repo
 
-from . import ours, rivals
+from . import ours, rivals, rpa_v3
 from .shapes import (GENERATIONS, MODELS, PAGE_SIZES, PLOT_PAGE_SIZE, ROOFLINE_TARGET_PCT, TARGET_FROM_CONTEXT,
                      decode_batches, minimum_bytes, mixed_batch)
 from .summary import plot, summarise
@@ -49,23 +51,62 @@ def attention_arguments(package: str, default_out: Path) -> argparse.ArgumentPar
     return parser
 
 
+_WORKER: dict = {}
+
+
+def _start_worker(repo: Path, wheels: Path) -> None:
+    """A worker process: the attention kernel built once, into a folder that lives as long as the process."""
+    _WORKER["build_dir"] = tempfile.TemporaryDirectory()
+    _WORKER["built"] = kernels.get_local_kernel(build_kernel_repo(repo, Path(_WORKER["build_dir"].name)),
+                                                backend="cpu")
+    _WORKER["wheels"] = wheels
+
+
+def measure_case(case: tuple) -> dict:
+    """One (model, batch, page size): ours and the rivals per generation (in a worker started by _start_worker)."""
+    model, batch, page_size = case
+    built, wheels = _WORKER["built"], _WORKER["wheels"]
+    row = {"model": model.name, "batch": batch.label, "kind": batch.kind, "context": batch.context,
+           "page_size": page_size, "q_heads": model.q_heads, "kv_heads": model.kv_heads,
+           "head_dim": model.head_dim, "sliding_window": model.sliding_window, "sinks": model.sinks,
+           "min_bytes": minimum_bytes(batch, model), "ours": ours.measure(built, batch, model, page_size),
+           "rivals": {"jax_paged_attention": rivals.jax_paged_attention(batch, model, page_size),
+                      "vllm_rpa_v3": rpa_v3.rpa_v3(batch, model, page_size, wheels)}}
+    print(f"{model.name:24s} {batch.label:44s} page {page_size:4d}  " + "  ".join(
+        f"{g} {row['ours'][g]['pct_of_hbm_roofline_peak']:.0f}%" for g in GENERATIONS), flush=True)
+    return row
+
+
+def _measure(all_cases: list, args) -> list[dict]:
+    """Every case's row, in order, `args.jobs` at a time (each job a process of its own); the rows measured so far
+    are kept in a partial JSON beside the output."""
+    done: dict[int, dict] = {}
+
+    def keep(index: int, row: dict) -> None:
+        done[index] = row
+        write_json(args.out.with_suffix(".partial.json"), [done[i] for i in sorted(done)])
+
+    if args.jobs == 1:
+        _start_worker(args.repo, args.wheels)
+        for index, case in enumerate(all_cases):
+            keep(index, measure_case(case))
+        return [done[i] for i in range(len(all_cases))]
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
+                                                initializer=_start_worker, initargs=(args.repo, args.wheels)) as pool:
+        futures = {pool.submit(measure_case, case): index for index, case in enumerate(all_cases)}
+        for future in concurrent.futures.as_completed(futures):
+            keep(futures[future], future.result())
+    return [done[i] for i in range(len(all_cases))]
+
+
 def main(argv=None) -> int:
-    args = attention_arguments(__package__, DEFAULT_OUT).parse_args(argv)
+    parser = attention_arguments(__package__, DEFAULT_OUT)
+    parser.add_argument("--jobs", type=int, default=1, help="cases measured at once, each in a process of its own")
+    args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     require_kernel_repo(args.repo)
-    rows = []
-    with tempfile.TemporaryDirectory() as build_dir:
-        built = kernels.get_local_kernel(build_kernel_repo(args.repo, Path(build_dir)), backend="cpu")
-        for model, batch, page_size in cases(args.quick):
-            row = {"model": model.name, "batch": batch.label, "kind": batch.kind, "context": batch.context,
-                   "page_size": page_size, "q_heads": model.q_heads, "kv_heads": model.kv_heads,
-                   "head_dim": model.head_dim, "sliding_window": model.sliding_window, "sinks": model.sinks,
-                   "min_bytes": minimum_bytes(batch, model), "ours": ours.measure(built, batch, model, page_size),
-                   "rivals": {"jax_paged_attention": rivals.jax_paged_attention(batch, model, page_size),
-                              "vllm_rpa_v3": rivals.rpa_v3(batch, model, page_size, args.wheels)}}
-            rows.append(row)
-            write_json(args.out.with_suffix(".partial.json"), rows)  # a long run keeps what it has measured
-            print(f"{model.name:24s} {batch.label:44s} page {page_size:4d}  " + "  ".join(
-                f"{g} {row['ours'][g]['pct_of_hbm_roofline_peak']:.0f}%" for g in GENERATIONS), flush=True)
+    rows = _measure(list(cases(args.quick)), args)
     report = {
         **report_header("paged_attention", args.repo),
         "model": "benchmarks.perf: grid replay, the kernels' own K/V copies and work counted by running their "

@@ -67,18 +67,30 @@ def _time(figures: dict) -> str:
     return f"{figures['modelled_time_us']:.0f}{relayout}"
 
 
+def _default_cell(rival: dict, generation: str) -> str:
+    """RPA v3 at vLLM's default block sizes: its modelled µs, or why not."""
+    found = rival.get("per_generation", {}).get(generation, {}).get("vllm_default")
+    if found is None:
+        return "n/a"
+    if "error" in found or "modelled_time_us" not in found:
+        return "not priced"
+    return f"{found['modelled_time_us']:.0f}"
+
+
 def rivals(results: list[dict]) -> str:
     """Modelled µs of ours and of each rival (at its best configuration) per generation, at page RIVAL_PAGE_SIZE,
-    each with the copies XLA makes of its arguments into its layout ("relayout", where there are any).
-    "n/a": the rival cannot run the shape; "not priced": the model could not replay it (the JSON says why)."""
-    names = ["ours", *RIVALS.values()]
+    each with the copies XLA makes of its arguments into its layout ("relayout", where there are any), and vLLM's
+    RPA v3 at vLLM's default block sizes. "n/a": the rival cannot run the shape; "not priced": the model could not
+    replay it, or its configuration does not fit VMEM (the JSON says why)."""
+    names = ["ours", *RIVALS.values(), "vLLM RPA v3 at vLLM's default"]
     rows = ["| model | batch | gen | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
     for row in results:
         if row["page_size"] != RIVAL_PAGE_SIZE or (row["context"] is not None and row["context"] != 4096):
             continue
         for generation in GENERATIONS:
             ours = _time(row["ours"][generation])
-            cells = [ours, *(_rival_cell(row["rivals"][key], generation) for key in RIVALS)]
+            cells = [ours, *(_rival_cell(row["rivals"][key], generation) for key in RIVALS),
+                     _default_cell(row["rivals"]["vllm_rpa_v3"], generation)]
             rows.append(f"| {row['model']} | {row['batch']} | {generation} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
