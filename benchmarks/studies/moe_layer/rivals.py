@@ -214,19 +214,20 @@ def rival_blocks(rival: Rival, k: int, n: int) -> tuple[list[int], list[int]]:
     K whole, halved and quartered down to 256, N whole, halved and quartered
     (N blocks are what a megacore splits for megablox and vLLM's gmm: their
     grids' "parallel" axis is N's, `perf.grid_replay`). tokamax: only the
-    lowerable values of its own autotuning space, the largest three each.
-    vLLM: K blocks that divide K (its gmm takes the whole K otherwise), and
-    N also in eighths.
+    lowerable values of its own autotuning space, the largest four each.
+    vLLM: K blocks, whole to eighths, that divide K (its gmm takes the whole
+    K otherwise), and N also in eighths. Each holds the earlier search's
+    blocks.
     """
     if rival.name == "tokamax":
         # Its space also holds non-multiples of 128 (K / 2 of an unaligned K), which Pallas cannot lower
         # unless they span the whole dimension.
         def lowerable(values, dim):
-            return sorted({v for v in values if v >= 256 and (v % 128 == 0 or v == dim)}, reverse=True)[:3]
+            return sorted({v for v in values if v >= 256 and (v % 128 == 0 or v == dim)}, reverse=True)[:4]
 
         return lowerable(tokamax_tile_space(k), k), lowerable(tokamax_tile_space(n), n)
     if rival.name == "vllm_gmm":
-        return ([k] + [k // parts for parts in (2, 4) if k % parts == 0 and (k // parts) % 128 == 0],
+        return ([k] + [k // parts for parts in (2, 4, 8) if k % parts == 0 and (k // parts) % 128 == 0],
                 block_splits(n, (2, 4, 8), 128))
     return block_splits(k, (2, 4), 256), block_splits(n, (2, 4), 128)
 
