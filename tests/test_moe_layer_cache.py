@@ -180,3 +180,14 @@ def test_a_run_without_v6e_has_no_entry_for_hfs_v6e_timing():
     rows = [{"generation": generation, "setting": "qwen3-30b-a3b EP8 dispatch", "tokens": 256, "variants": {}}
             for generation in ("v5p", "tpu7x")]
     assert hf_case(rows, moe_layer.Cache(None)) is None
+
+
+def test_the_search_holds_the_blocks_the_earlier_one_won_with():
+    """The broader search keeps the earlier one's winners: tokamax's GPT-OSS blocks from the fourth-largest values
+    of its space, vLLM's DeepSeek-V3 K blocks of an eighth of K."""
+    from benchmarks.studies.moe_layer.rivals import RIVALS, candidate_tilings
+
+    assert (128, 2944, 1024) in candidate_tilings(RIVALS["tokamax"], 8, 2880, 5760, ("v5e",))
+    assert (128, 1024, 2944) in candidate_tilings(RIVALS["tokamax"], 8, 2880, 2880, ("v5e",))
+    assert (128, 896, 2048) in candidate_tilings(RIVALS["vllm_gmm"], 8, 7168, 4096, ("v5e",))
+    assert (128, 256, 7168) in candidate_tilings(RIVALS["vllm_gmm"], 8, 2048, 7168, ("v5e",))
