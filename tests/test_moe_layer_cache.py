@@ -2,8 +2,6 @@
 
 from pathlib import Path
 
-import pytest
-
 from benchmarks.studies import moe_layer
 from benchmarks.studies.moe_layer.cache import CLOCK
 
@@ -149,7 +147,6 @@ def test_rivals_are_searched_under_each_generations_scoped_vmem():
     assert set(candidate_tilings(megablox, *shape, ("v5e", "tpu7x"))) == set(v5e) | set(tpu7x)
 
 
-@pytest.mark.slow
 def test_v5p_search_splits_megablox_over_both_cores():
     """megablox's gmm (as vLLM's) declares its grid's N axis "parallel": on v5p's two TensorCores the search holds
     N blocks that split it, and at a weight-streaming shape v5p's best splits N and beats the whole-N block (the
