@@ -134,7 +134,7 @@ def test_the_kernel_is_built_at_the_same_path_on_every_cached_run(tmp_path):
 
 
 def test_rivals_are_searched_under_each_generations_scoped_vmem():
-    """Each generation gets the largest blocks under its default scoped limit; TPU7x, which has no fixed one,
+    """Each generation's search holds the blocks under its default scoped limit; TPU7x, which has no fixed one,
     under v6e's 32 MiB (rivals.TPU7X_SCOPED_VMEM_BYTES)."""
     from benchmarks.studies.moe_layer.rivals import RIVALS, block_vmem_bytes, candidate_tilings
 
@@ -145,3 +145,46 @@ def test_rivals_are_searched_under_each_generations_scoped_vmem():
     assert candidate_tilings(megablox, *shape, ("tpu7x",)) == candidate_tilings(megablox, *shape, ("v6e",))
     assert max(map(block_vmem_bytes, v5e)) <= 16 << 20 < max(map(block_vmem_bytes, tpu7x)) <= 32 << 20
     assert set(candidate_tilings(megablox, *shape, ("v5e", "tpu7x"))) == set(v5e) | set(tpu7x)
+
+
+def test_v5p_search_splits_megablox_over_both_cores():
+    """megablox's gmm (as vLLM's) declares its grid's N axis "parallel": on v5p's two TensorCores the search holds
+    N blocks that split it, and at a weight-streaming shape v5p's best splits N and beats the whole-N block (the
+    largest block, which the earlier search alone kept)."""
+    import numpy as np
+
+    from benchmarks.studies.moe_layer.modelling import standalone
+    from benchmarks.studies.moe_layer.rivals import RIVALS
+    from benchmarks.studies.moe_layer.shapes import Case, Model, Setting
+    from benchmarks.studies.moe_layer.tuning import tune_rival
+
+    model = Model("two-core", hidden=256, intermediate=256, experts=4, top_k=2, activation="silu")
+    picks = np.random.default_rng(0).integers(0, model.experts, (48, model.top_k), dtype=np.int32)
+    case = Case(Setting(model, 1, "local"), 48, picks)
+    tuning = tune_rival(moe_layer.Cache(None), RIVALS["megablox"], case, ("v5p",))
+    (best, best_replay), _ = tuning["per_generation"]["v5p"]
+    whole_n = [entry["standalone_us"]["v5p"] for entry in tuning["searched"]
+               if entry["projection"] == "gate_up" and entry["tiling"][2] == 2 * model.intermediate]
+    assert best[2] < 2 * model.intermediate, best
+    assert whole_n and standalone(best_replay, "v5p").pipelined_time_s * 1e6 < min(whole_n)
+
+
+def test_a_run_without_v6e_has_no_entry_for_hfs_v6e_timing():
+    """Hugging Face measured its 257 us layer on v6e: a run of other generations (v5p, TPU7x) writes no
+    hf_257us entry rather than one with no shapes."""
+    from benchmarks.studies.moe_layer.hf import hf_case
+
+    rows = [{"generation": generation, "setting": "qwen3-30b-a3b EP8 dispatch", "tokens": 256, "variants": {}}
+            for generation in ("v5p", "tpu7x")]
+    assert hf_case(rows, moe_layer.Cache(None)) is None
+
+
+def test_the_search_holds_the_blocks_the_earlier_one_won_with():
+    """The broader search keeps the earlier one's winners: tokamax's GPT-OSS blocks from the fourth-largest values
+    of its space, vLLM's DeepSeek-V3 K blocks of an eighth of K."""
+    from benchmarks.studies.moe_layer.rivals import RIVALS, candidate_tilings
+
+    assert (128, 2944, 1024) in candidate_tilings(RIVALS["tokamax"], 8, 2880, 5760, ("v5e",))
+    assert (128, 1024, 2944) in candidate_tilings(RIVALS["tokamax"], 8, 2880, 2880, ("v5e",))
+    assert (128, 896, 2048) in candidate_tilings(RIVALS["vllm_gmm"], 8, 7168, 4096, ("v5e",))
+    assert (128, 256, 7168) in candidate_tilings(RIVALS["vllm_gmm"], 8, 2048, 7168, ("v5e",))

@@ -21,18 +21,23 @@ HF_SHAPES = (ANCHOR, ANCHOR_DISPATCH)
 HF_PROBE_TILES = ((128, 128, 128), (128, 256, 256), (128, 512, 512), (128, 1024, 768), (256, 2048, 768))
 
 
-def hf_case(rows: list[dict], cache: Cache) -> dict:
-    """The layer Hugging Face measured at 257 us, modelled with the kernel it ships (tokamax's) at tokamax's pick.
+def hf_case(rows: list[dict], cache: Cache) -> dict | None:
+    """The layer Hugging Face measured at 257 us, modelled with the kernel it ships (tokamax's) at tokamax's pick
+    (None for a run without v6e, the chip HF measured on).
 
     Per EP mode (the article does not say which; Qwen3's default in transformers is dispatch): the
     `tokamax_default` variant's time and terms, the step cost that would make it 257 us, and the standalone
     grouped matmuls at a few other tiles of tokamax's space.
     """
+    if not any(row["generation"] == "v6e" for row in rows):
+        return None
     # HF's layer is a decode layer: its copies are the longer term.
     calibrated = calibration_bands.error("pallas_ragged_dot", "v6e", "streaming")
     result = {"measured_us": HF_MEASURED_US, "generation": "v6e",
-              "constants": "v5e's fitted constants, which v6e's timings check but do not fit (grid step "
-                           f"{grid_step_s('v6e') * 1e6:.2f} us) and error in the streaming regime (median "
+              "constants": f"v6e's grid step ({grid_step_s('v6e') * 1e6:.2f} us) is borrowed from v5e: v6e's timings "
+                           "check v5e's constants but do not fit it, and v6e data bound it below that "
+                           "(benchmarks/perf/model_constants.json, grid_step_s_note); v6e's error is v5e's in the "
+                           "streaming regime (median "
                            f"{100 * calibrated['median']:.1f} %, p90 {100 * calibrated['p90']:.1f} %, "
                            f"{calibrated['count']} timing(s))",
               "shapes": {}}

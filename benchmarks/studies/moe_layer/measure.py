@@ -166,7 +166,7 @@ def variant(built, case: Case, compiler: Compiler, name: str, generation: str, p
     if tilings and tilings[0] is not None:
         entry["tiling"] = {"gate_up": list(tilings[0]), "down": list(tilings[1])}
     if tuning is not None and entry.get("modelled", True):
-        _, best_tilings, best_replay = best_in_layer(program, tuning["options"], case, generation,
+        _, best_tilings, best_replay = best_in_layer(program, tuning["ranked"][generation], case, generation,
                                                      refused=[r["tiling"] for r in refused])
         if best_tilings != list(tilings):
             entry = {"compiled": True, "kernel_bodies": entry["kernel_bodies"],

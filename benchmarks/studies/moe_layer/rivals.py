@@ -21,7 +21,7 @@ from .shapes import Model
 
 
 TOKAMAX_MIN_ROWS = 128  # tokamax's op refuses lhs or rhs dimensions below 128
-ROW_TILES = (128, 256, 512)
+ROW_TILES = (128, 256, 512, 1024)
 # The rivals' blocks searched on TPU7x, whose default scoped VMEM limit has no fixed edge (runtime/hardware.py:
 # double-buffered blocks of 34 MiB in all compile there, of 36 MiB with larger blocks): 32 MiB, v6e's default.
 TPU7X_SCOPED_VMEM_BYTES = 32 << 20
@@ -201,42 +201,73 @@ def block_vmem_bytes(tiling) -> int:
     return 2 * (tm * tk + tk * tn + tm * tn) * 2 + tm * tn * 4
 
 
-def candidate_tilings(rival: Rival, rows: int, k: int, n: int, generations: tuple[str, ...]) -> list[tuple[int, int, int]]:
-    """The configs searched: per row tile, the largest (K, N) blocks that fit each generation's VMEM.
+def block_splits(dim: int, parts: tuple[int, ...], floor: int) -> list[int]:
+    """`dim` whole and split in `parts` (rounded up to a multiple of 128), those of at least `floor`."""
+    return sorted({dim} | {split for split in (round_up(-(-dim // p), 128) for p in parts) if split >= floor},
+                  reverse=True)
 
-    Row tiles 128 (the tiling a user picks, and vLLM's gmm_v2), 256, 512
-    (tokamax: its own range, 64..1024 and at most the rows); K and N blocks
-    whole, halved or quartered (tokamax: only values of its own space; vLLM:
-    K blocks that divide K, as its gmm takes the whole K otherwise, and N
-    also in eighths). The
-    kernels keep Mosaic's default scoped VMEM limit (16 MiB on v5e and v5p,
-    32 MiB on v6e; TPU7x has no fixed one: TPU7X_SCOPED_VMEM_BYTES), so each
-    generation gets the largest blocks under its limit. A config the compiler
-    refuses inside the layer is replaced by the next best (`measure.variant`).
+
+def rival_blocks(rival: Rival, k: int, n: int) -> tuple[list[int], list[int]]:
+    """The K and N blocks searched for `rival`: ours' breadth (`our_tiles.candidates`: K whole and halved, N
+    whole, halved and quartered) within what each kernel takes.
+
+    K whole, halved and quartered down to 256, N whole, halved and quartered
+    (N blocks are what a megacore splits for megablox and vLLM's gmm: their
+    grids' "parallel" axis is N's, `perf.grid_replay`). tokamax: only the
+    lowerable values of its own autotuning space, the largest four each.
+    vLLM: K blocks, whole to eighths, that divide K (its gmm takes the whole
+    K otherwise), and N also in eighths. Each holds the earlier search's
+    blocks.
     """
-    if not rival.tiled:
-        return [None]
-    limits = {tpu_generation(g).default_scoped_vmem_bytes or TPU7X_SCOPED_VMEM_BYTES for g in generations}
-    splits_k = [k, round_up(-(-k // 2), 128), round_up(-(-k // 4), 128)]
-    splits_n = [n, round_up(-(-n // 2), 128), round_up(-(-n // 4), 128)]
     if rival.name == "tokamax":
         # Its space also holds non-multiples of 128 (K / 2 of an unaligned K), which Pallas cannot lower
         # unless they span the whole dimension.
         def lowerable(values, dim):
             return sorted({v for v in values if v >= 256 and (v % 128 == 0 or v == dim)}, reverse=True)[:4]
 
-        splits_k = lowerable(tokamax_tile_space(k), k)
-        splits_n = lowerable(tokamax_tile_space(n), n)
+        return lowerable(tokamax_tile_space(k), k), lowerable(tokamax_tile_space(n), n)
     if rival.name == "vllm_gmm":
-        splits_k = [k] + [k // parts for parts in (2, 4, 8) if k % parts == 0 and (k // parts) % 128 == 0]
-        splits_n.append(round_up(-(-n // 8), 128))
+        return ([k] + [k // parts for parts in (2, 4, 8) if k % parts == 0 and (k // parts) % 128 == 0],
+                block_splits(n, (2, 4, 8), 128))
+    return block_splits(k, (2, 4), 256), block_splits(n, (2, 4), 128)
+
+
+def largest_fitting(row_tile: int, tiles_k: list[int], tiles_n: list[int], limit: int) -> list[tuple[int, int, int]]:
+    """At `row_tile`, per N block the largest K block whose blocks fit `limit`.
+
+    The search's bound: N blocks are what a megacore splits (megablox's and
+    vLLM's grids declare N's axis "parallel") and what decide how often the
+    rows are read; with the N block fixed, a smaller K block than the largest
+    that fits moves the same bytes in more grid steps. The largest blocks the
+    earlier search kept are among these.
+    """
+    fitting = [(row_tile, tk, tn) for tk in tiles_k for tn in tiles_n
+               if block_vmem_bytes((row_tile, tk, tn)) <= limit]
+    return sorted({max(t for t in fitting if t[2] == tn) for _, _, tn in fitting}, reverse=True)
+
+
+def candidate_tilings(rival: Rival, rows: int, k: int, n: int, generations: tuple[str, ...]) -> list[tuple[int, int, int]]:
+    """The configs searched: per row tile, each N block of `rival_blocks` with the largest K block that fits
+    (`largest_fitting`) the VMEM of one of `generations`, each priced per generation by the model as ours'
+    candidates are (`tuning.tune_rival`).
+
+    Row tiles 128 (the tiling a user picks, and vLLM's gmm_v2) to 1024
+    (tokamax's own range ends there), at most the padded rows. The kernels
+    keep Mosaic's default scoped VMEM limit (16 MiB on v5e and v5p, 32 MiB on
+    v6e; TPU7x has no fixed one: TPU7X_SCOPED_VMEM_BYTES), so each
+    generation's largest blocks are searched under its own limit, and a
+    generation prices only those the model finds fit it. A config the
+    compiler refuses inside the layer is replaced by the next best
+    (`measure.variant`).
+    """
+    if not rival.tiled:
+        return [None]
+    limits = sorted({tpu_generation(g).default_scoped_vmem_bytes or TPU7X_SCOPED_VMEM_BYTES for g in generations})
+    tiles_k, tiles_n = rival_blocks(rival, k, n)
     padded_rows = round_up(max(rows, rival.min_rows), 128)
-    row_tiles = [t for t in ROW_TILES if t <= max(padded_rows, 128)]
-    blocks = sorted({(tk, tn) for tk in splits_k for tn in splits_n}, key=lambda b: (-b[0] * b[1], -b[1]))
     found = []
-    for tm in row_tiles:
-        for limit in limits:
-            fitting = [(tm, tk, tn) for tk, tn in blocks if block_vmem_bytes((tm, tk, tn)) <= limit]
-            if fitting and fitting[0] not in found:
-                found.append(fitting[0])
+    for tm in ROW_TILES:
+        if tm <= max(padded_rows, 128):
+            for limit in limits:
+                found += [tiling for tiling in largest_fitting(tm, tiles_k, tiles_n, limit) if tiling not in found]
     return found

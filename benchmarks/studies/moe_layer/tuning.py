@@ -30,7 +30,7 @@ def tune_rival(cache: Cache, rival: Rival, case: Case, generations: tuple[str, .
 
     The standalone best is what a sweep over the grouped matmul alone finds
     (tokamax's autotuner works that way); it is the config compiled into the
-    layer. `best_in_layer` then re-ranks every fitting pair inside the
+    layer. `best_in_layer` then re-ranks the leading pairs inside the
     compiled layer, where XLA's placement can change the ranking. Ranked by
     the calibrated pipelined figure.
     """
@@ -60,24 +60,27 @@ def tune_rival(cache: Cache, rival: Rival, case: Case, generations: tuple[str, .
                        key=lambda item: item[0])
         ranked[generation] = [pair for _, pair in pairs]
         best[generation] = ranked[generation][0]
-    return {"per_generation": best, "ranked": ranked, "options": options, "searched": searched}
+    return {"per_generation": best, "ranked": ranked, "searched": searched}
 
 
-def best_in_layer(program, options, case: Case, generation: str, refused=()):
-    """The pair of fitting configs (gate_up, down) with the least modelled layer time under `program`'s placement,
-    but the pairs whose layer Mosaic `refused` to compile."""
+# The pairs of configs re-ranked inside the compiled layer: the leading ones of the standalone ranking (each
+# re-ranking prices the whole layer, and a search of dozens of configs per projection has hundreds of pairs).
+LAYER_RERANKED_PAIRS = 16
+
+
+def best_in_layer(program, ranked, case: Case, generation: str, refused=()):
+    """Of the first LAYER_RERANKED_PAIRS pairs of `ranked` (fitting (gate_up, down) configs by standalone time),
+    the one with the least modelled layer time under `program`'s placement, but the pairs whose layer Mosaic
+    `refused` to compile."""
     best = None
-    for first in options[0]:
-        for second in options[1]:
-            pair = (first, second)
-            if [first[0], second[0]] in refused:
-                continue
-            if not all(standalone(r, generation).fits_vmem for _, r in pair):
-                continue
-            replayed = joined(r for _, r in pair)
-            time_s = price(program, replayed).pipelined_time_s
-            if best is None or time_s < best[0]:
-                best = (time_s, [t for t, _ in pair], replayed)
+    for pair in ranked[:LAYER_RERANKED_PAIRS]:
+        tilings = [t for t, _ in pair]
+        if tilings in refused:
+            continue
+        replayed = joined(r for _, r in pair)
+        time_s = price(program, replayed).pipelined_time_s
+        if best is None or time_s < best[0]:
+            best = (time_s, tilings, replayed)
     return best
 
 
