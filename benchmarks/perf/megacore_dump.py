@@ -4,9 +4,8 @@ The dump of each kernel shows the split: a grid the two cores share starts with 
 blocks by the core id; a grid left to one core runs inside a `PrimaryCoreRegion`. libtpu reads the switch that turns
 the dump on (LIBTPU_INIT_ARGS) once, when it starts: the cases compile in a process of their own,
 `python -m benchmarks.perf.megacore_dump CASES_FILE BUILD_FOLDERS_JSON DUMP_DIR`, which prints, as JSON, the dump
-files each case's compile added. A cases file is a Python file (loaded by its path, so that a kernel repo's tests
-can hold one) whose `cases(kernels)` gives {case: (fn, concrete args, its pallas_call's name)} for {kernel repo name:
-the loaded kernel}.
+files each case's compile added. A cases file is a Python file (loaded by its path: tests/megacore_cases.py) whose
+`cases(kernels)` gives {case: (fn, concrete args, its pallas_call's name)} for {kernel repo name: the loaded kernel}.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ def original_llo_dump_args(dump: Path) -> str:
 
 
 def load_cases(cases_file: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"megacore_cases_{Path(cases_file).parent.parent.name}", cases_file)
+    spec = importlib.util.spec_from_file_location("megacore_cases", cases_file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
