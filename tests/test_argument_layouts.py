@@ -1,6 +1,7 @@
 """Argument layouts and the copies XLA makes of them: a hand-written module, and the paged attention kernel's
 K/V cache compiled for each generation (head_dim 64 over pages of a multiple of 128 tokens and head_dim 128 read as
-given, head_dim 64 over 16-token pages copied whole), and its packed (varlen) keys."""
+given, head_dim 64 over 16-token pages copied whole), and its packed (varlen) keys; and the kernel's own rule of
+where XLA stores K and V keys-minor (`common.paged`) against the layouts the compiler gives."""
 
 import functools
 
@@ -111,3 +112,21 @@ def test_a_head_dim_64_cache_of_small_pages_kept_row_major_is_read_with_no_copy(
     row_major = (None, (0, 1, 2, 3), (0, 1, 2, 3), None, None, None)
     pinned = argument_layouts.probe(fn, avals, generation, major_to_minor=row_major)
     assert all(pinned.argument(number).row_major and not pinned.argument(number).copies for number in (1, 2))
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("generation", ["v5e", "tpu7x"])
+def test_the_keys_minor_predicate_agrees_with_the_compiler(attention, generation):
+    """`cache_stored_keys_minor` against the layout XLA gives a cache argument, [pages, page, Hkv, D] in bfloat16 and
+    float32: {1,3,2,0} exactly where it answers True; `packed_keys_stored_minor` against packed keys' ({0,2,1})."""
+    shapes = [(64, 8, 16), (64, 8, 128), (64, 1, 256), (64, 4, 512), (128, 8, 128), (256, 2, 256), (64, 8, 64)]
+    for (head_dim, kv_heads, page_size), dtype in zip(shapes, [jnp.bfloat16, jnp.float32] * len(shapes)):
+        cache = jax.ShapeDtypeStruct((64 * 1024 // page_size, page_size, kv_heads, head_dim), dtype)
+        layout = argument_layouts.probe(lambda c: c[:1] * 2, [cache], generation).argument(0).minor_to_major
+        keys_minor = attention.common.paged.cache_stored_keys_minor(page_size, head_dim)
+        assert (layout == (1, 3, 2, 0)) == keys_minor, (cache, layout)
+    for (total_k, kv_heads, head_dim), dtype in zip([(4096, 8, 64), (1000, 1, 64), (4096, 4, 128)],
+                                                    [jnp.bfloat16, jnp.float32, jnp.bfloat16]):
+        packed = jax.ShapeDtypeStruct((total_k, kv_heads, head_dim), dtype)
+        layout = argument_layouts.probe(lambda k: k[:1] * 2, [packed], generation).argument(0).minor_to_major
+        assert (layout == (0, 2, 1)) == attention.common.paged.packed_keys_stored_minor(head_dim), (packed, layout)

@@ -13,7 +13,10 @@ rmsnorm-tpu:
 - nothing outside the kernel repos (tpu_kernels/, benchmarks/, tests/) reaches past the face: no import of a kernel
   package's modules or of a name outside its face, no attribute chain that goes through one of its modules outside
   the face to a name that module binds (`x.gmm.tiles.row_chunks`, `x.plan.plan_experts`), unless the path is (or
-  leads to) a dotted face name, and no string that names such a path. The kernel's own tests reach its internals.
+  leads to) a dotted face name, and no string that names such a path. The kernel's own tests reach its internals,
+  and so do the few tests here that hold the lab against them (`LAB_AGAINST_INTERNALS`);
+- nothing in a kernel repo imports the lab (it is published without it), and what a build ships (its package and
+  benchmarks) imports no tpu_kernels either (a built kernel loads where only `kernels` is installed).
 """
 
 from __future__ import annotations
@@ -53,6 +56,14 @@ class Kernel:
 KERNELS = [Kernel("ragged-dot-tpu", "ragged_dot_tpu"), Kernel("attention-tpu", "attention_tpu"),
            Kernel("rmsnorm-tpu", "rmsnorm_tpu")]
 TOOLS_AT_MOST = 50  # names, over the three repos
+# Tests that hold the lab against a kernel's internals (its plans, block specs and layout rules, replayed by the
+# performance model or compiled): needing both, they can live neither in a kernel repo, published without the lab, nor
+# within the face. Each imports the lab and reaches past a face, or leaves this list.
+LAB_AGAINST_INTERNALS = ("tests/megacore_cases.py", "tests/test_argument_layouts.py",
+                         "tests/test_ragged_dot_quantized_traffic.py", "tests/test_ragged_dot_traffic.py",
+                         "tests/test_ragged_dot_vmem_plans.py")
+# Where a build takes a kernel repo's Python from: its package and its benchmarks.
+SHIPPED_FOLDERS = ("torch-ext", "benchmarks")
 
 
 def _bound_names(tree: ast.Module) -> set[str]:
@@ -250,7 +261,24 @@ def test_every_tool_is_used_by_the_package_or_the_lab(kernel, outside):
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda kernel: kernel.repo_name)
 def test_nothing_outside_the_kernel_repos_reaches_past_the_face(kernel, outside):
     modules = package_modules(kernel)
-    assert [found for source in outside for found in past_the_face(source, kernel, modules)] == []
+    assert [found for source in outside if source.name not in LAB_AGAINST_INTERNALS
+            for found in past_the_face(source, kernel, modules)] == []
+
+
+def test_each_test_of_the_lab_against_internals_takes_both(outside):
+    sources = {source.name: source for source in outside}
+    for name in LAB_AGAINST_INTERNALS:
+        assert any(module.split(".")[0] == "benchmarks" for _, module, _ in sources[name].imports), name
+        assert any(past_the_face(sources[name], kernel, package_modules(kernel)) for kernel in KERNELS), name
+
+
+def test_a_kernel_repo_imports_no_lab_and_ships_no_tpu_kernels_import():
+    found = []
+    for source in _sources(("kernel_repos",)):
+        shipped = source.name.split("/")[2] in SHIPPED_FOLDERS
+        found += [f"{source.name}:{line}: imports {module}" for line, module, _ in source.imports
+                  if module.split(".")[0] == "benchmarks" or (shipped and module.split(".")[0] == "tpu_kernels")]
+    assert found == []
 
 
 RAGGED_DOT, ATTENTION, RMSNORM = KERNELS

@@ -24,6 +24,11 @@ V6E = resolve_target("v6e")
 S = jax.ShapeDtypeStruct
 
 
+@pytest.fixture
+def kernel(ragged_dot_kernel):
+    return ragged_dot_kernel
+
+
 def _replayed_vmem(fn, *args) -> int:
     [call] = perf.model_pallas_traffic(fn, *args)
     return call.vmem_bytes

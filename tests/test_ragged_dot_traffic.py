@@ -24,6 +24,11 @@ BF16 = 2
 S = jax.ShapeDtypeStruct
 
 
+@pytest.fixture
+def kernel(ragged_dot_kernel):
+    return ragged_dot_kernel
+
+
 def _picks(tokens, top_k, experts, live_experts, seed=0):
     """Router-masking picks of one rank: `experts` local ones of which `live_experts` are picked."""
     rng = np.random.default_rng(seed)

@@ -27,6 +27,11 @@ DECODE_SHAPES = [("qwen3-30b-a3b EP1", 1), ("qwen3-30b-a3b EP1", 256), ("qwen3-3
 
 
 @pytest.fixture
+def kernel(ragged_dot_kernel):
+    return ragged_dot_kernel
+
+
+@pytest.fixture
 def compile_targets(kernel):
     return importlib.import_module(f"{kernel.__name__}.compile_targets")
 
