@@ -67,6 +67,7 @@ from jax import lax
 from benchmarks import perf
 # moe_layer: the MoE-layer benchmark (models, routing, stored weights order).
 from benchmarks.studies import calibration_bands, moe_layer, require_kernel_repo, result_path, write_json
+from benchmarks.studies.report import backward_layer_table
 from benchmarks.perf import tokamax_kernels
 from tpu_kernels.runtime.hardware import resolve_target
 
@@ -341,10 +342,7 @@ def main(argv=None) -> int:
     write_json(moe_layer.RAW_DIR / f"{args.out.stem}.run.json", run)
     if not args.no_plot:
         plot(entries, args.out.with_suffix(".png"))
-    for row in ratios:
-        print(f"{row['setting']} {row['generation']}: forward {row['forward_us']:.0f} us, backward ours "
-              f"{row['ours_backward_us']:.0f} us (x{row['ours_backward_over_our_forward']:.2f}), megablox "
-              f"{row['megablox_backward_us']:.0f} us, tokamax {row['tokamax_backward_us']:.0f} us")
+    print("\n".join(backward_layer_table(ratios)))
     print(f"targets met: {report['targets']['met']}; wrote {args.out} in {run['seconds']:.0f} s")
     return 0
 

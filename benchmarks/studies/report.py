@@ -325,17 +325,22 @@ def moe_backward_tables(root: Path) -> str:
                                f"| {ours['pct_of_roofline']:.1f} | {ours['overlap_pct_of_roofline']:.1f} "
                                f"| {with_pct(megablox)} | {with_pct(tokamax)} |")
 
+    return "\n".join([
+        "<!-- written by `tpu-kernels bench report` from moe_backward.json: do not edit -->",
+        "", "## kernels", "", *kernels, "", "## layer", "", *backward_layer_table(data["layer_ratios"]), "",
+    ])
+
+
+def backward_layer_table(ratios: list[dict]) -> list[str]:
+    """moe_backward's `layer_ratios` as Markdown table lines: each layer's backward over its forward, and the rivals'
+    backward (the study prints it too)."""
     layer = ["| layer | gen | forward µs | backward µs | ratio | megablox backward µs | tokamax backward µs |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-    for ratio in data["layer_ratios"]:
+    for ratio in ratios:
         layer.append(f"| {ratio['setting']} | {ratio['generation']} | {ratio['forward_us']:.0f} "
                      f"| {ratio['ours_backward_us']:.0f} | {ratio['ours_backward_over_our_forward']:.2f} "
                      f"| {ratio['megablox_backward_us']:.0f} | {ratio['tokamax_backward_us']:.0f} |")
-
-    return "\n".join([
-        "<!-- written by `tpu-kernels bench report` from moe_backward.json: do not edit -->",
-        "", "## kernels", "", *kernels, "", "## layer", "", *layer, "",
-    ])
+    return layer
 
 
 # Calibration reports of chips whose timings check the model without standing for a generation's bands: v5p's and
