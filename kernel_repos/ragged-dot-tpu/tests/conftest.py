@@ -1,5 +1,5 @@
 """Helpers of this repo's tests: running a JAX function in TPU interpret mode, tensors to JAX arrays, random picks,
-experts layers with quantized weights."""
+quantized weights (int8, fp8, int4) and experts layers of them."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -54,18 +54,38 @@ def random_picks():
     return _random_picks
 
 
-def _quantized_layer(quantize, tokens: int, hidden: int, intermediate: int, experts: int, top_k: int, *,
+def _quantized_weights(kernel, scheme: str, shape, out_axis: int, generator, std: float = 0.2):
+    """Random `scheme` weights of `shape`, never all zero, and their positive float32 scales, sized so that the
+    weights come out with about `std`: (weights as the kernels take them, scales, codes). int8's codes lie in
+    [-127, 127] and int4's over its whole range [-8, 7], each with a scale per output channel; int4's weights are its
+    codes packed two to a byte. fp8's weights are its codes, with a scale per 128 x 128 block."""
+    experts, rows, cols = shape
+    if scheme == "fp8":
+        codes = (torch.randn(shape, generator=generator) * 4).to(torch.float8_e4m3fn)
+        scales = (0.5 + torch.rand(experts, -(-rows // 128), -(-cols // 128), generator=generator)) * std / 4
+        return codes, scales, codes
+    low, high, typical_code = {"int8": (-127, 128, 64), "int4": (-8, 8, 4)}[scheme]
+    codes = torch.randint(low, high, shape, generator=generator).to(torch.int8)
+    scales = (0.5 + torch.rand(experts, shape[out_axis], generator=generator)) * std / typical_code
+    return (kernel.pack_int4(codes) if scheme == "int4" else codes), scales, codes
+
+
+@pytest.fixture
+def quantized_weights():
+    return _quantized_weights
+
+
+def _quantized_layer(kernel, scheme: str, tokens: int, hidden: int, intermediate: int, experts: int, top_k: int, *,
                      transposed: bool, bias: bool, sentinels: float = 0.0, std: float = 0.2, seed: int = 0,
                      dtype=torch.float32):
-    """One experts layer with quantized weights: (hidden, index, weights, gate_up, down, biases..., scales...).
-    `quantize(shape, out_axis, generator, std)` gives one projection's (weights, scales): the int8/fp8 or int4
-    tests' scheme."""
+    """One experts layer with `scheme`'s weights (`quantized_weights`): (hidden, index, weights, gate_up, down,
+    biases..., scales...)."""
     generator = torch.Generator().manual_seed(seed)
     gate_up_shape = (experts, hidden, 2 * intermediate) if transposed else (experts, 2 * intermediate, hidden)
     down_shape = (experts, intermediate, hidden) if transposed else (experts, hidden, intermediate)
     out_axis = 2 if transposed else 1
-    gate_up, gate_up_scales = quantize(gate_up_shape, out_axis, generator, std)
-    down, down_scales = quantize(down_shape, out_axis, generator, std)
+    gate_up, gate_up_scales, _ = _quantized_weights(kernel, scheme, gate_up_shape, out_axis, generator, std)
+    down, down_scales, _ = _quantized_weights(kernel, scheme, down_shape, out_axis, generator, std)
     biases = (torch.randn(experts, 2 * intermediate, generator=generator).to(dtype) * 0.5,
               torch.randn(experts, hidden, generator=generator).to(dtype) * 0.5) if bias else (None, None)
     index, weights = _random_picks(generator, tokens, experts, top_k, sentinels)
@@ -91,21 +111,21 @@ def dequantized_layer():
     return _dequantized_layer
 
 
-def _layer_case(kernel, quantize, case):
-    """A LAYER_CASES row (tokens, hidden, intermediate, experts, top_k, layer options, gate, fused tiles) as (its
-    layer with `quantize`'s weights, the gate's options with the layer's orientation, the float64 reference output)."""
+def _layer_case(kernel, scheme, case):
+    """A layer case (tokens, hidden, intermediate, experts, top_k, layer options, gate, fused tiles) as (its layer
+    with `scheme`'s weights, the gate's options with the layer's orientation, the float64 reference output)."""
     tokens, hidden, intermediate, experts, top_k, options, gate, _ = case
-    layer = _quantized_layer(quantize, tokens, hidden, intermediate, experts, top_k, **options)
+    layer = _quantized_layer(kernel, scheme, tokens, hidden, intermediate, experts, top_k, **options)
     gate = dict(weights_transposed=options["transposed"], **gate)
     expected = kernel.reference.gated_experts_reference(*_dequantized_layer(kernel, layer, options["transposed"]),
                                                         **gate)
     return layer, gate, expected
 
 
-def _experts_layer_paths(kernel, quantize, case):
-    """A LAYER_CASES row's layer through both paths of experts_layer: (the fused kernel's output with the row's
+def _experts_layer_paths(kernel, scheme, case):
+    """A layer case's layer through both paths of experts_layer: (the fused kernel's output with the case's
     tiles, None for fused.tiles.select's; the grouped matmuls' output; the float64 reference output)."""
-    layer, gate, expected = _layer_case(kernel, quantize, case)
+    layer, gate, expected = _layer_case(kernel, scheme, case)
     tiles = case[-1]
     config = None if tiles is None else kernel.fused.tiles.FusedConfig(*tiles)
     fused = _interpret(lambda: kernel.fused.kernel.fused_experts(*map(_to_jax, layer), **gate, config=config))
@@ -118,10 +138,10 @@ def experts_layer_paths():
     return _experts_layer_paths
 
 
-def _fused_on_v5p_cores_sharing_experts(kernel, quantize, case):
-    """A LAYER_CASES row's layer through the fused kernel with the row's tiles and cores_per_expert 2, on two
+def _fused_on_v5p_cores_sharing_experts(kernel, scheme, case):
+    """A layer case's layer through the fused kernel with the case's tiles and cores_per_expert 2, on two
     simulated v5p cores: (its output, the float64 reference output)."""
-    layer, gate, expected = _layer_case(kernel, quantize, case)
+    layer, gate, expected = _layer_case(kernel, scheme, case)
     config = kernel.fused.tiles.FusedConfig(*case[-1], cores_per_expert=2)
     fused = _interpret(lambda: kernel.fused.kernel.fused_experts(*map(_to_jax, layer), **gate, config=config,
                                                                  generation="v5p"), cores=2)

@@ -1,4 +1,5 @@
-"""int4 weights (two per byte, uint8) with per-output-channel scales: packing, kernels and ops.
+"""int4 weights (two per byte, uint8) with per-output-channel scales: packing, grouped matmuls and ops (experts
+layers of int4 weights run with the other schemes' in test_quantized.py).
 
 Every kernel case runs in TPU interpret mode with race detection and
 NaN-filled uninitialised memory, against a float64 reference on the unpacked
@@ -16,29 +17,16 @@ from tpu_kernels.runtime.hardware import resolve_target
 V6E = resolve_target("v6e")
 
 
-def _codes(shape, generator):
-    """Random int4 codes over the whole range [-8, 7], never all zero."""
-    return torch.randint(-8, 8, shape, generator=generator).to(torch.int8)
-
-
-def _quantized(kernel, shape, out_axis, generator, std=0.2):
-    """(packed uint8 weights, their float32 scales [G, N], the int8 codes)."""
-    codes = _codes(shape, generator)
-    scales = (0.5 + torch.rand(shape[0], shape[out_axis], generator=generator)) * std / 4
-    return kernel.pack_int4(codes), scales, codes
-
-
 def _relative_error(out, expected):
     return ((out.double() - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("shape", [(2, 64, 8), (3, 192, 200), (1, 128, 64), (2, 256, 192)])
-def test_pack_unpack_round_trip_and_nibble_layout(kernel, shape):
+def test_pack_unpack_round_trip_and_nibble_layout(kernel, quantized_weights, shape):
     """Unpacking gives the codes back; byte r of a 64-row block holds row r (low nibble) and row r + 32 (high)
     along the packed axis (D2 where XLA swaps the last two dims: [1, 128, 64] and [2, 256, 192])."""
     generator = torch.Generator().manual_seed(sum(shape))
-    codes = _codes(shape, generator)
-    packed = kernel.pack_int4(codes)
+    packed, _, codes = quantized_weights(kernel, "int4", shape, 2, generator)
     axis = kernel.int4_packed_axis(shape)
     assert axis == (2 if shape[1] % 128 == 0 and shape[2] % 128 else 1)
     assert packed.dtype == torch.uint8 and packed.shape[axis] == shape[axis] // 2
@@ -71,14 +59,14 @@ RAGGED_CASES = {
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 @pytest.mark.parametrize("case", list(RAGGED_CASES))
-def test_ragged_dot_matches_unpacked_reference(kernel, interpret, to_jax, case, transpose_rhs):
+def test_ragged_dot_matches_unpacked_reference(kernel, interpret, to_jax, quantized_weights, case, transpose_rhs):
     m, packed_dim, other, group_sizes, tiles = RAGGED_CASES[case]
     k, n = (other, packed_dim) if transpose_rhs else (packed_dim, other)
     generator = torch.Generator().manual_seed(len(case))
     lhs = torch.randn(m, k, generator=generator)
     shape = (len(group_sizes), n, k) if transpose_rhs else (len(group_sizes), k, n)
     out_axis = 1 if transpose_rhs else 2
-    rhs, scales, codes = _quantized(kernel, shape, out_axis, generator)
+    rhs, scales, codes = quantized_weights(kernel, "int4", shape, out_axis, generator)
     assert kernel.int4_packed_axis(shape) == 1
     sizes = torch.tensor(group_sizes, dtype=torch.int32)
     config = None if tiles is None else kernel.gmm.tiles.TileConfig(*tiles)
@@ -94,13 +82,13 @@ def test_ragged_dot_matches_unpacked_reference(kernel, interpret, to_jax, case, 
     assert torch.equal(out[rows:], torch.zeros_like(out[rows:]))
 
 
-def test_ragged_dot_reads_weights_packed_along_d2_swapped(kernel, interpret, to_jax):
+def test_ragged_dot_reads_weights_packed_along_d2_swapped(kernel, interpret, to_jax, quantized_weights):
     """rhs [G, 256, 192] (transpose_rhs: N = 256): XLA stores it 192-major, so int4 packs D2 (K) and the kernel
     reads the swapped view."""
     generator = torch.Generator().manual_seed(5)
     shape, group_sizes = (3, 256, 192), [7, 0, 12]
     lhs = torch.randn(24, 192, generator=generator)
-    rhs, scales, codes = _quantized(kernel, shape, 1, generator)
+    rhs, scales, codes = quantized_weights(kernel, "int4", shape, 1, generator)
     assert kernel.int4_packed_axis(shape) == 2 and tuple(rhs.shape) == (3, 256, 96)
     out = interpret(lambda: kernel.gmm.kernel.grouped_matmul(to_jax(lhs), to_jax(rhs),
                                                              jnp.asarray(group_sizes, jnp.int32), to_jax(scales),
@@ -111,7 +99,7 @@ def test_ragged_dot_reads_weights_packed_along_d2_swapped(kernel, interpret, to_
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
-def test_gated_gate_up_takes_int4_weights_in_one_n_tile(kernel, interpret, to_jax, transpose_rhs):
+def test_gated_gate_up_takes_int4_weights_in_one_n_tile(kernel, interpret, to_jax, quantized_weights, transpose_rhs):
     """The first projection with the gate in its epilogue on int4 weights: all 2I columns one block, unpacked
     once, scaled per column before the gate."""
     m, intermediate, group_sizes = 40, 96, [9, 0, 14, 6]
@@ -120,7 +108,7 @@ def test_gated_gate_up_takes_int4_weights_in_one_n_tile(kernel, interpret, to_ja
     lhs = torch.randn(m, k, generator=generator)
     shape = (len(group_sizes), 2 * intermediate, k) if transpose_rhs else (len(group_sizes), k, 2 * intermediate)
     out_axis = 1 if transpose_rhs else 2
-    rhs, scales, _ = _quantized(kernel, shape, out_axis, generator)
+    rhs, scales, _ = quantized_weights(kernel, "int4", shape, out_axis, generator)
     problem = kernel.MatmulProblem(m, k, 2 * intermediate, len(group_sizes), "float32", "uint8",
                                    transpose_rhs=transpose_rhs, zero_rows_past_groups=False)
     plan = kernel.gmm.plan.make(problem, V6E, kernel.gmm.tiles.TileConfig(40, k, 2 * intermediate, None, 1))
@@ -136,84 +124,18 @@ def test_gated_gate_up_takes_int4_weights_in_one_n_tile(kernel, interpret, to_ja
     assert _relative_error(out[:rows], (torch.nn.functional.silu(gate) * up)[:rows]) <= 1e-5
 
 
-def _int4_weights(kernel):
-    """conftest's quantized_layer's `quantize` for int4: (packed weights, scales)."""
-    return lambda shape, out_axis, generator, std: _quantized(kernel, shape, out_axis, generator, std)[:2]
-
-
-LAYER_CASES = {
-    # tokens, hidden, intermediate, experts, top_k, layer options, gate, fused tiles (None: fused.tiles.select's)
-    # GPT-OSS: transposed, interleaved, clamped SwiGLU, biases.
-    "gpt-oss": (11, 128, 64, 8, 3, dict(transposed=True, bias=True, std=0.6),
-                dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), None),
-    # Router masking, most picks other ranks'; gate_up [E, 128, 64] is stored swapped: packed along H.
-    "sentinels-swapped-gate-up": (32, 64, 64, 16, 4, dict(transposed=False, bias=True, sentinels=0.8),
-                                  dict(activation="silu"), None),
-    # I in two tiles of the fused kernel: gate and up as separate blocks, each unpacked.
-    "i-tiles": (20, 128, 256, 4, 2, dict(transposed=False, bias=True), dict(activation="silu"), (16, 128)),
-    # down [E, I, H] cut along its packed rows: 64-row tiles (one packed block each).
-    "i-tiles-interleaved": (20, 128, 192, 4, 2, dict(transposed=True, bias=True, std=0.6),
-                            dict(activation="clamped_swiglu", interleaved=True, alpha=1.702, limit=7.0), (16, 64)),
-    # Two experts per step, each slot with its own scales and unpacked blocks.
-    "experts-per-step": (40, 128, 64, 5, 2, dict(transposed=False, bias=True), dict(activation="silu"), (16, 64, 2)),
-    # Gemma 4's down_proj layout: [E, H, I] with I off the 128 lanes, stored swapped: packed along I.
-    "swapped-down": (9, 256, 192, 6, 2, dict(transposed=False, bias=True), dict(activation="gelu_tanh"), None),
-}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", list(LAYER_CASES))
-def test_experts_layer_matches_unpacked_reference(kernel, case, experts_layer_paths):
-    """Both paths of experts_layer (the fused kernel and the grouped matmuls) against the float64 reference."""
-    fused, grouped, expected = experts_layer_paths(kernel, _int4_weights(kernel), LAYER_CASES[case])
-    assert not torch.isnan(fused).any() and not torch.isnan(grouped).any()
-    assert _relative_error(fused, expected) <= 1e-5
-    assert _relative_error(grouped, expected) <= 1e-5
-
-
-def test_interleaved_body_slabs_read_their_unpacked_columns_and_scales(kernel, interpret, to_jax, quantized_layer,
-                                                                        dequantized_layer, monkeypatch):
-    """GPT-OSS's layout, the whole I in two slabs (fused.tiles.MAX_SLAB_I lowered): each slab reads its columns of
-    the unpacked blocks and of the per-channel scales."""
-    monkeypatch.setattr(kernel.fused.tiles, "MAX_SLAB_I", 128)
-    tokens, hidden, _, experts, top_k, options, gate, _ = LAYER_CASES["gpt-oss"]
-    layer = quantized_layer(_int4_weights(kernel), tokens, hidden, 256, experts, top_k, **options)
-    gate = dict(weights_transposed=True, **gate)
-    plan = kernel.fused.plan.make(kernel.problem.describe_experts(*map(to_jax, layer), **gate)[0], resolve_target())
-    assert (plan.tile_i, plan.slab_i) == (256, 128)
-    expected = kernel.reference.gated_experts_reference(*dequantized_layer(kernel, layer, True), **gate)
-    fused = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), **gate))
-    assert not torch.isnan(fused).any()
-    assert _relative_error(fused, expected) <= 1e-5
-
-
-def test_v5p_cores_sharing_each_expert_unpack_their_own_i_tiles(kernel, fused_on_v5p_cores_sharing_experts):
-    """cores_per_expert 2 on two simulated cores: each unpacks the I tiles it owns and scales them by their
-    columns' scales."""
-    fused, expected = fused_on_v5p_cores_sharing_experts(kernel, _int4_weights(kernel), LAYER_CASES["i-tiles"])
-    assert not torch.isnan(fused).any()
-    assert _relative_error(fused, expected) <= 1e-5
-
-
-def test_only_sentinel_picks_give_zeros(kernel, interpret, to_jax, quantized_layer):
-    layer = quantized_layer(_int4_weights(kernel), 6, 64, 128, 8, 2, transposed=False, bias=True, sentinels=1.0)
-    fused = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), activation="silu",
-                                                                 weights_transposed=False))
-    assert torch.equal(fused, torch.zeros_like(fused))
-
-
-def test_torch_ops_take_int4_weights(kernel, quantized_layer, dequantized_layer):
+def test_torch_ops_take_int4_weights(kernel, quantized_weights, quantized_layer, dequantized_layer):
     """The checked torch ops, end to end: ragged_dot and gated_experts with packed int4 weights and their scales."""
     generator = torch.Generator().manual_seed(3)
     lhs = torch.randn(12, 192, generator=generator).bfloat16()
-    rhs, scales, codes = _quantized(kernel, (3, 192, 200), 2, generator)
+    rhs, scales, codes = quantized_weights(kernel, "int4", (3, 192, 200), 2, generator)
     sizes = torch.tensor([5, 0, 7], dtype=torch.int32)
     out = kernel.ragged_dot(lhs, rhs, sizes, rhs_scales=scales)
     expected = kernel.reference.ragged_dot_reference(lhs.double(), codes.double() * scales.double().unsqueeze(1),
                                                      sizes)
     assert out.dtype == torch.bfloat16
     assert _relative_error(out.float(), expected) <= 1e-2
-    layer = quantized_layer(_int4_weights(kernel), 5, 128, 64, 4, 2, transposed=False, bias=False,
+    layer = quantized_layer(kernel, "int4", 5, 128, 64, 4, 2, transposed=False, bias=False,
                             dtype=torch.bfloat16)
     hidden, index, weights, gate_up, down, _, _, gate_up_scales, down_scales = layer
     out = kernel.gated_experts(hidden, index, weights, gate_up, down, activation="silu", weights_transposed=False,
@@ -224,10 +146,10 @@ def test_torch_ops_take_int4_weights(kernel, quantized_layer, dequantized_layer)
     assert _relative_error(out.float(), expected) <= 2e-2
 
 
-def test_torch_ops_refuse_int4_weights_packed_wrong(kernel):
+def test_torch_ops_refuse_int4_weights_packed_wrong(kernel, quantized_weights):
     generator = torch.Generator().manual_seed(4)
     lhs = torch.randn(8, 192)
-    rhs, scales, _ = _quantized(kernel, (2, 192, 200), 2, generator)
+    rhs, scales, _ = quantized_weights(kernel, "int4", (2, 192, 200), 2, generator)
     sizes = torch.tensor([4, 4])
     with pytest.raises(ValueError, match="no packing of its shape"):
         kernel.ragged_dot(torch.randn(8, 100), rhs, sizes, rhs_scales=scales)

@@ -1,8 +1,10 @@
-"""Quantized weights (int8 per output channel, fp8 in 128 x 128 blocks) against a reference that dequantizes first.
+"""Quantized weights (int8 per output channel, fp8 in 128 x 128 blocks) against a reference that dequantizes first;
+experts layers of int4 weights too (test_int4.py holds int4's packing and grouped matmuls).
 
 Every kernel case runs in TPU interpret mode with race detection and
 NaN-filled uninitialised memory. Shapes are odd (partial fp8 scale blocks,
-K and N tails), groups empty, picks sentinels.
+K and N tails; int4's packed dims whole 64-row blocks), groups empty, picks
+sentinels.
 """
 
 import jax.numpy as jnp
@@ -14,25 +16,6 @@ from tpu_kernels.runtime.hardware import resolve_target
 V5E, TPU7X = resolve_target("v5e"), resolve_target("tpu7x")
 
 SCHEMES = ("int8", "fp8")
-
-
-def _codes(shape, scheme, generator):
-    """Random (never all-zero) quantized weights of `shape`."""
-    if scheme == "int8":
-        return torch.randint(-127, 128, shape, generator=generator).to(torch.int8)
-    return (torch.randn(shape, generator=generator) * 4).to(torch.float8_e4m3fn)
-
-
-def _scales(shape, scheme, out_axis, generator, std=0.2):
-    """Positive scales for weights of `shape`, sized so the weights come out with about `std`."""
-    experts, rows, cols = shape
-    if scheme == "int8":
-        return (0.5 + torch.rand(experts, shape[out_axis], generator=generator)) * std / 64
-    return (0.5 + torch.rand(experts, -(-rows // 128), -(-cols // 128), generator=generator)) * std / 4
-
-
-def _quantized(shape, scheme, out_axis, generator, std=0.2):
-    return _codes(shape, scheme, generator), _scales(shape, scheme, out_axis, generator, std)
 
 
 def _relative_error(out, expected):
@@ -55,12 +38,13 @@ RAGGED_CASES = {
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("case", list(RAGGED_CASES))
-def test_ragged_dot_matches_dequantized_reference(kernel, interpret, to_jax, case, scheme, transpose_rhs):
+def test_ragged_dot_matches_dequantized_reference(kernel, interpret, to_jax, quantized_weights, case, scheme,
+                                                  transpose_rhs):
     m, k, n, group_sizes, tiles = RAGGED_CASES[case]
     generator = torch.Generator().manual_seed(len(case))
     lhs = torch.randn(m, k, generator=generator)
     shape = (len(group_sizes), n, k) if transpose_rhs else (len(group_sizes), k, n)
-    rhs, scales = _quantized(shape, scheme, 1 if transpose_rhs else 2, generator)
+    rhs, scales, _ = quantized_weights(kernel, scheme, shape, 1 if transpose_rhs else 2, generator)
     sizes = torch.tensor(group_sizes, dtype=torch.int32)
     config = None if tiles is None else kernel.gmm.tiles.TileConfig(*tiles)
     out = interpret(lambda: kernel.gmm.kernel.grouped_matmul(to_jax(lhs), to_jax(rhs),
@@ -76,7 +60,8 @@ def test_ragged_dot_matches_dequantized_reference(kernel, interpret, to_jax, cas
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_gated_gate_up_takes_one_byte_weights_in_one_n_tile(kernel, interpret, to_jax, scheme, transpose_rhs):
+def test_gated_gate_up_takes_one_byte_weights_in_one_n_tile(kernel, interpret, to_jax, quantized_weights, scheme,
+                                                            transpose_rhs):
     """The first projection with the gate in its epilogue (plan.gated_plan) on one-byte weights: all 2I columns
     one block, dequantized (fp8) or scaled per column (int8) before the gate; I = 100 ends in partial scale
     blocks."""
@@ -84,7 +69,7 @@ def test_gated_gate_up_takes_one_byte_weights_in_one_n_tile(kernel, interpret, t
     generator = torch.Generator().manual_seed(11)
     lhs = torch.randn(m, k, generator=generator)
     shape = (len(group_sizes), 2 * intermediate, k) if transpose_rhs else (len(group_sizes), k, 2 * intermediate)
-    rhs, scales = _quantized(shape, scheme, 1 if transpose_rhs else 2, generator)
+    rhs, scales, _ = quantized_weights(kernel, scheme, shape, 1 if transpose_rhs else 2, generator)
     problem = kernel.MatmulProblem(m, k, 2 * intermediate, len(group_sizes), "float32",
                                    jnp.dtype(to_jax(rhs).dtype).name, transpose_rhs=transpose_rhs,
                                    zero_rows_past_groups=False)
@@ -100,11 +85,6 @@ def test_gated_gate_up_takes_one_byte_weights_in_one_n_tile(kernel, interpret, t
     rows = sum(group_sizes)
     expected = (torch.nn.functional.silu(gate) * up)[:rows]
     assert _relative_error(out[:rows], expected) <= 1e-5
-
-
-def _scheme_weights(scheme):
-    """conftest's quantized_layer's `quantize` for `scheme`: (weights, scales)."""
-    return lambda shape, out_axis, generator, std: _quantized(shape, scheme, out_axis, generator, std)
 
 
 LAYER_CASES = {
@@ -128,28 +108,56 @@ LAYER_CASES = {
     # (weights_orientation), fp8 block scales swapped with it; gate_up [E, 2I, H] (H = 256) as given.
     "swapped-down": (9, 256, 72, 6, 2, dict(transposed=False, bias=True), dict(activation="gelu_tanh"), None),
 }
+# int4 packs whole 64-row blocks along the dim the kernels read on sublanes: (hidden, intermediate, fused tiles) of
+# the layer cases it runs, each unpacking its blocks where int8 scales and fp8 dequantizes them.
+INT4_SIZES = {
+    "gpt-oss": (128, 64, None),
+    # gate_up [E, 128, 64] is stored swapped: packed along H.
+    "sentinels": (64, 64, None),
+    "i-tiles": (128, 256, (16, 128)),
+    # down [E, I, H] cut along its packed rows: 64-row tiles, one packed block each.
+    "i-tiles-interleaved": (128, 192, (16, 64)),
+    "experts-per-step": (128, 64, (16, 64, 2)),
+    # down [E, H, I] stored swapped: packed along I.
+    "swapped-down": (256, 192, None),
+}
+LAYER_SCHEMES = (*SCHEMES, "int4")
+
+
+def _layer_row(case, scheme):
+    """LAYER_CASES[case] at the sizes `scheme` takes."""
+    tokens, hidden, intermediate, experts, top_k, options, gate, tiles = LAYER_CASES[case]
+    if scheme == "int4":
+        hidden, intermediate, tiles = INT4_SIZES[case]
+    return tokens, hidden, intermediate, experts, top_k, options, gate, tiles
+
+
+def _layer_params(cases, schemes=LAYER_SCHEMES):
+    """(case, scheme) for each of `cases` and each of `schemes` that runs it."""
+    return [pytest.param(case, scheme, id=f"{case}-{scheme}") for case in cases for scheme in schemes
+            if scheme != "int4" or case in INT4_SIZES]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("case", list(LAYER_CASES))
+@pytest.mark.parametrize(("case", "scheme"), _layer_params(LAYER_CASES))
 def test_experts_layer_matches_dequantized_reference(kernel, case, scheme, experts_layer_paths):
     """Both paths of experts_layer (the fused kernel and the grouped matmuls) against the float64 reference."""
-    fused, grouped, expected = experts_layer_paths(kernel, _scheme_weights(scheme), LAYER_CASES[case])
+    fused, grouped, expected = experts_layer_paths(kernel, scheme, _layer_row(case, scheme))
     assert not torch.isnan(fused).any() and not torch.isnan(grouped).any()
     assert _relative_error(fused, expected) <= 1e-5
     assert _relative_error(grouped, expected) <= 1e-5
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", LAYER_SCHEMES)
 def test_interleaved_body_slabs_take_their_scales_and_dequantized_blocks(kernel, interpret, to_jax, scheme,
                                                                          quantized_layer, dequantized_layer,
                                                                          monkeypatch):
     """GPT-OSS's layout, the whole I in two slabs (fused.tiles.MAX_SLAB_I lowered): each slab reads its columns of
-    the int8 block and scales, or of the fp8 block dequantized in VMEM."""
+    the int8 block and scales, of the fp8 block dequantized in VMEM, or of the int4 blocks unpacked and their
+    scales."""
     monkeypatch.setattr(kernel.fused.tiles, "MAX_SLAB_I", 128)
     tokens, _, _, experts, top_k, options, gate, _ = LAYER_CASES["gpt-oss"]
-    layer = quantized_layer(_scheme_weights(scheme), tokens, 128, 256, experts, top_k, **options)
+    layer = quantized_layer(kernel, scheme, tokens, 128, 256, experts, top_k, **options)
     gate = dict(weights_transposed=True, **gate)
     problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
     plan = kernel.fused.plan.make(problem, resolve_target())
@@ -160,12 +168,15 @@ def test_interleaved_body_slabs_take_their_scales_and_dequantized_blocks(kernel,
     assert _relative_error(fused, expected) <= 1e-5
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("case", ["i-tiles", "i-tiles-interleaved"])
+# int4 in one case only: each case costs the suite about 10 s.
+V5P_SHARED_CASES = [*_layer_params(["i-tiles"]), *_layer_params(["i-tiles-interleaved"], SCHEMES)]
+
+
+@pytest.mark.parametrize(("case", "scheme"), V5P_SHARED_CASES)
 def test_v5p_cores_sharing_each_expert_read_their_own_i_tiles(kernel, case, scheme, fused_on_v5p_cores_sharing_experts):
-    """cores_per_expert 2 on two simulated cores: each dequantizes (fp8) or scales (int8) the I tiles it owns,
-    at their offsets into the expert's scales; three tiles leave the second core an empty step."""
-    fused, expected = fused_on_v5p_cores_sharing_experts(kernel, _scheme_weights(scheme), LAYER_CASES[case])
+    """cores_per_expert 2 on two simulated cores: each dequantizes (fp8), unpacks (int4) or scales (int8) the I
+    tiles it owns, at their offsets into the expert's scales; three tiles leave the second core an empty step."""
+    fused, expected = fused_on_v5p_cores_sharing_experts(kernel, scheme, _layer_row(case, scheme))
     assert not torch.isnan(fused).any()
     assert _relative_error(fused, expected) <= 1e-5
 
@@ -175,7 +186,7 @@ def test_fp8_bf16_layer_is_the_unquantized_kernel_on_transformers_dequantized_we
                                                                                      quantized_layer):
     """bf16 activations: fp8 weights dequantized in VMEM as transformers does on load ((q.f32 * s).to(bf16))
     give the unquantized bf16 kernel's output on those weights, bit for bit, on both paths."""
-    layer = quantized_layer(_scheme_weights("fp8"), 24, 136, 192, 8, 2, transposed=False, bias=False,
+    layer = quantized_layer(kernel, "fp8", 24, 136, 192, 8, 2, transposed=False, bias=False,
                             dtype=torch.bfloat16)
     *front, gate_up, down, _, _, gate_up_scales, down_scales = layer
     dequantized = [kernel.reference.dequantize_reference(w, s, out_axis=1).to(torch.bfloat16)
@@ -187,20 +198,20 @@ def test_fp8_bf16_layer_is_the_unquantized_kernel_on_transformers_dequantized_we
         assert torch.equal(quantized, plain), f"fused={fused}"
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", LAYER_SCHEMES)
 def test_only_sentinel_picks_give_zeros(kernel, interpret, to_jax, scheme, quantized_layer):
-    layer = quantized_layer(_scheme_weights(scheme), 6, 64, 256, 8, 2, transposed=False, bias=True, sentinels=1.0)
+    layer = quantized_layer(kernel, scheme, 6, 64, 256, 8, 2, transposed=False, bias=True, sentinels=1.0)
     fused = interpret(lambda: kernel.fused.kernel.fused_experts(*map(to_jax, layer), activation="silu",
                                                                  weights_transposed=False))
     assert torch.equal(fused, torch.zeros_like(fused))
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_torch_ops_take_quantized_weights(kernel, scheme, quantized_layer, dequantized_layer):
+def test_torch_ops_take_quantized_weights(kernel, scheme, quantized_weights, quantized_layer, dequantized_layer):
     """The checked torch ops, end to end: ragged_dot and gated_experts with int8 / fp8 weights and their scales."""
     generator = torch.Generator().manual_seed(3)
     lhs = torch.randn(12, 136, generator=generator).bfloat16()
-    rhs, scales = _quantized((3, 136, 200), scheme, 2, generator)
+    rhs, scales, _ = quantized_weights(kernel, scheme, (3, 136, 200), 2, generator)
     sizes = torch.tensor([5, 0, 7], dtype=torch.int32)
     out = kernel.ragged_dot(lhs, rhs, sizes, rhs_scales=scales)
     weights = kernel.reference.dequantize_reference(rhs, scales, out_axis=2)
@@ -208,7 +219,7 @@ def test_torch_ops_take_quantized_weights(kernel, scheme, quantized_layer, dequa
     assert out.dtype == torch.bfloat16
     assert _relative_error(out, expected) < 2e-2  # bf16 activations and output
 
-    layer = quantized_layer(_scheme_weights(scheme), 5, 64, 48, 4, 2, transposed=False, bias=False)
+    layer = quantized_layer(kernel, scheme, 5, 64, 48, 4, 2, transposed=False, bias=False)
     hidden, index, routing, gate_up, down, _, _, gate_up_scales, down_scales = layer
     out = kernel.gated_experts(hidden, index, routing, gate_up, down, gate_up_scales=gate_up_scales,
                                down_scales=down_scales, activation="silu", weights_transposed=False)
@@ -242,7 +253,7 @@ def test_bad_scales_are_refused(kernel, rhs_dtype):
 
 
 def test_gated_experts_refuses_bad_scales(kernel, quantized_layer):
-    layer = quantized_layer(_scheme_weights("fp8"), 4, 64, 48, 4, 2, transposed=False, bias=False)
+    layer = quantized_layer(kernel, "fp8", 4, 64, 48, 4, 2, transposed=False, bias=False)
     hidden, index, routing, gate_up, down, _, _, gate_up_scales, down_scales = layer
     args = dict(hidden_states=hidden, top_k_index=index, top_k_weights=routing, gate_up_proj=gate_up,
                 down_proj=down, gate_up_scales=gate_up_scales, down_scales=down_scales)
@@ -257,18 +268,18 @@ def test_gated_experts_refuses_bad_scales(kernel, quantized_layer):
             kernel.gated_experts(**args | change, activation="silu", weights_transposed=False)
 
 
-def test_quantized_weights_run_under_autograd_and_refuse_a_backward(kernel, quantized_layer):
+def test_quantized_weights_run_under_autograd_and_refuse_a_backward(kernel, quantized_weights, quantized_layer):
     """A forward with gradients enabled (as a plain model call makes) runs; asking for a gradient through
     one-byte weights raises the refusal, never a wrong or silent gradient."""
     generator = torch.Generator().manual_seed(5)
     lhs = torch.randn(12, 136, generator=generator, requires_grad=True)
-    rhs, scales = _quantized((3, 136, 200), "int8", 2, generator)
+    rhs, scales, _ = quantized_weights(kernel, "int8", (3, 136, 200), 2, generator)
     out = kernel.ragged_dot(lhs, rhs, torch.tensor([5, 0, 7], dtype=torch.int32), rhs_scales=scales)
     with pytest.raises(NotImplementedError, match="ragged_dot: no gradient through int8 / float8_e4m3fn / packed int4 weights"):
         out.sum().backward()
 
     hidden, index, routing, gate_up, down, _, _, gate_up_scales, down_scales = quantized_layer(
-        _scheme_weights("fp8"), 5, 64, 48, 4, 2, transposed=False, bias=False)
+        kernel, "fp8", 5, 64, 48, 4, 2, transposed=False, bias=False)
     hidden.requires_grad_(True)
     out = kernel.gated_experts(hidden, index, routing, gate_up, down, gate_up_scales=gate_up_scales,
                                down_scales=down_scales, activation="silu", weights_transposed=False)
@@ -309,7 +320,7 @@ def test_fused_fp8_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, interpret, 
     quantized), else it is that path's."""
     tokens, hidden, intermediate, experts, top_k, options, gate, tiles = FP8_MXU_LAYER_CASES[case]
     transposed = options["transposed"]
-    layer = quantized_layer(_scheme_weights("fp8"), tokens, hidden, intermediate, experts, top_k, **options)
+    layer = quantized_layer(kernel, "fp8", tokens, hidden, intermediate, experts, top_k, **options)
     gate = dict(weights_transposed=transposed, **gate)
     config = None if tiles is None else kernel.fused.tiles.FusedConfig(*tiles)
     problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
@@ -329,7 +340,8 @@ def test_fused_fp8_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, interpret, 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 @pytest.mark.parametrize("case", list(RAGGED_CASES))
-def test_ragged_dot_fp8_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, interpret, to_jax, case, transpose_rhs):
+def test_ragged_dot_fp8_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, interpret, to_jax, quantized_weights, case,
+                                                                  transpose_rhs):
     """On TPU7x the grouped matmul multiplies the rows, quantized to fp8 per row and 128-wide K block, with the fp8
     weights as they are: against a reference that rounds the rows the same way, and not the weights-only result
     (the path really ran)."""
@@ -337,7 +349,7 @@ def test_ragged_dot_fp8_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, interp
     generator = torch.Generator().manual_seed(len(case))
     lhs = torch.randn(m, k, generator=generator)
     shape = (len(group_sizes), n, k) if transpose_rhs else (len(group_sizes), k, n)
-    rhs, scales = _quantized(shape, "fp8", 1 if transpose_rhs else 2, generator)
+    rhs, scales, _ = quantized_weights(kernel, "fp8", shape, 1 if transpose_rhs else 2, generator)
     sizes = torch.tensor(group_sizes, dtype=torch.int32)
     config = None if tiles is None else kernel.gmm.tiles.TileConfig(*tiles)
     problem = kernel.MatmulProblem(m, k, n, len(group_sizes), "float32", "float8_e4m3fn",
@@ -367,7 +379,7 @@ def test_grouped_fp8_layer_on_tpu7x_feeds_fp8_activations_to_the_mxu(kernel, int
     matmul's activations as the kernels do."""
     tokens, hidden, intermediate, experts, top_k, options, gate, _ = LAYER_CASES[case]
     transposed = options["transposed"]
-    layer = quantized_layer(_scheme_weights("fp8"), tokens, hidden, intermediate, experts, top_k, **options)
+    layer = quantized_layer(kernel, "fp8", tokens, hidden, intermediate, experts, top_k, **options)
     gate = dict(weights_transposed=transposed, **gate)
     problem, _ = kernel.problem.describe_experts(*map(to_jax, layer), **gate)
     plan = kernel.plan.plan_experts(problem, TPU7X, fused=False)
