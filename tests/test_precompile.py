@@ -3,7 +3,7 @@
 import jax
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, Qwen3MoeConfig
 
 from tpu_kernels import kernelize
 from tpu_kernels.integration.precompile import precompile, warm_up_prompts
@@ -43,6 +43,27 @@ def _tiny_qwen3_moe():
     return model
 
 
+def _compiles_generating(model, runs) -> list[str]:
+    """jax's backend compiles while `model` generates greedily, for each (prompt length, new tokens) of `runs`, from
+    the first tokens of one seeded prompt."""
+    compiles = []
+
+    def record(event, _secs, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    # No token is the pad id (0): generate would read it as padding and build a mask (another program).
+    prompt = torch.randint(1, 128, (1, max(length for length, _ in runs)), generator=torch.Generator().manual_seed(3))
+    jax.monitoring.register_event_duration_secs_listener(record)
+    try:
+        with torch.no_grad():
+            for length, new_tokens in runs:
+                model.generate(prompt[:, :length], max_new_tokens=new_tokens, do_sample=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(record)
+    return compiles
+
+
 @pytest.mark.slow
 def test_after_precompile_generate_compiles_nothing(kernel_builds):
     """A kernelized tiny Qwen3-MoE precompiled for prompts up to 8 tokens and 40 keys: generating from prompts
@@ -51,16 +72,22 @@ def test_after_precompile_generate_compiles_nothing(kernel_builds):
                                                 "rmsnorm": str(kernel_builds["rmsnorm-tpu"]),
                                                 "attention": str(kernel_builds["attention-tpu"])})
     assert precompile(model, max_tokens=8, max_keys=40, progress=False) == [8, 39]
-    compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, _secs, **_: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
-        else None)
-    # No token is the pad id (0): generate would read it as padding and build a mask (another program).
-    prompts = torch.randint(1, 128, (1, 8), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        for length, new_tokens in ((3, 5), (8, 32)):
-            model.generate(prompts[:, :length], max_new_tokens=new_tokens, do_sample=False)
-    assert compiles == []
+    assert _compiles_generating(model, ((3, 5), (8, 32))) == []
+
+
+@pytest.mark.slow
+def test_after_precompile_gemma3s_transposed_head_norms_compile_nothing(kernel_builds):
+    """Gemma 3 normalises q and k on their transposed view [B, heads, tokens, D]: its norms kernelized alone,
+    precompiled for prompts up to 20 tokens (two token buckets), compile nothing generating from prompts of 3
+    and 20 tokens."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                              num_key_value_heads=1, head_dim=16, intermediate_size=96, max_position_embeddings=64)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model = kernelize(model, repos={"experts": None, "rmsnorm": str(kernel_builds["rmsnorm-tpu"]), "attention": None})
+    assert precompile(model, max_tokens=20, max_keys=21, progress=False) == [16, 20]
+    assert _compiles_generating(model, ((3, 2), (20, 2))) == []
 
 
 def test_the_command_refuses_to_warm_a_machine_without_a_tpu(capsys, monkeypatch):

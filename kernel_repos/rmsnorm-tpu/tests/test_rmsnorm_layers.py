@@ -3,10 +3,11 @@
 import types
 from pathlib import Path
 
+import jax
 import pytest
 import torch
 from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
-from transformers import GemmaForCausalLM, Qwen3_5ForCausalLM, Qwen3MoeForCausalLM
+from transformers import Gemma3ForCausalLM, Qwen3_5ForCausalLM, Qwen3MoeForCausalLM
 from transformers.models.falcon_mamba.modeling_falcon_mamba import FalconMambaWeightlessRMSNorm
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
@@ -109,18 +110,39 @@ def test_kernelize_swaps_the_zero_centred_norms_of_a_tiny_qwen3_5(kernel):
         assert relative_error(model(token_ids()).logits, eager) <= 1e-5
 
 
-def test_probed_layers_replace_the_undecorated_norms_of_a_tiny_gemma(kernel):
-    model = tiny_model(GemmaForCausalLM).eval()
+def bind_matching_layers(model, kernel) -> None:
+    """What a kernelize for undecorated norms does: probe each module, swap the matching layer's forward."""
+    for module in model.modules():
+        layer_name = kernel.layers.matching_layer_name(module)
+        if layer_name is not None:
+            module.forward = types.MethodType(getattr(kernel.layers, layer_name).forward, module)
+
+
+def test_probed_layers_replace_the_undecorated_norms_of_a_tiny_gemma3_compiling_once_per_token_bucket(kernel):
+    """Gemma 3's norms are not decorated for `kernels`: the probe picks the zero-centred layer for each. Its q and k
+    norms run on their transposed view [B, heads, tokens, D] (one key head here): prompts of 3 to 8 tokens at batch
+    2 share every norm's bucket, so after the first no prompt compiles a program; the logits are eager's."""
+    model = tiny_model(Gemma3ForCausalLM, num_hidden_layers=1, num_key_value_heads=1).eval()
+    prompts = torch.randint(0, SMALL_MODEL["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(2))
+    lengths = (3, 5, 8)
     with torch.no_grad():
-        eager = model(token_ids()).logits
+        eager = [model(prompts[:, :length]).logits for length in lengths]
     # What a kernelize for undecorated norms does: probe each module, swap the matching layer's forward.
     for module in model.modules():
         layer_name = kernel.layers.matching_layer_name(module)
         if layer_name is not None:
             module.forward = types.MethodType(getattr(kernel.layers, layer_name).forward, module)
-    assert len(modules_running(model, kernel.layers.RMSNormZeroCentered)) == 2 * 2 + 1
-    with torch.no_grad():
-        assert relative_error(model(token_ids()).logits, eager) <= 1e-5
+    # The input, post-attention, pre- and post-feedforward norms, the q and k norms, the final norm.
+    assert len(modules_running(model, kernel.layers.RMSNormZeroCentered)) == 4 + 2 + 1
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **_: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
+        else None)
+    for length, expected in zip(lengths, eager):
+        compiled_before = len(compiles)
+        with torch.no_grad():
+            assert relative_error(model(prompts[:, :length]).logits, expected) <= 1e-5, length
+        assert length == lengths[0] or len(compiles) == compiled_before, length
 
 
 @pytest.mark.parametrize(

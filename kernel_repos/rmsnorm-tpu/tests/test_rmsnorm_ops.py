@@ -131,12 +131,22 @@ def test_bad_input_raises_a_clear_error(kernel, call, error, message):
 
 
 # A 3-dim x keeps the bucket of its rows ([2, 8, D]: 16, not 16 x 8). A 4-dim x is per-head ([B, tokens, heads,
-# D]): its tokens are bucketed, times its heads (3 heads: 16 tokens at the edge of their bucket, 17 past it).
-@pytest.mark.parametrize(("leading", "bucket"), [
-    ((1,), 16), ((2, 8), 16), ((17,), 32), ((1, 16, 3), 48), ((1, 17, 3), 96)])
-def test_rows_are_padded_to_their_bucket_without_changing_results_or_gradients(kernel, monkeypatch, leading, bucket):
+# D]): its tokens are bucketed, times its heads (3 heads: 16 tokens at the edge of their bucket, 17 past it). Its
+# transposed view ([B, heads, tokens, D], as Gemma 3 normalises q and k) has the same bucket, with one head or at a
+# decode step's one token too; the result keeps x's layout, as the module's own forward does.
+@pytest.mark.parametrize(("leading", "transposed", "bucket"), [
+    ((1,), False, 16), ((2, 8), False, 16), ((17,), False, 32), ((1, 16, 3), False, 48), ((1, 17, 3), False, 96),
+    ((1, 17, 3), True, 96), ((1, 17, 1), True, 32), ((1, 1, 3), True, 48)])
+def test_rows_are_padded_to_their_bucket_without_changing_results_or_gradients(kernel, monkeypatch, leading,
+                                                                               transposed, bucket):
     shape, eps = (*leading, 128), 1e-6
-    inputs = [random_tensor(seed, s) for seed, s in ((17, shape), (18, shape), (19, shape[-1:]))]
+
+    def laid_out(seed, shape):
+        tensor = random_tensor(seed, shape)
+        return tensor.transpose(-3, -2) if transposed and tensor.dim() == 4 else tensor
+
+    inputs = [laid_out(seed, s) for seed, s in ((17, shape), (18, shape), (19, shape[-1:]))]
+    shape = inputs[0].shape
     grad_y, grad_residual = random_tensor(20, shape), random_tensor(21, shape)
 
     def results_and_gradients(rms_norm, fused_add_rms_norm):
@@ -159,3 +169,4 @@ def test_rows_are_padded_to_their_bucket_without_changing_results_or_gradients(k
     for name, a, e in zip(("y", "fused y", "residual", "dx", "dresidual", "dweight"), actual, expected):
         assert a.shape == e.shape, name
         assert relative_error(a, e) <= 1e-5, name
+    assert [y.is_contiguous() for y in actual[:3]] == [y.is_contiguous() for y in expected[:3]]

@@ -46,6 +46,10 @@ def compile_targets(generation: str):
         for dtype in (jnp.bfloat16, jnp.float32):
             targets.append(_targets_of(fn, arity, name, 8192, 7168, dtype, generation))
         targets.append(_targets_of(fn, arity, name, 1000, 200, jnp.bfloat16, generation))
+    # Per-head q/k norms (Qwen3's 32 query heads of 128): a token bucket times the heads, for a decode step
+    # (16 x 32 rows) and a 4096-token prefill (4096 x 32).
+    for rows in (16 * 32, 4096 * 32):
+        targets.append(_targets_of(rms_norm_forward, 1, "rms_norm", rows, 128, jnp.bfloat16, generation))
     # Rows so wide that even 8 of them pass the kernel's bound on its blocks (norm.tiles.WORKING_SET_BOUND_BYTES).
     targets.append(_targets_of(rms_norm_forward, 1, "rms_norm", 64, 65536, jnp.float32, generation))
     return targets

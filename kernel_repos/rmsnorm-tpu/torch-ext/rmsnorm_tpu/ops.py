@@ -15,11 +15,14 @@ q and k norms of Qwen3 and Gemma run on `q_proj(x).view(B, T, heads, D)`), and
 its rows are padded to `token_bucket(tokens) * heads`, the tokens bucketed as
 every other op buckets them. Bucketing its tokens x heads rows instead would
 start a new bucket every 512 / heads tokens past 512 rows (every 16 tokens at
-32 heads): most of a serving trace's distinct shapes. A transposed layout
-([..., heads, tokens, D], as Kolibri 1.1 normalises its q and k) reads as
-`tokens` heads of `heads` tokens: it compiles once per token count, as before
-bucketing; an x of fewer dimensions ([tokens, D], [B, T, D]) keeps the bucket
-of its rows.
+32 heads): most of a serving trace's distinct shapes. The transposed view
+([..., heads, tokens, D], as Gemma 3 and Kolibri 1.1 normalise their q and k)
+is told apart by its strides (`_heads_first`) and normalised as the view
+[..., tokens, heads, D] it transposes, so it shares that bucket and its result
+keeps x's layout, as the module's own forward does. A transposed x made
+contiguous has lost that trace: it reads as `tokens` heads of `heads` tokens
+and compiles once per token count. An x of fewer dimensions ([tokens, D],
+[B, T, D]) keeps the bucket of its rows.
 """
 
 from __future__ import annotations
@@ -86,7 +89,20 @@ def _bucket_rows(shape: torch.Size) -> int:
     return token_bucket(rows // heads) * heads
 
 
-def _on_bucketed_rows(op, *row_tensors: torch.Tensor):
+def _heads_first(x: torch.Tensor) -> bool:
+    """Whether a per-head x (4 or more dims) is the transposed view [..., heads, tokens, D].
+
+    Its heads are the inner of its last two row dims in memory: transformers views
+    a projection's [..., tokens, heads * D] as [..., tokens, heads, D] and may
+    transpose that. The strides tie only where one of the two dims has size 1, and
+    then that one is the heads (a single key head); a decode step's single token
+    keeps the larger stride of the tokens.
+    """
+    tokens_stride, heads_stride = x.stride(-3), x.stride(-2)
+    return heads_stride > tokens_stride or (heads_stride == tokens_stride and x.shape[-3] == 1)
+
+
+def _on_rows(op, *row_tensors: torch.Tensor):
     """`op` of the row tensors (one shape [..., H]) as [bucket rows, H], its results cut back to their shape."""
     shape = row_tensors[0].shape
     rows = math.prod(shape[:-1])
@@ -97,6 +113,16 @@ def _on_bucketed_rows(op, *row_tensors: torch.Tensor):
     if isinstance(results, torch.Tensor):
         return results[:rows].reshape(shape)
     return tuple(result[:rows].reshape(shape) for result in results)
+
+
+def _on_bucketed_rows(op, *row_tensors: torch.Tensor):
+    """`_on_rows`, a transposed per-head x (`_heads_first`) seen as the [..., tokens, heads, D] it transposes."""
+    if row_tensors[0].dim() < 4 or not _heads_first(row_tensors[0]):
+        return _on_rows(op, *row_tensors)
+    results = _on_rows(op, *(t.transpose(-3, -2) for t in row_tensors))
+    if isinstance(results, torch.Tensor):
+        return results.transpose(-3, -2)
+    return tuple(result.transpose(-3, -2) for result in results)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0) -> torch.Tensor:
