@@ -61,6 +61,9 @@ def _handler(hub: HostileHub) -> type[BaseHTTPRequestHandler]:
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # The headers and the body go out in two writes: with Nagle's algorithm on, the body waits for the
+        # client's delayed ACK of the headers (40 ms per answer on Linux), as the real Hub avoids (TCP_NODELAY).
+        disable_nagle_algorithm = True
 
         def log_message(self, *args):
             pass
