@@ -324,25 +324,27 @@ def _attend_block(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Sp
     if problem.contiguous:
         buffer_start = key_start - _contiguous_rows(refs, problem, plan, span, block)[1]
 
-    def run_tiles(tile_q: int):
+    def run_tiles(tile_q: int, head: int, k, v):
         first_tile, last_tile = _tile_range(span, tile_q, block_start)
-        for head in range(problem.kv_heads):
-            k, v = _head_keys_and_values(refs, problem, plan, span, slot, head, key_start, buffer_start)
 
-            def tile_body(tile, carry, head=head, k=k, v=v):
-                pl.when(_tile_sees_block(problem, plan, span, tile_q, tile, block_start, key_start))(
-                    lambda: _attend_tile(refs, problem, plan, span, head, tile_q, tile, block_start, key_start,
-                                         buffer_start, k, v))
-                return carry
+        def tile_body(tile, carry):
+            pl.when(_tile_sees_block(problem, plan, span, tile_q, tile, block_start, key_start))(
+                lambda: _attend_tile(refs, problem, plan, span, head, tile_q, tile, block_start, key_start,
+                                     buffer_start, k, v))
+            return carry
 
-            _for_each(first_tile, last_tile, tile_body, 0)
+        _for_each(first_tile, last_tile, tile_body, 0)
 
-    if plan.min_tile_q == plan.tile_q:
-        run_tiles(plan.tile_q)
-        return
-    small = _small_tiles_are_fewer_rows(plan, span, block_start)
-    pl.when(small)(lambda: run_tiles(plan.min_tile_q))
-    pl.when(jnp.logical_not(small))(lambda: run_tiles(plan.tile_q))
+    # A head's keys and values are read once for both tile sizes: reading them out of the buffer is most of the code
+    # Mosaic compiles (row-major pages: a relayout of every key's row).
+    small = None if plan.min_tile_q == plan.tile_q else _small_tiles_are_fewer_rows(plan, span, block_start)
+    for head in range(problem.kv_heads):
+        k, v = _head_keys_and_values(refs, problem, plan, span, slot, head, key_start, buffer_start)
+        if small is None:
+            run_tiles(plan.tile_q, head, k, v)
+        else:
+            pl.when(small)(functools.partial(run_tiles, plan.min_tile_q, head, k, v))
+            pl.when(jnp.logical_not(small))(functools.partial(run_tiles, plan.tile_q, head, k, v))
 
 
 def _paged_kernel(cu_q_ref, kv_lens_ref, table_ref, seq_first_ref, seq_last_ref, q_ref, k_hbm, v_hbm, *rest,
