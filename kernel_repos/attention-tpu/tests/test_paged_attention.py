@@ -9,6 +9,10 @@ or a key past a sequence's length, into its result fails here.
 import numpy as np
 import warnings
 
+import jax
+import jax.extend.core as jax_core
+import jax.numpy as jnp
+
 import pytest
 import torch
 from tpu_kernels.runtime.hardware import resolve_target
@@ -492,3 +496,33 @@ def test_cache_seqlens_past_the_capacity_raise_naming_them(kernel):
     for lengths, new_keys in contiguous:
         with pytest.raises(ValueError, match=r"cache_seqlens .* capacity of 24 keys"):
             kernel.flash_attn_with_kvcache(chunk, *rows_cache, cache_seqlens=lengths, causal=True, **new_keys)
+
+
+def _kernel_equations(kernel, page_size, block_kv, dtype=jnp.bfloat16):
+    """Every equation of the paged kernel's body (nested bodies included), traced for 4 sequences of up to 96 keys
+    over a cache of Qwen3's heads (4 KV heads, 8 queries each) and `block_kv`-key blocks."""
+    config = kernel.paged.tiles.PagedConfig(block_q=32, tile_q=16, block_kv=block_kv, vmem_limit_bytes=32 << 20)
+    cache = jax.ShapeDtypeStruct((24, page_size, 4, 128), dtype)
+    arrays = (jax.ShapeDtypeStruct((40, 32, 128), dtype), cache, cache, jax.ShapeDtypeStruct((5,), jnp.int32),
+              jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((4, 96 // page_size), jnp.int32))
+    program = jax.make_jaxpr(lambda *a: kernel.paged.kernel.ragged_paged_attention(*a, config=config, generation="v6e"))(*arrays)
+    [body] = [eqn.params["jaxpr"] for eqn in program.eqns if eqn.primitive.name == "pallas_call"]
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn
+            for inner in jax_core.jaxprs_in_params(eqn.params):
+                yield from walk(inner)
+
+    return list(walk(body))
+
+
+def test_the_kernel_body_does_not_grow_with_the_pages_of_a_block(kernel):
+    """What Mosaic compiles is one loop over a block's chunks, not a copy per page: a block of 8 pages of 8 keys
+    traces to as many equations as a block of one page of 64, and reads each KV head's K and V out of its buffer
+    once for both row tile sizes (a decode row's and a chunk's)."""
+    one_page, eight_pages = _kernel_equations(kernel, 64, 64), _kernel_equations(kernel, 8, 64)
+    assert len(one_page) == len(eight_pages)
+    buffer_shape = (2, 8, 8, 4, 128)  # [slot, chunk, key, KV head, head_dim]
+    reads = [e for e in eight_pages if e.primitive.name == "get" and e.invars[0].aval.shape == buffer_shape]
+    assert len(reads) == 2 * 4

@@ -100,6 +100,20 @@ def _div(value, divisor: int):
     return jax.lax.div(value, jnp.int32(divisor))
 
 
+def _for_each(first, last, body, carry):
+    """body(i, carry) for i = first..last (none if last < first), returning the carry: one `while` loop.
+
+    Not `lax.fori_loop`: Pallas lowers a fori loop whose trip count is only known at run time to a main loop and a
+    remainder loop, each with its own copy of the body, so the kernel's three nested loops would hand Mosaic eight
+    copies of a row tile's work to compile. A `while` loop whose predicate is not `i < upper` keeps one."""
+
+    def step(state):
+        i, inner = state
+        return i + 1, body(i, inner)
+
+    return jax.lax.while_loop(lambda state: state[0] <= last, step, (first, carry))[1]
+
+
 def _key_range(problem: PagedProblem, first_position, last_position, kv_len):
     """First and last key seen by queries at positions [first_position, last_position] (last < first: none)."""
     last_key = kv_len - 1
@@ -147,33 +161,40 @@ def _contiguous_rows(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: 
     return start, first - start
 
 
-def _chunk_copies(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block, slot):
-    """(whether the chunk holds a key of the sequence, its K and V copy descriptors), per chunk of a block."""
-    copies = []
+def _chunk_copy(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block, slot, c):
+    """(whether chunk c of a block holds a key of the sequence, its K and V copy descriptors)."""
     every = slice(None)
-    for c in range(plan.chunks_per_block):
-        token = _block_key(plan, span, block) + c * plan.chunk
-        if problem.contiguous:
-            page, first = 0, _contiguous_rows(refs, problem, plan, span, block)[0] + c * plan.chunk
-        else:
-            column = jnp.minimum(_div(token, problem.page_size), problem.pages_per_seq - 1)
-            page = jnp.clip(refs.table[span.seq * problem.pages_per_seq + column], 0, problem.num_pages - 1)
-            first = jax.lax.rem(token, problem.page_size)
-        if problem.keys_minor:  # on a lane tile (so are a block's origin and its chunks): Mosaic's DMA needs it known
-            first = pl.multiple_of(first, plan.chunk)
-        whole_page = not problem.contiguous and plan.chunk == problem.page_size
-        rows = every if whole_page else pl.ds(first, plan.chunk)
-        source = (page, every, every, rows) if problem.keys_minor else (page, rows)
-        target = (slot, every, every, pl.ds(c * plan.chunk, plan.chunk)) if problem.keys_minor else (slot, c)
-        k_copy = pltpu.make_async_copy(refs.k_hbm.at[source], refs.k_buf.at[target], refs.sems.at[0, slot])
-        v_copy = pltpu.make_async_copy(refs.v_hbm.at[source], refs.v_buf.at[target], refs.sems.at[1, slot])
-        copies.append((token < span.kv_len, k_copy, v_copy))  # chunks past the keys are not fetched
-    return copies
+    token = _block_key(plan, span, block) + c * plan.chunk
+    if problem.contiguous:
+        page, first = 0, _contiguous_rows(refs, problem, plan, span, block)[0] + c * plan.chunk
+    else:
+        column = jnp.minimum(_div(token, problem.page_size), problem.pages_per_seq - 1)
+        page = jnp.clip(refs.table[span.seq * problem.pages_per_seq + column], 0, problem.num_pages - 1)
+        first = jax.lax.rem(token, problem.page_size)
+    if problem.keys_minor:  # on a lane tile (so are a block's origin and its chunks): Mosaic's DMA needs it known
+        first = pl.multiple_of(first, plan.chunk)
+    whole_page = not problem.contiguous and plan.chunk == problem.page_size
+    rows = every if whole_page else pl.ds(first, plan.chunk)
+    source = (page, every, every, rows) if problem.keys_minor else (page, rows)
+    lanes = pl.ds(pl.multiple_of(c * plan.chunk, plan.chunk), plan.chunk)
+    target = (slot, every, every, lanes) if problem.keys_minor else (slot, c)
+    k_copy = pltpu.make_async_copy(refs.k_hbm.at[source], refs.k_buf.at[target], refs.sems.at[0, slot])
+    v_copy = pltpu.make_async_copy(refs.v_hbm.at[source], refs.v_buf.at[target], refs.sems.at[1, slot])
+    return token < span.kv_len, k_copy, v_copy  # chunks past the keys are not fetched
+
+
+def _for_each_chunk(plan: PagedPlan, body) -> None:
+    """body(c) for each chunk of a block: a loop of a known trip count (one copy of the body for Mosaic, not one per
+    chunk: a block of 16-token pages has up to 64)."""
+    jax.lax.fori_loop(0, plan.chunks_per_block, lambda c, carry: (body(c), carry)[1], 0)
 
 
 def _copy_block(refs, problem, plan, span: _Span, block, slot, *, wait: bool) -> None:
     """Starts the K and V copies of a block's chunks that hold keys of the sequence, or (wait) waits for them."""
-    for needed, k_copy, v_copy in _chunk_copies(refs, problem, plan, span, block, slot):
+
+    def chunk(c):
+        needed, k_copy, v_copy = _chunk_copy(refs, problem, plan, span, block, slot, c)
+
         @pl.when(needed)
         def _copy():
             for copy in (k_copy, v_copy):
@@ -182,25 +203,30 @@ def _copy_block(refs, problem, plan, span: _Span, block, slot, *, wait: bool) ->
                 else:
                     copy.start()
 
+    _for_each_chunk(plan, chunk)
+
 
 def _clear_values_past_keys(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, block, slot) -> None:
     """Zeroes a block's V rows past the sequence's keys: chunks not fetched (stale) and a page's rows past them
     (whatever the cache holds). p is 0 there, but 0 * NaN is NaN; a K row's logits are replaced instead."""
     zeros = jnp.zeros(refs.v_buf.shape[2:], refs.v_buf.dtype)
-    for c in range(plan.chunks_per_block):
+
+    def chunk(c):
         keys = span.kv_len - (_block_key(plan, span, block) + c * plan.chunk)  # the sequence's keys in the chunk
 
         @pl.when(keys <= 0)
-        def _not_fetched(c=c):
+        def _not_fetched():
             refs.v_buf[slot, c] = zeros
 
         @pl.when((keys > 0) & (keys < plan.chunk))
-        def _rows_past_the_keys(c=c, keys=keys):
+        def _rows_past_the_keys():
             def zero_row(row, carry):
                 refs.v_buf[slot, c, row] = zeros[0]
                 return carry
 
-            jax.lax.fori_loop(keys, plan.chunk, zero_row, 0)
+            _for_each(keys, plan.chunk - 1, zero_row, 0)
+
+    _for_each_chunk(plan, chunk)
 
 
 def _row_tokens(shape, group: int):
@@ -298,25 +324,27 @@ def _attend_block(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Sp
     if problem.contiguous:
         buffer_start = key_start - _contiguous_rows(refs, problem, plan, span, block)[1]
 
-    def run_tiles(tile_q: int):
+    def run_tiles(tile_q: int, head: int, k, v):
         first_tile, last_tile = _tile_range(span, tile_q, block_start)
-        for head in range(problem.kv_heads):
-            k, v = _head_keys_and_values(refs, problem, plan, span, slot, head, key_start, buffer_start)
 
-            def tile_body(tile, carry, head=head, k=k, v=v):
-                pl.when(_tile_sees_block(problem, plan, span, tile_q, tile, block_start, key_start))(
-                    lambda: _attend_tile(refs, problem, plan, span, head, tile_q, tile, block_start, key_start,
-                                         buffer_start, k, v))
-                return carry
+        def tile_body(tile, carry):
+            pl.when(_tile_sees_block(problem, plan, span, tile_q, tile, block_start, key_start))(
+                lambda: _attend_tile(refs, problem, plan, span, head, tile_q, tile, block_start, key_start,
+                                     buffer_start, k, v))
+            return carry
 
-            jax.lax.fori_loop(first_tile, last_tile + 1, tile_body, 0)
+        _for_each(first_tile, last_tile, tile_body, 0)
 
-    if plan.min_tile_q == plan.tile_q:
-        run_tiles(plan.tile_q)
-        return
-    small = _small_tiles_are_fewer_rows(plan, span, block_start)
-    pl.when(small)(lambda: run_tiles(plan.min_tile_q))
-    pl.when(jnp.logical_not(small))(lambda: run_tiles(plan.tile_q))
+    # A head's keys and values are read once for both tile sizes: reading them out of the buffer is most of the code
+    # Mosaic compiles (row-major pages: a relayout of every key's row).
+    small = None if plan.min_tile_q == plan.tile_q else _small_tiles_are_fewer_rows(plan, span, block_start)
+    for head in range(problem.kv_heads):
+        k, v = _head_keys_and_values(refs, problem, plan, span, slot, head, key_start, buffer_start)
+        if small is None:
+            run_tiles(plan.tile_q, head, k, v)
+        else:
+            pl.when(small)(functools.partial(run_tiles, plan.min_tile_q, head, k, v))
+            pl.when(jnp.logical_not(small))(functools.partial(run_tiles, plan.tile_q, head, k, v))
 
 
 def _paged_kernel(cu_q_ref, kv_lens_ref, table_ref, seq_first_ref, seq_last_ref, q_ref, k_hbm, v_hbm, *rest,
@@ -355,10 +383,10 @@ def _paged_kernel(cu_q_ref, kv_lens_ref, table_ref, seq_first_ref, seq_last_ref,
             _attend_block(refs, problem, plan, span, block, slot, block_start)
             return other
 
-        slot = jax.lax.fori_loop(0, span.last_block + 1, block_body, slot)
+        slot = _for_each(jnp.int32(0), span.last_block, block_body, slot)
         return slot, (span.has_blocks & prefetch_next).astype(jnp.int32)
 
-    jax.lax.fori_loop(seq_first_ref[step], last_seq + 1, seq_body, (jnp.int32(0), jnp.int32(0)))
+    _for_each(seq_first_ref[step], last_seq, seq_body, (jnp.int32(0), jnp.int32(0)))
     refs.out[...] = softmax.normalized(refs.softmax, ...).astype(refs.out.dtype)
 
 
