@@ -66,7 +66,7 @@ def test_check_config_accepts_valid_tiles(kernel):
         ((64, 128, 128, 0), 100, 128, 128, jnp.float32, "chunk_m must be a positive int"),
         ((64, 128, 128, None, 5), 64, 128, 128, jnp.float32, "groups_per_step must be at most 4"),
         ((32, 128, 128, None, 2), 64, 128, 128, jnp.float32, "needs one row tile"),
-        ((256, 128, 128, 8, 2), 256, 128, 128, jnp.float32, "more than 16 unrolled matmuls"),
+        ((256, 128, 128, 8, 2), 256, 128, 128, jnp.float32, "more than 16 matmuls per grid step"),
         ((2048, 2048, 1024, 256), 4096, 2048, 1024, jnp.bfloat16, "Gi multiply-adds"),
         ((16, 8192, 8192), 1024, 8192, 8192, jnp.float32, "MiB of VMEM"),
     ],

@@ -12,7 +12,7 @@ Each kernel plans its own calls (`gmm/plan.py`, `tgmm/plan.py`,
 `fused/plan.py`, `combine/plan.py`) from its tiles (its `tiles.py`: a tuned
 table or a VMEM-aware heuristic), kept apart from the kernel code so that
 tuning changes data, not kernels. `common/vmem.py` holds the VMEM budget and
-the bounds on what a grid step unrolls; `_hardware.py` the TPU facts (VMEM,
+the bounds on what a grid step multiplies; `_hardware.py` the TPU facts (VMEM,
 bandwidth, MXU peak, tiling).
 """
 

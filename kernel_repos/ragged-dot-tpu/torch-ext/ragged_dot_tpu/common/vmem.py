@@ -22,14 +22,17 @@ import jax.numpy as jnp
 from .._hardware import TpuGeneration, padded_vmem_bytes, vmem_budget_bytes
 from .quant import FP8_BLOCK, INT4_PACK_ROWS, blocks
 
-# Every (group slot, row chunk) pair is one matmul unrolled in the kernel
-# body. Mosaic's compile time grows with their number and, above all, with
-# the multiply-adds they cover (group slots x tile_m x tile_k x tile_n):
-# measured with libtpu's compile-only topologies, ~2 s at 2^31 and ~77 s at
-# 17e9 (a resident 1024-row tile of GPT-OSS's 2880 x 5760 experts). Both are
-# bounded.
-MAX_UNROLLED_MATMULS = 16
-MAX_UNROLLED_MACS = 2**31
+# A grid step's matmuls (every (group slot, row chunk) pair) and the
+# multiply-adds they cover (group slots x tile_m x tile_k x tile_n) are
+# bounded. Mosaic's compile time grows with the matmuls the kernel body
+# holds: measured with libtpu's compile-only topologies when every chunk was
+# unrolled, ~2 s at 2^31 and ~77 s at 17e9 (a resident 1024-row tile of
+# GPT-OSS's 2880 x 5760 experts). Group slots are still unrolled; each
+# slot's chunks are now one loop, whose body Mosaic compiles once. The
+# bounds stay as they were: the tile search and the tuned tiles were made
+# within them.
+MAX_STEP_MATMULS = 16
+MAX_STEP_MACS = 2**31
 
 
 class Buffer(NamedTuple):

@@ -30,8 +30,9 @@ What each operand moves (the point of the schedule, for decode):
 
 MXU work: with `chunk_m` below the row tile, each group is multiplied in
 chunks of `chunk_m` rows laid from its first row (rounded down to the native
-sublane tile, the finest offset Mosaic slices VMEM at), each under a
-`pl.when` that skips chunks past the group's rows. So a group costs
+sublane tile, the finest offset Mosaic slices VMEM at), by a loop over the
+chunks that start before the group's rows end (no chunk past them reaches
+the MXU). So a group costs
 ceil((rows + its start's offset from the sublane grid) / chunk_m) chunks,
 wherever its rows fall: no chunk is spent on two groups at a group boundary,
 and none is split at a row tile boundary. The item of the tile where a chunk
@@ -204,29 +205,34 @@ def _accumulate_chunks(refs: _StepRefs, slot: int, tile_start, chunk_start, row_
     end go to the carry, which the next row tile's accumulator starts from."""
     tile_m, chunk_m = plan.tile_m, plan.chunk_m
     align = sublane_multiple(plan.problem.dtype)
-    # The item's chunks start in its tile: at most tile_m / chunk_m of them.
-    for chunk in range(tile_m // chunk_m):
-        start = chunk_start + chunk * chunk_m  # tile-relative, on the sublane grid
+    # The group's chunks that start in this tile before its rows' end (at most tile_m / chunk_m). A loop over
+    # them, not one `pl.when` per chunk unrolled: Mosaic compiles the chunk's matmuls once, and the traffic model
+    # counts the loop's trips at each step from its bound. lax.div truncates: its operand is clamped to >= 0
+    # (`//` lowers `sign`, whose Mosaic rule needs a TPU device).
+    rows = jnp.maximum(jnp.minimum(tile_m, row_end - tile_start) - chunk_start, 0)
+    chunks = lax.div(rows + chunk_m - 1, chunk_m)
 
-        # Chunks past the group's rows (or starting in the next tile) skip the MXU.
-        @pl.when(jnp.logical_and(start < tile_m, tile_start + start < row_end))
-        def _(start=start):
-            start = pl.multiple_of(start, align)
-            row = tile_start + start + lax.broadcasted_iota(jnp.int32, (chunk_m, 1), 0)
-            keep = jnp.logical_and(row >= row_start, row < row_end)
-            products = [_multiply(refs, slot, part, start, chunk_m, keep, k_step, plan, window_scales)
-                        for part in range(len(refs.acc))]
+    def multiply_chunk(chunk, loop_state):
+        start = pl.multiple_of(chunk_start + chunk * chunk_m, align)  # tile-relative, on the sublane grid
+        row = tile_start + start + lax.broadcasted_iota(jnp.int32, (chunk_m, 1), 0)
+        keep = jnp.logical_and(row >= row_start, row < row_end)
+        products = [_multiply(refs, slot, part, start, chunk_m, keep, k_step, plan, window_scales)
+                    for part in range(len(refs.acc))]
 
-            @pl.when(start + chunk_m <= tile_m)
-            def _():
-                for acc, product in zip(refs.acc, products):
-                    acc[pl.ds(start, chunk_m), :] += product
+        @pl.when(start + chunk_m <= tile_m)
+        def _():
+            for acc, product in zip(refs.acc, products):
+                acc[pl.ds(start, chunk_m), :] += product
 
-            @pl.when(start + chunk_m > tile_m)
-            def _():
-                carry_start = pl.multiple_of(start - (tile_m - chunk_m), align)
-                for carry, product in zip(refs.carry, products):
-                    carry[pl.ds(carry_start, chunk_m), :] += product
+        @pl.when(start + chunk_m > tile_m)
+        def _():
+            carry_start = pl.multiple_of(start - (tile_m - chunk_m), align)
+            for carry, product in zip(refs.carry, products):
+                carry[pl.ds(carry_start, chunk_m), :] += product
+
+        return loop_state
+
+    lax.fori_loop(0, chunks, multiply_chunk, ())
 
 
 class _RowTile(NamedTuple):

@@ -35,13 +35,13 @@ from ..common.quant import (
     FP8, FP8_BLOCK, FP8_MXU_GENERATIONS, INT8, INT4, blocks, dequantized_in_vmem, per_channel_scales, stored_rows,
 )
 from ..common.vmem import (
-    MAX_UNROLLED_MACS, MAX_UNROLLED_MATMULS, Buffer, accepts, buffers_bytes, check_vmem_fits, fp8_dequantize_vmem_bytes,
+    MAX_STEP_MACS, MAX_STEP_MATMULS, Buffer, accepts, buffers_bytes, check_vmem_fits, fp8_dequantize_vmem_bytes,
     fp8_matmul_vmem_bytes, fp8_window_scales_vmem_bytes, int4_unpack_vmem_bytes,
 )
 from ..problem import MatmulProblem
 
-# Group slots one grid step may multiply: each slot's row chunks are matmuls unrolled in the kernel body
-# (bounded with them by `common.vmem.MAX_UNROLLED_MATMULS` and `common.vmem.MAX_UNROLLED_MACS`).
+# Group slots one grid step may multiply: each is unrolled in the kernel body (bounded with their row chunks by
+# `common.vmem.MAX_STEP_MATMULS` and `common.vmem.MAX_STEP_MACS`).
 MAX_GROUPS_PER_STEP = 4
 
 # Blocks of the heuristic: weights blocks of about this many bytes keep the
@@ -169,7 +169,7 @@ def row_tile_rows(config: TileConfig, problem: MatmulProblem) -> int:
 
 
 def row_chunks(config: TileConfig, problem: MatmulProblem) -> int:
-    """Chunks of a row tile: the matmuls one group slot unrolls per grid step."""
+    """Chunks of a row tile: the matmuls one group slot runs per grid step."""
     if not _chunked(config, problem):
         return 1
     return row_tile_rows(config, problem) // config.chunk_m
@@ -202,20 +202,20 @@ def check_config(config: TileConfig, problem: MatmulProblem, target: TpuGenerati
     if config.groups_per_step > MAX_GROUPS_PER_STEP:
         raise ValueError(f"config.groups_per_step must be at most {MAX_GROUPS_PER_STEP}, got {config.groups_per_step}")
     chunks = row_chunks(config, problem)
-    if chunks * config.groups_per_step > MAX_UNROLLED_MATMULS:
+    if chunks * config.groups_per_step > MAX_STEP_MATMULS:
         raise ValueError(
             f"config: {config.groups_per_step} group slots x {chunks} row chunks of {config.chunk_m} is more than "
-            f"{MAX_UNROLLED_MATMULS} unrolled matmuls"
+            f"{MAX_STEP_MATMULS} matmuls per grid step"
         )
     if config.groups_per_step > 1 and config.tile_m < m:
         raise ValueError(
             f"config.groups_per_step={config.groups_per_step} needs one row tile (tile_m >= {m}), got tile_m={config.tile_m}"
         )
     macs = config.groups_per_step * tile_m * min(config.tile_k, k) * min(config.tile_n, n)
-    if macs > MAX_UNROLLED_MACS:
+    if macs > MAX_STEP_MACS:
         raise ValueError(
-            f"config {tuple(config)}: one grid step unrolls {macs / 2**30:.1f} Gi multiply-adds, past the "
-            f"{MAX_UNROLLED_MACS / 2**30:.0f} Gi bound on kernel size (compile time)"
+            f"config {tuple(config)}: one grid step multiplies {macs / 2**30:.1f} Gi multiply-adds, past the "
+            f"{MAX_STEP_MACS / 2**30:.0f} Gi bound on kernel size (compile time)"
         )
     fp8_matmul = matmul_feeds_fp8_mxu(config, problem, target)
     check_vmem_fits(config, vmem_bytes(config, problem, fp8_matmul=fp8_matmul), target)

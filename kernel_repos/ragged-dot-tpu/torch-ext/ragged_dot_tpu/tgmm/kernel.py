@@ -16,8 +16,8 @@ row tile (no fetch) and only writes its zeros. The grid is
 tiles once per K tile (with `tile_k = K` and `tile_n = N`, everything once);
 a row tile shared by two groups is fetched once for both (consecutive items).
 
-MXU work: an item multiplies its rows in chunks of `chunk_m` rows, each
-under a `pl.when` that skips chunks outside the group. Two layouts
+MXU work: an item multiplies its rows in chunks of `chunk_m` rows, by a
+loop over the chunks that touch its group's rows. Two layouts
 (`TgmmConfig.group_chunks`):
 - chunks at fixed offsets of the row tile: a group boundary inside a chunk
   costs that chunk twice (once per group), about one chunk per group;
@@ -100,6 +100,20 @@ def make_tgmm_items(group_sizes: jax.Array, m: int, tile_m: int, chunk_m: int | 
     )
 
 
+def _item_chunks(tile_start, chunk_start, row_start, row_end, plan: TgmmPlan):
+    """The item's chunks `[first, end)` (tile-relative chunk numbers) that touch its group's rows: with
+    `group_chunks`, those of the group's chunks that start in this tile (the window holds their rows past its
+    end), none for an empty group; else those of the tile's fixed chunks that overlap the group's rows.
+    lax.div truncates: its operands are clamped to >= 0 (`//` lowers `sign`, whose Mosaic rule needs a TPU
+    device)."""
+    tile_m, chunk_m = plan.tile_m, plan.chunk_m
+    if plan.group_chunks:
+        rows = jnp.maximum(jnp.minimum(tile_m, row_end - tile_start) - chunk_start, 0)
+        return 0, jnp.where(row_start < row_end, lax.div(rows + chunk_m - 1, chunk_m), 0)
+    first = lax.div(jnp.clip(row_start - tile_start, 0, tile_m), chunk_m)
+    return first, lax.div(jnp.clip(row_end - tile_start, 0, tile_m) + chunk_m - 1, chunk_m)
+
+
 def _body(row_tile_ref, group_ref, row_start_ref, row_end_ref, chunk_start_ref, count_ref, lhs_ref, rhs_ref, out_ref,
           acc_ref, *, plan: TgmmPlan, align: int, precision):
     del count_ref  # the grid's item axis has that length
@@ -118,29 +132,25 @@ def _body(row_tile_ref, group_ref, row_start_ref, row_end_ref, chunk_start_ref, 
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
     chunk_start = chunk_start_ref[item] if group_chunks else 0
-    for chunk in range(tile_m // chunk_m):
-        start = chunk_start + chunk * chunk_m  # tile-relative
-        first = tile_start + start
-        if group_chunks:
-            # The group's chunks that start in this tile (the window holds their rows past its end).
-            computes = jnp.logical_and(jnp.logical_and(start < tile_m, first < row_end), row_start < row_end)
-        else:
-            computes = jnp.logical_and(first < row_end, first + chunk_m > row_start)
+    first_chunk, end_chunk = _item_chunks(tile_start, chunk_start, row_start, row_end, plan)
 
-        @pl.when(computes)
-        def _(start=start, first=first):
-            if group_chunks:
-                start = pl.multiple_of(start, align)
-            row = first + lax.broadcasted_iota(jnp.int32, (chunk_m, 1), 0)
-            keep = jnp.logical_and(row >= row_start, row < row_end)
-            # Select, not multiply: rows outside the group may hold anything (NaN), and 0 * NaN is NaN.
-            lhs = lhs_ref[pl.ds(start, chunk_m), :]
-            rhs = rhs_ref[pl.ds(start, chunk_m), :]
-            lhs = jnp.where(keep, lhs, jnp.zeros_like(lhs))
-            rhs = jnp.where(keep, rhs, jnp.zeros_like(rhs))
-            acc_ref[...] += lax.dot_general(
-                lhs, rhs, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
-            )
+    # A loop over them, not one `pl.when` per chunk unrolled: Mosaic compiles the chunk's matmul once, and the
+    # traffic model counts the loop's trips at each step from its bounds.
+    def multiply_chunk(chunk, loop_state):
+        start = pl.multiple_of(chunk_start + chunk * chunk_m, align)  # tile-relative
+        row = tile_start + start + lax.broadcasted_iota(jnp.int32, (chunk_m, 1), 0)
+        keep = jnp.logical_and(row >= row_start, row < row_end)
+        # Select, not multiply: rows outside the group may hold anything (NaN), and 0 * NaN is NaN.
+        lhs = lhs_ref[pl.ds(start, chunk_m), :]
+        rhs = rhs_ref[pl.ds(start, chunk_m), :]
+        lhs = jnp.where(keep, lhs, jnp.zeros_like(lhs))
+        rhs = jnp.where(keep, rhs, jnp.zeros_like(rhs))
+        acc_ref[...] += lax.dot_general(
+            lhs, rhs, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
+        )
+        return loop_state
+
+    lax.fori_loop(first_chunk, end_chunk, multiply_chunk, ())
 
     @pl.when(ends_group)
     def _():

@@ -10,12 +10,12 @@ import jax.numpy as jnp
 from .._hardware import (
     LANES, TpuGeneration, padded_vmem_bytes, round_up, sublane_multiple, vmem_budget_bytes, vmem_limit_bytes,
 )
-from ..common.vmem import MAX_UNROLLED_MACS, MAX_UNROLLED_MATMULS, Buffer, accepts, buffers_bytes, check_vmem_fits
+from ..common.vmem import MAX_STEP_MACS, MAX_STEP_MATMULS, Buffer, accepts, buffers_bytes, check_vmem_fits
 from ..problem import TgmmProblem
 
 # The weights' gradient (`tgmm.kernel.transposed_grouped_matmul`): per group, lhs_g^T @ rhs_g -> [G, K, N].
 # Row tiles of the heuristic: large next to a chunk (fewer grid steps), small enough that a
-# step unrolls few chunks. Not tuned.
+# step runs few chunks. Not tuned.
 TGMM_ROW_TILE = 512
 # What the resident output block (f32 accumulator and the double-buffered output) may take of
 # the budget; the row blocks take the rest.
@@ -94,13 +94,13 @@ def check_tgmm_config(config: TgmmConfig, problem: TgmmProblem, target: TpuGener
     for name, value, dim in (("tile_k", tile_k, problem.k), ("tile_n", tile_n, problem.n)):
         if value < dim and value % LANES:
             raise ValueError(f"config.{name}={value} must be a multiple of {LANES} or cover the whole dimension {dim}")
-    if tile_m // chunk_m > MAX_UNROLLED_MATMULS:
-        raise ValueError(f"config: {tile_m // chunk_m} row chunks per step, more than {MAX_UNROLLED_MATMULS} unrolled matmuls")
+    if tile_m // chunk_m > MAX_STEP_MATMULS:
+        raise ValueError(f"config: {tile_m // chunk_m} row chunks per step, more than {MAX_STEP_MATMULS} matmuls")
     macs = tile_m * tile_k * tile_n
-    if macs > MAX_UNROLLED_MACS:
+    if macs > MAX_STEP_MACS:
         raise ValueError(
-            f"config {tuple(config)}: one grid step unrolls {macs / 2**30:.1f} Gi multiply-adds, past the "
-            f"{MAX_UNROLLED_MACS / 2**30:.0f} Gi bound on kernel size (compile time)"
+            f"config {tuple(config)}: one grid step multiplies {macs / 2**30:.1f} Gi multiply-adds, past the "
+            f"{MAX_STEP_MACS / 2**30:.0f} Gi bound on kernel size (compile time)"
         )
     check_vmem_fits(config, tgmm_vmem_bytes(config, problem), target)
 
