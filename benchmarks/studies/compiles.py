@@ -25,6 +25,11 @@ shapes were measured and how many extrapolated, and every total says how much of
 `first_call_s` is the compile time the workload's first request waits for in a cold process (its
 prefill's shapes and its decode steps'); `total_s` all the workload's compiles, one after another.
 
+The buckets bound the kernel shapes, but the entry points pad to them and slice back with torch ops at the
+real shapes, each an XLA program of its own under torch_tpu eager (`bucketing_programs`: with the default
+dynamic cache, the key pads of every decode step). `after.bucketing_programs` counts and prices them the same
+way (jax-lowered equivalents, sampled and interpolated per group alike), apart from the kernel figures.
+
 Usage:
     tpu-kernels bench compiles [--out benchmarks/results/compiles.json] [--sample 4] [--quick]
     (or JAX_PLATFORMS=cpu python -m benchmarks.studies.compiles; paths relative to the current directory)
@@ -45,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import kernels
 
-from benchmarks.studies import KERNEL_REPOS_DIR, require_kernel_repo, result_path, write_json
+from benchmarks.studies import KERNEL_REPOS_DIR, bucketing_programs, require_kernel_repo, result_path, write_json
 from benchmarks.studies.model_shapes import ATTENTION_HEADS, ATTENTION_SINKS, ATTENTION_WINDOWS, EXPERTS_MODELS
 from tpu_kernels.aot import compile_for
 from tpu_kernels.distribution.builder import build_kernel_repo
@@ -80,11 +85,14 @@ class Model:
     intermediate: int
     top_k: int
     gate: dict
+    router_weights: str = "bfloat16"  # the dtype of the routing weights the router hands the experts layer
 
 
-def _model(experts_tag: str, attention: tuple[tuple[str, bool], ...], qk_norms: bool) -> Model:
+def _model(experts_tag: str, attention: tuple[tuple[str, bool], ...], qk_norms: bool,
+           router_weights: str = "bfloat16") -> Model:
     """A model from the kernels' one list of shapes: its experts layer by tag, its kinds of attention layer as
-    (tag, whether the tag's window applies), and whether it norms each head's q and k (no kernel table says)."""
+    (tag, whether the tag's window applies), whether it norms each head's q and k and its routing weights' dtype
+    (no kernel table says)."""
     experts = EXPERTS_MODELS[experts_tag]
     gate = experts["gate"]
     kinds = tuple(Attention(ATTENTION_HEADS[tag]["kv_heads"], ATTENTION_HEADS[tag]["head_dim"],
@@ -93,15 +101,16 @@ def _model(experts_tag: str, attention: tuple[tuple[str, bool], ...], qk_norms: 
     return Model(experts["hidden"], ATTENTION_HEADS[attention[0][0]]["q_heads"], kinds, qk_norms, experts["experts"],
                  experts["intermediate"], experts["top_k"],
                  dict(activation=gate["activation"], weights_transposed=experts["weights_transposed"],
-                      **{name: value for name, value in gate.items() if name != "activation"}))
+                      **{name: value for name, value in gate.items() if name != "activation"}), router_weights)
 
 
 MODELS = {
     "Qwen3-30B-A3B": _model("qwen3-30b-a3b", (("qwen3-30b-a3b", True),), qk_norms=True),
     # GPT-OSS alternates sliding-window and full layers, both with sinks.
     "GPT-OSS-20B": _model("gpt-oss-20b", (("gpt-oss-20b", True), ("gpt-oss-20b", False)), qk_norms=False),
+    # Gemma 4's router scales its float32 top-k probabilities by a per-expert scale: float32 routing weights.
     "Gemma 4 26B-A4B": _model("gemma-4-26b-a4b", (("gemma-4-26b-a4b sliding", True), ("gemma-4-26b-a4b global", True)),
-                              qk_norms=True),
+                              qk_norms=True, router_weights="float32"),
 }
 
 
@@ -146,8 +155,10 @@ class Kernels:
             f"{built['attention'].__name__}.flash.kernel").differentiable_flash_attention
 
     def target(self, model: Model, shape: tuple, generation: str):
-        """(fn, avals) of one shape of `op_shapes`."""
+        """(fn, avals) of one shape of `op_shapes`, or of one program of `bucketing_programs`."""
         op = shape[0]
+        if bucketing_programs.is_program(shape):
+            return bucketing_programs.target(shape)
         if op == "rms_norm":
             _, rows, width = shape
             fn = lambda x, w: self.norm(x, w, eps=1e-6, generation=generation)  # noqa: E731
@@ -182,6 +193,8 @@ class Kernels:
 
 def group_of(shape: tuple) -> str:
     """The shapes whose compile times are alike: one op, one layer kind, prefill or decode."""
+    if bucketing_programs.is_program(shape):
+        return bucketing_programs.group_of(shape)
     if shape[0] == "rms_norm":
         return f"rms_norm width {shape[2]}"
     if shape[0] == "experts":
@@ -193,6 +206,8 @@ def group_of(shape: tuple) -> str:
 
 
 def sizes(shape: tuple) -> list[int]:
+    if bucketing_programs.is_program(shape):
+        return bucketing_programs.sizes(shape)
     return [x for x in shape if isinstance(x, int)]
 
 
@@ -216,7 +231,8 @@ def measure(kernels_: Kernels, model: Model, shapes: set[tuple], generation: str
         for position in positions:
             fn, avals = kernels_.target(model, ordered[position], generation)
             start = time.perf_counter()
-            compile_for(fn, avals, generation)
+            with jax.enable_x64(any(aval.dtype == jnp.int64 for aval in avals)):  # a bucketing program's int64 ids
+                compile_for(fn, avals, generation)
             priced[ordered[position]] = (time.perf_counter() - start, True)
             log(f"  {generation} {name} {avals[0].shape}: {priced[ordered[position]][0]:.2f} s")
         for low, high in zip(positions, positions[1:]):
@@ -249,13 +265,17 @@ def study(kernels_: Kernels, models: dict, generations, sample: int, log) -> dic
     for model_name, model in models.items():
         requests = {(workload, mode): shapes_of(model, calls, mode == "after")
                     for workload, calls in workloads().items() for mode in ("before", "after")}
-        every = set().union(*(set().union(*r) for r in requests.values()))
+        # Only the buckets pad and cut: without them the kernels run at the real shapes.
+        programs = {workload: bucketing_programs.of_requests(model, calls) for workload, calls in workloads().items()}
+        every = set().union(*(set().union(*r) for r in [*requests.values(), *programs.values()]))
         for generation in generations:
-            log(f"{model_name} {generation}: {len(every)} distinct shapes over both workloads")
+            log(f"{model_name} {generation}: {len(every)} distinct kernel shapes and bucketing programs")
             priced = measure(kernels_, model, every, generation, sample, log)
             for (workload, mode), shapes in requests.items():
-                results.setdefault(model_name, {}).setdefault(generation, {}).setdefault(workload, {})[mode] = (
-                    summary(shapes, priced))
+                entry = summary(shapes, priced)
+                if mode == "after":
+                    entry["bucketing_programs"] = summary(programs[workload], priced)
+                results.setdefault(model_name, {}).setdefault(generation, {}).setdefault(workload, {})[mode] = entry
     return results
 
 
@@ -283,7 +303,11 @@ def main(argv=None) -> int:
         "batch": 1, "dtype": "bfloat16",
         "method": ("AOT compiles (libtpu compile-only topologies) on this CPU; per op group at most "
                    f"{args.sample} shapes measured (sorted by size, evenly spaced, the smallest and largest among them), the "
-                   "rest interpolated between them (extrapolated_s)"),
+                   "rest interpolated between them (extrapolated_s). after.bucketing_programs: the pads and slices "
+                   "our entry points run at the real shapes around the kernels (benchmarks/studies/"
+                   "bucketing_programs.py), XLA programs under torch_tpu eager; their seconds are those of "
+                   "jax-lowered equivalents (jnp.pad, a slice) compiled the same way, an estimate of torch_tpu's "
+                   "cost, whose own lowering of these eager ops is not available off a TPU"),
         "cpu_count": os.cpu_count(), "load_average_at_start": list(os.getloadavg()),
         "models": results,
     }
