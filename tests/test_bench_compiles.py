@@ -1,9 +1,13 @@
 """The compile benchmark: the shapes a workload compiles, without and with buckets, and their priced seconds."""
 
+import importlib
+
 import jax
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.studies import compiles
+from benchmarks.studies import bucketing_programs, compiles
 from benchmarks.studies.tables.compiles import render_markdown
 from tpu_kernels.distribution.loader import get_local_kernel
 from tpu_kernels.runtime.buckets import key_bucket
@@ -77,3 +81,135 @@ def test_attention_targets_carry_sinks_and_windows(built):
     fn, avals = compiles.Kernels(built).target(gpt_oss, ("attention", sliding, 1, 256), "v6e")
     assert [a.shape for a in avals] == [(1, 64, 1, 64), (1, 8, 256, 64), (1, 8, 256, 64), (1,), (64,)]
     assert jax.eval_shape(fn, *avals).shape == (1, 64, 1, 64)
+
+
+# A model small enough to run the entry points at once: two attention kinds (one windowed), per-head norms, float32
+# routing weights (as Gemma 4's router hands them over).
+TINY = compiles.Model(hidden=64, q_heads=4, attention=(compiles.Attention(2, 32), compiles.Attention(1, 16, window=8)),
+                      qk_norms=True, experts=8, intermediate=32, top_k=2, gate={}, router_weights="float32")
+VIEWS = {"view", "_unsafe_view", "transpose", "permute", "expand", "unsqueeze", "squeeze", "t", "alias", "detach"}
+# torch.full((batch,), kv_len): a [1] tensor whatever the lengths (flash_attn_func's real key lengths).
+FIXED_SHAPE = {"full"}
+
+
+class BucketingLog(TorchDispatchMode):
+    """The pads, slices and any other non-view ops the entry points run, as the study writes its programs; the
+    shapes the (fake) kernels are handed."""
+
+    def __init__(self):
+        super().__init__()
+        self.programs, self.kernel_inputs, self.paused = set(), [], False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name, source = func.overloadpacket.__name__, args[0]
+        if self.paused or name in VIEWS | FIXED_SHAPE:
+            return out
+        dtype = str(source.dtype).removeprefix("torch.")
+        if name == "constant_pad_nd":
+            self.programs.add(("pad", dtype, int(args[2]) if len(args) > 2 else 0, tuple(source.shape),
+                               tuple(out.shape)))
+        elif name == "slice":
+            self.programs.add(("slice", dtype, tuple(source.shape), tuple(out.shape)))
+        else:
+            self.programs.add(("other op", name, tuple(getattr(source, "shape", ()))))
+        return out
+
+    def kernel(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """A kernel's fake: its inputs' shapes noted, a random result of the first's shape."""
+        self.paused = True
+        self.kernel_inputs.append(tuple(tuple(t.shape) for t in inputs))
+        result = torch.randn(inputs[0].shape).to(inputs[0].dtype)
+        self.paused = False
+        return result
+
+
+def _forward(built: dict, experts_module, log: BucketingLog, tokens: int, keys: int) -> None:
+    """The entry points one forward of TINY runs, as the study models it: layer norm, q and k norms, attention per
+    kind through flash_attn_func, the experts layer; random bf16 activations, made before the log starts."""
+    bf16, model = torch.bfloat16, TINY
+    norm, flash = built["rmsnorm"].rms_norm, built["attention"].flash_attn_func
+    norms = [(torch.randn(1, tokens, model.hidden, dtype=bf16), torch.rand(model.hidden, dtype=bf16) + 0.5)]
+    attentions = []
+    for kind in model.attention:
+        norms += [(torch.randn(1, tokens, heads, kind.head_dim, dtype=bf16), torch.rand(kind.head_dim, dtype=bf16) + 0.5)
+                  for heads in (model.q_heads, kind.kv_heads)]
+        attentions.append((torch.randn(1, tokens, model.q_heads, kind.head_dim, dtype=bf16),
+                           *(torch.randn(1, keys, kind.kv_heads, kind.head_dim, dtype=bf16) for _ in range(2)),
+                           (kind.window - 1 if kind.window else -1, 0)))
+    routed = (torch.randn(tokens, model.hidden, dtype=bf16), torch.randint(0, model.experts, (tokens, model.top_k)),
+              torch.rand(tokens, model.top_k, dtype=getattr(torch, model.router_weights)) + 0.1)
+    with log:
+        for x, weight in norms:
+            norm(x, weight, 1e-6)
+        for q, k, v, window in attentions:
+            flash(q, k, v, causal=True, window_size=window)
+        built["experts"].experts_forward(experts_module, *routed)
+
+
+@pytest.fixture
+def kernels_faked(built, monkeypatch):
+    """The entry points with their kernels replaced by a fake that logs what it is handed."""
+    log = BucketingLog()
+    norm_ops = importlib.import_module(f"{built['rmsnorm'].__name__}.ops")
+    monkeypatch.setattr(norm_ops, "_rms_norm_op", lambda rows, weight, eps, offset: log.kernel(rows))
+    experts_ops = importlib.import_module(f"{built['experts'].__name__}.ops")
+    monkeypatch.setattr(experts_ops, "gated_experts", lambda hidden, *args, **options: log.kernel(hidden, *args[:2]))
+    flash_api = importlib.import_module(f"{built['attention'].__name__}.flash_api")
+    monkeypatch.setattr(flash_api, "flash_attention", lambda q, k, v, **options: log.kernel(q, k, v))
+    return log
+
+
+@pytest.mark.parametrize("calls, one_bucket", [([(20, 20), (27, 27)], True), ([(1, 130), (1, 131)], True),
+                                               ([(16, 16), (1, 128)], False)],
+                         ids=["prefills in one bucket", "decode steps in one key bucket", "sizes on bucket edges"])
+def test_the_studys_bucketing_programs_are_the_ops_the_entry_points_run(built, kernels_faked, calls, one_bucket):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    torch.manual_seed(0)
+    experts_module = Qwen3MoeExperts(Qwen3MoeConfig(
+        hidden_size=TINY.hidden, moe_intermediate_size=TINY.intermediate, num_experts=TINY.experts,
+        num_experts_per_tok=TINY.top_k)).to(torch.bfloat16)
+    handed = []
+    for tokens, keys in calls:
+        kernels_faked.programs, kernels_faked.kernel_inputs = set(), []
+        _forward(built, experts_module, kernels_faked, tokens, keys)
+        assert kernels_faked.programs == bucketing_programs.programs(TINY, tokens, keys), (tokens, keys)
+        handed.append(kernels_faked.kernel_inputs)
+    if one_bucket:  # the kernels see one shape; only the programs around them differ
+        assert handed[0] == handed[1]
+
+
+def test_a_decode_step_pads_its_keys_at_a_new_shape_each_step():
+    steps = [bucketing_programs.programs(QWEN3, 1, keys) for keys in (130, 131, 256)]
+    key_pads = [{p for p in step if p[0] == "pad" and p[-1][1] == key_bucket(130)} for step in steps]
+    assert key_pads[0] == {("pad", "bfloat16", 0, (1, 130, 4, 128), (1, 256, 4, 128))}
+    assert key_pads[1] == {("pad", "bfloat16", 0, (1, 131, 4, 128), (1, 256, 4, 128))}
+    assert key_pads[2] == set()  # keys that fill their bucket are handed over as they are
+    assert steps[0] - key_pads[0] == steps[1] - key_pads[1]  # the rest is one decode step's, whatever its keys
+
+
+@pytest.mark.aot
+def test_bucketing_programs_are_compiled_for_the_chip_int64_ids_included(built):
+    programs = {("pad", "int64", 128, (rows, 8), (16, 8)) for rows in (3, 5, 9)}
+    priced = compiles.measure(compiles.Kernels(built), QWEN3, programs, "v6e", sample=2, log=lambda line: None)
+    assert [priced[("pad", "int64", 128, (rows, 8), (16, 8))][1] for rows in (3, 5, 9)] == [True, False, True]
+    fn, avals = bucketing_programs.target(("pad", "int64", 128, (3, 8), (16, 8)))
+    with jax.enable_x64(True):
+        assert str(jax.jit(fn).lower(*avals).out_info.dtype) == "int64"
+
+
+def _summary(shapes: int, total: float, first: float, **extra) -> dict:
+    return {"distinct_shapes": shapes, "measured_shapes": shapes, "total_s": total, "extrapolated_s": 0.0,
+            "first_call_s": first, "per_op": {}, **extra}
+
+
+def test_the_table_gives_the_bucketing_programs_beside_the_kernels():
+    after = _summary(31, 158.0, 9.0, bucketing_programs=_summary(659, 33.0, 7.0))
+    data = {"cpu_count": 2, "load_average_at_start": [3.2, 2.0, 1.0],
+            "models": {"Qwen3-30B-A3B": {"v6e": {"generate": {"before": _summary(630, 968.0, 179.0), "after": after}}}}}
+    row = "| Qwen3-30B-A3B | generate | v6e | 630 | 31 | 968 | 158 | 659 | 33 | 179 / 9 + 7 |"
+    assert row in render_markdown(data)["first-call"]
+    del after["bucketing_programs"]  # a result from before the study priced them
+    assert "| 968 | 158 | not measured | not measured | 179 / 9 + ? |" in render_markdown(data)["first-call"]

@@ -15,7 +15,10 @@ whose key length grows by one at each decode step:
   one), k and v [1, keys, kv heads, head_dim] padded to the key bucket, the result sliced back to the tokens. A
   decode step's keys are one longer than the last step's, so each step pads them at a new shape.
 
-A pad or a slice that changes nothing runs no op (the entry points skip it). Reshapes and transposes are views.
+Reshapes and transposes are views. A pad or a slice that changes nothing is listed where the entry point runs it
+all the same (a copy, one per bucket): RMSNorm's pad and slice at rows that fill their bucket, the experts'
+slice of its result; the experts' and attention's pads are skipped then, and so is attention's slice (torch skips
+the parts of a multi-dimensional index that cut nothing).
 A program is ("pad", dtype, fill value, source shape, padded shape) or ("slice", dtype, source shape, cut shape);
 programs alike in all of these are one program, whichever op runs them (the experts' hidden-state pad is the
 layer norm's). `tests/test_bench_compiles.py` runs the entry points and checks this list against the ops they run.
@@ -40,32 +43,42 @@ def is_program(shape: tuple) -> bool:
 
 
 def _pad(dtype: str, source: tuple, padded: tuple, value: int = 0) -> set[tuple]:
-    return set() if source == padded else {("pad", dtype, value, source, padded)}
+    return {("pad", dtype, value, source, padded)}
 
 
 def _cut(dtype: str, source: tuple, cut: tuple) -> set[tuple]:
-    return set() if source == cut else {("slice", dtype, source, cut)}
+    return {("slice", dtype, source, cut)}
 
 
-def _rows_padded_and_cut(dtype: str, rows: int, bucket_rows: int, width: int) -> set[tuple]:
+def _pad_if_short(dtype: str, source: tuple, padded: tuple, value: int = 0) -> set[tuple]:
+    """A pad the entry point skips when there is nothing to pad (`padding.padded`, `experts._padded_to_bucket`)."""
+    return set() if source == padded else _pad(dtype, source, padded, value)
+
+
+def _norm(dtype: str, rows: int, bucket_rows: int, width: int) -> set[tuple]:
+    """`rmsnorm_tpu.ops._on_rows`: it pads and cuts even rows that fill their bucket (each then copies as is)."""
     return _pad(dtype, (rows, width), (bucket_rows, width)) | _cut(dtype, (bucket_rows, width), (rows, width))
 
 
 def programs(model, tokens: int, keys: int) -> set[tuple]:
     """The bucketing programs one forward of `tokens` against `keys` keys runs (module docstring), in bf16."""
     dtype, bucket = "bfloat16", token_bucket(tokens)
-    found = _rows_padded_and_cut(dtype, tokens, bucket, model.hidden)
-    found |= _pad(INDEX_DTYPE, (tokens, model.top_k), (bucket, model.top_k), value=model.experts)
-    found |= _pad(model.router_weights, (tokens, model.top_k), (bucket, model.top_k))
+    found = _norm(dtype, tokens, bucket, model.hidden)
+    found |= _pad_if_short(dtype, (tokens, model.hidden), (bucket, model.hidden))
+    found |= _pad_if_short(INDEX_DTYPE, (tokens, model.top_k), (bucket, model.top_k), value=model.experts)
+    found |= _pad_if_short(model.router_weights, (tokens, model.top_k), (bucket, model.top_k))
+    found |= _cut(dtype, (bucket, model.hidden), (tokens, model.hidden))
     queries = tokens if tokens == 1 else bucket
     for kind in model.attention:
         if model.qk_norms:
             for heads in (model.q_heads, kind.kv_heads):
-                found |= _rows_padded_and_cut(dtype, tokens * heads, bucket * heads, kind.head_dim)
+                found |= _norm(dtype, tokens * heads, bucket * heads, kind.head_dim)
         q_shape, kv_shape = (model.q_heads, kind.head_dim), (kind.kv_heads, kind.head_dim)
-        found |= _pad(dtype, (1, tokens, *q_shape), (1, queries, *q_shape))
-        found |= _pad(dtype, (1, keys, *kv_shape), (1, key_bucket(keys), *kv_shape))
-        found |= _cut(dtype, (1, queries, *q_shape), (1, tokens, *q_shape))
+        found |= _pad_if_short(dtype, (1, tokens, *q_shape), (1, queries, *q_shape))
+        found |= _pad_if_short(dtype, (1, keys, *kv_shape), (1, key_bucket(keys), *kv_shape))
+        # `out[:batch, :q_len]`: torch skips the slices of a multi-dimensional index that cut nothing.
+        if queries != tokens:
+            found |= _cut(dtype, (1, queries, *q_shape), (1, tokens, *q_shape))
     return found
 
 
@@ -74,17 +87,15 @@ def of_requests(model, requests: list[list[tuple[int, int]]]) -> list[set[tuple]
     return [set().union(*(programs(model, tokens, keys) for tokens, keys in calls)) for calls in requests]
 
 
-def _varying_dim(program: tuple) -> int:
-    source, result = program[-2], program[-1]
-    return next(dim for dim, (a, b) in enumerate(zip(source, result)) if a != b)
-
-
 def group_of(program: tuple) -> str:
     """Programs whose compile times are alike: one op and dtype (and fill), one shape but for the padded or cut
-    dimension (`*`)."""
-    varying = _varying_dim(program)
-    dims = ", ".join("*" if dim == varying else str(size) for dim, size in enumerate(program[-2]))
+    dimension (`*`); those that change nothing (a copy) by their number of dimensions."""
+    source, result = program[-2], program[-1]
     fill = f" fill {program[2]}" if program[0] == "pad" and program[2] else ""
+    if source == result:
+        return f"{program[0]} {program[1]}{fill} unchanged {len(source)}-d"
+    varying = next(dim for dim, (before, after) in enumerate(zip(source, result)) if before != after)
+    dims = ", ".join("*" if dim == varying else str(size) for dim, size in enumerate(source))
     return f"{program[0]} {program[1]}{fill} [{dims}]"
 
 
