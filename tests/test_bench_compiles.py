@@ -126,7 +126,8 @@ class BucketingLog(TorchDispatchMode):
 
 def _forward(built: dict, experts_module, log: BucketingLog, tokens: int, keys: int) -> None:
     """The entry points one forward of TINY runs, as the study models it: layer norm, q and k norms, attention per
-    kind through flash_attn_func, the experts layer; random bf16 activations, made before the log starts."""
+    kind through flash_attn_func (with the keys the cache hands that kind), the experts layer; random bf16
+    activations, made before the log starts."""
     bf16, model = torch.bfloat16, TINY
     norm, flash = built["rmsnorm"].rms_norm, built["attention"].flash_attn_func
     norms = [(torch.randn(1, tokens, model.hidden, dtype=bf16), torch.rand(model.hidden, dtype=bf16) + 0.5)]
@@ -135,7 +136,8 @@ def _forward(built: dict, experts_module, log: BucketingLog, tokens: int, keys: 
         norms += [(torch.randn(1, tokens, heads, kind.head_dim, dtype=bf16), torch.rand(kind.head_dim, dtype=bf16) + 0.5)
                   for heads in (model.q_heads, kind.kv_heads)]
         attentions.append((torch.randn(1, tokens, model.q_heads, kind.head_dim, dtype=bf16),
-                           *(torch.randn(1, keys, kind.kv_heads, kind.head_dim, dtype=bf16) for _ in range(2)),
+                           *(torch.randn(1, kind.keys_seen(tokens, keys), kind.kv_heads, kind.head_dim, dtype=bf16)
+                             for _ in range(2)),
                            (kind.window - 1 if kind.window else -1, 0)))
     routed = (torch.randn(tokens, model.hidden, dtype=bf16), torch.randint(0, model.experts, (tokens, model.top_k)),
               torch.rand(tokens, model.top_k, dtype=getattr(torch, model.router_weights)) + 0.1)
@@ -179,6 +181,24 @@ def test_the_studys_bucketing_programs_are_the_ops_the_entry_points_run(built, k
         handed.append(kernels_faked.kernel_inputs)
     if one_bucket:  # the kernels see one shape; only the programs around them differ
         assert handed[0] == handed[1]
+
+
+def test_a_sliding_layer_sees_the_key_lengths_transformers_default_cache_hands_it():
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    torch.manual_seed(0)
+    window, prompt = 8, 13
+    kinds = (compiles.Attention(1, 16), compiles.Attention(1, 16, window=window))
+    cache = DynamicCache()
+    cache.layers = [DynamicLayer(), DynamicSlidingWindowLayer(sliding_window=window)]
+    calls = compiles.calls_of_request(prompt, new_tokens=12)
+    assert calls[0] == (prompt, prompt) and calls[1][0] == 1
+    for tokens, keys in calls:
+        for index, kind in enumerate(kinds):
+            new_keys = torch.randn(1, 1, tokens, 16)
+            handed, _ = cache.update(new_keys, torch.randn_like(new_keys), index)
+            assert handed.shape[2] == kind.keys_seen(tokens, keys), (index, tokens, keys)
+    assert kinds[1].keys_seen(1, prompt + 11) == window
 
 
 def test_a_decode_step_pads_its_keys_at_a_new_shape_each_step():

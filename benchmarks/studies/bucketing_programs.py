@@ -13,7 +13,8 @@ whose key length grows by one at each decode step:
 - attention through transformers' flash path (`attention_tpu.flash_api.flash_attn_func`, the route kernelize
   takes for `generate` from a Hub): q [1, tokens, q heads, head_dim] padded to the token bucket (one query stays
   one), k and v [1, keys, kv heads, head_dim] padded to the key bucket, the result sliced back to the tokens. A
-  decode step's keys are one longer than the last step's, so each step pads them at a new shape.
+  decode step's keys are one longer than the last step's, so each step pads them at a new shape (a sliding layer's
+  stop growing at its window: `compiles.Attention.keys_seen`).
 
 Reshapes and transposes are views. A pad or a slice that changes nothing is listed where the entry point runs it
 all the same (a copy, one per bucket): RMSNorm's pad and slice at rows that fill their bucket, the experts'
@@ -75,7 +76,8 @@ def programs(model, tokens: int, keys: int) -> set[tuple]:
                 found |= _norm(dtype, tokens * heads, bucket * heads, kind.head_dim)
         q_shape, kv_shape = (model.q_heads, kind.head_dim), (kind.kv_heads, kind.head_dim)
         found |= _pad_if_short(dtype, (1, tokens, *q_shape), (1, queries, *q_shape))
-        found |= _pad_if_short(dtype, (1, keys, *kv_shape), (1, key_bucket(keys), *kv_shape))
+        seen = kind.keys_seen(tokens, keys)
+        found |= _pad_if_short(dtype, (1, seen, *kv_shape), (1, key_bucket(seen), *kv_shape))
         # `out[:batch, :q_len]`: torch skips the slices of a multi-dimensional index that cut nothing.
         if queries != tokens:
             found |= _cut(dtype, (1, queries, *q_shape), (1, tokens, *q_shape))

@@ -74,6 +74,14 @@ class Attention:
     window: int | None = None
     sinks: bool = False
 
+    def keys_seen(self, tokens: int, keys: int) -> int:
+        """The key length this layer's attention sees in a forward of `tokens` against `keys` keys. transformers'
+        default cache keeps a sliding layer's last window - 1 keys (`DynamicSlidingWindowLayer`): its prefill sees
+        the whole prompt, each decode step at most the window."""
+        if self.window is None or tokens == keys:
+            return keys
+        return min(keys, self.window - 1 + tokens)
+
 
 @dataclass(frozen=True)
 class Model:
@@ -130,10 +138,10 @@ def op_shapes(model: Model, tokens: int, keys: int, bucketed: bool) -> set[tuple
     """The kernel shapes one forward of `tokens` against `keys` keys compiles: (op, shape...) tuples."""
     rows = token_bucket if bucketed else (lambda n: n)
     queries = tokens if tokens == 1 or not bucketed else token_bucket(tokens)
-    key_length = key_bucket(keys) if bucketed else keys
+    key_length = key_bucket if bucketed else (lambda n: n)
     shapes = {("rms_norm", rows(tokens), model.hidden), ("experts", rows(tokens))}
     for kind in model.attention:
-        shapes.add(("attention", kind, queries, key_length))
+        shapes.add(("attention", kind, queries, key_length(kind.keys_seen(tokens, keys))))
         if model.qk_norms:
             shapes |= {("rms_norm", rows(tokens) * model.q_heads, kind.head_dim),
                        ("rms_norm", rows(tokens) * kind.kv_heads, kind.head_dim)}
