@@ -25,7 +25,10 @@ programs alike in all of these are one program, whichever op runs them (the expe
 layer norm's). `tests/test_bench_compiles.py` runs the entry points and checks this list against the ops they run.
 
 Compile seconds are those of jax-lowered equivalents (`jnp.pad`, a slice) compiled ahead of time for the chip:
-torch_tpu's own lowering of these eager ops is not available off a TPU, so they estimate that cost.
+torch_tpu's own lowering of these eager ops is not available off a TPU, so they estimate that cost. Each is priced
+as a program of its own: where torch_tpu's eager mode defers and fuses ops (`EagerMode.DEFER_AND_FUSE`), a pad joins
+the program of the ops around it, whose shapes (with the default cache, the model's own cache concatenation) change
+at the same calls, so the figure is an upper bound of what the pads add.
 """
 
 from __future__ import annotations

@@ -315,7 +315,9 @@ def main(argv=None) -> int:
                    "our entry points run at the real shapes around the kernels (benchmarks/studies/"
                    "bucketing_programs.py), XLA programs under torch_tpu eager; their seconds are those of "
                    "jax-lowered equivalents (jnp.pad, a slice) compiled the same way, an estimate of torch_tpu's "
-                   "cost, whose own lowering of these eager ops is not available off a TPU"),
+                   "cost, whose own lowering of these eager ops is not available off a TPU; each priced as a "
+                   "program of its own, an upper bound where torch_tpu's eager mode defers and fuses them into the "
+                   "program of the ops around them (EagerMode.DEFER_AND_FUSE)"),
         "cpu_count": os.cpu_count(), "load_average_at_start": list(os.getloadavg()),
         "models": results,
     }
