@@ -123,13 +123,14 @@ def test_the_repos_tracked_docs_match_their_sources():
     assert report.problems(ROOT) == []
 
 
-def test_the_ragged_dot_card_takes_its_tables_from_moe_layer_and_moe_backward():
+def test_the_ragged_dot_card_takes_its_tables_from_moe_layer_moe_backward_and_robustness():
     card = (ROOT / "kernel_repos" / "ragged-dot-tpu" / "CARD.md").read_text()
     blocks, _ = report.find_blocks("CARD.md", card)
     assert {block.source for block in blocks} >= {"benchmarks/results/moe_layer_formats.md#decode-v6e",
                                                   "benchmarks/results/moe_layer_formats.md#per-chip",
                                                   "benchmarks/results/moe_backward.md#kernels",
-                                                  "benchmarks/results/moe_backward.md#layer"}
+                                                  "benchmarks/results/moe_backward.md#layer",
+                                                  "benchmarks/results/robustness.md#backward"}
 
 
 def test_a_benchmarks_sections_make_one_derived_table(checkout, monkeypatch):

@@ -139,3 +139,71 @@ def test_the_tracked_report_prices_every_v6e_claim_at_the_share_its_timings_fit(
     fit = json.loads((RESULTS / "calibration_fit_v6e.json").read_text())
     assert report["v6e_tokamax_data"]["hbm_share"] == fit["hbm_fraction"]["v6e"]["hbm_fraction"]
     assert all(("at_v6e_data" in c) == (c["generation"] == "v6e") for c in report["claims"])
+
+
+def _backward_kernel(us: float, hbm85_us: float, steps: int) -> dict:
+    return {"modelled_time_us": us, "pipelined_hbm85_us": hbm85_us,
+            "step_cost_us": steps * robustness.chip.grid_step_s("v6e") * 1e6}
+
+
+def _backward_fixture() -> dict:
+    """moe_backward.json's shape, one projection. v6e d_lhs: ours 100 us in 100 steps, megablox 105 us in 200 (tokamax
+    slower): at a step cost g - 0.05 us both take 100 + 100 (s - g) = 105 + 200 (s - g), so ours stops winning there.
+    v5e d_rhs: megablox beats ours. v6e's layer: our backward 200 (220 at a share of 0.85) over our forward 95 (100),
+    2.2 exactly at 0.85; v5e's layer misses the target (220 / 95) and makes no claim."""
+    ours = {"v5e": _backward_kernel(100, 110, 100), "v6e": _backward_kernel(100, 110, 100)}
+    kernels = {
+        "d_lhs": {"ours": ours, "megablox": {g: _backward_kernel(105, 115, 200) for g in ours},
+                  "tokamax": {g: _backward_kernel(130, 140, 200) for g in ours}},
+        "d_rhs": {"ours": {"v5e": _backward_kernel(120, 130, 100), "v6e": _backward_kernel(100, 110, 100)},
+                  "megablox": {g: _backward_kernel(110, 120, 100) for g in ours},
+                  "tokamax": {g: _backward_kernel(130, 140, 100) for g in ours}},
+        "forward": {"ours": {g: _backward_kernel(95, 100, 10) for g in ours}},
+    }
+    return {"entries": [{"setting": "layer", "projection": "gate_up", "kernels": kernels}],
+            "layer_ratios": [{"setting": "layer", "generation": "v5e", "ours_backward_over_our_forward": 220 / 95},
+                             {"setting": "layer", "generation": "v6e", "ours_backward_over_our_forward": 200 / 95}],
+            "targets": {"backward_forward_ratio_target": 2.2}}
+
+
+def test_backward_claims_flip_where_the_hand_computation_says():
+    assert robustness.chip.FITTED_RATES.hbm_fraction("v6e") == 1.0  # the fixture's hand computation assumes it
+    found = {(c["claim"], c["generation"]): c for c in map(robustness.evaluate, robustness.backward_ranking_claims(
+        _backward_fixture()))}
+    assert len(found) == 4
+    d_lhs = found[("layer gate_up d_lhs: ours at most the better of megablox and tokamax", "v6e")]
+    assert d_lhs["verdict"] == "fragile" and d_lhs["by_constant"][robustness.HBM_SHARE]["holds"]
+    fitted_step = robustness.chip.grid_step_s("v6e") * 1e6
+    assert d_lhs["by_constant"][robustness.GRID_STEP]["flips_at"] == pytest.approx(fitted_step - 0.05, abs=1e-4)
+    assert found[("layer gate_up d_lhs: ours at most the better of megablox and tokamax", "v5e")]["verdict"] == (
+        "robust")
+    beaten = found[("layer gate_up d_rhs: megablox beats ours", "v5e")]
+    assert beaten["holds_if"] == "at_least" and beaten["verdict"] == "robust"
+    assert robustness.GRID_STEP not in beaten["by_constant"]
+    [ratio] = map(robustness.evaluate, robustness.backward_ratio_claims(_backward_fixture()))
+    assert (ratio["generation"], ratio["fitted"]) == ("v6e", round(200 / 95, 4))
+    assert ratio["verdict"] == "fragile"
+    assert ratio["by_constant"][robustness.HBM_SHARE]["flips_at"] == pytest.approx(0.85, abs=1e-4)
+    assert ratio["by_constant"][robustness.GRID_STEP]["holds"]
+
+
+def test_moe_backward_records_what_robustness_re_prices_with():
+    """Each figure carries its price at a share of 0.85 and its grid-step cost, as the model gives them."""
+    import numpy as np
+
+    from benchmarks import perf
+    from benchmarks.studies import moe_backward
+
+    from .perf_kernels import MATMUL, X, Y
+
+    figures = moe_backward._model(lambda x, y, sizes: MATMUL(x, y), (X, Y), np.array([256, 256]), 10**6, 10**9)
+    [call] = perf.model_pallas_traffic(MATMUL, X, Y)
+    for generation, found in figures.items():
+        at_85 = perf.roofline(call, generation, min_bytes=10**6, min_flops=10**9, hbm_fraction=0.85)
+        assert found["pipelined_hbm85_us"] == pytest.approx(at_85.pipelined_time_s * 1e6)
+        assert found["step_cost_us"] == pytest.approx(at_85.overhead_s * 1e6) and found["step_cost_us"] > 0
+    tracked = json.loads((RESULTS / "moe_backward.json").read_text())
+    for entry in tracked["entries"]:
+        for kernels in entry["kernels"].values():
+            for by_generation in kernels.values():
+                assert all({"pipelined_hbm85_us", "step_cost_us"} <= set(f) for f in by_generation.values())

@@ -19,13 +19,15 @@ is also priced there (`at_v6e_data`), the grid step held: those Pallas timings d
 
 For every claim the results publish (ours against the best rival per shape and generation in moe_layer.json and
 moe_layer_v5p_tpu7x.json (v5p's grid-step cost, borrowed from v5e too, is held: no v5p timing bounds it), the
-<= 100 us anchor, >= 85 % of the HBM roofline for paged decode, the whole-step ratio of decode_step.json) this
+<= 100 us anchor, >= 85 % of the HBM roofline for paged decode, the whole-step ratio of decode_step.json, and
+moe_backward.json's backward kernels against megablox's and tokamax's and its backward / forward ratio target) this
 re-prices the claim's figures over each constant's range, one at a time and over the ranges jointly,
 and calls the claim robust (it holds everywhere) or fragile (it flips: at which value of which constant).
 
 The re-pricing works on the terms each study recorded, and follows how the model prices them: the grid-step cost
 is a fixed cost per (core) step, so a time moves by its recorded step cost times the step cost's ratio; a copy's
 issue cost adds per copy; the HBM share enters through the recorded price at 0.85 (moe_layer's `hbm85_us`,
+moe_backward's `pipelined_hbm85_us`,
 linear in 1/share through it and the fitted price), through the copies term (paged attention: the whole copies term
 and XLA's relayout scale with 1/share, an upper bound on the pipelined time), or (the decode step's XLA programs,
 priced by their bytes) the whole term scales with 1/share. Each time is affine in the step cost and 1/share (and,
@@ -150,7 +152,8 @@ def step_range(generation: str) -> dict:
 
 
 def moe_variant_us(line: dict, generation: str, point: dict) -> float:
-    """A moe_layer variant's headline re-priced at `point` from its recorded terms (module docstring)."""
+    """A figure re-priced at `point` from its recorded terms (module docstring), named as moe_layer's variant lines
+    name them: `us` at the fitted share, `hbm85_us`, `step_cost_us` and, if it issues copies, `dma_descriptors`."""
     fitted_share = chip.FITTED_RATES.hbm_fraction(generation)
     inverse = 1 / point.get(HBM_SHARE, fitted_share)
     per_inverse = (line["hbm85_us"] - line["us"]) / (1 / MOE_SECOND_SHARE - 1 / fitted_share)
@@ -188,6 +191,67 @@ def moe_claims(moe: dict) -> list[Claim]:
             claims.append(Claim("anchor", f"{shape['label']}: ours at most {ANCHOR_TARGET_US:g} us", generation,
                                 ANCHOR_TARGET_US, True, {HBM_SHARE: share_range(generation), **step_range(generation)},
                                 lambda point, ours=found["ours"], g=generation: moe_variant_us(ours, g, point)))
+    return claims
+
+
+BACKWARD_KINDS = ("d_lhs", "d_rhs")
+BACKWARD_RIVALS = ("megablox", "tokamax")
+
+
+def backward_line(figures: dict) -> dict:
+    """A moe_backward kernel's figures under moe_layer's names (it issues no copies of its own)."""
+    return {"us": figures["modelled_time_us"], "hbm85_us": figures["pipelined_hbm85_us"],
+            "step_cost_us": figures["step_cost_us"]}
+
+
+def backward_ranges(generation: str) -> dict:
+    return {HBM_SHARE: share_range(generation), **step_range(generation)}
+
+
+def backward_ranking_claims(backward: dict) -> list[Claim]:
+    """Per projection, backward kernel and generation: ours at most the better of megablox and tokamax (or, where
+    one is faster, at least it)."""
+    claims = []
+    for entry in backward["entries"]:
+        for kind in BACKWARD_KINDS:
+            kernels = entry["kernels"][kind]
+            for generation in sorted(kernels["ours"]):
+                ours = backward_line(kernels["ours"][generation])
+                rivals = {name: backward_line(kernels[name][generation]) for name in BACKWARD_RIVALS}
+                best = min(rivals, key=lambda name: rivals[name]["us"])
+                wins = ours["us"] <= rivals[best]["us"]
+
+                def ours_over_best(point, ours=ours, rivals=tuple(rivals.values()), generation=generation):
+                    return (moe_variant_us(ours, generation, point)
+                            / min(moe_variant_us(r, generation, point) for r in rivals))
+
+                where = f"{entry['setting']} {entry['projection']} {kind}"
+                claims.append(Claim("moe_backward ranking", f"{where}: " + (
+                    "ours at most the better of megablox and tokamax" if wins else f"{best} beats ours"),
+                    generation, 1.0, wins, backward_ranges(generation), ours_over_best))
+    return claims
+
+
+def backward_ratio_claims(backward: dict) -> list[Claim]:
+    """Per layer and generation where moe_backward meets its target: our backward kernels over our forward ones at
+    most the target."""
+    target = backward["targets"]["backward_forward_ratio_target"]
+    claims = []
+    for row in backward["layer_ratios"]:
+        if row["ours_backward_over_our_forward"] > target:
+            continue
+        generation = row["generation"]
+        parts = [e["kernels"] for e in backward["entries"] if e["setting"] == row["setting"]]
+
+        def ratio(point, parts=parts, generation=generation):
+            def total(kinds):
+                return sum(moe_variant_us(backward_line(p[kind]["ours"][generation]), generation, point)
+                           for p in parts for kind in kinds)
+
+            return total(BACKWARD_KINDS) / total(("forward",))
+
+        claims.append(Claim("backward/forward ratio", f"{row['setting']}: our backward over our forward at most "
+                            f"{target:g}", generation, target, True, backward_ranges(generation), ratio))
     return claims
 
 
@@ -333,10 +397,12 @@ def study(results: Path) -> dict:
     other_generations = json.loads((results / "moe_layer_v5p_tpu7x.json").read_text())
     paged = json.loads((results / "paged_attention.json").read_text())
     step = json.loads((results / "decode_step.json").read_text())
+    backward = json.loads((results / "moe_backward.json").read_text())
     tokamax = v6e_tokamax_data(json.loads((results / "calibration_fit_v6e.json").read_text()))
     point = v6e_data_point(tokamax)
     claims = [evaluate(c, point) for c in (*moe_claims(moe), *moe_claims(other_generations), *paged_claims(paged),
-                                           *decode_step_claims(step, moe))]
+                                           *decode_step_claims(step, moe), *backward_ranking_claims(backward),
+                                           *backward_ratio_claims(backward))]
     return {
         "benchmark": "benchmarks.studies.robustness",
         "what": sys.modules[__name__].__doc__.split("\n\n")[1].replace("\n", " "),

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-FAMILIES = ("moe_layer ranking", "anchor", "paged decode", "decode step")
+BACKWARD_FAMILIES = ("moe_backward ranking", "backward/forward ratio")
+FAMILIES = ("moe_layer ranking", "anchor", "paged decode", "decode step", *BACKWARD_FAMILIES)
+# README's verdicts: one line per study, its families side by side.
+VERDICT_LINES = (("moe_layer ranking", "anchor"), ("paged decode",), ("decode step",), BACKWARD_FAMILIES)
 
 
 def nearest_flips(claims: list[dict]) -> dict[str, float]:
@@ -88,14 +91,27 @@ def at_v6e_data(report: dict) -> str:
     return "\n".join(rows)
 
 
+def backward(report: dict) -> str:
+    """Every moe_backward claim, robust or fragile: the ragged-dot card's backward section."""
+    rows = ["| claim | gen | verdict | at the fitted constants | worst point | flips at |",
+            "| --- | --- | --- | ---: | ---: | --- |"]
+    rows += [f"| {c['claim']} | {c['generation']} | {c['verdict']} | {c['fitted']:g} | {c['worst_point']['value']:g} "
+             f"| {'; '.join(c['flips']) or '-'} |" for c in report["claims"] if c["family"] in BACKWARD_FAMILIES]
+    return "\n".join(rows)
+
+
 def verdicts(report: dict) -> str:
-    """One line per family: README's speed section."""
+    """One line per study (`VERDICT_LINES`): README's speed section."""
     lines = []
-    for family in FAMILIES:
-        found = [c for c in report["claims"] if c["family"] == family]
-        robust = sum(c["verdict"] == "robust" for c in found)
-        lines.append(f"- {family}: {robust} of {len(found)} claims robust"
-                     + ("" if robust == len(found) else f"; fragile: {len(found) - robust} (benchmarks/README.md)"))
+    for families in VERDICT_LINES:
+        counts, fragile_any = [], False
+        for family in families:
+            found = [c for c in report["claims"] if c["family"] == family]
+            robust = sum(c["verdict"] == "robust" for c in found)
+            fragile_any |= robust < len(found)
+            counts.append(f"{family}: {robust} of {len(found)} claims robust"
+                          + ("" if robust == len(found) else f", fragile: {len(found) - robust}"))
+        lines.append("- " + "; ".join(counts) + (" (benchmarks/README.md)" if fragile_any else ""))
     for model, rests in report["decode_step_rests_on"].items():
         lines.append(f"- {model} whole-step ratio {rests['ratio']:g}x: "
                      f"{100 * rests['uncalibrated_share_of_default']:.1f} % of the default step and "
@@ -109,4 +125,4 @@ def verdicts(report: dict) -> str:
 
 def render_markdown(report: dict) -> dict[str, str]:
     return {"verdicts": verdicts(report), "summary": summary(report), "constants": constants(report),
-            "fragile": fragile(report), "at-v6e-data": at_v6e_data(report)}
+            "fragile": fragile(report), "at-v6e-data": at_v6e_data(report), "backward": backward(report)}
