@@ -207,3 +207,17 @@ def test_moe_backward_records_what_robustness_re_prices_with():
         for kernels in entry["kernels"].values():
             for by_generation in kernels.values():
                 assert all({"pipelined_hbm85_us", "step_cost_us"} <= set(f) for f in by_generation.values())
+
+
+def test_readme_verdicts_take_one_line_per_study():
+    from benchmarks.studies.tables import robustness as tables
+
+    claims = [{"family": family, "verdict": verdict} for family, verdict in (
+        ("moe_layer ranking", "robust"), ("anchor", "fragile"), ("paged decode", "robust"), ("decode step", "robust"),
+        ("moe_backward ranking", "robust"), ("moe_backward ranking", "fragile"), ("backward/forward ratio", "robust"))]
+    assert tables.verdicts({"claims": claims, "decode_step_rests_on": {}}).splitlines() == [
+        "- moe_layer ranking: 1 of 1 claims robust; anchor: 0 of 1 claims robust, fragile: 1 (benchmarks/README.md)",
+        "- paged decode: 1 of 1 claims robust",
+        "- decode step: 1 of 1 claims robust",
+        "- moe_backward ranking: 1 of 2 claims robust, fragile: 1; backward/forward ratio: 1 of 1 claims robust "
+        "(benchmarks/README.md)"]
