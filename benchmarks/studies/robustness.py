@@ -17,8 +17,8 @@ Three of the model's constants are not identified by a timing of their kind:
 tokamax's v6e timings (calibration_fit_v6e.json) fit v6e's HBM share from its weight-streaming calls; each v6e claim
 is also priced there (`at_v6e_data`), the grid step held: those Pallas timings do not identify it.
 
-For every claim the results publish (ours against the best rival per shape and generation in moe_layer.json and
-moe_layer_v5p_tpu7x.json (v5p's grid-step cost, borrowed from v5e too, is held: no v5p timing bounds it), the
+For every claim the results publish (ours against the best rival per shape and generation in moe_layer.json,
+moe_layer_v5p_tpu7x.json and moe_layer_v5p.json (v5p's grid-step cost, borrowed from v5e too, is held: no v5p timing bounds it), the
 <= 100 us anchor, >= 85 % of the HBM roofline for paged decode, the whole-step ratio of decode_step.json, and
 moe_backward.json's backward kernels against megablox's and tokamax's and its backward / forward ratio target) this
 re-prices the claim's figures over each constant's range, one at a time and over the ranges jointly,
@@ -394,13 +394,15 @@ def v6e_data_point(tokamax: dict) -> dict:
 
 def study(results: Path) -> dict:
     moe = json.loads((results / "moe_layer.json").read_text())
-    other_generations = json.loads((results / "moe_layer_v5p_tpu7x.json").read_text())
+    other_generations = [json.loads((results / name).read_text())
+                         for name in ("moe_layer_v5p_tpu7x.json", "moe_layer_v5p.json")]
     paged = json.loads((results / "paged_attention.json").read_text())
     step = json.loads((results / "decode_step.json").read_text())
     backward = json.loads((results / "moe_backward.json").read_text())
     tokamax = v6e_tokamax_data(json.loads((results / "calibration_fit_v6e.json").read_text()))
     point = v6e_data_point(tokamax)
-    claims = [evaluate(c, point) for c in (*moe_claims(moe), *moe_claims(other_generations), *paged_claims(paged),
+    claims = [evaluate(c, point) for c in (*moe_claims(moe), *(c for r in other_generations for c in moe_claims(r)),
+                                           *paged_claims(paged),
                                            *decode_step_claims(step, moe), *backward_ranking_claims(backward),
                                            *backward_ratio_claims(backward))]
     return {
