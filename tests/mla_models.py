@@ -8,6 +8,7 @@
   names: LongCat's are `self_attn.0` / `self_attn.1`, and in the hybrid models the linear-attention modules are
   called `self_attn` too.
 - `MLA_UNBUILDABLE`: name -> why, for an `expand_kv` architecture that cannot be built. All 18 build.
+- `MLA_NO_CONTINUOUS_BATCHING`: name -> the layer type for which transformers' `generate_batch` refuses the model.
 
 Every model: hidden 64, 4 query heads (MLA expands to 4 KV heads), kv_lora_rank 16, qk_rope_head_dim 8,
 qk_nope_head_dim 16 and v_head_dim 16, so that keys (24 wide) and values (16) differ as in DeepSeek's 192 / 128.
@@ -23,7 +24,14 @@ pad row stays zero, as in every real model. Every model generates with a `Dynami
 """
 
 import torch
-import transformers
+from transformers import (AXK1Config, AXK1ForCausalLM, AXK2Config, AXK2ForCausalLM, BailingHybridConfig,
+    BailingHybridForCausalLM, DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV32Config, DeepseekV32ForCausalLM,
+    DeepseekV3Config, DeepseekV3ForCausalLM, Dots3NoteForCausalLM, Dots3NoteTextConfig, Glm4MoeLiteConfig,
+    Glm4MoeLiteForCausalLM, Glm5NextConfig, Glm5NextForConditionalGeneration, GlmMoeDsaConfig, GlmMoeDsaForCausalLM,
+    HYV4Config, HYV4ForCausalLM, HYV4VLConfig, HYV4VLForConditionalGeneration, KimiLinearConfig,
+    KimiLinearForCausalLM, LongcatFlashConfig, LongcatFlashForCausalLM, MiniCPM3Config, MiniCPM3ForCausalLM,
+    Mistral4Config, Mistral4ForCausalLM, MistralLarge4Config, MistralLarge4ForConditionalGeneration,
+    MistralLarge4TextConfig, YoutuConfig, YoutuForCausalLM)
 
 SHAPES = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
               qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256,
@@ -66,7 +74,7 @@ def _build(model_class, config, text_config=None):
 
 def axk1():
     """A.X-K1: DeepSeek-V3 MLA (q LoRA, interleaved RoPE); grouped routing (2 groups, top-1 group)."""
-    return _build(transformers.AXK1ForCausalLM, transformers.AXK1Config(
+    return _build(AXK1ForCausalLM, AXK1Config(
         **SHAPES, **MOE, num_hidden_layers=2, q_lora_rank=32, n_group=2, topk_group=1))
 
 
@@ -74,7 +82,7 @@ def axk2():
     """A.X-K2: DSA (a full indexer on every layer, top-4). No `q_b_proj`: `q_gate_proj` maps [q_resid, q_latent]
     to the query and a per-channel sigmoid gate on the attention output. Flash and flex attention are unsupported
     in transformers (`_supports_flash_attn = False`); SDPA or eager."""
-    return _build(transformers.AXK2ForCausalLM, transformers.AXK2Config(
+    return _build(AXK2ForCausalLM, AXK2Config(
         **SHAPES, **MOE, **DSA, num_hidden_layers=2, q_lora_rank=32, gated_norm_rank=8))
 
 
@@ -83,29 +91,29 @@ def bailing_hybrid():
     `self_attn`), layer 1 MLA without q LoRA, interleaved RoPE, a per-head sigmoid gate (`g_proj`) on the output.
     On the CPU the KDA kernels fall back to transformers' PyTorch reference (flash-linear-attention is CUDA-only);
     they say so in a log line. No MTP layers."""
-    config = transformers.BailingHybridConfig(
+    config = BailingHybridConfig(
         **SHAPES, **EXPERTS, num_local_experts=4, num_hidden_layers=2, layer_group_size=2, first_k_dense_replace=1,
         q_lora_rank=None, n_group=2, topk_group=1, head_dim=16, num_mtp_layers=0)
-    return _build(transformers.BailingHybridForCausalLM, config)
+    return _build(BailingHybridForCausalLM, config)
 
 
 def deepseek_v2():
     """DeepSeek-V2 (the Lite layout: no q LoRA). RoPE through complex `freqs_cis` (`apply_rotary_emb`), greedy
     top-2 routing."""
-    return _build(transformers.DeepseekV2ForCausalLM, transformers.DeepseekV2Config(
+    return _build(DeepseekV2ForCausalLM, DeepseekV2Config(
         **SHAPES, **MOE, num_hidden_layers=2, first_k_dense_replace=1, q_lora_rank=None, topk_method="greedy"))
 
 
 def deepseek_v3():
     """DeepSeek-V3: q LoRA, interleaved RoPE, grouped routing. Default RoPE (the config's default has no YaRN)."""
-    return _build(transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config(
+    return _build(DeepseekV3ForCausalLM, DeepseekV3Config(
         **SHAPES, **MOE, num_hidden_layers=2, first_k_dense_replace=1, q_lora_rank=32, n_group=2, topk_group=1))
 
 
 def deepseek_v32():
     """DeepSeek-V3.2: DSA, a full indexer (queries from the q LoRA residual) on every layer, top-4. No flash or
     flex attention in transformers; SDPA or eager."""
-    return _build(transformers.DeepseekV32ForCausalLM, transformers.DeepseekV32Config(
+    return _build(DeepseekV32ForCausalLM, DeepseekV32Config(
         **SHAPES, **MOE, **DSA, num_hidden_layers=2, first_k_dense_replace=1, q_lora_rank=32, n_group=2,
         topk_group=1))
 
@@ -117,17 +125,17 @@ def dots3_note():
     v 8. RoPE theta and rotary fraction per layer type. The q and kv latents are scaled by sqrt(hidden / rank),
     the rope key has its own RMSNorm (`k_rope_only_layernorm`), a per-head sigmoid gate (`g_proj`) scales the
     output. Flash attention unsupported for the DSA layers; SDPA or eager."""
-    config = transformers.Dots3NoteTextConfig(
+    config = Dots3NoteTextConfig(
         **SHAPES, **MOE, **DSA, num_hidden_layers=3, q_lora_rank=32, head_dim=24, sliding_window=4,
         shared_experts_intermediate_size=32, n_group=2, topk_group=1, swa_num_attention_heads=2,
         swa_num_key_value_heads=2, swa_q_lora_rank=32, swa_kv_lora_rank=32, swa_head_dim=16,
         swa_qk_nope_head_dim=8, swa_qk_rope_head_dim=8, swa_v_head_dim=8)
-    return _build(transformers.Dots3NoteForCausalLM, config)
+    return _build(Dots3NoteForCausalLM, config)
 
 
 def glm4_moe_lite():
     """GLM-4.7-Flash (GLM-4-MoE-Lite): DeepSeek-V3 MLA with q LoRA and interleaved RoPE."""
-    return _build(transformers.Glm4MoeLiteForCausalLM, transformers.Glm4MoeLiteConfig(
+    return _build(Glm4MoeLiteForCausalLM, Glm4MoeLiteConfig(
         **SHAPES, **MOE, num_hidden_layers=2, q_lora_rank=32))
 
 
@@ -143,14 +151,14 @@ def glm5_next():
                 layer_types=["linear_attention", "indexed_attention", "indexed_attention"],
                 indexer_types=["full", "full", "shared"], mlp_layer_types=["dense", "sparse", "sparse"],
                 linear_head_dim=16, linear_num_heads=4, hc_mult=2)
-    config = transformers.Glm5NextConfig(text_config=text, vision_config=GLM5_VISION)
-    return _build(transformers.Glm5NextForConditionalGeneration, config, config.text_config)
+    config = Glm5NextConfig(text_config=text, vision_config=GLM5_VISION)
+    return _build(Glm5NextForConditionalGeneration, config, config.text_config)
 
 
 def glm_moe_dsa():
     """GLM-5 (GLM-MoE-DSA): DSA with q LoRA; layer 1 reuses layer 0's top-k (`"shared"`), layer 2 runs its own.
     Interleaved RoPE. No flash or flex attention in transformers; SDPA or eager."""
-    return _build(transformers.GlmMoeDsaForCausalLM, transformers.GlmMoeDsaConfig(
+    return _build(GlmMoeDsaForCausalLM, GlmMoeDsaConfig(
         **SHAPES, **MOE, **DSA, num_hidden_layers=3, first_k_dense_replace=1, q_lora_rank=32,
         indexer_types=["full", "shared", "full"]))
 
@@ -159,7 +167,7 @@ def hy_v4():
     """HY v4: DSA, layer 1 `"shared"`; learned attention sinks (`sinks`, passed as `s_aux`), a per-channel sigmoid
     output gate (`gate_proj`), iHC residual streams (hc_mult 4). transformers supports neither SDPA nor flash
     here: the model runs eager attention (`config._attn_implementation == "eager"`)."""
-    return _build(transformers.HYV4ForCausalLM, transformers.HYV4Config(
+    return _build(HYV4ForCausalLM, HYV4Config(
         **SHAPES, **MOE, **DSA, num_hidden_layers=2, q_lora_rank=32, indexer_types=["full", "shared"]))
 
 
@@ -169,32 +177,32 @@ def hy_v4_vl():
     positions are equal on the three axes."""
     text = dict(**SHAPES, **MOE, **DSA, num_hidden_layers=2, q_lora_rank=32, indexer_types=["full", "shared"],
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
-    config = transformers.HYV4VLConfig(text_config=text, vision_config=HY_VISION)
-    return _build(transformers.HYV4VLForConditionalGeneration, config, config.text_config)
+    config = HYV4VLConfig(text_config=text, vision_config=HY_VISION)
+    return _build(HYV4VLForConditionalGeneration, config, config.text_config)
 
 
 def kimi_linear():
     """Kimi Linear: layer 0 KDA linear attention (`KimiLinearDeltaAttention`, named `self_attn`), layer 1 NoPE
     MLA without q LoRA: its 8-wide `k_rot` is cached and shared by all heads but never rotated (no position
     embeddings reach the attention). KDA falls back to PyTorch on the CPU."""
-    config = transformers.KimiLinearConfig(
+    config = KimiLinearConfig(
         **SHAPES, **EXPERTS, num_local_experts=4, num_hidden_layers=2,
         layer_types=["linear_attention", "full_attention"], q_lora_rank=None, linear_head_dim=16, linear_num_heads=4)
-    return _build(transformers.KimiLinearForCausalLM, config)
+    return _build(KimiLinearForCausalLM, config)
 
 
 def longcat_flash():
     """LongCat-Flash: one decoder layer with two MLA modules, `self_attn.0` and `self_attn.1` (cache layers 0 and
     1; num_hidden_layers is 2 * num_layers). q LoRA; the q and kv latents are scaled by sqrt(hidden / rank).
     Routing includes 2 zero (identity) experts. The class declares `_can_compile_fullgraph = False`."""
-    return _build(transformers.LongcatFlashForCausalLM, transformers.LongcatFlashConfig(
+    return _build(LongcatFlashForCausalLM, LongcatFlashConfig(
         **SHAPES, num_layers=1, q_lora_rank=32, head_dim=8, ffn_hidden_size=96, expert_ffn_hidden_size=32,
         n_routed_experts=4, zero_expert_num=2, moe_topk=2))
 
 
 def minicpm3():
     """MiniCPM3: dense MLA with q LoRA and non-interleaved (`rotate_half`) RoPE; embedding and depth scaling."""
-    return _build(transformers.MiniCPM3ForCausalLM, transformers.MiniCPM3Config(
+    return _build(MiniCPM3ForCausalLM, MiniCPM3Config(
         **SHAPES, intermediate_size=96, num_hidden_layers=2, q_lora_rank=32))
 
 
@@ -202,8 +210,8 @@ def mistral4():
     """Mistral 4: q LoRA, interleaved RoPE under the default YaRN (factor 128) over an 8-token window (so
     max_position_embeddings is 1024), and Llama-4 query scaling by position (1 + 0.1 log(1 + floor(pos / 8))). Its
     `config.head_dim` is nope + rope (24), unlike the others, where it is the rope width."""
-    return _build(transformers.Mistral4ForCausalLM, transformers.Mistral4Config(
-        **{**SHAPES, **_yarn_over(transformers.Mistral4Config)}, **MOE, num_hidden_layers=2, q_lora_rank=32))
+    return _build(Mistral4ForCausalLM, Mistral4Config(
+        **{**SHAPES, **_yarn_over(Mistral4Config)}, **MOE, num_hidden_layers=2, q_lora_rank=32))
 
 
 def mistral_large4():
@@ -214,16 +222,16 @@ def mistral_large4():
     holds only the indexer keys). DSA with indexer queries from the hidden states; layer 1 `"shared"`. A learned
     log-position scale on the queries, default YaRN (factor 2048) over an 8-token window, final logit softcap 30.
     No flash or flex attention in transformers; SDPA or eager."""
-    text = dict(**{**SHAPES, **_yarn_over(transformers.MistralLarge4TextConfig)}, **MOE, **DSA, num_hidden_layers=4,
+    text = dict(**{**SHAPES, **_yarn_over(MistralLarge4TextConfig)}, **MOE, **DSA, num_hidden_layers=4,
                 no_rope_layers=[1, 1, 0, 0], kv_source_layers=[0, 0, 2, 2],
                 indexer_types=["full", "shared", "full", "full"])
-    config = transformers.MistralLarge4Config(text_config=text, vision_config=PIXTRAL)
-    return _build(transformers.MistralLarge4ForConditionalGeneration, config, config.text_config)
+    config = MistralLarge4Config(text_config=text, vision_config=PIXTRAL)
+    return _build(MistralLarge4ForConditionalGeneration, config, config.text_config)
 
 
 def youtu():
     """Youtu-LLM: dense MLA, no q LoRA, interleaved RoPE, tied embeddings."""
-    return _build(transformers.YoutuForCausalLM, transformers.YoutuConfig(
+    return _build(YoutuForCausalLM, YoutuConfig(
         **SHAPES, intermediate_size=96, num_hidden_layers=2, q_lora_rank=None))
 
 
@@ -231,6 +239,14 @@ MLA_ARCHITECTURES = {builder.__name__: builder for builder in (
     axk1, axk2, bailing_hybrid, deepseek_v2, deepseek_v3, deepseek_v32, dots3_note, glm4_moe_lite, glm5_next,
     glm_moe_dsa, hy_v4, hy_v4_vl, kimi_linear, longcat_flash, minicpm3, mistral4, mistral_large4, youtu)}
 MLA_UNBUILDABLE: dict[str, str] = {}
+# transformers' continuous batching (`generate_batch`) pages the latent cache of plain MLA layers, but has no cache
+# for DSA ("indexed_attention") or linear-attention layers: it raises "Invalid layer type: <the first it meets>".
+# The other eight run it, with the tokens `generate` gives.
+MLA_NO_CONTINUOUS_BATCHING = {
+    **dict.fromkeys(("axk2", "deepseek_v32", "dots3_note", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "mistral_large4"),
+                    "indexed_attention"),
+    **dict.fromkeys(("bailing_hybrid", "glm5_next", "kimi_linear"), "linear_attention"),
+}
 
 
 def _layers(prefix, indices, suffix="self_attn"):

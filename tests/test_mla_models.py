@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from .mla_models import MLA_ARCHITECTURES, MLA_ATTENTION_MODULES, MLA_UNBUILDABLE
+from .mla_models import MLA_ARCHITECTURES, MLA_ATTENTION_MODULES, MLA_NO_CONTINUOUS_BATCHING, MLA_UNBUILDABLE
 
 PROMPT_LENGTH = 6
 
@@ -56,7 +56,7 @@ def test_the_model_is_tiny_seeded_random_and_keeps_its_latent_attention(name):
     assert sum(p.numel() for p in parameters.values()) < 300_000
     for parameter_name, parameter in parameters.items():
         assert torch.isfinite(parameter).all(), parameter_name
-        assert parameter.numel() == 1 or parameter.std() > 0, f"{parameter_name} is constant"
+        assert parameter.ne(0).any() and (parameter.numel() == 1 or parameter.std() > 0), parameter_name
     assert (config.hidden_size, config.vocab_size) == (64, 128)
     assert max(config.bos_token_id, config.eos_token_id, config.pad_token_id) < config.vocab_size
     assert getattr(config, "index_topk", 0) < PROMPT_LENGTH
@@ -75,8 +75,17 @@ def test_greedy_generation_runs_with_a_dynamic_and_a_static_cache(name):
     for cache, cache_class in (("dynamic", transformers.DynamicCache), ("static", transformers.StaticCache)):
         settings = {} if cache == "dynamic" else {"cache_implementation": "static"}
         out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=3, do_sample=False,
-                             return_dict_in_generate=True, **settings)
+                             return_dict_in_generate=True, output_logits=True, **settings)
         assert type(out.past_key_values) is cache_class
         assert out.sequences.shape == (2, PROMPT_LENGTH + 3) and int(out.sequences.max()) < 128
+        assert all(torch.isfinite(logits).all() for logits in out.logits)
         tokens[cache] = out.sequences
     assert torch.equal(tokens["dynamic"], tokens["static"])
+
+
+@pytest.mark.parametrize("name", sorted(MLA_NO_CONTINUOUS_BATCHING))
+def test_continuous_batching_refuses_the_dsa_and_hybrid_models(name):
+    model, _ = MLA_ARCHITECTURES[name]()
+    settings = transformers.GenerationConfig(max_new_tokens=1, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with pytest.raises(ValueError, match=f"Invalid layer type: {MLA_NO_CONTINUOUS_BATCHING[name]}$"):
+        model.generate_batch([[5, 17, 33]], settings, warmup=False)
