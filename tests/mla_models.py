@@ -8,6 +8,7 @@
   names: LongCat's are `self_attn.0` / `self_attn.1`, and in the hybrid models the linear-attention modules are
   called `self_attn` too.
 - `MLA_UNBUILDABLE`: name -> why, for an `expand_kv` architecture that cannot be built. All 18 build.
+- `MLA_DSA`: the architectures with DSA indexers.
 - `MLA_NO_CONTINUOUS_BATCHING`: name -> the layer type for which transformers' `generate_batch` refuses the model.
 
 Every model: hidden 64, 4 query heads (MLA expands to 4 KV heads), kv_lora_rank 16, qk_rope_head_dim 8,
@@ -239,6 +240,8 @@ MLA_ARCHITECTURES = {builder.__name__: builder for builder in (
     axk1, axk2, bailing_hybrid, deepseek_v2, deepseek_v3, deepseek_v32, dots3_note, glm4_moe_lite, glm5_next,
     glm_moe_dsa, hy_v4, hy_v4_vl, kimi_linear, longcat_flash, minicpm3, mistral4, mistral_large4, youtu)}
 MLA_UNBUILDABLE: dict[str, str] = {}
+# The DSA ones: an indexer picks each query's top-k keys (index_topk 4, fewer than the self-check's 6 prompt tokens).
+MLA_DSA = ("axk2", "deepseek_v32", "dots3_note", "glm5_next", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "mistral_large4")
 # transformers' continuous batching (`generate_batch`) pages the latent cache of plain MLA layers, but has no cache
 # for DSA ("indexed_attention") or linear-attention layers: it raises "Invalid layer type: <the first it meets>".
 # The other eight run it, with the tokens `generate` gives.

@@ -8,7 +8,8 @@ import pytest
 import torch
 import transformers
 
-from .mla_models import MLA_ARCHITECTURES, MLA_ATTENTION_MODULES, MLA_NO_CONTINUOUS_BATCHING, MLA_UNBUILDABLE
+from .mla_models import (MLA_ARCHITECTURES, MLA_ATTENTION_MODULES, MLA_DSA, MLA_NO_CONTINUOUS_BATCHING,
+                         MLA_UNBUILDABLE)
 
 PROMPT_LENGTH = 6
 
@@ -43,7 +44,7 @@ def test_every_expand_kv_architecture_has_a_builder_or_a_reason():
     assert len(found) >= 18
     assert set(MLA_ARCHITECTURES) == found - set(MLA_UNBUILDABLE)
     assert set(MLA_UNBUILDABLE) <= found and all(MLA_UNBUILDABLE.values())
-    assert set(MLA_ATTENTION_MODULES) == set(MLA_ARCHITECTURES)
+    assert set(MLA_ATTENTION_MODULES) == set(MLA_ARCHITECTURES) and set(MLA_DSA) <= set(MLA_ARCHITECTURES)
 
 
 @pytest.mark.parametrize("name", sorted(MLA_ARCHITECTURES))
@@ -59,7 +60,7 @@ def test_the_model_is_tiny_seeded_random_and_keeps_its_latent_attention(name):
         assert parameter.ne(0).any() and (parameter.numel() == 1 or parameter.std() > 0), parameter_name
     assert (config.hidden_size, config.vocab_size) == (64, 128)
     assert max(config.bos_token_id, config.eos_token_id, config.pad_token_id) < config.vocab_size
-    assert getattr(config, "index_topk", 0) < PROMPT_LENGTH
+    assert hasattr(config, "index_topk") == (name in MLA_DSA) and getattr(config, "index_topk", 0) < PROMPT_LENGTH
     attention = {module_name: module for module_name, module in model.named_modules() if hasattr(module, "expand_kv")}
     assert tuple(attention) == MLA_ATTENTION_MODULES[name]
     for module in attention.values():  # dots3-note's sliding-window layer has dims of its own
@@ -89,3 +90,17 @@ def test_continuous_batching_refuses_the_dsa_and_hybrid_models(name):
     settings = transformers.GenerationConfig(max_new_tokens=1, do_sample=False, eos_token_id=None, pad_token_id=0)
     with pytest.raises(ValueError, match=f"Invalid layer type: {MLA_NO_CONTINUOUS_BATCHING[name]}$"):
         model.generate_batch([[5, 17, 33]], settings, warmup=False)
+
+
+
+@pytest.mark.parametrize("name", MLA_DSA)
+def test_the_dsa_indexers_leave_keys_out_of_a_prompt(name):
+    model, _ = MLA_ARCHITECTURES[name]()
+    input_ids, attention_mask = left_padded_prompt()
+    with torch.no_grad():
+        sparse = model(input_ids, attention_mask=attention_mask).logits
+        indexers = [module for module in model.modules() if hasattr(module, "index_topk")]
+        for indexer in indexers:
+            indexer.index_topk = 1024
+        dense = model(input_ids, attention_mask=attention_mask).logits
+    assert indexers and (sparse - dense).abs().max() > 1e-3
