@@ -11,17 +11,23 @@
 - `MLA_DSA`: the architectures with DSA indexers.
 - `MLA_NO_CONTINUOUS_BATCHING`: name -> the layer type for which transformers' `generate_batch` refuses the model.
 
-Every model: hidden 64, 4 query heads (MLA expands to 4 KV heads), kv_lora_rank 16, qk_rope_head_dim 8,
-qk_nope_head_dim 16 and v_head_dim 16, so that keys (24 wide) and values (16) differ as in DeepSeek's 192 / 128.
-The NoPE-only architecture (GLM-5-Next) has rope 0, nope 8, v 16. Vocabulary 128 with bos 1, eos 2, pad 0; the
-multimodal ones keep their image / video token ids, which text never reaches. Where there is MoE: 4 routed
-experts, top-2, one shared expert. DSA indexers select 4 keys (fewer than a 6-token prompt, so the sparse mask
-drops keys) with 16 index heads of 16: with few heads, ReLU'd index scores tie at exactly 0 and the top-k then
-depends on the key length, so a dynamic and a static cache chose different keys. Parameter init: 3-D weights
-(experts, convolutions) are drawn from normal(std=0.1), since some models leave experts empty. Parameters that
-come out constant (norm weights, sinks, gates that start at 0) get normal(std=0.1) noise added. The embedding's
-pad row stays zero, as in every real model. Every model generates with a `DynamicCache` and with
-`cache_implementation="static"` on the CPU, left padding included (tests/test_mla_models.py).
+Every model:
+- hidden 64, 2-4 layers, 4 query heads (MLA expands the latent to as many KV heads; dots3-note's sliding-window
+  layer has 2), kv_lora_rank 16, qk_rope_head_dim 8, qk_nope_head_dim 16 and v_head_dim 16: keys (24 wide) and
+  values (16) differ, as DeepSeek's 192 / 128 do. The NoPE architecture (GLM-5-Next) has rope 0, nope 8, v 16.
+  q_lora_rank 32 on 13 of the 18; None on DeepSeek-V2, Kimi Linear, Bailing and Youtu; Mistral Large 4 has no
+  q LoRA at all.
+- vocabulary 128 with bos 1, eos 2, pad 0. The multimodal ones keep their image / video token ids: text input
+  never reaches their vision towers.
+- MoE: 4 routed experts, top-2, one shared expert.
+- DSA: each indexer keeps 4 keys, fewer than the self-check's 6-token prompt, so the sparse mask leaves keys out.
+  16 index heads of 16: with few heads, ReLU'd index scores often tie at exactly 0, and which tied key the top-k
+  takes then depends on the key length, so a dynamic and a static cache would select different keys.
+- init: 3-D weights (experts, short convolutions) are drawn from normal(std=0.1), since some models leave experts
+  empty. Parameters that come out constant (norm weights, sinks, gates that start at 0) get normal(std=0.1) noise.
+  The embedding's pad row stays zero, as in every real model.
+- each generates with a `DynamicCache` and with `cache_implementation="static"` on the CPU, left padding
+  included, the same tokens both ways (tests/test_mla_models.py).
 """
 
 import torch
