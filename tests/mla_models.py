@@ -258,8 +258,8 @@ MLA_NO_CONTINUOUS_BATCHING = {
 }
 
 
-def _layers(prefix, indices, suffix="self_attn"):
-    return tuple(f"{prefix}.{index}.{suffix}" for index in indices)
+def _layers(prefix, indices):
+    return tuple(f"{prefix}.{index}.self_attn" for index in indices)
 
 
 MLA_ATTENTION_MODULES = {
