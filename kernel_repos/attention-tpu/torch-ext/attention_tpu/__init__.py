@@ -26,7 +26,7 @@ below.
 # same build (same module id) from a second path, and then Python reuses the
 # cached submodules without setting them as attributes of the new package.
 # Nothing else is bound here but the names of the face.
-from . import common, flash, flash_api, flash_backward, kvcache, ops, paged, paged_ops, reference
+from . import common, flash, flash_api, flash_backward, kvcache, latent, ops, paged, paged_ops, reference
 from .attention import attention_forward, attention_mask
 from .common.masking import Problem
 from .common.paged import PagedProblem

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from .flash.kernel import differentiable_flash_attention
 from .flash_backward.kernel import flash_attention_backward
+from .latent.compile_targets import latent_compile_targets
 from .paged.compile_targets import paged_compile_targets
 
 # The one list of the models' attention shapes, by tag: "<model>" or "<model> <layer kind>" where its layers differ.
@@ -176,6 +177,7 @@ def _backward_targets(generation):
 
 
 def compile_targets(generation):
-    # Ragged paged attention's shapes: `paged/compile_targets.py`, at the heads above.
+    # Ragged paged attention's shapes: `paged/compile_targets.py`, at the heads above; latent attention's (MLA
+    # models): `latent/compile_targets.py`.
     return [*_forward_targets(generation), *_backward_targets(generation),
-            *paged_compile_targets(generation, HEADS, WINDOWS, SINKS)]
+            *paged_compile_targets(generation, HEADS, WINDOWS, SINKS), *latent_compile_targets(generation)]
