@@ -12,7 +12,8 @@ GLM-5-Next under TP8 (8 of its 64 heads; no rope keys). The targets:
 * GLM-4.7-Flash's decode at batch 32 over 4096 tokens with a left-padding bool mask, and under TP4 a speculative step
   of 2 queries (packed rows of two queries each, the mask selected per row);
 * GLM-5-Next (R = 0) decode with a DSA top-k mask (bool, [B, 1, 1, S]);
-* prefill of 4096 tokens, causal: DeepSeek-V3 TP8 (16 heads), and of 2048 tokens with all 128 heads (head blocks).
+* prefill of 4096 tokens, causal, with DeepSeek-V3's 128 heads (blocks of them per step; under TP8 its 16 heads take
+  the same tiles).
 """
 
 from __future__ import annotations
@@ -71,7 +72,5 @@ def latent_compile_targets(generation):
          _avals(32, 2, 4096, mask_queries=2, **heads["glm-4.7-flash tp4"])),
         ("latent glm-5-next tp8 decode B=32 cache=4096 top-k mask no rope bf16",
          functools.partial(attend, masked=True, rope=False), _avals(32, 1, 4096, mask_queries=1, **glm_5_next)),
-        ("latent deepseek-v3 tp8 prefill B=1 S=4096 causal bf16", attend, _avals(1, 4096, 4096,
-                                                                                  **heads["deepseek-v3 tp8"])),
-        ("latent deepseek-v3 prefill B=1 S=2048 causal bf16", attend, _avals(1, 2048, 2048, **heads["deepseek-v3"])),
+        ("latent deepseek-v3 prefill B=1 S=4096 causal bf16", attend, _avals(1, 4096, 4096, **heads["deepseek-v3"])),
     ]
