@@ -1,15 +1,18 @@
-"""latent_attention (MLA's absorbed form over the latent cache) against the float64 reference, in TPU interpret mode.
+"""latent_attention (MLA's absorbed form over the latent cache) against the float64 reference, in TPU interpret mode,
+and its tile selection and plan.
 
 Everything runs against the built torch-cpu variant (`kernel` fixture), with race detection and NaN-filled
 uninitialised memory on. The torch-level cases take the tiles `latent.tiles.select` picks; the multi-block cases call
 the JAX function with small explicit tiles, so that ragged edge blocks, skipped and clamped blocks and head blocks
-occur at affordable sizes.
+occur at affordable sizes. The tile and plan tests run no kernel.
 """
 
+import jax
 import jax.numpy as jnp
 import pytest
 import torch
 from tpu_kernels import testing
+from tpu_kernels.runtime.hardware import SUPPORTED_GENERATIONS, resolve_target
 from tpu_kernels.testing import interpret, no_kernel_if
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -193,3 +196,174 @@ def test_grad_is_refused_only_while_enabled(kernel):
         out = kernel.latent_attention(*arrays)
     expected = kernel.reference.reference_latent_attention(*arrays)
     testing.assert_matches(out, expected.detach(), 1e-5)
+
+
+# Multi-block cases through the JAX function with small explicit tiles.
+
+
+MIB = 1 << 20
+TARGETS = [resolve_target(generation) for generation in SUPPORTED_GENERATIONS]
+
+# batch, heads, q_len, kv_len, latent_dim, rope_dim, dtype, (block_q, block_kv, heads_per_step), cores, options.
+# Where kv_lengths are given, the cache past them is NaN.
+BLOCK_CASES = {
+    # Decode over 4 KV blocks, the last ragged (rope keys-minor, past the cache's end); batch 1 stops after 2 blocks,
+    # batch 2 has no key at all.
+    "decode-1000-lengths": (3, 8, 1, 1000, 128, 64, torch.float32, (1, 256, 8), 1, dict(kv_lengths=[1000, 300, 0])),
+    # The heads in two blocks of 16 rows.
+    "decode-400-head-blocks-bf16": (2, 32, 1, 400, 128, 32, torch.bfloat16, (1, 128, 16), 1,
+                                    dict(kv_lengths=[400, 129])),
+    # A speculative step of 4 queries at per-sequence offsets: heads in blocks of 2 (8 packed rows), a top-k mask
+    # selected per row.
+    "speculative-4-mask-head-blocks": (2, 6, 4, 500, 128, 64, torch.float32, (4, 128, 2), 1,
+                                       dict(q_offset=[496, 200], kv_lengths=[500, 204], top_k=40)),
+    # Prefill: 3 ragged query blocks x 3 ragged KV blocks, a soft-capped window, heads in blocks of 2 (q_rope read
+    # queries-minor), on two cores (megacore splits the head blocks and query blocks): seconds.
+    "prefill-300-window-softcap": (1, 4, 300, 300, 128, 64, torch.float32, (128, 128, 2), 2,
+                                   dict(sliding_window=100, softcap=5.0)),
+    # Chunked prefill at per-sequence offsets, non-square blocks, a window.
+    "chunk-200-of-300-offsets": (2, 2, 200, 300, 128, 32, torch.float32, (128, 256, 1), 1,
+                                 dict(q_offset=[100, 40], sliding_window=64)),
+    # No rope keys, bf16, every head in a prefill step.
+    "prefill-300-no-rope-bf16": (1, 3, 300, 300, 256, 0, torch.bfloat16, (128, 128, 3), 1, dict()),
+    # A KV block of the whole cache, shorter than a lane tile: the rope keys read row-major.
+    "decode-100-rope-row-major": (2, 4, 1, 100, 128, 64, torch.float32, (1, 100, 4), 1, dict(kv_lengths=[100, 37])),
+}
+
+
+def _jax(tensor):
+    return None if tensor is None else jnp.asarray(tensor.float().numpy(), jnp.bfloat16 if tensor.dtype ==
+                                                  torch.bfloat16 else jnp.float32)
+
+
+def _run(kernel, arrays, config, cores=1, **options):
+    """The JAX function at `config`'s tiles on torch `arrays` with torch `options`, in interpret mode: float32."""
+    jax_options = {name: jnp.asarray(value.numpy()) if isinstance(value, torch.Tensor) else value
+                   for name, value in options.items()}
+    out = interpret(lambda: kernel.latent.kernel.latent_attention(*map(_jax, arrays), config=config, **jax_options),
+                    cores=cores)
+    return torch.from_numpy(jax.device_get(out.astype(jnp.float32)).copy())
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if BLOCK_CASES[case][8] > 1 else case
+                                  for case in BLOCK_CASES])
+def test_multi_block_matches_reference(kernel, case):
+    batch, heads, q_len, kv_len, latent_dim, rope_dim, dtype, tiles, cores, options = BLOCK_CASES[case]
+    arrays = list(_inputs(batch, heads, q_len, kv_len, latent_dim, rope_dim, dtype, seed=len(case)))
+    options = dict(options)
+    if "top_k" in options:
+        options["attention_mask"] = _top_k_mask(batch, q_len, kv_len, options.pop("top_k"), seed=1)
+    options = {name: torch.tensor(value, dtype=torch.int32) if isinstance(value, list) else value
+               for name, value in options.items()}
+    if "kv_lengths" in options:
+        for b, length in enumerate(options["kv_lengths"].tolist()):
+            for cache in arrays[2:]:
+                if cache is not None:
+                    cache[b, :, length:] = float("nan")
+    config = kernel.latent.tiles.LatentConfig(*tiles, vmem_limit_bytes=32 * MIB)
+    out = _run(kernel, arrays, config, cores, **options)
+    expected = kernel.reference.reference_latent_attention(*arrays, **options)
+    testing.assert_matches(out, expected, TOLERANCE[dtype])
+
+
+def test_blocks_outside_the_window_are_skipped(kernel):
+    """KV blocks no query can see are neither computed nor fetched: NaN there never shows. Queries 600..607 with a
+    window of 64 see keys 537..607, so KV blocks 0-3 (keys 0..511) are NaN; computing one would leak NaN through the
+    value product (p = 0 there, but 0 x NaN is NaN)."""
+    arrays = _inputs(1, 4, 8, 700, 128, 64, torch.float32, seed=2)
+    for cache in arrays[2:]:
+        cache[:, :, :512] = float("nan")
+    config = kernel.latent.tiles.LatentConfig(8, 128, 4, vmem_limit_bytes=32 * MIB)
+    out = _run(kernel, arrays, config, q_offset=600, sliding_window=64)
+    q_latent, q_rope, latent, rope = arrays
+    expected = kernel.reference.reference_latent_attention(q_latent, q_rope, latent[:, :, 512:], rope[:, :, 512:],
+                                                          q_offset=600 - 512, sliding_window=64)
+    testing.assert_matches(out, expected, 1e-5)
+
+
+def test_the_cache_is_read_in_place(kernel):
+    """Keys from two arrays and values from the latent, with no concatenation, padding or copy of the cache: the
+    kernel takes the latent as it is and the rope as its swapped view (XLA's layout of it)."""
+    B, H, S, L, R = 2, 16, 4096, 512, 64
+    avals = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((B, H, 1, L), (B, H, 1, R), (B, 1, S, L),
+                                                                     (B, 1, S, R))]
+    jaxpr = jax.make_jaxpr(lambda *arrays: kernel.latent.kernel.latent_attention(*arrays, generation="v6e"))(*avals)
+    primitives = [eqn.primitive.name for eqn in jaxpr.eqns]
+    assert "concatenate" not in primitives and "pad" not in primitives
+    (call,) = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "pallas_call"]
+    operand_shapes = [var.aval.shape for var in call.invars]
+    assert (B, 1, S, L) in operand_shapes and (B, 1, R, S) in operand_shapes
+
+
+def test_bad_config_raises(kernel):
+    tiles = kernel.latent.tiles
+    q = jnp.zeros((1, 6, 1, 128), jnp.float32)
+    cache = jnp.zeros((1, 1, 300, 128), jnp.float32)
+    for config, match in [
+        (tiles.LatentConfig(2, 128, 6, 16 * MIB), "block_q must be the query length 1"),
+        (tiles.LatentConfig(1, 100, 6, 16 * MIB), "block_kv"),
+        (tiles.LatentConfig(1, 128, 4, 16 * MIB), "heads_per_step must divide"),
+        (tiles.LatentConfig(1, 128, 3, 16 * MIB), r"must be a multiple of 8"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            kernel.latent.kernel.latent_attention(q, None, cache, None, config=config)
+    prefill = jnp.zeros((1, 6, 200, 128), jnp.float32)
+    with pytest.raises(ValueError, match="block_q must be a multiple of 128"):
+        kernel.latent.kernel.latent_attention(prefill, None, cache, None, config=tiles.LatentConfig(100, 128, 1, MIB))
+
+
+def _problem(kernel, heads, q_len, kv_len, rope_dim=64, mask_dtype=None):
+    return kernel.common.latent.LatentProblem.of_shape(heads=heads, q_len=q_len, kv_len=kv_len, latent_dim=512,
+                                                       rope_dim=rope_dim, dtype=jnp.bfloat16, mask_dtype=mask_dtype)
+
+
+# The decode KV blocks `latent.tiles` documents, by cache length and generation.
+DECODE_BLOCKS = {4096: {"v5e": 1024, "v5p": 2048, "v6e": 2048, "tpu7x": 4096},
+                 32768: {"v5e": 4096, "v5p": 4096, "v6e": 4096, "tpu7x": 4096}}
+
+
+@pytest.mark.parametrize("heads", [5, 16, 20, 128])
+def test_decode_steps_take_every_head_and_long_blocks(kernel, heads):
+    tiles = kernel.latent.tiles
+    for target in TARGETS:
+        for kv_len, blocks in DECODE_BLOCKS.items():
+            problem = _problem(kernel, heads, 1, kv_len)
+            config = tiles.select(problem, target)
+            assert (config.block_q, config.heads_per_step) == (1, heads)
+            working_set = tiles.vmem_bytes(problem, 1, config.block_kv, heads)
+            assert working_set <= kernel.vmem_budget(target)
+            assert config.vmem_limit_bytes == kernel.vmem_limit(working_set, target)
+            if heads == 16:
+                assert config.block_kv == blocks[target.name], (target.name, kv_len)
+
+
+def test_prefill_of_128_heads_takes_blocks_of_them(kernel):
+    tiles = kernel.latent.tiles
+    for target in TARGETS:
+        problem = _problem(kernel, 128, 4096, 4096)
+        config = tiles.select(problem, target)
+        assert 1 < config.heads_per_step < 128 and 128 % config.heads_per_step == 0
+        assert config.block_q % 128 == 0 and config.block_kv % 128 == 0
+        assert tiles.vmem_bytes(problem, config.block_q, config.block_kv, config.heads_per_step) <= \
+            kernel.vmem_budget(target)
+
+
+def test_plans_read_the_rope_as_xla_stores_it(kernel):
+    """Rope keys over more than 64 positions are stored keys-minor at R = 64 and read so; a prefill's q_rope alike."""
+    plan, target = kernel.latent.plan, resolve_target("v6e")
+    decode = plan.make(_problem(kernel, 16, 1, 4096), target)
+    assert decode.packed and decode.rope_keys_minor and not decode.q_rope_queries_minor
+    assert (decode.slices, decode.rows, decode.num_q_blocks) == (1, 16, 1)
+    speculative = plan.make(_problem(kernel, 5, 3, 4096), target)
+    assert speculative.packed and (speculative.slices, speculative.rows) == (1, 15)
+    prefill = plan.make(_problem(kernel, 16, 4096, 4096), target)
+    assert not prefill.packed and prefill.rope_keys_minor and prefill.q_rope_queries_minor
+    assert (prefill.slices, prefill.rows) == (prefill.heads_per_step, prefill.block_q)
+    short = plan.make(_problem(kernel, 16, 1, 64), target)
+    assert not short.rope_keys_minor and short.block_kv == 64
+
+
+def test_the_generation_is_resolved_once(kernel):
+    avals = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((1, 16, 1, 512), (1, 16, 1, 64),
+                                                                     (1, 1, 4096, 512), (1, 1, 4096, 64))]
+    testing.assert_generation_resolved_once(avals, kernel.latent.kernel.latent_attention)
