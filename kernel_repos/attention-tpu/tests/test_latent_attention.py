@@ -198,6 +198,22 @@ def test_grad_is_refused_only_while_enabled(kernel):
     testing.assert_matches(out, expected.detach(), 1e-5)
 
 
+
+@pytest.mark.slow
+def test_traces_under_torch_compile(kernel):
+    """With and without rope keys, with per-sequence lengths and a mask: one graph, the eager results."""
+    arrays = _inputs(2, 4, 1, 40, 128, 32, torch.float32, seed=10)
+    lengths, mask = torch.tensor([40, 17], dtype=torch.int32), _top_k_mask(2, 1, 40, 8, seed=11)
+
+    def both_forms(q_latent, q_rope, latent, rope, lengths, mask):
+        return (kernel.latent_attention(q_latent, q_rope, latent, rope, kv_lengths=lengths, scale=0.1),
+                kernel.latent_attention(q_latent, None, latent, None, attention_mask=mask))
+
+    compiled = torch.compile(both_forms, fullgraph=True)(*arrays, lengths, mask)
+    for out, expected in zip(compiled, both_forms(*arrays, lengths, mask)):
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
 # Multi-block cases through the JAX function with small explicit tiles.
 
 

@@ -192,44 +192,33 @@ class _Operands(NamedTuple):
     specs: list
 
 
-def _query_operands(q_latent, q_rope, plan: LatentPlan) -> tuple[_Operands, pl.BlockSpec, tuple[int, ...]]:
-    """(q_latent's and q_rope's operands, the output's spec, the output's shape as the kernel writes it)."""
-    batch, heads, q_len, latent_dim = q_latent.shape
-    rows, hps, block_q = plan.rows, plan.heads_per_step, plan.block_q
+def _query_operands(q_latent, q_rope, plan: LatentPlan) -> tuple[_Operands, pl.BlockSpec]:
+    """(q_latent's and q_rope's operands, the output's spec). Packed, each is viewed as [B, 1, H x Sq, width] (a
+    free reshape: a step's heads x queries become the rows of one slice), and so is the output; else [B, H, Sq,
+    width] blocks of a query block of the step's heads, q_rope queries-minor as its swapped view [B, H, R, Sq] (a
+    bitcast of XLA's layout) where the plan says so."""
+    batch, heads, q_len, _ = q_latent.shape
+    hps, block_q = plan.heads_per_step, plan.block_q
+    arrays = [q_latent] if q_rope is None else [q_latent, q_rope]
     if plan.packed:
-        # [B, H, Sq, D] -> [B, 1, H x Sq, D] is free: a step's heads x queries become the rows of one slice.
         def packed_index_map(b, h, qi, kv_step, *_):
             return (b, 0, h, 0)
 
-        def packed(x):
-            return x.reshape(batch, 1, heads * q_len, x.shape[-1]), pl.BlockSpec((None, 1, rows, x.shape[-1]),
-                                                                                packed_index_map)
-
-        (q_latent, latent_spec), rope = packed(q_latent), None if q_rope is None else packed(q_rope)
-        operands = _Operands([q_latent], [latent_spec])
-        if rope is not None:
-            operands.arrays.append(rope[0])
-            operands.specs.append(rope[1])
-        return operands, latent_spec, q_latent.shape
+        views = [x.reshape(batch, 1, heads * q_len, x.shape[-1]) for x in arrays]
+        specs = [pl.BlockSpec((None, 1, plan.rows, x.shape[-1]), packed_index_map) for x in views]
+        return _Operands(views, specs), specs[0]
 
     def index_map(b, h, qi, kv_step, *_):
         return (b, h, qi, 0)
 
-    latent_spec = pl.BlockSpec((None, hps, block_q, latent_dim), index_map)
-    operands = _Operands([q_latent], [latent_spec])
-    if q_rope is not None:
-        rope_dim = q_rope.shape[-1]
-        if plan.q_rope_queries_minor:
-            def queries_minor_index_map(b, h, qi, kv_step, *_):
-                return (b, h, 0, qi)
+    def queries_minor_index_map(b, h, qi, kv_step, *_):
+        return (b, h, 0, qi)
 
-            # The swapped view [B, H, R, Sq], a bitcast of XLA's layout.
-            operands.arrays.append(jnp.swapaxes(q_rope, 2, 3))
-            operands.specs.append(pl.BlockSpec((None, hps, rope_dim, block_q), queries_minor_index_map))
-        else:
-            operands.arrays.append(q_rope)
-            operands.specs.append(pl.BlockSpec((None, hps, block_q, rope_dim), index_map))
-    return operands, latent_spec, q_latent.shape
+    specs = [pl.BlockSpec((None, hps, block_q, x.shape[-1]), index_map) for x in arrays]
+    if plan.q_rope_queries_minor:
+        arrays[1] = jnp.swapaxes(q_rope, 2, 3)
+        specs[1] = pl.BlockSpec((None, hps, q_rope.shape[-1], block_q), queries_minor_index_map)
+    return _Operands(arrays, specs), specs[0]
 
 
 def _cache_operands(latent, rope, mask, plan: LatentPlan) -> _Operands:
@@ -284,10 +273,9 @@ def call(q_latent: jax.Array, q_rope: jax.Array | None, latent: jax.Array, rope:
          prepared: Prepared, plan: LatentPlan) -> jax.Array:
     """The kernel as `plan` says, on the call's arrays (q_rope and rope None where R = 0) and those `prepare` made of
     its options: the output [B, H, Sq, L] (inputs of the plan's non-empty problem, assumed valid)."""
-    attention = plan.problem.attention
-    batch, heads, q_len, latent_dim = q_latent.shape
-    block_lo, block_hi = masking.kv_block_ranges(attention, prepared, plan.block_q, plan.block_kv)
-    queries, out_spec, out_shape = _query_operands(q_latent, q_rope, plan)
+    batch, heads, _, latent_dim = q_latent.shape
+    block_lo, block_hi = masking.kv_block_ranges(plan.problem.attention, prepared, plan.block_q, plan.block_kv)
+    queries, out_spec = _query_operands(q_latent, q_rope, plan)
     cache = _cache_operands(latent, rope, prepared.mask, plan)
     slices, rows = plan.slices, plan.rows
     scratch = [pltpu.VMEM((slices, rows, 1), jnp.float32), pltpu.VMEM((slices, rows, 1), jnp.float32),
@@ -296,7 +284,7 @@ def call(q_latent: jax.Array, q_rope: jax.Array | None, latent: jax.Array, rope:
         scratch.append(pltpu.VMEM((slices, rows, plan.problem.rope_dim), q_latent.dtype))
     out = pl.pallas_call(
         functools.partial(_latent_kernel, plan=plan),
-        out_shape=jax.ShapeDtypeStruct(out_shape, q_latent.dtype),
+        out_shape=jax.ShapeDtypeStruct(queries.arrays[0].shape, q_latent.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(batch, heads // plan.heads_per_step, plan.num_q_blocks, plan.num_kv_steps),

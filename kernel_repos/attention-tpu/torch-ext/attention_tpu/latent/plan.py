@@ -23,8 +23,7 @@ class LatentPlan:
     block_kv: int
     heads_per_step: int
     num_q_blocks: int
-    num_kv_blocks: int
-    num_kv_steps: int  # grid steps along the KV axis: at most num_kv_blocks
+    num_kv_steps: int  # grid steps along the KV axis: at most the KV blocks of the cache
     vmem_limit_bytes: int
     rope_keys_minor: bool  # rope read as [B, 1, R, S] blocks of [R, block_kv] (`tiles.rope_keys_minor`)
     q_rope_queries_minor: bool  # a prefill's q_rope read as [B, H, R, Sq] (`tiles.q_rope_queries_minor`)
@@ -57,7 +56,6 @@ def make(problem: LatentProblem, target: TpuGeneration, config: LatentConfig | N
         block_kv=config.block_kv,
         heads_per_step=config.heads_per_step,
         num_q_blocks=pl.cdiv(attention.q_len, config.block_q),
-        num_kv_blocks=num_kv_blocks,
         num_kv_steps=masking.kv_steps(attention, num_kv_blocks, config.block_q, config.block_kv),
         vmem_limit_bytes=config.vmem_limit_bytes,
         rope_keys_minor=rope_keys_minor(problem, config.block_kv),
