@@ -7,15 +7,15 @@ is no tuned table beside this module. A step of the kernel runs `heads_per_step`
 * Packed (decode, and the few queries of a speculative step): a step's rows are its heads x all the call's queries,
   so each KV block costs one (rows, L + R) x (L + R, block_kv) logit product and one (rows, block_kv) x
   (block_kv, L) value product. Every head fits a step (H = 128 at 16 queries is 2048 rows, 4 MiB of float32
-  accumulators), so the cache is read once per step of the batch. The step is then pure streaming: its DMA (block_kv
+  accumulators), so a decode step reads the cache once. A step is then pure streaming: its DMA (block_kv
   keys of (L + R) x itemsize bytes, 1152 B in bf16 at DeepSeek's 512 + 64) should outweigh the fixed cost of a grid
   step (`_hardware.grid_step_overhead_s`, ~0.35 us; 0.72 us on TPU7x), while a block past a sequence's length is
   skipped whole but the block its length ends in is read whole: on average half a block of waste per sequence.
   `decode_block_kv` takes the power of two that minimises the sum, in keys: steps x (keys one step's fixed cost
-  would stream: 249 on v5e, 374 on v5p, 498 on v6e, 2313 on TPU7x) + block / 2. At 4096 cached tokens that is 1024
-  keys on v5e (where 2048 prices the same), 2048 on v5p and v6e (2.4 MB, 1.4 us on v6e) and 4096 on TPU7x; at
-  32768, 4096 everywhere (TPU7x's choice, 8192, passes the VMEM budget). A step of many rows (128 heads, or a
-  speculative step's heads x queries) is compute-bound, where short blocks cost little.
+  would stream: 249 on v5e, 374 on v5p, 498 on v6e, 2313 on TPU7x) + block / 2. At 16 heads over 4096 cached
+  tokens that is 1024 keys on v5e (where 2048 prices the same), 2048 on v5p and v6e (2.4 MB, 1.4 us on v6e) and 4096
+  on TPU7x; over 32768, 4096 everywhere (TPU7x's best, 16384, and 8192 pass its VMEM budget). A step of many rows
+  (128 heads, or a speculative step's heads x queries) is compute-bound, where short blocks cost little.
 * Blocked (prefill): a step's rows are one query block of each of its heads, as in the flash kernel's prefill, with
   the query block and KV block of flash's head_dim 512 tiles (`flash.tiles.PREFERRED_TILES_BY_HEAD_DIM`: the latent
   keys are 576 wide), not modelled for this kernel. The heads of a step are the most (a divisor of H) whose
