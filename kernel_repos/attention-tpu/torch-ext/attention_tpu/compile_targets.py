@@ -43,6 +43,16 @@ HEADS = {
     "gemma-4-26b-a4b sliding": {"q_heads": 16, "kv_heads": 8, "head_dim": 256},
     "gemma-4-26b-a4b global": {"q_heads": 16, "kv_heads": 2, "head_dim": 512},
 }
+# MLA models' attention in its absorbed form (`latent/compile_targets.py`), by tag "<model>" or "<model> tp<N>" (the
+# heads on one chip under N-way tensor parallelism): query heads, latent width (kv_lora_rank) and rope width
+# (qk_rope_head_dim; 0: no rope keys).
+LATENT_HEADS = {
+    "deepseek-v3": {"heads": 128, "latent_dim": 512, "rope_dim": 64},
+    "deepseek-v3 tp8": {"heads": 16, "latent_dim": 512, "rope_dim": 64},
+    "glm-4.7-flash": {"heads": 20, "latent_dim": 512, "rope_dim": 64},
+    "glm-4.7-flash tp4": {"heads": 5, "latent_dim": 512, "rope_dim": 64},
+    "glm-5-next tp8": {"heads": 8, "latent_dim": 512, "rope_dim": 0},
+}
 # The windows of the sliding layers: GPT-OSS-20B's (every other layer) and Gemma 4's.
 WINDOWS = {"gpt-oss-20b": 128, "gemma-4-26b-a4b sliding": 1024}
 # The models whose layers all take attention sinks (one learned logit per query head).
@@ -180,4 +190,5 @@ def compile_targets(generation):
     # Ragged paged attention's shapes: `paged/compile_targets.py`, at the heads above; latent attention's (MLA
     # models): `latent/compile_targets.py`.
     return [*_forward_targets(generation), *_backward_targets(generation),
-            *paged_compile_targets(generation, HEADS, WINDOWS, SINKS), *latent_compile_targets(generation)]
+            *paged_compile_targets(generation, HEADS, WINDOWS, SINKS),
+            *latent_compile_targets(generation, LATENT_HEADS)]

@@ -2,10 +2,10 @@
 `compile_targets`): real MLA models' absorbed attention over their latent cache, bf16, one target per tile plan
 (every target costs the test suite a compile on each of four generations).
 
-The models' latent widths and heads per chip are `LATENT_HEADS` (plain literals, for the lab to read as well):
-DeepSeek-V3 (and R1, Kimi K2: 128 heads, kv_lora_rank 512, rope 64) whole and under TP8 (16 heads per chip,
-Moonlight-16B-A3B's and DeepSeek-V2-Lite's count as well), GLM-4.7-Flash (20 heads) and under TP4 (5), and
-GLM-5-Next under TP8 (8 of its 64 heads; no rope keys). The targets:
+The models' heads per chip and latent widths are the package's `compile_targets.LATENT_HEADS`: DeepSeek-V3 (and R1,
+Kimi K2: 128 heads, kv_lora_rank 512, rope 64) whole and under TP8 (16 heads per chip, Moonlight-16B-A3B's and
+DeepSeek-V2-Lite's count as well), GLM-4.7-Flash (20 heads) and under TP4 (5), and GLM-5-Next under TP8 (8 of its 64
+heads; no rope keys). The targets:
 
 * decode steps (one query, per-sequence cache lengths as a static cache has them) at batch 64 over 4096 cached tokens
   (DeepSeek-V3 TP8) and batch 8 over 32768 (DeepSeek-V3 whole: 128 heads in one step);
@@ -25,15 +25,6 @@ import jax.numpy as jnp
 
 from .kernel import latent_attention
 
-# Heads per chip and latent widths (kv_lora_rank, qk_rope_head_dim), by tag.
-LATENT_HEADS = {
-    "deepseek-v3": {"heads": 128, "latent_dim": 512, "rope_dim": 64},
-    "deepseek-v3 tp8": {"heads": 16, "latent_dim": 512, "rope_dim": 64},
-    "glm-4.7-flash": {"heads": 20, "latent_dim": 512, "rope_dim": 64},
-    "glm-4.7-flash tp4": {"heads": 5, "latent_dim": 512, "rope_dim": 64},
-    "glm-5-next tp8": {"heads": 8, "latent_dim": 512, "rope_dim": 0},
-}
-
 
 def _avals(batch, q_len, kv_len, *, heads, latent_dim, rope_dim, mask_queries=None):
     """(q_latent, q_rope, latent, rope, kv_lengths[, mask [B, 1, mask_queries, S] bool]); the rope ones absent where
@@ -51,17 +42,17 @@ def _avals(batch, q_len, kv_len, *, heads, latent_dim, rope_dim, mask_queries=No
     return tuple(avals)
 
 
-def latent_compile_targets(generation):
-    def attend(*arrays, rope=True, masked=False, causal=True):
+def latent_compile_targets(generation, heads):
+    """The targets at the models' `heads` (by tag: heads per chip, latent_dim, rope_dim)."""
+    def attend(*arrays, rope=True, masked=False):
         arrays = list(arrays)
         mask = arrays.pop() if masked else None
         kv_lengths = arrays.pop()
         q_latent, q_rope, latent, rope_keys = arrays if rope else (arrays[0], None, arrays[1], None)
         return latent_attention(q_latent, q_rope, latent, rope_keys, kv_lengths=kv_lengths, attention_mask=mask,
-                                causal=causal, generation=generation)
+                                generation=generation)
 
     masked = functools.partial(attend, masked=True)
-    heads = LATENT_HEADS
     glm_5_next = heads["glm-5-next tp8"]
     return [
         ("latent deepseek-v3 tp8 decode B=64 cache=4096 bf16", attend, _avals(64, 1, 4096, **heads["deepseek-v3 tp8"])),

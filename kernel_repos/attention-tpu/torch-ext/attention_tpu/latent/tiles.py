@@ -189,8 +189,8 @@ def check_config(config: LatentConfig, problem: LatentProblem) -> None:
         raise ValueError(f"config.block_q must be the query length {q_len} (at most {PACKED_QUERIES_MAX} queries "
                          f"are packed into one step), got {config.block_q}")
     if not packs_queries(problem) and not aligned(config.block_q, q_len, Q_BLOCK_MULTIPLE):
-        raise ValueError(
-            f"config.block_q must be a multiple of {Q_BLOCK_MULTIPLE} or the query length {q_len}, got {config.block_q}")
+        raise ValueError(f"config.block_q must be a multiple of {Q_BLOCK_MULTIPLE} or the query length {q_len}, "
+                         f"got {config.block_q}")
     if not aligned(config.block_kv, kv_len, LANES):
         raise ValueError(
             f"config.block_kv must be a multiple of {LANES} or the key length {kv_len}, got {config.block_kv}")
