@@ -243,7 +243,7 @@ EXPECTED_API = {
     "rmsnorm-tpu": (["fused_add_rms_norm", "rms_norm"], ["RMSNorm", "RMSNormZeroCentered"]),
     "attention-tpu": (["attention_forward", "attention_mask", "flash_attention", "flash_attn_func",
                        "flash_attn_varlen_func", "flash_attn_with_kvcache", "ragged_paged_attention",
-                       "ragged_varlen_attention"], []),
+                       "ragged_varlen_attention", "latent_attention"], []),
 }
 
 

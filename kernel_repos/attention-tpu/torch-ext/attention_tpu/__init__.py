@@ -1,5 +1,5 @@
-"""attention-tpu: flash attention (forward and backward) for prefill, decode and training as Pallas TPU kernels, as
-torch ops.
+"""attention-tpu: flash attention (forward and backward) for prefill, decode and training, and latent attention for
+MLA models' decode, as Pallas TPU kernels, as torch ops.
 
 On TPU tensors the ops run the Mosaic-compiled kernels; on CPU tensors they run
 the same kernels in Pallas' TPU interpret mode (exact, slow: for development
@@ -7,15 +7,18 @@ and CI). `attention_forward` and `attention_mask` plug it into transformers.
 
 Each kernel is a subpackage (`flash`: the forward; `flash_backward`: dq and
 dk/dv; `paged`: ragged paged attention over a paged or contiguous KV cache,
-inference only) with three seams: `tiles.select(problem, target)` picks its tiles,
-`plan.make(problem, target, config=None)` lays its grid and VMEM limit,
-and `kernel.call(arrays..., plan)` runs it. The problem is a frozen value
-(`Problem`, `PagedProblem`) and so is the target, the TPU generation's facts
+inference only; `latent`: multi-head latent attention in its absorbed form
+over transformers' latent cache, inference only) with three seams:
+`tiles.select(problem, target)` picks its tiles, `plan.make(problem, target,
+config=None)` lays its grid and VMEM limit, and `kernel.call(arrays...,
+plan)` runs it. The problem is a frozen value (`Problem`, `PagedProblem`,
+`LatentProblem`) and so is the target, the TPU generation's facts
 (`_hardware.TpuGeneration`): each JAX function resolves its `generation` (a
 name, or None for this device's) once and hands both down to the tiles.
 `common` is what the kernels share (the call's options, its `Problem` and
-masking, the paged kernel's `PagedProblem`, the online softmax, the tiles'
-type, the VMEM policy, the layout rule). `__all__` is what a user calls (the torch
+masking, the paged kernel's `PagedProblem`, the latent kernel's
+`LatentProblem`, the online softmax, the tiles' type, the VMEM policy, the
+layout rule). `__all__` is what a user calls (the torch
 ops, the transformers entry points, the flash-attn 2 API and the reference);
 `TOOLS` is what this project's lab (benchmarks/) uses besides, and nothing
 more: the kernel's own tests reach its internals through the modules bound
@@ -26,7 +29,7 @@ below.
 # same build (same module id) from a second path, and then Python reuses the
 # cached submodules without setting them as attributes of the new package.
 # Nothing else is bound here but the names of the face.
-from . import common, flash, flash_api, flash_backward, kvcache, ops, paged, paged_ops, reference
+from . import common, flash, flash_api, flash_backward, kvcache, latent, latent_ops, ops, paged, paged_ops, reference
 from .attention import attention_forward, attention_mask
 from .common.masking import Problem
 from .common.paged import PagedProblem
@@ -35,16 +38,18 @@ from .common.vmem import vmem_budget, vmem_limit
 from .flash.kernel import SUPPORTED_HEAD_DIMS
 from .flash_api import flash_attn_func, flash_attn_varlen_func
 from .kvcache import flash_attn_with_kvcache
+from .latent_ops import latent_attention
 from .ops import flash_attention
 from .paged_ops import ragged_paged_attention, ragged_varlen_attention
 
 # What a user of the loaded kernel calls (and what `kernels describe-api` lists, from symbols.json): the torch
 # op, transformers' attention and mask functions, the flash-attn 2 API (`flash_api`, and `kvcache` on the paged
 # kernel: what transformers calls when `attn_implementation` names this repo), the paged kernel's torch ops and the
-# float64 reference the kernels are tested against.
+# float64 reference the kernels are tested against; latent attention's op (MLA's absorbed form over transformers'
+# latent cache) and its module.
 __all__ = ["SUPPORTED_HEAD_DIMS", "attention_forward", "attention_mask", "flash_attention", "ops", "reference",
            "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "ragged_paged_attention",
-           "ragged_varlen_attention"]
+           "ragged_varlen_attention", "latent_attention", "latent_ops"]
 
 # What this project's lab uses besides `__all__`, and nothing more: tests/test_kernel_face.py holds every use
 # outside the kernel repo to these names, and each name to a use. A dotted name is reached through the subpackages

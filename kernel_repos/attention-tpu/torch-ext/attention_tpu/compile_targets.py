@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from .flash.kernel import differentiable_flash_attention
 from .flash_backward.kernel import flash_attention_backward
+from .latent.compile_targets import latent_compile_targets
 from .paged.compile_targets import paged_compile_targets
 
 # The one list of the models' attention shapes, by tag: "<model>" or "<model> <layer kind>" where its layers differ.
@@ -41,6 +42,16 @@ HEADS = {
     "gpt-oss-20b": {"q_heads": 64, "kv_heads": 8, "head_dim": 64},
     "gemma-4-26b-a4b sliding": {"q_heads": 16, "kv_heads": 8, "head_dim": 256},
     "gemma-4-26b-a4b global": {"q_heads": 16, "kv_heads": 2, "head_dim": 512},
+}
+# MLA models' attention in its absorbed form (`latent/compile_targets.py`), by tag "<model>" or "<model> tp<N>" (the
+# heads on one chip under N-way tensor parallelism): query heads, latent width (kv_lora_rank) and rope width
+# (qk_rope_head_dim; 0: no rope keys).
+LATENT_HEADS = {
+    "deepseek-v3": {"heads": 128, "latent_dim": 512, "rope_dim": 64},
+    "deepseek-v3 tp8": {"heads": 16, "latent_dim": 512, "rope_dim": 64},
+    "glm-4.7-flash": {"heads": 20, "latent_dim": 512, "rope_dim": 64},
+    "glm-4.7-flash tp4": {"heads": 5, "latent_dim": 512, "rope_dim": 64},
+    "glm-5-next tp8": {"heads": 8, "latent_dim": 512, "rope_dim": 0},
 }
 # The windows of the sliding layers: GPT-OSS-20B's (every other layer) and Gemma 4's.
 WINDOWS = {"gpt-oss-20b": 128, "gemma-4-26b-a4b sliding": 1024}
@@ -176,6 +187,8 @@ def _backward_targets(generation):
 
 
 def compile_targets(generation):
-    # Ragged paged attention's shapes: `paged/compile_targets.py`, at the heads above.
+    # Ragged paged attention's shapes: `paged/compile_targets.py`, at the heads above; latent attention's (MLA
+    # models): `latent/compile_targets.py`.
     return [*_forward_targets(generation), *_backward_targets(generation),
-            *paged_compile_targets(generation, HEADS, WINDOWS, SINKS)]
+            *paged_compile_targets(generation, HEADS, WINDOWS, SINKS),
+            *latent_compile_targets(generation, LATENT_HEADS)]

@@ -148,3 +148,20 @@ def reference_varlen_attention(q, k, v, cu_q_lens, cu_k_lens, **options) -> torc
         v_cache[seq, : end - start] = v[start:end]
     page_table = torch.arange(len(kv_lens))[:, None]
     return reference_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, **options)
+
+
+def reference_latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor | None, latent: torch.Tensor,
+                               rope: torch.Tensor | None, *, scale: float | None = None, **options) -> torch.Tensor:
+    """Latent (absorbed MLA) attention (`latent.kernel.latent_attention`) -> float64 [B, H, Sq, L]: plain attention
+    of the query [q_latent, q_rope] over one KV head whose keys are [latent, rope] and whose values are the latent.
+
+    q_latent [B, H, Sq, L], q_rope [B, H, Sq, R]; latent [B, 1, S, L], rope [B, 1, S, R] (None where R = 0). scale
+    defaults to (L + R) ** -0.5; `options` are `reference_attention`'s (causal, q_offset, kv_lengths,
+    sliding_window, softcap, attention_mask).
+    """
+    rope_dim = 0 if q_rope is None else q_rope.shape[-1]
+    query, keys = q_latent, latent
+    if rope_dim:
+        query, keys = torch.cat([q_latent, q_rope], dim=-1), torch.cat([latent, rope], dim=-1)
+    scale = (q_latent.shape[-1] + rope_dim) ** -0.5 if scale is None else scale
+    return reference_attention(query, keys, latent, scale=scale, **options)
