@@ -52,6 +52,7 @@ LATENT_HEADS = {
     "glm-4.7-flash": {"heads": 20, "latent_dim": 512, "rope_dim": 64},
     "glm-4.7-flash tp4": {"heads": 5, "latent_dim": 512, "rope_dim": 64},
     "glm-5-next tp8": {"heads": 8, "latent_dim": 512, "rope_dim": 0},
+    "hy-v4": {"heads": 32, "latent_dim": 512, "rope_dim": 64},
 }
 # The windows of the sliding layers: GPT-OSS-20B's (every other layer) and Gemma 4's.
 WINDOWS = {"gpt-oss-20b": 128, "gemma-4-26b-a4b sliding": 1024}

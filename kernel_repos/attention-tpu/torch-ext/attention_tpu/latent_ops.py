@@ -27,12 +27,13 @@ def _latent_attention(
     q_offset: jax.Array | None,
     kv_lengths: jax.Array,
     attention_mask: jax.Array | None,
+    sinks: jax.Array | None,
     scale: float,
     causal: bool,
 ) -> jax.Array:
     """q_rope and rope None: no rope keys (R = 0); q_offset None: the default, S - Sq."""
     return _jax_latent_attention(q_latent, q_rope, latent, rope, scale=scale, causal=causal, q_offset=q_offset,
-                                 kv_lengths=kv_lengths, attention_mask=attention_mask)
+                                 kv_lengths=kv_lengths, attention_mask=attention_mask, sinks=sinks)
 
 
 def _check_arrays(q_latent, q_rope, latent, rope) -> None:
@@ -62,9 +63,9 @@ def _check_arrays(q_latent, q_rope, latent, rope) -> None:
         raise TypeError(f"q_latent, q_rope, latent and rope must share one dtype, got {dtypes}")
 
 
-def _check_options(q_latent, latent, *, scale, q_offset, kv_lengths, attention_mask) -> list[torch.Tensor]:
+def _check_options(q_latent, latent, *, scale, q_offset, kv_lengths, attention_mask, sinks) -> list[torch.Tensor]:
     """The options' types, shapes and dtypes, in torch terms; the tensors among them."""
-    batch, _, q_len, _ = q_latent.shape
+    batch, heads, q_len, _ = q_latent.shape
     kv_len = latent.shape[2]
     tensors = []
     if isinstance(q_offset, torch.Tensor):
@@ -89,6 +90,13 @@ def _check_options(q_latent, latent, *, scale, q_offset, kv_lengths, attention_m
             raise TypeError("attention_mask must be bool or int8 (nonzero = attend) or floating (additive), "
                             f"got {attention_mask.dtype}")
         tensors.append(attention_mask)
+    if sinks is not None:
+        check_tensor("sinks", sinks)
+        if tuple(sinks.shape) != (heads,):
+            raise ValueError(f"sinks must have shape ({heads},) (one per query head), got {tuple(sinks.shape)}")
+        if sinks.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"sinks must be float32 or bfloat16, got {sinks.dtype}")
+        tensors.append(sinks)
     # A comparison, not math.isfinite: torch.compile may trace the scale as a symbolic float.
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not -math.inf < scale < math.inf):
@@ -99,7 +107,7 @@ def _check_options(q_latent, latent, *, scale, q_offset, kv_lengths, attention_m
 def latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor | None, latent: torch.Tensor,
                      rope: torch.Tensor | None, *, scale: float | None = None, causal: bool = True,
                      q_offset: int | torch.Tensor | None = None, kv_lengths: torch.Tensor | None = None,
-                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                     attention_mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Multi-head latent attention in its absorbed form over the latent cache -> [B, H, Sq, L] (inference only).
 
     q_latent [B, H, Sq, L] (the query's no-rope part through W_UK) and q_rope [B, H, Sq, R]; latent [B, 1, S, L]
@@ -111,19 +119,21 @@ def latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor | None, latent
     causal (default True); q_offset: the cache position of the first query (an int or an integer tensor [B];
     default S - Sq); kv_lengths: integer tensor [B], keys at and past it are masked (clipped to [0, S]);
     attention_mask [B or 1, 1, Sq, S]: bool or int8 (nonzero = attend) or floating (additive; values at the
-    dtype's minimum mask the key out), combined with the above. Rows that see no key come out as zeros; empty
-    inputs run no kernel. Refuses inputs that require grad while grad is enabled.
+    dtype's minimum mask the key out), combined with the above; sinks [H] float32 or bfloat16: one logit per query
+    head that joins every row's softmax denominator and attends to nothing (HY-v4's `s_aux`; not scaled). Rows that
+    see no key come out as zeros, with sinks too; empty inputs run no kernel. Refuses inputs that require grad while
+    grad is enabled.
     """
     _check_arrays(q_latent, q_rope, latent, rope)
     options = _check_options(q_latent, latent, scale=scale, q_offset=q_offset, kv_lengths=kv_lengths,
-                             attention_mask=attention_mask)
+                             attention_mask=attention_mask, sinks=sinks)
     arrays = [t for t in (q_latent, q_rope, latent, rope) if t is not None]
     devices = {t.device for t in arrays + options}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in arrays + options):
-        raise ValueError("latent attention is inference-only: q_latent, q_rope, latent, rope and attention_mask must "
-                         "not require grad (or run under torch.no_grad()); train with the expanded form through "
+        raise ValueError("latent attention is inference-only: q_latent, q_rope, latent, rope, attention_mask and sinks "
+                         "must not require grad (or run under torch.no_grad()); train with the expanded form through "
                          "flash_attention")
     batch, _, q_len, latent_dim = q_latent.shape
     kv_len = latent.shape[2]
@@ -145,5 +155,5 @@ def latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor | None, latent
     kv_lengths = kv_lengths.to(torch.int64).clamp(0, kv_len).to(torch.int32)
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         attention_mask = attention_mask.to(torch.int8)
-    return _latent_attention(q_latent, q_rope, latent, rope, q_offset, kv_lengths, attention_mask, scale,
+    return _latent_attention(q_latent, q_rope, latent, rope, q_offset, kv_lengths, attention_mask, sinks, scale,
                              bool(causal))

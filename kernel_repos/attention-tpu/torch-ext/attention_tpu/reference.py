@@ -157,7 +157,8 @@ def reference_latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor | No
 
     q_latent [B, H, Sq, L], q_rope [B, H, Sq, R]; latent [B, 1, S, L], rope [B, 1, S, R] (None where R = 0). scale
     defaults to (L + R) ** -0.5; `options` are `reference_attention`'s (causal, q_offset, kv_lengths,
-    sliding_window, softcap, attention_mask).
+    sliding_window, softcap, attention_mask, sinks [H]: one logit per query head joining every row's softmax, over
+    no value).
     """
     rope_dim = 0 if q_rope is None else q_rope.shape[-1]
     query, keys = q_latent, latent

@@ -9,9 +9,10 @@ Per batch b and query head h, with L = kv_lora_rank and R = qk_rope_head_dim (R 
 * logits[h, i, j] = scale * (q_latent[h, i] . latent[j] + q_rope[h, i] . rope[j]); the output
   [B, H, Sq, L] = softmax_j(logits) @ latent: the values are the latent itself (the caller applies W_UV).
 
-Which (query, key) pairs are visible, and the logits' scale and soft-cap, are `masking.Attention`'s (no sinks): the
-attention's `Problem` has H query heads, one KV head and head_dim L; its scale defaults to (L + R) ** -0.5 (an MLA
-model passes its own, (nope + rope) ** -0.5 times its mscale).
+Which (query, key) pairs are visible, the logits' scale and soft-cap, and the sinks (one logit per query head in every
+row's softmax, attending to nothing: HY-v4's) are `masking.Attention`'s: the attention's `Problem` has H query heads,
+one KV head and head_dim L; its scale defaults to (L + R) ** -0.5 (an MLA model passes its own, (nope + rope) ** -0.5
+times its mscale).
 """
 
 from __future__ import annotations
@@ -46,12 +47,14 @@ class LatentProblem:
 
     @classmethod
     def of_shape(cls, *, heads: int, q_len: int, kv_len: int, latent_dim: int, rope_dim: int, dtype, mask_dtype=None,
-                 causal: bool = True, batch: int = 1) -> LatentProblem:
+                 causal: bool = True, batch: int = 1, has_sinks: bool = False) -> LatentProblem:
         """The problem of a call of this shape as `latent_problem` makes it (default scale, the queries last in the
-        cache), with a mask of `mask_dtype` (a float one adds, any other selects) if given."""
+        cache), with a mask of `mask_dtype` (a float one adds, any other selects) if given, and sinks if
+        `has_sinks`."""
         attention = Problem.of_shape(q_heads=heads, kv_heads=1, q_len=q_len, kv_len=kv_len, head_dim=latent_dim,
                                      dtype=dtype, mask_dtype=mask_dtype, causal=causal, batch=batch)
-        return cls(dataclasses.replace(attention, scale=default_scale(latent_dim, rope_dim)), rope_dim)
+        return cls(dataclasses.replace(attention, scale=default_scale(latent_dim, rope_dim), has_sinks=has_sinks),
+                   rope_dim)
 
 
 def default_scale(latent_dim: int, rope_dim: int) -> float:

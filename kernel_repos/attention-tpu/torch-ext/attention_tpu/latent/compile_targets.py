@@ -4,14 +4,16 @@
 
 The models' heads per chip and latent widths are the package's `compile_targets.LATENT_HEADS`: DeepSeek-V3 (and R1,
 Kimi K2: 128 heads, kv_lora_rank 512, rope 64) whole and under TP8 (16 heads per chip, Moonlight-16B-A3B's and
-DeepSeek-V2-Lite's count as well), GLM-4.7-Flash (20 heads) and under TP4 (5), and GLM-5-Next under TP8 (8 of its 64
-heads; no rope keys). The targets:
+DeepSeek-V2-Lite's count as well), GLM-4.7-Flash (20 heads) and under TP4 (5), GLM-5-Next under TP8 (8 of its 64
+heads; no rope keys), and HY-v4 (Hy4-preview: 32 heads, every layer with attention sinks). The targets:
 
 * decode steps (one query, per-sequence cache lengths as a static cache has them) at batch 64 over 4096 cached tokens
   (DeepSeek-V3 TP8) and batch 8 over 32768 (DeepSeek-V3 whole: 128 heads in one step);
 * GLM-4.7-Flash's decode at batch 32 over 4096 tokens with a left-padding bool mask, and under TP4 a speculative step
   of 2 queries (packed rows of two queries each, the mask selected per row);
 * GLM-5-Next (R = 0) decode with a DSA top-k mask (bool, [B, 1, 1, S]);
+* HY-v4's decode at batch 32 over 4096 tokens with its sinks (bf16 [H], one per row of the packed step) and the top-k
+  mask of its DSA indexer (2048 of the keys);
 * prefill of 4096 tokens, causal, with DeepSeek-V3's 128 heads (blocks of them per step; under TP8 its 16 heads take
   the same tiles).
 """
@@ -26,9 +28,9 @@ import jax.numpy as jnp
 from .kernel import latent_attention
 
 
-def _avals(batch, q_len, kv_len, *, heads, latent_dim, rope_dim, mask_queries=None):
-    """(q_latent, q_rope, latent, rope, kv_lengths[, mask [B, 1, mask_queries, S] bool]); the rope ones absent where
-    rope_dim is 0."""
+def _avals(batch, q_len, kv_len, *, heads, latent_dim, rope_dim, mask_queries=None, sinks=False):
+    """(q_latent, q_rope, latent, rope, kv_lengths[, mask [B, 1, mask_queries, S] bool][, sinks [H]]); the rope ones
+    absent where rope_dim is 0."""
     def array(*shape, dtype=jnp.bfloat16):
         return jax.ShapeDtypeStruct(shape, dtype)
 
@@ -39,18 +41,21 @@ def _avals(batch, q_len, kv_len, *, heads, latent_dim, rope_dim, mask_queries=No
     avals.append(array(batch, dtype=jnp.int32))
     if mask_queries is not None:
         avals.append(array(batch, 1, mask_queries, kv_len, dtype=jnp.bool_))
+    if sinks:
+        avals.append(array(heads))
     return tuple(avals)
 
 
 def latent_compile_targets(generation, heads):
     """The targets at the models' `heads` (by tag: heads per chip, latent_dim, rope_dim)."""
-    def attend(*arrays, rope=True, masked=False):
+    def attend(*arrays, rope=True, masked=False, sinks=False):
         arrays = list(arrays)
+        sink_logits = arrays.pop() if sinks else None
         mask = arrays.pop() if masked else None
         kv_lengths = arrays.pop()
         q_latent, q_rope, latent, rope_keys = arrays if rope else (arrays[0], None, arrays[1], None)
         return latent_attention(q_latent, q_rope, latent, rope_keys, kv_lengths=kv_lengths, attention_mask=mask,
-                                generation=generation)
+                                sinks=sink_logits, generation=generation)
 
     masked = functools.partial(attend, masked=True)
     glm_5_next = heads["glm-5-next tp8"]
@@ -63,5 +68,8 @@ def latent_compile_targets(generation, heads):
          _avals(32, 2, 4096, mask_queries=2, **heads["glm-4.7-flash tp4"])),
         ("latent glm-5-next tp8 decode B=32 cache=4096 top-k mask no rope bf16",
          functools.partial(attend, masked=True, rope=False), _avals(32, 1, 4096, mask_queries=1, **glm_5_next)),
+        ("latent hy-v4 decode B=32 cache=4096 top-k mask sinks bf16",
+         functools.partial(attend, masked=True, sinks=True),
+         _avals(32, 1, 4096, mask_queries=1, sinks=True, **heads["hy-v4"])),
         ("latent deepseek-v3 prefill B=1 S=4096 causal bf16", attend, _avals(1, 4096, 4096, **heads["deepseek-v3"])),
     ]

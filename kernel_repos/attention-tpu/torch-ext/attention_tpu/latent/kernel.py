@@ -22,6 +22,9 @@ soft-cap are `common/masking.py`'s.
 * No padding copies: the logits of keys past a sequence's length or the cache's end are masked to -inf before the
   exponential, and in the one block a sequence's length ends in the values past it are zeroed before the value
   product (0 x NaN is NaN), so whatever lies there never reaches the result. Rows that see no key come out as zeros.
+* Attention sinks (one learned logit per query head, as HY-v4 has them) start each row's running max and sum (max =
+  sink, sum = 1: `softmax.start`); a packed row takes its head's sink. A row that sees no key still comes out as
+  zeros: its sum is the sink's alone, its accumulator 0.
 
 `call` runs the kernel as a `plan.LatentPlan` says; `latent_attention` is the JAX function. Inputs are assumed
 valid: the torch op checks them (`latent_ops.py`).
@@ -52,6 +55,7 @@ class _Refs(NamedTuple):
     latent: object  # [block_kv, L]
     rope: object | None  # [block_kv, R], or keys-minor [R, block_kv]
     mask: object | None  # [mask rows, block_kv]: the step's queries
+    sinks: object | None  # f32 [rows, 1] (packed: each row its head's) or [slices, 1, 1]
     out: object  # [slices, rows, L]
     max: object  # [slices, rows, 1] f32
     sum: object  # [slices, rows, 1] f32
@@ -66,14 +70,17 @@ class _Refs(NamedTuple):
 def _refs(plan: LatentPlan, refs) -> _Refs:
     """The kernel's refs by name, from the positional ones (the absent inputs and scratch left out)."""
     refs = list(refs)
-    has_rope, has_mask = plan.problem.rope_dim > 0, plan.problem.attention.mask_kind is not None
+    attention = plan.problem.attention
+    has_rope, has_mask = plan.problem.rope_dim > 0, attention.mask_kind is not None
 
     def take(present):
         return refs.pop(0) if present else None
 
     q_latent, q_rope, latent, rope, mask = take(True), take(has_rope), take(True), take(has_rope), take(has_mask)
+    sinks = take(attention.has_sinks)
     out, max_ref, sum_ref, acc = (take(True) for _ in range(4))
-    return _Refs(q_latent, q_rope, latent, rope, mask, out, max_ref, sum_ref, acc, take(plan.q_rope_queries_minor))
+    return _Refs(q_latent, q_rope, latent, rope, mask, sinks, out, max_ref, sum_ref, acc,
+                 take(plan.q_rope_queries_minor))
 
 
 class _Position(NamedTuple):
@@ -161,7 +168,7 @@ def _latent_kernel(q_offset_ref, kv_valid_ref, block_lo_ref, block_hi_ref, *refs
 
     @pl.when(kv_step == 0)
     def _init():
-        softmax.start(refs.softmax)
+        softmax.start(refs.softmax, None if refs.sinks is None else refs.sinks[...])
         if refs.q_rope_rows is not None:
             def transpose_query(s):
                 refs.q_rope_rows[s] = refs.q_rope[s].T
@@ -255,6 +262,18 @@ def _cache_operands(latent, rope, mask, plan: LatentPlan) -> _Operands:
     return operands
 
 
+def _sinks_operands(sinks, plan: LatentPlan) -> _Operands:
+    """The sinks (float32 [H], or None: no operand) laid out to broadcast onto a step's running max [slices, rows,
+    1]: packed, one per row ([H x Sq, 1], each head's repeated over its queries, the rows head-major); else one per
+    slice ([H, 1, 1])."""
+    if sinks is None:
+        return _Operands([], [])
+    if plan.packed:
+        rows = jnp.repeat(sinks, plan.problem.attention.q_len)[:, None]
+        return _Operands([rows], [pl.BlockSpec((plan.rows, 1), lambda b, h, *_: (h, 0))])
+    return _Operands([sinks[:, None, None]], [pl.BlockSpec((plan.heads_per_step, 1, 1), lambda b, h, *_: (h, 0, 0))])
+
+
 def _cost_estimate(q_latent, latent, plan: LatentPlan) -> pl.CostEstimate:
     """The cost for XLA's scheduler: the visible pairs' work, q and out moved once, the cache once per pass (per head
     block and query block)."""
@@ -277,6 +296,7 @@ def call(q_latent: jax.Array, q_rope: jax.Array | None, latent: jax.Array, rope:
     block_lo, block_hi = masking.kv_block_ranges(plan.problem.attention, prepared, plan.block_q, plan.block_kv)
     queries, out_spec = _query_operands(q_latent, q_rope, plan)
     cache = _cache_operands(latent, rope, prepared.mask, plan)
+    sinks = _sinks_operands(prepared.sinks, plan)
     slices, rows = plan.slices, plan.rows
     scratch = [pltpu.VMEM((slices, rows, 1), jnp.float32), pltpu.VMEM((slices, rows, 1), jnp.float32),
                pltpu.VMEM((slices, rows, latent_dim), jnp.float32)]
@@ -288,7 +308,7 @@ def call(q_latent: jax.Array, q_rope: jax.Array | None, latent: jax.Array, rope:
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(batch, heads // plan.heads_per_step, plan.num_q_blocks, plan.num_kv_steps),
-            in_specs=[*queries.specs, *cache.specs],
+            in_specs=[*queries.specs, *cache.specs, *sinks.specs],
             out_specs=out_spec,
             scratch_shapes=scratch,
         ),
@@ -298,7 +318,7 @@ def call(q_latent: jax.Array, q_rope: jax.Array | None, latent: jax.Array, rope:
         ),
         cost_estimate=_cost_estimate(q_latent, latent, plan),
         name="attention_tpu_latent",
-    )(prepared.q_offset, prepared.kv_valid, block_lo, block_hi, *queries.arrays, *cache.arrays)
+    )(prepared.q_offset, prepared.kv_valid, block_lo, block_hi, *queries.arrays, *cache.arrays, *sinks.arrays)
     return out.reshape(q_latent.shape)
 
 
@@ -306,8 +326,6 @@ def attend(q_latent: jax.Array, q_rope: jax.Array | None, latent: jax.Array, rop
            attention: Attention, target: TpuGeneration, config: LatentConfig | None = None) -> jax.Array:
     """`latent_attention` of an `Attention` value on `target` (a generation's facts, resolved once). Without a batch,
     a head, a query or a key no kernel runs: every row sees no key."""
-    if attention.sinks is not None:
-        raise ValueError("latent attention takes no sinks")
     batch, heads, q_len, _ = q_latent.shape
     if 0 in (batch, heads, q_len, latent.shape[2]):
         return jnp.zeros(q_latent.shape, q_latent.dtype)
@@ -321,9 +339,10 @@ def latent_attention(q_latent: jax.Array, q_rope: jax.Array | None, latent: jax.
     """Latent attention of q_latent [B, H, Sq, L] and q_rope [B, H, Sq, R] over the cache latent [B, 1, S, L] and
     rope [B, 1, S, R] (q_rope and rope None where R = 0) -> [B, H, Sq, L] in q's dtype (`common/latent.py`).
 
-    `options` are those of `masking.Attention` but sinks: scale (default (L + R) ** -0.5), causal, q_offset (int
-    or [B]), kv_lengths [B], sliding_window, softcap, attention_mask [B or 1, 1, Sq, S] (bool or int8, nonzero =
-    attend, or floating, additive). Tiles: `config`, else `tiles.select`'s for `generation` (a name or its facts;
+    `options` are those of `masking.Attention`: scale (default (L + R) ** -0.5), causal, q_offset (int or [B]),
+    kv_lengths [B], sliding_window, softcap, attention_mask [B or 1, 1, Sq, S] (bool or int8, nonzero = attend, or
+    floating, additive), sinks [H] (float; one logit per query head in every row's softmax, attending to nothing; a
+    row that sees no key is still 0). Tiles: `config`, else `tiles.select`'s for `generation` (a name or its facts;
     default this device's), resolved once here. Not differentiable (inference only). Inputs are assumed valid
     (the torch op checks them).
     """

@@ -83,8 +83,9 @@ def q_rope_queries_minor(problem: LatentProblem, block_q: int) -> bool:
 
 
 def vmem_bytes(problem: LatentProblem, block_q: int, block_kv: int, heads_per_step: int) -> int:
-    """Estimated VMEM working set of a step at these tiles: double-buffered q, output, K/V and mask blocks, the
-    softmax scratch, one slice's logit temporaries and the zeroed values of the block a sequence's length ends in."""
+    """Estimated VMEM working set of a step at these tiles: double-buffered q, output, K/V, mask and sinks blocks,
+    the softmax scratch, one slice's logit temporaries and the zeroed values of the block a sequence's length ends
+    in."""
     attention, latent_dim, rope_dim = problem.attention, problem.latent_dim, problem.rope_dim
     dtype, f32 = attention.dtype, jnp.float32
     slices, rows = (1, heads_per_step * attention.q_len) if packs_queries(problem) else (heads_per_step, block_q)
@@ -105,8 +106,12 @@ def vmem_bytes(problem: LatentProblem, block_q: int, block_kv: int, heads_per_st
     if attention.mask_dtype is not None:
         mask_rows = attention.q_len if packs_queries(problem) else block_q
         mask = 2 * padded_vmem_bytes((mask_rows, block_kv), attention.mask_dtype)
+    # A packed step's sinks are one per row, a blocked step's one per slice (`kernel._sinks_operands`).
+    sinks = 0
+    if attention.has_sinks:
+        sinks = 2 * padded_vmem_bytes((slices, rows if packs_queries(problem) else 1, 1), f32)
     temporaries = (4 + (mask > 0)) * padded_vmem_bytes((rows, block_kv), f32)
-    return q_and_out + q_rope_rows + scratch + kv + mask + temporaries
+    return q_and_out + q_rope_rows + scratch + kv + mask + sinks + temporaries
 
 
 def _divisors_descending(n: int) -> list[int]:
