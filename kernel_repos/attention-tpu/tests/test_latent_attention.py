@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 import torch
 from tpu_kernels import testing
-from tpu_kernels.runtime.hardware import SUPPORTED_GENERATIONS, resolve_target
+from tpu_kernels.runtime.hardware import SUPPORTED_GENERATIONS, padded_vmem_bytes, resolve_target
 from tpu_kernels.testing import interpret, no_kernel_if
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -31,9 +31,18 @@ def _inputs(batch, heads, q_len, kv_len, latent_dim, rope_dim, dtype, seed):
     return q_latent, randn(batch, heads, q_len, rope_dim), latent, randn(batch, 1, kv_len, rope_dim)
 
 
-def _tensors(options):
-    return {name: torch.tensor(value, dtype=torch.int32) if isinstance(value, list) else value
-            for name, value in options.items()}
+def _sinks(heads, dtype, seed=12):
+    """[H] random normal sink logits of `dtype`."""
+    return torch.randn(heads, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _tensors(options, heads):
+    """Lists as int32 tensors; `sinks` (a dtype) as random sinks of it, one per head."""
+    options = {name: torch.tensor(value, dtype=torch.int32) if isinstance(value, list) else value
+               for name, value in options.items()}
+    if "sinks" in options:
+        options["sinks"] = _sinks(heads, options["sinks"])
+    return options
 
 
 def _top_k_mask(batch, q_len, kv_len, keep, seed):
@@ -62,6 +71,14 @@ CASES = {
     "prefill-150-1-head-128-32": (1, 1, 150, 150, 128, 32, torch.float32, dict()),
     "chunk-40-of-300-512-64-bf16": (2, 3, 40, 300, 512, 64, torch.bfloat16, dict(q_offset=[100, 260])),
     "prefill-17-noncausal-512-0": (1, 5, 17, 17, 512, 0, torch.float32, dict(causal=False, scale=0.05)),
+    # Sinks (HY-v4's: one logit per head, float32 over bf16 inputs): decode, where batch 1 sees no key; a
+    # speculative step (each packed row its head's sink); a chunked prefill (one sink per head of a step).
+    "decode-32-heads-sinks-512-64-bf16": (2, 32, 1, 300, 512, 64, torch.bfloat16,
+                                          dict(kv_lengths=[300, 0], sinks=torch.float32)),
+    "speculative-3-sinks-128-32": (2, 5, 3, 200, 128, 32, torch.float32, dict(q_offset=[197, 30], kv_lengths=[200, 33],
+                                                                              sinks=torch.float32)),
+    "chunk-40-of-300-sinks-128-32-bf16": (2, 3, 40, 300, 128, 32, torch.bfloat16,
+                                          dict(q_offset=[100, 260], sinks=torch.bfloat16)),
 }
 
 
@@ -74,7 +91,7 @@ SLOW_CASES = ("prefill-128-heads-20-128-32",)
 def test_matches_reference(kernel, case):
     batch, heads, q_len, kv_len, latent_dim, rope_dim, dtype, options = CASES[case]
     arrays = _inputs(batch, heads, q_len, kv_len, latent_dim, rope_dim, dtype, seed=len(case))
-    options = _tensors(options)
+    options = _tensors(options, heads)
     out = kernel.latent_attention(*arrays, **options)
     assert out.shape == (batch, heads, q_len, latent_dim) and out.dtype == dtype
     expected = kernel.reference.reference_latent_attention(*arrays, **options)
@@ -94,15 +111,17 @@ def test_keys_past_the_lengths_may_hold_anything(kernel):
     testing.assert_matches(out, expected, 1e-5)
 
 
-def test_top_k_mask_and_fully_masked_rows(kernel):
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no-sinks", "sinks"])
+def test_top_k_mask_and_fully_masked_rows(kernel, with_sinks):
     """A DSA-style sparse mask (16 of 300 keys per query) with padding lengths; batch 1's mask shows no key, so its
-    rows are zeros."""
+    rows are zeros, with sinks too (the sink attends to nothing)."""
     arrays = _inputs(2, 8, 1, 300, 256, 64, torch.bfloat16, seed=2)
     mask = _top_k_mask(2, 1, 300, 16, seed=3)
     mask[1] = False
-    lengths = torch.tensor([300, 300])
-    out = kernel.latent_attention(*arrays, attention_mask=mask, kv_lengths=lengths)
-    expected = kernel.reference.reference_latent_attention(*arrays, attention_mask=mask, kv_lengths=lengths)
+    options = dict(attention_mask=mask, kv_lengths=torch.tensor([300, 300]),
+                   sinks=_sinks(8, torch.bfloat16) if with_sinks else None)
+    out = kernel.latent_attention(*arrays, **options)
+    expected = kernel.reference.reference_latent_attention(*arrays, **options)
     assert torch.equal(out[1].float(), torch.zeros_like(out[1].float()))
     testing.assert_matches(out, expected, 2e-2)
 
@@ -118,15 +137,18 @@ def test_additive_mask_of_a_speculative_step(kernel):
     testing.assert_matches(out, expected, 1e-5)
 
 
-def test_int8_mask_with_left_padding_in_prefill(kernel):
-    """Left padding as an int8 mask over a non-causal prefill: the padded queries see nothing and come out 0."""
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no-sinks", "sinks"])
+def test_int8_mask_with_left_padding_in_prefill(kernel, with_sinks):
+    """Left padding as an int8 mask over a non-causal prefill: the padded queries see nothing and come out 0, with
+    sinks too."""
     q_len = 40
     arrays = _inputs(2, 3, q_len, q_len, 128, 32, torch.float32, seed=6)
     positions = torch.arange(q_len)
     keep = positions[None, :] >= torch.tensor([0, 13])[:, None]
     mask = ((positions[None, :, None] >= positions[None, None, :]) & keep[:, None, :] & keep[:, :, None])[:, None]
-    out = kernel.latent_attention(*arrays, causal=False, attention_mask=mask.to(torch.int8))
-    expected = kernel.reference.reference_latent_attention(*arrays, causal=False, attention_mask=mask)
+    sinks = _sinks(3, torch.float32) if with_sinks else None
+    out = kernel.latent_attention(*arrays, causal=False, attention_mask=mask.to(torch.int8), sinks=sinks)
+    expected = kernel.reference.reference_latent_attention(*arrays, causal=False, attention_mask=mask, sinks=sinks)
     assert torch.equal(out[1, :, :13], torch.zeros_like(out[1, :, :13]))
     testing.assert_matches(out, expected, 1e-5)
 
@@ -171,6 +193,13 @@ def _bad_input_cases():
         (shapes, dict(attention_mask=torch.ones(2, 1, 1, 9, dtype=torch.int32)), TypeError,
          "attention_mask must be bool or int8"),
         (shapes, dict(scale=float("inf")), ValueError, "scale must be a finite number"),
+        (shapes, dict(sinks=torch.zeros(2)), ValueError, r"sinks must have shape \(4,\)"),
+        (shapes, dict(sinks=torch.zeros(1, 4)), ValueError, r"sinks must have shape \(4,\)"),
+        (shapes, dict(sinks=torch.zeros(4, dtype=torch.int32)), TypeError, "sinks must be float32 or bfloat16"),
+        (shapes, dict(sinks=torch.zeros(4, dtype=torch.float16)), TypeError, "sinks must be float32 or bfloat16"),
+        (shapes, dict(sinks=[0.0] * 4), TypeError, "sinks must be a torch.Tensor"),
+        (shapes, dict(sinks=torch.zeros(4, device="meta")), ValueError, "all tensors must be on one device"),
+        (shapes, dict(sinks=torch.zeros(4, requires_grad=True)), ValueError, "inference-only"),
         (shapes, dict(requires_grad=True), ValueError, "inference-only"),
         (shapes, dict(attention_mask=torch.zeros(2, 1, 1, 9, requires_grad=True)), ValueError, "inference-only"),
     ]
@@ -221,25 +250,29 @@ MIB = 1 << 20
 TARGETS = [resolve_target(generation) for generation in SUPPORTED_GENERATIONS]
 
 # batch, heads, q_len, kv_len, latent_dim, rope_dim, dtype, (block_q, block_kv, heads_per_step), cores, options.
-# Where kv_lengths are given, the cache past them is NaN.
+# Where kv_lengths are given, the cache past them is NaN; `sinks` (a dtype): random sinks of it.
 BLOCK_CASES = {
     # Decode over 4 KV blocks, the last ragged (rope keys-minor, past the cache's end); batch 1 stops after 2 blocks,
     # batch 2 has no key at all.
     "decode-1000-lengths": (3, 8, 1, 1000, 128, 64, torch.float32, (1, 256, 8), 1, dict(kv_lengths=[1000, 300, 0])),
+    # Likewise with sinks: batch 2 still comes out 0.
+    "decode-1000-lengths-sinks": (3, 8, 1, 1000, 128, 64, torch.float32, (1, 256, 8), 1,
+                                  dict(kv_lengths=[1000, 300, 0], sinks=torch.float32)),
     # The heads in two blocks of 16 rows.
     "decode-400-head-blocks-bf16": (2, 32, 1, 400, 128, 32, torch.bfloat16, (1, 128, 16), 1,
                                     dict(kv_lengths=[400, 129])),
-    # A speculative step of 4 queries at per-sequence offsets: heads in blocks of 2 (8 packed rows), a top-k mask
-    # selected per row.
-    "speculative-4-mask-head-blocks": (2, 6, 4, 500, 128, 64, torch.float32, (4, 128, 2), 1,
-                                       dict(q_offset=[496, 200], kv_lengths=[500, 204], top_k=40)),
+    # A speculative step of 4 queries at per-sequence offsets: heads in blocks of 2 (8 packed rows, each its head's
+    # sink), a top-k mask selected per row.
+    "speculative-4-mask-head-blocks-sinks": (2, 6, 4, 500, 128, 64, torch.float32, (4, 128, 2), 1,
+                                             dict(q_offset=[496, 200], kv_lengths=[500, 204], top_k=40,
+                                                  sinks=torch.float32)),
     # Prefill: 3 ragged query blocks x 3 ragged KV blocks, a soft-capped window, heads in blocks of 2 (q_rope read
-    # queries-minor), on two cores (megacore splits the head blocks and query blocks): seconds.
-    "prefill-300-window-softcap": (1, 4, 300, 300, 128, 64, torch.float32, (128, 128, 2), 2,
-                                   dict(sliding_window=100, softcap=5.0)),
-    # Chunked prefill at per-sequence offsets, non-square blocks, a window.
-    "chunk-200-of-300-offsets": (2, 2, 200, 300, 128, 32, torch.float32, (128, 256, 1), 1,
-                                 dict(q_offset=[100, 40], sliding_window=64)),
+    # queries-minor, each head its sink), on two cores (megacore splits the head blocks and query blocks): seconds.
+    "prefill-300-window-softcap-sinks": (1, 4, 300, 300, 128, 64, torch.float32, (128, 128, 2), 2,
+                                         dict(sliding_window=100, softcap=5.0, sinks=torch.float32)),
+    # Chunked prefill at per-sequence offsets, non-square blocks, a window, sinks one per head block.
+    "chunk-200-of-300-offsets-sinks": (2, 2, 200, 300, 128, 32, torch.float32, (128, 256, 1), 1,
+                                       dict(q_offset=[100, 40], sliding_window=64, sinks=torch.bfloat16)),
     # No rope keys, bf16, every head in a prefill step.
     "prefill-300-no-rope-bf16": (1, 3, 300, 300, 256, 0, torch.bfloat16, (128, 128, 3), 1, dict()),
     # A KV block of the whole cache, shorter than a lane tile: the rope keys read row-major.
@@ -254,8 +287,12 @@ def _jax(tensor):
 
 def _run(kernel, arrays, config, cores=1, **options):
     """The JAX function at `config`'s tiles on torch `arrays` with torch `options`, in interpret mode: float32."""
-    jax_options = {name: jnp.asarray(value.numpy()) if isinstance(value, torch.Tensor) else value
-                   for name, value in options.items()}
+    def to_jax(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        return _jax(value) if value.dtype.is_floating_point else jnp.asarray(value.numpy())
+
+    jax_options = {name: to_jax(value) for name, value in options.items()}
     out = interpret(lambda: kernel.latent.kernel.latent_attention(*map(_jax, arrays), config=config, **jax_options),
                     cores=cores)
     return torch.from_numpy(jax.device_get(out.astype(jnp.float32)).copy())
@@ -269,8 +306,7 @@ def test_multi_block_matches_reference(kernel, case):
     options = dict(options)
     if "top_k" in options:
         options["attention_mask"] = _top_k_mask(batch, q_len, kv_len, options.pop("top_k"), seed=1)
-    options = {name: torch.tensor(value, dtype=torch.int32) if isinstance(value, list) else value
-               for name, value in options.items()}
+    options = _tensors(options, heads)
     if "kv_lengths" in options:
         for b, length in enumerate(options["kv_lengths"].tolist()):
             for cache in arrays[2:]:
@@ -328,9 +364,10 @@ def test_bad_config_raises(kernel):
         kernel.latent.kernel.latent_attention(prefill, None, cache, None, config=tiles.LatentConfig(100, 128, 1, MIB))
 
 
-def _problem(kernel, heads, q_len, kv_len, rope_dim=64, mask_dtype=None):
+def _problem(kernel, heads, q_len, kv_len, rope_dim=64, mask_dtype=None, has_sinks=False):
     return kernel.common.latent.LatentProblem.of_shape(heads=heads, q_len=q_len, kv_len=kv_len, latent_dim=512,
-                                                       rope_dim=rope_dim, dtype=jnp.bfloat16, mask_dtype=mask_dtype)
+                                                       rope_dim=rope_dim, dtype=jnp.bfloat16, mask_dtype=mask_dtype,
+                                                       has_sinks=has_sinks)
 
 
 # The decode KV blocks `latent.tiles` documents, by cache length and generation.
@@ -362,6 +399,21 @@ def test_prefill_of_128_heads_takes_blocks_of_them(kernel):
         assert config.block_q % 128 == 0 and config.block_kv % 128 == 0
         assert tiles.vmem_bytes(problem, config.block_q, config.block_kv, config.heads_per_step) <= \
             kernel.vmem_budget(target)
+
+
+@pytest.mark.parametrize("q_len", [1, 3, 4096])
+def test_the_vmem_estimate_counts_the_sinks_block(kernel, q_len):
+    """Sinks add the block the kernel reads them in (`kernel._sinks_operands`: a packed step's rows, a prefill step's
+    heads), double-buffered, to the working set."""
+    latent, target = kernel.latent, resolve_target("v6e")
+    plain, with_sinks = (_problem(kernel, 16, q_len, 4096, has_sinks=has_sinks) for has_sinks in (False, True))
+    plan = latent.plan.make(with_sinks, target)
+    (spec,) = latent.kernel._sinks_operands(jnp.zeros(16, jnp.float32), plan).specs
+    tiles = (plan.block_q, plan.block_kv, plan.heads_per_step)
+    added = latent.tiles.vmem_bytes(with_sinks, *tiles) - latent.tiles.vmem_bytes(plain, *tiles)
+    assert added == 2 * padded_vmem_bytes(spec.block_shape, jnp.float32) > 0
+    assert latent.tiles.select(with_sinks, target).vmem_limit_bytes == \
+        kernel.vmem_limit(latent.tiles.vmem_bytes(with_sinks, *tiles), target)
 
 
 def test_plans_read_the_rope_as_xla_stores_it(kernel):
