@@ -19,7 +19,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def jax_cache_settings():
     """jax's cache settings restored after the test (nothing compiles meanwhile, so jax never opens the folder)."""
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_compilation_cache_max_size")
     saved = {name: getattr(jax.config, name) for name in names}
     yield
     for name, value in saved.items():

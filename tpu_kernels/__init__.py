@@ -16,6 +16,10 @@ def __getattr__(name):
         from .distribution import loader
 
         return getattr(loader, name)
+    if name == "attention_implementation":
+        from .integration.attention_name import attention_implementation
+
+        return attention_implementation
     if name == "precompile":
         from .integration.precompile import precompile
 
@@ -27,4 +31,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'tpu_kernels' has no attribute {name!r}")
 
 
-__all__ = ["KernelIntegrityError", "get_kernel", "get_local_kernel", "get_locked_kernel", "jax_torch_op", "kernelize", "load_kernel", "precompile"]
+__all__ = ["KernelIntegrityError", "attention_implementation", "get_kernel", "get_local_kernel", "get_locked_kernel", "jax_torch_op", "kernelize", "load_kernel", "precompile"]

@@ -31,6 +31,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from .folders import make_private_dirs
+
 # The libraries whose versions decide what a program compiles to.
 COMPILER_PACKAGES = ("jax", "jaxlib", "tokamax", "libtpu", "torch_tpu")
 HMAC_KEY_FILE = "cache-hmac.key"
@@ -72,22 +74,23 @@ def source_fingerprint(*objects) -> str:
 def private_folder(folder: Path) -> Path:
     """`folder`, made (0700) if missing, resolved; UnsafeCacheError unless only this user can change it
     and no folder above it lets another user rename or replace it."""
-    Path(folder).mkdir(parents=True, exist_ok=True, mode=0o700)
+    make_private_dirs(folder)
     real = Path(folder).resolve()
     me = os.geteuid()
     info = real.stat()
     if info.st_uid != me or stat.S_IMODE(info.st_mode) & 0o022:
         raise UnsafeCacheError(
             f"Refusing the cache folder {real}: other users can change it (mode {stat.S_IMODE(info.st_mode):o}, "
-            f"owner {info.st_uid}), and what it holds would run as this user. Use a folder only this user "
-            f"can write (chmod go-w {real}), or another --cache-dir.")
+            f"owner {info.st_uid}), and what it holds would run as this user. Remove it (rm -r {real}; it is "
+            f"made again, closed to other users, at the next run: a chmod would keep what others put in it), or "
+            f"use another folder.")
     for parent in real.parents:
         info = parent.stat()
         if info.st_uid not in (0, me) or (info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX):
             raise UnsafeCacheError(
                 f"Refusing the cache folder {real}: {parent} above it can be changed by other users (mode "
                 f"{stat.S_IMODE(info.st_mode):o}, owner {info.st_uid}), who could replace the cache. Use a "
-                f"folder whose parents only this user (or root) can write, or another --cache-dir.")
+                f"folder whose parents only this user (or root) can write.")
     return real
 
 

@@ -28,6 +28,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import statistics
 from collections.abc import Callable, Iterable, Sequence
@@ -408,21 +409,33 @@ def resummarize(path: Path) -> dict:
 
 
 def write_report(report: dict, out: Path) -> None:
-    """One entry per line: reruns rewrite only what changed."""
+    """One entry per line: reruns rewrite only what changed. Only valid JSON: a number that is not finite (a
+    ratio over a timing too small to divide by) is written null, not Infinity."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    report = _finite_or_null(report)
     lines = ["{"]
     keys = list(report)
     for index, key in enumerate(keys):
         comma = "," if index < len(keys) - 1 else ""
         value = report[key]
         if key in ("entries", "skipped"):
-            items = [json.dumps(item, sort_keys=True) for item in value]
+            items = [json.dumps(item, sort_keys=True, allow_nan=False) for item in value]
             body = ",\n".join(f"  {item}" for item in items)
             lines.append(f'"{key}": [\n{body}\n]{comma}' if items else f'"{key}": []{comma}')
         else:
-            lines.append(f'"{key}": {json.dumps(value, indent=1, sort_keys=True)}{comma}')
+            lines.append(f'"{key}": {json.dumps(value, indent=1, sort_keys=True, allow_nan=False)}{comma}')
     lines.append("}")
     out.write_text("\n".join(lines) + "\n")
+
+
+def _finite_or_null(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(item) for item in value]
+    return value
 
 
 def summary_table(report: dict) -> str:

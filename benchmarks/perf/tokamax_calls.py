@@ -77,8 +77,22 @@ MAX_DIMENSION = 1 << 24
 MAX_CONFIG_VALUE = 1 << 24
 
 
+# C0 and C1 control characters and DEL: a terminal acts on them (ESC starts a sequence that can write the
+# clipboard, retitle the window or clear the screen; U+009B is a CSI of its own).
+_CONTROL_CHARACTERS = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def escaped(text: str) -> str:
+    """`text` with every control character written as a Python escape (`\x1b`): safe to print."""
+    return _CONTROL_CHARACTERS.sub(lambda found: repr(found.group())[1:-1], text)
+
+
 class CalibrationInputError(ValueError):
-    """A timing file that cannot be read (not JSON, even after the one known repair), or not in tokamax's shape."""
+    """A timing file that cannot be read (not JSON, even after the one known repair), or not in tokamax's shape.
+    Its message quotes what a stranger's file holds, escaped (`escaped`)."""
+
+    def __init__(self, message: str):
+        super().__init__(escaped(message))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks.perf import calibration, chip as chip_constants
+from benchmarks.perf.tokamax_calls import escaped
 from benchmarks.studies import benchmark_cases, calibration_fit, model_constant_fits
 
 DEFAULT_OUT = Path("benchmarks/results/calibration_from_benchmark.json")
@@ -37,6 +38,12 @@ CHIPS = ("v5e", "v5p", "v6e", "tpu7x")
 HBM_FRACTIONS = [i / 100 for i in range(50, 101)]
 # The smallest fall of the median |log ratio| that counts as a move.
 MOVE_THRESHOLD = 0.005
+# Bounds on a results file (a stranger's): `kernels benchmark` writes a few KiB for one repo's dozens of
+# workloads. Past them the file is refused whole.
+MAX_FILE_BYTES = 16 << 20
+MAX_RESULTS = 4096  # per file; each workload is analysed once however often it appears (`distinct`)
+MAX_WORKLOAD_CHARS = 200
+MAX_ITERATIONS = 1 << 31
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,25 +58,59 @@ class Timed:
 
 
 def read_results(path: Path) -> list[Timed]:
-    """The workloads of `kernels benchmark --output` JSON; CalibrationInputError for anything else."""
+    """The workloads of `kernels benchmark --output` JSON; CalibrationInputError, in one line that quotes nothing
+    unescaped, for anything else (these files come from strangers: the README asks TPU owners for them)."""
     try:
-        data = json.loads(Path(path).read_text())
-        timed = []
-        for entry in data["results"]:
-            timing = entry["timingResults"]
-            if entry.get("verified") is False:
-                raise ValueError(f"{entry['workload']} failed its check against the reference")
-            timed.append(Timed(entry["workload"], str(path), float(timing["min_ms"]), float(timing["mean_ms"]),
-                               int(timing["iterations"])))
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_FILE_BYTES + 1)
+        if len(raw) > MAX_FILE_BYTES:
+            raise ValueError(f"larger than {MAX_FILE_BYTES >> 20} MiB")
+        data = json.loads(raw.decode())
+    except RecursionError:
+        raise calibration.CalibrationInputError(f"{path}: nested too deeply to be `kernels benchmark` JSON") from None
+    except (OSError, ValueError) as error:
         raise calibration.CalibrationInputError(
             f"{path}: not the JSON of `kernels benchmark --output` ({type(error).__name__}: {error})") from None
-    if not timed:
+    results = data.get("results") if isinstance(data, dict) else None
+    if not isinstance(results, list):
+        raise calibration.CalibrationInputError(f"{path}: not the JSON of `kernels benchmark --output` (no results list)")
+    if len(results) > MAX_RESULTS:
+        raise calibration.CalibrationInputError(f"{path}: {len(results)} results, more than {MAX_RESULTS}")
+    if not results:
         raise calibration.CalibrationInputError(f"{path}: no results")
-    bad = [t.workload for t in timed if not (t.min_ms > 0 and math.isfinite(t.min_ms))]
-    if bad:
-        raise calibration.CalibrationInputError(f"{path}: timings that are not positive: {', '.join(bad)}")
-    return timed
+    return [_timed(entry, f"{path}: result {index}", str(path)) for index, entry in enumerate(results)]
+
+
+def _timed(entry, where: str, source: str) -> Timed:
+    """One result, each field checked for its type and range before anything reads it."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("timingResults"), dict):
+        raise calibration.CalibrationInputError(f"{where}: not an object with timingResults")
+    workload, timing = entry.get("workload"), entry["timingResults"]
+    if not (isinstance(workload, str) and 0 < len(workload) <= MAX_WORKLOAD_CHARS and workload.isprintable()):
+        raise calibration.CalibrationInputError(
+            f"{where}: workload must be a printable string of 1 to {MAX_WORKLOAD_CHARS} characters")
+    if entry.get("verified") is not True and "verified" in entry:
+        raise calibration.CalibrationInputError(f"{where}: {workload} failed its check against the reference"
+                                                if entry["verified"] is False else f"{where}: verified is not a bool")
+    for name in ("min_ms", "mean_ms"):
+        value = timing.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise calibration.CalibrationInputError(f"{where}: {workload}: {name} is not a positive finite number")
+    iterations = timing.get("iterations")
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or not 0 < iterations <= MAX_ITERATIONS:
+        raise calibration.CalibrationInputError(
+            f"{where}: {workload}: iterations is not a whole number from 1 to {MAX_ITERATIONS}")
+    return Timed(workload, source, float(timing["min_ms"]), float(timing["mean_ms"]), iterations)
+
+
+def distinct(timed: list[Timed]) -> list[Timed]:
+    """One result per workload, the fastest (what `measured` takes): a workload given many times, in one file or
+    several, is analysed once."""
+    fastest: dict[str, Timed] = {}
+    for t in timed:
+        if t.workload not in fastest or t.min_ms < fastest[t.workload].min_ms:
+            fastest[t.workload] = t
+    return list(fastest.values())
 
 
 @dataclasses.dataclass
@@ -85,10 +126,11 @@ def analyse(paths, chip: str | None, *, repos: Path | None = None, tokamax_paths
     """Every workload of the JSON files at `paths` rebuilt and priced on `chip` (tokamax's on the chip they name)."""
     if chip is not None and chip not in CHIPS:
         raise calibration.CalibrationInputError(f"--chip {chip}: one of {', '.join(CHIPS)}")
-    timed = [t for path in paths for t in read_results(path)]
+    timed = distinct([t for path in paths for t in read_results(path)])
     result = Analysis([], {}, [])
-    tokamax = [t for t in timed if t.workload.partition(".")[0] in benchmark_cases.TOKAMAX_CLASSES]
-    ours = [t for t in timed if t not in tokamax]
+    is_tokamax = {t.workload: t.workload.partition(".")[0] in benchmark_cases.TOKAMAX_CLASSES for t in timed}
+    tokamax = [t for t in timed if is_tokamax[t.workload]]
+    ours = [t for t in timed if not is_tokamax[t.workload]]
     if tokamax:
         _analyse_tokamax(result, tokamax, chip, tokamax_paths, cache_dir)
     if ours:
@@ -257,7 +299,7 @@ def printed(report: dict) -> str:
     lines += model_constant_fits.printed(report["model_constant_fits"])
     if not report["moves"] and not report["model_constant_fits"]:
         lines.append("No entry measured on a TPU: no constant moves.")
-    return "\n".join(lines)
+    return "\n".join(escaped(line) for line in lines)
 
 
 def run(paths, chip: str | None, out: Path, **options) -> dict:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from kernels import Metadata
 
+from ..folders import make_private_dirs
 from .build_toml import read_build_toml
 from .digest import digest_field
 from .links import refuse_links_out
@@ -127,7 +128,7 @@ __all__ = ["NAMESPACE", "add_op_namespace_prefix", "jax_torch_op", "ops"]
 def _write_variant(source: KernelSource, backend: str, variant_dir: Path, hash_: str, symbols: str) -> None:
     for path in _package_files(source.package_dir):
         target = variant_dir / path.relative_to(source.package_dir)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(target.parent)
         target.write_bytes(path.read_bytes())
     namespace = f"_{source.python_name}_{backend}_{hash_}"
     for name, path in SHIPPED_MODULES.items():
@@ -165,7 +166,7 @@ def build_kernel_repo(source_dir: Path, out: Path = Path("build")) -> Path:
     target = Path(out).resolve() / source.name
     if target.exists():
         shutil.rmtree(target)
-    target.mkdir(parents=True)
+    make_private_dirs(target)
     (target / "README.md").write_bytes(card.read_bytes())
     hash_ = source_hash(source)
     for backend in sorted(source.backends):

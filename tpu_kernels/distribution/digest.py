@@ -36,6 +36,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..folders import make_private_dirs
+
 ALGORITHM = "sha256"
 METADATA_FILE = "metadata.json"
 # Beside metadata.json and never imported; kernels' Digest.hash_variant leaves them out too.
@@ -332,7 +334,7 @@ def _hash_file(path: Path, hasher, copy_to: Path | None) -> bytes | None:
             for chunk in chunks:
                 hasher.update(chunk)
         else:
-            copy_to.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            make_private_dirs(copy_to.parent)
             _write_new_file(copy_to, chunks, hasher)
     return hasher.digest()
 

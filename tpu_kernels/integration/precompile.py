@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import glob
 
-from ..runtime.buckets import key_bucket, key_buckets, token_bucket
+from ..runtime.buckets import key_buckets, token_buckets
 
 
 def warm_up_prompts(max_tokens: int, max_keys: int) -> list[int]:
@@ -31,24 +31,50 @@ def warm_up_prompts(max_tokens: int, max_keys: int) -> list[int]:
     them. A decode step against L keys compiles at key_bucket(L), and the step after a prompt of L - 1
     tokens is one; decode steps share every other shape (one token).
     """
+    token_ladder, key_ladder = token_buckets(max_tokens), key_buckets(max_keys)  # both sizes checked: ints >= 1
     if max_keys < max_tokens + 1:
         raise ValueError(f"max_keys ({max_keys}) must hold the longest prompt and a new token ({max_tokens + 1})")
-
-    def buckets(prompt: int) -> tuple[int, int]:
-        return key_bucket(prompt), token_bucket(prompt)
-
-    prefills = {p for p in range(1, max_tokens + 1) if p == max_tokens or buckets(p) != buckets(p + 1)}
+    # A prompt's buckets change past P exactly where P is a bucket of either ladder (each bucket holds the sizes up
+    # to itself): the prompts at the buckets below max_tokens, and max_tokens, stand for all.
+    prefills = {bucket for bucket in (*token_ladder, *key_buckets(max_tokens)) if bucket < max_tokens} | {max_tokens}
     # A decode step's bucket, reached from the longest prompt that the step's bucket holds with room for it.
-    decodes = {min(bucket, max_keys) - 1 for bucket in key_buckets(max_keys)} - {0}
+    decodes = {min(bucket, max_keys) - 1 for bucket in key_ladder} - {0}
     return sorted(prefills | decodes)
+
+
+# The longest cache a model may ask for when its config names no max_position_embeddings.
+MAX_KEYS_WITHOUT_A_MODEL_LIMIT = 1 << 20
+
+
+def longest_cache(config) -> int:
+    """The most keys `precompile` warms for a model of `config`: its max_position_embeddings."""
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 1 else MAX_KEYS_WITHOUT_A_MODEL_LIMIT
+
+
+def check_sizes(config, max_tokens: int, max_keys: int) -> None:
+    """ValueError (one line) unless 1 <= max_tokens < max_keys <= the model's longest cache."""
+    for name, value in (("max_tokens", max_tokens), ("max_keys", max_keys)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}")
+    limit = longest_cache(config)
+    if max_tokens >= limit:
+        raise ValueError(f"max_tokens ({max_tokens}) leaves no room for a new token in the model's "
+                         f"max_position_embeddings ({limit})")
+    if max_keys > limit:
+        raise ValueError(f"max_keys ({max_keys}) is longer than the model's max_position_embeddings ({limit})")
+    if max_keys < max_tokens + 1:
+        raise ValueError(f"max_keys ({max_keys}) must hold the longest prompt and a new token ({max_tokens + 1})")
 
 
 def precompile(model, *, max_tokens: int, max_keys: int, progress: bool = True) -> list[int]:
     """Run `model` (kernelized) once per prompt length of `warm_up_prompts`, with a progress bar; returns the
-    prompt lengths run. Random token ids (seeded), greedy, two new tokens each; no gradients."""
+    prompt lengths run. Random token ids (seeded), greedy, two new tokens each; no gradients. ValueError unless
+    1 <= max_tokens < max_keys <= the model's max_position_embeddings."""
     import torch
     from tqdm.auto import tqdm
 
+    check_sizes(model.config, max_tokens, max_keys)
     prompts = warm_up_prompts(max_tokens, max_keys)
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(0)
@@ -66,28 +92,54 @@ NO_TPU = ("no TPU on this machine: precompile runs the model where it will serve
           "that fills no cache a TPU host reads). --device cpu runs it here, in interpret mode.")
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
 def precompile_main(argv: list[str]) -> int:
     """`tpu-kernels precompile MODEL_ID_OR_PATH [--max-tokens N] [--max-keys N] [--device tpu|cpu] [--dtype D]`."""
     parser = argparse.ArgumentParser(prog="tpu-kernels precompile", description=__doc__.splitlines()[0])
     parser.add_argument("model", help="a Hub model id or a local folder (transformers' from_pretrained)")
-    parser.add_argument("--max-tokens", type=int, default=4096, help="longest prompt to serve (default 4096)")
-    parser.add_argument("--max-keys", type=int, default=None,
-                        help="longest cache (default: max tokens + 128 new tokens)")
+    parser.add_argument("--max-tokens", type=_at_least_one, default=None,
+                        help="longest prompt to serve (default 4096, or less as the model's context allows)")
+    parser.add_argument("--max-keys", type=_at_least_one, default=None,
+                        help="longest cache (default: max tokens + 128 new tokens, at most the model's context)")
     parser.add_argument("--device", choices=("tpu", "cpu"), default="tpu")
-    parser.add_argument("--dtype", default="bfloat16", help="the weights' dtype (default bfloat16)")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the weights' dtype (default bfloat16)")
+    # One line for a bad argument, as for every other refusal here (argparse would add its usage).
+    parser.error = lambda message: parser.exit(2, f"tpu-kernels precompile: {message}\n")
     args = parser.parse_args(argv)
     if args.device == "tpu" and not (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")):
         parser.exit(2, f"tpu-kernels precompile: {NO_TPU}\n")
-    max_keys = args.max_keys or args.max_tokens + 128
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from .kernelize import kernelize
 
+    try:
+        config = AutoConfig.from_pretrained(args.model)
+    except (OSError, ValueError) as error:
+        parser.exit(2, f"tpu-kernels precompile: cannot load {args.model!r}: {(str(error).splitlines() or [type(error).__name__])[0]}\n")
+    limit = longest_cache(config)
+    max_tokens = args.max_tokens or min(4096, limit - 1)
+    max_keys = args.max_keys or min(max_tokens + 128, limit)
+    try:
+        check_sizes(config, max_tokens, max_keys)
+    except ValueError as error:
+        parser.exit(2, f"tpu-kernels precompile: {error}\n")
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     model = kernelize(model, device=args.device)
     print(model.tpu_kernels_report)
-    prompts = precompile(model, max_tokens=args.max_tokens, max_keys=max_keys)
-    print(f"compiled every bucket of prompts up to {args.max_tokens} tokens and caches up to {max_keys} keys "
+    prompts = precompile(model, max_tokens=max_tokens, max_keys=max_keys)
+    print(f"compiled every bucket of prompts up to {max_tokens} tokens and caches up to {max_keys} keys "
           f"({len(prompts)} warm-up prompts)")
     return 0

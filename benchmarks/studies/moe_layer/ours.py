@@ -11,6 +11,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from tpu_kernels.folders import make_private_dirs
+
 from .shapes import DTYPE, Case, Model
 
 
@@ -30,7 +32,7 @@ def build_folder(cache_dir: Path | None):
             yield Path(folder)
     else:
         folder = Path(cache_dir) / "build"
-        folder.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(folder)
         yield folder
 
 

@@ -93,6 +93,11 @@ class Access:
         if not request.authenticated:
             raise HubError(401, f"{INVALID_CREDENTIALS}: writes need the server's token (set HF_TOKEN)")
 
+    def visible(self, request: HubRequest, repo_type: str, repo_id: str) -> bool:
+        """Whether the repo exists for this caller: it exists, and is public or the caller holds the token."""
+        return self.storage.repo_exists(repo_type, repo_id) and (
+            request.authenticated or not self.storage.is_private(repo_type, repo_id))
+
     def check_visible(self, request: HubRequest, repo_type: str, repo_id: str) -> None:
         """A private repo is, to a caller without the token, a repo that does not exist."""
         if self.storage.is_private(repo_type, repo_id) and not request.authenticated:

@@ -21,7 +21,8 @@ Routes (`{t}` is `kernels` or `models`; T: needs the token; every GET route answ
     POST|DELETE /api/{t}/{ns}/{name}/branch/{branch} T
     POST /api/{t}/{ns}/{name}/tag/{rev}, DELETE .../tag/{tag}   T
     GET|HEAD /{ns}/{name}/resolve/{rev}/{path}          model file (X-Repo-Commit, ETag, Range)
-    (a GET or HEAD of a model repo that does not exist reads the kernel repo of that id: `kernels benchmark` asks so)
+    (a GET or HEAD of a model repo that does not exist, or is hidden from the caller, reads the kernel repo of that
+    id if the caller may see it: `kernels benchmark` asks so)
     GET|HEAD /kernels/{ns}/{name}/resolve/{rev}/{path}
     GET  /api/tpu-kernels/stats                         request counters (not counted themselves)
     GET  /, /kernels/{ns}/{name}[/tree/{rev}|/commit/{id}], /{ns}/{name}[...]   web pages (pages.py)
@@ -272,8 +273,10 @@ class HubApp:
 
     def _handle(self, handler, request: HubRequest, params: dict, kernel_alias: bool = False) -> Response:
         if "repo_id" in params:
-            if kernel_alias and not self.storage.repo_exists("model", params["repo_id"]) \
-                    and self.storage.repo_exists("kernel", params["repo_id"]):
+            # The alias answers only for a kernel repo this client may see, and where it may see no model repo: a
+            # hidden repo of either type answers as no repo at all would.
+            if kernel_alias and not self.access.visible(request, "model", params["repo_id"]) \
+                    and self.access.visible(request, "kernel", params["repo_id"]):
                 params["repo_type"] = "kernel"
             self.access.check_visible(request, params["repo_type"], params["repo_id"])
         return handler(request, **params)

@@ -48,6 +48,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import MappingProxyType
 
+from ...folders import make_private_dirs
 from .blobs import BlobStore, FileEntry, StagedFile
 from .commits import (
     Commit,
@@ -84,7 +85,7 @@ class Storage:
 
     def __init__(self, root: Path):
         self.root = Path(root).resolve()
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_private_dirs(self.root)
         self._server_lock = os.fdopen(os.open(self.root / "server.lock", os.O_RDWR | os.O_CREAT, 0o600), "a+")
         try:
             fcntl.flock(self._server_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

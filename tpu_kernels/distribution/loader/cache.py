@@ -14,6 +14,7 @@ from pathlib import Path
 
 from huggingface_hub import constants
 
+from ...folders import make_private_dirs
 from ..digest import blob_name_matches
 from .ids import REGEX_COMMIT_HASH, UnsafeIdError, checked_commit, is_ref_name
 
@@ -107,7 +108,7 @@ def remember_ref(repo_id: str, name: str, commit: str) -> None:
         if ref.read_text() == commit:
             return
     try:
-        ref.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(ref.parent)
         fd, staging = tempfile.mkstemp(dir=ref.parent, prefix=f".{ref.name}.")
         with os.fdopen(fd, "w") as handle:
             handle.write(commit)

@@ -19,6 +19,7 @@ from pathlib import Path
 from huggingface_hub import HfApi, get_session, hf_hub_url, hf_raise_for_status
 from huggingface_hub.utils import build_hf_headers
 
+from ...folders import make_private_dirs
 from ..digest import KernelIntegrityError, blob_name_matches
 from .hub_commits import HubFile
 
@@ -35,7 +36,7 @@ def download_variant(api: HfApi, repo: Path, repo_id: str, commit: str, files: l
     Links are made after every blob is in place, so an interrupted download leaves no half variant.
     """
     blobs = repo / "blobs"
-    blobs.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(blobs)
     for file in files:
         blob = blobs / file.blob_id
         if not blob.exists():
@@ -91,7 +92,7 @@ def _link(pointer: Path, blob: Path) -> None:
     if os.path.lexists(pointer):
         return
     target = os.path.relpath(blob, pointer.parent)
-    pointer.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(pointer.parent)
     staging = pointer.parent / f".{pointer.name}.{hashlib.sha256(os.urandom(8)).hexdigest()[:12]}.link"
     os.symlink(target, staging)
     try:
