@@ -28,21 +28,23 @@ below.
 # Nothing else is bound here but the names of the face.
 from . import common, flash, flash_api, flash_backward, kvcache, ops, paged, paged_ops, reference
 from .attention import attention_forward, attention_mask
+from .common.head_dims import SUPPORTED_HEAD_DIMS, supports_head_dims
 from .common.masking import Problem
 from .common.paged import PagedProblem
 from .common.tiles import AttentionConfig
 from .common.vmem import vmem_budget, vmem_limit
-from .flash.kernel import SUPPORTED_HEAD_DIMS
 from .flash_api import flash_attn_func, flash_attn_varlen_func
 from .kvcache import flash_attn_with_kvcache
 from .ops import flash_attention
 from .paged_ops import ragged_paged_attention, ragged_varlen_attention
 
-# What a user of the loaded kernel calls (and what `kernels describe-api` lists, from symbols.json): the torch
+# What a user of the loaded kernel calls (and what `kernels describe-api` lists, from symbols.json): the head dims
+# it serves (`SUPPORTED_HEAD_DIMS` where q, k and v share one; `supports_head_dims(qk, v)` for any pair), the torch
 # op, transformers' attention and mask functions, the flash-attn 2 API (`flash_api`, and `kvcache` on the paged
 # kernel: what transformers calls when `attn_implementation` names this repo), the paged kernel's torch ops and the
 # float64 reference the kernels are tested against.
-__all__ = ["SUPPORTED_HEAD_DIMS", "attention_forward", "attention_mask", "flash_attention", "ops", "reference",
+__all__ = ["SUPPORTED_HEAD_DIMS", "supports_head_dims", "attention_forward", "attention_mask", "flash_attention",
+           "ops", "reference",
            "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "ragged_paged_attention",
            "ragged_varlen_attention"]
 

@@ -70,8 +70,9 @@ def attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers AttentionInterface function running the Pallas TPU kernel.
 
-    query [B, Hq, Sq, D], key/value [B, Hkv, Skv, D] (no repeat of K/V for
-    GQA); returns ([B, Sq, Hq, D], None). `sliding_window` and `softcap` are
+    query [B, Hq, Sq, D], key [B, Hkv, Skv, D], value [B, Hkv, Skv, Dv] (no
+    repeat of K/V for GQA; Dv = D but for latent attention, e.g. 192 and
+    128); returns ([B, Sq, Hq, Dv], None). `sliding_window` and `softcap` are
     read from kwargs, else from the module (`sliding_window`,
     `attn_logit_softcapping`); attention sinks from the `s_aux` kwarg
     (GPT-OSS passes its `sinks` parameter so) or `sinks`. Differentiable:
