@@ -289,3 +289,44 @@ def test_check_backward_config(kernel):
     ]:
         with pytest.raises(ValueError, match=match):
             kernel.flash_backward.tiles.check_backward_config(bad, problem)
+
+
+# Latent attention's layers (`compile_targets.LATENT_HEADS`): query heads, KV heads, (D, Dv) of its expanded and
+# absorbed forms.
+LATENT_SHAPES = {
+    "deepseek-v3 tp8 expanded": (16, 16, (192, 128)),
+    "glm-4.7-flash expanded": (20, 20, (256, 256)),
+    "deepseek-v3 tp8 absorbed": (16, 1, (576, 512)),
+}
+
+
+@pytest.mark.parametrize("model", list(LATENT_SHAPES))
+def test_latent_attention_tiles_fit_and_read_each_array_as_stored(kernel, model):
+    """Prefill, decode (also the absorbed form's 128 query heads on one chip) and training: tiles within the budget,
+    q and k read sequence-minor where XLA stores them so (D 192 and 576 over 4096 positions), v and the output
+    apart (128, 256, 512: row-major)."""
+    q_heads, kv_heads, (head_dim, v_head_dim) = LATENT_SHAPES[model]
+    sequence_minor = kernel.common.layout.sequence_minor_by_default
+    shapes = [(q_heads, 4096, 4096), (q_heads, 1, 4096), (q_heads, 1, 32768)]
+    if kv_heads == 1:
+        shapes.append((128, 1, 4096))
+    for target in TARGETS:
+        for heads, q_len, kv_len in shapes:
+            problem = kernel.Problem.of_shape(q_heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
+                                              head_dim=head_dim, v_head_dim=v_head_dim, dtype=jnp.bfloat16)
+            plan = kernel.flash.plan.make(problem, target)
+            tiles = kernel.flash.tiles.ForwardTiles(plan.block_q, plan.block_kv, plan.heads_per_step)
+            assert kernel.flash.tiles.vmem_bytes(problem, tiles) <= kernel.vmem_budget(target), (target.name, tiles)
+            prefill = q_len > 1
+            assert tuple(plan.sequence_minor) == (prefill and sequence_minor(q_len, head_dim),
+                                                  sequence_minor(kv_len, head_dim), sequence_minor(kv_len, v_head_dim),
+                                                  prefill and sequence_minor(q_len, v_head_dim)), (target.name, plan)
+        training = kernel.Problem.of_shape(q_heads=q_heads, kv_heads=kv_heads, q_len=4096, kv_len=4096,
+                                           head_dim=head_dim, v_head_dim=v_head_dim, dtype=jnp.bfloat16)
+        chosen = kernel.flash_backward.tiles.select(training, target)
+        for name, tiles in (("dq", chosen.dq), ("dkv", chosen.dkv)):
+            working_set = kernel.flash_backward.tiles.backward_vmem_bytes(
+                name, training, block_q=tiles.block_q, block_kv=tiles.block_kv,
+                kv_heads_per_step=tiles.kv_heads_per_step)
+            assert working_set <= kernel.vmem_budget(target), (target.name, name, tiles)
+    assert sequence_minor(4096, 192) and sequence_minor(4096, 576) and not sequence_minor(4096, 128)

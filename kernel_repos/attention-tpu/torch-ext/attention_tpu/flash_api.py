@@ -116,6 +116,12 @@ def flash_attn_func(
     softcap = _refuse_unsupported(dropout_p, alibi_slopes, return_attn_probs, softcap)
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, tensor, 4, "[batch, seqlen, heads, head_dim]")
+    # Checked before the padding to buckets below, which would hide a mismatch of batch or key length.
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have the same shape but for the head_dim (the last), got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     batch, q_len, kv_len = q.shape[0], q.shape[1], k.shape[1]
     causal, sliding_window = _window_options(window_size, bool(causal), kv_len)
     sequences, q_padded, kv_padded = batch_rows(batch), query_rows(q_len), key_rows(kv_len)
