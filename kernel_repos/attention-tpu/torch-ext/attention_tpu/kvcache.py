@@ -70,6 +70,23 @@ def _check_capacity(cache_seqlens, cache_lengths: torch.Tensor, new_len: int, ca
                          f"the cache's capacity of {capacity} keys per sequence, and cache_seqlens must be >= 0")
 
 
+def _new_keys(k, v, k_cache, v_cache, batch: int) -> int:
+    """How many new keys k, v [B, S_new, Hkv, D or Dv] (each shaped and typed as its cache's rows) bring; 0 for
+    none."""
+    if (k is None) != (v is None):
+        raise ValueError("flash_attn_with_kvcache: pass k and v together, or neither")
+    if k is None:
+        return 0
+    new_tokens = k.shape[1] if isinstance(k, torch.Tensor) else -1
+    for name, tensor, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        expected = (batch, new_tokens, *cache.shape[2:])
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != expected or tensor.dtype != cache.dtype:
+            raise ValueError(f"flash_attn_with_kvcache: {name} must be a {cache.dtype} tensor of shape "
+                             f"[{batch}, new tokens, {cache.shape[2]}, {cache.shape[3]}], got "
+                             f"{getattr(tensor, 'dtype', None)} {tuple(getattr(tensor, 'shape', ()))}")
+    return new_tokens
+
+
 def _write_new_keys(k_cache, v_cache, k, v, page_table, cache_lengths) -> None:
     """k, v [B, S_new, Hkv, D] into the cache pages at positions cache_lengths[b] + i, in place."""
     page_size = k_cache.shape[1]
@@ -119,18 +136,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"flash_attn_with_kvcache: {name} must be a 4-D tensor, got "
                              f"{getattr(tensor, 'shape', type(tensor).__name__)}")
     batch, q_len, q_heads, head_dim = q.shape
-    if (k is None) != (v is None):
-        raise ValueError("flash_attn_with_kvcache: pass k and v together, or neither")
-    new_len = 0
-    if k is not None:
-        new_tokens = k.shape[1] if isinstance(k, torch.Tensor) else -1
-        for name, tensor, cache in (("k", k, k_cache), ("v", v, v_cache)):
-            expected = (batch, new_tokens, *cache.shape[2:])
-            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != expected or tensor.dtype != cache.dtype:
-                raise ValueError(f"flash_attn_with_kvcache: {name} must be a {cache.dtype} tensor of shape "
-                                 f"[{batch}, new tokens, {cache.shape[2]}, {cache.shape[3]}], got "
-                                 f"{getattr(tensor, 'dtype', None)} {tuple(getattr(tensor, 'shape', ()))}")
-        new_len = k.shape[1]
+    new_len = _new_keys(k, v, k_cache, v_cache, batch)
     if table is not None:
         if cache_batch_idx is not None:
             raise ValueError("flash_attn_with_kvcache: cache_batch_idx is not supported with a block_table/page_table")
