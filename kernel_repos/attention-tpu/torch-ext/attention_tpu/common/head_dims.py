@@ -4,10 +4,12 @@ kernelize asks `supports_head_dims` before it routes a model's attention here.
 q and k share one head dim, v and the output another (equal but for latent attention: transformers 5.25's MLA
 models take (192, 128), (96, 64), (256, 256) or (128, 128) expanded and (576, 512), (160, 128), (288, 256),
 (320, 256) or (512, 512) absorbed). Each may be any multiple of HEAD_DIM_MULTIPLE from HEAD_DIM_MULTIPLE to
-WIDEST_HEAD_DIM: every kernel (forward, both backward kernels, paged) compiles at such dims for every generation, at
-the tiles their selectors pick, and their tiles fit VMEM. The compile targets hold a shape of each layout and width
-class (`compile_targets.py`); a sweep of the forward, backward and paged kernels over the widths above and others (8
-to 576, row-major and sequence-minor, bfloat16 and float32) compiled on v5e and v6e when the rule was set.
+WIDEST_HEAD_DIM, at the tiles the selectors pick. The compile targets hold the MLA models' shapes
+(`compile_targets.py`); when the rule was set, a sweep compiled the forward (a prefill read sequence-minor, a decode
+step), both backward kernels and the paged kernel (pages of 128 and of 16 tokens) at (D, Dv) = (8, 8), (16, 8),
+(24, 40), (40, 24), (72, 72), (104, 200), (200, 104), (328, 568), (568, 328), (576, 576) in bfloat16 for v5e and
+v6e, and at (8, 8), (40, 24), (200, 104), (576, 512) in float32 and (24, 40), (104, 200), (568, 328) in bfloat16 for
+v5p and TPU7x.
 """
 
 from __future__ import annotations
