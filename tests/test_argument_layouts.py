@@ -1,7 +1,8 @@
 """Argument layouts and the copies XLA makes of them: a hand-written module, and the paged attention kernel's
 K/V cache compiled for each generation (head_dim 64 over pages of a multiple of 128 tokens and head_dim 128 read as
 given, head_dim 64 over 16-token pages copied whole), and its packed (varlen) keys; and the kernel's own rule of
-where XLA stores K and V keys-minor (`common.paged`) against the layouts the compiler gives."""
+where XLA stores K and V keys-minor (`common.paged`) against the layouts the compiler gives; latent attention's q, k,
+v and output of two head dims through the flash kernels, each read as stored."""
 
 import functools
 
@@ -130,3 +131,29 @@ def test_the_keys_minor_predicate_agrees_with_the_compiler(attention, generation
         packed = jax.ShapeDtypeStruct((total_k, kv_heads, head_dim), dtype)
         layout = argument_layouts.probe(lambda k: k[:1] * 2, [packed], generation).argument(0).minor_to_major
         assert (layout == (0, 2, 1)) == attention.common.paged.packed_keys_stored_minor(head_dim), (packed, layout)
+
+
+@pytest.mark.aot
+def test_latent_attention_reads_q_k_v_and_the_output_each_as_stored(attention):
+    """Latent attention's q and k (192 or 576 wide, stored sequence-minor over these lengths) and v and the output
+    (128 or 512, row-major) are each read and written as XLA stores them, through the forward and both backward
+    kernels: no copy of any argument or result. One generation: the layout rule is the same on all four
+    (kernel_repos/attention-tpu/tests/test_flash_layout.py)."""
+    flash_attention = functools.partial(attention.flash.kernel.differentiable_flash_attention, generation="v6e")
+
+    def gradients(q, k, v, d_out):
+        def loss(q, k, v):
+            return jnp.sum(flash_attention(q, k, v).astype(jnp.float32) * d_out.astype(jnp.float32))
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    def arrays(*shapes):
+        return [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in shapes]
+
+    expanded = arrays((1, 4, 1024, 192), (1, 4, 1024, 192), (1, 4, 1024, 128), (1, 4, 1024, 128))
+    absorbed_decode = arrays((8, 16, 1, 576), (8, 1, 2048, 576), (8, 1, 2048, 512))
+    for fn, avals in ((gradients, expanded), (flash_attention, absorbed_decode)):
+        found = argument_layouts.probe(fn, avals, "v6e")
+        assert not found.copies, [copy.describe() for copy in found.copies]
+        assert found.argument(1).minor_to_major == (2, 3, 1, 0)  # k, 192 or 576 wide: sequence-minor
+        assert found.argument(2).row_major  # v, 128 or 512 wide

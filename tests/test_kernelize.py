@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM, GptOssConfig, MixtralConfig, Qwen
 
 from tpu_kernels import kernelize
 from tpu_kernels.distribution.builder import build_kernel_repo
-from tpu_kernels.integration.kernelize import KernelSpec, experts_modules, flash_route_refusal, head_dims_refusal
+from tpu_kernels.integration.attention import attention_modules, flash_route_refusal, head_dims_refusal
+from tpu_kernels.integration.kernelize import KernelSpec, experts_modules
 
 from .conftest import REPO_ROOT
 from .loader_support import TRUSTED, publish
@@ -379,19 +380,21 @@ def test_the_attention_refusal_names_only_what_the_kernel_cannot_serve():
         vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, head_dim=64, global_head_dim=512, layer_types=["sliding_attention", "full_attention"],
         sliding_window=8))
-    attention = {name: m for name, m in gemma4.named_modules() if name.endswith("self_attn")}
+    attention = attention_modules(gemma4)
     assert {m.head_dim for m in attention.values()} == {64, 512}
-    assert head_dims_refusal(attention, (64, 128, 256)) == "head_dim 512 not served (the kernel serves 64, 128, 256)"
-    assert head_dims_refusal(attention, (64, 512)) is None
+    up_to_256 = lambda key, value: key == value and key <= 256  # noqa: E731
+    assert head_dims_refusal(attention, up_to_256) == "head dims (key, value) (512, 512) not served"
+    assert head_dims_refusal(attention, lambda key, value: True) is None
 
+    # Latent attention: the flash kernel sees the expanded dims, nope + rope for keys and v for values.
     deepseek = AutoModelForCausalLM.from_config(DeepseekV3Config(
         vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16,
         q_lora_rank=16, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1))
-    attention = {name: m for name, m in deepseek.named_modules() if name.endswith("self_attn")}
-    reason = head_dims_refusal(attention, (64, 128, 256))
-    assert reason.startswith("1 attention module(s) without a single head_dim, e.g. model.layers.0.self_attn (")
-    assert "latent attention is not served" in reason and "None" not in reason
+    attention = attention_modules(deepseek)
+    assert list(attention) == ["model.layers.0.self_attn"]
+    assert head_dims_refusal(attention, up_to_256) == "head dims (key, value) (32, 16) not served"
+    assert head_dims_refusal(attention, lambda key, value: True) is None
 
 
 def test_which_attention_route_kernelize_takes(all_builds, tmp_path):

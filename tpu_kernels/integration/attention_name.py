@@ -13,7 +13,7 @@ inherit the name.
 
 from __future__ import annotations
 
-from .kernelize import FLASH_FUNCTION
+from .attention import FLASH_FUNCTION
 
 
 def attention_implementation(repo_id: str, *, version: int | None = None, revision: str | None = None,

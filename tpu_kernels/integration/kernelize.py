@@ -13,26 +13,10 @@ Kinds of layer and how each is replaced:
   does not decorate (Gemma's, ...). The kernel decides the match
   (`layers.matching_layer_name`) by running the module's forward on a small
   probe, so gated or other norms keep theirs.
-* attention, one of two routes (the report says which):
-  - from a Hub, in inference, for a model transformers lets use a flash
-    kernel: `model.set_attn_implementation("<org>/<name>--<commit>--<kernel id>:flash_attn_varlen_func")`.
-    transformers loads the kernel by that name through plain `kernels`, at
-    this call and again whenever another implementation was loaded in
-    between; the name resolves, in this process, to the very module verified
-    here (`tpu_kernels.distribution.loader.kernels_name`: never kernels'
-    cache, the Hub or a newer version), and transformers runs its own
-    flash-attention path on the kernel's `flash_attn_func` /
-    `flash_attn_varlen_func`. The name holds "flash", which continuous
-    batching (`model.generate_batch`) asks for, so both `generate` and
-    `generate_batch` run on the kernel.
-  - otherwise (a local build folder, TRAINING or TORCH_COMPILE, a model
-    without flash support or one that replaces foreign flash names, as
-    GPT-OSS does): the kernel's `attention_forward` and its mask function
-    are registered under one name in `AttentionInterface` *and*
-    `AttentionMaskInterface` (without the mask registration transformers
-    hands an unknown implementation no padding mask at all), then selected
-    with `model.set_attn_implementation`. `generate` runs on the kernel,
-    `generate_batch` refuses the name (it holds no "flash").
+* attention: by transformers' flash path (a Hub kernel, in inference: `generate` and `generate_batch`), by
+  the kernel's `attention_forward` registered in transformers' attention and mask interfaces, or for latent
+  attention (MLA) models over transformers' latent cache (`tpu_kernels.integration.attention` says which route
+  when, and why).
 
 kernelize changes only the model it is given. transformers reads the experts
 and attention implementations from the model's config, and models built from
@@ -68,12 +52,14 @@ from __future__ import annotations
 import copy
 import logging
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from ..compile_cache import CompileCaches, keep_compiled_programs
+from ..compile_cache import keep_compiled_programs
+from .attention import kernelize_attention
+from .report import KernelizeReport, QuantizationReport, ReportEntry, mode_refusal
 
 if TYPE_CHECKING:
     import torch
@@ -119,76 +105,6 @@ class KernelSpec:
         return self.repo if self.version is None else f"{self.repo}@{self.version}"
 
 
-@dataclass(frozen=True)
-class ReportEntry:
-    kind: str
-    replaced: bool
-    modules: tuple[str, ...]
-    source: str
-    reason: str = ""
-    note: str = ""  # how a replaced kind is served, when that matters to the user
-
-
-@dataclass
-class QuantizationReport:
-    """What `quantize_experts` did: the modules quantized with their bytes, and those kept float and why."""
-
-    scheme: str
-    quantized: list = field(default_factory=list)  # quantize.QuantizedModule
-    kept: dict[str, str] = field(default_factory=dict)  # module name -> reason
-
-    @property
-    def bytes_before(self) -> int:
-        return sum(m.bytes_before for m in self.quantized)
-
-    @property
-    def bytes_after(self) -> int:
-        return sum(m.bytes_after for m in self.quantized)
-
-    def __repr__(self) -> str:
-        lines = []
-        if self.quantized:
-            before, after = self.bytes_before, self.bytes_after
-            lines.append(f"  quantized {len(self.quantized)} experts module(s) to {self.scheme}: weights "
-                         f"{before / 1e6:.3f} MB -> {after / 1e6:.3f} MB with scales ({after / before:.1%})")
-        for reason in sorted(set(self.kept.values())):
-            names = [name for name, why in self.kept.items() if why == reason]
-            lines.append(f"  not quantized ({len(names)} module(s)): {reason}")
-        return "\n".join(lines)
-
-
-@dataclass
-class KernelizeReport:
-    mode: str = "INFERENCE"
-    entries: list[ReportEntry] = field(default_factory=list)
-    quantization: QuantizationReport | None = None
-    own_config: bool = False  # the model was given its own copy of its config
-    compile_caches: CompileCaches | None = None  # where compiled kernels are kept for the next process
-
-    def replaced(self, kind: str) -> list[ReportEntry]:
-        return [e for e in self.entries if e.kind == kind and e.replaced]
-
-    def __repr__(self) -> str:
-        lines = [f"kernelize report ({self.mode}):"]
-        for e in self.entries:
-            status = "replaced" if e.replaced else "kept original"
-            where = f"{len(e.modules)} module(s)" if e.modules else "no modules"
-            detail = f" by {e.source}" if e.replaced else f": {e.reason}"
-            lines.append(f"  {e.kind:<9} {status}{detail} ({where})")
-            if e.note:
-                lines.append(f"            {e.note}")
-        if self.own_config:
-            lines.append("  config    the model's own copy: the experts and attention implementations are set on it, "
-                         "not on the config object the model was built from")
-        if self.quantization is not None:
-            lines.append(repr(self.quantization))
-        if self.compile_caches is not None:
-            kept = ", ".join(f"{name} in {folder}" for name, folder in (
-                ("torch_tpu", self.compile_caches.torch_tpu), ("jax", self.compile_caches.jax)) if folder)
-            lines.append(f"  compiles kept for the next process: {kept or 'nowhere (caches off)'}")
-        return "\n".join(lines)
-
-
 def _model_device(model) -> str:
     parameter = next(model.parameters(), None)
     return parameter.device.type if parameter is not None else "cpu"
@@ -215,17 +131,6 @@ def give_own_config(model) -> bool:
     return True
 
 
-def _supports(kernel_fn, mode: Mode) -> str | None:
-    """Why `kernel_fn` cannot serve `mode`, or None if it can."""
-    from kernels import Mode
-
-    if Mode.TRAINING in mode and not getattr(kernel_fn, "has_backward", False):
-        return "the kernel has no backward (TRAINING)"
-    if Mode.TORCH_COMPILE in mode and not getattr(kernel_fn, "can_torch_compile", False):
-        return "the kernel does not declare torch.compile support"
-    return None
-
-
 def experts_modules(model) -> list[str]:
     """Names of the modules transformers' `use_experts_implementation` decorated."""
     return [
@@ -241,7 +146,7 @@ def _kernelize_experts(model, spec: KernelSpec, kernel: ModuleType, mode: Mode, 
     modules = tuple(experts_modules(model))
     if not modules:
         return ReportEntry("experts", False, (), str(spec), "the model has no experts modules")
-    unsupported = _supports(kernel.experts_forward, mode)
+    unsupported = mode_refusal(kernel.experts_forward, mode)
     if unsupported:
         return ReportEntry("experts", False, modules, str(spec), unsupported)
     # One name per loaded build: two versions can be registered side by side.
@@ -286,7 +191,7 @@ def _kernelize_rmsnorm(model, spec: KernelSpec, kernel: ModuleType, mode: Mode, 
             matches[name] = (module, layer_name)
     if not matches:
         return ReportEntry("rmsnorm", False, (), str(spec), "no RMSNorm modules the kernel computes exactly")
-    unsupported = {why for _, layer in matches.values() if (why := _supports(getattr(kernel.layers, layer), mode))}
+    unsupported = {why for _, layer in matches.values() if (why := mode_refusal(getattr(kernel.layers, layer), mode))}
     if unsupported:
         return ReportEntry("rmsnorm", False, tuple(matches), str(spec), "; ".join(sorted(unsupported)))
 
@@ -309,140 +214,7 @@ def _kernelize_rmsnorm(model, spec: KernelSpec, kernel: ModuleType, mode: Mode, 
     return ReportEntry("rmsnorm", True, tuple(matches), str(spec))
 
 
-def _attention_dropout(modules: list) -> float:
-    """The largest attention dropout probability of these attention modules (0.0 without any)."""
-    return max((float(getattr(m, "attention_dropout", 0.0) or 0.0) for m in modules), default=0.0)
-
-
-def head_dims_refusal(attention: dict, supported: tuple[int, ...]) -> str | None:
-    """Why the kernel cannot serve these attention modules' head dims, naming only what it cannot serve; None if it
-    serves them all. A module without a `head_dim` (latent attention, whose query and value dims differ) is named."""
-    without = [name for name, module in attention.items() if getattr(module, "head_dim", None) is None]
-    unserved = sorted({module.head_dim for module in attention.values()
-                       if getattr(module, "head_dim", None) is not None and module.head_dim not in supported})
-    reasons = []
-    if unserved:
-        reasons.append(f"head_dim {', '.join(map(str, unserved))} not served (the kernel serves "
-                       f"{', '.join(map(str, supported))})")
-    if without:
-        reasons.append(f"{len(without)} attention module(s) without a single head_dim, e.g. {without[0]} "
-                       f"({type(attention[without[0]]).__name__}: latent attention is not served)")
-    return "; ".join(reasons) or None
-
-
-FLASH_FUNCTION = "flash_attn_varlen_func"
-
-
-def flash_route_refusal(model, spec: KernelSpec, kernel: ModuleType, mode: Mode) -> str | None:
-    """Why the attention kernel cannot serve `model` through transformers' flash path (so neither can continuous
-    batching); None if it can."""
-    from kernels import Mode
-
-    if not hasattr(kernel, FLASH_FUNCTION):
-        return f"this version of the kernel has no {FLASH_FUNCTION}"
-    if spec.local_path is not None:
-        return "a local build folder, which transformers cannot load by name (publish it to a Hub)"
-    if Mode.TRAINING in mode or Mode.TORCH_COMPILE in mode:
-        return "TRAINING or TORCH_COMPILE, which kernelize serves through attention_forward"
-    if not getattr(model, "_supports_flash_attn", False):
-        return f"{type(model).__name__} does not support flash attention in transformers"
-    from ..distribution.loader import NotServableByNameError
-
-    try:
-        name = flash_implementation(spec, kernel)
-    except NotServableByNameError as error:
-        return f"transformers cannot be pointed at the verified kernel: {error}"
-    accepted = getattr(model, "_compatible_flash_implementations", None)
-    if accepted is not None and name not in accepted:
-        return (f"{type(model).__name__} accepts only the flash kernels {accepted}: transformers would replace ours "
-                f"with {accepted[0]}")
-    return None
-
-
-def flash_implementation(spec: KernelSpec, kernel: ModuleType) -> str:
-    """The attn_implementation name under which transformers loads `kernel` (loaded by `spec`) as a flash kernel.
-
-    transformers loads it again by name, through plain `kernels`: the name resolves to this very module, verified
-    here, however kernels' cache changed since and whatever kernels' environment switches say
-    (NotServableByNameError where that cannot be arranged)."""
-    from ..distribution.loader import kernels_name
-
-    return f"{kernels_name(kernel, spec.repo)}:{FLASH_FUNCTION}"
-
-
-class _NoticesWithoutAction(logging.Filter):
-    """transformers' flash-path notices that name nothing a user of this kernel can act on: that the kernel has no
-    block-table function (transformers 5.25 takes that path on CUDA and XPU only), and a cast of float32 inputs
-    "back to torch.float32" (a float32 model's: no cast happens)."""
-
-    MESSAGES = ("does not support block tables", "Casting fp32 inputs back to torch.float32 ")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not any(message in record.getMessage() for message in self.MESSAGES)
-
-
-def _quiet_flash_notices() -> None:
-    flash_logger = logging.getLogger("transformers.modeling_flash_attention_utils")
-    if not any(isinstance(f, _NoticesWithoutAction) for f in flash_logger.filters):
-        flash_logger.addFilter(_NoticesWithoutAction())
-
-
-def _check_flash_functions(name: str, kernel: ModuleType) -> None:
-    """Refuse to go on if transformers' flash path under `name` holds anything but `kernel`'s functions."""
-    from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
-
-    from ..distribution.digest import KernelIntegrityError
-
-    if lazy_import_flash_attention(name)[0][1] is not getattr(kernel, FLASH_FUNCTION):
-        raise KernelIntegrityError(f"transformers loaded another module than the verified {kernel.__name__} for "
-                                   f"{name}; refusing to run it", [])
-
-
-def _kernelize_attention(model, spec: KernelSpec, kernel: ModuleType, mode: Mode, device: str) -> ReportEntry:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    from kernels import Mode
-
-    attention = {name: m for name, m in model.named_modules() if name.endswith("self_attn")}
-    modules = tuple(attention)
-    if not modules:
-        return ReportEntry("attention", False, (), str(spec), "no self_attn modules")
-    dropout = _attention_dropout(list(attention.values()))
-    if Mode.TRAINING in mode and dropout > 0:
-        return ReportEntry("attention", False, modules, str(spec),
-                           f"attention dropout {dropout} in TRAINING: the kernel has no dropout")
-    from .parallel import uneven_attention_heads
-
-    uneven = uneven_attention_heads(model)
-    if uneven:
-        return ReportEntry("attention", False, modules, str(spec), uneven)
-    refused_head_dims = head_dims_refusal(attention, kernel.SUPPORTED_HEAD_DIMS)
-    if refused_head_dims:
-        return ReportEntry("attention", False, modules, str(spec), refused_head_dims)
-    unsupported = _supports(kernel.attention_forward, mode)
-    if unsupported:
-        return ReportEntry("attention", False, modules, str(spec), unsupported)
-    no_flash_route = flash_route_refusal(model, spec, kernel, mode)
-    if no_flash_route is None:
-        # transformers loads the kernel again by this name, through `kernels`: the module loaded and checked above,
-        # from a repo the caller's trust settings have just admitted (hence allow_all_kernels).
-        _quiet_flash_notices()
-        name = flash_implementation(spec, kernel)
-        model.set_attn_implementation(name, allow_all_kernels=True)
-        _check_flash_functions(name, kernel)
-        return ReportEntry("attention", True, modules, str(spec),
-                           note="through transformers' flash path: generate and generate_batch")
-    # transformers treats any name containing "flash" as FlashAttention (2-D masks): avoid it.
-    name = f"tpu_kernels_{kernel.__name__.lstrip('_')}"
-    AttentionInterface.register(name, kernel.attention_forward)
-    AttentionMaskInterface.register(name, kernel.attention_mask)
-    model.set_attn_implementation(name)
-    return ReportEntry("attention", True, modules, str(spec),
-                       note=f"through attention_forward: generate_batch unavailable ({no_flash_route})")
-
-
-APPLIERS = {"experts": _kernelize_experts, "rmsnorm": _kernelize_rmsnorm, "attention": _kernelize_attention}
+APPLIERS = {"experts": _kernelize_experts, "rmsnorm": _kernelize_rmsnorm, "attention": kernelize_attention}
 
 
 def _quantize_experts(model, entry: ReportEntry | None, kernel: ModuleType | None, scheme: str) -> QuantizationReport:

@@ -151,22 +151,23 @@ def test_head_dim_64_over_more_than_64_positions_reads_q_k_v_sequence_minor_in_w
     for target in TARGETS:
         for q_len, kv_len in ((1, 4096), (1, 1000), (4096, 4096), (300, 300), (65, 1000)):
             plan = kernel.flash.plan.make(kernel.Problem.of_shape(q_len=q_len, kv_len=kv_len, **gpt_oss), target)
-            assert plan.keys_minor and plan.block_kv % 128 == 0, (target.name, q_len, kv_len, plan)
-            assert plan.queries_minor == (q_len > 1) and plan.block_q % 128 == (q_len == 1), plan
+            minor = plan.sequence_minor
+            assert minor.k and minor.v and plan.block_kv % 128 == 0, (target.name, q_len, kv_len, plan)
+            assert minor.q == minor.out == (q_len > 1) and plan.block_q % 128 == (q_len == 1), plan
         short = kernel.flash.plan.make(kernel.Problem.of_shape(q_len=64, kv_len=64, **gpt_oss), target)
-        assert not (short.keys_minor or short.queries_minor)
+        assert not any(short.sequence_minor)
 
     def plan(problem, *blocks):
         return kernel.flash.plan.make(problem, V6E, kernel.AttentionConfig(*blocks, 16 * MIB))
 
     problem = kernel.Problem.of_shape(q_len=1, kv_len=300, **gpt_oss)
-    assert plan(problem, 1, 128).keys_minor and not plan(problem, 1, 300).keys_minor
+    assert plan(problem, 1, 128).sequence_minor.k and not plan(problem, 1, 300).sequence_minor.k
     prefill = kernel.Problem.of_shape(q_len=300, kv_len=300, **gpt_oss)
-    assert plan(prefill, 128, 128).queries_minor and not plan(prefill, 300, 128).queries_minor
+    assert plan(prefill, 128, 128).sequence_minor.q and not plan(prefill, 300, 128).sequence_minor.q
     qwen3 = kernel.Problem.of_shape(kv_len=4096, **QWEN3_DECODE)
-    assert not kernel.flash.plan.make(qwen3, V6E).keys_minor
+    assert not any(kernel.flash.plan.make(qwen3, V6E).sequence_minor)
     qwen3_prefill = kernel.Problem.of_shape(**dict(QWEN3_DECODE, q_len=4096), kv_len=4096)
-    assert not kernel.flash.plan.make(qwen3_prefill, V6E).queries_minor
+    assert not any(kernel.flash.plan.make(qwen3_prefill, V6E).sequence_minor)
 
 
 def test_check_config(kernel):
@@ -189,7 +190,7 @@ def test_check_config(kernel):
 
 def test_tuned_tiles_override_the_heuristic_and_are_checked(kernel, monkeypatch):
     problem = kernel.Problem.of_shape(kv_len=4096, **QWEN3_DECODE)
-    key = kernel.flash.tiles.TunedKey("v6e", 32, 4, 1, 4096, 128, "bfloat16", None)
+    key = kernel.flash.tiles.TunedKey("v6e", 32, 4, 1, 4096, 128, 128, "bfloat16", None)
     assert kernel.flash.tiles.tuned_config(problem, V6E) is None
     tiles = kernel.flash.tiles.ForwardTiles(block_q=1, block_kv=2048, kv_heads_per_step=2)
     monkeypatch.setitem(kernel.flash.tiles.TUNED_TILES, key, tiles)
@@ -230,9 +231,8 @@ def test_backward_tiles_fit_the_budget(kernel, model):
             kernel.flash_backward.tiles.check_backward_config(chosen, problem)
             for kernel_name, tiles in (("dq", chosen.dq), ("dkv", chosen.dkv)):
                 blocks = dict(block_q=tiles.block_q, block_kv=tiles.block_kv)
-                sequence_minor = kernel.flash_backward.tiles.reads_sequence_minor(problem, tiles.block_q,
-                                                                                  tiles.block_kv)
-                assert sequence_minor == (shape["head_dim"] == 64), (target.name, kernel_name, tiles)
+                sequence_minor = kernel.common.layout.sequence_minor_reads(problem, tiles.block_q, tiles.block_kv)
+                assert all(sequence_minor) == any(sequence_minor) == (shape["head_dim"] == 64), (target.name, tiles)
 
                 def working_set(heads):
                     return kernel.flash_backward.tiles.backward_vmem_bytes(kernel_name, problem,
@@ -289,3 +289,44 @@ def test_check_backward_config(kernel):
     ]:
         with pytest.raises(ValueError, match=match):
             kernel.flash_backward.tiles.check_backward_config(bad, problem)
+
+
+# Latent attention's layers (`compile_targets.LATENT_HEADS`): query heads, KV heads, (D, Dv) of its expanded and
+# absorbed forms.
+LATENT_SHAPES = {
+    "deepseek-v3 tp8 expanded": (16, 16, (192, 128)),
+    "glm-4.7-flash expanded": (20, 20, (256, 256)),
+    "deepseek-v3 tp8 absorbed": (16, 1, (576, 512)),
+}
+
+
+@pytest.mark.parametrize("model", list(LATENT_SHAPES))
+def test_latent_attention_tiles_fit_and_read_each_array_as_stored(kernel, model):
+    """Prefill, decode (also the absorbed form's 128 query heads on one chip) and training: tiles within the budget,
+    q and k read sequence-minor where XLA stores them so (D 192 and 576 over 4096 positions), v and the output
+    apart (128, 256, 512: row-major)."""
+    q_heads, kv_heads, (head_dim, v_head_dim) = LATENT_SHAPES[model]
+    sequence_minor = kernel.common.layout.sequence_minor_by_default
+    shapes = [(q_heads, 4096, 4096), (q_heads, 1, 4096), (q_heads, 1, 32768)]
+    if kv_heads == 1:
+        shapes.append((128, 1, 4096))
+    for target in TARGETS:
+        for heads, q_len, kv_len in shapes:
+            problem = kernel.Problem.of_shape(q_heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
+                                              head_dim=head_dim, v_head_dim=v_head_dim, dtype=jnp.bfloat16)
+            plan = kernel.flash.plan.make(problem, target)
+            tiles = kernel.flash.tiles.ForwardTiles(plan.block_q, plan.block_kv, plan.heads_per_step)
+            assert kernel.flash.tiles.vmem_bytes(problem, tiles) <= kernel.vmem_budget(target), (target.name, tiles)
+            prefill = q_len > 1
+            assert tuple(plan.sequence_minor) == (prefill and sequence_minor(q_len, head_dim),
+                                                  sequence_minor(kv_len, head_dim), sequence_minor(kv_len, v_head_dim),
+                                                  prefill and sequence_minor(q_len, v_head_dim)), (target.name, plan)
+        training = kernel.Problem.of_shape(q_heads=q_heads, kv_heads=kv_heads, q_len=4096, kv_len=4096,
+                                           head_dim=head_dim, v_head_dim=v_head_dim, dtype=jnp.bfloat16)
+        chosen = kernel.flash_backward.tiles.select(training, target)
+        for name, tiles in (("dq", chosen.dq), ("dkv", chosen.dkv)):
+            working_set = kernel.flash_backward.tiles.backward_vmem_bytes(
+                name, training, block_q=tiles.block_q, block_kv=tiles.block_kv,
+                kv_heads_per_step=tiles.kv_heads_per_step)
+            assert working_set <= kernel.vmem_budget(target), (target.name, name, tiles)
+    assert sequence_minor(4096, 192) and sequence_minor(4096, 576) and not sequence_minor(4096, 128)

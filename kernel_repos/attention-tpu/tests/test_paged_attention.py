@@ -132,7 +132,7 @@ def test_a_head_dim_64_cache_read_keys_minor(kernel, convert, page_size, block_k
     the cache, stale in the buffer) never reach the result."""
     batch = paged_batch([5, 1, 0, 1, 19, 1, 1], [37, 130, 9, 1, 19, 300, 0], q_heads=4, kv_heads=2, head_dim=64,
                         page_size=page_size, seed=page_size + (window or 0), extra_rows=3)
-    problem = kernel.common.paged.paged_problem(*(convert[0](x) for x in (batch[0], batch[1], batch[5])),
+    problem = kernel.common.paged.paged_problem(*(convert[0](x) for x in (batch[0], batch[1], batch[2], batch[5])),
                                                 sliding_window=window)
     assert problem.keys_minor
     assert kernel.paged.plan.make(problem, V6E, config=config(kernel, 16, 16, block_kv)).chunk == (
@@ -185,7 +185,7 @@ def test_decode_rows_in_tiles_of_the_native_rows(kernel, convert, q_heads, kv_he
     q_lens = [1, 1, 0, 1, 5, 1, 1, 1, 1, 1]
     batch = paged_batch(q_lens, kv_lens, q_heads=q_heads, kv_heads=kv_heads, head_dim=64, page_size=4, dtype=dtype,
                         seed=q_heads + kv_heads)
-    problem = kernel.common.paged.paged_problem(*(convert[0](x) for x in (batch[0], batch[1], batch[5])))
+    problem = kernel.common.paged.paged_problem(*(convert[0](x) for x in (batch[0], batch[1], batch[2], batch[5])))
     assert kernel.paged.plan.make(problem, V6E, config=config(kernel, 16, 16, 8)).min_tile_q == (
         16 // q_heads * kv_heads if dtype == torch.bfloat16 else 8 // q_heads * kv_heads)
     check_paged(kernel, convert, batch, config(kernel, 16, 16, 8))
@@ -199,7 +199,7 @@ def test_window_blocks_start_at_the_chunk_of_the_first_visible_key(kernel, conve
     sequence's rows past its keys) and zeroed."""
     batch = paged_batch([1, 1, 1, 2, 1, 1], [70, 37, 50, 64, 18, 33], q_heads=4, kv_heads=2, head_dim=64,
                         page_size=32, seed=window + 20)
-    problem = kernel.common.paged.paged_problem(*(convert[0](x) for x in (batch[0], batch[1], batch[5])),
+    problem = kernel.common.paged.paged_problem(*(convert[0](x) for x in (batch[0], batch[1], batch[2], batch[5])),
                                                 sliding_window=window)
     assert kernel.paged.plan.make(problem, V6E, config=config(kernel, 16, 16, 32)).chunk == 16
     check_paged(kernel, convert, batch, config(kernel, 16, 16, 32), sliding_window=window)
@@ -286,8 +286,8 @@ def test_contiguous_head_dim_64_keys_read_keys_minor(kernel, convert, block_kv, 
     to_jax, to_torch = convert
     batch = varlen_batch([7, 1, 0, 3, 1, 2], [100, 13, 2, 140, 1, 60], q_heads=4, kv_heads=2, head_dim=64,
                          seed=block_kv, nan_rows=68)
-    problem = kernel.common.paged.paged_problem(to_jax(batch[0]), to_jax(batch[1][None]), to_jax(batch[4][:-1, None]),
-                                   contiguous=True)
+    problem = kernel.common.paged.paged_problem(to_jax(batch[0]), to_jax(batch[1][None]), to_jax(batch[2][None]),
+                                                to_jax(batch[4][:-1, None]), contiguous=True)
     assert problem.keys_minor
     options = dict(sinks=torch.randn(4, generator=torch.Generator().manual_seed(15)), softcap=4.0,
                    sliding_window=window)
@@ -415,8 +415,11 @@ BAD_PAGED_CALLS = {
     "q-rank": (lambda a: a.update(q=a["q"][None]), ValueError, "q must be 3-D"),
     "cache-shapes": (lambda a: a.update(v_cache=a["v_cache"][:, :2]), ValueError, "k_cache and v_cache"),
     "head-dim": (lambda a: a.update(q=a["q"][..., :32]), ValueError, "head_dim"),
-    "unsupported-head-dim": (lambda a: a.update(q=a["q"][..., :32], k_cache=a["k_cache"][..., :32],
-                                                v_cache=a["v_cache"][..., :32]), ValueError, "head_dim must be one of"),
+    "unsupported-head-dim": (lambda a: a.update(q=a["q"][..., :36], k_cache=a["k_cache"][..., :36],
+                                                v_cache=a["v_cache"][..., :36]), ValueError,
+                             "head_dim must be a multiple of 8 from 8 to 576, got 36"),
+    "unsupported-value-head-dim": (lambda a: a.update(v_cache=a["v_cache"][..., :36]), ValueError,
+                                   "value head_dim must be a multiple of 8"),
     "groups": (lambda a: a.update(q=a["q"][:, :3]), ValueError, "multiple of the number of key/value heads"),
     "dtype": (lambda a: a.update(q=a["q"].half()), TypeError, "q must be float32 or bfloat16"),
     "cache-dtype": (lambda a: a.update(k_cache=a["k_cache"].bfloat16()), TypeError, "share one dtype"),

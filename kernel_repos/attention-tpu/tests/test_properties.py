@@ -1,7 +1,8 @@
 """Properties of every op and layer this kernel exports, against the plain reference (`reference.py`).
 
 Each test draws shapes in which any of batch, query heads, query and key
-length may be 0 or 1, GQA groups, both dtypes, every masking option the op
+length may be 0 or 1, GQA groups, head dims of q and k equal to v's or not
+(latent attention's), both dtypes, every masking option the op
 takes (causal, offsets as an int or an integer tensor of any dtype, key
 lengths, a sliding window, a bool or additive mask, softcap, sinks) and random
 (never zero) values, runs the built kernel (TPU interpret mode, race detection
@@ -37,7 +38,8 @@ def attention_cases(draw):
     offset = draw(st.sampled_from(["default", "int", "tensor"]))
     return dict(
         batch=batch, kv_heads=kv_heads, q_heads=kv_heads * group, q_len=q_len, kv_len=kv_len,
-        head_dim=draw(st.sampled_from([64, 128])), dtype=draw(st.sampled_from(FLOAT_DTYPES)),
+        head_dims=draw(st.sampled_from([(64, 64), (128, 128), (96, 64), (192, 128)])),
+        dtype=draw(st.sampled_from(FLOAT_DTYPES)),
         causal=draw(st.booleans()), offset=offset, offset_dtype=draw(st.sampled_from(INTEGER_DTYPES)),
         kv_lengths=draw(st.booleans()), sliding_window=draw(st.sampled_from([None, 1, 4])),
         softcap=draw(st.sampled_from([None, 5.0])), mask=draw(st.sampled_from([None, "bool", "additive"])),
@@ -53,9 +55,9 @@ def attention_inputs(case) -> tuple[list[torch.Tensor], dict]:
     def randn(*shape):
         return torch.randn(*shape, generator=generator).to(dtype)
 
-    tensors = [randn(batch, case["q_heads"], q_len, case["head_dim"]),
-               *(randn(batch, case["kv_heads"], kv_len, case["head_dim"]) for _ in range(2)),
-               randn(case["q_heads"]) if case["sinks"] else None]
+    head_dim, v_head_dim = case["head_dims"]
+    tensors = [randn(batch, case["q_heads"], q_len, head_dim), randn(batch, case["kv_heads"], kv_len, head_dim),
+               randn(batch, case["kv_heads"], kv_len, v_head_dim), randn(case["q_heads"]) if case["sinks"] else None]
     options = dict(causal=case["causal"], sliding_window=case["sliding_window"], softcap=case["softcap"])
     if case["offset"] == "int":
         options["q_offset"] = int(torch.randint(0, kv_len + 1, (), generator=generator))
@@ -81,7 +83,7 @@ def reference(kernel, query, key, value, sinks, options) -> torch.Tensor:
     return kernel.reference.reference_attention(query, key, value, sinks=sinks, **options)
 
 
-EMPTY = dict(kv_heads=2, q_heads=4, head_dim=64, dtype=torch.float32, causal=True, offset="default",
+EMPTY = dict(kv_heads=2, q_heads=4, head_dims=(96, 64), dtype=torch.float32, causal=True, offset="default",
              offset_dtype=torch.int64, kv_lengths=False, sliding_window=None, softcap=None, mask=None, sinks=False,
              seed=0)
 
@@ -114,7 +116,8 @@ def test_flash_attention_gradients_match_reference(kernel, case):
     inputs = [t for t in (query, key, value, sinks) if t is not None]
     for tensor in inputs:
         tensor.requires_grad_(True)
-    d_out = torch.randn(query.shape, generator=torch.Generator().manual_seed(case["seed"] + 1)).to(case["dtype"])
+    d_out = torch.randn(*query.shape[:3], value.shape[3],
+                        generator=torch.Generator().manual_seed(case["seed"] + 1)).to(case["dtype"])
     with no_kernel_if(is_empty(case)):
         grads = torch.autograd.grad(kernel.flash_attention(query, key, value, sinks=sinks, **options), inputs, d_out)
     inputs64 = [t.detach().double().requires_grad_(True) for t in inputs]

@@ -29,27 +29,34 @@ below.
 # same build (same module id) from a second path, and then Python reuses the
 # cached submodules without setting them as attributes of the new package.
 # Nothing else is bound here but the names of the face.
-from . import common, flash, flash_api, flash_backward, kvcache, latent, latent_ops, ops, paged, paged_ops, reference
+from . import (common, flash, flash_api, flash_backward, kvcache, latent, latent_ops, mla, ops, paged, paged_ops,
+               reference)
 from .attention import attention_forward, attention_mask
+from .common.head_dims import SUPPORTED_HEAD_DIMS, supports_head_dims
 from .common.masking import Problem
 from .common.paged import PagedProblem
 from .common.tiles import AttentionConfig
 from .common.vmem import vmem_budget, vmem_limit
-from .flash.kernel import SUPPORTED_HEAD_DIMS
 from .flash_api import flash_attn_func, flash_attn_varlen_func
 from .kvcache import flash_attn_with_kvcache
 from .latent_ops import latent_attention
+from .mla import latent_attention_forward, latent_refusal, serve_latent
 from .ops import flash_attention
 from .paged_ops import ragged_paged_attention, ragged_varlen_attention
 
-# What a user of the loaded kernel calls (and what `kernels describe-api` lists, from symbols.json): the torch
+# What a user of the loaded kernel calls (and what `kernels describe-api` lists, from symbols.json): the head dims
+# it serves (`SUPPORTED_HEAD_DIMS` where q, k and v share one; `supports_head_dims(qk, v)` for any pair), the torch
 # op, transformers' attention and mask functions, the flash-attn 2 API (`flash_api`, and `kvcache` on the paged
 # kernel: what transformers calls when `attn_implementation` names this repo), the paged kernel's torch ops and the
-# float64 reference the kernels are tested against; latent attention's op (MLA's absorbed form over transformers'
-# latent cache) and its module.
-__all__ = ["SUPPORTED_HEAD_DIMS", "attention_forward", "attention_mask", "flash_attention", "ops", "reference",
+# float64 reference the kernels are tested against; latent attention (MLA): the absorbed form's op over
+# transformers' latent cache and its module, and what kernelize installs for an MLA model (`mla`: the attention
+# function that picks the absorbed or the expanded form per call, the module set-up, and why a module cannot be
+# set up).
+__all__ = ["SUPPORTED_HEAD_DIMS", "supports_head_dims", "attention_forward", "attention_mask", "flash_attention",
+           "ops", "reference",
            "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "ragged_paged_attention",
-           "ragged_varlen_attention", "latent_attention", "latent_ops"]
+           "ragged_varlen_attention", "latent_attention", "latent_ops", "latent_attention_forward", "serve_latent",
+           "latent_refusal"]
 
 # What this project's lab uses besides `__all__`, and nothing more: tests/test_kernel_face.py holds every use
 # outside the kernel repo to these names, and each name to a use. A dotted name is reached through the subpackages

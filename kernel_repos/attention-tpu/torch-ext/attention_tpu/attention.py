@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .ops import flash_attention
-from .padding import batch_rows, key_rows, padded, query_rows
+from .padding import Buckets
 
 
 def attention_mask(*args, **kwargs):
@@ -58,6 +58,29 @@ def _reject_unsupported(dropout: float, kwargs: dict) -> None:
             "select the kernel's flash-attn API, attn_implementation=\"<org>/attention-tpu:flash_attn_varlen_func\"")
 
 
+def transformers_masking(attention_mask: torch.Tensor | None, buckets: Buckets, *, is_causal: bool,
+                         sliding_window: int | None) -> dict:
+    """The kernel's masking options for the mask transformers hands an attention function (`attention_mask` above
+    made it), at the bucketed sizes.
+
+    None means sdpa's conventions for a skipped mask: causal only with more than one query, aligned top-left (query
+    i sees keys 0..i), which transformers only skips to when that equals the bottom-right alignment or the cache was
+    empty; a single query sees every key. A 4-D mask carries padding, sliding windows and cache offsets itself; one
+    built for a longer static cache is cut to the keys present, as eager attention does.
+    """
+    q_len, kv_len = buckets.q_len, buckets.kv_len
+    if attention_mask is None:
+        causal = bool(is_causal) and q_len > 1
+        return dict(causal=causal, q_offset=0 if causal else kv_len - q_len,
+                    sliding_window=sliding_window if causal else None)
+    if attention_mask.dim() != 4:
+        raise ValueError(
+            f"attention_mask must be a 4-D mask [B, 1, Sq, Skv] (register `attention_mask` from this kernel in "
+            f"transformers' AttentionMaskInterface), got shape {tuple(attention_mask.shape)}"
+        )
+    return dict(causal=False, attention_mask=buckets.mask(attention_mask[:, :, :, :kv_len]))
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -70,8 +93,9 @@ def attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers AttentionInterface function running the Pallas TPU kernel.
 
-    query [B, Hq, Sq, D], key/value [B, Hkv, Skv, D] (no repeat of K/V for
-    GQA); returns ([B, Sq, Hq, D], None). `sliding_window` and `softcap` are
+    query [B, Hq, Sq, D], key [B, Hkv, Skv, D], value [B, Hkv, Skv, Dv] (no
+    repeat of K/V for GQA; Dv = D but for latent attention, e.g. 192 and
+    128); returns ([B, Sq, Hq, Dv], None). `sliding_window` and `softcap` are
     read from kwargs, else from the module (`sliding_window`,
     `attn_logit_softcapping`); attention sinks from the `s_aux` kwarg
     (GPT-OSS passes its `sinks` parameter so) or `sinks`. Differentiable:
@@ -100,32 +124,13 @@ def attention_forward(
     kv_len = key.shape[2]
     # Padded to buckets (padding.py): the real key lengths hide the padded keys (and the padded sequences, which
     # have none), the real offsets place the queries.
-    sequences, q_padded, kv_padded = batch_rows(batch), query_rows(q_len), key_rows(kv_len)
-    query = padded(padded(query, 2, q_padded), 0, sequences)
-    key, value = (padded(padded(tensor, 2, kv_padded), 0, sequences) for tensor in (key, value))
-    kv_lengths = padded(torch.full((batch,), kv_len, dtype=torch.int32, device=query.device), 0, sequences)
-
-    if attention_mask is None:
-        # sdpa's conventions for a skipped mask: `is_causal` only with more
-        # than one query, aligned top-left (query i sees keys 0..i), which
-        # transformers only skips to when that equals the bottom-right
-        # alignment or the cache was empty.
-        causal = bool(is_causal) and q_len > 1
-        masking = dict(causal=causal, q_offset=0 if causal else kv_len - q_len,
-                       sliding_window=sliding_window if causal else None)
-    else:
-        if attention_mask.dim() != 4:
-            raise ValueError(
-                f"attention_mask must be a 4-D mask [B, 1, Sq, Skv] (register `attention_mask` from this kernel in "
-                f"transformers' AttentionMaskInterface), got shape {tuple(attention_mask.shape)}"
-            )
-        # As eager attention does: masks built for a longer static cache are cut to the keys present.
-        attention_mask = attention_mask[:, :, :, :kv_len]
-        masking = dict(causal=False, attention_mask=padded(padded(padded(attention_mask, 2, q_padded), 3, kv_padded),
-                                                           0, sequences if attention_mask.shape[0] == batch else 1))
-    out = flash_attention(query, key, value, scale=scaling, kv_lengths=kv_lengths, softcap=softcap, sinks=sinks,
-                          **masking)
-    out = out[:batch, :, :q_len]
+    buckets = Buckets.of(batch, q_len, kv_len)
+    query = buckets.queries(query)
+    key, value = buckets.keys(key), buckets.keys(value)
+    masking = transformers_masking(attention_mask, buckets, is_causal=is_causal, sliding_window=sliding_window)
+    out = flash_attention(query, key, value, scale=scaling, kv_lengths=buckets.key_lengths(query.device),
+                          softcap=softcap, sinks=sinks, **masking)
+    out = buckets.unpadded(out)
     return out.transpose(1, 2).contiguous(), None
 
 

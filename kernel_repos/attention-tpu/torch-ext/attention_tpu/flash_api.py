@@ -12,9 +12,13 @@ transformers decides which keyword arguments to pass by reading the
 functions' parameter names, so every name here is one it knows, and one this
 kernel either computes or refuses with a ValueError naming it.
 
-Layouts are flash-attn's: q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D]; the
-varlen form packs the sequences, q [total_q, Hq, D] and k, v [total_k, Hkv, D],
-sequence b spanning rows cu_seqlens[b]:cu_seqlens[b + 1]. With causal (and
+Layouts are flash-attn's: q [B, Sq, Hq, D], k [B, Sk, Hkv, D] and v
+[B, Sk, Hkv, Dv] -> [B, Sq, Hq, Dv]; the varlen form packs the sequences,
+q [total_q, Hq, D], k [total_k, Hkv, D] and v [total_k, Hkv, Dv], sequence b
+spanning rows cu_seqlens[b]:cu_seqlens[b + 1]. Dv = D in flash-attn 2;
+flash-attn 3 lets it differ (latent attention: D 192, Dv 128), and so does
+this kernel. transformers' flash path pads v to D for latent attention and
+cuts the output back: both calls give the same result. With causal (and
 windows), query i of a sequence sits at key position i + Sk - Sq (aligned
 bottom-right, as flash-attn >= 2.1), so a query whose position is negative
 sees no key and its row is zero.
@@ -97,10 +101,11 @@ def flash_attn_func(
     s_aux: torch.Tensor | None = None,
     learnable_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """flash-attn 2's `flash_attn_func`: q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D] -> [B, Sq, Hq, D].
+    """flash-attn 2's `flash_attn_func`: q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] -> [B, Sq, Hq, Dv].
 
-    Hq a multiple of Hkv (grouped-query attention); D one of the kernel's
-    head dims; float32 or bfloat16. softmax_scale defaults to D ** -0.5.
+    Hq a multiple of Hkv (grouped-query attention); D and Dv head dims the
+    kernel serves (`supports_head_dims`; Dv = D, or not as in flash-attn 3);
+    float32 or bfloat16. softmax_scale defaults to D ** -0.5.
     window_size (left, right) with -1 unbounded; softcap > 0 caps the logits;
     s_aux (or learnable_sink) [Hq] is one sink logit per query head. The
     kernel is deterministic, so `deterministic` asks for nothing more.
@@ -111,6 +116,12 @@ def flash_attn_func(
     softcap = _refuse_unsupported(dropout_p, alibi_slopes, return_attn_probs, softcap)
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, tensor, 4, "[batch, seqlen, heads, head_dim]")
+    # Checked before the padding to buckets below, which would hide a mismatch of batch or key length.
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have the same shape but for the head_dim (the last), got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     batch, q_len, kv_len = q.shape[0], q.shape[1], k.shape[1]
     causal, sliding_window = _window_options(window_size, bool(causal), kv_len)
     sequences, q_padded, kv_padded = batch_rows(batch), query_rows(q_len), key_rows(kv_len)
@@ -126,8 +137,9 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     """Layouts and cumulative lengths of a varlen call; returns the maximum lengths as ints."""
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, tensor, 3, "[total_tokens, heads, head_dim]")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must have the same shape but for the head_dim (the last), got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
     # Checked here so that both kernels' paths name the arguments alike.
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k must have the same head_dim, got {q.shape[2]} and {k.shape[2]}")
@@ -175,7 +187,7 @@ def _pad_sequences(packed: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int)
 
 def padded_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, **options):
     """`flash_attn_varlen_func` on the flash kernel, which has a backward (inputs checked): packed q, k, v ->
-    packed [total_q, Hq, D].
+    packed [total_q, Hq, Dv].
 
     Each sequence is padded to a common length; the flash kernel masks the
     padded keys by length (and skips key blocks past every length) and places
@@ -185,7 +197,7 @@ def padded_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
     """
     total_q = q.shape[0]
     if total_q == 0 or cu_seqlens_q.shape[0] == 1 or k.shape[0] == 0:
-        return q.new_zeros(q.shape)
+        return q.new_zeros((*q.shape[:2], v.shape[2]))
     batch = power_of_two(cu_seqlens_q.shape[0] - 1)
     padded_q, padded_k = with_empty_sequences(cu_seqlens_q, batch), with_empty_sequences(cu_seqlens_k, batch)
     q_lengths, kv_lengths = padded_q.diff(), padded_k.diff()
@@ -206,7 +218,7 @@ def padded_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
 def ragged_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *, scale, causal: bool,
                             sliding_window: int | None, softcap: float | None, sinks) -> torch.Tensor:
     """`flash_attn_varlen_func` on the ragged paged kernel, inference only (inputs checked): packed q, k, v ->
-    packed [total_q, Hq, D].
+    packed [total_q, Hq, Dv].
 
     The kernel reads each sequence's queries and keys where they lie, so a
     decode row costs one query's work whatever the other sequences' lengths.
@@ -219,7 +231,7 @@ def ragged_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
     """
     total_q, num_seqs = q.shape[0], cu_seqlens_q.shape[0] - 1
     if total_q == 0 or num_seqs == 0 or k.shape[0] == 0:
-        return q.new_zeros(q.shape)
+        return q.new_zeros((*q.shape[:2], v.shape[2]))
     sequences = power_of_two(num_seqs, RAGGED_SEQUENCES_FLOOR)
     q_rows, kv_rows = token_bucket(total_q), key_rows(k.shape[0])
     out = paged_ops.ragged_varlen_attention(
@@ -254,8 +266,8 @@ def flash_attn_varlen_func(
     s_aux: torch.Tensor | None = None,
     learnable_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """flash-attn 2's `flash_attn_varlen_func`: packed q [total_q, Hq, D], k and v [total_k, Hkv, D] ->
-    [total_q, Hq, D].
+    """flash-attn 2's `flash_attn_varlen_func`: packed q [total_q, Hq, D], k [total_k, Hkv, D] and v [total_k, Hkv,
+    Dv] -> [total_q, Hq, Dv].
 
     Sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] against
     k, v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]; max_seqlen_q/k bound those

@@ -70,6 +70,23 @@ def _check_capacity(cache_seqlens, cache_lengths: torch.Tensor, new_len: int, ca
                          f"the cache's capacity of {capacity} keys per sequence, and cache_seqlens must be >= 0")
 
 
+def _new_keys(k, v, k_cache, v_cache, batch: int) -> int:
+    """How many new keys k, v [B, S_new, Hkv, D or Dv] (each shaped and typed as its cache's rows) bring; 0 for
+    none."""
+    if (k is None) != (v is None):
+        raise ValueError("flash_attn_with_kvcache: pass k and v together, or neither")
+    if k is None:
+        return 0
+    new_tokens = k.shape[1] if isinstance(k, torch.Tensor) else -1
+    for name, tensor, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        expected = (batch, new_tokens, *cache.shape[2:])
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != expected or tensor.dtype != cache.dtype:
+            raise ValueError(f"flash_attn_with_kvcache: {name} must be a {cache.dtype} tensor of shape "
+                             f"[{batch}, new tokens, {cache.shape[2]}, {cache.shape[3]}], got "
+                             f"{getattr(tensor, 'dtype', None)} {tuple(getattr(tensor, 'shape', ()))}")
+    return new_tokens
+
+
 def _write_new_keys(k_cache, v_cache, k, v, page_table, cache_lengths) -> None:
     """k, v [B, S_new, Hkv, D] into the cache pages at positions cache_lengths[b] + i, in place."""
     page_size = k_cache.shape[1]
@@ -85,20 +102,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False, page_table=None, s_aux=None,
                             learnable_sink=None):
-    """Attention of q[B, Sq, Hq, D] over a KV cache that k, v[B, S_new, Hkv, D] (if given) are first written into,
-    in place, at positions cache_seqlens[b] + i -> [B, Sq, Hq, D] (flash-attn 2 semantics, inference only).
+    """Attention of q[B, Sq, Hq, D] over a KV cache that k[B, S_new, Hkv, D], v[B, S_new, Hkv, Dv] (if given) are
+    first written into, in place, at positions cache_seqlens[b] + i -> [B, Sq, Hq, Dv] (flash-attn 2 semantics,
+    and flash-attn 3's Dv that may differ from D; inference only).
 
-    Paged cache (block_table or page_table [B, pages_per_seq] given): k_cache, v_cache [num_pages, page_size,
-    Hkv, D], read in place, any page size. Otherwise k_cache, v_cache [B_cache, S_max, Hkv, D] with
+    Paged cache (block_table or page_table [B, pages_per_seq] given): k_cache [num_pages, page_size, Hkv, D],
+    v_cache [..., Dv], read in place, any page size. Otherwise k_cache, v_cache [B_cache, S_max, Hkv, D or Dv] with
     cache_batch_idx [B] (default: row b) choosing each sequence's row. Sequence b attends over cache_seqlens[b]
     + S_new keys (cache_seqlens default: the whole capacity; required with a page table); its queries are its
     last Sq positions (causal is bottom-right aligned). window_size (left, right): a causal query sees its last
     left + 1 keys. softcap 0 means none. s_aux / learnable_sink [Hq]: attention sinks (GPT-OSS).
 
     Refused with a ValueError naming the argument: cache_seqlens (plus new keys) past a sequence's cache
-    capacity or negative (checked where the values are on the host: an int, or a CPU tensor), rotary_cos/rotary_sin, cache_leftpad, alibi_slopes,
-    return_softmax_lse=True, num_splits other than 0 or 1, cache_batch_idx with a page table, a window bounded
-    on the right without causal. rotary_interleaved only qualifies rotary, which is refused.
+    capacity or negative (checked where the values are on the host: an int, or a CPU tensor),
+    rotary_cos/rotary_sin, cache_leftpad, alibi_slopes, return_softmax_lse=True, num_splits other than 0 or 1,
+    cache_batch_idx with a page table, a window bounded on the right without causal. rotary_interleaved only
+    qualifies rotary, which is refused.
     """
     _refuse("rotary_cos", rotary_cos, rotary_cos is not None, "apply rotary embeddings to q and k before the call")
     _refuse("rotary_sin", rotary_sin, rotary_sin is not None, "apply rotary embeddings to q and k before the call")
@@ -117,17 +136,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"flash_attn_with_kvcache: {name} must be a 4-D tensor, got "
                              f"{getattr(tensor, 'shape', type(tensor).__name__)}")
     batch, q_len, q_heads, head_dim = q.shape
-    if (k is None) != (v is None):
-        raise ValueError("flash_attn_with_kvcache: pass k and v together, or neither")
-    new_len = 0
-    if k is not None:
-        expected = (batch, k.shape[1] if isinstance(k, torch.Tensor) else -1, *k_cache.shape[2:])
-        for name, tensor in (("k", k), ("v", v)):
-            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != expected or tensor.dtype != k_cache.dtype:
-                raise ValueError(f"flash_attn_with_kvcache: {name} must be a {k_cache.dtype} tensor of shape "
-                                 f"[{batch}, new tokens, {k_cache.shape[2]}, {k_cache.shape[3]}], got "
-                                 f"{getattr(tensor, 'dtype', None)} {tuple(getattr(tensor, 'shape', ()))}")
-        new_len = k.shape[1]
+    new_len = _new_keys(k, v, k_cache, v_cache, batch)
     if table is not None:
         if cache_batch_idx is not None:
             raise ValueError("flash_attn_with_kvcache: cache_batch_idx is not supported with a block_table/page_table")
@@ -158,4 +167,4 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         scale=softmax_scale, causal=causal, sliding_window=_window(window_size, bool(causal)),
         softcap=None if not softcap else softcap, sinks=sinks, max_q_len=query_length_bound(q_len, max(q_rows, 1)),
     )
-    return out[:rows].reshape(batch, q_len, q_heads, head_dim)
+    return out[:rows].reshape(batch, q_len, q_heads, v_cache.shape[3])

@@ -13,8 +13,9 @@ import jax
 import torch
 
 from ._ops import add_op_namespace_prefix, jax_torch_op
+from .common.head_dims import head_dims_refusal
 from .common.masking import Attention
-from .flash.kernel import SUPPORTED_HEAD_DIMS, differentiable_flash_attention
+from .flash.kernel import differentiable_flash_attention
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -62,16 +63,18 @@ def check_attention_args(query, key, value, attention: Attention) -> None:
         check_tensor(name, tensor)
         if tensor.dim() != 4:
             raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim], got shape {tuple(tensor.shape)}")
-    if key.shape != value.shape:
-        raise ValueError(f"key and value must have the same shape, got {tuple(key.shape)} and {tuple(value.shape)}")
+    if key.shape[:3] != value.shape[:3]:
+        raise ValueError(f"key and value must have the same shape but for the head_dim (the last), got "
+                         f"{tuple(key.shape)} and {tuple(value.shape)}")
     batch, q_heads, q_len, head_dim = query.shape
     kv_batch, kv_heads, kv_len, kv_head_dim = key.shape
     if kv_batch != batch:
         raise ValueError(f"query and key must have the same batch size, got {batch} and {kv_batch}")
     if kv_head_dim != head_dim:
         raise ValueError(f"query and key must have the same head_dim, got {head_dim} and {kv_head_dim}")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    refusal = head_dims_refusal(head_dim, value.shape[3])
+    if refusal:
+        raise ValueError(refusal)
     if kv_heads == 0 or q_heads % kv_heads:
         raise ValueError(
             f"the number of query heads ({q_heads}) must be a multiple of the number of key/value heads ({kv_heads})"
@@ -132,13 +135,16 @@ def check_attention_args(query, key, value, attention: Attention) -> None:
 
 
 def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **options) -> torch.Tensor:
-    """Attention of query[B, Hq, Sq, D] over key, value[B, Hkv, Skv, D] -> [B, Hq, Sq, D]; differentiable.
+    """Attention of query[B, Hq, Sq, D] over key[B, Hkv, Skv, D] and value[B, Hkv, Skv, Dv] -> [B, Hq, Sq, Dv];
+    differentiable.
 
     Hq must be a multiple of Hkv (query head h uses KV head h // (Hq // Hkv));
-    D is 64, 128, 256 or 512; dtypes float32 or bfloat16 (one for all three).
+    D and Dv (equal, or not: latent attention's 192 and 128, 576 and 512)
+    each a multiple of 8 up to 576 (`supports_head_dims`); dtypes float32 or
+    bfloat16 (one for all three).
 
     `options` are those of `masking.Attention`, with tensors for its arrays:
-    scale, causal (default True), q_offset (an int or an integer tensor [B]),
+    scale (default D ** -0.5), causal (default True), q_offset (an int or an integer tensor [B]),
     kv_lengths (integer tensor [B], values clipped to [0, Skv]),
     sliding_window, softcap, attention_mask (bool, True = attend, or
     floating, additive; a floating mask that requires grad is refused) and

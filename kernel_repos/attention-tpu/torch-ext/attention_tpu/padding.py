@@ -11,6 +11,8 @@ step is one shape already.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ._buckets import key_bucket, token_bucket
@@ -66,3 +68,41 @@ def query_length_bound(max_seqlen_q: int, rows: int) -> int:
     if max_seqlen_q <= 1:
         return 1
     return min(token_bucket(int(max_seqlen_q)), rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """One transformers-facing call's real sizes and the bucketed sizes its kernel is handed: the batch padded to
+    `sequences`, queries to `q_rows`, keys to `kv_rows` (arrays [B, H, S, D] along dims 0 and 2)."""
+
+    batch: int
+    q_len: int
+    kv_len: int
+    sequences: int
+    q_rows: int
+    kv_rows: int
+
+    @classmethod
+    def of(cls, batch: int, q_len: int, kv_len: int) -> Buckets:
+        return cls(batch, q_len, kv_len, batch_rows(batch), query_rows(q_len), key_rows(kv_len))
+
+    def queries(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A [B, H, Sq, ...] array at the bucketed batch and query length."""
+        return padded(padded(tensor, 2, self.q_rows), 0, self.sequences)
+
+    def keys(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A [B, H, Skv, ...] array at the bucketed batch and key length."""
+        return padded(padded(tensor, 2, self.kv_rows), 0, self.sequences)
+
+    def mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """A [B or 1, 1, Sq, Skv] mask at the bucketed sizes (a batch of 1 broadcasts and stays 1)."""
+        mask = padded(padded(mask, 2, self.q_rows), 3, self.kv_rows)
+        return padded(mask, 0, self.sequences) if mask.shape[0] == self.batch else mask
+
+    def key_lengths(self, device) -> torch.Tensor:
+        """int32 [sequences]: the real key length of each real sequence, 0 for the padded ones (they see no key)."""
+        return padded(torch.full((self.batch,), self.kv_len, dtype=torch.int32, device=device), 0, self.sequences)
+
+    def unpadded(self, out: torch.Tensor) -> torch.Tensor:
+        """A kernel's [B, H, Sq, ...] output cut back to the real batch and queries."""
+        return out[:self.batch, :, :self.q_len]

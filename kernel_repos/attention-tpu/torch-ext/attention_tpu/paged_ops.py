@@ -13,9 +13,9 @@ import jax
 import torch
 
 from ._ops import add_op_namespace_prefix, jax_torch_op
+from .common.head_dims import head_dims_refusal
 from .common.paged import cache_copied_whole_per_call
 from .ops import FLOAT_DTYPES, check_tensor, is_integer_dtype
-from .paged.kernel import SUPPORTED_HEAD_DIMS
 from .paged.kernel import ragged_paged_attention as _jax_ragged_paged_attention
 
 
@@ -57,16 +57,17 @@ def check_paged_args(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, *, sca
     """Types, shapes, dtypes and devices of a ragged paged attention call, in torch terms."""
     check_tensor("q", q, 3, "[total_q, q_heads, head_dim]")
     check_tensor("k_cache", k_cache, 4, "[num_pages, page_size, kv_heads, head_dim]")
-    check_tensor("v_cache", v_cache, 4, "[num_pages, page_size, kv_heads, head_dim]")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
-                         f"{tuple(v_cache.shape)}")
+    check_tensor("v_cache", v_cache, 4, "[num_pages, page_size, kv_heads, v_head_dim]")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache and v_cache must have the same shape but for the head_dim (the last), got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     _, q_heads, head_dim = q.shape
     _, _, kv_heads, kv_head_dim = k_cache.shape
     if kv_head_dim != head_dim:
         raise ValueError(f"q and k_cache must have the same head_dim, got {head_dim} and {kv_head_dim}")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    refusal = head_dims_refusal(head_dim, v_cache.shape[3])
+    if refusal:
+        raise ValueError(refusal)
     if kv_heads == 0 or q_heads % kv_heads:
         raise ValueError(f"the number of query heads ({q_heads}) must be a multiple of the number of key/value heads "
                          f"({kv_heads})")
@@ -106,22 +107,25 @@ def ragged_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            kv_lens: torch.Tensor, page_table: torch.Tensor, *, scale: float | None = None,
                            causal: bool = True, sliding_window: int | None = None, softcap: float | None = None,
                            sinks: torch.Tensor | None = None, max_q_len: int | None = None) -> torch.Tensor:
-    """Attention of packed q[total_q, Hq, D] over a paged KV cache -> [total_q, Hq, D] (inference only).
+    """Attention of packed q[total_q, Hq, D] over a paged KV cache -> [total_q, Hq, Dv] (inference only).
 
-    k_cache, v_cache [num_pages, page_size, Hkv, D] (transformers' paged cache layout, read in place);
+    k_cache [num_pages, page_size, Hkv, D], v_cache [num_pages, page_size, Hkv, Dv] (transformers' paged cache
+    layout, read in place; Dv = D but for latent attention);
     page_table int [num_seqs, pages_per_seq] (key j of sequence s in page page_table[s, j // page_size]);
     cu_q_lens int [num_seqs + 1] (sequence s owns q rows cu_q_lens[s]:cu_q_lens[s + 1]; sequences may own none);
     kv_lens int [num_seqs] (keys of each sequence, its new ones included: its queries are its last tokens).
     Causal (default) with bottom-right alignment; sliding_window w: a query sees its last w keys; softcap;
-    scale (default D ** -0.5); sinks [Hq]; GQA (Hq a multiple of Hkv); D 64, 128, 256 or 512; float32 or
-    bfloat16. max_q_len, if given, must bound every sequence's query count; it only shapes the tiles.
-    Rows that see no key and rows past cu_q_lens[-1] come out as zeros.
+    scale (default D ** -0.5); sinks [Hq]; GQA (Hq a multiple of Hkv); D and Dv each a multiple of 8 up to 576
+    (`supports_head_dims`); float32 or bfloat16. max_q_len, if given, must bound every sequence's query count; it
+    only shapes the tiles. Rows that see no key and rows past cu_q_lens[-1] come out as zeros.
     """
     check_paged_args(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, scale=scale,
                      sliding_window=sliding_window, softcap=softcap, sinks=sinks, max_q_len=max_q_len)
-    page_size, head_dim = k_cache.shape[1], k_cache.shape[-1]
-    if cache_copied_whole_per_call(page_size, head_dim):
-        warnings.warn(f"a paged cache of head_dim {head_dim} over pages of {page_size} tokens is stored by XLA with "
+    page_size = k_cache.shape[1]
+    copied = [cache.shape[-1] for cache in (k_cache, v_cache)
+              if cache_copied_whole_per_call(page_size, cache.shape[-1])]
+    if copied:
+        warnings.warn(f"a paged cache of head_dim {copied[0]} over pages of {page_size} tokens is stored by XLA with "
                       "the page index minor on a TPU, so every call copies K and V whole before the kernel reads "
                       "them; allocate pages of a multiple of 128 tokens (transformers' default 256 is one), which "
                       "the kernel reads in place", stacklevel=2)
@@ -137,11 +141,12 @@ def ragged_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                             cu_k_lens: torch.Tensor, *, scale: float | None = None, causal: bool = True,
                             sliding_window: int | None = None, softcap: float | None = None,
                             sinks: torch.Tensor | None = None, max_q_len: int | None = None) -> torch.Tensor:
-    """`ragged_paged_attention` over contiguous (varlen) keys and values k, v[total_k, Hkv, D], read in place:
-    sequence s owns key rows cu_k_lens[s]:cu_k_lens[s + 1] (non-decreasing, within [0, total_k]) and query rows
-    cu_q_lens[s]:cu_q_lens[s + 1], its queries its last positions. Inference only."""
-    for name, tensor in (("k", k), ("v", v)):
-        check_tensor(name, tensor, 3, "[total_k, kv_heads, head_dim]")
+    """`ragged_paged_attention` over contiguous (varlen) keys k[total_k, Hkv, D] and values v[total_k, Hkv, Dv] ->
+    [total_q, Hq, Dv], read in place: sequence s owns key rows cu_k_lens[s]:cu_k_lens[s + 1] (non-decreasing,
+    within [0, total_k]) and query rows cu_q_lens[s]:cu_q_lens[s + 1], its queries its last positions. Inference
+    only."""
+    check_tensor("k", k, 3, "[total_k, kv_heads, head_dim]")
+    check_tensor("v", v, 3, "[total_k, kv_heads, v_head_dim]")
     check_tensor("cu_k_lens", cu_k_lens, 1, "[num_seqs + 1]")
     num_seqs = cu_k_lens.shape[0] - 1
     if num_seqs < 0 or not is_integer_dtype(cu_k_lens.dtype):

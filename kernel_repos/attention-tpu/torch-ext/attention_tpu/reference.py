@@ -57,7 +57,8 @@ def reference_attention(
     attention_mask: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q[B, Hq, Sq, D], k/v[B, Hkv, Skv, D] -> float64 [B, Hq, Sq, D]; rows with no visible key are 0.
+    """q[B, Hq, Sq, D], k[B, Hkv, Skv, D], v[B, Hkv, Skv, Dv] -> float64 [B, Hq, Sq, Dv]; rows with no visible key
+    are 0. The default scale is D ** -0.5.
 
     sinks [Hq]: one more logit per query head in every row's softmax, attending to nothing.
     """
@@ -113,13 +114,14 @@ def reference_paged_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Ragged paged attention (`paged.kernel.ragged_paged_attention`) -> float64 [T, Hq, D], one sequence at a time:
-    its keys gathered page by page from the page table, then `reference_attention` with its queries last.
+    """Ragged paged attention (`paged.kernel.ragged_paged_attention`) -> float64 [T, Hq, Dv], one sequence at a
+    time: its keys gathered page by page from the page table, then `reference_attention` with its queries last.
 
-    q[T, Hq, D] packed (sequence s owns rows cu_q_lens[s]:cu_q_lens[s + 1]); k_cache, v_cache[num_pages,
-    page_size, Hkv, D]; kv_lens [S]; page_table [S, pages_per_seq]. Rows no sequence owns are 0.
+    q[T, Hq, D] packed (sequence s owns rows cu_q_lens[s]:cu_q_lens[s + 1]); k_cache[num_pages, page_size, Hkv, D],
+    v_cache[num_pages, page_size, Hkv, Dv]; kv_lens [S]; page_table [S, pages_per_seq]. Rows no sequence owns
+    are 0.
     """
-    out = torch.zeros(q.shape, dtype=torch.float64)
+    out = torch.zeros(*q.shape[:2], v_cache.shape[-1], dtype=torch.float64)
     page_size = k_cache.shape[1]
     for seq in range(kv_lens.shape[0]):
         q_start, q_end, kv_len = int(cu_q_lens[seq]), int(cu_q_lens[seq + 1]), int(kv_lens[seq])
@@ -137,7 +139,7 @@ def reference_paged_attention(
 
 
 def reference_varlen_attention(q, k, v, cu_q_lens, cu_k_lens, **options) -> torch.Tensor:
-    """`reference_paged_attention` over contiguous k, v[total_k, Hkv, D] (sequence s owns rows
+    """`reference_paged_attention` over contiguous k[total_k, Hkv, D], v[total_k, Hkv, Dv] (sequence s owns rows
     cu_k_lens[s]:cu_k_lens[s + 1]), each sequence's keys copied into pages of their own."""
     kv_lens = cu_k_lens[1:] - cu_k_lens[:-1]
     longest = max(1, int(kv_lens.max()) if kv_lens.numel() else 1)

@@ -3,7 +3,10 @@ XLA's default TPU layout stores them in."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from .._hardware import LANES, SUBLANES, round_up
+from .masking import Problem
 
 
 def sequence_minor_by_default(seq_len: int, head_dim: int) -> bool:
@@ -40,3 +43,27 @@ def sequence_minor_by_default(seq_len: int, head_dim: int) -> bool:
     sequence_minor_tiles = round_up(head_dim, SUBLANES) * round_up(seq_len, LANES)
     row_major_tiles = round_up(seq_len, SUBLANES) * round_up(head_dim, LANES)
     return sequence_minor_tiles < row_major_tiles
+
+
+class SequenceMinor(NamedTuple):
+    """Which arrays of one call a flash kernel reads (and writes) as their swapped, sequence-minor views [B, H, D, S]:
+    each on its own, since q and k (head dim D) and v and the output (Dv) may be stored differently (latent
+    attention's D of 192 over 4096 positions is stored sequence-minor, its Dv of 128 row-major)."""
+
+    q: bool  # q, and the backward's dq
+    k: bool  # k, and dk
+    v: bool  # v, and dv
+    out: bool  # the output, and the backward's d_out
+
+
+def sequence_minor_reads(problem: Problem, block_q: int, block_kv: int) -> SequenceMinor:
+    """Each array read as XLA stores it by default (`sequence_minor_by_default` of its length and head dim) where
+    that is sequence-minor and its blocks along the sequence are whole lane tiles; row-major otherwise (where XLA
+    stores it otherwise, XLA copies it). A single query (decode) is never stored sequence-minor."""
+    whole_query_tiles, whole_key_tiles = block_q % LANES == 0, block_kv % LANES == 0
+    return SequenceMinor(
+        q=whole_query_tiles and sequence_minor_by_default(problem.q_len, problem.head_dim),
+        k=whole_key_tiles and sequence_minor_by_default(problem.kv_len, problem.head_dim),
+        v=whole_key_tiles and sequence_minor_by_default(problem.kv_len, problem.v_head_dim),
+        out=whole_query_tiles and sequence_minor_by_default(problem.q_len, problem.v_head_dim),
+    )

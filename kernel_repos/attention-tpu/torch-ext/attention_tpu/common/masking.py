@@ -28,9 +28,10 @@ from jax.experimental import pallas as pl
                    meta_fields=["scale", "causal", "sliding_window", "softcap"])
 @dataclasses.dataclass(frozen=True)
 class Attention:
-    """One attention call beyond q[B, Hq, Sq, D], k and v[B, Hkv, Skv, D]: which pairs are visible, and the logits.
+    """One attention call beyond q[B, Hq, Sq, D], k[B, Hkv, Skv, D] and v[B, Hkv, Skv, Dv]: which pairs are visible,
+    and the logits.
 
-    scale: multiplies q.k (default D ** -0.5).
+    scale: multiplies q.k (default D ** -0.5, D the query and key head dim).
     causal: a query at position p sees keys at positions <= p.
     q_offset: KV position of the first query (int or integer [B]); default
       Skv - Sq, i.e. the queries are the last Sq positions (decode and chunked
@@ -66,7 +67,8 @@ class Problem:
     kv_heads: int
     q_len: int
     kv_len: int
-    head_dim: int
+    head_dim: int  # of q and k
+    v_head_dim: int  # of v and the output (latent attention's differs from head_dim)
     scale: float
     causal: bool
     sliding_window: int | None
@@ -85,13 +87,16 @@ class Problem:
 
     @classmethod
     def of_shape(cls, *, q_heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype, mask_dtype=None,
-                 sliding_window: int | None = None, causal: bool = True, batch: int = 1) -> Problem:
+                 sliding_window: int | None = None, causal: bool = True, batch: int = 1,
+                 v_head_dim: int | None = None) -> Problem:
         """The problem of a call of this shape, as `prepare` makes it (default scale, no softcap or sinks, the
-        queries last in the keys), with a mask of `mask_dtype` (a float one adds, any other selects) if given."""
+        queries last in the keys), with a mask of `mask_dtype` (a float one adds, any other selects) if given;
+        `v_head_dim` defaults to `head_dim`."""
         mask_kind = None if mask_dtype is None else "bias" if jnp.issubdtype(mask_dtype, jnp.floating) else "bool"
         floor = float(jnp.finfo(mask_dtype).min) if mask_kind == "bias" else 0.0
         return cls(batch=batch, q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
-                   scale=float(head_dim**-0.5), causal=bool(causal),
+                   v_head_dim=head_dim if v_head_dim is None else v_head_dim, scale=float(head_dim**-0.5),
+                   causal=bool(causal),
                    sliding_window=None if sliding_window is None else int(sliding_window), softcap=None,
                    mask_kind=mask_kind, mask_floor=floor, mask_batch=1, has_sinks=False, dtype=jnp.dtype(dtype).name,
                    static_q_offset=kv_len - q_len)
@@ -117,7 +122,7 @@ class Prepared:
     sinks: jax.Array | None  # float32 [Hq]
 
 
-def prepare(q: jax.Array, k: jax.Array, attention: Attention) -> tuple[Problem, Prepared]:
+def prepare(q: jax.Array, k: jax.Array, v: jax.Array, attention: Attention) -> tuple[Problem, Prepared]:
     """The Problem and the prepared arrays of one call (inputs assumed valid)."""
     scale, causal, sliding_window, softcap = (attention.scale, attention.causal, attention.sliding_window,
                                               attention.softcap)
@@ -142,6 +147,7 @@ def prepare(q: jax.Array, k: jax.Array, attention: Attention) -> tuple[Problem, 
         q_len=q_len,
         kv_len=kv_len,
         head_dim=head_dim,
+        v_head_dim=v.shape[3],
         scale=float(head_dim**-0.5 if scale is None else scale),
         causal=bool(causal),
         sliding_window=None if sliding_window is None else int(sliding_window),

@@ -6,15 +6,16 @@ Layout (transformers' paged cache, `continuous_batching/cache_allocators/full_at
 
 * q: [total_q, Hq, D], the sequences' queries one after another; sequence s owns rows
   ``cu_q_lens[s]:cu_q_lens[s + 1]``. Rows past ``cu_q_lens[-1]`` belong to no sequence (their output is 0).
-* k_cache, v_cache: [num_pages, page_size, Hkv, D]; page_table: int32 [num_seqs, pages_per_seq]; key j of
+* k_cache: [num_pages, page_size, Hkv, D], v_cache: [num_pages, page_size, Hkv, Dv] (Dv = D but for latent
+  attention), the output [total_q, Hq, Dv]; page_table: int32 [num_seqs, pages_per_seq]; key j of
   sequence s sits in page ``page_table[s, j // page_size]`` at row ``j % page_size``.
 * kv_lens: int32 [num_seqs], the keys of each sequence (its queries included).
 
 Where XLA stores such a cache keys-minor (`cache_stored_keys_minor`: a head_dim that is no multiple of 128 over
 pages that are one), the kernel reads it as ``cache.transpose(0, 2, 3, 1)``, [num_pages, Hkv, D, page_size]: a
-free view of that layout, in which each page holds K^T and V^T per KV head (`PagedProblem.keys_minor`). So are
-contiguous keys at such a head_dim (`packed_keys_stored_minor`), as [1, Hkv, D, total_k], when total_k is a multiple
-of 128.
+free view of that layout, in which each page holds K^T (V^T) per KV head (`PagedProblem.keys_minor`,
+`values_minor`: each cache on its own, by its head dim). So are contiguous keys at such a head_dim
+(`packed_keys_stored_minor`), as [1, Hkv, D, total_k], when total_k is a multiple of 128.
 
 Contiguous (varlen) K/V, as `flash_attn_varlen_func` receives them, are the same problem with `contiguous` set:
 k, v [total_k, Hkv, D] are read as one page of total_k rows ([1, total_k, Hkv, D], a free reshape) and the page
@@ -77,7 +78,8 @@ class PagedProblem:
     num_seqs: int  # rows of the page table
     q_heads: int
     kv_heads: int
-    head_dim: int
+    head_dim: int  # of q and k
+    v_head_dim: int  # of v and the output
     page_size: int
     num_pages: int  # pages in the cache
     pages_per_seq: int  # columns of the page table
@@ -100,14 +102,28 @@ class PagedProblem:
         # float32 inputs multiply at float32 precision; bfloat16 ones in one MXU pass.
         return jax.lax.Precision.HIGHEST if self.dtype == "float32" else None
 
+    def _reads_minor(self, head_dim: int) -> bool:
+        if self.contiguous:
+            return packed_keys_stored_minor(head_dim) and self.page_size % LANES == 0
+        return cache_stored_keys_minor(self.page_size, head_dim)
+
     @property
     def keys_minor(self) -> bool:
-        """Whether the kernel reads the cache as [num_pages, Hkv, D, page_size] (`cache_stored_keys_minor`): K^T and
-        V^T chunks of whole lanes. Contiguous keys ([1, Hkv, D, total_k], `packed_keys_stored_minor`) only when
-        total_k is a multiple of 128, so that every block, starting on a 128-row tile, lies within the array."""
-        if self.contiguous:
-            return packed_keys_stored_minor(self.head_dim) and self.page_size % LANES == 0
-        return cache_stored_keys_minor(self.page_size, self.head_dim)
+        """Whether the kernel reads the K cache as [num_pages, Hkv, D, page_size] (`cache_stored_keys_minor`): K^T
+        chunks of whole lanes. Contiguous keys ([1, Hkv, D, total_k], `packed_keys_stored_minor`) only when total_k
+        is a multiple of 128, so that every block, starting on a 128-row tile, lies within the array."""
+        return self._reads_minor(self.head_dim)
+
+    @property
+    def values_minor(self) -> bool:
+        """`keys_minor` of the V cache (its head dim, v_head_dim)."""
+        return self._reads_minor(self.v_head_dim)
+
+    @property
+    def lane_chunks(self) -> bool:
+        """Whether K/V blocks are read in chunks of whole lanes, on lane tiles: where either cache is read
+        keys-minor (the other, row-major, is read in the same chunks)."""
+        return self.keys_minor or self.values_minor
 
     @property
     def longest_query(self) -> int:
@@ -117,19 +133,20 @@ class PagedProblem:
     def of_shape(cls, *, total_q: int, num_seqs: int, q_heads: int, kv_heads: int, head_dim: int, page_size: int,
                  num_pages: int, pages_per_seq: int, dtype, sliding_window: int | None = None,
                  softcap: float | None = None, has_sinks: bool = False, max_q_len: int | None = None,
-                 causal: bool = True, contiguous: bool = False) -> PagedProblem:
-        """The problem of a call of this shape with the default scale."""
+                 causal: bool = True, contiguous: bool = False, v_head_dim: int | None = None) -> PagedProblem:
+        """The problem of a call of this shape with the default scale; `v_head_dim` defaults to `head_dim`."""
         return cls(total_q=total_q, num_seqs=num_seqs, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
-                   page_size=page_size, num_pages=num_pages, pages_per_seq=pages_per_seq,
+                   v_head_dim=head_dim if v_head_dim is None else v_head_dim, page_size=page_size,
+                   num_pages=num_pages, pages_per_seq=pages_per_seq,
                    scale=float(head_dim**-0.5), causal=bool(causal),
                    sliding_window=None if sliding_window is None else int(sliding_window),
                    softcap=None if softcap is None else float(softcap), has_sinks=has_sinks,
                    dtype=jnp.dtype(dtype).name, max_q_len=max_q_len, contiguous=contiguous)
 
 
-def paged_problem(q: jax.Array, k_cache: jax.Array, page_table: jax.Array, *, scale: float | None = None,
-                  causal: bool = True, sliding_window: int | None = None, softcap: float | None = None,
-                  sinks: jax.Array | None = None, max_q_len: int | None = None,
+def paged_problem(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_table: jax.Array, *,
+                  scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
+                  softcap: float | None = None, sinks: jax.Array | None = None, max_q_len: int | None = None,
                   contiguous: bool = False) -> PagedProblem:
     """The PagedProblem of one call (inputs assumed valid)."""
     total_q, q_heads, head_dim = q.shape
@@ -137,7 +154,7 @@ def paged_problem(q: jax.Array, k_cache: jax.Array, page_table: jax.Array, *, sc
     num_seqs, pages_per_seq = page_table.shape
     return PagedProblem(
         total_q=total_q, num_seqs=num_seqs, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
-        page_size=page_size, num_pages=num_pages, pages_per_seq=pages_per_seq,
+        v_head_dim=v_cache.shape[3], page_size=page_size, num_pages=num_pages, pages_per_seq=pages_per_seq,
         scale=float(head_dim**-0.5 if scale is None else scale), causal=bool(causal),
         sliding_window=None if sliding_window is None else int(sliding_window),
         softcap=None if softcap is None else float(softcap), has_sinks=sinks is not None,

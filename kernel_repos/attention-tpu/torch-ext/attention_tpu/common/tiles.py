@@ -34,6 +34,14 @@ class AttentionConfig:
     kv_heads_per_step: int = 1
 
 
+def preferred_by_width(problem, by_head_dim: dict, default):
+    """The entry of `by_head_dim` (preferred tiles by head dim) for the widest head dim it holds that the problem's
+    wider head dim (of q and k, or of v) reaches, else `default`."""
+    width = max(problem.head_dim, problem.v_head_dim)
+    reached = [head_dim for head_dim in by_head_dim if width >= head_dim]
+    return by_head_dim[max(reached)] if reached else default
+
+
 def shrink_block(block: int, *, multiple: int) -> int:
     """Halve a block size, rounding down to a multiple of ``multiple``."""
     return max(multiple, block // 2 // multiple * multiple)

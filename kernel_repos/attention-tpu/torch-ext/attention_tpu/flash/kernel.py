@@ -15,23 +15,26 @@ One forward kernel serves prefill, chunked prefill and decode:
   the kernel by scalar prefetch. KV blocks outside that range are neither
   computed (``pl.when``) nor fetched: the K/V index maps clamp the block index
   into the range, so the pipeline sees an unchanged block index and issues no DMA.
+* q and k have one head dim D, v and the output another, Dv (equal but for
+  latent attention: 192 and 128 expanded, 576 and 512 absorbed).
 * Decode (one query position) packs each KV head's group of query heads into
   the rows of one block, so a decode step is one (group, D) x (D, block_kv)
   matmul per KV head and reads each KV block exactly once; one step spans
   several KV heads so that its DMA outweighs the per-step overhead.
-* q, K, V and the output are read and written in the layout XLA stores them
-  in by default: row-major [B, H, S, D], or where XLA stores them
-  sequence-minor (head_dim 64 over more than 64 positions,
-  `common.layout.sequence_minor_by_default`) as their swapped view [B, H, D, S], a
-  free bitcast. K and V then come in [D, block_kv] tiles: the logits are
-  q [rows, D] @ k^T [D, block_kv] and the PV product contracts the keys, the
-  lanes of p and of v^T. A prefill's q then comes in [group, D, block_q]
-  tiles, transposed once per query block (at its first KV step) into a
-  scratch of rows that every KV step multiplies, and the output block is the
-  finished accumulator transposed back: XLU work of the order of one q tile
-  per query block, against the block's matmuls. Reading them row-major there
-  would make XLA copy each on every call (at decode the whole cache), and
-  the output back. Decode reads q row-major: one position is stored so.
+* q, K, V and the output are each read and written in the layout XLA stores
+  it in by default: row-major [B, H, S, D], or where XLA stores it
+  sequence-minor (a head dim that is no multiple of 128, e.g. 64, 192 or
+  576, over more than a few positions: `common.layout.sequence_minor_by_default`)
+  as its swapped view [B, H, D, S], a free bitcast. Such a K (V) comes in
+  [D, block_kv] tiles: the logits are q [rows, D] @ k^T [D, block_kv] (the
+  PV product contracts the keys, the lanes of p and of v^T). Such a
+  prefill's q comes in [group, D, block_q] tiles, transposed once per query
+  block (at its first KV step) into a scratch of rows that every KV step
+  multiplies, and such an output block is the finished accumulator
+  transposed back: XLU work of the order of one q tile per query block,
+  against the block's matmuls. Reading them row-major there would make XLA
+  copy each on every call (at decode the whole cache), and the output back.
+  Decode reads q row-major: one position is stored so.
 * No padding copies: ragged edge blocks are masked with ``jnp.where`` before the
   exponential and the values past the valid length (V rows, or keys-minor
   lanes) are zeroed before the PV matmul, so whatever lies past the arrays'
@@ -71,9 +74,6 @@ from ..flash_backward.kernel import attention_backward
 from ..flash_backward.tiles import BackwardConfig
 from .plan import ForwardPlan, make
 
-SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)
-
-
 class _ForwardRefs(NamedTuple):
     q: object
     k: object
@@ -84,7 +84,7 @@ class _ForwardRefs(NamedTuple):
     lse: object
     max: object  # [slices, rows, 1] f32: running max of each row's logits
     sum: object  # [slices, rows, 1] f32: running sum of each row's exponentials
-    acc: object  # [slices, rows, D] f32
+    acc: object  # [slices, rows, Dv] f32
     q_rows: object | None = None  # [slices, rows, D]: q read queries-minor, transposed once per query block
 
     @property
@@ -116,29 +116,29 @@ def _visibility(refs: _ForwardRefs, at: _Position, problem: Problem, plan: Forwa
         visible = visible & jnp.broadcast_to(allowed, (rows, block_kv))
         if bias is not None:
             bias = jnp.broadcast_to(bias, (rows, block_kv))
-    key_axis = _key_axis(plan)
-    tile = (problem.head_dim, block_kv) if plan.keys_minor else (block_kv, problem.head_dim)
-    value_pos = at.key_start + jax.lax.broadcasted_iota(jnp.int32, tile, key_axis)
+    values_minor = plan.sequence_minor.v
+    tile = (problem.v_head_dim, block_kv) if values_minor else (block_kv, problem.v_head_dim)
+    value_pos = at.key_start + jax.lax.broadcasted_iota(jnp.int32, tile, _key_axis(values_minor))
     return visible, bias, value_pos < at.kv_valid
 
 
-def _key_axis(plan: ForwardPlan) -> int:
+def _key_axis(keys_minor: bool) -> int:
     """The axis of a K or V tile the keys run along: [block_kv, D] row-major, [D, block_kv] keys-minor."""
-    return 1 if plan.keys_minor else 0
+    return 1 if keys_minor else 0
 
 
 def _attend_block(refs: _ForwardRefs, at: _Position, problem: Problem, plan: ForwardPlan, apply_mask: bool) -> None:
     """The online softmax over one KV block for every slice of the step.
 
-    k and v refs are [kv heads of this step, block_kv, D] (keys-minor: [...,
-    D, block_kv]): one KV head shared by every slice (prefill: the group's
-    query heads), or one per slice (decode: a slice is one KV head's group of
-    query rows).
+    k and v refs are [kv heads of this step, block_kv, D or Dv] (keys-minor:
+    [..., D or Dv, block_kv]): one KV head shared by every slice (prefill: the
+    group's query heads), or one per slice (decode: a slice is one KV head's
+    group of query rows).
     """
     visible = bias = value_valid = None
     if apply_mask:
         visible, bias, value_valid = _visibility(refs, at, problem, plan)
-    key_axis = _key_axis(plan)
+    k_axis, v_axis = _key_axis(plan.sequence_minor.k), _key_axis(plan.sequence_minor.v)
 
     def load_kv(head):
         k, v = refs.k[head], refs.v[head]
@@ -150,13 +150,13 @@ def _attend_block(refs: _ForwardRefs, at: _Position, problem: Problem, plan: For
     queries = refs.q if refs.q_rows is None else refs.q_rows
 
     def attend(s, k, v):
-        raw = softmax.raw_logits(queries[s], k, key_axis=key_axis, precision=problem.precision)
+        raw = softmax.raw_logits(queries[s], k, key_axis=k_axis, precision=problem.precision)
         logits = masking.capped_logits(problem, raw)
         if bias is not None:
             logits = logits + bias
         if visible is not None:
             logits = jnp.where(visible, logits, -jnp.inf)
-        softmax.update(refs.softmax, s, logits, v, key_axis=key_axis, precision=problem.precision)
+        softmax.update(refs.softmax, s, logits, v, key_axis=v_axis, precision=problem.precision)
 
     shared_kv = None if plan.decode else load_kv(0)
 
@@ -202,7 +202,7 @@ def _forward_kernel(q_offset_ref, kv_valid_ref, block_lo_ref, block_hi_ref, q_re
 
     @pl.when(kv_step == plan.num_kv_steps - 1)
     def _finalize():
-        _store_output(refs)
+        _store_output(refs, plan.sequence_minor.out)
         # log(0) = -inf for a row that saw nothing (its max is -inf too: the sum stays -inf).
         lse = refs.max[...] + jnp.log(refs.sum[...])
         if plan.decode:
@@ -212,11 +212,11 @@ def _forward_kernel(q_offset_ref, kv_valid_ref, block_lo_ref, block_hi_ref, q_re
             refs.lse[...] = lse.reshape(refs.lse.shape)
 
 
-def _store_output(refs: _ForwardRefs) -> None:
-    """The accumulator over the softmax sum into the output block: [slices, rows, D], or queries-minor [slices, D,
+def _store_output(refs: _ForwardRefs, queries_minor: bool) -> None:
+    """The accumulator over the softmax sum into the output block: [slices, rows, Dv], or queries-minor [slices, Dv,
     rows] (each slice transposed)."""
 
-    if refs.q_rows is None:
+    if not queries_minor:
         refs.out[...] = softmax.normalized(refs.softmax, ...).astype(refs.out.dtype)
         return
 
@@ -229,8 +229,10 @@ def _store_output(refs: _ForwardRefs) -> None:
 class _QueryLayout(NamedTuple):
     """How the kernel sees q, its output and the log-sum-exp."""
 
-    q: jax.Array  # q as the kernel reads it; the output has its shape
-    q_spec: pl.BlockSpec  # q's and the output's
+    q: jax.Array  # q as the kernel reads it
+    q_spec: pl.BlockSpec
+    out_shape: tuple[int, ...]  # the output as the kernel writes it
+    out_spec: pl.BlockSpec
     lse_shape: tuple[int, ...]
     lse_spec: pl.BlockSpec
     slices: int  # the softmax scratch is [slices, rows, ...]
@@ -241,22 +243,22 @@ def _query_layout(q, problem: Problem, plan: ForwardPlan) -> _QueryLayout:
     """q's, the output's and the log-sum-exp's layout: in decode a slice's rows are one KV head's group of query
     heads, in prefill a query block of one of the group's heads."""
     batch, _, q_len, head_dim = q.shape
+    v_head_dim = problem.v_head_dim
     kv_heads, group, block_q, heads_per_step = problem.kv_heads, problem.group, plan.block_q, plan.heads_per_step
     if plan.decode:
 
-        def q_index_map(b, h, qi, kv_step, *_):
-            return (b, h, 0, 0)
-
-        def lse_index_map(b, h, qi, kv_step, *_):
+        def decode_index_map(b, h, qi, kv_step, *_):
             return (b, h, 0, 0)
 
         return _QueryLayout(
             # [B, Hq, 1, D] -> [B, Hkv, G, D] is free: each KV head's group of
             # query heads becomes the rows of one slice.
             q=q.reshape(batch, kv_heads, group, head_dim),
-            q_spec=pl.BlockSpec((None, heads_per_step, group, head_dim), q_index_map),
+            q_spec=pl.BlockSpec((None, heads_per_step, group, head_dim), decode_index_map),
+            out_shape=(batch, kv_heads, group, v_head_dim),
+            out_spec=pl.BlockSpec((None, heads_per_step, group, v_head_dim), decode_index_map),
             lse_shape=(batch, kv_heads, group, 1),
-            lse_spec=pl.BlockSpec((None, heads_per_step, group, 1), lse_index_map),
+            lse_spec=pl.BlockSpec((None, heads_per_step, group, 1), decode_index_map),
             slices=heads_per_step,
             rows=group,
         )
@@ -264,22 +266,27 @@ def _query_layout(q, problem: Problem, plan: ForwardPlan) -> _QueryLayout:
     def lse_index_map(b, h, qi, kv_step, *_):
         return (b, h, 0, 0, qi)
 
-    if plan.queries_minor:
+    def q_index_map(b, h, qi, kv_step, *_):
+        return (b, h, qi, 0)
 
-        def queries_minor_index_map(b, h, qi, kv_step, *_):
-            return (b, h, 0, qi)
+    def queries_minor_index_map(b, h, qi, kv_step, *_):
+        return (b, h, 0, qi)
 
-        # q's swapped view [B, Hq, D, Sq], a bitcast of XLA's layout; the output is written so.
-        q, q_spec = jnp.swapaxes(q, 2, 3), pl.BlockSpec((None, group, head_dim, block_q), queries_minor_index_map)
-    else:
+    def query_side(dim: int, queries_minor: bool):
+        """(shape, BlockSpec) of q (dim D) or the output (Dv): [B, Hq, Sq, dim], or queries-minor its swapped view
+        [B, Hq, dim, Sq], a bitcast of XLA's layout."""
+        if queries_minor:
+            return (batch, problem.q_heads, dim, q_len), pl.BlockSpec((None, group, dim, block_q),
+                                                                      queries_minor_index_map)
+        return (batch, problem.q_heads, q_len, dim), pl.BlockSpec((None, group, block_q, dim), q_index_map)
 
-        def q_index_map(b, h, qi, kv_step, *_):
-            return (b, h, qi, 0)
-
-        q_spec = pl.BlockSpec((None, group, block_q, head_dim), q_index_map)
+    _, q_spec = query_side(head_dim, plan.sequence_minor.q)
+    out_shape, out_spec = query_side(v_head_dim, plan.sequence_minor.out)
     return _QueryLayout(
-        q=q,
+        q=jnp.swapaxes(q, 2, 3) if plan.sequence_minor.q else q,
         q_spec=q_spec,
+        out_shape=out_shape,
+        out_spec=out_spec,
         # Query positions along lanes, one row per query head: what the backward kernels read.
         lse_shape=(batch, kv_heads, group, 1, q_len),
         lse_spec=pl.BlockSpec((None, None, group, 1, block_q), lse_index_map),
@@ -289,38 +296,42 @@ def _query_layout(q, problem: Problem, plan: ForwardPlan) -> _QueryLayout:
 
 
 def _kv_layout(k, v, plan: ForwardPlan):
-    """(the K/V BlockSpec, k and v as the kernel reads them): [B, Hkv, Skv, D] row-major, or where XLA stores them
-    keys-minor (`plan.keys_minor`) their swapped view [B, Hkv, D, Skv], a bitcast of that layout."""
-    nq, heads_per_step, block_kv, head_dim = plan.num_q_blocks, plan.heads_per_step, plan.block_kv, k.shape[3]
+    """(K's BlockSpec, V's BlockSpec, k and v as the kernel reads them): each [B, Hkv, Skv, D] row-major, or where
+    XLA stores it keys-minor (`plan.sequence_minor`) its swapped view [B, Hkv, D, Skv], a bitcast of that layout."""
+    nq, heads_per_step, block_kv = plan.num_q_blocks, plan.heads_per_step, plan.block_kv
 
     def kv_block(b, qi, kv_step, lo_ref, hi_ref):
         return masking.block_of_step(lo_ref, hi_ref, b * nq + qi, kv_step)
 
-    if plan.keys_minor:
-
-        def keys_minor_index_map(b, h, qi, kv_step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
-            return (b, h, 0, kv_block(b, qi, kv_step, lo_ref, hi_ref))
-
-        spec = pl.BlockSpec((None, heads_per_step, head_dim, block_kv), keys_minor_index_map)
-        return spec, jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3)
+    def keys_minor_index_map(b, h, qi, kv_step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
+        return (b, h, 0, kv_block(b, qi, kv_step, lo_ref, hi_ref))
 
     def index_map(b, h, qi, kv_step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
         return (b, h, kv_block(b, qi, kv_step, lo_ref, hi_ref), 0)
 
-    return pl.BlockSpec((None, heads_per_step, block_kv, head_dim), index_map), k, v
+    def layout(array, keys_minor: bool):
+        head_dim = array.shape[3]
+        if keys_minor:
+            spec = pl.BlockSpec((None, heads_per_step, head_dim, block_kv), keys_minor_index_map)
+            return spec, jnp.swapaxes(array, 2, 3)
+        return pl.BlockSpec((None, heads_per_step, block_kv, head_dim), index_map), array
+
+    (k_spec, k), (v_spec, v) = layout(k, plan.sequence_minor.k), layout(v, plan.sequence_minor.v)
+    return k_spec, v_spec, k, v
 
 
-def _cost_estimate(q, k, problem: Problem, plan: ForwardPlan) -> pl.CostEstimate:
+def _cost_estimate(q, k, v, problem: Problem, plan: ForwardPlan) -> pl.CostEstimate:
     """The forward's cost for XLA's scheduler: the visible pairs' work, q and out moved once, K/V once per pass."""
     batch, q_heads, q_len, head_dim = q.shape
     itemsize = jnp.dtype(q.dtype).itemsize
     visible_pairs = masking.static_visible_pairs(problem)
+    out_size = batch * q_heads * q_len * problem.v_head_dim
     return pl.CostEstimate(
-        flops=int(4 * batch * q_heads * visible_pairs * head_dim),
+        flops=int(2 * batch * q_heads * visible_pairs * (head_dim + problem.v_head_dim)),
         transcendentals=int(batch * q_heads * visible_pairs),
         bytes_accessed=int(
-            2 * q.size * itemsize
-            + 2 * k.size * itemsize * masking.static_kv_passes(problem, plan.block_q, plan.block_kv)
+            (q.size + out_size) * itemsize
+            + (k.size + v.size) * itemsize * masking.static_kv_passes(problem, plan.block_q, plan.block_kv)
             + batch * q_heads * q_len * 4
         ),
     )
@@ -338,9 +349,9 @@ def call(q: jax.Array, k: jax.Array, v: jax.Array, prepared: Prepared,
 
     grid = (batch, kv_heads // heads_per_step, nq, plan.num_kv_steps)
     layout = _query_layout(q, problem, plan)
-    kv_spec, k, v = _kv_layout(k, v, plan)
-    in_specs = [layout.q_spec, kv_spec, kv_spec]
-    operands = [layout.q, k, v]
+    k_spec, v_spec, k_read, v_read = _kv_layout(k, v, plan)
+    in_specs = [layout.q_spec, k_spec, v_spec]
+    operands = [layout.q, k_read, v_read]
     if prepared.mask is not None:
         broadcast_batch = problem.mask_batch == 1
 
@@ -362,27 +373,28 @@ def call(q: jax.Array, k: jax.Array, v: jax.Array, prepared: Prepared,
 
     out, lse = pl.pallas_call(
         functools.partial(_forward_kernel, problem=problem, plan=plan),
-        out_shape=(jax.ShapeDtypeStruct(layout.q.shape, q.dtype), jax.ShapeDtypeStruct(layout.lse_shape, jnp.float32)),
+        out_shape=(jax.ShapeDtypeStruct(layout.out_shape, q.dtype),
+                   jax.ShapeDtypeStruct(layout.lse_shape, jnp.float32)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=grid,
             in_specs=in_specs,
-            out_specs=(layout.q_spec, layout.lse_spec),
+            out_specs=(layout.out_spec, layout.lse_spec),
             scratch_shapes=[
                 pltpu.VMEM((layout.slices, layout.rows, 1), jnp.float32),
                 pltpu.VMEM((layout.slices, layout.rows, 1), jnp.float32),
-                pltpu.VMEM((layout.slices, layout.rows, head_dim), jnp.float32),
-                *([pltpu.VMEM((layout.slices, layout.rows, head_dim), q.dtype)] if plan.queries_minor else []),
+                pltpu.VMEM((layout.slices, layout.rows, problem.v_head_dim), jnp.float32),
+                *([pltpu.VMEM((layout.slices, layout.rows, head_dim), q.dtype)] if plan.sequence_minor.q else []),
             ],
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=plan.vmem_limit_bytes,
         ),
-        cost_estimate=_cost_estimate(q, k, problem, plan),
+        cost_estimate=_cost_estimate(q, k, v, problem, plan),
         name="attention_tpu_flash",
     )(prepared.q_offset, prepared.kv_valid, block_lo, block_hi, *operands)
-    out = jnp.swapaxes(out, 2, 3) if plan.queries_minor else out.reshape(q.shape)
+    out = jnp.swapaxes(out, 2, 3) if plan.sequence_minor.out else out.reshape(batch, q_heads, q_len, -1)
     return out, lse.reshape(batch, q_heads, q_len)
 
 
@@ -395,7 +407,7 @@ def flash_attention_forward(
     generation: str | TpuGeneration | None = None,
     **options,
 ) -> tuple[jax.Array, jax.Array]:
-    """(out [B, Hq, Sq, D], log-sum-exp float32 [B, Hq, Sq]) of `differentiable_flash_attention`; `options` those
+    """(out [B, Hq, Sq, Dv], log-sum-exp float32 [B, Hq, Sq]) of `differentiable_flash_attention`; `options` those
     of `masking.Attention`."""
     return attention_forward(q, k, v, Attention(**options), resolve_target(generation), config)
 
@@ -413,8 +425,9 @@ def attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, attention: Atten
     if 0 in (batch, q_heads, q_len, k.shape[2]):
         sinks = attention.sinks
         no_key = jnp.full((q_heads,), -jnp.inf, jnp.float32) if sinks is None else sinks.astype(jnp.float32)
-        return jnp.zeros(q.shape, q.dtype), jnp.broadcast_to(no_key[None, :, None], (batch, q_heads, q_len))
-    problem, prepared = masking.prepare(q, k, attention)
+        out = jnp.zeros((batch, q_heads, q_len, v.shape[3]), q.dtype)
+        return out, jnp.broadcast_to(no_key[None, :, None], (batch, q_heads, q_len))
+    problem, prepared = masking.prepare(q, k, v, attention)
     return call(q, k, v, prepared, make(problem, target, config))
 
 
@@ -459,7 +472,7 @@ def differentiable_flash_attention(
     generation: str | TpuGeneration | None = None,
     **options,
 ) -> jax.Array:
-    """Attention of q[B, Hq, Sq, D] over k, v[B, Hkv, Skv, D] -> [B, Hq, Sq, D]; differentiable.
+    """Attention of q[B, Hq, Sq, D] over k[B, Hkv, Skv, D], v[B, Hkv, Skv, Dv] -> [B, Hq, Sq, Dv]; differentiable.
 
     `options` are those of `masking.Attention` (scale, causal, q_offset,
     kv_lengths, sliding_window, softcap, attention_mask, sinks). Tiles:

@@ -7,9 +7,9 @@ import dataclasses
 
 from jax.experimental import pallas as pl
 
-from .._hardware import LANES, TpuGeneration
+from .._hardware import TpuGeneration
 from ..common import masking
-from ..common.layout import sequence_minor_by_default
+from ..common.layout import SequenceMinor, sequence_minor_reads
 from ..common.masking import Problem
 from ..common.tiles import AttentionConfig
 from .tiles import check_config, is_decode, select
@@ -28,20 +28,18 @@ class ForwardPlan:
     num_kv_blocks: int
     num_kv_steps: int  # grid steps along the KV axis: at most num_kv_blocks
     vmem_limit_bytes: int
-    # K and V read as XLA stores them by default when that is keys-minor (`layout.sequence_minor_by_default`):
-    # [B, Hkv, D, Skv] blocks of [D, block_kv], block_kv a multiple of 128.
-    keys_minor: bool
-    # Likewise q read, and the output written, queries-minor in prefill: [B, Hq, D, Sq] blocks of [group, D,
-    # block_q], block_q a multiple of 128.
-    queries_minor: bool
+    # Each of K and V read as XLA stores it by default when that is keys-minor (`layout.sequence_minor_reads`):
+    # [B, Hkv, D, Skv] blocks of [D, block_kv], block_kv a multiple of 128. Likewise q read, and the output
+    # written, queries-minor in prefill: [B, Hq, D, Sq] blocks of [group, D, block_q], block_q a multiple of 128.
+    sequence_minor: SequenceMinor
 
 
 def make(problem: Problem, target: TpuGeneration, config: AttentionConfig | None = None) -> ForwardPlan:
     """The forward's grid for `problem` at `config`'s tiles (checked), else `select`'s on `target` (a generation's
     facts, resolved once by the caller): the KV axis only as long as a query block's visible keys span
-    (`masking.kv_steps`). K and V are read keys-minor where XLA stores them so and the KV blocks are whole lane tiles
-    (a config whose block_kv is the whole, shorter key length reads them row-major: XLA copies them then); q and the
-    output of a prefill likewise queries-minor, by its query blocks."""
+    (`masking.kv_steps`). K and V are each read keys-minor where XLA stores it so and the KV blocks are whole lane
+    tiles (a config whose block_kv is the whole, shorter key length reads them row-major: XLA copies them then); q
+    and the output of a prefill each likewise queries-minor, by its query blocks."""
     if config is None:
         config = select(problem, target)
     else:
@@ -59,7 +57,5 @@ def make(problem: Problem, target: TpuGeneration, config: AttentionConfig | None
         num_kv_blocks=num_kv_blocks,
         num_kv_steps=masking.kv_steps(problem, num_kv_blocks, block_q, config.block_kv),
         vmem_limit_bytes=config.vmem_limit_bytes,
-        keys_minor=sequence_minor_by_default(problem.kv_len, problem.head_dim) and config.block_kv % LANES == 0,
-        queries_minor=(not decode and sequence_minor_by_default(problem.q_len, problem.head_dim)
-                       and block_q % LANES == 0),
+        sequence_minor=sequence_minor_reads(problem, block_q, config.block_kv),
     )

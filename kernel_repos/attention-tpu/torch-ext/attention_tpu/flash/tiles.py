@@ -22,9 +22,9 @@ import jax.numpy as jnp
 
 from .._hardware import LANES, MIB, SUBLANES, TpuGeneration, round_up
 from .._tuning import read_tuned_tiles
-from ..common.layout import sequence_minor_by_default
+from ..common.layout import sequence_minor_by_default, sequence_minor_reads
 from ..common.masking import Problem
-from ..common.tiles import MASK_ROWS, Q_BLOCK_MULTIPLE, AttentionConfig, shrink_block
+from ..common.tiles import MASK_ROWS, Q_BLOCK_MULTIPLE, AttentionConfig, preferred_by_width, shrink_block
 from ..common.vmem import vmem_budget, vmem_limit
 
 # Preferred tiles (query positions per prefill block, keys per prefill block,
@@ -48,7 +48,9 @@ DECODE_STEP_BYTES = {"v5e": 4 * MIB, "v5p": 4 * MIB, "v6e": 8 * MIB, "tpu7x": 8 
 # causal) these are the best prefill tiles on every generation: (256, 512)
 # on v5e and v5p, what the budget shrinks the tiles above to anyway;
 # (256, 1024) on v6e and TPU7x, where that shrunk (256, 512) is 5 % and 20 %
-# slower. Decode keeps its tiles (the best, or within 3 % of it).
+# slower. Decode keeps its tiles (the best, or within 3 % of it). Wider
+# heads (latent attention's absorbed 576 / 512) take them too, by the same
+# reasoning (not modelled there): the budget shrinks what does not fit.
 PREFERRED_TILES_BY_HEAD_DIM = {
     512: {"v5e": (256, 512, 2048), "v5p": (256, 512, 2048), "v6e": (256, 1024, 4096), "tpu7x": (256, 1024, 4096)},
 }
@@ -72,6 +74,7 @@ class TunedKey(NamedTuple):
     q_len: int
     kv_len: int
     head_dim: int
+    v_head_dim: int
     dtype: str
     mask_dtype: str | None
 
@@ -99,18 +102,18 @@ def is_decode(q_len: int) -> bool:
 def vmem_bytes(problem: Problem, tiles: ForwardTiles) -> int:
     """Estimated VMEM working set of the forward at `problem` with `tiles` (pipeline buffers, scratch,
     temporaries); a prefill whose q is read queries-minor (`plan.ForwardPlan`) transposes it into a scratch of its
-    rows."""
+    rows. q and k are head_dim wide, v, the output and the accumulator v_head_dim."""
     decode = is_decode(problem.q_len)
-    group, head_dim, block_kv = problem.group, problem.head_dim, tiles.block_kv
+    group, head_dim, v_head_dim, block_kv = problem.group, problem.head_dim, problem.v_head_dim, tiles.block_kv
     itemsize = jnp.dtype(problem.dtype).itemsize
     mask_itemsize = 0 if problem.mask_dtype is None else jnp.dtype(problem.mask_dtype).itemsize
     # A step holds `slices` row blocks of `rows` query rows: the group's heads
     # (prefill), or one block of `group` rows per KV head (decode).
     slices, rows = (tiles.kv_heads_per_step, group) if decode else (group, tiles.block_q)
     padded_rows = round_up(rows, SUBLANES)
-    q_and_out = 2 * 2 * slices * padded_rows * head_dim * itemsize  # double-buffered q and out blocks
-    scratch = slices * padded_rows * (head_dim + 2 * LANES) * 4  # acc, running max and sum (lane padded)
-    kv = 2 * 2 * tiles.kv_heads_per_step * block_kv * head_dim * itemsize  # double-buffered k and v blocks
+    q_and_out = 2 * slices * padded_rows * (head_dim + v_head_dim) * itemsize  # double-buffered q and out blocks
+    scratch = slices * padded_rows * (v_head_dim + 2 * LANES) * 4  # acc, running max and sum (lane padded)
+    kv = 2 * tiles.kv_heads_per_step * block_kv * (head_dim + v_head_dim) * itemsize  # double-buffered k and v
     temporaries = 4 * padded_rows * round_up(block_kv, LANES) * 4  # logits, probabilities, masks of one slice
     mask_rows = MASK_ROWS if decode else round_up(tiles.block_q, MASK_ROWS)
     mask = 2 * mask_rows * round_up(block_kv, LANES) * mask_itemsize
@@ -119,18 +122,17 @@ def vmem_bytes(problem: Problem, tiles: ForwardTiles) -> int:
         lse = 2 * tiles.kv_heads_per_step * round_up(group, SUBLANES) * LANES * 4
     else:
         lse = 2 * group * SUBLANES * round_up(tiles.block_q, LANES) * 4
-    queries_minor = (not decode and sequence_minor_by_default(problem.q_len, head_dim)
-                     and tiles.block_q % LANES == 0)
+    queries_minor = sequence_minor_reads(problem, tiles.block_q, block_kv).q
     q_rows = slices * padded_rows * head_dim * itemsize if queries_minor else 0
     return q_and_out + scratch + kv + temporaries + mask + lse + q_rows
 
 
 def _preferred_blocks(problem: Problem, target: TpuGeneration) -> tuple[int, int]:
     """(block_q, block_kv) of the preferred tiles for `problem`, within its lengths and, under a sliding window,
-    WINDOW_BLOCK_SPAN windows; whole lane tiles along an axis XLA stores sequence-minor."""
+    WINDOW_BLOCK_SPAN windows; whole lane tiles along an axis XLA stores sequence-minor (for any of its arrays)."""
     decode = is_decode(problem.q_len)
-    preferred_q, preferred_kv_prefill, preferred_kv_decode = PREFERRED_TILES_BY_HEAD_DIM.get(
-        problem.head_dim, PREFERRED_TILES)[target.name]
+    preferred_q, preferred_kv_prefill, preferred_kv_decode = preferred_by_width(
+        problem, PREFERRED_TILES_BY_HEAD_DIM, PREFERRED_TILES)[target.name]
     block_q = 1 if decode else min(problem.q_len, preferred_q)
     block_kv = min(problem.kv_len, preferred_kv_decode if decode else preferred_kv_prefill)
     if problem.sliding_window is not None and not decode:
@@ -138,9 +140,10 @@ def _preferred_blocks(problem: Problem, target: TpuGeneration) -> tuple[int, int
         block_q, block_kv = min(block_q, widest), min(block_kv, widest)
     # Keys (queries) along lanes: whole lane tiles, so that the kernel reads K and V (q, and writes the output) as
     # XLA stores them (`plan.make`).
-    if sequence_minor_by_default(problem.kv_len, problem.head_dim):
+    head_dims = (problem.head_dim, problem.v_head_dim)
+    if any(sequence_minor_by_default(problem.kv_len, head_dim) for head_dim in head_dims):
         block_kv = round_up(block_kv, LANES)
-    if not decode and sequence_minor_by_default(problem.q_len, problem.head_dim):
+    if not decode and any(sequence_minor_by_default(problem.q_len, head_dim) for head_dim in head_dims):
         block_q = round_up(block_q, LANES)
     return block_q, block_kv
 
@@ -171,7 +174,7 @@ def heuristic_config(problem: Problem, target: TpuGeneration) -> AttentionConfig
             break
     heads_per_step = 1
     if decode:
-        step_bytes = 2 * block_kv * problem.head_dim * jnp.dtype(problem.dtype).itemsize
+        step_bytes = block_kv * (problem.head_dim + problem.v_head_dim) * jnp.dtype(problem.dtype).itemsize
         for heads in range(problem.kv_heads, 0, -1):
             fits = heads * step_bytes <= DECODE_STEP_BYTES[target.name]
             if problem.kv_heads % heads == 0 and fits and working_set(block_q, block_kv, heads) <= budget:
@@ -210,7 +213,7 @@ def tuned_config(problem: Problem, target: TpuGeneration) -> AttentionConfig | N
     """The config of the TUNED_TILES entry for `problem`'s shape, if there is one: its tiles, checked like an
     explicit config, and the VMEM limit they need."""
     tiles = TUNED_TILES.get(TunedKey(target.name, problem.q_heads, problem.kv_heads, problem.q_len, problem.kv_len,
-                                     problem.head_dim, problem.dtype, problem.mask_dtype))
+                                     problem.head_dim, problem.v_head_dim, problem.dtype, problem.mask_dtype))
     if tiles is None:
         return None
     config = AttentionConfig(tiles.block_q, tiles.block_kv, vmem_limit(vmem_bytes(problem, tiles), target),

@@ -23,17 +23,20 @@ inside lse), with delta = rowsum(d_out * out) precomputed once:
   overhead when groups are small (Gemma-4: 2 query heads per KV head), which
   lets windowed layers use small tiles: tiles straddling a window's edges
   compute masked pairs in proportion to their size.
-* q, d_out, k and v are read, and dq, dk and dv written, in the layout XLA
-  stores them in by default: row-major [B, H, S, D], or where XLA stores
-  them sequence-minor (head_dim 64 over more than 64 positions, blocks of
-  whole lane tiles: `tiles.reads_sequence_minor`) as their swapped views
-  [B, H, D, S], free bitcasts. Each kernel then transposes the blocks it
-  holds across its walk once, at the walk's first step, into scratch of
-  rows (dq: q and d_out; dk/dv: k and v), multiplies the walked blocks as
-  read ([D, block]: a plain matmul where it contracted D, right-transposed
-  where it contracted the walked sequence), and transposes its accumulators
-  at the walk's end. Reading them row-major there would make XLA copy each
-  in, and each gradient out, on every call.
+* q, k, dq and dk have head dim D, v, d_out and dv Dv (equal but for latent
+  attention).
+* q, d_out, k and v are each read, and dq, dk and dv written, in the layout
+  XLA stores it in by default: row-major [B, H, S, D], or where XLA stores
+  it sequence-minor (a head dim that is no multiple of 128 over more than a
+  few positions, blocks of whole lane tiles: `common.layout.sequence_minor_reads`)
+  as its swapped view [B, H, D, S], a free bitcast. Each kernel then
+  transposes such a block it holds across its walk once, at the walk's
+  first step, into scratch of rows (dq: q and d_out; dk/dv: k and v),
+  multiplies such walked blocks as read ([D, block]: a plain matmul where it
+  contracted D, right-transposed where it contracted the walked sequence),
+  and transposes such an accumulator at the walk's end. Reading them
+  row-major there would make XLA copy each in, and each gradient out, on
+  every call.
 * Sinks: p_sink = exp(sink - lse) per row, d_sink = -sum over rows of
   p_sink * delta (plain JAX on [B, Hq, Sq] arrays, outside the kernels).
 * Masking is the forward's (`common/masking.py`); tiles entirely inside the visible
@@ -117,10 +120,10 @@ def _transpose_heads(rows_ref, minor_ref) -> None:
     loop_over_heads(rows_ref.shape[0], transpose)
 
 
-def _store_scaled(out_ref, acc_ref, scale, plan: BackwardPlan) -> None:
+def _store_scaled(out_ref, acc_ref, scale, sequence_minor: bool) -> None:
     """The float32 accumulator [heads, block, D] times `scale` into the output block: as is, or each head transposed
     to [D, block] (sequence-minor)."""
-    if not plan.sequence_minor:
+    if not sequence_minor:
         out_ref[...] = (acc_ref[...] * scale).astype(out_ref.dtype)
         return
 
@@ -130,26 +133,32 @@ def _store_scaled(out_ref, acc_ref, scale, plan: BackwardPlan) -> None:
     loop_over_heads(acc_ref.shape[0], store)
 
 
-def _walked_dims(plan: BackwardPlan):
-    """(contract D, contract the walked sequence) of a row tile [block, D] against a tile of the walked axis: [block,
+def _walked_dims(sequence_minor: bool):
+    """(contract D, contract the walked sequence) of a row tile [block, D] against a tile of a walked array: [block,
     D] row-major (a @ b.T, a @ b), [D, block] sequence-minor (a @ b, a @ b.T)."""
-    return (NN, NT) if plan.sequence_minor else (NT, NN)
+    return (NN, NT) if sequence_minor else (NT, NN)
 
 
-def _sequence_valid(plan: BackwardPlan, head_dim: int, block: int, first, valid):
+def _sequence_valid(sequence_minor: bool, head_dim: int, block: int, first, valid):
     """Which entries of a walked tile ([block, D], or [D, block] sequence-minor) lie before position `valid`."""
-    axis = 1 if plan.sequence_minor else 0
-    shape = (head_dim, block) if plan.sequence_minor else (block, head_dim)
+    axis = 1 if sequence_minor else 0
+    shape = (head_dim, block) if sequence_minor else (block, head_dim)
     return first + jax.lax.broadcasted_iota(jnp.int32, shape, axis) < valid
 
 
-def _split_refs(rest, problem: Problem, plan: BackwardPlan, count: int, held):
+def _zeroed_past(tile, valid):
+    return tile if valid is None else jnp.where(valid, tile, jnp.zeros_like(tile))
+
+
+def _split_refs(rest, problem: Problem, count: int, held):
     """A backward kernel's refs after its inputs: (the mask ref or None, its `count` output and accumulator refs,
-    the rows of the two blocks it holds across its walk: their transposed scratch where it reads them
-    sequence-minor, else `held` themselves)."""
+    the rows of the two blocks it holds across its walk). `held` is each of those blocks' (ref, read
+    sequence-minor): such a block's rows are a scratch it is transposed into, the next one after the
+    accumulators; the other's are the ref itself."""
     rest = list(rest)
     mask_ref = rest.pop(0) if problem.mask_kind is not None else None
-    return mask_ref, rest[:count], rest[count:] if plan.sequence_minor else held
+    outputs, scratch = rest[:count], iter(rest[count:])
+    return mask_ref, outputs, tuple(next(scratch) if minor else ref for ref, minor in held)
 
 
 def _dq_kernel(
@@ -157,24 +166,25 @@ def _dq_kernel(
     q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *rest,
     problem: Problem, plan: BackwardPlan,
 ):
-    mask_ref, (dq_ref, acc_ref), (q_rows_ref, d_out_rows_ref) = _split_refs(rest, problem, plan, 2,
-                                                                            (q_ref, d_out_ref))
+    minor = plan.sequence_minor
+    mask_ref, (dq_ref, acc_ref), (q_rows_ref, d_out_rows_ref) = _split_refs(
+        rest, problem, 2, ((q_ref, minor.q), (d_out_ref, minor.out)))
     qi, kv_step, slot, kv_block, q_offset, kv_valid = _grid_step(
         q_offset_ref, kv_valid_ref, block_lo_ref, plan.num_q_blocks)
     block_q, block_kv = plan.block_q, plan.block_kv
-    contract_d, contract_keys = _walked_dims(plan)
+    (k_contract_d, k_contract_keys), (v_contract_d, _) = _walked_dims(minor.k), _walked_dims(minor.v)
 
     @pl.when(kv_step == 0)
     def _init():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-        if plan.sequence_minor:
-            _transpose_heads(q_rows_ref, q_ref)
-            _transpose_heads(d_out_rows_ref, d_out_ref)
+        for rows_ref, ref, transposed in ((q_rows_ref, q_ref, minor.q), (d_out_rows_ref, d_out_ref, minor.out)):
+            if transposed:
+                _transpose_heads(rows_ref, ref)
 
     key_start, q_first, needs_mask = _tile_mask(problem, plan, q_offset, kv_valid, qi, kv_block)
 
     def step(apply_mask: bool):
-        visible = bias = key_valid = None
+        visible = bias = k_valid = v_valid = None
         if apply_mask:
             key_pos = key_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1)
             query_pos = q_first + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 0)
@@ -182,31 +192,29 @@ def _dq_kernel(
             if mask_ref is not None:
                 allowed, bias = masking.explicit_mask(problem, mask_ref[...])
                 visible = visible & allowed
-            key_valid = _sequence_valid(plan, problem.head_dim, block_kv, key_start, kv_valid)
+            k_valid = _sequence_valid(minor.k, problem.head_dim, block_kv, key_start, kv_valid)
+            v_valid = _sequence_valid(minor.v, problem.v_head_dim, block_kv, key_start, kv_valid)
 
         def head(s):
             kv_head = _kv_head(s, problem.group)
-            k, v = k_ref[kv_head], v_ref[kv_head]
-            if key_valid is not None:
-                # dS K mixes keys: keys past the valid length (anything, NaN included) must be zero.
-                k = jnp.where(key_valid, k, jnp.zeros_like(k))
-                v = jnp.where(key_valid, v, jnp.zeros_like(v))
-            capped = masking.capped_logits(problem, _dot(q_rows_ref[s], k, contract_d, problem))
+            # dS K mixes keys: keys past the valid length (anything, NaN included) must be zero.
+            k, v = _zeroed_past(k_ref[kv_head], k_valid), _zeroed_past(v_ref[kv_head], v_valid)
+            capped = masking.capped_logits(problem, _dot(q_rows_ref[s], k, k_contract_d, problem))
             logits = capped if bias is None else capped + bias
             lse = _finite_lse(lse_ref[s].reshape(block_q, 1))
             p = jnp.exp(logits - lse)
             if visible is not None:
                 p = jnp.where(visible, p, 0.0)
-            dp = _dot(d_out_rows_ref[s], v, contract_d, problem)
+            dp = _dot(d_out_rows_ref[s], v, v_contract_d, problem)
             ds = p * (dp - delta_ref[s].reshape(block_q, 1))
             if problem.softcap is not None:
                 ds = ds * masking.softcap_slope(problem, capped)
-            acc_ref[s] += _dot(ds.astype(k.dtype), k, contract_keys, problem)
+            acc_ref[s] += _dot(ds.astype(k.dtype), k, k_contract_keys, problem)
 
         loop_over_heads(acc_ref.shape[0], head)
 
     def finalize():
-        _store_scaled(dq_ref, acc_ref, problem.scale, plan)
+        _store_scaled(dq_ref, acc_ref, problem.scale, minor.q)
 
     _walk_tile(kv_block <= block_hi_ref[slot], needs_mask, step, kv_step, plan, finalize)
 
@@ -216,19 +224,21 @@ def _dkv_kernel(
     q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *rest,
     problem: Problem, plan: BackwardPlan,
 ):
+    minor = plan.sequence_minor
     mask_ref, (dk_ref, dv_ref, dk_acc_ref, dv_acc_ref), (k_rows_ref, v_rows_ref) = _split_refs(
-        rest, problem, plan, 4, (k_ref, v_ref))
+        rest, problem, 4, ((k_ref, minor.k), (v_ref, minor.v)))
     kj, q_step, slot, qi, q_offset, kv_valid = _grid_step(q_offset_ref, kv_valid_ref, block_lo_ref, plan.num_kv_blocks)
     block_q, block_kv = plan.block_q, plan.block_kv
-    contract_d, contract_queries = _walked_dims(plan)
+    (q_contract_d, q_contract_queries), (out_contract_d, out_contract_queries) = (_walked_dims(minor.q),
+                                                                                  _walked_dims(minor.out))
 
     @pl.when(q_step == 0)
     def _init():
         dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)
         dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)
-        if plan.sequence_minor:
-            _transpose_heads(k_rows_ref, k_ref)
-            _transpose_heads(v_rows_ref, v_ref)
+        for rows_ref, ref, transposed in ((k_rows_ref, k_ref, minor.k), (v_rows_ref, v_ref, minor.v)):
+            if transposed:
+                _transpose_heads(rows_ref, ref)
 
     key_start, _, needs_mask = _tile_mask(problem, plan, q_offset, kv_valid, qi, kj)
     if needs_mask is not True:
@@ -236,7 +246,7 @@ def _dkv_kernel(
         needs_mask = needs_mask | ((qi + 1) * block_q > problem.q_len)
 
     def step(apply_mask: bool):
-        visible = bias = query_valid = None
+        visible = bias = q_valid = d_out_valid = None
         if apply_mask:
             # Tiles are [block_kv, block_q]: keys along sublanes, queries along lanes.
             key_pos = key_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv, block_q), 0)
@@ -246,43 +256,42 @@ def _dkv_kernel(
             if mask_ref is not None:
                 allowed, bias = masking.explicit_mask(problem, mask_ref[...].T)
                 visible = visible & allowed
-            query_valid = _sequence_valid(plan, problem.head_dim, block_q, qi * block_q, problem.q_len)
+            q_valid = _sequence_valid(minor.q, problem.head_dim, block_q, qi * block_q, problem.q_len)
+            d_out_valid = _sequence_valid(minor.out, problem.v_head_dim, block_q, qi * block_q, problem.q_len)
 
         def head(s):
             kv_head = _kv_head(s, problem.group)
             k, v = k_rows_ref[kv_head], v_rows_ref[kv_head]
-            q, d_out = q_ref[s], d_out_ref[s]
-            if query_valid is not None:
-                # P^T d_out and dS^T q mix queries: queries past the query length must be zero.
-                q = jnp.where(query_valid, q, jnp.zeros_like(q))
-                d_out = jnp.where(query_valid, d_out, jnp.zeros_like(d_out))
-            capped = masking.capped_logits(problem, _dot(k, q, contract_d, problem))
+            # P^T d_out and dS^T q mix queries: queries past the query length must be zero.
+            q, d_out = _zeroed_past(q_ref[s], q_valid), _zeroed_past(d_out_ref[s], d_out_valid)
+            capped = masking.capped_logits(problem, _dot(k, q, q_contract_d, problem))
             logits = capped if bias is None else capped + bias
             p = jnp.exp(logits - _finite_lse(lse_ref[s]))
             if visible is not None:
                 p = jnp.where(visible, p, 0.0)
-            dv_acc_ref[kv_head] += _dot(p.astype(d_out.dtype), d_out, contract_queries, problem)
-            ds = p * (_dot(v, d_out, contract_d, problem) - delta_ref[s])
+            dv_acc_ref[kv_head] += _dot(p.astype(d_out.dtype), d_out, out_contract_queries, problem)
+            ds = p * (_dot(v, d_out, out_contract_d, problem) - delta_ref[s])
             if problem.softcap is not None:
                 ds = ds * masking.softcap_slope(problem, capped)
             if visible is not None:
                 # Keys past the valid length may hold NaN (so do their dP rows and slopes): 0 * NaN is NaN.
                 ds = jnp.where(visible, ds, 0.0)
-            dk_acc_ref[kv_head] += _dot(ds.astype(q.dtype), q, contract_queries, problem)
+            dk_acc_ref[kv_head] += _dot(ds.astype(q.dtype), q, q_contract_queries, problem)
 
         loop_over_heads(q_ref.shape[0], head)
 
     def finalize():
-        _store_scaled(dk_ref, dk_acc_ref, problem.scale, plan)
-        _store_scaled(dv_ref, dv_acc_ref, 1.0, plan)
+        _store_scaled(dk_ref, dk_acc_ref, problem.scale, minor.k)
+        _store_scaled(dv_ref, dv_acc_ref, 1.0, minor.v)
 
     _walk_tile(qi <= block_hi_ref[slot], needs_mask, step, q_step, plan, finalize)
 
 
-def _cost(problem: Problem, matmuls: int, bytes_accessed: int) -> pl.CostEstimate:
+def _cost(problem: Problem, width: int, bytes_accessed: int) -> pl.CostEstimate:
+    """`width`: the summed widths (head dims) of a kernel's matmuls, each over every visible pair."""
     pairs = problem.batch * problem.q_heads * masking.static_visible_pairs(problem)
     return pl.CostEstimate(
-        flops=int(2 * matmuls * pairs * problem.head_dim),
+        flops=int(2 * pairs * width),
         transcendentals=int(pairs * (2 if problem.softcap is not None else 1)),
         bytes_accessed=int(bytes_accessed),
     )
@@ -295,17 +304,38 @@ def _compiler_params(plan: BackwardPlan):
     )
 
 
-def _sequence_spec(heads: int, block: int, head_dim: int, block_index, plan: BackwardPlan) -> pl.BlockSpec:
-    """The BlockSpec of [B, H, S, D] arrays (q, d_out, dq; or k, v, dk, dv) in blocks of `heads` heads: [block, D],
-    or [D, block] of the swapped view where the plan reads them sequence-minor. block_index(b, outer, step, lo_ref,
+def _sequence_spec(heads: int, block: int, head_dim: int, block_index, sequence_minor: bool) -> pl.BlockSpec:
+    """The BlockSpec of a [B, H, S, D] array (q, d_out, dq; or k, v, dk, dv) in blocks of `heads` heads: [block, D],
+    or [D, block] of the swapped view where the plan reads it sequence-minor. block_index(b, outer, step, lo_ref,
     hi_ref) is the sequence block of a grid step."""
 
     def index_map(b, h, outer, step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
         index = block_index(b, outer, step, lo_ref, hi_ref)
-        return (b, h, 0, index) if plan.sequence_minor else (b, h, index, 0)
+        return (b, h, 0, index) if sequence_minor else (b, h, index, 0)
 
-    shape = (head_dim, block) if plan.sequence_minor else (block, head_dim)
+    shape = (head_dim, block) if sequence_minor else (block, head_dim)
     return pl.BlockSpec((None, heads, *shape), index_map)
+
+
+def _outputs(q, k, v, problem: Problem, plan: BackwardPlan, specs: dict, *, for_dq: bool):
+    """(out_shape, out_specs, scratch_shapes) of the dq call (for_dq) or the dk/dv call, on q, k, v as the kernel
+    reads them: float32 accumulators of each gradient, then the rows of each block held across the walk that is
+    read sequence-minor (dq: q and d_out; dk/dv: k and v)."""
+    heads, group, minor = plan.kv_heads_per_step, problem.group, plan.sequence_minor
+    if for_dq:
+        rows = heads * group, plan.block_q
+        held = [(problem.head_dim, minor.q), (problem.v_head_dim, minor.out)]
+        accumulators = [problem.head_dim]
+        out_shape, out_specs = jax.ShapeDtypeStruct(q.shape, q.dtype), specs["q"]
+    else:
+        rows = heads, plan.block_kv
+        held = [(problem.head_dim, minor.k), (problem.v_head_dim, minor.v)]
+        accumulators = [problem.head_dim, problem.v_head_dim]
+        out_shape = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+        out_specs = (specs["k"], specs["v"])
+    scratch = [pltpu.VMEM((*rows, width), jnp.float32) for width in accumulators]
+    scratch += [pltpu.VMEM((*rows, width), q.dtype) for width, transposed in held if transposed]
+    return out_shape, out_specs, scratch
 
 
 def _kernel_call(q, k, v, d_out, lse, delta, prepared: Prepared, problem: Problem, plan: BackwardPlan, *,
@@ -317,7 +347,7 @@ def _kernel_call(q, k, v, d_out, lse, delta, prepared: Prepared, problem: Proble
     block: a query block for dq, a KV block for dk/dv) and in the axis the last grid axis walks (KV blocks for
     dq, query blocks for dk/dv).
     """
-    batch, q_heads, q_len, head_dim = q.shape
+    batch = q.shape[0]
     block_q, block_kv, nq, nkv = plan.block_q, plan.block_kv, plan.num_q_blocks, plan.num_kv_blocks
     block_ranges = masking.kv_block_ranges if for_dq else masking.q_block_ranges
     block_lo, block_hi = block_ranges(problem, prepared, block_q, block_kv)
@@ -332,14 +362,18 @@ def _kernel_call(q, k, v, d_out, lse, delta, prepared: Prepared, problem: Proble
     def row_index_map(b, h, outer, step, q_offset_ref, kv_valid_ref, lo_ref, hi_ref):
         return (b, h, 0, q_block(b, outer, step, lo_ref, hi_ref))
 
-    heads = plan.kv_heads_per_step
-    q_spec = _sequence_spec(heads * problem.group, block_q, head_dim, q_block, plan)
-    row_spec = pl.BlockSpec((None, heads * problem.group, 1, block_q), row_index_map)
-    kv_spec = _sequence_spec(heads, block_kv, head_dim, kv_block, plan)
-    if plan.sequence_minor:
-        # The swapped views [B, H, D, S]: bitcasts of XLA's layout; the gradients are written so.
-        q, k, v, d_out = (jnp.swapaxes(x, 2, 3) for x in (q, k, v, d_out))
-    in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+    heads, minor = plan.kv_heads_per_step, plan.sequence_minor
+    query_heads = heads * problem.group
+    specs = dict(q=_sequence_spec(query_heads, block_q, problem.head_dim, q_block, minor.q),
+                 k=_sequence_spec(heads, block_kv, problem.head_dim, kv_block, minor.k),
+                 v=_sequence_spec(heads, block_kv, problem.v_head_dim, kv_block, minor.v),
+                 d_out=_sequence_spec(query_heads, block_q, problem.v_head_dim, q_block, minor.out))
+    row_spec = pl.BlockSpec((None, query_heads, 1, block_q), row_index_map)
+    # The swapped views [B, H, D, S] of the arrays read sequence-minor: bitcasts of XLA's layout; their gradients
+    # are written so.
+    q, k, v, d_out = (jnp.swapaxes(x, 2, 3) if transposed else x
+                      for x, transposed in ((q, minor.q), (k, minor.k), (v, minor.v), (d_out, minor.out)))
+    in_specs = [specs["q"], specs["k"], specs["v"], specs["d_out"], row_spec, row_spec]
     operands = [q, k, v, d_out, lse, delta]
     if prepared.mask is not None:
         broadcast_batch = problem.mask_batch == 1
@@ -352,19 +386,16 @@ def _kernel_call(q, k, v, d_out, lse, delta, prepared: Prepared, problem: Proble
         operands.append(prepared.mask)
     itemsize = jnp.dtype(q.dtype).itemsize
     passes = masking.static_kv_passes(problem, block_q, block_kv)  # symmetric: q/d_out passes per KV block
-    if for_dq:
-        bytes_accessed = 3 * q.size * itemsize + 2 * k.size * itemsize * passes + 2 * lse.size * 4
-        kernel, name, matmuls, outer_blocks = _dq_kernel, "attention_tpu_flash_dq", 3, nq
-        out_shape, out_specs = jax.ShapeDtypeStruct(q.shape, q.dtype), q_spec
-        rows = pltpu.VMEM((heads * problem.group, block_q, head_dim), q.dtype)  # q, d_out transposed
-        scratch_shapes = [pltpu.VMEM((heads * problem.group, block_q, head_dim), jnp.float32),
-                          *([rows] * 2 * plan.sequence_minor)]
-    else:
-        bytes_accessed = 2 * q.size * itemsize * passes + 4 * k.size * itemsize + 2 * lse.size * 4 * passes
-        kernel, name, matmuls, outer_blocks = _dkv_kernel, "attention_tpu_flash_dkv", 4, nkv
-        out_shape, out_specs = (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, (kv_spec, kv_spec)
-        rows = pltpu.VMEM((heads, block_kv, head_dim), k.dtype)  # k, v transposed
-        scratch_shapes = [pltpu.VMEM((heads, block_kv, head_dim), jnp.float32)] * 2 + [rows] * 2 * plan.sequence_minor
+    head_dim, v_head_dim = problem.head_dim, problem.v_head_dim
+    if for_dq:  # reads q, d_out and K/V per pass, writes dq
+        bytes_accessed = ((2 * q.size + d_out.size) * itemsize + (k.size + v.size) * itemsize * passes
+                          + 2 * lse.size * 4)
+        kernel, name, width, outer_blocks = _dq_kernel, "attention_tpu_flash_dq", 2 * head_dim + v_head_dim, nq
+    else:  # reads k, v and q, d_out per pass, writes dk, dv
+        bytes_accessed = ((q.size + d_out.size) * itemsize * passes + 2 * (k.size + v.size) * itemsize
+                          + 2 * lse.size * 4 * passes)
+        kernel, name, width, outer_blocks = _dkv_kernel, "attention_tpu_flash_dkv", 2 * (head_dim + v_head_dim), nkv
+    out_shape, out_specs, scratch_shapes = _outputs(q, k, v, problem, plan, specs, for_dq=for_dq)
     results = pl.pallas_call(
         functools.partial(kernel, problem=problem, plan=plan),
         out_shape=out_shape,
@@ -376,12 +407,12 @@ def _kernel_call(q, k, v, d_out, lse, delta, prepared: Prepared, problem: Proble
             scratch_shapes=scratch_shapes,
         ),
         compiler_params=_compiler_params(plan),
-        cost_estimate=_cost(problem, matmuls, bytes_accessed),
+        cost_estimate=_cost(problem, width, bytes_accessed),
         name=name,
     )(prepared.q_offset, prepared.kv_valid, block_lo, block_hi, *operands)
-    if not plan.sequence_minor:
-        return results
-    return jnp.swapaxes(results, 2, 3) if for_dq else tuple(jnp.swapaxes(x, 2, 3) for x in results)
+    if for_dq:
+        return jnp.swapaxes(results, 2, 3) if minor.q else results
+    return tuple(jnp.swapaxes(x, 2, 3) if transposed else x for x, transposed in zip(results, (minor.k, minor.v)))
 
 
 def flash_attention_backward(
@@ -417,7 +448,7 @@ def attention_backward(
     if 0 in (q.shape[0], q.shape[1], q.shape[2], k.shape[2]):
         d_sinks = None if sinks is None else jnp.zeros(sinks.shape, sinks.dtype)
         return jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype), d_sinks
-    problem, prepared = masking.prepare(q, k, attention)
+    problem, prepared = masking.prepare(q, k, v, attention)
     return call(d_out, q, k, v, out, lse, prepared, make(problem, target, config), sinks)
 
 

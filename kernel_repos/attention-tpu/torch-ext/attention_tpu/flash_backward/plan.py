@@ -9,9 +9,10 @@ from jax.experimental import pallas as pl
 
 from .._hardware import TpuGeneration
 from ..common import masking
+from ..common.layout import SequenceMinor, sequence_minor_reads
 from ..common.masking import Problem
 from ..common.tiles import AttentionConfig
-from .tiles import BackwardConfig, check_backward_config, reads_sequence_minor, select
+from .tiles import BackwardConfig, check_backward_config, select
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,9 +27,9 @@ class BackwardPlan:
     num_steps: int  # grid length of the walked axis (KV blocks for dq, query blocks for dk/dv)
     kv_heads_per_step: int
     vmem_limit_bytes: int
-    # q, d_out, dq and k, v, dk, dv read and written as XLA stores them by default when that is sequence-minor
-    # (`tiles.reads_sequence_minor`): their swapped views [B, H, D, S], in blocks of [D, block].
-    sequence_minor: bool
+    # Each of q (and dq), k (dk), v (dv) and d_out read and written as XLA stores it by default when that is
+    # sequence-minor (`layout.sequence_minor_reads`): its swapped view [B, H, D, S], in blocks of [D, block].
+    sequence_minor: SequenceMinor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,6 @@ def _kernel_plan(problem: Problem, config: AttentionConfig, *, for_dq: bool) -> 
         steps = masking.kv_steps(problem, nkv, block_q, block_kv)
     else:
         steps = masking.q_steps(problem, nq, block_q, block_kv)
-    sequence_minor = reads_sequence_minor(problem, block_q, block_kv)
+    sequence_minor = sequence_minor_reads(problem, block_q, block_kv)
     return BackwardPlan(block_q, block_kv, nq, nkv, steps, config.kv_heads_per_step, config.vmem_limit_bytes,
                         sequence_minor)

@@ -5,9 +5,10 @@ causal windows), shrinks them to the VMEM budget (`common.vmem.vmem_budget`)
 by their own working sets, and spans as many KV heads per step as make a
 step's MXU work outweigh its overhead; each kernel then asks Mosaic for a
 scoped VMEM limit from its working set (`common.vmem.vmem_limit`). There is no
-tuned table for the backward yet. Where XLA stores q, k and v sequence-minor
-(head_dim 64 over more than 64 positions) both blocks are whole lane tiles, so
-that the kernels read and write them so (`reads_sequence_minor`), and the
+tuned table for the backward yet. Where XLA stores q, k, v or d_out
+sequence-minor (a head dim that is no multiple of 128 over more than a few
+positions) the blocks along that sequence are whole lane tiles, so that the
+kernels read and write them so (`common.layout.sequence_minor_reads`), and the
 working set counts the scratch their transposed blocks take. Every function
 here takes the call's `Problem` and the generation's facts (`target`, a
 `_hardware.TpuGeneration` its caller resolved once) rather than their fields.
@@ -20,9 +21,9 @@ import dataclasses
 import jax.numpy as jnp
 
 from .._hardware import LANES, SUBLANES, TpuGeneration, grid_step_overhead_s, round_up
-from ..common.layout import sequence_minor_by_default
+from ..common.layout import sequence_minor_by_default, sequence_minor_reads
 from ..common.masking import Problem
-from ..common.tiles import MASK_ROWS, Q_BLOCK_MULTIPLE, AttentionConfig, shrink_block
+from ..common.tiles import MASK_ROWS, Q_BLOCK_MULTIPLE, AttentionConfig, preferred_by_width, shrink_block
 from ..common.vmem import vmem_budget, vmem_limit
 
 # Preferred backward tiles per kernel, (block_q, block_kv): dq walks KV blocks
@@ -46,7 +47,8 @@ PREFERRED_BACKWARD_TILES = {
 # blocks on v6e and TPU7x, 2.2x-2.6x slower. (256, 512) is, by the same sweep
 # at Gemma-4-26B-A4B's global layer (16 query heads, 2 KV heads, S=8192,
 # causal), the best tile of both kernels on v5e and v5p, and within 2 % of
-# the best on v6e and TPU7x.
+# the best on v6e and TPU7x. Wider heads (latent attention's absorbed 576 /
+# 512) take them too (not modelled there).
 PREFERRED_BACKWARD_TILES_BY_HEAD_DIM = {
     512: {generation: {"dq": (256, 512), "dkv": (256, 512)} for generation in PREFERRED_BACKWARD_TILES},
 }
@@ -74,40 +76,33 @@ class BackwardConfig:
     dkv: AttentionConfig
 
 
-def reads_sequence_minor(problem: Problem, block_q: int, block_kv: int) -> bool:
-    """Whether a backward kernel at these blocks reads q, d_out, k, v (and writes dq, dk, dv) sequence-minor, as XLA
-    stores them by default (`common.layout.sequence_minor_by_default`) when it stores both lengths so: blocks of
-    whole lane tiles only. Otherwise it reads them row-major, and where XLA stores them otherwise XLA copies them."""
-    return (sequence_minor_by_default(problem.q_len, problem.head_dim)
-            and sequence_minor_by_default(problem.kv_len, problem.head_dim)
-            and block_q % LANES == 0 and block_kv % LANES == 0)
-
-
 def backward_vmem_bytes(kernel: str, problem: Problem, *, block_q: int, block_kv: int,
                         kv_heads_per_step: int) -> int:
-    """Estimated VMEM working set of one backward kernel ("dq" or "dkv") at these tiles; where it reads its arrays
-    sequence-minor (`reads_sequence_minor`) it transposes the blocks it holds across its walk into scratch of their
-    rows."""
+    """Estimated VMEM working set of one backward kernel ("dq" or "dkv") at these tiles; where it reads an array it
+    holds across its walk sequence-minor (`common.layout.sequence_minor_reads`) it transposes its blocks into
+    scratch of their rows. q, k, dq and dk are head_dim wide, v, d_out and dv v_head_dim."""
     heads, group = kv_heads_per_step, problem.group
     itemsize = jnp.dtype(problem.dtype).itemsize
     mask_itemsize = 0 if problem.mask_dtype is None else jnp.dtype(problem.mask_dtype).itemsize
-    sequence_minor = reads_sequence_minor(problem, block_q, block_kv)
+    minor = sequence_minor_reads(problem, block_q, block_kv)
     padded_q = round_up(block_q, SUBLANES)
     q_lanes = round_up(block_q, LANES)
-    lanes_d = round_up(problem.head_dim, LANES)  # a head_dim of 64 still fills 128 lanes
+    # A head dim of 64 still fills 128 lanes.
+    lanes_dk, lanes_dv = round_up(problem.head_dim, LANES), round_up(problem.v_head_dim, LANES)
     rows = 2 * 2 * heads * group * SUBLANES * q_lanes * 4  # double-buffered lse and delta rows [heads, 1, block_q]
-    kv = 2 * 2 * heads * block_kv * lanes_d * itemsize  # double-buffered k and v blocks
+    kv = 2 * heads * block_kv * (lanes_dk + lanes_dv) * itemsize  # double-buffered k and v blocks
     mask = 2 * round_up(block_q, MASK_ROWS) * round_up(block_kv, LANES) * mask_itemsize
     # Element-wise temporaries are per query head: the heads of a step run one after the other.
     if kernel == "dq":
-        q_side = 3 * 2 * heads * group * padded_q * lanes_d * itemsize  # q, d_out in, dq out
-        scratch = heads * group * padded_q * lanes_d * (4 + 2 * itemsize * sequence_minor)  # dq; q, d_out rows
+        q_side = 2 * heads * group * padded_q * (2 * lanes_dk + lanes_dv) * itemsize  # q, d_out in, dq out
+        held = lanes_dk * minor.q + lanes_dv * minor.out  # q, d_out rows
+        scratch = heads * group * padded_q * (lanes_dk * 4 + held * itemsize)  # dq; q, d_out rows
         temporaries = BACKWARD_TILE_TEMPORARIES * padded_q * round_up(block_kv, LANES) * 4
     else:
-        q_side = 2 * 2 * heads * group * padded_q * lanes_d * itemsize  # q, d_out in
+        q_side = 2 * heads * group * padded_q * (lanes_dk + lanes_dv) * itemsize  # q, d_out in
         kv = 2 * kv  # dk, dv out beside k, v in
-        # dk, dv; k, v rows
-        scratch = 2 * heads * round_up(block_kv, SUBLANES) * lanes_d * (4 + itemsize * sequence_minor)
+        held = lanes_dk * minor.k + lanes_dv * minor.v  # k, v rows
+        scratch = heads * round_up(block_kv, SUBLANES) * ((lanes_dk + lanes_dv) * 4 + held * itemsize)  # dk, dv
         # The mask tile is transposed in the kernel: one more tile.
         temporaries = (BACKWARD_TILE_TEMPORARIES + (mask_itemsize > 0)) * round_up(block_kv, SUBLANES) * q_lanes * 4
     return q_side + rows + kv + mask + scratch + temporaries
@@ -116,13 +111,12 @@ def backward_vmem_bytes(kernel: str, problem: Problem, *, block_q: int, block_kv
 def backward_step_seconds(kernel: str, problem: Problem, target: TpuGeneration, *, block_q: int, block_kv: int,
                           kv_heads_per_step: int) -> float:
     """MXU time of one backward grid step at the bf16 peak, with dims padded to the MXU as it computes them."""
-    mxu, head_dim = target.mxu_size, problem.head_dim
-    if kernel == "dq":  # S = q K^T, dP = dO V^T (contract D); dS K (contract block_kv, out D)
-        flops = 2 * (2 * block_q * round_up(head_dim, mxu) * round_up(block_kv, mxu)
-                     + block_q * round_up(block_kv, mxu) * round_up(head_dim, mxu))
-    else:  # S^T, dP^T (contract D); P^T dO, dS^T q (contract block_q, out D)
-        flops = 2 * 2 * (block_kv * round_up(head_dim, mxu) * round_up(block_q, mxu)
-                         + block_kv * round_up(block_q, mxu) * round_up(head_dim, mxu))
+    mxu = target.mxu_size
+    dk, dv = round_up(problem.head_dim, mxu), round_up(problem.v_head_dim, mxu)
+    if kernel == "dq":  # S = q K^T (contract D), dP = dO V^T (contract Dv); dS K (contract block_kv, out D)
+        flops = 2 * block_q * round_up(block_kv, mxu) * (dk + dv + dk)
+    else:  # S^T (contract D), dP^T (contract Dv); P^T dO (out Dv), dS^T q (out D), contracting block_q
+        flops = 2 * block_kv * round_up(block_q, mxu) * 2 * (dk + dv)
     return kv_heads_per_step * problem.group * flops / target.bf16_flops_per_s
 
 
@@ -149,16 +143,19 @@ def backward_tiles(kernel: str, problem: Problem, target: TpuGeneration, *, bloc
 
 
 def _heuristic_backward_tiles(kernel: str, problem: Problem, target: TpuGeneration) -> AttentionConfig:
-    q_len, kv_len, head_dim = problem.q_len, problem.kv_len, problem.head_dim
+    q_len, kv_len = problem.q_len, problem.kv_len
     cap = window_block_cap(problem, target)
     block_cap = q_len + kv_len if cap is None else cap
-    preferred_q, preferred_kv = PREFERRED_BACKWARD_TILES_BY_HEAD_DIM.get(
-        head_dim, PREFERRED_BACKWARD_TILES)[target.name][kernel]
+    preferred_q, preferred_kv = preferred_by_width(problem, PREFERRED_BACKWARD_TILES_BY_HEAD_DIM,
+                                                   PREFERRED_BACKWARD_TILES)[target.name][kernel]
     block_q, block_kv = min(q_len, preferred_q, block_cap), min(kv_len, preferred_kv, block_cap)
     # Sequences along lanes: whole lane tiles, so that the kernel reads and writes its arrays as XLA stores them
     # (`plan.make`); shrinking keeps blocks of whole lane tiles.
-    if sequence_minor_by_default(q_len, head_dim) and sequence_minor_by_default(kv_len, head_dim):
-        block_q, block_kv = round_up(block_q, LANES), round_up(block_kv, LANES)
+    head_dims = (problem.head_dim, problem.v_head_dim)
+    if any(sequence_minor_by_default(q_len, head_dim) for head_dim in head_dims):
+        block_q = round_up(block_q, LANES)
+    if any(sequence_minor_by_default(kv_len, head_dim) for head_dim in head_dims):
+        block_kv = round_up(block_kv, LANES)
     # Shrink the streamed axis' block first: it costs re-reads of the other axis, not passes over this one.
     streamed_first = kernel == "dq"
     while (tiles := backward_tiles(kernel, problem, target, block_q=block_q, block_kv=block_kv)) is None:

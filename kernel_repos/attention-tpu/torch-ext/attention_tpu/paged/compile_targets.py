@@ -10,7 +10,11 @@ prefill and of a continuous batching decode step as `flash_attn_varlen_func` han
 each feature (small and large pages, keys-minor, decode and mixed batches, window, sinks, head_dim 512) compiles
 once per generation: every target costs the test suite a compile on each of four generations. Models (their heads,
 windows and sinks: the package's `compile_targets.HEADS`, `WINDOWS` and `SINKS`): Qwen3-30B-A3B, GPT-OSS-20B's
-sliding layer, Gemma 4 26B-A4B's sliding layers and its global layers.
+sliding layer, Gemma 4 26B-A4B's sliding layers and its global layers. Latent attention (`LATENT_HEADS`): a decode
+batch of DeepSeek-V3's absorbed form at its heads per chip under TP8 (one KV head, keys 576 wide read keys-minor,
+values 512 wide row-major, in the same 128-key chunks) over pages of 256 tokens. The expanded form's (Moonlight's
+16 KV heads of 192 / 128) is the same plan but for the heads, and compiles several times longer (a copy of the work
+per KV head): it compiled for every generation when it was added, and is not a target.
 """
 
 from __future__ import annotations
@@ -27,14 +31,15 @@ PREFILL_CHUNK = 960
 MAX_CONTEXT = 32768
 
 
-def _avals(total_q, num_seqs, *, q_heads, kv_heads, head_dim, page_size, sinks=False):
+def _avals(total_q, num_seqs, *, q_heads, kv_heads, head_dim, page_size, sinks=False, v_head_dim=None):
     """(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table[, sinks]) for page tables of MAX_CONTEXT tokens over a
-    cache of half the batch's full capacity."""
+    cache of half the batch's full capacity; values `v_head_dim` wide (default: head_dim)."""
     pages_per_seq = MAX_CONTEXT // page_size
     num_pages = num_seqs * pages_per_seq // 2
-    cache = jax.ShapeDtypeStruct((num_pages, page_size, kv_heads, head_dim), jnp.bfloat16)
+    k_cache = jax.ShapeDtypeStruct((num_pages, page_size, kv_heads, head_dim), jnp.bfloat16)
+    v_cache = jax.ShapeDtypeStruct((num_pages, page_size, kv_heads, v_head_dim or head_dim), jnp.bfloat16)
     avals = [
-        jax.ShapeDtypeStruct((total_q, q_heads, head_dim), jnp.bfloat16), cache, cache,
+        jax.ShapeDtypeStruct((total_q, q_heads, head_dim), jnp.bfloat16), k_cache, v_cache,
         jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32), jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
         jax.ShapeDtypeStruct((num_seqs, pages_per_seq), jnp.int32),
     ]
@@ -54,9 +59,9 @@ PAGED_MODELS = [("qwen3-30b-a3b", "qwen3-30b-a3b", 16, ("decode",)), ("qwen3-30b
                 ("gemma-4-26b-a4b global", "gemma-4-26b-a4b global", 256, ("decode",))]
 
 
-def paged_compile_targets(generation, heads, windows, sinks_of):
-    """The targets at the models' `heads` (by tag), their sliding `windows` and the tags whose layers take sinks
-    (`sinks_of`)."""
+def paged_compile_targets(generation, heads, windows, sinks_of, latent_heads):
+    """The targets at the models' `heads` (by tag), their sliding `windows`, the tags whose layers take sinks
+    (`sinks_of`) and the latent attention layers' `latent_heads` (by tag)."""
     targets = []
     for tag, name, page_size, batches in PAGED_MODELS:
         shape = heads[tag]
@@ -84,7 +89,17 @@ def paged_compile_targets(generation, heads, windows, sinks_of):
                     (jax.ShapeDtypeStruct((4096, qwen3["q_heads"], qwen3["head_dim"]), jnp.bfloat16),
                      varlen, varlen, jax.ShapeDtypeStruct((5,), jnp.int32), jax.ShapeDtypeStruct((5,), jnp.int32))))
     targets.append(_varlen_decode_target(generation, heads["gpt-oss-20b"], windows["gpt-oss-20b"]))
-    return targets
+    return targets + _latent_targets(generation, latent_heads)
+
+
+def _latent_targets(generation, latent_heads):
+    """A decode batch of DeepSeek-V3's absorbed latent attention (TP8) over 256-token pages."""
+    decode = functools.partial(ragged_paged_attention, max_q_len=1, generation=generation)
+    deepseek = latent_heads["deepseek-v3 tp8"]
+    absorbed = dict(q_heads=deepseek["q_heads"], kv_heads=1, v_head_dim=deepseek["kv_lora_rank"],
+                    head_dim=deepseek["kv_lora_rank"] + deepseek["rope_head_dim"])
+    return [(f"paged deepseek-v3 TP8 absorbed page=256 bf16 decode B={DECODE_BATCH} qk={absorbed['head_dim']} "
+             f"v={absorbed['v_head_dim']}", decode, _avals(DECODE_BATCH, DECODE_BATCH, page_size=256, **absorbed))]
 
 
 def _varlen_decode_target(generation, gpt_oss, window):

@@ -15,13 +15,15 @@ Layout and semantics: `common/paged.py`.
   from the cache page the page table names into a double-buffered VMEM buffer of the cache's [tokens, Hkv, D]
   layout; the next block (of the same sequence, or the next sequence's first) is in flight while the current one
   is computed. Chunks past a sequence's keys are not fetched.
-* Keys-minor (`PagedProblem.keys_minor`: a head_dim of 64 over pages of a multiple of 128 tokens, which XLA stores
-  [pages, Hkv, D, page] by default): the kernel reads the cache as `cache.transpose(0, 2, 3, 1)`, a free view of
-  that layout, and each chunk (a multiple of 128 keys; under a window 128) lands in a [Hkv, D, block_kv] buffer, so
-  each KV head's K^T and V^T are plain [D, block_kv] tiles. A cache of any other layout is copied by XLA first.
-  Contiguous keys at head_dim 64 (XLA stores [total_k, Hkv, 64] as [Hkv, 64, total_k]) are read so too when total_k
-  is a multiple of 128: a sequence's blocks then start at the 128-row tile holding its first key, a DMA per tile
-  holding one of its keys.
+* q and k have one head dim D, v and the output another, Dv (equal but for latent attention).
+* Keys-minor (`PagedProblem.keys_minor`, `values_minor`, each cache by its head dim: a head_dim that is no multiple
+  of 128, e.g. 64 or 576, over pages of a multiple of 128 tokens, which XLA stores [pages, Hkv, D, page] by
+  default): the kernel reads such a cache as `cache.transpose(0, 2, 3, 1)`, a free view of that layout, and each
+  chunk (a multiple of 128 keys; under a window 128) lands in a [Hkv, D, block_kv] buffer, so each KV head's K^T
+  (V^T) is a plain [D, block_kv] tile; the other cache, if row-major, is read in the same chunks
+  (`lane_chunks`). A cache of any other layout is copied by XLA first. Contiguous keys at such a head_dim (XLA
+  stores [total_k, Hkv, 64] as [Hkv, 64, total_k]) are read so too when total_k is a multiple of 128: a sequence's
+  blocks then start at the 128-row tile holding its first key, a DMA per tile holding one of its keys.
 * Per block and KV head, every row tile of the sequence that sees a key of the block runs one (rows, D) x
   (D, block_kv) matmul and the online softmax (float32 state in VMEM scratch). A sequence's tiles are of `tile_q`
   tokens, or of `min_tile_q` (rows of the dtype's native tile) when those cover its rows in at most half the rows:
@@ -52,24 +54,21 @@ from ..common.paged import PagedProblem, paged_problem
 from .plan import PagedPlan, make
 from .tiles import PagedConfig
 
-SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)
-
-
 class _Refs(NamedTuple):
     cu_q: object  # SMEM [S + 1]
     kv_lens: object  # SMEM [S]
     table: object  # SMEM [S * pages_per_seq]
     q: object  # [Hkv, block rows, D]
     k_hbm: object  # [num_pages, page_size, Hkv, D]; keys-minor [num_pages, Hkv, D, page_size]
-    v_hbm: object
+    v_hbm: object  # likewise, of Dv
     sinks: object | None  # [Hkv, block rows, 1] f32
-    out: object
+    out: object  # [Hkv, block rows, Dv]
     k_buf: object  # [2, chunks per block, chunk, Hkv, D]; keys-minor [2, Hkv, D, block_kv]
-    v_buf: object
+    v_buf: object  # likewise, of Dv
     sems: object  # DMA [2 (K, V), 2 (slot)]
     max: object  # [Hkv, block rows, 1] f32
     sum: object
-    acc: object  # [Hkv, block rows, D] f32
+    acc: object  # [Hkv, block rows, Dv] f32
 
     @property
     def softmax(self) -> softmax.SoftmaxState:
@@ -133,7 +132,7 @@ def _span(refs: _Refs, problem: PagedProblem, plan: PagedPlan, seq, block_start)
     to_position = kv_len - q_end
     first_key, last_key = _key_range(problem, row_first + to_position, row_last + to_position, kv_len)
     has_keys = (row_last >= row_first) & (last_key >= first_key)
-    if problem.contiguous and problem.keys_minor:  # blocks on whole lanes of the array: from the tile of the first key
+    if problem.contiguous and problem.lane_chunks:  # blocks on whole lanes of the array: from the tile of the first key
         first_row = jnp.clip(refs.table[seq], 0, problem.page_size - 1)
         key_origin = _div(first_row + first_key, LANES) * LANES - first_row
     else:
@@ -155,7 +154,7 @@ def _contiguous_rows(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: 
     read the last block_kv rows. Keys-minor, a DMA per 128-row tile (chunk) holding a key of the sequence: such a
     tile lies within the array (its rows are a multiple of 128), and the others are not fetched."""
     first = jnp.clip(refs.table[span.seq], 0, problem.page_size - 1) + _block_key(plan, span, block)
-    if problem.keys_minor:
+    if problem.lane_chunks:
         return first, 0
     start = jnp.minimum(first, problem.page_size - plan.block_kv)
     return start, first - start
@@ -171,15 +170,19 @@ def _chunk_copy(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span
         column = jnp.minimum(_div(token, problem.page_size), problem.pages_per_seq - 1)
         page = jnp.clip(refs.table[span.seq * problem.pages_per_seq + column], 0, problem.num_pages - 1)
         first = jax.lax.rem(token, problem.page_size)
-    if problem.keys_minor:  # on a lane tile (so are a block's origin and its chunks): Mosaic's DMA needs it known
+    if problem.lane_chunks:  # on a lane tile (so are a block's origin and its chunks): Mosaic's DMA needs it known
         first = pl.multiple_of(first, plan.chunk)
     whole_page = not problem.contiguous and plan.chunk == problem.page_size
     rows = every if whole_page else pl.ds(first, plan.chunk)
-    source = (page, every, every, rows) if problem.keys_minor else (page, rows)
     lanes = pl.ds(pl.multiple_of(c * plan.chunk, plan.chunk), plan.chunk)
-    target = (slot, every, every, lanes) if problem.keys_minor else (slot, c)
-    k_copy = pltpu.make_async_copy(refs.k_hbm.at[source], refs.k_buf.at[target], refs.sems.at[0, slot])
-    v_copy = pltpu.make_async_copy(refs.v_hbm.at[source], refs.v_buf.at[target], refs.sems.at[1, slot])
+
+    def copy(hbm, buf, keys_minor: bool, semaphore: int):
+        source = (page, every, every, rows) if keys_minor else (page, rows)
+        target = (slot, every, every, lanes) if keys_minor else (slot, c)
+        return pltpu.make_async_copy(hbm.at[source], buf.at[target], refs.sems.at[semaphore, slot])
+
+    k_copy = copy(refs.k_hbm, refs.k_buf, problem.keys_minor, 0)
+    v_copy = copy(refs.v_hbm, refs.v_buf, problem.values_minor, 1)
     return token < span.kv_len, k_copy, v_copy  # chunks past the keys are not fetched
 
 
@@ -257,11 +260,10 @@ def _attend_tile(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Spa
     if problem.sliding_window is not None:
         visible = visible & (key_pos > position - problem.sliding_window)
     q = refs.q[head, pl.ds(row0, rows), :]
-    key_axis = 1 if problem.keys_minor else 0
-    raw = softmax.raw_logits(q, k, key_axis=key_axis, precision=problem.precision)
+    raw = softmax.raw_logits(q, k, key_axis=1 if problem.keys_minor else 0, precision=problem.precision)
     logits = jnp.where(visible, masking.capped_logits(problem, raw), -jnp.inf)
-    softmax.update(refs.softmax, (head, pl.ds(row0, rows), slice(None)), logits, v, key_axis=key_axis,
-                   precision=problem.precision)
+    softmax.update(refs.softmax, (head, pl.ds(row0, rows), slice(None)), logits, v,
+                   key_axis=1 if problem.values_minor else 0, precision=problem.precision)
 
 
 def _tile_sees_block(problem: PagedProblem, plan: PagedPlan, span: _Span, tile_q: int, tile, block_start, key_start):
@@ -291,7 +293,8 @@ def _small_tiles_are_fewer_rows(plan: PagedPlan, span: _Span, block_start):
 
 def _head_keys_and_values(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Span, slot, head: int,
                           key_start, buffer_start):
-    """One KV head's keys and values of the block in slot `slot`: [block_kv, D] each, keys-minor [D, block_kv].
+    """One KV head's keys and values of the block in slot `slot`: [block_kv, D] and [block_kv, Dv], keys-minor each
+    [D or Dv, block_kv].
 
     A block's values that are not the sequence's keys are zeroed: p is 0 there, but 0 * NaN is NaN (a key's logits
     are replaced instead). Contiguous keys: rows before the block's first key or past the sequence's keys are other
@@ -299,13 +302,14 @@ def _head_keys_and_values(refs: _Refs, problem: PagedProblem, plan: PagedPlan, s
     sequence's); pages read keys-minor: lanes past the sequence's keys (chunks not fetched, a page's lanes past
     them). Only a block holding some is masked. (Row-major pages:
     `_clear_values_past_keys` zeroed those rows in the buffer.)"""
-    if problem.keys_minor:
-        k, v = refs.k_buf[slot, head], refs.v_buf[slot, head]
-    else:
-        k, v = (buf[slot, :, :, head, :].reshape(plan.block_kv, problem.head_dim) for buf in (refs.k_buf, refs.v_buf))
-    if not (problem.contiguous or problem.keys_minor):
+    def head_of(buf, keys_minor: bool, head_dim: int):
+        return buf[slot, head] if keys_minor else buf[slot, :, :, head, :].reshape(plan.block_kv, head_dim)
+
+    k = head_of(refs.k_buf, problem.keys_minor, problem.head_dim)
+    v = head_of(refs.v_buf, problem.values_minor, problem.v_head_dim)
+    if not (problem.contiguous or problem.values_minor):
         return k, v
-    key_axis = 1 if problem.keys_minor else 0
+    key_axis = 1 if problem.values_minor else 0
     first_key = jnp.maximum(key_start, 0)
     needs_mask = (buffer_start < first_key) | (buffer_start + plan.block_kv > span.kv_len)
 
@@ -378,7 +382,7 @@ def _paged_kernel(cu_q_ref, kv_lens_ref, table_ref, seq_first_ref, seq_last_ref,
                 _copy_block(refs, problem, plan, following, 0, other, wait=False)
 
             _copy_block(refs, problem, plan, span, block, slot, wait=True)
-            if not (problem.contiguous or problem.keys_minor):
+            if not (problem.contiguous or problem.values_minor):
                 _clear_values_past_keys(refs, problem, plan, span, block, slot)
             _attend_block(refs, problem, plan, span, block, slot, block_start)
             return other
@@ -401,28 +405,29 @@ def _sequence_ranges(cu_q_lens, plan: PagedPlan):
     return first, last
 
 
-def _cost_estimate(q, k_cache, problem: PagedProblem) -> pl.CostEstimate:
+def _cost_estimate(q, problem: PagedProblem) -> pl.CostEstimate:
     """An upper bound for XLA's scheduler: every query against a full page-table row (or its window)."""
     keys = problem.pages_per_seq * problem.page_size
     if problem.sliding_window is not None:
         keys = min(keys, problem.sliding_window)
     itemsize = jnp.dtype(q.dtype).itemsize
+    widths = problem.head_dim + problem.v_head_dim  # of a key and its value; of a query row and its output row
     kv_bytes = min(problem.num_seqs * problem.pages_per_seq, problem.num_pages) * problem.page_size * (
-        problem.kv_heads * problem.head_dim * itemsize)
+        problem.kv_heads * widths * itemsize)
     return pl.CostEstimate(
-        flops=int(4 * problem.total_q * problem.q_heads * keys * problem.head_dim),
+        flops=int(2 * problem.total_q * problem.q_heads * keys * widths),
         transcendentals=int(problem.total_q * problem.q_heads * keys),
-        bytes_accessed=int(2 * q.size * itemsize + 2 * kv_bytes),
+        bytes_accessed=int(problem.total_q * problem.q_heads * widths * itemsize + kv_bytes),
     )
 
 
 def call(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cu_q_lens: jax.Array, kv_lens: jax.Array,
          page_table: jax.Array, plan: PagedPlan, sinks: jax.Array | None = None) -> jax.Array:
-    """The kernel as `plan` says: q[T, Hq, D] over the cache pages -> [T, Hq, D] (inputs of the plan's problem,
+    """The kernel as `plan` says: q[T, Hq, D] over the cache pages -> [T, Hq, Dv] (inputs of the plan's problem,
     with at least one sequence and one query; assumed valid)."""
     problem = plan.problem
     total_q, _, head_dim = q.shape
-    kv_heads, group = problem.kv_heads, problem.group
+    kv_heads, group, v_head_dim = problem.kv_heads, problem.group, problem.v_head_dim
     padded = plan.num_q_blocks * plan.block_q
     step_rows = plan.block_q * group
     # [T, Hq, D] -> [Hkv, T * group, D]: each KV head's rows are (token, query head of its group).
@@ -430,6 +435,7 @@ def call(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cu_q_lens: jax.Ar
     q_rows = q_rows.transpose(1, 0, 2, 3).reshape(kv_heads, padded * group, head_dim)
     seq_first, seq_last = _sequence_ranges(cu_q_lens.astype(jnp.int32), plan)
     row_spec = pl.BlockSpec((kv_heads, step_rows, head_dim), lambda i, *_: (0, i, 0))
+    out_spec = pl.BlockSpec((kv_heads, step_rows, v_head_dim), lambda i, *_: (0, i, 0))
     in_specs = [row_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
     operands = [q_rows, k_cache, v_cache]
     if sinks is not None:
@@ -437,33 +443,36 @@ def call(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cu_q_lens: jax.Ar
         sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(kv_heads, 1, group), (1, plan.block_q, 1))
         in_specs.append(pl.BlockSpec((kv_heads, step_rows, 1), lambda i, *_: (0, 0, 0)))
         operands.append(sink_rows.reshape(kv_heads, step_rows, 1))
-    if problem.keys_minor:  # a free view of XLA's default layout of such a cache (`cache_stored_keys_minor`)
-        operands[1:3] = [cache.transpose(0, 2, 3, 1) for cache in (k_cache, v_cache)]
-        buffer = pltpu.VMEM((2, kv_heads, head_dim, plan.block_kv), k_cache.dtype)
-    else:
-        buffer = pltpu.VMEM((2, plan.chunks_per_block, plan.chunk, kv_heads, head_dim), k_cache.dtype)
+    buffers = []
+    for index, (cache, keys_minor) in enumerate(((k_cache, problem.keys_minor), (v_cache, problem.values_minor))):
+        cache_dim = cache.shape[3]
+        if keys_minor:  # a free view of XLA's default layout of such a cache (`cache_stored_keys_minor`)
+            operands[1 + index] = cache.transpose(0, 2, 3, 1)
+            buffers.append(pltpu.VMEM((2, kv_heads, cache_dim, plan.block_kv), cache.dtype))
+        else:
+            buffers.append(pltpu.VMEM((2, plan.chunks_per_block, plan.chunk, kv_heads, cache_dim), cache.dtype))
     out = pl.pallas_call(
         functools.partial(_paged_kernel, problem=problem, plan=plan),
-        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct((kv_heads, padded * group, v_head_dim), q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(plan.num_q_blocks,),
             in_specs=in_specs,
-            out_specs=row_spec,
+            out_specs=out_spec,
             scratch_shapes=[
-                buffer, buffer, pltpu.SemaphoreType.DMA((2, 2)),
+                *buffers, pltpu.SemaphoreType.DMA((2, 2)),
                 pltpu.VMEM((kv_heads, step_rows, 1), jnp.float32),
                 pltpu.VMEM((kv_heads, step_rows, 1), jnp.float32),
-                pltpu.VMEM((kv_heads, step_rows, head_dim), jnp.float32),
+                pltpu.VMEM((kv_heads, step_rows, v_head_dim), jnp.float32),
             ],
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
                                              vmem_limit_bytes=plan.vmem_limit_bytes),
-        cost_estimate=_cost_estimate(q, k_cache, problem),
+        cost_estimate=_cost_estimate(q, problem),
     )(cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32), page_table.astype(jnp.int32).reshape(-1),
       seq_first, seq_last, *operands)
-    out = out.reshape(kv_heads, padded, group, head_dim).transpose(1, 0, 2, 3)
-    return out.reshape(padded, kv_heads * group, head_dim)[:total_q]
+    out = out.reshape(kv_heads, padded, group, v_head_dim).transpose(1, 0, 2, 3)
+    return out.reshape(padded, kv_heads * group, v_head_dim)[:total_q]
 
 
 def ragged_varlen_attention(q: jax.Array, k: jax.Array, v: jax.Array, cu_q_lens: jax.Array, cu_k_lens: jax.Array, *,
@@ -471,9 +480,10 @@ def ragged_varlen_attention(q: jax.Array, k: jax.Array, v: jax.Array, cu_q_lens:
                             sliding_window: int | None = None, softcap: float | None = None,
                             max_q_len: int | None = None, config: PagedConfig | None = None,
                             generation: str | TpuGeneration | None = None) -> jax.Array:
-    """`ragged_paged_attention` over contiguous (varlen) keys and values k, v[total_k, Hkv, D], sequence s owning
-    rows cu_k_lens[s]:cu_k_lens[s + 1] (as `flash_attn_varlen_func` receives them), read in place: the same
-    kernel, the keys one page of total_k rows whose page table names each sequence's first row (`contiguous`)."""
+    """`ragged_paged_attention` over contiguous (varlen) keys k[total_k, Hkv, D] and values v[total_k, Hkv, Dv],
+    sequence s owning rows cu_k_lens[s]:cu_k_lens[s + 1] (as `flash_attn_varlen_func` receives them), read in
+    place: the same kernel, the keys one page of total_k rows whose page table names each sequence's first row
+    (`contiguous`)."""
     cu_k_lens = cu_k_lens.astype(jnp.int32)
     return ragged_paged_attention(q, k[None], v[None], cu_q_lens, cu_k_lens[1:] - cu_k_lens[:-1], cu_k_lens[:-1, None],
                                   sinks=sinks, scale=scale, causal=causal, sliding_window=sliding_window,
@@ -487,8 +497,8 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                            softcap: float | None = None, max_q_len: int | None = None,
                            config: PagedConfig | None = None,
                            generation: str | TpuGeneration | None = None, contiguous: bool = False) -> jax.Array:
-    """Attention of packed q[T, Hq, D] over the paged cache k_cache, v_cache[num_pages, page_size, Hkv, D]
-    -> [T, Hq, D] (layout and semantics: `common/paged.py`).
+    """Attention of packed q[T, Hq, D] over the paged cache k_cache[num_pages, page_size, Hkv, D], v_cache[num_pages,
+    page_size, Hkv, Dv] -> [T, Hq, Dv] (layout and semantics: `common/paged.py`).
 
     cu_q_lens int [S + 1], kv_lens int [S], page_table int [S, pages_per_seq]; sinks [Hq] (a logit per query
     head joining every row's softmax, attending to nothing); max_q_len, if given, bounds every sequence's
@@ -498,8 +508,8 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     query row, a query head, a sequence or a key no kernel runs.
     """
     if 0 in (q.shape[0], q.shape[1], *page_table.shape, *k_cache.shape[:2]):
-        return jnp.zeros(q.shape, q.dtype)
-    problem = paged_problem(q, k_cache, page_table, scale=scale, causal=causal, sliding_window=sliding_window,
+        return jnp.zeros((*q.shape[:2], v_cache.shape[3]), q.dtype)
+    problem = paged_problem(q, k_cache, v_cache, page_table, scale=scale, causal=causal, sliding_window=sliding_window,
                             softcap=softcap, sinks=sinks, max_q_len=max_q_len, contiguous=contiguous)
     plan = make(problem, resolve_target(generation), config)
     return call(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, plan, sinks=sinks)

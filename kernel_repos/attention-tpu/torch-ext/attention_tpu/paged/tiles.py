@@ -2,7 +2,7 @@
 
 Three sizes, in tokens: `block_q` query rows per grid step, `tile_q` query rows per matmul (a step's sequences
 each run the row tiles they own), `block_kv` keys per K/V block (whole pages, or an equal part of one page; a
-multiple of 128 lanes where the kernel reads the cache keys-minor, `PagedProblem.keys_minor`).
+multiple of 128 lanes where the kernel reads either cache keys-minor, `PagedProblem.lane_chunks`).
 Besides `tile_q`, the kernel has the smallest legal row tile (`min_tile_q`): a sequence whose rows in a step are
 at most half as many in small tiles (a decode row: one token, `group` rows) runs those, not a whole `tile_q` tile. The
 heuristic starts from PREFERRED_TILES and halves the largest term of the working set until it fits the VMEM
@@ -59,15 +59,15 @@ WINDOW_MIN_CHUNK = 16
 
 
 def _window_chunk_bound(problem: PagedProblem) -> int:
-    if problem.keys_minor:
+    if problem.lane_chunks:
         return LANES
     return max(WINDOW_MIN_CHUNK, problem.sliding_window // WINDOW_CHUNKS)
 
 
 def _key_multiple(problem: PagedProblem) -> int:
     """What a page part (a chunk, a block within a page) is a multiple of, where the page has such parts: whole
-    lanes of a cache read keys-minor, else 8 rows."""
-    return LANES if problem.keys_minor else 8
+    lanes where a cache is read keys-minor, else 8 rows."""
+    return LANES if problem.lane_chunks else 8
 
 
 def chunk_tokens(problem: PagedProblem, block_kv: int) -> int:
@@ -75,7 +75,7 @@ def chunk_tokens(problem: PagedProblem, block_kv: int) -> int:
     WINDOW_CHUNKS-th part, or one lane width keys-minor (contiguous keys: the block, whose DMA starts at any row;
     keys-minor, a 128-row tile, so that tiles past a sequence's keys are not fetched)."""
     if problem.contiguous:
-        return LANES if problem.keys_minor else block_kv
+        return LANES if problem.lane_chunks else block_kv
     chunk = min(block_kv, problem.page_size)
     if problem.sliding_window is not None:
         chunk = _page_part(chunk, _window_chunk_bound(problem), _key_multiple(problem))
@@ -86,17 +86,22 @@ def vmem_bytes(problem: PagedProblem, *, block_q: int, tile_q: int, block_kv: in
     """Estimated VMEM working set (pipeline buffers, scratch, one tile's temporaries), padded to native tiles."""
     dtype = jnp.dtype(problem.dtype)
     itemsize, rows_multiple = dtype.itemsize, sublane_multiple(dtype)
-    kv_heads, head_dim, group = problem.kv_heads, problem.head_dim, problem.group
+    kv_heads, head_dim, v_head_dim, group = problem.kv_heads, problem.head_dim, problem.v_head_dim, problem.group
     step_rows = block_q * group
-    if problem.keys_minor:  # K^T and V^T per KV head, [Hkv, D, block_kv]
-        kv_buffers = 2 * 2 * kv_heads * round_up(head_dim, rows_multiple) * round_up(block_kv, LANES) * itemsize
-    else:  # K and V pages keep the cache's [tokens, Hkv, D] layout in VMEM: Hkv is padded to a native tile.
-        kv_buffers = 2 * 2 * block_kv * round_up(kv_heads, rows_multiple) * head_dim * itemsize
-    q_and_out = 2 * 2 * kv_heads * round_up(step_rows, rows_multiple) * head_dim * itemsize
-    scratch = kv_heads * step_rows * (head_dim + 2 * LANES) * 4  # acc, running max and sum (lane padded)
+
+    def kv_buffer(cache_dim: int, keys_minor: bool) -> int:
+        """The double buffer of K (or V) blocks."""
+        if keys_minor:  # K^T per KV head, [Hkv, D, block_kv]
+            return 2 * kv_heads * round_up(cache_dim, rows_multiple) * round_up(block_kv, LANES) * itemsize
+        # Pages keep the cache's [tokens, Hkv, D] layout in VMEM: Hkv is padded to a native tile.
+        return 2 * block_kv * round_up(kv_heads, rows_multiple) * cache_dim * itemsize
+
+    kv_buffers = kv_buffer(head_dim, problem.keys_minor) + kv_buffer(v_head_dim, problem.values_minor)
+    q_and_out = 2 * kv_heads * round_up(step_rows, rows_multiple) * (head_dim + v_head_dim) * itemsize
+    scratch = kv_heads * step_rows * (v_head_dim + 2 * LANES) * 4  # acc, running max and sum (lane padded)
     sinks = 2 * kv_heads * step_rows * LANES * 4 if problem.has_sinks else 0
     tile_rows = tile_q * group
-    temporaries = 4 * tile_rows * round_up(block_kv, LANES) * 4 + 3 * block_kv * head_dim * 4
+    temporaries = 4 * tile_rows * round_up(block_kv, LANES) * 4 + 3 * block_kv * max(head_dim, v_head_dim) * 4
     return kv_buffers + q_and_out + scratch + sinks + temporaries
 
 
@@ -111,11 +116,11 @@ def _page_part(page_size: int, most: int, multiple: int = 8) -> int:
 def _shrink_kv(block_kv: int, problem: PagedProblem) -> int:
     page_size = problem.page_size
     if problem.contiguous:
-        multiple = LANES if problem.keys_minor else 8
+        multiple = LANES if problem.lane_chunks else 8
         return max(min(multiple, block_kv), block_kv // 2 // multiple * multiple)
     if block_kv > page_size:
         return max(page_size, block_kv // 2 // page_size * page_size)
-    if problem.keys_minor:  # no part of a page below one lane width
+    if problem.lane_chunks:  # no part of a page below one lane width
         return _page_part(page_size, max(LANES, block_kv // 2), LANES)
     return _page_part(page_size, block_kv // 2) if block_kv > 1 else block_kv
 
@@ -140,7 +145,7 @@ def heuristic_config(problem: PagedProblem, target: TpuGeneration) -> PagedConfi
     keys = visible_keys(problem, tile_q)
     if problem.sliding_window is not None and not problem.contiguous:
         keys += _window_chunk_bound(problem) - 1  # blocks start at the first visible key's chunk
-    elif problem.contiguous and problem.keys_minor:
+    elif problem.contiguous and problem.lane_chunks:
         keys += LANES - 1  # blocks start at the 128-row tile holding the first visible key
     preferred_kv = min(preferred_kv, round_up(keys, LANES))
     packed = round_up(max(1, problem.total_q), tile_q)
@@ -185,9 +190,10 @@ def check_config(config: PagedConfig, problem: PagedProblem) -> None:
         raise ValueError(f"config.block_q must be a positive multiple of tile_q ({config.tile_q}), "
                          f"got {config.block_q}")
     page = problem.page_size
-    if problem.keys_minor and config.block_kv % LANES:
+    if problem.lane_chunks and config.block_kv % LANES:
         raise ValueError(f"config.block_kv must be a multiple of {LANES} where the keys are read keys-minor "
-                         f"(head_dim {problem.head_dim} over pages of {page}), got {config.block_kv}")
+                         f"(head_dims {problem.head_dim} and {problem.v_head_dim} over pages of {page}), "
+                         f"got {config.block_kv}")
     if problem.contiguous:
         if not 0 < config.block_kv <= page:
             raise ValueError(f"config.block_kv must be in [1, {page}] (the contiguous keys' rows), "
