@@ -259,11 +259,11 @@ def test_grid_lengths_are_exact_with_a_static_offset(kernel):
     q = jnp.zeros((1, 2, 8192, 64), jnp.bfloat16)
     masking = kernel.common.masking
     window = masking.Attention(sliding_window=1024)
-    static, _ = masking.prepare(q, q, q, window)
-    dynamic, _ = masking.prepare(q, q, q, dataclasses.replace(window, q_offset=jnp.zeros((1,), jnp.int32)))
+    static, _ = masking.prepare(q, q, window)
+    dynamic, _ = masking.prepare(q, q, dataclasses.replace(window, q_offset=jnp.zeros((1,), jnp.int32)))
     assert static.static_q_offset == 0 and dynamic.static_q_offset is None
     assert masking.kv_steps(static, 16, 512, 512) == 3 and masking.kv_steps(dynamic, 16, 512, 512) == 4
     assert masking.q_steps(static, 16, 512, 512) == 3 and masking.q_steps(dynamic, 16, 512, 512) == 4
     # Without a window every block of the other axis may be needed.
-    plain, _ = masking.prepare(q, q, q, masking.Attention())
+    plain, _ = masking.prepare(q, q, masking.Attention())
     assert masking.kv_steps(plain, 16, 512, 512) == 16 and masking.q_steps(plain, 16, 512, 512) == 16

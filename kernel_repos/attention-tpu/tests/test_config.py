@@ -291,8 +291,8 @@ def test_check_backward_config(kernel):
             kernel.flash_backward.tiles.check_backward_config(bad, problem)
 
 
-# Latent attention's layers (`compile_targets.LATENT_HEADS`): query heads, KV heads, (D, Dv) of its expanded and
-# absorbed forms.
+# Latent attention's layers (`compile_targets.EXPANDED_LATENT_HEADS`, `LATENT_HEADS`): query heads, KV heads, (D, Dv)
+# of its expanded and absorbed forms.
 LATENT_SHAPES = {
     "deepseek-v3 tp8 expanded": (16, 16, (192, 128)),
     "glm-4.7-flash expanded": (20, 20, (256, 256)),

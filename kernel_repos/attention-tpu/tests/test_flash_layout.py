@@ -7,10 +7,10 @@ import pytest
 
 from tpu_kernels.aot import topology_device
 
-# [B, H, kv_len, head_dim] on both sides of the rule: head dims of real models (latent attention's 96, 160, 192, 288,
-# 320 and 576 among them) and a few others, key lengths at, below and above the head dim and 128, not multiples of 8
-# or of 128, and several batch and head counts.
-_HEAD_DIMS = (32, 64, 80, 96, 128, 160, 192, 256, 288, 320, 512, 576)
+# [B, H, kv_len, head_dim] on both sides of the rule: head dims of real models (latent attention's 96, 192, 320 and
+# 576 among them: 160 and 288 agreed too when probed) and a smaller one, key lengths at, below and above the head dim
+# and 128, not multiples of 8 or of 128, and several batch and head counts.
+_HEAD_DIMS = (32, 64, 96, 128, 192, 256, 320, 512, 576)
 _KV_LENS = (1, 16, 63, 64, 65, 100, 129, 200, 1000, 4097)
 _BATCH_HEADS = ((1, 1), (3, 5), (8, 8))
 _KEYS_MINOR = (0, 1, 3, 2)  # major to minor: physically [B, H, head_dim, kv_len]

@@ -21,16 +21,17 @@ jax.grad: forward and backward in one program, every array read and written
 sequence-minor), a padded batch with a boolean mask and a soft-cap, and
 float32.
 
-Latent attention (MLA, `LATENT_HEADS`: q and k of one head dim, v and the
-output of another), one shape per tile plan: the expanded form's prefill of
-4096 tokens (causal) at DeepSeek-V3's heads per chip under TP8, which are
-Moonlight-16B-A3B's and DeepSeek-V2-Lite's (16 heads, 192 / 128: q and k read
-sequence-minor, v and the output row-major), forward alone and through
-jax.grad (both backward kernels); GLM-4.7-Flash's (20 heads, 256 / 256); and
-the absorbed form (one shared KV head of 576 / 512: MQA, the whole group of
-query heads in one step): decode steps of a batch of 64 against 4096 cached
+Latent attention (MLA) through the flash kernels (q and k of one head dim, v
+and the output of another), one shape per tile plan: the expanded form's
+prefill of 4096 tokens (causal, `EXPANDED_LATENT_HEADS`) at DeepSeek-V3's
+heads per chip under TP8, which are Moonlight-16B-A3B's and
+DeepSeek-V2-Lite's (16 heads, 192 / 128: q and k read sequence-minor, v and
+the output row-major), forward alone and through jax.grad (both backward
+kernels), and GLM-4.7-Flash's (20 heads, 256 / 256); the absorbed form
+(`LATENT_HEADS`: one shared KV head of 576 / 512, MQA, the whole group of
+query heads in one step), decode steps of a batch of 64 against 4096 cached
 tokens at 16 query heads and of a batch of 8 at DeepSeek-V3's 128 on one
-chip, and a prefill of 4096 tokens at 16 query heads.
+chip.
 """
 
 from __future__ import annotations
@@ -54,27 +55,28 @@ HEADS = {
     "gemma-4-26b-a4b sliding": {"q_heads": 16, "kv_heads": 8, "head_dim": 256},
     "gemma-4-26b-a4b global": {"q_heads": 16, "kv_heads": 2, "head_dim": 512},
 }
+# MLA models' attention in its absorbed form (`latent/compile_targets.py`), by tag "<model>" or "<model> tp<N>" (the
+# heads on one chip under N-way tensor parallelism): query heads, latent width (kv_lora_rank) and rope width
+# (qk_rope_head_dim; 0: no rope keys).
+LATENT_HEADS = {
+    "deepseek-v3": {"heads": 128, "latent_dim": 512, "rope_dim": 64},
+    "deepseek-v3 tp8": {"heads": 16, "latent_dim": 512, "rope_dim": 64},
+    "glm-4.7-flash": {"heads": 20, "latent_dim": 512, "rope_dim": 64},
+    "glm-4.7-flash tp4": {"heads": 5, "latent_dim": 512, "rope_dim": 64},
+    "glm-5-next tp8": {"heads": 8, "latent_dim": 512, "rope_dim": 0},
+    "hy-v4": {"heads": 32, "latent_dim": 512, "rope_dim": 64},
+}
 # The windows of the sliding layers: GPT-OSS-20B's (every other layer) and Gemma 4's.
 WINDOWS = {"gpt-oss-20b": 128, "gemma-4-26b-a4b sliding": 1024}
 # The models whose layers all take attention sinks (one learned logit per query head).
 SINKS = ("gpt-oss-20b",)
-# Latent attention (MLA) layers, by tag "<model>" or "<model> tp<N>" (the heads on one chip under N-way tensor
-# parallelism: DeepSeek-V3's 128 over 8): their query heads, their expanded form's head dims (as many KV heads as
-# query heads; q and k qk_head_dim wide, v v_head_dim) and their latent (kv_lora_rank) and rope widths (0: no rope
-# keys). The absorbed form attends over one shared KV head of keys kv_lora_rank + rope_head_dim wide and values
-# kv_lora_rank wide: through the flash kernels (`_latent_targets`, the paged kernel's) and the latent kernel
-# (`latent/compile_targets.py`). Plain literals, as HEADS.
-LATENT_HEADS = {
-    "deepseek-v3": {"q_heads": 128, "qk_head_dim": 192, "v_head_dim": 128, "kv_lora_rank": 512, "rope_head_dim": 64},
-    "deepseek-v3 tp8": {"q_heads": 16, "qk_head_dim": 192, "v_head_dim": 128, "kv_lora_rank": 512,
-                        "rope_head_dim": 64},
-    "moonlight-16b-a3b": {"q_heads": 16, "qk_head_dim": 192, "v_head_dim": 128, "kv_lora_rank": 512,
-                          "rope_head_dim": 64},
-    "glm-4.7-flash": {"q_heads": 20, "qk_head_dim": 256, "v_head_dim": 256, "kv_lora_rank": 512, "rope_head_dim": 64},
-    "glm-4.7-flash tp4": {"q_heads": 5, "qk_head_dim": 256, "v_head_dim": 256, "kv_lora_rank": 512,
-                          "rope_head_dim": 64},
-    "glm-5-next tp8": {"q_heads": 8, "qk_head_dim": 256, "v_head_dim": 256, "kv_lora_rank": 512, "rope_head_dim": 0},
-    "hy-v4": {"q_heads": 32, "qk_head_dim": 256, "v_head_dim": 256, "kv_lora_rank": 512, "rope_head_dim": 64},
+# The same models' attention in its expanded form (what transformers' `expand_kv` makes: per-head keys and values, as
+# many KV heads as query heads), by LATENT_HEADS' tags: query heads, the keys' head dim (qk_nope_head_dim +
+# qk_rope_head_dim) and the values' (v_head_dim). DeepSeek-V3's under TP8 are Moonlight-16B-A3B's and
+# DeepSeek-V2-Lite's.
+EXPANDED_LATENT_HEADS = {
+    "deepseek-v3 tp8": {"q_heads": 16, "qk_head_dim": 192, "v_head_dim": 128},
+    "glm-4.7-flash": {"q_heads": 20, "qk_head_dim": 256, "v_head_dim": 256},
 }
 QWEN3_30B_A3B = HEADS["qwen3-30b-a3b"]
 GEMMA_4_SLIDING = HEADS["gemma-4-26b-a4b sliding"]
@@ -91,18 +93,20 @@ def _qkv(batch, q_len, kv_len, *, q_heads, kv_heads, head_dim, dtype=jnp.bfloat1
     )
 
 
-def _latent_qkv(batch, q_len, kv_len, *, form, q_heads, qk_head_dim, v_head_dim, kv_lora_rank, rope_head_dim):
-    """q, k, v of a latent attention layer in its `form`: "expanded" (a KV head per query head) or "absorbed" (one
-    KV head: the latent and the rope part as keys, the latent as values)."""
-    if form == "expanded":
-        kv_heads, key_dim, value_dim = q_heads, qk_head_dim, v_head_dim
-    else:
-        kv_heads, key_dim, value_dim = 1, kv_lora_rank + rope_head_dim, kv_lora_rank
-    return (
-        jax.ShapeDtypeStruct((batch, q_heads, q_len, key_dim), jnp.bfloat16),
-        jax.ShapeDtypeStruct((batch, kv_heads, kv_len, key_dim), jnp.bfloat16),
-        jax.ShapeDtypeStruct((batch, kv_heads, kv_len, value_dim), jnp.bfloat16),
-    )
+def _expanded_qkv(seq, *, q_heads, qk_head_dim, v_head_dim):
+    """q, k, v of a self-attention prefill of `seq` tokens in latent attention's expanded form."""
+    return (jax.ShapeDtypeStruct((1, q_heads, seq, qk_head_dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1, q_heads, seq, qk_head_dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1, q_heads, seq, v_head_dim), jnp.bfloat16))
+
+
+def _absorbed_decode_qkv(batch, cached, *, heads, latent_dim, rope_dim):
+    """q, k, v of a decode step in latent attention's absorbed form through the flash kernel: one KV head of keys
+    latent_dim + rope_dim wide and values latent_dim wide."""
+    key_dim = latent_dim + rope_dim
+    return (jax.ShapeDtypeStruct((batch, heads, 1, key_dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((batch, 1, cached, key_dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((batch, 1, cached, latent_dim), jnp.bfloat16))
 
 
 def _backward_avals(batch, seq, *, q_heads, kv_heads, head_dim, dtype=jnp.bfloat16):
@@ -219,7 +223,7 @@ def _backward_targets(generation):
     ]
 
 
-def _latent_targets(generation):
+def _latent_flash_targets(generation):
     """Latent attention through the flash kernels (module docstring)."""
     flash_attention = functools.partial(differentiable_flash_attention, generation=generation)
 
@@ -232,33 +236,29 @@ def _latent_targets(generation):
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
-    def lengths(batch):
-        return jax.ShapeDtypeStruct((batch,), jnp.int32)
-
-    deepseek, glm = LATENT_HEADS["deepseek-v3 tp8"], LATENT_HEADS["glm-4.7-flash"]
-    expanded = _latent_qkv(1, 4096, 4096, form="expanded", **deepseek)
-    expanded_dims = f"qk={deepseek['qk_head_dim']} v={deepseek['v_head_dim']}"
-    absorbed = _latent_qkv(1, 4096, 4096, form="absorbed", **deepseek)
-    absorbed_dims = f"qk={absorbed[1].shape[3]} v={absorbed[2].shape[3]}"
+    deepseek = EXPANDED_LATENT_HEADS["deepseek-v3 tp8"]
+    expanded = _expanded_qkv(4096, **deepseek)
+    dims = f"qk={deepseek['qk_head_dim']} v={deepseek['v_head_dim']}"
+    latent = LATENT_HEADS["deepseek-v3"]
+    absorbed_dims = f"qk={latent['latent_dim'] + latent['rope_dim']} v={latent['latent_dim']}"
     return [
-        (f"deepseek-v3 TP8 (moonlight-16b-a3b) expanded prefill B=1 S=4096 causal {expanded_dims} bf16",
-         flash_attention, expanded),
-        (f"jax.grad deepseek-v3 TP8 (moonlight-16b-a3b) expanded B=1 S=4096 causal {expanded_dims} bf16",
-         training_gradients,
-         (*expanded, jax.ShapeDtypeStruct((1, deepseek["q_heads"], 4096, deepseek["v_head_dim"]), jnp.bfloat16))),
+        (f"deepseek-v3 tp8 (moonlight-16b-a3b) expanded prefill B=1 S=4096 causal {dims} bf16", flash_attention,
+         expanded),
+        # d_out has the output's shape: v's, where there are as many KV heads as query heads.
+        (f"jax.grad deepseek-v3 tp8 (moonlight-16b-a3b) expanded B=1 S=4096 causal {dims} bf16", training_gradients,
+         (*expanded, expanded[2])),
         ("glm-4.7-flash expanded prefill B=1 S=4096 causal D=256 bf16", flash_attention,
-         _latent_qkv(1, 4096, 4096, form="expanded", **glm)),
-        (f"deepseek-v3 TP8 absorbed prefill B=1 S=4096 causal MQA {absorbed_dims} bf16", flash_attention, absorbed),
-        (f"deepseek-v3 TP8 absorbed decode B=64 cache=4096 MQA {absorbed_dims} bf16", with_lengths,
-         (*_latent_qkv(64, 1, 4096, form="absorbed", **deepseek), lengths(64))),
+         _expanded_qkv(4096, **EXPANDED_LATENT_HEADS["glm-4.7-flash"])),
+        (f"deepseek-v3 tp8 absorbed decode B=64 cache=4096 MQA {absorbed_dims} bf16", with_lengths,
+         (*_absorbed_decode_qkv(64, 4096, **LATENT_HEADS["deepseek-v3 tp8"]), jax.ShapeDtypeStruct((64,), jnp.int32))),
         (f"deepseek-v3 absorbed decode B=8 cache=4096 MQA 128 heads {absorbed_dims} bf16", with_lengths,
-         (*_latent_qkv(8, 1, 4096, form="absorbed", **LATENT_HEADS["deepseek-v3"]), lengths(8))),
+         (*_absorbed_decode_qkv(8, 4096, **LATENT_HEADS["deepseek-v3"]), jax.ShapeDtypeStruct((8,), jnp.int32))),
     ]
 
 
 def compile_targets(generation):
     # Ragged paged attention's shapes: `paged/compile_targets.py`, at the heads above; the latent kernel's (MLA
     # models' absorbed form): `latent/compile_targets.py`.
-    return [*_forward_targets(generation), *_backward_targets(generation), *_latent_targets(generation),
+    return [*_forward_targets(generation), *_backward_targets(generation), *_latent_flash_targets(generation),
             *paged_compile_targets(generation, HEADS, WINDOWS, SINKS, LATENT_HEADS),
             *latent_compile_targets(generation, LATENT_HEADS)]

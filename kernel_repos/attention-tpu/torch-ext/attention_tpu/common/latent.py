@@ -67,6 +67,6 @@ def latent_problem(q_latent: jax.Array, q_rope: jax.Array | None, latent: jax.Ar
     rope_dim = 0 if q_rope is None else q_rope.shape[-1]
     if attention.scale is None:
         attention = dataclasses.replace(attention, scale=default_scale(q_latent.shape[-1], rope_dim))
-    problem, prepared = masking.prepare(q_latent, latent, latent, attention)
+    problem, prepared = masking.prepare(q_latent, latent, attention)
     return LatentProblem(problem, rope_dim), prepared
 

@@ -122,8 +122,10 @@ class Prepared:
     sinks: jax.Array | None  # float32 [Hq]
 
 
-def prepare(q: jax.Array, k: jax.Array, v: jax.Array, attention: Attention) -> tuple[Problem, Prepared]:
-    """The Problem and the prepared arrays of one call (inputs assumed valid)."""
+def prepare(q: jax.Array, k: jax.Array, attention: Attention, *,
+            v_head_dim: int | None = None) -> tuple[Problem, Prepared]:
+    """The Problem and the prepared arrays of one call (inputs assumed valid); `v_head_dim`, the values' (and the
+    output's) head dim, defaults to k's."""
     scale, causal, sliding_window, softcap = (attention.scale, attention.causal, attention.sliding_window,
                                               attention.softcap)
     q_offset, kv_lengths, attention_mask, sinks = (attention.q_offset, attention.kv_lengths, attention.attention_mask,
@@ -147,7 +149,7 @@ def prepare(q: jax.Array, k: jax.Array, v: jax.Array, attention: Attention) -> t
         q_len=q_len,
         kv_len=kv_len,
         head_dim=head_dim,
-        v_head_dim=v.shape[3],
+        v_head_dim=head_dim if v_head_dim is None else v_head_dim,
         scale=float(head_dim**-0.5 if scale is None else scale),
         causal=bool(causal),
         sliding_window=None if sliding_window is None else int(sliding_window),

@@ -427,7 +427,7 @@ def attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, attention: Atten
         no_key = jnp.full((q_heads,), -jnp.inf, jnp.float32) if sinks is None else sinks.astype(jnp.float32)
         out = jnp.zeros((batch, q_heads, q_len, v.shape[3]), q.dtype)
         return out, jnp.broadcast_to(no_key[None, :, None], (batch, q_heads, q_len))
-    problem, prepared = masking.prepare(q, k, v, attention)
+    problem, prepared = masking.prepare(q, k, attention, v_head_dim=v.shape[3])
     return call(q, k, v, prepared, make(problem, target, config))
 
 

@@ -448,7 +448,7 @@ def attention_backward(
     if 0 in (q.shape[0], q.shape[1], q.shape[2], k.shape[2]):
         d_sinks = None if sinks is None else jnp.zeros(sinks.shape, sinks.dtype)
         return jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype), d_sinks
-    problem, prepared = masking.prepare(q, k, v, attention)
+    problem, prepared = masking.prepare(q, k, attention, v_head_dim=v.shape[3])
     return call(d_out, q, k, v, out, lse, prepared, make(problem, target, config), sinks)
 
 

@@ -28,10 +28,9 @@ import jax.numpy as jnp
 from .kernel import latent_attention
 
 
-def _avals(batch, q_len, kv_len, model, *, mask_queries=None, sinks=False):
-    """(q_latent, q_rope, latent, rope, kv_lengths[, mask [B, 1, mask_queries, S] bool][, sinks [H]]) at `model`'s
-    widths (a `LATENT_HEADS` entry); the rope ones absent where it has no rope keys."""
-    heads, latent_dim, rope_dim = model["q_heads"], model["kv_lora_rank"], model["rope_head_dim"]
+def _avals(batch, q_len, kv_len, *, heads, latent_dim, rope_dim, mask_queries=None, sinks=False):
+    """(q_latent, q_rope, latent, rope, kv_lengths[, mask [B, 1, mask_queries, S] bool][, sinks [H]]); the rope ones
+    absent where rope_dim is 0."""
     def array(*shape, dtype=jnp.bfloat16):
         return jax.ShapeDtypeStruct(shape, dtype)
 
@@ -48,7 +47,7 @@ def _avals(batch, q_len, kv_len, model, *, mask_queries=None, sinks=False):
 
 
 def latent_compile_targets(generation, heads):
-    """The targets at the models' `heads` (by tag: `LATENT_HEADS`)."""
+    """The targets at the models' `heads` (by tag: heads per chip, latent_dim, rope_dim)."""
     def attend(*arrays, rope=True, masked=False, sinks=False):
         arrays = list(arrays)
         sink_logits = arrays.pop() if sinks else None
@@ -61,16 +60,16 @@ def latent_compile_targets(generation, heads):
     masked = functools.partial(attend, masked=True)
     glm_5_next = heads["glm-5-next tp8"]
     return [
-        ("latent deepseek-v3 tp8 decode B=64 cache=4096 bf16", attend, _avals(64, 1, 4096, heads["deepseek-v3 tp8"])),
-        ("latent deepseek-v3 decode B=8 cache=32768 bf16", attend, _avals(8, 1, 32768, heads["deepseek-v3"])),
+        ("latent deepseek-v3 tp8 decode B=64 cache=4096 bf16", attend, _avals(64, 1, 4096, **heads["deepseek-v3 tp8"])),
+        ("latent deepseek-v3 decode B=8 cache=32768 bf16", attend, _avals(8, 1, 32768, **heads["deepseek-v3"])),
         ("latent glm-4.7-flash decode B=32 cache=4096 padding mask bf16", masked,
-         _avals(32, 1, 4096, heads["glm-4.7-flash"], mask_queries=1)),
+         _avals(32, 1, 4096, mask_queries=1, **heads["glm-4.7-flash"])),
         ("latent glm-4.7-flash tp4 speculative decode 2 queries B=32 cache=4096 mask bf16", masked,
-         _avals(32, 2, 4096, heads["glm-4.7-flash tp4"], mask_queries=2)),
+         _avals(32, 2, 4096, mask_queries=2, **heads["glm-4.7-flash tp4"])),
         ("latent glm-5-next tp8 decode B=32 cache=4096 top-k mask no rope bf16",
-         functools.partial(attend, masked=True, rope=False), _avals(32, 1, 4096, glm_5_next, mask_queries=1)),
+         functools.partial(attend, masked=True, rope=False), _avals(32, 1, 4096, mask_queries=1, **glm_5_next)),
         ("latent hy-v4 decode B=32 cache=4096 top-k mask sinks bf16",
          functools.partial(attend, masked=True, sinks=True),
-         _avals(32, 1, 4096, heads["hy-v4"], mask_queries=1, sinks=True)),
-        ("latent deepseek-v3 prefill B=1 S=4096 causal bf16", attend, _avals(1, 4096, 4096, heads["deepseek-v3"])),
+         _avals(32, 1, 4096, mask_queries=1, sinks=True, **heads["hy-v4"])),
+        ("latent deepseek-v3 prefill B=1 S=4096 causal bf16", attend, _avals(1, 4096, 4096, **heads["deepseek-v3"])),
     ]

@@ -96,8 +96,8 @@ def _latent_targets(generation, latent_heads):
     """A decode batch of DeepSeek-V3's absorbed latent attention (TP8) over 256-token pages."""
     decode = functools.partial(ragged_paged_attention, max_q_len=1, generation=generation)
     deepseek = latent_heads["deepseek-v3 tp8"]
-    absorbed = dict(q_heads=deepseek["q_heads"], kv_heads=1, v_head_dim=deepseek["kv_lora_rank"],
-                    head_dim=deepseek["kv_lora_rank"] + deepseek["rope_head_dim"])
+    absorbed = dict(q_heads=deepseek["heads"], kv_heads=1, head_dim=deepseek["latent_dim"] + deepseek["rope_dim"],
+                    v_head_dim=deepseek["latent_dim"])
     return [(f"paged deepseek-v3 TP8 absorbed page=256 bf16 decode B={DECODE_BATCH} qk={absorbed['head_dim']} "
              f"v={absorbed['v_head_dim']}", decode, _avals(DECODE_BATCH, DECODE_BATCH, page_size=256, **absorbed))]
 

@@ -1,4 +1,4 @@
-"""Flash attention with key and value head dims apart (MLA widths): q and k of one head dim, v and the output of another.
+"""Latent attention (MLA): q and k of one head dim, v and the output of another, through the flash kernels.
 
 The widths are transformers' MLA models': the expanded form's (192, 128) (DeepSeek-V3, Moonlight) and (96, 64)
 (small MiniCPM3-like layers), and the absorbed form's (576, 512), one KV head for every query head (MQA). At these
@@ -116,7 +116,8 @@ def test_multi_block_forward_reads_each_array_as_stored(kernel, convert, case):
     jax_options = {n: jnp.asarray(x.numpy()) if isinstance(x, torch.Tensor) else x for n, x in torch_options.items()}
     config = kernel.AttentionConfig(*tiles[:2], 32 * MIB, kv_heads_per_step=tiles[2])
     arrays = [to_jax(tensors[n]) for n in ("q", "k", "v")]
-    problem, _ = kernel.common.masking.prepare(*arrays, kernel.common.masking.Attention(**jax_options))
+    problem, _ = kernel.common.masking.prepare(arrays[0], arrays[1], kernel.common.masking.Attention(**jax_options),
+                                               v_head_dim=head_dims[1])
     assert tuple(kernel.flash.plan.make(problem, TARGETS[0], config).sequence_minor) == minor
     out = interpret(lambda: kernel.flash.kernel.differentiable_flash_attention(*arrays, config=config,
                                                                                **jax_options))
