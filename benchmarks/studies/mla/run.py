@@ -1,0 +1,109 @@
+"""The command line: every model's calls on its generations, the JSON rewritten after every model and generation."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import perf
+from benchmarks.studies import calibration_bands, kernel_repo, moe_layer, require_kernel_repo, result_path
+from benchmarks.studies.moe_layer.vllm_kernels import DEFAULT_FOLDER
+
+from . import measure, summary
+from .shapes import MODELS, MODELS_BY_KEY, SOURCES, calls
+
+DEFAULT_OUT = result_path("mla.json")
+DEFAULT_REPO = kernel_repo("attention-tpu")
+
+
+def arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=sys.modules[__package__].__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--repo", type=Path, default=DEFAULT_REPO, help="the attention kernel repo")
+    parser.add_argument("--wheels", type=Path, default=DEFAULT_FOLDER, help="where the pinned vLLM wheel is kept")
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS_BY_KEY), default=[m.key for m in MODELS])
+    parser.add_argument("--generations", nargs="+", help="only these generations (each model's own by default)")
+    parser.add_argument("--quick", action="store_true", help="one decode and one prefill call per model")
+    parser.add_argument("--no-vllm", action="store_true", help="leave vLLM's MLA kernel out")
+    parser.add_argument("--jobs", type=int, default=2, help="compile threads")
+    parser.add_argument("--cache-dir", type=Path, default=moe_layer.DEFAULT_CACHE)
+    parser.add_argument("--no-cache", action="store_true")
+    return parser
+
+
+def method(repo: Path) -> dict:
+    gens = sorted({g for model in MODELS for g in model.generations})
+    return {
+        "what": "one MLA layer's attention per call on one chip: transformers 5.25's own path (kv_b_proj over every "
+                "cached token, the keys assembled, sdpa), ours (absorbed: q_nope @ W_UK, the latent kernel over the "
+                "latent cache, @ W_UV; expanded: transformers' expansion once, then flash attention with key and "
+                "value head dims nope + R and v; the cheaper of the two as priced), vLLM tpu-inference 0.32.0's MLA "
+                "v2 kernel at its best modelled block sizes, and the latent cache read once",
+        "kernel_repo": repo.as_posix(),
+        "priced": "XLA programs (one per eager torch op) compiled ahead of time per generation and priced by "
+                  "benchmarks.perf.program_time (their bytes at the fitted HBM share and FLOPs at the MXU peak; no "
+                  "fixed cost per op, no calibrated error); kernels by grid replay, vLLM's by its scalar program's "
+                  "replay (perf.scalar_replay), at the calibrated pipelined figure with flash attention's p90 error "
+                  "band in the figure's regime (a path's band covers its kernel only)",
+        "left_out": "the projections into q, the latent and k_rot, RoPE, the cache update, the query's concatenation, "
+                    "the output's transpose and o_proj (the same on every path); the copies XLA might make of a "
+                    "kernel's arguments into its layout (not probed); key lengths are powers of two, so no call "
+                    "pads its keys to a bucket",
+        "hbm_fraction": {g: perf.FITTED_RATES.hbm_fraction(g) for g in gens},
+        "calibrated_errors": {g: calibration_bands.describe(kernel_band_kind(), g) for g in gens},
+        "models": {m.key: {"name": m.name, "heads": m.heads, "latent": m.latent, "rope": m.rope, "nope": m.nope,
+                           "v": m.v, "generations": list(m.generations), "plan": m.plan, "source": SOURCES[m.key]}
+                   for m in MODELS},
+    }
+
+
+def kernel_band_kind() -> str:
+    from .kernels import BAND_KIND
+
+    return BAND_KIND
+
+
+def main(argv=None) -> int:
+    args = arguments().parse_args(argv)
+    require_kernel_repo(args.repo)
+    started = time.perf_counter()
+    cache_dir = None if args.no_cache else args.cache_dir
+    compiler = moe_layer.Compiler(moe_layer.Cache(cache_dir), args.jobs)
+    xla = measure.XlaTerms(compiler)
+    rival = None
+    if not args.no_vllm:
+        from .vllm_mla import VllmMla
+
+        rival = VllmMla(args.wheels)
+    rows = []
+    with moe_layer.build_folder(cache_dir) as build_dir:
+        built = moe_layer.load_kernel(args.repo, build_dir)
+        rule = measure.rule_module(built)
+        plan = [(MODELS_BY_KEY[key], g) for key in args.models for g in MODELS_BY_KEY[key].generations
+                if args.generations is None or g in args.generations]
+        for model, generation in plan:
+            for call in calls(model, args.quick):
+                measure.submit_case(xla, model, call, generation)
+        for model, generation in plan:
+            for call in calls(model, args.quick):
+                row = measure.measure(built, rule, xla, model, call, generation, rival)
+                rows.append(row)
+                print(f"{model.key:20s} {generation:5s} {call.label:32s} " + "  ".join(
+                    f"{name} {row[name]['us']:.0f}" for name in ("transformers", "absorbed", "expanded")), flush=True)
+            write(args.out, args.repo, rows, started)
+    compiler.pool.shutdown()
+    print(f"wrote {args.out}")
+    return 0
+
+
+def write(out: Path, repo: Path, rows: list[dict], started: float) -> None:
+    report = {"benchmark": "benchmarks.studies.mla", "method": method(repo), "summary": summary.summarise(rows),
+              "results": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(moe_layer.dump_compact(moe_layer.rounded(report)) + "\n")
+    (moe_layer.RAW_DIR).mkdir(parents=True, exist_ok=True)
+    (moe_layer.RAW_DIR / f"{out.stem}.run.json").write_text(
+        f'{{"seconds": {time.perf_counter() - started:.1f}}}\n')
