@@ -71,16 +71,20 @@ def _target(built, generation: str):
     return resolve_target(generation)
 
 
+def _flash_attend(built, generation: str):
+    def attend(query, keys, values, kv_lengths):
+        return built.flash.kernel.differentiable_flash_attention(query, keys, values, causal=True,
+                                                                 kv_lengths=kv_lengths, generation=generation)
+
+    return attend
+
+
 def _flash_calls(built, call: Call, generation: str, heads: int, dk: int, dv: int):
     b, q, s = call.batch, call.q_len, call.kv_len
     problem = built.Problem.of_shape(q_heads=heads, kv_heads=heads, q_len=q, kv_len=s, head_dim=dk, dtype=DTYPE)
     block_q = 1 if q == 1 else built.flash.tiles.select(problem, _target(built, generation)).block_q
 
-    def attend(query, keys, values, kv_lengths):
-        return built.flash.kernel.differentiable_flash_attention(query, keys, values, causal=True,
-                                                                 kv_lengths=kv_lengths, generation=generation)
-
-    return perf.model_pallas_traffic(attend, _array(b, heads, q, dk), _array(b, heads, s, dk),
+    return perf.model_pallas_traffic(_flash_attend(built, generation), _array(b, heads, q, dk), _array(b, heads, s, dk),
                                      _array(b, heads, s, dv), _lengths(call),
                                      active_steps=active_steps_from_prefetch(-(-q // block_q)))
 
@@ -91,6 +95,10 @@ def flash_kernel(built, model: MlaModel, call: Call, generation: str) -> dict:
     dk, dv = model.key_dim, model.v
     min_bytes = ITEMSIZE * (call.batch * model.heads * (call.q_len * (dk + dv) + call.kv_len * (dk + dv)))
     try:
+        out = jax.eval_shape(_flash_attend(built, generation), _array(1, 1, 1, dk), _array(1, 1, 128, dk),
+                             _array(1, 1, 128, dv), np.full(1, 128, np.int32))
+        if out.shape[-1] != dv:
+            raise ValueError(f"the output's head dim is {out.shape[-1]}, not the values' {dv}")
         return priced(_flash_calls(built, call, generation, model.heads, dk, dv), generation, min_bytes,
                       head_dims=[dk, dv])
     except Exception as native_error:  # noqa: BLE001 - a build whose flash takes one head dim

@@ -10,12 +10,15 @@ from pathlib import Path
 from benchmarks import perf
 from benchmarks.studies import calibration_bands, kernel_repo, moe_layer, require_kernel_repo, result_path
 from benchmarks.studies.moe_layer.vllm_kernels import DEFAULT_FOLDER
+from tpu_kernels.disk_cache import cache_root
 
 from . import measure, summary
 from .shapes import MODELS, MODELS_BY_KEY, SOURCES, calls
 
 DEFAULT_OUT = result_path("mla.json")
 DEFAULT_REPO = kernel_repo("attention-tpu")
+# Compiles and the kernel build live apart from moe_layer's (whose build folder holds the ragged-dot repo).
+DEFAULT_CACHE = cache_root("mla")
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -29,7 +32,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="one decode and one prefill call per model")
     parser.add_argument("--no-vllm", action="store_true", help="leave vLLM's MLA kernel out")
     parser.add_argument("--jobs", type=int, default=2, help="compile threads")
-    parser.add_argument("--cache-dir", type=Path, default=moe_layer.DEFAULT_CACHE)
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--no-cache", action="store_true")
     return parser
 
