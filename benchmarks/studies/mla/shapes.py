@@ -89,15 +89,18 @@ class Call:
 
 
 # Key lengths at bucket boundaries (powers of two), so no call pads its keys (`padding.Buckets`).
-DECODE = tuple(Call("decode", batch, 1, cache) for cache in (4096, 32768) for batch in (8, 64))
-PREFILL = (Call("prefill", 1, 128, 4096), Call("prefill", 1, 1024, 4096), Call("prefill", 1, 4096, 4096),
-           Call("prefill", 1, 8192, 16384))
-QUICK = (DECODE[1], PREFILL[1])
+# The tracked set: the largest decode batch over a short cache and the smallest over a long one, a chunk over a
+# cache, a prefill from empty and a long chunk over a long cache (each call costs compiles on every generation).
+DECODE = (Call("decode", 64, 1, 4096), Call("decode", 8, 1, 32768))
+PREFILL = (Call("prefill", 1, 1024, 4096), Call("prefill", 1, 4096, 4096), Call("prefill", 1, 8192, 16384))
+QUICK = (DECODE[0], PREFILL[0])
 
 
 def calls(model: MlaModel, quick: bool = False) -> tuple[Call, ...]:
     found = QUICK if quick else DECODE + PREFILL
-    return tuple(call for call in found if call.kind == "decode" or not model.decode_only)
+    if model.decode_only:
+        return found[:1]
+    return found
 
 
 def latent_cache_bytes(model: MlaModel, call: Call) -> int:

@@ -75,7 +75,7 @@ def summarise(rows: list[dict]) -> dict:
         "crossovers": crossovers(rows),
         "rule_checked": len(rule_known),
         "rule_disagreements": disagreements(rows),
-        "rule_missing": next((row["rule"]["why"] for row in rows if row["rule"]["pick"] is None), None),
+        "rule_missing": next((row["rule"].get("why") for row in rows if row["rule"]["pick"] is None), None),
         "transformers_over_ours_range": [min(ratios), max(ratios)] if ratios else None,
         "geomean_transformers_over_ours": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None,
     }

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections import Counter
 
 BACKWARD_FAMILIES = ("moe_backward ranking", "backward/forward ratio")
-FAMILIES = ("moe_layer ranking", "anchor", "paged decode", "decode step", *BACKWARD_FAMILIES)
+FAMILIES = ("moe_layer ranking", "anchor", "paged decode", "decode step", *BACKWARD_FAMILIES, "mla ranking", "mla form")
 # README's verdicts: one line per study, its families side by side.
-VERDICT_LINES = (("moe_layer ranking", "anchor"), ("paged decode",), ("decode step",), BACKWARD_FAMILIES)
+VERDICT_LINES = (("moe_layer ranking", "anchor"), ("paged decode",), ("decode step",), BACKWARD_FAMILIES,
+                 ("mla ranking", "mla form"))
 
 
 def nearest_flips(claims: list[dict]) -> dict[str, float]:
