@@ -139,3 +139,25 @@ def test_the_kernels_rule_agrees_with_the_models_prices_at_the_tracked_shapes(ke
         assert agrees or (row["model"], row["call"], row["generation"]) in listed, row["call"]
         checked += 1
     assert checked
+
+
+def _path(*terms):
+    found = [{"term": name, "us_per_call": ms * 1e3, "per_step": 1, "ms_per_step": ms, "ms_per_step_band": [ms, ms],
+              "error_kind": "uncalibrated"} for name, ms in terms]
+    return {"terms": found, "total": {"ms": sum(ms for _, ms in terms)}}
+
+
+def test_the_decode_step_table_sets_the_mla_model_beside_decode_steps_models():
+    from benchmarks.studies.mla import step
+
+    qwen = {"model": {"name": "Qwen3-30B-A3B"},
+            "paths": {"transformers_default": _path(("a", 30.0), ("b", 10.0)), "kernelized": _path(("c", 4.0))}}
+    beside = step.beside({"models": {"qwen3-30b-a3b": qwen}})
+    assert beside[0]["ratio"] == 10.0 and beside[0]["largest_default"][0] == {"term": "a", "ms_per_step": 30.0}
+    paths = {"transformers_default": _path(("expansion", 50.0)), "kernelized": _path(("latent kernel", 5.0))}
+    data = {"decode_step": {"model": "Moonlight-16B-A3B", "paths": paths, "ratio": 10.0, "beside": beside,
+                            "largest": {name: step.step_totals.largest(p["terms"]) for name, p in paths.items()}}}
+    rendered = tables.render_markdown({"summary": summary.summarise([]), **data})
+    assert "Moonlight-16B-A3B (MLA) | 50.0 | 5.0 | 10.0x | expansion 50.0" in rendered["decode-step"]
+    assert "| Qwen3-30B-A3B | 40.0 | 4.0 | 10.0x |" in rendered["decode-step"]
+    assert rendered["step-terms"].count("\n") == 1 + 2

@@ -34,6 +34,10 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--jobs", type=int, default=2, help="compile threads")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--no-cache", action="store_true")
+    parser.add_argument("--step", action="store_true",
+                        help="price Moonlight-16B-A3B's whole decode step (`step`) into --out, keeping its layer rows")
+    parser.add_argument("--experts-repo", type=Path, default=kernel_repo("ragged-dot-tpu"))
+    parser.add_argument("--rmsnorm-repo", type=Path, default=kernel_repo("rmsnorm-tpu"))
     return parser
 
 
@@ -69,12 +73,43 @@ def kernel_band_kind() -> str:
     return BAND_KIND
 
 
+def decode_step(args, compiler) -> int:
+    """Moonlight's whole decode step (`step.price`) written into --out's report beside its layer rows."""
+    import json
+
+    from benchmarks.studies.decode_step.pricing import XlaPricer
+    from benchmarks.studies.decode_step.run import BATCH, CONTEXT, load_built
+
+    from . import step
+
+    for repo, option in ((args.experts_repo, "--experts-repo"), (args.rmsnorm_repo, "--rmsnorm-repo")):
+        require_kernel_repo(repo, option)
+    report = json.loads(args.out.read_text())
+    with moe_layer.build_folder(compiler.cache.folder) as build_dir:
+        built = {"attention": moe_layer.load_kernel(args.repo, build_dir / "attention"),
+                 "experts": moe_layer.load_kernel(args.experts_repo, build_dir / "experts"),
+                 "rmsnorm": load_built(args.rmsnorm_repo, build_dir / "rmsnorm")}
+        found = step.price(built, BATCH, CONTEXT, XlaPricer(compiler.cache, compiler), compiler.cache, compiler)
+    decode_step_json = result_path("decode_step.json")
+    found["beside"] = step.beside(json.loads(decode_step_json.read_text()) if decode_step_json.exists() else None)
+    report["decode_step"] = found
+    args.out.write_text(moe_layer.dump_compact(moe_layer.rounded(report)) + "\n")
+    print(f"{found['model']}: " + ", ".join(f"{name} {path['total']['ms']:.2f} ms" for name, path in
+                                            found["paths"].items()) + f"; wrote {args.out}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = arguments().parse_args(argv)
     require_kernel_repo(args.repo)
     started = time.perf_counter()
     cache_dir = None if args.no_cache else args.cache_dir
     compiler = moe_layer.Compiler(moe_layer.Cache(cache_dir), args.jobs)
+    if args.step:
+        try:
+            return decode_step(args, compiler)
+        finally:
+            compiler.pool.shutdown()
     xla = measure.XlaTerms(compiler)
     rival = None
     if not args.no_vllm:
@@ -103,8 +138,11 @@ def main(argv=None) -> int:
 
 
 def write(out: Path, repo: Path, rows: list[dict], started: float) -> None:
+    import json
+
+    kept = json.loads(out.read_text()).get("decode_step") if out.exists() else None
     report = {"benchmark": "benchmarks.studies.mla", "method": method(repo), "summary": summary.summarise(rows),
-              "results": rows}
+              "results": rows, **({"decode_step": kept} if kept else {})}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(moe_layer.dump_compact(moe_layer.rounded(report)) + "\n")
     (moe_layer.RAW_DIR).mkdir(parents=True, exist_ok=True)

@@ -65,5 +65,40 @@ def rule(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _largest(terms: list[dict]) -> str:
+    return ", ".join(f"{t['term']} {t['ms_per_step']:.1f}" for t in terms)
+
+
+def decode_step(data: dict) -> str:
+    """The MLA model's whole decode step beside decode_step.json's models (our full kernelized path each)."""
+    found = data.get("decode_step")
+    if not found:
+        return "The whole decode step was not priced (`tpu-kernels bench mla --step`)."
+    paths = found["paths"]
+    rows = [[f"{found['model']} (MLA)", f"{paths['transformers_default']['total']['ms']:.1f}",
+             f"{paths['kernelized']['total']['ms']:.1f}", f"{found['ratio']:.1f}x",
+             _largest(found["largest"]["transformers_default"]), _largest(found["largest"]["kernelized"])]]
+    rows += [[entry["model"], f"{entry['default_ms']:.1f}", f"{entry['kernelized_ms']:.1f}", f"{entry['ratio']:.1f}x",
+              _largest(entry["largest_default"]), _largest(entry["largest_kernelized"])] for entry in found["beside"]]
+    return markdown_table(["model", "transformers' default, ms per step", "kernelized, ms per step", "ratio",
+                           "largest terms, default (ms)", "largest terms, kernelized (ms)"],
+                          "|---|---:|---:|---:|---|---|", rows)
+
+
+def step_terms(data: dict) -> str:
+    """Every term of the MLA model's step on both paths."""
+    found = data.get("decode_step")
+    if not found:
+        return "The whole decode step was not priced (`tpu-kernels bench mla --step`)."
+    rows = []
+    for name, path in found["paths"].items():
+        for t in path["terms"]:
+            rows.append([name, t["term"], f"{t['us_per_call']:.1f}", str(t["per_step"]), f"{t['ms_per_step']:.2f}",
+                         t["error_kind"]])
+    return markdown_table(["path", "term", "µs per call", "calls per step", "ms per step", "error kind"],
+                          "|---|---|---:|---:|---:|---|", rows)
+
+
 def render_markdown(data: dict) -> dict[str, str]:
-    return {"layer": layer(data), "crossover": crossover(data), "rule": rule(data)}
+    return {"layer": layer(data), "crossover": crossover(data), "rule": rule(data), "decode-step": decode_step(data),
+            "step-terms": step_terms(data)}
