@@ -95,7 +95,9 @@ def test_summary_finds_the_crossover_and_the_rules_disagreements():
     assert (wrong["call"], wrong["rule_pick_over_best"]) == ("b", 60.0 / 50.0)
     assert found["rule_checked"] == 3 and found["transformers_over_ours_range"] == [100 / 50, 100 / 20]
     line = found["rows"][2]
-    assert line["expanded_stand_in"] and line["ours_band_p90_us"] is None and line["ours_over_floor"] == 4.0
+    assert line["expanded_stand_in"] and line["ours_band_p90_us"] is None and "ours_over_floor" not in line
+    decode = summary.table_row({**rows[0], "kind": "decode"})
+    assert decode["ours_over_floor"] == 2.0
 
 
 def test_the_tables_render_every_row_and_say_when_the_rule_is_missing():

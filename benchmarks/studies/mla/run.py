@@ -36,6 +36,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--no-cache", action="store_true")
     parser.add_argument("--step", action="store_true",
                         help="price Moonlight-16B-A3B's whole decode step (`step`) into --out, keeping its layer rows")
+    parser.add_argument("--resummarize", action="store_true",
+                        help="recompute --out's summary from its rows (after a change to `summary` only: no compile)")
     parser.add_argument("--experts-repo", type=Path, default=kernel_repo("ragged-dot-tpu"))
     parser.add_argument("--rmsnorm-repo", type=Path, default=kernel_repo("rmsnorm-tpu"))
     return parser
@@ -101,6 +103,14 @@ def decode_step(args, compiler) -> int:
 
 def main(argv=None) -> int:
     args = arguments().parse_args(argv)
+    if args.resummarize:
+        import json
+
+        report = json.loads(args.out.read_text())
+        report["summary"] = summary.summarise(report["results"])
+        args.out.write_text(moe_layer.dump_compact(moe_layer.rounded(report)) + "\n")
+        print(f"wrote {args.out}")
+        return 0
     require_kernel_repo(args.repo)
     started = time.perf_counter()
     cache_dir = None if args.no_cache else args.cache_dir
