@@ -78,7 +78,8 @@ def rule_module(built):
 
 def rule_pick(rule, built, model: MlaModel, call: Call, generation: str) -> dict:
     if isinstance(rule, Exception):
-        return {"pick": None, "why": f"no rule in this build: {type(rule).__name__}: {str(rule).splitlines()[0]}"}
+        said = str(rule).splitlines()[0].replace(built.__name__, "attention_tpu")  # not the build's hashed name
+        return {"pick": None, "why": f"no rule in this build: {type(rule).__name__}: {said}"}
     hardware = importlib.import_module(f"{built.__name__}._hardware")
     shape = rule.LatentShape(heads=model.heads, nope=model.nope, rope=model.rope, v=model.v, latent=model.latent,
                              batch=call.batch, q_len=call.q_len, kv_len=call.kv_len, itemsize=2)

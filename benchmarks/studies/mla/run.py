@@ -37,7 +37,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--step", action="store_true",
                         help="price Moonlight-16B-A3B's whole decode step (`step`) into --out, keeping its layer rows")
     parser.add_argument("--resummarize", action="store_true",
-                        help="recompute --out's summary from its rows (after a change to `summary` only: no compile)")
+                        help="re-read each row's rule from --repo's build and recompute --out's summary (no compile)")
     parser.add_argument("--experts-repo", type=Path, default=kernel_repo("ragged-dot-tpu"))
     parser.add_argument("--rmsnorm-repo", type=Path, default=kernel_repo("rmsnorm-tpu"))
     return parser
@@ -101,17 +101,32 @@ def decode_step(args, compiler) -> int:
     return 0
 
 
+def resummarize(args) -> int:
+    """--out's rows kept, each row's rule re-read from --repo's build (its `mla` module), the summary recomputed."""
+    import json
+
+    report = json.loads(args.out.read_text())
+    with moe_layer.build_folder(None if args.no_cache else args.cache_dir) as build_dir:
+        built = moe_layer.load_kernel(args.repo, build_dir)
+        rule = measure.rule_module(built)
+        for row in report["results"]:
+            model = MODELS_BY_KEY[row["model"]]
+            call = next(c for c in calls(model) if c.label == row["call"])
+            row["rule"] = measure.rule_pick(rule, built, model, call, row["generation"])
+            if row.get("model_pick"):
+                row["rule_agrees"] = None if row["rule"]["pick"] is None else row["rule"]["pick"] == row["model_pick"]
+    report["summary"] = summary.summarise(report["results"])
+    args.out.write_text(moe_layer.dump_compact(moe_layer.rounded(report)) + "\n")
+    print(f"wrote {args.out}: the rule checked at {report['summary']['rule_checked']} calls, "
+          f"{len(report['summary']['rule_disagreements'])} disagreements")
+    return 0
+
+
 def main(argv=None) -> int:
     args = arguments().parse_args(argv)
-    if args.resummarize:
-        import json
-
-        report = json.loads(args.out.read_text())
-        report["summary"] = summary.summarise(report["results"])
-        args.out.write_text(moe_layer.dump_compact(moe_layer.rounded(report)) + "\n")
-        print(f"wrote {args.out}")
-        return 0
     require_kernel_repo(args.repo)
+    if args.resummarize:
+        return resummarize(args)
     started = time.perf_counter()
     cache_dir = None if args.no_cache else args.cache_dir
     compiler = moe_layer.Compiler(moe_layer.Cache(cache_dir), args.jobs)
