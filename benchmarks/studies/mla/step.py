@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 from benchmarks.perf.collectives import HOP_LATENCY_S, ICI_LINK_BYTES_PER_S, V6E_8, Ici, all_reduce
 from benchmarks.studies import moe_layer
