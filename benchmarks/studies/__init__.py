@@ -30,6 +30,7 @@ BENCHMARKS = {
     "attention": "attention kernels: HBM bytes and MXU work vs the minimum, skipped blocks, v6e compile-only cost",
     "paged_attention": "ragged paged attention: modelled share of the HBM roofline and MXU peak, ours vs rivals",
     "cb_step": "a continuous-batching attention step as transformers runs it: gather + pad + kernel vs in place",
+    "mla": "one MLA layer's attention: transformers' re-expansion vs our absorbed and expanded forms vs vLLM's MLA",
     "rmsnorm": "RMSNorm kernels: HBM bytes vs the minimum, modelled time, v6e compile-only cost",
     "padding": "what padding to shape buckets costs: padded rows and bytes per bucket, at HBM rate",
     "quantization_accuracy": "quantization error of int8 / fp8 / int4 expert weights against the float model",
@@ -47,7 +48,7 @@ TOOLS = {
 }
 # The benchmarks that model a TPU from the CPU: `tpu-kernels bench` runs them with JAX_PLATFORMS=cpu unless set.
 MODELLED = frozenset({"moe_layer", "multichip", "fused_moe_search", "decode_step", "moe_backward", "attention", "paged_attention",
-                      "cb_step", "rmsnorm", "padding", "calibration_fit", "compiles"})
+                      "cb_step", "mla", "rmsnorm", "padding", "calibration_fit", "compiles"})
 # A kernel repo's modelled benchmark: `tpu-kernels bench kernel_repos/<name> [args]` runs it with --repo.
 KERNEL_REPO_BENCHMARKS = {"ragged-dot-tpu": "moe_layer", "attention-tpu": "attention", "rmsnorm-tpu": "rmsnorm"}
 

@@ -48,6 +48,7 @@ from benchmarks.studies.tables import int4_granularity as int4_granularity_table
 from benchmarks.studies.tables import loader as loader_tables
 from benchmarks.studies.tables import moe_layer as moe_layer_tables
 from benchmarks.studies.tables import multichip as multichip_tables
+from benchmarks.studies.tables import mla as mla_tables
 from benchmarks.studies.tables import paged_attention as paged_attention_tables
 from benchmarks.studies.tables import quantization_accuracy as quantization_accuracy_tables
 from benchmarks.studies.tables import rmsnorm as rmsnorm_tables
@@ -389,6 +390,7 @@ DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
     f"{SOURCES_DIR}/paged_attention.md": sectioned_tables("paged_attention.json",
                                                           paged_attention_tables.render_markdown),
     f"{SOURCES_DIR}/cb_step.md": sectioned_tables("cb_step.json", cb_step_tables.render_markdown),
+    f"{SOURCES_DIR}/mla.md": sectioned_tables("mla.json", mla_tables.render_markdown),
     # moe_layer writes its own moe_layer.md, moe_layer_v5p_tpu7x.md and moe_layer_v5p.md (the full tables): these
     # are the headlines.
     f"{SOURCES_DIR}/moe_layer_headline.md": sectioned_tables("moe_layer.json", moe_layer_tables.render_markdown),

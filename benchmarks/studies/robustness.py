@@ -296,6 +296,70 @@ def paged_claims(paged: dict) -> list[Claim]:
     return claims
 
 
+MLA_PATHS = ("transformers", "absorbed", "expanded")
+
+
+def mla_kernel_us(term: dict, generation: str, point: dict, copies: float = 0.0) -> float:
+    """A replayed kernel's figure re-priced at `point` from its terms (as `paged_pct` re-prices ours): its copies
+    term by 1/share, its grid steps at v6e's step cost, and `copies` issued copies overlapping their transfers."""
+    fitted_share = chip.FITTED_RATES.hbm_fraction(generation)
+    copies_us = term["hbm_term_us"] * fitted_share / point.get(HBM_SHARE, fitted_share)
+    us = term["us"] + copies_us - term["hbm_term_us"] + max(0.0, point.get(COPY_COST, 0.0) * copies - copies_us)
+    if GRID_STEP in point and generation == "v6e":
+        us += term["step_overhead_us"] * (point[GRID_STEP] / (chip.grid_step_s("v6e") * 1e6) - 1)
+    return us
+
+
+def mla_path_us(path: dict, generation: str, point: dict) -> float:
+    """An MLA path re-priced: its kernel (`mla_kernel_us`), its XLA programs (priced by their bytes) by 1/share."""
+    fitted_share = chip.FITTED_RATES.hbm_fraction(generation)
+    scale = fitted_share / point.get(HBM_SHARE, fitted_share)
+    return sum(mla_kernel_us(t, generation, point) if "hbm_term_us" in t else t["us"] * scale for t in path["terms"])
+
+
+def mla_vllm_us(found: dict, generation: str, point: dict, copies: float) -> float:
+    """vLLM's MLA path re-priced: its kernel with `copies` issued copies (one per cache page it reads), plus the two
+    XLA matmuls ours has, by 1/share."""
+    fitted_share = chip.FITTED_RATES.hbm_fraction(generation)
+    kernel = found["kernel"]
+    matmuls = (found["us"] - kernel["us"]) * fitted_share / point.get(HBM_SHARE, fitted_share)
+    return mla_kernel_us(kernel, generation, point, copies) + matmuls
+
+
+def mla_claims(mla: dict) -> list[Claim]:
+    """Per MLA call and generation: ours (the form the model prices cheaper) at most transformers' path and at most
+    vLLM's MLA kernel at its best (or vLLM beats ours), and the cheaper form stays the cheaper."""
+    claims = []
+    for row in mla["results"]:
+        pick, generation = row.get("model_pick"), row["generation"]
+        if not pick:
+            continue
+        other = "expanded" if pick == "absorbed" else "absorbed"
+        where = f"{row['model']} {row['call']}"
+        ranges = {HBM_SHARE: share_range(generation), **step_range(generation)}
+
+        def ours(point, row=row, generation=generation):
+            return min(mla_path_us(row[form], generation, point) for form in ("absorbed", "expanded"))
+
+        if row["transformers"]["us"] == row["transformers"]["us"]:
+            claims.append(Claim("mla ranking", f"{where}: ours at most transformers' path", generation, 1.0, True,
+                                ranges, lambda point, row=row, g=generation, ours=ours:
+                                ours(point) / mla_path_us(row["transformers"], g, point)))
+        claims.append(Claim("mla form", f"{where}: the {pick} form at most the {other}", generation, 1.0, True,
+                            ranges, lambda point, row=row, g=generation, pick=pick, other=other:
+                            mla_path_us(row[pick], g, point) / mla_path_us(row[other], g, point)))
+        rival = (row.get("vllm_mla") or {}).get("best", {})
+        if "us" in rival:
+            pages = row["batch"] * -(-row["kv_len"] // row["vllm_mla"]["page_size"])
+            wins = row["ours_us"] <= rival["us"]
+            claims.append(Claim("mla ranking", f"{where}: " + ("ours at most vLLM's MLA kernel" if wins else
+                                                               "vLLM's MLA kernel beats ours"), generation, 1.0, wins,
+                                {**ranges, COPY_COST: (0.0, 0.0, copy_cost_bound_us(generation))},
+                                lambda point, rival=rival, g=generation, ours=ours, pages=pages:
+                                ours(point) / mla_vllm_us(rival, g, point, pages)))
+    return claims
+
+
 def step_path_ms(path: dict, experts_scale: float, share_scale: float) -> float:
     """A decode-step path's total re-priced: its experts term by `experts_scale`, the formula-priced all-reduce as
     is, every other term (XLA programs priced by their bytes, our kernels) by `share_scale`."""
@@ -399,19 +463,21 @@ def study(results: Path) -> dict:
     paged = json.loads((results / "paged_attention.json").read_text())
     step = json.loads((results / "decode_step.json").read_text())
     backward = json.loads((results / "moe_backward.json").read_text())
+    mla = json.loads((results / "mla.json").read_text())
     tokamax = v6e_tokamax_data(json.loads((results / "calibration_fit_v6e.json").read_text()))
     point = v6e_data_point(tokamax)
     claims = [evaluate(c, point) for c in (*moe_claims(moe), *(c for r in other_generations for c in moe_claims(r)),
                                            *paged_claims(paged),
                                            *decode_step_claims(step, moe), *backward_ranking_claims(backward),
-                                           *backward_ratio_claims(backward))]
+                                           *backward_ratio_claims(backward), *mla_claims(mla))]
     return {
         "benchmark": "benchmarks.studies.robustness",
         "what": sys.modules[__name__].__doc__.split("\n\n")[1].replace("\n", " "),
         "constants": {
             HBM_SHARE: {"range": list(SHARE_RANGE), "fitted": dict(chip.FITTED_RATES.hbm_fractions)},
             GRID_STEP: {"range": list(V6E_STEP_RANGE_US), "fitted": round(chip.grid_step_s("v6e") * 1e6, 4)},
-            COPY_COST: {"range_high": {g: copy_cost_bound_us(g) for g in ("v5e", "v6e", "tpu7x")}, "fitted": 0.0},
+            COPY_COST: {"range_high": {g: copy_cost_bound_us(g) for g in ("v5e", "v6e", "v5p", "tpu7x")},
+                        "fitted": 0.0},
         },
         "v6e_grid_step_data": v6e_grid_step_data(moe, step),
         "v6e_tokamax_data": tokamax,

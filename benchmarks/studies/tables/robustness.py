@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections import Counter
 
 BACKWARD_FAMILIES = ("moe_backward ranking", "backward/forward ratio")
-FAMILIES = ("moe_layer ranking", "anchor", "paged decode", "decode step", *BACKWARD_FAMILIES)
-# README's verdicts: one line per study, its families side by side.
+FAMILIES = ("moe_layer ranking", "anchor", "paged decode", "decode step", *BACKWARD_FAMILIES, "mla ranking", "mla form")
+# README's verdicts: one line per study (the MLA claims are in benchmarks/README.md's summary: README is at its
+# length limit).
 VERDICT_LINES = (("moe_layer ranking", "anchor"), ("paged decode",), ("decode step",), BACKWARD_FAMILIES)
 
 
