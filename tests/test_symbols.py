@@ -241,9 +241,10 @@ def as_imported(described: dict) -> dict:
 EXPECTED_API = {
     "ragged-dot-tpu": (["experts_forward", "gated_experts", "ragged_dot"], []),
     "rmsnorm-tpu": (["fused_add_rms_norm", "rms_norm"], ["RMSNorm", "RMSNormZeroCentered"]),
-    "attention-tpu": (["attention_forward", "attention_mask", "flash_attention", "flash_attn_func",
-                       "flash_attn_varlen_func", "flash_attn_with_kvcache", "ragged_paged_attention",
-                       "ragged_varlen_attention", "latent_attention"], []),
+    "attention-tpu": (["supports_head_dims", "attention_forward", "attention_mask", "flash_attention",
+                       "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+                       "ragged_paged_attention", "ragged_varlen_attention", "latent_attention",
+                       "latent_attention_forward", "serve_latent", "latent_refusal"], []),
 }
 
 
