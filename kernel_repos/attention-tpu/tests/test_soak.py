@@ -1,7 +1,8 @@
 """A soak of the flash-attn API: hundreds of distinct shapes and options in one process, forward and backward.
 
 Long CPU processes that had compiled a few hundred interpret-mode programs died in native code (issue 75), while
-each case passed in a fresh process. This walks cases like theirs through `flash_attn_func` and
+each case passed in a fresh process: the programs they kept held more memory mappings than Linux allows a process
+(the binding's CPU_PROGRAMS_KEPT, docs/binding.md). This walks cases like theirs through `flash_attn_func` and
 `flash_attn_varlen_func` (forward only, which takes the ragged paged kernel, and forward and backward, which take
 the flash kernels), with and without sinks, and checks every output and gradient against flash-attn's semantics
 (conftest's `flash_reference`). Nearly every case is a program of its own: its lengths' buckets, head counts and
