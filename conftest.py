@@ -10,6 +10,9 @@ already keeps busy:
   graph around them, the fake tensors and the backward Inductor builds are unchanged.
 The environment variables reach the subprocesses that tests start (a value already set is kept); the config
 covers a torch imported before this hook.
+
+Tests marked `soak` (hours in one process) run only when the `-m` expression names them (`-m soak`). A default
+`-m "not soak"` in addopts would not do: a later `-m`, such as the fast tier's, replaces it.
 """
 
 import os
@@ -24,3 +27,12 @@ def pytest_configure(config):
 
     inductor.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
     inductor.cpp.vec_isa_ok = os.environ["TORCHINDUCTOR_VEC_ISA_OK"] == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    if "soak" in config.getoption("markexpr"):
+        return
+    soaks = [item for item in items if item.get_closest_marker("soak")]
+    if soaks:
+        items[:] = [item for item in items if not item.get_closest_marker("soak")]
+        config.hook.pytest_deselected(items=soaks)

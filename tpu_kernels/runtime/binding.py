@@ -151,12 +151,9 @@ def _map_tensors(value, convert):
 
 
 def _to_host_array(tensor: torch.Tensor):
-    """A numpy view of a CPU tensor, in the dtype JAX will see.
-
-    jax.jit takes numpy arguments on its C++ fast path, and the CPU client
-    aliases aligned ones instead of copying: about 1 µs a tensor against about
-    20 µs for `jax.dlpack.from_dlpack`.
-    """
+    """A numpy view of a CPU tensor, in the dtype JAX will see: jax.jit takes numpy arguments on its C++ fast path,
+    and the CPU client aliases aligned ones instead of copying (about 1 µs a tensor against 20 µs for
+    `jax.dlpack.from_dlpack`). Why that is safe for the call: docs/binding.md, "What the CPU path hands JAX"."""
     if tensor.dtype not in _TORCH_TO_JAX_DTYPE:
         raise TypeError(f"dtype {tensor.dtype} cannot be passed to a TPU kernel")
     _use_cpu_platform_off_tpu()
@@ -198,7 +195,12 @@ class _RaceWatch:
 # The CPU path compiles interpret-mode programs (the kernel's grid as loops of host callbacks), each run a few
 # times: XLA's CPU fusion emitters and LLVM optimisation cost more compile time than they save in running.
 CPU_COMPILE_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0,
-                       "xla_llvm_disable_expensive_passes": True}
+                       "xla_llvm_disable_expensive_passes": True, "xla_cpu_parallel_codegen_split_count": 1}
+# XLA:CPU holds three memory mappings per object file of each program jax keeps (thousands), 50 to 200 for an
+# interpret-mode program (one codegen split, above, halves the files): a process that compiles a few hundred reaches
+# Linux's vm.max_map_count (65530) and dies in XLA's next compile (issue 75, jax-ml/jax#27201). Hence an op's CPU
+# path drops its programs when it holds this many.
+CPU_PROGRAMS_KEPT = 32
 
 
 @functools.cache
@@ -274,6 +276,8 @@ class _JaxFunction:
             outputs = out if isinstance(out, (tuple, list)) else (out,)
             for array in outputs:
                 array.block_until_ready()
+        if self.jitted._cache_size() >= CPU_PROGRAMS_KEPT:
+            self.jitted.clear_cache()
         if race_watch.found:
             raise RuntimeError(f"{self.qualname}: the TPU interpreter detected a data race in the kernel")
         if isinstance(out, list):
@@ -365,11 +369,10 @@ def _cotangent(cotangent: jax.Array, output: jax.Array):
 class _GradientOps:
     """The two ops that give a JAX function's torch op its gradients.
 
-    `forward` takes the function's arguments and the names of those to
-    differentiate (`differentiated`, comma-separated) and returns the outputs
-    followed by the pullback's residuals; `backward` takes the same arguments,
-    the outputs, the residuals and one cotangent per output, and returns the
-    gradients of the differentiated arguments in that order.
+    `forward` takes the function's arguments and the names of those to differentiate (`differentiated`,
+    comma-separated) and returns the outputs followed by the pullback's residuals; `backward` takes the same
+    arguments, the outputs, the residuals and one cotangent per output, and returns the gradients of the
+    differentiated arguments in that order.
     """
 
     EXTRA_PARAMETERS = ("outputs", "residuals", "cotangents", "differentiated")
@@ -443,9 +446,8 @@ class _GradientOps:
 class JaxTorchOp:
     """A JAX function as a torch op (`op`), differentiable through `jax.vjp` of the same function.
 
-    Calling it runs `op`, unless autograd needs the gradient of a floating
-    tensor argument: then the call runs the gradient ops (`_GradientOps`),
-    whose backward hands the residuals to the JAX pullback.
+    Calling it runs `op`, unless autograd needs the gradient of a floating tensor argument: then the call runs the
+    gradient ops (`_GradientOps`), whose backward hands the residuals to the JAX pullback.
     """
 
     def __init__(self, qualname: str, registered: "_Registered"):
@@ -585,12 +587,10 @@ def _register(qualname: str, fn: Callable) -> _Registered:
 def jax_torch_op(qualname: str) -> Callable[[Callable], JaxTorchOp]:
     """Decorator: register the typed JAX function `fn` as the torch op `qualname`, with its gradients.
 
-    Parameters annotated `jax.Array` become tensors, `jax.Array | None`
-    optional tensors; bool/int/float/str parameters (optionally `| None`) are
-    static (part of the compilation cache key). The return is `jax.Array` or
-    `tuple[jax.Array, ...]`. Gradients are those of `jax.vjp(fn)` (module
-    docstring). Validate inputs in torch terms before calling the op: shapes
-    that reach the kernel are assumed valid.
+    Parameters annotated `jax.Array` become tensors, `jax.Array | None` optional tensors; bool/int/float/str
+    parameters (optionally `| None`) are static (part of the compilation cache key). The return is `jax.Array` or
+    `tuple[jax.Array, ...]`. Gradients are those of `jax.vjp(fn)` (module docstring). Validate inputs in torch terms
+    before calling the op: shapes that reach the kernel are assumed valid.
     """
 
     def register(fn: Callable) -> JaxTorchOp:

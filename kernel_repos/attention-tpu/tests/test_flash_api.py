@@ -1,6 +1,6 @@
-"""flash_attn_func and flash_attn_varlen_func against flash-attn 2's semantics, written out here in float64.
+"""flash_attn_func and flash_attn_varlen_func against flash-attn 2's semantics, written out in float64 (conftest).
 
-The oracle below states flash-attn's masking directly (query i of a sequence
+The oracle (conftest's `flash_reference`) states flash-attn's masking directly (query i of a sequence
 sits at key position i + Sk - Sq; window (left, right) keeps keys in
 [pos - left, pos + right]; causal is right = 0), independent of how
 `flash_api` maps it onto the kernel's options. Runs the built torch-cpu
@@ -14,33 +14,6 @@ import torch
 from tpu_kernels.testing import assert_matches
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
-
-def flash_reference(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, softmax_scale=None, sinks=None):
-    """One sequence, flash-attn layout: q [Sq, Hq, D], k and v [Sk, Hkv, D] -> float64 [Sq, Hq, D]."""
-    q_len, q_heads, head_dim = q.shape
-    kv_len, kv_heads = k.shape[:2]
-    q64, k64, v64 = (x.double().transpose(0, 1) for x in (q, k, v))
-    k64, v64 = (x.repeat_interleave(q_heads // kv_heads, dim=0) for x in (k64, v64))
-    logits = q64 @ k64.transpose(-1, -2) * (head_dim**-0.5 if softmax_scale is None else softmax_scale)
-    if softcap:
-        logits = softcap * torch.tanh(logits / softcap)
-    position = torch.arange(q_len)[:, None] + kv_len - q_len
-    key = torch.arange(kv_len)[None, :]
-    left, right = window_size
-    right = 0 if causal else right
-    visible = torch.ones(q_len, kv_len, dtype=torch.bool)
-    if left >= 0:
-        visible &= key >= position - left
-    if right >= 0:
-        visible &= key <= position + right
-    logits = logits.masked_fill(~visible, float("-inf"))
-    if sinks is not None:
-        logits = torch.cat([logits, sinks.double()[:, None, None].expand(q_heads, q_len, 1)], dim=-1)
-    else:
-        logits = torch.where(visible.any(-1, keepdim=True), logits, 0.0)
-    weights = torch.softmax(logits, dim=-1)[..., :kv_len]
-    return (torch.where(visible, weights, 0.0) @ v64).transpose(0, 1)
 
 
 def _tensors(shapes, dtype, seed):
@@ -66,7 +39,7 @@ DENSE_CASES = {
 
 
 @pytest.mark.parametrize("case", list(DENSE_CASES))
-def test_flash_attn_func_matches_flash_semantics(kernel, case):
+def test_flash_attn_func_matches_flash_semantics(kernel, flash_reference, case):
     batch, q_len, kv_len, q_heads, kv_heads, head_dim, dtype, options = DENSE_CASES[case]
     q, k, v = _tensors([(batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim),
                         (batch, kv_len, kv_heads, head_dim)], dtype, seed=len(case))
@@ -98,7 +71,7 @@ VARLEN_CASES = {
 
 
 @pytest.mark.parametrize("case", list(VARLEN_CASES))
-def test_flash_attn_varlen_func_matches_flash_semantics(kernel, case):
+def test_flash_attn_varlen_func_matches_flash_semantics(kernel, flash_reference, case):
     q_lengths, kv_lengths, q_heads, kv_heads, head_dim, dtype, options = VARLEN_CASES[case]
     q, k, v, cu_q, cu_k = _packed(q_lengths, kv_lengths, q_heads, kv_heads, head_dim, dtype, seed=len(case),
                                   trailing_rows=2)
