@@ -89,8 +89,9 @@ def test_attention_targets_carry_sinks_and_windows(built):
 TINY = compiles.Model(hidden=64, q_heads=4, attention=(compiles.Attention(2, 32), compiles.Attention(1, 16, window=8)),
                       qk_norms=True, experts=8, intermediate=32, top_k=2, gate={}, router_weights="float32")
 VIEWS = {"view", "_unsafe_view", "transpose", "permute", "expand", "unsqueeze", "squeeze", "t", "alias", "detach"}
-# torch.full((batch,), kv_len): a [1] tensor whatever the lengths (flash_attn_func's real key lengths).
-FIXED_SHAPE = {"full"}
+# The real key lengths and offsets, made from host data (attention's padding.lengths_tensor): a [batch] tensor whatever
+# the lengths, no scalar argument.
+FIXED_SHAPE = {"lift_fresh"}
 
 
 class BucketingLog(TorchDispatchMode):

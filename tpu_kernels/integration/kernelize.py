@@ -74,6 +74,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from ..compile_cache import CompileCaches, keep_compiled_programs
+from .fixed_shapes import install as install_fixed_shapes
+from .fixed_shapes import wanted as wants_fixed_shapes
 
 if TYPE_CHECKING:
     import torch
@@ -164,6 +166,7 @@ class KernelizeReport:
     quantization: QuantizationReport | None = None
     own_config: bool = False  # the model was given its own copy of its config
     compile_caches: CompileCaches | None = None  # where compiled kernels are kept for the next process
+    fixed_shapes: str | None = None  # what the fixed-shape recipe does, when it is on (fixed_shapes.py)
 
     def replaced(self, kind: str) -> list[ReportEntry]:
         return [e for e in self.entries if e.kind == kind and e.replaced]
@@ -182,6 +185,8 @@ class KernelizeReport:
                          "not on the config object the model was built from")
         if self.quantization is not None:
             lines.append(repr(self.quantization))
+        if self.fixed_shapes is not None:
+            lines.append(f"  shapes    fixed: {self.fixed_shapes}")
         if self.compile_caches is not None:
             kept = ", ".join(f"{name} in {folder}" for name, folder in (
                 ("torch_tpu", self.compile_caches.torch_tpu), ("jax", self.compile_caches.jax)) if folder)
@@ -494,6 +499,7 @@ def kernelize(
     trust_remote_code: bool | list[str] = False,
     use_fallback: bool = True,
     quantize_experts: str | None = None,
+    fixed_shapes: bool | None = None,
 ) -> "torch.nn.Module":
     """Replace the model's layers with TPU kernels from the Hub; returns the model.
 
@@ -516,6 +522,8 @@ def kernelize(
             module the kernel serves are quantized once, in place, and read as one byte (int4: half
             a byte) per weight from then on (`tpu_kernels.integration.quantize`); the report gives
             the bytes before and after.
+        fixed_shapes: the fixed-shape recipe for `generate` (`tpu_kernels.integration.fixed_shapes`: prompts
+            padded to token buckets, a static cache at a key bucket); None turns it on for a model on a TPU.
     """
     from kernels import Mode
 
@@ -556,6 +564,8 @@ def kernelize(
     if quantize_experts is not None:
         experts_entry = next((e for e in report.entries if e.kind == "experts"), None)
         report.quantization = _quantize_experts(model, experts_entry, loaded.get("experts"), quantize_experts)
+    if wants_fixed_shapes(fixed_shapes, device):
+        report.fixed_shapes = install_fixed_shapes(model, loaded.get("attention"))
     model.tpu_kernels_report = report
     logger.info("%r", report)
     return model

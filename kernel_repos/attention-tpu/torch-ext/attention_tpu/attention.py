@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .ops import flash_attention
-from .padding import batch_rows, key_rows, padded, query_rows
+from .padding import batch_rows, key_rows, lengths_tensor, padded, query_rows
 
 
 def attention_mask(*args, **kwargs):
@@ -103,7 +103,7 @@ def attention_forward(
     sequences, q_padded, kv_padded = batch_rows(batch), query_rows(q_len), key_rows(kv_len)
     query = padded(padded(query, 2, q_padded), 0, sequences)
     key, value = (padded(padded(tensor, 2, kv_padded), 0, sequences) for tensor in (key, value))
-    kv_lengths = padded(torch.full((batch,), kv_len, dtype=torch.int32, device=query.device), 0, sequences)
+    kv_lengths = lengths_tensor([kv_len] * batch + [0] * (sequences - batch), query.device)
 
     if attention_mask is None:
         # sdpa's conventions for a skipped mask: `is_causal` only with more
@@ -111,8 +111,8 @@ def attention_forward(
         # transformers only skips to when that equals the bottom-right
         # alignment or the cache was empty.
         causal = bool(is_causal) and q_len > 1
-        masking = dict(causal=causal, q_offset=0 if causal else kv_len - q_len,
-                       sliding_window=sliding_window if causal else None)
+        # Without causality or a window, the queries' offset hides no key: it stays the kernel's default.
+        masking = dict(causal=causal, q_offset=0 if causal else None, sliding_window=sliding_window if causal else None)
     else:
         if attention_mask.dim() != 4:
             raise ValueError(
