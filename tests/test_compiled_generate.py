@@ -38,7 +38,7 @@ def _kernelized(builds, **options):
 
 @pytest.mark.slow
 def test_generate_compiles_the_decode_step_over_every_kernel(kernel_builds):
-    torch._dynamo.reset()
+    torch.compiler.reset()
     model = _kernelized(kernel_builds, fixed_shapes=True)
     assert {e.kind for e in model.tpu_kernels_report.entries if e.replaced} == {"experts", "rmsnorm", "attention"}
     counters.clear()
