@@ -89,8 +89,9 @@ def test_attention_targets_carry_sinks_and_windows(built):
 TINY = compiles.Model(hidden=64, q_heads=4, attention=(compiles.Attention(2, 32), compiles.Attention(1, 16, window=8)),
                       qk_norms=True, experts=8, intermediate=32, top_k=2, gate={}, router_weights="float32")
 VIEWS = {"view", "_unsafe_view", "transpose", "permute", "expand", "unsqueeze", "squeeze", "t", "alias", "detach"}
-# torch.full((batch,), kv_len): a [1] tensor whatever the lengths (flash_attn_func's real key lengths).
-FIXED_SHAPE = {"full"}
+# The real key lengths and offsets, made from host data (attention's padding.lengths_tensor): a [batch] tensor whatever
+# the lengths, no scalar argument.
+FIXED_SHAPE = {"lift_fresh"}
 
 
 class BucketingLog(TorchDispatchMode):
@@ -232,3 +233,33 @@ def test_the_table_gives_the_bucketing_programs_beside_the_kernels():
             "models": {"Qwen3-30B-A3B": {"v6e": {"generate": {"before": _summary(630, 968.0, 179.0), "after": after}}}}}
     row = "| Qwen3-30B-A3B | generate | v6e | 630 | 31 | 968 | 158 | 659 | 33 | 179 / 9 + 7 |"
     assert row in render_markdown(data)["first-call"]
+
+
+@pytest.mark.slow
+def test_end_to_end_programs_of_a_generate_by_cache_and_origin(kernel_builds):
+    """Every program of a whole generate, kernels faked: with the recipe a decode step adds none in the forward,
+    with a dynamic cache transformers' cache and mask ops and our padding of their grown keys add some per token."""
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.studies import compiles_end_to_end
+    from tpu_kernels import kernelize
+
+    repos = {kind: str(kernel_builds[repo]) for kind, repo in (
+        ("experts", "ragged-dot-tpu"), ("rmsnorm", "rmsnorm-tpu"), ("attention", "attention-tpu"))}
+    counted = {}
+    for cache, recipe in compiles_end_to_end.CACHES.items():
+        model = AutoModelForCausalLM.from_config(compiles_end_to_end.tiny_models()["Qwen3-30B-A3B"]()).eval()
+        model.generation_config.eos_token_id = None
+        kernelize(model, repos=repos, fixed_shapes=False)
+        counted[cache] = compiles_end_to_end.count(model, recipe, [5, 9], new_tokens=4)
+    dynamic, static = counted.values()
+    assert static["forward_per_decode_step_after_the_first"] == dict.fromkeys(compiles_end_to_end.ORIGINS, 0)
+    assert dynamic["forward_per_decode_step_after_the_first"]["transformers"] > 0
+    assert dynamic["forward_per_decode_step_after_the_first"]["our kernels"] == 0
+    for measured in counted.values():
+        assert measured["first_request"]["our kernels"] > 0 and measured["first_request"]["transformers"] > 0
+    # The second prompt (9 tokens) is padded to the first's bucket (16): its prefill and steps are all known.
+    assert static["later_requests_per_request"]["our kernels"] == 0
+    table = render_markdown({"end_to_end": {"prompts": [5, 9], "new_tokens": 4, "models": {"tiny": counted}},
+                             "models": {}, "cpu_count": 2, "load_average_at_start": [1.0]})["end-to-end"]
+    assert "| tiny | dynamic | first request |" in table

@@ -148,7 +148,8 @@ def test_tpu_kernel_launches_a_registered_kernel_without_jax_callable(tpu_runtim
 
 def test_tpu_kernel_leaves_other_tensors_and_other_torch_tpus_to_jax_callable(tpu_runtime, monkeypatch):
     """A tensor subclass (torch_tpu's wrappers are one) goes through JaxCallable every time; so does every call
-    under a torch_tpu without what the launcher reads of 0.2.0 (here: its kernel key)."""
+    under a torch_tpu without what the launcher reads of 0.2.0 (here: its kernel key), and under a release whose
+    JaxCallable nobody has compared with the direct launch."""
 
     class Wrapped(torch.Tensor):
         pass
@@ -165,6 +166,8 @@ def test_tpu_kernel_leaves_other_tensors_and_other_torch_tpus_to_jax_callable(tp
     for _ in range(2):
         assert tpu_kernel(x, y, None, 1.0).shape == (8, 128)
     assert len(calls) == 4 and not tpu_kernel.direct and len(tpu_runtime.launched) == 4
+    monkeypatch.setattr(binding, "DIRECT_LAUNCH_TORCH_TPU", ("0.1.0",))
+    assert not jax_torch_op("tk_test_launch_release::biased_add")(biased_add).registered.tpu_kernel.direct
 
 
 def test_plain_op_without_torch_tpu(monkeypatch):

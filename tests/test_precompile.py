@@ -78,6 +78,32 @@ def test_after_precompile_generate_compiles_nothing(kernel_builds):
 
 
 @pytest.mark.slow
+def test_after_precompile_the_fixed_shape_recipe_compiles_nothing_anywhere_in_the_forward(kernel_builds):
+    """With the recipe (forced on, as on a TPU): precompiled for prompts up to 20 tokens and 40 keys, it visits the
+    token buckets 16 (padded from 15, and filled) and 32 (padded from 20) against one cache of 128 keys; generating
+    from prompts of 3, 16 and 20 tokens then compiles no kernel and runs no new op signature in the model's forward
+    (the programs TorchTPU's eager would compile)."""
+    from tpu_kernels.integration.precompile import fixed_shape_cache
+    from benchmarks.studies.op_signatures import OpSignatures
+
+    model = kernelize(_tiny_qwen3_moe(), repos={"experts": str(kernel_builds["ragged-dot-tpu"]),
+                                                "rmsnorm": str(kernel_builds["rmsnorm-tpu"]),
+                                                "attention": str(kernel_builds["attention-tpu"])}, fixed_shapes=True)
+    recorded, forward = OpSignatures(), model.forward
+
+    def recording(*args, **kwargs):
+        with recorded:
+            return forward(*args, **kwargs)
+
+    model.forward = recording
+    assert precompile(model, max_tokens=20, max_keys=40, progress=False) == [15, 16, 20]
+    assert fixed_shape_cache(20, 40) == model._previous_max_cache_length == 128
+    start = recorded.mark()
+    assert _compiles_generating(model, ((3, 3), (16, 2), (20, 4))) == []
+    assert recorded.since(start) == []
+
+
+@pytest.mark.slow
 def test_after_precompile_gemma3s_transposed_head_norms_compile_nothing(kernel_builds):
     """Gemma 3 normalises q and k on their transposed view [B, heads, tokens, D]: its norms kernelized alone,
     precompiled for prompts up to 20 tokens (two token buckets), compile nothing generating from prompts of 3

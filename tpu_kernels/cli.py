@@ -240,8 +240,15 @@ def _precompile(argv: list[str]) -> int:
     return precompile_main(argv)
 
 
+def _doctor(argv: list[str]) -> int:
+    from .integration.doctor import doctor_main
+
+    return doctor_main(argv)
+
+
 # Subcommands that own their argument parsing.
-DELEGATED = {"serve": _serve, "upload": _upload, "demo": _demo, "bench": _bench, "precompile": _precompile}
+DELEGATED = {"serve": _serve, "upload": _upload, "demo": _demo, "bench": _bench, "precompile": _precompile,
+             "doctor": _doctor}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "`bench --help` lists them) or bench kernel_repos/<name> [args]"),
                         ("serve", "run a local Hub-compatible server"), ("upload", "publish a build to a Hub"),
                         ("demo", "kernelize a tiny MoE model end to end"),
-                        ("precompile", "compile every bucket of a model on the TPU host that serves it")):
+                        ("precompile", "compile every bucket of a model on the TPU host that serves it"),
+                        ("doctor", "run each kernel in each TorchTPU mode, check it and count its compiles (JSON)")):
         commands.add_parser(name, help=help_, add_help=False)
 
     args = parser.parse_args(argv)

@@ -30,8 +30,11 @@ real shapes, each an XLA program of its own under torch_tpu eager (`bucketing_pr
 dynamic cache, the key pads of every decode step). `after.bucketing_programs` counts and prices them the same
 way (jax-lowered equivalents, sampled and interpolated per group alike), apart from the kernel figures.
 
+`end_to_end` counts every program of a whole `generate` under TorchTPU's strict eager, kernels, our ops and
+transformers' own, with a dynamic cache and with the fixed-shape recipe (`compiles_end_to_end.py`).
+
 Usage:
-    tpu-kernels bench compiles [--out benchmarks/results/compiles.json] [--sample 4] [--quick]
+    tpu-kernels bench compiles [--out benchmarks/results/compiles.json] [--sample 4] [--quick] [--end-to-end-only]
     (or JAX_PLATFORMS=cpu python -m benchmarks.studies.compiles; paths relative to the current directory)
 """
 
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import random
 import tempfile
@@ -50,7 +54,9 @@ import jax
 import jax.numpy as jnp
 import kernels
 
-from benchmarks.studies import KERNEL_REPOS_DIR, bucketing_programs, require_kernel_repo, result_path, write_json
+from benchmarks.studies import (
+    KERNEL_REPOS_DIR, bucketing_programs, compiles_end_to_end, require_kernel_repo, result_path, write_json,
+)
 from benchmarks.studies.model_shapes import ATTENTION_HEADS, ATTENTION_SINKS, ATTENTION_WINDOWS, EXPERTS_MODELS
 from tpu_kernels.aot import compile_for
 from tpu_kernels.distribution.builder import build_kernel_repo
@@ -293,16 +299,23 @@ def main(argv=None) -> int:
     parser.add_argument("--sample", type=int, default=4, help="shapes compiled per op group (default 4)")
     parser.add_argument("--quick", action="store_true", help="Qwen3-30B-A3B on v6e only, 2 shapes per group")
     parser.add_argument("--kernel-repos", type=Path, default=KERNEL_REPOS_DIR)
+    parser.add_argument("--end-to-end-only", action="store_true",
+                        help="recount only the end-to-end programs (compiles_end_to_end.py) into the existing --out")
     args = parser.parse_args(argv)
     if args.sample < 2:
         parser.error("--sample must be at least 2 (the smallest and the largest shape of a group)")
     models = {"Qwen3-30B-A3B": MODELS["Qwen3-30B-A3B"]} if args.quick else MODELS
     generations = GENERATIONS[:1] if args.quick else GENERATIONS
     with tempfile.TemporaryDirectory() as build_dir:
-        built = {kind: kernels.get_local_kernel(build_kernel_repo(
-            require_kernel_repo(args.kernel_repos / repo, "--kernel-repos"), Path(build_dir)), backend="cpu")
-            for kind, repo in (("rmsnorm", "rmsnorm-tpu"), ("experts", "ragged-dot-tpu"),
-                               ("attention", "attention-tpu"))}
+        builds = {kind: build_kernel_repo(require_kernel_repo(args.kernel_repos / repo, "--kernel-repos"),
+                                          Path(build_dir))
+                  for kind, repo in (("rmsnorm", "rmsnorm-tpu"), ("experts", "ragged-dot-tpu"),
+                                     ("attention", "attention-tpu"))}
+        end_to_end = compiles_end_to_end.study({kind: str(path) for kind, path in builds.items()}, args.quick)
+        if args.end_to_end_only:
+            print(f"wrote {write_json(args.out, {**json.loads(args.out.read_text()), 'end_to_end': end_to_end})}")
+            return 0
+        built = {kind: kernels.get_local_kernel(path, backend="cpu") for kind, path in builds.items()}
         results = study(Kernels(built), models, generations, 2 if args.quick else args.sample, print)
     data = {
         "workloads": {"generate": {"prompt_lengths": list(PROMPT_LENGTHS), "new_tokens": NEW_TOKENS},
@@ -319,7 +332,7 @@ def main(argv=None) -> int:
                    "program of its own, an upper bound where torch_tpu's eager mode defers and fuses them into the "
                    "program of the ops around them (EagerMode.DEFER_AND_FUSE)"),
         "cpu_count": os.cpu_count(), "load_average_at_start": list(os.getloadavg()),
-        "models": results,
+        "models": results, "end_to_end": end_to_end,
     }
     print(f"wrote {write_json(args.out, data)}")
     return 0

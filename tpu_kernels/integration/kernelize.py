@@ -59,6 +59,8 @@ from typing import TYPE_CHECKING
 
 from ..compile_cache import keep_compiled_programs
 from .attention import kernelize_attention
+from .fixed_shapes import install as install_fixed_shapes
+from .fixed_shapes import wanted as wants_fixed_shapes
 from .report import KernelizeReport, QuantizationReport, ReportEntry, mode_refusal
 
 if TYPE_CHECKING:
@@ -266,6 +268,7 @@ def kernelize(
     trust_remote_code: bool | list[str] = False,
     use_fallback: bool = True,
     quantize_experts: str | None = None,
+    fixed_shapes: bool | None = None,
 ) -> "torch.nn.Module":
     """Replace the model's layers with TPU kernels from the Hub; returns the model.
 
@@ -288,6 +291,8 @@ def kernelize(
             module the kernel serves are quantized once, in place, and read as one byte (int4: half
             a byte) per weight from then on (`tpu_kernels.integration.quantize`); the report gives
             the bytes before and after.
+        fixed_shapes: the fixed-shape recipe for `generate` (`tpu_kernels.integration.fixed_shapes`: prompts
+            padded to token buckets, a static cache at a key bucket); None turns it on for a model on a TPU.
     """
     from kernels import Mode
 
@@ -328,6 +333,8 @@ def kernelize(
     if quantize_experts is not None:
         experts_entry = next((e for e in report.entries if e.kind == "experts"), None)
         report.quantization = _quantize_experts(model, experts_entry, loaded.get("experts"), quantize_experts)
+    if wants_fixed_shapes(fixed_shapes, device):
+        report.fixed_shapes = install_fixed_shapes(model, loaded.get("attention"))
     model.tpu_kernels_report = report
     logger.info("%r", report)
     return model

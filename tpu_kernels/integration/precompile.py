@@ -18,7 +18,8 @@ from __future__ import annotations
 import argparse
 import glob
 
-from ..runtime.buckets import key_buckets, token_buckets
+from ..runtime.buckets import key_bucket, key_buckets, token_bucket, token_buckets
+from . import fixed_shapes
 
 
 def warm_up_prompts(max_tokens: int, max_keys: int) -> list[int]:
@@ -67,15 +68,34 @@ def check_sizes(config, max_tokens: int, max_keys: int) -> None:
         raise ValueError(f"max_keys ({max_keys}) must hold the longest prompt and a new token ({max_tokens + 1})")
 
 
+def fixed_shape_cache(max_tokens: int, max_keys: int) -> int:
+    """The static cache length the fixed-shape recipe serves after `precompile`: a key bucket holding `max_keys`
+    and the longest padded prompt with its first new token (transformers keeps the longest a model has used)."""
+    return key_bucket(max(max_keys, token_bucket(max_tokens) + 1))
+
+
+def fixed_shape_prompts(max_tokens: int) -> list[int]:
+    """The warm-up prompt lengths of the fixed-shape recipe: per token bucket, a prompt one short of it (left-padded:
+    attention gets a padding mask) and, if no longer than `max_tokens`, one that fills it (no padding, no mask)."""
+    buckets = token_buckets(max_tokens)
+    return sorted({min(bucket - 1, max_tokens) for bucket in buckets} | {b for b in buckets if b <= max_tokens} - {0})
+
+
 def precompile(model, *, max_tokens: int, max_keys: int, progress: bool = True) -> list[int]:
-    """Run `model` (kernelized) once per prompt length of `warm_up_prompts`, with a progress bar; returns the
-    prompt lengths run. Random token ids (seeded), greedy, two new tokens each; no gradients. ValueError unless
+    """Run `model` (kernelized) once per warm-up prompt length, with a progress bar; returns the prompt lengths run.
+    Random token ids (seeded), greedy, two new tokens each (a prefill and a decode step); no gradients.
+
+    With the fixed-shape recipe (`fixed_shapes`, on by default on a TPU) a prompt runs padded to its token bucket
+    against one static cache (`fixed_shape_cache`): the warm-up prompts are `fixed_shape_prompts`, and their decode
+    steps share one shape, the step transformers compiles on a TPU. Without it, `warm_up_prompts`. ValueError unless
     1 <= max_tokens < max_keys <= the model's max_position_embeddings."""
     import torch
     from tqdm.auto import tqdm
 
     check_sizes(model.config, max_tokens, max_keys)
-    prompts = warm_up_prompts(max_tokens, max_keys)
+    recipe = fixed_shapes.installed(model)
+    prompts = fixed_shape_prompts(max_tokens) if recipe else warm_up_prompts(max_tokens, max_keys)
+    options = dict(max_cache_len=fixed_shape_cache(max_tokens, max_keys)) if recipe else {}
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.get_text_config().vocab_size
@@ -83,7 +103,7 @@ def precompile(model, *, max_tokens: int, max_keys: int, progress: bool = True) 
         for prompt in tqdm(prompts, desc="precompiling buckets", unit="prompt", disable=not progress):
             tokens = torch.randint(0, vocab, (1, prompt), generator=generator).to(device)
             model.generate(tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=2, min_new_tokens=2,
-                           do_sample=False)
+                           do_sample=False, **options)
     return prompts
 
 

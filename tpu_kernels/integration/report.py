@@ -57,6 +57,7 @@ class KernelizeReport:
     quantization: QuantizationReport | None = None
     own_config: bool = False  # the model was given its own copy of its config
     compile_caches: CompileCaches | None = None  # where compiled kernels are kept for the next process
+    fixed_shapes: str | None = None  # what the fixed-shape recipe does, when it is on (fixed_shapes.py)
 
     def replaced(self, kind: str) -> list[ReportEntry]:
         return [e for e in self.entries if e.kind == kind and e.replaced]
@@ -75,6 +76,8 @@ class KernelizeReport:
                          "not on the config object the model was built from")
         if self.quantization is not None:
             lines.append(repr(self.quantization))
+        if self.fixed_shapes is not None:
+            lines.append(f"  shapes    fixed: {self.fixed_shapes}")
         if self.compile_caches is not None:
             kept = ", ".join(f"{name} in {folder}" for name, folder in (
                 ("torch_tpu", self.compile_caches.torch_tpu), ("jax", self.compile_caches.jax)) if folder)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import glob
+import importlib.metadata
 import importlib.util
 import inspect
 import os
@@ -174,10 +175,8 @@ def _to_torch(array: jax.Array) -> torch.Tensor:
 class _RaceWatch:
     """Standard output while an op runs in interpret mode, passed on unchanged, noting a race report.
 
-    With `detect_races`, the interpreter prints a report starting "RACE DETECTED"
-    for every race it finds, in every kernel of the op (the behaviour
-    `pltpu.InterpretParams` documents); its race state itself has no public
-    accessor.
+    With `detect_races`, the interpreter prints a report starting "RACE DETECTED" for every race it finds, in every
+    kernel of the op (the behaviour `pltpu.InterpretParams` documents); its race state has no public accessor.
     """
 
     def __init__(self, stream):
@@ -482,27 +481,27 @@ class _Launch(NamedTuple):
 
 # Tensors the launcher takes as they are; any other (torch_tpu's `_elem` wrappers) goes through JaxCallable.
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+# The torch_tpu releases whose JaxCallable hands the launcher, in every eager mode and in the compile backend's
+# tracing, just what the direct launch hands it (docs/binding.md); under any other, every call is JaxCallable's.
+DIRECT_LAUNCH_TORCH_TPU = ("0.2.0",)
 
 
 class _TpuKernel:
     """The op's kernel for TPU tensors (module docstring).
 
-    torch_tpu's `JaxCallable` (as `jax_op` makes it) binds, normalises and
-    keys the arguments on every call, most of a call's host cost
-    (benchmarks/results/binding.json). It runs each signature's first call
-    (shapes, dtypes, static values, optional tensors present or not): it
-    registers the Mosaic kernel with the runtime, whose fingerprint and
-    output placeholders this kernel keeps. Later calls hand their tensors to
-    the runtime's launcher as JaxCallable would, after the same registry
-    check. JaxCallable runs again where that check fails, for tensors it
-    wraps, and always under a torch_tpu without what this reads of 0.2.0.
+    torch_tpu's `JaxCallable` (as `jax_op` makes it) binds, normalises and keys the arguments on every call, most of
+    a call's host cost (benchmarks/results/binding.json). It runs each signature's first call (shapes, dtypes,
+    static values, optional tensors present or not): it registers the Mosaic kernel with the runtime, whose
+    fingerprint and output placeholders this kernel keeps. Later calls hand their tensors to the runtime's launcher
+    as JaxCallable would, after the same registry check. JaxCallable runs again where that check fails, for tensors
+    it wraps, and always under a torch_tpu not in DIRECT_LAUNCH_TORCH_TPU.
     """
 
     def __init__(self, jax_function: _JaxFunction, qualname: str):
         self.jax_function, self.qualname, self.signature = jax_function, qualname, jax_function.signature
         self.tensor_parameters = tuple(_is_tensor(p.annotation) for p in self.signature.parameters.values())
         self.launches: dict[tuple, _Launch] = {}
-        self.direct = True
+        self.direct = importlib.metadata.version("torch_tpu") in DIRECT_LAUNCH_TORCH_TPU
 
     @functools.cached_property
     def jax_callable(self):

@@ -38,6 +38,24 @@ def first_call(data: dict) -> str:
                           "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", rows)
 
 
+def end_to_end(data: dict) -> str:
+    """Every program of a whole generate under TorchTPU's strict eager, by whose op, per model and cache."""
+    counts = data["end_to_end"]
+    rows = []
+    for model, caches in counts["models"].items():
+        for cache, measured in caches.items():
+            for moment, by_origin in measured.items():
+                rows.append([model, cache, moment.replace("_", " "),
+                             *(f"{by_origin[kind]:,.1f}".removesuffix(".0") for kind in by_origin)])
+    kinds = list(next(iter(next(iter(counts["models"].values())).values()))["first_request"])
+    return markdown_table(["model", "cache", f"programs (prompts {counts['prompts']}, {counts['new_tokens']} new "
+                                             "tokens each)", *kinds],
+                          "| --- | --- | --- |" + " ---: |" * len(kinds), rows)
+
+
 def render_markdown(data: dict) -> dict[str, str]:
-    """compiles.json's table by section."""
-    return {"first-call": first_call(data)}
+    """compiles.json's tables by section."""
+    sections = {"first-call": first_call(data)}
+    if "end_to_end" in data:
+        sections["end-to-end"] = end_to_end(data)
+    return sections

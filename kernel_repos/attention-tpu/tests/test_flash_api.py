@@ -160,3 +160,20 @@ def test_attention_forward_points_a_paged_cache_at_the_flash_api(kernel):
     q, k, v = _tensors([(1, 2, 3, 64)] * 3, torch.float32, seed=9)
     with pytest.raises(ValueError, match='attn_implementation="<org>/attention-tpu:flash_attn_varlen_func"'):
         kernel.attention_forward(torch.nn.Module(), q, k, v, None, cache=object())
+
+
+@pytest.mark.slow
+def test_the_flash_route_traces_into_one_graph(kernel):
+    """transformers' flash route under torch.compile(fullgraph=True, dynamic=False): flash_attn_func at unbucketed
+    lengths (its real offset a tensor) and flash_attn_varlen_func on the ragged kernel give the eager results."""
+    q, k, v = _tensors([(1, 5, 4, 64), (1, 7, 2, 64), (1, 7, 2, 64)], torch.float32, seed=11)
+    packed = _packed([3, 1], [6, 9], 4, 2, 64, torch.float32, seed=12)
+
+    def flash_route(q, k, v, packed_q, packed_k, packed_v, cu_q, cu_k):
+        return (kernel.flash_attn_func(q, k, v, causal=True),
+                kernel.flash_attn_varlen_func(packed_q, packed_k, packed_v, cu_q, cu_k, 3, 9, causal=True))
+
+    torch.compiler.reset()
+    compiled = torch.compile(flash_route, fullgraph=True, dynamic=False, backend="aot_eager")(q, k, v, *packed)
+    for out, expected in zip(compiled, flash_route(q, k, v, *packed)):
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)

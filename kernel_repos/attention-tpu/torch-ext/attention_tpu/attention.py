@@ -71,8 +71,8 @@ def transformers_masking(attention_mask: torch.Tensor | None, buckets: Buckets, 
     q_len, kv_len = buckets.q_len, buckets.kv_len
     if attention_mask is None:
         causal = bool(is_causal) and q_len > 1
-        return dict(causal=causal, q_offset=0 if causal else kv_len - q_len,
-                    sliding_window=sliding_window if causal else None)
+        # Without causality or a window, the queries' offset hides no key: it stays the kernel's default.
+        return dict(causal=causal, q_offset=0 if causal else None, sliding_window=sliding_window if causal else None)
     if attention_mask.dim() != 4:
         raise ValueError(
             f"attention_mask must be a 4-D mask [B, 1, Sq, Skv] (register `attention_mask` from this kernel in "

@@ -37,8 +37,8 @@ from . import paged_ops
 from ._buckets import token_bucket
 from .ops import FLOAT_DTYPES, check_tensor, flash_attention
 from .padding import (
-    RAGGED_SEQUENCES_FLOOR, batch_rows, key_rows, padded, power_of_two, query_length_bound, query_rows,
-    with_empty_sequences,
+    RAGGED_SEQUENCES_FLOOR, batch_rows, key_rows, lengths_tensor, padded, power_of_two, query_length_bound,
+    query_rows, with_empty_sequences,
 )
 
 
@@ -127,8 +127,11 @@ def flash_attn_func(
     sequences, q_padded, kv_padded = batch_rows(batch), query_rows(q_len), key_rows(kv_len)
     q, k, v = (padded(padded(tensor, 1, rows), 0, sequences).transpose(1, 2)
                for tensor, rows in ((q, q_padded), (k, kv_padded), (v, kv_padded)))
-    out = flash_attention(q, k, v, scale=softmax_scale, causal=causal, q_offset=kv_len - q_len,
-                          kv_lengths=padded(torch.full((batch,), kv_len, device=q.device), 0, sequences),
+    # The real offset is the kernel's default only at bucket sizes; elsewhere it changes with the lengths: a tensor.
+    q_offset = kv_len - q_len if kv_padded - q_padded == kv_len - q_len else lengths_tensor(
+        [kv_len - q_len] * sequences, q.device)
+    out = flash_attention(q, k, v, scale=softmax_scale, causal=causal, q_offset=q_offset,
+                          kv_lengths=lengths_tensor([kv_len] * batch + [0] * (sequences - batch), q.device),
                           sliding_window=sliding_window, softcap=softcap, sinks=_sinks(s_aux, learnable_sink))
     return out.transpose(1, 2)[:batch, :q_len]
 

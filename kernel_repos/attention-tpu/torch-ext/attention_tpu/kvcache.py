@@ -47,7 +47,7 @@ def _window(window_size, causal: bool) -> int | None:
 
 def _cache_lengths(cache_seqlens, batch: int, device) -> torch.Tensor:
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        return torch.full((batch,), cache_seqlens, dtype=torch.int64, device=device)
+        return torch.tensor([cache_seqlens] * batch, dtype=torch.int64, device=device)  # data, not a scalar argument
     if not isinstance(cache_seqlens, torch.Tensor) or tuple(cache_seqlens.shape) != (batch,) or (
             cache_seqlens.dtype.is_floating_point or cache_seqlens.dtype == torch.bool):
         raise ValueError(f"flash_attn_with_kvcache: cache_seqlens must be an int or an integer tensor of shape "

@@ -38,6 +38,13 @@ def padded(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.nn.functional.pad(tensor, pads)
 
 
+def lengths_tensor(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """Per-sequence lengths or offsets as an int32 tensor made from host data: a value that changes every token
+    (a real key length) reaches the device as data, never as the scalar argument of an op such as `torch.full`,
+    whose every value TorchTPU's eager mode would compile as a program of its own."""
+    return torch.tensor(lengths, dtype=torch.int32, device=device)
+
+
 def batch_rows(batch: int) -> int:
     """The batch a kernel is handed for `batch` sequences: its power of two (no sequences stay none). The padded
     sequences have no keys: the kernels skip them and their rows come out zero."""
@@ -101,7 +108,7 @@ class Buckets:
 
     def key_lengths(self, device) -> torch.Tensor:
         """int32 [sequences]: the real key length of each real sequence, 0 for the padded ones (they see no key)."""
-        return padded(torch.full((self.batch,), self.kv_len, dtype=torch.int32, device=device), 0, self.sequences)
+        return lengths_tensor([self.kv_len] * self.batch + [0] * (self.sequences - self.batch), device)
 
     def unpadded(self, out: torch.Tensor) -> torch.Tensor:
         """A kernel's [B, H, Sq, ...] output cut back to the real batch and queries."""
