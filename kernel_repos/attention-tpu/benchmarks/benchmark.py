@@ -15,8 +15,8 @@ up to half the longest context). Without a TPU, small shapes in interpret mode. 
 build) says how a case is timed and checked.
 
 Each case checks its output against the kernel's float64 reference (`reference`), computed once on the host
-(the prefill cases' logits take tens of GB of host memory there; the latent reference expands the one KV head to
-every query head, so it runs a batch row and a block of heads at a time). Values are scaled so that outputs stay
+(the prefill cases' logits take tens of GB of host memory there; the latent decode cases' reference takes a
+sequence at a time, its heads as queries: `latent_reference`). Values are scaled so that outputs stay
 below 2, where bfloat16's rounding stays within the runner's absolute tolerance of 0.01: the values (v, and the
 latent, which is latent attention's values) are scaled by 0.3.
 """
@@ -34,8 +34,6 @@ _spec.loader.exec_module(harness)
 # Any generation: compile targets' shapes are the same for each.
 SHAPES_OF_GENERATION = "v6e"
 VALUE_SCALE = 0.3
-# Host memory one call of the latent reference may take (`latent_reference`).
-REFERENCE_BYTES = 4 << 30
 
 
 def declared(table: dict, kernel_shapes) -> dict:
@@ -198,22 +196,26 @@ def latent_inputs(case: dict, generator: torch.Generator) -> dict:
 
 
 def latent_reference(reference, inputs: dict) -> torch.Tensor:
-    """`reference_latent_attention`, a batch row and a block of heads at a time: it expands the one KV head to
-    every query head in float64 (at 128 heads over 32768 keys, about 150 GB at once); a call here holds at most
-    REFERENCE_BYTES of them. Every option is per sequence."""
-    q_latent, q_rope, latent, rope = (inputs[name] for name in ("q_latent", "q_rope", "latent", "rope"))
-    batch, heads, _, latent_dim = q_latent.shape
-    bytes_per_head = latent.shape[2] * (2 * latent_dim + rope.shape[-1]) * torch.float64.itemsize
-    block = max(1, min(heads, REFERENCE_BYTES // bytes_per_head))
+    """`reference_latent_attention` of a decode step, a sequence at a time, with the query heads as its queries
+    (as the kernel packs them): every head reads the one shared KV head, and a step's one query sits at the
+    cache's last position, where causality hides no key, so the step is non-causal attention of H queries over
+    that head. Called per head instead, the reference would expand the KV head to every query head in float64
+    (at 128 heads over 32768 keys, about 150 GB)."""
+    q_latent, q_rope = inputs["q_latent"], inputs["q_rope"]
+    batch, heads, q_len, _ = q_latent.shape
+    if q_len != 1:
+        raise ValueError(f"the latent cases are decode steps (one query per sequence), got {q_len} queries")
 
-    def row(b):
+    def sequence(b):
         options = {name: value[b:b + 1] for name, value in inputs["options"].items()}
-        return torch.cat([reference.reference_latent_attention(q_latent[b:b + 1, h:h + block],
-                                                               q_rope[b:b + 1, h:h + block], latent[b:b + 1],
-                                                               rope[b:b + 1], **options)
-                          for h in range(0, heads, block)], dim=1)
+        if "attention_mask" in options:
+            options["attention_mask"] = options["attention_mask"].expand(-1, -1, heads, -1)
+        out = reference.reference_latent_attention(q_latent[b:b + 1].transpose(1, 2), q_rope[b:b + 1].transpose(1, 2),
+                                                   inputs["latent"][b:b + 1], inputs["rope"][b:b + 1], causal=False,
+                                                   **options)
+        return out.transpose(1, 2)
 
-    return torch.cat([row(b) for b in range(batch)])
+    return torch.cat([sequence(b) for b in range(batch)])
 
 
 def paged_inputs(case: dict, generator: torch.Generator) -> dict:
