@@ -267,3 +267,9 @@ def test_every_tpu_case_resolves_against_the_kernels_compile_targets(name, kerne
         if name == "rmsnorm-tpu":
             with pytest.raises(ValueError, match="not among compile_targets' shapes"):
                 module.modelled("rms_norm", 3, 4096)(targets)
+        if name == "attention-tpu":  # DeepSeek-V3's latent decode under TP8, at a cache length no target has
+            off_target = {"Latent": {"tp8_cache8192": lambda t: dict(t.flash.LATENT_HEADS["deepseek-v3 tp8"], batch=64,
+                                                                     q_len=1, kv_len=8192, lengths=True)}}
+            checked = module.declared(off_target, lambda spec: module.latent_shapes(spec).values())
+            with pytest.raises(ValueError, match="tp8_cache8192: .* not among compile_targets' shapes"):
+                checked["Latent"]["tp8_cache8192"](targets)

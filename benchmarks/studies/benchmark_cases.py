@@ -158,6 +158,15 @@ def kernel_function(case: Case, kernel, inputs: dict, chip: str):
 
         names = ("q", "k_cache", "v_cache", "cu_q_lens", "kv_lens", "page_table")
         return paged, [inputs[key] for key in names] + ([sinks] if sinks is not None else [])
+    if name == "LatentCase":
+        keys = sorted(inputs["options"])
+
+        def latent(q_latent, q_rope, latent_cache, rope, *options):
+            return kernel.latent.kernel.latent_attention(q_latent, q_rope, latent_cache, rope,
+                                                         **dict(zip(keys, options)), generation=chip)
+
+        arrays = [inputs[key] for key in ("q_latent", "q_rope", "latent", "rope")]
+        return latent, arrays + [inputs["options"][key] for key in keys]
     if name == "NormCase":
         forward = getattr(kernel.norm.kernel, f"{inputs['kernel']}_forward")
         rows = [inputs["x"], inputs["residual"]] if "residual" in inputs else [inputs["x"]]

@@ -75,4 +75,6 @@ TOOLS = [
     # limit, and the backward's tiles.
     "flash.tiles.vmem_bytes", "flash.tiles.ForwardTiles", "vmem_budget", "vmem_limit",
     "flash_backward.tiles.backward_tiles",
+    # The latent kernel's (MLA's absorbed form): its problem and tile selector, and its JAX function.
+    "latent.tiles.LatentProblem", "latent.tiles.select", "latent.kernel.latent_attention",
 ]
