@@ -39,9 +39,13 @@ def _generate_batch(model) -> list[list[int]]:
 
 
 def _generate(model) -> list[list[int]]:
+    """`generate` of the prompts in one batch, left-padded, with their mask."""
+    longest = max(len(prompt) for prompt in PROMPTS)
+    ids = torch.tensor([[0] * (longest - len(prompt)) + prompt for prompt in PROMPTS])
+    mask = torch.tensor([[0] * (longest - len(prompt)) + [1] * len(prompt) for prompt in PROMPTS])
     with torch.no_grad():
-        return [model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):]
-                .tolist() for prompt in PROMPTS]
+        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                              pad_token_id=0)[:, longest:].tolist()
 
 
 class PackedCalls:
