@@ -19,6 +19,11 @@ prices lower on this TPU generation: a decode step or a short chunk over a long 
 reads the latent once instead of expanding every cached token), a prefill from an empty cache the expanded form
 (its attention multiplies nope + R + v wide rows instead of 2L + R wide ones).
 
+Continuous batching (transformers' `generate_batch`, under a name holding "flash") calls it packed: every sequence
+of the step in one row, each sequence's latent gathered from the pages after the one before, and no mask (a
+sequence's queries are the last of its keys). Both forms serve it: the absorbed form over the sequences laid out as
+a batch (`padding.PackedBuckets`), the expanded form through `flash_attn_varlen_func`.
+
 DeepSeek Sparse Attention models (V3.2, GLM-MoE-DSA, ...) hand a non-eager attention function the indexer's
 top-k key indices as `indices` [B, Sq, k] instead of folding them into the mask: both forms fold them in
 (`with_selected_keys`).
