@@ -157,13 +157,14 @@ def _register(model, kernel: ModuleType, function, suffix: str = "") -> None:
 def continuous_batching_refusal(model, mode: Mode) -> str | None:
     """Why transformers' continuous batching cannot run `model`'s latent attention; None if it can.
 
-    It pages the latent of MLA layers only where every layer is full attention (`MLACacheAllocator`); it has no
-    cache for DSA indexers or linear attention, and pages a sliding window's keys expanded."""
+    It pages the latent of full-attention MLA layers (`MLACacheAllocator`), sliding-window layers with its plain
+    allocator only, and has no cache for DSA indexers or linear attention ("Invalid layer type")."""
     from kernels import Mode
     from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
 
     if Mode.TRAINING in mode or Mode.TORCH_COMPILE in mode:
-        return "TRAINING or TORCH_COMPILE"
+        return ("TRAINING or TORCH_COMPILE: continuous batching is for inference, and transformers compiles a model "
+                "on a name holding \"flash\" without fullgraph")
     try:
         layer_types = set(group_layers_by_attn_type(model.config.get_text_config()))
     except ValueError as error:  # "Invalid layer type: <the first it has no cache for>"
