@@ -163,8 +163,10 @@ class PackedBuckets:
 
 
 def _by_sequence(packed: torch.Tensor, cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
-    """Packed [total, H, D] -> [B, H, rows, D]; rows past a sequence's end repeat a valid row (the kernels mask
-    them by length)."""
-    starts = cu_seqlens[:-1].to(torch.int64)
-    index = (starts[:, None] + torch.arange(rows, device=packed.device)[None, :]).clamp(0, packed.shape[0] - 1)
+    """Packed [total, H, D] -> [B, H, rows, D]; rows past a sequence's end repeat its last row (the kernels mask
+    them by length). Bounded by the lengths, which are data: the total, which changes every step, is no scalar of
+    an op."""
+    cu_seqlens = cu_seqlens.to(torch.int64)
+    rows_of = cu_seqlens[:-1, None] + torch.arange(rows, device=packed.device)[None, :]
+    index = torch.minimum(rows_of, cu_seqlens[1:, None] - 1).clamp(min=0)
     return packed[index].transpose(1, 2)
