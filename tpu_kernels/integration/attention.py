@@ -13,7 +13,8 @@ Three routes, the report says which:
   absorbed form over the latent cache or the expanded form through the flash kernel, whichever the kernel prices
   cheaper for the call's shape (a call that needs gradients: expanded). A module whose `kv_b_proj` cannot be
   folded into its queries (`latent_refusal`) keeps transformers' `expand_kv` and runs the expanded form at every
-  call.
+  call. Registered under a name holding "flash" where transformers' continuous batching pages the model's latent
+  cache (`continuous_batching_refusal`), so that `generate_batch` runs on it too, over the packed sequences.
 """
 
 from __future__ import annotations
@@ -153,6 +154,53 @@ def _register(model, kernel: ModuleType, function, suffix: str = "") -> None:
     model.set_attn_implementation(name)
 
 
+def continuous_batching_refusal(model, mode: Mode) -> str | None:
+    """Why transformers' continuous batching cannot run `model`'s latent attention; None if it can.
+
+    It pages the latent of full-attention MLA layers (`MLACacheAllocator`), sliding-window layers with its plain
+    allocator only, and has no cache for DSA indexers or linear attention ("Invalid layer type")."""
+    from kernels import Mode
+    from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
+
+    if Mode.TRAINING in mode or Mode.TORCH_COMPILE in mode:
+        return ("TRAINING or TORCH_COMPILE: continuous batching is for inference, and transformers compiles a model "
+                "on a name holding \"flash\" without fullgraph")
+    try:
+        layer_types = set(group_layers_by_attn_type(model.config.get_text_config()))
+    except ValueError as error:  # "Invalid layer type: <the first it has no cache for>"
+        return f"transformers' continuous batching has no cache for this model's layers ({error})"
+    if layer_types != {"full_attention"}:
+        return f"transformers' continuous batching pages only full-attention MLA layers, not {sorted(layer_types)}"
+    return None
+
+
+def latent_flash_implementation(kernel: ModuleType) -> str:
+    """The name, holding "flash", of `kernel`'s latent attention for a model continuous batching can serve (no digit
+    after "flash": transformers would read it as a flash-attn version)."""
+    return f"tpu_kernels_{kernel.__name__.lstrip('_')}_latent_flash"
+
+
+def _register_latent(model, kernel: ModuleType, batching_refusal: str | None) -> None:
+    """`latent_attention_forward` and the kernel's mask function under one name, selected for `model`.
+
+    Continuous batching takes no name but sdpa, eager and those holding "flash"; under a name holding "flash" it
+    hands the attention function the packed sequences' lengths and no mask, which `latent_attention_forward`
+    serves. A name holding "flash" changes `generate` too (transformers keeps an all-ones 2-D mask for a static
+    cache, and gives up `fullgraph` compiling), so a model that continuous batching refuses keeps a name without
+    it. `set_attn_implementation` would load a name holding "flash" as a Hub kernel; it goes into the config
+    instead, as `set_attn_implementation` puts a registered name there."""
+    if batching_refusal is not None:
+        _register(model, kernel, kernel.latent_attention_forward, "_latent")
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    name = latent_flash_implementation(kernel)
+    AttentionInterface.register(name, kernel.latent_attention_forward)
+    AttentionMaskInterface.register(name, kernel.attention_mask)
+    model.config._attn_implementation = name
+
+
 def _kernelize_latent_attention(model, spec: KernelSpec, kernel: ModuleType, mode: Mode, modules: tuple[str, ...],
                                 latent: dict) -> ReportEntry:
     if not hasattr(kernel, "latent_attention_forward"):
@@ -165,14 +213,17 @@ def _kernelize_latent_attention(model, spec: KernelSpec, kernel: ModuleType, mod
     for name, module in latent.items():
         if name not in expanded_only:
             kernel.serve_latent(module)
-    _register(model, kernel, kernel.latent_attention_forward, "_latent")
+    batching_refusal = continuous_batching_refusal(model, mode)
+    _register_latent(model, kernel, batching_refusal)
     note = (f"latent attention (MLA) over transformers' latent cache: {len(latent) - len(expanded_only)} module(s) "
             "absorbed for decode and short chunks, expanded once per call for long prefills")
     for why in sorted(set(expanded_only.values())):
         count = sum(1 for reason in expanded_only.values() if reason == why)
         note += f"; {count} module(s) expanded at every call ({why})"
-    note += ("; generate_batch unavailable (continuous batching asks for a flash implementation, which hands the "
-             "kernel expanded keys)")
+    if batching_refusal is None:
+        note += "; generate and generate_batch (over continuous batching's paged latent cache)"
+    else:
+        note += f"; generate_batch unavailable ({batching_refusal})"
     return ReportEntry("attention", True, modules, str(spec), note=note)
 
 

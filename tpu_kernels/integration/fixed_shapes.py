@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from types import ModuleType
 
 from ..runtime.buckets import key_bucket, token_bucket
+from .attention import latent_flash_implementation
 
 # What the report says when the recipe is on.
 SUMMARY = ("generate pads prompts to token buckets (left, with the mask) and uses a static cache at a key bucket"
@@ -60,8 +61,10 @@ def install(model, attention_kernel: ModuleType | None) -> str:
 
 def _fixed_attention(model, kernel: ModuleType | None) -> str | None:
     """The attention implementation `generate` runs on in place of transformers' flash path, registered; None when
-    the model is not on the kernel's flash path."""
-    if kernel is None or "flash" not in str(model.config._attn_implementation):
+    the model is not on the kernel's flash path (an MLA model on the kernel's latent attention is not: its name holds
+    "flash" for continuous batching, and `generate` keeps it, padded to buckets and masked in 4-D)."""
+    name = str(model.config._attn_implementation)
+    if kernel is None or "flash" not in name or name == latent_flash_implementation(kernel):
         return None
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface

@@ -37,8 +37,8 @@ from . import paged_ops
 from ._buckets import token_bucket
 from .ops import FLOAT_DTYPES, check_tensor, flash_attention
 from .padding import (
-    RAGGED_SEQUENCES_FLOOR, batch_rows, key_rows, lengths_tensor, padded, power_of_two, query_length_bound,
-    query_rows, with_empty_sequences,
+    RAGGED_SEQUENCES_FLOOR, PackedBuckets, batch_rows, key_rows, lengths_tensor, padded, power_of_two,
+    query_length_bound, query_rows, with_empty_sequences,
 )
 
 
@@ -181,13 +181,6 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     return maxima[0], maxima[1]
 
 
-def _pad_sequences(packed: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
-    """Packed [total, H, D] -> [B, H, max_len, D]; rows past a sequence's end repeat a valid row (masked later)."""
-    starts = cu_seqlens[:-1].to(torch.int64)
-    rows = (starts[:, None] + torch.arange(max_len, device=packed.device)[None, :]).clamp(0, packed.shape[0] - 1)
-    return packed[rows].transpose(1, 2)
-
-
 def padded_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, **options):
     """`flash_attn_varlen_func` on the flash kernel, which has a backward (inputs checked): packed q, k, v ->
     packed [total_q, Hq, Dv].
@@ -196,26 +189,16 @@ def padded_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
     padded keys by length (and skips key blocks past every length) and places
     each sequence's queries at its last positions; rows past
     `cu_seqlens_q[-1]` come out zero. The batch is rounded up to a power of
-    two, the lengths to their buckets: each new shape compiles the kernel anew.
+    two, the lengths to their buckets (`padding.PackedBuckets`): each new shape
+    compiles the kernel anew.
     """
     total_q = q.shape[0]
     if total_q == 0 or cu_seqlens_q.shape[0] == 1 or k.shape[0] == 0:
         return q.new_zeros((*q.shape[:2], v.shape[2]))
-    batch = power_of_two(cu_seqlens_q.shape[0] - 1)
-    padded_q, padded_k = with_empty_sequences(cu_seqlens_q, batch), with_empty_sequences(cu_seqlens_k, batch)
-    q_lengths, kv_lengths = padded_q.diff(), padded_k.diff()
-    q_rows, kv_rows = query_rows(max(max_seqlen_q, 1)), key_rows(max(max_seqlen_k, 1))
-    out = flash_attention(_pad_sequences(q, padded_q, q_rows), _pad_sequences(k, padded_k, kv_rows),
-                          _pad_sequences(v, padded_k, kv_rows),
-                          q_offset=(kv_lengths - q_lengths).to(torch.int32), kv_lengths=kv_lengths.to(torch.int32),
-                          **options)
-    # Each packed row: its sequence and its index in it.
-    token = torch.arange(total_q, device=q.device)
-    sequence = torch.bucketize(token, cu_seqlens_q[1:].to(torch.int64), right=True)
-    inside = sequence < cu_seqlens_q.shape[0] - 1
-    sequence = sequence.clamp(max=cu_seqlens_q.shape[0] - 2)
-    index = (token - cu_seqlens_q[sequence].to(torch.int64)).clamp(0, q_rows - 1)
-    return torch.where(inside[:, None, None], out[sequence, :, index], 0)
+    buckets = PackedBuckets.of(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out = flash_attention(buckets.queries(q), buckets.keys(k), buckets.keys(v), q_offset=buckets.query_offsets(),
+                          kv_lengths=buckets.key_lengths(), **options)
+    return buckets.packed(out, total_q)
 
 
 def ragged_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, *, scale, causal: bool,

@@ -19,6 +19,11 @@ prices lower on this TPU generation: a decode step or a short chunk over a long 
 reads the latent once instead of expanding every cached token), a prefill from an empty cache the expanded form
 (its attention multiplies nope + R + v wide rows instead of 2L + R wide ones).
 
+Continuous batching (transformers' `generate_batch`, under a name holding "flash") calls it packed: every sequence
+of the step in one row, each sequence's latent gathered from the pages after the one before, and no mask (a
+sequence's queries are the last of its keys). Both forms serve it: the absorbed form over the sequences laid out as
+a batch (`padding.PackedBuckets`), the expanded form through `flash_attn_varlen_func`.
+
 DeepSeek Sparse Attention models (V3.2, GLM-MoE-DSA, ...) hand a non-eager attention function the indexer's
 top-k key indices as `indices` [B, Sq, k] instead of folding them into the mask: both forms fold them in
 (`with_selected_keys`).
@@ -33,8 +38,9 @@ import torch
 
 from ._hardware import TpuGeneration, resolve_target
 from .attention import attention_forward, transformers_masking
+from .flash_api import flash_attn_varlen_func
 from .latent_ops import latent_attention
-from .padding import Buckets
+from .padding import Buckets, PackedBuckets
 
 
 def _keep_latent(module, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,14 +156,20 @@ def _needs_gradient(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def _absorbed_query(module, query: torch.Tensor, latent: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_latent [B, H, Sq, L], q_rope [B, H, Sq, R], W_UV [H, L, v]): the query [B, H, Sq, nope + R] with W_UK
+    folded into its no-rope part, and the value half of `kv_b_proj` for the output."""
+    nope = module.qk_nope_head_dim
+    weight = module.kv_b_proj.weight.view(-1, nope + module.v_head_dim, latent)  # [H, nope + v, L]
+    q_latent = torch.matmul(query[..., :nope], weight[:, :nope])
+    return q_latent, query[..., nope:], weight[:, nope:].transpose(1, 2)
+
+
 def _absorbed(module, query: torch.Tensor, kv_nope: torch.Tensor, k_rot: torch.Tensor,
               attention_mask: torch.Tensor | None, scaling: float | None, is_causal: bool,
               sinks: torch.Tensor | None) -> torch.Tensor:
     """[B, Sq, H, v]: the absorbed form of one call (query [B, H, Sq, nope + R])."""
-    nope, latent = module.qk_nope_head_dim, kv_nope.shape[-1]
-    weight = module.kv_b_proj.weight.view(-1, nope + module.v_head_dim, latent)  # [H, nope + v, L]
-    q_nope, q_rope = query[..., :nope], query[..., nope:]
-    q_latent = torch.matmul(q_nope, weight[:, :nope])  # [B, H, Sq, L]
+    q_latent, q_rope, w_uv = _absorbed_query(module, query, kv_nope.shape[-1])
     batch, _, q_len, _ = query.shape
     buckets = Buckets.of(batch, q_len, kv_nope.shape[2])
     rope_width = k_rot.shape[-1]
@@ -167,8 +179,54 @@ def _absorbed(module, query: torch.Tensor, kv_nope: torch.Tensor, k_rot: torch.T
         buckets.queries(q_latent), buckets.queries(q_rope) if rope_width else None, buckets.keys(kv_nope),
         buckets.keys(k_rot) if rope_width else None, scale=scaling, kv_lengths=buckets.key_lengths(query.device),
         sinks=sinks, **masking)
-    out = torch.matmul(buckets.unpadded(out_latent), weight[:, nope:].transpose(1, 2))  # [B, H, Sq, v]
+    out = torch.matmul(buckets.unpadded(out_latent), w_uv)  # [B, H, Sq, v]
     return out.transpose(1, 2).contiguous()
+
+
+def _packed(tensor: torch.Tensor) -> torch.Tensor:
+    """A varlen call's [1, H, total, D] array as flash-attn's packed rows [total, H, D]."""
+    return tensor[0].transpose(0, 1)
+
+
+def _absorbed_packed(module, query: torch.Tensor, kv_nope: torch.Tensor, k_rot: torch.Tensor,
+                     buckets: PackedBuckets, scaling: float | None, is_causal: bool,
+                     sinks: torch.Tensor | None) -> torch.Tensor:
+    """[1, total_q, H, v]: the absorbed form of a packed call (continuous batching's: query [1, H, total_q,
+    nope + R], each sequence's latent gathered after the one before, kv_nope [1, 1, total_k, L] and k_rot
+    [1, 1, total_k, R])."""
+    q_latent, q_rope, w_uv = _absorbed_query(module, query, kv_nope.shape[-1])
+    rope_width = k_rot.shape[-1]
+    out_latent = latent_attention(
+        buckets.queries(_packed(q_latent)), buckets.queries(_packed(q_rope)) if rope_width else None,
+        buckets.keys(_packed(kv_nope)), buckets.keys(_packed(k_rot)) if rope_width else None, scale=scaling,
+        causal=is_causal, q_offset=buckets.query_offsets(), kv_lengths=buckets.key_lengths(), sinks=sinks)
+    out = torch.matmul(buckets.packed(out_latent, query.shape[2]).transpose(0, 1), w_uv)  # [H, total_q, v]
+    return out.transpose(0, 1)[None].contiguous()
+
+
+def _expanded_packed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict,
+                     scaling: float | None, dropout: float, is_causal: bool, sliding_window: int | None,
+                     softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """[1, total_q, H, v]: a packed call over expanded keys [1, H, total_k, nope + R] and values [1, H, total_k,
+    v], through the kernel's `flash_attn_varlen_func` (a sliding window as transformers' flash path hands it)."""
+    window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
+    out = flash_attn_varlen_func(
+        _packed(query), _packed(key), _packed(value), kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"],
+        kwargs["max_length_q"], kwargs["max_length_k"], dropout_p=dropout, softmax_scale=scaling, causal=is_causal,
+        window_size=window, softcap=softcap or 0.0, s_aux=sinks)
+    return out[None]
+
+
+def _options(module, kwargs: dict) -> tuple[bool, int | None, float | None, torch.Tensor | None]:
+    """(is_causal, sliding_window, softcap, sinks) of one call: from the kwargs, else from the module."""
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
+    return (is_causal, kwargs.get("sliding_window", getattr(module, "sliding_window", None)),
+            kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None)), sinks)
 
 
 def latent_attention_forward(
@@ -187,31 +245,43 @@ def latent_attention_forward(
     [B, 1, S, R], and the query [B, H, Sq, nope + R] is the module's; any other module's call (a model's
     attention layers that are not MLA) is `attention_forward`'s. The form (module docstring) follows from the
     shapes alone, so a compiled graph holds one.
+
+    Continuous batching (`generate_batch`) calls it packed: B = 1, the sequences' queries and latents one after
+    the other, `cu_seq_lens_q` / `cu_seq_lens_k` (int32 [N + 1]) where each sequence's rows lie and
+    `max_length_q` / `max_length_k` (ints) the longest, no mask: a sequence's queries are the last of its keys.
+    The sequences are laid out as a batch (`padding.PackedBuckets`) for the latent kernel, or the expanded keys go
+    to the kernel's `flash_attn_varlen_func`; the form is priced at N sequences of the longest lengths.
     """
+    is_causal, sliding_window, softcap, sinks = _options(module, kwargs)
+    packed = kwargs.get("cu_seq_lens_q") is not None
     if not serves_latent(module):
+        if packed:
+            return _expanded_packed(query, key, value, kwargs, scaling, dropout, is_causal, sliding_window,
+                                    softcap, sinks), None
         return attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     kv_nope, k_rot = key, value
     indices = kwargs.pop("indices", None)
     if indices is not None:
         attention_mask = with_selected_keys(attention_mask, indices, kv_nope.shape[2])
-    is_causal = kwargs.get("is_causal")
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", True)
-    batch, heads, q_len, _ = query.shape
-    shape = LatentShape(heads=heads, nope=module.qk_nope_head_dim, rope=k_rot.shape[-1], v=module.v_head_dim,
-                        latent=kv_nope.shape[-1], batch=batch, q_len=q_len, kv_len=kv_nope.shape[2],
+    if packed:
+        batch, q_len, kv_len = kwargs["cu_seq_lens_q"].shape[0] - 1, kwargs["max_length_q"], kwargs["max_length_k"]
+    else:
+        batch, q_len, kv_len = query.shape[0], query.shape[2], kv_nope.shape[2]
+    shape = LatentShape(heads=query.shape[1], nope=module.qk_nope_head_dim, rope=k_rot.shape[-1],
+                        v=module.v_head_dim, latent=kv_nope.shape[-1], batch=batch, q_len=q_len, kv_len=kv_len,
                         itemsize=query.element_size())
-    sinks = kwargs.get("s_aux")
-    if sinks is None:
-        sinks = kwargs.get("sinks")
     gradient_inputs = (query, kv_nope, k_rot, module.kv_b_proj.weight, *(() if sinks is None else (sinks,)))
-    absorbed = (not _needs_gradient(*gradient_inputs) and not dropout
-                and kwargs.get("sliding_window", getattr(module, "sliding_window", None)) is None
-                and kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None)) is None
-                and absorbed_is_cheaper(shape, resolve_target(None)))
+    absorbed = (not _needs_gradient(*gradient_inputs) and not dropout and sliding_window is None
+                and softcap is None and absorbed_is_cheaper(shape, resolve_target(None)))
+    if absorbed and packed:
+        buckets = PackedBuckets.of(kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], q_len, kv_len)
+        return _absorbed_packed(module, query, kv_nope, k_rot, buckets, scaling, is_causal, sinks), None
     if absorbed:
         return _absorbed(module, query, kv_nope, k_rot, attention_mask, scaling, is_causal, sinks), None
     key, value = type(module).expand_kv(module, kv_nope, k_rot)
+    if packed:
+        return _expanded_packed(query, key, value, kwargs, scaling, dropout, is_causal, sliding_window, softcap,
+                                sinks), None
     return attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
 

@@ -113,3 +113,60 @@ class Buckets:
     def unpadded(self, out: torch.Tensor) -> torch.Tensor:
         """A kernel's [B, H, Sq, ...] output cut back to the real batch and queries."""
         return out[:self.batch, :, :self.q_len]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBuckets:
+    """A varlen call's packed sequences (sequence b on rows cu_seqlens[b]:cu_seqlens[b + 1] of a [total, H, D] array)
+    laid out as the batch a kernel is handed: the sequences padded to a power of two with empty ones, queries to the
+    token bucket and keys to the key bucket of the longest. Each sequence's queries are the last of its keys
+    (`query_offsets`): its cached keys come first. The lengths stay on the device, as data."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    q_rows: int
+    kv_rows: int
+
+    @classmethod
+    def of(cls, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+           max_seqlen_k: int) -> PackedBuckets:
+        sequences = batch_rows(cu_seqlens_q.shape[0] - 1)
+        return cls(with_empty_sequences(cu_seqlens_q, sequences), with_empty_sequences(cu_seqlens_k, sequences),
+                   query_rows(max(max_seqlen_q, 1)), key_rows(max(max_seqlen_k, 1)))
+
+    def queries(self, packed: torch.Tensor) -> torch.Tensor:
+        """Packed queries [total_q, H, D] -> [sequences, H, q_rows, D]."""
+        return _by_sequence(packed, self.cu_seqlens_q, self.q_rows)
+
+    def keys(self, packed: torch.Tensor) -> torch.Tensor:
+        """Packed keys (or values) [total_k, H, D] -> [sequences, H, kv_rows, D]."""
+        return _by_sequence(packed, self.cu_seqlens_k, self.kv_rows)
+
+    def key_lengths(self) -> torch.Tensor:
+        """int32 [sequences]: each sequence's keys (0 for the padded ones: they see no key)."""
+        return self.cu_seqlens_k.diff().to(torch.int32)
+
+    def query_offsets(self) -> torch.Tensor:
+        """int32 [sequences]: the key position of each sequence's first query (its keys less its queries)."""
+        return (self.cu_seqlens_k.diff() - self.cu_seqlens_q.diff()).to(torch.int32)
+
+    def packed(self, out: torch.Tensor, total_q: int) -> torch.Tensor:
+        """A kernel's [sequences, H, q_rows, D] output back at the packed rows [total_q, H, D]; rows past the last
+        sequence's (continuous batching pads the batch with them) come out zero."""
+        token = torch.arange(total_q, device=out.device)
+        real_sequences = self.cu_seqlens_q[1:].to(torch.int64)
+        sequence = torch.bucketize(token, real_sequences, right=True)
+        inside = sequence < real_sequences.shape[0]
+        sequence = sequence.clamp(max=real_sequences.shape[0] - 1)
+        index = (token - self.cu_seqlens_q[sequence].to(torch.int64)).clamp(0, self.q_rows - 1)
+        return torch.where(inside[:, None, None], out[sequence, :, index], 0)
+
+
+def _by_sequence(packed: torch.Tensor, cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
+    """Packed [total, H, D] -> [B, H, rows, D]; rows past a sequence's end repeat its last row (the kernels mask
+    them by length). Bounded by the lengths, which are data: the total, which changes every step, is no scalar of
+    an op."""
+    cu_seqlens = cu_seqlens.to(torch.int64)
+    rows_of = cu_seqlens[:-1, None] + torch.arange(rows, device=packed.device)[None, :]
+    index = torch.minimum(rows_of, cu_seqlens[1:, None] - 1).clamp(min=0)
+    return packed[index].transpose(1, 2)
