@@ -86,7 +86,7 @@ def rule_pick(rule, built, model: MlaModel, call: Call, generation: str) -> dict
     absorbed = rule.absorbed_is_cheaper(shape, hardware.resolve_target(generation))
     return {"pick": "absorbed" if absorbed else "expanded",
             "roofline_us": {form: rule.roofline_seconds(*work, hardware.resolve_target(generation)) * 1e6
-                            for form, work in rule.form_costs(shape).items()}}
+                            for form, work in rule.form_costs(shape, hardware.resolve_target(generation)).items()}}
 
 
 def submit_case(xla: XlaTerms, model: MlaModel, call: Call, generation: str) -> None:

@@ -27,20 +27,32 @@ def test_the_priced_work_of_each_form(kernel):
     """Expanded: kv_b_proj over every cached token plus attention at nope + rope + v; absorbed: the query and output
     maps per query plus attention at 2L + R; the causal pairs of queries last in the keys."""
     mla = kernel.mla
+    target = mla.resolve_target("v6e")
     shape = _shape(mla, q_len=3, kv_len=5, heads=2, batch=1)
     assert shape.visible_pairs == 3 + 4 + 5
-    costs = mla.form_costs(shape)
+    costs = mla.form_costs(shape, target)
     pairs = 2 * 12
     assert costs["expanded"][0] == 2 * 5 * 2 * 512 * 256 + 2 * pairs * (192 + 128)
     assert costs["absorbed"][0] == 2 * 3 * 2 * 512 * 256 + 2 * pairs * (576 + 512)
-    # Bytes (bf16): the latent read by either form; per cached token and head the expanded form's kv_b_proj output,
+    # Bytes (bf16), each kernel streaming its keys once at this size: the latent read by either form; per cached token and head the expanded form's kv_b_proj output,
     # its assembled keys (k_nope read, keys written) and the kernel's reads of keys and values; per query and head,
     # q and the output (expanded), or q, the latent-wide query and output written and read, and the output (absorbed).
     cached_latent = 5 * 576
     assert costs["expanded"][1] == 2 * (cached_latent + 5 * 2 * (256 + 320 + 320) + 6 * 320)
     assert costs["absorbed"][1] == 2 * (cached_latent + 6 * (192 + 2 * 576 + 2 * 512 + 128))
-    decode = mla.form_costs(_shape(mla, q_len=1, kv_len=4096))
+    decode = mla.form_costs(_shape(mla, q_len=1, kv_len=4096), target)
     assert decode["absorbed"][1] < decode["expanded"][1] / 10
+
+
+def test_a_long_prompt_streams_each_kernels_keys_once_per_query_block_that_sees_them(kernel):
+    """The flash kernel re-reads the expanded keys and values, and the latent kernel the cache, per query block
+    (and block of heads): a causal prompt of 8192 tokens streams each about half as many times as it has query
+    blocks, and more than once."""
+    mla = kernel.mla
+    target = mla.resolve_target("v6e")
+    flash, latent = mla._streams(_shape(mla, q_len=8192, kv_len=8192, heads=16, batch=1), target)
+    assert flash > 1 and latent > 1
+    assert mla._streams(_shape(mla, q_len=1, kv_len=8192, heads=16, batch=1), target) == (1, 1)
 
 
 def test_more_queries_than_keys_see_only_the_keys_before_them(kernel):

@@ -32,13 +32,19 @@ top-k key indices as `indices` [B, Sq, k] instead of folding them into the mask:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import types
 
 import torch
 
 from ._hardware import TpuGeneration, resolve_target
 from .attention import attention_forward, transformers_masking
+from .common.latent import LatentProblem
+from .common.masking import Problem, static_kv_passes
+from .flash import tiles as flash_tiles
 from .flash_api import flash_attn_varlen_func
+from .latent import plan as latent_plan
 from .latent_ops import latent_attention
 from .padding import Buckets, PackedBuckets
 
@@ -101,22 +107,41 @@ class LatentShape:
         return q_len * (kv_len - q_len + 1) + q_len * (q_len - 1) // 2
 
 
-def form_costs(shape: LatentShape) -> dict[str, tuple[float, float]]:
-    """(flops, HBM bytes) of each form of one call, as the roofline `absorbed_is_cheaper` weighs them.
+def _streams(shape: LatentShape, target: TpuGeneration) -> tuple[float, float]:
+    """How many times each form's kernel streams its keys and values on `target`, by the tiles it would pick: the
+    flash kernel's per-head keys and values (once per query block that sees them), and the latent kernel's cache
+    (once per query block and block of heads)."""
+    dtype = {2: "bfloat16", 4: "float32"}[shape.itemsize]
+    expanded = Problem.of_shape(q_heads=shape.heads, kv_heads=shape.heads, q_len=shape.q_len, kv_len=shape.kv_len,
+                                head_dim=shape.nope + shape.rope, v_head_dim=shape.v, dtype=dtype)
+    flash = flash_tiles.select(expanded, target)
+    absorbed = LatentProblem.of_shape(heads=shape.heads, q_len=shape.q_len, kv_len=shape.kv_len,
+                                      latent_dim=shape.latent, rope_dim=shape.rope, dtype=dtype)
+    latent = latent_plan.make(absorbed, target)
+    query_block = shape.q_len if latent.packed else latent.block_q
+    latent_passes = (static_kv_passes(absorbed.attention, query_block, latent.block_kv)
+                     * math.ceil(shape.heads / latent.heads_per_step))
+    return static_kv_passes(expanded, flash.block_q, flash.block_kv), latent_passes
+
+
+def form_costs(shape: LatentShape, target: TpuGeneration) -> dict[str, tuple[float, float]]:
+    """(flops, HBM bytes) of each form of one call on `target`, as the roofline `absorbed_is_cheaper` weighs them.
 
     Expanded: `kv_b_proj` over every cached token, its output written, the keys assembled (k_nope read, keys
-    written, as transformers' `expand_kv` does), then the flash kernel reading keys and values once, q and the
-    output. Absorbed: the query through W_UK and the output through W_UV per query, the latent cache read once,
-    the latent-wide query and output written and read once each.
+    written, as transformers' `expand_kv` does), then the flash kernel streaming keys and values (`_streams`), q
+    and the output. Absorbed: the query through W_UK and the output through W_UV per query, the latent kernel
+    streaming the cache (`_streams`), the latent-wide query and output written and read once each.
     """
     s, b, h = shape.itemsize, shape.batch, shape.heads
     qk, latent_key = shape.nope + shape.rope, shape.latent + shape.rope
     pairs, cached, queries = shape.visible_pairs * b * h, shape.kv_len * b, shape.q_len * b * h
+    flash_streams, latent_streams = _streams(shape, target)
     expanded_flops = 2 * cached * h * shape.latent * (shape.nope + shape.v) + 2 * pairs * (qk + shape.v)
     expanded_bytes = s * (cached * latent_key + cached * h * (shape.nope + shape.v) + cached * h * (shape.nope + qk)
-                          + cached * h * (qk + shape.v) + queries * (qk + shape.v))
+                          + flash_streams * cached * h * (qk + shape.v) + queries * (qk + shape.v))
     absorbed_flops = 2 * queries * shape.latent * (shape.nope + shape.v) + 2 * pairs * (latent_key + shape.latent)
-    absorbed_bytes = s * (cached * latent_key + queries * (qk + 2 * latent_key + 2 * shape.latent + shape.v))
+    absorbed_bytes = s * (latent_streams * cached * latent_key
+                          + queries * (qk + 2 * latent_key + 2 * shape.latent + shape.v))
     return {"expanded": (expanded_flops, expanded_bytes), "absorbed": (absorbed_flops, absorbed_bytes)}
 
 
@@ -125,9 +150,11 @@ def roofline_seconds(flops: float, hbm_bytes: float, target: TpuGeneration) -> f
     return max(flops / target.device_bf16_flops_per_s, hbm_bytes / target.device_hbm_bytes_per_s)
 
 
+@functools.lru_cache(maxsize=4096)
 def absorbed_is_cheaper(shape: LatentShape, target: TpuGeneration) -> bool:
-    """Whether the absorbed form's roofline time is below the expanded form's on `target`."""
-    costs = {form: roofline_seconds(*work, target) for form, work in form_costs(shape).items()}
+    """Whether the absorbed form's roofline time is below the expanded form's on `target` (remembered per shape:
+    every layer of every step asks, and the kernels' tile selection is Python work)."""
+    costs = {form: roofline_seconds(*work, target) for form, work in form_costs(shape, target).items()}
     return costs["absorbed"] < costs["expanded"]
 
 
