@@ -161,9 +161,10 @@ def test_kernels_get_kernel_loads_an_allowed_repo_of_an_untrusted_publisher_quie
 
 
 # What attention-tpu's build exports (its `__all__` functions), as `kernels describe-api` lists them.
-ATTENTION_FUNCTIONS = ["attention_forward", "attention_mask", "flash_attention", "flash_attn_func",
-                       "flash_attn_varlen_func", "flash_attn_with_kvcache", "ragged_paged_attention",
-                       "ragged_varlen_attention"]
+ATTENTION_FUNCTIONS = ["supports_head_dims", "attention_forward", "attention_mask", "flash_attention",
+                       "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "ragged_paged_attention",
+                       "ragged_varlen_attention", "latent_attention", "latent_attention_forward", "serve_latent",
+                       "latent_refusal"]
 
 
 @pytest.mark.multiprocess

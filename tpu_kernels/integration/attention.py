@@ -136,6 +136,14 @@ def _check_flash_functions(name: str, kernel: ModuleType) -> None:
                                    f"{name}; refusing to run it", [])
 
 
+def served_head_dims(kernel: ModuleType) -> Callable[[int, int], bool]:
+    """What the kernel serves, as `supports_head_dims(key_dim, value_dim)`; a build from before key and value head
+    dims could differ lists its one head dims in SUPPORTED_HEAD_DIMS."""
+    if hasattr(kernel, "supports_head_dims"):
+        return kernel.supports_head_dims
+    return lambda key_dim, value_dim: key_dim == value_dim and key_dim in kernel.SUPPORTED_HEAD_DIMS
+
+
 def _attention_dropout(modules) -> float:
     """The largest attention dropout probability of these attention modules (0.0 without any)."""
     return max((float(getattr(m, "attention_dropout", 0.0) or 0.0) for m in modules), default=0.0)
@@ -244,7 +252,7 @@ def kernelize_attention(model, spec: KernelSpec, kernel: ModuleType, mode: Mode,
     uneven = uneven_attention_heads(model)
     if uneven:
         return ReportEntry("attention", False, modules, str(spec), uneven)
-    refused_head_dims = head_dims_refusal(attention, kernel.supports_head_dims)
+    refused_head_dims = head_dims_refusal(attention, served_head_dims(kernel))
     if refused_head_dims:
         return ReportEntry("attention", False, modules, str(spec), refused_head_dims)
     latent = {name: module for name, module in attention.items() if name in latent_modules(model)}
