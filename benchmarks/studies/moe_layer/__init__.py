@@ -80,10 +80,10 @@ the Hugging Face 257 us case, with sorted keys and no run facts; the raw rows
 cache hits, load) go to benchmarks/results/raw/ (untracked).
 
 Usage:
-    tpu-kernels bench moe_layer [--all] [--out benchmarks/results/moe_layer.json]
+    python -m benchmarks moe_layer [--all] [--out benchmarks/results/moe_layer.json]
         [--repo kernel_repos/ragged-dot-tpu] [--settings LABEL ...] [--tokens T ...] [--jobs 2] [--no-cache]
         [--retarget]
-    tpu-kernels bench kernel_repos/ragged-dot-tpu [...]        (the same, --repo from the path)
+    python -m benchmarks kernel_repos/ragged-dot-tpu [...]        (the same, --repo from the path)
     JAX_PLATFORMS=cpu python -m benchmarks.studies.moe_layer [...]
 Paths are relative to the current directory: run from the project's checkout.
 

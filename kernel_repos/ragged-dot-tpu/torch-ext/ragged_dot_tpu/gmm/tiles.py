@@ -323,7 +323,7 @@ def vmem_limit(config: TileConfig, problem: MatmulProblem, target: TpuGeneration
 
 # The backward's d_lhs grouped matmul runs at training sizes, where the heuristic tiles rows
 # (HEURISTIC_ROW_TILE) in chunks and each row tile reads one chunk more of lhs rows: a longer row
-# tile halves that extra read (modelled by `tpu-kernels bench moe_backward`: Qwen3-30B-A3B's down
+# tile halves that extra read (modelled by `python -m benchmarks moe_backward`: Qwen3-30B-A3B's down
 # projection on v6e, 73 % -> 82 % of its roofline). Taken where it passes `check_config`.
 D_LHS_ROW_TILE = 1024
 
