@@ -43,8 +43,8 @@ bodies is not made; their kernels' time is the replay's either way).
 
 The headline is the calibrated pipelined figure (`pipelined_time_s`: each
 grid step max(its compute, its neighbours' copies) + the fitted per-step cost
-of the generation, `perf.grid_step_s`), the figure `tpu-kernels
-calibrate` holds against real chips. Every time carries the calibrated error
+of the generation, `perf.grid_step_s`), the figure `python -m
+benchmarks calibrate` holds against real chips. Every time carries the calibrated error
 band of its terms in its regime (`calibration_bands`: Pallas kernels at the
 Pallas ragged-dot error, XLA ragged-dot loops at theirs, both from the
 measured calls of the layer's regime, streaming or compute-bound; other XLA

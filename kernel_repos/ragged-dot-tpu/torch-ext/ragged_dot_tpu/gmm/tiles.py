@@ -84,8 +84,8 @@ class TunedKey(NamedTuple):
 
 
 # Tiles tuned per shape, taken over the heuristic by `select`: data in tuned_tiles.json beside this
-# module (`_tuning`'s form), written by tpu-kernels' `bench moe_layer --tune-ours` (a search on its calibrated
-# model, as its rivals get; not measured on a TPU). A shape not in it takes the heuristic.
+# module (`_tuning`'s form), written by the tpu-kernels lab's `python -m benchmarks moe_layer --tune-ours` (a
+# search on its calibrated model, as its rivals get; not measured on a TPU). A shape not in it takes the heuristic.
 TUNED_TILES_FILE = Path(__file__).with_name("tuned_tiles.json")
 TUNED_TILES: dict[TunedKey, TileConfig] = read_tuned_tiles(TUNED_TILES_FILE, TunedKey, TileConfig)
 
