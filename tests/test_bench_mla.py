@@ -120,7 +120,7 @@ def test_vllm_search_divides_the_batch_and_stays_within_the_sequence():
 
 def test_the_kernels_rule_agrees_with_the_models_prices_at_the_tracked_shapes(kernel_builds):
     """Wherever mla.json priced both forms, the kernel's rule (attention_tpu.mla.absorbed_is_cheaper) picks the form
-    the model prices cheaper, or the JSON lists the call among the rule's disagreements (`tpu-kernels bench mla
+    the model prices cheaper, or the JSON lists the call among the rule's disagreements (`python -m benchmarks mla
     --resummarize` re-reads the rule into the JSON)."""
     import kernels
 

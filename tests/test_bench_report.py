@@ -1,4 +1,4 @@
-"""`tpu-kernels bench report`: the docs' generated blocks come from benchmarks/results/, never retyped."""
+"""`python -m benchmarks report`: the docs' generated blocks come from benchmarks/results/, never retyped."""
 
 import json
 import shutil
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tpu_kernels import cli
+from benchmarks import cli
 from benchmarks.studies import prose_figures, report
 from benchmarks.studies.tables import attention as attention_tables
 from benchmarks.studies.tables import binding as binding_tables
@@ -140,7 +140,7 @@ def test_a_benchmarks_sections_make_one_derived_table(checkout, monkeypatch):
 
     render = report.sectioned_tables("figures.json", render_markdown)
     monkeypatch.setattr(report, "DERIVED_TABLES", {"benchmarks/results/figures.md": render})
-    assert render(checkout) == ("<!-- written by `tpu-kernels bench report` from figures.json: do not edit -->\n\n"
+    assert render(checkout) == ("<!-- written by `python -m benchmarks report` from figures.json: do not edit -->\n\n"
                                 "## one\n\n| us |\n| 2.0 |\n\n## two\n\n| x |\n")
     doc = write_doc(checkout, "<!-- generated: benchmarks/results/figures.md#two -->\n<!-- end generated -->\n")
     report.refresh(checkout)
@@ -505,10 +505,10 @@ def test_cli_runs_report_as_a_bench_tool(tmp_path, monkeypatch, capsys):
     (tmp_path / prose_figures.FACTS).parent.mkdir()
     (tmp_path / prose_figures.FACTS).write_text(json.dumps({"README.md": facts["README.md"]}))
     monkeypatch.chdir(tmp_path)
-    assert cli.main(["bench", "report", "--check"]) == 1  # the derived tables are not written yet
-    assert cli.main(["bench", "report"]) == 0
-    assert cli.main(["bench", "report", "--check"]) == 0
-    assert cli.main(["bench", "--help"]) == 0
+    assert cli.main(["report", "--check"]) == 1  # the derived tables are not written yet
+    assert cli.main(["report"]) == 0
+    assert cli.main(["report", "--check"]) == 0
+    assert cli.main(["--help"]) == 0
     assert "report" in capsys.readouterr().out
 
 

@@ -1,4 +1,4 @@
-"""No figure typed into prose: `bench report --check` finds them (benchmarks/studies/prose_figures.py)."""
+"""No figure typed into prose: `python -m benchmarks report --check` finds them (benchmarks/studies/prose_figures.py)."""
 
 import json
 from pathlib import Path

@@ -12,7 +12,7 @@ import torch
 from kernels._rust import Digest, DigestAlgorithm, DigestValidationError
 
 from tpu_kernels.distribution.build_toml import BuildToml, BuildTomlError, read_build_toml
-from tpu_kernels.distribution.builder import BENCHMARK_MODULES, SHIPPED_MODULES, KernelSource, build_kernel_repo
+from tpu_kernels.distribution.builder import SHIPPED_MODULES, KernelSource, build_kernel_repo
 from tpu_kernels.distribution.digest import verify_variant
 
 from .conftest import REPO_ROOT
@@ -63,19 +63,12 @@ def test_every_build_carries_its_tuned_table_and_the_shared_modules_under_its_di
         verify_variant(variant)  # what publish and the loader check
 
 
-def test_the_build_carries_the_benchmarks_with_the_shared_modules(built):
+def test_the_build_carries_the_benchmarks_and_their_harness_in_the_package(built):
+    assert [path.name for path in (built / "benchmarks").iterdir()] == ["benchmark.py"]
     assert (built / "benchmarks" / "benchmark.py").read_bytes() == (REPO / "benchmarks" / "benchmark.py").read_bytes()
-    for name, shared in BENCHMARK_MODULES.items():
-        assert (built / "benchmarks" / name).read_bytes() == shared.read_bytes()
-
-
-@pytest.mark.parametrize("name", sorted(BENCHMARK_MODULES))
-def test_a_shared_benchmark_module_of_its_own_is_refused(tmp_path, name):
-    source = tmp_path / "ragged-dot-tpu"
-    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns("__pycache__", "tests"))
-    (source / "benchmarks" / name).write_text("ROUNDS = 1\n")
-    with pytest.raises(ValueError, match=f"the build writes {name}"):
-        build_kernel_repo(source, tmp_path / "out")
+    harness = (REPO_ROOT / "tpu_kernels" / "runtime" / "benchmark_harness.py").read_bytes()
+    for backend in ("cpu", "tpu"):
+        assert (built / "build" / f"torch-{backend}" / "_benchmark_harness.py").read_bytes() == harness
 
 
 @pytest.mark.parametrize("changed", ["gmm/kernel.py", "symbols.json"])

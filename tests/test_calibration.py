@@ -1,7 +1,8 @@
-"""`tpu-kernels calibrate`: reading tokamax's timing files, and the model's error on a few real-chip entries per kind.
+"""`python -m benchmarks calibrate`: reading tokamax's timing files, and the model's error on a few real-chip entries
+per kind.
 
 The entries below are tokamax 0.0.12's own measurements (tokamax/data/autotuning), rebuilt and modelled
-as `tpu-kernels calibrate` does; a model change that moves them outside the issue's bands fails here.
+as `python -m benchmarks calibrate` does; a model change that moves them outside the issue's bands fails here.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def test_the_chip_comes_from_the_folder_and_unknown_ops_or_untimed_entries_are_l
 
 @pytest.mark.slow
 def test_cli_writes_the_report_and_fails_only_on_a_file_it_cannot_read(tmp_path, capsys):
-    from tpu_kernels.cli import main
+    from benchmarks.cli import main
 
     source = tmp_path / "tpu_v5_lite"
     source.mkdir()

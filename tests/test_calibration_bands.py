@@ -125,7 +125,7 @@ def test_bands_table_names_the_chip_and_count_or_no_band():
 
 
 def test_cli_resummarizes_without_compiling_and_refuses_no_input(tmp_path, capsys):
-    from tpu_kernels import cli
+    from benchmarks import cli
 
     entries = [{"chip": "v5p", "kind": "pallas_ragged_dot", "call": "c", "config": {}, "ratio": 1.07,
                 "regime": "streaming", "split": "holdout"}]

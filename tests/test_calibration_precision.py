@@ -1,5 +1,6 @@
-"""`tpu-kernels calibrate` on a hand-made timing folder holding both of tokamax's precision forms: the entries it
-can read are modelled, the ones it cannot are in the report's skipped list with the reason, and nothing raises.
+"""`python -m benchmarks calibrate` on a hand-made timing folder holding both of tokamax's precision forms: the
+entries it can read are modelled, the ones it cannot are in the report's skipped list with the reason, and nothing
+raises.
 
 tokamax 0.0.12 writes a ragged dot's precision as a pair of `lax.Precision` names and an attention's as one
 `DotAlgorithmPreset` name per dot; later files (openxla/tokamax, 2026) write the attention's as a pair of
@@ -39,7 +40,7 @@ def _timing_file(call: dict, precisions, config: dict) -> str:
 @pytest.mark.slow
 def test_calibrate_reads_both_precision_forms_and_lists_what_it_cannot_read(tmp_path, monkeypatch, capsys):
     pytest.importorskip("tokamax")
-    from tpu_kernels import cli
+    from benchmarks import cli
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

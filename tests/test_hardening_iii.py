@@ -358,7 +358,7 @@ def test_a_cache_folder_others_can_write_is_refused(tmp_path, cache_home, mode):
 
 
 def test_calibrate_on_a_cache_folder_others_can_write_exits_2_with_a_message(tmp_path, cache_home, capsys):
-    from tpu_kernels import cli
+    from benchmarks import cli
 
     folder = tmp_path / "shared-cache"
     folder.mkdir()
@@ -387,7 +387,7 @@ def test_the_hmac_key_is_made_0600_and_one_others_can_read_is_refused(tmp_path, 
 
 
 def test_calibrate_keeps_its_cache_below_xdg_cache_home(tmp_path, cache_home):
-    from tpu_kernels import cli
+    from benchmarks import cli
 
     (tmp_path / "timings").mkdir()
     assert cli.main(["calibrate", str(tmp_path / "timings"), "--out", str(tmp_path / "out.json")]) == 0
@@ -451,7 +451,7 @@ HOSTILE_TIMINGS = {
 
 @pytest.mark.parametrize("case", HOSTILE_TIMINGS)
 def test_calibrate_on_hostile_timings_exits_2_with_a_message(tmp_path, cache_home, capsys, case):
-    from tpu_kernels import cli
+    from benchmarks import cli
 
     name, content = HOSTILE_TIMINGS[case]
     folder = tmp_path / "tpu_v5_lite"
@@ -459,7 +459,7 @@ def test_calibrate_on_hostile_timings_exits_2_with_a_message(tmp_path, cache_hom
     (folder / name).write_bytes(content if isinstance(content, bytes) else content.encode())
     status = cli.main(["calibrate", str(folder), "--out", str(tmp_path / "out.json"), "--jobs", "1"])
     error = capsys.readouterr().err
-    assert status == 2 and "tpu-kernels calibrate:" in error and str(folder / name) in error
+    assert status == 2 and "python -m benchmarks calibrate:" in error and str(folder / name) in error
     assert "Traceback" not in error and not (tmp_path / "out.json").exists()
 
 

@@ -1,4 +1,4 @@
-"""Hardening V (issue 73): `tpu-kernels calibrate --from-benchmark` on a stranger's file (CB1-CB6). The README
+"""Hardening V (issue 73): `python -m benchmarks calibrate --from-benchmark` on a stranger's file (CB1-CB6). The README
 asks TPU owners to attach these files to issues, so maintainers run them on files they did not write."""
 
 import json
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tpu_kernels.cli import main
+from benchmarks.cli import main
 
 GOOD = {"workload": "InterpretModeRMSNorm.rms_norm_h256_r16",
         "timingResults": {"min_ms": 1.0, "mean_ms": 1.5, "iterations": 5}, "verified": True}

@@ -1,4 +1,4 @@
-"""`kernels benchmark` on our three published repos, and `tpu-kernels calibrate --from-benchmark` on its JSON.
+"""`kernels benchmark` on our three published repos, and `python -m benchmarks calibrate --from-benchmark` on its JSON.
 
 The chain runs here end to end: the real `kernels benchmark` CLI against our local Hub (interpret mode on this
 CPU: every case checked against its reference), then `calibrate --from-benchmark` on its JSON. The fit is
@@ -26,13 +26,13 @@ published = published_fixture("kernels-benchmark")
 
 
 def interpret_workloads(build: Path) -> set[str]:
-    """The workloads the build's benchmark scripts run without a TPU."""
+    """The workloads the build's benchmark suites run without a TPU."""
     from benchmarks.studies import benchmark_cases
+    from tpu_kernels.distribution.loader import get_local_kernel
 
-    modules = [benchmark_cases._load_script(script, f"_test_{build.name}_{script.stem}".replace("-", "_"))
-               for script in sorted((build / "benchmarks").glob("benchmark*.py"))]
-    return {f"{class_name}.{workload}" for module in modules for _, _, table in module.SUITES
-            for class_name, cases in table.items() for workload in cases}
+    suites = benchmark_cases.benchmark_suites(get_local_kernel(build, backend="cpu"))
+    return {f"{class_name}.{workload}" for _, _, table in suites.SUITES for class_name, cases in table.items()
+            for workload in cases}
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_kernels_benchmark_runs_a_repos_code_before_refusing_its_untrusted_publi
 @pytest.mark.slow
 def test_calibrate_prices_every_benchmarked_case_and_fits_nothing_from_interpret_mode(benchmark_runs, tmp_path,
                                                                                          capsys):
-    from tpu_kernels.cli import main
+    from benchmarks.cli import main
 
     paths = [str(out) for out, _ in benchmark_runs.values()]
     unknown = tmp_path / "unknown.json"
@@ -126,7 +126,7 @@ def test_calibrate_prices_every_benchmarked_case_and_fits_nothing_from_interpret
 
 
 def test_calibrate_takes_tokamax_files_or_benchmark_json_and_asks_for_the_chip(tmp_path, capsys):
-    from tpu_kernels.cli import main
+    from benchmarks.cli import main
 
     results = tmp_path / "results.json"
     results.write_text(json.dumps({"results": [{"workload": "InterpretModeRMSNorm.rms_norm_h256_r16",
@@ -206,15 +206,13 @@ KNOWN_LINES = {"grid_step": (4e-6, 0.5e-6), "kernel_dma": (1.5e-6, 0.9), "hbm_st
                "expert_gather": (20e-6, 0.7)}
 
 
-def test_microbenchmark_timings_fit_their_terms_directly(tmp_path):
-    from benchmarks.studies import benchmark_cases, from_benchmark, model_constant_fits
+def test_microbenchmark_timings_fit_their_terms_directly(tmp_path, ragged_dot_kernel):
+    import importlib
+
+    from benchmarks.studies import from_benchmark, model_constant_fits
     from tpu_kernels.runtime.hardware import tpu_generation
 
-    script = REPO_ROOT / "kernel_repos" / "ragged-dot-tpu" / "benchmarks" / "benchmark_model_constants.py"
-    harness = REPO_ROOT / "tpu_kernels" / "runtime" / "benchmark_harness.py"
-    (tmp_path / "_harness.py").write_bytes(harness.read_bytes())
-    (tmp_path / "benchmark_model_constants.py").write_bytes(script.read_bytes())
-    module = benchmark_cases._load_script(tmp_path / "benchmark_model_constants.py", "_test_model_constants")
+    module = importlib.import_module(f"{ragged_dot_kernel.__name__}.model_constant_suites")
     peak = tpu_generation("v6e").device_hbm_bytes_per_s
     results = []
     for class_name, cases in module.TPU_CASES.items():
@@ -255,21 +253,19 @@ def test_every_tpu_case_resolves_against_the_kernels_compile_targets(name, kerne
     from tpu_kernels.distribution.loader import get_local_kernel
 
     kernel = get_local_kernel(kernel_builds[name], backend="cpu")
-    scripts = sorted((kernel_builds[name] / "benchmarks").glob("benchmark*.py"))
-    for script in scripts:
-        module = benchmark_cases._load_script(script, f"_resolve_{name}_{script.stem}".replace("-", "_"))
-        for case_class, tpu_table, _ in module.SUITES:
-            instance = case_class()
-            targets = instance.targets(kernel)
-            for cases in tpu_table.values():
-                for case in cases.values():
-                    instance.spec(case, targets)  # a name or shape compile_targets no longer has raises
-        if name == "rmsnorm-tpu":
-            with pytest.raises(ValueError, match="not among compile_targets' shapes"):
-                module.modelled("rms_norm", 3, 4096)(targets)
-        if name == "attention-tpu":  # DeepSeek-V3's latent decode under TP8, at a cache length no target has
-            off_target = {"Latent": {"tp8_cache8192": lambda t: dict(t.flash.LATENT_HEADS["deepseek-v3 tp8"], batch=64,
-                                                                     q_len=1, kv_len=8192, lengths=True)}}
-            checked = module.declared(off_target, lambda spec: module.latent_shapes(spec).values())
-            with pytest.raises(ValueError, match="tp8_cache8192: .* not among compile_targets' shapes"):
-                checked["Latent"]["tp8_cache8192"](targets)
+    module = benchmark_cases.benchmark_suites(kernel)
+    for case_class, tpu_table, _ in module.SUITES:
+        instance = case_class()
+        targets = instance.targets(kernel)
+        for cases in tpu_table.values():
+            for case in cases.values():
+                instance.spec(case, targets)  # a name or shape compile_targets no longer has raises
+    if name == "rmsnorm-tpu":
+        with pytest.raises(ValueError, match="not among compile_targets' shapes"):
+            module.modelled("rms_norm", 3, 4096)(targets)
+    if name == "attention-tpu":  # DeepSeek-V3's latent decode under TP8, at a cache length no target has
+        off_target = {"Latent": {"tp8_cache8192": lambda t: dict(t.flash.LATENT_HEADS["deepseek-v3 tp8"], batch=64,
+                                                                 q_len=1, kv_len=8192, lengths=True)}}
+        checked = module.declared(off_target, lambda spec: module.latent_shapes(spec).values())
+        with pytest.raises(ValueError, match="tp8_cache8192: .* not among compile_targets' shapes"):
+            checked["Latent"]["tp8_cache8192"](targets)

@@ -7,7 +7,6 @@ through their faces, and ragged-dot-tpu's kernels past its face too: all compile
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 
@@ -16,7 +15,7 @@ from benchmarks.perf import megacore_dump
 
 pytestmark = [pytest.mark.aot, pytest.mark.multiprocess]
 
-CASES = Path(__file__).with_name("megacore_cases.py")
+CASES = "tests.megacore_cases"
 
 
 @pytest.fixture(scope="module")

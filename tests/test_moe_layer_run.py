@@ -1,4 +1,4 @@
-"""`tpu-kernels bench moe_layer`'s command line: what a run selects, where it writes, and the cold-time record."""
+"""`python -m benchmarks moe_layer`'s command line: what a run selects, where it writes, and the cold-time record."""
 
 import json
 

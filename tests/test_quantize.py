@@ -1,7 +1,7 @@
 """kernelize(quantize_experts=...): quantized expert weights, checked against the model with the weights dequantized.
 
 The quantization error itself (quantized against float weights) is measured,
-not asserted, by `tpu-kernels bench quantization_accuracy`.
+not asserted, by `python -m benchmarks quantization_accuracy`.
 """
 
 import copy

@@ -1,44 +1,14 @@
-"""`tpu-kernels`: build | check | bench | calibrate | serve | upload | demo | precompile."""
+"""`tpu-kernels`: build | check | serve | upload | demo | precompile | doctor."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 DEFAULT_GENERATIONS = "v5e,v5p,v6e,tpu7x"
-# The performance lab (the model, the studies, calibrate) lives in the project's checkout, not in the wheel.
-LAB_MISSING = ("the performance lab is not installed with the package: run this from a checkout of the tpu-kernels "
-               "project (git clone it, run scripts/setup.sh, then this command from its root)")
-
-
-class LabMissing(Exception):
-    """`bench` or `calibrate` run where no checkout's benchmarks/ folder can be found."""
-
-
-def _is_checkout(root: Path) -> bool:
-    pyproject = root / "pyproject.toml"
-    return ((root / "benchmarks" / "__init__.py").is_file() and pyproject.is_file()
-            and 'name = "tpu-kernels"' in pyproject.read_text(errors="replace"))
-
-
-def _import_lab(module: str):
-    """`module` of the lab (`benchmarks.…`) from the checkout this package was installed from (editable), else from
-    the current directory when it is such a checkout; LabMissing when neither is."""
-    for root in (Path(__file__).resolve().parents[1], Path.cwd()):
-        if _is_checkout(root):
-            if str(root) not in sys.path:
-                sys.path.insert(0, str(root))
-            break
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as error:
-        if error.name == "benchmarks" or (error.name or "").startswith("benchmarks."):
-            raise LabMissing(LAB_MISSING) from None
-        raise
 
 
 def _build_errors() -> tuple[type[Exception], ...]:
@@ -104,118 +74,6 @@ def _check(args) -> int:
     return 0 if tests_status == 0 and compiled_all else 1
 
 
-def _bench_usage(bench) -> str:
-    width = max(map(len, [*bench.BENCHMARKS, *bench.TOOLS]))
-    listed = "\n".join(f"  {name:<{width}}  {line}" for name, line in bench.BENCHMARKS.items())
-    tools = "\n".join(f"  {name:<{width}}  {line}" for name, line in bench.TOOLS.items())
-    repos = ", ".join(f"{repo} -> {name}" for repo, name in bench.KERNEL_REPO_BENCHMARKS.items())
-    return (
-        "usage: tpu-kernels bench NAME [args...]        run benchmark NAME (NAME --help: its own options)\n"
-        "       tpu-kernels bench KERNEL_REPO [args...]  run a kernel repo's modelled benchmark with --repo KERNEL_REPO\n"
-        "\n"
-        "Runs in this process, like `python -m benchmarks.studies.NAME [args...]` from the checkout's root. Paths are\n"
-        "relative to the current directory: results go to benchmarks/results/ (--out), kernel repos come from\n"
-        "kernel_repos/ (--repo); run from the checkout's root or pass them.\n"
-        f"\nbenchmarks:\n{listed}\n\ntools:\n{tools}\n\nkernel repos: {repos}\n"
-    )
-
-
-def _bench(argv: list[str]) -> int:
-    try:
-        bench = _import_lab("benchmarks.studies")
-    except LabMissing as error:
-        print(f"tpu-kernels bench: {error}", file=sys.stderr)
-        return 2
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_bench_usage(bench), end="", file=sys.stdout if argv else sys.stderr)
-        return 0 if argv else 2
-    target, extra = argv[0], argv[1:]
-    if target in bench.BENCHMARKS or target in bench.TOOLS:
-        name = target
-    elif Path(target).is_dir() or "/" in target or os.sep in target:
-        # A kernel repo: its modelled benchmark, with --repo.
-        name = bench.KERNEL_REPO_BENCHMARKS.get(Path(target).resolve().name)
-        if name is None:
-            known = ", ".join(sorted(bench.KERNEL_REPO_BENCHMARKS))
-            print(f"tpu-kernels bench: {target}: no modelled benchmark for this kernel repo (known: {known})",
-                  file=sys.stderr)
-            return 2
-        extra = ["--repo", target, *extra]
-    else:
-        print(f"tpu-kernels bench: unknown benchmark {target!r}\n\n{_bench_usage(bench)}", end="", file=sys.stderr)
-        return 2
-    if name in bench.MODELLED:
-        # Modelled benchmarks compile for TPUs ahead of time from the CPU (set before jax is imported).
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from .disk_cache import UnsafeCacheError
-
-    module = importlib.import_module(f"{bench.__name__}.{name}")
-    argv0 = sys.argv[0] if sys.argv else None
-    try:
-        # The benchmark's argparse names itself after sys.argv[0]: its usage lines then say how it was run.
-        sys.argv[:1] = [f"tpu-kernels bench {name}"]
-        status = module.main(extra)
-    except UnsafeCacheError as error:
-        print(f"tpu-kernels bench {name}: {error}", file=sys.stderr)
-        return 2
-    except SystemExit as exit_:
-        # argparse's errors and --help, and a benchmark's missing input (bench.MissingInput).
-        if exit_.code is None or isinstance(exit_.code, int):
-            return exit_.code or 0
-        print(f"tpu-kernels bench {name}: {exit_.code}", file=sys.stderr)
-        return 1
-    finally:
-        sys.argv[:1] = [] if argv0 is None else [argv0]
-    return status or 0
-
-
-def _calibrate(args) -> int:
-    from tqdm import tqdm
-
-    from .disk_cache import UnsafeCacheError, cache_root
-
-    if sum(map(bool, (args.paths, args.from_benchmark, args.resummarize))) != 1:
-        print("tpu-kernels calibrate: give one of tokamax's timing files, --from-benchmark RESULTS_JSON or "
-              "--resummarize REPORT", file=sys.stderr)
-        return 2
-    try:
-        calibration = _import_lab("benchmarks.perf.calibration")
-        from_benchmark = _import_lab("benchmarks.studies.from_benchmark") if args.from_benchmark else None
-    except LabMissing as error:
-        print(f"tpu-kernels calibrate: {error}", file=sys.stderr)
-        return 2
-    if args.resummarize:
-        for path in args.resummarize:
-            calibration.write_report(calibration.resummarize(Path(path)), Path(path))
-            print(f"rewrote the summary of {path} from its entries")
-        return 0
-    cache_dir = None if args.no_cache else Path(args.cache_dir) if args.cache_dir else cache_root("calibration")
-    if from_benchmark is not None:
-        try:
-            from_benchmark.run([Path(path) for path in args.from_benchmark], args.chip, Path(args.out or from_benchmark.DEFAULT_OUT),
-                               cache_dir=cache_dir)
-        except (calibration.CalibrationInputError, UnsafeCacheError) as error:
-            print(f"tpu-kernels calibrate: {error}", file=sys.stderr)
-            return 2
-        return 0
-    args.out = args.out or "benchmarks/results/calibration.json"
-    try:
-        report = calibration.calibrate(
-            [Path(path) for path in args.paths],
-            chip=args.chip,
-            cache_dir=cache_dir,
-            jobs=args.jobs,
-            progress=lambda items, description: tqdm(items, desc=description, unit="entry"),
-        )
-    except (calibration.CalibrationInputError, UnsafeCacheError) as error:
-        print(f"tpu-kernels calibrate: {error}", file=sys.stderr)
-        return 2
-    calibration.write_report(report, Path(args.out))
-    print(calibration.summary_table(report))
-    print(f"{len(report['entries'])} entries modelled, {len(report['skipped'])} skipped; wrote {args.out}")
-    return 0
-
-
 def _serve(argv: list[str]) -> int:
     from .distribution.hub import serve_main
 
@@ -247,7 +105,7 @@ def _doctor(argv: list[str]) -> int:
 
 
 # Subcommands that own their argument parsing.
-DELEGATED = {"serve": _serve, "upload": _upload, "demo": _demo, "bench": _bench, "precompile": _precompile,
+DELEGATED = {"serve": _serve, "upload": _upload, "demo": _demo, "precompile": _precompile,
              "doctor": _doctor}
 
 
@@ -277,28 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--no-cache", action="store_true", help="compile every target, remembering nothing")
     check.set_defaults(run=_check)
 
-    calibrate = commands.add_parser(
-        "calibrate", help="model tokamax's measured TPU timings and compare (the performance model's error)"
-    )
-    calibrate.add_argument("paths", nargs="*", help="tokamax autotuning JSON files or folders of them")
-    calibrate.add_argument("--from-benchmark", metavar="RESULTS_JSON", nargs="+",
-                           help="instead: the --output JSON files of `kernels benchmark ORG/REPO` run on a TPU "
-                                "(needs --chip)")
-    calibrate.add_argument("--resummarize", nargs="+", metavar="REPORT",
-                           help="rewrite these reports' summaries from their entries, compiling nothing")
-    calibrate.add_argument("--chip", help="v5e, v5p, v6e or tpu7x (default: from the folder name, e.g. tpu_v5_lite)")
-    calibrate.add_argument("--out", default=None, help="report file (default: benchmarks/results/calibration.json, "
-                                                       "with --from-benchmark calibration_from_benchmark.json)")
-    calibrate.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile threads")
-    calibrate.add_argument("--cache-dir", default=None,
-                           help="compiles and replays kept between runs "
-                                "(default: $XDG_CACHE_HOME/tpu-kernels/calibration, else ~/.cache/tpu-kernels/calibration)")
-    calibrate.add_argument("--no-cache", action="store_true", help="recompile and replay every entry")
-    calibrate.set_defaults(run=_calibrate)
-
-    for name, help_ in (("bench", "run a benchmark: bench NAME [args] (moe_layer, multichip, attention, ...; "
-                                  "`bench --help` lists them) or bench kernel_repos/<name> [args]"),
-                        ("serve", "run a local Hub-compatible server"), ("upload", "publish a build to a Hub"),
+    for name, help_ in (("serve", "run a local Hub-compatible server"), ("upload", "publish a build to a Hub"),
                         ("demo", "kernelize a tiny MoE model end to end"),
                         ("precompile", "compile every bucket of a model on the TPU host that serves it"),
                         ("doctor", "run each kernel in each TorchTPU mode, check it and count its compiles (JSON)")):

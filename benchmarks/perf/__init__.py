@@ -18,7 +18,7 @@ states its rules and their sources:
 - `argument_layouts`: the layout XLA gives each argument and the copies into other layouts it makes per call;
 - `program_time`: the modelled time of a compiled program, its kernels replayed and its XLA ops by traffic;
 - `calibration`, `tokamax_calls`, `tokamax_kernels`: the model against tokamax's
-  measured TPU timings (`tpu-kernels calibrate`).
+  measured TPU timings (`python -m benchmarks calibrate`).
 
 The MXU and vector rates and each generation's share of the peak HBM
 bandwidth are a value every pricing function takes as `rates`, by default the

@@ -132,7 +132,7 @@ def compile_text(lowered) -> CompiledText:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConstants:
-    """The constants the model is priced with (fitted by `tpu-kernels bench calibration_fit`)."""
+    """The constants the model is priced with (fitted by `python -m benchmarks calibration_fit`)."""
 
     grid_step_s: float | None = None  # None: the calibrated value of the entry's generation
     ragged_dot_step_s: float | None = None

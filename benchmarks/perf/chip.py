@@ -9,7 +9,7 @@ of each number it adds. The constants fitted to real-chip timings (the step
 cost per generation, the MXU weight-load share, the vector-unit rates) are
 data in model_constants.json, beside this module; the share of the peak HBM
 bandwidth each generation's copies reach is data in hbm_fractions.json (fitted
-on the timings bound by weight streaming: `tpu-kernels bench calibration_fit`;
+on the timings bound by weight streaming: `python -m benchmarks calibration_fit`;
 a file of its own for now, as every key of model_constants.json becomes a row
 of the generated constants table in benchmarks/README.md).
 
@@ -29,7 +29,7 @@ from importlib import resources
 
 from tpu_kernels.runtime.hardware import GRID_STEP_OVERHEAD_S, TpuGeneration, tpu_generation
 
-# The model's fitted constants (benchmarks/perf/model_constants.json, written by `tpu-kernels bench calibration_fit`):
+# The model's fitted constants (benchmarks/perf/model_constants.json, written by `python -m benchmarks calibration_fit`):
 # data, so that refitting them changes no code and re-prices cached replays without redoing them.
 CONSTANTS = json.loads(resources.files(__package__).joinpath("model_constants.json").read_text())
 

@@ -8,7 +8,7 @@ benchmarks/perf/model_constants.json; override it with `step_overhead_s`);
 compute at the MXU and vector rates `rates` (default the fitted
 `chip.FITTED_RATES`).
 `pipelined_time_s` sums `PallasCallTraffic.pipelined_seconds`; it is never
-below `time_s`, and it is the figure `tpu-kernels calibrate` holds against
+below `time_s`, and it is the figure `python -m benchmarks calibrate` holds against
 real chips (its errors per chip and kind: benchmarks/results/calibration.json).
 A call whose operands the kernel copies itself (memory space ANY/HBM) is
 refused rather than timed as if those copies were free.

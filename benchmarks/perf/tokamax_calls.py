@@ -19,7 +19,7 @@ Reading the files:
 - an empty file holds no entry; an op with no rebuild here and an entry
   without timings are listed in `skipped` with the reason;
 - a file that is not tokamax's shape is refused whole (`CalibrationInputError`,
-  naming the file and entry; `tpu-kernels calibrate` exits 2 with it): a key or
+  naming the file and entry; `python -m benchmarks calibrate` exits 2 with it): a key or
   config that is not a JSON object, configs or a result that are not objects,
   times that are not positive finite numbers, nesting too deep to parse, a
   negative or huge config value or array dimension, more than MAX_GROUPS groups;

@@ -1,4 +1,4 @@
-"""The project's benchmarks, one module each: `tpu-kernels bench NAME [args]` or `python -m benchmarks.studies.NAME`.
+"""The project's benchmarks, one module each: `python -m benchmarks NAME [args]` or `python -m benchmarks.studies.NAME`.
 
 Each has a `main(argv=None)` and documents itself in its docstring
 (benchmarks/README.md says how to run each and what it measures); the large ones (moe_layer,
@@ -10,9 +10,9 @@ the current directory, never to where this package is installed:
 - kernel repo sources come from `--repo` (or `--kernel-repos`), by default
   `kernel_repos/<name>`; a missing one is an error that says so;
 - the calibrated error bands read `benchmarks/results/calibration.json`
-  (written by `tpu-kernels calibrate`).
+  (written by `python -m benchmarks calibrate`).
 
-This module imports nothing heavy: the CLI lists the benchmarks from it.
+This module imports nothing heavy: `python -m benchmarks` lists the benchmarks from it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# name -> one line, in the order `tpu-kernels bench --help` lists them.
+# name -> one line, in the order `python -m benchmarks --help` lists them.
 BENCHMARKS = {
     "moe_layer": "one MoE experts layer as users run it: ours vs the best-tuned rivals vs the roofline (v5e, v6e)",
     "multichip": "one Qwen3-30B-A3B decode step on a v6e-8 per MoE layout: experts layer + collectives",
@@ -42,14 +42,15 @@ BENCHMARKS = {
     "loader": "loading a kernel from a local Hub: tpu_kernels.get_kernel vs kernels.get_kernel",
     "hub_server": "the local Hub server under hostile input and faults",
 }
-# Tools beside the benchmarks, run the same way (`tpu-kernels bench NAME [args]`), listed apart: they measure nothing.
+# Tools beside the benchmarks, run the same way (`python -m benchmarks NAME [args]`), listed apart: they measure nothing.
 TOOLS = {
     "report": "rewrite the docs' generated blocks from benchmarks/results/ (--check: list the stale ones, exit 1)",
+    "calibrate": "price measured TPU timings (tokamax's, or `kernels benchmark --output` JSON) with the model",
 }
-# The benchmarks that model a TPU from the CPU: `tpu-kernels bench` runs them with JAX_PLATFORMS=cpu unless set.
+# The benchmarks that model a TPU from the CPU: `python -m benchmarks` runs them with JAX_PLATFORMS=cpu unless set.
 MODELLED = frozenset({"moe_layer", "multichip", "fused_moe_search", "decode_step", "moe_backward", "attention", "paged_attention",
                       "cb_step", "mla", "rmsnorm", "padding", "calibration_fit", "compiles"})
-# A kernel repo's modelled benchmark: `tpu-kernels bench kernel_repos/<name> [args]` runs it with --repo.
+# A kernel repo's modelled benchmark: `python -m benchmarks kernel_repos/<name> [args]` runs it with --repo.
 KERNEL_REPO_BENCHMARKS = {"ragged-dot-tpu": "moe_layer", "attention-tpu": "attention", "rmsnorm-tpu": "rmsnorm"}
 
 RESULTS_DIR = Path("benchmarks") / "results"

@@ -2,10 +2,11 @@
 
 A workload of `kernels benchmark`'s JSON is `Class.workload`. Two families are known:
 
-- **ours**: a class of a kernel repo's `benchmarks/benchmark*.py` (their `SUITES`: case class, TPU table,
-  interpret-mode table). The repo is built from the checkout (the build adds the shared `_harness.py`), its
-  benchmark module is loaded from the build by path, and the case's inputs are made exactly as the benchmark
-  made them (the same builder and seed); the kernel's JAX function is then traced at those inputs: float
+- **ours**: a class of a kernel's benchmark suites (its package's `benchmark_suites.SUITES`: case class, TPU
+  table, interpret-mode table), which the repo's `benchmarks/benchmark.py` hands to `kernels benchmark`. The repo
+  is built from the checkout and loaded, its suites imported from the loaded kernel, and the case's inputs are
+  made exactly as the benchmark made them (the same builder and seed); the kernel's JAX function is then traced at
+  those inputs: float
   arrays as shapes, integer ones (routing, lengths, page tables, group sizes) by value, since they decide
   the grids the replay walks.
 - **tokamax's**: `TokamaxPallasRaggedDot` or `TokamaxRaggedDot` (XLA's) workloads name a call and config that
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
+import importlib
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,47 +61,44 @@ class Case:
     case_class: type
     case: object
     interpret_mode: bool
-    module: object  # the benchmark script that defines it
+    module: object  # the kernel's benchmark_suites, which define it
 
     @property
     def model_constant(self) -> bool:
-        """A microbenchmark of one of the model's constants (`benchmark_model_constants.py`): fitted directly."""
+        """A microbenchmark of one of the model's constants (ragged-dot-tpu's `model_constant_suites`): fitted
+        directly."""
         return self.case_class.__name__ == "ModelConstantCase"
 
 
 class OurBenchmarks:
-    """The three kernel repos built from the checkout with their benchmark scripts loaded; each kernel is loaded
-    when a case of its first needs it."""
+    """The three kernel repos built from the checkout and loaded (the torch-cpu variant), with their benchmark
+    suites."""
 
     def __init__(self, repos: Path | None = None):
+        import kernels
+
         from tpu_kernels.distribution.builder import build_kernel_repo
 
         self._folder = tempfile.TemporaryDirectory(prefix="from_benchmark_")
-        self.builds, self.modules, self._kernels = {}, {}, {}
+        self.builds, self.kernels, self.suites = {}, {}, {}
         for name in KERNEL_REPOS:
             build = self.builds[name] = build_kernel_repo((repos / name) if repos else kernel_repo(name),
                                                           Path(self._folder.name))
-            self.modules[name] = [_load_script(script, f"_{name}_{script.stem}".replace("-", "_"))
-                                  for script in sorted((build / "benchmarks").glob("benchmark*.py"))]
+            self.kernels[name] = kernels.get_local_kernel(build, backend="cpu")
+            self.suites[name] = benchmark_suites(self.kernels[name])
 
     def find(self, workload: str) -> Case | None:
         class_name, _, method = workload.partition(".")
-        for repo, modules in self.modules.items():
-            for module in modules:
-                for case_class, tpu_table, interpret_table in module.SUITES:
-                    for table, interpret_mode in ((tpu_table, False), (interpret_table, True)):
-                        if method in table.get(class_name, {}):
-                            return Case(repo, workload, case_class, table[class_name][method], interpret_mode,
-                                        module)
+        for repo, module in self.suites.items():
+            for case_class, tpu_table, interpret_table in module.SUITES:
+                for table, interpret_mode in ((tpu_table, False), (interpret_table, True)):
+                    if method in table.get(class_name, {}):
+                        return Case(repo, workload, case_class, table[class_name][method], interpret_mode, module)
         return None
 
     def program_inputs(self, case: Case) -> tuple[dict, object]:
         """The case's inputs as the benchmark made them (CPU tensors), and the kernel they are for."""
-        if case.repo not in self._kernels:
-            import kernels
-
-            self._kernels[case.repo] = kernels.get_local_kernel(self.builds[case.repo], backend="cpu")
-        kernel = self._kernels[case.repo]
+        kernel = self.kernels[case.repo]
         instance = case.case_class()
         instance.kernel = kernel
         harness = case.module.harness
@@ -112,11 +110,10 @@ class OurBenchmarks:
         return 1 if case.interpret_mode else case.module.harness.TPU_CALLS_PER_TIMING
 
 
-def _load_script(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def benchmark_suites(kernel):
+    """The loaded kernel's benchmark suites: the module of its package the repo's benchmarks/benchmark.py hands to
+    `kernels benchmark` (`SUITES`, with the harness that times them)."""
+    return importlib.import_module(f"{kernel.__name__}.benchmark_suites")
 
 
 def as_traced(value):

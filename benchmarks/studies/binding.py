@@ -27,7 +27,7 @@ time over rounds. The host is shared: the minimum is the figure least skewed
 by other work, and the load average is recorded.
 
 Usage:
-    tpu-kernels bench binding [--rounds 40] [--calls 200] [--out benchmarks/results/binding.json]
+    python -m benchmarks binding [--rounds 40] [--calls 200] [--out benchmarks/results/binding.json]
     (or python -m benchmarks.studies.binding; --out is relative to the current directory)
 """
 

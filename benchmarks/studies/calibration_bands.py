@@ -1,6 +1,6 @@
 """The model's calibrated error per kind of work, as bands around a benchmark's modelled time.
 
-`tpu-kernels calibrate` holds the model against tokamax's measured TPU timings
+`python -m benchmarks calibrate` holds the model against tokamax's measured TPU timings
 and writes, per chip and kind, the median, 90th percentile and worst
 |predicted / measured - 1| (benchmarks/results/calibration.json, `summary`).
 A benchmark's modelled time is a sum of terms of different kinds: Pallas
@@ -53,7 +53,7 @@ CHECKS = {"v5p": (("pallas_ragged_dot",), "benchmarks/results/calibration_v5p.js
 def _read(path: Path) -> dict:
     if not path.is_file():
         raise MissingInput(f"no calibration report at {path}: the calibrated error bands need it; run from a "
-                           "checkout of the tpu-kernels project, or write one with `tpu-kernels calibrate`")
+                           "checkout of the tpu-kernels project, or write one with `python -m benchmarks calibrate`")
     return json.loads(path.read_text())["summary"]
 
 

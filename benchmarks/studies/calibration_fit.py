@@ -4,7 +4,7 @@ The model (`benchmarks.perf`, `xla_program`, `xla_ragged_dot`) has
 constants the Pallas guides and XLA do not state: the fixed cost of one
 Pallas grid step, the vector unit's rates (elements per cycle, plain and
 transcendental), and the fixed cost of one kept iteration of XLA's ragged dot
-loop. This script analyses every entry `tpu-kernels calibrate` can rebuild
+loop. This script analyses every entry `python -m benchmarks calibrate` can rebuild
 (cached compiles and replays), then per chip scans a grid of values for each
 in turn (and the unhidden share of an MXU weights load), pricing the "fit" half of the entries (`calibration.holdout`) and
 keeping the value with the smallest median |log(predicted / measured)|; the
@@ -18,7 +18,7 @@ files used for that fit only, e.g. a later tokamax's). Writes
 benchmarks/results/calibration_fit.json.
 
 Usage:
-    tpu-kernels bench calibration_fit [PATH ...] [--hbm-paths PATH ...] [--out FILE]
+    python -m benchmarks calibration_fit [PATH ...] [--hbm-paths PATH ...] [--out FILE]
         [--write-constants [--constants FILE] [--hbm-fractions FILE]]
     (or JAX_PLATFORMS=cpu python -m benchmarks.studies.calibration_fit)
 (PATH defaults to the installed tokamax's autotuning folders of TPU chips; --out to
@@ -185,7 +185,7 @@ def write_hbm_fractions(fits: dict, sources: list[str], path: Path = HBM_FRACTIO
     shares = hbm_fraction_fit.fractions(fits)
     notes = {chip: found["derived"] for chip, found in sorted(fits.items()) if chip in shares}
     data = {"what": "the share of the peak HBM bandwidth (jax's TPU table) each generation's copies reach, fitted "
-                    "by `tpu-kernels bench calibration_fit` on the measured entries bound by weight streaming "
+                    "by `python -m benchmarks calibration_fit` on the measured entries bound by weight streaming "
                     "(benchmarks/studies/hbm_fraction_fit.py; the entries: benchmarks/results/calibration_fit.json)",
             "hbm_fraction": shares, "hbm_fraction_note": notes, "sources": sources}
     path.write_text(json.dumps(data, indent=1) + "\n")

@@ -34,7 +34,7 @@ way (jax-lowered equivalents, sampled and interpolated per group alike), apart f
 transformers' own, with a dynamic cache and with the fixed-shape recipe (`compiles_end_to_end.py`).
 
 Usage:
-    tpu-kernels bench compiles [--out benchmarks/results/compiles.json] [--sample 4] [--quick] [--end-to-end-only]
+    python -m benchmarks compiles [--out benchmarks/results/compiles.json] [--sample 4] [--quick] [--end-to-end-only]
     (or JAX_PLATFORMS=cpu python -m benchmarks.studies.compiles; paths relative to the current directory)
 """
 

@@ -1,14 +1,15 @@
-"""`tpu-kernels calibrate --from-benchmark RESULTS.json ... [--chip CHIP]`: a TPU run of `kernels benchmark` against the
-performance model.
+"""`python -m benchmarks calibrate --from-benchmark RESULTS.json ... [--chip CHIP]`: a TPU run of `kernels
+benchmark` against the performance model.
 
-`kernels benchmark ORG/REPO --version N --output RESULTS.json` on a TPU VM times each workload of a kernel
-repo's `benchmarks/benchmark.py`; its JSON holds per workload the timings' mean, spread and fastest, but not the
-chip (kernels names no TPU), hence `--chip`. For each workload this
+`kernels benchmark ORG/REPO --version N --output RESULTS.json` on a TPU VM times each workload of a kernel's
+benchmark suites (its package's `benchmark_suites`, through the repo's `benchmarks/benchmark.py`); its JSON holds
+per workload the timings' mean, spread and fastest, but not the chip (kernels names no TPU), hence `--chip`. For
+each workload this
 
 - finds the program it timed (`benchmark_cases`: one of our repos' cases, rebuilt from the same inputs, or a
   call tokamax timed), compiles it for the chip and prices it with the model, as `calibrate` prices tokamax's
-  timings; measured = the fastest timing divided by the calls it made (`_harness.TPU_CALLS_PER_TIMING` on a TPU),
-  a host's wall time per call, which approaches the device time when the chip stays busy;
+  timings; measured = the fastest timing divided by the calls it made (`_benchmark_harness.TPU_CALLS_PER_TIMING`
+  on a TPU), a host's wall time per call, which approaches the device time when the chip stays busy;
 - prints measured against modelled and writes the entries in `calibrate`'s report form (`calibration.report`:
   each entry's ratio = predicted / measured, regime and terms), so that `calibration_fit` and the bands read
   them like tokamax's;

@@ -13,7 +13,7 @@ were priced. At the anchor shape both picks are also compiled as vLLM's layer
 layer (`layer_us`: the kernel and the XLA ops around it).
 
 Usage:
-    tpu-kernels bench fused_moe_search [--out benchmarks/results/fused_moe_search.json] [--cache-dir DIR]
+    python -m benchmarks fused_moe_search [--out benchmarks/results/fused_moe_search.json] [--cache-dir DIR]
         [--no-cache]
 """
 

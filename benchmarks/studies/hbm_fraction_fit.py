@@ -2,7 +2,7 @@
 
 The model prices every copy at `hbm_fraction` x the HBM bandwidth of jax's
 TPU table (`benchmarks.perf.chip.ModelRates.hbm_fraction`). That share is
-fitted here, per generation, on the measured entries (`tpu-kernels calibrate`'s
+fitted here, per generation, on the measured entries (`python -m benchmarks calibrate`'s
 analyses) whose time the model says is the time of streaming their weights:
 
 - **bound by weight streaming**, in the model's own terms, priced at the peak

@@ -14,7 +14,7 @@ the kernels reproduce the dequantized model to float32 rounding (the report's
 rows here must equal the report's int4 rows, and the int8 row is the
 control. Writes benchmarks/results/int4_granularity.json (`--out`).
 
-    tpu-kernels bench int4_granularity
+    python -m benchmarks int4_granularity
 """
 
 from __future__ import annotations

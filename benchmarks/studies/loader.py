@@ -23,7 +23,7 @@ median of the per-iteration ratios) and request counts go to benchmarks/results/
 The machine is shared, so single loads are noisy: read the ratios together.
 
 Usage:
-    tpu-kernels bench loader [--runs 5] [--out benchmarks/results/loader.json] [--repo kernel_repos/ragged-dot-tpu]
+    python -m benchmarks loader [--runs 5] [--out benchmarks/results/loader.json] [--repo kernel_repos/ragged-dot-tpu]
     (or JAX_PLATFORMS=cpu python -m benchmarks.studies.loader; paths relative to the current directory)
 """
 

@@ -1,5 +1,5 @@
-"""The model's unstated costs fitted straight from the microbenchmarks (`benchmark_model_constants.py` of
-ragged-dot-tpu), a least-squares line per term, against the values the model prices with:
+"""The model's unstated costs fitted straight from the microbenchmarks (`model_constant_suites.py` of
+ragged-dot-tpu's package), a least-squares line per term, against the values the model prices with:
 
 - `grid_step`: time against grid steps; the slope is the fixed cost of a step (the model's `grid_step_s`);
 - `kernel_dma`: time per copy against its bytes; the intercept is the fixed cost of one copy a kernel issues,

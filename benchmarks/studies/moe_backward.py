@@ -7,7 +7,7 @@ grid with `benchmarks.perf.model_pallas_traffic` and models its time with
 `perf.roofline`. The headline is the calibrated pipelined figure
 (`pipelined_time_s`: each grid step max(its compute, its neighbours' copies)
 + the generation's fitted step cost, `perf.grid_step_s`: 0.34 us on v5e;
-v6e takes v5e's, which its own timings check but do not fit), the figure `tpu-kernels calibrate`
+v6e takes v5e's, which its own timings check but do not fit), the figure `python -m benchmarks calibrate`
 holds against tokamax's measured forward, d_lhs and d_rhs ragged dots; each
 time carries that calibration's error band (`calibration_bands`). The figure
 in which MXU work fully overlaps the copies (`time_s`, the headline before
@@ -46,7 +46,7 @@ Dirichlet(8) (seeded), each token picks top_k distinct experts by
 Gumbel-top-k.
 
 Usage:
-    tpu-kernels bench moe_backward [--out benchmarks/results/moe_backward.json]
+    python -m benchmarks moe_backward [--out benchmarks/results/moe_backward.json]
         [--repo kernel_repos/ragged-dot-tpu] [--no-sweep] [--no-plot]
     (or JAX_PLATFORMS=cpu python -m benchmarks.studies.moe_backward; paths relative to the current directory)
 """

@@ -53,7 +53,7 @@ with Hugging Face's 56.6 ms/step at batch 64 (kernels-community/ragged-dot-tpu,
 v6e-8, as Hugging Face reported it).
 
 Usage:
-    tpu-kernels bench multichip [--out benchmarks/results/multichip.json]
+    python -m benchmarks multichip [--out benchmarks/results/multichip.json]
         [--repo kernel_repos/ragged-dot-tpu] [--jobs 2] [--cache-dir DIR] [--no-cache]
     (or JAX_PLATFORMS=cpu python -m benchmarks.studies.multichip; paths relative to the current directory)
 """

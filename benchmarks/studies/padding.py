@@ -22,7 +22,7 @@ them, bf16), per call of one layer:
   (`query_flops`: against every real key, at the bucket's worst size), which the seconds do not include.
 
 Usage:
-    tpu-kernels bench padding [--out benchmarks/results/padding.json] [--max-tokens N] [--max-keys N]
+    python -m benchmarks padding [--out benchmarks/results/padding.json] [--max-tokens N] [--max-keys N]
 """
 
 from __future__ import annotations

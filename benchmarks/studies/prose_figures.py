@@ -1,4 +1,4 @@
-"""No figure typed into the docs' prose: the check `tpu-kernels bench report --check` runs beside the blocks'.
+"""No figure typed into the docs' prose: the check `python -m benchmarks report --check` runs beside the blocks'.
 
 A measured or modelled figure belongs in a generated block (`report`), where
 `--check` keeps it equal to the benchmark's JSON. Typed into prose it drifts.

@@ -26,13 +26,13 @@ interpret mode on the CPU (exact, slow). Writes
 benchmarks/results/quantization_accuracy.json (`--out`), building the kernel
 from kernel_repos/ragged-dot-tpu (`--repo`), relative to the current directory.
 
-    tpu-kernels bench quantization_accuracy      (or python -m benchmarks.studies.quantization_accuracy)
+    python -m benchmarks quantization_accuracy      (or python -m benchmarks.studies.quantization_accuracy)
 
 The kernels take the tiles and paths of the generation they run for (off
 TPU: TPU_KERNELS_GENERATION, recorded as `generation`). On TPU7x fp8 feeds
 the fp8 MXU with fp8 activations, which adds their quantization error:
 
-    TPU_KERNELS_GENERATION=tpu7x tpu-kernels bench quantization_accuracy --schemes fp8 \
+    TPU_KERNELS_GENERATION=tpu7x python -m benchmarks quantization_accuracy --schemes fp8 \
         --out benchmarks/results/quantization_accuracy_tpu7x.json
 """
 

@@ -1,4 +1,4 @@
-"""The docs' figures, generated from what the benchmarks wrote: `tpu-kernels bench report [--check]`.
+"""The docs' figures, generated from what the benchmarks wrote: `python -m benchmarks report [--check]`.
 
 A figure typed into a doc drifts from the benchmark that produced it. So the
 tracked docs (`DOCS`) hold generated blocks instead:
@@ -296,7 +296,7 @@ def moe_layer_formats(root: Path) -> str:
         per_chip.append(f"| {name} | " + " | ".join(cells) + " |")
 
     return "\n".join([
-        f"<!-- written by `tpu-kernels bench report` from {' and '.join(MOE_LAYER_RUNS)}: do not edit -->",
+        f"<!-- written by `python -m benchmarks report` from {' and '.join(MOE_LAYER_RUNS)}: do not edit -->",
         "", "## decode-v6e", "", *decode,
         "", "## per-chip", "", *per_chip, "",
     ])
@@ -327,7 +327,7 @@ def moe_backward_tables(root: Path) -> str:
                                f"| {with_pct(megablox)} | {with_pct(tokamax)} |")
 
     return "\n".join([
-        "<!-- written by `tpu-kernels bench report` from moe_backward.json: do not edit -->",
+        "<!-- written by `python -m benchmarks report` from moe_backward.json: do not edit -->",
         "", "## kernels", "", *kernels, "", "## layer", "", *backward_layer_table(data["layer_ratios"]), "",
     ])
 
@@ -353,7 +353,7 @@ def calibration_tables_md(root: Path) -> str:
     """benchmarks/results/calibration.md: the model's error per chip and kind, and the constants it prices with."""
     report_json = json.loads((root / SOURCES_DIR / "calibration.json").read_text())
     checks = tuple(json.loads((root / SOURCES_DIR / name).read_text()) for name in CALIBRATION_CHECKS)
-    lines = [f"<!-- written by `tpu-kernels bench report` from calibration.json, {', '.join(CALIBRATION_CHECKS)} and "
+    lines = [f"<!-- written by `python -m benchmarks report` from calibration.json, {', '.join(CALIBRATION_CHECKS)} and "
              "the performance model's constants (benchmarks/perf/model_constants.json, hbm_fractions.json): do not "
              "edit -->"]
     hbm_fractions = json.loads(resources.files("benchmarks.perf").joinpath("hbm_fractions.json").read_text())
@@ -368,7 +368,7 @@ def sectioned_tables(json_name: str, render_markdown: Callable[[dict], dict[str,
 
     def render(root: Path) -> str:
         sections = render_markdown(json.loads((root / SOURCES_DIR / json_name).read_text()))
-        lines = [f"<!-- written by `tpu-kernels bench report` from {json_name}: do not edit -->"]
+        lines = [f"<!-- written by `python -m benchmarks report` from {json_name}: do not edit -->"]
         for name, table in sections.items():
             lines += ["", f"## {name}", "", table.strip("\n")]
         return "\n".join(lines) + "\n"

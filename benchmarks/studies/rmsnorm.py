@@ -25,7 +25,7 @@ No TPU is needed. For each kernel and shape this
   kernel takes its operands row-major, so the array is copied in and out.
 
 Usage:
-    tpu-kernels bench rmsnorm [--out benchmarks/results/rmsnorm.json] [--repo kernel_repos/rmsnorm-tpu] [--quick]
+    python -m benchmarks rmsnorm [--out benchmarks/results/rmsnorm.json] [--repo kernel_repos/rmsnorm-tpu] [--quick]
     (or JAX_PLATFORMS=cpu python -m benchmarks.studies.rmsnorm; paths relative to the current directory)
 """
 

@@ -1,4 +1,4 @@
-"""Which published claims survive the constants no chip of that kind has told us: `tpu-kernels bench robustness`.
+"""Which published claims survive the constants no chip of that kind has told us: `python -m benchmarks robustness`.
 
 Three of the model's constants are not identified by a timing of their kind:
 
@@ -37,7 +37,7 @@ sought on a grid that includes the corners. A claim flips at the value found by 
 and where it does not. The rivals keep the tiling their search chose at the fitted constants (a cheaper step could
 make a smaller tiling faster still).
 
-Output: benchmarks/results/robustness.json (`--out`); `tpu-kernels bench report` renders robustness.md from it.
+Output: benchmarks/results/robustness.json (`--out`); `python -m benchmarks report` renders robustness.md from it.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Output, for a source repo whose build.toml names `backends = ["tpu", "cpu"]`:
 
     build/<name>/README.md                  from CARD.md
     build/<name>/build/torch-<backend>/     package files, _binding.py, _ops.py, symbols.json, metadata.json
-    build/<name>/benchmarks/                copied if the source has one, with BENCHMARK_MODULES
+    build/<name>/benchmarks/                copied if the source has one
 
 Both variants carry the same code: the torch op dispatches per device, so the
 torch-cpu variant (what `kernels` picks off-TPU) runs the Pallas kernel in
@@ -37,10 +37,9 @@ SHIPPED_MODULES = {
     "_hardware.py": RUNTIME / "hardware.py",
     "_tuning.py": RUNTIME / "tuning.py",
     "_buckets.py": RUNTIME / "buckets.py",
+    # What every kernel's `benchmark_suites` shares (`kernels benchmark` runs them through benchmarks/benchmark.py).
+    "_benchmark_harness.py": RUNTIME / "benchmark_harness.py",
 }
-# What every kernel repo's benchmarks/benchmark*.py shares (`kernels benchmark` runs them from the Hub repo), each
-# loaded there by path: the harness, and the binding for kernels a benchmark defines itself (microbenchmarks).
-BENCHMARK_MODULES = {"_harness.py": RUNTIME / "benchmark_harness.py", "_binding.py": RUNTIME / "binding.py"}
 SOURCE_HASH_CHARS = 10
 IGNORED_NAMES = {"__pycache__", ".pytest_cache"}
 
@@ -173,10 +172,5 @@ def build_kernel_repo(source_dir: Path, out: Path = Path("build")) -> Path:
         _write_variant(source, backend, target / "build" / f"torch-{backend}", hash_, symbols)
     benchmarks = source.root / "benchmarks"
     if benchmarks.is_dir():
-        for name in BENCHMARK_MODULES:
-            if (benchmarks / name).exists():
-                raise ValueError(f"{benchmarks / name}: the build writes {name}; remove this one")
         shutil.copytree(benchmarks, target / "benchmarks", ignore=shutil.ignore_patterns(*IGNORED_NAMES, "*.pyc"))
-        for name, shared in BENCHMARK_MODULES.items():
-            shutil.copyfile(shared, target / "benchmarks" / name)
     return target

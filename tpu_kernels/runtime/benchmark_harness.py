@@ -1,11 +1,12 @@
-"""What every kernel repo's `benchmarks/benchmark.py` shares: byte-copied into each build as `benchmarks/_harness.py`
-(a build cannot import tpu_kernels), loaded there by path.
+"""What every kernel's benchmark suites share: shipped into each build's package as `_benchmark_harness.py` (a
+build cannot import tpu_kernels), imported there by the package's `benchmark_suites`.
 
-A benchmark file lists its `SUITES`: each a mixin class (`KernelCase`'s subclass) that turns a case into CPU
-tensors (`inputs`), runs the kernel on them (`call`) and computes the kernel's float64 reference (`expected`),
-with its tables of cases for a TPU host and for interpret mode, {Benchmark class name: {workload: case}}.
-`define` makes one `kernels.Benchmark` class per table entry with the `setup_`, `benchmark_` and `verify_`
-methods `kernels benchmark` looks up by name. The same suites and `inputs` serve `tpu-kernels calibrate
+A kernel package's `benchmark_suites` lists its `SUITES`: each a mixin class (`KernelCase`'s subclass) that turns
+a case into CPU tensors (`inputs`), runs the kernel on them (`call`) and computes the kernel's float64 reference
+(`expected`), with its tables of cases for a TPU host and for interpret mode, {Benchmark class name: {workload:
+case}}. The repo's `benchmarks/benchmark.py`, which `kernels benchmark` runs, loads the kernel and hands its
+suites to `define`, which makes one `kernels.Benchmark` class per table entry with the `setup_`, `benchmark_` and
+`verify_` methods `kernels benchmark` looks up by name. The same suites and `inputs` serve the lab's `calibrate
 --from-benchmark`, which prices each case with the model.
 
 - On a TPU host (`ON_TPU`: the accelerator `kernels` picks too) each timing is `TPU_CALLS_PER_TIMING` calls issued
@@ -22,9 +23,7 @@ methods `kernels benchmark` looks up by name. The same suites and `inputs` serve
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
-from pathlib import Path
 
 import torch
 from kernels import Benchmark
@@ -41,18 +40,6 @@ INTERPRET_MODE_NOTE = ("No TPU here: small shapes in Pallas TPU interpret mode. 
 def compile_targets_of(kernel, submodule: str = "compile_targets"):
     """The loaded kernel's module of modelled shapes (`tpu-kernels check` compiles the same)."""
     return importlib.import_module(f"{kernel.__name__}.{submodule}")
-
-
-def torch_op(qualname: str, fn):
-    """The typed JAX function `fn` as the torch op `qualname`, through the kernels' binding (`_binding.py`, copied
-    beside this file): on a TPU compiled by Mosaic, elsewhere run in interpret mode. For the kernels a benchmark
-    defines itself."""
-    spec = importlib.util.spec_from_file_location("_kernel_benchmark_binding", Path(__file__).with_name("_binding.py"))
-    binding = sys.modules.get(spec.name)
-    if binding is None:
-        binding = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(binding)
-    return binding.jax_torch_op(qualname)(fn)
 
 
 def on_device(inputs: dict, device: str) -> dict:
@@ -114,7 +101,7 @@ def _workload_methods(workload: str) -> dict:
 
 def define(namespace: dict, suites) -> None:
     """One Benchmark class per entry of each suite's table for this host, bound in `namespace` (the benchmark
-    script's globals: kernels runs the classes the script's module defines).
+    script's globals: kernels runs the classes the script's module defines, and only those).
 
     `suites`: (case class, TPU table, interpret-mode table), a table being {class name: {workload: case}}."""
     for case_class, tpu_table, interpret_table in suites:

@@ -72,7 +72,7 @@ sinks), per generation:
   VMEM budget.
 
 Usage:
-    tpu-kernels bench attention [--out benchmarks/results/attention.json] [--repo kernel_repos/attention-tpu]
+    python -m benchmarks attention [--out benchmarks/results/attention.json] [--repo kernel_repos/attention-tpu]
         [--quick] [--sweep]
     (or JAX_PLATFORMS=cpu python -m benchmarks.studies.attention; paths relative to the current directory)
 Modules: `forward` (shapes, visibility counts, the forward's measures),

@@ -20,7 +20,7 @@ Copies are XLA programs (`programs`), compiled for each generation's compile-onl
 figures, its band and its terms; the notes say whether the copies dominate and what would remove them.
 
 Usage:
-    tpu-kernels bench cb_step [--out benchmarks/results/cb_step.json] [--repo kernel_repos/attention-tpu]
+    python -m benchmarks cb_step [--out benchmarks/results/cb_step.json] [--repo kernel_repos/attention-tpu]
         [--wheels DIR] [--jobs N] [--cache-dir DIR] [--quick]
 Modules: `steps`, `programs`, `xla`, `kernels`, `paths`, `summary`, `run`.
 """

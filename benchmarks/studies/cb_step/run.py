@@ -1,4 +1,4 @@
-"""`tpu-kernels bench cb_step`: price every path of every step, model and generation; write the JSON."""
+"""`python -m benchmarks cb_step`: price every path of every step, model and generation; write the JSON."""
 
 from __future__ import annotations
 

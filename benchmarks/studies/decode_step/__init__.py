@@ -31,11 +31,11 @@ HF's 56.6 ms, the step with HF's own experts kernel as moe_layer prices it (`hf_
 question), the ratio with that kernel beside ours over the terms no timing identifies (`ratio_ranges`: grid-step
 cost, HBM share, batched_mm's price), the eager host counts (`eager_host`), `explanation`: which term explains
 each gap, and `method.fitted_to`: the measured figure each assumption was fitted to, if any.
-`tpu-kernels bench report` renders benchmarks/results/decode_step.md from it
+`python -m benchmarks report` renders benchmarks/results/decode_step.md from it
 (`benchmarks.studies.tables.decode_step`).
 
 Usage:
-    tpu-kernels bench decode_step [--context 1024] [--batch 64] [--models ...] [--out PATH] [--jobs 2]
+    python -m benchmarks decode_step [--context 1024] [--batch 64] [--models ...] [--out PATH] [--jobs 2]
         [--cache-dir DIR] [--no-cache]
 Paths are relative to the current directory: run from the project's checkout. Compiles share moe_layer's
 disk cache: from an empty one a run takes minutes (our experts layers compile with their kernels; 5.7 minutes

@@ -1,4 +1,4 @@
-"""`tpu-kernels bench decode_step`: price both models' decode step on both paths and write the JSON."""
+"""`python -m benchmarks decode_step`: price both models' decode step on both paths and write the JSON."""
 
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ benchmarks/results/hub_server.json (relative to the current directory; `--out`) 
 group and the label.
 
 Usage:
-    tpu-kernels bench hub_server [--group attacks|faults|cards|pages] [--code DIR --label before]
+    python -m benchmarks hub_server [--group attacks|faults|cards|pages] [--code DIR --label before]
     (or python -m benchmarks.studies.hub_server ...)
 Modules: `client` (the server process, raw and HTTP clients), `faults`, `attacks` and
 `cards` (the cases), `run` (the command line and the attacks' before/after table).

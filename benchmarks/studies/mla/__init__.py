@@ -21,10 +21,10 @@ generations, decode batches of 8 and 64 over 4096 and 32768 cached tokens and pr
 - `floor`: the latent cache read once at the fitted HBM share.
 
 Output: benchmarks/results/mla.json (`summary`: the table's rows, the crossover per model and generation, the rule
-against the model); `tpu-kernels bench report` renders mla.md (`benchmarks.studies.tables.mla`).
+against the model); `python -m benchmarks report` renders mla.md (`benchmarks.studies.tables.mla`).
 
 Usage:
-    tpu-kernels bench mla [--models KEY ...] [--generations G ...] [--quick] [--no-vllm] [--repo DIR] [--jobs 2]
+    python -m benchmarks mla [--models KEY ...] [--generations G ...] [--quick] [--no-vllm] [--repo DIR] [--jobs 2]
 Modules: `shapes`, `programs`, `kernels`, `vllm_mla`, `measure`, `summary`, `run`.
 """
 

@@ -43,8 +43,8 @@ bodies is not made; their kernels' time is the replay's either way).
 
 The headline is the calibrated pipelined figure (`pipelined_time_s`: each
 grid step max(its compute, its neighbours' copies) + the fitted per-step cost
-of the generation, `perf.grid_step_s`), the figure `tpu-kernels
-calibrate` holds against real chips. Every time carries the calibrated error
+of the generation, `perf.grid_step_s`), the figure `python -m
+benchmarks calibrate` holds against real chips. Every time carries the calibrated error
 band of its terms in its regime (`calibration_bands`: Pallas kernels at the
 Pallas ragged-dot error, XLA ragged-dot loops at theirs, both from the
 measured calls of the layer's regime, streaming or compute-bound; other XLA
@@ -80,10 +80,10 @@ the Hugging Face 257 us case, with sorted keys and no run facts; the raw rows
 cache hits, load) go to benchmarks/results/raw/ (untracked).
 
 Usage:
-    tpu-kernels bench moe_layer [--all] [--out benchmarks/results/moe_layer.json]
+    python -m benchmarks moe_layer [--all] [--out benchmarks/results/moe_layer.json]
         [--repo kernel_repos/ragged-dot-tpu] [--settings LABEL ...] [--tokens T ...] [--jobs 2] [--no-cache]
         [--retarget]
-    tpu-kernels bench kernel_repos/ragged-dot-tpu [...]        (the same, --repo from the path)
+    python -m benchmarks kernel_repos/ragged-dot-tpu [...]        (the same, --repo from the path)
     JAX_PLATFORMS=cpu python -m benchmarks.studies.moe_layer [...]
 Paths are relative to the current directory: run from the project's checkout.
 

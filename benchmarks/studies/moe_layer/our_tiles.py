@@ -1,6 +1,6 @@
 """Ours tuned as the rivals are: a search over our grouped matmul's tiles at every prefill case, kept as data.
 
-`tpu-kernels bench moe_layer --all --tune-ours` replays ragged-dot's grouped
+`python -m benchmarks moe_layer --all --tune-ours` replays ragged-dot's grouped
 matmul (`grouped_matmul`) of each projection of each prefill case at
 candidate tiles around its heuristic's (row tiles of 256 to 2048 rows, the
 heuristic's N tile and the whole N, chunks of one MXU width) and prices each
@@ -170,7 +170,7 @@ def write_table(repo: Path, entries: list[dict], searched_keys: list[dict]) -> P
     entries = sorted(kept + entries, key=lambda e: tuple(str(e["key"][field]) for field in TUNED_KEY_ORDER))
     path.write_text(json.dumps({
         "what": "Grouped-matmul tiles of ragged-dot's experts layer at the prefill shapes of tpu-kernels' moe_layer "
-                "benchmark, searched on its calibrated model (`tpu-kernels bench moe_layer --tune-ours`); each beats "
+                "benchmark, searched on its calibrated model (`python -m benchmarks moe_layer --tune-ours`); each beats "
                 f"the heuristic's by at least {MIN_GAIN:.0%} there and makes the layer faster. Modelled, not "
                 "measured on a TPU.",
         "entries": entries,

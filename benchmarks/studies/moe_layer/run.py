@@ -37,7 +37,7 @@ DEFAULT_OUT = result_path("moe_layer.json")
 HEADLINE_OUT = result_path("moe_layer_headline_shapes.json")
 # The full sweep's wall time each time it ran with nothing in the cache (tracked: what `--all` costs a new user).
 COLD_TIMES = result_path("moe_layer_cold_times.json")
-COLD_TIMES_WHAT = ("wall time of `tpu-kernels bench moe_layer` (the default run, or --all) from an empty cache, one "
+COLD_TIMES_WHAT = ("wall time of `python -m benchmarks moe_layer` (the default run, or --all) from an empty cache, one "
                    "entry per such run")
 # Raw rows and the run's own facts (untracked: .gitignore).
 RAW_DIR = result_path("raw")

@@ -29,8 +29,8 @@ rival that cannot run a shape, or that the model cannot price, has a row with
 the reason.
 
 Usage:
-    tpu-kernels bench paged_attention [--out benchmarks/results/paged_attention.json] [--repo kernel_repos/attention-tpu]
-        [--wheels DIR] [--jobs N] [--quick]
+    python -m benchmarks paged_attention [--out benchmarks/results/paged_attention.json]
+        [--repo kernel_repos/attention-tpu] [--wheels DIR] [--jobs N] [--quick]
 Modules: `shapes`, `ours`, `rivals`, `rpa_v3`, `pricing`, `summary`, `run`.
 """
 

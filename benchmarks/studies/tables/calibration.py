@@ -1,8 +1,8 @@
 """calibration.json and the model's constants -> benchmarks/README.md's tables of how far the model can be trusted.
 
-`tpu-kernels calibrate` writes, per chip and kind of call, the model's error
+`python -m benchmarks calibrate` writes, per chip and kind of call, the model's error
 on tokamax's measured timings and every entry it skipped with its reason;
-`tpu-kernels bench calibration_fit --write-constants` writes the constants
+`python -m benchmarks calibration_fit --write-constants` writes the constants
 (benchmarks/perf/model_constants.json) that no public source states. The
 peaks beside them are jax's TPU table's (`tpu_kernels.runtime.hardware`).
 """

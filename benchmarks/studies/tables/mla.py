@@ -73,7 +73,7 @@ def decode_step(data: dict) -> str:
     """The MLA model's whole decode step beside decode_step.json's models (our full kernelized path each)."""
     found = data.get("decode_step")
     if not found:
-        return "The whole decode step was not priced (`tpu-kernels bench mla --step`)."
+        return "The whole decode step was not priced (`python -m benchmarks mla --step`)."
     paths = found["paths"]
     rows = [[f"{found['model']} (MLA)", f"{paths['transformers_default']['total']['ms']:.1f}",
              f"{paths['kernelized']['total']['ms']:.1f}", f"{found['ratio']:.1f}x",
@@ -89,7 +89,7 @@ def step_terms(data: dict) -> str:
     """Every term of the MLA model's step on both paths."""
     found = data.get("decode_step")
     if not found:
-        return "The whole decode step was not priced (`tpu-kernels bench mla --step`)."
+        return "The whole decode step was not priced (`python -m benchmarks mla --step`)."
     rows = []
     for name, path in found["paths"].items():
         for t in path["terms"]:

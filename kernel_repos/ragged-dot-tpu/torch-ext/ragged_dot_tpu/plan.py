@@ -43,7 +43,7 @@ from .tgmm.plan import TgmmPlan
 # prefill-sized calls take the two grouped matmuls. 512, not 256: under EP
 # token dispatch a rank's call holds the picks sent to it, one per row, and at
 # a decode batch of 256 the busiest rank gets more than 256 of them (Qwen3-30B-A3B
-# on 8 ranks: 301 in `tpu-kernels bench moe_layer`), which the grouped path served
+# on 8 ranks: 301 in `python -m benchmarks moe_layer`), which the grouped path served
 # at 1.28x its roofline on v6e, the fused kernel at 1.06x.
 FUSED_MAX_TOKENS = 512
 

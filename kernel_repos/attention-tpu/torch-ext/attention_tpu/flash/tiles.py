@@ -29,7 +29,7 @@ from ..common.vmem import vmem_budget, vmem_limit
 
 # Preferred tiles (query positions per prefill block, keys per prefill block,
 # keys per decode block), chosen with the grid-replay model of
-# benchmarks.perf on Qwen3-30B-A3B shapes (`tpu-kernels bench attention`): at
+# benchmarks.perf on Qwen3-30B-A3B shapes (`python -m benchmarks attention`): at
 # S=4096-8192, (512, 512) on v5e and (512, 1024) on v6e come within ~3% of the
 # best modelled time, 10-20% faster than (256, 512). Decode streams K/V, so its
 # blocks are long and span several KV heads, to amortise the per-step overhead
@@ -60,7 +60,7 @@ PREFERRED_TILES_BY_HEAD_DIM = {
 # the window compute mostly masked pairs (GPT-OSS-20B's window of 128 at (512, 1024) tiles: 45x the visible work).
 # By the grid-replay model at GPT-OSS-20B's sliding layer (S=4096, window 128, head_dim 64), blocks of at most two
 # windows (rounded to lanes) are within 6 % of the best tiles swept ((128..512) x (128..1024)) on every generation
-# (`tpu-kernels bench attention --sweep`, attention_forward_sweep.json) and faster than the preferred ones; at
+# (`python -m benchmarks attention --sweep`, attention_forward_sweep.json) and faster than the preferred ones; at
 # Gemma 4's window of 1024 the preferred tiles are narrower than that already.
 WINDOW_BLOCK_SPAN = 2
 

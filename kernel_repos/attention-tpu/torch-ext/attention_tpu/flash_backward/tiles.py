@@ -28,7 +28,7 @@ from ..common.vmem import vmem_budget, vmem_limit
 
 # Preferred backward tiles per kernel, (block_q, block_kv): dq walks KV blocks
 # per query block, dk/dv walks query blocks per KV block. Chosen with the
-# grid-replay model of benchmarks.perf (`tpu-kernels bench attention --sweep`,
+# grid-replay model of benchmarks.perf (`python -m benchmarks attention --sweep`,
 # blocks 128-1024, KV heads per step from `backward_tiles`) at training shapes
 # of 8192 tokens: the best tile of Qwen3-30B-A3B (causal) and of Gemma-4's
 # sliding layers on both generations, except v6e's dk/dv at Qwen3 (512 x 512 is

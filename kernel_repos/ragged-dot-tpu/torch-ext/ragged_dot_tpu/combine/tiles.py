@@ -10,7 +10,7 @@ from ..problem import CombineProblem
 
 # Tokens per grid step, largest first: each step copies up to K x tile rows, and a longer tile pays fewer steps'
 # fixed cost. The first tile's copies wait before any sum (nothing overlaps them), so a core keeps at least
-# MIN_TILES_PER_CORE tiles: the exposed copies stay an eighth of its rows (modelled by `tpu-kernels bench
+# MIN_TILES_PER_CORE tiles: the exposed copies stay an eighth of its rows (modelled by `python -m benchmarks
 # moe_layer` at 2048 and 8192 tokens: 256 and 512 were the best tiles there or within 1.3 us of it; 512 at
 # 2048 tokens, 4 tiles, was up to 2 % slower than 128).
 TOKEN_TILES = (512, 256, 128)

@@ -84,8 +84,8 @@ class TunedKey(NamedTuple):
 
 
 # Tiles tuned per shape, taken over the heuristic by `select`: data in tuned_tiles.json beside this
-# module (`_tuning`'s form), written by tpu-kernels' `bench moe_layer --tune-ours` (a search on its calibrated
-# model, as its rivals get; not measured on a TPU). A shape not in it takes the heuristic.
+# module (`_tuning`'s form), written by the tpu-kernels lab's `python -m benchmarks moe_layer --tune-ours` (a
+# search on its calibrated model, as its rivals get; not measured on a TPU). A shape not in it takes the heuristic.
 TUNED_TILES_FILE = Path(__file__).with_name("tuned_tiles.json")
 TUNED_TILES: dict[TunedKey, TileConfig] = read_tuned_tiles(TUNED_TILES_FILE, TunedKey, TileConfig)
 
@@ -323,7 +323,7 @@ def vmem_limit(config: TileConfig, problem: MatmulProblem, target: TpuGeneration
 
 # The backward's d_lhs grouped matmul runs at training sizes, where the heuristic tiles rows
 # (HEURISTIC_ROW_TILE) in chunks and each row tile reads one chunk more of lhs rows: a longer row
-# tile halves that extra read (modelled by `tpu-kernels bench moe_backward`: Qwen3-30B-A3B's down
+# tile halves that extra read (modelled by `python -m benchmarks moe_backward`: Qwen3-30B-A3B's down
 # projection on v6e, 73 % -> 82 % of its roofline). Taken where it passes `check_config`.
 D_LHS_ROW_TILE = 1024
 

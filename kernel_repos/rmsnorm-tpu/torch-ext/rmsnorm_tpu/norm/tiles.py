@@ -108,7 +108,7 @@ class RowBlockTiles(NamedTuple):
 # Row blocks tuned per shape, taken over the heuristic by `select`: data
 # in tuned_tiles.json beside this module. None so far: at 64 rows and more the
 # heuristic's blocks move within 1.4% of the minimum HBM bytes and model at
-# 91-94% of the HBM roofline at 8192 rows on v6e (`tpu-kernels bench
+# 91-94% of the HBM roofline at 8192 rows on v6e (`python -m benchmarks
 # rmsnorm`), leaving a search little to win.
 TUNED_TILES_FILE = Path(__file__).with_name("tuned_tiles.json")
 TUNED_TILES: dict[TunedKey, RowBlockTiles] = read_tuned_tiles(TUNED_TILES_FILE, TunedKey, RowBlockTiles)

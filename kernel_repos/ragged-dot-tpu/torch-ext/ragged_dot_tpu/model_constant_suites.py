@@ -1,5 +1,6 @@
-"""Microbenchmarks of the costs the performance model fits but no public source states, for
-`tpu-kernels calibrate --from-benchmark` to fit directly (a least-squares line per term):
+"""Microbenchmarks of the costs the performance model fits but no public source states, for the lab's
+`python -m benchmarks calibrate --from-benchmark` to fit directly (a least-squares line per term); part of the
+suites `kernels benchmark` runs (`benchmark_suites`):
 
 - `GridStep`: an empty Pallas kernel over 1 to 100,000 grid steps (one block kept in VMEM, no copies): the
   fixed cost of a grid step is the slope of time against steps;
@@ -12,13 +13,10 @@
   experts do at decode (Qwen3-30B-A3B's gate_up projection on one rank of eight: 16 experts of
   1536 x 2048 bfloat16; 8 to 128 picks): its bandwidth.
 
-The kernels are defined here and registered as torch ops through the kernels' binding (`_binding.py`) when a
-case first runs; each case checks its output. Without a TPU, small versions run in interpret mode.
-`_harness.py` (copied into every build) says how a case is timed.
+The kernels are defined here and registered as torch ops in this build's namespace (`_ops`) when a case first
+runs; each case checks its output. Without a TPU, small versions run in interpret mode.
+`_benchmark_harness.py` (shipped into every build) says how a case is timed.
 """
-
-import importlib.util
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +24,8 @@ import torch
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-_spec = importlib.util.spec_from_file_location("_kernel_benchmark_harness", Path(__file__).with_name("_harness.py"))
-harness = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(harness)
+from . import _benchmark_harness as harness
+from ._ops import add_op_namespace_prefix, jax_torch_op
 
 LANES = 128
 DMA_COPIES = 64
@@ -107,7 +104,7 @@ _OPS = {}
 def op(name: str):
     """The torch op of one kernel above, registered at its first use (loading this file registers nothing)."""
     if name not in _OPS:
-        _OPS[name] = harness.torch_op(f"tpu_kernels_model_constants::{name}", globals()[name])
+        _OPS[name] = jax_torch_op(add_op_namespace_prefix(f"model_constant_{name}"))(globals()[name])
     return _OPS[name]
 
 
@@ -148,4 +145,3 @@ class ModelConstantCase(harness.KernelCase):
 
 
 SUITES = [(ModelConstantCase, TPU_CASES, INTERPRET_CASES)]
-harness.define(globals(), SUITES)
