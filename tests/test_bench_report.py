@@ -84,7 +84,8 @@ def test_check_lists_every_missing_source(checkout, capsys):
     cards.mkdir(parents=True)
     (cards / "CARD.md").write_text("<!-- generated: benchmarks/results/gone.md -->\nold\n<!-- end generated -->\n"
                                    "<!-- generated: benchmarks/results/two.md#third -->\n<!-- end generated -->\n"
-                                   "<!-- generated: docs/other.md -->\n<!-- end generated -->\n")
+                                   "<!-- generated: docs/other.md -->\n<!-- end generated -->\n"
+                                   "<!-- generated: benchmarks/results/pages/study.md -->\n<!-- end generated -->\n")
     write_doc(checkout, "<!-- generated: benchmarks/results/layer.md -->\nno end marker\n")
     before = (cards / "CARD.md").read_text()
     assert report.main(["--check", "--root", str(checkout)]) == 1
@@ -92,6 +93,9 @@ def test_check_lists_every_missing_source(checkout, capsys):
     assert "CARD.md:1: missing source: benchmarks/results/gone.md does not exist" in err
     assert "CARD.md:4: missing source: benchmarks/results/two.md#third has no section `## third`" in err
     assert "CARD.md:6: missing source: docs/other.md is not a markdown file in benchmarks/results/" in err
+    # A study page is a doc, never a source.
+    assert ("CARD.md:8: missing source: benchmarks/results/pages/study.md is not a markdown file in "
+            "benchmarks/results/") in err
     assert "README.md:1: block from benchmarks/results/layer.md has no `<!-- end generated -->`" in err
     # Without --check it still says so, and leaves blocks it cannot fill as they were.
     assert report.main(["--root", str(checkout)]) == 1
@@ -463,7 +467,8 @@ def test_moe_layer_v5p_tpu7x_table_adds_the_quantized_formats_and_the_fused_riva
 
 def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
     sources = set()
-    for doc in ("docs/binding.md", "kernel_repos/attention-tpu/CARD.md", "docs/multichip.md", "benchmarks/README.md",
+    pages = [path.relative_to(ROOT).as_posix() for path in (ROOT / report.PAGES_DIR).glob("*.md")]
+    for doc in ("docs/binding.md", "kernel_repos/attention-tpu/CARD.md", "docs/multichip.md", *pages,
                 "docs/kernelize.md", "docs/hub.md", "README.md", "kernel_repos/rmsnorm-tpu/CARD.md",
                 "docs/security.md"):
         blocks, _ = report.find_blocks(doc, (ROOT / doc).read_text())

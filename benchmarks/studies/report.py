@@ -55,9 +55,12 @@ from benchmarks.studies.tables import rmsnorm as rmsnorm_tables
 from benchmarks.studies.tables import robustness as robustness_tables
 from benchmarks.perf.chip import CONSTANTS as MODEL_CONSTANTS
 
-# The tracked docs that may hold generated blocks, as globs relative to the project's root.
-DOCS = ("README.md", "docs/*.md", "benchmarks/README.md", "kernel_repos/*/CARD.md")
-# Sources live beside the benchmarks' JSON: a block never includes another doc or any file outside the results.
+# The tracked docs that may hold generated blocks, as globs relative to the project's root: the study pages
+# (`PAGES_DIR`) are docs, one per study, that the index benchmarks/README.md links.
+PAGES_DIR = "benchmarks/results/pages"
+DOCS = ("README.md", "docs/*.md", "benchmarks/README.md", f"{PAGES_DIR}/*.md", "kernel_repos/*/CARD.md")
+# Sources live beside the benchmarks' JSON, directly in SOURCES_DIR: a block never includes another doc (a study
+# page included) or any file outside the results.
 SOURCES_DIR = "benchmarks/results"
 
 OPENING = re.compile(r"^(?P<indent>[ \t]*)<!-- generated: (?P<source>\S+) -->[ \t]*$", re.MULTILINE)
@@ -138,7 +141,7 @@ class Sources:
 
     def body(self, source: str) -> str:
         path, _, name = source.partition("#")
-        if not path.startswith(f"{SOURCES_DIR}/") or not path.endswith(".md") or ".." in Path(path).parts:
+        if Path(path).parent.as_posix() != SOURCES_DIR or not path.endswith(".md"):
             raise MissingSource(f"{source} is not a markdown file in {SOURCES_DIR}/")
         if path in self.unrenderable:
             raise MissingSource(self.unrenderable[path])
@@ -345,7 +348,7 @@ def backward_layer_table(ratios: list[dict]) -> list[str]:
 
 
 # Calibration reports of chips whose timings check the model without standing for a generation's bands: v5p's and
-# v6e's timings from a later tokamax (benchmarks/README.md says how they are written).
+# v6e's timings from a later tokamax (benchmarks/results/pages/calibration.md says how they are written).
 CALIBRATION_CHECKS = ("calibration_v5p.json", "calibration_v6e.json")
 
 

@@ -1,4 +1,4 @@
-"""int4_granularity.json -> benchmarks/README.md's table: greedy tokens kept per int4 scale granularity."""
+"""int4_granularity.json -> its study page's table: greedy tokens kept per int4 scale granularity."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""moe_layer's JSON -> benchmarks/README.md's headline tables: ours / best tuned rival / roofline per shape.
+"""moe_layer's JSON -> the headline tables of its study page: ours / best tuned rival / roofline per shape.
 
 moe_layer writes one JSON per run: the default run (v5e, v6e, every shape),
 the `--generations v5p tpu7x` run, whose table adds ours with quantized
