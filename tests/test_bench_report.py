@@ -29,6 +29,7 @@ SECTIONED = "## first\n\n| x |\n| --- |\n| 1 |\n\n## second\n\n| y |\n| --- |\n|
 def checkout(tmp_path, monkeypatch):
     """A checkout with one results table, one sectioned results file, and no derived tables to render."""
     monkeypatch.setattr(report, "DERIVED_TABLES", {})
+    monkeypatch.setattr(report, "PICTURES", {})
     results = tmp_path / "benchmarks" / "results"
     results.mkdir(parents=True)
     (results / "layer.md").write_text(TABLE)
@@ -506,6 +507,8 @@ def test_cli_runs_report_as_a_bench_tool(tmp_path, monkeypatch, capsys):
     shutil.copy(ROOT / "README.md", tmp_path / "README.md")
     for path in (ROOT / "benchmarks" / "results").glob("*.json"):  # what the derived tables are rendered from
         shutil.copy(path, results / path.name)
+    # The speed picture's drawing and check have tests of their own (test_bench_speed_picture.py): not redrawn here.
+    monkeypatch.setattr(report, "PICTURES", {})
     facts = json.loads((ROOT / prose_figures.FACTS).read_text())  # the README's facts: its other docs are not here
     (tmp_path / prose_figures.FACTS).parent.mkdir()
     (tmp_path / prose_figures.FACTS).write_text(json.dumps({"README.md": facts["README.md"]}))

@@ -18,10 +18,15 @@ benchmark's JSON, so no results .md is typed either: most through their
 benchmark's `benchmarks.studies.tables.<benchmark>.render_markdown`, the MoE
 layer's and backward's here.
 
-`refresh` rewrites the derived tables and every block from its source;
-`problems` lists every block (or derived table) that differs from its source,
-every marker whose source is missing, and every figure typed into the docs'
-prose outside the blocks (`prose_figures`), without writing anything.
+Pictures (`PICTURES`) are drawn from the studies' JSON too; each PNG carries
+the digest of what it drew in its metadata, so a stale picture is found by
+that digest, never by its pixels.
+
+`refresh` rewrites the derived tables, the stale pictures and every block from
+its source; `problems` lists every block (or derived table, or picture) that
+differs from its source, every marker whose source is missing, and every
+figure typed into the docs' prose outside the blocks (`prose_figures`),
+without writing anything.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from benchmarks.studies.tables import paged_attention as paged_attention_tables
 from benchmarks.studies.tables import quantization_accuracy as quantization_accuracy_tables
 from benchmarks.studies.tables import rmsnorm as rmsnorm_tables
 from benchmarks.studies.tables import robustness as robustness_tables
+from benchmarks.studies.tables import speed as speed_figure
 from benchmarks.perf.chip import CONSTANTS as MODEL_CONSTANTS
 
 # The tracked docs that may hold generated blocks, as globs relative to the project's root: the study pages
@@ -228,17 +234,37 @@ def impossible_roofline_shares(root: Path) -> list[str]:
     return found
 
 
+def stale_pictures(root: Path) -> tuple[dict[str, tuple], list[str]]:
+    """The pictures (`PICTURES`) not drawn from the current JSON, each with what to draw it from (its figures and
+    their digest); and those that cannot be drawn. A picture is checked by the digest its metadata carries, never by
+    its pixels."""
+    stale, undrawable = {}, []
+    for path, picture in PICTURES.items():
+        try:
+            figures = picture.bars(root)
+        except (OSError, KeyError, ValueError) as error:
+            undrawable.append(f"{path} cannot be drawn from its JSON: {error}")
+            continue
+        digest = picture.inputs_digest(figures)
+        if picture.stored_digest(root / path) != digest:
+            stale[path] = (figures, digest)
+    return stale, undrawable
+
+
 def problems(root: Path) -> list[str]:
-    """Everything `--check` reports: stale derived tables, blocks that differ from their source, missing sources,
-    figures typed into prose, shares of a roofline above 100 %."""
+    """Everything `--check` reports: stale derived tables and pictures, blocks that differ from their source, missing
+    sources, figures typed into prose, shares of a roofline above 100 %."""
     sources = Sources(root)
     _, differing, unreadable = updated_docs(sources)
-    return (stale_derived_tables(sources) + differing + unreadable + typed_figures(root)
+    stale, undrawable = stale_pictures(root)
+    pictures = [f"{path} was not drawn from the current JSON (the digest in its metadata differs)" for path in stale]
+    return (stale_derived_tables(sources) + pictures + undrawable + differing + unreadable + typed_figures(root)
             + impossible_roofline_shares(root))
 
 
 def refresh(root: Path) -> tuple[list[Path], list[str]]:
-    """Writes the derived tables and every block from its source; the files written and what could not be read."""
+    """Writes the derived tables, every stale picture and every block from its source; the files written and what
+    could not be read."""
     sources = Sources(root)
     written = []
     for path, text in sources.rendered.items():
@@ -246,10 +272,14 @@ def refresh(root: Path) -> tuple[list[Path], list[str]]:
         if not target.is_file() or target.read_text() != text:
             target.write_text(text)
             written.append(target)
+    stale, undrawable = stale_pictures(root)
+    for path, (figures, digest) in stale.items():
+        PICTURES[path].draw(figures, root / path, digest)
+        written.append(root / path)
     changed, _, unreadable = updated_docs(sources)
     for path, text in changed.items():
         path.write_text(text)
-    return written + list(changed), list(sources.unrenderable.values()) + unreadable
+    return written + list(changed), list(sources.unrenderable.values()) + undrawable + unreadable
 
 
 # --- Tables rendered from JSON (their benchmark writes no markdown for them) ---------------------------------------
@@ -379,6 +409,20 @@ def sectioned_tables(json_name: str, render_markdown: Callable[[dict], dict[str,
     return render
 
 
+def speed_tables(root: Path) -> str:
+    """benchmarks/results/speed.md: the figures the README's speed picture draws."""
+    inputs = ", ".join([*speed_figure.MOE_LAYER_RUNS, "decode_step.json", "mla.json", "robustness.json"])
+    lines = [f"<!-- written by `tpu-kernels bench report` from {inputs}: do not edit -->"]
+    for name, table in speed_figure.render_markdown(speed_figure.bars(root)).items():
+        lines += ["", f"## {name}", "", table]
+    return "\n".join(lines) + "\n"
+
+
+# The pictures drawn from the studies' JSON (relative to the root) -> their module: `bars(root)` gathers the
+# figures, `inputs_digest(figures)` is what the PNG's metadata carries (`stored_digest(path)` reads it back),
+# `draw(figures, path, digest)` draws it.
+PICTURES = {f"{SOURCES_DIR}/speed.png": speed_figure}
+
 # results .md (relative to the root) -> its renderer from the benchmark's JSON.
 DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
     f"{SOURCES_DIR}/moe_layer_formats.md": moe_layer_formats,
@@ -412,6 +456,7 @@ DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
     f"{SOURCES_DIR}/int4_granularity.md": sectioned_tables("int4_granularity.json",
                                                            int4_granularity_tables.render_markdown),
     f"{SOURCES_DIR}/compiles.md": sectioned_tables("compiles.json", compiles_tables.render_markdown),
+    f"{SOURCES_DIR}/speed.md": speed_tables,
 }
 
 
@@ -419,7 +464,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Rewrite the docs' generated blocks from benchmarks/results/.")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 listing every block that differs from its source or lacks one, "
-                             "every figure typed into the docs' prose and every share of a roofline above 100 %%")
+                             "every picture not drawn from the current JSON, every figure typed into the docs' "
+                             "prose and every share of a roofline above 100 %%")
     parser.add_argument("--root", type=Path, default=Path("."), help="the tpu-kernels checkout (default: here)")
     args = parser.parse_args(argv)
     if args.check:
