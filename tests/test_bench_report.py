@@ -584,3 +584,16 @@ def test_decode_step_tables_from_its_json():
     assert tables["gaps"].splitlines() == ["- **Qwen3-30B-A3B**", "  - the gap is host time."]
     assert tables["hf-kernel"].splitlines()[2] == "| Qwen3-30B-A3B | 1687 (4608) | 97.0 | 56.6 | 0.1571 (0.1446) |"
     assert "| context | 1024 tokens per request: assumed |" in tables["assumptions"]
+
+
+def test_padding_table_from_its_json():
+    from benchmarks.studies.tables import padding as padding_tables
+
+    def bucket(size: int, real: int, pad: int, kernel: int) -> dict:
+        return {"bucket": size, "real_bytes": real, "pad_copy_bytes": pad, "kernel_bytes": kernel,
+                "pad_copy_seconds": {"v6e": pad * 1e-9}, "kernel_seconds": {"v6e": kernel * 1e-9}}
+
+    data = {"models": {"m": {"entry_points": {"experts": [bucket(16, 100, 900, 1100), bucket(32, 1000, 1500, 500),
+                                                          bucket(64, 1000, 600, 400)]}}}}
+    assert padding_tables.render_markdown(data)["buckets"].splitlines()[2:] == [
+        "| m | `experts` | 3: 16 to 64 | 20.0x | 2.00x | 64: 1.0 |"]

@@ -55,6 +55,7 @@ from benchmarks.studies.tables import moe_layer as moe_layer_tables
 from benchmarks.studies.tables import multichip as multichip_tables
 from benchmarks.studies.tables import mla as mla_tables
 from benchmarks.studies.tables import paged_attention as paged_attention_tables
+from benchmarks.studies.tables import padding as padding_tables
 from benchmarks.studies.tables import quantization_accuracy as quantization_accuracy_tables
 from benchmarks.studies.tables import rmsnorm as rmsnorm_tables
 from benchmarks.studies.tables import robustness as robustness_tables
@@ -456,6 +457,7 @@ DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
     f"{SOURCES_DIR}/int4_granularity.md": sectioned_tables("int4_granularity.json",
                                                            int4_granularity_tables.render_markdown),
     f"{SOURCES_DIR}/compiles.md": sectioned_tables("compiles.json", compiles_tables.render_markdown),
+    f"{SOURCES_DIR}/padding.md": sectioned_tables("padding.json", padding_tables.render_markdown),
     f"{SOURCES_DIR}/speed.md": speed_tables,
 }
 
