@@ -101,7 +101,7 @@ def backward(report: dict) -> str:
 
 
 def verdicts(report: dict) -> str:
-    """One line per study (`VERDICT_LINES`), a fragile one pointing to the fragile claims' table."""
+    """One line per study (`VERDICT_LINES`), a fragile one pointing to the JSON that lists each claim."""
     lines = []
     for families in VERDICT_LINES:
         counts, fragile_any = [], False
@@ -111,7 +111,7 @@ def verdicts(report: dict) -> str:
             fragile_any |= robust < len(found)
             counts.append(f"{family}: {robust} of {len(found)} claims robust"
                           + ("" if robust == len(found) else f", fragile: {len(found) - robust}"))
-        lines.append("- " + "; ".join(counts) + (" (fragile claims: below)" if fragile_any else ""))
+        lines.append("- " + "; ".join(counts) + (" (each in robustness.json's claims)" if fragile_any else ""))
     for model, rests in report["decode_step_rests_on"].items():
         lines.append(f"- {model} whole-step ratio {rests['ratio']:g}x: "
                      f"{100 * rests['uncalibrated_share_of_default']:.1f} % of the default step and "
