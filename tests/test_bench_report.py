@@ -29,6 +29,7 @@ SECTIONED = "## first\n\n| x |\n| --- |\n| 1 |\n\n## second\n\n| y |\n| --- |\n|
 def checkout(tmp_path, monkeypatch):
     """A checkout with one results table, one sectioned results file, and no derived tables to render."""
     monkeypatch.setattr(report, "DERIVED_TABLES", {})
+    monkeypatch.setattr(report, "PICTURES", {})
     results = tmp_path / "benchmarks" / "results"
     results.mkdir(parents=True)
     (results / "layer.md").write_text(TABLE)
@@ -84,7 +85,8 @@ def test_check_lists_every_missing_source(checkout, capsys):
     cards.mkdir(parents=True)
     (cards / "CARD.md").write_text("<!-- generated: benchmarks/results/gone.md -->\nold\n<!-- end generated -->\n"
                                    "<!-- generated: benchmarks/results/two.md#third -->\n<!-- end generated -->\n"
-                                   "<!-- generated: docs/other.md -->\n<!-- end generated -->\n")
+                                   "<!-- generated: docs/other.md -->\n<!-- end generated -->\n"
+                                   "<!-- generated: benchmarks/results/pages/study.md -->\n<!-- end generated -->\n")
     write_doc(checkout, "<!-- generated: benchmarks/results/layer.md -->\nno end marker\n")
     before = (cards / "CARD.md").read_text()
     assert report.main(["--check", "--root", str(checkout)]) == 1
@@ -92,6 +94,9 @@ def test_check_lists_every_missing_source(checkout, capsys):
     assert "CARD.md:1: missing source: benchmarks/results/gone.md does not exist" in err
     assert "CARD.md:4: missing source: benchmarks/results/two.md#third has no section `## third`" in err
     assert "CARD.md:6: missing source: docs/other.md is not a markdown file in benchmarks/results/" in err
+    # A study page is a doc, never a source.
+    assert ("CARD.md:8: missing source: benchmarks/results/pages/study.md is not a markdown file in "
+            "benchmarks/results/") in err
     assert "README.md:1: block from benchmarks/results/layer.md has no `<!-- end generated -->`" in err
     # Without --check it still says so, and leaves blocks it cannot fill as they were.
     assert report.main(["--root", str(checkout)]) == 1
@@ -463,7 +468,8 @@ def test_moe_layer_v5p_tpu7x_table_adds_the_quantized_formats_and_the_fused_riva
 
 def test_the_docs_include_the_tables_rendered_from_the_benchmarks_json():
     sources = set()
-    for doc in ("docs/binding.md", "kernel_repos/attention-tpu/CARD.md", "docs/multichip.md", "benchmarks/README.md",
+    pages = [path.relative_to(ROOT).as_posix() for path in (ROOT / report.PAGES_DIR).glob("*.md")]
+    for doc in ("docs/binding.md", "kernel_repos/attention-tpu/CARD.md", "docs/multichip.md", *pages,
                 "docs/kernelize.md", "docs/hub.md", "README.md", "kernel_repos/rmsnorm-tpu/CARD.md",
                 "docs/security.md"):
         blocks, _ = report.find_blocks(doc, (ROOT / doc).read_text())
@@ -501,6 +507,8 @@ def test_cli_runs_report_as_a_bench_tool(tmp_path, monkeypatch, capsys):
     shutil.copy(ROOT / "README.md", tmp_path / "README.md")
     for path in (ROOT / "benchmarks" / "results").glob("*.json"):  # what the derived tables are rendered from
         shutil.copy(path, results / path.name)
+    # The speed picture's drawing and check have tests of their own (test_bench_speed_picture.py): not redrawn here.
+    monkeypatch.setattr(report, "PICTURES", {})
     facts = json.loads((ROOT / prose_figures.FACTS).read_text())  # the README's facts: its other docs are not here
     (tmp_path / prose_figures.FACTS).parent.mkdir()
     (tmp_path / prose_figures.FACTS).write_text(json.dumps({"README.md": facts["README.md"]}))
@@ -576,3 +584,16 @@ def test_decode_step_tables_from_its_json():
     assert tables["gaps"].splitlines() == ["- **Qwen3-30B-A3B**", "  - the gap is host time."]
     assert tables["hf-kernel"].splitlines()[2] == "| Qwen3-30B-A3B | 1687 (4608) | 97.0 | 56.6 | 0.1571 (0.1446) |"
     assert "| context | 1024 tokens per request: assumed |" in tables["assumptions"]
+
+
+def test_padding_table_from_its_json():
+    from benchmarks.studies.tables import padding as padding_tables
+
+    def bucket(size: int, real: int, pad: int, kernel: int) -> dict:
+        return {"bucket": size, "real_bytes": real, "pad_copy_bytes": pad, "kernel_bytes": kernel,
+                "pad_copy_seconds": {"v6e": pad * 1e-9}, "kernel_seconds": {"v6e": kernel * 1e-9}}
+
+    data = {"models": {"m": {"entry_points": {"experts": [bucket(16, 100, 900, 1100), bucket(32, 1000, 1500, 500),
+                                                          bucket(64, 1000, 600, 400)]}}}}
+    assert padding_tables.render_markdown(data)["buckets"].splitlines()[2:] == [
+        "| m | `experts` | 3: 16 to 64 | 20.0x | 2.00x | 64: 1.0 |"]

@@ -1,5 +1,6 @@
 """The size limits, over the whole repo: no module over 600 lines, no function over 80 lines (a table of
-shapes is data, not a function: it sits at a module's top level), a README of at most 250 lines."""
+shapes is data, not a function: it sits at a module's top level), a README of at most 250 lines, and the lab's
+README an index of at most 150 (the studies' pages under benchmarks/results/pages/ carry the rest)."""
 
 import ast
 from pathlib import Path
@@ -51,3 +52,10 @@ README_LINES = 250
 
 def test_the_readme_is_at_most_250_lines():
     assert len((REPO_ROOT / "README.md").read_text().splitlines()) <= README_LINES
+
+
+BENCHMARKS_INDEX_LINES = 150
+
+
+def test_the_benchmarks_readme_is_an_index_of_at_most_150_lines():
+    assert len((REPO_ROOT / "benchmarks" / "README.md").read_text().splitlines()) <= BENCHMARKS_INDEX_LINES

@@ -216,8 +216,9 @@ def test_readme_verdicts_take_one_line_per_study():
         ("moe_layer ranking", "robust"), ("anchor", "fragile"), ("paged decode", "robust"), ("decode step", "robust"),
         ("moe_backward ranking", "robust"), ("moe_backward ranking", "fragile"), ("backward/forward ratio", "robust"))]
     assert tables.verdicts({"claims": claims, "decode_step_rests_on": {}}).splitlines() == [
-        "- moe_layer ranking: 1 of 1 claims robust; anchor: 0 of 1 claims robust, fragile: 1 (benchmarks/README.md)",
+        "- moe_layer ranking: 1 of 1 claims robust; anchor: 0 of 1 claims robust, fragile: 1 "
+        "(each in robustness.json's claims)",
         "- paged decode: 1 of 1 claims robust",
         "- decode step: 1 of 1 claims robust",
         "- moe_backward ranking: 1 of 2 claims robust, fragile: 1; backward/forward ratio: 1 of 1 claims robust "
-        "(benchmarks/README.md)"]
+        "(each in robustness.json's claims)"]

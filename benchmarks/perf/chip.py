@@ -11,7 +11,7 @@ data in model_constants.json, beside this module; the share of the peak HBM
 bandwidth each generation's copies reach is data in hbm_fractions.json (fitted
 on the timings bound by weight streaming: `python -m benchmarks calibration_fit`;
 a file of its own for now, as every key of model_constants.json becomes a row
-of the generated constants table in benchmarks/README.md).
+of the generated constants table in benchmarks/results/pages/calibration.md).
 
 The fitted rates of the MXU, the vector unit and HBM are one frozen value,
 `ModelRates`; `FITTED_RATES` holds the fitted ones. Every pricing

@@ -1,7 +1,7 @@
 """The project's benchmarks, one module each: `python -m benchmarks NAME [args]` or `python -m benchmarks.studies.NAME`.
 
 Each has a `main(argv=None)` and documents itself in its docstring
-(benchmarks/README.md says how to run each and what it measures); the large ones (moe_layer,
+(benchmarks/README.md indexes a page per study: how to run it and what it measures); the large ones (moe_layer,
 attention, hub_server) are packages split by concern. Paths are relative to
 the current directory, never to where this package is installed:
 

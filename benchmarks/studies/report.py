@@ -18,10 +18,15 @@ benchmark's JSON, so no results .md is typed either: most through their
 benchmark's `benchmarks.studies.tables.<benchmark>.render_markdown`, the MoE
 layer's and backward's here.
 
-`refresh` rewrites the derived tables and every block from its source;
-`problems` lists every block (or derived table) that differs from its source,
-every marker whose source is missing, and every figure typed into the docs'
-prose outside the blocks (`prose_figures`), without writing anything.
+Pictures (`PICTURES`) are drawn from the studies' JSON too; each PNG carries
+the digest of what it drew in its metadata, so a stale picture is found by
+that digest, never by its pixels.
+
+`refresh` rewrites the derived tables, the stale pictures and every block from
+its source; `problems` lists every block (or derived table, or picture) that
+differs from its source, every marker whose source is missing, and every
+figure typed into the docs' prose outside the blocks (`prose_figures`),
+without writing anything.
 """
 
 from __future__ import annotations
@@ -50,14 +55,19 @@ from benchmarks.studies.tables import moe_layer as moe_layer_tables
 from benchmarks.studies.tables import multichip as multichip_tables
 from benchmarks.studies.tables import mla as mla_tables
 from benchmarks.studies.tables import paged_attention as paged_attention_tables
+from benchmarks.studies.tables import padding as padding_tables
 from benchmarks.studies.tables import quantization_accuracy as quantization_accuracy_tables
 from benchmarks.studies.tables import rmsnorm as rmsnorm_tables
 from benchmarks.studies.tables import robustness as robustness_tables
+from benchmarks.studies.tables import speed as speed_figure
 from benchmarks.perf.chip import CONSTANTS as MODEL_CONSTANTS
 
-# The tracked docs that may hold generated blocks, as globs relative to the project's root.
-DOCS = ("README.md", "docs/*.md", "benchmarks/README.md", "kernel_repos/*/CARD.md")
-# Sources live beside the benchmarks' JSON: a block never includes another doc or any file outside the results.
+# The tracked docs that may hold generated blocks, as globs relative to the project's root: the study pages
+# (`PAGES_DIR`) are docs, one per study, that the index benchmarks/README.md links.
+PAGES_DIR = "benchmarks/results/pages"
+DOCS = ("README.md", "docs/*.md", "benchmarks/README.md", f"{PAGES_DIR}/*.md", "kernel_repos/*/CARD.md")
+# Sources live beside the benchmarks' JSON, directly in SOURCES_DIR: a block never includes another doc (a study
+# page included) or any file outside the results.
 SOURCES_DIR = "benchmarks/results"
 
 OPENING = re.compile(r"^(?P<indent>[ \t]*)<!-- generated: (?P<source>\S+) -->[ \t]*$", re.MULTILINE)
@@ -138,7 +148,7 @@ class Sources:
 
     def body(self, source: str) -> str:
         path, _, name = source.partition("#")
-        if not path.startswith(f"{SOURCES_DIR}/") or not path.endswith(".md") or ".." in Path(path).parts:
+        if Path(path).parent.as_posix() != SOURCES_DIR or not path.endswith(".md"):
             raise MissingSource(f"{source} is not a markdown file in {SOURCES_DIR}/")
         if path in self.unrenderable:
             raise MissingSource(self.unrenderable[path])
@@ -225,17 +235,37 @@ def impossible_roofline_shares(root: Path) -> list[str]:
     return found
 
 
+def stale_pictures(root: Path) -> tuple[dict[str, tuple], list[str]]:
+    """The pictures (`PICTURES`) not drawn from the current JSON, each with what to draw it from (its figures and
+    their digest); and those that cannot be drawn. A picture is checked by the digest its metadata carries, never by
+    its pixels."""
+    stale, undrawable = {}, []
+    for path, picture in PICTURES.items():
+        try:
+            figures = picture.bars(root)
+        except (OSError, KeyError, ValueError) as error:
+            undrawable.append(f"{path} cannot be drawn from its JSON: {error}")
+            continue
+        digest = picture.inputs_digest(figures)
+        if picture.stored_digest(root / path) != digest:
+            stale[path] = (figures, digest)
+    return stale, undrawable
+
+
 def problems(root: Path) -> list[str]:
-    """Everything `--check` reports: stale derived tables, blocks that differ from their source, missing sources,
-    figures typed into prose, shares of a roofline above 100 %."""
+    """Everything `--check` reports: stale derived tables and pictures, blocks that differ from their source, missing
+    sources, figures typed into prose, shares of a roofline above 100 %."""
     sources = Sources(root)
     _, differing, unreadable = updated_docs(sources)
-    return (stale_derived_tables(sources) + differing + unreadable + typed_figures(root)
+    stale, undrawable = stale_pictures(root)
+    pictures = [f"{path} was not drawn from the current JSON (the digest in its metadata differs)" for path in stale]
+    return (stale_derived_tables(sources) + pictures + undrawable + differing + unreadable + typed_figures(root)
             + impossible_roofline_shares(root))
 
 
 def refresh(root: Path) -> tuple[list[Path], list[str]]:
-    """Writes the derived tables and every block from its source; the files written and what could not be read."""
+    """Writes the derived tables, every stale picture and every block from its source; the files written and what
+    could not be read."""
     sources = Sources(root)
     written = []
     for path, text in sources.rendered.items():
@@ -243,10 +273,14 @@ def refresh(root: Path) -> tuple[list[Path], list[str]]:
         if not target.is_file() or target.read_text() != text:
             target.write_text(text)
             written.append(target)
+    stale, undrawable = stale_pictures(root)
+    for path, (figures, digest) in stale.items():
+        PICTURES[path].draw(figures, root / path, digest)
+        written.append(root / path)
     changed, _, unreadable = updated_docs(sources)
     for path, text in changed.items():
         path.write_text(text)
-    return written + list(changed), list(sources.unrenderable.values()) + unreadable
+    return written + list(changed), list(sources.unrenderable.values()) + undrawable + unreadable
 
 
 # --- Tables rendered from JSON (their benchmark writes no markdown for them) ---------------------------------------
@@ -345,7 +379,7 @@ def backward_layer_table(ratios: list[dict]) -> list[str]:
 
 
 # Calibration reports of chips whose timings check the model without standing for a generation's bands: v5p's and
-# v6e's timings from a later tokamax (benchmarks/README.md says how they are written).
+# v6e's timings from a later tokamax (benchmarks/results/pages/calibration.md says how they are written).
 CALIBRATION_CHECKS = ("calibration_v5p.json", "calibration_v6e.json")
 
 
@@ -375,6 +409,20 @@ def sectioned_tables(json_name: str, render_markdown: Callable[[dict], dict[str,
 
     return render
 
+
+def speed_tables(root: Path) -> str:
+    """benchmarks/results/speed.md: the figures the README's speed picture draws."""
+    inputs = ", ".join([*speed_figure.MOE_LAYER_RUNS, "decode_step.json", "mla.json", "robustness.json"])
+    lines = [f"<!-- written by `python -m benchmarks report` from {inputs}: do not edit -->"]
+    for name, table in speed_figure.render_markdown(speed_figure.bars(root)).items():
+        lines += ["", f"## {name}", "", table]
+    return "\n".join(lines) + "\n"
+
+
+# The pictures drawn from the studies' JSON (relative to the root) -> their module: `bars(root)` gathers the
+# figures, `inputs_digest(figures)` is what the PNG's metadata carries (`stored_digest(path)` reads it back),
+# `draw(figures, path, digest)` draws it.
+PICTURES = {f"{SOURCES_DIR}/speed.png": speed_figure}
 
 # results .md (relative to the root) -> its renderer from the benchmark's JSON.
 DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
@@ -409,6 +457,8 @@ DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
     f"{SOURCES_DIR}/int4_granularity.md": sectioned_tables("int4_granularity.json",
                                                            int4_granularity_tables.render_markdown),
     f"{SOURCES_DIR}/compiles.md": sectioned_tables("compiles.json", compiles_tables.render_markdown),
+    f"{SOURCES_DIR}/padding.md": sectioned_tables("padding.json", padding_tables.render_markdown),
+    f"{SOURCES_DIR}/speed.md": speed_tables,
 }
 
 
@@ -416,7 +466,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Rewrite the docs' generated blocks from benchmarks/results/.")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 listing every block that differs from its source or lacks one, "
-                             "every figure typed into the docs' prose and every share of a roofline above 100 %%")
+                             "every picture not drawn from the current JSON, every figure typed into the docs' "
+                             "prose and every share of a roofline above 100 %%")
     parser.add_argument("--root", type=Path, default=Path("."), help="the tpu-kernels checkout (default: here)")
     args = parser.parse_args(argv)
     if args.check:

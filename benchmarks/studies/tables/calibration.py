@@ -1,4 +1,5 @@
-"""calibration.json and the model's constants -> benchmarks/README.md's tables of how far the model can be trusted.
+"""calibration.json and the model's constants -> the tables of how far the model can be trusted
+(benchmarks/results/pages/calibration.md).
 
 `python -m benchmarks calibrate` writes, per chip and kind of call, the model's error
 on tokamax's measured timings and every entry it skipped with its reason;

@@ -1,4 +1,4 @@
-"""decode_step.json -> the tables of benchmarks/README.md and README.md: a whole decode step on both paths."""
+"""decode_step.json -> the tables of benchmarks/results/pages/decode_step.md: a whole decode step on both paths."""
 
 from __future__ import annotations
 

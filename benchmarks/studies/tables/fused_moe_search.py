@@ -1,4 +1,4 @@
-"""fused_moe_search.json -> benchmarks/README.md's tables: vLLM's fused_ep_moe at its own block sizes and at the best."""
+"""fused_moe_search.json -> its study page's tables: vLLM's fused_ep_moe at its own block sizes and at the best."""
 
 from __future__ import annotations
 

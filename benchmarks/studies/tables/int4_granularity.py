@@ -1,10 +1,10 @@
-"""int4_granularity.json -> benchmarks/README.md's table: greedy tokens kept per int4 scale granularity."""
+"""int4_granularity.json -> its study page's table: greedy tokens kept per int4 scale granularity."""
 
 from __future__ import annotations
 
-# The models as the README names them, by the model's name in the JSON (its key up to the description in brackets).
+# The models as the study page names them, by the model's name in the JSON (its key up to the description in brackets).
 MODELS = {"qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "gpt_oss": "GPT-OSS"}
-# The schemes in the README's column order -> its column heading.
+# The schemes in the page's column order -> its column heading.
 SCHEMES = {
     "int8 per channel": "int8",
     "int4 per channel": "int4 per channel",

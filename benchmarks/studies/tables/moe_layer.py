@@ -1,4 +1,4 @@
-"""moe_layer's JSON -> benchmarks/README.md's headline tables: ours / best tuned rival / roofline per shape.
+"""moe_layer's JSON -> the headline tables of its study page: ours / best tuned rival / roofline per shape.
 
 moe_layer writes one JSON per run: the default run (v5e, v6e, every shape),
 the `--generations v5p tpu7x` run, whose table adds ours with quantized
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from benchmarks.studies.calibration_bands import span
 
-# The v5p / TPU7x table's shapes, in the README's order.
+# The v5p / TPU7x table's shapes, in the moe_layer page's order.
 V5P_TPU7X_SHAPES = (
     "qwen3-30b-a3b EP8 router-masking T=256", "qwen3-30b-a3b EP8 dispatch T=256", "qwen3-30b-a3b T=1",
     "qwen3-30b-a3b EP8 router-masking T=1", "gemma-4-26b-a4b EP8 router-masking T=1", "gpt-oss-20b T=1",

@@ -1,4 +1,4 @@
-"""multichip.json -> the tables of docs/multichip.md and benchmarks/README.md: ms per decode step per layout."""
+"""multichip.json -> the tables of docs/multichip.md and its study page: ms per decode step per layout."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""robustness.json -> benchmarks/README.md's robustness tables and README's one-line verdicts."""
+"""robustness.json -> its study page's tables, opening with one-line verdicts."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ from collections import Counter
 
 BACKWARD_FAMILIES = ("moe_backward ranking", "backward/forward ratio")
 FAMILIES = ("moe_layer ranking", "anchor", "paged decode", "decode step", *BACKWARD_FAMILIES, "mla ranking", "mla form")
-# README's verdicts: one line per study (the MLA claims are in benchmarks/README.md's summary: README is at its
-# length limit).
+# The verdicts: one line per study (the MLA claims are in the summary below them).
 VERDICT_LINES = (("moe_layer ranking", "anchor"), ("paged decode",), ("decode step",), BACKWARD_FAMILIES)
 
 
@@ -102,7 +101,7 @@ def backward(report: dict) -> str:
 
 
 def verdicts(report: dict) -> str:
-    """One line per study (`VERDICT_LINES`): README's speed section."""
+    """One line per study (`VERDICT_LINES`), a fragile one pointing to the JSON that lists each claim."""
     lines = []
     for families in VERDICT_LINES:
         counts, fragile_any = [], False
@@ -112,7 +111,7 @@ def verdicts(report: dict) -> str:
             fragile_any |= robust < len(found)
             counts.append(f"{family}: {robust} of {len(found)} claims robust"
                           + ("" if robust == len(found) else f", fragile: {len(found) - robust}"))
-        lines.append("- " + "; ".join(counts) + (" (benchmarks/README.md)" if fragile_any else ""))
+        lines.append("- " + "; ".join(counts) + (" (each in robustness.json's claims)" if fragile_any else ""))
     for model, rests in report["decode_step_rests_on"].items():
         lines.append(f"- {model} whole-step ratio {rests['ratio']:g}x: "
                      f"{100 * rests['uncalibrated_share_of_default']:.1f} % of the default step and "
