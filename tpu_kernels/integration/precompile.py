@@ -81,9 +81,14 @@ def fixed_shape_prompts(max_tokens: int) -> list[int]:
     return sorted({min(bucket - 1, max_tokens) for bucket in buckets} | {b for b in buckets if b <= max_tokens} - {0})
 
 
-def precompile(model, *, max_tokens: int, max_keys: int, progress: bool = True) -> list[int]:
+def precompile(model, *, max_tokens: int, max_keys: int, progress: bool = True, compile_config=None) -> list[int]:
     """Run `model` (kernelized) once per warm-up prompt length, with a progress bar; returns the prompt lengths run.
     Random token ids (seeded), greedy, two new tokens each (a prefill and a decode step); no gradients.
+
+    Each `generate` takes the decode step's path that serving takes: compiled where transformers compiles it (a
+    static cache on a TPU; anywhere with a `compile_config` whose `_compile_all_devices` is set), with the
+    `compile_config` the serving calls pass (None: the model's generation config's, else transformers' default), so
+    the compiled step's graph is built here, once per cache length.
 
     With the fixed-shape recipe (`fixed_shapes`, on by default on a TPU) a prompt runs padded to its token bucket
     against one static cache (`fixed_shape_cache`): the warm-up prompts are `fixed_shape_prompts`, and their decode
@@ -96,6 +101,8 @@ def precompile(model, *, max_tokens: int, max_keys: int, progress: bool = True) 
     recipe = fixed_shapes.installed(model)
     prompts = fixed_shape_prompts(max_tokens) if recipe else warm_up_prompts(max_tokens, max_keys)
     options = dict(max_cache_len=fixed_shape_cache(max_tokens, max_keys)) if recipe else {}
+    if compile_config is not None:
+        options["compile_config"] = compile_config
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.get_text_config().vocab_size
