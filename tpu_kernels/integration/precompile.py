@@ -20,6 +20,7 @@ import glob
 
 from ..runtime.buckets import key_bucket, key_buckets, token_bucket, token_buckets
 from . import fixed_shapes
+from .precompile_batching import check_continuous_batching, warm_continuous_batching
 
 
 def warm_up_prompts(max_tokens: int, max_keys: int) -> list[int]:
@@ -81,7 +82,8 @@ def fixed_shape_prompts(max_tokens: int) -> list[int]:
     return sorted({min(bucket - 1, max_tokens) for bucket in buckets} | {b for b in buckets if b <= max_tokens} - {0})
 
 
-def precompile(model, *, max_tokens: int, max_keys: int, progress: bool = True, compile_config=None) -> list[int]:
+def precompile(model, *, max_tokens: int, max_keys: int, progress: bool = True, compile_config=None,
+               continuous_batching=None) -> list[int]:
     """Run `model` (kernelized) once per warm-up prompt length, with a progress bar; returns the prompt lengths run.
     Random token ids (seeded), greedy, two new tokens each (a prefill and a decode step); no gradients.
 
@@ -89,6 +91,10 @@ def precompile(model, *, max_tokens: int, max_keys: int, progress: bool = True, 
     static cache on a TPU; anywhere with a `compile_config` whose `_compile_all_devices` is set), with the
     `compile_config` the serving calls pass (None: the model's generation config's, else transformers' default), so
     the compiled step's graph is built here, once per cache length.
+
+    With `continuous_batching` (the ContinuousBatchingConfig `generate_batch` will take, naming `max_batch_tokens`
+    and `max_requests_per_batch`), it also runs every step shape continuous batching can hand the kernels for
+    requests of at most `max_keys` keys (`precompile_batching`).
 
     With the fixed-shape recipe (`fixed_shapes`, on by default on a TPU) a prompt runs padded to its token bucket
     against one static cache (`fixed_shape_cache`): the warm-up prompts are `fixed_shape_prompts`, and their decode
@@ -98,6 +104,8 @@ def precompile(model, *, max_tokens: int, max_keys: int, progress: bool = True, 
     from tqdm.auto import tqdm
 
     check_sizes(model.config, max_tokens, max_keys)
+    if continuous_batching is not None:
+        check_continuous_batching(model, continuous_batching)
     recipe = fixed_shapes.installed(model)
     prompts = fixed_shape_prompts(max_tokens) if recipe else warm_up_prompts(max_tokens, max_keys)
     options = dict(max_cache_len=fixed_shape_cache(max_tokens, max_keys)) if recipe else {}
@@ -111,6 +119,8 @@ def precompile(model, *, max_tokens: int, max_keys: int, progress: bool = True, 
             tokens = torch.randint(0, vocab, (1, prompt), generator=generator).to(device)
             model.generate(tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=2, min_new_tokens=2,
                            do_sample=False, **options)
+        if continuous_batching is not None:
+            warm_continuous_batching(model, continuous_batching, max_keys, progress)
     return prompts
 
 
