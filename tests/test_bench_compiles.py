@@ -12,6 +12,8 @@ from benchmarks.studies.tables.compiles import render_markdown
 from tpu_kernels.distribution.loader import get_local_kernel
 from tpu_kernels.runtime.buckets import key_bucket
 
+from .conftest import REPO_ROOT
+
 QWEN3 = compiles.MODELS["Qwen3-30B-A3B"]
 
 
@@ -263,3 +265,21 @@ def test_end_to_end_programs_of_a_generate_by_cache_and_origin(kernel_builds):
     table = render_markdown({"end_to_end": {"prompts": [5, 9], "new_tokens": 4, "models": {"tiny": counted}},
                              "models": {}, "cpu_count": 2, "load_average_at_start": [1.0]})["end-to-end"]
     assert "| tiny | dynamic | first request |" in table
+
+
+def test_the_recipe_line_gives_the_first_call_beside_the_steady_state():
+    """The README's line (compiles.md, "recipe"), from the committed study: the first request's programs off the
+    host, its kernels and their measured seconds, a later request's and a decode step's."""
+    import json
+
+    from benchmarks.studies.tables.compiles import recipe_line
+
+    data = json.loads((REPO_ROOT / "benchmarks" / "results" / "compiles.json").read_text())
+    counts = data["end_to_end"]["models"]["Qwen3-30B-A3B"]["static at a key bucket (the recipe)"]
+    first = counts["first_request"]
+    line = recipe_line(data)
+    programs = first["our kernels"] + first["our other ops"] + first["transformers"] + first["other"]
+    assert f"compiles {programs:,.0f} programs, {first['our kernels']:,.0f} of them kernels" in line
+    seconds = data["models"]["Qwen3-30B-A3B"]["v6e"]["generate"]["after"]["first_call_s"]
+    assert f"v6e: {seconds:,.0f} s of kernel compiles" in line and line.endswith("a decode step after the first 0.")
+    assert "\n" not in line
