@@ -239,8 +239,9 @@ def test_the_table_gives_the_bucketing_programs_beside_the_kernels():
 
 @pytest.mark.slow
 def test_end_to_end_programs_of_a_generate_by_cache_and_origin(kernel_builds):
-    """Every program of a whole generate, kernels faked: with the recipe a decode step adds none in the forward,
-    with a dynamic cache transformers' cache and mask ops and our padding of their grown keys add some per token."""
+    """Every program of a whole generate, kernels faked: with the recipe's static cache a decode step adds none in the
+    forward; with transformers' dynamic cache its cache and mask ops and our padding of the grown keys add some per
+    token; with the recipe's dynamic cache, grown in key buckets, only transformers' 2-D mask ops."""
     from transformers import AutoModelForCausalLM
 
     from benchmarks.studies import compiles_end_to_end
@@ -249,15 +250,21 @@ def test_end_to_end_programs_of_a_generate_by_cache_and_origin(kernel_builds):
     repos = {kind: str(kernel_builds[repo]) for kind, repo in (
         ("experts", "ragged-dot-tpu"), ("rmsnorm", "rmsnorm-tpu"), ("attention", "attention-tpu"))}
     counted = {}
-    for cache, recipe in compiles_end_to_end.CACHES.items():
+    for cache, (recipe, implementation) in compiles_end_to_end.CACHES.items():
         model = AutoModelForCausalLM.from_config(compiles_end_to_end.tiny_models()["Qwen3-30B-A3B"]()).eval()
         model.generation_config.eos_token_id = None
         kernelize(model, repos=repos, fixed_shapes=False)
-        counted[cache] = compiles_end_to_end.count(model, recipe, [5, 9], new_tokens=4)
-    dynamic, static = counted.values()
+        counted[cache] = compiles_end_to_end.count(model, recipe, [5, 9], 4, implementation)
+    dynamic, bucketed, static = counted.values()
     assert static["forward_per_decode_step_after_the_first"] == dict.fromkeys(compiles_end_to_end.ORIGINS, 0)
     assert dynamic["forward_per_decode_step_after_the_first"]["transformers"] > 0
     assert dynamic["forward_per_decode_step_after_the_first"]["our kernels"] == 0
+    assert dynamic["forward_per_decode_step_after_the_first"]["our other ops"] > 0
+    # Grown in key buckets, nothing of ours per token; transformers' 2-D mask (cast and padded per length) met these
+    # lengths in the first request, whose prompt has the same token bucket.
+    assert bucketed["forward_per_decode_step_after_the_first"] == dict.fromkeys(compiles_end_to_end.ORIGINS, 0)
+    assert dynamic["later_requests_per_request"]["our other ops"] > bucketed["later_requests_per_request"][
+        "our other ops"]
     for measured in counted.values():
         assert measured["first_request"]["our kernels"] > 0 and measured["first_request"]["transformers"] > 0
     # The second prompt (9 tokens) is padded to the first's bucket (16): its prefill and steps are all known.
