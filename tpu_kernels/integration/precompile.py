@@ -143,7 +143,8 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 
 def precompile_main(argv: list[str]) -> int:
-    """`tpu-kernels precompile MODEL_ID_OR_PATH [--max-tokens N] [--max-keys N] [--device tpu|cpu] [--dtype D]`."""
+    """`tpu-kernels precompile MODEL_ID_OR_PATH [--max-tokens N] [--max-keys N] [--device tpu|cpu] [--dtype D]
+    [--max-batch-tokens N --max-requests-per-batch N]`."""
     parser = argparse.ArgumentParser(prog="tpu-kernels precompile", description=__doc__.splitlines()[0])
     parser.add_argument("model", help="a Hub model id or a local folder (transformers' from_pretrained)")
     parser.add_argument("--max-tokens", type=_at_least_one, default=None,
@@ -152,9 +153,15 @@ def precompile_main(argv: list[str]) -> int:
                         help="longest cache (default: max tokens + 128 new tokens, at most the model's context)")
     parser.add_argument("--device", choices=("tpu", "cpu"), default="tpu")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the weights' dtype (default bfloat16)")
+    for bound in ("max-batch-tokens", "max-requests-per-batch"):
+        parser.add_argument(f"--{bound}", type=_at_least_one, default=None,
+                            help="with the other, also every step continuous batching (generate_batch) can run "
+                                 "within these bounds (its ContinuousBatchingConfig's)")
     # One line for a bad argument, as for every other refusal here (argparse would add its usage).
     parser.error = lambda message: parser.exit(2, f"tpu-kernels precompile: {message}\n")
     args = parser.parse_args(argv)
+    if (args.max_batch_tokens is None) != (args.max_requests_per_batch is None):
+        parser.error("--max-batch-tokens and --max-requests-per-batch go together (continuous batching's bounds)")
     if args.device == "tpu" and not (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")):
         parser.exit(2, f"tpu-kernels precompile: {NO_TPU}\n")
     import torch
@@ -176,7 +183,16 @@ def precompile_main(argv: list[str]) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     model = kernelize(model, device=args.device)
     print(model.tpu_kernels_report)
-    prompts = precompile(model, max_tokens=max_tokens, max_keys=max_keys)
+    batching = None
+    if args.max_batch_tokens is not None:
+        from transformers import ContinuousBatchingConfig
+
+        batching = ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens,
+                                            max_requests_per_batch=args.max_requests_per_batch)
+    try:
+        prompts = precompile(model, max_tokens=max_tokens, max_keys=max_keys, continuous_batching=batching)
+    except ValueError as error:  # continuous batching on a model kernelize could not put on a flash implementation
+        parser.exit(2, f"tpu-kernels precompile: {error}\n")
     print(f"compiled every bucket of prompts up to {max_tokens} tokens and caches up to {max_keys} keys "
-          f"({len(prompts)} warm-up prompts)")
+          f"({len(prompts)} warm-up prompts" + (", and continuous batching's steps)" if batching else ")"))
     return 0
