@@ -12,6 +12,8 @@ from benchmarks.studies.tables.compiles import render_markdown
 from tpu_kernels.distribution.loader import get_local_kernel
 from tpu_kernels.runtime.buckets import key_bucket
 
+from .conftest import REPO_ROOT
+
 QWEN3 = compiles.MODELS["Qwen3-30B-A3B"]
 
 
@@ -237,8 +239,9 @@ def test_the_table_gives_the_bucketing_programs_beside_the_kernels():
 
 @pytest.mark.slow
 def test_end_to_end_programs_of_a_generate_by_cache_and_origin(kernel_builds):
-    """Every program of a whole generate, kernels faked: with the recipe a decode step adds none in the forward,
-    with a dynamic cache transformers' cache and mask ops and our padding of their grown keys add some per token."""
+    """Every program of a whole generate, kernels faked: with the recipe's static cache a decode step adds none in the
+    forward; with transformers' dynamic cache its cache and mask ops and our padding of the grown keys add some per
+    token; with the recipe's dynamic cache, grown in key buckets, only transformers' 2-D mask ops."""
     from transformers import AutoModelForCausalLM
 
     from benchmarks.studies import compiles_end_to_end
@@ -247,15 +250,21 @@ def test_end_to_end_programs_of_a_generate_by_cache_and_origin(kernel_builds):
     repos = {kind: str(kernel_builds[repo]) for kind, repo in (
         ("experts", "ragged-dot-tpu"), ("rmsnorm", "rmsnorm-tpu"), ("attention", "attention-tpu"))}
     counted = {}
-    for cache, recipe in compiles_end_to_end.CACHES.items():
+    for cache, (recipe, implementation) in compiles_end_to_end.CACHES.items():
         model = AutoModelForCausalLM.from_config(compiles_end_to_end.tiny_models()["Qwen3-30B-A3B"]()).eval()
         model.generation_config.eos_token_id = None
         kernelize(model, repos=repos, fixed_shapes=False)
-        counted[cache] = compiles_end_to_end.count(model, recipe, [5, 9], new_tokens=4)
-    dynamic, static = counted.values()
+        counted[cache] = compiles_end_to_end.count(model, recipe, [5, 9], 4, implementation)
+    dynamic, bucketed, static = counted.values()
     assert static["forward_per_decode_step_after_the_first"] == dict.fromkeys(compiles_end_to_end.ORIGINS, 0)
     assert dynamic["forward_per_decode_step_after_the_first"]["transformers"] > 0
     assert dynamic["forward_per_decode_step_after_the_first"]["our kernels"] == 0
+    assert dynamic["forward_per_decode_step_after_the_first"]["our other ops"] > 0
+    # Grown in key buckets, nothing of ours per token; transformers' 2-D mask (cast and padded per length) met these
+    # lengths in the first request, whose prompt has the same token bucket.
+    assert bucketed["forward_per_decode_step_after_the_first"] == dict.fromkeys(compiles_end_to_end.ORIGINS, 0)
+    assert dynamic["later_requests_per_request"]["our other ops"] > bucketed["later_requests_per_request"][
+        "our other ops"]
     for measured in counted.values():
         assert measured["first_request"]["our kernels"] > 0 and measured["first_request"]["transformers"] > 0
     # The second prompt (9 tokens) is padded to the first's bucket (16): its prefill and steps are all known.
@@ -263,3 +272,21 @@ def test_end_to_end_programs_of_a_generate_by_cache_and_origin(kernel_builds):
     table = render_markdown({"end_to_end": {"prompts": [5, 9], "new_tokens": 4, "models": {"tiny": counted}},
                              "models": {}, "cpu_count": 2, "load_average_at_start": [1.0]})["end-to-end"]
     assert "| tiny | dynamic | first request |" in table
+
+
+def test_the_recipe_line_gives_the_first_call_beside_the_steady_state():
+    """The README's line (compiles.md, "recipe"), from the committed study: the first request's programs off the
+    host, its kernels and their measured seconds, a later request's and a decode step's."""
+    import json
+
+    from benchmarks.studies.tables.compiles import recipe_line
+
+    data = json.loads((REPO_ROOT / "benchmarks" / "results" / "compiles.json").read_text())
+    counts = data["end_to_end"]["models"]["Qwen3-30B-A3B"]["static at a key bucket (the recipe)"]
+    first = counts["first_request"]
+    line = recipe_line(data)
+    programs = first["our kernels"] + first["our other ops"] + first["transformers"] + first["other"]
+    assert f"compiles {programs:,.0f} programs, {first['our kernels']:,.0f} of them kernels" in line
+    seconds = data["models"]["Qwen3-30B-A3B"]["v6e"]["generate"]["after"]["first_call_s"]
+    assert f"v6e: {seconds:,.0f} s of kernel compiles" in line and line.endswith("a decode step after the first 0.")
+    assert "\n" not in line

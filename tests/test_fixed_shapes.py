@@ -89,3 +89,44 @@ def test_generate_runs_attention_forward_in_place_of_the_flash_path(monkeypatch)
     assert calls[1] == (flash, {"allow_all_kernels": True})
     with fixed_shapes._attention_as(model, None):
         assert len(calls) == 2
+
+
+def test_a_dynamic_cache_asked_for_grows_in_key_buckets_with_transformers_tokens(models):
+    """Across a bucket edge (prompt 120 padded to 128, then 3 tokens), asked for by the call and by the generation
+    config: the tokens of transformers' own DynamicCache, the layers at the key bucket of what they hold."""
+    from tpu_kernels.integration.bucketed_cache import BucketedDynamicCache
+
+    plain, fixed = models
+    ids = _prompt(120)
+    with torch.no_grad():
+        expected = plain.generate(ids, max_new_tokens=3, do_sample=False, cache_implementation="dynamic")
+        got = fixed.generate(ids, max_new_tokens=3, do_sample=False, cache_implementation="dynamic",
+                             return_dict_in_generate=True)
+        config = fixed.generation_config
+        config.cache_implementation = "dynamic"
+        try:
+            by_config = fixed.generate(ids, max_new_tokens=3, do_sample=False)
+        finally:
+            config.cache_implementation = None
+    assert torch.equal(got.sequences, expected) and torch.equal(by_config, expected)
+    assert type(got.cache) is BucketedDynamicCache
+    assert [tuple(layer.keys.shape) for layer in got.cache.layers] == [(1, 2, 256, 16)] * 2
+    assert [layer.length for layer in got.cache.layers] == [128 + 2] * 2
+
+
+def test_a_bucketed_layer_crops_and_resets_by_its_lengths():
+    from tpu_kernels.integration.bucketed_cache import BucketedLayer
+
+    layer = BucketedLayer()
+    keys = torch.randn(1, 2, 130, 4)
+    out, _ = layer.update(keys, keys + 1)
+    assert out.shape == (1, 2, 256, 4) and torch.equal(out[:, :, :130], keys) and not out[:, :, 130:].any()
+    layer.crop(-3)
+    assert layer.length == 127 and int(layer.get_seq_length()) == 127 and layer.get_mask_sizes(1) == (128, 0)
+    token = torch.randn(1, 2, 1, 4)
+    out, values = layer.update(token, token)
+    assert torch.equal(out[:, :, 127:128], token) and torch.equal(values[:, :, :127], keys[:, :, :127] + 1)
+    with pytest.raises(ValueError, match="negative"):
+        layer.crop(2)
+    layer.reset()
+    assert layer.length == 0 and layer.get_seq_length() == 0 and layer.get_mask_sizes(5) == (128, 0)

@@ -70,6 +70,8 @@ def config_folder(tmp_path):
     (["{model}", "--max-keys", "-3"], "must be at least 1, got -3"),
     (["{model}", "--max-tokens", "10000000"], "max_position_embeddings (256)"),
     (["{model}", "--max-keys", "1000000000000"], "max_position_embeddings (256)"),
+    (["{model}", "--max-batch-tokens", "64"], "--max-batch-tokens and --max-requests-per-batch go together"),
+    (["{model}", "--max-requests-per-batch", "0"], "must be at least 1, got 0"),
 ])
 def test_the_command_refuses_in_one_line(config_folder, tmp_path, capsys, args, said):
     argv = [arg.format(missing=tmp_path / "missing", model=config_folder) for arg in args]

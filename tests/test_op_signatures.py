@@ -1,6 +1,6 @@
 """The programs TorchTPU's strict eager would compile, counted on a kernelized tiny Qwen3-MoE inside the model's forward
 (benchmarks/studies/op_signatures.py): none per decode step or new prompt length in a bucket with the recipe
-kernelize installs on a TPU; with a dynamic cache, what each token still adds and whose it is."""
+kernelize installs on a TPU; with a dynamic cache, none of ours per token, and what transformers' own ops still add."""
 
 import pytest
 import torch
@@ -74,22 +74,21 @@ def test_with_the_recipe_nothing_new_per_decode_step_or_prompt_length_in_a_bucke
         assert forwards.during(lambda: _check_tokens(model, eager, length)) == [[]] * 4
 
 
-def _check_tokens(model, eager, length):
-    assert torch.equal(_generate(model, length, 4), eager[length]), length
+def _check_tokens(model, eager, length, **options):
+    assert torch.equal(_generate(model, length, 4, **options), eager[length]), length
 
 
 @pytest.mark.slow
-def test_with_a_dynamic_cache_ours_per_token_is_the_pad_of_the_keys_transformers_grew(kernelized):
-    """Each token's cache is one key longer: transformers' cat, mask and position ops see new shapes and scalars;
-    ours, only the keys, values and mask transformers grew, cut and padded to their bucket: each new signature of
-    ours has such a tensor as input (no scalar of ours adds one)."""
-    model, _, forwards = kernelized
-    _generate(model, 5, 3, cache_implementation="dynamic")
-    calls = forwards.during(lambda: _generate(model, 7, 5, cache_implementation="dynamic"))
-    decode_steps = calls[3:]  # past the key lengths the first call reached (its prompt padded to 16, 2 decode steps)
-    assert len(decode_steps) == 2
-    for keys, step in enumerate(decode_steps, start=16 + 3):
-        ours = [entry.signature for entry in step if entry.origin == "ours"]
-        assert {s.op for s in ours} == {"aten.constant_pad_nd.default", "aten.alias.default"}
-        assert all(keys in s.arguments[0][1] for s in ours), ours
-        assert by_origin(step)["transformers"] > 0
+def test_with_a_dynamic_cache_nothing_of_ours_per_token_only_transformers_2d_mask(kernelized):
+    """A dynamic cache under the recipe grows in key buckets and writes each token in place (bucketed_cache.py): no
+    `cat`, no position scalar, and attention gets keys at their bucket (no pad of ours). What transformers still runs
+    per token is the 2-D mask generate grows by a column: its cast to bool and its pad to the cache's capacity. The
+    tokens are eager attention's."""
+    model, eager, forwards = kernelized
+    _generate(model, 5, 3, cache_implementation="dynamic")  # masks of 17 and 18 columns after the prompt's 16
+    calls = forwards.during(lambda: _check_tokens(model, eager, 12, cache_implementation="dynamic"))
+    assert len(calls) == 4 and not [entry for call in calls for entry in call if entry.origin == "ours"]
+    assert calls[:3] == [[], [], []]
+    last = {(entry.origin, entry.signature.op, entry.where.split(":")[0]) for entry in calls[3]}
+    assert last == {("transformers", "aten._to_copy.default", "transformers.masking_utils"),
+                    ("transformers", "aten.constant_pad_nd.default", "transformers.masking_utils")}

@@ -43,7 +43,7 @@ def _tiny_qwen3_moe():
     return model
 
 
-def _compiles_generating(model, runs) -> list[str]:
+def _compiles_generating(model, runs, **options) -> list[str]:
     """jax's backend compiles while `model` generates greedily, for each (prompt length, new tokens) of `runs`, from
     the first tokens of one seeded prompt."""
     compiles = []
@@ -58,7 +58,7 @@ def _compiles_generating(model, runs) -> list[str]:
     try:
         with torch.no_grad():
             for length, new_tokens in runs:
-                model.generate(prompt[:, :length], max_new_tokens=new_tokens, do_sample=False)
+                model.generate(prompt[:, :length], max_new_tokens=new_tokens, do_sample=False, **options)
     finally:
         jax.monitoring.unregister_event_duration_listener(record)
     return compiles
@@ -101,6 +101,27 @@ def test_after_precompile_the_fixed_shape_recipe_compiles_nothing_anywhere_in_th
     start = recorded.mark()
     assert _compiles_generating(model, ((3, 3), (16, 2), (20, 4))) == []
     assert recorded.since(start) == []
+
+
+@pytest.mark.slow
+def test_after_precompile_the_compiled_decode_step_compiles_nothing(kernel_builds):
+    """transformers' generate-time compile of the decode step (a TPU's path for a static cache), forced on the CPU as
+    tests/test_compiled_generate.py does: precompiled with the CompileConfig serving passes, one decode graph is built
+    for the recipe's cache; generating from prompts of 3 and 20 tokens then builds no graph and compiles no kernel."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    torch.compiler.reset()
+    model = kernelize(_tiny_qwen3_moe(), repos={"experts": str(kernel_builds["ragged-dot-tpu"]),
+                                                "rmsnorm": str(kernel_builds["rmsnorm-tpu"]),
+                                                "attention": str(kernel_builds["attention-tpu"])}, fixed_shapes=True)
+    compile_config = CompileConfig(backend="aot_eager", dynamic=False, fullgraph=True)
+    compile_config._compile_all_devices = True  # transformers compiles only on accelerators unless told
+    counters.clear()
+    assert precompile(model, max_tokens=20, max_keys=40, progress=False, compile_config=compile_config) == [15, 16, 20]
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert _compiles_generating(model, ((3, 3), (20, 4)), compile_config=compile_config) == []
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 @pytest.mark.slow

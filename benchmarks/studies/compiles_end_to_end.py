@@ -1,6 +1,7 @@
 """The compiles study's end-to-end counts: every program a kernelized model's `generate` meets under TorchTPU's
-strict eager, kernels, our ops around them and transformers' own, with a dynamic cache and with the fixed-shape
-recipe kernelize installs on a TPU (a static cache at a key bucket, prompts padded to token buckets).
+strict eager, kernels, our ops around them and transformers' own, with transformers' dynamic cache and with the
+fixed-shape recipe kernelize installs on a TPU (prompts padded to token buckets; a static cache at a key bucket, or
+the dynamic cache a call asks for grown in key buckets).
 
 Each distinct (op, shapes, dtypes, scalar arguments) is a program TorchTPU's default eager mode compiles once
 (`op_signatures.OpSignatures`, over the whole `generate`: the model's forward and generate's bookkeeping). Counted
@@ -32,7 +33,9 @@ STEADY_REQUESTS = 8
 TRACE_MAX_PROMPT = 4096
 NEW_TOKENS = 32
 SEED = 0
-CACHES = {"dynamic": False, "static at a key bucket (the recipe)": True}
+# Each cache as (whether the fixed-shape recipe is on, the cache_implementation generate is asked for).
+CACHES = {"dynamic": (False, "dynamic"), "dynamic in key buckets (the recipe's)": (True, "dynamic"),
+          "static at a key bucket (the recipe)": (True, None)}
 
 
 def tiny_models() -> dict:
@@ -95,8 +98,9 @@ def _origins(new: list, per: int = 1) -> dict[str, float]:
     return {kind: kinds.get(kind, 0) / max(per, 1) for kind in ORIGINS}
 
 
-def count(model, recipe: bool, prompts: list[int], new_tokens: int) -> dict:
-    """The counts (module docstring) for `model` (kernelized) over `prompts`, the first being the first request."""
+def count(model, recipe: bool, prompts: list[int], new_tokens: int, cache: str | None = None) -> dict:
+    """The counts (module docstring) for `model` (kernelized) over `prompts`, the first being the first request,
+    each `generate` asked for the `cache` implementation (None: the default, the recipe's static cache if on)."""
     from tpu_kernels.integration import fixed_shapes
 
     if recipe:
@@ -111,7 +115,7 @@ def count(model, recipe: bool, prompts: list[int], new_tokens: int) -> dict:
 
     model.forward = recording_forward
     per_request = []
-    options = {} if recipe else dict(cache_implementation="dynamic")
+    options = {} if cache is None else dict(cache_implementation=cache)
     inputs = [torch.randint(1, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(prompt))
               for prompt in prompts]
     masks = [torch.ones_like(ids) for ids in inputs]  # made outside the count, as a caller's tokenizer makes them
@@ -141,10 +145,10 @@ def study(repos: dict, quick: bool = False) -> dict:
     models = dict(list(tiny_models().items())[:1]) if quick else tiny_models()
     results = {}
     for name, config in models.items():
-        for cache, recipe in CACHES.items():
+        for cache, (recipe, implementation) in CACHES.items():
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(config()).eval()
             model.generation_config.eos_token_id = None
             kernelize(model, repos=repos, fixed_shapes=False)
-            results.setdefault(name, {})[cache] = count(model, recipe, prompts, new_tokens)
+            results.setdefault(name, {})[cache] = count(model, recipe, prompts, new_tokens, implementation)
     return {"prompts": prompts, "new_tokens": new_tokens, "models": results}

@@ -120,12 +120,17 @@ class _Counter:
 
 def recompiled(compiled: dict) -> bool:
     """Whether a pass compiled its op's program (CPU) or compiled or missed torch_tpu's cache (TPU)."""
-    return bool(compiled.get("op_program")) or any(
-        value for key, value in compiled.items() if "miss" in key or "compil" in key and key != "jax_compiles")
+    return any(compiled.get(key, 0) > 0 for key in ("op_program", "num_compilations", "num_cache_misses"))
 
 
 def _changes(before: dict, after: dict) -> dict:
-    return {k: after[k] - before[k] for k in after if k in before}
+    """torch_tpu's cache statistics over a pass (torch_tpu 0.2.0's `PerfStats`: num_cache_reqs, num_cache_hits,
+    num_compilations, peak_compilation_host_memory_bytes): each count's increase and the misses they imply; a peak
+    is a high-water mark, so it is given as it stands after the pass."""
+    changes = {k: after[k] - before[k] for k in after if k in before and not k.startswith("peak_")}
+    if "num_cache_reqs" in changes and "num_cache_hits" in changes:
+        changes["num_cache_misses"] = changes["num_cache_reqs"] - changes["num_cache_hits"]
+    return changes | {k: v for k, v in after.items() if k.startswith("peak_")}
 
 
 def _numbers(stats) -> dict:
@@ -163,8 +168,12 @@ def _relative_error(out, expected) -> float:
 
 def run_case(case: Case, kernel, device: str, counter: _Counter) -> dict:
     """The case in every mode: per mode, the status, the largest relative error of each pass and its compiles."""
-    inputs = case.inputs(kernel, device)
-    expected = case.reference(kernel, *(tensor.cpu() for tensor in inputs))
+    try:
+        inputs = case.inputs(kernel, device)
+        expected = case.reference(kernel, *(tensor.cpu() for tensor in inputs))
+    except Exception as failure:  # e.g. no device to put the inputs on: every mode says so
+        error = "making the inputs: " + "".join(traceback.format_exception_only(failure)).strip()
+        return {mode: {"status": "error", "error": error, "passes": []} for mode in MODES}
     results = {}
     for mode in MODES:
         runner = _mode_runner(mode, device, lambda *args: case.call(kernel, *args))
@@ -240,6 +249,8 @@ def doctor_main(argv: list[str]) -> int:
     with open(args.out, "w") as out:
         json.dump(report, out, indent=1)
     for name, entry in report["kernels"].items():
-        print(f"{name:<16} " + "  ".join(f"{mode}: {result['status']}" for mode, result in entry["modes"].items()))
+        print(f"{name:<16} " + "  ".join(f"{mode}: {result['status']}" + (
+            " (compiled again on the second pass)" if result.get("second_pass_compiled") else "")
+            for mode, result in entry["modes"].items()))
     print(f"report: {args.out}" + ("" if report["ok"] else " (a mode failed: please attach it to an issue)"))
     return 0 if report["ok"] else 1

@@ -9,7 +9,8 @@ plus new tokens, a dynamic cache by every token. The recipe bounds those shapes 
   returned sequences drop that padding again, so a caller sees the tokens of the unpadded call;
 * the cache is static unless the call chooses one (a `cache`, a `cache_implementation`), and its length is rounded
   up to a key bucket: transformers keeps the longest a model has used, so one length serves every later request
-  up to it (`precompile` sets it from `max_keys`);
+  up to it (`precompile` sets it from `max_keys`); a call that asks for a dynamic cache gets one whose layers grow
+  in key-bucket steps and write each token in place (`bucketed_cache`);
 * attention on transformers' flash path (continuous batching's) unpads every call by its data; during `generate`
   the model's layers use the kernel's `attention_forward` instead, whose padded 4-D mask keeps one shape
   (`generate_batch` keeps the flash path).
@@ -32,8 +33,8 @@ from ..runtime.buckets import key_bucket, token_bucket
 from .attention import latent_flash_implementation
 
 # What the report says when the recipe is on.
-SUMMARY = ("generate pads prompts to token buckets (left, with the mask) and uses a static cache at a key bucket"
-           "{attention}")
+SUMMARY = ("generate pads prompts to token buckets (left, with the mask) and uses a static cache at a key bucket "
+           "(a dynamic one, if asked for, grows in key buckets){attention}")
 
 
 def wanted(option: bool | None, device: str) -> bool:
@@ -96,9 +97,11 @@ def _generate(model, original, fixed_name: str | None, args: tuple, kwargs: dict
     args, kwargs = list(args), dict(kwargs)
     prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     config = kwargs.get("generation_config") or model.generation_config
-    if "cache_implementation" not in kwargs and config.cache_implementation is None and kwargs.get(
-            "use_cache", config.use_cache) is not False:
-        kwargs["cache_implementation"] = "static"
+    if kwargs.get("use_cache", config.use_cache) is not False:
+        if "cache_implementation" not in kwargs and config.cache_implementation is None:
+            kwargs["cache_implementation"] = "static"
+        elif kwargs.get("cache_implementation", config.cache_implementation) == "dynamic":
+            _bucketed_dynamic_cache(model, kwargs)
     extra = 0
     if prompt is not None and prompt.dim() == 2 and not prompt.is_floating_point() and prompt.shape[1]:
         extra = token_bucket(prompt.shape[1]) - prompt.shape[1]
@@ -116,6 +119,17 @@ def _generate(model, original, fixed_name: str | None, args: tuple, kwargs: dict
     with _attention_as(model, fixed_name):
         out = original(*args, **kwargs)
     return _without_left_padding(out, extra)
+
+
+def _bucketed_dynamic_cache(model, kwargs: dict) -> None:
+    """The call's dynamic cache as a `BucketedDynamicCache`, handed to transformers as the call's own `cache`, which
+    takes no `cache_implementation` beside it (None in the call's arguments outranks the generation config's)."""
+    if not model._supports_default_dynamic_cache():
+        return
+    from .bucketed_cache import BucketedDynamicCache
+
+    kwargs["cache_implementation"] = None
+    kwargs["cache"] = BucketedDynamicCache(model.config.get_text_config(decoder=True))
 
 
 def _cache_length(config, kwargs: dict, prompt_length: int) -> int:

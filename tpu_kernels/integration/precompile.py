@@ -20,6 +20,7 @@ import glob
 
 from ..runtime.buckets import key_bucket, key_buckets, token_bucket, token_buckets
 from . import fixed_shapes
+from .precompile_batching import check_continuous_batching, warm_continuous_batching
 
 
 def warm_up_prompts(max_tokens: int, max_keys: int) -> list[int]:
@@ -81,9 +82,19 @@ def fixed_shape_prompts(max_tokens: int) -> list[int]:
     return sorted({min(bucket - 1, max_tokens) for bucket in buckets} | {b for b in buckets if b <= max_tokens} - {0})
 
 
-def precompile(model, *, max_tokens: int, max_keys: int, progress: bool = True) -> list[int]:
+def precompile(model, *, max_tokens: int, max_keys: int, progress: bool = True, compile_config=None,
+               continuous_batching=None) -> list[int]:
     """Run `model` (kernelized) once per warm-up prompt length, with a progress bar; returns the prompt lengths run.
     Random token ids (seeded), greedy, two new tokens each (a prefill and a decode step); no gradients.
+
+    Each `generate` takes the decode step's path that serving takes: compiled where transformers compiles it (a
+    static cache on a TPU; anywhere with a `compile_config` whose `_compile_all_devices` is set), with the
+    `compile_config` the serving calls pass (None: the model's generation config's, else transformers' default), so
+    the compiled step's graph is built here, once per cache length.
+
+    With `continuous_batching` (the ContinuousBatchingConfig `generate_batch` will take, naming `max_batch_tokens`
+    and `max_requests_per_batch`), it also runs every step shape continuous batching can hand the kernels for
+    requests of at most `max_keys` keys (`precompile_batching`).
 
     With the fixed-shape recipe (`fixed_shapes`, on by default on a TPU) a prompt runs padded to its token bucket
     against one static cache (`fixed_shape_cache`): the warm-up prompts are `fixed_shape_prompts`, and their decode
@@ -93,9 +104,13 @@ def precompile(model, *, max_tokens: int, max_keys: int, progress: bool = True) 
     from tqdm.auto import tqdm
 
     check_sizes(model.config, max_tokens, max_keys)
+    if continuous_batching is not None:
+        check_continuous_batching(model, continuous_batching)
     recipe = fixed_shapes.installed(model)
     prompts = fixed_shape_prompts(max_tokens) if recipe else warm_up_prompts(max_tokens, max_keys)
     options = dict(max_cache_len=fixed_shape_cache(max_tokens, max_keys)) if recipe else {}
+    if compile_config is not None:
+        options["compile_config"] = compile_config
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.get_text_config().vocab_size
@@ -104,6 +119,8 @@ def precompile(model, *, max_tokens: int, max_keys: int, progress: bool = True) 
             tokens = torch.randint(0, vocab, (1, prompt), generator=generator).to(device)
             model.generate(tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=2, min_new_tokens=2,
                            do_sample=False, **options)
+        if continuous_batching is not None:
+            warm_continuous_batching(model, continuous_batching, max_keys, progress)
     return prompts
 
 
@@ -126,7 +143,8 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 
 def precompile_main(argv: list[str]) -> int:
-    """`tpu-kernels precompile MODEL_ID_OR_PATH [--max-tokens N] [--max-keys N] [--device tpu|cpu] [--dtype D]`."""
+    """`tpu-kernels precompile MODEL_ID_OR_PATH [--max-tokens N] [--max-keys N] [--device tpu|cpu] [--dtype D]
+    [--max-batch-tokens N --max-requests-per-batch N]`."""
     parser = argparse.ArgumentParser(prog="tpu-kernels precompile", description=__doc__.splitlines()[0])
     parser.add_argument("model", help="a Hub model id or a local folder (transformers' from_pretrained)")
     parser.add_argument("--max-tokens", type=_at_least_one, default=None,
@@ -135,9 +153,15 @@ def precompile_main(argv: list[str]) -> int:
                         help="longest cache (default: max tokens + 128 new tokens, at most the model's context)")
     parser.add_argument("--device", choices=("tpu", "cpu"), default="tpu")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the weights' dtype (default bfloat16)")
+    for bound in ("max-batch-tokens", "max-requests-per-batch"):
+        parser.add_argument(f"--{bound}", type=_at_least_one, default=None,
+                            help="with the other, also every step continuous batching (generate_batch) can run "
+                                 "within these bounds (its ContinuousBatchingConfig's)")
     # One line for a bad argument, as for every other refusal here (argparse would add its usage).
     parser.error = lambda message: parser.exit(2, f"tpu-kernels precompile: {message}\n")
     args = parser.parse_args(argv)
+    if (args.max_batch_tokens is None) != (args.max_requests_per_batch is None):
+        parser.error("--max-batch-tokens and --max-requests-per-batch go together (continuous batching's bounds)")
     if args.device == "tpu" and not (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")):
         parser.exit(2, f"tpu-kernels precompile: {NO_TPU}\n")
     import torch
@@ -159,7 +183,16 @@ def precompile_main(argv: list[str]) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     model = kernelize(model, device=args.device)
     print(model.tpu_kernels_report)
-    prompts = precompile(model, max_tokens=max_tokens, max_keys=max_keys)
+    batching = None
+    if args.max_batch_tokens is not None:
+        from transformers import ContinuousBatchingConfig
+
+        batching = ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens,
+                                            max_requests_per_batch=args.max_requests_per_batch)
+    try:
+        prompts = precompile(model, max_tokens=max_tokens, max_keys=max_keys, continuous_batching=batching)
+    except ValueError as error:  # continuous batching on a model kernelize could not put on a flash implementation
+        parser.exit(2, f"tpu-kernels precompile: {error}\n")
     print(f"compiled every bucket of prompts up to {max_tokens} tokens and caches up to {max_keys} keys "
-          f"({len(prompts)} warm-up prompts)")
+          f"({len(prompts)} warm-up prompts" + (", and continuous batching's steps)" if batching else ")"))
     return 0

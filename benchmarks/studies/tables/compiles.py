@@ -53,9 +53,39 @@ def end_to_end(data: dict) -> str:
                           "| --- | --- | --- |" + " ---: |" * len(kinds), rows)
 
 
+RECIPE = "static at a key bucket (the recipe)"
+RECIPE_MODEL = "Qwen3-30B-A3B"  # the model of the README's steady-state step
+TPU_ORIGINS = ("our kernels", "our other ops", "transformers", "other")  # the recipe's prompt padding runs on the host
+
+
+def recipe_line(data: dict, model: str = RECIPE_MODEL, generation: str = "v6e") -> str:
+    """One line: the first-call cost of kernelize's TPU recipe for `model` beside its steady state, from the
+    end-to-end counts and the kernels' measured compile seconds (`generation`)."""
+    counts = data["end_to_end"]
+    recipe = counts["models"][model][RECIPE]
+
+    def programs(moment: str) -> float:
+        return sum(recipe[moment][origin] for origin in TPU_ORIGINS)
+
+    first, kernels = programs("first_request"), recipe["first_request"]["our kernels"]
+    compiled = data["models"][model][generation]["generate"]["after"]
+    longest = max(data["workloads"]["generate"]["prompt_lengths"])
+    return (f"First call against steady state ({model} with kernelize's TPU recipe, programs counted under TorchTPU's "
+            f"strict eager): the first request ({counts['prompts'][0]}-token prompt, {counts['new_tokens']} new "
+            f"tokens) compiles {first:,.0f} programs, {kernels:,.0f} of them kernels ({generation}: "
+            f"{compiled['first_call_s']:,.0f} s of kernel compiles for a first request, {compiled['total_s']:,.0f} s "
+            f"for every bucket of prompts up to {longest:,} tokens, which `precompile` pays up front) and "
+            f"{first - kernels:,.0f} eager ops of ours and transformers' (counted, not timed); a later request "
+            f"{programs('later_requests_per_request'):,.0f} on average (prompts up to {max(counts['prompts']):,} "
+            f"tokens: new buckets); a decode step after the first "
+            f"{programs('forward_per_decode_step_after_the_first'):,.0f}.")
+
+
 def render_markdown(data: dict) -> dict[str, str]:
     """compiles.json's tables by section."""
     sections = {"first-call": first_call(data)}
     if "end_to_end" in data:
         sections["end-to-end"] = end_to_end(data)
+        if RECIPE in data["end_to_end"]["models"].get(RECIPE_MODEL, {}) and RECIPE_MODEL in data["models"]:
+            sections["recipe"] = recipe_line(data)
     return sections
