@@ -111,7 +111,7 @@ def _tokamax_fit(share_entry: dict) -> dict:
             "hbm_fraction": {"v6e": share_entry}, "fits": {"v6e": {"constants": {"grid_step_s": 0.9e-6}}}, "step_share_profile": {"v6e": profile}}
 
 
-def test_v6e_claims_are_priced_at_the_share_v6e_timings_fit_and_only_there():
+def test_v6e_claims_are_priced_at_the_constants_v6e_borrowed_before_and_only_v6e_claims():
     from benchmarks.studies.tables import robustness as tables
 
     fitted = robustness.v6e_tokamax_data(_tokamax_fit({"hbm_fraction": 0.9, "entries": [{}, {}]}))
@@ -120,25 +120,24 @@ def test_v6e_claims_are_priced_at_the_share_v6e_timings_fit_and_only_there():
     assert fitted["best_share_across_step_range"] == [0.71, 0.8]
     assert fitted["fit_error_across_step_range"] == [0.05, 0.055]
     borrowed = robustness.v6e_tokamax_data(_tokamax_fit({"hbm_fraction": 1.0, "borrowed_from": "v5e", "entries": []}))
-    assert borrowed["hbm_share"] is None and robustness.v6e_data_point(borrowed) == {}
-    point = robustness.v6e_data_point(fitted)
-    claim = robustness.Claim("anchor", "time at most 10", "v6e", 10.0, True, {robustness.HBM_SHARE: (1.0, 0.78, 1.0)},
-                             lambda p: 9.5 / p.get(robustness.HBM_SHARE, 1.0))
-    found = robustness.evaluate(claim, point)
-    assert found["at_v6e_data"] == {"constants": {robustness.HBM_SHARE: 0.9}, "value": round(9.5 / 0.9, 4),
-                                    "holds": False}
+    assert borrowed["hbm_share"] is None
+    # Fitted at a share of 0.9, where 9.5 / 0.9 fails: at the share borrowed before (1.0) it held.
+    claim = robustness.Claim("anchor", "time at most 10", "v6e", 10.0, True, {robustness.HBM_SHARE: (0.9, 0.78, 1.0)},
+                             lambda p: 9.5 / p.get(robustness.HBM_SHARE, 0.9))
+    found = robustness.evaluate(claim)
+    assert found["at_borrowed"] == {"constants": {robustness.HBM_SHARE: 1.0}, "value": 9.5, "holds": True}
+    assert not found["holds_at_fitted"]
     other = robustness.Claim(*dataclasses.astuple(claim)[:2], "v5e", *dataclasses.astuple(claim)[3:6], claim.value)
-    assert "at_v6e_data" not in robustness.evaluate(other, point)
-    assert "at_v6e_data" not in robustness.evaluate(claim, {})
-    table = tables.at_v6e_data({"claims": [found]})
-    assert "(hbm_share 0.9; the rest as fitted)" in table
+    assert "at_borrowed" not in robustness.evaluate(other)
+    table = tables.flipped({"claims": [found]})
+    assert "(hbm_share 1)" in table
     assert "| anchor | 0 | 1 | time at most 10, 9.5 -> 10.5556 |" in table
 
 
-def test_the_tracked_report_prices_every_v6e_claim_at_the_share_its_timings_fit(report):
+def test_the_tracked_report_prices_every_v6e_claim_at_the_borrowed_constants_too(report):
     fit = json.loads((RESULTS / "calibration_fit_v6e.json").read_text())
     assert report["v6e_tokamax_data"]["hbm_share"] == fit["hbm_fraction"]["v6e"]["hbm_fraction"]
-    assert all(("at_v6e_data" in c) == (c["generation"] == "v6e") for c in report["claims"])
+    assert all(("at_borrowed" in c) == (c["generation"] == "v6e") for c in report["claims"])
 
 
 def _backward_kernel(us: float, hbm85_us: float, steps: int) -> dict:

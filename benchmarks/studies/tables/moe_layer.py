@@ -84,13 +84,17 @@ def yes_no(value: bool | None) -> str:
 
 
 def anchor(data: dict) -> str:
-    """The anchor target per EP mode: ours against the target, across its band, beside the best rival."""
-    rows = ["| anchor | ours µs (p90 band) | target µs | met | met across the band | best tuned rival µs | roofline µs |",
-            "| --- | ---: | ---: | --- | --- | ---: | ---: |"]
+    """The anchor target per EP mode: ours against the floor at the priced HBM share (the floor and the share beside
+    it), across its band, beside the best rival."""
+    rows = ["| anchor | ours µs (p90 band) | floor µs (bytes at the peak) | HBM share priced | floor / share µs "
+            "| ours, % of floor / share | target % | met | met across the band | best tuned rival µs |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: |"]
     for name, figures in sorted(data["targets"]["anchor"].items()):
-        rows.append(f"| {name} | {figures['ours_us']:.1f} ({band(figures)}) | {figures['target_us']:.0f} "
+        rows.append(f"| {name} | {figures['ours_us']:.1f} ({band(figures)}) | {figures['roofline_us']:.1f} "
+                    f"| {figures['hbm_share']:g} | {figures['floor_at_share_us']:.1f} "
+                    f"| {figures['ours_pct_of_floor_at_share']:.1f} | {figures['target_pct_of_floor_at_share']:.0f} "
                     f"| {yes_no(figures['meets'])} | {yes_no(figures['meets_across_p90_band'])} "
-                    f"| {figures['best_rival_us']:.1f} ({figures['best_rival']}) | {figures['roofline_us']:.1f} |")
+                    f"| {figures['best_rival_us']:.1f} ({figures['best_rival']}) |")
     return "\n".join(rows)
 
 
