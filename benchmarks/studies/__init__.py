@@ -37,6 +37,7 @@ BENCHMARKS = {
     "int4_granularity": "int4 per-channel vs grouped scales on the accuracy report's models (float round trip)",
     "robustness": "every published claim re-priced over the constants no chip identifies: robust or fragile",
     "calibration_fit": "fit the performance model's constants to tokamax's measured TPU timings",
+    "held_out": "public real-chip timings no fit used, priced as held-out checks of the model",
     "compiles": "distinct kernel shapes and their real AOT compile seconds per workload, before and after buckets",
     "binding": "host cost of the JAX -> torch op binding",
     "loader": "loading a kernel from a local Hub: tpu_kernels.get_kernel vs kernels.get_kernel",
