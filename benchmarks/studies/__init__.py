@@ -76,7 +76,10 @@ def result_path(filename: str) -> Path:
 
 def report_header(study: str, repo: Path | str) -> dict:
     """The first fields of a kernel study's JSON: which study wrote it, the kernel repo it built, the dtype it ran."""
-    return {"benchmark": f"benchmarks.studies.{study}", "kernel_repo": Path(repo).as_posix(), "dtype": "bfloat16"}
+    from benchmarks.perf.chip import priced_at
+
+    return {"benchmark": f"benchmarks.studies.{study}", "kernel_repo": Path(repo).as_posix(), "dtype": "bfloat16",
+            "priced_at": priced_at()}
 
 
 def kernel_repo(name: str) -> Path:
