@@ -23,6 +23,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -75,7 +76,7 @@ def calibrate_check(report: dict, source_url: str) -> dict:
     errors = sorted(abs(r - 1) for r in ratios)
     return {"kind": "calibrate", "source": source_url, "chips": sorted({e["chip"] for e in entries}),
             "kinds": sorted({e["kind"] for e in entries}), "count": len(entries),
-            "refused": len(report.get("skipped", [])),
+            "skipped": dict(Counter(s.get("reason", "") for s in report.get("skipped", []))),
             "median_abs_error": round(statistics.median(errors), 4) if errors else None,
             "p90_abs_error": round(float(np.percentile(errors, 90)), 4) if errors else None,
             "median_signed": round(statistics.median(r - 1 for r in ratios), 4) if ratios else None,

@@ -30,14 +30,15 @@ def checks(report: dict) -> str:
 
 def calibrated(report: dict) -> str:
     """tokamax timings no fit used, priced by calibrate: count, error spread, signed bias, the extremes."""
-    rows = ["| source | chip, kind | priced | refused | median \\|ratio - 1\\| | 90th pct | signed bias, median "
+    rows = ["| source | chip, kind | priced | skipped (why) | median \\|ratio - 1\\| | 90th pct | signed bias, median "
             "| lowest / highest ratio |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for check in report["checks"]:
         if check["kind"] != "calibrate" or not check["count"]:
             continue
         ratios = [e["ratio"] for e in check["entries"]]
+        skipped = "; ".join(f"{n} ({why})" for why, n in check["skipped"].items()) or "none"
         rows.append(f"| {check['source']} | {', '.join(check['chips'])} {', '.join(check['kinds'])} | {check['count']} "
-                    f"| {check['refused']} | {100 * check['median_abs_error']:.1f} % | {100 * check['p90_abs_error']:.1f} % "
+                    f"| {skipped} | {100 * check['median_abs_error']:.1f} % | {100 * check['p90_abs_error']:.1f} % "
                     f"| {100 * check['median_signed']:+.1f} % | {min(ratios):.2f} / {max(ratios):.2f} |")
     return "\n".join(rows)
 
