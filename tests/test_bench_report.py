@@ -387,8 +387,10 @@ def test_moe_layer_headline_table_from_its_json():
 
 
 def test_moe_layer_targets_tables_from_its_json():
-    anchor = {"ours_us": 98.2, "ours_band_p90_us": [92.6, 103.8], "target_us": 100.0, "meets": True,
-              "meets_across_p90_band": False, "best_rival_us": 117.1, "best_rival": "megablox", "roofline_us": 93.4}
+    anchor = {"ours_us": 98.2, "ours_band_p90_us": [92.6, 103.8], "target_pct_of_floor_at_share": 95.0, "meets": True,
+              "meets_across_p90_band": False, "best_rival_us": 117.1, "best_rival": "megablox", "roofline_us": 93.4,
+              "hbm_share": 0.9, "floor_at_share_us": 103.778, "ours_pct_of_floor_at_share": 105.68}
+    priced_at = {"hbm_fraction": {"v6e": 0.9}, "grid_step_us": {"v6e": 0.0217}}
     targets = {
         "anchor": {"a 256 v6e": anchor},
         "decode": [{"label": "a T=1", "generation": "v6e", "meets": True, "ours_over_roofline": 1.05},
@@ -397,9 +399,12 @@ def test_moe_layer_targets_tables_from_its_json():
         "quantized": {"max_bytes_over_quantized_min": 1.05, "decode_meets": 6, "decode_shapes": 6},
         "rival_wins": [],
     }
-    data = {"targets": targets}
+    data = {"targets": targets, "priced_at": priced_at}
     assert moe_layer_tables.anchor(data).splitlines()[2] == (
-        "| a 256 v6e | 98.2 (92.6-103.8) | 100 | yes | no | 117.1 (megablox) | 93.4 |")
+        "| a 256 v6e | 98.2 (92.6-103.8) | 93.4 | 0.9 | 103.8 | 105.7 | 95 | yes | yes | 117.1 (megablox) |")
+    # A JSON that does not say what it was priced at was priced before v6e's own data: at a share of 1.
+    del data["priced_at"]
+    assert moe_layer_tables.anchor(data).splitlines()[2].startswith("| a 256 v6e | 98.2 (92.6-103.8) | 93.4 | 1 | 93.4 ")
     assert moe_layer_tables.decode_targets(data).splitlines() == [
         "| decode target | met |", "| --- | --- |", "| bf16 within 1.08x of the roofline | 1 of 2 |",
         "| int8 / fp8 / int4 bytes within 1.05x of the quantized minimum | 6 of 6 |", "",

@@ -71,3 +71,20 @@ def test_windows_are_parsed_from_the_backend_config_and_masks_skipped():
               '"1","1"],"kernel_window_bounds":["1","256","3"],"output_window_bounds":["1","37","3"]}')
     assert xla_ragged_dot.parse_windows(config) == xla_ragged_dot.Windows((2, 128, 443, 1, 1), (1, 256, 3), (1, 37, 3))
     assert xla_ragged_dot.parse_windows('"window_config":{"is_mask":true}') is None
+
+
+def test_a_weight_gradient_keeps_its_accumulator_on_chip_only_where_the_generation_does():
+    """Weight-gradient mode (rows contracted): on v6e each output window is written once per group and never read;
+    on v5e and TPU7x it is read and written at every kept iteration (the module docstring's timings)."""
+    weight_gradient = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=())
+    sizes = np.array([96, 160])  # 3 and 5 chunks of 32 rows
+    call = perf.RaggedDotCall((256, 128), (256, 128), "bfloat16", "bfloat16", "float32", weight_gradient, sizes)
+    windows = xla_ragged_dot.Windows((1, 2, 1, 1, 8), (1, 4, 1), (1, 16, 1))  # 32-row chunks, a 128 x 128 window
+    window = 128 * 128 * xla_ragged_dot.ACCUMULATOR_BYTES
+    found = {name: xla_ragged_dot.model(call, windows, perf.tpu_generation(name), step_overhead_s=0.0)
+             for name in ("v5e", "v6e", "tpu7x")}
+    assert found["v5e"].steps == found["v6e"].steps == 3 + 5  # the chunks each group touches
+    # Read and written at each of the 8 kept iterations, against written once per group.
+    assert found["v5e"].hbm_bytes - found["v6e"].hbm_bytes == 2 * 8 * window - 2 * window
+    assert found["tpu7x"].hbm_bytes == found["v5e"].hbm_bytes

@@ -97,5 +97,23 @@ FITTED_RATES = ModelRates(
 )
 
 
+# What a study's figures were priced at when its JSON does not record it (`priced_at`): the constants before v6e's own
+# data priced it (every share 1.0, v6e's grid step v5e's), which the results written before then were priced at.
+PRICED_BEFORE_V6E_DATA = {"hbm_fraction": {"v5e": 1.0, "v5p": 1.0, "v6e": 1.0, "tpu7x": 1.0},
+                          "grid_step_us": {"v5e": 0.34, "v5p": 0.34, "v6e": 0.34, "tpu7x": 0.72}}
+
+
+def priced_at_of(study: dict) -> dict:
+    """The constants a study's JSON was priced at (`priced_at`, else `PRICED_BEFORE_V6E_DATA`)."""
+    return study.get("priced_at", PRICED_BEFORE_V6E_DATA)
+
+
+def priced_at() -> dict:
+    """The constants a study prices with, as its JSON records them (`priced_at`): robustness re-prices the study's
+    figures from them, so a study written before a constant moved is re-priced, not misread."""
+    return {"hbm_fraction": dict(FITTED_RATES.hbm_fractions),
+            "grid_step_us": {name: round(grid_step_s(name) * 1e6, 6) for name in CONSTANTS["grid_step_s"]}}
+
+
 def as_generation(generation: str | TpuGeneration) -> TpuGeneration:
     return generation if isinstance(generation, TpuGeneration) else tpu_generation(generation)

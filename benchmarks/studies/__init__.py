@@ -37,6 +37,7 @@ BENCHMARKS = {
     "int4_granularity": "int4 per-channel vs grouped scales on the accuracy report's models (float round trip)",
     "robustness": "every published claim re-priced over the constants no chip identifies: robust or fragile",
     "calibration_fit": "fit the performance model's constants to tokamax's measured TPU timings",
+    "held_out": "public real-chip timings no fit used, priced as held-out checks of the model",
     "compiles": "distinct kernel shapes and their real AOT compile seconds per workload, before and after buckets",
     "binding": "host cost of the JAX -> torch op binding",
     "loader": "loading a kernel from a local Hub: tpu_kernels.get_kernel vs kernels.get_kernel",
@@ -76,7 +77,10 @@ def result_path(filename: str) -> Path:
 
 def report_header(study: str, repo: Path | str) -> dict:
     """The first fields of a kernel study's JSON: which study wrote it, the kernel repo it built, the dtype it ran."""
-    return {"benchmark": f"benchmarks.studies.{study}", "kernel_repo": Path(repo).as_posix(), "dtype": "bfloat16"}
+    from benchmarks.perf.chip import priced_at
+
+    return {"benchmark": f"benchmarks.studies.{study}", "kernel_repo": Path(repo).as_posix(), "dtype": "bfloat16",
+            "priced_at": priced_at()}
 
 
 def kernel_repo(name: str) -> Path:

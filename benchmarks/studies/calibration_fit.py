@@ -164,16 +164,25 @@ def step_share_profile(analysed) -> dict:
     return profiles
 
 
+# Constants a chip takes from elsewhere than its fit here, by (key in model_constants.json, chip): v5p's from v5e (its
+# timings do not identify its own: `step_share_profile`; its XLA ragged dots are not modelled), v6e's grid step from
+# Hugging Face's measured v6e layer (moe_layer.json hf_257us: v6e's tokamax timings do not identify it).
+BORROWED_STEPS = {("grid_step_s", "v5p"): "v5e", ("xla_ragged_dot_step_s", "v5p"): "v5e"}
+NOT_FROM_THIS_FIT = {("grid_step_s", "v6e")}
+
+
 def write_constants(results: dict, path: Path = CONSTANTS) -> None:
-    """Fitted per-chip steps into model_constants.json; v5p and v6e keep v5e's (their timings do not identify their
-    own: `step_share_profile`, calibration_fit_v6e.json); vector rates and the MXU load share from TPU7x (no other
-    chip's timings are vector-bound or use 128-row tiles on a 256-wide MXU)."""
+    """Fitted per-chip steps into model_constants.json, but for `NOT_FROM_THIS_FIT` and `BORROWED_STEPS`; vector
+    rates and the MXU load share from TPU7x (no other chip's timings are vector-bound or use 128-row tiles on a
+    256-wide MXU)."""
     constants = json.loads(path.read_text())
     for field, key in (("grid_step_s", "grid_step_s"), ("ragged_dot_step_s", "xla_ragged_dot_step_s")):
         for chip, fitted in results.items():
-            constants[key][chip] = fitted["constants"][field]
-        for unmeasured in ("v5p", "v6e"):
-            constants[key][unmeasured] = constants[key]["v5e"]
+            if (key, chip) not in NOT_FROM_THIS_FIT:
+                constants[key][chip] = fitted["constants"][field]
+        for (borrowing_key, chip), source in BORROWED_STEPS.items():
+            if borrowing_key == key:
+                constants[key][chip] = constants[key][source]
     if "tpu7x" in results:
         for field in ("vector_elements_per_cycle", "transcendental_elements_per_cycle", "mxu_weight_load_fraction"):
             constants[field] = results["tpu7x"]["constants"][field]

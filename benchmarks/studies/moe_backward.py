@@ -65,6 +65,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from benchmarks import perf
+from benchmarks.perf.chip import priced_at
 # moe_layer: the MoE-layer benchmark (models, routing, stored weights order).
 from benchmarks.studies import calibration_bands, moe_layer, require_kernel_repo, result_path, write_json
 from benchmarks.studies.report import backward_layer_table
@@ -322,6 +323,7 @@ def main(argv=None) -> int:
     ratios = layer_ratios(entries)
     report = {
         "benchmark": "moe_backward",
+        "priced_at": priced_at(),
         "assumptions": {
             "model": "benchmarks.perf grid replay: HBM bytes of each BlockSpec copy, MXU work per pass, vector-unit "
                      "work; headline modelled_time_us = the calibrated pipelined figure (grid step "

@@ -48,6 +48,7 @@ from benchmarks.studies.tables import cb_step as cb_step_tables
 from benchmarks.studies.tables import compiles as compiles_tables
 from benchmarks.studies.tables import decode_step as decode_step_tables
 from benchmarks.studies.tables import fused_moe_search as fused_moe_search_tables
+from benchmarks.studies.tables import held_out as held_out_tables
 from benchmarks.studies.tables import hub_server as hub_server_tables
 from benchmarks.studies.tables import int4_granularity as int4_granularity_tables
 from benchmarks.studies.tables import loader as loader_tables
@@ -450,6 +451,7 @@ DERIVED_TABLES: dict[str, Callable[[Path], str]] = {
     f"{SOURCES_DIR}/hub_server.md": sectioned_tables("hub_server.json", hub_server_tables.render_markdown),
     f"{SOURCES_DIR}/rmsnorm.md": sectioned_tables("rmsnorm.json", rmsnorm_tables.render_markdown),
     f"{SOURCES_DIR}/robustness.md": sectioned_tables("robustness.json", robustness_tables.render_markdown),
+    f"{SOURCES_DIR}/held_out.md": sectioned_tables("held_out.json", held_out_tables.render_markdown),
     f"{SOURCES_DIR}/quantization_accuracy.md": sectioned_tables("quantization_accuracy.json",
                                                                 quantization_accuracy_tables.render_markdown),
     f"{SOURCES_DIR}/quantization_accuracy_tpu7x.md": sectioned_tables("quantization_accuracy_tpu7x.json",

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from benchmarks.studies import kernel_repo, moe_layer, require_kernel_repo, result_path
+from benchmarks.perf.chip import priced_at
 from benchmarks.perf.collectives import HOP_LATENCY_S, ICI_LINK_BYTES_PER_S
 
 from . import host_ops, programs, ranges, step
@@ -304,7 +305,8 @@ def main(argv=None) -> int:
     for result in results.values():
         result["explanation"] = explain(result) + ranges.explain(result)
     compiler.pool.shutdown()
-    report = {"method": {**method(args.batch, args.context), "fitted_to": fitted_to()}, "models": results}
+    report = {"method": {**method(args.batch, args.context), "fitted_to": fitted_to()}, "priced_at": priced_at(),
+              "models": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(moe_layer.dump_compact(moe_layer.rounded(report)) + "\n")
     run = {"seconds": round(time.perf_counter() - started, 1), "load_average": os.getloadavg()}

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from benchmarks import perf
+from benchmarks.perf.chip import priced_at
 from benchmarks.studies import calibration_bands, kernel_repo, moe_layer, require_kernel_repo, result_path
 from benchmarks.studies.moe_layer.vllm_kernels import DEFAULT_FOLDER
 from tpu_kernels.disk_cache import cache_root
@@ -166,7 +167,7 @@ def write(out: Path, repo: Path, rows: list[dict], started: float) -> None:
     import json
 
     kept = json.loads(out.read_text()).get("decode_step") if out.exists() else None
-    report = {"benchmark": "benchmarks.studies.mla", "method": method(repo), "summary": summary.summarise(rows),
+    report = {"benchmark": "benchmarks.studies.mla", "method": method(repo), "priced_at": priced_at(), "summary": summary.summarise(rows),
               "results": rows, **({"decode_step": kept} if kept else {})}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(moe_layer.dump_compact(moe_layer.rounded(report)) + "\n")

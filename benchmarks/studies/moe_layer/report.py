@@ -10,6 +10,7 @@ import numpy as np
 
 from benchmarks.studies import calibration_bands
 from benchmarks.perf import grid_step_s
+from benchmarks.perf.chip import priced_at
 
 from .ours import LAYER_ENTRY
 from .shapes import DTYPE, POPULARITY_CONCENTRATION, SEED, Case
@@ -204,6 +205,7 @@ def write_outputs(args, rows: list[dict], cases: list[Case], hf: dict | None, ru
     targets = check_targets(rows)
     report = {
         "method": method(args),
+        "priced_at": priced_at(),
         "complete": len(done) == len(cases),
         "missing_shapes": [case.label for case in cases if case.label not in done],
         "targets": rounded(targets),

@@ -48,7 +48,7 @@ def fragile(report: dict) -> str:
 
 
 def constants(report: dict) -> str:
-    """The ranges priced, and what v6e's own timings say of its grid-step cost."""
+    """The ranges priced, and what v6e's own timings say of its grid-step cost and HBM share."""
     data = report["v6e_grid_step_data"]
     c = report["constants"]
     copy_high = ", ".join(f"{g} {v:g}" for g, v in c["copy_issue_us"]["range_high"].items())
@@ -61,33 +61,34 @@ def constants(report: dict) -> str:
         "| constant | priced at | range | v6e data |", "| --- | --- | --- | --- |",
         f"| HBM share | {', '.join(f'{g} {v:g}' for g, v in c['hbm_share']['fitted'].items())} | "
         f"{c['hbm_share']['range'][0]:g}-{c['hbm_share']['range'][1]:g} | {share} |",
-        f"| v6e grid step (us) | {data['borrowed_us']:g} (borrowed from v5e) | "
-        f"{data['range_priced_us'][0]:g}-{data['range_priced_us'][1]:g} | HF's layer fits {fits} (one timing); "
-        f"HF's step bounds it at {data['bound_from_hf_step_us']:g} ({data['bound_from_hf_step_with_host_us']:g} "
-        f"with the host cost); tokamax's v6e Pallas timings fit {tokamax['grid_step_fit_alone_us']:g} alone, but "
-        f"across the range a share of {lowest:g}-{highest:g} fits them about as well (median log error "
-        f"{tokamax['fit_error_across_step_range'][0]:g}-{tokamax['fit_error_across_step_range'][1]:g}): not "
-        "identified |",
+        f"| v6e grid step (us) | {data['fitted_us']:g} (v6e's data; {data['borrowed_until_now_us']:g}, v5e's, "
+        f"borrowed before) | {data['range_priced_us'][0]:g}-{data['range_priced_us'][1]:g} | HF's layer fits {fits} "
+        f"(one timing); HF's step bounds it at {data['bound_from_hf_step_us']:g} "
+        f"({data['bound_from_hf_step_with_host_us']:g} with the host cost); tokamax's v6e Pallas timings fit "
+        f"{tokamax['grid_step_fit_alone_us']:g} alone, but across the range a share of {lowest:g}-{highest:g} fits "
+        f"them about as well (median log error {tokamax['fit_error_across_step_range'][0]:g}-"
+        f"{tokamax['fit_error_across_step_range'][1]:g}): not identified by them |",
         f"| cost per issued copy (us) | 0 | 0 to {copy_high} | none |",
     ])
 
 
-def at_v6e_data(report: dict) -> str:
-    """Per family, how many v6e claims hold at the constants v6e's own timings fit, and each one that does not."""
-    claims = [c for c in report["claims"] if "at_v6e_data" in c]
-    if not claims:
-        return "No constant of v6e's is identified by its own timings: no claim is priced at them."
-    point = ", ".join(f"{name} {value:g}" for name, value in claims[0]["at_v6e_data"]["constants"].items())
-    rows = [f"v6e's claims at the constants v6e's own timings fit ({point}; the rest as fitted):", "",
-            "| claims | hold | fail | failing: claim, at the fitted constants -> at v6e's data |",
+def flipped(report: dict) -> str:
+    """Per family, how many v6e claims hold at the constants v6e borrowed before its own data priced it, and each
+    claim whose outcome differs there from here (it flipped with the new prices)."""
+    claims = [c for c in report["claims"] if "at_borrowed" in c]
+    point = ", ".join(f"{name} {value:g}" for name, value in
+                      max((c["at_borrowed"]["constants"] for c in claims), key=len, default={}).items())
+    rows = [f"v6e's claims at the constants it borrowed from v5e before its own data priced it ({point}), against "
+            "the fitted ones:", "",
+            "| claims | same outcome | flipped | flipped: claim, at the borrowed constants -> at the fitted |",
             "| --- | ---: | ---: | --- |"]
     for family in FAMILIES:
         found = [c for c in claims if c["family"] == family]
         if not found:
             continue
-        failing = [c for c in found if not c["at_v6e_data"]["holds"]]
-        shown = "; ".join(f"{c['claim']}, {c['fitted']:g} -> {c['at_v6e_data']['value']:g}" for c in failing)
-        rows.append(f"| {family} | {len(found) - len(failing)} | {len(failing)} | {shown or 'none'} |")
+        changed = [c for c in found if c["at_borrowed"]["holds"] != c["holds_at_fitted"]]
+        shown = "; ".join(f"{c['claim']}, {c['at_borrowed']['value']:g} -> {c['fitted']:g}" for c in changed)
+        rows.append(f"| {family} | {len(found) - len(changed)} | {len(changed)} | {shown or 'none'} |")
     return "\n".join(rows)
 
 
@@ -125,4 +126,4 @@ def verdicts(report: dict) -> str:
 
 def render_markdown(report: dict) -> dict[str, str]:
     return {"verdicts": verdicts(report), "summary": summary(report), "constants": constants(report),
-            "fragile": fragile(report), "at-v6e-data": at_v6e_data(report), "backward": backward(report)}
+            "fragile": fragile(report), "flipped": flipped(report), "backward": backward(report)}
