@@ -194,6 +194,23 @@ def model(
 _WITHOUT_STEP_COST: dict[tuple, Modelled] = {}
 
 
+def _steps(shape, starts, ends, *, rows, chunk, col_windows, row_windows, chunks) -> list[tuple[int, int, int, int]]:
+    """The loop's steps that touch a group's rows: (column window, group, row window, chunk)."""
+    steps = []
+    for col in range(col_windows):
+        for group in range(shape.groups):
+            start, end = int(starts[group]), int(ends[group])
+            if end <= start:
+                continue
+            if shape.mode == "weight_gradient":
+                first, last = start // chunk, (end - 1) // chunk
+                steps.extend((col, group, row, piece) for row in range(row_windows) for piece in range(first, last + 1))
+            else:
+                first, last = start // rows, (end - 1) // rows
+                steps.extend((col, group, row, piece) for row in range(first, last + 1) for piece in range(chunks))
+    return steps
+
+
 def _model(
     call: RaggedDotCall, windows: Windows, generation: TpuGeneration, *, hbm_fraction: float, rates: ModelRates
 ) -> Modelled:
@@ -220,22 +237,8 @@ def _model(
     iterations = col_windows * shape.groups * row_windows * chunks
     starts, ends, note = group_bounds(shape, call.group_sizes)
 
-    steps = []  # (column window, group, row window, chunk, rows of the chunk or window that are the group's)
-    for col in range(col_windows):
-        for group in range(shape.groups):
-            start, end = int(starts[group]), int(ends[group])
-            if end <= start:
-                continue
-            if shape.mode == "weight_gradient":
-                first, last = start // chunk, (end - 1) // chunk
-                for row in range(row_windows):
-                    for piece in range(first, last + 1):
-                        steps.append((col, group, row, piece))
-            else:
-                first, last = start // rows, (end - 1) // rows
-                for row in range(first, last + 1):
-                    for piece in range(chunks):
-                        steps.append((col, group, row, piece))
+    steps = _steps(shape, starts, ends, rows=rows, chunk=chunk, col_windows=col_windows, row_windows=row_windows,
+                   chunks=chunks)
     if not steps:
         return Modelled(0.0, 0, iterations, 0, 0.0, note)
     index = np.asarray(steps, np.int64)
