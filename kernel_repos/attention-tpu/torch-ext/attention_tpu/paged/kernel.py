@@ -34,6 +34,9 @@ Layout and semantics: `common/paged.py`.
   the PV matmul and invalid logits are replaced before the exponential, so stale pages or NaN never reach the result.
   Page table entries are clamped into the cache.
 
+* A ring of window slots (`window_ring`, transformers' sliding-layer pages: key j at slot j % window) is read as
+  a windowless call over each sequence's live slots: decode rows see them all, and their order is no softmax's.
+
 Rows that see no key, and rows past cu_q_lens[-1], come out as zeros. Inputs are assumed valid: the torch op
 checks them (`paged_ops.py`).
 """
@@ -496,7 +499,8 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                            scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
                            softcap: float | None = None, max_q_len: int | None = None,
                            config: PagedConfig | None = None,
-                           generation: str | TpuGeneration | None = None, contiguous: bool = False) -> jax.Array:
+                           generation: str | TpuGeneration | None = None, contiguous: bool = False,
+                           window_ring: bool = False) -> jax.Array:
     """Attention of packed q[T, Hq, D] over the paged cache k_cache[num_pages, page_size, Hkv, D], v_cache[num_pages,
     page_size, Hkv, Dv] -> [T, Hq, Dv] (layout and semantics: `common/paged.py`).
 
@@ -506,10 +510,23 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     (a name or its facts; default this device's, resolved once here). `contiguous`: the cache is one page of
     every sequence's keys, page_table [S, 1] each sequence's first row (`ragged_varlen_attention`). Without a
     query row, a query head, a sequence or a key no kernel runs.
+
+    `window_ring`: each sequence's pages are a ring of sliding_window slots, key j at slot j % sliding_window
+    (transformers' `SlidingAttentionCacheAllocator`), for decode rows only (max_q_len 1). A decode row sees every
+    live slot of its ring, whatever their order: the call is the windowless one over min(kv_len, window) keys from
+    slot 0, so a 128-key window is one 128-key chunk of the ring, where keys kept at their positions put it across
+    two (`tiles.WINDOW_CHUNKS`).
     """
+    max_kv_len = None
+    if window_ring:
+        if sliding_window is None or max_q_len != 1 or contiguous:
+            raise ValueError("window_ring needs a sliding_window and max_q_len=1 (decode rows over a paged cache), "
+                             f"got sliding_window={sliding_window}, max_q_len={max_q_len}, contiguous={contiguous}")
+        kv_lens, max_kv_len, sliding_window = jnp.minimum(kv_lens, sliding_window), sliding_window, None
     if 0 in (q.shape[0], q.shape[1], *page_table.shape, *k_cache.shape[:2]):
         return jnp.zeros((*q.shape[:2], v_cache.shape[3]), q.dtype)
     problem = paged_problem(q, k_cache, v_cache, page_table, scale=scale, causal=causal, sliding_window=sliding_window,
-                            softcap=softcap, sinks=sinks, max_q_len=max_q_len, contiguous=contiguous)
+                            softcap=softcap, sinks=sinks, max_q_len=max_q_len, contiguous=contiguous,
+                            max_kv_len=max_kv_len)
     plan = make(problem, resolve_target(generation), config)
     return call(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, plan, sinks=sinks)

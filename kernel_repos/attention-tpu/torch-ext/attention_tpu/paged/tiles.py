@@ -126,9 +126,11 @@ def _shrink_kv(block_kv: int, problem: PagedProblem) -> int:
 
 
 def visible_keys(problem: PagedProblem, tile_q: int) -> int:
-    """The most keys one row tile (of tile_q tokens) sees: its sequence's page table's tokens, and under a causal
-    window the window and the tile's queries."""
+    """The most keys one row tile (of tile_q tokens) sees: its sequence's page table's tokens (at most max_kv_len),
+    and under a causal window the window and the tile's queries."""
     keys = problem.page_size if problem.contiguous else problem.pages_per_seq * problem.page_size
+    if problem.max_kv_len is not None:
+        keys = min(keys, problem.max_kv_len)
     if problem.causal and problem.sliding_window is not None:
         keys = min(keys, problem.sliding_window + min(tile_q, problem.longest_query) - 1)
     return keys
