@@ -19,9 +19,9 @@ DTYPE = jnp.bfloat16
 
 def paged_inputs(batch: Batch, model: Model, page_size: int, dtype=DTYPE) -> tuple:
     """(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table[, sinks]): arrays as ShapeDtypeStructs, the small
-    int32 ones concrete; every sequence on pages of its own, in order."""
+    int32 ones concrete; every sequence on pages of its own (its keys', or its window ring's), in order."""
     seqs = len(batch.q_lens)
-    pages_per_seq = -(-max(batch.kv_lens) // page_size)
+    pages_per_seq = model.pages_per_seq(batch, page_size)
     cache = jax.ShapeDtypeStruct((seqs * pages_per_seq, page_size, model.kv_heads, model.head_dim), dtype)
     inputs = [
         jax.ShapeDtypeStruct((batch.total_q, model.q_heads, model.head_dim), dtype), cache, cache,
@@ -40,7 +40,7 @@ def kernel_fn(built, batch: Batch, model: Model, generation: str):
     def attend(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, sinks=None):
         return built.paged.kernel.ragged_paged_attention(
             q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, sinks=sinks, sliding_window=model.sliding_window,
-            max_q_len=max_q_len, generation=generation)
+            max_q_len=max_q_len, generation=generation, window_ring=model.window_ring)
 
     return attend
 
@@ -50,7 +50,8 @@ def tiles(built, batch: Batch, model: Model, page_size: int, generation: str):
     problem = built.PagedProblem.of_shape(
         total_q=batch.total_q, num_seqs=len(batch.q_lens), q_heads=model.q_heads, kv_heads=model.kv_heads,
         head_dim=model.head_dim, page_size=page_size, num_pages=inputs[1].shape[0], pages_per_seq=inputs[5].shape[1],
-        dtype=DTYPE, sliding_window=model.sliding_window, has_sinks=model.sinks, max_q_len=max(batch.q_lens))
+        dtype=DTYPE, sliding_window=None if model.window_ring else model.sliding_window, has_sinks=model.sinks,
+        max_q_len=max(batch.q_lens), max_kv_len=model.sliding_window if model.window_ring else None)
     return built.paged.tiles.select(problem, resolve_target(generation))
 
 

@@ -30,14 +30,15 @@ DEFAULT_OUT = result_path("paged_attention.json")
 
 def cases(quick: bool):
     """(model, batch, page size): the mixed-length decode batch at every page size, the per-length decode points and
-    the mixed prefill + decode batch at PLOT_PAGE_SIZE."""
+    (but over window rings, which hold decode rows' keys only) the mixed prefill + decode batch at PLOT_PAGE_SIZE."""
     decode = decode_batches()
     for model in MODELS[:1] if quick else MODELS:
         for page_size in PAGE_SIZES:
             yield model, decode[0], page_size
         for batch in decode[1:]:
             yield model, batch, PLOT_PAGE_SIZE
-        yield model, mixed_batch(), PLOT_PAGE_SIZE
+        if not model.window_ring:
+            yield model, mixed_batch(), PLOT_PAGE_SIZE
 
 
 def attention_arguments(package: str, default_out: Path) -> argparse.ArgumentParser:
@@ -66,12 +67,15 @@ def measure_case(case: tuple) -> dict:
     """One (model, batch, page size): ours and the rivals per generation (in a worker started by _start_worker)."""
     model, batch, page_size = case
     built, wheels = _WORKER["built"], _WORKER["wheels"]
+    # The rivals read no window rings: they make the call that reads the same pages (`Model.read_as`).
+    rival_batch, rival_model = model.read_as(batch)
     row = {"model": model.name, "batch": batch.label, "kind": batch.kind, "context": batch.context,
            "page_size": page_size, "q_heads": model.q_heads, "kv_heads": model.kv_heads,
            "head_dim": model.head_dim, "sliding_window": model.sliding_window, "sinks": model.sinks,
+           "window_ring": model.window_ring,
            "min_bytes": minimum_bytes(batch, model), "ours": ours.measure(built, batch, model, page_size),
-           "rivals": {"jax_paged_attention": rivals.jax_paged_attention(batch, model, page_size),
-                      "vllm_rpa_v3": rpa_v3.rpa_v3(batch, model, page_size, wheels)}}
+           "rivals": {"jax_paged_attention": rivals.jax_paged_attention(rival_batch, rival_model, page_size),
+                      "vllm_rpa_v3": rpa_v3.rpa_v3(rival_batch, rival_model, page_size, wheels)}}
     print(f"{model.name:24s} {batch.label:44s} page {page_size:4d}  " + "  ".join(
         f"{g} {row['ours'][g]['pct_of_hbm_roofline_peak']:.0f}%" for g in GENERATIONS), flush=True)
     return row

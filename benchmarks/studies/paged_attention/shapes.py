@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from benchmarks.studies.model_shapes import AttentionLayer
+from benchmarks.studies.model_shapes import ATTENTION_HEADS, ATTENTION_SINKS, AttentionLayer
 
 GENERATIONS = ("v5e", "v6e", "tpu7x")
 DECODE_BATCH = 64
@@ -26,14 +26,34 @@ TARGET_FROM_CONTEXT = 1024
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Model(AttentionLayer):
-    """A model's attention layer, by the name the tables give it."""
+    """A model's attention layer, by the name the tables give it, over pages holding each sequence's keys at their
+    positions (vLLM's) or, `window_ring`, a ring of its window's slots (transformers' sliding-layer pages: decode
+    batches only)."""
 
     name: str
+    window_ring: bool = False
+
+    def pages_per_seq(self, batch: Batch, page_size: int) -> int:
+        """Page table columns: the longest sequence's keys, or a ring of window slots."""
+        keys = self.sliding_window if self.window_ring else max(batch.kv_lens)
+        return -(-keys // page_size)
+
+    def read_as(self, batch: Batch) -> tuple[Batch, Model]:
+        """The (batch, layer) of the call a kernel without rings makes over the same pages: a decode row sees every
+        live slot of its ring, so each sequence's min(kv_len, window) keys from slot 0, no window."""
+        if not self.window_ring:
+            return batch, self
+        return (dataclasses.replace(batch, kv_lens=tuple(min(n, self.sliding_window) for n in batch.kv_lens)),
+                dataclasses.replace(self, sliding_window=None, window_ring=False))
 
 
+GPT_OSS_FULL = {**ATTENTION_HEADS["gpt-oss-20b"], "sinks": "gpt-oss-20b" in ATTENTION_SINKS}
 MODELS = (
     Model.of_tag("qwen3-30b-a3b", name="Qwen3-30B-A3B"),
     Model.of_tag("gpt-oss-20b", name="GPT-OSS-20B sliding"),
+    Model.of_tag("gpt-oss-20b", name="GPT-OSS-20B sliding, window rings", window_ring=True),
+    # GPT-OSS alternates sliding layers with full ones: the same heads and sinks over every key.
+    Model(**GPT_OSS_FULL, name="GPT-OSS-20B full"),
     Model.of_tag("gemma-4-26b-a4b global", name="Gemma-4-26B-A4B global"),
 )
 
