@@ -33,7 +33,8 @@ def cases(quick: bool):
     (but over window rings, which hold decode rows' keys only) the mixed prefill + decode batch at PLOT_PAGE_SIZE."""
     decode = decode_batches()
     for model in MODELS[:1] if quick else MODELS:
-        for page_size in PAGE_SIZES:
+        # Varlen keys have no pages: their mixed-length batch once, at PLOT_PAGE_SIZE's place in the tables.
+        for page_size in (PLOT_PAGE_SIZE,) if model.cache == "varlen" else PAGE_SIZES:
             yield model, decode[0], page_size
         for batch in decode[1:]:
             yield model, batch, PLOT_PAGE_SIZE
@@ -67,12 +68,13 @@ def measure_case(case: tuple) -> dict:
     """One (model, batch, page size): ours and the rivals per generation (in a worker started by _start_worker)."""
     model, batch, page_size = case
     built, wheels = _WORKER["built"], _WORKER["wheels"]
-    # The rivals read no window rings: they make the call that reads the same pages (`Model.read_as`).
+    # The rivals read no window rings and no varlen keys: they make the call that reads the same keys over pages
+    # (`Model.read_as`).
     rival_batch, rival_model = model.read_as(batch)
     row = {"model": model.name, "batch": batch.label, "kind": batch.kind, "context": batch.context,
            "page_size": page_size, "q_heads": model.q_heads, "kv_heads": model.kv_heads,
            "head_dim": model.head_dim, "sliding_window": model.sliding_window, "sinks": model.sinks,
-           "window_ring": model.window_ring,
+           "cache": model.cache,
            "min_bytes": minimum_bytes(batch, model), "ours": ours.measure(built, batch, model, page_size),
            "rivals": {"jax_paged_attention": rivals.jax_paged_attention(rival_batch, rival_model, page_size),
                       "vllm_rpa_v3": rpa_v3.rpa_v3(rival_batch, rival_model, page_size, wheels)}}

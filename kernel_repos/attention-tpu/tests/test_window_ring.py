@@ -52,17 +52,20 @@ def test_decode_over_window_rings(kernel, convert, window, page_size, block_kv):
 
 
 @pytest.mark.parametrize("page_size", [128, 256])
-def test_a_gpt_oss_ring_is_one_lane_chunk_per_sequence(kernel, page_size):
-    """GPT-OSS-20B's decode batch over its 128-slot rings takes 128-key blocks of one 128-key chunk, where its keys
-    at their positions take 256-key blocks (the window's two lane chunks)."""
+def test_gpt_oss_decode_takes_blocks_of_its_windows_lanes(kernel, page_size):
+    """GPT-OSS-20B's decode batch, over its 128-slot rings, over keys at their positions and over varlen keys,
+    takes 128-key blocks of 128-key chunks, not blocks of one lane more (which would compute twice the keys a ring
+    or an aligned window holds)."""
     shape = dict(total_q=64, num_seqs=64, q_heads=64, kv_heads=8, head_dim=64, page_size=page_size,
                  num_pages=64, pages_per_seq=1, dtype="bfloat16", has_sinks=True, max_q_len=1)
-    ring = kernel.PagedProblem.of_shape(**shape, max_kv_len=128)
-    positional = kernel.PagedProblem.of_shape(**{**shape, "pages_per_seq": 32}, sliding_window=128)
-    for generation in ("v5e", "v6e", "tpu7x"):
-        plan = kernel.paged.plan.make(ring, resolve_target(generation))
-        assert (plan.block_kv, plan.chunk) == (128, 128)
-        assert kernel.paged.plan.make(positional, resolve_target(generation)).block_kv == 256
+    problems = [kernel.PagedProblem.of_shape(**shape, max_kv_len=128),
+                kernel.PagedProblem.of_shape(**{**shape, "pages_per_seq": 32}, sliding_window=128),
+                kernel.PagedProblem.of_shape(**{**shape, "page_size": 8192, "num_pages": 1}, sliding_window=128,
+                                             contiguous=True)]
+    for problem in problems:
+        for generation in ("v5e", "v6e", "tpu7x"):
+            plan = kernel.paged.plan.make(problem, resolve_target(generation))
+            assert (plan.block_kv, plan.chunk) == (128, 128)
 
 
 BAD_RING_CALLS = {

@@ -145,10 +145,12 @@ def heuristic_config(problem: PagedProblem, target: TpuGeneration) -> PagedConfi
     multiple = min_tile_q(problem)
     tile_q = min(round_up(max(1, TILE_ROWS // problem.group), multiple), round_up(longest, multiple))
     keys = visible_keys(problem, tile_q)
-    if problem.sliding_window is not None and not problem.contiguous:
+    if problem.sliding_window is not None and not problem.lane_chunks:
         keys += _window_chunk_bound(problem) - 1  # blocks start at the first visible key's chunk
-    elif problem.contiguous and problem.lane_chunks:
-        keys += LANES - 1  # blocks start at the 128-row tile holding the first visible key
+    # Read in whole lanes (keys-minor), blocks start at the 128-key chunk holding the first visible key: a block of
+    # the visible keys' lanes, not one more, so that a window starting mid-chunk takes two blocks of the bytes it
+    # moves anyway and one starting on a chunk (a ring's, varlen keys of whole windows) one, where a block of one
+    # lane more would compute twice its keys (TPU7x's decode batch under GPT-OSS's window is then vector-bound).
     preferred_kv = min(preferred_kv, round_up(keys, LANES))
     packed = round_up(max(1, problem.total_q), tile_q)
     block_q = min(packed, preferred_q)
