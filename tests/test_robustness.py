@@ -75,7 +75,7 @@ def test_re_pricing_at_the_fitted_constants_gives_the_recorded_figures():
     paged = json.loads((RESULTS / "paged_attention.json").read_text())
     for row in paged["results"][:4]:
         for generation, figures in row["ours"].items():
-            assert robustness.paged_pct(figures, robustness.paged_copies(row), generation, {}) == pytest.approx(
+            assert robustness.paged_pct(figures, robustness.paged_copies(row, figures), generation, {}) == pytest.approx(
                 figures["pct_of_hbm_roofline_fitted"])
 
 
