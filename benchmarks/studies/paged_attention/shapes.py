@@ -67,15 +67,20 @@ class Model(AttentionLayer):
 # layer: each sequence's window gathered from its ring), at no page size.
 CACHES = ("pages", "window rings", "varlen")
 GPT_OSS_FULL = {**ATTENTION_HEADS["gpt-oss-20b"], "sinks": "gpt-oss-20b" in ATTENTION_SINKS}
-MODELS = (
+# One layer per model over pages (what `cb_step` prices a serving step on, with transformers' own caches).
+LAYERS = (
     Model.of_tag("qwen3-30b-a3b", name="Qwen3-30B-A3B"),
     Model.of_tag("gpt-oss-20b", name="GPT-OSS-20B sliding"),
+    Model.of_tag("gemma-4-26b-a4b global", name="Gemma-4-26B-A4B global"),
+)
+MODELS = (
+    *LAYERS[:2],
     Model.of_tag("gpt-oss-20b", name="GPT-OSS-20B sliding, window rings", cache="window rings"),
     Model.of_tag("gpt-oss-20b", name="GPT-OSS-20B sliding, varlen keys", cache="varlen"),
     # GPT-OSS alternates sliding layers with full ones: the same heads and sinks over every key.
     Model(**GPT_OSS_FULL, name="GPT-OSS-20B full"),
     Model(**GPT_OSS_FULL, name="GPT-OSS-20B full, varlen keys", cache="varlen"),
-    Model.of_tag("gemma-4-26b-a4b global", name="Gemma-4-26B-A4B global"),
+    LAYERS[2],
 )
 
 
