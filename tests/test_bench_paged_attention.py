@@ -155,10 +155,30 @@ def test_the_cases_are_measured_in_order_and_kept_as_they_come(tmp_path, monkeyp
 
     from benchmarks.studies.paged_attention import run
 
-    monkeypatch.setattr(run, "_start_worker", lambda repo, wheels: None)
+    monkeypatch.setattr(run, "_start_worker", lambda repo, wheels, rivals_from: None)
     monkeypatch.setattr(run, "measure_case", lambda case: {"case": case})
-    args = SimpleNamespace(jobs=1, repo=None, wheels=None, out=tmp_path / "paged.json")
+    args = SimpleNamespace(jobs=1, repo=None, wheels=None, out=tmp_path / "paged.json", rivals_from=None)
     assert run._measure(["a", "b", "c"], args) == [{"case": "a"}, {"case": "b"}, {"case": "c"}]
     assert (tmp_path / "paged.partial.json").exists()
     with pytest.raises(SystemExit):
         run.main(["--jobs", "0"])
+
+
+def test_window_rings_and_varlen_keys_hold_the_keys_a_decode_row_sees():
+    """A ring (and the varlen keys transformers gathers from it) holds a sequence's window, a prefill chunk's
+    varlen keys its new ones and the window's before them; the rivals' call over pages reads those keys, and
+    varlen keys are packed on one page of whole 128-row tiles, each sequence's first row in the page table."""
+    from benchmarks.studies.paged_attention import ours, shapes
+
+    by_name = {model.name: model for model in shapes.MODELS}
+    ring, varlen = by_name["GPT-OSS-20B sliding, window rings"], by_name["GPT-OSS-20B sliding, varlen keys"]
+    batch = shapes.Batch("b", "mixed", (1, 1, 300), (50, 1000, 2000))
+    assert [varlen.keys_held(q, n) for q, n in zip(batch.q_lens, batch.kv_lens)] == [50, 128, 427]
+    assert ring.pages_per_seq(batch, 256) == 1 and by_name["GPT-OSS-20B sliding"].pages_per_seq(batch, 256) == 8
+    read_batch, read_model = ring.read_as(batch)
+    assert read_batch.kv_lens == (50, 128, 427) and read_model.cache == "pages" and read_model.sliding_window == 128
+    q, k, _, cu_q, kv_lens, table, _ = ours.paged_inputs(batch, varlen, 128)
+    assert k.shape == (1, 640, 8, 64) and list(kv_lens) == [50, 128, 427] and table[:, 0].tolist() == [0, 50, 178]
+    assert shapes.minimum_bytes(batch, ring) == shapes.minimum_bytes(read_batch, read_model)
+    with pytest.raises(ValueError, match="cache must be one of"):
+        shapes.Model(q_heads=8, kv_heads=1, head_dim=64, name="no window", cache="window rings")

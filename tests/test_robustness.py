@@ -86,7 +86,7 @@ def test_re_pricing_at_the_constants_a_study_priced_at_gives_its_recorded_figure
     priced = robustness.Priced.of(paged)
     for row in paged["results"][:4]:
         for generation, figures in row["ours"].items():
-            assert robustness.paged_pct(figures, robustness.paged_copies(row), generation,
+            assert robustness.paged_pct(figures, robustness.paged_copies(row, figures), generation,
                                         _priced_point(priced, generation), priced) == pytest.approx(
                 figures["pct_of_hbm_roofline_fitted"])
 

@@ -84,6 +84,7 @@ class Phase:
     read: dict = dataclasses.field(default_factory=dict)  # top-level ref var -> bytes
     written: dict = dataclasses.field(default_factory=dict)
     work: dict = dataclasses.field(default_factory=dict)  # kernel_work keys -> count (dots) or register elements
+    copies: int = 0  # copies of an HBM operand started in this phase
 
     @property
     def has_work(self) -> bool:
@@ -98,6 +99,7 @@ class StepPhases:
     read: dict  # top-level ref var -> [phases] bytes
     written: dict
     work: dict  # kernel_work key -> [phases]
+    copies: np.ndarray  # [phases] copies of an HBM operand started (what a per-copy issue cost is charged on)
 
     def per_step(self, values: np.ndarray, steps: int) -> np.ndarray:
         return np.bincount(self.step, weights=values, minlength=steps).astype(np.int64)
@@ -132,6 +134,7 @@ def _flatten(phases: list[Phase], hbm_refs) -> StepPhases:
     keys = {key for phase in phases for key in phase.work}
     return StepPhases(
         step=np.array([p.step for p in phases], np.int64),
+        copies=np.array([p.copies for p in phases], np.int64),
         read={ref: np.array([p.read.get(ref, 0) for p in phases], np.int64) for ref in hbm_refs},
         written={ref: np.array([p.written.get(ref, 0) for p in phases], np.int64) for ref in hbm_refs},
         work={key: np.array([p.work.get(key, 0) for p in phases], np.int64) for key in keys},
@@ -274,6 +277,8 @@ class _StepRunner:
             ref = ins[root]
             if isinstance(ref, _Ref) and ref.hbm is not None:
                 hbm, direction = ref.hbm, position
+        if hbm is not None:
+            self.phases[-1].copies += 1
         self.in_flight.setdefault(dma.semaphore(ins), []).append([hbm, direction, dma.bytes(eqn, ins)])
         return []
 

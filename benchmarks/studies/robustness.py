@@ -296,9 +296,11 @@ def backward_ratio_claims(backward: dict) -> list[Claim]:
     return claims
 
 
-def paged_copies(row: dict) -> float:
-    """The copies our paged kernel issues for a row: one per chunk of K and one of V (all KV heads), a chunk being
-    a page (the kernel's `_chunk_copies`), so the minimum bytes over a page's K (or V) bytes."""
+def paged_copies(row: dict, figures: dict) -> float:
+    """The copies our paged kernel issues for a row on one generation: as its replay counted them (`dma_copies`),
+    else one per page of K and one of V (all KV heads), the minimum bytes over a page's K (or V) bytes."""
+    if "dma_copies" in figures:
+        return figures["dma_copies"]
     return row["min_bytes"] / (row["page_size"] * row["kv_heads"] * row["head_dim"] * KV_ITEMSIZE)
 
 
@@ -324,7 +326,7 @@ def paged_claims(paged: dict) -> list[Claim]:
         if row["kind"] != "decode" or (row["context"] is not None and row["context"] < from_context):
             continue
         for generation, figures in row["ours"].items():
-            def pct(point, f=figures, c=paged_copies(row), g=generation):
+            def pct(point, f=figures, c=paged_copies(row, figures), g=generation):
                 return paged_pct(f, c, g, point, priced)
 
             if pct({}) < target:

@@ -24,7 +24,8 @@ import dataclasses
 
 import numpy as np
 
-from benchmarks.studies.paged_attention.shapes import GENERATIONS, MODELS, Batch, Model, decode_batches, mixed_batch
+from benchmarks.studies.paged_attention.shapes import GENERATIONS, Batch, Model, decode_batches, mixed_batch
+from benchmarks.studies.paged_attention.shapes import LAYERS as MODELS
 from tpu_kernels.runtime.buckets import key_bucket, token_bucket
 
 __all__ = ["GENERATIONS", "MODELS", "Batch", "Model", "batches", "Sizes", "sizes", "gathered_rows", "bucket"]

@@ -2,7 +2,9 @@
 
 No TPU is needed. Real model attention over a paged KV cache, bf16 (`shapes`):
 Qwen3-30B-A3B (32 query / 4 KV heads, head_dim 128), GPT-OSS-20B's sliding
-layers (64 / 8, head_dim 64, window 128, sinks), Gemma 4 26B-A4B's global
+layers (64 / 8, head_dim 64, window 128, sinks; over pages of keys at their
+positions, over window rings and as varlen keys: `shapes.CACHES`) and its full
+layers (pages, varlen keys), Gemma 4 26B-A4B's global
 layers (16 / 2, head_dim 512, from Gemma4TextConfig). Batches: a decode batch
 of 64 sequences of mixed context lengths at page sizes 16 (vLLM's default
 block size), 128 (vLLM TPU's usual) and 256 (transformers' paged cache);
@@ -29,8 +31,8 @@ rival that cannot run a shape, or that the model cannot price, has a row with
 the reason.
 
 Usage:
-    python -m benchmarks paged_attention [--out benchmarks/results/paged_attention.json]
-        [--repo kernel_repos/attention-tpu] [--wheels DIR] [--jobs N] [--quick]
+    python -m benchmarks paged_attention [--out benchmarks/results/paged_attention.json] [--repo kernel_repos/attention-tpu]
+        [--wheels DIR] [--jobs N] [--quick] [--rivals-from JSON]
 Modules: `shapes`, `ours`, `rivals`, `rpa_v3`, `pricing`, `summary`, `run`.
 """
 

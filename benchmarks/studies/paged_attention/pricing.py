@@ -56,6 +56,8 @@ def price(calls, batch: Batch, model: Model, generation: str, relayout=None, cha
         "bytes_ratio": fitted.hbm_bytes / min_bytes,
         "mxu_flops": fitted.mxu_flops,
         "grid_steps": fitted.steps,
+        # The copies the kernel issues itself (a per-copy issue cost is charged on them: robustness.json).
+        "dma_copies": sum(int(call.phases.copies.sum()) for call in calls if call.phases is not None),
         "fits_vmem": fitted.fits_vmem,
         # The band covers the kernel's calibrated error; the relayout copies are uncalibrated XLA ops.
         **calibration_bands.p90_fields(calibration_bands.band({BAND_KIND: fitted.pipelined_time_s}, generation,

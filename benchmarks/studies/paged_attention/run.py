@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import multiprocessing
 import sys
 import tempfile
@@ -30,14 +31,16 @@ DEFAULT_OUT = result_path("paged_attention.json")
 
 def cases(quick: bool):
     """(model, batch, page size): the mixed-length decode batch at every page size, the per-length decode points and
-    the mixed prefill + decode batch at PLOT_PAGE_SIZE."""
+    (but over window rings, which hold decode rows' keys only) the mixed prefill + decode batch at PLOT_PAGE_SIZE."""
     decode = decode_batches()
     for model in MODELS[:1] if quick else MODELS:
-        for page_size in PAGE_SIZES:
+        # Varlen keys have no pages: their mixed-length batch once, at PLOT_PAGE_SIZE's place in the tables.
+        for page_size in (PLOT_PAGE_SIZE,) if model.cache == "varlen" else PAGE_SIZES:
             yield model, decode[0], page_size
         for batch in decode[1:]:
             yield model, batch, PLOT_PAGE_SIZE
-        yield model, mixed_batch(), PLOT_PAGE_SIZE
+        if not model.window_ring:
+            yield model, mixed_batch(), PLOT_PAGE_SIZE
 
 
 def attention_arguments(package: str, default_out: Path) -> argparse.ArgumentParser:
@@ -54,24 +57,41 @@ def attention_arguments(package: str, default_out: Path) -> argparse.ArgumentPar
 _WORKER: dict = {}
 
 
-def _start_worker(repo: Path, wheels: Path) -> None:
-    """A worker process: the attention kernel built once, into a folder that lives as long as the process."""
+def _start_worker(repo: Path, wheels: Path, rivals_from: Path | None = None) -> None:
+    """A worker process: the attention kernel built once, into a folder that lives as long as the process; the
+    rivals of `rivals_from`'s rows by case."""
     _WORKER["build_dir"] = tempfile.TemporaryDirectory()
     _WORKER["built"] = kernels.get_local_kernel(build_kernel_repo(repo, Path(_WORKER["build_dir"].name)),
                                                 backend="cpu")
     _WORKER["wheels"] = wheels
+    rows = json.loads(rivals_from.read_text())["results"] if rivals_from else []
+    _WORKER["rivals"] = {(row["model"], row["batch"], row["page_size"]): row["rivals"] for row in rows}
+
+
+def _rivals(model, batch, page_size: int) -> dict:
+    """The rivals of a case: kept from `--rivals-from` where it has the case, else replayed and priced."""
+    kept = _WORKER["rivals"].get((model.name, batch.label, page_size))
+    if kept is not None:
+        return kept
+    if model.cache == "varlen":
+        why = {"error": "reads pages, not varlen keys: the same keys over pages are the window rings' row"}
+        return {"jax_paged_attention": why, "vllm_rpa_v3": why}
+    # The rivals read no window rings: they make the call that reads the same keys over pages (`Model.read_as`).
+    rival_batch, rival_model = model.read_as(batch)
+    return {"jax_paged_attention": rivals.jax_paged_attention(rival_batch, rival_model, page_size),
+            "vllm_rpa_v3": rpa_v3.rpa_v3(rival_batch, rival_model, page_size, _WORKER["wheels"])}
 
 
 def measure_case(case: tuple) -> dict:
     """One (model, batch, page size): ours and the rivals per generation (in a worker started by _start_worker)."""
     model, batch, page_size = case
-    built, wheels = _WORKER["built"], _WORKER["wheels"]
+    built = _WORKER["built"]
     row = {"model": model.name, "batch": batch.label, "kind": batch.kind, "context": batch.context,
            "page_size": page_size, "q_heads": model.q_heads, "kv_heads": model.kv_heads,
            "head_dim": model.head_dim, "sliding_window": model.sliding_window, "sinks": model.sinks,
+           "cache": model.cache,
            "min_bytes": minimum_bytes(batch, model), "ours": ours.measure(built, batch, model, page_size),
-           "rivals": {"jax_paged_attention": rivals.jax_paged_attention(batch, model, page_size),
-                      "vllm_rpa_v3": rpa_v3.rpa_v3(batch, model, page_size, wheels)}}
+           "rivals": _rivals(model, batch, page_size)}
     print(f"{model.name:24s} {batch.label:44s} page {page_size:4d}  " + "  ".join(
         f"{g} {row['ours'][g]['pct_of_hbm_roofline_peak']:.0f}%" for g in GENERATIONS), flush=True)
     return row
@@ -87,12 +107,13 @@ def _measure(all_cases: list, args) -> list[dict]:
         write_json(args.out.with_suffix(".partial.json"), [done[i] for i in sorted(done)])
 
     if args.jobs == 1:
-        _start_worker(args.repo, args.wheels)
+        _start_worker(args.repo, args.wheels, args.rivals_from)
         for index, case in enumerate(all_cases):
             keep(index, measure_case(case))
         return [done[i] for i in range(len(all_cases))]
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
-                                                initializer=_start_worker, initargs=(args.repo, args.wheels)) as pool:
+                                                initializer=_start_worker,
+                                                initargs=(args.repo, args.wheels, args.rivals_from)) as pool:
         futures = {pool.submit(measure_case, case): index for index, case in enumerate(all_cases)}
         for future in concurrent.futures.as_completed(futures):
             keep(futures[future], future.result())
@@ -102,6 +123,9 @@ def _measure(all_cases: list, args) -> list[dict]:
 def main(argv=None) -> int:
     parser = attention_arguments(__package__, DEFAULT_OUT)
     parser.add_argument("--jobs", type=int, default=1, help="cases measured at once, each in a process of its own")
+    parser.add_argument("--rivals-from", type=Path, default=None,
+                        help="a previous paged_attention.json whose rivals' rows to keep for the cases it holds (they "
+                             "do not depend on our kernel; re-run without it when the model's constants change)")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")

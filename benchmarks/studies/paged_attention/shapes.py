@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from benchmarks.studies.model_shapes import AttentionLayer
+from benchmarks.studies.model_shapes import ATTENTION_HEADS, ATTENTION_SINKS, AttentionLayer
 
 GENERATIONS = ("v5e", "v6e", "tpu7x")
 DECODE_BATCH = 64
@@ -26,15 +26,61 @@ TARGET_FROM_CONTEXT = 1024
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Model(AttentionLayer):
-    """A model's attention layer, by the name the tables give it."""
+    """A model's attention layer, by the name the tables give it, over one kind of cache (`CACHES`)."""
 
     name: str
+    cache: str = "pages"
+
+    def __post_init__(self):
+        if self.cache not in CACHES or (self.cache == "window rings" and self.sliding_window is None):
+            raise ValueError(f"{self.name}: cache must be one of {CACHES} (window rings under a window), "
+                             f"got {self.cache!r}")
+
+    @property
+    def window_ring(self) -> bool:
+        return self.cache == "window rings"
+
+    def keys_held(self, q_len: int, kv_len: int) -> int:
+        """A sequence's keys in the cache: all of them, or (window rings; varlen keys, which transformers gathers
+        from its rings) its new ones and the window's before them."""
+        if self.cache == "pages" or self.sliding_window is None:
+            return kv_len
+        return q_len + min(kv_len - q_len, self.sliding_window - 1)
+
+    def pages_per_seq(self, batch: Batch, page_size: int) -> int:
+        """Page table columns: the longest sequence's keys, or a ring of window slots."""
+        keys = self.sliding_window if self.window_ring else max(batch.kv_lens)
+        return -(-keys // page_size)
+
+    def read_as(self, batch: Batch) -> tuple[Batch, Model]:
+        """The (batch, layer) of the call a kernel of plain pages makes over the same keys: each sequence's
+        `keys_held`, its queries their last positions (a decode row sees every key its ring holds)."""
+        if self.cache == "pages":
+            return batch, self
+        held = tuple(self.keys_held(q, n) for q, n in zip(batch.q_lens, batch.kv_lens))
+        return dataclasses.replace(batch, kv_lens=held), dataclasses.replace(self, cache="pages")
 
 
-MODELS = (
+# Where a layer's keys are: vLLM's pages (each sequence's keys at their positions); transformers' sliding-layer
+# pages, a ring of the window's slots per sequence (`SlidingAttentionCacheAllocator`: decode batches only); or
+# contiguous (varlen) keys as transformers' continuous batching hands them to `flash_attn_varlen_func` (a sliding
+# layer: each sequence's window gathered from its ring), at no page size.
+CACHES = ("pages", "window rings", "varlen")
+GPT_OSS_FULL = {**ATTENTION_HEADS["gpt-oss-20b"], "sinks": "gpt-oss-20b" in ATTENTION_SINKS}
+# One layer per model over pages (what `cb_step` prices a serving step on, with transformers' own caches).
+LAYERS = (
     Model.of_tag("qwen3-30b-a3b", name="Qwen3-30B-A3B"),
     Model.of_tag("gpt-oss-20b", name="GPT-OSS-20B sliding"),
     Model.of_tag("gemma-4-26b-a4b global", name="Gemma-4-26B-A4B global"),
+)
+MODELS = (
+    *LAYERS[:2],
+    Model.of_tag("gpt-oss-20b", name="GPT-OSS-20B sliding, window rings", cache="window rings"),
+    Model.of_tag("gpt-oss-20b", name="GPT-OSS-20B sliding, varlen keys", cache="varlen"),
+    # GPT-OSS alternates sliding layers with full ones: the same heads and sinks over every key.
+    Model(**GPT_OSS_FULL, name="GPT-OSS-20B full"),
+    Model(**GPT_OSS_FULL, name="GPT-OSS-20B full, varlen keys", cache="varlen"),
+    LAYERS[2],
 )
 
 

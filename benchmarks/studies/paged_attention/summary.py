@@ -74,8 +74,11 @@ def summarise(rows: list[dict]) -> dict:
                 "the modelled time (pct_of_hbm_roofline_fitted: at the fitted share, the JSON's hbm_fraction). A miss names the model's terms: hbm_term_us (copies), mxu_us, "
                 "vector_us (softmax work); the slower is what bounds the kernel; bytes_over_min, the bytes the kernel "
                 "moves over that minimum. At head_dim 64 over pages of a multiple of 128 tokens the cache is read "
-                "as XLA stores it, keys minor, where a DMA moves whole 128-key tiles: a 128-key window (GPT-OSS) "
-                "mostly straddles two, which no kernel reading that layout avoids. A rival faster by less than "
+                "as XLA stores it, keys minor, where a DMA moves whole 128-key tiles (Mosaic refuses a lane offset "
+                "that is no multiple of 128 in HBM): a 128-key window (GPT-OSS) at its keys' positions mostly "
+                "straddles two, which no kernel reading that layout avoids. Over window rings (transformers' "
+                "sliding-layer pages) or the varlen keys transformers gathers from them, a decode row's window is "
+                "one tile. A rival faster by less than "
                 f"{MATERIAL_RATIO}x is listed with material false: within the model's resolution.",
     }
 

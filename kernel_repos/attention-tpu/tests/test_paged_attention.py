@@ -230,15 +230,15 @@ def test_decode_tiles_and_window_chunks_selected(kernel):
 def test_key_blocks_no_longer_than_the_keys_a_window_lets_a_sequence_see(kernel):
     """A block is computed whole: under GPT-OSS's 128-key window a decode batch takes 256-key blocks (the window
     and the 16-key chunk its first key sits in, in lanes), not the generation's preferred 1024; without a window
-    the preferred block stays."""
+    the preferred block stays. Read keys-minor, the window's 128 lanes (a window starting mid-chunk takes two)."""
     shape = dict(total_q=64, num_seqs=64, q_heads=64, kv_heads=8, head_dim=64, page_size=16, num_pages=4096,
                  pages_per_seq=512, dtype="bfloat16", has_sinks=True, max_q_len=1)
     windowed = kernel.PagedProblem.of_shape(**shape, sliding_window=128)
     assert kernel.paged.tiles.select(windowed, V6E).block_kv == 256
     assert kernel.paged.tiles.select(kernel.PagedProblem.of_shape(**shape), V6E).block_kv == 1024
-    # A page larger than the window: a part of a page.
+    # A page larger than the window, read keys-minor: a part of a page, of the window's lanes.
     assert kernel.paged.tiles.select(kernel.PagedProblem.of_shape(**{**shape, "page_size": 512, "pages_per_seq": 16},
-                                                                  sliding_window=128), V6E).block_kv == 256
+                                                                  sliding_window=128), V6E).block_kv == 128
 
 
 @pytest.mark.slow

@@ -34,11 +34,13 @@ def _ragged_paged_attention(
     softcap: float | None,
     max_q_len: int | None,
     contiguous: bool,
+    window_ring: bool,
 ) -> jax.Array:
-    """The one op of the kernel, over a paged cache or (`contiguous`) varlen keys as one page."""
+    """The one op of the kernel, over a paged cache (of window rings: `window_ring`) or (`contiguous`) varlen keys
+    as one page."""
     return _jax_ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, sinks=sinks, scale=scale,
                                        causal=causal, sliding_window=sliding_window, softcap=softcap,
-                                       max_q_len=max_q_len, contiguous=contiguous)
+                                       max_q_len=max_q_len, contiguous=contiguous, window_ring=window_ring)
 
 
 def _check_integer(name: str, value, shape: tuple[int, ...]) -> None:
@@ -103,10 +105,25 @@ def check_paged_args(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, *, sca
         raise ValueError(f"scale must be a finite number or None, got {scale!r}")
 
 
+def check_window_ring(window_ring, sliding_window, max_q_len, ring_capacity: int) -> None:
+    """A ring of window slots (`window_ring`) holds decode rows' keys only, and must fit the page table's tokens."""
+    if not isinstance(window_ring, bool):
+        raise TypeError(f"window_ring must be a bool, got {window_ring!r}")
+    if not window_ring:
+        return
+    if sliding_window is None or max_q_len != 1:
+        raise ValueError(f"window_ring=True needs a sliding_window and max_q_len=1 (a ring of window slots holds "
+                         f"decode rows' keys), got sliding_window={sliding_window!r}, max_q_len={max_q_len!r}")
+    if sliding_window > ring_capacity:
+        raise ValueError(f"window_ring=True needs a ring of sliding_window={sliding_window} slots within each "
+                         f"sequence's pages, which hold {ring_capacity} tokens (pages_per_seq x page_size)")
+
+
 def ragged_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_q_lens: torch.Tensor,
                            kv_lens: torch.Tensor, page_table: torch.Tensor, *, scale: float | None = None,
                            causal: bool = True, sliding_window: int | None = None, softcap: float | None = None,
-                           sinks: torch.Tensor | None = None, max_q_len: int | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, max_q_len: int | None = None,
+                           window_ring: bool = False) -> torch.Tensor:
     """Attention of packed q[total_q, Hq, D] over a paged KV cache -> [total_q, Hq, Dv] (inference only).
 
     k_cache [num_pages, page_size, Hkv, D], v_cache [num_pages, page_size, Hkv, Dv] (transformers' paged cache
@@ -118,9 +135,13 @@ def ragged_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scale (default D ** -0.5); sinks [Hq]; GQA (Hq a multiple of Hkv); D and Dv each a multiple of 8 up to 576
     (`supports_head_dims`); float32 or bfloat16. max_q_len, if given, must bound every sequence's query count; it
     only shapes the tiles. Rows that see no key and rows past cu_q_lens[-1] come out as zeros.
+    window_ring: each sequence's pages are a ring of sliding_window slots, key j at slot j % sliding_window
+    (transformers' sliding-layer cache, `SlidingAttentionCacheAllocator`), kv_lens its keys so far; decode rows only
+    (max_q_len=1): a 128-key window is then one 128-key read, where keys at their positions straddle two.
     """
     check_paged_args(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, scale=scale,
                      sliding_window=sliding_window, softcap=softcap, sinks=sinks, max_q_len=max_q_len)
+    check_window_ring(window_ring, sliding_window, max_q_len, page_table.shape[1] * k_cache.shape[1])
     page_size = k_cache.shape[1]
     copied = [cache.shape[-1] for cache in (k_cache, v_cache)
               if cache_copied_whole_per_call(page_size, cache.shape[-1])]
@@ -134,7 +155,7 @@ def ragged_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kv_lens = kv_lens.to(torch.int64).clamp(0, page_table.shape[1] * k_cache.shape[1]).to(torch.int32)
     return _ragged_paged_attention(q, k_cache, v_cache, cu_q_lens.to(torch.int32), kv_lens,
                                    page_table.to(torch.int32), sinks, scale, bool(causal), sliding_window,
-                                   None if softcap is None else float(softcap), max_q_len, False)
+                                   None if softcap is None else float(softcap), max_q_len, False, window_ring)
 
 
 def ragged_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q_lens: torch.Tensor,
@@ -160,4 +181,4 @@ def ragged_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     cu_k_lens = cu_k_lens.to(torch.int64).clamp(0, k.shape[0]).to(torch.int32)
     return _ragged_paged_attention(q, k[None], v[None], cu_q_lens.to(torch.int32), cu_k_lens[1:] - cu_k_lens[:-1],
                                    cu_k_lens[:-1, None], sinks, scale, bool(causal), sliding_window,
-                                   None if softcap is None else float(softcap), max_q_len, True)
+                                   None if softcap is None else float(softcap), max_q_len, True, False)

@@ -113,13 +113,15 @@ def reference_paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    window_ring: bool = False,
 ) -> torch.Tensor:
     """Ragged paged attention (`paged.kernel.ragged_paged_attention`) -> float64 [T, Hq, Dv], one sequence at a
     time: its keys gathered page by page from the page table, then `reference_attention` with its queries last.
 
     q[T, Hq, D] packed (sequence s owns rows cu_q_lens[s]:cu_q_lens[s + 1]); k_cache[num_pages, page_size, Hkv, D],
     v_cache[num_pages, page_size, Hkv, Dv]; kv_lens [S]; page_table [S, pages_per_seq]. Rows no sequence owns
-    are 0.
+    are 0. `window_ring`: key j of a sequence sits at slot j % sliding_window of its pages, and the cache holds its
+    last sliding_window keys.
     """
     out = torch.zeros(*q.shape[:2], v_cache.shape[-1], dtype=torch.float64)
     page_size = k_cache.shape[1]
@@ -127,12 +129,16 @@ def reference_paged_attention(
         q_start, q_end, kv_len = int(cu_q_lens[seq]), int(cu_q_lens[seq + 1]), int(kv_lens[seq])
         if q_end == q_start:
             continue
-        pages = page_table[seq, : -(-kv_len // page_size)].long()
-        keys = k_cache[pages].flatten(0, 1)[:kv_len]  # [kv_len, Hkv, D]
-        values = v_cache[pages].flatten(0, 1)[:kv_len]
+        first = max(0, kv_len - sliding_window) if window_ring else 0  # the first key the cache still holds
+        slots = torch.arange(first, kv_len)
+        if window_ring:
+            slots = slots % sliding_window
+        pages = page_table[seq].long()[slots // page_size]
+        keys = k_cache[pages, slots % page_size]  # [keys held, Hkv, D], by position
+        values = v_cache[pages, slots % page_size]
         out[q_start:q_end] = reference_attention(
             q[None, q_start:q_end].transpose(1, 2), keys[None].transpose(1, 2), values[None].transpose(1, 2),
-            scale=scale, causal=causal, q_offset=kv_len - (q_end - q_start), sliding_window=sliding_window,
+            scale=scale, causal=causal, q_offset=kv_len - first - (q_end - q_start), sliding_window=sliding_window,
             softcap=softcap, sinks=sinks,
         )[0].transpose(0, 1)
     return out

@@ -92,6 +92,9 @@ class PagedProblem:
     # The most queries any one sequence has, when the caller knows it (1: a decode batch); None: up to total_q.
     max_q_len: int | None = None
     contiguous: bool = False  # one page holding every sequence's keys, from the row the page table names
+    # The most keys any sequence has, when the caller knows it (a ring of window slots: the window); None: up to its
+    # page table's tokens. Like max_q_len, it only shapes the tiles.
+    max_kv_len: int | None = None
 
     @property
     def group(self) -> int:
@@ -133,7 +136,8 @@ class PagedProblem:
     def of_shape(cls, *, total_q: int, num_seqs: int, q_heads: int, kv_heads: int, head_dim: int, page_size: int,
                  num_pages: int, pages_per_seq: int, dtype, sliding_window: int | None = None,
                  softcap: float | None = None, has_sinks: bool = False, max_q_len: int | None = None,
-                 causal: bool = True, contiguous: bool = False, v_head_dim: int | None = None) -> PagedProblem:
+                 causal: bool = True, contiguous: bool = False, v_head_dim: int | None = None,
+                 max_kv_len: int | None = None) -> PagedProblem:
         """The problem of a call of this shape with the default scale; `v_head_dim` defaults to `head_dim`."""
         return cls(total_q=total_q, num_seqs=num_seqs, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
                    v_head_dim=head_dim if v_head_dim is None else v_head_dim, page_size=page_size,
@@ -141,13 +145,13 @@ class PagedProblem:
                    scale=float(head_dim**-0.5), causal=bool(causal),
                    sliding_window=None if sliding_window is None else int(sliding_window),
                    softcap=None if softcap is None else float(softcap), has_sinks=has_sinks,
-                   dtype=jnp.dtype(dtype).name, max_q_len=max_q_len, contiguous=contiguous)
+                   dtype=jnp.dtype(dtype).name, max_q_len=max_q_len, contiguous=contiguous, max_kv_len=max_kv_len)
 
 
 def paged_problem(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_table: jax.Array, *,
                   scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
                   softcap: float | None = None, sinks: jax.Array | None = None, max_q_len: int | None = None,
-                  contiguous: bool = False) -> PagedProblem:
+                  contiguous: bool = False, max_kv_len: int | None = None) -> PagedProblem:
     """The PagedProblem of one call (inputs assumed valid)."""
     total_q, q_heads, head_dim = q.shape
     num_pages, page_size, kv_heads, _ = k_cache.shape
@@ -158,5 +162,5 @@ def paged_problem(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_tab
         scale=float(head_dim**-0.5 if scale is None else scale), causal=bool(causal),
         sliding_window=None if sliding_window is None else int(sliding_window),
         softcap=None if softcap is None else float(softcap), has_sinks=sinks is not None,
-        dtype=jnp.dtype(q.dtype).name, max_q_len=max_q_len, contiguous=contiguous,
+        dtype=jnp.dtype(q.dtype).name, max_q_len=max_q_len, contiguous=contiguous, max_kv_len=max_kv_len,
     )

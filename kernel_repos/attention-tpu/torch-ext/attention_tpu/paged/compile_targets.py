@@ -6,7 +6,8 @@ pages (vLLM's and flash-attn's common size), and 128-token ones (vLLM TPU's); GP
 128 and 256 tokens is read keys-minor (`PagedProblem.keys_minor`), its window's blocks starting mid-page in the
 latter: a decode batch of 64 sequences with mixed context lengths (page tables for up to 32768 tokens), or a mixed
 batch of one 960-token prefill chunk and 64 decode rows; and the contiguous (varlen) keys of a packed 4096-token
-prefill and of a continuous batching decode step as `flash_attn_varlen_func` hands it to the kernel. Each model and
+prefill and of a continuous batching decode step as `flash_attn_varlen_func` hands it to the kernel; a decode batch
+of GPT-OSS's sliding layer over window rings (`window_ring`, one 128-slot page per sequence). Each model and
 each feature (small and large pages, keys-minor, decode and mixed batches, window, sinks, head_dim 512) compiles
 once per generation: every target costs the test suite a compile on each of four generations. Models (their heads,
 windows and sinks: the package's `compile_targets.HEADS`, `WINDOWS` and `SINKS`): Qwen3-30B-A3B, GPT-OSS-20B's
@@ -89,6 +90,7 @@ def paged_compile_targets(generation, heads, windows, sinks_of, latent_heads):
                     (jax.ShapeDtypeStruct((4096, qwen3["q_heads"], qwen3["head_dim"]), jnp.bfloat16),
                      varlen, varlen, jax.ShapeDtypeStruct((5,), jnp.int32), jax.ShapeDtypeStruct((5,), jnp.int32))))
     targets.append(_varlen_decode_target(generation, heads["gpt-oss-20b"], windows["gpt-oss-20b"]))
+    targets.append(_ring_decode_target(generation, heads["gpt-oss-20b"], windows["gpt-oss-20b"]))
     return targets + _latent_targets(generation, latent_heads)
 
 
@@ -100,6 +102,22 @@ def _latent_targets(generation, latent_heads):
                     v_head_dim=deepseek["latent_dim"])
     return [(f"paged deepseek-v3 TP8 absorbed page=256 bf16 decode B={DECODE_BATCH} qk={absorbed['head_dim']} "
              f"v={absorbed['v_head_dim']}", decode, _avals(DECODE_BATCH, DECODE_BATCH, page_size=256, **absorbed))]
+
+
+def _ring_decode_target(generation, gpt_oss, window):
+    """A decode batch of GPT-OSS's sliding layer over window rings (`window_ring`): each sequence's one page of 128
+    slots (its window), read keys-minor in one 128-key chunk."""
+    q_heads, kv_heads, head_dim = (gpt_oss[key] for key in ("q_heads", "kv_heads", "head_dim"))
+    cache = jax.ShapeDtypeStruct((4 * DECODE_BATCH, window, kv_heads, head_dim), jnp.bfloat16)
+
+    def decode(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, sinks):
+        return ragged_paged_attention(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, sinks=sinks, max_q_len=1,
+                                      sliding_window=window, window_ring=True, generation=generation)
+
+    return (f"paged gpt-oss-20b sliding window rings page={window} bf16 decode B={DECODE_BATCH}", decode,
+            (jax.ShapeDtypeStruct((DECODE_BATCH, q_heads, head_dim), jnp.bfloat16), cache, cache,
+             jax.ShapeDtypeStruct((DECODE_BATCH + 1,), jnp.int32), jax.ShapeDtypeStruct((DECODE_BATCH,), jnp.int32),
+             jax.ShapeDtypeStruct((DECODE_BATCH, 1), jnp.int32), jax.ShapeDtypeStruct((q_heads,), jnp.float32)))
 
 
 def _varlen_decode_target(generation, gpt_oss, window):

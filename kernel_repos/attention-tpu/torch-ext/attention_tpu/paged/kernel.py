@@ -24,6 +24,8 @@ Layout and semantics: `common/paged.py`.
   (`lane_chunks`). A cache of any other layout is copied by XLA first. Contiguous keys at such a head_dim (XLA
   stores [total_k, Hkv, 64] as [Hkv, 64, total_k]) are read so too when total_k is a multiple of 128: a sequence's
   blocks then start at the 128-row tile holding its first key, a DMA per tile holding one of its keys.
+* Once a sequence's blocks are done, the row tiles (of `min_tile_q` tokens) no later sequence shares are normalized
+  into the output while the next sequence's first block is in flight; the step's last tiles after its last one.
 * Per block and KV head, every row tile of the sequence that sees a key of the block runs one (rows, D) x
   (D, block_kv) matmul and the online softmax (float32 state in VMEM scratch). A sequence's tiles are of `tile_q`
   tokens, or of `min_tile_q` (rows of the dtype's native tile) when those cover its rows in at most half the rows:
@@ -33,6 +35,9 @@ Layout and semantics: `common/paged.py`.
 * V rows past a sequence's keys are zeroed in the buffer (contiguous keys and keys-minor: masked per head) before
   the PV matmul and invalid logits are replaced before the exponential, so stale pages or NaN never reach the result.
   Page table entries are clamped into the cache.
+
+* A ring of window slots (`window_ring`, transformers' sliding-layer pages: key j at slot j % window) is read as
+  a windowless call over each sequence's live slots: decode rows see them all, and their order is no softmax's.
 
 Rows that see no key, and rows past cu_q_lens[-1], come out as zeros. Inputs are assumed valid: the torch op
 checks them (`paged_ops.py`).
@@ -351,6 +356,18 @@ def _attend_block(refs: _Refs, problem: PagedProblem, plan: PagedPlan, span: _Sp
             pl.when(jnp.logical_not(small))(functools.partial(run_tiles, plan.tile_q, head, k, v))
 
 
+def _write_out(refs: _Refs, plan: PagedPlan, first, last) -> None:
+    """Normalizes row tiles first..last (of min_tile_q tokens) of the step into the output block."""
+    rows = refs.out.shape[1] // (plan.block_q // plan.min_tile_q)
+
+    def tile(index, carry):
+        at = (slice(None), pl.ds(pl.multiple_of(index * rows, rows), rows), slice(None))
+        refs.out[at] = softmax.normalized(refs.softmax, at).astype(refs.out.dtype)
+        return carry
+
+    _for_each(first, last, tile, 0)
+
+
 def _paged_kernel(cu_q_ref, kv_lens_ref, table_ref, seq_first_ref, seq_last_ref, q_ref, k_hbm, v_hbm, *rest,
                   problem: PagedProblem, plan: PagedPlan):
     rest = list(rest)
@@ -362,7 +379,9 @@ def _paged_kernel(cu_q_ref, kv_lens_ref, table_ref, seq_first_ref, seq_last_ref,
     last_seq = seq_last_ref[step]
 
     def seq_body(seq, carry):
-        slot, in_flight = carry  # in_flight: this sequence's first block is already on its way into `slot`
+        # in_flight: this sequence's first block is already on its way into `slot`; written: the row tiles (of
+        # min_tile_q tokens) of the step already normalized into the output.
+        slot, in_flight, written = carry
         span = _span(refs, problem, plan, seq, block_start)
         pl.when(span.has_blocks & (in_flight == 0))(
             lambda: _copy_block(refs, problem, plan, span, 0, slot, wait=False))
@@ -388,10 +407,14 @@ def _paged_kernel(cu_q_ref, kv_lens_ref, table_ref, seq_first_ref, seq_last_ref,
             return other
 
         slot = _for_each(jnp.int32(0), span.last_block, block_body, slot)
-        return slot, (span.has_blocks & prefetch_next).astype(jnp.int32)
+        # The tiles whose rows are all this sequence's or earlier ones' are final: normalized now, while the next
+        # sequence's first block is in flight, rather than every row after the last copy.
+        finished = jnp.maximum(written, _div(span.row_last + 1 - block_start, plan.min_tile_q))
+        _write_out(refs, plan, written, finished - 1)
+        return slot, (span.has_blocks & prefetch_next).astype(jnp.int32), finished
 
-    _for_each(seq_first_ref[step], last_seq, seq_body, (jnp.int32(0), jnp.int32(0)))
-    refs.out[...] = softmax.normalized(refs.softmax, ...).astype(refs.out.dtype)
+    carry = _for_each(seq_first_ref[step], last_seq, seq_body, (jnp.int32(0), jnp.int32(0), jnp.int32(0)))
+    _write_out(refs, plan, carry[2], plan.block_q // plan.min_tile_q - 1)  # the rest, and rows of no sequence
 
 
 def _sequence_ranges(cu_q_lens, plan: PagedPlan):
@@ -496,7 +519,8 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                            scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
                            softcap: float | None = None, max_q_len: int | None = None,
                            config: PagedConfig | None = None,
-                           generation: str | TpuGeneration | None = None, contiguous: bool = False) -> jax.Array:
+                           generation: str | TpuGeneration | None = None, contiguous: bool = False,
+                           window_ring: bool = False) -> jax.Array:
     """Attention of packed q[T, Hq, D] over the paged cache k_cache[num_pages, page_size, Hkv, D], v_cache[num_pages,
     page_size, Hkv, Dv] -> [T, Hq, Dv] (layout and semantics: `common/paged.py`).
 
@@ -506,10 +530,23 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     (a name or its facts; default this device's, resolved once here). `contiguous`: the cache is one page of
     every sequence's keys, page_table [S, 1] each sequence's first row (`ragged_varlen_attention`). Without a
     query row, a query head, a sequence or a key no kernel runs.
+
+    `window_ring`: each sequence's pages are a ring of sliding_window slots, key j at slot j % sliding_window
+    (transformers' `SlidingAttentionCacheAllocator`), for decode rows only (max_q_len 1). A decode row sees every
+    live slot of its ring, whatever their order: the call is the windowless one over min(kv_len, window) keys from
+    slot 0, so a 128-key window is one 128-key chunk of the ring, where keys kept at their positions put it across
+    two (`tiles.WINDOW_CHUNKS`).
     """
+    max_kv_len = None
+    if window_ring:
+        if sliding_window is None or max_q_len != 1 or contiguous:
+            raise ValueError("window_ring needs a sliding_window and max_q_len=1 (decode rows over a paged cache), "
+                             f"got sliding_window={sliding_window}, max_q_len={max_q_len}, contiguous={contiguous}")
+        kv_lens, max_kv_len, sliding_window = jnp.minimum(kv_lens, sliding_window), sliding_window, None
     if 0 in (q.shape[0], q.shape[1], *page_table.shape, *k_cache.shape[:2]):
         return jnp.zeros((*q.shape[:2], v_cache.shape[3]), q.dtype)
     problem = paged_problem(q, k_cache, v_cache, page_table, scale=scale, causal=causal, sliding_window=sliding_window,
-                            softcap=softcap, sinks=sinks, max_q_len=max_q_len, contiguous=contiguous)
+                            softcap=softcap, sinks=sinks, max_q_len=max_q_len, contiguous=contiguous,
+                            max_kv_len=max_kv_len)
     plan = make(problem, resolve_target(generation), config)
     return call(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, plan, sinks=sinks)

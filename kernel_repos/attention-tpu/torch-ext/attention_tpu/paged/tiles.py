@@ -126,9 +126,11 @@ def _shrink_kv(block_kv: int, problem: PagedProblem) -> int:
 
 
 def visible_keys(problem: PagedProblem, tile_q: int) -> int:
-    """The most keys one row tile (of tile_q tokens) sees: its sequence's page table's tokens, and under a causal
-    window the window and the tile's queries."""
+    """The most keys one row tile (of tile_q tokens) sees: its sequence's page table's tokens (at most max_kv_len),
+    and under a causal window the window and the tile's queries."""
     keys = problem.page_size if problem.contiguous else problem.pages_per_seq * problem.page_size
+    if problem.max_kv_len is not None:
+        keys = min(keys, problem.max_kv_len)
     if problem.causal and problem.sliding_window is not None:
         keys = min(keys, problem.sliding_window + min(tile_q, problem.longest_query) - 1)
     return keys
@@ -143,10 +145,12 @@ def heuristic_config(problem: PagedProblem, target: TpuGeneration) -> PagedConfi
     multiple = min_tile_q(problem)
     tile_q = min(round_up(max(1, TILE_ROWS // problem.group), multiple), round_up(longest, multiple))
     keys = visible_keys(problem, tile_q)
-    if problem.sliding_window is not None and not problem.contiguous:
+    if problem.sliding_window is not None and not problem.lane_chunks:
         keys += _window_chunk_bound(problem) - 1  # blocks start at the first visible key's chunk
-    elif problem.contiguous and problem.lane_chunks:
-        keys += LANES - 1  # blocks start at the 128-row tile holding the first visible key
+    # Read in whole lanes (keys-minor), blocks start at the 128-key chunk holding the first visible key: a block of
+    # the visible keys' lanes, not one more, so that a window starting mid-chunk takes two blocks of the bytes it
+    # moves anyway and one starting on a chunk (a ring's, varlen keys of whole windows) one, where a block of one
+    # lane more would compute twice its keys (TPU7x's decode batch under GPT-OSS's window is then vector-bound).
     preferred_kv = min(preferred_kv, round_up(keys, LANES))
     packed = round_up(max(1, problem.total_q), tile_q)
     block_q = min(packed, preferred_q)
