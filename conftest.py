@@ -15,9 +15,11 @@ Tests marked `soak` (hours in one process) run only when the `-m` expression nam
 `-m "not soak"` in addopts would not do: a later `-m`, such as the fast tier's, replaces it.
 """
 
+import collections
 import os
 
 INDUCTOR_ENVIRONMENT = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "TORCHINDUCTOR_VEC_ISA_OK": "0"}
+HEAVY_TIERS = ("slow", "aot", "multiprocess")
 
 
 def pytest_configure(config):
@@ -30,9 +32,24 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    _heaviest_modules_first(items)
     if "soak" in config.getoption("markexpr"):
         return
     soaks = [item for item in items if item.get_closest_marker("soak")]
     if soaks:
         items[:] = [item for item in items if not item.get_closest_marker("soak")]
         config.hook.pytest_deselected(items=soaks)
+
+
+def _heaviest_modules_first(items):
+    """Test modules in order of their tests that start processes (the longest, one by one), then of their tests in
+    the other heavy tiers, most first; each module stays whole, in its order.
+
+    pytest-xdist (--dist worksteal) hands each worker a contiguous share and an idle worker steals the tail of the
+    other's queue: with the long tests at the front, the run ends on short ones instead of one worker finishing a
+    minute-long test alone.
+    """
+    processes = collections.Counter(item.path for item in items if item.get_closest_marker("multiprocess"))
+    heavy = collections.Counter(item.path for item in items
+                                if any(item.get_closest_marker(tier) for tier in HEAVY_TIERS))
+    items.sort(key=lambda item: (-processes[item.path], -heavy[item.path]))

@@ -10,6 +10,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 from tpu_kernels.aot import compile_for, compile_kernel, lower_for
+from tpu_kernels.aot_record import RECORD_FILE, AotRecord
 from tpu_kernels.runtime.hardware import SUPPORTED_GENERATIONS
 
 pytestmark = pytest.mark.aot
@@ -20,8 +21,10 @@ KERNEL_REPOS = sorted(p.parent for p in (Path(__file__).resolve().parents[1] / "
 @pytest.mark.parametrize("repo", KERNEL_REPOS, ids=lambda p: p.name)
 @pytest.mark.parametrize("generation", SUPPORTED_GENERATIONS)
 def test_declared_shapes_compile(repo, generation, kernel_builds):
+    """Each target compiles, or the repo's committed record (aot_record) covers it at today's sources and
+    compiler versions; one covered target per generation is compiled anyway and must agree with the record."""
     module = get_local_kernel(kernel_builds[repo.name], backend="cpu")
-    results = compile_kernel(module, repo.name, [generation])
+    results = compile_kernel(module, repo.name, [generation], record=AotRecord.read(repo / RECORD_FILE))
     assert results, f"{repo.name} declares no compile targets"
     failed = [f"{r.generation} {r.label}: {r.error}" for r in results if not r.compiled]
     assert not failed, "\n".join(failed)
@@ -85,15 +88,16 @@ def _fake_kernel(root: Path, digest: str, oversized: bool = True):
 
 def test_a_compile_that_succeeded_is_remembered_and_a_failure_never(tmp_path):
     cache = tmp_path / "cache"
-    kernel = _fake_kernel(tmp_path, "a" * 8)
+    # The failure: a target that calls no kernel (a failing compile is reported alike: the next test).
+    kernel = _fake_kernel(tmp_path, "a" * 8, oversized=False)
     first = {r.label: r for r in compile_kernel(kernel, "fake", ["v5e"], cache_dir=cache)}
     assert first["small"].compiled and not first["small"].cached
-    assert not first["too big"].compiled
+    assert not first["no kernel"].compiled
     second = {r.label: r for r in compile_kernel(kernel, "fake", ["v5e"], cache_dir=cache)}
     assert second["small"].compiled and second["small"].cached and second["small"].flops == first["small"].flops
-    assert not second["too big"].compiled and not second["too big"].cached
+    assert not second["no kernel"].compiled and not second["no kernel"].cached
     # Another variant (its content digest), or another generation, compiles again; without a cache folder a
-    # remembered target compiles again too. The failure's case is done: these compile no oversized block.
+    # remembered target compiles again too.
     changed = _fake_kernel(tmp_path, "b" * 8, oversized=False)
     assert not compile_kernel(changed, "fake", ["v5e"], cache_dir=cache)[0].cached
     assert not compile_kernel(changed, "fake", ["v6e"], cache_dir=cache)[0].cached

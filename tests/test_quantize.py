@@ -97,10 +97,11 @@ def _int4_packable_model(name):
     return model
 
 
+# The two experts layouts: Qwen3-MoE's (Mixtral's experts are the same to the kernel: [E, 2I, H] weights, a SiLU
+# gate, no biases, the same sizes here) and GPT-OSS's (transposed, interleaved, biased, clamped).
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme,name", [(scheme, name) for scheme in ("int8", "fp8")
-                                         for name in ("qwen3_moe", "mixtral", "gpt_oss")]
-                         + [("int4", "qwen3_moe"), ("int4", "gpt_oss")])
+@pytest.mark.parametrize("scheme,name", [(scheme, name) for scheme in ("int8", "fp8", "int4")
+                                         for name in ("qwen3_moe", "gpt_oss")])
 def test_quantized_model_equals_its_dequantized_reference(name, scheme, ragged_dot_build):
     model = _int4_packable_model(name) if scheme == "int4" else _tiny_model(name)
     float_bytes = sum(getattr(model.get_submodule(n), p).numel() * 4 for n in experts_modules(model)
@@ -123,8 +124,8 @@ def test_quantized_model_equals_its_dequantized_reference(name, scheme, ragged_d
     prompt = _prompt()
     with torch.no_grad():
         logits, expected = model(prompt).logits, reference(prompt).logits
-        tokens = model.generate(prompt, max_new_tokens=4, do_sample=False)
-        expected_tokens = reference.generate(prompt, max_new_tokens=4, do_sample=False)
+        tokens = model.generate(prompt, max_new_tokens=2, do_sample=False)  # the prefill's token and a decode step's
+        expected_tokens = reference.generate(prompt, max_new_tokens=2, do_sample=False)
     assert (logits - expected).abs().max().item() <= 1e-4
     assert torch.equal(tokens, expected_tokens)
 

@@ -89,6 +89,10 @@ def _minimum_bytes(kernel, shape, weights_dtype, active, scales):
     return active * per_expert + 2 * tokens * hidden * 2 + tokens * top_k * (4 + 2)
 
 
+# The bf16 layer's modelled call per decode shape, shown beside each scheme's: modelled once, not per scheme.
+_bf16_calls = {}
+
+
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 @pytest.mark.parametrize(("layer", "tokens"), DECODE_SHAPES,
                          ids=[f"{layer} T={tokens}" for layer, tokens in DECODE_SHAPES])
@@ -98,7 +102,7 @@ def test_quantized_fused_kernel_moves_at_most_5_percent_over_the_minimum(kernel,
     name = f"{layer} T={tokens}"
     call, active, scales = _layer(kernel, shape, SCHEMES[scheme])
     minimum = _minimum_bytes(kernel, shape, SCHEMES[scheme], active, scales)
-    bf16_call, _, _ = _layer(kernel, shape, jnp.bfloat16)
+    bf16_call = _bf16_calls.get(name) or _bf16_calls.setdefault(name, _layer(kernel, shape, jnp.bfloat16)[0])
     quantized, bf16 = perf.roofline(call, "v6e"), perf.roofline(bf16_call, "v6e")
     print(f"{name} {scheme}: {call.hbm_bytes / 1e6:.2f} MB ({call.hbm_bytes / minimum:.3f} x the minimum "
           f"{minimum / 1e6:.2f} MB), {call.steps} steps; modelled v6e {quantized.time_s * 1e6:.1f} us vs bf16 "

@@ -31,9 +31,11 @@ CONFIGS = {
 }
 # Under torch.compile, where Inductor compiling a whole model is most of the time, one Qwen3-MoE whose first layer
 # is dense (Qwen3's MLP) and second MoE stands for both Qwen3 models: our ops get the same calls as in either
-# (RMSNorm with the q/k norms, attention with the padding mask, and the experts).
+# (RMSNorm with the q/k norms, attention with the padding mask, and the experts). GPT-OSS compiles its sliding
+# layer alone: sinks, the window, the biased clamped SwiGLU experts (its full layer trains in the eager test).
 COMPILED_CONFIGS = {
-    "gpt_oss": CONFIGS["gpt_oss"],
+    "gpt_oss": lambda: GptOssConfig(**{**COMMON, "num_hidden_layers": 1}, intermediate_size=48, num_local_experts=4,
+                                    num_experts_per_tok=2, layer_types=["sliding_attention"], sliding_window=8),
     "qwen3_dense_and_moe": lambda: Qwen3MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=40,
                                                   num_experts=6, num_experts_per_tok=2, mlp_only_layers=[0]),
 }

@@ -27,6 +27,10 @@ included), the target's label, generation and argument shapes, this module's
 lowering code, the compiler libraries' versions and `LIBTPU_INIT_ARGS`. The
 same target is then not compiled again until one of those changes. A failure
 is never remembered.
+
+A kernel repo's committed record (`aot_record`, written by `tpu-kernels check
+--record`) covers targets under the same fingerprint for every machine that
+reads it; the project's tests read it, `tpu-kernels check` never does.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from types import ModuleType
 import jax
 from jax.extend import core as jax_core
 
+from .aot_record import EMPTY, AotRecord, shapes_text
 from .disk_cache import DiskCache, cache_root, library_versions
 
 # Compile-only topology names; libtpu knows "tpu7x:..." but not "v7x:...".
@@ -63,6 +68,9 @@ class CompileResult:
     flops: float | None
     error: str | None
     cached: bool = False  # compiled before, with the same inputs (module docstring)
+    shapes: str = ""  # the target's argument shapes (aot_record.shapes_text)
+    recorded: bool = False  # not compiled: the kernel repo's record covers it (aot_record)
+    spot_check: bool = False  # compiled although the record covers it, to check the record
 
 
 def topology_device(generation: str):
@@ -119,7 +127,7 @@ def compile_for(fn, avals, generation: str):
     return lower_for(fn, avals, generation).compile()
 
 
-def _variant_fingerprint(kernel: ModuleType) -> str | None:
+def compile_fingerprint(kernel: ModuleType) -> dict | None:
     """What decides a loaded kernel's compiles besides the target: its variant's content digest, this module's
     lowering, the compiler libraries, libtpu's flags. None for a kernel not loaded from a built variant."""
     metadata = Path(kernel.__file__).parent / "metadata.json"
@@ -129,7 +137,9 @@ def _variant_fingerprint(kernel: ModuleType) -> str | None:
         return None
     lowering = (inspect.getsource(lower_for) + inspect.getsource(pallas_kernels) + inspect.getsource(topology_device)
                 + repr(TOPOLOGIES))
-    return json.dumps([digest, lowering, library_versions(), os.environ.get("LIBTPU_INIT_ARGS", "")], sort_keys=True)
+    return {"kernel": hashlib.sha256(json.dumps(digest, sort_keys=True).encode()).hexdigest(),
+            "lowering": hashlib.sha256(lowering.encode()).hexdigest(), "compilers": library_versions(),
+            "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", "")}
 
 
 @dataclass(frozen=True)
@@ -154,7 +164,7 @@ def _compile_program(lowered) -> _KernelCompile:
 
 
 def compile_kernel(kernel: ModuleType, kernel_name: str, generations: list[str], jobs: int | None = None,
-                   cache_dir: Path | None = DEFAULT_CACHE) -> list[CompileResult]:
+                   cache_dir: Path | None = DEFAULT_CACHE, record: AotRecord | None = None) -> list[CompileResult]:
     """Every declared shape's kernels compiled for each generation (module docstring), in declaration order.
 
     Targets are lowered one after another on this thread and their kernels
@@ -163,47 +173,74 @@ def compile_kernel(kernel: ModuleType, kernel_name: str, generations: list[str],
     lowering and its kernels' compiles (a shared kernel's in each target that
     calls it), its flops those the kernels declare. A target that compiled
     before with the same inputs (module docstring) is not compiled again: its
-    result says `cached`. `cache_dir` None remembers nothing.
+    result says `cached`. `cache_dir` None remembers nothing. A target that
+    `record` covers is not compiled either (`aot_record`): its result says
+    `recorded`; if a spot-checked target disagrees with the record, every
+    target is compiled.
     """
+    results = _compile_kernel(kernel, kernel_name, generations, jobs, cache_dir, record or EMPTY)
+    if any(r.spot_check and not _reproduces(r, record) for r in results):
+        return _compile_kernel(kernel, kernel_name, generations, jobs, cache_dir, EMPTY)
+    return results
+
+
+def _reproduces(result: CompileResult, record: AotRecord) -> bool:
+    return result.compiled and record.compiled[result.generation][result.label]["flops"] == result.flops
+
+
+def _compile_kernel(kernel, kernel_name, generations, jobs, cache_dir, record: AotRecord) -> list[CompileResult]:
     targets = load_compile_targets(kernel)
-    fingerprint = _variant_fingerprint(kernel)
+    fingerprint = compile_fingerprint(kernel)
     cache = DiskCache(cache_dir if fingerprint is not None else None)
 
     def key(label, generation, avals):
         shapes = [(tuple(a.shape), str(a.dtype)) for a in avals]
-        text = json.dumps([fingerprint, kernel_name, label, generation, shapes])
+        text = json.dumps([fingerprint, kernel_name, label, generation, shapes], sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
-    def result(label, generation, cache_key, lowering_seconds, compiles):
+    def result(label, generation, shapes, spot_check, cache_key, lowering_seconds, compiles):
         kernels = [compile.result() for compile in compiles]
         seconds = lowering_seconds + sum(k.seconds for k in kernels)
         errors = [k.error for k in kernels if k.error is not None]
         if errors:
-            return CompileResult(kernel_name, label, generation, False, seconds, None, errors[0])
+            return CompileResult(kernel_name, label, generation, False, seconds, None, errors[0], shapes=shapes,
+                                 spot_check=spot_check)
         flops = sum(k.flops for k in kernels if k.flops) or None
         cache.put(cache_key, {"flops": flops})
-        return CompileResult(kernel_name, label, generation, True, seconds, flops, None)
+        return CompileResult(kernel_name, label, generation, True, seconds, flops, None, shapes=shapes,
+                             spot_check=spot_check)
 
     pending = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
         for generation in generations:
             compiles = {}  # a lowered kernel's digest: its compile, shared by every target that calls it
-            for label, fn, avals in targets.compile_targets(generation):
+            declared = targets.compile_targets(generation)
+            covered = {label: entry for label, _, avals in declared
+                       if (entry := record.entry(fingerprint, generation, label, avals)) is not None}
+            spot_check = record.spot_check(generation, list(covered))
+            for label, fn, avals in declared:
+                shapes = shapes_text(avals)
+                if label in covered and label != spot_check:
+                    pending.append(CompileResult(kernel_name, label, generation, True, 0.0, covered[label]["flops"],
+                                                 None, shapes=shapes, recorded=True))
+                    continue
                 cache_key = key(label, generation, avals)
                 if (remembered := cache.get(cache_key)) is not None:
                     pending.append(CompileResult(kernel_name, label, generation, True, 0.0, remembered["flops"], None,
-                                                 cached=True))
+                                                 cached=True, shapes=shapes, spot_check=label == spot_check))
                     continue
                 start = time.perf_counter()
                 try:
                     programs = [lower_for(call, operands, generation) for call, operands in pallas_kernels(fn, avals)]
                 except Exception as error:  # noqa: BLE001 - every failure is a reported result
-                    pending.append(CompileResult(kernel_name, label, generation, False,
-                                                 time.perf_counter() - start, None, _first_line(error)))
+                    pending.append(CompileResult(kernel_name, label, generation, False, time.perf_counter() - start,
+                                                 None, _first_line(error), shapes=shapes,
+                                                 spot_check=label == spot_check))
                     continue
                 if not programs:
                     pending.append(CompileResult(kernel_name, label, generation, False, time.perf_counter() - start,
-                                                 None, "the target calls no Pallas kernel"))
+                                                 None, "the target calls no Pallas kernel", shapes=shapes,
+                                                 spot_check=label == spot_check))
                     continue
                 target_compiles = []
                 for program in programs:
@@ -211,7 +248,8 @@ def compile_kernel(kernel: ModuleType, kernel_name: str, generations: list[str],
                     if digest not in compiles:
                         compiles[digest] = pool.submit(_compile_program, program)
                     target_compiles.append(compiles[digest])
-                pending.append((label, generation, cache_key, time.perf_counter() - start, target_compiles))
+                pending.append((label, generation, shapes, label == spot_check, cache_key,
+                                time.perf_counter() - start, target_compiles))
         return [item if isinstance(item, CompileResult) else result(*item) for item in pending]
 
 
@@ -220,7 +258,8 @@ def format_table(results: list[CompileResult]) -> str:
     for r in results:
         rows.append(
             (r.kernel, r.label, r.generation,
-             ("yes (before)" if r.cached else "yes") if r.compiled else f"NO: {r.error}", f"{r.seconds:.1f}",
+             ("yes (recorded)" if r.recorded else "yes (before)" if r.cached else "yes") if r.compiled
+             else f"NO: {r.error}", f"{r.seconds:.1f}",
              f"{r.flops:.3g}" if r.flops else "-")
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]

@@ -68,10 +68,23 @@ def _check(args) -> int:
         return 2
     print(format_table(results))
     compiled_all = all(r.compiled for r in results) and bool(results)
+    if args.record:
+        _write_record(repo, module, results)
     tests_word = "skipped" if args.skip_tests else ("passed" if tests_status == 0 else "FAILED")
     print(f"tests: {tests_word}; "
           f"ahead-of-time compiles: {sum(r.compiled for r in results)}/{len(results)}")
     return 0 if tests_status == 0 and compiled_all else 1
+
+
+def _write_record(repo: Path, module, results) -> None:
+    """The compiles that passed, into the repo's committed record (aot_record), beside its build.toml."""
+    from .aot import compile_fingerprint
+    from .aot_record import EMPTY, RECORD_FILE, AotRecord
+
+    path = repo / RECORD_FILE
+    fingerprint = compile_fingerprint(module)
+    (AotRecord.read(path) or EMPTY).updated(fingerprint, results).write(path)
+    print(f"recorded {sum(r.compiled for r in results)} compiles in {path}")
 
 
 def _serve(argv: list[str]) -> int:
@@ -133,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="where compiles that succeeded are remembered "
                             "(default: $XDG_CACHE_HOME/tpu-kernels/aot, else ~/.cache/tpu-kernels/aot)")
     check.add_argument("--no-cache", action="store_true", help="compile every target, remembering nothing")
+    check.add_argument("--record", action="store_true",
+                       help="write the compiles that passed into REPO/aot_record.json (commit it: the project's tests "
+                            "then compile only what it does not cover)")
     check.set_defaults(run=_check)
 
     for name, help_ in (("serve", "run a local Hub-compatible server"), ("upload", "publish a build to a Hub"),
