@@ -20,6 +20,7 @@ from .perf_kernels import (BF16, BK, BM, BN, MASK_X, MASK_Y, MATMUL, K, M, N, X,
                            tiled_matmul_kernel)
 
 V6E_STEP_S = perf.grid_step_s("v6e")  # the calibrated step cost the model charges by default
+V6E_HBM_BYTES_PER_S = 1.64e12 * perf.FITTED_RATES.hbm_fraction("v6e")  # the peak at the share v6e's copies reach
 # The scaling book's per-pass rule, a weights load never hidden by a short pass (the mechanism under test).
 WHOLE_WEIGHT_LOADS = dataclasses.replace(perf.FITTED_RATES, mxu_weight_load_fraction=1.0)
 
@@ -65,7 +66,7 @@ def test_roofline_is_max_of_hbm_and_mxu_time_plus_step_overhead(matmul_traffic):
     assert (v6e.hbm_bytes_per_s, v6e.bf16_flops_per_s, v6e.mxu_size) == (1.64e12, 9.2e14, 256)
     min_bytes = (M * K + K * N + M * N) * BF16
     modelled = perf.roofline(matmul_traffic, "v6e", min_bytes=min_bytes)
-    hbm_s = matmul_traffic.hbm_bytes / 1.64e12
+    hbm_s = matmul_traffic.hbm_bytes / V6E_HBM_BYTES_PER_S
     mxu_s = 2 * M * N * K / 9.2e14
     assert modelled.hbm_bound_s == pytest.approx(hbm_s)
     assert modelled.compute_bound_s == pytest.approx(mxu_s)
@@ -143,8 +144,8 @@ def test_pipelined_time_charges_the_compute_no_transfer_hides():
     # On v6e the (128, 128) @ (128, 256) block is one pass of the 256-wide MXU (k padded to 256),
     # and its 128 rows cost the 256 cycles of loading the weights tile.
     block_compute_s = 2 * 256 * 256 * 256 / 9.2e14
-    assert block_compute_s < step_fetch / 1.64e12  # every step but the last hides its compute under DMA
-    assert modelled.time_s == pytest.approx(call.hbm_bytes / 1.64e12 + 4 * V6E_STEP_S)
+    assert block_compute_s < step_fetch / V6E_HBM_BYTES_PER_S  # every step but the last hides its compute under DMA
+    assert modelled.time_s == pytest.approx(call.hbm_bytes / V6E_HBM_BYTES_PER_S + 4 * V6E_STEP_S)
     assert modelled.pipelined_time_s == pytest.approx(modelled.time_s + block_compute_s)
 
 

@@ -106,7 +106,8 @@ def test_training_losses_match_eager(name, builds):
     assert losses[-1] < losses[0]
     if name == "gpt_oss":
         sinks = [p for n, p in model.named_parameters() if n.endswith("sinks")]
-        assert len(sinks) == 2 and all(p.grad is not None and p.grad.abs().sum() > 0 for p in sinks)
+        assert len(sinks) == model.config.num_hidden_layers
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in sinks)
     if name in MOE:
         # The experts' weights (and GPT-OSS's biases) and the router get gradients from our backward.
         trained = [n for n, p in model.named_parameters()

@@ -17,8 +17,9 @@ from tpu_kernels.testing import assert_matches
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 RAGGED_OP, FLASH_OP = "ragged_paged_attention", "flash_attention"
-# The ragged op's arguments end (..., max_q_len, contiguous).
-MAX_Q_LEN = -2
+# The ragged op's arguments end (..., max_q_len, contiguous, window_ring).
+MAX_Q_LEN = -3
+CONTIGUOUS = -2
 
 
 class KernelOps(TorchFunctionMode):
@@ -113,7 +114,7 @@ def test_shapes_reaching_the_ragged_kernel_are_rounded_and_padding_is_inert(kern
     # 19 query rows, 59 key rows (one page of the keys as they are) and 3 sequences as 32, 128 and 16 (the fewest
     # the kernel is handed): the keys' lengths and their first rows, the page table of that page.
     assert arguments[:6] == ((32, 2, 64), (1, 128, 1, 64), (1, 128, 1, 64), (17,), (16,), (16, 1))
-    assert arguments[-1] is True  # contiguous
+    assert arguments[CONTIGUOUS] is True
     assert arguments[MAX_Q_LEN] == 32  # 17 rounded up
     assert_matches(out, kernel.reference.reference_varlen_attention(q, k, v, cu_q, cu_k), 1e-5)
 
